@@ -1,0 +1,105 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    FP32: _ClassVar[Codec]
+    FP16: _ClassVar[Codec]
+    BF16: _ClassVar[Codec]
+    DIRECTQ: _ClassVar[Codec]
+    AQSGD: _ClassVar[Codec]
+    GRADQ: _ClassVar[Codec]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_NONE: _ClassVar[Compression]
+    ZSTD: _ClassVar[Compression]
+CODEC_UNSPECIFIED: Codec
+FP32: Codec
+FP16: Codec
+BF16: Codec
+DIRECTQ: Codec
+AQSGD: Codec
+GRADQ: Codec
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+COMPRESSION_NONE: Compression
+ZSTD: Compression
+
+class Quantized(_message.Message):
+    __slots__ = ("bits", "group_size", "numel", "scales", "mins", "payload", "scale_dtype")
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    MINS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SCALE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    bits: int
+    group_size: int
+    numel: int
+    scales: bytes
+    mins: bytes
+    payload: bytes
+    scale_dtype: DType
+    def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., numel: _Optional[int] = ..., scales: _Optional[bytes] = ..., mins: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., scale_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class TensorMessage(_message.Message):
+    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IS_DELTA_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_FIELD_NUMBER: _ClassVar[int]
+    RAW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    codec: Codec
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample_is_delta: _containers.RepeatedScalarFieldContainer[bool]
+    quantized: Quantized
+    raw_dtype: DType
+    raw: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ...) -> None: ...
+
+class FrameHeader(_message.Message):
+    __slots__ = ("compression", "body_bytes", "raw_body_bytes", "codec", "shape", "dtype")
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    BODY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAW_BODY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    compression: Compression
+    body_bytes: int
+    raw_body_bytes: int
+    codec: Codec
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, compression: _Optional[_Union[Compression, str]] = ..., body_bytes: _Optional[int] = ..., raw_body_bytes: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: FrameHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[FrameHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment at .venv in the repository root.
+# Idempotent: it reinstalls only when pyproject.toml changed since the last install.
+# torch is pinned to 2.13.0 in pyproject.toml: on this machine kind that is the CPU build lying on disk.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+stamp="$venv/.swarm-installed"
+want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "[env] installing swarm and its dependencies into $venv (first run takes a few minutes)" >&2
+    "$venv/bin/pip" install --quiet --upgrade pip >&2 2>/dev/null || true
+    # torch first and alone, so nothing else can pull a different (CUDA) build.
+    "$venv/bin/pip" install --quiet "torch==2.13.0" >&2
+    "$venv/bin/pip" install --quiet -e "$root[dev,bench]" >&2
+    echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"

@@ -1,0 +1,67 @@
+"""The `swarm` command: one CLI whose subcommands live in their own modules, imported only when run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command path -> (module, one-line help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("demo",): ("swarm.demo", "start a local swarm on 127.0.0.1 and train the default model (the main job)"),
+    ("train",): ("swarm.trainer", "drive training across the stages found in the DHT"),
+    ("status",): ("swarm.status", "list the peers in the DHT, their stages and link figures"),
+    ("plan",): ("swarm.scheduler.cli", "plan stages, layer ranges and peers for a scenario, a JSON file or the DHT"),
+    ("testbed",): ("swarm.testbed", "network-namespace testbed: up, status, down"),
+    ("bench", "kernels"): ("swarm.bench.kernels", "quantize/dequantize GB/s against a memory copy"),
+    ("bench", "codecs"): ("swarm.bench.codecs", "every codec's wire size, error and speed, beside hivemind's"),
+    ("bench", "scheduler"): ("swarm.bench.scheduler", "our plans against random and greedy on DT-FM's scenarios"),
+    ("bench", "transport"): ("swarm.bench.transport", "gRPC stream throughput, goodput on shaped links"),
+    ("experiment", "convergence"): (
+        "swarm.experiments.convergence",
+        "train with every codec setting in one process and compare losses and bytes",
+    ),
+    ("experiment", "throttled"): (
+        "swarm.experiments.throttled",
+        "the link-speed x codec matrix on shaped links, with plots and a report",
+    ),
+}
+
+GROUP_HELP = {"bench": "benchmarks that print figures (and JSON with --json)", "experiment": "experiments"}
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
+    top = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    leaves: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    for path, (_module, help_text) in COMMANDS.items():
+        if len(path) == 1:
+            leaves[path] = top.add_parser(path[0], help=help_text, description=help_text)
+            continue
+        group, name = path
+        if group not in groups:
+            group_parser = top.add_parser(group, help=GROUP_HELP[group], description=GROUP_HELP[group])
+            groups[group] = group_parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
+        leaves[path] = groups[group].add_parser(name, help=help_text, description=help_text)
+    return parser, leaves
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, leaves = _build_parser()
+    # Find the leaf command without importing every module (torch and gRPC are slow to import).
+    words = [w for w in argv if not w.startswith("-")]
+    path = next((p for p in leaves if tuple(words[: len(p)]) == p), None)
+    if path is None:
+        parser.parse_args(argv)  # prints usage or the group's help and exits
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[path][0])
+    module.add_arguments(leaves[path])
+    args = parser.parse_args(argv)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
