@@ -61,7 +61,7 @@ class Quantized(_message.Message):
     def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., numel: _Optional[int] = ..., scales: _Optional[bytes] = ..., mins: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., scale_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorMessage(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw")
+    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class TensorMessage(_message.Message):
     QUANTIZED_FIELD_NUMBER: _ClassVar[int]
     RAW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_FULL_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
@@ -78,7 +79,8 @@ class TensorMessage(_message.Message):
     quantized: Quantized
     raw_dtype: DType
     raw: bytes
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ...) -> None: ...
+    quantized_full: Quantized
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
     __slots__ = ("compression", "body_bytes", "raw_body_bytes", "codec", "shape", "dtype")

@@ -11,6 +11,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("demo",): ("swarm.demo", "start a local swarm on 127.0.0.1 and train the default model (the main job)"),
     ("train",): ("swarm.trainer", "drive training across the stages found in the DHT"),
     ("status",): ("swarm.status", "list the peers in the DHT, their stages and link figures"),
+    ("bootstrap",): ("swarm.bootstrap", "run a DHT bootstrap node that peers and trainers join"),
     ("plan",): ("swarm.scheduler.cli", "plan stages, layer ranges and peers for a scenario, a JSON file or the DHT"),
     ("testbed",): ("swarm.testbed", "network-namespace testbed: up, status, down"),
     ("bench", "kernels"): ("swarm.bench.kernels", "quantize/dequantize GB/s against a memory copy"),

@@ -1,0 +1,151 @@
+"""AQ-SGD message buffers: one activation per sample id, per link and direction, held identically on both ends.
+
+A store maps sample ids to slots of a preallocated [capacity, *sample_shape] tensor in fp16/bf16, in RAM
+(`MemoryBufferStore`) or in a memory-mapped file for data sets larger than memory (`MmapBufferStore`).
+
+At capacity a store admits no new samples: such samples are simply not buffered, so they travel in full
+every time they are seen (a miss), which costs bytes but never correctness. Nothing is evicted, so two
+ends with the same capacity agree on which samples are buffered without talking about it; if they do not
+agree (different capacities, a restarted peer), the receiver reports the miss and the sender re-sends
+those samples in full.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+
+class BufferStore:
+    """Slots of sample activations keyed by sample id. Subclasses decide where the slots live."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype):
+        self.capacity = capacity
+        self.dtype = dtype
+        self.sample_shape: tuple[int, ...] | None = None
+        self._slots: dict[int, int] = {}
+        self._data: torch.Tensor | None = None
+        self._warned_full = False
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, sample_id: int) -> bool:
+        return sample_id in self._slots
+
+    def _allocate(self, sample_shape: tuple[int, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check_shape(self, sample_shape: tuple[int, ...]) -> None:
+        if self.sample_shape is None:
+            self.sample_shape = sample_shape
+            self._data = self._allocate(sample_shape)
+        elif sample_shape != self.sample_shape:
+            raise ValueError(f"sample shape {sample_shape} differs from this buffer's {self.sample_shape}")
+
+    def ids(self) -> list[int]:
+        """The buffered sample ids, in the order they were admitted."""
+        return list(self._slots)
+
+    def lookup(self, sample_ids: list[int]) -> list[int]:
+        """Slot of each id, -1 where the id is not buffered."""
+        return [self._slots.get(int(s), -1) for s in sample_ids]
+
+    def gather(self, slots: list[int]) -> torch.Tensor:
+        """A contiguous copy of the given slots, [len(slots), *sample_shape]."""
+        assert self._data is not None or not slots
+        if not slots:
+            return torch.empty((0, *(self.sample_shape or ())), dtype=self.dtype)
+        return self._data[torch.tensor(slots, dtype=torch.long)]
+
+    def scatter(self, slots: list[int], values: torch.Tensor) -> None:
+        if slots:
+            self._data[torch.tensor(slots, dtype=torch.long)] = values.to(self.dtype)
+
+    def admit(self, sample_ids: list[int], values: torch.Tensor) -> list[bool]:
+        """Stores `values[i]` for each new id while there is room; returns which ids are now buffered."""
+        self._check_shape(tuple(values.shape[1:]))
+        stored = []
+        for i, sample_id in enumerate(sample_ids):
+            slot = self._slots.get(int(sample_id))
+            if slot is None and len(self._slots) < self.capacity:
+                slot = self._slots[int(sample_id)] = len(self._slots)
+            if slot is None:
+                if not self._warned_full:
+                    warnings.warn(
+                        f"AQ-SGD buffer store is full ({self.capacity} samples): further new samples travel "
+                        "in full every time; raise buffer_capacity or use a memory-mapped store",
+                        stacklevel=2,
+                    )
+                    self._warned_full = True
+                stored.append(False)
+                continue
+            self._data[slot] = values[i].to(self.dtype)
+            stored.append(True)
+        return stored
+
+    def forget(self, sample_ids: list[int]) -> None:
+        """Drops ids (their slots are not reused: the store stays append-only and deterministic)."""
+        for sample_id in sample_ids:
+            self._slots.pop(int(sample_id), None)
+
+    def get(self, sample_id: int) -> torch.Tensor | None:
+        slot = self._slots.get(int(sample_id))
+        return None if slot is None else self._data[slot]
+
+
+class MemoryBufferStore(BufferStore):
+    """Slots in RAM, allocated in growing blocks up to the capacity."""
+
+    def _allocate(self, sample_shape: tuple[int, ...]) -> torch.Tensor:
+        return _GrowingRows(sample_shape, self.capacity, self.dtype)
+
+
+class MmapBufferStore(BufferStore):
+    """Slots in a memory-mapped file of capacity x sample size, so the OS pages them in and out."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype, path: str | os.PathLike):
+        super().__init__(capacity, dtype)
+        self.path = Path(path)
+
+    def _allocate(self, sample_shape: tuple[int, ...]) -> torch.Tensor:
+        per_sample = 1
+        for d in sample_shape:
+            per_sample *= d
+        nbytes = self.capacity * per_sample * torch.empty((), dtype=self.dtype).element_size()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "wb") as f:
+            f.truncate(nbytes)  # sparse: disk is used only as slots fill
+        flat = torch.from_file(str(self.path), shared=True, size=self.capacity * per_sample, dtype=self.dtype)
+        return flat.view(self.capacity, *sample_shape)
+
+
+class _GrowingRows:
+    """A [capacity, *shape] row store that allocates rows in doubling blocks, indexable like a tensor."""
+
+    def __init__(self, sample_shape: tuple[int, ...], capacity: int, dtype: torch.dtype):
+        self._shape, self._capacity, self._dtype = sample_shape, capacity, dtype
+        self._rows = torch.empty((0, *sample_shape), dtype=dtype)
+
+    def _ensure(self, max_row: int) -> None:
+        if max_row < self._rows.shape[0]:
+            return
+        size = min(self._capacity, max(64, 2 * (max_row + 1)))
+        grown = torch.empty((size, *self._shape), dtype=self._dtype)
+        grown[: self._rows.shape[0]] = self._rows
+        self._rows = grown
+
+    def __getitem__(self, index):
+        return self._rows[index]
+
+    def __setitem__(self, index, value) -> None:
+        top = int(index.max()) if isinstance(index, torch.Tensor) else int(index)
+        self._ensure(top)
+        self._rows[index] = value
+
+
+def make_store(capacity: int, dtype: torch.dtype, path: str | None) -> BufferStore:
+    return MemoryBufferStore(capacity, dtype) if path is None else MmapBufferStore(capacity, dtype, path)

@@ -1,0 +1,81 @@
+"""Configuration of one codec on one link direction (frozen, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CODEC_NAMES = ("fp32", "fp16", "bf16", "directq", "aqsgd", "gradq")
+QUANTIZED_CODECS = ("directq", "aqsgd", "gradq")
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """What a link direction sends and how."""
+
+    name: str = "fp32"
+    """codec: one of fp32, fp16, bf16, directq, aqsgd, gradq"""
+    bits: int = 4
+    """bits per element of the quantized codecs (2, 3, 4 or 8)"""
+    group_size: int | None = None
+    """elements per quantization group (None: the kernels' measured default)"""
+    stochastic: bool = True
+    """stochastic (unbiased) rounding; False rounds to nearest"""
+    seed: int = 0
+    """seed of the stochastic rounding, so runs repeat"""
+    error_feedback: bool = False
+    """gradq: carry each micro-batch's quantization error into the next micro-batch of the same step"""
+    buffer_dtype: str = "float16"
+    """aqsgd: dtype of the message buffers (float16 or bfloat16)"""
+    buffer_capacity: int = 1 << 20
+    """aqsgd: samples a link's buffer store holds; past it, new samples always travel in full"""
+    buffer_path: str | None = None
+    """aqsgd: a file for a memory-mapped buffer store (data sets larger than memory); None keeps them in RAM"""
+    first_sight_bits: int = 16
+    """aqsgd: how a sample's first sight travels: 16 = in the buffer dtype, 8 or 4 = quantized directly"""
+    zstd_level: int = 1
+    """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
+
+    def __post_init__(self) -> None:
+        if self.name not in CODEC_NAMES:
+            raise ValueError(f"codec name must be one of {CODEC_NAMES}, got {self.name!r}")
+        if self.name in QUANTIZED_CODECS and self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if self.group_size is not None and not 1 <= self.group_size <= 65536:
+            raise ValueError(f"group_size must be in 1..65536, got {self.group_size}")
+        if self.buffer_dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"buffer_dtype must be float16 or bfloat16, got {self.buffer_dtype!r}")
+        if self.first_sight_bits not in (16, *SUPPORTED_BITS):
+            raise ValueError(f"first_sight_bits must be 16 or one of {SUPPORTED_BITS}")
+        if self.buffer_capacity < 0:
+            raise ValueError("buffer_capacity must be >= 0")
+        if not 0 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level must be in 0..22, got {self.zstd_level}")
+        if self.error_feedback and self.name != "gradq":
+            raise ValueError("error_feedback applies to the gradq codec only")
+
+    @property
+    def torch_buffer_dtype(self) -> torch.dtype:
+        return torch.float16 if self.buffer_dtype == "float16" else torch.bfloat16
+
+    @property
+    def label(self) -> str:
+        """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`."""
+        if self.name not in QUANTIZED_CODECS:
+            return self.name
+        return f"{self.name}{self.bits}" + ("+ef" if self.error_feedback else "")
+
+    @classmethod
+    def parse(cls, text: str, **overrides) -> CodecConfig:
+        """Parses `fp32`, `aqsgd2`, `gradq4`, `gradq4+ef` (as printed by `label`)."""
+        error_feedback = text.endswith("+ef")
+        text = text.removesuffix("+ef")
+        name = text if text in CODEC_NAMES else text.rstrip("0123456789")
+        digits = text[len(name) :]
+        kwargs = dict(name=name, error_feedback=error_feedback)
+        if digits:
+            kwargs["bits"] = int(digits)
+        kwargs.update(overrides)
+        return cls(**kwargs)

@@ -1,0 +1,91 @@
+"""Application-level link shaping: a token bucket in bytes per second plus a one-way delay, per link.
+
+This is what the default demo and the throttled experiment use: it needs no privileges and works in any
+process. The bucket is a virtual clock (each send reserves its transmit time after the previous one), so
+the long-run rate is exact and a burst of at most `burst_bytes` passes at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """How one outgoing link is shaped."""
+
+    rate_bytes_per_s: float | None = None
+    """bandwidth of the link; None leaves it unshaped"""
+    delay_s: float = 0.0
+    """one-way delay added to every message"""
+    burst_bytes: int = 64 * 1024
+    """bytes that may pass at once before the rate applies"""
+
+    def __post_init__(self) -> None:
+        if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
+            raise ValueError(f"rate_bytes_per_s must be positive, got {self.rate_bytes_per_s}")
+        if self.delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
+
+    @classmethod
+    def from_mbit(cls, rate_mbit: float | None, delay_ms: float = 0.0) -> LinkShape:
+        return cls(None if rate_mbit is None else rate_mbit * 1e6 / 8, delay_ms / 1000)
+
+    @classmethod
+    def parse(cls, text: str) -> LinkShape:
+        """`RATE_MBIT[:DELAY_MS]`, with `none` or `0` for an unshaped rate, e.g. `100`, `10:25`, `none:40`."""
+        rate, _, delay = text.partition(":")
+        rate_mbit = None if rate.strip().lower() in ("", "none", "0", "inf") else float(rate)
+        return cls.from_mbit(rate_mbit, float(delay) if delay else 0.0)
+
+    def describe(self) -> str:
+        rate = "unshaped" if self.rate_bytes_per_s is None else f"{self.rate_bytes_per_s * 8 / 1e6:g} Mbit/s"
+        return rate + (f" + {self.delay_s * 1000:g} ms" if self.delay_s else "")
+
+
+class Shaper:
+    """Paces the bytes of one link; thread-safe, shared by every stream on that link."""
+
+    def __init__(self, shape: LinkShape, clock=time.monotonic, sleep=time.sleep):
+        self.shape = shape
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._next_free = 0.0
+        self.bytes_sent = 0
+
+    def delay(self) -> None:
+        """The link's one-way delay, once per message."""
+        if self.shape.delay_s:
+            self._sleep(self.shape.delay_s)
+
+    def consume(self, nbytes: int) -> None:
+        """Blocks until `nbytes` may leave at the link's rate."""
+        self.bytes_sent += nbytes
+        rate = self.shape.rate_bytes_per_s
+        if rate is None:
+            return
+        with self._lock:
+            now = self._clock()
+            start = max(now, self._next_free)
+            self._next_free = start + nbytes / rate
+            wait = self._next_free - self.shape.burst_bytes / rate - now
+        if wait > 0:
+            self._sleep(wait)
+
+
+class LinkShaping:
+    """Shapes per destination: a default shape and per-address overrides, one Shaper per destination."""
+
+    def __init__(self, default: LinkShape | None = None, per_link: dict[str, LinkShape] | None = None):
+        self.default = default or LinkShape()
+        self.per_link = dict(per_link or {})
+        self._shapers: dict[str, Shaper] = {}
+        self._lock = threading.Lock()
+
+    def for_destination(self, address: str) -> Shaper:
+        with self._lock:
+            if address not in self._shapers:
+                self._shapers[address] = Shaper(self.per_link.get(address, self.default))
+            return self._shapers[address]

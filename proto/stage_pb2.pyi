@@ -1,0 +1,164 @@
+from swarm.proto import wire_pb2 as _wire_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CallInfo(_message.Message):
+    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    micro_batch: int
+    stage: int
+    plan_version: int
+    num_micro_batches: int
+    schedule: str
+    route: _containers.RepeatedScalarFieldContainer[str]
+    route_peers: _containers.RepeatedScalarFieldContainer[str]
+    deadline_s: float
+    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class TokenBatch(_message.Message):
+    __slots__ = ("shape", "tokens", "sample_ids")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    tokens: bytes
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., tokens: _Optional[bytes] = ..., sample_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StreamItem(_message.Message):
+    __slots__ = ("info", "tokens", "chunk")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    info: CallInfo
+    tokens: TokenBatch
+    chunk: _wire_pb2.Chunk
+    def __init__(self, info: _Optional[_Union[CallInfo, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., chunk: _Optional[_Union[_wire_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class Traffic(_message.Message):
+    __slots__ = ("wire_bytes", "fp32_wire_bytes")
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FP32_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    wire_bytes: int
+    fp32_wire_bytes: int
+    def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ...) -> None: ...
+
+class ForwardReply(_message.Message):
+    __slots__ = ("has_loss", "loss", "traffic")
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    has_loss: bool
+    loss: float
+    traffic: Traffic
+    def __init__(self, has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., traffic: _Optional[_Union[Traffic, _Mapping]] = ...) -> None: ...
+
+class BackwardReply(_message.Message):
+    __slots__ = ("traffic",)
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    traffic: Traffic
+    def __init__(self, traffic: _Optional[_Union[Traffic, _Mapping]] = ...) -> None: ...
+
+class LabelsRequest(_message.Message):
+    __slots__ = ("info", "labels")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    info: CallInfo
+    labels: TokenBatch
+    def __init__(self, info: _Optional[_Union[CallInfo, _Mapping]] = ..., labels: _Optional[_Union[TokenBatch, _Mapping]] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIED_GRAD_SUM_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    tied_grad_sum: _wire_pb2.TensorMessage
+    global_grad_norm: float
+    abandon: bool
+    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ...) -> None: ...
+
+class GradReply(_message.Message):
+    __slots__ = ("tied_grad", "grad_sq_norm")
+    TIED_GRAD_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    tied_grad: _wire_pb2.TensorMessage
+    grad_sq_norm: float
+    def __init__(self, tied_grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("step", "lr")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    lr: float
+    def __init__(self, step: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("peer_id", "stage", "layer_start", "layer_end", "plan_version", "steps_done", "compute_layers_per_s", "buffered_samples", "device")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_LAYERS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    stage: int
+    layer_start: int
+    layer_end: int
+    plan_version: int
+    steps_done: int
+    compute_layers_per_s: float
+    buffered_samples: int
+    device: str
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("stage",)
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    def __init__(self, stage: _Optional[int] = ...) -> None: ...
+
+class StateItem(_message.Message):
+    __slots__ = ("name", "chunk")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    chunk: _wire_pb2.Chunk
+    def __init__(self, name: _Optional[str] = ..., chunk: _Optional[_Union[_wire_pb2.Chunk, _Mapping]] = ...) -> None: ...

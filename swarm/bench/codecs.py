@@ -1,0 +1,163 @@
+"""`swarm bench codecs`: every codec's wire size, error and speed, beside hivemind's and bitsandbytes' codecs.
+
+All codecs run on the same tensors in the same process. AQ-SGD is measured in its steady state: the sample
+was sent once before, and the tensor is the drifted activation of that sample (the change is what travels).
+A codec of another library that fails is reported as a row with its error, never hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import torch
+
+from swarm.bench.common import emit, median_seconds
+from swarm.compression import CodecConfig, LinkState, frame, make_codec
+
+OURS = ["fp32", "fp16", "bf16", "directq2", "directq4", "directq8", "aqsgd2", "aqsgd4", "aqsgd8", "gradq4", "gradq8"]
+HIVEMIND = [
+    "Float16Compression",
+    "ScaledFloat16Compression",
+    "Uniform8BitQuantization",
+    "Quantile8BitQuantization",
+    "BlockwiseQuantization",
+]
+RAW_BITS = {"fp32": 32, "fp16": 16, "bf16": 16}
+COLUMNS = [
+    "codec",
+    "bits",
+    "wire_bytes_per_element",
+    "ratio_vs_fp32",
+    "ratio_vs_fp32_no_zstd",
+    "rel_error",
+    "encode_decode_gbps",
+    "error",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--numel", type=int, default=1 << 22, help="elements per test tensor (default 4M fp32)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per codec; the median is reported")
+    parser.add_argument("--zstd-level", type=int, default=1, help="zstd level of our framing (0 turns it off)")
+    parser.add_argument("--drift", type=float, default=0.05, help="AQ-SGD: relative change of the activation")
+    parser.add_argument("--quick", action="store_true", help="small tensors and one repeat, for a smoke test")
+    parser.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
+
+
+def _rel_error(y: torch.Tensor, x: torch.Tensor) -> float:
+    return float((y.float() - x.float()).norm() / x.float().norm().clamp_min(1e-30))
+
+
+def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
+    cfg = CodecConfig.parse(label, zstd_level=args.zstd_level, seed=0)
+    codec = make_codec(cfg)
+    numel = x.numel()
+    ids = list(range(x.shape[0]))
+    if cfg.name == "aqsgd":
+        send, recv = LinkState(cfg), LinkState(cfg)
+        codec.decode(codec.encode(prev, sample_ids=ids, state=send), state=recv)  # first sight
+
+        def encode_decode():
+            # copies, so repeated runs all measure the same one-step change
+            s, r = _copy_state(send), _copy_state(recv)
+            return codec.decode(codec.encode(x, sample_ids=ids, state=s), state=r)
+    else:
+        state = LinkState(cfg)
+
+        def encode_decode():
+            return codec.decode(codec.encode(x, sample_ids=ids, state=state), state=state)
+
+    if cfg.name == "aqsgd":
+        s, r = _copy_state(send), _copy_state(recv)
+        msg = codec.encode(x, sample_ids=ids, state=s)
+        y = codec.decode(msg, state=r)
+    else:
+        msg = codec.encode(x, sample_ids=ids, state=LinkState(cfg))
+        y = codec.decode(msg, state=LinkState(cfg))
+    seconds = median_seconds(encode_decode, repeats=args.repeats)
+    wire = sum(c.ByteSize() for c in frame(msg, zstd_level=args.zstd_level))
+    plain = sum(c.ByteSize() for c in frame(msg, zstd_level=0))
+    return {
+        "codec": cfg.label,
+        "bits": RAW_BITS.get(cfg.name, cfg.bits),
+        "wire_bytes_per_element": wire / numel,
+        "ratio_vs_fp32": 4 * numel / wire,
+        "ratio_vs_fp32_no_zstd": 4 * numel / plain,
+        "rel_error": _rel_error(y, x),
+        "encode_decode_gbps": 4 * numel / seconds / 1e9,
+        "group_size": cfg.group_size,
+    }
+
+
+def _copy_state(state: LinkState) -> LinkState:
+    clone = LinkState(state.config)
+    src, dst = state.buffers, clone.buffers
+    ids = src.ids()
+    dst.admit(ids, src.gather(src.lookup(ids)))
+    return clone
+
+
+def _hivemind(name: str, x: torch.Tensor, args) -> dict:
+    row = {"codec": f"hivemind.{name}", "bits": 16 if "16" in name else 8}
+    try:
+        import hivemind.compression as hc
+
+        codec = getattr(hc, name)()
+        info = hc.CompressionInfo.from_tensor(x)
+        msg = codec.compress(x, info)
+        y = codec.extract(msg)
+        seconds = median_seconds(lambda: codec.extract(codec.compress(x, info)), repeats=args.repeats)
+        numel = x.numel()
+        row.update(
+            wire_bytes_per_element=msg.ByteSize() / numel,
+            ratio_vs_fp32=4 * numel / msg.ByteSize(),
+            ratio_vs_fp32_no_zstd=4 * numel / msg.ByteSize(),
+            rel_error=_rel_error(y, x),
+            encode_decode_gbps=4 * numel / seconds / 1e9,
+        )
+    except Exception as e:  # a peer library's failure is a result to report, not to hide
+        row.update(encode_decode_gbps=None, error=f"{type(e).__name__}: {e}")
+    return row
+
+
+def _bitsandbytes(x: torch.Tensor, args) -> dict:
+    row = {"codec": "bitsandbytes.blockwise8", "bits": 8}
+    try:
+        import bitsandbytes.functional as bnb
+
+        q, qstate = bnb.quantize_blockwise(x)
+        y = bnb.dequantize_blockwise(q, qstate)
+        wire = q.numel() + qstate.absmax.numel() * qstate.absmax.element_size() + qstate.code.numel() * 4
+        seconds = median_seconds(lambda: bnb.dequantize_blockwise(*bnb.quantize_blockwise(x)), repeats=args.repeats)
+        numel = x.numel()
+        row.update(
+            wire_bytes_per_element=wire / numel,
+            ratio_vs_fp32=4 * numel / wire,
+            ratio_vs_fp32_no_zstd=4 * numel / wire,
+            rel_error=_rel_error(y, x),
+            encode_decode_gbps=4 * numel / seconds / 1e9,
+        )
+    except Exception as e:
+        row.update(encode_decode_gbps=None, error=f"{type(e).__name__}: {e}")
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.numel, args.repeats = min(args.numel, 1 << 16), 1
+    gen = torch.Generator().manual_seed(0)
+    rows_of = 256
+    prev = torch.randn(max(1, args.numel // rows_of), rows_of, generator=gen)
+    x = prev + args.drift * torch.randn(prev.shape, generator=gen)
+    rows = []
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows += [_ours(label, x, prev, args) for label in OURS]
+        rows += [_hivemind(name, x, args) for name in HIVEMIND]
+        rows.append(_bitsandbytes(x, args))
+    title = f"codecs on {x.numel():,} fp32 elements ({time.perf_counter() - started:.1f} s)"
+    emit(rows, COLUMNS, args.json, title)
+    return 0

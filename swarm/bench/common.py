@@ -1,0 +1,46 @@
+"""Shared pieces of the benchmarks: timing, printing a table or JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of `fn` over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str], title: str | None = None) -> None:
+    """Prints rows as an aligned text table of the given columns."""
+    if title:
+        print(title)
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def emit(rows: Sequence[dict], columns: Sequence[str], as_json: bool, title: str | None = None) -> None:
+    if as_json:
+        print(json.dumps(list(rows), indent=1))
+    else:
+        print_table(rows, columns, title)

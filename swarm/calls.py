@@ -1,0 +1,119 @@
+"""The wire side of stage calls: token batches, stream items, reading a stream, and naming failures.
+
+Servicers and the trainer use these so that every stream is read with the same bounds and every failure
+says which stage and peer it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, frame
+from swarm.peers.shaper import Shaper
+from swarm.peers.transport import paced
+from swarm.proto import stage_pb2, wire_pb2
+
+MAX_TOKEN_ROWS = 4096
+MAX_TOKEN_COLS = 1 << 16
+STAGE_ERROR_PREFIX = "stage "
+BUFFER_MISS = "buffer-miss:"
+
+
+def tokens_to_wire(tokens: torch.Tensor, sample_ids: torch.Tensor | None = None) -> stage_pb2.TokenBatch:
+    """int64 [B, T] token ids as int32 little-endian bytes with an explicit shape."""
+    batch = stage_pb2.TokenBatch(shape=list(tokens.shape))
+    batch.tokens = tokens.to(torch.int32).contiguous().numpy().tobytes()
+    if sample_ids is not None:
+        batch.sample_ids.extend(int(s) for s in sample_ids)
+    return batch
+
+
+def tokens_from_wire(batch: stage_pb2.TokenBatch, vocab_size: int, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked [B, T] int64 tokens and [B] sample ids from the wire."""
+    shape = list(batch.shape)
+    if len(shape) != 2 or not (1 <= shape[0] <= MAX_TOKEN_ROWS) or not (1 <= shape[1] <= min(max_seq, MAX_TOKEN_COLS)):
+        raise WireError("tokens.shape", f"{shape} is not [batch <= {MAX_TOKEN_ROWS}, seq <= {max_seq}]")
+    if len(batch.tokens) != shape[0] * shape[1] * 4:
+        raise WireError("tokens.tokens", f"{len(batch.tokens)} bytes for shape {shape} of int32")
+    if batch.sample_ids and len(batch.sample_ids) != shape[0]:
+        raise WireError("tokens.sample_ids", f"{len(batch.sample_ids)} ids for {shape[0]} rows")
+    tokens = torch.frombuffer(bytearray(batch.tokens), dtype=torch.int32).view(*shape).long()
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+        raise WireError("tokens.tokens", f"token ids must lie in [0, {vocab_size})")
+    ids = torch.tensor(list(batch.sample_ids) or range(shape[0]), dtype=torch.long)
+    return tokens, ids
+
+
+def tensor_items(
+    info: stage_pb2.CallInfo, msg: wire_pb2.TensorMessage, zstd_level: int, shaper: Shaper | None
+) -> Iterator[stage_pb2.StreamItem]:
+    """The stream of one call: the call info with the first chunk, then the remaining chunks, paced."""
+    chunks = frame(msg, zstd_level=zstd_level)
+    first = next(chunks)
+    items = (
+        stage_pb2.StreamItem(info=info, chunk=first),
+        *(stage_pb2.StreamItem(chunk=c) for c in chunks),
+    )
+    return paced(items, shaper)
+
+
+@dataclass
+class Incoming:
+    """One call's stream, read and checked: its info, and a tensor message or a token batch."""
+
+    info: stage_pb2.CallInfo
+    message: wire_pb2.TensorMessage | None = None
+    tokens: stage_pb2.TokenBatch | None = None
+    wire_bytes: int = 0
+
+
+def read_stream(items: Iterable[stage_pb2.StreamItem], limits: WireLimits = DEFAULT_LIMITS) -> Incoming:
+    """Reads a whole stream; raises WireError naming the field on anything malformed or out of bounds."""
+    incoming: Incoming | None = None
+    unframer = Unframer(limits)
+    for item in items:
+        if incoming is None:
+            if not item.HasField("info"):
+                raise WireError("info", "the first item of a stream must carry the call info")
+            incoming = Incoming(info=item.info)
+        elif item.HasField("info"):
+            raise WireError("info", "call info repeated within a stream")
+        if item.HasField("tokens"):
+            if incoming.tokens is not None or incoming.message is not None:
+                raise WireError("tokens", "a stream carries one token batch and nothing else")
+            incoming.tokens = item.tokens
+        if item.HasField("chunk"):
+            if incoming.message is not None or incoming.tokens is not None:
+                raise WireError("chunk", "data after the end of the message")
+            incoming.message = unframer.feed(item.chunk)  # checks the header's sizes before the body arrives
+        incoming.wire_bytes += item.ByteSize()
+        if incoming.wire_bytes > limits.max_message_bytes + limits.max_chunk_bytes:
+            raise WireError("stream", f"more than {limits.max_message_bytes} bytes in one call")
+    if incoming is None:
+        raise WireError("stream", "empty stream")
+    if unframer.header is not None and incoming.message is None:
+        raise WireError("chunk", "the stream ended before the message was complete")
+    return incoming
+
+
+class StageCallError(RuntimeError):
+    """A call to a stage failed; `str()` says which stage and peer, and why."""
+
+    def __init__(self, details: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        super().__init__(details)
+        self.code = code
+
+
+def name_failure(error: grpc.RpcError, stage: int, peer: str, address: str) -> StageCallError:
+    """Blames `stage` for a failed call to it, unless the error already names a stage further along."""
+    details = error.details() or str(error.code())
+    if details.startswith(STAGE_ERROR_PREFIX):
+        return StageCallError(details, error.code())
+    code = error.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        details = f"unreachable or too slow ({code.name}): {details}"
+    return StageCallError(f"stage {stage} (peer {peer} at {address}): {details}", code)

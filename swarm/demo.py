@@ -1,0 +1,103 @@
+"""`swarm demo`, the main job: a whole local swarm on 127.0.0.1 training the default model, then a summary.
+
+It starts a DHT bootstrap node and `--peers` swarm-peer processes (each serving one stage, links shaped in
+the application to `--rate-mbit`), trains with AQ-SGD activations and quantized gradients, prints a
+summary (final loss, steps, wire bytes against fp32's, mean step time), writes a plot, and stops every
+process it started, also when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from swarm.options import add_model_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peers", type=int, default=2, help="swarm-peer processes, one pipeline stage each")
+    parser.add_argument("--rate-mbit", type=float, default=100.0, help="bandwidth of every link, Mbit/s (0 = unshaped)")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every link, ms")
+    parser.add_argument("--fw-codec", default="aqsgd2", help="activation codec (fp32, directqN, aqsgdN, ...)")
+    parser.add_argument("--bw-codec", default="gradq4", help="gradient codec (fp32, gradqN, gradqN+ef, ...)")
+    parser.add_argument("--epochs", type=int, default=6, help="passes over the training samples")
+    parser.add_argument("--train-samples", type=int, default=64, help="training samples")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per step")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="pipeline schedule")
+    parser.add_argument("--data", default=None, help="text file or folder (default: Python's own docstrings)")
+    parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_model_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarm.calls import StageCallError
+    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.procs import ProcessGroup, peer_command, swarm_command
+    from swarm.trainer import discover_route, format_summary, train
+
+    out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    say = (lambda *_: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr))
+    model_flags = [
+        f"--layers={args.layers}", f"--hidden={args.hidden}", f"--heads={args.heads}",
+        f"--seq-len={args.seq_len}", f"--model-seed={args.model_seed}",
+    ]  # fmt: skip
+    steps = args.epochs * (args.train_samples // args.batch_size)
+    started = time.perf_counter()
+    with ProcessGroup(out / "logs") as procs:
+        address_file = out / "bootstrap.addr"
+        procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
+        procs.wait_for_file(address_file, 60)
+        say(f"bootstrap node up; starting {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
+        for i in range(args.peers):
+            procs.start(
+                f"peer{i}",
+                peer_command(
+                    "--address-file", str(address_file), "--num-stages", str(args.peers),
+                    "--fw-codec", args.fw_codec, "--bw-codec", args.bw_codec,
+                    "--rate-mbit", str(args.rate_mbit or 0), "--delay-ms", str(args.delay_ms),
+                    "--total-steps", str(steps), "--warmup-steps", str(max(1, steps // 10)),
+                    "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(max(1, steps)),
+                    *model_flags,
+                ),
+            )  # fmt: skip
+        initial = [line for line in address_file.read_text().splitlines() if line.strip()]
+        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
+            try:
+                route, peer_ids = discover_route(dht, args.peers, 120, say)
+            except TimeoutError as e:
+                procs.check_alive()
+                raise SystemExit(f"error: {e}") from None
+        say(f"all {args.peers} stages served: {', '.join(route)}")
+        train_args = argparse.Namespace(
+            **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "model_seed", "data")},
+            train_samples=args.train_samples, batch_size=args.batch_size, micro_batches=args.micro_batches,
+            schedule=args.schedule, steps=None, epochs=args.epochs, seed=0, setting=f"{args.fw_codec}/{args.bw_codec}",
+            deadline_s=120.0, out=str(out),
+        )  # fmt: skip
+        try:
+            summary = train(train_args, route, peer_ids, quiet=args.json)
+        except StageCallError as e:
+            print(f"error: training failed: {e}", file=sys.stderr)
+            return 1
+        codes = procs.close()
+    leftovers = {name: code for name, code in codes.items() if code not in (0, -15)}
+    result = {**asdict(summary), "total_s": time.perf_counter() - started, "peers": args.peers,
+              "rate_mbit": args.rate_mbit or None, "fw_codec": args.fw_codec, "bw_codec": args.bw_codec,
+              "wire_ratio_vs_fp32": summary.fp32_wire_bytes / max(1, summary.wire_bytes),
+              "peer_exit_codes": codes}  # fmt: skip
+    (out / "demo.json").write_text(json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_summary(summary))
+        print(f"total:        {result['total_s']:.1f} s including start-up; every process stopped")
+    if leftovers:
+        print(f"warning: processes exited abnormally: {leftovers} (logs in {out / 'logs'})", file=sys.stderr)
+    return 0

@@ -1,0 +1,92 @@
+"""Command-line flags shared by the peer daemon, the trainer, the demo and the experiments."""
+
+from __future__ import annotations
+
+import argparse
+
+from swarm.compression import CodecConfig
+from swarm.model import ModelConfig
+from swarm.peers.shaper import LinkShape
+
+DEFAULT_MODEL = ModelConfig()
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model (every peer and the trainer must agree)")
+    g.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers, help="transformer blocks")
+    g.add_argument("--hidden", type=int, default=DEFAULT_MODEL.hidden_dim, help="width of the residual stream")
+    g.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads, help="attention heads")
+    g.add_argument("--seq-len", type=int, default=DEFAULT_MODEL.seq_len_tokens, help="tokens per sample")
+    g.add_argument("--model-seed", type=int, default=DEFAULT_MODEL.init_seed, help="seed of the weights' init")
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        seq_len_tokens=args.seq_len,
+        hidden_dim=args.hidden,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        init_seed=args.model_seed,
+    )
+
+
+def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("compression on the links")
+    g.add_argument(
+        "--fw-codec",
+        default="aqsgd2",
+        help="activation codec: fp32, fp16, bf16, directqN, aqsgdN (N = 2, 3, 4, 8 bits)",
+    )
+    g.add_argument("--bw-codec", default="gradq4", help="gradient codec: fp32, fp16, bf16, gradqN, gradqN+ef")
+    g.add_argument("--group-size", type=int, default=None, help="quantization group size (default: the kernels')")
+    g.add_argument("--zstd-level", type=int, default=1, help="zstd level of the framing, 0 = off")
+    g.add_argument("--codec-seed", type=int, default=0, help="seed of the stochastic rounding")
+
+
+def codec_configs(args: argparse.Namespace) -> tuple[CodecConfig, CodecConfig]:
+    common = dict(group_size=args.group_size, zstd_level=args.zstd_level, seed=args.codec_seed)
+    buffer_dir = getattr(args, "buffer_dir", None)
+    fw_extra = {"buffer_path": f"{buffer_dir}/fw.buf"} if buffer_dir else {}
+    return CodecConfig.parse(args.fw_codec, **common, **fw_extra), CodecConfig.parse(args.bw_codec, **common)
+
+
+def add_shaping_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("link shaping in the application (token bucket + one-way delay)")
+    g.add_argument("--rate-mbit", type=float, default=None, help="bandwidth of every outgoing link, Mbit/s")
+    g.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every outgoing link, ms")
+    g.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="ADDR=RATE[:DELAY]",
+        help="shape the link to one address differently, e.g. 127.0.0.1:5001=10:25 (repeatable)",
+    )
+
+
+def link_shapes(args: argparse.Namespace) -> tuple[LinkShape, dict[str, LinkShape]]:
+    default = LinkShape.from_mbit(args.rate_mbit, args.delay_ms)
+    per_link = {}
+    for spec in args.link:
+        address, sep, shape = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"--link {spec!r}: expected ADDR=RATE[:DELAY]")
+        per_link[address] = LinkShape.parse(shape)
+    return default, per_link
+
+
+def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("swarm discovery")
+    g.add_argument(
+        "--initial-peers", nargs="*", default=[], help="multiaddrs of DHT peers to join; none starts a swarm"
+    )
+    g.add_argument("--address-file", default=None, help="read the initial peers from this file (one per line)")
+    g.add_argument("--run-name", default="swarm", help="name of the training run; peers of other runs are ignored")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback unless told otherwise)")
+
+
+def initial_peers(args: argparse.Namespace) -> list[str]:
+    peers = list(args.initial_peers)
+    if args.address_file:
+        with open(args.address_file) as f:
+            peers += [line.strip() for line in f if line.strip()]
+    return peers

@@ -1,0 +1,5 @@
+"""Test-wide settings: one intra-op thread per process (the machine has 2 cores and tests run side by side)."""
+
+import torch
+
+torch.set_num_threads(1)

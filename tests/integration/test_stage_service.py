@@ -1,0 +1,138 @@
+"""A loopback pipeline of gRPC stage servers: same losses as the in-process pipeline, identical AQ-SGD
+buffers on both ends, and clear errors (while the peer keeps serving) on every kind of bad input."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from swarm.calls import StageCallError, tokens_to_wire
+from swarm.compression import CodecConfig, WireLimits, frame, make_codec
+from swarm.data import Batch
+from swarm.pipeline import CodecBoundary, Pipeline, build_workers
+from swarm.proto import stage_pb2, stage_pb2_grpc, wire_pb2
+from tests.integration.swarm_fixtures import TINY, loopback_stages, remote
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+FP32 = CodecConfig("fp32")
+
+
+def batches(n: int, batch: int = 4, seq: int = 16, seed: int = 0) -> list[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        w = torch.randint(0, 256, (batch, seq + 1), generator=gen)
+        out.append(Batch(torch.arange(batch) + i * batch % 8, w[:, :-1], w[:, 1:]))
+    return out
+
+
+@pytest.mark.parametrize("schedule,n_stages", [("1f1b", 2), ("gpipe", 3)])
+def test_fp32_loopback_matches_in_process_pipeline(schedule, n_stages):
+    data = batches(3)
+    workers = build_workers(TINY, n_stages)
+    local = Pipeline(workers, [CodecBoundary(FP32, FP32) for _ in range(n_stages - 1)], schedule)
+    expected = [local.train_step(b, 2).loss for b in data]
+    with loopback_stages(n_stages, FP32, FP32) as (hosts, _, addresses):
+        pipe = remote(addresses, schedule, n_micro=2)
+        got = [pipe.train_step(step, b).loss for step, b in enumerate(data)]
+        pipe.close()
+        for host, worker in zip(hosts, workers, strict=True):
+            for (name, a), b in zip(
+                host.worker.module.state_dict().items(), worker.module.state_dict().values(), strict=True
+            ):
+                torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_aqsgd_loopback_trains_and_buffers_match_on_both_ends():
+    fw, bw = CodecConfig("aqsgd", bits=2), CodecConfig("gradq", bits=4)
+    data = [b for _ in range(3) for b in batches(2, seed=1)]  # every sample comes back
+    with loopback_stages(2, fw, bw) as (hosts, _, addresses):
+        pipe = remote(addresses)
+        results = [pipe.train_step(step, b) for step, b in enumerate(data)]
+        pipe.close()
+        send, recv = hosts[0].links.fw_send.buffers, hosts[1].links.fw_recv.buffers
+        assert sorted(send.ids()) == sorted(recv.ids()) and len(send.ids()) == 8
+        for sample in send.ids():
+            assert torch.equal(send.get(sample), recv.get(sample))
+    assert all(r.wire_bytes < r.fp32_wire_bytes for r in results[2:])
+    assert results[-1].wire_bytes * 5 < results[-1].fp32_wire_bytes
+
+
+def _stream(info, msg=None, tokens=None, limits_chunk=1 << 20):
+    if tokens is not None:
+        return iter([stage_pb2.StreamItem(info=info, tokens=tokens)])
+    chunks = list(frame(msg, zstd_level=0, chunk_bytes=limits_chunk))
+    return iter(
+        [stage_pb2.StreamItem(info=info, chunk=chunks[0])] + [stage_pb2.StreamItem(chunk=c) for c in chunks[1:]]
+    )
+
+
+def test_bad_input_gets_a_named_error_and_the_peer_keeps_serving():
+    with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
+        hosts[1].limits = WireLimits(max_message_bytes=64 * 1024)
+        stub = stage_pb2_grpc.StageStub(grpc.insecure_channel(addresses[1]))
+        info = stage_pb2.CallInfo(
+            step=0,
+            micro_batch=0,
+            stage=1,
+            num_micro_batches=1,
+            schedule="gpipe",
+            route=addresses,
+            route_peers=["peer0", "peer1"],
+            deadline_s=10,
+        )
+        good = make_codec(FP32).encode(torch.randn(2, 16, 32), sample_ids=[0, 1])
+
+        def expect(items, code, words):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Forward(items, timeout=10)
+            assert err.value.code() == code, err.value.details()
+            assert all(w in err.value.details() for w in words), err.value.details()
+
+        malformed = stage_pb2.StreamItem(info=info, chunk=wire_pb2.Chunk(data=b"\x01\x02"))
+        expect(iter([malformed]), grpc.StatusCode.INVALID_ARGUMENT, ["chunk.header"])
+        oversized = make_codec(FP32).encode(torch.randn(40, 16, 32))  # 80 KiB against a 64 KiB limit
+        expect(_stream(info, oversized), grpc.StatusCode.INVALID_ARGUMENT, ["body_bytes", "limit"])
+        wrong_shape = make_codec(FP32).encode(torch.randn(2, 16, 31))
+        expect(_stream(info, wrong_shape), grpc.StatusCode.INVALID_ARGUMENT, ["shape"])
+        unknown = wire_pb2.TensorMessage()
+        unknown.CopyFrom(good)
+        unknown.codec = 77
+        expect(_stream(info, unknown), grpc.StatusCode.INVALID_ARGUMENT, ["codec"])
+        nan = wire_pb2.TensorMessage()
+        nan.CopyFrom(good)
+        values = torch.randn(2, 16, 32)
+        values[1, 2, 3] = float("nan")
+        nan.raw = values.numpy().tobytes()
+        expect(_stream(info, nan), grpc.StatusCode.INVALID_ARGUMENT, ["NaN"])
+        wrong_stage = stage_pb2.CallInfo()
+        wrong_stage.CopyFrom(info)
+        wrong_stage.stage = 0
+        expect(_stream(wrong_stage, good), grpc.StatusCode.FAILED_PRECONDITION, ["serves stage 1"])
+        bad_tokens = tokens_to_wire(torch.full((2, 16), 999))
+        info0 = stage_pb2.CallInfo()
+        info0.CopyFrom(info)
+        info0.stage = 0
+        with pytest.raises(grpc.RpcError) as err:
+            stage_pb2_grpc.StageStub(grpc.insecure_channel(addresses[0])).Forward(
+                _stream(info0, tokens=bad_tokens), timeout=10
+            )
+        assert "token ids" in err.value.details()
+        # still serving: a whole valid step goes through
+        pipe = remote(addresses, "gpipe", n_micro=1)
+        assert pipe.train_step(0, batches(1)[0]).loss > 0
+        pipe.close()
+
+
+def test_a_vanished_stage_is_named_and_nothing_hangs():
+    with loopback_stages(2, FP32, FP32) as (_, servers, addresses):
+        pipe = remote(addresses, deadline_s=10)
+        pipe.train_step(0, batches(1)[0])
+        servers[1].stop(grace=None).wait(5)
+        with pytest.raises(StageCallError) as err:
+            pipe.train_step(1, batches(1)[0])
+        pipe.close()
+    assert "stage 1 (peer peer1" in str(err.value)
