@@ -106,14 +106,6 @@ class PeerDaemon:
         fw_cfg, bw_cfg = codec_configs(args)
         default_shape, per_link = link_shapes(args)
         assigner = EvenSplit(args.num_stages, model.n_layers, args.stage)
-        transport = TransportConfig(host=args.host, max_workers=args.max_workers)
-        server, port = make_server(transport, args.port)
-        address = f"{args.host}:{port}"
-        servicer = StageServicer(None)
-        stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
-        server.start()
-        log.info("stage service listening on %s", address)
-
         dht = SwarmDHT(
             DHTConfig(
                 initial_peers=initial_peers(args),
@@ -122,7 +114,16 @@ class PeerDaemon:
                 announce_ttl_s=args.announce_ttl_s,
             )
         )
+        server = None
         try:
+            # the gRPC server starts after the DHT's process is forked: forking beside gRPC threads is unsafe
+            transport = TransportConfig(host=args.host, max_workers=args.max_workers)
+            server, port = make_server(transport, args.port)
+            address = f"{args.host}:{port}"
+            servicer = StageServicer(None)
+            stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
+            server.start()
+            log.info("stage service listening on %s", address)
             speed = measure_compute(model, args.device)
             log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, speed)
             started = time.time()
@@ -180,7 +181,8 @@ class PeerDaemon:
             heartbeat.stop()
             return 0
         finally:
-            server.stop(grace=None)
+            if server is not None:
+                server.stop(grace=None)
             dht.shutdown()
 
     def _wait_for_role(self, dht, assigner):

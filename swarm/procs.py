@@ -53,10 +53,11 @@ class ProcessGroup:
         raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s")
 
     def close(self, grace_s: float = 15.0) -> dict[str, int | None]:
-        """SIGTERM to every child's session, SIGKILL to what is left after `grace_s`; returns exit codes."""
+        """SIGTERM to every child (each stops its own helpers, e.g. its DHT process), SIGKILL to the whole
+        session of any child still running after `grace_s`; returns the exit codes."""
         for proc in self.procs.values():
             if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for proc in self.procs.values():
             try:

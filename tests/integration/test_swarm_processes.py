@@ -1,0 +1,91 @@
+"""A real loopback swarm: a bootstrap node and swarm-peer processes found through the DHT.
+
+With fp32 codecs the trainer's losses equal the in-process pipeline's step for step; when a stage's peer is
+killed mid-run, `swarm train` names that stage and peer and exits non-zero. Every process is reaped.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from swarm.compression import CodecConfig
+from swarm.data import DataConfig, build_datasets, epoch_batches
+from swarm.peers.dht import DHTConfig, SwarmDHT
+from swarm.pipeline import CodecBoundary, Pipeline, build_workers
+from swarm.procs import ProcessGroup, peer_command, swarm_command
+from swarm.remote import RemotePipeline
+from swarm.trainer import discover_route
+from tests.integration.swarm_fixtures import TINY
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+MODEL_FLAGS = ["--layers", "3", "--hidden", "32", "--heads", "2", "--seq-len", "16"]
+
+
+def start_swarm(procs: ProcessGroup, tmp_path, n_peers: int, *extra: str) -> list[str]:
+    address_file = tmp_path / "bootstrap.addr"
+    procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
+    procs.wait_for_file(address_file, 60)
+    for i in range(n_peers):
+        procs.start(
+            f"peer{i}",
+            peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *MODEL_FLAGS, *extra),
+        )
+    return [line for line in address_file.read_text().splitlines() if line.strip()]
+
+
+def test_fp32_swarm_matches_in_process_pipeline_step_for_step(tmp_path):
+    train, _, _ = build_datasets(DataConfig(seq_len_tokens=16, train_samples=16, eval_samples=0))
+    data = list(epoch_batches(train, 8, 0, 0)) + list(epoch_batches(train, 8, 1, 0))
+    fp32 = CodecConfig("fp32")
+    local = Pipeline(build_workers(TINY, 2), [CodecBoundary(fp32, fp32)], "1f1b")
+    expected = [local.train_step(b, 2).loss for b in data]
+    with ProcessGroup(tmp_path / "logs") as procs:
+        initial = start_swarm(procs, tmp_path, 2, "--fw-codec", "fp32", "--bw-codec", "fp32")
+        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
+            route, peers = discover_route(dht, 2, 120, show=lambda _: procs.check_alive())
+        pipe = RemotePipeline(route, peers, "1f1b", n_micro=2, deadline_s=60)
+        got = [pipe.train_step(step, b).loss for step, b in enumerate(data)]
+        pipe.close()
+        codes = procs.close()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    assert codes["peer0"] == 0 and codes["peer1"] == 0, "peers must shut down cleanly on SIGTERM"
+
+
+def test_trainer_names_the_stage_whose_peer_died_and_exits_nonzero(tmp_path):
+    with ProcessGroup(tmp_path / "logs") as procs:
+        initial = start_swarm(procs, tmp_path, 2, "--rate-mbit", "20")
+        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
+            route, peers = discover_route(dht, 2, 120, show=lambda _: procs.check_alive())
+        trainer = subprocess.Popen(
+            [
+                sys.executable, "-m", "swarm.cli", "train", "--address-file", str(tmp_path / "bootstrap.addr"),
+                "--num-stages", "2", *MODEL_FLAGS, "--train-samples", "16", "--epochs", "100",
+                "--deadline-s", "20", "--out", str(tmp_path / "train"),
+            ],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        watcher = RemotePipeline(route, peers)
+        try:
+            deadline = time.monotonic() + 120
+            # kill stage 1's peer once training is well under way, so the kill lands mid-run
+            while watcher.status()[1].steps_done < 3:
+                assert time.monotonic() < deadline and trainer.poll() is None, "training never got going"
+                procs.check_alive()
+                time.sleep(0.1)  # poll interval; the condition above is what synchronizes
+            stage1 = next(name for name in ("peer0", "peer1") if peers[1] in procs.tail(name, 1000))
+            procs.procs[stage1].send_signal(signal.SIGKILL)
+            _, err = trainer.communicate(timeout=90)
+        finally:
+            watcher.close()
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait(10)
+    assert trainer.returncode not in (0, None)
+    assert f"stage 1 (peer {peers[1]}" in err, err[-2000:]
