@@ -50,12 +50,21 @@ class StreamItem(_message.Message):
     def __init__(self, info: _Optional[_Union[CallInfo, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., chunk: _Optional[_Union[_wire_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class Traffic(_message.Message):
-    __slots__ = ("wire_bytes", "fp32_wire_bytes")
+    __slots__ = ("wire_bytes", "fp32_wire_bytes", "link_bytes")
+    class LinkBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FP32_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_FIELD_NUMBER: _ClassVar[int]
     wire_bytes: int
     fp32_wire_bytes: int
-    def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ...) -> None: ...
+    link_bytes: _containers.ScalarMap[int, int]
+    def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ..., link_bytes: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("has_loss", "loss", "traffic")

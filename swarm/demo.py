@@ -37,9 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swarm.calls import StageCallError
-    from swarm.peers.dht import DHTConfig, SwarmDHT
-    from swarm.procs import ProcessGroup, peer_command, swarm_command
-    from swarm.trainer import discover_route, format_summary, train
+    from swarm.local_swarm import local_swarm
+    from swarm.trainer import format_summary, train
 
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -50,30 +49,16 @@ def run(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     steps = args.epochs * (args.train_samples // args.batch_size)
     started = time.perf_counter()
-    with ProcessGroup(out / "logs") as procs:
-        address_file = out / "bootstrap.addr"
-        procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
-        procs.wait_for_file(address_file, 60)
-        say(f"bootstrap node up; starting {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
-        for i in range(args.peers):
-            procs.start(
-                f"peer{i}",
-                peer_command(
-                    "--address-file", str(address_file), "--num-stages", str(args.peers),
-                    "--fw-codec", args.fw_codec, "--bw-codec", args.bw_codec,
-                    "--rate-mbit", str(args.rate_mbit or 0), "--delay-ms", str(args.delay_ms),
-                    "--total-steps", str(steps), "--warmup-steps", str(max(1, steps // 10)),
-                    "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(max(1, steps)),
-                    *model_flags,
-                ),
-            )  # fmt: skip
-        initial = [line for line in address_file.read_text().splitlines() if line.strip()]
-        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
-            try:
-                route, peer_ids = discover_route(dht, args.peers, 120, say)
-            except TimeoutError as e:
-                procs.check_alive()
-                raise SystemExit(f"error: {e}") from None
+    peer_flags = [
+        "--fw-codec", args.fw_codec, "--bw-codec", args.bw_codec,
+        "--rate-mbit", str(args.rate_mbit or 0), "--delay-ms", str(args.delay_ms),
+        "--total-steps", str(steps), "--warmup-steps", str(max(1, steps // 10)),
+        "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(max(1, steps)),
+        *model_flags,
+    ]  # fmt: skip
+    say(f"starting a bootstrap node and {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
+    with local_swarm(out, args.peers, peer_flags, say) as swarm:
+        route, peer_ids, procs = swarm.route, swarm.peers, swarm.procs
         say(f"all {args.peers} stages served: {', '.join(route)}")
         train_args = argparse.Namespace(
             **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "model_seed", "data")},

@@ -34,6 +34,8 @@ class RemoteStepResult:
     fp32_wire_bytes: int
     """what the same tensors would have cost in fp32"""
     seconds: float
+    link_bytes: tuple[int, ...] = ()
+    """bytes on each link (link k joins stage k and k+1), both directions"""
 
     @property
     def wire_bytes(self) -> int:
@@ -86,7 +88,7 @@ class RemotePipeline:
         except grpc.RpcError as e:
             raise name_failure(e, stage, self.peers[stage], self.route[stage]) from e
 
-    def _micro_batch(self, step: int, mb: int, data: Batch) -> tuple[float, int, int, int]:
+    def _micro_batch(self, step: int, mb: int, data: Batch) -> tuple[float, int, int, int, list[int]]:
         last = self.n_stages - 1
         labels = stage_pb2.LabelsRequest(info=self._info(step, mb, last), labels=tokens_to_wire(data.targets))
         self._call(last, self.stubs[last].PutLabels, labels)
@@ -96,7 +98,8 @@ class RemotePipeline:
         # communication: the backward starts at the last stage and flows back to stage 0
         bw = self._call(last, self.stubs[last].Backward, iter([stage_pb2.StreamItem(info=self._info(step, mb, last))]))
         fp32 = fw.traffic.fp32_wire_bytes + bw.traffic.fp32_wire_bytes
-        return fw.loss, fw.traffic.wire_bytes, bw.traffic.wire_bytes, fp32
+        links = [fw.traffic.link_bytes.get(k, 0) + bw.traffic.link_bytes.get(k, 0) for k in range(self.n_stages - 1)]
+        return fw.loss, fw.traffic.wire_bytes, bw.traffic.wire_bytes, fp32, links
 
     def train_step(self, step: int, batch: Batch) -> RemoteStepResult:
         """One optimizer step on `batch`; raises StageCallError naming the stage and peer that failed."""
@@ -117,6 +120,7 @@ class RemotePipeline:
             forward_bytes=sum(r[1] for r in results),
             backward_bytes=sum(r[2] for r in results),
             fp32_wire_bytes=sum(r[3] for r in results),
+            link_bytes=tuple(sum(r[4][k] for r in results) for k in range(self.n_stages - 1)),
             seconds=time.perf_counter() - start,
         )
 

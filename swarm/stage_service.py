@@ -272,8 +272,7 @@ class StageHost:
                     msg = encode()
                     continue
                 raise name_failure(e, nxt, info.route_peers[nxt], info.route[nxt]) from e
-            reply.traffic.wire_bytes += sent
-            reply.traffic.fp32_wire_bytes += fp32
+            _count(reply.traffic, self.role.stage, sent, fp32)
             return reply
         raise AssertionError("unreachable")
 
@@ -286,8 +285,7 @@ class StageHost:
             reply, sent = self._stream(stub.Backward, _for_stage(info, prev), msg, self.links.backward.zstd_level, prev)
         except grpc.RpcError as e:
             raise name_failure(e, prev, info.route_peers[prev], info.route[prev]) from e
-        reply.traffic.wire_bytes += sent
-        reply.traffic.fp32_wire_bytes += 4 * grad.numel()
+        _count(reply.traffic, prev, sent, 4 * grad.numel())
         return reply
 
     def _stream(self, method, info, msg: wire_pb2.TensorMessage, zstd_level: int, dest: int):
@@ -337,6 +335,12 @@ class _Counted:
         for item in self.items:
             self.nbytes += item.ByteSize()
             yield item
+
+
+def _count(traffic: stage_pb2.Traffic, link: int, sent: int, fp32: int) -> None:
+    traffic.wire_bytes += sent
+    traffic.fp32_wire_bytes += fp32
+    traffic.link_bytes[link] += sent
 
 
 def _need_message(incoming: Incoming) -> wire_pb2.TensorMessage:

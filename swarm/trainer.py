@@ -134,6 +134,7 @@ def train(args: argparse.Namespace, route: list[str], peers: list[str], quiet: b
                             "backward_bytes": r.backward_bytes,
                             "fp32_wire_bytes": r.fp32_wire_bytes,
                             "step_s": r.seconds,
+                            **{f"link{k}_bytes": b for k, b in enumerate(r.link_bytes)},
                         }
                     )
                     step += 1
@@ -168,7 +169,8 @@ def train(args: argparse.Namespace, route: list[str], peers: list[str], quiet: b
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, CSV_FIELDS)
+        links = sorted({k for r in rows for k in r if k.startswith("link")})
+        writer = csv.DictWriter(f, CSV_FIELDS + links)
         writer.writeheader()
         writer.writerows(rows)
 

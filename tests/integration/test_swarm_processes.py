@@ -16,28 +16,14 @@ import torch
 
 from swarm.compression import CodecConfig
 from swarm.data import DataConfig, build_datasets, epoch_batches
-from swarm.peers.dht import DHTConfig, SwarmDHT
+from swarm.local_swarm import local_swarm
 from swarm.pipeline import CodecBoundary, Pipeline, build_workers
-from swarm.procs import ProcessGroup, peer_command, swarm_command
 from swarm.remote import RemotePipeline
-from swarm.trainer import discover_route
 from tests.integration.swarm_fixtures import TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 MODEL_FLAGS = ["--layers", "3", "--hidden", "32", "--heads", "2", "--seq-len", "16"]
-
-
-def start_swarm(procs: ProcessGroup, tmp_path, n_peers: int, *extra: str) -> list[str]:
-    address_file = tmp_path / "bootstrap.addr"
-    procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
-    procs.wait_for_file(address_file, 60)
-    for i in range(n_peers):
-        procs.start(
-            f"peer{i}",
-            peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *MODEL_FLAGS, *extra),
-        )
-    return [line for line in address_file.read_text().splitlines() if line.strip()]
 
 
 def test_fp32_swarm_matches_in_process_pipeline_step_for_step(tmp_path):
@@ -46,23 +32,18 @@ def test_fp32_swarm_matches_in_process_pipeline_step_for_step(tmp_path):
     fp32 = CodecConfig("fp32")
     local = Pipeline(build_workers(TINY, 2), [CodecBoundary(fp32, fp32)], "1f1b")
     expected = [local.train_step(b, 2).loss for b in data]
-    with ProcessGroup(tmp_path / "logs") as procs:
-        initial = start_swarm(procs, tmp_path, 2, "--fw-codec", "fp32", "--bw-codec", "fp32")
-        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
-            route, peers = discover_route(dht, 2, 120, show=lambda _: procs.check_alive())
-        pipe = RemotePipeline(route, peers, "1f1b", n_micro=2, deadline_s=60)
+    with local_swarm(tmp_path, 2, [*MODEL_FLAGS, "--fw-codec", "fp32", "--bw-codec", "fp32"]) as swarm:
+        pipe = RemotePipeline(swarm.route, swarm.peers, "1f1b", n_micro=2, deadline_s=60)
         got = [pipe.train_step(step, b).loss for step, b in enumerate(data)]
         pipe.close()
-        codes = procs.close()
+        codes = swarm.procs.close()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
     assert codes["peer0"] == 0 and codes["peer1"] == 0, "peers must shut down cleanly on SIGTERM"
 
 
 def test_trainer_names_the_stage_whose_peer_died_and_exits_nonzero(tmp_path):
-    with ProcessGroup(tmp_path / "logs") as procs:
-        initial = start_swarm(procs, tmp_path, 2, "--rate-mbit", "20")
-        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
-            route, peers = discover_route(dht, 2, 120, show=lambda _: procs.check_alive())
+    with local_swarm(tmp_path, 2, [*MODEL_FLAGS, "--rate-mbit", "20"]) as swarm:
+        procs, route, peers = swarm.procs, swarm.route, swarm.peers
         trainer = subprocess.Popen(
             [
                 sys.executable, "-m", "swarm.cli", "train", "--address-file", str(tmp_path / "bootstrap.addr"),

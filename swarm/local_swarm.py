@@ -1,0 +1,52 @@
+"""A whole swarm as local processes on 127.0.0.1: a DHT bootstrap node and swarm-peer daemons, found
+through the DHT like any remote swarm, and all stopped when the `with` block ends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarm.procs import ProcessGroup, peer_command, swarm_command
+
+
+@dataclass
+class LocalSwarm:
+    route: list[str]
+    """gRPC address of each stage, in pipeline order"""
+    peers: list[str]
+    """peer id of each stage"""
+    procs: ProcessGroup
+    address_file: Path
+
+
+@contextmanager
+def local_swarm(
+    out: Path,
+    n_peers: int,
+    peer_flags: list[str],
+    say: Callable[[str], None] = lambda _: None,
+    timeout_s: float = 120.0,
+) -> Iterator[LocalSwarm]:
+    """Starts a bootstrap node and `n_peers` peers (one stage each) and waits until every stage is served."""
+    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.trainer import discover_route
+
+    with ProcessGroup(out / "logs") as procs:
+        address_file = out / "bootstrap.addr"
+        address_file.unlink(missing_ok=True)
+        procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
+        procs.wait_for_file(address_file, 60)
+        for i in range(n_peers):
+            argv = peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *peer_flags)
+            procs.start(f"peer{i}", argv)
+        initial = [line for line in address_file.read_text().splitlines() if line.strip()]
+        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
+
+            def show(line: str) -> None:
+                procs.check_alive()
+                say(line)
+
+            route, peers = discover_route(dht, n_peers, timeout_s, show)
+        yield LocalSwarm(route, peers, procs, address_file)
