@@ -10,7 +10,7 @@ from swarm.compression.codecs import (
     quantized_nbytes,
 )
 from swarm.compression.config import CODEC_NAMES, CodecConfig
-from swarm.compression.framing import Unframer, frame, unframe, wire_nbytes
+from swarm.compression.framing import Unframer, ZstdPolicy, frame, unframe, wire_nbytes
 from swarm.compression.state import LinkState
 from swarm.compression.wire import DEFAULT_LIMITS, WireError, WireLimits
 
@@ -28,6 +28,7 @@ __all__ = [
     "Unframer",
     "WireError",
     "WireLimits",
+    "ZstdPolicy",
     "decoder_for",
     "frame",
     "make_codec",

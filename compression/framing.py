@@ -6,7 +6,9 @@ receiver can reject an oversized or wrongly shaped tensor before the body arrive
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import zstandard
 
@@ -16,14 +18,61 @@ from swarm.proto import wire_pb2
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
+@dataclass
+class ZstdPolicy:
+    """Decides per link whether zstd pays: it does when the time its saved bytes take on the link exceeds the
+    time compressing and decompressing them takes, i.e. when `rate < saved_fraction * zstd_bytes_per_s`.
+
+    Estimates are running means from the messages actually compressed; while zstd is off, every
+    `probe_every`-th message is compressed anyway, so a change in the data or the link is noticed.
+    """
+
+    level: int = 1
+    probe_every: int = 16
+    saved_fraction: float = 0.5
+    """running mean of 1 - compressed/raw"""
+    zstd_bytes_per_s: float = 200e6
+    """running mean of raw bytes per second of compress + decompress (decompress taken as 1/3 of compress)"""
+    _messages: int = 0
+
+    def level_for(self, rate_bytes_per_s: float | None) -> int:
+        """The zstd level to frame the next message with on a link of this rate (None: unshaped)."""
+        if self.level == 0:
+            return 0
+        self._messages += 1
+        if self._messages % self.probe_every == 0:
+            return self.level
+        if rate_bytes_per_s is None:
+            return 0
+        return self.level if rate_bytes_per_s < self.saved_fraction * self.zstd_bytes_per_s else 0
+
+    def observe(self, raw_bytes: int, compressed_bytes: int, seconds: float) -> None:
+        if raw_bytes < 4096 or seconds <= 0:
+            return
+        saved = max(0.0, 1 - compressed_bytes / raw_bytes)
+        speed = raw_bytes / (seconds * 4 / 3)
+        self.saved_fraction = 0.8 * self.saved_fraction + 0.2 * saved
+        self.zstd_bytes_per_s = 0.8 * self.zstd_bytes_per_s + 0.2 * speed
+
+
 def frame(
-    msg: wire_pb2.TensorMessage, *, zstd_level: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    msg: wire_pb2.TensorMessage,
+    *,
+    zstd_level: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    policy: ZstdPolicy | None = None,
 ) -> Iterator[wire_pb2.Chunk]:
-    """Yields the chunks of one message; zstd is skipped when it does not make the body smaller."""
+    """Yields the chunks of one message; zstd is skipped when it does not make the body smaller.
+
+    With a `policy`, what compression achieved (size and time) is reported to it.
+    """
     body = msg.SerializeToString()
     compression = wire_pb2.COMPRESSION_NONE
     if zstd_level > 0 and body:
+        start = time.perf_counter()
         packed = zstandard.ZstdCompressor(level=zstd_level).compress(body)
+        if policy is not None:
+            policy.observe(len(body), len(packed), time.perf_counter() - start)
         if len(packed) < len(body):
             body, compression = packed, wire_pb2.ZSTD
     header = wire_pb2.FrameHeader(

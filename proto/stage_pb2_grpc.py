@@ -64,6 +64,11 @@ class StageStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.Sink = channel.stream_unary(
+                '/swarm.Stage/Sink',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.Traffic.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/swarm.Stage/Status',
                 request_serializer=swarm_dot_proto_dot_stage__pb2.Empty.SerializeToString,
@@ -115,6 +120,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sink(self, request_iterator, context):
+        """Reads one framed tensor and discards it: measures a link's bytes/s with the real framing and bounds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -159,6 +171,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.ProbeRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.ProbeReply.SerializeToString,
+            ),
+            'Sink': grpc.stream_unary_rpc_method_handler(
+                    servicer.Sink,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StreamItem.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.Traffic.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -333,6 +350,33 @@ class Stage:
             '/swarm.Stage/Probe',
             swarm_dot_proto_dot_stage__pb2.ProbeRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sink(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/swarm.Stage/Sink',
+            swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.Traffic.FromString,
             options,
             channel_credentials,
             insecure,

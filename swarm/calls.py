@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, frame
+from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, ZstdPolicy, frame
 from swarm.peers.shaper import Shaper
 from swarm.peers.transport import paced
 from swarm.proto import stage_pb2, wire_pb2
@@ -49,10 +49,19 @@ def tokens_from_wire(batch: stage_pb2.TokenBatch, vocab_size: int, max_seq: int)
 
 
 def tensor_items(
-    info: stage_pb2.CallInfo, msg: wire_pb2.TensorMessage, zstd_level: int, shaper: Shaper | None
+    info: stage_pb2.CallInfo,
+    msg: wire_pb2.TensorMessage,
+    zstd_level: int,
+    shaper: Shaper | None,
+    policy: ZstdPolicy | None = None,
 ) -> Iterator[stage_pb2.StreamItem]:
-    """The stream of one call: the call info with the first chunk, then the remaining chunks, paced."""
-    chunks = frame(msg, zstd_level=zstd_level)
+    """The stream of one call: the call info with the first chunk, then the remaining chunks, paced.
+
+    With a zstd `policy`, the level is chosen per message from the shaper's rate (zstd only where it pays).
+    """
+    if policy is not None:
+        zstd_level = policy.level_for(shaper.shape.rate_bytes_per_s if shaper is not None else None)
+    chunks = frame(msg, zstd_level=zstd_level, policy=policy)
     first = next(chunks)
     items = (
         stage_pb2.StreamItem(info=info, chunk=first),

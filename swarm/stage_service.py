@@ -29,6 +29,7 @@ from swarm.compression import (
     LinkState,
     WireError,
     WireLimits,
+    ZstdPolicy,
     make_codec,
 )
 from swarm.gate import GateError, ScheduleGate
@@ -118,6 +119,8 @@ class StageHost:
         self.steps_done = 0
         self.compute_layers_per_s = 0.0
         self.on_step = None  # callback(host) after every optimizer step, e.g. checkpointing
+        self._zstd: dict[str, ZstdPolicy] = {}  # per destination: zstd only where it pays on that link
+        self._policy_lock = threading.Lock()
 
     # ---- compute, called by the servicer ----------------------------------------------------------------
 
@@ -289,8 +292,11 @@ class StageHost:
         return reply
 
     def _stream(self, method, info, msg: wire_pb2.TensorMessage, zstd_level: int, dest: int):
-        shaper = self.shaping.for_destination(info.route[dest])
-        counted = _Counted(tensor_items(info, msg, zstd_level, shaper))
+        address = info.route[dest]
+        shaper = self.shaping.for_destination(address)
+        with self._policy_lock:
+            policy = self._zstd.setdefault(address, ZstdPolicy(level=zstd_level))
+        counted = _Counted(tensor_items(info, msg, zstd_level, shaper, policy))
         reply = method(iter(counted), timeout=info.deadline_s or 120.0)
         return reply, counted.nbytes
 
@@ -430,6 +436,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if request.reply_bytes > MAX_PROBE_BYTES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reply_bytes exceeds {MAX_PROBE_BYTES}")
         return stage_pb2.ProbeReply(payload=bytes(request.reply_bytes))
+
+    def Sink(self, request_iterator, context):  # no stage needed: links are measured before assignment
+        limits = self.host.limits if self.host is not None else WireLimits()
+        try:
+            incoming = read_stream(request_iterator, limits)
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
+        return stage_pb2.Traffic(wire_bytes=incoming.wire_bytes)
 
     def Status(self, request, context):
         return self._guard(context, lambda: self.host.status())

@@ -83,3 +83,27 @@ def test_unknown_enums_in_header_rejected():
     chunks[0].header.codec = 99
     with pytest.raises(WireError, match="codec"):
         unframe(chunks)
+
+
+def test_zstd_policy_compresses_only_where_it_pays():
+    from swarm.compression import ZstdPolicy
+
+    policy = ZstdPolicy(level=1, probe_every=1000)
+    policy.observe(1_000_000, 500_000, 0.005)  # halves the data at ~150 MB/s
+    for _ in range(20):
+        policy.observe(1_000_000, 500_000, 0.005)
+    assert policy.level_for(1.25e6) == 1  # 10 Mbit/s: saving half the bytes saves far more time than zstd costs
+    assert policy.level_for(1.25e9) == 0  # 10 Gbit/s: zstd would cost more than it saves
+    assert policy.level_for(None) == 0  # unshaped loopback
+    for _ in range(40):
+        policy.observe(1_000_000, 1_000_100, 0.005)  # incompressible data
+    assert policy.level_for(1.25e6) == 0
+    assert ZstdPolicy(level=0).level_for(1.0) == 0
+
+
+def test_zstd_policy_probes_while_off():
+    from swarm.compression import ZstdPolicy
+
+    policy = ZstdPolicy(level=3, probe_every=4)
+    levels = [policy.level_for(None) for _ in range(8)]
+    assert levels.count(3) == 2 and levels.count(0) == 6
