@@ -1,0 +1,247 @@
+"""`swarm bench transport`: what the wire path moves, against a plain socket, on loopback and shaped links.
+
+Four tables from one run:
+1. loopback: a tensor encoded with each codec, framed, streamed over the stage service's `Sink` call and
+   checked on the other end, for 64 KiB to 16 MiB tensors; beside it a plain TCP socket moving the same
+   wire bytes with `sendall` of 1 MiB buffers. `vs_socket` compares bytes/s on the wire.
+2. goodput on links shaped to 100 Mbit/s and 1 Gbit/s, as a share of the configured rate.
+3. the shaper's accuracy alone (achieved against configured rate at 10, 100, 1000 Mbit/s).
+4. whether zstd pays at each rate for each codec's messages, and what the per-link policy decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+
+import torch
+
+from swarm.bench.common import emit, median_seconds
+
+SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
+CODECS = ["fp32", "fp16", "directq8", "directq4", "directq2"]
+RATES_MBIT = [10.0, 100.0, 1000.0]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
+    parser.add_argument("--shaped-seconds", type=float, default=3.0, help="seconds of traffic per shaped-link row")
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat, short shaped runs")
+    parser.add_argument("--json", action="store_true", help="print all rows as one JSON list")
+
+
+class _Server:
+    """A stage server with no stage: its `Sink` call reads and checks framed tensors."""
+
+    def __init__(self):
+        from swarm.peers.transport import TransportConfig, make_server
+        from swarm.proto import stage_pb2_grpc
+        from swarm.stage_service import StageServicer
+
+        self.config = TransportConfig()
+        self.server, port = make_server(self.config)
+        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(None), self.server)
+        self.server.start()
+        self.address = f"127.0.0.1:{port}"
+
+    def close(self):
+        self.server.stop(None)
+
+
+def _sink_seconds(stub, msg, shaper=None, zstd_level: int = 0) -> tuple[float, int]:
+    from swarm.calls import tensor_items
+    from swarm.proto import stage_pb2
+
+    start = time.perf_counter()
+    reply = stub.Sink(tensor_items(stage_pb2.CallInfo(), msg, zstd_level, shaper), timeout=600)
+    return time.perf_counter() - start, reply.wire_bytes
+
+
+def _socket_bytes_per_s(nbytes: int, repeats: int) -> float:
+    """A plain TCP socket on loopback moving `nbytes` with sendall of 1 MiB buffers, received in full."""
+    buf = bytes(1 << 20)
+
+    def once() -> None:
+        srv = socket.create_server(("127.0.0.1", 0))
+        done = threading.Event()
+
+        def receive():
+            conn, _ = srv.accept()
+            left = nbytes
+            while left > 0:
+                got = conn.recv(min(left, 1 << 20))
+                if not got:
+                    break
+                left -= len(got)
+            conn.close()
+            done.set()
+
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        client = socket.create_connection(srv.getsockname())
+        sent = 0
+        while sent < nbytes:
+            n = min(len(buf), nbytes - sent)
+            client.sendall(buf[:n] if n < len(buf) else buf)
+            sent += n
+        done.wait(60)
+        client.close()
+        srv.close()
+
+    return nbytes / median_seconds(once, repeats=repeats)
+
+
+def loopback_rows(args) -> list[dict]:
+    from swarm.compression import CodecConfig, make_codec
+    from swarm.peers.transport import Channels
+    from swarm.proto import stage_pb2_grpc
+
+    server = _Server()
+    channels = Channels(server.config)
+    stub = stage_pb2_grpc.StageStub(channels.get(server.address))
+    rows = []
+    try:
+        for size in SIZES if not args.quick else SIZES[:2]:
+            x = torch.randn(size // 4)
+            for label in CODECS:
+                codec = make_codec(CodecConfig.parse(label))
+                msg = codec.encode(x)
+                _sink_seconds(stub, msg)  # warm-up
+                times = [_sink_seconds(stub, msg) for _ in range(args.repeats)]
+                seconds = sorted(t for t, _ in times)[len(times) // 2]
+                wire = times[0][1]
+                socket_bps = _socket_bytes_per_s(wire, args.repeats)
+                rows.append(
+                    {
+                        "table": "loopback",
+                        "codec": label,
+                        "tensor_bytes": size,
+                        "wire_bytes": wire,
+                        "grpc_wire_mb_s": wire / seconds / 1e6,
+                        "tensor_mb_s": size / seconds / 1e6,
+                        "socket_mb_s": socket_bps / 1e6,
+                        "vs_socket": wire / seconds / socket_bps,
+                    }
+                )
+    finally:
+        channels.close()
+        server.close()
+    return rows
+
+
+def shaped_rows(args) -> list[dict]:
+    from swarm.compression import CodecConfig, make_codec
+    from swarm.peers.shaper import LinkShape, Shaper
+    from swarm.peers.transport import Channels
+    from swarm.proto import stage_pb2_grpc
+
+    server = _Server()
+    channels = Channels(server.config)
+    stub = stage_pb2_grpc.StageStub(channels.get(server.address))
+    msg = make_codec(CodecConfig("fp32")).encode(torch.randn(1 << 20))  # 4 MiB messages
+    rows = []
+    try:
+        for rate in (100.0, 1000.0):
+            shaper = Shaper(LinkShape.from_mbit(rate))
+            seconds = args.shaped_seconds if not args.quick else 1.0
+            start, moved = time.perf_counter(), 0
+            while time.perf_counter() - start < seconds:
+                moved += _sink_seconds(stub, msg, shaper)[1]
+            elapsed = time.perf_counter() - start
+            rows.append(
+                {
+                    "table": "shaped",
+                    "rate_mbit": rate,
+                    "goodput_mbit": moved * 8 / elapsed / 1e6,
+                    "share_of_rate": moved * 8 / elapsed / (rate * 1e6),
+                }
+            )
+    finally:
+        channels.close()
+        server.close()
+    return rows
+
+
+def shaper_rows(args) -> list[dict]:
+    from swarm.peers.shaper import LinkShape, Shaper
+
+    rows = []
+    for rate in RATES_MBIT:
+        shape = LinkShape.from_mbit(rate)
+        shaper = Shaper(shape)
+        shaper.consume(shape.burst_bytes)  # the bucket starts full: measure the sustained rate after it
+        seconds = 2.0 if not args.quick else 0.5
+        nbytes = int(rate * 1e6 / 8 * seconds)
+        start = time.perf_counter()
+        for _ in range(nbytes // (64 << 10)):
+            shaper.consume(64 << 10)
+        elapsed = time.perf_counter() - start
+        achieved = (nbytes // (64 << 10)) * (64 << 10) * 8 / elapsed / 1e6
+        rows.append({"table": "shaper", "rate_mbit": rate, "achieved_mbit": achieved, "error": achieved / rate - 1})
+    return rows
+
+
+def zstd_rows(args) -> list[dict]:
+    import zstandard
+
+    from swarm.compression import CodecConfig, LinkState, ZstdPolicy, make_codec
+
+    gen = torch.Generator().manual_seed(0)
+    acts = torch.randn(8, 128, 128, generator=gen)
+    rows = []
+    for label in ["fp32", "fp16", "directq4", "aqsgd2"]:
+        cfg = CodecConfig.parse(label)
+        codec, state = make_codec(cfg), LinkState(cfg)
+        ids = list(range(acts.shape[0]))
+        if cfg.name == "aqsgd":
+            codec.encode(acts, sample_ids=ids, state=state)  # first sight; measure the steady-state delta
+        body = codec.encode(acts + 0.05 * torch.randn(acts.shape, generator=gen), sample_ids=ids, state=state)
+        raw = body.SerializeToString()
+        compressor, decompressor = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+        packed = compressor.compress(raw)
+        zstd_s = median_seconds(
+            lambda c=compressor, d=decompressor, r=raw: d.decompress(c.compress(r)), repeats=args.repeats
+        )
+        policy = ZstdPolicy(level=1, probe_every=1 << 30)
+        for _ in range(30):
+            policy.observe(len(raw), len(packed), zstd_s * 3 / 4)
+        for rate in RATES_MBIT:
+            saved_s = (len(raw) - len(packed)) * 8 / (rate * 1e6)
+            rows.append(
+                {
+                    "table": "zstd",
+                    "codec": label,
+                    "rate_mbit": rate,
+                    "compressed_ratio": len(packed) / len(raw),
+                    "saved_ms": saved_s * 1e3,
+                    "zstd_ms": zstd_s * 1e3,
+                    "pays": saved_s > zstd_s,
+                    "policy_uses_zstd": policy.level_for(rate * 1e6 / 8) > 0,
+                }
+            )
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.repeats = 1
+    tables = [
+        ("loopback: gRPC stream vs plain socket", loopback_rows, ["codec", "tensor_bytes", "wire_bytes",
+         "grpc_wire_mb_s", "tensor_mb_s", "socket_mb_s", "vs_socket"]),
+        ("goodput on shaped links (fp32, 4 MiB messages)", shaped_rows, ["rate_mbit", "goodput_mbit", "share_of_rate"]),
+        ("the shaper alone", shaper_rows, ["rate_mbit", "achieved_mbit", "error"]),
+        ("does zstd pay? (activations 8x128x128)", zstd_rows, ["codec", "rate_mbit", "compressed_ratio", "saved_ms",
+         "zstd_ms", "pays", "policy_uses_zstd"]),
+    ]  # fmt: skip
+    everything = []
+    for title, fn, columns in tables:
+        rows = fn(args)
+        everything += rows
+        if not args.json:
+            emit(rows, columns, False, title)
+            print()
+    if args.json:
+        emit(everything, [], True)
+    return 0
