@@ -75,18 +75,23 @@ def link_shapes(args: argparse.Namespace) -> tuple[LinkShape, dict[str, LinkShap
 
 
 def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("swarm discovery")
-    g.add_argument(
-        "--initial-peers", nargs="*", default=[], help="multiaddrs of DHT peers to join; none starts a swarm"
+    """The DHT flags of `swarm bootstrap` (--initial-peers, --host, --port, --run-name) plus --address-file."""
+    from swarm.bootstrap import add_dht_arguments as add_bootstrap_dht_arguments
+
+    add_bootstrap_dht_arguments(parser)
+    parser.add_argument(
+        "--address-file", default=None, help="join through the multiaddrs in this file (as `swarm bootstrap` writes)"
     )
-    g.add_argument("--address-file", default=None, help="read the initial peers from this file (one per line)")
-    g.add_argument("--run-name", default="swarm", help="name of the training run; peers of other runs are ignored")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback unless told otherwise)")
 
 
 def initial_peers(args: argparse.Namespace) -> list[str]:
-    peers = list(args.initial_peers)
-    if args.address_file:
-        with open(args.address_file) as f:
-            peers += [line.strip() for line in f if line.strip()]
-    return peers
+    from swarm.bootstrap import read_address_file
+
+    return list(args.initial_peers) + (read_address_file(args.address_file) if args.address_file else [])
+
+
+def dht_config(args: argparse.Namespace, **overrides):
+    """The DHTConfig of a command's parsed DHT flags."""
+    from swarm.bootstrap import dht_config_from_args
+
+    return dht_config_from_args(args, initial_peers=tuple(initial_peers(args)), **overrides)

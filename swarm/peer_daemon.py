@@ -25,7 +25,7 @@ from swarm.options import (
     add_model_arguments,
     add_shaping_arguments,
     codec_configs,
-    initial_peers,
+    dht_config,
     link_shapes,
     model_config,
 )
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_dht_arguments(parser)
     g = parser.add_argument_group("serving")
-    g.add_argument("--port", type=int, default=0, help="gRPC port of the stage service (0 picks a free one)")
+    g.add_argument("--grpc-port", type=int, default=0, help="port of the gRPC stage service (0 picks a free one)")
     g.add_argument("--num-stages", type=int, default=2, help="pipeline stages of the run (even split by join order)")
     g.add_argument("--stage", type=int, default=None, help="serve this stage instead of the one the split assigns")
     g.add_argument("--device", default="cpu", help="torch device to compute on (cpu, cuda:0, ...)")
@@ -92,7 +92,7 @@ class PeerDaemon:
 
     def run(self) -> int:
         from swarm.assign import EvenSplit
-        from swarm.peers.dht import DHTConfig, Heartbeat, SwarmDHT
+        from swarm.peers.dht import Heartbeat, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
         from swarm.peers.transport import TransportConfig, make_server
@@ -106,19 +106,12 @@ class PeerDaemon:
         fw_cfg, bw_cfg = codec_configs(args)
         default_shape, per_link = link_shapes(args)
         assigner = EvenSplit(args.num_stages, model.n_layers, args.stage)
-        dht = SwarmDHT(
-            DHTConfig(
-                initial_peers=initial_peers(args),
-                host=args.host,
-                run_name=args.run_name,
-                announce_ttl_s=args.announce_ttl_s,
-            )
-        )
+        dht = SwarmDHT(dht_config(args, announce_ttl_s=args.announce_ttl_s))
         server = None
         try:
             # the gRPC server starts after the DHT's process is forked: forking beside gRPC threads is unsafe
             transport = TransportConfig(host=args.host, max_workers=args.max_workers)
-            server, port = make_server(transport, args.port)
+            server, port = make_server(transport, args.grpc_port)
             address = f"{args.host}:{port}"
             servicer = StageServicer(None)
             stage_pb2_grpc.add_StageServicer_to_server(servicer, server)

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swarm.options import add_dht_arguments, add_model_arguments, initial_peers, model_config
+from swarm.options import add_dht_arguments, add_model_arguments, dht_config, model_config
 
 log = logging.getLogger("swarm.trainer")
 
@@ -177,10 +177,10 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swarm.calls import StageCallError
-    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
 
     logging.getLogger("hivemind").setLevel(logging.WARNING)
-    with SwarmDHT(DHTConfig(initial_peers=initial_peers(args), host=args.host, run_name=args.run_name)) as dht:
+    with SwarmDHT(dht_config(args, client_mode=True)) as dht:
         try:
             route, peers = discover_route(
                 dht, args.num_stages, args.wait_timeout_s, lambda s: print(s, file=sys.stderr)

@@ -1,0 +1,538 @@
+"""The swarm's view of the hivemind DHT: signed, expiring peer announcements, link measurements and plans.
+
+Every record lives under a key namespaced by the run name, in a subkey that carries its owner's RSA public
+key (hivemind's `RSASignatureValidator`), so only the owner can write or refresh it:
+
+    {run}.peers   subkey [owner:KEY]            -> PeerAnnouncement of the peer with that key
+    {run}.links   subkey [owner:KEY]->DST       -> LinkMeasurement from that peer to DST
+    {run}.plan    subkey [owner:KEY]#VERSION    -> PlanRecord published by that peer
+
+A peer's id is derived from its public key (`peer_id_of`), so a record naming a peer id that its signing key
+does not hash to is rejected: nobody can speak for another peer. Honest DHT nodes refuse to store records
+that fail these checks, and readers check again, since a dishonest node may return anything.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import ipaddress
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.logging import use_hivemind_log_handler
+
+from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
+
+__all__ = [
+    "DHTConfig",
+    "Heartbeat",
+    "SwarmDHT",
+    "load_or_create_key",
+    "peer_id_of",
+    "quiet_hivemind",
+    "wait_for",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+_LINK_SEP, _PLAN_SEP = b"->", b"#"
+_MAX_DISTINCT_WARNINGS = 256
+_FUTURE_TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)  # distinct types before Python 3.11
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """How a process joins the DHT and how long its records live."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of live DHT nodes ('/ip4/1.2.3.4/tcp/5678/p2p/12D3...'); empty starts a new swarm."""
+    host: str = "127.0.0.1"
+    """IP address to listen on: loopback by default, '0.0.0.0' to accept peers from other machines."""
+    port: int = 0
+    """TCP port to listen on; 0 picks a free one (then the multiaddr changes on every start)."""
+    announce_host: str | None = None
+    """Public IP address to announce instead of the listening ones (behind NAT); needs an explicit port."""
+    run_name: str = "swarm"
+    """Namespace of the run's keys, so several runs can share one DHT."""
+    announce_ttl_s: float = 30.0
+    """Lifetime of a peer announcement; a peer that stops refreshing it disappears this long after."""
+    link_ttl_s: float = 300.0
+    """Lifetime of a link measurement."""
+    plan_ttl_s: float = 3600.0
+    """Lifetime of a published plan (republish to keep a plan alive longer)."""
+    start_timeout_s: float = 30.0
+    """Bound on starting the DHT node and joining the swarm through initial_peers."""
+    request_timeout_s: float = 10.0
+    """Bound on one DHT get or store."""
+    client_mode: bool = False
+    """Join without serving others' records (short-lived tools such as `swarm status`)."""
+    identity_path: str | None = None
+    """libp2p identity file, so a bootstrap node keeps its multiaddr across restarts (created if missing)."""
+    signing_key_path: str | None = None
+    """RSA key that signs this peer's records and defines its peer id (created if missing); None: a fresh key."""
+    trusted_planners: tuple[str, ...] = ()
+    """Peer ids whose plans get_plan accepts; empty accepts a plan from any peer."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
+        object.__setattr__(self, "trusted_planners", tuple(self.trusted_planners))
+        for maddr in self.initial_peers:
+            if not isinstance(maddr, str) or not maddr.startswith("/") or "/p2p/" not in maddr:
+                raise ValueError(f"DHTConfig.initial_peers: expected multiaddrs with a /p2p/ part, got {maddr!r}")
+        for name in ("host", "announce_host"):
+            value = getattr(self, name)
+            try:
+                if value is not None or name == "host":
+                    ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError(f"DHTConfig.{name}: expected an IP address, got {value!r}") from None
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"DHTConfig.port: expected a port in [0, 65535], got {self.port}")
+        if self.announce_host is not None and self.port == 0:
+            raise ValueError("DHTConfig.port: announce_host needs an explicit port (0 can't be announced)")
+        if _RUN_NAME_RE.fullmatch(self.run_name) is None:
+            raise ValueError(f"DHTConfig.run_name: expected 1-64 characters [A-Za-z0-9_-], got {self.run_name!r}")
+        for name in ("announce_ttl_s", "link_ttl_s", "plan_ttl_s", "start_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DHTConfig.{name}: expected a positive number of seconds, got {getattr(self, name)}")
+
+    @property
+    def host_maddrs(self) -> list[str]:
+        return [_maddr(self.host, self.port)]
+
+    @property
+    def announce_maddrs(self) -> list[str] | None:
+        return None if self.announce_host is None else [_maddr(self.announce_host, self.port)]
+
+
+def _maddr(host: str, port: int) -> str:
+    return f"/ip{ipaddress.ip_address(host).version}/{host}/tcp/{port}"
+
+
+def peer_id_of(public_key: bytes) -> str:
+    """The swarm peer id of an RSA public key (as `RSAPublicKey.to_bytes()` gives it): 24 hex digits."""
+    return hashlib.sha256(public_key).hexdigest()[:24]
+
+
+def load_or_create_key(path: str | None) -> RSAPrivateKey:
+    """The RSA key that signs a peer's records: read from `path` (DER), created there if missing, or fresh."""
+    if path is None:
+        return RSAPrivateKey()
+    if os.path.exists(path):
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        with open(path, "rb") as f:
+            key.__setstate__({"_private_key": f.read()})  # hivemind's own (pickle-free) DER loading
+        return key
+    key = RSAPrivateKey()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.to_bytes())
+    return key
+
+
+# Parsing the run's records from (subkey, value) as the DHT returns them. Each raises ValueError on anything
+# unexpected; the validator below uses them to refuse storage and SwarmDHT to skip records on reads.
+
+
+def _owner_and_suffix(subkey: Any) -> tuple[str, bytes]:
+    if not isinstance(subkey, bytes):
+        raise ValueError(f"subkey: expected bytes, got {type(subkey).__name__}")
+    match = _OWNER_RE.match(subkey)
+    if match is None:
+        raise ValueError("subkey: carries no owner public key (unsigned record)")
+    return peer_id_of(match.group(1)), subkey[match.end() :]
+
+
+def _announcement_entry(subkey: Any, value: Any) -> PeerAnnouncement:
+    owner, suffix = _owner_and_suffix(subkey)
+    if suffix:
+        raise ValueError(f"subkey: unexpected suffix {suffix[:32]!r}")
+    ann = PeerAnnouncement.from_wire(value)
+    if ann.peer_id != owner:
+        raise ValueError(f"PeerAnnouncement.peer_id: {ann.peer_id} is not the signer's id {owner}")
+    return ann
+
+
+def _link_entry(subkey: Any, value: Any) -> LinkMeasurement:
+    owner, suffix = _owner_and_suffix(subkey)
+    link = LinkMeasurement.from_wire(value)
+    if link.src != owner:
+        raise ValueError(f"LinkMeasurement.src: {link.src} is not the signer's id {owner}")
+    if suffix != _LINK_SEP + link.dst.encode():
+        raise ValueError(f"LinkMeasurement.dst: {link.dst} does not match the subkey suffix {suffix[:80]!r}")
+    return link
+
+
+def _plan_entry(subkey: Any, value: Any) -> tuple[str, PlanRecord]:
+    owner, suffix = _owner_and_suffix(subkey)
+    plan = PlanRecord.from_wire(value)
+    if suffix != _PLAN_SEP + str(plan.version).encode():
+        raise ValueError(f"PlanRecord.version: {plan.version} does not match the subkey suffix {suffix[:32]!r}")
+    return owner, plan
+
+
+@dataclass(frozen=True)
+class _Keys:
+    peers: str
+    links: str
+    plan: str
+
+    @classmethod
+    def of_run(cls, run_name: str) -> _Keys:
+        return cls(peers=f"{run_name}.peers", links=f"{run_name}.links", plan=f"{run_name}.plan")
+
+
+class _RunRecordValidator(RecordValidatorBase):
+    """Lets honest DHT nodes refuse to store (or accept from others) malformed records under the run's keys.
+
+    Runs after the signature validator (lower priority), on the value with the signature already stripped.
+    Keys of other runs and applications pass untouched.
+    """
+
+    def __init__(self, keys: _Keys):
+        parsers = {keys.peers: _announcement_entry, keys.links: _link_entry, keys.plan: _plan_entry}
+        self._parsers = {DHTID.generate(source=key).to_bytes(): parse for key, parse in parsers.items()}
+
+    def validate(self, record: DHTRecord) -> bool:
+        parse = self._parsers.get(record.key)
+        if parse is None:
+            return True
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            return False  # the run's keys hold only dictionaries of owned subkeys, never a plain value
+        try:
+            parse(MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value))
+        except Exception as e:  # any failure to decode or validate means the record is refused
+            logger.debug("refusing a record: %s", e)
+            return False
+        return True
+
+
+class _DHTProcess(DHT):
+    """hivemind's DHT process, made to die on SIGTERM whatever handlers the parent had when it forked.
+
+    A command that installs a SIGTERM handler before starting the DHT (to shut down cleanly) would otherwise
+    pass it on to the forked child, and `terminate()` (hivemind's last resort on shutdown) would hang.
+    """
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        super().run()
+
+
+class SwarmDHT:
+    """One process's DHT node (a hivemind.DHT in a child process) and the run's records in it.
+
+    Thread-safe: the heartbeat thread and the caller may use it at once. Usable as a context manager.
+    """
+
+    def __init__(self, config: DHTConfig, *, private_key: RSAPrivateKey | None = None):
+        """Starts the DHT node and joins the swarm through `config.initial_peers`.
+
+        Args:
+            config: how to join and how long records live.
+            private_key: the key that signs this peer's records (defaults to `config.signing_key_path`'s).
+
+        Raises:
+            TimeoutError: the node did not start within `config.start_timeout_s`.
+            RuntimeError: the node could not start or reach any of the initial peers.
+        """
+        self.config = config
+        key = private_key if private_key is not None else load_or_create_key(config.signing_key_path)
+        self._signer = RSASignatureValidator(key)
+        self._owner = self._signer.local_public_key
+        self.peer_id = peer_id_of(key.get_public_key().to_bytes())
+        self._keys = _Keys.of_run(config.run_name)
+        self._lock = threading.Lock()  # hivemind.DHT's request pipe is not safe for concurrent senders
+        self._warned: set[str] = set()
+        self._closed = False
+        started = time.monotonic()
+        self._dht = _DHTProcess(
+            initial_peers=list(config.initial_peers) or None,
+            start=True,
+            await_ready=False,
+            record_validators=[self._signer, _RunRecordValidator(self._keys)],
+            host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs,
+            client_mode=config.client_mode,
+            identity_path=config.identity_path,
+            startup_timeout=config.start_timeout_s,
+        )
+        try:
+            self._dht.wait_until_ready(timeout=config.start_timeout_s)
+        except _FUTURE_TIMEOUTS:
+            self._dht.shutdown()
+            raise TimeoutError(f"the DHT node did not start within {config.start_timeout_s} s") from None
+        except Exception as e:
+            self._dht.shutdown()
+            joining = f" and join {list(config.initial_peers)}" if config.initial_peers else ""
+            raise RuntimeError(f"could not start a DHT node{joining}: {e}") from e
+        logger.info(
+            "DHT node up in %.2f s, peer id %s, run %r", time.monotonic() - started, self.peer_id, config.run_name
+        )
+
+    # -- records ---------------------------------------------------------------------------------------------
+
+    def announce(self, ann: PeerAnnouncement, ttl_s: float | None = None) -> bool:
+        """Stores (or refreshes) this peer's announcement for `ttl_s` (default `config.announce_ttl_s`).
+
+        DHT nodes keep the record that expires last, so an announcement that would expire before the one
+        already stored is refused: keep the ttl constant (as Heartbeat does) rather than shortening it.
+
+        Returns:
+            Whether a DHT node accepted it.
+        """
+        if ann.peer_id != self.peer_id:
+            raise ValueError(f"PeerAnnouncement.peer_id: {ann.peer_id} is not this node's id {self.peer_id}")
+        return self._store(self._keys.peers, self._owner, ann.to_wire(), ttl_s or self.config.announce_ttl_s)
+
+    def peers(self) -> list[PeerAnnouncement]:
+        """The unexpired, valid announcements of the run, by stage then peer id (unassigned peers last)."""
+        found = self._parse_all(self._keys.peers, _announcement_entry)
+        return sorted(found, key=lambda a: (a.stage is None, a.stage or 0, a.peer_id))
+
+    def store_link(self, m: LinkMeasurement, ttl_s: float | None = None) -> bool:
+        """Stores this peer's measurement of its link to `m.dst`, replacing its previous one."""
+        if m.src != self.peer_id:
+            raise ValueError(f"LinkMeasurement.src: {m.src} is not this node's id {self.peer_id}")
+        subkey = self._owner + _LINK_SEP + m.dst.encode()
+        return self._store(self._keys.links, subkey, m.to_wire(), ttl_s or self.config.link_ttl_s)
+
+    def links(self) -> list[LinkMeasurement]:
+        """The unexpired, valid link measurements of the run, by (src, dst)."""
+        return sorted(self._parse_all(self._keys.links, _link_entry), key=lambda m: (m.src, m.dst))
+
+    def publish_plan(self, version: int, plan: dict[str, Any], ttl_s: float | None = None) -> bool:
+        """Publishes a plan; peers follow the highest version they see. Raises ValueError for an invalid plan."""
+        record = PlanRecord(version=version, plan=plan, created_at=get_dht_time())
+        subkey = self._owner + _PLAN_SEP + str(version).encode()
+        return self._store(self._keys.plan, subkey, record.to_wire(), ttl_s or self.config.plan_ttl_s)
+
+    def get_plan(self) -> PlanRecord | None:
+        """The unexpired plan with the highest version (the newest on ties) from a trusted planner, if any."""
+        trusted = set(self.config.trusted_planners)
+        plans = [
+            plan for owner, plan in self._parse_all(self._keys.plan, _plan_entry) if not trusted or owner in trusted
+        ]
+        return max(plans, key=lambda p: (p.version, p.created_at), default=None)
+
+    def wait_for_stages(
+        self,
+        num_stages: int,
+        timeout_s: float,
+        *,
+        min_plan_version: int = 0,
+        on_progress: Callable[[dict[int, list[PeerAnnouncement]]], None] | None = None,
+        poll_s: float = 0.5,
+    ) -> dict[int, list[PeerAnnouncement]]:
+        """Waits until every stage in [0, num_stages) is served by at least one announced peer.
+
+        Args:
+            num_stages: stages that must all be served.
+            timeout_s: give up after this long.
+            min_plan_version: count only peers that follow at least this plan version.
+            on_progress: called with the stages served so far whenever that set changes.
+            poll_s: seconds between polls of the DHT.
+
+        Returns:
+            For each stage, the peers serving it, least loaded first.
+
+        Raises:
+            TimeoutError: naming the stages still missing.
+        """
+        served: dict[int, list[PeerAnnouncement]] = {}
+        reported: set[int] | None = None
+
+        def all_served() -> bool:
+            nonlocal served, reported
+            try:
+                announcements = self.peers()
+            except TimeoutError as e:
+                logger.warning("%s; polling again", e)
+                return False
+            served = {}
+            for ann in announcements:
+                if ann.stage is not None and ann.stage < num_stages and ann.plan_version >= min_plan_version:
+                    served.setdefault(ann.stage, []).append(ann)
+            for peers in served.values():
+                peers.sort(key=lambda a: a.load)
+            if on_progress is not None and set(served) != reported:
+                reported = set(served)
+                on_progress(served)
+            return len(served) == num_stages
+
+        try:
+            wait_for(all_served, timeout_s, poll_s, f"{num_stages} stages served")
+        except TimeoutError:
+            missing = sorted(set(range(num_stages)) - set(served))
+            raise TimeoutError(
+                f"after {timeout_s} s, stages {missing} of {num_stages} have no peer"
+                + (f" following plan version >= {min_plan_version}" if min_plan_version else "")
+            ) from None
+        return served
+
+    # -- node ------------------------------------------------------------------------------------------------
+
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs other processes can join this node through."""
+        submit = lambda: self._dht.run_coroutine(_visible_maddrs, return_future=True)
+        return [str(m) for m in self._request("visible_maddrs", submit)]
+
+    def is_alive(self) -> bool:
+        """Whether the DHT node's process is running."""
+        return self._dht.is_alive()
+
+    def shutdown(self) -> None:
+        """Stops the DHT node; safe to call twice. Records stay in the DHT until they expire."""
+        if not self._closed:
+            self._closed = True
+            self._dht.shutdown()
+
+    def __enter__(self) -> SwarmDHT:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _store(self, key: str, subkey: bytes, value: dict[str, Any], ttl_s: float) -> bool:
+        expiration = get_dht_time() + ttl_s
+        submit = lambda: self._dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        return bool(self._request(f"store {key}", submit))
+
+    def _parse_all(self, key: str, parse: Callable[[Any, Any], T]) -> list[T]:
+        found = self._request(f"get {key}", lambda: self._dht.get(key, latest=True, return_future=True))
+        if found is None:
+            return []
+        if not isinstance(found.value, dict):
+            self._warn(f"{key} holds a {type(found.value).__name__}, not a dictionary of records; ignoring it")
+            return []
+        now, records = get_dht_time(), []
+        for subkey, entry in found.value.items():
+            if entry.expiration_time < now:
+                continue
+            try:
+                records.append(parse(subkey, entry.value))
+            except ValueError as e:
+                self._warn(f"skipping an invalid record under {key}: {e}")
+        return records
+
+    def _request(self, what: str, submit: Callable[[], Any]) -> Any:
+        if self._closed:
+            raise RuntimeError("the DHT node is shut down")
+        with self._lock:
+            future = submit()
+        try:
+            return future.result(timeout=self.config.request_timeout_s)
+        except _FUTURE_TIMEOUTS:
+            future.cancel()
+            raise TimeoutError(f"DHT {what} did not finish within {self.config.request_timeout_s} s") from None
+
+    def _warn(self, message: str) -> None:
+        # Polling loops would repeat the same warning every poll: say each thing once, then only at debug level.
+        if message in self._warned:
+            logger.debug(message)
+            return
+        if len(self._warned) < _MAX_DISTINCT_WARNINGS:
+            self._warned.add(message)
+        logger.warning(message)
+
+
+async def _visible_maddrs(_dht: DHT, node: Any) -> list[Any]:
+    return await node.get_visible_maddrs()  # runs inside the DHT process (hivemind's run_coroutine)
+
+
+class Heartbeat:
+    """Re-announces a peer every ttl/3 seconds from a background thread, so a missed beat or two is harmless.
+
+    The announcement is rebuilt on every beat by calling `make_announcement` (from the heartbeat thread), so
+    changes in load or stage reach the DHT within one period.
+    """
+
+    def __init__(
+        self,
+        dht: SwarmDHT,
+        make_announcement: Callable[[], PeerAnnouncement],
+        period_s: float | None = None,
+    ):
+        self._dht = dht
+        self._make = make_announcement
+        self.period_s = period_s if period_s is not None else dht.config.announce_ttl_s / 3
+        self.beats = 0
+        """Announcements a DHT node accepted so far."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        """Announces once right away (in the caller's thread), then keeps announcing in the background."""
+        self._beat()
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stops announcing; the announcement then expires within the ttl."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("heartbeat thread still busy after %.1f s; leaving it (daemon thread)", timeout_s)
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            if self._dht.announce(self._make()):
+                self.beats += 1
+            else:
+                logger.warning("announcement refused by every DHT node reached; retrying in %.1f s", self.period_s)
+        except Exception as e:  # a heartbeat must survive DHT hiccups: the next beat retries
+            logger.warning("announcement failed (%s); retrying in %.1f s", e, self.period_s)
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, poll_s: float = 0.25, what: str = "condition") -> T:
+    """Polls `predicate` until it returns something truthy, and returns that.
+
+    Raises:
+        TimeoutError: `predicate` stayed falsy for `timeout_s` seconds (the message names `what`).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if result:
+            return result
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"{what} not met within {timeout_s} s")
+        time.sleep(min(poll_s, remaining))
+
+
+def quiet_hivemind(level: int = logging.WARNING) -> None:
+    """Routes hivemind's logs through the root logger (our plain format) and keeps only `level` and above."""
+    use_hivemind_log_handler("nowhere")
+    logging.getLogger("hivemind").setLevel(level)

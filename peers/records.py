@@ -1,0 +1,259 @@
+"""Every record the swarm keeps in the DHT, with wire forms that are validated field by field on the way in.
+
+Nothing read from the DHT is trusted: any peer can store anything under any key it does not own, so
+`from_wire` checks the type, range and length of every field and raises `ValueError` naming the field. The
+wire forms are plain dicts of msgpack primitives (str, int, float, bool, None); nothing is ever unpickled.
+Construction runs the same checks, so an invalid record fails where it is made rather than on other peers.
+Unknown keys in a wire dict are ignored, so that newer peers may add fields without breaking older ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "MAX_PLAN_BYTES",
+    "LinkMeasurement",
+    "PeerAnnouncement",
+    "PlanRecord",
+]
+
+MAX_PLAN_BYTES = 256 * 1024
+"""Largest plan accepted, as compact JSON text (a plan for a hundred peers is a few tens of KiB)."""
+
+_MAX_TIME_S = 1e11  # seconds since the epoch, year ~5000: anything later is garbage, not clock skew
+_MAX_STAGES = 4096
+_MAX_LAYERS = 1 << 20
+_MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
+_MAX_LAYERS_PER_S = 1e9
+_MAX_RTT_S = 3600.0
+_MAX_BYTES_PER_S = 1e13  # 80 Tbit/s
+_MAX_VERSION = (1 << 63) - 1
+
+_PEER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_ADDRESS_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))" r":(?P<port>\d{1,5})")
+_DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,15}(?::\d{1,4})?")
+_CODEC_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:+-]{0,63}")
+
+
+def _fail(record: str, name: str, expected: str, value: Any) -> ValueError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ValueError(f"{record}.{name}: expected {expected}, got {shown}")
+
+
+def _int(record: str, name: str, value: Any, lo: int, hi: int) -> int:
+    # bool is an int subclass in Python; on the wire it is a different type and never a valid count.
+    if type(value) is not int or not lo <= value <= hi:
+        raise _fail(record, name, f"an int in [{lo}, {hi}]", value)
+    return value
+
+
+def _float(record: str, name: str, value: Any, lo: float, hi: float) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
+        raise _fail(record, name, f"a finite number in [{lo:g}, {hi:g}]", value)
+    return float(value)
+
+
+def _str(record: str, name: str, value: Any, pattern: re.Pattern[str], what: str) -> str:
+    if type(value) is not str or pattern.fullmatch(value) is None:
+        raise _fail(record, name, what, value)
+    return value
+
+
+def _peer_id(record: str, name: str, value: Any) -> str:
+    return _str(record, name, value, _PEER_ID_RE, "a peer id of 1-64 characters [A-Za-z0-9._-]")
+
+
+def _address(record: str, name: str, value: Any) -> str:
+    what = "a gRPC address 'host:port' with a port in [1, 65535]"
+    match = _ADDRESS_RE.fullmatch(value) if type(value) is str else None
+    if match is None or not 1 <= int(match["port"]) <= 65535:
+        raise _fail(record, name, what, value)
+    return value
+
+
+def _set(obj: object, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # normalizing a field of a frozen dataclass in __post_init__
+
+
+def _from_wire(cls: type, wire: Any) -> Any:
+    if not isinstance(wire, dict):
+        raise ValueError(f"{cls.__name__}: expected a dict, got {type(wire).__name__}")
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.name in wire:
+            kwargs[field.name] = wire[field.name]
+        elif field.default is dataclasses.MISSING:
+            raise ValueError(f"{cls.__name__}.{field.name}: missing")
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class PeerAnnouncement:
+    """What a peer can do and what it serves now, refreshed by its heartbeat until it leaves."""
+
+    peer_id: str
+    """The peer's id, derived from the public key that signs its records (see `swarm.peers.dht`)."""
+    address: str
+    """Where its gRPC stage service listens, 'host:port' ('[::1]:port' for IPv6)."""
+    device: str
+    """Torch device it computes on: 'cpu', 'cuda:0', 'mps'..."""
+    memory_bytes: int
+    """Memory it offers for layers, activations and message buffers, in bytes."""
+    compute_layers_per_s: float
+    """Measured forward+backward throughput of one reference layer on one reference micro-batch, per second."""
+    stage: int | None = None
+    """The pipeline stage it serves under the plan `plan_version`, or None while unassigned."""
+    layer_start: int | None = None
+    """First layer it holds (inclusive), or None while unassigned."""
+    layer_end: int | None = None
+    """Layer after the last one it holds (exclusive), or None while unassigned."""
+    load: float = 0.0
+    """Fraction of its compute that is busy, in [0, 1]."""
+    plan_version: int = 0
+    """Version of the plan its stage assignment comes from; 0 before any plan."""
+    started_at: float = 0.0
+    """When the peer started, in seconds since the epoch (`hivemind.utils.get_dht_time()`)."""
+    codec: str | None = None
+    """Name of the activation codec it speaks on its links, if fixed."""
+
+    def __post_init__(self) -> None:
+        r = type(self).__name__
+        _peer_id(r, "peer_id", self.peer_id)
+        _address(r, "address", self.address)
+        _str(r, "device", self.device, _DEVICE_RE, "a device like 'cpu' or 'cuda:0'")
+        _int(r, "memory_bytes", self.memory_bytes, 0, _MAX_MEMORY_BYTES)
+        _set(
+            self,
+            "compute_layers_per_s",
+            _float(r, "compute_layers_per_s", self.compute_layers_per_s, 0, _MAX_LAYERS_PER_S),
+        )
+        if self.stage is not None:
+            _int(r, "stage", self.stage, 0, _MAX_STAGES - 1)
+        if self.layer_start is not None:
+            _int(r, "layer_start", self.layer_start, 0, _MAX_LAYERS - 1)
+        if self.layer_end is not None:
+            _int(r, "layer_end", self.layer_end, 1, _MAX_LAYERS)
+        if (self.layer_start is None) != (self.layer_end is None):
+            raise _fail(r, "layer_end", "to be set exactly when layer_start is", self.layer_end)
+        if self.layer_start is not None and self.layer_start >= self.layer_end:
+            raise _fail(r, "layer_end", f"an int > layer_start={self.layer_start}", self.layer_end)
+        if (self.stage is None) != (self.layer_start is None):
+            raise _fail(r, "stage", "to be set exactly when a layer range is", self.stage)
+        _set(self, "load", _float(r, "load", self.load, 0.0, 1.0))
+        _int(r, "plan_version", self.plan_version, 0, _MAX_VERSION)
+        _set(self, "started_at", _float(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
+        if self.codec is not None:
+            _str(r, "codec", self.codec, _CODEC_RE, "a codec name of 1-64 characters [A-Za-z0-9_.:+-]")
+
+    @property
+    def layers(self) -> range | None:
+        """The layers it holds, or None while unassigned."""
+        return None if self.layer_start is None else range(self.layer_start, self.layer_end)
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> PeerAnnouncement:
+        """Builds an announcement from untrusted wire data. Raises ValueError naming the first bad field."""
+        return _from_wire(cls, wire)
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """One peer's measurement of its link to another: what the scheduler's bandwidth/latency matrix is made of."""
+
+    src: str
+    """Peer id of the measuring peer (the sender); only it may store this record."""
+    dst: str
+    """Peer id of the peer at the other end."""
+    rtt_s: float
+    """Round-trip time, in seconds."""
+    bytes_per_s: float
+    """Measured goodput from src to dst, in bytes per second."""
+    measured_at: float
+    """When it was measured, in seconds since the epoch."""
+
+    def __post_init__(self) -> None:
+        r = type(self).__name__
+        _peer_id(r, "src", self.src)
+        _peer_id(r, "dst", self.dst)
+        if self.src == self.dst:
+            raise _fail(r, "dst", "a peer other than src", self.dst)
+        _set(self, "rtt_s", _float(r, "rtt_s", self.rtt_s, 0.0, _MAX_RTT_S))
+        _set(self, "bytes_per_s", _float(r, "bytes_per_s", self.bytes_per_s, 0.0, _MAX_BYTES_PER_S))
+        _set(self, "measured_at", _float(r, "measured_at", self.measured_at, 0.0, _MAX_TIME_S))
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> LinkMeasurement:
+        """Builds a measurement from untrusted wire data. Raises ValueError naming the first bad field."""
+        return _from_wire(cls, wire)
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """A versioned plan from the scheduler: stages, layer ranges and peers. Higher versions supersede lower."""
+
+    version: int
+    """Monotonic plan version, >= 1 (peers announce 0 before they follow any plan)."""
+    plan: dict[str, Any]
+    """The plan itself, JSON-able, at most MAX_PLAN_BYTES as compact JSON; its schema belongs to the scheduler."""
+    created_at: float
+    """When it was made, in seconds since the epoch."""
+
+    def __post_init__(self) -> None:
+        r = type(self).__name__
+        _int(r, "version", self.version, 1, _MAX_VERSION)
+        _set(self, "plan", _parse_plan(r, _dump_plan(r, self.plan)))  # canonical: tuples -> lists, keys -> str
+        _set(self, "created_at", _float(r, "created_at", self.created_at, 0.0, _MAX_TIME_S))
+
+    def to_wire(self) -> dict[str, Any]:
+        # The plan travels as JSON text: its size is checked before it is parsed, and it can't nest msgpack types.
+        return {"version": self.version, "plan": _dump_plan("PlanRecord", self.plan), "created_at": self.created_at}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> PlanRecord:
+        """Builds a plan from untrusted wire data. Raises ValueError naming the first bad field."""
+        if isinstance(wire, dict) and "plan" in wire:
+            wire = {**wire, "plan": _parse_plan(cls.__name__, wire["plan"])}
+        return _from_wire(cls, wire)
+
+
+def _dump_plan(record: str, plan: Any) -> str:
+    what = f"a JSON-able dict of at most {MAX_PLAN_BYTES} bytes"
+    if not isinstance(plan, dict):
+        raise _fail(record, "plan", what, plan)
+    try:
+        text = json.dumps(plan, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{record}.plan: expected {what}: {e}") from None
+    if len(text.encode()) > MAX_PLAN_BYTES:
+        raise ValueError(f"{record}.plan: expected {what}, got {len(text.encode())} bytes")
+    return text
+
+
+def _parse_plan(record: str, text: Any) -> dict[str, Any]:
+    what = f"JSON text of a dict, at most {MAX_PLAN_BYTES} bytes"
+    if type(text) is not str or len(text) > MAX_PLAN_BYTES or len(text.encode()) > MAX_PLAN_BYTES:
+        raise _fail(record, "plan", what, text)
+    try:
+        plan = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{record}.plan: expected {what}: {e}") from None
+    if not isinstance(plan, dict):
+        raise _fail(record, "plan", what, text)
+    return plan
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")

@@ -1,0 +1,146 @@
+"""`swarm status`: joins the DHT briefly and lists the run's peers, link measurements and current plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hivemind.utils import get_dht_time
+
+from swarm.bootstrap import LOG_FORMAT, add_dht_arguments, dht_config_from_args, read_address_file
+from swarm.peers.dht import SwarmDHT, quiet_hivemind
+from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
+
+__all__ = ["add_arguments", "render", "run", "to_json"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dht_arguments(parser)
+    parser.add_argument(
+        "--address-file",
+        metavar="PATH",
+        help="read multiaddrs to join through from PATH (as `swarm bootstrap --address-file` writes them), "
+        "in addition to any --initial-peers",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=20.0,
+        help="bound, in seconds, on joining the DHT and on each query (default 20)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log our and hivemind's info messages")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format=LOG_FORMAT,
+    )
+    quiet_hivemind(logging.INFO if args.verbose else logging.WARNING)
+    initial_peers = list(args.initial_peers)
+    if args.address_file:
+        try:
+            initial_peers += read_address_file(args.address_file)
+        except OSError as e:
+            logger.error("can't read the address file: %s", e)
+            return 2
+    if not initial_peers:
+        logger.error("nothing to join: give --initial-peers MADDR... or --address-file PATH")
+        return 2
+    try:
+        config = dht_config_from_args(
+            args,
+            initial_peers=tuple(initial_peers),
+            client_mode=True,  # a short-lived reader should not become a home for others' records
+            start_timeout_s=args.timeout_s,
+            request_timeout_s=args.timeout_s,
+        )
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    try:
+        with SwarmDHT(config) as dht:
+            peers, links, plan = dht.peers(), dht.links(), dht.get_plan()
+    except (TimeoutError, RuntimeError) as e:
+        logger.error("%s", e)
+        return 1
+    now = get_dht_time()
+    if args.json:
+        json.dump(to_json(config.run_name, peers, links, plan, now), sys.stdout, indent=2)
+        print()
+    else:
+        print(render(config.run_name, peers, links, plan, now))
+    return 0
+
+
+def to_json(
+    run_name: str,
+    peers: Sequence[PeerAnnouncement],
+    links: Sequence[LinkMeasurement],
+    plan: PlanRecord | None,
+    now: float,
+) -> dict[str, Any]:
+    """The machine-readable status: records in their wire form (plan parsed), plus ages in seconds."""
+    return {
+        "run": run_name,
+        "time": now,
+        "peers": [{**p.to_wire(), "age_s": now - p.started_at} for p in peers],
+        "links": [{**m.to_wire(), "age_s": now - m.measured_at} for m in links],
+        "plan": None if plan is None else {"version": plan.version, "created_at": plan.created_at, "plan": plan.plan},
+    }
+
+
+def render(
+    run_name: str,
+    peers: Sequence[PeerAnnouncement],
+    links: Sequence[LinkMeasurement],
+    plan: PlanRecord | None,
+    now: float,
+) -> str:
+    """The human-readable status: a peers table (layers as start:end, end excluded; age since the peer
+    started), a links table and the plan's version."""
+    plan_line = "no plan" if plan is None else f"plan version {plan.version}, made {_age(now - plan.created_at)} ago"
+    lines = [f"run {run_name!r}: {len(peers)} peers, {len(links)} link measurements, {plan_line}", ""]
+    peer_rows = [
+        [
+            p.peer_id[:8],
+            p.address,
+            p.device,
+            "-" if p.stage is None else str(p.stage),
+            "-" if p.layers is None else f"{p.layer_start}:{p.layer_end}",
+            f"{p.compute_layers_per_s:.1f}",
+            f"{p.load:.0%}",
+            _age(now - p.started_at),
+        ]
+        for p in peers
+    ]
+    lines.append(_table(["peer", "address", "device", "stage", "layers", "layers/s", "load", "age"], peer_rows))
+    if links:
+        link_rows = [
+            [m.src[:8], m.dst[:8], f"{m.rtt_s * 1e3:.1f}", f"{m.bytes_per_s * 8 / 1e6:.1f}", _age(now - m.measured_at)]
+            for m in links
+        ]
+        lines += ["", _table(["src", "dst", "rtt ms", "Mbit/s", "age"], link_rows)]
+    return "\n".join(lines)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [headers, *rows]
+    )
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
