@@ -1,0 +1,293 @@
+"""Triton kernels for CUDA tensors: quantize, dequantize, apply_delta and the fused AQ-SGD update, one pass each.
+
+Each program owns a tile of whole groups, [groups_per_program, group_size rounded up to a power of two]:
+it loads the tile once, reduces it to per-group min/max, computes the grid of `swarm.kernels.reference`,
+codes, and packs eight codes at a time into a `bits`-byte little-endian word, so the byte layout is the
+reference's bitstream. Round-to-nearest codes equal the reference's bit for bit (IEEE division via
+`div_rn`); stochastic rounding uses Triton's Philox stream keyed by (seed, element index).
+
+Errors are reported through the scales: a group with NaN/Inf stores a NaN scale, a group too large an Inf
+one; the host checks `isfinite(scales)` once per call. The kernels are tested on the CPU with
+TRITON_INTERPRET=1, which Triton reads when `@triton.jit` runs, that is, when this module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .qtensor import (
+    SCALE_DTYPE,
+    QuantizedTensor,
+    check_buffer,
+    check_output,
+    check_quantize_args,
+    check_update_args,
+    num_groups,
+    packed_nbytes,
+    raise_bad_group,
+)
+
+__all__ = ["apply_delta", "aqsgd_update", "dequantize", "quantize", "supports"]
+
+_TILE_ELEMENTS = 2048  # elements per program: whole groups, a few KiB of registers
+_MAX_GROUP_SIZE = 8192
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def supports(device: torch.device, group_size: int) -> bool:
+    """CUDA tensors, groups starting on a byte boundary for every bit width, groups that fit one tile row."""
+    return device.type == "cuda" and group_size % 8 == 0 and group_size <= _MAX_GROUP_SIZE
+
+
+@triton.jit
+def _widen(x):
+    """To float32 exactly; bfloat16 by its bits, as the interpreter's own conversion is not exact."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _narrow(x, dtype: tl.constexpr):
+    """From float32, rounding to nearest even like torch's .to(dtype); bfloat16 by integer arithmetic."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _grid_params(x, mask, LEVELS: tl.constexpr):
+    """Per-row stored (min, scale) of reference.group_params; NaN scale = NaN/Inf in the row, Inf = too large."""
+    lo = tl.min(tl.where(mask, x, float("inf")), axis=1)
+    hi = tl.max(tl.where(mask, x, float("-inf")), axis=1)
+    nonfinite = tl.max(tl.where(mask & ((x - x) != 0), 1, 0), axis=1) > 0
+    usable = (tl.max(mask.to(tl.int32), axis=1) > 0) & ~nonfinite  # rows past the end have no elements
+    lo = tl.where(usable, lo, 0.0)
+    hi = tl.where(usable, hi, 0.0)
+    span = hi - lo
+    magnitude = tl.maximum(tl.maximum(tl.abs(lo), tl.abs(hi)), span)
+    too_large = magnitude >= 2.0**126
+    magnitude = tl.where(too_large, 1.0, magnitude)
+    e = tl.maximum(((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 22, -126)
+    quantum = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inverse_quantum = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    k_lo = tl.floor(tl.where(too_large, 0.0, lo) * inverse_quantum)
+    k_hi = tl.ceil(tl.where(too_large, 0.0, hi) * inverse_quantum)
+    steps = ((k_hi - k_lo).to(tl.int32) + (LEVELS - 1)) // LEVELS
+    constant = span == 0
+    mins = tl.where(constant, lo, k_lo * quantum)
+    scales = tl.where(constant, 0.0, steps.to(tl.float32) * quantum)
+    scales = tl.where(nonfinite, float("nan"), tl.where(too_large, float("inf"), scales))
+    return mins, scales
+
+
+@triton.jit
+def _encode(x, mask, index, mins, scales, seed, LEVELS: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Codes floor((x - min) / scale + u), clamped; zero where masked so pad bits stay zero."""
+    denominator = tl.where(scales > 0, scales, 1.0)
+    v = tl.div_rn(x - mins[:, None], denominator[:, None])
+    v = v + tl.rand(seed, index) if STOCHASTIC else v + 0.5
+    codes = tl.minimum(tl.maximum(tl.floor(v), 0.0), LEVELS * 1.0).to(tl.int32)
+    return tl.where(mask, codes, 0)
+
+
+@triton.jit
+def _byte_offsets(groups, nbytes, BITS: tl.constexpr, GROUP: tl.constexpr, UNITS: tl.constexpr):
+    """Offsets [groups, units, 8] of each unit's bytes (a unit = 8 codes = BITS bytes), and their mask."""
+    unit = tl.arange(0, UNITS)
+    k = tl.arange(0, 8)
+    offsets = (groups * (GROUP * BITS // 8))[:, None, None] + (unit * BITS)[None, :, None] + k[None, None, :]
+    mask = (k < BITS)[None, None, :] & (unit * 8 < GROUP)[None, :, None] & (offsets < nbytes)
+    return offsets, mask
+
+
+@triton.jit
+def _pack_store(packed_ptr, codes, groups, nbytes, BITS: tl.constexpr, GROUP: tl.constexpr,
+                ROWS: tl.constexpr, COLUMNS: tl.constexpr):  # fmt: skip
+    k = tl.arange(0, 8)
+    units = tl.reshape(codes.to(tl.int64), (ROWS, COLUMNS // 8, 8))
+    words = tl.sum(units << (k * BITS)[None, None, :], axis=2)
+    data = (words[:, :, None] >> (k * 8)[None, None, :]) & 0xFF
+    offsets, mask = _byte_offsets(groups, nbytes, BITS, GROUP, COLUMNS // 8)
+    tl.store(packed_ptr + offsets, data.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _load_unpack(packed_ptr, groups, nbytes, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 ROWS: tl.constexpr, COLUMNS: tl.constexpr):  # fmt: skip
+    k = tl.arange(0, 8)
+    offsets, mask = _byte_offsets(groups, nbytes, BITS, GROUP, COLUMNS // 8)
+    data = tl.load(packed_ptr + offsets, mask=mask, other=0).to(tl.int64)
+    words = tl.sum(data << (k * 8)[None, None, :], axis=2)
+    codes = (words[:, :, None] >> (k * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (ROWS, COLUMNS)).to(tl.float32)
+
+
+@triton.jit
+def _tile(numel, GROUP: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    groups = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    columns = tl.arange(0, COLUMNS)
+    index = groups[:, None] * GROUP + columns[None, :]
+    mask = (columns[None, :] < GROUP) & (index < numel)
+    return groups, index, mask, groups * GROUP < numel
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, numel, nbytes, seed,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+                     STOCHASTIC: tl.constexpr):  # fmt: skip
+    groups, index, mask, live = _tile(numel, GROUP, ROWS, COLUMNS)
+    x = _widen(tl.load(x_ptr + index, mask=mask, other=0.0))
+    mins, scales = _grid_params(x, mask, (1 << BITS) - 1)
+    codes = _encode(x, mask, index, mins, scales, seed, (1 << BITS) - 1, STOCHASTIC)
+    _pack_store(packed_ptr, codes, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
+    tl.store(scales_ptr + groups, scales, mask=live)
+    tl.store(mins_ptr + groups, mins, mask=live)
+
+
+@triton.jit
+def _aqsgd_kernel(a_ptr, m_ptr, packed_ptr, scales_ptr, mins_ptr, numel, nbytes, seed,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+                  STOCHASTIC: tl.constexpr):  # fmt: skip
+    groups, index, mask, live = _tile(numel, GROUP, ROWS, COLUMNS)
+    m = _widen(tl.load(m_ptr + index, mask=mask, other=0.0))
+    delta = _widen(tl.load(a_ptr + index, mask=mask, other=0.0)) - m
+    mins, scales = _grid_params(delta, mask, (1 << BITS) - 1)
+    codes = _encode(delta, mask, index, mins, scales, seed, (1 << BITS) - 1, STOCHASTIC)
+    _pack_store(packed_ptr, codes, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
+    tl.store(scales_ptr + groups, scales, mask=live)
+    tl.store(mins_ptr + groups, mins, mask=live)
+    # the receiver's apply_delta on the same values; groups that failed keep their buffer
+    updated = m + (mins[:, None] + codes.to(tl.float32) * scales[:, None])
+    ok = (scales == scales) & (scales < float("inf"))
+    tl.store(m_ptr + index, _narrow(updated, m_ptr.dtype.element_ty), mask=mask & ok[:, None])
+
+
+@triton.jit
+def _decode_kernel(packed_ptr, scales_ptr, mins_ptr, out_ptr, numel, nbytes,
+                   BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+                   ADD: tl.constexpr):  # fmt: skip
+    groups, index, mask, live = _tile(numel, GROUP, ROWS, COLUMNS)
+    codes = _load_unpack(packed_ptr, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
+    mins = tl.load(mins_ptr + groups, mask=live, other=0.0)
+    scales = tl.load(scales_ptr + groups, mask=live, other=0.0)
+    values = mins[:, None] + codes * scales[:, None]
+    if ADD:
+        values = _widen(tl.load(out_ptr + index, mask=mask, other=0.0)) + values
+    tl.store(out_ptr + index, _narrow(values, out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize(
+    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = True, seed: int | None = None
+) -> QuantizedTensor:
+    """Same contract as `reference.quantize`; nearest rounding matches it bit for bit."""
+    check_quantize_args(x, bits, group_size)
+    _check_group_size(group_size)
+    flat = x.reshape(-1).contiguous()
+    packed, scales, mins = _outputs(flat.numel(), bits, group_size, flat.device)
+    if flat.numel():
+        rows, columns = _tile_shape(group_size)
+        _quantize_kernel[_grid(flat.numel(), group_size, rows)](
+            flat, packed, scales, mins, flat.numel(), packed.numel(), _seed(seed),
+            BITS=bits, GROUP=group_size, ROWS=rows, COLUMNS=columns, STOCHASTIC=stochastic,
+        )  # fmt: skip
+        _check(scales, "input")
+    return QuantizedTensor(packed, scales, mins, bits, group_size, flat.numel())
+
+
+def dequantize(
+    q: QuantizedTensor, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Same contract as `reference.dequantize`, bit for bit."""
+    _check_group_size(q.group_size)
+    check_output(q, dtype, out)
+    if dtype not in _OUT_DTYPES:
+        return dequantize(q).to(dtype)
+    if out is None:
+        out = torch.empty(q.numel, dtype=dtype, device=q.device)
+    _decode(q, out, add=False)
+    return out
+
+
+def apply_delta(m: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    """Same contract as `reference.apply_delta`, bit for bit."""
+    check_buffer(m, q.numel, q.device)
+    _check_group_size(q.group_size)
+    _decode(q, m, add=True)
+    return m
+
+
+def aqsgd_update(
+    a: torch.Tensor,
+    m: torch.Tensor,
+    bits: int,
+    group_size: int,
+    *,
+    stochastic: bool = True,
+    seed: int | None = None,
+) -> QuantizedTensor:
+    """Same contract as `reference.aqsgd_update`, in one pass over a and m."""
+    check_update_args(a, m, bits, group_size)
+    _check_group_size(group_size)
+    flat = a.reshape(-1).contiguous()
+    packed, scales, mins = _outputs(flat.numel(), bits, group_size, flat.device)
+    if flat.numel():
+        rows, columns = _tile_shape(group_size)
+        _aqsgd_kernel[_grid(flat.numel(), group_size, rows)](
+            flat, m, packed, scales, mins, flat.numel(), packed.numel(), _seed(seed),
+            BITS=bits, GROUP=group_size, ROWS=rows, COLUMNS=columns, STOCHASTIC=stochastic,
+        )  # fmt: skip
+        _check(scales, "a - m")
+    return QuantizedTensor(packed, scales, mins, bits, group_size, flat.numel())
+
+
+def _decode(q: QuantizedTensor, out: torch.Tensor, add: bool) -> None:
+    if q.numel == 0:
+        return
+    rows, columns = _tile_shape(q.group_size)
+    _decode_kernel[_grid(q.numel, q.group_size, rows)](
+        q.packed, q.scales, q.mins, out, q.numel, q.packed.numel(),
+        BITS=q.bits, GROUP=q.group_size, ROWS=rows, COLUMNS=columns, ADD=add,
+    )  # fmt: skip
+
+
+def _tile_shape(group_size: int) -> tuple[int, int]:
+    columns = triton.next_power_of_2(group_size)
+    return max(1, _TILE_ELEMENTS // columns), columns
+
+
+def _grid(numel: int, group_size: int, rows: int) -> tuple[int]:
+    return (triton.cdiv(num_groups(numel, group_size), rows),)
+
+
+def _outputs(
+    numel: int, bits: int, group_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups = num_groups(numel, group_size)
+    packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=device)
+    scales = torch.empty(groups, dtype=SCALE_DTYPE, device=device)
+    return packed, scales, torch.empty(groups, dtype=SCALE_DTYPE, device=device)
+
+
+def _seed(seed: int | None) -> int:
+    return (int.from_bytes(os.urandom(8), "little") if seed is None else seed) & (2**62 - 1)
+
+
+def _check_group_size(group_size: int) -> None:
+    if group_size % 8:
+        raise ValueError(f"this backend needs a group size that is a multiple of 8, got {group_size}")
+
+
+def _check(scales: torch.Tensor, what: str) -> None:
+    """One device-to-host sync: the kernels flag bad groups with a NaN (NaN/Inf input) or Inf scale."""
+    bad = ~torch.isfinite(scales)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0])
+        raise_bad_group(what, first, nonfinite=bool(torch.isnan(scales[first])))

@@ -1,0 +1,161 @@
+"""`swarm bench kernels`: quantize/dequantize/AQ-SGD GB/s beside a torch memory copy, and the error they cost.
+
+Speeds are GB/s of float32 input (4 bytes per element) so every column compares with the copy of the same
+tensor (`dst.copy_(src)`, preallocated destination) timed in the same run. `dequantize` allocates its output,
+so for large tensors it pays the page faults of fresh memory that the copy does not; `dequantize_into` writes
+a preallocated tensor (`out=`), like the copy. `aqsgd_update` reads float32 activations and updates a float16
+buffer in place.
+`--encodings` instead prints the measurement behind the choice of scale dtype and group size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from swarm.bench.common import emit, median_seconds
+from swarm.kernels import DEFAULT_GROUP_SIZE, aqsgd_update, backend_name, dequantize, quantize, reference
+
+COLUMNS = [
+    "bits",
+    "size",
+    "numel",
+    "quantize_gbps",
+    "dequantize_gbps",
+    "dequantize_into_gbps",
+    "aqsgd_update_gbps",
+    "memcpy_gbps",
+    "quantize_vs_memcpy",
+    "rel_error",
+]
+ENCODING_COLUMNS = ["data", "bits", "fp16@128", "bf16@128", "fp32@128", "fp32@256", "fp32@512"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8], help="code widths (default 2 4 8)")
+    parser.add_argument(
+        "--sizes-kib",
+        type=int,
+        nargs="+",
+        default=[64, 256, 1024, 4096, 16384, 65536],
+        help="tensor sizes in KiB of float32 (default 64 KiB to 64 MiB)",
+    )
+    parser.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="elements per scale/min pair")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    parser.add_argument("--nearest", action="store_true", help="time round-to-nearest instead of stochastic")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own setting)")
+    parser.add_argument("--quick", action="store_true", help="64 KiB and 1 MiB only, 3 repeats: a smoke test")
+    parser.add_argument(
+        "--encodings",
+        action="store_true",
+        help="instead: error of fp16/bf16/fp32 scale encodings and group sizes on synthetic data",
+    )
+    parser.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.encodings:
+        emit(_encoding_rows(1 << 18 if args.quick else 1 << 20), ENCODING_COLUMNS, args.json,
+             "relative error ||x - deQ(Q(x))|| / ||x - mean(x)||, stochastic rounding")  # fmt: skip
+        return 0
+    sizes_kib = [64, 1024] if args.quick else args.sizes_kib
+    repeats = 3 if args.quick else args.repeats
+    rows = []
+    for size_kib in sizes_kib:
+        x = torch.randn(size_kib * 1024 // 4, generator=torch.Generator().manual_seed(0))
+        copy_target = torch.empty_like(x)
+        memcpy_gbps = _gbps(x, median_seconds(lambda: copy_target.copy_(x), repeats, warmup=2))  # noqa: B023
+        for bits in args.bits:
+            rows.append(_row(x, bits, args.group_size, not args.nearest, repeats, memcpy_gbps, size_kib))
+    title = (
+        f"backend={backend_name('cpu', args.group_size)} group_size={args.group_size} "
+        f"threads={torch.get_num_threads()} rounding={'nearest' if args.nearest else 'stochastic'}; "
+        "GB/s of float32 input"
+    )
+    emit(rows, COLUMNS, args.json, title)
+    return 0
+
+
+def _row(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, repeats: int, memcpy: float, kib: int):
+    q = quantize(x, bits, group_size, stochastic=stochastic, seed=0)
+    buffer = torch.zeros(x.numel(), dtype=torch.float16)
+    output = torch.empty_like(x)
+    quantize_gbps = _gbps(x, median_seconds(lambda: quantize(x, bits, group_size, stochastic=stochastic), repeats, 2))
+    return {
+        "bits": bits,
+        "size": f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB",
+        "numel": x.numel(),
+        "group_size": group_size,
+        "quantize_gbps": quantize_gbps,
+        "dequantize_gbps": _gbps(x, median_seconds(lambda: dequantize(q), repeats, 2)),
+        "dequantize_into_gbps": _gbps(x, median_seconds(lambda: dequantize(q, out=output), repeats, 2)),
+        "aqsgd_update_gbps": _gbps(
+            x, median_seconds(lambda: aqsgd_update(x, buffer, bits, group_size, stochastic=stochastic), repeats, 2)
+        ),
+        "memcpy_gbps": memcpy,
+        "quantize_vs_memcpy": quantize_gbps / memcpy,
+        "rel_error": float((dequantize(q) - x).norm() / x.norm()),
+    }
+
+
+def _gbps(x: torch.Tensor, seconds: float) -> float:
+    return x.numel() * 4 / seconds / 1e9
+
+
+def _encoding_rows(numel: int) -> list[dict]:
+    """Our float32 grid at several group sizes beside 16-bit pairs (min rounded down, scale up) at group 128."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = 1024
+    channel_scale = torch.ones(hidden)
+    channel_scale[torch.randperm(hidden, generator=generator)[:8]] = 20.0  # a few outlier features
+    data = {
+        "N(0,1)": torch.randn(numel, generator=generator),
+        "activations, 8/1024 outlier channels x20": (
+            torch.randn(numel // hidden, hidden, generator=generator) * channel_scale
+        ).reshape(-1),
+        "gradients N(0,1e-7)": 1e-7 * torch.randn(numel, generator=generator),
+        "gradients N(0,1e-9)": 1e-9 * torch.randn(numel, generator=generator),
+        "offset N(30,0.1)": 30 + 0.1 * torch.randn(numel, generator=generator),
+        "offset N(100,0.01)": 100 + 0.01 * torch.randn(numel, generator=generator),
+    }
+    rows = []
+    for name, x in data.items():
+        spread = float((x.double() - x.double().mean()).norm())
+        for bits in (2, 4, 8):
+
+            def error(y: torch.Tensor, x: torch.Tensor = x, spread: float = spread) -> float:
+                return float((x.double() - y.double()).norm()) / spread
+
+            row = {"data": name, "bits": bits}
+            row["fp16@128"] = error(_sixteen_bit_pair(x, bits, 128, torch.float16, generator))
+            row["bf16@128"] = error(_sixteen_bit_pair(x, bits, 128, torch.bfloat16, generator))
+            for group_size in (128, 256, 512):
+                q = reference.quantize(x, bits, group_size, seed=1)
+                row[f"fp32@{group_size}"] = error(reference.dequantize(q))
+            rows.append(row)
+    return rows
+
+
+def _sixteen_bit_pair(
+    x: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype, generator: torch.Generator
+) -> torch.Tensor:
+    """deQ(Q(x)) with min and scale stored in `dtype`: min rounded toward -inf, scale toward +inf."""
+    levels = 2**bits - 1
+    groups = x.view(-1, group_size)
+    lo, hi = groups.amin(dim=1), groups.amax(dim=1)
+    lo_stored = lo.to(dtype)
+    lo_stored = torch.where(
+        lo_stored.float() > lo, torch.nextafter(lo_stored, lo_stored.new_tensor(-math.inf)), lo_stored
+    )
+    scale = ((hi - lo_stored.float()) / levels).to(dtype)
+    for _ in range(4):  # bump the scale up until the codes cover the group
+        short = lo_stored.float() + levels * scale.float() < hi
+        scale = torch.where(short, torch.nextafter(scale, scale.new_tensor(math.inf)), scale)
+    mins, scales = lo_stored.float()[:, None], scale.float()[:, None]
+    v = (groups - mins) / torch.where(scales > 0, scales, 1.0)
+    codes = torch.floor(v + torch.rand(groups.shape, generator=generator)).clamp(0, levels)
+    return (mins + codes * scales).reshape(-1)
