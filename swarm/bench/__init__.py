@@ -1,0 +1,1 @@
+"""Benchmarks: programs that print figures, and JSON with --json."""

@@ -1,0 +1,213 @@
+"""One pipeline stage's compute: forward and backward per micro-batch, and the optimizer step.
+
+`StageWorker` is pure compute with no transport. The in-process runtime (`swarm.pipeline`) calls it
+directly; a gRPC servicer calls the same methods after decoding a message, so both paths share one
+implementation of what a stage does. Everything a stage needs to know about the rest of the pipeline
+arrives as arguments: the gradient of the objective with respect to its output, the global gradient
+norm for clipping, and the sum of the tied embedding's gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.model import Stage
+
+__all__ = ["OptimConfig", "StageConfig", "lr_at", "StageWorker"]
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay, and clipping by the global gradient norm."""
+
+    lr_peak: float = 3e-3
+    """Learning rate reached at the end of the warm-up."""
+    lr_min_ratio: float = 0.1
+    """Learning rate at the end of the cosine, as a fraction of `lr_peak`."""
+    warmup_steps: int = 20
+    """Optimizer steps of linear warm-up from 0."""
+    total_steps: int = 1000
+    """Optimizer steps the cosine spans; the rate stays at its minimum afterwards."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of matrices (embeddings, linear weights); none on norms."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's moment decay rates."""
+    grad_clip_norm: float | None = 1.0
+    """Clip the global gradient norm (all stages, tied embedding counted once) to this; None = off."""
+
+    def __post_init__(self) -> None:
+        if self.lr_peak <= 0 or not 0 <= self.lr_min_ratio <= 1:
+            raise ValueError("need lr_peak > 0 and 0 <= lr_min_ratio <= 1")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError("need warmup_steps >= 0 and total_steps >= 1")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """How a stage computes and learns."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    autocast_bf16: bool = False
+    """Run the forward under bf16 autocast (weights and optimizer state stay fp32)."""
+
+
+def lr_at(cfg: OptimConfig, step: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine to the minimum."""
+    if step < cfg.warmup_steps:
+        return cfg.lr_peak * (step + 1) / cfg.warmup_steps
+    span = max(cfg.total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    ratio = cfg.lr_min_ratio + (1 - cfg.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr_peak * ratio
+
+
+class StageWorker:
+    """Owns one stage's module, optimizer and the tensors saved between a micro-batch's F and B.
+
+    Args:
+        module: the stage (from `swarm.model.build_stage`).
+        cfg: optimizer, schedule and precision.
+    """
+
+    def __init__(self, module: Stage, cfg: StageConfig | None = None) -> None:
+        self.module = module
+        self.cfg = cfg or StageConfig()
+        self.step_count = 0
+        decay = [p for p in module.parameters() if p.dim() >= 2]
+        no_decay = [p for p in module.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        self.optimizer = torch.optim.AdamW(groups, lr=lr_at(self.cfg.optim, 0), betas=self.cfg.optim.betas)
+        # Per micro-batch: (input that needs a gradient or None, output) saved by forward for backward.
+        self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.peak_in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose forward has run and backward has not (their activations are held)."""
+        return len(self._saved)
+
+    def forward(
+        self,
+        mb: int,
+        inputs: torch.Tensor,
+        sample_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run micro-batch `mb` forward and keep what its backward needs.
+
+        Args:
+            mb: micro-batch index within the step; must not be in flight already.
+            inputs: token ids [B, T] on the first stage; elsewhere the activation as the receiver sees it
+                (for AQ-SGD, the message buffer m, not the sender's true activation).
+            sample_ids: ids of the rows; unused by the compute, accepted so every caller passes the same
+                arguments (the boundary codecs key their buffers by them).
+            targets: next tokens [B, T]; the last stage returns the loss when given.
+
+        Returns:
+            The output, detached: the activation [B, T, D], or on the last stage the mean loss (scalar).
+        """
+        del sample_ids
+        if mb in self._saved:
+            raise RuntimeError(f"micro-batch {mb} is already in flight on this stage")
+        x = inputs
+        if not self.module.is_first:
+            x = inputs.detach().requires_grad_(True)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast_bf16 else nullcontext()
+        with autocast:
+            out = self.module(x, targets) if self.module.is_last else self.module(x)
+        self._saved[mb] = (x if x.requires_grad else None, out)
+        self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
+        return out.detach()
+
+    def backward(self, mb: int, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """Backpropagate micro-batch `mb`, accumulating parameter gradients, and free its activations.
+
+        Args:
+            mb: a micro-batch whose forward has run.
+            grad_out: gradient of the step's objective with respect to this stage's output: for the last
+                stage, the weight of this micro-batch's loss in the step's loss (a scalar, e.g.
+                1 / n_micro); elsewhere the decoded gradient from the next stage.
+
+        Returns:
+            The gradient with respect to this stage's input (to send to the previous stage), or None on
+            the first stage.
+        """
+        x, out = self._saved.pop(mb)
+        out.backward(grad_out.to(out.dtype).reshape(out.shape))
+        return None if x is None else x.grad
+
+    # Between the last backward and `step`, the runtime synchronises the tied embedding and computes the
+    # global gradient norm; over the network both are small exchanges of one tensor or one number.
+
+    def tied_grad(self) -> torch.Tensor | None:
+        """The gradient of this stage's copy of the tied embedding (zeros if it received none)."""
+        param = self.module.tied_parameter()
+        if param is None:
+            return None
+        return torch.zeros_like(param) if param.grad is None else param.grad.detach().clone()
+
+    def set_tied_grad(self, grad: torch.Tensor) -> None:
+        """Replace this stage's tied-embedding gradient by `grad` (the sum over both copies)."""
+        param = self.module.tied_parameter()
+        if param is None:
+            raise RuntimeError("this stage holds no tied embedding")
+        param.grad = grad.detach().clone().to(param.dtype)
+
+    def grad_sq_norm(self) -> float:
+        """Sum of squared gradients of this stage's parameters; the last stage's tied copy is left out when
+        the first stage holds the original, so the global norm counts the tied weight once."""
+        skip = self.module.tied_parameter() if not self.module.is_first else None
+        total = 0.0
+        for p in self.module.parameters():
+            if p.grad is not None and p is not skip:
+                total += float(p.grad.detach().float().pow(2).sum())
+        return total
+
+    def step(self, global_grad_norm: float | None = None) -> float:
+        """Clip by the global norm, take one optimizer step at the scheduled rate, zero the gradients.
+
+        Args:
+            global_grad_norm: the norm over all stages (from every stage's `grad_sq_norm`); None uses this
+                stage's own, which is right only for a single-stage pipeline.
+
+        Returns:
+            The learning rate used.
+        """
+        if self._saved:
+            raise RuntimeError(f"step with micro-batches still in flight: {sorted(self._saved)}")
+        optim = self.cfg.optim
+        norm = math.sqrt(self.grad_sq_norm()) if global_grad_norm is None else global_grad_norm
+        if optim.grad_clip_norm is not None and norm > optim.grad_clip_norm:
+            scale = optim.grad_clip_norm / (norm + 1e-6)
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        lr = lr_at(optim, self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return lr
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients and in-flight activations (e.g. after an aborted step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._saved.clear()
+
+    @torch.no_grad()
+    def infer(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward without keeping anything for backward (evaluation)."""
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast_bf16 else nullcontext()
+        with autocast:
+            return self.module(inputs, targets) if self.module.is_last else self.module(inputs)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
