@@ -162,9 +162,7 @@ class Stage(nn.Module):
     the residual stream, or on the last stage the loss (with targets) or logits (without).
     """
 
-    def __init__(
-        self, cfg: ModelConfig, layer_start: int, layer_end: int, is_first: bool, is_last: bool
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, is_first: bool, is_last: bool) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer_start, self.layer_end = layer_start, layer_end

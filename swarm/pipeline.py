@@ -161,9 +161,7 @@ class Pipeline:
         schedule: str | Callable[[int, int], Plan] = "1f1b",
     ) -> None:
         if len(boundaries) != len(workers) - 1:
-            raise ValueError(
-                f"{len(workers)} stages need {len(workers) - 1} boundaries, got {len(boundaries)}"
-            )
+            raise ValueError(f"{len(workers)} stages need {len(workers) - 1} boundaries, got {len(boundaries)}")
         self.workers, self.boundaries = workers, boundaries
         self.schedule = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
 
@@ -238,9 +236,7 @@ class Pipeline:
         return total / max(count, 1)
 
 
-def build_workers(
-    model_cfg: ModelConfig, n_stages: int, stage_cfg: StageConfig | None = None
-) -> list[StageWorker]:
+def build_workers(model_cfg: ModelConfig, n_stages: int, stage_cfg: StageConfig | None = None) -> list[StageWorker]:
     """`n_stages` workers holding contiguous, even layer ranges of the model (see `split_layers`)."""
     ranges = split_layers(model_cfg.n_layers, n_stages)
     return [

@@ -30,15 +30,19 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def save_line_plots(panels: list[Panel], path: Path, suptitle: str = "") -> Path:
-    """Draw the panels side by side into `path` (PNG) and return it."""
+def save_line_plots(panels: list[Panel], path: Path, suptitle: str = "", ncols: int = 2) -> Path:
+    """Draw the panels in a grid of `ncols` columns into `path` (PNG) and return it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=True):
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels, strict=False):
         for name, (xs, ys) in panel.series.items():
             ax.plot(xs, ys, label=name, linewidth=1.4, marker="o" if len(xs) < 30 else None, markersize=3)
         ax.set_title(panel.title)

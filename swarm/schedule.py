@@ -70,8 +70,7 @@ def gpipe(n_stages: int, n_micro: int) -> Plan:
     """
     _check_sizes(n_stages, n_micro)
     return [
-        [Action(s, F, m) for m in range(n_micro)] + [Action(s, B, m) for m in range(n_micro)]
-        for s in range(n_stages)
+        [Action(s, F, m) for m in range(n_micro)] + [Action(s, B, m) for m in range(n_micro)] for s in range(n_stages)
     ]
 
 

@@ -47,12 +47,8 @@ def test_batch_targets_are_inputs_shifted_by_one(text_file):
 
 
 def test_epochs_reshuffle_with_the_seed_and_see_every_sample_once(text_file):
-    train, _, _ = build_datasets(
-        DataConfig(path=str(text_file), seq_len_tokens=15, train_samples=40, eval_samples=2)
-    )
-    order = lambda epoch, seed: torch.cat(
-        [b.sample_ids for b in epoch_batches(train, 8, epoch, seed)]
-    ).tolist()
+    train, _, _ = build_datasets(DataConfig(path=str(text_file), seq_len_tokens=15, train_samples=40, eval_samples=2))
+    order = lambda epoch, seed: torch.cat([b.sample_ids for b in epoch_batches(train, 8, epoch, seed)]).tolist()
     assert sorted(order(0, 0)) == train.ids.tolist()
     assert order(0, 0) == order(0, 0)
     assert order(0, 0) != order(1, 0) and order(0, 0) != order(0, 1)

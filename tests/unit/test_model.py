@@ -45,9 +45,7 @@ def test_init_is_deterministic_and_depends_on_the_seed():
 
 @pytest.mark.parametrize("n_stages", [2, 3])
 def test_chained_stages_compute_the_full_model(n_stages):
-    tokens = torch.randint(
-        0, CFG.vocab_size, (2, CFG.seq_len_tokens), generator=torch.Generator().manual_seed(0)
-    )
+    tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len_tokens), generator=torch.Generator().manual_seed(0))
     targets = tokens.roll(-1, dims=1)
     full = GPT(CFG)
     stages = _stages(CFG, n_stages)
@@ -70,9 +68,7 @@ def test_tied_parameter_per_stage():
 
 
 def test_loss_starts_near_uniform():
-    tokens = torch.randint(
-        0, CFG.vocab_size, (4, CFG.seq_len_tokens), generator=torch.Generator().manual_seed(1)
-    )
+    tokens = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len_tokens), generator=torch.Generator().manual_seed(1))
     loss = GPT(CFG)(tokens, tokens.roll(-1, dims=1))
     assert abs(loss.item() - torch.log(torch.tensor(CFG.vocab_size)).item()) < 0.2
 

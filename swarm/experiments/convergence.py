@@ -1,0 +1,449 @@
+"""`swarm experiment convergence`: the same model and data trained under each codec setting, in one process.
+
+Every setting starts from the same weights (the model seed) and sees the same batches in the same order
+(the data seed); only what crosses the stage boundaries differs. The runtime is the in-process pipeline,
+whose boundaries run the real codecs and framing, so the byte counts are those the network would carry.
+
+AQ-SGD only pays off once samples come back: in the first epoch every sample is new and travels in full
+(in the buffer dtype, fp16), so the run spans several epochs and reports bytes over the whole run and over
+the epochs after the first ("steady"). The `@wN` variant of a setting first trains N epochs uncompressed
+(fp32 both ways) and then switches to its codecs, whose buffers are then empty: it measures the optional
+warm-up of the AQ-SGD paper, at the price of those epochs' full-size traffic.
+
+Held-out loss is measured through the stages' exact forward (no codecs), so it judges the trained weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from swarm.compression import CodecConfig
+from swarm.data import DataConfig, SampleSet, build_datasets, epoch_batches
+from swarm.model import ModelConfig
+from swarm.pipeline import CodecBoundary, Pipeline, build_workers
+from swarm.plots import Panel, moving_average, save_line_plots
+from swarm.stage import OptimConfig, StageConfig
+
+__all__ = ["Setting", "ExperimentConfig", "add_arguments", "run", "run_experiment", "DEFAULT_SETTINGS"]
+
+DEFAULT_SETTINGS = (
+    "fp32/fp32",
+    "directq2/gradq4+ef",
+    "aqsgd2/gradq4+ef",
+    "aqsgd2/gradq4",
+    "aqsgd2+sr/gradq4+ef",
+    "aqsgd2/gradq4+ef@w1",
+    "directq4/gradq8+ef",
+    "aqsgd4/gradq8+ef",
+)
+QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "aqsgd2/gradq4+ef")
+TARGET_SETTING = "aqsgd2/gradq4+ef"
+"""The setting the issue's targets are about: AQ-SGD forward 2 bits, backward 4 bits."""
+ROUNDING = {"sr": True, "nr": False}
+"""Codec suffixes that pick stochastic (`+sr`) or round-to-nearest (`+nr`) quantization."""
+
+
+def _parse_codec(text: str, defaults: dict) -> CodecConfig:
+    head, *mods = text.split("+")
+    overrides = dict(defaults)
+    for mod in mods:
+        if mod in ROUNDING:
+            overrides["stochastic"] = ROUNDING[mod]
+        elif mod != "ef":
+            raise ValueError(f"unknown codec suffix +{mod} in {text!r} (known: +ef, +sr, +nr)")
+    return CodecConfig.parse(head + ("+ef" if "ef" in mods else ""), **overrides)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A codec pair for every boundary, optionally after uncompressed warm-up epochs."""
+
+    name: str
+    """As given on the command line, e.g. `aqsgd2/gradq4+ef@w1`."""
+    forward: CodecConfig
+    """Codec of the activations."""
+    backward: CodecConfig
+    """Codec of the activation gradients."""
+    warmup_epochs: int = 0
+    """Epochs trained with fp32 both ways before switching to the codecs."""
+
+    @classmethod
+    def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
+        """`FW/BW[@wN]`, each codec a `CodecConfig.parse` label plus optional `+sr`/`+nr` rounding.
+
+        Args:
+            text: e.g. `aqsgd2/gradq4+ef@w1` (one uncompressed warm-up epoch) or `aqsgd2+sr/gradq4`.
+            forward_defaults: CodecConfig fields for the forward codec unless the text overrides them.
+            backward_defaults: the same for the backward codec.
+        """
+        pair, _, warmup = text.partition("@w")
+        fw, sep, bw = pair.partition("/")
+        if not sep:
+            raise ValueError(f"setting {text!r} is not FW/BW, e.g. aqsgd2/gradq4+ef")
+        return cls(
+            text,
+            _parse_codec(fw, forward_defaults or {}),
+            _parse_codec(bw, backward_defaults or {}),
+            int(warmup) if warmup else 0,
+        )
+
+
+def _bits(cfg: CodecConfig) -> int:
+    return {"fp32": 32, "fp16": 16, "bf16": 16}.get(cfg.name, cfg.bits)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one run of the experiment depends on."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    settings: tuple[str, ...] = DEFAULT_SETTINGS
+    """Codec settings, `FW/BW[@wN]`; fp32/fp32 is added first when missing (it is the baseline)."""
+    n_stages: int = 2
+    """Pipeline stages; every boundary runs the setting's codecs."""
+    schedule: str = "1f1b"
+    """gpipe or 1f1b (the losses do not depend on it)."""
+    batch_size: int = 16
+    """Samples per optimizer step."""
+    n_micro: int = 4
+    """Micro-batches per step."""
+    epochs: int = 8
+    """Passes over the training samples."""
+    warmup_fraction: float = 0.05
+    """Share of the run spent in the learning-rate warm-up."""
+    data_seed: int = 0
+    """Seed of the per-epoch shuffling."""
+    forward_group_size: int | None = 128
+    """Quantization group of the activation codecs (each group adds a 32-bit scale and a 32-bit min)."""
+    forward_stochastic: bool = False
+    """Stochastic rounding of the activation codecs. Off by default: AQ-SGD's buffers carry any error into
+    the next delta (an error-feedback loop), so unbiasedness buys nothing there, while round-to-nearest
+    halves the error variance; with 2 bits that decides whether m keeps up with the activations."""
+    backward_group_size: int | None = 1024
+    """Quantization group of the gradient codecs."""
+    backward_stochastic: bool = True
+    """Stochastic rounding of the gradient codecs (unbiased gradients)."""
+    zstd_level: int = 1
+    """zstd level of the framing."""
+    autocast_bf16: bool = False
+    """Run stage forwards under bf16 autocast."""
+
+
+@dataclass
+class SettingResult:
+    setting: Setting
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _run_setting(
+    setting: Setting, cfg: ExperimentConfig, train: SampleSet, evals: SampleSet, progress
+) -> SettingResult:
+    steps_per_epoch = len(train) // cfg.batch_size
+    total = steps_per_epoch * cfg.epochs
+    optim = replace(cfg.optim, total_steps=total, warmup_steps=max(1, round(total * cfg.warmup_fraction)))
+    workers = build_workers(cfg.model, cfg.n_stages, StageConfig(optim, cfg.autocast_bf16))
+    fp32 = CodecConfig(name="fp32", zstd_level=cfg.zstd_level)
+    result, step, start = SettingResult(setting), 0, time.perf_counter()
+
+    def links(epoch: int) -> list[CodecBoundary]:  # fresh links: AQ-SGD buffers start empty
+        fw, bw = (fp32, fp32) if epoch < setting.warmup_epochs else (setting.forward, setting.backward)
+        return [CodecBoundary(fw, bw) for _ in range(cfg.n_stages - 1)]
+
+    pipe = Pipeline(workers, links(0), cfg.schedule)
+    eval_batch = cfg.batch_size * 2
+    result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
+    for epoch in range(cfg.epochs):
+        if epoch and epoch == setting.warmup_epochs:
+            pipe.boundaries = links(epoch)
+        for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
+            r = pipe.train_step(batch, cfg.n_micro)
+            step += 1
+            result.steps.append(
+                {
+                    "step": step,
+                    "epoch": epoch,
+                    "train_loss": r.loss,
+                    "lr": r.lr,
+                    "grad_norm": r.grad_norm,
+                    "forward_bytes": r.forward_bytes,
+                    "backward_bytes": r.backward_bytes,
+                }
+            )
+            progress.set_postfix_str(f"{setting.name} epoch {epoch + 1} loss {r.loss:.3f}")
+            progress.update(1)
+        result.evals.append({"epoch": epoch + 1, "step": step, "eval_loss": pipe.evaluate(evals, eval_batch)})
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
+    def wire(r: SettingResult, min_epoch: int = 0) -> int:
+        return sum(s["forward_bytes"] + s["backward_bytes"] for s in r.steps if s["epoch"] >= min_epoch)
+
+    last_epoch = [s["train_loss"] for s in res.steps if s["epoch"] == epochs - 1]
+    fp32_eval = fp32.evals[-1]["eval_loss"]
+    eval_loss = res.evals[-1]["eval_loss"]
+    s = res.setting
+    steady, fp32_steady = wire(res, 1), wire(fp32, 1)
+    return {
+        "setting": s.name,
+        "forward": s.forward.label,
+        "backward": s.backward.label,
+        "fw_bits": _bits(s.forward),
+        "bw_bits": _bits(s.backward),
+        "error_feedback": s.backward.error_feedback,
+        "warmup_epochs": s.warmup_epochs,
+        "final_train_loss": sum(last_epoch) / max(len(last_epoch), 1),
+        "final_eval_loss": eval_loss,
+        "eval_vs_fp32_pct": 100 * (eval_loss - fp32_eval) / fp32_eval,
+        "wire_bytes": wire(res),
+        "fp32_wire_bytes": wire(fp32),
+        "ratio_vs_fp32": wire(fp32) / max(wire(res), 1),
+        "forward_bytes": sum(x["forward_bytes"] for x in res.steps),
+        "backward_bytes": sum(x["backward_bytes"] for x in res.steps),
+        "first_epoch_bytes": wire(res) - steady,
+        "steady_wire_bytes": steady,
+        "steady_ratio_vs_fp32": fp32_steady / max(steady, 1) if epochs > 1 else float("nan"),
+        "steps": len(res.steps),
+        "seconds": round(res.seconds, 1),
+    }
+
+
+def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True) -> list[dict]:
+    """Train every setting, write losses.csv, eval.csv, loss.png, results.json and results.md under `out`."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    fw = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic, "zstd_level": cfg.zstd_level}
+    bw = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic, "zstd_level": cfg.zstd_level}
+    names = list(dict.fromkeys(("fp32/fp32", *cfg.settings)))
+    settings = [Setting.parse(n, fw, bw) for n in names]
+    train, evals, report = build_datasets(cfg.data)
+    print(report.describe(), file=sys.stderr, flush=True)
+    steps_per_epoch = len(train) // cfg.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"{len(train)} training samples do not fill one batch of {cfg.batch_size}")
+    results = []
+    with tqdm(total=steps_per_epoch * cfg.epochs * len(settings), desc="convergence", disable=not show_progress) as bar:
+        for setting in settings:
+            results.append(_run_setting(setting, cfg, train, evals, bar))
+    rows = [_summarize(r, results[0], cfg.epochs) for r in results]
+    _write_outputs(cfg, results, rows, out, report.describe())
+    return rows
+
+
+def _write_outputs(cfg: ExperimentConfig, results: list[SettingResult], rows: list[dict], out: Path, data: str):
+    with open(out / "losses.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["setting", *results[0].steps[0].keys()])
+        writer.writeheader()
+        for r in results:
+            writer.writerows({"setting": r.setting.name, **s} for s in r.steps)
+    with open(out / "eval.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["setting", "epoch", "step", "eval_loss"])
+        writer.writeheader()
+        for r in results:
+            writer.writerows({"setting": r.setting.name, **e} for e in r.evals)
+    window = max(1, len(results[0].steps) // cfg.epochs // 2)  # half an epoch
+    train_panel = Panel(f"training loss (moving mean of {window} steps)", "step", "loss")
+    eval_panel = Panel("held-out loss", "step", "loss")
+    gap_panel = Panel("held-out loss vs fp32", "step", "% above fp32")
+    bytes_panel = Panel("bytes across stage boundaries", "step", "cumulative MB", logy=True)
+    fp32_evals = [e["eval_loss"] for e in results[0].evals]
+    for r in results:
+        xs, name = [s["step"] for s in r.steps], r.setting.name
+        train_panel.series[name] = (xs, moving_average([s["train_loss"] for s in r.steps], window))
+        eval_steps, evals = [e["step"] for e in r.evals], [e["eval_loss"] for e in r.evals]
+        eval_panel.series[name] = (eval_steps, evals)
+        gap_panel.series[name] = (eval_steps, [100 * (a - b) / b for a, b in zip(evals, fp32_evals, strict=True)])
+        sent = 0.0
+        cumulative = []
+        for s in r.steps:
+            sent += (s["forward_bytes"] + s["backward_bytes"]) / 1e6
+            cumulative.append(sent)
+        bytes_panel.series[name] = (xs, cumulative)
+    title = f"{cfg.n_stages} stages, {cfg.epochs} epochs, hidden {cfg.model.hidden_dim}, {cfg.model.n_layers} layers"
+    save_line_plots([train_panel, eval_panel, gap_panel, bytes_panel], out / "loss.png", title)
+    (out / "results.json").write_text(
+        json.dumps({"config": _jsonable(asdict(cfg)), "data": data, "rows": rows}, indent=2) + "\n"
+    )
+    (out / "results.md").write_text(format_table(rows) + "\n")
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def format_table(rows: list[dict]) -> str:
+    """The results as a Markdown table."""
+    cols = [
+        ("setting", "setting", "{}"),
+        ("final_train_loss", "train loss", "{:.4f}"),
+        ("final_eval_loss", "held-out loss", "{:.4f}"),
+        ("eval_vs_fp32_pct", "vs fp32", "{:+.2f}%"),
+        ("wire_bytes", "wire MB", "{:.1f}"),
+        ("ratio_vs_fp32", "x fewer bytes", "{:.2f}"),
+        ("steady_ratio_vs_fp32", "x fewer after epoch 1", "{:.2f}"),
+        ("seconds", "s", "{:.0f}"),
+    ]
+    lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for row in rows:
+        cells = []
+        for key, _, fmt in cols:
+            value = row[key] / 1e6 if key == "wire_bytes" else row[key]
+            cells.append(fmt.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def check_targets(rows: list[dict]) -> list[tuple[str, bool]]:
+    """The issue's targets for AQ-SGD fw 2 / bw 4 bits, as (statement, met) pairs."""
+    row = next((r for r in rows if r["setting"] == TARGET_SETTING), None)
+    if row is None:
+        return []
+    return [
+        (
+            f"{TARGET_SETTING} held-out loss within 2% of fp32 ({row['eval_vs_fp32_pct']:+.2f}%)",
+            row["eval_vs_fp32_pct"] <= 2.0,
+        ),
+        (
+            f"{TARGET_SETTING} >= 5x fewer boundary bytes over the run ({row['ratio_vs_fp32']:.2f}x)",
+            row["ratio_vs_fp32"] >= 5.0,
+        ),
+        (
+            f"{TARGET_SETTING} >= 10x fewer after the first epoch ({row['steady_ratio_vs_fp32']:.2f}x)",
+            row["steady_ratio_vs_fp32"] >= 10.0,
+        ),
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d, m = ExperimentConfig(), ModelConfig()
+    add = parser.add_argument
+    add("--out", type=Path, default=None, help="output folder (default runs/convergence-<timestamp>)")
+    add(
+        "--settings",
+        default=",".join(DEFAULT_SETTINGS),
+        help="comma-separated codec settings FW/BW[@wN]: codec labels fp32, fp16, bf16, directqB, aqsgdB, gradqB "
+        "(B bits); suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), @wN (N "
+        "uncompressed warm-up epochs first); fp32/fp32 always runs first as the baseline "
+        f"(default: {','.join(DEFAULT_SETTINGS)})",
+    )
+    add("--epochs", type=int, default=d.epochs, help="passes over the training samples (default %(default)s)")
+    add("--stages", type=int, default=d.n_stages, help="pipeline stages (default %(default)s)")
+    add("--schedule", choices=["gpipe", "1f1b"], default=d.schedule, help="pipeline schedule (default %(default)s)")
+    add("--batch-size", type=int, default=d.batch_size, help="samples per optimizer step (default %(default)s)")
+    add("--micro-batches", type=int, default=d.n_micro, help="micro-batches per step (default %(default)s)")
+    add("--train-samples", type=int, default=d.data.train_samples, help="training samples (default %(default)s)")
+    add("--eval-samples", type=int, default=d.data.eval_samples, help="held-out samples (default %(default)s)")
+    add("--data", default=None, help="a text file or folder of them (default: the Python stdlib's docstrings)")
+    add("--seq-len", type=int, default=m.seq_len_tokens, help="tokens per sample (default %(default)s)")
+    add("--hidden", type=int, default=m.hidden_dim, help="model width (default %(default)s)")
+    add("--layers", type=int, default=m.n_layers, help="transformer blocks (default %(default)s)")
+    add("--heads", type=int, default=m.n_heads, help="attention heads (default %(default)s)")
+    add(
+        "--lr",
+        type=float,
+        default=d.optim.lr_peak,
+        help="peak learning rate, warm-up then cosine (default %(default)s)",
+    )
+    add("--seed", type=int, default=0, help="model init and data shuffling seed (default %(default)s)")
+    add(
+        "--fw-group-size",
+        type=int,
+        default=d.forward_group_size,
+        help="activation quantization group (default %(default)s)",
+    )
+    add(
+        "--bw-group-size",
+        type=int,
+        default=d.backward_group_size,
+        help="gradient quantization group (default %(default)s)",
+    )
+    add(
+        "--fw-rounding",
+        choices=["nearest", "stochastic"],
+        default="stochastic" if d.forward_stochastic else "nearest",
+        help="rounding of the activation codecs unless a setting says +sr/+nr (default %(default)s)",
+    )
+    add("--zstd-level", type=int, default=d.zstd_level, help="zstd level of the framing, 0 = off (default %(default)s)")
+    add("--bf16", action="store_true", help="bf16 autocast in the stage forwards")
+    add("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
+    add("--quick", action="store_true", help="tiny model and data, 3 epochs, 3 settings: a smoke test in seconds")
+    add("--no-progress", action="store_true", help="hide the progress bar")
+    add("--json", action="store_true", help="print the result rows as JSON instead of a table")
+
+
+def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
+    settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
+    cfg = ExperimentConfig(
+        model=ModelConfig(
+            seq_len_tokens=args.seq_len,
+            hidden_dim=args.hidden,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            init_seed=args.seed,
+        ),
+        data=DataConfig(
+            path=args.data,
+            seq_len_tokens=args.seq_len,
+            train_samples=args.train_samples,
+            eval_samples=args.eval_samples,
+        ),
+        optim=OptimConfig(lr_peak=args.lr),
+        settings=settings,
+        n_stages=args.stages,
+        schedule=args.schedule,
+        batch_size=args.batch_size,
+        n_micro=args.micro_batches,
+        epochs=args.epochs,
+        data_seed=args.seed,
+        forward_group_size=args.fw_group_size,
+        forward_stochastic=args.fw_rounding == "stochastic",
+        backward_group_size=args.bw_group_size,
+        zstd_level=args.zstd_level,
+        autocast_bf16=args.bf16,
+    )
+    if not args.quick:
+        return cfg
+    return replace(
+        cfg,
+        model=ModelConfig(seq_len_tokens=32, hidden_dim=32, n_layers=2, n_heads=2, init_seed=args.seed),
+        data=DataConfig(path=args.data, seq_len_tokens=32, train_samples=48, eval_samples=16),
+        optim=OptimConfig(lr_peak=3e-3),
+        settings=QUICK_SETTINGS if settings == DEFAULT_SETTINGS else settings,
+        n_stages=2,
+        batch_size=8,
+        n_micro=2,
+        epochs=3,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    cfg = config_from_args(args)
+    out = args.out or Path("runs") / f"convergence-{time.strftime('%Y%m%d-%H%M%S')}"
+    rows = run_experiment(cfg, out, show_progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(format_table(rows))
+    for statement, met in check_targets(rows):
+        print(f"[{'met' if met else 'MISSED'}] {statement}")
+    print(f"wrote {out}/losses.csv, eval.csv, loss.png, results.json, results.md")
+    return 0
