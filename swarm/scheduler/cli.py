@@ -1,0 +1,176 @@
+"""`swarm plan`: plan stages, layer ranges and peers for a DT-FM scenario, a JSON file or (later) the DHT.
+
+Reads the swarm into a `PlanInput`, runs the planner and prints the plan (or its JSON). The same code path
+serves simulations and live swarms: only where the `PlanInput` comes from differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from swarm.scheduler.localsearch import AnnealConfig
+from swarm.scheduler.model import ModelSpec, Plan, PlanInput, TransformerShape
+from swarm.scheduler.scenarios import GB, SCENARIO_NAMES, load_scenario
+from swarm.scheduler.search import SearchConfig, plan, plan_dtfm
+
+__all__ = ["add_arguments", "run"]
+
+_PEERS_SHOWN = 6  # replicas listed per stage before eliding
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("where the swarm comes from (one of)")
+    source.add_argument(
+        "--scenario",
+        help=f"one of DT-FM's simulated swarms: {', '.join(SCENARIO_NAMES)} (or its index 0-5)",
+    )
+    source.add_argument(
+        "--input",
+        metavar="FILE.json",
+        help="peers (peer_id, compute_flops_per_s, memory_bytes), delay_s (or delay_ms) and "
+        "bandwidth_bytes_per_s (or bandwidth_gbps) matrices; see --save-input for an example",
+    )
+    source.add_argument("--dht", metavar="ADDR", help="read the live swarm from a DHT peer (not yet available)")
+    parser.add_argument(
+        "--cost-model",
+        choices=("full", "dtfm"),
+        default="full",
+        help="full: ours (compute, compressed transfers, latency, micro-batch pacing, gradient averaging, "
+        "memory; free stages and layer ranges); dtfm: DT-FM's data-parallel + 2 x pipeline cost on its "
+        "fixed grid (default: full)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="search seed: the same seed gives the same plan")
+    parser.add_argument("--moves", type=int, default=2000, help="annealing moves per refined candidate (default 2000)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (the form published in the DHT)")
+    parser.add_argument("--save-input", metavar="FILE.json", help="also write the swarm as a --input file")
+    model = parser.add_argument_group("model (full cost model)")
+    shape = TransformerShape()
+    model.add_argument("--layers", type=int, default=shape.layers, help=f"transformer layers (default {shape.layers})")
+    model.add_argument("--hidden", type=int, default=shape.hidden, help=f"hidden size (default {shape.hidden})")
+    model.add_argument(
+        "--seq-len", type=int, default=shape.seq_len, help=f"tokens per sample (default {shape.seq_len})"
+    )
+    model.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=shape.micro_batch_size,
+        help=f"samples per micro-batch (default {shape.micro_batch_size})",
+    )
+    model.add_argument(
+        "--micro-batches",
+        type=int,
+        default=shape.micro_batches,
+        help=f"micro-batches per step over all replicas (default {shape.micro_batches})",
+    )
+    model.add_argument(
+        "--forward-bits",
+        type=float,
+        default=shape.forward_bits,
+        help=f"bits per activation element on the wire, forward (default {shape.forward_bits:g}, AQ-SGD)",
+    )
+    model.add_argument(
+        "--backward-bits",
+        type=float,
+        default=shape.backward_bits,
+        help=f"bits per activation-gradient element on the wire, backward (default {shape.backward_bits:g})",
+    )
+    model.add_argument(
+        "--gradient-bits",
+        type=float,
+        default=shape.gradient_bits,
+        help=f"bits per weight-gradient element averaged between replicas (default {shape.gradient_bits:g})",
+    )
+    dtfm = parser.add_argument_group("DT-FM cost model")
+    dtfm.add_argument("--stages", type=int, default=8, help="stages of DT-FM's grid (default 8)")
+    dtfm.add_argument("--replicas", type=int, default=8, help="replicas of DT-FM's grid (default 8)")
+    dtfm.add_argument(
+        "--activation-gb", type=float, help="activation size per step in GB (default: the scenario's, else 0.28125)"
+    )
+    dtfm.add_argument(
+        "--gradient-gb", type=float, help="gradient size per stage in GB (default: the scenario's, else 1)"
+    )
+
+
+def _read_input(args) -> tuple[PlanInput, str, float | None, float | None]:
+    chosen = [x for x in (args.scenario, args.input, args.dht) if x]
+    if len(chosen) != 1:
+        raise SystemExit("swarm plan: give exactly one of --scenario, --input or --dht")
+    if args.dht:
+        raise SystemExit(
+            "swarm plan: planning from the live DHT is not yet available (it needs the peers' announcements "
+            "and link probes from the networking layer); use --scenario or --input"
+        )
+    if args.scenario:
+        scenario = load_scenario(args.scenario)
+        return scenario.plan_input, scenario.name, scenario.activation_bytes, scenario.gradient_bytes
+    return PlanInput.load(args.input), args.input, None, None
+
+
+def _model(args) -> ModelSpec:
+    return ModelSpec.transformer(
+        TransformerShape(
+            layers=args.layers,
+            hidden=args.hidden,
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size,
+            micro_batches=args.micro_batches,
+            forward_bits=args.forward_bits,
+            backward_bits=args.backward_bits,
+            gradient_bits=args.gradient_bits,
+        )
+    )
+
+
+def _describe(result: Plan, plan_input: PlanInput, source: str) -> str:
+    b = result.breakdown
+    regions = {p.peer_id: p.region for p in plan_input.peers}
+    used = result.n_stages * result.n_replicas
+    lines = [
+        f"plan for {source}: cost model {result.cost_model}, {result.n_stages} stages x {result.n_replicas} "
+        f"replicas ({used} of {plan_input.n_peers} peers)",
+        f"predicted step time {b.total_s:.3f} s",
+    ]
+    if result.cost_model == "full":
+        steady = b.steady_s / b.pace_s if b.pace_s > 0 else 0
+        lines.append(
+            f"  compute {b.compute_s:.3f} s + transfer {b.transfer_s:.3f} s + latency {b.latency_s:.3f} s "
+            f"+ steady {b.steady_s:.3f} s ({steady:.0f} x {b.pace_s * 1e3:.1f} ms) + sync {b.sync_s:.3f} s"
+        )
+    else:
+        lines.append(f"  data-parallel {b.sync_s:.3f} s + 2 x pipeline {b.transfer_s:.3f} s")
+    lines.append("stage  layers   replicas (peer, region)")
+    for s, stage in enumerate(result.stages):
+        shown = [f"{pid} ({regions[pid]})" if regions[pid] else pid for pid in stage.peer_ids[:_PEERS_SHOWN]]
+        more = len(stage.peer_ids) - _PEERS_SHOWN
+        tail = f" ... (+{more})" if more > 0 else ""
+        lines.append(f"{s:>5}  {stage.layer_start:>2}-{stage.layer_end - 1:<4}  {', '.join(shown)}{tail}")
+    if result.unused_peer_ids:
+        lines.append(f"unused: {len(result.unused_peer_ids)} peers")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan_input, source, activation_bytes, gradient_bytes = _read_input(args)
+    if args.save_input:
+        plan_input.save(args.save_input)
+    cfg = SearchConfig(seed=args.seed, anneal=AnnealConfig(moves=args.moves))
+    if args.cost_model == "dtfm":
+        if plan_input.n_peers != args.stages * args.replicas:
+            print(
+                f"swarm plan: DT-FM's grid needs stages x replicas = {args.stages * args.replicas} peers, "
+                f"the swarm has {plan_input.n_peers}",
+                file=sys.stderr,
+            )
+            return 2
+        activation = args.activation_gb * GB if args.activation_gb is not None else activation_bytes or 0.28125 * GB
+        gradient = args.gradient_gb * GB if args.gradient_gb is not None else gradient_bytes or 1.0 * GB
+        result = plan_dtfm(plan_input, activation, gradient, args.stages, args.replicas, args.layers, cfg)
+    else:
+        result = plan(plan_input, _model(args), cfg)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(_describe(result, plan_input, source))
+    return 0

@@ -1,0 +1,273 @@
+"""The planner: choose stages, replicas, peers, pipeline order and layer ranges that minimise a step's time.
+
+Search, for each cost model:
+
+1. Peers that are interchangeable (same links, speed and memory) form classes; classes are chained by
+   nearest neighbour (a few chains from different ends), fastest peers first inside a class.
+2. Shapes (ours only): every number of stages S the model allows, with R = peers // S replicas and a few
+   smaller R (dropping the slowest peers); each is screened with two cuts of each chain (pipelines along
+   the chain, or groups as chain neighbourhoods) scored in chain order; the best shapes go on.
+3. Constructions: a dynamic program over segments of each chain (see `construct`) yields one partition per
+   bound on a group's own cost; each is scored with its best pipeline order.
+4. The best few are improved by simulated annealing (swaps, deterministic move budget).
+5. The winner gets its exact cost: bottleneck pairings across boundaries, open-path TSP order and
+   (ours) uneven layer ranges within memory limits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from swarm.scheduler.baselines import baseline_shape, greedy_layout
+from swarm.scheduler.construct import equivalence_classes, interleave, peer_chains, segment_partitions
+from swarm.scheduler.cost import INFEASIBLE, DtfmCost, FullCost, Layout, even_layers
+from swarm.scheduler.localsearch import AnnealConfig, Partition, anneal
+from swarm.scheduler.model import Breakdown, ModelSpec, Plan, PlanInput, StagePlan
+from swarm.scheduler.objective import DtfmObjective, FullObjective, Objective
+
+__all__ = ["SearchConfig", "SearchResult", "layout_to_plan", "plan", "plan_dtfm", "search_dtfm", "search_full"]
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How the planner searches; the defaults plan 64 peers in a few seconds on one core."""
+
+    seed: int = 0
+    """Everything random in the search draws from this seed: same seed, same plan."""
+    chains: int = 6
+    """Peer chains the constructions cut (different starting classes, one speed-major)."""
+    polish: int = 2
+    """Best constructions refined by annealing."""
+    constructed_shapes: int = 8
+    """Ours: shapes (stages x replicas) that get the segment constructions after screening."""
+    shapes: int = 3
+    """Ours: shapes, of those, whose best constructions are annealed."""
+    anneal_all_shapes_below: int = 16
+    """Ours: swarms of at most this many peers anneal every constructed shape (cheap, and more exact)."""
+    shape_margin: float = 1.3
+    """Ours, larger swarms: only shapes screened within this factor of the best get constructions."""
+    replica_fractions: tuple[float, ...] = (1.0, 0.75, 0.5)
+    """Ours: replica counts tried per number of stages, as fractions of peers // stages."""
+    max_bounds: int = 48
+    """Bounds on a group's own cost tried by the segment dynamic program."""
+    anneal: AnnealConfig = field(default_factory=AnnealConfig)
+
+    def __post_init__(self) -> None:
+        if min(self.chains, self.polish, self.shapes, self.constructed_shapes) < 1:
+            raise ValueError("chains, polish, shapes and constructed_shapes must be >= 1")
+        if not all(0 < f <= 1 for f in self.replica_fractions):
+            raise ValueError("replica_fractions must lie in (0, 1]")
+
+
+@dataclass(frozen=True, eq=False)
+class SearchResult:
+    """The best layout found, its cost, the peers it leaves out and what the search took."""
+
+    breakdown: Breakdown
+    layout: Layout
+    unused: np.ndarray
+    solve_s: float
+    candidates: int
+    """Partitions scored (constructions and screened shapes; annealing moves not counted)."""
+
+
+def _rank(objective: Objective, partitions: list[list[np.ndarray]], keep: int) -> list[Partition]:
+    """Scores partitions in their best order and keeps the `keep` cheapest distinct ones."""
+    scored, seen = [], set()
+    for groups in partitions:
+        groups = [np.sort(g) for g in groups]
+        signature = tuple(sorted(g.tobytes() for g in groups))
+        if signature in seen:
+            continue
+        seen.add(signature)
+        order = objective.best_order(groups, hint=list(range(len(groups))))
+        scored.append(Partition(groups, order, np.empty(0, dtype=np.int64), objective.score(groups, order)))
+    scored.sort(key=lambda p: p.cost)
+    return scored[:keep]
+
+
+def search_dtfm(cost: DtfmCost, stages: int, replicas: int, cfg: SearchConfig | None = None) -> SearchResult:
+    """Best S x R grid of all peers under DT-FM's cost (data-parallel + 2 x pipeline)."""
+    cfg = cfg or SearchConfig()
+    start = time.perf_counter()
+    n = cost.link_s.shape[0]
+    if n != stages * replicas:
+        raise ValueError(f"DT-FM's grid needs exactly stages x replicas = {stages * replicas} peers, got {n}")
+    rng = np.random.default_rng(cfg.seed)
+    objective = DtfmObjective(cost)
+    classes = equivalence_classes(cost.link_s, cost.allreduce_s)
+    chains = peer_chains(cost.link_s, classes, np.zeros(n), cfg.chains, rng)
+    partitions = [p for chain in chains for p in segment_partitions(objective, chain, stages, replicas, cfg.max_bounds)]
+    best = _polish(objective, _rank(objective, partitions, cfg.polish), classes, cfg, rng)
+    breakdown, layout = objective.finish(best.groups)
+    # Never worse than the greedy baseline: keep its layout if it happens to be cheaper.
+    greedy = greedy_layout(cost.link_s, np.zeros(n), stages, replicas, stages)
+    greedy_cost = cost.evaluate(greedy)
+    if greedy_cost.total_s < breakdown.total_s:
+        breakdown, layout = greedy_cost, greedy
+    return SearchResult(breakdown, layout, best.unused, time.perf_counter() - start, len(partitions))
+
+
+def _polish(objective: Objective, starts: list[Partition], classes: np.ndarray, cfg: SearchConfig, rng) -> Partition:
+    results = [anneal(objective, p, classes, cfg.anneal, rng) for p in starts]
+    return min(results, key=lambda p: p.cost)
+
+
+def _shapes(n: int, model: ModelSpec, cfg: SearchConfig) -> list[tuple[int, int]]:
+    shapes = []
+    for stages in range(1, min(model.layers, n) + 1):
+        top = n // stages
+        for replicas in sorted({max(1, math.floor(top * f)) for f in cfg.replica_fractions}, reverse=True):
+            shapes.append((stages, replicas))
+    return shapes
+
+
+def _peer_classes(cost: FullCost, plan_input: PlanInput) -> np.ndarray:
+    # Peers are interchangeable when links, speed and memory all match.
+    extra = np.stack([plan_input.speeds_flops_per_s, plan_input.memories_bytes], axis=1)
+    return equivalence_classes(cost.fill_s, cost.pace_s, cost.round_trip_s, extra=extra)
+
+
+def _fastest(chain: np.ndarray, speeds: np.ndarray, memories: np.ndarray, count: int) -> np.ndarray:
+    """The chain restricted to its `count` fastest peers (ties: more memory), chain order kept."""
+    rank = np.lexsort((-memories, -speeds))
+    keep = np.zeros(len(speeds), dtype=bool)
+    keep[rank[:count]] = True
+    return chain[keep[chain]]
+
+
+def _screen(cost, chains, speeds, memories, shapes) -> list[tuple[float, int, int, list[np.ndarray]]]:
+    """Scores every shape by two cuts of two chains, in chain order; infeasible shapes are dropped."""
+    screened = []
+    for stages, replicas in shapes:
+        objective = FullObjective(cost, stages, replicas)
+        best_cost, best_groups = INFEASIBLE, None
+        for chain in chains[:2]:
+            kept = _fastest(chain, speeds, memories, stages * replicas)
+            for block in sorted({1, replicas}):  # pipelines along the chain, or groups as neighbourhoods
+                groups = [np.sort(g) for g in interleave(kept, stages, replicas, block)]
+                value = objective.score(groups, list(range(stages)))
+                if value < best_cost:
+                    best_cost, best_groups = value, groups
+        if best_groups is not None and math.isfinite(best_cost):
+            screened.append((best_cost, stages, replicas, best_groups))
+    screened.sort(key=lambda item: item[0])
+    return screened
+
+
+def search_full(
+    cost: FullCost, plan_input: PlanInput, cfg: SearchConfig | None = None, shapes: list[tuple[int, int]] | None = None
+) -> SearchResult:
+    """Best plan under our cost model, free in stages, replicas, peers, order and layer ranges."""
+    cfg = cfg or SearchConfig()
+    start = time.perf_counter()
+    n = plan_input.n_peers
+    rng = np.random.default_rng(cfg.seed)
+    speeds, memories = plan_input.speeds_flops_per_s, plan_input.memories_bytes
+    classes = _peer_classes(cost, plan_input)
+    distance = cost.fill_s + cost.steady_factor(1) * cost.pace_s
+    chains = peer_chains(distance, classes, speeds, cfg.chains, rng)
+    screened = _screen(cost, chains, speeds, memories, shapes or _shapes(n, cost.model, cfg))
+    if not screened:
+        raise ValueError("no plan fits: the model does not fit in the peers' memory for any number of stages")
+    candidates = len(screened)
+    small = n <= cfg.anneal_all_shapes_below
+    if not small:
+        # Bigger swarms: only shapes screened within a margin of the best get constructions.
+        screened = [item for item in screened if item[0] <= cfg.shape_margin * screened[0][0]] or screened[:1]
+    # Constructions for the most promising shapes; annealing for the best of those.
+    constructed: list[tuple[float, FullObjective, list[Partition]]] = []
+    for _, stages, replicas, seed_groups in screened[: cfg.constructed_shapes]:
+        objective = FullObjective(cost, stages, replicas)
+        partitions = [seed_groups]
+        for chain in chains:
+            kept = _fastest(chain, speeds, memories, stages * replicas)
+            partitions += segment_partitions(objective, kept, stages, replicas, cfg.max_bounds)
+        candidates += len(partitions)
+        # Score in chain order first (cheap), then give the best few their best order.
+        partitions.sort(key=lambda groups, o=objective: o.score(groups, list(range(len(groups)))))
+        starts = _rank(objective, partitions[: 2 * cfg.polish], cfg.polish)
+        for p in starts:
+            used = np.zeros(n, dtype=bool)
+            used[np.concatenate(p.groups)] = True
+            p.unused = np.flatnonzero(~used)
+        constructed.append((starts[0].cost, objective, starts))
+    constructed.sort(key=lambda item: item[0])
+    best: tuple[float, Partition, FullObjective] | None = None
+    annealed = len(constructed) if small else cfg.shapes
+    for _, objective, starts in constructed[:annealed]:
+        found = _polish(objective, starts, classes, cfg, rng)
+        if best is None or found.cost < best[0]:
+            best = (found.cost, found, objective)
+    _, partition, objective = best
+    breakdown, layout = objective.finish(partition.groups)
+    unused = partition.unused
+    # Never worse than the greedy baseline: keep its layout if it happens to be cheaper.
+    greedy = _greedy_full(cost, plan_input)
+    if greedy is not None:
+        greedy_cost = cost.evaluate(greedy)
+        if layout is None or greedy_cost.total_s < breakdown.total_s:
+            breakdown, layout = greedy_cost, greedy
+            unused = np.setdiff1d(np.arange(n), greedy.grid.ravel())
+    if layout is None:
+        raise RuntimeError("completion of the best partition failed")
+    return SearchResult(breakdown, layout, unused, time.perf_counter() - start, candidates)
+
+
+def _greedy_full(cost: FullCost, plan_input: PlanInput) -> Layout | None:
+    try:
+        stages, replicas = baseline_shape(plan_input, cost.model)
+    except ValueError:
+        return None
+    distance = cost.fill_s + cost.steady_factor(replicas) * cost.pace_s
+    return greedy_layout(distance, plan_input.speeds_flops_per_s, stages, replicas, cost.model.layers)
+
+
+def layout_to_plan(
+    layout: Layout, breakdown: Breakdown, plan_input: PlanInput, cost_model: str, unused: np.ndarray, version: int = 0
+) -> Plan:
+    """Names the peers of a layout and turns layer counts into ranges."""
+    ids = [p.peer_id for p in plan_input.peers]
+    bounds = np.concatenate([[0], np.cumsum(layout.layers)])
+    stages = tuple(
+        StagePlan(int(bounds[s]), int(bounds[s + 1]), tuple(ids[int(p)] for p in layout.grid[s]))
+        for s in range(layout.stages)
+    )
+    return Plan(stages, breakdown, cost_model, version, tuple(ids[int(p)] for p in sorted(unused)))
+
+
+def plan(plan_input: PlanInput, model: ModelSpec, cfg: SearchConfig | None = None, version: int = 0) -> Plan:
+    """The live swarm's entry point: the best plan for these peers and this model under our cost model.
+
+    Args:
+        plan_input: peers and measured links (from a scenario, a JSON file, or the DHT).
+        model: the model's figures (`ModelSpec.transformer(...)`).
+        cfg: search settings; the seed makes the result reproducible.
+        version: stamped on the plan so peers can tell a newer plan from an older one.
+
+    Returns:
+        A JSON-serialisable `Plan`: stages in pipeline order with layer ranges and one peer per replica,
+        and the predicted step time with its breakdown.
+    """
+    result = search_full(FullCost(plan_input, model), plan_input, cfg)
+    return layout_to_plan(result.layout, result.breakdown, plan_input, "full", result.unused, version)
+
+
+def plan_dtfm(
+    plan_input: PlanInput,
+    activation_bytes: float,
+    gradient_bytes: float,
+    stages: int = 8,
+    replicas: int = 8,
+    layers: int = 24,
+    cfg: SearchConfig | None = None,
+) -> Plan:
+    """The best grid under DT-FM's own cost model and grid (every peer used, equal layer ranges)."""
+    cost = DtfmCost(plan_input, activation_bytes, gradient_bytes, replicas)
+    result = search_dtfm(cost, stages, replicas, cfg)
+    layout = replace(result.layout, layers=even_layers(layers, stages))
+    return layout_to_plan(layout, result.breakdown, plan_input, "dtfm", result.unused)
