@@ -29,6 +29,7 @@ from swarm.options import (
     link_shapes,
     model_config,
 )
+from swarm.stage import OptimConfig
 
 log = logging.getLogger("swarm.peer")
 
@@ -49,11 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--announce-ttl-s", type=float, default=30.0, help="lifetime of this peer's DHT announcement")
     g.add_argument("--max-workers", type=int, default=32, help="threads serving gRPC calls")
     add_model_arguments(parser)
+    # defaults come from OptimConfig so a swarm and the in-process pipeline train alike unless told otherwise
+    optim = OptimConfig()
     g = parser.add_argument_group("optimizer")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--warmup-steps", type=int, default=20, help="steps of linear learning-rate warm-up")
-    g.add_argument("--total-steps", type=int, default=1000, help="steps the cosine decay spans")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0 = off)")
+    g.add_argument("--lr", type=float, default=optim.lr_peak, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=optim.warmup_steps, help="steps of linear learning-rate warm-up")
+    g.add_argument("--total-steps", type=int, default=optim.total_steps, help="steps the cosine decay spans")
+    g.add_argument(
+        "--grad-clip",
+        type=float,
+        default=optim.grad_clip_norm or 0.0,
+        help="clip the global gradient norm to this (0 = off)",
+    )
     add_codec_arguments(parser)
     parser.add_argument_group("compression on the links").add_argument(
         "--buffer-dir", default=None, help="keep AQ-SGD buffers in memory-mapped files here (data larger than RAM)"
@@ -97,7 +105,7 @@ class PeerDaemon:
         from swarm.peers.shaper import LinkShaping
         from swarm.peers.transport import TransportConfig, make_server
         from swarm.proto import stage_pb2_grpc
-        from swarm.stage import OptimConfig, StageConfig
+        from swarm.stage import StageConfig
         from swarm.stage_service import LinkEnds, StageHost, StageServicer
 
         args = self.args
