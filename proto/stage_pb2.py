@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarm.proto import wire_pb2 as swarm_dot_proto_dot_wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17swarm/proto/stage.proto\x12\x05swarm\x1a\x16swarm/proto/wire.proto\"\xb7\x01\n\x08\x43\x61llInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x14\n\x0cplan_version\x18\x04 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x05 \x01(\r\x12\x10\n\x08schedule\x18\x06 \x01(\t\x12\r\n\x05route\x18\x07 \x03(\t\x12\x13\n\x0broute_peers\x18\x08 \x03(\t\x12\x12\n\ndeadline_s\x18\t \x01(\x01\"?\n\nTokenBatch\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x12\n\nsample_ids\x18\x03 \x03(\x03\"k\n\nStreamItem\x12\x1d\n\x04info\x18\x01 \x01(\x0b\x32\x0f.swarm.CallInfo\x12!\n\x06tokens\x18\x02 \x01(\x0b\x32\x11.swarm.TokenBatch\x12\x1b\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x0c.swarm.Chunk\"\x9b\x01\n\x07Traffic\x12\x12\n\nwire_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x66p32_wire_bytes\x18\x02 \x01(\x04\x12\x31\n\nlink_bytes\x18\x03 \x03(\x0b\x32\x1d.swarm.Traffic.LinkBytesEntry\x1a\x30\n\x0eLinkBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"O\n\x0c\x46orwardReply\x12\x10\n\x08has_loss\x18\x01 \x01(\x08\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x1f\n\x07traffic\x18\x03 \x01(\x0b\x32\x0e.swarm.Traffic\"0\n\rBackwardReply\x12\x1f\n\x07traffic\x18\x01 \x01(\x0b\x32\x0e.swarm.Traffic\"Q\n\rLabelsRequest\x12\x1d\n\x04info\x18\x01 \x01(\x0b\x32\x0f.swarm.CallInfo\x12!\n\x06labels\x18\x02 \x01(\x0b\x32\x11.swarm.TokenBatch\"\x07\n\x05\x45mpty\"s\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\rtied_grad_sum\x18\x02 \x01(\x0b\x32\x14.swarm.TensorMessage\x12\x18\n\x10global_grad_norm\x18\x03 \x01(\x01\x12\x0f\n\x07\x61\x62\x61ndon\x18\x04 \x01(\x08\"J\n\tGradReply\x12\'\n\ttied_grad\x18\x01 \x01(\x0b\x32\x14.swarm.TensorMessage\x12\x14\n\x0cgrad_sq_norm\x18\x02 \x01(\x01\"%\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\n\n\x02lr\x18\x02 \x01(\x01\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1d\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\xc7\x01\n\x0bStatusReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x14\n\x0cplan_version\x18\x05 \x01(\x04\x12\x12\n\nsteps_done\x18\x06 \x01(\x04\x12\x1c\n\x14\x63ompute_layers_per_s\x18\x07 \x01(\x01\x12\x18\n\x10\x62uffered_samples\x18\x08 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\"\x1d\n\x0cStateRequest\x12\r\n\x05stage\x18\x01 \x01(\x05\"6\n\tStateItem\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0c.swarm.Chunk2\xc0\x03\n\x05Stage\x12\x33\n\x07\x46orward\x12\x11.swarm.StreamItem\x1a\x13.swarm.ForwardReply(\x01\x12\x35\n\x08\x42\x61\x63kward\x12\x11.swarm.StreamItem\x1a\x14.swarm.BackwardReply(\x01\x12/\n\tPutLabels\x12\x14.swarm.LabelsRequest\x1a\x0c.swarm.Empty\x12-\n\x05Grads\x12\x12.swarm.StepRequest\x1a\x10.swarm.GradReply\x12,\n\x04Step\x12\x12.swarm.StepRequest\x1a\x10.swarm.StepReply\x12/\n\x05Probe\x12\x13.swarm.ProbeRequest\x1a\x11.swarm.ProbeReply\x12+\n\x04Sink\x12\x11.swarm.StreamItem\x1a\x0e.swarm.Traffic(\x01\x12*\n\x06Status\x12\x0c.swarm.Empty\x1a\x12.swarm.StatusReply\x12\x33\n\x08GetState\x12\x13.swarm.StateRequest\x1a\x10.swarm.StateItem0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17swarm/proto/stage.proto\x12\x05swarm\x1a\x16swarm/proto/wire.proto\"\xb7\x01\n\x08\x43\x61llInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x02 \x01(\r\x12\r\n\x05stage\x18\x03 \x01(\r\x12\x14\n\x0cplan_version\x18\x04 \x01(\x04\x12\x19\n\x11num_micro_batches\x18\x05 \x01(\r\x12\x10\n\x08schedule\x18\x06 \x01(\t\x12\r\n\x05route\x18\x07 \x03(\t\x12\x13\n\x0broute_peers\x18\x08 \x03(\t\x12\x12\n\ndeadline_s\x18\t \x01(\x01\"?\n\nTokenBatch\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x12\n\nsample_ids\x18\x03 \x03(\x03\"k\n\nStreamItem\x12\x1d\n\x04info\x18\x01 \x01(\x0b\x32\x0f.swarm.CallInfo\x12!\n\x06tokens\x18\x02 \x01(\x0b\x32\x11.swarm.TokenBatch\x12\x1b\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x0c.swarm.Chunk\"\x9b\x01\n\x07Traffic\x12\x12\n\nwire_bytes\x18\x01 \x01(\x04\x12\x17\n\x0f\x66p32_wire_bytes\x18\x02 \x01(\x04\x12\x31\n\nlink_bytes\x18\x03 \x03(\x0b\x32\x1d.swarm.Traffic.LinkBytesEntry\x1a\x30\n\x0eLinkBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"O\n\x0c\x46orwardReply\x12\x10\n\x08has_loss\x18\x01 \x01(\x08\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x1f\n\x07traffic\x18\x03 \x01(\x0b\x32\x0e.swarm.Traffic\"0\n\rBackwardReply\x12\x1f\n\x07traffic\x18\x01 \x01(\x0b\x32\x0e.swarm.Traffic\"Q\n\rLabelsRequest\x12\x1d\n\x04info\x18\x01 \x01(\x0b\x32\x0f.swarm.CallInfo\x12!\n\x06labels\x18\x02 \x01(\x0b\x32\x11.swarm.TokenBatch\"\x07\n\x05\x45mpty\"\x89\x01\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12+\n\rtied_grad_sum\x18\x02 \x01(\x0b\x32\x14.swarm.TensorMessage\x12\x18\n\x10global_grad_norm\x18\x03 \x01(\x01\x12\x0f\n\x07\x61\x62\x61ndon\x18\x04 \x01(\x08\x12\x14\n\x0cplan_version\x18\x05 \x01(\x04\"J\n\tGradReply\x12\'\n\ttied_grad\x18\x01 \x01(\x0b\x32\x14.swarm.TensorMessage\x12\x14\n\x0cgrad_sq_norm\x18\x02 \x01(\x01\"%\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\n\n\x02lr\x18\x02 \x01(\x01\"4\n\x0cProbeRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\r\"\x1d\n\nProbeReply\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"\xc7\x01\n\x0bStatusReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x14\n\x0cplan_version\x18\x05 \x01(\x04\x12\x12\n\nsteps_done\x18\x06 \x01(\x04\x12\x1c\n\x14\x63ompute_layers_per_s\x18\x07 \x01(\x01\x12\x18\n\x10\x62uffered_samples\x18\x08 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\"3\n\x0cStateRequest\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x14\n\x0cplan_version\x18\x02 \x01(\x04\"6\n\tStateItem\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x0c.swarm.Chunk2\xc0\x03\n\x05Stage\x12\x33\n\x07\x46orward\x12\x11.swarm.StreamItem\x1a\x13.swarm.ForwardReply(\x01\x12\x35\n\x08\x42\x61\x63kward\x12\x11.swarm.StreamItem\x1a\x14.swarm.BackwardReply(\x01\x12/\n\tPutLabels\x12\x14.swarm.LabelsRequest\x1a\x0c.swarm.Empty\x12-\n\x05Grads\x12\x12.swarm.StepRequest\x1a\x10.swarm.GradReply\x12,\n\x04Step\x12\x12.swarm.StepRequest\x1a\x10.swarm.StepReply\x12/\n\x05Probe\x12\x13.swarm.ProbeRequest\x1a\x11.swarm.ProbeReply\x12+\n\x04Sink\x12\x11.swarm.StreamItem\x1a\x0e.swarm.Traffic(\x01\x12*\n\x06Status\x12\x0c.swarm.Empty\x1a\x12.swarm.StatusReply\x12\x33\n\x08GetState\x12\x13.swarm.StateRequest\x1a\x10.swarm.StateItem0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,22 +52,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LABELSREQUEST']._serialized_end=788
   _globals['_EMPTY']._serialized_start=790
   _globals['_EMPTY']._serialized_end=797
-  _globals['_STEPREQUEST']._serialized_start=799
-  _globals['_STEPREQUEST']._serialized_end=914
-  _globals['_GRADREPLY']._serialized_start=916
-  _globals['_GRADREPLY']._serialized_end=990
-  _globals['_STEPREPLY']._serialized_start=992
-  _globals['_STEPREPLY']._serialized_end=1029
-  _globals['_PROBEREQUEST']._serialized_start=1031
-  _globals['_PROBEREQUEST']._serialized_end=1083
-  _globals['_PROBEREPLY']._serialized_start=1085
-  _globals['_PROBEREPLY']._serialized_end=1114
-  _globals['_STATUSREPLY']._serialized_start=1117
-  _globals['_STATUSREPLY']._serialized_end=1316
-  _globals['_STATEREQUEST']._serialized_start=1318
-  _globals['_STATEREQUEST']._serialized_end=1347
-  _globals['_STATEITEM']._serialized_start=1349
-  _globals['_STATEITEM']._serialized_end=1403
-  _globals['_STAGE']._serialized_start=1406
-  _globals['_STAGE']._serialized_end=1854
+  _globals['_STEPREQUEST']._serialized_start=800
+  _globals['_STEPREQUEST']._serialized_end=937
+  _globals['_GRADREPLY']._serialized_start=939
+  _globals['_GRADREPLY']._serialized_end=1013
+  _globals['_STEPREPLY']._serialized_start=1015
+  _globals['_STEPREPLY']._serialized_end=1052
+  _globals['_PROBEREQUEST']._serialized_start=1054
+  _globals['_PROBEREQUEST']._serialized_end=1106
+  _globals['_PROBEREPLY']._serialized_start=1108
+  _globals['_PROBEREPLY']._serialized_end=1137
+  _globals['_STATUSREPLY']._serialized_start=1140
+  _globals['_STATUSREPLY']._serialized_end=1339
+  _globals['_STATEREQUEST']._serialized_start=1341
+  _globals['_STATEREQUEST']._serialized_end=1392
+  _globals['_STATEITEM']._serialized_start=1394
+  _globals['_STATEITEM']._serialized_end=1448
+  _globals['_STAGE']._serialized_start=1451
+  _globals['_STAGE']._serialized_end=1899
 # @@protoc_insertion_point(module_scope)

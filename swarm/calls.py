@@ -21,6 +21,8 @@ MAX_TOKEN_ROWS = 4096
 MAX_TOKEN_COLS = 1 << 16
 STAGE_ERROR_PREFIX = "stage "
 BUFFER_MISS = "buffer-miss:"
+PLAN_MISMATCH = "plan-mismatch:"
+"""Marks a refusal because caller and stage follow different plan versions: retry on the newer plan."""
 
 
 def tokens_to_wire(tokens: torch.Tensor, sample_ids: torch.Tensor | None = None) -> stage_pb2.TokenBatch:

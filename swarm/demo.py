@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     say(f"starting a bootstrap node and {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
     with local_swarm(out, args.peers, peer_flags, say) as swarm:
-        route, peer_ids, procs = swarm.route, swarm.peers, swarm.procs
-        say(f"all {args.peers} stages served: {', '.join(route)}")
+        route, procs = swarm.route, swarm.procs
+        say(f"plan {swarm.plan_version}: all {args.peers} stages served: {', '.join(route)}")
         train_args = argparse.Namespace(
             **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "model_seed", "data")},
             train_samples=args.train_samples, batch_size=args.batch_size, micro_batches=args.micro_batches,
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             deadline_s=120.0, out=str(out),
         )  # fmt: skip
         try:
-            summary = train(train_args, route, peer_ids, quiet=args.json)
+            summary = train(train_args, swarm.path, quiet=args.json)
         except StageCallError as e:
             print(f"error: training failed: {e}", file=sys.stderr)
             return 1

@@ -19,6 +19,14 @@ class LocalSwarm:
     """peer id of each stage"""
     procs: ProcessGroup
     address_file: Path
+    plan_version: int = 0
+    """the plan the peers follow (0: an even split, no plan)"""
+
+    @property
+    def path(self):
+        from swarm.trainer import Route
+
+        return Route(self.route, self.peers, self.plan_version)
 
 
 @contextmanager
@@ -29,7 +37,8 @@ def local_swarm(
     say: Callable[[str], None] = lambda _: None,
     timeout_s: float = 120.0,
 ) -> Iterator[LocalSwarm]:
-    """Starts a bootstrap node and `n_peers` peers (one stage each) and waits until every stage is served."""
+    """Starts a bootstrap node and `n_peers` peers (one stage each, as the planner assigns them) and waits
+    until every stage is served."""
     from swarm.peers.dht import DHTConfig, SwarmDHT
     from swarm.trainer import discover_route
 
@@ -48,5 +57,5 @@ def local_swarm(
                 procs.check_alive()
                 say(line)
 
-            route, peers = discover_route(dht, n_peers, timeout_s, show)
-        yield LocalSwarm(route, peers, procs, address_file)
+            found = discover_route(dht, n_peers, timeout_s, show)
+        yield LocalSwarm(found.addresses, found.peer_ids, procs, address_file, found.plan_version)

@@ -42,13 +42,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_dht_arguments(parser)
     g = parser.add_argument_group("serving")
     g.add_argument("--grpc-port", type=int, default=0, help="port of the gRPC stage service (0 picks a free one)")
-    g.add_argument("--num-stages", type=int, default=2, help="pipeline stages of the run (even split by join order)")
-    g.add_argument("--stage", type=int, default=None, help="serve this stage instead of the one the split assigns")
+    g.add_argument(
+        "--assign",
+        choices=["plan", "even"],
+        default="plan",
+        help="plan: follow the scheduler's plans from the DHT (re-planned on join/leave); "
+        "even: an even split by join order, fixed for the run",
+    )
+    g.add_argument(
+        "--num-stages", type=int, default=2, help="pipeline stages of the run (0 with --assign plan: the planner picks)"
+    )
+    g.add_argument("--stage", type=int, default=None, help="--assign even: serve this stage instead of the split's")
     g.add_argument("--device", default="cpu", help="torch device to compute on (cpu, cuda:0, ...)")
     g.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    g.add_argument(
+        "--compute-speed",
+        type=float,
+        default=0.0,
+        help="declare this peer's layers/s instead of measuring it at start-up (0: measure)",
+    )
     g.add_argument("--assign-timeout-s", type=float, default=120.0, help="give up if no stage is assigned by then")
     g.add_argument("--announce-ttl-s", type=float, default=30.0, help="lifetime of this peer's DHT announcement")
     g.add_argument("--max-workers", type=int, default=32, help="threads serving gRPC calls")
+    g = parser.add_argument_group("planning (--assign plan)")
+    g.add_argument("--min-peers", type=int, default=0, help="peers announced before the first plan (0: --num-stages)")
+    g.add_argument("--plan-seed", type=int, default=0, help="seed of the planner's search")
+    g.add_argument("--probe-bytes", type=int, default=256 << 10, help="bytes sent to measure a link's rate")
+    g.add_argument("--probe-peers-per-round", type=int, default=4, help="links measured per probing round")
+    g.add_argument("--probe-interval-s", type=float, default=30.0, help="seconds between probing rounds")
+    g.add_argument("--probe-refresh-s", type=float, default=240.0, help="re-measure a link after this many seconds")
     add_model_arguments(parser)
     # defaults come from OptimConfig so a swarm and the in-process pipeline train alike unless told otherwise
     optim = OptimConfig()
@@ -94,97 +116,236 @@ class PeerDaemon:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self._stop = threading.Event()
+        self.following = None  # the PlanRecord this peer serves under, in --assign plan mode
+        self.resumed = False
 
     def stop(self, *_):
         self._stop.set()
 
     def run(self) -> int:
-        from swarm.assign import EvenSplit
         from swarm.peers.dht import Heartbeat, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
-        from swarm.peers.transport import TransportConfig, make_server
+        from swarm.peers.transport import Channels, TransportConfig, make_server
         from swarm.proto import stage_pb2_grpc
-        from swarm.stage import StageConfig
-        from swarm.stage_service import LinkEnds, StageHost, StageServicer
+        from swarm.stage_service import StageServicer
 
         args = self.args
         torch.set_num_threads(args.threads)
-        model = model_config(args)
-        fw_cfg, bw_cfg = codec_configs(args)
+        self.model = model_config(args)
+        self.codecs = codec_configs(args)
         default_shape, per_link = link_shapes(args)
-        assigner = EvenSplit(args.num_stages, model.n_layers, args.stage)
+        self.shaping = LinkShaping(default_shape, per_link)
         dht = SwarmDHT(dht_config(args, announce_ttl_s=args.announce_ttl_s))
+        self.dht = dht
         server = None
         try:
             # the gRPC server starts after the DHT's process is forked: forking beside gRPC threads is unsafe
-            transport = TransportConfig(host=args.host, max_workers=args.max_workers)
-            server, port = make_server(transport, args.grpc_port)
+            self.transport = TransportConfig(host=args.host, max_workers=args.max_workers)
+            self.channels = Channels(self.transport)
+            server, port = make_server(self.transport, args.grpc_port)
             address = f"{args.host}:{port}"
-            servicer = StageServicer(None)
-            stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
+            self.servicer = StageServicer(None)
+            stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
             server.start()
             log.info("stage service listening on %s", address)
-            speed = measure_compute(model, args.device)
-            log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, speed)
-            started = time.time()
+            self.speed = args.compute_speed or measure_compute(self.model, args.device)
+            log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, self.speed)
             self.announcement = PeerAnnouncement(
                 peer_id=dht.peer_id,
                 address=address,
                 device=args.device,
                 memory_bytes=_memory_bytes(),
-                compute_layers_per_s=speed,
-                started_at=started,
-                codec=fw_cfg.label,
+                compute_layers_per_s=self.speed,
+                started_at=time.time(),
+                codec=self.codecs[0].label,
             )
             heartbeat = Heartbeat(dht, lambda: self.announcement).start()
-            role = self._wait_for_role(dht, assigner)
-            if role is None:
-                log.error("no stage assigned within %.0f s; leaving", args.assign_timeout_s)
-                return 3
-            log.info(
-                "serving stage %d of %d: layers [%d, %d)", role.stage, role.n_stages, role.layer_start, role.layer_end
-            )
-            optim = OptimConfig(
-                lr_peak=args.lr,
-                warmup_steps=args.warmup_steps,
-                total_steps=args.total_steps,
-                grad_clip_norm=args.grad_clip or None,
-            )
-            host = StageHost(
-                role,
-                model,
-                StageConfig(optim=optim),
-                LinkEnds(fw_cfg, bw_cfg),
-                peer_id=dht.peer_id,
-                transport=transport,
-                shaping=LinkShaping(default_shape, per_link),
-                device=args.device,
-            )
-            host.compute_layers_per_s = speed
-            self._setup_checkpoints(host)
-            servicer.host = host
-            self.announcement = dataclasses.replace(
-                self.announcement,
-                stage=role.stage,
-                layer_start=role.layer_start,
-                layer_end=role.layer_end,
-                plan_version=role.plan_version,
-            )
             dht.announce(self.announcement)
-            log.info("ready: links shaped to %s", default_shape.describe())
-            while not self._stop.wait(1.0):
-                pass
+            log.info("links shaped to %s", default_shape.describe())
+            code = self._follow_plans(address) if args.assign == "plan" else self._serve_even_split()
+            if code:
+                return code
             log.info("stopping: finishing the current call")
             server.stop(grace=5).wait(10)
-            with host.compute_lock:
-                self._checkpoint(host, final=True)
+            host = self.servicer.host
+            if host is not None:
+                with host.compute_lock:
+                    self._checkpoint(host, final=True)
             heartbeat.stop()
             return 0
         finally:
             if server is not None:
                 server.stop(grace=None)
             dht.shutdown()
+
+    # ---- roles ---------------------------------------------------------------------------------------------
+
+    def _make_host(self, role):
+        from swarm.stage import StageConfig
+        from swarm.stage_service import LinkEnds, StageHost
+
+        args = self.args
+        optim = OptimConfig(
+            lr_peak=args.lr,
+            warmup_steps=args.warmup_steps,
+            total_steps=args.total_steps,
+            grad_clip_norm=args.grad_clip or None,
+        )
+        host = StageHost(
+            role,
+            self.model,
+            StageConfig(optim=optim),
+            LinkEnds(*self.codecs),
+            peer_id=self.dht.peer_id,
+            transport=self.transport,
+            shaping=self.shaping,
+            device=args.device,
+        )
+        host.compute_layers_per_s = self.speed
+        self._setup_checkpoints(host)
+        return host
+
+    def _announce_role(self, role) -> None:
+        self.announcement = dataclasses.replace(
+            self.announcement,
+            stage=None if role is None else role.stage,
+            layer_start=None if role is None else role.layer_start,
+            layer_end=None if role is None else role.layer_end,
+            plan_version=self.following.version if self.following is not None else 0,
+        )
+        self.dht.announce(self.announcement)
+
+    def _serve_even_split(self) -> int:
+        from swarm.assign import EvenSplit
+
+        assigner = EvenSplit(self.args.num_stages, self.model.n_layers, self.args.stage)
+        role = self._wait_for_role(self.dht, assigner)
+        if role is None:
+            if self._stop.is_set():
+                return 0
+            log.error("no stage assigned within %.0f s; leaving", self.args.assign_timeout_s)
+            return 3
+        log.info("serving stage %d of %d: layers [%d, %d)", role.stage, role.n_stages, role.layer_start, role.layer_end)
+        self.servicer.host = self._make_host(role)
+        self._announce_role(role)
+        log.info("ready")
+        while not self._stop.wait(1.0):
+            pass
+        return 0
+
+    def _follow_plans(self, address: str) -> int:
+        """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
+        from swarm.planning import LinkProber, Planner, model_spec
+
+        args = self.args
+        spec = model_spec(self.model, *self.codecs)
+        stages = args.num_stages or None
+        prober = LinkProber(
+            self.dht,
+            address,
+            self.shaping,
+            self.channels,
+            probe_bytes=args.probe_bytes,
+            peers_per_round=args.probe_peers_per_round,
+            refresh_s=args.probe_refresh_s,
+        )
+        planner = Planner(self.dht, spec, stages, min_peers=args.min_peers or stages or 1, seed=args.plan_seed)
+        deadline = time.monotonic() + args.assign_timeout_s
+        next_probe = 0.0
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() >= next_probe:
+                    # probe often while peers are new to us, then only to refresh
+                    next_probe = time.monotonic() + (1.0 if prober.round() else args.probe_interval_s)
+                planner.round()
+                record = self.dht.get_plan()
+                if record is not None and (self.following is None or record.version > self.following.version):
+                    self._apply_plan(record)
+            except TimeoutError as e:  # a slow DHT request: try again next tick
+                log.warning("%s", e)
+            if self.servicer.host is None and self.following is None and time.monotonic() > deadline:
+                log.error("no plan gave this peer a stage within %.0f s; leaving", args.assign_timeout_s)
+                return 3
+            self._stop.wait(0.5)
+        return 0
+
+    def _apply_plan(self, record) -> None:
+        """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
+        from swarm.planning import role_in_plan
+
+        role = role_in_plan(record, self.dht.peer_id)
+        host = self.servicer.host
+        same = (
+            host is not None
+            and role is not None
+            and (host.role.stage, host.role.n_stages, host.role.layer_start, host.role.layer_end)
+            == (role.stage, role.n_stages, role.layer_start, role.layer_end)
+        )
+        wait_s = 2 * 120.0
+        if same:
+
+            def bump(servicer) -> None:
+                servicer.host.role = role  # same layers: only the plan version changes
+
+            self.servicer.when_idle(bump, wait_s)
+        else:
+            new_host = None if role is None else self._make_host(role)
+            if new_host is not None and self.following is not None:
+                self._hand_over(new_host, self.following)
+            self.servicer.swap(new_host, wait_s, plan_version=record.version)
+        previous = self.following.version if self.following is not None else 0
+        self.following = record
+        self._announce_role(role)
+        if role is None:
+            log.info("plan %d (was %d) leaves this peer on standby", record.version, previous)
+        else:
+            log.info(
+                "plan %d (was %d): serving stage %d of %d, layers [%d, %d)",
+                record.version,
+                previous,
+                role.stage,
+                role.n_stages,
+                role.layer_start,
+                role.layer_end,
+            )
+
+    def _hand_over(self, new_host, old) -> None:
+        """Loads the layers `new_host` takes over from the peers that held them under the old plan."""
+        from swarm.planning import fetch_state
+
+        role = new_host.role
+        wanted = new_host.worker.module.state_dict()
+        addresses = {p.peer_id: p.address for p in self.dht.peers()}
+        old_stages = old.plan.get("stages", [])
+        loaded: dict[str, torch.Tensor] = {}
+        for index, stage in enumerate(old_stages):
+            start, end = int(stage["layer_start"]), int(stage["layer_end"])
+            overlaps = start < role.layer_end and role.layer_start < end
+            ends = (index == 0 and role.is_first) or (index == len(old_stages) - 1 and role.is_last)
+            if not (overlaps or ends):
+                continue
+            holder = stage["peer_ids"][0]
+            try:
+                if holder == self.dht.peer_id and self.servicer.host is not None:
+                    state = self.servicer.host.worker.state_dict()
+                elif holder in addresses:
+                    state = fetch_state(self.channels, addresses[holder], index, old.version)
+                else:
+                    raise ConnectionError("it has left the swarm")
+            except Exception as e:
+                log.warning("could not take over stage %d of plan %d from %s: %s", index, old.version, holder, e)
+                continue
+            loaded.update({k: v for k, v in state.items() if k in wanted and v.shape == wanted[k].shape})
+        missing = sorted(set(wanted) - set(loaded))
+        if loaded:
+            new_host.worker.module.load_state_dict(loaded, strict=False)
+        log.info(
+            "took over %d tensors from plan %d%s",
+            len(loaded),
+            old.version,
+            f"; {len(missing)} start from the initial weights (optimizer state starts fresh)" if missing else "",
+        )
 
     def _wait_for_role(self, dht, assigner):
         deadline = time.monotonic() + self.args.assign_timeout_s
@@ -202,9 +363,10 @@ class PeerDaemon:
         if not args.checkpoint_dir:
             return
         path = checkpoint_path(args.checkpoint_dir, host.role.stage)
-        if args.resume and path.exists():
+        if args.resume and not self.resumed and path.exists():
             state = load_stage(path, host.worker.module.state_dict())
             host.worker.module.load_state_dict(state)
+            self.resumed = True
             log.info("resumed stage %d from %s", host.role.stage, path)
 
         def on_step(h):

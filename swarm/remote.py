@@ -140,7 +140,7 @@ class RemotePipeline:
         norm = math.sqrt(sq)
 
         def step_stage(s: int) -> float:
-            req = stage_pb2.StepRequest(step=step, global_grad_norm=norm)
+            req = stage_pb2.StepRequest(step=step, global_grad_norm=norm, plan_version=self.plan_version)
             if tied_sum is not None and s in (0, self.n_stages - 1):
                 req.tied_grad_sum.CopyFrom(tied_sum)
             return self._call(s, self.stubs[s].Step, req).lr

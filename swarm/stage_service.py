@@ -16,6 +16,7 @@ import torch
 
 from swarm.calls import (
     BUFFER_MISS,
+    PLAN_MISMATCH,
     Incoming,
     StageCallError,
     name_failure,
@@ -117,6 +118,8 @@ class StageHost:
         self.labels: dict[tuple[int, int], torch.Tensor] = {}
         self.compute_lock = threading.Lock()
         self.steps_done = 0
+        self.open_step: int | None = None
+        """The step this stage has taken calls for and not yet stepped or abandoned (None between steps)."""
         self.compute_layers_per_s = 0.0
         self.on_step = None  # callback(host) after every optimizer step, e.g. checkpointing
         self._zstd: dict[str, ZstdPolicy] = {}  # per destination: zstd only where it pays on that link
@@ -125,6 +128,17 @@ class StageHost:
     # ---- compute, called by the servicer ----------------------------------------------------------------
 
     def check_call(self, info: stage_pb2.CallInfo) -> None:
+        if info.plan_version != self.role.plan_version:
+            raise CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{PLAN_MISMATCH} the call follows plan {info.plan_version}, "
+                f"this peer follows plan {self.role.plan_version}",
+            )
+        if self.open_step is not None and info.step != self.open_step:
+            raise CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"step {info.step} arrived while step {self.open_step} is unfinished on this stage",
+            )
         if info.stage != self.role.stage:
             raise CallRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -227,6 +241,17 @@ class StageHost:
             if request.abandon:
                 self.worker.zero_grad()
             else:
+                if request.plan_version != self.role.plan_version:
+                    raise CallRefused(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{PLAN_MISMATCH} the step follows plan {request.plan_version}, "
+                        f"this peer follows plan {self.role.plan_version}",
+                    )
+                if self.open_step != request.step:
+                    raise CallRefused(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"step {request.step} never ran on this stage (open step: {self.open_step})",
+                    )
                 if request.HasField("tied_grad_sum"):
                     tied = self.worker.module.tied_parameter()
                     if tied is None:
@@ -241,6 +266,7 @@ class StageHost:
                 self.steps_done += 1
             self.links.end_step()
             self.gate.reset()
+            self.open_step = None
             self.labels = {k: v for k, v in self.labels.items() if k[0] > request.step}
         if self.on_step is not None and not request.abandon:
             self.on_step(self)
@@ -365,14 +391,79 @@ def _for_stage(info: stage_pb2.CallInfo, stage: int) -> stage_pb2.CallInfo:
 class StageServicer(stage_pb2_grpc.StageServicer):
     """Thin gRPC handlers: read and check the call, run the host's compute, pass the result on."""
 
-    def __init__(self, host: StageHost):
+    def __init__(self, host: StageHost | None):
         self.host = host
+        self.previous: StageHost | None = None
+        """The host this peer served before its last plan change, kept to hand its state over."""
+        self.standby_version: int | None = None
+        """The plan that left this peer without a stage, if one did: calls meant for its old stage are
+        refused as from another plan, so the trainer moves on to the new plan instead of failing."""
+        self._admission = threading.Condition()
+
+    def _not_serving(self) -> CallRefused:
+        if self.standby_version is not None:
+            return CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{PLAN_MISMATCH} this peer is on standby under plan {self.standby_version}",
+            )
+        return CallRefused(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
+
+    def _serving(self) -> StageHost:
+        host = self.host
+        if host is None:
+            raise self._not_serving()
+        return host
+
+    def _limits(self) -> WireLimits:
+        host = self.host
+        return host.limits if host is not None else WireLimits()
+
+    def _admit(self, info: stage_pb2.CallInfo) -> StageHost:
+        """Checks a call against the current host and opens its step there, atomically with `swap`."""
+        with self._admission:
+            host = self.host
+            if host is None:
+                raise self._not_serving()
+            host.check_call(info)
+            host.open_step = info.step
+            return host
+
+    def when_idle(self, change, timeout_s: float) -> bool:
+        """Runs `change(servicer)` between two steps, never while a step is open on this stage.
+
+        Calls are admitted under the same lock, so no step can straddle the change: a call that arrives
+        after it meets the new plan version and is refused, and the trainer retries the step on the new
+        plan. Returns False if a step stayed open for `timeout_s` (a trainer gone mid-step); the change is
+        then made anyway and that step is abandoned.
+        """
+        with self._admission:
+            idle = self._admission.wait_for(lambda: self.host is None or self.host.open_step is None, timeout_s)
+            if not idle:
+                log.warning("stage %d: abandoning unfinished step %s", self.host.role.stage, self.host.open_step)
+                self.host.step(stage_pb2.StepRequest(step=self.host.open_step or 0, abandon=True))
+            change(self)
+            self._admission.notify_all()
+        return idle
+
+    def swap(self, host: StageHost | None, timeout_s: float, plan_version: int = 0) -> bool:
+        """Serves `host` (None: standby under `plan_version`) from the next step on, keeping the current
+        one for state handover."""
+
+        def change(servicer: StageServicer) -> None:
+            if servicer.host is not None:
+                servicer.host.channels.close()
+                servicer.previous = servicer.host
+            servicer.host = host
+            servicer.standby_version = plan_version if host is None else None
+
+        return self.when_idle(change, timeout_s)
 
     def _guard(self, context: grpc.ServicerContext, fn):
         """Runs `fn`, turning every failure into a gRPC error that names the problem; the peer keeps serving."""
         host = self.host
         if host is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
+            refused = self._not_serving()
+            context.abort(refused.code, refused.details)
         try:
             return fn()
         except CallRefused as e:
@@ -393,42 +484,44 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Forward(self, request_iterator, context):
         def run():
-            incoming = read_stream(request_iterator, self.host.limits)
-            self.host.check_call(incoming.info)
-            out, loss, ids = self.host.forward(incoming)
+            incoming = read_stream(request_iterator, self._limits())
+            host = self._admit(incoming.info)
+            out, loss, ids = host.forward(incoming)
             if out is None:
                 return stage_pb2.ForwardReply(has_loss=True, loss=loss)
             # communication: the activation goes straight to the next stage
-            return self.host.send_forward(incoming.info, out, ids)
+            return host.send_forward(incoming.info, out, ids)
 
         return self._guard(context, run)
 
     def Backward(self, request_iterator, context):
         def run():
-            incoming = read_stream(request_iterator, self.host.limits)
-            self.host.check_call(incoming.info)
-            grad = self.host.backward(incoming)
+            incoming = read_stream(request_iterator, self._limits())
+            host = self._admit(incoming.info)
+            grad = host.backward(incoming)
             if grad is None:
                 return stage_pb2.BackwardReply()
             # communication: the input gradient goes straight back to the previous stage
-            return self.host.send_backward(incoming.info, grad)
+            return host.send_backward(incoming.info, grad)
 
         return self._guard(context, run)
 
     def PutLabels(self, request, context):
         def run():
-            self.host.check_call(request.info)
-            self.host.put_labels(request.info, request.labels)
+            self._admit(request.info).put_labels(request.info, request.labels)
             return stage_pb2.Empty()
 
         return self._guard(context, run)
 
     def Grads(self, request, context):
-        return self._guard(context, self.host.grads)
+        return self._guard(context, lambda: self._serving().grads())
 
     def Step(self, request, context):
         def run():
-            return stage_pb2.StepReply(step=request.step, lr=self.host.step(request))
+            lr = self._serving().step(request)
+            with self._admission:
+                self._admission.notify_all()  # a plan change may be waiting for the step to end
+            return stage_pb2.StepReply(step=request.step, lr=lr)
 
         return self._guard(context, run)
 
@@ -446,16 +539,22 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2.Traffic(wire_bytes=incoming.wire_bytes)
 
     def Status(self, request, context):
-        return self._guard(context, lambda: self.host.status())
+        return self._guard(context, lambda: self._serving().status())
 
     def GetState(self, request, context):
-        if self.host is None:
+        hosts = [h for h in (self.host, self.previous) if h is not None]
+        if not hosts:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
-        if request.stage != self.host.role.stage:
+        wanted = [
+            h for h in hosts if h.role.stage == request.stage and request.plan_version in (0, h.role.plan_version)
+        ]
+        if not wanted:
+            held = ", ".join(f"stage {h.role.stage} of plan {h.role.plan_version}" for h in hosts)
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"this peer serves stage {self.host.role.stage}, not stage {request.stage}",
+                f"this peer holds {held}, not stage {request.stage} of plan {request.plan_version or 'now'}",
             )
-        with self.host.compute_lock:
-            items = list(self.host.state_items())
+        host = wanted[0]
+        with host.compute_lock:
+            items = list(host.state_items())
         yield from items

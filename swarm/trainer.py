@@ -11,7 +11,9 @@ import argparse
 import csv
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ CSV_FIELDS = [
     "backward_bytes",
     "fp32_wire_bytes",
     "step_s",
+    "plan_version",
 ]
 
 
@@ -45,6 +48,10 @@ class TrainSummary:
     seconds: float
     stages: int
     route: list[str]
+    plan_version: int
+    """The plan the last step ran on (0: no plan, an even split)."""
+    replans: int
+    """Times the trainer moved to a newer plan during the run."""
     csv: str
     plot: str | None
 
@@ -53,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dht_arguments(parser)
     add_model_arguments(parser)
     g = parser.add_argument_group("training")
-    g.add_argument("--num-stages", type=int, default=2, help="stages the pipeline has; waits until all are served")
+    g.add_argument(
+        "--num-stages",
+        type=int,
+        default=None,
+        help="stages to wait for when the peers follow no plan (--assign even; default 2); with a plan, its stages",
+    )
     g.add_argument("--data", default=None, help="a text file or folder (default: Python's own docstrings)")
     g.add_argument("--train-samples", type=int, default=64, help="training samples (each seen once per epoch)")
     g.add_argument("--batch-size", type=int, default=8, help="samples per optimizer step")
@@ -69,31 +81,94 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
-def discover_route(dht, n_stages: int, timeout_s: float, show=print) -> tuple[list[str], list[str]]:
-    """Waits until every stage is announced; returns (addresses, peer ids) in pipeline order."""
+@dataclass(frozen=True)
+class Route:
+    """The pipeline the trainer drives: one peer per stage, all following the same plan."""
+
+    addresses: list[str]
+    """gRPC address of each stage, in pipeline order."""
+    peer_ids: list[str]
+    plan_version: int = 0
+    """The plan they follow (0: an even split by join order, no plan)."""
+
+
+def discover_route(dht, n_stages: int | None, timeout_s: float, show=print, min_version: int = 0) -> Route:
+    """Waits until a whole pipeline is served and returns it.
+
+    With a plan in the DHT, the route is the plan's, once every peer in it announces that it follows that
+    version; without one (peers started with `--assign even`), the first peer announcing each of stages
+    0..n_stages-1. `min_version` skips plans older than one the trainer already ran into.
+    """
+    from swarm.planning import route_of
+
     deadline = time.monotonic() + timeout_s
     last_line = None
     while True:
-        by_stage = {}
-        for ann in sorted(dht.peers(), key=lambda a: a.started_at):
-            if ann.stage is not None and ann.stage < n_stages:
-                by_stage.setdefault(ann.stage, ann)
-        missing = [s for s in range(n_stages) if s not in by_stage]
-        if not missing:
-            return [by_stage[s].address for s in range(n_stages)], [by_stage[s].peer_id for s in range(n_stages)]
-        line = f"waiting for stages {missing} ({n_stages - len(missing)}/{n_stages} served)"
+        record = dht.get_plan()
+        peers = dht.peers()
+        if record is not None and record.version >= min_version:
+            found = route_of(record, peers)
+            if found is not None:
+                if n_stages and len(found[0]) != n_stages:
+                    log.warning("plan %d has %d stages, not --num-stages %d", record.version, len(found[0]), n_stages)
+                return Route(found[0], found[1], record.version)
+            waiting = [p for p in peers if p.plan_version != record.version]
+            line = f"waiting for plan {record.version}: {len(waiting)} peers still switching"
+        elif record is None:
+            wanted = n_stages or 2
+            by_stage = {}
+            for ann in sorted(peers, key=lambda a: a.started_at):
+                if ann.stage is not None and ann.stage < wanted and ann.plan_version == 0:
+                    by_stage.setdefault(ann.stage, ann)
+            missing = [s for s in range(wanted) if s not in by_stage]
+            if not missing:
+                return Route([by_stage[s].address for s in range(wanted)], [by_stage[s].peer_id for s in range(wanted)])
+            served = wanted - len(missing)
+            line = f"waiting for stages {missing} ({served}/{wanted} served; {len(peers)} peers, no plan yet)"
+        else:
+            line = f"waiting for a plan newer than {record.version}"
         if line != last_line:
             show(line)
             last_line = line
         if time.monotonic() > deadline:
-            raise TimeoutError(f"stages {missing} are not served after {timeout_s:.0f} s")
-        time.sleep(0.5)
+            raise TimeoutError(f"no complete pipeline after {timeout_s:.0f} s ({line})")
+        time.sleep(0.5)  # poll interval of the DHT
 
 
-def train(args: argparse.Namespace, route: list[str], peers: list[str], quiet: bool = False) -> TrainSummary:
-    """Trains over the stages at `route`; raises StageCallError if one fails."""
+class PlanWatch:
+    """Tells the trainer, between steps, when the swarm has published a newer plan (checked once a second)."""
+
+    def __init__(self, dht, version: int, every_s: float = 1.0):
+        self.dht, self.version, self.every_s = dht, version, every_s
+        self._next = time.monotonic() + every_s
+
+    def newer(self) -> int | None:
+        if time.monotonic() < self._next:
+            return None
+        self._next = time.monotonic() + self.every_s
+        try:
+            record = self.dht.get_plan()
+        except TimeoutError:
+            return None
+        return record.version if record is not None and record.version > self.version else None
+
+
+def train(
+    args: argparse.Namespace,
+    route: Route,
+    quiet: bool = False,
+    dht=None,
+    say=lambda line: None,
+    stop: threading.Event | None = None,
+) -> TrainSummary:
+    """Trains over the stages of `route`; raises StageCallError if one fails.
+
+    With `dht`, it follows re-plans: between steps it checks for a newer plan, and a step a stage refuses
+    because it already follows a newer plan is abandoned on every stage and run again on the new route.
+    """
     from tqdm import tqdm
 
+    from swarm.calls import PLAN_MISMATCH, StageCallError
     from swarm.data import DataConfig, build_datasets, epoch_batches
     from swarm.plots import Panel, moving_average, save_line_plots
     from swarm.remote import RemotePipeline
@@ -112,16 +187,46 @@ def train(args: argparse.Namespace, route: list[str], peers: list[str], quiet: b
     total = args.steps or steps_per_epoch * args.epochs
     out = Path(args.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    pipe = RemotePipeline(route, peers, args.schedule, args.micro_batches, deadline_s=args.deadline_s)
+
+    def connect(r: Route) -> RemotePipeline:
+        return RemotePipeline(
+            r.addresses, r.peer_ids, args.schedule, args.micro_batches, deadline_s=args.deadline_s,
+            plan_version=r.plan_version,
+        )  # fmt: skip
+
+    pipe = connect(route)
+    watch = PlanWatch(dht, route.plan_version) if dht is not None else None
+    replans = 0
+
+    def follow(min_version: int) -> None:
+        nonlocal pipe, route, replans
+        pipe.close()
+        route = discover_route(dht, None, args.wait_timeout_s, say, min_version=min_version)
+        say(f"plan {route.plan_version}: {len(route.addresses)} stages at {', '.join(route.addresses)}")
+        pipe, watch.version = connect(route), route.plan_version
+        replans += 1
+
+    def run_step(step: int, batch):
+        for attempt in range(4):
+            if watch is not None and (newer := watch.newer()) is not None:
+                follow(newer)
+            try:
+                return pipe.train_step(step, batch)
+            except StageCallError as e:
+                if watch is None or PLAN_MISMATCH not in str(e) or attempt == 3:
+                    raise
+                follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
+        raise AssertionError("unreachable")
+
     rows, started = [], time.perf_counter()
     try:
         with tqdm(total=total, desc="training", unit="step", disable=quiet, file=sys.stderr) as bar:
             step, epoch = 0, 0
-            while step < total:
+            while step < total and not (stop is not None and stop.is_set()):
                 for batch in epoch_batches(train_set, args.batch_size, epoch, args.seed):
-                    if step >= total:
+                    if step >= total or (stop is not None and stop.is_set()):  # stop between steps
                         break
-                    r = pipe.train_step(step, batch)
+                    r = run_step(step, batch)
                     rows.append(
                         {
                             "setting": args.setting,
@@ -134,6 +239,7 @@ def train(args: argparse.Namespace, route: list[str], peers: list[str], quiet: b
                             "backward_bytes": r.backward_bytes,
                             "fp32_wire_bytes": r.fp32_wire_bytes,
                             "step_s": r.seconds,
+                            "plan_version": route.plan_version,
                             **{f"link{k}_bytes": b for k, b in enumerate(r.link_bytes)},
                         }
                     )
@@ -148,7 +254,8 @@ def train(args: argparse.Namespace, route: list[str], peers: list[str], quiet: b
     losses = [r["train_loss"] for r in rows]
     panel = Panel("training loss", "step", "loss")
     panel.series[args.setting] = ([r["step"] for r in rows], moving_average(losses, 5))
-    plot = save_line_plots([panel], out / "loss.png", f"swarm train: {len(route)} stages") if rows else None
+    title = f"swarm train: {len(route.addresses)} stages"
+    plot = save_line_plots([panel], out / "loss.png", title) if rows else None
     times = [r["step_s"] for r in rows]
     summary = TrainSummary(
         final_loss=sum(losses[-5:]) / len(losses[-5:]),
@@ -158,8 +265,10 @@ def train(args: argparse.Namespace, route: list[str], peers: list[str], quiet: b
         fp32_wire_bytes=sum(r["fp32_wire_bytes"] for r in rows),
         mean_step_s=sum(times[1:] or times) / len(times[1:] or times),
         seconds=time.perf_counter() - started,
-        stages=len(route),
-        route=route,
+        stages=len(route.addresses),
+        route=route.addresses,
+        plan_version=route.plan_version,
+        replans=replans,
         csv=str(out / "steps.csv"),
         plot=str(plot) if plot else None,
     )
@@ -180,19 +289,25 @@ def run(args: argparse.Namespace) -> int:
     from swarm.peers.dht import SwarmDHT
 
     logging.getLogger("hivemind").setLevel(logging.WARNING)
+    say = lambda line: print(line, file=sys.stderr)
     with SwarmDHT(dht_config(args, client_mode=True)) as dht:
         try:
-            route, peers = discover_route(
-                dht, args.num_stages, args.wait_timeout_s, lambda s: print(s, file=sys.stderr)
-            )
+            route = discover_route(dht, args.num_stages, args.wait_timeout_s, say)
         except TimeoutError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    try:
-        summary = train(args, route, peers)
-    except StageCallError as e:
-        print(f"error: training failed: {e}", file=sys.stderr)
-        return 1
+        say(f"training on plan {route.plan_version}: {', '.join(route.addresses)}")
+        try:
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: (say("stopping after the current step"), stop.set()))
+            summary = train(args, route, dht=dht, say=say, stop=stop)
+        except StageCallError as e:
+            print(f"error: training failed: {e}", file=sys.stderr)
+            return 1
+        except TimeoutError as e:
+            print(f"error: training stopped: {e}", file=sys.stderr)
+            return 2
     print(json.dumps(asdict(summary)) if args.json else format_summary(summary))
     return 0
 
@@ -204,7 +319,8 @@ def format_summary(s: TrainSummary) -> str:
             f"steps:        {s.steps} in {s.seconds:.1f} s ({s.mean_step_s:.2f} s/step)",
             f"loss:         {s.first_loss:.3f} -> {s.final_loss:.3f} (mean of the last 5 steps)",
             f"wire bytes:   {s.wire_bytes / 1e6:.2f} MB; fp32: {s.fp32_wire_bytes / 1e6:.2f} MB ({ratio:.1f}x)",
-            f"stages:       {s.stages} at {', '.join(s.route)}",
+            f"stages:       {s.stages} at {', '.join(s.route)}"
+            + (f" (plan {s.plan_version}, {s.replans} re-plans followed)" if s.plan_version else ""),
             f"outputs:      {s.csv}" + (f", {s.plot}" if s.plot else ""),
         ]
     )

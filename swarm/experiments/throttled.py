@@ -96,7 +96,7 @@ def _run_cell(cell: Cell, args, out: Path) -> list[dict]:
 
         return run_in_testbed(cell, flags, train_args, args)
     with local_swarm(out / cell.label, args.peers, flags) as swarm:
-        train(train_args, swarm.route, swarm.peers, quiet=True)
+        train(train_args, swarm.path, quiet=True)
     with open(out / cell.label / "steps.csv") as f:
         return list(csv.DictReader(f))
 

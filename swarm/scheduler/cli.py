@@ -32,7 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="peers (peer_id, compute_flops_per_s, memory_bytes), delay_s (or delay_ms) and "
         "bandwidth_bytes_per_s (or bandwidth_gbps) matrices; see --save-input for an example",
     )
-    source.add_argument("--dht", metavar="ADDR", help="read the live swarm from a DHT peer (not yet available)")
+    source.add_argument(
+        "--dht",
+        nargs="+",
+        metavar="MADDR",
+        help="read the live swarm (announcements and link probes) through these DHT nodes, as `swarm bootstrap` "
+        "prints them; shows the published plan and the one the planner would make now (the model flags "
+        "then default to the swarm's default model and codecs)",
+    )
+    source.add_argument("--dht-address-file", metavar="FILE", help="like --dht, the addresses from this file")
+    source.add_argument("--run-name", default="swarm", help="the live swarm's run name (default 'swarm')")
     parser.add_argument(
         "--cost-model",
         choices=("full", "dtfm"),
@@ -47,39 +56,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-input", metavar="FILE.json", help="also write the swarm as a --input file")
     model = parser.add_argument_group("model (full cost model)")
     shape = TransformerShape()
-    model.add_argument("--layers", type=int, default=shape.layers, help=f"transformer layers (default {shape.layers})")
-    model.add_argument("--hidden", type=int, default=shape.hidden, help=f"hidden size (default {shape.hidden})")
-    model.add_argument(
-        "--seq-len", type=int, default=shape.seq_len, help=f"tokens per sample (default {shape.seq_len})"
-    )
+    model.add_argument("--layers", type=int, default=None, help=f"transformer layers (default {shape.layers})")
+    model.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {shape.hidden})")
+    model.add_argument("--seq-len", type=int, default=None, help=f"tokens per sample (default {shape.seq_len})")
     model.add_argument(
         "--micro-batch-size",
         type=int,
-        default=shape.micro_batch_size,
+        default=None,
         help=f"samples per micro-batch (default {shape.micro_batch_size})",
     )
     model.add_argument(
         "--micro-batches",
         type=int,
-        default=shape.micro_batches,
+        default=None,
         help=f"micro-batches per step over all replicas (default {shape.micro_batches})",
     )
     model.add_argument(
         "--forward-bits",
         type=float,
-        default=shape.forward_bits,
+        default=None,
         help=f"bits per activation element on the wire, forward (default {shape.forward_bits:g}, AQ-SGD)",
     )
     model.add_argument(
         "--backward-bits",
         type=float,
-        default=shape.backward_bits,
+        default=None,
         help=f"bits per activation-gradient element on the wire, backward (default {shape.backward_bits:g})",
     )
     model.add_argument(
         "--gradient-bits",
         type=float,
-        default=shape.gradient_bits,
+        default=None,
         help=f"bits per weight-gradient element averaged between replicas (default {shape.gradient_bits:g})",
     )
     dtfm = parser.add_argument_group("DT-FM cost model")
@@ -94,14 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_input(args) -> tuple[PlanInput, str, float | None, float | None]:
-    chosen = [x for x in (args.scenario, args.input, args.dht) if x]
+    chosen = [x for x in (args.scenario, args.input, args.dht or args.dht_address_file) if x]
     if len(chosen) != 1:
         raise SystemExit("swarm plan: give exactly one of --scenario, --input or --dht")
-    if args.dht:
-        raise SystemExit(
-            "swarm plan: planning from the live DHT is not yet available (it needs the peers' announcements "
-            "and link probes from the networking layer); use --scenario or --input"
-        )
     if args.scenario:
         scenario = load_scenario(args.scenario)
         return scenario.plan_input, scenario.name, scenario.activation_bytes, scenario.gradient_bytes
@@ -152,6 +154,11 @@ def _describe(result: Plan, plan_input: PlanInput, source: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if len([x for x in (args.scenario, args.input, args.dht or args.dht_address_file) if x]) != 1:
+        raise SystemExit("swarm plan: give exactly one of --scenario, --input or --dht")
+    if args.dht or args.dht_address_file:
+        return _run_live(args)
+    _fill_model_defaults(args, TransformerShape())
     plan_input, source, activation_bytes, gradient_bytes = _read_input(args)
     if args.save_input:
         plan_input.save(args.save_input)
@@ -173,4 +180,66 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=1))
     else:
         print(_describe(result, plan_input, source))
+    return 0
+
+
+def _fill_model_defaults(args, shape: TransformerShape) -> None:
+    for name in ("layers", "hidden", "seq_len", "micro_batch_size", "micro_batches"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(shape, name))
+    for name in ("forward_bits", "backward_bits", "gradient_bits"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(shape, name))
+
+
+def _run_live(args) -> int:
+    """The live swarm: its published plan, and the plan the live planner would make from it now."""
+    from swarm.bootstrap import read_address_file
+    from swarm.compression import CodecConfig
+    from swarm.model import ModelConfig
+    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.planning import REFERENCE_MICRO_BATCH, live_search, swarm_plan_input, wire_bits
+
+    model = ModelConfig()
+    _fill_model_defaults(
+        args,
+        TransformerShape(
+            layers=model.n_layers,
+            hidden=model.hidden_dim,
+            seq_len=model.seq_len_tokens,
+            micro_batch_size=REFERENCE_MICRO_BATCH,
+            micro_batches=4,
+            forward_bits=wire_bits(CodecConfig.parse("aqsgd2")),
+            backward_bits=wire_bits(CodecConfig.parse("gradq4")),
+        ),
+    )
+    initial = list(args.dht or []) + (read_address_file(args.dht_address_file) if args.dht_address_file else [])
+    config = DHTConfig(initial_peers=tuple(initial), client_mode=True, run_name=args.run_name)
+    with SwarmDHT(config) as dht:
+        peers, links, published = dht.peers(), dht.links(), dht.get_plan()
+    if not peers:
+        print(f"swarm plan: no peers announced in run {args.run_name!r}", file=sys.stderr)
+        return 2
+    swarm = swarm_plan_input(peers, links, _model(args))
+    stages = len(published.plan.get("stages", [])) if published is not None else None
+    fresh = plan(swarm.plan_input, _model(args), live_search(stages, args.seed))
+    if args.json:
+        out = {
+            "published": None if published is None else {"version": published.version, **published.plan},
+            "now": fresh.to_dict(),
+            "peers": len(peers),
+            "measured_links": swarm.measured_links,
+            "assumed_links": swarm.filled_links,
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    source = f"live swarm {args.run_name!r}: {len(peers)} peers, {swarm.measured_links} links measured"
+    if swarm.filled_links:
+        source += f", {swarm.filled_links} assumed (not probed yet)"
+    if published is not None:
+        print(f"published plan (version {published.version}):")
+        print(_describe(Plan.from_dict(published.plan), swarm.plan_input, source))
+        print()
+    print("the plan the planner would make now:" if published is not None else "no plan published yet; now:")
+    print(_describe(fresh, swarm.plan_input, source))
     return 0

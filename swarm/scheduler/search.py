@@ -52,6 +52,10 @@ class SearchConfig:
     """Ours, larger swarms: only shapes screened within this factor of the best get constructions."""
     replica_fractions: tuple[float, ...] = (1.0, 0.75, 0.5)
     """Ours: replica counts tried per number of stages, as fractions of peers // stages."""
+    stages: int | None = None
+    """Ours: plan exactly this many stages (None: the search chooses)."""
+    max_replicas: int | None = None
+    """Ours: at most this many replicas per stage (the live runtime serves one pipeline: 1)."""
     max_bounds: int = 48
     """Bounds on a group's own cost tried by the segment dynamic program."""
     anneal: AnnealConfig = field(default_factory=AnnealConfig)
@@ -120,10 +124,18 @@ def _polish(objective: Objective, starts: list[Partition], classes: np.ndarray, 
 def _shapes(n: int, model: ModelSpec, cfg: SearchConfig) -> list[tuple[int, int]]:
     shapes = []
     for stages in range(1, min(model.layers, n) + 1):
+        if cfg.stages is not None and stages != cfg.stages:
+            continue
         top = n // stages
         for replicas in sorted({max(1, math.floor(top * f)) for f in cfg.replica_fractions}, reverse=True):
-            shapes.append((stages, replicas))
-    return shapes
+            shapes.append((stages, min(replicas, cfg.max_replicas or replicas)))
+    return sorted(set(shapes), key=shapes.index)
+
+
+def _allowed(layout: Layout, cfg: SearchConfig) -> bool:
+    return (cfg.stages is None or layout.stages == cfg.stages) and (
+        cfg.max_replicas is None or layout.replicas <= cfg.max_replicas
+    )
 
 
 def _peer_classes(cost: FullCost, plan_input: PlanInput) -> np.ndarray:
@@ -208,7 +220,7 @@ def search_full(
     unused = partition.unused
     # Never worse than the greedy baseline: keep its layout if it happens to be cheaper.
     greedy = _greedy_full(cost, plan_input)
-    if greedy is not None:
+    if greedy is not None and _allowed(greedy, cfg):
         greedy_cost = cost.evaluate(greedy)
         if layout is None or greedy_cost.total_s < breakdown.total_s:
             breakdown, layout = greedy_cost, greedy

@@ -33,7 +33,9 @@ def test_fp32_swarm_matches_in_process_pipeline_step_for_step(tmp_path):
     local = Pipeline(build_workers(TINY, 2), [CodecBoundary(fp32, fp32)], "1f1b")
     expected = [local.train_step(b, 2).loss for b in data]
     with local_swarm(tmp_path, 2, [*MODEL_FLAGS, "--fw-codec", "fp32", "--bw-codec", "fp32"]) as swarm:
-        pipe = RemotePipeline(swarm.route, swarm.peers, "1f1b", n_micro=2, deadline_s=60)
+        pipe = RemotePipeline(
+            swarm.route, swarm.peers, "1f1b", n_micro=2, deadline_s=60, plan_version=swarm.plan_version
+        )
         got = [pipe.train_step(step, b).loss for step, b in enumerate(data)]
         pipe.close()
         codes = swarm.procs.close()
@@ -47,7 +49,7 @@ def test_trainer_names_the_stage_whose_peer_died_and_exits_nonzero(tmp_path):
         trainer = subprocess.Popen(
             [
                 sys.executable, "-m", "swarm.cli", "train", "--address-file", str(tmp_path / "bootstrap.addr"),
-                "--num-stages", "2", *MODEL_FLAGS, "--train-samples", "16", "--epochs", "100",
+                *MODEL_FLAGS, "--train-samples", "16", "--epochs", "100",
                 "--deadline-s", "20", "--out", str(tmp_path / "train"),
             ],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -60,7 +62,9 @@ def test_trainer_names_the_stage_whose_peer_died_and_exits_nonzero(tmp_path):
                 assert time.monotonic() < deadline and trainer.poll() is None, "training never got going"
                 procs.check_alive()
                 time.sleep(0.1)  # poll interval; the condition above is what synchronizes
-            stage1 = next(name for name in ("peer0", "peer1") if peers[1] in procs.tail(name, 1000))
+            stage1 = next(
+                name for name in ("peer0", "peer1") if f"joined the DHT as {peers[1]}" in procs.tail(name, 1000)
+            )
             procs.procs[stage1].send_signal(signal.SIGKILL)
             _, err = trainer.communicate(timeout=90)
         finally:

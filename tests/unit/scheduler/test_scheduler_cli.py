@@ -28,9 +28,10 @@ def test_plan_input_file(tmp_path, capsys):
     assert "predicted step time" in text and "stage" in text
 
 
-def test_plan_dht_is_not_yet_available():
-    with pytest.raises(SystemExit, match="not yet available"):
-        main(["plan", "--dht", "127.0.0.1:1234"])
+def test_plan_takes_exactly_one_source():
+    # the live source (--dht) is exercised against a real swarm in tests/integration/test_replan.py
+    with pytest.raises(SystemExit, match="exactly one"):
+        main(["plan", "--scenario", "worldwide", "--dht", "/ip4/127.0.0.1/tcp/1"])
 
 
 def test_bench_row_has_the_promised_fields():

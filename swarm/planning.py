@@ -1,0 +1,291 @@
+"""The scheduler in a live swarm: peers measure their links, one peer plans, every peer follows the plan.
+
+- `LinkProber`: each peer measures round-trip time and bytes/s to the other announced peers with the stage
+  service's Probe and Sink calls, through the same application-level shaper as its real traffic, a few
+  peers per round (a budget, so N peers do not flood each other), and stores `LinkMeasurement`s in the DHT.
+- `swarm_plan_input`: turns the DHT's announcements and link measurements into the scheduler's `PlanInput`,
+  the same structure a JSON file or a scenario gives, so simulations and live swarms share one code path.
+- `Planner`: the peer with the lowest id among those announced plans, when enough peers have announced and
+  whenever the set of peers changes (a join, or a leave once its announcement expires), and publishes the
+  plan in the DHT with the next version number. If that peer leaves, the next lowest takes over.
+- `role_in_plan`: what a peer serves under a published plan; the daemon switches roles between steps only
+  (see `StageServicer.when_idle`), and stages refuse calls stamped with another plan version, so no step
+  ever mixes two plans.
+
+The live runtime drives one pipeline (data-parallel replicas of a stage are not served yet), so the
+live planner searches plans with one replica per stage; peers the plan leaves out stay on standby.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from swarm.calls import tensor_items
+from swarm.compression import CodecConfig, make_codec
+from swarm.model import ModelConfig
+from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
+from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, TransformerShape, plan
+from swarm.stage_service import StageRole
+
+log = logging.getLogger("swarm.planning")
+
+REFERENCE_MICRO_BATCH = 4
+"""Samples per micro-batch of the compute measurement (`peer_daemon.measure_compute`) and of the plan's model."""
+DEFAULT_BYTES_PER_S = 100e6 / 8
+"""Assumed for a link nobody has measured yet when no other link is known either (100 Mbit/s)."""
+_UNKNOWN_MEMORY_BYTES = 1 << 40
+
+
+def wire_bits(codec: CodecConfig) -> float:
+    """Bits per element a codec puts on the wire in steady state (scales and framing aside)."""
+    return {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0}.get(codec.name, float(codec.bits))
+
+
+def model_spec(
+    model: ModelConfig,
+    forward: CodecConfig,
+    backward: CodecConfig,
+    micro_batch_size: int = REFERENCE_MICRO_BATCH,
+    micro_batches: int = 4,
+) -> ModelSpec:
+    """The cost model's figures for our GPT at the codecs' compressed sizes."""
+    return ModelSpec.transformer(
+        TransformerShape(
+            layers=model.n_layers,
+            hidden=model.hidden_dim,
+            seq_len=model.seq_len_tokens,
+            micro_batch_size=micro_batch_size,
+            micro_batches=micro_batches,
+            forward_bits=wire_bits(forward),
+            backward_bits=wire_bits(backward),
+            optimizer_bytes_per_param=16.0,
+        )
+    )
+
+
+@dataclass(frozen=True)
+class SwarmInput:
+    plan_input: PlanInput
+    measured_links: int
+    """Directed links with a measurement of their own (the rest are filled in, see `swarm_plan_input`)."""
+    filled_links: int
+
+
+def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement], spec: ModelSpec) -> SwarmInput:
+    """The scheduler's input from the DHT's announcements and link measurements.
+
+    Compute speed: each peer measured layers/s of one reference micro-batch, times the FLOPs of that layer.
+    A link i->j takes its own measurement, else the reverse direction's, else the median of all measured
+    links (100 Mbit/s and 1 ms when none is known): a new peer is planned at a typical speed until probed.
+    One-way delay is half the round-trip time.
+    """
+    if not peers:
+        raise ValueError("no peers announced")
+    ids = [p.peer_id for p in sorted(peers, key=lambda p: p.peer_id)]
+    by_id = {p.peer_id: p for p in peers}
+    index = {pid: i for i, pid in enumerate(ids)}
+    n = len(ids)
+    bandwidth = np.full((n, n), np.nan)
+    delay = np.full((n, n), np.nan)
+    measured = 0
+    for m in links:
+        if m.src in index and m.dst in index and m.bytes_per_s > 0:
+            bandwidth[index[m.src], index[m.dst]] = m.bytes_per_s
+            delay[index[m.src], index[m.dst]] = m.rtt_s / 2
+            measured += 1
+    # the reverse direction's figure, then the median of the measured links
+    known_bw = bandwidth[~np.isnan(bandwidth)]
+    known_delay = delay[~np.isnan(delay)]
+    bandwidth = np.where(np.isnan(bandwidth), bandwidth.T, bandwidth)
+    delay = np.where(np.isnan(delay), delay.T, delay)
+    off = ~np.eye(n, dtype=bool)
+    filled = int((np.isnan(bandwidth) & off).sum())
+    bandwidth = np.where(np.isnan(bandwidth), np.median(known_bw) if known_bw.size else DEFAULT_BYTES_PER_S, bandwidth)
+    delay = np.where(np.isnan(delay), np.median(known_delay) if known_delay.size else 1e-3, delay)
+    np.fill_diagonal(bandwidth, np.inf)
+    np.fill_diagonal(delay, 0.0)
+    planned = tuple(
+        Peer(
+            peer_id=pid,
+            compute_flops_per_s=max(by_id[pid].compute_layers_per_s, 1e-6) * max(spec.flops_per_layer, 1.0),
+            memory_bytes=float(by_id[pid].memory_bytes or _UNKNOWN_MEMORY_BYTES),
+            region=by_id[pid].address,
+        )
+        for pid in ids
+    )
+    return SwarmInput(PlanInput(planned, delay, bandwidth), measured, filled)
+
+
+def live_search(n_stages: int | None, seed: int = 0) -> SearchConfig:
+    """One replica per stage (what the live runtime serves); `n_stages` fixed, or the planner's choice."""
+    return SearchConfig(seed=seed, stages=n_stages, max_replicas=1)
+
+
+def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
+    """This peer's stage under a published plan, or None if the plan leaves it on standby."""
+    stages = record.plan.get("stages", [])
+    for index, stage in enumerate(stages):
+        if peer_id in stage.get("peer_ids", []):
+            return StageRole(index, len(stages), int(stage["layer_start"]), int(stage["layer_end"]), record.version)
+    return None
+
+
+def plan_peers(record: PlanRecord) -> set[str]:
+    """Every peer the plan was made from: those it uses and those it leaves on standby."""
+    used = {pid for stage in record.plan.get("stages", []) for pid in stage.get("peer_ids", [])}
+    return used | set(record.plan.get("unused_peer_ids", []))
+
+
+def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> tuple[list[str], list[str]] | None:
+    """(addresses, peer ids) of the plan's first pipeline, once every one of its peers follows the plan."""
+    following = {p.peer_id: p for p in peers if p.plan_version == record.version and p.stage is not None}
+    route, ids = [], []
+    for index, stage in enumerate(record.plan.get("stages", [])):
+        pid = stage["peer_ids"][0]
+        ann = following.get(pid)
+        if ann is None or ann.stage != index:
+            return None
+        route.append(ann.address)
+        ids.append(pid)
+    return (route, ids) if ids else None
+
+
+class LinkProber:
+    """Measures this peer's links to the others, a few per round, and stores the results in the DHT."""
+
+    def __init__(
+        self,
+        dht,
+        my_address: str,
+        shaping,
+        channels,
+        probe_bytes: int = 256 << 10,
+        peers_per_round: int = 4,
+        refresh_s: float = 120.0,
+    ):
+        self.dht, self.my_address, self.shaping, self.channels = dht, my_address, shaping, channels
+        self.probe_bytes, self.peers_per_round, self.refresh_s = probe_bytes, peers_per_round, refresh_s
+        self._measured: dict[str, float] = {}  # peer id -> when
+        self._rng = random.Random(dht.peer_id)
+        self._fp32 = make_codec(CodecConfig("fp32"))
+
+    def measure(self, address: str, timeout_s: float = 30.0) -> tuple[float, float]:
+        """(round-trip time in s, bytes/s) to the stage service at `address`."""
+        stub = stage_pb2_grpc.StageStub(self.channels.get(address))
+        rtts = []
+        for _ in range(3):
+            start = time.perf_counter()
+            stub.Probe(stage_pb2.ProbeRequest(reply_bytes=0), timeout=timeout_s)
+            rtts.append(time.perf_counter() - start)
+        rtt = min(rtts)
+        msg = self._fp32.encode(torch.rand(self.probe_bytes // 4))
+        shaper = self.shaping.for_destination(address)
+        start = time.perf_counter()
+        reply = stub.Sink(tensor_items(stage_pb2.CallInfo(), msg, 0, shaper), timeout=timeout_s)
+        seconds = max(time.perf_counter() - start - rtt / 2, 1e-6)
+        return rtt, reply.wire_bytes / seconds
+
+    def round(self, now: float | None = None) -> int:
+        """Probes up to `peers_per_round` peers, unmeasured ones first; returns how many were measured."""
+        now = time.time() if now is None else now
+        others = [p for p in self.dht.peers() if p.peer_id != self.dht.peer_id and p.address != self.my_address]
+        due = [p for p in others if now - self._measured.get(p.peer_id, -1e18) >= self.refresh_s]
+        self._rng.shuffle(due)
+        due.sort(key=lambda p: p.peer_id in self._measured)  # never-measured peers first
+        done = 0
+        for ann in due[: self.peers_per_round]:
+            try:
+                rtt, rate = self.measure(ann.address)
+            except Exception as e:  # an unreachable or misbehaving peer is skipped, not fatal
+                log.info("probe of %s at %s failed: %s", ann.peer_id, ann.address, e)
+                continue
+            self.dht.store_link(
+                LinkMeasurement(self.dht.peer_id, ann.peer_id, rtt_s=rtt, bytes_per_s=rate, measured_at=now)
+            )
+            self._measured[ann.peer_id] = now
+            log.info("link to %s: rtt %.1f ms, %.1f Mbit/s", ann.peer_id, rtt * 1e3, rate * 8 / 1e6)
+            done += 1
+        return done
+
+
+class Planner:
+    """Makes and publishes plans when this peer leads (lowest id announced) and the membership changed."""
+
+    def __init__(
+        self,
+        dht,
+        spec: ModelSpec,
+        n_stages: int | None,
+        min_peers: int,
+        settle_s: float = 2.0,
+        probe_wait_s: float = 20.0,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
+        self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
+        self._seen: frozenset[str] = frozenset()
+        self._since = 0.0
+
+    def is_leader(self, peers: list[PeerAnnouncement]) -> bool:
+        trusted = set(self.dht.config.trusted_planners)
+        if trusted and self.dht.peer_id not in trusted:
+            return False
+        candidates = [p.peer_id for p in peers if not trusted or p.peer_id in trusted]
+        return bool(candidates) and min(candidates) == self.dht.peer_id
+
+    def round(self) -> Plan | None:
+        """One look at the swarm; publishes and returns a new plan if one is due."""
+        peers = self.dht.peers()
+        if not self.is_leader(peers):
+            return None
+        alive = frozenset(p.peer_id for p in peers)
+        now = self.clock()
+        if alive != self._seen:
+            self._seen, self._since = alive, now
+        current = self.dht.get_plan()
+        if len(alive) < self.min_peers or (current is not None and plan_peers(current) == alive):
+            return None
+        if now - self._since < self.settle_s:
+            return None  # peers are still arriving (or leaving): wait for the set to settle
+        links = self.dht.links()
+        swarm = swarm_plan_input(peers, links, self.spec)
+        if swarm.filled_links and now - self._since < self.probe_wait_s:
+            return None  # give the probes a little time: planning on guesses moves stages twice
+        version = (current.version if current is not None else 0) + 1
+        stages = min(self.n_stages, len(alive)) if self.n_stages else None
+        made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed), version=version)
+        self.dht.publish_plan(version, made.to_dict())
+        log.info(
+            "published plan %d: %d stages over %d peers (%d links measured, %d assumed), predicted %.3f s/step",
+            version,
+            made.n_stages,
+            len(alive),
+            swarm.measured_links,
+            swarm.filled_links,
+            made.step_time_s,
+        )
+        return made
+
+
+def fetch_state(channels, address: str, stage: int, plan_version: int, timeout_s: float = 120.0) -> dict:
+    """The named fp32 tensors of `stage` as the peer at `address` held it under `plan_version`."""
+    from swarm.compression import Unframer
+
+    fp32 = make_codec(CodecConfig("fp32"))
+    stub = stage_pb2_grpc.StageStub(channels.get(address))
+    tensors: dict[str, torch.Tensor] = {}
+    unframers: dict[str, Unframer] = {}
+    for item in stub.GetState(stage_pb2.StateRequest(stage=stage, plan_version=plan_version), timeout=timeout_s):
+        msg = unframers.setdefault(item.name, Unframer()).feed(item.chunk)
+        if msg is not None:
+            tensors[item.name] = fp32.decode(msg)
+    return tensors

@@ -1,0 +1,125 @@
+"""Plan changes in a running swarm: stages refuse calls from another plan version (so no step mixes two
+plans), and a peer joining a training swarm makes the planner publish a new plan that the peers switch to
+between steps, taking over their layers from the old holders, while the trainer follows without failing."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from swarm.calls import PLAN_MISMATCH, StageCallError
+from swarm.compression import CodecConfig
+from swarm.local_swarm import local_swarm
+from swarm.procs import peer_command
+from swarm.remote import RemotePipeline
+from tests.integration.swarm_fixtures import loopback_stages, remote
+from tests.integration.test_stage_service import batches
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+FP32 = CodecConfig("fp32")
+MODEL_FLAGS = ["--layers", "3", "--hidden", "32", "--heads", "2", "--seq-len", "16"]
+
+
+def test_a_stage_on_another_plan_refuses_and_the_step_is_abandoned_everywhere():
+    data = batches(2)
+    with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
+        pipe = remote(addresses, "1f1b", n_micro=2)
+        pipe.train_step(0, data[0])
+        hosts[1].role = dataclasses.replace(hosts[1].role, plan_version=1)  # stage 1 moved on to plan 1
+        with pytest.raises(StageCallError) as failure:
+            pipe.train_step(1, data[1])
+        assert PLAN_MISMATCH in str(failure.value) and "stage 1" in str(failure.value)
+        assert [h.steps_done for h in hosts] == [1, 1], "no stage may step on a refused step"
+        assert [h.open_step for h in hosts] == [None, None], "the refused step is abandoned on every stage"
+        pipe.close()
+        mixed = RemotePipeline(addresses, ["peer0", "peer1"], "1f1b", 2, deadline_s=30, plan_version=1)
+        with pytest.raises(StageCallError, match=PLAN_MISMATCH):
+            mixed.train_step(1, data[1])  # stage 0 still follows plan 0: refused there
+        hosts[0].role = dataclasses.replace(hosts[0].role, plan_version=1)
+        assert mixed.train_step(1, data[1]).loss > 0
+        mixed.close()
+    assert [h.steps_done for h in hosts] == [2, 2]
+
+
+def test_a_joining_peer_triggers_a_new_plan_that_trainer_and_peers_follow(tmp_path):
+    # Declared speeds make the plan predictable: the newcomer is ten times faster, so plan 2 must use it.
+    slow = [*MODEL_FLAGS, "--fw-codec", "fp32", "--bw-codec", "fp32", "--compute-speed", "50"]
+    with local_swarm(tmp_path, 2, slow) as swarm:
+        assert swarm.plan_version == 1
+        trainer = subprocess.Popen(
+            [
+                sys.executable, "-m", "swarm.cli", "train", "--address-file", str(swarm.address_file),
+                *MODEL_FLAGS, "--train-samples", "16", "--batch-size", "8", "--micro-batches", "2",
+                "--steps", "100000", "--deadline-s", "30", "--out", str(tmp_path / "train"),
+            ],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        watcher = RemotePipeline(swarm.route, swarm.peers)
+        try:
+            deadline = time.monotonic() + 120
+            while watcher.status()[0].steps_done < 3:
+                assert time.monotonic() < deadline and trainer.poll() is None, "training never got going"
+                swarm.procs.check_alive()
+                time.sleep(0.1)  # poll interval; the condition above is what synchronizes
+            fast = peer_command(
+                "--address-file", str(swarm.address_file), "--num-stages", "2",
+                *MODEL_FLAGS, "--fw-codec", "fp32", "--bw-codec", "fp32", "--compute-speed", "500",
+            )  # fmt: skip
+            swarm.procs.start("newcomer", fast)
+            # plan 2 must use the fast newcomer; once it has stepped a few times, stop the trainer
+            while not (steps := _newcomer_steps(swarm)) or steps < 3:
+                if trainer.poll() is not None:
+                    pytest.fail(f"the trainer died: {trainer.communicate()[1][-3000:]}")
+                assert time.monotonic() < deadline + 60, "plan 2 never trained"
+                swarm.procs.check_alive()
+                time.sleep(0.2)  # poll interval; the condition above is what synchronizes
+            trainer.send_signal(signal.SIGTERM)
+            _, err = trainer.communicate(timeout=60)
+        finally:
+            watcher.close()
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait(10)
+        logs = {name: swarm.procs.tail(name, 400) for name in ("peer0", "peer1", "newcomer")}
+        shown = subprocess.run(
+            [sys.executable, "-m", "swarm.cli", "plan", "--dht-address-file", str(swarm.address_file), "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    live = json.loads(shown.stdout)
+    assert live["published"]["version"] == 2 and live["peers"] == 3 and live["measured_links"] >= 2, live
+    assert len(live["now"]["stages"]) == 2, "swarm plan --dht plans the live swarm's number of stages"
+    assert trainer.returncode == 0, err[-3000:]
+    with open(tmp_path / "train" / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    versions = [int(r["plan_version"]) for r in rows]
+    assert [int(r["step"]) for r in rows] == list(range(1, len(rows) + 1)), "every step ran exactly once"
+    assert versions == sorted(versions) and versions[0] == 1 and versions[-1] == 2, versions
+    assert "plan 2 (was 1): serving stage" in logs["newcomer"], logs["newcomer"]
+    assert "took over" in logs["newcomer"] and "initial weights" not in logs["newcomer"], logs["newcomer"]
+    assert "plan 2:" in err, err[-2000:]
+
+
+def _newcomer_steps(swarm) -> int | None:
+    """Steps done by the newcomer's stage, once the DHT shows it serving one under plan 2."""
+    from swarm.peers.dht import DHTConfig, SwarmDHT
+
+    initial = [line for line in swarm.address_file.read_text().splitlines() if line.strip()]
+    with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
+        serving = [p for p in dht.peers() if p.plan_version == 2 and p.stage is not None]
+        newcomers = [p for p in serving if p.peer_id not in swarm.peers]
+    if not newcomers:
+        return None
+    watcher = RemotePipeline([newcomers[0].address], [newcomers[0].peer_id])
+    try:
+        return watcher.status()[0].steps_done
+    finally:
+        watcher.close()

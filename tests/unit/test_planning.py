@@ -1,0 +1,79 @@
+"""The live planner's pure parts: the plan input built from DHT records, roles and routes from a plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.compression import CodecConfig
+from swarm.model import ModelConfig
+from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
+from swarm.planning import DEFAULT_BYTES_PER_S, live_search, model_spec, role_in_plan, route_of, swarm_plan_input
+from swarm.scheduler import plan
+
+SPEC = model_spec(ModelConfig(), CodecConfig("aqsgd", bits=2), CodecConfig("gradq", bits=4))
+
+
+def peer(i: int, speed: float = 10.0, **kw) -> PeerAnnouncement:
+    return PeerAnnouncement(
+        peer_id=f"p{i}", address=f"127.0.0.1:{5000 + i}", device="cpu", memory_bytes=1 << 34,
+        compute_layers_per_s=speed, **kw,
+    )  # fmt: skip
+
+
+def link(a: int, b: int, mbit: float, rtt_ms: float = 2.0) -> LinkMeasurement:
+    return LinkMeasurement(f"p{a}", f"p{b}", rtt_s=rtt_ms / 1e3, bytes_per_s=mbit * 1e6 / 8, measured_at=1.0)
+
+
+def test_links_take_their_own_figure_then_the_reverse_then_the_median():
+    got = swarm_plan_input([peer(2), peer(0), peer(1)], [link(0, 1, 80), link(1, 0, 40), link(2, 0, 200)], SPEC)
+    pi = got.plan_input
+    assert [p.peer_id for p in pi.peers] == ["p0", "p1", "p2"]
+    bw = pi.bandwidth_bytes_per_s * 8 / 1e6
+    assert bw[0, 1] == pytest.approx(80) and bw[1, 0] == pytest.approx(40)
+    assert bw[0, 2] == pytest.approx(200), "the reverse direction's figure stands in"
+    assert bw[1, 2] == pytest.approx(80) and bw[2, 1] == pytest.approx(80), "unprobed: the median of known links"
+    assert pi.delay_s[0, 1] == pytest.approx(1e-3), "one-way delay is half the round trip"
+    assert (got.measured_links, got.filled_links) == (3, 2)
+    speeds = pi.speeds_flops_per_s
+    assert speeds[0] == pytest.approx(10 * SPEC.flops_per_layer)
+
+
+def test_a_swarm_nobody_has_probed_is_planned_at_a_typical_rate():
+    got = swarm_plan_input([peer(0), peer(1)], [], SPEC)
+    assert got.plan_input.bandwidth_bytes_per_s[0, 1] == DEFAULT_BYTES_PER_S and got.filled_links == 2
+
+
+def test_live_plans_have_one_replica_and_the_asked_stages_with_faster_peers_holding_more_layers():
+    peers = [peer(0, 10.0), peer(1, 10.0), peer(2, 40.0)]
+    links = [link(a, b, 100) for a in range(3) for b in range(3) if a != b]
+    pi = swarm_plan_input(peers, links, SPEC).plan_input
+    made = plan(pi, SPEC, live_search(2), version=3)
+    assert made.n_stages == 2 and made.n_replicas == 1 and made.version == 3
+    sizes = {s.peer_ids[0]: s.layer_end - s.layer_start for s in made.stages}
+    assert "p2" in sizes and sizes["p2"] > min(sizes.values()), sizes
+    assert made.stages[0].layer_start == 0 and made.stages[-1].layer_end == SPEC.layers
+    assert all(a.layer_end == b.layer_start for a, b in zip(made.stages, made.stages[1:], strict=False))
+
+
+def test_roles_and_routes_come_from_the_plan_once_every_peer_follows_it():
+    record = PlanRecord(
+        version=4,
+        plan={
+            "stages": [
+                {"layer_start": 0, "layer_end": 3, "peer_ids": ["p2"]},
+                {"layer_start": 3, "layer_end": 4, "peer_ids": ["p0"]},
+            ],
+            "unused_peer_ids": ["p1"],
+        },
+        created_at=1.0,
+    )
+    role = role_in_plan(record, "p0")
+    assert (role.stage, role.n_stages, role.layer_start, role.layer_end, role.plan_version) == (1, 2, 3, 4, 4)
+    assert role_in_plan(record, "p1") is None, "left out: standby"
+    old = [
+        peer(2, stage=0, layer_start=0, layer_end=2, plan_version=3),
+        peer(0, stage=1, layer_start=3, layer_end=4, plan_version=4),
+    ]
+    assert route_of(record, old) is None, "p2 still follows plan 3"
+    new = [peer(2, stage=0, layer_start=0, layer_end=3, plan_version=4), old[1]]
+    assert route_of(record, new) == (["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"])
