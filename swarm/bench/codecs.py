@@ -31,6 +31,7 @@ COLUMNS = [
     "wire_bytes_per_element",
     "ratio_vs_fp32",
     "ratio_vs_fp32_no_zstd",
+    "payload_scales_bytes_per_element",
     "rel_error",
     "encode_decode_gbps",
     "error",
@@ -85,10 +86,19 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
         "wire_bytes_per_element": wire / numel,
         "ratio_vs_fp32": 4 * numel / wire,
         "ratio_vs_fp32_no_zstd": 4 * numel / plain,
+        # the target counts payload + scales: message metadata (shape, per-sample ids) apart
+        "payload_scales_bytes_per_element": _payload_and_scales(msg) / numel,
         "rel_error": _rel_error(y, x),
         "encode_decode_gbps": 4 * numel / seconds / 1e9,
         "group_size": cfg.group_size,
     }
+
+
+def _payload_and_scales(msg) -> int:
+    total = len(msg.raw)
+    for q in (msg.quantized, msg.quantized_full):
+        total += len(q.payload) + len(q.scales) + len(q.mins)
+    return total
 
 
 def _copy_state(state: LinkState) -> LinkState:
