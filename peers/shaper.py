@@ -2,7 +2,7 @@
 
 This is what the default demo and the throttled experiment use: it needs no privileges and works in any
 process. The bucket is a virtual clock (each send reserves its transmit time after the previous one), so
-the long-run rate is exact and a burst of at most `burst_bytes` passes at once.
+the long-run rate is exact and a burst of at most `LinkShape.burst` passes at once.
 """
 
 from __future__ import annotations
@@ -20,14 +20,24 @@ class LinkShape:
     """bandwidth of the link; None leaves it unshaped"""
     delay_s: float = 0.0
     """one-way delay added to every message"""
-    burst_bytes: int = 64 * 1024
-    """bytes that may pass at once before the rate applies"""
+    burst_bytes: int | None = None
+    """bytes that may pass at once before the rate applies (None: see `burst`)"""
 
     def __post_init__(self) -> None:
         if self.rate_bytes_per_s is not None and self.rate_bytes_per_s <= 0:
             raise ValueError(f"rate_bytes_per_s must be positive, got {self.rate_bytes_per_s}")
         if self.delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
+
+    @property
+    def burst(self) -> int:
+        """The bucket: `burst_bytes`, else the larger of 64 KiB and 4 ms at the rate, the kernel testbed's tbf
+        rule. At high rates a few ms of credit is what lets the sender's own work on one chunk overlap the
+        link's transmission of the previous one, as on a real NIC; it does not change the long-run rate."""
+        if self.burst_bytes is not None:
+            return self.burst_bytes
+        rate = self.rate_bytes_per_s or 0.0
+        return max(64 * 1024, int(rate * 0.004))
 
     @classmethod
     def from_mbit(cls, rate_mbit: float | None, delay_ms: float = 0.0) -> LinkShape:
@@ -70,7 +80,7 @@ class Shaper:
             now = self._clock()
             start = max(now, self._next_free)
             self._next_free = start + nbytes / rate
-            wait = self._next_free - self.shape.burst_bytes / rate - now
+            wait = self._next_free - self.shape.burst / rate - now
         if wait > 0:
             self._sleep(wait)
 

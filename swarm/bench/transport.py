@@ -171,7 +171,7 @@ def shaper_rows(args) -> list[dict]:
     for rate in RATES_MBIT:
         shape = LinkShape.from_mbit(rate)
         shaper = Shaper(shape)
-        shaper.consume(shape.burst_bytes)  # the bucket starts full: measure the sustained rate after it
+        shaper.consume(shape.burst)  # the bucket starts full: measure the sustained rate after it
         seconds = 2.0 if not args.quick else 0.5
         nbytes = int(rate * 1e6 / 8 * seconds)
         start = time.perf_counter()
