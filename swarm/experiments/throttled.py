@@ -81,7 +81,9 @@ def _run_cell(cell: Cell, args, out: Path) -> list[dict]:
     from swarm.trainer import train
 
     fw, bw = cell.setting.split("/")
-    flags = ["--fw-codec", fw, "--bw-codec", bw, "--delay-ms", str(args.delay_ms)]
+    # an even split, the same in every cell: the planner's split follows noisy compute measurements, and a
+    # different stage boundary would change the training math between the cells being compared
+    flags = ["--assign", "even", "--fw-codec", fw, "--bw-codec", bw, "--delay-ms", str(args.delay_ms)]
     flags += ["--total-steps", str(args.steps), "--warmup-steps", str(max(1, args.steps // 10))]
     if cell.rate_mbit is not None:
         flags += ["--rate-mbit", str(cell.rate_mbit)]

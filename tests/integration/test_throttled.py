@@ -1,0 +1,41 @@
+"""`swarm experiment throttled --quick` end to end: real local swarms per cell, on app-shaped links."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def test_quick_matrix_writes_rows_csv_plots_and_report(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "experiment", "throttled", "--quick", "--json", "--out", str(out)],
+        capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    keys = {"rate_mbit", "setting", "fw_bits", "bw_bits", "mean_step_s", "wire_bytes", "final_loss"}
+    assert all(keys <= set(r) for r in rows)
+    cells = {(r["rate_mbit"], r["setting"]) for r in rows}
+    assert len(cells) == len(rows) >= 4 and {r["rate_mbit"] for r in rows} == {10.0, None}
+    by = {(r["rate_mbit"], r["setting"].split("/")[0]): r for r in rows}
+    fp32_slow, fp32_fast = by[(10.0, "fp32")], by[(None, "fp32")]
+    # the same seed and the same even split in every cell: the link speed changes time, never the math
+    assert fp32_slow["final_loss"] == pytest.approx(fp32_fast["final_loss"], rel=1e-5)
+    assert fp32_slow["wire_bytes"] <= fp32_fast["wire_bytes"], "zstd may only shrink what a slow link carries"
+    quantized = [r for r in rows if r["fw_bits"] < 32]
+    assert quantized and all(r["wire_bytes"] < fp32_fast["wire_bytes"] / 3 for r in quantized)
+    with open(out / "steps.csv") as f:
+        steps = list(csv.DictReader(f))
+    assert len(steps) == 8 * len(rows), "--quick runs 8 steps per cell"
+    assert {"step_s", "train_loss"} <= set(steps[0])
+    for name in ("loss_vs_time.png", "step_time.png", "wire_bytes.png"):
+        assert (out / name).stat().st_size > 10_000, name
+    report = (out / "report.md").read_text()
+    assert "10 Mbit/s" in report and "unshaped" in report and "time on the wire" in report
