@@ -66,6 +66,19 @@ def frame(
 
     With a `policy`, what compression achieved (size and time) is reported to it.
     """
+    for header, data in frame_parts(msg, zstd_level=zstd_level, chunk_bytes=chunk_bytes, policy=policy):
+        yield wire_pb2.Chunk(header=header, data=data) if header is not None else wire_pb2.Chunk(data=data)
+
+
+def frame_parts(
+    msg: wire_pb2.TensorMessage,
+    *,
+    zstd_level: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    policy: ZstdPolicy | None = None,
+) -> Iterator[tuple[wire_pb2.FrameHeader | None, bytes]]:
+    """What `frame` puts in each chunk, (header or None, data), for callers that build their own envelope
+    around the data (a stream item) and would otherwise copy every chunk once more."""
     body = msg.SerializeToString()
     compression = wire_pb2.COMPRESSION_NONE
     if zstd_level > 0 and body:
@@ -83,10 +96,13 @@ def frame(
         shape=msg.shape,
         dtype=msg.dtype,
     )
+    if len(body) <= chunk_bytes:
+        yield header, body
+        return
     view = memoryview(body)
-    yield wire_pb2.Chunk(header=header, data=bytes(view[:chunk_bytes]))
+    yield header, bytes(view[:chunk_bytes])
     for start in range(chunk_bytes, len(body), chunk_bytes):
-        yield wire_pb2.Chunk(data=bytes(view[start : start + chunk_bytes]))
+        yield None, bytes(view[start : start + chunk_bytes])
 
 
 class Unframer:
@@ -105,18 +121,19 @@ class Unframer:
     def feed(self, chunk: wire_pb2.Chunk) -> wire_pb2.TensorMessage | None:
         """Takes one chunk; returns the message once its last chunk is in."""
         limits = self.limits
-        if len(chunk.data) > limits.max_chunk_bytes:
-            raise WireError("chunk.data", f"{len(chunk.data)} bytes exceed the chunk limit {limits.max_chunk_bytes}")
+        data = chunk.data  # each read of a bytes field copies it out of protobuf: read it once
+        if len(data) > limits.max_chunk_bytes:
+            raise WireError("chunk.data", f"{len(data)} bytes exceed the chunk limit {limits.max_chunk_bytes}")
         if self.header is None:
             if not chunk.HasField("header"):
                 raise WireError("chunk.header", "the first chunk of a message must carry the header")
             self.header = self._check_header(chunk.header)
         elif chunk.HasField("header"):
             raise WireError("chunk.header", "a header arrived in the middle of a message")
-        self._received += len(chunk.data)
+        self._received += len(data)
         if self._received > self.header.body_bytes:
             raise WireError("chunk.data", f"more bytes than the header's body_bytes={self.header.body_bytes}")
-        self._parts.append(chunk.data)
+        self._parts.append(data)
         return self._finish() if self.complete else None
 
     def _check_header(self, header: wire_pb2.FrameHeader) -> wire_pb2.FrameHeader:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, ZstdPolicy, frame
+from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, ZstdPolicy
+from swarm.compression.framing import frame_parts
 from swarm.peers.shaper import Shaper
 from swarm.peers.transport import paced
 from swarm.proto import stage_pb2, wire_pb2
@@ -63,13 +64,18 @@ def tensor_items(
     """
     if policy is not None:
         zstd_level = policy.level_for(shaper.shape.rate_bytes_per_s if shaper is not None else None)
-    chunks = frame(msg, zstd_level=zstd_level, policy=policy)
-    first = next(chunks)
-    items = (
-        stage_pb2.StreamItem(info=info, chunk=first),
-        *(stage_pb2.StreamItem(chunk=c) for c in chunks),
-    )
-    return paced(items, shaper)
+    return paced(_stream_items(info, frame_parts(msg, zstd_level=zstd_level, policy=policy)), shaper)
+
+
+def _stream_items(info: stage_pb2.CallInfo, parts) -> Iterator[stage_pb2.StreamItem]:
+    # each chunk's data is set straight into its stream item: a Chunk built first would be copied again
+    for header, data in parts:
+        item = stage_pb2.StreamItem()
+        if header is not None:
+            item.info.CopyFrom(info)
+            item.chunk.header.CopyFrom(header)
+        item.chunk.data = data
+        yield item
 
 
 @dataclass

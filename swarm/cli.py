@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)  # prints usage or the group's help and exits
         parser.print_help()
         return 2
+    from swarm.peers.allocator import tune_allocator
+
+    tune_allocator()
     module = importlib.import_module(COMMANDS[path][0])
     module.add_arguments(leaves[path])
     args = parser.parse_args(argv)

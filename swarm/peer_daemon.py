@@ -29,6 +29,7 @@ from swarm.options import (
     link_shapes,
     model_config,
 )
+from swarm.peers.allocator import tune_allocator
 from swarm.stage import OptimConfig
 
 log = logging.getLogger("swarm.peer")
@@ -395,6 +396,7 @@ def _memory_bytes() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    tune_allocator()
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
