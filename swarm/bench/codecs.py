@@ -59,10 +59,12 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
     if cfg.name == "aqsgd":
         send, recv = LinkState(cfg), LinkState(cfg)
         codec.decode(codec.encode(prev, sample_ids=ids, state=send), state=recv)  # first sight
+        # fresh copies of both ends for every timed run (made before the clock starts), so that every run
+        # measures the same one-step change and none times the copying
+        pairs = [(_copy_state(send), _copy_state(recv)) for _ in range(args.repeats + 2)]
 
         def encode_decode():
-            # copies, so repeated runs all measure the same one-step change
-            s, r = _copy_state(send), _copy_state(recv)
+            s, r = pairs.pop()
             return codec.decode(codec.encode(x, sample_ids=ids, state=s), state=r)
     else:
         state = LinkState(cfg)
@@ -71,7 +73,7 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
             return codec.decode(codec.encode(x, sample_ids=ids, state=state), state=state)
 
     if cfg.name == "aqsgd":
-        s, r = _copy_state(send), _copy_state(recv)
+        s, r = pairs.pop()
         msg = codec.encode(x, sample_ids=ids, state=s)
         y = codec.decode(msg, state=r)
     else:
@@ -158,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.numel, args.repeats = min(args.numel, 1 << 16), 1
     gen = torch.Generator().manual_seed(0)
-    rows_of = 256
-    prev = torch.randn(max(1, args.numel // rows_of), rows_of, generator=gen)
+    # activations as they cross a stage boundary: [samples, seq 128, hidden 128], the default model's shape
+    sample = (128, 128) if args.numel >= 128 * 128 else (1, args.numel)
+    prev = torch.randn(max(1, args.numel // (sample[0] * sample[1])), *sample, generator=gen)
     x = prev + args.drift * torch.randn(prev.shape, generator=gen)
     rows = []
     started = time.perf_counter()

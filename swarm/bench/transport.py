@@ -3,7 +3,8 @@
 Four tables from one run:
 1. loopback: a tensor encoded with each codec, framed, streamed over the stage service's `Sink` call and
    checked on the other end, for 64 KiB to 16 MiB tensors; beside it a plain TCP socket moving the same
-   wire bytes with `sendall` of 1 MiB buffers. `vs_socket` compares bytes/s on the wire.
+   wire bytes with `sendall` of 1 MiB buffers. `vs_socket` compares bytes/s on the wire. The receiver of
+   both is one separate process, as the next stage of a swarm is, and both keep their connection open.
 2. goodput on links shaped to 100 Mbit/s and 1 Gbit/s, as a share of the configured rate.
 3. the shaper's accuracy alone (achieved against configured rate at 10, 100, 1000 Mbit/s).
 4. whether zstd pays at each rate for each codec's messages, and what the per-link policy decides.
@@ -32,22 +33,81 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print all rows as one JSON list")
 
 
-class _Server:
-    """A stage server with no stage: its `Sink` call reads and checks framed tensors."""
+class _Receiver:
+    """The receiving peer, in a process of its own as in a swarm: a stage server with no stage (its `Sink`
+    call reads and checks framed tensors) and a plain TCP sink, both on 127.0.0.1."""
 
     def __init__(self):
-        from swarm.peers.transport import TransportConfig, make_server
-        from swarm.proto import stage_pb2_grpc
-        from swarm.stage_service import StageServicer
+        import multiprocessing
 
-        self.config = TransportConfig()
-        self.server, port = make_server(self.config)
-        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(None), self.server)
-        self.server.start()
-        self.address = f"127.0.0.1:{port}"
+        ctx = multiprocessing.get_context("spawn")  # gRPC's threads do not survive a fork
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child,), daemon=True, name="bench-receiver")
+        self._process.start()
+        deadline = time.monotonic() + 60
+        while not self._conn.poll(0.2):
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the receiver process did not start (exit code {self._process.exitcode})")
+        self.address, self.socket_port = self._conn.recv()
 
     def close(self):
-        self.server.stop(None)
+        try:
+            self._conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
+def _serve(conn) -> None:
+    """The receiver process: serves until told to stop (or its parent's end of the pipe closes)."""
+    from swarm.peers.allocator import tune_allocator
+    from swarm.peers.transport import TransportConfig, make_server
+    from swarm.proto import stage_pb2_grpc
+    from swarm.stage_service import StageServicer
+
+    tune_allocator()
+    server, port = make_server(TransportConfig())
+    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(None), server)
+    server.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_socket_sink, args=(listener,), daemon=True).start()
+    conn.send((f"127.0.0.1:{port}", listener.getsockname()[1]))
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    server.stop(None)
+    listener.close()
+
+
+def _socket_sink(listener: socket.socket) -> None:
+    """Per connection: repeatedly an 8-byte length, that many bytes read in full, a one-byte ack."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=_socket_session, args=(conn,), daemon=True).start()
+
+
+def _socket_session(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the one-byte ack must not wait for Nagle
+    with conn:
+        while True:
+            head = conn.recv(8, socket.MSG_WAITALL)
+            if len(head) < 8:
+                return
+            left = int.from_bytes(head, "little")
+            while left > 0:
+                got = conn.recv(min(left, 1 << 20))
+                if not got:
+                    return
+                left -= len(got)
+            conn.sendall(b"k")
 
 
 def _sink_seconds(stub, msg, shaper=None, zstd_level: int = 0) -> tuple[float, int]:
@@ -59,47 +119,34 @@ def _sink_seconds(stub, msg, shaper=None, zstd_level: int = 0) -> tuple[float, i
     return time.perf_counter() - start, reply.wire_bytes
 
 
-def _socket_bytes_per_s(nbytes: int, repeats: int) -> float:
-    """A plain TCP socket on loopback moving `nbytes` with sendall of 1 MiB buffers, received in full."""
+def _socket_bytes_per_s(port: int, nbytes: int, repeats: int) -> float:
+    """A plain TCP socket on loopback moving `nbytes` with sendall of 1 MiB buffers to the receiver process,
+    over one connection kept open (as gRPC keeps its channel), timed until the receiver acknowledges."""
     buf = bytes(1 << 20)
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as gRPC sets it
 
-    def once() -> None:
-        srv = socket.create_server(("127.0.0.1", 0))
-        done = threading.Event()
+        def once() -> None:
+            client.sendall(nbytes.to_bytes(8, "little"))
+            sent = 0
+            while sent < nbytes:
+                n = min(len(buf), nbytes - sent)
+                client.sendall(buf[:n] if n < len(buf) else buf)
+                sent += n
+            if client.recv(1, socket.MSG_WAITALL) != b"k":
+                raise RuntimeError("the socket receiver closed the connection")
 
-        def receive():
-            conn, _ = srv.accept()
-            left = nbytes
-            while left > 0:
-                got = conn.recv(min(left, 1 << 20))
-                if not got:
-                    break
-                left -= len(got)
-            conn.close()
-            done.set()
-
-        thread = threading.Thread(target=receive, daemon=True)
-        thread.start()
-        client = socket.create_connection(srv.getsockname())
-        sent = 0
-        while sent < nbytes:
-            n = min(len(buf), nbytes - sent)
-            client.sendall(buf[:n] if n < len(buf) else buf)
-            sent += n
-        done.wait(60)
-        client.close()
-        srv.close()
-
-    return nbytes / median_seconds(once, repeats=repeats)
+        once()  # warm-up, as the gRPC rows have
+        return nbytes / median_seconds(once, repeats=repeats)
 
 
 def loopback_rows(args) -> list[dict]:
     from swarm.compression import CodecConfig, make_codec
-    from swarm.peers.transport import Channels
+    from swarm.peers.transport import Channels, TransportConfig
     from swarm.proto import stage_pb2_grpc
 
-    server = _Server()
-    channels = Channels(server.config)
+    server = _Receiver()
+    channels = Channels(TransportConfig())
     stub = stage_pb2_grpc.StageStub(channels.get(server.address))
     rows = []
     try:
@@ -112,7 +159,7 @@ def loopback_rows(args) -> list[dict]:
                 times = [_sink_seconds(stub, msg) for _ in range(args.repeats)]
                 seconds = sorted(t for t, _ in times)[len(times) // 2]
                 wire = times[0][1]
-                socket_bps = _socket_bytes_per_s(wire, args.repeats)
+                socket_bps = _socket_bytes_per_s(server.socket_port, wire, args.repeats)
                 rows.append(
                     {
                         "table": "loopback",
@@ -134,11 +181,11 @@ def loopback_rows(args) -> list[dict]:
 def shaped_rows(args) -> list[dict]:
     from swarm.compression import CodecConfig, make_codec
     from swarm.peers.shaper import LinkShape, Shaper
-    from swarm.peers.transport import Channels
+    from swarm.peers.transport import Channels, TransportConfig
     from swarm.proto import stage_pb2_grpc
 
-    server = _Server()
-    channels = Channels(server.config)
+    server = _Receiver()
+    channels = Channels(TransportConfig())
     stub = stage_pb2_grpc.StageStub(channels.get(server.address))
     msg = make_codec(CodecConfig("fp32")).encode(torch.randn(1 << 20))  # 4 MiB messages
     rows = []

@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     cells = [Cell(rate, setting) for rate in rates for setting in settings]
     steps_per_epoch = args.train_samples // args.batch_size
     all_steps, rows = {}, []
-    with tqdm(cells, desc="cells", unit="cell", file=sys.stderr, disable=args.json) as bar:
+    with tqdm(cells, desc="cells", unit="cell", file=sys.stderr) as bar:  # stderr: --json stays clean
         for cell in bar:
             bar.set_postfix_str(cell.label)
             all_steps[cell] = _run_cell(cell, args, out)
