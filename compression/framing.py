@@ -80,6 +80,7 @@ def frame_parts(
     """What `frame` puts in each chunk, (header or None, data), for callers that build their own envelope
     around the data (a stream item) and would otherwise copy every chunk once more."""
     body = msg.SerializeToString()
+    raw_bytes = len(body)  # not msg.ByteSize(): upb serializes the whole message again to count it
     compression = wire_pb2.COMPRESSION_NONE
     if zstd_level > 0 and body:
         start = time.perf_counter()
@@ -91,7 +92,7 @@ def frame_parts(
     header = wire_pb2.FrameHeader(
         compression=compression,
         body_bytes=len(body),
-        raw_body_bytes=msg.ByteSize(),
+        raw_body_bytes=raw_bytes,
         codec=msg.codec,
         shape=msg.shape,
         dtype=msg.dtype,
@@ -113,6 +114,11 @@ class Unframer:
         self.header: wire_pb2.FrameHeader | None = None
         self._parts: list[bytes] = []
         self._received = 0
+
+    @property
+    def received_bytes(self) -> int:
+        """Body bytes taken so far."""
+        return self._received
 
     @property
     def complete(self) -> bool:

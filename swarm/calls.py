@@ -57,25 +57,86 @@ def tensor_items(
     zstd_level: int,
     shaper: Shaper | None,
     policy: ZstdPolicy | None = None,
-) -> Iterator[stage_pb2.StreamItem]:
-    """The stream of one call: the call info with the first chunk, then the remaining chunks, paced.
+) -> Iterator[bytes]:
+    """The stream of one call as serialized `StreamItem`s: the call info with the first chunk, then the
+    remaining chunks, paced. Send them with a `TensorStreams` call.
 
     With a zstd `policy`, the level is chosen per message from the shaper's rate (zstd only where it pays).
     """
     if policy is not None:
         zstd_level = policy.level_for(shaper.shape.rate_bytes_per_s if shaper is not None else None)
-    return paced(_stream_items(info, frame_parts(msg, zstd_level=zstd_level, policy=policy)), shaper)
+    return paced(_serialized_items(info, frame_parts(msg, zstd_level=zstd_level, policy=policy)), shaper, size=len)
 
 
-def _stream_items(info: stage_pb2.CallInfo, parts) -> Iterator[stage_pb2.StreamItem]:
-    # each chunk's data is set straight into its stream item: a Chunk built first would be copied again
+def _serialized_items(info: stage_pb2.CallInfo, parts) -> Iterator[bytes]:
     for header, data in parts:
-        item = stage_pb2.StreamItem()
-        if header is not None:
-            item.info.CopyFrom(info)
-            item.chunk.header.CopyFrom(header)
-        item.chunk.data = data
-        yield item
+        yield serialize_chunk_item(data, info, header) if header is not None else serialize_chunk_item(data)
+
+
+def serialize_chunk_item(
+    data: bytes, info: stage_pb2.CallInfo | None = None, header: wire_pb2.FrameHeader | None = None
+) -> bytes:
+    """`StreamItem(info=info, chunk=Chunk(header=header, data=data)).SerializeToString()`, byte for byte, with
+    one copy of `data` instead of three (into the Chunk, into the item, out of the item).
+
+    protobuf writes fields in number order, a length-delimited field as tag, varint length, bytes: info
+    (field 1), then chunk (field 3) holding header (its field 1) and data (its field 2), which is last in
+    both messages, so everything but `data` is serialized by protobuf itself. A test checks the equality.
+    """
+    head = stage_pb2.StreamItem(info=info).SerializeToString() if info is not None else b""
+    header_field = wire_pb2.Chunk(header=header).SerializeToString() if header is not None else b""
+    data_field = b"".join((_DATA_TAG, _varint(len(data)))) if data else b""
+    chunk_len = len(header_field) + len(data_field) + len(data)
+    return b"".join((head, _CHUNK_TAG, _varint(chunk_len), header_field, data_field, data))
+
+
+_CHUNK_TAG = bytes([3 << 3 | 2])  # StreamItem.chunk: field 3, length-delimited
+_DATA_TAG = bytes([2 << 3 | 2])  # Chunk.data: field 2, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field_nbytes(length: int) -> int:
+    """Bytes of a length-delimited field with a one-byte tag (field numbers below 16) and `length` bytes."""
+    return 1 + len(_varint(length)) + length
+
+
+def item_nbytes(item: stage_pb2.StreamItem, data_len: int) -> int:
+    """`item.ByteSize()` given its chunk's data length, without encoding the data again (upb's ByteSize
+    serializes the whole message to count it)."""
+    n = _field_nbytes(item.info.ByteSize()) if item.HasField("info") else 0
+    if item.HasField("tokens"):
+        n += _field_nbytes(item.tokens.ByteSize())
+    if item.HasField("chunk"):
+        chunk = _field_nbytes(item.chunk.header.ByteSize()) if item.chunk.HasField("header") else 0
+        n += _field_nbytes(chunk + (_field_nbytes(data_len) if data_len else 0))
+    return n
+
+
+class TensorStreams:
+    """The stage service's tensor-carrying calls for streams of already serialized items (`tensor_items`).
+
+    The generated stub would take `StreamItem` objects and serialize each again; these take the bytes as
+    they are. Replies are parsed as the generated stub does.
+    """
+
+    def __init__(self, channel: grpc.Channel):
+        service = stage_pb2.DESCRIPTOR.services_by_name["Stage"]
+
+        def call(name: str, reply):
+            path = f"/{service.full_name}/{service.methods_by_name[name].name}"
+            return channel.stream_unary(path, request_serializer=None, response_deserializer=reply.FromString)
+
+        self.Forward = call("Forward", stage_pb2.ForwardReply)
+        self.Backward = call("Backward", stage_pb2.BackwardReply)
+        self.Sink = call("Sink", stage_pb2.Traffic)
 
 
 @dataclass
@@ -103,11 +164,14 @@ def read_stream(items: Iterable[stage_pb2.StreamItem], limits: WireLimits = DEFA
             if incoming.tokens is not None or incoming.message is not None:
                 raise WireError("tokens", "a stream carries one token batch and nothing else")
             incoming.tokens = item.tokens
+        data_len = 0
         if item.HasField("chunk"):
             if incoming.message is not None or incoming.tokens is not None:
                 raise WireError("chunk", "data after the end of the message")
+            before = unframer.received_bytes
             incoming.message = unframer.feed(item.chunk)  # checks the header's sizes before the body arrives
-        incoming.wire_bytes += item.ByteSize()
+            data_len = unframer.received_bytes - before  # len(item.chunk.data) would copy the data once more
+        incoming.wire_bytes += item_nbytes(item, data_len)
         if incoming.wire_bytes > limits.max_message_bytes + limits.max_chunk_bytes:
             raise WireError("stream", f"more than {limits.max_message_bytes} bytes in one call")
     if incoming is None:

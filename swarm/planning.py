@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swarm.calls import tensor_items
+from swarm.calls import TensorStreams, tensor_items
 from swarm.compression import CodecConfig, make_codec
 from swarm.model import ModelConfig
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
@@ -189,7 +189,8 @@ class LinkProber:
         msg = self._fp32.encode(torch.rand(self.probe_bytes // 4))
         shaper = self.shaping.for_destination(address)
         start = time.perf_counter()
-        reply = stub.Sink(tensor_items(stage_pb2.CallInfo(), msg, 0, shaper), timeout=timeout_s)
+        items = tensor_items(stage_pb2.CallInfo(), msg, 0, shaper)
+        reply = TensorStreams(self.channels.get(address)).Sink(items, timeout=timeout_s)
         seconds = max(time.perf_counter() - start - rtt / 2, 1e-6)
         return rtt, reply.wire_bytes / seconds
 

@@ -19,6 +19,7 @@ from swarm.calls import (
     PLAN_MISMATCH,
     Incoming,
     StageCallError,
+    TensorStreams,
     name_failure,
     read_stream,
     tensor_items,
@@ -283,7 +284,7 @@ class StageHost:
             with self.links.lock:
                 return self.fw_codec.encode(out, sample_ids=ids, state=self.links.fw_send)
 
-        stub = stage_pb2_grpc.StageStub(self.channels.get(info.route[nxt]))
+        stub = TensorStreams(self.channels.get(info.route[nxt]))
         msg = encode()
         for attempt in range(2):
             fp32 = 4 * out.numel()
@@ -309,7 +310,7 @@ class StageHost:
         prev = self.role.stage - 1
         with self.links.lock:
             msg = self.bw_codec.encode(grad, state=self.links.bw_send)
-        stub = stage_pb2_grpc.StageStub(self.channels.get(info.route[prev]))
+        stub = TensorStreams(self.channels.get(info.route[prev]))
         try:
             reply, sent = self._stream(stub.Backward, _for_stage(info, prev), msg, self.links.backward.zstd_level, prev)
         except grpc.RpcError as e:
@@ -358,14 +359,14 @@ class CallRefused(Exception):
 
 
 class _Counted:
-    """Counts the bytes of the items a stream yields."""
+    """Counts the bytes of the serialized items a stream yields."""
 
     def __init__(self, items):
         self.items, self.nbytes = items, 0
 
     def __iter__(self):
         for item in self.items:
-            self.nbytes += item.ByteSize()
+            self.nbytes += len(item)
             yield item
 
 

@@ -5,6 +5,8 @@ Four tables from one run:
    checked on the other end, for 64 KiB to 16 MiB tensors; beside it a plain TCP socket moving the same
    wire bytes with `sendall` of 1 MiB buffers. `vs_socket` compares bytes/s on the wire. The receiver of
    both is one separate process, as the next stage of a swarm is, and both keep their connection open.
+   `raw_grpc_*` is gRPC alone moving the same bytes as plain bytes items (no protobuf, no checks): the
+   ceiling the library's Python API sets.
 2. goodput on links shaped to 100 Mbit/s and 1 Gbit/s, as a share of the configured rate.
 3. the shaper's accuracy alone (achieved against configured rate at 10, 100, 1000 Mbit/s).
 4. whether zstd pays at each rate for each codec's messages, and what the per-link policy decides.
@@ -64,6 +66,8 @@ class _Receiver:
 
 def _serve(conn) -> None:
     """The receiver process: serves until told to stop (or its parent's end of the pipe closes)."""
+    import grpc
+
     from swarm.peers.allocator import tune_allocator
     from swarm.peers.transport import TransportConfig, make_server
     from swarm.proto import stage_pb2_grpc
@@ -72,6 +76,7 @@ def _serve(conn) -> None:
     tune_allocator()
     server, port = make_server(TransportConfig())
     stage_pb2_grpc.add_StageServicer_to_server(StageServicer(None), server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_RAW_SERVICE, {"Sink": _raw_sink()}),))
     server.start()
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_socket_sink, args=(listener,), daemon=True).start()
@@ -82,6 +87,31 @@ def _serve(conn) -> None:
         pass
     server.stop(None)
     listener.close()
+
+
+_RAW_SERVICE = "bench.Raw"
+
+
+def _raw_sink():
+    """A stream of plain bytes items, counted and dropped: what gRPC itself costs, with no protobuf."""
+    import grpc
+
+    def sink(items, context):
+        return sum(len(item) for item in items).to_bytes(8, "little")
+
+    return grpc.stream_unary_rpc_method_handler(sink)
+
+
+def _raw_grpc_bytes_per_s(channel, nbytes: int, repeats: int, chunk_bytes: int = 1 << 20) -> float:
+    """gRPC alone, no protobuf: the same bytes as a stream of 1 MiB bytes items to the receiver process."""
+    call = channel.stream_unary(f"/{_RAW_SERVICE}/Sink")
+    buf = bytes(chunk_bytes)
+
+    def once() -> None:
+        sizes = [chunk_bytes] * (nbytes // chunk_bytes) + ([nbytes % chunk_bytes] if nbytes % chunk_bytes else [])
+        call((buf if n == chunk_bytes else buf[:n] for n in sizes), timeout=600)
+
+    return nbytes / median_seconds(once, repeats=repeats)
 
 
 def _socket_sink(listener: socket.socket) -> None:
@@ -141,13 +171,13 @@ def _socket_bytes_per_s(port: int, nbytes: int, repeats: int) -> float:
 
 
 def loopback_rows(args) -> list[dict]:
+    from swarm.calls import TensorStreams
     from swarm.compression import CodecConfig, make_codec
     from swarm.peers.transport import Channels, TransportConfig
-    from swarm.proto import stage_pb2_grpc
 
     server = _Receiver()
     channels = Channels(TransportConfig())
-    stub = stage_pb2_grpc.StageStub(channels.get(server.address))
+    stub = TensorStreams(channels.get(server.address))
     rows = []
     try:
         for size in SIZES if not args.quick else SIZES[:2]:
@@ -160,6 +190,7 @@ def loopback_rows(args) -> list[dict]:
                 seconds = sorted(t for t, _ in times)[len(times) // 2]
                 wire = times[0][1]
                 socket_bps = _socket_bytes_per_s(server.socket_port, wire, args.repeats)
+                raw_bps = _raw_grpc_bytes_per_s(channels.get(server.address), wire, args.repeats)
                 rows.append(
                     {
                         "table": "loopback",
@@ -170,6 +201,9 @@ def loopback_rows(args) -> list[dict]:
                         "tensor_mb_s": size / seconds / 1e6,
                         "socket_mb_s": socket_bps / 1e6,
                         "vs_socket": wire / seconds / socket_bps,
+                        # the ceiling gRPC's Python API sets on its own (bytes items, no protobuf)
+                        "raw_grpc_mb_s": raw_bps / 1e6,
+                        "raw_grpc_vs_socket": raw_bps / socket_bps,
                     }
                 )
     finally:
@@ -179,14 +213,14 @@ def loopback_rows(args) -> list[dict]:
 
 
 def shaped_rows(args) -> list[dict]:
+    from swarm.calls import TensorStreams
     from swarm.compression import CodecConfig, make_codec
     from swarm.peers.shaper import LinkShape, Shaper
     from swarm.peers.transport import Channels, TransportConfig
-    from swarm.proto import stage_pb2_grpc
 
     server = _Receiver()
     channels = Channels(TransportConfig())
-    stub = stage_pb2_grpc.StageStub(channels.get(server.address))
+    stub = TensorStreams(channels.get(server.address))
     msg = make_codec(CodecConfig("fp32")).encode(torch.randn(1 << 20))  # 4 MiB messages
     rows = []
     try:
@@ -276,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
         args.repeats = 1
     tables = [
         ("loopback: gRPC stream vs plain socket", loopback_rows, ["codec", "tensor_bytes", "wire_bytes",
-         "grpc_wire_mb_s", "tensor_mb_s", "socket_mb_s", "vs_socket"]),
+         "grpc_wire_mb_s", "tensor_mb_s", "socket_mb_s", "vs_socket", "raw_grpc_mb_s", "raw_grpc_vs_socket"]),
         ("goodput on shaped links (fp32, 4 MiB messages)", shaped_rows, ["rate_mbit", "goodput_mbit", "share_of_rate"]),
         ("the shaper alone", shaper_rows, ["rate_mbit", "achieved_mbit", "error"]),
         ("does zstd pay? (activations 8x128x128)", zstd_rows, ["codec", "rate_mbit", "compressed_ratio", "saved_ms",
