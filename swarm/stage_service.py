@@ -155,7 +155,8 @@ class StageHost:
         return len(shape) == 3 and shape[1] <= self.model.seq_len_tokens and shape[2] == self.model.hidden_dim
 
     def forward(self, incoming: Incoming) -> tuple[torch.Tensor | None, float | None, list[int]]:
-        """Runs this stage's forward of one micro-batch; returns (activation to send on, loss, sample ids)."""
+        """Runs this stage's forward of one micro-batch; returns (activation to send on, loss, sample ids, the
+        activation encoded for the next stage)."""
         info, role = incoming.info, self.role
         if role.is_first:
             if incoming.tokens is None:
@@ -185,12 +186,17 @@ class StageHost:
                     raise WireError("labels.shape", f"{list(targets.shape)} vs inputs {list(inputs.shape[:2])}")
             with self.compute_lock:
                 out = self.worker.forward(info.micro_batch, inputs, torch.tensor(ids), targets)
-        if role.is_last:
-            return None, float(out), ids
-        return out, None, ids
+            if role.is_last:
+                return None, float(out), ids, None
+            # encoded in schedule order, still holding the turn: the codec's state (stochastic rounding draws,
+            # AQ-SGD buffers) must advance in the same order in every run, whatever the network's timing
+            with self.links.lock:
+                msg = self.fw_codec.encode(out, sample_ids=ids, state=self.links.fw_send)
+        return out, None, ids, msg
 
     def backward(self, incoming: Incoming) -> torch.Tensor | None:
-        """Runs this stage's backward of one micro-batch; returns the gradient to send back (None on stage 0)."""
+        """Runs this stage's backward of one micro-batch; returns the gradient to send back and its encoding
+        (None, None on stage 0)."""
         info = incoming.info
         if self.role.is_last:
             grad_out = torch.tensor(1.0 / max(1, info.num_micro_batches))
@@ -200,9 +206,15 @@ class StageHost:
                 raise WireError("shape", f"{list(msg.shape)} is not a gradient [batch, seq, {self.model.hidden_dim}]")
             with self.links.lock:
                 grad_out = self.bw_codec.decode(msg, state=self.links.bw_recv, limits=self.limits)
-        with self._turn(info, Kind.BACKWARD), self.compute_lock:
-            grad_in = self.worker.backward(info.micro_batch, grad_out)
-        return grad_in
+        with self._turn(info, Kind.BACKWARD):
+            with self.compute_lock:
+                grad_in = self.worker.backward(info.micro_batch, grad_out)
+            if grad_in is None:
+                return None, None
+            # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule
+            with self.links.lock:
+                msg = self.bw_codec.encode(grad_in, state=self.links.bw_send)
+        return grad_in, msg
 
     def _turn(self, info: stage_pb2.CallInfo, kind: Kind):
         return self.gate.turn(
@@ -275,8 +287,11 @@ class StageHost:
 
     # ---- communication: the calls to the neighbouring stages -------------------------------------------
 
-    def send_forward(self, info: stage_pb2.CallInfo, out: torch.Tensor, ids: list[int]) -> stage_pb2.ForwardReply:
-        """Sends the activation to the next stage; on a buffer miss there, re-sends the samples in full."""
+    def send_forward(
+        self, info: stage_pb2.CallInfo, out: torch.Tensor, ids: list[int], msg: wire_pb2.TensorMessage | None = None
+    ) -> stage_pb2.ForwardReply:
+        """Sends the activation (`msg`, its encoding, if already made) to the next stage; on a buffer miss there,
+        re-sends the samples in full."""
         nxt = self.role.stage + 1
         next_info = _for_stage(info, nxt)
 
@@ -285,7 +300,7 @@ class StageHost:
                 return self.fw_codec.encode(out, sample_ids=ids, state=self.links.fw_send)
 
         stub = TensorStreams(self.channels.get(info.route[nxt]))
-        msg = encode()
+        msg = encode() if msg is None else msg
         for attempt in range(2):
             fp32 = 4 * out.numel()
             try:
@@ -306,10 +321,14 @@ class StageHost:
             return reply
         raise AssertionError("unreachable")
 
-    def send_backward(self, info: stage_pb2.CallInfo, grad: torch.Tensor) -> stage_pb2.BackwardReply:
+    def send_backward(
+        self, info: stage_pb2.CallInfo, grad: torch.Tensor, msg: wire_pb2.TensorMessage | None = None
+    ) -> stage_pb2.BackwardReply:
+        """Sends the input gradient (`msg`, its encoding, if already made) to the previous stage."""
         prev = self.role.stage - 1
-        with self.links.lock:
-            msg = self.bw_codec.encode(grad, state=self.links.bw_send)
+        if msg is None:
+            with self.links.lock:
+                msg = self.bw_codec.encode(grad, state=self.links.bw_send)
         stub = TensorStreams(self.channels.get(info.route[prev]))
         try:
             reply, sent = self._stream(stub.Backward, _for_stage(info, prev), msg, self.links.backward.zstd_level, prev)
@@ -487,11 +506,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         def run():
             incoming = read_stream(request_iterator, self._limits())
             host = self._admit(incoming.info)
-            out, loss, ids = host.forward(incoming)
+            out, loss, ids, msg = host.forward(incoming)
             if out is None:
                 return stage_pb2.ForwardReply(has_loss=True, loss=loss)
             # communication: the activation goes straight to the next stage
-            return host.send_forward(incoming.info, out, ids)
+            return host.send_forward(incoming.info, out, ids, msg)
 
         return self._guard(context, run)
 
@@ -499,11 +518,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         def run():
             incoming = read_stream(request_iterator, self._limits())
             host = self._admit(incoming.info)
-            grad = host.backward(incoming)
+            grad, msg = host.backward(incoming)
             if grad is None:
                 return stage_pb2.BackwardReply()
             # communication: the input gradient goes straight back to the previous stage
-            return host.send_backward(incoming.info, grad)
+            return host.send_backward(incoming.info, grad, msg)
 
         return self._guard(context, run)
 

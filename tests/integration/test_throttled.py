@@ -26,8 +26,10 @@ def test_quick_matrix_writes_rows_csv_plots_and_report(tmp_path):
     assert len(cells) == len(rows) >= 4 and {r["rate_mbit"] for r in rows} == {10.0, None}
     by = {(r["rate_mbit"], r["setting"].split("/")[0]): r for r in rows}
     fp32_slow, fp32_fast = by[(10.0, "fp32")], by[(None, "fp32")]
-    # the same seed and the same even split in every cell: the link speed changes time, never the math
-    assert fp32_slow["final_loss"] == pytest.approx(fp32_fast["final_loss"], rel=1e-5)
+    # the same seed and the same even split in every cell: the link speed changes time, never the math,
+    # also where stochastic rounding and error feedback make the math depend on the order of the encodes
+    assert fp32_slow["final_loss"] == fp32_fast["final_loss"]
+    assert by[(10.0, "aqsgd2")]["final_loss"] == by[(None, "aqsgd2")]["final_loss"]
     assert fp32_slow["wire_bytes"] <= fp32_fast["wire_bytes"], "zstd may only shrink what a slow link carries"
     quantized = [r for r in rows if r["fw_bits"] < 32]
     assert quantized and all(r["wire_bytes"] < fp32_fast["wire_bytes"] / 3 for r in quantized)
