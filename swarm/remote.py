@@ -36,6 +36,9 @@ class RemoteStepResult:
     seconds: float
     link_bytes: tuple[int, ...] = ()
     """bytes on each link (link k joins stage k and k+1), both directions"""
+    sync_bytes: int = 0
+    """bytes of the tied embedding's gradient synchronisation (stages to trainer and back, fp32); these travel
+    outside the stage links, so the application's link shaper does not pace them (the kernel testbed does)"""
 
     @property
     def wire_bytes(self) -> int:
@@ -112,7 +115,7 @@ class RemotePipeline:
             self.abandon(step)
             raise
         loss = sum(r[0] for r in results) / len(results)
-        norm, lr = self.finish_step(step)
+        norm, lr, sync_bytes = self.finish_step(step)
         return RemoteStepResult(
             loss=loss,
             grad_norm=norm,
@@ -122,14 +125,16 @@ class RemotePipeline:
             fp32_wire_bytes=sum(r[3] for r in results),
             link_bytes=tuple(sum(r[4][k] for r in results) for k in range(self.n_stages - 1)),
             seconds=time.perf_counter() - start,
+            sync_bytes=sync_bytes,
         )
 
-    def finish_step(self, step: int) -> tuple[float, float]:
-        """Sums the tied embedding's gradients, computes the global norm, steps every stage."""
+    def finish_step(self, step: int) -> tuple[float, float, int]:
+        """Sums the tied embedding's gradients, computes the global norm, steps every stage; returns the norm,
+        the learning rate and the bytes the tied gradients took (both ways)."""
         request = stage_pb2.StepRequest(step=step)
         grads = list(self._pool.map(lambda s: self._call(s, self.stubs[s].Grads, request), range(self.n_stages)))
         sq = sum(g.grad_sq_norm for g in grads)
-        tied_sum = None
+        tied_sum, sync_bytes = None, 0
         if self.n_stages > 1:
             # communication: the first and last stage's copies of the tied embedding get the same summed gradient
             first = self._fp32.decode(grads[0].tied_grad)
@@ -137,6 +142,7 @@ class RemotePipeline:
             total = first + last
             sq += float(total.pow(2).sum())
             tied_sum = self._fp32.encode(total)
+            sync_bytes = grads[0].tied_grad.ByteSize() + grads[-1].tied_grad.ByteSize() + 2 * tied_sum.ByteSize()
         norm = math.sqrt(sq)
 
         def step_stage(s: int) -> float:
@@ -146,7 +152,7 @@ class RemotePipeline:
             return self._call(s, self.stubs[s].Step, req).lr
 
         lrs = list(self._pool.map(step_stage, range(self.n_stages)))
-        return norm, lrs[0]
+        return norm, lrs[0], sync_bytes
 
     def abandon(self, step: int) -> None:
         """Best effort: tell every reachable stage to drop the step's gradients."""

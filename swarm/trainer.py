@@ -32,6 +32,7 @@ CSV_FIELDS = [
     "forward_bytes",
     "backward_bytes",
     "fp32_wire_bytes",
+    "sync_bytes",
     "step_s",
     "plan_version",
 ]
@@ -44,6 +45,8 @@ class TrainSummary:
     steps: int
     wire_bytes: int
     fp32_wire_bytes: int
+    sync_bytes: int
+    """the tied embedding's gradient synchronisation through the trainer (fp32), not part of wire_bytes"""
     mean_step_s: float
     seconds: float
     stages: int
@@ -238,6 +241,7 @@ def train(
                             "forward_bytes": r.forward_bytes,
                             "backward_bytes": r.backward_bytes,
                             "fp32_wire_bytes": r.fp32_wire_bytes,
+                            "sync_bytes": r.sync_bytes,
                             "step_s": r.seconds,
                             "plan_version": route.plan_version,
                             **{f"link{k}_bytes": b for k, b in enumerate(r.link_bytes)},
@@ -263,6 +267,7 @@ def train(
         steps=len(rows),
         wire_bytes=sum(r["forward_bytes"] + r["backward_bytes"] for r in rows),
         fp32_wire_bytes=sum(r["fp32_wire_bytes"] for r in rows),
+        sync_bytes=sum(r["sync_bytes"] for r in rows),
         mean_step_s=sum(times[1:] or times) / len(times[1:] or times),
         seconds=time.perf_counter() - started,
         stages=len(route.addresses),
@@ -319,6 +324,7 @@ def format_summary(s: TrainSummary) -> str:
             f"steps:        {s.steps} in {s.seconds:.1f} s ({s.mean_step_s:.2f} s/step)",
             f"loss:         {s.first_loss:.3f} -> {s.final_loss:.3f} (mean of the last 5 steps)",
             f"wire bytes:   {s.wire_bytes / 1e6:.2f} MB; fp32: {s.fp32_wire_bytes / 1e6:.2f} MB ({ratio:.1f}x)",
+            f"embedding:    {s.sync_bytes / 1e6:.2f} MB of tied-gradient sync through the trainer (fp32)",
             f"stages:       {s.stages} at {', '.join(s.route)}"
             + (f" (plan {s.plan_version}, {s.replans} re-plans followed)" if s.plan_version else ""),
             f"outputs:      {s.csv}" + (f", {s.plot}" if s.plot else ""),

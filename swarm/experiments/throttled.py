@@ -121,6 +121,8 @@ def summarize(cell: Cell, steps: list[dict], steps_per_epoch: int, batch_size: i
         "wire_bytes": wire,
         "fp32_wire_bytes": sum(int(s["fp32_wire_bytes"]) for s in steps),
         "wire_bytes_per_step": wire / len(steps),
+        # the tied embedding's gradient sync (through the trainer, fp32) is outside the stage links
+        "sync_bytes": sum(int(s.get("sync_bytes") or 0) for s in steps),
         # links are full duplex: the busier direction bounds a step's time on the wire
         "busiest_direction_bytes_per_step": statistics.mean(
             max(int(s["forward_bytes"]), int(s["backward_bytes"])) for s in steps
@@ -223,6 +225,14 @@ def _report(rows: list[dict], ratios: dict) -> str:
         )
     lines += ["", "fp32's time on the wire over its compute time per step (compute = fp32's unshaped step):", ""]
     lines += [f"- {rate:g} Mbit/s: {ratio:.2f}" for rate, ratio in sorted(ratios.items())]
+    sync = max((r["sync_bytes"] / r["steps"] for r in rows), default=0)
+    if sync:
+        lines += [
+            "",
+            f"Not in the wire bytes above: the tied embedding's gradient sync, {sync / 1e6:.2f} MB per step in every"
+            " setting (fp32, stages to trainer and back). The application's shaper paces the stage links only, so"
+            " it does not slow these steps; in the kernel testbed (--netns) every byte is shaped and it does.",
+        ]
     lines += ["", "Plots: loss_vs_time.png, step_time.png, wire_bytes.png; every step in steps.csv.", ""]
     return "\n".join(lines)
 
