@@ -88,13 +88,14 @@ class Channels:
             self._channels.clear()
 
 
-def paced(items: Iterable, shaper: Shaper | None, size=lambda item: item.ByteSize()) -> Iterator:
-    """Yields `items`, each after the link's shaper let its bytes through (and the delay before the first)."""
+def paced(items: Iterable[bytes], shaper: Shaper | None) -> Iterator[bytes]:
+    """Yields serialized `items`, each after the link's shaper let its bytes through (and the delay before the
+    first)."""
     first = True
     for item in items:
         if shaper is not None:
             if first:
                 shaper.delay()
-            shaper.consume(size(item))
+            shaper.consume(len(item))
         first = False
         yield item

@@ -65,12 +65,10 @@ def tensor_items(
     """
     if policy is not None:
         zstd_level = policy.level_for(shaper.shape.rate_bytes_per_s if shaper is not None else None)
-    return paced(_serialized_items(info, frame_parts(msg, zstd_level=zstd_level, policy=policy)), shaper, size=len)
-
-
-def _serialized_items(info: stage_pb2.CallInfo, parts) -> Iterator[bytes]:
-    for header, data in parts:
-        yield serialize_chunk_item(data, info, header) if header is not None else serialize_chunk_item(data)
+    parts = frame_parts(msg, zstd_level=zstd_level, policy=policy)
+    # the call info rides with the first chunk, the one that carries the frame header
+    items = (serialize_chunk_item(data, None if header is None else info, header) for header, data in parts)
+    return paced(items, shaper)
 
 
 def serialize_chunk_item(
@@ -105,7 +103,7 @@ def _varint(n: int) -> bytes:
 
 def _field_nbytes(length: int) -> int:
     """Bytes of a length-delimited field with a one-byte tag (field numbers below 16) and `length` bytes."""
-    return 1 + len(_varint(length)) + length
+    return 1 + max(1, (length.bit_length() + 6) // 7) + length
 
 
 def item_nbytes(item: stage_pb2.StreamItem, data_len: int) -> int:

@@ -154,7 +154,9 @@ class StageHost:
     def activation_shape_ok(self, shape: list[int]) -> bool:
         return len(shape) == 3 and shape[1] <= self.model.seq_len_tokens and shape[2] == self.model.hidden_dim
 
-    def forward(self, incoming: Incoming) -> tuple[torch.Tensor | None, float | None, list[int]]:
+    def forward(
+        self, incoming: Incoming
+    ) -> tuple[torch.Tensor | None, float | None, list[int], wire_pb2.TensorMessage | None]:
         """Runs this stage's forward of one micro-batch; returns (activation to send on, loss, sample ids, the
         activation encoded for the next stage)."""
         info, role = incoming.info, self.role
@@ -190,11 +192,10 @@ class StageHost:
                 return None, float(out), ids, None
             # encoded in schedule order, still holding the turn: the codec's state (stochastic rounding draws,
             # AQ-SGD buffers) must advance in the same order in every run, whatever the network's timing
-            with self.links.lock:
-                msg = self.fw_codec.encode(out, sample_ids=ids, state=self.links.fw_send)
+            msg = self.encode_forward(out, ids)
         return out, None, ids, msg
 
-    def backward(self, incoming: Incoming) -> torch.Tensor | None:
+    def backward(self, incoming: Incoming) -> tuple[torch.Tensor | None, wire_pb2.TensorMessage | None]:
         """Runs this stage's backward of one micro-batch; returns the gradient to send back and its encoding
         (None, None on stage 0)."""
         info = incoming.info
@@ -212,9 +213,18 @@ class StageHost:
             if grad_in is None:
                 return None, None
             # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule
-            with self.links.lock:
-                msg = self.bw_codec.encode(grad_in, state=self.links.bw_send)
+            msg = self.encode_backward(grad_in)
         return grad_in, msg
+
+    def encode_forward(self, out: torch.Tensor, ids: list[int]) -> wire_pb2.TensorMessage:
+        """The activation as the next stage receives it (advances this link's codec state)."""
+        with self.links.lock:
+            return self.fw_codec.encode(out, sample_ids=ids, state=self.links.fw_send)
+
+    def encode_backward(self, grad: torch.Tensor) -> wire_pb2.TensorMessage:
+        """The input gradient as the previous stage receives it (advances this link's codec state)."""
+        with self.links.lock:
+            return self.bw_codec.encode(grad, state=self.links.bw_send)
 
     def _turn(self, info: stage_pb2.CallInfo, kind: Kind):
         return self.gate.turn(
@@ -288,19 +298,13 @@ class StageHost:
     # ---- communication: the calls to the neighbouring stages -------------------------------------------
 
     def send_forward(
-        self, info: stage_pb2.CallInfo, out: torch.Tensor, ids: list[int], msg: wire_pb2.TensorMessage | None = None
+        self, info: stage_pb2.CallInfo, out: torch.Tensor, ids: list[int], msg: wire_pb2.TensorMessage
     ) -> stage_pb2.ForwardReply:
-        """Sends the activation (`msg`, its encoding, if already made) to the next stage; on a buffer miss there,
-        re-sends the samples in full."""
+        """Sends the activation, encoded as `msg`, to the next stage; on a buffer miss there, re-sends the
+        samples in full."""
         nxt = self.role.stage + 1
         next_info = _for_stage(info, nxt)
-
-        def encode():
-            with self.links.lock:
-                return self.fw_codec.encode(out, sample_ids=ids, state=self.links.fw_send)
-
         stub = TensorStreams(self.channels.get(info.route[nxt]))
-        msg = encode() if msg is None else msg
         for attempt in range(2):
             fp32 = 4 * out.numel()
             try:
@@ -314,7 +318,7 @@ class StageHost:
                     log.info("stage %d lost AQ-SGD buffers; re-sending %d samples in full", nxt, len(ids))
                     with self.links.lock:
                         self.links.fw_send.buffers.forget(ids)
-                    msg = encode()
+                    msg = self.encode_forward(out, ids)
                     continue
                 raise name_failure(e, nxt, info.route_peers[nxt], info.route[nxt]) from e
             _count(reply.traffic, self.role.stage, sent, fp32)
@@ -322,13 +326,10 @@ class StageHost:
         raise AssertionError("unreachable")
 
     def send_backward(
-        self, info: stage_pb2.CallInfo, grad: torch.Tensor, msg: wire_pb2.TensorMessage | None = None
+        self, info: stage_pb2.CallInfo, grad: torch.Tensor, msg: wire_pb2.TensorMessage
     ) -> stage_pb2.BackwardReply:
-        """Sends the input gradient (`msg`, its encoding, if already made) to the previous stage."""
+        """Sends the input gradient, encoded as `msg`, to the previous stage."""
         prev = self.role.stage - 1
-        if msg is None:
-            with self.links.lock:
-                msg = self.bw_codec.encode(grad, state=self.links.bw_send)
         stub = TensorStreams(self.channels.get(info.route[prev]))
         try:
             reply, sent = self._stream(stub.Backward, _for_stage(info, prev), msg, self.links.backward.zstd_level, prev)
