@@ -26,7 +26,7 @@ from swarm.bench.common import emit
 from swarm.scheduler.baselines import baseline_shape, full_distance, greedy_layout, random_layouts
 from swarm.scheduler.cost import DtfmCost, FullCost
 from swarm.scheduler.localsearch import AnnealConfig
-from swarm.scheduler.model import ModelSpec, TransformerShape
+from swarm.scheduler.plans import ModelSpec, TransformerShape
 from swarm.scheduler.scenarios import load_scenario, synthetic_worldwide
 from swarm.scheduler.search import SearchConfig, search_dtfm, search_full
 

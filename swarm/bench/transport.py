@@ -68,10 +68,10 @@ def _serve(conn) -> None:
     """The receiver process: serves until told to stop (or its parent's end of the pipe closes)."""
     import grpc
 
+    from swarm.net.service import StageServicer
     from swarm.peers.allocator import tune_allocator
     from swarm.peers.transport import TransportConfig, make_server
     from swarm.proto import stage_pb2_grpc
-    from swarm.stage_service import StageServicer
 
     tune_allocator()
     server, port = make_server(TransportConfig())
@@ -141,7 +141,7 @@ def _socket_session(conn: socket.socket) -> None:
 
 
 def _sink_seconds(stub, msg, shaper=None, zstd_level: int = 0) -> tuple[float, int]:
-    from swarm.calls import tensor_items
+    from swarm.net.stream import tensor_items
     from swarm.proto import stage_pb2
 
     start = time.perf_counter()
@@ -171,8 +171,8 @@ def _socket_bytes_per_s(port: int, nbytes: int, repeats: int) -> float:
 
 
 def loopback_rows(args) -> list[dict]:
-    from swarm.calls import TensorStreams
     from swarm.compression import CodecConfig, make_codec
+    from swarm.net.stream import TensorStreams
     from swarm.peers.transport import Channels, TransportConfig
 
     server = _Receiver()
@@ -213,8 +213,8 @@ def loopback_rows(args) -> list[dict]:
 
 
 def shaped_rows(args) -> list[dict]:
-    from swarm.calls import TensorStreams
     from swarm.compression import CodecConfig, make_codec
+    from swarm.net.stream import TensorStreams
     from swarm.peers.shaper import LinkShape, Shaper
     from swarm.peers.transport import Channels, TransportConfig
 

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from swarm.compression import CodecConfig
-from swarm.data import DataConfig, SampleSet, build_datasets, epoch_batches
-from swarm.model import ModelConfig
-from swarm.pipeline import CodecBoundary, Pipeline, build_workers
+from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
+from swarm.model.gpt import ModelConfig
 from swarm.plots import Panel, moving_average, save_line_plots
-from swarm.stage import OptimConfig, StageConfig
+from swarm.runtime.local import CodecBoundary, Pipeline, build_workers
+from swarm.runtime.worker import OptimConfig, StageConfig
 
 __all__ = ["Setting", "ExperimentConfig", "add_arguments", "run", "run_experiment", "DEFAULT_SETTINGS"]
 

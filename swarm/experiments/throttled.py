@@ -77,8 +77,8 @@ def _bits(codec: str) -> int:
 
 
 def _run_cell(cell: Cell, args, out: Path) -> list[dict]:
-    from swarm.local_swarm import local_swarm
-    from swarm.trainer import train
+    from swarm.testbed.local import local_swarm
+    from swarm.train.trainer import train
 
     fw, bw = cell.setting.split("/")
     # an even split, the same in every cell: the planner's split follows noisy compute measurements, and a
@@ -94,7 +94,7 @@ def _run_cell(cell: Cell, args, out: Path) -> list[dict]:
         out=str(out / cell.label),
     )  # fmt: skip
     if args.netns:
-        from swarm.testbed import run_in_testbed
+        from swarm.testbed.cli import run_in_testbed
 
         return run_in_testbed(cell, flags, train_args, args)
     with local_swarm(out / cell.label, args.peers, flags) as swarm:

@@ -1,6 +1,6 @@
 """Bandwidth-aware scheduler: which peers host which layers, in which order, after DT-FM (NeurIPS 2022)."""
 
-from swarm.scheduler.model import Breakdown, ModelSpec, Peer, Plan, PlanInput, StagePlan, TransformerShape
+from swarm.scheduler.plans import Breakdown, ModelSpec, Peer, Plan, PlanInput, StagePlan, TransformerShape
 from swarm.scheduler.search import SearchConfig, plan, plan_dtfm
 
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from swarm.scheduler.cost import DtfmCost, FullCost, Layout, even_layers
-from swarm.scheduler.model import ModelSpec, PlanInput
+from swarm.scheduler.plans import ModelSpec, PlanInput
 
 __all__ = ["baseline_shape", "dtfm_distance", "full_distance", "greedy_layout", "random_layouts"]
 

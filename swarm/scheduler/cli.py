@@ -11,7 +11,7 @@ import json
 import sys
 
 from swarm.scheduler.localsearch import AnnealConfig
-from swarm.scheduler.model import ModelSpec, Plan, PlanInput, TransformerShape
+from swarm.scheduler.plans import ModelSpec, Plan, PlanInput, TransformerShape
 from swarm.scheduler.scenarios import GB, SCENARIO_NAMES, load_scenario
 from swarm.scheduler.search import SearchConfig, plan, plan_dtfm
 
@@ -194,11 +194,11 @@ def _fill_model_defaults(args, shape: TransformerShape) -> None:
 
 def _run_live(args) -> int:
     """The live swarm: its published plan, and the plan the live planner would make from it now."""
-    from swarm.bootstrap import read_address_file
     from swarm.compression import CodecConfig
-    from swarm.model import ModelConfig
+    from swarm.daemon.bootstrap import read_address_file
+    from swarm.daemon.planning import REFERENCE_MICRO_BATCH, live_search, swarm_plan_input, wire_bits
+    from swarm.model.gpt import ModelConfig
     from swarm.peers.dht import DHTConfig, SwarmDHT
-    from swarm.planning import REFERENCE_MICRO_BATCH, live_search, swarm_plan_input, wire_bits
 
     model = ModelConfig()
     _fill_model_defaults(

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarm.scheduler.graph import bottleneck_assignment, open_path_tsp
-from swarm.scheduler.model import Breakdown, ModelSpec, PlanInput
+from swarm.scheduler.plans import Breakdown, ModelSpec, PlanInput
 
 __all__ = ["DtfmCost", "FullCost", "GroupStats", "Layout", "allocate_layers", "even_layers"]
 

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 
 from swarm.scheduler.cost import INFEASIBLE, DtfmCost, FullCost, Layout
-from swarm.scheduler.model import Breakdown
+from swarm.scheduler.plans import Breakdown
 
 __all__ = ["exhaustive_dtfm", "exhaustive_full"]
 

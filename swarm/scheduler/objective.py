@@ -13,7 +13,7 @@ import numpy as np
 
 from swarm.scheduler.cost import INFEASIBLE, DtfmCost, FullCost, GroupStats, Layout, allocate_layers
 from swarm.scheduler.graph import bottleneck_assignment, open_path_tsp
-from swarm.scheduler.model import Breakdown
+from swarm.scheduler.plans import Breakdown
 
 __all__ = ["BoundaryTerm", "DtfmObjective", "FullObjective", "Objective"]
 

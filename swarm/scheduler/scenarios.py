@@ -13,7 +13,7 @@ from importlib import resources
 
 import numpy as np
 
-from swarm.scheduler.model import Peer, PlanInput
+from swarm.scheduler.plans import Peer, PlanInput
 
 __all__ = [
     "GPU_KINDS",

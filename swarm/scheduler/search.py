@@ -26,8 +26,8 @@ from swarm.scheduler.baselines import baseline_shape, greedy_layout
 from swarm.scheduler.construct import equivalence_classes, interleave, peer_chains, segment_partitions
 from swarm.scheduler.cost import INFEASIBLE, DtfmCost, FullCost, Layout, even_layers
 from swarm.scheduler.localsearch import AnnealConfig, Partition, anneal
-from swarm.scheduler.model import Breakdown, ModelSpec, Plan, PlanInput, StagePlan
 from swarm.scheduler.objective import DtfmObjective, FullObjective, Objective
+from swarm.scheduler.plans import Breakdown, ModelSpec, Plan, PlanInput, StagePlan
 
 __all__ = ["SearchConfig", "SearchResult", "layout_to_plan", "plan", "plan_dtfm", "search_dtfm", "search_full"]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from swarm.compression import CodecConfig
-from swarm.model import ModelConfig, split_layers
+from swarm.model.gpt import ModelConfig, split_layers
+from swarm.net.service import LinkEnds, StageHost, StageRole, StageServicer
 from swarm.peers.shaper import LinkShaping
 from swarm.peers.transport import TransportConfig, make_server
 from swarm.proto import stage_pb2_grpc
-from swarm.remote import RemotePipeline
-from swarm.stage import StageConfig
-from swarm.stage_service import LinkEnds, StageHost, StageRole, StageServicer
+from swarm.runtime.driver import RemotePipeline
+from swarm.runtime.worker import StageConfig
 
 TINY = ModelConfig(vocab_size=256, seq_len_tokens=16, hidden_dim=32, n_layers=3, n_heads=2)
 

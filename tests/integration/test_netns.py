@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from swarm.netns import list_links, list_namespaces, measure_rate, namespace_pids, sweep, unavailable_reason
+from swarm.testbed.netns import list_links, list_namespaces, measure_rate, namespace_pids, sweep, unavailable_reason
 
 PREFIX = "swt-"
 MODEL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16"]

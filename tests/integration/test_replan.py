@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from swarm.calls import PLAN_MISMATCH, StageCallError
 from swarm.compression import CodecConfig
-from swarm.local_swarm import local_swarm
-from swarm.procs import peer_command
-from swarm.remote import RemotePipeline
+from swarm.net.stream import PLAN_MISMATCH, StageCallError
+from swarm.runtime.driver import RemotePipeline
+from swarm.testbed.local import local_swarm
+from swarm.testbed.procs import peer_command
 from tests.integration.swarm_fixtures import loopback_stages, remote
 from tests.integration.test_stage_service import batches
 

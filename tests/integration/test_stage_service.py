@@ -7,11 +7,11 @@ import grpc
 import pytest
 import torch
 
-from swarm.calls import StageCallError, tokens_to_wire
 from swarm.compression import CodecConfig, WireLimits, frame, make_codec
-from swarm.data import Batch
-from swarm.pipeline import CodecBoundary, Pipeline, build_workers
+from swarm.model.data import Batch
+from swarm.net.stream import StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2, stage_pb2_grpc, wire_pb2
+from swarm.runtime.local import CodecBoundary, Pipeline, build_workers
 from tests.integration.swarm_fixtures import TINY, loopback_stages, remote
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

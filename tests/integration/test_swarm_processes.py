@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig
-from swarm.data import DataConfig, build_datasets, epoch_batches
-from swarm.local_swarm import local_swarm
-from swarm.pipeline import CodecBoundary, Pipeline, build_workers
-from swarm.remote import RemotePipeline
+from swarm.model.data import DataConfig, build_datasets, epoch_batches
+from swarm.runtime.driver import RemotePipeline
+from swarm.runtime.local import CodecBoundary, Pipeline, build_workers
+from swarm.testbed.local import local_swarm
 from tests.integration.swarm_fixtures import TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.calls import item_nbytes, read_stream, serialize_chunk_item, tensor_items
 from swarm.compression import CodecConfig, make_codec
+from swarm.net.stream import item_nbytes, read_stream, serialize_chunk_item, tensor_items
 from swarm.proto import stage_pb2, wire_pb2
 
 INFO = stage_pb2.CallInfo(step=7, micro_batch=3, route=["127.0.0.1:1", "127.0.0.1:2"], deadline_s=5.0)

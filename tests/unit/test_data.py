@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from swarm import data as data_mod
-from swarm.data import Batch, DataConfig, build_datasets, epoch_batches, load_corpus
+from swarm.model import data as data_mod
+from swarm.model.data import Batch, DataConfig, build_datasets, epoch_batches, load_corpus
 
 torch.set_num_threads(1)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from swarm.model import GPT, TIED_EMBEDDING, ModelConfig, build_stage, split_layers
+from swarm.model.gpt import GPT, TIED_EMBEDDING, ModelConfig, build_stage, split_layers
 
 torch.set_num_threads(1)
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig
-from swarm.data import Batch
-from swarm.model import GPT, TIED_EMBEDDING, ModelConfig
-from swarm.pipeline import CodecBoundary, Pipeline, build_workers, sync_tied_embedding
-from swarm.stage import OptimConfig, StageConfig, lr_at
+from swarm.model.data import Batch
+from swarm.model.gpt import GPT, TIED_EMBEDDING, ModelConfig
+from swarm.runtime.local import CodecBoundary, Pipeline, build_workers, sync_tied_embedding
+from swarm.runtime.worker import OptimConfig, StageConfig, lr_at
 
 torch.set_num_threads(1)
 
@@ -136,7 +136,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_minimum():
 
 
 def test_evaluate_matches_the_unsplit_model():
-    from swarm.data import SampleSet
+    from swarm.model.data import SampleSet
 
     windows = torch.randint(0, CFG.vocab_size, (6, CFG.seq_len_tokens + 1), generator=torch.Generator())
     data = SampleSet(torch.arange(6), windows)

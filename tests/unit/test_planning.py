@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.model import ModelConfig
+from swarm.daemon.planning import DEFAULT_BYTES_PER_S, live_search, model_spec, role_in_plan, route_of, swarm_plan_input
+from swarm.model.gpt import ModelConfig
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
-from swarm.planning import DEFAULT_BYTES_PER_S, live_search, model_spec, role_in_plan, route_of, swarm_plan_input
 from swarm.scheduler import plan
 
 SPEC = model_spec(ModelConfig(), CodecConfig("aqsgd", bits=2), CodecConfig("gradq", bits=4))

@@ -2,10 +2,10 @@
 
 import pytest
 
-from swarm.schedule import (
+from swarm.runtime.schedules import (
     Action,
     Kind,
-    format_plan,
+    format_programs,
     gpipe,
     linearize,
     max_in_flight,
@@ -66,7 +66,7 @@ def test_linearize_respects_dependencies():
 
 
 def test_1f1b_timeline():
-    assert format_plan(one_f_one_b(3, 4)).splitlines() == [
+    assert format_programs(one_f_one_b(3, 4)).splitlines() == [
         "0F0 0F1 0F2 .   .   0B0 0F3 0B1 .   0B2 .   0B3",
         ".   1F0 1F1 .   1B0 1F2 1B1 1F3 1B2 .   1B3 .",
         ".   .   2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 .   .",

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from swarm import cli, netns, testbed
-from swarm.netns import (
+from swarm import cli
+from swarm.testbed import cli as testbed
+from swarm.testbed import netns
+from swarm.testbed.cli import SHARED_DIR, compose_service, entrypoint_argv, render_compose
+from swarm.testbed.netns import (
     PEER_PORT,
     LinkRate,
     plan_testbed,
@@ -25,7 +28,6 @@ from swarm.netns import (
     tbf_burst_bytes,
     tbf_limit_bytes,
 )
-from swarm.testbed import SHARED_DIR, compose_service, entrypoint_argv, render_compose
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -52,7 +54,7 @@ def parse_entry_point(argv: list[str] | tuple[str, ...]) -> argparse.Namespace:
     argv = list(argv)
     try:
         if argv[0] == "swarm-peer":
-            from swarm.peer_daemon import build_parser
+            from swarm.daemon.peer import build_parser
 
             return build_parser().parse_args(argv[1:])
         assert argv[0] == "swarm", f"{argv[0]!r} is not an entry point"
@@ -113,7 +115,7 @@ def test_rich_config_rates_delays_and_flags_reach_the_right_services():
 
 
 def test_process_argv_runs_entry_points_with_this_interpreter():
-    assert process_argv(("swarm-peer", "--x")) == [sys.executable, "-m", "swarm.peer_daemon", "--x"]
+    assert process_argv(("swarm-peer", "--x")) == [sys.executable, "-m", "swarm.daemon.peer", "--x"]
     assert process_argv(("swarm", "train")) == [sys.executable, "-m", "swarm.cli", "train"]
     with pytest.raises(ValueError):
         process_argv(("bash", "-c", "true"))

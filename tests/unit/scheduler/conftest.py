@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarm.scheduler.model import ModelSpec, Peer, PlanInput
+from swarm.scheduler.plans import ModelSpec, Peer, PlanInput
 
 
 def tiny_swarm(n: int, seed: int, symmetric: bool = True) -> PlanInput:

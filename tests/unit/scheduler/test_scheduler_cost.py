@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from swarm.scheduler.cost import DtfmCost, FullCost, GroupStats, Layout, allocate_layers, even_layers
-from swarm.scheduler.model import ModelSpec, Peer, PlanInput
+from swarm.scheduler.plans import ModelSpec, Peer, PlanInput
 from swarm.scheduler.scenarios import load_scenario
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from swarm.scheduler.baselines import random_layouts
 from swarm.scheduler.cost import DtfmCost, Layout
-from swarm.scheduler.model import Peer, PlanInput
+from swarm.scheduler.plans import Peer, PlanInput
 from swarm.scheduler.scenarios import load_scenario
 
 

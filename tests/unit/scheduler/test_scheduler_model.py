@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from swarm.scheduler.model import Breakdown, ModelSpec, Peer, Plan, PlanInput, StagePlan, TransformerShape
+from swarm.scheduler.plans import Breakdown, ModelSpec, Peer, Plan, PlanInput, StagePlan, TransformerShape
 from swarm.scheduler.scenarios import SCENARIO_NAMES, load_scenario, scenario_data, synthetic_worldwide
 
 

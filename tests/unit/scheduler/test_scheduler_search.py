@@ -10,7 +10,7 @@ from swarm.scheduler.baselines import baseline_shape, full_distance, greedy_layo
 from swarm.scheduler.cost import DtfmCost, FullCost
 from swarm.scheduler.exhaustive import exhaustive_dtfm, exhaustive_full
 from swarm.scheduler.localsearch import AnnealConfig
-from swarm.scheduler.model import ModelSpec, Peer, Plan, PlanInput, TransformerShape
+from swarm.scheduler.plans import ModelSpec, Peer, Plan, PlanInput, TransformerShape
 from swarm.scheduler.scenarios import load_scenario, synthetic_worldwide
 from swarm.scheduler.search import SearchConfig, plan, search_dtfm, search_full
 

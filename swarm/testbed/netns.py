@@ -374,7 +374,7 @@ def shaping_commands(
 
 def process_argv(argv: tuple[str, ...] | list[str], python: str = sys.executable) -> list[str]:
     """An installed entry point's argv as this interpreter runs it (no reliance on PATH)."""
-    modules = {"swarm": "swarm.cli", "swarm-peer": "swarm.peer_daemon"}
+    modules = {"swarm": "swarm.cli", "swarm-peer": "swarm.daemon.peer"}
     if argv[0] not in modules:
         raise ValueError(f"{argv[0]!r} is not a swarm entry point")
     return [python, "-m", modules[argv[0]], *argv[1:]]

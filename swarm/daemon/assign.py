@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from swarm.model import split_layers
+from swarm.model.gpt import split_layers
+from swarm.net.service import StageRole
 from swarm.peers.records import PeerAnnouncement
-from swarm.stage_service import StageRole
 
 
 class Assigner(Protocol):

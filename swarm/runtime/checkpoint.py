@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-log = logging.getLogger("swarm.checkpoint")
+log = logging.getLogger("swarm.runtime.checkpoint")
 
 
 def checkpoint_path(directory: str | os.PathLike, stage: int) -> Path:

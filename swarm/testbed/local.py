@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.procs import ProcessGroup, peer_command, swarm_command
+from swarm.testbed.procs import ProcessGroup, peer_command, swarm_command
 
 
 @dataclass
@@ -24,7 +24,7 @@ class LocalSwarm:
 
     @property
     def path(self):
-        from swarm.trainer import Route
+        from swarm.train.trainer import Route
 
         return Route(self.route, self.peers, self.plan_version)
 
@@ -40,7 +40,7 @@ def local_swarm(
     """Starts a bootstrap node and `n_peers` peers (one stage each, as the planner assigns them) and waits
     until every stage is served."""
     from swarm.peers.dht import DHTConfig, SwarmDHT
-    from swarm.trainer import discover_route
+    from swarm.train.trainer import discover_route
 
     with ProcessGroup(out / "logs") as procs:
         address_file = out / "bootstrap.addr"

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarm.netns import (
+from swarm.testbed.netns import (
     ADDRESS_FILE,
     FALLBACK_HINT,
     CommandError,
@@ -50,7 +50,7 @@ from swarm.netns import (
 )
 
 if TYPE_CHECKING:
-    from swarm.procs import ProcessGroup
+    from swarm.testbed.procs import ProcessGroup
 
 __all__ = [
     "SHARED_DIR",
@@ -246,7 +246,7 @@ def bring_up(
 ) -> Testbed:
     """Creates the namespaces and links, starts bootstrap and peers, waits until every stage is announced.
     On any failure (or interrupt) it removes everything it made before re-raising."""
-    from swarm.procs import ProcessGroup
+    from swarm.testbed.procs import ProcessGroup
 
     reason = unavailable_reason()
     if reason:
@@ -535,7 +535,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _train_summary(run_dir: Path) -> str:
-    from swarm.trainer import TrainSummary, format_summary
+    from swarm.train.trainer import TrainSummary, format_summary
 
     return format_summary(TrainSummary(**json.loads((run_dir / "train" / "summary.json").read_text())))
 
@@ -637,7 +637,7 @@ def _describe_process(pid: int) -> str:
         return f"{pid} (gone)"
     if "-m" in argv[:-1]:
         module, rest = argv[argv.index("-m") + 1], argv[argv.index("-m") + 2 :]
-        name = {"swarm.peer_daemon": "swarm-peer"}.get(module, f"swarm {rest[0]}" if rest else module)
+        name = {"swarm.daemon.peer": "swarm-peer"}.get(module, f"swarm {rest[0]}" if rest else module)
     else:
         name = os.path.basename(argv[0]) if argv else "?"
     return f"{name} [{pid}]"

@@ -30,7 +30,7 @@ from swarm.options import (
     model_config,
 )
 from swarm.peers.allocator import tune_allocator
-from swarm.stage import OptimConfig
+from swarm.runtime.worker import OptimConfig
 
 log = logging.getLogger("swarm.peer")
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure_compute(model, device: str, iters: int = 3) -> float:
     """Forward+backward throughput of one block on one reference micro-batch (layers per second)."""
-    from swarm.model import Block
+    from swarm.model.gpt import Block
 
     block = Block(model).to(device)
     x = torch.randn(4, model.seq_len_tokens, model.hidden_dim, device=device, requires_grad=True)
@@ -124,12 +124,12 @@ class PeerDaemon:
         self._stop.set()
 
     def run(self) -> int:
+        from swarm.net.service import StageServicer
         from swarm.peers.dht import Heartbeat, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
         from swarm.peers.transport import Channels, TransportConfig, make_server
         from swarm.proto import stage_pb2_grpc
-        from swarm.stage_service import StageServicer
 
         args = self.args
         torch.set_num_threads(args.threads)
@@ -183,8 +183,8 @@ class PeerDaemon:
     # ---- roles ---------------------------------------------------------------------------------------------
 
     def _make_host(self, role):
-        from swarm.stage import StageConfig
-        from swarm.stage_service import LinkEnds, StageHost
+        from swarm.net.service import LinkEnds, StageHost
+        from swarm.runtime.worker import StageConfig
 
         args = self.args
         optim = OptimConfig(
@@ -218,7 +218,7 @@ class PeerDaemon:
         self.dht.announce(self.announcement)
 
     def _serve_even_split(self) -> int:
-        from swarm.assign import EvenSplit
+        from swarm.daemon.assign import EvenSplit
 
         assigner = EvenSplit(self.args.num_stages, self.model.n_layers, self.args.stage)
         role = self._wait_for_role(self.dht, assigner)
@@ -237,7 +237,7 @@ class PeerDaemon:
 
     def _follow_plans(self, address: str) -> int:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
-        from swarm.planning import LinkProber, Planner, model_spec
+        from swarm.daemon.planning import LinkProber, Planner, model_spec
 
         args = self.args
         spec = model_spec(self.model, *self.codecs)
@@ -273,7 +273,7 @@ class PeerDaemon:
 
     def _apply_plan(self, record) -> None:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
-        from swarm.planning import role_in_plan
+        from swarm.daemon.planning import role_in_plan
 
         role = role_in_plan(record, self.dht.peer_id)
         host = self.servicer.host
@@ -313,7 +313,7 @@ class PeerDaemon:
 
     def _hand_over(self, new_host, old) -> None:
         """Loads the layers `new_host` takes over from the peers that held them under the old plan."""
-        from swarm.planning import fetch_state
+        from swarm.daemon.planning import fetch_state
 
         role = new_host.role
         wanted = new_host.worker.module.state_dict()
@@ -358,7 +358,7 @@ class PeerDaemon:
         return None
 
     def _setup_checkpoints(self, host) -> None:
-        from swarm.checkpoint import checkpoint_path, load_stage
+        from swarm.runtime.checkpoint import checkpoint_path, load_stage
 
         args = self.args
         if not args.checkpoint_dir:
@@ -377,7 +377,7 @@ class PeerDaemon:
         host.on_step = on_step
 
     def _checkpoint(self, host, final: bool = False) -> None:
-        from swarm.checkpoint import checkpoint_path, save_stage
+        from swarm.runtime.checkpoint import checkpoint_path, save_stage
 
         if not self.args.checkpoint_dir:
             return

@@ -36,9 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.calls import StageCallError
-    from swarm.local_swarm import local_swarm
-    from swarm.trainer import format_summary, train
+    from swarm.net.stream import StageCallError
+    from swarm.testbed.local import local_swarm
+    from swarm.train.trainer import format_summary, train
 
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Pipeline schedules as data: per-stage lists of forward/backward actions, their builders and checks.
 
-A schedule is a `Plan`: for each stage, the order in which it runs its micro-batches' forwards (F) and
-backwards (B). Nothing here runs a model; the in-process runtime and the networked trainer both interpret
-the same plans, and `linearize` turns a plan into one global order that respects the data dependencies
+A schedule gives `Programs`: for each stage, the order in which it runs its micro-batches' forwards (F) and
+backwards (B). Nothing here runs a model; every stage host interprets its own program, and `linearize`
+turns the programs into one global order that respects the data dependencies
 (a forward needs the previous stage's forward of that micro-batch, a backward the next stage's backward).
 """
 
@@ -15,14 +15,14 @@ from enum import Enum
 __all__ = [
     "Kind",
     "Action",
-    "Plan",
+    "Programs",
     "gpipe",
     "one_f_one_b",
     "SCHEDULES",
     "validate",
     "max_in_flight",
     "linearize",
-    "format_plan",
+    "format_programs",
 ]
 
 
@@ -58,11 +58,11 @@ class Action:
         raise ValueError(f"not an action: {text!r}")
 
 
-Plan = list[list[Action]]
+Programs = list[list[Action]]
 """plan[s] is stage s's program: its actions in the order it runs them."""
 
 
-def gpipe(n_stages: int, n_micro: int) -> Plan:
+def gpipe(n_stages: int, n_micro: int) -> Programs:
     """GPipe: every stage runs all forwards, then all backwards (in the same micro-batch order).
 
     Holds all `n_micro` activations in flight on every stage; simplest, and the bubble is the same as
@@ -74,14 +74,14 @@ def gpipe(n_stages: int, n_micro: int) -> Plan:
     ]
 
 
-def one_f_one_b(n_stages: int, n_micro: int) -> Plan:
+def one_f_one_b(n_stages: int, n_micro: int) -> Programs:
     """1F1B (PipeDream-flush): a warm-up of forwards, then alternate one forward and one backward.
 
     Stage s warms up with `n_stages - s - 1` forwards, so it never holds more than `n_stages - s`
     micro-batches' activations, whatever the number of micro-batches.
     """
     _check_sizes(n_stages, n_micro)
-    plan: Plan = []
+    plan: Programs = []
     for s in range(n_stages):
         warmup = min(n_stages - s - 1, n_micro)
         actions = [Action(s, F, m) for m in range(warmup)]
@@ -92,7 +92,7 @@ def one_f_one_b(n_stages: int, n_micro: int) -> Plan:
     return plan
 
 
-SCHEDULES: dict[str, Callable[[int, int], Plan]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES: dict[str, Callable[[int, int], Programs]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 """Schedule builders by their command-line name."""
 
 
@@ -110,7 +110,7 @@ def max_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def validate(plan: Plan, n_micro: int) -> None:
+def validate(plan: Programs, n_micro: int) -> None:
     """Raise ValueError unless `plan` is a complete, runnable schedule for `n_micro` micro-batches.
 
     Checks: stage s's program only holds stage-s actions; every micro-batch is run forward and backward
@@ -141,7 +141,7 @@ def _ready(a: Action, done: set[Action], n_stages: int) -> bool:
     return Action(a.stage + 1, B, a.mb) in done
 
 
-def linearize(plan: Plan) -> list[list[Action]]:
+def linearize(plan: Programs) -> list[list[Action]]:
     """Run the plan on an idealised clock where every action takes one tick and transfers are free.
 
     Returns the actions grouped by tick (stages that work in the same tick run concurrently on a real
@@ -168,7 +168,7 @@ def linearize(plan: Plan) -> list[list[Action]]:
     return ticks
 
 
-def format_plan(plan: Plan) -> str:
+def format_programs(plan: Programs) -> str:
     """The plan as a timeline, one row per stage and one column per tick ('.' = idle)."""
     ticks = linearize(plan)
     width = max((len(str(a)) for tick in ticks for a in tick), default=3)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from swarm.options import add_dht_arguments, add_model_arguments, dht_config, model_config
 
-log = logging.getLogger("swarm.trainer")
+log = logging.getLogger("swarm.train.trainer")
 
 CSV_FIELDS = [
     "setting",
@@ -102,7 +102,7 @@ def discover_route(dht, n_stages: int | None, timeout_s: float, show=print, min_
     version; without one (peers started with `--assign even`), the first peer announcing each of stages
     0..n_stages-1. `min_version` skips plans older than one the trainer already ran into.
     """
-    from swarm.planning import route_of
+    from swarm.daemon.planning import route_of
 
     deadline = time.monotonic() + timeout_s
     last_line = None
@@ -171,10 +171,10 @@ def train(
     """
     from tqdm import tqdm
 
-    from swarm.calls import PLAN_MISMATCH, StageCallError
-    from swarm.data import DataConfig, build_datasets, epoch_batches
+    from swarm.model.data import DataConfig, build_datasets, epoch_batches
+    from swarm.net.stream import PLAN_MISMATCH, StageCallError
     from swarm.plots import Panel, moving_average, save_line_plots
-    from swarm.remote import RemotePipeline
+    from swarm.runtime.driver import RemotePipeline
 
     model = model_config(args)
     train_set, _, report = build_datasets(
@@ -290,7 +290,7 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.calls import StageCallError
+    from swarm.net.stream import StageCallError
     from swarm.peers.dht import SwarmDHT
 
     logging.getLogger("hivemind").setLevel(logging.WARNING)

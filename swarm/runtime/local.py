@@ -1,6 +1,7 @@
 """The in-process pipeline runtime: interprets a schedule over stage workers joined by codec boundaries.
 
-Compute lives in `StageWorker` (swarm.stage), schedules in swarm.schedule, codecs in swarm.compression;
+Compute lives in `StageWorker` (swarm.runtime.worker), schedules in swarm.runtime.schedules, codecs in
+swarm.compression;
 this module is where they meet. Each boundary between stage k and k+1 is a `Boundary`: the forward
 activation goes through it to become what stage k+1 computes on, and the activation gradient comes back
 through it to become what stage k backpropagates. `CodecBoundary` runs the real codecs and framing
@@ -18,10 +19,10 @@ from typing import Protocol
 import torch
 
 from swarm.compression import CodecConfig, LinkState, frame, make_codec, unframe
-from swarm.data import Batch, SampleSet
-from swarm.model import ModelConfig, build_stage, split_layers
-from swarm.schedule import SCHEDULES, Action, Kind, Plan, linearize, validate
-from swarm.stage import StageConfig, StageWorker
+from swarm.model.data import Batch, SampleSet
+from swarm.model.gpt import ModelConfig, build_stage, split_layers
+from swarm.runtime.schedules import SCHEDULES, Action, Kind, Programs, linearize, validate
+from swarm.runtime.worker import StageConfig, StageWorker
 
 __all__ = [
     "Boundary",
@@ -151,14 +152,14 @@ class Pipeline:
     Args:
         workers: the stages in order; the first takes token ids, the last computes the loss.
         boundaries: `len(workers) - 1` boundaries; boundaries[k] joins stage k to stage k + 1.
-        schedule: a name in `swarm.schedule.SCHEDULES` or a builder `(n_stages, n_micro) -> Plan`.
+        schedule: a name in `swarm.runtime.schedules.SCHEDULES` or a builder `(n_stages, n_micro) -> Programs`.
     """
 
     def __init__(
         self,
         workers: list[StageWorker],
         boundaries: list[Boundary],
-        schedule: str | Callable[[int, int], Plan] = "1f1b",
+        schedule: str | Callable[[int, int], Programs] = "1f1b",
     ) -> None:
         if len(boundaries) != len(workers) - 1:
             raise ValueError(f"{len(workers)} stages need {len(workers) - 1} boundaries, got {len(boundaries)}")

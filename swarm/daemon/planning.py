@@ -27,15 +27,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from swarm.calls import TensorStreams, tensor_items
 from swarm.compression import CodecConfig, make_codec
-from swarm.model import ModelConfig
+from swarm.model.gpt import ModelConfig
+from swarm.net.service import StageRole
+from swarm.net.stream import TensorStreams, tensor_items
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, TransformerShape, plan
-from swarm.stage_service import StageRole
 
-log = logging.getLogger("swarm.planning")
+log = logging.getLogger("swarm.daemon.planning")
 
 REFERENCE_MICRO_BATCH = 4
 """Samples per micro-batch of the compute measurement (`peer_daemon.measure_compute`) and of the plan's model."""

@@ -1,7 +1,7 @@
 """Orders one stage's forwards and backwards within a step exactly as the pipeline schedule says.
 
 Over the network, calls for different micro-batches arrive in whatever order the links deliver them; each
-stage runs them in its own program order from `swarm.schedule` (GPipe or 1F1B), so the networked pipeline
+stage runs them in its own program order from `swarm.runtime.schedules` (GPipe or 1F1B), so the networked pipeline
 computes what the in-process one does, and 1F1B's bound on activations in flight holds.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from swarm.schedule import SCHEDULES, Action, Kind
+from swarm.runtime.schedules import SCHEDULES, Action, Kind
 
 
 class GateError(RuntimeError):

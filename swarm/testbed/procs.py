@@ -89,4 +89,4 @@ def swarm_command(*args: str) -> list[str]:
 
 
 def peer_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "swarm.peer_daemon", *args]
+    return [sys.executable, "-m", "swarm.daemon.peer", *args]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from swarm.calls import StageCallError, name_failure, tokens_to_wire
 from swarm.compression import CodecConfig, make_codec
-from swarm.data import Batch
+from swarm.model.data import Batch
+from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.peers.transport import Channels, TransportConfig
 from swarm.proto import stage_pb2, stage_pb2_grpc
 

@@ -1,6 +1,6 @@
 """One pipeline stage's compute: forward and backward per micro-batch, and the optimizer step.
 
-`StageWorker` is pure compute with no transport. The in-process runtime (`swarm.pipeline`) calls it
+`StageWorker` is pure compute with no transport. The in-process runtime (`swarm.runtime.local`) calls it
 directly; a gRPC servicer calls the same methods after decoding a message, so both paths share one
 implementation of what a stage does. Everything a stage needs to know about the rest of the pipeline
 arrives as arguments: the gradient of the objective with respect to its output, the global gradient
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.model import Stage
+from swarm.model.gpt import Stage
 
 __all__ = ["OptimConfig", "StageConfig", "lr_at", "StageWorker"]
 
@@ -70,7 +70,7 @@ class StageWorker:
     """Owns one stage's module, optimizer and the tensors saved between a micro-batch's F and B.
 
     Args:
-        module: the stage (from `swarm.model.build_stage`).
+        module: the stage (from `swarm.model.gpt.build_stage`).
         cfg: optimizer, schedule and precision.
     """
 

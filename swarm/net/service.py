@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from swarm.calls import (
+from swarm.compression import (
+    BufferMissError,
+    CodecConfig,
+    LinkState,
+    WireError,
+    WireLimits,
+    ZstdPolicy,
+    make_codec,
+)
+from swarm.model.gpt import ModelConfig, build_stage
+from swarm.net.stream import (
     BUFFER_MISS,
     PLAN_MISMATCH,
     Incoming,
@@ -25,24 +35,14 @@ from swarm.calls import (
     tensor_items,
     tokens_from_wire,
 )
-from swarm.compression import (
-    BufferMissError,
-    CodecConfig,
-    LinkState,
-    WireError,
-    WireLimits,
-    ZstdPolicy,
-    make_codec,
-)
-from swarm.gate import GateError, ScheduleGate
-from swarm.model import ModelConfig, build_stage
 from swarm.peers.shaper import LinkShaping
 from swarm.peers.transport import Channels, TransportConfig
 from swarm.proto import stage_pb2, stage_pb2_grpc, wire_pb2
-from swarm.schedule import Kind
-from swarm.stage import StageConfig, StageWorker
+from swarm.runtime.gate import GateError, ScheduleGate
+from swarm.runtime.schedules import Kind
+from swarm.runtime.worker import StageConfig, StageWorker
 
-log = logging.getLogger("swarm.stage")
+log = logging.getLogger("swarm.runtime.worker")
 
 MAX_PENDING_LABELS = 1024
 MAX_PROBE_BYTES = 16 << 20

@@ -1,0 +1,1 @@
+"""Stage-split models and the data they train on."""

@@ -1,0 +1,1 @@
+"""Local swarms of processes, network-namespace and docker compose testbeds."""

@@ -1,0 +1,1 @@
+"""The trainer and the demo that runs a whole local swarm."""
