@@ -28,6 +28,9 @@ class ZstdPolicy:
     """
 
     level: int = 1
+    adaptive: bool = True
+    """False: compress every message at `level` whatever the link (the framing keeps the smaller body), as an
+    in-process pipeline that stands for a slow link does"""
     probe_every: int = 16
     saved_fraction: float = 0.5
     """running mean of 1 - compressed/raw"""
@@ -37,8 +40,8 @@ class ZstdPolicy:
 
     def level_for(self, rate_bytes_per_s: float | None) -> int:
         """The zstd level to frame the next message with on a link of this rate (None: unshaped)."""
-        if self.level == 0:
-            return 0
+        if self.level == 0 or not self.adaptive:
+            return self.level
         self._messages += 1
         if self._messages % self.probe_every == 0:
             return self.level

@@ -68,10 +68,10 @@ def _serve(conn) -> None:
     """The receiver process: serves until told to stop (or its parent's end of the pipe closes)."""
     import grpc
 
-    from swarm.net.service import StageServicer
     from swarm.peers.allocator import tune_allocator
     from swarm.peers.transport import TransportConfig, make_server
     from swarm.proto import stage_pb2_grpc
+    from swarm.runtime.service import StageServicer
 
     tune_allocator()
     server, port = make_server(TransportConfig())

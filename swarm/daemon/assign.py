@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from swarm.model.gpt import split_layers
-from swarm.net.service import StageRole
 from swarm.peers.records import PeerAnnouncement
+from swarm.runtime.host import StageRole
 
 
 class Assigner(Protocol):

@@ -124,12 +124,12 @@ class PeerDaemon:
         self._stop.set()
 
     def run(self) -> int:
-        from swarm.net.service import StageServicer
         from swarm.peers.dht import Heartbeat, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
         from swarm.peers.transport import Channels, TransportConfig, make_server
         from swarm.proto import stage_pb2_grpc
+        from swarm.runtime.service import StageServicer
 
         args = self.args
         torch.set_num_threads(args.threads)
@@ -183,7 +183,9 @@ class PeerDaemon:
     # ---- roles ---------------------------------------------------------------------------------------------
 
     def _make_host(self, role):
-        from swarm.net.service import LinkEnds, StageHost
+        from swarm.net.connect import GrpcConnector
+        from swarm.runtime.boundary import LinkEnds
+        from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
 
         args = self.args
@@ -197,10 +199,9 @@ class PeerDaemon:
             role,
             self.model,
             StageConfig(optim=optim),
-            LinkEnds(*self.codecs),
+            LinkEnds(*self.codecs, shaping=self.shaping),
             peer_id=self.dht.peer_id,
-            transport=self.transport,
-            shaping=self.shaping,
+            connector=GrpcConnector(self.transport),
             device=args.device,
         )
         host.compute_layers_per_s = self.speed

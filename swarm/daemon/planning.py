@@ -29,10 +29,10 @@ import torch
 
 from swarm.compression import CodecConfig, make_codec
 from swarm.model.gpt import ModelConfig
-from swarm.net.service import StageRole
 from swarm.net.stream import TensorStreams, tensor_items
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, TransformerShape, plan
 
 log = logging.getLogger("swarm.daemon.planning")

@@ -1,8 +1,8 @@
 """`swarm experiment convergence`: the same model and data trained under each codec setting, in one process.
 
 Every setting starts from the same weights (the model seed) and sees the same batches in the same order
-(the data seed); only what crosses the stage boundaries differs. The runtime is the in-process pipeline,
-whose boundaries run the real codecs and framing, so the byte counts are those the network would carry.
+(the data seed); only what crosses the stage boundaries differs. The runtime is the swarm's own (stage hosts,
+driver) wired in one process, so the byte counts are those of the stream items the network would carry.
 
 AQ-SGD only pays off once samples come back: in the first epoch every sample is new and travels in full
 (in the buffer dtype, fp16), so the run spans several epochs and reports bytes over the whole run and over
@@ -29,7 +29,7 @@ from swarm.compression import CodecConfig
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.plots import Panel, moving_average, save_line_plots
-from swarm.runtime.local import CodecBoundary, Pipeline, build_workers
+from swarm.runtime.local import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 
 __all__ = ["Setting", "ExperimentConfig", "add_arguments", "run", "run_experiment", "DEFAULT_SETTINGS"]
@@ -153,20 +153,19 @@ def _run_setting(
     steps_per_epoch = len(train) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
     optim = replace(cfg.optim, total_steps=total, warmup_steps=max(1, round(total * cfg.warmup_fraction)))
-    workers = build_workers(cfg.model, cfg.n_stages, StageConfig(optim, cfg.autocast_bf16))
     fp32 = CodecConfig(name="fp32", zstd_level=cfg.zstd_level)
     result, step, start = SettingResult(setting), 0, time.perf_counter()
 
-    def links(epoch: int) -> list[CodecBoundary]:  # fresh links: AQ-SGD buffers start empty
-        fw, bw = (fp32, fp32) if epoch < setting.warmup_epochs else (setting.forward, setting.backward)
-        return [CodecBoundary(fw, bw) for _ in range(cfg.n_stages - 1)]
+    def codecs(epoch: int) -> tuple[CodecConfig, CodecConfig]:
+        return (fp32, fp32) if epoch < setting.warmup_epochs else (setting.forward, setting.backward)
 
-    pipe = Pipeline(workers, links(0), cfg.schedule)
+    stage_cfg = StageConfig(optim, cfg.autocast_bf16)
+    pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
     for epoch in range(cfg.epochs):
         if epoch and epoch == setting.warmup_epochs:
-            pipe.boundaries = links(epoch)
+            pipe.set_codecs(*codecs(epoch))  # fresh links: AQ-SGD buffers start empty
         for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
             r = pipe.train_step(batch, cfg.n_micro)
             step += 1
@@ -184,6 +183,7 @@ def _run_setting(
             progress.set_postfix_str(f"{setting.name} epoch {epoch + 1} loss {r.loss:.3f}")
             progress.update(1)
         result.evals.append({"epoch": epoch + 1, "step": step, "eval_loss": pipe.evaluate(evals, eval_batch)})
+    pipe.close()
     result.seconds = time.perf_counter() - start
     return result
 

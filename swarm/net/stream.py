@@ -58,8 +58,9 @@ def tensor_items(
     shaper: Shaper | None,
     policy: ZstdPolicy | None = None,
 ) -> Iterator[bytes]:
-    """The stream of one call as serialized `StreamItem`s: the call info with the first chunk, then the
-    remaining chunks, paced. Send them with a `TensorStreams` call.
+    """The stream of one call as serialized `StreamItem`s, produced as the transport pulls them: frame -> stream
+    items (the call info with the first chunk, the one that carries the frame header) -> pace. Send them with
+    a `TensorStreams` call (or a `StageClient`'s Forward/Backward/Sink).
 
     With a zstd `policy`, the level is chosen per message from the shaper's rate (zstd only where it pays).
     """
@@ -177,6 +178,14 @@ def read_stream(items: Iterable[stage_pb2.StreamItem], limits: WireLimits = DEFA
     if unframer.header is not None and incoming.message is None:
         raise WireError("chunk", "the stream ended before the message was complete")
     return incoming
+
+
+class CallRefused(Exception):
+    """A call a stage refuses, with the gRPC status to answer."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
 
 
 class StageCallError(RuntimeError):

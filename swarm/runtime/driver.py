@@ -1,8 +1,9 @@
-"""The trainer's side of a networked pipeline: drive one step across stage peers given their route.
+"""The trainer's side of a pipeline: drive one optimizer step across the stages of a route.
 
 Token ids go to stage 0 and labels to the last stage; activations and gradients then travel stage to stage
-directly, never through the trainer. The trainer only collects each micro-batch's loss, and once per step
-the tied embedding's two gradients (summed and sent back) and each stage's squared gradient norm.
+directly, never through the driver. The driver only collects each micro-batch's loss, and once per step the
+tied embedding's two gradients (summed and sent back) and each stage's squared gradient norm. The stages
+are reached through a `Connector`: over gRPC in a swarm, in-process in `swarm.runtime.local`.
 """
 
 from __future__ import annotations
@@ -11,42 +12,102 @@ import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from swarm.compression import CodecConfig, make_codec
 from swarm.model.data import Batch
+from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
-from swarm.peers.transport import Channels, TransportConfig
-from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.proto import stage_pb2
+
+__all__ = ["PipelineDriver", "StepResult", "Traffic"]
+
+
+@dataclass
+class Traffic:
+    """Bytes on the stage links, as the stages counted them in their replies."""
+
+    forward_bytes: int = 0
+    """activations, all links"""
+    backward_bytes: int = 0
+    """activation gradients, all links"""
+    fp32_wire_bytes: int = 0
+    """what the same tensors would have cost in fp32"""
+    link_bytes: dict[int, int] = field(default_factory=dict)
+    """bytes on each link (link k joins stage k and k+1), both directions"""
+
+    def add(self, reply: stage_pb2.Traffic, direction: str) -> None:
+        if direction == "forward":
+            self.forward_bytes += reply.wire_bytes
+        else:
+            self.backward_bytes += reply.wire_bytes
+        self.fp32_wire_bytes += reply.fp32_wire_bytes
+        for link, nbytes in reply.link_bytes.items():
+            self.link_bytes[link] = self.link_bytes.get(link, 0) + nbytes
+
+    def merge(self, other: Traffic) -> None:
+        self.forward_bytes += other.forward_bytes
+        self.backward_bytes += other.backward_bytes
+        self.fp32_wire_bytes += other.fp32_wire_bytes
+        for link, nbytes in other.link_bytes.items():
+            self.link_bytes[link] = self.link_bytes.get(link, 0) + nbytes
 
 
 @dataclass(frozen=True)
-class RemoteStepResult:
+class StepResult:
+    """What one optimizer step did."""
+
     loss: float
+    """Mean training loss of the mini-batch, as the last stage computed it (on decoded activations)."""
     grad_norm: float
+    """Global gradient norm before clipping."""
     lr: float
-    forward_bytes: int
-    """bytes of activations on the wire during the step, all links"""
-    backward_bytes: int
-    """bytes of activation gradients on the wire during the step, all links"""
-    fp32_wire_bytes: int
-    """what the same tensors would have cost in fp32"""
+    """Learning rate used."""
+    traffic: Traffic
+    """Bytes on the stage links during the step."""
     seconds: float
-    link_bytes: tuple[int, ...] = ()
-    """bytes on each link (link k joins stage k and k+1), both directions"""
+    """Wall time of the step."""
     sync_bytes: int = 0
-    """bytes of the tied embedding's gradient synchronisation (stages to trainer and back, fp32); these travel
-    outside the stage links, so the application's link shaper does not pace them (the kernel testbed does)"""
+    """Bytes of the tied embedding's gradient synchronisation (stages to the driver and back, fp32); these
+    travel outside the stage links, so the application's link shaper does not pace them."""
+
+    @property
+    def forward_bytes(self) -> int:
+        return self.traffic.forward_bytes
+
+    @property
+    def backward_bytes(self) -> int:
+        return self.traffic.backward_bytes
+
+    @property
+    def fp32_wire_bytes(self) -> int:
+        return self.traffic.fp32_wire_bytes
 
     @property
     def wire_bytes(self) -> int:
-        return self.forward_bytes + self.backward_bytes
+        return self.traffic.forward_bytes + self.traffic.backward_bytes
 
 
-class RemotePipeline:
-    """Drives training steps over the stage peers at `route` (gRPC addresses in pipeline order)."""
+@dataclass
+class _MicroResult:
+    loss: float
+    traffic: Traffic
+
+
+class PipelineDriver:
+    """Drives training steps over the stages at `route` (addresses in pipeline order).
+
+    Args:
+        route: address of every stage, in pipeline order.
+        peers: peer id of every stage (for errors).
+        schedule: a name in `swarm.runtime.schedules.SCHEDULES`.
+        n_micro: micro-batches per step.
+        deadline_s: longest a micro-batch may take end to end.
+        connector: how to reach the stages (default: gRPC).
+        plan_version: the plan the stages follow.
+    """
 
     def __init__(
         self,
@@ -55,7 +116,7 @@ class RemotePipeline:
         schedule: str = "1f1b",
         n_micro: int = 4,
         deadline_s: float = 120.0,
-        transport: TransportConfig | None = None,
+        connector: Connector | None = None,
         plan_version: int = 0,
     ):
         if len(route) != len(peers) or not route:
@@ -63,9 +124,9 @@ class RemotePipeline:
         self.route, self.peers = list(route), list(peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version = plan_version
-        self.channels = Channels(transport or TransportConfig())
-        self.stubs = [stage_pb2_grpc.StageStub(self.channels.get(a)) for a in route]
-        self._pool = ThreadPoolExecutor(max_workers=max(2, n_micro), thread_name_prefix="trainer")
+        self.connector = connector or GrpcConnector()
+        self.stubs = [self.connector.stage(a) for a in route]
+        self._pool = ThreadPoolExecutor(max_workers=max(2, n_micro), thread_name_prefix="driver")
         self._fp32 = make_codec(CodecConfig("fp32"))
 
     @property
@@ -91,22 +152,24 @@ class RemotePipeline:
         except grpc.RpcError as e:
             raise name_failure(e, stage, self.peers[stage], self.route[stage]) from e
 
-    def _micro_batch(self, step: int, mb: int, data: Batch) -> tuple[float, int, int, int, list[int]]:
+    def _micro_batch(self, step: int, mb: int, data: Batch) -> _MicroResult:
         last = self.n_stages - 1
         labels = stage_pb2.LabelsRequest(info=self._info(step, mb, last), labels=tokens_to_wire(data.targets))
         self._call(last, self.stubs[last].PutLabels, labels)
         item = stage_pb2.StreamItem(info=self._info(step, mb, 0), tokens=tokens_to_wire(data.tokens, data.sample_ids))
         # communication: tokens into stage 0; the activations flow on to the last stage, the loss comes back
-        fw = self._call(0, self.stubs[0].Forward, iter([item]))
+        fw = self._call(0, self.stubs[0].Forward, iter([item.SerializeToString()]))
         # communication: the backward starts at the last stage and flows back to stage 0
-        bw = self._call(last, self.stubs[last].Backward, iter([stage_pb2.StreamItem(info=self._info(step, mb, last))]))
-        fp32 = fw.traffic.fp32_wire_bytes + bw.traffic.fp32_wire_bytes
-        links = [fw.traffic.link_bytes.get(k, 0) + bw.traffic.link_bytes.get(k, 0) for k in range(self.n_stages - 1)]
-        return fw.loss, fw.traffic.wire_bytes, bw.traffic.wire_bytes, fp32, links
+        start = stage_pb2.StreamItem(info=self._info(step, mb, last)).SerializeToString()
+        bw = self._call(last, self.stubs[last].Backward, iter([start]))
+        traffic = Traffic()
+        traffic.add(fw.traffic, "forward")
+        traffic.add(bw.traffic, "backward")
+        return _MicroResult(fw.loss, traffic)
 
-    def train_step(self, step: int, batch: Batch) -> RemoteStepResult:
-        """One optimizer step on `batch`; raises StageCallError naming the stage and peer that failed."""
-        start = time.perf_counter()
+    def forward_backward(self, step: int, batch: Batch) -> tuple[float, Traffic]:
+        """Every micro-batch's forward and backward (gradients accumulate on the stages); the mean loss and the
+        bytes. Raises StageCallError naming the stage and peer that failed, after abandoning the step."""
         micro = batch.split(self.n_micro)
         futures = [self._pool.submit(self._micro_batch, step, mb, data) for mb, data in enumerate(micro)]
         try:
@@ -114,19 +177,18 @@ class RemotePipeline:
         except StageCallError:
             self.abandon(step)
             raise
-        loss = sum(r[0] for r in results) / len(results)
+        traffic = Traffic()
+        for r in results:
+            traffic.merge(r.traffic)
+        # the last stage weighs every micro-batch's loss by 1 / n_micro in its backward: the same mean here
+        return sum(r.loss for r in results) / len(results), traffic
+
+    def train_step(self, step: int, batch: Batch) -> StepResult:
+        """One optimizer step on `batch`; raises StageCallError naming the stage and peer that failed."""
+        start = time.perf_counter()
+        loss, traffic = self.forward_backward(step, batch)
         norm, lr, sync_bytes = self.finish_step(step)
-        return RemoteStepResult(
-            loss=loss,
-            grad_norm=norm,
-            lr=lr,
-            forward_bytes=sum(r[1] for r in results),
-            backward_bytes=sum(r[2] for r in results),
-            fp32_wire_bytes=sum(r[3] for r in results),
-            link_bytes=tuple(sum(r[4][k] for r in results) for k in range(self.n_stages - 1)),
-            seconds=time.perf_counter() - start,
-            sync_bytes=sync_bytes,
-        )
+        return StepResult(loss, norm, lr, traffic, time.perf_counter() - start, sync_bytes)
 
     def finish_step(self, step: int) -> tuple[float, float, int]:
         """Sums the tied embedding's gradients, computes the global norm, steps every stage; returns the norm,
@@ -137,9 +199,7 @@ class RemotePipeline:
         tied_sum, sync_bytes = None, 0
         if self.n_stages > 1:
             # communication: the first and last stage's copies of the tied embedding get the same summed gradient
-            first = self._fp32.decode(grads[0].tied_grad)
-            last = self._fp32.decode(grads[-1].tied_grad)
-            total = first + last
+            total = self._fp32.decode(grads[0].tied_grad) + self._fp32.decode(grads[-1].tied_grad)
             sq += float(total.pow(2).sum())
             tied_sum = self._fp32.encode(total)
             sync_bytes = grads[0].tied_grad.ByteSize() + grads[-1].tied_grad.ByteSize() + 2 * tied_sum.ByteSize()
@@ -166,4 +226,4 @@ class RemotePipeline:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.channels.close()
+        self.connector.close()

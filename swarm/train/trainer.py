@@ -174,7 +174,7 @@ def train(
     from swarm.model.data import DataConfig, build_datasets, epoch_batches
     from swarm.net.stream import PLAN_MISMATCH, StageCallError
     from swarm.plots import Panel, moving_average, save_line_plots
-    from swarm.runtime.driver import RemotePipeline
+    from swarm.runtime.driver import PipelineDriver
 
     model = model_config(args)
     train_set, _, report = build_datasets(
@@ -191,8 +191,8 @@ def train(
     out = Path(args.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
 
-    def connect(r: Route) -> RemotePipeline:
-        return RemotePipeline(
+    def connect(r: Route) -> PipelineDriver:
+        return PipelineDriver(
             r.addresses, r.peer_ids, args.schedule, args.micro_batches, deadline_s=args.deadline_s,
             plan_version=r.plan_version,
         )  # fmt: skip
@@ -244,7 +244,7 @@ def train(
                             "sync_bytes": r.sync_bytes,
                             "step_s": r.seconds,
                             "plan_version": route.plan_version,
-                            **{f"link{k}_bytes": b for k, b in enumerate(r.link_bytes)},
+                            **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
                         }
                     )
                     step += 1

@@ -16,7 +16,7 @@ import pytest
 
 from swarm.compression import CodecConfig
 from swarm.net.stream import PLAN_MISMATCH, StageCallError
-from swarm.runtime.driver import RemotePipeline
+from swarm.runtime.driver import PipelineDriver
 from swarm.testbed.local import local_swarm
 from swarm.testbed.procs import peer_command
 from tests.integration.swarm_fixtures import loopback_stages, remote
@@ -40,7 +40,7 @@ def test_a_stage_on_another_plan_refuses_and_the_step_is_abandoned_everywhere():
         assert [h.steps_done for h in hosts] == [1, 1], "no stage may step on a refused step"
         assert [h.open_step for h in hosts] == [None, None], "the refused step is abandoned on every stage"
         pipe.close()
-        mixed = RemotePipeline(addresses, ["peer0", "peer1"], "1f1b", 2, deadline_s=30, plan_version=1)
+        mixed = PipelineDriver(addresses, ["peer0", "peer1"], "1f1b", 2, deadline_s=30, plan_version=1)
         with pytest.raises(StageCallError, match=PLAN_MISMATCH):
             mixed.train_step(1, data[1])  # stage 0 still follows plan 0: refused there
         hosts[0].role = dataclasses.replace(hosts[0].role, plan_version=1)
@@ -62,7 +62,7 @@ def test_a_joining_peer_triggers_a_new_plan_that_trainer_and_peers_follow(tmp_pa
             ],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        watcher = RemotePipeline(swarm.route, swarm.peers)
+        watcher = PipelineDriver(swarm.route, swarm.peers)
         try:
             deadline = time.monotonic() + 120
             while watcher.status()[0].steps_done < 3:
@@ -118,7 +118,7 @@ def _newcomer_steps(swarm) -> int | None:
         newcomers = [p for p in serving if p.peer_id not in swarm.peers]
     if not newcomers:
         return None
-    watcher = RemotePipeline([newcomers[0].address], [newcomers[0].peer_id])
+    watcher = PipelineDriver([newcomers[0].address], [newcomers[0].peer_id])
     try:
         return watcher.status()[0].steps_done
     finally:

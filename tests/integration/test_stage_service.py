@@ -11,7 +11,7 @@ from swarm.compression import CodecConfig, WireLimits, frame, make_codec
 from swarm.model.data import Batch
 from swarm.net.stream import StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2, stage_pb2_grpc, wire_pb2
-from swarm.runtime.local import CodecBoundary, Pipeline, build_workers
+from swarm.runtime.local import LocalPipeline
 from tests.integration.swarm_fixtures import TINY, loopback_stages, remote
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -31,8 +31,8 @@ def batches(n: int, batch: int = 4, seq: int = 16, seed: int = 0) -> list[Batch]
 @pytest.mark.parametrize("schedule,n_stages", [("1f1b", 2), ("gpipe", 3)])
 def test_fp32_loopback_matches_in_process_pipeline(schedule, n_stages):
     data = batches(3)
-    workers = build_workers(TINY, n_stages)
-    local = Pipeline(workers, [CodecBoundary(FP32, FP32) for _ in range(n_stages - 1)], schedule)
+    local = LocalPipeline(TINY, n_stages, FP32, FP32, schedule)
+    workers = local.workers
     expected = [local.train_step(b, 2).loss for b in data]
     with loopback_stages(n_stages, FP32, FP32) as (hosts, _, addresses):
         pipe = remote(addresses, schedule, n_micro=2)

@@ -16,8 +16,8 @@ import torch
 
 from swarm.compression import CodecConfig
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
-from swarm.runtime.driver import RemotePipeline
-from swarm.runtime.local import CodecBoundary, Pipeline, build_workers
+from swarm.runtime.driver import PipelineDriver
+from swarm.runtime.local import LocalPipeline
 from swarm.testbed.local import local_swarm
 from tests.integration.swarm_fixtures import TINY
 
@@ -30,10 +30,10 @@ def test_fp32_swarm_matches_in_process_pipeline_step_for_step(tmp_path):
     train, _, _ = build_datasets(DataConfig(seq_len_tokens=16, train_samples=16, eval_samples=0))
     data = list(epoch_batches(train, 8, 0, 0)) + list(epoch_batches(train, 8, 1, 0))
     fp32 = CodecConfig("fp32")
-    local = Pipeline(build_workers(TINY, 2), [CodecBoundary(fp32, fp32)], "1f1b")
+    local = LocalPipeline(TINY, 2, fp32, fp32, "1f1b")
     expected = [local.train_step(b, 2).loss for b in data]
     with local_swarm(tmp_path, 2, [*MODEL_FLAGS, "--fw-codec", "fp32", "--bw-codec", "fp32"]) as swarm:
-        pipe = RemotePipeline(
+        pipe = PipelineDriver(
             swarm.route, swarm.peers, "1f1b", n_micro=2, deadline_s=60, plan_version=swarm.plan_version
         )
         results = [pipe.train_step(step, b) for step, b in enumerate(data)]
@@ -58,7 +58,7 @@ def test_trainer_names_the_stage_whose_peer_died_and_exits_nonzero(tmp_path):
             ],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        watcher = RemotePipeline(route, peers)
+        watcher = PipelineDriver(route, peers)
         try:
             deadline = time.monotonic() + 120
             # kill stage 1's peer once training is well under way, so the kill lands mid-run

@@ -1,0 +1,188 @@
+"""The stage service: thin gRPC handlers that read and check a call, then hand it to the stage host.
+
+The same servicer answers gRPC calls from other peers and in-process calls through `LocalNetwork`. It also
+owns what outlives one host: the swap to another host between two steps when the plan changes, and the
+previous host kept for handing its state over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from swarm.compression import BufferMissError, WireError, WireLimits
+from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError
+from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.runtime.boundary import incoming
+from swarm.runtime.gate import GateError
+from swarm.runtime.host import StageHost
+
+__all__ = ["StageServicer"]
+
+log = logging.getLogger("swarm.runtime.service")
+
+MAX_PROBE_BYTES = 16 << 20
+
+
+class StageServicer(stage_pb2_grpc.StageServicer):
+    """Thin gRPC handlers: read and check the call, run the host's compute, pass the result on."""
+
+    def __init__(self, host: StageHost | None):
+        self.host = host
+        self.previous: StageHost | None = None
+        """The host this peer served before its last plan change, kept to hand its state over."""
+        self.standby_version: int | None = None
+        """The plan that left this peer without a stage, if one did: calls meant for its old stage are
+        refused as from another plan, so the trainer moves on to the new plan instead of failing."""
+        self._admission = threading.Condition()
+
+    def _not_serving(self) -> CallRefused:
+        if self.standby_version is not None:
+            return CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{PLAN_MISMATCH} this peer is on standby under plan {self.standby_version}",
+            )
+        return CallRefused(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
+
+    def _serving(self) -> StageHost:
+        host = self.host
+        if host is None:
+            raise self._not_serving()
+        return host
+
+    def _limits(self) -> WireLimits:
+        host = self.host
+        return host.limits if host is not None else WireLimits()
+
+    def _admit(self, info: stage_pb2.CallInfo) -> StageHost:
+        """Checks a call against the current host and opens its step there, atomically with `swap`."""
+        with self._admission:
+            host = self.host
+            if host is None:
+                raise self._not_serving()
+            host.check_call(info)
+            host.open_step = info.step
+            return host
+
+    def when_idle(self, change, timeout_s: float) -> bool:
+        """Runs `change(servicer)` between two steps, never while a step is open on this stage.
+
+        Calls are admitted under the same lock, so no step can straddle the change: a call that arrives
+        after it meets the new plan version and is refused, and the trainer retries the step on the new
+        plan. Returns False if a step stayed open for `timeout_s` (a trainer gone mid-step); the change is
+        then made anyway and that step is abandoned.
+        """
+        with self._admission:
+            idle = self._admission.wait_for(lambda: self.host is None or self.host.open_step is None, timeout_s)
+            if not idle:
+                log.warning("stage %d: abandoning unfinished step %s", self.host.role.stage, self.host.open_step)
+                self.host.step(stage_pb2.StepRequest(step=self.host.open_step or 0, abandon=True))
+            change(self)
+            self._admission.notify_all()
+        return idle
+
+    def swap(self, host: StageHost | None, timeout_s: float, plan_version: int = 0) -> bool:
+        """Serves `host` (None: standby under `plan_version`) from the next step on, keeping the current
+        one for state handover."""
+
+        def change(servicer: StageServicer) -> None:
+            if servicer.host is not None:
+                servicer.host.close()
+                servicer.previous = servicer.host
+            servicer.host = host
+            servicer.standby_version = plan_version if host is None else None
+
+        return self.when_idle(change, timeout_s)
+
+    def _guard(self, context: grpc.ServicerContext, fn):
+        """Runs `fn`, turning every failure into a gRPC error that names the problem; the peer keeps serving."""
+        host = self.host
+        if host is None:
+            refused = self._not_serving()
+            context.abort(refused.code, refused.details)
+        try:
+            return fn()
+        except CallRefused as e:
+            context.abort(e.code, e.details)
+        except BufferMissError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{BUFFER_MISS} {e}")
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
+        except GateError as e:
+            context.abort(grpc.StatusCode.ABORTED, f"schedule: {e}")
+        except StageCallError as e:
+            context.abort(e.code, str(e))
+        except ValueError as e:  # e.g. NaN in a tensor to encode
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {host.role.stage}: {e}")
+        except Exception as e:
+            log.exception("stage %d: unexpected failure", host.role.stage)
+            context.abort(grpc.StatusCode.INTERNAL, f"stage {host.role.stage} failed: {type(e).__name__}: {e}")
+
+    def Forward(self, request_iterator, context):
+        def run():
+            call = incoming(request_iterator, self._limits())
+            return self._admit(call.info).forward(call)
+
+        return self._guard(context, run)
+
+    def Backward(self, request_iterator, context):
+        def run():
+            call = incoming(request_iterator, self._limits())
+            return self._admit(call.info).backward(call)
+
+        return self._guard(context, run)
+
+    def PutLabels(self, request, context):
+        def run():
+            self._admit(request.info).put_labels(request.info, request.labels)
+            return stage_pb2.Empty()
+
+        return self._guard(context, run)
+
+    def Grads(self, request, context):
+        return self._guard(context, lambda: self._serving().grads())
+
+    def Step(self, request, context):
+        def run():
+            lr = self._serving().step(request)
+            with self._admission:
+                self._admission.notify_all()  # a plan change may be waiting for the step to end
+            return stage_pb2.StepReply(step=request.step, lr=lr)
+
+        return self._guard(context, run)
+
+    def Probe(self, request, context):  # answered before a stage is assigned too: links are measured early
+        if request.reply_bytes > MAX_PROBE_BYTES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reply_bytes exceeds {MAX_PROBE_BYTES}")
+        return stage_pb2.ProbeReply(payload=bytes(request.reply_bytes))
+
+    def Sink(self, request_iterator, context):  # no stage needed: links are measured before assignment
+        limits = self.host.limits if self.host is not None else WireLimits()
+        try:
+            call = incoming(request_iterator, limits)
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
+        return stage_pb2.Traffic(wire_bytes=call.wire_bytes)
+
+    def Status(self, request, context):
+        return self._guard(context, lambda: self._serving().status())
+
+    def GetState(self, request, context):
+        hosts = [h for h in (self.host, self.previous) if h is not None]
+        if not hosts:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
+        wanted = [
+            h for h in hosts if h.role.stage == request.stage and request.plan_version in (0, h.role.plan_version)
+        ]
+        if not wanted:
+            held = ", ".join(f"stage {h.role.stage} of plan {h.role.plan_version}" for h in hosts)
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this peer holds {held}, not stage {request.stage} of plan {request.plan_version or 'now'}",
+            )
+        host = wanted[0]
+        with host.compute_lock:
+            items = list(host.state_items())
+        yield from items
