@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from swarm.compression import CodecConfig, make_codec
+from swarm.metrics import Metrics, delta
 from swarm.model.data import Batch
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
@@ -29,30 +30,41 @@ __all__ = ["PipelineDriver", "StepResult", "Traffic"]
 class Traffic:
     """Bytes on the stage links, as the stages counted them in their replies."""
 
-    forward_bytes: int = 0
-    """activations, all links"""
-    backward_bytes: int = 0
-    """activation gradients, all links"""
+    sent: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(link, direction) -> bytes; link k joins stage k and k+1, direction is forward or backward"""
     fp32_wire_bytes: int = 0
     """what the same tensors would have cost in fp32"""
-    link_bytes: dict[int, int] = field(default_factory=dict)
-    """bytes on each link (link k joins stage k and k+1), both directions"""
 
     def add(self, reply: stage_pb2.Traffic, direction: str) -> None:
-        if direction == "forward":
-            self.forward_bytes += reply.wire_bytes
-        else:
-            self.backward_bytes += reply.wire_bytes
         self.fp32_wire_bytes += reply.fp32_wire_bytes
         for link, nbytes in reply.link_bytes.items():
-            self.link_bytes[link] = self.link_bytes.get(link, 0) + nbytes
+            self.sent[(link, direction)] = self.sent.get((link, direction), 0) + nbytes
 
     def merge(self, other: Traffic) -> None:
-        self.forward_bytes += other.forward_bytes
-        self.backward_bytes += other.backward_bytes
         self.fp32_wire_bytes += other.fp32_wire_bytes
-        for link, nbytes in other.link_bytes.items():
-            self.link_bytes[link] = self.link_bytes.get(link, 0) + nbytes
+        for key, nbytes in other.sent.items():
+            self.sent[key] = self.sent.get(key, 0) + nbytes
+
+    def direction_bytes(self, direction: str) -> int:
+        return sum(n for (_, d), n in self.sent.items() if d == direction)
+
+    @property
+    def forward_bytes(self) -> int:
+        """activations, all links"""
+        return self.direction_bytes("forward")
+
+    @property
+    def backward_bytes(self) -> int:
+        """activation gradients, all links"""
+        return self.direction_bytes("backward")
+
+    @property
+    def link_bytes(self) -> dict[int, int]:
+        """bytes on each link, both directions"""
+        out: dict[int, int] = {}
+        for (link, _), nbytes in self.sent.items():
+            out[link] = out.get(link, 0) + nbytes
+        return out
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,8 @@ class StepResult:
     sync_bytes: int = 0
     """Bytes of the tied embedding's gradient synchronisation (stages to the driver and back, fp32); these
     travel outside the stage links, so the application's link shaper does not pace them."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """What every counter of the driver's metrics registry gained during the step (snapshot keys)."""
 
     @property
     def forward_bytes(self) -> int:
@@ -107,6 +121,7 @@ class PipelineDriver:
         deadline_s: longest a micro-batch may take end to end.
         connector: how to reach the stages (default: gRPC).
         plan_version: the plan the stages follow.
+        metrics: where the driver counts the steps' bytes, losses and times (default: its own registry).
     """
 
     def __init__(
@@ -118,6 +133,7 @@ class PipelineDriver:
         deadline_s: float = 120.0,
         connector: Connector | None = None,
         plan_version: int = 0,
+        metrics: Metrics | None = None,
     ):
         if len(route) != len(peers) or not route:
             raise ValueError("route and peers must name the same, non-zero number of stages")
@@ -125,6 +141,7 @@ class PipelineDriver:
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version = plan_version
         self.connector = connector or GrpcConnector()
+        self.metrics = metrics or Metrics()
         self.stubs = [self.connector.stage(a) for a in route]
         self._pool = ThreadPoolExecutor(max_workers=max(2, n_micro), thread_name_prefix="driver")
         self._fp32 = make_codec(CodecConfig("fp32"))
@@ -185,10 +202,20 @@ class PipelineDriver:
 
     def train_step(self, step: int, batch: Batch) -> StepResult:
         """One optimizer step on `batch`; raises StageCallError naming the stage and peer that failed."""
-        start = time.perf_counter()
+        m, start, before = self.metrics, time.perf_counter(), self.metrics.snapshot()
         loss, traffic = self.forward_backward(step, batch)
         norm, lr, sync_bytes = self.finish_step(step)
-        return StepResult(loss, norm, lr, traffic, time.perf_counter() - start, sync_bytes)
+        seconds = time.perf_counter() - start
+        for (link, direction), nbytes in traffic.sent.items():
+            m.wire_bytes.labels(str(link), direction).inc(nbytes)
+        m.fp32_bytes.labels("all", "both").inc(traffic.fp32_wire_bytes)
+        m.sync_bytes.inc(sync_bytes)
+        m.steps.inc()
+        m.step_seconds.observe(seconds)
+        m.loss.set(loss)
+        m.plan_version.set(self.plan_version)
+        counters = {k: v for k, v in delta(before, m.snapshot()).items() if "_total" in k and v}
+        return StepResult(loss, norm, lr, traffic, seconds, sync_bytes, counters)
 
     def finish_step(self, step: int) -> tuple[float, float, int]:
         """Sums the tied embedding's gradients, computes the global norm, steps every stage; returns the norm,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import grpc
 import torch
 
 from swarm.compression import CodecConfig, WireError, WireLimits, frame, make_codec
+from swarm.metrics import Metrics
 from swarm.model.gpt import ModelConfig, build_stage
 from swarm.net.connect import Connector
 from swarm.net.stream import (
@@ -73,6 +75,7 @@ class StageHost:
         connector: how to reach the neighbouring stages.
         limits: bounds on every message received.
         device: where the stage computes.
+        metrics: where the host counts bytes, phases, buffer hits and steps (default: its own registry).
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class StageHost:
         connector: Connector,
         limits: WireLimits | None = None,
         device: str = "cpu",
+        metrics: Metrics | None = None,
     ):
         self.role, self.model, self.peer_id, self.device = role, model, peer_id, device
+        self.metrics = metrics or Metrics()
         module = build_stage(model, role.layer_start, role.layer_end, role.is_first, role.is_last)
         self.worker = StageWorker(module, stage_cfg)
         self.links, self.connector = links, connector
@@ -145,18 +150,21 @@ class StageHost:
             msg = need_message(call)
             self._check_activation(msg, "an activation")
             # the receiver computes on what the codec delivers (for AQ-SGD, its buffer m)
-            inputs = decode(self.links, self.links.fw_recv, msg, self.limits)
+            with self._phase("decode"):
+                inputs = decode(self.links, self.links.fw_recv, msg, self.limits)
             ids = [int(i) for i in msg.sample_ids] or list(range(inputs.shape[0]))
+        queued = time.perf_counter()
         with self._turn(info, Kind.FORWARD):
+            self._observe("wait", queued)
             targets = self._labels_for(info, inputs) if role.is_last else None
-            with self.compute_lock:
+            with self.compute_lock, self._phase("compute"):
                 out = self.worker.forward(info.micro_batch, inputs, torch.tensor(ids), targets)
             if role.is_last:
                 return stage_pb2.ForwardReply(has_loss=True, loss=float(out))
             # encoded in schedule order, still holding the turn: the codec's state (stochastic rounding draws,
             # AQ-SGD buffers) advances in the same order in every run, whatever the network's timing
             nxt = self._neighbour(info, role.stage + 1)
-            items = self.links.outgoing(self.links.fw_send, out, ids, nxt, nxt.route[nxt.stage])
+            items = self._outgoing_activation(out, ids, nxt)
         # communication: the activation goes straight to the next stage, which returns the loss
         return self._send_forward(nxt, items, out, ids)
 
@@ -168,18 +176,22 @@ class StageHost:
         else:
             msg = need_message(call)
             self._check_activation(msg, "a gradient")
-            grad_out = decode(self.links, self.links.bw_recv, msg, self.limits)
+            with self._phase("decode"):
+                grad_out = decode(self.links, self.links.bw_recv, msg, self.limits)
+        queued = time.perf_counter()
         with self._turn(info, Kind.BACKWARD):
-            with self.compute_lock:
+            self._observe("wait", queued)
+            with self.compute_lock, self._phase("compute"):
                 grad_in = self.worker.backward(info.micro_batch, grad_out)
             if grad_in is None:
                 return stage_pb2.BackwardReply()
             # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule
             prev = self._neighbour(info, self.role.stage - 1)
-            items = self.links.outgoing(self.links.bw_send, grad_in, None, prev, prev.route[prev.stage])
+            with self._phase("encode"):
+                items = self.links.outgoing(self.links.bw_send, grad_in, None, prev, prev.route[prev.stage])
         # communication: the input gradient goes straight back to the previous stage
         reply, sent = self._call(prev, "Backward", items)
-        _count(reply.traffic, prev.stage, sent, 4 * grad_in.numel())
+        self._count(reply.traffic, prev.stage, "backward", sent, 4 * grad_in.numel())
         return reply
 
     def _send_forward(
@@ -192,10 +204,33 @@ class StageHost:
             log.info("stage %d lost AQ-SGD buffers; re-sending %d samples in full", nxt.stage, len(ids))
             self.links.forget(ids)
             # re-sending only the missed ids would desynchronise the others, whose sender-side m already moved
-            items = self.links.outgoing(self.links.fw_send, out, ids, nxt, nxt.route[nxt.stage])
-            reply, sent = self._call(nxt, "Forward", items)
-        _count(reply.traffic, self.role.stage, sent, 4 * out.numel())
+            reply, sent = self._call(nxt, "Forward", self._outgoing_activation(out, ids, nxt))
+        self._count(reply.traffic, self.role.stage, "forward", sent, 4 * out.numel())
         return reply
+
+    def _outgoing_activation(self, out: torch.Tensor, ids: list[int], nxt: stage_pb2.CallInfo) -> Iterator[bytes]:
+        buffers = self.links.fw_send.buffers
+        if buffers is not None:  # AQ-SGD: buffered samples go as deltas, the others in full
+            hits = sum(1 for i in ids if i in buffers)
+            link = str(self.role.stage)
+            self.metrics.buffer_hits.labels(link).inc(hits)
+            self.metrics.buffer_misses.labels(link).inc(len(ids) - hits)
+        with self._phase("encode"):
+            return self.links.outgoing(self.links.fw_send, out, ids, nxt, nxt.route[nxt.stage])
+
+    def _count(self, traffic: stage_pb2.Traffic, link: int, direction: str, sent: int, fp32: int) -> None:
+        """Counts what this stage sent, in its metrics and in the reply that carries it back to the driver."""
+        self.metrics.wire_bytes.labels(str(link), direction).inc(sent)
+        self.metrics.fp32_bytes.labels(str(link), direction).inc(fp32)
+        traffic.wire_bytes += sent
+        traffic.fp32_wire_bytes += fp32
+        traffic.link_bytes[link] += sent
+
+    def _phase(self, phase: str):
+        return self.metrics.phase_seconds.labels(str(self.role.stage), phase).time()
+
+    def _observe(self, phase: str, since: float) -> None:
+        self.metrics.phase_seconds.labels(str(self.role.stage), phase).observe(time.perf_counter() - since)
 
     def _call(self, info: stage_pb2.CallInfo, method: str, items: Iterator[bytes], retry_on: str | None = None):
         address = info.route[info.stage]
@@ -272,6 +307,7 @@ class StageHost:
                     self.worker.set_tied_grad(self._tied_sum(request))
                 lr = self.worker.step(request.global_grad_norm)
                 self.steps_done += 1
+                self._step_metrics()
             self.links.end_step()
             self.gate.reset()
             self.open_step = None
@@ -279,6 +315,14 @@ class StageHost:
         if self.on_step is not None and not request.abandon:
             self.on_step(self)
         return lr
+
+    def _step_metrics(self) -> None:
+        m, role = self.metrics, self.role
+        m.steps.inc()
+        m.plan_version.set(role.plan_version)
+        for end, link in ((self.links.fw_recv, role.stage - 1), (self.links.fw_send, role.stage)):
+            if end.buffers is not None and 0 <= link < role.n_stages - 1:
+                m.buffered_samples.labels(str(link)).set(len(end.buffers))
 
     def _check_step(self, request: stage_pb2.StepRequest) -> None:
         if request.plan_version != self.role.plan_version:
@@ -344,12 +388,6 @@ class _Counted:
         for item in self.items:
             self.nbytes += len(item)
             yield item
-
-
-def _count(traffic: stage_pb2.Traffic, link: int, sent: int, fp32: int) -> None:
-    traffic.wire_bytes += sent
-    traffic.fp32_wire_bytes += fp32
-    traffic.link_bytes[link] += sent
 
 
 def _deadline(info: stage_pb2.CallInfo) -> float:
