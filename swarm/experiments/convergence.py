@@ -97,7 +97,7 @@ class Setting:
 
 
 def _bits(cfg: CodecConfig) -> int:
-    return {"fp32": 32, "fp16": 16, "bf16": 16}.get(cfg.name, cfg.bits)
+    return cfg.wire_bits
 
 
 @dataclass(frozen=True)
