@@ -1,16 +1,12 @@
 """Codecs, AQ-SGD message buffers and zstd framing: tensors to wire messages and back."""
 
 from swarm.compression.buffers import BufferStore, MemoryBufferStore, MmapBufferStore
-from swarm.compression.codecs import (
-    REGISTRY,
-    BufferMissError,
-    Codec,
-    decoder_for,
-    make_codec,
-    quantized_nbytes,
-)
-from swarm.compression.config import CODEC_NAMES, CodecConfig
-from swarm.compression.framing import Unframer, ZstdPolicy, frame, unframe, wire_nbytes
+from swarm.compression.codec_aqsgd import BufferMissError
+from swarm.compression.codec_base import Codec
+from swarm.compression.codecs import CODEC_NAMES, REGISTRY, codec_class, codec_labels, decoder_for, make_codec
+from swarm.compression.config import CodecConfig
+from swarm.compression.framing import Unframer, ZstdPolicy, frame, unframe
+from swarm.compression.quantized import quantized_nbytes
 from swarm.compression.state import LinkState
 from swarm.compression.wire import DEFAULT_LIMITS, WireError, WireLimits
 
@@ -29,10 +25,11 @@ __all__ = [
     "WireError",
     "WireLimits",
     "ZstdPolicy",
+    "codec_class",
+    "codec_labels",
     "decoder_for",
     "frame",
     "make_codec",
     "quantized_nbytes",
     "unframe",
-    "wire_nbytes",
 ]

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-CODEC_NAMES = ("fp32", "fp16", "bf16", "directq", "aqsgd", "gradq")
-QUANTIZED_CODECS = ("directq", "aqsgd", "gradq")
-SUPPORTED_BITS = (2, 3, 4, 8)
+from swarm.compression.codecs import BY_NAME, CODEC_NAMES, codec_class
+from swarm.compression.quantized import SUPPORTED_BITS
 
 
 @dataclass(frozen=True)
@@ -16,7 +15,7 @@ class CodecConfig:
     """What a link direction sends and how."""
 
     name: str = "fp32"
-    """codec: one of fp32, fp16, bf16, directq, aqsgd, gradq"""
+    """codec: a name in the codec registry (`swarm.compression.codecs.CODEC_NAMES`)"""
     bits: int = 4
     """bits per element of the quantized codecs (2, 3, 4 or 8)"""
     group_size: int | None = None
@@ -26,7 +25,8 @@ class CodecConfig:
     seed: int = 0
     """seed of the stochastic rounding, so runs repeat"""
     error_feedback: bool = False
-    """gradq: carry each micro-batch's quantization error into the next micro-batch of the same step"""
+    """codecs with error feedback (gradq): carry each micro-batch's quantization error into the next micro-batch
+    of the same step"""
     buffer_dtype: str = "float16"
     """aqsgd: dtype of the message buffers (float16 or bfloat16)"""
     buffer_capacity: int = 1 << 20
@@ -39,9 +39,8 @@ class CodecConfig:
     """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
 
     def __post_init__(self) -> None:
-        if self.name not in CODEC_NAMES:
-            raise ValueError(f"codec name must be one of {CODEC_NAMES}, got {self.name!r}")
-        if self.name in QUANTIZED_CODECS and self.bits not in SUPPORTED_BITS:
+        codec = codec_class(self.name)
+        if codec.quantized and self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.group_size is not None and not 1 <= self.group_size <= 65536:
             raise ValueError(f"group_size must be in 1..65536, got {self.group_size}")
@@ -53,17 +52,23 @@ class CodecConfig:
             raise ValueError("buffer_capacity must be >= 0")
         if not 0 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be in 0..22, got {self.zstd_level}")
-        if self.error_feedback and self.name != "gradq":
-            raise ValueError("error_feedback applies to the gradq codec only")
+        if self.error_feedback and not codec.error_feedback:
+            with_feedback = " and ".join(n for n, c in BY_NAME.items() if c.error_feedback)
+            raise ValueError(f"error_feedback applies to the {with_feedback} codec only")
 
     @property
     def torch_buffer_dtype(self) -> torch.dtype:
         return torch.float16 if self.buffer_dtype == "float16" else torch.bfloat16
 
     @property
+    def wire_bits(self) -> int:
+        """Bits per element the codec puts on the wire in steady state (scales and framing aside)."""
+        return codec_class(self.name).wire_bits(self)
+
+    @property
     def label(self) -> str:
         """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`."""
-        if self.name not in QUANTIZED_CODECS:
+        if not codec_class(self.name).quantized:
             return self.name
         return f"{self.name}{self.bits}" + ("+ef" if self.error_feedback else "")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from swarm.compression.buffers import BufferStore, make_store
+from swarm.compression.codecs import codec_class
 from swarm.compression.config import CodecConfig
 
 
@@ -17,7 +18,7 @@ class LinkState:
     def __init__(self, config: CodecConfig, buffers: BufferStore | None = None):
         self.config = config
         self.buffers = buffers
-        if buffers is None and config.name == "aqsgd":
+        if buffers is None and codec_class(config.name).uses_buffers:
             self.buffers = make_store(config.buffer_capacity, config.torch_buffer_dtype, config.buffer_path)
         self.residual: torch.Tensor | None = None
         self._draws = 0

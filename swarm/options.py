@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.compression import CodecConfig
+from swarm.compression import CodecConfig, codec_labels
 from swarm.model.gpt import ModelConfig
 from swarm.peers.shaper import LinkShape
+from swarm.runtime.schedules import SCHEDULES
 
 DEFAULT_MODEL = ModelConfig()
 
@@ -30,14 +31,17 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     )
 
 
+def add_schedule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "1f1b") -> None:
+    """`--schedule`, whose choices are the schedule registry's names (`swarm.runtime.schedules.SCHEDULES`)."""
+    parser.add_argument(
+        "--schedule", choices=sorted(SCHEDULES), default=default, help="pipeline schedule (default %(default)s)"
+    )
+
+
 def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("compression on the links")
-    g.add_argument(
-        "--fw-codec",
-        default="aqsgd2",
-        help="activation codec: fp32, fp16, bf16, directqN, aqsgdN (N = 2, 3, 4, 8 bits)",
-    )
-    g.add_argument("--bw-codec", default="gradq4", help="gradient codec: fp32, fp16, bf16, gradqN, gradqN+ef")
+    g.add_argument("--fw-codec", default="aqsgd2", help=f"activation codec: {codec_labels()} (default %(default)s)")
+    g.add_argument("--bw-codec", default="gradq4", help=f"gradient codec: {codec_labels()} (default %(default)s)")
     g.add_argument("--group-size", type=int, default=None, help="quantization group size (default: the kernels')")
     g.add_argument("--zstd-level", type=int, default=1, help="zstd level of the framing, 0 = off")
     g.add_argument("--codec-seed", type=int, default=0, help="seed of the stochastic rounding")

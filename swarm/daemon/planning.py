@@ -46,7 +46,7 @@ _UNKNOWN_MEMORY_BYTES = 1 << 40
 
 def wire_bits(codec: CodecConfig) -> float:
     """Bits per element a codec puts on the wire in steady state (scales and framing aside)."""
-    return {"fp32": 32.0, "fp16": 16.0, "bf16": 16.0}.get(codec.name, float(codec.bits))
+    return float(codec.wire_bits)
 
 
 def model_spec(

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from swarm.compression import CodecConfig
+from swarm.compression import CodecConfig, codec_labels
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
+from swarm.options import add_schedule_argument
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
@@ -97,7 +98,7 @@ class Setting:
 
 
 def _bits(cfg: CodecConfig) -> int:
-    return {"fp32": 32, "fp16": 16, "bf16": 16}.get(cfg.name, cfg.bits)
+    return cfg.wire_bits
 
 
 @dataclass(frozen=True)
@@ -339,14 +340,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--settings",
         default=",".join(DEFAULT_SETTINGS),
-        help="comma-separated codec settings FW/BW[@wN]: codec labels fp32, fp16, bf16, directqB, aqsgdB, gradqB "
-        "(B bits); suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), @wN (N "
+        help=f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
+        "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), @wN (N "
         "uncompressed warm-up epochs first); fp32/fp32 always runs first as the baseline "
         f"(default: {','.join(DEFAULT_SETTINGS)})",
     )
     add("--epochs", type=int, default=d.epochs, help="passes over the training samples (default %(default)s)")
     add("--stages", type=int, default=d.n_stages, help="pipeline stages (default %(default)s)")
-    add("--schedule", choices=["gpipe", "1f1b"], default=d.schedule, help="pipeline schedule (default %(default)s)")
+    add_schedule_argument(parser, default=d.schedule)
     add("--batch-size", type=int, default=d.batch_size, help="samples per optimizer step (default %(default)s)")
     add("--micro-batches", type=int, default=d.n_micro, help="micro-batches per step (default %(default)s)")
     add("--train-samples", type=int, default=d.data.train_samples, help="training samples (default %(default)s)")

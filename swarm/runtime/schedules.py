@@ -93,7 +93,8 @@ def one_f_one_b(n_stages: int, n_micro: int) -> Programs:
 
 
 SCHEDULES: dict[str, Callable[[int, int], Programs]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
-"""Schedule builders by their command-line name."""
+"""The schedule registry: builders by their command-line name. Every `--schedule` flag takes its choices from
+here and the stage hosts look schedules up here, so a new schedule is its builder, its tests and one entry."""
 
 
 def _check_sizes(n_stages: int, n_micro: int) -> None:

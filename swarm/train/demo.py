@@ -15,20 +15,21 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from swarm.options import add_model_arguments
+from swarm.compression import codec_labels
+from swarm.options import add_model_arguments, add_schedule_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=2, help="swarm-peer processes, one pipeline stage each")
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="bandwidth of every link, Mbit/s (0 = unshaped)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every link, ms")
-    parser.add_argument("--fw-codec", default="aqsgd2", help="activation codec (fp32, directqN, aqsgdN, ...)")
-    parser.add_argument("--bw-codec", default="gradq4", help="gradient codec (fp32, gradqN, gradqN+ef, ...)")
+    parser.add_argument("--fw-codec", default="aqsgd2", help=f"activation codec: {codec_labels()}")
+    parser.add_argument("--bw-codec", default="gradq4", help=f"gradient codec: {codec_labels()}")
     parser.add_argument("--epochs", type=int, default=6, help="passes over the training samples")
     parser.add_argument("--train-samples", type=int, default=256, help="training samples")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="pipeline schedule")
+    add_schedule_argument(parser)
     parser.add_argument("--data", default=None, help="text file or folder (default: Python's own docstrings)")
     parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")

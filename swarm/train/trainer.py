@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swarm.options import add_dht_arguments, add_model_arguments, dht_config, model_config
+from swarm.options import add_dht_arguments, add_model_arguments, add_schedule_argument, dht_config, model_config
 
 log = logging.getLogger("swarm.train.trainer")
 
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=int, default=64, help="training samples (each seen once per epoch)")
     g.add_argument("--batch-size", type=int, default=8, help="samples per optimizer step")
     g.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (must divide the batch)")
-    g.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="pipeline schedule")
+    add_schedule_argument(g)
     g.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs worth)")
     g.add_argument("--epochs", type=int, default=4, help="passes over the training samples")
     g.add_argument("--seed", type=int, default=0, help="seed of the data order")

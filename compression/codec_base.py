@@ -1,0 +1,99 @@
+"""The interface every codec implements: encode a tensor into a wire message, decode one, estimate the ratio.
+
+A codec lives in its own `codec_*` module as a subclass of `Codec` that declares its name (as configs and the
+command line spell it), its wire enum (proto/wire.proto's `Codec`) and its traits; the module lists it in
+`CODECS`, and `swarm.compression.codecs` registers the module. Codecs are stateless: whatever must persist
+between messages (AQ-SGD message buffers, the error-feedback residual) lives in an explicit `LinkState` that
+the runtime owns, one per link end and direction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from swarm.compression.wire import (
+    DEFAULT_LIMITS,
+    WireError,
+    WireLimits,
+    check_shape,
+    codec_name,
+    torch_dtype,
+    wire_dtype,
+)
+from swarm.proto import wire_pb2
+
+if TYPE_CHECKING:
+    from swarm.compression.config import CodecConfig
+    from swarm.compression.state import LinkState
+
+
+class Codec:
+    """encode a tensor into a wire message; decode a checked wire message into a tensor; estimate the ratio."""
+
+    name: ClassVar[str] = ""
+    """the codec's name in configs, labels and on the command line, e.g. `aqsgd`"""
+    wire: ClassVar[int] = wire_pb2.CODEC_UNSPECIFIED
+    """the proto enum that marks its messages on the wire (one per codec, never reused)"""
+    quantized: ClassVar[bool] = False
+    """takes a bit width (`CodecConfig.bits`), written in its label: `directq4`"""
+    error_feedback: ClassVar[bool] = False
+    """can carry its quantization error into the next message (`CodecConfig.error_feedback`, label `+ef`)"""
+    uses_buffers: ClassVar[bool] = False
+    """needs AQ-SGD message buffers in its `LinkState`"""
+
+    def __init__(self, config: CodecConfig):
+        self.config = config
+
+    @classmethod
+    def wire_bits(cls, config: CodecConfig) -> int:
+        """Bits per element this codec puts on the wire in steady state (scales and framing aside): the planner's
+        figure. A quantized codec's is its bit width; any other codec says its own."""
+        if not cls.quantized:
+            raise NotImplementedError(f"{cls.__name__} must say its wire bits")
+        return config.bits
+
+    def encode(
+        self, x: torch.Tensor, *, sample_ids: list[int] | None = None, state: LinkState | None = None
+    ) -> wire_pb2.TensorMessage:
+        check_finite(x, "tensor to encode")
+        msg = wire_pb2.TensorMessage(shape=list(x.shape), dtype=wire_dtype(x.dtype), codec=self.wire)
+        if sample_ids is not None:
+            msg.sample_ids.extend(int(s) for s in sample_ids)
+        self._encode_body(x, msg, state)
+        return msg
+
+    def decode(
+        self, msg: wire_pb2.TensorMessage, *, state: LinkState | None = None, limits: WireLimits = DEFAULT_LIMITS
+    ) -> torch.Tensor:
+        if msg.codec != self.wire:
+            raise WireError("codec", f"message is {codec_name(msg.codec)}, this decoder is {codec_name(self.wire)}")
+        numel = check_shape(list(msg.shape), limits)
+        dtype = torch_dtype(msg.dtype)
+        return self._decode_body(msg, numel, state).to(dtype).view(*msg.shape)
+
+    def ratio(self, numel: int) -> float:
+        """fp32 bytes over this codec's payload bytes for a tensor of `numel` elements (before zstd)."""
+        return 4 * numel / max(1, self.payload_nbytes(numel))
+
+    def payload_nbytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def _encode_body(self, x: torch.Tensor, msg: wire_pb2.TensorMessage, state: LinkState | None) -> None:
+        raise NotImplementedError
+
+    def _decode_body(self, msg: wire_pb2.TensorMessage, numel: int, state: LinkState | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """Refuses to send a tensor with NaN or Inf."""
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{what} contains NaN or Inf; refusing to send garbage")
+
+
+def check_wire_finite(x: torch.Tensor, field: str) -> None:
+    """Refuses a received tensor with NaN or Inf, naming the field it came in."""
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise WireError(field, "tensor contains NaN or Inf")

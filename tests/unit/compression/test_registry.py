@@ -1,0 +1,67 @@
+"""The codec registry: complete, consistent, and the one source of names, validation and wire bits."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.compression import CODEC_NAMES, REGISTRY, CodecConfig, LinkState, codec_class, codec_labels, make_codec
+from swarm.compression import codecs as registry
+from swarm.kernels import DEFAULT_GROUP_SIZE
+from swarm.proto import wire_pb2
+
+
+def test_names_and_enums_are_one_to_one_and_in_the_usual_order():
+    assert CODEC_NAMES[:6] == ("fp32", "fp16", "bf16", "directq", "aqsgd", "gradq")  # new codecs come after
+    assert set(REGISTRY) == set(wire_pb2.Codec.values()) - {wire_pb2.CODEC_UNSPECIFIED}
+    assert {cls.name for cls in REGISTRY.values()} == set(CODEC_NAMES)
+    for enum, cls in REGISTRY.items():
+        assert cls.wire == enum and codec_class(cls.name) is cls
+        assert wire_pb2.Codec.Name(enum) == cls.name.upper()
+
+
+@pytest.mark.parametrize("modules", [("codec_raw",), ("codec_raw", "codec_raw", "codec_directq")])
+def test_an_incomplete_or_repeated_registry_fails_at_import(monkeypatch, modules):
+    monkeypatch.setattr(registry, "CODEC_MODULES", modules)
+    with pytest.raises(ImportError):
+        registry._load()
+
+
+@pytest.mark.parametrize(
+    ("label", "bits"),
+    [("fp32", 32), ("fp16", 16), ("bf16", 16), ("directq2", 2), ("aqsgd3", 3), ("gradq4+ef", 4), ("gradq8", 8)],
+)
+def test_wire_bits_are_the_planners_figures(label, bits):
+    cfg = CodecConfig.parse(label)
+    assert cfg.wire_bits == bits and isinstance(cfg.wire_bits, int)
+    # the payload with its scales amortised over a large tensor: the nominal bits plus at most the scales' share
+    numel = 1 << 20
+    amortised = 8 * make_codec(cfg).payload_nbytes(numel) / numel
+    if codec_class(cfg.name).quantized:
+        assert bits < amortised <= bits + 2 * 32 / DEFAULT_GROUP_SIZE
+    else:
+        assert amortised == bits
+
+
+def test_validation_follows_each_codecs_traits():
+    for name in CODEC_NAMES:
+        cls = codec_class(name)
+        if cls.quantized:
+            with pytest.raises(ValueError, match="bits"):
+                CodecConfig(name=name, bits=5)
+        else:
+            assert CodecConfig(name=name, bits=5).label == name
+        if cls.error_feedback:
+            assert CodecConfig.parse(f"{name}4+ef").error_feedback
+        else:
+            with pytest.raises(ValueError, match="error_feedback applies to the gradq codec only"):
+                CodecConfig(name=name, error_feedback=True)
+        assert (LinkState(CodecConfig(name=name)).buffers is not None) == cls.uses_buffers
+    with pytest.raises(ValueError, match="codec name must be one of"):
+        codec_class("lz4")
+
+
+def test_help_lists_every_codec_as_the_command_line_spells_it():
+    labels = codec_labels()
+    assert labels.startswith("fp32, fp16, bf16, directqN, aqsgdN, gradqN[+ef]")
+    assert labels.endswith(" (N bits: 2, 3, 4, 8)")
+    assert all(name in labels for name in CODEC_NAMES)
