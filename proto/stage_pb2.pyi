@@ -139,7 +139,14 @@ class ProbeReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("peer_id", "stage", "layer_start", "layer_end", "plan_version", "steps_done", "compute_layers_per_s", "buffered_samples", "device")
+    __slots__ = ("peer_id", "stage", "layer_start", "layer_end", "plan_version", "steps_done", "compute_layers_per_s", "buffered_samples", "device", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +156,7 @@ class StatusReply(_message.Message):
     COMPUTE_LAYERS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     layer_start: int
@@ -158,7 +166,8 @@ class StatusReply(_message.Message):
     compute_layers_per_s: float
     buffered_samples: int
     device: str
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("stage", "plan_version")

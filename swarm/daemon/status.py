@@ -71,13 +71,35 @@ def run(args: argparse.Namespace) -> int:
     except (TimeoutError, RuntimeError) as e:
         logger.error("%s", e)
         return 1
+    metrics = peer_metrics(peers, timeout_s=min(args.timeout_s, 5.0))
     now = get_dht_time()
     if args.json:
-        json.dump(to_json(config.run_name, peers, links, plan, now), sys.stdout, indent=2)
+        json.dump(to_json(config.run_name, peers, links, plan, now, metrics), sys.stdout, indent=2)
         print()
     else:
-        print(render(config.run_name, peers, links, plan, now))
+        print(render(config.run_name, peers, links, plan, now, metrics))
     return 0
+
+
+def peer_metrics(peers: Sequence[PeerAnnouncement], timeout_s: float) -> dict[str, dict[str, float]]:
+    """Each serving peer's metrics (`Status`), by peer id; a peer that does not answer in time is left out."""
+    import grpc
+
+    from swarm.net.connect import GrpcConnector
+    from swarm.proto import stage_pb2
+
+    connector, out = GrpcConnector(), {}
+    try:
+        for p in peers:
+            if p.stage is None:
+                continue
+            try:
+                out[p.peer_id] = dict(connector.stage(p.address).Status(stage_pb2.Empty(), timeout=timeout_s).metrics)
+            except grpc.RpcError as e:
+                logger.warning("peer %s at %s did not answer Status: %s", p.peer_id[:8], p.address, e.code())
+    finally:
+        connector.close()
+    return out
 
 
 def to_json(
@@ -86,12 +108,15 @@ def to_json(
     links: Sequence[LinkMeasurement],
     plan: PlanRecord | None,
     now: float,
+    metrics: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """The machine-readable status: records in their wire form (plan parsed), plus ages in seconds."""
+    """The machine-readable status: records in their wire form (plan parsed), plus ages in seconds and each
+    serving peer's metrics."""
+    metrics = metrics or {}
     return {
         "run": run_name,
         "time": now,
-        "peers": [{**p.to_wire(), "age_s": now - p.started_at} for p in peers],
+        "peers": [{**p.to_wire(), "age_s": now - p.started_at, "metrics": metrics.get(p.peer_id)} for p in peers],
         "links": [{**m.to_wire(), "age_s": now - m.measured_at} for m in links],
         "plan": None if plan is None else {"version": plan.version, "created_at": plan.created_at, "plan": plan.plan},
     }
@@ -103,9 +128,12 @@ def render(
     links: Sequence[LinkMeasurement],
     plan: PlanRecord | None,
     now: float,
+    metrics: dict[str, dict[str, float]] | None = None,
 ) -> str:
     """The human-readable status: a peers table (layers as start:end, end excluded; age since the peer
-    started), a links table and the plan's version."""
+    started; steps, bytes sent and AQ-SGD buffer hit rate from its metrics), a links table and the plan's
+    version."""
+    metrics = metrics or {}
     plan_line = "no plan" if plan is None else f"plan version {plan.version}, made {_age(now - plan.created_at)} ago"
     lines = [f"run {run_name!r}: {len(peers)} peers, {len(links)} link measurements, {plan_line}", ""]
     peer_rows = [
@@ -118,10 +146,12 @@ def render(
             f"{p.compute_layers_per_s:.1f}",
             f"{p.load:.0%}",
             _age(now - p.started_at),
+            *_metric_cells(metrics.get(p.peer_id)),
         ]
         for p in peers
     ]
-    lines.append(_table(["peer", "address", "device", "stage", "layers", "layers/s", "load", "age"], peer_rows))
+    headers = ["peer", "address", "device", "stage", "layers", "layers/s", "load", "age", "steps", "sent MB", "hits"]
+    lines.append(_table(headers, peer_rows))
     if links:
         link_rows = [
             [m.src[:8], m.dst[:8], f"{m.rtt_s * 1e3:.1f}", f"{m.bytes_per_s * 8 / 1e6:.1f}", _age(now - m.measured_at)]
@@ -129,6 +159,20 @@ def render(
         ]
         lines += ["", _table(["src", "dst", "rtt ms", "Mbit/s", "age"], link_rows)]
     return "\n".join(lines)
+
+
+def _metric_cells(snapshot: dict[str, float] | None) -> list[str]:
+    """Steps, megabytes sent on stage links and the AQ-SGD buffer hit rate, from a metrics snapshot."""
+    from swarm.metrics import total
+
+    if not snapshot:
+        return ["-", "-", "-"]
+    hits, misses = total(snapshot, "swarm_aqsgd_buffer_hits_total"), total(snapshot, "swarm_aqsgd_buffer_misses_total")
+    return [
+        f"{total(snapshot, 'swarm_steps_total'):.0f}",
+        f"{total(snapshot, 'swarm_wire_bytes_total') / 1e6:.1f}",
+        f"{hits / (hits + misses):.0%}" if hits + misses else "-",
+    ]
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:

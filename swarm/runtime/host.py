@@ -351,7 +351,11 @@ class StageHost:
     # ---- state ------------------------------------------------------------------------------------------
 
     def status(self) -> stage_pb2.StatusReply:
+        """What this stage is and has done; `metrics` holds its counters and gauges (not the histograms'
+        buckets), the figures `swarm status` shows."""
+        snapshot = {k: v for k, v in self.metrics.snapshot().items() if "_bucket" not in k}
         return stage_pb2.StatusReply(
+            metrics=snapshot,
             peer_id=self.peer_id,
             stage=self.role.stage,
             layer_start=self.role.layer_start,

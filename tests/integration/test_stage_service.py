@@ -57,6 +57,14 @@ def test_aqsgd_loopback_trains_and_buffers_match_on_both_ends():
         assert sorted(send.ids()) == sorted(recv.ids()) and len(send.ids()) == 8
         for sample in send.ids():
             assert torch.equal(send.get(sample), recv.get(sample))
+        # the registry saw it all: what stage 0's Status reports is what the driver was told in replies
+        first = remote(addresses).status()[0].metrics
+        sent = sum(r.traffic.sent.get((0, "forward"), 0) for r in results)
+        assert first['swarm_wire_bytes_total{direction="forward",link="0"}'] == sent
+        assert first["swarm_steps_total"] == len(data)
+        assert first['swarm_aqsgd_buffer_misses_total{link="0"}'] == 8  # first sights only
+        assert first['swarm_aqsgd_buffer_hits_total{link="0"}'] == 4 * len(data) - 8
+        assert first['swarm_phase_seconds_count{phase="encode",stage="0"}'] == 2 * len(data)  # 2 micro-batches a step, forward only
     assert all(r.wire_bytes < r.fp32_wire_bytes for r in results[2:])
     assert results[-1].wire_bytes * 5 < results[-1].fp32_wire_bytes
 

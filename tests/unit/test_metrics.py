@@ -96,3 +96,16 @@ def test_text_is_prometheus_exposition_with_every_name():
 def test_spec_rejects_inconsistent_rows(kwargs):
     with pytest.raises(ValueError):
         MetricSpec(attr="x", help="h", **kwargs)
+
+
+def test_swarm_status_shows_steps_bytes_and_hit_rate_from_a_peer_snapshot():
+    from swarm.daemon.status import _metric_cells
+
+    m = Metrics()
+    m.steps.inc(3)
+    m.wire_bytes.labels("0", "forward").inc(1_500_000)
+    m.wire_bytes.labels("0", "backward").inc(500_000)
+    m.buffer_hits.labels("0").inc(3)
+    m.buffer_misses.labels("0").inc(1)
+    assert _metric_cells(m.snapshot()) == ["3", "2.0", "75%"]
+    assert _metric_cells(None) == ["-", "-", "-"]
