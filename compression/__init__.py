@@ -10,7 +10,7 @@ from swarm.compression.codecs import (
     quantized_nbytes,
 )
 from swarm.compression.config import CODEC_NAMES, CodecConfig
-from swarm.compression.framing import Unframer, ZstdPolicy, frame, unframe, wire_nbytes
+from swarm.compression.framing import Unframer, ZstdPolicy, frame, unframe
 from swarm.compression.state import LinkState
 from swarm.compression.wire import DEFAULT_LIMITS, WireError, WireLimits
 
@@ -34,5 +34,4 @@ __all__ = [
     "make_codec",
     "quantized_nbytes",
     "unframe",
-    "wire_nbytes",
 ]

@@ -190,8 +190,3 @@ def unframe(chunks: Iterable[wire_pb2.Chunk], limits: WireLimits = DEFAULT_LIMIT
     if msg is None:
         raise WireError("chunk", "the stream ended before the message was complete")
     return msg
-
-
-def wire_nbytes(msg: wire_pb2.TensorMessage, zstd_level: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Bytes the message costs on the wire once framed (chunk envelopes included)."""
-    return sum(c.ByteSize() for c in frame(msg, zstd_level=zstd_level, chunk_bytes=chunk_bytes))
