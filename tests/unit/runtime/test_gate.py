@@ -16,6 +16,10 @@ WAIT_S = 10.0
 """The gate's own timeout for calls that are meant to get their turn (or be failed by the test)."""
 
 
+_arrival = threading.local()
+"""`_arrival.event`, when a thread sets one, is set as soon as that thread waits for its turn."""
+
+
 class _SignallingCondition(threading.Condition):
     """A Condition that tells the test when a thread has started waiting on it, so no sleep is needed."""
 
@@ -25,6 +29,9 @@ class _SignallingCondition(threading.Condition):
 
     def wait(self, timeout: float | None = None) -> bool:
         self.waiting.set()
+        arrived = getattr(_arrival, "event", None)
+        if arrived is not None:
+            arrived.set()
         return super().wait(timeout)
 
 
@@ -73,16 +80,21 @@ def test_calls_arriving_out_of_order_run_in_program_order(schedule, n_stages, n_
         arrivals = list(reversed(program))
         if arrival == "shuffled":
             random.Random(stage * 100 + n_micro).shuffle(arrivals)
-        gate = ScheduleGate(stage, n_stages)
+        gate, _ = _signalling_gate(stage, n_stages)
         ran: list[Action] = []
-        start = threading.Barrier(len(arrivals))
+        started = []
+        for action in arrivals:
+            arrived = threading.Event()
 
-        def call(action: Action, ran=ran, gate=gate, start=start) -> None:
-            start.wait(JOIN_S)
-            with gate.turn(7, action.kind, action.mb, schedule, n_micro, timeout_s=WAIT_S):
-                ran.append(action)
+            def call(action=action, arrived=arrived, gate=gate, ran=ran) -> None:
+                _arrival.event = arrived
+                with gate.turn(7, action.kind, action.mb, schedule, n_micro, timeout_s=WAIT_S):
+                    arrived.set()
+                    ran.append(action)
 
-        started = [_in_thread(call, action) for action in arrivals]
+            started.append(_in_thread(call))
+            # the next call arrives only once this one waits (or runs): arrivals happen exactly in this order
+            assert arrived.wait(JOIN_S), f"{action} neither waited for its turn nor ran"
         for thread, _ in started:
             _join(thread)
         assert [e for _, errors in started for e in errors] == []
