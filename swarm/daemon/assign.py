@@ -1,4 +1,4 @@
-"""Stage assignment: which stage and layers a peer serves, behind one interface the scheduler also implements.
+"""Stage assignment without a planner (`swarm-peer --assign even`): which stage and layers a peer serves.
 
 `EvenSplit` is the placeholder policy: peers ordered by when they joined (then by id) take stages in turn,
 each stage an even slice of the layers. Every peer computes the same answer from the same announcements,

@@ -5,9 +5,10 @@
   peers per round (a budget, so N peers do not flood each other), and stores `LinkMeasurement`s in the DHT.
 - `swarm_plan_input`: turns the DHT's announcements and link measurements into the scheduler's `PlanInput`,
   the same structure a JSON file or a scenario gives, so simulations and live swarms share one code path.
-- `Planner`: the peer with the lowest id among those announced plans, when enough peers have announced and
-  whenever the set of peers changes (a join, or a leave once its announcement expires), and publishes the
-  plan in the DHT with the next version number. If that peer leaves, the next lowest takes over.
+- `Planner`: the peer with the lowest id among those announced (among the trusted planners when set; see
+  `elected_planner`) plans, when enough peers have announced and whenever the set of peers changes (a join,
+  or a leave once its announcement expires), and publishes the plan in the DHT with the next version number.
+  If that peer leaves, the next lowest takes over.
 - `role_in_plan`: what a peer serves under a published plan; the daemon switches roles between steps only
   (see `StageServicer.when_idle`), and stages refuse calls stamped with another plan version, so no step
   ever mixes two plans.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,6 +159,17 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> tuple[list[st
     return (route, ids) if ids else None
 
 
+def elected_planner(peers: Iterable[PeerAnnouncement], trusted: Iterable[str] = ()) -> str | None:
+    """The id of the peer that plans: the lowest announced id, among `trusted` ids when any are given.
+
+    Every peer computes this from the same announcements, so they agree without a vote; when the planner
+    leaves (its announcement expires), the next lowest takes over. None while no eligible peer is announced.
+    """
+    allowed = set(trusted)
+    candidates = [p.peer_id for p in peers if not allowed or p.peer_id in allowed]
+    return min(candidates, default=None)
+
+
 class LinkProber:
     """Measures this peer's links to the others, a few per round, and stores the results in the DHT."""
 
@@ -237,11 +249,7 @@ class Planner:
         self._since = 0.0
 
     def is_leader(self, peers: list[PeerAnnouncement]) -> bool:
-        trusted = set(self.dht.config.trusted_planners)
-        if trusted and self.dht.peer_id not in trusted:
-            return False
-        candidates = [p.peer_id for p in peers if not trusted or p.peer_id in trusted]
-        return bool(candidates) and min(candidates) == self.dht.peer_id
+        return elected_planner(peers, self.dht.config.trusted_planners) == self.dht.peer_id
 
     def round(self) -> Plan | None:
         """One look at the swarm; publishes and returns a new plan if one is due."""

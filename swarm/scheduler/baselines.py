@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from swarm.scheduler.cost import DtfmCost, FullCost, Layout, even_layers
+from swarm.scheduler.cost import FullCost, Layout, even_layers
 from swarm.scheduler.plans import ModelSpec, PlanInput
 
-__all__ = ["baseline_shape", "dtfm_distance", "full_distance", "greedy_layout", "random_layouts"]
+__all__ = ["baseline_shape", "full_distance", "greedy_layout", "random_layouts"]
 
 
 def baseline_shape(plan_input: PlanInput, model: ModelSpec) -> tuple[int, int]:
@@ -76,10 +76,6 @@ def greedy_layout(distance: np.ndarray, speeds: np.ndarray, stages: int, replica
             candidates.remove(q)
         rows.append(row)
     return Layout(kept[np.array(rows)], even_layers(layers, stages))
-
-
-def dtfm_distance(cost: DtfmCost) -> np.ndarray:
-    return cost.link_s
 
 
 def full_distance(cost: FullCost, replicas: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_bipartite_matching
 
-__all__ = ["EXACT_TSP_MAX_NODES", "bottleneck_assignment", "bottleneck_value", "open_path_tsp", "path_length"]
+__all__ = ["EXACT_TSP_MAX_NODES", "bottleneck_assignment", "open_path_tsp", "path_length"]
 
 # Held-Karp costs O(2^n n^2): 12 nodes is ~0.6M steps, milliseconds in numpy; beyond, a local search.
 EXACT_TSP_MAX_NODES = 12
@@ -127,11 +127,6 @@ def bottleneck_assignment(weights: np.ndarray) -> tuple[float, np.ndarray]:
             best, hi = found, mid - 1
     assert best is not None  # values[-1] is the global maximum: everything is allowed there
     return float(values[lo]), best
-
-
-def bottleneck_value(weights: np.ndarray) -> float:
-    """The worst pair's weight of the best pairing (see `bottleneck_assignment`)."""
-    return bottleneck_assignment(weights)[0]
 
 
 def path_length(dist: np.ndarray, order: list[int] | np.ndarray) -> float:

@@ -7,6 +7,9 @@ testbed stays up until `down`, which stops every process and removes every names
 after a crash of `up` itself (it sweeps everything named with the prefix). `compose` prints the docker
 compose file running the same services, `shape` is the tc half of the container entrypoint, and
 `measure` reports how closely a tc-shaped link holds its rate.
+
+This module parses the flags and prints; the work is in `lifecycle` (up, train, down), `status`,
+`compose`, `netns` (namespaces, links, tc) and `services` (what runs).
 """
 
 from __future__ import annotations
@@ -15,65 +18,29 @@ import argparse
 import csv
 import itertools
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from swarm.testbed.compose import render_compose
+from swarm.testbed.lifecycle import bring_up, take_down, train_in
 from swarm.testbed.netns import (
-    ADDRESS_FILE,
     FALLBACK_HINT,
     CommandError,
-    LinkRate,
-    Service,
-    TestbedConfig,
-    TestbedPlan,
-    list_links,
-    list_namespaces,
+    Unavailable,
+    check_available,
     measure_rate,
-    namespace_pids,
-    plan_testbed,
-    process_argv,
-    qdisc_stats,
     run_command,
-    setup_commands,
     shaped_pair,
     shaping_commands,
-    sweep,
-    testbed_services,
-    unavailable_reason,
 )
+from swarm.testbed.services import LinkRate, TestbedConfig
+from swarm.testbed.status import collect_status, render_status
 
-if TYPE_CHECKING:
-    from swarm.testbed.procs import ProcessGroup
+__all__ = ["add_arguments", "config_from_args", "run", "run_in_testbed"]
 
-__all__ = [
-    "SHARED_DIR",
-    "Testbed",
-    "add_arguments",
-    "bring_up",
-    "compose_service",
-    "config_from_args",
-    "entrypoint_argv",
-    "render_compose",
-    "run",
-    "run_in_testbed",
-    "take_down",
-]
-
-SHARED_DIR = "/shared"
-"""Where compose's shared volume is mounted: the address file, checkpoints and the trainer's outputs."""
 DEFAULT_RUN_DIR = "runs/testbed"
-_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-class Unavailable(RuntimeError):
-    """No root or no `ip netns` here."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,235 +158,6 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
     )
 
 
-# ---- lifecycle --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Testbed:
-    plan: TestbedPlan
-    run_dir: Path
-    procs: ProcessGroup
-    """The services' processes: they run on when `up` returns; `down` finds them by namespace."""
-
-
-def _state_path(run_dir: Path) -> Path:
-    return run_dir / "state.json"
-
-
-def _write_state(run_dir: Path, plan: TestbedPlan, pids: dict[str, int]) -> None:
-    state = {
-        "prefix": plan.config.prefix,
-        "subnet": plan.config.subnet,
-        "bridge": plan.bridge,
-        "testbed_pid": os.getpid(),
-        "started_at": time.time(),
-        "config": asdict(plan.config),
-        "nodes": [
-            {
-                "name": n.service.name,
-                "namespace": n.namespace,
-                "address": n.service.address,
-                "veth_root": n.veth_root,
-                "veth_ns": n.veth_ns,
-                "rate_mbit": n.service.rate_mbit,
-                "link_rate_mbit": [list(x) for x in n.service.link_rate_mbit],
-                "argv": list(n.service.argv),
-                "pid": pids.get(n.service.name),
-            }
-            for n in plan.nodes
-        ],
-    }
-    tmp = _state_path(run_dir).with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(_state_path(run_dir))
-
-
-def _read_state(run_dir: Path) -> dict | None:
-    try:
-        return json.loads(_state_path(run_dir).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def bring_up(
-    cfg: TestbedConfig, run_dir: Path, say: Callable[[str], None] = print, ready_timeout_s: float = 120.0
-) -> Testbed:
-    """Creates the namespaces and links, starts bootstrap and peers, waits until every stage is announced.
-    On any failure (or interrupt) it removes everything it made before re-raising."""
-    from swarm.testbed.procs import ProcessGroup
-
-    reason = unavailable_reason()
-    if reason:
-        raise Unavailable(reason)
-    if list_namespaces(cfg.prefix) or list_links(cfg.prefix):
-        raise RuntimeError(f"a testbed with prefix {cfg.prefix!r} is already up: `swarm testbed down` first")
-    run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / ADDRESS_FILE).unlink(missing_ok=True)
-    plan = plan_testbed(cfg, str(run_dir))
-    _write_state(run_dir, plan, {})  # before anything exists: a crash from here on leaves a findable trail
-    procs = ProcessGroup(run_dir / "logs")
-    try:
-        say(f"creating {len(plan.nodes)} namespaces on bridge {plan.bridge} ({cfg.subnet})")
-        for command in setup_commands(plan):
-            run_command(command)
-        pids = {}
-        for node in plan.nodes[:-1]:  # every service but the trainer
-            argv = ["ip", "netns", "exec", node.namespace, *process_argv(node.service.argv)]
-            pids[node.service.name] = procs.start(node.service.name, argv, env=_ENV).pid
-            _write_state(run_dir, plan, pids)
-            if node.service.name == "bootstrap":
-                procs.wait_for_file(run_dir / ADDRESS_FILE, 60)
-                say(f"bootstrap node up at {node.service.address}; starting {cfg.peers} peers")
-        _wait_for_stages(plan, run_dir, procs, ready_timeout_s, say)
-        return Testbed(plan, run_dir, procs)
-    except BaseException:
-        say("start failed: taking down what was made")
-        sweep(cfg.prefix, grace_s=5)
-        _state_path(run_dir).unlink(missing_ok=True)
-        raise
-
-
-def _wait_for_stages(plan: TestbedPlan, run_dir: Path, procs, timeout_s: float, say) -> None:
-    """Asks the DHT from the trainer's namespace (`swarm status`) until every stage is announced, so the
-    check crosses the bridge exactly as the trainer will."""
-    trainer = plan.node("trainer")
-    argv = [
-        "ip", "netns", "exec", trainer.namespace,
-        *process_argv(("swarm", "status", "--address-file", str(run_dir / ADDRESS_FILE),
-                       "--host", trainer.service.address, "--json", "--timeout-s", "15")),
-    ]  # fmt: skip
-    deadline, last = time.monotonic() + timeout_s, None
-    while True:
-        procs.check_alive()
-        result = run_command(argv, timeout_s=60, check=False)
-        try:
-            peers = json.loads(result.stdout)["peers"] if result.returncode == 0 else []
-        except (json.JSONDecodeError, KeyError):
-            peers = []
-        stages = sorted({p["stage"] for p in peers if p.get("stage") is not None})
-        line = f"{len(stages)}/{plan.config.peers} stages announced"
-        if line != last:
-            say(line)
-            last = line
-        if len(stages) >= plan.config.peers:
-            (run_dir / "dht_status.json").write_text(result.stdout)
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"only {line} after {timeout_s:.0f} s (logs in {run_dir / 'logs'})")
-        time.sleep(1.0)
-
-
-def train_in(testbed: Testbed, timeout_s: float, say: Callable[[str], None] = print) -> int:
-    """Runs the trainer in its namespace until it exits; returns its exit code."""
-    node = testbed.plan.node("trainer")
-    argv = ["ip", "netns", "exec", node.namespace, *process_argv(node.service.argv)]
-    say(f"training from {node.service.address} (log: {testbed.run_dir / 'logs' / 'trainer.log'})")
-    proc = testbed.procs.start("trainer", argv, env=_ENV)
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-        raise TimeoutError(f"the trainer ran longer than {timeout_s:.0f} s") from None
-
-
-def take_down(run_dir: Path, prefix: str | None = None, grace_s: float = 10.0, say=print) -> tuple[int, int, int]:
-    """Stops a running `up` and everything in the prefix's namespaces, removes namespaces and links;
-    returns (processes, namespaces, links)."""
-    state = _read_state(run_dir) or {}
-    prefix = prefix or state.get("prefix") or TestbedConfig.prefix
-    owner = state.get("testbed_pid")
-    if owner and owner != os.getpid() and _is_testbed_process(owner):
-        say(f"stopping the testbed process {owner}")
-        os.kill(owner, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s + 10
-        while time.monotonic() < deadline and _is_testbed_process(owner):
-            time.sleep(0.2)
-    report = sweep(prefix, grace_s, say)
-    if state.get("prefix", prefix) == prefix:
-        _state_path(run_dir).unlink(missing_ok=True)
-    return len(report.pids), len(report.namespaces), len(report.links)
-
-
-def _is_testbed_process(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return b"testbed" in cmdline and state != "Z"
-
-
-# ---- docker compose ---------------------------------------------------------------------------------------
-
-
-def compose_service(service: Service) -> tuple[list[str], dict[str, str]]:
-    """A service's compose `command` and `environment`: the one-way delay moves from argv to DELAY (the
-    entrypoint hands it back as --delay-ms), rates to RATE and LINKS (the entrypoint's tc shaping)."""
-    command, delay = list(service.argv), "0"
-    if "--delay-ms" in command:
-        i = command.index("--delay-ms")
-        delay = command[i + 1]
-        del command[i : i + 2]
-    links = " ".join(f"{address}={rate:g}" for address, rate in service.link_rate_mbit)
-    return command, {"RATE": f"{service.rate_mbit or 0:g}", "DELAY": delay, "LINKS": links}
-
-
-def entrypoint_argv(command: list[str], env: dict[str, str]) -> list[str]:
-    """What docker/entrypoint.sh runs for `command` under `env` (the inverse of compose_service)."""
-    delay = env.get("DELAY", "")
-    if command and command[0] == "swarm-peer" and delay not in ("", "0"):
-        return [*command, "--delay-ms", delay]
-    return list(command)
-
-
-def render_compose(cfg: TestbedConfig) -> str:
-    """docker/compose.yaml for `cfg`: the same services, argv, addresses and rates as the namespace testbed."""
-    q = json.dumps
-    lines = [
-        "# The namespace testbed's swarm as docker compose services. Generated by `swarm testbed compose`",
-        "# (same options as `swarm testbed up`); tests/unit/test_testbed.py checks it matches; regenerate, don't",
-        "# edit. Run from the repository root, see README.md (Testbeds):",
-        "#   docker compose -f docker/compose.yaml up --build --abort-on-container-exit --exit-code-from trainer",
-        "name: swarm-testbed",
-        "",
-        "x-swarm: &swarm",
-        "  build: {context: .., dockerfile: docker/Dockerfile}",
-        "  image: swarm-testbed:latest",
-        "  cap_add: [NET_ADMIN]  # the entrypoint shapes eth0 with tc",
-        f"  volumes: [{q('shared:' + SHARED_DIR)}]",
-        "",
-        "services:",
-    ]
-    services = testbed_services(cfg, SHARED_DIR)
-    for service in services:
-        command, env = compose_service(service)
-        lines += [f"  {service.name}:", "    <<: *swarm", f"    command: {q(command)}", "    environment:"]
-        lines += [f"      {key}: {q(value)}" for key, value in env.items()]
-        lines += ["    networks:", "      swarm:", f"        ipv4_address: {service.address}"]
-        if service.name == "bootstrap":
-            test = q(["CMD", "test", "-s", f"{SHARED_DIR}/{ADDRESS_FILE}"])
-            lines += ["    healthcheck:", f"      test: {test}", "      interval: 1s", "      retries: 120"]
-        else:
-            lines += ["    depends_on:", "      bootstrap: {condition: service_healthy}"]
-        if service.name == "trainer":
-            lines += [f"      {s.name}: {{condition: service_started}}" for s in services if s.name.startswith("peer")]
-            lines += ['    restart: "no"']
-    lines += [
-        "",
-        "networks:",
-        "  swarm:",
-        "    ipam:",
-        f"      config: [{{subnet: {cfg.subnet}}}]",
-        "",
-        "volumes:",
-        "  shared: {}",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 # ---- the experiment hook ----------------------------------------------------------------------------------
 
 
@@ -480,8 +218,7 @@ def _pop_flag(flags: list[str], name: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    handlers = {"up": _up, "status": _status, "down": _down, "compose": _compose, "shape": _shape}
-    handlers["measure"] = _measure
+    handlers = {"up": _up, "status": _status, "down": _down, "compose": _compose, "shape": _shape, "measure": _measure}
     try:
         return handlers[args.action](args)
     except Unavailable as e:
@@ -494,12 +231,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _say(line: str) -> None:
     print(f"[testbed] {line}", file=sys.stderr, flush=True)
-
-
-def _check_available() -> None:
-    reason = unavailable_reason()
-    if reason:
-        raise Unavailable(reason)
 
 
 def _interrupt(_signum, _frame):
@@ -517,7 +248,7 @@ def _up(args: argparse.Namespace) -> int:
     code = 0
     try:
         _say(f"up: {cfg.peers} peers serving; logs in {testbed.run_dir / 'logs'}")
-        print(_render_status(_collect_status(testbed.run_dir, cfg.prefix)))
+        print(render_status(collect_status(testbed.run_dir, cfg.prefix)))
         if args.train:
             code = train_in(testbed, args.train_timeout_s, _say)
             print(_train_summary(testbed.run_dir) if code == 0 else (testbed.procs.tail("trainer") or ""))
@@ -541,106 +272,17 @@ def _train_summary(run_dir: Path) -> str:
 
 
 def _down(args: argparse.Namespace) -> int:
-    _check_available()
+    check_available()
     counts = take_down(Path(args.run_dir), args.prefix, args.grace_s, _say)
     print("down: stopped {} processes, removed {} namespaces and {} links".format(*counts))
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    _check_available()
-    status = _collect_status(Path(args.run_dir), args.prefix)
-    print(json.dumps(status, indent=1) if args.json else _render_status(status))
+    check_available()
+    status = collect_status(Path(args.run_dir), args.prefix)
+    print(json.dumps(status, indent=1) if args.json else render_status(status))
     return 0 if status["namespaces"] else 1
-
-
-def _collect_status(run_dir: Path, prefix: str | None) -> dict:
-    state = _read_state(run_dir) or {}
-    prefix = prefix or state.get("prefix") or TestbedConfig.prefix
-    namespaces = list_namespaces(prefix)
-    known = {n["namespace"]: n for n in state.get("nodes", [])}
-    rows = []
-    for ns in sorted(namespaces, key=lambda n: (n not in known, list(known).index(n) if n in known else 0, n)):
-        node = known.get(ns, {})
-        dev = node.get("veth_ns") or _namespace_device(ns, prefix)
-        qdisc = qdisc_stats(ns, dev) if dev else None
-        pids = namespace_pids(ns)
-        rows.append(
-            {
-                "service": node.get("name", "(leftover)"),
-                "namespace": ns,
-                "address": node.get("address", "?"),
-                "device": dev,
-                "shaping": _describe_shaping(qdisc, node),
-                "sent_bytes": (qdisc or {}).get("bytes"),
-                "drops": (qdisc or {}).get("drops"),
-                "processes": [_describe_process(pid) for pid in pids],
-            }
-        )
-    summary = run_dir / "train" / "summary.json"
-    return {
-        "prefix": prefix,
-        "run_dir": str(run_dir),
-        "namespaces": rows,
-        "links": list_links(prefix),
-        "trained": json.loads(summary.read_text()) if summary.exists() and state else None,
-        "train_command": " ".join(["ip", "netns", "exec", f"{prefix}trainer", *known[f"{prefix}trainer"]["argv"]])
-        if f"{prefix}trainer" in known
-        else None,
-    }
-
-
-def _render_status(status: dict) -> str:
-    if not status["namespaces"] and not status["links"]:
-        return f"no testbed with prefix {status['prefix']!r} is up"
-    headers = ["service", "namespace", "address", "egress shaping", "sent", "processes"]
-    table = [
-        [
-            r["service"], r["namespace"], r["address"], r["shaping"],
-            "-" if r["sent_bytes"] is None else f"{r['sent_bytes'] / 1e6:.2f} MB ({r['drops']} drops)",
-            ", ".join(r["processes"]) or "none",
-        ]
-        for r in status["namespaces"]
-    ]  # fmt: skip
-    widths = [max(len(str(row[i])) for row in [headers, *table]) for i in range(len(headers))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [headers, *table]]
-    lines.append(f"links in the root namespace: {' '.join(status['links']) or 'none'}")
-    if status["trained"]:
-        t = status["trained"]
-        lines.append(f"trained: {t['steps']} steps, loss {t['first_loss']:.3f} -> {t['final_loss']:.3f} ({t['csv']})")
-    if status["train_command"]:
-        lines.append(f"train by hand: {status['train_command']}")
-    return "\n".join(lines)
-
-
-def _namespace_device(ns: str, prefix: str) -> str | None:
-    out = run_command(["ip", "-n", ns, "-o", "link", "show"], check=False).stdout
-    names = [line.split(":", 2)[1].strip().split("@", 1)[0] for line in out.splitlines() if ":" in line]
-    return next((n for n in names if n.startswith(prefix)), None)
-
-
-def _describe_shaping(qdisc: dict | None, node: dict) -> str:
-    """The root qdisc's kind with the rates the state file says it applies (tc's JSON has htb's rates
-    only per class)."""
-    if not qdisc or qdisc.get("kind") not in ("tbf", "htb"):
-        return "unshaped"
-    rate = node.get("rate_mbit") if node else qdisc.get("options", {}).get("rate", 0) * 8 / 1e6
-    parts = [f"{rate:g} Mbit/s" if rate else "unshaped"]
-    parts += [f"to {address} {r:g} Mbit/s" for address, r in node.get("link_rate_mbit", [])]
-    return f"{qdisc['kind']} {', '.join(parts)}"
-
-
-def _describe_process(pid: int) -> str:
-    try:
-        argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-    except OSError:
-        return f"{pid} (gone)"
-    if "-m" in argv[:-1]:
-        module, rest = argv[argv.index("-m") + 1], argv[argv.index("-m") + 2 :]
-        name = {"swarm.daemon.peer": "swarm-peer"}.get(module, f"swarm {rest[0]}" if rest else module)
-    else:
-        name = os.path.basename(argv[0]) if argv else "?"
-    return f"{name} [{pid}]"
 
 
 def _compose(args: argparse.Namespace) -> int:
@@ -668,7 +310,7 @@ def _shape(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> int:
-    _check_available()
+    check_available()
     rows = []
     for qdisc, text in itertools.product(args.qdiscs.split(","), args.rates.split(",")):
         rate = float(text)

@@ -1,10 +1,10 @@
-"""Network-namespace testbed mechanics: the services, the `ip`/`tc` commands that build their links, a sweep.
+"""Network-namespace testbed mechanics: the namespaces and links of the services, the `ip`/`tc` commands that
+build and shape them, a thin runner, a sweep, and a goodput check of a shaped link.
 
-Everything is data first: a frozen `TestbedConfig` gives the services (`testbed_services`, the one list
-both this testbed and docker/compose.yaml run), a `TestbedPlan` names every namespace, veth and bridge,
-and `setup_commands` / `shaping_commands` are plain argv lists, unit-tested without root. A thin runner
-executes them. Every name starts with the config's prefix, so `sweep` finds and removes what a testbed
-left behind, also after the testbed process itself was killed.
+Everything is data first: a `TestbedPlan` names every namespace, veth and bridge for the services of a
+`TestbedConfig` (`swarm.testbed.services`), and `setup_commands` / `shaping_commands` are plain argv lists,
+unit-tested without root. A thin runner executes them. Every name starts with the config's prefix, so `sweep`
+finds and removes what a testbed left behind, also after the testbed process itself was killed.
 
 The kernel shapes bandwidth on each namespace's egress (`tbf`, or `htb` with one class per destination
 when links differ); one-way delay stays in the peers' application shaper (`swarm-peer --delay-ms`),
@@ -27,241 +27,40 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from swarm.testbed.services import Service, TestbedConfig, testbed_services
+
 __all__ = [
-    "ADDRESS_FILE",
-    "BOOTSTRAP_PORT",
     "FALLBACK_HINT",
     "GSO_MAX_BYTES",
-    "PEER_PORT",
     "CommandError",
-    "LinkRate",
     "Node",
-    "Service",
     "SweepReport",
-    "TestbedConfig",
     "TestbedPlan",
+    "Unavailable",
+    "check_available",
     "list_links",
     "list_namespaces",
     "measure_rate",
     "namespace_address",
     "namespace_pids",
     "plan_testbed",
-    "process_argv",
     "qdisc_stats",
     "run_command",
-    "service_addresses",
     "setup_commands",
     "shaped_pair",
     "shaping_commands",
     "sweep",
     "tbf_burst_bytes",
     "tbf_limit_bytes",
-    "testbed_services",
     "unavailable_reason",
 ]
 
-BOOTSTRAP_PORT = 31337
-"""DHT port of the bootstrap node: fixed (each namespace or container has its own ports), so with its
-identity file its multiaddr survives a restart."""
-PEER_PORT = 50051
-"""gRPC port of every peer's stage service: fixed, so per-link delays can name `ADDR:PORT` up front."""
-ADDRESS_FILE = "bootstrap.addr"
 GSO_MAX_BYTES = 16384
 """Largest GSO packet on a shaped interface (see shaping_commands)."""
 FALLBACK_HINT = (
     "use the application-level shaper instead, which needs no privileges: "
     "`swarm demo --rate-mbit 10 --delay-ms 20` (or swarm-peer --rate-mbit/--delay-ms/--link)"
 )
-_PREFIX_RE = re.compile(r"[a-z][a-z0-9]{0,5}-")
-_NAME_RE = re.compile(r"bootstrap|trainer|peer\d+")
-
-
-@dataclass(frozen=True)
-class LinkRate:
-    """One directed link shaped differently from its sender's default."""
-
-    src: str
-    """Sending service: bootstrap, trainer or peerI."""
-    dst: str
-    """Receiving service."""
-    rate_mbit: float | None = None
-    """Bandwidth of this link, Mbit/s (kernel, an htb class on the sender's egress); None keeps the default."""
-    delay_ms: float = 0.0
-    """One-way delay of this link, ms (the sending peer's application shaper); peers at both ends only."""
-
-    def __post_init__(self) -> None:
-        for end in (self.src, self.dst):
-            if not _NAME_RE.fullmatch(end):
-                raise ValueError(f"LinkRate: {end!r} is not a service (bootstrap, trainer, peerI)")
-        if self.src == self.dst:
-            raise ValueError(f"LinkRate: {self.src} -> {self.dst} is not a link")
-        if self.rate_mbit is not None and self.rate_mbit <= 0:
-            raise ValueError(f"LinkRate.rate_mbit: expected > 0, got {self.rate_mbit}")
-        if self.delay_ms < 0:
-            raise ValueError(f"LinkRate.delay_ms: expected >= 0, got {self.delay_ms}")
-        if self.delay_ms and not (self.src.startswith("peer") and self.dst.startswith("peer")):
-            raise ValueError(f"LinkRate {self.src}:{self.dst}: a per-link delay needs peers at both ends")
-
-    @classmethod
-    def parse(cls, text: str) -> LinkRate:
-        """`SRC:DST=RATE[:DELAY]`, e.g. `peer0:peer1=10:40`; RATE `none` keeps the sender's default rate."""
-        ends, sep, shape = text.partition("=")
-        src, colon, dst = ends.partition(":")
-        if not sep or not colon:
-            raise ValueError(f"link {text!r}: expected SRC:DST=RATE[:DELAY], e.g. peer0:peer1=10:40")
-        rate, _, delay = shape.partition(":")
-        rate_mbit = None if rate.strip().lower() in ("", "none") else float(rate)
-        return cls(src.strip(), dst.strip(), rate_mbit, float(delay) if delay else 0.0)
-
-
-@dataclass(frozen=True)
-class TestbedConfig:
-    """A testbed: one DHT bootstrap node, `peers` swarm-peers and a trainer, each in its own namespace."""
-
-    peers: int = 2
-    """swarm-peer services, one pipeline stage each."""
-    rate_mbit: float = 100.0
-    """Egress bandwidth of every namespace, Mbit/s; 0 leaves it unshaped."""
-    peer_rate_mbit: tuple[float, ...] = ()
-    """Egress bandwidth of peer i (entry i, 0 = unshaped); peers past the end get `rate_mbit`."""
-    links: tuple[LinkRate, ...] = ()
-    """Directed links shaped differently from their sender's default."""
-    delay_ms: float = 0.0
-    """One-way delay of every peer's outgoing links, ms, applied by swarm-peer's application shaper."""
-    subnet: str = "10.77.0.0/24"
-    """Private IPv4 subnet of the bridge; bootstrap .2, trainer .3, peer i .(10+i) (Docker's gateway is .1)."""
-    prefix: str = "swt-"
-    """Start of every namespace and link name, so `down` finds leftovers; 2-7 characters ending in '-'."""
-    fw_codec: str = "aqsgd2"
-    """Activation codec of the peers."""
-    bw_codec: str = "gradq4"
-    """Gradient codec of the peers."""
-    layers: int | None = None
-    """Transformer blocks (None: the entry points' default; likewise hidden, heads, seq_len)."""
-    hidden: int | None = None
-    heads: int | None = None
-    seq_len: int | None = None
-    epochs: int = 4
-    """Passes of the trainer over its samples (ignored when `steps` is set)."""
-    steps: int | None = None
-    """Optimizer steps of the trainer; None: `epochs` worth."""
-    train_samples: int = 64
-    """Training samples."""
-    batch_size: int = 8
-    """Samples per optimizer step."""
-    micro_batches: int = 4
-    """Micro-batches per step."""
-    peer_flags: tuple[str, ...] = ()
-    """Extra flags for every swarm-peer, verbatim (checked against swarm-peer's parser by the tests)."""
-    trainer_flags: tuple[str, ...] = ()
-    """Extra flags for `swarm train`, verbatim."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "peer_rate_mbit", tuple(float(r) for r in self.peer_rate_mbit))
-        object.__setattr__(self, "links", tuple(self.links))
-        object.__setattr__(self, "peer_flags", tuple(self.peer_flags))
-        object.__setattr__(self, "trainer_flags", tuple(self.trainer_flags))
-        if not 1 <= self.peers <= 200:
-            raise ValueError(f"TestbedConfig.peers: expected 1-200, got {self.peers}")
-        if len(self.peer_rate_mbit) > self.peers:
-            raise ValueError(f"TestbedConfig.peer_rate_mbit: {len(self.peer_rate_mbit)} rates for {self.peers} peers")
-        if self.rate_mbit < 0 or any(r < 0 for r in self.peer_rate_mbit) or self.delay_ms < 0:
-            raise ValueError("TestbedConfig: rates and delay must be >= 0")
-        if not _PREFIX_RE.fullmatch(self.prefix):
-            raise ValueError(f"TestbedConfig.prefix: expected [a-z][a-z0-9]{{0,5}}- (e.g. 'swt-'), got {self.prefix!r}")
-        net = ipaddress.ip_network(self.subnet)  # raises ValueError on junk
-        if net.version != 4 or not net.is_private:
-            raise ValueError(f"TestbedConfig.subnet: expected a private IPv4 subnet, got {self.subnet}")
-        if net.num_addresses < 12 + self.peers:
-            raise ValueError(f"TestbedConfig.subnet: {self.subnet} is too small for {self.peers} peers")
-        names = set(service_addresses(self))
-        for link in self.links:
-            if link.src not in names or link.dst not in names:
-                raise ValueError(f"TestbedConfig.links: {link.src}:{link.dst} names a service that does not exist")
-        for name in ("epochs", "train_samples", "batch_size", "micro_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TestbedConfig.{name}: expected >= 1, got {getattr(self, name)}")
-        if self.train_samples < self.batch_size:
-            raise ValueError("TestbedConfig.train_samples: fewer samples than one batch")
-
-    @property
-    def total_steps(self) -> int:
-        return self.steps or self.epochs * (self.train_samples // self.batch_size)
-
-    def model_flags(self) -> tuple[str, ...]:
-        given = {"--layers": self.layers, "--hidden": self.hidden, "--heads": self.heads, "--seq-len": self.seq_len}
-        return tuple(x for flag, value in given.items() if value is not None for x in (flag, str(value)))
-
-    def egress_mbit(self, name: str) -> float | None:
-        """Default egress bandwidth of a service, Mbit/s; None when unshaped."""
-        rate = self.rate_mbit
-        if name.startswith("peer") and int(name[4:]) < len(self.peer_rate_mbit):
-            rate = self.peer_rate_mbit[int(name[4:])]
-        return rate or None
-
-
-@dataclass(frozen=True)
-class Service:
-    """One process of the testbed, as both the namespace testbed and docker compose run it."""
-
-    name: str
-    """bootstrap, peerI or trainer."""
-    address: str
-    """Its IPv4 address in the subnet (the namespace's or the container's)."""
-    argv: tuple[str, ...]
-    """Installed entry point and flags: ('swarm', 'bootstrap', ...), ('swarm-peer', ...), ('swarm', 'train', ...)."""
-    rate_mbit: float | None
-    """Default egress bandwidth, Mbit/s (None: unshaped)."""
-    link_rate_mbit: tuple[tuple[str, float], ...] = ()
-    """Egress bandwidth to particular destination addresses, Mbit/s."""
-
-
-def service_addresses(cfg: TestbedConfig) -> dict[str, str]:
-    """Service name -> address, in start order (bootstrap, peers, trainer)."""
-    net = ipaddress.ip_network(cfg.subnet)
-    names = {"bootstrap": 2, **{f"peer{i}": 10 + i for i in range(cfg.peers)}, "trainer": 3}
-    return {name: str(net.network_address + offset) for name, offset in names.items()}
-
-
-def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
-    """Every service of the testbed with its argv; `shared_dir` holds the address file and outputs
-    (the run directory here, the shared volume in docker compose)."""
-    addresses = service_addresses(cfg)
-    address_file = f"{shared_dir}/{ADDRESS_FILE}"
-    total = cfg.total_steps
-    services = []
-    for name, address in addresses.items():
-        if name == "bootstrap":
-            argv = [
-                "swarm", "bootstrap", "--address-file", address_file, "--host", address,
-                "--port", str(BOOTSTRAP_PORT), "--identity-path", f"{shared_dir}/bootstrap.id",
-            ]  # fmt: skip
-        elif name == "trainer":
-            argv = [
-                "swarm", "train", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
-                "--epochs", str(cfg.epochs), "--train-samples", str(cfg.train_samples),
-                "--batch-size", str(cfg.batch_size), "--micro-batches", str(cfg.micro_batches),
-                "--out", f"{shared_dir}/train", *cfg.model_flags(), *cfg.trainer_flags,
-            ]  # fmt: skip
-            if cfg.steps:
-                argv += ["--steps", str(cfg.steps)]
-        else:
-            argv = [
-                "swarm-peer", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
-                "--grpc-port", str(PEER_PORT), "--fw-codec", cfg.fw_codec, "--bw-codec", cfg.bw_codec,
-                "--total-steps", str(total), "--warmup-steps", str(max(1, total // 10)),
-                "--checkpoint-dir", f"{shared_dir}/checkpoints", *cfg.model_flags(), *cfg.peer_flags,
-            ]  # fmt: skip
-            for link in cfg.links:
-                if link.src == name and link.delay_ms:
-                    argv += ["--link", f"{addresses[link.dst]}:{PEER_PORT}=none:{link.delay_ms:g}"]
-            if cfg.delay_ms:
-                argv += ["--delay-ms", f"{cfg.delay_ms:g}"]
-        per_link = tuple(
-            (addresses[link.dst], link.rate_mbit) for link in cfg.links if link.src == name and link.rate_mbit
-        )
-        services.append(Service(name, address, tuple(argv), cfg.egress_mbit(name), per_link))
-    return services
 
 
 @dataclass(frozen=True)
@@ -372,14 +171,6 @@ def shaping_commands(
     return commands
 
 
-def process_argv(argv: tuple[str, ...] | list[str], python: str = sys.executable) -> list[str]:
-    """An installed entry point's argv as this interpreter runs it (no reliance on PATH)."""
-    modules = {"swarm": "swarm.cli", "swarm-peer": "swarm.daemon.peer"}
-    if argv[0] not in modules:
-        raise ValueError(f"{argv[0]!r} is not a swarm entry point")
-    return [python, "-m", modules[argv[0]], *argv[1:]]
-
-
 # ---- running commands -------------------------------------------------------------------------------------
 
 
@@ -409,6 +200,17 @@ def unavailable_reason() -> str | None:
     except CommandError as e:
         return f"`ip netns` does not work here: {e}"
     return None
+
+
+class Unavailable(RuntimeError):
+    """No root or no `ip netns` here."""
+
+
+def check_available() -> None:
+    """Raises `Unavailable` with the reason when namespaces can't be used here."""
+    reason = unavailable_reason()
+    if reason:
+        raise Unavailable(reason)
 
 
 def list_namespaces(prefix: str) -> list[str]:

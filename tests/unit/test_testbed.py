@@ -16,22 +16,14 @@ import pytest
 
 from swarm import cli
 from swarm.testbed import cli as testbed
-from swarm.testbed import netns
-from swarm.testbed.cli import SHARED_DIR, compose_service, entrypoint_argv, render_compose
-from swarm.testbed.netns import (
-    PEER_PORT,
-    LinkRate,
-    plan_testbed,
-    process_argv,
-    setup_commands,
-    shaping_commands,
-    tbf_burst_bytes,
-    tbf_limit_bytes,
-)
+from swarm.testbed import lifecycle, netns, services
+from swarm.testbed.compose import SHARED_DIR, compose_service, entrypoint_argv, render_compose
+from swarm.testbed.netns import plan_testbed, setup_commands, shaping_commands, tbf_burst_bytes, tbf_limit_bytes
+from swarm.testbed.services import PEER_PORT, LinkRate, process_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
-RICH = netns.TestbedConfig(
+RICH = services.TestbedConfig(
     peers=3,
     rate_mbit=50,
     peer_rate_mbit=(100, 0),
@@ -71,18 +63,18 @@ def parse_entry_point(argv: list[str] | tuple[str, ...]) -> argparse.Namespace:
 
 
 def test_services_are_bootstrap_peers_trainer_on_fixed_subnet_addresses():
-    services = netns.testbed_services(netns.TestbedConfig(peers=3), "/run")
-    assert [s.name for s in services] == ["bootstrap", "peer0", "peer1", "peer2", "trainer"]
-    assert [s.address for s in services] == ["10.77.0.2", "10.77.0.10", "10.77.0.11", "10.77.0.12", "10.77.0.3"]
-    assert [s.argv[:2] for s in services] == [("swarm", "bootstrap")] + [("swarm-peer", "--address-file")] * 3 + [
+    started = services.testbed_services(services.TestbedConfig(peers=3), "/run")
+    assert [s.name for s in started] == ["bootstrap", "peer0", "peer1", "peer2", "trainer"]
+    assert [s.address for s in started] == ["10.77.0.2", "10.77.0.10", "10.77.0.11", "10.77.0.12", "10.77.0.3"]
+    assert [s.argv[:2] for s in started] == [("swarm", "bootstrap")] + [("swarm-peer", "--address-file")] * 3 + [
         ("swarm", "train")
     ]
-    assert all(s.rate_mbit == 100 and not s.link_rate_mbit for s in services)
+    assert all(s.rate_mbit == 100 and not s.link_rate_mbit for s in started)
 
 
-@pytest.mark.parametrize("cfg", [netns.TestbedConfig(), RICH], ids=["default", "rich"])
+@pytest.mark.parametrize("cfg", [services.TestbedConfig(), RICH], ids=["default", "rich"])
 def test_every_service_argv_is_accepted_by_its_entry_point(cfg):
-    for service in netns.testbed_services(cfg, "/run"):
+    for service in services.testbed_services(cfg, "/run"):
         args = parse_entry_point(service.argv)
         assert args.host == service.address
         assert args.address_file == "/run/bootstrap.addr"
@@ -100,7 +92,7 @@ def test_every_service_argv_is_accepted_by_its_entry_point(cfg):
 
 
 def test_rich_config_rates_delays_and_flags_reach_the_right_services():
-    by_name = {s.name: s for s in netns.testbed_services(RICH, "/run")}
+    by_name = {s.name: s for s in services.testbed_services(RICH, "/run")}
     assert [by_name[f"peer{i}"].rate_mbit for i in range(3)] == [100, None, 50]
     assert by_name["bootstrap"].rate_mbit == by_name["trainer"].rate_mbit == 50
     assert by_name["peer0"].link_rate_mbit == (("10.77.0.11", 10),)
@@ -191,7 +183,7 @@ def test_per_link_rates_are_htb_classes_with_a_filter_per_destination():
 )
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
-        netns.TestbedConfig(**kwargs)
+        services.TestbedConfig(**kwargs)
 
 
 def test_link_parse_and_validation():
@@ -241,12 +233,12 @@ def test_cli_flags_build_the_config(capsys):
 
 
 def test_scenario_gives_every_ordered_peer_pair_a_link():
-    cfg = netns.TestbedConfig(peers=3, links=testbed._scenario_links("worldwide", 3, 0.5))
+    cfg = services.TestbedConfig(peers=3, links=testbed._scenario_links("worldwide", 3, 0.5))
     assert {(link.src, link.dst) for link in cfg.links} == {
         (f"peer{i}", f"peer{j}") for i in range(3) for j in range(3) if i != j
     }
     assert all(link.rate_mbit > 0 and link.delay_ms >= 0 for link in cfg.links)
-    for service in netns.testbed_services(cfg, "/run"):
+    for service in services.testbed_services(cfg, "/run"):
         parse_entry_point(service.argv)
 
 
@@ -263,7 +255,7 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
         seen["cfg"] = cfg
         (run_dir / "train").mkdir(parents=True)
         (run_dir / "train" / "steps.csv").write_text("step,train_loss\n1,5.5\n")
-        return testbed.Testbed(netns.plan_testbed(cfg, str(run_dir)), run_dir, None)
+        return lifecycle.Testbed(plan_testbed(cfg, str(run_dir)), run_dir, None)
 
     monkeypatch.setattr(testbed, "bring_up", fake_bring_up)
     monkeypatch.setattr(testbed, "train_in", lambda *a, **k: 0)
@@ -280,7 +272,7 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
     assert rows == [{"step": "1", "train_loss": "5.5"}]
     cfg = seen["cfg"]
     assert (cfg.rate_mbit, cfg.delay_ms, f"{cfg.fw_codec}/{cfg.bw_codec}", cfg.steps) == (10.0, 5.0, "aqsgd2/gradq4", 8)
-    for service in netns.testbed_services(cfg, "/run"):
+    for service in services.testbed_services(cfg, "/run"):
         args = parse_entry_point(service.argv)
         if service.name.startswith("peer"):
             assert (args.rate_mbit, args.total_steps, args.delay_ms) == (None, 8, 5.0)
@@ -290,17 +282,17 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
 
 
 def test_committed_compose_file_is_the_generated_one():
-    assert (DOCKER / "compose.yaml").read_text() == render_compose(netns.TestbedConfig()), (
+    assert (DOCKER / "compose.yaml").read_text() == render_compose(services.TestbedConfig()), (
         "regenerate it: swarm testbed compose > docker/compose.yaml"
     )
 
 
-@pytest.mark.parametrize("cfg", [netns.TestbedConfig(), RICH], ids=["committed", "rich"])
+@pytest.mark.parametrize("cfg", [services.TestbedConfig(), RICH], ids=["committed", "rich"])
 def test_compose_runs_the_namespace_testbeds_services(cfg):
     yaml = pytest.importorskip("yaml")
-    text = (DOCKER / "compose.yaml").read_text() if cfg == netns.TestbedConfig() else render_compose(cfg)
+    text = (DOCKER / "compose.yaml").read_text() if cfg == services.TestbedConfig() else render_compose(cfg)
     doc = yaml.safe_load(text)
-    expected = {s.name: s for s in netns.testbed_services(cfg, SHARED_DIR)}
+    expected = {s.name: s for s in services.testbed_services(cfg, SHARED_DIR)}
     assert list(doc["services"]) == list(expected)
     assert doc["networks"]["swarm"]["ipam"]["config"] == [{"subnet": cfg.subnet}]
     for name, svc in doc["services"].items():
@@ -320,7 +312,7 @@ def test_compose_runs_the_namespace_testbeds_services(cfg):
 
 
 def test_entrypoint_shapes_like_the_namespace_testbed_and_hands_delay_to_the_peer():
-    for service in netns.testbed_services(RICH, SHARED_DIR):
+    for service in services.testbed_services(RICH, SHARED_DIR):
         command, env = compose_service(service)
         result = subprocess.run(
             ["sh", str(DOCKER / "entrypoint.sh"), *command],
