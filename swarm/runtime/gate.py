@@ -26,6 +26,10 @@ class ScheduleGate:
         self._step: int | None = None
         self._program: list[Action] = []
         self._pos = 0
+        self._running: Action | None = None
+        """The action whose body runs now (a duplicate of it is refused, not run beside it)."""
+        self._generation = 0
+        """Bumped by every new step and reset: a body that outlives its step does not move the next one on."""
 
     def _begin(self, step: int, schedule: str, n_micro: int) -> None:
         if schedule not in SCHEDULES:
@@ -34,7 +38,8 @@ class ScheduleGate:
             raise GateError(f"num_micro_batches {n_micro} is outside 1..1024")
         self._step = step
         self._program = SCHEDULES[schedule](self.n_stages, n_micro)[self.stage]
-        self._pos = 0
+        self._pos, self._running = 0, None
+        self._generation += 1
 
     @property
     def step_done(self) -> bool:
@@ -52,10 +57,13 @@ class ScheduleGate:
                 self._begin(step, schedule, n_micro)
             if want not in self._program:
                 raise GateError(f"{want} is not in stage {self.stage}'s program for step {step}")
+            if self._running == want:
+                raise GateError(f"{want} of step {step} is running already")
             ok = self._cond.wait_for(
                 lambda: (
                     self._pos < len(self._program)
                     and self._program[self._pos] == want
+                    and self._running is None
                     or self._step != step
                     or want in self._program[: self._pos]
                 ),
@@ -66,16 +74,20 @@ class ScheduleGate:
             if want in self._program[: self._pos]:
                 raise GateError(f"{want} of step {step} already ran")
             if not ok:
-                raise GateError(f"{want} waited {timeout_s:.0f} s for {self._program[self._pos]} of step {step}")
+                raise GateError(f"{want} waited {timeout_s:.1f} s for {self._program[self._pos]} of step {step}")
+            self._running, generation = want, self._generation
         try:
             yield
         finally:
             with self._cond:
-                self._pos += 1
+                if generation == self._generation:  # a reset or a new step since: this body moves nothing on
+                    self._pos += 1
+                    self._running = None
                 self._cond.notify_all()
 
     def reset(self) -> None:
         """Abandons the current step (waiting calls fail) and accepts any next one."""
         with self._cond:
-            self._step, self._program, self._pos = None, [], 0
+            self._step, self._program, self._pos, self._running = None, [], 0, None
+            self._generation += 1
             self._cond.notify_all()

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from swarm.daemon.assign import EvenSplit
-from swarm.net.service import StageRole
 from swarm.peers.records import PeerAnnouncement
+from swarm.runtime.host import StageRole
 
 
 def peer(peer_id: str, started_at: float) -> PeerAnnouncement:

@@ -121,11 +121,6 @@ def test_a_repeat_of_an_action_further_back_is_refused():
         _run(gate, 0, program[0], "1f1b", 4, timeout_s=WAIT_S)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gate bug: a duplicate that arrives while the original is still in its body is let in "
-    "(the original's action is still program[pos]), so it runs concurrently and the position moves twice",
-)
 def test_a_duplicate_arriving_while_the_original_runs_is_refused():
     program = _program("1f1b", 2, 2, 0)
     gate = ScheduleGate(0, 2)
@@ -184,11 +179,6 @@ def test_after_reset_any_next_step_is_accepted_from_the_start():
     assert gate.step_done
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gate bug: a body still running when reset() abandons its step moves the position of the next "
-    "step on when it ends, so that step's next action is taken as already run",
-)
 def test_a_body_that_outlives_reset_does_not_move_the_next_step_on():
     program = _program("gpipe", 2, 3, 0)
     gate = ScheduleGate(0, 2)
