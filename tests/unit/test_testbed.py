@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from swarm import cli
+from swarm.model.gpt import ModelConfig
 from swarm.testbed import cli as testbed
 from swarm.testbed import netns
 from swarm.testbed.cli import SHARED_DIR, compose_service, entrypoint_argv, render_compose
@@ -28,6 +29,7 @@ from swarm.testbed.netns import (
     tbf_burst_bytes,
     tbf_limit_bytes,
 )
+from swarm.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -271,19 +273,23 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
     cell = argparse.Namespace(rate_mbit=10.0, setting="aqsgd2/gradq4")
     flags = ["--fw-codec", "aqsgd2", "--bw-codec", "gradq4", "--delay-ms", "5", "--total-steps", "8"]
     flags += ["--warmup-steps", "1", "--rate-mbit", "10.0"]
-    train_args = argparse.Namespace(
-        layers=4, hidden=128, heads=4, seq_len=128, model_seed=0, data=None, train_samples=16, batch_size=8,
-        micro_batches=4, schedule="1f1b", steps=8, epochs=None, seed=0, setting="aqsgd2/gradq4", deadline_s=300.0,
-        out=str(tmp_path / "cell"),
+    train_cfg = TrainConfig(
+        model=ModelConfig(init_seed=3), train_samples=16, batch_size=8, micro_batches=4, steps=8,
+        setting="aqsgd2/gradq4", deadline_s=300.0, out=str(tmp_path / "cell"),
     )  # fmt: skip
-    rows = testbed.run_in_testbed(cell, flags, train_args, argparse.Namespace(peers=2, delay_ms=5.0))
+    rows = testbed.run_in_testbed(cell, flags, train_cfg, peers=2)
     assert rows == [{"step": "1", "train_loss": "5.5"}]
     cfg = seen["cfg"]
     assert (cfg.rate_mbit, cfg.delay_ms, f"{cfg.fw_codec}/{cfg.bw_codec}", cfg.steps) == (10.0, 5.0, "aqsgd2/gradq4", 8)
+    assert cfg.peers == 2 and (cfg.layers, cfg.hidden, cfg.seq_len) == (4, 128, 128)
     for service in netns.testbed_services(cfg, "/run"):
         args = parse_entry_point(service.argv)
+        if service.name != "bootstrap":
+            assert args.model_seed == 3, "peers and trainer start from the same weights"
         if service.name.startswith("peer"):
             assert (args.rate_mbit, args.total_steps, args.delay_ms) == (None, 8, 5.0)
+        if service.name == "trainer":
+            assert (args.steps, args.setting, args.deadline_s, args.schedule) == (8, "aqsgd2/gradq4", 300.0, "1f1b")
 
 
 # ---- docker/ ----------------------------------------------------------------------------------------------
