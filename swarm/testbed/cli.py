@@ -383,6 +383,7 @@ def render_compose(cfg: TestbedConfig) -> str:
         "# (same options as `swarm testbed up`); tests/unit/test_testbed.py checks it matches; regenerate, don't",
         "# edit. Run from the repository root, see README.md (Testbeds):",
         "#   docker compose -f docker/compose.yaml up --build --abort-on-container-exit --exit-code-from trainer",
+        "# Peers and trainer serve /metrics on a free port of the host's loopback: `docker compose port peer0 9400`.",
         "name: swarm-testbed",
         "",
         "x-swarm: &swarm",
@@ -407,6 +408,9 @@ def render_compose(cfg: TestbedConfig) -> str:
         if service.name == "trainer":
             lines += [f"      {s.name}: {{condition: service_started}}" for s in services if s.name.startswith("peer")]
             lines += ['    restart: "no"']
+        port = _metrics_port(command)
+        if port is not None:  # /metrics, published on a free port of the host's loopback (`docker compose port`)
+            lines += [f"    expose: [{q(str(port))}]", f"    ports: [{q(f'127.0.0.1::{port}')}]"]
     lines += [
         "",
         "networks:",
@@ -468,6 +472,12 @@ def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int):
             return list(csv.DictReader(f))
     finally:
         take_down(run_dir, cfg.prefix, say=quiet)
+
+
+def _metrics_port(argv: list[str] | tuple[str, ...]) -> int | None:
+    """The --metrics-port a service's argv gives (the last one, as argparse takes it); None: not served."""
+    ports = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--metrics-port"]
+    return int(ports[-1]) if ports else None
 
 
 def _pop_flag(flags: list[str], name: str) -> str | None:
@@ -578,6 +588,7 @@ def _collect_status(run_dir: Path, prefix: str | None) -> dict:
                 "sent_bytes": (qdisc or {}).get("bytes"),
                 "drops": (qdisc or {}).get("drops"),
                 "processes": [_describe_process(pid) for pid in pids],
+                "metrics_url": _metrics_url(node),
             }
         )
     summary = run_dir / "train" / "summary.json"
@@ -608,12 +619,21 @@ def _render_status(status: dict) -> str:
     widths = [max(len(str(row[i])) for row in [headers, *table]) for i in range(len(headers))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [headers, *table]]
     lines.append(f"links in the root namespace: {' '.join(status['links']) or 'none'}")
+    served = [(r["service"], r["namespace"], r["metrics_url"]) for r in status["namespaces"] if r.get("metrics_url")]
+    if served:  # the bridge has no address in the root namespace: scrape from inside one
+        lines.append(f"metrics (from a namespace, e.g. ip netns exec {served[0][1]} curl -s URL):")
+        lines += [f"  {service:<10} {url}" for service, _, url in served]
     if status["trained"]:
         t = status["trained"]
         lines.append(f"trained: {t['steps']} steps, loss {t['first_loss']:.3f} -> {t['final_loss']:.3f} ({t['csv']})")
     if status["train_command"]:
         lines.append(f"train by hand: {status['train_command']}")
     return "\n".join(lines)
+
+
+def _metrics_url(node: dict) -> str | None:
+    port = _metrics_port(node.get("argv", ()))
+    return None if port is None or "address" not in node else f"http://{node['address']}:{port}/metrics"
 
 
 def _namespace_device(ns: str, prefix: str) -> str | None:

@@ -32,6 +32,7 @@ __all__ = [
     "BOOTSTRAP_PORT",
     "FALLBACK_HINT",
     "GSO_MAX_BYTES",
+    "METRICS_PORT",
     "PEER_PORT",
     "CommandError",
     "LinkRate",
@@ -65,6 +66,8 @@ BOOTSTRAP_PORT = 31337
 identity file its multiaddr survives a restart."""
 PEER_PORT = 50051
 """gRPC port of every peer's stage service: fixed, so per-link delays can name `ADDR:PORT` up front."""
+METRICS_PORT = 9400
+"""Port of every peer's and the trainer's /metrics (each at its own address)."""
 ADDRESS_FILE = "bootstrap.addr"
 GSO_MAX_BYTES = 16384
 """Largest GSO packet on a shaped interface (see shaping_commands)."""
@@ -241,7 +244,8 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
                 "swarm", "train", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
                 "--epochs", str(cfg.epochs), "--train-samples", str(cfg.train_samples),
                 "--batch-size", str(cfg.batch_size), "--micro-batches", str(cfg.micro_batches),
-                "--out", f"{shared_dir}/train", *cfg.model_flags(), *cfg.trainer_flags,
+                "--out", f"{shared_dir}/train", "--metrics-port", str(METRICS_PORT),
+                *cfg.model_flags(), *cfg.trainer_flags,
             ]  # fmt: skip
             if cfg.steps:
                 argv += ["--steps", str(cfg.steps)]
@@ -250,7 +254,8 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
                 "swarm-peer", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
                 "--grpc-port", str(PEER_PORT), "--fw-codec", cfg.fw_codec, "--bw-codec", cfg.bw_codec,
                 "--total-steps", str(total), "--warmup-steps", str(max(1, total // 10)),
-                "--checkpoint-dir", f"{shared_dir}/checkpoints", *cfg.model_flags(), *cfg.peer_flags,
+                "--checkpoint-dir", f"{shared_dir}/checkpoints", "--metrics-port", str(METRICS_PORT),
+                *cfg.model_flags(), *cfg.peer_flags,
             ]  # fmt: skip
             for link in cfg.links:
                 if link.src == name and link.delay_ms:

@@ -20,6 +20,7 @@ from swarm.testbed import cli as testbed
 from swarm.testbed import netns
 from swarm.testbed.cli import SHARED_DIR, compose_service, entrypoint_argv, render_compose
 from swarm.testbed.netns import (
+    METRICS_PORT,
     PEER_PORT,
     LinkRate,
     plan_testbed,
@@ -88,6 +89,8 @@ def test_every_service_argv_is_accepted_by_its_entry_point(cfg):
         args = parse_entry_point(service.argv)
         assert args.host == service.address
         assert args.address_file == "/run/bootstrap.addr"
+        if service.name != "bootstrap":
+            assert args.metrics_port == METRICS_PORT, "every peer and the trainer serve /metrics at their address"
         if service.name.startswith("peer"):
             assert (args.num_stages, args.grpc_port, args.fw_codec, args.bw_codec) == (
                 cfg.peers,
@@ -252,6 +255,27 @@ def test_scenario_gives_every_ordered_peer_pair_a_link():
         parse_entry_point(service.argv)
 
 
+def test_status_prints_the_metrics_urls_of_the_services_serving_them():
+    nodes = {
+        s.name: {"name": s.name, "address": s.address, "argv": list(s.argv)}
+        for s in netns.testbed_services(RICH, "/run")
+    }
+    urls = {name: testbed._metrics_url(node) for name, node in nodes.items()}
+    assert urls["bootstrap"] is None
+    assert urls["peer2"] == f"http://10.77.0.12:{METRICS_PORT}/metrics"
+    assert urls["trainer"] == f"http://10.77.0.3:{METRICS_PORT}/metrics"
+    rows = [
+        {"service": name, "namespace": f"swt-{name}", "address": node["address"], "shaping": "unshaped",
+         "sent_bytes": None, "drops": None, "processes": [], "metrics_url": urls[name]}
+        for name, node in nodes.items()
+    ]  # fmt: skip
+    text = testbed._render_status({"namespaces": rows, "links": [], "trained": None, "train_command": None})
+    assert [line.split()[0] for line in text.splitlines() if "/metrics" in line and "curl" not in line] == [
+        "peer0", "peer1", "peer2", "trainer"
+    ]  # fmt: skip
+    assert all(url in text for url in urls.values() if url)
+
+
 def test_shape_dry_run_prints_the_shaping_commands(capsys):
     assert cli.main(["testbed", "shape", "--rate-mbit", "20", "--to", "10.77.0.11=5", "--dry-run"]) == 0
     expected = [" ".join(c) for c in shaping_commands("eth0", 20.0, (("10.77.0.11", 5.0),))]
@@ -319,6 +343,8 @@ def test_compose_runs_the_namespace_testbeds_services(cfg):
         assert svc["networks"]["swarm"]["ipv4_address"] == service.address
         assert "NET_ADMIN" in svc["cap_add"] and f"shared:{SHARED_DIR}" in svc["volumes"]
         assert svc["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
+        if name != "bootstrap":  # /metrics reachable from the host's loopback, on a port docker picks
+            assert svc["ports"] == [f"127.0.0.1::{METRICS_PORT}"] and svc["expose"] == [str(METRICS_PORT)]
         if name == "bootstrap":
             assert svc["healthcheck"]["test"] == ["CMD", "test", "-s", f"{SHARED_DIR}/bootstrap.addr"]
         else:
