@@ -99,3 +99,13 @@ def dht_config(args: argparse.Namespace, **overrides):
     from swarm.daemon.bootstrap import dht_config_from_args
 
     return dht_config_from_args(args, initial_peers=tuple(initial_peers(args)), **overrides)
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("monitoring")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (off unless given; 0: any port)",
+    )

@@ -16,12 +16,18 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from swarm.compression import CodecConfig
+from swarm.metrics import Metrics, MetricsServer, serve_metrics
+from swarm.model.gpt import ModelConfig
 from swarm.options import (
     add_codec_arguments,
     add_dht_arguments,
+    add_metrics_arguments,
     add_model_arguments,
     add_shaping_arguments,
     codec_configs,
@@ -30,9 +36,109 @@ from swarm.options import (
     model_config,
 )
 from swarm.peers.allocator import tune_allocator
+from swarm.peers.shaper import LinkShape
+from swarm.peers.transport import TransportConfig
 from swarm.runtime.worker import OptimConfig
 
+if TYPE_CHECKING:
+    from swarm.peers.dht import DHTConfig
+
 log = logging.getLogger("swarm.peer")
+
+
+def _default_dht() -> DHTConfig:
+    from swarm.peers.dht import DHTConfig  # hivemind is slow to import: only when a config is made
+
+    return DHTConfig()
+
+
+@dataclass(frozen=True)
+class PlanningConfig:
+    """How a peer following plans (--assign plan) measures its links and plans when it leads."""
+
+    min_peers: int = 0
+    """Peers announced before the first plan (0: the run's stage count, or 1 when the planner picks it)."""
+    seed: int = 0
+    """Seed of the planner's search."""
+    probe_bytes: int = 256 << 10
+    """Bytes sent to measure a link's rate."""
+    peers_per_round: int = 4
+    """Links measured per probing round."""
+    interval_s: float = 30.0
+    """Seconds between probing rounds once every peer has been measured."""
+    refresh_s: float = 240.0
+    """Re-measure a link after this many seconds."""
+
+    def __post_init__(self) -> None:
+        if self.min_peers < 0 or self.probe_bytes < 1 or self.peers_per_round < 1:
+            raise ValueError("PlanningConfig: need min_peers >= 0, probe_bytes >= 1 and peers_per_round >= 1")
+        if self.interval_s <= 0 or self.refresh_s <= 0:
+            raise ValueError("PlanningConfig: interval_s and refresh_s must be > 0")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Everything a swarm-peer is told: `config_from_args` builds it from the flags, tests directly."""
+
+    dht: DHTConfig = field(default_factory=_default_dht)
+    """How the peer joins the DHT (its host is also the stage service's) and how long its announcement lives."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """The gRPC stage service's address and bounds."""
+    grpc_port: int = 0
+    """Port of the gRPC stage service; 0 picks a free one."""
+    assign: str = "plan"
+    """plan: follow the scheduler's plans from the DHT; even: an even split by join order, fixed for the run."""
+    num_stages: int = 2
+    """Pipeline stages of the run (0 with assign plan: the planner picks)."""
+    stage: int | None = None
+    """With assign even: serve this stage instead of the split's."""
+    device: str = "cpu"
+    """torch device to compute on."""
+    threads: int = 1
+    """torch intra-op threads."""
+    compute_layers_per_s: float = 0.0
+    """Declared forward+backward speed, layers/s; 0: measure it at start-up."""
+    assign_timeout_s: float = 120.0
+    """Leave if no stage is assigned within this many seconds."""
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
+    """Link probing and planning (assign plan)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model; every peer and the trainer must agree."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule of the stage."""
+    fw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse("aqsgd2"))
+    """Activation codec of the links this peer sends forward on."""
+    bw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse("gradq4"))
+    """Gradient codec of the links this peer sends backward on."""
+    link_shape: LinkShape = field(default_factory=LinkShape)
+    """Application shaping of every outgoing link (default: none)."""
+    link_shapes: tuple[tuple[str, LinkShape], ...] = ()
+    """(address, shape) of outgoing links shaped differently from `link_shape`."""
+    checkpoint_dir: str | None = None
+    """Folder of the stage's safetensors checkpoints; None: no checkpoints."""
+    checkpoint_every: int = 50
+    """Steps between checkpoints (and one at exit)."""
+    resume: bool = False
+    """Start from the stage's checkpoint if there is one."""
+    metrics_port: int | None = None
+    """Serve the process's metrics at http://HOST:PORT/metrics (HOST: the transport's); None: off, 0: any port."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "link_shapes", tuple(tuple(pair) for pair in self.link_shapes))
+        if self.assign not in ("plan", "even"):
+            raise ValueError(f"PeerConfig.assign: expected plan or even, got {self.assign!r}")
+        if self.num_stages < (1 if self.assign == "even" else 0):
+            raise ValueError(f"PeerConfig.num_stages: {self.num_stages} stages with assign {self.assign}")
+        if self.stage is not None and not 0 <= self.stage < max(1, self.num_stages):
+            raise ValueError(f"PeerConfig.stage: {self.stage} is not one of {self.num_stages} stages")
+        for name in ("grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"PeerConfig.{name}: expected 0-65535, got {port}")
+        if self.threads < 1 or self.checkpoint_every < 1:
+            raise ValueError("PeerConfig: threads and checkpoint_every must be >= 1")
+        if self.compute_layers_per_s < 0 or self.assign_timeout_s <= 0:
+            raise ValueError("PeerConfig: need compute_layers_per_s >= 0 and assign_timeout_s > 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,37 +147,51 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lend this machine to a swarm training run: join the DHT, take a pipeline stage, serve it.",
     )
     add_dht_arguments(parser)
+    d, plans = PeerConfig, PlanningConfig
     g = parser.add_argument_group("serving")
-    g.add_argument("--grpc-port", type=int, default=0, help="port of the gRPC stage service (0 picks a free one)")
+    g.add_argument(
+        "--grpc-port", type=int, default=d.grpc_port, help="port of the gRPC stage service (0 picks a free one)"
+    )
     g.add_argument(
         "--assign",
         choices=["plan", "even"],
-        default="plan",
+        default=d.assign,
         help="plan: follow the scheduler's plans from the DHT (re-planned on join/leave); "
         "even: an even split by join order, fixed for the run",
     )
     g.add_argument(
-        "--num-stages", type=int, default=2, help="pipeline stages of the run (0 with --assign plan: the planner picks)"
+        "--num-stages",
+        type=int,
+        default=d.num_stages,
+        help="pipeline stages of the run (0 with --assign plan: the planner picks)",
     )
-    g.add_argument("--stage", type=int, default=None, help="--assign even: serve this stage instead of the split's")
-    g.add_argument("--device", default="cpu", help="torch device to compute on (cpu, cuda:0, ...)")
-    g.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    g.add_argument("--stage", type=int, default=d.stage, help="--assign even: serve this stage instead of the split's")
+    g.add_argument("--device", default=d.device, help="torch device to compute on (cpu, cuda:0, ...)")
+    g.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
     g.add_argument(
         "--compute-speed",
         type=float,
-        default=0.0,
+        default=d.compute_layers_per_s,
         help="declare this peer's layers/s instead of measuring it at start-up (0: measure)",
     )
-    g.add_argument("--assign-timeout-s", type=float, default=120.0, help="give up if no stage is assigned by then")
+    g.add_argument(
+        "--assign-timeout-s", type=float, default=d.assign_timeout_s, help="give up if no stage is assigned by then"
+    )
     g.add_argument("--announce-ttl-s", type=float, default=30.0, help="lifetime of this peer's DHT announcement")
     g.add_argument("--max-workers", type=int, default=32, help="threads serving gRPC calls")
     g = parser.add_argument_group("planning (--assign plan)")
-    g.add_argument("--min-peers", type=int, default=0, help="peers announced before the first plan (0: --num-stages)")
-    g.add_argument("--plan-seed", type=int, default=0, help="seed of the planner's search")
-    g.add_argument("--probe-bytes", type=int, default=256 << 10, help="bytes sent to measure a link's rate")
-    g.add_argument("--probe-peers-per-round", type=int, default=4, help="links measured per probing round")
-    g.add_argument("--probe-interval-s", type=float, default=30.0, help="seconds between probing rounds")
-    g.add_argument("--probe-refresh-s", type=float, default=240.0, help="re-measure a link after this many seconds")
+    g.add_argument(
+        "--min-peers", type=int, default=plans.min_peers, help="peers announced before the first plan (0: --num-stages)"
+    )
+    g.add_argument("--plan-seed", type=int, default=plans.seed, help="seed of the planner's search")
+    g.add_argument("--probe-bytes", type=int, default=plans.probe_bytes, help="bytes sent to measure a link's rate")
+    g.add_argument(
+        "--probe-peers-per-round", type=int, default=plans.peers_per_round, help="links measured per probing round"
+    )
+    g.add_argument("--probe-interval-s", type=float, default=plans.interval_s, help="seconds between probing rounds")
+    g.add_argument(
+        "--probe-refresh-s", type=float, default=plans.refresh_s, help="re-measure a link after this many seconds"
+    )
     add_model_arguments(parser)
     # defaults come from OptimConfig so a swarm and the in-process pipeline train alike unless told otherwise
     optim = OptimConfig()
@@ -91,11 +211,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_shaping_arguments(parser)
     g = parser.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint-dir", default=None, help="write a safetensors checkpoint of the stage here")
-    g.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (and one at exit)")
+    g.add_argument(
+        "--checkpoint-dir", default=d.checkpoint_dir, help="write a safetensors checkpoint of the stage here"
+    )
+    g.add_argument(
+        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (and one at exit)"
+    )
     g.add_argument("--resume", action="store_true", help="start from the stage's checkpoint if there is one")
+    add_metrics_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    """The PeerConfig of swarm-peer's flags, the one place they are read (--log-level aside, main's)."""
+    fw_codec, bw_codec = codec_configs(args)
+    default_shape, per_link = link_shapes(args)
+    return PeerConfig(
+        dht=dht_config(args, announce_ttl_s=args.announce_ttl_s),
+        transport=TransportConfig(host=args.host, max_workers=args.max_workers),
+        grpc_port=args.grpc_port,
+        assign=args.assign,
+        num_stages=args.num_stages,
+        stage=args.stage,
+        device=args.device,
+        threads=args.threads,
+        compute_layers_per_s=args.compute_speed,
+        assign_timeout_s=args.assign_timeout_s,
+        planning=PlanningConfig(
+            min_peers=args.min_peers,
+            seed=args.plan_seed,
+            probe_bytes=args.probe_bytes,
+            peers_per_round=args.probe_peers_per_round,
+            interval_s=args.probe_interval_s,
+            refresh_s=args.probe_refresh_s,
+        ),
+        model=model_config(args),
+        optim=OptimConfig(
+            lr_peak=args.lr,
+            warmup_steps=args.warmup_steps,
+            total_steps=args.total_steps,
+            grad_clip_norm=args.grad_clip or None,
+        ),
+        fw_codec=fw_codec,
+        bw_codec=bw_codec,
+        link_shape=default_shape,
+        link_shapes=tuple(per_link.items()),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        metrics_port=args.metrics_port,
+    )
 
 
 def measure_compute(model, device: str, iters: int = 3) -> float:
@@ -114,11 +280,14 @@ def measure_compute(model, device: str, iters: int = 3) -> float:
 class PeerDaemon:
     """One peer's lifetime; `run()` blocks until `stop()` (or a signal) and returns the exit code."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
+    def __init__(self, cfg: PeerConfig):
+        self.cfg = cfg
         self._stop = threading.Event()
         self.following = None  # the PlanRecord this peer serves under, in --assign plan mode
         self.resumed = False
+        self.metrics = Metrics()
+        """This process's metrics, served with --metrics-port; what the stage host should count into."""
+        self.metrics_server: MetricsServer | None = None
 
     def stop(self, *_):
         self._stop.set()
@@ -127,35 +296,42 @@ class PeerDaemon:
         from swarm.peers.dht import Heartbeat, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
-        from swarm.peers.transport import Channels, TransportConfig, make_server
+        from swarm.peers.transport import Channels, make_server
         from swarm.proto import stage_pb2_grpc
         from swarm.runtime.service import StageServicer
 
-        args = self.args
-        torch.set_num_threads(args.threads)
-        self.model = model_config(args)
-        self.codecs = codec_configs(args)
-        default_shape, per_link = link_shapes(args)
-        self.shaping = LinkShaping(default_shape, per_link)
-        dht = SwarmDHT(dht_config(args, announce_ttl_s=args.announce_ttl_s))
+        cfg = self.cfg
+        torch.set_num_threads(cfg.threads)
+        self.model = cfg.model
+        self.codecs = (cfg.fw_codec, cfg.bw_codec)
+        self.shaping = LinkShaping(cfg.link_shape, dict(cfg.link_shapes))
+        dht = SwarmDHT(cfg.dht)
         self.dht = dht
         server = None
         try:
-            # the gRPC server starts after the DHT's process is forked: forking beside gRPC threads is unsafe
-            self.transport = TransportConfig(host=args.host, max_workers=args.max_workers)
+            # the gRPC and metrics servers start after the DHT's process is forked: forking beside gRPC threads
+            # is unsafe, and the DHT's process would hold a copy of the metrics port's listening socket
+            if cfg.metrics_port is not None:
+                try:
+                    self.metrics_server = serve_metrics(self.metrics, cfg.metrics_port, cfg.transport.host)
+                except OSError as e:
+                    log.error("cannot serve metrics on %s:%d: %s", cfg.transport.host, cfg.metrics_port, e)
+                    return 2
+                log.info("metrics at %s", self.metrics_server.url)
+            self.transport = cfg.transport
             self.channels = Channels(self.transport)
-            server, port = make_server(self.transport, args.grpc_port)
-            address = f"{args.host}:{port}"
+            server, port = make_server(self.transport, cfg.grpc_port)
+            address = f"{cfg.transport.host}:{port}"
             self.servicer = StageServicer(None)
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
             server.start()
             log.info("stage service listening on %s", address)
-            self.speed = args.compute_speed or measure_compute(self.model, args.device)
+            self.speed = cfg.compute_layers_per_s or measure_compute(self.model, cfg.device)
             log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, self.speed)
             self.announcement = PeerAnnouncement(
                 peer_id=dht.peer_id,
                 address=address,
-                device=args.device,
+                device=cfg.device,
                 memory_bytes=_memory_bytes(),
                 compute_layers_per_s=self.speed,
                 started_at=time.time(),
@@ -163,8 +339,8 @@ class PeerDaemon:
             )
             heartbeat = Heartbeat(dht, lambda: self.announcement).start()
             dht.announce(self.announcement)
-            log.info("links shaped to %s", default_shape.describe())
-            code = self._follow_plans(address) if args.assign == "plan" else self._serve_even_split()
+            log.info("links shaped to %s", cfg.link_shape.describe())
+            code = self._follow_plans(address) if cfg.assign == "plan" else self._serve_even_split()
             if code:
                 return code
             log.info("stopping: finishing the current call")
@@ -178,6 +354,8 @@ class PeerDaemon:
         finally:
             if server is not None:
                 server.stop(grace=None)
+            if self.metrics_server is not None:
+                self.metrics_server.close()
             dht.shutdown()
 
     # ---- roles ---------------------------------------------------------------------------------------------
@@ -188,21 +366,16 @@ class PeerDaemon:
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
 
-        args = self.args
-        optim = OptimConfig(
-            lr_peak=args.lr,
-            warmup_steps=args.warmup_steps,
-            total_steps=args.total_steps,
-            grad_clip_norm=args.grad_clip or None,
-        )
+        cfg = self.cfg
         host = StageHost(
             role,
             self.model,
-            StageConfig(optim=optim),
+            StageConfig(optim=cfg.optim),
             LinkEnds(*self.codecs, shaping=self.shaping),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport),
-            device=args.device,
+            device=cfg.device,
+            metrics=self.metrics,
         )
         host.compute_layers_per_s = self.speed
         self._setup_checkpoints(host)
@@ -216,17 +389,18 @@ class PeerDaemon:
             layer_end=None if role is None else role.layer_end,
             plan_version=self.following.version if self.following is not None else 0,
         )
+        self.metrics.plan_version.set(self.announcement.plan_version)
         self.dht.announce(self.announcement)
 
     def _serve_even_split(self) -> int:
         from swarm.daemon.assign import EvenSplit
 
-        assigner = EvenSplit(self.args.num_stages, self.model.n_layers, self.args.stage)
+        assigner = EvenSplit(self.cfg.num_stages, self.model.n_layers, self.cfg.stage)
         role = self._wait_for_role(self.dht, assigner)
         if role is None:
             if self._stop.is_set():
                 return 0
-            log.error("no stage assigned within %.0f s; leaving", self.args.assign_timeout_s)
+            log.error("no stage assigned within %.0f s; leaving", self.cfg.assign_timeout_s)
             return 3
         log.info("serving stage %d of %d: layers [%d, %d)", role.stage, role.n_stages, role.layer_start, role.layer_end)
         self.servicer.host = self._make_host(role)
@@ -240,26 +414,26 @@ class PeerDaemon:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
         from swarm.daemon.planning import LinkProber, Planner, model_spec
 
-        args = self.args
+        cfg, plans = self.cfg, self.cfg.planning
         spec = model_spec(self.model, *self.codecs)
-        stages = args.num_stages or None
+        stages = cfg.num_stages or None
         prober = LinkProber(
             self.dht,
             address,
             self.shaping,
             self.channels,
-            probe_bytes=args.probe_bytes,
-            peers_per_round=args.probe_peers_per_round,
-            refresh_s=args.probe_refresh_s,
+            probe_bytes=plans.probe_bytes,
+            peers_per_round=plans.peers_per_round,
+            refresh_s=plans.refresh_s,
         )
-        planner = Planner(self.dht, spec, stages, min_peers=args.min_peers or stages or 1, seed=args.plan_seed)
-        deadline = time.monotonic() + args.assign_timeout_s
+        planner = Planner(self.dht, spec, stages, min_peers=plans.min_peers or stages or 1, seed=plans.seed)
+        deadline = time.monotonic() + cfg.assign_timeout_s
         next_probe = 0.0
         while not self._stop.is_set():
             try:
                 if time.monotonic() >= next_probe:
                     # probe often while peers are new to us, then only to refresh
-                    next_probe = time.monotonic() + (1.0 if prober.round() else args.probe_interval_s)
+                    next_probe = time.monotonic() + (1.0 if prober.round() else plans.interval_s)
                 planner.round()
                 record = self.dht.get_plan()
                 if record is not None and (self.following is None or record.version > self.following.version):
@@ -267,7 +441,7 @@ class PeerDaemon:
             except TimeoutError as e:  # a slow DHT request: try again next tick
                 log.warning("%s", e)
             if self.servicer.host is None and self.following is None and time.monotonic() > deadline:
-                log.error("no plan gave this peer a stage within %.0f s; leaving", args.assign_timeout_s)
+                log.error("no plan gave this peer a stage within %.0f s; leaving", cfg.assign_timeout_s)
                 return 3
             self._stop.wait(0.5)
         return 0
@@ -350,7 +524,7 @@ class PeerDaemon:
         )
 
     def _wait_for_role(self, dht, assigner):
-        deadline = time.monotonic() + self.args.assign_timeout_s
+        deadline = time.monotonic() + self.cfg.assign_timeout_s
         while time.monotonic() < deadline and not self._stop.is_set():
             role = assigner.assign(dht.peers(), dht.peer_id)
             if role is not None:
@@ -361,18 +535,18 @@ class PeerDaemon:
     def _setup_checkpoints(self, host) -> None:
         from swarm.runtime.checkpoint import checkpoint_path, load_stage
 
-        args = self.args
-        if not args.checkpoint_dir:
+        cfg = self.cfg
+        if not cfg.checkpoint_dir:
             return
-        path = checkpoint_path(args.checkpoint_dir, host.role.stage)
-        if args.resume and not self.resumed and path.exists():
+        path = checkpoint_path(cfg.checkpoint_dir, host.role.stage)
+        if cfg.resume and not self.resumed and path.exists():
             state = load_stage(path, host.worker.module.state_dict())
             host.worker.module.load_state_dict(state)
             self.resumed = True
             log.info("resumed stage %d from %s", host.role.stage, path)
 
         def on_step(h):
-            if h.steps_done % args.checkpoint_every == 0:
+            if h.steps_done % cfg.checkpoint_every == 0:
                 self._checkpoint(h)
 
         host.on_step = on_step
@@ -380,9 +554,9 @@ class PeerDaemon:
     def _checkpoint(self, host, final: bool = False) -> None:
         from swarm.runtime.checkpoint import checkpoint_path, save_stage
 
-        if not self.args.checkpoint_dir:
+        if not self.cfg.checkpoint_dir:
             return
-        path = checkpoint_path(self.args.checkpoint_dir, host.role.stage)
+        path = checkpoint_path(self.cfg.checkpoint_dir, host.role.stage)
         meta = {"stage": str(host.role.stage), "steps_done": str(host.steps_done), "final": str(final)}
         if save_stage(path, host.worker.state_dict(), meta):
             log.info("checkpoint written: %s (step %d)", path, host.steps_done)
@@ -396,7 +570,12 @@ def _memory_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     tune_allocator()
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -405,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    daemon = PeerDaemon(args)
+    daemon = PeerDaemon(cfg)
     signal.signal(signal.SIGINT, daemon.stop)
     signal.signal(signal.SIGTERM, daemon.stop)
     return daemon.run()

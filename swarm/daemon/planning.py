@@ -145,8 +145,19 @@ def plan_peers(record: PlanRecord) -> set[str]:
     return used | set(record.plan.get("unused_peer_ids", []))
 
 
-def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> tuple[list[str], list[str]] | None:
-    """(addresses, peer ids) of the plan's first pipeline, once every one of its peers follows the plan."""
+@dataclass(frozen=True)
+class Route:
+    """The pipeline a trainer drives: one peer per stage, all following the same plan."""
+
+    addresses: list[str]
+    """gRPC address of each stage, in pipeline order."""
+    peer_ids: list[str]
+    plan_version: int = 0
+    """The plan they follow (0: an even split by join order, no plan)."""
+
+
+def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
+    """The plan's first pipeline, once every one of its peers follows the plan."""
     following = {p.peer_id: p for p in peers if p.plan_version == record.version and p.stage is not None}
     route, ids = [], []
     for index, stage in enumerate(record.plan.get("stages", [])):
@@ -156,7 +167,7 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> tuple[list[st
             return None
         route.append(ann.address)
         ids.append(pid)
-    return (route, ids) if ids else None
+    return Route(route, ids, record.version) if ids else None
 
 
 def elected_planner(peers: Iterable[PeerAnnouncement], trusted: Iterable[str] = ()) -> str | None:

@@ -21,6 +21,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from swarm.train.trainer import TrainConfig
 
 RATES = [10.0, 100.0, 1000.0, None]
 SETTINGS = ["fp32/fp32", "directq2/gradq4", "directq4/gradq8", "aqsgd2/gradq4", "aqsgd4/gradq8"]
@@ -52,6 +56,43 @@ class Cell:
         return f"{rate}-{self.setting.replace('/', '-')}"
 
 
+@dataclass(frozen=True)
+class ThrottledConfig:
+    """The matrix of `swarm experiment throttled`: every link speed with every codec setting."""
+
+    rates: tuple[float | None, ...] = tuple(RATES)
+    """Link speeds of the cells, Mbit/s; None: an unshaped link."""
+    settings: tuple[str, ...] = tuple(SETTINGS)
+    """FW/BW codec pairs of the cells; the fp32/* ones are the baseline of the comparisons."""
+    steps: int = 40
+    """Optimizer steps per cell."""
+    train_samples: int = 32
+    """Training samples, a multiple of `batch_size`."""
+    batch_size: int = 8
+    """Samples per step."""
+    micro_batches: int = 4
+    """Micro-batches per step."""
+    peers: int = 2
+    """swarm-peer processes, one stage each."""
+    delay_ms: float = 0.0
+    """One-way delay of every link, ms."""
+    netns: bool = False
+    """Shape with tc in network namespaces (needs root) instead of the application's shaper."""
+    out: Path | None = None
+    """Output folder (None: runs/throttled-<time>)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "train_samples", "batch_size", "micro_batches", "peers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ThrottledConfig.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.train_samples % self.batch_size:
+            raise ValueError("--train-samples must be a multiple of --batch-size")
+
+    @property
+    def cells(self) -> list[Cell]:
+        return [Cell(rate, setting) for rate in self.rates for setting in self.settings]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rates",
@@ -71,34 +112,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the table rows as JSON")
 
 
+def config_from_args(args: argparse.Namespace) -> ThrottledConfig:
+    """The ThrottledConfig of the flags; --quick shrinks the matrix, and an fp32 baseline is always run."""
+    rates = [None if r.strip().lower() in ("none", "unshaped") else float(r) for r in args.rates.split(",")]
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    steps, train_samples = args.steps, args.train_samples
+    if args.quick:
+        rates, settings = list(QUICK_RATES), list(QUICK_SETTINGS)
+        steps, train_samples = min(steps, 8), min(train_samples, 16)
+    if not any(s.startswith("fp32/") for s in settings):
+        settings.insert(0, "fp32/fp32")
+    return ThrottledConfig(
+        rates=tuple(rates),
+        settings=tuple(settings),
+        steps=steps,
+        train_samples=train_samples,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        peers=args.peers,
+        delay_ms=args.delay_ms,
+        netns=args.netns,
+        out=args.out,
+    )
+
+
+def train_config(cell: Cell, cfg: ThrottledConfig, out: Path) -> TrainConfig:
+    """The trainer of one cell: the entry points' default model, every cell from the same seed."""
+    from swarm.train.trainer import TrainConfig
+
+    return TrainConfig(
+        train_samples=cfg.train_samples, batch_size=cfg.batch_size, micro_batches=cfg.micro_batches,
+        schedule="1f1b", steps=cfg.steps, seed=0, setting=cell.setting, deadline_s=300.0, out=str(out / cell.label),
+    )  # fmt: skip
+
+
 def _bits(codec: str) -> int:
     digits = codec.removesuffix("+ef").lstrip("abcdefghijklmnopqrstuvwxyz")
     return int(digits) if codec[:2] not in ("fp", "bf") else int(codec[-2:])
 
 
-def _run_cell(cell: Cell, args, out: Path) -> list[dict]:
+def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
     fw, bw = cell.setting.split("/")
     # an even split, the same in every cell: the planner's split follows noisy compute measurements, and a
     # different stage boundary would change the training math between the cells being compared
-    flags = ["--assign", "even", "--fw-codec", fw, "--bw-codec", bw, "--delay-ms", str(args.delay_ms)]
-    flags += ["--total-steps", str(args.steps), "--warmup-steps", str(max(1, args.steps // 10))]
+    flags = ["--assign", "even", "--fw-codec", fw, "--bw-codec", bw, "--delay-ms", str(cfg.delay_ms)]
+    flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 10))]
     if cell.rate_mbit is not None:
         flags += ["--rate-mbit", str(cell.rate_mbit)]
-    train_args = argparse.Namespace(
-        layers=4, hidden=128, heads=4, seq_len=128, model_seed=0, data=None,
-        train_samples=args.train_samples, batch_size=args.batch_size, micro_batches=args.micro_batches,
-        schedule="1f1b", steps=args.steps, epochs=None, seed=0, setting=cell.setting, deadline_s=300.0,
-        out=str(out / cell.label),
-    )  # fmt: skip
-    if args.netns:
+    train_cfg = train_config(cell, cfg, out)
+    if cfg.netns:
         from swarm.testbed.cli import run_in_testbed
 
-        return run_in_testbed(cell, flags, train_args, args)
-    with local_swarm(out / cell.label, args.peers, flags) as swarm:
-        train(train_args, swarm.path, quiet=True)
+        return run_in_testbed(cell, flags, train_cfg, cfg.peers)
+    with local_swarm(out / cell.label, cfg.peers, flags) as swarm:
+        train(train_cfg, swarm.path, quiet=True)
     with open(out / cell.label / "steps.csv") as f:
         return list(csv.DictReader(f))
 
@@ -242,31 +312,26 @@ def run(args: argparse.Namespace) -> int:
 
     from swarm.bench.common import print_table
 
-    rates = [None if r.strip().lower() in ("none", "unshaped") else float(r) for r in args.rates.split(",")]
-    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    if args.quick:
-        rates, settings = QUICK_RATES, QUICK_SETTINGS
-        args.steps, args.train_samples = min(args.steps, 8), min(args.train_samples, 16)
-    if not any(s.startswith("fp32/") for s in settings):
-        settings.insert(0, "fp32/fp32")
-    if args.train_samples % args.batch_size:
-        raise SystemExit("--train-samples must be a multiple of --batch-size")
-    out = args.out or Path(f"runs/throttled-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    out = cfg.out or Path(f"runs/throttled-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    cells = [Cell(rate, setting) for rate in rates for setting in settings]
-    steps_per_epoch = args.train_samples // args.batch_size
+    cells = cfg.cells
+    steps_per_epoch = cfg.train_samples // cfg.batch_size
     all_steps, rows = {}, []
     with tqdm(cells, desc="cells", unit="cell", file=sys.stderr) as bar:  # stderr: --json stays clean
         for cell in bar:
             bar.set_postfix_str(cell.label)
-            all_steps[cell] = _run_cell(cell, args, out)
-            rows.append(summarize(cell, all_steps[cell], steps_per_epoch, args.batch_size))
+            all_steps[cell] = _run_cell(cell, cfg, out)
+            rows.append(summarize(cell, all_steps[cell], steps_per_epoch, cfg.batch_size))
     ratios = add_comparisons(rows)
     write_outputs(out, rows, all_steps, ratios)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print_table(rows, COLUMNS, f"throttled experiment ({len(cells)} cells, {args.steps} steps each)")
+        print_table(rows, COLUMNS, f"throttled experiment ({len(cells)} cells, {cfg.steps} steps each)")
         print("fp32 wire/compute per step: " + ", ".join(f"{r:g} Mbit/s {v:.2f}" for r, v in sorted(ratios.items())))
         print(f"wrote {out}/report.md, steps.csv, results.json, loss_vs_time.png, step_time.png, wire_bytes.png")
     return 0

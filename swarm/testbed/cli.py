@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarm.testbed.compose import render_compose
 from swarm.testbed.lifecycle import bring_up, take_down, train_in
@@ -37,6 +38,9 @@ from swarm.testbed.netns import (
 )
 from swarm.testbed.services import LinkRate, TestbedConfig
 from swarm.testbed.status import collect_status, render_status
+
+if TYPE_CHECKING:
+    from swarm.train.trainer import TrainConfig
 
 __all__ = ["add_arguments", "config_from_args", "run", "run_in_testbed"]
 
@@ -161,38 +165,40 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 # ---- the experiment hook ----------------------------------------------------------------------------------
 
 
-def run_in_testbed(cell, peer_flags: list[str], train_args: argparse.Namespace, args: argparse.Namespace):
-    """One cell of `swarm experiment throttled --netns`: a fresh testbed with every link shaped by tc to
-    `cell.rate_mbit` (None: unshaped), the trainer run inside, the testbed taken down; returns the rows of
-    the trainer's steps.csv. `--rate-mbit` in `peer_flags` is dropped: the kernel shapes instead."""
+def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int):
+    """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers with every link
+    shaped by tc to `cell.rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
+    taken down; returns the rows of the trainer's steps.csv. `--rate-mbit` in `peer_flags` is dropped: the
+    kernel shapes instead."""
     flags = list(peer_flags)
     popped = {name: _pop_flag(flags, name) for name in ("--rate-mbit", "--fw-codec", "--bw-codec", "--delay-ms")}
     for name in ("--total-steps", "--warmup-steps"):  # the testbed derives both from the trainer's steps
         _pop_flag(flags, name)
-    trainer_flags = ["--schedule", train_args.schedule, "--seed", str(train_args.seed)]
-    trainer_flags += ["--setting", train_args.setting, "--deadline-s", str(train_args.deadline_s)]
-    trainer_flags += ["--model-seed", str(train_args.model_seed)]
-    if train_args.data:
-        trainer_flags += ["--data", str(train_args.data)]
+    model = train.model
+    trainer_flags = ["--schedule", train.schedule, "--seed", str(train.seed)]
+    trainer_flags += ["--setting", train.setting, "--deadline-s", str(train.deadline_s)]
+    trainer_flags += ["--model-seed", str(model.init_seed)]
+    if train.data:
+        trainer_flags += ["--data", str(train.data)]
     cfg = TestbedConfig(
-        peers=args.peers,
+        peers=peers,
         rate_mbit=cell.rate_mbit or 0.0,
         delay_ms=float(popped["--delay-ms"] or 0.0),
         fw_codec=popped["--fw-codec"] or TestbedConfig.fw_codec,
         bw_codec=popped["--bw-codec"] or TestbedConfig.bw_codec,
-        layers=train_args.layers,
-        hidden=train_args.hidden,
-        heads=train_args.heads,
-        seq_len=train_args.seq_len,
-        epochs=train_args.epochs or 1,
-        steps=train_args.steps,
-        train_samples=train_args.train_samples,
-        batch_size=train_args.batch_size,
-        micro_batches=train_args.micro_batches,
-        peer_flags=(*flags, "--model-seed", str(train_args.model_seed)),
+        layers=model.n_layers,
+        hidden=model.hidden_dim,
+        heads=model.n_heads,
+        seq_len=model.seq_len_tokens,
+        epochs=train.epochs,
+        steps=train.steps,
+        train_samples=train.train_samples,
+        batch_size=train.batch_size,
+        micro_batches=train.micro_batches,
+        peer_flags=(*flags, "--model-seed", str(model.init_seed)),
         trainer_flags=tuple(trainer_flags),
     )
-    run_dir = Path(train_args.out)
+    run_dir = Path(train.out)
     quiet = lambda _: None  # noqa: E731
     try:
         testbed = bring_up(cfg, run_dir, quiet)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from swarm.testbed.services import ADDRESS_FILE, Service, TestbedConfig, testbed_services
+from swarm.testbed.services import ADDRESS_FILE, Service, TestbedConfig, metrics_port, testbed_services
 
 __all__ = ["SHARED_DIR", "compose_service", "entrypoint_argv", "render_compose"]
 
@@ -45,6 +45,7 @@ def render_compose(cfg: TestbedConfig) -> str:
         "# (same options as `swarm testbed up`); tests/unit/test_testbed.py checks it matches; regenerate, don't",
         "# edit. Run from the repository root, see README.md (Testbeds):",
         "#   docker compose -f docker/compose.yaml up --build --abort-on-container-exit --exit-code-from trainer",
+        "# Peers and trainer serve /metrics on a free port of the host's loopback: `docker compose port peer0 9400`.",
         "name: swarm-testbed",
         "",
         "x-swarm: &swarm",
@@ -69,6 +70,9 @@ def render_compose(cfg: TestbedConfig) -> str:
         if service.name == "trainer":
             lines += [f"      {s.name}: {{condition: service_started}}" for s in services if s.name.startswith("peer")]
             lines += ['    restart: "no"']
+        port = metrics_port(command)
+        if port is not None:  # /metrics, published on a free port of the host's loopback (`docker compose port`)
+            lines += [f"    expose: [{q(str(port))}]", f"    ports: [{q(f'127.0.0.1::{port}')}]"]
     lines += [
         "",
         "networks:",

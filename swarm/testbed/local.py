@@ -24,7 +24,7 @@ class LocalSwarm:
 
     @property
     def path(self):
-        from swarm.train.trainer import Route
+        from swarm.daemon.planning import Route
 
         return Route(self.route, self.peers, self.plan_version)
 

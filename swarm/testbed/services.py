@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "ADDRESS_FILE",
+    "METRICS_PORT",
+    "metrics_port",
     "BOOTSTRAP_PORT",
     "PEER_PORT",
     "LinkRate",
@@ -30,6 +32,8 @@ BOOTSTRAP_PORT = 31337
 identity file its multiaddr survives a restart."""
 PEER_PORT = 50051
 """gRPC port of every peer's stage service: fixed, so per-link delays can name `ADDR:PORT` up front."""
+METRICS_PORT = 9400
+"""Port of every peer's and the trainer's /metrics (each at its own address)."""
 ADDRESS_FILE = "bootstrap.addr"
 _PREFIX_RE = re.compile(r"[a-z][a-z0-9]{0,5}-")
 _NAME_RE = re.compile(r"bootstrap|trainer|peer\d+")
@@ -200,7 +204,8 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
                 "swarm", "train", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
                 "--epochs", str(cfg.epochs), "--train-samples", str(cfg.train_samples),
                 "--batch-size", str(cfg.batch_size), "--micro-batches", str(cfg.micro_batches),
-                "--out", f"{shared_dir}/train", *cfg.model_flags(), *cfg.trainer_flags,
+                "--out", f"{shared_dir}/train", "--metrics-port", str(METRICS_PORT),
+                *cfg.model_flags(), *cfg.trainer_flags,
             ]  # fmt: skip
             if cfg.steps:
                 argv += ["--steps", str(cfg.steps)]
@@ -209,7 +214,8 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
                 "swarm-peer", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
                 "--grpc-port", str(PEER_PORT), "--fw-codec", cfg.fw_codec, "--bw-codec", cfg.bw_codec,
                 "--total-steps", str(total), "--warmup-steps", str(max(1, total // 10)),
-                "--checkpoint-dir", f"{shared_dir}/checkpoints", *cfg.model_flags(), *cfg.peer_flags,
+                "--checkpoint-dir", f"{shared_dir}/checkpoints", "--metrics-port", str(METRICS_PORT),
+                *cfg.model_flags(), *cfg.peer_flags,
             ]  # fmt: skip
             for link in cfg.links:
                 if link.src == name and link.delay_ms:
@@ -229,3 +235,9 @@ def process_argv(argv: tuple[str, ...] | list[str], python: str = sys.executable
     if argv[0] not in modules:
         raise ValueError(f"{argv[0]!r} is not a swarm entry point")
     return [python, "-m", modules[argv[0]], *argv[1:]]
+
+
+def metrics_port(argv: list[str] | tuple[str, ...]) -> int | None:
+    """The --metrics-port a service's argv gives (the last one, as argparse takes it); None: not served."""
+    ports = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--metrics-port"]
+    return int(ports[-1]) if ports else None

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from swarm.testbed.lifecycle import read_state
 from swarm.testbed.netns import list_links, list_namespaces, namespace_pids, qdisc_stats, run_command
-from swarm.testbed.services import TestbedConfig
+from swarm.testbed.services import TestbedConfig, metrics_port
 
-__all__ = ["collect_status", "render_status"]
+__all__ = ["collect_status", "metrics_url", "render_status"]
 
 
 def collect_status(run_dir: Path, prefix: str | None) -> dict:
@@ -35,6 +35,7 @@ def collect_status(run_dir: Path, prefix: str | None) -> dict:
                 "sent_bytes": (qdisc or {}).get("bytes"),
                 "drops": (qdisc or {}).get("drops"),
                 "processes": [_describe_process(pid) for pid in pids],
+                "metrics_url": metrics_url(node),
             }
         )
     summary = run_dir / "train" / "summary.json"
@@ -66,12 +67,22 @@ def render_status(status: dict) -> str:
     widths = [max(len(str(row[i])) for row in [headers, *table]) for i in range(len(headers))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [headers, *table]]
     lines.append(f"links in the root namespace: {' '.join(status['links']) or 'none'}")
+    served = [(r["service"], r["namespace"], r["metrics_url"]) for r in status["namespaces"] if r.get("metrics_url")]
+    if served:  # the bridge has no address in the root namespace: scrape from inside one
+        lines.append(f"metrics (from a namespace, e.g. ip netns exec {served[0][1]} curl -s URL):")
+        lines += [f"  {service:<10} {url}" for service, _, url in served]
     if status["trained"]:
         t = status["trained"]
         lines.append(f"trained: {t['steps']} steps, loss {t['first_loss']:.3f} -> {t['final_loss']:.3f} ({t['csv']})")
     if status["train_command"]:
         lines.append(f"train by hand: {status['train_command']}")
     return "\n".join(lines)
+
+
+def metrics_url(node: dict) -> str | None:
+    """Where a testbed service serves /metrics (None: it does not)."""
+    port = metrics_port(node.get("argv", ()))
+    return None if port is None or "address" not in node else f"http://{node['address']}:{port}/metrics"
 
 
 def _namespace_device(ns: str, prefix: str) -> str | None:

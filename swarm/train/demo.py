@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from swarm.compression import codec_labels
-from swarm.options import add_model_arguments, add_schedule_argument
+from swarm.options import add_model_arguments, add_schedule_argument, model_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from swarm.net.stream import StageCallError
     from swarm.testbed.local import local_swarm
-    from swarm.train.trainer import format_summary, train
+    from swarm.train.trainer import TrainConfig, format_summary, train
 
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -61,14 +61,13 @@ def run(args: argparse.Namespace) -> int:
     with local_swarm(out, args.peers, peer_flags, say) as swarm:
         route, procs = swarm.route, swarm.procs
         say(f"plan {swarm.plan_version}: all {args.peers} stages served: {', '.join(route)}")
-        train_args = argparse.Namespace(
-            **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "model_seed", "data")},
-            train_samples=args.train_samples, batch_size=args.batch_size, micro_batches=args.micro_batches,
-            schedule=args.schedule, steps=None, epochs=args.epochs, seed=0, setting=f"{args.fw_codec}/{args.bw_codec}",
-            deadline_s=120.0, out=str(out),
+        train_cfg = TrainConfig(
+            model=model_config(args), data=args.data, train_samples=args.train_samples,
+            batch_size=args.batch_size, micro_batches=args.micro_batches, schedule=args.schedule,
+            epochs=args.epochs, setting=f"{args.fw_codec}/{args.bw_codec}", out=str(out),
         )  # fmt: skip
         try:
-            summary = train(train_args, swarm.path, quiet=args.json)
+            summary = train(train_cfg, swarm.path, quiet=args.json)
         except StageCallError as e:
             print(f"error: training failed: {e}", file=sys.stderr)
             return 1

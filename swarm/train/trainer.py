@@ -8,6 +8,7 @@ trainer exits non-zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import logging
@@ -15,10 +16,24 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from swarm.options import add_dht_arguments, add_model_arguments, add_schedule_argument, dht_config, model_config
+from swarm.metrics import Metrics, serve_metrics
+from swarm.model.gpt import ModelConfig
+from swarm.options import (
+    add_dht_arguments,
+    add_metrics_arguments,
+    add_model_arguments,
+    add_schedule_argument,
+    dht_config,
+    model_config,
+)
+
+if TYPE_CHECKING:
+    from swarm.daemon.planning import Route
+    from swarm.peers.dht import DHTConfig
 
 log = logging.getLogger("swarm.train.trainer")
 
@@ -59,40 +74,114 @@ class TrainSummary:
     plot: str | None
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """What the trainer trains and how: `swarm train` builds it from flags, the demo and experiments directly."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model; every stage's peer must serve the same one."""
+    data: str | None = None
+    """A text file or folder to train on (None: Python's own docstrings)."""
+    train_samples: int = 64
+    """Training samples, each seen once per epoch."""
+    batch_size: int = 8
+    """Samples per optimizer step."""
+    micro_batches: int = 4
+    """Micro-batches per step; divides `batch_size`."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b or gpipe."""
+    steps: int | None = None
+    """Optimizer steps; None: `epochs` worth."""
+    epochs: int = 4
+    """Passes over the training samples (ignored when `steps` is set)."""
+    seed: int = 0
+    """Seed of the data order."""
+    setting: str = "swarm"
+    """Label of this run in the CSV."""
+    deadline_s: float = 120.0
+    """Longest a micro-batch may take end to end, seconds."""
+    out: str | None = None
+    """Folder for steps.csv, loss.png and summary.json (None: runs/train-<time>)."""
+    num_stages: int | None = None
+    """Stages to wait for when the peers follow no plan (None: 2); with a plan, the plan's."""
+    wait_timeout_s: float = 120.0
+    """Bound on finding a whole pipeline in the DHT (at the start and after a re-plan), seconds."""
+    dht: DHTConfig | None = None
+    """How `swarm train` joins the DHT; None where the caller finds the route itself (demo, experiments)."""
+    metrics_port: int | None = None
+    """Serve the process's metrics at http://HOST:PORT/metrics (HOST: the DHT's host); None: off, 0: any port."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_samples", "batch_size", "micro_batches", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"TrainConfig: {self.micro_batches} micro-batches do not divide {self.batch_size} samples")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"TrainConfig.schedule: expected 1f1b or gpipe, got {self.schedule!r}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"TrainConfig.steps: expected >= 1 or None, got {self.steps}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"TrainConfig.num_stages: expected >= 1 or None, got {self.num_stages}")
+        if self.deadline_s <= 0 or self.wait_timeout_s <= 0:
+            raise ValueError("TrainConfig: deadline_s and wait_timeout_s must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"TrainConfig.metrics_port: expected 0-65535, got {self.metrics_port}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
     add_dht_arguments(parser)
     add_model_arguments(parser)
     g = parser.add_argument_group("training")
     g.add_argument(
         "--num-stages",
         type=int,
-        default=None,
+        default=d.num_stages,
         help="stages to wait for when the peers follow no plan (--assign even; default 2); with a plan, its stages",
     )
-    g.add_argument("--data", default=None, help="a text file or folder (default: Python's own docstrings)")
-    g.add_argument("--train-samples", type=int, default=64, help="training samples (each seen once per epoch)")
-    g.add_argument("--batch-size", type=int, default=8, help="samples per optimizer step")
-    g.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (must divide the batch)")
-    add_schedule_argument(g)
-    g.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs worth)")
-    g.add_argument("--epochs", type=int, default=4, help="passes over the training samples")
-    g.add_argument("--seed", type=int, default=0, help="seed of the data order")
-    g.add_argument("--setting", default="swarm", help="label of this run in the CSV")
-    g.add_argument("--wait-timeout-s", type=float, default=120.0, help="give up if the stages are not all served")
-    g.add_argument("--deadline-s", type=float, default=120.0, help="longest a micro-batch may take end to end")
-    g.add_argument("--out", default=None, help="folder for steps.csv, loss.png, summary.json (default runs/train-*)")
+    g.add_argument("--data", default=d.data, help="a text file or folder (default: Python's own docstrings)")
+    g.add_argument(
+        "--train-samples", type=int, default=d.train_samples, help="training samples (each seen once per epoch)"
+    )
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per optimizer step")
+    g.add_argument(
+        "--micro-batches", type=int, default=d.micro_batches, help="micro-batches per step (must divide the batch)"
+    )
+    add_schedule_argument(g, default=d.schedule)
+    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: --epochs worth)")
+    g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training samples")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed of the data order")
+    g.add_argument("--setting", default=d.setting, help="label of this run in the CSV")
+    g.add_argument(
+        "--wait-timeout-s", type=float, default=d.wait_timeout_s, help="give up if the stages are not all served"
+    )
+    g.add_argument("--deadline-s", type=float, default=d.deadline_s, help="longest a micro-batch may take end to end")
+    g.add_argument("--out", default=d.out, help="folder for steps.csv, loss.png, summary.json (default runs/train-*)")
     g.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_metrics_arguments(parser)
 
 
-@dataclass(frozen=True)
-class Route:
-    """The pipeline the trainer drives: one peer per stage, all following the same plan."""
-
-    addresses: list[str]
-    """gRPC address of each stage, in pipeline order."""
-    peer_ids: list[str]
-    plan_version: int = 0
-    """The plan they follow (0: an even split by join order, no plan)."""
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of `swarm train`'s flags, the one place they are read."""
+    return TrainConfig(
+        model=model_config(args),
+        data=args.data,
+        train_samples=args.train_samples,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
+        steps=args.steps,
+        epochs=args.epochs,
+        seed=args.seed,
+        setting=args.setting,
+        deadline_s=args.deadline_s,
+        out=args.out,
+        num_stages=args.num_stages,
+        wait_timeout_s=args.wait_timeout_s,
+        dht=dht_config(args, client_mode=True),
+        metrics_port=args.metrics_port,
+    )
 
 
 def discover_route(dht, n_stages: int | None, timeout_s: float, show=print, min_version: int = 0) -> Route:
@@ -102,7 +191,7 @@ def discover_route(dht, n_stages: int | None, timeout_s: float, show=print, min_
     version; without one (peers started with `--assign even`), the first peer announcing each of stages
     0..n_stages-1. `min_version` skips plans older than one the trainer already ran into.
     """
-    from swarm.daemon.planning import route_of
+    from swarm.daemon.planning import Route, route_of
 
     deadline = time.monotonic() + timeout_s
     last_line = None
@@ -112,9 +201,10 @@ def discover_route(dht, n_stages: int | None, timeout_s: float, show=print, min_
         if record is not None and record.version >= min_version:
             found = route_of(record, peers)
             if found is not None:
-                if n_stages and len(found[0]) != n_stages:
-                    log.warning("plan %d has %d stages, not --num-stages %d", record.version, len(found[0]), n_stages)
-                return Route(found[0], found[1], record.version)
+                if n_stages and len(found.addresses) != n_stages:
+                    stages = len(found.addresses)
+                    log.warning("plan %d has %d stages, not --num-stages %d", record.version, stages, n_stages)
+                return found
             waiting = [p for p in peers if p.plan_version != record.version]
             line = f"waiting for plan {record.version}: {len(waiting)} peers still switching"
         elif record is None:
@@ -157,17 +247,19 @@ class PlanWatch:
 
 
 def train(
-    args: argparse.Namespace,
+    cfg: TrainConfig,
     route: Route,
     quiet: bool = False,
     dht=None,
     say=lambda line: None,
     stop: threading.Event | None = None,
+    metrics: Metrics | None = None,
 ) -> TrainSummary:
     """Trains over the stages of `route`; raises StageCallError if one fails.
 
     With `dht`, it follows re-plans: between steps it checks for a newer plan, and a step a stage refuses
     because it already follows a newer plan is abandoned on every stage and run again on the new route.
+    `metrics` is the process's registry (`swarm train` serves it with --metrics-port); None: a private one.
     """
     from tqdm import tqdm
 
@@ -176,25 +268,25 @@ def train(
     from swarm.plots import Panel, moving_average, save_line_plots
     from swarm.runtime.driver import PipelineDriver
 
-    model = model_config(args)
+    metrics = metrics if metrics is not None else Metrics()
+    model = cfg.model
     train_set, _, report = build_datasets(
-        DataConfig(
-            path=args.data, seq_len_tokens=model.seq_len_tokens, train_samples=args.train_samples, eval_samples=0
-        )
+        DataConfig(path=cfg.data, seq_len_tokens=model.seq_len_tokens, train_samples=cfg.train_samples, eval_samples=0)
     )
     if not quiet:
         print(report.describe(), file=sys.stderr)
-    steps_per_epoch = len(train_set) // args.batch_size
+    steps_per_epoch = len(train_set) // cfg.batch_size
     if steps_per_epoch < 1:
-        raise SystemExit(f"--batch-size {args.batch_size} exceeds the {len(train_set)} training samples")
-    total = args.steps or steps_per_epoch * args.epochs
-    out = Path(args.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+        raise SystemExit(f"--batch-size {cfg.batch_size} exceeds the {len(train_set)} training samples")
+    total = cfg.steps or steps_per_epoch * cfg.epochs
+    out = Path(cfg.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
 
     def connect(r: Route) -> PipelineDriver:
+        metrics.plan_version.set(r.plan_version)
         return PipelineDriver(
-            r.addresses, r.peer_ids, args.schedule, args.micro_batches, deadline_s=args.deadline_s,
-            plan_version=r.plan_version,
+            r.addresses, r.peer_ids, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
+            plan_version=r.plan_version, metrics=metrics,
         )  # fmt: skip
 
     pipe = connect(route)
@@ -204,7 +296,7 @@ def train(
     def follow(min_version: int) -> None:
         nonlocal pipe, route, replans
         pipe.close()
-        route = discover_route(dht, None, args.wait_timeout_s, say, min_version=min_version)
+        route = discover_route(dht, None, cfg.wait_timeout_s, say, min_version=min_version)
         say(f"plan {route.plan_version}: {len(route.addresses)} stages at {', '.join(route.addresses)}")
         pipe, watch.version = connect(route), route.plan_version
         replans += 1
@@ -226,13 +318,13 @@ def train(
         with tqdm(total=total, desc="training", unit="step", disable=quiet, file=sys.stderr) as bar:
             step, epoch = 0, 0
             while step < total and not (stop is not None and stop.is_set()):
-                for batch in epoch_batches(train_set, args.batch_size, epoch, args.seed):
+                for batch in epoch_batches(train_set, cfg.batch_size, epoch, cfg.seed):
                     if step >= total or (stop is not None and stop.is_set()):  # stop between steps
                         break
                     r = run_step(step, batch)
                     rows.append(
                         {
-                            "setting": args.setting,
+                            "setting": cfg.setting,
                             "step": step + 1,
                             "epoch": epoch,
                             "train_loss": r.loss,
@@ -257,7 +349,7 @@ def train(
         _write_csv(out / "steps.csv", rows)
     losses = [r["train_loss"] for r in rows]
     panel = Panel("training loss", "step", "loss")
-    panel.series[args.setting] = ([r["step"] for r in rows], moving_average(losses, 5))
+    panel.series[cfg.setting] = ([r["step"] for r in rows], moving_average(losses, 5))
     title = f"swarm train: {len(route.addresses)} stages"
     plot = save_line_plots([panel], out / "loss.png", title) if rows else None
     times = [r["step_s"] for r in rows]
@@ -293,11 +385,25 @@ def run(args: argparse.Namespace) -> int:
     from swarm.net.stream import StageCallError
     from swarm.peers.dht import SwarmDHT
 
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     logging.getLogger("hivemind").setLevel(logging.WARNING)
     say = lambda line: print(line, file=sys.stderr)
-    with SwarmDHT(dht_config(args, client_mode=True)) as dht:
+    metrics = Metrics()
+    with SwarmDHT(cfg.dht) as dht, contextlib.ExitStack() as stack:
+        if cfg.metrics_port is not None:
+            # after the DHT's process is forked, so that it holds no copy of the listening socket
+            try:
+                server = stack.enter_context(serve_metrics(metrics, cfg.metrics_port, cfg.dht.host))
+            except OSError as e:
+                print(f"error: cannot serve metrics on {cfg.dht.host}:{cfg.metrics_port}: {e}", file=sys.stderr)
+                return 2
+            say(f"metrics at {server.url}")
         try:
-            route = discover_route(dht, args.num_stages, args.wait_timeout_s, say)
+            route = discover_route(dht, cfg.num_stages, cfg.wait_timeout_s, say)
         except TimeoutError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -306,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
             stop = threading.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: (say("stopping after the current step"), stop.set()))
-            summary = train(args, route, dht=dht, say=say, stop=stop)
+            summary = train(cfg, route, dht=dht, say=say, stop=stop, metrics=metrics)
         except StageCallError as e:
             print(f"error: training failed: {e}", file=sys.stderr)
             return 1

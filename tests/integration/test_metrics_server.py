@@ -1,16 +1,20 @@
-"""`serve_metrics` on loopback: GET /metrics answers the Prometheus text, other paths 404, close frees the port."""
+"""`serve_metrics` on loopback: GET /metrics answers the Prometheus text, other paths 404, close frees the port;
+swarm-peer and swarm train serve theirs with --metrics-port."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
 import pytest
 
 from swarm.metrics import Metrics, serve_metrics
+from swarm.testbed.local import local_swarm
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def test_serves_metrics_404s_elsewhere_and_frees_its_port():
@@ -40,3 +44,28 @@ def test_serves_metrics_404s_elsewhere_and_frees_its_port():
         s.listen()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)  # refused once that one is gone
+
+
+def test_swarm_peer_and_trainer_serve_metrics_with_metrics_port(tmp_path):
+    model = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16"]
+    with local_swarm(tmp_path, 1, [*model, "--assign", "even", "--metrics-port", "0"]) as swarm:
+        lines = [line for line in swarm.procs.tail("peer0", 500).splitlines() if "metrics at " in line]
+        assert lines, swarm.procs.tail("peer0")
+        url = lines[0].rsplit("metrics at ", 1)[1].strip()
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            assert "\nswarm_plan_version 0.0\n" in reply.read().decode()
+        trainer = subprocess.run(
+            [
+                sys.executable, "-m", "swarm.cli", "train", "--address-file", str(swarm.address_file), *model,
+                "--num-stages", "1", "--train-samples", "8", "--batch-size", "8", "--micro-batches", "2",
+                "--steps", "1", "--out", str(tmp_path / "train"), "--metrics-port", "0",
+            ],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert trainer.returncode == 0, trainer.stderr[-2000:]
+        assert "metrics at http://127.0.0.1:" in trainer.stderr
+        codes = swarm.procs.close()
+    assert codes["peer0"] == 0, "the peer stops its metrics server and exits cleanly"
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import DEFAULT_BYTES_PER_S, live_search, model_spec, role_in_plan, route_of, swarm_plan_input
+from swarm.daemon.planning import (
+    DEFAULT_BYTES_PER_S,
+    Route,
+    live_search,
+    model_spec,
+    role_in_plan,
+    route_of,
+    swarm_plan_input,
+)
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 from swarm.scheduler import plan
@@ -76,4 +84,4 @@ def test_roles_and_routes_come_from_the_plan_once_every_peer_follows_it():
     ]
     assert route_of(record, old) is None, "p2 still follows plan 3"
     new = [peer(2, stage=0, layer_start=0, layer_end=3, plan_version=4), old[1]]
-    assert route_of(record, new) == (["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"])
+    assert route_of(record, new) == Route(["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"], plan_version=4)

@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 
 from swarm import cli
+from swarm.model.gpt import ModelConfig
 from swarm.testbed import cli as testbed
 from swarm.testbed import lifecycle, netns, services
 from swarm.testbed.compose import SHARED_DIR, compose_service, entrypoint_argv, render_compose
 from swarm.testbed.netns import plan_testbed, setup_commands, shaping_commands, tbf_burst_bytes, tbf_limit_bytes
-from swarm.testbed.services import PEER_PORT, LinkRate, process_argv
+from swarm.testbed.services import METRICS_PORT, PEER_PORT, LinkRate, process_argv
+from swarm.testbed.status import metrics_url, render_status
+from swarm.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -78,6 +81,8 @@ def test_every_service_argv_is_accepted_by_its_entry_point(cfg):
         args = parse_entry_point(service.argv)
         assert args.host == service.address
         assert args.address_file == "/run/bootstrap.addr"
+        if service.name != "bootstrap":
+            assert args.metrics_port == METRICS_PORT, "every peer and the trainer serve /metrics at their address"
         if service.name.startswith("peer"):
             assert (args.num_stages, args.grpc_port, args.fw_codec, args.bw_codec) == (
                 cfg.peers,
@@ -242,6 +247,27 @@ def test_scenario_gives_every_ordered_peer_pair_a_link():
         parse_entry_point(service.argv)
 
 
+def test_status_prints_the_metrics_urls_of_the_services_serving_them():
+    nodes = {
+        s.name: {"name": s.name, "address": s.address, "argv": list(s.argv)}
+        for s in services.testbed_services(RICH, "/run")
+    }
+    urls = {name: metrics_url(node) for name, node in nodes.items()}
+    assert urls["bootstrap"] is None
+    assert urls["peer2"] == f"http://10.77.0.12:{METRICS_PORT}/metrics"
+    assert urls["trainer"] == f"http://10.77.0.3:{METRICS_PORT}/metrics"
+    rows = [
+        {"service": name, "namespace": f"swt-{name}", "address": node["address"], "shaping": "unshaped",
+         "sent_bytes": None, "drops": None, "processes": [], "metrics_url": urls[name]}
+        for name, node in nodes.items()
+    ]  # fmt: skip
+    text = render_status({"namespaces": rows, "links": [], "trained": None, "train_command": None, "prefix": "swt-"})
+    assert [line.split()[0] for line in text.splitlines() if "/metrics" in line and "curl" not in line] == [
+        "peer0", "peer1", "peer2", "trainer"
+    ]  # fmt: skip
+    assert all(url in text for url in urls.values() if url)
+
+
 def test_shape_dry_run_prints_the_shaping_commands(capsys):
     assert cli.main(["testbed", "shape", "--rate-mbit", "20", "--to", "10.77.0.11=5", "--dry-run"]) == 0
     expected = [" ".join(c) for c in shaping_commands("eth0", 20.0, (("10.77.0.11", 5.0),))]
@@ -263,17 +289,21 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
     cell = argparse.Namespace(rate_mbit=10.0, setting="aqsgd2/gradq4")
     flags = ["--fw-codec", "aqsgd2", "--bw-codec", "gradq4", "--delay-ms", "5", "--total-steps", "8"]
     flags += ["--warmup-steps", "1", "--rate-mbit", "10.0"]
-    train_args = argparse.Namespace(
-        layers=4, hidden=128, heads=4, seq_len=128, model_seed=0, data=None, train_samples=16, batch_size=8,
-        micro_batches=4, schedule="1f1b", steps=8, epochs=None, seed=0, setting="aqsgd2/gradq4", deadline_s=300.0,
-        out=str(tmp_path / "cell"),
+    train_cfg = TrainConfig(
+        model=ModelConfig(init_seed=3), train_samples=16, batch_size=8, micro_batches=4, steps=8,
+        setting="aqsgd2/gradq4", deadline_s=300.0, out=str(tmp_path / "cell"),
     )  # fmt: skip
-    rows = testbed.run_in_testbed(cell, flags, train_args, argparse.Namespace(peers=2, delay_ms=5.0))
+    rows = testbed.run_in_testbed(cell, flags, train_cfg, peers=2)
     assert rows == [{"step": "1", "train_loss": "5.5"}]
     cfg = seen["cfg"]
     assert (cfg.rate_mbit, cfg.delay_ms, f"{cfg.fw_codec}/{cfg.bw_codec}", cfg.steps) == (10.0, 5.0, "aqsgd2/gradq4", 8)
+    assert cfg.peers == 2 and (cfg.layers, cfg.hidden, cfg.seq_len) == (4, 128, 128)
     for service in services.testbed_services(cfg, "/run"):
         args = parse_entry_point(service.argv)
+        if service.name != "bootstrap":
+            assert args.model_seed == 3, "peers and trainer start from the same weights"
+        if service.name == "trainer":
+            assert (args.steps, args.setting, args.deadline_s, args.schedule) == (8, "aqsgd2/gradq4", 300.0, "1f1b")
         if service.name.startswith("peer"):
             assert (args.rate_mbit, args.total_steps, args.delay_ms) == (None, 8, 5.0)
 
@@ -305,6 +335,8 @@ def test_compose_runs_the_namespace_testbeds_services(cfg):
         assert svc["networks"]["swarm"]["ipv4_address"] == service.address
         assert "NET_ADMIN" in svc["cap_add"] and f"shared:{SHARED_DIR}" in svc["volumes"]
         assert svc["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
+        if name != "bootstrap":  # /metrics reachable from the host's loopback, on a port docker picks
+            assert svc["ports"] == [f"127.0.0.1::{METRICS_PORT}"] and svc["expose"] == [str(METRICS_PORT)]
         if name == "bootstrap":
             assert svc["healthcheck"]["test"] == ["CMD", "test", "-s", f"{SHARED_DIR}/bootstrap.addr"]
         else:
