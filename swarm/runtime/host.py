@@ -102,6 +102,7 @@ class StageHost:
         self.steps_done = 0
         self.open_step: int | None = None
         """The step this stage has taken calls for and not yet stepped or abandoned (None between steps)."""
+        self._opened_at = 0.0
         self.compute_layers_per_s = 0.0
         self.on_step: Callable[[StageHost], None] | None = None
         """Called after every optimizer step (e.g. checkpointing)."""
@@ -130,6 +131,11 @@ class StageHost:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"route names {len(info.route)} stages, this pipeline has {self.role.n_stages}",
             )
+
+    def open(self, step: int) -> None:
+        """Marks `step` open on this stage (its first admitted call starts the step's clock)."""
+        if self.open_step != step:
+            self.open_step, self._opened_at = step, time.perf_counter()
 
     def _check_activation(self, msg, what: str) -> None:
         shape = list(msg.shape)
@@ -319,6 +325,7 @@ class StageHost:
     def _step_metrics(self) -> None:
         m, role = self.metrics, self.role
         m.steps.inc()
+        m.step_seconds.observe(time.perf_counter() - self._opened_at)
         m.plan_version.set(role.plan_version)
         for end, link in ((self.links.fw_recv, role.stage - 1), (self.links.fw_send, role.stage)):
             if end.buffers is not None and 0 <= link < role.n_stages - 1:

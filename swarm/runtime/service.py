@@ -63,7 +63,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if host is None:
                 raise self._not_serving()
             host.check_call(info)
-            host.open_step = info.step
+            host.open(info.step)
             return host
 
     def when_idle(self, change, timeout_s: float) -> bool:

@@ -337,6 +337,7 @@ def train(
                             "step_s": r.seconds,
                             "plan_version": route.plan_version,
                             **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
+                            **counter_columns(r.counters),
                         }
                     )
                     step += 1
@@ -373,10 +374,18 @@ def train(
     return summary
 
 
+def counter_columns(counters: dict[str, float]) -> dict[str, float | int]:
+    """steps.csv columns for what the driver's counters gained in a step, named as Prometheus names them
+    (`swarm_wire_bytes_total{direction=forward,link=0}`), so a new counter is a new column."""
+    return {k.replace('"', ""): int(v) if float(v).is_integer() else v for k, v in counters.items()}
+
+
 def _write_csv(path: Path, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
         links = sorted({k for r in rows for k in r if k.startswith("link")})
-        writer = csv.DictWriter(f, CSV_FIELDS + links)
+        known = set(CSV_FIELDS) | set(links)
+        counters = sorted({k for r in rows for k in r if k not in known})
+        writer = csv.DictWriter(f, CSV_FIELDS + links + counters, restval=0)
         writer.writeheader()
         writer.writerows(rows)
 

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from swarm.metrics import Metrics, serve_metrics
+from swarm.metrics import Metrics, sample_key, serve_metrics
 from swarm.testbed.local import local_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -46,9 +46,21 @@ def test_serves_metrics_404s_elsewhere_and_frees_its_port():
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)  # refused once that one is gone
 
 
+def _scrape(url: str) -> dict[str, float]:
+    """The served text parsed back into snapshot keys (labels sorted), as a Prometheus server would read it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        sample_key(s.name, s.labels): s.value for family in text_string_to_metric_families(text) for s in family.samples
+    }
+
+
 def test_swarm_peer_and_trainer_serve_metrics_with_metrics_port(tmp_path):
     model = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16"]
-    with local_swarm(tmp_path, 1, [*model, "--assign", "even", "--metrics-port", "0"]) as swarm:
+    codecs = ["--fw-codec", "aqsgd2", "--bw-codec", "gradq4"]
+    with local_swarm(tmp_path, 2, [*model, *codecs, "--assign", "even", "--metrics-port", "0"]) as swarm:
         lines = [line for line in swarm.procs.tail("peer0", 500).splitlines() if "metrics at " in line]
         assert lines, swarm.procs.tail("peer0")
         url = lines[0].rsplit("metrics at ", 1)[1].strip()
@@ -58,14 +70,21 @@ def test_swarm_peer_and_trainer_serve_metrics_with_metrics_port(tmp_path):
         trainer = subprocess.run(
             [
                 sys.executable, "-m", "swarm.cli", "train", "--address-file", str(swarm.address_file), *model,
-                "--num-stages", "1", "--train-samples", "8", "--batch-size", "8", "--micro-batches", "2",
-                "--steps", "1", "--out", str(tmp_path / "train"), "--metrics-port", "0",
+                "--num-stages", "2", "--train-samples", "8", "--batch-size", "8", "--micro-batches", "2",
+                "--steps", "3", "--out", str(tmp_path / "train"), "--metrics-port", "0",
             ],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert trainer.returncode == 0, trainer.stderr[-2000:]
         assert "metrics at http://127.0.0.1:" in trainer.stderr
+        # while the peer serves the run: bytes, step time and AQ-SGD buffer hits (the same 8 samples, 3 steps)
+        served = _scrape(url)
+        assert served["swarm_steps_total"] == 3 and served["swarm_step_seconds_count"] == 3
+        assert served['swarm_wire_bytes_total{direction="forward",link="0"}'] > 0
+        assert served['swarm_aqsgd_buffer_misses_total{link="0"}'] == 8  # first sights
+        assert served['swarm_aqsgd_buffer_hits_total{link="0"}'] == 16  # steps 2 and 3
+        assert served['swarm_phase_seconds_count{phase="compute",stage="0"}'] == 3 * 2 * 2  # F and B per micro-batch
         codes = swarm.procs.close()
-    assert codes["peer0"] == 0, "the peer stops its metrics server and exits cleanly"
+    assert codes["peer0"] == codes["peer1"] == 0, "the peers stop their metrics servers and exit cleanly"
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=5)
