@@ -3,24 +3,24 @@
 Stage k holds the receiving end of the activations from stage k-1 and the sending end of the gradients back
 to it, and the sending end of its activations to stage k+1 and the receiving end of the gradients from it.
 The way out is `LinkEnds.outgoing` (encode, then `tensor_items`: frame -> stream items -> pace) and the way
-in its mirror (`incoming`: read the stream items -> unframe, checked; then `decode`); both run the same in
-one process and across peers.
+in its mirror (`read_stream`: stream items -> unframe, checked; then `LinkEnds.incoming`: decode); both run
+the same in one process and across peers.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from swarm.compression import CodecConfig, LinkState, WireError, WireLimits, ZstdPolicy, make_codec
-from swarm.net.stream import Incoming, read_stream, tensor_items
+from swarm.net.stream import Incoming, tensor_items
 from swarm.peers.shaper import LinkShaping
 from swarm.proto import stage_pb2, wire_pb2
 
-__all__ = ["Direction", "LinkEnds", "incoming"]
+__all__ = ["Direction", "LinkEnds", "need_message"]
 
 
 @dataclass
@@ -59,7 +59,6 @@ class LinkEnds:
         shaping: LinkShaping | None = None,
         adaptive_zstd: bool = True,
     ):
-        self.forward, self.backward = forward, backward
         self.fw_recv, self.fw_send = Direction(forward), Direction(forward)
         self.bw_recv, self.bw_send = Direction(backward), Direction(backward)
         self.shaping = shaping or LinkShaping()
@@ -74,13 +73,13 @@ class LinkEnds:
                 end.state.end_step()
 
     def buffered_samples(self) -> int:
-        return sum(len(d.state.buffers) for d in (self.fw_recv, self.fw_send) if d.state.buffers is not None)
+        return sum(len(d.buffers) for d in (self.fw_recv, self.fw_send) if d.buffers is not None)
 
     def forget(self, sample_ids: list[int]) -> None:
         """Drops the sender's AQ-SGD buffers of these samples (the receiver lost them): they go in full next."""
         with self.lock:
-            if self.fw_send.state.buffers is not None:
-                self.fw_send.state.buffers.forget(sample_ids)
+            if self.fw_send.buffers is not None:
+                self.fw_send.buffers.forget(sample_ids)
 
     def outgoing(
         self,
@@ -101,21 +100,16 @@ class LinkEnds:
         policy = self._policy(address, end.config.zstd_level)
         return tensor_items(info, msg, end.config.zstd_level, self.shaping.for_destination(address), policy)
 
+    def incoming(self, end: Direction, msg: wire_pb2.TensorMessage, limits: WireLimits) -> torch.Tensor:
+        """The way in, the mirror of `outgoing` from the message on (`read_stream` has unframed it, bounds
+        checked): decode. AQ-SGD returns the receiver's buffer m for these samples. Runs only after the call
+        was admitted, so a refused call changes no codec state."""
+        with self.lock:
+            return end.codec.decode(msg, state=end.state, limits=limits)
+
     def _policy(self, address: str, level: int) -> ZstdPolicy:
         with self.lock:
             return self._zstd.setdefault(address, ZstdPolicy(level=level, adaptive=self.adaptive_zstd))
-
-
-def incoming(items: Iterable[stage_pb2.StreamItem], limits: WireLimits) -> Incoming:
-    """The way in, up to the message: read the stream items and unframe, every bound checked as they arrive.
-    Decoding (`LinkEnds.decode`) comes after the call is admitted, so a refused call changes no state."""
-    return read_stream(items, limits)
-
-
-def decode(links: LinkEnds, end: Direction, msg: wire_pb2.TensorMessage, limits: WireLimits) -> torch.Tensor:
-    """The way in, from the message: decode (AQ-SGD: the receiver's buffer m for these samples)."""
-    with links.lock:
-        return end.codec.decode(msg, state=end.state, limits=limits)
 
 
 def need_message(call: Incoming) -> wire_pb2.TensorMessage:

@@ -31,7 +31,7 @@ from swarm.net.stream import (
     tokens_from_wire,
 )
 from swarm.proto import stage_pb2
-from swarm.runtime.boundary import LinkEnds, decode, need_message
+from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.gate import ScheduleGate
 from swarm.runtime.schedules import Kind
 from swarm.runtime.worker import StageConfig, StageWorker
@@ -157,7 +157,7 @@ class StageHost:
             self._check_activation(msg, "an activation")
             # the receiver computes on what the codec delivers (for AQ-SGD, its buffer m)
             with self._phase("decode"):
-                inputs = decode(self.links, self.links.fw_recv, msg, self.limits)
+                inputs = self.links.incoming(self.links.fw_recv, msg, self.limits)
             ids = [int(i) for i in msg.sample_ids] or list(range(inputs.shape[0]))
         queued = time.perf_counter()
         with self._turn(info, Kind.FORWARD):
@@ -183,7 +183,7 @@ class StageHost:
             msg = need_message(call)
             self._check_activation(msg, "a gradient")
             with self._phase("decode"):
-                grad_out = decode(self.links, self.links.bw_recv, msg, self.limits)
+                grad_out = self.links.incoming(self.links.bw_recv, msg, self.limits)
         queued = time.perf_counter()
         with self._turn(info, Kind.BACKWARD):
             self._observe("wait", queued)

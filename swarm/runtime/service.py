@@ -13,9 +13,8 @@ import threading
 import grpc
 
 from swarm.compression import BufferMissError, WireError, WireLimits
-from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError
+from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, read_stream
 from swarm.proto import stage_pb2, stage_pb2_grpc
-from swarm.runtime.boundary import incoming
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
 
@@ -122,14 +121,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Forward(self, request_iterator, context):
         def run():
-            call = incoming(request_iterator, self._limits())
+            call = read_stream(request_iterator, self._limits())
             return self._admit(call.info).forward(call)
 
         return self._guard(context, run)
 
     def Backward(self, request_iterator, context):
         def run():
-            call = incoming(request_iterator, self._limits())
+            call = read_stream(request_iterator, self._limits())
             return self._admit(call.info).backward(call)
 
         return self._guard(context, run)
@@ -161,7 +160,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def Sink(self, request_iterator, context):  # no stage needed: links are measured before assignment
         limits = self.host.limits if self.host is not None else WireLimits()
         try:
-            call = incoming(request_iterator, limits)
+            call = read_stream(request_iterator, limits)
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
         return stage_pb2.Traffic(wire_bytes=call.wire_bytes)

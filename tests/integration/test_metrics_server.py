@@ -57,14 +57,20 @@ def _scrape(url: str) -> dict[str, float]:
     }
 
 
+def _served_url(swarm, name: str) -> str:
+    lines = [line for line in swarm.procs.tail(name, 500).splitlines() if "metrics at " in line]
+    assert lines, swarm.procs.tail(name)
+    url = lines[0].rsplit("metrics at ", 1)[1].strip()
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+    return url
+
+
 def test_swarm_peer_and_trainer_serve_metrics_with_metrics_port(tmp_path):
     model = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16"]
     codecs = ["--fw-codec", "aqsgd2", "--bw-codec", "gradq4"]
     with local_swarm(tmp_path, 2, [*model, *codecs, "--assign", "even", "--metrics-port", "0"]) as swarm:
-        lines = [line for line in swarm.procs.tail("peer0", 500).splitlines() if "metrics at " in line]
-        assert lines, swarm.procs.tail("peer0")
-        url = lines[0].rsplit("metrics at ", 1)[1].strip()
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        urls = [_served_url(swarm, name) for name in ("peer0", "peer1")]
+        url = urls[0]
         with urllib.request.urlopen(url, timeout=10) as reply:
             assert "\nswarm_plan_version 0.0\n" in reply.read().decode()
         trainer = subprocess.run(
@@ -77,8 +83,10 @@ def test_swarm_peer_and_trainer_serve_metrics_with_metrics_port(tmp_path):
         )  # fmt: skip
         assert trainer.returncode == 0, trainer.stderr[-2000:]
         assert "metrics at http://127.0.0.1:" in trainer.stderr
-        # while the peer serves the run: bytes, step time and AQ-SGD buffer hits (the same 8 samples, 3 steps)
-        served = _scrape(url)
+        # while the peers serve the run: bytes, step time and AQ-SGD buffer hits (the same 8 samples, 3 steps)
+        # on stage 0, whichever peer took it (the even split orders peers by when they announced)
+        scraped = [_scrape(u) for u in urls]
+        served = next((s for s in scraped if 'swarm_phase_seconds_count{phase="compute",stage="0"}' in s), {})
         assert served["swarm_steps_total"] == 3 and served["swarm_step_seconds_count"] == 3
         assert served['swarm_wire_bytes_total{direction="forward",link="0"}'] > 0
         assert served['swarm_aqsgd_buffer_misses_total{link="0"}'] == 8  # first sights
