@@ -6,7 +6,7 @@ says which stage and peer it came from.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -146,10 +146,20 @@ class Incoming:
     message: wire_pb2.TensorMessage | None = None
     tokens: stage_pb2.TokenBatch | None = None
     wire_bytes: int = 0
+    parsed: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Checked (tokens, sample ids) of `tokens`, once the stage has admitted the call."""
 
 
-def read_stream(items: Iterable[stage_pb2.StreamItem], limits: WireLimits = DEFAULT_LIMITS) -> Incoming:
-    """Reads a whole stream; raises WireError naming the field on anything malformed or out of bounds."""
+def read_stream(
+    items: Iterable[stage_pb2.StreamItem],
+    limits: WireLimits = DEFAULT_LIMITS,
+    on_info: Callable[[stage_pb2.CallInfo], None] | None = None,
+) -> Incoming:
+    """Reads a whole stream; raises WireError naming the field on anything malformed or out of bounds.
+
+    `on_info` sees the call info as soon as the first item is in, before any more of the stream is read: it
+    raises to refuse the call, so a call the stage would refuse costs one item, not the whole stream.
+    """
     incoming: Incoming | None = None
     unframer = Unframer(limits)
     for item in items:
@@ -157,6 +167,8 @@ def read_stream(items: Iterable[stage_pb2.StreamItem], limits: WireLimits = DEFA
             if not item.HasField("info"):
                 raise WireError("info", "the first item of a stream must carry the call info")
             incoming = Incoming(info=item.info)
+            if on_info is not None:
+                on_info(item.info)
         elif item.HasField("info"):
             raise WireError("info", "call info repeated within a stream")
         if item.HasField("tokens"):

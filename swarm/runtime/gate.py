@@ -20,8 +20,8 @@ class GateError(RuntimeError):
 class ScheduleGate:
     """Lets the action `(kind, mb)` of a step run only when it is next in this stage's program."""
 
-    def __init__(self, stage: int, n_stages: int):
-        self.stage, self.n_stages = stage, n_stages
+    def __init__(self, stage: int, n_stages: int, max_micro_batches: int = 1024):
+        self.stage, self.n_stages, self.max_micro_batches = stage, n_stages, max_micro_batches
         self._cond = threading.Condition()
         self._step: int | None = None
         self._program: list[Action] = []
@@ -31,15 +31,36 @@ class ScheduleGate:
         self._generation = 0
         """Bumped by every new step and reset: a body that outlives its step does not move the next one on."""
 
-    def _begin(self, step: int, schedule: str, n_micro: int) -> None:
+    def _program_of(self, schedule: str, n_micro: int) -> list[Action]:
         if schedule not in SCHEDULES:
-            raise GateError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
-        if not 1 <= n_micro <= 1024:
-            raise GateError(f"num_micro_batches {n_micro} is outside 1..1024")
+            raise GateError(f"schedule: unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
+        if not 1 <= n_micro <= self.max_micro_batches:
+            raise GateError(f"num_micro_batches: {n_micro} is outside 1..{self.max_micro_batches}")
+        return SCHEDULES[schedule](self.n_stages, n_micro)[self.stage]
+
+    def _begin(self, step: int, schedule: str, n_micro: int) -> None:
+        self._program = self._program_of(schedule, n_micro)
         self._step = step
-        self._program = SCHEDULES[schedule](self.n_stages, n_micro)[self.stage]
         self._pos, self._running = 0, None
         self._generation += 1
+
+    def check(self, step: int, kind: Kind, mb: int, schedule: str, n_micro: int) -> None:
+        """Raises GateError if `kind mb` of `step` could never run here; changes nothing.
+
+        Run before a call's message is decoded, so a call the schedule would refuse moves no codec state.
+        """
+        want = Action(self.stage, kind, mb)
+        with self._cond:
+            if self._step == step:
+                program, pos = self._program, self._pos
+            else:
+                if self._step is not None and self._pos < len(self._program):
+                    raise GateError(f"step {step} arrived while step {self._step} is unfinished on this stage")
+                program, pos = self._program_of(schedule, n_micro), 0
+            if want not in program:
+                raise GateError(f"micro_batch: {want} is not in stage {self.stage}'s program for step {step}")
+            if want in program[:pos] or self._running == want and self._step == step:
+                raise GateError(f"{want} of step {step} ran already or is running")
 
     @property
     def step_done(self) -> bool:
@@ -48,13 +69,18 @@ class ScheduleGate:
 
     @contextmanager
     def turn(self, step: int, kind: Kind, mb: int, schedule: str, n_micro: int, timeout_s: float):
-        """Waits until `kind mb` of `step` is this stage's next action, runs the body, then moves on."""
+        """Waits until `kind mb` of `step` is this stage's next action, runs the body, then moves on.
+
+        The body gets a callable telling whether its step is still the gate's (no reset or new step since):
+        check it under the compute lock before changing the worker's state.
+        """
         want = Action(self.stage, kind, mb)
         with self._cond:
             if self._step != step:
                 if self._step is not None and self._pos < len(self._program):
                     raise GateError(f"step {step} arrived while step {self._step} is unfinished on this stage")
                 self._begin(step, schedule, n_micro)
+                self._cond.notify_all()  # whoever watches the gate sees the new step
             if want not in self._program:
                 raise GateError(f"{want} is not in stage {self.stage}'s program for step {step}")
             if self._running == want:
@@ -77,7 +103,7 @@ class ScheduleGate:
                 raise GateError(f"{want} waited {timeout_s:.1f} s for {self._program[self._pos]} of step {step}")
             self._running, generation = want, self._generation
         try:
-            yield
+            yield lambda: generation == self._generation
         finally:
             with self._cond:
                 if generation == self._generation:  # a reset or a new step since: this body moves nothing on

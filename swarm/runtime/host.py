@@ -32,7 +32,8 @@ from swarm.net.stream import (
 )
 from swarm.proto import stage_pb2
 from swarm.runtime.boundary import LinkEnds, need_message
-from swarm.runtime.gate import ScheduleGate
+from swarm.runtime.budget import StageBudget
+from swarm.runtime.gate import GateError, ScheduleGate
 from swarm.runtime.schedules import Kind
 from swarm.runtime.worker import StageConfig, StageWorker
 
@@ -40,7 +41,6 @@ __all__ = ["StageHost", "StageRole"]
 
 log = logging.getLogger("swarm.runtime.host")
 
-MAX_PENDING_LABELS = 1024
 DEFAULT_DEADLINE_S = 120.0
 
 
@@ -73,9 +73,10 @@ class StageHost:
         links: this stage's boundary ends (codecs, their state, shaping).
         peer_id: this peer's id, for errors and status.
         connector: how to reach the neighbouring stages.
-        limits: bounds on every message received.
+        limits: bounds on every message received (default: the budget's for this model).
         device: where the stage computes.
         metrics: where the host counts bytes, phases, buffer hits and steps (default: its own registry).
+        budget: what the host gives its callers at most (batch, micro-batches, waits, idle steps).
     """
 
     def __init__(
@@ -89,37 +90,48 @@ class StageHost:
         limits: WireLimits | None = None,
         device: str = "cpu",
         metrics: Metrics | None = None,
+        budget: StageBudget | None = None,
     ):
         self.role, self.model, self.peer_id, self.device = role, model, peer_id, device
         self.metrics = metrics or Metrics()
+        self.budget = budget or StageBudget()
         module = build_stage(model, role.layer_start, role.layer_end, role.is_first, role.is_last)
         self.worker = StageWorker(module, stage_cfg)
         self.links, self.connector = links, connector
-        self.gate = ScheduleGate(role.stage, role.n_stages)
-        self.limits = limits or WireLimits()
-        self.labels: dict[tuple[int, int], torch.Tensor] = {}
+        self.gate = ScheduleGate(role.stage, role.n_stages, self.budget.max_micro_batches)
+        self.limits = limits or self.budget.wire_limits(model)
+        self.labels: dict[int, torch.Tensor] = {}
+        """The open step's labels by micro-batch (last stage); dropped when the step ends."""
         self.compute_lock = threading.Lock()
         self.steps_done = 0
         self.open_step: int | None = None
         """The step this stage has taken calls for and not yet stepped or abandoned (None between steps)."""
+        self._owner: str | None = None
+        """Who opened the step (the caller's peer id, when calls are authenticated)."""
+        self._inflight = 0
+        """Calls admitted and not yet answered; a step with none in flight and no progress closes itself."""
+        self._progressed = False
+        """Whether the open step ran any schedule action or took labels."""
+        self._touched = time.monotonic()
         self._opened_at = 0.0
         self.compute_layers_per_s = 0.0
         self.on_step: Callable[[StageHost], None] | None = None
         """Called after every optimizer step (e.g. checkpointing)."""
 
     # ---- admission ----------------------------------------------------------------------------------------
+    # A call is checked whole before it changes anything: `check_call` (its info, as soon as the first stream
+    # item is in, before the body is read), then `admit` (the message or tokens against the budget and the
+    # schedule, atomically with plan changes), and only then is anything decoded. `leave` ends every
+    # admitted call; a step whose calls all failed before any progress closes again, so a bad call cannot
+    # hold the stage for the next legitimate step.
 
-    def check_call(self, info: stage_pb2.CallInfo) -> None:
+    def check_call(self, info: stage_pb2.CallInfo, caller: str | None = None) -> None:
+        """Refuses a call that this stage cannot serve whatever it carries; changes nothing."""
         if info.plan_version != self.role.plan_version:
             raise CallRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{PLAN_MISMATCH} the call follows plan {info.plan_version}, "
                 f"this peer follows plan {self.role.plan_version}",
-            )
-        if self.open_step is not None and info.step != self.open_step:
-            raise CallRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"step {info.step} arrived while step {self.open_step} is unfinished on this stage",
             )
         if info.stage != self.role.stage:
             raise CallRefused(
@@ -131,39 +143,124 @@ class StageHost:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"route names {len(info.route)} stages, this pipeline has {self.role.n_stages}",
             )
+        budget = self.budget
+        if not 1 <= (info.num_micro_batches or 1) <= budget.max_micro_batches:
+            raise CallRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_micro_batches: {info.num_micro_batches} is outside 1..{budget.max_micro_batches}",
+            )
+        if info.micro_batch >= (info.num_micro_batches or 1):
+            raise CallRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"micro_batch: {info.micro_batch} is not below num_micro_batches={info.num_micro_batches or 1}",
+            )
+        if self.open_step is not None and info.step != self.open_step and not self._may_close(info.step, caller):
+            raise CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"step {info.step} arrived while step {self.open_step} is unfinished on this stage",
+            )
 
-    def open(self, step: int) -> None:
-        """Marks `step` open on this stage (its first admitted call starts the step's clock)."""
+    def _may_close(self, step: int, caller: str | None) -> bool:
+        """Whether the open step may give way to `step`: it is stale (no call in flight and none for
+        `stale_step_s`), or the trainer that opened it moved on to a later step."""
+        if self._inflight:
+            return False
+        if time.monotonic() - self._touched > self.budget.stale_step_s:
+            return True
+        return caller is not None and caller == self._owner and step > (self.open_step or 0)
+
+    def admit(self, call: Incoming | None, info: stage_pb2.CallInfo, kind: Kind | None, caller: str | None = None):
+        """Checks the whole call (info, then message or tokens against the budget and the schedule), then
+        opens its step. The caller must `leave()` once the call is answered, whatever happened."""
+        self.check_call(info, caller)
+        if kind is not None:
+            self.gate.check(info.step, kind, info.micro_batch, info.schedule or "1f1b", info.num_micro_batches or 1)
+        if call is not None:
+            self._check_payload(call, kind)
+        with self.compute_lock:
+            self.open(info.step, caller)
+            self._inflight += 1
+
+    def leave(self) -> None:
+        """Ends an admitted call. A step that made no progress and has no call left in flight closes again."""
+        with self.compute_lock:
+            self._inflight -= 1
+            self._touched = time.monotonic()
+            if self._inflight == 0 and self.open_step is not None and not self._progressed:
+                self._close_step()
+
+    def open(self, step: int, caller: str | None = None) -> None:
+        """Marks `step` open on this stage (its first admitted call starts the step's clock); a stale step, or
+        one its own trainer left for a later one, is abandoned first."""
+        if self.open_step is not None and self.open_step != step:
+            log.warning("stage %d: abandoning step %d for step %d", self.role.stage, self.open_step, step)
+            self._abandon()
         if self.open_step != step:
-            self.open_step, self._opened_at = step, time.perf_counter()
+            self.open_step, self._owner, self._progressed = step, caller, False
+            self._opened_at = time.perf_counter()
+        self._touched = time.monotonic()
+
+    def _check_payload(self, call: Incoming, kind: Kind) -> None:
+        role, info = self.role, call.info
+        if kind == Kind.FORWARD and role.is_first:
+            if call.tokens is None or call.message is not None:
+                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, "stage 0 takes a token batch")
+            rows = list(call.tokens.shape)[:1]
+            if rows and rows[0] > self.budget.max_batch:
+                raise WireError("tokens.shape", f"{rows[0]} rows exceed the budget of {self.budget.max_batch}")
+            call.parsed = tokens_from_wire(call.tokens, self.model.vocab_size, self.model.seq_len_tokens)
+        elif kind == Kind.BACKWARD and role.is_last:
+            if call.message is not None or call.tokens is not None:
+                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, "the last stage's backward carries no tensor")
+        else:
+            if call.tokens is not None:
+                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"stage {role.stage} takes no token batch")
+            self._check_activation(need_message(call), "an activation" if kind == Kind.FORWARD else "a gradient")
+        if kind == Kind.FORWARD and role.is_last:
+            targets = self.labels.get(info.micro_batch) if info.step == self.open_step else None
+            if targets is None:
+                missing = f"no labels for step {info.step} micro-batch {info.micro_batch}"
+                raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, missing)
+            inputs = list(call.tokens.shape if role.is_first else call.message.shape)[:2]
+            if list(targets.shape) != inputs:
+                raise WireError("labels.shape", f"{list(targets.shape)} vs inputs {inputs}")
+        if kind == Kind.BACKWARD and not role.is_last:
+            saved = self.worker.saved_shape(info.micro_batch)
+            if saved is None:
+                raise CallRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"micro_batch: {info.micro_batch} has no forward on this stage"
+                )
+            if list(call.message.shape) != list(saved):
+                raise WireError("shape", f"{list(call.message.shape)} is not the activation's {list(saved)}")
 
     def _check_activation(self, msg, what: str) -> None:
         shape = list(msg.shape)
         if not (len(shape) == 3 and shape[1] <= self.model.seq_len_tokens and shape[2] == self.model.hidden_dim):
             raise WireError("shape", f"{shape} is not {what} [batch, seq, {self.model.hidden_dim}]")
+        if not 1 <= shape[0] <= self.budget.max_batch:
+            raise WireError("shape", f"{shape[0]} rows: a micro-batch holds 1..{self.budget.max_batch} samples")
 
     # ---- one micro-batch: forward and backward -------------------------------------------------------------
 
     def forward(self, call: Incoming) -> stage_pb2.ForwardReply:
-        """Stage k's forward of one micro-batch: decode, compute in schedule order, send on to stage k+1."""
+        """Stage k's forward of one micro-batch (admitted: see `admit`): decode, compute in schedule order, send
+        on to stage k+1."""
         info, role = call.info, self.role
         if role.is_first:
-            if call.tokens is None:
-                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, "stage 0 takes a token batch")
-            inputs, id_tensor = tokens_from_wire(call.tokens, self.model.vocab_size, self.model.seq_len_tokens)
+            inputs, id_tensor = call.parsed
             ids = id_tensor.tolist()
         else:
             msg = need_message(call)
-            self._check_activation(msg, "an activation")
             # the receiver computes on what the codec delivers (for AQ-SGD, its buffer m)
             with self._phase("decode"):
                 inputs = self.links.incoming(self.links.fw_recv, msg, self.limits)
             ids = [int(i) for i in msg.sample_ids] or list(range(inputs.shape[0]))
         queued = time.perf_counter()
-        with self._turn(info, Kind.FORWARD):
+        with self._turn(info, Kind.FORWARD) as current:
             self._observe("wait", queued)
-            targets = self._labels_for(info, inputs) if role.is_last else None
             with self.compute_lock, self._phase("compute"):
+                self._still(current, info)
+                targets = self.labels.pop(info.micro_batch) if role.is_last else None
                 out = self.worker.forward(info.micro_batch, inputs, torch.tensor(ids), targets)
             if role.is_last:
                 return stage_pb2.ForwardReply(has_loss=True, loss=float(out))
@@ -180,14 +277,13 @@ class StageHost:
         if self.role.is_last:
             grad_out = torch.tensor(1.0 / max(1, info.num_micro_batches))
         else:
-            msg = need_message(call)
-            self._check_activation(msg, "a gradient")
             with self._phase("decode"):
-                grad_out = self.links.incoming(self.links.bw_recv, msg, self.limits)
+                grad_out = self.links.incoming(self.links.bw_recv, need_message(call), self.limits)
         queued = time.perf_counter()
-        with self._turn(info, Kind.BACKWARD):
+        with self._turn(info, Kind.BACKWARD) as current:
             self._observe("wait", queued)
             with self.compute_lock, self._phase("compute"):
+                self._still(current, info)
                 grad_in = self.worker.backward(info.micro_batch, grad_out)
             if grad_in is None:
                 return stage_pb2.BackwardReply()
@@ -242,7 +338,7 @@ class StageHost:
         address = info.route[info.stage]
         counted = _Counted(items)
         try:
-            reply = getattr(self.connector.stage(address), method)(iter(counted), timeout=_deadline(info))
+            reply = getattr(self.connector.stage(address), method)(iter(counted), timeout=self._deadline(info))
         except grpc.RpcError as e:
             if (
                 retry_on is not None
@@ -259,15 +355,11 @@ class StageHost:
         out.stage = stage
         return out
 
-    def _labels_for(self, info: stage_pb2.CallInfo, inputs: torch.Tensor) -> torch.Tensor:
-        targets = self.labels.pop((info.step, info.micro_batch), None)
-        if targets is None:
-            raise CallRefused(
-                grpc.StatusCode.FAILED_PRECONDITION, f"no labels for step {info.step} micro-batch {info.micro_batch}"
-            )
-        if targets.shape != inputs.shape[:2]:
-            raise WireError("labels.shape", f"{list(targets.shape)} vs inputs {list(inputs.shape[:2])}")
-        return targets
+    def _still(self, current, info: stage_pb2.CallInfo) -> None:
+        """Under the compute lock: the call's step is still this stage's (not abandoned while it waited)."""
+        if not current() or self.open_step != info.step:
+            raise GateError(f"step {info.step} was abandoned before micro-batch {info.micro_batch} ran")
+        self._progressed = True
 
     def _turn(self, info: stage_pb2.CallInfo, kind: Kind):
         return self.gate.turn(
@@ -276,18 +368,30 @@ class StageHost:
             info.micro_batch,
             info.schedule or "1f1b",
             info.num_micro_batches or 1,
-            timeout_s=_deadline(info),
+            timeout_s=self._deadline(info),
         )
 
     # ---- once per step ----------------------------------------------------------------------------------
 
-    def put_labels(self, info: stage_pb2.CallInfo, labels: stage_pb2.TokenBatch) -> None:
+    def check_labels(self, info: stage_pb2.CallInfo, labels: stage_pb2.TokenBatch) -> torch.Tensor:
+        """The checked targets of a PutLabels call; changes nothing. Labels are taken for the open step only
+        (admission opens it), one batch per micro-batch (a retry replaces it), so the table never outgrows the
+        budget."""
         if not self.role.is_last:
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.role.stage} is not the last stage")
-        if len(self.labels) >= MAX_PENDING_LABELS:
-            raise CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_PENDING_LABELS} label batches pending")
+        rows = list(labels.shape)[:1]
+        if rows and rows[0] > self.budget.max_batch:
+            raise WireError("labels.shape", f"{rows[0]} rows exceed the budget of {self.budget.max_batch}")
         targets, _ = tokens_from_wire(labels, self.model.vocab_size, self.model.seq_len_tokens)
-        self.labels[(info.step, info.micro_batch)] = targets
+        return targets
+
+    def put_labels(self, info: stage_pb2.CallInfo, targets: torch.Tensor) -> None:
+        """Stores checked labels of the open step (`admit` opened it)."""
+        with self.compute_lock:
+            if self.open_step != info.step:
+                raise GateError(f"step {info.step} was abandoned before its labels were stored")
+            self.labels[info.micro_batch] = targets
+            self._progressed = True
 
     def grads(self) -> stage_pb2.GradReply:
         """This stage's tied-embedding gradient (if tied across stages) and its other gradients' squared norm."""
@@ -306,21 +410,39 @@ class StageHost:
         lr = 0.0
         with self.compute_lock:
             if request.abandon:
-                self.worker.zero_grad()
+                if self.open_step is not None and request.step != self.open_step:
+                    raise CallRefused(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"step {request.step} is not open on this stage (open step: {self.open_step})",
+                    )
+                self._abandon()
             else:
                 self._check_step(request)
-                if request.HasField("tied_grad_sum"):
-                    self.worker.set_tied_grad(self._tied_sum(request))
+                tied = self._tied_sum(request) if request.HasField("tied_grad_sum") else None
+                if tied is not None:
+                    self.worker.set_tied_grad(tied)
                 lr = self.worker.step(request.global_grad_norm)
                 self.steps_done += 1
                 self._step_metrics()
-            self.links.end_step()
-            self.gate.reset()
-            self.open_step = None
-            self.labels = {k: v for k, v in self.labels.items() if k[0] > request.step}
+                self._close_step()
         if self.on_step is not None and not request.abandon:
             self.on_step(self)
         return lr
+
+    def _abandon(self) -> None:
+        """Drops the open step's gradients and in-flight activations (compute lock held)."""
+        self.worker.zero_grad()
+        self._close_step()
+
+    def _close_step(self) -> None:
+        self.links.end_step()
+        self.gate.reset()
+        self.open_step, self._owner, self._progressed = None, None, False
+        self.labels = {}
+
+    def _deadline(self, info: stage_pb2.CallInfo) -> float:
+        """How long a call may wait here or downstream: what it asks, capped by the budget."""
+        return min(info.deadline_s or DEFAULT_DEADLINE_S, self.budget.max_wait_s)
 
     def _step_metrics(self) -> None:
         m, role = self.metrics, self.role
@@ -399,7 +521,3 @@ class _Counted:
         for item in self.items:
             self.nbytes += len(item)
             yield item
-
-
-def _deadline(info: stage_pb2.CallInfo) -> float:
-    return info.deadline_s or DEFAULT_DEADLINE_S

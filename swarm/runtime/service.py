@@ -15,21 +15,25 @@ import grpc
 from swarm.compression import BufferMissError, WireError, WireLimits
 from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, read_stream
 from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.runtime.budget import CallSlots, SlotsExhausted, StageBudget
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
+from swarm.runtime.schedules import Kind
 
 __all__ = ["StageServicer"]
 
 log = logging.getLogger("swarm.runtime.service")
 
-MAX_PROBE_BYTES = 16 << 20
-
 
 class StageServicer(stage_pb2_grpc.StageServicer):
     """Thin gRPC handlers: read and check the call, run the host's compute, pass the result on."""
 
-    def __init__(self, host: StageHost | None):
+    def __init__(self, host: StageHost | None, budget: StageBudget | None = None):
         self.host = host
+        self.budget = budget or (host.budget if host is not None else StageBudget())
+        self._data_slots = CallSlots(self.budget.data_calls, "data")
+        """Data calls held at once: past it they are refused at once, so control calls always find a thread."""
+        self._probe_slots = CallSlots(self.budget.probe_calls, "link probe")
         self.previous: StageHost | None = None
         """The host this peer served before its last plan change, kept to hand its state over."""
         self.standby_version: int | None = None
@@ -55,15 +59,39 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         host = self.host
         return host.limits if host is not None else WireLimits()
 
-    def _admit(self, info: stage_pb2.CallInfo) -> StageHost:
-        """Checks a call against the current host and opens its step there, atomically with `swap`."""
+    def _caller(self, context) -> str | None:
+        """The authenticated peer id of the caller (None while calls are not authenticated)."""
+        return None
+
+    def _admit(self, info: stage_pb2.CallInfo, call, kind: Kind | None, caller: str | None) -> StageHost:
+        """Checks a whole call against the current host and opens its step there, atomically with `swap`.
+        The caller must `leave()` the returned host when the call is answered."""
         with self._admission:
             host = self.host
             if host is None:
                 raise self._not_serving()
-            host.check_call(info)
-            host.open(info.step)
+            host.admit(call, info, kind, caller)
             return host
+
+    def _stream_call(self, request_iterator, context, kind: Kind):
+        """Forward or Backward: the call info is checked before the rest of the stream is read, the whole call
+        before anything is decoded."""
+
+        def run():
+            with self._data_slots.take():
+                caller = self._caller(context)
+                call = read_stream(
+                    request_iterator,
+                    self._limits(),
+                    on_info=lambda info: self._serving().check_call(info, caller),
+                )
+                host = self._admit(call.info, call, kind, caller)
+                try:
+                    return host.forward(call) if kind == Kind.FORWARD else host.backward(call)
+                finally:
+                    host.leave()
+
+        return self._guard(context, run)
 
     def when_idle(self, change, timeout_s: float) -> bool:
         """Runs `change(servicer)` between two steps, never while a step is open on this stage.
@@ -111,6 +139,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
         except GateError as e:
             context.abort(grpc.StatusCode.ABORTED, f"schedule: {e}")
+        except SlotsExhausted as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except StageCallError as e:
             context.abort(e.code, str(e))
         except ValueError as e:  # e.g. NaN in a tensor to encode
@@ -120,22 +150,23 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"stage {host.role.stage} failed: {type(e).__name__}: {e}")
 
     def Forward(self, request_iterator, context):
-        def run():
-            call = read_stream(request_iterator, self._limits())
-            return self._admit(call.info).forward(call)
-
-        return self._guard(context, run)
+        return self._stream_call(request_iterator, context, Kind.FORWARD)
 
     def Backward(self, request_iterator, context):
-        def run():
-            call = read_stream(request_iterator, self._limits())
-            return self._admit(call.info).backward(call)
-
-        return self._guard(context, run)
+        return self._stream_call(request_iterator, context, Kind.BACKWARD)
 
     def PutLabels(self, request, context):
         def run():
-            self._admit(request.info).put_labels(request.info, request.labels)
+            with self._data_slots.take():
+                caller = self._caller(context)
+                info = request.info
+                self._serving().check_call(info, caller)
+                targets = self._serving().check_labels(info, request.labels)
+                host = self._admit(info, None, None, caller)
+                try:
+                    host.put_labels(info, targets)
+                finally:
+                    host.leave()
             return stage_pb2.Empty()
 
         return self._guard(context, run)
@@ -153,14 +184,17 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self._guard(context, run)
 
     def Probe(self, request, context):  # answered before a stage is assigned too: links are measured early
-        if request.reply_bytes > MAX_PROBE_BYTES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reply_bytes exceeds {MAX_PROBE_BYTES}")
+        cap = self.budget.max_probe_reply_bytes
+        if request.reply_bytes > cap:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reply_bytes: {request.reply_bytes} exceeds {cap}")
         return stage_pb2.ProbeReply(payload=bytes(request.reply_bytes))
 
     def Sink(self, request_iterator, context):  # no stage needed: links are measured before assignment
-        limits = self.host.limits if self.host is not None else WireLimits()
         try:
-            call = read_stream(request_iterator, limits)
+            with self._probe_slots.take():
+                call = read_stream(request_iterator, self.budget.sink_limits())
+        except SlotsExhausted as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
         return stage_pb2.Traffic(wire_bytes=call.wire_bytes)
@@ -182,6 +216,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"this peer holds {held}, not stage {request.stage} of plan {request.plan_version or 'now'}",
             )
         host = wanted[0]
-        with host.compute_lock:
-            items = list(host.state_items())
-        yield from items
+        try:
+            slot = self._data_slots.take()
+            slot.__enter__()
+        except SlotsExhausted as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        try:
+            with host.compute_lock:
+                items = list(host.state_items())
+            yield from items
+        finally:
+            slot.__exit__(None, None, None)

@@ -197,6 +197,11 @@ class StageWorker:
         self.step_count += 1
         return lr
 
+    def saved_shape(self, mb: int) -> torch.Size | None:
+        """The output shape of micro-batch `mb` while its backward has not run (None if not in flight)."""
+        saved = self._saved.get(mb)
+        return None if saved is None else saved[1].shape
+
     def zero_grad(self) -> None:
         """Drop accumulated gradients and in-flight activations (e.g. after an aborted step)."""
         self.optimizer.zero_grad(set_to_none=True)

@@ -115,6 +115,7 @@ def test_bad_input_gets_a_named_error_and_the_peer_keeps_serving():
         values = torch.randn(2, 16, 32)
         values[1, 2, 3] = float("nan")
         nan.raw = values.numpy().tobytes()
+        stub.PutLabels(stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(torch.zeros(2, 16))), timeout=10)
         expect(_stream(info, nan), grpc.StatusCode.INVALID_ARGUMENT, ["NaN"])
         wrong_stage = stage_pb2.CallInfo()
         wrong_stage.CopyFrom(info)

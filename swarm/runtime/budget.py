@@ -1,0 +1,81 @@
+"""What one stage spends on its callers at most: the bounds every resource is held to, from the run's config.
+
+Every stage port is reachable by strangers, and even a caller the plan names may misbehave, so nothing a call
+asks for is granted beyond these bounds: rows per micro-batch and micro-batches per step (hence the size of
+every message and of the label table), how long a call may hold a schedule turn, how many data streams are
+read at once, how long an open step may sit idle, and what link probes may cost. A call past a bound is
+refused by name (`BudgetError`, RESOURCE_EXHAUSTED or INVALID_ARGUMENT) before it changes any state.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from swarm.compression import WireLimits
+from swarm.model.gpt import ModelConfig
+
+__all__ = ["CallSlots", "SlotsExhausted", "StageBudget"]
+
+
+@dataclass(frozen=True)
+class StageBudget:
+    """Bounds on what one stage gives its callers. The defaults fit every run this project makes (micro-batches
+    of up to 256 samples, up to 64 per step); a run with bigger ones raises them on every peer."""
+
+    max_batch: int = 256
+    """most samples in one micro-batch (rows of an activation, a gradient, a token or label batch)"""
+    max_micro_batches: int = 64
+    """most micro-batches of one step (the schedule's length and the label table's size follow)"""
+    max_wait_s: float = 120.0
+    """longest a call may wait for its schedule turn or its downstream call, whatever deadline_s it asks for"""
+    stale_step_s: float = 300.0
+    """an open step that saw no call for this long, with none in flight, closes itself when another arrives"""
+    data_calls: int = 24
+    """Forward/Backward/PutLabels/GetState calls served at once; more are refused at once, so the server's
+    other threads stay free for control calls (Status, Probe, Grads, Step)"""
+    probe_calls: int = 2
+    """link probes (Sink) read at once"""
+    max_probe_reply_bytes: int = 64 << 10
+    """most bytes a Probe may ask to receive (a link's rate is measured with Sink, not Probe)"""
+    max_sink_bytes: int = 4 << 20
+    """most bytes of one Sink stream (the probes send 256 KiB by default)"""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_micro_batches", "data_calls", "probe_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StageBudget.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_wait_s", "stale_step_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"StageBudget.{name} must be > 0, got {getattr(self, name)}")
+
+    def wire_limits(self, model: ModelConfig) -> WireLimits:
+        """Bounds on every tensor message a stage of `model` receives: the largest is an fp32 activation of a
+        full micro-batch, or the tied embedding's gradient."""
+        numel = max(self.max_batch * model.seq_len_tokens * model.hidden_dim, model.vocab_size * model.hidden_dim)
+        return WireLimits(max_dims=3, max_numel=numel, max_message_bytes=4 * numel + (1 << 20))
+
+    def sink_limits(self) -> WireLimits:
+        return WireLimits(max_dims=1, max_numel=self.max_sink_bytes // 4, max_message_bytes=self.max_sink_bytes)
+
+
+class SlotsExhausted(RuntimeError):
+    """Every slot of a kind of call is taken: the call is refused at once instead of queued."""
+
+
+class CallSlots:
+    """At most `n` calls of one kind at once; `take()` never waits, so a flood cannot park server threads."""
+
+    def __init__(self, n: int, what: str):
+        self.n, self.what = n, what
+        self._free = threading.BoundedSemaphore(n)
+
+    @contextmanager
+    def take(self):
+        if not self._free.acquire(blocking=False):
+            raise SlotsExhausted(f"{self.n} {self.what} calls are being served already; retry later")
+        try:
+            yield
+        finally:
+            self._free.release()
