@@ -145,6 +145,10 @@ class Unframer:
         self._parts.append(data)
         return self._finish() if self.complete else None
 
+    def check_header(self, header: wire_pb2.FrameHeader) -> wire_pb2.FrameHeader:
+        """Checks a frame header against the limits without taking it (raises WireError); returns it."""
+        return self._check_header(header)
+
     def _check_header(self, header: wire_pb2.FrameHeader) -> wire_pb2.FrameHeader:
         limits = self.limits
         for field in ("body_bytes", "raw_body_bytes"):

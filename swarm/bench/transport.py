@@ -71,11 +71,14 @@ def _serve(conn) -> None:
     from swarm.peers.allocator import tune_allocator
     from swarm.peers.transport import TransportConfig, make_server
     from swarm.proto import stage_pb2_grpc
+    from swarm.runtime.budget import StageBudget
     from swarm.runtime.service import StageServicer
 
     tune_allocator()
     server, port = make_server(TransportConfig())
-    stage_pb2_grpc.add_StageServicer_to_server(StageServicer(None), server)
+    # the benchmark streams up to 16 MiB tensors into Sink; a peer's default budget takes 4 MiB link probes
+    sink = StageServicer(None, budget=StageBudget(max_sink_bytes=(max(SIZES) + (1 << 20)) * 2))
+    stage_pb2_grpc.add_StageServicer_to_server(sink, server)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_RAW_SERVICE, {"Sink": _raw_sink()}),))
     server.start()
     listener = socket.create_server(("127.0.0.1", 0))

@@ -154,11 +154,13 @@ def read_stream(
     items: Iterable[stage_pb2.StreamItem],
     limits: WireLimits = DEFAULT_LIMITS,
     on_info: Callable[[stage_pb2.CallInfo], None] | None = None,
+    on_header: Callable[[wire_pb2.FrameHeader], None] | None = None,
 ) -> Incoming:
     """Reads a whole stream; raises WireError naming the field on anything malformed or out of bounds.
 
     `on_info` sees the call info as soon as the first item is in, before any more of the stream is read: it
     raises to refuse the call, so a call the stage would refuse costs one item, not the whole stream.
+    `on_header` likewise sees the frame header (checked against `limits`) before any body byte is kept.
     """
     incoming: Incoming | None = None
     unframer = Unframer(limits)
@@ -180,6 +182,8 @@ def read_stream(
             if incoming.message is not None or incoming.tokens is not None:
                 raise WireError("chunk", "data after the end of the message")
             before = unframer.received_bytes
+            if on_header is not None and unframer.header is None and item.chunk.HasField("header"):
+                on_header(unframer.check_header(item.chunk.header))
             incoming.message = unframer.feed(item.chunk)  # checks the header's sizes before the body arrives
             data_len = unframer.received_bytes - before  # len(item.chunk.data) would copy the data once more
         incoming.wire_bytes += item_nbytes(item, data_len)

@@ -35,6 +35,11 @@ class StageBudget:
     data_calls: int = 24
     """Forward/Backward/PutLabels/GetState calls served at once; more are refused at once, so the server's
     other threads stay free for control calls (Status, Probe, Grads, Step)"""
+    large_streams: int = 4
+    """data streams larger than `large_stream_bytes` read and decoded at once (each is held in memory whole;
+    another waits for a slot, at most `max_wait_s`)"""
+    large_stream_bytes: int = 1 << 20
+    """a stream whose frame header declares more body bytes than this takes a large-stream slot"""
     probe_calls: int = 2
     """link probes (Sink) read at once"""
     max_probe_reply_bytes: int = 64 << 10
@@ -43,7 +48,7 @@ class StageBudget:
     """most bytes of one Sink stream (the probes send 256 KiB by default)"""
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_micro_batches", "data_calls", "probe_calls"):
+        for name in ("max_batch", "max_micro_batches", "data_calls", "large_streams", "probe_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StageBudget.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_wait_s", "stale_step_s"):
@@ -65,15 +70,17 @@ class SlotsExhausted(RuntimeError):
 
 
 class CallSlots:
-    """At most `n` calls of one kind at once; `take()` never waits, so a flood cannot park server threads."""
+    """At most `n` calls of one kind at once. `take()` does not wait unless told to, so a flood of calls cannot
+    park the server's threads."""
 
     def __init__(self, n: int, what: str):
         self.n, self.what = n, what
         self._free = threading.BoundedSemaphore(n)
 
     @contextmanager
-    def take(self):
-        if not self._free.acquire(blocking=False):
+    def take(self, wait_s: float = 0.0):
+        """Holds a slot for the body; raises SlotsExhausted if none frees up within `wait_s` (0: none free now)."""
+        if not self._free.acquire(timeout=wait_s) if wait_s > 0 else not self._free.acquire(blocking=False):
             raise SlotsExhausted(f"{self.n} {self.what} calls are being served already; retry later")
         try:
             yield

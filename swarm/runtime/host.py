@@ -242,19 +242,27 @@ class StageHost:
 
     # ---- one micro-batch: forward and backward -------------------------------------------------------------
 
-    def forward(self, call: Incoming) -> stage_pb2.ForwardReply:
-        """Stage k's forward of one micro-batch (admitted: see `admit`): decode, compute in schedule order, send
-        on to stage k+1."""
+    def decode(self, call: Incoming, kind: Kind) -> torch.Tensor:
+        """What an admitted call brings: the tokens into stage 0, the decoded activation or gradient elsewhere
+        (for AQ-SGD the receiver's buffer m: the receiver computes on what the codec delivers)."""
+        if kind == Kind.FORWARD and self.role.is_first:
+            return call.parsed[0]
+        if kind == Kind.BACKWARD and self.role.is_last:
+            return torch.tensor(1.0 / max(1, call.info.num_micro_batches))
+        direction = self.links.fw_recv if kind == Kind.FORWARD else self.links.bw_recv
+        with self._phase("decode"):
+            return self.links.incoming(direction, need_message(call), self.limits)
+
+    def forward(self, call: Incoming, inputs: torch.Tensor | None = None) -> stage_pb2.ForwardReply:
+        """Stage k's forward of one micro-batch (admitted: see `admit`): compute in schedule order, send on to
+        stage k+1. `inputs` are the call's, decoded (default: decoded now)."""
         info, role = call.info, self.role
+        if inputs is None:
+            inputs = self.decode(call, Kind.FORWARD)
         if role.is_first:
-            inputs, id_tensor = call.parsed
-            ids = id_tensor.tolist()
+            ids = call.parsed[1].tolist()
         else:
-            msg = need_message(call)
-            # the receiver computes on what the codec delivers (for AQ-SGD, its buffer m)
-            with self._phase("decode"):
-                inputs = self.links.incoming(self.links.fw_recv, msg, self.limits)
-            ids = [int(i) for i in msg.sample_ids] or list(range(inputs.shape[0]))
+            ids = [int(i) for i in call.message.sample_ids] or list(range(inputs.shape[0]))
         queued = time.perf_counter()
         with self._turn(info, Kind.FORWARD) as current:
             self._observe("wait", queued)
@@ -271,14 +279,12 @@ class StageHost:
         # communication: the activation goes straight to the next stage, which returns the loss
         return self._send_forward(nxt, items, out, ids)
 
-    def backward(self, call: Incoming) -> stage_pb2.BackwardReply:
-        """Stage k's backward of one micro-batch: decode, backpropagate in schedule order, send to stage k-1."""
+    def backward(self, call: Incoming, grad_out: torch.Tensor | None = None) -> stage_pb2.BackwardReply:
+        """Stage k's backward of one micro-batch (admitted): backpropagate in schedule order, send to stage k-1.
+        `grad_out` is the call's gradient, decoded (default: decoded now)."""
         info = call.info
-        if self.role.is_last:
-            grad_out = torch.tensor(1.0 / max(1, info.num_micro_batches))
-        else:
-            with self._phase("decode"):
-                grad_out = self.links.incoming(self.links.bw_recv, need_message(call), self.limits)
+        if grad_out is None:
+            grad_out = self.decode(call, Kind.BACKWARD)
         queued = time.perf_counter()
         with self._turn(info, Kind.BACKWARD) as current:
             self._observe("wait", queued)

@@ -7,6 +7,7 @@ previous host kept for handing its state over.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -33,6 +34,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.budget = budget or (host.budget if host is not None else StageBudget())
         self._data_slots = CallSlots(self.budget.data_calls, "data")
         """Data calls held at once: past it they are refused at once, so control calls always find a thread."""
+        self._large_slots = CallSlots(self.budget.large_streams, "large stream")
+        """Messages over `large_stream_bytes` read at once: what a flood of big streams may hold in memory."""
         self._probe_slots = CallSlots(self.budget.probe_calls, "link probe")
         self.previous: StageHost | None = None
         """The host this peer served before its last plan change, kept to hand its state over."""
@@ -78,16 +81,24 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         before anything is decoded."""
 
         def run():
-            with self._data_slots.take():
+            with self._data_slots.take(), contextlib.ExitStack() as reading:
                 caller = self._caller(context)
+
+                def on_header(header) -> None:  # a large message is read and decoded in a slot of its own
+                    if header.body_bytes > self.budget.large_stream_bytes:
+                        reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
+
                 call = read_stream(
                     request_iterator,
                     self._limits(),
                     on_info=lambda info: self._serving().check_call(info, caller),
+                    on_header=on_header,
                 )
                 host = self._admit(call.info, call, kind, caller)
                 try:
-                    return host.forward(call) if kind == Kind.FORWARD else host.backward(call)
+                    inputs = host.decode(call, kind)
+                    reading.close()  # decoded: the slot is free before the call waits for its turn
+                    return host.forward(call, inputs) if kind == Kind.FORWARD else host.backward(call, inputs)
                 finally:
                     host.leave()
 

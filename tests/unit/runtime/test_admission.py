@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, LinkState, make_codec
+from swarm.compression.framing import frame_parts
 from swarm.model.data import Batch
 from swarm.model.gpt import ModelConfig, split_layers
 from swarm.net.connect import LocalNetwork, LocalRpcError
-from swarm.net.stream import tensor_items, tokens_to_wire
+from swarm.net.stream import serialize_chunk_item, tensor_items, tokens_to_wire
 from swarm.proto import stage_pb2
 from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.budget import StageBudget
@@ -85,9 +86,12 @@ def refused(call, *args, code=None, words=()):
     return err.value
 
 
-def activation_items(info, tensor, sample_ids=None, codec=FP32):
+def activation_items(info, tensor, sample_ids=None, codec=FP32, chunk_bytes=None):
     msg = make_codec(codec).encode(tensor, sample_ids=sample_ids)
-    return list(tensor_items(info, msg, 0, None))
+    if chunk_bytes is None:
+        return list(tensor_items(info, msg, 0, None))
+    parts = frame_parts(msg, zstd_level=0, chunk_bytes=chunk_bytes)
+    return [serialize_chunk_item(data, info if header else None, header) for header, data in parts]
 
 
 def test_a_call_failing_after_admission_leaves_no_step_open():
@@ -266,3 +270,18 @@ def test_probe_and_sink_cost_what_the_budget_allows():
     assert s.client(0).Sink(small).wire_bytes > 4000
     big = activation_items(stage_pb2.CallInfo(), torch.randn(1 << 19), None)  # 2 MiB
     refused(s.client(0).Sink, big, code=grpc.StatusCode.INVALID_ARGUMENT, words=["limit"])
+
+
+def test_large_streams_past_their_slots_are_refused_before_their_body_is_read():
+    s = Stages(2, StageBudget(large_streams=1, large_stream_bytes=1024, max_wait_s=1.0))
+    pulled = []
+
+    def stream():
+        for i, item in enumerate(activation_items(s.info(1), torch.randn(2, 16, 32), [0, 1], chunk_bytes=1024)):
+            pulled.append(i)
+            yield item
+
+    with s.servicers[1]._large_slots.take():  # another large stream is being read, for longer than max_wait_s
+        refused(s.client(1).Forward, stream(), code=grpc.StatusCode.RESOURCE_EXHAUSTED, words=["large stream"])
+    assert pulled == [0]
+    assert s.legit_step() > 0  # its 4 KiB activations take the slot one at a time
