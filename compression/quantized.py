@@ -43,9 +43,7 @@ def pack_quantized(q: QuantizedTensor, out: wire_pb2.Quantized) -> None:
     out.payload = q.packed.numpy().tobytes()
 
 
-def unpack_quantized(
-    msg: wire_pb2.Quantized, numel: int, field: str, bound: float = FP32_MAX
-) -> QuantizedTensor:
+def unpack_quantized(msg: wire_pb2.Quantized, numel: int, field: str, bound: float = FP32_MAX) -> QuantizedTensor:
     """The quantized tensor of `msg`, every length and bound checked against `numel` first.
 
     Args:
