@@ -87,6 +87,8 @@ def check_shape(shape: list[int] | tuple[int, ...], limits: WireLimits, field: s
     """Checks dims and total size; returns the number of elements."""
     if len(shape) > limits.max_dims:
         raise WireError(field, f"{len(shape)} dims exceed the limit of {limits.max_dims}")
+    if any(d > limits.max_numel for d in shape):  # also when another dim is 0: torch cannot size such a tensor
+        raise WireError(field, f"a dimension exceeds the limit of {limits.max_numel} elements")
     numel = math.prod(shape)
     if numel > limits.max_numel:
         raise WireError(field, f"{numel} elements exceed the limit of {limits.max_numel}")
