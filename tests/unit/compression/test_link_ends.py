@@ -88,3 +88,26 @@ def test_sending_ends_are_bounded_per_kind_and_a_dropped_one_starts_over(tmp_pat
 def test_addresses_that_read_alike_get_their_own_files():
     assert send_file("fw", "a:1") != send_file("fw", "a_1")
     assert "/" not in send_file("fw", "../../etc/passwd") and send_file("bw", "x").startswith("bw-send-")
+
+
+def test_a_drifted_receiver_is_repaired_inside_a_running_pipeline():
+    from swarm.compression import CodecConfig
+    from swarm.model.data import Batch
+    from swarm.model.gpt import ModelConfig
+    from swarm.runtime.local import LocalPipeline
+
+    model = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=4, init_seed=1)
+    pipe = LocalPipeline(model, 2, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))
+    windows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = Batch(torch.arange(4), windows[:, :-1], windows[:, 1:])
+    for _ in range(2):
+        pipe.train_step(batch, n_micro=1)
+    recv = pipe.hosts[1].links.fw_recv.buffers
+    recv.scatter(recv.lookup([2]), recv.get(2).unsqueeze(0).float() + 0.5)  # one row goes bad
+    [to_next] = pipe.hosts[0].links.send_ends("fw")
+    assert not same(to_next.buffers, recv)
+    result = pipe.train_step(batch, n_micro=1)  # the digest disagrees: refused, re-sent in full, served
+    assert torch.isfinite(torch.tensor(result.loss))
+    assert same(to_next.buffers, recv)
+    pipe.train_step(batch, n_micro=1)  # and deltas again from there
+    assert same(to_next.buffers, recv)
