@@ -1,7 +1,7 @@
 """Codecs, AQ-SGD message buffers and zstd framing: tensors to wire messages and back."""
 
 from swarm.compression.buffers import BufferStore, MemoryBufferStore, MmapBufferStore
-from swarm.compression.codec_aqsgd import BufferMissError
+from swarm.compression.codec_aqsgd import BufferDriftError, BufferMissError, buffer_digest
 from swarm.compression.codec_base import Codec
 from swarm.compression.codecs import CODEC_NAMES, REGISTRY, codec_class, codec_labels, decoder_for, make_codec
 from swarm.compression.config import CodecConfig
@@ -14,6 +14,7 @@ __all__ = [
     "CODEC_NAMES",
     "DEFAULT_LIMITS",
     "REGISTRY",
+    "BufferDriftError",
     "BufferMissError",
     "BufferStore",
     "Codec",
@@ -25,6 +26,7 @@ __all__ = [
     "WireError",
     "WireLimits",
     "ZstdPolicy",
+    "buffer_digest",
     "codec_class",
     "codec_labels",
     "decoder_for",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -27,6 +28,10 @@ class BufferStore:
         self.dtype = dtype
         self.sample_shape: tuple[int, ...] | None = None
         self._slots: dict[int, int] = {}
+        self._next_slot = 0
+        """slots ever handed out: the next fresh one when no forgotten slot waits for reuse"""
+        self._free: deque[int] = deque()
+        """slots of forgotten ids, reused first (FIFO), so a live id never shares its slot"""
         self._data: torch.Tensor | None = None
         self._warned_full = False
 
@@ -72,7 +77,7 @@ class BufferStore:
         for i, sample_id in enumerate(sample_ids):
             slot = self._slots.get(int(sample_id))
             if slot is None and len(self._slots) < self.capacity:
-                slot = self._slots[int(sample_id)] = len(self._slots)
+                slot = self._slots[int(sample_id)] = self._take_slot()
             if slot is None:
                 if not self._warned_full:
                     warnings.warn(
@@ -87,10 +92,21 @@ class BufferStore:
             stored.append(True)
         return stored
 
+    def _take_slot(self) -> int:
+        """A slot no live id holds: a forgotten one first, else the next never used (below the capacity, as
+        live ids + free slots = slots handed out)."""
+        if self._free:
+            return self._free.popleft()
+        self._next_slot += 1
+        return self._next_slot - 1
+
     def forget(self, sample_ids: list[int]) -> None:
-        """Drops ids (their slots are not reused: the store stays append-only and deterministic)."""
+        """Drops ids; their slots go to the free list for later admissions. Which slot an id gets is local to
+        each end: only the id -> value mapping has to agree between the two ends."""
         for sample_id in sample_ids:
-            self._slots.pop(int(sample_id), None)
+            slot = self._slots.pop(int(sample_id), None)
+            if slot is not None:
+                self._free.append(slot)
 
     def get(self, sample_id: int) -> torch.Tensor | None:
         slot = self._slots.get(int(sample_id))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.compression.codec_base import Codec, check_wire_finite
+from swarm.compression.codec_base import Codec, decoded_bound
 from swarm.compression.quantized import group_size, pack_quantized, quantized_nbytes, unpack_quantized
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
 from swarm.kernels import apply_delta, aqsgd_update, dequantize, quantize
@@ -19,15 +20,38 @@ if TYPE_CHECKING:
 class BufferMissError(LookupError):
     """The receiver holds no message buffer for these sample ids (e.g. it restarted): resend them in full."""
 
-    def __init__(self, sample_ids: list[int]):
-        super().__init__(f"no AQ-SGD buffer for sample ids {sample_ids[:8]}{'...' if len(sample_ids) > 8 else ''}")
+    def __init__(self, sample_ids: list[int], problem: str = "no AQ-SGD buffer"):
+        shown = f"{sample_ids[:8]}{'...' if len(sample_ids) > 8 else ''}"
+        super().__init__(f"{problem} for sample ids {shown}")
         self.sample_ids = sample_ids
+
+
+class BufferDriftError(BufferMissError):
+    """The receiver's buffers for these samples differ from the sender's (the digests of what both ends would
+    write disagree): nothing was committed; the sender forgets them and resends them in full, as for a miss."""
+
+    def __init__(self, sample_ids: list[int], sent: int, computed: int):
+        super().__init__(sample_ids, f"AQ-SGD buffers drifted (digest {computed:08x}, sender's {sent:08x})")
+        self.sent, self.computed = sent, computed
+
+
+def buffer_digest(*parts: torch.Tensor | None) -> int:
+    """CRC-32 of the tensors' bytes, in order: what one end writes into its message buffers for a message."""
+    crc = 0
+    for t in parts:
+        if t is not None and t.numel():
+            crc = zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    return crc
 
 
 class AQSGDCodec(Codec):
     """AQ-SGD: per sample, the quantized change since the sample was last seen, against a message buffer `m`
     held identically by sender and receiver; a sample's first sight travels in full and initialises `m`.
-    The receiver computes on `m`, not on the true activation."""
+    The receiver computes on `m`, not on the true activation.
+
+    Both ends compute everything a message writes into their buffers first, check it (finite in the buffer
+    dtype, the digests agree) and only then commit it, so a refused message leaves the buffers as they were.
+    """
 
     name, wire, quantized, uses_buffers = "aqsgd", wire_pb2.AQSGD, True, True
 
@@ -48,16 +72,24 @@ class AQSGDCodec(Codec):
         msg.sample_is_delta.extend(is_delta)
         delta_rows = [i for i, d in enumerate(is_delta) if d]
         full_rows = [i for i, d in enumerate(is_delta) if not d]
+        m = first = None
         if delta_rows:
             # communication: only the quantized change of each seen sample; m moves by exactly what was sent
             m = store.gather([slots[i] for i in delta_rows])
             q = aqsgd_update(
                 x[delta_rows], m, cfg.bits, group_size(cfg), stochastic=cfg.stochastic, seed=state.next_seed()
             )
-            store.scatter([slots[i] for i in delta_rows], m)
             pack_quantized(q, msg.quantized)
         if full_rows:
             first = self._first_sight(x[full_rows], state, msg)
+        for written in (m, first):
+            if written is not None and not bool(torch.isfinite(written).all()):
+                raise ValueError(f"the activation overflows the {store.dtype} message buffers; use bfloat16 buffers")
+        msg.buffer_digest = buffer_digest(m, first)
+        # commit only now: a failure above leaves the sender's buffers as they were
+        if m is not None:
+            store.scatter([slots[i] for i in delta_rows], m)
+        if first is not None:
             store.admit([ids[i] for i in full_rows], first)
 
     def _first_sight(self, x: torch.Tensor, state: LinkState, msg: wire_pb2.TensorMessage) -> torch.Tensor:
@@ -75,42 +107,78 @@ class AQSGDCodec(Codec):
     def _decode_body(self, msg, numel, state):
         if state is None or state.buffers is None:
             raise ValueError("the aqsgd codec needs a LinkState with message buffers")
-        shape = list(msg.shape)
-        if not shape or len(msg.sample_ids) != shape[0]:
-            raise WireError("sample_ids", f"{len(msg.sample_ids)} ids for a tensor of shape {shape}")
-        if len(msg.sample_is_delta) != len(msg.sample_ids):
-            raise WireError("sample_is_delta", f"{len(msg.sample_is_delta)} flags for {len(msg.sample_ids)} ids")
-        ids = list(msg.sample_ids)
-        if len(set(ids)) != len(ids):
-            raise WireError("sample_ids", "ids repeat within one message")
+        store, shape = state.buffers, list(msg.shape)
+        ids, delta_rows, full_rows = _check_rows(msg, shape, store.sample_shape)
         per_sample = numel // shape[0] if shape[0] else 0
-        store = state.buffers
-        delta_rows = [i for i, d in enumerate(msg.sample_is_delta) if d]
-        full_rows = [i for i, d in enumerate(msg.sample_is_delta) if not d]
         slots = store.lookup(ids)
         missing = [ids[i] for i in delta_rows if slots[i] < 0]
         if missing:
             raise BufferMissError(missing)
-        out = torch.empty((shape[0], *shape[1:]), dtype=store.dtype)
+        bound = decoded_bound(msg, store.dtype)
+        # everything this message would write, computed on copies: the store does not change yet
+        m = first = None
         if delta_rows:
-            q = unpack_quantized(msg.quantized, len(delta_rows) * per_sample, "quantized")
-            m = store.gather([slots[i] for i in delta_rows])
-            apply_delta(m, q)
+            # a delta moves m by at most its own size: bounded by twice what the buffer holds, m checked after
+            q = unpack_quantized(msg.quantized, len(delta_rows) * per_sample, "quantized", 2 * bound)
+            m = apply_delta(store.gather([slots[i] for i in delta_rows]), q)
+            _check_bounded(m, bound, "quantized.scales")
+        if full_rows:
+            first = self._decode_first(msg, len(full_rows) * per_sample, store.dtype, bound)
+            first = first.view(len(full_rows), *shape[1:])
+        if msg.HasField("buffer_digest"):
+            computed = buffer_digest(m, first)
+            if computed != msg.buffer_digest:
+                raise BufferDriftError(ids, msg.buffer_digest, computed)
+        # commit: nothing below depends on the message any more
+        out = torch.empty(shape, dtype=store.dtype)
+        if m is not None:
             store.scatter([slots[i] for i in delta_rows], m)
             out[delta_rows] = m
-        if full_rows:
-            n_full = len(full_rows) * per_sample
-            if msg.HasField("quantized_full"):
-                first = dequantize(unpack_quantized(msg.quantized_full, n_full, "quantized_full"))
-            else:
-                if msg.raw_dtype != wire_dtype(store.dtype):
-                    raise WireError("raw_dtype", f"expected the buffer dtype {store.dtype}")
-                first = bytes_to_tensor(msg.raw, store.dtype, n_full, "raw")
-                check_wire_finite(first, "raw")
-            first = first.view(len(full_rows), *shape[1:]).to(store.dtype)
+        if first is not None:
             store.admit([ids[i] for i in full_rows], first)
             out[full_rows] = first
         return out
+
+    @staticmethod
+    def _decode_first(msg: wire_pb2.TensorMessage, n: int, dtype: torch.dtype, bound: float) -> torch.Tensor:
+        """The first sights of a message, checked, in the buffer dtype."""
+        if msg.HasField("quantized_full"):
+            first = dequantize(unpack_quantized(msg.quantized_full, n, "quantized_full", bound)).to(dtype)
+            _check_bounded(first, bound, "quantized_full.scales")
+            return first
+        if msg.raw_dtype != wire_dtype(dtype):
+            raise WireError("raw_dtype", f"expected the buffer dtype {dtype}")
+        first = bytes_to_tensor(msg.raw, dtype, n, "raw")
+        _check_bounded(first, bound, "raw")
+        return first
+
+
+def _check_rows(
+    msg: wire_pb2.TensorMessage, shape: list[int], sample_shape: tuple[int, ...] | None
+) -> tuple[list[int], list[int], list[int]]:
+    """The message's sample ids, its delta rows and its first-sight rows, each checked against the shape."""
+    if not shape or len(msg.sample_ids) != shape[0]:
+        raise WireError("sample_ids", f"{len(msg.sample_ids)} ids for a tensor of shape {shape}")
+    if len(msg.sample_is_delta) != len(msg.sample_ids):
+        raise WireError("sample_is_delta", f"{len(msg.sample_is_delta)} flags for {len(msg.sample_ids)} ids")
+    ids = list(msg.sample_ids)
+    if len(set(ids)) != len(ids):
+        raise WireError("sample_ids", "ids repeat within one message")
+    if sample_shape is not None and ids and tuple(shape[1:]) != sample_shape:
+        raise WireError("shape", f"samples of shape {shape[1:]}, this link buffers {list(sample_shape)}")
+    delta_rows = [i for i, d in enumerate(msg.sample_is_delta) if d]
+    full_rows = [i for i, d in enumerate(msg.sample_is_delta) if not d]
+    return ids, delta_rows, full_rows
+
+
+def _check_bounded(x: torch.Tensor, bound: float, field: str) -> None:
+    """Refuses values that are not finite in the buffer dtype or exceed `bound` (a narrower decoded dtype)."""
+    if not x.numel():
+        return
+    if not bool(torch.isfinite(x).all()):
+        raise WireError(field, f"decodes to NaN or Inf in {x.dtype}")
+    if bound < torch.finfo(x.dtype).max and float(x.abs().max()) > bound:
+        raise WireError(field, f"decodes to values beyond {bound:.6g}, what the declared dtype holds")
 
 
 CODECS = (AQSGDCodec,)

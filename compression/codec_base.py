@@ -71,7 +71,11 @@ class Codec:
             raise WireError("codec", f"message is {codec_name(msg.codec)}, this decoder is {codec_name(self.wire)}")
         numel = check_shape(list(msg.shape), limits)
         dtype = torch_dtype(msg.dtype)
-        return self._decode_body(msg, numel, state).to(dtype).view(*msg.shape)
+        body = self._decode_body(msg, numel, state)
+        out = body.to(dtype)
+        if torch.finfo(dtype).max < torch.finfo(body.dtype).max:  # a narrowing cast (to fp16) may overflow
+            check_wire_finite(out, "dtype")
+        return out.view(*msg.shape)
 
     def ratio(self, numel: int) -> float:
         """fp32 bytes over this codec's payload bytes for a tensor of `numel` elements (before zstd)."""
@@ -91,6 +95,12 @@ def check_finite(x: torch.Tensor, what: str) -> None:
     """Refuses to send a tensor with NaN or Inf."""
     if x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{what} contains NaN or Inf; refusing to send garbage")
+
+
+def decoded_bound(msg: wire_pb2.TensorMessage, *dtypes: torch.dtype) -> float:
+    """Largest magnitude a decoded value of `msg` may have: what its declared dtype (and any of `dtypes` the
+    values pass through, e.g. a message buffer's) holds as a finite number."""
+    return min(torch.finfo(d).max for d in (torch_dtype(msg.dtype), *dtypes))
 
 
 def check_wire_finite(x: torch.Tensor, field: str) -> None:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.compression.codec_base import Codec
+from swarm.compression.codec_base import Codec, decoded_bound
 from swarm.compression.quantized import group_size, pack_quantized, quantized_nbytes, unpack_quantized
 from swarm.kernels import QuantizedTensor, dequantize, quantize
 from swarm.proto import wire_pb2
@@ -31,7 +31,7 @@ class DirectQCodec(Codec):
         pack_quantized(self._quantize(x, state), msg.quantized)
 
     def _decode_body(self, msg, numel, state):
-        return dequantize(unpack_quantized(msg.quantized, numel, "quantized"))
+        return dequantize(unpack_quantized(msg.quantized, numel, "quantized", decoded_bound(msg)))
 
 
 CODECS = (DirectQCodec,)

@@ -32,7 +32,11 @@ class CodecConfig:
     buffer_capacity: int = 1 << 20
     """aqsgd: samples a link's buffer store holds; past it, new samples always travel in full"""
     buffer_path: str | None = None
-    """aqsgd: a file for a memory-mapped buffer store (data sets larger than memory); None keeps them in RAM"""
+    """aqsgd: a file for the memory-mapped buffer store of one `LinkState` (data sets larger than memory); None
+    keeps it in RAM"""
+    buffer_dir: str | None = None
+    """aqsgd: a directory for the memory-mapped buffer stores of a stage's link ends, one file per end (the
+    runtime's `Direction` names them: `fw-recv.buf`, `fw-send-<destination>.buf`); None keeps them in RAM"""
     first_sight_bits: int = 16
     """aqsgd: how a sample's first sight travels: 16 = in the buffer dtype, 8 or 4 = quantized directly"""
     zstd_level: int = 1
@@ -48,6 +52,8 @@ class CodecConfig:
             raise ValueError(f"buffer_dtype must be float16 or bfloat16, got {self.buffer_dtype!r}")
         if self.first_sight_bits not in (16, *SUPPORTED_BITS):
             raise ValueError(f"first_sight_bits must be 16 or one of {SUPPORTED_BITS}")
+        if self.buffer_path is not None and self.buffer_dir is not None:
+            raise ValueError("give buffer_path (one store) or buffer_dir (one file per link end), not both")
         if self.buffer_capacity < 0:
             raise ValueError("buffer_capacity must be >= 0")
         if not 0 <= self.zstd_level <= 22:

@@ -90,7 +90,9 @@ def frame_parts(
         packed = zstandard.ZstdCompressor(level=zstd_level).compress(body)
         if policy is not None:
             policy.observe(len(body), len(packed), time.perf_counter() - start)
-        if len(packed) < len(body):
+        # a body that shrinks past what receivers accept (DEFAULT_LIMITS) goes uncompressed: it is all zeros
+        # or alike, and a receiver would take it for a decompression bomb
+        if len(packed) < len(body) <= DEFAULT_LIMITS.max_raw_bytes(len(packed)):
             body, compression = packed, wire_pb2.ZSTD
     header = wire_pb2.FrameHeader(
         compression=compression,
@@ -158,6 +160,14 @@ class Unframer:
                 )
         if header.compression not in (wire_pb2.COMPRESSION_NONE, wire_pb2.ZSTD):
             raise WireError("header.compression", f"unknown compression enum {header.compression}")
+        if header.compression == wire_pb2.ZSTD and header.raw_body_bytes > limits.max_raw_bytes(header.body_bytes):
+            raise WireError(
+                "header.raw_body_bytes",
+                f"{header.raw_body_bytes} bytes from a {header.body_bytes}-byte zstd body exceed the ratio limit "
+                f"{limits.max_zstd_ratio} (a decompression bomb?)",
+            )
+        if header.compression == wire_pb2.COMPRESSION_NONE and header.raw_body_bytes != header.body_bytes:
+            raise WireError("header.raw_body_bytes", f"{header.raw_body_bytes} for an uncompressed {header.body_bytes}")
         if header.codec not in wire_pb2.Codec.values() or header.codec == wire_pb2.CODEC_UNSPECIFIED:
             raise WireError("header.codec", f"unknown codec enum {header.codec}")
         check_shape(list(header.shape), limits, "header.shape")

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 """Bit widths the kernels pack (and the only ones a receiver accepts)."""
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def group_size(config: CodecConfig) -> int:
@@ -42,8 +43,16 @@ def pack_quantized(q: QuantizedTensor, out: wire_pb2.Quantized) -> None:
     out.payload = q.packed.numpy().tobytes()
 
 
-def unpack_quantized(msg: wire_pb2.Quantized, numel: int, field: str) -> QuantizedTensor:
-    """The quantized tensor of `msg`, every length and bound checked against `numel` first."""
+def unpack_quantized(msg: wire_pb2.Quantized, numel: int, field: str, bound: float = FP32_MAX) -> QuantizedTensor:
+    """The quantized tensor of `msg`, every length and bound checked against `numel` first.
+
+    Args:
+        msg: the message from the network.
+        numel: elements the shape implies.
+        field: the message field, named in errors.
+        bound: largest magnitude a decoded value may reach (what the tensor it lands in holds): a finite but
+            huge scale would otherwise decode to Inf after a cast, or poison a buffer for good.
+    """
     if msg.bits not in SUPPORTED_BITS:
         raise WireError(f"{field}.bits", f"unsupported bit width {msg.bits}")
     if not 1 <= msg.group_size <= 65536:
@@ -59,7 +68,25 @@ def unpack_quantized(msg: wire_pb2.Quantized, numel: int, field: str) -> Quantiz
     scale_dtype = torch_dtype(msg.scale_dtype, f"{field}.scale_dtype")
     scales = bytes_to_tensor(msg.scales, scale_dtype, groups, f"{field}.scales")
     mins = bytes_to_tensor(msg.mins, scale_dtype, groups, f"{field}.mins")
-    if groups and not (bool(torch.isfinite(scales).all()) and bool(torch.isfinite(mins).all())):
-        raise WireError(f"{field}.scales", "contains NaN or Inf")
+    if groups:
+        check_group_bounds(scales, mins, msg.bits, field, bound)
     packed = bytes_to_tensor(msg.payload, torch.uint8, len(msg.payload), f"{field}.payload")
     return QuantizedTensor(packed, scales, mins, msg.bits, msg.group_size, numel)
+
+
+def check_group_bounds(scales: torch.Tensor, mins: torch.Tensor, bits: int, field: str, bound: float) -> None:
+    """Refuses groups whose values `min + code * scale` (code in 0..2^bits-1) could leave [-bound, bound].
+
+    The extremes of a group are its endpoints, `min` and `min + (2^bits-1) * scale`, computed in float64 so
+    that the check itself cannot overflow; NaN fails every comparison and is refused too.
+    """
+    lo = mins.double()
+    hi = lo + scales.double() * (2**bits - 1)
+    if not bool(torch.isfinite(scales).all()):
+        raise WireError(f"{field}.scales", "contains NaN or Inf")
+    if not bool(torch.isfinite(mins).all()):
+        raise WireError(f"{field}.mins", "contains NaN or Inf")
+    if not bool((lo.abs() <= bound).all()):
+        raise WireError(f"{field}.mins", f"a group's minimum exceeds {bound:.6g} in magnitude")
+    if not bool((hi.abs() <= bound).all()):
+        raise WireError(f"{field}.scales", f"a group's values would exceed {bound:.6g} in magnitude")

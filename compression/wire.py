@@ -42,6 +42,15 @@ class WireLimits:
     """most bytes of one framed message, compressed or not"""
     max_chunk_bytes: int = 4 << 20
     """most bytes of one chunk's data"""
+    max_zstd_ratio: int = 64
+    """most raw bytes a zstd body may expand to per compressed byte (real messages reach about 1.1-1.6; a
+    decompression bomb reaches thousands): checked from the header, before any body byte is read"""
+    zstd_slack_bytes: int = 64 << 10
+    """raw bytes any zstd body may expand to beyond the ratio, so tiny (highly compressible) messages pass"""
+
+    def max_raw_bytes(self, body_bytes: int) -> int:
+        """Most raw bytes a zstd body of `body_bytes` may expand to."""
+        return self.max_zstd_ratio * body_bytes + self.zstd_slack_bytes
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -78,6 +87,8 @@ def check_shape(shape: list[int] | tuple[int, ...], limits: WireLimits, field: s
     """Checks dims and total size; returns the number of elements."""
     if len(shape) > limits.max_dims:
         raise WireError(field, f"{len(shape)} dims exceed the limit of {limits.max_dims}")
+    if any(d > limits.max_numel for d in shape):  # also when another dim is 0: torch cannot size such a tensor
+        raise WireError(field, f"a dimension exceeds the limit of {limits.max_numel} elements")
     numel = math.prod(shape)
     if numel > limits.max_numel:
         raise WireError(field, f"{numel} elements exceed the limit of {limits.max_numel}")

@@ -50,7 +50,7 @@ def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
 def codec_configs(args: argparse.Namespace) -> tuple[CodecConfig, CodecConfig]:
     common = dict(group_size=args.group_size, zstd_level=args.zstd_level, seed=args.codec_seed)
     buffer_dir = getattr(args, "buffer_dir", None)
-    fw_extra = {"buffer_path": f"{buffer_dir}/fw.buf"} if buffer_dir else {}
+    fw_extra = {"buffer_dir": str(buffer_dir)} if buffer_dir else {}  # one file per link end, see Direction
     return CodecConfig.parse(args.fw_codec, **common, **fw_extra), CodecConfig.parse(args.bw_codec, **common)
 
 

@@ -1,7 +1,8 @@
 """One stage's ends of its boundaries: codec state per direction, and the data path out and in.
 
 Stage k holds the receiving end of the activations from stage k-1 and the sending end of the gradients back
-to it, and the sending end of its activations to stage k+1 and the receiving end of the gradients from it.
+to it, and the sending end of its activations to stage k+1 and the receiving end of the gradients from it
+(sending ends per destination address).
 The way out is `LinkEnds.outgoing` (encode, then `tensor_items`: frame -> stream items -> pace) and the way
 in its mirror (`read_stream`: stream items -> unframe, checked; then `LinkEnds.incoming`: decode); both run
 the same in one process and across peers.
@@ -9,31 +10,68 @@ the same in one process and across peers.
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
+import zlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from swarm.compression import CodecConfig, LinkState, WireError, WireLimits, ZstdPolicy, make_codec
+from swarm.compression import (
+    BufferStore,
+    CodecConfig,
+    LinkState,
+    MmapBufferStore,
+    WireError,
+    WireLimits,
+    ZstdPolicy,
+    codec_class,
+    make_codec,
+)
 from swarm.net.stream import Incoming, tensor_items
 from swarm.peers.shaper import LinkShaping
 from swarm.proto import stage_pb2, wire_pb2
 
-__all__ = ["Direction", "LinkEnds", "need_message"]
+__all__ = ["MAX_DESTINATIONS", "Direction", "LinkEnds", "need_message", "send_file"]
+
+log = logging.getLogger(__name__)
+
+
+MAX_DESTINATIONS = 8
+"""Sending ends a stage keeps per kind (one per destination address); past it the least recently used is
+dropped (its destination is then sent first sights in full again), so no caller can grow them without bound."""
+
+KINDS = ("fw", "bw")
+"""The two kinds of a boundary: activations forward, activation gradients backward."""
 
 
 @dataclass
 class Direction:
     """This stage's end of one direction of one boundary: the codec and its state (AQ-SGD buffers, error
-    feedback, rounding draws)."""
+    feedback, rounding draws).
+
+    `buffer_file` names this end's memory-mapped buffer store in the codec's `buffer_dir`: every end maps a
+    file of its own (two ends on one file overwrite each other's buffers)."""
 
     config: CodecConfig
+    buffer_file: str = ""
     state: LinkState = field(init=False)
 
     def __post_init__(self) -> None:
         self.codec = make_codec(self.config)
-        self.state = LinkState(self.config)
+        self.state = LinkState(self.config, self._store())
+
+    def _store(self) -> BufferStore | None:
+        cfg = self.config
+        if not (cfg.buffer_dir and codec_class(cfg.name).uses_buffers):
+            return None
+        if not self.buffer_file:
+            raise ValueError("an end with buffers in buffer_dir needs a buffer_file of its own")
+        return MmapBufferStore(cfg.buffer_capacity, cfg.torch_buffer_dtype, Path(cfg.buffer_dir) / self.buffer_file)
 
     @property
     def buffers(self):
@@ -41,8 +79,18 @@ class Direction:
         return self.state.buffers
 
 
+def send_file(kind: str, address: str) -> str:
+    """The buffer file of the sending end of `kind` to `address`: the address made safe for a file name, and
+    its CRC so that two addresses that read the same once made safe still get their own files."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", address)[:64]
+    return f"{kind}-send-{safe}-{zlib.crc32(address.encode()):08x}.buf"
+
+
 class LinkEnds:
     """A stage's ends of its two boundaries, their zstd decisions per destination, and the links' shapers.
+
+    The receiving ends are one per kind; the sending ends one per kind and destination address, created on
+    first use (`send_end`), so a send to another address never moves the buffers of the real next stage.
 
     Args:
         forward: codec of the activations (both boundaries).
@@ -59,27 +107,68 @@ class LinkEnds:
         shaping: LinkShaping | None = None,
         adaptive_zstd: bool = True,
     ):
-        self.fw_recv, self.fw_send = Direction(forward), Direction(forward)
-        self.bw_recv, self.bw_send = Direction(backward), Direction(backward)
+        self._configs = {"fw": forward, "bw": backward}
+        self.fw_recv, self.bw_recv = Direction(forward, "fw-recv.buf"), Direction(backward, "bw-recv.buf")
+        self._send: OrderedDict[tuple[str, str], Direction] = OrderedDict()
+        """sending ends by (kind, destination address), least recently used first"""
         self.shaping = shaping or LinkShaping()
         self.adaptive_zstd = adaptive_zstd
         self.lock = threading.Lock()
         """Held while a codec state changes: decodes run in the callers' threads, encodes in schedule order."""
         self._zstd: dict[str, ZstdPolicy] = {}
 
-    def end_step(self) -> None:
+    def send_end(self, kind: str, address: str) -> Direction:
+        """The sending end of `kind` ("fw" or "bw") to `address`, created on first use."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         with self.lock:
-            for end in (self.fw_recv, self.fw_send, self.bw_recv, self.bw_send):
+            key = (kind, address)
+            end = self._send.get(key)
+            if end is not None:
+                self._send.move_to_end(key)
+                return end
+            same_kind = [k for k in self._send if k[0] == kind]
+            if len(same_kind) >= MAX_DESTINATIONS:
+                dropped = self._send.pop(same_kind[0])
+                log.warning(
+                    "dropping the %s sending end to %s (%d destinations)", kind, same_kind[0][1], MAX_DESTINATIONS
+                )
+                _unlink_store(dropped)
+            end = self._send[key] = Direction(self._configs[kind], send_file(kind, address))
+            return end
+
+    def send_ends(self, kind: str) -> list[Direction]:
+        """The sending ends of `kind`, least recently used first."""
+        with self.lock:
+            return [end for (k, _), end in self._send.items() if k == kind]
+
+    def send_buffers(self, kind: str) -> int | None:
+        """Samples buffered over all sending ends of `kind`; None when its codec keeps no buffers."""
+        if not codec_class(self._configs[kind].name).uses_buffers:
+            return None
+        return sum(len(end.buffers) for end in self.send_ends(kind))
+
+    def _ends(self) -> list[Direction]:
+        with self.lock:
+            return [self.fw_recv, self.bw_recv, *self._send.values()]
+
+    def end_step(self) -> None:
+        ends = self._ends()
+        with self.lock:
+            for end in ends:
                 end.state.end_step()
 
     def buffered_samples(self) -> int:
-        return sum(len(d.buffers) for d in (self.fw_recv, self.fw_send) if d.buffers is not None)
+        """Samples held in every AQ-SGD buffer store of this stage, receiving and sending ends."""
+        return sum(len(end.buffers) for end in self._ends() if end.buffers is not None)
 
-    def forget(self, sample_ids: list[int]) -> None:
-        """Drops the sender's AQ-SGD buffers of these samples (the receiver lost them): they go in full next."""
+    def forget(self, sample_ids: list[int], address: str) -> None:
+        """Drops the AQ-SGD buffers of these samples in the sending end to `address` (the receiver there lost
+        them, or they drifted): they go in full next."""
         with self.lock:
-            if self.fw_send.buffers is not None:
-                self.fw_send.buffers.forget(sample_ids)
+            end = self._send.get(("fw", address))
+            if end is not None and end.buffers is not None:
+                end.buffers.forget(sample_ids)
 
     def outgoing(
         self,
@@ -116,3 +205,11 @@ def need_message(call: Incoming) -> wire_pb2.TensorMessage:
     if call.message is None:
         raise WireError("chunk", "the call carries no tensor")
     return call.message
+
+
+def _unlink_store(end: Direction) -> None:
+    """Removes a dropped end's buffer file, so a later end to that address maps a fresh one (an encode still
+    running on the dropped end keeps its mapping until it ends)."""
+    store = end.buffers
+    if isinstance(store, MmapBufferStore):
+        store.path.unlink(missing_ok=True)

@@ -295,8 +295,9 @@ class StageHost:
                 return stage_pb2.BackwardReply()
             # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule
             prev = self._neighbour(info, self.role.stage - 1)
+            to = prev.route[prev.stage]
             with self._phase("encode"):
-                items = self.links.outgoing(self.links.bw_send, grad_in, None, prev, prev.route[prev.stage])
+                items = self.links.outgoing(self.links.send_end("bw", to), grad_in, None, prev, to)
         # communication: the input gradient goes straight back to the previous stage
         reply, sent = self._call(prev, "Backward", items)
         self._count(reply.traffic, prev.stage, "backward", sent, 4 * grad_in.numel())
@@ -310,21 +311,23 @@ class StageHost:
             reply, sent = self._call(nxt, "Forward", items, retry_on=BUFFER_MISS)
         except _BufferMiss:
             log.info("stage %d lost AQ-SGD buffers; re-sending %d samples in full", nxt.stage, len(ids))
-            self.links.forget(ids)
+            self.links.forget(ids, nxt.route[nxt.stage])
             # re-sending only the missed ids would desynchronise the others, whose sender-side m already moved
             reply, sent = self._call(nxt, "Forward", self._outgoing_activation(out, ids, nxt))
         self._count(reply.traffic, self.role.stage, "forward", sent, 4 * out.numel())
         return reply
 
     def _outgoing_activation(self, out: torch.Tensor, ids: list[int], nxt: stage_pb2.CallInfo) -> Iterator[bytes]:
-        buffers = self.links.fw_send.buffers
+        to = nxt.route[nxt.stage]
+        end = self.links.send_end("fw", to)
+        buffers = end.buffers
         if buffers is not None:  # AQ-SGD: buffered samples go as deltas, the others in full
             hits = sum(1 for i in ids if i in buffers)
             link = str(self.role.stage)
             self.metrics.buffer_hits.labels(link).inc(hits)
             self.metrics.buffer_misses.labels(link).inc(len(ids) - hits)
         with self._phase("encode"):
-            return self.links.outgoing(self.links.fw_send, out, ids, nxt, nxt.route[nxt.stage])
+            return self.links.outgoing(end, out, ids, nxt, to)
 
     def _count(self, traffic: stage_pb2.Traffic, link: int, direction: str, sent: int, fp32: int) -> None:
         """Counts what this stage sent, in its metrics and in the reply that carries it back to the driver."""
@@ -455,9 +458,10 @@ class StageHost:
         m.steps.inc()
         m.step_seconds.observe(time.perf_counter() - self._opened_at)
         m.plan_version.set(role.plan_version)
-        for end, link in ((self.links.fw_recv, role.stage - 1), (self.links.fw_send, role.stage)):
-            if end.buffers is not None and 0 <= link < role.n_stages - 1:
-                m.buffered_samples.labels(str(link)).set(len(end.buffers))
+        held = None if self.links.fw_recv.buffers is None else len(self.links.fw_recv.buffers)
+        for count, link in ((held, role.stage - 1), (self.links.send_buffers("fw"), role.stage)):
+            if count is not None and 0 <= link < role.n_stages - 1:
+                m.buffered_samples.labels(str(link)).set(count)
 
     def _check_step(self, request: stage_pb2.StepRequest) -> None:
         if request.plan_version != self.role.plan_version:

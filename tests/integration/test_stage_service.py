@@ -53,7 +53,8 @@ def test_aqsgd_loopback_trains_and_buffers_match_on_both_ends():
         pipe = remote(addresses)
         results = [pipe.train_step(step, b) for step, b in enumerate(data)]
         pipe.close()
-        send, recv = hosts[0].links.fw_send.buffers, hosts[1].links.fw_recv.buffers
+        [send_end] = hosts[0].links.send_ends("fw")  # one destination: the plan's next stage
+        send, recv = send_end.buffers, hosts[1].links.fw_recv.buffers
         assert sorted(send.ids()) == sorted(recv.ids()) and len(send.ids()) == 8
         for sample in send.ids():
             assert torch.equal(send.get(sample), recv.get(sample))

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import zstandard
 
 from swarm.compression import CodecConfig, Unframer, WireError, WireLimits, frame, make_codec, unframe
 from swarm.proto import wire_pb2
@@ -25,12 +26,37 @@ def test_chunks_are_bounded_and_first_carries_the_header():
     assert unframe(chunks) == msg
 
 
-def test_zstd_used_only_when_it_shrinks():
-    compressible = message(torch.zeros(50_000))
+def test_zstd_used_only_when_it_shrinks_within_the_ratio_receivers_accept():
+    compressible = message(torch.randn(50_000).half().float())  # fp32 with zero low mantissas: ~1.5x
     random = wire_pb2.TensorMessage(shape=[50_000], codec=wire_pb2.FP16, raw=os.urandom(100_000))
     assert next(frame(compressible, zstd_level=3)).header.compression == wire_pb2.ZSTD
     assert next(frame(random, zstd_level=3)).header.compression == wire_pb2.COMPRESSION_NONE
     assert unframe(frame(compressible, zstd_level=3)) == compressible
+    # all zeros shrinks a thousandfold: sent plain, or receivers would refuse it as a decompression bomb
+    zeros = message(torch.zeros(500_000))
+    assert next(frame(zeros, zstd_level=3)).header.compression == wire_pb2.COMPRESSION_NONE
+    assert unframe(frame(zeros, zstd_level=3)) == zeros
+    small = message(torch.zeros(1000))  # within the slack: compressed
+    assert next(frame(small, zstd_level=3)).header.compression == wire_pb2.ZSTD
+    assert unframe(frame(small, zstd_level=3)) == small
+
+
+def test_a_decompression_bomb_is_refused_from_its_header_before_its_body():
+    bomb = zstandard.ZstdCompressor(level=3).compress(bytes(16 << 20))  # 16 MiB of zeros in a few hundred bytes
+    header = wire_pb2.FrameHeader(
+        compression=wire_pb2.ZSTD, body_bytes=len(bomb) + 1, raw_body_bytes=16 << 20, codec=wire_pb2.FP32
+    )
+    unframer = Unframer()
+    with pytest.raises(WireError, match="header.raw_body_bytes"):
+        unframer.feed(wire_pb2.Chunk(header=header, data=bomb[:1000]))
+    assert unframer.received_bytes == 0
+    # the limit is the ratio times the body, plus the slack: just under passes the header check
+    limits = WireLimits(max_zstd_ratio=4, zstd_slack_bytes=100)
+    ok = wire_pb2.FrameHeader(compression=wire_pb2.ZSTD, body_bytes=1000, raw_body_bytes=4100, codec=wire_pb2.FP32)
+    assert Unframer(limits).feed(wire_pb2.Chunk(header=ok, data=b"x" * 10)) is None
+    ok.raw_body_bytes += 1
+    with pytest.raises(WireError, match="ratio"):
+        Unframer(limits).feed(wire_pb2.Chunk(header=ok, data=b"x" * 10))
 
 
 def test_oversized_message_rejected_from_its_header():
