@@ -351,7 +351,11 @@ class SwarmDHT:
             if owner in authority:
                 plans.append((owner, record))
             else:
-                self._warn(f"ignoring plan {record.version} from {owner}: not the plan authority {sorted(authority)}")
+                # once each at info level: an earlier planner's plans are normal after a hand-over
+                self._warn(
+                    f"ignoring plan {record.version} from {owner}: not the plan authority {sorted(authority)}",
+                    logging.INFO,
+                )
         return sorted(plans, key=lambda p: (p[1].version, p[1].created_at), reverse=True)
 
     def wait_for_stages(
@@ -467,14 +471,14 @@ class SwarmDHT:
             future.cancel()
             raise TimeoutError(f"DHT {what} did not finish within {self.config.request_timeout_s} s") from None
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, level: int = logging.WARNING) -> None:
         # Polling loops would repeat the same warning every poll: say each thing once, then only at debug level.
         if message in self._warned:
             logger.debug(message)
             return
         if len(self._warned) < _MAX_DISTINCT_WARNINGS:
             self._warned.add(message)
-        logger.warning(message)
+        logger.log(level, message)
 
 
 async def _visible_maddrs(_dht: DHT, node: Any) -> list[Any]:

@@ -9,6 +9,7 @@ leave. Checkpoints are written atomically, so a kill at any moment leaves the pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -338,6 +339,11 @@ class PeerDaemon:
                 started_at=time.time(),
                 codec=self.codecs[0].label,
             )
+            # follow the current plan before announcing: this peer may become the planner, and its first plan
+            # then takes the layers over from this plan's holders
+            with contextlib.suppress(TimeoutError):
+                if cfg.assign == "plan" and (record := dht.get_plan(self.model.n_layers)):
+                    self._apply_plan(record)
             heartbeat = Heartbeat(dht, lambda: self.announcement).start()
             dht.announce(self.announcement)
             log.info("links shaped to %s", cfg.link_shape.describe())
