@@ -3,19 +3,23 @@
 Every record lives under a key namespaced by the run name, in a subkey that carries its owner's RSA public
 key (hivemind's `RSASignatureValidator`), so only the owner can write or refresh it:
 
-    {run}.peers   subkey [owner:KEY]            -> PeerAnnouncement of the peer with that key
-    {run}.links   subkey [owner:KEY]->DST       -> LinkMeasurement from that peer to DST
-    {run}.plan    subkey [owner:KEY]#VERSION    -> PlanRecord published by that peer
+    {run}.peers     subkey [owner:KEY]            -> PeerAnnouncement of the peer with that key
+    {run}.trainers  subkey [owner:KEY]            -> TrainerAnnouncement of the trainer with that key
+    {run}.links     subkey [owner:KEY]->DST       -> LinkMeasurement from that peer to DST
+    {run}.plan      subkey [owner:KEY]#VERSION    -> PlanRecord published by that peer
 
 A peer's id is derived from its public key (`peer_id_of`), so a record naming a peer id that its signing key
 does not hash to is rejected: nobody can speak for another peer. Honest DHT nodes refuse to store records
 that fail these checks, and readers check again, since a dishonest node may return anything.
+
+Anyone may store a plan under their own subkey, so readers take a plan only from its authority (the
+`trusted_planners`, else the elected planner: `elected_planner` over the current announcements) and only
+once it validates against the model and the announced peers (`validate_plan`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import ipaddress
 import logging
 import os
@@ -29,14 +33,19 @@ from typing import Any, TypeVar
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import use_hivemind_log_handler
 
-from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
+from swarm.peers.entries import LINK_SEP, MAX_TTL_S, PLAN_SEP, RunKeys, RunRecordValidator, parse_entry, peer_id_of
+from swarm.peers.records import (
+    LinkMeasurement,
+    PeerAnnouncement,
+    PlanRecord,
+    TrainerAnnouncement,
+    elected_planner,
+    validate_plan,
+)
 
 __all__ = [
     "DHTConfig",
@@ -52,8 +61,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
-_LINK_SEP, _PLAN_SEP = b"->", b"#"
+_PEER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_MAX_SECRET_BYTES = 4096
 _MAX_DISTINCT_WARNINGS = 256
 _FUTURE_TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)  # distinct types before Python 3.11
 
@@ -73,11 +82,12 @@ class DHTConfig:
     run_name: str = "swarm"
     """Namespace of the run's keys, so several runs can share one DHT."""
     announce_ttl_s: float = 30.0
-    """Lifetime of a peer announcement; a peer that stops refreshing it disappears this long after."""
+    """Lifetime of a peer's (or trainer's) announcement; one that stops refreshing it disappears this long after
+    (at most 600 s: readers refuse longer-lived announcements)."""
     link_ttl_s: float = 300.0
-    """Lifetime of a link measurement."""
+    """Lifetime of a link measurement (at most 3600 s)."""
     plan_ttl_s: float = 3600.0
-    """Lifetime of a published plan (republish to keep a plan alive longer)."""
+    """Lifetime of a published plan (at most 7200 s; republish to keep a plan alive longer)."""
     start_timeout_s: float = 30.0
     """Bound on starting the DHT node and joining the swarm through initial_peers."""
     request_timeout_s: float = 10.0
@@ -89,11 +99,27 @@ class DHTConfig:
     signing_key_path: str | None = None
     """RSA key that signs this peer's records and defines its peer id (created if missing); None: a fresh key."""
     trusted_planners: tuple[str, ...] = ()
-    """Peer ids whose plans get_plan accepts; empty accepts a plan from any peer."""
+    """Peer ids whose plans readers accept (and who may plan); empty: the elected planner's (lowest id)."""
+    run_secret: str | None = None
+    """Shared secret of a private run: stages serve only callers that prove they know it; None: open run."""
+    allowed_trainers: tuple[str, ...] = ()
+    """Peer ids of the trainers a private run serves (the planner names only these); empty: any trainer."""
+
+    def __repr__(self) -> str:
+        # a config is logged and printed; the run secret must never be
+        shown = "<hidden>" if self.run_secret is not None else None
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__dataclass_fields__ if f != "run_secret")
+        return f"DHTConfig({fields}, run_secret={shown})"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(self.initial_peers))
-        object.__setattr__(self, "trusted_planners", tuple(self.trusted_planners))
+        for name in ("trusted_planners", "allowed_trainers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            for pid in getattr(self, name):
+                if not isinstance(pid, str) or _PEER_ID_RE.fullmatch(pid) is None:
+                    raise ValueError(f"DHTConfig.{name}: expected peer ids of 1-64 [A-Za-z0-9._-], got {pid!r}")
+        if self.run_secret is not None and not 1 <= len(str(self.run_secret).encode()) <= _MAX_SECRET_BYTES:
+            raise ValueError(f"DHTConfig.run_secret: expected 1 to {_MAX_SECRET_BYTES} bytes")
         for maddr in self.initial_peers:
             if not isinstance(maddr, str) or not maddr.startswith("/") or "/p2p/" not in maddr:
                 raise ValueError(f"DHTConfig.initial_peers: expected multiaddrs with a /p2p/ part, got {maddr!r}")
@@ -113,6 +139,9 @@ class DHTConfig:
         for name in ("announce_ttl_s", "link_ttl_s", "plan_ttl_s", "start_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DHTConfig.{name}: expected a positive number of seconds, got {getattr(self, name)}")
+        for name, kind in (("announce_ttl_s", "peers"), ("link_ttl_s", "links"), ("plan_ttl_s", "plan")):
+            if getattr(self, name) > MAX_TTL_S[kind]:
+                raise ValueError(f"DHTConfig.{name}: at most {MAX_TTL_S[kind]:.0f} s (readers refuse longer lives)")
 
     @property
     def host_maddrs(self) -> list[str]:
@@ -127,102 +156,46 @@ def _maddr(host: str, port: int) -> str:
     return f"/ip{ipaddress.ip_address(host).version}/{host}/tcp/{port}"
 
 
-def peer_id_of(public_key: bytes) -> str:
-    """The swarm peer id of an RSA public key (as `RSAPublicKey.to_bytes()` gives it): 24 hex digits."""
-    return hashlib.sha256(public_key).hexdigest()[:24]
-
-
 def load_or_create_key(path: str | None) -> RSAPrivateKey:
-    """The RSA key that signs a peer's records: read from `path` (DER), created there if missing, or fresh."""
+    """The RSA key that signs a peer's records: read from `path`, created there (mode 0600) if missing, or fresh.
+
+    The key defines the peer id, so a peer started again with the same file keeps its id.
+
+    Raises:
+        ValueError: the file can't be read or holds no RSA private key (the message names the file).
+    """
     if path is None:
         return RSAPrivateKey()
-    if os.path.exists(path):
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        with open(path, "rb") as f:
-            key.__setstate__({"_private_key": f.read()})  # hivemind's own (pickle-free) DER loading
-        return key
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return _read_key(path)
+    except OSError as e:
+        raise ValueError(f"identity file {path}: cannot create it: {e.strerror or e}") from None
     key = RSAPrivateKey()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(key.to_bytes())
     return key
 
 
-# Parsing the run's records from (subkey, value) as the DHT returns them. Each raises ValueError on anything
-# unexpected; the validator below uses them to refuse storage and SwarmDHT to skip records on reads.
+def _read_key(path: str) -> RSAPrivateKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
 
-
-def _owner_and_suffix(subkey: Any) -> tuple[str, bytes]:
-    if not isinstance(subkey, bytes):
-        raise ValueError(f"subkey: expected bytes, got {type(subkey).__name__}")
-    match = _OWNER_RE.match(subkey)
-    if match is None:
-        raise ValueError("subkey: carries no owner public key (unsigned record)")
-    return peer_id_of(match.group(1)), subkey[match.end() :]
-
-
-def _announcement_entry(subkey: Any, value: Any) -> PeerAnnouncement:
-    owner, suffix = _owner_and_suffix(subkey)
-    if suffix:
-        raise ValueError(f"subkey: unexpected suffix {suffix[:32]!r}")
-    ann = PeerAnnouncement.from_wire(value)
-    if ann.peer_id != owner:
-        raise ValueError(f"PeerAnnouncement.peer_id: {ann.peer_id} is not the signer's id {owner}")
-    return ann
-
-
-def _link_entry(subkey: Any, value: Any) -> LinkMeasurement:
-    owner, suffix = _owner_and_suffix(subkey)
-    link = LinkMeasurement.from_wire(value)
-    if link.src != owner:
-        raise ValueError(f"LinkMeasurement.src: {link.src} is not the signer's id {owner}")
-    if suffix != _LINK_SEP + link.dst.encode():
-        raise ValueError(f"LinkMeasurement.dst: {link.dst} does not match the subkey suffix {suffix[:80]!r}")
-    return link
-
-
-def _plan_entry(subkey: Any, value: Any) -> tuple[str, PlanRecord]:
-    owner, suffix = _owner_and_suffix(subkey)
-    plan = PlanRecord.from_wire(value)
-    if suffix != _PLAN_SEP + str(plan.version).encode():
-        raise ValueError(f"PlanRecord.version: {plan.version} does not match the subkey suffix {suffix[:32]!r}")
-    return owner, plan
-
-
-@dataclass(frozen=True)
-class _Keys:
-    peers: str
-    links: str
-    plan: str
-
-    @classmethod
-    def of_run(cls, run_name: str) -> _Keys:
-        return cls(peers=f"{run_name}.peers", links=f"{run_name}.links", plan=f"{run_name}.plan")
-
-
-class _RunRecordValidator(RecordValidatorBase):
-    """Lets honest DHT nodes refuse to store (or accept from others) malformed records under the run's keys.
-
-    Runs after the signature validator (lower priority), on the value with the signature already stripped.
-    Keys of other runs and applications pass untouched.
-    """
-
-    def __init__(self, keys: _Keys):
-        parsers = {keys.peers: _announcement_entry, keys.links: _link_entry, keys.plan: _plan_entry}
-        self._parsers = {DHTID.generate(source=key).to_bytes(): parse for key, parse in parsers.items()}
-
-    def validate(self, record: DHTRecord) -> bool:
-        parse = self._parsers.get(record.key)
-        if parse is None:
-            return True
-        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
-            return False  # the run's keys hold only dictionaries of owned subkeys, never a plain value
-        try:
-            parse(MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value))
-        except Exception as e:  # any failure to decode or validate means the record is refused
-            logger.debug("refusing a record: %s", e)
-            return False
-        return True
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 16)
+    except OSError as e:
+        raise ValueError(f"identity file {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        loaded = serialization.load_der_private_key(data, password=None)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"identity file {path}: not an RSA private key in DER ({e})") from None
+    if not isinstance(loaded, rsa.RSAPrivateKey):
+        raise ValueError(f"identity file {path}: holds a {type(loaded).__name__}, not an RSA private key")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = loaded  # what hivemind's own (pickle-free) __setstate__ does with DER bytes
+    return key
 
 
 class _DHTProcess(DHT):
@@ -259,7 +232,7 @@ class SwarmDHT:
         self._signer = RSASignatureValidator(key)
         self._owner = self._signer.local_public_key
         self.peer_id = peer_id_of(key.get_public_key().to_bytes())
-        self._keys = _Keys.of_run(config.run_name)
+        self._keys = RunKeys.of_run(config.run_name)
         self._lock = threading.Lock()  # hivemind.DHT's request pipe is not safe for concurrent senders
         self._warned: set[str] = set()
         self._closed = False
@@ -268,7 +241,7 @@ class SwarmDHT:
             initial_peers=list(config.initial_peers) or None,
             start=True,
             await_ready=False,
-            record_validators=[self._signer, _RunRecordValidator(self._keys)],
+            record_validators=[self._signer, RunRecordValidator(self._keys)],
             host_maddrs=config.host_maddrs,
             announce_maddrs=config.announce_maddrs,
             client_mode=config.client_mode,
@@ -290,8 +263,8 @@ class SwarmDHT:
 
     # -- records ---------------------------------------------------------------------------------------------
 
-    def announce(self, ann: PeerAnnouncement, ttl_s: float | None = None) -> bool:
-        """Stores (or refreshes) this peer's announcement for `ttl_s` (default `config.announce_ttl_s`).
+    def announce(self, ann: PeerAnnouncement | TrainerAnnouncement, ttl_s: float | None = None) -> bool:
+        """Stores (or refreshes) this peer's (or trainer's) announcement for `ttl_s` (default announce_ttl_s).
 
         DHT nodes keep the record that expires last, so an announcement that would expire before the one
         already stored is refused: keep the ttl constant (as Heartbeat does) rather than shortening it.
@@ -300,38 +273,90 @@ class SwarmDHT:
             Whether a DHT node accepted it.
         """
         if ann.peer_id != self.peer_id:
-            raise ValueError(f"PeerAnnouncement.peer_id: {ann.peer_id} is not this node's id {self.peer_id}")
-        return self._store(self._keys.peers, self._owner, ann.to_wire(), ttl_s or self.config.announce_ttl_s)
+            raise ValueError(f"{type(ann).__name__}.peer_id: {ann.peer_id} is not this node's id {self.peer_id}")
+        key = self._keys.trainers if isinstance(ann, TrainerAnnouncement) else self._keys.peers
+        return self._store(key, self._owner, ann.to_wire(), ttl_s or self.config.announce_ttl_s)
 
     def peers(self) -> list[PeerAnnouncement]:
         """The unexpired, valid announcements of the run, by stage then peer id (unassigned peers last)."""
-        found = self._parse_all(self._keys.peers, _announcement_entry)
+        found = self._parse_all(self._keys.peers, "peers")
         return sorted(found, key=lambda a: (a.stage is None, a.stage or 0, a.peer_id))
+
+    def trainers(self) -> list[TrainerAnnouncement]:
+        """The unexpired, valid trainer announcements, by peer id (filtered by `allowed_trainers` when set)."""
+        allowed = set(self.config.allowed_trainers)
+        found = [t for t in self._parse_all(self._keys.trainers, "trainers") if not allowed or t.peer_id in allowed]
+        return sorted(found, key=lambda t: t.peer_id)
 
     def store_link(self, m: LinkMeasurement, ttl_s: float | None = None) -> bool:
         """Stores this peer's measurement of its link to `m.dst`, replacing its previous one."""
         if m.src != self.peer_id:
             raise ValueError(f"LinkMeasurement.src: {m.src} is not this node's id {self.peer_id}")
-        subkey = self._owner + _LINK_SEP + m.dst.encode()
+        subkey = self._owner + LINK_SEP + m.dst.encode()
         return self._store(self._keys.links, subkey, m.to_wire(), ttl_s or self.config.link_ttl_s)
 
     def links(self) -> list[LinkMeasurement]:
         """The unexpired, valid link measurements of the run, by (src, dst)."""
-        return sorted(self._parse_all(self._keys.links, _link_entry), key=lambda m: (m.src, m.dst))
+        return sorted(self._parse_all(self._keys.links, "links"), key=lambda m: (m.src, m.dst))
 
     def publish_plan(self, version: int, plan: dict[str, Any], ttl_s: float | None = None) -> bool:
         """Publishes a plan; peers follow the highest version they see. Raises ValueError for an invalid plan."""
         record = PlanRecord(version=version, plan=plan, created_at=get_dht_time())
-        subkey = self._owner + _PLAN_SEP + str(version).encode()
+        subkey = self._owner + PLAN_SEP + str(version).encode()
         return self._store(self._keys.plan, subkey, record.to_wire(), ttl_s or self.config.plan_ttl_s)
 
-    def get_plan(self) -> PlanRecord | None:
-        """The unexpired plan with the highest version (the newest on ties) from a trusted planner, if any."""
-        trusted = set(self.config.trusted_planners)
-        plans = [
-            plan for owner, plan in self._parse_all(self._keys.plan, _plan_entry) if not trusted or owner in trusted
-        ]
-        return max(plans, key=lambda p: (p.version, p.created_at), default=None)
+    def plan_authority(self, peers: list[PeerAnnouncement]) -> frozenset[str]:
+        """Whose plans count: the trusted planners when configured, else the elected planner among `peers`."""
+        if self.config.trusted_planners:
+            return frozenset(self.config.trusted_planners)
+        elected = elected_planner(peers)
+        return frozenset() if elected is None else frozenset({elected})
+
+    def get_plan(
+        self,
+        n_layers: int | None = None,
+        *,
+        peers: list[PeerAnnouncement] | None = None,
+        check_trainers: bool = True,
+    ) -> PlanRecord | None:
+        """The newest plan from the plan authority that validates (`validate_plan`), if any.
+
+        Plans from anyone else are skipped, and so is an invalid plan (with one warning, not one per poll): the
+        next older plan of the authority is tried, so readers keep following the last good one.
+
+        Args:
+            n_layers: the model's layer count the stages must cover; None checks contiguity only.
+            peers: the run's announcements, if the caller has just read them (else they are read here).
+            check_trainers: whether the plan's trainer_ids must be announced trainers.
+        """
+        peers = self.peers() if peers is None else peers
+        trainers = [t.peer_id for t in self.trainers()] if check_trainers else None
+        for owner, record in self._authority_plans(peers):
+            try:
+                validate_plan(record, n_layers, peers, trainers)
+            except ValueError as e:
+                self._warn(f"skipping plan {record.version} from {owner}: {e}")
+                continue
+            return record
+        return None
+
+    def newest_plan_version(self, peers: list[PeerAnnouncement]) -> int:
+        """The highest version the plan authority published, valid or not (0: none): a planner's floor."""
+        return max((record.version for _, record in self._authority_plans(peers)), default=0)
+
+    def _authority_plans(self, peers: list[PeerAnnouncement]) -> list[tuple[str, PlanRecord]]:
+        authority = self.plan_authority(peers)
+        plans = []
+        for owner, record in self._parse_all(self._keys.plan, "plan"):
+            if owner in authority:
+                plans.append((owner, record))
+            else:
+                # once each at info level: an earlier planner's plans are normal after a hand-over
+                self._warn(
+                    f"ignoring plan {record.version} from {owner}: not the plan authority {sorted(authority)}",
+                    logging.INFO,
+                )
+        return sorted(plans, key=lambda p: (p[1].version, p[1].created_at), reverse=True)
 
     def wait_for_stages(
         self,
@@ -418,7 +443,7 @@ class SwarmDHT:
         submit = lambda: self._dht.store(key, value, expiration, subkey=subkey, return_future=True)
         return bool(self._request(f"store {key}", submit))
 
-    def _parse_all(self, key: str, parse: Callable[[Any, Any], T]) -> list[T]:
+    def _parse_all(self, key: str, kind: str) -> list[Any]:
         found = self._request(f"get {key}", lambda: self._dht.get(key, latest=True, return_future=True))
         if found is None:
             return []
@@ -430,7 +455,7 @@ class SwarmDHT:
             if entry.expiration_time < now:
                 continue
             try:
-                records.append(parse(subkey, entry.value))
+                records.append(parse_entry(kind, subkey, entry.value, entry.expiration_time, now))
             except ValueError as e:
                 self._warn(f"skipping an invalid record under {key}: {e}")
         return records
@@ -446,14 +471,14 @@ class SwarmDHT:
             future.cancel()
             raise TimeoutError(f"DHT {what} did not finish within {self.config.request_timeout_s} s") from None
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, level: int = logging.WARNING) -> None:
         # Polling loops would repeat the same warning every poll: say each thing once, then only at debug level.
         if message in self._warned:
             logger.debug(message)
             return
         if len(self._warned) < _MAX_DISTINCT_WARNINGS:
             self._warned.add(message)
-        logger.warning(message)
+        logger.log(level, message)
 
 
 async def _visible_maddrs(_dht: DHT, node: Any) -> list[Any]:

@@ -13,14 +13,22 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "MAX_CLOCK_SKEW_S",
     "MAX_PLAN_BYTES",
+    "MAX_PLAN_STAGES",
+    "MAX_PLAN_TRAINERS",
+    "MAX_PLAN_VERSION",
     "LinkMeasurement",
     "PeerAnnouncement",
     "PlanRecord",
+    "TrainerAnnouncement",
+    "elected_planner",
+    "validate_plan",
 ]
 
 MAX_PLAN_BYTES = 256 * 1024
@@ -33,7 +41,16 @@ _MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
 _MAX_LAYERS_PER_S = 1e9
 _MAX_RTT_S = 3600.0
 _MAX_BYTES_PER_S = 1e13  # 80 Tbit/s
-_MAX_VERSION = (1 << 63) - 1
+MAX_PLAN_VERSION = 1 << 53
+"""Highest plan version: far below msgpack's int64, so `version + 1` always fits (and survives a float)."""
+MAX_PLAN_STAGES = 256
+"""Most stages a plan may have."""
+MAX_PLAN_TRAINERS = 16
+"""Most trainers a plan may name."""
+MAX_CLOCK_SKEW_S = 120.0
+"""How far in the future a record's own timestamp may lie (clocks of volunteers differ a little)."""
+_MAX_VERSION = MAX_PLAN_VERSION
+_MAX_PLAN_PEERS = 4096
 
 _PEER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _ADDRESS_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))" r":(?P<port>\d{1,5})")
@@ -201,6 +218,30 @@ class LinkMeasurement:
 
 
 @dataclass(frozen=True)
+class TrainerAnnouncement:
+    """A trainer's presence in the run, refreshed by its heartbeat: the planner names the announced trainers in
+    the plan (`trainer_ids`), and stages serve training calls only from those."""
+
+    peer_id: str
+    """The trainer's id, derived from the public key that signs its records (as a peer's)."""
+    started_at: float = 0.0
+    """When the trainer started, in seconds since the epoch."""
+
+    def __post_init__(self) -> None:
+        r = type(self).__name__
+        _peer_id(r, "peer_id", self.peer_id)
+        _set(self, "started_at", _float(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> TrainerAnnouncement:
+        """Builds an announcement from untrusted wire data. Raises ValueError naming the first bad field."""
+        return _from_wire(cls, wire)
+
+
+@dataclass(frozen=True)
 class PlanRecord:
     """A versioned plan from the scheduler: stages, layer ranges and peers. Higher versions supersede lower."""
 
@@ -257,3 +298,80 @@ def _parse_plan(record: str, text: Any) -> dict[str, Any]:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def elected_planner(peers: Iterable[PeerAnnouncement], trusted: Iterable[str] = ()) -> str | None:
+    """The id of the peer that plans: the lowest announced id, among `trusted` ids when any are given.
+
+    Every peer computes this from the same announcements, so they agree without a vote; when the planner
+    leaves (its announcement expires), the next lowest takes over. None while no eligible peer is announced.
+    Ids are hashes of keys, so anyone can grind a key for a low id: open swarms should name trusted planners.
+    """
+    allowed = set(trusted)
+    candidates = [p.peer_id for p in peers if not allowed or p.peer_id in allowed]
+    return min(candidates, default=None)
+
+
+def validate_plan(
+    record: PlanRecord,
+    model_n_layers: int | None,
+    peers: Iterable[PeerAnnouncement],
+    trainers: Iterable[str] | None = None,
+) -> None:
+    """Checks a plan against the model and the announced peers before anyone follows it.
+
+    Stages must cover layers [0, model_n_layers) contiguously, 1 to MAX_PLAN_STAGES of them, each served by
+    at least one announced peer, no peer named twice; `trainer_ids` (optional) at most MAX_PLAN_TRAINERS
+    distinct ids, each announced as a trainer when `trainers` is given.
+
+    Args:
+        record: the plan, as read from the DHT.
+        model_n_layers: the model's layer count; None checks only that the stages are contiguous from 0.
+        peers: the run's current announcements.
+        trainers: ids of the announced trainers; None skips that check.
+
+    Raises:
+        ValueError: naming the first bad field, e.g. `plan.stages[1].layer_end`.
+    """
+    plan, announced = record.plan, {p.peer_id for p in peers}
+    stages = plan.get("stages")
+    if type(stages) is not list or not 1 <= len(stages) <= MAX_PLAN_STAGES:
+        raise _fail("plan", "stages", f"a list of 1 to {MAX_PLAN_STAGES} stages", stages)
+    top = model_n_layers if model_n_layers is not None else _MAX_LAYERS
+    seen: set[str] = set()
+    start = 0
+    for i, stage in enumerate(stages):
+        r = f"plan.stages[{i}]"
+        if not isinstance(stage, dict):
+            raise _fail("plan", f"stages[{i}]", "a dict", stage)
+        if stage.get("layer_start") != start or type(stage.get("layer_start")) is not int:
+            raise _fail(r, "layer_start", f"{start} (stages contiguous from layer 0)", stage.get("layer_start"))
+        start = _int(r, "layer_end", stage.get("layer_end"), start + 1, top)
+        ids = stage.get("peer_ids")
+        if type(ids) is not list or not 1 <= len(ids) <= _MAX_PLAN_PEERS:
+            raise _fail(r, "peer_ids", f"a list of 1 to {_MAX_PLAN_PEERS} peer ids", ids)
+        for pid in ids:
+            _peer_id(r, "peer_ids", pid)
+            if pid not in announced:
+                raise _fail(r, "peer_ids", "announced peers", pid)
+            if pid in seen:
+                raise _fail(r, "peer_ids", "each peer in one stage only", pid)
+            seen.add(pid)
+    if model_n_layers is not None and start != model_n_layers:
+        raise _fail(f"plan.stages[{len(stages) - 1}]", "layer_end", f"{model_n_layers} (the model's layers)", start)
+    unused = plan.get("unused_peer_ids", [])
+    if type(unused) is not list or len(unused) > _MAX_PLAN_PEERS:
+        raise _fail("plan", "unused_peer_ids", f"a list of at most {_MAX_PLAN_PEERS} peer ids", unused)
+    for pid in unused:
+        if _peer_id("plan", "unused_peer_ids", pid) in seen:
+            raise _fail("plan", "unused_peer_ids", "peers the stages do not name", pid)
+    trainer_ids = plan.get("trainer_ids", [])
+    if type(trainer_ids) is not list or len(trainer_ids) > MAX_PLAN_TRAINERS:
+        raise _fail("plan", "trainer_ids", f"a list of at most {MAX_PLAN_TRAINERS} trainer ids", trainer_ids)
+    known = None if trainers is None else set(trainers)
+    for tid in trainer_ids:
+        _peer_id("plan", "trainer_ids", tid)
+        if known is not None and tid not in known:
+            raise _fail("plan", "trainer_ids", "announced trainers", tid)
+    if len(set(trainer_ids)) != len(trainer_ids):
+        raise _fail("plan", "trainer_ids", "distinct trainer ids", trainer_ids)

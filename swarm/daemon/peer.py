@@ -9,9 +9,9 @@ leave. Checkpoints are written atomically, so a kill at any moment leaves the pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
-import os
 import signal
 import sys
 import threading
@@ -122,6 +122,8 @@ class PeerConfig:
     """Start from the stage's checkpoint if there is one."""
     metrics_port: int | None = None
     """Serve the process's metrics at http://HOST:PORT/metrics (HOST: the transport's); None: off, 0: any port."""
+    announce_host: str | None = None
+    """IP address other peers dial for the stage service; None: the listening host, detected if a wildcard."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "link_shapes", tuple(tuple(pair) for pair in self.link_shapes))
@@ -176,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--assign-timeout-s", type=float, default=d.assign_timeout_s, help="give up if no stage is assigned by then"
+    )
+    g.add_argument(
+        "--announce-host",
+        default=None,
+        help="IP address other peers dial for this peer's stage service (default: --host, or with --host 0.0.0.0 "
+        "the outward address, detected)",
     )
     g.add_argument("--announce-ttl-s", type=float, default=30.0, help="lifetime of this peer's DHT announcement")
     g.add_argument("--max-workers", type=int, default=32, help="threads serving gRPC calls")
@@ -261,20 +269,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         metrics_port=args.metrics_port,
+        announce_host=args.announce_host,
     )
-
-
-def measure_compute(model, device: str, iters: int = 3) -> float:
-    """Forward+backward throughput of one block on one reference micro-batch (layers per second)."""
-    from swarm.model.gpt import Block
-
-    block = Block(model).to(device)
-    x = torch.randn(4, model.seq_len_tokens, model.hidden_dim, device=device, requires_grad=True)
-    block(x).sum().backward()  # warm-up
-    start = time.perf_counter()
-    for _ in range(iters):
-        block(x).sum().backward()
-    return iters / (time.perf_counter() - start)
 
 
 class PeerDaemon:
@@ -293,6 +289,8 @@ class PeerDaemon:
         self._stop.set()
 
     def run(self) -> int:
+        from swarm.daemon.addresses import stage_address, stage_announce_host
+        from swarm.daemon.capacity import measure_compute, memory_bytes
         from swarm.peers.dht import Heartbeat, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
@@ -321,7 +319,11 @@ class PeerDaemon:
             self.transport = cfg.transport
             self.channels = Channels(self.transport)
             server, port = make_server(self.transport, cfg.grpc_port)
-            address = f"{cfg.transport.host}:{port}"
+            try:
+                address = stage_address(stage_announce_host(cfg.transport.host, cfg.announce_host), port)
+            except ValueError as e:
+                log.error("%s", e)
+                return 2
             self.servicer = StageServicer(None)
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
             server.start()
@@ -332,11 +334,16 @@ class PeerDaemon:
                 peer_id=dht.peer_id,
                 address=address,
                 device=cfg.device,
-                memory_bytes=_memory_bytes(),
+                memory_bytes=memory_bytes(),
                 compute_layers_per_s=self.speed,
                 started_at=time.time(),
                 codec=self.codecs[0].label,
             )
+            # follow the current plan before announcing: this peer may become the planner, and its first plan
+            # then takes the layers over from this plan's holders
+            with contextlib.suppress(TimeoutError):
+                if cfg.assign == "plan" and (record := dht.get_plan(self.model.n_layers)):
+                    self._apply_plan(record)
             heartbeat = Heartbeat(dht, lambda: self.announcement).start()
             dht.announce(self.announcement)
             log.info("links shaped to %s", cfg.link_shape.describe())
@@ -435,7 +442,7 @@ class PeerDaemon:
                     # probe often while peers are new to us, then only to refresh
                     next_probe = time.monotonic() + (1.0 if prober.round() else plans.interval_s)
                 planner.round()
-                record = self.dht.get_plan()
+                record = self.dht.get_plan(self.model.n_layers)
                 if record is not None and (self.following is None or record.version > self.following.version):
                     self._apply_plan(record)
             except TimeoutError as e:  # a slow DHT request: try again next tick
@@ -560,13 +567,6 @@ class PeerDaemon:
         meta = {"stage": str(host.role.stage), "steps_done": str(host.steps_done), "final": str(final)}
         if save_stage(path, host.worker.state_dict(), meta):
             log.info("checkpoint written: %s (step %d)", path, host.steps_done)
-
-
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

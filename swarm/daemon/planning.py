@@ -8,7 +8,8 @@
 - `Planner`: the peer with the lowest id among those announced (among the trusted planners when set; see
   `elected_planner`) plans, when enough peers have announced and whenever the set of peers changes (a join,
   or a leave once its announcement expires), and publishes the plan in the DHT with the next version number.
-  If that peer leaves, the next lowest takes over.
+  If that peer leaves, the next lowest takes over, numbering on from the versions the peers follow. A new or
+  departed trainer re-publishes the current stages with the new `trainer_ids` under the next version.
 - `role_in_plan`: what a peer serves under a published plan; the daemon switches roles between steps only
   (see `StageServicer.when_idle`), and stages refuse calls stamped with another plan version, so no step
   ever mixes two plans.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,14 @@ import torch
 from swarm.compression import CodecConfig, make_codec
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import TensorStreams, tensor_items
-from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
+from swarm.peers.records import (
+    MAX_PLAN_TRAINERS,
+    MAX_PLAN_VERSION,
+    LinkMeasurement,
+    PeerAnnouncement,
+    PlanRecord,
+    elected_planner,
+)
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, TransformerShape, plan
@@ -170,17 +178,6 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
     return Route(route, ids, record.version) if ids else None
 
 
-def elected_planner(peers: Iterable[PeerAnnouncement], trusted: Iterable[str] = ()) -> str | None:
-    """The id of the peer that plans: the lowest announced id, among `trusted` ids when any are given.
-
-    Every peer computes this from the same announcements, so they agree without a vote; when the planner
-    leaves (its announcement expires), the next lowest takes over. None while no eligible peer is announced.
-    """
-    allowed = set(trusted)
-    candidates = [p.peer_id for p in peers if not allowed or p.peer_id in allowed]
-    return min(candidates, default=None)
-
-
 class LinkProber:
     """Measures this peer's links to the others, a few per round, and stores the results in the DHT."""
 
@@ -256,34 +253,43 @@ class Planner:
     ):
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
-        self._seen: frozenset[str] = frozenset()
+        self._seen: tuple[frozenset[str], tuple[str, ...]] = (frozenset(), ())
         self._since = 0.0
+        self._exhausted = False
 
     def is_leader(self, peers: list[PeerAnnouncement]) -> bool:
         return elected_planner(peers, self.dht.config.trusted_planners) == self.dht.peer_id
 
-    def round(self) -> Plan | None:
-        """One look at the swarm; publishes and returns a new plan if one is due."""
+    def round(self) -> Plan | PlanRecord | None:
+        """One look at the swarm; publishes and returns a new plan (or re-published record) if one is due."""
         peers = self.dht.peers()
         if not self.is_leader(peers):
             return None
         alive = frozenset(p.peer_id for p in peers)
+        trainers = sorted(t.peer_id for t in self.dht.trainers())[:MAX_PLAN_TRAINERS]
         now = self.clock()
-        if alive != self._seen:
-            self._seen, self._since = alive, now
-        current = self.dht.get_plan()
-        if len(alive) < self.min_peers or (current is not None and plan_peers(current) == alive):
+        if (alive, tuple(trainers)) != self._seen:
+            self._seen, self._since = (alive, tuple(trainers)), now
+        current = self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
+        same_peers = current is not None and plan_peers(current) == alive
+        if len(alive) < self.min_peers or (same_peers and current.plan.get("trainer_ids", []) == trainers):
             return None
         if now - self._since < self.settle_s:
             return None  # peers are still arriving (or leaving): wait for the set to settle
+        version = self.next_version(peers)
+        if version is None:
+            return None
+        if same_peers:  # only the trainers changed: the same stages, so no layer moves
+            self.dht.publish_plan(version, {**current.plan, "trainer_ids": trainers})
+            log.info("published plan %d: plan %d's stages for trainers %s", version, current.version, trainers)
+            return self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
         links = self.dht.links()
         swarm = swarm_plan_input(peers, links, self.spec)
         if swarm.filled_links and now - self._since < self.probe_wait_s:
             return None  # give the probes a little time: planning on guesses moves stages twice
-        version = (current.version if current is not None else 0) + 1
         stages = min(self.n_stages, len(alive)) if self.n_stages else None
         made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed), version=version)
-        self.dht.publish_plan(version, made.to_dict())
+        self.dht.publish_plan(version, {**made.to_dict(), "trainer_ids": trainers})
         log.info(
             "published plan %d: %d stages over %d peers (%d links measured, %d assumed), predicted %.3f s/step",
             version,
@@ -294,6 +300,23 @@ class Planner:
             made.step_time_s,
         )
         return made
+
+    def next_version(self, peers: list[PeerAnnouncement]) -> int | None:
+        """One above every version the authority published and (without trusted planners) the peers follow.
+
+        A planner taking over from one that left numbers on from what the peers follow, so they switch. Without
+        trusted planners an announced peer can inflate that floor (as it can win the election with a ground key):
+        at MAX_PLAN_VERSION this planner stops publishing, with an error, rather than overflow.
+        """
+        floor = self.dht.newest_plan_version(peers)
+        if not self.dht.config.trusted_planners:
+            floor = max([floor, *(p.plan_version for p in peers)])
+        if floor >= MAX_PLAN_VERSION:
+            if not self._exhausted:
+                log.error("plan versions are exhausted (%d published or followed): not publishing", floor)
+                self._exhausted = True
+            return None
+        return floor + 1
 
 
 def fetch_state(channels, address: str, stage: int, plan_version: int, timeout_s: float = 120.0) -> dict:

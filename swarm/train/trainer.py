@@ -184,21 +184,33 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def discover_route(dht, n_stages: int | None, timeout_s: float, show=print, min_version: int = 0) -> Route:
+def discover_route(
+    dht,
+    n_stages: int | None,
+    timeout_s: float,
+    show=print,
+    min_version: int = 0,
+    trainer_id: str | None = None,
+    n_layers: int | None = None,
+) -> Route:
     """Waits until a whole pipeline is served and returns it.
 
-    With a plan in the DHT, the route is the plan's, once every peer in it announces that it follows that
-    version; without one (peers started with `--assign even`), the first peer announcing each of stages
-    0..n_stages-1. `min_version` skips plans older than one the trainer already ran into.
+    With a plan in the DHT (from the plan authority, valid for `n_layers`), the route is the plan's, once every
+    peer in it announces that it follows that version and the plan names `trainer_id` among its trainers
+    (when given: stages serve only the plan's trainers); without one (peers started with `--assign even`), the
+    first peer announcing each of stages 0..n_stages-1. `min_version` skips plans older than one the trainer
+    already ran into.
     """
     from swarm.daemon.planning import Route, route_of
 
     deadline = time.monotonic() + timeout_s
     last_line = None
     while True:
-        record = dht.get_plan()
         peers = dht.peers()
-        if record is not None and record.version >= min_version:
+        record = dht.get_plan(n_layers, peers=peers)
+        if record is not None and trainer_id is not None and trainer_id not in record.plan.get("trainer_ids", []):
+            line = f"waiting for a plan that names trainer {trainer_id} (plan {record.version} does not)"
+        elif record is not None and record.version >= min_version:
             found = route_of(record, peers)
             if found is not None:
                 if n_stages and len(found.addresses) != n_stages:
@@ -231,8 +243,8 @@ def discover_route(dht, n_stages: int | None, timeout_s: float, show=print, min_
 class PlanWatch:
     """Tells the trainer, between steps, when the swarm has published a newer plan (checked once a second)."""
 
-    def __init__(self, dht, version: int, every_s: float = 1.0):
-        self.dht, self.version, self.every_s = dht, version, every_s
+    def __init__(self, dht, version: int, every_s: float = 1.0, n_layers: int | None = None):
+        self.dht, self.version, self.every_s, self.n_layers = dht, version, every_s, n_layers
         self._next = time.monotonic() + every_s
 
     def newer(self) -> int | None:
@@ -240,7 +252,7 @@ class PlanWatch:
             return None
         self._next = time.monotonic() + self.every_s
         try:
-            record = self.dht.get_plan()
+            record = self.dht.get_plan(self.n_layers)
         except TimeoutError:
             return None
         return record.version if record is not None and record.version > self.version else None
@@ -290,13 +302,15 @@ def train(
         )  # fmt: skip
 
     pipe = connect(route)
-    watch = PlanWatch(dht, route.plan_version) if dht is not None else None
+    watch = PlanWatch(dht, route.plan_version, n_layers=model.n_layers) if dht is not None else None
     replans = 0
 
     def follow(min_version: int) -> None:
         nonlocal pipe, route, replans
         pipe.close()
-        route = discover_route(dht, None, cfg.wait_timeout_s, say, min_version=min_version)
+        route = discover_route(
+            dht, None, cfg.wait_timeout_s, say, min_version, trainer_id=dht.peer_id, n_layers=model.n_layers
+        )
         say(f"plan {route.plan_version}: {len(route.addresses)} stages at {', '.join(route.addresses)}")
         pipe, watch.version = connect(route), route.plan_version
         replans += 1
@@ -392,7 +406,8 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swarm.net.stream import StageCallError
-    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.dht import Heartbeat, SwarmDHT
+    from swarm.peers.records import TrainerAnnouncement
 
     try:
         cfg = config_from_args(args)
@@ -411,8 +426,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: cannot serve metrics on {cfg.dht.host}:{cfg.metrics_port}: {e}", file=sys.stderr)
                 return 2
             say(f"metrics at {server.url}")
+        # the planner names announced trainers in the plan, and stages serve only those: announce until done
+        me = TrainerAnnouncement(dht.peer_id, started_at=time.time())
+        stack.enter_context(Heartbeat(dht, lambda: me))
+        say(f"trainer {dht.peer_id} announced")
         try:
-            route = discover_route(dht, cfg.num_stages, cfg.wait_timeout_s, say)
+            route = discover_route(
+                dht, cfg.num_stages, cfg.wait_timeout_s, say, trainer_id=dht.peer_id, n_layers=cfg.model.n_layers
+            )
         except TimeoutError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -158,23 +158,40 @@ def test_links_are_stored_per_source_and_destination(swarm):
         b.store_link(newer)
 
 
-def test_plan_highest_version_wins_and_untrusted_planners_are_ignored(swarm):
-    a, b, _ = swarm
-    assert a.get_plan() is None
-    assert b.publish_plan(1, {"stages": [[0, 4]]})
-    assert b.publish_plan(2, {"stages": [[0, 2], [2, 4]], "note": ("tuples", "become", "lists")})
-    got = wait_for(lambda: (p := a.get_plan()) and p.version == 2 and p, WAIT_S, what="plan v2 visible")
-    assert got.plan == {"stages": [[0, 2], [2, 4]], "note": ["tuples", "become", "lists"]}
+def _two_stages(first: str, second: str) -> dict:
+    return {
+        "stages": [
+            {"layer_start": 0, "layer_end": 2, "peer_ids": [first]},
+            {"layer_start": 2, "layer_end": 4, "peer_ids": [second]},
+        ],
+        "note": ("tuples", "become", "lists"),
+    }
+
+
+def test_plans_count_only_from_the_elected_planner_and_only_when_valid(swarm):
+    a, b, c = swarm
+    for node in (a, b):
+        assert node.announce(announcement(node), ttl_s=60)
+    wait_for(lambda: {a.peer_id, b.peer_id} <= {p.peer_id for p in c.peers()}, WAIT_S, what="a and b announced")
+    elected, other = sorted((a, b), key=lambda n: n.peer_id)
+    assert elected.publish_plan(1, _two_stages(a.peer_id, b.peer_id))
+    assert elected.publish_plan(2, _two_stages(b.peer_id, a.peer_id))
+    assert other.publish_plan(500, _two_stages(other.peer_id, elected.peer_id))  # not elected: to be ignored
+    assert elected.publish_plan(3, {**_two_stages(a.peer_id, b.peer_id), "stages": [{"layer_start": 0,
+                                    "layer_end": 1000000, "peer_ids": [a.peer_id]}]})  # fmt: skip
+    for reader in (a, b, c):
+        got = wait_for(lambda r=reader: (p := r.get_plan(4)) and p.version == 2 and p, WAIT_S, what="plan 2")
+        assert got.plan["note"] == ["tuples", "become", "lists"]
     with pytest.raises(ValueError, match="plan"):
-        b.publish_plan(3, {"bad": float("nan")})
+        b.publish_plan(4, {"bad": float("nan")})
 
     picky_config = DHTConfig(
         initial_peers=tuple(a.visible_maddrs()), run_name="test-dht", client_mode=True, trusted_planners=("0" * 24,)
     )
     with SwarmDHT(picky_config) as picky:
-        assert picky.get_plan() is None
-    with SwarmDHT(dataclasses.replace(picky_config, trusted_planners=(b.peer_id,))) as trusting:
-        assert trusting.get_plan() == got
+        assert picky.get_plan(4) is None
+    with SwarmDHT(dataclasses.replace(picky_config, trusted_planners=(other.peer_id,))) as trusting:
+        assert wait_for(lambda: trusting.get_plan(4), WAIT_S, what="the trusted plan").version == 500
 
 
 def test_wait_for_stages(swarm):

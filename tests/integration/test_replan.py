@@ -1,12 +1,15 @@
 """Plan changes in a running swarm: stages refuse calls from another plan version (so no step mixes two
-plans), and a peer joining a training swarm makes the planner publish a new plan that the peers switch to
-between steps, taking over their layers from the old holders, while the trainer follows without failing."""
+plans); a trainer's arrival makes the planner name it in a new plan (same stages); a peer joining a training
+swarm makes the planner publish a new plan that the peers switch to between steps, taking over their layers
+from the old holders, while the trainer follows without failing; and a plan from anyone but the elected
+planner is ignored by peers and trainer alike."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -95,26 +98,28 @@ def test_a_joining_peer_triggers_a_new_plan_that_trainer_and_peers_follow(tmp_pa
         )  # fmt: skip
     assert shown.returncode == 0, shown.stderr[-2000:]
     live = json.loads(shown.stdout)
-    assert live["published"]["version"] == 2 and live["peers"] == 3 and live["measured_links"] >= 2, live
+    # plan 1: the first; plan 2: the same stages naming the trainer; plan 3: with the newcomer
+    assert live["published"]["version"] == 3 and live["peers"] == 3 and live["measured_links"] >= 2, live
     assert len(live["now"]["stages"]) == 2, "swarm plan --dht plans the live swarm's number of stages"
     assert trainer.returncode == 0, err[-3000:]
     with open(tmp_path / "train" / "steps.csv") as f:
         rows = list(csv.DictReader(f))
     versions = [int(r["plan_version"]) for r in rows]
     assert [int(r["step"]) for r in rows] == list(range(1, len(rows) + 1)), "every step ran exactly once"
-    assert versions == sorted(versions) and versions[0] == 1 and versions[-1] == 2, versions
-    assert "plan 2 (was 1): serving stage" in logs["newcomer"], logs["newcomer"]
+    assert versions == sorted(versions) and versions[0] == 2 and versions[-1] == 3, versions
+    # the newcomer followed plan 2 (on standby), unless it has the lowest id: then plan 2 is not its planner's
+    assert re.search(r"plan 3 \(was [02]\): serving stage", logs["newcomer"]), logs["newcomer"]
     assert "took over" in logs["newcomer"] and "initial weights" not in logs["newcomer"], logs["newcomer"]
-    assert "plan 2:" in err, err[-2000:]
+    assert "plan 3:" in err, err[-2000:]
 
 
 def _newcomer_steps(swarm) -> int | None:
-    """Steps done by the newcomer's stage, once the DHT shows it serving one under plan 2."""
+    """Steps done by the newcomer's stage, once the DHT shows it serving one under plan 3."""
     from swarm.peers.dht import DHTConfig, SwarmDHT
 
     initial = [line for line in swarm.address_file.read_text().splitlines() if line.strip()]
     with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
-        serving = [p for p in dht.peers() if p.plan_version == 2 and p.stage is not None]
+        serving = [p for p in dht.peers() if p.plan_version == 3 and p.stage is not None]
         newcomers = [p for p in serving if p.peer_id not in swarm.peers]
     if not newcomers:
         return None
@@ -123,3 +128,42 @@ def _newcomer_steps(swarm) -> int | None:
         return watcher.status()[0].steps_done
     finally:
         watcher.close()
+
+
+def test_a_plan_from_a_peer_that_is_not_elected_is_ignored_by_peers_and_trainer(tmp_path):
+    from swarm.peers.dht import DHTConfig, SwarmDHT, load_or_create_key, peer_id_of
+
+    flags = [*MODEL_FLAGS, "--fw-codec", "fp32", "--bw-codec", "fp32", "--compute-speed", "50"]
+    identity = str(tmp_path / "trainer.key")  # the trainer's id is known ahead: the forged plan names it
+    trainer_id = peer_id_of(load_or_create_key(identity).get_public_key().to_bytes())
+    with local_swarm(tmp_path, 2, flags) as swarm:
+        first, second = swarm.peers
+        initial = [line for line in swarm.address_file.read_text().splitlines() if line.strip()]
+        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as attacker:
+            forged = {  # well formed, every id announced, stages swapped: only its author is wrong
+                "stages": [
+                    {"layer_start": 0, "layer_end": 1, "peer_ids": [second]},
+                    {"layer_start": 1, "layer_end": 3, "peer_ids": [first]},
+                ],
+                "trainer_ids": [trainer_id],
+            }
+            assert attacker.publish_plan(500, forged)
+            trainer = subprocess.run(
+                [
+                    sys.executable, "-m", "swarm.cli", "train", "--address-file", str(swarm.address_file),
+                    "--identity", identity, *MODEL_FLAGS, "--train-samples", "16", "--batch-size", "8",
+                    "--micro-batches", "2", "--steps", "3", "--deadline-s", "30", "--out", str(tmp_path / "train"),
+                ],
+                capture_output=True, text=True, timeout=150,
+            )  # fmt: skip
+            assert trainer.returncode == 0, trainer.stderr[-3000:]
+            followed = {p.peer_id: p.plan_version for p in attacker.peers()}
+            forged_seen = attacker.get_plan(3)
+        logs = {name: swarm.procs.tail(name, 400) for name in ("peer0", "peer1")}
+    with open(tmp_path / "train" / "steps.csv") as f:
+        versions = {int(r["plan_version"]) for r in csv.DictReader(f)}
+    assert versions == {2}, f"the trainer trained on plan(s) {versions}, not the elected planner's plan 2"
+    assert followed == {first: 2, second: 2}, followed
+    assert forged_seen is not None and forged_seen.version == 2, "readers see the elected planner's plan"
+    for name, text in logs.items():
+        assert "ignoring plan 500" in text and "plan 500 (was" not in text, (name, text[-2000:])

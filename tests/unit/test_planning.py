@@ -85,3 +85,29 @@ def test_roles_and_routes_come_from_the_plan_once_every_peer_follows_it():
     assert route_of(record, old) is None, "p2 still follows plan 3"
     new = [peer(2, stage=0, layer_start=0, layer_end=3, plan_version=4), old[1]]
     assert route_of(record, new) == Route(["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"], plan_version=4)
+
+
+def test_a_trainer_waits_for_a_plan_that_names_it():
+    from types import SimpleNamespace
+
+    from swarm.train.trainer import discover_route
+
+    stages = [
+        {"layer_start": 0, "layer_end": 2, "peer_ids": ["p0"]},
+        {"layer_start": 2, "layer_end": 4, "peer_ids": ["p1"]},
+    ]
+    peers = [peer(0, stage=0, layer_start=0, layer_end=2, plan_version=3),
+             peer(1, stage=1, layer_start=2, layer_end=4, plan_version=3)]  # fmt: skip
+    unnamed = PlanRecord(version=3, plan={"stages": stages, "trainer_ids": ["other"]}, created_at=1.0)
+    dht = SimpleNamespace(peers=lambda: peers, get_plan=lambda n_layers, peers: unnamed)
+    lines: list[str] = []
+    with pytest.raises(TimeoutError, match="names trainer me"):
+        discover_route(dht, None, 0.0, lines.append, trainer_id="me", n_layers=4)
+    named = PlanRecord(version=3, plan={"stages": stages, "trainer_ids": ["me"]}, created_at=1.0)
+    dht.get_plan = lambda n_layers, peers: named
+    route = discover_route(dht, None, 0.0, lines.append, trainer_id="me", n_layers=4)
+    assert route.peer_ids == ["p0", "p1"] and route.plan_version == 3
+    assert (
+        discover_route(SimpleNamespace(peers=lambda: peers, get_plan=lambda n, peers: unnamed), None, 0.0).plan_version
+        == 3
+    )

@@ -1,0 +1,155 @@
+"""Parsing the run's DHT entries (owned subkey, value, expiration) into records, refusing anything off-bounds.
+
+Used twice: by the validator honest DHT nodes run before they store a record, and by readers, since a
+dishonest node may return anything. Each parser raises ValueError naming what is wrong. Besides the record's
+own fields, an entry must not outlive its kind's TTL bound (a record that would live for years can't be
+replaced or expire) and its own timestamp must not lie in the future beyond MAX_CLOCK_SKEW_S.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from swarm.peers.records import (
+    MAX_CLOCK_SKEW_S,
+    LinkMeasurement,
+    PeerAnnouncement,
+    PlanRecord,
+    TrainerAnnouncement,
+)
+
+__all__ = ["LINK_SEP", "MAX_TTL_S", "PLAN_SEP", "RunKeys", "RunRecordValidator", "parse_entry", "peer_id_of"]
+
+logger = logging.getLogger(__name__)
+
+_OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
+LINK_SEP, PLAN_SEP = b"->", b"#"
+
+MAX_TTL_S = {"peers": 600.0, "trainers": 600.0, "links": 3600.0, "plan": 7200.0}
+"""Longest lifetime a record of each kind may ask for, in seconds (plus MAX_CLOCK_SKEW_S)."""
+
+
+def peer_id_of(public_key: bytes) -> str:
+    """The swarm peer id of an RSA public key (as `RSAPublicKey.to_bytes()` gives it): 24 hex digits."""
+    return hashlib.sha256(public_key).hexdigest()[:24]
+
+
+def _owner_and_suffix(subkey: Any) -> tuple[str, bytes]:
+    if not isinstance(subkey, bytes):
+        raise ValueError(f"subkey: expected bytes, got {type(subkey).__name__}")
+    match = _OWNER_RE.match(subkey)
+    if match is None:
+        raise ValueError("subkey: carries no owner public key (unsigned record)")
+    return peer_id_of(match.group(1)), subkey[match.end() :]
+
+
+def _announcement(subkey: Any, value: Any) -> tuple[PeerAnnouncement, float]:
+    owner, suffix = _owner_and_suffix(subkey)
+    if suffix:
+        raise ValueError(f"subkey: unexpected suffix {suffix[:32]!r}")
+    ann = PeerAnnouncement.from_wire(value)
+    if ann.peer_id != owner:
+        raise ValueError(f"PeerAnnouncement.peer_id: {ann.peer_id} is not the signer's id {owner}")
+    return ann, ann.started_at
+
+
+def _trainer(subkey: Any, value: Any) -> tuple[TrainerAnnouncement, float]:
+    owner, suffix = _owner_and_suffix(subkey)
+    if suffix:
+        raise ValueError(f"subkey: unexpected suffix {suffix[:32]!r}")
+    ann = TrainerAnnouncement.from_wire(value)
+    if ann.peer_id != owner:
+        raise ValueError(f"TrainerAnnouncement.peer_id: {ann.peer_id} is not the signer's id {owner}")
+    return ann, ann.started_at
+
+
+def _link(subkey: Any, value: Any) -> tuple[LinkMeasurement, float]:
+    owner, suffix = _owner_and_suffix(subkey)
+    link = LinkMeasurement.from_wire(value)
+    if link.src != owner:
+        raise ValueError(f"LinkMeasurement.src: {link.src} is not the signer's id {owner}")
+    if suffix != LINK_SEP + link.dst.encode():
+        raise ValueError(f"LinkMeasurement.dst: {link.dst} does not match the subkey suffix {suffix[:80]!r}")
+    return link, link.measured_at
+
+
+def _plan(subkey: Any, value: Any) -> tuple[tuple[str, PlanRecord], float]:
+    owner, suffix = _owner_and_suffix(subkey)
+    plan = PlanRecord.from_wire(value)
+    if suffix != PLAN_SEP + str(plan.version).encode():
+        raise ValueError(f"PlanRecord.version: {plan.version} does not match the subkey suffix {suffix[:32]!r}")
+    return (owner, plan), plan.created_at
+
+
+_PARSERS: dict[str, Callable[[Any, Any], tuple[Any, float]]] = {
+    "peers": _announcement,
+    "trainers": _trainer,
+    "links": _link,
+    "plan": _plan,
+}
+
+
+def parse_entry(kind: str, subkey: Any, value: Any, expiration: float, now: float | None = None) -> Any:
+    """The record of one DHT entry of `kind` ('peers', 'trainers', 'links' or 'plan'); ValueError if invalid.
+
+    For 'plan' the record is (owner peer id, PlanRecord).
+    """
+    now = get_dht_time() if now is None else now
+    record, stamped = _PARSERS[kind](subkey, value)
+    name = type(record[1] if kind == "plan" else record).__name__
+    if not expiration <= now + MAX_TTL_S[kind] + MAX_CLOCK_SKEW_S:
+        raise ValueError(f"{name}: expires {expiration - now:.0f} s from now, past the {MAX_TTL_S[kind]:.0f} s bound")
+    if stamped > now + MAX_CLOCK_SKEW_S:
+        raise ValueError(f"{name}: its timestamp lies {stamped - now:.0f} s in the future")
+    return record
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The run's DHT keys, one per record kind."""
+
+    peers: str
+    trainers: str
+    links: str
+    plan: str
+
+    @classmethod
+    def of_run(cls, run_name: str) -> RunKeys:
+        return cls(*(f"{run_name}.{kind}" for kind in ("peers", "trainers", "links", "plan")))
+
+
+class RunRecordValidator(RecordValidatorBase):
+    """Lets honest DHT nodes refuse to store (or accept from others) malformed records under the run's keys.
+
+    Runs after the signature validator (lower priority), on the value with the signature already stripped.
+    Keys of other runs and applications pass untouched.
+    """
+
+    def __init__(self, keys: RunKeys):
+        kinds = {keys.peers: "peers", keys.trainers: "trainers", keys.links: "links", keys.plan: "plan"}
+        self._kinds = {DHTID.generate(source=key).to_bytes(): kind for key, kind in kinds.items()}
+
+    def validate(self, record: DHTRecord) -> bool:
+        kind = self._kinds.get(record.key)
+        if kind is None:
+            return True
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            return False  # the run's keys hold only dictionaries of owned subkeys, never a plain value
+        try:
+            subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
+            parse_entry(kind, subkey, value, record.expiration_time)
+        except Exception as e:  # any failure to decode or validate means the record is refused
+            logger.debug("refusing a record: %s", e)
+            return False
+        return True
