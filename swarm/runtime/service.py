@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -17,6 +18,10 @@ from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallE
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
+from swarm.runtime.policy import CallPolicy, Roster
+
+if TYPE_CHECKING:
+    from swarm.net.auth import CallVerifier
 
 __all__ = ["StageServicer"]
 
@@ -28,8 +33,11 @@ MAX_PROBE_BYTES = 16 << 20
 class StageServicer(stage_pb2_grpc.StageServicer):
     """Thin gRPC handlers: read and check the call, run the host's compute, pass the result on."""
 
-    def __init__(self, host: StageHost | None):
+    def __init__(self, host: StageHost | None, verifier: CallVerifier | None = None, roster: Roster | None = None):
         self.host = host
+        self.verifier = verifier
+        """Establishes each call's caller; None: calls are anonymous and nothing is authorized (measurement)."""
+        self.policy = CallPolicy(roster)
         self.previous: StageHost | None = None
         """The host this peer served before its last plan change, kept to hand its state over."""
         self.standby_version: int | None = None
@@ -55,13 +63,51 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         host = self.host
         return host.limits if host is not None else WireLimits()
 
-    def _admit(self, info: stage_pb2.CallInfo) -> StageHost:
-        """Checks a call against the current host and opens its step there, atomically with `swap`."""
+    # ---- authentication and authorization (swarm.net.auth, swarm.runtime.policy) ----------------------------
+
+    def set_roster(self, roster: Roster | None) -> None:
+        """The plan's peers, whose calls this stage serves from now on."""
+        self.policy = CallPolicy(roster)
+
+    def _caller(self, context: grpc.ServicerContext) -> str | None:
+        """The calling peer's id from the call's token (None with authentication off); reads only metadata."""
+        if self.verifier is None:
+            return None
+        from swarm.net.auth import AuthError
+
+        try:
+            return self.verifier.caller(context.invocation_metadata())
+        except AuthError as e:
+            raise CallRefused(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}") from None
+
+    def _sender(self, context: grpc.ServicerContext, method: str) -> str | None:
+        """Authenticates a data call and checks its caller may send it to this stage, before its body is read."""
+        caller = self._caller(context)
+        if caller is not None:
+            self.policy.check_sender(method, self._serving().role.stage, caller)
+        return caller
+
+    def _checked(self, context: grpc.ServicerContext, check) -> None:
+        """Authenticates a call outside `_guard` and runs `check(caller)`; aborts the call if either refuses."""
+        try:
+            caller = self._caller(context)
+            if caller is not None and check is not None:
+                check(caller)
+        except CallRefused as e:
+            context.abort(e.code, e.details)
+
+    # ---- admission ------------------------------------------------------------------------------------------
+
+    def _admit(self, info: stage_pb2.CallInfo, caller: str | None = None) -> StageHost:
+        """Checks a call against the plan and the current host and opens its step there, atomically with
+        `swap`."""
         with self._admission:
             host = self.host
             if host is None:
                 raise self._not_serving()
-            host.check_call(info)
+            host.check_call(info)  # first: a call of another plan is told so, and the trainer moves on
+            if caller is not None:
+                self.policy.check_route(info)
             host.open(info.step)
             return host
 
@@ -82,9 +128,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._admission.notify_all()
         return idle
 
-    def swap(self, host: StageHost | None, timeout_s: float, plan_version: int = 0) -> bool:
+    def swap(
+        self, host: StageHost | None, timeout_s: float, plan_version: int = 0, roster: Roster | None = None
+    ) -> bool:
         """Serves `host` (None: standby under `plan_version`) from the next step on, keeping the current
-        one for state handover."""
+        one for state handover; `roster` (the new plan's peers) takes effect at the same moment."""
 
         def change(servicer: StageServicer) -> None:
             if servicer.host is not None:
@@ -92,6 +140,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 servicer.previous = servicer.host
             servicer.host = host
             servicer.standby_version = plan_version if host is None else None
+            if roster is not None:
+                servicer.set_roster(roster)
 
         return self.when_idle(change, timeout_s)
 
@@ -121,29 +171,35 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Forward(self, request_iterator, context):
         def run():
+            caller = self._sender(context, "Forward")
             call = read_stream(request_iterator, self._limits())
-            return self._admit(call.info).forward(call)
+            return self._admit(call.info, caller).forward(call)
 
         return self._guard(context, run)
 
     def Backward(self, request_iterator, context):
         def run():
+            caller = self._sender(context, "Backward")
             call = read_stream(request_iterator, self._limits())
-            return self._admit(call.info).backward(call)
+            return self._admit(call.info, caller).backward(call)
 
         return self._guard(context, run)
 
     def PutLabels(self, request, context):
         def run():
-            self._admit(request.info).put_labels(request.info, request.labels)
+            caller = self._sender(context, "PutLabels")
+            self._admit(request.info, caller).put_labels(request.info, request.labels)
             return stage_pb2.Empty()
 
         return self._guard(context, run)
 
     def Grads(self, request, context):
+        self._checked(context, lambda caller: self.policy.check_step("Grads", caller))
         return self._guard(context, lambda: self._serving().grads())
 
     def Step(self, request, context):
+        self._checked(context, lambda caller: self.policy.check_step("Step", caller))
+
         def run():
             lr = self._serving().step(request)
             with self._admission:
@@ -153,11 +209,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self._guard(context, run)
 
     def Probe(self, request, context):  # answered before a stage is assigned too: links are measured early
+        self._checked(context, None)
         if request.reply_bytes > MAX_PROBE_BYTES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reply_bytes exceeds {MAX_PROBE_BYTES}")
         return stage_pb2.ProbeReply(payload=bytes(request.reply_bytes))
 
     def Sink(self, request_iterator, context):  # no stage needed: links are measured before assignment
+        self._checked(context, None)
         limits = self.host.limits if self.host is not None else WireLimits()
         try:
             call = read_stream(request_iterator, limits)
@@ -166,9 +224,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2.Traffic(wire_bytes=call.wire_bytes)
 
     def Status(self, request, context):
+        self._checked(context, None)
         return self._guard(context, lambda: self._serving().status())
 
     def GetState(self, request, context):
+        self._checked(context, self.policy.check_state)
         hosts = [h for h in (self.host, self.previous) if h is not None]
         if not hosts:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
