@@ -42,12 +42,14 @@ def loopback_stages(
     shaping: LinkShaping | None = None,
     stage_cfg: StageConfig | None = None,
     auth: bool = True,
+    run_secret: str | None = None,
     **transport_kw,
 ):
     """Starts one gRPC stage server per stage; yields (hosts, servers, addresses). Stops them all after.
 
     With `auth` every stage authenticates and authorizes calls by a roster of the stages and one trainer
-    (`trainer_of(addresses)`); without, the peers are named peer0, peer1, ... and calls are anonymous.
+    (`trainer_of(addresses)`), with `run_secret` only from holders of that secret; without `auth`, the peers
+    are named peer0, peer1, ... and calls are anonymous.
     """
     transport = TransportConfig(**transport_kw)
     hosts, servers, addresses, servicers = [], [], [], []
@@ -58,10 +60,10 @@ def loopback_stages(
         for stage, (start, end) in enumerate(split_layers(model.n_layers, n_stages)):
             role = StageRole(stage, n_stages, start, end)
             links = LinkEnds(fw, bw, shaping=shaping)
-            connector = GrpcConnector(transport, CallSigner(ids[stage]) if ids else None, book.get)
+            connector = GrpcConnector(transport, CallSigner(ids[stage], run_secret) if ids else None, book.get)
             host = StageHost(role, model, stage_cfg or StageConfig(), links, peers[stage], connector)
             server, port = make_server(transport)
-            servicer = StageServicer(host, CallVerifier(peers[stage]) if ids else None)
+            servicer = StageServicer(host, CallVerifier(peers[stage], run_secret) if ids else None)
             stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
             server.start()
             hosts.append(host)

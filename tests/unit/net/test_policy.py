@@ -92,3 +92,22 @@ def test_auth_off_is_anonymous():
     pipe.network.stage(pipe.addresses[0]).Status(stage_pb2.Empty())
     assert pipe.train_step(batch(), 2).loss > 0
     pipe.close()
+
+
+def test_an_unauthenticated_or_unauthorized_stream_is_refused_before_its_body_is_read():
+    pipe = LocalPipeline(TINY, 2)
+    pulled = []
+
+    def body():
+        for i in range(1000):  # stands for a huge stream
+            pulled.append(i)
+            yield stage_pb2.StreamItem().SerializeToString()
+
+    anonymous = pipe.network.stage(pipe.addresses[1])
+    with pytest.raises(LocalRpcError, match="not authenticated"):
+        anonymous.Forward(body())
+    stranger = pipe.network.connector(CallSigner(Identity.generate())).stage(pipe.addresses[1])
+    with pytest.raises(LocalRpcError, match="only from the plan's peer of stage 0"):
+        stranger.Forward(body())
+    assert pulled == []
+    pipe.close()
