@@ -122,6 +122,8 @@ class PeerConfig:
     """Start from the stage's checkpoint if there is one."""
     metrics_port: int | None = None
     """Serve the process's metrics at http://HOST:PORT/metrics (HOST: the transport's); None: off, 0: any port."""
+    auth: bool = True
+    """Authenticate every call and serve only the plan's peers and trainers; False only to measure its cost."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "link_shapes", tuple(tuple(pair) for pair in self.link_shapes))
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--announce-ttl-s", type=float, default=30.0, help="lifetime of this peer's DHT announcement")
     g.add_argument("--max-workers", type=int, default=32, help="threads serving gRPC calls")
+    g.add_argument("--no-auth", action="store_true", help="serve anonymous calls from anyone (measurement only)")
     g = parser.add_argument_group("planning (--assign plan)")
     g.add_argument(
         "--min-peers", type=int, default=plans.min_peers, help="peers announced before the first plan (0: --num-stages)"
@@ -261,6 +264,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         metrics_port=args.metrics_port,
+        auth=not args.no_auth,
     )
 
 
@@ -293,6 +297,8 @@ class PeerDaemon:
         self._stop.set()
 
     def run(self) -> int:
+        from swarm.daemon.roster import AddressBook, PeerAuth
+        from swarm.net.connect import SignedChannels
         from swarm.peers.dht import Heartbeat, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
@@ -305,8 +311,9 @@ class PeerDaemon:
         self.model = cfg.model
         self.codecs = (cfg.fw_codec, cfg.bw_codec)
         self.shaping = LinkShaping(cfg.link_shape, dict(cfg.link_shapes))
-        dht = SwarmDHT(cfg.dht)
-        self.dht = dht
+        auth = PeerAuth.load(cfg.dht)  # one key signs the DHT records and the calls: its hash is the peer id
+        dht = SwarmDHT(cfg.dht, private_key=auth.identity.key)
+        self.dht, self.signer, self.book = dht, auth.signer, AddressBook(dht, auth.allowed_trainers)
         server = None
         try:
             # the gRPC and metrics servers start after the DHT's process is forked: forking beside gRPC threads
@@ -319,10 +326,10 @@ class PeerDaemon:
                     return 2
                 log.info("metrics at %s", self.metrics_server.url)
             self.transport = cfg.transport
-            self.channels = Channels(self.transport)
+            self.channels = SignedChannels(Channels(self.transport), self.signer, self.book)
             server, port = make_server(self.transport, cfg.grpc_port)
             address = f"{cfg.transport.host}:{port}"
-            self.servicer = StageServicer(None)
+            self.servicer = StageServicer(None, auth.verifier() if cfg.auth else None)
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
             server.start()
             log.info("stage service listening on %s", address)
@@ -373,7 +380,7 @@ class PeerDaemon:
             StageConfig(optim=cfg.optim),
             LinkEnds(*self.codecs, shaping=self.shaping),
             peer_id=self.dht.peer_id,
-            connector=GrpcConnector(self.transport),
+            connector=GrpcConnector(self.transport, self.signer, self.book),
             device=cfg.device,
             metrics=self.metrics,
         )
@@ -406,8 +413,8 @@ class PeerDaemon:
         self.servicer.host = self._make_host(role)
         self._announce_role(role)
         log.info("ready")
-        while not self._stop.wait(1.0):
-            pass
+        while not self._stop.wait(1.0):  # the split's peers announce one by one, and restart
+            self.servicer.set_roster(self.book.even_roster(role.n_stages) or self.servicer.policy.roster)
         return 0
 
     def _follow_plans(self, address: str) -> int:
@@ -438,6 +445,8 @@ class PeerDaemon:
                 record = self.dht.get_plan()
                 if record is not None and (self.following is None or record.version > self.following.version):
                     self._apply_plan(record)
+                elif self.following is not None and self.servicer.policy.roster is None:
+                    self.servicer.set_roster(self.book.plan_roster(self.following, self.announcement))  # was unknown
             except TimeoutError as e:  # a slow DHT request: try again next tick
                 log.warning("%s", e)
             if self.servicer.host is None and self.following is None and time.monotonic() > deadline:
@@ -451,6 +460,7 @@ class PeerDaemon:
         from swarm.daemon.planning import role_in_plan
 
         role = role_in_plan(record, self.dht.peer_id)
+        roster = self.book.plan_roster(record, self.announcement)
         host = self.servicer.host
         same = (
             host is not None
@@ -463,13 +473,16 @@ class PeerDaemon:
 
             def bump(servicer) -> None:
                 servicer.host.role = role  # same layers: only the plan version changes
+                servicer.set_roster(roster)
 
             self.servicer.when_idle(bump, wait_s)
         else:
             new_host = None if role is None else self._make_host(role)
             if new_host is not None and self.following is not None:
                 self._hand_over(new_host, self.following)
-            self.servicer.swap(new_host, wait_s, plan_version=record.version)
+            self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
+            if roster is None:
+                self.servicer.set_roster(None)  # no calls until every stage's address is known
         previous = self.following.version if self.following is not None else 0
         self.following = record
         self._announce_role(role)
