@@ -502,6 +502,7 @@ class PeerDaemon:
     def _hand_over(self, new_host, old) -> None:
         """Loads the layers `new_host` takes over from the peers that held them under the old plan."""
         from swarm.daemon.planning import fetch_state
+        from swarm.daemon.roster import retry_refused
 
         role = new_host.role
         wanted = new_host.worker.module.state_dict()
@@ -519,7 +520,8 @@ class PeerDaemon:
                 if holder == self.dht.peer_id and self.servicer.host is not None:
                     state = self.servicer.host.worker.state_dict()
                 elif holder in addresses:
-                    state = fetch_state(self.channels, addresses[holder], index, old.version)
+                    # retried: the holder may not follow the new plan (nor serve us its state) yet
+                    state = retry_refused(self._stop, fetch_state, self.channels, addresses[holder], index, old.version)
                 else:
                     raise ConnectionError("it has left the swarm")
             except Exception as e:

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TypeVar
+
+import grpc
 
 from swarm.net.auth import CallSigner, CallVerifier, Identity
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 from swarm.runtime.policy import Roster
 
-__all__ = ["AddressBook", "PeerAuth", "roster_from_announcements", "roster_from_plan"]
+T = TypeVar("T")
+
+__all__ = ["AddressBook", "PeerAuth", "retry_refused", "roster_from_announcements", "roster_from_plan"]
 
 
 @dataclass(frozen=True)
@@ -154,3 +159,18 @@ class AddressBook:
             return None
         with self._lock:
             return self._peers.get(address)
+
+
+def retry_refused(stop: threading.Event, call: Callable[..., T], *args, timeout_s: float = 15.0, poll_s: float = 0.5):
+    """`call(*args)`, again while it is refused as unauthorized, for up to `timeout_s` (or until `stop`).
+
+    A peer taking over a stage under a new plan fetches its state from the holder under the old one; the
+    holder serves state only to the peers of the plan it follows, and may see the new plan a moment later.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call(*args)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.PERMISSION_DENIED or time.monotonic() > deadline or stop.wait(poll_s):
+                raise

@@ -126,8 +126,8 @@ class PipelineDriver:
         connector: how to reach the stages (default: gRPC, signed by `signer`).
         plan_version: the plan the stages follow.
         metrics: where the driver counts the steps' bytes, losses and times (default: its own registry).
-        signer: the trainer's identity on the default gRPC connector (None: anonymous calls, which stages
-            with authentication on refuse).
+        signer: the trainer's identity on the default gRPC connector (None: a fresh key, enough where any
+            authenticated caller may train or ask for Status).
     """
 
     def __init__(
@@ -147,6 +147,10 @@ class PipelineDriver:
         self.route, self.peers = list(route), list(peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version = plan_version
+        if connector is None and signer is None:
+            from swarm.net.auth import CallSigner, Identity
+
+            signer = CallSigner(Identity.generate())
         self.connector = connector or GrpcConnector(signer=signer)
         self.metrics = metrics or Metrics()
         # every call to a stage carries a token for that stage's peer id

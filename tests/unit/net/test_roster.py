@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
-from swarm.daemon.roster import AddressBook, roster_from_announcements, roster_from_plan
+import threading
+
+import grpc
+import pytest
+
+from swarm.daemon.roster import AddressBook, retry_refused, roster_from_announcements, roster_from_plan
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 
 
@@ -68,3 +73,25 @@ def test_address_book_resolves_and_rate_limits_misses():
     assert book("127.0.0.1:1002") == "b"
     assert book("127.0.0.1:1") is None and book("127.0.0.1:2") is None
     assert dht.reads == 1
+
+
+class Refused(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+
+def test_state_fetch_is_retried_while_the_holder_does_not_know_the_plan_yet():
+    answers = [Refused(grpc.StatusCode.PERMISSION_DENIED), Refused(grpc.StatusCode.PERMISSION_DENIED), {"w": 1}]
+
+    def fetch(x):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return {**answer, "x": x}
+
+    assert retry_refused(threading.Event(), fetch, 7, poll_s=0.001) == {"w": 1, "x": 7}
+    with pytest.raises(Refused):  # other failures are not retried
+        retry_refused(threading.Event(), lambda: (_ for _ in ()).throw(Refused(grpc.StatusCode.UNAVAILABLE)))
