@@ -1,17 +1,18 @@
 """How a stage host or a trainer reaches a stage: over gRPC, or in-process, through one client interface.
 
-A `Connector` hands out a `StageClient` per address. The gRPC connector wraps channels and stubs; the
-in-process one (`LocalNetwork`) calls the registered servicer of that address directly, with the same
-serialized stream items and the same errors (`grpc.RpcError` with a code and details), so everything above
-this module runs unchanged in one process or across peers: the convergence experiment and the unit tests
-exercise the code the swarm runs.
+A `Connector` hands out a `StageClient` per address; with a `CallSigner`, every call carries the signer's
+token for the callee's peer id (`swarm.net.auth`), given by the caller or looked up by address. The gRPC
+connector wraps channels and stubs; the in-process one (`LocalNetwork`) calls the registered servicer of
+that address directly, with the same serialized stream items, metadata and errors (`grpc.RpcError` with a
+code and details), so everything above this module runs unchanged in one process or across peers: the
+convergence experiment and the unit tests exercise the code the swarm runs.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import grpc
 
@@ -19,7 +20,14 @@ from swarm.net.stream import TensorStreams
 from swarm.peers.transport import Channels, TransportConfig
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
-__all__ = ["Connector", "GrpcConnector", "LocalNetwork", "LocalRpcError", "StageClient"]
+if TYPE_CHECKING:
+    from swarm.net.auth import CallSigner
+
+__all__ = ["Connector", "GrpcConnector", "LocalNetwork", "LocalRpcError", "SignedChannels", "StageClient"]
+
+Metadata = tuple[tuple[str, bytes], ...]
+Resolve = Callable[[str], "str | None"]
+"""address -> peer id of the stage there (None: unknown), for calls whose caller names no peer id"""
 
 
 class StageClient(Protocol):
@@ -37,23 +45,45 @@ class StageClient(Protocol):
 
 
 class Connector(Protocol):
-    def stage(self, address: str) -> StageClient: ...
+    def stage(self, address: str, peer_id: str | None = None) -> StageClient: ...
     def close(self) -> None: ...
 
 
-class GrpcConnector:
-    """Stage clients over gRPC channels, one channel per address, reused by every call to it."""
+def _token_source(signer: CallSigner | None, peer_id: str | None) -> Callable[[], Metadata]:
+    """What a call to `peer_id` carries: the signer's token for it, or nothing (anonymous, refused where
+    authentication is on)."""
+    if signer is None or not peer_id:
+        return lambda: ()
+    return lambda: signer.metadata(peer_id)
 
-    def __init__(self, transport: TransportConfig | None = None):
+
+class GrpcConnector:
+    """Stage clients over gRPC channels, one channel per address, reused by every call to it.
+
+    Args:
+        transport: channel options.
+        signer: signs every call for its callee (None: calls are anonymous).
+        resolve: the peer id at an address, for `stage(address)` without one (e.g. from the plan's roster).
+    """
+
+    def __init__(
+        self, transport: TransportConfig | None = None, signer: CallSigner | None = None, resolve: Resolve | None = None
+    ):
         self.channels = Channels(transport or TransportConfig())
-        self._clients: dict[str, _GrpcStage] = {}
+        self.signer, self.resolve = signer, resolve
+        self._clients: dict[tuple[str, str | None], _GrpcStage] = {}
         self._lock = threading.Lock()
 
-    def stage(self, address: str) -> StageClient:
+    def stage(self, address: str, peer_id: str | None = None) -> StageClient:
+        if peer_id is None and self.resolve is not None and self.signer is not None:
+            peer_id = self.resolve(address)
         with self._lock:
-            if address not in self._clients:
-                self._clients[address] = _GrpcStage(self.channels.get(address))
-            return self._clients[address]
+            key = (address, peer_id)
+            if key not in self._clients:
+                if len(self._clients) > 4096:  # peers come and go: forget old clients (channels stay cached)
+                    self._clients.clear()
+                self._clients[key] = _GrpcStage(self.channels.get(address), _token_source(self.signer, peer_id))
+            return self._clients[key]
 
     def close(self) -> None:
         with self._lock:
@@ -62,11 +92,84 @@ class GrpcConnector:
 
 
 class _GrpcStage:
-    def __init__(self, channel: grpc.Channel):
+    def __init__(self, channel: grpc.Channel, token: Callable[[], Metadata]):
         stub, streams = stage_pb2_grpc.StageStub(channel), TensorStreams(channel)
-        self.Forward, self.Backward, self.Sink = streams.Forward, streams.Backward, streams.Sink
-        self.PutLabels, self.Grads, self.Step = stub.PutLabels, stub.Grads, stub.Step
-        self.Status, self.Probe, self.GetState = stub.Status, stub.Probe, stub.GetState
+
+        def signed(method):
+            def call(request, timeout: float | None = None):
+                return method(request, timeout=timeout, metadata=token())
+
+            return call
+
+        self.Forward, self.Backward, self.Sink = signed(streams.Forward), signed(streams.Backward), signed(streams.Sink)
+        self.PutLabels, self.Grads, self.Step = signed(stub.PutLabels), signed(stub.Grads), signed(stub.Step)
+        self.Status, self.Probe, self.GetState = signed(stub.Status), signed(stub.Probe), signed(stub.GetState)
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: Any
+    compression: Any
+
+
+class _TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds a call token to every call on a channel (for code that uses raw stubs on `Channels`)."""
+
+    def __init__(self, token: Callable[[], Metadata]):
+        self.token = token
+
+    def _details(self, details):
+        metadata = (*tuple(details.metadata or ()), *self.token())
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
+        )  # fmt: skip
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class SignedChannels:
+    """`Channels` whose every call carries `signer`'s token for the peer at the address (`resolve`), for the
+    daemon's link probes and state transfers, which use raw stubs."""
+
+    def __init__(self, channels: Channels, signer: CallSigner, resolve: Resolve):
+        self.channels, self.signer, self.resolve = channels, signer, resolve
+        self.config = channels.config
+        self._signed: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._signed:
+
+                def token(address=address) -> Metadata:
+                    return _token_source(self.signer, self.resolve(address))()
+
+                self._signed[address] = grpc.intercept_channel(self.channels.get(address), _TokenInterceptor(token))
+            return self._signed[address]
+
+    def close(self) -> None:
+        with self._lock:
+            self._signed.clear()
+        self.channels.close()
 
 
 class LocalRpcError(grpc.RpcError):
@@ -86,6 +189,12 @@ class LocalRpcError(grpc.RpcError):
 class _LocalContext:
     """The part of `grpc.ServicerContext` the stage servicer uses."""
 
+    def __init__(self, metadata: Metadata = ()):
+        self._metadata = metadata
+
+    def invocation_metadata(self) -> Metadata:
+        return self._metadata
+
     def abort(self, code: grpc.StatusCode, details: str):
         raise LocalRpcError(code, details)
 
@@ -99,38 +208,50 @@ class LocalNetwork:
     Calls run in the caller's thread (a gRPC server would run them in its pool), stream items are parsed
     from their serialized bytes exactly as gRPC would hand them to the servicer, and a servicer's abort
     reaches the caller as a `LocalRpcError`. Timeouts are not enforced here; the stages' own waits are.
+    The network itself calls anonymously; `connector(signer)` gives a caller whose calls carry its tokens,
+    handed to the servicer as gRPC would (`context.invocation_metadata()`).
     """
 
-    def __init__(self):
-        self._servicers: dict[str, Any] = {}
+    def __init__(self, signer: CallSigner | None = None, _servicers: dict | None = None, _peers: dict | None = None):
+        self.signer = signer
+        self._servicers: dict[str, Any] = {} if _servicers is None else _servicers
+        self._peers: dict[str, str] = {} if _peers is None else _peers
 
-    def register(self, address: str, servicer: Any) -> None:
+    def register(self, address: str, servicer: Any, peer_id: str | None = None) -> None:
+        """Serves `servicer` at `address`; `peer_id` is whom calls to that address are signed for."""
         self._servicers[address] = servicer
+        if peer_id is not None:
+            self._peers[address] = peer_id
 
-    def stage(self, address: str) -> StageClient:
+    def connector(self, signer: CallSigner | None) -> LocalNetwork:
+        """The same network, as seen by a caller whose calls carry `signer`'s tokens."""
+        return LocalNetwork(signer, self._servicers, self._peers)
+
+    def stage(self, address: str, peer_id: str | None = None) -> StageClient:
         servicer = self._servicers.get(address)
         if servicer is None:
             return _Unreachable(address)
-        return _LocalStage(servicer)
+        return _LocalStage(servicer, _token_source(self.signer, peer_id or self._peers.get(address)))
 
     def close(self) -> None:
         pass
 
 
 class _LocalStage:
-    def __init__(self, servicer: Any):
-        self._servicer = servicer
+    def __init__(self, servicer: Any, token: Callable[[], Metadata]):
+        self._servicer, self._token = servicer, token
 
     def _stream(name: str):
         def call(self, items: Iterable[bytes], timeout: float | None = None):
+            context = _LocalContext(self._token())
             parsed = (stage_pb2.StreamItem.FromString(item) for item in items)
-            return getattr(self._servicer, name)(parsed, _LocalContext())
+            return getattr(self._servicer, name)(parsed, context)
 
         return call
 
     def _unary(name: str):
         def call(self, request, timeout: float | None = None):
-            return getattr(self._servicer, name)(request, _LocalContext())
+            return getattr(self._servicer, name)(request, _LocalContext(self._token()))
 
         return call
 

@@ -13,6 +13,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -22,6 +23,9 @@ from swarm.model.data import Batch
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.proto import stage_pb2
+
+if TYPE_CHECKING:
+    from swarm.net.auth import CallSigner
 
 __all__ = ["PipelineDriver", "StepResult", "Traffic"]
 
@@ -119,9 +123,11 @@ class PipelineDriver:
         schedule: a name in `swarm.runtime.schedules.SCHEDULES`.
         n_micro: micro-batches per step.
         deadline_s: longest a micro-batch may take end to end.
-        connector: how to reach the stages (default: gRPC).
+        connector: how to reach the stages (default: gRPC, signed by `signer`).
         plan_version: the plan the stages follow.
         metrics: where the driver counts the steps' bytes, losses and times (default: its own registry).
+        signer: the trainer's identity on the default gRPC connector (None: a fresh key, enough where any
+            authenticated caller may train or ask for Status).
     """
 
     def __init__(
@@ -134,15 +140,21 @@ class PipelineDriver:
         connector: Connector | None = None,
         plan_version: int = 0,
         metrics: Metrics | None = None,
+        signer: CallSigner | None = None,
     ):
         if len(route) != len(peers) or not route:
             raise ValueError("route and peers must name the same, non-zero number of stages")
         self.route, self.peers = list(route), list(peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version = plan_version
-        self.connector = connector or GrpcConnector()
+        if connector is None and signer is None:
+            from swarm.net.auth import CallSigner, Identity
+
+            signer = CallSigner(Identity.generate())
+        self.connector = connector or GrpcConnector(signer=signer)
         self.metrics = metrics or Metrics()
-        self.stubs = [self.connector.stage(a) for a in route]
+        # every call to a stage carries a token for that stage's peer id
+        self.stubs = [self.connector.stage(a, p) for a, p in zip(self.route, self.peers, strict=True)]
         self._pool = ThreadPoolExecutor(max_workers=max(2, n_micro), thread_name_prefix="driver")
         self._fp32 = make_codec(CodecConfig("fp32"))
 

@@ -4,6 +4,9 @@
 `LocalNetwork` instead of gRPC servers, and drives them with the same `PipelineDriver` as `swarm train`.
 So the convergence experiment and the unit tests run the code the swarm runs: every activation is encoded,
 framed, cut into stream items, parsed, unframed and decoded, and the bytes counted are the stream items'.
+Calls are authenticated and authorized as in a swarm: each host and the driver has its own key, every call
+carries a signed token, and each stage serves only its plan neighbours and the driver (`auth=False` turns
+that off, for measuring its cost).
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import torch
 from swarm.compression import CodecConfig
 from swarm.model.data import Batch, SampleSet
 from swarm.model.gpt import ModelConfig, split_layers
+from swarm.net.auth import CallSigner, CallVerifier, Identity
 from swarm.net.connect import LocalNetwork
 from swarm.peers.shaper import LinkShaping
 from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.driver import PipelineDriver, StepResult
 from swarm.runtime.host import StageHost, StageRole
+from swarm.runtime.policy import Roster
 from swarm.runtime.schedules import SCHEDULES
 from swarm.runtime.service import StageServicer
 from swarm.runtime.worker import StageConfig, StageWorker
@@ -38,6 +43,8 @@ class LocalPipeline:
         shaping: application-level link shaping (None: unshaped).
         adaptive_zstd: decide zstd per link from its rate as a swarm does; the default compresses every
             message where it shrinks it, as on the slow links this pipeline stands for.
+        auth: authenticate every call and authorize it by the roster (a key per host and one for the
+            driver, generated here); False only to measure what that costs.
     """
 
     def __init__(
@@ -50,6 +57,7 @@ class LocalPipeline:
         stage_cfg: StageConfig | None = None,
         shaping: LinkShaping | None = None,
         adaptive_zstd: bool = False,
+        auth: bool = True,
     ):
         if n_stages < 1:
             raise ValueError(f"a pipeline needs at least one stage, got {n_stages}")
@@ -61,11 +69,19 @@ class LocalPipeline:
         self.addresses = [f"local:{s}" for s in range(n_stages)]
         self.hosts: list[StageHost] = []
         fw, bw = forward or CodecConfig("fp32"), backward or CodecConfig("fp32")
+        # identities: one per host and one for the driver (the trainer), as separate peers would hold
+        ids = [Identity.generate() for _ in range(n_stages + 1)] if auth else []
+        peers = [i.peer_id for i in ids[:n_stages]] or [f"local{s}" for s in range(n_stages)]
+        self.trainer = ids[-1] if ids else None
+        trainers = frozenset(i.peer_id for i in ids[-1:])
+        roster = Roster(tuple(peers), tuple(self.addresses), trainers, frozenset(peers))
+        cfg = stage_cfg or StageConfig()
         for stage, (start, end) in enumerate(split_layers(model.n_layers, n_stages)):
             role = StageRole(stage, n_stages, start, end)
-            links = self._links(fw, bw)
-            host = StageHost(role, model, stage_cfg or StageConfig(), links, f"local{stage}", self.network)
-            self.network.register(self.addresses[stage], StageServicer(host))
+            connector = self.network.connector(CallSigner(ids[stage]) if ids else None)
+            host = StageHost(role, model, cfg, self._links(fw, bw), peers[stage], connector)
+            servicer = StageServicer(host, CallVerifier(peers[stage]), roster) if ids else StageServicer(host)
+            self.network.register(self.addresses[stage], servicer, peers[stage])
             self.hosts.append(host)
         self._driver: PipelineDriver | None = None
         self._step = 0
@@ -88,7 +104,8 @@ class LocalPipeline:
             if self._driver is not None:
                 self._driver.close()
             peers = [h.peer_id for h in self.hosts]
-            self._driver = PipelineDriver(self.addresses, peers, self.schedule, n_micro, connector=self.network)
+            connector = self.network.connector(CallSigner(self.trainer) if self.trainer else None)
+            self._driver = PipelineDriver(self.addresses, peers, self.schedule, n_micro, connector=connector)
         return self._driver
 
     def train_step(self, batch: Batch, n_micro: int) -> StepResult:

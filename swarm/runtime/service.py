@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -19,7 +20,11 @@ from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.budget import CallSlots, SlotsExhausted, StageBudget
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
+from swarm.runtime.policy import CallPolicy, Roster
 from swarm.runtime.schedules import Kind
+
+if TYPE_CHECKING:
+    from swarm.net.auth import CallVerifier
 
 __all__ = ["StageServicer"]
 
@@ -29,8 +34,17 @@ log = logging.getLogger("swarm.runtime.service")
 class StageServicer(stage_pb2_grpc.StageServicer):
     """Thin gRPC handlers: read and check the call, run the host's compute, pass the result on."""
 
-    def __init__(self, host: StageHost | None, budget: StageBudget | None = None):
+    def __init__(
+        self,
+        host: StageHost | None,
+        verifier: CallVerifier | None = None,
+        roster: Roster | None = None,
+        budget: StageBudget | None = None,
+    ):
         self.host = host
+        self.verifier = verifier
+        """Establishes each call's caller; None: calls are anonymous and nothing is authorized (measurement)."""
+        self.policy = CallPolicy(roster)
         self.budget = budget or (host.budget if host is not None else StageBudget())
         self._data_slots = CallSlots(self.budget.data_calls, "data")
         """Data calls held at once: past it they are refused at once, so control calls always find a thread."""
@@ -62,17 +76,55 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         host = self.host
         return host.limits if host is not None else WireLimits()
 
-    def _caller(self, context) -> str | None:
-        """The authenticated peer id of the caller (None while calls are not authenticated)."""
-        return None
+    # ---- authentication and authorization (swarm.net.auth, swarm.runtime.policy) ----------------------------
+
+    def set_roster(self, roster: Roster | None) -> None:
+        """The plan's peers, whose calls this stage serves from now on."""
+        self.policy = CallPolicy(roster)
+
+    def _caller(self, context: grpc.ServicerContext) -> str | None:
+        """The calling peer's id from the call's token (None with authentication off); reads only metadata."""
+        if self.verifier is None:
+            return None
+        from swarm.net.auth import AuthError
+
+        try:
+            return self.verifier.caller(context.invocation_metadata())
+        except AuthError as e:
+            raise CallRefused(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}") from None
+
+    def _sender(self, context: grpc.ServicerContext, method: str) -> str | None:
+        """Authenticates a data call and checks its caller may send it to this stage, before its body is read."""
+        caller = self._caller(context)
+        if caller is not None:
+            self.policy.check_sender(method, self._serving().role.stage, caller)
+        return caller
+
+    def _checked(self, context: grpc.ServicerContext, check) -> None:
+        """Authenticates a call outside `_guard` and runs `check(caller)`; aborts the call if either refuses."""
+        try:
+            caller = self._caller(context)
+            if caller is not None and check is not None:
+                check(caller)
+        except CallRefused as e:
+            context.abort(e.code, e.details)
+
+    # ---- admission ------------------------------------------------------------------------------------------
+
+    def _check_info(self, info: stage_pb2.CallInfo, caller: str | None) -> StageHost:
+        """Checks what a call's info alone decides: the host's rules, then the plan's route. Changes nothing."""
+        host = self._serving()
+        host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
+        if caller is not None:
+            self.policy.check_route(info)
+        return host
 
     def _admit(self, info: stage_pb2.CallInfo, call, kind: Kind | None, caller: str | None) -> StageHost:
-        """Checks a whole call against the current host and opens its step there, atomically with `swap`.
-        The caller must `leave()` the returned host when the call is answered."""
+        """Checks a whole call against the plan and the current host and opens its step there, atomically
+        with `swap`. The caller must `leave()` the returned host when the call is answered."""
         with self._admission:
+            self._check_info(info, caller)
             host = self.host
-            if host is None:
-                raise self._not_serving()
             host.admit(call, info, kind, caller)
             return host
 
@@ -81,8 +133,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         before anything is decoded."""
 
         def run():
+            caller = self._sender(context, "Forward" if kind == Kind.FORWARD else "Backward")
             with self._data_slots.take(), contextlib.ExitStack() as reading:
-                caller = self._caller(context)
 
                 def on_header(header) -> None:  # a large message is read and decoded in a slot of its own
                     if header.body_bytes > self.budget.large_stream_bytes:
@@ -91,7 +143,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 call = read_stream(
                     request_iterator,
                     self._limits(),
-                    on_info=lambda info: self._serving().check_call(info, caller),
+                    on_info=lambda info: self._check_info(info, caller),
                     on_header=on_header,
                 )
                 host = self._admit(call.info, call, kind, caller)
@@ -121,9 +173,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self._admission.notify_all()
         return idle
 
-    def swap(self, host: StageHost | None, timeout_s: float, plan_version: int = 0) -> bool:
+    def swap(
+        self, host: StageHost | None, timeout_s: float, plan_version: int = 0, roster: Roster | None = None
+    ) -> bool:
         """Serves `host` (None: standby under `plan_version`) from the next step on, keeping the current
-        one for state handover."""
+        one for state handover; `roster` (the new plan's peers) takes effect at the same moment."""
 
         def change(servicer: StageServicer) -> None:
             if servicer.host is not None:
@@ -131,6 +185,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 servicer.previous = servicer.host
             servicer.host = host
             servicer.standby_version = plan_version if host is None else None
+            if roster is not None:
+                servicer.set_roster(roster)
 
         return self.when_idle(change, timeout_s)
 
@@ -168,11 +224,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def PutLabels(self, request, context):
         def run():
+            caller = self._sender(context, "PutLabels")
             with self._data_slots.take():
-                caller = self._caller(context)
                 info = request.info
-                self._serving().check_call(info, caller)
-                targets = self._serving().check_labels(info, request.labels)
+                targets = self._check_info(info, caller).check_labels(info, request.labels)
                 host = self._admit(info, None, None, caller)
                 try:
                     host.put_labels(info, targets)
@@ -183,9 +238,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self._guard(context, run)
 
     def Grads(self, request, context):
+        self._checked(context, lambda caller: self.policy.check_step("Grads", caller))
         return self._guard(context, lambda: self._serving().grads())
 
     def Step(self, request, context):
+        self._checked(context, lambda caller: self.policy.check_step("Step", caller))
+
         def run():
             lr = self._serving().step(request)
             with self._admission:
@@ -195,12 +253,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self._guard(context, run)
 
     def Probe(self, request, context):  # answered before a stage is assigned too: links are measured early
+        self._checked(context, None)
         cap = self.budget.max_probe_reply_bytes
         if request.reply_bytes > cap:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"reply_bytes: {request.reply_bytes} exceeds {cap}")
         return stage_pb2.ProbeReply(payload=bytes(request.reply_bytes))
 
     def Sink(self, request_iterator, context):  # no stage needed: links are measured before assignment
+        self._checked(context, None)
         try:
             with self._probe_slots.take():
                 call = read_stream(request_iterator, self.budget.sink_limits())
@@ -211,9 +271,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return stage_pb2.Traffic(wire_bytes=call.wire_bytes)
 
     def Status(self, request, context):
+        self._checked(context, None)
         return self._guard(context, lambda: self._serving().status())
 
     def GetState(self, request, context):
+        self._checked(context, self.policy.check_state)
         hosts = [h for h in (self.host, self.previous) if h is not None]
         if not hosts:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")

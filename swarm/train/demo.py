@@ -3,7 +3,8 @@
 It starts a DHT bootstrap node and `--peers` swarm-peer processes (each serving one stage, links shaped in
 the application to `--rate-mbit`), trains with AQ-SGD activations and quantized gradients, prints a
 summary (final loss, steps, wire bytes against fp32's, mean step time), writes a plot, and stops every
-process it started, also when interrupted.
+process it started, also when interrupted. Every call is authenticated and authorized as in any swarm:
+the trainer signs with a key generated here (`--no-auth` turns that off, to measure what it costs).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, help="text file or folder (default: Python's own docstrings)")
     parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="peers serve anonymous calls (measurement only; by default every call is signed and authorized)",
+    )
     add_model_arguments(parser)
 
 
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         "--rate-mbit", str(args.rate_mbit or 0), "--delay-ms", str(args.delay_ms),
         "--total-steps", str(steps), "--warmup-steps", str(max(1, steps // 10)),
         "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(max(1, steps)),
-        *model_flags,
+        *model_flags, *(["--no-auth"] if args.no_auth else []),
     ]  # fmt: skip
     say(f"starting a bootstrap node and {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
     with local_swarm(out, args.peers, peer_flags, say) as swarm:
@@ -74,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         codes = procs.close()
     leftovers = {name: code for name, code in codes.items() if code not in (0, -15)}
     result = {**asdict(summary), "total_s": time.perf_counter() - started, "peers": args.peers,
-              "rate_mbit": args.rate_mbit or None, "fw_codec": args.fw_codec, "bw_codec": args.bw_codec,
+              "auth": not args.no_auth, "rate_mbit": args.rate_mbit or None, "fw_codec": args.fw_codec,
+              "bw_codec": args.bw_codec,
               "wire_ratio_vs_fp32": summary.fp32_wire_bytes / max(1, summary.wire_bytes),
               "peer_exit_codes": codes}  # fmt: skip
     (out / "demo.json").write_text(json.dumps(result, indent=1))

@@ -266,21 +266,26 @@ def train(
     say=lambda line: None,
     stop: threading.Event | None = None,
     metrics: Metrics | None = None,
+    signer=None,
 ) -> TrainSummary:
     """Trains over the stages of `route`; raises StageCallError if one fails.
 
     With `dht`, it follows re-plans: between steps it checks for a newer plan, and a step a stage refuses
     because it already follows a newer plan is abandoned on every stage and run again on the new route.
     `metrics` is the process's registry (`swarm train` serves it with --metrics-port); None: a private one.
+    `signer` (a `CallSigner`) signs every call to the stages; None: a fresh key, enough where any
+    authenticated trainer may train.
     """
     from tqdm import tqdm
 
     from swarm.model.data import DataConfig, build_datasets, epoch_batches
+    from swarm.net.auth import CallSigner, Identity
     from swarm.net.stream import PLAN_MISMATCH, StageCallError
     from swarm.plots import Panel, moving_average, save_line_plots
     from swarm.runtime.driver import PipelineDriver
 
     metrics = metrics if metrics is not None else Metrics()
+    signer = signer or CallSigner(Identity.generate())
     model = cfg.model
     train_set, _, report = build_datasets(
         DataConfig(path=cfg.data, seq_len_tokens=model.seq_len_tokens, train_samples=cfg.train_samples, eval_samples=0)
@@ -298,7 +303,7 @@ def train(
         metrics.plan_version.set(r.plan_version)
         return PipelineDriver(
             r.addresses, r.peer_ids, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
-            plan_version=r.plan_version, metrics=metrics,
+            plan_version=r.plan_version, metrics=metrics, signer=signer,
         )  # fmt: skip
 
     pipe = connect(route)
@@ -405,6 +410,7 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from swarm.daemon.roster import PeerAuth
     from swarm.net.stream import StageCallError
     from swarm.peers.dht import Heartbeat, SwarmDHT
     from swarm.peers.records import TrainerAnnouncement
@@ -417,7 +423,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("hivemind").setLevel(logging.WARNING)
     say = lambda line: print(line, file=sys.stderr)
     metrics = Metrics()
-    with SwarmDHT(cfg.dht) as dht, contextlib.ExitStack() as stack:
+    auth = PeerAuth.load(cfg.dht)  # the trainer's calls are signed with its DHT key: stages know it by its id
+    with SwarmDHT(cfg.dht, private_key=auth.identity.key) as dht, contextlib.ExitStack() as stack:
         if cfg.metrics_port is not None:
             # after the DHT's process is forked, so that it holds no copy of the listening socket
             try:
@@ -442,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
             stop = threading.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: (say("stopping after the current step"), stop.set()))
-            summary = train(cfg, route, dht=dht, say=say, stop=stop, metrics=metrics)
+            summary = train(cfg, route, dht=dht, say=say, stop=stop, metrics=metrics, signer=auth.signer)
         except StageCallError as e:
             print(f"error: training failed: {e}", file=sys.stderr)
             return 1

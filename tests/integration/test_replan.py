@@ -33,7 +33,7 @@ MODEL_FLAGS = ["--layers", "3", "--hidden", "32", "--heads", "2", "--seq-len", "
 
 def test_a_stage_on_another_plan_refuses_and_the_step_is_abandoned_everywhere():
     data = batches(2)
-    with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
+    with loopback_stages(2, FP32, FP32, auth=False) as (hosts, _, addresses):  # anonymous `mixed` driver below
         pipe = remote(addresses, "1f1b", n_micro=2)
         pipe.train_step(0, data[0])
         hosts[1].role = dataclasses.replace(hosts[1].role, plan_version=1)  # stage 1 moved on to plan 1

@@ -1,0 +1,283 @@
+"""swarm-peer's configuration: `PeerConfig` (what a peer is told), its flags, and `config_from_args`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from swarm.compression import CodecConfig
+from swarm.model.gpt import ModelConfig
+from swarm.options import (
+    add_codec_arguments,
+    add_dht_arguments,
+    add_metrics_arguments,
+    add_model_arguments,
+    add_shaping_arguments,
+    codec_configs,
+    dht_config,
+    link_shapes,
+    model_config,
+)
+from swarm.peers.shaper import LinkShape
+from swarm.peers.transport import TransportConfig
+from swarm.runtime.budget import StageBudget
+from swarm.runtime.worker import OptimConfig
+
+if TYPE_CHECKING:
+    from swarm.peers.dht import DHTConfig
+
+__all__ = ["PeerConfig", "PlanningConfig", "build_parser", "config_from_args"]
+
+
+def _default_dht() -> DHTConfig:
+    from swarm.peers.dht import DHTConfig  # hivemind is slow to import: only when a config is made
+
+    return DHTConfig()
+
+
+@dataclass(frozen=True)
+class PlanningConfig:
+    """How a peer following plans (--assign plan) measures its links and plans when it leads."""
+
+    min_peers: int = 0
+    """Peers announced before the first plan (0: the run's stage count, or 1 when the planner picks it)."""
+    seed: int = 0
+    """Seed of the planner's search."""
+    probe_bytes: int = 256 << 10
+    """Bytes sent to measure a link's rate."""
+    peers_per_round: int = 4
+    """Links measured per probing round."""
+    interval_s: float = 30.0
+    """Seconds between probing rounds once every peer has been measured."""
+    refresh_s: float = 240.0
+    """Re-measure a link after this many seconds."""
+
+    def __post_init__(self) -> None:
+        if self.min_peers < 0 or self.probe_bytes < 1 or self.peers_per_round < 1:
+            raise ValueError("PlanningConfig: need min_peers >= 0, probe_bytes >= 1 and peers_per_round >= 1")
+        if self.interval_s <= 0 or self.refresh_s <= 0:
+            raise ValueError("PlanningConfig: interval_s and refresh_s must be > 0")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Everything a swarm-peer is told: `config_from_args` builds it from the flags, tests directly."""
+
+    dht: DHTConfig = field(default_factory=_default_dht)
+    """How the peer joins the DHT (its host is also the stage service's) and how long its announcement lives."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """The gRPC stage service's address and bounds."""
+    grpc_port: int = 0
+    """Port of the gRPC stage service; 0 picks a free one."""
+    assign: str = "plan"
+    """plan: follow the scheduler's plans from the DHT; even: an even split by join order, fixed for the run."""
+    num_stages: int = 2
+    """Pipeline stages of the run (0 with assign plan: the planner picks)."""
+    stage: int | None = None
+    """With assign even: serve this stage instead of the split's."""
+    device: str = "cpu"
+    """torch device to compute on."""
+    threads: int = 1
+    """torch intra-op threads."""
+    compute_layers_per_s: float = 0.0
+    """Declared forward+backward speed, layers/s; 0: measure it at start-up."""
+    assign_timeout_s: float = 120.0
+    """Leave if no stage is assigned within this many seconds."""
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
+    """Link probing and planning (assign plan)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model; every peer and the trainer must agree."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule of the stage."""
+    fw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse("aqsgd2"))
+    """Activation codec of the links this peer sends forward on."""
+    bw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse("gradq4"))
+    """Gradient codec of the links this peer sends backward on."""
+    link_shape: LinkShape = field(default_factory=LinkShape)
+    """Application shaping of every outgoing link (default: none)."""
+    link_shapes: tuple[tuple[str, LinkShape], ...] = ()
+    """(address, shape) of outgoing links shaped differently from `link_shape`."""
+    checkpoint_dir: str | None = None
+    """Folder of the stage's safetensors checkpoints; None: no checkpoints."""
+    checkpoint_every: int = 50
+    """Steps between checkpoints (and one at exit)."""
+    resume: bool = False
+    """Start from the stage's checkpoint if there is one."""
+    metrics_port: int | None = None
+    """Serve the process's metrics at http://HOST:PORT/metrics (HOST: the transport's); None: off, 0: any port."""
+    announce_host: str | None = None
+    """IP address other peers dial for the stage service; None: the listening host, detected if a wildcard."""
+    auth: bool = True
+    budget: StageBudget = field(default_factory=StageBudget)
+    """What the stage gives its callers at most (rows per micro-batch, micro-batches per step, waits, slots)."""
+    """Authenticate every call and serve only the plan's peers and trainers; False only to measure its cost."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "link_shapes", tuple(tuple(pair) for pair in self.link_shapes))
+        if self.assign not in ("plan", "even"):
+            raise ValueError(f"PeerConfig.assign: expected plan or even, got {self.assign!r}")
+        if self.num_stages < (1 if self.assign == "even" else 0):
+            raise ValueError(f"PeerConfig.num_stages: {self.num_stages} stages with assign {self.assign}")
+        if self.stage is not None and not 0 <= self.stage < max(1, self.num_stages):
+            raise ValueError(f"PeerConfig.stage: {self.stage} is not one of {self.num_stages} stages")
+        for name in ("grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"PeerConfig.{name}: expected 0-65535, got {port}")
+        if self.threads < 1 or self.checkpoint_every < 1:
+            raise ValueError("PeerConfig: threads and checkpoint_every must be >= 1")
+        if self.compute_layers_per_s < 0 or self.assign_timeout_s <= 0:
+            raise ValueError("PeerConfig: need compute_layers_per_s >= 0 and assign_timeout_s > 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm-peer",
+        description="Lend this machine to a swarm training run: join the DHT, take a pipeline stage, serve it.",
+    )
+    add_dht_arguments(parser)
+    d, plans = PeerConfig, PlanningConfig
+    g = parser.add_argument_group("serving")
+    g.add_argument(
+        "--grpc-port", type=int, default=d.grpc_port, help="port of the gRPC stage service (0 picks a free one)"
+    )
+    g.add_argument(
+        "--assign",
+        choices=["plan", "even"],
+        default=d.assign,
+        help="plan: follow the scheduler's plans from the DHT (re-planned on join/leave); "
+        "even: an even split by join order, fixed for the run",
+    )
+    g.add_argument(
+        "--num-stages",
+        type=int,
+        default=d.num_stages,
+        help="pipeline stages of the run (0 with --assign plan: the planner picks)",
+    )
+    g.add_argument("--stage", type=int, default=d.stage, help="--assign even: serve this stage instead of the split's")
+    g.add_argument("--device", default=d.device, help="torch device to compute on (cpu, cuda:0, ...)")
+    g.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
+    g.add_argument(
+        "--compute-speed",
+        type=float,
+        default=d.compute_layers_per_s,
+        help="declare this peer's layers/s instead of measuring it at start-up (0: measure)",
+    )
+    g.add_argument(
+        "--assign-timeout-s", type=float, default=d.assign_timeout_s, help="give up if no stage is assigned by then"
+    )
+    g.add_argument(
+        "--announce-host",
+        default=None,
+        help="IP address other peers dial for this peer's stage service (default: --host, or with --host 0.0.0.0 "
+        "the outward address, detected)",
+    )
+    g.add_argument("--announce-ttl-s", type=float, default=30.0, help="lifetime of this peer's DHT announcement")
+    g.add_argument("--max-workers", type=int, default=32, help="threads serving gRPC calls")
+    g.add_argument("--no-auth", action="store_true", help="serve anonymous calls from anyone (measurement only)")
+    budget = StageBudget()
+    g.add_argument(
+        "--max-batch", type=int, default=budget.max_batch, help="most samples in one micro-batch this stage takes"
+    )
+    g.add_argument(
+        "--max-micro-batches", type=int, default=budget.max_micro_batches, help="most micro-batches in one step"
+    )
+    g.add_argument(
+        "--max-wait-s",
+        type=float,
+        default=budget.max_wait_s,
+        help="longest a call may wait here, whatever deadline it asks for",
+    )
+    g = parser.add_argument_group("planning (--assign plan)")
+    g.add_argument(
+        "--min-peers", type=int, default=plans.min_peers, help="peers announced before the first plan (0: --num-stages)"
+    )
+    g.add_argument("--plan-seed", type=int, default=plans.seed, help="seed of the planner's search")
+    g.add_argument("--probe-bytes", type=int, default=plans.probe_bytes, help="bytes sent to measure a link's rate")
+    g.add_argument(
+        "--probe-peers-per-round", type=int, default=plans.peers_per_round, help="links measured per probing round"
+    )
+    g.add_argument("--probe-interval-s", type=float, default=plans.interval_s, help="seconds between probing rounds")
+    g.add_argument(
+        "--probe-refresh-s", type=float, default=plans.refresh_s, help="re-measure a link after this many seconds"
+    )
+    add_model_arguments(parser)
+    # defaults come from OptimConfig so a swarm and the in-process pipeline train alike unless told otherwise
+    optim = OptimConfig()
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, default=optim.lr_peak, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=optim.warmup_steps, help="steps of linear learning-rate warm-up")
+    g.add_argument("--total-steps", type=int, default=optim.total_steps, help="steps the cosine decay spans")
+    g.add_argument(
+        "--grad-clip",
+        type=float,
+        default=optim.grad_clip_norm or 0.0,
+        help="clip the global gradient norm to this (0 = off)",
+    )
+    add_codec_arguments(parser)
+    parser.add_argument_group("compression on the links").add_argument(
+        "--buffer-dir", default=None, help="keep AQ-SGD buffers in memory-mapped files here (data larger than RAM)"
+    )
+    add_shaping_arguments(parser)
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument(
+        "--checkpoint-dir", default=d.checkpoint_dir, help="write a safetensors checkpoint of the stage here"
+    )
+    g.add_argument(
+        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (and one at exit)"
+    )
+    g.add_argument("--resume", action="store_true", help="start from the stage's checkpoint if there is one")
+    add_metrics_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    """The PeerConfig of swarm-peer's flags, the one place they are read (--log-level aside, main's)."""
+    fw_codec, bw_codec = codec_configs(args)
+    default_shape, per_link = link_shapes(args)
+    return PeerConfig(
+        dht=dht_config(args, announce_ttl_s=args.announce_ttl_s),
+        transport=TransportConfig(host=args.host, max_workers=args.max_workers),
+        grpc_port=args.grpc_port,
+        assign=args.assign,
+        num_stages=args.num_stages,
+        stage=args.stage,
+        device=args.device,
+        threads=args.threads,
+        compute_layers_per_s=args.compute_speed,
+        assign_timeout_s=args.assign_timeout_s,
+        planning=PlanningConfig(
+            min_peers=args.min_peers,
+            seed=args.plan_seed,
+            probe_bytes=args.probe_bytes,
+            peers_per_round=args.probe_peers_per_round,
+            interval_s=args.probe_interval_s,
+            refresh_s=args.probe_refresh_s,
+        ),
+        model=model_config(args),
+        optim=OptimConfig(
+            lr_peak=args.lr,
+            warmup_steps=args.warmup_steps,
+            total_steps=args.total_steps,
+            grad_clip_norm=args.grad_clip or None,
+        ),
+        fw_codec=fw_codec,
+        bw_codec=bw_codec,
+        link_shape=default_shape,
+        link_shapes=tuple(per_link.items()),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        metrics_port=args.metrics_port,
+        announce_host=args.announce_host,
+        auth=not args.no_auth,
+        budget=StageBudget(
+            max_batch=args.max_batch,
+            max_micro_batches=args.max_micro_batches,
+            max_wait_s=args.max_wait_s,
+            # a quarter of the server's threads stay free for control calls (Status, Probe, Grads, Step)
+            data_calls=max(1, args.max_workers * 3 // 4),
+        ),
+    )

@@ -1,0 +1,176 @@
+"""Whom a peer's stage serves: the roster of the plan it follows, from the plan record and the announcements.
+
+The plan names a peer id per stage and (`"trainer_ids"`) the trainers; the DHT announcements give the
+addresses. Without a plan (`--assign even`) the roster is the one the trainers find themselves: the first
+peer announcing each stage. `AddressBook` answers the reverse question, whose stage listens at an address,
+so the peer's own calls (forward to the next stage, probes, state transfers) carry a token for the callee.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TypeVar
+
+import grpc
+
+from swarm.net.auth import CallSigner, CallVerifier, Identity
+from swarm.peers.records import PeerAnnouncement, PlanRecord
+from swarm.runtime.policy import Roster
+
+T = TypeVar("T")
+
+__all__ = ["AddressBook", "PeerAuth", "retry_refused", "roster_from_announcements", "roster_from_plan"]
+
+
+@dataclass(frozen=True)
+class PeerAuth:
+    """A process's identity in the run: its key (also its DHT key), the run's secret and trainer allowlist."""
+
+    identity: Identity
+    run_secret: str | None = None
+    allowed_trainers: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, dht_config) -> PeerAuth:
+        """From a DHTConfig: the key at `signing_key_path` (created 0600 if missing; None: a fresh key)."""
+        from swarm.peers.dht import load_or_create_key
+
+        return cls(
+            Identity(load_or_create_key(dht_config.signing_key_path)),
+            getattr(dht_config, "run_secret", None),
+            tuple(getattr(dht_config, "allowed_trainers", ())),
+        )
+
+    @cached_property
+    def signer(self) -> CallSigner:
+        return CallSigner(self.identity, self.run_secret)
+
+    def verifier(self) -> CallVerifier:
+        return CallVerifier(self.identity.peer_id, self.run_secret)
+
+
+def _trainers(named: Iterable[str] | None, allowed: Iterable[str]) -> frozenset[str] | None:
+    """The plan's trainers, else the run's allowlist, else None (any authenticated trainer: a public run)."""
+    allowed = frozenset(allowed)
+    if named is not None:
+        named = frozenset(named)
+        return named & allowed if allowed else named
+    return allowed or None
+
+
+def roster_from_plan(
+    record: PlanRecord,
+    announcements: Iterable[PeerAnnouncement],
+    allowed_trainers: Iterable[str] = (),
+    known: dict[str, str] | None = None,
+) -> Roster | None:
+    """The roster of `record`: its first peer per stage at its announced address, its trainers
+    (`"trainer_ids"`, filtered by the run's allowlist), and every peer it names.
+
+    Args:
+        record: the plan this peer follows.
+        announcements: the peers announced now (their addresses).
+        allowed_trainers: the run's trainer allowlist (private runs); empty: none.
+        known: addresses known otherwise (e.g. this peer's own), by peer id.
+
+    Returns:
+        None while a stage peer's address is unknown (not announced yet): the caller tries again later.
+    """
+    addresses = {a.peer_id: a.address for a in announcements}
+    addresses.update(known or {})
+    stages = record.plan.get("stages", [])
+    stage_peers = tuple(str(stage["peer_ids"][0]) for stage in stages)
+    if not stage_peers or any(p not in addresses for p in stage_peers):
+        return None
+    named = {str(p) for stage in stages for p in stage.get("peer_ids", [])}
+    named |= {str(p) for p in record.plan.get("unused_peer_ids", [])}
+    trainer_ids = record.plan.get("trainer_ids")
+    return Roster(
+        stage_peers,
+        tuple(addresses[p] for p in stage_peers),
+        _trainers(None if trainer_ids is None else map(str, trainer_ids), allowed_trainers),
+        frozenset(named),
+    )
+
+
+def roster_from_announcements(
+    announcements: Iterable[PeerAnnouncement], n_stages: int, allowed_trainers: Iterable[str] = ()
+) -> Roster | None:
+    """The roster of an even split (no plan): the first peer announcing each stage, as `discover_route`
+    picks them; None while a stage is not announced yet."""
+    by_stage: dict[int, PeerAnnouncement] = {}
+    for ann in sorted(announcements, key=lambda a: a.started_at):
+        if ann.stage is not None and ann.stage < n_stages and ann.plan_version == 0:
+            by_stage.setdefault(ann.stage, ann)
+    if len(by_stage) < n_stages:
+        return None
+    peers = tuple(by_stage[s].peer_id for s in range(n_stages))
+    return Roster(
+        peers, tuple(by_stage[s].address for s in range(n_stages)), _trainers(None, allowed_trainers), frozenset(peers)
+    )
+
+
+class AddressBook:
+    """address -> peer id of the stage service there, from the DHT's announcements.
+
+    A miss re-reads the announcements, at most once per `refresh_s`, so an unknown address costs no more than
+    one DHT request a second; callers then send no token and the callee refuses them by name.
+    """
+
+    def __init__(self, dht, allowed_trainers: Iterable[str] = (), refresh_s: float = 1.0):
+        self.dht, self.allowed_trainers, self.refresh_s = dht, tuple(allowed_trainers), refresh_s
+        self._peers: dict[str, str] = {}
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def update(self, announcements: Iterable[PeerAnnouncement]) -> None:
+        with self._lock:
+            self._peers.update({a.address: a.peer_id for a in announcements})
+
+    def _announced(self) -> list[PeerAnnouncement]:
+        try:
+            peers = self.dht.peers()
+        except TimeoutError:
+            return []
+        self.update(peers)
+        return peers
+
+    def plan_roster(self, record: PlanRecord, mine: PeerAnnouncement) -> Roster | None:
+        """The roster of `record` from the current announcements (and this peer's own, `mine`)."""
+        return roster_from_plan(record, self._announced(), self.allowed_trainers, {mine.peer_id: mine.address})
+
+    def even_roster(self, n_stages: int) -> Roster | None:
+        """The roster of an even split from the current announcements."""
+        return roster_from_announcements(self._announced(), n_stages, self.allowed_trainers)
+
+    def __call__(self, address: str) -> str | None:
+        with self._lock:
+            found = self._peers.get(address)
+            if found is not None or time.monotonic() < self._next:
+                return found
+            self._next = time.monotonic() + self.refresh_s
+        try:
+            self.update(self.dht.peers())
+        except TimeoutError:
+            return None
+        with self._lock:
+            return self._peers.get(address)
+
+
+def retry_refused(stop: threading.Event, call: Callable[..., T], *args, timeout_s: float = 15.0, poll_s: float = 0.5):
+    """`call(*args)`, again while it is refused as unauthorized, for up to `timeout_s` (or until `stop`).
+
+    A peer taking over a stage under a new plan fetches its state from the holder under the old one; the
+    holder serves state only to the peers of the plan it follows, and may see the new plan a moment later.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call(*args)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.PERMISSION_DENIED or time.monotonic() > deadline or stop.wait(poll_s):
+                raise
