@@ -168,7 +168,7 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
 
         return run_in_testbed(cell, flags, train_cfg, cfg.peers)
     with local_swarm(out / cell.label, cfg.peers, flags) as swarm:
-        train(train_cfg, swarm.path, quiet=True)
+        train(train_cfg, swarm.path, quiet=True, signer=swarm.signer)
     with open(out / cell.label / "steps.csv") as f:
         return list(csv.DictReader(f))
 

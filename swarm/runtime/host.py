@@ -347,7 +347,8 @@ class StageHost:
         address = info.route[info.stage]
         counted = _Counted(items)
         try:
-            reply = getattr(self.connector.stage(address), method)(iter(counted), timeout=self._deadline(info))
+            client = self.connector.stage(address, info.route_peers[info.stage])  # the token names the callee
+            reply = getattr(client, method)(iter(counted), timeout=self._deadline(info))
         except grpc.RpcError as e:
             if (
                 retry_on is not None

@@ -21,6 +21,8 @@ class LocalSwarm:
     address_file: Path
     plan_version: int = 0
     """the plan the peers follow (0: an even split, no plan)"""
+    signer: object = None
+    """the `CallSigner` of the swarm's trainer: the one trainer the plan names, announced while the swarm runs"""
 
     @property
     def path(self):
@@ -38,8 +40,13 @@ def local_swarm(
     timeout_s: float = 120.0,
 ) -> Iterator[LocalSwarm]:
     """Starts a bootstrap node and `n_peers` peers (one stage each, as the planner assigns them) and waits
-    until every stage is served."""
-    from swarm.peers.dht import DHTConfig, SwarmDHT
+    until every stage is served under a plan that names this swarm's trainer (stages serve training calls
+    only from the plan's trainers): train with `LocalSwarm.signer`."""
+    import time
+
+    from swarm.net.auth import CallSigner, Identity
+    from swarm.peers.dht import DHTConfig, Heartbeat, SwarmDHT
+    from swarm.peers.records import TrainerAnnouncement
     from swarm.train.trainer import discover_route
 
     with ProcessGroup(out / "logs") as procs:
@@ -51,11 +58,17 @@ def local_swarm(
             argv = peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *peer_flags)
             procs.start(f"peer{i}", argv)
         initial = [line for line in address_file.read_text().splitlines() if line.strip()]
-        with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
+        trainer = Identity.generate()
+        dht_config = DHTConfig(initial_peers=initial, client_mode=True)
+        with SwarmDHT(dht_config, private_key=trainer.key) as dht:
+            me = TrainerAnnouncement(dht.peer_id, started_at=time.time())
+            with Heartbeat(dht, lambda: me):
 
-            def show(line: str) -> None:
-                procs.check_alive()
-                say(line)
+                def show(line: str) -> None:
+                    procs.check_alive()
+                    say(line)
 
-            found = discover_route(dht, n_peers, timeout_s, show)
-        yield LocalSwarm(found.addresses, found.peer_ids, procs, address_file, found.plan_version)
+                found = discover_route(dht, n_peers, timeout_s, show, trainer_id=dht.peer_id)
+                yield LocalSwarm(
+                    found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer)
+                )

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             epochs=args.epochs, setting=f"{args.fw_codec}/{args.bw_codec}", out=str(out),
         )  # fmt: skip
         try:
-            summary = train(train_cfg, swarm.path, quiet=args.json)
+            summary = train(train_cfg, swarm.path, quiet=args.json, signer=swarm.signer)
         except StageCallError as e:
             print(f"error: training failed: {e}", file=sys.stderr)
             return 1
