@@ -19,6 +19,7 @@ Authentication: the bench's callers (the plan's trainer, a stranger) carry call 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -415,14 +416,13 @@ class Harness:
 
     def legitimate_step(self) -> tuple[bool, str]:
         """One training step of the plan's trainer at step + 1; served when it ran and its loss is finite."""
-        from swarm.net.stream import StageCallError
-
         step = self.step + 1
         try:
             result = self.driver.train_step(step, self.batch(step))
-        except StageCallError as e:
-            self.driver.abandon(step)
-            return False, str(e)
+        except Exception as e:  # StageCallError, or anything a corrupted stage answers: a row, not a crash
+            with contextlib.suppress(Exception):
+                self.driver.abandon(step)
+            return False, str(e) or type(e).__name__
         if not math.isfinite(result.loss):
             return False, f"loss {result.loss}"
         return True, ""
@@ -499,7 +499,8 @@ def run_case(h: Harness, case, watchdog_s: float) -> dict:
     if not served or not after:
         h.servers.restart()  # a wedged or dead server must not decide the rows after this one
         h.connect()
-        h.warm_up()
+        if error := h.warm_up():
+            row["warm_up_error"] = error
         row["servers_restarted"] = True
     return row
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from swarm.bench.common import print_table
 
-__all__ = ["ProcessSample", "add_arguments", "run", "sample_tree", "slope_per_1k"]
+__all__ = ["ProcessSample", "add_arguments", "run", "sample_tree", "slope_per_1k", "summed"]
 
 MODEL_FLAGS = ["--layers=2", "--hidden=32", "--heads=2", "--seq-len=16"]
 TRAIN_SAMPLES, BATCH_SIZE, MICRO_BATCHES = 64, 4, 2
@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup-fraction", type=float, default=0.1, help="share of the steps before the start figures"
     )
     parser.add_argument("--sample-every-s", type=float, default=2.0, help="seconds between samples")
+    parser.add_argument(
+        "--per-process",
+        action="store_true",
+        help="also one row per process of each tree (python, its DHT process, p2pd), named ROLE/NAME PID",
+    )
     parser.add_argument("--quick", action="store_true", help="200 steps sampled every 0.5 s (for tests)")
     parser.add_argument("--out", default=None, help="folder for logs and the trainer's outputs (default runs/soak-*)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
@@ -64,24 +69,34 @@ class ProcessSample:
     processes: int
 
 
-def sample_tree(pid: int) -> ProcessSample | None:
-    """RSS, threads and open fds of `pid` and all its descendants, summed; None if `pid` is gone."""
+def sample_tree(pid: int) -> dict[str, ProcessSample]:
+    """RSS, threads and open fds of `pid` and each of its descendants, keyed "NAME PID" (the root first);
+    empty if `pid` is gone."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         tree = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return None
-    rss = threads = fds = count = 0
+        return {}
+    out = {}
     for proc in tree:
         try:
             with proc.oneshot():
-                rss, threads, fds = rss + proc.memory_info().rss, threads + proc.num_threads(), fds + proc.num_fds()
-            count += 1
+                sample = ProcessSample(proc.memory_info().rss / 2**20, proc.num_threads(), proc.num_fds(), 1)
+                out[f"{proc.name()} {proc.pid}"] = sample
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue  # a child that ended between listing and reading
-    return ProcessSample(rss / 2**20, threads, fds, count)
+    return out
+
+
+def summed(samples: dict[str, ProcessSample]) -> ProcessSample | None:
+    if not samples:
+        return None
+    values = samples.values()
+    return ProcessSample(
+        sum(s.rss_mib for s in values), sum(s.threads for s in values), sum(s.fds for s in values), len(samples)
+    )
 
 
 def slope_per_1k(steps: list[float], values: list[float]) -> float | None:
@@ -168,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     say = lambda line: print(f"[soak] {line}", file=sys.stderr)
     warmup = int(args.steps * args.warmup_fraction)
     peer_flags = [
-        "--fw-codec", "aqsgd2", "--bw-codec", "gradq4", "--rate-mbit", "0", "--threads", "1",
+        "--fw-codec", "aqsgd2", "--bw-codec", "gradq4", "--threads", "1",
         "--total-steps", str(args.steps), "--warmup-steps", str(max(1, warmup)), *MODEL_FLAGS,
     ]  # fmt: skip
     say(f"starting a bootstrap node and {args.peers} peers")
@@ -194,17 +209,19 @@ def run(args: argparse.Namespace) -> int:
                 step = reader.step()
                 if step is not None:
                     bar.update(step - bar.n)
-                    if step >= warmup:
-                        samples = {name: sample_tree(procs.procs[name].pid) for name in names}
-                        for name, sample in samples.items():
-                            if sample is not None:
-                                series[name].steps.append(step)
-                                series[name].samples.append(sample)
+                    if warmup <= step < args.steps:  # after the last step the trainer is shutting down
+                        for name in names:
+                            tree = sample_tree(procs.procs[name].pid)
+                            parts = {f"{name}/{key}": part for key, part in tree.items()} if args.per_process else {}
+                            for key, sample in ((name, summed(tree)), *parts.items()):
+                                if sample is not None:
+                                    series.setdefault(key, _Series()).steps.append(step)
+                                    series[key].samples.append(sample)
                 time.sleep(args.sample_every_s)  # the sampling period, not a synchronisation
         if trainer.returncode != 0:
             print(f"error: the trainer exited with {trainer.returncode}:\n{procs.tail('trainer')}", file=sys.stderr)
             return 1
-    rows = [series[name].row(name) for name in names]
+    rows = [series[name].row(name) for name in sorted(series, key=lambda k: (names.index(k.split("/")[0]), k))]
     if args.json:
         for row in rows:
             print(json.dumps(row))
