@@ -435,6 +435,7 @@ def buffer_miss_storm(h):
 
 @case("trainer", "a valid-looking delta for live samples 0 and 1 computed against a drifted buffer")
 def drifted_buffer(h):
+    put_labels(h)
     return forward_to_middle(h, activation(h, 2, ids=[0, 1], delta=True))
 
 

@@ -154,7 +154,8 @@ def all_refused(outcomes: list[Outcome], extra: dict | None = None) -> Outcome:
     seen: dict[str, int] = {}
     for o in outcomes:
         seen[o.error[:160]] = seen.get(o.error[:160], 0) + 1
-    error = "; ".join(f"{n}x {e}" for e, n in sorted(seen.items(), key=lambda kv: -kv[1]))
+    kinds = sorted(seen.items(), key=lambda kv: -kv[1])
+    error = "; ".join(f"{n}x {e}" for e, n in kinds[:3]) + (f"; {len(kinds) - 3} more kinds" if len(kinds) > 3 else "")
     return Outcome(all(o.refused for o in outcomes), error, extra or {})
 
 
