@@ -48,13 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--warmup-fraction", type=float, default=0.1, help="share of the steps before the start figures"
     )
-    parser.add_argument("--sample-every-s", type=float, default=2.0, help="seconds between samples")
+    parser.add_argument(
+        "--sample-every-s", type=float, default=None, help="seconds between samples (default 2, 0.5 with --quick)"
+    )
     parser.add_argument(
         "--per-process",
         action="store_true",
         help="also one row per process of each tree (python, its DHT process, p2pd), named ROLE/NAME PID",
     )
-    parser.add_argument("--quick", action="store_true", help="200 steps sampled every 0.5 s (for tests)")
+    parser.add_argument("--quick", action="store_true", help="200 steps (for tests)")
     parser.add_argument("--out", default=None, help="folder for logs and the trainer's outputs (default runs/soak-*)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
 
@@ -174,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
     from swarm.testbed.procs import swarm_command
 
     if args.quick:
-        args.steps, args.sample_every_s = 200, 0.5
+        args.steps = 200
+    if args.sample_every_s is None:
+        args.sample_every_s = 0.5 if args.quick else 2.0
     if args.steps < 10 or not 0 <= args.warmup_fraction < 1 or args.peers < 1:
         print("error: need --steps >= 10, 0 <= --warmup-fraction < 1 and --peers >= 1", file=sys.stderr)
         return 2
