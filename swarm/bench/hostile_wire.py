@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,27 +13,24 @@ import grpc
 import torch
 
 from swarm.bench.hostile import Harness, Outcome, lazy
-from swarm.net.stream import tokens_to_wire
+from swarm.net.stream import serialize_chunk_item, tensor_items, tokens_to_wire
 from swarm.proto import stage_pb2, wire_pb2
 
 MIB = 1 << 20
-_fresh = itertools.count(10**9)
-
-
-# ---- building blocks -------------------------------------------------------------------------------------------
+_fresh, _fresh_lock = itertools.count(10**9), threading.Lock()
 
 
 def fresh_ids(n: int) -> list[int]:
-    """Sample ids no stage has seen."""
-    first = next(_fresh)
-    for _ in range(n - 1):
-        next(_fresh)
+    """Sample ids no stage has seen (distinct across the threads of a burst)."""
+    with _fresh_lock:
+        first = next(_fresh)
+        for _ in range(n - 1):
+            next(_fresh)
     return list(range(first, first + n))
 
 
 def tokens_item(h: Harness, info=None, values: torch.Tensor | None = None, **batch_fields) -> list[bytes]:
     """A stream into stage 0: the call info and a token batch (valid unless told otherwise)."""
-
     if values is None:
         values = torch.randint(0, h.model.vocab_size, (2, h.model.seq_len_tokens))
     batch = tokens_to_wire(values, torch.tensor(fresh_ids(values.shape[0])))
@@ -72,8 +70,6 @@ def activation(h: Harness, n: int, ids: list[int] | None = None, delta: bool = F
 
 
 def message_items(info, msg, zstd_level: int = 0) -> list[bytes]:
-    from swarm.net.stream import tensor_items
-
     return list(tensor_items(info, msg, zstd_level, None))
 
 
@@ -93,7 +89,6 @@ def _varint(n: int) -> bytes:
 def fp32_body(shape: list[int]) -> tuple[bytes, int]:
     """The head of a serialized fp32 TensorMessage of `shape` whose raw bytes (zeros) follow, and the body's
     total length: lets a huge message be streamed without ever being held."""
-
     nbytes = 4 * int(torch.tensor(shape).prod())
     head = wire_pb2.TensorMessage(shape=shape, dtype=wire_pb2.FLOAT32, codec=wire_pb2.FP32, raw_dtype=wire_pb2.FLOAT32)
     prefix = head.SerializeToString() + bytes([8 << 3 | 2]) + _varint(nbytes)
@@ -110,8 +105,6 @@ def header(shape: list[int], body_bytes: int, raw_body_bytes: int | None = None,
 
 def stream(info, head, chunks: Iterator[bytes]) -> Iterator[bytes]:
     """Stream items: the info and header with the first chunk, then one item per chunk, made as pulled."""
-    from swarm.net.stream import serialize_chunk_item
-
     for i, data in enumerate(chunks):
         yield serialize_chunk_item(data, info, head) if i == 0 else serialize_chunk_item(data)
 
