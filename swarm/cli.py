@@ -18,6 +18,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "codecs"): ("swarm.bench.codecs", "every codec's wire size, error and speed, beside hivemind's"),
     ("bench", "scheduler"): ("swarm.bench.scheduler", "our plans against random and greedy on DT-FM's scenarios"),
     ("bench", "transport"): ("swarm.bench.transport", "gRPC stream throughput, goodput on shaped links"),
+    ("bench", "soak"): ("swarm.bench.soak", "a loopback swarm for N steps: RSS, threads and fds of every process"),
+    ("bench", "hostile"): ("swarm.bench.hostile", "hostile clients against a local pipeline, case by case"),
     ("experiment", "convergence"): (
         "swarm.experiments.convergence",
         "train with every codec setting in one process and compare losses and bytes",

@@ -1,0 +1,568 @@
+"""`swarm bench hostile`: hostile clients against a local 3-stage pipeline over real gRPC, one row per case.
+
+The stage servers run in a child process (spawned: gRPC's threads do not survive a fork), so the server's
+RSS is read by pid with psutil and a case that exhausts memory cannot take the benchmark down with it.
+After every case one legitimate training step runs through the same servers; a case after which that step
+fails gets fresh servers, so one wedge does not decide the rows after it.
+
+Columns: `refused` (the hostile call ended with a gRPC error sent by the server), `error` (its code and
+details, which should name the field or rule), `next_step_served` (the next legitimate step ran and gave a
+finite loss), `rss_growth_mib` (server RSS after the case and the next step, minus before the case),
+`rss_peak_growth_mib` (the highest RSS sampled while the case ran, minus before), `threads_held` (server
+handlers still running after the next step), `thread_growth` (server threads after minus before), `seconds`
+(the case alone). The last row is the summary.
+
+Authentication: the bench's callers (the plan's trainer, a stranger) carry call tokens when this tree has
+`swarm.net.auth`; without it they send no metadata and the servers check none (see `Keys`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from swarm.bench.common import print_table
+
+__all__ = ["Harness", "Keys", "Outcome", "add_arguments", "run"]
+
+N_STAGES = 3
+CALL_TIMEOUT_S = 10.0
+"""client deadline of every hostile call"""
+STEP_DEADLINE_S = 20.0
+"""deadline of the legitimate step after each case"""
+WATCHDOG_S = 120.0
+"""longest one case may run before it is reported as hung"""
+MAX_WORKERS = 32
+"""gRPC handler threads per stage server, as swarm-peer's default --max-workers"""
+HANDLER_SETTLE_S = 1.0
+"""how long a handler may take to end after its reply reached the client before it counts as held"""
+WARMUP_STEPS = 3
+"""legitimate steps before the first case, so the servers' allocations settle"""
+BATCH, MICRO_BATCHES = 4, 2
+COLUMNS = [
+    "case", "refused", "next_step_served", "rss_growth_mib", "rss_peak_growth_mib", "threads_held", "seconds", "error",
+]  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Hostile clients (a stranger, and the plan's own trainer misbehaving) against a local 3-stage pipeline "
+        "over real gRPC on 127.0.0.1, the stage servers in a child process. One row per case: refused, the "
+        "error, whether the next legitimate step was served, server RSS growth and held threads; then a summary."
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object per line instead of a table")
+    parser.add_argument("--case", action="append", default=None, help="run only this case (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the cases and what each sends, then exit")
+    parser.add_argument(
+        "--quick", action="store_true", help="skip the slow and memory-hungry cases (marked heavy in --list)"
+    )
+    parser.add_argument("--watchdog-s", type=float, default=WATCHDOG_S, help="longest one case may run, seconds")
+
+
+# ---- identities: the one adapter to swarm.net.auth -----------------------------------------------------------
+
+
+class Keys:
+    """The identities of the stages, the plan's trainer and a stranger, kept as key files in `directory` so the
+    server process loads the same ones. Without `swarm.net.auth` on this tree, peers are named peer0.. and no
+    call carries metadata."""
+
+    def __init__(self, directory: Path):
+        try:
+            from swarm.net import auth
+        except ImportError:
+            auth = None
+        self.auth, self.directory = auth, directory
+        if auth is None:
+            self.stage_ids = [f"peer{i}" for i in range(N_STAGES)]
+            self.trainer_id = self.stranger_id = ""
+            return
+        self._stages = [auth.Identity.load(directory / f"stage{i}.key") for i in range(N_STAGES)]
+        self._trainer = auth.Identity.load(directory / "trainer.key")
+        self._stranger = auth.Identity.generate()
+        self.stage_ids = [i.peer_id for i in self._stages]
+        self.trainer_id, self.stranger_id = self._trainer.peer_id, self._stranger.peer_id
+        self._signers = {"trainer": auth.CallSigner(self._trainer), "stranger": auth.CallSigner(self._stranger)}
+
+    def metadata(self, who: str, stage: int) -> tuple[tuple[str, bytes], ...] | None:
+        """What a call from `who` ("trainer", "stranger" or "none") to `stage` carries."""
+        if self.auth is None or who == "none":
+            return None
+        return self._signers[who].metadata(self.stage_ids[stage])
+
+    def token(self, who: str, stage: int, **signer_kw) -> tuple[tuple[str, bytes], ...] | None:
+        """A token signed with other signer settings (e.g. ttl_s) by `who`; None without auth."""
+        if self.auth is None:
+            return None
+        identity = {"trainer": self._trainer, "stranger": self._stranger}[who]
+        return self.auth.CallSigner(identity, **signer_kw).metadata(self.stage_ids[stage])
+
+    def connector(self, who: str | int):
+        """A gRPC connector whose calls carry `who`'s tokens (a stage number: that stage's identity)."""
+        from swarm.net.connect import GrpcConnector
+
+        if self.auth is None:
+            return GrpcConnector()
+        identity = self._stages[who] if isinstance(who, int) else self._trainer
+        return GrpcConnector(signer=self.auth.CallSigner(identity))
+
+    def servicer(self, host, stage: int):
+        from swarm.runtime.service import StageServicer
+
+        if self.auth is None:
+            return StageServicer(host)
+        return StageServicer(host, verifier=self.auth.CallVerifier(self.stage_ids[stage]))
+
+    def set_rosters(self, servicers: list, addresses: list[str]) -> None:
+        if self.auth is None:
+            return
+        from swarm.runtime.policy import Roster
+
+        roster = Roster(
+            tuple(self.stage_ids), tuple(addresses), frozenset({self.trainer_id}), frozenset(self.stage_ids)
+        )
+        for servicer in servicers:
+            servicer.set_roster(roster)
+
+
+# ---- the stage servers, in a child process ------------------------------------------------------------------
+
+
+def tiny_model():
+    from swarm.model.gpt import ModelConfig
+
+    return ModelConfig(vocab_size=256, seq_len_tokens=16, hidden_dim=32, n_layers=3, n_heads=2)
+
+
+def codecs():
+    from swarm.compression import CodecConfig
+
+    return CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4")
+
+
+class _CountingExecutor(futures.ThreadPoolExecutor):
+    """The servers' handler pool, started full (so spare threads are not mistaken for held ones), counting the
+    handlers running now."""
+
+    def __init__(self, max_workers: int):
+        super().__init__(max_workers=max_workers, thread_name_prefix="grpc")
+        self.busy = 0
+        self._lock = threading.Condition()
+        barrier = threading.Barrier(max_workers + 1)
+        for _ in range(max_workers):
+            super().submit(barrier.wait)
+        barrier.wait()
+
+    def submit(self, fn, /, *args, **kwargs):
+        def counted():
+            with self._lock:
+                self.busy += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.busy -= 1
+                    self._lock.notify_all()
+
+        return super().submit(counted)
+
+    def held(self, settle_s: float) -> int:
+        """Handlers still running after up to `settle_s` for them to end: a handler's reply reaches the client
+        a moment before its thread is free again."""
+        with self._lock:
+            self._lock.wait_for(lambda: self.busy == 0, settle_s)
+            return self.busy
+
+
+def _serve(conn, key_dir: str) -> None:
+    """The server process: one gRPC server per stage on 127.0.0.1, answering stats until told to stop."""
+    import torch
+
+    from swarm.model.gpt import split_layers
+    from swarm.peers.transport import TransportConfig
+    from swarm.proto import stage_pb2_grpc
+    from swarm.runtime.boundary import LinkEnds
+    from swarm.runtime.host import StageHost, StageRole
+    from swarm.runtime.worker import StageConfig
+
+    torch.set_num_threads(1)
+    keys, model, (fw, bw) = Keys(Path(key_dir)), tiny_model(), codecs()
+    transport = TransportConfig(max_workers=MAX_WORKERS)
+    pools, servers, servicers, addresses = [], [], [], []
+    for stage, (start, end) in enumerate(split_layers(model.n_layers, N_STAGES)):
+        host = StageHost(
+            StageRole(stage, N_STAGES, start, end), model, StageConfig(), LinkEnds(fw, bw),
+            keys.stage_ids[stage], keys.connector(stage),
+        )  # fmt: skip
+        pool = _CountingExecutor(MAX_WORKERS)
+        # as swarm.peers.transport.make_server, with the counting pool
+        server = grpc.server(pool, options=transport.server_options(), maximum_concurrent_rpcs=MAX_WORKERS * 4)
+        port = server.add_insecure_port("127.0.0.1:0")
+        servicer = keys.servicer(host, stage)
+        stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
+        server.start()
+        pools.append(pool)
+        servers.append(server)
+        servicers.append(servicer)
+        addresses.append(f"127.0.0.1:{port}")
+    keys.set_rosters(servicers, addresses)
+    conn.send(addresses)
+    while True:
+        try:
+            command = conn.recv()
+        except EOFError:
+            break
+        if command == "stop":
+            break
+        conn.send({"busy": sum(p.held(HANDLER_SETTLE_S) for p in pools), "threads": threading.active_count()})
+    for server in servers:
+        server.stop(None)
+
+
+class Servers:
+    """The child process serving the stages; `restart()` replaces it with a fresh one."""
+
+    def __init__(self, key_dir: Path):
+        self.key_dir = key_dir
+        self._start()
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        import psutil
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(child, str(self.key_dir)), daemon=True, name="bench-stages")
+        self._process.start()
+        if not self._conn.poll(120):
+            self.close()
+            raise RuntimeError(f"the stage servers did not start (exit code {self._process.exitcode})")
+        self.addresses: list[str] = self._conn.recv()
+        self.process = psutil.Process(self._process.pid)
+
+    def stats(self) -> dict:
+        """Server RSS (MiB), threads, and handlers running now; {} if the process is gone."""
+        try:
+            rss = self.process.memory_info().rss / 2**20
+            self._conn.send("stats")
+            if not self._conn.poll(10 + N_STAGES * HANDLER_SETTLE_S):
+                return {"rss_mib": rss}
+            return {"rss_mib": rss, **self._conn.recv()}
+        except Exception:  # the process died (e.g. killed for memory): the row says so through missing figures
+            return {}
+
+    def restart(self) -> None:
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        try:
+            self._conn.send("stop")
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(15)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+
+
+# ---- the hostile side -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What a case's hostile call(s) got back."""
+
+    refused: bool
+    error: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def rpc_error(e: grpc.RpcError) -> str:
+    return f"{e.code().name}: {e.details()}"
+
+
+def server_refused(e: grpc.RpcError) -> bool:
+    """An error the server sent, not the client's own deadline running out or the connection failing."""
+    client_deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and e.details() == "Deadline Exceeded"
+    return not client_deadline and e.code() != grpc.StatusCode.UNAVAILABLE
+
+
+class Harness:
+    """What a case works with: raw stubs per stage with a caller's metadata, call infos and batches of the
+    current step, and the legitimate trainer's driver."""
+
+    def __init__(self, servers: Servers, keys: Keys):
+        from swarm.peers.transport import TransportConfig
+
+        self.servers, self.keys = servers, keys
+        self.model, (self.fw, self.bw) = tiny_model(), codecs()
+        self.step = 0
+        """The step hostile calls name; the next legitimate step runs at step + 1."""
+        self._transport = TransportConfig(max_message_bytes=1 << 30)
+        self._channels: dict[str, grpc.Channel] = {}
+        self.driver = None
+        self.connect()
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.servers.addresses
+
+    def connect(self) -> None:
+        """(Re)connects the driver and the stubs to the current servers."""
+        from swarm.runtime.driver import PipelineDriver
+
+        self.close_clients()
+        self.driver = PipelineDriver(
+            self.addresses, self.keys.stage_ids, "1f1b", MICRO_BATCHES, deadline_s=STEP_DEADLINE_S,
+            connector=self.keys.connector("trainer"),
+        )  # fmt: skip
+
+    def close_clients(self) -> None:
+        if self.driver is not None:
+            self.driver.close()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels = {}
+
+    def channel(self, address: str) -> grpc.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address, options=self._transport.channel_options())
+        return self._channels[address]
+
+    # -- calls -------------------------------------------------------------------------------------------------
+
+    def call(self, stage: int, method: str, request, who: str = "trainer", timeout: float = CALL_TIMEOUT_S, **kw):
+        """One call of `method` to `stage` as `who`; a stream method takes an iterable of serialized items.
+        Returns the reply (a server-streaming reply is read to its end)."""
+        from swarm.net.stream import TensorStreams
+        from swarm.proto import stage_pb2_grpc
+
+        channel = self.channel(self.addresses[stage])
+        metadata = kw.pop("metadata", self.keys.metadata(who, stage))
+        if method in ("Forward", "Backward", "Sink"):
+            fn = getattr(TensorStreams(channel), method)
+        else:
+            fn = getattr(stage_pb2_grpc.StageStub(channel), method)
+        if method in ("Forward", "Backward", "Sink"):
+            request = iter(request)
+        reply = fn(request, timeout=timeout, metadata=metadata)
+        return list(reply) if method == "GetState" else reply
+
+    def expect_refusal(self, stage: int, method: str, request, who: str = "trainer", **kw) -> Outcome:
+        """Runs one call; refused when the addressed stage answered it with an error. An error a stage further
+        down the pipeline raised (its details start "stage K (peer ...") means this stage took the call and
+        passed it on: not refused."""
+        try:
+            self.call(stage, method, request, who, **kw)
+        except grpc.RpcError as e:
+            downstream = re.match(r"stage (\d+) \(peer ", e.details() or "")
+            if downstream and int(downstream.group(1)) != stage:
+                return Outcome(False, f"passed on, then {rpc_error(e)}")
+            return Outcome(server_refused(e), rpc_error(e))
+        return Outcome(False, "served")
+
+    def info(self, target: int, **overrides):
+        """The call info the trainer (or a stage) would send to stage `target` for micro-batch 0 of the current
+        step, with `overrides` (CallInfo fields) on top."""
+        from swarm.proto import stage_pb2
+
+        info = stage_pb2.CallInfo(
+            step=self.step, micro_batch=0, stage=target, plan_version=0, num_micro_batches=MICRO_BATCHES,
+            schedule="1f1b", route=self.addresses, route_peers=self.keys.stage_ids, deadline_s=STEP_DEADLINE_S,
+        )  # fmt: skip
+        for name, value in overrides.items():
+            if isinstance(value, list):
+                del getattr(info, name)[:]
+                getattr(info, name).extend(value)
+            else:
+                setattr(info, name, value)
+        return info
+
+    def batch(self, step: int):
+        """The legitimate mini-batch of `step`: fixed sample ids 0..BATCH-1 (AQ-SGD buffers stay warm)."""
+        import torch
+
+        from swarm.model.data import Batch
+
+        gen = torch.Generator().manual_seed(step)
+        seq, vocab = self.model.seq_len_tokens, self.model.vocab_size
+        tokens = torch.randint(0, vocab, (BATCH, seq), generator=gen)
+        return Batch(torch.arange(BATCH), tokens, torch.randint(0, vocab, (BATCH, seq), generator=gen))
+
+    def warm_up(self) -> str:
+        """A few legitimate steps on fresh servers, so their allocations settle and the AQ-SGD buffers of the
+        legitimate samples exist; returns the error if one failed."""
+        for _ in range(WARMUP_STEPS):
+            served, error = self.legitimate_step()
+            self.step += 1
+            if not served:
+                return error
+        return ""
+
+    def legitimate_step(self) -> tuple[bool, str]:
+        """One training step of the plan's trainer at step + 1; served when it ran and its loss is finite."""
+        step = self.step + 1
+        try:
+            result = self.driver.train_step(step, self.batch(step))
+        except Exception as e:  # StageCallError, or anything a corrupted stage answers: a row, not a crash
+            with contextlib.suppress(Exception):
+                self.driver.abandon(step)
+            return False, str(e) or type(e).__name__
+        if not math.isfinite(result.loss):
+            return False, f"loss {result.loss}"
+        return True, ""
+
+
+# ---- running the cases ----------------------------------------------------------------------------------------
+
+
+def _with_watchdog(fn: Callable[[], Outcome], seconds: float) -> Outcome:
+    box: list = []
+
+    def target():
+        try:
+            box.append(fn())
+        except Exception as e:  # a case that breaks is a row with its error, never a crash of the benchmark
+            box.append(Outcome(False, f"case failed: {type(e).__name__}: {e}"))
+
+    thread = threading.Thread(target=target, daemon=True, name="hostile-case")
+    thread.start()
+    thread.join(seconds)
+    return box[0] if box else Outcome(False, f"watchdog: the case did not finish in {seconds:.0f} s")
+
+
+class _PeakRss:
+    """Samples the server's RSS every few milliseconds while a case runs: a transient allocation (a zstd bomb
+    decompressed, then dropped) shows in the peak though not in the growth after."""
+
+    def __init__(self, servers: Servers, every_s: float = 0.01):
+        self.servers, self.every_s, self.peak_mib = servers, every_s, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="peak-rss")
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak_mib = max(self.peak_mib, self.servers.process.memory_info().rss / 2**20)
+            except Exception:
+                return
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> _PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_case(h: Harness, case, watchdog_s: float) -> dict:
+    before = h.servers.stats()
+    start = time.perf_counter()
+    with _PeakRss(h.servers) as peak:
+        outcome = _with_watchdog(lambda: case.run(h), watchdog_s)
+    seconds = time.perf_counter() - start
+    served, step_error = h.legitimate_step() if before else (False, "no server")
+    after = h.servers.stats()
+    row = {
+        "case": case.name,
+        "caller": case.caller,
+        "refused": outcome.refused,
+        "error": outcome.error,
+        "next_step_served": served,
+        "rss_growth_mib": round(after["rss_mib"] - before["rss_mib"], 2) if "rss_mib" in after else None,
+        "rss_peak_growth_mib": round(peak.peak_mib - before["rss_mib"], 2) if "rss_mib" in before else None,
+        "threads_held": after.get("busy"),
+        "thread_growth": after["threads"] - before["threads"] if "threads" in after and "threads" in before else None,
+        "seconds": round(seconds, 3),
+        **outcome.extra,
+    }
+    if not served:
+        row["next_step_error"] = step_error
+    h.step += 2
+    if not served or not after:
+        h.servers.restart()  # a wedged or dead server must not decide the rows after this one
+        h.connect()
+        if error := h.warm_up():
+            row["warm_up_error"] = error
+        row["servers_restarted"] = True
+    return row
+
+
+def summary_row(rows: list[dict]) -> dict:
+    growth = [r["rss_growth_mib"] for r in rows if r["rss_growth_mib"] is not None]
+    return {
+        "case": "summary",
+        "cases": len(rows),
+        "refused": sum(r["refused"] for r in rows),
+        "next_steps_served": sum(r["next_step_served"] for r in rows),
+        "all_refused": all(r["refused"] for r in rows),
+        "all_next_steps_served": all(r["next_step_served"] for r in rows),
+        "max_rss_growth_mib": max(growth, default=None),
+        "max_rss_peak_growth_mib": max((r["rss_peak_growth_mib"] or 0 for r in rows), default=None),
+        "max_threads_held": max((r["threads_held"] or 0 for r in rows), default=0),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarm.bench.hostile_cases import CASES
+
+    if args.list:
+        for case in CASES:
+            print(f"{case.name:28s} {case.caller:9s} {'heavy' if case.heavy else '     '} {case.doc}")
+        return 0
+    chosen = [c for c in CASES if not (args.quick and c.heavy)]
+    if args.case:
+        unknown = set(args.case) - {c.name for c in CASES}
+        if unknown:
+            print(f"error: unknown case(s) {sorted(unknown)}; see --list", file=sys.stderr)
+            return 2
+        chosen = [c for c in chosen if c.name in args.case]
+    from tqdm import tqdm
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="swarm-hostile-") as key_dir:
+        keys = Keys(Path(key_dir))
+        servers = Servers(Path(key_dir))
+        harness = Harness(servers, keys)
+        try:
+            error = harness.warm_up()
+            if error:
+                print(f"error: the pipeline does not train before any case: {error}", file=sys.stderr)
+                return 1
+            for case in tqdm(chosen, desc="hostile cases", unit="case", file=sys.stderr):
+                row = run_case(harness, case, args.watchdog_s)
+                rows.append(row)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+        finally:
+            harness.close_clients()
+            servers.close()
+    summary = summary_row(rows)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print_table(rows, COLUMNS, "hostile cases against a local 3-stage pipeline (servers in a child process)")
+        print(json.dumps(summary))
+    return 0
+
+
+def lazy(items: Iterable[bytes]) -> Iterable[bytes]:
+    """Hands items to gRPC one at a time, so a huge stream never sits in the client's memory."""
+    yield from items

@@ -1,0 +1,239 @@
+"""`swarm bench soak`: a loopback swarm of real processes trains for many steps while every process's RSS,
+threads and open fds are sampled; does anything grow with the step count?
+
+The swarm is `swarm demo`'s: a DHT bootstrap node and `--peers` swarm-peer processes (`swarm.testbed.local`),
+plus `swarm train` as a process of its own. Each row is one of them summed with all its descendants
+(hivemind's DHT process and its p2pd), sampled from this process by pid with psutil. The trainer's step
+count comes from its /metrics (`swarm_steps_total`). The start figures are taken once the warm-up (10% of
+the steps by default) is over; the slope is a least-squares fit of RSS against the step over every sample
+after it. Targets (issue 11): slope under 1 MiB per 1000 steps, threads and fds the same at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.bench.common import print_table
+
+__all__ = ["ProcessSample", "add_arguments", "run", "sample_tree", "slope_per_1k", "summed"]
+
+MODEL_FLAGS = ["--layers=2", "--hidden=32", "--heads=2", "--seq-len=16"]
+TRAIN_SAMPLES, BATCH_SIZE, MICRO_BATCHES = 64, 4, 2
+SLOPE_TARGET_MIB_PER_1K = 1.0
+COLUMNS = [
+    "process", "rss_start_mib", "rss_end_mib", "rss_slope_mib_per_1k_steps", "threads_start", "threads_end",
+    "fds_start", "fds_end", "processes", "steps", "verdict",
+]  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "A loopback swarm as real processes (a DHT bootstrap node, --peers swarm-peer, swarm train) trains for "
+        "--steps steps while this process samples every process's RSS, threads and open fds (each summed with "
+        "its child processes: hivemind's DHT process and p2pd). Reports start (after the warm-up) and end "
+        "figures and the RSS slope per 1000 steps, PASS/FAIL against issue 11's targets. Default run: 5000 "
+        f"steps of a 2-layer, hidden-32, seq-16 model on 2 peers, batches of {BATCH_SIZE} samples in "
+        f"{MICRO_BATCHES} micro-batches drawn from {TRAIN_SAMPLES} samples, aqsgd2 activations and gradq4 "
+        "gradients on unshaped links: a few minutes on 2 cores."
+    )
+    parser.add_argument("--steps", type=int, default=5000, help="training steps (default %(default)s)")
+    parser.add_argument("--peers", type=int, default=2, help="swarm-peer processes, one stage each")
+    parser.add_argument(
+        "--warmup-fraction", type=float, default=0.1, help="share of the steps before the start figures"
+    )
+    parser.add_argument(
+        "--sample-every-s", type=float, default=None, help="seconds between samples (default 2, 0.5 with --quick)"
+    )
+    parser.add_argument(
+        "--per-process",
+        action="store_true",
+        help="also one row per process of each tree (python, its DHT process, p2pd), named ROLE/NAME PID",
+    )
+    parser.add_argument("--quick", action="store_true", help="200 steps (for tests)")
+    parser.add_argument("--out", default=None, help="folder for logs and the trainer's outputs (default runs/soak-*)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One process tree at one moment."""
+
+    rss_mib: float
+    threads: int
+    fds: int
+    processes: int
+
+
+def sample_tree(pid: int) -> dict[str, ProcessSample]:
+    """RSS, threads and open fds of `pid` and each of its descendants, keyed "NAME PID" (the root first);
+    empty if `pid` is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for proc in tree:
+        try:
+            with proc.oneshot():
+                sample = ProcessSample(proc.memory_info().rss / 2**20, proc.num_threads(), proc.num_fds(), 1)
+                out[f"{proc.name()} {proc.pid}"] = sample
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue  # a child that ended between listing and reading
+    return out
+
+
+def summed(samples: dict[str, ProcessSample]) -> ProcessSample | None:
+    if not samples:
+        return None
+    values = samples.values()
+    return ProcessSample(
+        sum(s.rss_mib for s in values), sum(s.threads for s in values), sum(s.fds for s in values), len(samples)
+    )
+
+
+def slope_per_1k(steps: list[float], values: list[float]) -> float | None:
+    """Least-squares slope of `values` against `steps`, per 1000 steps; None with fewer than two distinct steps."""
+    if len(set(steps)) < 2:
+        return None
+    n = len(steps)
+    mean_s, mean_v = sum(steps) / n, sum(values) / n
+    cov = sum((s - mean_s) * (v - mean_v) for s, v in zip(steps, values, strict=True))
+    var = sum((s - mean_s) ** 2 for s in steps)
+    return 1000.0 * cov / var
+
+
+@dataclass
+class _Series:
+    """The samples of one process after the warm-up."""
+
+    steps: list[float] = field(default_factory=list)
+    samples: list[ProcessSample] = field(default_factory=list)
+
+    def row(self, name: str) -> dict:
+        if not self.samples:
+            return {"process": name, "verdict": "FAIL", "steps": 0, "note": "no sample after the warm-up"}
+        first, last = self.samples[0], self.samples[-1]
+        slope = slope_per_1k(self.steps, [s.rss_mib for s in self.samples])
+        ok = slope is not None and slope < SLOPE_TARGET_MIB_PER_1K
+        ok = ok and first.threads == last.threads and first.fds == last.fds
+        return {
+            "process": name,
+            "rss_start_mib": round(first.rss_mib, 2),
+            "rss_end_mib": round(last.rss_mib, 2),
+            "rss_slope_mib_per_1k_steps": None if slope is None else round(slope, 3),
+            "threads_start": first.threads,
+            "threads_end": last.threads,
+            "fds_start": first.fds,
+            "fds_end": last.fds,
+            "processes": last.processes,
+            "steps": int(self.steps[-1] - self.steps[0]),
+            "step_start": int(self.steps[0]),
+            "step_end": int(self.steps[-1]),
+            "samples": len(self.samples),
+            "verdict": "PASS" if ok else "FAIL",
+        }
+
+
+class _StepReader:
+    """The trainer's step count, read from its /metrics once its log says where that is."""
+
+    def __init__(self, log: Path):
+        self.log, self.url = log, None
+
+    def step(self) -> int | None:
+        if self.url is None:
+            found = (
+                re.search(r"metrics at (http://\S+)", self.log.read_text(errors="replace"))
+                if self.log.exists()
+                else None
+            )
+            if found is None:
+                return None
+            self.url = found.group(1)
+        try:
+            with urllib.request.urlopen(self.url, timeout=2) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return None
+        found = re.search(r"^swarm_steps_total (\S+)$", text, re.MULTILINE)
+        return int(float(found.group(1))) if found else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from swarm.testbed.local import local_swarm
+    from swarm.testbed.procs import swarm_command
+
+    if args.quick:
+        args.steps = 200
+    if args.sample_every_s is None:
+        args.sample_every_s = 0.5 if args.quick else 2.0
+    if args.steps < 10 or not 0 <= args.warmup_fraction < 1 or args.peers < 1:
+        print("error: need --steps >= 10, 0 <= --warmup-fraction < 1 and --peers >= 1", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    say = lambda line: print(f"[soak] {line}", file=sys.stderr)
+    warmup = int(args.steps * args.warmup_fraction)
+    peer_flags = [
+        "--fw-codec", "aqsgd2", "--bw-codec", "gradq4", "--threads", "1",
+        "--total-steps", str(args.steps), "--warmup-steps", str(max(1, warmup)), *MODEL_FLAGS,
+    ]  # fmt: skip
+    say(f"starting a bootstrap node and {args.peers} peers")
+    with local_swarm(out, args.peers, peer_flags, say) as swarm:
+        procs = swarm.procs
+        trainer = procs.start(
+            "trainer",
+            swarm_command(
+                "train", "--address-file", str(swarm.address_file), "--num-stages", str(args.peers), *MODEL_FLAGS,
+                "--train-samples", str(TRAIN_SAMPLES), "--batch-size", str(BATCH_SIZE),
+                "--micro-batches", str(MICRO_BATCHES), "--steps", str(args.steps), "--metrics-port", "0",
+                "--out", str(out / "train"),
+            ),
+        )  # fmt: skip
+        names = list(procs.procs)
+        series = {name: _Series() for name in names}
+        reader = _StepReader(procs.log_dir / "trainer.log")
+        with tqdm(total=args.steps, desc="soak", unit="step", file=sys.stderr) as bar:
+            while trainer.poll() is None:
+                for name, proc in procs.procs.items():
+                    if name != "trainer" and proc.poll() is not None:
+                        procs.check_alive()  # raises, naming the process and its log's last lines
+                step = reader.step()
+                if step is not None:
+                    bar.update(step - bar.n)
+                    if warmup <= step < args.steps:  # after the last step the trainer is shutting down
+                        for name in names:
+                            tree = sample_tree(procs.procs[name].pid)
+                            parts = {f"{name}/{key}": part for key, part in tree.items()} if args.per_process else {}
+                            for key, sample in ((name, summed(tree)), *parts.items()):
+                                if sample is not None:
+                                    series.setdefault(key, _Series()).steps.append(step)
+                                    series[key].samples.append(sample)
+                time.sleep(args.sample_every_s)  # the sampling period, not a synchronisation
+        if trainer.returncode != 0:
+            print(f"error: the trainer exited with {trainer.returncode}:\n{procs.tail('trainer')}", file=sys.stderr)
+            return 1
+    rows = [series[name].row(name) for name in sorted(series, key=lambda k: (names.index(k.split("/")[0]), k))]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        title = (
+            f"soak: {args.steps} steps, {args.peers} peers; start after {warmup} steps; each process with its "
+            f"children (DHT process, p2pd) summed; target slope < {SLOPE_TARGET_MIB_PER_1K} MiB/1k steps, "
+            "threads and fds unchanged"
+        )
+        print_table(rows, COLUMNS, title)
+    return 0  # FAIL rows are figures to read, not a failure of the benchmark
