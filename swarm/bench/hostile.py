@@ -96,19 +96,29 @@ class Keys:
         self.stage_ids = [i.peer_id for i in self._stages]
         self.trainer_id, self.stranger_id = self._trainer.peer_id, self._stranger.peer_id
         self._signers = {"trainer": auth.CallSigner(self._trainer), "stranger": auth.CallSigner(self._stranger)}
+        self._stage_signers = [auth.CallSigner(i) for i in self._stages]
 
-    def metadata(self, who: str, stage: int) -> tuple[tuple[str, bytes], ...] | None:
-        """What a call from `who` ("trainer", "stranger" or "none") to `stage` carries."""
+    def metadata(self, who: str, stage: int, method: str | None = None) -> tuple[tuple[str, bytes], ...] | None:
+        """What a call from `who` ("trainer", "stranger" or "none") to `stage` carries. "trainer" stands for the
+        caller the plan allows: the trainer, or for a Forward into stage k > 0 (a Backward into k < last) the
+        plan's peer of stage k-1 (k+1), so in-plan cases reach the checks behind authorization."""
         if self.auth is None or who == "none":
             return None
-        return self._signers[who].metadata(self.stage_ids[stage])
+        audience = self.stage_ids[stage]
+        if who == "trainer" and method == "Forward" and stage > 0:
+            return self._stage_signers[stage - 1].metadata(audience)
+        if who == "trainer" and method == "Backward" and stage < N_STAGES - 1:
+            return self._stage_signers[stage + 1].metadata(audience)
+        return self._signers[who].metadata(audience)
 
-    def token(self, who: str, stage: int, **signer_kw) -> tuple[tuple[str, bytes], ...] | None:
-        """A token signed with other signer settings (e.g. ttl_s) by `who`; None without auth."""
+    def token(self, who: str, stage: int, issued_ago_s: float = 0.0) -> tuple[tuple[str, bytes], ...] | None:
+        """A token `who` signed `issued_ago_s` seconds ago (an expired one, for a long enough age); None
+        without auth."""
         if self.auth is None:
             return None
-        identity = {"trainer": self._trainer, "stranger": self._stranger}[who]
-        return self.auth.CallSigner(identity, **signer_kw).metadata(self.stage_ids[stage])
+        signer = self._signers[who]
+        token = signer.token(self.stage_ids[stage], now=time.time() - issued_ago_s)
+        return ((self.auth.TOKEN_KEY, token),)
 
     def connector(self, who: str | int):
         """A gRPC connector whose calls carry `who`'s tokens (a stage number: that stage's identity)."""
@@ -353,7 +363,7 @@ class Harness:
         from swarm.proto import stage_pb2_grpc
 
         channel = self.channel(self.addresses[stage])
-        metadata = kw.pop("metadata", self.keys.metadata(who, stage))
+        metadata = kw.pop("metadata", self.keys.metadata(who, stage, method))
         if method in ("Forward", "Backward", "Sink"):
             fn = getattr(TensorStreams(channel), method)
         else:

@@ -156,7 +156,7 @@ def no_token(h):
 @case("none", "Forward into stage 0 with a token that expired")
 def expired_token(h):
     put_labels(h)
-    return h.expect_refusal(0, "Forward", tokens_item(h), metadata=h.keys.token("trainer", 0, ttl_s=-60.0))
+    return h.expect_refusal(0, "Forward", tokens_item(h), metadata=h.keys.token("trainer", 0, issued_ago_s=3600.0))
 
 
 @case("none", "Forward into stage 0 with the trainer's token for stage 1 (wrong audience)")
@@ -445,7 +445,7 @@ def forged_buffer_digest(h):
     forged = []
     for target in (msg, info):
         for f in target.DESCRIPTOR.fields:
-            if any(word in f.name for word in ("digest", "checksum")) and f.label != f.LABEL_REPEATED:
+            if any(word in f.name for word in ("digest", "checksum")) and not f.is_repeated:
                 setattr(target, f.name, b"\x5a" * 8 if f.type == f.TYPE_BYTES else 0x5A5A)
                 forged.append(f.name)
     if not forged:

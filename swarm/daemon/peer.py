@@ -173,6 +173,7 @@ class PeerDaemon:
             return 3
         log.info("serving stage %d of %d: layers [%d, %d)", role.stage, role.n_stages, role.layer_start, role.layer_end)
         self.servicer.host = self._make_host(role)
+        self.servicer.roster_source = lambda: self.book.even_roster(role.n_stages)
         self._announce_role(role)
         log.info("ready")
         while not self._stop.wait(1.0):  # the split's peers announce one by one, and restart

@@ -62,7 +62,7 @@ class StageBudget:
         return WireLimits(max_dims=3, max_numel=numel, max_message_bytes=4 * numel + (1 << 20))
 
     def sink_limits(self) -> WireLimits:
-        return WireLimits(max_dims=1, max_numel=self.max_sink_bytes // 4, max_message_bytes=self.max_sink_bytes)
+        return WireLimits(max_numel=self.max_sink_bytes // 2, max_message_bytes=self.max_sink_bytes)
 
 
 class SlotsExhausted(RuntimeError):

@@ -44,17 +44,19 @@ class ScheduleGate:
         self._pos, self._running = 0, None
         self._generation += 1
 
-    def check(self, step: int, kind: Kind, mb: int, schedule: str, n_micro: int) -> None:
+    def check(self, step: int, kind: Kind, mb: int, schedule: str, n_micro: int, replacing: bool = False) -> None:
         """Raises GateError if `kind mb` of `step` could never run here; changes nothing.
 
         Run before a call's message is decoded, so a call the schedule would refuse moves no codec state.
+        `replacing`: the stage will abandon its unfinished step for this one (a stale step, or one its trainer
+        left), so the call is checked against a fresh program.
         """
         want = Action(self.stage, kind, mb)
         with self._cond:
             if self._step == step:
                 program, pos = self._program, self._pos
             else:
-                if self._step is not None and self._pos < len(self._program):
+                if self._step is not None and self._pos < len(self._program) and not replacing:
                     raise GateError(f"step {step} arrived while step {self._step} is unfinished on this stage")
                 program, pos = self._program_of(schedule, n_micro), 0
             if want not in program:

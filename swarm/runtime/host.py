@@ -42,6 +42,8 @@ __all__ = ["StageHost", "StageRole"]
 log = logging.getLogger("swarm.runtime.host")
 
 DEFAULT_DEADLINE_S = 120.0
+MAX_STEP = 1 << 53
+"""Step numbers stay below this (exact as floats in every metric and log)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class StageHost:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"route names {len(info.route)} stages, this pipeline has {self.role.n_stages}",
             )
+        if info.step >= MAX_STEP:
+            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"step: {info.step} is not below {MAX_STEP}")
         budget = self.budget
         if not 1 <= (info.num_micro_batches or 1) <= budget.max_micro_batches:
             raise CallRefused(
@@ -162,19 +166,22 @@ class StageHost:
 
     def _may_close(self, step: int, caller: str | None) -> bool:
         """Whether the open step may give way to `step`: it is stale (no call in flight and none for
-        `stale_step_s`), or the trainer that opened it moved on to a later step."""
+        `stale_step_s`), or the trainer that opened it moved on to another step (a trainer runs one step at a
+        time: calls for another step mean it gave this one up)."""
         if self._inflight:
             return False
         if time.monotonic() - self._touched > self.budget.stale_step_s:
             return True
-        return caller is not None and caller == self._owner and step > (self.open_step or 0)
+        return caller is not None and caller == self._owner
 
     def admit(self, call: Incoming | None, info: stage_pb2.CallInfo, kind: Kind | None, caller: str | None = None):
         """Checks the whole call (info, then message or tokens against the budget and the schedule), then
         opens its step. The caller must `leave()` once the call is answered, whatever happened."""
         self.check_call(info, caller)
         if kind is not None:
-            self.gate.check(info.step, kind, info.micro_batch, info.schedule or "1f1b", info.num_micro_batches or 1)
+            replacing = self.open_step is not None and info.step != self.open_step
+            schedule, n_micro = info.schedule or "1f1b", info.num_micro_batches or 1
+            self.gate.check(info.step, kind, info.micro_batch, schedule, n_micro, replacing)
         if call is not None:
             self._check_payload(call, kind)
         with self.compute_lock:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -45,6 +47,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.verifier = verifier
         """Establishes each call's caller; None: calls are anonymous and nothing is authorized (measurement)."""
         self.policy = CallPolicy(roster)
+        self.roster_source: Callable[[], Roster | None] | None = None
+        """Where a stage without a roster may find one (an even split's announcements); None: wait for set_roster."""
+        self._next_roster_fetch = 0.0
+        self._roster_fetch = threading.Lock()
         self.budget = budget or (host.budget if host is not None else StageBudget())
         self._data_slots = CallSlots(self.budget.data_calls, "data")
         """Data calls held at once: past it they are refused at once, so control calls always find a thread."""
@@ -89,9 +95,26 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         from swarm.net.auth import AuthError
 
         try:
-            return self.verifier.caller(context.invocation_metadata())
+            caller = self.verifier.caller(context.invocation_metadata())
         except AuthError as e:
             raise CallRefused(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}") from None
+        self._fetch_roster()
+        return caller
+
+    def _fetch_roster(self) -> None:
+        """Without a roster yet, asks `roster_source` for one (at most once a second; concurrent calls wait for
+        the one fetch): a stage of an even split learns its neighbours as they announce, and a trainer may call
+        before the periodic refresh ran."""
+        if self.policy.roster is not None or self.roster_source is None:
+            return
+        with self._roster_fetch:
+            now = time.monotonic()
+            if self.policy.roster is not None or now < self._next_roster_fetch:
+                return
+            self._next_roster_fetch = now + 1.0
+            roster = self.roster_source()
+            if roster is not None and self.policy.roster is None:
+                self.set_roster(roster)
 
     def _sender(self, context: grpc.ServicerContext, method: str) -> str | None:
         """Authenticates a data call and checks its caller may send it to this stage, before its body is read."""
@@ -275,7 +298,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self._guard(context, lambda: self._serving().status())
 
     def GetState(self, request, context):
-        self._checked(context, self.policy.check_state)
+        self._checked(context, lambda caller: self.policy.check_state(caller))
         hosts = [h for h in (self.host, self.previous) if h is not None]
         if not hosts:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")

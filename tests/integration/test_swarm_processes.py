@@ -34,7 +34,13 @@ def test_fp32_swarm_matches_in_process_pipeline_step_for_step(tmp_path):
     expected = [local.train_step(b, 2).loss for b in data]
     with local_swarm(tmp_path, 2, [*MODEL_FLAGS, "--fw-codec", "fp32", "--bw-codec", "fp32"]) as swarm:
         pipe = PipelineDriver(
-            swarm.route, swarm.peers, "1f1b", n_micro=2, deadline_s=60, plan_version=swarm.plan_version
+            swarm.route,
+            swarm.peers,
+            "1f1b",
+            n_micro=2,
+            deadline_s=60,
+            plan_version=swarm.plan_version,
+            signer=swarm.signer,  # the trainer the plan names: stages serve no one else
         )
         results = [pipe.train_step(step, b) for step, b in enumerate(data)]
         got = [r.loss for r in results]
