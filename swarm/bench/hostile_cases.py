@@ -213,7 +213,10 @@ def route_too_short(h):
 
 @case("trainer", "step 2^62 opened on stage 0")
 def step_2_62(h):
-    put_labels(h, step=STEP_2_62)
+    labels = stage_pb2.LabelsRequest(info=h.info(2, step=STEP_2_62), labels=tokens_to_wire(torch.zeros(2, 16)))
+    refused_labels = h.expect_refusal(2, "PutLabels", labels)
+    if not refused_labels.refused:
+        return refused_labels
     return h.expect_refusal(0, "Forward", tokens_item(h, h.info(0, step=STEP_2_62)))
 
 

@@ -114,6 +114,12 @@ class PeerConfig:
     """Authenticate every call and serve only the plan's peers and trainers; False only to measure its cost."""
 
     def __post_init__(self) -> None:
+        if self.budget.data_calls < self.budget.max_micro_batches + 4:
+            raise ValueError(
+                f"PeerConfig: {self.budget.data_calls} data-call threads leave no room for "
+                f"{self.budget.max_micro_batches} micro-batches in flight (need --max-micro-batches + 4: raise "
+                "--max-workers or lower --max-micro-batches)"
+            )
         object.__setattr__(self, "link_shapes", tuple(tuple(pair) for pair in self.link_shapes))
         if self.assign not in ("plan", "even"):
             raise ValueError(f"PeerConfig.assign: expected plan or even, got {self.assign!r}")
@@ -174,7 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the outward address, detected)",
     )
     g.add_argument("--announce-ttl-s", type=float, default=30.0, help="lifetime of this peer's DHT announcement")
-    g.add_argument("--max-workers", type=int, default=32, help="threads serving gRPC calls")
+    g.add_argument(
+        "--max-workers",
+        type=int,
+        default=32,
+        help="threads serving gRPC calls: 8 stay free for control calls, the rest serve data calls, which must "
+        "exceed --max-micro-batches by 4",
+    )
     g.add_argument("--no-auth", action="store_true", help="serve anonymous calls from anyone (measurement only)")
     budget = StageBudget()
     g.add_argument(
@@ -277,7 +289,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             max_batch=args.max_batch,
             max_micro_batches=args.max_micro_batches,
             max_wait_s=args.max_wait_s,
-            # a quarter of the server's threads stay free for control calls (Status, Probe, Grads, Step)
-            data_calls=max(1, args.max_workers * 3 // 4),
+            # 8 of the server's threads stay free for control calls (Status, Probe, Grads, Step)
+            data_calls=max(1, args.max_workers - 8),
         ),
     )

@@ -195,6 +195,10 @@ class _LocalContext:
     def invocation_metadata(self) -> Metadata:
         return self._metadata
 
+    def add_callback(self, callback) -> bool:
+        """In-process callers never vanish mid-call: nothing to watch."""
+        return True
+
     def abort(self, code: grpc.StatusCode, details: str):
         raise LocalRpcError(code, details)
 

@@ -22,11 +22,14 @@ __all__ = ["CallSlots", "SlotsExhausted", "StageBudget"]
 @dataclass(frozen=True)
 class StageBudget:
     """Bounds on what one stage gives its callers. The defaults fit every run this project makes (micro-batches
-    of up to 256 samples, up to 64 per step); a run with bigger ones raises them on every peer."""
+    of up to 256 samples, up to 16 per step); a run with bigger ones raises them on every peer.
+
+    A step's micro-batches arrive at once (each waits for its turn on a thread), so `data_calls` must exceed
+    `max_micro_batches`: a few slots more for the backward calls that overlap them."""
 
     max_batch: int = 256
     """most samples in one micro-batch (rows of an activation, a gradient, a token or label batch)"""
-    max_micro_batches: int = 64
+    max_micro_batches: int = 16
     """most micro-batches of one step (the schedule's length and the label table's size follow)"""
     max_wait_s: float = 120.0
     """longest a call may wait for its schedule turn or its downstream call, whatever deadline_s it asks for"""

@@ -69,12 +69,27 @@ class ScheduleGate:
         with self._cond:
             return self._pos == len(self._program)
 
+    def wake(self) -> None:
+        """Wakes every waiting call to look again (e.g. its caller gave up)."""
+        with self._cond:
+            self._cond.notify_all()
+
     @contextmanager
-    def turn(self, step: int, kind: Kind, mb: int, schedule: str, n_micro: int, timeout_s: float):
+    def turn(
+        self,
+        step: int,
+        kind: Kind,
+        mb: int,
+        schedule: str,
+        n_micro: int,
+        timeout_s: float,
+        cancelled: threading.Event | None = None,
+    ):
         """Waits until `kind mb` of `step` is this stage's next action, runs the body, then moves on.
 
         The body gets a callable telling whether its step is still the gate's (no reset or new step since):
-        check it under the compute lock before changing the worker's state.
+        check it under the compute lock before changing the worker's state. A set `cancelled` (the caller gave
+        up; call `wake()` after setting it) ends the wait at once.
         """
         want = Action(self.stage, kind, mb)
         with self._cond:
@@ -94,9 +109,13 @@ class ScheduleGate:
                     and self._running is None
                     or self._step != step
                     or want in self._program[: self._pos]
+                    or cancelled is not None
+                    and cancelled.is_set()
                 ),
                 timeout=timeout_s,
             )
+            if cancelled is not None and cancelled.is_set():
+                raise GateError(f"{want} of step {step}: the caller gave up while it waited")
             if self._step != step:
                 raise GateError(f"step {step} was abandoned while {want} waited")
             if want in self._program[: self._pos]:

@@ -260,9 +260,12 @@ class StageHost:
         with self._phase("decode"):
             return self.links.incoming(direction, need_message(call), self.limits)
 
-    def forward(self, call: Incoming, inputs: torch.Tensor | None = None) -> stage_pb2.ForwardReply:
+    def forward(
+        self, call: Incoming, inputs: torch.Tensor | None = None, cancelled: threading.Event | None = None
+    ) -> stage_pb2.ForwardReply:
         """Stage k's forward of one micro-batch (admitted: see `admit`): compute in schedule order, send on to
-        stage k+1. `inputs` are the call's, decoded (default: decoded now)."""
+        stage k+1. `inputs` are the call's, decoded (default: decoded now); a set `cancelled` (the caller gave
+        up) ends its wait for its turn."""
         info, role = call.info, self.role
         if inputs is None:
             inputs = self.decode(call, Kind.FORWARD)
@@ -271,7 +274,7 @@ class StageHost:
         else:
             ids = [int(i) for i in call.message.sample_ids] or list(range(inputs.shape[0]))
         queued = time.perf_counter()
-        with self._turn(info, Kind.FORWARD) as current:
+        with self._turn(info, Kind.FORWARD, cancelled) as current:
             self._observe("wait", queued)
             with self.compute_lock, self._phase("compute"):
                 self._still(current, info)
@@ -286,14 +289,16 @@ class StageHost:
         # communication: the activation goes straight to the next stage, which returns the loss
         return self._send_forward(nxt, items, out, ids)
 
-    def backward(self, call: Incoming, grad_out: torch.Tensor | None = None) -> stage_pb2.BackwardReply:
+    def backward(
+        self, call: Incoming, grad_out: torch.Tensor | None = None, cancelled: threading.Event | None = None
+    ) -> stage_pb2.BackwardReply:
         """Stage k's backward of one micro-batch (admitted): backpropagate in schedule order, send to stage k-1.
         `grad_out` is the call's gradient, decoded (default: decoded now)."""
         info = call.info
         if grad_out is None:
             grad_out = self.decode(call, Kind.BACKWARD)
         queued = time.perf_counter()
-        with self._turn(info, Kind.BACKWARD) as current:
+        with self._turn(info, Kind.BACKWARD, cancelled) as current:
             self._observe("wait", queued)
             with self.compute_lock, self._phase("compute"):
                 self._still(current, info)
@@ -378,7 +383,7 @@ class StageHost:
             raise GateError(f"step {info.step} was abandoned before micro-batch {info.micro_batch} ran")
         self._progressed = True
 
-    def _turn(self, info: stage_pb2.CallInfo, kind: Kind):
+    def _turn(self, info: stage_pb2.CallInfo, kind: Kind, cancelled: threading.Event | None = None):
         return self.gate.turn(
             info.step,
             kind,
@@ -386,6 +391,7 @@ class StageHost:
             info.schedule or "1f1b",
             info.num_micro_batches or 1,
             timeout_s=self._deadline(info),
+            cancelled=cancelled,
         )
 
     # ---- once per step ----------------------------------------------------------------------------------

@@ -157,6 +157,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         def run():
             caller = self._sender(context, "Forward" if kind == Kind.FORWARD else "Backward")
+            gone = threading.Event()  # the caller cancelled or passed its deadline: stop waiting for it
+
+            def on_end() -> None:
+                gone.set()
+                if self.host is not None:
+                    self.host.gate.wake()
+
+            context.add_callback(on_end)
             with self._data_slots.take(), contextlib.ExitStack() as reading:
 
                 def on_header(header) -> None:  # a large message is read and decoded in a slot of its own
@@ -173,7 +181,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 try:
                     inputs = host.decode(call, kind)
                     reading.close()  # decoded: the slot is free before the call waits for its turn
-                    return host.forward(call, inputs) if kind == Kind.FORWARD else host.backward(call, inputs)
+                    if kind == Kind.FORWARD:
+                        return host.forward(call, inputs, gone)
+                    return host.backward(call, inputs, gone)
                 finally:
                     host.leave()
 

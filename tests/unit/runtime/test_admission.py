@@ -292,3 +292,51 @@ def test_step_numbers_are_bounded():
     far = stage_pb2.LabelsRequest(info=s.info(1, step=1 << 62), labels=labels)
     refused(s.client(1).PutLabels, far, code=grpc.StatusCode.INVALID_ARGUMENT, words=["step"])
     assert s.hosts[1].open_step is None
+
+
+class _Context:
+    """A servicer context whose caller can vanish: `vanish()` runs what gRPC runs when a call ends early."""
+
+    def __init__(self):
+        self.callbacks = []
+
+    def invocation_metadata(self):
+        return ()
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def abort(self, code, details):
+        raise LocalRpcError(code, details)
+
+    def vanish(self) -> None:
+        for callback in self.callbacks:
+            callback()
+
+
+def test_a_call_whose_caller_vanished_stops_waiting_and_frees_its_slot():
+    s = Stages(2, StageBudget(data_calls=1, max_wait_s=60))
+    labels = tokens_to_wire(torch.zeros(2, 16, dtype=torch.long))
+    s.client(1).PutLabels(stage_pb2.LabelsRequest(info=s.info(1, step=0, mb=1), labels=labels))
+    context, errors = _Context(), []
+    items = activation_items(s.info(1, step=0, mb=1), torch.randn(2, 16, 32), [0, 1])
+    parsed = [stage_pb2.StreamItem.FromString(i) for i in items]
+
+    def park():  # forward 1 waits for forward 0, which never comes
+        try:
+            s.servicers[1].Forward(iter(parsed), context)
+        except LocalRpcError as e:
+            errors.append(e.details())
+
+    host = s.hosts[1]
+    waiting = threading.Thread(target=park)
+    waiting.start()
+    with host.gate._cond:
+        assert host.gate._cond.wait_for(lambda: host.gate._step == 0, timeout=10)
+    context.vanish()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and "gave up" in errors[0]
+    with s.servicers[1]._data_slots.take():  # its slot is free again
+        pass
+    assert host._inflight == 0
