@@ -39,7 +39,12 @@ from swarm.bench.common import print_table
 __all__ = ["Harness", "Keys", "Outcome", "add_arguments", "run"]
 
 N_STAGES = 3
+BUDGET_MAX_WAIT_S = 5.0
+"""The stage servers' wait cap (StageBudget.max_wait_s; a swarm-peer's default is 120 s, --max-wait-s): short
+here so a case that parks calls ends in seconds."""
 CALL_TIMEOUT_S = 10.0
+"""The client's deadline on a hostile call: longer than the servers' wait cap, so the server ends a parked
+call, not the client."""
 """client deadline of every hostile call"""
 STEP_DEADLINE_S = 20.0
 """deadline of the legitimate step after each case"""
@@ -205,6 +210,7 @@ def _serve(conn, key_dir: str) -> None:
     from swarm.peers.transport import TransportConfig
     from swarm.proto import stage_pb2_grpc
     from swarm.runtime.boundary import LinkEnds
+    from swarm.runtime.budget import StageBudget
     from swarm.runtime.host import StageHost, StageRole
     from swarm.runtime.worker import StageConfig
 
@@ -215,7 +221,7 @@ def _serve(conn, key_dir: str) -> None:
     for stage, (start, end) in enumerate(split_layers(model.n_layers, N_STAGES)):
         host = StageHost(
             StageRole(stage, N_STAGES, start, end), model, StageConfig(), LinkEnds(fw, bw),
-            keys.stage_ids[stage], keys.connector(stage),
+            keys.stage_ids[stage], keys.connector(stage), budget=StageBudget(max_wait_s=BUDGET_MAX_WAIT_S),
         )  # fmt: skip
         pool = _CountingExecutor(MAX_WORKERS)
         # as swarm.peers.transport.make_server, with the counting pool
