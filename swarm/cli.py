@@ -20,6 +20,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "transport"): ("swarm.bench.transport", "gRPC stream throughput, goodput on shaped links"),
     ("bench", "soak"): ("swarm.bench.soak", "a loopback swarm for N steps: RSS, threads and fds of every process"),
     ("bench", "hostile"): ("swarm.bench.hostile", "hostile clients against a local pipeline, case by case"),
+    ("bench", "auth"): ("swarm.bench.auth", "the demo's mean step time with authentication on and off, alternating"),
     ("experiment", "convergence"): (
         "swarm.experiments.convergence",
         "train with every codec setting in one process and compare losses and bytes",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
 import logging
 import signal
@@ -30,6 +29,7 @@ from swarm.options import (
     dht_config,
     model_config,
 )
+from swarm.train.steplog import StepLog
 
 if TYPE_CHECKING:
     from swarm.daemon.planning import Route
@@ -332,7 +332,7 @@ def train(
                 follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
         raise AssertionError("unreachable")
 
-    rows, started = [], time.perf_counter()
+    log, started = StepLog(out, CSV_FIELDS), time.perf_counter()
     try:
         with tqdm(total=total, desc="training", unit="step", disable=quiet, file=sys.stderr) as bar:
             step, epoch = 0, 0
@@ -341,7 +341,7 @@ def train(
                     if step >= total or (stop is not None and stop.is_set()):  # stop between steps
                         break
                     r = run_step(step, batch)
-                    rows.append(
+                    log.add(
                         {
                             "setting": cfg.setting,
                             "step": step + 1,
@@ -360,26 +360,26 @@ def train(
                         }
                     )
                     step += 1
-                    wire = sum(x["forward_bytes"] + x["backward_bytes"] for x in rows)
+                    wire = log.wire_bytes
                     bar.set_postfix_str(f"loss {r.loss:.3f} | {r.seconds:.2f} s/step | wire {wire / 1e6:.1f} MB")
                     bar.update(1)
                 epoch += 1
     finally:
         pipe.close()
-        _write_csv(out / "steps.csv", rows)
-    losses = [r["train_loss"] for r in rows]
+        log.close()
+    losses = list(log.losses)
     panel = Panel("training loss", "step", "loss")
-    panel.series[cfg.setting] = ([r["step"] for r in rows], moving_average(losses, 5))
+    panel.series[cfg.setting] = (list(log.steps), moving_average(losses, 5))
     title = f"swarm train: {len(route.addresses)} stages"
-    plot = save_line_plots([panel], out / "loss.png", title) if rows else None
-    times = [r["step_s"] for r in rows]
+    plot = save_line_plots([panel], out / "loss.png", title) if log.count else None
+    times = list(log.step_seconds)
     summary = TrainSummary(
         final_loss=sum(losses[-5:]) / len(losses[-5:]),
         first_loss=losses[0],
-        steps=len(rows),
-        wire_bytes=sum(r["forward_bytes"] + r["backward_bytes"] for r in rows),
-        fp32_wire_bytes=sum(r["fp32_wire_bytes"] for r in rows),
-        sync_bytes=sum(r["sync_bytes"] for r in rows),
+        steps=log.count,
+        wire_bytes=log.wire_bytes,
+        fp32_wire_bytes=log.totals["fp32_wire_bytes"],
+        sync_bytes=log.totals["sync_bytes"],
         mean_step_s=sum(times[1:] or times) / len(times[1:] or times),
         seconds=time.perf_counter() - started,
         stages=len(route.addresses),
@@ -397,16 +397,6 @@ def counter_columns(counters: dict[str, float]) -> dict[str, float | int]:
     """steps.csv columns for what the driver's counters gained in a step, named as Prometheus names them
     (`swarm_wire_bytes_total{direction=forward,link=0}`), so a new counter is a new column."""
     return {k.replace('"', ""): int(v) if float(v).is_integer() else v for k, v in counters.items()}
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        links = sorted({k for r in rows for k in r if k.startswith("link")})
-        known = set(CSV_FIELDS) | set(links)
-        counters = sorted({k for r in rows for k in r if k not in known})
-        writer = csv.DictWriter(f, CSV_FIELDS + links + counters, restval=0)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,26 @@
+"""The trainer's step log: rows on disk as they come, steps.csv with every column any row had."""
+
+import csv
+
+from swarm.train.steplog import StepLog
+
+FIELDS = ["step", "train_loss", "step_s", "forward_bytes", "backward_bytes", "fp32_wire_bytes", "sync_bytes"]
+
+
+def _row(step: int, **extra) -> dict:
+    return {"step": step, "train_loss": 5.0 - step, "step_s": 0.5, "forward_bytes": 10, "backward_bytes": 5,
+            "fp32_wire_bytes": 100, "sync_bytes": 7, **extra}  # fmt: skip
+
+
+def test_columns_that_appear_late_get_zeros_before_and_totals_add_up(tmp_path):
+    log = StepLog(tmp_path, FIELDS)
+    log.add(_row(1, link0_bytes=3))
+    log.add(_row(2, link0_bytes=4, **{"swarm_aqsgd_buffer_misses_total{link=0}": 2}))
+    assert log.wire_bytes == 30 and log.totals["sync_bytes"] == 14 and list(log.losses) == [4.0, 3.0]
+    path = log.close()
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["1", "2"]
+    assert rows[0]["swarm_aqsgd_buffer_misses_total{link=0}"] == "0"
+    assert rows[1]["swarm_aqsgd_buffer_misses_total{link=0}"] == "2"
+    assert list(rows[0])[: len(FIELDS)] == FIELDS and not (tmp_path / "steps.jsonl").exists()
