@@ -257,48 +257,40 @@ def duplicate_micro_batch(h):
     return h.expect_refusal(0, "Forward", tokens_item(h))
 
 
+def _parked_burst(h, n_micro: int, micro_batch) -> Outcome:
+    """40 Forward calls into the middle stage with deadline_s 1e6, all at once, then Status and Probe: refused
+    only if every call was and both control calls answered meanwhile."""
+
+    def parked(i: int) -> Outcome:
+        return forward_to_middle(
+            h, activation(h, 1), micro_batch=micro_batch(i), num_micro_batches=n_micro, deadline_s=1e6
+        )
+
+    outcomes = burst(parked, 40, threads=40)
+    extra = {}
+    for method, request in (("Status", stage_pb2.Empty()), ("Probe", stage_pb2.ProbeRequest(reply_bytes=16))):
+        try:
+            h.call(1, method, request, timeout=5)
+            extra[f"{method.lower()}_answered"] = True
+        except grpc.RpcError as e:
+            extra[f"{method.lower()}_answered"] = False
+            extra[f"{method.lower()}_error"] = rpc_error(e)
+    result = all_refused(outcomes, extra)
+    result.refused = result.refused and all(v for k, v in extra.items() if k.endswith("_answered"))
+    return result
+
+
 @case("trainer", "deadline_s 1e6 on 40 calls parked in the schedule of a legal 16-micro-batch step", heavy=True)
 def deadline_huge_parked_x40(h):
     """Every call's micro-batch is in the program, so the calls wait for their turns (forward 0 never comes):
     the stage must end each wait at its own cap (`max_wait_s`, whatever deadline_s says) or refuse calls past
     its data slots, answer Status and Probe meanwhile, and serve the next step."""
-
-    def parked(i: int) -> Outcome:
-        mb = i % 15 + 1
-        return forward_to_middle(h, activation(h, 1), micro_batch=mb, num_micro_batches=16, deadline_s=1e6)
-
-    outcomes = burst(parked, 40, threads=40)
-    extra = {}
-    for method, request in (("Status", stage_pb2.Empty()), ("Probe", stage_pb2.ProbeRequest(reply_bytes=16))):
-        try:
-            h.call(1, method, request, timeout=5)
-            extra[f"{method.lower()}_answered"] = True
-        except grpc.RpcError as e:
-            extra[f"{method.lower()}_answered"] = False
-            extra[f"{method.lower()}_error"] = rpc_error(e)
-    result = all_refused(outcomes, extra)
-    result.refused = result.refused and all(v for k, v in extra.items() if k.endswith("_answered"))
-    return result
+    return _parked_burst(h, 16, lambda i: i % 15 + 1)
 
 
 @case("trainer", "deadline_s 1e6 on 40 concurrent calls parked in the schedule; then Status and Probe", heavy=True)
 def deadline_huge_x40(h):
-
-    def parked(i: int) -> Outcome:
-        return forward_to_middle(h, activation(h, 1), micro_batch=i + 1, num_micro_batches=64, deadline_s=1e6)
-
-    outcomes = burst(parked, 40, threads=40)
-    extra = {}
-    for method, request in (("Status", stage_pb2.Empty()), ("Probe", stage_pb2.ProbeRequest(reply_bytes=16))):
-        try:
-            h.call(1, method, request, timeout=5)
-            extra[f"{method.lower()}_answered"] = True
-        except grpc.RpcError as e:
-            extra[f"{method.lower()}_answered"] = False
-            extra[f"{method.lower()}_error"] = rpc_error(e)
-    result = all_refused(outcomes, extra)
-    result.refused = result.refused and all(v for k, v in extra.items() if k.endswith("_answered"))
-    return result
+    return _parked_burst(h, 64, lambda i: i + 1)
 
 
 # ---- in plan, malicious: sizes and streams --------------------------------------------------------------------

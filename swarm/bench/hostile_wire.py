@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from swarm.bench.hostile import Harness, Outcome, lazy
-from swarm.net.stream import serialize_chunk_item, tensor_items, tokens_to_wire
+from swarm.net.stream import serialize_chunk_item, tensor_items, tokens_to_wire, varint
 from swarm.proto import stage_pb2, wire_pb2
 
 MIB = 1 << 20
@@ -77,21 +77,12 @@ def forward_to_middle(h: Harness, msg, who: str = "trainer", **info) -> Outcome:
     return h.expect_refusal(1, "Forward", message_items(h.info(1, **info), msg), who)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def fp32_body(shape: list[int]) -> tuple[bytes, int]:
     """The head of a serialized fp32 TensorMessage of `shape` whose raw bytes (zeros) follow, and the body's
     total length: lets a huge message be streamed without ever being held."""
     nbytes = 4 * int(torch.tensor(shape).prod())
     head = wire_pb2.TensorMessage(shape=shape, dtype=wire_pb2.FLOAT32, codec=wire_pb2.FP32, raw_dtype=wire_pb2.FLOAT32)
-    prefix = head.SerializeToString() + bytes([8 << 3 | 2]) + _varint(nbytes)
+    prefix = head.SerializeToString() + bytes([8 << 3 | 2]) + varint(nbytes)
     return prefix, len(prefix) + nbytes
 
 

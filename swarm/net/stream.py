@@ -84,16 +84,17 @@ def serialize_chunk_item(
     """
     head = stage_pb2.StreamItem(info=info).SerializeToString() if info is not None else b""
     header_field = wire_pb2.Chunk(header=header).SerializeToString() if header is not None else b""
-    data_field = b"".join((_DATA_TAG, _varint(len(data)))) if data else b""
+    data_field = b"".join((_DATA_TAG, varint(len(data)))) if data else b""
     chunk_len = len(header_field) + len(data_field) + len(data)
-    return b"".join((head, _CHUNK_TAG, _varint(chunk_len), header_field, data_field, data))
+    return b"".join((head, _CHUNK_TAG, varint(chunk_len), header_field, data_field, data))
 
 
 _CHUNK_TAG = bytes([3 << 3 | 2])  # StreamItem.chunk: field 3, length-delimited
 _DATA_TAG = bytes([2 << 3 | 2])  # Chunk.data: field 2, length-delimited
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """protobuf's base-128 varint of `n`."""
     out = bytearray()
     while n >= 0x80:
         out.append(n & 0x7F | 0x80)
