@@ -81,24 +81,21 @@ def test_soak_reports_every_process_of_the_swarm():
     assert by["trainer"]["processes"] >= 2
 
 
-def test_hostile_lists_forty_cases_and_rows_carry_the_issues_fields():
+def test_every_quick_hostile_case_is_refused_and_training_goes_on():
+    """The hostile-client suite: every case but the heavy ones (a stranger's key on every RPC, the plan's own
+    callers misbehaving) is refused with an error naming the field or rule, the next legitimate step is
+    served, the servers' RSS stays within 64 MiB of where it was and no thread stays held."""
     listed = subprocess.run(
         [sys.executable, "-m", "swarm.cli", "bench", "hostile", "--list"], capture_output=True, text=True, timeout=120
     )
     assert listed.returncode == 0, listed.stderr[-3000:]
     assert len(listed.stdout.splitlines()) >= 40
-    cases = ["stranger_get_state", "garbage_token", "wrong_plan_version", "truncated_stream", "tokens_out_of_vocab"]
-    rows = _bench_lines("hostile", *(f"--case={c}" for c in cases))
+    rows = _bench_lines("hostile", "--quick")
     *case_rows, summary = rows
-    assert [r["case"] for r in case_rows] == cases  # the registry's order
+    assert len(case_rows) >= 40 and summary["cases"] == len(case_rows)
     for r in case_rows:
-        assert isinstance(r["refused"], bool) and isinstance(r["next_step_served"], bool), r
-        assert r["rss_growth_mib"] is not None and r["threads_held"] is not None and r["seconds"] >= 0, r
+        assert r["refused"] and r["next_step_served"] and r["error"], r
+        assert r["threads_held"] == 0 and r["rss_growth_mib"] < 64, r
     by = {r["case"]: r for r in case_rows}
-    # refused before the step opens on today's code and after the fixes alike: named, and training goes on
-    assert by["wrong_plan_version"]["refused"] and "plan" in by["wrong_plan_version"]["error"]
-    assert by["wrong_plan_version"]["next_step_served"]
-    assert by["truncated_stream"]["refused"]
-    assert summary["case"] == "summary" and summary["cases"] == len(cases)
-    assert summary["all_refused"] == all(r["refused"] for r in case_rows)
-    assert summary["max_rss_growth_mib"] == max(r["rss_growth_mib"] for r in case_rows)
+    assert "plan" in by["wrong_plan_version"]["error"] and "not authenticated" in by["no_token"]["error"]
+    assert summary["all_refused"] and summary["max_rss_growth_mib"] == max(r["rss_growth_mib"] for r in case_rows)
