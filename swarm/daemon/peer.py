@@ -311,17 +311,27 @@ class PeerDaemon:
         return None
 
     def _setup_checkpoints(self, host) -> None:
-        from swarm.runtime.checkpoint import checkpoint_path, load_stage
+        """Resumes the stage from its checkpoint once (--resume), and checkpoints it every --checkpoint-every
+        steps."""
+        from swarm.runtime.checkpoint import resume
 
         cfg = self.cfg
         if not cfg.checkpoint_dir:
             return
-        path = checkpoint_path(cfg.checkpoint_dir, host.role.stage)
-        if cfg.resume and not self.resumed and path.exists():
-            state = load_stage(path, host.worker.module.state_dict())
-            host.worker.module.load_state_dict(state)
-            self.resumed = True
-            log.info("resumed stage %d from %s", host.role.stage, path)
+        role = host.role
+        if cfg.resume and not self.resumed:
+            found = resume(cfg.checkpoint_dir, host.worker, role.layer_start, role.layer_end)
+            if found is not None:
+                host.steps_done = int(found["steps_done"])
+                self.resumed = True
+                log.info(
+                    "resumed layers [%d, %d) at step %d (lr step %s, saved under plan %s)",
+                    role.layer_start,
+                    role.layer_end,
+                    host.steps_done,
+                    found["lr_step"],
+                    found["plan_version"],
+                )
 
         def on_step(h):
             if h.steps_done % cfg.checkpoint_every == 0:
@@ -330,14 +340,16 @@ class PeerDaemon:
         host.on_step = on_step
 
     def _checkpoint(self, host, final: bool = False) -> None:
-        from swarm.runtime.checkpoint import checkpoint_path, save_stage
+        from swarm.runtime.checkpoint import save_worker
 
         if not self.cfg.checkpoint_dir:
             return
-        path = checkpoint_path(self.cfg.checkpoint_dir, host.role.stage)
-        meta = {"stage": str(host.role.stage), "steps_done": str(host.steps_done), "final": str(final)}
-        if save_stage(path, host.worker.state_dict(), meta):
-            log.info("checkpoint written: %s (step %d)", path, host.steps_done)
+        role = host.role
+        path = save_worker(
+            self.cfg.checkpoint_dir, host.worker, role.layer_start, role.layer_end, host.steps_done, role.plan_version
+        )
+        if path is not None:
+            log.info("checkpoint written: %s (step %d%s)", path, host.steps_done, ", final" if final else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,19 +1,38 @@
-"""safetensors checkpoints of one stage, written atomically so a crash or a full disk never corrupts one."""
+"""safetensors checkpoints of one stage, written atomically so a crash or a full disk never corrupts one.
+
+A stage's checkpoint is complete: its weights (`model.<name>`), its optimizer's moments and step per
+parameter (`optim.<name>.<key>`), and in the metadata the layer range, the stage's applied steps, the
+learning-rate schedule's position and the plan it served. It is named by what it holds (the layer range),
+so a re-plan that moves layers never picks up another range's file, and loading checks the range and every
+tensor's shape: a file that does not match is reported and skipped (`resume`), never fatal.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
+if TYPE_CHECKING:
+    from swarm.runtime.worker import StageWorker
+
 log = logging.getLogger("swarm.runtime.checkpoint")
 
 
-def checkpoint_path(directory: str | os.PathLike, stage: int) -> Path:
-    return Path(directory) / f"stage{stage}.safetensors"
+FORMAT = "swarm-stage/1"
+OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+"""What AdamW keeps per parameter."""
+
+
+def checkpoint_path(directory: str | os.PathLike, layer_start: int, layer_end: int) -> Path:
+    """The checkpoint of the stage holding layers [layer_start, layer_end) (its range says whether it also
+    holds the embedding, layer 0, or the head, the last layer)."""
+    return Path(directory) / f"layers-{layer_start:04d}-{layer_end:04d}.safetensors"
 
 
 def save_stage(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
@@ -23,7 +42,9 @@ def save_stage(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, s
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+        _fsync(tmp)  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
+        _fsync(path.parent)  # and the rename itself survives a power cut
         return True
     except OSError as e:
         log.error("checkpoint %s not written (%s); the previous one is kept", path, e)
@@ -31,9 +52,12 @@ def save_stage(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, s
         return False
 
 
-def load_stage(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Loads a checkpoint and checks it holds exactly the expected tensors with the expected shapes."""
-    state = load_file(str(path))
+def load_stage(
+    path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Loads a checkpoint (or checks `state`, already loaded from it) and checks it holds exactly the expected
+    tensors with the expected shapes."""
+    state = load_file(str(path)) if state is None else state
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     if missing or extra:
@@ -44,3 +68,90 @@ def load_stage(path: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch
                 f"checkpoint {path}: {name} has shape {list(state[name].shape)}, expected {list(tensor.shape)}"
             )
     return state
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def worker_tensors(worker: StageWorker) -> dict[str, torch.Tensor]:
+    """Everything a stage's training state is made of, as named tensors: weights and optimizer moments."""
+    tensors = {f"model.{k}": v.detach().clone() for k, v in worker.module.state_dict().items()}
+    for name, param in worker.module.named_parameters():
+        for key, value in worker.optimizer.state.get(param, {}).items():
+            if key in OPTIM_KEYS:
+                tensors[f"optim.{name}.{key}"] = torch.as_tensor(value).detach().clone().float()
+    return tensors
+
+
+def save_worker(
+    directory: str | os.PathLike,
+    worker: StageWorker,
+    layer_start: int,
+    layer_end: int,
+    steps_done: int,
+    plan_version: int = 0,
+) -> Path | None:
+    """Writes the stage's complete checkpoint (see the module's docstring); its path, or None when the disk
+    refused (the previous checkpoint is kept)."""
+    path = checkpoint_path(directory, layer_start, layer_end)
+    metadata = {
+        "format": FORMAT,
+        "layer_start": str(layer_start),
+        "layer_end": str(layer_end),
+        "steps_done": str(steps_done),
+        "lr_step": str(worker.step_count),
+        "plan_version": str(plan_version),
+        "saved_at": f"{time.time():.3f}",
+    }
+    return path if save_stage(path, worker_tensors(worker), metadata) else None
+
+
+def load_worker(path: Path, worker: StageWorker, layer_start: int, layer_end: int) -> dict[str, str]:
+    """Restores weights, optimizer moments and the schedule's position from `path` into `worker`; returns the
+    checkpoint's metadata. Raises ValueError naming what does not match (format, layer range, a tensor)
+    before anything is changed."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    held = (metadata.get("layer_start"), metadata.get("layer_end"))
+    if held != (str(layer_start), str(layer_end)):
+        raise ValueError(f"checkpoint {path} holds layers [{held[0]}, {held[1]}), not [{layer_start}, {layer_end})")
+    params = dict(worker.module.named_parameters())
+    expected = {f"model.{k}": v for k, v in worker.module.state_dict().items()}
+    for name, param in params.items():
+        expected.update({f"optim.{name}.{k}": torch.empty(param.shape if k != "step" else ()) for k in OPTIM_KEYS})
+    state = load_file(str(path))
+    optim_names = [k for k in state if k.startswith("optim.")]
+    if optim_names and set(optim_names) != {k for k in expected if k.startswith("optim.")}:
+        raise ValueError(f"checkpoint {path}: optimizer state for other parameters than this stage's")
+    load_stage(path, {k: v for k, v in expected.items() if k.startswith("model.") or optim_names}, state)
+    worker.module.load_state_dict({k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")})
+    worker.optimizer.state.clear()
+    for name, param in params.items():
+        if optim_names:
+            worker.optimizer.state[param] = {k: state[f"optim.{name}.{k}"].to(param.dtype) for k in OPTIM_KEYS}
+    worker.step_count = int(metadata.get("lr_step", 0))
+    return metadata
+
+
+def resume(
+    directory: str | os.PathLike, worker: StageWorker, layer_start: int, layer_end: int
+) -> dict[str, str] | None:
+    """Loads the stage's checkpoint from `directory` if there is one that fits; a missing file gives None, a
+    mismatching or unreadable one is reported and skipped (None), never fatal."""
+    path = checkpoint_path(directory, layer_start, layer_end)
+    if not path.exists():
+        return None
+    try:
+        return load_worker(path, worker, layer_start, layer_end)
+    except Exception as e:  # a foreign, truncated or corrupt file: start fresh rather than die
+        log.error("checkpoint %s skipped: %s", path, e)
+        return None

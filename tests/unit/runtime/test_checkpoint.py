@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 import swarm.runtime.checkpoint as checkpoint
 from swarm.model.gpt import ModelConfig, build_stage
-from swarm.runtime.checkpoint import checkpoint_path, load_stage, save_stage
+from swarm.runtime.checkpoint import checkpoint_path, load_stage, load_worker, resume, save_stage, save_worker
+from swarm.runtime.worker import StageConfig, StageWorker
 
 CFG = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=4, n_heads=4, init_seed=3)
 
@@ -33,8 +34,8 @@ def test_a_stage_round_trips_exactly_and_loads_into_a_fresh_stage(tmp_path, star
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(torch.randn_like(p))  # weights no init reproduces
-    path = checkpoint_path(tmp_path / "new" / "dir", 1)
-    assert path.name == "stage1.safetensors"
+    path = checkpoint_path(tmp_path / "new" / "dir", start, end)
+    assert path.name == f"layers-{start:04d}-{end:04d}.safetensors"
     assert save_stage(path, {k: v.detach().clone() for k, v in trained.state_dict().items()}, {"steps_done": "7"})
 
     fresh = build_stage(ModelConfig(**{**CFG.__dict__, "init_seed": 4}), start, end, first, last)
@@ -66,7 +67,7 @@ def _failing_write(exc: BaseException):
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_reports_false(tmp_path, monkeypatch, caplog):
-    path = checkpoint_path(tmp_path, 0)
+    path = checkpoint_path(tmp_path, 0, 2)
     old = stage_state()
     assert save_stage(path, old, {"steps_done": "1"})
     before = path.read_bytes()
@@ -81,7 +82,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_reports_false(tmp_path, m
 
 
 def test_a_write_that_fails_otherwise_raises_and_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
-    path = checkpoint_path(tmp_path, 0)
+    path = checkpoint_path(tmp_path, 0, 2)
     old = stage_state()
     assert save_stage(path, old, {})
     monkeypatch.setattr(checkpoint, "save_file", _failing_write(RuntimeError("serializer failed")))
@@ -91,7 +92,7 @@ def test_a_write_that_fails_otherwise_raises_and_leaves_the_old_checkpoint_whole
 
 
 def test_a_refused_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    path = checkpoint_path(tmp_path, 0)
+    path = checkpoint_path(tmp_path, 0, 2)
     old = stage_state()
     assert save_stage(path, old, {})
 
@@ -105,7 +106,7 @@ def test_a_refused_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_loading_into_a_stage_of_other_widths_names_the_tensor_and_both_shapes(tmp_path):
-    path = checkpoint_path(tmp_path, 0)
+    path = checkpoint_path(tmp_path, 0, 2)
     assert save_stage(path, stage_state(), {})
     wider = stage_state(ModelConfig(**{**CFG.__dict__, "hidden_dim": 48}))
     with pytest.raises(ValueError, match=r"tok_emb.weight has shape \[64, 32\], expected \[64, 48\]"):
@@ -113,7 +114,7 @@ def test_loading_into_a_stage_of_other_widths_names_the_tensor_and_both_shapes(t
 
 
 def test_loading_into_a_stage_of_other_layers_lists_what_is_missing_and_unexpected(tmp_path):
-    path = checkpoint_path(tmp_path, 0)
+    path = checkpoint_path(tmp_path, 0, 2)
     assert save_stage(path, stage_state(start=0, end=2, first=True, last=False), {})
     other = stage_state(start=2, end=4, first=False, last=True)
     with pytest.raises(ValueError, match="does not match this stage") as refused:
@@ -121,3 +122,54 @@ def test_loading_into_a_stage_of_other_layers_lists_what_is_missing_and_unexpect
     message = str(refused.value)
     assert "'blocks.2." in message.split("unexpected")[0]  # missing: the other stage's blocks
     assert "'tok_emb.weight'" in message.split("unexpected")[1]  # unexpected: this checkpoint's embeddings
+
+
+def _trained_worker(start: int, end: int, steps: int, seed: int = 0) -> StageWorker:
+    torch.manual_seed(seed)
+    first, last = start == 0, end == CFG.n_layers
+    worker = StageWorker(build_stage(CFG, start, end, first, last), StageConfig())
+    for _ in range(steps):
+        _one_step(worker, first, last, seed)
+    return worker
+
+
+def _one_step(worker: StageWorker, first: bool, last: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, CFG.vocab_size, (2, 8), generator=gen) if first else torch.randn(2, 8, 32, generator=gen)
+    targets = torch.randint(0, CFG.vocab_size, (2, 8), generator=gen) if last else None
+    out = worker.forward(0, x, None, targets)
+    worker.backward(0, torch.tensor(1.0) if last else torch.ones_like(out))
+    worker.step()
+
+
+@pytest.mark.parametrize("start,end", [(0, 2), (2, 4)])
+def test_a_resumed_stage_takes_the_same_next_step_as_the_one_that_never_stopped(tmp_path, start, end):
+    """Weights, AdamW's moments and the learning-rate schedule's position all come back: the next step of a
+    resumed stage equals the next step of the original, bit for bit."""
+    original = _trained_worker(start, end, steps=3)
+    path = save_worker(tmp_path, original, start, end, steps_done=3, plan_version=5)
+    assert path == checkpoint_path(tmp_path, start, end)
+    restarted = _trained_worker(start, end, steps=0, seed=1)  # other weights, empty optimizer
+    meta = load_worker(path, restarted, start, end)
+    assert (meta["steps_done"], meta["lr_step"], meta["plan_version"]) == ("3", "3", "5")
+    assert restarted.step_count == original.step_count == 3
+    first, last = start == 0, end == CFG.n_layers
+    _one_step(original, first, last, seed=7)
+    _one_step(restarted, first, last, seed=7)
+    assert_same_state(restarted.module.state_dict(), original.module.state_dict())
+
+
+def test_a_checkpoint_of_other_layers_or_a_broken_file_is_reported_and_skipped(tmp_path, caplog):
+    worker = _trained_worker(0, 2, steps=1)
+    before = {k: v.clone() for k, v in worker.module.state_dict().items()}
+    other = _trained_worker(2, 4, steps=1)
+    save_worker(tmp_path, other, 2, 4, steps_done=1)
+    # the other stage's file put where this stage's belongs (a stale copy, a manual mistake)
+    checkpoint_path(tmp_path, 2, 4).rename(checkpoint_path(tmp_path, 0, 2))
+    with caplog.at_level(logging.ERROR, logger="swarm.runtime.checkpoint"):
+        assert resume(tmp_path, worker, 0, 2) is None
+    assert "holds layers [2, 4), not [0, 2)" in caplog.text
+    checkpoint_path(tmp_path, 0, 2).write_bytes(b"not a safetensors file")
+    assert resume(tmp_path, worker, 0, 2) is None
+    assert resume(tmp_path / "empty", worker, 0, 2) is None
+    assert_same_state(worker.module.state_dict(), before)  # nothing was loaded
