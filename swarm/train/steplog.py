@@ -1,4 +1,4 @@
-"""The trainer's record of its steps, in constant memory however long the run.
+"""The trainer's record of its steps, in constant memory however long the run, and where it is (to resume).
 
 Each step's row goes to disk as it is made (`steps.jsonl`, one JSON object per line) and only what the
 summary and the loss plot need stays in memory: running totals and two float arrays (step, loss), 16 bytes a
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from array import array
 from pathlib import Path
 
-__all__ = ["StepLog"]
+__all__ = ["StepLog", "load_position", "save_position"]
 
 
 class StepLog:
@@ -57,3 +58,37 @@ class StepLog:
                 writer.writerow(json.loads(line))
         self._lines_path.unlink()
         return self.csv_path
+
+
+TRAINER_FORMAT = "swarm-trainer/1"
+
+
+def save_position(out: Path, step: int, epoch: int, batch: int, identity: dict) -> None:
+    """Writes where the trainer is (`trainer_state.json`: the next step, its epoch and batch within the epoch)
+    atomically, with `identity` (seed, batch size, samples) that a resume must match."""
+    path, tmp = out / "trainer_state.json", out / "trainer_state.json.tmp"
+    tmp.write_text(json.dumps({"format": TRAINER_FORMAT, "step": step, "epoch": epoch, "batch": batch, **identity}))
+    with open(tmp) as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_position(out: Path, identity: dict) -> tuple[int, int, int] | None:
+    """(step, epoch, batch) to resume at from `out`'s trainer_state.json; None without one. Raises ValueError
+    if it belongs to another run (other seed, batch size or samples) or is not a trainer state."""
+    path = out / "trainer_state.json"
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not readable: {e}") from None
+    if not isinstance(state, dict) or state.get("format") != TRAINER_FORMAT:
+        raise ValueError(f"{path} is not a trainer state ({TRAINER_FORMAT})")
+    other = {k: (state.get(k), v) for k, v in identity.items() if state.get(k) != v}
+    if other:
+        raise ValueError(f"{path} is another run's: " + ", ".join(f"{k} {a} (now {b})" for k, (a, b) in other.items()))
+    values = [state.get(k) for k in ("step", "epoch", "batch")]
+    if not all(type(v) is int and v >= 0 for v in values):
+        raise ValueError(f"{path}: step, epoch and batch must be integers >= 0, got {values}")
+    return values[0], values[1], values[2]

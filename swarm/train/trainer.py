@@ -29,7 +29,7 @@ from swarm.options import (
     dht_config,
     model_config,
 )
-from swarm.train.steplog import StepLog
+from swarm.train.steplog import StepLog, load_position, save_position
 
 if TYPE_CHECKING:
     from swarm.daemon.planning import Route
@@ -110,9 +110,13 @@ class TrainConfig:
     """How `swarm train` joins the DHT; None where the caller finds the route itself (demo, experiments)."""
     metrics_port: int | None = None
     """Serve the process's metrics at http://HOST:PORT/metrics (HOST: the DHT's host); None: off, 0: any port."""
+    resume: bool = False
+    """Continue from `out`'s trainer_state.json (step, epoch, batch within it) instead of step 0."""
+    checkpoint_every: int = 50
+    """Steps between writes of trainer_state.json (and one at the end)."""
 
     def __post_init__(self) -> None:
-        for name in ("train_samples", "batch_size", "micro_batches", "epochs"):
+        for name in ("train_samples", "batch_size", "micro_batches", "epochs", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batches:
@@ -158,6 +162,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--deadline-s", type=float, default=d.deadline_s, help="longest a micro-batch may take end to end")
     g.add_argument("--out", default=d.out, help="folder for steps.csv, loss.png, summary.json (default runs/train-*)")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --out's trainer_state.json: the same data order, from the step where it stopped",
+    )
+    g.add_argument(
+        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between writes of trainer_state.json"
+    )
     g.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     add_metrics_arguments(parser)
 
@@ -177,6 +189,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         setting=args.setting,
         deadline_s=args.deadline_s,
         out=args.out,
+        resume=args.resume,
+        checkpoint_every=args.checkpoint_every,
         num_stages=args.num_stages,
         wait_timeout_s=args.wait_timeout_s,
         dht=dht_config(args, client_mode=True),
@@ -332,12 +346,20 @@ def train(
                 follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
         raise AssertionError("unreachable")
 
+    run_identity = {"seed": cfg.seed, "batch_size": cfg.batch_size, "train_samples": cfg.train_samples}
+    start = (load_position(out, run_identity) if cfg.resume else None) or (0, 0, 0)
+    if cfg.resume:
+        say(f"resuming at step {start[0]} (epoch {start[1]}, batch {start[2]})" if start[0] else "nothing to resume")
+    position = start
     log, started = StepLog(out, CSV_FIELDS), time.perf_counter()
     try:
         with tqdm(total=total, desc="training", unit="step", disable=quiet, file=sys.stderr) as bar:
-            step, epoch = 0, 0
+            step, epoch, skip = start
+            bar.update(step)
             while step < total and not (stop is not None and stop.is_set()):
-                for batch in epoch_batches(train_set, cfg.batch_size, epoch, cfg.seed):
+                for index, batch in enumerate(epoch_batches(train_set, cfg.batch_size, epoch, cfg.seed)):
+                    if index < skip:  # resumed: these batches of this epoch were trained before the stop
+                        continue
                     if step >= total or (stop is not None and stop.is_set()):  # stop between steps
                         break
                     r = run_step(step, batch)
@@ -360,13 +382,17 @@ def train(
                         }
                     )
                     step += 1
+                    position = (step, epoch, index + 1)
+                    if step % cfg.checkpoint_every == 0:
+                        save_position(out, *position, run_identity)
                     wire = log.wire_bytes
                     bar.set_postfix_str(f"loss {r.loss:.3f} | {r.seconds:.2f} s/step | wire {wire / 1e6:.1f} MB")
                     bar.update(1)
-                epoch += 1
+                epoch, skip = epoch + 1, 0
     finally:
         pipe.close()
         log.close()
+        save_position(out, *position, run_identity)
     losses = list(log.losses)
     panel = Panel("training loss", "step", "loss")
     panel.series[cfg.setting] = (list(log.steps), moving_average(losses, 5))
@@ -374,13 +400,13 @@ def train(
     plot = save_line_plots([panel], out / "loss.png", title) if log.count else None
     times = list(log.step_seconds)
     summary = TrainSummary(
-        final_loss=sum(losses[-5:]) / len(losses[-5:]),
-        first_loss=losses[0],
+        final_loss=sum(losses[-5:]) / len(losses[-5:]) if losses else float("nan"),
+        first_loss=losses[0] if losses else float("nan"),
         steps=log.count,
         wire_bytes=log.wire_bytes,
         fp32_wire_bytes=log.totals["fp32_wire_bytes"],
         sync_bytes=log.totals["sync_bytes"],
-        mean_step_s=sum(times[1:] or times) / len(times[1:] or times),
+        mean_step_s=sum(times[1:] or times) / len(times[1:] or times) if times else 0.0,
         seconds=time.perf_counter() - started,
         stages=len(route.addresses),
         route=route.addresses,
@@ -445,6 +471,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         except TimeoutError as e:
             print(f"error: training stopped: {e}", file=sys.stderr)
+            return 2
+        except ValueError as e:  # e.g. --resume from another run's trainer_state.json
+            print(f"error: {e}", file=sys.stderr)
             return 2
     print(json.dumps(asdict(summary)) if args.json else format_summary(summary))
     return 0

@@ -3,16 +3,22 @@ buffers on both ends, and clear errors (while the peer keeps serving) on every k
 
 from __future__ import annotations
 
+import csv
+import threading
+
 import grpc
 import pytest
 import torch
 
 from swarm.compression import CodecConfig, WireLimits, frame, make_codec
+from swarm.daemon.planning import Route
 from swarm.model.data import Batch
+from swarm.net.auth import CallSigner
 from swarm.net.stream import StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2, stage_pb2_grpc, wire_pb2
 from swarm.runtime.local import LocalPipeline
-from tests.integration.swarm_fixtures import TINY, loopback_stages, remote
+from swarm.train.trainer import TrainConfig, train
+from tests.integration.swarm_fixtures import TINY, loopback_stages, remote, trainer_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -147,3 +153,37 @@ def test_a_vanished_stage_is_named_and_nothing_hangs():
             pipe.train_step(1, batches(1)[0])
         pipe.close()
     assert "stage 1 (peer peer1" in str(err.value)
+
+
+def test_a_stopped_trainer_resumes_where_it_was_with_the_same_data_order(tmp_path):
+    """`train(resume=True)` continues from trainer_state.json: the same batches, in the same order, as a run
+    that never stopped, and the stages' step numbers go on from there."""
+    cfg = dict(model=TINY, train_samples=16, batch_size=4, micro_batches=2, epochs=2, checkpoint_every=1)
+    losses = {}
+    for name in ("whole", "stopped"):
+        with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
+            peers, trainer = trainer_of(addresses)
+            route, signer = Route(addresses, peers), CallSigner(trainer)
+            out = str(tmp_path / name)
+            if name == "whole":
+                losses[name] = _steps_csv_losses(train(TrainConfig(**cfg, out=out), route, quiet=True, signer=signer))
+                continue
+            stop = threading.Event()
+
+            def stop_after_three(host, stop=stop) -> None:
+                if host.steps_done == 3:
+                    stop.set()
+
+            hosts[0].on_step = stop_after_three  # of the 8 steps
+            first = train(TrainConfig(**cfg, out=out), route, quiet=True, signer=signer, stop=stop)
+            assert first.steps == 3
+            before = _steps_csv_losses(first)  # the resumed run writes its own steps.csv
+            rest = train(TrainConfig(**cfg, out=out, resume=True), route, quiet=True, signer=signer)
+            assert rest.steps == 5 and hosts[0].steps_done == 8
+            losses[name] = before + _steps_csv_losses(rest)
+    assert losses["stopped"] == losses["whole"]
+
+
+def _steps_csv_losses(summary) -> list[float]:
+    with open(summary.csv) as f:
+        return [float(r["train_loss"]) for r in csv.DictReader(f)]

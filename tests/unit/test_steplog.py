@@ -24,3 +24,22 @@ def test_columns_that_appear_late_get_zeros_before_and_totals_add_up(tmp_path):
     assert rows[0]["swarm_aqsgd_buffer_misses_total{link=0}"] == "0"
     assert rows[1]["swarm_aqsgd_buffer_misses_total{link=0}"] == "2"
     assert list(rows[0])[: len(FIELDS)] == FIELDS and not (tmp_path / "steps.jsonl").exists()
+
+
+def test_a_trainer_position_round_trips_and_another_runs_is_refused_by_name(tmp_path):
+    import pytest
+
+    from swarm.train.steplog import load_position, save_position
+
+    run = {"seed": 0, "batch_size": 8, "train_samples": 64}
+    assert load_position(tmp_path, run) is None
+    save_position(tmp_path, 12, 1, 4, run)
+    assert load_position(tmp_path, run) == (12, 1, 4)
+    with pytest.raises(ValueError, match="another run's: batch_size 8 \\(now 16\\)"):
+        load_position(tmp_path, {**run, "batch_size": 16})
+    (tmp_path / "trainer_state.json").write_text('{"format": "swarm-trainer/1", "step": -1, "epoch": 0, "batch": 0}')
+    with pytest.raises(ValueError, match="integers"):
+        load_position(tmp_path, {})
+    (tmp_path / "trainer_state.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not readable"):
+        load_position(tmp_path, run)
