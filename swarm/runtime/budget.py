@@ -33,8 +33,11 @@ class StageBudget:
     """most micro-batches of one step (the schedule's length and the label table's size follow)"""
     max_wait_s: float = 120.0
     """longest a call may wait for its schedule turn or its downstream call, whatever deadline_s it asks for"""
-    stale_step_s: float = 300.0
+    stale_step_s: float = 60.0
     """an open step that saw no call for this long, with none in flight, closes itself when another arrives"""
+    orphan_step_s: float = 5.0
+    """a plan change waits for the open step to end, unless it saw no call for this long with none in flight
+    (its trainer or a stage of the old plan is gone): then the step is abandoned at once"""
     data_calls: int = 24
     """Forward/Backward/PutLabels/GetState calls served at once; more are refused at once, so the server's
     other threads stay free for control calls (Status, Probe, Grads, Step)"""
@@ -54,7 +57,7 @@ class StageBudget:
         for name in ("max_batch", "max_micro_batches", "data_calls", "large_streams", "probe_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StageBudget.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_wait_s", "stale_step_s"):
+        for name in ("max_wait_s", "stale_step_s", "orphan_step_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StageBudget.{name} must be > 0, got {getattr(self, name)}")
 

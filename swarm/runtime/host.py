@@ -188,6 +188,10 @@ class StageHost:
             self.open(info.step, caller)
             self._inflight += 1
 
+    def orphaned(self, idle_s: float) -> bool:
+        """Whether the open step has had no call in flight, and none admitted, for `idle_s` seconds."""
+        return self._inflight == 0 and time.monotonic() - self._touched > idle_s
+
     def leave(self) -> None:
         """Ends an admitted call. A step that made no progress and has no call left in flight closes again."""
         with self.compute_lock:

@@ -194,11 +194,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         Calls are admitted under the same lock, so no step can straddle the change: a call that arrives
         after it meets the new plan version and is refused, and the trainer retries the step on the new
-        plan. Returns False if a step stayed open for `timeout_s` (a trainer gone mid-step); the change is
-        then made anyway and that step is abandoned.
+        plan. Returns False if the open step was abandoned instead: it stayed open for `timeout_s`, or it is
+        orphaned (no call in flight and none for `budget.orphan_step_s`: its trainer is gone, or a stage of
+        the old plan died mid-step). The change is then made anyway.
         """
+        deadline = time.monotonic() + timeout_s
         with self._admission:
-            idle = self._admission.wait_for(lambda: self.host is None or self.host.open_step is None, timeout_s)
+            while not (idle := self.host is None or self.host.open_step is None):
+                if time.monotonic() >= deadline or self.host.orphaned(self.budget.orphan_step_s):
+                    break
+                self._admission.wait(min(0.5, max(0.0, deadline - time.monotonic())))  # step ends notify it
             if not idle:
                 log.warning("stage %d: abandoning unfinished step %s", self.host.role.stage, self.host.open_step)
                 self.host.step(stage_pb2.StepRequest(step=self.host.open_step or 0, abandon=True))

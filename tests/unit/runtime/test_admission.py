@@ -7,6 +7,7 @@ gRPC server runs), so each case is a few calls and the next legitimate step is c
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -340,3 +341,16 @@ def test_a_call_whose_caller_vanished_stops_waiting_and_frees_its_slot():
     with s.servicers[1]._data_slots.take():  # its slot is free again
         pass
     assert host._inflight == 0
+
+
+def test_a_plan_change_abandons_an_orphaned_step_at_once_and_waits_for_a_live_one():
+    labels = tokens_to_wire(torch.zeros(2, 16, dtype=torch.long))
+    orphans = Stages(2, StageBudget(orphan_step_s=1e-9))  # no call in flight: orphaned at once
+    orphans.client(1).PutLabels(stage_pb2.LabelsRequest(info=orphans.info(1, step=0), labels=labels))
+    started = time.monotonic()
+    assert orphans.servicers[1].swap(None, timeout_s=60, plan_version=1) is False  # abandoned, not waited for
+    assert time.monotonic() - started < 30 and orphans.hosts[1].open_step is None
+    live = Stages(2, StageBudget(orphan_step_s=60.0))  # its trainer called a moment ago: not orphaned
+    live.client(1).PutLabels(stage_pb2.LabelsRequest(info=live.info(1, step=0), labels=labels))
+    assert live.servicers[1].swap(None, timeout_s=0.2, plan_version=1) is False  # waited the whole timeout
+    assert live.hosts[1].open_step is None
