@@ -266,9 +266,9 @@ class PeerDaemon:
         """Loads the layers `new_host` takes over from the peers that held them under the old plan."""
         from swarm.daemon.planning import fetch_state
         from swarm.daemon.roster import retry_refused
+        from swarm.runtime.checkpoint import checkpoint_handover, handover_tensors, take_over
 
         role = new_host.role
-        wanted = new_host.worker.module.state_dict()
         addresses = {p.peer_id: p.address for p in self.dht.peers()}
         old_stages = old.plan.get("stages", [])
         loaded: dict[str, torch.Tensor] = {}
@@ -281,25 +281,41 @@ class PeerDaemon:
             holder = stage["peer_ids"][0]
             try:
                 if holder == self.dht.peer_id and self.servicer.host is not None:
-                    state = self.servicer.host.worker.state_dict()
+                    host = self.servicer.host
+                    state = handover_tensors(host.worker, host.steps_done)
                 elif holder in addresses:
                     # retried: the holder may not follow the new plan (nor serve us its state) yet
                     state = retry_refused(self._stop, fetch_state, self.channels, addresses[holder], index, old.version)
                 else:
                     raise ConnectionError("it has left the swarm")
             except Exception as e:
-                log.warning("could not take over stage %d of plan %d from %s: %s", index, old.version, holder, e)
-                continue
-            loaded.update({k: v for k, v in state.items() if k in wanted and v.shape == wanted[k].shape})
-        missing = sorted(set(wanted) - set(loaded))
-        if loaded:
-            new_host.worker.module.load_state_dict(loaded, strict=False)
+                state = self._checkpointed(index, start, end, f"{holder}: {e}", checkpoint_handover)
+                if state is None:
+                    continue
+            loaded.update(state)
+        count, missing, steps_done = take_over(new_host.worker, loaded)
+        new_host.steps_done = max(new_host.steps_done, steps_done)
         log.info(
-            "took over %d tensors from plan %d%s",
-            len(loaded),
+            "took over %d weights with their optimizer state from plan %d (step %d, lr step %d)%s",
+            count,
             old.version,
-            f"; {len(missing)} start from the initial weights (optimizer state starts fresh)" if missing else "",
+            new_host.steps_done,
+            new_host.worker.step_count,
+            f"; {len(missing)} start from the initial weights" if missing else "",
         )
+
+    def _checkpointed(self, index: int, start: int, end: int, why: str, read) -> dict | None:
+        """The old stage's state from its checkpoint in --checkpoint-dir (shared by a local swarm's peers, or
+        this peer's own), when its holder could not hand it over; None (logged) without one."""
+        if self.cfg.checkpoint_dir:
+            try:
+                state = read(self.cfg.checkpoint_dir, start, end)
+                log.info("stage %d's holder is unreachable (%s): taking its layers from its checkpoint", index, why)
+                return state
+            except Exception as e:
+                why = f"{why}; no usable checkpoint: {e}"
+        log.warning("could not take over stage %d (layers [%d, %d)): %s", index, start, end, why)
+        return None
 
     def _wait_for_role(self, dht, assigner):
         deadline = time.monotonic() + self.cfg.assign_timeout_s

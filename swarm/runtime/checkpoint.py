@@ -84,7 +84,9 @@ def worker_tensors(worker: StageWorker) -> dict[str, torch.Tensor]:
     for name, param in worker.module.named_parameters():
         for key, value in worker.optimizer.state.get(param, {}).items():
             if key in OPTIM_KEYS:
-                tensors[f"optim.{name}.{key}"] = torch.as_tensor(value).detach().clone().float()
+                # every tensor has a dimension (the step too): the wire's fp32 codec sends no 0-d tensors
+                value = torch.as_tensor(value).detach().clone().float()
+                tensors[f"optim.{name}.{key}"] = value.reshape(1) if key == "step" else value
     return tensors
 
 
@@ -127,7 +129,7 @@ def load_worker(path: Path, worker: StageWorker, layer_start: int, layer_end: in
     params = dict(worker.module.named_parameters())
     expected = {f"model.{k}": v for k, v in worker.module.state_dict().items()}
     for name, param in params.items():
-        expected.update({f"optim.{name}.{k}": torch.empty(param.shape if k != "step" else ()) for k in OPTIM_KEYS})
+        expected.update({f"optim.{name}.{k}": torch.empty(param.shape if k != "step" else (1,)) for k in OPTIM_KEYS})
     state = load_file(str(path))
     optim_names = [k for k in state if k.startswith("optim.")]
     if optim_names and set(optim_names) != {k for k in expected if k.startswith("optim.")}:
@@ -137,7 +139,7 @@ def load_worker(path: Path, worker: StageWorker, layer_start: int, layer_end: in
     worker.optimizer.state.clear()
     for name, param in params.items():
         if optim_names:
-            worker.optimizer.state[param] = {k: state[f"optim.{name}.{k}"].to(param.dtype) for k in OPTIM_KEYS}
+            worker.optimizer.state[param] = _moments(state, name, param)
     worker.step_count = int(metadata.get("lr_step", 0))
     return metadata
 
@@ -155,3 +157,57 @@ def resume(
     except Exception as e:  # a foreign, truncated or corrupt file: start fresh rather than die
         log.error("checkpoint %s skipped: %s", path, e)
         return None
+
+
+def handover_tensors(worker: StageWorker, steps_done: int) -> dict[str, torch.Tensor]:
+    """What a stage hands to the peer taking its layers over: weights, optimizer moments, and (`meta.*`) the
+    schedule's position and the applied steps, so neither the warm-up nor the moments start again."""
+    tensors = worker_tensors(worker)
+    tensors["meta.lr_step"] = torch.tensor([float(worker.step_count)])
+    tensors["meta.steps_done"] = torch.tensor([float(steps_done)])
+    return tensors
+
+
+def checkpoint_handover(directory: str | os.PathLike, layer_start: int, layer_end: int) -> dict[str, torch.Tensor]:
+    """`handover_tensors` of the stage that held [layer_start, layer_end), read from its checkpoint in
+    `directory` (the fallback when that peer is gone). Raises OSError/ValueError if there is none that fits."""
+    from safetensors import safe_open
+
+    path = checkpoint_path(directory, layer_start, layer_end)
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    tensors = load_file(str(path))
+    tensors["meta.lr_step"] = torch.tensor([float(metadata.get("lr_step", 0))])
+    tensors["meta.steps_done"] = torch.tensor([float(metadata.get("steps_done", 0))])
+    return tensors
+
+
+def take_over(worker: StageWorker, tensors: dict[str, torch.Tensor]) -> tuple[int, list[str], int]:
+    """Loads what `tensors` (merged `handover_tensors` of the old holders) has of this stage's parameters:
+    weights, their moments, and the schedule's position (the furthest one). Returns (tensors loaded, names of
+    this stage's weights left at their initial values, steps done)."""
+    wanted = worker.module.state_dict()
+    weights = {
+        k[len("model.") :]: v
+        for k, v in tensors.items()
+        if k.startswith("model.") and k[len("model.") :] in wanted and v.shape == wanted[k[len("model.") :]].shape
+    }
+    if weights:
+        worker.module.load_state_dict(weights, strict=False)
+    for name, param in worker.module.named_parameters():
+        keys = [f"optim.{name}.{k}" for k in OPTIM_KEYS]
+        if name in weights and all(k in tensors for k in keys) and tensors[keys[1]].shape == param.shape:
+            worker.optimizer.state[param] = _moments(tensors, name, param)
+    if "meta.lr_step" in tensors:
+        worker.step_count = max(worker.step_count, int(tensors["meta.lr_step"].max()))
+    steps_done = int(tensors["meta.steps_done"].max()) if "meta.steps_done" in tensors else 0
+    return len(weights), sorted(set(wanted) - set(weights)), steps_done
+
+
+def _moments(tensors: dict[str, torch.Tensor], name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AdamW's state of `param` from `optim.<name>.*` (its step back to the 0-d tensor AdamW keeps)."""
+    state = {k: tensors[f"optim.{name}.{k}"].to(param.dtype) for k in OPTIM_KEYS}
+    state["step"] = state["step"].reshape(())
+    return state

@@ -525,9 +525,12 @@ class StageHost:
         )
 
     def state_items(self) -> Iterator[stage_pb2.StateItem]:
-        """The stage's parameters as named fp32 tensors, for handing the stage over to another peer."""
+        """The stage's state as named fp32 tensors, for handing the stage over to another peer: weights
+        (`model.*`), optimizer moments (`optim.*`) and the schedule's position (`meta.*`)."""
+        from swarm.runtime.checkpoint import handover_tensors
+
         codec = make_codec(CodecConfig("fp32"))
-        for name, tensor in self.worker.state_dict().items():
+        for name, tensor in handover_tensors(self.worker, self.steps_done).items():
             for chunk in frame(codec.encode(tensor.float()), zstd_level=0):
                 yield stage_pb2.StateItem(name=name, chunk=chunk)
 

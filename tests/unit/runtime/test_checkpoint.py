@@ -173,3 +173,33 @@ def test_a_checkpoint_of_other_layers_or_a_broken_file_is_reported_and_skipped(t
     assert resume(tmp_path, worker, 0, 2) is None
     assert resume(tmp_path / "empty", worker, 0, 2) is None
     assert_same_state(worker.module.state_dict(), before)  # nothing was loaded
+
+
+def test_a_stage_taken_over_keeps_its_moments_and_schedule_and_ignores_other_layers():
+    """What GetState hands over (weights, AdamW moments, lr step, steps done) makes the new holder's next step
+    the one the old holder would have taken; tensors of layers it does not hold are left out."""
+    from swarm.runtime.checkpoint import handover_tensors, take_over
+
+    old = _trained_worker(0, 2, steps=3)
+    neighbour = _trained_worker(2, 4, steps=3)
+    new = _trained_worker(0, 2, steps=0, seed=1)
+    count, missing, steps_done = take_over(new, {**handover_tensors(neighbour, 3), **handover_tensors(old, 3)})
+    assert (count, missing, steps_done) == (len(old.module.state_dict()), [], 3)
+    assert new.step_count == 3
+    _one_step(old, True, False, seed=7)
+    _one_step(new, True, False, seed=7)
+    assert_same_state(new.module.state_dict(), old.module.state_dict())
+
+
+def test_a_dead_holders_checkpoint_is_its_handover(tmp_path):
+    from swarm.runtime.checkpoint import checkpoint_handover, take_over
+
+    old = _trained_worker(2, 4, steps=2)
+    save_worker(tmp_path, old, 2, 4, steps_done=2)
+    new = _trained_worker(2, 4, steps=0, seed=1)
+    assert take_over(new, checkpoint_handover(tmp_path, 2, 4))[2] == 2
+    _one_step(old, False, True, seed=7)
+    _one_step(new, False, True, seed=7)
+    assert_same_state(new.module.state_dict(), old.module.state_dict())
+    with pytest.raises(OSError):
+        checkpoint_handover(tmp_path, 0, 2)
