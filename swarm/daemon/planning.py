@@ -272,7 +272,11 @@ class Planner:
             self._seen, self._since = (alive, tuple(trainers)), now
         current = self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
         same_peers = current is not None and plan_peers(current) == alive
-        if len(alive) < self.min_peers or (same_peers and current.plan.get("trainer_ids", []) == trainers):
+        # the first plan waits for --min-peers; later ones heal the swarm with whoever is left (a plan naming a
+        # peer that left no longer validates, so "a plan exists" is whether the authority published any)
+        if current is None and len(alive) < self.min_peers and self.dht.newest_plan_version(peers) == 0:
+            return None
+        if not alive or (same_peers and current.plan.get("trainer_ids", []) == trainers):
             return None
         if now - self._since < self.settle_s:
             return None  # peers are still arriving (or leaving): wait for the set to settle

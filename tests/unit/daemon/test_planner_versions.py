@@ -75,3 +75,17 @@ def test_at_the_version_bound_the_planner_stops_instead_of_overflowing():
     top = two_stages(MAX_PLAN_VERSION, A, B)
     dht, published = swarm(A, {"peers": [peer(A), peer(B), peer(C)], "plan": [(A, top)]})
     assert planner(dht).round() is None and published == []
+
+
+def test_survivors_re_plan_below_min_peers_once_a_plan_exists():
+    """--min-peers holds the first plan back; once the swarm runs, a peer leaving makes the survivors
+    re-plan with whoever is left instead of waiting forever."""
+    records = {"peers": [peer(A)]}
+    dht, published = swarm(A, records)
+    assert planner(dht).round() is None and published == [], "the first plan waits for 2 peers"
+    records["plan"] = [(A, two_stages(4, A, B, trainer_ids=[]))]
+    records["peers"] = [peer(A, 4)]  # B left
+    assert planner(dht).round() is not None
+    [(version, plan)] = published
+    assert version == 5 and [s["peer_ids"] for s in plan["stages"]] == [[A]]
+    assert (plan["stages"][0]["layer_start"], plan["stages"][-1]["layer_end"]) == (0, MODEL.n_layers)
