@@ -54,24 +54,22 @@ def _owner_and_suffix(subkey: Any) -> tuple[str, bytes]:
     return peer_id_of(match.group(1)), subkey[match.end() :]
 
 
-def _announcement(subkey: Any, value: Any) -> tuple[PeerAnnouncement, float]:
-    owner, suffix = _owner_and_suffix(subkey)
-    if suffix:
-        raise ValueError(f"subkey: unexpected suffix {suffix[:32]!r}")
-    ann = PeerAnnouncement.from_wire(value)
-    if ann.peer_id != owner:
-        raise ValueError(f"PeerAnnouncement.peer_id: {ann.peer_id} is not the signer's id {owner}")
-    return ann, ann.started_at
+def _announced(cls: type[PeerAnnouncement] | type[TrainerAnnouncement]):
+    """The parser of an announcement record of `cls`: one per signer, under the signer's bare subkey."""
+
+    def parse(subkey: Any, value: Any):
+        owner, suffix = _owner_and_suffix(subkey)
+        if suffix:
+            raise ValueError(f"subkey: unexpected suffix {suffix[:32]!r}")
+        ann = cls.from_wire(value)
+        if ann.peer_id != owner:
+            raise ValueError(f"{cls.__name__}.peer_id: {ann.peer_id} is not the signer's id {owner}")
+        return ann, ann.started_at
+
+    return parse
 
 
-def _trainer(subkey: Any, value: Any) -> tuple[TrainerAnnouncement, float]:
-    owner, suffix = _owner_and_suffix(subkey)
-    if suffix:
-        raise ValueError(f"subkey: unexpected suffix {suffix[:32]!r}")
-    ann = TrainerAnnouncement.from_wire(value)
-    if ann.peer_id != owner:
-        raise ValueError(f"TrainerAnnouncement.peer_id: {ann.peer_id} is not the signer's id {owner}")
-    return ann, ann.started_at
+_announcement, _trainer = _announced(PeerAnnouncement), _announced(TrainerAnnouncement)
 
 
 def _link(subkey: Any, value: Any) -> tuple[LinkMeasurement, float]:

@@ -153,9 +153,8 @@ class LinkEnds:
             return [self.fw_recv, self.bw_recv, *self._send.values()]
 
     def end_step(self) -> None:
-        ends = self._ends()
         with self.lock:
-            for end in ends:
+            for end in (self.fw_recv, self.bw_recv, *self._send.values()):
                 end.state.end_step()
 
     def buffered_samples(self) -> int:

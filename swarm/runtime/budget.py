@@ -86,7 +86,8 @@ class CallSlots:
     @contextmanager
     def take(self, wait_s: float = 0.0):
         """Holds a slot for the body; raises SlotsExhausted if none frees up within `wait_s` (0: none free now)."""
-        if not self._free.acquire(timeout=wait_s) if wait_s > 0 else not self._free.acquire(blocking=False):
+        acquired = self._free.acquire(timeout=wait_s) if wait_s > 0 else self._free.acquire(blocking=False)
+        if not acquired:
             raise SlotsExhausted(f"{self.n} {self.what} calls are being served already; retry later")
         try:
             yield

@@ -117,12 +117,7 @@ def load_worker(path: Path, worker: StageWorker, layer_start: int, layer_end: in
     """Restores weights, optimizer moments and the schedule's position from `path` into `worker`; returns the
     checkpoint's metadata. Raises ValueError naming what does not match (format, layer range, a tensor)
     before anything is changed."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        metadata = f.metadata() or {}
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    metadata = _metadata(path)
     held = (metadata.get("layer_start"), metadata.get("layer_end"))
     if held != (str(layer_start), str(layer_end)):
         raise ValueError(f"checkpoint {path} holds layers [{held[0]}, {held[1]}), not [{layer_start}, {layer_end})")
@@ -162,25 +157,32 @@ def resume(
 def handover_tensors(worker: StageWorker, steps_done: int) -> dict[str, torch.Tensor]:
     """What a stage hands to the peer taking its layers over: weights, optimizer moments, and (`meta.*`) the
     schedule's position and the applied steps, so neither the warm-up nor the moments start again."""
-    tensors = worker_tensors(worker)
-    tensors["meta.lr_step"] = torch.tensor([float(worker.step_count)])
-    tensors["meta.steps_done"] = torch.tensor([float(steps_done)])
-    return tensors
+    return _with_meta(worker_tensors(worker), worker.step_count, steps_done)
 
 
 def checkpoint_handover(directory: str | os.PathLike, layer_start: int, layer_end: int) -> dict[str, torch.Tensor]:
     """`handover_tensors` of the stage that held [layer_start, layer_end), read from its checkpoint in
     `directory` (the fallback when that peer is gone). Raises OSError/ValueError if there is none that fits."""
+    path = checkpoint_path(directory, layer_start, layer_end)
+    metadata = _metadata(path)
+    return _with_meta(load_file(str(path)), metadata.get("lr_step", 0), metadata.get("steps_done", 0))
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    """A stage checkpoint's metadata; ValueError if the file is not one (another format)."""
     from safetensors import safe_open
 
-    path = checkpoint_path(directory, layer_start, layer_end)
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
-    tensors = load_file(str(path))
-    tensors["meta.lr_step"] = torch.tensor([float(metadata.get("lr_step", 0))])
-    tensors["meta.steps_done"] = torch.tensor([float(metadata.get("steps_done", 0))])
+    return metadata
+
+
+def _with_meta(tensors: dict[str, torch.Tensor], lr_step, steps_done) -> dict[str, torch.Tensor]:
+    """`tensors` plus the schedule's position and the applied steps as `meta.*` one-element tensors."""
+    tensors["meta.lr_step"] = torch.tensor([float(lr_step)])
+    tensors["meta.steps_done"] = torch.tensor([float(steps_done)])
     return tensors
 
 

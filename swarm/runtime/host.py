@@ -111,6 +111,8 @@ class StageHost:
         self._owner: str | None = None
         """Who opened the step (the caller's peer id, when calls are authenticated)."""
         self._inflight = 0
+        self._calls = threading.Lock()
+        """Guards `_inflight` and `_touched`, so ending a call never waits for the compute lock."""
         """Calls admitted and not yet answered; a step with none in flight and no progress closes itself."""
         self._progressed = False
         """Whether the open step ran any schedule action or took labels."""
@@ -174,10 +176,20 @@ class StageHost:
             return True
         return caller is not None and caller == self._owner
 
-    def admit(self, call: Incoming | None, info: stage_pb2.CallInfo, kind: Kind | None, caller: str | None = None):
-        """Checks the whole call (info, then message or tokens against the budget and the schedule), then
-        opens its step. The caller must `leave()` once the call is answered, whatever happened."""
-        self.check_call(info, caller)
+    def admit(
+        self,
+        call: Incoming | None,
+        info: stage_pb2.CallInfo,
+        kind: Kind | None,
+        caller: str | None = None,
+        route_check: Callable[[stage_pb2.CallInfo], None] | None = None,
+    ):
+        """Checks the whole call (info, then `route_check` of the plan's route, then message or tokens against
+        the budget and the schedule), then opens its step. The caller must `leave()` once the call is
+        answered, whatever happened."""
+        self.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
+        if route_check is not None:
+            route_check(info)
         if kind is not None:
             replacing = self.open_step is not None and info.step != self.open_step
             schedule, n_micro = info.schedule or "1f1b", info.num_micro_batches or 1
@@ -186,7 +198,8 @@ class StageHost:
             self._check_payload(call, kind)
         with self.compute_lock:
             self.open(info.step, caller)
-            self._inflight += 1
+            with self._calls:
+                self._inflight += 1
 
     def orphaned(self, idle_s: float) -> bool:
         """Whether the open step has had no call in flight, and none admitted, for `idle_s` seconds."""
@@ -194,11 +207,14 @@ class StageHost:
 
     def leave(self) -> None:
         """Ends an admitted call. A step that made no progress and has no call left in flight closes again."""
-        with self.compute_lock:
+        with self._calls:  # not the compute lock: a reply must not wait for another micro-batch's compute
             self._inflight -= 1
             self._touched = time.monotonic()
-            if self._inflight == 0 and self.open_step is not None and not self._progressed:
-                self._close_step()
+            idle = self._inflight == 0
+        if idle and self.open_step is not None and not self._progressed:  # rare: the call failed early
+            with self.compute_lock:
+                if self._inflight == 0 and self.open_step is not None and not self._progressed:
+                    self._close_step()
 
     def open(self, step: int, caller: str | None = None) -> None:
         """Marks `step` open on this stage (its first admitted call starts the step's clock); a stale step, or

@@ -146,9 +146,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """Checks a whole call against the plan and the current host and opens its step there, atomically
         with `swap`. The caller must `leave()` the returned host when the call is answered."""
         with self._admission:
-            self._check_info(info, caller)
-            host = self.host
-            host.admit(call, info, kind, caller)
+            host = self._serving()
+            route_check = self.policy.check_route if caller is not None else None
+            host.admit(call, info, kind, caller, route_check)
             return host
 
     def _stream_call(self, request_iterator, context, kind: Kind):
@@ -327,14 +327,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"this peer holds {held}, not stage {request.stage} of plan {request.plan_version or 'now'}",
             )
         host = wanted[0]
-        try:
-            slot = self._data_slots.take()
-            slot.__enter__()
-        except SlotsExhausted as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        try:
+        with contextlib.ExitStack() as held:  # the slot is held until the last item is sent
+            try:
+                held.enter_context(self._data_slots.take())
+            except SlotsExhausted as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             with host.compute_lock:
                 items = list(host.state_items())
             yield from items
-        finally:
-            slot.__exit__(None, None, None)
