@@ -75,7 +75,7 @@ class Codec:
         out = body.to(dtype)
         if torch.finfo(dtype).max < torch.finfo(body.dtype).max:  # a narrowing cast (to fp16) may overflow
             check_wire_finite(out, "dtype")
-        return out.view(*msg.shape)
+        return out.view(tuple(msg.shape))
 
     def ratio(self, numel: int) -> float:
         """fp32 bytes over this codec's payload bytes for a tensor of `numel` elements (before zstd)."""

@@ -6,6 +6,8 @@ never a hang, and a decode that raises leaves its LinkState as it was.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +27,12 @@ from swarm.compression import (
 from swarm.compression.codecs import BY_NAME
 from swarm.proto import wire_pb2
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+FUZZ = settings(
+    max_examples=int(os.environ.get("SWARM_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    database=None,
+)
 ALLOWED = (WireError, BufferMissError)
 SAMPLE_SHAPE = (3, 40)
 """every aqsgd message here buffers samples of this shape"""
@@ -242,6 +249,13 @@ def test_an_empty_tensor_with_a_huge_dimension_is_refused():  # found by the fuz
     header = wire_pb2.FrameHeader(codec=wire_pb2.FP32, shape=[0, 1 << 40])
     with pytest.raises(WireError, match="header.shape"):
         Unframer().feed(wire_pb2.Chunk(header=header))
+
+
+def test_a_scalar_message_decodes_to_a_scalar():  # found by the fuzzer in CI: view(*[]) is a TypeError
+    msg = wire_pb2.TensorMessage(shape=[], dtype=wire_pb2.FLOAT32, codec=wire_pb2.FP16)
+    msg.raw_dtype, msg.raw = wire_pb2.FLOAT16, torch.tensor([1.5], dtype=torch.float16).numpy().tobytes()
+    out = decoder_for(msg).decode(msg)
+    assert out.shape == () and out.dtype == torch.float32 and float(out) == 1.5
 
 
 def test_aqsgd_without_a_link_state_is_a_caller_error():
