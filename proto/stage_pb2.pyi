@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CallInfo(_message.Message):
-    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s")
+    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s", "loss_weight", "chain")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class CallInfo(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_PEERS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    LOSS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     step: int
     micro_batch: int
     stage: int
@@ -27,7 +29,9 @@ class CallInfo(_message.Message):
     route: _containers.RepeatedScalarFieldContainer[str]
     route_peers: _containers.RepeatedScalarFieldContainer[str]
     deadline_s: float
-    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    loss_weight: float
+    chain: int
+    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., loss_weight: _Optional[float] = ..., chain: _Optional[int] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("shape", "tokens", "sample_ids")
@@ -139,7 +143,7 @@ class ProbeReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("peer_id", "stage", "layer_start", "layer_end", "plan_version", "steps_done", "compute_layers_per_s", "buffered_samples", "device", "metrics")
+    __slots__ = ("peer_id", "stage", "layer_start", "layer_end", "plan_version", "steps_done", "compute_layers_per_s", "buffered_samples", "device", "metrics", "weights_digest", "replica", "last_step")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +161,9 @@ class StatusReply(_message.Message):
     BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
     layer_start: int
@@ -167,7 +174,36 @@ class StatusReply(_message.Message):
     buffered_samples: int
     device: str
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    weights_digest: str
+    replica: int
+    last_step: int
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., weights_digest: _Optional[str] = ..., replica: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class ReduceRequest(_message.Message):
+    __slots__ = ("step", "plan_version", "stage", "group_peers", "group_addresses", "deadline_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PEERS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    plan_version: int
+    stage: int
+    group_peers: _containers.RepeatedScalarFieldContainer[str]
+    group_addresses: _containers.RepeatedScalarFieldContainer[str]
+    deadline_s: float
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., group_peers: _Optional[_Iterable[str]] = ..., group_addresses: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class ReduceReply(_message.Message):
+    __slots__ = ("wire_bytes", "fp32_wire_bytes", "group_size")
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FP32_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    wire_bytes: int
+    fp32_wire_bytes: int
+    group_size: int
+    def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("stage", "plan_version")

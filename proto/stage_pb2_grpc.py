@@ -79,6 +79,16 @@ class StageStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StateRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.StateItem.FromString,
                 _registered_method=True)
+        self.Reduce = channel.unary_unary(
+                '/swarm.Stage/Reduce',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.ReduceRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.ReduceReply.FromString,
+                _registered_method=True)
+        self.Average = channel.stream_unary(
+                '/swarm.Stage/Average',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.Traffic.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -139,6 +149,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reduce(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Average(self, request_iterator, context):
+        """Replica -> replica of the same stage: its compressed gradients for a step (first item's CallInfo: step,
+        stage, plan_version, micro_batch = the sender's index in the group, num_micro_batches = the group size).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +210,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.StateRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.StateItem.SerializeToString,
+            ),
+            'Reduce': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reduce,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.ReduceRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.ReduceReply.SerializeToString,
+            ),
+            'Average': grpc.stream_unary_rpc_method_handler(
+                    servicer.Average,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StreamItem.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.Traffic.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +465,60 @@ class Stage:
             '/swarm.Stage/GetState',
             swarm_dot_proto_dot_stage__pb2.StateRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.StateItem.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reduce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.Stage/Reduce',
+            swarm_dot_proto_dot_stage__pb2.ReduceRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.ReduceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Average(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/swarm.Stage/Average',
+            swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.Traffic.FromString,
             options,
             channel_credentials,
             insecure,
