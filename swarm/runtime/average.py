@@ -42,7 +42,7 @@ def parameters_digest(named: list[tuple[str, torch.Tensor]]) -> str:
     """SHA-256 (hex) over the bytes of each tensor, in the order given (name order)."""
     h = hashlib.sha256()
     for _, p in named:
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -141,7 +141,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         host = self._serving()
         host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
         if caller is not None:
-            self.policy.check_route(info, caller, method)
+            self.policy.check_route(info, caller, method, host.peer_id)
         return host
 
     def _admit(
@@ -152,7 +152,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         with self._admission:
             host = self._serving()
             policy = self.policy
-            route_check = None if caller is None else lambda i: policy.check_route(i, caller, method)
+            route_check = None if caller is None else lambda i: policy.check_route(i, caller, method, host.peer_id)
             host.admit(call, info, kind, caller, route_check)
             return host
 

@@ -3,6 +3,8 @@ feedback committed only by Step, and every stranger's, duplicate, late or missin
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 import torch
@@ -169,3 +171,26 @@ def test_the_tied_weight_is_left_to_grads_on_a_multi_stage_host():
     tied = host.worker.module.tied_parameter()
     assert tied is not None and all(p is not tied for p in host.averager.params)
     assert host.averager.numel == sum(p.numel() for p in host.worker.module.parameters()) - tied.numel()
+
+
+def test_a_waiting_reduce_holds_one_slot_and_leaves_status_and_step_free():
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    first: list = []
+    waiting = threading.Thread(target=lambda: first.extend(pipe.reduce(0, members=[0], deadline_s=30)))
+    waiting.start()
+    inbox = pipe.hosts[1].averager
+    with inbox._arrived:  # replica 0 sent its gradients: it now waits for replica 1's
+        assert inbox._arrived.wait_for(lambda: inbox._inbox, timeout=30)
+    (second,) = pipe.reduce(0, members=[0])
+    assert isinstance(second, LocalRpcError) and second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert pipe.client(0).Status(stage_pb2.Empty()).stage == 0  # control calls still answered
+    refused(pipe.client(0).Step, stage_pb2.StepRequest(step=1), code=grpc.StatusCode.FAILED_PRECONDITION, words="")
+    (late,) = pipe.reduce(0, members=[1])  # replica 1 joins: both sums complete
+    waiting.join(30)
+    assert not waiting.is_alive() and late.group_size == 2 and first[0].group_size == 2
+    assert torch.equal(flat(pipe, 0), flat(pipe, 1))
+    refused(
+        pipe.client(0, pipe_identity(pipe, 1)).Average, average_items(pipe, 1, 0),
+        code=grpc.StatusCode.FAILED_PRECONDITION, words="reduced already",
+    )  # fmt: skip
