@@ -16,6 +16,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -117,7 +118,9 @@ class ChurnSwarm:
         out: folder of this run (logs/, identities/, checkpoints/, the trainer's steps.csv under trainer/).
         peer_flags: flags of every swarm-peer (codecs, stages, replicas...).
         trainer_flags: flags of `swarm train` after the DHT and output flags.
-        wrap: prefixes a process's argv (e.g. `ip netns exec NS`); None: run as is.
+        wrap: rewrites a process's argv by its name (e.g. `ip netns exec NS ... --host ADDR`); None: as is.
+        observe: peer id -> stage (None: standby) as the DHT shows them; None: a client DHT node in this
+            process, started with the swarm.
     """
 
     def __init__(
@@ -126,9 +129,11 @@ class ChurnSwarm:
         peer_flags: list[str],
         trainer_flags: list[str],
         wrap: Callable[[str, list[str]], list[str]] | None = None,
+        observe: Callable[[], dict[str, int | None]] | None = None,
     ):
         self.out, self.peer_flags, self.trainer_flags = out, peer_flags, trainer_flags
         self.wrap = wrap or (lambda _name, argv: argv)
+        self.observe = observe
         self.procs = ProcessGroup(out / "logs")
         self.address_file = out / "bootstrap.addr"
         self.peers: dict[str, PeerProc] = {}
@@ -149,7 +154,8 @@ class ChurnSwarm:
             "bootstrap", self.wrap("bootstrap", swarm_command("bootstrap", "--address-file", str(self.address_file)))
         )
         self.procs.wait_for_file(self.address_file, timeout_s)
-        self._open_dht()  # here, in the caller's thread: hivemind's DHT does not start from the churn thread
+        if self.observe is None:
+            self._open_dht()  # here, in the caller's thread: hivemind's DHT does not start from the churn thread
         for _ in range(n_peers):
             self.start_peer()
 
@@ -216,14 +222,21 @@ class ChurnSwarm:
         initial = [line for line in self.address_file.read_text().splitlines() if line.strip()]
         self._dht = SwarmDHT(DHTConfig(initial_peers=tuple(initial), client_mode=True))
 
-    def announcements(self) -> dict[str, object]:
-        """peer id -> its current DHT announcement, as a client DHT node started with the swarm sees it."""
+    def stages(self) -> dict[str, int | None]:
+        """peer id -> the stage it announces (None: standby), as the DHT shows them now."""
+        if self.observe is not None:
+            return self.observe()
         if self._dht is None:
             return {}
         try:
-            return {a.peer_id: a for a in self._dht.peers()}
+            return {a.peer_id: a.stage for a in self._dht.peers()}
         except TimeoutError:
             return {}
+
+    def start_clock(self, url: str, path: Path) -> None:
+        """A step clock process beside the trainer (in its namespace, if any), writing `path`."""
+        argv = [sys.executable, "-m", "swarm.testbed.churn", "clock", url, str(path)]
+        self.procs.start("clock", self.wrap("clock", argv))
 
     def close(self) -> dict[str, int | None]:
         if self._dht is not None:
@@ -279,15 +292,15 @@ class ChurnController(threading.Thread):
             peer = self.swarm.start_peer()
             return {"t": now, "kind": "join", "peer": peer.name, "peer_id": peer.peer_id, "pid": peer.proc.pid,
                     "stage": None, "action": str(action)}  # fmt: skip
-        anns = self.swarm.announcements()
+        stages = self.swarm.stages()
         live = self.swarm.live_peers()
-        serving = [p for p in live if getattr(anns.get(p.peer_id), "stage", None) is not None]
+        serving = [p for p in live if stages.get(p.peer_id) is not None]
         if not serving:
             return {"t": now, "kind": "skip", "peer": None, "peer_id": None, "pid": None, "stage": None,
                     "action": str(action), "why": "no live peer serves a stage"}  # fmt: skip
         victim = sorted(serving, key=lambda p: p.name)[math.floor(action.pick * len(serving))]
-        stage = anns[victim.peer_id].stage
-        left = sum(1 for p in serving if p is not victim and anns[p.peer_id].stage == stage)
+        stage = stages[victim.peer_id]
+        left = sum(1 for p in serving if p is not victim and stages[p.peer_id] == stage)
         self.swarm.leave(victim, action.kind)
         return {"t": time.time(), "kind": action.kind, "peer": victim.name, "peer_id": victim.peer_id,
                 "pid": victim.proc.pid, "stage": stage, "replicas_left": left, "action": str(action)}  # fmt: skip
@@ -319,3 +332,21 @@ class StepClock(threading.Thread):
                     f.write(json.dumps({"t": time.time(), "steps": int(last)}) + "\n")
                     f.flush()
                     self.first_step.set()
+
+
+def main(argv: list[str]) -> int:
+    """`python -m swarm.testbed.churn clock URL PATH`: a step clock as its own process (run beside a trainer
+    in a network namespace, where this process's network cannot reach it); stops on SIGTERM."""
+    if len(argv) != 3 or argv[0] != "clock":
+        print("usage: python -m swarm.testbed.churn clock URL PATH", file=sys.stderr)
+        return 2
+    clock = StepClock(argv[1], Path(argv[2]))
+    signal.signal(signal.SIGTERM, lambda *_: clock.stop.set())
+    clock.start()
+    while clock.is_alive():
+        clock.join(1.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -243,8 +243,8 @@ def test_plots_are_written_from_synthetic_files(tmp_path):
 
 
 def _args(**kw):
-    base = dict(kill_every=None, mean_lifetime=None, graceful_fraction=0.0, seed=0, steps=150, stages=3,
-                replicas=2, standby=1, timeout_s=420.0, quick=False, json=False, out=None, netns=False)  # fmt: skip
+    base = dict(kill_every=None, mean_lifetime=None, graceful_fraction=0.0, seed=0, steps=400, stages=3,
+                replicas=2, standby=1, timeout_s=360.0, quick=False, json=False, out=None, netns=False)  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -271,3 +271,18 @@ def test_replicas_flag_passed_only_when_the_peer_has_it():
     peer, _ = swarm_flags(cfg, "churn", {"--replicas": True})
     assert peer[peer.index("--replicas") + 1] == "2"
     assert trainer[trainer.index("--seed") + 1] == "0"
+
+
+# --- the namespace placement, as data (no root needed) ---
+
+
+def test_netns_placement_runs_each_process_in_its_own_namespace_on_its_address(tmp_path):
+    from swarm.testbed.churn_netns import NetnsPlacement
+
+    place = NetnsPlacement(tmp_path, max_peers=3)
+    argv = place.wrap("peer2", ["python", "-m", "swarm.daemon.peer", "--num-stages", "2"])
+    assert argv[:4] == ["ip", "netns", "exec", "swc-peer2"]
+    assert argv[-2:] == ["--host", "10.79.0.12"]
+    assert place.wrap("clock", ["python"]) == ["ip", "netns", "exec", "swc-trainer", "python"]
+    with pytest.raises(RuntimeError, match="no namespace left for peer3"):
+        place.wrap("peer3", ["python"])
