@@ -185,6 +185,13 @@ def summarize(
         "recovery_s_median_replica": _median(by_class["replica"]),
         "recovery_s_median_takeover": _median(by_class["takeover"]),
         "target_steps": target_steps,
+        # the trainer's reroute columns (issue 12), None where it does not write them
+        "retried_steps": sum(1 for r in rows if int(r["attempts"] or 1) > 1)
+        if rows and "attempts" in rows[0]
+        else None,
+        "dead_peers": len({p for r in rows for p in str(r.get("dead_peers") or "").split() if p != "0"})
+        if rows and "dead_peers" in rows[0]
+        else None,
     }
 
 
@@ -294,7 +301,9 @@ def report_markdown(rows: Sequence[dict], checks: Sequence[Target], config: dict
         lines.append(
             f"- {r['setting']}: accounting {r['accounting']}; terms {r['terms']}; "
             f"recovery median while a replica survives {_fmt(r['recovery_s_median_replica'])} s, "
-            f"via takeover {_fmt(r['recovery_s_median_takeover'])} s; unrecovered leaves {r['unrecovered']}"
+            f"via takeover {_fmt(r['recovery_s_median_takeover'])} s; unrecovered leaves {r['unrecovered']}; "
+            f"steps run more than once {_fmt(r['retried_steps'], '')}; peers the trainer declared dead "
+            f"{_fmt(r['dead_peers'], '')}"
         )
     lines += [
         "",

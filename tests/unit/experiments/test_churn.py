@@ -286,3 +286,13 @@ def test_netns_placement_runs_each_process_in_its_own_namespace_on_its_address(t
     assert place.wrap("clock", ["python"]) == ["ip", "netns", "exec", "swc-trainer", "python"]
     with pytest.raises(RuntimeError, match="no namespace left for peer3"):
         place.wrap("peer3", ["python"])
+
+
+def test_reroute_columns_counted_when_the_trainer_writes_them():
+    rows = _rows(enumerate(EXPECTED, start=1))
+    for r, attempts, dead in zip(rows, (1, 2, 1, 3), ("0", "abc", "0", "abc def"), strict=True):
+        r["attempts"], r["dead_peers"] = str(attempts), dead
+    row = summarize("churn", rows, [], [], EXPECTED, batch_size=2, target_steps=4)
+    assert (row["retried_steps"], row["dead_peers"]) == (2, 2)
+    plain = summarize("churn", _rows(enumerate(EXPECTED, start=1)), [], [], EXPECTED, batch_size=2, target_steps=4)
+    assert plain["retried_steps"] is None and plain["dead_peers"] is None
