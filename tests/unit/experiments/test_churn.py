@@ -214,9 +214,12 @@ def test_a_leave_with_no_step_after_it_is_unrecovered_and_fails(tmp_path):
     row = summarize("churn", rows, events, [], EXPECTED, batch_size=2, target_steps=4)
     assert row["unrecovered"] == 1 and row["recovery_s_max"] is None
     assert row["samples_lost"] == 4  # steps 3 and 4 never trained
-    verdicts = {c.name: c.passed for c in targets([row], kill_every_s=60)}
+    base = summarize("no-churn", _rows(enumerate(EXPECTED, start=1), t0=1000.0), [], [], EXPECTED, 2, 4)
+    verdicts = {c.name: c.passed for c in targets([base, row], kill_every_s=60)}
     assert verdicts["churn: every leave recovered"] is False
     assert verdicts["churn: all steps trained"] is False
+    # as fast as no-churn while it lasted, but the run ended: no throughput PASS for a dead run
+    assert verdicts["throughput with a kill every 60 s >= 70% of no-churn"] is False
 
 
 def test_missing_sample_ids_reported_as_not_measured_in_the_report():
