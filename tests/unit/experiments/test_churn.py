@@ -299,3 +299,82 @@ def test_reroute_columns_counted_when_the_trainer_writes_them():
     assert (row["retried_steps"], row["dead_peers"]) == (2, 2)
     plain = summarize("churn", _rows(enumerate(EXPECTED, start=1)), [], [], EXPECTED, batch_size=2, target_steps=4)
     assert plain["retried_steps"] is None and plain["dead_peers"] is None
+
+
+# --- the controller's choices, against a fake swarm (no processes) ---
+
+
+class _Proc:
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        return None
+
+
+class _FakeSwarm:
+    def __init__(self, stages):
+        from swarm.testbed.churn import PeerProc
+
+        self.peers = {f"peer{i}": PeerProc(f"peer{i}", f"id{i}", _Proc(100 + i)) for i in range(len(stages))}
+        self._stages = {f"id{i}": s for i, s in enumerate(stages)}
+        self.left = []
+
+    def stages(self):
+        return dict(self._stages)
+
+    def live_peers(self):
+        return [p for p in self.peers.values() if p.left is None]
+
+    def leave(self, peer, kind):
+        peer.left = kind
+        self.left.append((peer.name, kind))
+
+    def start_peer(self):
+        from swarm.testbed.churn import PeerProc
+
+        name = f"peer{len(self.peers)}"
+        self.peers[name] = PeerProc(name, f"id{len(self.peers)}", _Proc(200))
+        return self.peers[name]
+
+
+def test_controller_leaves_only_serving_peers_and_names_the_stage_and_survivors(tmp_path):
+    from swarm.testbed.churn import ChurnController
+
+    swarm = _FakeSwarm([0, 0, 1, None])  # peer3 is on standby
+    controller = ChurnController(swarm, [], tmp_path / "events.jsonl")
+    first = controller.apply(Action(1.0, "kill", 0.0))  # serving by name: peer0, peer1, peer2
+    assert (first["peer"], first["stage"], first["replicas_left"], first["pid"]) == ("peer0", 0, 1, 100)
+    second = controller.apply(Action(2.0, "term", 0.99))
+    assert (second["peer"], second["kind"], second["replicas_left"]) == ("peer2", "term", 0)
+    third = controller.apply(Action(3.0, "kill", 0.0))
+    assert third["peer"] == "peer1" and third["replicas_left"] == 0
+    assert controller.apply(Action(4.0, "kill", 0.5))["kind"] == "skip"  # only the standby is left
+    assert [name for name, _ in swarm.left] == ["peer0", "peer2", "peer1"]  # never the standby
+    join = controller.apply(Action(5.0, "join"))
+    assert join["kind"] == "join" and join["peer"] == "peer4" and join["pid"] == 200
+
+
+def test_controller_plays_its_schedule_from_begin_and_logs_each_action(tmp_path):
+    from swarm.testbed.churn import ChurnController
+
+    swarm = _FakeSwarm([0, 0])
+    path = tmp_path / "events.jsonl"
+    controller = ChurnController(swarm, [Action(0.0, "kill", 0.0), Action(0.0, "join")], path)
+    controller.start()
+    controller.begin()
+    controller.join(10)
+    assert not controller.is_alive()
+    assert [e["kind"] for e in read_jsonl(path)] == ["kill", "join"]
+
+
+def test_a_stopped_controller_acts_no_more(tmp_path):
+    from swarm.testbed.churn import ChurnController
+
+    swarm = _FakeSwarm([0, 0])
+    controller = ChurnController(swarm, [Action(3600.0, "kill", 0.0)], tmp_path / "events.jsonl")
+    controller.start()
+    controller.begin()
+    controller.stop.set()
+    controller.join(10)
+    assert not controller.is_alive() and swarm.left == []
