@@ -33,7 +33,7 @@ from swarm.experiments.churn_report import (
 )
 
 SETTINGS = ("no-churn", "churn")
-OPTIONAL_PEER_FLAGS = ("--replicas", "--replicate-every")
+OPTIONAL_PEER_FLAGS = ("--replicas",)
 OPTIONAL_TRAINER_FLAGS = ("--replan-timeout-s",)
 COMPUTE_LAYERS_PER_S = 8.0
 """Declared by every peer instead of measured (4.6-9.8 layers/s in one run here): measured speeds moved the
