@@ -29,6 +29,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "swarm.experiments.throttled",
         "the link-speed x codec matrix on shaped links, with plots and a report",
     ),
+    ("experiment", "churn"): (
+        "swarm.experiments.churn",
+        "train twice from one seed, without and with peers killed and joining; recovery, samples, targets",
+    ),
 }
 
 GROUP_HELP = {"bench": "benchmarks that print figures (and JSON with --json)", "experiment": "experiments"}

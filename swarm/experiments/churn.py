@@ -1,0 +1,339 @@
+"""`swarm experiment churn`: the same seed trained twice on a local swarm, without churn and with a schedule of
+kills, graceful leaves and joins, and what the churn cost (issue 12's targets, reported as measured).
+
+Each setting starts a bootstrap node, swarm-peer processes (default: 3 stages x 2 replicas + 1 standby,
+AQ-SGD forward and gradq backward) and a `swarm train` process on the embedded data set, trains a fixed
+number of steps and reaps everything. In the churn setting a controller (swarm.testbed.churn) SIGKILLs
+serving peers (SIGTERMs a `--graceful-fraction` of them) on a seeded schedule that starts at the first
+completed step, and starts a fresh peer after each leave so the swarm keeps its size; it never touches the
+bootstrap node or the trainer. Sample accounting, recovery and throughput come from the trainer's steps.csv,
+the controller's events.jsonl and a step clock (swarm.experiments.churn_report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from swarm.experiments.churn_report import (
+    ROW_KEYS,
+    expected_batches,
+    read_jsonl,
+    read_steps,
+    report_markdown,
+    summarize,
+    targets,
+)
+
+SETTINGS = ("no-churn", "churn")
+OPTIONAL_PEER_FLAGS = ("--replicas",)
+OPTIONAL_TRAINER_FLAGS = ("--replan-timeout-s",)
+COMPUTE_LAYERS_PER_S = 8.0
+"""Declared by every peer instead of measured (4.6-9.8 layers/s in one run here): measured speeds moved the
+planner's layer split between the two settings ([0, 2) vs [0, 1) for stage 0), which changes the math being
+compared."""
+QUICK_STEPS = 150
+QUICK_KILL_AT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ChurnConfig:
+    """One `swarm experiment churn` run: the swarm, the training and the churn schedule."""
+
+    stages: int = 3
+    """Pipeline stages."""
+    replicas: int = 2
+    """Replicas per stage (passed as swarm-peer --replicas when the peer has that flag)."""
+    standby: int = 1
+    """Peers beyond stages x replicas, on standby for takeovers."""
+    steps: int = 400
+    """Optimizer steps per setting (both settings train the same number); 400 took 135 s without churn on main
+    (3 stages, one chain, 2 cores), leaving room for replicas' averaging and the recoveries in 15 minutes."""
+    train_samples: int = 64
+    """Training samples of the embedded data set (Python's own docstrings)."""
+    batch_size: int = 8
+    """Samples per step."""
+    micro_batches: int = 4
+    """Micro-batches per step."""
+    seed: int = 0
+    """Seed of the data order, the planner and the churn schedule."""
+    fw_codec: str = "aqsgd2"
+    """Activation codec of the stage links."""
+    bw_codec: str = "gradq4"
+    """Gradient codec of the stage links."""
+    kill_every_s: float | None = 60.0
+    """Seconds between leaves (None: exponential lifetimes, see mean_lifetime_s)."""
+    mean_lifetime_s: float | None = None
+    """Mean lifetime of a serving peer, seconds (used when kill_every_s is None)."""
+    graceful_fraction: float = 0.0
+    """Share of the leaves that are SIGTERM (graceful) instead of SIGKILL."""
+    join_delay_s: float = 2.0
+    """Seconds from a leave to the start of the fresh peer that replaces it."""
+    churn_horizon_s: float = 3600.0
+    """The schedule's span, seconds from the first step (the run ends it earlier when training ends)."""
+    setting_timeout_s: float = 360.0
+    """Bound on one setting's training, seconds; the trainer is stopped past it."""
+    netns: bool = False
+    """Run the swarm in the network-namespace testbed (root only)."""
+    out: Path | None = None
+    """Output folder (None: runs/churn-<time>)."""
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "replicas", "steps", "train_samples", "batch_size", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ChurnConfig.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.standby < 0 or self.batch_size % self.micro_batches or self.train_samples % self.batch_size:
+            raise ValueError("ChurnConfig: standby >= 0; micro-batches divide the batch, the batch the samples")
+        if (self.kill_every_s is None) == (self.mean_lifetime_s is None):
+            raise ValueError("ChurnConfig: give exactly one of --kill-every and --mean-lifetime")
+        if not 0.0 <= self.graceful_fraction <= 1.0:
+            raise ValueError(f"--graceful-fraction must be in [0, 1], got {self.graceful_fraction}")
+
+    @property
+    def peers(self) -> int:
+        return self.stages * self.replicas + self.standby
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ChurnConfig()
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"seconds between leaves (default {d.kill_every_s:g} unless --mean-lifetime is given)",
+    )
+    parser.add_argument(
+        "--mean-lifetime",
+        type=float,
+        default=None,
+        metavar="S",
+        help="instead of --kill-every: serving peers live an exponential time of this mean, seconds",
+    )
+    parser.add_argument(
+        "--graceful-fraction",
+        type=float,
+        default=d.graceful_fraction,
+        help="share of the leaves that are SIGTERM (a graceful leave) instead of SIGKILL",
+    )
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the data order, planner and churn schedule")
+    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per setting (default %(default)s)")
+    parser.add_argument("--stages", type=int, default=d.stages, help="pipeline stages (default %(default)s)")
+    parser.add_argument("--replicas", type=int, default=d.replicas, help="replicas per stage (default %(default)s)")
+    parser.add_argument("--standby", type=int, default=d.standby, help="extra peers on standby (default %(default)s)")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=d.setting_timeout_s,
+        help="bound on one setting's training, seconds (default %(default)s)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small swarm (2 stages, 1 standby), {QUICK_STEPS} steps, one kill {QUICK_KILL_AT_S:g} s into training",
+    )
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/churn-<time>)")
+    parser.add_argument("--netns", action="store_true", help="run the swarm in the namespace testbed (needs root)")
+
+
+def config_from_args(args: argparse.Namespace) -> ChurnConfig:
+    kill_every = args.kill_every
+    if kill_every is None and args.mean_lifetime is None:
+        kill_every = ChurnConfig.kill_every_s
+    common = dict(
+        kill_every_s=kill_every, mean_lifetime_s=args.mean_lifetime, graceful_fraction=args.graceful_fraction,
+        seed=args.seed, netns=args.netns, out=args.out, setting_timeout_s=args.timeout_s,
+    )  # fmt: skip
+    if args.quick:
+        # one leave: the schedule's span ends with the first one
+        every = args.kill_every if args.kill_every is not None else QUICK_KILL_AT_S
+        # the join right after the leave: on a swarm that cannot reroute yet the run ends at the kill
+        common.update(kill_every_s=every, mean_lifetime_s=None, churn_horizon_s=every, join_delay_s=0.0)
+        return ChurnConfig(stages=2, replicas=args.replicas, standby=1, steps=QUICK_STEPS, train_samples=32, **common)
+    return ChurnConfig(stages=args.stages, replicas=args.replicas, standby=args.standby, steps=args.steps, **common)
+
+
+def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tuple[list[str], list[str]]:
+    """(swarm-peer flags, swarm train flags) of one setting; flags this checkout's peer or trainer lacks are
+    left out (main before issue 12: no --replicas)."""
+    peer = ["--num-stages", str(cfg.stages), "--min-peers", str(cfg.peers), "--fw-codec", cfg.fw_codec,
+            "--bw-codec", cfg.bw_codec, "--threads", "1", "--plan-seed", str(cfg.seed),
+            "--compute-speed", str(COMPUTE_LAYERS_PER_S),
+            "--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 10))]  # fmt: skip
+    if support.get("--replicas"):
+        peer += ["--replicas", str(cfg.replicas)]
+    trainer = ["--num-stages", str(cfg.stages), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
+               "--setting", setting, "--train-samples", str(cfg.train_samples), "--batch-size", str(cfg.batch_size),
+               "--micro-batches", str(cfg.micro_batches), "--deadline-s", "60", "--wait-timeout-s", "180"]  # fmt: skip
+    if support.get("--replan-timeout-s"):
+        trainer += ["--replan-timeout-s", "120"]
+    return peer, trainer
+
+
+def flag_support() -> dict[str, bool]:
+    import subprocess
+
+    from swarm.testbed.churn import peer_flag_support
+    from swarm.testbed.procs import swarm_command
+
+    support = peer_flag_support(OPTIONAL_PEER_FLAGS)
+    text = subprocess.run(swarm_command("train", "--help"), capture_output=True, text=True, timeout=120).stdout
+    support.update({flag: flag in text for flag in OPTIONAL_TRAINER_FLAGS})
+    return support
+
+
+def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bool], say=print) -> dict:
+    """Trains one setting on a fresh local swarm; returns {"rc": trainer exit code, "pids": {name: pid}}.
+    Writes steps.csv, events.jsonl, step_clock.jsonl, schedule.json and logs/ under out/setting."""
+    from swarm.testbed.churn import ChurnController, ChurnSwarm, StepClock, churn_schedule
+
+    d = out / setting
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    schedule = []
+    if setting == "churn":
+        schedule = churn_schedule(
+            cfg.churn_horizon_s, cfg.seed, cfg.kill_every_s, cfg.mean_lifetime_s, cfg.stages * cfg.replicas,
+            cfg.graceful_fraction, cfg.join_delay_s,
+        )  # fmt: skip
+    (d / "schedule.json").write_text(json.dumps([asdict(a) for a in schedule], indent=1))
+    (d / "events.jsonl").touch()
+    clock_path = d / "step_clock.jsonl"
+    peer_flags, trainer_flags = swarm_flags(cfg, setting, support)
+    rc, threads = None, []
+    with contextlib.ExitStack() as stack:
+        wrap = observe = None
+        if cfg.netns:  # namespaces for every peer that may join within the timeout, made up front
+            from swarm.testbed.churn_netns import NetnsPlacement
+
+            joins = sum(1 for a in schedule if a.kind == "join" and a.at_s <= cfg.setting_timeout_s)
+            place = stack.enter_context(NetnsPlacement(d, cfg.peers + joins, say=say))
+            wrap, observe = place.wrap, place.stages
+        swarm = stack.enter_context(ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe))
+        try:
+            swarm.start(cfg.peers)
+            say(f"{setting}: {cfg.peers} peers starting; trainer waits for a plan")
+            trainer = swarm.start_trainer(d / "trainer")
+            url = swarm.trainer_metrics_url(120.0)
+            if cfg.netns:  # the trainer's namespace is out of this process's reach: the clock runs there
+                swarm.start_clock(url, clock_path)
+            else:
+                threads.append(StepClock(url, clock_path))
+            controller = ChurnController(swarm, schedule, d / "events.jsonl")
+            threads.append(controller)
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + cfg.setting_timeout_s + 180.0  # + the wait for the first plan
+            while not _has_lines(clock_path) and trainer.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)  # polling the clock's file for the first step, bounded by the deadline
+            controller.begin()
+            say(f"{setting}: training ({len(schedule)} churn actions scheduled)")
+            rc = trainer.wait(max(1.0, min(deadline - time.monotonic(), cfg.setting_timeout_s)))
+        except Exception as e:  # a hung or failed trainer still leaves its files for the report
+            say(f"{setting}: {type(e).__name__}: {e}")
+        finally:
+            for thread in threads:
+                thread.stop.set()
+                if isinstance(thread, ChurnController):
+                    thread.begin()  # releases a controller still waiting for the first step
+            for thread in threads:
+                thread.join(10)
+        pids = {name: proc.pid for name, proc in swarm.procs.procs.items()}
+    if (d / "trainer" / "steps.csv").exists():
+        shutil.copy(d / "trainer" / "steps.csv", d / "steps.csv")
+    say(f"{setting}: trainer exit code {rc}")
+    return {"rc": rc, "pids": pids}
+
+
+def _has_lines(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
+def collect(cfg: ChurnConfig, out: Path, settings=SETTINGS, expected=None) -> list[dict]:
+    """The rows of the settings already run under `out` (also usable on an earlier run's folder)."""
+    from swarm.model.gpt import ModelConfig
+
+    if expected is None:
+        expected = expected_batches(
+            cfg.steps, cfg.batch_size, cfg.train_samples, cfg.seed, ModelConfig().seq_len_tokens
+        )
+    rows = []
+    for setting in settings:
+        d = out / setting
+        rows.append(summarize(setting, read_steps(d / "steps.csv"), read_jsonl(d / "events.jsonl"),
+                              read_jsonl(d / "step_clock.jsonl"), expected, cfg.batch_size, cfg.steps))  # fmt: skip
+    return rows
+
+
+def write_outputs(cfg: ChurnConfig, out: Path, rows: list[dict], notes: list[str]) -> list:
+    from swarm.experiments.churn_plots import save_plots
+
+    plots = save_plots(out, [r["setting"] for r in rows], cfg.batch_size)
+    checks = targets(rows, cfg.kill_every_s)
+    config = {"stages": cfg.stages, "replicas": cfg.replicas, "standby": cfg.standby, "steps": cfg.steps,
+              "seed": cfg.seed, "codecs": f"{cfg.fw_codec}/{cfg.bw_codec}", "kill every s": cfg.kill_every_s,
+              "mean lifetime s": cfg.mean_lifetime_s, "graceful fraction": cfg.graceful_fraction}  # fmt: skip
+    text = report_markdown(rows, checks, config, [p.name for p in plots])
+    if notes:
+        text += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    (out / "report.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"rows": rows, "targets": [asdict(c) for c in checks]}, indent=1))
+    return checks
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    say = lambda line: print(line, file=sys.stderr)  # stderr: --json stays clean
+    if cfg.netns:
+        from swarm.testbed.netns import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            say(f"skipped: --netns needs the namespace testbed, which is unavailable here: {reason}")
+            return 0
+    out = cfg.out or Path(f"runs/churn-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    support = flag_support()
+    notes = [
+        f"{'swarm train' if flag in OPTIONAL_TRAINER_FLAGS else 'swarm-peer'} {flag} not in this checkout: not passed"
+        for flag, ok in support.items()
+        if not ok
+    ]
+    for note in notes:
+        say(note)
+    started = time.monotonic()
+    # the expected data order is built while the first swarm starts (it reads the corpus)
+    expected: list = []
+    worker = threading.Thread(target=lambda: expected.extend(_expected(cfg)), daemon=True)
+    worker.start()
+    for setting in SETTINGS:
+        result = run_setting(cfg, setting, out, support, say)
+        if result["rc"] not in (0,):
+            notes.append(f"{setting}: the trainer exited with code {result['rc']} (see {setting}/logs/trainer.log)")
+    worker.join()
+    rows = collect(cfg, out, expected=expected)
+    checks = write_outputs(cfg, out, rows, notes)
+    say(f"done in {time.monotonic() - started:.0f} s; wrote {out}/report.md")
+    if args.json:
+        print(json.dumps([{k: r[k] for k in ROW_KEYS} for r in rows], indent=1))
+    else:
+        for c in checks:
+            print(f"{c.verdict:13} {c.name}: {c.value}")
+    return 0
+
+
+def _expected(cfg: ChurnConfig) -> list:
+    from swarm.model.gpt import ModelConfig
+
+    return expected_batches(cfg.steps, cfg.batch_size, cfg.train_samples, cfg.seed, ModelConfig().seq_len_tokens)

@@ -1,0 +1,352 @@
+"""Churn on a local swarm: a seeded schedule of kills, graceful leaves and joins, and the processes it acts on.
+
+The schedule is data (`Action`s made by `churn_schedule` from a seed), so a run can be replayed and the
+schedule unit-tested without processes. `ChurnSwarm` starts a bootstrap node, swarm-peer daemons (each with
+an identity file written first, so its peer id is known before it starts) and a `swarm train` process, all
+in one `ProcessGroup` (reaped when the `with` block ends); `ChurnController` plays a schedule against it
+from a thread and writes every kill, term and join to `events.jsonl`. `StepClock` timestamps the trainer's
+completed steps by scraping its `swarm_steps_total` metric, for trainers whose steps.csv has no time column.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarm.testbed.procs import ProcessGroup, peer_command, swarm_command
+
+__all__ = [
+    "Action",
+    "ChurnController",
+    "ChurnSwarm",
+    "StepClock",
+    "churn_schedule",
+    "peer_flag_support",
+]
+
+LEAVES = ("kill", "term")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One churn action, `at_s` seconds after the schedule starts (e.g. `kill@60.0#0.42`)."""
+
+    at_s: float
+    """Seconds after the start of the schedule."""
+    kind: str
+    """kill (SIGKILL), term (SIGTERM: a graceful leave) or join (a fresh peer)."""
+    pick: float = 0.0
+    """Which eligible peer a leave takes, in [0, 1): index floor(pick * n) of the serving peers by name, so
+    the choice is seeded but made among the peers alive when the action runs."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in (*LEAVES, "join"):
+            raise ValueError(f"Action.kind: expected kill, term or join, got {self.kind!r}")
+        if not 0.0 <= self.pick < 1.0 or self.at_s < 0:
+            raise ValueError(f"Action: at_s must be >= 0 and pick in [0, 1), got {self.at_s}, {self.pick}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.at_s:.1f}#{self.pick:.2f}"
+
+
+def churn_schedule(
+    duration_s: float,
+    seed: int,
+    kill_every_s: float | None = None,
+    mean_lifetime_s: float | None = None,
+    serving_peers: int = 6,
+    graceful_fraction: float = 0.0,
+    join_delay_s: float = 2.0,
+) -> list[Action]:
+    """The leaves and joins of one run, sorted by time.
+
+    Leaves come every `kill_every_s` seconds (the first one then too), or, with `mean_lifetime_s` instead,
+    as the first departures of `serving_peers` peers whose lifetimes are exponential with that mean (a
+    Poisson process of rate serving_peers / mean_lifetime_s). Each leave is a SIGTERM with probability
+    `graceful_fraction` (else a SIGKILL) and is followed `join_delay_s` later by a join, so the swarm keeps
+    its size. Same arguments, same schedule.
+    """
+    if (kill_every_s is None) == (mean_lifetime_s is None):
+        raise ValueError("churn_schedule: give exactly one of kill_every_s and mean_lifetime_s")
+    if not 0.0 <= graceful_fraction <= 1.0:
+        raise ValueError(f"churn_schedule: graceful_fraction must be in [0, 1], got {graceful_fraction}")
+    if (kill_every_s or mean_lifetime_s or 0) <= 0 or serving_peers < 1 or join_delay_s < 0:
+        raise ValueError("churn_schedule: intervals must be > 0, serving_peers >= 1, join_delay_s >= 0")
+    rng = random.Random(seed)
+    actions, t = [], 0.0
+    while True:
+        t += kill_every_s if kill_every_s is not None else rng.expovariate(serving_peers / mean_lifetime_s)
+        if t > duration_s:
+            break
+        kind = "term" if rng.random() < graceful_fraction else "kill"
+        actions.append(Action(round(t, 3), kind, rng.random()))
+        actions.append(Action(round(t + join_delay_s, 3), "join"))
+    return sorted(actions, key=lambda a: (a.at_s, a.kind == "join"))
+
+
+def peer_flag_support(flags: tuple[str, ...]) -> dict[str, bool]:
+    """Which of `flags` this checkout's swarm-peer has (its --help), so the experiment passes --replicas etc.
+    only to a peer that knows them."""
+    text = subprocess.run(peer_command("--help"), capture_output=True, text=True, timeout=120).stdout
+    return {flag: re.search(rf"(^|\s){re.escape(flag)}[\s=,]", text) is not None for flag in flags}
+
+
+@dataclass
+class PeerProc:
+    name: str
+    peer_id: str
+    proc: subprocess.Popen
+    left: str | None = None
+    """kill or term once the schedule made it leave."""
+
+
+class ChurnSwarm:
+    """Bootstrap, peers and a trainer as local processes; peers can be killed and started while it runs.
+
+    Args:
+        out: folder of this run (logs/, identities/, checkpoints/, the trainer's steps.csv under trainer/).
+        peer_flags: flags of every swarm-peer (codecs, stages, replicas...).
+        trainer_flags: flags of `swarm train` after the DHT and output flags.
+        wrap: rewrites a process's argv by its name (e.g. `ip netns exec NS ... --host ADDR`); None: as is.
+        observe: peer id -> stage (None: standby) as the DHT shows them; None: a client DHT node in this
+            process, started with the swarm.
+    """
+
+    def __init__(
+        self,
+        out: Path,
+        peer_flags: list[str],
+        trainer_flags: list[str],
+        wrap: Callable[[str, list[str]], list[str]] | None = None,
+        observe: Callable[[], dict[str, int | None]] | None = None,
+    ):
+        self.out, self.peer_flags, self.trainer_flags = out, peer_flags, trainer_flags
+        self.wrap = wrap or (lambda _name, argv: argv)
+        self.observe = observe
+        self.procs = ProcessGroup(out / "logs")
+        self.address_file = out / "bootstrap.addr"
+        self.peers: dict[str, PeerProc] = {}
+        self.trainer: subprocess.Popen | None = None
+        self._dht = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> ChurnSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self, n_peers: int, timeout_s: float = 60.0) -> None:
+        """The bootstrap node, then `n_peers` peers; returns once the bootstrap's address is written."""
+        self.address_file.unlink(missing_ok=True)
+        self.procs.start(
+            "bootstrap", self.wrap("bootstrap", swarm_command("bootstrap", "--address-file", str(self.address_file)))
+        )
+        self.procs.wait_for_file(self.address_file, timeout_s)
+        if self.observe is None:
+            self._open_dht()  # here, in the caller's thread: hivemind's DHT does not start from the churn thread
+        for _ in range(n_peers):
+            self.start_peer()
+
+    def start_peer(self) -> PeerProc:
+        """A fresh peer (new name, new identity) joining through the bootstrap node."""
+        from swarm.net.auth import Identity
+        from swarm.peers.dht import load_or_create_key
+
+        with self._lock:
+            name = f"peer{len(self.peers)}"
+            key_path = self.out / "identities" / f"{name}.der"
+            key_path.parent.mkdir(parents=True, exist_ok=True)
+            peer_id = Identity(load_or_create_key(str(key_path))).peer_id
+            argv = peer_command(
+                "--address-file", str(self.address_file), "--identity", str(key_path),
+                "--checkpoint-dir", str(self.out / "checkpoints" / name), *self.peer_flags,
+            )  # fmt: skip
+            peer = PeerProc(name, peer_id, self.procs.start(name, self.wrap(name, argv)))
+            self.peers[name] = peer
+            return peer
+
+    def start_trainer(self, out: Path) -> subprocess.Popen:
+        argv = swarm_command(
+            "train", "--address-file", str(self.address_file), "--out", str(out), "--metrics-port", "0",
+            *self.trainer_flags,
+        )  # fmt: skip
+        self.trainer = self.procs.start("trainer", self.wrap("trainer", argv))
+        return self.trainer
+
+    def trainer_metrics_url(self, timeout_s: float) -> str:
+        """The trainer's metrics URL, from the line `swarm train` logs once it serves them."""
+        deadline = time.monotonic() + timeout_s
+        log = self.procs.log_dir / "trainer.log"
+        while time.monotonic() < deadline:
+            found = re.search(r"metrics at (http://\S+)", log.read_text(errors="replace")) if log.exists() else None
+            if found:
+                return found.group(1)
+            if self.trainer is not None and self.trainer.poll() is not None:
+                raise RuntimeError(f"the trainer exited ({self.trainer.returncode}):\n{self.procs.tail('trainer')}")
+            time.sleep(0.2)  # polling a log file for a line, bounded by the deadline
+        raise TimeoutError(f"the trainer served no metrics within {timeout_s:.0f} s")
+
+    def live_peers(self) -> list[PeerProc]:
+        with self._lock:
+            return [p for p in self.peers.values() if p.left is None and p.proc.poll() is None]
+
+    def leave(self, peer: PeerProc, kind: str) -> None:
+        """SIGKILL (kind kill) or SIGTERM (term) to one peer. SIGKILL goes to its whole session, so its DHT
+        helper dies with it, as it would with the machine; a SIGTERMed peer stops its helpers itself."""
+        import os
+
+        peer.left = kind
+        try:
+            if kind == "kill":
+                os.killpg(peer.proc.pid, signal.SIGKILL)
+            else:
+                peer.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def _open_dht(self) -> None:
+        from swarm.peers.dht import DHTConfig, SwarmDHT
+
+        initial = [line for line in self.address_file.read_text().splitlines() if line.strip()]
+        self._dht = SwarmDHT(DHTConfig(initial_peers=tuple(initial), client_mode=True))
+
+    def stages(self) -> dict[str, int | None]:
+        """peer id -> the stage it announces (None: standby), as the DHT shows them now."""
+        if self.observe is not None:
+            return self.observe()
+        if self._dht is None:
+            return {}
+        try:
+            return {a.peer_id: a.stage for a in self._dht.peers()}
+        except TimeoutError:
+            return {}
+
+    def start_clock(self, url: str, path: Path) -> None:
+        """A step clock process beside the trainer (in its namespace, if any), writing `path`."""
+        argv = [sys.executable, "-m", "swarm.testbed.churn", "clock", url, str(path)]
+        self.procs.start("clock", self.wrap("clock", argv))
+
+    def close(self) -> dict[str, int | None]:
+        if self._dht is not None:
+            self._dht.shutdown()
+            self._dht = None
+        return self.procs.close()
+
+
+class ChurnController(threading.Thread):
+    """Plays a schedule against a ChurnSwarm from the moment `begin()` is called, logging to `events_path`.
+
+    A leave picks among the live peers that the DHT shows serving a stage (never the bootstrap node or the
+    trainer, which are not peers); with none serving it is logged as `skip`. Each event records the time,
+    peer, pid, stage and how many other live peers serve that stage (`replicas_left`: 0 means recovery
+    needs a standby and a checkpoint).
+    """
+
+    def __init__(self, swarm: ChurnSwarm, schedule: list[Action], events_path: Path):
+        super().__init__(name="churn", daemon=True)
+        self.swarm, self.schedule, self.events_path = swarm, schedule, events_path
+        self.stop = threading.Event()
+        self.events: list[dict] = []
+        self._start_at: float | None = None
+        self._begun = threading.Event()
+
+    def begin(self) -> None:
+        self._start_at = time.time()
+        self._begun.set()
+
+    def run(self) -> None:
+        self._begun.wait()
+        with open(self.events_path, "a") as log:
+            for action in self.schedule:
+                # a timed wait on the schedule's clock, cut short when the run ends
+                if self.stop.wait(max(0.0, self._start_at + action.at_s - time.time())):
+                    return
+                try:
+                    event = self.apply(action)
+                except Exception as e:  # one failed action must not end the schedule; the log says what failed
+                    event = {
+                        "t": time.time(),
+                        "kind": "error",
+                        "action": str(action),
+                        "why": f"{type(e).__name__}: {e}",
+                    }
+                self.events.append(event)
+                log.write(json.dumps(event) + "\n")
+                log.flush()
+
+    def apply(self, action: Action) -> dict:
+        now = time.time()
+        if action.kind == "join":
+            peer = self.swarm.start_peer()
+            return {"t": now, "kind": "join", "peer": peer.name, "peer_id": peer.peer_id, "pid": peer.proc.pid,
+                    "stage": None, "action": str(action)}  # fmt: skip
+        stages = self.swarm.stages()
+        live = self.swarm.live_peers()
+        serving = [p for p in live if stages.get(p.peer_id) is not None]
+        if not serving:
+            return {"t": now, "kind": "skip", "peer": None, "peer_id": None, "pid": None, "stage": None,
+                    "action": str(action), "why": "no live peer serves a stage"}  # fmt: skip
+        victim = sorted(serving, key=lambda p: p.name)[math.floor(action.pick * len(serving))]
+        stage = stages[victim.peer_id]
+        left = sum(1 for p in serving if p is not victim and stages[p.peer_id] == stage)
+        self.swarm.leave(victim, action.kind)
+        return {"t": time.time(), "kind": action.kind, "peer": victim.name, "peer_id": victim.peer_id,
+                "pid": victim.proc.pid, "stage": stage, "replicas_left": left, "action": str(action)}  # fmt: skip
+
+
+class StepClock(threading.Thread):
+    """Scrapes the trainer's `swarm_steps_total` every `every_s` and writes `{"t", "steps"}` lines to `path`
+    whenever it grows: when each step completed, within `every_s`."""
+
+    def __init__(self, url: str, path: Path, every_s: float = 0.25):
+        super().__init__(name="step-clock", daemon=True)
+        self.url, self.path, self.every_s = url, path, every_s
+        self.stop = threading.Event()
+        self.first_step = threading.Event()
+        """Set once the trainer has completed a step."""
+
+    def run(self) -> None:
+        last = 0.0
+        with open(self.path, "a") as f:
+            while not self.stop.wait(self.every_s):
+                try:
+                    with urllib.request.urlopen(self.url, timeout=2) as reply:
+                        text = reply.read(1 << 20).decode(errors="replace")
+                except OSError:
+                    continue  # the trainer is between steps or gone; the next scrape tells
+                found = re.search(r"^swarm_steps_total(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.MULTILINE)
+                if found and float(found.group(1)) > last:
+                    last = float(found.group(1))
+                    f.write(json.dumps({"t": time.time(), "steps": int(last)}) + "\n")
+                    f.flush()
+                    self.first_step.set()
+
+
+def main(argv: list[str]) -> int:
+    """`python -m swarm.testbed.churn clock URL PATH`: a step clock as its own process (run beside a trainer
+    in a network namespace, where this process's network cannot reach it); stops on SIGTERM."""
+    if len(argv) != 3 or argv[0] != "clock":
+        print("usage: python -m swarm.testbed.churn clock URL PATH", file=sys.stderr)
+        return 2
+    clock = StepClock(argv[1], Path(argv[2]))
+    signal.signal(signal.SIGTERM, lambda *_: clock.stop.set())
+    clock.start()
+    while clock.is_alive():
+        clock.join(1.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

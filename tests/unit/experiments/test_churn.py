@@ -1,0 +1,380 @@
+"""The churn experiment's pure parts: the seeded schedule, sample accounting, recovery times, rows, report."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from swarm.experiments.churn import QUICK_KILL_AT_S, ChurnConfig, config_from_args, swarm_flags
+from swarm.experiments.churn_report import (
+    ROW_KEYS,
+    account_samples,
+    completion_times,
+    read_jsonl,
+    read_steps,
+    recovery_times,
+    report_markdown,
+    summarize,
+    targets,
+)
+from swarm.testbed.churn import Action, churn_schedule
+
+EXPECTED = [(3, 1), (0, 2), (1, 0), (2, 3)]  # 4 steps of 2 samples (ids repeat across epochs)
+
+
+def _rows(ids_per_step, t0=1000.0, dt=1.0, loss=2.0, time_column=True):
+    rows = []
+    for k, ids in ids_per_step:
+        row = {"step": str(k), "train_loss": str(loss), "forward_bytes": "10", "backward_bytes": "5"}
+        row["sample_ids"] = " ".join(map(str, ids))
+        if time_column:
+            row["time"] = str(t0 + dt * len(rows))
+        rows.append(row)
+    return rows
+
+
+# --- schedule ---
+
+
+def test_schedule_is_seeded_and_deterministic():
+    a = churn_schedule(600, seed=7, mean_lifetime_s=120, serving_peers=6, graceful_fraction=0.5)
+    b = churn_schedule(600, seed=7, mean_lifetime_s=120, serving_peers=6, graceful_fraction=0.5)
+    c = churn_schedule(600, seed=8, mean_lifetime_s=120, serving_peers=6, graceful_fraction=0.5)
+    assert a == b
+    assert a != c
+    assert [x.at_s for x in a] == sorted(x.at_s for x in a)
+
+
+def test_kill_every_gives_regular_leaves_each_followed_by_a_join():
+    actions = churn_schedule(185, seed=0, kill_every_s=60, join_delay_s=2)
+    leaves = [a for a in actions if a.kind != "join"]
+    joins = [a for a in actions if a.kind == "join"]
+    assert [a.at_s for a in leaves] == [60, 120, 180]
+    assert [a.at_s for a in joins] == [62, 122, 182]
+    assert all(a.kind == "kill" for a in leaves)  # graceful_fraction 0: SIGKILL only
+
+
+def test_graceful_fraction_one_makes_every_leave_a_term():
+    actions = churn_schedule(300, seed=3, kill_every_s=30, graceful_fraction=1.0)
+    assert {a.kind for a in actions} == {"term", "join"}
+
+
+def test_mean_lifetime_rate_matches_the_poisson_process():
+    # 6 peers, mean lifetime 60 s: a leave every 10 s on average
+    actions = churn_schedule(20_000, seed=1, mean_lifetime_s=60, serving_peers=6)
+    leaves = sum(1 for a in actions if a.kind != "join")
+    assert 1800 < leaves < 2200
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"kill_every_s": 10, "mean_lifetime_s": 10},
+        {"kill_every_s": 0},
+        {"kill_every_s": 10, "graceful_fraction": 1.5},
+    ],
+)
+def test_schedule_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        churn_schedule(100, seed=0, **kwargs)
+
+
+def test_action_validates_and_prints_compactly():
+    assert str(Action(60.0, "kill", 0.25)) == "kill@60.0#0.25"
+    with pytest.raises(ValueError):
+        Action(1.0, "explode")
+    with pytest.raises(ValueError):
+        Action(1.0, "kill", 1.0)
+
+
+# --- sample accounting ---
+
+
+def test_every_sample_once_is_zero_lost_and_zero_duplicated():
+    account = account_samples(_rows(enumerate(EXPECTED, start=1)), EXPECTED)
+    assert (account.lost, account.duplicated, account.unexpected) == (0, 0, 0)
+
+
+def test_a_step_applied_twice_counts_its_samples_as_duplicated():
+    rows = _rows([(1, EXPECTED[0]), (2, EXPECTED[1]), (2, EXPECTED[1]), (3, EXPECTED[2]), (4, EXPECTED[3])])
+    account = account_samples(rows, EXPECTED)
+    assert (account.lost, account.duplicated) == (0, 2)
+
+
+def test_a_dropped_sample_and_a_missing_step_count_as_lost():
+    rows = _rows([(1, EXPECTED[0]), (2, EXPECTED[1][:1]), (3, EXPECTED[2])])  # step 2 lost a sample, step 4 gone
+    account = account_samples(rows, EXPECTED)
+    assert (account.lost, account.duplicated) == (3, 0)
+
+
+def test_a_sample_trained_in_another_steps_place_is_unexpected():
+    rows = _rows([(1, (3, 2)), (2, EXPECTED[1]), (3, EXPECTED[2]), (4, EXPECTED[3])])
+    account = account_samples(rows, EXPECTED)
+    assert (account.lost, account.duplicated, account.unexpected) == (1, 0, 1)
+
+
+def test_without_a_sample_ids_column_accounting_is_not_measured_not_zero():
+    rows = [{k: v for k, v in r.items() if k != "sample_ids"} for r in _rows(enumerate(EXPECTED, start=1))]
+    account = account_samples(rows, EXPECTED)
+    assert not account.measured
+    assert account.lost is None and account.duplicated is None
+    assert "not measured" in account.why
+
+
+def test_expected_batches_follow_the_trainers_data_order():
+    from swarm.experiments.churn_report import expected_batches
+    from swarm.model.data import DataConfig, build_datasets, epoch_batches
+
+    got = expected_batches(5, batch_size=4, train_samples=8, seed=3, seq_len_tokens=16)
+    train, _, _ = build_datasets(DataConfig(seq_len_tokens=16, train_samples=8, eval_samples=0))
+    want = [tuple(b.sample_ids.tolist()) for e in range(3) for b in epoch_batches(train, 4, e, 3)][:5]
+    assert got == want
+    assert sorted(got[0] + got[1]) == list(range(8))  # one epoch: every sample once
+
+
+# --- recovery and completion times ---
+
+
+def test_recovery_is_kill_to_next_completed_step():
+    assert recovery_times([10.0, 20.5, 99.0], [9.0, 11.5, 12.0, 25.0]) == [1.5, 4.5, None]
+
+
+def test_completion_times_come_from_the_step_clock_without_a_time_column():
+    rows = _rows(enumerate(EXPECTED, start=1), time_column=False)
+    clock = [{"t": 5.0, "steps": 1}, {"t": 7.0, "steps": 3}, {"t": 8.0, "steps": 4}]
+    assert completion_times(rows, clock) == [5.0, 7.0, 7.0, 8.0]
+    assert completion_times(rows, clock[:1]) == [5.0, None, None, None]
+
+
+def test_completion_times_prefer_the_rows_time_column():
+    rows = _rows(enumerate(EXPECTED, start=1), t0=100.0, dt=2.0)
+    assert completion_times(rows, [{"t": 1.0, "steps": 4}]) == [100.0, 102.0, 104.0, 106.0]
+
+
+# --- rows, targets, report from files ---
+
+
+def _write_setting(d: Path, rows: list[dict], events: list[dict]) -> None:
+    d.mkdir(parents=True)
+    with open(d / "steps.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_rows_and_targets_from_synthetic_files(tmp_path):
+    base_rows = _rows(enumerate(EXPECTED, start=1), t0=1000.0, dt=1.0, loss=2.0)
+    # churn: a kill at 1001.5 (a replica survived) -> next step at 1003.0 (1.5 s); a kill of a stage's last
+    # peer at 1003.2 -> next step at 1040.0 (36.8 s), so the takeover target fails
+    churn_rows = _rows(enumerate(EXPECTED, start=1), t0=1000.0, dt=1.0, loss=2.1)
+    churn_rows[2]["time"], churn_rows[3]["time"] = "1003.0", "1040.0"
+    events = [
+        {"t": 1001.5, "kind": "kill", "peer": "peer1", "stage": 0, "replicas_left": 1},
+        {"t": 1003.2, "kind": "term", "peer": "peer2", "stage": 1, "replicas_left": 0},
+        {"t": 1005.0, "kind": "join", "peer": "peer7", "stage": None},
+    ]
+    _write_setting(tmp_path / "no-churn", base_rows, [])
+    _write_setting(tmp_path / "churn", churn_rows, events)
+    rows = []
+    for setting in ("no-churn", "churn"):
+        d = tmp_path / setting
+        steps, evs = read_steps(d / "steps.csv"), read_jsonl(d / "events.jsonl")
+        rows.append(summarize(setting, steps, evs, [], EXPECTED, batch_size=2, target_steps=4))
+    base, churn = rows
+    assert list(churn)[: len(ROW_KEYS)] == ROW_KEYS
+    assert (churn["kills"], churn["terms"], churn["joins"]) == (1, 1, 1)
+    assert churn["recovery_s_median"] == pytest.approx((1.5 + 36.8) / 2)
+    assert churn["recovery_s_max"] == pytest.approx(36.8)
+    assert churn["recovery_s_median_replica"] == pytest.approx(1.5)
+    assert churn["recovery_s_median_takeover"] == pytest.approx(36.8)
+    assert base["throughput_samples_s"] == pytest.approx(3 * 2 / 3.0)
+    assert churn["throughput_samples_s"] == pytest.approx(3 * 2 / 40.0)
+    assert base["wire_bytes"] == 4 * 15
+    assert (churn["samples_lost"], churn["samples_duplicated"]) == (0, 0)
+    verdicts = {c.name: c.passed for c in targets(rows, kill_every_s=60)}
+    assert verdicts["churn: zero samples lost or duplicated"] is True
+    assert verdicts["churn: median recovery while a replica survives < 10 s"] is True
+    assert verdicts["churn: median recovery via standby + checkpoint < 30 s"] is False
+    assert verdicts["throughput with a kill every 60 s >= 70% of no-churn"] is False
+    assert verdicts["final loss within 2% of no-churn"] is False  # 2.1 vs 2.0: 5%
+    text = report_markdown(rows, targets(rows, 60), {"steps": 4}, ["loss_vs_step.png"])
+    assert "| churn | 4 | 0 | 0 | 1 | 1 |" in text
+    assert "FAIL" in text and "PASS" in text
+
+
+def test_a_leave_with_no_step_after_it_is_unrecovered_and_fails(tmp_path):
+    rows = _rows([(1, EXPECTED[0]), (2, EXPECTED[1])], t0=1000.0)  # the trainer died after step 2
+    events = [{"t": 1001.5, "kind": "kill", "peer": "peer1", "stage": 0, "replicas_left": 0}]
+    row = summarize("churn", rows, events, [], EXPECTED, batch_size=2, target_steps=4)
+    assert row["unrecovered"] == 1 and row["recovery_s_max"] is None
+    assert row["samples_lost"] == 4  # steps 3 and 4 never trained
+    base = summarize("no-churn", _rows(enumerate(EXPECTED, start=1), t0=1000.0), [], [], EXPECTED, 2, 4)
+    verdicts = {c.name: c.passed for c in targets([base, row], kill_every_s=60)}
+    assert verdicts["churn: every leave recovered"] is False
+    assert verdicts["churn: all steps trained"] is False
+    # as fast as no-churn while it lasted, but the run ended: no throughput PASS for a dead run
+    assert verdicts["throughput with a kill every 60 s >= 70% of no-churn"] is False
+
+
+def test_missing_sample_ids_reported_as_not_measured_in_the_report():
+    rows = [{k: v for k, v in r.items() if k != "sample_ids"} for r in _rows(enumerate(EXPECTED, start=1))]
+    row = summarize("no-churn", rows, [], [], EXPECTED, batch_size=2, target_steps=4)
+    assert row["samples_lost"] is None and row["samples_duplicated"] is None
+    check = next(c for c in targets([row], None) if "lost" in c.name)
+    assert check.passed is None and check.verdict == "not measured"
+    assert "| not measured | not measured |" in report_markdown([row], [check], {}, [])
+
+
+def test_plots_are_written_from_synthetic_files(tmp_path):
+    from swarm.experiments.churn_plots import save_plots, throughput_series
+
+    _write_setting(tmp_path / "churn", _rows(enumerate(EXPECTED, start=1)), [{"t": 1001.5, "kind": "kill"}])
+    paths = save_plots(tmp_path, ["churn"], batch_size=2)
+    assert [p.name for p in paths] == ["loss_vs_step.png", "loss_vs_time.png", "throughput.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    xs, ys = throughput_series([0.0, 1.0, 2.0], batch_size=4, window_s=10)
+    assert xs == [0.0, 1.0, 2.0] and ys[2] == pytest.approx(3 * 4 / 2.0)
+
+
+# --- configuration ---
+
+
+def _args(**kw):
+    base = dict(kill_every=None, mean_lifetime=None, graceful_fraction=0.0, seed=0, steps=400, stages=3,
+                replicas=2, standby=1, timeout_s=360.0, quick=False, json=False, out=None, netns=False)  # fmt: skip
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_default_config_is_issue_12s_swarm():
+    cfg = config_from_args(_args())
+    assert (cfg.stages, cfg.replicas, cfg.standby, cfg.peers) == (3, 2, 1, 7)
+    assert (cfg.fw_codec, cfg.bw_codec, cfg.kill_every_s) == ("aqsgd2", "gradq4", 60.0)
+    assert config_from_args(_args(mean_lifetime=90.0)).kill_every_s is None
+    with pytest.raises(ValueError):
+        config_from_args(_args(kill_every=30.0, mean_lifetime=90.0))
+
+
+def test_quick_schedules_exactly_one_leave():
+    cfg = config_from_args(_args(quick=True))
+    assert cfg.kill_every_s == QUICK_KILL_AT_S and cfg.churn_horizon_s == QUICK_KILL_AT_S
+    actions = churn_schedule(cfg.churn_horizon_s, cfg.seed, cfg.kill_every_s, None, 4, 0.0, cfg.join_delay_s)
+    assert sum(1 for a in actions if a.kind != "join") == 1
+
+
+def test_replicas_flag_passed_only_when_the_peer_has_it():
+    cfg = ChurnConfig()
+    peer, trainer = swarm_flags(cfg, "churn", {"--replicas": False})
+    assert "--replicas" not in peer and "--min-peers" in peer and peer[peer.index("--min-peers") + 1] == "7"
+    peer, _ = swarm_flags(cfg, "churn", {"--replicas": True})
+    assert peer[peer.index("--replicas") + 1] == "2"
+    assert trainer[trainer.index("--seed") + 1] == "0"
+
+
+# --- the namespace placement, as data (no root needed) ---
+
+
+def test_netns_placement_runs_each_process_in_its_own_namespace_on_its_address(tmp_path):
+    from swarm.testbed.churn_netns import NetnsPlacement
+
+    place = NetnsPlacement(tmp_path, max_peers=3)
+    argv = place.wrap("peer2", ["python", "-m", "swarm.daemon.peer", "--num-stages", "2"])
+    assert argv[:4] == ["ip", "netns", "exec", "swc-peer2"]
+    assert argv[-2:] == ["--host", "10.79.0.12"]
+    assert place.wrap("clock", ["python"]) == ["ip", "netns", "exec", "swc-trainer", "python"]
+    with pytest.raises(RuntimeError, match="no namespace left for peer3"):
+        place.wrap("peer3", ["python"])
+
+
+def test_reroute_columns_counted_when_the_trainer_writes_them():
+    rows = _rows(enumerate(EXPECTED, start=1))
+    for r, attempts, dead in zip(rows, (1, 2, 1, 3), ("0", "abc", "0", "abc def"), strict=True):
+        r["attempts"], r["dead_peers"] = str(attempts), dead
+    row = summarize("churn", rows, [], [], EXPECTED, batch_size=2, target_steps=4)
+    assert (row["retried_steps"], row["dead_peers"]) == (2, 2)
+    plain = summarize("churn", _rows(enumerate(EXPECTED, start=1)), [], [], EXPECTED, batch_size=2, target_steps=4)
+    assert plain["retried_steps"] is None and plain["dead_peers"] is None
+
+
+# --- the controller's choices, against a fake swarm (no processes) ---
+
+
+class _Proc:
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        return None
+
+
+class _FakeSwarm:
+    def __init__(self, stages):
+        from swarm.testbed.churn import PeerProc
+
+        self.peers = {f"peer{i}": PeerProc(f"peer{i}", f"id{i}", _Proc(100 + i)) for i in range(len(stages))}
+        self._stages = {f"id{i}": s for i, s in enumerate(stages)}
+        self.left = []
+
+    def stages(self):
+        return dict(self._stages)
+
+    def live_peers(self):
+        return [p for p in self.peers.values() if p.left is None]
+
+    def leave(self, peer, kind):
+        peer.left = kind
+        self.left.append((peer.name, kind))
+
+    def start_peer(self):
+        from swarm.testbed.churn import PeerProc
+
+        name = f"peer{len(self.peers)}"
+        self.peers[name] = PeerProc(name, f"id{len(self.peers)}", _Proc(200))
+        return self.peers[name]
+
+
+def test_controller_leaves_only_serving_peers_and_names_the_stage_and_survivors(tmp_path):
+    from swarm.testbed.churn import ChurnController
+
+    swarm = _FakeSwarm([0, 0, 1, None])  # peer3 is on standby
+    controller = ChurnController(swarm, [], tmp_path / "events.jsonl")
+    first = controller.apply(Action(1.0, "kill", 0.0))  # serving by name: peer0, peer1, peer2
+    assert (first["peer"], first["stage"], first["replicas_left"], first["pid"]) == ("peer0", 0, 1, 100)
+    second = controller.apply(Action(2.0, "term", 0.99))
+    assert (second["peer"], second["kind"], second["replicas_left"]) == ("peer2", "term", 0)
+    third = controller.apply(Action(3.0, "kill", 0.0))
+    assert third["peer"] == "peer1" and third["replicas_left"] == 0
+    assert controller.apply(Action(4.0, "kill", 0.5))["kind"] == "skip"  # only the standby is left
+    assert [name for name, _ in swarm.left] == ["peer0", "peer2", "peer1"]  # never the standby
+    join = controller.apply(Action(5.0, "join"))
+    assert join["kind"] == "join" and join["peer"] == "peer4" and join["pid"] == 200
+
+
+def test_controller_plays_its_schedule_from_begin_and_logs_each_action(tmp_path):
+    from swarm.testbed.churn import ChurnController
+
+    swarm = _FakeSwarm([0, 0])
+    path = tmp_path / "events.jsonl"
+    controller = ChurnController(swarm, [Action(0.0, "kill", 0.0), Action(0.0, "join")], path)
+    controller.start()
+    controller.begin()
+    controller.join(10)
+    assert not controller.is_alive()
+    assert [e["kind"] for e in read_jsonl(path)] == ["kill", "join"]
+
+
+def test_a_stopped_controller_acts_no_more(tmp_path):
+    from swarm.testbed.churn import ChurnController
+
+    swarm = _FakeSwarm([0, 0])
+    controller = ChurnController(swarm, [Action(3600.0, "kill", 0.0)], tmp_path / "events.jsonl")
+    controller.start()
+    controller.begin()
+    controller.stop.set()
+    controller.join(10)
+    assert not controller.is_alive() and swarm.left == []
