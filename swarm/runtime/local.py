@@ -93,7 +93,7 @@ class LocalPipeline:
         cfg = stage_cfg or StageConfig()
         layers = split_layers(model.n_layers, n_stages)
         for s, r in grid:
-            role = StageRole(s, n_stages, *layers[s], **({"replica": r} if replicas > 1 else {}))
+            role = StageRole(s, n_stages, *layers[s], replica=r)
             connector = self.network.connector(CallSigner(ids[(s, r)]) if auth else None)
             host = StageHost(role, model, cfg, self._links(fw, bw), peer[(s, r)], connector)
             verifier = CallVerifier(peer[(s, r)]) if auth else None
