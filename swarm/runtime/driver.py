@@ -435,18 +435,20 @@ class PipelineDriver:
 
     # ---- the step ---------------------------------------------------------------------------------------
 
-    def _live(self, step: int) -> list[Chain]:
+    def _live(self, step: int, failure: Failed | None = None) -> list[Chain]:
+        """The live chains; raises NoLiveChain naming the stage with no live replica (and the last failure)."""
         live = [self.chains[i] for i in self.live_chains()]
         if live:
             return live
-        lost = [
-            f"stage {s} (peers {', '.join(c.peers[s] for c in self.chains)})"
-            for s in range(self.n_stages)
-            if all(c.peers[s] in self.dead for c in self.chains)
-        ]
-        if not lost:  # every chain lost a different stage's replica
-            lost = [f"chain {c.index} ({', '.join(sorted(self.dead.intersection(c.peers)))})" for c in self.chains]
-        raise NoLiveChain(f"step {step}: no live chain: no live replica of {'; '.join(lost)}")
+
+        def gone(s: int, chains) -> str:
+            return f"stage {s} ({'; '.join(f'peer {c.peers[s]} at {c.addresses[s]}' for c in chains)})"
+
+        lost = [gone(s, self.chains) for s in range(self.n_stages) if all(c.peers[s] in self.dead for c in self.chains)]
+        if not lost:  # every chain lost a replica, of different stages
+            lost = [gone(s, [c]) for c in self.chains for s in range(self.n_stages) if c.peers[s] in self.dead]
+        why = f"; last failure: {failure.error}" if failure is not None and failure.error is not None else ""
+        raise NoLiveChain(f"step {step}: no live replica of {', '.join(lost)}{why}", grpc.StatusCode.UNAVAILABLE)
 
     def _work(self, batch: Batch, chains: list[Chain]) -> list[ChainWork]:
         return chain_work(batch, chains, self.weights.weights([c.key for c in chains]), self.n_micro)
@@ -521,7 +523,7 @@ class PipelineDriver:
         live = [f for f, suspects in self._inflight if not self.dead.intersection(suspects)]
         wait(live, timeout=ABANDON_GRACE_S)
         self.abandon(step)
-        self._live(step)  # raises NoLiveChain when nothing is left
+        self._live(step, failure)  # raises NoLiveChain when nothing is left
         if attempt >= self.max_attempts:
             raise _as_error(failure, step, f"gave up after {attempt} attempts")
 
