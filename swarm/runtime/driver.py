@@ -451,6 +451,9 @@ class PipelineDriver:
         raise NoLiveChain(f"step {step}: no live replica of {', '.join(lost)}{why}", grpc.StatusCode.UNAVAILABLE)
 
     def _work(self, batch: Batch, chains: list[Chain]) -> list[ChainWork]:
+        if len(batch.sample_ids) < len(chains):
+            # a chain without a sample would have no step to reduce and apply: its replicas would fall behind
+            raise ValueError(f"a batch of {len(batch.sample_ids)} samples cannot feed {len(chains)} live chains")
         return chain_work(batch, chains, self.weights.weights([c.key for c in chains]), self.n_micro)
 
     def forward_backward(self, step: int, batch: Batch) -> tuple[float, Traffic]:

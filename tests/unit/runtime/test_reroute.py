@@ -197,3 +197,13 @@ def test_a_step_whose_reply_was_lost_is_asked_again_and_applied_once():
         assert all(len({r.weights_digest for r in row}) == 1 for row in status)
     finally:
         pipe.close()
+
+
+def test_a_batch_smaller_than_the_live_chains_is_refused_before_any_call():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        with pytest.raises(ValueError, match="cannot feed 2 live chains"):
+            pipe.train_step(batch(n=1), n_micro=1)
+        assert all(h.open_step is None for row in pipe.replica_hosts for h in row)
+    finally:
+        pipe.close()
