@@ -57,6 +57,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._large_slots = CallSlots(self.budget.large_streams, "large stream")
         """Messages over `large_stream_bytes` read at once: what a flood of big streams may hold in memory."""
         self._probe_slots = CallSlots(self.budget.probe_calls, "link probe")
+        self.held_state: Callable[[grpc.ServicerContext], object] | None = None
+        """Serves GetState for a held checkpoint copy (swarm.daemon.held) when the call asks for one: an
+        iterator of items, or None for the served stage's state."""
         self.previous: StageHost | None = None
         """The host this peer served before its last plan change, kept to hand its state over."""
         self.standby_version: int | None = None
@@ -314,6 +317,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def GetState(self, request, context):
         self._checked(context, lambda caller: self.policy.check_state(caller))
+        if self.held_state is not None and (held := self.held_state(context)) is not None:
+            yield from held
+            return
         hosts = [h for h in (self.host, self.previous) if h is not None]
         if not hosts:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
