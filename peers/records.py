@@ -153,6 +153,11 @@ class PeerAnnouncement:
         _peer_id(r, "peer_id", self.peer_id)
         if type(self.leaving) is not bool:
             raise _fail(r, "leaving", "a bool", self.leaving)
+        if isinstance(self.held, str) and len(self.held) <= 40 * _MAX_HELD:
+            try:
+                _set(self, "held", tuple(tuple(int(x) for x in h.split(":")) for h in self.held.split()))
+            except ValueError:
+                raise _fail(r, "held", "'start:end:steps ...'", self.held[:64]) from None
         if not isinstance(self.held, (list, tuple)) or len(self.held) > _MAX_HELD:
             raise _fail(r, "held", f"a list of at most {_MAX_HELD} [start, end, steps] entries", self.held)
         held = []
@@ -195,7 +200,8 @@ class PeerAnnouncement:
         return None if self.layer_start is None else range(self.layer_start, self.layer_end)
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # flat on the wire, like every record field: "start:end:steps start:end:steps"
+        return {**dataclasses.asdict(self), "held": " ".join(":".join(map(str, h)) for h in self.held)}
 
     @classmethod
     def from_wire(cls, wire: Any) -> PeerAnnouncement:
