@@ -77,6 +77,10 @@ class Batch:
         )
         return [Batch(*p) for p in parts]
 
+    def select(self, rows: torch.Tensor) -> Batch:
+        """The rows `rows` (int64 indices, in that order) as a batch of their own."""
+        return Batch(self.sample_ids[rows], self.tokens[rows], self.targets[rows])
+
 
 @dataclass(frozen=True)
 class SampleSet:

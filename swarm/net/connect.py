@@ -42,6 +42,8 @@ class StageClient(Protocol):
     def Status(self, request: stage_pb2.Empty, timeout: float | None = None) -> stage_pb2.StatusReply: ...
     def Probe(self, request: stage_pb2.ProbeRequest, timeout: float | None = None) -> stage_pb2.ProbeReply: ...
     def GetState(self, request: stage_pb2.StateRequest, timeout: float | None = None) -> Iterator: ...
+    def Reduce(self, request: stage_pb2.ReduceRequest, timeout: float | None = None) -> stage_pb2.ReduceReply: ...
+    def Average(self, items: Iterable[bytes], timeout: float | None = None) -> stage_pb2.Traffic: ...
 
 
 class Connector(Protocol):
@@ -104,6 +106,10 @@ class _GrpcStage:
         self.Forward, self.Backward, self.Sink = signed(streams.Forward), signed(streams.Backward), signed(streams.Sink)
         self.PutLabels, self.Grads, self.Step = signed(stub.PutLabels), signed(stub.Grads), signed(stub.Step)
         self.Status, self.Probe, self.GetState = signed(stub.Status), signed(stub.Probe), signed(stub.GetState)
+        self.Reduce = signed(stub.Reduce)
+        # Average takes already serialized stream items, as TensorStreams' calls do
+        average = channel.stream_unary("/swarm.Stage/Average", None, stage_pb2.Traffic.FromString)
+        self.Average = signed(average)
 
 
 class _CallDetails(NamedTuple):
@@ -227,6 +233,10 @@ class LocalNetwork:
         if peer_id is not None:
             self._peers[address] = peer_id
 
+    def unregister(self, address: str) -> None:
+        """Stops serving `address`: calls to it fail from now on as to an unreachable peer (UNAVAILABLE)."""
+        self._servicers.pop(address, None)
+
     def connector(self, signer: CallSigner | None) -> LocalNetwork:
         """The same network, as seen by a caller whose calls carry `signer`'s tokens."""
         return LocalNetwork(signer, self._servicers, self._peers)
@@ -262,6 +272,7 @@ class _LocalStage:
     Forward, Backward, Sink = _stream("Forward"), _stream("Backward"), _stream("Sink")
     PutLabels, Grads, Step = _unary("PutLabels"), _unary("Grads"), _unary("Step")
     Status, Probe, GetState = _unary("Status"), _unary("Probe"), _unary("GetState")
+    Reduce, Average = _unary("Reduce"), _stream("Average")
 
 
 class _Unreachable:

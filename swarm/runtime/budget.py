@@ -13,10 +13,17 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import grpc
+
 from swarm.compression import WireLimits
 from swarm.model.gpt import ModelConfig
+from swarm.net.stream import CallRefused
+from swarm.proto import stage_pb2
 
-__all__ = ["CallSlots", "SlotsExhausted", "StageBudget"]
+__all__ = ["MAX_STEP", "CallSlots", "SlotsExhausted", "StageBudget"]
+
+MAX_STEP = 1 << 53
+"""Step numbers stay below this (exact as floats in every metric and log)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,21 @@ class StageBudget:
         for name in ("max_wait_s", "stale_step_s", "orphan_step_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StageBudget.{name} must be > 0, got {getattr(self, name)}")
+
+    def check_info(self, info: stage_pb2.CallInfo) -> None:
+        """Refuses call info past these bounds (INVALID_ARGUMENT naming the field); changes nothing."""
+        n_micro = info.num_micro_batches or 1
+        problem = None
+        if info.step >= MAX_STEP:
+            problem = f"step: {info.step} is not below {MAX_STEP}"
+        elif not 0.0 <= info.loss_weight <= 1.0:  # NaN fails too
+            problem = f"loss_weight: {info.loss_weight} is outside 0..1"
+        elif not 1 <= n_micro <= self.max_micro_batches:
+            problem = f"num_micro_batches: {info.num_micro_batches} is outside 1..{self.max_micro_batches}"
+        elif info.micro_batch >= n_micro:
+            problem = f"micro_batch: {info.micro_batch} is not below num_micro_batches={n_micro}"
+        if problem is not None:
+            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     def wire_limits(self, model: ModelConfig) -> WireLimits:
         """Bounds on every tensor message a stage of `model` receives: the largest is an fp32 activation of a

@@ -1,17 +1,26 @@
-"""The trainer's side of a pipeline: drive one optimizer step across the stages of a route.
+"""The trainer's side of a pipeline: drive one optimizer step across the chains of stage replicas of a plan.
 
 Token ids go to stage 0 and labels to the last stage; activations and gradients then travel stage to stage
 directly, never through the driver. The driver only collects each micro-batch's loss, and once per step the
 tied embedding's two gradients (summed and sent back) and each stage's squared gradient norm. The stages
 are reached through a `Connector`: over gRPC in a swarm, in-process in `swarm.runtime.local`.
+
+With replicas, column r of the plan is chain r: each sample trains on one chain (`swarm.runtime.chains`),
+the replicas of each stage then sum their gradients among themselves (`Reduce`) before every replica steps.
+A peer that dies mid-step (a failed call confirmed by a ping, or missed heartbeats) takes its chain out;
+the step is abandoned on every live replica and run again whole on the surviving chains, so every stage
+applies each step exactly once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,11 +32,26 @@ from swarm.model.data import Batch
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.proto import stage_pb2
+from swarm.runtime.chains import (
+    Chain,
+    ChainWeights,
+    ChainWork,
+    Failed,
+    Heartbeat,
+    NoLiveChain,
+    Task,
+    chain_work,
+    gather,
+    reroutable,
+    spawn,
+)
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
 
-__all__ = ["PipelineDriver", "StepResult", "Traffic"]
+__all__ = ["NoLiveChain", "PipelineDriver", "StepResult", "Traffic"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,7 +59,8 @@ class Traffic:
     """Bytes on the stage links, as the stages counted them in their replies."""
 
     sent: dict[tuple[int, str], int] = field(default_factory=dict)
-    """(link, direction) -> bytes; link k joins stage k and k+1, direction is forward or backward"""
+    """(link, direction) -> bytes; link k joins stage k and k+1, direction is forward or backward; direction
+    "average" counts the replicas of stage k summing their gradients (`Reduce`) under k"""
     fp32_wire_bytes: int = 0
     """what the same tensors would have cost in fp32"""
 
@@ -90,6 +115,16 @@ class StepResult:
     travel outside the stage links, so the application's link shaper does not pace them."""
     counters: dict[str, float] = field(default_factory=dict)
     """What every counter of the driver's metrics registry gained during the step (snapshot keys)."""
+    sample_ids: tuple[int, ...] = ()
+    """The samples the applied step trained, each once, chain by chain."""
+    attempts: int = 1
+    """Runs of the step: 1, plus one per reroute."""
+    dead_peers: tuple[str, ...] = ()
+    """Peers declared dead during the step."""
+    chains: int = 1
+    """Chains of replicas the applied step ran on."""
+    reduce_bytes: int = 0
+    """Bytes the replicas sent each other to sum their gradients (also in `wire_bytes` and `traffic`)."""
 
     @property
     def forward_bytes(self) -> int:
@@ -105,35 +140,47 @@ class StepResult:
 
     @property
     def wire_bytes(self) -> int:
-        return self.traffic.forward_bytes + self.traffic.backward_bytes
+        return self.traffic.forward_bytes + self.traffic.backward_bytes + self.reduce_bytes
 
 
 @dataclass
 class _MicroResult:
     loss: float
+    """the micro-batch's mean loss times its loss weight"""
     traffic: Traffic
+    ended: float
+    """perf_counter when its backward came back"""
+
+
+def _nested(route: Sequence) -> list[list[str]]:
+    return [[r] if isinstance(r, str) else list(r) for r in route]
 
 
 class PipelineDriver:
-    """Drives training steps over the stages at `route` (addresses in pipeline order).
+    """Drives training steps over the chains of replicas at `route`, rerouting around dead peers.
 
     Args:
-        route: address of every stage, in pipeline order.
-        peers: peer id of every stage (for errors).
+        route: address of every stage in pipeline order: one per stage, or the replicas of each stage
+            (`route[stage][replica]`, the same number for every stage; replica r of every stage is chain r).
+        peers: peer ids, shaped like `route`.
         schedule: a name in `swarm.runtime.schedules.SCHEDULES`.
-        n_micro: micro-batches per step.
+        n_micro: micro-batches per step, over all chains.
         deadline_s: longest a micro-batch may take end to end.
         connector: how to reach the stages (default: gRPC, signed by `signer`).
         plan_version: the plan the stages follow.
         metrics: where the driver counts the steps' bytes, losses and times (default: its own registry).
         signer: the trainer's identity on the default gRPC connector (None: a fresh key, enough where any
             authenticated caller may train or ask for Status).
+        max_attempts: runs of one step (the first and its reroutes) before it fails.
+        heartbeat_s: time between heartbeat pings of the peers while a step runs (also each ping's timeout).
+        heartbeat_misses: unanswered pings in a row that make a peer dead.
+        weights: the chains' sample shares (default: fresh, from measured throughput).
     """
 
     def __init__(
         self,
-        route: list[str],
-        peers: list[str],
+        route: Sequence[str] | Sequence[Sequence[str]],
+        peers: Sequence[str] | Sequence[Sequence[str]],
         schedule: str = "1f1b",
         n_micro: int = 4,
         deadline_s: float = 120.0,
@@ -141,82 +188,297 @@ class PipelineDriver:
         plan_version: int = 0,
         metrics: Metrics | None = None,
         signer: CallSigner | None = None,
+        max_attempts: int = 3,
+        heartbeat_s: float = 1.0,
+        heartbeat_misses: int = 3,
+        weights: ChainWeights | None = None,
     ):
-        if len(route) != len(peers) or not route:
-            raise ValueError("route and peers must name the same, non-zero number of stages")
-        self.route, self.peers = list(route), list(peers)
+        routes, ids = _nested(route), _nested(peers)
+        shapes = {len(r) for r in routes}
+        if (
+            not routes
+            or len(routes) != len(ids)
+            or len(shapes) != 1
+            or [len(r) for r in ids] != [len(r) for r in routes]
+        ):
+            raise ValueError("route and peers must name the same replicas of a non-zero number of stages")
+        if shapes == {0} or max_attempts < 1:
+            raise ValueError("every stage needs a replica, and a step at least one attempt")
+        self.chains = [Chain(r, tuple(s[r] for s in routes), tuple(s[r] for s in ids)) for r in range(len(routes[0]))]
+        self.route, self.peers = list(self.chains[0].addresses), list(self.chains[0].peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
-        self.plan_version = plan_version
+        self.plan_version, self.max_attempts = plan_version, max_attempts
+        self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
         if connector is None and signer is None:
             from swarm.net.auth import CallSigner, Identity
 
             signer = CallSigner(Identity.generate())
         self.connector = connector or GrpcConnector(signer=signer)
         self.metrics = metrics or Metrics()
+        self.weights = weights or ChainWeights()
+        self.dead: set[str] = set()
+        """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats)"""
         # every call to a stage carries a token for that stage's peer id
-        self.stubs = [self.connector.stage(a, p) for a, p in zip(self.route, self.peers, strict=True)]
-        self._pool = ThreadPoolExecutor(max_workers=max(2, n_micro), thread_name_prefix="driver")
+        self._stubs = {
+            (s, c.index): self.connector.stage(c.addresses[s], c.peers[s])
+            for c in self.chains
+            for s in range(len(routes))
+        }
+        self.stubs = [self._stubs[(s, 0)] for s in range(len(routes))]
+        self._threads: set[threading.Thread] = set()
+        self._inflight: list[Task] = []
         self._fp32 = make_codec(CodecConfig("fp32"))
 
     @property
     def n_stages(self) -> int:
         return len(self.route)
 
-    def _info(self, step: int, mb: int, stage: int) -> stage_pb2.CallInfo:
+    @property
+    def n_replicas(self) -> int:
+        return len(self.chains)
+
+    def live_chains(self) -> list[int]:
+        """The chains whose every peer is alive."""
+        return [c.index for c in self.chains if not self.dead.intersection(c.peers)]
+
+    # ---- calls ------------------------------------------------------------------------------------------
+
+    def _info(self, step: int, mb: int, stage: int, work: ChainWork) -> stage_pb2.CallInfo:
+        chain = work.chain
         return stage_pb2.CallInfo(
             step=step,
             micro_batch=mb,
             stage=stage,
             plan_version=self.plan_version,
-            num_micro_batches=self.n_micro,
+            num_micro_batches=len(work.micro),
             schedule=self.schedule,
-            route=self.route,
-            route_peers=self.peers,
+            route=chain.addresses,
+            route_peers=chain.peers,
             deadline_s=self.deadline_s,
+            loss_weight=work.loss_weights[mb],
+            chain=chain.index,
         )
 
-    def _call(self, stage: int, fn, *args, timeout: float | None = None):
+    def _call(self, stage: int, chain: int, method: str, *args, timeout: float | None = None):
+        c = self.chains[chain]
         try:
-            return fn(*args, timeout=timeout or self.deadline_s)
+            return getattr(self._stubs[(stage, chain)], method)(*args, timeout=timeout or self.deadline_s)
         except grpc.RpcError as e:
-            raise name_failure(e, stage, self.peers[stage], self.route[stage]) from e
+            raise name_failure(e, stage, c.peers[stage], c.addresses[stage]) from e
 
-    def _micro_batch(self, step: int, mb: int, data: Batch) -> _MicroResult:
-        last = self.n_stages - 1
-        labels = stage_pb2.LabelsRequest(info=self._info(step, mb, last), labels=tokens_to_wire(data.targets))
-        self._call(last, self.stubs[last].PutLabels, labels)
-        item = stage_pb2.StreamItem(info=self._info(step, mb, 0), tokens=tokens_to_wire(data.tokens, data.sample_ids))
-        # communication: tokens into stage 0; the activations flow on to the last stage, the loss comes back
-        fw = self._call(0, self.stubs[0].Forward, iter([item.SerializeToString()]))
-        # communication: the backward starts at the last stage and flows back to stage 0
-        start = stage_pb2.StreamItem(info=self._info(step, mb, last)).SerializeToString()
-        bw = self._call(last, self.stubs[last].Backward, iter([start]))
+    def _spawn(self, fn, suspects: tuple[str, ...]) -> Task:
+        task = (spawn(fn, "driver", self._threads), suspects)
+        self._inflight.append(task)
+        return task
+
+    def _alive(self, peer: str, timeout_s: float = 2.0) -> bool:
+        """One Status ping: does `peer` answer at all?"""
+        stage, chain = self._where(peer)
+        ping = spawn(lambda: self._call(stage, chain, "Status", stage_pb2.Empty(), timeout=timeout_s), "ping")
+        with contextlib.suppress(Exception):
+            ping.result(timeout=timeout_s)
+            return True
+        return False
+
+    def _where(self, peer: str) -> tuple[int, int]:
+        for c in self.chains:
+            if peer in c.peers:
+                return c.peers.index(peer), c.index
+        raise KeyError(peer)
+
+    def _heartbeat(self, chains: Sequence[Chain], wake: threading.Event) -> Heartbeat:
+        def ping(peer: str):
+            stage, chain = self._where(peer)
+            return self._call(stage, chain, "Status", stage_pb2.Empty(), timeout=self.heartbeat_s)
+
+        def on_dead(peer: str) -> None:
+            log.warning("peer %s missed %d heartbeats: declared dead", peer, self.heartbeat_misses)
+            self.dead.add(peer)
+            wake.set()
+
+        peers = [p for c in chains for p in c.peers]
+        return Heartbeat(ping, peers, on_dead, self.heartbeat_s, self.heartbeat_misses)
+
+    # ---- one attempt ------------------------------------------------------------------------------------
+
+    def _micro_batch(self, step: int, work: ChainWork, mb: int) -> _MicroResult:
+        last, chain, data = self.n_stages - 1, work.chain.index, work.micro[mb]
+        labels = stage_pb2.LabelsRequest(info=self._info(step, mb, last, work), labels=tokens_to_wire(data.targets))
+        self._call(last, chain, "PutLabels", labels)
+        item = stage_pb2.StreamItem(
+            info=self._info(step, mb, 0, work), tokens=tokens_to_wire(data.tokens, data.sample_ids)
+        )
+        # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
+        # comes back
+        fw = self._call(0, chain, "Forward", iter([item.SerializeToString()]))
+        # communication: the backward starts at the chain's last stage and flows back to its stage 0
+        start = stage_pb2.StreamItem(info=self._info(step, mb, last, work)).SerializeToString()
+        bw = self._call(last, chain, "Backward", iter([start]))
         traffic = Traffic()
         traffic.add(fw.traffic, "forward")
         traffic.add(bw.traffic, "backward")
-        return _MicroResult(fw.loss, traffic)
+        return _MicroResult(fw.loss * work.loss_weights[mb], traffic, time.perf_counter())
+
+    def _run_chains(self, step: int, work: list[ChainWork], wake: threading.Event) -> tuple[float, Traffic]:
+        """Every chain's micro-batches, all at once; the batch's mean loss and the bytes. Records each chain's
+        samples/s in `weights`."""
+        start = time.perf_counter()
+        tasks = [
+            [
+                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb), w.chain.peers)
+                for mb in range(len(w.micro))
+            ]
+            for w in work
+        ]
+        gather([t for chain in tasks for t in chain], wake, self.dead, self.deadline_s)
+        traffic, loss = Traffic(), 0.0
+        for w, chain in zip(work, tasks, strict=True):
+            results = [f.result() for f, _ in chain]
+            for r in results:
+                traffic.merge(r.traffic)
+                loss += r.loss
+            self.weights.observe(w.chain.key, w.rows / max(max(r.ended for r in results) - start, 1e-9))
+        return loss, traffic
+
+    def _reduce(self, step: int, chains: list[Chain], wake: threading.Event) -> Traffic:
+        """Sums each stage's gradients over its live replicas (`Reduce`); bytes under direction "average"."""
+        traffic = Traffic()
+        if len(chains) < 2:
+            return traffic  # a group of one: nothing to sum
+        tasks = []
+        for s in range(self.n_stages):
+            request = stage_pb2.ReduceRequest(
+                step=step,
+                plan_version=self.plan_version,
+                stage=s,
+                group_peers=[c.peers[s] for c in chains],
+                group_addresses=[c.addresses[s] for c in chains],
+                deadline_s=min(self.deadline_s, REDUCE_DEADLINE_S),
+            )
+            group = tuple(c.peers[s] for c in chains)
+            for c in chains:
+                tasks.append((s, self._spawn(lambda s=s, c=c, r=request: self._call(s, c.index, "Reduce", r), group)))
+        gather([t for _, t in tasks], wake, self.dead, self.deadline_s)
+        for s, (future, _) in tasks:
+            reply = future.result()
+            traffic.sent[(s, "average")] = traffic.sent.get((s, "average"), 0) + reply.wire_bytes
+            traffic.fp32_wire_bytes += reply.fp32_wire_bytes
+        return traffic
+
+    def _grads(self, step: int, chains: list[Chain], wake: threading.Event):
+        """The global gradient norm, the summed tied gradient (None with one stage) and the bytes it took."""
+        request = stage_pb2.StepRequest(step=step)
+        tasks = {
+            (s, c.index): self._spawn(lambda s=s, c=c: self._call(s, c.index, "Grads", request), (c.peers[s],))
+            for s in range(self.n_stages)
+            for c in chains
+        }
+        gather(list(tasks.values()), wake, self.dead, self.deadline_s)
+        grads = {key: future.result() for key, (future, _) in tasks.items()}
+        first = chains[0].index
+        # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all
+        sq = sum(grads[(s, first)].grad_sq_norm for s in range(self.n_stages))
+        if self.n_stages == 1:
+            return math.sqrt(sq), None, 0
+        # communication: every replica of the first and last stage sends its tied gradient; all get the sum
+        ends = [grads[(s, c.index)].tied_grad for s in (0, self.n_stages - 1) for c in chains]
+        total = sum(self._fp32.decode(t) for t in ends)
+        sq += float(total.pow(2).sum())
+        tied_sum = self._fp32.encode(total)
+        sync_bytes = sum(t.ByteSize() for t in ends) + len(ends) * tied_sum.ByteSize()
+        return math.sqrt(sq), tied_sum, sync_bytes
+
+    def _apply(self, step: int, chains: list[Chain], norm: float, tied_sum, wake: threading.Event) -> float:
+        """`Step` on every live replica. A replica that dies now is left behind (the others apply the step: the
+        reduced gradient is already theirs); a live one that failed is asked once more (Step is idempotent)."""
+
+        def step_stage(s: int, chain: int) -> float:
+            req = stage_pb2.StepRequest(step=step, global_grad_norm=norm, plan_version=self.plan_version)
+            if tied_sum is not None and s in (0, self.n_stages - 1):
+                req.tied_grad_sum.CopyFrom(tied_sum)
+            return self._call(s, chain, "Step", req).lr
+
+        keys = [(s, c.index) for s in range(self.n_stages) for c in chains]
+        lrs: list[float] = []
+        for retry in range(2):
+            tasks = [self._spawn(lambda k=k: step_stage(*k), (self.chains[k[1]].peers[k[0]],)) for k in keys]
+            failed = []
+            for key, outcome in zip(
+                keys, gather(tasks, wake, self.dead, self.deadline_s, fail_fast=False), strict=True
+            ):
+                if outcome is None:
+                    continue  # died before it answered
+                if outcome.exception() is None:
+                    lrs.append(outcome.result())
+                    continue
+                peer = self.chains[key[1]].peers[key[0]]
+                if not self._alive(peer):
+                    self.dead.add(peer)
+                elif retry or not reroutable(outcome.exception()):
+                    raise outcome.exception()
+                else:
+                    failed.append(key)
+            keys = failed
+            if not keys:
+                break
+        if not lrs:
+            raise NoLiveChain(f"step {step}: every replica died before applying it")
+        return lrs[0]
+
+    # ---- the step ---------------------------------------------------------------------------------------
+
+    def _live(self, step: int) -> list[Chain]:
+        live = [self.chains[i] for i in self.live_chains()]
+        if live:
+            return live
+        lost = [
+            f"stage {s} (peers {', '.join(c.peers[s] for c in self.chains)})"
+            for s in range(self.n_stages)
+            if all(c.peers[s] in self.dead for c in self.chains)
+        ]
+        if not lost:  # every chain lost a different stage's replica
+            lost = [f"chain {c.index} ({', '.join(sorted(self.dead.intersection(c.peers)))})" for c in self.chains]
+        raise NoLiveChain(f"step {step}: no live chain: no live replica of {'; '.join(lost)}")
+
+    def _work(self, batch: Batch, chains: list[Chain]) -> list[ChainWork]:
+        return chain_work(batch, chains, self.weights.weights([c.key for c in chains]), self.n_micro)
 
     def forward_backward(self, step: int, batch: Batch) -> tuple[float, Traffic]:
-        """Every micro-batch's forward and backward (gradients accumulate on the stages); the mean loss and the
-        bytes. Raises StageCallError naming the stage and peer that failed, after abandoning the step."""
-        micro = batch.split(self.n_micro)
-        futures = [self._pool.submit(self._micro_batch, step, mb, data) for mb, data in enumerate(micro)]
+        """Every micro-batch's forward and backward on the live chains (gradients accumulate on the stages); the
+        mean loss and the bytes. No reroute: raises StageCallError naming the stage and peer that failed,
+        after abandoning the step."""
+        chains = self._live(step)
+        wake = threading.Event()
         try:
-            results = [f.result() for f in futures]
-        except StageCallError:
+            with self._heartbeat(chains, wake):
+                return self._run_chains(step, self._work(batch, chains), wake)
+        except Failed as f:
             self.abandon(step)
-            raise
-        traffic = Traffic()
-        for r in results:
-            traffic.merge(r.traffic)
-        # the last stage weighs every micro-batch's loss by 1 / n_micro in its backward: the same mean here
-        return sum(r.loss for r in results) / len(results), traffic
+            raise _as_error(f, step) from f.error
 
     def train_step(self, step: int, batch: Batch) -> StepResult:
-        """One optimizer step on `batch`; raises StageCallError naming the stage and peer that failed."""
+        """One optimizer step on `batch` over the live chains, run again on the survivors when a peer dies.
+
+        Raises:
+            NoLiveChain: a stage has no live replica left (the step is abandoned everywhere).
+            StageCallError: a call failed for another reason (plan-mismatch included), or `max_attempts` ran out.
+        """
         m, start, before = self.metrics, time.perf_counter(), self.metrics.snapshot()
-        loss, traffic = self.forward_backward(step, batch)
-        norm, lr, sync_bytes = self.finish_step(step)
+        dead_before = set(self.dead)
+        for attempt in range(1, self.max_attempts + 1):
+            chains = self._live(step)
+            work = self._work(batch, chains)
+            used = [w.chain for w in work]
+            wake = threading.Event()
+            try:
+                with self._heartbeat(used, wake):
+                    loss, traffic = self._run_chains(step, work, wake)
+                    traffic.merge(self._reduce(step, used, wake))
+                    norm, tied_sum, sync_bytes = self._grads(step, used, wake)
+                    lr = self._apply(step, used, norm, tied_sum, wake)
+                break
+            except Failed as f:
+                self._recover(step, f, attempt)
         seconds = time.perf_counter() - start
         for (link, direction), nbytes in traffic.sent.items():
             m.wire_bytes.labels(str(link), direction).inc(nbytes)
@@ -227,42 +489,80 @@ class PipelineDriver:
         m.loss.set(loss)
         m.plan_version.set(self.plan_version)
         counters = {k: v for k, v in delta(before, m.snapshot()).items() if "_total" in k and v}
-        return StepResult(loss, norm, lr, traffic, seconds, sync_bytes, counters)
+        ids = tuple(int(i) for w in work for b in w.micro for i in b.sample_ids.tolist())
+        return StepResult(
+            loss, norm, lr, traffic, seconds, sync_bytes, counters,
+            sample_ids=ids, attempts=attempt, dead_peers=tuple(sorted(self.dead - dead_before)),
+            chains=len(used), reduce_bytes=traffic.direction_bytes("average"),
+        )  # fmt: skip
 
-    def finish_step(self, step: int) -> tuple[float, float, int]:
-        """Sums the tied embedding's gradients, computes the global norm, steps every stage; returns the norm,
-        the learning rate and the bytes the tied gradients took (both ways)."""
-        request = stage_pb2.StepRequest(step=step)
-        grads = list(self._pool.map(lambda s: self._call(s, self.stubs[s].Grads, request), range(self.n_stages)))
-        sq = sum(g.grad_sq_norm for g in grads)
-        tied_sum, sync_bytes = None, 0
-        if self.n_stages > 1:
-            # communication: the first and last stage's copies of the tied embedding get the same summed gradient
-            total = self._fp32.decode(grads[0].tied_grad) + self._fp32.decode(grads[-1].tied_grad)
-            sq += float(total.pow(2).sum())
-            tied_sum = self._fp32.encode(total)
-            sync_bytes = grads[0].tied_grad.ByteSize() + grads[-1].tied_grad.ByteSize() + 2 * tied_sum.ByteSize()
-        norm = math.sqrt(sq)
-
-        def step_stage(s: int) -> float:
-            req = stage_pb2.StepRequest(step=step, global_grad_norm=norm, plan_version=self.plan_version)
-            if tied_sum is not None and s in (0, self.n_stages - 1):
-                req.tied_grad_sum.CopyFrom(tied_sum)
-            return self._call(s, self.stubs[s].Step, req).lr
-
-        lrs = list(self._pool.map(step_stage, range(self.n_stages)))
-        return norm, lrs[0], sync_bytes
+    def _recover(self, step: int, failure: Failed, attempt: int) -> None:
+        """After a failed attempt: find the dead (one Status ping per suspect), abandon the step on every live
+        replica so that none keeps gradients from it, and raise unless another attempt may run."""
+        error = failure.error
+        if error is not None and not reroutable(error):
+            self.abandon(step)
+            raise _as_error(failure, step) from error
+        for peer in failure.suspects:
+            if peer not in self.dead and not self._alive(peer):
+                log.warning("step %d: peer %s does not answer: declared dead", step, peer)
+                self.dead.add(peer)
+        # calls among live peers end soon after the abandon; wait for them (briefly), so that none of them opens
+        # the step again behind the next attempt's back, then abandon once more
+        self.abandon(step)
+        live = [f for f, suspects in self._inflight if not self.dead.intersection(suspects)]
+        wait(live, timeout=ABANDON_GRACE_S)
+        self.abandon(step)
+        self._inflight = [t for t in self._inflight if not t[0].done()]
+        if attempt >= self.max_attempts:
+            raise _as_error(failure, step, f"gave up after {attempt} attempts")
+        self._live(step)  # raises NoLiveChain when nothing is left
 
     def abandon(self, step: int) -> None:
-        """Best effort: tell every reachable stage to drop the step's gradients."""
-        # a stage that is gone or busy is skipped: the caller already reports the failure that matters
-        for stub in self.stubs:
-            with contextlib.suppress(grpc.RpcError):
-                stub.Step(stage_pb2.StepRequest(step=step, abandon=True), timeout=5)
+        """Best effort: tell every live replica to drop the step's gradients."""
+        # a stage that is gone, busy or stuck is skipped: the caller already reports the failure that matters
+        request = stage_pb2.StepRequest(step=step, abandon=True)
+        calls = [
+            spawn(lambda s=s, c=c: self._call(s, c.index, "Step", request, timeout=5), "abandon", self._threads)
+            for c in self.chains
+            for s in range(self.n_stages)
+            if c.peers[s] not in self.dead
+        ]
+        wait(calls, timeout=5)
 
     def status(self) -> list[stage_pb2.StatusReply]:
-        return [self._call(s, stub.Status, stage_pb2.Empty(), timeout=10) for s, stub in enumerate(self.stubs)]
+        """Chain 0's stages' status."""
+        return [self._call(s, 0, "Status", stage_pb2.Empty(), timeout=10) for s in range(self.n_stages)]
+
+    def replica_status(self) -> list[list[stage_pb2.StatusReply | None]]:
+        """Every replica's status, `[stage][replica]`; None for a dead peer."""
+        return [
+            [
+                None if c.peers[s] in self.dead else self._call(s, c.index, "Status", stage_pb2.Empty(), timeout=10)
+                for c in self.chains
+            ]
+            for s in range(self.n_stages)
+        ]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Closes the connector and reaps the call threads that ended; stuck ones run out on their deadline."""
         self.connector.close()
+        end = time.monotonic() + CLOSE_WAIT_S
+        for thread in list(self._threads):
+            thread.join(max(0.0, end - time.monotonic()))
+
+
+REDUCE_DEADLINE_S = 30.0
+"""longest a replica waits for the other replicas' gradients in `Reduce`"""
+ABANDON_GRACE_S = 5.0
+"""longest the driver waits for a failed attempt's calls among live peers to end before the next attempt"""
+CLOSE_WAIT_S = 2.0
+
+
+def _as_error(failure: Failed, step: int, why: str = "") -> StageCallError:
+    error = failure.error
+    if isinstance(error, StageCallError):
+        return type(error)(f"{error} ({why})" if why else str(error), error.code) if why else error
+    dead = ", ".join(failure.suspects) or "a peer"
+    detail = f"{type(error).__name__}: {error}" if error is not None else f"{dead} declared dead"
+    return StageCallError(f"step {step}: {detail}{f' ({why})' if why else ''}", grpc.StatusCode.UNAVAILABLE)

@@ -31,6 +31,7 @@ from swarm.net.stream import (
     tokens_from_wire,
 )
 from swarm.proto import stage_pb2
+from swarm.runtime.average import parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.gate import GateError, ScheduleGate
@@ -42,8 +43,6 @@ __all__ = ["StageHost", "StageRole"]
 log = logging.getLogger("swarm.runtime.host")
 
 DEFAULT_DEADLINE_S = 120.0
-MAX_STEP = 1 << 53
-"""Step numbers stay below this (exact as floats in every metric and log)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +54,8 @@ class StageRole:
     layer_start: int
     layer_end: int
     plan_version: int = 0
+    replica: int = 0
+    """This peer's column among its stage's replicas: the chain it serves."""
 
     @property
     def is_first(self) -> bool:
@@ -106,6 +107,10 @@ class StageHost:
         """The open step's labels by micro-batch (last stage); dropped when the step ends."""
         self.compute_lock = threading.Lock()
         self.steps_done = 0
+        self.last_step: int | None = None
+        """The last step this stage applied, and the lr it used: a retried Step for it changes nothing."""
+        self._last_lr = 0.0
+        self._digest: tuple[tuple, str] | None = None
         self.open_step: int | None = None
         """The step this stage has taken calls for and not yet stepped or abandoned (None between steps)."""
         self._owner: str | None = None
@@ -147,19 +152,7 @@ class StageHost:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"route names {len(info.route)} stages, this pipeline has {self.role.n_stages}",
             )
-        if info.step >= MAX_STEP:
-            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"step: {info.step} is not below {MAX_STEP}")
-        budget = self.budget
-        if not 1 <= (info.num_micro_batches or 1) <= budget.max_micro_batches:
-            raise CallRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"num_micro_batches: {info.num_micro_batches} is outside 1..{budget.max_micro_batches}",
-            )
-        if info.micro_batch >= (info.num_micro_batches or 1):
-            raise CallRefused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"micro_batch: {info.micro_batch} is not below num_micro_batches={info.num_micro_batches or 1}",
-            )
+        self.budget.check_info(info)
         if self.open_step is not None and info.step != self.open_step and not self._may_close(info.step, caller):
             raise CallRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -274,8 +267,8 @@ class StageHost:
         (for AQ-SGD the receiver's buffer m: the receiver computes on what the codec delivers)."""
         if kind == Kind.FORWARD and self.role.is_first:
             return call.parsed[0]
-        if kind == Kind.BACKWARD and self.role.is_last:
-            return torch.tensor(1.0 / max(1, call.info.num_micro_batches))
+        if kind == Kind.BACKWARD and self.role.is_last:  # the micro-batch's share of the step's (batch-mean) loss
+            return torch.tensor(call.info.loss_weight or 1.0 / max(1, call.info.num_micro_batches))
         direction = self.links.fw_recv if kind == Kind.FORWARD else self.links.bw_recv
         with self._phase("decode"):
             return self.links.incoming(direction, need_message(call), self.limits)
@@ -449,9 +442,12 @@ class StageHost:
         return reply
 
     def step(self, request: stage_pb2.StepRequest) -> float:
-        """Applies the summed tied gradient and steps the optimizer (or abandons the step's gradients)."""
+        """Applies the summed tied gradient and steps the optimizer (or abandons the step's gradients). A Step
+        for the step applied last (a retry after a lost reply) returns its lr and changes nothing."""
         lr = 0.0
         with self.compute_lock:
+            if not request.abandon and self._applied(request):
+                return self._last_lr
             if request.abandon:
                 if self.open_step is not None and request.step != self.open_step:
                     raise CallRefused(
@@ -466,11 +462,19 @@ class StageHost:
                     self.worker.set_tied_grad(tied)
                 lr = self.worker.step(request.global_grad_norm)
                 self.steps_done += 1
+                self.last_step, self._last_lr = request.step, lr
                 self._step_metrics()
                 self._close_step()
         if self.on_step is not None and not request.abandon:
             self.on_step(self)
         return lr
+
+    def _applied(self, request: stage_pb2.StepRequest) -> bool:
+        return (
+            request.step == self.last_step
+            and request.plan_version == self.role.plan_version
+            and self.open_step != request.step
+        )
 
     def _abandon(self) -> None:
         """Drops the open step's gradients and in-flight activations (compute lock held)."""
@@ -538,7 +542,22 @@ class StageHost:
             compute_layers_per_s=self.compute_layers_per_s,
             buffered_samples=self.links.buffered_samples(),
             device=self.device,
+            weights_digest=self.weights_digest(),
+            replica=self.role.replica,
+            last_step=self.last_step or 0,
         )
+
+    def weights_digest(self) -> str:
+        """SHA-256 (hex) of the stage's parameters in name order: equal on replicas that applied the same
+        steps. Recomputed only when a parameter changed (their version counters moved), so a heartbeat's
+        Status stays cheap."""
+        params = sorted(self.worker.module.named_parameters())
+        key = tuple(p._version for _, p in params)
+        cached = self._digest
+        if cached is None or cached[0] != key:
+            with self.compute_lock:
+                cached = self._digest = (key, parameters_digest(params))
+        return cached[1]
 
     def state_items(self) -> Iterator[stage_pb2.StateItem]:
         """The stage's state as named fp32 tensors, for handing the stage over to another peer: weights

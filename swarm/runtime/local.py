@@ -1,4 +1,4 @@
-"""The swarm's runtime in one process: one stage host per stage, wired by in-process links.
+"""The swarm's runtime in one process: stage hosts (one per stage, or R replicas of each), in-process links.
 
 `LocalPipeline` builds the same `StageHost`s and `StageServicer`s a swarm runs, registers them on a
 `LocalNetwork` instead of gRPC servers, and drives them with the same `PipelineDriver` as `swarm train`.
@@ -11,6 +11,7 @@ that off, for measuring its cost).
 
 from __future__ import annotations
 
+import grpc
 import torch
 
 from swarm.compression import CodecConfig
@@ -33,6 +34,9 @@ __all__ = ["LocalPipeline"]
 class LocalPipeline:
     """Stage hosts in this process, joined by in-process links, driven one optimizer step at a time.
 
+    With `replicas` R > 1, every stage has R hosts and replica r of every stage forms chain r (a nested
+    roster, `StageRole.replica`); `kill` takes a host off the network for fault tests.
+
     Args:
         model: the model to split.
         n_stages: pipeline stages (even layer ranges, see `split_layers`).
@@ -45,6 +49,7 @@ class LocalPipeline:
             message where it shrinks it, as on the slow links this pipeline stands for.
         auth: authenticate every call and authorize it by the roster (a key per host and one for the
             driver, generated here); False only to measure what that costs.
+        replicas: hosts per stage.
     """
 
     def __init__(
@@ -58,54 +63,81 @@ class LocalPipeline:
         shaping: LinkShaping | None = None,
         adaptive_zstd: bool = False,
         auth: bool = True,
+        replicas: int = 1,
     ):
-        if n_stages < 1:
-            raise ValueError(f"a pipeline needs at least one stage, got {n_stages}")
+        if n_stages < 1 or replicas < 1:
+            raise ValueError(f"a pipeline needs at least one stage and replica, got {n_stages} x {replicas}")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
-        self.model, self.schedule = model, schedule
+        self.model, self.schedule, self.replicas = model, schedule, replicas
         self.shaping, self.adaptive_zstd = shaping, adaptive_zstd
         self.network = LocalNetwork()
-        self.addresses = [f"local:{s}" for s in range(n_stages)]
-        self.hosts: list[StageHost] = []
+        grid = [(s, r) for s in range(n_stages) for r in range(replicas)]
+        # one replica keeps the addresses a single pipeline always had
+        name = (lambda s, r: f"{s}") if replicas == 1 else (lambda s, r: f"{s}.{r}")
+        self.replica_addresses = [[f"local:{name(s, r)}" for r in range(replicas)] for s in range(n_stages)]
+        self.addresses = [a[0] for a in self.replica_addresses]
+        self.replica_hosts: list[list[StageHost]] = [[] for _ in range(n_stages)]
+        self.switches: list[list[_Switch]] = [[] for _ in range(n_stages)]
+        """what the network serves at each host's address: its servicer, until `kill`"""
         fw, bw = forward or CodecConfig("fp32"), backward or CodecConfig("fp32")
         # identities: one per host and one for the driver (the trainer), as separate peers would hold
-        ids = [Identity.generate() for _ in range(n_stages + 1)] if auth else []
-        peers = [i.peer_id for i in ids[:n_stages]] or [f"local{s}" for s in range(n_stages)]
-        self.trainer = ids[-1] if ids else None
-        trainers = frozenset(i.peer_id for i in ids[-1:])
-        roster = Roster(tuple(peers), tuple(self.addresses), trainers, frozenset(peers))
+        ids = {key: Identity.generate() for key in grid} if auth else {}
+        peer = {key: ids[key].peer_id if auth else f"local{name(*key)}" for key in grid}
+        self.trainer = Identity.generate() if auth else None
+        self.replica_peers = [[peer[(s, r)] for r in range(replicas)] for s in range(n_stages)]
+        trainers = frozenset([self.trainer.peer_id] if self.trainer else [])
+        roster = Roster(
+            self._shape(self.replica_peers), self._shape(self.replica_addresses), trainers, frozenset(peer.values())
+        )
         cfg = stage_cfg or StageConfig()
-        for stage, (start, end) in enumerate(split_layers(model.n_layers, n_stages)):
-            role = StageRole(stage, n_stages, start, end)
-            connector = self.network.connector(CallSigner(ids[stage]) if ids else None)
-            host = StageHost(role, model, cfg, self._links(fw, bw), peers[stage], connector)
-            servicer = StageServicer(host, CallVerifier(peers[stage]), roster) if ids else StageServicer(host)
-            self.network.register(self.addresses[stage], servicer, peers[stage])
-            self.hosts.append(host)
+        layers = split_layers(model.n_layers, n_stages)
+        for s, r in grid:
+            role = StageRole(s, n_stages, *layers[s], replica=r)
+            connector = self.network.connector(CallSigner(ids[(s, r)]) if auth else None)
+            host = StageHost(role, model, cfg, self._links(fw, bw), peer[(s, r)], connector)
+            verifier = CallVerifier(peer[(s, r)]) if auth else None
+            servicer = StageServicer(host, verifier, roster) if auth else StageServicer(host)
+            self.switches[s].append(_Switch(servicer))
+            self.network.register(self.replica_addresses[s][r], self.switches[s][r], peer[(s, r)])
+            self.replica_hosts[s].append(host)
+        self.hosts = [h[0] for h in self.replica_hosts]
+        self.killed: set[tuple[int, int]] = set()
         self._driver: PipelineDriver | None = None
         self._step = 0
+
+    def _shape(self, grid: list[list[str]]) -> tuple:
+        """Flat (one replica per stage, the roster's original shape) or nested `[stage][replica]`."""
+        return tuple(row[0] for row in grid) if self.replicas == 1 else tuple(tuple(row) for row in grid)
+
+    def kill(self, stage: int, replica: int = 0) -> None:
+        """Takes that replica's host off the network: every later call to it fails with UNAVAILABLE, as a call
+        to a peer that is gone does (calls already inside it run on, as in a killed process's last moments)."""
+        self.switches[stage][replica].killed = True
+        self.killed.add((stage, replica))
 
     def _links(self, forward: CodecConfig, backward: CodecConfig) -> LinkEnds:
         return LinkEnds(forward, backward, self.shaping, adaptive_zstd=self.adaptive_zstd)
 
     @property
     def workers(self) -> list[StageWorker]:
+        """Replica 0 of every stage (the replicas hold the same weights)."""
         return [h.worker for h in self.hosts]
 
     def set_codecs(self, forward: CodecConfig, backward: CodecConfig) -> None:
         """Fresh boundary ends with these codecs on every stage (AQ-SGD buffers start empty), between steps."""
-        for host in self.hosts:
+        for host in (h for row in self.replica_hosts for h in row):
             host.links = self._links(forward, backward)
 
-    def driver(self, n_micro: int) -> PipelineDriver:
-        """The driver for steps of `n_micro` micro-batches (its thread pool must hold one per micro-batch)."""
-        if self._driver is None or self._driver.n_micro != n_micro:
+    def driver(self, n_micro: int, **driver_options) -> PipelineDriver:
+        """The driver for steps of `n_micro` micro-batches; `driver_options` (PipelineDriver's keyword
+        arguments) make a fresh one."""
+        if self._driver is None or self._driver.n_micro != n_micro or driver_options:
             if self._driver is not None:
                 self._driver.close()
-            peers = [h.peer_id for h in self.hosts]
             connector = self.network.connector(CallSigner(self.trainer) if self.trainer else None)
-            self._driver = PipelineDriver(self.addresses, peers, self.schedule, n_micro, connector=connector)
+            route, peers = self._shape(self.replica_addresses), self._shape(self.replica_peers)
+            self._driver = PipelineDriver(route, peers, self.schedule, n_micro, connector=connector, **driver_options)
         return self._driver
 
     def train_step(self, batch: Batch, n_micro: int) -> StepResult:
@@ -146,3 +178,20 @@ class LocalPipeline:
     def close(self) -> None:
         if self._driver is not None:
             self._driver.close()
+
+
+class _Switch:
+    """Serves `target`'s methods until `killed`; then every call fails with UNAVAILABLE, as a call to a peer
+    that is gone does. Tests may swap `target` (e.g. for a servicer that hangs)."""
+
+    def __init__(self, target: StageServicer):
+        self.target, self.killed = target, False
+
+    def __getattr__(self, name: str):
+        if not self.killed:
+            return getattr(self.target, name)
+
+        def gone(request, context):
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"connection refused ({name} to a killed host)")
+
+        return gone

@@ -1,9 +1,10 @@
 """Who may call what on a stage: the plan's roster and the rules the stage service enforces with it.
 
 Authentication (`swarm.net.auth`) says who is calling; this module says whether that peer may make this
-call. A stage serves data and step calls only from its neighbours on the plan's route and from the plan's
-trainers, hands its state only to peers the plan names, and follows (and so sends along) only the plan's
-route, whatever route a caller writes into its `CallInfo`. Every refusal names the rule it broke.
+call. A stage serves data and step calls only from its neighbours on its chain of the plan and from the plan's
+trainers, gradient sums only from the other replicas of its stage, hands its state only to peers the plan names,
+and follows (and so sends along) only the plan's chains, whatever route a caller writes into its `CallInfo`.
+Every refusal names the rule it broke.
 """
 
 from __future__ import annotations
@@ -18,31 +19,65 @@ from swarm.proto import stage_pb2
 __all__ = ["CallPolicy", "Roster"]
 
 
+Peers = tuple[tuple[str, ...], ...]
+
+
+def _nested(value, what: str) -> Peers:
+    """Replicas per stage from a flat (one per stage) or nested (replicas of each stage) sequence."""
+    out = tuple((v,) if isinstance(v, str) else tuple(str(x) for x in v) for v in value)
+    if not out or any(not replicas for replicas in out):
+        raise ValueError(f"Roster: {what} must name at least one peer for each of at least one stage")
+    return out
+
+
 @dataclass(frozen=True)
 class Roster:
-    """The peers of the plan a stage serves under."""
+    """The peers of the plan a stage serves under: R replicas of every stage, column r being chain r (replica r
+    of stage s sends forward only to replica r of stage s+1, backward only to replica r of stage s-1)."""
 
-    stage_peers: tuple[str, ...]
-    """Peer id serving each stage, in pipeline order."""
-    addresses: tuple[str, ...]
-    """gRPC address of each stage, in pipeline order: the only route a call may name."""
+    stage_peers: Peers
+    """Peer ids of each stage's replicas, in pipeline order (given flat, one per stage, or nested)."""
+    addresses: Peers
+    """gRPC addresses of each stage's replicas, same shape: the only routes a call may name."""
     trainers: frozenset[str] | None
     """Peer ids that may train on the pipeline; None: any authenticated caller (a public run)."""
     plan_peers: frozenset[str]
     """Every peer of the plan: those who may fetch this stage's state."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stage_peers", tuple(self.stage_peers))
-        object.__setattr__(self, "addresses", tuple(self.addresses))
-        object.__setattr__(self, "plan_peers", frozenset(self.plan_peers) | frozenset(self.stage_peers))
+        object.__setattr__(self, "stage_peers", _nested(self.stage_peers, "stage_peers"))
+        object.__setattr__(self, "addresses", _nested(self.addresses, "addresses"))
+        every = frozenset(p for replicas in self.stage_peers for p in replicas)
+        object.__setattr__(self, "plan_peers", frozenset(self.plan_peers) | every)
         if self.trainers is not None:
             object.__setattr__(self, "trainers", frozenset(self.trainers))
-        if not self.stage_peers or len(self.stage_peers) != len(self.addresses):
-            raise ValueError("Roster: stage_peers and addresses must name the same, non-zero number of stages")
+        if [len(r) for r in self.stage_peers] != [len(r) for r in self.addresses]:
+            raise ValueError("Roster: stage_peers and addresses must name the same replicas of the same stages")
+        if len({len(r) for r in self.stage_peers}) != 1:
+            raise ValueError(f"Roster: every stage needs the same number of replicas, got {self.stage_peers}")
 
     @property
     def n_stages(self) -> int:
         return len(self.stage_peers)
+
+    @property
+    def n_replicas(self) -> int:
+        """Replicas of every stage: the number of chains."""
+        return len(self.stage_peers[0])
+
+    def replicas(self, stage: int) -> tuple[str, ...]:
+        """Peer ids of the replicas of `stage`, in column order."""
+        return self.stage_peers[stage]
+
+    def replica_addresses(self, stage: int) -> tuple[str, ...]:
+        """Addresses of the replicas of `stage`, in column order."""
+        return self.addresses[stage]
+
+    def chain(self, r: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(addresses, peer ids) of chain `r`: column r of every stage, in pipeline order."""
+        if not 0 <= r < self.n_replicas:
+            raise IndexError(f"chain {r} is not one of the plan's {self.n_replicas}")
+        return tuple(a[r] for a in self.addresses), tuple(p[r] for p in self.stage_peers)
 
 
 def _denied(rule: str) -> CallRefused:
@@ -72,7 +107,8 @@ class CallPolicy:
 
     def check_sender(self, method: str, stage: int, caller: str) -> None:
         """Forward, Backward and PutLabels into `stage` (this peer's) by `caller`: checked before the call's
-        body is read, so a stranger's stream costs nothing."""
+        body is read, so a stranger's stream costs nothing. A neighbour's call passes here if the caller is any
+        replica of the sending stage; `check_route` then holds it to the chain its call info names."""
         roster = self._need_roster()
         last = roster.n_stages - 1
         if stage > last:
@@ -84,28 +120,71 @@ class CallPolicy:
         elif method == "Backward" and stage == last:
             self._trainer(caller, "Backward into the last stage")
         else:
-            sender = stage - 1 if method == "Forward" else stage + 1
-            if caller != roster.stage_peers[sender]:
+            sender = _sender_stage(method, stage)
+            if caller not in roster.replicas(sender):
                 raise _denied(
                     f"{method} into stage {stage} only from the plan's peer of stage {sender} "
-                    f"({roster.stage_peers[sender]}), not {caller}"
+                    f"({', '.join(roster.replicas(sender))}), not {caller}"
                 )
 
-    def check_route(self, info: stage_pb2.CallInfo) -> None:
-        """A call's route must be the plan's: a stage sends only where the plan says."""
+    def check_route(self, info: stage_pb2.CallInfo, caller: str | None = None, method: str | None = None) -> None:
+        """A call's route must be the plan's chain `info.chain`: a stage sends only where the plan says. With
+        `caller` and `method` (a Forward or Backward from a neighbour), the caller must be that chain's peer of
+        the sending stage: replica r of a stage talks only to replica r of its neighbours."""
         roster = self._need_roster()
-        if tuple(info.route) != roster.addresses or tuple(info.route_peers) != roster.stage_peers:
+        if info.chain >= roster.n_replicas:
+            raise _denied(f"chain {info.chain}: the plan has {roster.n_replicas} chains")
+        addresses, peers = roster.chain(info.chain)
+        if tuple(info.route) != addresses or tuple(info.route_peers) != peers:
             raise _denied(
                 f"route: the call names route {list(info.route)[:8]} of peers {list(info.route_peers)[:8]}, "
-                f"the plan's is {list(roster.addresses)} of peers {list(roster.stage_peers)}"
+                f"the plan's chain {info.chain} is {list(addresses)} of peers {list(peers)}"
+            )
+        if caller is None or method not in ("Forward", "Backward"):
+            return
+        sender = _sender_stage(method, info.stage)
+        if 0 <= sender < roster.n_stages and caller != peers[sender]:  # else: the trainer's end of the chain
+            raise _denied(
+                f"{method} of chain {info.chain} into stage {info.stage} only from its peer of stage {sender} "
+                f"({peers[sender]}), not {caller}"
             )
 
     def check_step(self, method: str, caller: str) -> None:
-        """Grads and Step (abandon included) only from a trainer."""
+        """Grads, Step (abandon included) and Reduce only from a trainer."""
         self._trainer(caller, method)
+
+    def check_average(self, stage: int, caller: str, own: str) -> None:
+        """Average into `stage` only from another replica of that stage (checked before the body is read)."""
+        roster = self._need_roster()
+        if stage >= roster.n_stages or caller == own or caller not in roster.replicas(stage):
+            raise _denied(f"Average into stage {stage} only from another replica of it; {caller} is not one")
+
+    def check_group(self, request: stage_pb2.ReduceRequest, own: str) -> None:
+        """A Reduce's group: distinct replicas of the request's stage at the plan's addresses, this peer among
+        them, so a trainer cannot make a stage send its gradients anywhere else."""
+        roster = self._need_roster()
+        if request.stage >= roster.n_stages:
+            raise _denied(f"Reduce: stage {request.stage} is not in the plan's {roster.n_stages} stages")
+        where = dict(zip(roster.replicas(request.stage), roster.replica_addresses(request.stage), strict=True))
+        peers, addresses = list(request.group_peers), list(request.group_addresses)
+        if (
+            len(peers) != len(addresses)
+            or len(set(peers)) != len(peers)
+            or own not in peers
+            or any(where.get(p) != a for p, a in zip(peers, addresses, strict=False))
+        ):
+            raise _denied(
+                f"Reduce: the group {peers[:8]} at {addresses[:8]} is not distinct replicas of stage {request.stage} "
+                f"at their plan addresses with this peer among them"
+            )
 
     def check_state(self, caller: str) -> None:
         """GetState only to the plan's peers."""
         roster = self._need_roster()
         if caller not in roster.plan_peers:
             raise _denied(f"GetState only to a peer of the plan; {caller} is not one")
+
+
+def _sender_stage(method: str, stage: int) -> int:
+    """The stage a neighbour's Forward (the previous) or Backward (the next) into `stage` comes from."""
+    return stage - 1 if method == "Forward" else stage + 1

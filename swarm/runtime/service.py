@@ -137,20 +137,23 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     # ---- admission ------------------------------------------------------------------------------------------
 
-    def _check_info(self, info: stage_pb2.CallInfo, caller: str | None) -> StageHost:
-        """Checks what a call's info alone decides: the host's rules, then the plan's route. Changes nothing."""
+    def _check_info(self, info: stage_pb2.CallInfo, caller: str | None, method: str | None = None) -> StageHost:
+        """Checks what a call's info alone decides: the host's rules, then the plan's chain. Changes nothing."""
         host = self._serving()
         host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
         if caller is not None:
-            self.policy.check_route(info)
+            self.policy.check_route(info, caller, method)
         return host
 
-    def _admit(self, info: stage_pb2.CallInfo, call, kind: Kind | None, caller: str | None) -> StageHost:
+    def _admit(
+        self, info: stage_pb2.CallInfo, call, kind: Kind | None, caller: str | None, method: str | None = None
+    ) -> StageHost:
         """Checks a whole call against the plan and the current host and opens its step there, atomically
         with `swap`. The caller must `leave()` the returned host when the call is answered."""
         with self._admission:
             host = self._serving()
-            route_check = self.policy.check_route if caller is not None else None
+            policy = self.policy
+            route_check = None if caller is None else lambda i: policy.check_route(i, caller, method)
             host.admit(call, info, kind, caller, route_check)
             return host
 
@@ -159,7 +162,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         before anything is decoded."""
 
         def run():
-            caller = self._sender(context, "Forward" if kind == Kind.FORWARD else "Backward")
+            method = "Forward" if kind == Kind.FORWARD else "Backward"
+            caller = self._sender(context, method)
             gone = threading.Event()  # the caller cancelled or passed its deadline: stop waiting for it
 
             def on_end() -> None:
@@ -177,10 +181,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 call = read_stream(
                     request_iterator,
                     self._limits(),
-                    on_info=lambda info: self._check_info(info, caller),
+                    on_info=lambda info: self._check_info(info, caller, method),
                     on_header=on_header,
                 )
-                host = self._admit(call.info, call, kind, caller)
+                host = self._admit(call.info, call, kind, caller, method)
                 try:
                     inputs = host.decode(call, kind)
                     reading.close()  # decoded: the slot is free before the call waits for its turn

@@ -1,0 +1,341 @@
+"""The chains of stage replicas: which samples each trains (sticky weighted rendezvous), whether it lives.
+
+A replicated plan is R straight pipelines ("chains"): column r of the plan. AQ-SGD keeps a message buffer per
+link and sample id, so a sample should travel the same chain step after step: a sample that moves refills
+its buffers through first sights (full precision) on the new chain. Weighted rendezvous hashing
+(highest random weight) gives exactly that: each (sample, chain) pair draws a fixed score, a sample goes to
+its highest-scoring live chain, so a dead chain's samples move and nobody else's do. The weights follow the
+chains' measured throughput but only move in coarse, hysteretic steps (`ChainWeights`), so timing noise
+never moves a sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import torch
+
+from swarm.model.data import Batch
+from swarm.net.stream import PLAN_MISMATCH, StageCallError
+
+__all__ = [
+    "Chain",
+    "ChainWeights",
+    "ChainWork",
+    "Failed",
+    "Heartbeat",
+    "NoLiveChain",
+    "REROUTE_CODES",
+    "Task",
+    "assign_samples",
+    "chain_work",
+    "gather",
+    "rendezvous_score",
+    "reroutable",
+    "spawn",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Pipeline `index` of a plan: replica `index` of every stage, in stage order."""
+
+    index: int
+    """the plan's column (`CallInfo.chain`)"""
+    addresses: tuple[str, ...]
+    """address of each stage's replica, in pipeline order"""
+    peers: tuple[str, ...]
+    """peer id of each stage's replica, same order"""
+
+    @property
+    def key(self) -> bytes:
+        """Names the chain by its peers, not its column: a re-plan that keeps the same peers in a chain keeps
+        its samples (and AQ-SGD buffers) on it."""
+        return hashlib.sha256("\0".join(self.peers).encode()).digest()
+
+
+def rendezvous_score(sample_id: int, key: bytes, weight: float) -> float:
+    """The weighted rendezvous score of a sample on a chain: -w / ln(u), u uniform in (0, 1) drawn from a hash
+    of (chain, sample). A chain of weight w wins a share w / sum(w) of the samples."""
+    digest = hashlib.blake2b(sample_id.to_bytes(8, "little", signed=True), key=key[:64], digest_size=8).digest()
+    u = (int.from_bytes(digest, "little") + 0.5) / 2.0**64
+    return -weight / math.log(u)
+
+
+def assign_samples(sample_ids: Sequence[int], chains: Sequence[tuple[bytes, float]]) -> list[list[int]]:
+    """Rows of the batch for each chain (in batch order), by weighted rendezvous hashing of the sample ids.
+
+    Every chain gets at least one row when the batch has enough (a replica that runs no micro-batch would
+    have no step to reduce): an empty chain takes, from the chain holding the most rows, the row that scores
+    highest on it.
+
+    Args:
+        sample_ids: the batch's sample ids, row by row.
+        chains: (key, weight) of every live chain; weights > 0.
+    """
+    if not chains:
+        raise ValueError("no chain to assign samples to")
+    scores = [[rendezvous_score(int(s), key, w) for key, w in chains] for s in sample_ids]
+    rows: list[list[int]] = [[] for _ in chains]
+    for row, per_chain in enumerate(scores):
+        rows[max(range(len(chains)), key=per_chain.__getitem__)].append(row)
+    for empty in range(len(chains)):
+        if rows[empty]:
+            continue
+        donor = max(range(len(chains)), key=lambda c: len(rows[c]))
+        if len(rows[donor]) < 2:
+            break  # fewer rows than chains: the caller leaves the empty chains out of this step
+        moved = max(rows[donor], key=lambda r: scores[r][empty])
+        rows[donor].remove(moved)
+        rows[empty].append(moved)
+    return [sorted(r) for r in rows]
+
+
+class ChainWeights:
+    """Each chain's weight for `assign_samples`: its measured samples/s, rounded to coarse levels that move
+    only when the smoothed measurement leaves the current level by more than `tolerance`.
+
+    Levels are powers of `base` (default 2^(1/2)), and a chain's weight is clamped within a factor
+    `max_ratio` of the fastest chain's, so a briefly slow chain is not starved of samples (a chain with
+    fewer samples measures fewer samples/s: pipeline fill and drain do not shrink with its share).
+
+    Args:
+        tolerance: relative distance (in levels) the smoothed rate must move past the current level's edge.
+        smoothing: weight of a new measurement in the moving average.
+        base: ratio between neighbouring levels.
+        max_ratio: largest ratio between two chains' weights.
+    """
+
+    def __init__(self, tolerance: float = 0.5, smoothing: float = 0.3, base: float = 2**0.5, max_ratio: float = 4.0):
+        if not 0 < smoothing <= 1 or tolerance < 0 or base <= 1 or max_ratio < 1:
+            raise ValueError("need 0 < smoothing <= 1, tolerance >= 0, base > 1, max_ratio >= 1")
+        self.tolerance, self.smoothing, self.base, self.max_ratio = tolerance, smoothing, base, max_ratio
+        self._rate: dict[bytes, float] = {}
+        self._level: dict[bytes, int] = {}
+
+    def observe(self, key: bytes, samples_per_s: float) -> None:
+        """A chain's throughput in the step just done."""
+        if not samples_per_s > 0 or math.isinf(samples_per_s):
+            return
+        old = self._rate.get(key)
+        rate = samples_per_s if old is None else old + self.smoothing * (samples_per_s - old)
+        self._rate[key] = rate
+        exact = math.log(rate, self.base)
+        level = self._level.get(key)
+        if level is None or abs(exact - level) > 0.5 + self.tolerance:
+            self._level[key] = round(exact)
+
+    def weights(self, keys: Sequence[bytes]) -> list[float]:
+        """The weights of these chains; a chain never measured gets the mean level of those measured."""
+        known = [self._level[k] for k in keys if k in self._level]
+        default = round(sum(known) / len(known)) if known else 0
+        levels = [self._level.get(k, default) for k in keys]
+        top, span = max(levels), round(math.log(self.max_ratio, self.base))
+        return [self.base ** (max(lv, top - span) - top) for lv in levels]
+
+    def forget(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self._rate.pop(k, None)
+            self._level.pop(k, None)
+
+
+@dataclass(frozen=True)
+class ChainWork:
+    """What one chain trains in a step."""
+
+    chain: Chain
+    micro: tuple[Batch, ...]
+    """its micro-batches, in order (`CallInfo.micro_batch` is the position here)"""
+    loss_weights: tuple[float, ...]
+    """each micro-batch's rows / the batch's rows: its share of the step's mean loss"""
+
+    @property
+    def rows(self) -> int:
+        return sum(len(b.sample_ids) for b in self.micro)
+
+
+def chain_work(batch: Batch, chains: Sequence[Chain], weights: Sequence[float], n_micro: int) -> list[ChainWork]:
+    """Splits `batch` over `chains`: rows by `assign_samples`, each chain's rows into about
+    `n_micro * share` micro-batches (at least 1, at most one per row) of near-equal size.
+
+    A chain left without rows (a batch smaller than the chains) is left out of the result.
+    """
+    ids = batch.sample_ids.tolist()
+    total = len(ids)
+    assigned = assign_samples(ids, [(c.key, w) for c, w in zip(chains, weights, strict=True)])
+    work = []
+    for chain, rows in zip(chains, assigned, strict=True):
+        if not rows:
+            continue
+        n = min(len(rows), max(1, round(n_micro * len(rows) / total)))
+        parts = torch.tensor(rows, dtype=torch.int64).tensor_split(n)
+        micro = tuple(batch.select(p) for p in parts)
+        work.append(ChainWork(chain, micro, tuple(len(p) / total for p in parts)))
+    return work
+
+
+def spawn(fn: Callable[[], T], name: str, threads: set[threading.Thread] | None = None) -> Future[T]:
+    """Runs `fn` on a daemon thread of its own; the future holds its result or exception.
+
+    Calls to a peer that hangs may stay stuck until their deadline; a thread per call means they never hold
+    a pool's worker that the next attempt needs, and a daemon thread never holds up the process's exit.
+    `threads` tracks the live ones (for `close()` to reap).
+    """
+    future: Future[T] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # handed to the waiter, whatever it is
+            future.set_exception(e)
+        finally:
+            if threads is not None:
+                threads.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    if threads is not None:
+        threads.add(thread)
+    thread.start()
+    return future
+
+
+class Heartbeat:
+    """Pings `Status` of `peers` every `interval_s` while a step runs; `misses` pings in a row unanswered
+    (failed, or still pending at the next beat) declare a peer dead.
+
+    At most one ping per peer is outstanding: a peer that hangs costs one stuck thread, not one per beat.
+    `on_dead(peer)` runs on the heartbeat's thread when a peer is declared dead.
+
+    Args:
+        ping: peer id -> a blocking Status call that raises when the peer does not answer.
+        peers: the peers to watch.
+        on_dead: told of each death once.
+        interval_s: time between beats (each ping's own timeout should be at most this).
+        misses: beats in a row without an answer that make a peer dead.
+    """
+
+    def __init__(
+        self,
+        ping: Callable[[str], object],
+        peers: Sequence[str],
+        on_dead: Callable[[str], None],
+        interval_s: float = 1.0,
+        misses: int = 3,
+    ):
+        self.ping, self.peers, self.on_dead = ping, list(dict.fromkeys(peers)), on_dead
+        self.interval_s, self.misses = interval_s, misses
+        self.dead: set[str] = set()
+        self._missed = dict.fromkeys(self.peers, 0)
+        self._pending: dict[str, Future] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def beat(self) -> None:
+        """One beat: collect the last pings' answers, count misses, send the next pings."""
+        for peer in self.peers:
+            if peer in self.dead:
+                continue
+            pending = self._pending.get(peer)
+            if pending is not None:
+                answered = pending.done() and pending.exception() is None
+                self._missed[peer] = 0 if answered else self._missed[peer] + 1
+                if self._missed[peer] >= self.misses:
+                    self.dead.add(peer)
+                    self.on_dead(peer)
+                    continue
+                if not pending.done():
+                    continue  # still stuck: no second ping on top
+            self._pending[peer] = spawn(lambda p=peer: self.ping(p), "heartbeat-ping")
+
+    def _run(self) -> None:
+        while True:
+            self.beat()
+            # a timer between beats, not a synchronisation: stop() ends the wait at once
+            if self._stop.wait(self.interval_s):
+                return
+
+
+# ---- whether a chain lives ------------------------------------------------------------------------------
+
+REROUTE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+"""Failures that may mean a dead peer: the driver pings the suspects and reroutes around the dead ones."""
+
+
+class NoLiveChain(StageCallError):
+    """No chain of replicas is left whole: a stage has no live replica (or every chain lost one)."""
+
+
+class Failed(Exception):
+    """An attempt ended early: a call failed (`error`, on a call to `suspects`) or a peer was declared dead."""
+
+    def __init__(self, error: BaseException | None, suspects: tuple[str, ...] = ()):
+        super().__init__(str(error) if error else "a peer was declared dead")
+        self.error, self.suspects = error, suspects
+
+
+Task = tuple[Future, tuple[str, ...]]
+"""a call in flight and the peers whose death ends it"""
+
+_PENDING = object()
+
+
+def reroutable(error: BaseException) -> bool:
+    """Whether a failed call may mean a dead peer (then the step may run again without it)."""
+    if isinstance(error, StageCallError):
+        return error.code in REROUTE_CODES and PLAN_MISMATCH not in str(error)
+    return isinstance(error, ConnectionError | OSError)
+
+
+def gather(
+    tasks: list[Task], wake: threading.Event, dead: set[str], deadline_s: float, fail_fast: bool = True
+) -> list[Future | None]:
+    """Waits for `tasks`; each entry of the result is its done future, or None where one of its peers was
+    declared dead (in `dead`) first. Whoever adds to `dead` sets `wake`.
+
+    fail_fast: a failed call or a dead peer of any task raises `Failed` at once; otherwise the wait ends when
+    every task is done or lost. Either way the wait never outlasts `deadline_s` (+5 s).
+    """
+    for future, _ in tasks:
+        future.add_done_callback(lambda _: wake.set())
+    give_up = time.monotonic() + deadline_s + 5.0
+    while True:
+        wake.clear()  # cleared before the checks: a wake-up during them is not lost
+        outcomes: list = []
+        for future, suspects in tasks:
+            lost = bool(dead.intersection(suspects))
+            if fail_fast and future.done() and future.exception() is not None:
+                raise Failed(future.exception(), suspects)
+            if fail_fast and lost:
+                raise Failed(None, suspects)
+            outcomes.append(future if future.done() else None if lost else _PENDING)
+        if _PENDING not in outcomes:
+            return outcomes
+        left = give_up - time.monotonic()
+        if left <= 0:
+            stuck = tuple(p for (_, s), o in zip(tasks, outcomes, strict=True) if o is _PENDING for p in s)
+            error = StageCallError(f"no answer within {deadline_s:.0f} s", grpc.StatusCode.DEADLINE_EXCEEDED)
+            raise Failed(error, stuck)
+        wake.wait(left)

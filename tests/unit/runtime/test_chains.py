@@ -1,0 +1,227 @@
+"""Sample assignment to chains of replicas, micro-batch splits, heartbeats and the waiting rule."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from swarm.model.data import Batch
+from swarm.net.stream import StageCallError
+from swarm.runtime.chains import (
+    Chain,
+    ChainWeights,
+    Failed,
+    Heartbeat,
+    assign_samples,
+    chain_work,
+    gather,
+    reroutable,
+    spawn,
+)
+
+
+def _chains(n: int) -> list[Chain]:
+    return [Chain(r, (f"a{r}.0", f"a{r}.1"), (f"p{r}.0", f"p{r}.1")) for r in range(n)]
+
+
+def _batch(n: int, start: int = 0) -> Batch:
+    ids = torch.arange(start, start + n)
+    return Batch(ids, ids[:, None].repeat(1, 4), ids[:, None].repeat(1, 4) + 1)
+
+
+def _owner(ids, chains, weights) -> dict[int, int]:
+    rows = assign_samples(ids, [(c.key, w) for c, w in zip(chains, weights, strict=True)])
+    return {ids[r]: c for c, rs in enumerate(rows) for r in rs}
+
+
+def test_equal_weights_split_evenly_and_deterministically():
+    chains, ids = _chains(2), list(range(4000))
+    owner = _owner(ids, chains, [1.0, 1.0])
+    share = sum(1 for c in owner.values() if c == 0) / len(ids)
+    assert 0.45 < share < 0.55
+    assert owner == _owner(ids, chains, [1.0, 1.0])
+
+
+def test_weights_set_the_shares():
+    chains, ids = _chains(2), list(range(4000))
+    owner = _owner(ids, chains, [3.0, 1.0])
+    assert 0.70 < sum(1 for c in owner.values() if c == 0) / len(ids) < 0.80
+
+
+def test_only_a_dead_chains_samples_move():
+    chains, ids = _chains(3), list(range(600))
+    before = _owner(ids, chains, [1.0, 1.0, 1.0])
+    after = _owner(ids, [chains[0], chains[2]], [1.0, 1.0])
+    survivors = {0: 0, 2: 1}
+    for sid, c in before.items():
+        if c != 1:
+            assert after[sid] == survivors[c], f"sample {sid} moved off a live chain"
+
+
+def test_samples_stay_when_measured_throughput_wobbles():
+    chains, ids = _chains(2), list(range(256))
+    weights = ChainWeights()
+    gen = torch.Generator().manual_seed(0)
+    owners = []
+    for _ in range(50):  # both chains equally fast, measured with +-15% noise
+        for c in chains:
+            weights.observe(c.key, 100.0 * (1 + 0.3 * (float(torch.rand((), generator=gen)) - 0.5)))
+        owners.append(_owner(ids, chains, weights.weights([c.key for c in chains])))
+    assert all(o == owners[0] for o in owners)
+
+
+def test_a_much_faster_chain_gets_more_samples_but_weights_stay_bounded():
+    chains = _chains(2)
+    weights = ChainWeights()
+    for _ in range(20):
+        weights.observe(chains[0].key, 400.0)
+        weights.observe(chains[1].key, 100.0)
+    w = weights.weights([c.key for c in chains])
+    assert w[0] > w[1] and w[0] / w[1] <= 4.0 + 1e-9
+    for _ in range(20):
+        weights.observe(chains[1].key, 1.0)  # very slow: not starved beyond the bound
+    w = weights.weights([c.key for c in chains])
+    assert w[0] / w[1] == pytest.approx(4.0)
+    assert weights.weights([chains[0].key, b"new"])[1] > 0  # an unmeasured chain gets a share
+
+
+def test_every_chain_gets_a_sample_when_there_are_enough():
+    chains = _chains(4)
+    for n in range(4, 12):
+        rows = assign_samples(list(range(n)), [(c.key, 1.0) for c in chains])
+        assert all(rows) and sorted(r for rs in rows for r in rs) == list(range(n))
+    rows = assign_samples([0, 1], [(c.key, 1.0) for c in chains])  # fewer samples than chains
+    assert sorted(r for rs in rows for r in rs) == [0, 1]
+
+
+def test_chain_work_covers_the_batch_once_with_loss_weights_summing_to_one():
+    batch = _batch(24, start=100)
+    work = chain_work(batch, _chains(2), [1.0, 1.0], n_micro=4)
+    ids = sorted(int(i) for w in work for b in w.micro for i in b.sample_ids)
+    assert ids == list(range(100, 124))
+    assert sum(sum(w.loss_weights) for w in work) == pytest.approx(1.0)
+    for w in work:
+        assert 1 <= len(w.micro) <= w.rows
+        for b, lw in zip(w.micro, w.loss_weights, strict=True):
+            assert lw == len(b.sample_ids) / 24
+            assert torch.equal(b.tokens[:, 0], b.sample_ids)  # rows kept together
+    assert sum(len(w.micro) for w in work) in (3, 4, 5)
+
+
+def test_one_chain_splits_like_batch_split():
+    batch = _batch(8)
+    (work,) = chain_work(batch, _chains(1), [1.0], n_micro=4)
+    for a, b in zip(work.micro, batch.split(4), strict=True):
+        assert torch.equal(a.sample_ids, b.sample_ids) and torch.equal(a.tokens, b.tokens)
+    assert work.loss_weights == (0.25,) * 4
+
+
+def test_select_keeps_rows_in_the_given_order():
+    batch = _batch(5)
+    part = batch.select(torch.tensor([3, 1]))
+    assert part.sample_ids.tolist() == [3, 1] and part.targets[:, 0].tolist() == [4, 2]
+
+
+# ---- liveness -------------------------------------------------------------------------------------------
+
+
+def test_heartbeat_declares_a_hung_peer_dead_after_its_misses_and_ignores_a_live_one():
+    release = threading.Event()
+
+    def ping(peer: str):
+        if peer == "hung":
+            release.wait()
+        return peer
+
+    dead = []
+    beat = Heartbeat(ping, ["live", "hung"], dead.append, interval_s=1.0, misses=3)
+    try:
+        for _ in range(2):
+            beat.beat()
+        assert dead == []
+        beat.beat()  # first ping was sent at beat 1; beats 2 and 3 found it pending
+        beat.beat()
+        assert dead == ["hung"] and beat.dead == {"hung"}
+        beat.beat()  # told once
+        assert dead == ["hung"]
+    finally:
+        release.set()
+
+
+def test_heartbeat_counts_failed_pings_and_a_reply_resets_the_count():
+    answers = [False, False, True, False, False, False]
+
+    def ping(peer: str):
+        if not answers.pop(0):
+            raise StageCallError("gone", grpc.StatusCode.UNAVAILABLE)
+
+    dead = []
+    beat = Heartbeat(ping, ["p"], dead.append, misses=3)
+    for _ in range(6):
+        beat.beat()
+        beat._pending["p"].exception(timeout=5)  # the ping (on its own thread) has answered
+        assert dead == []
+    beat.beat()  # three failures in a row after the answer
+    assert dead == ["p"]
+
+
+def test_heartbeat_thread_stops():
+    beat = Heartbeat(lambda p: None, ["a"], lambda p: None, interval_s=60.0)
+    with beat:
+        pass
+    assert not beat._thread.is_alive()
+
+
+def test_gather_ends_at_once_when_a_peer_is_declared_dead():
+    release, wake, dead = threading.Event(), threading.Event(), set()
+    stuck = spawn(release.wait, "stuck")
+    fine = spawn(lambda: 1, "fine")
+
+    def declare():
+        dead.add("p1")
+        wake.set()
+
+    threading.Timer(0.05, declare).start()
+    with pytest.raises(Failed) as failed:
+        gather([(fine, ("p0",)), (stuck, ("p1",))], wake, dead, deadline_s=120)
+    assert failed.value.error is None and failed.value.suspects == ("p1",)
+    release.set()
+    assert stuck.result(timeout=5)
+
+
+def test_gather_without_fail_fast_returns_what_answered_and_none_for_the_dead():
+    release, wake, dead = threading.Event(), threading.Event(), {"p1"}
+    stuck = spawn(release.wait, "stuck")
+    fine = spawn(lambda: 1, "fine")
+    out = gather([(fine, ("p0",)), (stuck, ("p1",))], wake, dead, deadline_s=120, fail_fast=False)
+    assert out[0] is fine and out[1] is None
+    release.set()
+
+
+def test_gather_raises_the_first_failed_call():
+    def fail():
+        raise StageCallError("stage 1 (peer p1 at a): unreachable", grpc.StatusCode.UNAVAILABLE)
+
+    with pytest.raises(Failed) as failed:
+        gather([(spawn(fail, "f"), ("p0", "p1"))], threading.Event(), set(), deadline_s=120)
+    assert reroutable(failed.value.error) and failed.value.suspects == ("p0", "p1")
+
+
+def test_gather_gives_up_after_the_deadline():
+    release = threading.Event()
+    with pytest.raises(Failed) as failed:
+        gather([(spawn(release.wait, "s"), ("p",))], threading.Event(), set(), deadline_s=-4.9)
+    release.set()
+    assert failed.value.error.code == grpc.StatusCode.DEADLINE_EXCEEDED and failed.value.suspects == ("p",)
+
+
+def test_what_reroutes():
+    assert reroutable(StageCallError("x", grpc.StatusCode.DEADLINE_EXCEEDED))
+    assert reroutable(StageCallError("x", grpc.StatusCode.CANCELLED))
+    assert reroutable(ConnectionResetError())
+    assert not reroutable(StageCallError("x", grpc.StatusCode.INVALID_ARGUMENT))
+    assert not reroutable(StageCallError("plan-mismatch: plan 3", grpc.StatusCode.UNAVAILABLE))
+    assert not reroutable(ValueError())

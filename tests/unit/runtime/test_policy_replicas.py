@@ -1,0 +1,106 @@
+"""The plan's roster with replicas: chains are the columns, a stage talks only to its own chain's neighbours,
+sums gradients only with its own stage's replicas, and takes Reduce only from a trainer."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from swarm.net.stream import CallRefused
+from swarm.proto import stage_pb2
+from swarm.runtime.policy import CallPolicy, Roster
+
+PEERS = (("p0", "q0"), ("p1", "q1"), ("p2", "q2"))
+ADDRS = (("a0", "b0"), ("a1", "b1"), ("a2", "b2"))
+ROSTER = Roster(PEERS, ADDRS, frozenset({"t"}), frozenset({"spare"}))
+
+
+def denied(fn, *args, match: str) -> None:
+    with pytest.raises(CallRefused, match=match) as e:
+        fn(*args)
+    assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def call(chain: int, stage: int, route=None, peers=None) -> stage_pb2.CallInfo:
+    addresses, ids = ROSTER.chain(chain)
+    return stage_pb2.CallInfo(stage=stage, chain=chain, route=list(route or addresses), route_peers=list(peers or ids))
+
+
+def test_roster_stores_replicas_nested_and_reads_chains_as_columns():
+    assert ROSTER.n_stages == 3 and ROSTER.n_replicas == 2
+    assert ROSTER.replicas(1) == ("p1", "q1") and ROSTER.replica_addresses(2) == ("a2", "b2")
+    assert ROSTER.chain(1) == (("b0", "b1", "b2"), ("q0", "q1", "q2"))
+    assert ROSTER.plan_peers == {"spare", *(p for r in PEERS for p in r)}
+    flat = Roster(("p0", "p1"), ("a0", "a1"), None, frozenset())
+    assert (
+        flat.stage_peers == (("p0",), ("p1",))
+        and flat.n_replicas == 1
+        and flat.chain(0) == (("a0", "a1"), ("p0", "p1"))
+    )
+    with pytest.raises(IndexError):
+        ROSTER.chain(2)
+
+
+def test_roster_refuses_ragged_or_mismatched_replicas():
+    with pytest.raises(ValueError, match="same number of replicas"):
+        Roster((("p0", "q0"), ("p1",)), (("a0", "b0"), ("a1",)), None, frozenset())
+    with pytest.raises(ValueError, match="same replicas"):
+        Roster((("p0", "q0"), ("p1", "q1")), (("a0", "b0"), ("a1",)), None, frozenset())
+    with pytest.raises(ValueError):
+        Roster((), (), None, frozenset())
+
+
+def test_route_must_be_exactly_the_chain_the_call_names():
+    policy = CallPolicy(ROSTER)
+    policy.check_route(call(0, 1))
+    policy.check_route(call(1, 1))
+    denied(policy.check_route, call(0, 1, route=ROSTER.chain(1)[0]), match="chain 0")  # chain 1's route, chain 0
+    mixed = stage_pb2.CallInfo(stage=1, chain=0, route=["a0", "b1", "a2"], route_peers=["p0", "q1", "p2"])
+    denied(policy.check_route, mixed, match="route")
+    denied(
+        policy.check_route,
+        call(0, 1).__class__(stage=1, chain=2, route=["a0"] * 3, route_peers=["p0"] * 3),
+        match="2 chains",
+    )
+
+
+def test_forward_and_backward_only_from_the_same_chain():
+    policy = CallPolicy(ROSTER)
+    policy.check_sender("Forward", 1, "q0")  # any replica of the sending stage passes the pre-body check ...
+    policy.check_route(call(1, 1), "q0", "Forward")
+    policy.check_route(call(1, 1), "q2", "Backward")
+    policy.check_route(call(0, 0), "t", "Forward")  # the trainer's end of the chain
+    policy.check_route(call(1, 2), "t", "Backward")
+    # ... the call info then holds it to its own chain: q0 (chain 1) may not feed chain 0's stage 1
+    denied(policy.check_route, call(0, 1), "q0", "Forward", match="chain 0 into stage 1 only from its peer of stage 0")
+    denied(policy.check_route, call(1, 0), "p1", "Backward", match="only from its peer of stage 1")
+    denied(policy.check_sender, "Forward", 1, "q1", match="peer of stage 0")  # a same-stage replica is no sender
+    denied(policy.check_sender, "Forward", 2, "stranger", match="peer of stage 1")
+
+
+def test_average_only_from_another_replica_of_the_stage_and_reduce_only_from_a_trainer():
+    policy = CallPolicy(ROSTER)
+    policy.check_average(1, "q1", own="p1")
+    denied(policy.check_average, 1, "p1", "p1", match="another replica")  # itself
+    denied(policy.check_average, 1, "q0", "p1", match="another replica")  # a replica of another stage
+    denied(policy.check_average, 1, "t", "p1", match="another replica")
+    denied(policy.check_average, 5, "q1", "p1", match="another replica")
+    policy.check_step("Reduce", "t")
+    denied(policy.check_step, "Reduce", "q1", match="Reduce only from a trainer")
+    denied(CallPolicy(None).check_average, 1, "q1", "p1", match="no plan roster")
+
+
+def test_reduce_group_is_replicas_of_the_stage_at_their_plan_addresses():
+    policy = CallPolicy(ROSTER)
+
+    def group(peers, addresses, stage=1):
+        return stage_pb2.ReduceRequest(stage=stage, group_peers=peers, group_addresses=addresses)
+
+    policy.check_group(group(["p1", "q1"], ["a1", "b1"]), own="p1")
+    policy.check_group(group(["q1"], ["b1"]), own="q1")
+    denied(policy.check_group, group(["p1", "q1"], ["a1", "evil:1"]), "p1", match="plan addresses")
+    denied(policy.check_group, group(["p1", "p1"], ["a1", "a1"]), "p1", match="distinct")
+    denied(policy.check_group, group(["q1"], ["b1"]), "p1", match="this peer among them")
+    denied(policy.check_group, group(["p1", "q0"], ["a1", "b0"]), "p1", match="replicas of stage 1")
+    denied(policy.check_group, group(["p1"], ["a1", "b1"]), "p1", match="group")
+    denied(policy.check_group, group(["p1"], ["a1"], stage=7), "p1", match="not in the plan")

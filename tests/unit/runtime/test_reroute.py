@@ -1,0 +1,154 @@
+"""Reroute: a replica killed or hung mid-step; the step reruns whole on the surviving chain, exactly once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from swarm.runtime.chains import NoLiveChain
+from swarm.runtime.local import LocalPipeline
+from tests.unit.runtime.test_replicas import CFG, FP32, batch, needs_r1, weights
+
+torch.set_num_threads(1)
+
+
+class _KillOnForward:
+    """Wraps a servicer: the first Forward into it kills its host (LocalPipeline.kill) before it runs."""
+
+    def __init__(self, pipe: LocalPipeline, stage: int, replica: int):
+        self.pipe, self.stage, self.replica = pipe, stage, replica
+        self.target = pipe.switches[stage][replica].target
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Forward(self, items, context):
+        self.pipe.kill(self.stage, self.replica)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (killed mid-step)")
+
+
+class _Hang:
+    """Wraps a servicer: Forward and Status never answer until `release` (a peer that hangs)."""
+
+    def __init__(self, target):
+        self.target, self.release = target, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Forward(self, items, context):
+        self.release.wait()
+        context.abort(grpc.StatusCode.UNAVAILABLE, "released")
+
+    def Status(self, request, context):
+        self.release.wait()
+        return self.target.Status(request, context)
+
+
+def _surviving_chain_applied_once(pipe: LocalPipeline, chain: int, steps: int) -> None:
+    for row in pipe.replica_hosts:
+        host = row[chain]
+        assert host.steps_done == steps and host.open_step is None
+
+
+def _clean_reference(b, n_micro: int = 4):
+    ref = LocalPipeline(CFG, 2, FP32, FP32)
+    try:
+        result = ref.train_step(b, n_micro=n_micro)
+        return result, weights(ref)
+    finally:
+        ref.close()
+
+
+def test_a_replica_killed_mid_step_reroutes_the_step_to_the_other_chain():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    b = batch(seed=3)
+    try:
+        pipe.switches[1][0].target = _KillOnForward(pipe, 1, 0)
+        result = pipe.train_step(b, n_micro=4)
+        dead = pipe.replica_peers[1][0]
+        assert result.attempts == 2 and result.dead_peers == (dead,) and result.chains == 1
+        assert sorted(result.sample_ids) == b.sample_ids.tolist()
+        assert pipe.driver(4).live_chains() == [1] and pipe.driver(4).dead == {dead}
+        _surviving_chain_applied_once(pipe, 1, steps=1)
+        left = pipe.replica_hosts[0][0]  # alive, on the dead chain: abandoned, nothing applied or kept
+        assert left.steps_done == 0 and left.open_step is None
+        assert all(p.grad is None or not p.grad.any() for p in left.worker.module.parameters())
+        ref, ref_weights = _clean_reference(b)
+        assert result.loss == pytest.approx(ref.loss, abs=1e-5)
+        for name, w in weights(pipe, replica=1).items():
+            torch.testing.assert_close(w, ref_weights[name], atol=1e-5, rtol=0, msg=name)
+        again = pipe.train_step(batch(seed=4), n_micro=4)  # the next step runs on the survivor at once
+        assert again.attempts == 1 and again.chains == 1 and again.dead_peers == ()
+        _surviving_chain_applied_once(pipe, 1, steps=2)
+    finally:
+        pipe.close()
+
+
+def test_a_hung_peer_is_declared_dead_by_heartbeat_and_the_step_reroutes():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    hang = _Hang(pipe.switches[1][0].target)
+    pipe.switches[1][0].target = hang
+    try:
+        start = time.monotonic()
+        result = pipe.train_step(batch(seed=1), n_micro=4)  # the driver's deadline is 120 s
+        elapsed = time.monotonic() - start
+        assert result.attempts == 2 and result.dead_peers == (pipe.replica_peers[1][0],)
+        assert elapsed < 15, f"reroute took {elapsed:.1f} s"
+        _surviving_chain_applied_once(pipe, 1, steps=1)
+    finally:
+        hang.release.set()
+        pipe.close()
+
+
+def test_both_replicas_of_a_stage_dead_raises_no_live_chain_naming_it():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        pipe.kill(1, 0)
+        pipe.kill(1, 1)
+        with pytest.raises(NoLiveChain, match="stage 1"):
+            pipe.train_step(batch(), n_micro=4)
+        for host in (pipe.replica_hosts[0][0], pipe.replica_hosts[0][1]):
+            assert host.steps_done == 0 and host.open_step is None
+        with pytest.raises(NoLiveChain, match="stage 1"):  # and at once for the next step
+            pipe.train_step(batch(), n_micro=4)
+    finally:
+        pipe.close()
+
+
+@needs_r1
+def test_a_failed_call_on_a_live_peer_does_not_declare_it_dead():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    calls = []
+    target = pipe.switches[0][1].target
+
+    class _FlakyOnce:
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+        def Forward(self, items, context):
+            calls.append(1)
+            if len(calls) == 1:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset once")
+            return target.Forward(items, context)
+
+    pipe.switches[0][1].target = _FlakyOnce()
+    try:
+        result = pipe.train_step(batch(seed=2), n_micro=4)
+        assert result.attempts == 2 and result.dead_peers == () and pipe.driver(4).dead == set()
+    finally:
+        pipe.close()
+
+
+def test_one_chain_keeps_working_without_replicas():
+    pipe = LocalPipeline(CFG, 3, FP32, FP32)
+    try:
+        result = pipe.train_step(batch(n=8), n_micro=4)
+        assert result.chains == 1 and result.attempts == 1 and result.reduce_bytes == 0
+        assert sorted(result.sample_ids) == list(range(8))
+    finally:
+        pipe.close()
