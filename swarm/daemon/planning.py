@@ -140,8 +140,11 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
 
 
 def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> SearchConfig:
-    """`n_stages` fixed (or the planner's choice), at most `replicas` per stage (0: the cost model's choice)."""
-    return SearchConfig(seed=seed, stages=n_stages, max_replicas=replicas or None)
+    """`n_stages` fixed (or the planner's choice); `replicas` per stage where the peers allow it (fewer when
+    there are not enough: peers // stages), 0: the cost model's choice."""
+    if not replicas:
+        return SearchConfig(seed=seed, stages=n_stages)
+    return SearchConfig(seed=seed, stages=n_stages, max_replicas=replicas, replica_fractions=(1.0,))
 
 
 def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:

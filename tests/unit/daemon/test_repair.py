@@ -170,3 +170,19 @@ def test_the_planner_repairs_around_a_peer_that_stops_answering_before_its_recor
     planner.round()
     assert [ids(p) for _, p in published] == [[[A, B], [E, D]]], "C's place goes to E; its record is still there"
     live.close()
+
+
+def test_replicas_flag_plans_that_many_replicas_of_every_stage_when_the_peers_allow():
+    import numpy as np
+
+    from swarm.daemon.planning import live_search
+    from swarm.scheduler import Peer, PlanInput, plan
+
+    n = 5
+    peers = tuple(Peer(f"p{i}", 1e12, 1e12, "r") for i in range(n))
+    inp = PlanInput(peers, np.full((n, n), 1e-3), np.where(np.eye(n, dtype=bool), np.inf, 1e8))
+    made = plan(inp, SPEC, live_search(2, 0, replicas=2))
+    assert [len(s.peer_ids) for s in made.stages] == [2, 2] and len(made.unused_peer_ids) == 1
+    fewer = plan(inp, SPEC, live_search(2, 0, replicas=3))
+    assert [len(s.peer_ids) for s in fewer.stages] == [2, 2], "5 peers hold 2 stages x 2 at most"
+    assert [len(s.peer_ids) for s in plan(inp, SPEC, live_search(2)).stages] == [1, 1], "the default stays 1"
