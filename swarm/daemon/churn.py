@@ -146,7 +146,10 @@ def takeover_sources(
 
 def leave_done(plan: PlanRecord | None, peers: list[PeerAnnouncement], me: str, my_layers: tuple[int, int]) -> bool:
     """Whether a leaving peer's layers are served without it: `plan` no longer names it, and every peer that
-    `plan` gives an overlapping stage announces that it follows `plan` (it has taken its state over)."""
+    `plan` gives an overlapping stage announces that it follows `plan` (it has taken its state over). Also
+    when no other peer stays (all leave at once, as when a whole local swarm stops): nobody to hand over to."""
+    if not any(p.peer_id != me and not p.leaving for p in peers):
+        return True
     if plan is None or any(me in s.get("peer_ids", []) for s in plan.plan.get("stages", [])):
         return False
     following = {p.peer_id for p in peers if p.plan_version >= plan.version and p.stage is not None}

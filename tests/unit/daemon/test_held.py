@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 import torch
@@ -89,6 +91,12 @@ def test_held_store_keeps_the_newest_copy_and_reloads_it(tmp_path):
     pipe.close()
 
 
+def servicer_of(pipe: LocalPipeline, stage: int):
+    """The StageServicer registered for `stage` (LocalPipeline may wrap it in a kill switch)."""
+    registered = pipe.network._servicers[pipe.addresses[stage]]
+    return getattr(registered, "target", registered)
+
+
 def call_get_state(servicer, signer: CallSigner, callee: str, held: str | None):
     metadata = tuple(signer.metadata(callee)) + (((HELD_METADATA_KEY, held),) if held else ())
     return list(servicer.GetState(stage_pb2.StateRequest(stage=0), _LocalContext(metadata)))
@@ -96,7 +104,7 @@ def call_get_state(servicer, signer: CallSigner, callee: str, held: str | None):
 
 def test_get_state_serves_held_copies_to_plan_peers_only(tmp_path):
     pipe = LocalPipeline(TINY, 2)
-    servicer = pipe.network._servicers[pipe.addresses[0]]
+    servicer = servicer_of(pipe, 0)
     store = HeldStore(tmp_path)
     store.save(2, 3, handover_tensors(pipe.hosts[1].worker, 7))
     servicer.held_state = HeldServer(store, TINY.n_layers)
@@ -146,7 +154,7 @@ def test_replicator_pulls_the_buddy_every_n_steps(tmp_path):
         {"layer_start": 2, "layer_end": 3, "peer_ids": [B]},
     ], "unused_peer_ids": [C]}, created_at=1.0)  # fmt: skip
     peers = [ann(A), ann(B), ann(C)]
-    servicer = pipe.network._servicers[pipe.addresses[1]]
+    servicer = servicer_of(pipe, 1)
     plan_peer = pipe.hosts[0].connector.signer
     fetched = []
 
@@ -181,8 +189,9 @@ def test_replicator_pulls_the_buddy_every_n_steps(tmp_path):
 
 def test_a_leave_is_done_when_the_successor_follows_a_plan_without_the_leaver():
     new = PlanRecord(version=5, plan=grid([A, E], [C, D]), created_at=1.0)
-    assert not leave_done(None, [], B, (0, 1))
-    assert not leave_done(PlanRecord(version=4, plan=grid([A, B], [C, D]), created_at=1.0), [], B, (0, 1))
+    assert not leave_done(None, [ann(A)], B, (0, 1))
+    assert not leave_done(PlanRecord(version=4, plan=grid([A, B], [C, D]), created_at=1.0), [ann(A)], B, (0, 1))
+    assert leave_done(None, [ann(B), dataclasses.replace(ann(A), leaving=True)], B, (0, 1)), "everyone leaves"
     behind = [ann(A, version=5, stage=0), ann(E, version=4), ann(C, version=5, stage=1), ann(D, version=5, stage=1)]
     assert not leave_done(new, behind, B, (0, 1)), "E has not taken stage 0 over yet"
     done = [*behind[:1], ann(E, version=5, stage=0), *behind[2:]]
