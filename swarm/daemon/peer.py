@@ -377,6 +377,7 @@ class PeerDaemon:
             if not (overlaps or ends):
                 continue
             replicas, held = takeover_sources(old, index, peers, self.dht.peer_id)
+            replicas = self._settled_replicas(replicas, role.plan_version)
             state, why = None, []
             for holder in replicas:
                 try:
@@ -413,6 +414,29 @@ class PeerDaemon:
             new_host.worker.step_count,
             f"; {len(missing)} start from the initial weights" if missing else "",
         )
+
+    def _settled_replicas(self, replicas: list[str], version: int, wait_s: float = 30.0) -> list[str]:
+        """The live replicas to take a stage's state from, those that switched to plan `version` first.
+
+        A holder still on the old plan may apply one more old-plan step after we copied it, and we would start
+        one step behind its replicas; once it follows `version` (announced), it applies no step until this peer
+        serves too. So: drop holders that do not answer Status (dead, though still announced), then wait (at
+        most `wait_s`) until one of the others announces `version`; past that, take what there is.
+        """
+        from swarm.daemon.liveness import status_prober
+
+        me = self.dht.peer_id
+        addresses = {p.peer_id: p.address for p in self.dht.peers()}
+        ping = status_prober(self.channels, lambda: addresses)
+        live = [h for h in replicas if h == me or ping(h)]
+        others = [h for h in live if h != me]
+        deadline = time.monotonic() + wait_s
+        while others and time.monotonic() < deadline and not self._stop.is_set():
+            switched = {p.peer_id for p in self.dht.peers() if p.plan_version >= version}
+            if any(h in switched for h in others):
+                return sorted(live, key=lambda h: (h != me, h not in switched))
+            self._stop.wait(0.25)
+        return live
 
     def _fetch_replica(self, retry_refused, fetch_state, address: str, stage: int, version: int) -> dict:
         """The stage's state from a replica: as it was under `version`, or (a surviving replica that moved on
