@@ -102,51 +102,50 @@ def assign_samples(sample_ids: Sequence[int], chains: Sequence[tuple[bytes, floa
 
 
 class ChainWeights:
-    """Each chain's weight for `assign_samples`: its measured samples/s, rounded to coarse levels that move
-    only when the smoothed measurement leaves the current level by more than `tolerance`.
+    """Each chain's weight for `assign_samples`: its measured samples/s relative to the other chains', held
+    still until the smoothed measurement leaves the held weight by more than `tolerance`.
 
-    Levels are powers of `base` (default 2^(1/2)), and a chain's weight is clamped within a factor
-    `max_ratio` of the fastest chain's, so a briefly slow chain is not starved of samples (a chain with
-    fewer samples measures fewer samples/s: pipeline fill and drain do not shrink with its share).
+    Every chain starts at weight 1 and equally fast chains keep it: timing noise never moves a sample. A
+    chain's weight is kept within a factor `max_ratio` of the heaviest one's, so a briefly slow chain is not
+    starved (a chain with fewer samples measures fewer samples/s: pipeline fill and drain do not shrink with
+    its share).
 
     Args:
-        tolerance: relative distance (in levels) the smoothed rate must move past the current level's edge.
+        tolerance: relative distance the smoothed relative rate must reach from the held weight to replace it.
         smoothing: weight of a new measurement in the moving average.
-        base: ratio between neighbouring levels.
         max_ratio: largest ratio between two chains' weights.
     """
 
-    def __init__(self, tolerance: float = 0.5, smoothing: float = 0.3, base: float = 2**0.5, max_ratio: float = 4.0):
-        if not 0 < smoothing <= 1 or tolerance < 0 or base <= 1 or max_ratio < 1:
-            raise ValueError("need 0 < smoothing <= 1, tolerance >= 0, base > 1, max_ratio >= 1")
-        self.tolerance, self.smoothing, self.base, self.max_ratio = tolerance, smoothing, base, max_ratio
-        self._rate: dict[bytes, float] = {}
-        self._level: dict[bytes, int] = {}
+    def __init__(self, tolerance: float = 0.5, smoothing: float = 0.3, max_ratio: float = 4.0):
+        if not 0 < smoothing <= 1 or tolerance < 0 or max_ratio < 1:
+            raise ValueError("need 0 < smoothing <= 1, tolerance >= 0, max_ratio >= 1")
+        self.tolerance, self.smoothing, self.max_ratio = tolerance, smoothing, max_ratio
+        self._relative: dict[bytes, float] = {}
+        self._weight: dict[bytes, float] = {}
 
-    def observe(self, key: bytes, samples_per_s: float) -> None:
-        """A chain's throughput in the step just done."""
-        if not samples_per_s > 0 or math.isinf(samples_per_s):
-            return
-        old = self._rate.get(key)
-        rate = samples_per_s if old is None else old + self.smoothing * (samples_per_s - old)
-        self._rate[key] = rate
-        exact = math.log(rate, self.base)
-        level = self._level.get(key)
-        if level is None or abs(exact - level) > 0.5 + self.tolerance:
-            self._level[key] = round(exact)
+    def observe(self, samples_per_s: dict[bytes, float]) -> None:
+        """The chains' throughput in the step just done (chain key -> samples/s)."""
+        rates = {k: r for k, r in samples_per_s.items() if r > 0 and math.isfinite(r)}
+        if len(rates) < 2:
+            return  # one chain has nobody to be faster than
+        mean = sum(rates.values()) / len(rates)
+        for key, rate in rates.items():
+            old = self._relative.get(key, 1.0)
+            smooth = old + self.smoothing * (rate / mean - old)
+            self._relative[key] = smooth
+            if abs(math.log(smooth / self._weight.get(key, 1.0))) > math.log1p(self.tolerance):
+                self._weight[key] = smooth
 
     def weights(self, keys: Sequence[bytes]) -> list[float]:
-        """The weights of these chains; a chain never measured gets the mean level of those measured."""
-        known = [self._level[k] for k in keys if k in self._level]
-        default = round(sum(known) / len(known)) if known else 0
-        levels = [self._level.get(k, default) for k in keys]
-        top, span = max(levels), round(math.log(self.max_ratio, self.base))
-        return [self.base ** (max(lv, top - span) - top) for lv in levels]
+        """The weights of these chains (1 for a chain never measured)."""
+        held = [self._weight.get(k, 1.0) for k in keys]
+        floor = max(held) / self.max_ratio
+        return [max(w, floor) for w in held]
 
     def forget(self, keys: Sequence[bytes]) -> None:
         for k in keys:
-            self._rate.pop(k, None)
-            self._level.pop(k, None)
+            self._relative.pop(k, None)
+            self._weight.pop(k, None)
 
 
 @dataclass(frozen=True)

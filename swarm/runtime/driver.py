@@ -271,10 +271,18 @@ class PipelineDriver:
         self._inflight.append(task)
         return task
 
-    def _alive(self, peer: str, timeout_s: float = 2.0) -> bool:
-        """One Status ping: does `peer` answer at all?"""
+    def _ping(self, peer: str, timeout_s: float) -> None:
+        """A Status call to `peer`; raises only where the peer may be dead (a refusal is an answer too)."""
         stage, chain = self._where(peer)
-        ping = spawn(lambda: self._call(stage, chain, "Status", stage_pb2.Empty(), timeout=timeout_s), "ping")
+        try:
+            self._call(stage, chain, "Status", stage_pb2.Empty(), timeout=timeout_s)
+        except StageCallError as e:
+            if reroutable(e):
+                raise
+
+    def _alive(self, peer: str, timeout_s: float = 2.0) -> bool:
+        """One Status ping (on its own thread, waited for at most `timeout_s`): does `peer` answer at all?"""
+        ping = spawn(lambda: self._ping(peer, timeout_s), "ping", self._threads)
         with contextlib.suppress(Exception):
             ping.result(timeout=timeout_s)
             return True
@@ -287,9 +295,8 @@ class PipelineDriver:
         raise KeyError(peer)
 
     def _heartbeat(self, chains: Sequence[Chain], wake: threading.Event) -> Heartbeat:
-        def ping(peer: str):
-            stage, chain = self._where(peer)
-            return self._call(stage, chain, "Status", stage_pb2.Empty(), timeout=self.heartbeat_s)
+        def ping(peer: str) -> None:
+            self._ping(peer, self.heartbeat_s)
 
         def on_dead(peer: str) -> None:
             log.warning("peer %s missed %d heartbeats: declared dead", peer, self.heartbeat_misses)
@@ -331,13 +338,14 @@ class PipelineDriver:
             for w in work
         ]
         gather([t for chain in tasks for t in chain], wake, self.dead, self.deadline_s)
-        traffic, loss = Traffic(), 0.0
+        traffic, loss, rates = Traffic(), 0.0, {}
         for w, chain in zip(work, tasks, strict=True):
             results = [f.result() for f, _ in chain]
             for r in results:
                 traffic.merge(r.traffic)
                 loss += r.loss
-            self.weights.observe(w.chain.key, w.rows / max(max(r.ended for r in results) - start, 1e-9))
+            rates[w.chain.key] = w.rows / max(max(r.ended for r in results) - start, 1e-9)
+        self.weights.observe(rates)
         return loss, traffic
 
     def _reduce(self, step: int, chains: list[Chain], wake: threading.Event) -> Traffic:
@@ -448,7 +456,7 @@ class PipelineDriver:
         mean loss and the bytes. No reroute: raises StageCallError naming the stage and peer that failed,
         after abandoning the step."""
         chains = self._live(step)
-        wake = threading.Event()
+        wake, self._inflight = threading.Event(), []
         try:
             with self._heartbeat(chains, wake):
                 return self._run_chains(step, self._work(batch, chains), wake)
@@ -469,7 +477,7 @@ class PipelineDriver:
             chains = self._live(step)
             work = self._work(batch, chains)
             used = [w.chain for w in work]
-            wake = threading.Event()
+            wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             try:
                 with self._heartbeat(used, wake):
                     loss, traffic = self._run_chains(step, work, wake)
@@ -513,10 +521,9 @@ class PipelineDriver:
         live = [f for f, suspects in self._inflight if not self.dead.intersection(suspects)]
         wait(live, timeout=ABANDON_GRACE_S)
         self.abandon(step)
-        self._inflight = [t for t in self._inflight if not t[0].done()]
+        self._live(step)  # raises NoLiveChain when nothing is left
         if attempt >= self.max_attempts:
             raise _as_error(failure, step, f"gave up after {attempt} attempts")
-        self._live(step)  # raises NoLiveChain when nothing is left
 
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""

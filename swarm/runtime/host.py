@@ -31,7 +31,7 @@ from swarm.net.stream import (
     tokens_from_wire,
 )
 from swarm.proto import stage_pb2
-from swarm.runtime.average import parameters_digest
+from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.gate import GateError, ScheduleGate
@@ -126,6 +126,8 @@ class StageHost:
         self.compute_layers_per_s = 0.0
         self.on_step: Callable[[StageHost], None] | None = None
         """Called after every optimizer step (e.g. checkpointing)."""
+        self.averager = GradientAverager(self)
+        """The replicas' gradient sum (`Reduce`, `Average`) and its error-feedback residual."""
 
     # ---- admission ----------------------------------------------------------------------------------------
     # A call is checked whole before it changes anything: `check_call` (its info, as soon as the first stream
@@ -463,6 +465,7 @@ class StageHost:
                 lr = self.worker.step(request.global_grad_norm)
                 self.steps_done += 1
                 self.last_step, self._last_lr = request.step, lr
+                self.averager.commit()
                 self._step_metrics()
                 self._close_step()
         if self.on_step is not None and not request.abandon:
@@ -482,6 +485,7 @@ class StageHost:
         self._close_step()
 
     def _close_step(self) -> None:
+        self.averager.end_step()
         self.links.end_step()
         self.gate.reset()
         self.open_step, self._owner, self._progressed = None, None, False

@@ -127,10 +127,13 @@ class CallPolicy:
                     f"({', '.join(roster.replicas(sender))}), not {caller}"
                 )
 
-    def check_route(self, info: stage_pb2.CallInfo, caller: str | None = None, method: str | None = None) -> None:
+    def check_route(
+        self, info: stage_pb2.CallInfo, caller: str | None = None, method: str | None = None, own: str | None = None
+    ) -> None:
         """A call's route must be the plan's chain `info.chain`: a stage sends only where the plan says. With
         `caller` and `method` (a Forward or Backward from a neighbour), the caller must be that chain's peer of
-        the sending stage: replica r of a stage talks only to replica r of its neighbours."""
+        the sending stage: replica r of a stage talks only to replica r of its neighbours. With `own` (the
+        callee's peer id), the chain must name the callee at the call's stage."""
         roster = self._need_roster()
         if info.chain >= roster.n_replicas:
             raise _denied(f"chain {info.chain}: the plan has {roster.n_replicas} chains")
@@ -140,6 +143,8 @@ class CallPolicy:
                 f"route: the call names route {list(info.route)[:8]} of peers {list(info.route_peers)[:8]}, "
                 f"the plan's chain {info.chain} is {list(addresses)} of peers {list(peers)}"
             )
+        if own is not None and 0 <= info.stage < len(peers) and peers[info.stage] != own:
+            raise _denied(f"chain {info.chain}'s peer of stage {info.stage} is {peers[info.stage]}, not this peer")
         if caller is None or method not in ("Forward", "Backward"):
             return
         sender = _sender_stage(method, info.stage)

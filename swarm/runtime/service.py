@@ -60,6 +60,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.held_state: Callable[[grpc.ServicerContext], object] | None = None
         """Serves GetState for a held checkpoint copy (swarm.daemon.held) when the call asks for one: an
         iterator of items, or None for the served stage's state."""
+        self._reduce_slots = CallSlots(1, "Reduce")
+        """One Reduce waits for its peers' gradients at a time: the other threads stay free for Step and Status."""
         self.previous: StageHost | None = None
         """The host this peer served before its last plan change, kept to hand its state over."""
         self.standby_version: int | None = None
@@ -142,7 +144,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         host = self._serving()
         host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
         if caller is not None:
-            self.policy.check_route(info, caller, method)
+            self.policy.check_route(info, caller, method, host.peer_id)
         return host
 
     def _admit(
@@ -153,7 +155,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         with self._admission:
             host = self._serving()
             policy = self.policy
-            route_check = None if caller is None else lambda i: policy.check_route(i, caller, method)
+            route_check = None if caller is None else lambda i: policy.check_route(i, caller, method, host.peer_id)
             host.admit(call, info, kind, caller, route_check)
             return host
 
@@ -294,6 +296,46 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             with self._admission:
                 self._admission.notify_all()  # a plan change may be waiting for the step to end
             return stage_pb2.StepReply(step=request.step, lr=lr)
+
+        return self._guard(context, run)
+
+    def Reduce(self, request, context):
+        def check(caller: str) -> None:
+            self.policy.check_step("Reduce", caller)
+            self.policy.check_group(request, self._serving().peer_id)
+
+        self._checked(context, check)
+
+        def run():
+            with self._reduce_slots.take():
+                return self._serving().averager.reduce(request, keyed_by_peer=self.verifier is not None)
+
+        return self._guard(context, run)
+
+    def Average(self, request_iterator, context):
+        """Another replica's gradients for the open step: authorized from the metadata, checked from the call
+        info, before the body is read; held until this stage's own Reduce sums them."""
+
+        def run():
+            caller = self._caller(context)
+            host = self._serving()
+            if caller is not None:
+                self.policy.check_average(host.role.stage, caller, host.peer_id)
+            sender: list[str] = []
+
+            def on_info(info: stage_pb2.CallInfo) -> None:
+                sender.append(caller if caller is not None else f"#{info.micro_batch}")
+                host.averager.check_average(info, sender[0])
+
+            with self._data_slots.take(), contextlib.ExitStack() as reading:
+
+                def on_header(header) -> None:
+                    if header.body_bytes > self.budget.large_stream_bytes:
+                        reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
+
+                call = read_stream(request_iterator, host.averager.limits, on_info=on_info, on_header=on_header)
+                host.averager.receive(call, sender[0])
+            return stage_pb2.Traffic(wire_bytes=call.wire_bytes)
 
         return self._guard(context, run)
 

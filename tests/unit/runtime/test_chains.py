@@ -65,27 +65,31 @@ def test_samples_stay_when_measured_throughput_wobbles():
     chains, ids = _chains(2), list(range(256))
     weights = ChainWeights()
     gen = torch.Generator().manual_seed(0)
-    owners = []
-    for _ in range(50):  # both chains equally fast, measured with +-15% noise
-        for c in chains:
-            weights.observe(c.key, 100.0 * (1 + 0.3 * (float(torch.rand((), generator=gen)) - 0.5)))
+    owners = [_owner(ids, chains, weights.weights([c.key for c in chains]))]
+    for _ in range(50):  # both chains equally fast, measured with +-20% noise
+        weights.observe({c.key: 100.0 * (1 + 0.4 * (float(torch.rand((), generator=gen)) - 0.5)) for c in chains})
         owners.append(_owner(ids, chains, weights.weights([c.key for c in chains])))
     assert all(o == owners[0] for o in owners)
 
 
 def test_a_much_faster_chain_gets_more_samples_but_weights_stay_bounded():
-    chains = _chains(2)
+    chains, ids = _chains(2), list(range(2000))
+    keys = [c.key for c in chains]
     weights = ChainWeights()
     for _ in range(20):
-        weights.observe(chains[0].key, 400.0)
-        weights.observe(chains[1].key, 100.0)
-    w = weights.weights([c.key for c in chains])
-    assert w[0] > w[1] and w[0] / w[1] <= 4.0 + 1e-9
+        weights.observe({keys[0]: 300.0, keys[1]: 100.0})
+    w = weights.weights(keys)
+    # the held weights move only by whole tolerance bands, so they follow 3:1 only coarsely
+    assert 1.5 < w[0] / w[1] <= 3.0
+    share = sum(1 for c in _owner(ids, chains, w).values() if c == 0) / len(ids)
+    assert 0.6 < share < 0.8
     for _ in range(20):
-        weights.observe(chains[1].key, 1.0)  # very slow: not starved beyond the bound
-    w = weights.weights([c.key for c in chains])
+        weights.observe({keys[0]: 300.0, keys[1]: 1.0})  # very slow: not starved beyond the bound
+    w = weights.weights(keys)
     assert w[0] / w[1] == pytest.approx(4.0)
-    assert weights.weights([chains[0].key, b"new"])[1] > 0  # an unmeasured chain gets a share
+    assert weights.weights([keys[0], b"new"])[1] > 0  # an unmeasured chain gets a share
+    weights.observe({keys[0]: 300.0})  # one chain alone: nothing to compare, nothing changes
+    assert weights.weights(keys) == w
 
 
 def test_every_chain_gets_a_sample_when_there_are_enough():

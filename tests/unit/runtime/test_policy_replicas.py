@@ -57,11 +57,10 @@ def test_route_must_be_exactly_the_chain_the_call_names():
     denied(policy.check_route, call(0, 1, route=ROSTER.chain(1)[0]), match="chain 0")  # chain 1's route, chain 0
     mixed = stage_pb2.CallInfo(stage=1, chain=0, route=["a0", "b1", "a2"], route_peers=["p0", "q1", "p2"])
     denied(policy.check_route, mixed, match="route")
-    denied(
-        policy.check_route,
-        call(0, 1).__class__(stage=1, chain=2, route=["a0"] * 3, route_peers=["p0"] * 3),
-        match="2 chains",
-    )
+    beyond = stage_pb2.CallInfo(stage=1, chain=2, route=["a0"] * 3, route_peers=["p0"] * 3)
+    denied(policy.check_route, beyond, match="2 chains")
+    policy.check_route(call(1, 1), "q0", "Forward", own="q1")
+    denied(policy.check_route, call(0, 1), "p0", "Forward", "q1", match="chain 0's peer of stage 1 is p1, not this")
 
 
 def test_forward_and_backward_only_from_the_same_chain():

@@ -11,24 +11,27 @@ import torch
 
 from swarm.runtime.chains import NoLiveChain
 from swarm.runtime.local import LocalPipeline
-from tests.unit.runtime.test_replicas import CFG, FP32, batch, needs_r1, weights
+from tests.unit.runtime.test_replicas import CFG, FP32, batch, weights
 
 torch.set_num_threads(1)
 
 
-class _KillOnForward:
-    """Wraps a servicer: the first Forward into it kills its host (LocalPipeline.kill) before it runs."""
+class _KillOn:
+    """Wraps a servicer: the first `method` call into it kills its host (LocalPipeline.kill) before it runs."""
 
-    def __init__(self, pipe: LocalPipeline, stage: int, replica: int):
-        self.pipe, self.stage, self.replica = pipe, stage, replica
+    def __init__(self, pipe: LocalPipeline, stage: int, replica: int, method: str = "Forward"):
+        self.pipe, self.stage, self.replica, self.method = pipe, stage, replica, method
         self.target = pipe.switches[stage][replica].target
 
     def __getattr__(self, name):
-        return getattr(self.target, name)
+        if name != self.method:
+            return getattr(self.target, name)
 
-    def Forward(self, items, context):
-        self.pipe.kill(self.stage, self.replica)
-        context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (killed mid-step)")
+        def killed(request, context):
+            self.pipe.kill(self.stage, self.replica)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (killed mid-step)")
+
+        return killed
 
 
 class _Hang:
@@ -50,9 +53,10 @@ class _Hang:
 
 
 def _surviving_chain_applied_once(pipe: LocalPipeline, chain: int, steps: int) -> None:
-    for row in pipe.replica_hosts:
+    for row, status in zip(pipe.replica_hosts, pipe.driver(4).replica_status(), strict=True):
         host = row[chain]
         assert host.steps_done == steps and host.open_step is None
+        assert status[chain].last_step == steps - 1 and status[chain].steps_done == steps
 
 
 def _clean_reference(b, n_micro: int = 4):
@@ -64,11 +68,12 @@ def _clean_reference(b, n_micro: int = 4):
         ref.close()
 
 
-def test_a_replica_killed_mid_step_reroutes_the_step_to_the_other_chain():
+@pytest.mark.parametrize("method", ["Forward", "Backward", "Reduce", "Grads"])
+def test_a_replica_killed_mid_step_reroutes_the_step_to_the_other_chain(method):
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
     b = batch(seed=3)
     try:
-        pipe.switches[1][0].target = _KillOnForward(pipe, 1, 0)
+        pipe.switches[1][0].target = _KillOn(pipe, 1, 0, method)
         result = pipe.train_step(b, n_micro=4)
         dead = pipe.replica_peers[1][0]
         assert result.attempts == 2 and result.dead_peers == (dead,) and result.chains == 1
@@ -120,7 +125,6 @@ def test_both_replicas_of_a_stage_dead_raises_no_live_chain_naming_it():
         pipe.close()
 
 
-@needs_r1
 def test_a_failed_call_on_a_live_peer_does_not_declare_it_dead():
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
     calls = []
@@ -150,5 +154,46 @@ def test_one_chain_keeps_working_without_replicas():
         result = pipe.train_step(batch(n=8), n_micro=4)
         assert result.chains == 1 and result.attempts == 1 and result.reduce_bytes == 0
         assert sorted(result.sample_ids) == list(range(8))
+    finally:
+        pipe.close()
+
+
+def test_a_replica_killed_at_step_time_is_left_behind_and_the_others_apply_the_step():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        pipe.switches[1][0].target = _KillOn(pipe, 1, 0, "Step")
+        result = pipe.train_step(batch(seed=6), n_micro=4)
+        assert result.attempts == 1 and result.chains == 2 and result.dead_peers == (pipe.replica_peers[1][0],)
+        assert [h.steps_done for h in (pipe.replica_hosts[0][0], pipe.replica_hosts[0][1])] == [1, 1]
+        assert pipe.replica_hosts[1][1].steps_done == 1
+        again = pipe.train_step(batch(seed=7), n_micro=4)
+        assert again.chains == 1 and again.attempts == 1
+        _surviving_chain_applied_once(pipe, 1, steps=2)
+    finally:
+        pipe.close()
+
+
+def test_a_step_whose_reply_was_lost_is_asked_again_and_applied_once():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    target, lost = pipe.switches[0][1].target, []
+
+    class _LoseFirstStepReply:
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+        def Step(self, request, context):
+            reply = target.Step(request, context)
+            if not request.abandon and not lost:
+                lost.append(reply)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset before the reply")
+            return reply
+
+    pipe.switches[0][1].target = _LoseFirstStepReply()
+    try:
+        result = pipe.train_step(batch(seed=8), n_micro=4)
+        assert lost and result.attempts == 1 and result.dead_peers == ()
+        assert all(h.steps_done == 1 for row in pipe.replica_hosts for h in row)
+        status = pipe.driver(4).replica_status()
+        assert all(len({r.weights_digest for r in row}) == 1 for row in status)
     finally:
         pipe.close()

@@ -1,0 +1,196 @@
+"""The replicas' gradient sum (Reduce, Average): exact in fp32, bit-identical on every replica with gradq, error
+feedback committed only by Step, and every stranger's, duplicate, late or missing stream handled by name."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from swarm.compression import make_codec
+from swarm.net.auth import Identity
+from swarm.net.connect import LocalRpcError
+from swarm.net.stream import tensor_items
+from swarm.proto import stage_pb2
+from swarm.runtime.average import flatten_grads
+from swarm.runtime.boundary import LinkEnds
+from swarm.runtime.host import StageHost, StageRole
+from swarm.runtime.worker import StageConfig
+from tests.unit.runtime.test_replica_host import FP32, GRADQ, TINY, Replicas
+
+
+def flat(pipe: Replicas, r: int) -> torch.Tensor:
+    return flatten_grads(pipe.hosts[r].averager.params)
+
+
+def test_fp32_reduce_is_exactly_the_sum_of_the_replicas_gradients():
+    pipe = Replicas(3)
+    pipe.split_step(0, rows=6)
+    own = [flat(pipe, r) for r in range(3)]
+    replies = pipe.reduce(0)
+    want = own[0] + own[1] + own[2]
+    for r in range(3):
+        assert torch.equal(flat(pipe, r), want)
+        assert replies[r].group_size == 3
+        assert replies[r].fp32_wire_bytes == 2 * 4 * want.numel()
+        assert 0.5 * replies[r].fp32_wire_bytes < replies[r].wire_bytes < 1.1 * replies[r].fp32_wire_bytes
+    sent = sum(
+        h.metrics.snapshot().get('swarm_wire_bytes_total{direction="average",link="average"}', 0) for h in pipe.hosts
+    )
+    assert sent == sum(r.wire_bytes for r in replies)
+
+
+def test_gradq_reduce_gives_every_replica_the_same_bits_and_then_the_same_weights():
+    pipe = Replicas(2, backward=GRADQ)
+    pipe.split_step(0)
+    own = [flat(pipe, r) for r in range(2)]
+    replies = pipe.reduce(0)
+    assert torch.equal(flat(pipe, 0), flat(pipe, 1))
+    exact = own[0] + own[1]
+    assert (flat(pipe, 0) - exact).norm() < 0.3 * exact.norm()  # 4-bit: close to the exact sum, not equal
+    assert replies[0].wire_bytes < replies[0].fp32_wire_bytes / 4
+    for r in range(2):
+        pipe.step(r, 0)
+    digests = {pipe.client(r).Status(stage_pb2.Empty()).weights_digest for r in range(2)}
+    assert len(digests) == 1
+
+
+def test_error_feedback_residual_is_committed_by_step_and_dropped_by_abandon():
+    pipe = Replicas(2, backward=GRADQ)
+    pipe.split_step(0)
+    pipe.reduce(0)
+    for r in range(2):
+        pipe.client(r).Step(stage_pb2.StepRequest(step=0, abandon=True))
+    assert all(h.averager.residual is None for h in pipe.hosts)  # abandoned: no trace of the attempt
+    pipe.split_step(1)
+    pipe.reduce(1)
+    assert all(h.averager.residual is None for h in pipe.hosts)  # reduced, not applied yet
+    for r in range(2):
+        pipe.step(r, 1)
+    residuals = [h.averager.residual for h in pipe.hosts]
+    assert all(res is not None and res.shape == (pipe.hosts[0].averager.numel,) for res in residuals)
+    assert float(residuals[0].abs().sum()) > 0
+
+
+def test_a_member_that_never_sends_fails_the_reduce_in_time_and_changes_nothing():
+    pipe = Replicas(2, backward=GRADQ)
+    pipe.split_step(0)
+    before = flat(pipe, 0)
+    (result,) = pipe.reduce(0, members=[0], deadline_s=0.3)  # replica 1 never reduces, so never sends
+    assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert pipe.peers[1] in result.details() and "nothing was summed" in result.details()
+    assert torch.equal(flat(pipe, 0), before)
+    assert pipe.hosts[0].averager.residual is None and pipe.hosts[0].averager._pending is None
+
+
+def test_a_second_reduce_of_a_step_is_refused_and_sums_nothing_twice():
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    pipe.reduce(0)
+    summed = flat(pipe, 0)
+    again = pipe.reduce(0)
+    assert all(isinstance(e, LocalRpcError) and "already reduced" in e.details() for e in again)
+    assert torch.equal(flat(pipe, 0), summed)
+
+
+def test_reduce_before_the_steps_backward_or_of_a_group_of_one():
+    pipe = Replicas(2)
+    (early,) = pipe.reduce(0, members=[0])
+    assert isinstance(early, LocalRpcError) and early.code() == grpc.StatusCode.FAILED_PRECONDITION
+    pipe.split_step(0)
+    alone = stage_pb2.ReduceRequest(step=0, stage=0, group_peers=[pipe.peers[0]], group_addresses=[pipe.addresses[0]])
+    before = flat(pipe, 0)
+    reply = pipe.client(0).Reduce(alone)
+    assert (reply.group_size, reply.wire_bytes) == (1, 0) and torch.equal(flat(pipe, 0), before)
+
+
+def average_items(pipe: Replicas, sender: int, step: int, pulled: list | None = None, numel: int | None = None):
+    """An Average stream as replica `sender` would send it (fp32), counting the items pulled."""
+    numel = numel or pipe.hosts[0].averager.numel
+    msg = make_codec(FP32).encode(torch.ones(numel))
+    info = stage_pb2.CallInfo(step=step, stage=0, micro_batch=sender, num_micro_batches=len(pipe.hosts))
+    for item in tensor_items(info, msg, 0, None):
+        if pulled is not None:
+            pulled.append(1)
+        yield item
+
+
+def refused(fn, *args, code: grpc.StatusCode, words: str):
+    with pytest.raises(LocalRpcError) as e:
+        fn(*args)
+    assert e.value.code() == code and words in e.value.details(), e.value.details()
+
+
+def test_strangers_average_and_reduce_are_refused_before_the_body_is_read():
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    pulled: list = []
+    anonymous = pipe.network.stage(pipe.addresses[0])
+    refused(anonymous.Average, average_items(pipe, 1, 0, pulled), code=grpc.StatusCode.UNAUTHENTICATED, words="token")
+    stranger = pipe.client(0, Identity.generate())
+    refused(
+        stranger.Average, average_items(pipe, 1, 0, pulled), code=grpc.StatusCode.PERMISSION_DENIED, words="Average"
+    )
+    assert pulled == []  # refused from the metadata: not one item read
+    request = stage_pb2.ReduceRequest(step=0, stage=0, group_peers=pipe.peers, group_addresses=pipe.addresses)
+    refused(stranger.Reduce, request, code=grpc.StatusCode.PERMISSION_DENIED, words="Reduce only from a trainer")
+    replica = pipe.client(0, pipe_identity(pipe, 1))
+    refused(replica.Reduce, request, code=grpc.StatusCode.PERMISSION_DENIED, words="Reduce only from a trainer")
+    evil = stage_pb2.ReduceRequest(
+        step=0, stage=0, group_peers=pipe.peers, group_addresses=[pipe.addresses[0], "evil:1"]
+    )
+    refused(pipe.client(0).Reduce, evil, code=grpc.StatusCode.PERMISSION_DENIED, words="plan addresses")
+    assert pipe.hosts[0].averager._inbox == {}
+
+
+def pipe_identity(pipe: Replicas, r: int) -> Identity:
+    """Replica r's identity, as its own connector signs with it."""
+    return pipe.ids[r]
+
+
+def test_a_duplicate_late_or_oversized_average_is_refused():
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    from_1 = pipe.client(0, pipe_identity(pipe, 1))
+    from_1.Average(average_items(pipe, 1, 0))
+    refused(from_1.Average, average_items(pipe, 1, 0), code=grpc.StatusCode.ALREADY_EXISTS, words="sent its gradients")
+    refused(from_1.Average, average_items(pipe, 1, 5), code=grpc.StatusCode.FAILED_PRECONDITION, words="open step")
+    pulled: list = []
+    big = average_items(pipe, 1, 0, pulled, numel=pipe.hosts[0].averager.numel * 4)
+    refused(pipe.client(1, pipe_identity(pipe, 0)).Average, big, code=grpc.StatusCode.INVALID_ARGUMENT, words="")
+    assert len(pulled) <= 2  # the header's declared size is refused before the body
+    pipe.client(0).Step(stage_pb2.StepRequest(step=0, abandon=True))
+    refused(from_1.Average, average_items(pipe, 1, 0), code=grpc.StatusCode.FAILED_PRECONDITION, words="open step")
+
+
+def test_the_tied_weight_is_left_to_grads_on_a_multi_stage_host():
+    role = StageRole(0, 2, 0, 1)
+    host = StageHost(role, TINY, StageConfig(), LinkEnds(FP32, FP32), "p", None)
+    tied = host.worker.module.tied_parameter()
+    assert tied is not None and all(p is not tied for p in host.averager.params)
+    assert host.averager.numel == sum(p.numel() for p in host.worker.module.parameters()) - tied.numel()
+
+
+def test_a_waiting_reduce_holds_one_slot_and_leaves_status_and_step_free():
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    first: list = []
+    waiting = threading.Thread(target=lambda: first.extend(pipe.reduce(0, members=[0], deadline_s=30)))
+    waiting.start()
+    inbox = pipe.hosts[1].averager
+    with inbox._arrived:  # replica 0 sent its gradients: it now waits for replica 1's
+        assert inbox._arrived.wait_for(lambda: inbox._inbox, timeout=30)
+    (second,) = pipe.reduce(0, members=[0])
+    assert isinstance(second, LocalRpcError) and second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert pipe.client(0).Status(stage_pb2.Empty()).stage == 0  # control calls still answered
+    refused(pipe.client(0).Step, stage_pb2.StepRequest(step=1), code=grpc.StatusCode.FAILED_PRECONDITION, words="")
+    (late,) = pipe.reduce(0, members=[1])  # replica 1 joins: both sums complete
+    waiting.join(30)
+    assert not waiting.is_alive() and late.group_size == 2 and first[0].group_size == 2
+    assert torch.equal(flat(pipe, 0), flat(pipe, 1))
+    refused(
+        pipe.client(0, pipe_identity(pipe, 1)).Average, average_items(pipe, 1, 0),
+        code=grpc.StatusCode.FAILED_PRECONDITION, words="reduced already",
+    )  # fmt: skip
