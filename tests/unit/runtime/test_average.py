@@ -194,3 +194,14 @@ def test_a_waiting_reduce_holds_one_slot_and_leaves_status_and_step_free():
         pipe.client(0, pipe_identity(pipe, 1)).Average, average_items(pipe, 1, 0),
         code=grpc.StatusCode.FAILED_PRECONDITION, words="reduced already",
     )  # fmt: skip
+
+
+def test_an_unreachable_member_fails_the_reduce_by_name():
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    before = flat(pipe, 0)
+    pipe.network.unregister(pipe.addresses[1])  # as a killed peer: every connector sees it gone
+    (result,) = pipe.reduce(0, members=[0], deadline_s=5)
+    assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.UNAVAILABLE
+    assert pipe.peers[1] in result.details()
+    assert torch.equal(flat(pipe, 0), before) and pipe.hosts[0].averager._pending is None
