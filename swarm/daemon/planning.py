@@ -419,11 +419,11 @@ def fetch_state(
     for item in call:
         if item.name in tensors or (item.name not in unframers and len(unframers) >= MAX_STATE_TENSORS):
             call.cancel()
-            raise WireError(f"state from {address}: tensor {item.name[:64]!r} repeated or over {MAX_STATE_TENSORS}")
+            raise WireError(f"state from {address}", f"tensor {item.name[:64]!r} repeated or over {MAX_STATE_TENSORS}")
         received += len(item.chunk.data)
         if received > max_bytes:
             call.cancel()
-            raise WireError(f"state from {address}: over {max_bytes} bytes")
+            raise WireError(f"state from {address}", f"over {max_bytes} bytes")
         msg = unframers.setdefault(item.name, Unframer()).feed(item.chunk)
         if msg is not None:
             tensors[item.name] = fp32.decode(msg)

@@ -196,3 +196,63 @@ def test_a_leave_is_done_when_the_successor_follows_a_plan_without_the_leaver():
     assert not leave_done(new, behind, B, (0, 1)), "E has not taken stage 0 over yet"
     done = [*behind[:1], ann(E, version=5, stage=0), *behind[2:]]
     assert leave_done(new, done, B, (0, 1))
+
+
+class FakeCall:
+    """What a unary-stream gRPC call returns: an iterator of replies that can be cancelled."""
+
+    def __init__(self, items):
+        self.items, self.cancelled = iter(items), False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.items)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeChannels:
+    """Hands StageStub a channel whose GetState streams `items` (and records the metadata it was called with)."""
+
+    def __init__(self, items):
+        self.items, self.calls, self.metadata = items, [], None
+
+    def get(self, address):
+        channels = self
+
+        class Channel:
+            def unary_stream(self, method, request_serializer=None, response_deserializer=None, **_):
+                def call(request, timeout=None, metadata=None):
+                    channels.metadata = metadata
+                    channels.calls.append(FakeCall(channels.items))
+                    return channels.calls[-1]
+
+                return call
+
+            unary_unary = stream_unary = stream_stream = unary_stream
+
+        return Channel()
+
+
+def test_fetch_state_bounds_what_a_holder_sends(monkeypatch):
+    from swarm.compression import WireError
+    from swarm.daemon import planning
+    from swarm.daemon.held import fetch_held, state_items_of
+
+    tensors = {"model.w": torch.ones(4, 4), "meta.steps_done": torch.tensor([3.0])}
+    good = list(state_items_of(tensors))
+    channels = FakeChannels(good)
+    got = fetch_held(channels, "x", 0, 1)
+    assert set(got) == set(tensors) and channels.metadata == ((HELD_METADATA_KEY, "0-1"),)
+    channels = FakeChannels(good + good[:1])  # a tensor sent twice
+    with pytest.raises(WireError, match="repeated"):
+        planning.fetch_state(channels, "x", 0, 0)
+    assert channels.calls[-1].cancelled, "the stream is cancelled, not read on"
+    with pytest.raises(WireError, match="over 16 bytes"):
+        planning.fetch_state(FakeChannels(good), "x", 0, 0, max_bytes=16)
+    monkeypatch.setattr(planning, "MAX_STATE_TENSORS", 1)
+    with pytest.raises(WireError, match="over 1"):
+        planning.fetch_state(FakeChannels(good), "x", 0, 0)
