@@ -35,7 +35,7 @@ import torch
 
 from swarm.compression import CodecConfig, make_codec
 from swarm.daemon.liveness import Liveness
-from swarm.daemon.repair import repair_plan
+from swarm.daemon.repair import grow_plan, repair_plan
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import TensorStreams, tensor_items
 from swarm.peers.records import (
@@ -278,8 +278,10 @@ class LinkProber:
 class Planner:
     """Makes and publishes plans when this peer leads (lowest id announced) and the membership changed.
 
-    A change that only loses plan peers (dead: missed heartbeats; leaving: announced so) or adds standbys is
-    REPAIRED (`repair_plan`): published at once, without the settle wait, since nobody moves but the standby.
+    A change that loses plan peers (dead: missed heartbeats; leaving: announced so) is REPAIRED (`repair_plan`):
+    published at once, without the settle wait, since nobody moves but the standby. Joins: with `replicas`
+    set (--replicas N) a joiner waits on standby, and as many standbys as stages form one more chain
+    (`grow_plan`, up to N); with the cost model's choice (0) a join re-plans as before.
     """
 
     def __init__(
@@ -340,7 +342,11 @@ class Planner:
             return None
         repaired = None
         if current is not None and not same_peers:
-            repaired = repair_plan(current.plan, alive, gone)
+            lost = any(p not in alive for s in current.plan["stages"] for p in s["peer_ids"])
+            if lost or self.replicas:  # a loss is repaired; with --replicas N a joiner waits on standby
+                repaired = repair_plan(current.plan, alive, gone)
+            if repaired is not None and self.replicas:
+                repaired = grow_plan(repaired, self.replicas)  # enough standbys: one more chain
         if repaired is None and now - self._since < self.settle_s:
             return None  # peers are still arriving (or leaving): wait for the set to settle
         version = self.next_version(peers)

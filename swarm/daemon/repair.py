@@ -4,8 +4,9 @@ A full re-search after every loss would reshuffle layers across the swarm, and e
 layers' state over slow links. A repair keeps every surviving peer where it was (same stage, same column, so
 same chain) and hands each lost place to a standby, which then pulls that stage's state from a surviving
 replica or a held checkpoint copy. Only when there are fewer standbys than lost places does the planner search
-again (fewer replicas or stages). Joins never move anyone either: a joiner waits on standby until a repair or
-a re-plan uses it.
+again (fewer replicas or stages). Joins never move anyone either: a joiner waits on standby until a repair, a
+re-plan or a new column uses it (`grow_plan`: once there are as many standbys as stages, they form one more
+chain, up to the run's --replicas).
 
 Pure functions of the plan dict (the `PlanRecord.plan` JSON form), so every case is unit-tested without a swarm.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-__all__ = ["plan_columns", "repair_plan", "standby_pool"]
+__all__ = ["grow_plan", "plan_columns", "repair_plan", "standby_pool"]
 
 
 def plan_columns(plan: dict) -> list[list[str]]:
@@ -66,4 +67,15 @@ def repair_plan(
                 pid = pool.pop(0)
             ids.append(pid)
         stages.append({**stage, "peer_ids": ids})
+    return {**plan, "stages": stages, "unused_peer_ids": pool}
+
+
+def grow_plan(plan: dict, replicas: int) -> dict:
+    """The plan with new columns (chains) of standbys, one standby per stage each, while there are enough
+    standbys and fewer than `replicas` columns; nobody already serving moves."""
+    stages = [dict(s, peer_ids=list(s["peer_ids"])) for s in plan.get("stages", [])]
+    pool = [str(p) for p in plan.get("unused_peer_ids", [])]
+    while stages and len(stages[0]["peer_ids"]) < replicas and len(pool) >= len(stages):
+        for stage in stages:
+            stage["peer_ids"].append(pool.pop(0))
     return {**plan, "stages": stages, "unused_peer_ids": pool}

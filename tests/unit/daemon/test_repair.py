@@ -186,3 +186,25 @@ def test_replicas_flag_plans_that_many_replicas_of_every_stage_when_the_peers_al
     fewer = plan(inp, SPEC, live_search(2, 0, replicas=3))
     assert [len(s.peer_ids) for s in fewer.stages] == [2, 2], "5 peers hold 2 stages x 2 at most"
     assert [len(s.peer_ids) for s in plan(inp, SPEC, live_search(2)).stages] == [1, 1], "the default stays 1"
+
+
+def test_enough_standbys_form_one_more_chain_up_to_the_replicas_asked_for():
+    from swarm.daemon.repair import grow_plan
+
+    plan = grid([A], [B], unused=[C, D, E])
+    assert ids(grow_plan(plan, 2)) == [[A, C], [B, D]] and grow_plan(plan, 2)["unused_peer_ids"] == [E]
+    assert ids(grow_plan(plan, 3)) == [[A, C], [B, D]], "one standby is not a chain"
+    assert ids(grow_plan(plan, 1)) == [[A], [B]], "--replicas 1: no more chains"
+
+
+def test_with_replicas_set_a_joiner_waits_on_standby_then_joins_a_new_chain():
+    current = record(3, {**grid([A], [B]), "trainer_ids": []})
+    records = {"peers": [peer(A, 3, 0), peer(B, 3, 1)], "plan": [(A, current)]}
+    dht, published = swarm(A, records)
+    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock(), replicas=2)
+    records["peers"] = [*records["peers"], peer(C)]
+    planner.round()
+    assert [(ids(p), p["unused_peer_ids"]) for _, p in published] == [([[A], [B]], [C])], "C waits; nobody moves"
+    records["peers"] = [*records["peers"], peer(D)]
+    planner.round()
+    assert ids(published[-1][1]) == [[A, C], [B, D]], "two standbys for two stages: one more chain"
