@@ -336,7 +336,7 @@ class Planner:
         same_peers = current is not None and plan_peers(current) == alive
         # the first plan waits for --min-peers; later ones heal the swarm with whoever is left (a plan naming a
         # peer that left no longer validates, so "a plan exists" is whether the authority published any)
-        if current is None and len(alive) < self.min_peers and self.dht.newest_plan_version(peers) == 0:
+        if current is None and len(alive) < self.min_peers and not self.plan_existed(peers):
             return None
         if not alive or (same_peers and current.plan.get("trainer_ids", []) == trainers):
             return None
@@ -377,6 +377,11 @@ class Planner:
             made.step_time_s,
         )
         return made
+
+    def plan_existed(self, peers: list[PeerAnnouncement]) -> bool:
+        """Whether the swarm has followed a plan: the authority published one, or a peer follows one (this
+        planner took over from a planner that died, whose plans no longer count)."""
+        return self.dht.newest_plan_version(peers) > 0 or any(p.plan_version > 0 for p in peers)
 
     def next_version(self, peers: list[PeerAnnouncement]) -> int | None:
         """One above every version the authority published and (without trusted planners) the peers follow.

@@ -208,3 +208,10 @@ def test_with_replicas_set_a_joiner_waits_on_standby_then_joins_a_new_chain():
     records["peers"] = [*records["peers"], peer(D)]
     planner.round()
     assert ids(published[-1][1]) == [[A, C], [B, D]], "two standbys for two stages: one more chain"
+
+
+def test_a_planner_taking_over_from_a_dead_planner_re_plans_below_min_peers():
+    old = record(2, {**grid([A], [B]), "trainer_ids": []})  # published by A, which died
+    dht, published = swarm(B, {"peers": [peer(B, 2, 1)], "plan": [(A, old)]})
+    Planner(dht, SPEC, 2, min_peers=2, settle_s=0.0, probe_wait_s=0.0, clock=Clock()).round()
+    assert [(v, ids(p)) for v, p in published] == [(3, [[B]])], "B follows plan 2: the swarm had a plan"
