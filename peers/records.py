@@ -58,6 +58,10 @@ _DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,15}(?::\d{1,4})?")
 _CODEC_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:+-]{0,63}")
 
 
+_MAX_HELD = 8
+"""Held checkpoint copies an announcement may list."""
+
+
 def _fail(record: str, name: str, expected: str, value: Any) -> ValueError:
     shown = repr(value)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
@@ -139,10 +143,31 @@ class PeerAnnouncement:
     """When the peer started, in seconds since the epoch (`hivemind.utils.get_dht_time()`)."""
     codec: str | None = None
     """Name of the activation codec it speaks on its links, if fixed."""
+    leaving: bool = False
+    """Set on SIGTERM: the planner repairs the plan without this peer; it serves its state until taken over."""
+    held: tuple[tuple[int, int, int], ...] = ()
+    """Checkpoint copies it holds for other stages (`swarm.daemon.held`): (layer_start, layer_end, steps_done)."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
         _peer_id(r, "peer_id", self.peer_id)
+        if type(self.leaving) is not bool:
+            raise _fail(r, "leaving", "a bool", self.leaving)
+        if isinstance(self.held, str) and len(self.held) <= 40 * _MAX_HELD:
+            try:
+                _set(self, "held", tuple(tuple(int(x) for x in h.split(":")) for h in self.held.split()))
+            except ValueError:
+                raise _fail(r, "held", "'start:end:steps ...'", self.held[:64]) from None
+        if not isinstance(self.held, (list, tuple)) or len(self.held) > _MAX_HELD:
+            raise _fail(r, "held", f"a list of at most {_MAX_HELD} [start, end, steps] entries", self.held)
+        held = []
+        for entry in self.held:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise _fail(r, "held", "[layer_start, layer_end, steps_done] entries", entry)
+            start = _int(r, "held", entry[0], 0, _MAX_LAYERS - 1)
+            end = _int(r, "held", entry[1], start + 1, _MAX_LAYERS)
+            held.append((start, end, _int(r, "held", entry[2], 0, _MAX_VERSION)))
+        _set(self, "held", tuple(held))
         _address(r, "address", self.address)
         _str(r, "device", self.device, _DEVICE_RE, "a device like 'cpu' or 'cuda:0'")
         _int(r, "memory_bytes", self.memory_bytes, 0, _MAX_MEMORY_BYTES)
@@ -175,7 +200,8 @@ class PeerAnnouncement:
         return None if self.layer_start is None else range(self.layer_start, self.layer_end)
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # flat on the wire, like every record field: "start:end:steps start:end:steps"
+        return {**dataclasses.asdict(self), "held": " ".join(":".join(map(str, h)) for h in self.held)}
 
     @classmethod
     def from_wire(cls, wire: Any) -> PeerAnnouncement:
@@ -357,6 +383,8 @@ def validate_plan(
             if pid in seen:
                 raise _fail(r, "peer_ids", "each peer in one stage only", pid)
             seen.add(pid)
+        if len(ids) != len(stages[0].get("peer_ids") or ()):
+            raise _fail(r, "peer_ids", "as many replicas as every other stage (chains are columns)", len(ids))
     if model_n_layers is not None and start != model_n_layers:
         raise _fail(f"plan.stages[{len(stages) - 1}]", "layer_end", f"{model_n_layers} (the model's layers)", start)
     unused = plan.get("unused_peer_ids", [])

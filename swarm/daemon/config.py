@@ -52,8 +52,16 @@ class PlanningConfig:
     """Seconds between probing rounds once every peer has been measured."""
     refresh_s: float = 240.0
     """Re-measure a link after this many seconds."""
+    replicas: int = 0
+    """Replicas of every stage in a plan (0: the cost model's choice); the other peers stay on standby."""
+    heartbeat_s: float = 1.0
+    """The planner pings every plan peer's Status this often."""
+    gone_after_s: float = 3.0
+    """A plan peer silent this long is planned without (eligible again once it answers)."""
 
     def __post_init__(self) -> None:
+        if self.replicas < 0 or self.heartbeat_s <= 0 or self.gone_after_s < self.heartbeat_s:
+            raise ValueError("PlanningConfig: need replicas >= 0, heartbeat_s > 0 and gone_after_s >= heartbeat_s")
         if self.min_peers < 0 or self.probe_bytes < 1 or self.peers_per_round < 1:
             raise ValueError("PlanningConfig: need min_peers >= 0, probe_bytes >= 1 and peers_per_round >= 1")
         if self.interval_s <= 0 or self.refresh_s <= 0:
@@ -104,6 +112,10 @@ class PeerConfig:
     """Steps between checkpoints (and one at exit)."""
     resume: bool = False
     """Start from the stage's checkpoint if there is one."""
+    replicate_every: int = 20
+    """Steps between pulls of the buddy stage's state into --checkpoint-dir/held/ (a copy that survives its host)."""
+    leave_timeout_s: float = 30.0
+    """After SIGTERM, serve this peer's state at most this long for its successor to fetch, then exit."""
     metrics_port: int | None = None
     """Serve the process's metrics at http://HOST:PORT/metrics (HOST: the transport's); None: off, 0: any port."""
     announce_host: str | None = None
@@ -131,8 +143,10 @@ class PeerConfig:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"PeerConfig.{name}: expected 0-65535, got {port}")
-        if self.threads < 1 or self.checkpoint_every < 1:
-            raise ValueError("PeerConfig: threads and checkpoint_every must be >= 1")
+        if self.threads < 1 or self.checkpoint_every < 1 or self.replicate_every < 1:
+            raise ValueError("PeerConfig: threads, checkpoint_every and replicate_every must be >= 1")
+        if self.leave_timeout_s < 0:
+            raise ValueError("PeerConfig: leave_timeout_s must be >= 0")
         if self.compute_layers_per_s < 0 or self.assign_timeout_s <= 0:
             raise ValueError("PeerConfig: need compute_layers_per_s >= 0 and assign_timeout_s > 0")
 
@@ -205,6 +219,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--min-peers", type=int, default=plans.min_peers, help="peers announced before the first plan (0: --num-stages)"
     )
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=plans.replicas,
+        help="replicas of every stage (0: the cost model's choice); other peers stay on standby",
+    )
+    g.add_argument(
+        "--heartbeat-s", type=float, default=plans.heartbeat_s, help="the planner pings plan peers' Status this often"
+    )
+    g.add_argument(
+        "--gone-after-s",
+        type=float,
+        default=plans.gone_after_s,
+        help="a plan peer silent to the heartbeats this long is planned without",
+    )
     g.add_argument("--plan-seed", type=int, default=plans.seed, help="seed of the planner's search")
     g.add_argument("--probe-bytes", type=int, default=plans.probe_bytes, help="bytes sent to measure a link's rate")
     g.add_argument(
@@ -240,6 +269,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints (and one at exit)"
     )
     g.add_argument("--resume", action="store_true", help="start from the stage's checkpoint if there is one")
+    g.add_argument(
+        "--replicate-every",
+        type=int,
+        default=d.replicate_every,
+        help="steps between copies of the buddy stage's state kept under --checkpoint-dir/held/",
+    )
+    g.add_argument(
+        "--leave-timeout-s",
+        type=float,
+        default=d.leave_timeout_s,
+        help="after SIGTERM, serve this peer's state at most this long for its successor, then exit",
+    )
     add_metrics_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return parser
@@ -267,6 +308,9 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             peers_per_round=args.probe_peers_per_round,
             interval_s=args.probe_interval_s,
             refresh_s=args.probe_refresh_s,
+            replicas=args.replicas,
+            heartbeat_s=args.heartbeat_s,
+            gone_after_s=args.gone_after_s,
         ),
         model=model_config(args),
         optim=OptimConfig(
@@ -282,6 +326,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        replicate_every=args.replicate_every,
+        leave_timeout_s=args.leave_timeout_s,
         metrics_port=args.metrics_port,
         announce_host=args.announce_host,
         auth=not args.no_auth,

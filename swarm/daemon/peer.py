@@ -1,9 +1,12 @@
 """`swarm-peer`: the daemon volunteers run. It joins the swarm, takes a stage, and serves it until stopped.
 
 Lifecycle: join the DHT -> measure compute speed -> announce -> wait for a stage assignment -> load those
-layers (from a checkpoint if one is there) -> serve forward/backward over gRPC, re-announcing on a
-heartbeat -> on SIGINT/SIGTERM: stop taking calls, let the current one finish, write a final checkpoint,
-leave. Checkpoints are written atomically, so a kill at any moment leaves the previous one intact.
+layers (from a surviving replica, a held copy or a checkpoint) -> serve forward/backward over gRPC,
+re-announcing on a heartbeat, keeping a copy of the buddy stage (--replicate-every) -> on SIGTERM: announce
+leaving, wait until the planner's repaired plan is served without this peer (its successor took the state
+over) or --leave-timeout-s passed, then stop; on SIGINT: stop at once. Stopping lets the current call
+finish and writes a final checkpoint. Checkpoints are written atomically, so a kill at any moment leaves the
+previous one intact.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class PeerDaemon:
     def __init__(self, cfg: PeerConfig):
         self.cfg = cfg
         self._stop = threading.Event()
+        self._leave = threading.Event()
+        self._leave_deadline: float | None = None
+        self.held = None  # HeldStore of the buddy copies, with --checkpoint-dir
         self.following = None  # the PlanRecord this peer serves under, in --assign plan mode
         self.resumed = False
         self.metrics = Metrics()
@@ -45,6 +51,12 @@ class PeerDaemon:
 
     def stop(self, *_):
         self._stop.set()
+
+    def leave(self, *_):
+        """Graceful leave (SIGTERM): hand the stage over, then stop; a second SIGTERM stops at once."""
+        if self._leave.is_set() or self.cfg.assign != "plan":
+            self._stop.set()
+        self._leave.set()
 
     def run(self) -> int:
         from swarm.daemon.addresses import stage_address, stage_announce_host
@@ -86,6 +98,14 @@ class PeerDaemon:
                 log.error("%s", e)
                 return 2
             self.servicer = StageServicer(None, auth.verifier() if cfg.auth else None, budget=cfg.budget)
+            if cfg.checkpoint_dir:
+                from pathlib import Path
+
+                from swarm.daemon.churn import HeldServer
+                from swarm.daemon.held import HeldStore
+
+                self.held = HeldStore(Path(cfg.checkpoint_dir) / "held")
+                self.servicer.held_state = HeldServer(self.held, self.model.n_layers)
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
             server.start()
             log.info("stage service listening on %s", address)
@@ -99,6 +119,7 @@ class PeerDaemon:
                 compute_layers_per_s=self.speed,
                 started_at=time.time(),
                 codec=self.codecs[0].label,
+                held=self.held.held() if self.held is not None else (),
             )
             # follow the current plan before announcing: this peer may become the planner, and its first plan
             # then takes the layers over from this plan's holders
@@ -182,6 +203,7 @@ class PeerDaemon:
 
     def _follow_plans(self, address: str) -> int:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
+        from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
         from swarm.daemon.planning import LinkProber, Planner, model_spec
 
         cfg, plans = self.cfg, self.cfg.planning
@@ -196,27 +218,99 @@ class PeerDaemon:
             peers_per_round=plans.peers_per_round,
             refresh_s=plans.refresh_s,
         )
-        planner = Planner(self.dht, spec, stages, min_peers=plans.min_peers or stages or 1, seed=plans.seed)
+        self._addresses: dict[str, str] = {}
+        liveness = Liveness(
+            status_prober(self.channels, lambda: self._addresses),
+            LivenessConfig(every_s=plans.heartbeat_s, gone_after_s=plans.gone_after_s),
+        )
+        planner = Planner(
+            self.dht,
+            spec,
+            stages,
+            min_peers=plans.min_peers or stages or 1,
+            seed=plans.seed,
+            replicas=plans.replicas,
+            liveness=liveness,
+        )
+        replicator = self._replicator()
         deadline = time.monotonic() + cfg.assign_timeout_s
         next_probe = 0.0
-        while not self._stop.is_set():
-            try:
-                if time.monotonic() >= next_probe:
-                    # probe often while peers are new to us, then only to refresh
-                    next_probe = time.monotonic() + (1.0 if prober.round() else plans.interval_s)
-                planner.round()
-                record = self.dht.get_plan(self.model.n_layers)
-                if record is not None and (self.following is None or record.version > self.following.version):
-                    self._apply_plan(record)
-                elif self.following is not None and self.servicer.policy.roster is None:
-                    self.servicer.set_roster(self.book.plan_roster(self.following, self.announcement))  # was unknown
-            except TimeoutError as e:  # a slow DHT request: try again next tick
-                log.warning("%s", e)
-            if self.servicer.host is None and self.following is None and time.monotonic() > deadline:
-                log.error("no plan gave this peer a stage within %.0f s; leaving", cfg.assign_timeout_s)
-                return 3
-            self._stop.wait(0.5)
+        try:
+            while not self._stop.is_set():
+                try:
+                    peers = self.dht.peers()
+                    self._addresses = {p.peer_id: p.address for p in peers}
+                    if time.monotonic() >= next_probe:
+                        # probe often while peers are new to us, then only to refresh
+                        next_probe = time.monotonic() + (1.0 if prober.round() else plans.interval_s)
+                    planner.round()
+                    record = self.dht.get_plan(self.model.n_layers)
+                    if record is not None and (self.following is None or record.version > self.following.version):
+                        self._apply_plan(record)
+                    elif self.following is not None and self.servicer.policy.roster is None:
+                        self.servicer.set_roster(self.book.plan_roster(self.following, self.announcement))
+                    if replicator is not None and not self._leave.is_set():
+                        replicator.tick(self.following, peers)
+                    if self._leave.is_set() and self._left(peers):
+                        return 0
+                except TimeoutError as e:  # a slow DHT request: try again next tick
+                    log.warning("%s", e)
+                if self.servicer.host is None and self.following is None and time.monotonic() > deadline:
+                    log.error("no plan gave this peer a stage within %.0f s; leaving", cfg.assign_timeout_s)
+                    return 3
+                self._stop.wait(0.5)
+        finally:
+            liveness.close()
         return 0
+
+    def _left(self, peers) -> bool:
+        """After SIGTERM: announces leaving once; True when the successor serves this peer's layers (or the
+        leave timed out, or there was nothing to hand over)."""
+        from swarm.daemon.churn import leave_done
+
+        if self._leave_deadline is None:
+            self._leave_deadline = time.monotonic() + self.cfg.leave_timeout_s
+            self.announcement = dataclasses.replace(self.announcement, leaving=True)
+            self.dht.announce(self.announcement)
+            log.info("leaving: waiting for a plan without this peer (at most %.0f s)", self.cfg.leave_timeout_s)
+        held = self.servicer.host or self.servicer.previous
+        if held is None:
+            return True
+        layers = (held.role.layer_start, held.role.layer_end)
+        if leave_done(self.following, peers, self.dht.peer_id, layers):
+            log.info("left: plan %d serves layers [%d, %d) without this peer", self.following.version, *layers)
+            return True
+        if time.monotonic() > self._leave_deadline:
+            log.warning("leave timed out after %.0f s: stopping anyway", self.cfg.leave_timeout_s)
+            return True
+        return False
+
+    def _replicator(self):
+        """Keeps a copy of the buddy stage under --checkpoint-dir/held (None without a checkpoint dir)."""
+        from swarm.daemon.churn import Replicator
+        from swarm.daemon.planning import fetch_state
+        from swarm.proto import stage_pb2, stage_pb2_grpc
+
+        if self.held is None:
+            return None
+
+        def status(address: str) -> int | None:
+            try:
+                stub = stage_pb2_grpc.StageStub(self.channels.get(address))
+                return int(stub.Status(stage_pb2.Empty(), timeout=2.0).steps_done)
+            except Exception:
+                return None
+
+        def fetch(address: str, stage: int, version: int) -> dict:
+            return fetch_state(self.channels, address, stage, version)
+
+        def announce_held() -> None:
+            self.announcement = dataclasses.replace(self.announcement, held=self.held.held())
+            self.dht.announce(self.announcement)
+
+        replicator = Replicator(self.dht.peer_id, self.held, self.cfg.replicate_every, status, fetch)
+        replicator.on_pulled = announce_held
+        return replicator
 
     def _apply_plan(self, record) -> None:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
@@ -263,13 +357,17 @@ class PeerDaemon:
             )
 
     def _hand_over(self, new_host, old) -> None:
-        """Loads the layers `new_host` takes over from the peers that held them under the old plan."""
+        """Loads the layers `new_host` takes over from the freshest copy under the old plan: a replica of the
+        old stage (this peer's own host first), else the held copy with the most steps, else a checkpoint."""
+        from swarm.daemon.churn import takeover_sources
+        from swarm.daemon.held import fetch_held
         from swarm.daemon.planning import fetch_state
         from swarm.daemon.roster import retry_refused
         from swarm.runtime.checkpoint import checkpoint_handover, handover_tensors, take_over
 
         role = new_host.role
-        addresses = {p.peer_id: p.address for p in self.dht.peers()}
+        peers = self.dht.peers()
+        addresses = {p.peer_id: p.address for p in peers}
         old_stages = old.plan.get("stages", [])
         loaded: dict[str, torch.Tensor] = {}
         for index, stage in enumerate(old_stages):
@@ -278,18 +376,31 @@ class PeerDaemon:
             ends = (index == 0 and role.is_first) or (index == len(old_stages) - 1 and role.is_last)
             if not (overlaps or ends):
                 continue
-            holder = stage["peer_ids"][0]
-            try:
-                if holder == self.dht.peer_id and self.servicer.host is not None:
-                    host = self.servicer.host
-                    state = handover_tensors(host.worker, host.steps_done)
-                elif holder in addresses:
-                    # retried: the holder may not follow the new plan (nor serve us its state) yet
-                    state = retry_refused(self._stop, fetch_state, self.channels, addresses[holder], index, old.version)
-                else:
-                    raise ConnectionError("it has left the swarm")
-            except Exception as e:
-                state = self._checkpointed(index, start, end, f"{holder}: {e}", checkpoint_handover)
+            replicas, held = takeover_sources(old, index, peers, self.dht.peer_id)
+            replicas = self._settled_replicas(replicas, role.plan_version)
+            state, why = None, []
+            for holder in replicas:
+                try:
+                    if holder == self.dht.peer_id:
+                        host = self.servicer.host
+                        if host is None or (host.role.layer_start, host.role.layer_end) != (start, end):
+                            continue
+                        state = handover_tensors(host.worker, host.steps_done)
+                    else:
+                        # retried: the holder may not follow the new plan (nor serve us its state) yet
+                        state = self._fetch_replica(retry_refused, fetch_state, addresses[holder], index, old.version)
+                    break
+                except Exception as e:
+                    why.append(f"{holder}: {e}")
+            for holder, steps in held if state is None else ():
+                try:
+                    state = fetch_held(self.channels, addresses[holder], start, end)
+                    log.info("stage %d: layers [%d, %d) from %s's copy (step %d)", index, start, end, holder, steps)
+                    break
+                except Exception as e:
+                    why.append(f"{holder}'s copy: {e}")
+            if state is None:
+                state = self._checkpointed(index, start, end, "; ".join(why) or "no holder left", checkpoint_handover)
                 if state is None:
                     continue
             loaded.update(state)
@@ -303,6 +414,41 @@ class PeerDaemon:
             new_host.worker.step_count,
             f"; {len(missing)} start from the initial weights" if missing else "",
         )
+
+    def _settled_replicas(self, replicas: list[str], version: int, wait_s: float = 30.0) -> list[str]:
+        """The live replicas to take a stage's state from, those that switched to plan `version` first.
+
+        A holder still on the old plan may apply one more old-plan step after we copied it, and we would start
+        one step behind its replicas; once it follows `version` (announced), it applies no step until this peer
+        serves too. So: drop holders that do not answer Status (dead, though still announced), then wait (at
+        most `wait_s`) until one of the others announces `version`; past that, take what there is.
+        """
+        from swarm.daemon.liveness import status_prober
+
+        me = self.dht.peer_id
+        addresses = {p.peer_id: p.address for p in self.dht.peers()}
+        ping = status_prober(self.channels, lambda: addresses)
+        live = [h for h in replicas if h == me or ping(h)]
+        others = [h for h in live if h != me]
+        deadline = time.monotonic() + wait_s
+        while others and time.monotonic() < deadline and not self._stop.is_set():
+            switched = {p.peer_id for p in self.dht.peers() if p.plan_version >= version}
+            if any(h in switched for h in others):
+                return sorted(live, key=lambda h: (h != me, h not in switched))
+            self._stop.wait(0.25)
+        return live
+
+    def _fetch_replica(self, retry_refused, fetch_state, address: str, stage: int, version: int) -> dict:
+        """The stage's state from a replica: as it was under `version`, or (a surviving replica that moved on
+        to the repaired plan with the same layers) as it is now."""
+        import grpc
+
+        try:
+            return retry_refused(self._stop, fetch_state, self.channels, address, stage, version)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            return retry_refused(self._stop, fetch_state, self.channels, address, stage, 0)
 
     def _checkpointed(self, index: int, start: int, end: int, why: str, read) -> dict | None:
         """The old stage's state from its checkpoint in --checkpoint-dir (shared by a local swarm's peers, or
@@ -385,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     daemon = PeerDaemon(cfg)
     signal.signal(signal.SIGINT, daemon.stop)
-    signal.signal(signal.SIGTERM, daemon.stop)
+    signal.signal(signal.SIGTERM, daemon.leave)
     return daemon.run()
 
 

@@ -14,12 +14,16 @@
   (see `StageServicer.when_idle`), and stages refuse calls stamped with another plan version, so no step
   ever mixes two plans.
 
-The live runtime drives one pipeline (data-parallel replicas of a stage are not served yet), so the
-live planner searches plans with one replica per stage; peers the plan leaves out stay on standby.
+Replicas: `--replicas N` plans N replicas of every stage (0: the cost model's choice); peers a plan leaves
+out stay on standby. After a loss the planner first REPAIRS the current plan (`swarm.daemon.repair`: the lost
+place goes to a standby, nobody else moves) and searches anew only when no standby is left. Plan peers that
+stop answering its `Status` heartbeats (`swarm.daemon.liveness`) or announce that they are leaving count as
+gone at once, without waiting for their announcements to expire.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -30,6 +34,8 @@ import numpy as np
 import torch
 
 from swarm.compression import CodecConfig, make_codec
+from swarm.daemon.liveness import Liveness
+from swarm.daemon.repair import grow_plan, repair_plan
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import TensorStreams, tensor_items
 from swarm.peers.records import (
@@ -133,17 +139,24 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
     return SwarmInput(PlanInput(planned, delay, bandwidth), measured, filled)
 
 
-def live_search(n_stages: int | None, seed: int = 0) -> SearchConfig:
-    """One replica per stage (what the live runtime serves); `n_stages` fixed, or the planner's choice."""
-    return SearchConfig(seed=seed, stages=n_stages, max_replicas=1)
+def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> SearchConfig:
+    """`n_stages` fixed (or the planner's choice); `replicas` per stage where the peers allow it (fewer when
+    there are not enough: peers // stages), 0: the cost model's choice."""
+    if not replicas:
+        return SearchConfig(seed=seed, stages=n_stages)
+    return SearchConfig(seed=seed, stages=n_stages, max_replicas=replicas, replica_fractions=(1.0,))
 
 
 def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
-    """This peer's stage under a published plan, or None if the plan leaves it on standby."""
+    """This peer's stage (and replica: its column) under a published plan, or None if it is on standby."""
     stages = record.plan.get("stages", [])
     for index, stage in enumerate(stages):
-        if peer_id in stage.get("peer_ids", []):
-            return StageRole(index, len(stages), int(stage["layer_start"]), int(stage["layer_end"]), record.version)
+        ids = stage.get("peer_ids", [])
+        if peer_id in ids:
+            role = StageRole(index, len(stages), int(stage["layer_start"]), int(stage["layer_end"]), record.version)
+            if "replica" in {f.name for f in dataclasses.fields(StageRole)}:  # R1's StageRole.replica
+                role = dataclasses.replace(role, replica=ids.index(peer_id))
+            return role
     return None
 
 
@@ -155,27 +168,52 @@ def plan_peers(record: PlanRecord) -> set[str]:
 
 @dataclass(frozen=True)
 class Route:
-    """The pipeline a trainer drives: one peer per stage, all following the same plan."""
+    """The pipelines a trainer drives: every replica of every stage, all following the same plan."""
 
     addresses: list[str]
-    """gRPC address of each stage, in pipeline order."""
+    """gRPC address of each stage of chain 0, in pipeline order (what single-chain callers use)."""
     peer_ids: list[str]
     plan_version: int = 0
     """The plan they follow (0: an even split by join order, no plan)."""
+    replica_addresses: tuple[tuple[str, ...], ...] = ()
+    """`[stage][replica]`: column r is chain r (empty: one chain, `addresses`)."""
+    replica_peer_ids: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def n_replicas(self) -> int:
+        return len(self.replica_addresses[0]) if self.replica_addresses else 1
+
+    def nested(self) -> tuple[tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:
+        """(addresses, peer ids) as `[stage][replica]`, for `PipelineDriver`'s nested form."""
+        if self.replica_addresses:
+            return self.replica_addresses, self.replica_peer_ids
+        return tuple((a,) for a in self.addresses), tuple((p,) for p in self.peer_ids)
+
+    def driver_args(self) -> tuple:
+        """What `PipelineDriver(route, peers, ...)` takes: flat with one replica (every driver takes that),
+        nested `[stage][replica]` with more."""
+        if self.n_replicas == 1:
+            return list(self.addresses), list(self.peer_ids)
+        return tuple(map(list, self.replica_addresses)), tuple(map(list, self.replica_peer_ids))
 
 
 def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
-    """The plan's first pipeline, once every one of its peers follows the plan."""
+    """Every chain of the plan, once every one of its peers announces that it follows the plan."""
     following = {p.peer_id: p for p in peers if p.plan_version == record.version and p.stage is not None}
-    route, ids = [], []
+    addresses, ids = [], []
     for index, stage in enumerate(record.plan.get("stages", [])):
-        pid = stage["peer_ids"][0]
-        ann = following.get(pid)
-        if ann is None or ann.stage != index:
-            return None
-        route.append(ann.address)
-        ids.append(pid)
-    return Route(route, ids, record.version) if ids else None
+        row = []
+        for pid in stage["peer_ids"]:
+            ann = following.get(pid)
+            if ann is None or ann.stage != index:
+                return None
+            row.append(ann.address)
+        addresses.append(tuple(row))
+        ids.append(tuple(map(str, stage["peer_ids"])))
+    if not ids or len({len(r) for r in ids}) != 1:
+        return None
+    flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
+    return Route(*flat) if len(ids[0]) == 1 else Route(*flat, tuple(addresses), tuple(ids))
 
 
 class LinkProber:
@@ -238,7 +276,13 @@ class LinkProber:
 
 
 class Planner:
-    """Makes and publishes plans when this peer leads (lowest id announced) and the membership changed."""
+    """Makes and publishes plans when this peer leads (lowest id announced) and the membership changed.
+
+    A change that loses plan peers (dead: missed heartbeats; leaving: announced so) is REPAIRED (`repair_plan`):
+    published at once, without the settle wait, since nobody moves but the standby. Joins: with `replicas`
+    set (--replicas N) a joiner waits on standby, and as many standbys as stages form one more chain
+    (`grow_plan`, up to N); with the cost model's choice (0) a join re-plans as before.
+    """
 
     def __init__(
         self,
@@ -250,60 +294,94 @@ class Planner:
         probe_wait_s: float = 20.0,
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        replicas: int = 1,
+        liveness: Liveness | None = None,
     ):
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
+        self.replicas, self.liveness = replicas, liveness
         self._seen: tuple[frozenset[str], tuple[str, ...]] = (frozenset(), ())
         self._since = 0.0
         self._exhausted = False
+        self._last: PlanRecord | None = None
+        """The newest valid plan seen: what to repair once its lost peer's announcement expired (then the
+        plan no longer validates and the DHT's reader falls back to an older one)."""
 
     def is_leader(self, peers: list[PeerAnnouncement]) -> bool:
         return elected_planner(peers, self.dht.config.trusted_planners) == self.dht.peer_id
+
+    def gone(self, peers: list[PeerAnnouncement]) -> frozenset[str]:
+        """Announced peers to plan without: leaving, or silent to the heartbeats for 3 s."""
+        leaving = {p.peer_id for p in peers if getattr(p, "leaving", False)}
+        silent = self.liveness.gone() if self.liveness is not None else frozenset()
+        return frozenset(leaving | (silent - {self.dht.peer_id}))
 
     def round(self) -> Plan | PlanRecord | None:
         """One look at the swarm; publishes and returns a new plan (or re-published record) if one is due."""
         peers = self.dht.peers()
         if not self.is_leader(peers):
             return None
-        alive = frozenset(p.peer_id for p in peers)
+        current = self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
+        if current is not None and (self._last is None or current.version >= self._last.version):
+            self._last = current
+        current = self._last if current is None or current.version < self._last.version else current
+        if self.liveness is not None and current is not None:
+            self.liveness.round(plan_peers(current) | {p.peer_id for p in peers} - {self.dht.peer_id})
+        gone = self.gone(peers)
+        alive = frozenset(p.peer_id for p in peers) - gone
         trainers = sorted(t.peer_id for t in self.dht.trainers())[:MAX_PLAN_TRAINERS]
         now = self.clock()
         if (alive, tuple(trainers)) != self._seen:
             self._seen, self._since = (alive, tuple(trainers)), now
-        current = self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
         same_peers = current is not None and plan_peers(current) == alive
         # the first plan waits for --min-peers; later ones heal the swarm with whoever is left (a plan naming a
         # peer that left no longer validates, so "a plan exists" is whether the authority published any)
-        if current is None and len(alive) < self.min_peers and self.dht.newest_plan_version(peers) == 0:
+        if current is None and len(alive) < self.min_peers and not self.plan_existed(peers):
             return None
         if not alive or (same_peers and current.plan.get("trainer_ids", []) == trainers):
             return None
-        if now - self._since < self.settle_s:
+        repaired = None
+        if current is not None and not same_peers:
+            lost = any(p not in alive for s in current.plan["stages"] for p in s["peer_ids"])
+            if lost or self.replicas:  # a loss is repaired; with --replicas N a joiner waits on standby
+                repaired = repair_plan(current.plan, alive, gone)
+            if repaired is not None and self.replicas:
+                repaired = grow_plan(repaired, self.replicas)  # enough standbys: one more chain
+        if repaired is None and now - self._since < self.settle_s:
             return None  # peers are still arriving (or leaving): wait for the set to settle
         version = self.next_version(peers)
         if version is None:
             return None
-        if same_peers:  # only the trainers changed: the same stages, so no layer moves
-            self.dht.publish_plan(version, {**current.plan, "trainer_ids": trainers})
-            log.info("published plan %d: plan %d's stages for trainers %s", version, current.version, trainers)
+        if same_peers or repaired is not None:  # no layer moves; only a standby takes a lost place
+            plan_dict = {**(repaired or current.plan), "trainer_ids": trainers}
+            self.dht.publish_plan(version, plan_dict)
+            what = "repaired" if repaired is not None and repaired["stages"] != current.plan["stages"] else "same"
+            log.info("published plan %d: plan %d's stages (%s), trainers %s", version, current.version, what, trainers)
             return self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
         links = self.dht.links()
-        swarm = swarm_plan_input(peers, links, self.spec)
+        swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], links, self.spec)
         if swarm.filled_links and now - self._since < self.probe_wait_s:
             return None  # give the probes a little time: planning on guesses moves stages twice
         stages = min(self.n_stages, len(alive)) if self.n_stages else None
-        made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed), version=version)
+        made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed, self.replicas), version=version)
         self.dht.publish_plan(version, {**made.to_dict(), "trainer_ids": trainers})
         log.info(
-            "published plan %d: %d stages over %d peers (%d links measured, %d assumed), predicted %.3f s/step",
+            "published plan %d: %d stages x %d replicas over %d peers (%d links measured, %d assumed), "
+            "predicted %.3f s/step",
             version,
             made.n_stages,
+            len(made.stages[0].peer_ids) if made.stages else 0,
             len(alive),
             swarm.measured_links,
             swarm.filled_links,
             made.step_time_s,
         )
         return made
+
+    def plan_existed(self, peers: list[PeerAnnouncement]) -> bool:
+        """Whether the swarm has followed a plan: the authority published one, or a peer follows one (this
+        planner took over from a planner that died, whose plans no longer count)."""
+        return self.dht.newest_plan_version(peers) > 0 or any(p.plan_version > 0 for p in peers)
 
     def next_version(self, peers: list[PeerAnnouncement]) -> int | None:
         """One above every version the authority published and (without trusted planners) the peers follow.
@@ -323,15 +401,40 @@ class Planner:
         return floor + 1
 
 
-def fetch_state(channels, address: str, stage: int, plan_version: int, timeout_s: float = 120.0) -> dict:
-    """The named fp32 tensors of `stage` as the peer at `address` held it under `plan_version`."""
-    from swarm.compression import Unframer
+MAX_STATE_TENSORS = 1 << 14
+"""Named tensors one GetState reply may carry (a stage has a few per parameter): more is refused."""
+
+
+def fetch_state(
+    channels,
+    address: str,
+    stage: int,
+    plan_version: int,
+    timeout_s: float = 120.0,
+    metadata: tuple[tuple[str, str], ...] = (),
+    max_bytes: int = 8 << 30,
+) -> dict:
+    """The named fp32 tensors of `stage` as the peer at `address` held it under `plan_version` (or, with the
+    held-range `metadata`, the checkpoint copy it holds). The reply is bounded: at most MAX_STATE_TENSORS
+    names, `max_bytes` of bodies, each tensor framed within the wire limits; a name sent twice is refused."""
+    from swarm.compression import Unframer, WireError
 
     fp32 = make_codec(CodecConfig("fp32"))
     stub = stage_pb2_grpc.StageStub(channels.get(address))
     tensors: dict[str, torch.Tensor] = {}
     unframers: dict[str, Unframer] = {}
-    for item in stub.GetState(stage_pb2.StateRequest(stage=stage, plan_version=plan_version), timeout=timeout_s):
+    received = 0
+    call = stub.GetState(
+        stage_pb2.StateRequest(stage=stage, plan_version=plan_version), timeout=timeout_s, metadata=metadata or None
+    )
+    for item in call:
+        if item.name in tensors or (item.name not in unframers and len(unframers) >= MAX_STATE_TENSORS):
+            call.cancel()
+            raise WireError(f"state from {address}", f"tensor {item.name[:64]!r} repeated or over {MAX_STATE_TENSORS}")
+        received += len(item.chunk.data)
+        if received > max_bytes:
+            call.cancel()
+            raise WireError(f"state from {address}", f"over {max_bytes} bytes")
         msg = unframers.setdefault(item.name, Unframer()).feed(item.chunk)
         if msg is not None:
             tensors[item.name] = fp32.decode(msg)

@@ -68,8 +68,9 @@ def roster_from_plan(
     allowed_trainers: Iterable[str] = (),
     known: dict[str, str] | None = None,
 ) -> Roster | None:
-    """The roster of `record`: its first peer per stage at its announced address, its trainers
-    (`"trainer_ids"`, filtered by the run's allowlist), and every peer it names.
+    """The roster of `record`: every replica of every stage at its announced address (nested `[stage][replica]`
+    when the plan has replicas, flat with one), its trainers (`"trainer_ids"`, filtered by the run's
+    allowlist), and every peer it names.
 
     Args:
         record: the plan this peer follows.
@@ -83,18 +84,20 @@ def roster_from_plan(
     addresses = {a.peer_id: a.address for a in announcements}
     addresses.update(known or {})
     stages = record.plan.get("stages", [])
-    stage_peers = tuple(str(stage["peer_ids"][0]) for stage in stages)
-    if not stage_peers or any(p not in addresses for p in stage_peers):
+    replicas = tuple(tuple(str(p) for p in stage["peer_ids"]) for stage in stages)
+    columns = min((len(row) for row in replicas), default=0)  # chains are whole columns (plans are uniform)
+    named = {p for row in replicas for p in row} | {str(p) for p in record.plan.get("unused_peer_ids", [])}
+    replicas = tuple(row[:columns] for row in replicas)
+    if not replicas or any(p not in addresses for row in replicas for p in row):
         return None
-    named = {str(p) for stage in stages for p in stage.get("peer_ids", [])}
-    named |= {str(p) for p in record.plan.get("unused_peer_ids", [])}
     trainer_ids = record.plan.get("trainer_ids")
-    return Roster(
-        stage_peers,
-        tuple(addresses[p] for p in stage_peers),
-        _trainers(None if trainer_ids is None else map(str, trainer_ids), allowed_trainers),
-        frozenset(named),
-    )
+    trainers = _trainers(None if trainer_ids is None else map(str, trainer_ids), allowed_trainers)
+    if all(len(row) == 1 for row in replicas):  # flat: one chain, the form every Roster takes
+        return Roster(
+            tuple(r[0] for r in replicas), tuple(addresses[r[0]] for r in replicas), trainers, frozenset(named)
+        )
+    nested_addresses = tuple(tuple(addresses[p] for p in row) for row in replicas)
+    return Roster(replicas, nested_addresses, trainers, frozenset(named))
 
 
 def roster_from_announcements(

@@ -57,6 +57,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._large_slots = CallSlots(self.budget.large_streams, "large stream")
         """Messages over `large_stream_bytes` read at once: what a flood of big streams may hold in memory."""
         self._probe_slots = CallSlots(self.budget.probe_calls, "link probe")
+        self.held_state: Callable[[grpc.ServicerContext], object] | None = None
+        """Serves GetState for a held checkpoint copy (swarm.daemon.held) when the call asks for one: an
+        iterator of items, or None for the served stage's state."""
         self._reduce_slots = CallSlots(1, "Reduce")
         """One Reduce waits for its peers' gradients at a time: the other threads stay free for Step and Status."""
         self.previous: StageHost | None = None
@@ -360,6 +363,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def GetState(self, request, context):
         self._checked(context, lambda caller: self.policy.check_state(caller))
+        if self.held_state is not None and (held := self.held_state(context)) is not None:
+            yield from held
+            return
         hosts = [h for h in (self.host, self.previous) if h is not None]
         if not hosts:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")

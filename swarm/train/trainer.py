@@ -1,8 +1,11 @@
 """`swarm train`: find the stages in the DHT, then drive training across them with a progress bar.
 
 Writes the same per-step CSV as the convergence experiment (plus step time and fp32-equivalent bytes),
-a loss plot, and a JSON summary. A stage that fails mid-step is reported by stage and peer, and the
-trainer exits non-zero.
+a loss plot, and a JSON summary. It drives every chain of the plan (the plan's columns: replicas of each
+stage); a dead replica costs a step attempt while a chain lives (the driver reroutes). When no chain lives
+(`NoLiveChain`, or a stage unreachable on a one-chain route) it waits for a newer plan, the planner's repair,
+up to `--replan-timeout-s`, and runs the step there. Other stage failures are reported by stage and peer, and
+the trainer exits non-zero.
 """
 
 from __future__ import annotations
@@ -50,7 +53,13 @@ CSV_FIELDS = [
     "sync_bytes",
     "step_s",
     "plan_version",
+    "attempts",
+    "chains",
+    "dead_peers",
+    "sample_ids",
 ]
+UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+"""Codes of a stage that is gone rather than refusing: the trainer waits for a plan without it."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,8 @@ class TrainConfig:
     """Continue from `out`'s trainer_state.json (step, epoch, batch within it) instead of step 0."""
     checkpoint_every: int = 50
     """Steps between writes of trainer_state.json (and one at the end)."""
+    replan_timeout_s: float = 120.0
+    """When no chain of replicas is left, wait this long for a newer plan (the planner's repair), seconds."""
 
     def __post_init__(self) -> None:
         for name in ("train_samples", "batch_size", "micro_batches", "epochs", "checkpoint_every"):
@@ -127,8 +138,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.steps: expected >= 1 or None, got {self.steps}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"TrainConfig.num_stages: expected >= 1 or None, got {self.num_stages}")
-        if self.deadline_s <= 0 or self.wait_timeout_s <= 0:
-            raise ValueError("TrainConfig: deadline_s and wait_timeout_s must be > 0")
+        if self.deadline_s <= 0 or self.wait_timeout_s <= 0 or self.replan_timeout_s <= 0:
+            raise ValueError("TrainConfig: deadline_s, wait_timeout_s and replan_timeout_s must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"TrainConfig.metrics_port: expected 0-65535, got {self.metrics_port}")
 
@@ -159,6 +170,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--setting", default=d.setting, help="label of this run in the CSV")
     g.add_argument(
         "--wait-timeout-s", type=float, default=d.wait_timeout_s, help="give up if the stages are not all served"
+    )
+    g.add_argument(
+        "--replan-timeout-s",
+        type=float,
+        default=d.replan_timeout_s,
+        help="with no chain of replicas left, wait this long for a newer plan (the planner's repair)",
     )
     g.add_argument("--deadline-s", type=float, default=d.deadline_s, help="longest a micro-batch may take end to end")
     g.add_argument("--out", default=d.out, help="folder for steps.csv, loss.png, summary.json (default runs/train-*)")
@@ -193,6 +210,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_every=args.checkpoint_every,
         num_stages=args.num_stages,
         wait_timeout_s=args.wait_timeout_s,
+        replan_timeout_s=args.replan_timeout_s,
         dht=dht_config(args, client_mode=True),
         metrics_port=args.metrics_port,
     )
@@ -316,7 +334,7 @@ def train(
     def connect(r: Route) -> PipelineDriver:
         metrics.plan_version.set(r.plan_version)
         return PipelineDriver(
-            r.addresses, r.peer_ids, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
+            *r.driver_args(), cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
             plan_version=r.plan_version, metrics=metrics, signer=signer,
         )  # fmt: skip
 
@@ -324,13 +342,12 @@ def train(
     watch = PlanWatch(dht, route.plan_version, n_layers=model.n_layers) if dht is not None else None
     replans = 0
 
-    def follow(min_version: int) -> None:
+    def follow(min_version: int, timeout_s: float = cfg.wait_timeout_s) -> None:
         nonlocal pipe, route, replans
         pipe.close()
-        route = discover_route(
-            dht, None, cfg.wait_timeout_s, say, min_version, trainer_id=dht.peer_id, n_layers=model.n_layers
-        )
-        say(f"plan {route.plan_version}: {len(route.addresses)} stages at {', '.join(route.addresses)}")
+        route = discover_route(dht, None, timeout_s, say, min_version, trainer_id=dht.peer_id, n_layers=model.n_layers)
+        chains = f" x {route.n_replicas} replicas" if route.n_replicas > 1 else ""
+        say(f"plan {route.plan_version}: {len(route.addresses)} stages{chains} at {', '.join(route.addresses)}")
         pipe, watch.version = connect(route), route.plan_version
         replans += 1
 
@@ -339,11 +356,17 @@ def train(
             if watch is not None and (newer := watch.newer()) is not None:
                 follow(newer)
             try:
-                return pipe.train_step(step, batch)
+                return pipe.train_step(step, batch), attempt
             except StageCallError as e:
-                if watch is None or PLAN_MISMATCH not in str(e) or attempt == 3:
+                if watch is None or attempt == 3:
                     raise
-                follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
+                if PLAN_MISMATCH in str(e):
+                    follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
+                elif no_chain_left(e, route):
+                    say(f"step {step}: no chain of replicas left ({e}); waiting for a plan without the dead peers")
+                    follow(route.plan_version + 1, cfg.replan_timeout_s)
+                else:
+                    raise
         raise AssertionError("unreachable")
 
     run_identity = {"seed": cfg.seed, "batch_size": cfg.batch_size, "train_samples": cfg.train_samples}
@@ -362,7 +385,8 @@ def train(
                         continue
                     if step >= total or (stop is not None and stop.is_set()):  # stop between steps
                         break
-                    r = run_step(step, batch)
+                    r, retries = run_step(step, batch)
+                    ids = getattr(r, "sample_ids", None) or tuple(int(i) for i in batch.sample_ids)
                     log.add(
                         {
                             "setting": cfg.setting,
@@ -377,6 +401,7 @@ def train(
                             "sync_bytes": r.sync_bytes,
                             "step_s": r.seconds,
                             "plan_version": route.plan_version,
+                            **step_columns(r, ids, route.n_replicas, retries),
                             **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
                             **counter_columns(r.counters),
                         }
@@ -417,6 +442,28 @@ def train(
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
+
+
+def no_chain_left(error: Exception, route: Route) -> bool:
+    """Whether a failed step needs a newer plan: the driver found no live chain (`NoLiveChain`), or, on a
+    one-chain route (a driver without replicas), a stage is unreachable rather than refusing."""
+    if type(error).__name__ == "NoLiveChain":
+        return True
+    code = getattr(getattr(error, "code", None), "name", "")
+    return route.n_replicas == 1 and code in UNREACHABLE
+
+
+def step_columns(result, sample_ids: tuple[int, ...], chains: int, retries: int = 0) -> dict:
+    """The churn columns of a step row: the applied step's samples (space-separated ids, each once), the
+    attempts it took, the peers declared dead during it, and the live chains it ran on. A driver without
+    replicas reports none of these: one attempt on one chain, the batch's samples. `retries`: the trainer's
+    own re-runs of the step on a newer plan, counted as attempts too."""
+    return {
+        "attempts": int(getattr(result, "attempts", 1)) + retries,
+        "chains": int(getattr(result, "chains", chains)),
+        "dead_peers": " ".join(getattr(result, "dead_peers", ())),
+        "sample_ids": " ".join(str(int(i)) for i in sample_ids),
+    }
 
 
 def counter_columns(counters: dict[str, float]) -> dict[str, float | int]:

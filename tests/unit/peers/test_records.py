@@ -226,3 +226,19 @@ def test_missing_field_is_named(record):
         del wire[field.name]
         with pytest.raises(ValueError, match=rf"{type(record).__name__}\.{field.name}: missing"):
             type(record).from_wire(wire)
+
+
+def test_leaving_and_held_copies_round_trip_and_are_bounded():
+    ann = announcement(leaving=True, held=[[0, 2, 40], [2, 4, 0]])
+    assert ann.held == ((0, 2, 40), (2, 4, 0))
+    wire = ann.to_wire()
+    assert only_primitives(wire) and type(ann).from_wire(through_msgpack(wire)) == ann
+    for bad in (
+        {"leaving": 1},
+        {"held": [[0, 2]]},
+        {"held": [[2, 1, 0]]},
+        {"held": [[0, 1, -1]]},
+        {"held": [[0, 1, 0]] * 9},
+    ):
+        with pytest.raises(ValueError):
+            announcement(**bad)

@@ -1,0 +1,161 @@
+"""What a peer does about churn: keeps a copy of its buddy stage, serves held copies, finds the freshest copy
+of a stage to take over, and knows when a graceful leave is done.
+
+The I/O (GetState and Status over the peer's signed channels) is kept apart from the choices, which are pure
+functions of announcements and plans (`swarm.daemon.held`), unit-tested without processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from swarm.daemon.held import HeldStore, buddy_of, parse_held_layers, state_items_of
+from swarm.peers.records import PeerAnnouncement, PlanRecord
+
+__all__ = ["HeldServer", "Replicator", "leave_done", "takeover_sources"]
+
+log = logging.getLogger("swarm.daemon.churn")
+
+
+class HeldServer:
+    """`StageServicer.held_state`: GetState for a held copy, by layer range, one transfer at a time.
+
+    Authorization is the servicer's (`check_state`: a peer of the plan) before this runs; this bounds the
+    rest: the metadata value (16 characters, a layer range of this model), one held transfer at a time
+    (RESOURCE_EXHAUSTED past it), NOT_FOUND for a range it does not hold.
+    """
+
+    def __init__(self, store: HeldStore, n_layers: int):
+        self.store, self.n_layers = store, n_layers
+        self._slot = threading.Semaphore(1)
+
+    def __call__(self, context: grpc.ServicerContext):
+        try:
+            wanted = parse_held_layers(context.invocation_metadata() or (), self.n_layers)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if wanted is None:
+            return None
+        if not self._slot.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "a held copy is being sent already")
+        try:
+            tensors = self.store.load(*wanted)
+        except Exception as e:
+            self._slot.release()
+            context.abort(grpc.StatusCode.NOT_FOUND, f"held copy of layers [{wanted[0]}, {wanted[1]}) unreadable: {e}")
+        if tensors is None:
+            self._slot.release()
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no held copy of layers [{wanted[0]}, {wanted[1]})")
+        return self._stream(tensors)
+
+    def _stream(self, tensors):
+        try:
+            yield from state_items_of(tensors)
+        finally:
+            self._slot.release()
+
+
+class Replicator:
+    """Pulls the buddy stage's state every `every_steps` of its steps into the held store (in a thread, one
+    pull at a time, so the peer's loop never waits on a transfer); `tick()` from the peer's loop."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        store: HeldStore,
+        every_steps: int,
+        status: Callable[[str], int | None],
+        fetch: Callable[[str, int, int], dict],
+        poll_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`status(address)` -> the holder's steps_done (None: unreachable); `fetch(address, stage, version)`
+        -> its GetState tensors."""
+        self.peer_id, self.store, self.every_steps = peer_id, store, every_steps
+        self.status, self.fetch, self.poll_s, self.clock = status, fetch, poll_s, clock
+        self._next = 0.0
+        self._busy = threading.Lock()
+        self.pulled: dict[tuple[int, int], int] = {(s, e): n for s, e, n in store.held()}
+        self.on_pulled: Callable[[], None] = lambda: None
+
+    def due(self, plan: PlanRecord, peers: list[PeerAnnouncement]) -> tuple[str, int, int, int] | None:
+        """(address, stage, start, end) of the buddy stage if a pull is due, else None."""
+        buddy = buddy_of(plan.plan, self.peer_id)
+        if buddy is None:
+            return None
+        stage, holder = buddy
+        address = next((p.address for p in peers if p.peer_id == holder), None)
+        if address is None:
+            return None
+        spec = plan.plan["stages"][stage]
+        start, end = int(spec["layer_start"]), int(spec["layer_end"])
+        steps = self.status(address)
+        if steps is None or steps < self.pulled.get((start, end), 0) + self.every_steps:
+            return None
+        return address, stage, start, end
+
+    def tick(self, plan: PlanRecord | None, peers: list[PeerAnnouncement]) -> bool:
+        """Starts a pull if one is due (at most one status check per `poll_s`); returns whether it started."""
+        now = self.clock()
+        if plan is None or now < self._next or self._busy.locked():
+            return False
+        self._next = now + self.poll_s
+        due = self.due(plan, peers)
+        if due is None:
+            return False
+        self._busy.acquire()
+        threading.Thread(target=self._pull, args=(plan.version, *due), daemon=True, name="replicate").start()
+        return True
+
+    def _pull(self, version: int, address: str, stage: int, start: int, end: int) -> None:
+        try:
+            tensors = self.fetch(address, stage, version)
+            if self.store.save(start, end, tensors, version):
+                self.pulled[(start, end)] = int(tensors["meta.steps_done"].max()) if "meta.steps_done" in tensors else 0
+                log.info("holding a copy of layers [%d, %d) at step %d", start, end, self.pulled[(start, end)])
+                self.on_pulled()
+        except Exception as e:  # a copy is best effort: the next due pull tries again
+            log.info("copy of layers [%d, %d) from %s failed: %s", start, end, address, e)
+        finally:
+            self._busy.release()
+
+
+def takeover_sources(
+    old: PlanRecord, stage: int, peers: list[PeerAnnouncement], me: str
+) -> tuple[list[str], list[tuple[str, int]]]:
+    """Where the state of `old`'s stage `stage` may come from, in order of preference.
+
+    Returns:
+        (replica peer ids: this peer first, then the stage's other replicas still announced; held copies:
+        (peer id, steps_done) of announced peers holding that layer range, freshest first).
+    """
+    spec = old.plan["stages"][stage]
+    start, end = int(spec["layer_start"]), int(spec["layer_end"])
+    announced = {p.peer_id for p in peers}
+    replicas = [str(p) for p in spec["peer_ids"] if str(p) == me or str(p) in announced]
+    replicas.sort(key=lambda p: p != me)
+    held = [(p.peer_id, n) for p in peers for s, e, n in p.held if (s, e) == (start, end) and p.peer_id != me]
+    held.sort(key=lambda c: (-c[1], c[0]))
+    return replicas, held
+
+
+def leave_done(plan: PlanRecord | None, peers: list[PeerAnnouncement], me: str, my_layers: tuple[int, int]) -> bool:
+    """Whether a leaving peer's layers are served without it: `plan` no longer names it, and every peer that
+    `plan` gives an overlapping stage announces that it follows `plan` (it has taken its state over). Also
+    when no other peer stays (all leave at once, as when a whole local swarm stops): nobody to hand over to."""
+    if not any(p.peer_id != me and not p.leaving for p in peers):
+        return True
+    if plan is None or any(me in s.get("peer_ids", []) for s in plan.plan.get("stages", [])):
+        return False
+    following = {p.peer_id for p in peers if p.plan_version >= plan.version and p.stage is not None}
+    start, end = my_layers
+    for spec in plan.plan.get("stages", []):
+        overlaps = int(spec["layer_start"]) < end and start < int(spec["layer_end"])
+        if overlaps and not all(p in following for p in spec["peer_ids"]):
+            return False
+    return True

@@ -1,0 +1,111 @@
+"""The planner's heartbeats: a plan peer that stops answering `Status` is gone long before its DHT record is.
+
+An announcement lives a ttl (tens of seconds) after its peer dies, so waiting for it to expire stalls every
+re-plan by that much. The elected planner therefore pings every plan peer's `Status` every `every_s` (1 s);
+a peer unreachable for `gone_after_s` (3 s) is treated as gone and the plan repaired without it, even though
+its announcement has not expired; once it answers again it is eligible again (a standby, say). Any reply,
+a refusal included (a standby answers `Status` with "not serving"), proves the peer is there: only
+UNAVAILABLE, DEADLINE_EXCEEDED and transport failures count as silence.
+
+The prober and the clock are injected: tests drive a fake clock and a fake prober, no sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+__all__ = ["Liveness", "LivenessConfig", "status_prober"]
+
+log = logging.getLogger("swarm.daemon.liveness")
+
+SILENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+
+@dataclass(frozen=True)
+class LivenessConfig:
+    every_s: float = 1.0
+    """How often each watched peer is pinged."""
+    gone_after_s: float = 3.0
+    """Unreachable this long since its last answer (or since watching began): gone."""
+    timeout_s: float = 1.0
+    """One ping's deadline."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.timeout_s <= self.gone_after_s or self.every_s <= 0:
+            raise ValueError("LivenessConfig: need every_s > 0 and 0 < timeout_s <= gone_after_s")
+
+
+class Liveness:
+    """Who among the watched peers answers; `gone()` is the set to plan without."""
+
+    def __init__(
+        self,
+        ping: Callable[[str], bool],
+        cfg: LivenessConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`ping(peer_id)` -> True if the peer answered (any reply), False if silent; must not raise."""
+        self.ping, self.cfg, self.clock = ping, cfg or LivenessConfig(), clock
+        self._last_answer: dict[str, float] = {}
+        self._next = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="liveness")
+
+    def round(self, peers: Iterable[str]) -> bool:
+        """Pings `peers` (in parallel) if a round is due; returns whether it pinged. Peers no longer watched
+        are forgotten (a re-watched peer starts a new grace period)."""
+        now = self.clock()
+        if now < self._next:
+            return False
+        self._next = now + self.cfg.every_s
+        peers = sorted(set(peers))
+        self._last_answer = {p: self._last_answer.get(p, now) for p in peers}
+        for pid, answered in zip(peers, self._pool.map(self._safe_ping, peers), strict=True):
+            if answered:
+                if self.clock() - self._last_answer[pid] > self.cfg.gone_after_s:
+                    log.info("peer %s answers again: eligible again", pid)
+                self._last_answer[pid] = self.clock()
+        return True
+
+    def _safe_ping(self, pid: str) -> bool:
+        try:
+            return bool(self.ping(pid))
+        except Exception as e:  # a broken prober must not take the planner down: count it as silence
+            log.debug("ping of %s failed: %s", pid, e)
+            return False
+
+    def gone(self) -> frozenset[str]:
+        """Watched peers silent for more than `gone_after_s`."""
+        now = self.clock()
+        return frozenset(p for p, t in self._last_answer.items() if now - t > self.cfg.gone_after_s)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def status_prober(channels, addresses: Callable[[], dict[str, str]], timeout_s: float = 1.0) -> Callable[[str], bool]:
+    """A `ping` over the stage service's `Status`: any reply, or any refusal but silence, is an answer.
+
+    Args:
+        channels: the peer's (signed) channel cache.
+        addresses: peer id -> address, from the announcements (read each ping: addresses change on restart).
+        timeout_s: the ping's deadline.
+    """
+    from swarm.proto import stage_pb2, stage_pb2_grpc
+
+    def ping(pid: str) -> bool:
+        address = addresses().get(pid)
+        if address is None:
+            return False
+        try:
+            stage_pb2_grpc.StageStub(channels.get(address)).Status(stage_pb2.Empty(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            return e.code() not in SILENT_CODES
+        return True
+
+    return ping

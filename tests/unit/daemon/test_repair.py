@@ -1,0 +1,217 @@
+"""Plan repair: a lost place goes to a standby and nobody else moves; a full search only without a standby.
+The planner repairs at once (no settle wait), and heartbeats make a silent peer gone before its record expires."""
+
+from __future__ import annotations
+
+from swarm.daemon.liveness import Liveness, LivenessConfig
+from swarm.daemon.planning import Planner
+from swarm.daemon.repair import plan_columns, repair_plan, standby_pool
+from swarm.peers.records import PeerAnnouncement, PlanRecord
+from tests.unit.daemon.test_planner_versions import SPEC, swarm
+
+A, B, C, D, E, F = (f"0{c}0000000000" for c in "abcdef")
+
+
+def grid(*rows: list[str], unused: list[str] = ()) -> dict:
+    """A plan dict of len(rows) stages, row s = the replicas of stage s (one layer each)."""
+    stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": list(r)} for s, r in enumerate(rows)]
+    return {"stages": stages, "unused_peer_ids": list(unused), "trainer_ids": ["t"], "step_time_s": 1.0}
+
+
+def ids(plan: dict) -> list[list[str]]:
+    return [s["peer_ids"] for s in plan["stages"]]
+
+
+def test_a_dead_replica_goes_to_the_first_standby_and_nobody_else_moves():
+    plan = grid([A, B], [C, D], unused=[E, F])
+    fixed = repair_plan(plan, alive={A, C, D, E, F})  # B died (gone from the announcements)
+    assert ids(fixed) == [[A, E], [C, D]]
+    assert fixed["unused_peer_ids"] == [F]
+    assert plan_columns(fixed) == [[A, C], [E, D]], "E takes B's column: chain 1"
+    assert fixed["trainer_ids"] == ["t"] and fixed["step_time_s"] == 1.0, "every other key kept"
+    assert ids(plan) == [[A, B], [C, D]], "the input is not changed"
+
+
+def test_a_dead_sole_holder_is_replaced():
+    fixed = repair_plan(grid([A], [B], [C], unused=[D]), alive={A, C, D})
+    assert ids(fixed) == [[A], [D], [C]] and fixed["unused_peer_ids"] == []
+
+
+def test_a_leaving_peer_is_replaced_while_still_announced():
+    fixed = repair_plan(grid([A, B], [C, D], unused=[E]), alive={A, B, C, D, E}, gone={C})
+    assert ids(fixed) == [[A, B], [E, D]]
+
+
+def test_without_a_standby_there_is_no_repair():
+    assert repair_plan(grid([A, B], [C, D]), alive={A, B, C}) is None
+    assert repair_plan(grid([A], [B], unused=[C]), alive={B}, gone=set()) is None, "two lost, one standby left"
+    assert repair_plan(grid([A], [B], unused=[C]), alive={A, B, C}, gone={B, C}) is None, "the standby is gone too"
+
+
+def test_nothing_lost_leaves_stages_and_standbys_unchanged():
+    plan = grid([A, B], [C, D], unused=[F, E])
+    fixed = repair_plan(plan, alive={A, B, C, D, E, F})
+    assert ids(fixed) == ids(plan) and fixed["unused_peer_ids"] == [F, E], "standby order kept"
+
+
+def test_joiners_wait_on_standby_and_gone_standbys_are_dropped():
+    fixed = repair_plan(grid([A], [B], unused=[C, D]), alive={A, B, D, F, E})
+    assert ids(fixed) == [[A], [B]]
+    assert fixed["unused_peer_ids"] == [D, E, F], "plan's standbys first, then joiners by id; C left"
+
+
+def test_several_losses_and_a_preferred_standby():
+    plan = grid([A, B], [C, D], unused=[E, F])
+    fixed = repair_plan(plan, alive={B, C, E, F}, order=[F])
+    assert ids(fixed) == [[F, B], [C, E]], "F preferred (say, fastest), then the plan's order"
+    assert standby_pool(plan, {A, B, C, D, E, F, "0z"}, {E}) == [F, "0z"]
+
+
+def peer(pid: str, version: int = 0, stage: int | None = None, leaving: bool = False) -> PeerAnnouncement:
+    layers = {} if stage is None else {"stage": stage, "layer_start": stage, "layer_end": stage + 1}
+    return PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 30, 1.0, plan_version=version, leaving=leaving, **layers)
+
+
+def record(version: int, plan: dict) -> PlanRecord:
+    return PlanRecord(version=version, plan=plan, created_at=1.0)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_planner_repairs_at_once_and_searches_only_without_a_standby():
+    current = record(3, {**grid([A, B], [C, D], unused=[E]), "trainer_ids": []})
+    announced = [peer(A, 3, 0), peer(B, 3, 0), peer(C, 3, 1), peer(D, 3, 1), peer(E, 3)]
+    records = {"peers": announced, "plan": [(A, current)]}
+    dht, published = swarm(A, records)
+    clock = Clock()
+    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, probe_wait_s=0.0, clock=clock, replicas=2)
+    assert planner.round() is None, "nothing changed"
+    records["peers"] = [p for p in announced if p.peer_id != D]  # D's record expired
+    planner.round()
+    assert [v for v, _ in published] == [4], "repaired in the same round: no settle wait"
+    assert ids(published[0][1]) == [[A, B], [C, E]]
+    # E dies too: no standby is left, so the survivors search a new plan (after the settle wait)
+    records["peers"] = [p for p in records["peers"] if p.peer_id != E]
+    assert planner.round() is None, "a full search waits for the set to settle"
+    clock.t += 6
+    planner.round()
+    assert [v for v, _ in published] == [4, 5]
+    made = published[1][1]
+    assert len({len(s["peer_ids"]) for s in made["stages"]}) == 1, "uniform replicas: 3 peers, 2 stages -> 1 + standby"
+    assert sorted([p for s in made["stages"] for p in s["peer_ids"]] + made["unused_peer_ids"]) == [A, B, C]
+
+
+def test_a_leaving_peer_is_planned_without_while_announced():
+    current = record(3, {**grid([A], [B], unused=[C]), "trainer_ids": []})
+    records = {"peers": [peer(A, 3, 0), peer(B, 3, 1, leaving=True), peer(C, 3)], "plan": [(A, current)]}
+    dht, published = swarm(A, records)
+    Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock()).round()
+    assert [ids(p) for _, p in published] == [[[A], [C]]]
+
+
+def test_heartbeats_make_a_silent_peer_gone_after_3_s_and_eligible_again_when_it_answers():
+    clock, silent = Clock(), {B}
+    pinged: list[str] = []
+
+    def ping(pid: str) -> bool:
+        pinged.append(pid)
+        return pid not in silent
+
+    live = Liveness(ping, LivenessConfig(every_s=1.0, gone_after_s=3.0), clock=clock)
+    for _ in range(4):  # t = 100, 101, 102, 103: silent for 3 s, not more
+        assert live.round([A, B])
+        assert live.gone() == frozenset()
+        clock.t += 1
+    assert live.gone() == {B}, "t = 104: silent for more than 3 s"
+    assert not Liveness(ping, clock=clock).gone(), "a new monitor gives a grace period"
+    assert live.round([A, B]) and live.gone() == {B}, "still silent at t = 104"
+    before = len(pinged)
+    assert not live.round([A, B]) and len(pinged) == before, "at most one round per second"
+    silent.clear()
+    clock.t += 1
+    assert live.round([A, B]) and live.gone() == frozenset(), "it answers: eligible again"
+    clock.t += 1
+    live.round([A])
+    assert B not in live._last_answer, "an unwatched peer is forgotten"
+    live.close()
+
+
+def test_a_raising_prober_counts_as_silence():
+    clock = Clock()
+
+    def ping(pid: str) -> bool:
+        raise RuntimeError("broken")
+
+    live = Liveness(ping, clock=clock)
+    live.round([A])
+    clock.t += 3.5
+    live.round([A])
+    assert live.gone() == {A}
+    live.close()
+
+
+def test_the_planner_repairs_around_a_peer_that_stops_answering_before_its_record_expires():
+    current = record(3, {**grid([A, B], [C, D], unused=[E]), "trainer_ids": []})
+    announced = [peer(A, 3, 0), peer(B, 3, 0), peer(C, 3, 1), peer(D, 3, 1), peer(E, 3)]
+    dht, published = swarm(A, {"peers": announced, "plan": [(A, current)]})
+    clock = Clock()
+    live = Liveness(lambda pid: pid != C, clock=clock)
+    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=clock, replicas=2, liveness=live)
+    for _ in range(4):
+        planner.round()
+        clock.t += 1
+    assert published == [], "3 s of silence is not yet gone"
+    planner.round()
+    assert [ids(p) for _, p in published] == [[[A, B], [E, D]]], "C's place goes to E; its record is still there"
+    live.close()
+
+
+def test_replicas_flag_plans_that_many_replicas_of_every_stage_when_the_peers_allow():
+    import numpy as np
+
+    from swarm.daemon.planning import live_search
+    from swarm.scheduler import Peer, PlanInput, plan
+
+    n = 5
+    peers = tuple(Peer(f"p{i}", 1e12, 1e12, "r") for i in range(n))
+    inp = PlanInput(peers, np.full((n, n), 1e-3), np.where(np.eye(n, dtype=bool), np.inf, 1e8))
+    made = plan(inp, SPEC, live_search(2, 0, replicas=2))
+    assert [len(s.peer_ids) for s in made.stages] == [2, 2] and len(made.unused_peer_ids) == 1
+    fewer = plan(inp, SPEC, live_search(2, 0, replicas=3))
+    assert [len(s.peer_ids) for s in fewer.stages] == [2, 2], "5 peers hold 2 stages x 2 at most"
+    assert [len(s.peer_ids) for s in plan(inp, SPEC, live_search(2)).stages] == [1, 1], "the default stays 1"
+
+
+def test_enough_standbys_form_one_more_chain_up_to_the_replicas_asked_for():
+    from swarm.daemon.repair import grow_plan
+
+    plan = grid([A], [B], unused=[C, D, E])
+    assert ids(grow_plan(plan, 2)) == [[A, C], [B, D]] and grow_plan(plan, 2)["unused_peer_ids"] == [E]
+    assert ids(grow_plan(plan, 3)) == [[A, C], [B, D]], "one standby is not a chain"
+    assert ids(grow_plan(plan, 1)) == [[A], [B]], "--replicas 1: no more chains"
+
+
+def test_with_replicas_set_a_joiner_waits_on_standby_then_joins_a_new_chain():
+    current = record(3, {**grid([A], [B]), "trainer_ids": []})
+    records = {"peers": [peer(A, 3, 0), peer(B, 3, 1)], "plan": [(A, current)]}
+    dht, published = swarm(A, records)
+    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock(), replicas=2)
+    records["peers"] = [*records["peers"], peer(C)]
+    planner.round()
+    assert [(ids(p), p["unused_peer_ids"]) for _, p in published] == [([[A], [B]], [C])], "C waits; nobody moves"
+    records["peers"] = [*records["peers"], peer(D)]
+    planner.round()
+    assert ids(published[-1][1]) == [[A, C], [B, D]], "two standbys for two stages: one more chain"
+
+
+def test_a_planner_taking_over_from_a_dead_planner_re_plans_below_min_peers():
+    old = record(2, {**grid([A], [B]), "trainer_ids": []})  # published by A, which died
+    dht, published = swarm(B, {"peers": [peer(B, 2, 1)], "plan": [(A, old)]})
+    Planner(dht, SPEC, 2, min_peers=2, settle_s=0.0, probe_wait_s=0.0, clock=Clock()).round()
+    assert [(v, ids(p)) for v, p in published] == [(3, [[B]])], "B follows plan 2: the swarm had a plan"
