@@ -326,7 +326,8 @@ class PeerDaemon:
             == (role.stage, role.n_stages, role.layer_start, role.layer_end)
         )
         wait_s = 2 * 120.0
-        if same:
+        behind = same and self.following is not None and self._behind_replicas(record, role, host.steps_done)
+        if same and not behind:
 
             def bump(servicer) -> None:
                 servicer.host.role = role  # same layers: only the plan version changes
@@ -336,7 +337,7 @@ class PeerDaemon:
         else:
             new_host = None if role is None else self._make_host(role)
             if new_host is not None and self.following is not None:
-                self._hand_over(new_host, self.following)
+                self._hand_over(new_host, self.following, own=not behind)
             self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
             if roster is None:
                 self.servicer.set_roster(None)  # no calls until every stage's address is known
@@ -356,9 +357,35 @@ class PeerDaemon:
                 role.layer_end,
             )
 
-    def _hand_over(self, new_host, old) -> None:
+    def _behind_replicas(self, record, role, steps_done: int) -> bool:
+        """Whether another replica of this peer's stage under `record` applied more steps than this one: this
+        peer sat on a chain the trainer dropped (its neighbour died) while the others trained on, so its weights
+        and optimizer are stale and must be copied again before it serves, or the replicas would diverge."""
+        from swarm.proto import stage_pb2, stage_pb2_grpc
+
+        peer_ids = record.plan["stages"][role.stage]["peer_ids"]
+        others = [str(p) for p in peer_ids if str(p) != self.dht.peer_id]
+        if not others:
+            return False
+        # no wait for the others to switch plans here (they may be asking the same of us); a replica still
+        # finishing an old-plan step merely makes us copy state that equals ours after that step
+        addresses = {p.peer_id: p.address for p in self.dht.peers()}
+        ahead = 0
+        for holder in others:
+            if holder in addresses:
+                with contextlib.suppress(Exception):  # a replica that does not answer has nothing to give
+                    stub = stage_pb2_grpc.StageStub(self.channels.get(addresses[holder]))
+                    ahead = max(ahead, int(stub.Status(stage_pb2.Empty(), timeout=2.0).steps_done))
+        if ahead > steps_done:
+            log.warning("stage %d: this replica is %d steps behind its replicas; copying their state", role.stage,
+                        ahead - steps_done)  # fmt: skip
+            return True
+        return False
+
+    def _hand_over(self, new_host, old, own: bool = True) -> None:
         """Loads the layers `new_host` takes over from the freshest copy under the old plan: a replica of the
-        old stage (this peer's own host first), else the held copy with the most steps, else a checkpoint."""
+        old stage (this peer's own host first, unless `own` is False: it fell behind), else the held copy with
+        the most steps, else a checkpoint."""
         from swarm.daemon.churn import takeover_sources
         from swarm.daemon.held import fetch_held
         from swarm.daemon.planning import fetch_state
@@ -377,6 +404,8 @@ class PeerDaemon:
             if not (overlaps or ends):
                 continue
             replicas, held = takeover_sources(old, index, peers, self.dht.peer_id)
+            if not own:
+                replicas = [h for h in replicas if h != self.dht.peer_id]
             replicas = self._settled_replicas(replicas, role.plan_version)
             state, why = None, []
             for holder in replicas:
