@@ -217,7 +217,8 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
             joins = sum(1 for a in schedule if a.kind == "join" and a.at_s <= cfg.setting_timeout_s)
             place = stack.enter_context(NetnsPlacement(d, cfg.peers + joins, say=say))
             wrap, observe = place.wrap, place.stages
-        swarm = stack.enter_context(ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe))
+        # both settings' peers share keys: same ids, same plan and chains, so they compute alike until a kill
+        swarm = stack.enter_context(ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe, d.parent / "identities"))
         try:
             swarm.start(cfg.peers)
             say(f"{setting}: {cfg.peers} peers starting; trainer waits for a plan")

@@ -121,6 +121,8 @@ class ChurnSwarm:
         wrap: rewrites a process's argv by its name (e.g. `ip netns exec NS ... --host ADDR`); None: as is.
         observe: peer id -> stage (None: standby) as the DHT shows them; None: a client DHT node in this
             process, started with the swarm.
+        identities: where peers' key files live (default out/identities); runs that share it give their n-th
+            peers the same ids, so they elect the same planner, plan alike and put samples on the same chains.
     """
 
     def __init__(
@@ -130,8 +132,10 @@ class ChurnSwarm:
         trainer_flags: list[str],
         wrap: Callable[[str, list[str]], list[str]] | None = None,
         observe: Callable[[], dict[str, int | None]] | None = None,
+        identities: Path | None = None,
     ):
         self.out, self.peer_flags, self.trainer_flags = out, peer_flags, trainer_flags
+        self.identities = identities or out / "identities"
         self.wrap = wrap or (lambda _name, argv: argv)
         self.observe = observe
         self.procs = ProcessGroup(out / "logs")
@@ -166,7 +170,7 @@ class ChurnSwarm:
 
         with self._lock:
             name = f"peer{len(self.peers)}"
-            key_path = self.out / "identities" / f"{name}.der"
+            key_path = self.identities / f"{name}.der"
             key_path.parent.mkdir(parents=True, exist_ok=True)
             peer_id = Identity(load_or_create_key(str(key_path))).peer_id
             argv = peer_command(
