@@ -68,6 +68,11 @@ class GradientAverager:
         host: the stage host whose gradients, step, lock, links and metrics it works with.
     """
 
+    min_bits = 8
+    """Fewest bits per weight-gradient element in a sum, whatever the backward codec's: what the planner's cost
+    model assumes (`ModelSpec.gradient_bits`); with 4 the replicas' sum trained measurably worse (see
+    docs/ARCHITECTURE.md). A class attribute, so a measurement can set it lower."""
+
     def __init__(self, host: StageHost):
         self.host = host
         module = host.worker.module
@@ -228,7 +233,8 @@ class GradientAverager:
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)
         seed = (cfg.seed * 1_000_003 + step * 257 + index) % (1 << 31)
-        return replace(cfg, error_feedback=cls.error_feedback, seed=seed)
+        bits = max(cfg.bits, self.min_bits) if cls.quantized else cfg.bits
+        return replace(cfg, bits=bits, error_feedback=cls.error_feedback, seed=seed)
 
     def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, deadline_s: float) -> int:
         """Streams `msg` to every other member at once, each through the shaper towards it; the bytes sent."""

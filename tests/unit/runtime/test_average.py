@@ -49,8 +49,9 @@ def test_gradq_reduce_gives_every_replica_the_same_bits_and_then_the_same_weight
     replies = pipe.reduce(0)
     assert torch.equal(flat(pipe, 0), flat(pipe, 1))
     exact = own[0] + own[1]
-    assert (flat(pipe, 0) - exact).norm() < 0.3 * exact.norm()  # 4-bit: close to the exact sum, not equal
-    assert replies[0].wire_bytes < replies[0].fp32_wire_bytes / 4
+    assert 0 < (flat(pipe, 0) - exact).norm() < 0.1 * exact.norm()  # quantized: close to the exact sum, not equal
+    # a 4-bit backward codec still sums at GradientAverager.min_bits = 8: about a quarter of fp32's bytes
+    assert replies[0].wire_bytes < replies[0].fp32_wire_bytes / 3.5
     for r in range(2):
         pipe.step(r, 0)
     digests = {pipe.client(r).Status(stage_pb2.Empty()).weights_digest for r in range(2)}
