@@ -106,19 +106,22 @@ class GradientAverager:
 
     # ---- receiving: Average ------------------------------------------------------------------------------
 
+    def _check_role(self, what: str, plan_version: int, stage: int) -> None:
+        """Refuses `what` unless it is for this peer's plan and stage."""
+        role = self.host.role
+        if plan_version != role.plan_version:
+            raise CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{PLAN_MISMATCH} the {what} follows plan {plan_version}, this peer plan {role.plan_version}",
+            )
+        if stage != role.stage:
+            raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"this peer serves stage {role.stage}, not {stage}")
+
     def check_average(self, info: stage_pb2.CallInfo, sender: str) -> None:
         """Refuses, from its call info alone, an Average that is not for this stage's open step, or a second
         one from the same sender; changes nothing."""
-        host, role = self.host, self.host.role
-        if info.plan_version != role.plan_version:
-            raise CallRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{PLAN_MISMATCH} the gradients follow plan {info.plan_version}, this peer plan {role.plan_version}",
-            )
-        if info.stage != role.stage:
-            raise CallRefused(
-                grpc.StatusCode.FAILED_PRECONDITION, f"this peer serves stage {role.stage}, not {info.stage}"
-            )
+        host = self.host
+        self._check_role("gradients", info.plan_version, info.stage)
         if not 1 <= info.num_micro_batches <= MAX_GROUP or info.micro_batch >= info.num_micro_batches:
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"group index {info.micro_batch} of {info.num_micro_batches}"
@@ -201,16 +204,8 @@ class GradientAverager:
 
     def _check_reduce(self, request: stage_pb2.ReduceRequest, peers: list[str], addresses: list[str]) -> int:
         """This peer's index in the group, once the request is known to be for its open, finished step."""
-        host, role = self.host, self.host.role
-        if request.plan_version != role.plan_version:
-            raise CallRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{PLAN_MISMATCH} the Reduce follows plan {request.plan_version}, this peer plan {role.plan_version}",
-            )
-        if request.stage != role.stage:
-            raise CallRefused(
-                grpc.StatusCode.FAILED_PRECONDITION, f"this peer serves stage {role.stage}, not {request.stage}"
-            )
+        host = self.host
+        self._check_role("Reduce", request.plan_version, request.stage)
         if not 1 <= len(peers) <= MAX_GROUP or len(addresses) != len(peers) or host.peer_id not in peers:
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"group: {peers[:8]} must name this peer, 1..{MAX_GROUP}"
