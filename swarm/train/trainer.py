@@ -400,6 +400,7 @@ def train(
                             "fp32_wire_bytes": r.fp32_wire_bytes,
                             "sync_bytes": r.sync_bytes,
                             "step_s": r.seconds,
+                            "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
                             "plan_version": route.plan_version,
                             **step_columns(r, ids, route.n_replicas, retries),
                             **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},

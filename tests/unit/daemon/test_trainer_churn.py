@@ -5,6 +5,7 @@ there: no step lost, none run twice."""
 from __future__ import annotations
 
 import csv
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -132,6 +133,8 @@ def test_no_live_chain_waits_for_the_repaired_plan_and_runs_the_step_there(tmp_p
     assert [r["attempts"] for r in rows] == ["2", "1", "1"] and [r["plan_version"] for r in rows] == ["2", "2", "2"]
     ids = [int(i) for r in rows for i in r["sample_ids"].split()]
     assert len(ids) == 12 and all(len(r["sample_ids"].split()) == 4 for r in rows)
+    done = [float(r["time"]) for r in rows]  # completion times: the churn experiment's recovery clock
+    assert done == sorted(done) and abs(done[-1] - time.time()) < 600
 
 
 def dataclass_v(p: PeerAnnouncement, version: int) -> PeerAnnouncement:
