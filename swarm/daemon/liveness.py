@@ -20,11 +20,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from swarm.runtime.chains import REROUTE_CODES
+
 __all__ = ["Liveness", "LivenessConfig", "status_prober"]
 
 log = logging.getLogger("swarm.daemon.liveness")
 
-SILENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+SILENT_CODES = REROUTE_CODES
+"""The codes that may mean a dead peer, the same the trainer's driver reroutes on."""
 
 
 @dataclass(frozen=True)

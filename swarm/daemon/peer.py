@@ -289,17 +289,9 @@ class PeerDaemon:
         """Keeps a copy of the buddy stage under --checkpoint-dir/held (None without a checkpoint dir)."""
         from swarm.daemon.churn import Replicator
         from swarm.daemon.planning import fetch_state
-        from swarm.proto import stage_pb2, stage_pb2_grpc
 
         if self.held is None:
             return None
-
-        def status(address: str) -> int | None:
-            try:
-                stub = stage_pb2_grpc.StageStub(self.channels.get(address))
-                return int(stub.Status(stage_pb2.Empty(), timeout=2.0).steps_done)
-            except Exception:
-                return None
 
         def fetch(address: str, stage: int, version: int) -> dict:
             return fetch_state(self.channels, address, stage, version)
@@ -308,7 +300,7 @@ class PeerDaemon:
             self.announcement = dataclasses.replace(self.announcement, held=self.held.held())
             self.dht.announce(self.announcement)
 
-        replicator = Replicator(self.dht.peer_id, self.held, self.cfg.replicate_every, status, fetch)
+        replicator = Replicator(self.dht.peer_id, self.held, self.cfg.replicate_every, self._steps_done, fetch)
         replicator.on_pulled = announce_held
         return replicator
 
@@ -357,12 +349,20 @@ class PeerDaemon:
                 role.layer_end,
             )
 
+    def _steps_done(self, address: str) -> int | None:
+        """The steps applied by the stage at `address` (its Status); None if it does not answer."""
+        from swarm.proto import stage_pb2, stage_pb2_grpc
+
+        try:
+            stub = stage_pb2_grpc.StageStub(self.channels.get(address))
+            return int(stub.Status(stage_pb2.Empty(), timeout=2.0).steps_done)
+        except Exception:
+            return None
+
     def _behind_replicas(self, record, role, steps_done: int) -> bool:
         """Whether another replica of this peer's stage under `record` applied more steps than this one: this
         peer sat on a chain the trainer dropped (its neighbour died) while the others trained on, so its weights
         and optimizer are stale and must be copied again before it serves, or the replicas would diverge."""
-        from swarm.proto import stage_pb2, stage_pb2_grpc
-
         peer_ids = record.plan["stages"][role.stage]["peer_ids"]
         others = [str(p) for p in peer_ids if str(p) != self.dht.peer_id]
         if not others:
@@ -370,12 +370,8 @@ class PeerDaemon:
         # no wait for the others to switch plans here (they may be asking the same of us); a replica still
         # finishing an old-plan step merely makes us copy state that equals ours after that step
         addresses = {p.peer_id: p.address for p in self.dht.peers()}
-        ahead = 0
-        for holder in others:
-            if holder in addresses:
-                with contextlib.suppress(Exception):  # a replica that does not answer has nothing to give
-                    stub = stage_pb2_grpc.StageStub(self.channels.get(addresses[holder]))
-                    ahead = max(ahead, int(stub.Status(stage_pb2.Empty(), timeout=2.0).steps_done))
+        # a replica that does not answer has nothing to give
+        ahead = max((self._steps_done(addresses[h]) or 0 for h in others if h in addresses), default=0)
         if ahead > steps_done:
             log.warning("stage %d: this replica is %d steps behind its replicas; copying their state", role.stage,
                         ahead - steps_done)  # fmt: skip

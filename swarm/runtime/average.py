@@ -169,11 +169,12 @@ class GradientAverager:
                 self._reduced = request.step
             return stage_pb2.ReduceReply(group_size=1)
         config = self._config(request.step, me)
+        codec = make_codec(config)
         with host.compute_lock:
             flat = flatten_grads(self.params)
             state = LinkState(config)
             state.residual = self.residual
-            msg = make_codec(config).encode(flat, state=state)
+            msg = codec.encode(flat, state=state)
         pending = state.residual if config.error_feedback else None
         info = stage_pb2.CallInfo(
             step=request.step,
@@ -189,7 +190,6 @@ class GradientAverager:
         keys = [(p if keyed_by_peer else f"#{i}") for i, p in enumerate(peers)]
         received = self._wait(request.step, keys, peers, me, deadline_s)
         # every member adds the same decoded messages in the same (group) order: bit-identical sums
-        codec = make_codec(config)
         total = torch.zeros(self.numel)
         for i in range(len(peers)):
             total += codec.decode(msg if i == me else received[keys[i]], limits=self.limits).float()
@@ -257,8 +257,9 @@ class GradientAverager:
         threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(peers)) if i != me]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(deadline_s)
+        end = time.monotonic() + deadline_s
+        for t in threads:  # all sends share the one deadline, not one each
+            t.join(max(0.0, end - time.monotonic()))
         sent = sum(counts)
         host.metrics.wire_bytes.labels("average", "average").inc(sent)
         if errors:
