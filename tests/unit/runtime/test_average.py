@@ -206,3 +206,17 @@ def test_an_unreachable_member_fails_the_reduce_by_name():
     assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.UNAVAILABLE
     assert pipe.peers[1] in result.details()
     assert torch.equal(flat(pipe, 0), before) and pipe.hosts[0].averager._pending is None
+
+
+def test_a_sender_that_dies_halfway_leaves_nothing_held_and_may_send_again():
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    items = list(average_items(pipe, 1, 0))
+    last = stage_pb2.StreamItem.FromString(items[-1])
+    last.chunk.data = last.chunk.data[: len(last.chunk.data) // 2]  # the stream ends mid-body: its sender died
+    from_1 = pipe.client(0, pipe_identity(pipe, 1))
+    refused(from_1.Average, iter([*items[:-1], last.SerializeToString()]), code=grpc.StatusCode.INVALID_ARGUMENT,
+            words="")  # fmt: skip
+    assert pipe.hosts[0].averager._inbox == {} or pipe.hosts[0].averager._inbox_step != 0
+    from_1.Average(iter(items))  # the whole stream again (its sender came back): taken, not a duplicate
+    assert set(pipe.hosts[0].averager._inbox) == {pipe.ids[1].peer_id}
