@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CallInfo(_message.Message):
-    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s", "loss_weight", "chain")
+    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s", "loss_weight", "chain", "stage_micro", "stage_micro_count")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class CallInfo(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     LOSS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MICRO_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MICRO_COUNT_FIELD_NUMBER: _ClassVar[int]
     step: int
     micro_batch: int
     stage: int
@@ -31,7 +33,9 @@ class CallInfo(_message.Message):
     deadline_s: float
     loss_weight: float
     chain: int
-    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., loss_weight: _Optional[float] = ..., chain: _Optional[int] = ...) -> None: ...
+    stage_micro: _containers.RepeatedScalarFieldContainer[int]
+    stage_micro_count: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., loss_weight: _Optional[float] = ..., chain: _Optional[int] = ..., stage_micro: _Optional[_Iterable[int]] = ..., stage_micro_count: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("shape", "tokens", "sample_ids")

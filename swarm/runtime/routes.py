@@ -1,0 +1,95 @@
+"""Routes through stages with uneven replica counts: which replica of every stage a micro-batch travels.
+
+Stage s of a plan has R_s replicas (column r of `peer_ids`). With equal counts R, route c is column c of every
+stage (the straight chains of `swarm.runtime.chains`). With uneven counts (a joiner became one more replica of
+the busiest stage) there are C = lcm(R_0, ..., R_{K-1}) routes, and route c runs on replica `c % R_s` of stage
+s. Every replica of stage s then carries exactly C / R_s routes, so equally weighted routes load the replicas
+of each stage evenly, and c -> (c % R_s)_s is one-to-one on [0, C), so no two routes are the same peers.
+
+A replica shared by several routes runs the micro-batches of all of them in one step. Its schedule gate,
+worker and labels number those micro-batches 0..n-1 in (route, position in the route) order: `stage_numbering`
+computes that index and count for every stage, and the driver sends them in `CallInfo.stage_micro` and
+`stage_micro_count`. Each replica's order is the same global (route, position) order restricted to its own
+micro-batches, so the replicas' schedules agree with each other. With equal counts the fields stay empty and
+`micro_batch` / `num_micro_batches` hold at every stage, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["MAX_ROUTES", "local_micro", "n_routes", "route_replicas", "stage_numbering", "uneven"]
+
+MAX_ROUTES = 12
+"""Most routes a plan may have (lcm of its replica counts): a planner adds no replica that would need more."""
+
+
+def _counts(counts: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(int(c) for c in counts)
+    if not out or any(c < 1 for c in out):
+        raise ValueError(f"replica counts: every stage needs at least one replica, got {list(out)}")
+    return out
+
+
+def n_routes(counts: Sequence[int]) -> int:
+    """The number of routes of a plan with `counts[s]` replicas of stage s: their least common multiple.
+
+    Raises:
+        ValueError: a stage without replicas, or more than MAX_ROUTES routes.
+    """
+    c = math.lcm(*_counts(counts))
+    if c > MAX_ROUTES:
+        raise ValueError(f"replica counts {list(counts)} need {c} routes, more than {MAX_ROUTES}")
+    return c
+
+
+def uneven(counts: Sequence[int]) -> bool:
+    """Whether the stages have different replica counts (then calls carry per-stage micro-batch numbers)."""
+    return len(set(_counts(counts))) > 1
+
+
+def route_replicas(route: int, counts: Sequence[int]) -> tuple[int, ...]:
+    """The replica of every stage that route `route` runs on: `route % counts[s]`."""
+    counts = _counts(counts)
+    if not 0 <= route < n_routes(counts):
+        raise IndexError(f"route {route}: a plan with replica counts {list(counts)} has {n_routes(counts)} routes")
+    return tuple(route % r for r in counts)
+
+
+def stage_numbering(
+    micro_per_route: dict[int, int], counts: Sequence[int]
+) -> dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each micro-batch's index at, and the micro-batch count of, its route's replica of every stage.
+
+    Args:
+        micro_per_route: route -> how many micro-batches it runs this step (routes left out run none).
+        counts: replicas of each stage.
+
+    Returns:
+        (route, k) -> (stage_micro, stage_micro_count): for micro-batch k of `route`, per stage s its index
+        among the micro-batches of replica `route % counts[s]` (ordered by route, then k) and their number.
+    """
+    counts = _counts(counts)
+    for route in micro_per_route:
+        route_replicas(route, counts)  # raises for a route the plan does not have
+    out: dict[tuple[int, int], tuple[list[int], list[int]]] = {
+        (c, k): ([], []) for c in sorted(micro_per_route) for k in range(micro_per_route[c])
+    }
+    for r_s in counts:
+        seen: dict[int, int] = {}  # replica -> micro-batches numbered so far
+        for c, k in out:  # (route, k) order
+            replica = c % r_s
+            out[(c, k)][0].append(seen.get(replica, 0))
+            seen[replica] = seen.get(replica, 0) + 1
+        for c, k in out:
+            out[(c, k)][1].append(seen[c % r_s])
+    return {key: (tuple(a), tuple(b)) for key, (a, b) in out.items()}
+
+
+def local_micro(info, stage: int) -> tuple[int, int]:
+    """(index, count) of a call's micro-batch at `stage`'s replica: from `stage_micro` / `stage_micro_count`
+    when the call carries them, else `micro_batch` / `num_micro_batches` (equal replica counts)."""
+    if len(info.stage_micro):
+        return int(info.stage_micro[stage]), int(info.stage_micro_count[stage])
+    return int(info.micro_batch), int(info.num_micro_batches or 1)
