@@ -80,8 +80,25 @@ class StageBudget:
             problem = f"num_micro_batches: {info.num_micro_batches} is outside 1..{self.max_micro_batches}"
         elif info.micro_batch >= n_micro:
             problem = f"micro_batch: {info.micro_batch} is not below num_micro_batches={n_micro}"
+        else:
+            problem = self._stage_micro_problem(info)
         if problem is not None:
             raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+    def _stage_micro_problem(self, info: stage_pb2.CallInfo) -> str | None:
+        """`stage_micro` / `stage_micro_count` (uneven replica counts): both empty, or one entry per stage of
+        the route, each index below its count and each count within 1..max_micro_batches."""
+        index, count = list(info.stage_micro), list(info.stage_micro_count)
+        if not index and not count:
+            return None
+        if len(index) != len(info.route) or len(count) != len(info.route):
+            return f"stage_micro: {len(index)} indices and {len(count)} counts for a route of {len(info.route)} stages"
+        for s, (i, n) in enumerate(zip(index, count, strict=True)):
+            if not 1 <= n <= self.max_micro_batches:
+                return f"stage_micro_count[{s}]: {n} is outside 1..{self.max_micro_batches}"
+            if i >= n:
+                return f"stage_micro[{s}]: {i} is not below stage_micro_count[{s}]={n}"
+        return None
 
     def wire_limits(self, model: ModelConfig) -> WireLimits:
         """Bounds on every tensor message a stage of `model` receives: the largest is an fp32 activation of a

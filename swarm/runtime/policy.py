@@ -1,9 +1,10 @@
 """Who may call what on a stage: the plan's roster and the rules the stage service enforces with it.
 
 Authentication (`swarm.net.auth`) says who is calling; this module says whether that peer may make this
-call. A stage serves data and step calls only from its neighbours on its chain of the plan and from the plan's
+call. A stage serves data and step calls only from its neighbours on its route of the plan and from the plan's
 trainers, gradient sums only from the other replicas of its stage, hands its state only to peers the plan names,
-and follows (and so sends along) only the plan's chains, whatever route a caller writes into its `CallInfo`.
+and follows (and so sends along) only the plan's routes (`swarm.runtime.routes`), whatever route a caller
+writes into its `CallInfo`.
 Every refusal names the rule it broke.
 """
 
@@ -15,6 +16,7 @@ import grpc
 
 from swarm.net.stream import CallRefused
 from swarm.proto import stage_pb2
+from swarm.runtime.routes import n_routes, route_replicas
 
 __all__ = ["CallPolicy", "Roster"]
 
@@ -32,8 +34,10 @@ def _nested(value, what: str) -> Peers:
 
 @dataclass(frozen=True)
 class Roster:
-    """The peers of the plan a stage serves under: R replicas of every stage, column r being chain r (replica r
-    of stage s sends forward only to replica r of stage s+1, backward only to replica r of stage s-1)."""
+    """The peers of the plan a stage serves under: R_s replicas of stage s (counts may differ between stages),
+    and C = lcm(R_s) routes, route c running on replica c % R_s of every stage s (`swarm.runtime.routes`): a
+    replica sends forward only to its route's replica of stage s+1, backward only to its route's of stage s-1.
+    With equal counts R, route c is column c of the plan (chain c)."""
 
     stage_peers: Peers
     """Peer ids of each stage's replicas, in pipeline order (given flat, one per stage, or nested)."""
@@ -53,17 +57,29 @@ class Roster:
             object.__setattr__(self, "trainers", frozenset(self.trainers))
         if [len(r) for r in self.stage_peers] != [len(r) for r in self.addresses]:
             raise ValueError("Roster: stage_peers and addresses must name the same replicas of the same stages")
-        if len({len(r) for r in self.stage_peers}) != 1:
-            raise ValueError(f"Roster: every stage needs the same number of replicas, got {self.stage_peers}")
+        try:
+            n_routes(self.counts)
+        except ValueError as e:
+            raise ValueError(f"Roster: {e}") from e
 
     @property
     def n_stages(self) -> int:
         return len(self.stage_peers)
 
     @property
+    def counts(self) -> tuple[int, ...]:
+        """Replicas of each stage."""
+        return tuple(len(r) for r in self.stage_peers)
+
+    @property
+    def n_routes(self) -> int:
+        """Routes through the stages: lcm of the replica counts (with equal counts R, R chains)."""
+        return n_routes(self.counts)
+
+    @property
     def n_replicas(self) -> int:
-        """Replicas of every stage: the number of chains."""
-        return len(self.stage_peers[0])
+        """The number of routes (`n_routes`; kept for callers of the equal-count roster, where it is R)."""
+        return self.n_routes
 
     def replicas(self, stage: int) -> tuple[str, ...]:
         """Peer ids of the replicas of `stage`, in column order."""
@@ -74,10 +90,12 @@ class Roster:
         return self.addresses[stage]
 
     def chain(self, r: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(addresses, peer ids) of chain `r`: column r of every stage, in pipeline order."""
-        if not 0 <= r < self.n_replicas:
-            raise IndexError(f"chain {r} is not one of the plan's {self.n_replicas}")
-        return tuple(a[r] for a in self.addresses), tuple(p[r] for p in self.stage_peers)
+        """(addresses, peer ids) of route `r`: replica r % R_s of every stage s, in pipeline order."""
+        if not 0 <= r < self.n_routes:
+            raise IndexError(f"route {r} is not one of the plan's {self.n_routes}")
+        at = route_replicas(r, self.counts)
+        addresses = tuple(a[i] for a, i in zip(self.addresses, at, strict=True))
+        return addresses, tuple(p[i] for p, i in zip(self.stage_peers, at, strict=True))
 
 
 def _denied(rule: str) -> CallRefused:
@@ -108,7 +126,7 @@ class CallPolicy:
     def check_sender(self, method: str, stage: int, caller: str) -> None:
         """Forward, Backward and PutLabels into `stage` (this peer's) by `caller`: checked before the call's
         body is read, so a stranger's stream costs nothing. A neighbour's call passes here if the caller is any
-        replica of the sending stage; `check_route` then holds it to the chain its call info names."""
+        replica of the sending stage; `check_route` then holds it to the route its call info names."""
         roster = self._need_roster()
         last = roster.n_stages - 1
         if stage > last:
@@ -130,13 +148,13 @@ class CallPolicy:
     def check_route(
         self, info: stage_pb2.CallInfo, caller: str | None = None, method: str | None = None, own: str | None = None
     ) -> None:
-        """A call's route must be the plan's chain `info.chain`: a stage sends only where the plan says. With
-        `caller` and `method` (a Forward or Backward from a neighbour), the caller must be that chain's peer of
-        the sending stage: replica r of a stage talks only to replica r of its neighbours. With `own` (the
-        callee's peer id), the chain must name the callee at the call's stage."""
+        """A call's route must be the plan's route `info.chain`: a stage sends only where the plan says. With
+        `caller` and `method` (a Forward or Backward from a neighbour), the caller must be that route's peer of
+        the sending stage: a replica talks only to its route's replicas of its neighbours. With `own` (the
+        callee's peer id), the route must name the callee at the call's stage."""
         roster = self._need_roster()
-        if info.chain >= roster.n_replicas:
-            raise _denied(f"chain {info.chain}: the plan has {roster.n_replicas} chains")
+        if info.chain >= roster.n_routes:
+            raise _denied(f"chain {info.chain}: the plan has {roster.n_routes} routes")
         addresses, peers = roster.chain(info.chain)
         if tuple(info.route) != addresses or tuple(info.route_peers) != peers:
             raise _denied(

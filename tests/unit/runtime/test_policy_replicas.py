@@ -41,9 +41,11 @@ def test_roster_stores_replicas_nested_and_reads_chains_as_columns():
         ROSTER.chain(2)
 
 
-def test_roster_refuses_ragged_or_mismatched_replicas():
-    with pytest.raises(ValueError, match="same number of replicas"):
-        Roster((("p0", "q0"), ("p1",)), (("a0", "b0"), ("a1",)), None, frozenset())
+def test_roster_refuses_too_many_routes_or_mismatched_replicas():
+    # uneven counts are routes now (below); counts whose lcm exceeds MAX_ROUTES are not
+    many = (("p0", "q0", "r0", "s0"), ("p1", "q1", "r1", "s1", "t1"))
+    with pytest.raises(ValueError, match="routes, more than"):
+        Roster(many, many, None, frozenset())
     with pytest.raises(ValueError, match="same replicas"):
         Roster((("p0", "q0"), ("p1", "q1")), (("a0", "b0"), ("a1",)), None, frozenset())
     with pytest.raises(ValueError):
@@ -58,7 +60,7 @@ def test_route_must_be_exactly_the_chain_the_call_names():
     mixed = stage_pb2.CallInfo(stage=1, chain=0, route=["a0", "b1", "a2"], route_peers=["p0", "q1", "p2"])
     denied(policy.check_route, mixed, match="route")
     beyond = stage_pb2.CallInfo(stage=1, chain=2, route=["a0"] * 3, route_peers=["p0"] * 3)
-    denied(policy.check_route, beyond, match="2 chains")
+    denied(policy.check_route, beyond, match="2 routes")
     policy.check_route(call(1, 1), "q0", "Forward", own="q1")
     denied(policy.check_route, call(0, 1), "p0", "Forward", "q1", match="chain 0's peer of stage 1 is p1, not this")
 
@@ -103,3 +105,39 @@ def test_reduce_group_is_replicas_of_the_stage_at_their_plan_addresses():
     denied(policy.check_group, group(["p1", "q0"], ["a1", "b0"]), "p1", match="replicas of stage 1")
     denied(policy.check_group, group(["p1"], ["a1", "b1"]), "p1", match="group")
     denied(policy.check_group, group(["p1"], ["a1"], stage=7), "p1", match="not in the plan")
+
+
+# ---- uneven replica counts: routes -----------------------------------------------------------------------
+
+UNEVEN = Roster((("p0",), ("p1", "q1"), ("p2", "q2", "r2")), (("a0",), ("a1", "b1"), ("a2", "b2", "c2")), None, ())
+
+
+def uneven_call(route: int, stage: int) -> stage_pb2.CallInfo:
+    addresses, ids = UNEVEN.chain(route)
+    return stage_pb2.CallInfo(stage=stage, chain=route, route=list(addresses), route_peers=list(ids))
+
+
+def test_uneven_roster_reads_route_c_on_replica_c_mod_r():
+    assert UNEVEN.counts == (1, 2, 3) and UNEVEN.n_routes == 6 and UNEVEN.n_replicas == 6
+    assert UNEVEN.chain(0) == (("a0", "a1", "a2"), ("p0", "p1", "p2"))
+    assert UNEVEN.chain(5) == (("a0", "b1", "c2"), ("p0", "q1", "r2"))
+    assert len({UNEVEN.chain(c) for c in range(6)}) == 6  # no two routes are the same peers
+    with pytest.raises(IndexError):
+        UNEVEN.chain(6)
+
+
+def test_uneven_forward_only_from_the_routes_replica_of_the_sending_stage():
+    policy = CallPolicy(UNEVEN)
+    policy.check_route(uneven_call(3, 2), "q1", "Forward", own="p2")  # route 3: replica 1 of stage 1 -> 0 of 2
+    policy.check_route(uneven_call(3, 1), "p0", "Forward", own="q1")  # the shared stage-0 replica feeds both
+    policy.check_route(uneven_call(4, 1), "q2", "Backward", own="p1")  # route 4: stage 2 replica 1 -> stage 1 r0
+    # p1 is a replica of stage 1 (it passes the pre-body check) but not route 3's
+    policy.check_sender("Forward", 2, "p1")
+    denied(policy.check_route, uneven_call(3, 2), "p1", "Forward", match="chain 3 into stage 2 only from its peer")
+    denied(policy.check_route, uneven_call(3, 2), "q1", "Forward", "q2", match="chain 3's peer of stage 2 is p2")
+    denied(policy.check_route, uneven_call(4, 1), "r2", "Backward", match="only from its peer of stage 2")
+    beyond = stage_pb2.CallInfo(stage=1, chain=6, route=["a0", "a1", "a2"], route_peers=["p0", "p1", "p2"])
+    denied(policy.check_route, beyond, match="6 routes")
+    mislabelled = uneven_call(3, 1)
+    mislabelled.chain = 1  # route 3's peers under route 1's number
+    denied(policy.check_route, mislabelled, match="route")
