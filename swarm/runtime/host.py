@@ -35,6 +35,7 @@ from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.gate import GateError, ScheduleGate
+from swarm.runtime.routes import local_micro
 from swarm.runtime.schedules import Kind
 from swarm.runtime.worker import StageConfig, StageWorker
 
@@ -187,8 +188,8 @@ class StageHost:
             route_check(info)
         if kind is not None:
             replacing = self.open_step is not None and info.step != self.open_step
-            schedule, n_micro = info.schedule or "1f1b", info.num_micro_batches or 1
-            self.gate.check(info.step, kind, info.micro_batch, schedule, n_micro, replacing)
+            mb, n_micro = local_micro(info, self.role.stage)
+            self.gate.check(info.step, kind, mb, info.schedule or "1f1b", n_micro, replacing)
         if call is not None:
             self._check_payload(call, kind)
         with self.compute_lock:
@@ -239,18 +240,18 @@ class StageHost:
                 raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"stage {role.stage} takes no token batch")
             self._check_activation(need_message(call), "an activation" if kind == Kind.FORWARD else "a gradient")
         if kind == Kind.FORWARD and role.is_last:
-            targets = self.labels.get(info.micro_batch) if info.step == self.open_step else None
+            targets = self.labels.get(self._mb(info)) if info.step == self.open_step else None
             if targets is None:
-                missing = f"no labels for step {info.step} micro-batch {info.micro_batch}"
+                missing = f"no labels for step {info.step} micro-batch {self._mb(info)}"
                 raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, missing)
             inputs = list(call.tokens.shape if role.is_first else call.message.shape)[:2]
             if list(targets.shape) != inputs:
                 raise WireError("labels.shape", f"{list(targets.shape)} vs inputs {inputs}")
         if kind == Kind.BACKWARD and not role.is_last:
-            saved = self.worker.saved_shape(info.micro_batch)
+            saved = self.worker.saved_shape(self._mb(info))
             if saved is None:
                 raise CallRefused(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"micro_batch: {info.micro_batch} has no forward on this stage"
+                    grpc.StatusCode.FAILED_PRECONDITION, f"micro_batch: {self._mb(info)} has no forward on this stage"
                 )
             if list(call.message.shape) != list(saved):
                 raise WireError("shape", f"{list(call.message.shape)} is not the activation's {list(saved)}")
@@ -293,8 +294,8 @@ class StageHost:
             self._observe("wait", queued)
             with self.compute_lock, self._phase("compute"):
                 self._still(current, info)
-                targets = self.labels.pop(info.micro_batch) if role.is_last else None
-                out = self.worker.forward(info.micro_batch, inputs, torch.tensor(ids), targets)
+                targets = self.labels.pop(self._mb(info)) if role.is_last else None
+                out = self.worker.forward(self._mb(info), inputs, torch.tensor(ids), targets)
             if role.is_last:
                 return stage_pb2.ForwardReply(has_loss=True, loss=float(out))
             # encoded in schedule order, still holding the turn: the codec's state (stochastic rounding draws,
@@ -317,7 +318,7 @@ class StageHost:
             self._observe("wait", queued)
             with self.compute_lock, self._phase("compute"):
                 self._still(current, info)
-                grad_in = self.worker.backward(info.micro_batch, grad_out)
+                grad_in = self.worker.backward(self._mb(info), grad_out)
             if grad_in is None:
                 return stage_pb2.BackwardReply()
             # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule
@@ -395,19 +396,18 @@ class StageHost:
     def _still(self, current, info: stage_pb2.CallInfo) -> None:
         """Under the compute lock: the call's step is still this stage's (not abandoned while it waited)."""
         if not current() or self.open_step != info.step:
-            raise GateError(f"step {info.step} was abandoned before micro-batch {info.micro_batch} ran")
+            raise GateError(f"step {info.step} was abandoned before micro-batch {self._mb(info)} ran")
         self._progressed = True
 
     def _turn(self, info: stage_pb2.CallInfo, kind: Kind, cancelled: threading.Event | None = None):
-        return self.gate.turn(
-            info.step,
-            kind,
-            info.micro_batch,
-            info.schedule or "1f1b",
-            info.num_micro_batches or 1,
-            timeout_s=self._deadline(info),
-            cancelled=cancelled,
-        )
+        mb, n_micro = local_micro(info, self.role.stage)
+        timeout_s = self._deadline(info)
+        return self.gate.turn(info.step, kind, mb, info.schedule or "1f1b", n_micro, timeout_s, cancelled)
+
+    def _mb(self, info: stage_pb2.CallInfo) -> int:
+        """The call's micro-batch at this replica: its index among this replica's micro-batches of the step
+        (`routes.local_micro`; `micro_batch` itself with equal replica counts)."""
+        return local_micro(info, self.role.stage)[0]
 
     # ---- once per step ----------------------------------------------------------------------------------
 
@@ -428,7 +428,7 @@ class StageHost:
         with self.compute_lock:
             if self.open_step != info.step:
                 raise GateError(f"step {info.step} was abandoned before its labels were stored")
-            self.labels[info.micro_batch] = targets
+            self.labels[self._mb(info)] = targets
             self._progressed = True
 
     def grads(self) -> stage_pb2.GradReply:
