@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -25,6 +25,7 @@ import torch
 
 from swarm.model.data import Batch
 from swarm.net.stream import PLAN_MISMATCH, StageCallError
+from swarm.proto import stage_pb2
 
 __all__ = [
     "Chain",
@@ -35,6 +36,7 @@ __all__ = [
     "NoLiveChain",
     "REROUTE_CODES",
     "Task",
+    "Traffic",
     "assign_samples",
     "chain_work",
     "gather",
@@ -62,6 +64,48 @@ class Chain:
         """Names the chain by its peers, not its column: a re-plan that keeps the same peers in a chain keeps
         its samples (and AQ-SGD buffers) on it."""
         return hashlib.sha256("\0".join(self.peers).encode()).digest()
+
+
+@dataclass
+class Traffic:
+    """Bytes on the stage links, as the stages counted them in their replies."""
+
+    sent: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(link, direction) -> bytes; link k joins stage k and k+1, direction is forward or backward; direction
+    "average" counts the replicas of stage k summing their gradients (`Reduce`) under k"""
+    fp32_wire_bytes: int = 0
+    """what the same tensors would have cost in fp32"""
+
+    def add(self, reply: stage_pb2.Traffic, direction: str) -> None:
+        self.fp32_wire_bytes += reply.fp32_wire_bytes
+        for link, nbytes in reply.link_bytes.items():
+            self.sent[(link, direction)] = self.sent.get((link, direction), 0) + nbytes
+
+    def merge(self, other: Traffic) -> None:
+        self.fp32_wire_bytes += other.fp32_wire_bytes
+        for key, nbytes in other.sent.items():
+            self.sent[key] = self.sent.get(key, 0) + nbytes
+
+    def direction_bytes(self, direction: str) -> int:
+        return sum(n for (_, d), n in self.sent.items() if d == direction)
+
+    @property
+    def forward_bytes(self) -> int:
+        """activations, all links"""
+        return self.direction_bytes("forward")
+
+    @property
+    def backward_bytes(self) -> int:
+        """activation gradients, all links"""
+        return self.direction_bytes("backward")
+
+    @property
+    def link_bytes(self) -> dict[int, int]:
+        """bytes on each link, both directions"""
+        out: dict[int, int] = {}
+        for (link, _), nbytes in self.sent.items():
+            out[link] = out.get(link, 0) + nbytes
+        return out
 
 
 def rendezvous_score(sample_id: int, key: bytes, weight: float) -> float:

@@ -40,11 +40,13 @@ from swarm.runtime.chains import (
     Heartbeat,
     NoLiveChain,
     Task,
+    Traffic,
     chain_work,
     gather,
     reroutable,
     spawn,
 )
+from swarm.runtime.routes import n_routes, route_replicas, stage_numbering, uneven
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
@@ -52,48 +54,6 @@ if TYPE_CHECKING:
 __all__ = ["NoLiveChain", "PipelineDriver", "StepResult", "Traffic"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Traffic:
-    """Bytes on the stage links, as the stages counted them in their replies."""
-
-    sent: dict[tuple[int, str], int] = field(default_factory=dict)
-    """(link, direction) -> bytes; link k joins stage k and k+1, direction is forward or backward; direction
-    "average" counts the replicas of stage k summing their gradients (`Reduce`) under k"""
-    fp32_wire_bytes: int = 0
-    """what the same tensors would have cost in fp32"""
-
-    def add(self, reply: stage_pb2.Traffic, direction: str) -> None:
-        self.fp32_wire_bytes += reply.fp32_wire_bytes
-        for link, nbytes in reply.link_bytes.items():
-            self.sent[(link, direction)] = self.sent.get((link, direction), 0) + nbytes
-
-    def merge(self, other: Traffic) -> None:
-        self.fp32_wire_bytes += other.fp32_wire_bytes
-        for key, nbytes in other.sent.items():
-            self.sent[key] = self.sent.get(key, 0) + nbytes
-
-    def direction_bytes(self, direction: str) -> int:
-        return sum(n for (_, d), n in self.sent.items() if d == direction)
-
-    @property
-    def forward_bytes(self) -> int:
-        """activations, all links"""
-        return self.direction_bytes("forward")
-
-    @property
-    def backward_bytes(self) -> int:
-        """activation gradients, all links"""
-        return self.direction_bytes("backward")
-
-    @property
-    def link_bytes(self) -> dict[int, int]:
-        """bytes on each link, both directions"""
-        out: dict[int, int] = {}
-        for (link, _), nbytes in self.sent.items():
-            out[link] = out.get(link, 0) + nbytes
-        return out
 
 
 @dataclass(frozen=True)
@@ -194,17 +154,15 @@ class PipelineDriver:
         weights: ChainWeights | None = None,
     ):
         routes, ids = _nested(route), _nested(peers)
-        shapes = {len(r) for r in routes}
-        if (
-            not routes
-            or len(routes) != len(ids)
-            or len(shapes) != 1
-            or [len(r) for r in ids] != [len(r) for r in routes]
-        ):
+        if not routes or len(routes) != len(ids) or [len(r) for r in ids] != [len(r) for r in routes]:
             raise ValueError("route and peers must name the same replicas of a non-zero number of stages")
-        if shapes == {0} or max_attempts < 1:
+        if any(not r for r in routes) or max_attempts < 1:
             raise ValueError("every stage needs a replica, and a step at least one attempt")
-        self.chains = [Chain(r, tuple(s[r] for s in routes), tuple(s[r] for s in ids)) for r in range(len(routes[0]))]
+        self.counts = tuple(len(r) for r in routes)
+        """replicas of each stage; route c runs on replica c % counts[s] of stage s (`swarm.runtime.routes`)"""
+        self.replica_addresses = [tuple(r) for r in routes]
+        self.replica_peers = [tuple(r) for r in ids]
+        self.chains = [self._route(c) for c in range(n_routes(self.counts))]
         self.route, self.peers = list(self.chains[0].addresses), list(self.chains[0].peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version, self.max_attempts = plan_version, max_attempts
@@ -220,9 +178,7 @@ class PipelineDriver:
         """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats)"""
         # every call to a stage carries a token for that stage's peer id
         self._stubs = {
-            (s, c.index): self.connector.stage(c.addresses[s], c.peers[s])
-            for c in self.chains
-            for s in range(len(routes))
+            (s, r): self.connector.stage(a, ids[s][r]) for s, row in enumerate(routes) for r, a in enumerate(row)
         }
         self.stubs = [self._stubs[(s, 0)] for s in range(len(routes))]
         self._threads: set[threading.Thread] = set()
@@ -235,7 +191,17 @@ class PipelineDriver:
 
     @property
     def n_replicas(self) -> int:
+        """The number of routes (with equal replica counts R: R chains)."""
         return len(self.chains)
+
+    def _route(self, c: int) -> Chain:
+        at = route_replicas(c, self.counts)
+        addresses = tuple(self.replica_addresses[s][r] for s, r in enumerate(at))
+        return Chain(c, addresses, tuple(self.replica_peers[s][r] for s, r in enumerate(at)))
+
+    def _replicas(self, s: int, chains: Sequence[Chain]) -> list[int]:
+        """The distinct replicas of stage `s` that `chains` run on, in replica order: each gets one call."""
+        return sorted({c.index % self.counts[s] for c in chains})
 
     def live_chains(self) -> list[int]:
         """The chains whose every peer is alive."""
@@ -243,9 +209,9 @@ class PipelineDriver:
 
     # ---- calls ------------------------------------------------------------------------------------------
 
-    def _info(self, step: int, mb: int, stage: int, work: ChainWork) -> stage_pb2.CallInfo:
+    def _info(self, step: int, mb: int, stage: int, work: ChainWork, numbering=None) -> stage_pb2.CallInfo:
         chain = work.chain
-        return stage_pb2.CallInfo(
+        info = stage_pb2.CallInfo(
             step=step,
             micro_batch=mb,
             stage=stage,
@@ -258,13 +224,18 @@ class PipelineDriver:
             loss_weight=work.loss_weights[mb],
             chain=chain.index,
         )
+        if numbering is not None:  # uneven replica counts: each stage's replica numbers its own micro-batches
+            info.stage_micro.extend(numbering[(chain.index, mb)][0])
+            info.stage_micro_count.extend(numbering[(chain.index, mb)][1])
+        return info
 
-    def _call(self, stage: int, chain: int, method: str, *args, timeout: float | None = None):
-        c = self.chains[chain]
+    def _call(self, stage: int, replica: int, method: str, *args, timeout: float | None = None):
+        """`method` on replica `replica` of `stage` (route c's replica is c % counts[stage])."""
         try:
-            return getattr(self._stubs[(stage, chain)], method)(*args, timeout=timeout or self.deadline_s)
+            return getattr(self._stubs[(stage, replica)], method)(*args, timeout=timeout or self.deadline_s)
         except grpc.RpcError as e:
-            raise name_failure(e, stage, c.peers[stage], c.addresses[stage]) from e
+            peer, address = self.replica_peers[stage][replica], self.replica_addresses[stage][replica]
+            raise name_failure(e, stage, peer, address) from e
 
     def _spawn(self, fn, suspects: tuple[str, ...]) -> Task:
         task = (spawn(fn, "driver", self._threads), suspects)
@@ -273,9 +244,9 @@ class PipelineDriver:
 
     def _ping(self, peer: str, timeout_s: float) -> None:
         """A Status call to `peer`; raises only where the peer may be dead (a refusal is an answer too)."""
-        stage, chain = self._where(peer)
+        stage, replica = self._where(peer)
         try:
-            self._call(stage, chain, "Status", stage_pb2.Empty(), timeout=timeout_s)
+            self._call(stage, replica, "Status", stage_pb2.Empty(), timeout=timeout_s)
         except StageCallError as e:
             if reroutable(e):
                 raise
@@ -289,9 +260,10 @@ class PipelineDriver:
         return False
 
     def _where(self, peer: str) -> tuple[int, int]:
-        for c in self.chains:
-            if peer in c.peers:
-                return c.peers.index(peer), c.index
+        """(stage, replica) of `peer`."""
+        for s, peers in enumerate(self.replica_peers):
+            if peer in peers:
+                return s, peers.index(peer)
         raise KeyError(peer)
 
     def _heartbeat(self, chains: Sequence[Chain], wake: threading.Event) -> Heartbeat:
@@ -308,19 +280,20 @@ class PipelineDriver:
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
-    def _micro_batch(self, step: int, work: ChainWork, mb: int) -> _MicroResult:
-        last, chain, data = self.n_stages - 1, work.chain.index, work.micro[mb]
-        labels = stage_pb2.LabelsRequest(info=self._info(step, mb, last, work), labels=tokens_to_wire(data.targets))
-        self._call(last, chain, "PutLabels", labels)
+    def _micro_batch(self, step: int, work: ChainWork, mb: int, numbering=None) -> _MicroResult:
+        last, data = self.n_stages - 1, work.micro[mb]
+        first_r, last_r = work.chain.index % self.counts[0], work.chain.index % self.counts[last]
+        info = self._info(step, mb, last, work, numbering)
+        self._call(last, last_r, "PutLabels", stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(data.targets)))
         item = stage_pb2.StreamItem(
-            info=self._info(step, mb, 0, work), tokens=tokens_to_wire(data.tokens, data.sample_ids)
+            info=self._info(step, mb, 0, work, numbering), tokens=tokens_to_wire(data.tokens, data.sample_ids)
         )
         # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
         # comes back
-        fw = self._call(0, chain, "Forward", iter([item.SerializeToString()]))
+        fw = self._call(0, first_r, "Forward", iter([item.SerializeToString()]))
         # communication: the backward starts at the chain's last stage and flows back to its stage 0
-        start = stage_pb2.StreamItem(info=self._info(step, mb, last, work)).SerializeToString()
-        bw = self._call(last, chain, "Backward", iter([start]))
+        start = stage_pb2.StreamItem(info=self._info(step, mb, last, work, numbering)).SerializeToString()
+        bw = self._call(last, last_r, "Backward", iter([start]))
         traffic = Traffic()
         traffic.add(fw.traffic, "forward")
         traffic.add(bw.traffic, "backward")
@@ -330,9 +303,12 @@ class PipelineDriver:
         """Every chain's micro-batches, all at once; the batch's mean loss and the bytes. Records each chain's
         samples/s in `weights`."""
         start = time.perf_counter()
+        numbering = None
+        if uneven(self.counts):  # shared replicas: number every replica's micro-batches (route, position) order
+            numbering = stage_numbering({w.chain.index: len(w.micro) for w in work}, self.counts)
         tasks = [
             [
-                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb), w.chain.peers)
+                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, numbering), w.chain.peers)
                 for mb in range(len(w.micro))
             ]
             for w in work
@@ -349,23 +325,25 @@ class PipelineDriver:
         return loss, traffic
 
     def _reduce(self, step: int, chains: list[Chain], wake: threading.Event) -> Traffic:
-        """Sums each stage's gradients over its live replicas (`Reduce`); bytes under direction "average"."""
+        """Sums each stage's gradients over the distinct replicas `chains` used (`Reduce`, one call per replica);
+        bytes under direction "average". A stage whose chains share one replica has nothing to sum."""
         traffic = Traffic()
-        if len(chains) < 2:
-            return traffic  # a group of one: nothing to sum
         tasks = []
         for s in range(self.n_stages):
+            replicas = self._replicas(s, chains)
+            if len(replicas) < 2:
+                continue  # a group of one: nothing to sum
             request = stage_pb2.ReduceRequest(
                 step=step,
                 plan_version=self.plan_version,
                 stage=s,
-                group_peers=[c.peers[s] for c in chains],
-                group_addresses=[c.addresses[s] for c in chains],
+                group_peers=[self.replica_peers[s][r] for r in replicas],
+                group_addresses=[self.replica_addresses[s][r] for r in replicas],
                 deadline_s=min(self.deadline_s, REDUCE_DEADLINE_S),
             )
-            group = tuple(c.peers[s] for c in chains)
-            for c in chains:
-                tasks.append((s, self._spawn(lambda s=s, c=c, r=request: self._call(s, c.index, "Reduce", r), group)))
+            group = tuple(request.group_peers)
+            for r in replicas:
+                tasks.append((s, self._spawn(lambda s=s, r=r, q=request: self._call(s, r, "Reduce", q), group)))
         gather([t for _, t in tasks], wake, self.dead, self.deadline_s)
         for s, (future, _) in tasks:
             reply = future.result()
@@ -377,19 +355,19 @@ class PipelineDriver:
         """The global gradient norm, the summed tied gradient (None with one stage) and the bytes it took."""
         request = stage_pb2.StepRequest(step=step)
         tasks = {
-            (s, c.index): self._spawn(lambda s=s, c=c: self._call(s, c.index, "Grads", request), (c.peers[s],))
+            (s, r): self._spawn(lambda s=s, r=r: self._call(s, r, "Grads", request), (self.replica_peers[s][r],))
             for s in range(self.n_stages)
-            for c in chains
+            for r in self._replicas(s, chains)
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: future.result() for key, (future, _) in tasks.items()}
-        first = chains[0].index
         # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all
-        sq = sum(grads[(s, first)].grad_sq_norm for s in range(self.n_stages))
+        sq = sum(grads[(s, self._replicas(s, chains)[0])].grad_sq_norm for s in range(self.n_stages))
         if self.n_stages == 1:
             return math.sqrt(sq), None, 0
-        # communication: every replica of the first and last stage sends its tied gradient; all get the sum
-        ends = [grads[(s, c.index)].tied_grad for s in (0, self.n_stages - 1) for c in chains]
+        # communication: every distinct replica of the first and last stage sends its tied gradient (once); all
+        # get the sum
+        ends = [grads[(s, r)].tied_grad for s in (0, self.n_stages - 1) for r in self._replicas(s, chains)]
         total = sum(self._fp32.decode(t) for t in ends)
         sq += float(total.pow(2).sum())
         tied_sum = self._fp32.encode(total)
@@ -397,29 +375,39 @@ class PipelineDriver:
         return math.sqrt(sq), tied_sum, sync_bytes
 
     def _apply(self, step: int, chains: list[Chain], norm: float, tied_sum, wake: threading.Event) -> float:
-        """`Step` on every live replica. A replica that dies now is left behind (the others apply the step: the
-        reduced gradient is already theirs); a live one that failed is asked once more (Step is idempotent)."""
+        """`Step` on every distinct live replica `chains` used, once each. A replica that dies now is left behind
+        (the others apply the step: the reduced gradient is already theirs); a live one that failed is asked once
+        more (Step is idempotent). Once any replica applied the step it counts as applied: a replica whose Step
+        hangs past the deadline is declared dead (it catches up later), the step is never run again."""
 
-        def step_stage(s: int, chain: int) -> float:
+        def step_stage(s: int, replica: int) -> float:
             req = stage_pb2.StepRequest(step=step, global_grad_norm=norm, plan_version=self.plan_version)
             if tied_sum is not None and s in (0, self.n_stages - 1):
                 req.tied_grad_sum.CopyFrom(tied_sum)
-            return self._call(s, chain, "Step", req).lr
+            return self._call(s, replica, "Step", req).lr
 
-        keys = [(s, c.index) for s in range(self.n_stages) for c in chains]
+        keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
         lrs: list[float] = []
         for retry in range(2):
-            tasks = [self._spawn(lambda k=k: step_stage(*k), (self.chains[k[1]].peers[k[0]],)) for k in keys]
+            tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
+            try:
+                outcomes = gather(tasks, wake, self.dead, self.deadline_s, fail_fast=False)
+            except Failed:  # gave up on a Step that hangs on a peer that may still answer pings
+                outcomes = [f if f.done() else None for f, _ in tasks]
+                if not lrs and not any(o is not None and o.exception() is None for o in outcomes):
+                    raise  # nobody applied it: the step may run again
+                for (_, suspects), outcome in zip(tasks, outcomes, strict=True):
+                    if outcome is None:
+                        log.warning("step %d: Step hangs on %s: declared dead (applied elsewhere)", step, suspects)
+                        self.dead.update(suspects)
             failed = []
-            for key, outcome in zip(
-                keys, gather(tasks, wake, self.dead, self.deadline_s, fail_fast=False), strict=True
-            ):
+            for key, outcome in zip(keys, outcomes, strict=True):
                 if outcome is None:
-                    continue  # died before it answered
+                    continue  # died (or hung) before it answered
                 if outcome.exception() is None:
                     lrs.append(outcome.result())
                     continue
-                peer = self.chains[key[1]].peers[key[0]]
+                peer = self.replica_peers[key[0]][key[1]]
                 if not self._alive(peer):
                     self.dead.add(peer)
                 elif retry or not reroutable(outcome.exception()):
@@ -441,12 +429,14 @@ class PipelineDriver:
         if live:
             return live
 
-        def gone(s: int, chains) -> str:
-            return f"stage {s} ({'; '.join(f'peer {c.peers[s]} at {c.addresses[s]}' for c in chains)})"
+        def gone(s: int, dead_only: bool) -> str:
+            at = zip(self.replica_peers[s], self.replica_addresses[s], strict=True)
+            return f"stage {s} ({'; '.join(f'peer {p} at {a}' for p, a in at if p in self.dead or not dead_only)})"
 
-        lost = [gone(s, self.chains) for s in range(self.n_stages) if all(c.peers[s] in self.dead for c in self.chains)]
-        if not lost:  # every chain lost a replica, of different stages
-            lost = [gone(s, [c]) for c in self.chains for s in range(self.n_stages) if c.peers[s] in self.dead]
+        stages = range(self.n_stages)
+        lost = [gone(s, False) for s in stages if self.dead.issuperset(self.replica_peers[s])]
+        if not lost:  # every route lost a replica, of different stages
+            lost = [gone(s, True) for s in stages if self.dead.intersection(self.replica_peers[s])]
         why = f"; last failure: {failure.error}" if failure is not None and failure.error is not None else ""
         raise NoLiveChain(f"step {step}: no live replica of {', '.join(lost)}{why}", grpc.StatusCode.UNAVAILABLE)
 
@@ -535,10 +525,10 @@ class PipelineDriver:
         # a stage that is gone, busy or stuck is skipped: the caller already reports the failure that matters
         request = stage_pb2.StepRequest(step=step, abandon=True)
         calls = [
-            spawn(lambda s=s, c=c: self._call(s, c.index, "Step", request, timeout=5), "abandon", self._threads)
-            for c in self.chains
+            spawn(lambda s=s, r=r: self._call(s, r, "Step", request, timeout=5), "abandon", self._threads)
             for s in range(self.n_stages)
-            if c.peers[s] not in self.dead
+            for r, peer in enumerate(self.replica_peers[s])
+            if peer not in self.dead
         ]
         wait(calls, timeout=5)
 
@@ -550,8 +540,8 @@ class PipelineDriver:
         """Every replica's status, `[stage][replica]`; None for a dead peer."""
         return [
             [
-                None if c.peers[s] in self.dead else self._call(s, c.index, "Status", stage_pb2.Empty(), timeout=10)
-                for c in self.chains
+                None if p in self.dead else self._call(s, r, "Status", stage_pb2.Empty(), timeout=10)
+                for r, p in enumerate(self.replica_peers[s])
             ]
             for s in range(self.n_stages)
         ]

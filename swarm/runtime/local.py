@@ -11,6 +11,8 @@ that off, for measuring its cost).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 import torch
 
@@ -35,7 +37,9 @@ class LocalPipeline:
     """Stage hosts in this process, joined by in-process links, driven one optimizer step at a time.
 
     With `replicas` R > 1, every stage has R hosts and replica r of every stage forms chain r (a nested
-    roster, `StageRole.replica`); `kill` takes a host off the network for fault tests.
+    roster, `StageRole.replica`); with a per-stage sequence (R_0, R_1, ...), stage s has R_s hosts and the
+    driver runs the lcm(R_s) routes of `swarm.runtime.routes`. `kill` takes a host off the network for fault
+    tests.
 
     Args:
         model: the model to split.
@@ -49,7 +53,7 @@ class LocalPipeline:
             message where it shrinks it, as on the slow links this pipeline stands for.
         auth: authenticate every call and authorize it by the roster (a key per host and one for the
             driver, generated here); False only to measure what that costs.
-        replicas: hosts per stage.
+        replicas: hosts per stage: one count for every stage, or one per stage.
     """
 
     def __init__(
@@ -63,19 +67,21 @@ class LocalPipeline:
         shaping: LinkShaping | None = None,
         adaptive_zstd: bool = False,
         auth: bool = True,
-        replicas: int = 1,
+        replicas: int | Sequence[int] = 1,
     ):
-        if n_stages < 1 or replicas < 1:
-            raise ValueError(f"a pipeline needs at least one stage and replica, got {n_stages} x {replicas}")
+        counts = [replicas] * n_stages if isinstance(replicas, int) else [int(r) for r in replicas]
+        if n_stages < 1 or len(counts) != n_stages or min(counts) < 1:
+            raise ValueError(f"a pipeline needs at least one stage and replica each, got {n_stages} x {replicas}")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
         self.model, self.schedule, self.replicas = model, schedule, replicas
         self.shaping, self.adaptive_zstd = shaping, adaptive_zstd
         self.network = LocalNetwork()
-        grid = [(s, r) for s in range(n_stages) for r in range(replicas)]
+        self.counts = tuple(counts)
+        grid = [(s, r) for s in range(n_stages) for r in range(counts[s])]
         # one replica keeps the addresses a single pipeline always had
-        name = (lambda s, r: f"{s}") if replicas == 1 else (lambda s, r: f"{s}.{r}")
-        self.replica_addresses = [[f"local:{name(s, r)}" for r in range(replicas)] for s in range(n_stages)]
+        name = (lambda s, r: f"{s}") if max(counts) == 1 else (lambda s, r: f"{s}.{r}")
+        self.replica_addresses = [[f"local:{name(s, r)}" for r in range(counts[s])] for s in range(n_stages)]
         self.addresses = [a[0] for a in self.replica_addresses]
         self.replica_hosts: list[list[StageHost]] = [[] for _ in range(n_stages)]
         self.switches: list[list[_Switch]] = [[] for _ in range(n_stages)]
@@ -85,7 +91,7 @@ class LocalPipeline:
         ids = {key: Identity.generate() for key in grid} if auth else {}
         peer = {key: ids[key].peer_id if auth else f"local{name(*key)}" for key in grid}
         self.trainer = Identity.generate() if auth else None
-        self.replica_peers = [[peer[(s, r)] for r in range(replicas)] for s in range(n_stages)]
+        self.replica_peers = [[peer[(s, r)] for r in range(counts[s])] for s in range(n_stages)]
         trainers = frozenset([self.trainer.peer_id] if self.trainer else [])
         roster = Roster(
             self._shape(self.replica_peers), self._shape(self.replica_addresses), trainers, frozenset(peer.values())
@@ -108,7 +114,7 @@ class LocalPipeline:
 
     def _shape(self, grid: list[list[str]]) -> tuple:
         """Flat (one replica per stage, the roster's original shape) or nested `[stage][replica]`."""
-        return tuple(row[0] for row in grid) if self.replicas == 1 else tuple(tuple(row) for row in grid)
+        return tuple(row[0] for row in grid) if max(self.counts) == 1 else tuple(tuple(row) for row in grid)
 
     def kill(self, stage: int, replica: int = 0) -> None:
         """Takes that replica's host off the network: every later call to it fails with UNAVAILABLE, as a call
