@@ -46,6 +46,7 @@ from swarm.runtime.chains import (
     reroutable,
     spawn,
 )
+from swarm.runtime.gate import runs_through
 from swarm.runtime.routes import n_routes, route_replicas, stage_numbering, uneven
 
 if TYPE_CHECKING:
@@ -209,15 +210,17 @@ class PipelineDriver:
 
     # ---- calls ------------------------------------------------------------------------------------------
 
-    def _info(self, step: int, mb: int, stage: int, work: ChainWork, numbering=None) -> stage_pb2.CallInfo:
-        chain = work.chain
+    def _info(self, step: int, mb: int, stage: int, work: ChainWork, layout=None) -> stage_pb2.CallInfo:
+        """The call info of micro-batch `mb` of `work`; `layout`: (schedule, `stage_numbering`) with uneven
+        replica counts, None with equal ones."""
+        chain, (schedule, numbering) = work.chain, layout or (self.schedule, None)
         info = stage_pb2.CallInfo(
             step=step,
             micro_batch=mb,
             stage=stage,
             plan_version=self.plan_version,
             num_micro_batches=len(work.micro),
-            schedule=self.schedule,
+            schedule=schedule,
             route=chain.addresses,
             route_peers=chain.peers,
             deadline_s=self.deadline_s,
@@ -280,19 +283,19 @@ class PipelineDriver:
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
-    def _micro_batch(self, step: int, work: ChainWork, mb: int, numbering=None) -> _MicroResult:
+    def _micro_batch(self, step: int, work: ChainWork, mb: int, layout=None) -> _MicroResult:
         last, data = self.n_stages - 1, work.micro[mb]
         first_r, last_r = work.chain.index % self.counts[0], work.chain.index % self.counts[last]
-        info = self._info(step, mb, last, work, numbering)
+        info = self._info(step, mb, last, work, layout)
         self._call(last, last_r, "PutLabels", stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(data.targets)))
         item = stage_pb2.StreamItem(
-            info=self._info(step, mb, 0, work, numbering), tokens=tokens_to_wire(data.tokens, data.sample_ids)
+            info=self._info(step, mb, 0, work, layout), tokens=tokens_to_wire(data.tokens, data.sample_ids)
         )
         # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
         # comes back
         fw = self._call(0, first_r, "Forward", iter([item.SerializeToString()]))
         # communication: the backward starts at the chain's last stage and flows back to its stage 0
-        start = stage_pb2.StreamItem(info=self._info(step, mb, last, work, numbering)).SerializeToString()
+        start = stage_pb2.StreamItem(info=self._info(step, mb, last, work, layout)).SerializeToString()
         bw = self._call(last, last_r, "Backward", iter([start]))
         traffic = Traffic()
         traffic.add(fw.traffic, "forward")
@@ -303,12 +306,17 @@ class PipelineDriver:
         """Every chain's micro-batches, all at once; the batch's mean loss and the bytes. Records each chain's
         samples/s in `weights`."""
         start = time.perf_counter()
-        numbering = None
+        layout = None
         if uneven(self.counts):  # shared replicas: number every replica's micro-batches (route, position) order
             numbering = stage_numbering({w.chain.index: len(w.micro) for w in work}, self.counts)
+            # a shared replica interleaves routes: 1F1B may then deadlock (from 3 stages on); GPipe never does
+            schedule = self.schedule if runs_through(self.schedule, self.counts, numbering) else "gpipe"
+            if schedule != self.schedule:
+                log.info("step %d: %s would deadlock on these routes' shared replicas: gpipe", step, self.schedule)
+            layout = (schedule, numbering)
         tasks = [
             [
-                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, numbering), w.chain.peers)
+                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout), w.chain.peers)
                 for mb in range(len(w.micro))
             ]
             for w in work

@@ -8,6 +8,7 @@ computes what the in-process one does, and 1F1B's bound on activations in flight
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 
 from swarm.runtime.schedules import SCHEDULES, Action, Kind
@@ -138,3 +139,43 @@ class ScheduleGate:
             self._step, self._program, self._pos, self._running = None, [], 0, None
             self._generation += 1
             self._cond.notify_all()
+
+
+def runs_through(schedule: str, counts: Sequence[int], numbering: Mapping[tuple[int, int], tuple]) -> bool:
+    """Whether the replicas' programs of `schedule` finish for a step numbered by `routes.stage_numbering`
+    (`numbering`: (route, k) -> (stage_micro, stage_micro_count)), or some replicas would wait on each other.
+
+    With uneven replica counts a shared replica interleaves the micro-batches of several routes, so 1F1B can
+    deadlock from three stages on: e.g. counts (1, 2, 3), routes 3, 4, 5 with 1, 2 and 1 micro-batches: stage 1's
+    replica 1 holds its backward of route 3 behind its forward of route 5, which stage 0 runs only after that
+    backward. GPipe (every forward first) always runs through. Plays the step out: each replica runs its next
+    action once its input is there (the forward from the previous stage, the backward from the next one).
+    """
+    n_stages = len(counts)
+    at: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stage, replica, local index) -> (route, k)
+    for (route, k), (index, _) in numbering.items():
+        for s in range(n_stages):
+            at[(s, route % counts[s], index[s])] = (route, k)
+    programs = {}
+    for s, r in {(s, route % counts[s]) for route, _ in numbering for s in range(n_stages)}:
+        n = sum(1 for route, _ in numbering if route % counts[s] == r)
+        programs[(s, r)] = SCHEDULES[schedule](n_stages, n)[s]
+    done: set[tuple[Kind, int, tuple[int, int]]] = set()
+    pos = dict.fromkeys(programs, 0)
+    moved = True
+    while moved:
+        moved = False
+        for (s, r), program in programs.items():
+            while pos[(s, r)] < len(program):
+                action = program[pos[(s, r)]]
+                mb = at[(s, r, action.mb)]
+                if action.kind == Kind.FORWARD:
+                    ready = s == 0 or (Kind.FORWARD, s - 1, mb) in done
+                else:
+                    ready = (Kind.FORWARD if s == n_stages - 1 else Kind.BACKWARD, min(s + 1, n_stages - 1), mb) in done
+                if not ready:
+                    break
+                done.add((action.kind, s, mb))
+                pos[(s, r)] += 1
+                moved = True
+    return all(pos[key] == len(program) for key, program in programs.items())

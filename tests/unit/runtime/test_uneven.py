@@ -15,7 +15,9 @@ from swarm.compression import CodecConfig
 from swarm.net.stream import CallRefused
 from swarm.proto import stage_pb2
 from swarm.runtime.budget import StageBudget
+from swarm.runtime.gate import runs_through
 from swarm.runtime.local import LocalPipeline
+from swarm.runtime.routes import stage_numbering
 from tests.unit.runtime.test_replicas import CFG, FP32, batch, digests, weights
 from tests.unit.runtime.test_reroute import _KillOn
 
@@ -212,3 +214,31 @@ def test_equal_counts_send_no_stage_micro():
         assert infos and all(not i.stage_micro and not i.stage_micro_count for i in infos)
     finally:
         pipe.close()
+
+
+def test_runs_through_finds_the_1f1b_deadlock_of_shared_replicas_and_gpipe_has_none():
+    counts = (1, 2, 3)
+    # stage 1's replica 1 would hold route 3's backward behind route 5's forward, which stage 0 runs after it
+    numbering = stage_numbering({3: 1, 4: 2, 5: 1}, counts)
+    assert not runs_through("1f1b", counts, numbering) and runs_through("gpipe", counts, numbering)
+    equal = stage_numbering({0: 3, 1: 2}, (2, 2, 2))
+    assert runs_through("1f1b", (2, 2, 2), equal)
+    assert runs_through("1f1b", (1, 2), stage_numbering({0: 4, 1: 1}, (1, 2)))
+
+
+def test_uneven_1f1b_that_would_deadlock_runs_the_step_as_gpipe():
+    counts, n_micro, b = (1, 2, 3), 6, batch(seed=4)
+    one = LocalPipeline(CFG, 3, FP32, FP32, schedule="1f1b")
+    many = LocalPipeline(CFG, 3, FP32, FP32, schedule="1f1b", replicas=counts)
+    try:
+        driver = many.driver(n_micro)
+        work = driver._work(b, driver.chains)
+        numbering = stage_numbering({w.chain.index: len(w.micro) for w in work}, counts)
+        assert not runs_through("1f1b", counts, numbering)  # as 1F1B this step's replicas would wait on each other
+        a, r = one.train_step(b, n_micro=4), many.train_step(b, n_micro=n_micro)
+        assert r.attempts == 1 and r.chains == 6 and sorted(r.sample_ids) == b.sample_ids.tolist()
+        assert r.loss == pytest.approx(a.loss, abs=1e-5)
+        assert all(len(d) == 1 for d in digests(many))
+    finally:
+        one.close()
+        many.close()
