@@ -5,8 +5,10 @@ directly, never through the driver. The driver only collects each micro-batch's 
 tied embedding's two gradients (summed and sent back) and each stage's squared gradient norm. The stages
 are reached through a `Connector`: over gRPC in a swarm, in-process in `swarm.runtime.local`.
 
-With replicas, column r of the plan is chain r: each sample trains on one chain (`swarm.runtime.chains`),
-the replicas of each stage then sum their gradients among themselves (`Reduce`) before every replica steps.
+With replicas, the plan's routes (`swarm.runtime.routes`: column r with equal counts, route c on replica
+c % R_s of stage s with uneven ones) are the chains: each sample trains on one (`swarm.runtime.chains`), the
+replicas of each stage then sum their gradients among themselves (`Reduce`) before every replica steps; a
+replica shared by several routes gets one Reduce, Grads and Step per step.
 A peer that dies mid-step (a failed call confirmed by a ping, or missed heartbeats) takes its chain out;
 the step is abandoned on every live replica and run again whole on the surviving chains, so every stage
 applies each step exactly once.
@@ -122,7 +124,7 @@ class PipelineDriver:
 
     Args:
         route: address of every stage in pipeline order: one per stage, or the replicas of each stage
-            (`route[stage][replica]`, the same number for every stage; replica r of every stage is chain r).
+            (`route[stage][replica]`; counts may differ between stages: route c runs on replica c % R_s).
         peers: peer ids, shaped like `route`.
         schedule: a name in `swarm.runtime.schedules.SCHEDULES`.
         n_micro: micro-batches per step, over all chains.

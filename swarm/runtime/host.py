@@ -56,7 +56,7 @@ class StageRole:
     layer_end: int
     plan_version: int = 0
     replica: int = 0
-    """This peer's column among its stage's replicas: the chain it serves."""
+    """This peer's index among its stage's replicas (it serves the routes c with c % R_stage == replica)."""
 
     @property
     def is_first(self) -> bool:
