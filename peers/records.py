@@ -383,8 +383,10 @@ def validate_plan(
             if pid in seen:
                 raise _fail(r, "peer_ids", "each peer in one stage only", pid)
             seen.add(pid)
-        if len(ids) != len(stages[0].get("peer_ids") or ()):
-            raise _fail(r, "peer_ids", "as many replicas as every other stage (chains are columns)", len(ids))
+    from swarm.runtime.routes import MAX_ROUTES  # uneven replica counts: routes are their lcm (issue 12)
+
+    if math.lcm(*(len(s["peer_ids"]) for s in stages)) > MAX_ROUTES:
+        raise _fail("plan", "stages", f"replica counts whose lcm is at most {MAX_ROUTES} (routes)", len(stages))
     if model_n_layers is not None and start != model_n_layers:
         raise _fail(f"plan.stages[{len(stages) - 1}]", "layer_end", f"{model_n_layers} (the model's layers)", start)
     unused = plan.get("unused_peer_ids", [])

@@ -17,7 +17,7 @@ import grpc
 from swarm.daemon.held import HeldStore, buddy_of, parse_held_layers, state_items_of
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 
-__all__ = ["HeldServer", "Replicator", "leave_done", "takeover_sources"]
+__all__ = ["HeldServer", "Replicator", "leave_done", "served_by_replicas", "takeover_sources"]
 
 log = logging.getLogger("swarm.daemon.churn")
 
@@ -142,6 +142,17 @@ def takeover_sources(
     held = [(p.peer_id, n) for p in peers for s, e, n in p.held if (s, e) == (start, end) and p.peer_id != me]
     held.sort(key=lambda c: (-c[1], c[0]))
     return replicas, held
+
+
+def served_by_replicas(record: PlanRecord, stage: int, peers: list[PeerAnnouncement], me: str) -> bool:
+    """Whether another peer `record` gives `stage` (a replica, of any index) already serves those layers (as
+    announced, under any plan): then a peer that joins the stage with no older plan to take it over from
+    (its first plan names it) copies their state, instead of serving initial weights beside trained ones.
+    False in a fresh swarm, where nobody serves yet."""
+    spec = record.plan["stages"][stage]
+    layers = (int(spec["layer_start"]), int(spec["layer_end"]))
+    others = {str(p) for p in spec["peer_ids"]} - {me}
+    return any(p.peer_id in others and (p.layer_start, p.layer_end) == layers for p in peers)
 
 
 def leave_done(plan: PlanRecord | None, peers: list[PeerAnnouncement], me: str, my_layers: tuple[int, int]) -> bool:

@@ -328,8 +328,9 @@ class PeerDaemon:
             self.servicer.when_idle(bump, wait_s)
         else:
             new_host = None if role is None else self._make_host(role)
-            if new_host is not None and self.following is not None:
-                self._hand_over(new_host, self.following, own=not behind)
+            source = self._state_source(record, role)
+            if new_host is not None and source is not None:
+                self._hand_over(new_host, source, own=not behind and source is self.following)
             self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
             if roster is None:
                 self.servicer.set_roster(None)  # no calls until every stage's address is known
@@ -348,6 +349,17 @@ class PeerDaemon:
                 role.layer_start,
                 role.layer_end,
             )
+
+    def _state_source(self, record, role):
+        """The plan whose holders a new host takes its layers from: the plan this peer followed, or, for a
+        peer whose first plan already makes it one more replica of a stage that others serve (its start-up
+        read of the plan failed, or it restarted), `record` itself: its other replicas. None: nothing to take
+        (a fresh swarm), so the layers start from the initial weights or --resume's checkpoint."""
+        from swarm.daemon.churn import served_by_replicas
+
+        if self.following is not None or role is None:
+            return self.following
+        return record if served_by_replicas(record, role.stage, self.dht.peers(), self.dht.peer_id) else None
 
     def _steps_done(self, address: str) -> int | None:
         """The steps applied by the stage at `address` (its Status); None if it does not answer."""

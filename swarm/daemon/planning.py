@@ -14,9 +14,11 @@
   (see `StageServicer.when_idle`), and stages refuse calls stamped with another plan version, so no step
   ever mixes two plans.
 
-Replicas: `--replicas N` plans N replicas of every stage (0: the cost model's choice); peers a plan leaves
-out stay on standby. After a loss the planner first REPAIRS the current plan (`swarm.daemon.repair`: the lost
-place goes to a standby, nobody else moves) and searches anew only when no standby is left. Plan peers that
+Replicas: `--replicas N` plans N replicas of every stage in the first plan (0: the cost model's choice); peers
+it leaves out stay on standby. After a loss the planner first REPAIRS the current plan (`swarm.daemon.repair`:
+the lost place goes to a standby, else the stage serves with fewer replicas, nobody else moves) and searches
+anew only when that fails. A joiner becomes one more replica of the busiest stage (`grow_plan`), so stages may
+have different replica counts (the runtime's routes, `swarm.runtime.routes`). Plan peers that
 stop answering its `Status` heartbeats (`swarm.daemon.liveness`) or announce that they are leaving count as
 gone at once, without waiting for their announcements to expire.
 """
@@ -148,7 +150,8 @@ def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> Searc
 
 
 def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
-    """This peer's stage (and replica: its column) under a published plan, or None if it is on standby."""
+    """This peer's stage (and replica: its index in the stage's `peer_ids`) under a published plan, or None if
+    it is on standby."""
     stages = record.plan.get("stages", [])
     for index, stage in enumerate(stages):
         ids = stage.get("peer_ids", [])
@@ -168,20 +171,33 @@ def plan_peers(record: PlanRecord) -> set[str]:
 
 @dataclass(frozen=True)
 class Route:
-    """The pipelines a trainer drives: every replica of every stage, all following the same plan."""
+    """The pipelines a trainer drives: every replica of every stage, all following the same plan.
+
+    Stages may have different replica counts (a joiner became one more replica of the busiest stage): the
+    trainer then drives the routes of `swarm.runtime.routes` (route c runs on replica c % R_s of stage s).
+    """
 
     addresses: list[str]
-    """gRPC address of each stage of chain 0, in pipeline order (what single-chain callers use)."""
+    """gRPC address of each stage's replica 0, in pipeline order (route 0: what single-chain callers use)."""
     peer_ids: list[str]
     plan_version: int = 0
     """The plan they follow (0: an even split by join order, no plan)."""
     replica_addresses: tuple[tuple[str, ...], ...] = ()
-    """`[stage][replica]`: column r is chain r (empty: one chain, `addresses`)."""
+    """`[stage][replica]`, rows of different lengths when the counts are uneven (empty: one replica per stage,
+    `addresses`)."""
     replica_peer_ids: tuple[tuple[str, ...], ...] = ()
 
     @property
+    def replica_counts(self) -> tuple[int, ...]:
+        """Replicas of every stage, in stage order."""
+        if self.replica_peer_ids:
+            return tuple(len(row) for row in self.replica_peer_ids)
+        return (1,) * len(self.peer_ids)
+
+    @property
     def n_replicas(self) -> int:
-        return len(self.replica_addresses[0]) if self.replica_addresses else 1
+        """The most replicas any stage has: 1 exactly when the route is one flat chain."""
+        return max(self.replica_counts, default=1)
 
     def nested(self) -> tuple[tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:
         """(addresses, peer ids) as `[stage][replica]`, for `PipelineDriver`'s nested form."""
@@ -190,15 +206,16 @@ class Route:
         return tuple((a,) for a in self.addresses), tuple((p,) for p in self.peer_ids)
 
     def driver_args(self) -> tuple:
-        """What `PipelineDriver(route, peers, ...)` takes: flat with one replica (every driver takes that),
-        nested `[stage][replica]` with more."""
+        """What `PipelineDriver(route, peers, ...)` takes: flat with one replica per stage (every driver takes
+        that), nested `[stage][replica]` otherwise (rows of different lengths when uneven)."""
         if self.n_replicas == 1:
             return list(self.addresses), list(self.peer_ids)
         return tuple(map(list, self.replica_addresses)), tuple(map(list, self.replica_peer_ids))
 
 
 def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
-    """Every chain of the plan, once every one of its peers announces that it follows the plan."""
+    """Every replica of every stage of the plan, once every one of its peers announces that it follows the
+    plan (replica counts may differ between stages; None while a peer is still switching)."""
     following = {p.peer_id: p for p in peers if p.plan_version == record.version and p.stage is not None}
     addresses, ids = [], []
     for index, stage in enumerate(record.plan.get("stages", [])):
@@ -208,12 +225,14 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
             if ann is None or ann.stage != index:
                 return None
             row.append(ann.address)
+        if not row:
+            return None
         addresses.append(tuple(row))
         ids.append(tuple(map(str, stage["peer_ids"])))
-    if not ids or len({len(r) for r in ids}) != 1:
+    if not ids:
         return None
     flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
-    return Route(*flat) if len(ids[0]) == 1 else Route(*flat, tuple(addresses), tuple(ids))
+    return Route(*flat) if all(len(r) == 1 for r in ids) else Route(*flat, tuple(addresses), tuple(ids))
 
 
 class LinkProber:
@@ -279,9 +298,9 @@ class Planner:
     """Makes and publishes plans when this peer leads (lowest id announced) and the membership changed.
 
     A change that loses plan peers (dead: missed heartbeats; leaving: announced so) is REPAIRED (`repair_plan`):
-    published at once, without the settle wait, since nobody moves but the standby. Joins: with `replicas`
-    set (--replicas N) a joiner waits on standby, and as many standbys as stages form one more chain
-    (`grow_plan`, up to N); with the cost model's choice (0) a join re-plans as before.
+    published at once, without the settle wait, since nobody moves but the standby. A joiner becomes one more
+    replica of the busiest stage (`grow_plan`), also at once; the plan's standbys stay the takeover reserve.
+    `replicas` (--replicas N) sizes the first plan (and a full re-search) only.
     """
 
     def __init__(
@@ -342,11 +361,10 @@ class Planner:
             return None
         repaired = None
         if current is not None and not same_peers:
-            lost = any(p not in alive for s in current.plan["stages"] for p in s["peer_ids"])
-            if lost or self.replicas:  # a loss is repaired; with --replicas N a joiner waits on standby
-                repaired = repair_plan(current.plan, alive, gone)
-            if repaired is not None and self.replicas:
-                repaired = grow_plan(repaired, self.replicas)  # enough standbys: one more chain
+            # a loss is repaired (nobody else moves); a joiner becomes one more replica of the busiest stage
+            repaired = repair_plan(current.plan, alive, gone)
+            if repaired is not None:
+                repaired = grow_plan(repaired, {p.peer_id: p.compute_layers_per_s for p in peers if p.peer_id in alive})
         if repaired is None and now - self._since < self.settle_s:
             return None  # peers are still arriving (or leaving): wait for the set to settle
         version = self.next_version(peers)

@@ -1,25 +1,38 @@
-"""Plan repair: after a loss, the dead (or leaving) peer's place goes to a standby and nobody else moves.
+"""Plan repair and growth: after a loss nobody but the replacement moves; a joiner becomes one more replica of
+the busiest stage.
 
-A full re-search after every loss would reshuffle layers across the swarm, and every moved peer pulls its new
-layers' state over slow links. A repair keeps every surviving peer where it was (same stage, same column, so
-same chain) and hands each lost place to a standby, which then pulls that stage's state from a surviving
-replica or a held checkpoint copy. Only when there are fewer standbys than lost places does the planner search
-again (fewer replicas or stages). Joins never move anyone either: a joiner waits on standby until a repair, a
-re-plan or a new column uses it (`grow_plan`: once there are as many standbys as stages, they form one more
-chain, up to the run's --replicas).
+A full re-search after every loss or join would reshuffle layers across the swarm, and every moved peer pulls its
+new layers' state over slow links. So:
 
-Pure functions of the plan dict (the `PlanRecord.plan` JSON form), so every case is unit-tested without a swarm.
+- `repair_plan` keeps every surviving peer where it was (same stage, same replica index) and hands each lost
+  place to a standby, which then pulls that stage's state from a surviving replica or a held checkpoint copy.
+  Without a standby, a lost replica of a stage that keeps another one is simply dropped (the stage serves with
+  fewer replicas), and a stage that lost all of them takes the last replica of the stage with the most (at
+  least two). Only when that too is impossible does the planner search again.
+- `grow_plan` makes each joiner (a live peer the plan does not name) one more replica of the busiest stage, the
+  one with the most time per sample (its layers / the sum of its replicas' compute speeds), as long as the
+  plan's routes (`swarm.runtime.routes.n_routes`: the lcm of the replica counts) stay within `max_routes`. The
+  joiner pulls that stage's state from a live replica and serves from the next step. The plan's own standbys
+  (`unused_peer_ids`) stay standbys: they are the takeover reserve.
+
+Pure functions of the plan dict (the `PlanRecord.plan` JSON form), deterministic (any planner computes the same
+plan from the same announcements), so every case is unit-tested without a swarm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import math
+import statistics
+from collections.abc import Collection, Mapping, Sequence
 
-__all__ = ["grow_plan", "plan_columns", "repair_plan", "standby_pool"]
+from swarm.runtime.routes import MAX_ROUTES
+
+__all__ = ["busiest_stage", "grow_plan", "plan_columns", "repair_plan", "standby_pool"]
 
 
 def plan_columns(plan: dict) -> list[list[str]]:
-    """The plan's chains: column r is `peer_ids[r]` of every stage, in stage order."""
+    """The plan's straight chains: column r is `peer_ids[r]` of every stage, for r below the smallest replica
+    count (with uneven counts the routes are `swarm.runtime.routes`', not these)."""
     stages = plan.get("stages", [])
     if not stages:
         return []
@@ -37,10 +50,15 @@ def standby_pool(plan: dict, alive: Collection[str], gone: Collection[str]) -> l
     return pool + joiners
 
 
+def _legal(counts: Sequence[int], max_routes: int = MAX_ROUTES) -> bool:
+    return bool(counts) and min(counts) >= 1 and math.lcm(*counts) <= max_routes
+
+
 def repair_plan(
     plan: dict, alive: Collection[str], gone: Collection[str] = (), order: Sequence[str] = ()
 ) -> dict | None:
-    """The plan with every place of a gone peer given to a standby, everything else unchanged.
+    """The plan with every place of a gone peer given to a standby (or dropped, or re-assigned), everything
+    else unchanged.
 
     Args:
         plan: the current plan (`PlanRecord.plan`).
@@ -49,33 +67,85 @@ def repair_plan(
         order: preferred standbys first (e.g. fastest first); others follow `standby_pool`'s order.
 
     Returns:
-        The repaired plan (stages and `unused_peer_ids` updated, every other key kept; standbys that left are
-        dropped and joiners listed as standbys), or None when a lost place has no standby to take it: the
-        caller searches a new plan then.
+        The repaired plan (stages and `unused_peer_ids` updated, every other key kept), or None when a stage
+        lost every replica and neither a standby nor a stage with two or more replicas is left to fill it, or
+        the result would need more than MAX_ROUTES routes: the caller searches a new plan then. A lost place
+        takes the first standby (the plan's, then joiners); without one, a lost replica of a stage that keeps
+        another is dropped, and a stage left empty takes the last replica of the stage with the most replicas
+        (lowest stage on ties). The plan's standbys that are left stay listed (those that left are dropped);
+        joiners not used are left out, for `grow_plan` to place.
     """
-    gone = {str(p) for p in gone} | ({str(p) for s in plan.get("stages", []) for p in s["peer_ids"]} - set(alive))
+    named = {str(p) for s in plan.get("stages", []) for p in s["peer_ids"]}
+    gone = {str(p) for p in gone} | (named - set(alive))
     pool = standby_pool(plan, alive, gone)
     preferred = [p for p in order if p in pool]
     pool = preferred + [p for p in pool if p not in preferred]
-    stages = []
-    for stage in plan.get("stages", []):
-        ids = []
-        for pid in map(str, stage["peer_ids"]):
-            if pid in gone:
-                if not pool:
-                    return None
-                pid = pool.pop(0)
-            ids.append(pid)
-        stages.append({**stage, "peer_ids": ids})
-    return {**plan, "stages": stages, "unused_peer_ids": pool}
+    listed = {str(p) for p in plan.get("unused_peer_ids", [])}
+    slots = [[None if p in gone else p for p in map(str, stage["peer_ids"])] for stage in plan.get("stages", [])]
+    # a stage that lost every replica takes a standby first (one each), then the other lost places in order
+    for row in [r for r in slots if r and not any(r)]:
+        if pool:
+            row[0] = pool.pop(0)
+    for row in slots:
+        for k, pid in enumerate(row):
+            if pid is None and pool:
+                row[k] = pool.pop(0)
+    rows = [[p for p in row if p is not None] for row in slots]  # unfilled places are dropped
+    for row in rows:
+        if row:
+            continue
+        donor = max(range(len(rows)), key=lambda d: (len(rows[d]), -d))
+        if len(rows[donor]) < 2:
+            return None
+        row.append(rows[donor].pop())  # its last replica: the others keep their replica index
+    if not _legal([len(r) for r in rows]):
+        return None
+    stages = [{**stage, "peer_ids": row} for stage, row in zip(plan.get("stages", []), rows, strict=True)]
+    return {**plan, "stages": stages, "unused_peer_ids": [p for p in pool if p in listed]}
 
 
-def grow_plan(plan: dict, replicas: int) -> dict:
-    """The plan with new columns (chains) of standbys, one standby per stage each, while there are enough
-    standbys and fewer than `replicas` columns; nobody already serving moves."""
-    stages = [dict(s, peer_ids=list(s["peer_ids"])) for s in plan.get("stages", [])]
-    pool = [str(p) for p in plan.get("unused_peer_ids", [])]
-    while stages and len(stages[0]["peer_ids"]) < replicas and len(pool) >= len(stages):
-        for stage in stages:
-            stage["peer_ids"].append(pool.pop(0))
-    return {**plan, "stages": stages, "unused_peer_ids": pool}
+def busiest_stage(plan: dict, speeds: Mapping[str, float], max_routes: int = MAX_ROUTES) -> int | None:
+    """The stage one more replica helps most: the highest time per sample (layers / the sum of its replicas'
+    layers/s; a peer without a known speed counts at the median), ties to the lowest stage, among the stages
+    where one more replica keeps the plan within `max_routes` routes; None when there is no such stage."""
+    stages = plan.get("stages", [])
+    known = [float(v) for v in speeds.values() if v and v > 0]
+    typical = statistics.median(known) if known else 1.0
+    counts = [len(s["peer_ids"]) for s in stages]
+    best, best_time = None, -1.0
+    for s, stage in enumerate(stages):
+        grown = counts[:s] + [counts[s] + 1] + counts[s + 1 :]
+        if not _legal(grown, max_routes):
+            continue
+        rate = sum(float(speeds.get(str(p)) or typical) for p in stage["peer_ids"])
+        per_sample = (int(stage["layer_end"]) - int(stage["layer_start"])) / max(rate, 1e-12)
+        if per_sample > best_time:
+            best, best_time = s, per_sample
+    return best
+
+
+def grow_plan(plan: dict, speeds: Mapping[str, float], max_routes: int = MAX_ROUTES) -> dict:
+    """The plan with every joiner made one more replica of the busiest stage (`busiest_stage`), one at a time
+    in id order, so each sees the stages the previous ones grew; nobody already serving moves.
+
+    Args:
+        plan: the (repaired) plan.
+        speeds: peer id -> compute layers/s, from the announcements of the live peers: its keys that the plan
+            neither uses nor lists as standbys are the joiners.
+        max_routes: most routes the grown plan may need.
+
+    Returns:
+        The plan with the joiners appended to their stages' `peer_ids`; a joiner no stage can take (every
+        stage would need too many routes) is listed as a standby. The plan's standbys stay standbys.
+    """
+    stages = [dict(s, peer_ids=[str(p) for p in s["peer_ids"]]) for s in plan.get("stages", [])]
+    unused = [str(p) for p in plan.get("unused_peer_ids", [])]
+    named = {p for s in stages for p in s["peer_ids"]} | set(unused)
+    grown = {**plan, "stages": stages, "unused_peer_ids": unused}
+    for joiner in sorted(str(p) for p in speeds if str(p) not in named):
+        s = busiest_stage(grown, speeds, max_routes) if stages else None
+        if s is None:
+            unused.append(joiner)
+        else:
+            stages[s]["peer_ids"].append(joiner)
+    return grown

@@ -85,9 +85,7 @@ def roster_from_plan(
     addresses.update(known or {})
     stages = record.plan.get("stages", [])
     replicas = tuple(tuple(str(p) for p in stage["peer_ids"]) for stage in stages)
-    columns = min((len(row) for row in replicas), default=0)  # chains are whole columns (plans are uniform)
     named = {p for row in replicas for p in row} | {str(p) for p in record.plan.get("unused_peer_ids", [])}
-    replicas = tuple(row[:columns] for row in replicas)
     if not replicas or any(p not in addresses for row in replicas for p in row):
         return None
     trainer_ids = record.plan.get("trainer_ids")

@@ -42,9 +42,9 @@ def test_a_leaving_peer_is_replaced_while_still_announced():
     assert ids(fixed) == [[A, B], [E, D]]
 
 
-def test_without_a_standby_there_is_no_repair():
-    assert repair_plan(grid([A, B], [C, D]), alive={A, B, C}) is None
-    assert repair_plan(grid([A], [B], unused=[C]), alive={B}, gone=set()) is None, "two lost, one standby left"
+def test_without_a_standby_there_is_no_repair_when_no_stage_can_spare_a_replica():
+    assert repair_plan(grid([A], [B], unused=[C]), alive={B}, gone=set()) is None, "the standby left too"
+    assert repair_plan(grid([A], [B], [D], unused=[C]), alive={B, C}) is None, "two stages lost, one standby"
     assert repair_plan(grid([A], [B], unused=[C]), alive={A, B, C}, gone={B, C}) is None, "the standby is gone too"
 
 
@@ -54,10 +54,10 @@ def test_nothing_lost_leaves_stages_and_standbys_unchanged():
     assert ids(fixed) == ids(plan) and fixed["unused_peer_ids"] == [F, E], "standby order kept"
 
 
-def test_joiners_wait_on_standby_and_gone_standbys_are_dropped():
+def test_joiners_are_left_for_grow_plan_and_gone_standbys_are_dropped():
     fixed = repair_plan(grid([A], [B], unused=[C, D]), alive={A, B, D, F, E})
     assert ids(fixed) == [[A], [B]]
-    assert fixed["unused_peer_ids"] == [D, E, F], "plan's standbys first, then joiners by id; C left"
+    assert fixed["unused_peer_ids"] == [D], "the plan's standbys stay (C left); joiners E, F are grow_plan's"
 
 
 def test_several_losses_and_a_preferred_standby():
@@ -96,15 +96,29 @@ def test_the_planner_repairs_at_once_and_searches_only_without_a_standby():
     planner.round()
     assert [v for v, _ in published] == [4], "repaired in the same round: no settle wait"
     assert ids(published[0][1]) == [[A, B], [C, E]]
-    # E dies too: no standby is left, so the survivors search a new plan (after the settle wait)
+    # E dies too: no standby is left, so stage 1 serves with one replica fewer, again at once
     records["peers"] = [p for p in records["peers"] if p.peer_id != E]
+    planner.round()
+    assert [v for v, _ in published] == [4, 5] and ids(published[1][1]) == [[A, B], [C]]
+    # C dies: stage 1 has none left and takes stage 0's last replica, B
+    records["peers"] = [p for p in records["peers"] if p.peer_id != C]
+    planner.round()
+    assert [v for v, _ in published] == [4, 5, 6] and ids(published[2][1]) == [[A], [B]]
+    # a new peer C joins, then B dies: C (not yet placed) takes B's place... (C joined: stage 0, the tie)
+    records["peers"] = [*records["peers"], peer(C)]
+    planner.round()
+    assert ids(published[3][1]) == [[A, C], [B]], "the joiner became a replica of the busiest stage"
+    # B dies: nobody can take stage 1 but C (stage 0 has two): a re-assignment, not a search
+    records["peers"] = [p for p in records["peers"] if p.peer_id != B]
+    planner.round()
+    assert ids(published[4][1]) == [[A], [C]]
+    # C dies: stage 1 is empty and stage 0 has one replica: only a full search (after the settle wait) helps
+    records["peers"] = [p for p in records["peers"] if p.peer_id != C]
     assert planner.round() is None, "a full search waits for the set to settle"
     clock.t += 6
     planner.round()
-    assert [v for v, _ in published] == [4, 5]
-    made = published[1][1]
-    assert len({len(s["peer_ids"]) for s in made["stages"]}) == 1, "uniform replicas: 3 peers, 2 stages -> 1 + standby"
-    assert sorted([p for s in made["stages"] for p in s["peer_ids"]] + made["unused_peer_ids"]) == [A, B, C]
+    assert [v for v, _ in published] == [4, 5, 6, 7, 8, 9]
+    assert [p for s in published[-1][1]["stages"] for p in s["peer_ids"]] == [A], "one peer: one stage"
 
 
 def test_a_leaving_peer_is_planned_without_while_announced():
@@ -188,26 +202,27 @@ def test_replicas_flag_plans_that_many_replicas_of_every_stage_when_the_peers_al
     assert [len(s.peer_ids) for s in plan(inp, SPEC, live_search(2)).stages] == [1, 1], "the default stays 1"
 
 
-def test_enough_standbys_form_one_more_chain_up_to_the_replicas_asked_for():
-    from swarm.daemon.repair import grow_plan
-
-    plan = grid([A], [B], unused=[C, D, E])
-    assert ids(grow_plan(plan, 2)) == [[A, C], [B, D]] and grow_plan(plan, 2)["unused_peer_ids"] == [E]
-    assert ids(grow_plan(plan, 3)) == [[A, C], [B, D]], "one standby is not a chain"
-    assert ids(grow_plan(plan, 1)) == [[A], [B]], "--replicas 1: no more chains"
-
-
-def test_with_replicas_set_a_joiner_waits_on_standby_then_joins_a_new_chain():
+def test_with_replicas_set_a_joiner_becomes_a_replica_of_the_busiest_stage_at_once():
     current = record(3, {**grid([A], [B]), "trainer_ids": []})
     records = {"peers": [peer(A, 3, 0), peer(B, 3, 1)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
-    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock(), replicas=2)
+    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock(), replicas=1)
     records["peers"] = [*records["peers"], peer(C)]
     planner.round()
-    assert [(ids(p), p["unused_peer_ids"]) for _, p in published] == [([[A], [B]], [C])], "C waits; nobody moves"
-    records["peers"] = [*records["peers"], peer(D)]
+    assert [(v, ids(p), p["unused_peer_ids"]) for v, p in published] == [(4, [[A, C], [B]], [])], (
+        "equal speeds and layers: the tie goes to stage 0; no settle wait, --replicas 1 does not cap growth"
+    )
+    records["peers"] = [peer(A, 4, 0), peer(B, 4, 1), peer(C, 4, 0), peer(D)]
     planner.round()
-    assert ids(published[-1][1]) == [[A, C], [B, D]], "two standbys for two stages: one more chain"
+    assert ids(published[-1][1]) == [[A, C], [B, D]], "now stage 1 is the busiest"
+
+
+def test_a_planner_with_a_standby_keeps_it_and_grows_with_the_joiner():
+    current = record(3, {**grid([A], [B], unused=[C]), "trainer_ids": []})
+    records = {"peers": [peer(A, 3, 0), peer(B, 3, 1), peer(C, 3), peer(D)], "plan": [(A, current)]}
+    dht, published = swarm(A, records)
+    Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock()).round()
+    assert [(ids(p), p["unused_peer_ids"]) for _, p in published] == [([[A, D], [B]], [C])]
 
 
 def test_a_planner_taking_over_from_a_dead_planner_re_plans_below_min_peers():

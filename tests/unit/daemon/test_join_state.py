@@ -1,0 +1,130 @@
+"""A joiner made one more replica of a stage (issue 12) copies that stage's state from a live replica before it
+announces that it serves: from its standby plan's holders, or (its first plan already names it) from the new
+plan's other replicas. Daemon paths with stub DHT, servicer and host: no processes, no sockets."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import swarm.daemon.liveness as liveness
+import swarm.daemon.planning as planning
+import swarm.runtime.checkpoint as checkpoint
+from swarm.daemon.churn import served_by_replicas
+from swarm.daemon.held import buddy_of
+from swarm.daemon.peer import PeerConfig, PeerDaemon
+from swarm.peers.records import PeerAnnouncement, PlanRecord
+
+A, B, C, J = "0a0000000000", "0b0000000000", "0c0000000000", "0j0000000000"
+ADDRESS = {A: "127.0.0.1:5000", B: "127.0.0.1:5001", C: "127.0.0.1:5002", J: "127.0.0.1:5009"}
+
+
+def ann(pid: str, version: int, stage: int | None = None) -> PeerAnnouncement:
+    layers = {} if stage is None else {"stage": stage, "layer_start": stage, "layer_end": stage + 1}
+    return PeerAnnouncement(pid, ADDRESS[pid], "cpu", 1 << 30, 1.0, plan_version=version, **layers)
+
+
+def record(version: int, *rows: list[str], unused: list[str] = ()) -> PlanRecord:
+    stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": list(r)} for s, r in enumerate(rows)]
+    return PlanRecord(version=version, plan={"stages": stages, "unused_peer_ids": list(unused)}, created_at=1.0)
+
+
+class Servicer:
+    """The StageServicer calls `_apply_plan` makes, recorded."""
+
+    def __init__(self, events: list):
+        self.host = self.previous = None
+        self.policy = SimpleNamespace(roster=None)
+        self.events = events
+
+    def swap(self, host, timeout_s, plan_version=0, roster=None):
+        self.host = host
+        self.events.append(("swap", plan_version))
+        return True
+
+    def set_roster(self, roster):
+        pass
+
+    def when_idle(self, change, timeout_s):
+        change(self)
+        return True
+
+
+def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | None):
+    """A PeerDaemon for J whose GetState fetches, state loads and announcements land in `events`."""
+    events: list = []
+    daemon = PeerDaemon(PeerConfig())
+    daemon.following = following
+    announce = lambda a: events.append(("announce", a))  # noqa: E731
+    daemon.dht = SimpleNamespace(peer_id=J, peers=lambda: list(peers), announce=announce)
+    daemon.book = SimpleNamespace(plan_roster=lambda record, me: None)
+    daemon.servicer = Servicer(events)
+    daemon.channels = None
+    daemon.announcement = ann(J, 0)
+    daemon._make_host = lambda role: SimpleNamespace(role=role, worker=SimpleNamespace(step_count=7), steps_done=0)
+
+    def fetch_state(channels, address, stage, version, *rest, **kw):
+        events.append(("fetch", address, stage, version))
+        return {"model.w": torch.ones(2), "meta.steps_done": torch.tensor([7.0])}
+
+    def take_over(worker, tensors):
+        events.append(("take_over", sorted(tensors)))
+        return len(tensors), [], 7
+
+    monkeypatch.setattr(planning, "fetch_state", fetch_state)
+    monkeypatch.setattr(checkpoint, "take_over", take_over)
+    monkeypatch.setattr(liveness, "status_prober", lambda channels, addresses: lambda pid: True)
+    return daemon, events
+
+
+def test_a_standby_made_a_replica_copies_the_stage_from_its_live_replica_before_announcing(monkeypatch):
+    standby = record(3, [A], [B], unused=[J])
+    grown = record(4, [A], [B, J])
+    peers = [ann(A, 4, 0), ann(B, 4, 1), ann(J, 3)]
+    daemon, events = joiner(monkeypatch, peers, following=standby)
+    daemon._apply_plan(grown)
+    assert events[:2] == [("fetch", ADDRESS[B], 1, 3), ("take_over", ["meta.steps_done", "model.w"])]
+    assert events[2] == ("swap", 4)
+    announced = events[3][1]
+    assert events[3][0] == "announce" and (announced.stage, announced.plan_version) == (1, 4), "serves after"
+    assert daemon.servicer.host.steps_done == 7 and daemon.servicer.host.role.replica == 1
+
+
+def test_a_joiner_whose_first_plan_names_it_copies_from_the_other_replicas(monkeypatch):
+    """Regression: with no plan followed before (its start-up read failed), the joiner served initial weights."""
+    grown = record(4, [A], [B, C, J])
+    peers = [ann(A, 4, 0), ann(B, 4, 1), ann(C, 4, 1), ann(J, 0)]
+    daemon, events = joiner(monkeypatch, peers, following=None)
+    daemon._apply_plan(grown)
+    fetches = [e for e in events if e[0] == "fetch"]
+    assert fetches == [("fetch", ADDRESS[B], 1, 4)], "the new plan's first other replica, under that plan"
+    assert [e[0] for e in events] == ["fetch", "take_over", "swap", "announce"]
+    assert daemon.servicer.host.role.replica == 2
+
+
+def test_a_fresh_swarms_first_plan_takes_nothing_over(monkeypatch):
+    first = record(1, [A], [B, J])
+    daemon, events = joiner(monkeypatch, [ann(A, 0), ann(B, 0), ann(J, 0)], following=None)
+    daemon._apply_plan(first)
+    assert [e[0] for e in events] == ["swap", "announce"], "nobody serves stage 1 yet: nothing to copy"
+
+
+def test_served_by_replicas_needs_another_peer_serving_the_same_layers():
+    plan = record(4, [A], [B, J])
+    assert served_by_replicas(plan, 1, [ann(B, 3, 1)], J), "under any plan"
+    assert not served_by_replicas(plan, 1, [ann(B, 3, 0)], J), "B serves other layers"
+    assert not served_by_replicas(plan, 1, [ann(J, 3, 1), ann(A, 4, 0)], J), "only this peer, or another stage"
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (([A], [B, C, J]), {A: (1, B), B: (0, A), C: (0, A), J: (0, A)}),
+        (([A, B, C], [J]), {A: (1, J), B: (1, J), C: (1, J), J: (0, A)}),
+    ],
+)
+def test_buddies_of_an_uneven_plan_hold_another_stage(rows, expected):
+    plan = record(1, *rows).plan
+    assert {p: buddy_of(plan, p) for p in expected} == expected
