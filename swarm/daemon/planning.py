@@ -313,6 +313,8 @@ class Planner:
         self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
+        self._led_since: float | None = None
+        self._lapsed_silent: dict[tuple[str, float], bool] = {}
         self._seen: tuple[frozenset[str], tuple[str, ...]] = (frozenset(), ())
         self._since = 0.0
         self._exhausted = False
@@ -355,14 +357,41 @@ class Planner:
         """Announced peers to plan without: leaving, or silent to the heartbeats for 3 s."""
         leaving = {p.peer_id for p in peers if getattr(p, "leaving", False)}
         silent = self.liveness.gone() if self.liveness is not None else frozenset()
-        return frozenset(leaving | (silent - {self.dht.peer_id}))
+        return frozenset(leaving | ((silent | self.lapsed_and_silent(peers)) - {self.dht.peer_id}))
+
+    def lapsed_and_silent(self, peers: list[PeerAnnouncement]) -> set[str]:
+        """Former planners whose lease lapsed and that do not answer one `Status` ping: gone at once.
+
+        Their lease renewals were heartbeats (every lease_s/3): a lapsed lease is already a silence, which the
+        watch that began when this planner took over would otherwise wait `gone_after_s` more to see. Only in
+        that first `gone_after_s` of leading, one ping per lapsed lease; after it the watch alone decides (a
+        stalled planner that answers again is eligible again, as a standby).
+        """
+        if self.liveness is None or self._led_since is None:
+            return set()
+        if self.clock() - self._led_since > self.liveness.cfg.gone_after_s:
+            self._lapsed_silent.clear()
+            return set()
+        now = self.dht_time()
+        for p in peers:
+            key = (p.peer_id, p.planner_until)
+            if 0 < p.planner_until <= now and p.peer_id != self.dht.peer_id and key not in self._lapsed_silent:
+                try:
+                    self._lapsed_silent[key] = not self.liveness.ping(p.peer_id)
+                except Exception:  # a broken prober counts as silence, as in the watch
+                    self._lapsed_silent[key] = True
+                if self._lapsed_silent[key]:
+                    log.info("planner %s: lease lapsed and silent to Status: planned without", p.peer_id)
+        return {pid for (pid, _), silent in self._lapsed_silent.items() if silent}
 
     def round(self) -> Plan | PlanRecord | None:
         """One look at the swarm; publishes and returns a new plan (or re-published record) if one is due."""
         peers = self.dht.peers()
         self.leading = self.is_leader(peers)
         if not self.leading:
+            self._led_since = None
             return None
+        self._led_since = self.clock() if self._led_since is None else self._led_since
         self.renew_lease()
         current = self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
         if current is not None and (self._last is None or current.version >= self._last.version):

@@ -214,3 +214,22 @@ def test_only_a_plan_matching_what_its_followers_serve_is_inherited(monkeypatch)
     assert dht.followed_plan(2, peers) == genuine, "most peers follow 5, and only A's 5 names them where they serve"
     dht, _ = swarm(C, {"peers": peers, "plan": [(A, genuine)]}, trusted_planners=(C,))
     assert dht.followed_plan(2, peers) is None, "with trusted planners only theirs count"
+
+
+def test_a_lapsed_planner_silent_to_one_ping_is_repaired_around_at_once_but_one_that_answers_is_not(monkeypatch):
+    from swarm.daemon.liveness import Liveness, LivenessConfig
+
+    clock = DHTClock(NOW + 3.0)  # A's lease lapsed just now
+    monkeypatch.setattr("swarm.peers.dht.get_dht_time", clock)
+    old = two_stages(5, A, B, trainer_ids=[], unused_peer_ids=[C])
+    announced = [leased(A, NOW + 3, plan_version=5, stage=0, layer_start=0, layer_end=1), peer_at(B, 5, 1),
+                 peer_at(C, 5, None)]  # fmt: skip
+    for answers, stages in ((False, [[C], [B]]), (True, [[A], [B]])):
+        pinged = []
+        planner, dht, published, _ = _leased_planner(B, {"peers": list(announced), "plan": [(A, old)]}, clock)
+        ping = lambda pid, pinged=pinged, answers=answers: pinged.append(pid) or answers  # noqa: E731
+        planner.liveness = Liveness(ping, LivenessConfig(), clock=clock)
+        planner.round()
+        assert [s["peer_ids"] for s in published[0][1]["stages"]] == stages
+        assert pinged.count(A) == 2, "one ping by the watch, one for the lapsed lease"
+        planner.liveness.close()
