@@ -103,7 +103,7 @@ class DHTConfig:
     signing_key_path: str | None = None
     """RSA key that signs this peer's records and defines its peer id (created if missing); None: a fresh key."""
     trusted_planners: tuple[str, ...] = ()
-    """Peer ids whose plans readers accept (and who may plan); empty: the elected planner's (lowest id)."""
+    """Peer ids whose plans readers accept (and who may plan); empty: the elected planner's (`elected_planner`)."""
     run_secret: str | None = None
     """Shared secret of a private run: stages serve only callers that prove they know it; None: open run."""
     allowed_trainers: tuple[str, ...] = ()
