@@ -24,7 +24,8 @@ PEER_FLAGS = [
 ]  # fmt: skip
 
 
-def test_a_killed_planner_is_replaced_and_its_plan_repaired_within_seconds(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "terminated"])
+def test_a_killed_or_leaving_planner_is_replaced_and_its_plan_repaired_within_seconds(tmp_path, sig):
     from hivemind.utils import get_dht_time
 
     from swarm.peers.dht import DHTConfig, SwarmDHT
@@ -50,22 +51,34 @@ def test_a_killed_planner_is_replaced_and_its_plan_repaired_within_seconds(tmp_p
             planner = elected_planner(peers, now=get_dht_time())
             assert next(p for p in peers if p.peer_id == planner).planner_until > get_dht_time() - 1, "it holds a lease"
             name = peer_ids(procs)[planner]
-            os.killpg(procs.procs[name].pid, signal.SIGKILL)  # the planner and its DHT helper, without warning
             killed = time.monotonic()
-            procs.procs[name].wait(10)
-            del procs.procs[name]  # reaped; check_alive watches the others
+            if sig == signal.SIGKILL:
+                os.killpg(procs.procs[name].pid, signal.SIGKILL)  # the planner and its DHT helper, without warning
+                procs.procs[name].wait(10)
+            else:
+                procs.procs[name].send_signal(signal.SIGTERM)  # it announces leaving: no longer a candidate
+            leaver = procs.procs.pop(name)  # check_alive watches the others; reaped below
 
             def repaired():
                 procs.check_alive()
                 record = dht.get_plan(2, check_trainers=False)
-                named = [] if record is None else [p for s in record.plan["stages"] for p in s["peer_ids"]]
-                return record if record is not None and named and planner not in named else None
+                if record is None or record.version <= before.version:
+                    return None
+                named = [p for s in record.plan["stages"] for p in s["peer_ids"]] + record.plan["unused_peer_ids"]
+                return record if sorted(named) == sorted(p.peer_id for p in peers if p.peer_id != planner) else None
 
-            after = wait_until("a plan without the dead planner", repaired, 60, procs, poll_s=0.1)
+            after = wait_until("a plan naming the survivors only", repaired, 60, procs, poll_s=0.1)
             took = time.monotonic() - killed
-            print(f"plan {after.version} without the killed planner {took:.1f} s after the kill")
+            print(f"plan {after.version} without the planner {took:.1f} s after {signal.Signals(sig).name}")
             assert took < 15, f"the repair took {took:.1f} s"
             for index, stage in enumerate(before.plan["stages"]):
                 for pid in stage["peer_ids"]:
                     if pid != planner:
                         assert pid in after.plan["stages"][index]["peer_ids"], "a survivor moved: searched anew"
+            try:
+                code = leaver.wait(60)  # a leaver exits once its successor serves its layers
+            finally:
+                if leaver.poll() is None:
+                    os.killpg(leaver.pid, signal.SIGKILL)
+                    leaver.wait(10)
+            assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
