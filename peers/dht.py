@@ -13,13 +13,16 @@ does not hash to is rejected: nobody can speak for another peer. Honest DHT node
 that fail these checks, and readers check again, since a dishonest node may return anything.
 
 Anyone may store a plan under their own subkey, so readers take a plan only from its authority (the
-`trusted_planners`, else the elected planner: `elected_planner` over the current announcements) and only
-once it validates against the model and the announced peers (`validate_plan`).
+`trusted_planners`, else the elected planner: `elected_planner` over the current announcements and their
+planner leases, at the reader's DHT time) and only once it validates against the model and the announced
+peers (`validate_plan`). A reader accepts a new planner's plans as soon as it sees that planner's lease (or
+the old planner's lease lapse).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -44,6 +47,7 @@ from swarm.peers.records import (
     PlanRecord,
     TrainerAnnouncement,
     elected_planner,
+    followed_plan,
     validate_plan,
 )
 
@@ -99,7 +103,7 @@ class DHTConfig:
     signing_key_path: str | None = None
     """RSA key that signs this peer's records and defines its peer id (created if missing); None: a fresh key."""
     trusted_planners: tuple[str, ...] = ()
-    """Peer ids whose plans readers accept (and who may plan); empty: the elected planner's (lowest id)."""
+    """Peer ids whose plans readers accept (and who may plan); empty: the elected planner's (`elected_planner`)."""
     run_secret: str | None = None
     """Shared secret of a private run: stages serve only callers that prove they know it; None: open run."""
     allowed_trainers: tuple[str, ...] = ()
@@ -244,6 +248,8 @@ class SwarmDHT:
         self._lock = threading.Lock()  # hivemind.DHT's request pipe is not safe for concurrent senders
         self._warned: set[str] = set()
         self._closed = False
+        self.planner_until = 0.0
+        """This peer's planner lease (DHT time), stamped on every announcement it makes (`Planner` renews it)."""
         started = time.monotonic()
         self._dht = _DHTProcess(
             initial_peers=list(config.initial_peers) or None,
@@ -283,6 +289,8 @@ class SwarmDHT:
         if ann.peer_id != self.peer_id:
             raise ValueError(f"{type(ann).__name__}.peer_id: {ann.peer_id} is not this node's id {self.peer_id}")
         key = self._keys.trainers if isinstance(ann, TrainerAnnouncement) else self._keys.peers
+        if isinstance(ann, PeerAnnouncement) and ann.planner_until != self.planner_until:
+            ann = dataclasses.replace(ann, planner_until=self.planner_until)  # whichever thread announces
         return self._store(key, self._owner, ann.to_wire(), ttl_s or self.config.announce_ttl_s)
 
     def peers(self) -> list[PeerAnnouncement]:
@@ -317,7 +325,7 @@ class SwarmDHT:
         """Whose plans count: the trusted planners when configured, else the elected planner among `peers`."""
         if self.config.trusted_planners:
             return frozenset(self.config.trusted_planners)
-        elected = elected_planner(peers)
+        elected = elected_planner(peers, now=get_dht_time())
         return frozenset() if elected is None else frozenset({elected})
 
     def get_plan(
@@ -351,6 +359,12 @@ class SwarmDHT:
     def newest_plan_version(self, peers: list[PeerAnnouncement]) -> int:
         """The highest version the plan authority published, valid or not (0: none): a planner's floor."""
         return max((record.version for _, record in self._authority_plans(peers)), default=0)
+
+    def followed_plan(self, n_layers: int | None, peers: list[PeerAnnouncement]) -> PlanRecord | None:
+        """The plan the most announced peers follow, whoever published it (`followed_plan`): what a new planner
+        inherits. With trusted planners only theirs count (as in `get_plan`)."""
+        plans = self._parse_all(self._keys.plan, "plan")
+        return followed_plan(plans, peers, n_layers, self.config.trusted_planners)
 
     def _authority_plans(self, peers: list[PeerAnnouncement]) -> list[tuple[str, PlanRecord]]:
         authority = self.plan_authority(peers)

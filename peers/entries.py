@@ -3,7 +3,9 @@
 Used twice: by the validator honest DHT nodes run before they store a record, and by readers, since a
 dishonest node may return anything. Each parser raises ValueError naming what is wrong. Besides the record's
 own fields, an entry must not outlive its kind's TTL bound (a record that would live for years can't be
-replaced or expire) and its own timestamp must not lie in the future beyond MAX_CLOCK_SKEW_S.
+replaced or expire) and its own timestamp must not lie in the future beyond MAX_CLOCK_SKEW_S. A peer's
+planner lease must not reach further than MAX_PLANNER_LEASE_S (+ the skew) ahead: a lease for an hour would
+keep a dead (or hostile) lease holder elected that long.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.peers.records import (
     MAX_CLOCK_SKEW_S,
+    MAX_PLANNER_LEASE_S,
     LinkMeasurement,
     PeerAnnouncement,
     PlanRecord,
@@ -110,6 +113,9 @@ def parse_entry(kind: str, subkey: Any, value: Any, expiration: float, now: floa
         raise ValueError(f"{name}: expires {expiration - now:.0f} s from now, past the {MAX_TTL_S[kind]:.0f} s bound")
     if stamped > now + MAX_CLOCK_SKEW_S:
         raise ValueError(f"{name}: its timestamp lies {stamped - now:.0f} s in the future")
+    lease = getattr(record, "planner_until", 0.0)
+    if lease > now + MAX_PLANNER_LEASE_S + MAX_CLOCK_SKEW_S:
+        raise ValueError(f"{name}.planner_until: {lease - now:.0f} s ahead, past the {MAX_PLANNER_LEASE_S:.0f} s bound")
     return record
 
 

@@ -13,12 +13,14 @@ import dataclasses
 import json
 import math
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "MAX_CLOCK_SKEW_S",
+    "MAX_PLANNER_LEASE_S",
     "MAX_PLAN_BYTES",
     "MAX_PLAN_STAGES",
     "MAX_PLAN_TRAINERS",
@@ -28,11 +30,15 @@ __all__ = [
     "PlanRecord",
     "TrainerAnnouncement",
     "elected_planner",
+    "followed_plan",
     "validate_plan",
 ]
 
 MAX_PLAN_BYTES = 256 * 1024
 """Largest plan accepted, as compact JSON text (a plan for a hundred peers is a few tens of KiB)."""
+
+MAX_PLANNER_LEASE_S = 60.0
+"""Longest planner lease an announcement may claim ahead of the reader's DHT time (plus MAX_CLOCK_SKEW_S)."""
 
 _MAX_TIME_S = 1e11  # seconds since the epoch, year ~5000: anything later is garbage, not clock skew
 _MAX_STAGES = 4096
@@ -147,6 +153,8 @@ class PeerAnnouncement:
     """Set on SIGTERM: the planner repairs the plan without this peer; it serves its state until taken over."""
     held: tuple[tuple[int, int, int], ...] = ()
     """Checkpoint copies it holds for other stages (`swarm.daemon.held`): (layer_start, layer_end, steps_done)."""
+    planner_until: float = 0.0
+    """DHT time until which it holds the planner lease (`elected_planner`); 0: it never led since it started."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
@@ -191,6 +199,7 @@ class PeerAnnouncement:
         _set(self, "load", _float(r, "load", self.load, 0.0, 1.0))
         _int(r, "plan_version", self.plan_version, 0, _MAX_VERSION)
         _set(self, "started_at", _float(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
+        _set(self, "planner_until", _float(r, "planner_until", self.planner_until, 0.0, _MAX_TIME_S))
         if self.codec is not None:
             _str(r, "codec", self.codec, _CODEC_RE, "a codec name of 1-64 characters [A-Za-z0-9_.:+-]")
 
@@ -326,16 +335,85 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def elected_planner(peers: Iterable[PeerAnnouncement], trusted: Iterable[str] = ()) -> str | None:
-    """The id of the peer that plans: the lowest announced id, among `trusted` ids when any are given.
+def elected_planner(
+    peers: Iterable[PeerAnnouncement], trusted: Iterable[str] = (), now: float | None = None
+) -> str | None:
+    """The id of the peer that plans, by a rule every peer computes the same from the announcements (no vote).
 
-    Every peer computes this from the same announcements, so they agree without a vote; when the planner
-    leaves (its announcement expires), the next lowest takes over. None while no eligible peer is announced.
-    Ids are hashes of keys, so anyone can grind a key for a low id: open swarms should name trusted planners.
+    1. If any candidate holds an unexpired planner lease (`planner_until` > `now`), the lowest id among the
+       lease holders plans: the lease is sticky, so a joiner with a lower id does not depose a live planner.
+    2. Else the lowest id among the candidates whose lease has not lapsed (`planner_until` == 0: never led
+       since it started). A planner whose lease lapsed (it died, or stalled past its lease) is out until its
+       announcement expires or a restart announces afresh, so a dead planner is replaced within one lease
+       (default 3 s) rather than one announcement ttl (30 s), and a stalled one coming back does not flip it.
+    3. Else (every candidate's lease lapsed) the lowest candidate id, so somebody always plans.
+
+    Candidates: the announced peers that are not leaving, restricted to `trusted` ids when any are given.
+    The elected planner renews its lease every ~lease/3 (`Planner`); a holder that is not the lowest holder
+    stops renewing, so two holders (after a partition) settle on one within a lease.
+
+    Clock: leases are DHT time (`hivemind.utils.get_dht_time`, the wall clock), as hivemind's own
+    expirations are: peers' clocks are assumed to agree within a fraction of the lease. A planner whose clock
+    runs ahead by X looks alive X longer to the others after it dies; readers refuse leases more than
+    MAX_PLANNER_LEASE_S (+ MAX_CLOCK_SKEW_S) ahead (`swarm.peers.entries`).
+
+    Ids are hashes of keys, so anyone can grind a key for a low id (and announce a lease): open swarms should
+    name trusted planners. None while no candidate is announced.
     """
+    now = time.time() if now is None else now
     allowed = set(trusted)
-    candidates = [p.peer_id for p in peers if not allowed or p.peer_id in allowed]
-    return min(candidates, default=None)
+    candidates = [p for p in peers if (not allowed or p.peer_id in allowed) and not p.leaving]
+    holders = [p.peer_id for p in candidates if p.planner_until > now]
+    fresh = [p.peer_id for p in candidates if p.planner_until == 0.0]
+    return min(holders or fresh or [p.peer_id for p in candidates], default=None)
+
+
+def followed_plan(
+    plans: Iterable[tuple[str, PlanRecord]],
+    peers: Iterable[PeerAnnouncement],
+    n_layers: int | None = None,
+    trusted: Iterable[str] = (),
+) -> PlanRecord | None:
+    """The plan a new planner inherits: of the versions the announced peers follow (`plan_version`), the one
+    most of them follow (the newest on a tie), as a record that validates (`validate_plan`, trainers not
+    checked) and names every follower of that version at the stage and layers it announces; whoever published
+    it (only the `trusted` ids' plans when any are given). None when no followed version has such a record.
+
+    Why this is no weaker than taking only the elected planner's plans: without trusted planners anyone can
+    grind a low id, win the election and publish any plan; a record inherited here changes nothing the swarm
+    does, since it is what the peers already serve (their own signed announcements say so), and it must
+    validate against the announced peers. With trusted planners all of their plans count anyway.
+    """
+    peers = list(peers)
+    allowed = set(trusted)
+    follow: dict[int, list[PeerAnnouncement]] = {}
+    for p in peers:
+        if p.plan_version > 0:
+            follow.setdefault(p.plan_version, []).append(p)
+    records: dict[int, list[PlanRecord]] = {}
+    for owner, record in plans:
+        if (not allowed or owner in allowed) and record.version in follow:
+            records.setdefault(record.version, []).append(record)
+    for version in sorted(records, key=lambda v: (len(follow[v]), v), reverse=True):
+        for record in sorted(records[version], key=lambda r: r.created_at):
+            try:
+                validate_plan(record, n_layers, peers)
+            except ValueError:
+                continue
+            if all(_serves(record, p) for p in follow[version]):
+                return record
+    return None
+
+
+def _serves(record: PlanRecord, ann: PeerAnnouncement) -> bool:
+    """Whether `record` names `ann`'s peer where it announces it serves (a standby: nowhere in the stages)."""
+    stages = record.plan["stages"]
+    where = [i for i, s in enumerate(stages) if ann.peer_id in s["peer_ids"]]
+    if ann.stage is None:
+        return not where
+    if where != [ann.stage]:
+        return False
+    return (stages[ann.stage]["layer_start"], stages[ann.stage]["layer_end"]) == (ann.layer_start, ann.layer_end)
 
 
 def validate_plan(

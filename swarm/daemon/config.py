@@ -19,6 +19,7 @@ from swarm.options import (
     link_shapes,
     model_config,
 )
+from swarm.peers.records import MAX_PLANNER_LEASE_S
 from swarm.peers.shaper import LinkShape
 from swarm.peers.transport import TransportConfig
 from swarm.runtime.budget import StageBudget
@@ -58,6 +59,9 @@ class PlanningConfig:
     """The planner pings every plan peer's Status this often."""
     gone_after_s: float = 3.0
     """A plan peer silent this long is planned without (eligible again once it answers)."""
+    planner_lease_s: float = 3.0
+    """The elected planner's lease, renewed every third of it: a dead planner is replaced within about this long.
+    Peers' clocks must agree within a fraction of it (leases are DHT time, the wall clock)."""
 
     def __post_init__(self) -> None:
         if self.replicas < 0 or self.heartbeat_s <= 0 or self.gone_after_s < self.heartbeat_s:
@@ -66,6 +70,8 @@ class PlanningConfig:
             raise ValueError("PlanningConfig: need min_peers >= 0, probe_bytes >= 1 and peers_per_round >= 1")
         if self.interval_s <= 0 or self.refresh_s <= 0:
             raise ValueError("PlanningConfig: interval_s and refresh_s must be > 0")
+        if not 0.3 <= self.planner_lease_s <= MAX_PLANNER_LEASE_S:
+            raise ValueError(f"PlanningConfig: planner_lease_s must be in [0.3, {MAX_PLANNER_LEASE_S:.0f}] s")
 
 
 @dataclass(frozen=True)
@@ -234,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=plans.gone_after_s,
         help="a plan peer silent to the heartbeats this long is planned without",
     )
+    g.add_argument(
+        "--planner-lease-s",
+        type=float,
+        default=plans.planner_lease_s,
+        help="the elected planner's lease, renewed every third of it: a dead planner is replaced about this fast",
+    )
     g.add_argument("--plan-seed", type=int, default=plans.seed, help="seed of the planner's search")
     g.add_argument("--probe-bytes", type=int, default=plans.probe_bytes, help="bytes sent to measure a link's rate")
     g.add_argument(
@@ -311,6 +323,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             replicas=args.replicas,
             heartbeat_s=args.heartbeat_s,
             gone_after_s=args.gone_after_s,
+            planner_lease_s=args.planner_lease_s,
         ),
         model=model_config(args),
         optim=OptimConfig(

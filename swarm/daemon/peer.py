@@ -231,7 +231,11 @@ class PeerDaemon:
             seed=plans.seed,
             replicas=plans.replicas,
             liveness=liveness,
+            lease_s=plans.planner_lease_s,
+            reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
         )
+        lease_stop = threading.Event()
+        threading.Thread(target=planner.keep_lease, args=(lease_stop,), name="swarm-planner-lease", daemon=True).start()
         replicator = self._replicator()
         deadline = time.monotonic() + cfg.assign_timeout_s
         next_probe = 0.0
@@ -260,6 +264,7 @@ class PeerDaemon:
                     return 3
                 self._stop.wait(0.5)
         finally:
+            lease_stop.set()
             liveness.close()
         return 0
 

@@ -5,11 +5,14 @@
   peers per round (a budget, so N peers do not flood each other), and stores `LinkMeasurement`s in the DHT.
 - `swarm_plan_input`: turns the DHT's announcements and link measurements into the scheduler's `PlanInput`,
   the same structure a JSON file or a scenario gives, so simulations and live swarms share one code path.
-- `Planner`: the peer with the lowest id among those announced (among the trusted planners when set; see
-  `elected_planner`) plans, when enough peers have announced and whenever the set of peers changes (a join,
-  or a leave once its announcement expires), and publishes the plan in the DHT with the next version number.
-  If that peer leaves, the next lowest takes over, numbering on from the versions the peers follow. A new or
-  departed trainer re-publishes the current stages with the new `trainer_ids` under the next version.
+- `Planner`: the elected peer (`elected_planner`: the lowest id holding a planner lease, else the lowest id
+  whose lease has not lapsed; among the trusted planners when set) plans, when enough peers have announced and
+  whenever the set of peers changes, and publishes the plan in the DHT with the next version number. It renews
+  its lease (--planner-lease-s, 3 s) every third of it, so a joiner with a lower id does not depose it and a
+  dead planner is replaced within a lease. A new planner inherits the plan the peers follow (`followed_plan`)
+  and republishes its stages under the next version (repaired if peers are lost), numbering on from the
+  versions the peers follow. A new or departed trainer re-publishes the current stages with the new
+  `trainer_ids` under the next version.
 - `role_in_plan`: what a peer serves under a published plan; the daemon switches roles between steps only
   (see `StageServicer.when_idle`), and stages refuse calls stamped with another plan version, so no step
   ever mixes two plans.
@@ -295,7 +298,11 @@ class LinkProber:
 
 
 class Planner:
-    """Makes and publishes plans when this peer leads (lowest id announced) and the membership changed.
+    """Makes and publishes plans when this peer leads (`elected_planner`) and the membership changed.
+
+    Lease: while elected it renews its planner lease (`dht.planner_until`, DHT time, now + lease_s) and
+    re-announces (`reannounce`) every lease_s/3, from `round` and from `keep_lease`'s thread (a long search
+    must not let it lapse). Only the planner re-announces that often; it stops renewing once it is not elected.
 
     A change that loses plan peers (dead: missed heartbeats; leaving: announced so) is REPAIRED (`repair_plan`):
     published at once, without the settle wait, since nobody moves but the standby. A joiner becomes one more
@@ -315,10 +322,18 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         replicas: int = 1,
         liveness: Liveness | None = None,
+        lease_s: float = 3.0,
+        dht_time: Callable[[], float] = time.time,
+        reannounce: Callable[[], object] | None = None,
     ):
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
         self.replicas, self.liveness = replicas, liveness
+        self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
+        self.leading = False
+        """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
+        self._led_since: float | None = None
+        self._lapsed_silent: dict[tuple[str, float], bool] = {}
         self._seen: tuple[frozenset[str], tuple[str, ...]] = (frozenset(), ())
         self._since = 0.0
         self._exhausted = False
@@ -327,23 +342,84 @@ class Planner:
         plan no longer validates and the DHT's reader falls back to an older one)."""
 
     def is_leader(self, peers: list[PeerAnnouncement]) -> bool:
-        return elected_planner(peers, self.dht.config.trusted_planners) == self.dht.peer_id
+        now = self.dht_time()
+        return elected_planner(peers, self.dht.config.trusted_planners, now=now) == self.dht.peer_id
+
+    def renew_lease(self) -> bool:
+        """Renews the lease (and re-announces) if this peer leads and a third of the lease has passed."""
+        now = self.dht_time()
+        if not self.leading or now < getattr(self.dht, "planner_until", 0.0) - self.lease_s * 2 / 3:
+            return False
+        self.dht.planner_until = now + self.lease_s
+        if self.reannounce is not None:
+            try:
+                self.reannounce()
+            except Exception as e:  # the next renewal retries; the lease lapses only if all of them fail
+                log.warning("planner lease renewal failed: %s", e)
+        return True
+
+    def keep_lease(self, stop) -> None:
+        """Renews the lease every lease_s/3 while this peer leads, until `stop` (a threading.Event) is set."""
+        while not stop.wait(self.lease_s / 3):
+            self.renew_lease()
+
+    def inherit(self, peers: list[PeerAnnouncement], current: PlanRecord | None) -> PlanRecord | None:
+        """The plan the peers follow, when it is newer than the authority's `current` (the authority changed
+        and this planner has published nothing yet): its stages are republished, not searched anew."""
+        newest = current.version if current is not None else 0
+        if max((p.plan_version for p in peers), default=0) <= newest or not hasattr(self.dht, "followed_plan"):
+            return None
+        found = self.dht.followed_plan(self.spec.layers, peers)
+        return found if found is not None and found.version > newest else None
 
     def gone(self, peers: list[PeerAnnouncement]) -> frozenset[str]:
         """Announced peers to plan without: leaving, or silent to the heartbeats for 3 s."""
         leaving = {p.peer_id for p in peers if getattr(p, "leaving", False)}
         silent = self.liveness.gone() if self.liveness is not None else frozenset()
-        return frozenset(leaving | (silent - {self.dht.peer_id}))
+        return frozenset(leaving | ((silent | self.lapsed_and_silent(peers)) - {self.dht.peer_id}))
+
+    def lapsed_and_silent(self, peers: list[PeerAnnouncement]) -> set[str]:
+        """Former planners whose lease lapsed and that do not answer one `Status` ping: gone at once.
+
+        Their lease renewals were heartbeats (every lease_s/3): a lapsed lease is already a silence, which the
+        watch that began when this planner took over would otherwise wait `gone_after_s` more to see. Only in
+        that first `gone_after_s` of leading, one ping per lapsed lease; after it the watch alone decides (a
+        stalled planner that answers again is eligible again, as a standby).
+        """
+        if self.liveness is None or self._led_since is None:
+            return set()
+        if self.clock() - self._led_since > self.liveness.cfg.gone_after_s:
+            self._lapsed_silent.clear()
+            return set()
+        now = self.dht_time()
+        for p in peers:
+            key = (p.peer_id, p.planner_until)
+            if 0 < p.planner_until <= now and p.peer_id != self.dht.peer_id and key not in self._lapsed_silent:
+                try:
+                    self._lapsed_silent[key] = not self.liveness.ping(p.peer_id)
+                except Exception:  # a broken prober counts as silence, as in the watch
+                    self._lapsed_silent[key] = True
+                if self._lapsed_silent[key]:
+                    log.info("planner %s: lease lapsed and silent to Status: planned without", p.peer_id)
+        return {pid for (pid, _), silent in self._lapsed_silent.items() if silent}
 
     def round(self) -> Plan | PlanRecord | None:
         """One look at the swarm; publishes and returns a new plan (or re-published record) if one is due."""
         peers = self.dht.peers()
-        if not self.is_leader(peers):
+        self.leading = self.is_leader(peers)
+        if not self.leading:
+            self._led_since = None
             return None
+        self._led_since = self.clock() if self._led_since is None else self._led_since
+        self.renew_lease()
         current = self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
         if current is not None and (self._last is None or current.version >= self._last.version):
             self._last = current
         current = self._last if current is None or current.version < self._last.version else current
+        inherited = self.inherit(peers, current)
+        if inherited is not None:
+            log.info("inheriting plan %d, which the peers follow: republishing its stages", inherited.version)
+            current = self._last = inherited
         if self.liveness is not None and current is not None:
             self.liveness.round(plan_peers(current) | {p.peer_id for p in peers} - {self.dht.peer_id})
         gone = self.gone(peers)
@@ -357,15 +433,18 @@ class Planner:
         # peer that left no longer validates, so "a plan exists" is whether the authority published any)
         if current is None and len(alive) < self.min_peers and not self.plan_existed(peers):
             return None
-        if not alive or (same_peers and current.plan.get("trainer_ids", []) == trainers):
+        if not alive or (same_peers and inherited is None and current.plan.get("trainer_ids", []) == trainers):
             return None
         repaired = None
         if current is not None and not same_peers:
             # a loss is repaired (nobody else moves); a joiner becomes one more replica of the busiest stage
+            lost = any(p not in alive for s in current.plan["stages"] for p in s["peer_ids"])
             repaired = repair_plan(current.plan, alive, gone)
             if repaired is not None:
                 repaired = grow_plan(repaired, {p.peer_id: p.compute_layers_per_s for p in peers if p.peer_id in alive})
-        if repaired is None and now - self._since < self.settle_s:
+            if repaired is None and inherited is not None and not lost:
+                repaired = current.plan  # a new planner first keeps the followed stages
+        if repaired is None and inherited is None and now - self._since < self.settle_s:
             return None  # peers are still arriving (or leaving): wait for the set to settle
         version = self.next_version(peers)
         if version is None:

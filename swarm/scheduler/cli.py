@@ -216,7 +216,7 @@ def _run_live(args) -> int:
     initial = list(args.dht or []) + (read_address_file(args.dht_address_file) if args.dht_address_file else [])
     config = DHTConfig(initial_peers=tuple(initial), client_mode=True, run_name=args.run_name)
     with SwarmDHT(config) as dht:
-        peers, links, published = dht.peers(), dht.links(), dht.get_plan()
+        peers, links, published = dht.peers(), dht.links(), dht.get_plan(check_trainers=False)
     if not peers:
         print(f"swarm plan: no peers announced in run {args.run_name!r}", file=sys.stderr)
         return 2

@@ -146,6 +146,21 @@ def test_forged_records_are_refused(swarm):
         assert not forger.is_alive()
 
 
+def test_the_planner_lease_rides_on_every_announcement_and_an_hour_long_one_is_refused(swarm):
+    a, b, c = swarm
+    a.planner_until = get_dht_time() + 3.0  # what Planner.renew_lease sets; announce stamps it
+    assert a.announce(announcement(a), ttl_s=60)
+    seen = wait_for(lambda: (p := peer(b, a.peer_id)) and p.planner_until > 0 and p, WAIT_S, what="a's lease")
+    assert seen.planner_until == a.planner_until
+    c.planner_until = get_dht_time() + 3600  # signed by its owner, but it would keep c elected for an hour
+    assert not c.announce(announcement(c), ttl_s=60), "honest nodes refuse to store it"
+    assert peer(b, c.peer_id) is None
+    c.planner_until = 0.0
+    later = announcement(c, address="127.0.0.1:6001")
+    assert c.announce(later, ttl_s=120)  # expires later: replaces whatever was stored
+    assert wait_for(lambda: peer(b, c.peer_id) == later, WAIT_S, what="c's lease-less announcement")
+
+
 def test_links_are_stored_per_source_and_destination(swarm):
     a, b, c = swarm
     assert c.store_link(LinkMeasurement(c.peer_id, a.peer_id, 0.010, 12.5e6, get_dht_time()))
