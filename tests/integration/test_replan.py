@@ -98,8 +98,9 @@ def test_a_joining_peer_triggers_a_new_plan_that_trainer_and_peers_follow(tmp_pa
         )  # fmt: skip
     assert shown.returncode == 0, shown.stderr[-2000:]
     live = json.loads(shown.stdout)
-    # plan 1: the first; plan 2: the same stages naming the trainer; plan 3: with the newcomer
-    assert live["published"]["version"] == 3 and live["peers"] == 3 and live["measured_links"] >= 2, live
+    # plan 1: the first; plan 2: the same stages naming the trainer; plan 3: with the newcomer (a replica of the
+    # busiest stage); plan 4: plan 3's stages without the trainer, once it left
+    assert live["published"]["version"] in (3, 4) and live["peers"] == 3 and live["measured_links"] >= 2, live
     assert len(live["now"]["stages"]) == 2, "swarm plan --dht plans the live swarm's number of stages"
     assert trainer.returncode == 0, err[-3000:]
     with open(tmp_path / "train" / "steps.csv") as f:
