@@ -139,8 +139,9 @@ def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
         type=_peer_ids,
         default=(),
         metavar="ID[,ID...]",
-        help="follow plans only from these peer ids, and let only them plan (default: the lowest announced id "
-        "plans; a stranger can grind a key for a low id, so open swarms should name their planners)",
+        help="follow plans only from these peer ids, and let only them plan (default: the elected planner, the "
+        "lowest announced id holding the planner lease; a stranger can grind a key for a low id, so open "
+        "swarms should name their planners)",
     )
     group.add_argument(
         "--run-secret-file",
