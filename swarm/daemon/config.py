@@ -58,6 +58,9 @@ class PlanningConfig:
     """The planner pings every plan peer's Status this often."""
     gone_after_s: float = 3.0
     """A plan peer silent this long is planned without (eligible again once it answers)."""
+    probe_links: bool = True
+    """Measure links (LinkProber); False: measure nothing and plan every link at the assumed default
+    (planning.DEFAULT_BYTES_PER_S, 1 ms), without waiting for probes: same peers, same plan, run after run."""
 
     def __post_init__(self) -> None:
         if self.replicas < 0 or self.heartbeat_s <= 0 or self.gone_after_s < self.heartbeat_s:
@@ -235,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a plan peer silent to the heartbeats this long is planned without",
     )
     g.add_argument("--plan-seed", type=int, default=plans.seed, help="seed of the planner's search")
+    g.add_argument(
+        "--link-probe",
+        action=argparse.BooleanOptionalAction,
+        default=plans.probe_links,
+        help="measure the links to other peers for the planner; --no-link-probe: measure nothing, plan every link "
+        "at the default speed (reproducible plans, e.g. for experiments)",
+    )
     g.add_argument("--probe-bytes", type=int, default=plans.probe_bytes, help="bytes sent to measure a link's rate")
     g.add_argument(
         "--probe-peers-per-round", type=int, default=plans.peers_per_round, help="links measured per probing round"
@@ -311,6 +321,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             replicas=args.replicas,
             heartbeat_s=args.heartbeat_s,
             gone_after_s=args.gone_after_s,
+            probe_links=args.link_probe,
         ),
         model=model_config(args),
         optim=OptimConfig(
