@@ -98,6 +98,10 @@ class ChurnConfig:
     measured_plan: bool = False
     """Plan from measured links and weight chains by measured throughput (both timing noise: the settings
     then differ before the first kill); False, the default: frozen inputs, the same computation until churn."""
+    identities: Path | None = None
+    """Folder of the peers' key files (None: out/identities, new keys per output folder). Peer ids decide the
+    planner, the plan's columns and which chain each sample takes (rendezvous hashing on the chain's peer
+    ids), so two runs compute the same numbers only with the same keys: give two runs the same folder."""
     netns: bool = False
     """Run the swarm in the network-namespace testbed (root only)."""
     out: Path | None = None
@@ -164,6 +168,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default every peer runs --no-link-probe and the trainer --chain-weights equal, so both settings "
         "compute the same losses step for step until the first kill",
     )
+    parser.add_argument(
+        "--identities",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the peers' key files, created there if missing (default OUT/identities); peer ids decide the plan "
+        "and which chain takes each sample, so two runs given the same DIR compute the same losses",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/churn-<time>)")
     parser.add_argument("--netns", action="store_true", help="run the swarm in the namespace testbed (needs root)")
@@ -176,7 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ChurnConfig:
     common = dict(
         kill_every_s=kill_every, mean_lifetime_s=args.mean_lifetime, graceful_fraction=args.graceful_fraction,
         seed=args.seed, netns=args.netns, out=args.out, setting_timeout_s=args.timeout_s,
-        measured_plan=getattr(args, "measured_plan", False),
+        measured_plan=getattr(args, "measured_plan", False), identities=getattr(args, "identities", None),
     )  # fmt: skip
     if args.quick:
         # one leave: the schedule's span ends with the first one
@@ -248,7 +260,9 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
             place = stack.enter_context(NetnsPlacement(d, cfg.peers + joins, say=say))
             wrap, observe = place.wrap, place.stages
         # both settings' peers share keys: same ids, same plan and chains, so they compute alike until a kill
-        swarm = stack.enter_context(ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe, d.parent / "identities"))
+        swarm = stack.enter_context(
+            ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe, cfg.identities or out / "identities")
+        )
         try:
             swarm.start(cfg.peers)
             say(f"{setting}: {cfg.peers} peers starting; trainer waits for a plan")
@@ -315,7 +329,8 @@ def write_outputs(cfg: ChurnConfig, out: Path, rows: list[dict], notes: list[str
     config = {"stages": cfg.stages, "replicas": cfg.replicas, "standby": cfg.standby, "steps": cfg.steps,
               "seed": cfg.seed, "codecs": f"{cfg.fw_codec}/{cfg.bw_codec}", "kill every s": cfg.kill_every_s,
               "mean lifetime s": cfg.mean_lifetime_s, "graceful fraction": cfg.graceful_fraction,
-              "plan inputs": PLAN_INPUTS[cfg.measured_plan]}  # fmt: skip
+              "plan inputs": PLAN_INPUTS[cfg.measured_plan],
+              "peer keys": str(cfg.identities or out / "identities")}  # fmt: skip
     text = report_markdown(rows, checks, config, [p.name for p in plots])
     if notes:
         text += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"

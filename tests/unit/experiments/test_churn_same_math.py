@@ -106,3 +106,31 @@ def test_final_loss_is_the_last_5_steps_and_mean20_the_last_20_both_reported():
     text = report_markdown([row, churn], targets([row, churn], 60), {}, [])
     assert "final_loss_mean20" in text and "judged on final_loss" in text
     assert summarize("churn", [], [], [], [], 2, 30)["final_loss_mean20"] is None
+
+
+def test_identities_folder_is_passed_to_the_swarm_so_two_runs_share_peer_ids(tmp_path, monkeypatch):
+    import swarm.experiments.churn as churn
+    import swarm.testbed.churn as testbed
+
+    cfg = config_from_args(_args())
+    assert cfg.identities is None
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    keys = tmp_path / "keys"
+    cfg = config_from_args(parser.parse_args(["--identities", str(keys)]))
+    assert cfg.identities == keys
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class FakeSwarm:
+        def __init__(self, out, peer_flags, trainer_flags, wrap, observe, identities):
+            seen.append(identities)
+            raise Stop
+
+    monkeypatch.setattr(testbed, "ChurnSwarm", FakeSwarm)
+    for config in (cfg, config_from_args(_args())):
+        with pytest.raises(Stop):
+            churn.run_setting(config, "no-churn", tmp_path / "out", ALL, lambda line: None)
+    assert seen == [keys, tmp_path / "out" / "identities"]
