@@ -62,6 +62,9 @@ class PlanningConfig:
     planner_lease_s: float = 3.0
     """The elected planner's lease, renewed every third of it: a dead planner is replaced within about this long.
     Peers' clocks must agree within a fraction of it (leases are DHT time, the wall clock)."""
+    probe_links: bool = True
+    """Measure links (LinkProber); False: measure nothing and plan every link at the assumed default
+    (planning.DEFAULT_BYTES_PER_S, 1 ms), without waiting for probes: same peers, same plan, run after run."""
 
     def __post_init__(self) -> None:
         if self.replicas < 0 or self.heartbeat_s <= 0 or self.gone_after_s < self.heartbeat_s:
@@ -247,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the elected planner's lease, renewed every third of it: a dead planner is replaced about this fast",
     )
     g.add_argument("--plan-seed", type=int, default=plans.seed, help="seed of the planner's search")
+    g.add_argument(
+        "--link-probe",
+        action=argparse.BooleanOptionalAction,
+        default=plans.probe_links,
+        help="measure the links to other peers for the planner; --no-link-probe: measure nothing, plan every link "
+        "at the default speed (reproducible plans, e.g. for experiments)",
+    )
     g.add_argument("--probe-bytes", type=int, default=plans.probe_bytes, help="bytes sent to measure a link's rate")
     g.add_argument(
         "--probe-peers-per-round", type=int, default=plans.peers_per_round, help="links measured per probing round"
@@ -324,6 +334,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             heartbeat_s=args.heartbeat_s,
             gone_after_s=args.gone_after_s,
             planner_lease_s=args.planner_lease_s,
+            probe_links=args.link_probe,
         ),
         model=model_config(args),
         optim=OptimConfig(

@@ -209,15 +209,18 @@ class PeerDaemon:
         cfg, plans = self.cfg, self.cfg.planning
         spec = model_spec(self.model, *self.codecs)
         stages = cfg.num_stages or None
-        prober = LinkProber(
-            self.dht,
-            address,
-            self.shaping,
-            self.channels,
-            probe_bytes=plans.probe_bytes,
-            peers_per_round=plans.peers_per_round,
-            refresh_s=plans.refresh_s,
-        )
+        # --no-link-probe: no measurement, every link planned at the default; no probe wait for the planner
+        prober = None
+        if plans.probe_links:
+            prober = LinkProber(
+                self.dht,
+                address,
+                self.shaping,
+                self.channels,
+                probe_bytes=plans.probe_bytes,
+                peers_per_round=plans.peers_per_round,
+                refresh_s=plans.refresh_s,
+            )
         self._addresses: dict[str, str] = {}
         liveness = Liveness(
             status_prober(self.channels, lambda: self._addresses),
@@ -233,6 +236,7 @@ class PeerDaemon:
             liveness=liveness,
             lease_s=plans.planner_lease_s,
             reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
+            **({} if plans.probe_links else {"probe_wait_s": 0.0}),
         )
         lease_stop = threading.Event()
         threading.Thread(target=planner.keep_lease, args=(lease_stop,), name="swarm-planner-lease", daemon=True).start()
@@ -244,7 +248,7 @@ class PeerDaemon:
                 try:
                     peers = self.dht.peers()
                     self._addresses = {p.peer_id: p.address for p in peers}
-                    if time.monotonic() >= next_probe:
+                    if prober is not None and time.monotonic() >= next_probe:
                         # probe often while peers are new to us, then only to refresh
                         next_probe = time.monotonic() + (1.0 if prober.round() else plans.interval_s)
                     planner.round()

@@ -6,8 +6,16 @@ AQ-SGD forward and gradq backward) and a `swarm train` process on the embedded d
 number of steps and reaps everything. In the churn setting a controller (swarm.testbed.churn) SIGKILLs
 serving peers (SIGTERMs a `--graceful-fraction` of them) on a seeded schedule that starts at the first
 completed step, and starts a fresh peer after each leave so the swarm keeps its size; it never touches the
-bootstrap node or the trainer. Sample accounting, recovery and throughput come from the trainer's steps.csv,
-the controller's events.jsonl and a step clock (swarm.experiments.churn_report).
+bootstrap node or the trainer.
+
+Both settings compute the same numbers until the first kill, by design: same seed, same peer ids, declared
+compute speeds, and by default no measured plan inputs (swarm-peer --no-link-probe: every link planned at
+the default speed; swarm train --chain-weights equal: every chain of replicas gets the same share). The
+report compares the two settings' losses step by step up to the first kill. `--measured-plan` restores
+the measured inputs (link probes, throughput-weighted chains) for realism studies.
+
+Sample accounting, recovery and throughput come from the trainer's steps.csv, the controller's events.jsonl
+and a step clock (swarm.experiments.churn_report).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 from swarm.experiments.churn_report import (
     ROW_KEYS,
     expected_batches,
+    loss_agreement,
     read_jsonl,
     read_steps,
     report_markdown,
@@ -33,12 +42,18 @@ from swarm.experiments.churn_report import (
 )
 
 SETTINGS = ("no-churn", "churn")
-OPTIONAL_PEER_FLAGS = ("--replicas",)
-OPTIONAL_TRAINER_FLAGS = ("--replan-timeout-s",)
+OPTIONAL_PEER_FLAGS = ("--replicas", "--no-link-probe")
+OPTIONAL_TRAINER_FLAGS = ("--replan-timeout-s", "--chain-weights")
 COMPUTE_LAYERS_PER_S = 8.0
 """Declared by every peer instead of measured (4.6-9.8 layers/s in one run here): measured speeds moved the
 planner's layer split between the two settings ([0, 2) vs [0, 1) for stage 0), which changes the math being
 compared."""
+PLAN_INPUTS = {
+    False: "frozen (peers --no-link-probe: every link planned at the default speed; trainer --chain-weights "
+    "equal): both settings compute the same losses until the first kill",
+    True: "measured (--measured-plan: link probes and throughput-weighted chains; timing noise moves the plan "
+    "and the sample split, so the settings differ before the first kill)",
+}
 QUICK_STEPS = 150
 QUICK_KILL_AT_S = 5.0
 
@@ -80,6 +95,13 @@ class ChurnConfig:
     """The schedule's span, seconds from the first step (the run ends it earlier when training ends)."""
     setting_timeout_s: float = 360.0
     """Bound on one setting's training, seconds; the trainer is stopped past it."""
+    measured_plan: bool = False
+    """Plan from measured links and weight chains by measured throughput (both timing noise: the settings
+    then differ before the first kill); False, the default: frozen inputs, the same computation until churn."""
+    identities: Path | None = None
+    """Folder of the peers' key files (None: out/identities, new keys per output folder). Peer ids decide the
+    planner, the plan's columns and which chain each sample takes (rendezvous hashing on the chain's peer
+    ids), so two runs compute the same numbers only with the same keys: give two runs the same folder."""
     netns: bool = False
     """Run the swarm in the network-namespace testbed (root only)."""
     out: Path | None = None
@@ -139,6 +161,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"a small swarm (2 stages, 1 standby), {QUICK_STEPS} steps, one kill {QUICK_KILL_AT_S:g} s into training",
     )
+    parser.add_argument(
+        "--measured-plan",
+        action="store_true",
+        help="plan from measured link speeds and share samples by measured chain throughput (realism); by "
+        "default every peer runs --no-link-probe and the trainer --chain-weights equal, so both settings "
+        "compute the same losses step for step until the first kill",
+    )
+    parser.add_argument(
+        "--identities",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the peers' key files, created there if missing (default OUT/identities); peer ids decide the plan "
+        "and which chain takes each sample, so two runs given the same DIR compute the same losses",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/churn-<time>)")
     parser.add_argument("--netns", action="store_true", help="run the swarm in the namespace testbed (needs root)")
@@ -151,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ChurnConfig:
     common = dict(
         kill_every_s=kill_every, mean_lifetime_s=args.mean_lifetime, graceful_fraction=args.graceful_fraction,
         seed=args.seed, netns=args.netns, out=args.out, setting_timeout_s=args.timeout_s,
+        measured_plan=getattr(args, "measured_plan", False), identities=getattr(args, "identities", None),
     )  # fmt: skip
     if args.quick:
         # one leave: the schedule's span ends with the first one
@@ -170,11 +208,15 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
             "--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 10))]  # fmt: skip
     if support.get("--replicas"):
         peer += ["--replicas", str(cfg.replicas)]
+    if support.get("--no-link-probe") and not cfg.measured_plan:
+        peer += ["--no-link-probe"]
     trainer = ["--num-stages", str(cfg.stages), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
                "--setting", setting, "--train-samples", str(cfg.train_samples), "--batch-size", str(cfg.batch_size),
                "--micro-batches", str(cfg.micro_batches), "--deadline-s", "60", "--wait-timeout-s", "180"]  # fmt: skip
     if support.get("--replan-timeout-s"):
         trainer += ["--replan-timeout-s", "120"]
+    if support.get("--chain-weights") and not cfg.measured_plan:
+        trainer += ["--chain-weights", "equal"]
     return peer, trainer
 
 
@@ -218,7 +260,9 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
             place = stack.enter_context(NetnsPlacement(d, cfg.peers + joins, say=say))
             wrap, observe = place.wrap, place.stages
         # both settings' peers share keys: same ids, same plan and chains, so they compute alike until a kill
-        swarm = stack.enter_context(ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe, d.parent / "identities"))
+        swarm = stack.enter_context(
+            ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe, cfg.identities or out / "identities")
+        )
         try:
             swarm.start(cfg.peers)
             say(f"{setting}: {cfg.peers} peers starting; trainer waits for a plan")
@@ -266,11 +310,14 @@ def collect(cfg: ChurnConfig, out: Path, settings=SETTINGS, expected=None) -> li
         expected = expected_batches(
             cfg.steps, cfg.batch_size, cfg.train_samples, cfg.seed, ModelConfig().seq_len_tokens
         )
-    rows = []
+    rows, steps = [], {}
     for setting in settings:
         d = out / setting
-        rows.append(summarize(setting, read_steps(d / "steps.csv"), read_jsonl(d / "events.jsonl"),
-                              read_jsonl(d / "step_clock.jsonl"), expected, cfg.batch_size, cfg.steps))  # fmt: skip
+        steps[setting], events = read_steps(d / "steps.csv"), read_jsonl(d / "events.jsonl")
+        rows.append(summarize(setting, steps[setting], events, read_jsonl(d / "step_clock.jsonl"), expected,
+                              cfg.batch_size, cfg.steps))  # fmt: skip
+        if setting == "churn" and "no-churn" in steps:  # same computation until the first kill: is it?
+            rows[-1].update(loss_agreement(steps["no-churn"], steps["churn"], events))
     return rows
 
 
@@ -281,7 +328,9 @@ def write_outputs(cfg: ChurnConfig, out: Path, rows: list[dict], notes: list[str
     checks = targets(rows, cfg.kill_every_s)
     config = {"stages": cfg.stages, "replicas": cfg.replicas, "standby": cfg.standby, "steps": cfg.steps,
               "seed": cfg.seed, "codecs": f"{cfg.fw_codec}/{cfg.bw_codec}", "kill every s": cfg.kill_every_s,
-              "mean lifetime s": cfg.mean_lifetime_s, "graceful fraction": cfg.graceful_fraction}  # fmt: skip
+              "mean lifetime s": cfg.mean_lifetime_s, "graceful fraction": cfg.graceful_fraction,
+              "plan inputs": PLAN_INPUTS[cfg.measured_plan],
+              "peer keys": str(cfg.identities or out / "identities")}  # fmt: skip
     text = report_markdown(rows, checks, config, [p.name for p in plots])
     if notes:
         text += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"

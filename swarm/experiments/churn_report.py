@@ -22,6 +22,7 @@ __all__ = [
     "account_samples",
     "completion_times",
     "expected_batches",
+    "loss_agreement",
     "read_jsonl",
     "read_steps",
     "recovery_times",
@@ -41,12 +42,18 @@ ROW_KEYS = [
     "recovery_s_max",
     "throughput_samples_s",
     "final_loss",
+    "final_loss_mean20",
     "wire_bytes",
 ]
 TIME_COLUMNS = ("time", "unix_time", "wall_time", "t")
 """steps.csv columns taken as a step's completion time (unix seconds), first found wins."""
 FINAL_LOSS_STEPS = 5
 """final_loss is the mean of the last this many steps' losses (as `swarm train`'s summary)."""
+MEAN20_STEPS = 20
+"""final_loss_mean20: the mean of the last 20 steps' losses, less noisy than final_loss (shown beside it)."""
+SAME_LOSS_TOL = 1e-6
+"""Largest |loss difference| between the settings at a step before the first kill that still counts as the
+same computation (steps.csv holds float32 losses printed as Python floats)."""
 
 
 def read_steps(path: Path) -> list[dict]:
@@ -176,6 +183,7 @@ def summarize(
         "recovery_s_max": (max(got) if got else None) if len(got) == len(recovery) else None,
         "throughput_samples_s": throughput,
         "final_loss": sum(tail) / len(tail) if tail else None,
+        "final_loss_mean20": statistics.fmean(losses[-MEAN20_STEPS:]) if losses else None,
         "wire_bytes": wire,
         "terms": sum(1 for e in events if e.get("kind") == "term"),
         "samples_unexpected": account.unexpected,
@@ -192,6 +200,29 @@ def summarize(
         "dead_peers": len({p for r in rows for p in str(r.get("dead_peers") or "").split() if p != "0"})
         if rows and "dead_peers" in rows[0]
         else None,
+    }
+
+
+def loss_agreement(base: Sequence[dict], churn: Sequence[dict], events: Sequence[dict]) -> dict:
+    """How far the churn setting's losses are from the no-churn setting's at the steps it completed before
+    its first leave (kill or term): both settings run the same computation until then, by design.
+
+    Returns {"prekill_steps": steps compared, "prekill_max_loss_diff": the largest |difference| (None: no
+    step to compare), "prekill_first_diff_step": the first step differing by more than SAME_LOSS_TOL}."""
+    leaves = [float(e["t"]) for e in events if e.get("kind") in ("kill", "term")]
+    first = min(leaves) if leaves else float("inf")
+    times = completion_times(churn, [])
+    by_step = {int(r["step"]): float(r["train_loss"]) for r in base}
+    diffs = [
+        (int(r["step"]), abs(float(r["train_loss"]) - by_step[int(r["step"])]))
+        for r, t in zip(churn, times, strict=True)
+        if t is not None and t < first and int(r["step"]) in by_step
+    ]
+    over = [step for step, d in diffs if d > SAME_LOSS_TOL]
+    return {
+        "prekill_steps": len(diffs),
+        "prekill_max_loss_diff": max((d for _, d in diffs), default=None),
+        "prekill_first_diff_step": over[0] if over else None,
     }
 
 
@@ -266,10 +297,24 @@ def targets(rows: Sequence[dict], kill_every_s: float | None) -> list[Target]:
                 None if ratio is None else ratio >= 0.7 and not ended,
             )
         )
+        if churn.get("prekill_steps"):
+            diff, n = churn["prekill_max_loss_diff"], churn["prekill_steps"]
+            first = churn.get("prekill_first_diff_step")
+            out.append(
+                Target(
+                    f"experiment: churn loss = no-churn loss at each step before the first kill"
+                    f" (|d| <= {SAME_LOSS_TOL:g})",
+                    f"max |d| {diff:.3g} over {n} steps" + (f"; first differs at step {first}" if first else ""),
+                    diff <= SAME_LOSS_TOL,
+                )
+            )
+        m20c, m20b = churn.get("final_loss_mean20"), base.get("final_loss_mean20")
         lc, lb = churn["final_loss"], base["final_loss"]
         same = churn["steps"] == base["steps"]
         rel = abs(lc - lb) / abs(lb) if lc is not None and lb else None
         value = f"{_fmt(rel, '.2%')}" + ("" if same else f" (steps differ: {churn['steps']} vs {base['steps']})")
+        rel20 = abs(m20c - m20b) / abs(m20b) if m20c is not None and m20b else None
+        value += f"; mean of the last {MEAN20_STEPS} steps: {_fmt(rel20, '.2%')}"
         out.append(Target("final loss within 2% of no-churn", value, None if rel is None else (rel <= 0.02 and same)))
     return out
 
@@ -292,6 +337,9 @@ def report_markdown(rows: Sequence[dict], checks: Sequence[Target], config: dict
     lines += ["", "## Targets", "", "| target | measured | verdict |", "| --- | --- | --- |"]
     lines += [f"| {c.name} | {c.value} | {c.verdict} |" for c in checks]
     lines += [
+        "",
+        f"final_loss: the mean training loss of the last {FINAL_LOSS_STEPS} steps (as `swarm train`'s summary); "
+        f"final_loss_mean20: of the last {MEAN20_STEPS} steps, less noisy. The 2% target is judged on final_loss.",
         "",
         "Recovery: seconds from a kill or term to the trainer's next completed step. "
         "Leaves where another replica of the stage was serving count as 'while a replica survives', the "

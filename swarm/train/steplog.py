@@ -32,6 +32,7 @@ class StepLog:
 
     def add(self, row: dict) -> None:
         self._lines.write(json.dumps(row) + "\n")
+        self._lines.flush()  # a live reader (a dashboard, the churn experiment) sees each row as it is made
         for key in row:
             if key not in self._extra and key not in self.fields:
                 self._extra[key] = None

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -58,6 +59,8 @@ CSV_FIELDS = [
     "dead_peers",
     "sample_ids",
 ]
+CHAIN_WEIGHTS = ("measured", "equal")
+"""--chain-weights: the chains' sample shares from measured throughput, or equal and fixed."""
 UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
 """Codes of a stage that is gone rather than refusing: the trainer waits for a plan without it."""
 
@@ -125,6 +128,9 @@ class TrainConfig:
     """Steps between writes of trainer_state.json (and one at the end)."""
     replan_timeout_s: float = 120.0
     """When no chain of replicas is left, wait this long for a newer plan (the planner's repair), seconds."""
+    chain_weights: str = "measured"
+    """How a step's samples are shared among the chains of replicas: `measured` (by their measured
+    throughput, ChainWeights) or `equal` (every chain weight 1, always: the same split run after run)."""
 
     def __post_init__(self) -> None:
         for name in ("train_samples", "batch_size", "micro_batches", "epochs", "checkpoint_every"):
@@ -140,6 +146,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.num_stages: expected >= 1 or None, got {self.num_stages}")
         if self.deadline_s <= 0 or self.wait_timeout_s <= 0 or self.replan_timeout_s <= 0:
             raise ValueError("TrainConfig: deadline_s, wait_timeout_s and replan_timeout_s must be > 0")
+        if self.chain_weights not in CHAIN_WEIGHTS:
+            raise ValueError(f"TrainConfig.chain_weights: expected one of {CHAIN_WEIGHTS}, got {self.chain_weights!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"TrainConfig.metrics_port: expected 0-65535, got {self.metrics_port}")
 
@@ -177,6 +185,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.replan_timeout_s,
         help="with no chain of replicas left, wait this long for a newer plan (the planner's repair)",
     )
+    g.add_argument(
+        "--chain-weights",
+        choices=CHAIN_WEIGHTS,
+        default=d.chain_weights,
+        help="share each step's samples among the chains of replicas by measured throughput, or equally "
+        "(equal: the same split every run, for comparisons; default %(default)s)",
+    )
     g.add_argument("--deadline-s", type=float, default=d.deadline_s, help="longest a micro-batch may take end to end")
     g.add_argument("--out", default=d.out, help="folder for steps.csv, loss.png, summary.json (default runs/train-*)")
     g.add_argument(
@@ -211,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_stages=args.num_stages,
         wait_timeout_s=args.wait_timeout_s,
         replan_timeout_s=args.replan_timeout_s,
+        chain_weights=args.chain_weights,
         dht=dht_config(args, client_mode=True),
         metrics_port=args.metrics_port,
     )
@@ -335,7 +351,7 @@ def train(
         metrics.plan_version.set(r.plan_version)
         return PipelineDriver(
             *r.driver_args(), cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
-            plan_version=r.plan_version, metrics=metrics, signer=signer,
+            plan_version=r.plan_version, metrics=metrics, signer=signer, weights=chain_weights(cfg.chain_weights),
         )  # fmt: skip
 
     pipe = connect(route)
@@ -443,6 +459,16 @@ def train(
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
+
+
+def chain_weights(kind: str):
+    """The driver's ChainWeights for --chain-weights: `measured` moves with the chains' throughput; `equal`
+    never moves (an infinite tolerance: no measurement ever replaces the weight 1 every chain starts at)."""
+    from swarm.runtime.chains import ChainWeights
+
+    if kind not in CHAIN_WEIGHTS:
+        raise ValueError(f"chain weights: expected one of {CHAIN_WEIGHTS}, got {kind!r}")
+    return ChainWeights(tolerance=math.inf) if kind == "equal" else ChainWeights()
 
 
 def no_chain_left(error: Exception, route: Route) -> bool:

@@ -1,5 +1,6 @@
-"""The churn experiment's churn setting in --quick form: a small local swarm, one SIGKILL and one join,
-every process reaped; the row is computed from the files it wrote."""
+"""The churn experiment in --quick form: a small local swarm trained without churn, then with one SIGKILL and
+one join, every process reaped; the rows are computed from the files it wrote, and the two settings' losses
+are the same at every step completed before the kill (frozen plan inputs: the same computation until churn)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import pytest
 
 from swarm.experiments.churn import collect, config_from_args, flag_support, run_setting
-from swarm.experiments.churn_report import read_jsonl
+from swarm.experiments.churn_report import SAME_LOSS_TOL, read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -23,14 +24,19 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.timeout(540)
 def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_path):
     args = argparse.Namespace(
         kill_every=None, mean_lifetime=None, graceful_fraction=0.0, seed=0, steps=150, stages=3, replicas=2,
-        standby=1, timeout_s=120.0, quick=True, json=False, out=tmp_path, netns=False,
+        standby=1, timeout_s=120.0, quick=True, json=False, out=tmp_path, netns=False, measured_plan=False,
     )  # fmt: skip
     cfg = config_from_args(args)
     lines: list[str] = []
-    result = run_setting(cfg, "churn", tmp_path, flag_support(), lines.append)
+    support = flag_support()
+    base = run_setting(cfg, "no-churn", tmp_path, support, lines.append)
+    assert base["rc"] == 0, lines
+    assert not [n for n, pid in base["pids"].items() if _alive(pid)], "a process of the swarm outlived the run"
+    result = run_setting(cfg, "churn", tmp_path, support, lines.append)
     d = tmp_path / "churn"
     events = read_jsonl(d / "events.jsonl")
     assert [e["kind"] for e in events] == ["kill", "join"], (events, lines)
@@ -40,8 +46,15 @@ def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_p
     assert {"bootstrap", "trainer", join["peer"]} <= set(result["pids"])
     assert not [n for n, pid in result["pids"].items() if _alive(pid)], "a process of the swarm outlived the run"
     assert (d / "steps.csv").exists() and (d / "step_clock.jsonl").exists()
-    (row,) = collect(cfg, tmp_path, settings=("churn",))
+    base_row, row = collect(cfg, tmp_path)
     assert row["kills"] == 1 and row["joins"] == 1 and row["steps"] >= 1
+    # same seed, ids, declared compute, unprobed links and equal chain weights: the same losses until the kill
+    assert row["prekill_steps"] >= 1, row
+    assert row["prekill_max_loss_diff"] <= SAME_LOSS_TOL, row
+    assert base_row["final_loss_mean20"] is not None
+    logs = [p.read_text(errors="replace") for p in (tmp_path / "no-churn" / "logs").glob("peer*.log")]
+    assert logs and not [t for t in logs if "link to " in t], "a peer measured a link under --no-link-probe"
+    assert any("(0 links measured" in t for t in logs)
     # main before issue 12 has no sample_ids column: "not measured", never a fake zero
     if row["samples_lost"] is None:
         assert "not measured" in row["accounting"]

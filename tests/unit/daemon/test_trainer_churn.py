@@ -75,7 +75,7 @@ class FakeDriver:
     calls: list[tuple[int, int]] = []
     failure: Exception | None = None
 
-    def __init__(self, route, peers, schedule, n_micro, deadline_s, plan_version, metrics, signer):
+    def __init__(self, route, peers, schedule, n_micro, deadline_s, plan_version, metrics, signer, weights=None):
         self.plan_version, self.n_stages = plan_version, len(route)
         FakeDriver.made.append((route, peers, plan_version))
 
