@@ -225,7 +225,7 @@ def _run_live(args) -> int:
     fresh = plan(swarm.plan_input, _model(args), live_search(stages, args.seed))
     if args.json:
         out = {
-            "published": None if published is None else {"version": published.version, **published.plan},
+            "published": None if published is None else {**published.plan, "version": published.version},
             "now": fresh.to_dict(),
             "peers": len(peers),
             "measured_links": swarm.measured_links,
