@@ -432,15 +432,21 @@ class StageHost:
             self._progressed = True
 
     def grads(self) -> stage_pb2.GradReply:
-        """This stage's tied-embedding gradient (if tied across stages) and its other gradients' squared norm."""
-        tied = self.worker.module.tied_parameter() if self.role.n_stages > 1 else None
-        sq = 0.0
-        for p in self.worker.module.parameters():
-            if p.grad is not None and p is not tied:
-                sq += float(p.grad.detach().float().pow(2).sum())
+        """This stage's tied-embedding gradient (if tied across stages) and its other gradients' squared norm.
+
+        Under the compute lock, like every other reader and writer of the gradients: a Grads of an abandoned
+        attempt that is still running when the next attempt's backward, Reduce or abandon touches the same
+        gradients must not read them concurrently (torch does not make that safe; it crashed the process)."""
+        with self.compute_lock:
+            tied = self.worker.module.tied_parameter() if self.role.n_stages > 1 else None
+            sq = 0.0
+            for p in self.worker.module.parameters():
+                if p.grad is not None and p is not tied:
+                    sq += float(p.grad.detach().float().pow(2).sum())
+            tied_grad = self.worker.tied_grad() if tied is not None else None
         reply = stage_pb2.GradReply(grad_sq_norm=sq)
-        if tied is not None:
-            reply.tied_grad.CopyFrom(make_codec(CodecConfig("fp32")).encode(self.worker.tied_grad()))
+        if tied_grad is not None:
+            reply.tied_grad.CopyFrom(make_codec(CodecConfig("fp32")).encode(tied_grad))
         return reply
 
     def step(self, request: stage_pb2.StepRequest) -> float:
