@@ -168,3 +168,37 @@ def test_weights_digest_follows_the_weights():
     with torch.no_grad():
         next(pipe.hosts[1].worker.module.parameters()).add_(1e-3)
     assert pipe.client(1).Status(stage_pb2.Empty()).weights_digest != s0.weights_digest
+
+
+class _RecordingLock:
+    """A lock that remembers whether it is held, so a test can see what a method does while holding it."""
+
+    def __init__(self):
+        self._lock, self.held, self.acquired = threading.Lock(), False, 0
+
+    def __enter__(self):
+        self._lock.acquire()
+        self.held, self.acquired = True, self.acquired + 1
+        return self
+
+    def __exit__(self, *exc):
+        self.held = False
+        self._lock.release()
+
+
+def test_grads_reads_the_gradients_under_the_compute_lock():
+    # a Grads of an abandoned attempt may still run beside the next attempt's backward, Reduce or abandon on the
+    # same host; reading the gradients outside the lock those hold crashed the process (a segfault in torch)
+    pipe = Replicas(1)
+    host = pipe.hosts[0]
+    lock = host.compute_lock = _RecordingLock()
+    seen = []
+    params = host.worker.module.parameters
+
+    def watched():
+        seen.append(lock.held)
+        return params()
+
+    host.worker.module.parameters = watched
+    host.grads()
+    assert lock.acquired == 1 and seen and all(seen), "grads() read the parameters' gradients without the lock"
