@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.runtime.routes import MAX_ROUTES, fits
+
 __all__ = [
     "MAX_CLOCK_SKEW_S",
     "MAX_PLANNER_LEASE_S",
@@ -461,9 +463,7 @@ def validate_plan(
             if pid in seen:
                 raise _fail(r, "peer_ids", "each peer in one stage only", pid)
             seen.add(pid)
-    from swarm.runtime.routes import MAX_ROUTES  # uneven replica counts: routes are their lcm (issue 12)
-
-    if math.lcm(*(len(s["peer_ids"]) for s in stages)) > MAX_ROUTES:
+    if not fits([len(s["peer_ids"]) for s in stages]):  # uneven replica counts: routes are their lcm
         raise _fail("plan", "stages", f"replica counts whose lcm is at most {MAX_ROUTES} (routes)", len(stages))
     if model_n_layers is not None and start != model_n_layers:
         raise _fail(f"plan.stages[{len(stages) - 1}]", "layer_end", f"{model_n_layers} (the model's layers)", start)

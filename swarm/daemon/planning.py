@@ -28,7 +28,6 @@ gone at once, without waiting for their announcements to expire.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -159,10 +158,8 @@ def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
     for index, stage in enumerate(stages):
         ids = stage.get("peer_ids", [])
         if peer_id in ids:
-            role = StageRole(index, len(stages), int(stage["layer_start"]), int(stage["layer_end"]), record.version)
-            if "replica" in {f.name for f in dataclasses.fields(StageRole)}:  # R1's StageRole.replica
-                role = dataclasses.replace(role, replica=ids.index(peer_id))
-            return role
+            start, end = int(stage["layer_start"]), int(stage["layer_end"])
+            return StageRole(index, len(stages), start, end, record.version, replica=ids.index(peer_id))
     return None
 
 
@@ -374,7 +371,7 @@ class Planner:
 
     def gone(self, peers: list[PeerAnnouncement]) -> frozenset[str]:
         """Announced peers to plan without: leaving, or silent to the heartbeats for 3 s."""
-        leaving = {p.peer_id for p in peers if getattr(p, "leaving", False)}
+        leaving = {p.peer_id for p in peers if p.leaving}
         silent = self.liveness.gone() if self.liveness is not None else frozenset()
         return frozenset(leaving | ((silent | self.lapsed_and_silent(peers)) - {self.dht.peer_id}))
 

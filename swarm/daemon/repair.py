@@ -21,11 +21,10 @@ plan from the same announcements), so every case is unit-tested without a swarm.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Collection, Mapping, Sequence
 
-from swarm.runtime.routes import MAX_ROUTES
+from swarm.runtime.routes import MAX_ROUTES, fits
 
 __all__ = ["busiest_stage", "grow_plan", "plan_columns", "repair_plan", "standby_pool"]
 
@@ -48,10 +47,6 @@ def standby_pool(plan: dict, alive: Collection[str], gone: Collection[str]) -> l
     pool = [p for p in listed if p in alive and p not in gone and p not in used]
     joiners = sorted(p for p in alive if p not in gone and p not in used and p not in set(listed))
     return pool + joiners
-
-
-def _legal(counts: Sequence[int], max_routes: int = MAX_ROUTES) -> bool:
-    return bool(counts) and min(counts) >= 1 and math.lcm(*counts) <= max_routes
 
 
 def repair_plan(
@@ -98,7 +93,7 @@ def repair_plan(
         if len(rows[donor]) < 2:
             return None
         row.append(rows[donor].pop())  # its last replica: the others keep their replica index
-    if not _legal([len(r) for r in rows]):
+    if not fits([len(r) for r in rows]):
         return None
     stages = [{**stage, "peer_ids": row} for stage, row in zip(plan.get("stages", []), rows, strict=True)]
     return {**plan, "stages": stages, "unused_peer_ids": [p for p in pool if p in listed]}
@@ -115,7 +110,7 @@ def busiest_stage(plan: dict, speeds: Mapping[str, float], max_routes: int = MAX
     best, best_time = None, -1.0
     for s, stage in enumerate(stages):
         grown = counts[:s] + [counts[s] + 1] + counts[s + 1 :]
-        if not _legal(grown, max_routes):
+        if not fits(grown, max_routes):
             continue
         rate = sum(float(speeds.get(str(p)) or typical) for p in stage["peer_ids"])
         per_sample = (int(stage["layer_end"]) - int(stage["layer_start"])) / max(rate, 1e-12)

@@ -297,7 +297,7 @@ class PipelineDriver:
         # comes back
         fw = self._call(0, first_r, "Forward", iter([item.SerializeToString()]))
         # communication: the backward starts at the chain's last stage and flows back to its stage 0
-        start = stage_pb2.StreamItem(info=self._info(step, mb, last, work, layout)).SerializeToString()
+        start = stage_pb2.StreamItem(info=info).SerializeToString()
         bw = self._call(last, last_r, "Backward", iter([start]))
         traffic = Traffic()
         traffic.add(fw.traffic, "forward")
@@ -364,20 +364,21 @@ class PipelineDriver:
     def _grads(self, step: int, chains: list[Chain], wake: threading.Event):
         """The global gradient norm, the summed tied gradient (None with one stage) and the bytes it took."""
         request = stage_pb2.StepRequest(step=step)
+        groups = [self._replicas(s, chains) for s in range(self.n_stages)]
         tasks = {
             (s, r): self._spawn(lambda s=s, r=r: self._call(s, r, "Grads", request), (self.replica_peers[s][r],))
-            for s in range(self.n_stages)
-            for r in self._replicas(s, chains)
+            for s, group in enumerate(groups)
+            for r in group
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: future.result() for key, (future, _) in tasks.items()}
         # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all
-        sq = sum(grads[(s, self._replicas(s, chains)[0])].grad_sq_norm for s in range(self.n_stages))
+        sq = sum(grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups))
         if self.n_stages == 1:
             return math.sqrt(sq), None, 0
         # communication: every distinct replica of the first and last stage sends its tied gradient (once); all
         # get the sum
-        ends = [grads[(s, r)].tied_grad for s in (0, self.n_stages - 1) for r in self._replicas(s, chains)]
+        ends = [grads[(s, r)].tied_grad for s in (0, self.n_stages - 1) for r in groups[s]]
         total = sum(self._fp32.decode(t) for t in ends)
         sq += float(total.pow(2).sum())
         tied_sum = self._fp32.encode(total)

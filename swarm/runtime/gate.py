@@ -11,6 +11,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 
+from swarm.runtime.routes import route_replicas
 from swarm.runtime.schedules import SCHEDULES, Action, Kind
 
 
@@ -153,13 +154,12 @@ def runs_through(schedule: str, counts: Sequence[int], numbering: Mapping[tuple[
     """
     n_stages = len(counts)
     at: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stage, replica, local index) -> (route, k)
-    for (route, k), (index, _) in numbering.items():
-        for s in range(n_stages):
-            at[(s, route % counts[s], index[s])] = (route, k)
-    programs = {}
-    for s, r in {(s, route % counts[s]) for route, _ in numbering for s in range(n_stages)}:
-        n = sum(1 for route, _ in numbering if route % counts[s] == r)
-        programs[(s, r)] = SCHEDULES[schedule](n_stages, n)[s]
+    programs = {}  # (stage, replica) -> its program, for the micro-batch count the numbering gives it
+    for (route, k), (index, count) in numbering.items():
+        for s, r in enumerate(route_replicas(route, counts)):
+            at[(s, r, index[s])] = (route, k)
+            if (s, r) not in programs:
+                programs[(s, r)] = SCHEDULES[schedule](n_stages, count[s])[s]
     done: set[tuple[Kind, int, tuple[int, int]]] = set()
     pos = dict.fromkeys(programs, 0)
     moved = True

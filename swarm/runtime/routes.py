@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["MAX_ROUTES", "local_micro", "n_routes", "route_replicas", "stage_numbering", "uneven"]
+__all__ = ["MAX_ROUTES", "fits", "local_micro", "n_routes", "route_replicas", "stage_numbering", "uneven"]
 
 MAX_ROUTES = 12
 """Most routes a plan may have (lcm of its replica counts): a planner adds no replica that would need more."""
@@ -42,6 +42,13 @@ def n_routes(counts: Sequence[int]) -> int:
     if c > MAX_ROUTES:
         raise ValueError(f"replica counts {list(counts)} need {c} routes, more than {MAX_ROUTES}")
     return c
+
+
+def fits(counts: Sequence[int], max_routes: int = MAX_ROUTES) -> bool:
+    """Whether a plan with `counts[s]` replicas of stage s is servable: every stage has a replica and the
+    routes (their lcm) are at most `max_routes` (the check `n_routes` raises on, as a yes or no)."""
+    counts = tuple(int(c) for c in counts)
+    return bool(counts) and min(counts) >= 1 and math.lcm(*counts) <= max_routes
 
 
 def uneven(counts: Sequence[int]) -> bool:

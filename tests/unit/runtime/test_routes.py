@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarm.proto import stage_pb2
-from swarm.runtime.routes import MAX_ROUTES, local_micro, n_routes, route_replicas, stage_numbering, uneven
+from swarm.runtime.routes import MAX_ROUTES, fits, local_micro, n_routes, route_replicas, stage_numbering, uneven
 
 
 def test_equal_counts_are_the_straight_chains():
@@ -56,3 +56,13 @@ def test_local_micro_reads_the_per_stage_fields_when_present():
     assert local_micro(plain, 1) == (2, 5)
     uneven_info = stage_pb2.CallInfo(micro_batch=2, num_micro_batches=5, stage_micro=[2, 0], stage_micro_count=[5, 1])
     assert local_micro(uneven_info, 1) == (0, 1)
+
+
+@pytest.mark.parametrize("counts", [[2, 3], [5, 7], [2, 0], [], [1, 12], [3, 4, 6]])
+def test_fits_says_yes_exactly_where_n_routes_answers(counts):
+    try:
+        n_routes(counts)
+        legal = True
+    except ValueError:
+        legal = False
+    assert fits(counts) == legal
