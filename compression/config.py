@@ -9,6 +9,17 @@ import torch
 from swarm.compression.codecs import BY_NAME, CODEC_NAMES, codec_class
 from swarm.compression.quantized import SUPPORTED_BITS
 
+GROUP_LAYOUTS = ("flat", "channel")
+ROTATIONS = ("none", "hadamard")
+LABEL_SUFFIXES = {
+    "ef": {"error_feedback": True},
+    "sr": {"stochastic": True},
+    "nr": {"stochastic": False},
+    "ch": {"group_layout": "channel"},
+    "rot": {"rotation": "hadamard"},
+}
+"""Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets."""
+
 
 @dataclass(frozen=True)
 class CodecConfig:
@@ -41,6 +52,14 @@ class CodecConfig:
     """aqsgd: how a sample's first sight travels: 16 = in the buffer dtype, 8 or 4 = quantized directly"""
     zstd_level: int = 1
     """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
+    group_layout: str = "flat"
+    """quantized codecs: which elements share a (min, scale) group. "flat": `group_size` consecutive elements of
+    the flattened tensor; "channel": one group per channel of a sample across its tokens (a [B, T, D] tensor
+    gets B x D groups of T elements: the layout of the AQ-SGD paper's own compressor), `group_size` unused.
+    Label suffix `+ch`."""
+    rotation: str = "none"
+    """quantized codecs: "hadamard" rotates each group by a seeded randomized Hadamard transform before quantizing
+    (and back after decoding), spreading an outlier over its group. Label suffix `+rot`."""
 
     def __post_init__(self) -> None:
         codec = codec_class(self.name)
@@ -58,6 +77,10 @@ class CodecConfig:
             raise ValueError("buffer_capacity must be >= 0")
         if not 0 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be in 0..22, got {self.zstd_level}")
+        if self.group_layout not in GROUP_LAYOUTS:
+            raise ValueError(f"group_layout must be one of {GROUP_LAYOUTS}, got {self.group_layout!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.error_feedback and not codec.error_feedback:
             with_feedback = " and ".join(n for n, c in BY_NAME.items() if c.error_feedback)
             raise ValueError(f"error_feedback applies to the {with_feedback} codec only")
@@ -73,20 +96,31 @@ class CodecConfig:
 
     @property
     def label(self) -> str:
-        """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`."""
+        """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot` (rounding is
+        not part of it: each codec family has its own default)."""
         if not codec_class(self.name).quantized:
             return self.name
-        return f"{self.name}{self.bits}" + ("+ef" if self.error_feedback else "")
+        return (
+            f"{self.name}{self.bits}"
+            + ("+ef" if self.error_feedback else "")
+            + ("+ch" if self.group_layout == "channel" else "")
+            + ("+rot" if self.rotation == "hadamard" else "")
+        )
 
     @classmethod
-    def parse(cls, text: str, **overrides) -> CodecConfig:
-        """Parses `fp32`, `aqsgd2`, `gradq4`, `gradq4+ef` (as printed by `label`)."""
-        error_feedback = text.endswith("+ef")
-        text = text.removesuffix("+ef")
-        name = text if text in CODEC_NAMES else text.rstrip("0123456789")
-        digits = text[len(name) :]
-        kwargs = dict(name=name, error_feedback=error_feedback)
+    def parse(cls, text: str, **defaults) -> CodecConfig:
+        """Parses a label: `fp32`, `aqsgd2`, `gradq4+ef`, `aqsgd2+ch+nr`, `gradq2+ef+rot` (suffixes in
+        `LABEL_SUFFIXES`, in any order). `defaults` are fields the label does not set; a suffix wins over them."""
+        head, *suffixes = text.split("+")
+        name = head if head in CODEC_NAMES else head.rstrip("0123456789")
+        digits = head[len(name) :]
+        kwargs = dict(defaults)
+        kwargs["name"] = name
         if digits:
             kwargs["bits"] = int(digits)
-        kwargs.update(overrides)
+        for suffix in suffixes:
+            if suffix not in LABEL_SUFFIXES:
+                known = ", ".join("+" + k for k in LABEL_SUFFIXES)
+                raise ValueError(f"unknown codec suffix +{suffix} in {text!r} (known: {known})")
+            kwargs.update(LABEL_SUFFIXES[suffix])
         return cls(**kwargs)

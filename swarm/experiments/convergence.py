@@ -48,19 +48,10 @@ DEFAULT_SETTINGS = (
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "aqsgd2/gradq4+ef")
 TARGET_SETTING = "aqsgd2/gradq4+ef"
 """The setting the issue's targets are about: AQ-SGD forward 2 bits, backward 4 bits."""
-ROUNDING = {"sr": True, "nr": False}
-"""Codec suffixes that pick stochastic (`+sr`) or round-to-nearest (`+nr`) quantization."""
 
 
 def _parse_codec(text: str, defaults: dict) -> CodecConfig:
-    head, *mods = text.split("+")
-    overrides = dict(defaults)
-    for mod in mods:
-        if mod in ROUNDING:
-            overrides["stochastic"] = ROUNDING[mod]
-        elif mod != "ef":
-            raise ValueError(f"unknown codec suffix +{mod} in {text!r} (known: +ef, +sr, +nr)")
-    return CodecConfig.parse(head + ("+ef" if "ef" in mods else ""), **overrides)
+    return CodecConfig.parse(text, **defaults)
 
 
 @dataclass(frozen=True)
@@ -78,7 +69,7 @@ class Setting:
 
     @classmethod
     def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
-        """`FW/BW[@wN]`, each codec a `CodecConfig.parse` label plus optional `+sr`/`+nr` rounding.
+        """`FW/BW[@wN]`, each codec a `CodecConfig.parse` label (suffixes such as `+ef`, `+sr`/`+nr`, `+ch`, `+rot`).
 
         Args:
             text: e.g. `aqsgd2/gradq4+ef@w1` (one uncompressed warm-up epoch) or `aqsgd2+sr/gradq4`.

@@ -88,6 +88,15 @@ class StepResult:
     """Chains of replicas the applied step ran on."""
     reduce_bytes: int = 0
     """Bytes the replicas sent each other to sum their gradients (also in `wire_bytes` and `traffic`)."""
+    control_bytes: int = 0
+    """Bytes of every other call of the step (CONTRACT, issue 13): token and label batches, Reduce/Grads/Step
+    requests and replies, heartbeat pings, calls of failed attempts; serialized sizes, both directions."""
+    total_wire_bytes: int = 0
+    """CONTRACT (issue 13): every byte of the step: both boundary directions + the tied-embedding sync + replica
+    averaging + control traffic."""
+    fp32_total_wire_bytes: int = 0
+    """CONTRACT (issue 13): the same tensors in fp32 (the boundaries, sync and averaging at 4 bytes per element,
+    framing included) plus the same control bytes: the denominator of every ratio a report prints."""
 
     @property
     def forward_bytes(self) -> int:

@@ -65,3 +65,16 @@ def test_help_lists_every_codec_as_the_command_line_spells_it():
     assert labels.startswith("fp32, fp16, bf16, directqN, aqsgdN, gradqN[+ef]")
     assert labels.endswith(" (N bits: 2, 3, 4, 8)")
     assert all(name in labels for name in CODEC_NAMES)
+
+
+def test_label_suffixes_set_their_fields_over_the_defaults_and_round_trip():
+    cfg = CodecConfig.parse("gradq2+ef+rot", stochastic=False, group_layout="flat")
+    assert (cfg.bits, cfg.error_feedback, cfg.rotation, cfg.group_layout) == (2, True, "hadamard", "flat")
+    assert CodecConfig.parse("aqsgd2+ch+sr", stochastic=False).stochastic is True
+    assert CodecConfig.parse("aqsgd2+nr").stochastic is False
+    for label in ("aqsgd2+ch", "gradq2+ef+rot", "directq4+ch+rot", "fp32"):
+        assert CodecConfig.parse(label).label == label
+    with pytest.raises(ValueError, match=r"unknown codec suffix \+zz"):
+        CodecConfig.parse("aqsgd2+zz")
+    with pytest.raises(ValueError, match="group_layout"):
+        CodecConfig(name="aqsgd", group_layout="diagonal")
