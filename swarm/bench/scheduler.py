@@ -9,9 +9,10 @@ nearest-neighbour assignment (see `swarm.scheduler.baselines`); both use the eve
 
 The dtfm rows' random baseline draws as DT-FM's random_scheduler.py does (5000 shuffles of all devices,
 consecutive blocks as stages in order, replica j paired with replica j) and shows the mean it prints next to
-the median. Our DtfmCost matches DT-FM's published code to rounding on every grid we compared; under it
-the datacenter optimum is 4.795 s, so the issue's quoted DT-FM figures (DTFM_PUBLISHED) are not what that
-code computes for the scenarios of its config.py.
+the median. Our DtfmCost matches DT-FM's published code to rounding on every grid we compared. With the sizes
+DT-FM's scheduler code computes (activation 0.47125 GB, gradient 0.65 GB per stage, package data since the
+scenarios file carried them) its quoted figures (DTFM_PUBLISHED) are reproducible: the datacenter optimum
+is 3.440 s, and the random medians are 19.80 / 49.50 s for the datacenter and spot.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ from swarm.scheduler.scenarios import load_scenario, synthetic_worldwide
 from swarm.scheduler.search import SearchConfig, search_dtfm, search_full
 
 SCENARIOS = ("datacenter", "spot", "multi-universities", "regional", "worldwide")
-# DT-FM's search as quoted in issue #5 (best, random median, solve seconds), said to come from its published
-# code (population 100, 4900 trials). Not reproducible from that code: its cost of any datacenter grid is at
-# least 4.795 s and its random scheduler gives about 14.56 / 36.40 / 39.5 / 54.0 / 190 (see the module docstring).
+# DT-FM's search as quoted in issue #5 (best, random median, solve seconds), from its published code
+# (population 100, 4900 trials), under the sizes that code uses (see the module docstring).
 DTFM_PUBLISHED = {
     "datacenter": (3.440, 19.80, 317.0),
     "spot": (43.547, 49.50, 401.0),

@@ -12,7 +12,7 @@ import sys
 
 from swarm.scheduler.localsearch import AnnealConfig
 from swarm.scheduler.plans import ModelSpec, Plan, PlanInput, TransformerShape
-from swarm.scheduler.scenarios import GB, SCENARIO_NAMES, load_scenario
+from swarm.scheduler.scenarios import GB, SCENARIO_NAMES, load_scenario, scenario_data
 from swarm.scheduler.search import SearchConfig, plan, plan_dtfm
 
 __all__ = ["add_arguments", "run"]
@@ -93,10 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     dtfm.add_argument("--stages", type=int, default=8, help="stages of DT-FM's grid (default 8)")
     dtfm.add_argument("--replicas", type=int, default=8, help="replicas of DT-FM's grid (default 8)")
     dtfm.add_argument(
-        "--activation-gb", type=float, help="activation size per step in GB (default: the scenario's, else 0.28125)"
+        "--activation-gb",
+        type=float,
+        help="activation size per step, GB (default: the scenario's, else DT-FM's 0.47125)",
     )
     dtfm.add_argument(
-        "--gradient-gb", type=float, help="gradient size per stage in GB (default: the scenario's, else 1)"
+        "--gradient-gb", type=float, help="gradient size per stage in GB (default: the scenario's, else DT-FM's 0.65)"
     )
 
 
@@ -171,8 +173,11 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        activation = args.activation_gb * GB if args.activation_gb is not None else activation_bytes or 0.28125 * GB
-        gradient = args.gradient_gb * GB if args.gradient_gb is not None else gradient_bytes or 1.0 * GB
+        workload = scenario_data()["workload"]  # DT-FM's GPT-3 XL sizes unless the input or a flag says otherwise
+        activation = args.activation_gb * GB if args.activation_gb is not None else activation_bytes or 0
+        activation = activation or workload["activation_gb"] * GB
+        gradient = args.gradient_gb * GB if args.gradient_gb is not None else gradient_bytes or 0
+        gradient = gradient or workload["gradient_gb"] * GB
         result = plan_dtfm(plan_input, activation, gradient, args.stages, args.replicas, args.layers, cfg)
     else:
         result = plan(plan_input, _model(args), cfg)

@@ -173,12 +173,12 @@ def load_scenario(name: str | int) -> Scenario:
     peers = tuple(Peer(f"peer-{i:03d}", flops, memory, labels[i]) for i in range(len(labels)))
     spec = scenario_data()["scenarios"][_KEYS[index]]
     workload = scenario_data()["workload"]
-    # Scenario 5 (homogeneous) states no sizes; DT-FM's code uses the GPT-3 XL defaults of scenarios 0-2.
+    # a scenario without sizes of its own uses the workload's (DT-FM's code uses the same sizes for all)
     return Scenario(
         name=SCENARIO_NAMES[index],
         plan_input=PlanInput(peers, delay, bandwidth),
-        activation_bytes=spec.get("activation_gb", 0.28125) * GB,
-        gradient_bytes=spec.get("gradient_gb", 1.0) * GB,
+        activation_bytes=spec.get("activation_gb", workload["activation_gb"]) * GB,
+        gradient_bytes=spec.get("gradient_gb", workload["gradient_gb"]) * GB,
         stages=workload["pipeline_stages"],
         replicas=workload["data_parallel_replicas"],
     )

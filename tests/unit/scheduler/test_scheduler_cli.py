@@ -16,7 +16,7 @@ def test_plan_scenario_dtfm_json(capsys):
     assert main(["plan", "--scenario", "multi-universities", "--cost-model", "dtfm", "--json", "--moves", "200"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["cost_model"] == "dtfm" and len(out["stages"]) == 8
-    assert out["step_time_s"] == pytest.approx(12.2659, abs=1e-3)
+    assert out["step_time_s"] == pytest.approx(16.0869, abs=1e-3)
 
 
 def test_plan_input_file(tmp_path, capsys):
