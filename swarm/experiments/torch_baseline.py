@@ -127,6 +127,7 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
             sent["backward"] += inputs[0].numel() * inputs[0].element_size()
 
     module.register_forward_hook(count)
+    _refuse_pickled_objects(dist)
     addr, port = master.rsplit(":", 1)
     timeout = timedelta(seconds=run.timeout_s)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=n, timeout=timeout)
@@ -149,6 +150,7 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
                     schedule.step(target=batch.targets, losses=losses)
                 else:
                     schedule.step()
+                t1 = time.perf_counter()
                 tied_bytes = 0
                 if rank in (0, last):
                     grad = worker.tied_grad()
@@ -157,10 +159,13 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
                     tied_bytes = grad.numel() * grad.element_size()
                 sq = torch.tensor([worker.grad_sq_norm()], dtype=torch.float64)
                 dist.all_reduce(sq)
+                t2 = time.perf_counter()
                 lr = worker.step(math.sqrt(float(sq)))
                 seconds = time.perf_counter() - t0
                 loss = float(torch.stack([x.detach() for x in losses]).mean()) if losses else None
                 record = {"step": step + 1, "epoch": epoch, "step_s": seconds, "loss": loss, "lr": lr}
+                # where the step went: torch's schedule (compute and boundary transfers), the two all-reduces
+                record |= {"schedule_s": t1 - t0, "sync_s": t2 - t1}
                 record |= {"forward_bytes": sent["forward"], "backward_bytes": sent["backward"]}
                 record |= {"tied_bytes": tied_bytes, "control_bytes": sq.numel() * sq.element_size()}
                 f.write(json.dumps(record) + "\n")
@@ -168,6 +173,18 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _refuse_pickled_objects(dist) -> None:
+    """torch's object collectives unpickle what a peer sends; nothing from the network is ever unpickled here, so
+    they raise (the stages get their shapes up front, which keeps torch's pipelining on tensors only)."""
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("torch baseline: an object collective would unpickle a peer's bytes; refused")
+
+    for name in ("recv_object_list", "broadcast_object_list", "all_gather_object", "gather_object",
+                 "scatter_object_list"):  # fmt: skip
+        setattr(dist, name, refuse)
 
 
 # ---- the runs ---------------------------------------------------------------------------------------------
@@ -271,6 +288,9 @@ def summarize_torch(rate_mbit: float | None, records: list[dict], steps_per_epoc
         "fp32_total_wire_bytes": total,
         "total_ratio_vs_fp32": 1.0,
         "busiest_direction_bytes_per_step": max(statistics.mean(r[k] for r in records) for k in directions),
+        # rank 0's mean, steps after the first epoch: torch's schedule (compute, boundary transfers), all-reduces
+        "schedule_step_s": statistics.mean(r["schedule_s"] for r in records[steps_per_epoch:] or records),
+        "sync_step_s": statistics.mean(r["sync_s"] for r in records[steps_per_epoch:] or records),
         "first_loss": losses[0],
         "final_loss": statistics.mean(losses[-steps_per_epoch:]),
         "steps": len(records),

@@ -13,11 +13,21 @@ from pathlib import Path
 import pytest
 
 from swarm.experiments.throttled import ThrottledConfig
-from swarm.experiments.torch_baseline import SETTING, TorchRun, _free_port, main, run_torch, run_torch_rows
+from swarm.experiments.torch_baseline import (
+    NETNS_PREFIX,
+    SETTING,
+    TorchRun,
+    _free_port,
+    _refuse_pickled_objects,
+    main,
+    run_torch,
+    run_torch_rows,
+)
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
+from swarm.testbed.netns import list_links, list_namespaces, unavailable_reason
 
 ROW_KEYS = {
     "rate_mbit", "setting", "mean_step_s", "first_epoch_step_s", "throughput_samples_per_s", "wire_bytes",
@@ -83,6 +93,19 @@ def test_rows_match_swarm_fp32_and_count_the_tensors(tmp_path):
     assert row["wire_bytes"] == cfg.steps * 2 * activations
     tied = m.vocab_size * m.hidden_dim * 4
     assert row["total_wire_bytes"] == row["wire_bytes"] + cfg.steps * (2 * tied + 2 * 8)
+    assert 0 < row["schedule_step_s"] + row["sync_step_s"] <= row["mean_step_s"]
+    assert not _running(str(tmp_path))
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"no namespaces: {unavailable_reason()}")
+def test_netns_rows_are_shaped_and_the_namespaces_removed(tmp_path):
+    cfg = ThrottledConfig(steps=2, train_samples=8, batch_size=8, micro_batches=4, netns=True)
+    rows = run_torch_rows(cfg, [4.0], tmp_path, say=lambda _: None)
+    # 1 MB of activations and gradients per step plus the tied sum's 0.26 MB: at 4 Mbit/s (0.5 MB/s), each
+    # direction's 0.66 MB needs over 1.3 s, far above the unshaped step (a quarter second)
+    assert rows[0]["rate_mbit"] == 4.0 and rows[0]["mean_step_s"] > 1.2
+    assert not list_namespaces(NETNS_PREFIX) and not list_links(NETNS_PREFIX)
     assert not _running(str(tmp_path))
 
 
@@ -113,3 +136,14 @@ def test_bad_runs_are_refused():
         TorchRun(batch_size=8, micro_batches=3)
     with pytest.raises(SystemExit):
         main(["--rank", "5", "--master", "127.0.0.1:1", "--run", json.dumps({"stages": 2}), "--out", os.devnull])
+
+
+def test_object_collectives_are_refused_in_the_ranks():
+    # the ranks patch torch.distributed like this before anything connects: no peer's bytes are unpickled
+    import types
+
+    fake = types.SimpleNamespace()
+    _refuse_pickled_objects(fake)
+    for name in ("recv_object_list", "broadcast_object_list", "all_gather_object"):
+        with pytest.raises(RuntimeError, match="unpickle"):
+            getattr(fake, name)([None])
