@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -358,9 +359,11 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
         if row is None:
             out.append((f"{role} setting {name}: not run", None))
             continue
-        out.append(
-            (f"{role} setting {name} >= {ratio:g}x fewer total bytes {when} ({row[key]:.2f}x)", row[key] >= ratio)
-        )
+        statement = f"{role} setting {name} >= {ratio:g}x fewer total bytes {when}"
+        if math.isnan(row[key]):  # a runtime that reports no totals: nothing to judge
+            out.append((f"{statement} (no totals reported)", None))
+        else:
+            out.append((f"{statement} ({row[key]:.2f}x)", row[key] >= ratio))
         if loss_pct is not None:
             pct = row["eval_vs_fp32_pct"]
             out.append(

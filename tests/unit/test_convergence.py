@@ -98,6 +98,8 @@ def test_summary_without_runtime_totals_gives_nan_ratios():
     row = _summarize(fp32, fp32, 2)
     assert math.isnan(row["total_ratio_vs_fp32"]) and math.isnan(row["total_steady_ratio_vs_fp32"])
     assert row["ratio_vs_fp32"] == 1.0
+    (ratio, met), *_ = check_targets([{**row, "setting": convergence.DEFAULT_TARGET_SETTING}])
+    assert met is None and ratio.endswith("(no totals reported)")  # never judged met or missed on nan
 
 
 def test_data_flag_reads_any_text_file(tmp_path, capsys):
