@@ -201,8 +201,9 @@ def train_config(cell: Cell, cfg: ThrottledConfig, out: Path) -> TrainConfig:
 
 
 def _bits(codec: str) -> int:
-    digits = codec.removesuffix("+ef").lstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(digits) if codec[:2] not in ("fp", "bf") else int(codec[-2:])
+    from swarm.compression import CodecConfig
+
+    return CodecConfig.parse(codec).wire_bits  # any label: suffixes (+ef, +ch, +rot) and new codec names
 
 
 def read_summary(cell_dir: Path) -> dict:

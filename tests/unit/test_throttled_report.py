@@ -80,6 +80,10 @@ def test_without_totals_or_predictions_nothing_is_judged_met(monkeypatch):
     th._report(rows, {})  # renders with the missing values as '-'
 
 
+def test_bits_of_any_codec_label():
+    assert [th._bits(c) for c in ("fp32", "bf16", "aqsgd2+ch", "gradq4+ef+rot", "directq4+nr")] == [32, 16, 2, 4, 4]
+
+
 def test_slow_cells_run_fewer_steps_and_default_matrix_has_1_mbit():
     cfg = ThrottledConfig(steps=40, slow_steps=12)
     assert 1.0 in cfg.rates and th.SLOW_RATE_MBIT > 1.0
