@@ -241,6 +241,14 @@ def _int(step: dict, key: str) -> int:
     return int(step.get(key) or 0)  # a column the runtime does not write yet reads as 0
 
 
+def _busiest_direction(step: dict) -> float:
+    """Bytes of a step's busier direction: the larger boundary direction plus half of what is not boundary
+    traffic (the tied-embedding exchange, averaging, control: symmetric between two members, so half each
+    way); the boundaries alone while the runtime reports no totals."""
+    fwd, bwd = _int(step, "forward_bytes"), _int(step, "backward_bytes")
+    return max(fwd, bwd) + max(0, _int(step, "total_wire_bytes") - fwd - bwd) / 2
+
+
 def summarize(
     cell: Cell, steps: list[dict], steps_per_epoch: int, batch_size: int, summary: dict | None = None
 ) -> dict:
@@ -280,9 +288,7 @@ def summarize(
         "total_ratio_vs_fp32": fp32_total / total if total else None,
         "total_steady_ratio_vs_fp32": steady_fp32_total / steady_total if steady_total else None,
         # links are full duplex: the busier direction bounds a step's time on the wire
-        "busiest_direction_bytes_per_step": statistics.mean(
-            max(_int(s, "forward_bytes"), _int(s, "backward_bytes")) for s in steps
-        ),
+        "busiest_direction_bytes_per_step": statistics.mean(_busiest_direction(s) for s in steps),
         "predicted_step_s": predicted,
         "predicted_error_pct": 100 * (predicted - mean) / mean if predicted else None,
         "final_loss": statistics.mean(losses[-steps_per_epoch:]),
