@@ -352,7 +352,8 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
         )
     slow = [r for r in swarm_rows if r["setting"] == TARGET_SETTING and (r.get("rho") or 0) >= SHARE_RHO]
     if not slow:
-        out.append((f"{TARGET_SETTING} at rho >= {SHARE_RHO:g}: no such cell in this matrix", None))
+        top = max((r["rho"] for r in swarm_rows if r.get("rho") is not None), default=None)
+        out.append((f"{TARGET_SETTING} at rho >= {SHARE_RHO:g}: no such cell (highest rho {_fmt(top, '.2f')})", None))
     for r in slow:
         share = r.get("speedup_share")
         statement = (
@@ -479,6 +480,15 @@ def _report(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
         "the same control bytes) by them. The share divides the speed-up by min(total byte ratio after the first",
         "epoch, 1 + rho): the most any codec can give on that link.",
     ]
+    sync = max(
+        (r["sync_bytes"] / r["steps"] for r in rows if r.get("sync_bytes") and not r.get("total_wire_bytes")), default=0
+    )
+    if sync:  # a runtime that moves the tied gradient through the trainer and reports no totals
+        lines += [
+            "",
+            f"Not in the boundary bytes and not in rho: the tied embedding's gradient sync, {sync / 1e6:.2f} MB per"
+            " step (fp32, stages to trainer and back), which the application's shaper does not pace.",
+        ]
     if slow_note:
         lines += ["", slow_note]
     lines += ["", "## Targets", ""]

@@ -79,7 +79,11 @@ def test_without_totals_or_predictions_nothing_is_judged_met(monkeypatch):
     th.add_comparisons(rows)
     assert rows[2]["total_ratio_vs_fp32"] is None and rows[2]["speedup_share"] is None
     assert [met for _, met in th.check_targets(rows)] == [None, None]
-    th._report(rows, {})  # renders with the missing values as '-'
+    report = th._report(rows, {})  # renders with the missing values as '-'
+    assert "the tied embedding's gradient sync, 0.00 MB per step" in report  # not counted: said so
+    assert "| 1 Mbit/s | aqsgd2/gradq4 | 0.800 | - |" in report
+    rows[1]["rho"] = rows[2]["rho"] = 12.4
+    assert "no such cell (highest rho 12.40)" in th.check_targets(rows)[1][0]
 
 
 def test_bits_of_any_codec_label():
