@@ -485,6 +485,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(format_table(rows))
     for statement, met in check_targets(rows):
-        print(f"[{'not run' if met is None else 'met' if met else 'MISSED'}] {statement}")
+        print(f"[{'not judged' if met is None else 'met' if met else 'MISSED'}] {statement}")
     print(f"wrote {out}/losses.csv, eval.csv, loss.png, results.json, results.md")
     return 0
