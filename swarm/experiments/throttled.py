@@ -8,7 +8,12 @@ has been seen once); the first epoch's mean is reported beside it.
 
 This CPU computes about a thousand times slower than a GPU, so at equal link speed it is far less bound by
 the network than the AQ-SGD paper's GPUs were. The report gives, per link speed, fp32's time on the wire
-over its compute time per step: that ratio is what makes results comparable across machines.
+over its compute time per step (`rho`): that ratio is what makes results comparable across machines. At a
+link, no codec can speed a step up by more than min(its byte ratio, 1 + rho); `speedup_share` is the share
+of that bound a setting reached. The default matrix includes 1 Mbit/s, where fp32 is >= 20x network-bound
+(the AQ-SGD paper's regime); cells below `SLOW_RATE_MBIT` run `slow_steps` steps only (a prefix of the same
+run: the peers' learning-rate schedule still spans `steps`), enough for a steady-state mean after the first
+epoch at several seconds per step.
 """
 
 from __future__ import annotations
@@ -26,10 +31,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from swarm.train.trainer import TrainConfig
 
-RATES = [10.0, 100.0, 1000.0, None]
+RATES = [1.0, 10.0, 100.0, 1000.0, None]
 SETTINGS = ["fp32/fp32", "directq2/gradq4", "directq4/gradq8", "aqsgd2/gradq4", "aqsgd4/gradq8"]
 QUICK_RATES = [10.0, None]
 QUICK_SETTINGS = ["fp32/fp32", "aqsgd2/gradq4"]
+TARGET_SETTING = "aqsgd2/gradq4"
+"""The issue's "default setting" in this matrix: at rho >= 20 its speed-up over fp32 is >= 80% of its byte
+ratio (the lead aligns it with the convergence experiment's DEFAULT_TARGET_SETTING)."""
+SLOW_RATE_MBIT = 5.0
+"""Cells on links slower than this run `ThrottledConfig.slow_steps` steps."""
+PREDICTION_TOLERANCE = 0.10
+"""Target: the plan's predicted step time within 10% of the measured one, in every cell."""
+SHARE_TARGET, SHARE_RHO = 0.8, 20.0
+"""Target: at rho >= 20, the default setting's speed-up >= 80% of min(byte ratio, 1 + rho)."""
+BASELINES = ("torch",)
 COLUMNS = [
     "rate_mbit",
     "setting",
@@ -42,6 +57,11 @@ COLUMNS = [
     "final_loss",
     "speedup_vs_fp32",
     "slowdown_vs_fp32_unshaped",
+    "rho",
+    "predicted_step_s",
+    "total_wire_bytes",
+    "total_ratio_vs_fp32",
+    "speedup_share",
 ]
 
 
@@ -66,6 +86,9 @@ class ThrottledConfig:
     """FW/BW codec pairs of the cells; the fp32/* ones are the baseline of the comparisons."""
     steps: int = 40
     """Optimizer steps per cell."""
+    slow_steps: int = 12
+    """Optimizer steps of the cells on links slower than `SLOW_RATE_MBIT` (at most `steps`): fp32 takes
+    seconds per step there. 12 = 3 epochs of the default data: 8 steps of steady state after the first."""
     train_samples: int = 32
     """Training samples, a multiple of `batch_size`."""
     batch_size: int = 8
@@ -80,9 +103,18 @@ class ThrottledConfig:
     """Shape with tc in network namespaces (needs root) instead of the application's shaper."""
     out: Path | None = None
     """Output folder (None: runs/throttled-<time>)."""
+    baseline: str | None = None
+    """"torch": also run PyTorch's own pipeline (fp32) at every rate, in the same namespaces (needs netns)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "train_samples", "batch_size", "micro_batches", "peers"):
+        if self.baseline is not None and self.baseline not in BASELINES:
+            raise ValueError(f"--baseline: expected one of {', '.join(BASELINES)}, got {self.baseline!r}")
+        if self.baseline and not self.netns:
+            raise ValueError(
+                f"--baseline {self.baseline} needs --netns: the baseline's gloo links are shaped by tc in the "
+                "testbed's namespaces, not by the swarm's own shaper, so the comparison is fair only there"
+            )
+        for name in ("steps", "slow_steps", "train_samples", "batch_size", "micro_batches", "peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ThrottledConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.train_samples % self.batch_size:
@@ -91,6 +123,11 @@ class ThrottledConfig:
     @property
     def cells(self) -> list[Cell]:
         return [Cell(rate, setting) for rate in self.rates for setting in self.settings]
+
+    def steps_of(self, cell: Cell) -> int:
+        """Steps the cell trains: `slow_steps` on links slower than `SLOW_RATE_MBIT`, else `steps`."""
+        slow = cell.rate_mbit is not None and cell.rate_mbit < SLOW_RATE_MBIT
+        return min(self.steps, self.slow_steps) if slow else self.steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated FW/BW codec pairs")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default %(default)s)")
+    parser.add_argument(
+        "--slow-steps",
+        type=int,
+        default=ThrottledConfig.slow_steps,
+        help=f"steps of the cells below {SLOW_RATE_MBIT:g} Mbit/s, on the same learning-rate schedule "
+        "(default %(default)s)",
+    )
     parser.add_argument("--train-samples", type=int, default=32, help="training samples (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per step (default %(default)s)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default %(default)s)")
@@ -108,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every link, ms")
     parser.add_argument("--netns", action="store_true", help="shape with tc in network namespaces (needs root)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/throttled-<time>)")
+    parser.add_argument(
+        "--baseline",
+        choices=BASELINES,
+        default=None,
+        help="torch: also PyTorch's own pipeline (torch.distributed.pipelining, 1F1B, gloo, fp32) at every rate, "
+        "same model split and tc shaping (needs --netns)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small matrix (10 Mbit/s and unshaped, 2 settings)")
     parser.add_argument("--json", action="store_true", help="print the table rows as JSON")
 
@@ -126,6 +177,7 @@ def config_from_args(args: argparse.Namespace) -> ThrottledConfig:
         rates=tuple(rates),
         settings=tuple(settings),
         steps=steps,
+        slow_steps=args.slow_steps,
         train_samples=train_samples,
         batch_size=args.batch_size,
         micro_batches=args.micro_batches,
@@ -133,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> ThrottledConfig:
         delay_ms=args.delay_ms,
         netns=args.netns,
         out=args.out,
+        baseline=args.baseline,
     )
 
 
@@ -142,13 +195,24 @@ def train_config(cell: Cell, cfg: ThrottledConfig, out: Path) -> TrainConfig:
 
     return TrainConfig(
         train_samples=cfg.train_samples, batch_size=cfg.batch_size, micro_batches=cfg.micro_batches,
-        schedule="1f1b", steps=cfg.steps, seed=0, setting=cell.setting, deadline_s=300.0, out=str(out / cell.label),
+        schedule="1f1b", steps=cfg.steps_of(cell), seed=0, setting=cell.setting, deadline_s=300.0,
+        out=str(out / cell.label),
     )  # fmt: skip
 
 
 def _bits(codec: str) -> int:
-    digits = codec.removesuffix("+ef").lstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(digits) if codec[:2] not in ("fp", "bf") else int(codec[-2:])
+    from swarm.compression import CodecConfig
+
+    return CodecConfig.parse(codec).wire_bits  # any label: suffixes (+ef, +ch, +rot) and new codec names
+
+
+def read_summary(cell_dir: Path) -> dict:
+    """The trainer's summary.json of a cell (`<cell>/summary.json` of a local swarm, `<cell>/train/` of the
+    testbed's trainer); {} when there is none."""
+    for path in (cell_dir / "summary.json", cell_dir / "train" / "summary.json"):
+        if path.is_file():
+            return json.loads(path.read_text())
+    return {}
 
 
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
@@ -173,55 +237,160 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def summarize(cell: Cell, steps: list[dict], steps_per_epoch: int, batch_size: int) -> dict:
+def _int(step: dict, key: str) -> int:
+    return int(step.get(key) or 0)  # a column the runtime does not write yet reads as 0
+
+
+def _busiest_direction(step: dict) -> float:
+    """Bytes of a step's busier direction: the larger boundary direction plus half of what is not boundary
+    traffic (the tied-embedding exchange, averaging, control: symmetric between two members, so half each
+    way); the boundaries alone while the runtime reports no totals."""
+    fwd, bwd = _int(step, "forward_bytes"), _int(step, "backward_bytes")
+    return max(fwd, bwd) + max(0, _int(step, "total_wire_bytes") - fwd - bwd) / 2
+
+
+def summarize(
+    cell: Cell, steps: list[dict], steps_per_epoch: int, batch_size: int, summary: dict | None = None
+) -> dict:
+    """One row of the table from a cell's steps.csv rows and its trainer summary (`read_summary`)."""
     times = [float(s["step_s"]) for s in steps]
     steady = times[steps_per_epoch:] or times
     first = times[:steps_per_epoch]
     fw, bw = cell.setting.split("/")
-    wire = sum(int(s["forward_bytes"]) + int(s["backward_bytes"]) for s in steps)
+    wire = sum(_int(s, "forward_bytes") + _int(s, "backward_bytes") for s in steps)
     losses = [float(s["train_loss"]) for s in steps]
+    total, fp32_total = (
+        sum(_int(s, "total_wire_bytes") for s in steps),
+        sum(_int(s, "fp32_total_wire_bytes") for s in steps),
+    )
+    after = steps[steps_per_epoch:] or steps  # the steps mean_step_s is taken over
+    steady_total = sum(_int(s, "total_wire_bytes") for s in after)
+    steady_fp32_total = sum(_int(s, "fp32_total_wire_bytes") for s in after)
+    predicted = (summary or {}).get("predicted_step_s")
+    mean = statistics.mean(steady)
     return {
         "rate_mbit": cell.rate_mbit,
         "setting": cell.setting,
         "fw_bits": _bits(fw),
         "bw_bits": _bits(bw),
-        "mean_step_s": statistics.mean(steady),
+        "mean_step_s": mean,
         "first_epoch_step_s": statistics.mean(first),
-        "throughput_samples_per_s": batch_size / statistics.mean(steady),
+        "throughput_samples_per_s": batch_size / mean,
         "wire_bytes": wire,
-        "fp32_wire_bytes": sum(int(s["fp32_wire_bytes"]) for s in steps),
+        "fp32_wire_bytes": sum(_int(s, "fp32_wire_bytes") for s in steps),
         "wire_bytes_per_step": wire / len(steps),
-        # the tied embedding's gradient sync (through the trainer, fp32) is outside the stage links
-        "sync_bytes": sum(int(s.get("sync_bytes") or 0) for s in steps),
+        # the tied embedding's gradient sync (counted in the totals once the runtime reports them)
+        "sync_bytes": sum(_int(s, "sync_bytes") for s in steps),
+        "control_bytes": sum(_int(s, "control_bytes") for s in steps),
+        "total_wire_bytes": total,
+        "fp32_total_wire_bytes": fp32_total,
+        # each cell's own fp32 equivalent over what it sent (None while the runtime reports no totals)
+        "total_ratio_vs_fp32": fp32_total / total if total else None,
+        "total_steady_ratio_vs_fp32": steady_fp32_total / steady_total if steady_total else None,
         # links are full duplex: the busier direction bounds a step's time on the wire
-        "busiest_direction_bytes_per_step": statistics.mean(
-            max(int(s["forward_bytes"]), int(s["backward_bytes"])) for s in steps
-        ),
+        "busiest_direction_bytes_per_step": statistics.mean(_busiest_direction(s) for s in steps),
+        "predicted_step_s": predicted,
+        "predicted_error_pct": 100 * (predicted - mean) / mean if predicted else None,
         "final_loss": statistics.mean(losses[-steps_per_epoch:]),
         "steps": len(steps),
     }
 
 
 def add_comparisons(rows: list[dict]) -> dict[float | None, float]:
-    """Speed-ups against fp32 at the same rate and against fp32 unshaped; returns fp32's wire/compute ratio
-    per rate (wire time = fp32's busier direction's bytes per step at that rate, since links are full
-    duplex; compute = fp32's step time on the unshaped link)."""
+    """Speed-ups against fp32 at the same rate and against fp32 unshaped, each cell's `rho` and
+    `speedup_share`; returns fp32's wire/compute ratio (rho) per rate (wire time = fp32's busier direction's
+    boundary bytes per step at that rate, since links are full duplex; compute = fp32's step time on the
+    unshaped link).
+
+    speedup_share = speedup_vs_fp32 / min(byte ratio, 1 + rho): the share of the most any codec can give at
+    that link. The byte ratio is the cell's total bytes after the first epoch against their fp32
+    equivalent, the same steps the step times are taken over. Rows of a baseline (setting not `FW/BW`,
+    e.g. torch-fp32) are compared with swarm's fp32 but are not a baseline themselves."""
     fp32 = {r["rate_mbit"]: r for r in rows if r["setting"].startswith("fp32/")}
     unshaped = fp32.get(None)
-    for r in rows:
-        base = fp32.get(r["rate_mbit"])
-        r["speedup_vs_fp32"] = base["mean_step_s"] / r["mean_step_s"] if base else None
-        r["slowdown_vs_fp32_unshaped"] = r["mean_step_s"] / unshaped["mean_step_s"] if unshaped else None
     ratios = {}
     if unshaped:
         for rate, r in fp32.items():
             if rate is not None:
                 wire_s = r["busiest_direction_bytes_per_step"] * 8 / (rate * 1e6)
                 ratios[rate] = wire_s / unshaped["mean_step_s"]
+    for r in rows:
+        base = fp32.get(r["rate_mbit"])
+        r["speedup_vs_fp32"] = base["mean_step_s"] / r["mean_step_s"] if base else None
+        r["slowdown_vs_fp32_unshaped"] = r["mean_step_s"] / unshaped["mean_step_s"] if unshaped else None
+        r["rho"] = ratios.get(r["rate_mbit"])
+        byte_ratio = r.get("total_steady_ratio_vs_fp32")
+        if r["speedup_vs_fp32"] is None or r["rho"] is None or not byte_ratio:
+            r["speedup_share"] = None
+        else:
+            r["speedup_share"] = r["speedup_vs_fp32"] / min(byte_ratio, 1 + r["rho"])
     return ratios
 
 
-def write_outputs(out: Path, rows: list[dict], all_steps: dict[Cell, list[dict]], ratios: dict) -> None:
+def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
+    """The issue's targets for this experiment as (statement, met) pairs; met is None where nothing could
+    be judged (no prediction, no cell at rho >= 20, no totals)."""
+    swarm_rows = [r for r in rows if "/" in r["setting"]]
+    missed = [r for r in swarm_rows if r.get("predicted_error_pct") is None]
+    off = [r for r in swarm_rows if r.get("predicted_error_pct") is not None]
+    worst = max(off, key=lambda r: abs(r["predicted_error_pct"]), default=None)
+    out: list[tuple[str, bool | None]] = []
+    tolerance = 100 * PREDICTION_TOLERANCE
+    if worst is None:
+        out.append(
+            (f"predicted step time within {tolerance:g}% of measured in every cell: no cell has a prediction", None)
+        )
+    else:
+        met = abs(worst["predicted_error_pct"]) <= tolerance and not missed
+        note = f"; {len(missed)} cells without a prediction" if missed else ""
+        out.append(
+            (
+                f"predicted step time within {tolerance:g}% of measured in every cell (worst "
+                f"{worst['predicted_error_pct']:+.1f}% at {_link(worst['rate_mbit'])} {worst['setting']}{note})",
+                met,
+            )
+        )
+    slow = [r for r in swarm_rows if r["setting"] == TARGET_SETTING and (r.get("rho") or 0) >= SHARE_RHO]
+    if not slow:
+        top = max((r["rho"] for r in swarm_rows if r.get("rho") is not None), default=None)
+        out.append((f"{TARGET_SETTING} at rho >= {SHARE_RHO:g}: no such cell (highest rho {_fmt(top, '.2f')})", None))
+    for r in slow:
+        share = r.get("speedup_share")
+        statement = (
+            f"{TARGET_SETTING} at {_link(r['rate_mbit'])} (rho {r['rho']:.1f}): speed-up over fp32 >= "
+            f"{100 * SHARE_TARGET:g}% of min(byte ratio, 1 + rho) ("
+            + ("no byte totals" if share is None else f"{r['speedup_vs_fp32']:.2f}x, {100 * share:.0f}%")
+            + ")"
+        )
+        out.append((statement, None if share is None else share >= SHARE_TARGET))
+    return out
+
+
+def _link(rate: float | None) -> str:
+    return "unshaped" if rate is None else f"{rate:g} Mbit/s"
+
+
+def torch_comparison(rows: list[dict]) -> list[str]:
+    """Per rate, swarm's fp32 step time against PyTorch's own pipeline's (rows of setting torch-fp32)."""
+    fp32 = {r["rate_mbit"]: r for r in rows if r["setting"].startswith("fp32/")}
+    lines = []
+    for t in (r for r in rows if r["setting"] == "torch-fp32"):
+        ours = fp32.get(t["rate_mbit"])
+        if ours is None:
+            continue
+        ratio = ours["mean_step_s"] / t["mean_step_s"]
+        verdict = f"swarm's fp32 is {ratio:.2f}x slower" if ratio > 1 else f"swarm's fp32 is {1 / ratio:.2f}x faster"
+        lines.append(
+            f"- {_link(t['rate_mbit'])}: swarm fp32 {ours['mean_step_s']:.3f} s/step, torch fp32 "
+            f"{t['mean_step_s']:.3f} s/step: {verdict}; wire MB per step {ours['wire_bytes'] / ours['steps'] / 1e6:.2f}"
+            f" (swarm boundaries) vs {t['wire_bytes'] / max(t['steps'], 1) / 1e6:.2f} (torch)"
+        )
+    return lines
+
+
+def write_outputs(
+    out: Path, rows: list[dict], all_steps: dict[Cell, list[dict]], ratios: dict, slow_note: str = ""
+) -> None:
     from swarm.plots import Panel, moving_average, save_line_plots
 
     with open(out / "steps.csv", "w", newline="") as f:
@@ -245,8 +414,11 @@ def write_outputs(out: Path, rows: list[dict], all_steps: dict[Cell, list[dict]]
         panels.append(panel)
     save_line_plots(panels, out / "loss_vs_time.png", "training loss against wall-clock time, per link speed")
     _bars(out / "step_time.png", rows, "mean_step_s", "mean step time (s), after the first epoch")
-    _bars(out / "wire_bytes.png", rows, "wire_bytes", "bytes on the wire, whole run")
-    (out / "report.md").write_text(_report(rows, ratios))
+    if any(r.get("total_wire_bytes") for r in rows):
+        _bars(out / "wire_bytes.png", rows, "total_wire_bytes", "all bytes on the wire (total), whole run")
+    else:  # a runtime without totals: the boundary bytes
+        _bars(out / "wire_bytes.png", rows, "wire_bytes", "bytes across the stage boundaries, whole run")
+    (out / "report.md").write_text(_report(rows, ratios, slow_note))
 
 
 def _bars(path: Path, rows: list[dict], key: str, title: str) -> None:
@@ -261,7 +433,8 @@ def _bars(path: Path, rows: list[dict], key: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, setting in enumerate(settings):
         values = [
-            next((r[key] for r in rows if r["setting"] == setting and r["rate_mbit"] == rate), 0) for rate in rates
+            next((r.get(key) or 0 for r in rows if r["setting"] == setting and r["rate_mbit"] == rate), 0)
+            for rate in rates
         ]
         ax.bar([x + i * width for x in range(len(rates))], values, width, label=setting)
     ax.set_xticks([x + width * (len(settings) - 1) / 2 for x in range(len(rates))])
@@ -274,37 +447,68 @@ def _bars(path: Path, rows: list[dict], key: str, title: str) -> None:
     plt.close(fig)
 
 
-def _fmt(value, spec: str = ".3g") -> str:
-    return "-" if value is None else format(value, spec)
+def _fmt(value, spec: str = ".3g", scale: float = 1.0) -> str:
+    return "-" if value is None else format(value / scale, spec)
 
 
-def _report(rows: list[dict], ratios: dict) -> str:
+def _report(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
     lines = [
         "# Throttled experiment",
         "",
-        "| link | setting | mean step (s) | first epoch step (s) | samples/s | wire MB | final loss |"
-        " speed-up vs fp32 | slowdown vs fp32 unshaped |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| link | setting | mean step (s) | predicted (s) | first epoch step (s) | samples/s | boundary MB |"
+        " total MB | x fewer total | final loss | speed-up vs fp32 | rho | share of min(ratio, 1+rho) |"
+        " slowdown vs fp32 unshaped |",
+        "|" + " --- |" * 14,
     ]
     for r in rows:
-        link = "unshaped" if r["rate_mbit"] is None else f"{r['rate_mbit']:g} Mbit/s"
         lines.append(
-            f"| {link} | {r['setting']} | {r['mean_step_s']:.3f} | {r['first_epoch_step_s']:.3f} | "
-            f"{r['throughput_samples_per_s']:.1f} | {r['wire_bytes'] / 1e6:.2f} | {r['final_loss']:.3f} | "
-            f"{_fmt(r['speedup_vs_fp32'], '.2f')}x | {_fmt(r['slowdown_vs_fp32_unshaped'], '.2f')}x |"
+            f"| {_link(r['rate_mbit'])} | {r['setting']} | {r['mean_step_s']:.3f} | "
+            f"{_fmt(r.get('predicted_step_s'), '.3f')} | "
+            f"{_fmt(r.get('first_epoch_step_s'), '.3f')} | {r['throughput_samples_per_s']:.1f} | "
+            f"{r['wire_bytes'] / 1e6:.2f} | {_fmt(r.get('total_wire_bytes') or None, '.2f', 1e6)} | "
+            f"{_fmt(r.get('total_ratio_vs_fp32'), '.2f')} | {_fmt(r.get('final_loss'), '.3f')} | "
+            f"{_fmt(r['speedup_vs_fp32'], '.2f')}x | {_fmt(r.get('rho'), '.2f')} | "
+            f"{_fmt(r.get('speedup_share'), '.0%')} | "
+            f"{_fmt(r['slowdown_vs_fp32_unshaped'], '.2f')}x |"
         )
-    lines += ["", "fp32's time on the wire over its compute time per step (compute = fp32's unshaped step):", ""]
+    lines += ["", "fp32's time on the wire over its compute time per step (rho; compute = fp32's unshaped step):", ""]
     lines += [f"- {rate:g} Mbit/s: {ratio:.2f}" for rate, ratio in sorted(ratios.items())]
-    sync = max((r["sync_bytes"] / r["steps"] for r in rows), default=0)
-    if sync:
+    lines += [
+        "",
+        "Total bytes count everything a step moves (both boundary directions, the tied-embedding sync, replica",
+        "averaging, control calls); x fewer total divides each cell's fp32 equivalent (the same tensors at fp32,",
+        "the same control bytes) by them. The share divides the speed-up by min(total byte ratio after the first",
+        "epoch, 1 + rho): the most any codec can give on that link.",
+    ]
+    sync = max(
+        (r["sync_bytes"] / r["steps"] for r in rows if r.get("sync_bytes") and not r.get("total_wire_bytes")), default=0
+    )
+    if sync:  # a runtime that moves the tied gradient through the trainer and reports no totals
         lines += [
             "",
-            f"Not in the wire bytes above: the tied embedding's gradient sync, {sync / 1e6:.2f} MB per step in every"
-            " setting (fp32, stages to trainer and back). The application's shaper paces the stage links only, so"
-            " it does not slow these steps; in the kernel testbed (--netns) every byte is shaped and it does.",
+            f"Not in the boundary bytes and not in rho: the tied embedding's gradient sync, {sync / 1e6:.2f} MB per"
+            " step (fp32, stages to trainer and back), which the application's shaper does not pace.",
         ]
+    if slow_note:
+        lines += ["", slow_note]
+    lines += ["", "## Targets", ""]
+    for statement, met in check_targets(rows):
+        lines.append(f"- [{'not judged' if met is None else 'met' if met else 'MISSED'}] {statement}")
+    comparison = torch_comparison(rows)
+    if comparison:
+        lines += ["", "## Swarm's fp32 against PyTorch's pipeline (torch-fp32, same links)", "", *comparison]
     lines += ["", "Plots: loss_vs_time.png, step_time.png, wire_bytes.png; every step in steps.csv.", ""]
     return "\n".join(lines)
+
+
+BASELINE_ROW = dict.fromkeys(COLUMNS) | {"fw_bits": 32, "bw_bits": 32, "steps": 0}
+"""A baseline's row before its own keys (run_torch_rows gives the throttled row keys only)."""
+
+
+def _run_baseline(cfg: ThrottledConfig, out: Path, say) -> list[dict]:
+    from swarm.experiments.torch_baseline import run_torch_rows  # lazy: torch.distributed, only when asked
+
+    return [BASELINE_ROW | row for row in run_torch_rows(cfg, list(cfg.rates), out, say)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -325,13 +529,29 @@ def run(args: argparse.Namespace) -> int:
         for cell in bar:
             bar.set_postfix_str(cell.label)
             all_steps[cell] = _run_cell(cell, cfg, out)
-            rows.append(summarize(cell, all_steps[cell], steps_per_epoch, cfg.batch_size))
+            summary = read_summary(out / cell.label)
+            rows.append(summarize(cell, all_steps[cell], steps_per_epoch, cfg.batch_size, summary))
+    if cfg.baseline == "torch":
+        rows += _run_baseline(cfg, out, lambda line: print(f"[torch] {line}", file=sys.stderr, flush=True))
     ratios = add_comparisons(rows)
-    write_outputs(out, rows, all_steps, ratios)
+    slow = sorted({c.rate_mbit for c in cells if cfg.steps_of(c) < cfg.steps})
+    slow_note = (
+        f"Cells at {', '.join(f'{r:g}' for r in slow)} Mbit/s ran {min(cfg.slow_steps, cfg.steps)} of {cfg.steps} "
+        "steps (the same learning-rate schedule, so a prefix of the same run; their final loss is at that step)."
+        if slow
+        else ""
+    )
+    write_outputs(out, rows, all_steps, ratios, slow_note)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         print_table(rows, COLUMNS, f"throttled experiment ({len(cells)} cells, {cfg.steps} steps each)")
-        print("fp32 wire/compute per step: " + ", ".join(f"{r:g} Mbit/s {v:.2f}" for r, v in sorted(ratios.items())))
+        print(
+            "fp32 wire/compute per step (rho): " + ", ".join(f"{r:g} Mbit/s {v:.2f}" for r, v in sorted(ratios.items()))
+        )
+        for statement, met in check_targets(rows):
+            print(f"[{'not judged' if met is None else 'met' if met else 'MISSED'}] {statement}")
+        for line in torch_comparison(rows):
+            print(line)
         print(f"wrote {out}/report.md, steps.csv, results.json, loss_vs_time.png, step_time.png, wire_bytes.png")
     return 0

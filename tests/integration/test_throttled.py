@@ -21,7 +21,8 @@ def test_quick_matrix_writes_rows_csv_plots_and_report(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout)
     keys = {"rate_mbit", "setting", "fw_bits", "bw_bits", "mean_step_s", "wire_bytes", "final_loss"}
-    assert all(keys <= set(r) for r in rows)
+    keys |= {"rho", "predicted_step_s", "total_wire_bytes", "fp32_total_wire_bytes", "total_ratio_vs_fp32"}
+    assert all(keys | {"speedup_share"} <= set(r) for r in rows)
     cells = {(r["rate_mbit"], r["setting"]) for r in rows}
     assert len(cells) == len(rows) >= 4 and {r["rate_mbit"] for r in rows} == {10.0, None}
     by = {(r["rate_mbit"], r["setting"].split("/")[0]): r for r in rows}
@@ -41,3 +42,7 @@ def test_quick_matrix_writes_rows_csv_plots_and_report(tmp_path):
         assert (out / name).stat().st_size > 10_000, name
     report = (out / "report.md").read_text()
     assert "10 Mbit/s" in report and "unshaped" in report and "time on the wire" in report
+    assert "## Targets" in report and "predicted step time within 10%" in report
+    slow = [r for r in rows if r["rate_mbit"] == 10.0]
+    assert all(r["rho"] is not None and r["rho"] > 0 for r in slow)  # fp32's wire time over its compute
+    assert all(r["rho"] is None for r in rows if r["rate_mbit"] is None)

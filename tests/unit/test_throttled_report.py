@@ -1,0 +1,145 @@
+"""`swarm experiment throttled`'s bookkeeping without swarms: rows from steps.csv rows, rho, the speed-up share,
+the targets, the slow cells' step count and `--baseline torch` (its runner faked)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+
+import pytest
+
+from swarm.experiments import throttled as th
+from swarm.experiments.throttled import Cell, ThrottledConfig
+
+
+def _steps(n: int, step_s: float, fwd: int, bwd: int, total: int = 0, fp32_total: int = 0) -> list[dict]:
+    """steps.csv rows as DictReader gives them (strings), the first epoch (4 steps) 3x slower and 2x bigger."""
+    rows = []
+    for i in range(n):
+        first = i < 4
+        rows.append(
+            {"step": str(i + 1), "step_s": str(step_s * (3 if first else 1)), "train_loss": "2.5",
+             "forward_bytes": str(fwd), "backward_bytes": str(bwd), "fp32_wire_bytes": "800000",
+             "sync_bytes": "1000", "control_bytes": "500",
+             "total_wire_bytes": str(total * (2 if first else 1)), "fp32_total_wire_bytes": str(fp32_total)}
+        )  # fmt: skip
+    return rows
+
+
+def _rows(totals: bool = True, predicted: float | None = 8.8) -> list[dict]:
+    t = (lambda x: x) if totals else (lambda x: 0)
+    cells = [
+        (Cell(None, "fp32/fp32"), _steps(12, 0.1, 400_000, 400_000, t(802_000), t(802_000)), 0.1),
+        (Cell(1.0, "fp32/fp32"), _steps(12, 6.5, 400_000, 400_000, t(802_000), t(802_000)), 6.4),
+        (Cell(1.0, "aqsgd2/gradq4"), _steps(12, 0.8, 25_000, 50_000, t(80_000), t(802_000)), predicted),
+    ]
+    summaries = [{"predicted_step_s": p} if p else {} for *_, p in cells]
+    return [th.summarize(c, s, 4, 8, summ) for (c, s, _), summ in zip(cells, summaries, strict=True)]
+
+
+def test_rho_share_and_totals():
+    rows = _rows()
+    ratios = th.add_comparisons(rows)
+    fp32_slow, aq = rows[1], rows[2]
+    # the busier direction: a boundary direction plus half of the rest (tied sync, control), 2 epochs of 8
+    busiest = (4 * (400_000 + 804_000 / 2) + 8 * (400_000 + 2_000 / 2)) / 12
+    assert ratios == {1.0: pytest.approx(busiest * 8 / 1e6 / 0.1)} and aq["rho"] == ratios[1.0] == fp32_slow["rho"]
+    assert ratios[1.0] >= 20  # 1 Mbit/s is the rho >= 20 regime of the issue
+    assert aq["speedup_vs_fp32"] == pytest.approx(6.5 / 0.8)
+    assert aq["total_ratio_vs_fp32"] == pytest.approx(12 * 802_000 / (16 * 80_000))
+    assert aq["total_steady_ratio_vs_fp32"] == pytest.approx(802_000 / 80_000)
+    # the share divides by min(steady byte ratio, 1 + rho): here the byte ratio is the smaller bound
+    assert aq["speedup_share"] == pytest.approx((6.5 / 0.8) / (802_000 / 80_000))
+    assert fp32_slow["speedup_share"] == pytest.approx(1.0) and rows[0]["rho"] is None
+    assert aq["predicted_error_pct"] == pytest.approx(100 * (8.8 - 0.8) / 0.8)
+    assert (aq["sync_bytes"], aq["control_bytes"], aq["total_wire_bytes"]) == (12_000, 6000, 16 * 80_000)
+
+
+def test_targets_judge_prediction_and_share(monkeypatch):
+    monkeypatch.setattr(th, "TARGET_SETTING", "aqsgd2/gradq4")
+    rows = _rows(predicted=0.84)
+    th.add_comparisons(rows)
+    (prediction, met), (share, share_met) = th.check_targets(rows)
+    assert met is True and "worst +5.0% at 1 Mbit/s aqsgd2/gradq4" in prediction
+    assert share_met is True and f"rho {rows[2]['rho']:.1f}" in share and "81%" in share
+    rows[0]["predicted_error_pct"] = -12.0  # one cell off by more than 10% misses the target
+    assert th.check_targets(rows)[0][1] is False
+    report = th._report(rows, {1.0: rows[1]["rho"]})
+    assert (
+        "## Targets" in report and "[MISSED] predicted step time" in report and "| 1 Mbit/s | aqsgd2/gradq4 |" in report
+    )
+
+
+def test_without_totals_or_predictions_nothing_is_judged_met(monkeypatch):
+    monkeypatch.setattr(th, "TARGET_SETTING", "aqsgd2/gradq4")
+    rows = _rows(totals=False, predicted=None)
+    for r in rows:
+        r["predicted_step_s"] = r["predicted_error_pct"] = None
+    th.add_comparisons(rows)
+    assert rows[2]["total_ratio_vs_fp32"] is None and rows[2]["speedup_share"] is None
+    assert [met for _, met in th.check_targets(rows)] == [None, None]
+    report = th._report(rows, {})  # renders with the missing values as '-'
+    assert "the tied embedding's gradient sync, 0.00 MB per step" in report  # not counted: said so
+    assert "| 1 Mbit/s | aqsgd2/gradq4 | 0.800 | - |" in report
+    rows[1]["rho"] = rows[2]["rho"] = 12.4
+    assert "no such cell (highest rho 12.40)" in th.check_targets(rows)[1][0]
+
+
+def test_bits_of_any_codec_label():
+    assert [th._bits(c) for c in ("fp32", "bf16", "aqsgd2+ch", "gradq4+ef+rot", "directq4+nr")] == [32, 16, 2, 4, 4]
+
+
+def test_slow_cells_run_fewer_steps_and_default_matrix_has_1_mbit():
+    cfg = ThrottledConfig(steps=40, slow_steps=12)
+    assert 1.0 in cfg.rates and th.SLOW_RATE_MBIT > 1.0
+    assert cfg.steps_of(Cell(1.0, "fp32/fp32")) == 12 and cfg.steps_of(Cell(10.0, "fp32/fp32")) == 40
+    assert cfg.steps_of(Cell(None, "fp32/fp32")) == 40 and ThrottledConfig(steps=8).steps_of(Cell(1.0, "x/y")) == 8
+    with pytest.raises(ValueError):
+        ThrottledConfig(slow_steps=0)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    th.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_torch_baseline_needs_netns(tmp_path):
+    with pytest.raises(ValueError, match="needs --netns"):
+        th.config_from_args(_args("--baseline", "torch"))
+    with pytest.raises(SystemExit, match="needs --netns"):
+        th.run(_args("--baseline", "torch", "--out", str(tmp_path)))
+    with pytest.raises(SystemExit):
+        _args("--baseline", "jax")  # argparse refuses an unknown baseline
+    assert th.config_from_args(_args("--baseline", "torch", "--netns")).baseline == "torch"
+
+
+def test_torch_rows_join_the_table_and_report(tmp_path, monkeypatch):
+    calls = []
+
+    def run_torch_rows(cfg, rates, out, say=print):
+        calls.append((cfg.baseline, list(rates), out))
+        return [
+            {"setting": "torch-fp32", "rate_mbit": rate, "mean_step_s": 5.0 if rate else 0.08,
+             "first_epoch_step_s": 5.0, "throughput_samples_per_s": 1.6, "wire_bytes": 9_600_000,
+             "total_wire_bytes": 9_600_000, "final_loss": 2.5, "steps": 12}
+            for rate in rates
+        ]  # fmt: skip
+
+    monkeypatch.setitem(
+        sys.modules, "swarm.experiments.torch_baseline", types.SimpleNamespace(run_torch_rows=run_torch_rows)
+    )
+    cfg = ThrottledConfig(rates=(1.0, None), netns=True, baseline="torch")
+    rows = _rows() + th._run_baseline(cfg, tmp_path, print)
+    assert calls == [("torch", [1.0, None], tmp_path)]
+    th.add_comparisons(rows)
+    torch_slow = next(r for r in rows if r["setting"] == "torch-fp32" and r["rate_mbit"] == 1.0)
+    assert torch_slow["speedup_vs_fp32"] == pytest.approx(6.5 / 5.0) and torch_slow["fw_bits"] == 32
+    lines = th.torch_comparison(rows)
+    assert lines[0].startswith(
+        "- 1 Mbit/s: swarm fp32 6.500 s/step, torch fp32 5.000 s/step: swarm's fp32 is 1.30x slower"
+    )
+    assert "unshaped" in lines[1] and "swarm's fp32 is 1.25x slower" in lines[1]
+    report = th._report(rows, {1.0: rows[1]["rho"]})
+    assert "PyTorch's pipeline" in report and "torch-fp32" in report
