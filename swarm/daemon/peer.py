@@ -109,7 +109,9 @@ class PeerDaemon:
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
             server.start()
             log.info("stage service listening on %s", address)
-            self.speed = cfg.compute_layers_per_s or measure_compute(self.model, cfg.device)
+            self.speed = cfg.compute_layers_per_s or measure_compute(
+                self.model, cfg.device, micro_batch_size=cfg.planning.micro_batch_size
+            )
             log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, self.speed)
             self.announcement = PeerAnnouncement(
                 peer_id=dht.peer_id,
@@ -207,7 +209,7 @@ class PeerDaemon:
         from swarm.daemon.planning import LinkProber, Planner, model_spec
 
         cfg, plans = self.cfg, self.cfg.planning
-        spec = model_spec(self.model, *self.codecs)
+        spec = model_spec(self.model, *self.codecs, plans.micro_batch_size, plans.micro_batches)
         stages = cfg.num_stages or None
         # --no-link-probe: no measurement, every link planned at the default; no probe wait for the planner
         prober = None
@@ -234,6 +236,7 @@ class PeerDaemon:
             seed=plans.seed,
             replicas=plans.replicas,
             liveness=liveness,
+            even_layers=plans.even_layers,
             lease_s=plans.planner_lease_s,
             reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
             **({} if plans.probe_links else {"probe_wait_s": 0.0}),

@@ -28,7 +28,9 @@ gone at once, without waiting for their announcements to expire.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -56,8 +58,10 @@ from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, Tran
 
 log = logging.getLogger("swarm.daemon.planning")
 
-REFERENCE_MICRO_BATCH = 4
-"""Samples per micro-batch of the compute measurement (`peer_daemon.measure_compute`) and of the plan's model."""
+REFERENCE_MICRO_BATCH = 2
+"""Samples per micro-batch of the plan's model by default: the trainer's default split (8 samples, 4 micro-batches)."""
+REFERENCE_MICRO_BATCHES = 4
+"""Micro-batches per step of the plan's model by default (the trainer's default)."""
 DEFAULT_BYTES_PER_S = 100e6 / 8
 """Assumed for a link nobody has measured yet when no other link is known either (100 Mbit/s)."""
 _UNKNOWN_MEMORY_BYTES = 1 << 40
@@ -68,15 +72,30 @@ def wire_bits(codec: CodecConfig) -> float:
     return float(codec.wire_bits)
 
 
+def message_bytes(codec: CodecConfig, shape: tuple[int, ...], seed: int = 0) -> int:
+    """Bytes one boundary message of `shape` takes on the wire, measured: a layer-normed random tensor (what a
+    block's output looks like to the codec) encoded and framed at the codec's zstd level, scales and headers
+    included. An AQ-SGD codec is measured as its steady state, the same-width quantization of a delta."""
+    from swarm.compression import frame
+
+    if codec.name == "aqsgd":
+        codec = dataclasses.replace(codec, name="directq")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
+    return sum(chunk.ByteSize() for chunk in frame(make_codec(codec).encode(x), zstd_level=codec.zstd_level))
+
+
 def model_spec(
     model: ModelConfig,
     forward: CodecConfig,
     backward: CodecConfig,
     micro_batch_size: int = REFERENCE_MICRO_BATCH,
-    micro_batches: int = 4,
+    micro_batches: int = REFERENCE_MICRO_BATCHES,
+    step_overhead_s: float = 0.0,
 ) -> ModelSpec:
-    """The cost model's figures for our GPT at the codecs' compressed sizes."""
-    return ModelSpec.transformer(
+    """The cost model's figures for our GPT as the run trains it: the trainer's micro-batch size and count
+    (what the plan's step is), the codecs' measured message bytes (`message_bytes`), full-duplex links."""
+    spec = ModelSpec.transformer(
         TransformerShape(
             layers=model.n_layers,
             hidden=model.hidden_dim,
@@ -87,6 +106,14 @@ def model_spec(
             backward_bits=wire_bits(backward),
             optimizer_bytes_per_param=16.0,
         )
+    )
+    shape = (micro_batch_size, model.seq_len_tokens, model.hidden_dim)
+    return dataclasses.replace(
+        spec,
+        forward_bytes=float(message_bytes(forward, shape)),
+        backward_bytes=float(message_bytes(backward, shape)),
+        full_duplex=True,
+        step_overhead_s=step_overhead_s,
     )
 
 
@@ -151,6 +178,19 @@ def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> Searc
     return SearchConfig(seed=seed, stages=n_stages, max_replicas=replicas, replica_fractions=(1.0,))
 
 
+def with_even_layers(made: Plan, plan_input: PlanInput, spec: ModelSpec) -> Plan:
+    """`made`'s peers, order and pairing with the layers split evenly, and that layout's predicted step."""
+    from swarm.scheduler.cost import FullCost, Layout, even_layers
+    from swarm.scheduler.search import layout_to_plan
+
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
+    layout = Layout(grid, even_layers(spec.layers, len(made.stages)))
+    unused = np.array([index[pid] for pid in made.unused_peer_ids], dtype=np.int64)
+    breakdown = FullCost(plan_input, spec).evaluate(layout)
+    return layout_to_plan(layout, breakdown, plan_input, made.cost_model, unused, made.version)
+
+
 def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
     """This peer's stage (and replica: its index in the stage's `peer_ids`) under a published plan, or None if
     it is on standby."""
@@ -186,6 +226,8 @@ class Route:
     """`[stage][replica]`, rows of different lengths when the counts are uneven (empty: one replica per stage,
     `addresses`)."""
     replica_peer_ids: tuple[tuple[str, ...], ...] = ()
+    predicted_step_s: float | None = None
+    """The plan's predicted step time (its "step_time_s"); None for an even split by join order (no plan)."""
 
     @property
     def replica_counts(self) -> tuple[int, ...]:
@@ -232,7 +274,16 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
     if not ids:
         return None
     flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
-    return Route(*flat) if all(len(r) == 1 for r in ids) else Route(*flat, tuple(addresses), tuple(ids))
+    nested = () if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
+    return Route(*flat, *(nested or ((), ())), predicted_step_s=predicted_step_s(record.plan))
+
+
+def predicted_step_s(plan: dict) -> float | None:
+    """A published plan's "step_time_s" when it is a finite positive number (records come from strangers)."""
+    value = plan.get("step_time_s")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
 
 
 class LinkProber:
@@ -319,13 +370,14 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         replicas: int = 1,
         liveness: Liveness | None = None,
+        even_layers: bool = False,
         lease_s: float = 3.0,
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
     ):
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
-        self.replicas, self.liveness = replicas, liveness
+        self.replicas, self.liveness, self.even_layers = replicas, liveness, even_layers
         self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
@@ -458,6 +510,8 @@ class Planner:
             return None  # give the probes a little time: planning on guesses moves stages twice
         stages = min(self.n_stages, len(alive)) if self.n_stages else None
         made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed, self.replicas), version=version)
+        if self.even_layers:
+            made = with_even_layers(made, swarm.plan_input, self.spec)
         self.dht.publish_plan(version, {**made.to_dict(), "trainer_ids": trainers})
         log.info(
             "published plan %d: %d stages x %d replicas over %d peers (%d links measured, %d assumed), "

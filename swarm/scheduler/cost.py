@@ -11,11 +11,12 @@ Our model, per step, with M micro-batches per pipeline (lockstep stages: a stage
 replica, a boundary at its slowest replica link):
 
     pipeline = sum_s compute_s + sum_b fill_b + (M - 1) * max(max_s compute_s, max_b pace_b)
-    step     = pipeline + max_s sync_s
+    step     = pipeline + max_s sync_s + step_overhead   (the optimizer step and its round trips, measured)
 
     compute_s = layers_s * flops_per_layer / (slowest replica's FLOP/s)
     pace_b    = forward_bytes / bw[p, q] + backward_bytes / bw[q, p]   (worst pair p -> q of the boundary)
-    fill_b    = pace_b + delay[p, q] + delay[q, p]
+                (full-duplex links: the max of the two instead of their sum)
+    fill_b    = forward_bytes / bw[p, q] + backward_bytes / bw[q, p] + delay[p, q] + delay[q, p]
     sync_s    = max over replicas i of  latency_i + sum_{j != i} G_s / R * (1 / bw_ij + 1 / bw_ji)
     latency_i = max_{j != i} (d_ij + d_ji)      (parts sent concurrently, as hivemind's butterfly does)
              or sum_{j != i} (d_ij + d_ji)      (DT-FM: one partner after another)
@@ -229,8 +230,10 @@ class FullCost:
         self.speeds = plan_input.speeds_flops_per_s
         self.memories = plan_input.memories_bytes
         # pair p -> q of a boundary: forward p -> q, backward q -> p.
-        self.pace_s = model.forward_bytes * inverse_bw + model.backward_bytes * inverse_bw.T
-        self.fill_s = self.pace_s + delay + delay.T
+        forward_s, backward_s = model.forward_bytes * inverse_bw, model.backward_bytes * inverse_bw.T
+        # full duplex: the two directions overlap in the steady state; the fill still waits for one of each
+        self.pace_s = np.maximum(forward_s, backward_s) if model.full_duplex else forward_s + backward_s
+        self.fill_s = forward_s + backward_s + delay + delay.T
         self.round_trip_s = delay + delay.T
         self.inverse_bw_sum = inverse_bw + inverse_bw.T
 
@@ -307,7 +310,7 @@ class FullCost:
         pace = max(float(np.max(compute)), max(paces, default=0.0))
         sync = max(float(st.sync_table_s[n]) for st, n in zip(stats, layers, strict=True))
         compute_s, fill_s, latency_s = float(np.sum(compute)), float(sum(fills)), float(sum(latencies))
-        total = compute_s + fill_s + steady * pace + sync
+        total = compute_s + fill_s + steady * pace + sync + self.model.step_overhead_s
         return Breakdown(
             total_s=total,
             compute_s=compute_s,
@@ -316,6 +319,7 @@ class FullCost:
             steady_s=steady * pace,
             sync_s=sync,
             pace_s=pace,
+            overhead_s=self.model.step_overhead_s,
         )
 
     def complete(

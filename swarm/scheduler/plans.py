@@ -183,10 +183,17 @@ class ModelSpec:
     overlapped_sync_latency: bool = True
     """All-reduce latency: a butterfly all-reduce (hivemind's) sends its parts concurrently, so a replica
     waits for its farthest partner once; DT-FM's model adds every partner's delay in turn."""
+    full_duplex: bool = False
+    """Links carry both directions at once (TCP over a full-duplex link, the application's shaper): a boundary
+    paces at its busier direction, max(forward, backward), instead of their sum (DT-FM's half-duplex view)."""
+    step_overhead_s: float = 0.0
+    """Fixed time per step outside the pipeline (optimizer step, Grads/Step round trips), measured."""
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.micro_batches < 1:
             raise ValueError("layers and micro_batches must be >= 1")
+        if not (math.isfinite(self.step_overhead_s) and self.step_overhead_s >= 0):
+            raise ValueError("step_overhead_s must be finite and >= 0")
 
     @classmethod
     def transformer(cls, shape: TransformerShape) -> ModelSpec:
@@ -250,6 +257,8 @@ class Breakdown:
     """Gradient averaging between the replicas of each stage (the slowest stage's)."""
     pace_s: float = 0.0
     """Time per micro-batch of the slowest stage or link."""
+    overhead_s: float = 0.0
+    """The model's fixed time per step (`ModelSpec.step_overhead_s`)."""
 
 
 @dataclass(frozen=True)
