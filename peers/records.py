@@ -49,6 +49,7 @@ _MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
 _MAX_LAYERS_PER_S = 1e9
 _MAX_RTT_S = 3600.0
 _MAX_BYTES_PER_S = 1e13  # 80 Tbit/s
+_MAX_BURST_BYTES = float(1 << 30)  # a bucket deeper than 1 GiB is no measurement
 MAX_PLAN_VERSION = 1 << 53
 """Highest plan version: far below msgpack's int64, so `version + 1` always fits (and survives a float)."""
 MAX_PLAN_STAGES = 256
@@ -234,6 +235,8 @@ class LinkMeasurement:
     """Measured goodput from src to dst, in bytes per second."""
     measured_at: float
     """When it was measured, in seconds since the epoch."""
+    burst_bytes: float = 0.0
+    """Bytes the link passed at once after an idle spell before its rate applied (a token bucket's depth)."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
@@ -244,6 +247,7 @@ class LinkMeasurement:
         _set(self, "rtt_s", _float(r, "rtt_s", self.rtt_s, 0.0, _MAX_RTT_S))
         _set(self, "bytes_per_s", _float(r, "bytes_per_s", self.bytes_per_s, 0.0, _MAX_BYTES_PER_S))
         _set(self, "measured_at", _float(r, "measured_at", self.measured_at, 0.0, _MAX_TIME_S))
+        _set(self, "burst_bytes", _float(r, "burst_bytes", self.burst_bytes, 0.0, _MAX_BURST_BYTES))
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

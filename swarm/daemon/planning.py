@@ -141,11 +141,13 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
     n = len(ids)
     bandwidth = np.full((n, n), np.nan)
     delay = np.full((n, n), np.nan)
+    burst = np.zeros((n, n))
     measured = 0
     for m in links:
         if m.src in index and m.dst in index and m.bytes_per_s > 0:
             bandwidth[index[m.src], index[m.dst]] = m.bytes_per_s
             delay[index[m.src], index[m.dst]] = m.rtt_s / 2
+            burst[index[m.src], index[m.dst]] = m.burst_bytes
             measured += 1
     # the reverse direction's figure, then the median of the measured links
     known_bw = bandwidth[~np.isnan(bandwidth)]
@@ -167,7 +169,8 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
         )
         for pid in ids
     )
-    return SwarmInput(PlanInput(planned, delay, bandwidth), measured, filled)
+    np.fill_diagonal(burst, 0.0)
+    return SwarmInput(PlanInput(planned, delay, bandwidth, burst), measured, filled)
 
 
 def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> SearchConfig:
@@ -305,8 +308,12 @@ class LinkProber:
         self._rng = random.Random(dht.peer_id)
         self._fp32 = make_codec(CodecConfig("fp32"))
 
-    def measure(self, address: str, timeout_s: float = 30.0) -> tuple[float, float]:
-        """(round-trip time in s, bytes/s) to the stage service at `address`."""
+    def measure(self, address: str, timeout_s: float = 30.0) -> tuple[float, float, float]:
+        """(round-trip time in s, bytes/s, burst bytes) to the stage service at `address`.
+
+        Two probes back to back: the second finds the link's bucket empty, so its time is the rate's alone; the
+        first passed its burst at once, and what it beat the rate by is that burst (0 on an unshaped link).
+        """
         stub = stage_pb2_grpc.StageStub(self.channels.get(address))
         rtts = []
         for _ in range(3):
@@ -316,11 +323,16 @@ class LinkProber:
         rtt = min(rtts)
         msg = self._fp32.encode(torch.rand(self.probe_bytes // 4))
         shaper = self.shaping.for_destination(address)
-        start = time.perf_counter()
-        items = tensor_items(stage_pb2.CallInfo(), msg, 0, shaper)
-        reply = TensorStreams(self.channels.get(address)).Sink(items, timeout=timeout_s)
-        seconds = max(time.perf_counter() - start - rtt / 2, 1e-6)
-        return rtt, reply.wire_bytes / seconds
+        sent, seconds = [], []
+        for _ in range(2):
+            start = time.perf_counter()
+            reply = TensorStreams(self.channels.get(address)).Sink(
+                tensor_items(stage_pb2.CallInfo(), msg, 0, shaper), timeout=timeout_s
+            )
+            seconds.append(max(time.perf_counter() - start - rtt / 2, 1e-6))
+            sent.append(reply.wire_bytes)
+        rate = sent[1] / seconds[1]
+        return rtt, rate, max(0.0, sent[0] - rate * seconds[0])
 
     def round(self, now: float | None = None) -> int:
         """Probes up to `peers_per_round` peers, unmeasured ones first; returns how many were measured."""
@@ -332,13 +344,11 @@ class LinkProber:
         done = 0
         for ann in due[: self.peers_per_round]:
             try:
-                rtt, rate = self.measure(ann.address)
+                rtt, rate, burst = self.measure(ann.address)
             except Exception as e:  # an unreachable or misbehaving peer is skipped, not fatal
                 log.info("probe of %s at %s failed: %s", ann.peer_id, ann.address, e)
                 continue
-            self.dht.store_link(
-                LinkMeasurement(self.dht.peer_id, ann.peer_id, rtt_s=rtt, bytes_per_s=rate, measured_at=now)
-            )
+            self.dht.store_link(LinkMeasurement(self.dht.peer_id, ann.peer_id, rtt, rate, now, burst_bytes=burst))
             self._measured[ann.peer_id] = now
             log.info("link to %s: rtt %.1f ms, %.1f Mbit/s", ann.peer_id, rtt * 1e3, rate * 8 / 1e6)
             done += 1
