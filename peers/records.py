@@ -477,6 +477,7 @@ def validate_plan(
     for pid in unused:
         if _peer_id("plan", "unused_peer_ids", pid) in seen:
             raise _fail("plan", "unused_peer_ids", "peers the stages do not name", pid)
+    _validate_codecs(plan.get("codecs"), len(stages))
     trainer_ids = plan.get("trainer_ids", [])
     if type(trainer_ids) is not list or len(trainer_ids) > MAX_PLAN_TRAINERS:
         raise _fail("plan", "trainer_ids", f"a list of at most {MAX_PLAN_TRAINERS} trainer ids", trainer_ids)
@@ -487,3 +488,33 @@ def validate_plan(
             raise _fail("plan", "trainer_ids", "announced trainers", tid)
     if len(set(trainer_ids)) != len(trainer_ids):
         raise _fail("plan", "trainer_ids", "distinct trainer ids", trainer_ids)
+
+
+_MAX_CODEC_LABEL = 64
+_MAX_CODEC_WHY = 400
+
+
+def _validate_codecs(codecs: Any, n_stages: int) -> None:
+    """A plan's per-link codecs (optional): one `{"forward": LABEL, "backward": LABEL[, "why": text]}` per
+    boundary, every label one `CodecConfig.parse` knows."""
+    if codecs is None:
+        return
+    from swarm.compression import CodecConfig
+
+    if type(codecs) is not list or len(codecs) != n_stages - 1:
+        raise _fail("plan", "codecs", f"a list of {n_stages - 1} boundaries' codecs", codecs)
+    for i, link in enumerate(codecs):
+        r = f"plan.codecs[{i}]"
+        if not isinstance(link, dict) or not set(link) <= {"forward", "backward", "why"}:
+            raise _fail("plan", f"codecs[{i}]", "a dict of forward, backward (and why)", link)
+        for key in ("forward", "backward"):
+            label = link.get(key)
+            if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
+                raise _fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
+            try:
+                CodecConfig.parse(label)
+            except (ValueError, KeyError) as e:
+                raise _fail(r, key, "a known codec label", label) from e
+        why = link.get("why", "")
+        if type(why) is not str or len(why) > _MAX_CODEC_WHY:
+            raise _fail(r, "why", f"text of at most {_MAX_CODEC_WHY} characters", why)

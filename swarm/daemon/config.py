@@ -73,8 +73,13 @@ class PlanningConfig:
     even_layers: bool = False
     """Plan an even layer split (the search still orders and pairs the peers, and predicts the step): runs that
     compare settings keep the same stage boundaries while the plan still says what it predicts."""
+    codec_policy: str = "fixed"
+    """fixed: every link carries --fw-codec/--bw-codec; per-link: the planner chooses each boundary's codecs from
+    its measured rate and the stages' compute (`swarm.scheduler.bits`) and peers apply the plan's."""
 
     def __post_init__(self) -> None:
+        if self.codec_policy not in ("fixed", "per-link"):
+            raise ValueError(f"PlanningConfig: codec_policy must be fixed or per-link, got {self.codec_policy!r}")
         if self.micro_batch_size < 1 or self.micro_batches < 1:
             raise ValueError("PlanningConfig: micro_batch_size and micro_batches must be >= 1")
         if self.replicas < 0 or self.heartbeat_s <= 0 or self.gone_after_s < self.heartbeat_s:
@@ -270,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan-micro-batches", type=int, default=plans.micro_batches, help="micro-batches per step of the trainers"
     )
     g.add_argument(
+        "--codec-policy",
+        choices=("fixed", "per-link"),
+        default=plans.codec_policy,
+        help="fixed: --fw-codec/--bw-codec on every link; per-link: the planner chooses each boundary's codecs",
+    )
+    g.add_argument(
         "--plan-even-layers",
         action="store_true",
         help="plan an even layer split (peers still ordered and the step still predicted)",
@@ -362,6 +373,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             micro_batch_size=args.plan_micro_batch_size,
             micro_batches=args.plan_micro_batches,
             even_layers=args.plan_even_layers,
+            codec_policy=args.codec_policy,
         ),
         model=model_config(args),
         optim=OptimConfig(

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,9 +40,9 @@ import torch
 
 from swarm.compression import CodecConfig, make_codec
 from swarm.daemon.liveness import Liveness
+from swarm.daemon.probe import LinkProber  # noqa: F401  (re-exported: where callers import it from)
 from swarm.daemon.repair import grow_plan, repair_plan
 from swarm.model.gpt import ModelConfig
-from swarm.net.stream import TensorStreams, tensor_items
 from swarm.peers.records import (
     MAX_PLAN_TRAINERS,
     MAX_PLAN_VERSION,
@@ -55,6 +54,7 @@ from swarm.peers.records import (
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, TransformerShape, plan
+from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
 
 log = logging.getLogger("swarm.daemon.planning")
 
@@ -194,6 +194,22 @@ def with_even_layers(made: Plan, plan_input: PlanInput, spec: ModelSpec) -> Plan
     return layout_to_plan(layout, breakdown, plan_input, made.cost_model, unused, made.version)
 
 
+def link_figures(stages: list[dict], plan_input: PlanInput, spec: ModelSpec) -> list[LinkFigures]:
+    """Each boundary's measured rates (its slowest replica pair each way) and its slower stage's compute per
+    micro-batch: what `swarm.scheduler.bits` chooses codecs from. `stages`: a plan dict's "stages"."""
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    bw, speeds = plan_input.bandwidth_bytes_per_s, plan_input.speeds_flops_per_s
+    rows = [[index[pid] for pid in st["peer_ids"]] for st in stages]
+    compute = [
+        (st["layer_end"] - st["layer_start"]) * spec.flops_per_layer / speeds[row].min()
+        for st, row in zip(stages, rows, strict=True)
+    ]
+    return [
+        LinkFigures(float(bw[np.ix_(a, b)].min()), float(bw[np.ix_(b, a)].min()), max(compute[s], compute[s + 1]))
+        for s, (a, b) in enumerate(zip(rows, rows[1:], strict=False))
+    ]
+
+
 def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
     """This peer's stage (and replica: its index in the stage's `peer_ids`) under a published plan, or None if
     it is on standby."""
@@ -289,72 +305,6 @@ def predicted_step_s(plan: dict) -> float | None:
     return float(value) if math.isfinite(value) and value > 0 else None
 
 
-class LinkProber:
-    """Measures this peer's links to the others, a few per round, and stores the results in the DHT."""
-
-    def __init__(
-        self,
-        dht,
-        my_address: str,
-        shaping,
-        channels,
-        probe_bytes: int = 256 << 10,
-        peers_per_round: int = 4,
-        refresh_s: float = 120.0,
-    ):
-        self.dht, self.my_address, self.shaping, self.channels = dht, my_address, shaping, channels
-        self.probe_bytes, self.peers_per_round, self.refresh_s = probe_bytes, peers_per_round, refresh_s
-        self._measured: dict[str, float] = {}  # peer id -> when
-        self._rng = random.Random(dht.peer_id)
-        self._fp32 = make_codec(CodecConfig("fp32"))
-
-    def measure(self, address: str, timeout_s: float = 30.0) -> tuple[float, float, float]:
-        """(round-trip time in s, bytes/s, burst bytes) to the stage service at `address`.
-
-        Two probes back to back: the second finds the link's bucket empty, so its time is the rate's alone; the
-        first passed its burst at once, and what it beat the rate by is that burst (0 on an unshaped link).
-        """
-        stub = stage_pb2_grpc.StageStub(self.channels.get(address))
-        rtts = []
-        for _ in range(3):
-            start = time.perf_counter()
-            stub.Probe(stage_pb2.ProbeRequest(reply_bytes=0), timeout=timeout_s)
-            rtts.append(time.perf_counter() - start)
-        rtt = min(rtts)
-        msg = self._fp32.encode(torch.rand(self.probe_bytes // 4))
-        shaper = self.shaping.for_destination(address)
-        sent, seconds = [], []
-        for _ in range(2):
-            start = time.perf_counter()
-            reply = TensorStreams(self.channels.get(address)).Sink(
-                tensor_items(stage_pb2.CallInfo(), msg, 0, shaper), timeout=timeout_s
-            )
-            seconds.append(max(time.perf_counter() - start - rtt / 2, 1e-6))
-            sent.append(reply.wire_bytes)
-        rate = sent[1] / seconds[1]
-        return rtt, rate, max(0.0, sent[0] - rate * seconds[0])
-
-    def round(self, now: float | None = None) -> int:
-        """Probes up to `peers_per_round` peers, unmeasured ones first; returns how many were measured."""
-        now = time.time() if now is None else now
-        others = [p for p in self.dht.peers() if p.peer_id != self.dht.peer_id and p.address != self.my_address]
-        due = [p for p in others if now - self._measured.get(p.peer_id, -1e18) >= self.refresh_s]
-        self._rng.shuffle(due)
-        due.sort(key=lambda p: p.peer_id in self._measured)  # never-measured peers first
-        done = 0
-        for ann in due[: self.peers_per_round]:
-            try:
-                rtt, rate, burst = self.measure(ann.address)
-            except Exception as e:  # an unreachable or misbehaving peer is skipped, not fatal
-                log.info("probe of %s at %s failed: %s", ann.peer_id, ann.address, e)
-                continue
-            self.dht.store_link(LinkMeasurement(self.dht.peer_id, ann.peer_id, rtt, rate, now, burst_bytes=burst))
-            self._measured[ann.peer_id] = now
-            log.info("link to %s: rtt %.1f ms, %.1f Mbit/s", ann.peer_id, rtt * 1e3, rate * 8 / 1e6)
-            done += 1
-        return done
-
-
 class Planner:
     """Makes and publishes plans when this peer leads (`elected_planner`) and the membership changed.
 
@@ -381,6 +331,8 @@ class Planner:
         replicas: int = 1,
         liveness: Liveness | None = None,
         even_layers: bool = False,
+        codec_bytes: Callable[[str], float] | None = None,
+        bits: BitsPolicy | None = None,
         lease_s: float = 3.0,
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
@@ -388,6 +340,9 @@ class Planner:
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
         self.replicas, self.liveness, self.even_layers = replicas, liveness, even_layers
+        self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
+        """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
+        self._chosen_from: list[LinkFigures] | None = None
         self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
@@ -492,7 +447,10 @@ class Planner:
         # peer that left no longer validates, so "a plan exists" is whether the authority published any)
         if current is None and len(alive) < self.min_peers and not self.plan_existed(peers):
             return None
-        if not alive or (same_peers and inherited is None and current.plan.get("trainer_ids", []) == trainers):
+        unchanged = same_peers and inherited is None and current.plan.get("trainer_ids", []) == trainers
+        if unchanged and self.codec_bytes is not None and alive:
+            return self.rechoose_codecs(current, peers, alive)
+        if not alive or unchanged:
             return None
         repaired = None
         if current is not None and not same_peers:
@@ -522,7 +480,9 @@ class Planner:
         made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed, self.replicas), version=version)
         if self.even_layers:
             made = with_even_layers(made, swarm.plan_input, self.spec)
-        self.dht.publish_plan(version, {**made.to_dict(), "trainer_ids": trainers})
+        self.dht.publish_plan(
+            version, {**made.to_dict(), **self.codecs_for(made.to_dict()["stages"], swarm), "trainer_ids": trainers}
+        )
         log.info(
             "published plan %d: %d stages x %d replicas over %d peers (%d links measured, %d assumed), "
             "predicted %.3f s/step",
@@ -535,6 +495,35 @@ class Planner:
             made.step_time_s,
         )
         return made
+
+    def codecs_for(self, stages: list[dict], swarm: SwarmInput) -> dict:
+        """`{"codecs": [...]}` chosen per boundary from the measured links (empty with fixed codecs)."""
+        if self.codec_bytes is None or len(stages) < 2:
+            return {}
+        self._chosen_from = link_figures(stages, swarm.plan_input, self.spec)
+        codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits)
+        for b, c in enumerate(codecs):
+            log.info("boundary %d codecs %s", b, c["why"])
+        return {"codecs": codecs}
+
+    def rechoose_codecs(self, current: PlanRecord, peers: list[PeerAnnouncement], alive: frozenset[str]):
+        """Republishes the current stages with codecs chosen again once the links' measurements moved past the
+        hysteresis (the same stages: only the codecs change); None while they hold."""
+        stages = current.plan["stages"]
+        swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
+        if len(stages) < 2 or not rechoose(
+            self._chosen_from, link_figures(stages, swarm.plan_input, self.spec), self.bits
+        ):
+            return None
+        codecs = self.codecs_for(stages, swarm)
+        if codecs.get("codecs") == current.plan.get("codecs"):
+            return None  # moved, but to the same choice: nothing to switch
+        version = self.next_version(peers)
+        if version is None:
+            return None
+        self.dht.publish_plan(version, {**current.plan, **codecs})
+        log.info("published plan %d: plan %d's stages with codecs chosen again", version, current.version)
+        return self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
 
     def plan_existed(self, peers: list[PeerAnnouncement]) -> bool:
         """Whether the swarm has followed a plan: the authority published one, or a peer follows one (this
