@@ -79,6 +79,12 @@ class LinkProber:
                 continue
             self.dht.store_link(LinkMeasurement(self.dht.peer_id, ann.peer_id, rtt, rate, now, burst_bytes=burst))
             self._measured[ann.peer_id] = now
-            log.info("link to %s: rtt %.1f ms, %.1f Mbit/s", ann.peer_id, rtt * 1e3, rate * 8 / 1e6)
+            log.info(
+                "link to %s: rtt %.1f ms, %.1f Mbit/s, burst %.0f kB",
+                ann.peer_id,
+                rtt * 1e3,
+                rate * 8 / 1e6,
+                burst / 1e3,
+            )
             done += 1
         return done
