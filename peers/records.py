@@ -49,6 +49,7 @@ _MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
 _MAX_LAYERS_PER_S = 1e9
 _MAX_RTT_S = 3600.0
 _MAX_BYTES_PER_S = 1e13  # 80 Tbit/s
+_MAX_BURST_BYTES = float(1 << 30)  # a bucket deeper than 1 GiB is no measurement
 MAX_PLAN_VERSION = 1 << 53
 """Highest plan version: far below msgpack's int64, so `version + 1` always fits (and survives a float)."""
 MAX_PLAN_STAGES = 256
@@ -234,6 +235,8 @@ class LinkMeasurement:
     """Measured goodput from src to dst, in bytes per second."""
     measured_at: float
     """When it was measured, in seconds since the epoch."""
+    burst_bytes: float = 0.0
+    """Bytes the link passed at once after an idle spell before its rate applied (a token bucket's depth)."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
@@ -244,6 +247,7 @@ class LinkMeasurement:
         _set(self, "rtt_s", _float(r, "rtt_s", self.rtt_s, 0.0, _MAX_RTT_S))
         _set(self, "bytes_per_s", _float(r, "bytes_per_s", self.bytes_per_s, 0.0, _MAX_BYTES_PER_S))
         _set(self, "measured_at", _float(r, "measured_at", self.measured_at, 0.0, _MAX_TIME_S))
+        _set(self, "burst_bytes", _float(r, "burst_bytes", self.burst_bytes, 0.0, _MAX_BURST_BYTES))
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -473,6 +477,7 @@ def validate_plan(
     for pid in unused:
         if _peer_id("plan", "unused_peer_ids", pid) in seen:
             raise _fail("plan", "unused_peer_ids", "peers the stages do not name", pid)
+    _validate_codecs(plan.get("codecs"), len(stages))
     trainer_ids = plan.get("trainer_ids", [])
     if type(trainer_ids) is not list or len(trainer_ids) > MAX_PLAN_TRAINERS:
         raise _fail("plan", "trainer_ids", f"a list of at most {MAX_PLAN_TRAINERS} trainer ids", trainer_ids)
@@ -483,3 +488,33 @@ def validate_plan(
             raise _fail("plan", "trainer_ids", "announced trainers", tid)
     if len(set(trainer_ids)) != len(trainer_ids):
         raise _fail("plan", "trainer_ids", "distinct trainer ids", trainer_ids)
+
+
+_MAX_CODEC_LABEL = 64
+_MAX_CODEC_WHY = 400
+
+
+def _validate_codecs(codecs: Any, n_stages: int) -> None:
+    """A plan's per-link codecs (optional): one `{"forward": LABEL, "backward": LABEL[, "why": text]}` per
+    boundary, every label one `CodecConfig.parse` knows."""
+    if codecs is None:
+        return
+    from swarm.compression import CodecConfig
+
+    if type(codecs) is not list or len(codecs) != n_stages - 1:
+        raise _fail("plan", "codecs", f"a list of {n_stages - 1} boundaries' codecs", codecs)
+    for i, link in enumerate(codecs):
+        r = f"plan.codecs[{i}]"
+        if not isinstance(link, dict) or not set(link) <= {"forward", "backward", "why"}:
+            raise _fail("plan", f"codecs[{i}]", "a dict of forward, backward (and why)", link)
+        for key in ("forward", "backward"):
+            label = link.get(key)
+            if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
+                raise _fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
+            try:
+                CodecConfig.parse(label)
+            except (ValueError, KeyError) as e:
+                raise _fail(r, key, "a known codec label", label) from e
+        why = link.get("why", "")
+        if type(why) is not str or len(why) > _MAX_CODEC_WHY:
+            raise _fail(r, "why", f"text of at most {_MAX_CODEC_WHY} characters", why)

@@ -65,8 +65,23 @@ class PlanningConfig:
     probe_links: bool = True
     """Measure links (LinkProber); False: measure nothing and plan every link at the assumed default
     (planning.DEFAULT_BYTES_PER_S, 1 ms), without waiting for probes: same peers, same plan, run after run."""
+    micro_batch_size: int = 2
+    """Samples per micro-batch of the trainers the plan is for (the trainer's --batch-size / --micro-batches):
+    the compute measurement and the predicted step use it."""
+    micro_batches: int = 4
+    """Micro-batches per step of those trainers (the trainer's --micro-batches)."""
+    even_layers: bool = False
+    """Plan an even layer split (the search still orders and pairs the peers, and predicts the step): runs that
+    compare settings keep the same stage boundaries while the plan still says what it predicts."""
+    codec_policy: str = "fixed"
+    """fixed: every link carries --fw-codec/--bw-codec; per-link: the planner chooses each boundary's codecs from
+    its measured rate and the stages' compute (`swarm.scheduler.bits`) and peers apply the plan's."""
 
     def __post_init__(self) -> None:
+        if self.codec_policy not in ("fixed", "per-link"):
+            raise ValueError(f"PlanningConfig: codec_policy must be fixed or per-link, got {self.codec_policy!r}")
+        if self.micro_batch_size < 1 or self.micro_batches < 1:
+            raise ValueError("PlanningConfig: micro_batch_size and micro_batches must be >= 1")
         if self.replicas < 0 or self.heartbeat_s <= 0 or self.gone_after_s < self.heartbeat_s:
             raise ValueError("PlanningConfig: need replicas >= 0, heartbeat_s > 0 and gone_after_s >= heartbeat_s")
         if self.min_peers < 0 or self.probe_bytes < 1 or self.peers_per_round < 1:
@@ -251,6 +266,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--plan-seed", type=int, default=plans.seed, help="seed of the planner's search")
     g.add_argument(
+        "--plan-micro-batch-size",
+        type=int,
+        default=plans.micro_batch_size,
+        help="samples per micro-batch of the trainers (their --batch-size / --micro-batches): what the plan predicts",
+    )
+    g.add_argument(
+        "--plan-micro-batches", type=int, default=plans.micro_batches, help="micro-batches per step of the trainers"
+    )
+    g.add_argument(
+        "--codec-policy",
+        choices=("fixed", "per-link"),
+        default=plans.codec_policy,
+        help="fixed: --fw-codec/--bw-codec on every link; per-link: the planner chooses each boundary's codecs",
+    )
+    g.add_argument(
+        "--plan-even-layers",
+        action="store_true",
+        help="plan an even layer split (peers still ordered and the step still predicted)",
+    )
+    g.add_argument(
         "--link-probe",
         action=argparse.BooleanOptionalAction,
         default=plans.probe_links,
@@ -335,6 +370,10 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             gone_after_s=args.gone_after_s,
             planner_lease_s=args.planner_lease_s,
             probe_links=args.link_probe,
+            micro_batch_size=args.plan_micro_batch_size,
+            micro_batches=args.plan_micro_batches,
+            even_layers=args.plan_even_layers,
+            codec_policy=args.codec_policy,
         ),
         model=model_config(args),
         optim=OptimConfig(

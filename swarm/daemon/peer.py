@@ -109,7 +109,9 @@ class PeerDaemon:
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
             server.start()
             log.info("stage service listening on %s", address)
-            self.speed = cfg.compute_layers_per_s or measure_compute(self.model, cfg.device)
+            self.speed = cfg.compute_layers_per_s or measure_compute(
+                self.model, cfg.device, micro_batch_size=cfg.planning.micro_batch_size
+            )
             log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, self.speed)
             self.announcement = PeerAnnouncement(
                 peer_id=dht.peer_id,
@@ -149,25 +151,27 @@ class PeerDaemon:
 
     # ---- roles ---------------------------------------------------------------------------------------------
 
-    def _make_host(self, role):
+    def _make_host(self, role, plan: dict | None = None):
         from swarm.net.connect import GrpcConnector
         from swarm.runtime.boundary import LinkEnds
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
+        from swarm.scheduler.bits import stage_link_configs
 
         cfg = self.cfg
+        ends = stage_link_configs(plan or {}, role.stage, self.codecs)  # a plan's per-link codecs, else the flags'
         host = StageHost(
             role,
             self.model,
             StageConfig(optim=cfg.optim),
-            LinkEnds(*self.codecs, shaping=self.shaping),
+            LinkEnds(ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3])),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book),
             device=cfg.device,
             metrics=self.metrics,
             budget=cfg.budget,
         )
-        host.compute_layers_per_s = self.speed
+        host.compute_layers_per_s, host.link_codecs = self.speed, ends
         self._setup_checkpoints(host)
         return host
 
@@ -205,9 +209,10 @@ class PeerDaemon:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
         from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
         from swarm.daemon.planning import LinkProber, Planner, model_spec
+        from swarm.scheduler.bits import codec_sizes
 
         cfg, plans = self.cfg, self.cfg.planning
-        spec = model_spec(self.model, *self.codecs)
+        spec = model_spec(self.model, *self.codecs, plans.micro_batch_size, plans.micro_batches)
         stages = cfg.num_stages or None
         # --no-link-probe: no measurement, every link planned at the default; no probe wait for the planner
         prober = None
@@ -234,6 +239,8 @@ class PeerDaemon:
             seed=plans.seed,
             replicas=plans.replicas,
             liveness=liveness,
+            even_layers=plans.even_layers,
+            codec_bytes=codec_sizes(self.model, plans.micro_batch_size) if plans.codec_policy == "per-link" else None,
             lease_s=plans.planner_lease_s,
             reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
             **({} if plans.probe_links else {"probe_wait_s": 0.0}),
@@ -316,6 +323,7 @@ class PeerDaemon:
     def _apply_plan(self, record) -> None:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
         from swarm.daemon.planning import role_in_plan
+        from swarm.scheduler.bits import stage_link_configs
 
         role = role_in_plan(record, self.dht.peer_id)
         roster = self.book.plan_roster(record, self.announcement)
@@ -325,6 +333,7 @@ class PeerDaemon:
             and role is not None
             and (host.role.stage, host.role.n_stages, host.role.layer_start, host.role.layer_end)
             == (role.stage, role.n_stages, role.layer_start, role.layer_end)
+            and stage_link_configs(record.plan, role.stage, self.codecs) == getattr(host, "link_codecs", None)
         )
         wait_s = 2 * 120.0
         behind = same and self.following is not None and self._behind_replicas(record, role, host.steps_done)
@@ -336,7 +345,7 @@ class PeerDaemon:
 
             self.servicer.when_idle(bump, wait_s)
         else:
-            new_host = None if role is None else self._make_host(role)
+            new_host = None if role is None else self._make_host(role, record.plan)
             source = self._state_source(record, role)
             if new_host is not None and source is not None:
                 self._hand_over(new_host, source, own=not behind and source is self.following)

@@ -28,8 +28,9 @@ gone at once, without waiting for their announcements to expire.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import random
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +40,9 @@ import torch
 
 from swarm.compression import CodecConfig, make_codec
 from swarm.daemon.liveness import Liveness
+from swarm.daemon.probe import LinkProber  # noqa: F401  (re-exported: where callers import it from)
 from swarm.daemon.repair import grow_plan, repair_plan
 from swarm.model.gpt import ModelConfig
-from swarm.net.stream import TensorStreams, tensor_items
 from swarm.peers.records import (
     MAX_PLAN_TRAINERS,
     MAX_PLAN_VERSION,
@@ -53,11 +54,14 @@ from swarm.peers.records import (
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, TransformerShape, plan
+from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
 
 log = logging.getLogger("swarm.daemon.planning")
 
-REFERENCE_MICRO_BATCH = 4
-"""Samples per micro-batch of the compute measurement (`peer_daemon.measure_compute`) and of the plan's model."""
+REFERENCE_MICRO_BATCH = 2
+"""Samples per micro-batch of the plan's model by default: the trainer's default split (8 samples, 4 micro-batches)."""
+REFERENCE_MICRO_BATCHES = 4
+"""Micro-batches per step of the plan's model by default (the trainer's default)."""
 DEFAULT_BYTES_PER_S = 100e6 / 8
 """Assumed for a link nobody has measured yet when no other link is known either (100 Mbit/s)."""
 _UNKNOWN_MEMORY_BYTES = 1 << 40
@@ -68,15 +72,30 @@ def wire_bits(codec: CodecConfig) -> float:
     return float(codec.wire_bits)
 
 
+def message_bytes(codec: CodecConfig, shape: tuple[int, ...], seed: int = 0) -> int:
+    """Bytes one boundary message of `shape` takes on the wire, measured: a layer-normed random tensor (what a
+    block's output looks like to the codec) encoded and framed at the codec's zstd level, scales and headers
+    included. An AQ-SGD codec is measured as its steady state, the same-width quantization of a delta."""
+    from swarm.compression import frame
+
+    if codec.name == "aqsgd":
+        codec = dataclasses.replace(codec, name="directq")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
+    return sum(chunk.ByteSize() for chunk in frame(make_codec(codec).encode(x), zstd_level=codec.zstd_level))
+
+
 def model_spec(
     model: ModelConfig,
     forward: CodecConfig,
     backward: CodecConfig,
     micro_batch_size: int = REFERENCE_MICRO_BATCH,
-    micro_batches: int = 4,
+    micro_batches: int = REFERENCE_MICRO_BATCHES,
+    step_overhead_s: float = 0.0,
 ) -> ModelSpec:
-    """The cost model's figures for our GPT at the codecs' compressed sizes."""
-    return ModelSpec.transformer(
+    """The cost model's figures for our GPT as the run trains it: the trainer's micro-batch size and count
+    (what the plan's step is), the codecs' measured message bytes (`message_bytes`), full-duplex links."""
+    spec = ModelSpec.transformer(
         TransformerShape(
             layers=model.n_layers,
             hidden=model.hidden_dim,
@@ -87,6 +106,14 @@ def model_spec(
             backward_bits=wire_bits(backward),
             optimizer_bytes_per_param=16.0,
         )
+    )
+    shape = (micro_batch_size, model.seq_len_tokens, model.hidden_dim)
+    return dataclasses.replace(
+        spec,
+        forward_bytes=float(message_bytes(forward, shape)),
+        backward_bytes=float(message_bytes(backward, shape)),
+        full_duplex=True,
+        step_overhead_s=step_overhead_s,
     )
 
 
@@ -114,11 +141,13 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
     n = len(ids)
     bandwidth = np.full((n, n), np.nan)
     delay = np.full((n, n), np.nan)
+    burst = np.zeros((n, n))
     measured = 0
     for m in links:
         if m.src in index and m.dst in index and m.bytes_per_s > 0:
             bandwidth[index[m.src], index[m.dst]] = m.bytes_per_s
             delay[index[m.src], index[m.dst]] = m.rtt_s / 2
+            burst[index[m.src], index[m.dst]] = m.burst_bytes
             measured += 1
     # the reverse direction's figure, then the median of the measured links
     known_bw = bandwidth[~np.isnan(bandwidth)]
@@ -140,7 +169,8 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
         )
         for pid in ids
     )
-    return SwarmInput(PlanInput(planned, delay, bandwidth), measured, filled)
+    np.fill_diagonal(burst, 0.0)
+    return SwarmInput(PlanInput(planned, delay, bandwidth, burst), measured, filled)
 
 
 def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> SearchConfig:
@@ -149,6 +179,35 @@ def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> Searc
     if not replicas:
         return SearchConfig(seed=seed, stages=n_stages)
     return SearchConfig(seed=seed, stages=n_stages, max_replicas=replicas, replica_fractions=(1.0,))
+
+
+def with_even_layers(made: Plan, plan_input: PlanInput, spec: ModelSpec) -> Plan:
+    """`made`'s peers, order and pairing with the layers split evenly, and that layout's predicted step."""
+    from swarm.scheduler.cost import FullCost, Layout, even_layers
+    from swarm.scheduler.search import layout_to_plan
+
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
+    layout = Layout(grid, even_layers(spec.layers, len(made.stages)))
+    unused = np.array([index[pid] for pid in made.unused_peer_ids], dtype=np.int64)
+    breakdown = FullCost(plan_input, spec).evaluate(layout)
+    return layout_to_plan(layout, breakdown, plan_input, made.cost_model, unused, made.version)
+
+
+def link_figures(stages: list[dict], plan_input: PlanInput, spec: ModelSpec) -> list[LinkFigures]:
+    """Each boundary's measured rates (its slowest replica pair each way) and its slower stage's compute per
+    micro-batch: what `swarm.scheduler.bits` chooses codecs from. `stages`: a plan dict's "stages"."""
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    bw, speeds = plan_input.bandwidth_bytes_per_s, plan_input.speeds_flops_per_s
+    rows = [[index[pid] for pid in st["peer_ids"]] for st in stages]
+    compute = [
+        (st["layer_end"] - st["layer_start"]) * spec.flops_per_layer / speeds[row].min()
+        for st, row in zip(stages, rows, strict=True)
+    ]
+    return [
+        LinkFigures(float(bw[np.ix_(a, b)].min()), float(bw[np.ix_(b, a)].min()), max(compute[s], compute[s + 1]))
+        for s, (a, b) in enumerate(zip(rows, rows[1:], strict=False))
+    ]
 
 
 def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
@@ -186,6 +245,8 @@ class Route:
     """`[stage][replica]`, rows of different lengths when the counts are uneven (empty: one replica per stage,
     `addresses`)."""
     replica_peer_ids: tuple[tuple[str, ...], ...] = ()
+    predicted_step_s: float | None = None
+    """The plan's predicted step time (its "step_time_s"); None for an even split by join order (no plan)."""
 
     @property
     def replica_counts(self) -> tuple[int, ...]:
@@ -232,66 +293,16 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
     if not ids:
         return None
     flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
-    return Route(*flat) if all(len(r) == 1 for r in ids) else Route(*flat, tuple(addresses), tuple(ids))
+    nested = () if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
+    return Route(*flat, *(nested or ((), ())), predicted_step_s=predicted_step_s(record.plan))
 
 
-class LinkProber:
-    """Measures this peer's links to the others, a few per round, and stores the results in the DHT."""
-
-    def __init__(
-        self,
-        dht,
-        my_address: str,
-        shaping,
-        channels,
-        probe_bytes: int = 256 << 10,
-        peers_per_round: int = 4,
-        refresh_s: float = 120.0,
-    ):
-        self.dht, self.my_address, self.shaping, self.channels = dht, my_address, shaping, channels
-        self.probe_bytes, self.peers_per_round, self.refresh_s = probe_bytes, peers_per_round, refresh_s
-        self._measured: dict[str, float] = {}  # peer id -> when
-        self._rng = random.Random(dht.peer_id)
-        self._fp32 = make_codec(CodecConfig("fp32"))
-
-    def measure(self, address: str, timeout_s: float = 30.0) -> tuple[float, float]:
-        """(round-trip time in s, bytes/s) to the stage service at `address`."""
-        stub = stage_pb2_grpc.StageStub(self.channels.get(address))
-        rtts = []
-        for _ in range(3):
-            start = time.perf_counter()
-            stub.Probe(stage_pb2.ProbeRequest(reply_bytes=0), timeout=timeout_s)
-            rtts.append(time.perf_counter() - start)
-        rtt = min(rtts)
-        msg = self._fp32.encode(torch.rand(self.probe_bytes // 4))
-        shaper = self.shaping.for_destination(address)
-        start = time.perf_counter()
-        items = tensor_items(stage_pb2.CallInfo(), msg, 0, shaper)
-        reply = TensorStreams(self.channels.get(address)).Sink(items, timeout=timeout_s)
-        seconds = max(time.perf_counter() - start - rtt / 2, 1e-6)
-        return rtt, reply.wire_bytes / seconds
-
-    def round(self, now: float | None = None) -> int:
-        """Probes up to `peers_per_round` peers, unmeasured ones first; returns how many were measured."""
-        now = time.time() if now is None else now
-        others = [p for p in self.dht.peers() if p.peer_id != self.dht.peer_id and p.address != self.my_address]
-        due = [p for p in others if now - self._measured.get(p.peer_id, -1e18) >= self.refresh_s]
-        self._rng.shuffle(due)
-        due.sort(key=lambda p: p.peer_id in self._measured)  # never-measured peers first
-        done = 0
-        for ann in due[: self.peers_per_round]:
-            try:
-                rtt, rate = self.measure(ann.address)
-            except Exception as e:  # an unreachable or misbehaving peer is skipped, not fatal
-                log.info("probe of %s at %s failed: %s", ann.peer_id, ann.address, e)
-                continue
-            self.dht.store_link(
-                LinkMeasurement(self.dht.peer_id, ann.peer_id, rtt_s=rtt, bytes_per_s=rate, measured_at=now)
-            )
-            self._measured[ann.peer_id] = now
-            log.info("link to %s: rtt %.1f ms, %.1f Mbit/s", ann.peer_id, rtt * 1e3, rate * 8 / 1e6)
-            done += 1
-        return done
+def predicted_step_s(plan: dict) -> float | None:
+    """A published plan's "step_time_s" when it is a finite positive number (records come from strangers)."""
+    value = plan.get("step_time_s")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
 
 
 class Planner:
@@ -319,13 +330,19 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         replicas: int = 1,
         liveness: Liveness | None = None,
+        even_layers: bool = False,
+        codec_bytes: Callable[[str], float] | None = None,
+        bits: BitsPolicy | None = None,
         lease_s: float = 3.0,
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
     ):
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
-        self.replicas, self.liveness = replicas, liveness
+        self.replicas, self.liveness, self.even_layers = replicas, liveness, even_layers
+        self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
+        """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
+        self._chosen_from: list[LinkFigures] | None = None
         self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
@@ -430,7 +447,10 @@ class Planner:
         # peer that left no longer validates, so "a plan exists" is whether the authority published any)
         if current is None and len(alive) < self.min_peers and not self.plan_existed(peers):
             return None
-        if not alive or (same_peers and inherited is None and current.plan.get("trainer_ids", []) == trainers):
+        unchanged = same_peers and inherited is None and current.plan.get("trainer_ids", []) == trainers
+        if unchanged and self.codec_bytes is not None and alive:
+            return self.rechoose_codecs(current, peers, alive)
+        if not alive or unchanged:
             return None
         repaired = None
         if current is not None and not same_peers:
@@ -458,7 +478,11 @@ class Planner:
             return None  # give the probes a little time: planning on guesses moves stages twice
         stages = min(self.n_stages, len(alive)) if self.n_stages else None
         made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed, self.replicas), version=version)
-        self.dht.publish_plan(version, {**made.to_dict(), "trainer_ids": trainers})
+        if self.even_layers:
+            made = with_even_layers(made, swarm.plan_input, self.spec)
+        self.dht.publish_plan(
+            version, {**made.to_dict(), **self.codecs_for(made.to_dict()["stages"], swarm), "trainer_ids": trainers}
+        )
         log.info(
             "published plan %d: %d stages x %d replicas over %d peers (%d links measured, %d assumed), "
             "predicted %.3f s/step",
@@ -471,6 +495,35 @@ class Planner:
             made.step_time_s,
         )
         return made
+
+    def codecs_for(self, stages: list[dict], swarm: SwarmInput) -> dict:
+        """`{"codecs": [...]}` chosen per boundary from the measured links (empty with fixed codecs)."""
+        if self.codec_bytes is None or len(stages) < 2:
+            return {}
+        self._chosen_from = link_figures(stages, swarm.plan_input, self.spec)
+        codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits)
+        for b, c in enumerate(codecs):
+            log.info("boundary %d codecs %s", b, c["why"])
+        return {"codecs": codecs}
+
+    def rechoose_codecs(self, current: PlanRecord, peers: list[PeerAnnouncement], alive: frozenset[str]):
+        """Republishes the current stages with codecs chosen again once the links' measurements moved past the
+        hysteresis (the same stages: only the codecs change); None while they hold."""
+        stages = current.plan["stages"]
+        swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
+        if len(stages) < 2 or not rechoose(
+            self._chosen_from, link_figures(stages, swarm.plan_input, self.spec), self.bits
+        ):
+            return None
+        codecs = self.codecs_for(stages, swarm)
+        if codecs.get("codecs") == current.plan.get("codecs"):
+            return None  # moved, but to the same choice: nothing to switch
+        version = self.next_version(peers)
+        if version is None:
+            return None
+        self.dht.publish_plan(version, {**current.plan, **codecs})
+        log.info("published plan %d: plan %d's stages with codecs chosen again", version, current.version)
+        return self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
 
     def plan_existed(self, peers: list[PeerAnnouncement]) -> bool:
         """Whether the swarm has followed a plan: the authority published one, or a peer follows one (this

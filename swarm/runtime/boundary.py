@@ -106,9 +106,11 @@ class LinkEnds:
         backward: CodecConfig,
         shaping: LinkShaping | None = None,
         adaptive_zstd: bool = True,
+        recv: tuple[CodecConfig, CodecConfig] | None = None,
     ):
         self._configs = {"fw": forward, "bw": backward}
-        self.fw_recv, self.bw_recv = Direction(forward, "fw-recv.buf"), Direction(backward, "bw-recv.buf")
+        fw_recv, bw_recv = recv or (forward, backward)  # a plan's per-link codecs: the other boundary's codecs
+        self.fw_recv, self.bw_recv = Direction(fw_recv, "fw-recv.buf"), Direction(bw_recv, "bw-recv.buf")
         self._send: OrderedDict[tuple[str, str], Direction] = OrderedDict()
         """sending ends by (kind, destination address), least recently used first"""
         self.shaping = shaping or LinkShaping()

@@ -201,7 +201,13 @@ def _run_live(args) -> int:
     """The live swarm: its published plan, and the plan the live planner would make from it now."""
     from swarm.compression import CodecConfig
     from swarm.daemon.bootstrap import read_address_file
-    from swarm.daemon.planning import REFERENCE_MICRO_BATCH, live_search, swarm_plan_input, wire_bits
+    from swarm.daemon.planning import (
+        REFERENCE_MICRO_BATCH,
+        REFERENCE_MICRO_BATCHES,
+        live_search,
+        swarm_plan_input,
+        wire_bits,
+    )
     from swarm.model.gpt import ModelConfig
     from swarm.peers.dht import DHTConfig, SwarmDHT
 
@@ -213,7 +219,7 @@ def _run_live(args) -> int:
             hidden=model.hidden_dim,
             seq_len=model.seq_len_tokens,
             micro_batch_size=REFERENCE_MICRO_BATCH,
-            micro_batches=4,
+            micro_batches=REFERENCE_MICRO_BATCHES,
             forward_bits=wire_bits(CodecConfig.parse("aqsgd2")),
             backward_bits=wire_bits(CodecConfig.parse("gradq4")),
         ),

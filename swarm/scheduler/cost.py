@@ -11,11 +11,14 @@ Our model, per step, with M micro-batches per pipeline (lockstep stages: a stage
 replica, a boundary at its slowest replica link):
 
     pipeline = sum_s compute_s + sum_b fill_b + (M - 1) * max(max_s compute_s, max_b pace_b)
-    step     = pipeline + max_s sync_s
+               (and at least M * max_b pace_b: the long-run rate bounds a step whatever the burst)
+    step     = pipeline + max_s sync_s + step_overhead   (the optimizer step and its round trips, measured)
 
     compute_s = layers_s * flops_per_layer / (slowest replica's FLOP/s)
     pace_b    = forward_bytes / bw[p, q] + backward_bytes / bw[q, p]   (worst pair p -> q of the boundary)
-    fill_b    = pace_b + delay[p, q] + delay[q, p]
+                (full-duplex links: the max of the two instead of their sum)
+    fill_b    = (forward_bytes - burst[p, q])+ / bw[p, q] + (backward_bytes - burst[q, p])+ / bw[q, p]
+                + delay[p, q] + delay[q, p]          (the first messages find idle links: a bucket's burst)
     sync_s    = max over replicas i of  latency_i + sum_{j != i} G_s / R * (1 / bw_ij + 1 / bw_ji)
     latency_i = max_{j != i} (d_ij + d_ji)      (parts sent concurrently, as hivemind's butterfly does)
              or sum_{j != i} (d_ij + d_ji)      (DT-FM: one partner after another)
@@ -229,8 +232,14 @@ class FullCost:
         self.speeds = plan_input.speeds_flops_per_s
         self.memories = plan_input.memories_bytes
         # pair p -> q of a boundary: forward p -> q, backward q -> p.
-        self.pace_s = model.forward_bytes * inverse_bw + model.backward_bytes * inverse_bw.T
-        self.fill_s = self.pace_s + delay + delay.T
+        forward_s, backward_s = model.forward_bytes * inverse_bw, model.backward_bytes * inverse_bw.T
+        # full duplex: the two directions overlap in the steady state; the fill still waits for one of each
+        self.pace_s = np.maximum(forward_s, backward_s) if model.full_duplex else forward_s + backward_s
+        # the fill's messages find their links idle: a token bucket passes its burst at once
+        burst = plan_input.burst_bytes
+        first_forward = np.maximum(model.forward_bytes - burst, 0.0) * inverse_bw
+        first_backward = np.maximum(model.backward_bytes - burst.T, 0.0) * inverse_bw.T
+        self.fill_s = first_forward + first_backward + delay + delay.T
         self.round_trip_s = delay + delay.T
         self.inverse_bw_sum = inverse_bw + inverse_bw.T
 
@@ -307,7 +316,9 @@ class FullCost:
         pace = max(float(np.max(compute)), max(paces, default=0.0))
         sync = max(float(st.sync_table_s[n]) for st, n in zip(stats, layers, strict=True))
         compute_s, fill_s, latency_s = float(np.sum(compute)), float(sum(fills)), float(sum(latencies))
-        total = compute_s + fill_s + steady * pace + sync
+        # a link cannot carry a step's messages faster than its rate, whatever its burst (the refill is the rate)
+        link_bound = (steady + 1) * max(paces, default=0.0)
+        total = max(compute_s + fill_s + steady * pace, link_bound) + sync + self.model.step_overhead_s
         return Breakdown(
             total_s=total,
             compute_s=compute_s,
@@ -316,6 +327,7 @@ class FullCost:
             steady_s=steady * pace,
             sync_s=sync,
             pace_s=pace,
+            overhead_s=self.model.step_overhead_s,
         )
 
     def complete(

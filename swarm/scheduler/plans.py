@@ -58,11 +58,18 @@ class PlanInput:
     """One-way delay of each link, in seconds."""
     bandwidth_bytes_per_s: np.ndarray
     """Throughput of each link, in bytes per second."""
+    burst_bytes: np.ndarray | None = None
+    """Bytes a link passes at once after an idle spell before its rate applies (a token bucket's depth: tc tbf,
+    the application's shaper), measured by the link probe; None: no burst anywhere."""
 
     def __post_init__(self) -> None:
         n = len(self.peers)
         delay = np.asarray(self.delay_s, dtype=np.float64)
         bandwidth = np.asarray(self.bandwidth_bytes_per_s, dtype=np.float64)
+        burst = np.zeros((n, n)) if self.burst_bytes is None else np.asarray(self.burst_bytes, dtype=np.float64)
+        if burst.shape != (n, n) or not (np.isfinite(burst) & (burst >= 0)).all():
+            raise ValueError(f"burst_bytes must be a {n}x{n} matrix of finite bytes >= 0")
+        object.__setattr__(self, "burst_bytes", burst)
         if delay.shape != (n, n) or bandwidth.shape != (n, n):
             raise ValueError(f"matrices must be {n}x{n}, got {delay.shape} and {bandwidth.shape}")
         off = ~np.eye(n, dtype=bool)
@@ -92,6 +99,7 @@ class PlanInput:
             peers=tuple(self.peers[i] for i in idx),
             delay_s=self.delay_s[np.ix_(idx, idx)],
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s[np.ix_(idx, idx)],
+            burst_bytes=self.burst_bytes[np.ix_(idx, idx)],
         )
 
     def to_dict(self) -> dict:
@@ -183,10 +191,17 @@ class ModelSpec:
     overlapped_sync_latency: bool = True
     """All-reduce latency: a butterfly all-reduce (hivemind's) sends its parts concurrently, so a replica
     waits for its farthest partner once; DT-FM's model adds every partner's delay in turn."""
+    full_duplex: bool = False
+    """Links carry both directions at once (TCP over a full-duplex link, the application's shaper): a boundary
+    paces at its busier direction, max(forward, backward), instead of their sum (DT-FM's half-duplex view)."""
+    step_overhead_s: float = 0.0
+    """Fixed time per step outside the pipeline (optimizer step, Grads/Step round trips), measured."""
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.micro_batches < 1:
             raise ValueError("layers and micro_batches must be >= 1")
+        if not (math.isfinite(self.step_overhead_s) and self.step_overhead_s >= 0):
+            raise ValueError("step_overhead_s must be finite and >= 0")
 
     @classmethod
     def transformer(cls, shape: TransformerShape) -> ModelSpec:
@@ -250,6 +265,8 @@ class Breakdown:
     """Gradient averaging between the replicas of each stage (the slowest stage's)."""
     pace_s: float = 0.0
     """Time per micro-batch of the slowest stage or link."""
+    overhead_s: float = 0.0
+    """The model's fixed time per step (`ModelSpec.step_overhead_s`)."""
 
 
 @dataclass(frozen=True)

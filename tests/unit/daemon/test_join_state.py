@@ -63,7 +63,9 @@ def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | N
     daemon.servicer = Servicer(events)
     daemon.channels = None
     daemon.announcement = ann(J, 0)
-    daemon._make_host = lambda role: SimpleNamespace(role=role, worker=SimpleNamespace(step_count=7), steps_done=0)
+    daemon._make_host = lambda role, plan=None: SimpleNamespace(
+        role=role, worker=SimpleNamespace(step_count=7), steps_done=0
+    )
 
     def fetch_state(channels, address, stage, version, *rest, **kw):
         events.append(("fetch", address, stage, version))

@@ -1,0 +1,170 @@
+"""Bits per link: the policy (slow links fewer bits, fast links more, a floor, hysteresis), the plan's "codecs"
+validated whole, the planner publishing and re-choosing them, and a peer building its ends from them."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from swarm.compression import CodecConfig
+from swarm.daemon.planning import Planner, model_spec
+from swarm.model.gpt import ModelConfig
+from swarm.peers.dht import DHTConfig, SwarmDHT
+from swarm.peers.entries import RunKeys
+from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord, validate_plan
+from swarm.scheduler.bits import (
+    BitsPolicy,
+    LinkFigures,
+    choose_link,
+    codec_sizes,
+    rechoose,
+    stage_link_codecs,
+    stage_link_configs,
+)
+
+SIZES = codec_sizes(ModelConfig(), 2)  # fp32: ~121 kB, aqsgd2: ~7.6 kB, gradq2+ef: ~5 kB per micro-batch
+COMPUTE_S = 0.05
+
+
+def link(mbit: float, compute_s: float = COMPUTE_S) -> LinkFigures:
+    return LinkFigures(mbit * 1e6 / 8, mbit * 1e6 / 8, compute_s)
+
+
+def bits(label: str) -> int:
+    return 32 if label == "fp32" else CodecConfig.parse(label).bits
+
+
+def test_slow_links_get_fewer_bits_and_fast_links_more():
+    chosen = [choose_link(link(rate), SIZES) for rate in (1, 10, 100, 1000)]
+    fw = [bits(c["forward"]) for c in chosen]
+    bw = [bits(c["backward"]) for c in chosen]
+    assert fw == sorted(fw) and bw == sorted(bw) and fw[0] < fw[-1] and bw[0] < bw[-1], chosen
+    assert chosen[-1]["forward"] == "fp32" and chosen[-1]["backward"] == "fp32"  # 1 Gbit/s hides fp32
+    assert all(c["why"] for c in chosen)
+
+
+def test_the_loss_budget_is_a_floor_even_when_nothing_hides():
+    c = choose_link(link(0.01), SIZES)
+    assert (c["forward"], c["backward"]) == ("aqsgd2", "gradq2+ef") and "floor" in c["why"]
+    c = choose_link(link(0.01), SIZES, BitsPolicy(forward_floor="aqsgd4", backward_floor="gradq8+ef"))
+    assert (c["forward"], c["backward"]) == ("aqsgd4", "gradq8+ef")
+    with pytest.raises(ValueError):
+        BitsPolicy(forward_floor="directq1")
+
+
+def test_unchanged_measurements_do_not_rechoose_and_a_big_move_does():
+    old = [link(10)]
+    assert rechoose(None, old)
+    assert not rechoose(old, [link(12)]), "within the 1.5x hysteresis"
+    assert rechoose(old, [link(30)]) and rechoose(old, [link(10, compute_s=1.0)])
+    assert rechoose(old, [link(10), link(10)]), "another boundary count"
+
+
+def two_stage_plan(**extra) -> PlanRecord:
+    stages = [{"layer_start": 0, "layer_end": 2, "peer_ids": [A]}, {"layer_start": 2, "layer_end": 4, "peer_ids": [B]}]
+    return PlanRecord(3, {"stages": stages, **extra}, 1.0)
+
+
+A, B = "0a0000000000", "0b0000000000"
+PEERS = [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 10.0) for pid in (A, B)]
+
+
+@pytest.mark.parametrize(
+    "codecs",
+    [
+        [{"forward": "zz3", "backward": "gradq4"}],  # unknown codec
+        [{"forward": "aqsgd2", "backward": "gradq4+xx"}],  # unknown suffix
+        [{"forward": "aqsgd99", "backward": "gradq4"}],  # unknown width
+        [],  # wrong count
+        [{"forward": "aqsgd2", "backward": "gradq4"}] * 2,  # wrong count
+        [{"forward": "aqsgd2"}],  # missing backward
+        [{"forward": "aqsgd2", "backward": "gradq4", "extra": 1}],
+        [{"forward": "a" * 65, "backward": "gradq4"}],  # oversized
+        [{"forward": 2, "backward": "gradq4"}],
+        [{"forward": "aqsgd2", "backward": "gradq4", "why": "x" * 401}],
+        [{"forward": "aqsgd2", "backward": math.nan}],
+        "aqsgd2",
+    ],
+)
+def test_a_plans_codecs_are_validated_whole(codecs):
+    with pytest.raises(ValueError, match="codecs|JSON"):  # NaN: the record refuses it before the plan check
+        validate_plan(two_stage_plan(codecs=codecs), 4, PEERS)
+
+
+def test_a_valid_plan_with_codecs_passes():
+    validate_plan(two_stage_plan(codecs=[{"forward": "aqsgd2+ch", "backward": "gradq4+ef", "why": "ok"}]), 4, PEERS)
+    validate_plan(two_stage_plan(), 4, PEERS)  # no codecs: the flags' codecs
+
+
+def test_each_stage_takes_its_two_boundaries_codecs():
+    plan = {"codecs": [{"forward": "fp32", "backward": "gradq8+ef"}, {"forward": "aqsgd2", "backward": "gradq2+ef"}]}
+    default = ("aqsgd4", "gradq4")
+    assert stage_link_codecs(plan, 0, default) == ("fp32", "gradq8+ef", "fp32", "gradq8+ef")
+    assert stage_link_codecs(plan, 1, default) == ("aqsgd2", "gradq8+ef", "fp32", "gradq2+ef")
+    assert stage_link_codecs(plan, 2, default) == ("aqsgd2", "gradq2+ef", "aqsgd2", "gradq2+ef")
+    assert stage_link_codecs({}, 1, default) == ("aqsgd4", "gradq4", "aqsgd4", "gradq4")
+    flags = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
+    assert stage_link_configs({}, 1, flags) == flags * 2  # the flags' configs themselves where nothing changes
+
+
+def test_a_peer_builds_its_boundary_ends_from_the_plans_codecs():
+    from swarm.daemon.peer import PeerDaemon
+    from swarm.runtime.host import StageRole
+    from swarm.runtime.worker import OptimConfig
+
+    daemon = PeerDaemon.__new__(PeerDaemon)
+    daemon.cfg = SimpleNamespace(optim=OptimConfig(), device="cpu", budget=None)
+    daemon.model, daemon.speed, daemon.shaping = ModelConfig(), 10.0, None
+    daemon.codecs = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
+    daemon.dht, daemon.transport, daemon.signer, daemon.book, daemon.metrics = SimpleNamespace(peer_id=A), *[None] * 4
+    daemon._setup_checkpoints = lambda host: None
+
+    plan = {"codecs": [{"forward": "aqsgd2", "backward": "gradq2+ef"}]}
+    host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
+    ends = host.links
+    assert ends.fw_recv.config.label == "aqsgd2" and ends.bw_recv.config.label == "gradq2+ef"
+    assert host.link_codecs[1].label == "gradq2+ef"
+
+
+def fake_dht(records: dict, links: list) -> tuple[SwarmDHT, list]:
+    """A SwarmDHT whose records live in `records` (no DHT process); what it publishes lands there too."""
+    published: list = []
+    dht = SwarmDHT.__new__(SwarmDHT)
+    dht.config, dht.peer_id, dht._warned, dht._keys = DHTConfig(), A, set(), RunKeys.of_run("run")
+    dht._parse_all = lambda key, kind: list(records.get(kind, []))
+    dht.links = lambda: list(links)
+
+    def publish_plan(version, plan):
+        published.append((version, plan))
+        records.setdefault("plan", []).append((A, PlanRecord(version=version, plan=plan, created_at=1e6)))
+
+    dht.publish_plan = publish_plan
+    return dht, published
+
+
+def measured(mbit: float) -> list[LinkMeasurement]:
+    return [LinkMeasurement(a, b, 0.001, mbit * 1e6 / 8, 1.0) for a, b in ((A, B), (B, A))]
+
+
+def test_the_planner_publishes_per_link_codecs_and_rechooses_only_past_the_hysteresis():
+    model = ModelConfig()
+    spec = model_spec(model, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))
+    links = measured(1.0)
+    records = {"peers": [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0) for pid in (A, B)]}
+    dht, published = fake_dht(records, links)
+    planner = Planner(dht, spec, 2, 2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0, codec_bytes=SIZES)
+    planner.round()
+    ((version, first),) = published
+    validate_plan(PlanRecord(version, first, 1.0), model.n_layers, records["peers"])
+    slow = first["codecs"][0]
+    assert (slow["forward"], slow["backward"]) == ("aqsgd2", "gradq2+ef"), slow
+    records["peers"] = [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0, plan_version=version)
+                        for pid in (A, B)]  # fmt: skip
+    links[:] = measured(1.2)
+    assert planner.round() is None and len(published) == 1, "a small move keeps the codecs"
+    links[:] = measured(1000.0)
+    assert planner.round() is not None
+    fast = published[-1][1]["codecs"][0]
+    assert published[-1][1]["stages"] == first["stages"] and bits(fast["forward"]) > 2 and bits(fast["backward"]) > 2
