@@ -220,9 +220,12 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     from swarm.train.trainer import train
 
     fw, bw = cell.setting.split("/")
-    # an even split, the same in every cell: the planner's split follows noisy compute measurements, and a
-    # different stage boundary would change the training math between the cells being compared
-    flags = ["--assign", "even", "--fw-codec", fw, "--bw-codec", bw, "--delay-ms", str(cfg.delay_ms)]
+    # a planned route with even layers, the same split in every cell (the planner's own split follows noisy
+    # compute measurements, and a different stage boundary would change the training math between the cells
+    # being compared), so the plan carries the cost model's prediction for this cell's batch and links
+    flags = ["--assign", "plan", "--plan-even-layers", "--fw-codec", fw, "--bw-codec", bw]
+    flags += ["--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches))]
+    flags += ["--plan-micro-batches", str(cfg.micro_batches), "--delay-ms", str(cfg.delay_ms)]
     flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 10))]
     if cell.rate_mbit is not None:
         flags += ["--rate-mbit", str(cell.rate_mbit)]

@@ -23,12 +23,14 @@ class LocalSwarm:
     """the plan the peers follow (0: an even split, no plan)"""
     signer: object = None
     """the `CallSigner` of the swarm's trainer: the one trainer the plan names, announced while the swarm runs"""
+    found: object = None
+    """the `Route` the trainer discovered (with the plan's predicted step time); None: built from the fields"""
 
     @property
     def path(self):
         from swarm.daemon.planning import Route
 
-        return Route(self.route, self.peers, self.plan_version)
+        return self.found if self.found is not None else Route(self.route, self.peers, self.plan_version)
 
 
 @contextmanager
@@ -70,5 +72,5 @@ def local_swarm(
 
                 found = discover_route(dht, n_peers, timeout_s, show, trainer_id=dht.peer_id)
                 yield LocalSwarm(
-                    found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer)
+                    found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer), found
                 )
