@@ -53,7 +53,9 @@ def tied_request(pipe: LocalPipeline, s: int, step: int, deadline_s: float = 10.
 
 def tied_items(pipe: LocalPipeline, step: int, stage: int, index: int, numel: int | None = None, value=1.0):
     numel = numel or pipe.hosts[0].averager.tied_numel
-    msg = make_codec(FP32).encode(torch.full((numel,), value))
+    msg = make_codec(FP32).encode(torch.ones(numel))
+    if value != 1.0:  # as a faulty or hostile sender's bytes: its own encoder would refuse a NaN
+        msg.raw = torch.full((numel,), value).numpy().tobytes()
     info = stage_pb2.CallInfo(step=step, stage=stage, micro_batch=index, num_micro_batches=2, tied=True)
     return tensor_items(info, msg, 0, None)
 
@@ -207,5 +209,24 @@ def test_a_duplicate_malformed_or_never_arriving_member_fails_the_reduce_by_name
         assert all(h.steps_done == 0 for h in pipe.hosts)
         r = pipe.train_step(batch(seed=3), n_micro=2)  # the next step runs whole
         assert r.attempts == 1 and torch.equal(*tied_weights(pipe))
+    finally:
+        pipe.close()
+
+
+def test_a_nan_or_oversized_tied_message_fails_the_reduce_and_nothing_is_applied():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32)
+    try:
+        pipe.forward_backward(batch(seed=5), n_micro=2)
+        to_last = as_host(pipe, (0, 0), (1, 0))
+        averager = pipe.hosts[1].averager
+        too_big = averager.limits.max_numel + 1
+        refused(to_last.Average, tied_items(pipe, 0, 0, 0, numel=too_big), code=grpc.StatusCode.INVALID_ARGUMENT,
+                words="")  # fmt: skip
+        to_last.Average(tied_items(pipe, 0, 0, 0, value=float("nan")))  # held: decoded only in the sum
+        before = pipe.hosts[1].worker.tied_grad()
+        with pytest.raises(LocalRpcError) as e:
+            trainer(pipe, 1).Reduce(tied_request(pipe, 1, 0, deadline_s=5.0))
+        assert e.value.code() != grpc.StatusCode.OK
+        assert torch.equal(pipe.hosts[1].worker.tied_grad(), before) and averager.groups[True].reduced is None
     finally:
         pipe.close()
