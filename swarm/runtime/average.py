@@ -68,6 +68,11 @@ def unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
         offset += n
 
 
+def _most(tied: bool) -> int:
+    """Most members of a group: a stage's replicas, or (tied) those of the first and the last stage."""
+    return 2 * MAX_GROUP if tied else MAX_GROUP
+
+
 class _Group:
     """One kind of sum a host takes part in (its stage's replicas, or the tied group): the committed residual,
     the open step's pending one, the messages received for the open step and the step already summed."""
@@ -164,7 +169,8 @@ class GradientAverager:
         one from the same sender for the same group; changes nothing."""
         host = self.host
         self._check_role("tied gradient" if info.tied else "gradients", info.plan_version, info.stage, info.tied)
-        if not 1 <= info.num_micro_batches <= MAX_GROUP or info.micro_batch >= info.num_micro_batches:
+        most = _most(info.tied)
+        if not 1 <= info.num_micro_batches <= most or info.micro_batch >= info.num_micro_batches:
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"group index {info.micro_batch} of {info.num_micro_batches}"
             )
@@ -191,7 +197,7 @@ class GradientAverager:
             self.check_average(call.info, sender)  # again, atomically: the step may have ended meanwhile
             if group.inbox_step != call.info.step:
                 group.inbox, group.inbox_step = {}, call.info.step
-            if len(group.inbox) >= MAX_GROUP:
+            if len(group.inbox) >= _most(call.info.tied):
                 raise CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many replicas' gradients held")
             group.inbox[sender] = msg
             self._arrived.notify_all()
@@ -299,14 +305,14 @@ class GradientAverager:
         if self.tied_numel == 0:
             raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"stage {host.role.stage} holds no tied weight")
         if (
-            not 2 <= len(peers) <= 2 * MAX_GROUP
+            not 2 <= len(peers) <= _most(True)
             or len(addresses) != len(peers)
             or len(set(peers)) != len(peers)
             or host.peer_id not in peers
         ):
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"tied group: {peers[:8]} must name 2..{2 * MAX_GROUP} distinct peers, this one among them",
+                f"tied group: {peers[:8]} must name 2..{_most(True)} distinct peers, this one among them",
             )
         return peers.index(host.peer_id)
 
