@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CallInfo(_message.Message):
-    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s", "loss_weight", "chain", "stage_micro", "stage_micro_count")
+    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s", "loss_weight", "chain", "stage_micro", "stage_micro_count", "tied")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class CallInfo(_message.Message):
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     STAGE_MICRO_FIELD_NUMBER: _ClassVar[int]
     STAGE_MICRO_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TIED_FIELD_NUMBER: _ClassVar[int]
     step: int
     micro_batch: int
     stage: int
@@ -35,7 +36,8 @@ class CallInfo(_message.Message):
     chain: int
     stage_micro: _containers.RepeatedScalarFieldContainer[int]
     stage_micro_count: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., loss_weight: _Optional[float] = ..., chain: _Optional[int] = ..., stage_micro: _Optional[_Iterable[int]] = ..., stage_micro_count: _Optional[_Iterable[int]] = ...) -> None: ...
+    tied: bool
+    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., loss_weight: _Optional[float] = ..., chain: _Optional[int] = ..., stage_micro: _Optional[_Iterable[int]] = ..., stage_micro_count: _Optional[_Iterable[int]] = ..., tied: _Optional[bool] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("shape", "tokens", "sample_ids")
@@ -184,30 +186,38 @@ class StatusReply(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., weights_digest: _Optional[str] = ..., replica: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("step", "plan_version", "stage", "group_peers", "group_addresses", "deadline_s")
+    __slots__ = ("step", "plan_version", "stage", "group_peers", "group_addresses", "deadline_s", "tied_peers", "tied_addresses")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     GROUP_PEERS_FIELD_NUMBER: _ClassVar[int]
     GROUP_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    TIED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    TIED_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
     stage: int
     group_peers: _containers.RepeatedScalarFieldContainer[str]
     group_addresses: _containers.RepeatedScalarFieldContainer[str]
     deadline_s: float
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., group_peers: _Optional[_Iterable[str]] = ..., group_addresses: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    tied_peers: _containers.RepeatedScalarFieldContainer[str]
+    tied_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., group_peers: _Optional[_Iterable[str]] = ..., group_addresses: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., tied_peers: _Optional[_Iterable[str]] = ..., tied_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReduceReply(_message.Message):
-    __slots__ = ("wire_bytes", "fp32_wire_bytes", "group_size")
+    __slots__ = ("wire_bytes", "fp32_wire_bytes", "group_size", "tied_wire_bytes", "tied_fp32_wire_bytes")
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FP32_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIED_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIED_FP32_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     wire_bytes: int
     fp32_wire_bytes: int
     group_size: int
-    def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
+    tied_wire_bytes: int
+    tied_fp32_wire_bytes: int
+    def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., tied_wire_bytes: _Optional[int] = ..., tied_fp32_wire_bytes: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("stage", "plan_version")

@@ -61,6 +61,10 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("sync_bytes", Counter, "swarm_sync_bytes_total", "Bytes of the tied-embedding gradient sync"),
     MetricSpec(
+        "control_bytes", Counter, "swarm_control_bytes_total",
+        "Bytes of the trainer's other calls: token and label batches, Reduce/Grads/Step, pings (serialized)",
+    ),
+    MetricSpec(
         "phase_seconds", Histogram, "swarm_phase_seconds",
         "Seconds one micro-batch spent in a phase (encode, decode, compute, wait) on a stage", ("stage", "phase"),
         buckets=PHASE_BUCKETS_S,
@@ -94,6 +98,7 @@ class Metrics:
         wire_bytes: swarm_wire_bytes_total{link, direction} (direction: forward or backward).
         fp32_bytes: swarm_fp32_bytes_total{link, direction}.
         sync_bytes: swarm_sync_bytes_total.
+        control_bytes: swarm_control_bytes_total.
         phase_seconds: swarm_phase_seconds{stage, phase} (phase: encode, decode, compute or wait).
         buffer_hits: swarm_aqsgd_buffer_hits_total{link}.
         buffer_misses: swarm_aqsgd_buffer_misses_total{link}.
@@ -108,6 +113,7 @@ class Metrics:
     wire_bytes: Counter
     fp32_bytes: Counter
     sync_bytes: Counter
+    control_bytes: Counter
     phase_seconds: Histogram
     buffer_hits: Counter
     buffer_misses: Counter

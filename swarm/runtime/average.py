@@ -11,6 +11,13 @@ after the same optimizer step, identical weights.
 
 The error-feedback residual is per stage. A Reduce computes the next one; it is committed only when `Step`
 applies the step, and dropped when the step is abandoned, so a failed attempt leaves no trace.
+
+The tied embedding / LM head weight (pipelines of 2+ stages) is summed the same way by the *tied group*: every
+distinct replica of the first and the last stage. Their Reduce (which the trainer sends every end-stage replica,
+alone in its stage group or not) also encodes the stage's tied gradient once, with its own error-feedback
+residual, streams it to every other member (`Average` with `CallInfo.tied`, authorized only from the plan's
+end-stage replicas) and sets the tied gradient to the decoded messages' sum in group order (stage 0's
+replicas, then the last stage's), so every copy of the weight gets the same bits without a trainer hop.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarm.compression import CodecConfig, WireLimits, codec_class, make_codec
+from swarm.compression import CodecConfig, WireLimits, codec_class, decoder_for, make_codec
 from swarm.compression.state import LinkState
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, Incoming, name_failure, tensor_items
 from swarm.proto import stage_pb2, wire_pb2
@@ -61,6 +68,27 @@ def unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
         offset += n
 
 
+def _most(tied: bool) -> int:
+    """Most members of a group: a stage's replicas, or (tied) those of the first and the last stage."""
+    return 2 * MAX_GROUP if tied else MAX_GROUP
+
+
+class _Group:
+    """One kind of sum a host takes part in (its stage's replicas, or the tied group): the committed residual,
+    the open step's pending one, the messages received for the open step and the step already summed."""
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self.residual: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
+        self.inbox: dict[str, wire_pb2.TensorMessage] = {}
+        self.inbox_step: int | None = None
+        self.reduced: int | None = None
+
+    def drop(self) -> None:
+        self.pending, self.inbox, self.inbox_step, self.reduced = None, {}, None, None
+
+
 class GradientAverager:
     """One stage's side of the replicas' gradient sums: the residual, and the open step's received messages.
 
@@ -79,50 +107,70 @@ class GradientAverager:
         tied = module.tied_parameter() if host.role.n_stages > 1 else None
         self.params = [p for _, p in sorted(module.named_parameters()) if p is not tied]
         self.numel = sum(p.numel() for p in self.params)
-        self.limits = WireLimits(max_dims=1, max_numel=max(1, self.numel), max_message_bytes=4 * self.numel + (1 << 20))
-        """What one replica's message may be: the stage's flat gradient, at most fp32."""
-        self.residual: torch.Tensor | None = None
-        """Error feedback carried into the next step's message (committed)."""
-        self._pending: torch.Tensor | None = None
-        self._inbox: dict[str, wire_pb2.TensorMessage] = {}
-        """The open step's messages from the other members, by sender (peer id, or `#index` without auth)."""
-        self._inbox_step: int | None = None
-        self._reduced: int | None = None
-        """The step whose gradients are the group's sum already (a second Reduce is refused)."""
+        self.tied_numel = 0 if tied is None else tied.numel()
+        """Elements of the tied weight this stage sums with the tied group (0: not an end stage of 2+)."""
+        self.groups = {False: _Group(self.numel), True: _Group(self.tied_numel)}
+        """The stage group's state (False) and the tied group's (True): keyed by `CallInfo.tied`."""
+        most = max(1, self.numel, self.tied_numel)
+        self.limits = WireLimits(max_dims=1, max_numel=most, max_message_bytes=4 * most + (1 << 20))
+        """What one member's message may be: the larger of the stage's flat gradient and the tied weight's, at
+        most fp32 (`receive` then holds each message to its own group's exact size)."""
         self._arrived = threading.Condition()
+
+    # the stage group's state, by the names the tests and the docs use
+    residual = property(lambda self: self.groups[False].residual, doc="Stage error feedback (committed).")
+    tied_residual = property(lambda self: self.groups[True].residual, doc="Tied error feedback (committed).")
+    _pending = property(lambda self: self.groups[False].pending)
+    _inbox = property(lambda self: self.groups[False].inbox)
+    _inbox_step = property(lambda self: self.groups[False].inbox_step)
+    _reduced = property(lambda self: self.groups[False].reduced)
+
+    def tied_done(self, step: int) -> bool:
+        """Whether this stage's tied gradient is the tied group's sum for `step` (always, off the end stages)."""
+        return self.tied_numel == 0 or self.groups[True].reduced == step
 
     # ---- the step's end ---------------------------------------------------------------------------------
 
     def commit(self) -> None:
-        """The step was applied: its residual carries into the next step's message."""
-        if self._pending is not None:
-            self.residual, self._pending = self._pending, None
+        """The step was applied: its residuals carry into the next step's messages."""
+        for group in self.groups.values():
+            if group.pending is not None:
+                group.residual, group.pending = group.pending, None
 
     def end_step(self) -> None:
         """The step ended (applied or abandoned): what it received and an uncommitted residual go."""
         with self._arrived:
-            self._pending, self._inbox, self._inbox_step, self._reduced = None, {}, None, None
+            for group in self.groups.values():
+                group.drop()
             self._arrived.notify_all()
 
     # ---- receiving: Average ------------------------------------------------------------------------------
 
-    def _check_role(self, what: str, plan_version: int, stage: int) -> None:
-        """Refuses `what` unless it is for this peer's plan and stage."""
+    def _check_role(self, what: str, plan_version: int, stage: int, tied: bool = False) -> None:
+        """Refuses `what` unless it is for this peer's plan and stage (for the tied group: from an end stage, to
+        an end stage that holds the tied weight)."""
         role = self.host.role
         if plan_version != role.plan_version:
             raise CallRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{PLAN_MISMATCH} the {what} follows plan {plan_version}, this peer plan {role.plan_version}",
             )
-        if stage != role.stage:
+        if tied:
+            if self.tied_numel == 0 or stage not in (0, role.n_stages - 1):
+                raise CallRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the tied group joins the first and last stage; this is stage {role.stage}, the sender's {stage}",
+                )
+        elif stage != role.stage:
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"this peer serves stage {role.stage}, not {stage}")
 
     def check_average(self, info: stage_pb2.CallInfo, sender: str) -> None:
         """Refuses, from its call info alone, an Average that is not for this stage's open step, or a second
-        one from the same sender; changes nothing."""
+        one from the same sender for the same group; changes nothing."""
         host = self.host
-        self._check_role("gradients", info.plan_version, info.stage)
-        if not 1 <= info.num_micro_batches <= MAX_GROUP or info.micro_batch >= info.num_micro_batches:
+        self._check_role("tied gradient" if info.tied else "gradients", info.plan_version, info.stage, info.tied)
+        most = _most(info.tied)
+        if not 1 <= info.num_micro_batches <= most or info.micro_batch >= info.num_micro_batches:
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"group index {info.micro_batch} of {info.num_micro_batches}"
             )
@@ -131,76 +179,100 @@ class GradientAverager:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"gradients for step {info.step}, but the open step here is {host.open_step}",
             )
+        group = self.groups[info.tied]
         with self._arrived:
-            if self._reduced == info.step:
+            if group.reduced == info.step:
                 raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"step {info.step} is reduced already")
-            if self._inbox_step == info.step and sender in self._inbox:
+            if group.inbox_step == info.step and sender in group.inbox:
                 raise CallRefused(grpc.StatusCode.ALREADY_EXISTS, f"{sender} sent its gradients for step {info.step}")
 
     def receive(self, call: Incoming, sender: str) -> None:
-        """Holds a checked message for the open step's Reduce: one per sender, the stage's size at most."""
-        msg = call.message
-        if msg is None or list(msg.shape) != [self.numel]:
+        """Holds a checked message for the open step's Reduce: one per sender and group, the group's size."""
+        msg, group = call.message, self.groups[call.info.tied]
+        if msg is None or list(msg.shape) != [group.numel]:
             shape = None if msg is None else list(msg.shape)
-            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shape: {shape}, this stage sums [{self.numel}]")
+            what = "the tied weight has" if call.info.tied else "this stage sums"
+            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shape: {shape}, {what} [{group.numel}]")
         with self._arrived:
             self.check_average(call.info, sender)  # again, atomically: the step may have ended meanwhile
-            if self._inbox_step != call.info.step:
-                self._inbox, self._inbox_step = {}, call.info.step
-            if len(self._inbox) >= MAX_GROUP:
+            if group.inbox_step != call.info.step:
+                group.inbox, group.inbox_step = {}, call.info.step
+            if len(group.inbox) >= _most(call.info.tied):
                 raise CallRefused(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many replicas' gradients held")
-            self._inbox[sender] = msg
+            group.inbox[sender] = msg
             self._arrived.notify_all()
 
     # ---- Reduce ------------------------------------------------------------------------------------------
 
     def reduce(self, request: stage_pb2.ReduceRequest, keyed_by_peer: bool) -> stage_pb2.ReduceReply:
-        """Sums the step's gradients with the group's (see the module docstring); returns what was sent.
+        """Sums the step's gradients with the stage group's, then the tied gradient with the tied group's (see
+        the module docstring); returns what was sent.
 
         Args:
-            request: the step and the group (checked against the plan by the caller where calls are authorized).
+            request: the step and the groups (checked against the plan by the caller where calls are authorized).
             keyed_by_peer: received messages are keyed by their sender's authenticated peer id (else by index).
         """
         host = self.host
         peers, addresses = list(request.group_peers), list(request.group_addresses)
+        tied_peers, tied_addresses = list(request.tied_peers), list(request.tied_addresses)
         me = self._check_reduce(request, peers, addresses)
+        tied_me = self._check_tied(tied_peers, tied_addresses)
+        end = time.monotonic() + min(request.deadline_s or host.budget.max_wait_s, host.budget.max_wait_s)
+        reply = stage_pb2.ReduceReply(group_size=len(peers))
         if len(peers) == 1:
             with self._arrived:
-                self._reduced = request.step
-            return stage_pb2.ReduceReply(group_size=1)
-        config = self._config(request.step, me)
+                self.groups[False].reduced = request.step
+        else:
+            sent, fp32 = self._sum(request, False, peers, addresses, me, end, keyed_by_peer)
+            reply.wire_bytes, reply.fp32_wire_bytes = sent, fp32
+        if tied_me is not None:
+            sent, fp32 = self._sum(request, True, tied_peers, tied_addresses, tied_me, end, keyed_by_peer)
+            reply.tied_wire_bytes, reply.tied_fp32_wire_bytes = sent, fp32
+        return reply
+
+    def _sum(self, request, tied: bool, peers, addresses, me: int, end: float, keyed_by_peer: bool):
+        """One group's exchange: encode this member's gradient, send it to the others, wait for theirs, set the
+        gradient to the decoded sum in group order. (bytes sent, their fp32 cost)."""
+        host, group = self.host, self.groups[tied]
+        config = self._config(request.step, me, tied)
         codec = make_codec(config)
         with host.compute_lock:
-            flat = flatten_grads(self.params)
+            own = host.worker.tied_grad().reshape(-1).float() if tied else flatten_grads(self.params)
             state = LinkState(config)
-            state.residual = self.residual
-            msg = codec.encode(flat, state=state)
+            state.residual = group.residual
+            msg = codec.encode(own, state=state)
         pending = state.residual if config.error_feedback else None
         info = stage_pb2.CallInfo(
             step=request.step,
-            stage=request.stage,
+            stage=host.role.stage if tied else request.stage,
             plan_version=request.plan_version,
             micro_batch=me,
             num_micro_batches=len(peers),
             route=addresses,
             route_peers=peers,
+            tied=tied,
         )
-        deadline_s = min(request.deadline_s or host.budget.max_wait_s, host.budget.max_wait_s)
-        sent = self._send_all(info, msg, config, peers, addresses, me, deadline_s)
+        sent = self._send_all(info, msg, config, peers, addresses, me, end)
         keys = [(p if keyed_by_peer else f"#{i}") for i, p in enumerate(peers)]
-        received = self._wait(request.step, keys, peers, me, deadline_s)
+        received = self._wait(request.step, tied, keys, peers, me, end)
         # every member adds the same decoded messages in the same (group) order: bit-identical sums
-        total = torch.zeros(self.numel)
+        limits = self.limits
+        total = torch.zeros(group.numel)
         for i in range(len(peers)):
-            total += codec.decode(msg if i == me else received[keys[i]], limits=self.limits).float()
+            message = msg if i == me else received[keys[i]]
+            total += decoder_for(message, config).decode(message, limits=limits).float()
         with host.compute_lock, self._arrived:
-            if host.open_step != request.step or self._reduced is not None:
+            if host.open_step != request.step or group.reduced is not None:
                 raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step} ended while it was being reduced")
-            unflatten_into(self.params, total)
-            self._pending, self._reduced = pending, request.step
-        fp32 = 4 * self.numel * (len(peers) - 1)
-        host.metrics.fp32_bytes.labels("average", "average").inc(fp32)
-        return stage_pb2.ReduceReply(wire_bytes=sent, fp32_wire_bytes=fp32, group_size=len(peers))
+            if tied:
+                host.worker.set_tied_grad(total.view(host.worker.module.tied_parameter().shape))
+            else:
+                unflatten_into(self.params, total)
+            group.pending, group.reduced = pending, request.step
+        fp32 = 4 * group.numel * (len(peers) - 1)
+        link = "tied" if tied else "average"
+        host.metrics.fp32_bytes.labels(link, link).inc(fp32)
+        return sent, fp32
 
     def _check_reduce(self, request: stage_pb2.ReduceRequest, peers: list[str], addresses: list[str]) -> int:
         """This peer's index in the group, once the request is known to be for its open, finished step."""
@@ -220,22 +292,49 @@ class GradientAverager:
                 raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step} is already reduced")
         return peers.index(host.peer_id)
 
-    def _config(self, step: int, index: int) -> CodecConfig:
+    def _check_tied(self, peers: list[str], addresses: list[str]) -> int | None:
+        """This peer's index in the tied group (None: no tied exchange asked), once the group is well formed; an
+        end stage of a multi-stage pipeline must be asked (its tied gradient is summed nowhere else)."""
+        host = self.host
+        if not peers and not addresses:
+            if self.tied_numel:
+                raise CallRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT, "an end stage's Reduce must name the tied group (tied_peers)"
+                )
+            return None
+        if self.tied_numel == 0:
+            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"stage {host.role.stage} holds no tied weight")
+        if (
+            not 2 <= len(peers) <= _most(True)
+            or len(addresses) != len(peers)
+            or len(set(peers)) != len(peers)
+            or host.peer_id not in peers
+        ):
+            raise CallRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tied group: {peers[:8]} must name 2..{_most(True)} distinct peers, this one among them",
+            )
+        return peers.index(host.peer_id)
+
+    def _config(self, step: int, index: int, tied: bool = False) -> CodecConfig:
         """The backward codec, with error feedback where it has it (fp32 for a codec that needs sample buffers),
-        its rounding draws seeded by step and member so no two messages share them."""
+        its rounding draws seeded by step, group and member so no two messages share them."""
         cfg = self.host.links.bw_recv.config
         cls = codec_class(cfg.name)
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)
-        seed = (cfg.seed * 1_000_003 + step * 257 + index) % (1 << 31)
+        seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
         bits = max(cfg.bits, self.min_bits) if cls.quantized else cfg.bits
         return replace(cfg, bits=bits, error_feedback=cls.error_feedback, seed=seed)
 
-    def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, deadline_s: float) -> int:
-        """Streams `msg` to every other member at once, each through the shaper towards it; the bytes sent."""
+    def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float) -> int:
+        """Streams `msg` to every other member at once, each through the shaper towards it, all by `end`
+        (monotonic); the bytes sent."""
         host = self.host
         errors: list[Exception] = []
         counts = [0] * len(peers)
+        deadline_s = max(0.0, end - time.monotonic())
+        what = "tied gradient" if info.tied else "gradients"
 
         def send(i: int) -> None:
             shaper = host.links.shaping.for_destination(addresses[i])
@@ -247,42 +346,43 @@ class GradientAverager:
                     yield item
 
             try:
-                # communication: this replica's gradients to replica i of the stage
-                host.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=deadline_s)
+                # communication: this member's gradients to member i of the group
+                host.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=max(deadline_s, 0.001))
             except grpc.RpcError as e:
                 errors.append(name_failure(e, info.stage, peers[i], addresses[i]))
             except Exception as e:  # noqa: BLE001 - reported to the caller, naming the peer
-                errors.append(RuntimeError(f"replica {peers[i]} at {addresses[i]}: {e}"))
+                errors.append(RuntimeError(f"member {peers[i]} at {addresses[i]}: {e}"))
 
         threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(peers)) if i != me]
         for t in threads:
             t.start()
-        end = time.monotonic() + deadline_s
         for t in threads:  # all sends share the one deadline, not one each
             t.join(max(0.0, end - time.monotonic()))
         sent = sum(counts)
-        host.metrics.wire_bytes.labels("average", "average").inc(sent)
+        link = "tied" if info.tied else "average"
+        host.metrics.wire_bytes.labels(link, link).inc(sent)
         if errors:
             raise errors[0]
         if any(t.is_alive() for t in threads):
             late = [peers[i] for i in range(len(peers)) if i != me and counts[i] == 0]
-            raise CallRefused(grpc.StatusCode.DEADLINE_EXCEEDED, f"sending gradients to {late} took over {deadline_s}s")
+            raise CallRefused(grpc.StatusCode.DEADLINE_EXCEEDED, f"sending the {what} to {late} took too long")
         return sent
 
-    def _wait(self, step: int, keys: list[str], peers: list[str], me: int, deadline_s: float):
+    def _wait(self, step: int, tied: bool, keys: list[str], peers: list[str], me: int, end: float):
         """The other members' messages of `step`, once all are in; DEADLINE_EXCEEDED naming those missing."""
-        end = time.monotonic() + deadline_s
+        group = self.groups[tied]
         with self._arrived:
             while True:
-                have = self._inbox if self._inbox_step == step else {}
+                have = group.inbox if group.inbox_step == step else {}
                 missing = [peers[i] for i, k in enumerate(keys) if i != me and k not in have]
                 if not missing:
                     return dict(have)
                 left = end - time.monotonic()
                 if left <= 0 or self.host.open_step != step:
+                    what = "tied group member(s)" if tied else "replica(s)"
                     raise CallRefused(
                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"stage {self.host.role.stage}: replica(s) {', '.join(missing)} sent no gradients for step "
-                        f"{step} within {deadline_s:.1f}s; nothing was summed",
+                        f"stage {self.host.role.stage}: {what} {', '.join(missing)} sent no gradients for step "
+                        f"{step} within the Reduce's deadline; nothing was summed",
                     )
                 self._arrived.wait(left)

@@ -72,9 +72,12 @@ class Traffic:
 
     sent: dict[tuple[int, str], int] = field(default_factory=dict)
     """(link, direction) -> bytes; link k joins stage k and k+1, direction is forward or backward; direction
-    "average" counts the replicas of stage k summing their gradients (`Reduce`) under k"""
+    "average" counts the replicas of stage k summing their gradients (`Reduce`) under k; ("tied", "tied") the
+    tied group's exchange of the tied embedding's gradient"""
     fp32_wire_bytes: int = 0
-    """what the same tensors would have cost in fp32"""
+    """what the same tensors would have cost in fp32 (the boundaries and the replicas' sums)"""
+    tied_fp32_bytes: int = 0
+    """what the tied group's exchange (link "tied", direction "tied") would have cost in fp32"""
 
     def add(self, reply: stage_pb2.Traffic, direction: str) -> None:
         self.fp32_wire_bytes += reply.fp32_wire_bytes
@@ -83,6 +86,7 @@ class Traffic:
 
     def merge(self, other: Traffic) -> None:
         self.fp32_wire_bytes += other.fp32_wire_bytes
+        self.tied_fp32_bytes += other.tied_fp32_bytes
         for key, nbytes in other.sent.items():
             self.sent[key] = self.sent.get(key, 0) + nbytes
 
@@ -101,9 +105,11 @@ class Traffic:
 
     @property
     def link_bytes(self) -> dict[int, int]:
-        """bytes on each link, both directions"""
+        """bytes on each pipeline link, both directions (the tied group's exchange is no pipeline link)"""
         out: dict[int, int] = {}
         for (link, _), nbytes in self.sent.items():
+            if not isinstance(link, int):
+                continue
             out[link] = out.get(link, 0) + nbytes
         return out
 

@@ -1,14 +1,17 @@
 """The trainer's side of a pipeline: drive one optimizer step across the chains of stage replicas of a plan.
 
 Token ids go to stage 0 and labels to the last stage; activations and gradients then travel stage to stage
-directly, never through the driver. The driver only collects each micro-batch's loss, and once per step the
-tied embedding's two gradients (summed and sent back) and each stage's squared gradient norm. The stages
-are reached through a `Connector`: over gRPC in a swarm, in-process in `swarm.runtime.local`.
+directly, never through the driver. The driver only collects each micro-batch's loss, and once per step each
+stage's squared gradient norm; the tied embedding's gradients are summed between the end stages themselves
+(the tied group of their Reduce, `swarm.runtime.average`). The stages are reached through a `Connector`: over
+gRPC in a swarm, in-process in `swarm.runtime.local`. Every byte of a step is counted: the stages report the
+boundaries', sums' and tied group's bytes, the driver its own calls' (`control_bytes`), failed attempts too.
 
 With replicas, the plan's routes (`swarm.runtime.routes`: column r with equal counts, route c on replica
 c % R_s of stage s with uneven ones) are the chains: each sample trains on one (`swarm.runtime.chains`), the
 replicas of each stage then sum their gradients among themselves (`Reduce`) before every replica steps; a
-replica shared by several routes gets one Reduce, Grads and Step per step.
+replica shared by several routes gets one Reduce, Grads and Step per step. With 2+ stages every distinct
+replica of the first and last stage gets a Reduce (alone in its stage or not) naming the tied group.
 A peer that dies mid-step (a failed call confirmed by a ping, or missed heartbeats) takes its chain out;
 the step is abandoned on every live replica and run again whole on the surviving chains, so every stage
 applies each step exactly once.
@@ -23,12 +26,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import Message
 
-from swarm.compression import CodecConfig, make_codec
 from swarm.metrics import Metrics, delta
 from swarm.model.data import Batch
 from swarm.net.connect import Connector, GrpcConnector
@@ -49,6 +52,7 @@ from swarm.runtime.chains import (
     spawn,
 )
 from swarm.runtime.gate import runs_through
+from swarm.runtime.results import StepResult
 from swarm.runtime.routes import n_routes, route_replicas, stage_numbering, uneven
 
 if TYPE_CHECKING:
@@ -57,62 +61,6 @@ if TYPE_CHECKING:
 __all__ = ["NoLiveChain", "PipelineDriver", "StepResult", "Traffic"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did."""
-
-    loss: float
-    """Mean training loss of the mini-batch, as the last stage computed it (on decoded activations)."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
-    lr: float
-    """Learning rate used."""
-    traffic: Traffic
-    """Bytes on the stage links during the step."""
-    seconds: float
-    """Wall time of the step."""
-    sync_bytes: int = 0
-    """Bytes of the tied embedding's gradient synchronisation (stages to the driver and back, fp32); these
-    travel outside the stage links, so the application's link shaper does not pace them."""
-    counters: dict[str, float] = field(default_factory=dict)
-    """What every counter of the driver's metrics registry gained during the step (snapshot keys)."""
-    sample_ids: tuple[int, ...] = ()
-    """The samples the applied step trained, each once, chain by chain."""
-    attempts: int = 1
-    """Runs of the step: 1, plus one per reroute."""
-    dead_peers: tuple[str, ...] = ()
-    """Peers declared dead during the step."""
-    chains: int = 1
-    """Chains of replicas the applied step ran on."""
-    reduce_bytes: int = 0
-    """Bytes the replicas sent each other to sum their gradients (also in `wire_bytes` and `traffic`)."""
-    control_bytes: int = 0
-    """Bytes of every other call of the step (CONTRACT, issue 13): token and label batches, Reduce/Grads/Step
-    requests and replies, heartbeat pings, calls of failed attempts; serialized sizes, both directions."""
-    total_wire_bytes: int = 0
-    """CONTRACT (issue 13): every byte of the step: both boundary directions + the tied-embedding sync + replica
-    averaging + control traffic."""
-    fp32_total_wire_bytes: int = 0
-    """CONTRACT (issue 13): the same tensors in fp32 (the boundaries, sync and averaging at 4 bytes per element,
-    framing included) plus the same control bytes: the denominator of every ratio a report prints."""
-
-    @property
-    def forward_bytes(self) -> int:
-        return self.traffic.forward_bytes
-
-    @property
-    def backward_bytes(self) -> int:
-        return self.traffic.backward_bytes
-
-    @property
-    def fp32_wire_bytes(self) -> int:
-        return self.traffic.fp32_wire_bytes
-
-    @property
-    def wire_bytes(self) -> int:
-        return self.traffic.forward_bytes + self.traffic.backward_bytes + self.reduce_bytes
 
 
 @dataclass
@@ -195,7 +143,10 @@ class PipelineDriver:
         self.stubs = [self._stubs[(s, 0)] for s in range(len(routes))]
         self._threads: set[threading.Thread] = set()
         self._inflight: list[Task] = []
-        self._fp32 = make_codec(CodecConfig("fp32"))
+        self._control, self._control_lock = 0, threading.Lock()
+        """bytes of the driver's calls (requests and replies, serialized) since the step began"""
+        self._all = Traffic()
+        """every attempt's stage-reported bytes since the step began (failed attempts included)"""
 
     @property
     def n_stages(self) -> int:
@@ -243,13 +194,29 @@ class PipelineDriver:
             info.stage_micro_count.extend(numbering[(chain.index, mb)][1])
         return info
 
-    def _call(self, stage: int, replica: int, method: str, *args, timeout: float | None = None):
-        """`method` on replica `replica` of `stage` (route c's replica is c % counts[stage])."""
+    def _count_control(self, nbytes: int) -> None:
+        with self._control_lock:
+            self._control += nbytes
+
+    def _call(self, stage: int, replica: int, method: str, request, timeout: float | None = None):
+        """`method` on replica `replica` of `stage` (route c's replica is c % counts[stage]); the request's and
+        the reply's serialized bytes are counted as control bytes (a stream's items as they are pulled)."""
+        if isinstance(request, Message):
+            self._count_control(request.ByteSize())
+        else:
+            request = self._counted(request)
         try:
-            return getattr(self._stubs[(stage, replica)], method)(*args, timeout=timeout or self.deadline_s)
+            reply = getattr(self._stubs[(stage, replica)], method)(request, timeout=timeout or self.deadline_s)
+            self._count_control(reply.ByteSize())
+            return reply
         except grpc.RpcError as e:
             peer, address = self.replica_peers[stage][replica], self.replica_addresses[stage][replica]
             raise name_failure(e, stage, peer, address) from e
+
+    def _counted(self, items):
+        for item in items:
+            self._count_control(len(item))
+            yield item
 
     def _spawn(self, fn, suspects: tuple[str, ...]) -> Task:
         task = (spawn(fn, "driver", self._threads), suspects)
@@ -311,6 +278,7 @@ class PipelineDriver:
         traffic = Traffic()
         traffic.add(fw.traffic, "forward")
         traffic.add(bw.traffic, "backward")
+        self._record(traffic)
         return _MicroResult(fw.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
     def _run_chains(self, step: int, work: list[ChainWork], wake: threading.Event) -> tuple[float, Traffic]:
@@ -343,14 +311,23 @@ class PipelineDriver:
         self.weights.observe(rates)
         return loss, traffic
 
+    def _record(self, traffic: Traffic) -> None:
+        with self._control_lock:
+            self._all.merge(traffic)
+
     def _reduce(self, step: int, chains: list[Chain], wake: threading.Event) -> Traffic:
-        """Sums each stage's gradients over the distinct replicas `chains` used (`Reduce`, one call per replica);
-        bytes under direction "average". A stage whose chains share one replica has nothing to sum."""
+        """Sums each stage's gradients over the distinct replicas `chains` used (`Reduce`, one call per replica),
+        bytes under direction "average"; with 2+ stages the end stages' replicas also sum the tied gradient
+        (their tied group: stage 0's replicas, then the last stage's), bytes under ("tied", "tied"). A stage
+        whose chains share one replica has nothing to sum (an end stage still joins the tied group)."""
         traffic = Traffic()
         tasks = []
+        last = self.n_stages - 1
+        ends = (0, last) if last > 0 else ()
+        tied = [(s, r) for s in ends for r in self._replicas(s, chains)]
         for s in range(self.n_stages):
             replicas = self._replicas(s, chains)
-            if len(replicas) < 2:
+            if len(replicas) < 2 and s not in ends:
                 continue  # a group of one: nothing to sum
             request = stage_pb2.ReduceRequest(
                 step=step,
@@ -360,18 +337,26 @@ class PipelineDriver:
                 group_addresses=[self.replica_addresses[s][r] for r in replicas],
                 deadline_s=min(self.deadline_s, REDUCE_DEADLINE_S),
             )
-            group = tuple(request.group_peers)
+            if s in ends:
+                request.tied_peers.extend(self.replica_peers[t][r] for t, r in tied)
+                request.tied_addresses.extend(self.replica_addresses[t][r] for t, r in tied)
+            group = tuple(request.group_peers) + tuple(request.tied_peers)
             for r in replicas:
                 tasks.append((s, self._spawn(lambda s=s, r=r, q=request: self._call(s, r, "Reduce", q), group)))
         gather([t for _, t in tasks], wake, self.dead, self.deadline_s)
         for s, (future, _) in tasks:
             reply = future.result()
-            traffic.sent[(s, "average")] = traffic.sent.get((s, "average"), 0) + reply.wire_bytes
+            if reply.wire_bytes or reply.fp32_wire_bytes:
+                traffic.sent[(s, "average")] = traffic.sent.get((s, "average"), 0) + reply.wire_bytes
             traffic.fp32_wire_bytes += reply.fp32_wire_bytes
+            if reply.tied_wire_bytes or reply.tied_fp32_wire_bytes:
+                traffic.sent[("tied", "tied")] = traffic.sent.get(("tied", "tied"), 0) + reply.tied_wire_bytes
+                traffic.tied_fp32_bytes += reply.tied_fp32_wire_bytes
+        self._record(traffic)
         return traffic
 
-    def _grads(self, step: int, chains: list[Chain], wake: threading.Event):
-        """The global gradient norm, the summed tied gradient (None with one stage) and the bytes it took."""
+    def _grads(self, step: int, chains: list[Chain], wake: threading.Event) -> float:
+        """The global gradient norm (stage 0 counts the tied group's sum in its own, the last stage not)."""
         request = stage_pb2.StepRequest(step=step)
         groups = [self._replicas(s, chains) for s in range(self.n_stages)]
         tasks = {
@@ -382,19 +367,9 @@ class PipelineDriver:
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: future.result() for key, (future, _) in tasks.items()}
         # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all
-        sq = sum(grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups))
-        if self.n_stages == 1:
-            return math.sqrt(sq), None, 0
-        # communication: every distinct replica of the first and last stage sends its tied gradient (once); all
-        # get the sum
-        ends = [grads[(s, r)].tied_grad for s in (0, self.n_stages - 1) for r in groups[s]]
-        total = sum(self._fp32.decode(t) for t in ends)
-        sq += float(total.pow(2).sum())
-        tied_sum = self._fp32.encode(total)
-        sync_bytes = sum(t.ByteSize() for t in ends) + len(ends) * tied_sum.ByteSize()
-        return math.sqrt(sq), tied_sum, sync_bytes
+        return math.sqrt(sum(grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)))
 
-    def _apply(self, step: int, chains: list[Chain], norm: float, tied_sum, wake: threading.Event) -> float:
+    def _apply(self, step: int, chains: list[Chain], norm: float, wake: threading.Event) -> float:
         """`Step` on every distinct live replica `chains` used, once each. A replica that dies now is left behind
         (the others apply the step: the reduced gradient is already theirs); a live one that failed is asked once
         more (Step is idempotent). Once any replica applied the step it counts as applied: a replica whose Step
@@ -402,8 +377,6 @@ class PipelineDriver:
 
         def step_stage(s: int, replica: int) -> float:
             req = stage_pb2.StepRequest(step=step, global_grad_norm=norm, plan_version=self.plan_version)
-            if tied_sum is not None and s in (0, self.n_stages - 1):
-                req.tied_grad_sum.CopyFrom(tied_sum)
             return self._call(s, replica, "Step", req).lr
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
@@ -488,6 +461,8 @@ class PipelineDriver:
         """
         m, start, before = self.metrics, time.perf_counter(), self.metrics.snapshot()
         dead_before = set(self.dead)
+        with self._control_lock:
+            self._control, self._all = 0, Traffic()
         for attempt in range(1, self.max_attempts + 1):
             chains = self._live(step)
             work = self._work(batch, chains)
@@ -497,16 +472,21 @@ class PipelineDriver:
                 with self._heartbeat(used, wake):
                     loss, traffic = self._run_chains(step, work, wake)
                     traffic.merge(self._reduce(step, used, wake))
-                    norm, tied_sum, sync_bytes = self._grads(step, used, wake)
-                    lr = self._apply(step, used, norm, tied_sum, wake)
+                    norm = self._grads(step, used, wake)
+                    lr = self._apply(step, used, norm, wake)
                 break
             except Failed as f:
                 self._recover(step, f, attempt)
         seconds = time.perf_counter() - start
+        with self._control_lock:
+            control, every = self._control, self._all
+        sync_bytes = traffic.direction_bytes("tied")
         for (link, direction), nbytes in traffic.sent.items():
             m.wire_bytes.labels(str(link), direction).inc(nbytes)
         m.fp32_bytes.labels("all", "both").inc(traffic.fp32_wire_bytes)
+        m.fp32_bytes.labels("tied", "tied").inc(traffic.tied_fp32_bytes)
         m.sync_bytes.inc(sync_bytes)
+        m.control_bytes.inc(control)
         m.steps.inc()
         m.step_seconds.observe(seconds)
         m.loss.set(loss)
@@ -516,7 +496,9 @@ class PipelineDriver:
         return StepResult(
             loss, norm, lr, traffic, seconds, sync_bytes, counters,
             sample_ids=ids, attempts=attempt, dead_peers=tuple(sorted(self.dead - dead_before)),
-            chains=len(used), reduce_bytes=traffic.direction_bytes("average"),
+            chains=len(used), reduce_bytes=traffic.direction_bytes("average"), control_bytes=control,
+            total_wire_bytes=sum(every.sent.values()) + control,
+            fp32_total_wire_bytes=every.fp32_wire_bytes + every.tied_fp32_bytes + control,
         )  # fmt: skip
 
     def _recover(self, step: int, failure: Failed, attempt: int) -> None:

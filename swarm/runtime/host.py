@@ -432,7 +432,8 @@ class StageHost:
             self._progressed = True
 
     def grads(self) -> stage_pb2.GradReply:
-        """This stage's tied-embedding gradient (if tied across stages) and its other gradients' squared norm.
+        """This stage's gradients' squared norm; stage 0 counts the tied weight's (the tied group's sum, after
+        Reduce), the last stage leaves its copy out, so the global norm counts it once.
 
         Under the compute lock, like every other reader and writer of the gradients: a Grads of an abandoned
         attempt that is still running when the next attempt's backward, Reduce or abandon touches the same
@@ -443,15 +444,13 @@ class StageHost:
             for p in self.worker.module.parameters():
                 if p.grad is not None and p is not tied:
                     sq += float(p.grad.detach().float().pow(2).sum())
-            tied_grad = self.worker.tied_grad() if tied is not None else None
-        reply = stage_pb2.GradReply(grad_sq_norm=sq)
-        if tied_grad is not None:
-            reply.tied_grad.CopyFrom(make_codec(CodecConfig("fp32")).encode(tied_grad))
-        return reply
+            if tied is not None and self.role.is_first and tied.grad is not None:
+                sq += float(tied.grad.detach().float().pow(2).sum())
+        return stage_pb2.GradReply(grad_sq_norm=sq)
 
     def step(self, request: stage_pb2.StepRequest) -> float:
-        """Applies the summed tied gradient and steps the optimizer (or abandons the step's gradients). A Step
-        for the step applied last (a retry after a lost reply) returns its lr and changes nothing."""
+        """Steps the optimizer (or abandons the step's gradients). A Step for the step applied last (a retry after
+        a lost reply) returns its lr and changes nothing."""
         lr = 0.0
         with self.compute_lock:
             if not request.abandon and self._applied(request):
@@ -465,9 +464,6 @@ class StageHost:
                 self._abandon()
             else:
                 self._check_step(request)
-                tied = self._tied_sum(request) if request.HasField("tied_grad_sum") else None
-                if tied is not None:
-                    self.worker.set_tied_grad(tied)
                 lr = self.worker.step(request.global_grad_norm)
                 self.steps_done += 1
                 self.last_step, self._last_lr = request.step, lr
@@ -525,15 +521,12 @@ class StageHost:
             )
         if not self.gate.step_done:
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, "step requested before every backward ran")
-
-    def _tied_sum(self, request: stage_pb2.StepRequest) -> torch.Tensor:
-        tied = self.worker.module.tied_parameter()
-        if tied is None:
-            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, "this stage holds no tied embedding")
-        grad = make_codec(CodecConfig("fp32")).decode(request.tied_grad_sum, limits=self.limits)
-        if grad.shape != tied.shape:
-            raise WireError("tied_grad_sum.shape", f"{list(grad.shape)}, expected {list(tied.shape)}")
-        return grad
+        if request.HasField("tied_grad_sum"):  # retired: the tied group sums it in Reduce
+            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, "tied_grad_sum: the end stages sum it in Reduce")
+        if not self.averager.tied_done(request.step):
+            raise CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step}: the tied gradient was not summed (Reduce)"
+            )
 
     # ---- state ------------------------------------------------------------------------------------------
 

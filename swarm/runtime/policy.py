@@ -176,10 +176,21 @@ class CallPolicy:
         """Grads, Step (abandon included) and Reduce only from a trainer."""
         self._trainer(caller, method)
 
-    def check_average(self, stage: int, caller: str, own: str) -> None:
-        """Average into `stage` only from another replica of that stage (checked before the body is read)."""
+    def check_average(self, stage: int, caller: str, own: str, tied: bool | None = False) -> None:
+        """Average into `stage` only from another replica of that stage, or (`tied`) between replicas of the
+        first and last stage of a pipeline of 2+ (their tied group). `tied=None` (the metadata alone, before the
+        call info is read) admits either; the call info's own `tied` is then checked again."""
         roster = self._need_roster()
-        if stage >= roster.n_stages or caller == own or caller not in roster.replicas(stage):
+        if stage >= roster.n_stages or caller == own:
+            raise _denied(f"Average into stage {stage} only from another replica of it; {caller} is not one")
+        ends = {0, roster.n_stages - 1} if roster.n_stages > 1 else set()
+        in_stage = caller in roster.replicas(stage)
+        in_tied = stage in ends and any(caller in roster.replicas(s) for s in ends)
+        if tied is None and (in_stage or in_tied):
+            return
+        if tied and not in_tied:
+            raise _denied(f"a tied-gradient Average only between the first and last stages' replicas; not {caller}")
+        if not tied and not in_stage:
             raise _denied(f"Average into stage {stage} only from another replica of it; {caller} is not one")
 
     def check_group(self, request: stage_pb2.ReduceRequest, own: str) -> None:
@@ -199,6 +210,22 @@ class CallPolicy:
             raise _denied(
                 f"Reduce: the group {peers[:8]} at {addresses[:8]} is not distinct replicas of stage {request.stage} "
                 f"at their plan addresses with this peer among them"
+            )
+        tied_peers, tied_addresses = list(request.tied_peers), list(request.tied_addresses)
+        if not tied_peers and not tied_addresses:
+            return
+        ends = (0, roster.n_stages - 1) if roster.n_stages > 1 else ()
+        plan = {p: a for s in ends for p, a in zip(roster.replicas(s), roster.replica_addresses(s), strict=True)}
+        if (
+            request.stage not in ends
+            or len(tied_peers) != len(tied_addresses)
+            or len(set(tied_peers)) != len(tied_peers)
+            or own not in tied_peers
+            or any(plan.get(p) != a for p, a in zip(tied_peers, tied_addresses, strict=False))
+        ):
+            raise _denied(
+                f"Reduce: the tied group {tied_peers[:8]} at {tied_addresses[:8]} is not distinct replicas of the "
+                f"first and last stage at their plan addresses with this peer among them"
             )
 
     def check_state(self, caller: str) -> None:

@@ -319,11 +319,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         def run():
             caller = self._caller(context)
             host = self._serving()
-            if caller is not None:
-                self.policy.check_average(host.role.stage, caller, host.peer_id)
+            if caller is not None:  # from the metadata: a replica of this stage, or of the tied group
+                self.policy.check_average(host.role.stage, caller, host.peer_id, tied=None)
             sender: list[str] = []
 
             def on_info(info: stage_pb2.CallInfo) -> None:
+                if caller is not None:  # the call info says which sum: hold the caller to that one's members
+                    self.policy.check_average(host.role.stage, caller, host.peer_id, tied=info.tied)
                 sender.append(caller if caller is not None else f"#{info.micro_batch}")
                 host.averager.check_average(info, sender[0])
 

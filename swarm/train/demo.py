@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
               "auth": not args.no_auth, "rate_mbit": args.rate_mbit or None, "fw_codec": args.fw_codec,
               "bw_codec": args.bw_codec,
               "wire_ratio_vs_fp32": summary.fp32_wire_bytes / max(1, summary.wire_bytes),
+              "sync_bytes_per_step": summary.sync_bytes / max(1, summary.steps),
               "peer_exit_codes": codes}  # fmt: skip
     (out / "demo.json").write_text(json.dumps(result, indent=1))
     if args.json:

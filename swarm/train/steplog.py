@@ -28,7 +28,10 @@ class StepLog:
         self.steps, self.losses = array("d"), array("d")
         self.step_seconds = array("d")
         self.count = 0
-        self.totals = {"forward_bytes": 0, "backward_bytes": 0, "fp32_wire_bytes": 0, "sync_bytes": 0}
+        self.totals = {
+            "forward_bytes": 0, "backward_bytes": 0, "fp32_wire_bytes": 0, "sync_bytes": 0,
+            "control_bytes": 0, "total_wire_bytes": 0, "fp32_total_wire_bytes": 0,
+        }  # fmt: skip
 
     def add(self, row: dict) -> None:
         self._lines.write(json.dumps(row) + "\n")
@@ -41,7 +44,7 @@ class StepLog:
         self.losses.append(row["train_loss"])
         self.step_seconds.append(row["step_s"])
         for key in self.totals:
-            self.totals[key] += row[key]
+            self.totals[key] += row.get(key, 0)
 
     @property
     def wire_bytes(self) -> int:

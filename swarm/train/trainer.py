@@ -52,6 +52,10 @@ CSV_FIELDS = [
     "backward_bytes",
     "fp32_wire_bytes",
     "sync_bytes",
+    "tied_bytes",
+    "control_bytes",
+    "total_wire_bytes",
+    "fp32_total_wire_bytes",
     "step_s",
     "plan_version",
     "attempts",
@@ -73,7 +77,7 @@ class TrainSummary:
     wire_bytes: int
     fp32_wire_bytes: int
     sync_bytes: int
-    """the tied embedding's gradient synchronisation through the trainer (fp32), not part of wire_bytes"""
+    """the tied embedding's gradient sum between the end stages (compressed, shaped), not part of wire_bytes"""
     mean_step_s: float
     seconds: float
     stages: int
@@ -84,6 +88,14 @@ class TrainSummary:
     """Times the trainer moved to a newer plan during the run."""
     csv: str
     plot: str | None
+    total_wire_bytes: int = 0
+    """every byte of the run: boundaries both ways + tied sync + replica sums + control, failed attempts too"""
+    fp32_total_wire_bytes: int = 0
+    """the same tensors in fp32 plus the same control bytes"""
+    total_ratio_vs_fp32: float = 0.0
+    """fp32_total_wire_bytes / total_wire_bytes (0: nothing counted)"""
+    predicted_step_s: float | None = None
+    """the plan's predicted step time (`Route.predicted_step_s`), beside `mean_step_s`; None for even splits"""
 
 
 @dataclass(frozen=True)
@@ -415,6 +427,10 @@ def train(
                             "backward_bytes": r.backward_bytes,
                             "fp32_wire_bytes": r.fp32_wire_bytes,
                             "sync_bytes": r.sync_bytes,
+                            "tied_bytes": r.sync_bytes,
+                            "control_bytes": getattr(r, "control_bytes", 0),
+                            "total_wire_bytes": getattr(r, "total_wire_bytes", 0),
+                            "fp32_total_wire_bytes": getattr(r, "fp32_total_wire_bytes", 0),
                             "step_s": r.seconds,
                             "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
                             "plan_version": route.plan_version,
@@ -456,6 +472,10 @@ def train(
         replans=replans,
         csv=str(out / "steps.csv"),
         plot=str(plot) if plot else None,
+        total_wire_bytes=log.totals["total_wire_bytes"],
+        fp32_total_wire_bytes=log.totals["fp32_total_wire_bytes"],
+        total_ratio_vs_fp32=log.totals["fp32_total_wire_bytes"] / max(1, log.totals["total_wire_bytes"]),
+        predicted_step_s=getattr(route, "predicted_step_s", None),
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
@@ -555,12 +575,16 @@ def run(args: argparse.Namespace) -> int:
 
 def format_summary(s: TrainSummary) -> str:
     ratio = s.fp32_wire_bytes / max(1, s.wire_bytes)
+    predicted = "no prediction (even split)" if s.predicted_step_s is None else f"{s.predicted_step_s:.2f} s/step"
     return "\n".join(
         [
             f"steps:        {s.steps} in {s.seconds:.1f} s ({s.mean_step_s:.2f} s/step)",
+            f"step time:    predicted {predicted}, measured {s.mean_step_s:.2f} s/step",
             f"loss:         {s.first_loss:.3f} -> {s.final_loss:.3f} (mean of the last 5 steps)",
             f"wire bytes:   {s.wire_bytes / 1e6:.2f} MB; fp32: {s.fp32_wire_bytes / 1e6:.2f} MB ({ratio:.1f}x)",
-            f"embedding:    {s.sync_bytes / 1e6:.2f} MB of tied-gradient sync through the trainer (fp32)",
+            f"embedding:    {s.sync_bytes / 1e6:.2f} MB of tied-gradient sync between the end stages",
+            f"total bytes:  {s.total_wire_bytes / 1e6:.2f} MB (boundaries + embedding + sums + control); fp32: "
+            f"{s.fp32_total_wire_bytes / 1e6:.2f} MB ({s.total_ratio_vs_fp32:.1f}x)",
             f"stages:       {s.stages} at {', '.join(s.route)}"
             + (f" (plan {s.plan_version}, {s.replans} re-plans followed)" if s.plan_version else ""),
             f"outputs:      {s.csv}" + (f", {s.plot}" if s.plot else ""),

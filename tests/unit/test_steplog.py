@@ -43,3 +43,24 @@ def test_a_trainer_position_round_trips_and_another_runs_is_refused_by_name(tmp_
     (tmp_path / "trainer_state.json").write_text("{not json")
     with pytest.raises(ValueError, match="not readable"):
         load_position(tmp_path, run)
+
+
+def test_total_bytes_columns_add_up_and_the_summary_prints_prediction_and_totals(tmp_path):
+    from swarm.train.trainer import CSV_FIELDS, TrainSummary, format_summary
+
+    assert {"tied_bytes", "sync_bytes", "control_bytes", "total_wire_bytes", "fp32_total_wire_bytes"} <= set(CSV_FIELDS)
+    log = StepLog(tmp_path, FIELDS)
+    log.add(_row(1, control_bytes=3, total_wire_bytes=25, fp32_total_wire_bytes=110))
+    log.add(_row(2, control_bytes=3, total_wire_bytes=25, fp32_total_wire_bytes=110))
+    assert (log.totals["control_bytes"], log.totals["total_wire_bytes"], log.totals["fp32_total_wire_bytes"]) == (
+        6, 50, 220
+    )  # fmt: skip
+    log.close()
+    common = dict(
+        final_loss=1.0, first_loss=2.0, steps=2, wire_bytes=30, fp32_wire_bytes=200, sync_bytes=14, mean_step_s=0.5,
+        seconds=1.0, stages=2, route=["a", "b"], plan_version=0, replans=0, csv="x", plot=None,
+        total_wire_bytes=50, fp32_total_wire_bytes=220, total_ratio_vs_fp32=4.4,
+    )  # fmt: skip
+    text = format_summary(TrainSummary(**common, predicted_step_s=0.42))
+    assert "predicted 0.42 s/step, measured 0.50 s/step" in text and "(4.4x)" in text
+    assert "predicted no prediction (even split), measured 0.50" in format_summary(TrainSummary(**common))
