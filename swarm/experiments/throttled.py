@@ -287,7 +287,10 @@ def summarize(
         "control_bytes": sum(_int(s, "control_bytes") for s in steps),
         "total_wire_bytes": total,
         "fp32_total_wire_bytes": fp32_total,
-        # each cell's own fp32 equivalent over what it sent (None while the runtime reports no totals)
+        "steady_total_wire_bytes_per_step": steady_total / len(after),
+        "total_wire_bytes_per_step": total / len(steps),
+        # each cell's own raw fp32 equivalent over what it sent; add_comparisons replaces these with what the
+        # fp32 cell at the same rate actually sent (zstd included), the stricter baseline, when there is one
         "total_ratio_vs_fp32": fp32_total / total if total else None,
         "total_steady_ratio_vs_fp32": steady_fp32_total / steady_total if steady_total else None,
         # links are full duplex: the busier direction bounds a step's time on the wire
@@ -306,8 +309,8 @@ def add_comparisons(rows: list[dict]) -> dict[float | None, float]:
     unshaped link).
 
     speedup_share = speedup_vs_fp32 / min(byte ratio, 1 + rho): the share of the most any codec can give at
-    that link. The byte ratio is the cell's total bytes after the first epoch against their fp32
-    equivalent, the same steps the step times are taken over. Rows of a baseline (setting not `FW/BW`,
+    that link. The byte ratio is the fp32 cell's total bytes per step after the first epoch (at the same rate)
+    over this cell's, the same steps the step times are taken over. Rows of a baseline (setting not `FW/BW`,
     e.g. torch-fp32) are compared with swarm's fp32 but are not a baseline themselves."""
     fp32 = {r["rate_mbit"]: r for r in rows if r["setting"].startswith("fp32/")}
     unshaped = fp32.get(None)
@@ -320,6 +323,10 @@ def add_comparisons(rows: list[dict]) -> dict[float | None, float]:
     for r in rows:
         base = fp32.get(r["rate_mbit"])
         r["speedup_vs_fp32"] = base["mean_step_s"] / r["mean_step_s"] if base else None
+        if base and base.get("total_wire_bytes_per_step") and r.get("total_wire_bytes_per_step"):
+            r["total_ratio_vs_fp32"] = base["total_wire_bytes_per_step"] / r["total_wire_bytes_per_step"]
+            steady = r.get("steady_total_wire_bytes_per_step")
+            r["total_steady_ratio_vs_fp32"] = base["steady_total_wire_bytes_per_step"] / steady if steady else None
         r["slowdown_vs_fp32_unshaped"] = r["mean_step_s"] / unshaped["mean_step_s"] if unshaped else None
         r["rho"] = ratios.get(r["rate_mbit"])
         byte_ratio = r.get("total_steady_ratio_vs_fp32")
@@ -483,15 +490,6 @@ def _report(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
         "the same control bytes) by them. The share divides the speed-up by min(total byte ratio after the first",
         "epoch, 1 + rho): the most any codec can give on that link.",
     ]
-    sync = max(
-        (r["sync_bytes"] / r["steps"] for r in rows if r.get("sync_bytes") and not r.get("total_wire_bytes")), default=0
-    )
-    if sync:  # a runtime that moves the tied gradient through the trainer and reports no totals
-        lines += [
-            "",
-            f"Not in the boundary bytes and not in rho: the tied embedding's gradient sync, {sync / 1e6:.2f} MB per"
-            " step (fp32, stages to trainer and back), which the application's shaper does not pace.",
-        ]
     if slow_note:
         lines += ["", slow_note]
     lines += ["", "## Targets", ""]

@@ -117,13 +117,10 @@ def test_data_flag_reads_any_text_file(tmp_path, capsys):
 
 
 def test_quick_run_counts_every_byte(tmp_path, capsys):
-    """Needs the runtime's totals (StepResult.total_wire_bytes, issue 13's SYNC part): xfails until they are
-    filled. The lead removes the xfail line once SYNC is merged."""
+    """Every row's totals count the boundaries, the tied sync and the control calls."""
     out = tmp_path / "run"
     assert main(["experiment", "convergence", "--quick", "--json", "--no-progress", "--out", str(out)]) == 0
     rows = json.loads(capsys.readouterr().out)
-    if all(r["total_wire_bytes"] == 0 for r in rows):
-        pytest.xfail("StepResult.total_wire_bytes is not filled yet (SYNC's part of issue 13)")
     fp32, _, aq = rows
     for row in rows:
         # everything the step moves includes the boundaries and the tied sync
