@@ -40,14 +40,18 @@ class CallInfo(_message.Message):
     def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., loss_weight: _Optional[float] = ..., chain: _Optional[int] = ..., stage_micro: _Optional[_Iterable[int]] = ..., stage_micro_count: _Optional[_Iterable[int]] = ..., tied: _Optional[bool] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
-    __slots__ = ("shape", "tokens", "sample_ids")
+    __slots__ = ("shape", "tokens", "sample_ids", "width", "zstd")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     tokens: bytes
     sample_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., tokens: _Optional[bytes] = ..., sample_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    width: int
+    zstd: bool
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., tokens: _Optional[bytes] = ..., sample_ids: _Optional[_Iterable[int]] = ..., width: _Optional[int] = ..., zstd: _Optional[bool] = ...) -> None: ...
 
 class StreamItem(_message.Message):
     __slots__ = ("info", "tokens", "chunk")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+import zstandard
 
 from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, ZstdPolicy
 from swarm.compression.framing import frame_parts
@@ -26,25 +27,46 @@ PLAN_MISMATCH = "plan-mismatch:"
 """Marks a refusal because caller and stage follow different plan versions: retry on the newer plan."""
 
 
+TOKEN_WIDTHS = {1: torch.uint8, 2: torch.uint16, 4: torch.int32}
+"""Bytes per token id on the wire and the dtype they are read as: the narrowest that holds the batch's ids."""
+TOKENS_ZSTD_LEVEL = 3
+
+
 def tokens_to_wire(tokens: torch.Tensor, sample_ids: torch.Tensor | None = None) -> stage_pb2.TokenBatch:
-    """int64 [B, T] token ids as int32 little-endian bytes with an explicit shape."""
+    """[B, T] token ids in the narrowest width that holds them (a byte-level vocabulary: 1 byte per token, not
+    4), zstd-compressed when that shrinks them: input and labels are a step's largest control traffic."""
     batch = stage_pb2.TokenBatch(shape=list(tokens.shape))
-    batch.tokens = tokens.to(torch.int32).contiguous().numpy().tobytes()
+    top = int(tokens.max()) if tokens.numel() else 0
+    width = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
+    raw = tokens.to(TOKEN_WIDTHS[width]).contiguous().view(torch.uint8).numpy().tobytes()
+    packed = zstandard.ZstdCompressor(level=TOKENS_ZSTD_LEVEL).compress(raw)
+    batch.width, batch.zstd = width, len(packed) < len(raw)
+    batch.tokens = packed if batch.zstd else raw
     if sample_ids is not None:
         batch.sample_ids.extend(int(s) for s in sample_ids)
     return batch
 
 
 def tokens_from_wire(batch: stage_pb2.TokenBatch, vocab_size: int, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked [B, T] int64 tokens and [B] sample ids from the wire."""
+    """Checked [B, T] int64 tokens and [B] sample ids from the wire (a zstd body may not inflate past its shape)."""
     shape = list(batch.shape)
     if len(shape) != 2 or not (1 <= shape[0] <= MAX_TOKEN_ROWS) or not (1 <= shape[1] <= min(max_seq, MAX_TOKEN_COLS)):
         raise WireError("tokens.shape", f"{shape} is not [batch <= {MAX_TOKEN_ROWS}, seq <= {max_seq}]")
-    if len(batch.tokens) != shape[0] * shape[1] * 4:
-        raise WireError("tokens.tokens", f"{len(batch.tokens)} bytes for shape {shape} of int32")
+    width = batch.width or 4
+    if width not in TOKEN_WIDTHS:
+        raise WireError("tokens.width", f"{batch.width} is not a token width ({sorted(TOKEN_WIDTHS)} bytes)")
+    size = shape[0] * shape[1] * width
+    body = batch.tokens
+    if batch.zstd:
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+        except zstandard.ZstdError as e:
+            raise WireError("tokens.tokens", f"not a zstd frame of at most {size} bytes: {e}") from None
+    if len(body) != size:
+        raise WireError("tokens.tokens", f"{len(body)} bytes for shape {shape} of {width}-byte ids")
     if batch.sample_ids and len(batch.sample_ids) != shape[0]:
         raise WireError("tokens.sample_ids", f"{len(batch.sample_ids)} ids for {shape[0]} rows")
-    tokens = torch.frombuffer(bytearray(batch.tokens), dtype=torch.int32).view(*shape).long()
+    tokens = torch.frombuffer(bytearray(body), dtype=TOKEN_WIDTHS[width]).view(*shape).long()
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
         raise WireError("tokens.tokens", f"token ids must lie in [0, {vocab_size})")
     ids = torch.tensor(list(batch.sample_ids) or range(shape[0]), dtype=torch.long)
