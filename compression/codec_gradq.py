@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from swarm.compression import rotation as rot
-from swarm.compression.codec_base import decoded_bound
+from swarm.compression.codec_base import check_wire_finite, decoded_bound
 from swarm.compression.codec_directq import DirectQCodec
 from swarm.compression.quantized import (
     group_size,
@@ -86,7 +86,9 @@ class GradQCodec(DirectQCodec):
         # each un-rotated value sums `group` rotated ones over sqrt(group): bound the rotated domain accordingly
         bound = decoded_bound(msg) / math.sqrt(group)
         q = unpack_quantized(msg.quantized, rot.padded_numel(numel, group), "quantized", bound)
-        return rot.unrotate(dequantize(q), group, msg.rotation_seed, numel)
+        out = rot.unrotate(dequantize(q), group, msg.rotation_seed, numel)
+        check_wire_finite(out, "quantized.scales")  # float32 rounding at the very edge of the bound
+        return out
 
 
 CODECS = (GradQCodec,)

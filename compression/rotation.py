@@ -56,8 +56,9 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     a = 1 << (g.bit_length() - 1) // 2
     b = g // a
     ha, hb = _hadamard(a).to(x.device), _hadamard(b).to(x.device)
-    y = torch.matmul(torch.matmul(ha, x.reshape(n, a, b)), hb)
-    return y.reshape(n, g) * (1.0 / math.sqrt(g))
+    # normalize first: no intermediate exceeds the largest input or output, so bounded values cannot overflow
+    y = torch.matmul(torch.matmul(ha, x.reshape(n, a, b) * (1.0 / math.sqrt(g))), hb)
+    return y.reshape(n, g)
 
 
 def _signs(numel: int, seed: int, device: torch.device) -> torch.Tensor:

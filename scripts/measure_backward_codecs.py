@@ -39,6 +39,8 @@ CANDIDATES = (
     ("gradq2+ef", 1024),
     ("gradq2+ef", 256),
     ("gradq2+ef", 4096),
+    ("gradq2+ef+nr", 1024),
+    ("gradq2+ef+nr", 256),
     ("gradq2+ef+bs", 1024),
     ("gradq2+ef+cs", 1024),
     ("gradq2+ef+rot", 1024),

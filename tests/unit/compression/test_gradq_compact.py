@@ -199,3 +199,16 @@ def test_fp16_output_that_overflows_after_unrotating_is_refused():
     msg.quantized.scales = big.numpy().tobytes()
     with pytest.raises(WireError):
         decoder_for(msg).decode(msg)
+
+
+def test_values_at_the_bound_unrotate_without_overflow():
+    msg = _message("gradq2+rot", 256)
+    groups = len(msg.quantized.scales) // 4
+    edge = torch.finfo(torch.float32).max / 16 * 0.999  # the rotated domain's bound: float32 max / sqrt(256)
+    msg.quantized.mins = torch.full((groups,), -edge).numpy().tobytes()
+    msg.quantized.scales = torch.full((groups,), 2 * edge / 3).numpy().tobytes()
+    out = decoder_for(msg).decode(msg)  # a sum of 256 such values would overflow before normalizing
+    assert bool(torch.isfinite(out).all())
+    msg.quantized.scales = torch.full((groups,), edge).numpy().tobytes()  # past the bound: refused
+    with pytest.raises(WireError, match="scales"):
+        decoder_for(msg).decode(msg)
