@@ -13,7 +13,7 @@ Columns: bits/elem = wire bits per gradient element (payload, scales, protobuf a
 msg err = mean over messages of ||g - decode|| / ||g||; step err = the same for each step's sum over its
 micro-batches (what the weight gradients see: error feedback pays off here).
 
-    python scripts/measure_backward_codecs.py [--steps 24] [--skip 8] [--json]
+    python scripts/measure_backward_codecs.py [--steps 24] [--skip 8] [--tensors tied] [--candidates L@G,...] [--json]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ CANDIDATES = (
     ("gradq2+ef+rot+cs", 1024),
     ("gradq2+ef+rot+cs", 4096),
     ("gradq2+ef+rot+nr", 1024),
+    ("gradq2+ef+rot+nr", 256),
+    ("gradq2+ef+rot+cs+nr", 256),
     ("gradq2+ef+rot+cs+nr", 1024),
     ("gradq3+ef+rot+cs", 1024),
 )
@@ -135,13 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=24, help="training steps whose gradients are measured")
     p.add_argument("--skip", type=int, default=8, help="training steps run before capturing")
     p.add_argument("--tensors", choices=("boundary", "tied"), default="boundary", help="which gradients")
+    p.add_argument("--candidates", help="comma-separated LABEL@GROUP to measure instead of the built-in list")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     steps = capture(args.steps, args.skip, args.tensors)
     shape = tuple(steps[0][0].shape)
     print(f"{sum(map(len, steps))} gradients of shape {shape} from {len(steps)} steps", file=sys.stderr)
-    rows = [measure(label, group, steps) for label, group in CANDIDATES]
+    candidates = CANDIDATES
+    if args.candidates:
+        candidates = [(c.split("@")[0], int(c.split("@")[1])) for c in args.candidates.split(",")]
+    rows = [measure(label, group, steps) for label, group in candidates]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

@@ -212,3 +212,19 @@ def test_values_at_the_bound_unrotate_without_overflow():
     msg.quantized.scales = torch.full((groups,), edge).numpy().tobytes()  # past the bound: refused
     with pytest.raises(WireError, match="scales"):
         decoder_for(msg).decode(msg)
+
+
+def test_measure_script_counts_framed_bits_and_errors():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[3] / "scripts" / "measure_backward_codecs.py"
+    spec = importlib.util.spec_from_file_location("measure_backward_codecs", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    steps = [[gradient(seed=2 * i), gradient(seed=2 * i + 1)] for i in range(2)]
+    two = script.measure("gradq2+ef+rot+cs+nr", 256, steps)
+    four = script.measure("gradq4+ef", 256, steps)
+    assert two["messages"] == 4
+    assert 1.0 < two["bits_per_element"] < 2.5 < four["bits_per_element"] < 4.5  # payload + scales + framing
+    assert 0 < two["step_rel_error"] < 1 and 0 < four["step_rel_error"] < 1
