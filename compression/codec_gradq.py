@@ -6,6 +6,13 @@ Two options cut its bits (measured in scripts/measure_backward_codecs.py):
   un-rotates by them, whatever its own config says. Error feedback is computed in the original domain.
 - `scale_dtype` "bfloat16" / "auto": the per-group (min, scale) pairs travel as 16-bit floats (32 bits a group
   instead of 64), stated per message in `Quantized.scale_dtype`.
+
+Measured (session 21, default convergence model, 8 epochs, aqsgd2 forward, backward bits per gradient element
+on the wire with scales, framing and zstd; held-out loss vs fp32): gradq4+ef@1024 3.62 bits +1.01%;
+gradq2+ef@1024 1.63 bits +4.12%; gradq2+ef+nr@1024 1.40 +2.85%; gradq2+ef+rot+cs+nr@1024 1.44 +1.89%;
+gradq2+ef+rot+nr@256 1.87 +0.97%; gradq2+ef+rot+cs+nr@256 1.70 +1.10% (+0.97% with 2 threads: the
+run-to-run spread is about 0.1%). zstd takes 2-bit codes to ~1.3-1.5 bits; round-to-nearest beats stochastic
+rounding once error feedback carries the bias; rotation helps with round-to-nearest, not with stochastic.
 """
 
 from __future__ import annotations
