@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.compression.codecs import BY_NAME, CODEC_NAMES, codec_class
-from swarm.compression.quantized import SUPPORTED_BITS
+from swarm.compression.quantized import SCALE_DTYPES, SUPPORTED_BITS
 
 GROUP_LAYOUTS = ("flat", "channel")
 ROTATIONS = ("none", "hadamard")
@@ -17,6 +17,8 @@ LABEL_SUFFIXES = {
     "nr": {"stochastic": False},
     "ch": {"group_layout": "channel"},
     "rot": {"rotation": "hadamard"},
+    "cs": {"scale_dtype": "auto"},
+    "bs": {"scale_dtype": "bfloat16"},
 }
 """Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets."""
 
@@ -60,6 +62,9 @@ class CodecConfig:
     rotation: str = "none"
     """quantized codecs: "hadamard" rotates each group by a seeded randomized Hadamard transform before quantizing
     (and back after decoding), spreading an outlier over its group. Label suffix `+rot`."""
+    scale_dtype: str = "float32"
+    """gradq: how the per-group (min, scale) pairs travel: "float32", "bfloat16" (`+bs`), or "auto" (`+cs`: float16
+    when every pair of a message is a normal float16, else bfloat16), stated per message on the wire."""
 
     def __post_init__(self) -> None:
         codec = codec_class(self.name)
@@ -81,6 +86,13 @@ class CodecConfig:
             raise ValueError(f"group_layout must be one of {GROUP_LAYOUTS}, got {self.group_layout!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+        if self.scale_dtype != "float32" and self.name != "gradq":
+            raise ValueError("compact scales (scale_dtype, +cs, +bs) apply to the gradq codec only")
+        rotation_group = self.group_size or 256
+        if self.rotation == "hadamard" and (rotation_group < 2 or rotation_group & (rotation_group - 1)):
+            raise ValueError(f"rotation needs a power-of-two group_size, got {self.group_size}")
         if self.error_feedback and not codec.error_feedback:
             with_feedback = " and ".join(n for n, c in BY_NAME.items() if c.error_feedback)
             raise ValueError(f"error_feedback applies to the {with_feedback} codec only")
@@ -105,6 +117,7 @@ class CodecConfig:
             + ("+ef" if self.error_feedback else "")
             + ("+ch" if self.group_layout == "channel" else "")
             + ("+rot" if self.rotation == "hadamard" else "")
+            + {"float32": "", "auto": "+cs", "bfloat16": "+bs"}[self.scale_dtype]
         )
 
     @classmethod
