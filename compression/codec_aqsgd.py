@@ -82,10 +82,8 @@ class AQSGDCodec(Codec):
         if delta_rows:
             # communication: only the quantized change of each seen sample; m moves by exactly what was sent
             m = to_groups(store.gather([slots[i] for i in delta_rows]), layout)
-            rows = to_groups(x[delta_rows], layout)
-            q = aqsgd_update(rows, m, cfg.bits, group, stochastic=cfg.stochastic, seed=state.next_seed())
+            self._send_delta(to_groups(x[delta_rows], layout), m, group, state, msg.quantized)
             m = from_groups(m, layout, rows_shape(x, len(delta_rows)))
-            pack_quantized(q, msg.quantized)
         if full_rows:
             first = self._first_sight(x[full_rows], state, msg, layout, group)
         for written in (m, first):
@@ -108,11 +106,31 @@ class AQSGDCodec(Codec):
             first = x.to(buffer_dtype)
             msg.raw = tensor_to_bytes(first)
             return first
-        q = quantize(
-            to_groups(x, layout), cfg.first_sight_bits, group, stochastic=cfg.stochastic, seed=state.next_seed()
-        )
-        pack_quantized(q, msg.quantized_full)
-        return from_groups(dequantize(q), layout, x.shape).to(buffer_dtype)
+        sent = self._send_full(to_groups(x, layout), group, state, msg.quantized_full)
+        return from_groups(sent, layout, x.shape).to(buffer_dtype)
+
+    # the quantizer: AQ-SGD's per-group (min, scale) kernels; a subclass may bring its own
+
+    def _send_delta(self, rows: torch.Tensor, m: torch.Tensor, group: int, state, out: wire_pb2.Quantized) -> None:
+        """Quantizes `rows - m` (group order, contiguous) into `out`, moving `m` in place by exactly what is sent."""
+        cfg = self.config
+        q = aqsgd_update(rows, m, cfg.bits, group, stochastic=cfg.stochastic, seed=state.next_seed())
+        pack_quantized(q, out)
+
+    def _receive_delta(self, msg: wire_pb2.Quantized, m: torch.Tensor, bound: float) -> torch.Tensor:
+        """`m` (group order, contiguous) moved by the checked delta in `msg`, as the sender moved its own."""
+        return apply_delta(m, unpack_quantized(msg, m.numel(), "quantized", bound))
+
+    def _send_full(self, x: torch.Tensor, group: int, state, out: wire_pb2.Quantized) -> torch.Tensor:
+        """`x` (group order) quantized at `first_sight_bits` into `out`; returns what the receiver decodes (fp32)."""
+        cfg = self.config
+        q = quantize(x, cfg.first_sight_bits, group, stochastic=cfg.stochastic, seed=state.next_seed())
+        pack_quantized(q, out)
+        return dequantize(q)
+
+    def _receive_full(self, msg: wire_pb2.Quantized, n: int, bound: float) -> torch.Tensor:
+        """The checked first sights of `msg`, fp32, group order."""
+        return dequantize(unpack_quantized(msg, n, "quantized_full", bound))
 
     def _decode_body(self, msg, numel, state):
         if state is None or state.buffers is None:
@@ -130,8 +148,8 @@ class AQSGDCodec(Codec):
         m = first = None
         if delta_rows:
             # a delta moves m by at most its own size: bounded by twice what the buffer holds, m checked after
-            q = unpack_quantized(msg.quantized, len(delta_rows) * per_sample, "quantized", 2 * bound)
-            m = apply_delta(to_groups(store.gather([slots[i] for i in delta_rows]), layout), q)
+            m = to_groups(store.gather([slots[i] for i in delta_rows]), layout)
+            m = self._receive_delta(msg.quantized, m, 2 * bound)
             m = from_groups(m, layout, [len(delta_rows), *shape[1:]])
             _check_bounded(m, bound, "quantized.scales")
         if full_rows:
@@ -152,11 +170,10 @@ class AQSGDCodec(Codec):
             out[full_rows] = first
         return out
 
-    @staticmethod
-    def _decode_first(msg: wire_pb2.TensorMessage, n: int, dtype: torch.dtype, bound: float) -> torch.Tensor:
+    def _decode_first(self, msg: wire_pb2.TensorMessage, n: int, dtype: torch.dtype, bound: float) -> torch.Tensor:
         """The first sights of a message, checked, in the buffer dtype."""
         if msg.HasField("quantized_full"):
-            first = dequantize(unpack_quantized(msg.quantized_full, n, "quantized_full", bound)).to(dtype)
+            first = self._receive_full(msg.quantized_full, n, bound).to(dtype)
             _check_bounded(first, bound, "quantized_full.scales")
             return first
         if msg.raw_dtype != wire_dtype(dtype):
