@@ -16,6 +16,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIRECTQ: _ClassVar[Codec]
     AQSGD: _ClassVar[Codec]
     GRADQ: _ClassVar[Codec]
+    ACSGD: _ClassVar[Codec]
 
 class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ BF16: Codec
 DIRECTQ: Codec
 AQSGD: Codec
 GRADQ: Codec
+ACSGD: Codec
 GROUP_LAYOUT_FLAT: GroupLayout
 GROUP_LAYOUT_CHANNEL: GroupLayout
 DTYPE_UNSPECIFIED: DType

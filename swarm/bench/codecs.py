@@ -18,7 +18,7 @@ from swarm.compression import CodecConfig, LinkState, frame, make_codec
 
 OURS = [
     "fp32", "fp16", "bf16", "directq2", "directq2+ch", "directq4", "directq8",
-    "aqsgd2", "aqsgd2+ch", "aqsgd4", "aqsgd4+ch", "aqsgd8", "gradq4", "gradq8",
+    "aqsgd2", "aqsgd2+ch", "aqsgd4", "aqsgd4+ch", "aqsgd8", "acsgd2+ch", "acsgd4+ch", "gradq4", "gradq8",
 ]  # fmt: skip
 HIVEMIND = [
     "Float16Compression",
@@ -66,7 +66,7 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
     codec = make_codec(cfg)
     numel = x.numel()
     ids = list(range(x.shape[0]))
-    if cfg.name == "aqsgd":
+    if codec.uses_buffers:
         send, recv = LinkState(cfg), LinkState(cfg)
         codec.decode(codec.encode(prev, sample_ids=ids, state=send), state=recv)  # first sight
         # fresh copies of both ends for every timed run (made before the clock starts), so that every run
@@ -82,7 +82,7 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
         def encode_decode():
             return codec.decode(codec.encode(x, sample_ids=ids, state=state), state=state)
 
-    if cfg.name == "aqsgd":
+    if codec.uses_buffers:
         s, r = pairs.pop()
         msg = codec.encode(x, sample_ids=ids, state=s)
         y = codec.decode(msg, state=r)
