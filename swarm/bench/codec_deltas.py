@@ -225,7 +225,8 @@ def delta_rows(sources: dict[str, list[torch.Tensor]], bits_list=(2, 4)) -> list
     for source, deltas in sources.items():
         for bits in bits_list:
             for scheme in SCHEMES:
-                rows.append(measure(deltas, scheme, bits).row(source=source, scheme=scheme, bits=bits))
+                row = measure(deltas, scheme, bits).row(source=source, scheme=scheme, bits=bits)
+                rows.append({**row, "elements": sum(d.numel() for d in deltas)})
     return rows
 
 
