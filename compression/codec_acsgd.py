@@ -42,7 +42,8 @@ def sym_quantize(
     step = (scale.float() / half).clamp_min(torch.finfo(torch.float32).tiny)[:, None]
     t = g / step
     if stochastic:
-        gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.seed() % (1 << 62)))
+        gen = torch.Generator()
+        gen.manual_seed(seed) if seed is not None else gen.seed()  # never reseeds torch's global generator
         t = torch.floor(t + torch.rand(t.shape, generator=gen))
     else:
         t = torch.round(t)
