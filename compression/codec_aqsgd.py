@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.compression.codec_base import Codec, decoded_bound
+from swarm.compression.layout import FLAT, from_groups, group_for, layout_for, read_layout, to_groups, write_layout
 from swarm.compression.quantized import group_size, pack_quantized, quantized_nbytes, unpack_quantized
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
 from swarm.kernels import apply_delta, aqsgd_update, dequantize, quantize
@@ -51,6 +52,8 @@ class AQSGDCodec(Codec):
 
     Both ends compute everything a message writes into their buffers first, check it (finite in the buffer
     dtype, the digests agree) and only then commit it, so a refused message leaves the buffers as they were.
+    Quantized parts use the config's group layout (`compression.layout`); the buffers and the digest stay in
+    the sample's own layout, so both ends' buffers are the same bits whichever layout a message uses.
     """
 
     name, wire, quantized, uses_buffers = "aqsgd", wire_pb2.AQSGD, True, True
@@ -67,6 +70,9 @@ class AQSGDCodec(Codec):
         if len(set(ids)) != len(ids):
             raise ValueError("aqsgd needs distinct sample ids within a message")
         store, cfg = state.buffers, self.config
+        layout = layout_for(cfg, x.shape)
+        write_layout(msg, layout)
+        group = group_for(cfg, layout, x.shape)
         slots = store.lookup(ids)
         is_delta = [s >= 0 for s in slots]
         msg.sample_is_delta.extend(is_delta)
@@ -75,13 +81,11 @@ class AQSGDCodec(Codec):
         m = first = None
         if delta_rows:
             # communication: only the quantized change of each seen sample; m moves by exactly what was sent
-            m = store.gather([slots[i] for i in delta_rows])
-            q = aqsgd_update(
-                x[delta_rows], m, cfg.bits, group_size(cfg), stochastic=cfg.stochastic, seed=state.next_seed()
-            )
-            pack_quantized(q, msg.quantized)
+            m = to_groups(store.gather([slots[i] for i in delta_rows]), layout)
+            self._send_delta(to_groups(x[delta_rows], layout), m, group, state, msg.quantized)
+            m = from_groups(m, layout, rows_shape(x, len(delta_rows)))
         if full_rows:
-            first = self._first_sight(x[full_rows], state, msg)
+            first = self._first_sight(x[full_rows], state, msg, layout, group)
         for written in (m, first):
             if written is not None and not bool(torch.isfinite(written).all()):
                 raise ValueError(f"the activation overflows the {store.dtype} message buffers; use bfloat16 buffers")
@@ -92,7 +96,9 @@ class AQSGDCodec(Codec):
         if first is not None:
             store.admit([ids[i] for i in full_rows], first)
 
-    def _first_sight(self, x: torch.Tensor, state: LinkState, msg: wire_pb2.TensorMessage) -> torch.Tensor:
+    def _first_sight(
+        self, x: torch.Tensor, state: LinkState, msg: wire_pb2.TensorMessage, layout: str, group: int
+    ) -> torch.Tensor:
         """Sends new samples in full (buffer dtype) or directly quantized; returns what both ends buffer."""
         cfg, buffer_dtype = self.config, state.buffers.dtype
         msg.raw_dtype = wire_dtype(buffer_dtype)
@@ -100,15 +106,38 @@ class AQSGDCodec(Codec):
             first = x.to(buffer_dtype)
             msg.raw = tensor_to_bytes(first)
             return first
-        q = quantize(x, cfg.first_sight_bits, group_size(cfg), stochastic=cfg.stochastic, seed=state.next_seed())
-        pack_quantized(q, msg.quantized_full)
-        return dequantize(q).view(x.shape).to(buffer_dtype)
+        sent = self._send_full(to_groups(x, layout), group, state, msg.quantized_full)
+        return from_groups(sent, layout, x.shape).to(buffer_dtype)
+
+    # the quantizer: AQ-SGD's per-group (min, scale) kernels; a subclass may bring its own
+
+    def _send_delta(self, rows: torch.Tensor, m: torch.Tensor, group: int, state, out: wire_pb2.Quantized) -> None:
+        """Quantizes `rows - m` (group order, contiguous) into `out`, moving `m` in place by exactly what is sent."""
+        cfg = self.config
+        q = aqsgd_update(rows, m, cfg.bits, group, stochastic=cfg.stochastic, seed=state.next_seed())
+        pack_quantized(q, out)
+
+    def _receive_delta(self, msg: wire_pb2.Quantized, m: torch.Tensor, bound: float) -> torch.Tensor:
+        """`m` (group order, contiguous) moved by the checked delta in `msg`, as the sender moved its own."""
+        return apply_delta(m, unpack_quantized(msg, m.numel(), "quantized", bound))
+
+    def _send_full(self, x: torch.Tensor, group: int, state, out: wire_pb2.Quantized) -> torch.Tensor:
+        """`x` (group order) quantized at `first_sight_bits` into `out`; returns what the receiver decodes (fp32)."""
+        cfg = self.config
+        q = quantize(x, cfg.first_sight_bits, group, stochastic=cfg.stochastic, seed=state.next_seed())
+        pack_quantized(q, out)
+        return dequantize(q)
+
+    def _receive_full(self, msg: wire_pb2.Quantized, n: int, bound: float) -> torch.Tensor:
+        """The checked first sights of `msg`, fp32, group order."""
+        return dequantize(unpack_quantized(msg, n, "quantized_full", bound))
 
     def _decode_body(self, msg, numel, state):
         if state is None or state.buffers is None:
             raise ValueError("the aqsgd codec needs a LinkState with message buffers")
         store, shape = state.buffers, list(msg.shape)
         ids, delta_rows, full_rows = _check_rows(msg, shape, store.sample_shape)
+        layout = read_layout(msg, shape, msg.quantized, msg.quantized_full)
         per_sample = numel // shape[0] if shape[0] else 0
         slots = store.lookup(ids)
         missing = [ids[i] for i in delta_rows if slots[i] < 0]
@@ -119,12 +148,14 @@ class AQSGDCodec(Codec):
         m = first = None
         if delta_rows:
             # a delta moves m by at most its own size: bounded by twice what the buffer holds, m checked after
-            q = unpack_quantized(msg.quantized, len(delta_rows) * per_sample, "quantized", 2 * bound)
-            m = apply_delta(store.gather([slots[i] for i in delta_rows]), q)
+            m = to_groups(store.gather([slots[i] for i in delta_rows]), layout)
+            m = self._receive_delta(msg.quantized, m, 2 * bound)
+            m = from_groups(m, layout, [len(delta_rows), *shape[1:]])
             _check_bounded(m, bound, "quantized.scales")
         if full_rows:
             first = self._decode_first(msg, len(full_rows) * per_sample, store.dtype, bound)
-            first = first.view(len(full_rows), *shape[1:])
+            first_layout = layout if msg.HasField("quantized_full") else FLAT  # raw first sights: the sample's own
+            first = from_groups(first, first_layout, [len(full_rows), *shape[1:]])
         if msg.HasField("buffer_digest"):
             computed = buffer_digest(m, first)
             if computed != msg.buffer_digest:
@@ -139,11 +170,10 @@ class AQSGDCodec(Codec):
             out[full_rows] = first
         return out
 
-    @staticmethod
-    def _decode_first(msg: wire_pb2.TensorMessage, n: int, dtype: torch.dtype, bound: float) -> torch.Tensor:
+    def _decode_first(self, msg: wire_pb2.TensorMessage, n: int, dtype: torch.dtype, bound: float) -> torch.Tensor:
         """The first sights of a message, checked, in the buffer dtype."""
         if msg.HasField("quantized_full"):
-            first = dequantize(unpack_quantized(msg.quantized_full, n, "quantized_full", bound)).to(dtype)
+            first = self._receive_full(msg.quantized_full, n, bound).to(dtype)
             _check_bounded(first, bound, "quantized_full.scales")
             return first
         if msg.raw_dtype != wire_dtype(dtype):
@@ -169,6 +199,11 @@ def _check_rows(
     delta_rows = [i for i, d in enumerate(msg.sample_is_delta) if d]
     full_rows = [i for i, d in enumerate(msg.sample_is_delta) if not d]
     return ids, delta_rows, full_rows
+
+
+def rows_shape(x: torch.Tensor, n: int) -> list[int]:
+    """The shape of `n` rows of `x`."""
+    return [n, *x.shape[1:]]
 
 
 def _check_bounded(x: torch.Tensor, bound: float, field: str) -> None:

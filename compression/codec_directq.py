@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.compression.codec_base import Codec, decoded_bound
+from swarm.compression.layout import FLAT, from_groups, group_for, layout_for, read_layout, to_groups, write_layout
 from swarm.compression.quantized import group_size, pack_quantized, quantized_nbytes, unpack_quantized
 from swarm.kernels import QuantizedTensor, dequantize, quantize
 from swarm.proto import wire_pb2
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 
 
 class DirectQCodec(Codec):
-    """Per-group quantization of the tensor itself (the AQ-SGD paper's DirectQ baseline)."""
+    """Per-group quantization of the tensor itself (the AQ-SGD paper's DirectQ baseline), in the config's group
+    layout (`compression.layout`: flat, or one group per channel of a sample across its tokens)."""
 
     name, wire, quantized = "directq", wire_pb2.DIRECTQ, True
 
@@ -27,11 +29,26 @@ class DirectQCodec(Codec):
         seed = state.next_seed() if state is not None else None
         return quantize(x, self.config.bits, group_size(self.config), stochastic=self.config.stochastic, seed=seed)
 
+    def _quantize_laid_out(self, x: torch.Tensor, msg, state: LinkState | None) -> tuple[QuantizedTensor, str]:
+        """`x` quantized in the layout the config asks for (and `x` fits); marks `msg` with it. Returns the
+        codes (in group order: `from_groups` puts their dequantized values back in `x`'s shape) and the layout."""
+        layout = layout_for(self.config, x.shape)
+        write_layout(msg, layout)
+        if layout == FLAT:
+            return self._quantize(x, state), layout
+        seed = state.next_seed() if state is not None else None
+        group = group_for(self.config, layout, x.shape)
+        q = quantize(to_groups(x, layout), self.config.bits, group, stochastic=self.config.stochastic, seed=seed)
+        return q, layout
+
     def _encode_body(self, x, msg, state):
-        pack_quantized(self._quantize(x, state), msg.quantized)
+        pack_quantized(self._quantize_laid_out(x, msg, state)[0], msg.quantized)
 
     def _decode_body(self, msg, numel, state):
-        return dequantize(unpack_quantized(msg.quantized, numel, "quantized", decoded_bound(msg)))
+        shape = list(msg.shape)
+        layout = read_layout(msg, shape, msg.quantized)
+        y = dequantize(unpack_quantized(msg.quantized, numel, "quantized", decoded_bound(msg)))
+        return from_groups(y, layout, shape)
 
 
 CODECS = (DirectQCodec,)

@@ -16,6 +16,12 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIRECTQ: _ClassVar[Codec]
     AQSGD: _ClassVar[Codec]
     GRADQ: _ClassVar[Codec]
+    ACSGD: _ClassVar[Codec]
+
+class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_LAYOUT_FLAT: _ClassVar[GroupLayout]
+    GROUP_LAYOUT_CHANNEL: _ClassVar[GroupLayout]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +41,9 @@ BF16: Codec
 DIRECTQ: Codec
 AQSGD: Codec
 GRADQ: Codec
+ACSGD: Codec
+GROUP_LAYOUT_FLAT: GroupLayout
+GROUP_LAYOUT_CHANNEL: GroupLayout
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -61,7 +70,7 @@ class Quantized(_message.Message):
     def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., numel: _Optional[int] = ..., scales: _Optional[bytes] = ..., mins: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., scale_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorMessage(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "rotation", "rotation_seed")
+    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "rotation", "rotation_seed")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +81,7 @@ class TensorMessage(_message.Message):
     RAW_FIELD_NUMBER: _ClassVar[int]
     QUANTIZED_FULL_FIELD_NUMBER: _ClassVar[int]
     BUFFER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GROUP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROTATION_FIELD_NUMBER: _ClassVar[int]
     ROTATION_SEED_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -84,9 +94,10 @@ class TensorMessage(_message.Message):
     raw: bytes
     quantized_full: Quantized
     buffer_digest: int
+    group_layout: GroupLayout
     rotation: int
     rotation_seed: int
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ...) -> None: ...
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
     __slots__ = ("compression", "body_bytes", "raw_body_bytes", "codec", "shape", "dtype")

@@ -16,7 +16,10 @@ import torch
 from swarm.bench.common import emit, median_seconds
 from swarm.compression import CodecConfig, LinkState, frame, make_codec
 
-OURS = ["fp32", "fp16", "bf16", "directq2", "directq4", "directq8", "aqsgd2", "aqsgd4", "aqsgd8", "gradq4", "gradq8"]
+OURS = [
+    "fp32", "fp16", "bf16", "directq2", "directq2+ch", "directq4", "directq8",
+    "aqsgd2", "aqsgd2+ch", "aqsgd4", "aqsgd4+ch", "aqsgd8", "acsgd2+ch", "acsgd4+ch", "gradq4", "gradq8",
+]  # fmt: skip
 HIVEMIND = [
     "Float16Compression",
     "ScaledFloat16Compression",
@@ -45,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drift", type=float, default=0.05, help="AQ-SGD: relative change of the activation")
     parser.add_argument("--quick", action="store_true", help="small tensors and one repeat, for a smoke test")
     parser.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
+    parser.add_argument(
+        "--deltas",
+        choices=("synthetic", "model", "all"),
+        help="instead of the codec table: group layouts and the AQ-SGD paper's compressor on AQ-SGD deltas "
+        "(synthetic with 10x channels, and/or captured from training the default model), with code entropy",
+    )
+    parser.add_argument("--delta-epochs", type=int, default=4, help="--deltas model: epochs of training to capture")
 
 
 def _rel_error(y: torch.Tensor, x: torch.Tensor) -> float:
@@ -56,7 +66,7 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
     codec = make_codec(cfg)
     numel = x.numel()
     ids = list(range(x.shape[0]))
-    if cfg.name == "aqsgd":
+    if codec.uses_buffers:
         send, recv = LinkState(cfg), LinkState(cfg)
         codec.decode(codec.encode(prev, sample_ids=ids, state=send), state=recv)  # first sight
         # fresh copies of both ends for every timed run (made before the clock starts), so that every run
@@ -72,7 +82,7 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
         def encode_decode():
             return codec.decode(codec.encode(x, sample_ids=ids, state=state), state=state)
 
-    if cfg.name == "aqsgd":
+    if codec.uses_buffers:
         s, r = pairs.pop()
         msg = codec.encode(x, sample_ids=ids, state=s)
         y = codec.decode(msg, state=r)
@@ -157,6 +167,8 @@ def _bitsandbytes(x: torch.Tensor, args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.deltas:
+        return _run_deltas(args)
     if args.quick:
         args.numel, args.repeats = min(args.numel, 1 << 16), 1
     gen = torch.Generator().manual_seed(0)
@@ -173,4 +185,19 @@ def run(args: argparse.Namespace) -> int:
         rows.append(_bitsandbytes(x, args))
     title = f"codecs on {x.numel():,} fp32 elements ({time.perf_counter() - started:.1f} s)"
     emit(rows, COLUMNS, args.json, title)
+    return 0
+
+
+def _run_deltas(args: argparse.Namespace) -> int:
+    from swarm.bench.codec_deltas import DELTA_COLUMNS, delta_rows, model_deltas, synthetic_deltas
+
+    started, sources = time.perf_counter(), {}
+    if args.deltas in ("synthetic", "all"):
+        sources["synthetic"] = synthetic_deltas(n=1 if args.quick else 8, shape=(2 if args.quick else 4, 128, 128))
+    if args.deltas in ("model", "all"):
+        say = (lambda _: None) if args.json else print
+        sources["model"] = model_deltas(epochs=1 if args.quick else args.delta_epochs, say=say)
+    rows = delta_rows(sources)
+    sizes = ", ".join(f"{k}: {sum(d.numel() for d in v):,} elements" for k, v in sources.items())
+    emit(rows, DELTA_COLUMNS, args.json, f"AQ-SGD deltas ({sizes}; {time.perf_counter() - started:.1f} s)")
     return 0

@@ -65,10 +65,10 @@ def real_messages() -> list[wire_pb2.TensorMessage]:
     gen = torch.Generator().manual_seed(0)
     msgs = []
     for name in BY_NAME:
-        if name == "aqsgd":
+        if BY_NAME[name].uses_buffers:  # aqsgd and acsgd: the same buffer protocol
             for bits in (16, 8):
                 send, _ = aqsgd_states()
-                cfg = config("aqsgd", first_sight_bits=bits)
+                cfg = config(name, first_sight_bits=bits)
                 x = torch.randn(4, *SAMPLE_SHAPE, generator=gen)
                 msgs.append(make_codec(cfg).encode(x, sample_ids=[4, 9, 1, 7], state=send))
         else:
