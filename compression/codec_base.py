@@ -42,6 +42,8 @@ class Codec:
     """can carry its quantization error into the next message (`CodecConfig.error_feedback`, label `+ef`)"""
     uses_buffers: ClassVar[bool] = False
     """needs AQ-SGD message buffers in its `LinkState`"""
+    rotates: ClassVar[bool] = False
+    """reads `TensorMessage.rotation`; every other codec refuses a message that sets it (it would decode unrotated)"""
 
     def __init__(self, config: CodecConfig):
         self.config = config
@@ -69,6 +71,8 @@ class Codec:
     ) -> torch.Tensor:
         if msg.codec != self.wire:
             raise WireError("codec", f"message is {codec_name(msg.codec)}, this decoder is {codec_name(self.wire)}")
+        if not self.rotates and (msg.rotation or msg.rotation_seed):
+            raise WireError("rotation", f"{codec_name(self.wire)} messages are never rotated")
         numel = check_shape(list(msg.shape), limits)
         dtype = torch_dtype(msg.dtype)
         body = self._decode_body(msg, numel, state)

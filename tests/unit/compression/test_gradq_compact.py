@@ -228,3 +228,20 @@ def test_measure_script_counts_framed_bits_and_errors():
     assert two["messages"] == 4
     assert 1.0 < two["bits_per_element"] < 2.5 < four["bits_per_element"] < 4.5  # payload + scales + framing
     assert 0 < two["step_rel_error"] < 1 and 0 < four["step_rel_error"] < 1
+
+
+@pytest.mark.parametrize("label", ["directq2", "aqsgd2", "acsgd2", "fp32"])
+def test_codecs_that_never_rotate_refuse_a_rotated_message(label):
+    import torch
+
+    from swarm.compression import LinkState, make_codec
+    from swarm.compression.config import CodecConfig
+    from swarm.compression.wire import WireError
+
+    cfg = CodecConfig.parse(label)
+    state = LinkState(cfg) if make_codec(cfg).uses_buffers else None
+    msg = make_codec(cfg).encode(torch.randn(2, 4, 8), sample_ids=[0, 1], state=state)
+    msg.rotation, msg.rotation_seed = 1, 7
+    receiver = LinkState(cfg) if state is not None else None
+    with pytest.raises(WireError, match="rotation"):
+        make_codec(cfg).decode(msg, state=receiver)
