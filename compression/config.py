@@ -122,8 +122,9 @@ class CodecConfig:
 
     @classmethod
     def parse(cls, text: str, **defaults) -> CodecConfig:
-        """Parses a label: `fp32`, `aqsgd2`, `gradq4+ef`, `aqsgd2+ch+nr`, `gradq2+ef+rot` (suffixes in
-        `LABEL_SUFFIXES`, in any order). `defaults` are fields the label does not set; a suffix wins over them."""
+        """Parses a label: `fp32`, `aqsgd2`, `gradq4+ef`, `aqsgd2+ch+nr`, `gradq2+ef+rot+g256` (suffixes in
+        `LABEL_SUFFIXES` and `+gN`, a group size of N elements, in any order). `defaults` are fields the label does
+        not set; a suffix wins over them. `label` does not print the group size."""
         head, *suffixes = text.split("+")
         name = head if head in CODEC_NAMES else head.rstrip("0123456789")
         digits = head[len(name) :]
@@ -132,8 +133,11 @@ class CodecConfig:
         if digits:
             kwargs["bits"] = int(digits)
         for suffix in suffixes:
+            if suffix[:1] == "g" and suffix[1:].isdigit():  # +g256: this codec's group size, over any default
+                kwargs["group_size"] = int(suffix[1:])
+                continue
             if suffix not in LABEL_SUFFIXES:
                 known = ", ".join("+" + k for k in LABEL_SUFFIXES)
-                raise ValueError(f"unknown codec suffix +{suffix} in {text!r} (known: {known})")
+                raise ValueError(f"unknown codec suffix +{suffix} in {text!r} (known: {known}, +gN for a group size)")
             kwargs.update(LABEL_SUFFIXES[suffix])
         return cls(**kwargs)

@@ -74,6 +74,9 @@ def test_label_suffixes_set_their_fields_over_the_defaults_and_round_trip():
     assert CodecConfig.parse("aqsgd2+nr").stochastic is False
     for label in ("aqsgd2+ch", "gradq2+ef+rot", "directq4+ch+rot", "fp32"):
         assert CodecConfig.parse(label).label == label
+    assert CodecConfig.parse("gradq2+ef+g256", group_size=1024).group_size == 256
+    with pytest.raises(ValueError, match="group_size"):
+        CodecConfig.parse("gradq2+g0")
     with pytest.raises(ValueError, match=r"unknown codec suffix \+zz"):
         CodecConfig.parse("aqsgd2+zz")
     with pytest.raises(ValueError, match="group_layout"):
