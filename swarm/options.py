@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.compression import CodecConfig, codec_labels
+from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig, codec_labels
 from swarm.model.gpt import ModelConfig
 from swarm.peers.shaper import LinkShape
 from swarm.runtime.schedules import SCHEDULES
@@ -40,8 +40,9 @@ def add_schedule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGr
 
 def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("compression on the links")
-    g.add_argument("--fw-codec", default="aqsgd2", help=f"activation codec: {codec_labels()} (default %(default)s)")
-    g.add_argument("--bw-codec", default="gradq4", help=f"gradient codec: {codec_labels()} (default %(default)s)")
+    labels = codec_labels()
+    g.add_argument("--fw-codec", default=DEFAULT_FW_CODEC, help=f"activation codec: {labels} (default %(default)s)")
+    g.add_argument("--bw-codec", default=DEFAULT_BW_CODEC, help=f"gradient codec: {labels} (default %(default)s)")
     g.add_argument("--group-size", type=int, default=None, help="quantization group size (default: the kernels')")
     g.add_argument("--zstd-level", type=int, default=1, help="zstd level of the framing, 0 = off")
     g.add_argument("--codec-seed", type=int, default=0, help="seed of the stochastic rounding")

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from swarm.compression import CodecConfig
+from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
 from swarm.model.gpt import ModelConfig
 from swarm.options import (
     add_codec_arguments,
@@ -122,9 +122,9 @@ class PeerConfig:
     """The model; every peer and the trainer must agree."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule of the stage."""
-    fw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse("aqsgd2"))
+    fw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse(DEFAULT_FW_CODEC))
     """Activation codec of the links this peer sends forward on."""
-    bw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse("gradq4"))
+    bw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse(DEFAULT_BW_CODEC))
     """Gradient codec of the links this peer sends backward on."""
     link_shape: LinkShape = field(default_factory=LinkShape)
     """Application shaping of every outgoing link (default: none)."""

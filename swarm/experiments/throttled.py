@@ -28,16 +28,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+
 if TYPE_CHECKING:
     from swarm.train.trainer import TrainConfig
 
 RATES = [1.0, 10.0, 100.0, 1000.0, None]
-SETTINGS = ["fp32/fp32", "directq2/gradq4", "directq4/gradq8", "aqsgd2/gradq4", "aqsgd4/gradq8"]
+DEFAULT_CODECS = f"{DEFAULT_FW_CODEC}/{DEFAULT_BW_CODEC}"
+"""The swarm's default codecs (`swarm-peer --fw-codec/--bw-codec`), the convergence experiment's default setting
+spelled with the experiment's rounding and group size."""
+SETTINGS = ["fp32/fp32", "directq2/gradq4", "aqsgd2/gradq4", DEFAULT_CODECS]
 QUICK_RATES = [10.0, None]
-QUICK_SETTINGS = ["fp32/fp32", "aqsgd2/gradq4"]
-TARGET_SETTING = "aqsgd2/gradq4"
+QUICK_SETTINGS = ["fp32/fp32", DEFAULT_CODECS]
+TARGET_SETTING = DEFAULT_CODECS
 """The issue's "default setting" in this matrix: at rho >= 20 its speed-up over fp32 is >= 80% of its byte
-ratio (the lead aligns it with the convergence experiment's DEFAULT_TARGET_SETTING)."""
+ratio."""
 SLOW_RATE_MBIT = 5.0
 """Cells on links slower than this run `ThrottledConfig.slow_steps` steps."""
 PREDICTION_TOLERANCE = 0.10

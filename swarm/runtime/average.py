@@ -100,6 +100,10 @@ class GradientAverager:
     """Fewest bits per weight-gradient element in a sum, whatever the backward codec's: what the planner's cost
     model assumes (`ModelSpec.gradient_bits`); with 4 the replicas' sum trained measurably worse (see
     docs/ARCHITECTURE.md). A class attribute, so a measurement can set it lower."""
+    tied_min_bits = 4
+    """The same floor for the tied embedding's gradient, whose error feedback carries across steps: in the
+    convergence run (acsgd2+ch forward, gradq2+ef+rot+nr+cs backward) 4 bits gave +0.76% held-out vs fp32 at
+    20 KB per step, 8 bits no better (+1.38% with groups of 256, 43 KB), 2 bits +2.66%."""
 
     def __init__(self, host: StageHost):
         self.host = host
@@ -324,7 +328,7 @@ class GradientAverager:
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
-        bits = max(cfg.bits, self.min_bits) if cls.quantized else cfg.bits
+        bits = max(cfg.bits, self.tied_min_bits if tied else self.min_bits) if cls.quantized else cfg.bits
         return replace(cfg, bits=bits, error_feedback=cls.error_feedback, seed=seed)
 
     def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float) -> int:

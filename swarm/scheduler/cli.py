@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
 from swarm.scheduler.localsearch import AnnealConfig
 from swarm.scheduler.plans import ModelSpec, Plan, PlanInput, TransformerShape
 from swarm.scheduler.scenarios import GB, SCENARIO_NAMES, load_scenario, scenario_data
@@ -220,8 +221,8 @@ def _run_live(args) -> int:
             seq_len=model.seq_len_tokens,
             micro_batch_size=REFERENCE_MICRO_BATCH,
             micro_batches=REFERENCE_MICRO_BATCHES,
-            forward_bits=wire_bits(CodecConfig.parse("aqsgd2")),
-            backward_bits=wire_bits(CodecConfig.parse("gradq4")),
+            forward_bits=wire_bits(CodecConfig.parse(DEFAULT_FW_CODEC)),
+            backward_bits=wire_bits(CodecConfig.parse(DEFAULT_BW_CODEC)),
         ),
     )
     initial = list(args.dht or []) + (read_address_file(args.dht_address_file) if args.dht_address_file else [])

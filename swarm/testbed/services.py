@@ -95,10 +95,11 @@ class TestbedConfig:
     """Private IPv4 subnet of the bridge; bootstrap .2, trainer .3, peer i .(10+i) (Docker's gateway is .1)."""
     prefix: str = "swt-"
     """Start of every namespace and link name, so `down` finds leftovers; 2-7 characters ending in '-'."""
-    fw_codec: str = "aqsgd2"
-    """Activation codec of the peers."""
-    bw_codec: str = "gradq4"
-    """Gradient codec of the peers."""
+    fw_codec: str = "acsgd2+ch+nr"
+    """Activation codec of the peers (swarm.compression.DEFAULT_FW_CODEC, spelled out: this module stays free of
+    torch; a test checks they agree)."""
+    bw_codec: str = "gradq2+ef+rot+nr+cs+g1024"
+    """Gradient codec of the peers (swarm.compression.DEFAULT_BW_CODEC)."""
     layers: int | None = None
     """Transformer blocks (None: the entry points' default; likewise hidden, heads, seq_len)."""
     hidden: int | None = None

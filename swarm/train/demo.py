@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from swarm.compression import codec_labels
+from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, codec_labels
 from swarm.options import add_model_arguments, add_schedule_argument, model_config
 
 
@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=2, help="swarm-peer processes, one pipeline stage each")
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="bandwidth of every link, Mbit/s (0 = unshaped)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every link, ms")
-    parser.add_argument("--fw-codec", default="aqsgd2", help=f"activation codec: {codec_labels()}")
-    parser.add_argument("--bw-codec", default="gradq4", help=f"gradient codec: {codec_labels()}")
+    parser.add_argument("--fw-codec", default=DEFAULT_FW_CODEC, help=f"activation codec: {codec_labels()}")
+    parser.add_argument("--bw-codec", default=DEFAULT_BW_CODEC, help=f"gradient codec: {codec_labels()}")
     parser.add_argument("--epochs", type=int, default=6, help="passes over the training samples")
     parser.add_argument("--train-samples", type=int, default=256, help="training samples")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step")

@@ -36,14 +36,14 @@ def test_quick_run_writes_csv_plot_and_json(tmp_path, capsys):
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
     assert "training samples" in captured.err  # the loader's report
-    assert [r["setting"] for r in rows] == ["fp32/fp32", "directq2/gradq4+ef", "aqsgd2/gradq4+ef"]
+    assert [r["setting"] for r in rows] == ["fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs"]
     keys = {"setting", "fw_bits", "bw_bits", "final_train_loss", "final_eval_loss", "wire_bytes", "fp32_wire_bytes"}
     for row in rows:
         assert keys | {"steady_ratio_vs_fp32"} <= set(row)
         assert math.isfinite(row["final_eval_loss"]) and 0 < row["final_eval_loss"] < math.log(256) + 0.5
         assert row["fp32_wire_bytes"] == rows[0]["wire_bytes"]
     fp32, _, aq = rows
-    assert fp32["fw_bits"] == 32 and aq["fw_bits"] == 2 and aq["bw_bits"] == 4
+    assert fp32["fw_bits"] == 32 and aq["fw_bits"] == 2 and aq["bw_bits"] == 2
     assert aq["wire_bytes"] < fp32["wire_bytes"] / 3 and aq["steady_ratio_vs_fp32"] > 5
     with open(out / "losses.csv") as f:
         steps = list(csv.DictReader(f))
@@ -53,7 +53,7 @@ def test_quick_run_writes_csv_plot_and_json(tmp_path, capsys):
     totals = {"total_wire_bytes", "fp32_total_wire_bytes", "total_ratio_vs_fp32", "total_steady_ratio_vs_fp32"}
     assert all(totals <= set(r) for r in rows)
     assert json.loads((out / "results.json").read_text())["rows"] == rows
-    assert "aqsgd2/gradq4+ef" in (out / "results.md").read_text()
+    assert "acsgd2+ch/gradq2+ef+rot+nr+cs" in (out / "results.md").read_text()
 
 
 def _fake(name: str, per_step: list[tuple[int, int, int, int]], epochs: int, eval_loss: float) -> SettingResult:

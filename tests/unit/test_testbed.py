@@ -368,3 +368,12 @@ def test_dockerfile_installs_the_project_with_cpu_torch_and_the_entrypoint():
     assert any(line.startswith("RUN pip install --no-cache-dir .") for line in lines)
     assert 'ENTRYPOINT ["/opt/swarm/docker/entrypoint.sh"]' in lines
     assert os.access(DOCKER / "entrypoint.sh", os.X_OK)
+
+
+def test_testbed_peers_default_to_the_swarms_codecs():
+    from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+    from swarm.testbed.services import TestbedConfig
+
+    cfg = TestbedConfig()
+    assert (cfg.fw_codec, cfg.bw_codec) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC)
+    assert CodecConfig.parse(DEFAULT_BW_CODEC).group_size == 1024  # parses, with its own group size
