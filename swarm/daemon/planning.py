@@ -75,14 +75,23 @@ def wire_bits(codec: CodecConfig) -> float:
 def message_bytes(codec: CodecConfig, shape: tuple[int, ...], seed: int = 0) -> int:
     """Bytes one boundary message of `shape` takes on the wire, measured: a layer-normed random tensor (what a
     block's output looks like to the codec) encoded and framed at the codec's zstd level, scales and headers
-    included. An AQ-SGD codec is measured as its steady state, the same-width quantization of a delta."""
-    from swarm.compression import frame
+    included. A codec with message buffers (aqsgd, acsgd) is measured in its steady state: the second sight of
+    the samples, a quantized delta against the buffers the first sight filled."""
+    from swarm.compression import LinkState, frame
 
-    if codec.name == "aqsgd":
-        codec = dataclasses.replace(codec, name="directq")
     gen = torch.Generator().manual_seed(seed)
-    x = torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
-    return sum(chunk.ByteSize() for chunk in frame(make_codec(codec).encode(x), zstd_level=codec.zstd_level))
+
+    def sample() -> torch.Tensor:
+        return torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
+
+    encoder, x = make_codec(codec), sample()
+    if encoder.uses_buffers:
+        state, ids = LinkState(codec), list(range(shape[0]))
+        encoder.encode(x, sample_ids=ids, state=state)  # first sight: fills the buffers
+        msg = encoder.encode(x + 0.1 * sample(), sample_ids=ids, state=state)
+    else:
+        msg = encoder.encode(x)
+    return sum(chunk.ByteSize() for chunk in frame(msg, zstd_level=codec.zstd_level))
 
 
 def model_spec(

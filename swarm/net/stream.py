@@ -37,7 +37,8 @@ def tokens_to_wire(tokens: torch.Tensor, sample_ids: torch.Tensor | None = None)
     4), zstd-compressed when that shrinks them: input and labels are a step's largest control traffic."""
     batch = stage_pb2.TokenBatch(shape=list(tokens.shape))
     top = int(tokens.max()) if tokens.numel() else 0
-    width = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
+    signed = bool(tokens.numel()) and int(tokens.min()) < 0  # sent as they are, for the receiver to refuse
+    width = 4 if signed else 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
     raw = tokens.to(TOKEN_WIDTHS[width]).contiguous().view(torch.uint8).numpy().tobytes()
     packed = zstandard.ZstdCompressor(level=TOKENS_ZSTD_LEVEL).compress(raw)
     batch.width, batch.zstd = width, len(packed) < len(raw)

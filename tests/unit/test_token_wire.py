@@ -32,6 +32,13 @@ def test_text_is_a_byte_per_token_and_compresses():
     assert torch.equal(tokens_from_wire(batch, 256, 128)[0], tokens)
 
 
+def test_negative_ids_travel_as_they_are_and_are_refused():
+    batch = tokens_to_wire(torch.tensor([[3, -1, 5]]))
+    assert batch.width == 4  # never wrapped into a valid unsigned id
+    with pytest.raises(WireError, match=r"tokens\.tokens"):
+        tokens_from_wire(batch, 256, 8)
+
+
 def test_old_int32_batches_still_read():
     tokens = torch.tensor([[1, 2, 3]])
     batch = stage_pb2.TokenBatch(shape=[1, 3], tokens=tokens.to(torch.int32).numpy().tobytes())

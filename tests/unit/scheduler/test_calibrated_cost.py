@@ -149,3 +149,14 @@ def test_a_link_measurements_burst_is_validated(burst):
     assert LinkMeasurement.from_wire({k: v for k, v in wire.items() if k != "burst_bytes"}).burst_bytes == 0.0
     with pytest.raises(ValueError):
         LinkMeasurement.from_wire({**wire, "burst_bytes": burst})
+
+
+@pytest.mark.parametrize("label", ["aqsgd2", "acsgd2+ch+nr", "aqsgd4+ch"])
+def test_buffer_codecs_are_measured_in_their_steady_state(label):
+    from swarm.compression import CodecConfig
+    from swarm.daemon.planning import message_bytes
+
+    shape = (2, 128, 32)  # the model's 128 tokens: a channel group's scales spread over 128 elements
+    fp32, full = message_bytes(CodecConfig("fp32"), shape), message_bytes(CodecConfig.parse("fp16"), shape)
+    steady = message_bytes(CodecConfig.parse(label), shape)
+    assert steady < full / 2 < fp32  # a quantized delta, not a first sight in the buffer dtype
