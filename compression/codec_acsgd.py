@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from swarm.compression.codec_aqsgd import AQSGDCodec
 from swarm.compression.quantized import group_size
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
 from swarm.kernels import packed_nbytes
+from swarm.kernels.reference import pack, unpack
 from swarm.proto import wire_pb2
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -59,16 +59,13 @@ def sym_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, group: 
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
-    """Codes as one little-endian bitstream of `bits` bits each (the kernels' packing)."""
-    c = codes.numpy().astype(np.uint8)
-    planes = (c[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
-    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+    """Codes as one little-endian bitstream of `bits` bits each: the kernels' packing (`kernels.reference.pack`)."""
+    return pack(codes.reshape(-1), bits).numpy().tobytes()
 
 
 def unpack_codes(payload: bytes, bits: int, numel: int) -> torch.Tensor:
-    stream = np.unpackbits(np.frombuffer(payload, np.uint8), bitorder="little")[: numel * bits]
-    weights = (1 << np.arange(bits, dtype=np.uint16)).astype(np.uint16)
-    return torch.from_numpy((stream.reshape(numel, bits).astype(np.uint16) @ weights).astype(np.uint8))
+    """The inverse of `pack_codes`: `numel` uint8 codes."""
+    return unpack(torch.frombuffer(bytearray(payload), dtype=torch.uint8), bits, numel)
 
 
 class ACSGDCodec(AQSGDCodec):

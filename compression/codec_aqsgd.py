@@ -83,7 +83,7 @@ class AQSGDCodec(Codec):
             # communication: only the quantized change of each seen sample; m moves by exactly what was sent
             m = to_groups(store.gather([slots[i] for i in delta_rows]), layout)
             self._send_delta(to_groups(x[delta_rows], layout), m, group, state, msg.quantized)
-            m = from_groups(m, layout, rows_shape(x, len(delta_rows)))
+            m = from_groups(m, layout, [len(delta_rows), *x.shape[1:]])
         if full_rows:
             first = self._first_sight(x[full_rows], state, msg, layout, group)
         for written in (m, first):
@@ -199,11 +199,6 @@ def _check_rows(
     delta_rows = [i for i, d in enumerate(msg.sample_is_delta) if d]
     full_rows = [i for i, d in enumerate(msg.sample_is_delta) if not d]
     return ids, delta_rows, full_rows
-
-
-def rows_shape(x: torch.Tensor, n: int) -> list[int]:
-    """The shape of `n` rows of `x`."""
-    return [n, *x.shape[1:]]
 
 
 def _check_bounded(x: torch.Tensor, bound: float, field: str) -> None:

@@ -72,10 +72,9 @@ class GradQCodec(DirectQCodec):
 
     def _quantize_values(self, values, group, state):
         cfg = self.config
-        if cfg.scale_dtype == "float32":
-            seed = state.next_seed() if state is not None else None
-            return quantize(values, cfg.bits, group, stochastic=cfg.stochastic, seed=seed), None
         seed = state.next_seed() if state is not None else None
+        if cfg.scale_dtype == "float32":
+            return quantize(values, cfg.bits, group, stochastic=cfg.stochastic, seed=seed), None
         return quantize_compact(values, cfg.bits, group, cfg.scale_dtype, stochastic=cfg.stochastic, seed=seed)
 
     def _decode_body(self, msg, numel, state):

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from swarm.compression.codecs import BY_NAME, CODEC_NAMES, codec_class
-from swarm.compression.quantized import SCALE_DTYPES, SUPPORTED_BITS
+from swarm.compression.quantized import SCALE_DTYPES, SUPPORTED_BITS, group_size
+from swarm.compression.rotation import is_power_of_two
 
 GROUP_LAYOUTS = ("flat", "channel")
 ROTATIONS = ("none", "hadamard")
@@ -97,8 +98,7 @@ class CodecConfig:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.scale_dtype != "float32" and self.name != "gradq":
             raise ValueError("compact scales (scale_dtype, +cs, +bs) apply to the gradq codec only")
-        rotation_group = self.group_size or 256
-        if self.rotation == "hadamard" and (rotation_group < 2 or rotation_group & (rotation_group - 1)):
+        if self.rotation == "hadamard" and not is_power_of_two(group_size(self)):
             raise ValueError(f"rotation needs a power-of-two group_size, got {self.group_size}")
         if self.error_feedback and not codec.error_feedback:
             with_feedback = " and ".join(n for n, c in BY_NAME.items() if c.error_feedback)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import zstandard
 
-from swarm.compression import CodecConfig, frame, make_codec
+from swarm.compression import CodecConfig, codec_acsgd, frame, make_codec
 from swarm.compression.layout import CHANNEL, FLAT
 
 SCHEMES = {
@@ -70,20 +70,13 @@ def paper_dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> tor
     return (codes.float() - half) / half * scale.float()
 
 
-def pack_codes(codes: np.ndarray, bits: int) -> bytes:
-    """Codes (uint8, < 2^bits) packed little-endian, `8 / bits` per byte, as the swarm's kernels pack them."""
-    per = 8 // bits
-    c = np.concatenate([codes.ravel(), np.zeros((-codes.size) % per, np.uint8)]).reshape(-1, per).astype(np.uint8)
-    out = np.zeros(len(c), np.uint8)
-    for k in range(per):
-        out |= c[:, k] << (k * bits)
-    return out.tobytes()
+def pack_codes(codes: np.ndarray | torch.Tensor, bits: int) -> bytes:
+    """Codes (uint8, < 2^bits) packed as the swarm's kernels pack them (`codec_acsgd.pack_codes`)."""
+    return codec_acsgd.pack_codes(torch.as_tensor(codes), bits)
 
 
 def unpack_codes(payload: bytes, bits: int, numel: int) -> np.ndarray:
-    per = 8 // bits
-    b = np.frombuffer(payload, np.uint8)
-    return np.stack([(b >> (k * bits)) & ((1 << bits) - 1) for k in range(per)], 1).ravel()[:numel]
+    return codec_acsgd.unpack_codes(payload, bits, numel).numpy()
 
 
 def entropy_bits(codes: np.ndarray, bits: int) -> float:
@@ -140,7 +133,7 @@ def measure(deltas: list[torch.Tensor], scheme: str, bits: int, seed: int = 0) -
         if layout is None:
             codes, scale = paper_quantize(d, bits)
             y = paper_dequantize(codes, scale, bits)
-            payload = pack_codes(codes.numpy(), bits)
+            payload = pack_codes(codes, bits)
             scale_bytes = scale.numpy().tobytes()
             plain = len(payload) + len(scale_bytes)
             wire = len(zc.compress(payload + scale_bytes))

@@ -302,8 +302,8 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
     if not ids:
         return None
     flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
-    nested = () if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
-    return Route(*flat, *(nested or ((), ())), predicted_step_s=predicted_step_s(record.plan))
+    nested = ((), ()) if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
+    return Route(*flat, *nested, predicted_step_s=predicted_step_s(record.plan))
 
 
 def predicted_step_s(plan: dict) -> float | None:
@@ -489,9 +489,9 @@ class Planner:
         made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed, self.replicas), version=version)
         if self.even_layers:
             made = with_even_layers(made, swarm.plan_input, self.spec)
-        self.dht.publish_plan(
-            version, {**made.to_dict(), **self.codecs_for(made.to_dict()["stages"], swarm), "trainer_ids": trainers}
-        )
+        made_dict = made.to_dict()
+        codecs = self.codecs_for(made_dict["stages"], swarm)
+        self.dht.publish_plan(version, {**made_dict, **codecs, "trainer_ids": trainers})
         log.info(
             "published plan %d: %d stages x %d replicas over %d peers (%d links measured, %d assumed), "
             "predicted %.3f s/step",

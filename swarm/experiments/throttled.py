@@ -246,7 +246,7 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
 
 
 def _int(step: dict, key: str) -> int:
-    return int(step.get(key) or 0)  # a column the runtime does not write yet reads as 0
+    return int(step.get(key) or 0)  # a missing or empty column (a torch row, an older run's steps.csv) reads as 0
 
 
 def _busiest_direction(step: dict) -> float:
@@ -287,7 +287,7 @@ def summarize(
         "wire_bytes": wire,
         "fp32_wire_bytes": sum(_int(s, "fp32_wire_bytes") for s in steps),
         "wire_bytes_per_step": wire / len(steps),
-        # the tied embedding's gradient sync (counted in the totals once the runtime reports them)
+        # the tied embedding's gradient sum between the end stages (also in the totals)
         "sync_bytes": sum(_int(s, "sync_bytes") for s in steps),
         "control_bytes": sum(_int(s, "control_bytes") for s in steps),
         "total_wire_bytes": total,

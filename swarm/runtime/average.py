@@ -121,13 +121,8 @@ class GradientAverager:
         most fp32 (`receive` then holds each message to its own group's exact size)."""
         self._arrived = threading.Condition()
 
-    # the stage group's state, by the names the tests and the docs use
     residual = property(lambda self: self.groups[False].residual, doc="Stage error feedback (committed).")
     tied_residual = property(lambda self: self.groups[True].residual, doc="Tied error feedback (committed).")
-    _pending = property(lambda self: self.groups[False].pending)
-    _inbox = property(lambda self: self.groups[False].inbox)
-    _inbox_step = property(lambda self: self.groups[False].inbox_step)
-    _reduced = property(lambda self: self.groups[False].reduced)
 
     def tied_done(self, step: int) -> bool:
         """Whether this stage's tied gradient is the tied group's sum for `step` (always, off the end stages)."""
@@ -292,7 +287,7 @@ class GradientAverager:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"Reduce of step {request.step} before its every backward ran here (open step: {host.open_step})",
                 )
-            if self._reduced == request.step:
+            if self.groups[False].reduced == request.step:
                 raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step} is already reduced")
         return peers.index(host.peer_id)
 

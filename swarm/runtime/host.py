@@ -442,10 +442,8 @@ class StageHost:
             tied = self.worker.module.tied_parameter() if self.role.n_stages > 1 else None
             sq = 0.0
             for p in self.worker.module.parameters():
-                if p.grad is not None and p is not tied:
+                if p.grad is not None and (p is not tied or self.role.is_first):
                     sq += float(p.grad.detach().float().pow(2).sum())
-            if tied is not None and self.role.is_first and tied.grad is not None:
-                sq += float(tied.grad.detach().float().pow(2).sum())
         return stage_pb2.GradReply(grad_sq_norm=sq)
 
     def step(self, request: stage_pb2.StepRequest) -> float:

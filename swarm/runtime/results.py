@@ -47,7 +47,8 @@ class StepResult:
     replica averaging + control. Equal to forward + backward + sync + reduce + control when `attempts` == 1."""
     fp32_total_wire_bytes: int = 0
     """The same tensors in fp32 (the boundaries, sync and averaging at 4 bytes per element, over all attempts)
-    plus the same control bytes: the denominator of every ratio a report prints."""
+    plus the same control bytes. The experiments' ratios divide by what an fp32 run actually sent instead
+    (zstd beats this raw figure)."""
 
     @property
     def forward_bytes(self) -> int:

@@ -82,48 +82,12 @@ def _cell(folder: Path, steps_per_epoch: int) -> dict | None:
     }
 
 
-def live_cells(out: Path, rates: list[float | None], settings: list[str], steps: int = 12) -> list[dict]:
-    """Throttled-like cells (2 local peers, 16 samples, batches of 8 in 4 micro-batches) whose peers PLAN
-    (--assign plan --plan-even-layers: probes, the published prediction) instead of an even split by join
-    order: each row is the plan's predicted step beside the measured mean after the first epoch."""
-    from swarm.testbed.local import local_swarm
-    from swarm.train.trainer import TrainConfig, train
-
-    rows = []
-    for rate in rates:
-        for setting in settings:
-            fw, bw = setting.split("/")
-            label = f"{'unshaped' if rate is None else f'{rate:g}mbit'}-{fw}-{bw}"
-            flags = ["--assign", "plan", "--plan-even-layers", "--fw-codec", fw, "--bw-codec", bw]
-            flags += ["--total-steps", str(steps), "--warmup-steps", "1"]
-            flags += [] if rate is None else ["--rate-mbit", str(rate)]
-            cfg = TrainConfig(train_samples=16, batch_size=8, micro_batches=4, schedule="1f1b", steps=steps, seed=0,
-                              setting=setting, deadline_s=300.0, out=str(out / label))  # fmt: skip
-            with local_swarm(out / label, 2, flags) as swarm:
-                train(cfg, swarm.path, quiet=True, signer=swarm.signer)
-            logs = "".join(p.read_text() for p in sorted((out / label / "logs").glob("peer*.log")))
-            predicted = [float(x) for x in re.findall(r"predicted ([0-9.]+) s/step", logs)]
-            with open(out / label / "steps.csv") as f:
-                times = [float(r["step_s"]) for r in csv.DictReader(f)]
-            measured = statistics.mean(times[2:] or times)
-            row = {"cell": label, "predicted_step_s": predicted[-1] if predicted else None, "measured_step_s": measured}
-            row["error"] = row["predicted_step_s"] / measured - 1 if predicted else None
-            row["layers_per_s"] = [float(x) for x in _SPEED.findall(logs)]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--live"] and len(argv) == 4:
-        rates = [None if r == "none" else float(r) for r in argv[2].split(",")]
-        live_cells(Path(argv[1]), rates, argv[3].split(","))
-        return 0
     if not argv:
         print(
             "usage: python -m swarm.scheduler.predict RUN_DIR [STEPS_PER_EPOCH]\n"
-            "       python -m swarm.scheduler.predict --live OUT RATES SETTINGS  (e.g. 1,none fp32/fp32)",
+            "(live cells with the plan's own prediction: swarm experiment throttled, columns predicted_step_s)",
             file=sys.stderr,
         )
         return 2

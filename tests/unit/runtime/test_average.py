@@ -83,7 +83,7 @@ def test_a_member_that_never_sends_fails_the_reduce_in_time_and_changes_nothing(
     assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert pipe.peers[1] in result.details() and "nothing was summed" in result.details()
     assert torch.equal(flat(pipe, 0), before)
-    assert pipe.hosts[0].averager.residual is None and pipe.hosts[0].averager._pending is None
+    assert pipe.hosts[0].averager.residual is None and pipe.hosts[0].averager.groups[False].pending is None
 
 
 def test_a_second_reduce_of_a_step_is_refused_and_sums_nothing_twice():
@@ -143,7 +143,7 @@ def test_strangers_average_and_reduce_are_refused_before_the_body_is_read():
         step=0, stage=0, group_peers=pipe.peers, group_addresses=[pipe.addresses[0], "evil:1"]
     )
     refused(pipe.client(0).Reduce, evil, code=grpc.StatusCode.PERMISSION_DENIED, words="plan addresses")
-    assert pipe.hosts[0].averager._inbox == {}
+    assert pipe.hosts[0].averager.groups[False].inbox == {}
 
 
 def pipe_identity(pipe: Replicas, r: int) -> Identity:
@@ -182,7 +182,7 @@ def test_a_waiting_reduce_holds_one_slot_and_leaves_status_and_step_free():
     waiting.start()
     inbox = pipe.hosts[1].averager
     with inbox._arrived:  # replica 0 sent its gradients: it now waits for replica 1's
-        assert inbox._arrived.wait_for(lambda: inbox._inbox, timeout=30)
+        assert inbox._arrived.wait_for(lambda: inbox.groups[False].inbox, timeout=30)
     (second,) = pipe.reduce(0, members=[0])
     assert isinstance(second, LocalRpcError) and second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert pipe.client(0).Status(stage_pb2.Empty()).stage == 0  # control calls still answered
@@ -205,7 +205,7 @@ def test_an_unreachable_member_fails_the_reduce_by_name():
     (result,) = pipe.reduce(0, members=[0], deadline_s=5)
     assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.UNAVAILABLE
     assert pipe.peers[1] in result.details()
-    assert torch.equal(flat(pipe, 0), before) and pipe.hosts[0].averager._pending is None
+    assert torch.equal(flat(pipe, 0), before) and pipe.hosts[0].averager.groups[False].pending is None
 
 
 def test_a_sender_that_dies_halfway_leaves_nothing_held_and_may_send_again():
@@ -217,6 +217,6 @@ def test_a_sender_that_dies_halfway_leaves_nothing_held_and_may_send_again():
     from_1 = pipe.client(0, pipe_identity(pipe, 1))
     refused(from_1.Average, iter([*items[:-1], last.SerializeToString()]), code=grpc.StatusCode.INVALID_ARGUMENT,
             words="")  # fmt: skip
-    assert pipe.hosts[0].averager._inbox == {} or pipe.hosts[0].averager._inbox_step != 0
+    assert pipe.hosts[0].averager.groups[False].inbox == {} or pipe.hosts[0].averager.groups[False].inbox_step != 0
     from_1.Average(iter(items))  # the whole stream again (its sender came back): taken, not a duplicate
-    assert set(pipe.hosts[0].averager._inbox) == {pipe.ids[1].peer_id}
+    assert set(pipe.hosts[0].averager.groups[False].inbox) == {pipe.ids[1].peer_id}
