@@ -48,6 +48,16 @@ class ModelConfig:
     init_seed: int = 0
     """Seed of the deterministic per-parameter init."""
 
+    @property
+    def family(self) -> str:
+        """The model family ("gpt": this built-in model; Hugging Face families are in `swarm.model.hf`)."""
+        return "gpt"
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """The LM head is the token embedding (its two copies are summed by the end stages' tied group)."""
+        return True
+
     def __post_init__(self) -> None:
         if self.hidden_dim % self.n_heads:
             raise ValueError(f"hidden_dim {self.hidden_dim} is not divisible by n_heads {self.n_heads}")

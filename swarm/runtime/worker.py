@@ -17,7 +17,9 @@ import torch
 
 from swarm.model.gpt import Stage
 
-__all__ = ["OptimConfig", "StageConfig", "lr_at", "StageWorker"]
+__all__ = ["OptimConfig", "StageConfig", "lr_at", "StageWorker", "PRECISIONS"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,17 @@ class StageConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
     autocast_bf16: bool = False
-    """Run the forward under bf16 autocast (weights and optimizer state stay fp32)."""
+    """Run the forward under bf16 autocast (weights and optimizer state stay fp32); the same as precision "bf16"."""
+    precision: str = "fp32"
+    """Compute precision: "fp32", "bf16" (autocast) or "fp16" (autocast with dynamic loss scaling agreed by
+    every stage: a stage finding Inf/NaN makes every stage skip the step and lower the scale). Master weights
+    and optimizer state stay fp32."""
+    device: str = "cpu"
+    """Where the stage computes ("cpu", "cuda", "cuda:N")."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
