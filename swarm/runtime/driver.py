@@ -147,6 +147,9 @@ class PipelineDriver:
         """bytes of the driver's calls (requests and replies, serialized) since the step began"""
         self._all = Traffic()
         """every attempt's stage-reported bytes since the step began (failed attempts included)"""
+        self.loss_scale = 0.0
+        """the loss scale every stage holds for the next step, as their Grads and Step replies said (0: not
+        heard yet); named in every call, so a stage holding another refuses (swarm.runtime.precision)"""
 
     @property
     def n_stages(self) -> int:
@@ -188,6 +191,7 @@ class PipelineDriver:
             deadline_s=self.deadline_s,
             loss_weight=work.loss_weights[mb],
             chain=chain.index,
+            loss_scale=self.loss_scale,
         )
         if numbering is not None:  # uneven replica counts: each stage's replica numbers its own micro-batches
             info.stage_micro.extend(numbering[(chain.index, mb)][0])
@@ -366,7 +370,16 @@ class PipelineDriver:
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: future.result() for key, (future, _) in tasks.items()}
-        # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all
+        scales = {reply.loss_scale for reply in grads.values()}
+        if len(scales) != 1:  # a stage restarted without its scaler, or computes in another precision
+            self.abandon(step)
+            held = ", ".join(f"stage {s} replica {r}: {g.loss_scale:g}" for (s, r), g in sorted(grads.items()))
+            raise StageCallError(
+                f"step {step}: the stages' loss scales disagree ({held})", grpc.StatusCode.FAILED_PRECONDITION
+            )
+        self.loss_scale = scales.pop()
+        # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all;
+        # +Inf (a stage found Inf/NaN in its fp16 gradients) or NaN makes the norm non-finite: the step is skipped
         return math.sqrt(sum(grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)))
 
     def _apply(self, step: int, chains: list[Chain], norm: float, wake: threading.Event) -> float:
@@ -375,9 +388,17 @@ class PipelineDriver:
         more (Step is idempotent). Once any replica applied the step it counts as applied: a replica whose Step
         hangs past the deadline is declared dead (it catches up later), the step is never run again."""
 
+        skip = not math.isfinite(norm)
+
         def step_stage(s: int, replica: int) -> float:
-            req = stage_pb2.StepRequest(step=step, global_grad_norm=norm, plan_version=self.plan_version)
-            return self._call(s, replica, "Step", req).lr
+            req = stage_pb2.StepRequest(
+                step=step, global_grad_norm=norm, plan_version=self.plan_version, skip=skip, loss_scale=self.loss_scale
+            )
+            reply = self._call(s, replica, "Step", req)
+            scales.append(reply.loss_scale)
+            return reply.lr
+
+        scales: list[float] = []
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
         lrs: list[float] = []
@@ -412,6 +433,8 @@ class PipelineDriver:
                 break
         if not lrs:
             raise NoLiveChain(f"step {step}: every replica died before applying it")
+        # every stage updated its scale by the same decision; a stage that did not is refused by the next call
+        self.loss_scale = scales[0] if scales else self.loss_scale
         return lrs[0]
 
     # ---- the step ---------------------------------------------------------------------------------------
@@ -497,6 +520,7 @@ class PipelineDriver:
             loss, norm, lr, traffic, seconds, sync_bytes, counters,
             sample_ids=ids, attempts=attempt, dead_peers=tuple(sorted(self.dead - dead_before)),
             chains=len(used), reduce_bytes=traffic.direction_bytes("average"), control_bytes=control,
+            skipped=not math.isfinite(norm), loss_scale=self.loss_scale,
             total_wire_bytes=sum(every.sent.values()) + control,
             fp32_total_wire_bytes=every.fp32_wire_bytes + every.tied_fp32_bytes + control,
         )  # fmt: skip
