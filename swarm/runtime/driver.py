@@ -378,8 +378,11 @@ class PipelineDriver:
                 f"step {step}: the stages' loss scales disagree ({held})", grpc.StatusCode.FAILED_PRECONDITION
             )
         self.loss_scale = scales.pop()
-        # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all;
-        # +Inf (a stage found Inf/NaN in its fp16 gradients) or NaN makes the norm non-finite: the step is skipped
+        # +Inf (a stage found Inf/NaN in its fp16 gradients, and sent zeros to its replicas' sum) or NaN on any
+        # replica makes the norm non-finite: the step is skipped everywhere
+        if not all(math.isfinite(g.grad_sq_norm) for g in grads.values()):
+            return math.inf
+        # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all
         return math.sqrt(sum(grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)))
 
     def _apply(self, step: int, chains: list[Chain], norm: float, wake: threading.Event) -> float:
