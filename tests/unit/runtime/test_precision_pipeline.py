@@ -248,3 +248,17 @@ def test_an_unscaled_stage_refuses_a_scaled_call():
         assert r.loss_scale == 1.0 and not r.skipped
     finally:
         pipe.close()
+
+
+def test_a_held_copy_keeps_the_loss_scale(tmp_path):
+    """A peer holding a stage's copy for takeover (swarm.daemon.held) keeps its scaler's state with it."""
+    from swarm.daemon.held import HeldStore
+    from swarm.model.gpt import build_stage
+
+    a = StageWorker(build_stage(CFG, 0, 2, True, False), StageConfig(precision="fp16"))
+    a.scaler.update(True)
+    store = HeldStore(tmp_path)
+    assert store.save(0, 2, handover_tensors(a, 3))
+    b = StageWorker(build_stage(CFG, 0, 2, True, False), StageConfig(precision="fp16"))
+    take_over(b, HeldStore(tmp_path).load(0, 2))
+    assert b.scaler.scale == 2.0**15
