@@ -262,3 +262,39 @@ def test_a_held_copy_keeps_the_loss_scale(tmp_path):
     b = StageWorker(build_stage(CFG, 0, 2, True, False), StageConfig(precision="fp16"))
     take_over(b, HeldStore(tmp_path).load(0, 2))
     assert b.scaler.scale == 2.0**15
+
+
+def test_a_skip_with_the_default_codecs_keeps_the_links_in_step():
+    """With AQ-SGD activations and gradq gradients on the boundary, an overflowed stage sends zeros (the codecs
+    refuse Inf/NaN): both ends' buffers move alike, the step is skipped, and the next steps train on."""
+    from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+
+    cfg = StageConfig(precision="fp16")
+    fw, bw = CodecConfig.parse(DEFAULT_FW_CODEC), CodecConfig.parse(DEFAULT_BW_CODEC)
+    pipe = LocalPipeline(CFG, 2, fw, bw, stage_cfg=cfg)
+    try:
+        pipe.train_step(batch(seed=0), n_micro=2)
+        poison = Poison(next(pipe.hosts[1].worker.module.parameters()))
+        poison.armed = True
+        before = snapshot(pipe)
+        assert pipe.train_step(batch(seed=0), n_micro=2).skipped  # the same samples: AQ-SGD deltas
+        assert same(before, snapshot(pipe))
+        poison.armed = False
+        results = [pipe.train_step(batch(seed=0), n_micro=2) for _ in range(2)]
+        assert not any(r.skipped for r in results) and all(math.isfinite(r.loss) for r in results)
+        assert {h.worker.loss_scale for h in pipe.hosts} == {2.0**15}
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("named", [math.nan, math.inf, -1.0, 2.0**17])
+def test_a_call_naming_a_malformed_scale_is_refused(named):
+    pipe = pipeline("fp16", n_stages=2)
+    try:
+        pipe.driver(2).loss_scale = named
+        with pytest.raises(StageCallError, match="loss_scale") as e:
+            pipe.train_step(batch(seed=0), n_micro=2)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert all(h.worker.step_count == 0 and h.open_step is None for h in hosts(pipe))
+    finally:
+        pipe.close()
