@@ -9,6 +9,7 @@ norm for clipping, and the sum of the tied embedding's gradients.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from swarm.model.gpt import Stage
 from swarm.runtime.precision import PRECISIONS, LossScaler, ScalerConfig, autocast
 
 __all__ = ["OptimConfig", "StageConfig", "lr_at", "StageWorker", "PRECISIONS"]
+
+log = logging.getLogger("swarm.runtime.worker")
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ class StageWorker:
         self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.peak_in_flight = 0
         self.precision = self.cfg.compute_precision
+        if self.precision == "fp16" and torch.device(self.cfg.device).type == "cpu":
+            log.warning("fp16 on the CPU is exact but slow (no fp16 matmul: 11x fp32's step measured); bf16 is not")
         self.scaler = LossScaler(self.cfg.scaler) if self.precision == "fp16" else None
         """fp16's loss scale (None: unscaled); advanced by every `step`, skipped or applied"""
         self.found_inf = False
