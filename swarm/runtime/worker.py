@@ -119,7 +119,7 @@ class StageWorker:
         self.peak_in_flight = 0
         self.precision = self.cfg.compute_precision
         if self.precision == "fp16" and torch.device(self.cfg.device).type == "cpu":
-            log.warning("fp16 on the CPU is exact but slow (no fp16 matmul: 11x fp32's step measured); bf16 is not")
+            log.warning("fp16 on the CPU works but is slow (no fp16 matmul: 11x fp32's step measured); bf16 is not")
         self.scaler = LossScaler(self.cfg.scaler) if self.precision == "fp16" else None
         """fp16's loss scale (None: unscaled); advanced by every `step`, skipped or applied"""
         self.found_inf = False
