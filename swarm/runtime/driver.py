@@ -52,6 +52,7 @@ from swarm.runtime.chains import (
     spawn,
 )
 from swarm.runtime.gate import runs_through
+from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
 from swarm.runtime.routes import n_routes, route_replicas, stage_numbering, uneven
 
@@ -370,20 +371,12 @@ class PipelineDriver:
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: future.result() for key, (future, _) in tasks.items()}
-        scales = {reply.loss_scale for reply in grads.values()}
-        if len(scales) != 1:  # a stage restarted without its scaler, or computes in another precision
+        try:
+            self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
+        except StageCallError:
             self.abandon(step)
-            held = ", ".join(f"stage {s} replica {r}: {g.loss_scale:g}" for (s, r), g in sorted(grads.items()))
-            raise StageCallError(
-                f"step {step}: the stages' loss scales disagree ({held})", grpc.StatusCode.FAILED_PRECONDITION
-            )
-        self.loss_scale = scales.pop()
-        # +Inf (a stage found Inf/NaN in its fp16 gradients, and sent zeros to its replicas' sum) or NaN on any
-        # replica makes the norm non-finite: the step is skipped everywhere
-        if not all(math.isfinite(g.grad_sq_norm) for g in grads.values()):
-            return math.inf
-        # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all
-        return math.sqrt(sum(grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)))
+            raise
+        return norm
 
     def _apply(self, step: int, chains: list[Chain], norm: float, wake: threading.Event) -> float:
         """`Step` on every distinct live replica `chains` used, once each. A replica that dies now is left behind
@@ -391,20 +384,15 @@ class PipelineDriver:
         more (Step is idempotent). Once any replica applied the step it counts as applied: a replica whose Step
         hangs past the deadline is declared dead (it catches up later), the step is never run again."""
 
-        skip = not math.isfinite(norm)
-
-        def step_stage(s: int, replica: int) -> float:
+        def step_stage(s: int, replica: int) -> stage_pb2.StepReply:
+            skip = not math.isfinite(norm)  # every stage skips, drops its gradients and lowers its loss scale
             req = stage_pb2.StepRequest(
                 step=step, global_grad_norm=norm, plan_version=self.plan_version, skip=skip, loss_scale=self.loss_scale
             )
-            reply = self._call(s, replica, "Step", req)
-            scales.append(reply.loss_scale)
-            return reply.lr
-
-        scales: list[float] = []
+            return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
-        lrs: list[float] = []
+        lrs: list[stage_pb2.StepReply] = []
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
             try:
@@ -436,9 +424,8 @@ class PipelineDriver:
                 break
         if not lrs:
             raise NoLiveChain(f"step {step}: every replica died before applying it")
-        # every stage updated its scale by the same decision; a stage that did not is refused by the next call
-        self.loss_scale = scales[0] if scales else self.loss_scale
-        return lrs[0]
+        self.loss_scale = lrs[0].loss_scale  # every stage moved it alike; one that did not refuses the next call
+        return lrs[0].lr
 
     # ---- the step ---------------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarm.net.stream import CallRefused
+from swarm.net.stream import CallRefused, StageCallError
 
 if TYPE_CHECKING:
     from swarm.proto import stage_pb2
@@ -46,6 +46,7 @@ __all__ = [
     "LossScaler",
     "ScalerConfig",
     "add_precision_argument",
+    "agreed_step",
     "autocast",
     "autocast_dtype",
     "check_scale",
@@ -189,3 +190,21 @@ def check_step(request: stage_pb2.StepRequest, worker: StageWorker) -> None:
     why = step_mismatch(request.global_grad_norm, request.skip, worker.found_inf)
     if why is not None:
         raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, why)
+
+
+def agreed_step(step: int, replies: dict[tuple[int, int], stage_pb2.GradReply], counted: list[tuple[int, int]]):
+    """The trainer's reading of a step's Grads replies (keyed (stage, replica)): (the loss scale every stage holds,
+    the global norm over the replicas in `counted`, one per stage: a stage's replicas hold the same reduced
+    gradients). Any replica's non-finite norm (+Inf: it found Inf/NaN in its fp16 gradients and sent zeros to
+    its replicas' sum) makes the norm +Inf: the step is skipped everywhere. Raises StageCallError
+    (FAILED_PRECONDITION) when the stages hold different scales (one restarted without its scaler's state, or
+    computes in another precision): no scale may then be trusted and the step must not be applied."""
+    scales = {reply.loss_scale for reply in replies.values()}
+    if len(scales) != 1:
+        held = ", ".join(f"stage {s} replica {r}: {g.loss_scale:g}" for (s, r), g in sorted(replies.items()))
+        raise StageCallError(
+            f"step {step}: the stages' loss scales disagree ({held})", grpc.StatusCode.FAILED_PRECONDITION
+        )
+    if not all(math.isfinite(reply.grad_sq_norm) for reply in replies.values()):
+        return scales.pop(), math.inf
+    return scales.pop(), math.sqrt(sum(replies[key].grad_sq_norm for key in counted))
