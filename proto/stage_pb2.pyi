@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CallInfo(_message.Message):
-    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s", "loss_weight", "chain", "stage_micro", "stage_micro_count", "tied")
+    __slots__ = ("step", "micro_batch", "stage", "plan_version", "num_micro_batches", "schedule", "route", "route_peers", "deadline_s", "loss_weight", "chain", "stage_micro", "stage_micro_count", "tied", "loss_scale")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class CallInfo(_message.Message):
     STAGE_MICRO_FIELD_NUMBER: _ClassVar[int]
     STAGE_MICRO_COUNT_FIELD_NUMBER: _ClassVar[int]
     TIED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     step: int
     micro_batch: int
     stage: int
@@ -37,7 +38,8 @@ class CallInfo(_message.Message):
     stage_micro: _containers.RepeatedScalarFieldContainer[int]
     stage_micro_count: _containers.RepeatedScalarFieldContainer[int]
     tied: bool
-    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., loss_weight: _Optional[float] = ..., chain: _Optional[int] = ..., stage_micro: _Optional[_Iterable[int]] = ..., stage_micro_count: _Optional[_Iterable[int]] = ..., tied: _Optional[bool] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., schedule: _Optional[str] = ..., route: _Optional[_Iterable[str]] = ..., route_peers: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., loss_weight: _Optional[float] = ..., chain: _Optional[int] = ..., stage_micro: _Optional[_Iterable[int]] = ..., stage_micro_count: _Optional[_Iterable[int]] = ..., tied: _Optional[bool] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("shape", "tokens", "sample_ids", "width", "zstd")
@@ -109,34 +111,44 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version")
+    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIED_GRAD_SUM_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     ABANDON_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     step: int
     tied_grad_sum: _wire_pb2.TensorMessage
     global_grad_norm: float
     abandon: bool
     plan_version: int
-    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ...) -> None: ...
+    skip: bool
+    loss_scale: float
+    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class GradReply(_message.Message):
-    __slots__ = ("tied_grad", "grad_sq_norm")
+    __slots__ = ("tied_grad", "grad_sq_norm", "loss_scale")
     TIED_GRAD_FIELD_NUMBER: _ClassVar[int]
     GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     tied_grad: _wire_pb2.TensorMessage
     grad_sq_norm: float
-    def __init__(self, tied_grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ...) -> None: ...
+    loss_scale: float
+    def __init__(self, tied_grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "lr")
+    __slots__ = ("step", "lr", "loss_scale", "skipped")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     step: int
     lr: float
-    def __init__(self, step: _Optional[int] = ..., lr: _Optional[float] = ...) -> None: ...
+    loss_scale: float
+    skipped: bool
+    def __init__(self, step: _Optional[int] = ..., lr: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")

@@ -23,6 +23,7 @@ from swarm.peers.records import MAX_PLANNER_LEASE_S
 from swarm.peers.shaper import LinkShape
 from swarm.peers.transport import TransportConfig
 from swarm.runtime.budget import StageBudget
+from swarm.runtime.precision import add_precision_argument
 from swarm.runtime.worker import OptimConfig
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ class PeerConfig:
     """With assign even: serve this stage instead of the split's."""
     device: str = "cpu"
     """torch device to compute on."""
+    precision: str = "fp32"
+    """Compute precision (swarm.runtime.precision): fp32, bf16, or fp16 with loss scaling; all stages alike."""
     threads: int = 1
     """torch intra-op threads."""
     compute_layers_per_s: float = 0.0
@@ -301,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--probe-refresh-s", type=float, default=plans.refresh_s, help="re-measure a link after this many seconds"
     )
     add_model_arguments(parser)
+    add_precision_argument(parser)
     # defaults come from OptimConfig so a swarm and the in-process pipeline train alike unless told otherwise
     optim = OptimConfig()
     g = parser.add_argument_group("optimizer")
@@ -355,6 +359,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         num_stages=args.num_stages,
         stage=args.stage,
         device=args.device,
+        precision=args.precision,
         threads=args.threads,
         compute_layers_per_s=args.compute_speed,
         assign_timeout_s=args.assign_timeout_s,

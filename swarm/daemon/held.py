@@ -83,7 +83,7 @@ class HeldStore:
         if self._steps.get((start, end), -1) > steps:
             return False
         lr_step = int(tensors["meta.lr_step"].max()) if "meta.lr_step" in tensors else 0
-        state = {k: v for k, v in tensors.items() if k.startswith(("model.", "optim."))}
+        state = {k: v for k, v in tensors.items() if k.startswith(("model.", "optim.", "amp."))}
         metadata = {
             "format": FORMAT,
             "layer_start": str(start),

@@ -32,6 +32,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.options import add_schedule_argument
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.local import LocalPipeline
+from swarm.runtime.precision import add_precision_argument
 from swarm.runtime.worker import OptimConfig, StageConfig
 
 __all__ = ["Setting", "ExperimentConfig", "add_arguments", "run", "run_experiment", "DEFAULT_SETTINGS"]
@@ -136,6 +137,8 @@ class ExperimentConfig:
     """zstd level of the framing."""
     autocast_bf16: bool = False
     """Run stage forwards under bf16 autocast."""
+    precision: str = "fp32"
+    """Stage compute precision (swarm.runtime.precision): fp32, bf16, or fp16 with agreed loss scaling."""
 
 
 @dataclass
@@ -158,7 +161,7 @@ def _run_setting(
     def codecs(epoch: int) -> tuple[CodecConfig, CodecConfig]:
         return (fp32, fp32) if epoch < setting.warmup_epochs else (setting.forward, setting.backward)
 
-    stage_cfg = StageConfig(optim, cfg.autocast_bf16)
+    stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
     pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
@@ -431,7 +434,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rounding of the activation codecs unless a setting says +sr/+nr (default %(default)s)",
     )
     add("--zstd-level", type=int, default=d.zstd_level, help="zstd level of the framing, 0 = off (default %(default)s)")
-    add("--bf16", action="store_true", help="bf16 autocast in the stage forwards")
+    add("--bf16", action="store_true", help="bf16 autocast in the stage forwards (= --precision bf16)")
+    add_precision_argument(parser)
     add("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
     add("--quick", action="store_true", help="tiny model and data, 3 epochs, 3 settings: a smoke test in seconds")
     add("--no-progress", action="store_true", help="hide the progress bar")
@@ -467,6 +471,7 @@ def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
         backward_group_size=args.bw_group_size,
         zstd_level=args.zstd_level,
         autocast_bf16=args.bf16,
+        precision=args.precision,
     )
     if not args.quick:
         return cfg

@@ -26,6 +26,8 @@ log = logging.getLogger("swarm.runtime.checkpoint")
 
 FORMAT = "swarm-stage/1"
 OPTIM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+AMP_KEYS = ("amp.scale", "amp.good_steps")
+"""fp16's loss scaler (swarm.runtime.precision.LossScaler.state_tensors), saved by fp16 stages only"""
 """What AdamW keeps per parameter."""
 
 
@@ -87,6 +89,8 @@ def worker_tensors(worker: StageWorker) -> dict[str, torch.Tensor]:
                 # every tensor has a dimension (the step too): the wire's fp32 codec sends no 0-d tensors
                 value = torch.as_tensor(value).detach().clone().float()
                 tensors[f"optim.{name}.{key}"] = value.reshape(1) if key == "step" else value
+    if worker.scaler is not None:  # fp16: the loss scale continues where it was (swarm.runtime.precision)
+        tensors.update(worker.scaler.state_tensors())
     return tensors
 
 
@@ -129,7 +133,10 @@ def load_worker(path: Path, worker: StageWorker, layer_start: int, layer_end: in
     optim_names = [k for k in state if k.startswith("optim.")]
     if optim_names and set(optim_names) != {k for k in expected if k.startswith("optim.")}:
         raise ValueError(f"checkpoint {path}: optimizer state for other parameters than this stage's")
-    load_stage(path, {k: v for k, v in expected.items() if k.startswith("model.") or optim_names}, state)
+    expected.update({k: torch.empty(1) for k in state if k in AMP_KEYS})  # a scaler's state, if it was saved
+    load_stage(path, {k: v for k, v in expected.items() if not k.startswith("optim.") or optim_names}, state)
+    if worker.scaler is not None and AMP_KEYS[0] in state:
+        worker.scaler.load_tensors(state)  # checked whole before the weights change below
     worker.module.load_state_dict({k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")})
     worker.optimizer.state.clear()
     for name, param in params.items():
@@ -189,7 +196,10 @@ def _with_meta(tensors: dict[str, torch.Tensor], lr_step, steps_done) -> dict[st
 def take_over(worker: StageWorker, tensors: dict[str, torch.Tensor]) -> tuple[int, list[str], int]:
     """Loads what `tensors` (merged `handover_tensors` of the old holders) has of this stage's parameters:
     weights, their moments, and the schedule's position (the furthest one). Returns (tensors loaded, names of
-    this stage's weights left at their initial values, steps done)."""
+    this stage's weights left at their initial values, steps done). A loss scaler's state (`amp.*`) is checked
+    and taken first: a bad one raises before anything changed."""
+    if worker.scaler is not None and AMP_KEYS[0] in tensors:
+        worker.scaler.load_tensors(tensors)
     wanted = worker.module.state_dict()
     weights = {
         k[len("model.") :]: v

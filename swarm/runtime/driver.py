@@ -52,6 +52,7 @@ from swarm.runtime.chains import (
     spawn,
 )
 from swarm.runtime.gate import runs_through
+from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
 from swarm.runtime.routes import n_routes, route_replicas, stage_numbering, uneven
 
@@ -147,6 +148,9 @@ class PipelineDriver:
         """bytes of the driver's calls (requests and replies, serialized) since the step began"""
         self._all = Traffic()
         """every attempt's stage-reported bytes since the step began (failed attempts included)"""
+        self.loss_scale = 0.0
+        """the loss scale every stage holds for the next step, as their Grads and Step replies said (0: not
+        heard yet); named in every call, so a stage holding another refuses (swarm.runtime.precision)"""
 
     @property
     def n_stages(self) -> int:
@@ -188,6 +192,7 @@ class PipelineDriver:
             deadline_s=self.deadline_s,
             loss_weight=work.loss_weights[mb],
             chain=chain.index,
+            loss_scale=self.loss_scale,
         )
         if numbering is not None:  # uneven replica counts: each stage's replica numbers its own micro-batches
             info.stage_micro.extend(numbering[(chain.index, mb)][0])
@@ -366,8 +371,12 @@ class PipelineDriver:
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: future.result() for key, (future, _) in tasks.items()}
-        # the replicas of a stage hold identical reduced gradients: one replica's norm stands for them all
-        return math.sqrt(sum(grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)))
+        try:
+            self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
+        except StageCallError:
+            self.abandon(step)
+            raise
+        return norm
 
     def _apply(self, step: int, chains: list[Chain], norm: float, wake: threading.Event) -> float:
         """`Step` on every distinct live replica `chains` used, once each. A replica that dies now is left behind
@@ -375,12 +384,15 @@ class PipelineDriver:
         more (Step is idempotent). Once any replica applied the step it counts as applied: a replica whose Step
         hangs past the deadline is declared dead (it catches up later), the step is never run again."""
 
-        def step_stage(s: int, replica: int) -> float:
-            req = stage_pb2.StepRequest(step=step, global_grad_norm=norm, plan_version=self.plan_version)
-            return self._call(s, replica, "Step", req).lr
+        def step_stage(s: int, replica: int) -> stage_pb2.StepReply:
+            skip = not math.isfinite(norm)  # every stage skips, drops its gradients and lowers its loss scale
+            req = stage_pb2.StepRequest(
+                step=step, global_grad_norm=norm, plan_version=self.plan_version, skip=skip, loss_scale=self.loss_scale
+            )
+            return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
-        lrs: list[float] = []
+        lrs: list[stage_pb2.StepReply] = []
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
             try:
@@ -412,7 +424,8 @@ class PipelineDriver:
                 break
         if not lrs:
             raise NoLiveChain(f"step {step}: every replica died before applying it")
-        return lrs[0]
+        self.loss_scale = lrs[0].loss_scale  # every stage moved it alike; one that did not refuses the next call
+        return lrs[0].lr
 
     # ---- the step ---------------------------------------------------------------------------------------
 
@@ -497,6 +510,7 @@ class PipelineDriver:
             loss, norm, lr, traffic, seconds, sync_bytes, counters,
             sample_ids=ids, attempts=attempt, dead_peers=tuple(sorted(self.dead - dead_before)),
             chains=len(used), reduce_bytes=traffic.direction_bytes("average"), control_bytes=control,
+            skipped=not math.isfinite(norm), loss_scale=self.loss_scale,
             total_wire_bytes=sum(every.sent.values()) + control,
             fp32_total_wire_bytes=every.fp32_wire_bytes + every.tied_fp32_bytes + control,
         )  # fmt: skip

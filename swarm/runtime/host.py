@@ -10,6 +10,7 @@ last -> stage 0 the same way.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.gate import GateError, ScheduleGate
+from swarm.runtime.precision import check_scale, check_step
 from swarm.runtime.routes import local_micro
 from swarm.runtime.schedules import Kind
 from swarm.runtime.worker import StageConfig, StageWorker
@@ -156,6 +158,7 @@ class StageHost:
                 f"route names {len(info.route)} stages, this pipeline has {self.role.n_stages}",
             )
         self.budget.check_info(info)
+        check_scale(info.loss_scale, self.worker)
         if self.open_step is not None and info.step != self.open_step and not self._may_close(info.step, caller):
             raise CallRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -438,13 +441,8 @@ class StageHost:
         Under the compute lock, like every other reader and writer of the gradients: a Grads of an abandoned
         attempt that is still running when the next attempt's backward, Reduce or abandon touches the same
         gradients must not read them concurrently (torch does not make that safe; it crashed the process)."""
-        with self.compute_lock:
-            tied = self.worker.module.tied_parameter() if self.role.n_stages > 1 else None
-            sq = 0.0
-            for p in self.worker.module.parameters():
-                if p.grad is not None and (p is not tied or self.role.is_first):
-                    sq += float(p.grad.detach().float().pow(2).sum())
-        return stage_pb2.GradReply(grad_sq_norm=sq)
+        with self.compute_lock:  # +Inf where this stage found Inf/NaN (fp16): every stage then skips
+            return stage_pb2.GradReply(grad_sq_norm=self.worker.grad_sq_norm(), loss_scale=self.worker.loss_scale)
 
     def step(self, request: stage_pb2.StepRequest) -> float:
         """Steps the optimizer (or abandons the step's gradients). A Step for the step applied last (a retry after
@@ -462,7 +460,8 @@ class StageHost:
                 self._abandon()
             else:
                 self._check_step(request)
-                lr = self.worker.step(request.global_grad_norm)
+                check_step(request, self.worker)
+                lr = self.worker.step(math.inf if request.skip else request.global_grad_norm)
                 self.steps_done += 1
                 self.last_step, self._last_lr = request.step, lr
                 self.averager.commit()

@@ -49,6 +49,11 @@ class StepResult:
     """The same tensors in fp32 (the boundaries, sync and averaging at 4 bytes per element, over all attempts)
     plus the same control bytes. The experiments' ratios divide by what an fp32 run actually sent instead
     (zstd beats this raw figure)."""
+    skipped: bool = False
+    """The global gradient norm was not finite (fp16 overflow somewhere): every stage dropped the step's gradients
+    without an optimizer step and backed its loss scale off (`lr` is then 0)."""
+    loss_scale: float = 0.0
+    """The loss scale every stage holds for the next step (1: unscaled precisions; 0: not known)."""
 
     @property
     def forward_bytes(self) -> int:

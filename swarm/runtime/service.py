@@ -292,10 +292,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._checked(context, lambda caller: self.policy.check_step("Step", caller))
 
         def run():
-            lr = self._serving().step(request)
+            host = self._serving()
+            lr = host.step(request)
             with self._admission:
                 self._admission.notify_all()  # a plan change may be waiting for the step to end
-            return stage_pb2.StepReply(step=request.step, lr=lr)
+            skipped = request.skip and not request.abandon
+            return stage_pb2.StepReply(step=request.step, lr=lr, loss_scale=host.worker.loss_scale, skipped=skipped)
 
         return self._guard(context, run)
 

@@ -9,17 +9,18 @@ norm for clipping, and the sum of the tied embedding's gradients.
 
 from __future__ import annotations
 
+import logging
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from swarm.model.gpt import Stage
+from swarm.runtime.precision import PRECISIONS, LossScaler, ScalerConfig, autocast
 
 __all__ = ["OptimConfig", "StageConfig", "lr_at", "StageWorker", "PRECISIONS"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+log = logging.getLogger("swarm.runtime.worker")
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,19 @@ class StageConfig:
     and optimizer state stay fp32."""
     device: str = "cpu"
     """Where the stage computes ("cpu", "cuda", "cuda:N")."""
+    scaler: ScalerConfig = field(default_factory=ScalerConfig)
+    """fp16's dynamic loss scaling (every stage of a pipeline must use the same)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.autocast_bf16 and self.precision == "fp16":
+            raise ValueError("autocast_bf16 means precision bf16, not fp16")
+
+    @property
+    def compute_precision(self) -> str:
+        """The precision the stage computes in: `precision`, or "bf16" where only `autocast_bf16` says so."""
+        return "bf16" if self.autocast_bf16 else self.precision
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
@@ -107,6 +117,19 @@ class StageWorker:
         # Per micro-batch: (input that needs a gradient or None, output) saved by forward for backward.
         self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.peak_in_flight = 0
+        self.precision = self.cfg.compute_precision
+        if self.precision == "fp16" and torch.device(self.cfg.device).type == "cpu":
+            log.warning("fp16 on the CPU works but is slow (no fp16 matmul: 11x fp32's step measured); bf16 is not")
+        self.scaler = LossScaler(self.cfg.scaler) if self.precision == "fp16" else None
+        """fp16's loss scale (None: unscaled); advanced by every `step`, skipped or applied"""
+        self.found_inf = False
+        """this step met Inf/NaN in this stage's gradients or activations (fp16): it must be skipped"""
+        self.skipped_steps = 0
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale this stage's gradients are computed with this step (1.0 unscaled)."""
+        return 1.0 if self.scaler is None else self.scaler.scale
 
     @property
     def in_flight(self) -> int:
@@ -139,12 +162,16 @@ class StageWorker:
         x = inputs
         if not self.module.is_first:
             x = inputs.detach().requires_grad_(True)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast_bf16 else nullcontext()
-        with autocast:
+        with autocast(self.precision, self.cfg.device):
             out = self.module(x, targets) if self.module.is_last else self.module(x)
         self._saved[mb] = (x if x.requires_grad else None, out)
         self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
-        return out.detach()
+        out = out.detach().float()  # the boundary codecs take fp32 (the loss is fp32 already)
+        if self.scaler is not None and not bool(torch.isfinite(out).all()):
+            # fp16 overflow in the forward: the step will be skipped everywhere; send finite zeros meanwhile
+            self.found_inf = True
+            out = torch.zeros_like(out) if not self.module.is_last else out
+        return out
 
     def backward(self, mb: int, grad_out: torch.Tensor) -> torch.Tensor | None:
         """Backpropagate micro-batch `mb`, accumulating parameter gradients, and free its activations.
@@ -160,7 +187,32 @@ class StageWorker:
             the first stage.
         """
         x, out = self._saved.pop(mb)
-        out.backward(grad_out.to(out.dtype).reshape(out.shape))
+        if self.scaler is None:
+            out.backward(grad_out.to(out.dtype).reshape(out.shape))
+            return None if x is None else x.grad
+        return self._scaled_backward(x, out, grad_out)
+
+    def _scaled_backward(self, x: torch.Tensor | None, out: torch.Tensor, grad_out: torch.Tensor):
+        """fp16: backward of `grad_out` x scale, on top of the gradients so far times the scale, then everything
+        divided by the scale again (exact: a power of two) and checked for Inf/NaN in one fused pass. A stage
+        that finds any drops its gradients (zeros travel on) and marks the step to be skipped."""
+        scale = self.scaler.scale
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        held = [p.grad for p in params if p.grad is not None]
+        if held:
+            torch._foreach_mul_(held, scale)
+        out.backward((grad_out.float() * scale).to(out.dtype).reshape(out.shape))
+        grads = [p.grad for p in params if p.grad is not None] + ([x.grad] if x is not None else [])
+        found = torch.zeros(1, device=out.device)
+        if grads:
+            inv = torch.full((1,), 1.0 / scale, device=out.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        if bool(found.item()):
+            self.found_inf = True
+        if self.found_inf:
+            for p in params:
+                p.grad = None
+            return None if x is None else torch.zeros_like(x)
         return None if x is None else x.grad
 
     # Between the last backward and `step`, the runtime synchronises the tied embedding and computes the
@@ -183,6 +235,8 @@ class StageWorker:
     def grad_sq_norm(self) -> float:
         """Sum of squared gradients of this stage's parameters; the last stage's tied copy is left out when
         the first stage holds the original, so the global norm counts the tied weight once."""
+        if self.found_inf:
+            return math.inf
         skip = self.module.tied_parameter() if not self.module.is_first else None
         total = 0.0
         for p in self.module.parameters():
@@ -191,19 +245,29 @@ class StageWorker:
         return total
 
     def step(self, global_grad_norm: float | None = None) -> float:
-        """Clip by the global norm, take one optimizer step at the scheduled rate, zero the gradients.
+        """Clip by the global norm, take one optimizer step at the scheduled rate, zero the gradients. A
+        non-finite norm skips the step instead: the gradients are dropped, the optimizer and the learning-rate
+        schedule do not move, and the loss scale backs off (fp16).
 
         Args:
             global_grad_norm: the norm over all stages (from every stage's `grad_sq_norm`); None uses this
                 stage's own, which is right only for a single-stage pipeline.
 
         Returns:
-            The learning rate used.
+            The learning rate used (0.0 for a skipped step).
         """
         if self._saved:
             raise RuntimeError(f"step with micro-batches still in flight: {sorted(self._saved)}")
         optim = self.cfg.optim
         norm = math.sqrt(self.grad_sq_norm()) if global_grad_norm is None else global_grad_norm
+        skipped = not math.isfinite(norm)
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+        self.found_inf = False
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            return 0.0
         if optim.grad_clip_norm is not None and norm > optim.grad_clip_norm:
             scale = optim.grad_clip_norm / (norm + 1e-6)
             for p in self.module.parameters():
@@ -223,16 +287,17 @@ class StageWorker:
         return None if saved is None else saved[1].shape
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients and in-flight activations (e.g. after an aborted step)."""
+        """Drop accumulated gradients and in-flight activations (e.g. after an aborted step); the scale stays."""
         self.optimizer.zero_grad(set_to_none=True)
         self._saved.clear()
+        self.found_inf = False
 
     @torch.no_grad()
     def infer(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward without keeping anything for backward (evaluation)."""
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast_bf16 else nullcontext()
-        with autocast:
-            return self.module(inputs, targets) if self.module.is_last else self.module(inputs)
+        """Forward without keeping anything for backward (evaluation); fp32 out, like `forward`."""
+        with autocast(self.precision, self.cfg.device):
+            out = self.module(inputs, targets) if self.module.is_last else self.module(inputs)
+        return out.float()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

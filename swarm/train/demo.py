@@ -18,6 +18,7 @@ from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, codec_labels
 from swarm.options import add_model_arguments, add_schedule_argument, model_config
+from swarm.runtime.precision import add_precision_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="peers serve anonymous calls (measurement only; by default every call is signed and authorized)",
     )
     add_model_arguments(parser)
+    add_precision_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         "--rate-mbit", str(args.rate_mbit or 0), "--delay-ms", str(args.delay_ms),
         "--total-steps", str(steps), "--warmup-steps", str(max(1, steps // 5)),  # 10% spiked the loss
         "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(max(1, steps)),
-        *model_flags, *(["--no-auth"] if args.no_auth else []),
+        *model_flags, *(["--no-auth"] if args.no_auth else []), "--precision", args.precision,
     ]  # fmt: skip
     say(f"starting a bootstrap node and {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
     with local_swarm(out, args.peers, peer_flags, say) as swarm:
