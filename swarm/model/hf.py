@@ -40,7 +40,9 @@ FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 
 # Keys of a transformers config dict that say nothing about the weights (versions, local paths, runtime
 # switches); dropped so that equal models have equal identities wherever they were saved.
-_VOLATILE_KEYS = ("transformers_version", "_name_or_path", "_attn_implementation_autoset", "torch_dtype", "dtype")
+_VOLATILE_KEYS = (
+    "transformers_version", "_name_or_path", "_attn_implementation_autoset", "torch_dtype", "dtype", "architectures",
+)  # fmt: skip
 # Dropout off, no KV cache: every stage computes the same deterministic function the unsplit model does.
 _DETERMINISTIC = {
     "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0},
@@ -223,10 +225,16 @@ def hf_model_config(
         path = directory / "config.json"
         if not path.is_file():
             raise ValueError(f"{name}: no config.json in this directory")
-        config = json.loads(path.read_text())
-        family = config.get("model_type")
+        try:
+            config = json.loads(path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from exc
+        family = config.get("model_type") if isinstance(config, dict) else None
         if family not in FAMILIES:
             raise ValueError(f"{path}: unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
+        # save_pretrained writes only the keys that differ from the defaults: fill them in, so a directory
+        # and the preset it was saved from have one identity.
+        config = _family_config_dict(family, {k: v for k, v in config.items() if k != "model_type"})
         if weights is None and _has_weights(directory):
             weights = str(directory)
         default_seq = None
