@@ -50,6 +50,7 @@ _DETERMINISTIC = {
     "mistral": {"attention_dropout": 0.0},
     "qwen2": {"attention_dropout": 0.0},
 }
+_MAX_CONFIG_BYTES = 1 << 20
 _GPT2_KEYS = {"vocab_size": "vocab_size", "hidden": "n_embd", "layers": "n_layer", "heads": "n_head"}
 _LLAMA_KEYS = {"vocab_size": "vocab_size", "hidden": "hidden_size", "layers": "num_hidden_layers"}
 
@@ -98,6 +99,11 @@ class HFModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unsupported model family {self.family!r}; supported: {', '.join(FAMILIES)}")
+        if len(self.config_json) > _MAX_CONFIG_BYTES:
+            raise ValueError(f"config_json longer than {_MAX_CONFIG_BYTES} characters")
+        d = json.loads(self.config_json)
+        if not isinstance(d, dict) or d.get("model_type") != self.family:
+            raise ValueError(f"config_json is not a {self.family} config object")
         cfg = self.hf_config()
         limit = _max_positions(self.family, cfg)
         if not 1 <= self.seq_len_tokens <= limit:
@@ -222,19 +228,7 @@ def hf_model_config(
         default_seq = preset.seq_len_tokens
         search = [Path(weights)] if weights else []
     elif directory.is_dir():
-        path = directory / "config.json"
-        if not path.is_file():
-            raise ValueError(f"{name}: no config.json in this directory")
-        try:
-            config = json.loads(path.read_text())
-        except ValueError as exc:
-            raise ValueError(f"{path}: not JSON ({exc})") from exc
-        family = config.get("model_type") if isinstance(config, dict) else None
-        if family not in FAMILIES:
-            raise ValueError(f"{path}: unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
-        # save_pretrained writes only the keys that differ from the defaults: fill them in, so a directory
-        # and the preset it was saved from have one identity.
-        config = _family_config_dict(family, {k: v for k, v in config.items() if k != "model_type"})
+        family, config = _directory_config(directory)
         if weights is None and _has_weights(directory):
             weights = str(directory)
         default_seq = None
@@ -243,12 +237,13 @@ def hf_model_config(
         raise ValueError(
             f"unknown model {name!r}: not a directory and not a preset; presets: {', '.join(sorted(PRESETS))}"
         )
+    canonical = _canonical(family, config)
     if weights is not None:
         checkpoint_files(Path(weights))  # raises a clear error now rather than on every stage later
+        _check_same_model(Path(weights), family, canonical)
         weights = os.path.abspath(weights)
     if tokenizer is None:
         tokenizer = next((str(d / "tokenizer.json") for d in search if (d / "tokenizer.json").is_file()), None)
-    canonical = _canonical(family, config)
     if seq_len_tokens is None:
         seq_len_tokens = default_seq or min(_max_positions(family, _config_object(family, canonical)), 1024)
     cfg = HFModelConfig(family, canonical, seq_len_tokens, init_seed, weights, tokenizer)
@@ -257,6 +252,36 @@ def hf_model_config(
         if n > cfg.vocab_size:
             raise ValueError(f"tokenizer {tokenizer} has {n} tokens, more than the model's vocab {cfg.vocab_size}")
     return cfg
+
+
+def _directory_config(directory: Path) -> tuple[str, dict[str, Any]]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory}: no config.json in this directory")
+    if path.stat().st_size > _MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    family = config.get("model_type") if isinstance(config, dict) else None
+    if family not in FAMILIES:
+        raise ValueError(f"{path}: unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
+    # save_pretrained writes only the keys that differ from the defaults: fill them in, so a directory and
+    # the preset it was saved from have one identity.
+    return family, _family_config_dict(family, {k: v for k, v in config.items() if k != "model_type"})
+
+
+def _check_same_model(weights: Path, family: str, canonical: str) -> None:
+    """A weights directory's own config.json (if any) must describe the model being built."""
+    if not (weights / "config.json").is_file():
+        return
+    other_family, other = _directory_config(weights)
+    theirs, ours = json.loads(_canonical(other_family, other)), json.loads(canonical)
+    differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {ours.get(k)!r} vs {theirs.get(k)!r}" for k in differ[:5])
+        raise ValueError(f"weights {weights} are of another model ({shown})")
 
 
 def _family_config_dict(family: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -139,3 +139,13 @@ def test_import_swarm_model_hf_does_not_load_transformers() -> None:
     code = "import sys, swarm.model.hf; print({'transformers', 'tokenizers'} & set(sys.modules) or '')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_config_json_from_a_string_is_validated() -> None:
+    cfg = hf_model_config("gpt2-tiny")
+    with pytest.raises(ValueError, match="not a llama config"):
+        HFModelConfig("llama", cfg.config_json, 8)
+    with pytest.raises(ValueError, match="not a gpt2 config"):
+        HFModelConfig("gpt2", "[1]", 8)
+    with pytest.raises(ValueError, match="longer than"):
+        HFModelConfig("gpt2", " " * (2 << 20), 8)

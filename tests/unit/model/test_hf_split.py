@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,10 +31,19 @@ def _batch(cfg: HFModelConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return tokens, torch.randint(0, cfg.vocab_size, (2, 24), generator=gen)
 
 
+def _tied_llama(tmp_path) -> str:
+    config = dict(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3)
+    config.update(num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
 @pytest.mark.parametrize("split", sorted(SPLITS))
-@pytest.mark.parametrize("name", FAMILIES)
-def test_split_equals_unsplit_transformers_model(name: str, split: str) -> None:
-    cfg = hf_model_config(name, seq_len_tokens=32)
+@pytest.mark.parametrize("name", [*FAMILIES, "tied-llama"])
+def test_split_equals_unsplit_transformers_model(name: str, split: str, tmp_path) -> None:
+    cfg = hf_model_config(_tied_llama(tmp_path) if name == "tied-llama" else name, seq_len_tokens=32)
+    if name == "tied-llama":
+        assert cfg.tied_embeddings
     ref = unsplit_model(cfg).train()
     stages = _stages(cfg, SPLITS[split])
     tokens, targets = _batch(cfg)

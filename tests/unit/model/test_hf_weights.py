@@ -160,3 +160,18 @@ def test_bad_weights_directories_are_refused(tmp_path: Path) -> None:
     (tmp_path / INDEX).write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a safetensors index"):
         hf_model_config("llama-tiny", weights=str(tmp_path))
+
+
+def test_weights_of_another_model_are_refused_early(tmp_path: Path) -> None:
+    out = save_checkpoint(hf_model_config("mistral-tiny"), tmp_path / "mistral")
+    with pytest.raises(ValueError, match="of another model.*model_type: 'llama' vs 'mistral'"):
+        hf_model_config("llama-tiny", weights=str(out))
+
+
+def test_bf16_checkpoint_loads_into_fp32_master_weights(tmp_path: Path) -> None:
+    half = _single(tmp_path, lambda s: s.update({k: v.to(torch.bfloat16) for k, v in s.items()}))
+    stage = build_hf_stage(hf_model_config("llama-tiny", weights=half), 0, 1, True, False)
+    want = dict(build_hf_stage(hf_model_config("llama-tiny"), 0, 1, True, False).named_parameters())
+    for n, p in stage.named_parameters():
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p, want[n].to(torch.bfloat16).float(), rtol=0, atol=0)
