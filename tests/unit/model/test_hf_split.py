@@ -145,3 +145,33 @@ def test_bad_layer_range_is_refused() -> None:
         build_hf_stage(cfg, 2, 4, False, True)
     with pytest.raises(ValueError, match="bad layer range"):
         build_hf_stage(cfg, 2, 1, False, False)
+
+
+_DIGESTS = """
+import hashlib, sys, torch
+torch.set_num_threads(1)
+from swarm.model.hf import build_hf_stage, hf_model_config
+for name in sys.argv[1:]:
+    h = hashlib.sha256()
+    for n, p in build_hf_stage(hf_model_config(name), 1, 2, False, False).named_parameters():
+        h.update(n.encode() + p.detach().numpy().tobytes())
+    print(h.hexdigest())
+"""
+
+
+def test_stages_built_in_another_process_hold_the_same_weights() -> None:
+    import hashlib
+    import subprocess
+    import sys
+
+    names = ["gpt2-tiny", "llama-tiny"]
+    child = subprocess.run([sys.executable, "-c", _DIGESTS, *names], capture_output=True, text=True, timeout=240)
+    assert child.returncode == 0, child.stderr
+    want = []
+    for name in names:
+        full = dict(build_hf_stage(hf_model_config(name), 0, 3, True, True).named_parameters())
+        h = hashlib.sha256()
+        for n, _ in build_hf_stage(hf_model_config(name), 1, 2, False, False).named_parameters():
+            h.update(n.encode() + full[n].detach().numpy().tobytes())
+        want.append(h.hexdigest())
+    assert child.stdout.split() == want
