@@ -51,6 +51,8 @@ _DETERMINISTIC = {
     "qwen2": {"attention_dropout": 0.0},
 }
 _MAX_CONFIG_BYTES = 1 << 20
+DIRECTORY_SEQ_LEN = 256
+"""Default tokens per sample of a model from a directory (capped by its positions), as the CPU presets use."""
 _GPT2_KEYS = {"vocab_size": "vocab_size", "hidden": "n_embd", "layers": "n_layer", "heads": "n_head"}
 _LLAMA_KEYS = {"vocab_size": "vocab_size", "hidden": "hidden_size", "layers": "num_hidden_layers"}
 
@@ -213,7 +215,8 @@ def hf_model_config(
 
     Args:
         name: a key of `PRESETS`, or a local directory with a config.json.
-        seq_len_tokens: tokens per sample (None: the preset's default, or min(positions, 1024) for a directory).
+        seq_len_tokens: tokens per sample (None: the preset's default, or min(positions, 256) for a directory,
+            the presets' CPU-sized default).
         init_seed: seed of the deterministic init (used when there are no weights).
         weights: a local checkpoint directory; for a directory `name`, None means its own weights if it has any.
         tokenizer: a local tokenizer.json; None takes `name`'s or `weights`' tokenizer.json when present.
@@ -245,7 +248,8 @@ def hf_model_config(
     if tokenizer is None:
         tokenizer = next((str(d / "tokenizer.json") for d in search if (d / "tokenizer.json").is_file()), None)
     if seq_len_tokens is None:
-        seq_len_tokens = default_seq or min(_max_positions(family, _config_object(family, canonical)), 1024)
+        positions = _max_positions(family, _config_object(family, canonical))
+        seq_len_tokens = default_seq or min(positions, DIRECTORY_SEQ_LEN)
     cfg = HFModelConfig(family, canonical, seq_len_tokens, init_seed, weights, tokenizer)
     if tokenizer is not None:
         n = load_tokenizer(tokenizer).get_vocab_size()
