@@ -26,6 +26,7 @@ from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, 
 from swarm.kernels import SymQuantized, packed_nbytes, sym_apply_delta, sym_update, symmetric
 from swarm.kernels import sym_dequantize as sym_dequantize_packed
 from swarm.kernels import sym_quantize as sym_quantize_packed
+from swarm.kernels.host_copy import to_host
 from swarm.kernels.reference import pack, unpack
 from swarm.proto import wire_pb2
 
@@ -114,8 +115,9 @@ def _write(q: SymQuantized, out: wire_pb2.Quantized) -> None:
     """Only the packed codes and scales leave the device (one copy each)."""
     out.bits, out.group_size, out.numel = q.bits, q.group_size, q.numel
     out.scale_dtype = wire_dtype(torch.float16)
-    out.scales = tensor_to_bytes(q.scales.cpu())
-    out.payload = q.packed.cpu().numpy().tobytes()
+    packed, scales = to_host(q.packed, q.scales)
+    out.scales = tensor_to_bytes(scales)
+    out.payload = packed.numpy().tobytes()
 
 
 CODECS = (ACSGDCodec,)
