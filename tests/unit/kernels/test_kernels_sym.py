@@ -10,6 +10,8 @@ from swarm.compression import CodecConfig, LinkState, make_codec
 from swarm.kernels import cpu, symmetric
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TIES = [4.0, 0.25, 0.75, 1.25, -0.25, -0.75, 1.0, 3.0]
+"""A group of 8 whose quotients tie (x / step = k + 1/2 at 2 and 4 bits): rounding half to even decides them."""
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
 
@@ -23,6 +25,7 @@ def awkward(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     x[16:24] = torch.tensor([1e-9, -3e-9, 2e-10, -1e-12, 5e-9, 0.0, -1e-9, 1e-9])  # the fp16 scale rounds to 0
     if dtype != torch.float16:
         x[24:32] = torch.tensor([7e4, -9e4, 1.0, 65519.0, -65504.0, 3e5, 0.5, -2.0])  # past fp16's largest
+    x[40:48] = torch.tensor(TIES)
     return x.to(dtype)
 
 
@@ -152,3 +155,11 @@ def test_the_codec_sends_the_same_bytes_on_the_cpu_kernels_as_on_the_spec(label,
     slow = messages()
     for (a, ya), (b, yb) in zip(fast, slow, strict=True):
         assert a == b and same_bits(ya, yb)
+
+
+def test_ties_round_half_to_even():
+    x = torch.tensor(TIES)
+    codes, _ = symmetric.quantize_codes(x, 4, 8)
+    assert (codes.int() - 8).tolist() == [7, 0, 2, 2, 0, -2, 2, 6]  # 8 clips to 7; 0.5->0, 1.5->2, 2.5->2
+    assert torch.equal(cpu.sym_quantize(x, 4, 8).packed, symmetric.quantize(x, 4, 8).packed)
+    assert torch.equal(cpu.sym_quantize(x, 2, 8).packed, symmetric.quantize(x, 2, 8).packed)

@@ -21,6 +21,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered"),  # numpy, on the NaN/Inf inputs
 ]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TIES = [4.0, 0.25, 0.75, 1.25, -0.25, -0.75, 1.0, 3.0]
+"""A group of 8 whose quotients tie: x / step = k + 1/2 at 4 bits (step 0.5: 0.5, 1.5, 2.5, -0.5, -1.5) and at
+2 bits (step 2: 1.0 -> 0.5, 3.0 -> 1.5); rounding half to even decides them."""
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def awkward(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     x[16:24] = torch.tensor([1e-9, -3e-9, 2e-10, -1e-12, 5e-9, 0.0, -1e-9, 1e-9])
     if dtype != torch.float16:
         x[24:32] = torch.tensor([7e4, -9e4, 1.0, 65519.0, -65504.0, 3e5, 0.5, -2.0])
-    x[40:48] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 4.0, 3.5, -2.5])  # ties: half to even at 4 bits (step 0.5)
+    x[40:48] = torch.tensor(TIES)
     return x.to(dtype)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from swarm.compression import CodecConfig, LinkState, MemoryBufferStore, WireLimits, frame, make_codec, unframe
 from swarm.daemon.config import build_parser, config_from_args
+from swarm.kernels.host_copy import to_host
 from swarm.runtime.boundary import Direction, LinkEnds
 from swarm.runtime.device import (
     DeviceBufferStore,
@@ -166,3 +167,19 @@ def test_a_cuda_sending_end_encodes_on_the_device_and_the_cpu_receiver_agrees():
     assert torch.equal(sent.view(torch.int16), got.view(torch.int16))
     decoded = gpu.incoming(gpu.fw_recv, unframe(list(frame(on_cpu))), WireLimits())
     assert decoded.device.type == "cuda"
+
+
+def test_host_copies_of_cpu_tensors_are_the_tensors():
+    a, b = torch.randn(3), torch.zeros(2, dtype=torch.uint8)
+    got = to_host(a, b)
+    assert got[0] is a and got[1] is b
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_host_copies_of_cuda_tensors_are_pinned_and_exact():
+    a = torch.randn(1 << 20, device="cuda")
+    codes = (a > 0).to(torch.uint8)
+    host_a, host_codes = to_host(a, codes)
+    assert host_a.is_pinned() and host_codes.is_pinned()
+    assert torch.equal(host_a, a.cpu()) and torch.equal(host_codes, codes.cpu())
