@@ -163,3 +163,16 @@ def test_ties_round_half_to_even():
     assert (codes.int() - 8).tolist() == [7, 0, 2, 2, 0, -2, 2, 6]  # 8 clips to 7; 0.5->0, 1.5->2, 2.5->2
     assert torch.equal(cpu.sym_quantize(x, 4, 8).packed, symmetric.quantize(x, 4, 8).packed)
     assert torch.equal(cpu.sym_quantize(x, 2, 8).packed, symmetric.quantize(x, 2, 8).packed)
+
+
+def test_threads_split_the_groups_without_changing_a_bit():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 2**20 elements: the C++ path splits them across two threads
+    try:
+        x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(5))
+        m_ref, m_cpu = torch.zeros(1 << 20, dtype=torch.float16), torch.zeros(1 << 20, dtype=torch.float16)
+        q_ref = symmetric.update(x, m_ref, 2, 128, stochastic=True, seed=1)
+        q_cpu = cpu.sym_update(x, m_cpu, 2, 128, stochastic=True, seed=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert same_bits(q_ref.packed, q_cpu.packed) and same_bits(q_ref.scales, q_cpu.scales) and same_bits(m_ref, m_cpu)
