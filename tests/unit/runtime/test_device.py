@@ -183,3 +183,18 @@ def test_host_copies_of_cuda_tensors_are_pinned_and_exact():
     host_a, host_codes = to_host(a, codes)
     assert host_a.is_pinned() and host_codes.is_pinned()
     assert torch.equal(host_a, a.cpu()) and torch.equal(host_codes, codes.cpu())
+
+
+def test_the_codec_on_a_device_store_sends_what_it_sends_on_a_memory_store():
+    """The device store's gather/scatter/admit in the codec's own flow (on the CPU: the same bytes)."""
+    cfg = CodecConfig.parse("acsgd2+ch+nr", seed=3, first_sight_bits=4)
+    codec = make_codec(cfg)
+    memory = LinkState(cfg, MemoryBufferStore(cfg.buffer_capacity, cfg.torch_buffer_dtype))
+    device = LinkState(cfg, DeviceBufferStore(cfg.buffer_capacity, cfg.torch_buffer_dtype, "cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        x = torch.randn(3, 16, 24, generator=gen)
+        ids = [step % 3, step % 3 + 1, 7]
+        a = codec.encode(x, sample_ids=ids, state=memory)
+        b = codec.encode(x, sample_ids=ids, state=device)
+        assert a.SerializeToString() == b.SerializeToString()
