@@ -23,39 +23,27 @@ import torch
 from swarm.compression.codec_aqsgd import AQSGDCodec
 from swarm.compression.quantized import group_size
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
-from swarm.kernels import packed_nbytes
+from swarm.kernels import SymQuantized, packed_nbytes, sym_apply_delta, sym_update, symmetric
+from swarm.kernels import sym_dequantize as sym_dequantize_packed
+from swarm.kernels import sym_quantize as sym_quantize_packed
+from swarm.kernels.host_copy import to_host
 from swarm.kernels.reference import pack, unpack
 from swarm.proto import wire_pb2
 
-FP16_MAX = float(torch.finfo(torch.float16).max)
+FP16_MAX = symmetric.FP16_MAX
 
 
 def sym_quantize(
     x: torch.Tensor, bits: int, group: int, *, stochastic: bool = False, seed: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8, 0..2^bits-1, flattened) and fp16 scales (one per `group` consecutive elements of `x`)."""
-    half = 1 << (bits - 1)
-    v = x.detach().float().reshape(-1)
-    pad = (-v.numel()) % group
-    g = torch.cat([v, v.new_zeros(pad)]).view(-1, group) if pad else v.view(-1, group)
-    scale = g.abs().amax(1).clamp(max=FP16_MAX).half()
-    step = (scale.float() / half).clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-    t = g / step
-    if stochastic:
-        gen = torch.Generator()
-        gen.manual_seed(seed) if seed is not None else gen.seed()  # never reseeds torch's global generator
-        t = torch.floor(t + torch.rand(t.shape, generator=gen))
-    else:
-        t = torch.round(t)
-    codes = (t.clamp(-half, half - 1) + half).to(torch.uint8).reshape(-1)[: v.numel()]
-    return codes, scale
+    """Codes (uint8, 0..2^bits-1, flattened) and fp16 scales (one per `group` consecutive elements of `x`):
+    the torch specification (`swarm.kernels.symmetric`); the codec itself calls the kernels."""
+    return symmetric.quantize_codes(x, bits, group, stochastic=stochastic, seed=seed)
 
 
 def sym_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     """`(code - 2^(bits-1)) * scale / 2^(bits-1)` per element, float32, exact."""
-    half = 1 << (bits - 1)
-    step = (scales.float() / half).repeat_interleave(group)[: codes.numel()]
-    return (codes.float() - half) * step
+    return symmetric.dequantize_codes(codes, scales, bits, group)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
@@ -77,16 +65,12 @@ class ACSGDCodec(AQSGDCodec):
         return packed_nbytes(numel, self.config.bits) + 2 * math.ceil(numel / group_size(self.config))
 
     def _pack(self, x: torch.Tensor, bits: int, group: int, state, out: wire_pb2.Quantized) -> torch.Tensor:
-        seed = state.next_seed() if state is not None else None
-        codes, scales = sym_quantize(x, bits, group, stochastic=self.config.stochastic, seed=seed)
-        out.bits, out.group_size, out.numel = bits, group, codes.numel()
-        out.scale_dtype = wire_dtype(torch.float16)
-        out.scales = tensor_to_bytes(scales)
-        out.payload = pack_codes(codes, bits)
-        return sym_dequantize(codes, scales, bits, group)
+        q = sym_quantize_packed(x, bits, group, stochastic=self.config.stochastic, seed=_seed(state))
+        _write(q, out)
+        return sym_dequantize_packed(q)
 
-    def _unpack(self, msg: wire_pb2.Quantized, numel: int, field: str, bound: float) -> torch.Tensor:
-        """The checked values of `msg` (fp32): every length and bound before a byte is interpreted."""
+    def _unpack(self, msg: wire_pb2.Quantized, numel: int, field: str, bound: float) -> SymQuantized:
+        """The checked codes and scales of `msg`: every length and bound before a byte is interpreted."""
         if msg.bits not in (2, 3, 4, 8):
             raise WireError(f"{field}.bits", f"unsupported bit width {msg.bits}")
         if not 1 <= msg.group_size <= 65536:
@@ -102,20 +86,38 @@ class ACSGDCodec(AQSGDCodec):
             raise WireError(f"{field}.scales", "contains NaN, Inf or a negative scale")
         if scales.numel() and float(scales.float().max()) > bound:
             raise WireError(f"{field}.scales", f"a group's values would exceed {bound:.6g} in magnitude")
-        return sym_dequantize(unpack_codes(msg.payload, msg.bits, numel), scales, msg.bits, msg.group_size)
+        packed = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else _EMPTY
+        return SymQuantized(packed, scales, msg.bits, msg.group_size, numel)
 
     def _send_delta(self, rows, m, group, state, out):
-        sent = self._pack(rows.float() - m.float(), self.config.bits, group, state, out)
-        m.copy_((m.float() + sent.view(m.shape)).to(m.dtype))
+        # one fused pass: delta = rows - m, its codes, m += deQ(codes), on the kernels of m's device
+        q = sym_update(rows, m, self.config.bits, group, stochastic=self.config.stochastic, seed=_seed(state))
+        _write(q, out)
 
     def _receive_delta(self, msg, m, bound):
-        return (m.float() + self._unpack(msg, m.numel(), "quantized", bound).view(m.shape)).to(m.dtype)
+        return sym_apply_delta(m, self._unpack(msg, m.numel(), "quantized", bound))
 
     def _send_full(self, x, group, state, out):
         return self._pack(x, self.config.first_sight_bits, group, state, out)
 
     def _receive_full(self, msg, n, bound):
-        return self._unpack(msg, n, "quantized_full", bound)
+        return sym_dequantize_packed(self._unpack(msg, n, "quantized_full", bound))
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def _seed(state) -> int | None:
+    return state.next_seed() if state is not None else None
+
+
+def _write(q: SymQuantized, out: wire_pb2.Quantized) -> None:
+    """Only the packed codes and scales leave the device (one copy each)."""
+    out.bits, out.group_size, out.numel = q.bits, q.group_size, q.numel
+    out.scale_dtype = wire_dtype(torch.float16)
+    packed, scales = to_host(q.packed, q.scales)
+    out.scales = tensor_to_bytes(scales)
+    out.payload = packed.numpy().tobytes()
 
 
 CODECS = (ACSGDCodec,)

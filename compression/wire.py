@@ -70,7 +70,7 @@ def torch_dtype(value: int, field: str = "dtype") -> torch.dtype:
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
     """The tensor's elements, row-major, little-endian."""
-    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()  # a device tensor: copied
 
 
 def bytes_to_tensor(data: bytes, dtype: torch.dtype, numel: int, field: str) -> torch.Tensor:

@@ -42,19 +42,26 @@ from types import ModuleType
 
 import torch
 
-from . import cpu, reference
+from . import cpu, reference, symmetric
 from .qtensor import DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantizedTensor, packed_nbytes
+from .symmetric import SymQuantized
 
 __all__ = [
     "DEFAULT_GROUP_SIZE",
     "SCALE_DTYPE",
     "QuantizedTensor",
+    "SymQuantized",
     "apply_delta",
     "aqsgd_update",
     "backend_name",
     "dequantize",
     "packed_nbytes",
     "quantize",
+    "sym_apply_delta",
+    "sym_backend_name",
+    "sym_dequantize",
+    "sym_quantize",
+    "sym_update",
 ]
 
 
@@ -133,6 +140,74 @@ def apply_delta(m: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     Exactly the update `aqsgd_update` makes on the sender's copy, on every backend and device.
     """
     return _backend(q.device, q.group_size).apply_delta(m, q)
+
+
+@torch.no_grad()
+def sym_quantize(
+    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int | None = None
+) -> SymQuantized:
+    """The symmetric max-abs quantizer of `symmetric` (acsgd's): codes packed, one fp16 scale per group.
+
+    Every backend gives the same bits for the same seed, stochastic rounding included. NaN/Inf raises ValueError.
+    """
+    return _sym_backend(x.device, group_size).sym_quantize(x, bits, group_size, stochastic=stochastic, seed=seed)
+
+
+@torch.no_grad()
+def sym_dequantize(q: SymQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 1-D tensor `(code - 2^(bits-1)) * scale / 2^(bits-1)`, exact in float32, then cast to dtype."""
+    return _sym_backend(q.device, q.group_size).sym_dequantize(q, dtype)
+
+
+@torch.no_grad()
+def sym_update(
+    a: torch.Tensor, m: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int | None = None
+) -> SymQuantized:
+    """The sender's AQ-SGD step with the symmetric quantizer, fused: `q = Q(float32(a) - float32(m))`, then
+    `m <- (float32(m) + deQ(q)).to(m.dtype)` in place (m contiguous). On ValueError a fast path may have moved
+    part of m already: drop the buffer, as `aqsgd_update` says."""
+    return _sym_backend(a.device, group_size).sym_update(a, m, bits, group_size, stochastic=stochastic, seed=seed)
+
+
+@torch.no_grad()
+def sym_apply_delta(m: torch.Tensor, q: SymQuantized) -> torch.Tensor:
+    """The receiver's step: `m <- (float32(m) + sym_dequantize(q)).to(m.dtype)` in place; returns m."""
+    return _sym_backend(q.device, q.group_size).sym_apply_delta(m, q)
+
+
+def sym_backend_name(device: torch.device | str, group_size: int) -> str:
+    """Which implementation serves the symmetric quantizer on `device`: "triton", "cpu" or "reference"."""
+    backend = _sym_backend(torch.device(device), group_size)
+    return "reference" if backend is _SymReference else "cpu" if backend is cpu else "triton"
+
+
+class _SymReference:
+    """The torch specification under the backends' names."""
+
+    sym_quantize = staticmethod(symmetric.quantize)
+    sym_update = staticmethod(symmetric.update)
+    sym_apply_delta = staticmethod(symmetric.apply_delta)
+
+    @staticmethod
+    def sym_dequantize(q: SymQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return symmetric.dequantize(q).to(dtype)
+
+
+def _sym_backend(device: torch.device, group_size: int):
+    backend = _backend(device, group_size)
+    if backend is reference:
+        return _SymReference
+    if backend is cpu:
+        return cpu
+    return _triton_sym() or _SymReference
+
+
+@functools.cache
+def _triton_sym() -> ModuleType | None:
+    try:
+        return importlib.import_module(f"{__name__}.triton_sym")
+    except ImportError:
+        return None
 
 
 def backend_name(device: torch.device | str, group_size: int = DEFAULT_GROUP_SIZE) -> str:

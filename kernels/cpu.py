@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from . import symmetric
 from .cpu_source import SOURCE
 from .qtensor import (
     SCALE_DTYPE,
@@ -38,8 +39,20 @@ from .qtensor import (
     packed_nbytes,
     raise_bad_group,
 )
+from .symmetric import SymQuantized, check_sym_args
 
-__all__ = ["apply_delta", "aqsgd_update", "available", "dequantize", "quantize", "supports"]
+__all__ = [
+    "apply_delta",
+    "aqsgd_update",
+    "available",
+    "dequantize",
+    "quantize",
+    "supports",
+    "sym_apply_delta",
+    "sym_dequantize",
+    "sym_quantize",
+    "sym_update",
+]
 
 _FLAGS = (
     "-O3",
@@ -152,6 +165,77 @@ def aqsgd_update(
     return QuantizedTensor(packed, scales, mins, bits, group_size, numel)
 
 
+def sym_quantize(
+    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int | None = None
+) -> SymQuantized:
+    """Same contract as `symmetric.quantize`, bit for bit (stochastic rounding included)."""
+    return _sym(x, None, bits, group_size, stochastic, seed, "input")
+
+
+def sym_update(
+    a: torch.Tensor, m: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int | None = None
+) -> SymQuantized:
+    """Same contract as `symmetric.update`, in one pass over a and m (m may be partly updated on ValueError)."""
+    if m.numel() != a.numel() or not m.is_contiguous() or m.dtype not in _DTYPE_CODES or m.device != a.device:
+        raise ValueError(f"the buffer must be a contiguous fp32/fp16/bf16 tensor of {a.numel()} elements")
+    return _sym(a, m, bits, group_size, stochastic, seed, "a - m")
+
+
+def sym_dequantize(q: SymQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Same contract as `symmetric.dequantize` (then cast to dtype), bit for bit."""
+    symmetric.check_packed(q)
+    if dtype not in _DTYPE_CODES:
+        return sym_dequantize(q).to(dtype)
+    out = torch.empty(q.numel, dtype=dtype)
+    _sym_decode(q, out, add=False)
+    return out
+
+
+def sym_apply_delta(m: torch.Tensor, q: SymQuantized) -> torch.Tensor:
+    """Same contract as `symmetric.apply_delta`, bit for bit."""
+    if m.numel() != q.numel or not m.is_contiguous() or m.dtype not in _DTYPE_CODES or m.device.type != "cpu":
+        raise ValueError(f"the buffer must be a contiguous fp32/fp16/bf16 CPU tensor of {q.numel} elements")
+    _sym_decode(q, m, add=True)
+    return m
+
+
+def _sym(x, m, bits, group_size, stochastic, seed, what) -> SymQuantized:
+    flat = x.reshape(-1).contiguous()
+    numel = flat.numel()
+    check_sym_args(numel, bits, group_size)
+    if flat.dtype not in _DTYPE_CODES:
+        raise ValueError(f"expected fp32, fp16 or bf16, got {flat.dtype}")
+    lib = _require(flat.device, group_size)
+    packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
+    scales = torch.empty(num_groups(numel, group_size), dtype=torch.float16)
+    k0, k1 = symmetric.keys(seed)
+    key = k0 ^ symmetric.mix32_int(k1)
+    m_ptr, m_dtype = (m.data_ptr(), _DTYPE_CODES[m.dtype]) if m is not None else (None, _DTYPE_CODES[flat.dtype])
+
+    def run(g0: int, g1: int) -> int:
+        return lib.swarm_sym_quantize(
+            flat.data_ptr(), _DTYPE_CODES[flat.dtype], m_ptr, m_dtype, numel, group_size, g0, g1, bits,
+            int(stochastic), key, packed.data_ptr(), scales.data_ptr(),
+        )  # fmt: skip
+
+    _check(_in_parallel(run, num_groups(numel, group_size), group_size), what)
+    return SymQuantized(packed, scales, bits, group_size, numel)
+
+
+def _sym_decode(q: SymQuantized, out: torch.Tensor, add: bool) -> None:
+    symmetric.check_packed(q)
+    lib = _require(q.device, q.group_size)
+
+    def run(g0: int, g1: int) -> int:
+        lib.swarm_sym_decode(
+            q.packed.data_ptr(), q.scales.data_ptr(), q.numel, q.group_size, g0, g1, q.bits, out.data_ptr(),
+            _DTYPE_CODES[out.dtype], int(add),
+        )  # fmt: skip
+        return -1
+
+    _in_parallel(run, num_groups(q.numel, q.group_size), q.group_size)
+
+
 def _outputs(numel: int, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups = num_groups(numel, group_size)
     packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
@@ -222,6 +306,10 @@ def _library() -> ctypes.CDLL | None:
     lib.swarm_aqsgd_update.argtypes = [_P, _I32, _P, _I32, _I64, _I64, _I64, _I64, _I32, _I32, _U32, _U32, _P, _P, _P]
     lib.swarm_dequantize.restype = None
     lib.swarm_dequantize.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _I32, _P, _I32]
+    lib.swarm_sym_quantize.restype = _I64
+    lib.swarm_sym_quantize.argtypes = [_P, _I32, _P, _I32, _I64, _I64, _I64, _I64, _I32, _I32, _U32, _P, _P]
+    lib.swarm_sym_decode.restype = None
+    lib.swarm_sym_decode.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _I32, _P, _I32, _I32]
     lib.swarm_apply_delta.restype = None
     lib.swarm_apply_delta.argtypes = [_P, _I32, _P, _P, _P, _I64, _I64, _I64, _I64, _I32]
     return lib

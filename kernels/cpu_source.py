@@ -232,19 +232,21 @@ template <int B> inline v8f decode8(const uint8_t* in, int nbytes) {
 }
 
 // out[j] = mn + code_j * scale (exact, see the reference), or m[j] <- (m[j] + that).to(m.dtype) when ADD.
-template <int B, int DT, bool ADD>
+// SYM (the symmetric quantizer): out[j] = (code_j - mn) * scale, with mn = 2^(bits-1) and scale = the step.
+template <int B, int DT, bool ADD, bool SYM = false>
 inline void decode_group(const uint8_t* in, int64_t n, float mn, float scale, typename Elem<DT>::T* out) {
   const v8f vmn = {mn, mn, mn, mn, mn, mn, mn, mn};
   const v8f vscale = {scale, scale, scale, scale, scale, scale, scale, scale};
   const int64_t units = n / 8;
   for (int64_t u = 0; u < units; ++u) {
-    v8f v = vmn + decode8<B>(in + u * B, B) * vscale;
+    v8f v = SYM ? (decode8<B>(in + u * B, B) - vmn) * vscale : vmn + decode8<B>(in + u * B, B) * vscale;
     if (ADD) v = load8<DT>(out + 8 * u) + v;
     store8<DT>(out + 8 * u, v);
   }
   const int64_t rest = n - units * 8;
   if (rest) {
-    const v8f v = vmn + decode8<B>(in + units * B, (int)((rest * B + 7) / 8)) * vscale;
+    const v8f c = decode8<B>(in + units * B, (int)((rest * B + 7) / 8));
+    const v8f v = SYM ? (c - vmn) * vscale : vmn + c * vscale;
     for (int64_t k = 0; k < rest; ++k) {
       typename Elem<DT>::T* o = out + 8 * units + k;
       *o = Elem<DT>::store(ADD ? Elem<DT>::load(*o) + v[k] : v[k]);
@@ -252,13 +254,13 @@ inline void decode_group(const uint8_t* in, int64_t n, float mn, float scale, ty
   }
 }
 
-template <int DT, bool ADD>
+template <int DT, bool ADD, bool SYM = false>
 inline void decode_bits(int bits, const uint8_t* in, int64_t n, float mn, float scale, typename Elem<DT>::T* out) {
   switch (bits) {
-    case 2: decode_group<2, DT, ADD>(in, n, mn, scale, out); break;
-    case 3: decode_group<3, DT, ADD>(in, n, mn, scale, out); break;
-    case 4: decode_group<4, DT, ADD>(in, n, mn, scale, out); break;
-    default: decode_group<8, DT, ADD>(in, n, mn, scale, out); break;
+    case 2: decode_group<2, DT, ADD, SYM>(in, n, mn, scale, out); break;
+    case 3: decode_group<3, DT, ADD, SYM>(in, n, mn, scale, out); break;
+    case 4: decode_group<4, DT, ADD, SYM>(in, n, mn, scale, out); break;
+    default: decode_group<8, DT, ADD, SYM>(in, n, mn, scale, out); break;
   }
 }
 
@@ -351,6 +353,101 @@ void decode_range(const uint8_t* packed, const float* scales, const float* mins,
   }
 }
 
+// The symmetric max-abs quantizer (swarm.kernels.symmetric is the spec): fp16 scale = max |x| rounded, step =
+// scale / half, codes clip(round(x / max(step, tiny)), -half, half - 1) + half; noise as `encode` (key fixed).
+inline int abs_max(const float* x, int64_t n, float* out) {
+  v8f hi = {0, 0, 0, 0, 0, 0, 0, 0};
+  v8i bad = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8f v;
+    std::memcpy(&v, x + j, sizeof v);
+    const v8f a = v < 0 ? -v : v;
+    hi = a > hi ? a : hi;
+    bad |= (v - v) != 0;
+  }
+  float h = 0.0f;
+  int b = 0;
+  for (int k = 0; k < 8; ++k) {
+    h = hi[k] > h ? hi[k] : h;
+    b |= bad[k];
+  }
+  for (; j < n; ++j) {
+    const float a = std::fabs(x[j]);
+    h = a > h ? a : h;
+    b |= (x[j] - x[j]) != 0;
+  }
+  *out = h;
+  return b ? NONFINITE : 0;
+}
+
+inline int sym_quantize_group(const float* x, int64_t n, int bits, int stochastic, uint64_t first, uint32_t key,
+                              uint8_t* codes, uint8_t* packed, uint16_t* scale_out, float* step_out) {
+  float amax;
+  if (abs_max(x, n, &amax)) return NONFINITE;
+  const _Float16 scale = (_Float16)(amax < 65504.0f ? amax : 65504.0f);
+  std::memcpy(scale_out, &scale, 2);
+  const float half = (float)(1 << (bits - 1));
+  const float step = (float)scale / half;
+  const float d = step > 0x1p-126f ? step : 0x1p-126f;
+  const float lo = -half, hi = half - 1.0f;
+  if (stochastic) {
+    const uint32_t base = (uint32_t)first;
+    for (int64_t j = 0; j < n; ++j) {
+      const float u = (float)(mix32((base + (uint32_t)j) ^ key) >> 8) * 0x1p-24f;
+      float k = std::floor(x[j] / d + u);
+      k = k < lo ? lo : k;
+      k = k > hi ? hi : k;
+      codes[j] = (uint8_t)(int32_t)(k + half);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      float k = __builtin_rintf(x[j] / d);  // half to even, as torch.round
+      k = k < lo ? lo : k;
+      k = k > hi ? hi : k;
+      codes[j] = (uint8_t)(int32_t)(k + half);
+    }
+  }
+  std::memset(codes + n, 0, 8);
+  pack_bits(bits, codes, n, packed);
+  *step_out = step;
+  return 0;
+}
+
+template <int ADT, int MDT>
+int64_t sym_range(const void* a_, void* m_, int64_t numel, int64_t gs, int64_t g0, int64_t g1, int bits,
+                  int stochastic, uint32_t key, uint8_t* packed, uint16_t* scales) {
+  const typename Elem<ADT>::T* a = static_cast<const typename Elem<ADT>::T*>(a_);
+  typename Elem<MDT>::T* m = static_cast<typename Elem<MDT>::T*>(m_);
+  std::vector<float> delta(gs);
+  std::vector<uint8_t> codes(gs + 8, 0);
+  const float half = (float)(1 << (bits - 1));
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t start = g * gs, n = numel - start < gs ? numel - start : gs;
+    widen<ADT, MDT>(a + start, m ? m + start : nullptr, n, delta.data());
+    uint8_t* out = packed + start / 8 * bits;
+    float step;
+    if (sym_quantize_group(delta.data(), n, bits, stochastic, (uint64_t)start, key, codes.data(), out, scales + g,
+                           &step))
+      return failure(g, NONFINITE);
+    if (m) decode_bits<MDT, true, true>(bits, out, n, half, step, m + start);
+  }
+  return -1;
+}
+
+template <int DT, bool ADD>
+void sym_decode_range(const uint8_t* packed, const uint16_t* scales, int64_t numel, int64_t gs, int64_t g0,
+                      int64_t g1, int bits, void* out_) {
+  typename Elem<DT>::T* out = static_cast<typename Elem<DT>::T*>(out_);
+  const float half = (float)(1 << (bits - 1));
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t start = g * gs, n = numel - start < gs ? numel - start : gs;
+    _Float16 scale;
+    std::memcpy(&scale, scales + g, 2);
+    decode_bits<DT, ADD, true>(bits, packed + start / 8 * bits, n, half, (float)scale / half, out + start);
+  }
+}
+
 }  // namespace
 
 #define SWARM_DISPATCH1(dt, call) \
@@ -398,6 +495,31 @@ void swarm_apply_delta(void* m, int m_dtype, const uint8_t* packed, const float*
                        int64_t numel, int64_t gs, int64_t g0, int64_t g1, int bits) {
 #define CALL(DT) decode_range<DT, true>(packed, scales, mins, numel, gs, g0, g1, bits, m)
   SWARM_DISPATCH1(m_dtype, CALL)
+#undef CALL
+}
+
+// a_dtype/m_dtype as above; m == nullptr quantizes a alone (m_dtype then names a's dtype again).
+int64_t swarm_sym_quantize(const void* a, int a_dtype, void* m, int m_dtype, int64_t numel, int64_t gs, int64_t g0,
+                           int64_t g1, int bits, int stochastic, uint32_t key, uint8_t* packed, uint16_t* scales) {
+#define CALL_M(MDT, ADT) return sym_range<ADT, MDT>(a, m, numel, gs, g0, g1, bits, stochastic, key, packed, scales)
+#define CALL_A(ADT)                         \
+  switch (m_dtype) {                        \
+    case F32: CALL_M(F32, ADT); break;      \
+    case F16: CALL_M(F16, ADT); break;      \
+    default: CALL_M(BF16, ADT); break;      \
+  }
+  SWARM_DISPATCH1(a_dtype, CALL_A)
+#undef CALL_A
+#undef CALL_M
+  return -1;
+}
+
+void swarm_sym_decode(const uint8_t* packed, const uint16_t* scales, int64_t numel, int64_t gs, int64_t g0,
+                      int64_t g1, int bits, void* out, int out_dtype, int add) {
+#define CALL(DT) \
+  if (add) sym_decode_range<DT, true>(packed, scales, numel, gs, g0, g1, bits, out); \
+  else sym_decode_range<DT, false>(packed, scales, numel, gs, g0, g1, bits, out);
+  SWARM_DISPATCH1(out_dtype, CALL)
 #undef CALL
 }
 

@@ -5,7 +5,12 @@ tensor (`dst.copy_(src)`, preallocated destination) timed in the same run. `dequ
 so for large tensors it pays the page faults of fresh memory that the copy does not; `dequantize_into` writes
 a preallocated tensor (`out=`), like the copy. `aqsgd_update` reads float32 activations and updates a float16
 buffer in place.
+`--quantizer acsgd` times the symmetric quantizer of the acsgd codec (fp16 scale per group) instead.
 `--encodings` instead prints the measurement behind the choice of scale dtype and group size.
+
+`--device cuda[:N]` times the Triton kernels of both quantizers on the GPU at 2/4/8 bits on 64 MiB tensors (CUDA
+events, after warm-up): GB/s of the bytes each kernel actually reads and writes, and its share of the device's
+memory bandwidth, measured in the same run as a device-to-device copy (8 bytes moved per float32 element).
 """
 
 from __future__ import annotations
@@ -16,7 +21,18 @@ import math
 import torch
 
 from swarm.bench.common import emit, median_seconds
-from swarm.kernels import DEFAULT_GROUP_SIZE, aqsgd_update, backend_name, dequantize, quantize, reference
+from swarm.kernels import (
+    DEFAULT_GROUP_SIZE,
+    aqsgd_update,
+    backend_name,
+    dequantize,
+    quantize,
+    reference,
+    sym_dequantize,
+    sym_quantize,
+    sym_update,
+)
+from swarm.runtime.device import DeviceError, add_device_argument, resolve_device
 
 COLUMNS = [
     "bits",
@@ -29,6 +45,18 @@ COLUMNS = [
     "memcpy_gbps",
     "quantize_vs_memcpy",
     "rel_error",
+]
+DEVICE_COLUMNS = [
+    "quantizer",
+    "bits",
+    "size",
+    "quantize_gbps",
+    "quantize_share",
+    "dequantize_gbps",
+    "dequantize_share",
+    "update_gbps",
+    "update_share",
+    "copy_gbps",
 ]
 ENCODING_COLUMNS = ["data", "bits", "fp16@128", "bf16@128", "fp32@128", "fp32@256", "fp32@512"]
 
@@ -53,11 +81,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: error of fp16/bf16/fp32 scale encodings and group sizes on synthetic data",
     )
     parser.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
+    parser.add_argument(
+        "--quantizer",
+        choices=("aqsgd", "acsgd"),
+        default="aqsgd",
+        help="the CPU table's quantizer: aqsgd (min/scale, fp32 pairs) or acsgd (symmetric, fp16 scale)",
+    )
+    add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device != "cpu":
+        return _run_device(args)
     if args.encodings:
         emit(_encoding_rows(1 << 18 if args.quick else 1 << 20), ENCODING_COLUMNS, args.json,
              "relative error ||x - deQ(Q(x))|| / ||x - mean(x)||, stochastic rounding")  # fmt: skip
@@ -70,9 +107,10 @@ def run(args: argparse.Namespace) -> int:
         copy_target = torch.empty_like(x)
         memcpy_gbps = _gbps(x, median_seconds(lambda: copy_target.copy_(x), repeats, warmup=2))  # noqa: B023
         for bits in args.bits:
-            rows.append(_row(x, bits, args.group_size, not args.nearest, repeats, memcpy_gbps, size_kib))
+            row = _sym_row if args.quantizer == "acsgd" else _asym_row
+            rows.append(row(x, bits, args.group_size, not args.nearest, repeats, memcpy_gbps, size_kib))
     title = (
-        f"backend={backend_name('cpu', args.group_size)} group_size={args.group_size} "
+        f"quantizer={args.quantizer} backend={backend_name('cpu', args.group_size)} group_size={args.group_size} "
         f"threads={torch.get_num_threads()} rounding={'nearest' if args.nearest else 'stochastic'}; "
         "GB/s of float32 input"
     )
@@ -80,7 +118,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, repeats: int, memcpy: float, kib: int):
+def _sym_row(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, repeats: int, memcpy: float, kib: int):
+    q = sym_quantize(x, bits, group_size, stochastic=stochastic, seed=0)
+    buffer = torch.zeros(x.numel(), dtype=torch.float16)
+    quantize_gbps = _gbps(x, median_seconds(lambda: sym_quantize(x, bits, group_size, stochastic=stochastic), repeats))
+    return {
+        "bits": bits,
+        "size": f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB",
+        "numel": x.numel(),
+        "group_size": group_size,
+        "quantize_gbps": quantize_gbps,
+        "dequantize_gbps": _gbps(x, median_seconds(lambda: sym_dequantize(q), repeats, 2)),
+        "aqsgd_update_gbps": _gbps(
+            x, median_seconds(lambda: sym_update(x, buffer, bits, group_size, stochastic=stochastic), repeats, 2)
+        ),
+        "memcpy_gbps": memcpy,
+        "quantize_vs_memcpy": quantize_gbps / memcpy,
+        "rel_error": float((sym_dequantize(q) - x).norm() / x.norm()),
+    }
+
+
+def _asym_row(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, repeats: int, memcpy: float, kib: int):
     q = quantize(x, bits, group_size, stochastic=stochastic, seed=0)
     buffer = torch.zeros(x.numel(), dtype=torch.float16)
     output = torch.empty_like(x)
@@ -159,3 +217,71 @@ def _sixteen_bit_pair(
     v = (groups - mins) / torch.where(scales > 0, scales, 1.0)
     codes = torch.floor(v + torch.rand(groups.shape, generator=generator)).clamp(0, levels)
     return (mins + codes * scales).reshape(-1)
+
+
+def _run_device(args: argparse.Namespace) -> int:
+    """The GPU table (module doc); a clear message and exit status 2 without CUDA."""
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        print(f"swarm bench kernels: {error}")
+        return 2
+    numel = (1 << 20 if args.quick else 64 << 20) // 4
+    x = torch.randn(numel, device=device, generator=torch.Generator(device).manual_seed(0))
+    target = torch.empty_like(x)
+    repeats = 3 if args.quick else max(args.repeats, 20)
+    copy_gbps = 8 * numel / _cuda_seconds(lambda: target.copy_(x), repeats) / 1e9
+    stochastic = not args.nearest
+    rows = []
+    for quantizer in ("aqsgd", "acsgd"):
+        for bits in args.bits:
+            rows.append(_device_row(quantizer, x, bits, args.group_size, stochastic, repeats, copy_gbps))
+    title = (
+        f"{torch.cuda.get_device_name(device)} ({device}); group_size={args.group_size} "
+        f"rounding={'nearest' if args.nearest else 'stochastic'}; GB/s of bytes read + written, share = of the "
+        f"measured device-to-device copy ({copy_gbps:.0f} GB/s)"
+    )
+    emit(rows, DEVICE_COLUMNS, args.json, title)
+    return 0
+
+
+def _device_row(quantizer, x, bits, group_size, stochastic, repeats, copy_gbps) -> dict:
+    numel = x.numel()
+    groups = -(-numel // group_size)
+    codes = numel * bits / 8 + groups * (2 if quantizer == "acsgd" else 8)  # packed codes + scales (and mins)
+    buffer = torch.zeros(numel, dtype=torch.float16, device=x.device)
+    if quantizer == "acsgd":
+        q = sym_quantize(x, bits, group_size, stochastic=stochastic, seed=0)
+        ops = (
+            lambda: sym_quantize(x, bits, group_size, stochastic=stochastic, seed=0),
+            lambda: sym_dequantize(q),
+            lambda: sym_update(x, buffer, bits, group_size, stochastic=stochastic, seed=0),
+        )
+    else:
+        q = quantize(x, bits, group_size, stochastic=stochastic, seed=0)
+        out = torch.empty_like(x)
+        ops = (
+            lambda: quantize(x, bits, group_size, stochastic=stochastic, seed=0),
+            lambda: dequantize(q, out=out),
+            lambda: aqsgd_update(x, buffer, bits, group_size, stochastic=stochastic, seed=0),
+        )
+    moved = (4 * numel + codes, codes + 4 * numel, 4 * numel + 4 * numel + codes)  # update: a, m read and written
+    row = {"quantizer": quantizer, "bits": bits, "size": f"{4 * numel >> 20} MiB", "copy_gbps": copy_gbps}
+    for name, op, nbytes in zip(("quantize", "dequantize", "update"), ops, moved, strict=True):
+        gbps = nbytes / _cuda_seconds(op, repeats) / 1e9
+        row[f"{name}_gbps"], row[f"{name}_share"] = gbps, gbps / copy_gbps
+    return row
+
+
+def _cuda_seconds(fn, repeats: int) -> float:
+    """Mean seconds per call over `repeats` back-to-back calls, by CUDA events, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats

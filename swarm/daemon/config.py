@@ -23,6 +23,7 @@ from swarm.peers.records import MAX_PLANNER_LEASE_S
 from swarm.peers.shaper import LinkShape
 from swarm.peers.transport import TransportConfig
 from swarm.runtime.budget import StageBudget
+from swarm.runtime.device import add_device_argument, check_device
 from swarm.runtime.precision import add_precision_argument
 from swarm.runtime.worker import OptimConfig
 
@@ -203,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="pipeline stages of the run (0 with --assign plan: the planner picks)",
     )
     g.add_argument("--stage", type=int, default=d.stage, help="--assign even: serve this stage instead of the split's")
-    g.add_argument("--device", default=d.device, help="torch device to compute on (cpu, cuda:0, ...)")
+    add_device_argument(g, default=d.device)
     g.add_argument("--threads", type=int, default=d.threads, help="torch intra-op threads")
     g.add_argument(
         "--compute-speed",
@@ -358,7 +359,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         assign=args.assign,
         num_stages=args.num_stages,
         stage=args.stage,
-        device=args.device,
+        device=check_device(args.device),  # a clear DeviceError now when CUDA is asked for and absent
         precision=args.precision,
         threads=args.threads,
         compute_layers_per_s=args.compute_speed,

@@ -163,7 +163,7 @@ class PeerDaemon:
         host = StageHost(
             role,
             self.model,
-            StageConfig(optim=cfg.optim, precision=cfg.precision),
+            StageConfig(optim=cfg.optim, precision=cfg.precision, device=cfg.device),
             LinkEnds(ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3])),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book),

@@ -55,7 +55,7 @@ def parameters_digest(named: list[tuple[str, torch.Tensor]]) -> str:
 
 def flatten_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """The parameters' gradients as one fp32 vector (zeros for a parameter without one)."""
-    parts = [torch.zeros(p.numel()) if p.grad is None else p.grad.detach().float().reshape(-1) for p in params]
+    parts = [torch.zeros(p.numel()) if p.grad is None else p.grad.detach().float().reshape(-1).cpu() for p in params]
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
@@ -64,7 +64,7 @@ def unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset : offset + n].view(p.shape).to(p.dtype).clone()
+        p.grad = flat[offset : offset + n].view(p.shape).to(p.device, p.dtype, copy=True)
         offset += n
 
 
@@ -236,7 +236,7 @@ class GradientAverager:
         config = self._config(request.step, me, tied)
         codec = make_codec(config)
         with host.compute_lock:
-            own = host.worker.tied_grad().reshape(-1).float() if tied else flatten_grads(self.params)
+            own = host.worker.tied_grad().reshape(-1).float().cpu() if tied else flatten_grads(self.params)
             state = LinkState(config)
             state.residual = group.residual
             msg = codec.encode(own, state=state)

@@ -32,9 +32,11 @@ from swarm.compression import (
     codec_class,
     make_codec,
 )
+from swarm.kernels.host_copy import to_host
 from swarm.net.stream import Incoming, tensor_items
 from swarm.peers.shaper import LinkShaping
 from swarm.proto import stage_pb2, wire_pb2
+from swarm.runtime.device import DEVICE_ENCODED_CODECS, DeviceBufferStore, resolve_device, to_device
 
 __all__ = ["MAX_DESTINATIONS", "Direction", "LinkEnds", "need_message", "send_file"]
 
@@ -59,14 +61,21 @@ class Direction:
 
     config: CodecConfig
     buffer_file: str = ""
+    device: torch.device = torch.device("cpu")
+    """Where this end encodes: a CUDA device for a sending end of a device-encoded codec (its buffers live
+    there), else the CPU."""
     state: LinkState = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.config.name not in DEVICE_ENCODED_CODECS:
+            self.device = torch.device("cpu")
         self.codec = make_codec(self.config)
         self.state = LinkState(self.config, self._store())
 
     def _store(self) -> BufferStore | None:
         cfg = self.config
+        if self.device.type != "cpu" and codec_class(cfg.name).uses_buffers:
+            return DeviceBufferStore(cfg.buffer_capacity, cfg.torch_buffer_dtype, self.device)
         if not (cfg.buffer_dir and codec_class(cfg.name).uses_buffers):
             return None
         if not self.buffer_file:
@@ -118,6 +127,17 @@ class LinkEnds:
         self.lock = threading.Lock()
         """Held while a codec state changes: decodes run in the callers' threads, encodes in schedule order."""
         self._zstd: dict[str, ZstdPolicy] = {}
+        self.device = torch.device("cpu")
+        """The stage's device: decoded tensors go there; sending ends of device-encoded codecs encode there."""
+
+    def place_on(self, device: str | torch.device) -> torch.device:
+        """Sets the stage's device (DeviceError when it is absent) before any end sends; returns it."""
+        resolved = resolve_device(str(device))
+        with self.lock:
+            if self._send and resolved != self.device:
+                raise RuntimeError("the stage's device must be set before its first send")
+            self.device = resolved
+        return resolved
 
     def send_end(self, kind: str, address: str) -> Direction:
         """The sending end of `kind` ("fw" or "bw") to `address`, created on first use."""
@@ -136,7 +156,7 @@ class LinkEnds:
                     "dropping the %s sending end to %s (%d destinations)", kind, same_kind[0][1], MAX_DESTINATIONS
                 )
                 _unlink_store(dropped)
-            end = self._send[key] = Direction(self._configs[kind], send_file(kind, address))
+            end = self._send[key] = Direction(self._configs[kind], send_file(kind, address), self.device)
             return end
 
     def send_ends(self, kind: str) -> list[Direction]:
@@ -183,7 +203,10 @@ class LinkEnds:
 
         Encoding happens now, in the caller's (schedule) order; the rest runs as the transport pulls items.
         """
-        # encode: AQ-SGD quantizes the change since the sample's last sight and moves the sender's buffer
+        # encode: AQ-SGD quantizes the change since the sample's last sight and moves the sender's buffer;
+        # on the device for a device-encoded codec (only codes and scales come back), else on the host
+        if tensor.device != end.device:
+            (tensor,) = to_host(tensor) if end.device.type == "cpu" else to_device(end.device, tensor)
         with self.lock:
             msg = end.codec.encode(tensor, sample_ids=sample_ids, state=end.state)
         # frame (zstd where it pays on this link) -> stream items (the call info with the first chunk) -> pace
@@ -195,7 +218,8 @@ class LinkEnds:
         checked): decode. AQ-SGD returns the receiver's buffer m for these samples. Runs only after the call
         was admitted, so a refused call changes no codec state."""
         with self.lock:
-            return end.codec.decode(msg, state=end.state, limits=limits)
+            out = end.codec.decode(msg, state=end.state, limits=limits)
+        return to_device(self.device, out)[0]
 
     def _policy(self, address: str, level: int) -> ZstdPolicy:
         with self.lock:

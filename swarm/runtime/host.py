@@ -35,6 +35,7 @@ from swarm.proto import stage_pb2
 from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
+from swarm.runtime.device import to_device
 from swarm.runtime.gate import GateError, ScheduleGate
 from swarm.runtime.precision import check_scale, check_step
 from swarm.runtime.routes import local_micro
@@ -102,6 +103,7 @@ class StageHost:
         self.metrics = metrics or Metrics()
         self.budget = budget or StageBudget()
         module = build_stage(model, role.layer_start, role.layer_end, role.is_first, role.is_last)
+        module = module.to(links.place_on(stage_cfg.device))  # DeviceError if absent; optimizer state follows
         self.worker = StageWorker(module, stage_cfg)
         self.links, self.connector = links, connector
         self.gate = ScheduleGate(role.stage, role.n_stages, self.budget.max_micro_batches)
@@ -298,6 +300,7 @@ class StageHost:
             with self.compute_lock, self._phase("compute"):
                 self._still(current, info)
                 targets = self.labels.pop(self._mb(info)) if role.is_last else None
+                inputs, targets = to_device(self.links.device, inputs, targets)
                 out = self.worker.forward(self._mb(info), inputs, torch.tensor(ids), targets)
             if role.is_last:
                 return stage_pb2.ForwardReply(has_loss=True, loss=float(out))
@@ -321,7 +324,7 @@ class StageHost:
             self._observe("wait", queued)
             with self.compute_lock, self._phase("compute"):
                 self._still(current, info)
-                grad_in = self.worker.backward(self._mb(info), grad_out)
+                grad_in = self.worker.backward(self._mb(info), *to_device(self.links.device, grad_out))
             if grad_in is None:
                 return stage_pb2.BackwardReply()
             # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule

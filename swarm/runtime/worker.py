@@ -230,7 +230,7 @@ class StageWorker:
         param = self.module.tied_parameter()
         if param is None:
             raise RuntimeError("this stage holds no tied embedding")
-        param.grad = grad.detach().clone().to(param.dtype)
+        param.grad = grad.detach().to(param.device, param.dtype, copy=True)
 
     def grad_sq_norm(self) -> float:
         """Sum of squared gradients of this stage's parameters; the last stage's tied copy is left out when

@@ -16,14 +16,16 @@ import pytest
 import torch
 
 CASES = Path(__file__).with_name("test_kernels_triton_cases.py")
+SYM_CASES = Path(__file__).with_name("test_kernels_triton_sym_cases.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the cases run directly on the GPU")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the cases already run interpreted here")
-def test_triton_kernels_in_the_interpreter():
+@pytest.mark.parametrize("cases", [CASES, SYM_CASES], ids=["asymmetric", "symmetric"])
+def test_triton_kernels_in_the_interpreter(cases):
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(CASES)]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", str(cases)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=CASES.parents[3])
     assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
     assert " passed" in result.stdout.strip().splitlines()[-1]  # not skipped as a whole

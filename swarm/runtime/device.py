@@ -1,0 +1,137 @@
+"""Where a stage computes: the `--device` argument, its checks, and the moves between host and device.
+
+A stage on "cuda[:N]" holds its module and optimizer state on that GPU (`StageConfig.device`). Its sending
+ends of an acsgd boundary keep their AQ-SGD buffers on the GPU (`DeviceBufferStore`) so the fused update runs
+there (the Triton kernels) and only the packed codes and fp16 scales travel to the host
+(`swarm.kernels.host_copy`: pinned memory, a copy stream of its own, so the copy overlaps the next
+micro-batch's compute). Other codecs encode on the host: the tensor is copied the same way first. Receiving ends
+decode on the host and hand the result to the GPU (`to_device`). On "cpu" every function here is the identity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+
+from swarm.compression import MemoryBufferStore
+
+__all__ = [
+    "DEVICE_ENCODED_CODECS",
+    "DeviceBufferStore",
+    "DeviceError",
+    "add_device_argument",
+    "check_device",
+    "parse_device",
+    "resolve_device",
+    "to_device",
+]
+
+_PATTERN = re.compile(r"cpu|cuda(?::(0|[1-9][0-9]{0,3}))?")
+
+DEVICE_ENCODED_CODECS = frozenset({"acsgd"})
+"""Codecs whose sending end encodes on the device (kernels for their quantizer on CUDA, buffers there)."""
+
+
+class DeviceError(RuntimeError):
+    """A device was asked for that this machine does not have."""
+
+
+def parse_device(text: str) -> str:
+    """The device name ("cpu", "cuda" or "cuda:N"), checked for form only (an argparse type; see `resolve_device`)."""
+    value = text.strip().lower()
+    if not _PATTERN.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, got {text!r}")
+    return value
+
+
+def add_device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "cpu") -> None:
+    """Adds `--device {cpu,cuda,cuda:N}` (checked when parsed; `check_device` checks the device is there)."""
+    parser.add_argument(
+        "--device",
+        type=parse_device,
+        default=default,
+        metavar="{cpu,cuda,cuda:N}",
+        help=f"where the stage computes: module, optimizer state and boundary encoding (default {default})",
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for `name`; DeviceError with what is missing when CUDA is asked for and absent."""
+    value = parse_device(name) if not isinstance(name, torch.device) else str(name)
+    device = torch.device(value)
+    if device.type == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            f"--device {value}: CUDA is not available here (torch {torch.__version__}, built with CUDA "
+            f"{torch.version.cuda or 'none'}); run with --device cpu or on a machine with an NVIDIA GPU"
+        )
+    count = torch.cuda.device_count()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= count:
+        raise DeviceError(f"--device {value}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def check_device(name: str) -> str:
+    """`name` normalized ("cuda" -> "cuda:I"), or DeviceError: for entry points to fail early and clearly."""
+    return str(resolve_device(name))
+
+
+def to_device(device: torch.device | str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors on `device` (None stays None; a CPU tensor to a CUDA device goes through pinned memory
+    without blocking the host). On "cpu" the tensors themselves."""
+    device = torch.device(device)
+    return tuple(t if t is None or t.device == device else _move(t, device) for t in tensors)
+
+
+def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class DeviceBufferStore(MemoryBufferStore):
+    """AQ-SGD message buffers in the device's memory (rows allocated in doubling blocks up to the capacity), so a
+    sending end's fused update runs where the activation is."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__(capacity, dtype)
+        self.device = torch.device(device)
+
+    def _allocate(self, sample_shape: tuple[int, ...]):
+        return _DeviceRows(sample_shape, self.capacity, self.dtype, self.device)
+
+    def gather(self, slots: list[int]) -> torch.Tensor:
+        if not slots:
+            return torch.empty((0, *(self.sample_shape or ())), dtype=self.dtype, device=self.device)
+        return self._data[torch.tensor(slots, dtype=torch.long, device=self.device)]
+
+    def scatter(self, slots: list[int], values: torch.Tensor) -> None:
+        if slots:
+            self._data[torch.tensor(slots, dtype=torch.long, device=self.device)] = values.to(self.device, self.dtype)
+
+    def admit(self, sample_ids: list[int], values: torch.Tensor) -> list[bool]:
+        return super().admit(sample_ids, values.to(self.device))
+
+
+class _DeviceRows:
+    """A [capacity, *shape] row store on a device, growing in doubling blocks, indexable like a tensor."""
+
+    def __init__(self, sample_shape: tuple[int, ...], capacity: int, dtype: torch.dtype, device: torch.device):
+        self._shape, self._capacity, self._dtype, self._device = sample_shape, capacity, dtype, device
+        self._rows = torch.empty((0, *sample_shape), dtype=dtype, device=device)
+
+    def __getitem__(self, index):
+        return self._rows[index]
+
+    def __setitem__(self, index, value) -> None:
+        top = int(index.max()) if isinstance(index, torch.Tensor) else int(index)
+        if top >= self._rows.shape[0]:
+            size = min(self._capacity, max(64, 2 * (top + 1)))
+            grown = torch.empty((size, *self._shape), dtype=self._dtype, device=self._device)
+            grown[: self._rows.shape[0]] = self._rows
+            self._rows = grown
+        self._rows[index] = value
