@@ -40,6 +40,7 @@ from .qtensor import (
     raise_bad_group,
 )
 from .symmetric import SymQuantized, check_sym_args
+from .symmetric import keys as _keys
 
 __all__ = [
     "apply_delta",
@@ -240,16 +241,6 @@ def _outputs(numel: int, bits: int, group_size: int) -> tuple[torch.Tensor, torc
     groups = num_groups(numel, group_size)
     packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
     return packed, torch.empty(groups, dtype=SCALE_DTYPE), torch.empty(groups, dtype=SCALE_DTYPE)
-
-
-def _keys(seed: int | None) -> tuple[int, int]:
-    """Two 32-bit hash keys from the seed (splitmix64), or from the OS's entropy when seed is None."""
-    z = int.from_bytes(os.urandom(8), "little") if seed is None else seed & (2**64 - 1)
-    z = (z + 0x9E3779B97F4A7C15) & (2**64 - 1)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    z ^= z >> 31
-    return z & 0xFFFFFFFF, z >> 32
 
 
 def _require(device: torch.device, group_size: int) -> ctypes.CDLL:
