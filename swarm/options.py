@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig, codec_labels
 from swarm.model.gpt import ModelConfig
+from swarm.model.spec import BUILTIN, AnyModelConfig, resolve_model
 from swarm.peers.shaper import LinkShape
 from swarm.runtime.schedules import SCHEDULES
 
@@ -14,21 +17,68 @@ DEFAULT_MODEL = ModelConfig()
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (every peer and the trainer must agree)")
-    g.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers, help="transformer blocks")
-    g.add_argument("--hidden", type=int, default=DEFAULT_MODEL.hidden_dim, help="width of the residual stream")
-    g.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads, help="attention heads")
+    g.add_argument(
+        "--model",
+        default=BUILTIN,
+        metavar="NAME|DIR",
+        help="the model: 'gpt' (the built-in byte-level GPT, shaped by --layers/--hidden/--heads), a preset "
+        "(gpt2-tiny, llama-tiny, gpt2-small, llama-100m) or a local Hugging Face directory with config.json "
+        "(default %(default)s; never downloaded)",
+    )
+    g.add_argument(
+        "--weights",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face checkpoint (safetensors, sharded with an index or not): each stage loads only "
+        "its own layers (default: a directory --model's own weights, else the seeded init)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="a local tokenizer.json the data is tokenized with (default: a directory --model's own, else bytes)",
+    )
+    g.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers, help="transformer blocks (--model gpt)")
+    g.add_argument(
+        "--hidden", type=int, default=DEFAULT_MODEL.hidden_dim, help="width of the residual stream (--model gpt)"
+    )
+    g.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads, help="attention heads (--model gpt)")
     g.add_argument("--seq-len", type=int, default=DEFAULT_MODEL.seq_len_tokens, help="tokens per sample")
     g.add_argument("--model-seed", type=int, default=DEFAULT_MODEL.init_seed, help="seed of the weights' init")
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(
-        seq_len_tokens=args.seq_len,
-        hidden_dim=args.hidden,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        init_seed=args.model_seed,
-    )
+def model_config(args: argparse.Namespace) -> AnyModelConfig:
+    """The model the flags name (`swarm.model.spec.resolve_model`); a bad value exits with a one-line error."""
+    name = getattr(args, "model", BUILTIN)
+    weights, tokenizer = getattr(args, "weights", None), getattr(args, "tokenizer", None)
+    seq_len = args.seq_len
+    for flag, value in (("--weights", weights), ("--tokenizer", tokenizer)):
+        if value is not None and not Path(value).exists():
+            raise SystemExit(f"{flag} {value}: no such file or directory")
+    if name == BUILTIN:
+        if tokenizer is not None:
+            raise SystemExit("--tokenizer needs a Hugging Face model (--model PRESET or a directory), not 'gpt'")
+        builtin = ModelConfig(
+            seq_len_tokens=seq_len,
+            hidden_dim=args.hidden,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            init_seed=args.model_seed,
+        )
+    else:
+        builtin = None
+    try:
+        cfg = resolve_model(name, seq_len_tokens=seq_len, init_seed=args.model_seed, weights=weights, builtin=builtin)
+    except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+        raise SystemExit(f"--model {name}: {e}") from None
+    if tokenizer is not None:
+        cfg = replace(cfg, tokenizer_path=str(Path(tokenizer).resolve()))
+    return cfg
+
+
+def model_tokenizer(cfg: AnyModelConfig) -> str | None:
+    """The tokenizer.json the data is cut with for `cfg` (None: bytes, the built-in model's vocabulary)."""
+    return getattr(cfg, "tokenizer_path", None)
 
 
 def add_schedule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "1f1b") -> None:
