@@ -1,0 +1,48 @@
+"""Peers and the trainer agree on the model: every stage reports its model's identity in Status, and a
+trainer facing a stage of another model refuses it before any step, naming both models and the stage."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from swarm.model.gpt import ModelConfig
+from swarm.model.spec import model_identity
+from swarm.proto import stage_pb2
+from swarm.runtime.local import LocalPipeline
+from swarm.runtime.modelcheck import ModelMismatch, check_status, model_label
+
+torch.set_num_threads(1)
+
+CFG = ModelConfig(vocab_size=64, seq_len_tokens=8, hidden_dim=16, n_layers=2, n_heads=2, init_seed=3)
+
+
+def test_every_stage_reports_its_models_identity_and_the_driver_accepts_the_same_model():
+    pipe = LocalPipeline(CFG, 2)
+    identity = model_identity(CFG)
+    assert [h.status().model_identity for h in pipe.hosts] == [identity, identity]
+    pipe.driver(2).check_model(identity, model_label(CFG))  # no error
+
+
+def test_a_stage_of_another_model_is_refused_naming_both_models_and_the_stage():
+    pipe = LocalPipeline(CFG, 2)
+    other = dataclasses.replace(CFG, init_seed=4)
+    pipe.hosts[1].model_identity = model_identity(other)  # stage 1 was started with another --model-seed
+    with pytest.raises(ModelMismatch) as err:
+        pipe.driver(2).check_model(model_identity(CFG), model_label(CFG))
+    text = str(err.value)
+    assert "stage 1" in text and pipe.hosts[1].peer_id in text
+    assert model_identity(other)[:16] in text and model_identity(CFG)[:16] in text and "gpt 2 layers" in text
+
+
+def test_a_stage_that_reports_no_identity_is_refused():
+    with pytest.raises(ModelMismatch, match="unknown"):
+        check_status(stage_pb2.StatusReply(), model_identity(CFG), "", "stage 0")
+
+
+def test_identity_depends_on_what_fixes_the_weights_not_on_anything_else():
+    assert model_identity(CFG) == model_identity(dataclasses.replace(CFG))
+    for change in ({"n_layers": 3}, {"seq_len_tokens": 16}, {"init_seed": 0}, {"hidden_dim": 32}):
+        assert model_identity(dataclasses.replace(CFG, **change)) != model_identity(CFG)
