@@ -82,6 +82,14 @@ def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConf
     except (ValueError, KeyError, OSError) as e:
         raise SystemExit(f"--model {name}: {e}") from None
     if tokenizer is not None:
+        from swarm.model.hf import load_tokenizer
+
+        try:
+            n = load_tokenizer(tokenizer).get_vocab_size()
+        except ValueError as e:
+            raise SystemExit(f"--tokenizer {tokenizer}: {e}") from None
+        if n > cfg.vocab_size:
+            raise SystemExit(f"--tokenizer {tokenizer}: {n} tokens, more than the model's vocabulary {cfg.vocab_size}")
         cfg = replace(cfg, tokenizer_path=str(Path(tokenizer).resolve()))
     return cfg
 
