@@ -46,3 +46,19 @@ def test_identity_depends_on_what_fixes_the_weights_not_on_anything_else():
     assert model_identity(CFG) == model_identity(dataclasses.replace(CFG))
     for change in ({"n_layers": 3}, {"seq_len_tokens": 16}, {"init_seed": 0}, {"hidden_dim": 32}):
         assert model_identity(dataclasses.replace(CFG, **change)) != model_identity(CFG)
+
+
+def test_a_peer_names_each_plan_peer_that_serves_another_model():
+    from swarm.runtime.modelcheck import foreign_models
+
+    mine, other = model_identity(CFG), model_identity(dataclasses.replace(CFG, n_layers=3))
+    replies = {
+        "a:1": stage_pb2.StatusReply(model_identity=mine),
+        "b:2": stage_pb2.StatusReply(model_identity=other),
+        "c:3": stage_pb2.StatusReply(),  # serves no stage yet: not judged
+        "d:4": None,  # does not answer: not judged
+    }
+    peers = {"pa": "a:1", "pb": "b:2", "pc": "c:3", "pd": "d:4"}
+    problems = foreign_models(replies.get, peers, mine, model_label(CFG))
+    assert len(problems) == 1
+    assert "peer pb at b:2" in problems[0] and other[:16] in problems[0] and mine[:16] in problems[0]
