@@ -73,12 +73,13 @@ def check_plan_models(channels, record, announced, own_id: str, host) -> threadi
     its model, on a thread of its own (the plan switch never waits on it), and logs each one that serves another
     model as an error naming both. The trainer refuses such a pipeline (`PipelineDriver.check_model`); a peer
     only says so, since a peer-reported identity is no ground to stop serving on."""
-    if host is None:
+    identity = getattr(host, "model_identity", None)  # None: no host (standby), or one that names no model
+    if identity is None:
         return None
     addresses = {p.peer_id: p.address for p in announced}
     ids = {str(p) for stage in record.plan.get("stages", []) for p in stage.get("peer_ids", [])} - {own_id}
     peers = {p: addresses[p] for p in ids if p in addresses}
-    identity, label = host.model_identity, model_label(host.model)
+    label = model_label(host.model)
 
     def check() -> None:
         for problem in foreign_models(lambda a: peer_status(channels, a), peers, identity, label):
