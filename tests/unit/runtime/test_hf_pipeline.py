@@ -61,3 +61,15 @@ def test_an_untied_models_end_stages_refuse_a_tied_group_by_name():
     pipe = LocalPipeline(model, 2)
     with pytest.raises(StageCallError, match="holds no tied weight"):
         pipe.driver(4, tied=True).train_step(0, _batches(model.vocab_size, 1)[0])
+
+
+def test_wire_limits_follow_the_models_attributes():
+    """A message may be a full micro-batch of fp32 activations, or (tied models only) the embedding's gradient:
+    an untied Llama with a large vocabulary does not open its stages to vocabulary-sized messages."""
+    from swarm.runtime.budget import StageBudget
+
+    budget = StageBudget()
+    llama, gpt2 = resolve_model("llama-100m", seq_len_tokens=8), resolve_model("gpt2-small", seq_len_tokens=8)
+    activation = budget.max_batch * 8 * 768
+    assert budget.wire_limits(llama).max_numel == activation < llama.vocab_size * 768
+    assert budget.wire_limits(gpt2).max_numel == max(activation, gpt2.vocab_size * 768)
