@@ -355,7 +355,7 @@ class PeerDaemon:
                 self.servicer.set_roster(None)  # no calls until every stage's address is known
         previous = self.following.version if self.following is not None else 0
         if role is not None:  # off the plan-switch path: says which plan peer serves another model, by name
-            check_plan_models(self.channels, record, self.dht.peers(), self.dht.peer_id, self.servicer.host)
+            check_plan_models(self.channels, record, self.dht.peers, self.dht.peer_id, self.servicer.host)
         self.following = record
         self._announce_role(role)
         if role is None:

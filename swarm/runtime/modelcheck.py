@@ -68,20 +68,25 @@ def foreign_models(status_of: Callable[[str], object], peers: dict[str, str], id
     return problems
 
 
-def check_plan_models(channels, record, announced, own_id: str, host) -> threading.Thread | None:
-    """After this peer follows plan `record`: asks every other peer of the plan (at its announced address) for
-    its model, on a thread of its own (the plan switch never waits on it), and logs each one that serves another
-    model as an error naming both. The trainer refuses such a pipeline (`PipelineDriver.check_model`); a peer
-    only says so, since a peer-reported identity is no ground to stop serving on."""
+def check_plan_models(channels, record, announced: Callable[[], list], own_id: str, host) -> threading.Thread | None:
+    """After this peer follows plan `record`: on a thread of its own (the plan switch never waits on it, nor on
+    the DHT read `announced()` of the peers' announcements), asks every other peer of the plan at its announced
+    address for its model, and logs each one that serves another model as an error naming both. The trainer
+    refuses such a pipeline (`PipelineDriver.check_model`); a peer only says so, since a peer-reported identity
+    is no ground to stop serving on."""
     identity = getattr(host, "model_identity", None)  # None: no host (standby), or one that names no model
     if identity is None:
         return None
-    addresses = {p.peer_id: p.address for p in announced}
     ids = {str(p) for stage in record.plan.get("stages", []) for p in stage.get("peer_ids", [])} - {own_id}
-    peers = {p: addresses[p] for p in ids if p in addresses}
     label = model_label(host.model)
 
     def check() -> None:
+        try:
+            addresses = {p.peer_id: p.address for p in announced()}
+        except Exception as e:  # a slow DHT: this check is advisory
+            log.warning("plan %d: could not read the announcements to compare models: %s", record.version, e)
+            return
+        peers = {p: addresses[p] for p in ids if p in addresses}
         for problem in foreign_models(lambda a: peer_status(channels, a), peers, identity, label):
             log.error("plan %d: %s", record.version, problem)
 

@@ -62,3 +62,36 @@ def test_a_peer_names_each_plan_peer_that_serves_another_model():
     problems = foreign_models(replies.get, peers, mine, model_label(CFG))
     assert len(problems) == 1
     assert "peer pb at b:2" in problems[0] and other[:16] in problems[0] and mine[:16] in problems[0]
+
+
+def test_a_peer_following_a_plan_logs_each_plan_peer_of_another_model(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from swarm.runtime import modelcheck
+
+    mine, other = model_identity(CFG), model_identity(dataclasses.replace(CFG, init_seed=9))
+    replies = {"b:2": stage_pb2.StatusReply(model_identity=other), "c:3": stage_pb2.StatusReply(model_identity=mine)}
+    monkeypatch.setattr(modelcheck, "peer_status", lambda channels, address: replies.get(address))
+    record = SimpleNamespace(version=3, plan={"stages": [{"peer_ids": ["me", "pb"]}, {"peer_ids": ["pc"]}]})
+    announced = [SimpleNamespace(peer_id=p, address=a) for p, a in (("me", "a:1"), ("pb", "b:2"), ("pc", "c:3"))]
+    host = SimpleNamespace(model_identity=mine, model=CFG)
+    with caplog.at_level("ERROR", logger="swarm.runtime.modelcheck"):
+        modelcheck.check_plan_models(None, record, lambda: announced, "me", host).join(10)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "plan 3: peer pb at b:2 serves model" in errors[0] and other[:16] in errors[0]
+    assert modelcheck.check_plan_models(None, record, lambda: announced, "me", None) is None  # standby: nothing
+
+
+def test_the_model_check_never_fails_the_plan_switch_on_a_slow_dht(caplog):
+    from types import SimpleNamespace
+
+    from swarm.runtime import modelcheck
+
+    def announced():
+        raise TimeoutError("DHT get timed out")
+
+    record = SimpleNamespace(version=4, plan={"stages": [{"peer_ids": ["me", "pb"]}]})
+    host = SimpleNamespace(model_identity=model_identity(CFG), model=CFG)
+    with caplog.at_level("WARNING", logger="swarm.runtime.modelcheck"):
+        modelcheck.check_plan_models(None, record, announced, "me", host).join(10)
+    assert any("could not read the announcements" in r.getMessage() for r in caplog.records)
