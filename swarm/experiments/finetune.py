@@ -16,9 +16,12 @@ format (no pretrained weights are available offline); loading it is the same pat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import re
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -149,6 +152,19 @@ def _stage_ranges(swarm, signer) -> list[tuple[str, int, int]]:
         connector.close()
 
 
+def _stop_without_handover(procs) -> None:
+    """SIGINT to every peer first: each stops serving and exits without the graceful leave of SIGTERM, whose
+    handover would move a leaving peer's layers onto the last one standing (all layers on one peer)."""
+    for name, proc in procs.procs.items():
+        if name.startswith("peer") and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    for name, proc in procs.procs.items():
+        if name.startswith("peer"):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+    procs.close()
+
+
 def run_finetune(cfg: FinetuneConfig, out: Path, say=print) -> dict:
     """Runs the experiment and returns its result (also written to `out`/result.json)."""
     from swarm.testbed.local import local_swarm
@@ -173,7 +189,7 @@ def run_finetune(cfg: FinetuneConfig, out: Path, say=print) -> dict:
         before = _stage_ranges(swarm, swarm.signer)
         summary = train(train_cfg, swarm.path, quiet=True, signer=swarm.signer)
         after = _stage_ranges(swarm, swarm.signer)
-        swarm.procs.close()
+        _stop_without_handover(swarm.procs)
     with open(out / "steps.csv") as f:
         steps = list(csv.DictReader(f))
     losses = [float(r["train_loss"]) for r in steps]
@@ -200,7 +216,11 @@ def run_finetune(cfg: FinetuneConfig, out: Path, say=print) -> dict:
         "first_quarter_loss": first,
         "last_quarter_loss": last,
         "loss_decreased": last < first and losses[-1] < losses[0],
-        "no_peer_holds_all_layers": not whole and len({p for p, _, _ in before + after}) == cfg.peers,
+        # before the first step and after the last, each peer its own slice, and no re-plan in between
+        "no_peer_holds_all_layers": not whole
+        and len({p for p, _, _ in before + after}) == cfg.peers
+        and before == after
+        and summary.replans == 0,
         "total_wire_bytes": summary.total_wire_bytes,
         "total_ratio_vs_fp32": summary.total_ratio_vs_fp32,
         "config": asdict(cfg),
