@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 
 def test_quick_finetune_over_three_peers(tmp_path):
     cfg = FinetuneConfig(
-        model="llama-tiny", peers=3, steps=8, seq_len=32, batch_size=4, micro_batches=2, train_samples=32,
+        model="llama-tiny", peers=3, steps=8, seq_len=32, batch_size=4, micro_batches=2, train_samples=16,
         lr=3e-3, shard_mb=0,
     )  # fmt: skip
     result = run_finetune(cfg, tmp_path, say=lambda *_: None)
