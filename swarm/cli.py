@@ -20,6 +20,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "transport"): ("swarm.bench.transport", "gRPC stream throughput, goodput on shaped links"),
     ("bench", "soak"): ("swarm.bench.soak", "a loopback swarm for N steps: RSS, threads and fds of every process"),
     ("bench", "hostile"): ("swarm.bench.hostile", "hostile clients against a local pipeline, case by case"),
+    ("bench", "model"): ("swarm.bench.model", "a model's tokens/s per stage, boundary bytes per token, link speeds"),
     ("bench", "auth"): ("swarm.bench.auth", "the demo's mean step time with authentication on and off, alternating"),
     ("experiment", "convergence"): (
         "swarm.experiments.convergence",
@@ -28,6 +29,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("experiment", "throttled"): (
         "swarm.experiments.throttled",
         "the link-speed x codec matrix on shaped links, with plots and a report",
+    ),
+    ("experiment", "finetune"): (
+        "swarm.experiments.finetune",
+        "write a Hugging Face checkpoint and tokenizer locally, fine-tune it over a local 3-peer swarm",
     ),
     ("experiment", "churn"): (
         "swarm.experiments.churn",

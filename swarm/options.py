@@ -3,32 +3,104 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
+from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig, codec_labels
 from swarm.model.gpt import ModelConfig
+from swarm.model.spec import BUILTIN, AnyModelConfig, resolve_model
 from swarm.peers.shaper import LinkShape
 from swarm.runtime.schedules import SCHEDULES
 
 DEFAULT_MODEL = ModelConfig()
 
 
+def add_model_choice_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--model`, `--weights`, `--tokenizer`: which model, from which local files (commands that shape the
+    built-in model with flags of their own add only these)."""
+    parser.add_argument(
+        "--model",
+        default=BUILTIN,
+        metavar="NAME|DIR",
+        help="the model: 'gpt' (the built-in byte-level GPT, shaped by --layers/--hidden/--heads), a preset "
+        "(gpt2-tiny, llama-tiny, gpt2-small, llama-100m) or a local Hugging Face directory with config.json "
+        "(default %(default)s; nothing is downloaded)",
+    )
+    parser.add_argument(
+        "--weights",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face checkpoint (safetensors, sharded with an index or not): each stage loads only "
+        "its own layers (default: a directory --model's own weights, else the seeded init)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="a local tokenizer.json the data is tokenized with (default: a directory --model's own, else bytes)",
+    )
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (every peer and the trainer must agree)")
-    g.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers, help="transformer blocks")
-    g.add_argument("--hidden", type=int, default=DEFAULT_MODEL.hidden_dim, help="width of the residual stream")
-    g.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads, help="attention heads")
+    add_model_choice_arguments(g)
+    g.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers, help="transformer blocks (--model gpt)")
+    g.add_argument(
+        "--hidden", type=int, default=DEFAULT_MODEL.hidden_dim, help="width of the residual stream (--model gpt)"
+    )
+    g.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads, help="attention heads (--model gpt)")
     g.add_argument("--seq-len", type=int, default=DEFAULT_MODEL.seq_len_tokens, help="tokens per sample")
     g.add_argument("--model-seed", type=int, default=DEFAULT_MODEL.init_seed, help="seed of the weights' init")
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(
+def model_config(args: argparse.Namespace) -> AnyModelConfig:
+    """The model the flags name (`swarm.model.spec.resolve_model`); a bad value exits with a one-line error."""
+    builtin = ModelConfig(
         seq_len_tokens=args.seq_len,
         hidden_dim=args.hidden,
         n_layers=args.layers,
         n_heads=args.heads,
         init_seed=args.model_seed,
     )
+    return chosen_model(args, builtin)
+
+
+def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConfig:
+    """`builtin` for `--model gpt`, else the Hugging Face model `--model/--weights/--tokenizer` name, with
+    `builtin`'s sequence length and init seed; a bad value exits with a one-line error naming the flag."""
+    name = getattr(args, "model", BUILTIN)
+    weights, tokenizer = getattr(args, "weights", None), getattr(args, "tokenizer", None)
+    for flag, value in (("--weights", weights), ("--tokenizer", tokenizer)):
+        if value is not None and not Path(value).exists():
+            raise SystemExit(f"{flag} {value}: no such file or directory")
+    if name == BUILTIN:
+        if weights is not None or tokenizer is not None:
+            raise SystemExit("--weights and --tokenizer need a Hugging Face model (--model PRESET or a directory)")
+        return builtin
+    try:
+        cfg = resolve_model(name, seq_len_tokens=builtin.seq_len_tokens, init_seed=builtin.init_seed, weights=weights)
+    except (ValueError, KeyError, OSError) as e:
+        raise SystemExit(f"--model {name}: {e}") from None
+    if tokenizer is not None:
+        from swarm.model.hf import load_tokenizer
+
+        try:
+            n = load_tokenizer(tokenizer).get_vocab_size()
+        except ValueError as e:
+            raise SystemExit(f"--tokenizer {tokenizer}: {e}") from None
+        if n > cfg.vocab_size:
+            raise SystemExit(f"--tokenizer {tokenizer}: {n} tokens, more than the model's vocabulary {cfg.vocab_size}")
+        cfg = replace(cfg, tokenizer_path=str(Path(tokenizer).resolve()))
+    return cfg
+
+
+def model_arguments(args: argparse.Namespace) -> list[str]:
+    """The model flags of `args` as a command line, for the peers a command starts (the same model)."""
+    flags = [
+        f"--model={args.model}", f"--layers={args.layers}", f"--hidden={args.hidden}", f"--heads={args.heads}",
+        f"--seq-len={args.seq_len}", f"--model-seed={args.model_seed}",
+    ]  # fmt: skip
+    return flags + [f"--{k}={getattr(args, k)}" for k in ("weights", "tokenizer") if getattr(args, k, None)]
 
 
 def add_schedule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "1f1b") -> None:

@@ -19,9 +19,9 @@ def measure_compute(model, device: str, iters: int = 10, micro_batch_size: int =
     FLOPs per layer are for the same micro-batch size, so the predicted compute is this time, not an
     extrapolation from another size.
     """
-    from swarm.model.gpt import Block
+    from swarm.model.spec import build_stage
 
-    block = Block(model).to(device)
+    block = build_stage(model, 0, 1, False, False).to(device)  # one block of whichever family (a middle stage)
     x = torch.randn(micro_batch_size, model.seq_len_tokens, model.hidden_dim, device=device, requires_grad=True)
     for _ in range(2):  # warm-up: allocator and kernel selection
         block(x).sum().backward()

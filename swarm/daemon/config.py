@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
 from swarm.model.gpt import ModelConfig
+from swarm.model.spec import AnyModelConfig
 from swarm.options import (
     add_codec_arguments,
     add_dht_arguments,
@@ -122,7 +123,7 @@ class PeerConfig:
     """Leave if no stage is assigned within this many seconds."""
     planning: PlanningConfig = field(default_factory=PlanningConfig)
     """Link probing and planning (assign plan)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: AnyModelConfig = field(default_factory=ModelConfig)
     """The model; every peer and the trainer must agree."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule of the stage."""

@@ -25,6 +25,7 @@ import torch
 from swarm.daemon.config import PeerConfig, PlanningConfig, build_parser, config_from_args
 from swarm.metrics import Metrics, MetricsServer, serve_metrics
 from swarm.peers.allocator import tune_allocator
+from swarm.runtime.modelcheck import check_plan_models, peer_status
 
 if TYPE_CHECKING:
     pass
@@ -353,6 +354,8 @@ class PeerDaemon:
             if roster is None:
                 self.servicer.set_roster(None)  # no calls until every stage's address is known
         previous = self.following.version if self.following is not None else 0
+        if role is not None:  # off the plan-switch path: says which plan peer serves another model, by name
+            check_plan_models(self.channels, record, self.dht.peers, self.dht.peer_id, self.servicer.host)
         self.following = record
         self._announce_role(role)
         if role is None:
@@ -381,13 +384,8 @@ class PeerDaemon:
 
     def _steps_done(self, address: str) -> int | None:
         """The steps applied by the stage at `address` (its Status); None if it does not answer."""
-        from swarm.proto import stage_pb2, stage_pb2_grpc
-
-        try:
-            stub = stage_pb2_grpc.StageStub(self.channels.get(address))
-            return int(stub.Status(stage_pb2.Empty(), timeout=2.0).steps_done)
-        except Exception:
-            return None
+        reply = peer_status(self.channels, address)
+        return None if reply is None else int(reply.steps_done)
 
     def _behind_replicas(self, record, role, steps_done: int) -> bool:
         """Whether another replica of this peer's stage under `record` applied more steps than this one: this

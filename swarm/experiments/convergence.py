@@ -29,7 +29,7 @@ import torch
 from swarm.compression import CodecConfig, codec_labels
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
-from swarm.options import add_schedule_argument
+from swarm.options import add_model_choice_arguments, add_schedule_argument, chosen_model
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.precision import add_precision_argument
@@ -404,6 +404,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--train-samples", type=int, default=d.data.train_samples, help="training samples (default %(default)s)")
     add("--eval-samples", type=int, default=d.data.eval_samples, help="held-out samples (default %(default)s)")
     add("--data", default=None, help="a text file or folder of them (default: the Python stdlib's docstrings)")
+    add_model_choice_arguments(parser)
     add("--seq-len", type=int, default=m.seq_len_tokens, help="tokens per sample (default %(default)s)")
     add("--hidden", type=int, default=m.hidden_dim, help="model width (default %(default)s)")
     add("--layers", type=int, default=m.n_layers, help="transformer blocks (default %(default)s)")
@@ -444,19 +445,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
     settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
+    builtin = ModelConfig(
+        seq_len_tokens=args.seq_len,
+        hidden_dim=args.hidden,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        init_seed=args.seed,
+    )
+    model = chosen_model(args, builtin)  # --model: the built-in shaped by the flags above, or a Hugging Face one
+    tokenizer = getattr(model, "tokenizer_path", None)
     cfg = ExperimentConfig(
-        model=ModelConfig(
-            seq_len_tokens=args.seq_len,
-            hidden_dim=args.hidden,
-            n_layers=args.layers,
-            n_heads=args.heads,
-            init_seed=args.seed,
-        ),
+        model=model,
         data=DataConfig(
             path=args.data,
             seq_len_tokens=args.seq_len,
             train_samples=args.train_samples,
             eval_samples=args.eval_samples,
+            tokenizer=tokenizer,
         ),
         optim=OptimConfig(lr_peak=args.lr),
         settings=settings,
@@ -477,8 +482,10 @@ def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
         return cfg
     return replace(
         cfg,
-        model=ModelConfig(seq_len_tokens=32, hidden_dim=32, n_layers=2, n_heads=2, init_seed=args.seed),
-        data=DataConfig(path=args.data, seq_len_tokens=32, train_samples=48, eval_samples=16),
+        model=chosen_model(
+            args, ModelConfig(seq_len_tokens=32, hidden_dim=32, n_layers=2, n_heads=2, init_seed=args.seed)
+        ),
+        data=DataConfig(path=args.data, seq_len_tokens=32, train_samples=48, eval_samples=16, tokenizer=tokenizer),
         optim=OptimConfig(lr_peak=3e-3),
         settings=QUICK_SETTINGS if settings == DEFAULT_SETTINGS else settings,
         n_stages=2,

@@ -110,6 +110,10 @@ class ThrottledConfig:
     """Output folder (None: runs/throttled-<time>)."""
     baseline: str | None = None
     """"torch": also run PyTorch's own pipeline (fp32) at every rate, in the same namespaces (needs netns)."""
+    model: object = None
+    """The model (`swarm.options.model_config`; None: the entry points' default, the built-in GPT)."""
+    model_flags: tuple[str, ...] = ()
+    """The same model as swarm-peer flags (`swarm.options.model_arguments`)."""
 
     def __post_init__(self) -> None:
         if self.baseline is not None and self.baseline not in BASELINES:
@@ -166,6 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="a small matrix (10 Mbit/s and unshaped, 2 settings)")
     parser.add_argument("--json", action="store_true", help="print the table rows as JSON")
+    from swarm.options import add_model_arguments
+
+    add_model_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ThrottledConfig:
@@ -191,7 +198,16 @@ def config_from_args(args: argparse.Namespace) -> ThrottledConfig:
         netns=args.netns,
         out=args.out,
         baseline=args.baseline,
+        **_model_of(args),
     )
+
+
+def _model_of(args: argparse.Namespace) -> dict:
+    """`model` and `model_flags` of the flags; empty for the default model, so every cell runs as it did."""
+    from swarm.options import DEFAULT_MODEL, model_arguments, model_config
+
+    model = model_config(args)
+    return {} if model == DEFAULT_MODEL else {"model": model, "model_flags": tuple(model_arguments(args))}
 
 
 def train_config(cell: Cell, cfg: ThrottledConfig, out: Path) -> TrainConfig:
@@ -199,6 +215,7 @@ def train_config(cell: Cell, cfg: ThrottledConfig, out: Path) -> TrainConfig:
     from swarm.train.trainer import TrainConfig
 
     return TrainConfig(
+        **({} if cfg.model is None else {"model": cfg.model}),
         train_samples=cfg.train_samples, batch_size=cfg.batch_size, micro_batches=cfg.micro_batches,
         schedule="1f1b", steps=cfg.steps_of(cell), seed=0, setting=cell.setting, deadline_s=300.0,
         out=str(out / cell.label),
@@ -234,6 +251,7 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 10))]
     if cell.rate_mbit is not None:
         flags += ["--rate-mbit", str(cell.rate_mbit)]
+    flags += list(cfg.model_flags)
     train_cfg = train_config(cell, cfg, out)
     if cfg.netns:
         from swarm.testbed.cli import run_in_testbed

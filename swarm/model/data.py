@@ -46,6 +46,9 @@ class DataConfig:
     """Held-out samples, taken from the end of the corpus so they share no text with training."""
     max_corpus_bytes: int = 8_000_000
     """Stop reading the corpus after this many bytes (the stdlib's docstrings alone are tens of MB)."""
+    tokenizer: str | None = None
+    """A local tokenizer.json (`swarm.model.hf.load_tokenizer`): samples are windows of its token ids; None =
+    bytes (token id = byte value), as the built-in model reads."""
 
     def __post_init__(self) -> None:
         if self.seq_len_tokens < 1:
@@ -211,22 +214,41 @@ def load_corpus(path: str | None, max_bytes: int, min_bytes: int = 0) -> tuple[b
     return best[0], best[1] + " (smaller than asked for)"
 
 
+BYTES_PER_TOKEN_READ = 8
+"""With a tokenizer, bytes of corpus read per token wanted: subword tokenizers average 3-5 bytes per token on
+English prose, so 8 leaves room without reading the whole corpus."""
+
+
+def _tokens(text: bytes, tokenizer: str | None) -> torch.Tensor:
+    """The corpus as int64 token ids: its bytes, or `tokenizer`'s ids of its UTF-8 text (invalid bytes replaced)."""
+    if tokenizer is None:
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() if text else torch.zeros(0, dtype=torch.long)
+    from swarm.model.hf import load_tokenizer
+
+    ids = load_tokenizer(tokenizer).encode(text.decode("utf-8", errors="replace")).ids
+    return torch.tensor(ids, dtype=torch.int64)
+
+
 def build_datasets(cfg: DataConfig) -> tuple[SampleSet, SampleSet, DataReport]:
-    """Cut the corpus into windows of `seq_len_tokens + 1` bytes: training first, held-out from the end.
+    """Cut the corpus into windows of `seq_len_tokens + 1` tokens (bytes, or `cfg.tokenizer`'s ids): training
+    first, held-out from the end. A sample's id is its window's index, the same in every process.
 
     Raises ValueError when the corpus does not hold one training and the held-out windows.
     """
     window = cfg.seq_len_tokens + 1
     wanted = ((cfg.train_samples or 0) + cfg.eval_samples) * window
-    max_bytes = cfg.max_corpus_bytes if cfg.train_samples is None else min(cfg.max_corpus_bytes, wanted)
-    text, source = load_corpus(cfg.path, max_bytes, min_bytes=wanted)
-    n_windows = len(text) // window
+    per_token = 1 if cfg.tokenizer is None else BYTES_PER_TOKEN_READ
+    max_bytes = cfg.max_corpus_bytes if cfg.train_samples is None else min(cfg.max_corpus_bytes, wanted * per_token)
+    text, source = load_corpus(cfg.path, max_bytes, min_bytes=wanted * per_token)
+    tokens = _tokens(text, cfg.tokenizer)
+    n_windows = len(tokens) // window
     if n_windows < cfg.eval_samples + 1:
+        unit = "bytes" if cfg.tokenizer is None else "tokens"
         raise ValueError(
-            f"{source} holds {len(text)} bytes: too few for {cfg.eval_samples} held-out samples and one "
-            f"training sample of {window} bytes; pass --data with a larger text"
+            f"{source} holds {len(tokens)} {unit}: too few for {cfg.eval_samples} held-out samples and one "
+            f"training sample of {window} {unit}; pass --data with a larger text"
         )
-    data = torch.frombuffer(bytearray(text[: n_windows * window]), dtype=torch.uint8).long()
+    data = tokens[: n_windows * window]
     windows = data.view(n_windows, window)
     n_train = n_windows - cfg.eval_samples
     if cfg.train_samples is not None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import grpc
 
 from swarm.compression import WireLimits
-from swarm.model.gpt import ModelConfig
 from swarm.net.stream import CallRefused
 from swarm.proto import stage_pb2
 
@@ -100,10 +99,11 @@ class StageBudget:
                 return f"stage_micro[{s}]: {i} is not below stage_micro_count[{s}]={n}"
         return None
 
-    def wire_limits(self, model: ModelConfig) -> WireLimits:
-        """Bounds on every tensor message a stage of `model` receives: the largest is an fp32 activation of a
-        full micro-batch, or the tied embedding's gradient."""
-        numel = max(self.max_batch * model.seq_len_tokens * model.hidden_dim, model.vocab_size * model.hidden_dim)
+    def wire_limits(self, model) -> WireLimits:
+        """Bounds on every tensor message a stage of `model` (an `AnyModelConfig`) receives: the largest is an
+        fp32 activation of a full micro-batch, or the tied embedding's gradient (models that tie it)."""
+        tied = model.vocab_size * model.hidden_dim if model.tied_embeddings else 0
+        numel = max(self.max_batch * model.seq_len_tokens * model.hidden_dim, tied)
         return WireLimits(max_dims=3, max_numel=numel, max_message_bytes=4 * numel + (1 << 20))
 
     def sink_limits(self) -> WireLimits:

@@ -113,6 +113,7 @@ class PipelineDriver:
         heartbeat_s: float = 1.0,
         heartbeat_misses: int = 3,
         weights: ChainWeights | None = None,
+        tied: bool = True,
     ):
         routes, ids = _nested(route), _nested(peers)
         if not routes or len(routes) != len(ids) or [len(r) for r in ids] != [len(r) for r in routes]:
@@ -135,6 +136,8 @@ class PipelineDriver:
         self.connector = connector or GrpcConnector(signer=signer)
         self.metrics = metrics or Metrics()
         self.weights = weights or ChainWeights()
+        self.tied = tied
+        """whether the model ties its embedding and head: only then do the end stages sum a tied group"""
         self.dead: set[str] = set()
         """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats)"""
         # every call to a stage carries a token for that stage's peer id
@@ -322,13 +325,14 @@ class PipelineDriver:
 
     def _reduce(self, step: int, chains: list[Chain], wake: threading.Event) -> Traffic:
         """Sums each stage's gradients over the distinct replicas `chains` used (`Reduce`, one call per replica),
-        bytes under direction "average"; with 2+ stages the end stages' replicas also sum the tied gradient
-        (their tied group: stage 0's replicas, then the last stage's), bytes under ("tied", "tied"). A stage
-        whose chains share one replica has nothing to sum (an end stage still joins the tied group)."""
+        bytes under direction "average"; with 2+ stages of a model that ties its embedding and head (`tied`), the
+        end stages' replicas also sum the tied gradient (their tied group: stage 0's replicas, then the last
+        stage's), bytes under ("tied", "tied"). A stage whose chains share one replica has nothing to sum (an
+        end stage of a tied model still joins the tied group)."""
         traffic = Traffic()
         tasks = []
         last = self.n_stages - 1
-        ends = (0, last) if last > 0 else ()
+        ends = (0, last) if last > 0 and self.tied else ()
         tied = [(s, r) for s in ends for r in self._replicas(s, chains)]
         for s in range(self.n_stages):
             replicas = self._replicas(s, chains)
@@ -551,6 +555,20 @@ class PipelineDriver:
     def status(self) -> list[stage_pb2.StatusReply]:
         """Chain 0's stages' status."""
         return [self._call(s, 0, "Status", stage_pb2.Empty(), timeout=10) for s in range(self.n_stages)]
+
+    def check_model(self, identity: str, label: str = "") -> None:
+        """Refuses (`ModelMismatch`, naming both models and the stage's peer) unless every replica that answers
+        Status serves a slice of the model whose `model_identity` is `identity` (`label` says which model that
+        is). A replica that does not answer is left to the step's own failure handling."""
+        from swarm.runtime.modelcheck import check_status
+
+        for s in range(self.n_stages):
+            for r, peer in enumerate(self.replica_peers[s]):
+                try:
+                    reply = self._call(s, r, "Status", stage_pb2.Empty(), timeout=10)
+                except (StageCallError, grpc.RpcError):
+                    continue
+                check_status(reply, identity, label, f"stage {s} (peer {peer} at {self.replica_addresses[s][r]})")
 
     def replica_status(self) -> list[list[stage_pb2.StatusReply | None]]:
         """Every replica's status, `[stage][replica]`; None for a dead peer."""

@@ -21,7 +21,7 @@ import torch
 
 from swarm.compression import CodecConfig, WireError, WireLimits, frame, make_codec
 from swarm.metrics import Metrics
-from swarm.model.gpt import ModelConfig, build_stage
+from swarm.model.spec import AnyModelConfig, build_stage, model_identity
 from swarm.net.connect import Connector
 from swarm.net.stream import (
     BUFFER_MISS,
@@ -89,7 +89,7 @@ class StageHost:
     def __init__(
         self,
         role: StageRole,
-        model: ModelConfig,
+        model: AnyModelConfig,
         stage_cfg: StageConfig,
         links: LinkEnds,
         peer_id: str,
@@ -100,6 +100,7 @@ class StageHost:
         budget: StageBudget | None = None,
     ):
         self.role, self.model, self.peer_id, self.device = role, model, peer_id, device
+        self.model_identity = model_identity(model)
         self.metrics = metrics or Metrics()
         self.budget = budget or StageBudget()
         module = build_stage(model, role.layer_start, role.layer_end, role.is_first, role.is_last)
@@ -548,6 +549,7 @@ class StageHost:
             weights_digest=self.weights_digest(),
             replica=self.role.replica,
             last_step=self.last_step or 0,
+            model_identity=self.model_identity,
         )
 
     def weights_digest(self) -> str:

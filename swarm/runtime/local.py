@@ -18,7 +18,8 @@ import torch
 
 from swarm.compression import CodecConfig
 from swarm.model.data import Batch, SampleSet
-from swarm.model.gpt import ModelConfig, split_layers
+from swarm.model.gpt import split_layers
+from swarm.model.spec import AnyModelConfig
 from swarm.net.auth import CallSigner, CallVerifier, Identity
 from swarm.net.connect import LocalNetwork
 from swarm.peers.shaper import LinkShaping
@@ -58,7 +59,7 @@ class LocalPipeline:
 
     def __init__(
         self,
-        model: ModelConfig,
+        model: AnyModelConfig,
         n_stages: int,
         forward: CodecConfig | None = None,
         backward: CodecConfig | None = None,
@@ -143,7 +144,8 @@ class LocalPipeline:
                 self._driver.close()
             connector = self.network.connector(CallSigner(self.trainer) if self.trainer else None)
             route, peers = self._shape(self.replica_addresses), self._shape(self.replica_peers)
-            self._driver = PipelineDriver(route, peers, self.schedule, n_micro, connector=connector, **driver_options)
+            options = {"tied": self.model.tied_embeddings, **driver_options}
+            self._driver = PipelineDriver(route, peers, self.schedule, n_micro, connector=connector, **options)
         return self._driver
 
     def train_step(self, batch: Batch, n_micro: int) -> StepResult:

@@ -95,6 +95,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peers", type=int, default=d.peers, help=f"swarm-peers, one stage each (default {d.peers})")
     g.add_argument("--fw-codec", default=d.fw_codec, help=f"activation codec (default {d.fw_codec})")
     g.add_argument("--bw-codec", default=d.bw_codec, help=f"gradient codec (default {d.bw_codec})")
+    g.add_argument("--model", default=None, help="model preset of every peer and the trainer (default: the built-in)")
     for flag, text in (("--layers", "transformer blocks"), ("--hidden", "width"), ("--heads", "attention heads")):
         g.add_argument(flag, type=int, default=None, help=f"model {text} (default: the entry points')")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the entry points')")
@@ -133,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> TestbedConfig:
         prefix=getattr(args, "prefix", None) or TestbedConfig.prefix,
         fw_codec=args.fw_codec,
         bw_codec=args.bw_codec,
+        model=args.model,
         layers=args.layers,
         hidden=args.hidden,
         heads=args.heads,

@@ -100,6 +100,8 @@ class TestbedConfig:
     torch; a test checks they agree)."""
     bw_codec: str = "gradq2+ef+rot+nr+cs+g1024"
     """Gradient codec of the peers (swarm.compression.DEFAULT_BW_CODEC)."""
+    model: str | None = None
+    """`--model` of every peer and the trainer: a preset name (None: the entry points' default, the built-in)."""
     layers: int | None = None
     """Transformer blocks (None: the entry points' default; likewise hidden, heads, seq_len)."""
     hidden: int | None = None
@@ -153,7 +155,13 @@ class TestbedConfig:
         return self.steps or self.epochs * (self.train_samples // self.batch_size)
 
     def model_flags(self) -> tuple[str, ...]:
-        given = {"--layers": self.layers, "--hidden": self.hidden, "--heads": self.heads, "--seq-len": self.seq_len}
+        given = {
+            "--model": self.model,
+            "--layers": self.layers,
+            "--hidden": self.hidden,
+            "--heads": self.heads,
+            "--seq-len": self.seq_len,
+        }
         return tuple(x for flag, value in given.items() if value is not None for x in (flag, str(value)))
 
     def egress_mbit(self, name: str) -> float | None:

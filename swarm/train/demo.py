@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, codec_labels
-from swarm.options import add_model_arguments, add_schedule_argument, model_config
+from swarm.options import add_model_arguments, add_schedule_argument, model_arguments, model_config
 from swarm.runtime.precision import add_precision_argument
 
 
@@ -52,10 +52,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr))
-    model_flags = [
-        f"--layers={args.layers}", f"--hidden={args.hidden}", f"--heads={args.heads}",
-        f"--seq-len={args.seq_len}", f"--model-seed={args.model_seed}",
-    ]  # fmt: skip
+    model = model_config(args)  # a bad --model fails here, before any process starts
+    model_flags = model_arguments(args)
     steps = args.epochs * (args.train_samples // args.batch_size)
     started = time.perf_counter()
     peer_flags = [
@@ -70,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         route, procs = swarm.route, swarm.procs
         say(f"plan {swarm.plan_version}: all {args.peers} stages served: {', '.join(route)}")
         train_cfg = TrainConfig(
-            model=model_config(args), data=args.data, train_samples=args.train_samples,
+            model=model, data=args.data, train_samples=args.train_samples,
             batch_size=args.batch_size, micro_batches=args.micro_batches, schedule=args.schedule,
             epochs=args.epochs, setting=f"{args.fw_codec}/{args.bw_codec}", out=str(out),
         )  # fmt: skip

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from swarm.metrics import Metrics, serve_metrics
 from swarm.model.gpt import ModelConfig
+from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import (
     add_dht_arguments,
     add_metrics_arguments,
@@ -102,7 +103,7 @@ class TrainSummary:
 class TrainConfig:
     """What the trainer trains and how: `swarm train` builds it from flags, the demo and experiments directly."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: AnyModelConfig = field(default_factory=ModelConfig)
     """The model; every stage's peer must serve the same one."""
     data: str | None = None
     """A text file or folder to train on (None: Python's own docstrings)."""
@@ -343,12 +344,20 @@ def train(
     from swarm.net.stream import PLAN_MISMATCH, StageCallError
     from swarm.plots import Panel, moving_average, save_line_plots
     from swarm.runtime.driver import PipelineDriver
+    from swarm.runtime.modelcheck import model_label
 
     metrics = metrics if metrics is not None else Metrics()
     signer = signer or CallSigner(Identity.generate())
     model = cfg.model
+    identity = model_identity(model)
     train_set, _, report = build_datasets(
-        DataConfig(path=cfg.data, seq_len_tokens=model.seq_len_tokens, train_samples=cfg.train_samples, eval_samples=0)
+        DataConfig(
+            path=cfg.data,
+            seq_len_tokens=model.seq_len_tokens,
+            train_samples=cfg.train_samples,
+            eval_samples=0,
+            tokenizer=getattr(model, "tokenizer_path", None),
+        )  # fmt: skip
     )
     if not quiet:
         print(report.describe(), file=sys.stderr)
@@ -361,10 +370,13 @@ def train(
 
     def connect(r: Route) -> PipelineDriver:
         metrics.plan_version.set(r.plan_version)
-        return PipelineDriver(
+        driver = PipelineDriver(
             *r.driver_args(), cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=chain_weights(cfg.chain_weights),
+            tied=model.tied_embeddings,
         )  # fmt: skip
+        driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
+        return driver
 
     pipe = connect(route)
     watch = PlanWatch(dht, route.plan_version, n_layers=model.n_layers) if dht is not None else None
