@@ -18,6 +18,7 @@ from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, codec_labels
 from swarm.options import add_model_arguments, add_schedule_argument, model_arguments, model_config
+from swarm.runtime.device import DeviceError, add_device_argument, check_device
 from swarm.runtime.precision import add_precision_argument
 
 
@@ -42,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_model_arguments(parser)
     add_precision_argument(parser)
+    add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr))
     model = model_config(args)  # a bad --model fails here, before any process starts
+    try:
+        check_device(args.device)  # and a --device cuda without CUDA
+    except DeviceError as e:
+        print(f"swarm demo: {e}", file=sys.stderr)
+        return 2
     model_flags = model_arguments(args)
     steps = args.epochs * (args.train_samples // args.batch_size)
     started = time.perf_counter()
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         "--total-steps", str(steps), "--warmup-steps", str(max(1, steps // 5)),  # 10% spiked the loss
         "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(max(1, steps)),
         *model_flags, *(["--no-auth"] if args.no_auth else []), "--precision", args.precision,
+        "--device", args.device,
     ]  # fmt: skip
     say(f"starting a bootstrap node and {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
     with local_swarm(out, args.peers, peer_flags, say) as swarm:

@@ -58,6 +58,8 @@ CSV_FIELDS = [
     "total_wire_bytes",
     "fp32_total_wire_bytes",
     "step_s",
+    "skipped",
+    "loss_scale",
     "plan_version",
     "attempts",
     "chains",
@@ -444,6 +446,8 @@ def train(
                             "total_wire_bytes": getattr(r, "total_wire_bytes", 0),
                             "fp32_total_wire_bytes": getattr(r, "fp32_total_wire_bytes", 0),
                             "step_s": r.seconds,
+                            "skipped": int(r.skipped),  # fp16: a non-finite gradient made every stage skip
+                            "loss_scale": r.loss_scale,
                             "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
                             "plan_version": route.plan_version,
                             **step_columns(r, ids, route.n_replicas, retries),

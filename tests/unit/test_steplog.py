@@ -48,7 +48,15 @@ def test_a_trainer_position_round_trips_and_another_runs_is_refused_by_name(tmp_
 def test_total_bytes_columns_add_up_and_the_summary_prints_prediction_and_totals(tmp_path):
     from swarm.train.trainer import CSV_FIELDS, TrainSummary, format_summary
 
-    assert {"tied_bytes", "sync_bytes", "control_bytes", "total_wire_bytes", "fp32_total_wire_bytes"} <= set(CSV_FIELDS)
+    assert {
+        "tied_bytes",
+        "sync_bytes",
+        "control_bytes",
+        "total_wire_bytes",
+        "fp32_total_wire_bytes",
+        "skipped",
+        "loss_scale",
+    } <= set(CSV_FIELDS)
     log = StepLog(tmp_path, FIELDS)
     log.add(_row(1, control_bytes=3, total_wire_bytes=25, fp32_total_wire_bytes=110))
     log.add(_row(2, control_bytes=3, total_wire_bytes=25, fp32_total_wire_bytes=110))

@@ -198,3 +198,11 @@ def test_the_codec_on_a_device_store_sends_what_it_sends_on_a_memory_store():
         a = codec.encode(x, sample_ids=ids, state=memory)
         b = codec.encode(x, sample_ids=ids, state=device)
         assert a.SerializeToString() == b.SerializeToString()
+
+
+def test_the_demo_refuses_cuda_without_cuda_before_it_starts_a_process(no_cuda, tmp_path, capsys):
+    from swarm.cli import main
+
+    assert main(["demo", "--device", "cuda", "--out", str(tmp_path / "demo")]) == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "demo" / "steps.csv").exists()
