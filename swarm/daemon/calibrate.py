@@ -39,7 +39,7 @@ import numpy as np
 from swarm.scheduler import ModelSpec, PlanInput
 from swarm.scheduler.plans import Breakdown
 
-__all__ = ["Calibrator", "StageClock", "Measured", "calibrated_breakdown", "read_clock", "status_reader"]
+__all__ = ["Calibrator", "calibrator", "StageClock", "Measured", "calibrated_breakdown", "read_clock", "status_reader"]
 
 log = logging.getLogger("swarm.daemon.calibrate")
 
@@ -140,7 +140,7 @@ class Calibrator:
         self,
         read: Callable[[str], object | None],
         after_steps: int = 4,
-        window_steps: int = 3,
+        window_steps: int = 4,
         every_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -228,6 +228,13 @@ def measured_bytes(spec: ModelSpec, stages: list[dict], measured: Mapping[str, M
     figures = {"forward_bytes": max(forward, default=0.0), "backward_bytes": max(backward, default=0.0)}
     figures["tied_bytes"] = max(tied, default=0.0)
     return dataclasses.replace(spec, **{k: v for k, v in figures.items() if v > 0})
+
+
+def calibrator(plans, channels, addresses: Callable[[], dict[str, str]]) -> Calibrator | None:
+    """The planner's `Calibrator` of a peer's `PlanningConfig` (None: --calibrate-after-steps not given)."""
+    if plans.calibrate_after_steps is None:
+        return None
+    return Calibrator(status_reader(channels, addresses), after_steps=plans.calibrate_after_steps)
 
 
 def status_reader(channels, addresses: Callable[[], dict[str, str]], timeout_s: float = 1.0):

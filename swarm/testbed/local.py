@@ -25,6 +25,8 @@ class LocalSwarm:
     """the `CallSigner` of the swarm's trainer: the one trainer the plan names, announced while the swarm runs"""
     found: object = None
     """the `Route` the trainer discovered (with the plan's predicted step time); None: built from the fields"""
+    dht: object = None
+    """the trainer's DHT client while the swarm runs: `train(..., dht=)` follows re-published plans with it"""
 
     @property
     def path(self):
@@ -72,5 +74,6 @@ def local_swarm(
 
                 found = discover_route(dht, n_peers, timeout_s, show, trainer_id=dht.peer_id)
                 yield LocalSwarm(
-                    found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer), found
-                )
+                    found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer),
+                    found, dht,
+                )  # fmt: skip
