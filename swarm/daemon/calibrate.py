@@ -7,7 +7,9 @@ steps, the planner reads each one's clocks from its `Status` (the host's metrics
 
 - seconds per micro-batch of its stage: the forward, backward, encode and decode phases' time over the
   forward and backward passes (`swarm_phase_seconds`), over a window of steps;
-- seconds per step as the stage saw it (its first call to its `Step`: `swarm_step_seconds`), same window;
+- seconds per step: the whole step as the trainer saw it up to its `Step` (`StepRequest.trainer_elapsed_s`)
+  plus the stage's Step (phase "trainer"), else as the stage saw it (its first call to its `Step`:
+  `swarm_step_seconds`, which misses the trainer's own work before its first call and after `Step`), same window;
 - bytes it sent each way and for the tied gradient (`swarm_wire_bytes_total`), same window.
 
 `calibrated_breakdown` then re-predicts the plan: each peer's compute speed from its stage's measured
@@ -61,6 +63,9 @@ class StageClock:
     """Forward and backward passes its compute phase timed (two per micro-batch)."""
     sent: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Bytes it put on the wire: forward to the next stage, backward to the previous, the tied gradient."""
+    trainer: tuple[int, float] = (0, 0.0)
+    """Steps timed whole (the trainer's time up to its `Step` plus the stage's Step: phase "trainer") and their
+    seconds."""
 
 
 @dataclass(frozen=True)
@@ -101,12 +106,16 @@ def read_clock(metrics: Mapping[str, float], stage: int) -> StageClock | None:
         _figure(metrics, f'swarm_wire_bytes_total{{direction="{d}",link="{link}"}}', MAX_BYTES)
         for d, link in (("forward", stage), ("backward", stage - 1), ("tied", "tied"))
     ]
-    if any(v is None for v in (*values, *work, *sent)):
+    whole = [
+        _figure(metrics, f'swarm_phase_seconds_count{{phase="trainer",stage="{stage}"}}', MAX_COUNT),
+        _figure(metrics, f'swarm_phase_seconds_sum{{phase="trainer",stage="{stage}"}}', MAX_SECONDS),
+    ]
+    if any(v is None for v in (*values, *work, *sent, *whole)):
         return None
     steps, step_s, passes = values
-    if steps != int(steps) or passes != int(passes):
+    if steps != int(steps) or passes != int(passes) or whole[0] != int(whole[0]):
         return None
-    return StageClock(int(steps), step_s, float(sum(work)), int(passes), tuple(sent))
+    return StageClock(int(steps), step_s, float(sum(work)), int(passes), tuple(sent), (int(whole[0]), whole[1]))
 
 
 def window(before: StageClock, after: StageClock) -> Measured | None:
@@ -117,6 +126,9 @@ def window(before: StageClock, after: StageClock) -> Measured | None:
     if steps < 1 or passes < 2 or step_s <= 0 or work_s <= 0 or min(sent) < 0:
         return None
     micro = passes / 2
+    timed, timed_s = after.trainer[0] - before.trainer[0], after.trainer[1] - before.trainer[1]
+    if timed == steps and timed_s > 0:  # every step of the window timed whole, from the trainer's start
+        step_s = timed_s
     return Measured(work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps)
 
 

@@ -377,6 +377,7 @@ class PipelineDriver:
 
         def step_stage(s: int, replica: int) -> float:
             req = stage_pb2.StepRequest(step=step, global_grad_norm=norm, plan_version=self.plan_version)
+            req.trainer_elapsed_s = time.perf_counter() - getattr(self, "_step_started", time.perf_counter())
             return self._call(s, replica, "Step", req).lr
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
@@ -460,6 +461,7 @@ class PipelineDriver:
             StageCallError: a call failed for another reason (plan-mismatch included), or `max_attempts` ran out.
         """
         m, start, before = self.metrics, time.perf_counter(), self.metrics.snapshot()
+        self._step_started = start
         dead_before = set(self.dead)
         with self._control_lock:
             self._control, self._all = 0, Traffic()

@@ -57,6 +57,16 @@ def test_read_clock_sums_the_work_phases_and_refuses_malformed_figures():
     assert other is not None and other.passes == 0
 
 
+def test_the_window_prefers_the_whole_steps_the_trainer_timed():
+    before = StageClock(4, 10.0, 2.0, 32, (0.0, 0.0, 0.0), (4, 11.0))
+    after = StageClock(7, 13.0, 3.5, 56, (0.0, 0.0, 0.0), (7, 14.3))
+    assert window(before, after).step_s == pytest.approx(1.1)  # (14.3 - 11) / 3, not the stage's (13 - 10) / 3
+    partly = StageClock(7, 13.0, 3.5, 56, (0.0, 0.0, 0.0), (6, 13.2))  # a step without the trainer's figure
+    assert window(before, partly).step_s == pytest.approx(1.0)
+    good = metrics(0, 5, 2.0, 1.0, 40) | {'swarm_phase_seconds_count{phase="trainer",stage="0"}': 5.0}
+    assert read_clock(good | {'swarm_phase_seconds_sum{phase="trainer",stage="0"}': math.nan}, 0) is None
+
+
 def test_window_takes_differences_and_refuses_counters_that_went_back():
     before = StageClock(4, 10.0, 2.0, 32, (8000.0, 0.0, 100.0))
     after = StageClock(7, 13.0, 3.5, 56, (20000.0, 0.0, 400.0))
