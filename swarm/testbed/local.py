@@ -42,6 +42,7 @@ def local_swarm(
     peer_flags: list[str],
     say: Callable[[str], None] = lambda _: None,
     timeout_s: float = 120.0,
+    per_peer_flags: list[list[str]] | None = None,
 ) -> Iterator[LocalSwarm]:
     """Starts a bootstrap node and `n_peers` peers (one stage each, as the planner assigns them) and waits
     until every stage is served under a plan that names this swarm's trainer (stages serve training calls
@@ -59,7 +60,8 @@ def local_swarm(
         procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
         procs.wait_for_file(address_file, 60)
         for i in range(n_peers):
-            argv = peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *peer_flags)
+            own = per_peer_flags[i] if per_peer_flags else []  # e.g. one peer's own --rate-mbit
+            argv = peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *peer_flags, *own)
             procs.start(f"peer{i}", argv)
         initial = [line for line in address_file.read_text().splitlines() if line.strip()]
         trainer = Identity.generate()
