@@ -221,7 +221,9 @@ def calibrated_breakdown(
     spec = measured_bytes(spec, stages, measured)
     pipeline = FullCost(calibrated, dataclasses.replace(spec, step_overhead_s=0.0)).evaluate(layout)
     step = max(m.step_s for m in measured.values())
-    overhead = max(0.0, step - pipeline.total_s)
+    # what the step's phases (pipeline, sums) leave of the clock; the links' rate bound is no phase
+    phases = pipeline.compute_s + pipeline.transfer_s + pipeline.latency_s + pipeline.steady_s
+    overhead = max(0.0, step - phases - max(pipeline.sync_s, pipeline.tied_s))
     after = FullCost(calibrated, dataclasses.replace(spec, step_overhead_s=overhead)).evaluate(layout)
     return after, before
 

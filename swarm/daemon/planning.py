@@ -499,7 +499,13 @@ class Planner:
         figures = {pid: dataclasses.asdict(m) for pid, m in sorted(measured.items())}
         self.dht.publish_plan(
             version,
-            {**current.plan, "step_time_s": after.total_s, "breakdown": dataclasses.asdict(after), "measured": figures},
+            {
+                **current.plan,
+                "step_time_s": after.total_s,
+                "breakdown": dataclasses.asdict(after),
+                "measured": figures,
+                "first_step_time_s": current.plan.get("first_step_time_s", current.plan.get("step_time_s")),
+            },
         )
         log.info(
             "published plan %d: plan %d's stages, predicted %.3f s/step from the peers' clocks (%.3f before; "

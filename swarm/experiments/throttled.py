@@ -227,7 +227,7 @@ def read_summary(cell_dir: Path) -> dict:
             summary = json.loads(path.read_text())
             plan = json.loads((cell_dir / "plan.json").read_text()) if (cell_dir / "plan.json").is_file() else {}
             if "measured" in plan and isinstance(plan.get("step_time_s"), float):
-                summary["first_plan_step_s"] = summary.get("predicted_step_s")
+                summary["first_plan_step_s"] = plan.get("first_step_time_s")
                 summary["predicted_step_s"] = plan["step_time_s"]
             return summary
     return {}

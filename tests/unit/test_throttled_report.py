@@ -171,6 +171,8 @@ def test_a_calibrated_plan_gives_the_cells_prediction(tmp_path):
     assert th.read_summary(tmp_path)["predicted_step_s"] == 0.05  # no plan file: the trainer's own
     (tmp_path / "plan.json").write_text(json.dumps({"stages": [], "step_time_s": 0.2}))
     assert th.read_summary(tmp_path)["predicted_step_s"] == 0.05  # the newest plan, not calibrated
-    (tmp_path / "plan.json").write_text(json.dumps({"stages": [], "step_time_s": 0.118, "measured": {}}))
-    summary = th.read_summary(tmp_path)
+    calibrated = {"stages": [], "step_time_s": 0.118, "measured": {}, "first_step_time_s": 0.05}
+    (tmp_path / "plan.json").write_text(json.dumps(calibrated))
+    (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.118, "mean_step_s": 0.12}))
+    summary = th.read_summary(tmp_path)  # the trainer followed the calibrated plan: its first comes from the plan
     assert summary["predicted_step_s"] == 0.118 and summary["first_plan_step_s"] == 0.05

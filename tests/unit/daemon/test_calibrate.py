@@ -204,4 +204,5 @@ def test_the_planner_republishes_the_stages_with_the_calibrated_prediction():
     assert plan["step_time_s"] == pytest.approx(0.3)  # stage 0's clock: 0.3 s per step over the window
     assert plan["breakdown"]["compute_s"] == pytest.approx(0.07)  # the measured 0.04 + 0.03 s per micro-batch
     assert plan["breakdown"]["overhead_s"] > 0.05 and set(plan["measured"]) == {A, B}
+    assert plan["first_step_time_s"] == 0.05  # the plan's own prediction before, kept for the report
     assert planner.round() is None, "published once"

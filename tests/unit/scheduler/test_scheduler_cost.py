@@ -96,7 +96,7 @@ def test_tied_exchange_waits_beside_the_averaging():
     peers = (Peer("a", 1e12, 1e10), Peer("b", 1e12, 1e10))
     swarm = PlanInput(peers, np.where(eye, 0, 0.005), np.where(eye, np.inf, 1e6))
     model = ModelSpec(layers=2, flops_per_layer=0, forward_bytes=0, backward_bytes=0, gradient_bytes_per_layer=0,
-                      memory_bytes_per_layer=0, micro_batches=1, tied_bytes=0.5e6)  # fmt: skip
+                      memory_bytes_per_layer=0, micro_batches=1, tied_bytes=0.5e6, full_duplex=True)  # fmt: skip
     layout = Layout(np.array([[0], [1]]), np.array([1, 1]))
     b = FullCost(swarm, model).evaluate(layout)
     assert b.tied_s == pytest.approx(0.51) and b.total_s == pytest.approx(0.01 + 0.51)
@@ -178,3 +178,22 @@ def test_layout_over_memory_is_infeasible():
     assert cost.evaluate(Layout(np.array([[0], [1]]), np.array([2, 2]))).total_s < np.inf
     assert cost.evaluate(Layout(np.array([[0], [1]]), np.array([3, 1]))).total_s == np.inf
     assert even_layers(7, 3).tolist() == [3, 2, 2]
+
+
+def test_a_token_bucket_refills_while_the_link_idles_so_a_step_takes_its_bytes_over_the_rate():
+    # 1 MB/s both ways, a 150 kB bucket; 4 micro-batches of 100 kB forward, 100 kB of tied gradient, 0.2 s of
+    # optimizer and round trips: the link idles 0.2 s a step and refills, so the step is its 500 kB at the rate
+    eye = np.eye(2, dtype=bool)
+    peers = (Peer("a", 1e12, 1e10), Peer("b", 1e12, 1e10))
+    swarm = PlanInput(peers, np.zeros((2, 2)), np.where(eye, np.inf, 1e6), np.where(eye, 0.0, 150e3))
+    model = ModelSpec(layers=2, flops_per_layer=0, forward_bytes=100e3, backward_bytes=0, gradient_bytes_per_layer=0,
+                      memory_bytes_per_layer=0, micro_batches=4, tied_bytes=100e3, full_duplex=True,
+                      step_overhead_s=0.2)  # fmt: skip
+    b = FullCost(swarm, model).evaluate(Layout(np.array([[0], [1]]), np.array([1, 1])))
+    # phases: no fill (the bucket), 3 x 0.1 steady, the tied sum within the refilled bucket, 0.2 overhead = 0.5;
+    # the rate: 4 x 100 kB + 100 kB = 0.5 s. (Adding the link time, the tied time and the overhead said 0.7.)
+    assert b.tied_s == pytest.approx(0.0) and b.total_s == pytest.approx(0.5)
+    slower = FullCost(swarm, dataclasses.replace(model, tied_bytes=400e3)).evaluate(
+        Layout(np.array([[0], [1]]), np.array([1, 1]))
+    )
+    assert slower.total_s == pytest.approx(0.8)  # 400 + 400 kB at the rate binds
