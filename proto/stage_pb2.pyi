@@ -111,7 +111,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale")
+    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale", "trainer_elapsed_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIED_GRAD_SUM_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class StepRequest(_message.Message):
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     tied_grad_sum: _wire_pb2.TensorMessage
     global_grad_norm: float
@@ -126,7 +127,8 @@ class StepRequest(_message.Message):
     plan_version: int
     skip: bool
     loss_scale: float
-    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+    trainer_elapsed_s: float
+    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., trainer_elapsed_s: _Optional[float] = ...) -> None: ...
 
 class GradReply(_message.Message):
     __slots__ = ("tied_grad", "grad_sq_norm", "loss_scale")

@@ -79,8 +79,13 @@ class PlanningConfig:
     codec_policy: str = "fixed"
     """fixed: every link carries --fw-codec/--bw-codec; per-link: the planner chooses each boundary's codecs from
     its measured rate and the stages' compute (`swarm.scheduler.bits`) and peers apply the plan's."""
+    calibrate_after_steps: int | None = None
+    """The planner re-predicts the plan from its peers' clocks over 4 steps from this many steps in and
+    republishes it (`swarm.daemon.calibrate`); None: off (a trainer without the DHT cannot follow the new version)."""
 
     def __post_init__(self) -> None:
+        if self.calibrate_after_steps is not None and self.calibrate_after_steps < 0:
+            raise ValueError("PlanningConfig: calibrate_after_steps must be >= 0")
         if self.codec_policy not in ("fixed", "per-link"):
             raise ValueError(f"PlanningConfig: codec_policy must be fixed or per-link, got {self.codec_policy!r}")
         if self.micro_batch_size < 1 or self.micro_batches < 1:
@@ -286,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fixed: --fw-codec/--bw-codec on every link; per-link: the planner chooses each boundary's codecs",
     )
     g.add_argument(
+        "--calibrate-after-steps",
+        type=int,
+        default=plans.calibrate_after_steps,
+        help="re-predict the plan from the peers' measured clocks over 4 steps from N steps in, and republish it",
+    )
+    g.add_argument(
         "--plan-even-layers",
         action="store_true",
         help="plan an even layer split (peers still ordered and the step still predicted)",
@@ -381,6 +392,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             micro_batches=args.plan_micro_batches,
             even_layers=args.plan_even_layers,
             codec_policy=args.codec_policy,
+            calibrate_after_steps=args.calibrate_after_steps,
         ),
         model=model_config(args),
         optim=OptimConfig(

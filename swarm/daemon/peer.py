@@ -208,6 +208,7 @@ class PeerDaemon:
 
     def _follow_plans(self, address: str) -> int:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
+        from swarm.daemon.calibrate import calibrator
         from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
         from swarm.daemon.planning import LinkProber, Planner, model_spec
         from swarm.scheduler.bits import codec_sizes
@@ -244,6 +245,7 @@ class PeerDaemon:
             codec_bytes=codec_sizes(self.model, plans.micro_batch_size) if plans.codec_policy == "per-link" else None,
             lease_s=plans.planner_lease_s,
             reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
+            calibrator=calibrator(plans, self.channels, lambda: self._addresses),
             **({} if plans.probe_links else {"probe_wait_s": 0.0}),
         )
         lease_stop = threading.Event()

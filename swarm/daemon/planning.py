@@ -39,10 +39,17 @@ import numpy as np
 import torch
 
 from swarm.compression import CodecConfig, make_codec
+from swarm.daemon.calibrate import Calibrator
+from swarm.daemon.capacity import (  # noqa: F401  (re-exported: where callers import them from)
+    REFERENCE_MICRO_BATCH,
+    REFERENCE_MICRO_BATCHES,
+    message_bytes,
+    model_spec,
+    wire_bits,
+)
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.probe import LinkProber  # noqa: F401  (re-exported: where callers import it from)
 from swarm.daemon.repair import grow_plan, repair_plan
-from swarm.model.gpt import ModelConfig
 from swarm.peers.records import (
     MAX_PLAN_TRAINERS,
     MAX_PLAN_VERSION,
@@ -53,77 +60,14 @@ from swarm.peers.records import (
 )
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
-from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, TransformerShape, plan
+from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, plan
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
 
 log = logging.getLogger("swarm.daemon.planning")
 
-REFERENCE_MICRO_BATCH = 2
-"""Samples per micro-batch of the plan's model by default: the trainer's default split (8 samples, 4 micro-batches)."""
-REFERENCE_MICRO_BATCHES = 4
-"""Micro-batches per step of the plan's model by default (the trainer's default)."""
 DEFAULT_BYTES_PER_S = 100e6 / 8
 """Assumed for a link nobody has measured yet when no other link is known either (100 Mbit/s)."""
 _UNKNOWN_MEMORY_BYTES = 1 << 40
-
-
-def wire_bits(codec: CodecConfig) -> float:
-    """Bits per element a codec puts on the wire in steady state (scales and framing aside)."""
-    return float(codec.wire_bits)
-
-
-def message_bytes(codec: CodecConfig, shape: tuple[int, ...], seed: int = 0) -> int:
-    """Bytes one boundary message of `shape` takes on the wire, measured: a layer-normed random tensor (what a
-    block's output looks like to the codec) encoded and framed at the codec's zstd level, scales and headers
-    included. A codec with message buffers (aqsgd, acsgd) is measured in its steady state: the second sight of
-    the samples, a quantized delta against the buffers the first sight filled."""
-    from swarm.compression import LinkState, frame
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def sample() -> torch.Tensor:
-        return torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
-
-    encoder, x = make_codec(codec), sample()
-    if encoder.uses_buffers:
-        state, ids = LinkState(codec), list(range(shape[0]))
-        encoder.encode(x, sample_ids=ids, state=state)  # first sight: fills the buffers
-        msg = encoder.encode(x + 0.1 * sample(), sample_ids=ids, state=state)
-    else:
-        msg = encoder.encode(x)
-    return sum(chunk.ByteSize() for chunk in frame(msg, zstd_level=codec.zstd_level))
-
-
-def model_spec(
-    model: ModelConfig,
-    forward: CodecConfig,
-    backward: CodecConfig,
-    micro_batch_size: int = REFERENCE_MICRO_BATCH,
-    micro_batches: int = REFERENCE_MICRO_BATCHES,
-    step_overhead_s: float = 0.0,
-) -> ModelSpec:
-    """The cost model's figures for our GPT as the run trains it: the trainer's micro-batch size and count
-    (what the plan's step is), the codecs' measured message bytes (`message_bytes`), full-duplex links."""
-    spec = ModelSpec.transformer(
-        TransformerShape(
-            layers=model.n_layers,
-            hidden=model.hidden_dim,
-            seq_len=model.seq_len_tokens,
-            micro_batch_size=micro_batch_size,
-            micro_batches=micro_batches,
-            forward_bits=wire_bits(forward),
-            backward_bits=wire_bits(backward),
-            optimizer_bytes_per_param=16.0,
-        )
-    )
-    shape = (micro_batch_size, model.seq_len_tokens, model.hidden_dim)
-    return dataclasses.replace(
-        spec,
-        forward_bytes=float(message_bytes(forward, shape)),
-        backward_bytes=float(message_bytes(backward, shape)),
-        full_duplex=True,
-        step_overhead_s=step_overhead_s,
-    )
 
 
 @dataclass(frozen=True)
@@ -345,11 +289,14 @@ class Planner:
         lease_s: float = 3.0,
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
+        calibrator: Calibrator | None = None,
     ):
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
         self.replicas, self.liveness, self.even_layers = replicas, liveness, even_layers
         self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
+        self.calibrator = calibrator
+        """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
         """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
         self._chosen_from: list[LinkFigures] | None = None
         self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
@@ -457,6 +404,8 @@ class Planner:
         if current is None and len(alive) < self.min_peers and not self.plan_existed(peers):
             return None
         unchanged = same_peers and inherited is None and current.plan.get("trainer_ids", []) == trainers
+        if unchanged and self.calibrator is not None and (done := self.recalibrate(current, peers, alive)):
+            return done
         if unchanged and self.codec_bytes is not None and alive:
             return self.rechoose_codecs(current, peers, alive)
         if not alive or unchanged:
@@ -532,6 +481,37 @@ class Planner:
             return None
         self.dht.publish_plan(version, {**current.plan, **codecs})
         log.info("published plan %d: plan %d's stages with codecs chosen again", version, current.version)
+        return self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
+
+    def recalibrate(self, current: PlanRecord, peers: list[PeerAnnouncement], alive: frozenset[str]):
+        """Republishes the current stages with the step time predicted from the peers' measured clocks, once
+        their window of steps is complete (`Calibrator`); None until then."""
+        from swarm.daemon.calibrate import calibrated_breakdown
+
+        measured = self.calibrator.observe(current.plan)
+        if measured is None:
+            return None
+        swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
+        after, before = calibrated_breakdown(current.plan, swarm.plan_input, self.spec, measured)
+        version = self.next_version(peers)
+        if version is None:
+            return None
+        figures = {pid: dataclasses.asdict(m) for pid, m in sorted(measured.items())}
+        self.dht.publish_plan(
+            version,
+            {
+                **current.plan,
+                "step_time_s": after.total_s,
+                "breakdown": dataclasses.asdict(after),
+                "measured": figures,
+                "first_step_time_s": current.plan.get("first_step_time_s", current.plan.get("step_time_s")),
+            },
+        )
+        log.info(
+            "published plan %d: plan %d's stages, predicted %.3f s/step from the peers' clocks (%.3f before; "
+            "overhead %.3f s, compute %.3f s): %s",
+            version, current.version, after.total_s, before.total_s, after.overhead_s, after.compute_s, figures,
+        )  # fmt: skip
         return self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
 
     def plan_existed(self, peers: list[PeerAnnouncement]) -> bool:

@@ -43,6 +43,8 @@ QUICK_SETTINGS = ["fp32/fp32", DEFAULT_CODECS]
 TARGET_SETTING = DEFAULT_CODECS
 """The issue's "default setting" in this matrix: at rho >= 20 its speed-up over fp32 is >= 80% of its byte
 ratio."""
+WARMUP_SHARE = 0.2
+"""Learning-rate warm-up as a share of the schedule's steps, as convergence and demo use (10% spiked the loss)."""
 SLOW_RATE_MBIT = 5.0
 """Cells on links slower than this run `ThrottledConfig.slow_steps` steps."""
 PREDICTION_TOLERANCE = 0.10
@@ -222,6 +224,11 @@ def train_config(cell: Cell, cfg: ThrottledConfig, out: Path) -> TrainConfig:
     )  # fmt: skip
 
 
+def warmup_steps(total_steps: int) -> int:
+    """Warm-up steps of a schedule of `total_steps`: `WARMUP_SHARE` of them, at least 1."""
+    return max(1, round(total_steps * WARMUP_SHARE))
+
+
 def _bits(codec: str) -> int:
     from swarm.compression import CodecConfig
 
@@ -230,10 +237,16 @@ def _bits(codec: str) -> int:
 
 def read_summary(cell_dir: Path) -> dict:
     """The trainer's summary.json of a cell (`<cell>/summary.json` of a local swarm, `<cell>/train/` of the
-    testbed's trainer); {} when there is none."""
+    testbed's trainer), its prediction replaced by the newest plan's when the planner calibrated that plan
+    during the run (`plan.json`: the trainer may end before it follows it); {} when there is none."""
     for path in (cell_dir / "summary.json", cell_dir / "train" / "summary.json"):
         if path.is_file():
-            return json.loads(path.read_text())
+            summary = json.loads(path.read_text())
+            plan = json.loads((cell_dir / "plan.json").read_text()) if (cell_dir / "plan.json").is_file() else {}
+            if "measured" in plan and isinstance(plan.get("step_time_s"), float):
+                summary["first_plan_step_s"] = plan.get("first_step_time_s")
+                summary["predicted_step_s"] = plan["step_time_s"]
+            return summary
     return {}
 
 
@@ -248,7 +261,7 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     flags = ["--assign", "plan", "--plan-even-layers", "--fw-codec", fw, "--bw-codec", bw]
     flags += ["--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches))]
     flags += ["--plan-micro-batches", str(cfg.micro_batches), "--delay-ms", str(cfg.delay_ms)]
-    flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 10))]
+    flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(warmup_steps(cfg.steps))]
     if cell.rate_mbit is not None:
         flags += ["--rate-mbit", str(cell.rate_mbit)]
     flags += list(cfg.model_flags)
@@ -257,8 +270,15 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
         from swarm.testbed.cli import run_in_testbed
 
         return run_in_testbed(cell, flags, train_cfg, cfg.peers)
+    # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
+    # full first sights over) and republishes it; the trainer follows it through the DHT, and its summary's
+    # prediction is that one: made during the run, from the run's own early steps
+    flags += ["--calibrate-after-steps", str(cfg.train_samples // cfg.batch_size)]
     with local_swarm(out / cell.label, cfg.peers, flags) as swarm:
-        train(train_cfg, swarm.path, quiet=True, signer=swarm.signer)
+        train(train_cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
+        record = swarm.dht.get_plan(train_cfg.model.n_layers)
+        if record is not None:  # the newest plan: calibrated if the window completed during the run
+            (out / cell.label / "plan.json").write_text(json.dumps(record.plan))
     with open(out / cell.label / "steps.csv") as f:
         return list(csv.DictReader(f))
 
@@ -320,6 +340,8 @@ def summarize(
         "busiest_direction_bytes_per_step": statistics.mean(_busiest_direction(s) for s in steps),
         "predicted_step_s": predicted,
         "predicted_error_pct": 100 * (predicted - mean) / mean if predicted else None,
+        # the first plan's prediction (the peers' block speed alone, no overhead), when a calibrated one followed
+        "first_plan_step_s": (summary or {}).get("first_plan_step_s"),
         "final_loss": statistics.mean(losses[-steps_per_epoch:]),
         "steps": len(steps),
     }
@@ -488,16 +510,17 @@ def _report(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
     lines = [
         "# Throttled experiment",
         "",
-        "| link | setting | mean step (s) | predicted (s) | first epoch step (s) | samples/s | boundary MB |"
-        " total MB | x fewer total | final loss | speed-up vs fp32 | rho | share of min(ratio, 1+rho) |"
-        " slowdown vs fp32 unshaped |",
-        "|" + " --- |" * 14,
+        "| link | setting | mean step (s) | predicted (s) | error | first plan (s) | first epoch step (s) |"
+        " samples/s | boundary MB | total MB | x fewer total | final loss | speed-up vs fp32 | rho |"
+        " share of min(ratio, 1+rho) | slowdown vs fp32 unshaped |",
+        "|" + " --- |" * 16,
     ]
     for r in rows:
         lines.append(
             f"| {_link(r['rate_mbit'])} | {r['setting']} | {r['mean_step_s']:.3f} | "
-            f"{_fmt(r.get('predicted_step_s'), '.3f')} | "
-            f"{_fmt(r.get('first_epoch_step_s'), '.3f')} | {r['throughput_samples_per_s']:.1f} | "
+            f"{_fmt(r.get('predicted_step_s'), '.3f')} | {_fmt(r.get('predicted_error_pct'), '+.1f')}% | "
+            f"{_fmt(r.get('first_plan_step_s'), '.3f')} | {_fmt(r.get('first_epoch_step_s'), '.3f')} | "
+            f"{r['throughput_samples_per_s']:.1f} | "
             f"{r['wire_bytes'] / 1e6:.2f} | {_fmt(r.get('total_wire_bytes') or None, '.2f', 1e6)} | "
             f"{_fmt(r.get('total_ratio_vs_fp32'), '.2f')} | {_fmt(r.get('final_loss'), '.3f')} | "
             f"{_fmt(r['speedup_vs_fp32'], '.2f')}x | {_fmt(r.get('rho'), '.2f')} | "
@@ -507,6 +530,12 @@ def _report(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
     lines += ["", "fp32's time on the wire over its compute time per step (rho; compute = fp32's unshaped step):", ""]
     lines += [f"- {rate:g} Mbit/s: {ratio:.2f}" for rate, ratio in sorted(ratios.items())]
     lines += [
+        "",
+        "Predicted: the plan the planner published during the run from the peers' clocks over the steps after the "
+        "first epoch (`swarm.daemon.calibrate`: in-pipeline compute per micro-batch, the bytes sent, and the step "
+        "overhead their step clocks measured beyond the modelled pipeline); first plan: its prediction before, from "
+        "one block timed alone and the codecs' synthetic bytes. Error: predicted against the mean step after the "
+        "first epoch.",
         "",
         "Total bytes count everything a step moves (both boundary directions, the tied-embedding sync, replica",
         "averaging, control calls); x fewer total divides each cell's fp32 equivalent (the same tensors at fp32,",

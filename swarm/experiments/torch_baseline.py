@@ -5,7 +5,7 @@ What is the same as a swarm fp32 cell: `ModelConfig()` from init seed 0, split b
 cells' stages (`swarm.model.gpt.build_stage`, so every stage holds exactly the unsplit model's weights), the
 data set and batch order of the trainer (`epoch_batches`, seed 0), the micro-batches, and the optimizer:
 every stage is a `StageWorker` (AdamW, warm-up and cosine of `OptimConfig(total_steps=steps,
-warmup_steps=max(1, steps // 10))` as the cells' peers get, clipping by the global gradient norm).
+warmup_steps=WARMUP_SHARE of them)` as the cells' peers get, clipping by the global gradient norm).
 Only the forward and backward passes and their transfers are torch's: `Schedule1F1B.step` on `PipelineStage`s.
 
 The tied embedding: stage 0 holds the token embedding, the last stage an untied copy (`head_weight`, the same
@@ -68,6 +68,8 @@ class TorchRun:
     micro_batches: int = 4
     steps: int = 40
     seed: int = 0
+    total_steps: int | None = None
+    """Steps of the learning-rate schedule (None: `steps`): the slow rates run a prefix of the same schedule."""
     model: dict | None = None
     """ModelConfig fields (None: the defaults, as the throttled cells use)."""
     timeout_s: float = 120.0
@@ -77,6 +79,8 @@ class TorchRun:
         for name in ("stages", "train_samples", "batch_size", "micro_batches", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TorchRun.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.total_steps is not None and self.total_steps < self.steps:
+            raise ValueError(f"TorchRun.total_steps: expected >= steps ({self.steps}), got {self.total_steps}")
         if self.stages < 2:
             raise ValueError("TorchRun.stages: torch's pipeline baseline needs at least 2 stages")
         if self.batch_size % self.micro_batches or self.train_samples < self.batch_size:
@@ -106,7 +110,10 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
     n, last = run.stages, run.stages - 1
     start, end = split_layers(cfg.n_layers, n)[rank]
     module = build_stage(cfg, start, end, is_first=rank == 0, is_last=rank == last)
-    optim = OptimConfig(total_steps=run.steps, warmup_steps=max(1, run.steps // 10))
+    from swarm.experiments.throttled import warmup_steps
+
+    total = run.total_steps or run.steps
+    optim = OptimConfig(total_steps=total, warmup_steps=warmup_steps(total))
     worker = StageWorker(module, StageConfig(optim))
     train_set, _, _ = build_datasets(
         DataConfig(seq_len_tokens=cfg.seq_len_tokens, train_samples=run.train_samples, eval_samples=0)
@@ -308,16 +315,19 @@ def run_torch_rows(
 
     With `cfg.netns` (root), each run's ranks sit in the namespaces of a testbed shaped to the rate (the rate
     None: unshaped); otherwise they run on loopback, unshaped whatever the rate (for tests)."""
-    run = TorchRun(
-        stages=cfg.peers, train_samples=cfg.train_samples, batch_size=cfg.batch_size,
-        micro_batches=cfg.micro_batches, steps=cfg.steps,
-    )  # fmt: skip
-    deadline_s = 120.0 + 60.0 * cfg.steps
+    from swarm.experiments.throttled import Cell
+
     steps_per_epoch = cfg.train_samples // cfg.batch_size
     rows = []
     for rate in rates:
+        steps = cfg.steps_of(Cell(rate, "fp32/fp32"))  # the swarm cells' steps at this rate, same schedule
+        run = TorchRun(
+            stages=cfg.peers, train_samples=cfg.train_samples, batch_size=cfg.batch_size,
+            micro_batches=cfg.micro_batches, steps=steps, total_steps=cfg.steps,
+        )  # fmt: skip
+        deadline_s = 120.0 + 60.0 * steps
         folder = out / f"{_label(rate)}-torch-fp32"
-        say(f"torch baseline: {cfg.steps} steps, {_label(rate)}{' (netns)' if cfg.netns else ' (loopback)'}")
+        say(f"torch baseline: {steps} steps, {_label(rate)}{' (netns)' if cfg.netns else ' (loopback)'}")
         if cfg.netns:
             records = _run_in_namespaces(run, rate, folder, deadline_s)
         else:

@@ -393,6 +393,7 @@ class PipelineDriver:
             req = stage_pb2.StepRequest(
                 step=step, global_grad_norm=norm, plan_version=self.plan_version, skip=skip, loss_scale=self.loss_scale
             )
+            req.trainer_elapsed_s = time.perf_counter() - getattr(self, "_step_started", time.perf_counter())
             return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
@@ -477,6 +478,7 @@ class PipelineDriver:
             StageCallError: a call failed for another reason (plan-mismatch included), or `max_attempts` ran out.
         """
         m, start, before = self.metrics, time.perf_counter(), self.metrics.snapshot()
+        self._step_started = start
         dead_before = set(self.dead)
         with self._control_lock:
             self._control, self._all = 0, Traffic()

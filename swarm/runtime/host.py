@@ -451,7 +451,7 @@ class StageHost:
     def step(self, request: stage_pb2.StepRequest) -> float:
         """Steps the optimizer (or abandons the step's gradients). A Step for the step applied last (a retry after
         a lost reply) returns its lr and changes nothing."""
-        lr = 0.0
+        lr, arrived = 0.0, time.perf_counter()
         with self.compute_lock:
             if not request.abandon and self._applied(request):
                 return self._last_lr
@@ -470,6 +470,8 @@ class StageHost:
                 self.last_step, self._last_lr = request.step, lr
                 self.averager.commit()
                 self._step_metrics()
+                if 0 < request.trainer_elapsed_s <= 1e6:  # the whole step as the trainer saw it (calibration)
+                    self._observe("trainer", arrived - request.trainer_elapsed_s)
                 self._close_step()
         if self.on_step is not None and not request.abandon:
             self.on_step(self)

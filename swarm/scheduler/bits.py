@@ -4,8 +4,9 @@ Rule (`choose_link`): the most precise codec pair whose transfer hides under the
 budget. A boundary paces a step at max(compute, forward message time, backward message time) per micro-batch
 (full-duplex links, `FullCost`); so on each direction take the widest codec of the ladder whose message time
 stays under the slower adjacent stage's compute per micro-batch; if none does, the narrowest codec the loss
-budget allows (the floor: aqsgd2 forward, gradq2+ef backward by default, the settings the convergence
-experiment holds within budget). Slow links thus get fewer bits, fast links more, up to fp32.
+budget allows (the floor: the default codecs, acsgd2+ch+nr forward and gradq2+ef+rot+nr+cs+g1024 backward,
+the settings the convergence experiment holds within budget). Slow links thus get fewer bits, fast links
+more, up to fp32.
 
 Re-choice (`rechoose`): a plan's codecs change only when some link's rate moved by more than `hysteresis`
 (a factor) since the rates it was chosen from, or a stage's compute did: probes are noisy, and each switch of
@@ -28,18 +29,20 @@ __all__ = [
     "stage_link_codecs",
 ]
 
-FORWARD_LADDER = ("fp32", "aqsgd8", "aqsgd4", "aqsgd2")
-"""Forward (activation) codecs, most precise first; the last is the default floor."""
-BACKWARD_LADDER = ("fp32", "gradq8+ef", "gradq4+ef", "gradq2+ef")
-"""Backward (activation-gradient) codecs, most precise first; the last is the default floor."""
+FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", "acsgd2+ch+nr")
+"""Forward (activation) codecs, most precise first; the last is the default floor (`DEFAULT_FW_CODEC`): the
+current family (the AQ-SGD paper's quantizer, channel groups, round to nearest) at 8, 4 and 2 bits."""
+BACKWARD_LADDER = ("fp32", "gradq8+ef+rot+nr+cs+g1024", "gradq4+ef+rot+nr+cs+g1024", "gradq2+ef+rot+nr+cs+g1024")
+"""Backward (activation-gradient) codecs, most precise first; the last is the default floor (`DEFAULT_BW_CODEC`):
+error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4 and 2 bits."""
 
 
 @dataclass(frozen=True)
 class BitsPolicy:
     """The loss budget as a floor on each ladder, and how much a rate must move to re-choose."""
 
-    forward_floor: str = "aqsgd2"
-    backward_floor: str = "gradq2+ef"
+    forward_floor: str = FORWARD_LADDER[-1]
+    backward_floor: str = BACKWARD_LADDER[-1]
     hysteresis: float = 1.5
     """Re-choose when a link's rate or a stage's compute changed by more than this factor."""
     headroom: float = 1.0

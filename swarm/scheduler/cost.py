@@ -10,9 +10,15 @@ partitions.
 Our model, per step, with M micro-batches per pipeline (lockstep stages: a stage runs at its slowest
 replica, a boundary at its slowest replica link):
 
-    pipeline = sum_s compute_s + sum_b fill_b + (M - 1) * max(max_s compute_s, max_b pace_b)
+    pipeline = sum_s compute_s + sum_b fill_b + (M - 1) * max(max_s compute_s, max_b pace_b, trip)
                (and at least M * max_b pace_b: the long-run rate bounds a step whatever the burst)
-    step     = pipeline + max_s sync_s + step_overhead   (the optimizer step and its round trips, measured)
+    trip     = max_k (sum_{s >= k} compute_s + sum_{b >= k} fill_b) / (S - k)   (1F1B only, where M > S - k:
+               stage k holds S - k micro-batches, each back only after a round trip through stages k..S-1)
+    step     = max(pipeline + max(max_s sync_s, tied) + step_overhead,     (overhead: everything else, measured)
+                   rate bound)   (the busiest link's bytes of a whole step, both boundaries' M messages and the
+                                  tied gradient, over its rate: a token bucket refills while its link idles)
+    tied     = max over end-stage replicas i, j of max((T - burst_ij)+ / bw_ij, (T - burst_ji)+ / bw_ji) + d_ij + d_ji
+               (T: `tied_bytes`; the bucket refilled while the pipeline drained)
 
     compute_s = layers_s * flops_per_layer / (slowest replica's FLOP/s)
     pace_b    = forward_bytes / bw[p, q] + backward_bytes / bw[q, p]   (worst pair p -> q of the boundary)
@@ -236,11 +242,12 @@ class FullCost:
         # full duplex: the two directions overlap in the steady state; the fill still waits for one of each
         self.pace_s = np.maximum(forward_s, backward_s) if model.full_duplex else forward_s + backward_s
         # the fill's messages find their links idle: a token bucket passes its burst at once
-        burst = plan_input.burst_bytes
+        burst = self.burst = plan_input.burst_bytes
         first_forward = np.maximum(model.forward_bytes - burst, 0.0) * inverse_bw
         first_backward = np.maximum(model.backward_bytes - burst.T, 0.0) * inverse_bw.T
         self.fill_s = first_forward + first_backward + delay + delay.T
         self.round_trip_s = delay + delay.T
+        self.inverse_bw = inverse_bw
         self.inverse_bw_sum = inverse_bw + inverse_bw.T
 
     # -- groups --------------------------------------------------------------------------------------
@@ -309,16 +316,51 @@ class FullCost:
             fills.append(float(fill[worst]))
             latencies.append(float(self.round_trip_s[a[worst], b[worst]]))
             paces.append(float(self.pace_s[a, b].max()))
-        return self._breakdown(compute, fills, latencies, paces, stats, layers, replicas)
+        rate = self.rate_bound_s(grid)
+        return self._breakdown(compute, fills, latencies, paces, stats, layers, replicas, self.tied_s(grid), rate)
 
-    def _breakdown(self, compute, fills, latencies, paces, stats, layers, replicas) -> Breakdown:
+    def rate_bound_s(self, grid: np.ndarray) -> float:
+        """The long-run rate of the busiest link over a whole step: M micro-batches' messages each way on every
+        boundary pair, plus the tied gradient between the end stages. A token bucket refills while its link idles
+        (the optimizer step, the Grads/Step round trips, the trainer's own work), so a link-bound step takes its
+        bytes over the rate however the phases fall, not the pipeline's link time plus those phases."""
+        m = self.model
+        load = np.zeros_like(self.inverse_bw)
+        micro = self.steady_factor(grid.shape[1]) + 1
+        for s in range(len(grid) - 1):
+            for a, b in zip(grid[s], grid[s + 1], strict=True):
+                load[a, b] += micro * m.forward_bytes * self.inverse_bw[a, b]
+                load[b, a] += micro * m.backward_bytes * self.inverse_bw[b, a]
+        if m.tied_bytes > 0 and len(grid) > 1:
+            members = np.concatenate([grid[0], grid[-1]])
+            sub = np.ix_(members, members)
+            load[sub] += m.tied_bytes * self.inverse_bw[sub]
+        if not m.full_duplex:
+            load = load + load.T
+        return float(load.max())
+
+    def tied_s(self, grid: np.ndarray) -> float:
+        """The tied group's exchange: every end-stage replica sends its tied gradient to every other member at
+        once (each through its own link), so a member waits for its slowest partner, both ways, and a round
+        trip. 0 with one stage or an untied model."""
+        if self.model.tied_bytes <= 0 or len(grid) < 2:
+            return 0.0
+        members = np.concatenate([grid[0], grid[-1]])
+        sub = np.ix_(members, members)
+        per_pair = np.maximum(self.model.tied_bytes - self.burst[sub], 0.0) * self.inverse_bw[sub]
+        both = np.maximum(per_pair, per_pair.T) + self.round_trip_s[sub]
+        return float(both.max())
+
+    def _breakdown(self, compute, fills, latencies, paces, stats, layers, replicas, tied=0.0, rate=0.0) -> Breakdown:
         steady = self.steady_factor(replicas)
-        pace = max(float(np.max(compute)), max(paces, default=0.0))
+        pace = max(float(np.max(compute)), max(paces, default=0.0), self.round_trip_pace(compute, fills, steady))
         sync = max(float(st.sync_table_s[n]) for st, n in zip(stats, layers, strict=True))
         compute_s, fill_s, latency_s = float(np.sum(compute)), float(sum(fills)), float(sum(latencies))
-        # a link cannot carry a step's messages faster than its rate, whatever its burst (the refill is the rate)
-        link_bound = (steady + 1) * max(paces, default=0.0)
-        total = max(compute_s + fill_s + steady * pace, link_bound) + sync + self.model.step_overhead_s
+        # the replicas' averaging and the end stages' tied exchange run at once (both in `Reduce`); a link cannot
+        # carry a step's bytes faster than its rate, whatever its burst (the refill is the rate): `rate_bound_s`
+        phases = compute_s + fill_s + steady * pace + max(sync, tied) + self.model.step_overhead_s
+        link_bound = max(rate, (steady + 1) * max(paces, default=0.0))
+        total = max(phases, link_bound)
         return Breakdown(
             total_s=total,
             compute_s=compute_s,
@@ -328,7 +370,20 @@ class FullCost:
             sync_s=sync,
             pace_s=pace,
             overhead_s=self.model.step_overhead_s,
+            tied_s=tied,
         )
+
+    def round_trip_pace(self, compute, fills, steady: int) -> float:
+        """1F1B's in-flight bound: stage k holds at most S - k micro-batches, and a micro-batch leaves it only
+        once its backward came back through stages k..S-1 (their compute and the boundaries' transfers and
+        delays both ways, `fill`). So in the steady state stage k starts one micro-batch per
+        round_trip_k / (S - k) at best; 0 for GPipe (every micro-batch in flight) or when a stage's bound
+        never binds (no more micro-batches than it may hold)."""
+        if self.model.schedule != "1f1b":
+            return 0.0
+        n = len(compute)
+        trips = [(float(np.sum(compute[k:])) + float(sum(fills[k:]))) / (n - k) for k in range(n) if steady + 1 > n - k]
+        return max(trips, default=0.0)
 
     def complete(
         self, groups: list[np.ndarray], stats: list[GroupStats] | None = None, exact_order: bool = True

@@ -75,12 +75,15 @@ def exhaustive_full(cost: FullCost) -> tuple[Breakdown, Layout]:
                     fills = [float(cost.fill_s[grid[s], grid[s + 1]].max()) for s in range(stages - 1)]
                     paces = [float(cost.pace_s[grid[s], grid[s + 1]].max()) for s in range(stages - 1)]
                     link_pace, fill = max(paces, default=0.0), sum(fills)
+                    tied, rate = cost.tied_s(grid), cost.rate_bound_s(grid)
                     for layers in splits:
                         if (layers > caps).any():
                             continue
                         compute = layers * unit
                         sync = max(float(st.sync_table_s[k]) for st, k in zip(stats, layers, strict=True))
-                        value = compute.sum() + fill + steady * max(compute.max(), link_pace) + sync
+                        pace = max(compute.max(), link_pace, cost.round_trip_pace(compute, fills, steady))
+                        phases = compute.sum() + fill + steady * pace + max(sync, tied) + m.step_overhead_s
+                        value = max(phases, (steady + 1) * link_pace, rate)
                         if value < best - 1e-12:
                             best, best_layout = value, Layout(grid, layers)
     if best_layout is None:

@@ -204,9 +204,10 @@ class FullObjective(Objective):
         if layers is None:
             return INFEASIBLE
         compute = layers * m.flops_per_layer / np.array([st.speed_flops_per_s for st in stats])
-        pace = max(float(compute.max()), link_pace)
+        fills = [t.fill_s for t in terms]
+        pace = max(float(compute.max()), link_pace, self.cost.round_trip_pace(compute, fills, self.steady))
         sync = max(float(st.sync_table_s[n]) for st, n in zip(stats, layers, strict=True))
-        return float(compute.sum()) + sum(t.fill_s for t in terms) + self.steady * pace + sync
+        return float(compute.sum()) + sum(fills) + self.steady * pace + sync
 
     def finish(self, groups: list[np.ndarray]) -> tuple[Breakdown, Layout | None]:
         return self.cost.complete(groups, [self.group(g) for g in groups])

@@ -196,12 +196,21 @@ class ModelSpec:
     paces at its busier direction, max(forward, backward), instead of their sum (DT-FM's half-duplex view)."""
     step_overhead_s: float = 0.0
     """Fixed time per step outside the pipeline (optimizer step, Grads/Step round trips), measured."""
+    tied_bytes: float = 0.0
+    """Bytes each end stage sends the other per step to sum the tied embedding's gradient, after the pipeline
+    drains and beside the replicas' averaging (0: an untied model)."""
+    schedule: str = "1f1b"
+    """"1f1b" keeps at most S - k micro-batches in flight on stage k, so a round trip through the later stages
+    can pace the steady state; "gpipe" keeps them all in flight (no such bound)."""
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.micro_batches < 1:
             raise ValueError("layers and micro_batches must be >= 1")
-        if not (math.isfinite(self.step_overhead_s) and self.step_overhead_s >= 0):
-            raise ValueError("step_overhead_s must be finite and >= 0")
+        for name in ("step_overhead_s", "tied_bytes"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be finite and >= 0")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule must be 1f1b or gpipe, got {self.schedule!r}")
 
     @classmethod
     def transformer(cls, shape: TransformerShape) -> ModelSpec:
@@ -267,6 +276,8 @@ class Breakdown:
     """Time per micro-batch of the slowest stage or link."""
     overhead_s: float = 0.0
     """The model's fixed time per step (`ModelSpec.step_overhead_s`)."""
+    tied_s: float = 0.0
+    """The end stages' tied-gradient exchange (beside the replicas' averaging: a step waits for the longer)."""
 
 
 @dataclass(frozen=True)

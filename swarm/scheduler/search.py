@@ -50,7 +50,7 @@ class SearchConfig:
     """Ours: swarms of at most this many peers anneal every constructed shape (cheap, and more exact)."""
     shape_margin: float = 1.3
     """Ours, larger swarms: only shapes screened within this factor of the best get constructions."""
-    replica_fractions: tuple[float, ...] = (1.0, 0.75, 0.5)
+    replica_fractions: tuple[float, ...] = (1.0, 0.75, 0.5, 0.34)
     """Ours: replica counts tried per number of stages, as fractions of peers // stages."""
     stages: int | None = None
     """Ours: plan exactly this many stages (None: the search chooses)."""

@@ -25,6 +25,8 @@ class LocalSwarm:
     """the `CallSigner` of the swarm's trainer: the one trainer the plan names, announced while the swarm runs"""
     found: object = None
     """the `Route` the trainer discovered (with the plan's predicted step time); None: built from the fields"""
+    dht: object = None
+    """the trainer's DHT client while the swarm runs: `train(..., dht=)` follows re-published plans with it"""
 
     @property
     def path(self):
@@ -40,6 +42,7 @@ def local_swarm(
     peer_flags: list[str],
     say: Callable[[str], None] = lambda _: None,
     timeout_s: float = 120.0,
+    per_peer_flags: list[list[str]] | None = None,
 ) -> Iterator[LocalSwarm]:
     """Starts a bootstrap node and `n_peers` peers (one stage each, as the planner assigns them) and waits
     until every stage is served under a plan that names this swarm's trainer (stages serve training calls
@@ -57,7 +60,8 @@ def local_swarm(
         procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
         procs.wait_for_file(address_file, 60)
         for i in range(n_peers):
-            argv = peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *peer_flags)
+            own = per_peer_flags[i] if per_peer_flags else []  # e.g. one peer's own --rate-mbit
+            argv = peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *peer_flags, *own)
             procs.start(f"peer{i}", argv)
         initial = [line for line in address_file.read_text().splitlines() if line.strip()]
         trainer = Identity.generate()
@@ -72,5 +76,6 @@ def local_swarm(
 
                 found = discover_route(dht, n_peers, timeout_s, show, trainer_id=dht.peer_id)
                 yield LocalSwarm(
-                    found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer), found
-                )
+                    found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer),
+                    found, dht,
+                )  # fmt: skip

@@ -592,10 +592,12 @@ def run(args: argparse.Namespace) -> int:
 def format_summary(s: TrainSummary) -> str:
     ratio = s.fp32_wire_bytes / max(1, s.wire_bytes)
     predicted = "no prediction (even split)" if s.predicted_step_s is None else f"{s.predicted_step_s:.2f} s/step"
+    known = s.predicted_step_s is not None and s.mean_step_s > 0
+    off = f" (prediction {s.predicted_step_s / s.mean_step_s - 1:+.1%})" if known else ""
     return "\n".join(
         [
             f"steps:        {s.steps} in {s.seconds:.1f} s ({s.mean_step_s:.2f} s/step)",
-            f"step time:    predicted {predicted}, measured {s.mean_step_s:.2f} s/step",
+            f"step time:    predicted {predicted}, measured {s.mean_step_s:.2f} s/step{off}",
             f"loss:         {s.first_loss:.3f} -> {s.final_loss:.3f} (mean of the last 5 steps)",
             f"wire bytes:   {s.wire_bytes / 1e6:.2f} MB; fp32: {s.fp32_wire_bytes / 1e6:.2f} MB ({ratio:.1f}x)",
             f"embedding:    {s.sync_bytes / 1e6:.2f} MB of tied-gradient sync between the end stages",

@@ -70,5 +70,5 @@ def test_total_bytes_columns_add_up_and_the_summary_prints_prediction_and_totals
         total_wire_bytes=50, fp32_total_wire_bytes=220, total_ratio_vs_fp32=4.4,
     )  # fmt: skip
     text = format_summary(TrainSummary(**common, predicted_step_s=0.42))
-    assert "predicted 0.42 s/step, measured 0.50 s/step" in text and "(4.4x)" in text
+    assert "predicted 0.42 s/step, measured 0.50 s/step (prediction -16.0%)" in text and "(4.4x)" in text
     assert "predicted no prediction (even split), measured 0.50" in format_summary(TrainSummary(**common))

@@ -4,6 +4,7 @@ the targets, the slow cells' step count and `--baseline torch` (its runner faked
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import types
 
@@ -143,3 +144,35 @@ def test_torch_rows_join_the_table_and_report(tmp_path, monkeypatch):
     assert "unshaped" in lines[1] and "swarm's fp32 is 1.25x slower" in lines[1]
     report = th._report(rows, {1.0: rows[1]["rho"]})
     assert "PyTorch's pipeline" in report and "torch-fp32" in report
+
+
+def test_torch_rows_run_the_cells_steps_of_the_same_schedule(tmp_path, monkeypatch):
+    import swarm.experiments.torch_baseline as tb
+
+    runs = []
+
+    def run_torch(run, folder, places, master, deadline_s):
+        runs.append(run)
+        return []
+
+    monkeypatch.setattr(tb, "run_torch", run_torch)
+    monkeypatch.setattr(tb, "summarize_torch", lambda rate, records, per_epoch, batch: {"rate_mbit": rate})
+    cfg = ThrottledConfig(rates=(1.0, 10.0), steps=40, slow_steps=12)
+    tb.run_torch_rows(cfg, [1.0, 10.0], tmp_path, say=lambda _: None)
+    assert [(r.steps, r.total_steps) for r in runs] == [(12, 40), (40, 40)]  # 40 steps at 1 Mbit/s before
+
+
+def test_cells_warm_up_over_a_fifth_of_the_schedule():
+    assert th.warmup_steps(40) == 8 and th.warmup_steps(8) == 2 and th.warmup_steps(2) == 1  # 10% before
+
+
+def test_a_calibrated_plan_gives_the_cells_prediction(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.05, "mean_step_s": 0.12}))
+    assert th.read_summary(tmp_path)["predicted_step_s"] == 0.05  # no plan file: the trainer's own
+    (tmp_path / "plan.json").write_text(json.dumps({"stages": [], "step_time_s": 0.2}))
+    assert th.read_summary(tmp_path)["predicted_step_s"] == 0.05  # the newest plan, not calibrated
+    calibrated = {"stages": [], "step_time_s": 0.118, "measured": {}, "first_step_time_s": 0.05}
+    (tmp_path / "plan.json").write_text(json.dumps(calibrated))
+    (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.118, "mean_step_s": 0.12}))
+    summary = th.read_summary(tmp_path)  # the trainer followed the calibrated plan: its first comes from the plan
+    assert summary["predicted_step_s"] == 0.118 and summary["first_plan_step_s"] == 0.05

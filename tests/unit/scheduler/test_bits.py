@@ -8,13 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from swarm.compression import CodecConfig
+from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
 from swarm.daemon.planning import Planner, model_spec
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord, validate_plan
 from swarm.scheduler.bits import (
+    BACKWARD_LADDER,
+    FORWARD_LADDER,
     BitsPolicy,
     LinkFigures,
     choose_link,
@@ -24,7 +26,7 @@ from swarm.scheduler.bits import (
     stage_link_configs,
 )
 
-SIZES = codec_sizes(ModelConfig(), 2)  # fp32: ~121 kB, aqsgd2: ~7.6 kB, gradq2+ef: ~5 kB per micro-batch
+SIZES = codec_sizes(ModelConfig(), 2)  # fp32: ~121 kB, acsgd2+ch+nr: ~7.3 kB, gradq2+...: ~5.4 kB per micro-batch
 COMPUTE_S = 0.05
 
 
@@ -47,11 +49,21 @@ def test_slow_links_get_fewer_bits_and_fast_links_more():
 
 def test_the_loss_budget_is_a_floor_even_when_nothing_hides():
     c = choose_link(link(0.01), SIZES)
-    assert (c["forward"], c["backward"]) == ("aqsgd2", "gradq2+ef") and "floor" in c["why"]
-    c = choose_link(link(0.01), SIZES, BitsPolicy(forward_floor="aqsgd4", backward_floor="gradq8+ef"))
-    assert (c["forward"], c["backward"]) == ("aqsgd4", "gradq8+ef")
+    assert (c["forward"], c["backward"]) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC) and "floor" in c["why"]
+    policy = BitsPolicy(forward_floor="acsgd4+ch+nr", backward_floor="gradq8+ef+rot+nr+cs+g1024")
+    c = choose_link(link(0.01), SIZES, policy)
+    assert (c["forward"], c["backward"]) == ("acsgd4+ch+nr", "gradq8+ef+rot+nr+cs+g1024")
     with pytest.raises(ValueError):
         BitsPolicy(forward_floor="directq1")
+
+
+def test_the_ladders_are_the_default_codec_family():
+    assert BitsPolicy().forward_floor == DEFAULT_FW_CODEC and BitsPolicy().backward_floor == DEFAULT_BW_CODEC
+    for ladder in (FORWARD_LADDER, BACKWARD_LADDER):
+        rungs = [CodecConfig.parse(label) for label in ladder]
+        assert [c.wire_bits for c in rungs] == [32, 8, 4, 2]
+        assert [SIZES(label) for label in ladder] == sorted((SIZES(label) for label in ladder), reverse=True)
+        assert len({c.label.split("+", 1)[-1] for c in rungs[1:]}) == 1, "one family: the same options each rung"
 
 
 def test_unchanged_measurements_do_not_rechoose_and_a_big_move_does():
@@ -159,7 +171,7 @@ def test_the_planner_publishes_per_link_codecs_and_rechooses_only_past_the_hyste
     ((version, first),) = published
     validate_plan(PlanRecord(version, first, 1.0), model.n_layers, records["peers"])
     slow = first["codecs"][0]
-    assert (slow["forward"], slow["backward"]) == ("aqsgd2", "gradq2+ef"), slow
+    assert (slow["forward"], slow["backward"]) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC), slow
     records["peers"] = [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0, plan_version=version)
                         for pid in (A, B)]  # fmt: skip
     links[:] = measured(1.2)

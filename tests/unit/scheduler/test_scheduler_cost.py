@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -51,7 +53,8 @@ def test_full_cost_hand_computed():
         memory_bytes_per_layer=1e9,
         micro_batches=4,
     )
-    b = FullCost(swarm, model).evaluate(Layout(np.array([[0], [1]]), np.array([1, 2])))
+    layout = Layout(np.array([[0], [1]]), np.array([1, 2]))
+    b = FullCost(swarm, dataclasses.replace(model, schedule="gpipe")).evaluate(layout)
     # compute: 1 layer / 10 TFLOP/s = 0.1 s and 2 layers / 20 TFLOP/s = 0.1 s per micro-batch
     # link: pace 1e6/1e8 + 2e6/1e8 = 0.03 s, fill adds 0.01 + 0.01 of latency
     # step: 0.2 + 0.05 + (4 - 1) * max(0.1, 0.03), no replicas so no all-reduce
@@ -61,6 +64,44 @@ def test_full_cost_hand_computed():
     assert b.steady_s == pytest.approx(0.3)
     assert b.sync_s == 0.0
     assert b.total_s == pytest.approx(0.55)
+    # 1F1B: stage 0 holds 2 micro-batches, each back after 0.1 + 0.05 + 0.1 s: one per 0.125 s at best
+    b = FullCost(swarm, model).evaluate(layout)
+    assert b.pace_s == pytest.approx(0.125)
+    assert b.total_s == pytest.approx(0.25 + 3 * 0.125)
+
+
+def test_1f1b_round_trip_binds_only_past_the_in_flight_limit():
+    # 3 equal stages (0.1 s each), free links: stage k's trip (0.1 * (3 - k)) / (3 - k) never exceeds 0.1
+    n = 3
+    swarm = PlanInput(tuple(Peer(f"p{i}", 1e12, 1e10) for i in range(n)), np.zeros((n, n)), np.full((n, n), 1e30))
+    model = ModelSpec(layers=3, flops_per_layer=1e11, forward_bytes=0, backward_bytes=0,
+                      gradient_bytes_per_layer=0, memory_bytes_per_layer=0, micro_batches=8)  # fmt: skip
+    b = FullCost(swarm, model).evaluate(Layout(np.arange(n)[:, None], np.ones(n, dtype=np.int64)))
+    assert b.pace_s == pytest.approx(0.1) and b.total_s == pytest.approx(0.3 + 7 * 0.1)
+    # 50 ms each way between stages: stage 0's trip 0.3 + 2 * 0.1 over 3 in flight = 0.1667 s
+    delay = np.where(np.eye(n, dtype=bool), 0.0, 0.05)
+    b = FullCost(PlanInput(swarm.peers, delay, swarm.bandwidth_bytes_per_s), model).evaluate(
+        Layout(np.arange(n)[:, None], np.ones(n, dtype=np.int64))
+    )
+    assert b.pace_s == pytest.approx(0.5 / 3)
+    # 2 micro-batches: stages 0 and 1 hold them all, so only the last stage's trip (its own 0.1 s) counts
+    slow = PlanInput(swarm.peers, delay, swarm.bandwidth_bytes_per_s)
+    b2 = FullCost(slow, dataclasses.replace(model, micro_batches=2))
+    assert b2.evaluate(Layout(np.arange(n)[:, None], np.ones(n, dtype=np.int64))).pace_s == pytest.approx(0.1)
+
+
+def test_tied_exchange_waits_beside_the_averaging():
+    # 2 stages at 1 MB/s both ways, 5 ms one way; 0.5 MB of tied gradient each way: 0.5 s + 10 ms
+    eye = np.eye(2, dtype=bool)
+    peers = (Peer("a", 1e12, 1e10), Peer("b", 1e12, 1e10))
+    swarm = PlanInput(peers, np.where(eye, 0, 0.005), np.where(eye, np.inf, 1e6))
+    model = ModelSpec(layers=2, flops_per_layer=0, forward_bytes=0, backward_bytes=0, gradient_bytes_per_layer=0,
+                      memory_bytes_per_layer=0, micro_batches=1, tied_bytes=0.5e6, full_duplex=True)  # fmt: skip
+    layout = Layout(np.array([[0], [1]]), np.array([1, 1]))
+    b = FullCost(swarm, model).evaluate(layout)
+    assert b.tied_s == pytest.approx(0.51) and b.total_s == pytest.approx(0.01 + 0.51)
+    untied = FullCost(swarm, dataclasses.replace(model, tied_bytes=0.0)).evaluate(layout)
+    assert untied.tied_s == 0.0 and untied.total_s == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize(("overlapped", "expected"), [(True, 0.02 + 4 / 3), (False, 0.04 + 4 / 3)])
@@ -137,3 +178,22 @@ def test_layout_over_memory_is_infeasible():
     assert cost.evaluate(Layout(np.array([[0], [1]]), np.array([2, 2]))).total_s < np.inf
     assert cost.evaluate(Layout(np.array([[0], [1]]), np.array([3, 1]))).total_s == np.inf
     assert even_layers(7, 3).tolist() == [3, 2, 2]
+
+
+def test_a_token_bucket_refills_while_the_link_idles_so_a_step_takes_its_bytes_over_the_rate():
+    # 1 MB/s both ways, a 150 kB bucket; 4 micro-batches of 100 kB forward, 100 kB of tied gradient, 0.2 s of
+    # optimizer and round trips: the link idles 0.2 s a step and refills, so the step is its 500 kB at the rate
+    eye = np.eye(2, dtype=bool)
+    peers = (Peer("a", 1e12, 1e10), Peer("b", 1e12, 1e10))
+    swarm = PlanInput(peers, np.zeros((2, 2)), np.where(eye, np.inf, 1e6), np.where(eye, 0.0, 150e3))
+    model = ModelSpec(layers=2, flops_per_layer=0, forward_bytes=100e3, backward_bytes=0, gradient_bytes_per_layer=0,
+                      memory_bytes_per_layer=0, micro_batches=4, tied_bytes=100e3, full_duplex=True,
+                      step_overhead_s=0.2)  # fmt: skip
+    b = FullCost(swarm, model).evaluate(Layout(np.array([[0], [1]]), np.array([1, 1])))
+    # phases: no fill (the bucket), 3 x 0.1 steady, the tied sum within the refilled bucket, 0.2 overhead = 0.5;
+    # the rate: 4 x 100 kB + 100 kB = 0.5 s. (Adding the link time, the tied time and the overhead said 0.7.)
+    assert b.tied_s == pytest.approx(0.0) and b.total_s == pytest.approx(0.5)
+    slower = FullCost(swarm, dataclasses.replace(model, tied_bytes=400e3)).evaluate(
+        Layout(np.array([[0], [1]]), np.array([1, 1]))
+    )
+    assert slower.total_s == pytest.approx(0.8)  # 400 + 400 kB at the rate binds

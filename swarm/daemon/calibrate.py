@@ -1,0 +1,269 @@
+"""The planner's prediction from what the plan's own peers measured in this run.
+
+A block timed alone (`measure_compute`) is several times faster per layer than the same stage inside the
+pipeline (encode and decode, the gRPC calls, the GIL shared with the transport), and a step holds more than
+the pipeline (`Reduce`, `Grads`, `Step`, the trainer's calls). So once the peers of a plan have trained a few
+steps, the planner reads each one's clocks from its `Status` (the host's metrics, nothing new on the wire):
+
+- seconds per micro-batch of its stage: the forward, backward, encode and decode phases' time over the
+  forward and backward passes (`swarm_phase_seconds`), over a window of steps;
+- seconds per step: the whole step as the trainer saw it up to its `Step` (`StepRequest.trainer_elapsed_s`)
+  plus the stage's Step (phase "trainer"), else as the stage saw it (its first call to its `Step`:
+  `swarm_step_seconds`, which misses the trainer's own work before its first call and after `Step`), same window;
+- bytes it sent each way and for the tied gradient (`swarm_wire_bytes_total`), same window.
+
+`calibrated_breakdown` then re-predicts the plan: each peer's compute speed from its stage's measured
+seconds per micro-batch, the links as probed carrying the bytes the stages measured sending (per micro-batch
+each way, the tied gradient per step: real deltas compress better than the planner's synthetic ones), and a
+per-step overhead equal to what the longest stage clock
+measured beyond that pipeline (everything in a step that is not compute or link time; never below 0). The
+planner publishes the plan again with that prediction (same stages: a peer only bumps its version). The
+window starts `after_steps` into the plan (AQ-SGD's first sight of every sample, full messages, is over after
+one epoch) and the figures are taken once per set of stages: the prediction is made during the run, from the
+run's own early steps, and then compared with the steps that follow it.
+
+A `Status` reply comes from a peer the signed announcements name; its figures are checked whole (finite,
+non-negative, counters that only grow, within `MAX_SECONDS`) and a peer whose clocks do not read that way is
+left out of the window, which then waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from swarm.scheduler import ModelSpec, PlanInput
+from swarm.scheduler.plans import Breakdown
+
+__all__ = ["Calibrator", "calibrator", "StageClock", "Measured", "calibrated_breakdown", "read_clock", "status_reader"]
+
+log = logging.getLogger("swarm.daemon.calibrate")
+
+WORK_PHASES = ("compute", "encode", "decode")
+MAX_SECONDS = 1e7
+"""Largest clock sum taken from a peer (about 4 months of one stage's work): beyond it a reply is refused."""
+MAX_COUNT = 1e12
+MAX_BYTES = 1e18
+
+
+@dataclass(frozen=True)
+class StageClock:
+    """A stage's cumulative clocks as its `Status` reported them."""
+
+    steps: int
+    step_s: float
+    work_s: float
+    passes: int
+    """Forward and backward passes its compute phase timed (two per micro-batch)."""
+    sent: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Bytes it put on the wire: forward to the next stage, backward to the previous, the tied gradient."""
+    trainer: tuple[int, float] = (0, 0.0)
+    """Steps timed whole (the trainer's time up to its `Step` plus the stage's Step: phase "trainer") and their
+    seconds."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One stage's figures over a window of steps."""
+
+    micro_batch_s: float
+    """Forward + backward + encode + decode of one micro-batch, seconds."""
+    step_s: float
+    """Mean step as the stage saw it, seconds."""
+    steps: int
+    forward_bytes: float = 0.0
+    """Bytes it sent forward per micro-batch (0 on the last stage)."""
+    backward_bytes: float = 0.0
+    """Bytes it sent backward per micro-batch (0 on the first stage)."""
+    tied_bytes: float = 0.0
+    """Bytes of the tied gradient it sent per step, to every other member of the tied group together."""
+
+
+def _figure(metrics: Mapping[str, float], key: str, most: float) -> float | None:
+    value = metrics.get(key, 0.0)
+    if type(value) is not float or not math.isfinite(value) or not 0.0 <= value <= most:
+        return None
+    return value
+
+
+def read_clock(metrics: Mapping[str, float], stage: int) -> StageClock | None:
+    """The clocks of `stage` from a `StatusReply.metrics` map; None when any figure is missing or malformed."""
+    values = [
+        _figure(metrics, "swarm_step_seconds_count", MAX_COUNT),
+        _figure(metrics, "swarm_step_seconds_sum", MAX_SECONDS),
+        _figure(metrics, f'swarm_phase_seconds_count{{phase="compute",stage="{stage}"}}', MAX_COUNT),
+    ]
+    work = [
+        _figure(metrics, f'swarm_phase_seconds_sum{{phase="{p}",stage="{stage}"}}', MAX_SECONDS) for p in WORK_PHASES
+    ]
+    sent = [
+        _figure(metrics, f'swarm_wire_bytes_total{{direction="{d}",link="{link}"}}', MAX_BYTES)
+        for d, link in (("forward", stage), ("backward", stage - 1), ("tied", "tied"))
+    ]
+    whole = [
+        _figure(metrics, f'swarm_phase_seconds_count{{phase="trainer",stage="{stage}"}}', MAX_COUNT),
+        _figure(metrics, f'swarm_phase_seconds_sum{{phase="trainer",stage="{stage}"}}', MAX_SECONDS),
+    ]
+    if any(v is None for v in (*values, *work, *sent, *whole)):
+        return None
+    steps, step_s, passes = values
+    if steps != int(steps) or passes != int(passes) or whole[0] != int(whole[0]):
+        return None
+    return StageClock(int(steps), step_s, float(sum(work)), int(passes), tuple(sent), (int(whole[0]), whole[1]))
+
+
+def window(before: StageClock, after: StageClock) -> Measured | None:
+    """The figures between two readings; None unless every counter grew (a restarted host starts again)."""
+    steps, passes = after.steps - before.steps, after.passes - before.passes
+    step_s, work_s = after.step_s - before.step_s, after.work_s - before.work_s
+    sent = [a - b for a, b in zip(after.sent, before.sent, strict=True)]
+    if steps < 1 or passes < 2 or step_s <= 0 or work_s <= 0 or min(sent) < 0:
+        return None
+    micro = passes / 2
+    timed, timed_s = after.trainer[0] - before.trainer[0], after.trainer[1] - before.trainer[1]
+    if timed == steps and timed_s > 0:  # every step of the window timed whole, from the trainer's start
+        step_s = timed_s
+    return Measured(work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps)
+
+
+def _stages_key(plan: dict) -> tuple:
+    return tuple(
+        (int(s["layer_start"]), int(s["layer_end"]), tuple(map(str, s["peer_ids"]))) for s in plan.get("stages", [])
+    )
+
+
+class Calibrator:
+    """Reads the plan peers' clocks and, once per set of stages, gives their figures over a window of steps.
+
+    Args:
+        read: peer id -> its `StatusReply` (None when it does not answer).
+        after_steps: steps into the plan the window starts (every stage has done at least this many).
+        window_steps: steps the window spans (every stage).
+        every_s: least time between two readings of the peers.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[str], object | None],
+        after_steps: int = 4,
+        window_steps: int = 4,
+        every_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if after_steps < 0 or window_steps < 1 or every_s < 0:
+            raise ValueError("Calibrator: need after_steps >= 0, window_steps >= 1 and every_s >= 0")
+        self.read, self.after_steps, self.window_steps = read, after_steps, window_steps
+        self.every_s, self.clock = every_s, clock
+        self._key: tuple | None = None
+        self._start: dict[str, StageClock] = {}
+        self._done = False
+        self._next = 0.0
+
+    def observe(self, plan: dict) -> dict[str, Measured] | None:
+        """Every plan peer's figures once the window is complete (then None again until the stages change)."""
+        key = _stages_key(plan)
+        if key != self._key:
+            self._key, self._start, self._done = key, {}, False
+        if self._done or not key or self.clock() < self._next:
+            return None
+        self._next = self.clock() + self.every_s
+        now: dict[str, StageClock] = {}
+        for index, (_, _, peer_ids) in enumerate(key):
+            for pid in peer_ids:
+                reply = self.read(pid)
+                clock = None
+                if reply is not None and getattr(reply, "stage", None) == index:
+                    clock = read_clock(dict(reply.metrics), index)
+                if clock is None:
+                    return None  # every stage in the window, or none
+                now[pid] = clock
+        for pid, clock in now.items():
+            start = self._start.get(pid)
+            # not started yet, or its host restarted (its counters went back)
+            if (start is None or clock.steps < start.steps) and clock.steps >= self.after_steps:
+                self._start[pid] = clock
+        if set(self._start) != set(now):
+            return None
+        measured = {pid: window(self._start[pid], clock) for pid, clock in now.items()}
+        if any(m is None or m.steps < self.window_steps for m in measured.values()):
+            return None
+        self._done = True
+        return measured  # type: ignore[return-value]
+
+
+def calibrated_breakdown(
+    plan: dict, plan_input: PlanInput, spec: ModelSpec, measured: Mapping[str, Measured]
+) -> tuple[Breakdown, Breakdown]:
+    """(calibrated, uncalibrated) predictions of `plan`'s layout: each plan peer's compute speed from its stage's
+    measured seconds per micro-batch, the probed links, and the step overhead the stage clocks measured beyond
+    that pipeline (the longest clock: stage 0's, which sees the whole step; never below 0)."""
+    from swarm.scheduler.cost import FullCost, Layout
+
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    stages = plan["stages"]
+    grid = np.array([[index[pid] for pid in st["peer_ids"]] for st in stages])
+    layers = np.array([int(st["layer_end"]) - int(st["layer_start"]) for st in stages], dtype=np.int64)
+    layout = Layout(grid, layers)
+    before = FullCost(plan_input, dataclasses.replace(spec, step_overhead_s=0.0)).evaluate(layout)
+    peers = list(plan_input.peers)
+    for st, n in zip(stages, layers, strict=True):
+        for pid in st["peer_ids"]:
+            if pid in measured:
+                speed = n * max(spec.flops_per_layer, 1.0) / measured[pid].micro_batch_s
+                peers[index[pid]] = dataclasses.replace(peers[index[pid]], compute_flops_per_s=speed)
+    calibrated = PlanInput(tuple(peers), plan_input.delay_s, plan_input.bandwidth_bytes_per_s, plan_input.burst_bytes)
+    spec = measured_bytes(spec, stages, measured)
+    pipeline = FullCost(calibrated, dataclasses.replace(spec, step_overhead_s=0.0)).evaluate(layout)
+    step = max(m.step_s for m in measured.values())
+    # what the step's phases (pipeline, sums) leave of the clock; the links' rate bound is no phase
+    phases = pipeline.compute_s + pipeline.transfer_s + pipeline.latency_s + pipeline.steady_s
+    overhead = max(0.0, step - phases - max(pipeline.sync_s, pipeline.tied_s))
+    after = FullCost(calibrated, dataclasses.replace(spec, step_overhead_s=overhead)).evaluate(layout)
+    return after, before
+
+
+def measured_bytes(spec: ModelSpec, stages: list[dict], measured: Mapping[str, Measured]) -> ModelSpec:
+    """`spec` with the bytes the peers sent: the busiest boundary's forward and backward bytes per micro-batch,
+    and the tied gradient's bytes per step and partner (each end-stage replica sends it to every other one)."""
+    last = len(stages) - 1
+    if last < 1:
+        return spec
+    rows = [[measured[pid] for pid in st["peer_ids"] if pid in measured] for st in stages]
+    forward = [m.forward_bytes for row in rows[:last] for m in row]
+    backward = [m.backward_bytes for row in rows[1:] for m in row]
+    partners = len(stages[0]["peer_ids"]) + len(stages[last]["peer_ids"]) - 1
+    tied = [m.tied_bytes / partners for m in rows[0] + rows[last]]
+    figures = {"forward_bytes": max(forward, default=0.0), "backward_bytes": max(backward, default=0.0)}
+    figures["tied_bytes"] = max(tied, default=0.0)
+    return dataclasses.replace(spec, **{k: v for k, v in figures.items() if v > 0})
+
+
+def calibrator(plans, channels, addresses: Callable[[], dict[str, str]]) -> Calibrator | None:
+    """The planner's `Calibrator` of a peer's `PlanningConfig` (None: --calibrate-after-steps not given)."""
+    if plans.calibrate_after_steps is None:
+        return None
+    return Calibrator(status_reader(channels, addresses), after_steps=plans.calibrate_after_steps)
+
+
+def status_reader(channels, addresses: Callable[[], dict[str, str]], timeout_s: float = 1.0):
+    """peer id -> its `StatusReply` over the stage service (None when it does not answer or has no address)."""
+    import grpc
+
+    from swarm.proto import stage_pb2, stage_pb2_grpc
+
+    def read(pid: str):
+        address = addresses().get(pid)
+        if address is None:
+            return None
+        try:
+            return stage_pb2_grpc.StageStub(channels.get(address)).Status(stage_pb2.Empty(), timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+
+    return read

@@ -1,0 +1,37 @@
+"""`--codec-policy per-link` live: a 3-stage local swarm where one peer's outgoing links are slow (1 Mbit/s) and
+the others' are not plans different codecs on its two boundaries from the probed rates, and trains on them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from swarm.compression import CodecConfig
+from swarm.model.gpt import ModelConfig
+from swarm.scheduler.bits import BACKWARD_LADDER, FORWARD_LADDER
+from swarm.testbed.local import local_swarm
+from swarm.train.trainer import TrainConfig, train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+def bits(label: str) -> int:
+    return 32 if label == "fp32" else CodecConfig.parse(label).bits
+
+
+def test_a_slow_and_a_fast_link_get_different_codecs_and_train(tmp_path):
+    flags = ["--assign", "plan", "--codec-policy", "per-link", "--plan-even-layers", "--compute-speed", "40"]
+    slow = [["--rate-mbit", "1"], [], []]  # peer 0 sends at 1 Mbit/s to everyone; the others unshaped
+    with local_swarm(tmp_path, 3, flags, per_peer_flags=slow, timeout_s=240) as swarm:
+        cfg = TrainConfig(train_samples=16, batch_size=8, micro_batches=4, steps=4, out=str(tmp_path / "train"))
+        summary = train(cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
+        record = swarm.dht.get_plan(ModelConfig().n_layers)
+    assert summary.steps == 4 and math.isfinite(summary.final_loss)
+    codecs = record.plan["codecs"]
+    assert len(codecs) == 2 and all(c["forward"] in FORWARD_LADDER and c["backward"] in BACKWARD_LADDER for c in codecs)
+    pairs = [(c["forward"], c["backward"]) for c in codecs]
+    assert pairs[0] != pairs[1], pairs
+    labels = [label for pair in pairs for label in pair]
+    # the slow peer's outgoing direction is at the floor; some direction between the unshaped peers carries more
+    assert min(map(bits, labels)) == 2 and max(map(bits, labels)) > 2, pairs
