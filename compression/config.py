@@ -117,8 +117,8 @@ class CodecConfig:
     def label(self) -> str:
         """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot` (rounding is
         not part of it: each codec family has its own default)."""
-        if not codec_class(self.name).quantized:
-            return self.name
+        if not codec_class(self.name).quantized:  # tern, sign: a name without bits, maybe channel groups
+            return self.name + ("+ch" if self.group_layout == "channel" else "")
         return (
             f"{self.name}{self.bits}"
             + ("+ef" if self.error_feedback else "")

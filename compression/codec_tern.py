@@ -1,0 +1,155 @@
+"""TERN: AQ-SGD's buffer protocol with a ternary delta, `{-s, 0, +s}` per group, packed 5 trits to a byte.
+
+Why: the forward boundary is the largest share of a step's bytes after the first epoch, and zstd already
+brings the 2-bit acsgd codes to their order-0 entropy, so only a smaller alphabet (or a worse error) shrinks
+them further. A ternary code is log2(3) = 1.58 bits of alphabet, 1.6 bits packed, one fp16 scale per group.
+
+Quantizer (per group, deterministic): the MSE-optimal ternary code. Keeping the k largest |v| of a group at
+`+-s` and zeroing the rest costs `sum v^2 - (sum of the k largest |v|)^2 / k` at the best `s` (their mean
+|v|), so `k` is the argmax of `c_k^2 / k` over the sorted cumulative sums `c_k`, and `s = c_k / k` in fp16
+(clamped to fp16's largest finite value). Decoded `trit * s`, exact in float32, so both ends' buffers agree
+bit for bit. What the code leaves out stays in `x - m` and travels with the sample's next delta (AQ-SGD's
+buffer is the error feedback).
+
+On the wire: `Quantized` with `bits` 0 (unset), `scale_dtype` FLOAT16, `scales` one per group, `mins` empty,
+`payload` ceil(numel / 5) bytes, each byte `sum_i (t_i + 1) * 3^i` of five consecutive codes (< 243; a byte
+of 243 or more is refused), the last byte's missing codes zero. First sights travel as acsgd's do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from swarm.compression.codec_acsgd import FP16_MAX, ACSGDCodec
+from swarm.compression.quantized import group_size
+from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
+from swarm.proto import wire_pb2
+
+TRITS_PER_BYTE = 5
+_POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+_TRITS = np.array([[(b // 3**i) % 3 for i in range(TRITS_PER_BYTE)] for b in range(243)], dtype=np.int8) - 1
+"""The five codes (-1, 0, 1) of each valid byte value, the decoder's lookup table."""
+
+
+def group_view(x: torch.Tensor, group: int) -> torch.Tensor:
+    """`x` flattened (float32) as rows of `group` elements, the last zero-padded."""
+    v = x.detach().float().reshape(-1)
+    pad = (-v.numel()) % group
+    return (torch.cat([v, v.new_zeros(pad)]) if pad else v).view(-1, group)
+
+
+def ternary_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8 in -1..1, flattened to `x.numel()`) and fp16 scales (one per `group` consecutive elements):
+    the MSE-optimal ternary code of each group (module doc)."""
+    g = group_view(x, group)
+    mag, order = g.abs().sort(dim=1, descending=True)
+    csum = mag.cumsum(1)
+    k = torch.arange(1, group + 1, dtype=torch.float32)
+    best = (csum.square() / k).argmax(1)  # keep best + 1 elements
+    scale = (csum.gather(1, best[:, None])[:, 0] / (best + 1).float()).clamp(max=FP16_MAX).half()
+    keep_sorted = torch.arange(group)[None, :] <= best[:, None]
+    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    keep &= (scale > 0)[:, None]
+    codes = torch.where(keep, torch.sign(g), torch.zeros_like(g)).to(torch.int8)
+    return codes.reshape(-1)[: x.numel()], scale
+
+
+def ternary_dequantize(codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """`code * scale` per element, float32, exact."""
+    return codes.float() * scales.float().repeat_interleave(group)[: codes.numel()]
+
+
+def pack_trits(codes: torch.Tensor) -> bytes:
+    """Codes in -1..1 packed five to a byte, base 3, the first code least significant."""
+    t = (codes.reshape(-1).numpy().astype(np.int16) + 1).astype(np.uint8)
+    t = np.concatenate([t, np.ones((-t.size) % TRITS_PER_BYTE, np.uint8)])  # padding decodes to 0
+    return (t.reshape(-1, TRITS_PER_BYTE) * _POW3).sum(1, dtype=np.uint8).tobytes()
+
+
+def unpack_trits(payload: bytes, numel: int, field: str = "quantized.payload") -> torch.Tensor:
+    """The inverse of `pack_trits`: `numel` int8 codes; a wrong length or a byte >= 243 is a WireError."""
+    expected = math.ceil(numel / TRITS_PER_BYTE)
+    if len(payload) != expected:
+        raise WireError(field, f"{len(payload)} bytes, expected {expected} for {numel} ternary codes")
+    b = np.frombuffer(payload, dtype=np.uint8)
+    if b.size and int(b.max()) >= 243:
+        raise WireError(field, "a byte of 243 or more is not five ternary codes")
+    return torch.from_numpy(_TRITS[b].reshape(-1)[:numel].copy())
+
+
+class LowBitDeltaCodec(ACSGDCodec):
+    """acsgd's protocol and first sights; deltas as `code * s` with one fp16 scale `s` per group and no mins.
+    A subclass says how codes are chosen, packed and unpacked."""
+
+    quantized = False  # no bit width to choose: the label is the name (`tern+ch`)
+
+    def payload_nbytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def wire_bits(cls, config) -> int:
+        return 2  # the planner's integer figure: never below what the codes take (1.6 or 1 bits) plus scales
+
+    def _codes(self, x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _pack_codes(self, codes: torch.Tensor) -> bytes:
+        raise NotImplementedError
+
+    def _unpack_codes(self, payload: bytes, numel: int, field: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    wire_code_bits = 0
+    """`Quantized.bits` of a delta message."""
+
+    def _send_delta(self, rows, m, group, state, out):
+        codes, scales = self._codes(rows.float() - m.float(), group)
+        out.bits, out.group_size, out.numel = self.wire_code_bits, group, codes.numel()
+        out.scale_dtype = wire_dtype(torch.float16)
+        out.scales = tensor_to_bytes(scales)
+        out.payload = self._pack_codes(codes)
+        sent = ternary_dequantize(codes, scales, group)
+        m.copy_((m.float() + sent.view(m.shape)).to(m.dtype))
+
+    def _receive_delta(self, msg, m, bound):
+        field, numel = "quantized", m.numel()
+        if msg.bits != self.wire_code_bits:
+            raise WireError(f"{field}.bits", f"{msg.bits}, this codec's deltas say {self.wire_code_bits}")
+        if not 1 <= msg.group_size <= 65536:
+            raise WireError(f"{field}.group_size", f"{msg.group_size} is outside 1..65536")
+        if msg.numel != numel:
+            raise WireError(f"{field}.numel", f"{msg.numel} does not match the {numel} elements the shape implies")
+        if msg.scale_dtype != wire_pb2.FLOAT16 or msg.mins:
+            raise WireError(f"{field}.scale_dtype", "deltas carry fp16 scales and no mins")
+        scales = bytes_to_tensor(msg.scales, torch.float16, math.ceil(numel / msg.group_size), f"{field}.scales")
+        if scales.numel() and not bool(torch.isfinite(scales).all() and (scales >= 0).all()):
+            raise WireError(f"{field}.scales", "contains NaN, Inf or a negative scale")
+        if scales.numel() and float(scales.float().max()) > bound:
+            raise WireError(f"{field}.scales", f"a group's values would exceed {bound:.6g} in magnitude")
+        codes = self._unpack_codes(msg.payload, numel, f"{field}.payload")
+        delta = ternary_dequantize(codes, scales, msg.group_size)
+        return (m.float() + delta.view(m.shape)).to(m.dtype)
+
+
+class TernCodec(LowBitDeltaCodec):
+    """AQ-SGD with MSE-optimal ternary deltas, 5 codes a byte and an fp16 scale per group (module doc)."""
+
+    name, wire = "tern", wire_pb2.TERN
+
+    def payload_nbytes(self, numel: int) -> int:
+        return math.ceil(numel / TRITS_PER_BYTE) + 2 * math.ceil(numel / group_size(self.config))
+
+    def _codes(self, x, group):
+        return ternary_quantize(x, group)
+
+    def _pack_codes(self, codes):
+        return pack_trits(codes)
+
+    def _unpack_codes(self, payload, numel, field):
+        return unpack_trits(payload, numel, field)
+
+
+CODECS = (TernCodec,)
