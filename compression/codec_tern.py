@@ -81,37 +81,30 @@ def unpack_trits(payload: bytes, numel: int, field: str = "quantized.payload") -
 
 
 class LowBitDeltaCodec(ACSGDCodec):
-    """acsgd's protocol and first sights; deltas as `code * s` with one fp16 scale `s` per group and no mins.
-    A subclass says how codes are chosen, packed and unpacked."""
+    """acsgd's protocol and first sights; deltas below 2 bits with fp16 per-group values (in `Quantized.scales`,
+    and `mins` when the codec has two). A subclass says how a delta is coded (`_encode_delta`) and how a checked
+    message's fields decode (`_decode_delta`); the header checks are shared."""
 
     quantized = False  # no bit width to choose: the label is the name (`tern+ch`)
-
-    def payload_nbytes(self, numel: int) -> int:
-        raise NotImplementedError
-
-    @classmethod
-    def wire_bits(cls, config) -> int:
-        return 2  # the planner's integer figure: never below what the codes take (1.6 or 1 bits) plus scales
-
-    def _codes(self, x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _pack_codes(self, codes: torch.Tensor) -> bytes:
-        raise NotImplementedError
-
-    def _unpack_codes(self, payload: bytes, numel: int, field: str) -> torch.Tensor:
-        raise NotImplementedError
-
     wire_code_bits = 0
     """`Quantized.bits` of a delta message."""
 
+    @classmethod
+    def wire_bits(cls, config) -> int:
+        return 2  # the planner's integer figure: never below what the codes (1.6 or 1 bits) and scales take
+
+    def _encode_delta(self, d: torch.Tensor, group: int, out: wire_pb2.Quantized) -> torch.Tensor:
+        """Codes `d` (group order, fp32) into `out`'s payload, scales and mins; returns the decoded delta."""
+        raise NotImplementedError
+
+    def _decode_delta(self, msg: wire_pb2.Quantized, numel: int, groups: int, field: str, bound: float):
+        """The delta of a message whose header is checked: every per-group field and the payload checked first."""
+        raise NotImplementedError
+
     def _send_delta(self, rows, m, group, state, out):
-        codes, scales = self._codes(rows.float() - m.float(), group)
-        out.bits, out.group_size, out.numel = self.wire_code_bits, group, codes.numel()
+        out.bits, out.group_size, out.numel = self.wire_code_bits, group, rows.numel()
         out.scale_dtype = wire_dtype(torch.float16)
-        out.scales = tensor_to_bytes(scales)
-        out.payload = self._pack_codes(codes)
-        sent = ternary_dequantize(codes, scales, group)
+        sent = self._encode_delta(rows.float() - m.float(), group, out)
         m.copy_((m.float() + sent.view(m.shape)).to(m.dtype))
 
     def _receive_delta(self, msg, m, bound):
@@ -122,16 +115,20 @@ class LowBitDeltaCodec(ACSGDCodec):
             raise WireError(f"{field}.group_size", f"{msg.group_size} is outside 1..65536")
         if msg.numel != numel:
             raise WireError(f"{field}.numel", f"{msg.numel} does not match the {numel} elements the shape implies")
-        if msg.scale_dtype != wire_pb2.FLOAT16 or msg.mins:
-            raise WireError(f"{field}.scale_dtype", "deltas carry fp16 scales and no mins")
-        scales = bytes_to_tensor(msg.scales, torch.float16, math.ceil(numel / msg.group_size), f"{field}.scales")
-        if scales.numel() and not bool(torch.isfinite(scales).all() and (scales >= 0).all()):
-            raise WireError(f"{field}.scales", "contains NaN, Inf or a negative scale")
-        if scales.numel() and float(scales.float().max()) > bound:
-            raise WireError(f"{field}.scales", f"a group's values would exceed {bound:.6g} in magnitude")
-        codes = self._unpack_codes(msg.payload, numel, f"{field}.payload")
-        delta = ternary_dequantize(codes, scales, msg.group_size)
+        if msg.scale_dtype != wire_pb2.FLOAT16:
+            raise WireError(f"{field}.scale_dtype", "deltas carry fp16 per-group values")
+        delta = self._decode_delta(msg, numel, math.ceil(numel / msg.group_size), field, bound)
         return (m.float() + delta.view(m.shape)).to(m.dtype)
+
+
+def check_levels(data: bytes, groups: int, field: str, bound: float) -> torch.Tensor:
+    """One fp16 value per group from `data`, each finite and at most `bound` in magnitude (fp32)."""
+    v = bytes_to_tensor(data, torch.float16, groups, field).float()
+    if v.numel() and not bool(torch.isfinite(v).all()):
+        raise WireError(field, "contains NaN or Inf")
+    if v.numel() and float(v.abs().max()) > bound:
+        raise WireError(field, f"a group's values would exceed {bound:.6g} in magnitude")
+    return v
 
 
 class TernCodec(LowBitDeltaCodec):
@@ -142,14 +139,19 @@ class TernCodec(LowBitDeltaCodec):
     def payload_nbytes(self, numel: int) -> int:
         return math.ceil(numel / TRITS_PER_BYTE) + 2 * math.ceil(numel / group_size(self.config))
 
-    def _codes(self, x, group):
-        return ternary_quantize(x, group)
+    def _encode_delta(self, d, group, out):
+        codes, scales = ternary_quantize(d, group)
+        out.scales = tensor_to_bytes(scales)
+        out.payload = pack_trits(codes)
+        return ternary_dequantize(codes, scales, group)
 
-    def _pack_codes(self, codes):
-        return pack_trits(codes)
-
-    def _unpack_codes(self, payload, numel, field):
-        return unpack_trits(payload, numel, field)
+    def _decode_delta(self, msg, numel, groups, field, bound):
+        if msg.mins:
+            raise WireError(f"{field}.mins", "ternary deltas carry no mins")
+        scales = check_levels(msg.scales, groups, f"{field}.scales", bound)
+        if bool((scales < 0).any()):
+            raise WireError(f"{field}.scales", "a negative scale")
+        return ternary_dequantize(unpack_trits(msg.payload, numel, f"{field}.payload"), scales, msg.group_size)
 
 
 CODECS = (TernCodec,)

@@ -18,7 +18,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRADQ: _ClassVar[Codec]
     ACSGD: _ClassVar[Codec]
     TERN: _ClassVar[Codec]
-    SIGN: _ClassVar[Codec]
+    BILEVEL: _ClassVar[Codec]
 
 class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,7 +45,7 @@ AQSGD: Codec
 GRADQ: Codec
 ACSGD: Codec
 TERN: Codec
-SIGN: Codec
+BILEVEL: Codec
 GROUP_LAYOUT_FLAT: GroupLayout
 GROUP_LAYOUT_CHANNEL: GroupLayout
 DTYPE_UNSPECIFIED: DType

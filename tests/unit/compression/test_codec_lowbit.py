@@ -1,6 +1,7 @@
-"""TERN (ternary deltas, 5 codes a byte) and SIGN (1-bit deltas) behind AQ-SGD's buffer protocol: the quantizers
-against brute-force references, exact packing round trips, bit-identical buffers over many rounds, and the
-stranger's messages (malformed, replayed, mislabelled) refused whole with nothing committed."""
+"""TERN (ternary deltas, 5 codes a byte) and BILEVEL (1-bit deltas on two levels per group) behind AQ-SGD's
+buffer protocol: the quantizers against brute-force references, exact packing round trips, bit-identical buffers
+over many rounds, and the stranger's messages (malformed, replayed, mislabelled, never arriving) refused whole
+with nothing committed."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ import torch
 
 from swarm.compression import CodecConfig, LinkState, WireError, decoder_for, frame, make_codec, unframe
 from swarm.compression.codec_aqsgd import BufferDriftError
-from swarm.compression.codec_sign import pack_signs, sign_quantize, unpack_signs
+from swarm.compression.codec_bilevel import bilevel_dequantize, bilevel_quantize, pack_bits, unpack_bits
 from swarm.compression.codec_tern import pack_trits, ternary_dequantize, ternary_quantize, unpack_trits
 from swarm.compression.codecs import BY_NAME, REGISTRY
 from swarm.proto import wire_pb2
 
-LABELS = ["tern+ch", "tern", "sign+ch", "sign"]
+LABELS = ["tern+ch", "tern", "bilevel+ch", "bilevel"]
 
 
 def test_registered_under_their_own_enums():
-    assert REGISTRY[wire_pb2.TERN] is BY_NAME["tern"] and REGISTRY[wire_pb2.SIGN] is BY_NAME["sign"]
-    assert CodecConfig.parse("tern+ch").label == "tern+ch" and CodecConfig.parse("sign").label == "sign"
-    assert CodecConfig.parse("sign+ch").wire_bits == 1
+    assert REGISTRY[wire_pb2.TERN] is BY_NAME["tern"] and REGISTRY[wire_pb2.BILEVEL] is BY_NAME["bilevel"]
+    assert CodecConfig.parse("tern+ch").label == "tern+ch" and CodecConfig.parse("bilevel").label == "bilevel"
+    assert CodecConfig.parse("bilevel+ch").wire_bits == 1
 
 
 def brute_force_ternary(g: torch.Tensor) -> float:
@@ -49,21 +50,41 @@ def test_ternary_is_the_mse_optimal_code_of_each_group():
     assert set(codes.tolist()) <= {-1, 0, 1} and codes.dtype == torch.int8
 
 
-def test_sign_scale_is_the_groups_mean_magnitude_padding_excluded():
-    x = torch.tensor([1.0, -3.0, 0.0, 2.0, -4.0])
-    codes, scales = sign_quantize(x, 2)
-    assert codes.tolist() == [1, -1, 1, 1, -1]
-    assert scales.float().tolist() == [2.0, 1.0, 4.0]
+def lloyd_reference(v: list[float], rounds: int = 2) -> tuple[float, float]:
+    """Two-level Lloyd in plain Python from the mean split: the (lo, hi) levels before fp16."""
+    t = sum(v) / len(v)
+    for _ in range(rounds):
+        up, down = [a for a in v if a >= t], [a for a in v if a < t]
+        hi = sum(up) / len(up) if up else None
+        lo = sum(down) / len(down) if down else None
+        hi, lo = (hi if hi is not None else lo), (lo if lo is not None else hi)
+        t = (lo + hi) / 2
+    return lo, hi
+
+
+def test_bilevel_levels_are_lloyds_and_codes_pick_the_nearer_level():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(45, generator=gen) + torch.tensor([3.0] * 16 + [-1.0] * 16 + [0.0] * 13)
+    codes, lo, hi = bilevel_quantize(x, 16)
+    assert lo.dtype == hi.dtype == torch.float16 and codes.dtype == torch.bool and codes.numel() == 45
+    for i in range(3):
+        ref_lo, ref_hi = lloyd_reference(x[16 * i : 16 * i + 16].tolist())  # the last group: 13, no padding
+        assert float(lo[i]) == float(torch.tensor(ref_lo).half()) and float(hi[i]) == float(torch.tensor(ref_hi).half())
+    y = bilevel_dequantize(codes, lo, hi, 16)
+    levels = torch.stack([lo.float().repeat_interleave(16)[:45], hi.float().repeat_interleave(16)[:45]])
+    assert torch.equal((y - x).abs(), (levels - x).abs().min(0).values)
+    # a constant group decodes exactly; a group with one value apart keeps it
+    codes, lo, hi = bilevel_quantize(torch.tensor([2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 8.0]), 4)
+    assert bilevel_dequantize(codes, lo, hi, 4).tolist() == [2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 8.0]
 
 
 def test_zero_and_huge_groups_stay_finite():
     x = torch.zeros(2, 8)
     x[1] = 1e6  # beyond fp16: the scale clamps to its largest finite value
-    for quantize in (ternary_quantize, sign_quantize):
-        codes, scales = quantize(x, 8)
-        y = ternary_dequantize(codes, scales, 8).view(2, 8)
-        assert torch.isfinite(y).all() and (y[1] == 65504.0).all()
-    assert (ternary_dequantize(*ternary_quantize(x, 8), 8)[:8] == 0).all()
+    y = ternary_dequantize(*ternary_quantize(x, 8), 8).view(2, 8)
+    assert torch.isfinite(y).all() and (y[1] == 65504.0).all() and (y[0] == 0).all()
+    y = bilevel_dequantize(*bilevel_quantize(x, 8), 8).view(2, 8)
+    assert torch.isfinite(y).all() and (y[1] == 65504.0).all() and (y[0] == 0).all()
 
 
 @pytest.mark.parametrize("numel", [1, 4, 5, 6, 999])
@@ -71,9 +92,9 @@ def test_packing_round_trips(numel):
     codes = torch.randint(-1, 2, (numel,), dtype=torch.int8)
     packed = pack_trits(codes)
     assert len(packed) == -(-numel // 5) and torch.equal(unpack_trits(packed, numel), codes)
-    signs = torch.where(codes >= 0, 1, -1).to(torch.int8)
-    packed = pack_signs(signs)
-    assert len(packed) == -(-numel // 8) and torch.equal(unpack_signs(packed, numel), signs)
+    bits = codes > 0
+    packed = pack_bits(bits)
+    assert len(packed) == -(-numel // 8) and torch.equal(unpack_bits(packed, numel), bits)
 
 
 def test_packing_refuses_bad_bytes():
@@ -82,9 +103,9 @@ def test_packing_refuses_bad_bytes():
     with pytest.raises(WireError, match="expected"):
         unpack_trits(bytes(3), 5)
     with pytest.raises(WireError, match="padding"):
-        unpack_signs(bytes([0xFF]), 7)
+        unpack_bits(bytes([0xFF]), 7)
     with pytest.raises(WireError, match="expected"):
-        unpack_signs(bytes(2), 7)
+        unpack_bits(bytes(2), 7)
 
 
 def ends(label, **kw):
@@ -124,14 +145,16 @@ def fp16_bytes(*values: float) -> bytes:
 
 TAMPERS = {
     "nan scale": lambda q: setattr(q, "scales", fp16_bytes(float("nan")) + q.scales[2:]),
-    "negative scale": lambda q: setattr(q, "scales", fp16_bytes(-1.0) + q.scales[2:]),
+    "negative scale": lambda q: setattr(q, "scales", fp16_bytes(-70000.0 if q.mins else -1.0) + q.scales[2:]),
+    "nan min": lambda q: setattr(q, "mins", fp16_bytes(float("nan")) + q.mins[2:]),
+    "low above high": lambda q: setattr(q, "mins", fp16_bytes(1000.0) + q.mins[2:]),
     "inf scale": lambda q: setattr(q, "scales", fp16_bytes(float("inf")) + q.scales[2:]),
     "short scales": lambda q: setattr(q, "scales", q.scales[:-2]),
     "oversized scales": lambda q: setattr(q, "scales", q.scales * 1000),
     "short payload": lambda q: setattr(q, "payload", q.payload[:-1]),
     "oversized payload": lambda q: setattr(q, "payload", q.payload * 1000),
     "bad code byte": lambda q: setattr(q, "payload", b"\xff" + q.payload[1:]),
-    "mins": lambda q: setattr(q, "mins", b"\0" * 8),
+    "mins": lambda q: setattr(q, "mins", q.mins[:-2] if q.mins else b"\0" * 8),
     "fp32 scales": lambda q: setattr(q, "scale_dtype", wire_pb2.FLOAT32),
     "bits": lambda q: setattr(q, "bits", 2),
     "numel": lambda q: setattr(q, "numel", q.numel + 1),
@@ -141,7 +164,7 @@ TAMPERS = {
 
 
 @pytest.mark.parametrize("tamper", sorted(TAMPERS))
-@pytest.mark.parametrize("label", ["tern+ch", "sign"])
+@pytest.mark.parametrize("label", ["tern+ch", "bilevel"])
 def test_malformed_messages_are_refused_whole(label, tamper):
     codec, send, recv = ends(label, buffer_dtype="float16")
     x = torch.randn(3, 15, 7)  # 315 elements: the last payload byte has padding
@@ -150,7 +173,7 @@ def test_malformed_messages_are_refused_whole(label, tamper):
     bad = wire_pb2.TensorMessage()
     bad.CopyFrom(msg)
     TAMPERS[tamper](bad.quantized)
-    if tamper == "bad code byte" and label == "sign":  # every byte is 8 valid signs; a set padding bit is not
+    if tamper == "bad code byte" and label == "bilevel":  # every byte is 8 valid signs; a set padding bit is not
         bad.quantized.payload = bad.quantized.payload[:-1] + b"\xff"
     before = snapshot(recv)[1]
     with pytest.raises(WireError):
@@ -160,7 +183,7 @@ def test_malformed_messages_are_refused_whole(label, tamper):
     assert torch.equal(snapshot(recv)[1], snapshot(send)[1])
 
 
-@pytest.mark.parametrize("label", ["tern+ch", "sign+ch"])
+@pytest.mark.parametrize("label", ["tern+ch", "bilevel+ch"])
 def test_a_replayed_or_stale_delta_is_drift_and_commits_nothing(label):
     codec, send, recv = ends(label)
     x = torch.randn(2, 16, 8)
@@ -178,13 +201,16 @@ def test_a_replayed_or_stale_delta_is_drift_and_commits_nothing(label):
     assert torch.equal(snapshot(recv)[1], before)
 
 
-def test_a_huge_but_finite_scale_cannot_overflow_an_fp16_buffer():
-    codec, send, recv = ends("tern", buffer_dtype="float16")
+@pytest.mark.parametrize("label", ["tern", "bilevel"])
+def test_a_huge_but_finite_scale_cannot_overflow_an_fp16_buffer(label):
+    codec, send, recv = ends(label, buffer_dtype="float16")
     x = torch.full((2, 16, 8), -100.0)
     codec.decode(codec.encode(x, sample_ids=[1, 2], state=send), state=recv)
     msg = codec.encode(x, sample_ids=[1, 2], state=send)
     msg.quantized.scales = fp16_bytes(65504.0) * (len(msg.quantized.scales) // 2)
-    msg.quantized.payload = b"\0" * len(msg.quantized.payload)  # every code -1: -100 - 65504 leaves fp16
+    msg.quantized.payload = b"\0" * len(msg.quantized.payload)  # tern: every code -1: -100 - 65504 leaves fp16
+    if msg.quantized.mins:  # bilevel: every code the low level, -65504
+        msg.quantized.mins = fp16_bytes(-65504.0) * (len(msg.quantized.mins) // 2)
     before = snapshot(recv)[1]
     with pytest.raises(WireError):
         codec.decode(msg, state=recv)
@@ -196,7 +222,7 @@ def test_another_codecs_message_is_refused():
     x = torch.randn(2, 16, 8)
     codec.decode(codec.encode(x, sample_ids=[1, 2], state=send), state=recv)
     msg = codec.encode(x + 0.1, sample_ids=[1, 2], state=send)
-    msg.codec = wire_pb2.SIGN  # a stranger relabels it: the sign decoder refuses its 0-bit deltas
+    msg.codec = wire_pb2.BILEVEL  # a stranger relabels it: the bilevel decoder refuses its 0-bit deltas
     with pytest.raises(WireError):
         decoder_for(msg).decode(msg, state=recv)
     with pytest.raises(WireError, match="codec"):
@@ -204,11 +230,11 @@ def test_another_codecs_message_is_refused():
 
 
 def test_the_encoder_refuses_nan():
-    codec, send, _ = ends("sign")
+    codec, send, _ = ends("bilevel")
     with pytest.raises(ValueError, match="NaN"):
         codec.encode(torch.full((1, 4, 4), float("nan")), sample_ids=[0], state=send)
 
 
 def test_payload_bytes():
     assert make_codec(CodecConfig.parse("tern", group_size=128)).payload_nbytes(1 << 14) == 3277 + 256
-    assert make_codec(CodecConfig.parse("sign", group_size=128)).payload_nbytes(1 << 14) == 2048 + 256
+    assert make_codec(CodecConfig.parse("bilevel", group_size=128)).payload_nbytes(1 << 14) == 2048 + 512
