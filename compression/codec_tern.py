@@ -13,7 +13,7 @@ buffer is the error feedback).
 
 On the wire: `Quantized` with `bits` 0 (unset), `scale_dtype` FLOAT16, `scales` one per group, `mins` empty,
 `payload` ceil(numel / 5) bytes, each byte `sum_i (t_i + 1) * 3^i` of five consecutive codes (< 243; a byte
-of 243 or more is refused), the last byte's missing codes zero. First sights travel as acsgd's do.
+of 243 or more is refused), the last byte's padding codes zero (refused otherwise). First sights travel as acsgd's do.
 """
 
 from __future__ import annotations
@@ -70,14 +70,18 @@ def pack_trits(codes: torch.Tensor) -> bytes:
 
 
 def unpack_trits(payload: bytes, numel: int, field: str = "quantized.payload") -> torch.Tensor:
-    """The inverse of `pack_trits`: `numel` int8 codes; a wrong length or a byte >= 243 is a WireError."""
+    """The inverse of `pack_trits`: `numel` int8 codes; a wrong length, a byte >= 243 or a padding code other
+    than zero is a WireError."""
     expected = math.ceil(numel / TRITS_PER_BYTE)
     if len(payload) != expected:
         raise WireError(field, f"{len(payload)} bytes, expected {expected} for {numel} ternary codes")
     b = np.frombuffer(payload, dtype=np.uint8)
     if b.size and int(b.max()) >= 243:
         raise WireError(field, "a byte of 243 or more is not five ternary codes")
-    return torch.from_numpy(_TRITS[b].reshape(-1)[:numel].copy())
+    codes = _TRITS[b].reshape(-1)
+    if codes[numel:].any():
+        raise WireError(field, "padding codes past the last element are not zero")
+    return torch.from_numpy(codes[:numel].copy())
 
 
 class LowBitDeltaCodec(ACSGDCodec):

@@ -103,6 +103,8 @@ def test_packing_refuses_bad_bytes():
     with pytest.raises(WireError, match="expected"):
         unpack_trits(bytes(3), 5)
     with pytest.raises(WireError, match="padding"):
+        unpack_trits(bytes([0]), 4)  # the fifth code is -1, not the padding's 0
+    with pytest.raises(WireError, match="padding"):
         unpack_bits(bytes([0xFF]), 7)
     with pytest.raises(WireError, match="expected"):
         unpack_bits(bytes(2), 7)
