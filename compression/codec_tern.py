@@ -45,18 +45,23 @@ def group_view(x: torch.Tensor, group: int) -> torch.Tensor:
     return (torch.cat([v, v.new_zeros(pad)]) if pad else v).view(-1, group)
 
 
-def ternary_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ternary_quantize(x: torch.Tensor, group: int, rate: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (int8 in -1..1, flattened to `x.numel()`) and fp16 scales (one per `group` consecutive elements):
-    the MSE-optimal ternary code of each group (module doc)."""
+    the MSE-optimal ternary code of each group (module doc); with `rate` > 0 each group keeps the k that
+    maximizes `c_k^2 / k - rate * mean(x^2) * k` (a group where no k gains anything sends zeros)."""
     g = group_view(x, group)
     mag, order = g.abs().sort(dim=1, descending=True)
     csum = mag.cumsum(1)
     k = torch.arange(1, group + 1, dtype=torch.float32)
-    best = (csum.square() / k).argmax(1)  # keep best + 1 elements
+    gain = csum.square() / k
+    if rate > 0:
+        gain = gain - rate * float(x.detach().float().square().mean()) * k
+    best = gain.argmax(1)  # keep best + 1 elements
+    worthwhile = gain.gather(1, best[:, None])[:, 0] > 0
     scale = (csum.gather(1, best[:, None])[:, 0] / (best + 1).float()).clamp(max=FP16_MAX).half()
     keep_sorted = torch.arange(group)[None, :] <= best[:, None]
     keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
-    keep &= (scale > 0)[:, None]
+    keep &= ((scale > 0) & worthwhile)[:, None]
     codes = torch.where(keep, torch.sign(g), torch.zeros_like(g)).to(torch.int8)
     return codes.reshape(-1)[: x.numel()], scale
 
@@ -148,7 +153,7 @@ class TernCodec(LowBitDeltaCodec):
         return math.ceil(numel / TRITS_PER_BYTE) + 2 * math.ceil(numel / group_size(self.config))
 
     def _encode_delta(self, d, group, out):
-        codes, scales = ternary_quantize(d, group)
+        codes, scales = ternary_quantize(d, group, self.config.rate_percent / 100)
         out.scales = tensor_to_bytes(scales)
         out.payload = pack_trits(codes)
         return ternary_dequantize(codes, scales, group)

@@ -240,3 +240,51 @@ def test_the_encoder_refuses_nan():
 def test_payload_bytes():
     assert make_codec(CodecConfig.parse("tern", group_size=128)).payload_nbytes(1 << 14) == 3277 + 256
     assert make_codec(CodecConfig.parse("bilevel", group_size=128)).payload_nbytes(1 << 14) == 2048 + 512
+
+
+def brute_force_rated(g: torch.Tensor, penalty: float) -> float:
+    """The least `error + penalty * nonzeros` of any ternary code of `g` (every support, best scale)."""
+    v = g.double()
+    best = float(v.square().sum())
+    for k in range(1, len(v) + 1):
+        for support in itertools.combinations(range(len(v)), k):
+            a = v[list(support)].abs()
+            best = min(best, float(v.square().sum() - a.sum() ** 2 / k) + penalty * k)
+    return best
+
+
+def test_tern_rate_trades_nonzero_codes_for_error_optimally():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(24, generator=gen) * torch.tensor([3.0] * 8 + [1.0] * 8 + [0.1] * 8)
+    mean_square = float(x.square().mean())
+    plain, _ = ternary_quantize(x, 8)
+    for rate in (0.5, 2.0):
+        codes, scales = ternary_quantize(x, 8, rate)
+        y = ternary_dequantize(codes, scales, 8)
+        for i in range(3):
+            g, c = x[8 * i : 8 * i + 8], codes[8 * i : 8 * i + 8]
+            cost = float((y[8 * i : 8 * i + 8] - g).double().square().sum()) + rate * mean_square * int(
+                c.count_nonzero()
+            )
+            assert cost <= brute_force_rated(g, rate * mean_square) * 1.002 + 1e-6
+        assert codes.count_nonzero() < plain.count_nonzero()
+    assert ternary_quantize(x, 8, 2.0)[0][16:].count_nonzero() == 0  # the small group sends nothing
+
+
+def test_rate_label_and_validation():
+    cfg = CodecConfig.parse("tern+ch+r50")
+    assert cfg.rate_percent == 50 and cfg.label == "tern+ch+r50"
+    for bad in ("acsgd2+r50", "tern+r1001"):
+        with pytest.raises(ValueError, match="rate_percent"):
+            CodecConfig.parse(bad)
+
+
+def test_rated_tern_round_trips_bit_identically():
+    codec, send, recv = ends("tern+ch+r50")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 16, 8, generator=gen)
+    codec.decode(codec.encode(x, sample_ids=[1, 2, 3], state=send), state=recv)
+    for _ in range(4):
+        x = x + 0.1 * torch.randn(x.shape, generator=gen)
+        codec.decode(codec.encode(x, sample_ids=[1, 2, 3], state=send), state=recv)
+        assert torch.equal(snapshot(send)[1], snapshot(recv)[1])
