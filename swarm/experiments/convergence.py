@@ -395,7 +395,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(DEFAULT_SETTINGS),
         help=f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
         "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
-        "group per channel), +rot (Hadamard rotation), @wN (N "
+        "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
         "uncompressed warm-up epochs first); fp32/fp32 always runs first as the baseline "
         f"(default: {','.join(DEFAULT_SETTINGS)})",
     )
