@@ -6,7 +6,9 @@ them further. A ternary code is log2(3) = 1.58 bits of alphabet, 1.6 bits packed
 Measured: on AQ-SGD deltas captured from the default model (channel groups, zstd-1) relative error 0.326 at
 1.39 bits an element against acsgd2's 0.329 at 1.57; in `swarm experiment convergence` (`tern+ch` forward,
 the default backward) 55 KB of forward bytes a step after epoch 1 against 60 KB, 16.7x fewer total bytes than
-fp32 against 15.9x, held-out +1.02% / +0.79% vs fp32 (seeds 0 / 1; the default +0.83% / +0.61%).
+fp32 against 15.9x, held-out +1.02% / +0.79% vs fp32 (seeds 0 / 1; the default +0.83% / +0.61%). With a rate
+weight (`+rN`, `CodecConfig.rate_percent`) the encoder zeroes the codes that buy least: `tern+ch+r25` 52 KB,
+17.1x, +1.21% / +0.97%; `tern+ch+r50` 49 KB, 17.5x, +1.49% / +0.86%.
 
 Quantizer (per group, deterministic): the MSE-optimal ternary code. Keeping the k largest |v| of a group at
 `+-s` and zeroing the rest costs `sum v^2 - (sum of the k largest |v|)^2 / k` at the best `s` (their mean
