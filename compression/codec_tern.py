@@ -8,7 +8,8 @@ Measured: on AQ-SGD deltas captured from the default model (channel groups, zstd
 the default backward) 55 KB of forward bytes a step after epoch 1 against 60 KB, 16.7x fewer total bytes than
 fp32 against 15.9x, held-out +1.02% / +0.79% vs fp32 (seeds 0 / 1; the default +0.83% / +0.61%). With a rate
 weight (`+rN`, `CodecConfig.rate_percent`) the encoder zeroes the codes that buy least: `tern+ch+r25` 52 KB,
-17.1x, +1.21% / +0.97%; `tern+ch+r50` 49 KB, 17.5x, +1.49% / +0.86%.
+17.1x, +1.21% / +0.97%; `tern+ch+r50` 49 KB, 17.5x, +1.49% / +0.86%; `tern+ch+r75` 46 KB, 18.1x,
++1.66% / +1.20%.
 
 Quantizer (per group, deterministic): the MSE-optimal ternary code. Keeping the k largest |v| of a group at
 `+-s` and zeroing the rest costs `sum v^2 - (sum of the k largest |v|)^2 / k` at the best `s` (their mean
