@@ -19,7 +19,15 @@ from swarm.proto import wire_pb2
 if TYPE_CHECKING:
     from swarm.compression.config import CodecConfig
 
-CODEC_MODULES = ("codec_raw", "codec_directq", "codec_aqsgd", "codec_gradq", "codec_acsgd")
+CODEC_MODULES = (
+    "codec_raw",
+    "codec_directq",
+    "codec_aqsgd",
+    "codec_gradq",
+    "codec_acsgd",
+    "codec_tern",
+    "codec_bilevel",
+)
 """Modules of swarm.compression that define codecs, in the order names are listed (help, errors)."""
 
 

@@ -74,6 +74,11 @@ class CodecConfig:
     """gradq: how the per-group (min, scale) pairs travel: "float32", "bfloat16" (`+bs`), or "auto" (`+cs`: float16
     when every pair of a message is a normal float16, else bfloat16), stated per message on the wire."""
 
+    rate_percent: int = 0
+    """tern: weight of the rate in the choice of each group's nonzero codes, in percent of the message's mean
+    square delta per kept code (`+rN`); 0 keeps the MSE-optimal code, larger zeroes more codes (fewer bytes
+    after zstd)."""
+
     def __post_init__(self) -> None:
         codec = codec_class(self.name)
         if codec.quantized and self.bits not in SUPPORTED_BITS:
@@ -94,6 +99,8 @@ class CodecConfig:
             raise ValueError(f"group_layout must be one of {GROUP_LAYOUTS}, got {self.group_layout!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if not 0 <= self.rate_percent <= 1000 or (self.rate_percent and self.name != "tern"):
+            raise ValueError(f"rate_percent (+rN) is 0..1000 and applies to tern only, got {self.rate_percent}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.scale_dtype != "float32" and self.name != "gradq":
@@ -117,8 +124,9 @@ class CodecConfig:
     def label(self) -> str:
         """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot` (rounding is
         not part of it: each codec family has its own default)."""
-        if not codec_class(self.name).quantized:
-            return self.name
+        if not codec_class(self.name).quantized:  # tern, sign: a name without bits, maybe channel groups
+            channel = "+ch" if self.group_layout == "channel" else ""
+            return self.name + channel + (f"+r{self.rate_percent}" if self.rate_percent else "")
         return (
             f"{self.name}{self.bits}"
             + ("+ef" if self.error_feedback else "")
@@ -140,6 +148,9 @@ class CodecConfig:
         if digits:
             kwargs["bits"] = int(digits)
         for suffix in suffixes:
+            if suffix[:1] == "r" and suffix[1:].isdigit():  # +r50: tern's rate weight, in percent
+                kwargs["rate_percent"] = int(suffix[1:])
+                continue
             if suffix[:1] == "g" and suffix[1:].isdigit():  # +g256: this codec's group size, over any default
                 kwargs["group_size"] = int(suffix[1:])
                 continue

@@ -17,6 +17,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AQSGD: _ClassVar[Codec]
     GRADQ: _ClassVar[Codec]
     ACSGD: _ClassVar[Codec]
+    TERN: _ClassVar[Codec]
+    BILEVEL: _ClassVar[Codec]
 
 class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +44,8 @@ DIRECTQ: Codec
 AQSGD: Codec
 GRADQ: Codec
 ACSGD: Codec
+TERN: Codec
+BILEVEL: Codec
 GROUP_LAYOUT_FLAT: GroupLayout
 GROUP_LAYOUT_CHANNEL: GroupLayout
 DTYPE_UNSPECIFIED: DType
