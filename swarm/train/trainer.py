@@ -446,7 +446,7 @@ def train(
                             "total_wire_bytes": getattr(r, "total_wire_bytes", 0),
                             "fp32_total_wire_bytes": getattr(r, "fp32_total_wire_bytes", 0),
                             "step_s": r.seconds,
-                            "skipped": int(getattr(r, "skipped", False)),  # fp16: a non-finite gradient made every stage skip
+                            "skipped": int(getattr(r, "skipped", False)),  # fp16: all stages skipped it
                             "loss_scale": getattr(r, "loss_scale", 0.0),
                             "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
                             "plan_version": route.plan_version,
