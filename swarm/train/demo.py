@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(max(1, steps)),
         *model_flags, *(["--no-auth"] if args.no_auth else []), "--precision", args.precision,
         "--device", args.device,
+        # the planner re-predicts the step from the peers' clocks after the first epoch and republishes the
+        # plan; the trainer follows it through the DHT, so the summary's prediction is the calibrated one
+        "--calibrate-after-steps", str(max(1, args.train_samples // args.batch_size)),
     ]  # fmt: skip
     say(f"starting a bootstrap node and {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
     with local_swarm(out, args.peers, peer_flags, say) as swarm:
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             epochs=args.epochs, setting=f"{args.fw_codec}/{args.bw_codec}", out=str(out),
         )  # fmt: skip
         try:
-            summary = train(train_cfg, swarm.path, quiet=args.json, signer=swarm.signer)
+            summary = train(train_cfg, swarm.path, quiet=args.json, signer=swarm.signer, dht=swarm.dht)
         except StageCallError as e:
             print(f"error: training failed: {e}", file=sys.stderr)
             return 1

@@ -1,0 +1,24 @@
+"""`swarm demo` end to end in a small form: the README's main job starts its peers, trains, and sums up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_demo_trains_and_its_planner_calibrates_the_prediction(tmp_path, capsys):
+    from swarm.cli import main
+
+    out = tmp_path / "demo"
+    # 4 steps an epoch: the planner's calibration window (steps 4-8) closes well inside the 24-step run
+    args = ["demo", "--json", "--out", str(out), "--epochs", "6", "--train-samples", "32", "--batch-size", "8"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 24 and summary["final_loss"] < summary["first_loss"]
+    assert summary["total_ratio_vs_fp32"] > 4
+    # the republished plan is the same stages under the next version, with the calibrated prediction
+    assert summary["plan_version"] == 2 and summary["predicted_step_s"] > 0
+    assert (out / "steps.csv").exists() and (out / "loss.png").exists()
