@@ -37,6 +37,7 @@ __all__ = [
     "REROUTE_CODES",
     "Task",
     "Traffic",
+    "as_error",
     "assign_samples",
     "chain_work",
     "gather",
@@ -388,3 +389,14 @@ def gather(
             error = StageCallError(f"no answer within {deadline_s:.0f} s", grpc.StatusCode.DEADLINE_EXCEEDED)
             raise Failed(error, stuck)
         wake.wait(left)
+
+
+def as_error(failure: Failed, step: int, why: str = "") -> StageCallError:
+    """The error a failed call of step `step` raises: its own StageCallError (with `why` added), or one naming
+    the peers declared dead."""
+    error = failure.error
+    if isinstance(error, StageCallError):
+        return type(error)(f"{error} ({why})" if why else str(error), error.code) if why else error
+    dead = ", ".join(failure.suspects) or "a peer"
+    detail = f"{type(error).__name__}: {error}" if error is not None else f"{dead} declared dead"
+    return StageCallError(f"step {step}: {detail}{f' ({why})' if why else ''}", grpc.StatusCode.UNAVAILABLE)

@@ -46,6 +46,7 @@ from swarm.runtime.chains import (
     NoLiveChain,
     Task,
     Traffic,
+    as_error,
     chain_work,
     gather,
     reroutable,
@@ -135,6 +136,7 @@ class PipelineDriver:
             signer = CallSigner(Identity.generate())
         self.connector = connector or GrpcConnector(signer=signer)
         self.metrics = metrics or Metrics()
+        self._step_started = time.perf_counter()  # when the step in progress began (its Step reports the time)
         self.weights = weights or ChainWeights()
         self.tied = tied
         """whether the model ties its embedding and head: only then do the end stages sum a tied group"""
@@ -393,7 +395,7 @@ class PipelineDriver:
             req = stage_pb2.StepRequest(
                 step=step, global_grad_norm=norm, plan_version=self.plan_version, skip=skip, loss_scale=self.loss_scale
             )
-            req.trainer_elapsed_s = time.perf_counter() - getattr(self, "_step_started", time.perf_counter())
+            req.trainer_elapsed_s = time.perf_counter() - self._step_started
             return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
@@ -468,7 +470,7 @@ class PipelineDriver:
                 return self._run_chains(step, self._work(batch, chains), wake)
         except Failed as f:
             self.abandon(step)
-            raise _as_error(f, step) from f.error
+            raise as_error(f, step) from f.error
 
     def train_step(self, step: int, batch: Batch) -> StepResult:
         """One optimizer step on `batch` over the live chains, run again on the survivors when a peer dies.
@@ -527,7 +529,7 @@ class PipelineDriver:
         error = failure.error
         if error is not None and not reroutable(error):
             self.abandon(step)
-            raise _as_error(failure, step) from error
+            raise as_error(failure, step) from error
         for peer in failure.suspects:
             if peer not in self.dead and not self._alive(peer):
                 log.warning("step %d: peer %s does not answer: declared dead", step, peer)
@@ -540,7 +542,7 @@ class PipelineDriver:
         self.abandon(step)
         self._live(step, failure)  # raises NoLiveChain when nothing is left
         if attempt >= self.max_attempts:
-            raise _as_error(failure, step, f"gave up after {attempt} attempts")
+            raise as_error(failure, step, f"gave up after {attempt} attempts")
 
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""
@@ -595,12 +597,3 @@ REDUCE_DEADLINE_S = 30.0
 ABANDON_GRACE_S = 5.0
 """longest the driver waits for a failed attempt's calls among live peers to end before the next attempt"""
 CLOSE_WAIT_S = 2.0
-
-
-def _as_error(failure: Failed, step: int, why: str = "") -> StageCallError:
-    error = failure.error
-    if isinstance(error, StageCallError):
-        return type(error)(f"{error} ({why})" if why else str(error), error.code) if why else error
-    dead = ", ".join(failure.suspects) or "a peer"
-    detail = f"{type(error).__name__}: {error}" if error is not None else f"{dead} declared dead"
-    return StageCallError(f"step {step}: {detail}{f' ({why})' if why else ''}", grpc.StatusCode.UNAVAILABLE)

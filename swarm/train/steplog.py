@@ -14,7 +14,7 @@ import os
 from array import array
 from pathlib import Path
 
-__all__ = ["StepLog", "load_position", "save_position"]
+__all__ = ["StepLog", "load_position", "save_position", "step_columns", "counter_columns"]
 
 
 class StepLog:
@@ -96,3 +96,22 @@ def load_position(out: Path, identity: dict) -> tuple[int, int, int] | None:
     if not all(type(v) is int and v >= 0 for v in values):
         raise ValueError(f"{path}: step, epoch and batch must be integers >= 0, got {values}")
     return values[0], values[1], values[2]
+
+
+def step_columns(result, sample_ids: tuple[int, ...], chains: int, retries: int = 0) -> dict:
+    """The churn columns of a step row: the applied step's samples (space-separated ids, each once), the
+    attempts it took, the peers declared dead during it, and the live chains it ran on. A driver without
+    replicas reports none of these: one attempt on one chain, the batch's samples. `retries`: the trainer's
+    own re-runs of the step on a newer plan, counted as attempts too."""
+    return {
+        "attempts": int(getattr(result, "attempts", 1)) + retries,
+        "chains": int(getattr(result, "chains", chains)),
+        "dead_peers": " ".join(getattr(result, "dead_peers", ())),
+        "sample_ids": " ".join(str(int(i)) for i in sample_ids),
+    }
+
+
+def counter_columns(counters: dict[str, float]) -> dict[str, float | int]:
+    """steps.csv columns for what the driver's counters gained in a step, named as Prometheus names them
+    (`swarm_wire_bytes_total{direction=forward,link=0}`), so a new counter is a new column."""
+    return {k.replace('"', ""): int(v) if float(v).is_integer() else v for k, v in counters.items()}

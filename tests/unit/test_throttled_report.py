@@ -11,6 +11,7 @@ import types
 import pytest
 
 from swarm.experiments import throttled as th
+from swarm.experiments import throttled_report as thr
 from swarm.experiments.throttled import Cell, ThrottledConfig
 
 
@@ -67,7 +68,7 @@ def test_targets_judge_prediction_and_share(monkeypatch):
     assert share_met is True and f"rho {rows[2]['rho']:.1f}" in share and "81%" in share
     rows[0]["predicted_error_pct"] = -12.0  # one cell off by more than 10% misses the target
     assert th.check_targets(rows)[0][1] is False
-    report = th._report(rows, {1.0: rows[1]["rho"]})
+    report = thr.report_markdown(rows, {1.0: rows[1]["rho"]})
     assert (
         "## Targets" in report and "[MISSED] predicted step time" in report and "| 1 Mbit/s | aqsgd2/gradq4 |" in report
     )
@@ -81,7 +82,7 @@ def test_without_totals_or_predictions_nothing_is_judged_met(monkeypatch):
     th.add_comparisons(rows)
     assert rows[2]["total_ratio_vs_fp32"] is None and rows[2]["speedup_share"] is None
     assert [met for _, met in th.check_targets(rows)] == [None, None]
-    report = th._report(rows, {})  # renders with the missing values as '-'
+    report = thr.report_markdown(rows, {})  # renders with the missing values as '-'
     assert "| 1 Mbit/s | aqsgd2/gradq4 | 0.800 | - |" in report
     rows[1]["rho"] = rows[2]["rho"] = 12.4
     assert "no such cell (highest rho 12.40)" in th.check_targets(rows)[1][0]
@@ -137,12 +138,12 @@ def test_torch_rows_join_the_table_and_report(tmp_path, monkeypatch):
     th.add_comparisons(rows)
     torch_slow = next(r for r in rows if r["setting"] == "torch-fp32" and r["rate_mbit"] == 1.0)
     assert torch_slow["speedup_vs_fp32"] == pytest.approx(6.5 / 5.0) and torch_slow["fw_bits"] == 32
-    lines = th.torch_comparison(rows)
+    lines = thr.torch_comparison(rows)
     assert lines[0].startswith(
         "- 1 Mbit/s: swarm fp32 6.500 s/step, torch fp32 5.000 s/step: swarm's fp32 is 1.30x slower"
     )
     assert "unshaped" in lines[1] and "swarm's fp32 is 1.25x slower" in lines[1]
-    report = th._report(rows, {1.0: rows[1]["rho"]})
+    report = thr.report_markdown(rows, {1.0: rows[1]["rho"]})
     assert "PyTorch's pipeline" in report and "torch-fp32" in report
 
 

@@ -15,7 +15,8 @@ from swarm.daemon.planning import Route, route_of
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import StageCallError
 from swarm.peers.records import PeerAnnouncement, PlanRecord
-from swarm.train.trainer import TrainConfig, no_chain_left, step_columns, train
+from swarm.train.steplog import step_columns
+from swarm.train.trainer import TrainConfig, no_chain_left, train
 
 TINY = ModelConfig(vocab_size=64, seq_len_tokens=8, hidden_dim=32, n_layers=2, n_heads=2)
 
