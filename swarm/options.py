@@ -53,16 +53,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-seed", type=int, default=DEFAULT_MODEL.init_seed, help="seed of the weights' init")
 
 
+def builtin_model(args: argparse.Namespace, init_seed: int) -> ModelConfig:
+    """The built-in GPT shaped by `--seq-len/--hidden/--layers/--heads`, initialised from `init_seed`."""
+    shape = dict(seq_len_tokens=args.seq_len, hidden_dim=args.hidden, n_layers=args.layers, n_heads=args.heads)
+    return ModelConfig(**shape, init_seed=init_seed)
+
+
 def model_config(args: argparse.Namespace) -> AnyModelConfig:
     """The model the flags name (`swarm.model.spec.resolve_model`); a bad value exits with a one-line error."""
-    builtin = ModelConfig(
-        seq_len_tokens=args.seq_len,
-        hidden_dim=args.hidden,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        init_seed=args.model_seed,
-    )
-    return chosen_model(args, builtin)
+    return chosen_model(args, builtin_model(args, args.model_seed))
 
 
 def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConfig:

@@ -107,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
         copy_target = torch.empty_like(x)
         memcpy_gbps = _gbps(x, median_seconds(lambda: copy_target.copy_(x), repeats, warmup=2))  # noqa: B023
         for bits in args.bits:
-            row = _sym_row if args.quantizer == "acsgd" else _asym_row
-            rows.append(row(x, bits, args.group_size, not args.nearest, repeats, memcpy_gbps, size_kib))
+            symmetric = args.quantizer == "acsgd"
+            rows.append(_row(x, bits, args.group_size, not args.nearest, repeats, memcpy_gbps, size_kib, symmetric))
     title = (
         f"quantizer={args.quantizer} backend={backend_name('cpu', args.group_size)} group_size={args.group_size} "
         f"threads={torch.get_num_threads()} rounding={'nearest' if args.nearest else 'stochastic'}; "
@@ -118,45 +118,41 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sym_row(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, repeats: int, memcpy: float, kib: int):
-    q = sym_quantize(x, bits, group_size, stochastic=stochastic, seed=0)
+def _row(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    stochastic: bool,
+    repeats: int,
+    memcpy: float,
+    kib: int,
+    symmetric: bool,
+) -> dict:
+    """One size x bits row: GB/s of quantize, dequantize (and into a given output: the asymmetric kernels
+    have one), the fused AQ-SGD update against an fp16 buffer, and the round trip's relative error."""
+    quant, dequant, update = (
+        (sym_quantize, sym_dequantize, sym_update) if symmetric else (quantize, dequantize, aqsgd_update)
+    )
+    q = quant(x, bits, group_size, stochastic=stochastic, seed=0)
     buffer = torch.zeros(x.numel(), dtype=torch.float16)
-    quantize_gbps = _gbps(x, median_seconds(lambda: sym_quantize(x, bits, group_size, stochastic=stochastic), repeats))
-    return {
+    quantize_gbps = _gbps(x, median_seconds(lambda: quant(x, bits, group_size, stochastic=stochastic), repeats, 2))
+    row = {
         "bits": bits,
         "size": f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB",
         "numel": x.numel(),
         "group_size": group_size,
         "quantize_gbps": quantize_gbps,
-        "dequantize_gbps": _gbps(x, median_seconds(lambda: sym_dequantize(q), repeats, 2)),
-        "aqsgd_update_gbps": _gbps(
-            x, median_seconds(lambda: sym_update(x, buffer, bits, group_size, stochastic=stochastic), repeats, 2)
-        ),
-        "memcpy_gbps": memcpy,
-        "quantize_vs_memcpy": quantize_gbps / memcpy,
-        "rel_error": float((sym_dequantize(q) - x).norm() / x.norm()),
+        "dequantize_gbps": _gbps(x, median_seconds(lambda: dequant(q), repeats, 2)),
     }
-
-
-def _asym_row(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, repeats: int, memcpy: float, kib: int):
-    q = quantize(x, bits, group_size, stochastic=stochastic, seed=0)
-    buffer = torch.zeros(x.numel(), dtype=torch.float16)
-    output = torch.empty_like(x)
-    quantize_gbps = _gbps(x, median_seconds(lambda: quantize(x, bits, group_size, stochastic=stochastic), repeats, 2))
-    return {
-        "bits": bits,
-        "size": f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB",
-        "numel": x.numel(),
-        "group_size": group_size,
-        "quantize_gbps": quantize_gbps,
-        "dequantize_gbps": _gbps(x, median_seconds(lambda: dequantize(q), repeats, 2)),
-        "dequantize_into_gbps": _gbps(x, median_seconds(lambda: dequantize(q, out=output), repeats, 2)),
-        "aqsgd_update_gbps": _gbps(
-            x, median_seconds(lambda: aqsgd_update(x, buffer, bits, group_size, stochastic=stochastic), repeats, 2)
-        ),
+    if not symmetric:
+        output = torch.empty_like(x)
+        row["dequantize_into_gbps"] = _gbps(x, median_seconds(lambda: dequantize(q, out=output), repeats, 2))
+    update_s = median_seconds(lambda: update(x, buffer, bits, group_size, stochastic=stochastic), repeats, 2)
+    return row | {
+        "aqsgd_update_gbps": _gbps(x, update_s),
         "memcpy_gbps": memcpy,
         "quantize_vs_memcpy": quantize_gbps / memcpy,
-        "rel_error": float((dequantize(q) - x).norm() / x.norm()),
+        "rel_error": float((dequant(q) - x).norm() / x.norm()),
     }
 
 

@@ -168,7 +168,6 @@ class PeerDaemon:
             LinkEnds(ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3])),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book),
-            device=cfg.device,
             metrics=self.metrics,
             budget=cfg.budget,
         )

@@ -29,7 +29,7 @@ import torch
 from swarm.compression import CodecConfig, codec_labels
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
-from swarm.options import add_model_choice_arguments, add_schedule_argument, chosen_model
+from swarm.options import add_model_choice_arguments, add_schedule_argument, builtin_model, chosen_model
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.precision import add_precision_argument
@@ -453,14 +453,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
     settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
-    builtin = ModelConfig(
-        seq_len_tokens=args.seq_len,
-        hidden_dim=args.hidden,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        init_seed=args.seed,
-    )
-    model = chosen_model(args, builtin)  # --model: the built-in shaped by the flags above, or a Hugging Face one
+    # --model: the built-in shaped by --seq-len/--hidden/--layers/--heads, or a Hugging Face one
+    model = chosen_model(args, builtin_model(args, args.seed))
     tokenizer = getattr(model, "tokenizer_path", None)
     cfg = ExperimentConfig(
         model=model,

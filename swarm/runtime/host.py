@@ -81,7 +81,6 @@ class StageHost:
         peer_id: this peer's id, for errors and status.
         connector: how to reach the neighbouring stages.
         limits: bounds on every message received (default: the budget's for this model).
-        device: where the stage computes.
         metrics: where the host counts bytes, phases, buffer hits and steps (default: its own registry).
         budget: what the host gives its callers at most (batch, micro-batches, waits, idle steps).
     """
@@ -95,16 +94,16 @@ class StageHost:
         peer_id: str,
         connector: Connector,
         limits: WireLimits | None = None,
-        device: str = "cpu",
         metrics: Metrics | None = None,
         budget: StageBudget | None = None,
     ):
-        self.role, self.model, self.peer_id, self.device = role, model, peer_id, device
+        self.role, self.model, self.peer_id = role, model, peer_id
         self.model_identity = model_identity(model)
         self.metrics = metrics or Metrics()
         self.budget = budget or StageBudget()
         module = build_stage(model, role.layer_start, role.layer_end, role.is_first, role.is_last)
-        module = module.to(links.place_on(stage_cfg.device))  # DeviceError if absent; optimizer state follows
+        placed = links.place_on(stage_cfg.device)  # DeviceError if absent
+        module, self.device = module.to(placed), str(placed)  # the optimizer state follows the module
         self.worker = StageWorker(module, stage_cfg)
         self.links, self.connector = links, connector
         self.gate = ScheduleGate(role.stage, role.n_stages, self.budget.max_micro_batches)

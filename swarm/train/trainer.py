@@ -442,12 +442,12 @@ def train(
                             "fp32_wire_bytes": r.fp32_wire_bytes,
                             "sync_bytes": r.sync_bytes,
                             "tied_bytes": r.sync_bytes,
-                            "control_bytes": getattr(r, "control_bytes", 0),
-                            "total_wire_bytes": getattr(r, "total_wire_bytes", 0),
-                            "fp32_total_wire_bytes": getattr(r, "fp32_total_wire_bytes", 0),
+                            "control_bytes": r.control_bytes,
+                            "total_wire_bytes": r.total_wire_bytes,
+                            "fp32_total_wire_bytes": r.fp32_total_wire_bytes,
                             "step_s": r.seconds,
-                            "skipped": int(getattr(r, "skipped", False)),  # fp16: all stages skipped it
-                            "loss_scale": getattr(r, "loss_scale", 0.0),
+                            "skipped": int(r.skipped),  # fp16: every stage skipped it
+                            "loss_scale": r.loss_scale,
                             "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
                             "plan_version": route.plan_version,
                             **step_columns(r, ids, route.n_replicas, retries),
