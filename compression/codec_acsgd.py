@@ -27,33 +27,9 @@ from swarm.kernels import SymQuantized, packed_nbytes, sym_apply_delta, sym_upda
 from swarm.kernels import sym_dequantize as sym_dequantize_packed
 from swarm.kernels import sym_quantize as sym_quantize_packed
 from swarm.kernels.host_copy import to_host
-from swarm.kernels.reference import pack, unpack
 from swarm.proto import wire_pb2
 
 FP16_MAX = symmetric.FP16_MAX
-
-
-def sym_quantize(
-    x: torch.Tensor, bits: int, group: int, *, stochastic: bool = False, seed: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (uint8, 0..2^bits-1, flattened) and fp16 scales (one per `group` consecutive elements of `x`):
-    the torch specification (`swarm.kernels.symmetric`); the codec itself calls the kernels."""
-    return symmetric.quantize_codes(x, bits, group, stochastic=stochastic, seed=seed)
-
-
-def sym_dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """`(code - 2^(bits-1)) * scale / 2^(bits-1)` per element, float32, exact."""
-    return symmetric.dequantize_codes(codes, scales, bits, group)
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
-    """Codes as one little-endian bitstream of `bits` bits each: the kernels' packing (`kernels.reference.pack`)."""
-    return pack(codes.reshape(-1), bits).numpy().tobytes()
-
-
-def unpack_codes(payload: bytes, bits: int, numel: int) -> torch.Tensor:
-    """The inverse of `pack_codes`: `numel` uint8 codes."""
-    return unpack(torch.frombuffer(bytearray(payload), dtype=torch.uint8), bits, numel)
 
 
 class ACSGDCodec(AQSGDCodec):

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 import zstandard
 
-from swarm.compression import CodecConfig, codec_acsgd, frame, make_codec
+from swarm.compression import CodecConfig, frame, make_codec
 from swarm.compression.layout import CHANNEL, FLAT
+from swarm.kernels.reference import pack, unpack
 
 SCHEMES = {
     # name: (layout, stochastic, group size)
@@ -71,12 +72,12 @@ def paper_dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> tor
 
 
 def pack_codes(codes: np.ndarray | torch.Tensor, bits: int) -> bytes:
-    """Codes (uint8, < 2^bits) packed as the swarm's kernels pack them (`codec_acsgd.pack_codes`)."""
-    return codec_acsgd.pack_codes(torch.as_tensor(codes), bits)
+    """Codes (uint8, < 2^bits) packed as the swarm's kernels pack them (`kernels.reference.pack`)."""
+    return pack(torch.as_tensor(codes).reshape(-1), bits).numpy().tobytes()
 
 
 def unpack_codes(payload: bytes, bits: int, numel: int) -> np.ndarray:
-    return codec_acsgd.unpack_codes(payload, bits, numel).numpy()
+    return unpack(torch.frombuffer(bytearray(payload), dtype=torch.uint8), bits, numel).numpy()
 
 
 def entropy_bits(codes: np.ndarray, bits: int) -> float:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.bench.codec_deltas import paper_quantize
+from swarm.bench.codec_deltas import pack_codes, paper_quantize, unpack_codes
 from swarm.compression import CodecConfig, LinkState, WireError, decoder_for, frame, make_codec, unframe
-from swarm.compression.codec_acsgd import pack_codes, sym_dequantize, sym_quantize, unpack_codes
 from swarm.compression.layout import CHANNEL, to_groups
 from swarm.kernels import quantize
+from swarm.kernels.symmetric import dequantize_codes as sym_dequantize
+from swarm.kernels.symmetric import quantize_codes as sym_quantize
 from swarm.proto import wire_pb2
 
 
