@@ -101,7 +101,7 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from swarm.model.data import DataConfig, build_datasets, epoch_batches
-    from swarm.model.gpt import ModelConfig, _lm_loss, build_stage, split_layers
+    from swarm.model.gpt import ModelConfig, build_stage, lm_loss, split_layers
     from swarm.runtime.worker import OptimConfig, StageConfig, StageWorker
 
     torch.manual_seed(0)
@@ -142,7 +142,7 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
         tied_group = dist.new_group([0, last], timeout=timeout)
         # shapes given up front: no shape inference, which would exchange pickled objects between the ranks
         stage = PipelineStage(module, rank, n, torch.device("cpu"), input_args=example_in, output_args=example_out)
-        schedule = Schedule1F1B(stage, run.micro_batches, loss_fn=_lm_loss, scale_grads=True)
+        schedule = Schedule1F1B(stage, run.micro_batches, loss_fn=lm_loss, scale_grads=True)
         steps_per_epoch = len(train_set) // run.batch_size
         with open(out, "w") as f:
             for step in range(run.steps):

@@ -112,8 +112,11 @@ def _blocks(cfg: ModelConfig, layer_start: int, layer_end: int) -> nn.ModuleDict
     return nn.ModuleDict({str(i): Block(cfg) for i in range(layer_start, layer_end)})
 
 
-def _seed_for(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+def seed_for(seed: int, name: str, namespace: str = "") -> int:
+    """The generator seed of parameter `name` (its name in the unsplit model) under the model seed: stable
+    across processes, so every stage draws its slice of the unsplit model's weights. `namespace` keeps
+    families apart (Hugging Face stages use "hf:")."""
+    digest = hashlib.sha256(f"{namespace}{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -135,11 +138,11 @@ def _init_parameters(module: nn.Module, cfg: ModelConfig, rename: dict[str, str]
             std = cfg.init_std
             if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
                 std /= math.sqrt(2 * cfg.n_layers)
-            gen = torch.Generator().manual_seed(_seed_for(cfg.init_seed, name))
+            gen = torch.Generator().manual_seed(seed_for(cfg.init_seed, name))
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 
-def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
@@ -162,7 +165,7 @@ class GPT(nn.Module):
         for block in self.blocks.values():
             x = block(x)
         logits = self.norm(x) @ self.tok_emb.weight.t()
-        return logits if targets is None else _lm_loss(logits, targets)
+        return logits if targets is None else lm_loss(logits, targets)
 
 
 class Stage(nn.Module):
@@ -205,7 +208,7 @@ class Stage(nn.Module):
             return x
         head = self.tok_emb.weight if self.is_first else self.head_weight
         logits = self.norm(x) @ head.t()
-        return logits if targets is None else _lm_loss(logits, targets)
+        return logits if targets is None else lm_loss(logits, targets)
 
 
 def build_stage(cfg: ModelConfig, layer_start: int, layer_end: int, is_first: bool, is_last: bool) -> Stage:

@@ -10,13 +10,14 @@ padding: samples are full sequences). Without weights every parameter is initial
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from swarm.model.gpt import lm_loss, seed_for
 
 if TYPE_CHECKING:
     from swarm.model.hf import HFModelConfig
@@ -125,12 +126,7 @@ class HFStage(nn.Module):
         logits = F.linear(x, head)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def _seed_for(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"hf:{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+        return lm_loss(logits, targets)
 
 
 def unsplit_name(cfg: HFModelConfig, name: str) -> str:
@@ -157,7 +153,7 @@ def init_parameters(stage: nn.Module, cfg: HFModelConfig) -> None:
         else:
             residual = cfg.family == "gpt2" and name.endswith("c_proj.weight")
             scale = std / math.sqrt(2 * cfg.n_layers) if residual else std
-            gen = torch.Generator().manual_seed(_seed_for(cfg.init_seed, name))
+            gen = torch.Generator().manual_seed(seed_for(cfg.init_seed, name, namespace="hf:"))
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * scale)
             if name == embedding_name(cfg.family) and pad is not None and 0 <= pad < param.shape[0]:
                 param[pad].zero_()
