@@ -59,12 +59,11 @@ def foreign_models(status_of: Callable[[str], object], peers: dict[str, str], id
     problems = []
     for peer, address in sorted(peers.items()):
         reply = status_of(address)
-        theirs = getattr(reply, "model_identity", "")
-        if theirs and theirs != identity:
-            problems.append(
-                f"peer {peer} at {address} serves model {theirs[:16]}, this peer model {identity[:16]} ({label}): "
-                "start every peer with the same --model/--seq-len/--model-seed"
-            )
+        if getattr(reply, "model_identity", ""):
+            try:
+                check_status(reply, identity, label, f"peer {peer} at {address}")
+            except ModelMismatch as e:
+                problems.append(str(e))
     return problems
 
 
