@@ -13,11 +13,13 @@ def test_the_demo_trains_and_its_planner_calibrates_the_prediction(tmp_path, cap
     from swarm.cli import main
 
     out = tmp_path / "demo"
-    # 4 steps an epoch: the planner's calibration window (steps 4-8) closes well inside the 24-step run
-    args = ["demo", "--json", "--out", str(out), "--epochs", "6", "--train-samples", "32", "--batch-size", "8"]
+    # 4 steps an epoch: the planner's calibration window (steps 4-8) closes inside the run, and its plan reaches
+    # the trainer: the planner reads the clocks once a second and the trainer polls the plan once a second, so the
+    # run must outlast a few seconds plus DHT latency under load (24 steps, ~4 s, did not on a loaded CI machine)
+    args = ["demo", "--json", "--out", str(out), "--epochs", "20", "--train-samples", "32", "--batch-size", "8"]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["steps"] == 24 and summary["final_loss"] < summary["first_loss"]
+    assert summary["steps"] == 80 and summary["final_loss"] < summary["first_loss"]
     assert summary["total_ratio_vs_fp32"] > 4
     # the republished plan is the same stages under the next version, with the calibrated prediction
     assert summary["plan_version"] == 2 and summary["predicted_step_s"] > 0

@@ -185,10 +185,18 @@ def _two_stages(first: str, second: str) -> dict:
 
 def test_plans_count_only_from_the_elected_planner_and_only_when_valid(swarm):
     a, b, c = swarm
+    elected, other = sorted((a, b), key=lambda n: n.peer_id)
+    # the election must not hang on what earlier tests left announced (a's lapsed lease, c's lease-less record,
+    # which would elect c or b): the elected one holds a live lease for the test, the other none
+    elected.planner_until, other.planner_until = get_dht_time() + 50.0, 0.0
     for node in (a, b):
         assert node.announce(announcement(node), ttl_s=60)
-    wait_for(lambda: {a.peer_id, b.peer_id} <= {p.peer_id for p in c.peers()}, WAIT_S, what="a and b announced")
-    elected, other = sorted((a, b), key=lambda n: n.peer_id)
+    wait_for(
+        lambda: (seen := {p.peer_id: p for p in c.peers()}).keys() >= {a.peer_id, b.peer_id}
+        and seen[elected.peer_id].planner_until == elected.planner_until,
+        WAIT_S,
+        what="a and b announced, the elected one with its lease",
+    )
     assert elected.publish_plan(1, _two_stages(a.peer_id, b.peer_id))
     assert elected.publish_plan(2, _two_stages(b.peer_id, a.peer_id))
     assert other.publish_plan(500, _two_stages(other.peer_id, elected.peer_id))  # not elected: to be ignored
