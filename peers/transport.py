@@ -76,17 +76,22 @@ def _start_all_threads(pool: futures.ThreadPoolExecutor, n: int) -> None:
 
 
 class Channels:
-    """One channel per destination address, reused by every call to it."""
+    """One channel per destination address, reused by every call to it.
 
-    def __init__(self, config: TransportConfig):
-        self.config = config
+    `dial` maps an announced address to the one actually dialed (`swarm.net.relay.Tunnels.dial`: a local
+    tunnel to a peer behind NAT); the channel stays keyed by the announced address.
+    """
+
+    def __init__(self, config: TransportConfig, dial=None):
+        self.config, self.dial = config, dial
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=self.config.channel_options())
+                target = address if self.dial is None else self.dial(address)
+                self._channels[address] = grpc.insecure_channel(target, options=self.config.channel_options())
             return self._channels[address]
 
     def close(self) -> None:

@@ -254,3 +254,51 @@ class StateItem(_message.Message):
     name: str
     chunk: _wire_pb2.Chunk
     def __init__(self, name: _Optional[str] = ..., chunk: _Optional[_Union[_wire_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class DialBackRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class DialBackReply(_message.Message):
+    __slots__ = ("reached", "detail")
+    REACHED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reached: bool
+    detail: str
+    def __init__(self, reached: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class EchoReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class RelayFrame(_message.Message):
+    __slots__ = ("target", "conn_id", "data")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    CONN_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    conn_id: int
+    data: bytes
+    def __init__(self, target: _Optional[str] = ..., conn_id: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class AttachUp(_message.Message):
+    __slots__ = ("keepalive",)
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    keepalive: bool
+    def __init__(self, keepalive: _Optional[bool] = ...) -> None: ...
+
+class AttachDown(_message.Message):
+    __slots__ = ("conn_id",)
+    CONN_ID_FIELD_NUMBER: _ClassVar[int]
+    conn_id: int
+    def __init__(self, conn_id: _Optional[int] = ...) -> None: ...

@@ -528,3 +528,247 @@ class Stage:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RelayStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.DialBack = channel.unary_unary(
+                '/swarm.Relay/DialBack',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.DialBackReply.FromString,
+                _registered_method=True)
+        self.Echo = channel.unary_unary(
+                '/swarm.Relay/Echo',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.EchoRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.EchoReply.FromString,
+                _registered_method=True)
+        self.Attach = channel.stream_stream(
+                '/swarm.Relay/Attach',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.AttachUp.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.AttachDown.FromString,
+                _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/swarm.Relay/Connect',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.RelayFrame.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.RelayFrame.FromString,
+                _registered_method=True)
+        self.Accept = channel.stream_stream(
+                '/swarm.Relay/Accept',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.RelayFrame.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.RelayFrame.FromString,
+                _registered_method=True)
+
+
+class RelayServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def DialBack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Echo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Connect(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Accept(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RelayServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.DialBackRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.DialBackReply.SerializeToString,
+            ),
+            'Echo': grpc.unary_unary_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.EchoRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.EchoReply.SerializeToString,
+            ),
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.AttachUp.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.AttachDown.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.RelayFrame.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.RelayFrame.SerializeToString,
+            ),
+            'Accept': grpc.stream_stream_rpc_method_handler(
+                    servicer.Accept,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.RelayFrame.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.RelayFrame.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'swarm.Relay', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('swarm.Relay', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Relay:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.Relay/DialBack',
+            swarm_dot_proto_dot_stage__pb2.DialBackRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.DialBackReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Echo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.Relay/Echo',
+            swarm_dot_proto_dot_stage__pb2.EchoRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.EchoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarm.Relay/Attach',
+            swarm_dot_proto_dot_stage__pb2.AttachUp.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.AttachDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarm.Relay/Connect',
+            swarm_dot_proto_dot_stage__pb2.RelayFrame.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.RelayFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Accept(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swarm.Relay/Accept',
+            swarm_dot_proto_dot_stage__pb2.RelayFrame.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.RelayFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

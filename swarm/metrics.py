@@ -87,6 +87,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "buffered_samples", Gauge, "swarm_buffered_samples", "Samples held in the AQ-SGD buffer of a link", ("link",)
     ),
+    MetricSpec(
+        "relayed_bytes", Counter, "swarm_relayed_bytes_total",
+        "Bytes this peer forwarded as a relay for peers behind NAT, per link '<src peer>-><dst peer>'", ("link",),
+    ),
 )  # fmt: skip
 
 
@@ -107,6 +111,7 @@ class Metrics:
         loss: swarm_loss.
         plan_version: swarm_plan_version.
         buffered_samples: swarm_buffered_samples{link}.
+        relayed_bytes: swarm_relayed_bytes_total{link} (swarm.net.relay; link "<src>-><dst>").
     """
 
     registry: CollectorRegistry
@@ -122,6 +127,7 @@ class Metrics:
     loss: Gauge
     plan_version: Gauge
     buffered_samples: Gauge
+    relayed_bytes: Counter
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

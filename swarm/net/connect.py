@@ -66,12 +66,17 @@ class GrpcConnector:
         transport: channel options.
         signer: signs every call for its callee (None: calls are anonymous).
         resolve: the peer id at an address, for `stage(address)` without one (e.g. from the plan's roster).
+        dial: announced address -> address to dial (`swarm.net.relay.Tunnels.dial` for peers behind NAT).
     """
 
     def __init__(
-        self, transport: TransportConfig | None = None, signer: CallSigner | None = None, resolve: Resolve | None = None
+        self,
+        transport: TransportConfig | None = None,
+        signer: CallSigner | None = None,
+        resolve: Resolve | None = None,
+        dial: Callable[[str], str] | None = None,
     ):
-        self.channels = Channels(transport or TransportConfig())
+        self.channels = Channels(transport or TransportConfig(), dial)
         self.signer, self.resolve = signer, resolve
         self._clients: dict[tuple[str, str | None], _GrpcStage] = {}
         self._lock = threading.Lock()

@@ -1,0 +1,143 @@
+"""Reachability: can the others dial this peer? Asked of a reachable peer, as libp2p's AutoNAT does.
+
+The asking peer A sends a reachable helper H a fresh random nonce (`Relay.DialBack`). H looks A's address up
+in A's own announcement (never an address the call names: H would otherwise be a port scanner anyone can
+aim) and calls `Relay.Echo(nonce)` there, signed for A's peer id. A's Echo answers whether it knows the nonce,
+and A marks it seen. A decides from what its own server saw (`NonceBook.seen_since`), not from H's word: a
+lying helper can make A use a relay it did not need, never make A announce an address nobody can dial.
+
+Bounds on the helper: one dial at a time per caller, `max_dials` in all, `timeout_s` per dial.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from swarm.net.relay import RelayError
+from swarm.proto import stage_pb2, stage_pb2_grpc
+
+if TYPE_CHECKING:
+    from swarm.net.auth import CallSigner
+
+__all__ = ["MAX_NONCE_BYTES", "MIN_NONCE_BYTES", "DialBackHelper", "NonceBook", "check_reachable"]
+
+MIN_NONCE_BYTES, MAX_NONCE_BYTES = 16, 64
+
+
+class NonceBook:
+    """The nonces this peer asked dial-backs for, and which of them its Echo saw (bounded, oldest dropped)."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._nonces: OrderedDict[bytes, threading.Event] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def issue(self) -> bytes:
+        nonce = os.urandom(32)
+        with self._lock:
+            self._nonces[nonce] = threading.Event()
+            while len(self._nonces) > self.size:
+                self._nonces.popitem(last=False)
+        return nonce
+
+    def seen(self, nonce: bytes) -> bool:
+        """Echo's side: True (and marked) if `nonce` is one of ours."""
+        with self._lock:
+            event = self._nonces.get(nonce)
+        if event is None:
+            return False
+        event.set()
+        return True
+
+    def wait(self, nonce: bytes, timeout_s: float) -> bool:
+        with self._lock:
+            event = self._nonces.get(nonce)
+        return event is not None and event.wait(timeout_s)
+
+
+class DialBackHelper:
+    """The helper's side of a dial-back.
+
+    Args:
+        announced: peer id -> the address it announces (None: not announced; refused).
+        signer: signs the Echo for the asker's peer id.
+        timeout_s: one dial's limit (connect and Echo).
+        max_dials: dials at once, over all callers.
+    """
+
+    def __init__(
+        self,
+        announced: Callable[[str], str | None],
+        signer: CallSigner | None,
+        timeout_s: float = 3.0,
+        max_dials: int = 4,
+        channel: Callable[[str], grpc.Channel] = grpc.insecure_channel,
+    ):
+        self.announced, self.signer, self.timeout_s = announced, signer, timeout_s
+        self.channel = channel
+        self._slots = threading.BoundedSemaphore(max_dials)
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+
+    def dial_back(self, caller: str, nonce: bytes) -> tuple[bool, str]:
+        """Dials `caller`'s announced address and calls Echo(nonce); (reached, what happened)."""
+        if not MIN_NONCE_BYTES <= len(nonce) <= MAX_NONCE_BYTES:
+            raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, f"nonce of {len(nonce)} bytes")
+        address = self.announced(caller)
+        if address is None:
+            raise RelayError(grpc.StatusCode.FAILED_PRECONDITION, f"peer {caller} announces no address to dial")
+        with self._lock:
+            if caller in self._busy:
+                raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a dial-back to {caller} is under way")
+            if not self._slots.acquire(blocking=False):
+                raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many dial-backs at once")
+            self._busy.add(caller)
+        try:
+            channel = self.channel(address)
+            try:
+                metadata = self.signer.metadata(caller) if self.signer is not None else ()
+                reply = stage_pb2_grpc.RelayStub(channel).Echo(
+                    stage_pb2.EchoRequest(nonce=nonce), timeout=self.timeout_s, metadata=metadata
+                )
+                return reply.known, f"{address} answered" if reply.known else f"{address} did not know the nonce"
+            except grpc.RpcError as e:
+                return False, f"{address}: {e.code().name}"
+            finally:
+                channel.close()
+        finally:
+            with self._lock:
+                self._busy.discard(caller)
+            self._slots.release()
+
+
+def check_reachable(
+    helpers: list[tuple[str, str]],
+    signer: CallSigner | None,
+    nonces: NonceBook,
+    timeout_s: float = 5.0,
+    channel: Callable[[str], grpc.Channel] = grpc.insecure_channel,
+) -> bool | None:
+    """Whether others can dial this peer's announced address: asks each (peer id, address) helper in turn until
+    one answers. True/False: this peer's Echo saw the nonce or not; None: no helper answered (unknown)."""
+    for helper_id, address in helpers:
+        nonce = nonces.issue()
+        ch = channel(address)
+        try:
+            metadata = signer.metadata(helper_id) if signer is not None else ()
+            started = time.monotonic()
+            stage_pb2_grpc.RelayStub(ch).DialBack(
+                stage_pb2.DialBackRequest(nonce=nonce), timeout=timeout_s, metadata=metadata
+            )
+        except grpc.RpcError:
+            continue  # that helper cannot tell: the next one
+        finally:
+            ch.close()
+        return nonces.wait(nonce, max(0.0, 0.5 - (time.monotonic() - started)))
+    return None
