@@ -59,8 +59,8 @@ def train_relayed(data, relay_is_neighbour: bool) -> tuple[list[float], list[dic
             assert attachment.attached.wait(10)
             old = hosts[0].connector
             hosts[0].connector = GrpcConnector(old.channels.config, old.signer, old.resolve, neighbour_tunnels.dial)
-            connector = GrpcConnector(signer=CallSigner(trainer), resolve=dict(zip(addresses, peers)).get,
-                                      dial=trainer_tunnels.dial)  # fmt: skip
+            book = dict(zip(addresses, peers, strict=True))
+            connector = GrpcConnector(signer=CallSigner(trainer), resolve=book.get, dial=trainer_tunnels.dial)
             pipe = PipelineDriver(addresses, peers, "1f1b", 2, deadline_s=30.0, connector=connector)
             losses = [pipe.train_step(step, b).loss for step, b in enumerate(data)]
             pipe.close()
