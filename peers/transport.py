@@ -79,24 +79,30 @@ class Channels:
     """One channel per destination address, reused by every call to it.
 
     `dial` maps an announced address to the one actually dialed (`swarm.net.relay.Tunnels.dial`: a local
-    tunnel to a peer behind NAT); the channel stays keyed by the announced address.
+    tunnel to a peer behind NAT), asked at every `get`: when it changes (the peer turned out unreachable and
+    now announces a relay), the old channel is closed and a new one dials the new target.
     """
 
     def __init__(self, config: TransportConfig, dial=None):
         self.config, self.dial = config, dial
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, tuple[str, grpc.Channel]] = {}
         self._lock = threading.Lock()
 
     def get(self, address: str) -> grpc.Channel:
+        target = address if self.dial is None else self.dial(address)
         with self._lock:
-            if address not in self._channels:
-                target = address if self.dial is None else self.dial(address)
-                self._channels[address] = grpc.insecure_channel(target, options=self.config.channel_options())
-            return self._channels[address]
+            cached = self._channels.get(address)
+            if cached is not None and cached[0] == target:
+                return cached[1]
+            if cached is not None:
+                cached[1].close()
+            channel = grpc.insecure_channel(target, options=self.config.channel_options())
+            self._channels[address] = (target, channel)
+            return channel
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
+            for _, channel in self._channels.values():
                 channel.close()
             self._channels.clear()
 

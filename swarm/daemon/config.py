@@ -155,6 +155,10 @@ class PeerConfig:
     announce_host: str | None = None
     """IP address other peers dial for the stage service; None: the listening host, detected if a wildcard."""
     auth: bool = True
+    reach: str = "auto"
+    """--reach: auto (dial-back check), direct or relay (swarm.daemon.nat)"""
+    relay: bool = True
+    """relay for peers behind NAT (--no-relay: False)"""
     budget: StageBudget = field(default_factory=StageBudget)
     """What the stage gives its callers at most (rows per micro-batch, micro-batches per step, waits, slots)."""
     """Authenticate every call and serve only the plan's peers and trainers; False only to measure its cost."""
@@ -236,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         "exceed --max-micro-batches by 4",
     )
     g.add_argument("--no-auth", action="store_true", help="serve anonymous calls from anyone (measurement only)")
+    g.add_argument(
+        "--reach", choices=("auto", "direct", "relay"), default=d.reach,
+        help="can others dial this peer? auto: ask a reachable peer to dial back; relay: behave as unreachable "
+        "(serve through a relay; the DHT node runs in client mode), as behind NAT; direct: skip the check",
+    )  # fmt: skip
+    g.add_argument("--no-relay", action="store_true", help="do not relay for peers behind NAT (default: relay)")
     budget = StageBudget()
     g.add_argument(
         "--max-batch", type=int, default=budget.max_batch, help="most samples in one micro-batch this stage takes"
@@ -365,7 +375,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     fw_codec, bw_codec = codec_configs(args)
     default_shape, per_link = link_shapes(args)
     return PeerConfig(
-        dht=dht_config(args, announce_ttl_s=args.announce_ttl_s),
+        # behind NAT nobody can dial the DHT node either: it joins in client mode (works on hivemind 1.1.12)
+        dht=dht_config(args, announce_ttl_s=args.announce_ttl_s, client_mode=args.reach == "relay"),
         transport=TransportConfig(host=args.host, max_workers=args.max_workers),
         grpc_port=args.grpc_port,
         assign=args.assign,
@@ -413,6 +424,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         metrics_port=args.metrics_port,
         announce_host=args.announce_host,
         auth=not args.no_auth,
+        reach=args.reach,
+        relay=not args.no_relay,
         budget=StageBudget(
             max_batch=args.max_batch,
             max_micro_batches=args.max_micro_batches,

@@ -62,6 +62,7 @@ class PeerDaemon:
     def run(self) -> int:
         from swarm.daemon.addresses import stage_address, stage_announce_host
         from swarm.daemon.capacity import measure_compute, memory_bytes
+        from swarm.daemon.nat import NatWiring
         from swarm.daemon.roster import AddressBook, PeerAuth
         from swarm.net.connect import SignedChannels
         from swarm.peers.dht import Heartbeat, SwarmDHT
@@ -79,6 +80,7 @@ class PeerDaemon:
         auth = PeerAuth.load(cfg.dht)  # one key signs the DHT records and the calls: its hash is the peer id
         dht = SwarmDHT(cfg.dht, private_key=auth.identity.key)
         self.dht, self.signer, self.book = dht, auth.signer, AddressBook(dht, auth.allowed_trainers)
+        self.nat = NatWiring(self, cfg.reach, cfg.relay, self.signer, auth.verifier() if cfg.auth else None)
         server = None
         try:
             # the gRPC and metrics servers start after the DHT's process is forked: forking beside gRPC threads
@@ -91,8 +93,8 @@ class PeerDaemon:
                     return 2
                 log.info("metrics at %s", self.metrics_server.url)
             self.transport = cfg.transport
-            self.channels = SignedChannels(Channels(self.transport), self.signer, self.book)
-            server, port = make_server(self.transport, cfg.grpc_port)
+            self.channels = SignedChannels(Channels(self.transport, self.nat.tunnels.dial), self.signer, self.book)
+            server, port = make_server(self.nat.server_transport(self.transport), cfg.grpc_port)
             try:
                 address = stage_address(stage_announce_host(cfg.transport.host, cfg.announce_host), port)
             except ValueError as e:
@@ -108,6 +110,7 @@ class PeerDaemon:
                 self.held = HeldStore(Path(cfg.checkpoint_dir) / "held")
                 self.servicer.held_state = HeldServer(self.held, self.model.n_layers)
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
+            self.nat.add_to(server)  # Relay: dial-back, Echo, and relaying for peers behind NAT
             server.start()
             log.info("stage service listening on %s", address)
             self.speed = cfg.compute_layers_per_s or measure_compute(
@@ -131,6 +134,7 @@ class PeerDaemon:
                     self._apply_plan(record)
             heartbeat = Heartbeat(dht, lambda: self.announcement).start()
             dht.announce(self.announcement)
+            self.nat.settle(cfg.transport.host, port, stop=self._stop)  # --reach: dial-back, relay, attach
             log.info("links shaped to %s", cfg.link_shape.describe())
             code = self._follow_plans(address) if cfg.assign == "plan" else self._serve_even_split()
             if code:
@@ -148,6 +152,7 @@ class PeerDaemon:
                 server.stop(grace=None)
             if self.metrics_server is not None:
                 self.metrics_server.close()
+            self.nat.close()
             dht.shutdown()
 
     # ---- roles ---------------------------------------------------------------------------------------------
@@ -167,7 +172,7 @@ class PeerDaemon:
             StageConfig(optim=cfg.optim, precision=cfg.precision, device=cfg.device),
             LinkEnds(ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3])),
             peer_id=self.dht.peer_id,
-            connector=GrpcConnector(self.transport, self.signer, self.book),
+            connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
             metrics=self.metrics,
             budget=cfg.budget,
         )

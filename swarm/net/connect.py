@@ -164,18 +164,20 @@ class SignedChannels:
     def __init__(self, channels: Channels, signer: CallSigner, resolve: Resolve):
         self.channels, self.signer, self.resolve = channels, signer, resolve
         self.config = channels.config
-        self._signed: dict[str, grpc.Channel] = {}
+        self._signed: dict[str, tuple[grpc.Channel, grpc.Channel]] = {}
         self._lock = threading.Lock()
 
     def get(self, address: str) -> grpc.Channel:
+        raw = self.channels.get(address)  # a new channel when the address's dial target changed
         with self._lock:
-            if address not in self._signed:
+            cached = self._signed.get(address)
+            if cached is None or cached[0] is not raw:
 
                 def token(address=address) -> Metadata:
                     return _token_source(self.signer, self.resolve(address))()
 
-                self._signed[address] = grpc.intercept_channel(self.channels.get(address), _TokenInterceptor(token))
-            return self._signed[address]
+                cached = self._signed[address] = (raw, grpc.intercept_channel(raw, _TokenInterceptor(token)))
+            return cached[1]
 
     def close(self) -> None:
         with self._lock:

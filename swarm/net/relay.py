@@ -431,6 +431,7 @@ class Attachment:
         relay: () -> (relay peer id, relay address) to attach to now (re-read at every attempt).
         signer: signs the Attach and Accept calls for the relay.
         local_address: this peer's own gRPC server, as it listens (127.0.0.1 under --reach relay).
+        on_fail: (relay id, status code or None) after an Attach to it failed or ended.
     """
 
     def __init__(
@@ -439,8 +440,9 @@ class Attachment:
         signer: CallSigner,
         local_address: str,
         limits: RelayLimits | None = None,
+        on_fail: Callable[[str, grpc.StatusCode | None], None] | None = None,
     ):
-        self.relay, self.signer, self.local_address = relay, signer, local_address
+        self.relay, self.signer, self.local_address, self.on_fail = relay, signer, local_address, on_fail
         self.limits = limits or RelayLimits()
         self.attached = threading.Event()
         """set while the relay holds our Attach"""
@@ -459,14 +461,18 @@ class Attachment:
             target = self.relay()
             if target is not None:
                 relay_id, relay_address = target
+                code = None
                 try:
                     self._attach(relay_id, relay_address)
                     backoff = 0.2
                 except grpc.RpcError as e:
+                    code = e.code()
                     if not self._stop.is_set():
                         log.warning("attach to relay %s at %s failed: %s", relay_id, relay_address, e.details())
                 finally:
                     self.attached.clear()
+                if self.on_fail is not None and not self._stop.is_set():
+                    self.on_fail(relay_id, code)
             self._stop.wait(backoff)
             backoff = min(5.0, backoff * 2)
 

@@ -1,0 +1,195 @@
+"""The peer daemon's side of issue 16: reachability, relaying for others, and attaching to a relay.
+
+`NatWiring` serves the `Relay` service beside the stage service, decides the peer's reach (`--reach auto`:
+a dial-back by a reachable peer; `direct`/`relay`: as told), and under "relay" keeps an `Attachment` to a
+chosen reachable peer and announces it (`PeerAnnouncement.reach/relay`). Its `tunnels.dial` is what the
+daemon's channels and connectors dial in place of a relayed peer's address; `swarm train` uses
+`announced_dial` for the same.
+
+The relay of an unreachable peer is the reachable, not-leaving peer ranked first by a hash of the two ids
+(spreads peers over relays); one that refuses (--no-relay, full) or dies is skipped for `SKIP_S`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import ipaddress
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+
+from swarm.net.reach import DialBackHelper, NonceBook, check_reachable
+from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Tunnels
+
+if TYPE_CHECKING:
+    from swarm.peers.records import PeerAnnouncement
+    from swarm.peers.transport import TransportConfig
+
+__all__ = ["REACH_MODES", "Announced", "NatWiring", "announced_dial"]
+
+log = logging.getLogger("swarm.nat")
+
+REACH_MODES = ("auto", "direct", "relay")
+SKIP_S = 30.0
+"""How long a relay that refused or failed an Attach is passed over."""
+
+
+class Announced:
+    """The DHT's announcements by peer id and by address, re-read at most once per `refresh_s` (on a miss, or
+    when older than `max_age_s`), so a stranger's calls cannot turn into a DHT request each."""
+
+    def __init__(self, peers: Callable[[], list[PeerAnnouncement]], refresh_s: float = 1.0, max_age_s: float = 5.0):
+        self.peers, self.refresh_s, self.max_age_s = peers, refresh_s, max_age_s
+        self._by_id: dict[str, PeerAnnouncement] = {}
+        self._by_address: dict[str, PeerAnnouncement] = {}
+        self._read_at = -1e9
+        self._lock = threading.Lock()
+
+    def _refresh(self, miss: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            age = now - self._read_at
+            if age < self.refresh_s or (not miss and age < self.max_age_s):
+                return
+            self._read_at = now
+        try:
+            found = self.peers()
+        except TimeoutError:
+            return
+        with self._lock:
+            self._by_id = {a.peer_id: a for a in found}
+            self._by_address = {a.address: a for a in found}
+
+    def get(self, peer_id: str) -> PeerAnnouncement | None:
+        self._refresh(miss=peer_id not in self._by_id)
+        return self._by_id.get(peer_id)
+
+    def at(self, address: str) -> PeerAnnouncement | None:
+        self._refresh(miss=address not in self._by_address)
+        return self._by_address.get(address)
+
+    def address(self, peer_id: str) -> str | None:
+        found = self.get(peer_id)
+        return None if found is None else found.address
+
+    def route(self, address: str) -> RelayRoute | None:
+        """How to reach the peer announced at `address`: None (dial it) unless it announces reach="relay"."""
+        target = self.at(address)
+        if target is None or target.reach != "relay" or target.relay is None:
+            return None
+        relay = self.get(target.relay)
+        if relay is None or relay.reach != "direct":
+            return None  # its relay is gone: the dial fails as to any unreachable peer, and repair takes over
+        return RelayRoute(target.peer_id, relay.peer_id, relay.address)
+
+
+def announced_dial(peers: Callable[[], list[PeerAnnouncement]], signer) -> Callable[[str], str]:
+    """For a trainer: announced address -> the address to dial (a tunnel to a relayed peer, else itself)."""
+    return Tunnels(signer, Announced(peers).route).dial
+
+
+class NatWiring:
+    """Reachability, relaying and attaching for one peer daemon (`daemon`: its `dht` and `announcement`)."""
+
+    def __init__(self, daemon, reach: str, serve_relay: bool, signer, verifier, limits: RelayLimits | None = None):
+        if reach not in REACH_MODES:
+            raise ValueError(f"--reach: expected one of {REACH_MODES}, got {reach!r}")
+        self.daemon, self.reach, self.signer = daemon, reach, signer
+        self.limits = limits or RelayLimits()
+        self.book = Announced(daemon.dht.peers)
+        self.me = daemon.dht.peer_id
+        self.nonces = NonceBook()
+        self.relaying = serve_relay and reach != "relay"
+        self.servicer = RelayServicer(
+            self.me, verifier, self.may_attach, self.limits, daemon.shaping, self.book.address, daemon.metrics,
+            serve_relay=self.relaying, dial_back=DialBackHelper(self.book.address, signer), nonces=self.nonces,
+        )  # fmt: skip
+        self.tunnels = Tunnels(signer, self.book.route, local=self.servicer)
+        self.attachment: Attachment | None = None
+        self._skip: dict[str, float] = {}
+
+    def server_transport(self, transport: TransportConfig) -> TransportConfig:
+        """The stage server's transport with room for the relay's threads (streams hold a thread each)."""
+        extra = self.limits.threads() if self.relaying else 4
+        return dataclasses.replace(transport, max_workers=transport.max_workers + extra)
+
+    def add_to(self, server: grpc.Server) -> None:
+        from swarm.proto import stage_pb2_grpc
+
+        stage_pb2_grpc.add_RelayServicer_to_server(self.servicer, server)
+
+    def may_attach(self, peer_id: str) -> bool:
+        found = self.book.get(peer_id)
+        if found is None or found.relay != self.me:  # maybe announced a moment ago: read again (rate-limited)
+            self.book._refresh(miss=True)
+            found = self.book.get(peer_id)
+        return found is not None and found.reach == "relay" and found.relay == self.me
+
+    # ---- this peer's reach ------------------------------------------------------------------------------
+
+    def _candidates(self) -> list[PeerAnnouncement]:
+        now = time.monotonic()
+        peers = [
+            p for p in self.daemon.dht.peers()
+            if p.peer_id != self.me and p.reach == "direct" and not p.leaving and self._skip.get(p.peer_id, 0) < now
+        ]  # fmt: skip
+        return sorted(peers, key=lambda p: hashlib.sha256(f"{self.me}/{p.peer_id}".encode()).digest())
+
+    def settle(self, listen_host: str, port: int, attempts: int = 5, stop: threading.Event | None = None) -> str:
+        """Decides this peer's reach (after its first, direct announcement: a helper dials what it announced)
+        and, when unreachable, announces a relay and keeps attaching to it. Returns the reach."""
+        from swarm.daemon.addresses import stage_address
+
+        stop = stop or threading.Event()
+        host = "127.0.0.1" if ipaddress.ip_address(listen_host).is_unspecified else listen_host
+        local_address = stage_address(host, port)  # the Accepts' way into this peer's own server
+        reachable: bool | None = self.reach == "direct"
+        if self.reach == "auto":
+            reachable = None
+            for _ in range(attempts):
+                helpers = [(p.peer_id, p.address) for p in self._candidates()[:3]]
+                if not helpers:
+                    break
+                reachable = check_reachable(helpers, self.signer, self.nonces)
+                if reachable is not None or stop.wait(1.0):
+                    break
+            if reachable is None:
+                log.info("reachability: no peer could dial back yet; announcing reach=direct")
+                reachable = True
+        if reachable:
+            log.info("reach: direct (others dial %s)", self.daemon.announcement.address)
+            return "direct"
+        log.info("reach: relay (nobody dials this peer: its calls come through a relay it attaches to)")
+        self._relay()  # announced now, before anyone makes a channel to the direct address it announced first
+        self.attachment = Attachment(self._relay, self.signer, local_address, self.limits, self._failed).start()
+        return "relay"
+
+    def _relay(self) -> tuple[str, str] | None:
+        """The relay to attach to now; announced (reach="relay", relay=it) before the Attach is made."""
+        try:
+            candidates = self._candidates()
+        except TimeoutError:
+            return None
+        if not candidates:
+            log.warning("no reachable peer to relay for this one yet")
+            return None
+        current = self.daemon.announcement
+        chosen = next((p for p in candidates if p.peer_id == current.relay), candidates[0])
+        if current.reach != "relay" or current.relay != chosen.peer_id:
+            self.daemon.announcement = dataclasses.replace(current, reach="relay", relay=chosen.peer_id)
+            self.daemon.dht.announce(self.daemon.announcement)
+        return chosen.peer_id, chosen.address
+
+    def _failed(self, relay_id: str, code: grpc.StatusCode | None) -> None:
+        if code != grpc.StatusCode.PERMISSION_DENIED:  # refused for good or gone; a denial may be a slow DHT read
+            self._skip[relay_id] = time.monotonic() + SKIP_S
+
+    def close(self) -> None:
+        if self.attachment is not None:
+            self.attachment.close()
+        self.tunnels.close()
