@@ -341,8 +341,10 @@ def train(
     """
     from tqdm import tqdm
 
+    from swarm.daemon.nat import announced_dial
     from swarm.model.data import DataConfig, build_datasets, epoch_batches
     from swarm.net.auth import CallSigner, Identity
+    from swarm.net.connect import GrpcConnector
     from swarm.net.stream import PLAN_MISMATCH, StageCallError
     from swarm.plots import Panel, moving_average, save_line_plots
     from swarm.runtime.driver import PipelineDriver
@@ -370,12 +372,14 @@ def train(
     out = Path(cfg.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
 
+    dial = None if dht is None else announced_dial(dht.peers, signer)  # peers behind NAT: through their relays
+
     def connect(r: Route) -> PipelineDriver:
         metrics.plan_version.set(r.plan_version)
         driver = PipelineDriver(
             *r.driver_args(), cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
-            plan_version=r.plan_version, metrics=metrics, signer=signer, weights=chain_weights(cfg.chain_weights),
-            tied=model.tied_embeddings,
+            plan_version=r.plan_version, metrics=metrics, connector=GrpcConnector(signer=signer, dial=dial),
+            weights=chain_weights(cfg.chain_weights), tied=model.tied_embeddings,
         )  # fmt: skip
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
         return driver
