@@ -1,0 +1,162 @@
+"""The daemon's NAT wiring (swarm.daemon.nat) with real gRPC servers and a stand-in DHT: `--reach auto` finds
+a dialable peer direct, and one whose announced address nobody answers announces a relay, attaches to it and
+is reached through it; `--reach relay` skips the check; announcements decide tunnels."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import grpc
+import pytest
+
+from swarm.daemon.nat import Announced, NatWiring
+from swarm.metrics import Metrics
+from swarm.net.auth import CallSigner, CallVerifier, Identity
+from swarm.peers.records import PeerAnnouncement
+from swarm.peers.shaper import LinkShaping
+from swarm.peers.transport import TransportConfig, make_server
+from swarm.proto import stage_pb2, stage_pb2_grpc
+from tests.unit.net.test_relay import EchoStage
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeDHT:
+    """Announcements shared by every daemon of a test."""
+
+    def __init__(self, board: dict, identity: Identity):
+        self.board, self.peer_id = board, identity.peer_id
+
+    def peers(self):
+        return list(self.board.values())
+
+    def announce(self, ann):
+        self.board[ann.peer_id] = ann
+        return True
+
+
+class Daemon:
+    """The part of PeerDaemon NatWiring uses, serving the stage and relay services on loopback."""
+
+    def __init__(self, board: dict, reach: str, announce_port: int | None = None):
+        self.identity = Identity.generate()
+        self.dht, self.shaping, self.metrics = FakeDHT(board, self.identity), LinkShaping(), Metrics()
+        self.signer = CallSigner(self.identity)
+        self.nat = NatWiring(self, reach, True, self.signer, CallVerifier(self.identity.peer_id))
+        self.server, self.port = make_server(self.nat.server_transport(TransportConfig(max_workers=8)))
+        stage_pb2_grpc.add_StageServicer_to_server(EchoStage(self.identity.peer_id), self.server)
+        self.nat.add_to(self.server)
+        self.server.start()
+        # announce_port: where others believe this peer listens (a closed port: "behind NAT")
+        self.announcement = PeerAnnouncement(
+            peer_id=self.identity.peer_id, address=f"127.0.0.1:{announce_port or self.port}", device="cpu",
+            memory_bytes=1, compute_layers_per_s=1.0,
+        )  # fmt: skip
+        self.dht.announce(self.announcement)
+
+    def close(self):
+        self.nat.close()
+        self.server.stop(grace=None)
+
+
+@pytest.fixture
+def daemons():
+    made = []
+
+    def make(*args, **kw):
+        made.append(Daemon(*args, **kw))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def closed_port() -> int:
+    server, port = make_server(TransportConfig(max_workers=1))
+    server.stop(grace=None)
+    return port
+
+
+def test_auto_finds_a_dialable_peer_direct(daemons):
+    board = {}
+    daemons(board, "direct")
+    peer = daemons(board, "auto")
+    assert peer.nat.settle("127.0.0.1", peer.port) == "direct"
+    assert board[peer.identity.peer_id].reach == "direct" and peer.nat.attachment is None
+
+
+@pytest.mark.parametrize("reach", ["auto", "relay"])
+def test_an_unreachable_peer_announces_a_relay_attaches_and_is_reached_through_it(daemons, reach):
+    board = {}
+    relay = daemons(board, "direct")
+    natted = daemons(board, reach, announce_port=closed_port())
+    assert natted.nat.settle("0.0.0.0", natted.port) == "relay"
+    announced = board[natted.identity.peer_id]
+    assert announced.reach == "relay" and announced.relay == relay.identity.peer_id
+    assert natted.nat.attachment.attached.wait(10)
+    # a third peer reaches it by its announced (dead) address: its channel dials the tunnel through the relay
+    caller = daemons(board, "direct")
+    with grpc.insecure_channel(caller.nat.tunnels.dial(announced.address)) as channel:
+        reply = stage_pb2_grpc.StageStub(channel).Probe(
+            stage_pb2.ProbeRequest(payload=b"hello"), timeout=10, metadata=caller.signer.metadata(announced.peer_id)
+        )
+    assert reply.payload == b"hello"
+    link = f'swarm_relayed_bytes_total{{link="{caller.identity.peer_id}->{natted.identity.peer_id}"}}'
+    assert relay.metrics.snapshot()[link] > 0
+    # the relay's own calls take the reverse connection: no Connect, the same tunnel in its process
+    with grpc.insecure_channel(relay.nat.tunnels.dial(announced.address)) as channel:
+        reply = stage_pb2_grpc.StageStub(channel).Probe(
+            stage_pb2.ProbeRequest(payload=b"hi"), timeout=10, metadata=relay.signer.metadata(announced.peer_id)
+        )
+    assert reply.payload == b"hi"
+
+
+def test_a_peer_that_does_not_relay_is_passed_over(daemons):
+    board = {}
+    first, second = daemons(board, "direct"), daemons(board, "direct")
+    natted = daemons(board, "relay", announce_port=closed_port())
+    ranked = [p.peer_id for p in natted.nat._candidates()]
+    refusing, willing = sorted((first, second), key=lambda d: ranked.index(d.identity.peer_id))
+    refusing.nat.servicer.serve_relay = False  # --no-relay, on the peer it would try first
+    assert natted.nat.settle("127.0.0.1", natted.port) == "relay"
+    deadline = time.monotonic() + 20
+    while natted.nat.attachment.relay_id != willing.identity.peer_id and time.monotonic() < deadline:
+        natted.nat.attachment.attached.wait(0.1)
+    assert natted.nat.attachment.attached.is_set() and natted.nat.attachment.relay_id == willing.identity.peer_id
+    assert board[natted.identity.peer_id].relay == willing.identity.peer_id
+    assert refusing.nat.servicer.attached() == []
+
+
+def test_routes_follow_announcements_only():
+    me, relay = Identity.generate().peer_id, Identity.generate().peer_id
+    base = PeerAnnouncement(peer_id=me, address="10.0.0.1:5", device="cpu", memory_bytes=1, compute_layers_per_s=1.0)
+    board = {relay: dataclasses.replace(base, peer_id=relay, address="10.0.0.2:5")}
+    book = Announced(lambda: list(board.values()), refresh_s=0.0)
+    board[me] = base
+    assert book.route("10.0.0.1:5") is None  # direct
+    board[me] = dataclasses.replace(base, reach="relay", relay=relay)
+    book._read_at = -1e9
+    route = book.route("10.0.0.1:5")
+    assert (route.peer_id, route.relay_id, route.relay_address) == (me, relay, "10.0.0.2:5")
+    del board[relay]  # its relay left: no tunnel through a relay nobody announces
+    book._read_at = -1e9
+    assert book.route("10.0.0.1:5") is None
+    assert book.route("10.9.9.9:1") is None  # an address nobody announces: dialed as it is
+
+
+def test_may_attach_only_peers_that_announce_this_relay():
+    board = {}
+    relay = Daemon(board, "direct")
+    try:
+        other = Identity.generate().peer_id
+        stranger = dataclasses.replace(relay.announcement, peer_id=Identity.generate().peer_id, address="1.2.3.4:5")
+        board[stranger.peer_id] = dataclasses.replace(stranger, reach="relay", relay=other)
+        assert not relay.nat.may_attach(stranger.peer_id)
+        board[stranger.peer_id] = dataclasses.replace(stranger, reach="relay", relay=relay.identity.peer_id)
+        relay.nat.book._read_at = -1e9
+        assert relay.nat.may_attach(stranger.peer_id)
+        assert not relay.nat.may_attach("nobody")
+    finally:
+        relay.close()
