@@ -22,6 +22,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "hostile"): ("swarm.bench.hostile", "hostile clients against a local pipeline, case by case"),
     ("bench", "model"): ("swarm.bench.model", "a model's tokens/s per stage, boundary bytes per token, link speeds"),
     ("bench", "auth"): ("swarm.bench.auth", "the demo's mean step time with authentication on and off, alternating"),
+    ("bench", "relay"): ("swarm.bench.relay", "latency and bytes/s of a call through a relay vs direct"),
     ("experiment", "convergence"): (
         "swarm.experiments.convergence",
         "train with every codec setting in one process and compare losses and bytes",

@@ -43,7 +43,7 @@ __all__ = ["Attachment", "RelayError", "RelayLimits", "RelayRoute", "RelayServic
 
 log = logging.getLogger("swarm.relay")
 
-READ_BYTES = 64 << 10
+READ_BYTES = 256 << 10
 """Bytes read from a socket per frame (a frame carries at most `RelayLimits.max_frame_bytes`)."""
 
 
@@ -57,7 +57,7 @@ class RelayLimits:
     """open connections to one attached peer (each caller's channel holds one)"""
     max_conns: int = 32
     """open connections through this relay in all"""
-    max_frame_bytes: int = 256 << 10
+    max_frame_bytes: int = 1 << 20
     """data bytes of one frame; a larger frame ends its connection (INVALID_ARGUMENT)"""
     accept_timeout_s: float = 5.0
     """how long the attached peer may take to open the Accept of a new connection"""
