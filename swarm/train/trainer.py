@@ -378,8 +378,8 @@ def train(
         metrics.plan_version.set(r.plan_version)
         driver = PipelineDriver(
             *r.driver_args(), cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
-            plan_version=r.plan_version, metrics=metrics, connector=GrpcConnector(signer=signer, dial=dial),
-            weights=chain_weights(cfg.chain_weights), tied=model.tied_embeddings,
+            plan_version=r.plan_version, metrics=metrics, signer=signer, weights=chain_weights(cfg.chain_weights),
+            tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial),
         )  # fmt: skip
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
         return driver

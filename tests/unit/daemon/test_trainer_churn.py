@@ -77,7 +77,7 @@ class FakeDriver:
     failure: Exception | None = None
 
     def __init__(
-        self, route, peers, schedule, n_micro, deadline_s, plan_version, metrics, signer, weights=None, tied=True
+        self, route, peers, schedule, n_micro, deadline_s, plan_version, metrics, signer, weights=None, tied=True, **_
     ):
         self.plan_version, self.n_stages = plan_version, len(route)
         FakeDriver.made.append((route, peers, plan_version))
