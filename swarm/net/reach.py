@@ -6,7 +6,10 @@ aim) and calls `Relay.Echo(nonce)` there, signed for A's peer id. A's Echo answe
 and A marks it seen. A decides from what its own server saw (`NonceBook.seen_since`), not from H's word: a
 lying helper can make A use a relay it did not need, never make A announce an address nobody can dial.
 
-Bounds on the helper: one dial at a time per caller, `max_dials` in all, `timeout_s` per dial.
+The announced address is still the caller's choice (it signs its own announcement), so the helper bounds
+what aiming it elsewhere buys: one dial at a time and one per `interval_s` per caller, `max_dials` in all,
+`timeout_s` each, a gRPC call only (nothing but an Echo is sent), and a reply without how the dial failed
+(refused or timed out would say whether a port is open).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class DialBackHelper:
         signer: signs the Echo for the asker's peer id.
         timeout_s: one dial's limit (connect and Echo).
         max_dials: dials at once, over all callers.
+        interval_s: least time between two dials for one caller.
     """
 
     def __init__(
@@ -78,12 +82,14 @@ class DialBackHelper:
         signer: CallSigner | None,
         timeout_s: float = 3.0,
         max_dials: int = 4,
+        interval_s: float = 1.0,
         channel: Callable[[str], grpc.Channel] = grpc.insecure_channel,
     ):
-        self.announced, self.signer, self.timeout_s = announced, signer, timeout_s
+        self.announced, self.signer, self.timeout_s, self.interval_s = announced, signer, timeout_s, interval_s
         self.channel = channel
         self._slots = threading.BoundedSemaphore(max_dials)
         self._busy: set[str] = set()
+        self._next: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def dial_back(self, caller: str, nonce: bytes) -> tuple[bool, str]:
@@ -96,6 +102,11 @@ class DialBackHelper:
         with self._lock:
             if caller in self._busy:
                 raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a dial-back to {caller} is under way")
+            if time.monotonic() < self._next.get(caller, 0.0):
+                raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"one dial-back per {self.interval_s:g} s")
+            if len(self._next) > 4096:
+                self._next.clear()
+            self._next[caller] = time.monotonic() + self.interval_s
             if not self._slots.acquire(blocking=False):
                 raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many dial-backs at once")
             self._busy.add(caller)
@@ -106,9 +117,9 @@ class DialBackHelper:
                 reply = stage_pb2_grpc.RelayStub(channel).Echo(
                     stage_pb2.EchoRequest(nonce=nonce), timeout=self.timeout_s, metadata=metadata
                 )
-                return reply.known, f"{address} answered" if reply.known else f"{address} did not know the nonce"
-            except grpc.RpcError as e:
-                return False, f"{address}: {e.code().name}"
+                return reply.known, "answered" if reply.known else "answered without knowing the nonce"
+            except grpc.RpcError:  # no detail: how a dial failed would tell the caller whether a port is open
+                return False, "not reached"
             finally:
                 channel.close()
         finally:

@@ -57,6 +57,9 @@ class RelayLimits:
     """open connections to one attached peer (each caller's channel holds one)"""
     max_conns: int = 32
     """open connections through this relay in all"""
+    conns_per_caller: int = 4
+    """open connections of one caller to one attached peer (a gRPC channel holds one; a stranger cannot take
+    the attached peer's every slot)"""
     max_frame_bytes: int = 1 << 20
     """data bytes of one frame; a larger frame ends its connection (INVALID_ARGUMENT)"""
     accept_timeout_s: float = 5.0
@@ -144,6 +147,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         self._attached: dict[str, _Attached] = {}
         self._pending: dict[int, _Pending] = {}
         self._conns = 0
+        self._pairs: dict[tuple[str, str], int] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -226,15 +230,21 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
             entry = self._attached.get(target)
             if entry is None:
                 raise RelayError(grpc.StatusCode.NOT_FOUND, f"peer {target} is not attached to relay {self.peer_id}")
-            if entry.conns >= self.limits.conns_per_peer or self._conns >= self.limits.max_conns:
+            pair = (caller, target)
+            if (
+                entry.conns >= self.limits.conns_per_peer
+                or self._conns >= self.limits.max_conns
+                or self._pairs.get(pair, 0) >= self.limits.conns_per_caller
+            ):
                 raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay {self.peer_id}: too many connections")
             entry.conns += 1
             self._conns += 1
+            self._pairs[pair] = self._pairs.get(pair, 0) + 1
             conn_id = next(self._ids)
             self._pending[conn_id] = pending
         try:
             entry.requests.put(conn_id)
-            if not pending.accepted.wait(self.limits.accept_timeout_s) or pending.accept_frames is None:
+            if entry.closed.is_set() or not pending.accepted.wait(self.limits.accept_timeout_s):
                 raise RelayError(grpc.StatusCode.UNAVAILABLE, f"peer {target} did not accept through relay")
             yield from pending.pipe(self._pipe(pending.accept_frames, src=target, dst=caller))
         finally:
@@ -243,6 +253,9 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                 self._pending.pop(conn_id, None)
                 entry.conns -= 1
                 self._conns -= 1
+                self._pairs[pair] -= 1
+                if not self._pairs[pair]:
+                    del self._pairs[pair]
 
     def Connect(self, request_iterator, context):
         caller = self._caller(context)

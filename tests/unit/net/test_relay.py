@@ -230,7 +230,7 @@ def test_dial_back_reaches_the_announced_address_and_the_asker_decides_from_its_
     asker.verifier = CallVerifier(IDS["peer"].peer_id)
     with serve(asker) as (_, asker_address):
         announced = {IDS["peer"].peer_id: asker_address}
-        helper = relay_servicer(dial_back=DialBackHelper(announced.get, signer("relay")))
+        helper = relay_servicer(dial_back=DialBackHelper(announced.get, signer("relay"), interval_s=0.0))
         with serve(helper) as (_, helper_address):
             assert check_reachable([(IDS["relay"].peer_id, helper_address)], signer("peer"), nonces) is True
             # announced somewhere nobody answers: not reachable
@@ -273,7 +273,7 @@ def test_one_dial_back_at_a_time_per_caller():
             return stage_pb2.EchoReply(known=False)
 
     with serve(Stuck()) as (_, stuck_address):
-        helper = DialBackHelper({IDS["peer"].peer_id: stuck_address}.get, signer("relay"), timeout_s=20)
+        helper = DialBackHelper({IDS["peer"].peer_id: stuck_address}.get, signer("relay"), timeout_s=20, interval_s=0)
         first = threading.Thread(target=helper.dial_back, args=(IDS["peer"].peer_id, b"a" * 32))
         first.start()
         try:
@@ -286,3 +286,78 @@ def test_one_dial_back_at_a_time_per_caller():
             release.set()
             first.join(10)
         assert helper.dial_back(IDS["peer"].peer_id, b"c" * 32)[0] is False  # the slot is free again
+
+
+def test_dial_backs_are_spaced_per_caller_and_say_nothing_about_how_a_dial_failed():
+    from swarm.net.relay import RelayError
+
+    helper = DialBackHelper({IDS["peer"].peer_id: "127.0.0.1:1"}.get, signer("relay"), interval_s=60.0)
+    assert helper.dial_back(IDS["peer"].peer_id, b"a" * 32) == (False, "not reached")
+    with pytest.raises(RelayError, match="one dial-back per 60 s"):
+        helper.dial_back(IDS["peer"].peer_id, b"b" * 32)
+
+
+class Mute(stage_pb2_grpc.RelayServicer):
+    pass
+
+
+def test_a_peer_that_never_accepts_fails_the_connect_and_a_late_accept_is_refused():
+    relay = relay_servicer(limits=RelayLimits(accept_timeout_s=0.5))
+    with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
+        stub = stage_pb2_grpc.RelayStub(channel)
+        peer_md = signer("peer").metadata(IDS["relay"].peer_id)
+        caller_md = signer("caller").metadata(IDS["relay"].peer_id)
+        attach = stub.Attach(iter(()), metadata=peer_md, timeout=20)  # attached, but never opens an Accept
+        assert next(attach).conn_id == 0
+        started = time.monotonic()
+        replies = stub.Connect(iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id)]), metadata=caller_md, timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            list(replies)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "did not accept" in err.value.details()
+        assert time.monotonic() - started < 5
+        conn_id = next(attach).conn_id
+        assert conn_id > 0
+        with pytest.raises(grpc.RpcError) as err:  # too late: the connection is gone
+            list(stub.Accept(iter([stage_pb2.RelayFrame(conn_id=conn_id)]), metadata=peer_md, timeout=10))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        attach.cancel()
+
+
+@pytest.mark.parametrize(
+    "first",
+    [stage_pb2.RelayFrame(), stage_pb2.RelayFrame(target="x" * 65), stage_pb2.RelayFrame(target="p", data=b"x")],
+)
+def test_a_malformed_connect_is_refused(first):
+    relay = relay_servicer()
+    with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
+        replies = stage_pb2_grpc.RelayStub(channel).Connect(
+            iter([first]), metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(replies)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_one_caller_cannot_take_every_connection_to_an_attached_peer():
+    limits = RelayLimits(conns_per_caller=1)
+    with (
+        relayed(limits=limits) as (_, _, address, tunnels, _, _),
+        grpc.insecure_channel(tunnels.dial("p.example:1")) as held,
+    ):
+        md = signer("caller").metadata(IDS["peer"].peer_id)
+        stage_pb2_grpc.StageStub(held).Probe(stage_pb2.ProbeRequest(payload=b"x"), timeout=10, metadata=md)
+        with grpc.insecure_channel(address) as channel:  # the caller's one connection is open: a second is refused
+            replies = stage_pb2_grpc.RelayStub(channel).Connect(
+                iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id)]),
+                metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10,
+            )  # fmt: skip
+            with pytest.raises(grpc.RpcError) as err:
+                list(replies)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # another caller still gets through
+        route = RelayRoute(IDS["peer"].peer_id, IDS["relay"].peer_id, address)
+        others = Tunnels(signer("stranger"), lambda a: route)
+        try:
+            assert probe(others, b"other", who="stranger") == b"other"
+        finally:
+            others.close()
