@@ -95,6 +95,30 @@ def test_a_caller_reaches_an_attached_peer_through_the_relay_with_its_own_signat
         assert snap[f'swarm_relayed_bytes_total{{link="{p}->{c}"}}'] > len(payload)
 
 
+def test_relayed_bytes_are_paced_by_the_relays_shaper_per_destination():
+    from swarm.peers.shaper import LinkShape, LinkShaping
+
+    shaping = LinkShaping(LinkShape(rate_bytes_per_s=2e6, burst_bytes=64 << 10))
+    relay = relay_servicer(shaping=shaping, address_of={IDS["peer"].peer_id: "p.example:1"}.get)
+    with serve(relay) as (_, relay_address), serve(EchoStage(IDS["peer"].peer_id)) as (_, p_address):
+        attachment = Attachment(lambda: (IDS["relay"].peer_id, relay_address), signer("peer"), p_address).start()
+        route = RelayRoute(IDS["peer"].peer_id, IDS["relay"].peer_id, relay_address)
+        tunnels = Tunnels(signer("caller"), lambda a: route)
+        try:
+            assert attachment.attached.wait(10)
+            probe(tunnels, b"warm")
+            payload = b"z" * (1 << 20)
+            started = time.monotonic()
+            assert probe(tunnels, payload) == payload
+            elapsed = time.monotonic() - started
+        finally:
+            tunnels.close()
+            attachment.close()
+    # 1 MiB each way at 2 MB/s per destination (both directions pace at once, each on its own shaper)
+    assert elapsed >= 0.45, elapsed
+    assert set(shaping._shapers) == {"p.example:1", IDS["caller"].peer_id}  # P by its address, C unannounced
+
+
 def test_the_relay_cannot_forge_calls_the_peer_checks_the_callers_token():
     with relayed() as (_, _, _, tunnels, _, _):
         # a call signed for the relay, not for P, is refused by P itself: the relay only carries bytes
