@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
+from swarm.peers.transport import TransportConfig
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
 if TYPE_CHECKING:
@@ -342,6 +343,9 @@ def _drain(replies: Iterator, sock: socket.socket) -> None:
         sock.close()
 
 
+_CHANNEL_OPTIONS = TransportConfig().channel_options()
+
+
 class RelayRoute(NamedTuple):
     """How to reach a peer that cannot be dialed: its id, and its relay's id and address."""
 
@@ -393,7 +397,7 @@ class Tunnels:
             return self._channel(address)
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address)
+                self._channels[address] = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
             return self._channels[address]
 
     def _serve(self, address: str, listener: socket.socket) -> None:
@@ -491,7 +495,8 @@ class Attachment:
 
     def _attach(self, relay_id: str, relay_address: str) -> None:
         stop = self._stop
-        with grpc.insecure_channel(relay_address) as channel:
+        # keepalive: a relay that vanishes without a word is noticed within keepalive_s + keepalive_timeout_s
+        with grpc.insecure_channel(relay_address, options=_CHANNEL_OPTIONS) as channel:
             stub = stage_pb2_grpc.RelayStub(channel)
             metadata = self.signer.metadata(relay_id)
 
