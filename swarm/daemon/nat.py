@@ -6,8 +6,12 @@ chosen reachable peer and announces it (`PeerAnnouncement.reach/relay`). Its `tu
 daemon's channels and connectors dial in place of a relayed peer's address; `swarm train` uses
 `announced_dial` for the same.
 
-The relay of an unreachable peer is the reachable, not-leaving peer ranked first by a hash of the two ids
-(spreads peers over relays); one that refuses (--no-relay, full) or dies is skipped for `SKIP_S`.
+The relay of an unreachable peer is its pipeline neighbour under the plan it follows when that one is
+reachable (the next stage first: it sends this stage the backward's gradients, the larger messages; the
+neighbour's own calls then take no extra hop, the reverse connection), else the reachable, not-leaving peer
+ranked first by a hash of the two ids (spreads peers over relays). A new plan that makes another reachable
+peer the neighbour moves the Attach there (`WATCH_S`); a relay that refuses (--no-relay, full) or dies is
+skipped for `SKIP_S`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ log = logging.getLogger("swarm.nat")
 REACH_MODES = ("auto", "direct", "relay")
 SKIP_S = 30.0
 """How long a relay that refused or failed an Attach is passed over."""
+WATCH_S = 1.0
+"""How often an attached peer checks that its relay is still the one it prefers (a plan moved its neighbours)."""
 
 
 class Announced:
@@ -112,6 +118,7 @@ class NatWiring:
         self.tunnels = Tunnels(signer, self.book.route, local=self.servicer)
         self.attachment: Attachment | None = None
         self._skip: dict[str, float] = {}
+        self._closed = threading.Event()
 
     def server_transport(self, transport: TransportConfig) -> TransportConfig:
         """The stage server's transport with room for the relay's threads (streams hold a thread each)."""
@@ -138,7 +145,20 @@ class NatWiring:
             p for p in self.daemon.dht.peers()
             if p.peer_id != self.me and p.reach == "direct" and not p.leaving and self._skip.get(p.peer_id, 0) < now
         ]  # fmt: skip
-        return sorted(peers, key=lambda p: hashlib.sha256(f"{self.me}/{p.peer_id}".encode()).digest())
+        ranked = sorted(peers, key=lambda p: hashlib.sha256(f"{self.me}/{p.peer_id}".encode()).digest())
+        rank = self._rank()
+        return sorted(ranked, key=lambda p: rank(p.peer_id))  # stable: hash order among equals
+
+    def _rank(self) -> Callable[[str], int]:
+        """peer id -> 0: a peer of the next stage under the followed plan, 1: of the previous stage, 2: other."""
+        record = getattr(self.daemon, "following", None)
+        stages = record.plan.get("stages", []) if record is not None else []
+        mine = next((i for i, st in enumerate(stages) if self.me in map(str, st.get("peer_ids", ()))), None)
+        ranks: dict[str, int] = {}
+        for r, k in enumerate((mine + 1, mine - 1) if mine is not None else ()):
+            for p in stages[k].get("peer_ids", ()) if 0 <= k < len(stages) else ():
+                ranks.setdefault(str(p), r)
+        return lambda peer_id: ranks.get(peer_id, 2)
 
     def settle(self, listen_host: str, port: int, attempts: int = 5, stop: threading.Event | None = None) -> str:
         """Decides this peer's reach (after its first, direct announcement: a helper dials what it announced)
@@ -167,7 +187,23 @@ class NatWiring:
         log.info("reach: relay (nobody dials this peer: its calls come through a relay it attaches to)")
         self._relay()  # announced now, before anyone makes a channel to the direct address it announced first
         self.attachment = Attachment(self._relay, self.signer, local_address, self.limits, self._failed).start()
+        threading.Thread(target=self._watch, name="swarm-relay-watch", daemon=True).start()
         return "relay"
+
+    def _watch(self) -> None:
+        """Moves the Attach to the preferred relay when that changes (a new plan gave this peer a reachable
+        neighbour): the old relay's tunnels end, the callers' channels reconnect through the new one."""
+        while not self._closed.wait(WATCH_S):
+            attachment = self.attachment
+            if attachment is None or not attachment.attached.is_set():
+                continue
+            try:
+                candidates, rank = self._candidates(), self._rank()
+            except TimeoutError:
+                continue
+            if candidates and rank(candidates[0].peer_id) < rank(attachment.relay_id or ""):
+                log.info("moving the Attach to pipeline neighbour %s", candidates[0].peer_id)
+                attachment.reattach()
 
     def _relay(self) -> tuple[str, str] | None:
         """The relay to attach to now; announced (reach="relay", relay=it) before the Attach is made."""
@@ -179,17 +215,22 @@ class NatWiring:
             log.warning("no reachable peer to relay for this one yet")
             return None
         current = self.daemon.announcement
-        chosen = next((p for p in candidates if p.peer_id == current.relay), candidates[0])
+        rank = self._rank()
+        # keep the current relay unless a better-ranked one (a neighbour) is there
+        kept = [p for p in candidates if p.peer_id == current.relay and rank(p.peer_id) <= rank(candidates[0].peer_id)]
+        chosen = kept[0] if kept else candidates[0]
         if current.reach != "relay" or current.relay != chosen.peer_id:
             self.daemon.announcement = dataclasses.replace(current, reach="relay", relay=chosen.peer_id)
             self.daemon.dht.announce(self.daemon.announcement)
         return chosen.peer_id, chosen.address
 
     def _failed(self, relay_id: str, code: grpc.StatusCode | None) -> None:
-        if code != grpc.StatusCode.PERMISSION_DENIED:  # refused for good or gone; a denial may be a slow DHT read
+        if code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.CANCELLED):  # refused for good or gone
+            # (a denial may be a slow DHT read; a cancel is ours, moving to a better relay)
             self._skip[relay_id] = time.monotonic() + SKIP_S
 
     def close(self) -> None:
+        self._closed.set()
         if self.attachment is not None:
             self.attachment.close()
         self.tunnels.close()

@@ -531,6 +531,12 @@ class Attachment:
             return
         _drain(replies, sock)
 
+    def reattach(self) -> None:
+        """Ends the current Attach; the next is made to whichever relay `relay()` names then."""
+        call = self._call
+        if call is not None:
+            call.cancel()
+
     def close(self) -> None:
         self._stop.set()
         call = self._call

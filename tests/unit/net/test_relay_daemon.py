@@ -39,6 +39,8 @@ class FakeDHT:
 class Daemon:
     """The part of PeerDaemon NatWiring uses, serving the stage and relay services on loopback."""
 
+    following = None  # the plan it follows (the relay's choice prefers its pipeline neighbours)
+
     def __init__(self, board: dict, reach: str, announce_port: int | None = None):
         self.identity = Identity.generate()
         self.dht, self.shaping, self.metrics = FakeDHT(board, self.identity), LinkShaping(), Metrics()
@@ -160,3 +162,36 @@ def test_may_attach_only_peers_that_announce_this_relay():
         assert not relay.nat.may_attach("nobody")
     finally:
         relay.close()
+
+
+def test_a_plan_moves_the_attach_to_the_reachable_pipeline_neighbour(daemons):
+    from types import SimpleNamespace
+
+    board = {}
+    first, second = daemons(board, "direct"), daemons(board, "direct")
+    natted = daemons(board, "relay", announce_port=closed_port())
+    natted.following = None
+    assert natted.nat.settle("127.0.0.1", natted.port) == "relay"
+    assert natted.nat.attachment.attached.wait(10)
+    before = natted.nat.attachment.relay_id
+    neighbour = second if before == first.identity.peer_id else first
+    # the new plan: stage 0 is the other peer, stage 1 this one (its previous stage: the only neighbour)
+    natted.following = SimpleNamespace(
+        plan={"stages": [{"peer_ids": [neighbour.identity.peer_id]}, {"peer_ids": [natted.identity.peer_id]}]}
+    )
+    deadline = time.monotonic() + 20
+    while natted.nat.attachment.relay_id != neighbour.identity.peer_id and time.monotonic() < deadline:
+        natted.nat.attachment.attached.wait(0.1)
+    assert natted.nat.attachment.relay_id == neighbour.identity.peer_id
+    assert board[natted.identity.peer_id].relay == neighbour.identity.peer_id
+    assert natted.nat.attachment.attached.wait(10)
+    # the neighbour reaches it in process (reverse connection), the old relay no longer holds it
+    address = board[natted.identity.peer_id].address
+    deadline = time.monotonic() + 10
+    while neighbour.nat.servicer.attached() != [natted.identity.peer_id] and time.monotonic() < deadline:
+        natted.nat.attachment.attached.wait(0.1)
+    md = neighbour.signer.metadata(natted.identity.peer_id)
+    with grpc.insecure_channel(neighbour.nat.tunnels.dial(address)) as channel:
+        reply = stage_pb2_grpc.StageStub(channel).Probe(stage_pb2.ProbeRequest(payload=b"n"), timeout=10, metadata=md)
+    assert reply.payload == b"n"
+    assert natted.nat._skip == {}  # moving is not a failure: the old relay is not passed over
