@@ -195,3 +195,16 @@ def test_a_plan_moves_the_attach_to_the_reachable_pipeline_neighbour(daemons):
         reply = stage_pb2_grpc.StageStub(channel).Probe(stage_pb2.ProbeRequest(payload=b"n"), timeout=10, metadata=md)
     assert reply.payload == b"n"
     assert natted.nat._skip == {}  # moving is not a failure: the old relay is not passed over
+
+
+@pytest.mark.parametrize(
+    "argv,reach,relay,client_mode",
+    [([], "auto", True, False), (["--reach", "relay"], "relay", True, True), (["--no-relay"], "auto", False, False)],
+)
+def test_swarm_peer_reach_flags(argv, reach, relay, client_mode):
+    from swarm.daemon.config import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert (cfg.reach, cfg.relay, cfg.dht.client_mode) == (reach, relay, client_mode)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--reach", "nat"])
