@@ -287,3 +287,60 @@ def test_a_peer_builds_its_averager_from_the_plan_s_epilogue_codecs():
     assert host.averager._config(0, 0, tied=True).bits == 8
     bare = daemon._make_host(StageRole(1, 2, 2, 4, 3), {})
     assert bare.averager._config(0, 0).name == "gradq"  # no plan key: the backward codec, at >= 8 bits
+
+
+# ---- the convergence experiment's setting ----------------------------------------------------------------------
+
+
+def test_convergence_sel_settings_train_with_the_planner_s_choice(tmp_path, capsys):
+    import json
+
+    from swarm.cli import main
+
+    settings = "fp32/fp32,acsgd2+ch/gradq2+ef+rot+nr+cs,sel:1,sel:50,sel:100000"
+    argv = ["experiment", "convergence", "--quick", "--json", "--no-progress", "--out", str(tmp_path / "run")]
+    assert main([*argv, "--settings", settings]) == 0
+    rows = {r["setting"]: r for r in json.loads(capsys.readouterr().out)}
+    fp32, floor = rows["fp32/fp32"], rows["acsgd2+ch/gradq2+ef+rot+nr+cs"]
+    slow, mid, fast = rows["sel:1"], rows["sel:50"], rows["sel:100000"]
+
+    # 1 Mbit/s: everything at the floors, the all-compressed run to the byte (control bytes aside: their varints
+    # carry timings); 100 Gbit/s: fp32's run
+    def data(row: dict) -> int:
+        return row["wire_bytes"] + row["sync_bytes"]
+
+    assert data(slow) == data(floor) and slow["final_eval_loss"] == floor["final_eval_loss"]
+    assert fast["forward"] == "fp32" and fast["final_eval_loss"] == fp32["final_eval_loss"]
+    assert "tied fp32" in fast["epilogue"] and "tied gradq4" in slow["epilogue"]
+    assert data(floor) < data(mid) < data(fp32)
+
+
+@pytest.mark.parametrize("text", ["sel:", "sel:0", "sel:nan", "sel:-5", "sel:1+2", "sel:10:0", "sel:10:inf", "sel:x"])
+def test_malformed_sel_settings_are_refused(text):
+    from swarm.experiments.selective import selective_plan
+    from swarm.model.gpt import ModelConfig
+
+    with pytest.raises(ValueError):
+        selective_plan(text, ModelConfig(n_layers=2), 2, 4, 2)
+    with pytest.raises(ValueError, match="2\\+ stages"):
+        selective_plan("sel:10", ModelConfig(n_layers=2), 1, 4, 2)
+
+
+def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
+    from swarm.experiments.selective import apply_selective, selective_plan
+    from swarm.model.gpt import ModelConfig
+    from swarm.runtime.local import LocalPipeline
+
+    model = ModelConfig(n_layers=3, hidden_dim=32, n_heads=2, seq_len_tokens=32)
+    plan = selective_plan("sel:100000+1", model, 3, 4, 2)
+    assert plan["codecs"][0]["forward"] == "fp32" and plan["codecs"][1]["forward"] == "acsgd2+ch+nr"
+    pipe = LocalPipeline(model, 3, FP32, FP32)
+    try:
+        apply_selective(pipe, plan, {}, {})
+        middle = pipe.hosts[1].links
+        assert middle.fw_recv.config.name == "fp32"  # from stage 0, over the fast boundary
+        assert middle.bw_recv.config.name == "gradq" and middle.bw_recv.config.bits == 2  # from stage 2, slow
+        assert pipe.hosts[2].averager.codecs[True] is not None  # the tied sync's codec, end stages only
+        assert pipe.hosts[1].averager.codecs == {False: None, True: None}
+    finally:
+        pipe.close()
