@@ -62,7 +62,7 @@ from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, plan
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
-from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
+from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
 
 log = logging.getLogger("swarm.daemon.planning")
 
@@ -481,8 +481,7 @@ class Planner:
         if not bounds and not epilogue_moved(self._epilogue_from, stages, swarm.plan_input, self.spec, self.bits):
             return None
         codecs = self.codecs_for(stages, swarm)
-        keys = ("codecs", "epilogue_codecs")
-        if all(codecs.get(k) == current.plan.get(k) for k in keys):
+        if same_choice(current.plan, codecs):
             return None  # moved, but to the same choice: nothing to switch
         version = self.next_version(peers)
         if version is None:

@@ -344,3 +344,23 @@ def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
         assert pipe.hosts[1].averager.codecs == {False: None, True: None}
     finally:
         pipe.close()
+
+
+def test_a_move_past_the_hysteresis_to_the_same_codecs_publishes_nothing():
+    # regression: the planner compared the codecs with their `why` texts, whose milliseconds change with every
+    # measurement, so a move that chose the same codecs republished the plan (a new version for nothing)
+    from swarm.daemon.planning import Planner, model_spec
+    from swarm.model.gpt import ModelConfig
+    from tests.unit.scheduler.test_bits import SIZES, A, B, fake_dht, measured
+
+    spec = model_spec(ModelConfig(), CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))
+    links = measured(1.0)
+    records = {"peers": [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0) for pid in (A, B)]}
+    dht, published = fake_dht(records, links)
+    planner = Planner(dht, spec, 2, 2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0, codec_bytes=SIZES)
+    planner.round()
+    ((version, first),) = published
+    records["peers"] = [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0, plan_version=version)
+                        for pid in (A, B)]  # fmt: skip
+    links[:] = measured(0.25)  # 4x slower: past the hysteresis, still every codec at its floor
+    assert planner.round() is None and len(published) == 1
