@@ -489,6 +489,7 @@ def validate_plan(
         if _peer_id("plan", "unused_peer_ids", pid) in seen:
             raise _fail("plan", "unused_peer_ids", "peers the stages do not name", pid)
     _validate_codecs(plan.get("codecs"), len(stages))
+    _validate_epilogue_codecs(plan.get("epilogue_codecs"), len(stages))
     trainer_ids = plan.get("trainer_ids", [])
     if type(trainer_ids) is not list or len(trainer_ids) > MAX_PLAN_TRAINERS:
         raise _fail("plan", "trainer_ids", f"a list of at most {MAX_PLAN_TRAINERS} trainer ids", trainer_ids)
@@ -529,3 +530,38 @@ def _validate_codecs(codecs: Any, n_stages: int) -> None:
         why = link.get("why", "")
         if type(why) is not str or len(why) > _MAX_CODEC_WHY:
             raise _fail(r, "why", f"text of at most {_MAX_CODEC_WHY} characters", why)
+
+
+def _epilogue_label(r: str, key: str, label: Any) -> None:
+    """A codec label the averager can sum with: known, and without sample buffers (a gradient has no samples)."""
+    from swarm.compression import CodecConfig, codec_class
+
+    if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
+        raise _fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
+    try:
+        uses_buffers = codec_class(CodecConfig.parse(label).name).uses_buffers
+    except (ValueError, KeyError) as e:
+        raise _fail(r, key, "a known codec label", label) from e
+    if uses_buffers:
+        raise _fail(r, key, "a codec without sample buffers", label)
+
+
+def _validate_epilogue_codecs(chosen: Any, n_stages: int) -> None:
+    """A plan's epilogue codecs (optional, SEL): `{"average": [LABEL | None per stage], "tied": LABEL | None[,
+    "why": text]}`: each stage's replicas' sum and the tied sync (`swarm.scheduler.bits.choose_epilogue`)."""
+    if chosen is None:
+        return
+    if not isinstance(chosen, dict) or not set(chosen) <= {"average", "tied", "why"} or "average" not in chosen:
+        raise _fail("plan", "epilogue_codecs", "a dict of average, tied (and why)", chosen)
+    average = chosen["average"]
+    if type(average) is not list or len(average) != n_stages:
+        raise _fail("plan.epilogue_codecs", "average", f"a list of {n_stages} stages' codecs", average)
+    for i, label in enumerate(average):
+        if label is not None:
+            _epilogue_label("plan.epilogue_codecs", f"average[{i}]", label)
+    tied = chosen.get("tied")
+    if tied is not None:
+        _epilogue_label("plan.epilogue_codecs", "tied", tied)
+    why = chosen.get("why", "")
+    if type(why) is not str or len(why) > _MAX_CODEC_WHY:
+        raise _fail("plan.epilogue_codecs", "why", f"text of at most {_MAX_CODEC_WHY} characters", why)

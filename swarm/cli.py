@@ -21,6 +21,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "soak"): ("swarm.bench.soak", "a loopback swarm for N steps: RSS, threads and fds of every process"),
     ("bench", "hostile"): ("swarm.bench.hostile", "hostile clients against a local pipeline, case by case"),
     ("bench", "model"): ("swarm.bench.model", "a model's tokens/s per stage, boundary bytes per token, link speeds"),
+    ("bench", "selective"): (
+        "swarm.bench.selective",
+        "which links selective compression compresses per link rate, and the predicted step with and without",
+    ),
     ("bench", "auth"): ("swarm.bench.auth", "the demo's mean step time with authentication on and off, alternating"),
     ("bench", "relay"): ("swarm.bench.relay", "latency and bytes/s of a call through a relay vs direct"),
     ("experiment", "convergence"): (

@@ -162,7 +162,7 @@ class PeerDaemon:
         from swarm.runtime.boundary import LinkEnds
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
-        from swarm.scheduler.bits import stage_link_configs
+        from swarm.scheduler.bits import epilogue_configs, stage_link_configs
 
         cfg = self.cfg
         ends = stage_link_configs(plan or {}, role.stage, self.codecs)  # a plan's per-link codecs, else the flags'
@@ -177,6 +177,7 @@ class PeerDaemon:
             budget=cfg.budget,
         )
         host.compute_layers_per_s, host.link_codecs = self.speed, ends
+        host.averager.set_codecs(*epilogue_configs(plan or {}, role.stage))  # the plan's averaging/tied codecs
         self._setup_checkpoints(host)
         return host
 
@@ -330,7 +331,7 @@ class PeerDaemon:
     def _apply_plan(self, record) -> None:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
         from swarm.daemon.planning import role_in_plan
-        from swarm.scheduler.bits import stage_link_configs
+        from swarm.scheduler.bits import epilogue_configs, stage_link_configs
 
         role = role_in_plan(record, self.dht.peer_id)
         roster = self.book.plan_roster(record, self.announcement)
@@ -347,7 +348,8 @@ class PeerDaemon:
         if same and not behind:
 
             def bump(servicer) -> None:
-                servicer.host.role = role  # same layers: only the plan version changes
+                servicer.host.role = role  # same layers: only the plan version (and epilogue codecs) change
+                servicer.host.averager.set_codecs(*epilogue_configs(record.plan, role.stage))
                 servicer.set_roster(roster)
 
             self.servicer.when_idle(bump, wait_s)

@@ -62,6 +62,7 @@ from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, plan
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
+from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
 
 log = logging.getLogger("swarm.daemon.planning")
 
@@ -299,6 +300,7 @@ class Planner:
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
         """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
         self._chosen_from: list[LinkFigures] | None = None
+        self._epilogue_from = None  # the epilogue figures the plan's "epilogue_codecs" were chosen from
         self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
@@ -456,25 +458,30 @@ class Planner:
 
     def codecs_for(self, stages: list[dict], swarm: SwarmInput) -> dict:
         """`{"codecs": [...]}` chosen per boundary from the measured links (empty with fixed codecs)."""
-        if self.codec_bytes is None or len(stages) < 2:
+        if self.codec_bytes is None:
             return {}
+        epilogue, self._epilogue_from = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits)
+        if len(stages) < 2:
+            return epilogue
         self._chosen_from = link_figures(stages, swarm.plan_input, self.spec)
-        codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits)
+        step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
+        codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s)
         for b, c in enumerate(codecs):
             log.info("boundary %d codecs %s", b, c["why"])
-        return {"codecs": codecs}
+        return {"codecs": codecs, **epilogue}
 
     def rechoose_codecs(self, current: PlanRecord, peers: list[PeerAnnouncement], alive: frozenset[str]):
         """Republishes the current stages with codecs chosen again once the links' measurements moved past the
         hysteresis (the same stages: only the codecs change); None while they hold."""
         stages = current.plan["stages"]
         swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
-        if len(stages) < 2 or not rechoose(
+        bounds = len(stages) >= 2 and rechoose(
             self._chosen_from, link_figures(stages, swarm.plan_input, self.spec), self.bits
-        ):
+        )
+        if not bounds and not epilogue_moved(self._epilogue_from, stages, swarm.plan_input, self.spec, self.bits):
             return None
         codecs = self.codecs_for(stages, swarm)
-        if codecs.get("codecs") == current.plan.get("codecs"):
+        if same_choice(current.plan, codecs):
             return None  # moved, but to the same choice: nothing to switch
         version = self.next_version(peers)
         if version is None:

@@ -82,6 +82,8 @@ class Setting:
     """Codec of the activation gradients."""
     warmup_epochs: int = 0
     """Epochs trained with fp32 both ways before switching to the codecs."""
+    plan: dict | None = field(default=None, compare=False, hash=False)
+    """A `sel:` setting's per-link choice (`swarm.experiments.selective`): boundaries' and epilogue's codecs."""
 
     @classmethod
     def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
@@ -171,6 +173,7 @@ def _run_setting(
 
     stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
     pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
+    _apply_plan(pipe, setting, cfg)
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
     for epoch in range(cfg.epochs):
@@ -204,6 +207,27 @@ def _run_setting(
     return result
 
 
+def _parse_setting(text: str, fw: dict, bw: dict, cfg: ExperimentConfig) -> Setting:
+    """`Setting.parse`, or a `sel:RATES[:LAYERS_PER_S]` setting: codecs chosen per link as the planner would."""
+    if not text.startswith("sel:"):
+        return Setting.parse(text, fw, bw)
+    from swarm.experiments.selective import selective_plan, setting_codecs
+
+    plan = selective_plan(text, cfg.model, cfg.n_stages, cfg.batch_size // cfg.n_micro, cfg.n_micro)
+    return Setting(text, *setting_codecs(plan, fw, bw), plan=plan)
+
+
+def _apply_plan(pipe: LocalPipeline, setting: Setting, cfg: ExperimentConfig) -> None:
+    """A `sel:` setting's per-link and epilogue codecs on every host (nothing for a fixed setting)."""
+    if setting.plan is None:
+        return
+    from swarm.experiments.selective import apply_selective
+
+    fw = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic, "zstd_level": cfg.zstd_level}
+    bw = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic, "zstd_level": cfg.zstd_level}
+    apply_selective(pipe, setting.plan, fw, bw)
+
+
 def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
     def wire(r: SettingResult, min_epoch: int = 0) -> int:
         return sum(s["forward_bytes"] + s["backward_bytes"] for s in r.steps if s["epoch"] >= min_epoch)
@@ -231,6 +255,7 @@ def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
         "bw_bits": _bits(s.backward),
         "error_feedback": s.backward.error_feedback,
         "warmup_epochs": s.warmup_epochs,
+        "epilogue": "" if s.plan is None else s.plan.get("epilogue_codecs", {}).get("why", ""),
         "final_train_loss": sum(last_epoch) / max(len(last_epoch), 1),
         "final_eval_loss": eval_loss,
         "eval_vs_fp32_pct": 100 * (eval_loss - fp32_eval) / fp32_eval,
@@ -264,7 +289,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True)
     fw = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic, "zstd_level": cfg.zstd_level}
     bw = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic, "zstd_level": cfg.zstd_level}
     names = list(dict.fromkeys(("fp32/fp32", *cfg.settings)))
-    settings = [Setting.parse(n, fw, bw) for n in names]
+    settings = [_parse_setting(n, fw, bw, cfg) for n in names]
     train, evals, report = build_datasets(cfg.data)
     print(report.describe(), file=sys.stderr, flush=True)
     steps_per_epoch = len(train) // cfg.batch_size
@@ -401,7 +426,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
         "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
         "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
-        "uncompressed warm-up epochs first); fp32/fp32 always runs first as the baseline "
+        "uncompressed warm-up epochs first); sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
+        "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
+        "joined by +); fp32/fp32 always runs first as the baseline "
         f"(default: {','.join(DEFAULT_SETTINGS)})",
     )
     add("--epochs", type=int, default=d.epochs, help="passes over the training samples (default %(default)s)")

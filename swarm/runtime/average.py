@@ -120,6 +120,18 @@ class GradientAverager:
         """What one member's message may be: the larger of the stage's flat gradient and the tied weight's, at
         most fp32 (`receive` then holds each message to its own group's exact size)."""
         self._arrived = threading.Condition()
+        self.codecs: dict[bool, CodecConfig | None] = {False: None, True: None}
+        """The plan's epilogue codecs (`swarm.scheduler.bits.epilogue_configs`) for the stage group (False) and
+        the tied group (True); None: the stage's backward codec, as without a plan."""
+
+    def set_codecs(self, average: CodecConfig | None, tied: CodecConfig | None) -> None:
+        """Sums with these codecs from the next step on (between steps: a plan switch). A group whose codec
+        changes drops its committed residual: it was the old codec's error, and a codec without error feedback
+        would carry it stale into a later switch back."""
+        with self._arrived:
+            for key, config in ((False, average), (True, tied)):
+                if config != self.codecs[key]:
+                    self.codecs[key], self.groups[key].residual = config, None
 
     residual = property(lambda self: self.groups[False].residual, doc="Stage error feedback (committed).")
     tied_residual = property(lambda self: self.groups[True].residual, doc="Tied error feedback (committed).")
@@ -316,9 +328,10 @@ class GradientAverager:
         return peers.index(host.peer_id)
 
     def _config(self, step: int, index: int, tied: bool = False) -> CodecConfig:
-        """The backward codec, with error feedback where it has it (fp32 for a codec that needs sample buffers),
-        its rounding draws seeded by step, group and member so no two messages share them."""
-        cfg = self.host.links.bw_recv.config
+        """The plan's epilogue codec for the group, else the backward codec, with error feedback where it has it
+        (fp32 for a codec that needs sample buffers), never below the group's floor of bits, its rounding draws
+        seeded by step, group and member so no two messages share them."""
+        cfg = self.codecs[tied] or self.host.links.bw_recv.config
         cls = codec_class(cfg.name)
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)

@@ -8,6 +8,14 @@ budget allows (the floor: the default codecs, acsgd2+ch+nr forward and gradq2+ef
 the settings the convergence experiment holds within budget). Slow links thus get fewer bits, fast links
 more, up to fp32.
 
+Epilogue (`choose_epilogue`, Optimus-CC's selective compression): the replicas' gradient averaging and the tied
+embedding's sync run after the pipeline drains, where nothing overlaps them: their transfer time always shows in
+the step. So they are compressed by a different rule: the widest codec of their ladder whose transfer adds at
+most `epilogue_share` of the step's pipeline time; if none does, the floor (the averager's: 8 bits for the
+replicas' sum, 4 for the tied sync). One averaging codec per stage (each stage's replicas have their own links)
+and one tied codec; the plan carries them as `"epilogue_codecs"` and peers set them on their averager
+(`epilogue_configs`). A fast link thus sums in fp32 or bf16, a slow one in 8 bits with error feedback.
+
 Re-choice (`rechoose`): a plan's codecs change only when some link's rate moved by more than `hysteresis`
 (a factor) since the rates it was chosen from, or a stage's compute did: probes are noisy, and each switch of
 an AQ-SGD codec restarts its buffers.
@@ -15,11 +23,19 @@ an AQ-SGD codec restarts its buffers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "AVERAGE_LADDER",
     "BACKWARD_LADDER",
+    "EpilogueFigures",
+    "TIED_LADDER",
+    "choose_epilogue",
+    "epilogue_bytes",
+    "epilogue_configs",
+    "rechoose_epilogue",
     "FORWARD_LADDER",
     "BitsPolicy",
     "LinkFigures",
@@ -35,6 +51,12 @@ current family (the AQ-SGD paper's quantizer, channel groups, round to nearest) 
 BACKWARD_LADDER = ("fp32", "gradq8+ef+rot+nr+cs+g1024", "gradq4+ef+rot+nr+cs+g1024", "gradq2+ef+rot+nr+cs+g1024")
 """Backward (activation-gradient) codecs, most precise first; the last is the default floor (`DEFAULT_BW_CODEC`):
 error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4 and 2 bits."""
+AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024")
+"""Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is 8 bits with error
+feedback (`GradientAverager.min_bits`: 4 trained measurably worse). bf16 rather than fp16: a gradient sum must
+not overflow, and bf16 has fp32's range."""
+TIED_LADDER = (*AVERAGE_LADDER, "gradq4+ef+rot+nr+cs+g1024")
+"""Codecs of the tied embedding's sync, most precise first; the floor is 4 bits (`GradientAverager.tied_min_bits`)."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +69,19 @@ class BitsPolicy:
     """Re-choose when a link's rate or a stage's compute changed by more than this factor."""
     headroom: float = 1.0
     """A message must take at most compute / headroom to count as hidden."""
+    average_floor: str = AVERAGE_LADDER[-1]
+    tied_floor: str = TIED_LADDER[-1]
+    epilogue_share: float = 0.05
+    """An epilogue transfer (averaging, tied sync) may add at most this share of the step's pipeline time to stay
+    uncompressed or 16-bit: it always shows in the step, so "hidden" means "small"."""
 
     def __post_init__(self) -> None:
         if self.forward_floor not in FORWARD_LADDER or self.backward_floor not in BACKWARD_LADDER:
             raise ValueError("BitsPolicy: floors must be on the ladders")
-        if not self.hysteresis > 1.0 or not self.headroom > 0:
-            raise ValueError("BitsPolicy: hysteresis must be > 1 and headroom > 0")
+        if self.average_floor not in AVERAGE_LADDER or self.tied_floor not in TIED_LADDER:
+            raise ValueError("BitsPolicy: epilogue floors must be on their ladders")
+        if not self.hysteresis > 1.0 or not self.headroom > 0 or not 0 < self.epilogue_share < 1:
+            raise ValueError("BitsPolicy: hysteresis must be > 1, headroom > 0 and epilogue_share in (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -75,10 +104,18 @@ def _pick(ladder: Sequence[str], floor: str, rate: float, budget_s: float, size:
     return allowed[-1]
 
 
-def choose_link(link: LinkFigures, message_bytes: Callable[[str], float], policy: BitsPolicy = BitsPolicy()) -> dict:
+def choose_link(
+    link: LinkFigures,
+    message_bytes: Callable[[str], float],
+    policy: BitsPolicy = BitsPolicy(),
+    exposed_s: float = math.inf,
+) -> dict:
     """`{"forward": label, "backward": label, "why": text}` for one boundary (`message_bytes(label)`: bytes of
-    one micro-batch's message under that codec, e.g. `planning.message_bytes` at the run's shape)."""
-    budget = link.compute_s / policy.headroom
+    one micro-batch's message under that codec, e.g. `planning.message_bytes` at the run's shape). `exposed_s`:
+    what one message each way may take at most, hidden or not: the pipeline's fill and drain wait for one
+    message each way on every boundary, so even a message the steady state hides is on the critical path once
+    a step (`choose_codecs` gives each boundary its part of `epilogue_share`)."""
+    budget = min(link.compute_s / policy.headroom, exposed_s / 2)
     fw = _pick(FORWARD_LADDER, policy.forward_floor, link.forward_bytes_per_s, budget, message_bytes)
     bw = _pick(BACKWARD_LADDER, policy.backward_floor, link.backward_bytes_per_s, budget, message_bytes)
     fw_s, bw_s = message_bytes(fw) / link.forward_bytes_per_s, message_bytes(bw) / link.backward_bytes_per_s
@@ -88,10 +125,16 @@ def choose_link(link: LinkFigures, message_bytes: Callable[[str], float], policy
 
 
 def choose_codecs(
-    links: Sequence[LinkFigures], message_bytes: Callable[[str], float], policy: BitsPolicy = BitsPolicy()
+    links: Sequence[LinkFigures],
+    message_bytes: Callable[[str], float],
+    policy: BitsPolicy = BitsPolicy(),
+    step_s: float | None = None,
 ) -> list[dict]:
-    """One `choose_link` per boundary, in pipeline order."""
-    return [choose_link(link, message_bytes, policy) for link in links]
+    """One `choose_link` per boundary, in pipeline order. With `step_s` (the step's pipeline time, as the
+    epilogue's figures carry it) the boundaries' fill and drain together may add at most `epilogue_share` of
+    it (Optimus-CC's epilogue: the messages no compute hides); without, only the steady-state rule applies."""
+    exposed = math.inf if step_s is None or not links else policy.epilogue_share * step_s / len(links)
+    return [choose_link(link, message_bytes, policy, exposed) for link in links]
 
 
 def rechoose(old: Sequence[LinkFigures] | None, new: Sequence[LinkFigures], policy: BitsPolicy = BitsPolicy()) -> bool:
@@ -108,6 +151,94 @@ def rechoose(old: Sequence[LinkFigures] | None, new: Sequence[LinkFigures], poli
         or moved(o.compute_s, n.compute_s)
         for o, n in zip(old, new, strict=True)
     )
+
+
+@dataclass(frozen=True)
+class EpilogueFigures:
+    """What one epilogue exchange's choice depends on (a stage's averaging, or the tied sync)."""
+
+    bytes_per_s: float
+    """The slowest member-to-member rate of the group (every member sends its message to every other at once,
+    each on its own link, so the slowest link paces the exchange)."""
+    elements: float
+    """Elements of the summed gradient (a stage's parameters, or the tied weight's)."""
+    step_s: float
+    """The step's pipeline time without the epilogue, what `epilogue_share` is a share of."""
+
+
+def epilogue_bytes(label: str, elements: float) -> float:
+    """Bytes of one member's epilogue message under codec `label` (its steady wire bits; scales aside)."""
+    from swarm.compression import CodecConfig
+
+    return float(elements) * CodecConfig.parse(label).wire_bits / 8
+
+
+def _pick_epilogue(ladder: Sequence[str], floor: str, fig: EpilogueFigures, share: float) -> tuple[str, float]:
+    allowed = ladder[: ladder.index(floor) + 1]
+    for label in allowed:
+        seconds = epilogue_bytes(label, fig.elements) / fig.bytes_per_s
+        if seconds <= share * fig.step_s:
+            return label, seconds
+    return allowed[-1], epilogue_bytes(allowed[-1], fig.elements) / fig.bytes_per_s
+
+
+def choose_epilogue(
+    average: Sequence[EpilogueFigures | None], tied: EpilogueFigures | None, policy: BitsPolicy = BitsPolicy()
+) -> dict:
+    """`{"average": [label per stage], "tied": label, "why": text}`: each stage's averaging codec (None for a
+    stage with one replica: nothing is summed) and the tied sync's (None without one)."""
+    labels, why = [], []
+    for s, fig in enumerate(average):
+        if fig is None:
+            labels.append(None)
+            continue
+        label, seconds = _pick_epilogue(AVERAGE_LADDER, policy.average_floor, fig, policy.epilogue_share)
+        labels.append(label)
+        why.append(f"avg{s} {label} {seconds * 1e3:.1f}ms")
+    tied_label = None
+    if tied is not None:
+        tied_label, seconds = _pick_epilogue(TIED_LADDER, policy.tied_floor, tied, policy.epilogue_share)
+        why.append(f"tied {tied_label} {seconds * 1e3:.1f}ms")
+    step = max([f.step_s for f in (*average, tied) if f is not None], default=0.0)
+    text = f"{', '.join(why)} (share {policy.epilogue_share:g} of {step * 1e3:.1f}ms)"
+    return {"average": labels, "tied": tied_label, "why": text[:_WHY_MAX]}
+
+
+_WHY_MAX = 400
+
+
+def rechoose_epilogue(
+    old: tuple[Sequence[EpilogueFigures | None], EpilogueFigures | None] | None,
+    new: tuple[Sequence[EpilogueFigures | None], EpilogueFigures | None],
+    policy: BitsPolicy = BitsPolicy(),
+) -> bool:
+    """Whether the epilogue's figures moved past the hysteresis since `old` (or its shape changed)."""
+    if old is None or len(old[0]) != len(new[0]):
+        return True
+
+    def moved(a: EpilogueFigures | None, b: EpilogueFigures | None) -> bool:
+        if a is None or b is None:
+            return a is not b
+        return any(
+            max(x, y) > policy.hysteresis * min(x, y)
+            for x, y in ((a.bytes_per_s, b.bytes_per_s), (a.step_s, b.step_s), (a.elements, b.elements))
+        )
+
+    return any(moved(a, b) for a, b in zip((*old[0], old[1]), (*new[0], new[1]), strict=True))
+
+
+def epilogue_configs(plan: dict, stage: int):
+    """(averaging, tied) `CodecConfig`s a (validated) plan gives stage `stage`'s averager; None where it names
+    none (the averager then uses its backward codec, as without a plan)."""
+    from swarm.compression import CodecConfig
+
+    chosen = plan.get("epilogue_codecs")
+    if not chosen:
+        return None, None
+    average = chosen["average"][stage] if stage < len(chosen["average"]) else None
+    n_stages = len(chosen["average"])
+    tied = chosen.get("tied") if stage in (0, n_stages - 1) else None
+    return (CodecConfig.parse(average) if average else None, CodecConfig.parse(tied) if tied else None)
 
 
 def stage_link_codecs(plan: dict, stage: int, default: tuple[str, str]) -> tuple[str, str, str, str]:

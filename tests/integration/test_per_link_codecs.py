@@ -9,7 +9,7 @@ import pytest
 
 from swarm.compression import CodecConfig
 from swarm.model.gpt import ModelConfig
-from swarm.scheduler.bits import BACKWARD_LADDER, FORWARD_LADDER
+from swarm.scheduler.bits import BACKWARD_LADDER, FORWARD_LADDER, TIED_LADDER
 from swarm.testbed.local import local_swarm
 from swarm.train.trainer import TrainConfig, train
 
@@ -35,3 +35,6 @@ def test_a_slow_and_a_fast_link_get_different_codecs_and_train(tmp_path):
     labels = [label for pair in pairs for label in pair]
     # the slow peer's outgoing direction is at the floor; some direction between the unshaped peers carries more
     assert min(map(bits, labels)) == 2 and max(map(bits, labels)) > 2, pairs
+    # the tied sync's codec is chosen per link too (selective compression), and the peers trained with it
+    epilogue = record.plan["epilogue_codecs"]
+    assert epilogue["average"] == [None, None, None] and epilogue["tied"] in TIED_LADDER, epilogue

@@ -1,0 +1,101 @@
+"""The convergence experiment's selective-compression setting, `sel:RATES[:LAYERS_PER_S]`.
+
+`sel:10` trains with the codecs the live planner would choose (`swarm.scheduler.bits` through
+`swarm.scheduler.selective`, the same functions) for a swarm of one peer per stage whose links all run at 10 Mbit/s;
+`sel:1000+10` gives boundary 0 1000 Mbit/s and boundary 1 10 (one rate per boundary; the tied sync's link between
+the end stages, and any other pair, runs at the slowest). Every peer computes LAYERS_PER_S layers a second of one
+micro-batch (default `SEL_LAYERS_PER_S`, declared rather than measured, so the choice is the same on every
+machine). The boundaries get `choose_codecs` (hidden under compute and within their fill share), the tied sync
+`choose_epilogue`; the setting's row then compares with fp32 and the all-compressed setting on the same seed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from swarm.compression import CodecConfig
+
+__all__ = ["SEL_LAYERS_PER_S", "apply_selective", "selective_plan", "setting_codecs"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LABELS = ("acsgd2+ch+nr", "gradq2+ef+rot+nr+cs+g1024")
+"""The swarm's default codecs (`DEFAULT_FW_CODEC`, `DEFAULT_BW_CODEC`): where a plan names none."""
+SEL_LAYERS_PER_S = 40.0
+"""Layers a second (forward + backward of one micro-batch) each peer of a `sel:` setting is planned at."""
+
+
+def _parse(text: str, n_stages: int) -> tuple[list[float], float]:
+    body = text.removeprefix("sel:")
+    rates_text, _, speed_text = body.partition(":")
+    rates = [float(r) for r in rates_text.split("+") if r.strip()]
+    speed = float(speed_text) if speed_text else SEL_LAYERS_PER_S
+    if not rates or len(rates) not in (1, n_stages - 1) or not all(np.isfinite(rates)) or min(rates) <= 0:
+        raise ValueError(f"setting {text!r}: sel:RATE[+RATE per boundary][:LAYERS_PER_S], rates in Mbit/s > 0")
+    if not np.isfinite(speed) or speed <= 0:
+        raise ValueError(f"setting {text!r}: layers/s must be > 0")
+    return (rates * (n_stages - 1) if len(rates) == 1 else rates), speed
+
+
+def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int) -> dict:
+    """A plan dict (`"stages"`, `"codecs"`, `"epilogue_codecs"`) chosen for the `sel:` setting `text`."""
+    from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+    from swarm.daemon.capacity import model_spec
+    from swarm.daemon.planning import link_figures
+    from swarm.scheduler.bits import BitsPolicy, choose_codecs, codec_sizes
+    from swarm.scheduler.plans import Peer, PlanInput
+    from swarm.scheduler.selective import choose_for_plan, pipeline_step_s
+
+    if n_stages < 2:
+        raise ValueError(f"setting {text!r}: selective compression needs 2+ stages")
+    rates, speed = _parse(text, n_stages)
+    spec = model_spec(
+        model, CodecConfig.parse(DEFAULT_FW_CODEC), CodecConfig.parse(DEFAULT_BW_CODEC), micro_batch_size, micro_batches
+    )
+    bw = np.full((n_stages, n_stages), min(rates) * 1e6 / 8)
+    for b, rate in enumerate(rates):
+        bw[b, b + 1] = bw[b + 1, b] = rate * 1e6 / 8
+    peers = tuple(Peer(f"s{s}", speed * spec.flops_per_layer, 1e12) for s in range(n_stages))
+    plan_input = PlanInput(peers, np.zeros((n_stages, n_stages)), bw)
+    bounds = np.linspace(0, model.n_layers, n_stages + 1).round().astype(int)
+    stages = [
+        {"layer_start": int(bounds[s]), "layer_end": int(bounds[s + 1]), "peer_ids": [f"s{s}"]} for s in range(n_stages)
+    ]
+    policy = BitsPolicy()
+    step_s = pipeline_step_s(stages, plan_input, spec)
+    codecs = choose_codecs(link_figures(stages, plan_input, spec), codec_sizes(model, micro_batch_size), policy, step_s)
+    epilogue, _, breakdown = choose_for_plan(stages, plan_input, spec, policy)
+    plan = {"stages": stages, "codecs": codecs, **epilogue}
+    for b, c in enumerate(codecs):
+        log.info("%s boundary %d: %s", text, b, c["why"])
+    log.info("%s epilogue: %s; predicted step %.3f s", text, epilogue["epilogue_codecs"]["why"], breakdown.total_s)
+    return plan
+
+
+def apply_selective(pipe, plan: dict, fw_defaults: dict, bw_defaults: dict) -> None:
+    """Every host of `pipe` (a `LocalPipeline`) takes its boundary ends and epilogue codecs from `plan`, as a peer
+    does (`stage_link_codecs`, `epilogue_configs`); each label parsed with the experiment's codec defaults (group
+    sizes, rounding, zstd level) unless it says otherwise, as the fixed settings' codecs are."""
+    from swarm.runtime.boundary import LinkEnds
+    from swarm.scheduler.bits import epilogue_configs, stage_link_codecs
+
+    for row in pipe.replica_hosts:
+        for host in row:
+            stage = host.role.stage
+            labels = stage_link_codecs(plan, stage, (DEFAULT_LABELS))
+            fw_send, bw_send, fw_recv, bw_recv = (
+                CodecConfig.parse(label, **(fw_defaults if i % 2 == 0 else bw_defaults))
+                for i, label in enumerate(labels)
+            )
+            host.links = LinkEnds(
+                fw_send, bw_send, pipe.shaping, adaptive_zstd=pipe.adaptive_zstd, recv=(fw_recv, bw_recv)
+            )
+            host.averager.set_codecs(*epilogue_configs(plan, stage))
+
+
+def setting_codecs(plan: dict, fw_defaults: dict, bw_defaults: dict) -> tuple[CodecConfig, CodecConfig]:
+    """Boundary 0's (forward, backward) configs: what a `sel:` setting's row names."""
+    first = plan["codecs"][0]
+    return CodecConfig.parse(first["forward"], **fw_defaults), CodecConfig.parse(first["backward"], **bw_defaults)

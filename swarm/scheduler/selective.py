@@ -1,0 +1,162 @@
+"""Optimus-CC's selective compression, planned: the epilogue's codecs from the measured links, and the cost term.
+
+`epilogue_figures` reads, for a plan's stages, what `swarm.scheduler.bits.choose_epilogue` chooses from: each
+replicated stage's slowest member-to-member link and gradient size, the tied group's, and the step's pipeline
+time without its epilogue (the cost model's). `selective_breakdown` is the cost term: the same `FullCost`
+prediction with each stage's averaging and the tied sync at the chosen codecs' bytes, so the planner's predicted
+step shows the epilogue it will run. `choose_for_plan` is both, what the live planner publishes.
+
+Sizes: the cost model counts a layer's gradient at `TransformerShape.gradient_bits` (8) bits an element, so
+a stage's elements are its layers x `gradient_bytes_per_layer` x 8 / 8; the tied weight's elements are read back
+from `ModelSpec.tied_bytes`, which `swarm.daemon.capacity.tied_bytes` measures at the tied floor's 4 bits
+(`GradientAverager.tied_min_bits`, the default backward codec).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from swarm.scheduler.bits import BitsPolicy, EpilogueFigures, choose_epilogue, epilogue_bytes
+from swarm.scheduler.cost import FullCost, Layout
+from swarm.scheduler.plans import Breakdown, ModelSpec, PlanInput, TransformerShape
+
+__all__ = [
+    "choose_for_plan",
+    "epilogue_figures",
+    "epilogue_moved",
+    "pipeline_s",
+    "pipeline_step_s",
+    "planned_epilogue",
+    "same_choice",
+    "selective_breakdown",
+    "tied_elements",
+]
+
+TIED_SPEC_BITS = 4
+"""Bits an element of `ModelSpec.tied_bytes` as `capacity.tied_bytes` measures it (the tied floor)."""
+
+
+def tied_elements(spec: ModelSpec) -> float:
+    return spec.tied_bytes * 8 / TIED_SPEC_BITS
+
+
+def _layout(stages: list[dict], plan_input: PlanInput) -> Layout:
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    width = max(len(st["peer_ids"]) for st in stages)
+    if any(len(st["peer_ids"]) != width for st in stages):
+        raise ValueError("selective: uneven replica counts are not modelled")
+    grid = np.array([[index[pid] for pid in st["peer_ids"]] for st in stages])
+    return Layout(grid, np.array([st["layer_end"] - st["layer_start"] for st in stages]))
+
+
+def pipeline_s(b: Breakdown) -> float:
+    """The step without its epilogue (averaging, tied sync): compute, fill, steady state and overhead."""
+    return b.compute_s + b.transfer_s + b.latency_s + b.steady_s + b.overhead_s
+
+
+def pipeline_step_s(stages: list[dict], plan_input: PlanInput, spec: ModelSpec) -> float | None:
+    """`pipeline_s` of `stages` as the cost model predicts it; None for a layout it does not score."""
+    try:
+        return pipeline_s(FullCost(plan_input, spec).evaluate(_layout(stages, plan_input)))
+    except ValueError:
+        return None
+
+
+def _slowest(plan_input: PlanInput, members: np.ndarray) -> float:
+    bw = plan_input.bandwidth_bytes_per_s[np.ix_(members, members)]
+    return float(bw[~np.eye(len(members), dtype=bool)].min())
+
+
+def epilogue_figures(
+    stages: list[dict], plan_input: PlanInput, spec: ModelSpec
+) -> tuple[list[EpilogueFigures | None], EpilogueFigures | None]:
+    """Each stage's averaging figures (None for one replica) and the tied sync's (None without one)."""
+    layout = _layout(stages, plan_input)
+    step = pipeline_s(FullCost(plan_input, spec).evaluate(layout))
+    per_element = spec.gradient_bytes_per_layer * 8 / TransformerShape.gradient_bits
+    average = [
+        None if len(row) < 2 else EpilogueFigures(_slowest(plan_input, row), n * per_element, step)
+        for row, n in zip(layout.grid, layout.layers, strict=True)
+    ]
+    tied = None
+    if spec.tied_bytes > 0 and len(stages) > 1:
+        members = np.concatenate([layout.grid[0], layout.grid[-1]])
+        tied = EpilogueFigures(_slowest(plan_input, members), tied_elements(spec), step)
+    return average, tied
+
+
+class _EpilogueCost(FullCost):
+    """`FullCost` with one stage group's gradient bytes per layer of its own (its averaging codec's)."""
+
+    def __init__(self, plan_input: PlanInput, model: ModelSpec, per_group: dict[tuple[int, ...], float]):
+        super().__init__(plan_input, model)
+        own = {key: FullCost(plan_input, replace(model, gradient_bytes_per_layer=b)) for key, b in per_group.items()}
+        object.__setattr__(self, "_own", own)
+
+    def group_stats(self, group: np.ndarray, stages: int):
+        own = self._own.get(tuple(int(i) for i in group))
+        return own.group_stats(group, stages) if own is not None else super().group_stats(group, stages)
+
+
+def selective_breakdown(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, chosen: dict) -> Breakdown:
+    """The predicted step of `stages` with the epilogue at `chosen`'s codecs (`choose_epilogue`'s dict): each
+    stage's averaging at its codec's bits per element, the tied sync at its codec's bytes."""
+    layout = _layout(stages, plan_input)
+    tied = chosen.get("tied")
+    model = replace(spec, tied_bytes=epilogue_bytes(tied, tied_elements(spec))) if tied else spec
+    per_element = spec.gradient_bytes_per_layer * 8 / TransformerShape.gradient_bits
+    per_group = {
+        tuple(int(i) for i in row): epilogue_bytes(label, per_element)
+        for row, label in zip(layout.grid, chosen["average"], strict=True)
+        if label is not None
+    }
+    return _EpilogueCost(plan_input, model, per_group).evaluate(layout)
+
+
+def choose_for_plan(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy | None = None):
+    """(`{"epilogue_codecs": ...}`, the figures it was chosen from, the predicted breakdown with it)."""
+    figures = epilogue_figures(stages, plan_input, spec)
+    chosen = choose_epilogue(*figures, policy or BitsPolicy())
+    return {"epilogue_codecs": chosen}, figures, selective_breakdown(stages, plan_input, spec, chosen)
+
+
+def planned_epilogue(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy | None = None):
+    """What the live planner adds to a plan: `{"epilogue_codecs": ..., "step_time_s", "breakdown"}` (the predicted
+    step with the chosen epilogue) and the figures chosen from; ({}, None) where nothing is summed or the layout
+    is not one the cost model scores (uneven replica counts)."""
+    from dataclasses import asdict
+
+    try:
+        chosen, figures, breakdown = choose_for_plan(stages, plan_input, spec, policy)
+    except ValueError:
+        return {}, None
+    if all(f is None for f in figures[0]) and figures[1] is None:
+        return {}, None
+    return {**chosen, "step_time_s": breakdown.total_s, "breakdown": asdict(breakdown)}, figures
+
+
+def epilogue_moved(old, stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy) -> bool:
+    """Whether the epilogue's figures moved past the hysteresis since `old` (False where there is no epilogue)."""
+    from swarm.scheduler.bits import rechoose_epilogue
+
+    try:
+        new = epilogue_figures(stages, plan_input, spec)
+    except ValueError:
+        return False
+    if old is None and all(f is None for f in new[0]) and new[1] is None:
+        return False
+    return rechoose_epilogue(old, new, policy)
+
+
+def same_choice(plan: dict, chosen: dict) -> bool:
+    """Whether `chosen` (`"codecs"`, `"epilogue_codecs"`) names the codecs `plan` already runs: the labels, not
+    the `why` texts, whose figures change with every measurement."""
+
+    def labels(d: dict) -> tuple:
+        links = tuple((c["forward"], c["backward"]) for c in d.get("codecs") or ())
+        epilogue = d.get("epilogue_codecs") or {}
+        return links, tuple(epilogue.get("average") or ()), epilogue.get("tied")
+
+    return labels(plan) == labels(chosen)
