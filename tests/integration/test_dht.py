@@ -192,8 +192,10 @@ def test_plans_count_only_from_the_elected_planner_and_only_when_valid(swarm):
     for node in (a, b):
         assert node.announce(announcement(node), ttl_s=60)
     wait_for(
-        lambda: (seen := {p.peer_id: p for p in c.peers()}).keys() >= {a.peer_id, b.peer_id}
-        and seen[elected.peer_id].planner_until == elected.planner_until,
+        lambda: (
+            (seen := {p.peer_id: p for p in c.peers()}).keys() >= {a.peer_id, b.peer_id}
+            and seen[elected.peer_id].planner_until == elected.planner_until
+        ),
         WAIT_S,
         what="a and b announced, the elected one with its lease",
     )
