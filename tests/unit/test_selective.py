@@ -280,6 +280,7 @@ def test_a_peer_builds_its_averager_from_the_plan_s_epilogue_codecs():
     daemon.codecs = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
     daemon.dht, daemon.transport, daemon.signer, daemon.book, daemon.metrics = SimpleNamespace(peer_id=A), *[None] * 4
     daemon._setup_checkpoints = lambda host: None
+    daemon.nat = SimpleNamespace(tunnels=SimpleNamespace(dial=lambda address: address))  # every peer direct
     plan = {"epilogue_codecs": {"average": ["fp32", "bf16"], "tied": "gradq8+ef+rot+nr+cs+g1024"}}
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
     assert host.averager.codecs == {False: CodecConfig.parse("bf16"), True: CodecConfig.parse(TIED_LADDER[2])}
