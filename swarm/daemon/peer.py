@@ -61,7 +61,7 @@ class PeerDaemon:
 
     def run(self) -> int:
         from swarm.daemon.addresses import stage_address, stage_announce_host
-        from swarm.daemon.capacity import measure_compute, memory_bytes
+        from swarm.daemon.capacity import measure_compute, measure_speeds, memory_bytes
         from swarm.daemon.roster import AddressBook, PeerAuth
         from swarm.net.connect import SignedChannels
         from swarm.peers.dht import Heartbeat, SwarmDHT
@@ -110,9 +110,8 @@ class PeerDaemon:
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
             server.start()
             log.info("stage service listening on %s", address)
-            self.speed = cfg.compute_layers_per_s or measure_compute(
-                self.model, cfg.device, micro_batch_size=cfg.planning.micro_batch_size
-            )
+            self.mb = cfg.planning.micro_batch_size
+            self.speed = cfg.compute_layers_per_s or measure_compute(self.model, cfg.device, micro_batch_size=self.mb)
             log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, self.speed)
             self.announcement = PeerAnnouncement(
                 peer_id=dht.peer_id,
@@ -120,6 +119,7 @@ class PeerDaemon:
                 device=cfg.device,
                 memory_bytes=memory_bytes(),
                 compute_layers_per_s=self.speed,
+                speeds=() if cfg.compute_layers_per_s else measure_speeds(self.model, cfg.device, self.mb),
                 started_at=time.time(),
                 codec=self.codecs[0].label,
                 held=self.held.held() if self.held is not None else (),
@@ -158,13 +158,14 @@ class PeerDaemon:
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
         from swarm.scheduler.bits import stage_link_configs
+        from swarm.scheduler.precision import plan_precision
 
         cfg = self.cfg
         ends = stage_link_configs(plan or {}, role.stage, self.codecs)  # a plan's per-link codecs, else the flags'
         host = StageHost(
             role,
             self.model,
-            StageConfig(optim=cfg.optim, precision=cfg.precision, device=cfg.device),
+            StageConfig(cfg.optim, precision=plan_precision(plan or {}, role.stage, cfg.precision), device=cfg.device),
             LinkEnds(ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3])),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book),
@@ -325,7 +326,9 @@ class PeerDaemon:
     def _apply_plan(self, record) -> None:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
         from swarm.daemon.planning import role_in_plan
+        from swarm.runtime.sensitivity import set_stage_precision
         from swarm.scheduler.bits import stage_link_configs
+        from swarm.scheduler.precision import plan_precision
 
         role = role_in_plan(record, self.dht.peer_id)
         roster = self.book.plan_roster(record, self.announcement)
@@ -342,7 +345,8 @@ class PeerDaemon:
         if same and not behind:
 
             def bump(servicer) -> None:
-                servicer.host.role = role  # same layers: only the plan version changes
+                servicer.host.role = role  # same layers: only the plan version (and maybe precision) changes
+                set_stage_precision(servicer.host.worker, plan_precision(record.plan, role.stage, self.cfg.precision))
                 servicer.set_roster(roster)
 
             self.servicer.when_idle(bump, wait_s)
