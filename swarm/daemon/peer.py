@@ -212,6 +212,7 @@ class PeerDaemon:
         from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
         from swarm.daemon.planning import LinkProber, Planner, model_spec
         from swarm.scheduler.bits import codec_sizes
+        from swarm.scheduler.precision import precision_planner
 
         cfg, plans = self.cfg, self.cfg.planning
         spec = model_spec(self.model, *self.codecs, plans.micro_batch_size, plans.micro_batches)
@@ -246,6 +247,7 @@ class PeerDaemon:
             lease_s=plans.planner_lease_s,
             reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
+            precisions=precision_planner(self.model, plans.precision_budget, plans.micro_batch_size),
             **({} if plans.probe_links else {"probe_wait_s": 0.0}),
         )
         lease_stop = threading.Event()

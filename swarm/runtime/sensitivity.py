@@ -32,6 +32,7 @@ __all__ = [
     "layer_sensitivities",
     "measure_sensitivity",
     "set_stage_precision",
+    "stage_sensitivity",
     "validate_sensitivity",
 ]
 
@@ -142,3 +143,31 @@ def set_stage_precision(worker, precision: str) -> bool:
     worker.precision = precision
     worker.scaler = LossScaler(worker.cfg.scaler) if precision == "fp16" else None
     return True
+
+
+_STAGE_CACHE: dict[tuple, dict[str, float]] = {}
+
+
+def stage_sensitivity(
+    model, layer_start: int, layer_end: int, micro_batch_size: int = 2, batches: int = 2, seed: int = 0
+) -> dict[str, float]:
+    """A planner's estimate of a stage's bf16 sensitivity before anyone trains it: the stage built from the
+    model's deterministic init (what every peer starts from), on synthetic inputs (random tokens for the first
+    stage, layer-normed Gaussian activations for the others), `measure_sensitivity` over `batches` of them.
+    Cached per (model, layers, size). Where a stage lives it can be measured on its real weights and inputs
+    instead (the hetero experiment does)."""
+    from swarm.model.spec import build_stage
+
+    key = (repr(model), layer_start, layer_end, micro_batch_size, batches, seed)
+    if key not in _STAGE_CACHE:
+        first, last = layer_start == 0, layer_end == model.n_layers
+        module = build_stage(model, layer_start, layer_end, first, last)
+        gen = torch.Generator().manual_seed(seed)
+        shape = (micro_batch_size, model.seq_len_tokens)
+        if first:
+            inputs = [torch.randint(0, model.vocab_size, shape, generator=gen) for _ in range(batches)]
+        else:
+            hidden = (*shape, model.hidden_dim)
+            inputs = [nn.functional.layer_norm(torch.randn(hidden, generator=gen), hidden[-1:]) for _ in range(batches)]
+        _STAGE_CACHE[key] = measure_sensitivity(module, inputs, ("bf16",), seed=seed)
+    return dict(_STAGE_CACHE[key])

@@ -31,6 +31,7 @@ __all__ = [
     "peer_speed",
     "plan_precision",
     "plan_precisions",
+    "precision_planner",
     "stage_times",
 ]
 
@@ -172,3 +173,18 @@ def plan_precision(plan: Mapping, stage: int, default: str) -> str:
     --precision): what a peer computes its stage in."""
     precisions = plan.get("precisions")
     return str(precisions[stage]) if isinstance(precisions, list) and 0 <= stage < len(precisions) else default
+
+
+def precision_planner(model, budget: float, micro_batch_size: int = 2) -> Callable[[list, list], dict] | None:
+    """What the live planner calls on a fresh plan's stages and the announced peers when --precision-budget is
+    set (None: off): `plan_precisions` with each stage's sensitivity from `stage_sensitivity` (the planner's own
+    measurement on the model's init and synthetic inputs: peers do not report theirs yet)."""
+    if not budget:
+        return None
+    from swarm.runtime.sensitivity import stage_sensitivity
+
+    def choose(stages: list, peers: list) -> dict:
+        sens = [stage_sensitivity(model, s["layer_start"], s["layer_end"], micro_batch_size) for s in stages]
+        return plan_precisions(stages, {p.peer_id: p for p in peers}, sens, budget)
+
+    return choose

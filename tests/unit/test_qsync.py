@@ -254,3 +254,21 @@ def test_a_stage_switches_precision_between_steps_and_keeps_fp32_master_weights(
     assert set_stage_precision(worker, "fp32") and worker.scaler is None
     with pytest.raises(ValueError):
         set_stage_precision(worker, "int8")
+
+
+def test_the_planner_measures_stage_sensitivities_and_plans_with_them():
+    from swarm.daemon.config import PlanningConfig
+    from swarm.scheduler.precision import precision_planner
+
+    assert precision_planner(ModelConfig(), 0.0) is None, "off by default: today's behaviour"
+    with pytest.raises(ValueError, match="precision_budget"):
+        PlanningConfig(precision_budget=math.nan)
+    tiny = ModelConfig(seq_len_tokens=8, hidden_dim=16, n_layers=2, n_heads=2)
+    choose = precision_planner(tiny, 1.0, micro_batch_size=1)
+    stages = [
+        {"layer_start": 0, "layer_end": 1, "peer_ids": ["a"]},
+        {"layer_start": 1, "layer_end": 2, "peer_ids": ["b"]},
+    ]
+    assert choose(stages, [peer("a", 40.0, 60.0), peer("b", 10.0, 25.0)]) == {"precisions": ["fp32", "bf16"]}
+    strict = precision_planner(tiny, 1e-12, micro_batch_size=1)
+    assert strict(stages, [peer("a", 40.0, 60.0), peer("b", 10.0, 25.0)]) == {}, "over the budget: fp32"
