@@ -82,6 +82,8 @@ class Setting:
     """Codec of the activation gradients."""
     warmup_epochs: int = 0
     """Epochs trained with fp32 both ways before switching to the codecs."""
+    stage_precisions: tuple[tuple[int, str], ...] = ()
+    """Per-peer precision (`~bf16:1`): (stage, precision) pairs computed in another precision than the run's."""
 
     @classmethod
     def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
@@ -92,15 +94,19 @@ class Setting:
             forward_defaults: CodecConfig fields for the forward codec unless the text overrides them.
             backward_defaults: the same for the backward codec.
         """
+        from swarm.experiments.hetero import split_stage_precisions
+
+        name, (text, stage_precisions) = text, split_stage_precisions(text)
         pair, _, warmup = text.partition("@w")
         fw, sep, bw = pair.partition("/")
         if not sep:
             raise ValueError(f"setting {text!r} is not FW/BW, e.g. aqsgd2/gradq4+ef")
         return cls(
-            text,
+            name,
             _parse_codec(fw, forward_defaults or {}),
             _parse_codec(bw, backward_defaults or {}),
             int(warmup) if warmup else 0,
+            stage_precisions,
         )
 
 
@@ -171,6 +177,7 @@ def _run_setting(
 
     stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
     pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
+    _stage_precisions(pipe, setting)
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
     for epoch in range(cfg.epochs):
@@ -202,6 +209,13 @@ def _run_setting(
     pipe.close()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _stage_precisions(pipe: LocalPipeline, setting: Setting) -> None:
+    """Per-peer precision (issue 15, QSync): the setting's `~PRECISION:STAGES` stages switch before step 1."""
+    from swarm.experiments.hetero import apply_stage_precisions
+
+    apply_stage_precisions(pipe, setting.stage_precisions)
 
 
 def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
@@ -401,7 +415,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
         "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
         "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
-        "uncompressed warm-up epochs first); fp32/fp32 always runs first as the baseline "
+        "uncompressed warm-up epochs first), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
+        "fp32/fp32 always runs first as the baseline "
         f"(default: {','.join(DEFAULT_SETTINGS)})",
     )
     add("--epochs", type=int, default=d.epochs, help="passes over the training samples (default %(default)s)")

@@ -32,14 +32,52 @@ import torch
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.runtime.local import LocalPipeline
+from swarm.runtime.precision import PRECISIONS
 from swarm.runtime.sensitivity import measure_sensitivity, set_stage_precision
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.scheduler.precision import DEFAULT_BUDGET, choose_precisions
 
-__all__ = ["ComputeThrottle", "HeteroConfig", "add_arguments", "run", "run_experiment"]
+__all__ = [
+    "ComputeThrottle",
+    "HeteroConfig",
+    "add_arguments",
+    "apply_stage_precisions",
+    "run",
+    "run_experiment",
+    "split_stage_precisions",
+]
 
 SETTINGS = ("equal", "slow-fp32", "slow-planned")
 RECOVER_TARGET, LOSS_TOLERANCE = 0.30, 0.005
+
+
+def split_stage_precisions(text: str) -> tuple[str, tuple[tuple[int, str], ...]]:
+    """A convergence setting's per-peer-precision suffix: `FW/BW~bf16:1:2` -> ("FW/BW", ((1, "bf16"), (2, "bf16"))):
+    the named stages compute in that precision, the others in the run's (":" between stages: --settings splits on
+    commas). No suffix: ()."""
+    rest, sep, suffix = text.partition("~")
+    if not sep:
+        return text, ()
+    precision, colon, stages = suffix.partition(":")
+    if precision not in PRECISIONS or not colon:
+        raise ValueError(f"setting {text!r}: expected a suffix ~PRECISION:STAGE[,STAGE...], e.g. ~bf16:1")
+    try:
+        named = tuple(sorted({int(x) for x in stages.split(":")}))
+    except ValueError:
+        raise ValueError(f"setting {text!r}: stages must be integers, e.g. ~bf16:0:1") from None
+    if not named or min(named) < 0:
+        raise ValueError(f"setting {text!r}: stages must be integers >= 0")
+    return rest, tuple((s, precision) for s in named)
+
+
+def apply_stage_precisions(pipe: LocalPipeline, stage_precisions: tuple[tuple[int, str], ...]) -> None:
+    """Sets the named stages' precision on every replica (`set_stage_precision`); a stage past the pipeline's is
+    refused."""
+    for stage, precision in stage_precisions:
+        if stage >= len(pipe.replica_hosts):
+            raise ValueError(f"stage {stage}: the pipeline has {len(pipe.replica_hosts)} stages")
+        for host in pipe.replica_hosts[stage]:
+            set_stage_precision(host.worker, precision)
 
 
 class _BackwardStart(torch.autograd.Function):

@@ -272,3 +272,25 @@ def test_the_planner_measures_stage_sensitivities_and_plans_with_them():
     assert choose(stages, [peer("a", 40.0, 60.0), peer("b", 10.0, 25.0)]) == {"precisions": ["fp32", "bf16"]}
     strict = precision_planner(tiny, 1e-12, micro_batch_size=1)
     assert strict(stages, [peer("a", 40.0, 60.0), peer("b", 10.0, 25.0)]) == {}, "over the budget: fp32"
+
+
+def test_a_convergence_setting_names_stages_computed_in_bf16():
+    from swarm.experiments.convergence import Setting
+    from swarm.experiments.hetero import apply_stage_precisions, split_stage_precisions
+    from swarm.runtime.local import LocalPipeline
+
+    s = Setting.parse("fp32/fp32~bf16:1")
+    assert s.name == "fp32/fp32~bf16:1" and s.stage_precisions == ((1, "bf16"),) and s.forward.name == "fp32"
+    assert Setting.parse("fp32/fp32@w1~bf16:0:1").stage_precisions == ((0, "bf16"), (1, "bf16"))
+    assert Setting.parse("fp32/fp32").stage_precisions == ()
+    for bad in ("fp32/fp32~int8:1", "fp32/fp32~bf16", "fp32/fp32~bf16:x", "fp32/fp32~bf16:-1"):
+        with pytest.raises(ValueError):
+            split_stage_precisions(bad)
+    pipe = LocalPipeline(ModelConfig(seq_len_tokens=8, hidden_dim=16, n_layers=2, n_heads=2), 2)
+    try:
+        apply_stage_precisions(pipe, ((1, "bf16"),))
+        assert [h.worker.precision for h in pipe.hosts] == ["fp32", "bf16"]
+        with pytest.raises(ValueError):
+            apply_stage_precisions(pipe, ((2, "bf16"),))
+    finally:
+        pipe.close()
