@@ -223,7 +223,9 @@ class _Run:
 
     def train_step(self, batch) -> None:
         if self.step == self.plan_step and self.setting == "slow-planned":
+            start = time.perf_counter()
             self.precisions, self.detail = _plan(self.pipe, self.cfg, batch)
+            self.detail["plan_s"] = time.perf_counter() - start  # measuring and choosing: outside the window
         start = time.perf_counter()
         self.losses.append(self.pipe.train_step(batch, self.cfg.n_micro).loss)
         if self.step >= self.plan_step:
