@@ -347,8 +347,8 @@ class PeerDaemon:
         if same and not behind:
 
             def bump(servicer) -> None:
-                servicer.host.role = role  # same layers: only the plan version (and maybe precision) changes
                 set_stage_precision(servicer.host.worker, plan_precision(record.plan, role.stage, self.cfg.precision))
+                servicer.host.role = role  # same layers: only the plan version (and maybe precision) changes
                 servicer.set_roster(roster)
 
             self.servicer.when_idle(bump, wait_s)
