@@ -27,6 +27,8 @@ __all__ = [
     "MAX_PLAN_STAGES",
     "MAX_PLAN_TRAINERS",
     "MAX_PLAN_VERSION",
+    "LOW_PRECISIONS",
+    "PLAN_PRECISIONS",
     "LinkMeasurement",
     "PeerAnnouncement",
     "PlanRecord",
@@ -124,6 +126,32 @@ def _from_wire(cls: type, wire: Any) -> Any:
     return cls(**kwargs)
 
 
+LOW_PRECISIONS = ("bf16", "fp16")
+"""Precisions a peer may announce a speed for (`PeerAnnouncement.speeds`); fp32's is `compute_layers_per_s`."""
+PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
+"""What a plan's `precisions` may name (`swarm.runtime.precision.PRECISIONS`)."""
+
+
+def _speeds(record: str, value: Any) -> tuple[tuple[str, float], ...]:
+    """`speeds` from a tuple of (precision, layers/s) pairs or its wire string "bf16:31.0 fp16:12.5"."""
+    what = f"at most {len(LOW_PRECISIONS)} distinct (precision in {LOW_PRECISIONS}, layers/s) pairs"
+    if isinstance(value, str) and len(value) <= 64 * len(LOW_PRECISIONS):
+        try:
+            value = [(name, float(speed)) for name, speed in (entry.split(":") for entry in value.split())]
+        except ValueError:
+            raise _fail(record, "speeds", what, value) from None
+    if not isinstance(value, (list, tuple)) or len(value) > len(LOW_PRECISIONS):
+        raise _fail(record, "speeds", what, value)
+    speeds = []
+    for entry in value:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or entry[0] not in LOW_PRECISIONS:
+            raise _fail(record, "speeds", what, entry)
+        speeds.append((entry[0], _float(record, "speeds", entry[1], 0.0, _MAX_LAYERS_PER_S)))
+    if len({name for name, _ in speeds}) != len(speeds):
+        raise _fail(record, "speeds", what, value)
+    return tuple(speeds)
+
+
 @dataclass(frozen=True)
 class PeerAnnouncement:
     """What a peer can do and what it serves now, refreshed by its heartbeat until it leaves."""
@@ -162,10 +190,14 @@ class PeerAnnouncement:
     """"direct": others can dial `address`; "relay": they cannot, reach it through `relay` (swarm.net.relay)."""
     relay: str | None = None
     """Peer id of the reachable peer it keeps its Attach open to: set exactly when reach == "relay"."""
+    speeds: tuple[tuple[str, float], ...] = ()
+    """Measured layers/s in each precision other than fp32 its device runs, e.g. (("bf16", 31.0),);
+    `compute_layers_per_s` is the fp32 figure. On the wire: "bf16:31.0 fp16:12.5"."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
         _peer_id(r, "peer_id", self.peer_id)
+        _set(self, "speeds", _speeds(r, self.speeds))
         if type(self.leaving) is not bool:
             raise _fail(r, "leaving", "a bool", self.leaving)
         if isinstance(self.held, str) and len(self.held) <= 40 * _MAX_HELD:
@@ -224,7 +256,11 @@ class PeerAnnouncement:
 
     def to_wire(self) -> dict[str, Any]:
         # flat on the wire, like every record field: "start:end:steps start:end:steps"
-        return {**dataclasses.asdict(self), "held": " ".join(":".join(map(str, h)) for h in self.held)}
+        return {
+            **dataclasses.asdict(self),
+            "held": " ".join(":".join(map(str, h)) for h in self.held),
+            "speeds": " ".join(f"{name}:{speed!r}" for name, speed in self.speeds),
+        }
 
     @classmethod
     def from_wire(cls, wire: Any) -> PeerAnnouncement:
@@ -490,6 +526,7 @@ def validate_plan(
             raise _fail("plan", "unused_peer_ids", "peers the stages do not name", pid)
     _validate_codecs(plan.get("codecs"), len(stages))
     _validate_epilogue_codecs(plan.get("epilogue_codecs"), len(stages))
+    _validate_precisions(plan.get("precisions"), len(stages))
     trainer_ids = plan.get("trainer_ids", [])
     if type(trainer_ids) is not list or len(trainer_ids) > MAX_PLAN_TRAINERS:
         raise _fail("plan", "trainer_ids", f"a list of at most {MAX_PLAN_TRAINERS} trainer ids", trainer_ids)
@@ -565,3 +602,18 @@ def _validate_epilogue_codecs(chosen: Any, n_stages: int) -> None:
     why = chosen.get("why", "")
     if type(why) is not str or len(why) > _MAX_CODEC_WHY:
         raise _fail("plan.epilogue_codecs", "why", f"text of at most {_MAX_CODEC_WHY} characters", why)
+
+
+def _validate_precisions(precisions: Any, n_stages: int) -> None:
+    """A plan's optional `precisions`: one name in PLAN_PRECISIONS per stage (absent: every stage computes in its
+    peer's --precision). fp16 is all or none: its loss scale is agreed by every stage (`swarm.runtime.precision`),
+    which a stage without scaling (scale 1) cannot agree to."""
+    if precisions is None:
+        return
+    if type(precisions) is not list or len(precisions) != n_stages:
+        raise _fail("plan", "precisions", f"a list of {n_stages} precisions, one per stage", precisions)
+    for i, name in enumerate(precisions):
+        if type(name) is not str or name not in PLAN_PRECISIONS:
+            raise _fail("plan", f"precisions[{i}]", f"one of {PLAN_PRECISIONS}", name)
+    if "fp16" in precisions and set(precisions) != {"fp16"}:
+        raise _fail("plan", "precisions", "fp16 on every stage or on none (its loss scale is agreed)", precisions)

@@ -39,6 +39,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "swarm.experiments.finetune",
         "write a Hugging Face checkpoint and tokenizer locally, fine-tune it over a local 3-peer swarm",
     ),
+    ("experiment", "hetero"): (
+        "swarm.experiments.hetero",
+        "one peer 2x slower: all-equal, uniform fp32 and planned per-peer precision (QSync), same seed",
+    ),
     ("experiment", "churn"): (
         "swarm.experiments.churn",
         "train twice from one seed, without and with peers killed and joining; recovery, samples, targets",

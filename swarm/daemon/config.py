@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,10 +83,15 @@ class PlanningConfig:
     calibrate_after_steps: int | None = None
     """The planner re-predicts the plan from its peers' clocks over 4 steps from this many steps in and
     republishes it (`swarm.daemon.calibrate`); None: off (a trainer without the DHT cannot follow the new version)."""
+    precision_budget: float = 0.0
+    """The planner chooses each stage's precision (fp32/bf16) from the peers' announced speeds under this loss
+    budget (summed sensitivity, `swarm.scheduler.precision`); 0: off, every peer computes in its --precision."""
 
     def __post_init__(self) -> None:
         if self.calibrate_after_steps is not None and self.calibrate_after_steps < 0:
             raise ValueError("PlanningConfig: calibrate_after_steps must be >= 0")
+        if not (math.isfinite(self.precision_budget) and self.precision_budget >= 0):
+            raise ValueError("PlanningConfig: precision_budget must be a finite number >= 0")
         if self.codec_policy not in ("fixed", "per-link"):
             raise ValueError(f"PlanningConfig: codec_policy must be fixed or per-link, got {self.codec_policy!r}")
         if self.micro_batch_size < 1 or self.micro_batches < 1:
@@ -307,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-predict the plan from the peers' measured clocks over 4 steps from N steps in, and republish it",
     )
     g.add_argument(
+        "--precision-budget",
+        type=float,
+        default=plans.precision_budget,
+        help="plan each stage's precision (fp32/bf16, QSync) under this loss budget, e.g. 1e-3; 0: off",
+    )
+    g.add_argument(
         "--plan-even-layers",
         action="store_true",
         help="plan an even layer split (peers still ordered and the step still predicted)",
@@ -404,6 +416,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
             even_layers=args.plan_even_layers,
             codec_policy=args.codec_policy,
             calibrate_after_steps=args.calibrate_after_steps,
+            precision_budget=args.precision_budget,
         ),
         model=model_config(args),
         optim=OptimConfig(

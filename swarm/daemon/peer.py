@@ -61,7 +61,7 @@ class PeerDaemon:
 
     def run(self) -> int:
         from swarm.daemon.addresses import stage_address, stage_announce_host
-        from swarm.daemon.capacity import measure_compute, memory_bytes
+        from swarm.daemon.capacity import measure_compute, measure_speeds, memory_bytes
         from swarm.daemon.nat import NatWiring
         from swarm.daemon.roster import AddressBook, PeerAuth
         from swarm.net.connect import SignedChannels
@@ -113,9 +113,8 @@ class PeerDaemon:
             self.nat.add_to(server)  # Relay: dial-back, Echo, and relaying for peers behind NAT
             server.start()
             log.info("stage service listening on %s", address)
-            self.speed = cfg.compute_layers_per_s or measure_compute(
-                self.model, cfg.device, micro_batch_size=cfg.planning.micro_batch_size
-            )
+            self.mb = cfg.planning.micro_batch_size
+            self.speed = cfg.compute_layers_per_s or measure_compute(self.model, cfg.device, micro_batch_size=self.mb)
             log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, self.speed)
             self.announcement = PeerAnnouncement(
                 peer_id=dht.peer_id,
@@ -123,6 +122,7 @@ class PeerDaemon:
                 device=cfg.device,
                 memory_bytes=memory_bytes(),
                 compute_layers_per_s=self.speed,
+                speeds=() if cfg.compute_layers_per_s else measure_speeds(self.model, cfg.device, self.mb),
                 started_at=time.time(),
                 codec=self.codecs[0].label,
                 held=self.held.held() if self.held is not None else (),
@@ -163,13 +163,14 @@ class PeerDaemon:
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
         from swarm.scheduler.bits import epilogue_configs, stage_link_configs
+        from swarm.scheduler.precision import plan_precision
 
         cfg = self.cfg
         ends = stage_link_configs(plan or {}, role.stage, self.codecs)  # a plan's per-link codecs, else the flags'
         host = StageHost(
             role,
             self.model,
-            StageConfig(optim=cfg.optim, precision=cfg.precision, device=cfg.device),
+            StageConfig(cfg.optim, precision=plan_precision(plan or {}, role.stage, cfg.precision), device=cfg.device),
             LinkEnds(ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3])),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
@@ -217,6 +218,7 @@ class PeerDaemon:
         from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
         from swarm.daemon.planning import LinkProber, Planner, model_spec
         from swarm.scheduler.bits import codec_sizes
+        from swarm.scheduler.precision import precision_planner
 
         cfg, plans = self.cfg, self.cfg.planning
         spec = model_spec(self.model, *self.codecs, plans.micro_batch_size, plans.micro_batches)
@@ -251,6 +253,7 @@ class PeerDaemon:
             lease_s=plans.planner_lease_s,
             reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
+            precisions=precision_planner(self.model, plans.precision_budget, plans.micro_batch_size),
             **({} if plans.probe_links else {"probe_wait_s": 0.0}),
         )
         lease_stop = threading.Event()
@@ -331,7 +334,9 @@ class PeerDaemon:
     def _apply_plan(self, record) -> None:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
         from swarm.daemon.planning import role_in_plan
+        from swarm.runtime.sensitivity import set_stage_precision
         from swarm.scheduler.bits import epilogue_configs, stage_link_configs
+        from swarm.scheduler.precision import plan_precision
 
         role = role_in_plan(record, self.dht.peer_id)
         roster = self.book.plan_roster(record, self.announcement)
@@ -348,7 +353,8 @@ class PeerDaemon:
         if same and not behind:
 
             def bump(servicer) -> None:
-                servicer.host.role = role  # same layers: only the plan version (and epilogue codecs) change
+                set_stage_precision(servicer.host.worker, plan_precision(record.plan, role.stage, self.cfg.precision))
+                servicer.host.role = role  # same layers: only the plan version (epilogue codecs, precision) change
                 servicer.host.averager.set_codecs(*epilogue_configs(record.plan, role.stage))
                 servicer.set_roster(roster)
 

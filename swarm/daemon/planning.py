@@ -291,12 +291,13 @@ class Planner:
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
         calibrator: Calibrator | None = None,
+        precisions: Callable[[list, list], dict] | None = None,
     ):
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
         self.replicas, self.liveness, self.even_layers = replicas, liveness, even_layers
         self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
-        self.calibrator = calibrator
+        self.calibrator, self.precisions = calibrator, precisions  # precisions: swarm.scheduler.precision
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
         """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
         self._chosen_from: list[LinkFigures] | None = None
@@ -442,6 +443,7 @@ class Planner:
             made = with_even_layers(made, swarm.plan_input, self.spec)
         made_dict = made.to_dict()
         codecs = self.codecs_for(made_dict["stages"], swarm)
+        codecs |= self.precisions(made_dict["stages"], peers) if self.precisions else {}
         self.dht.publish_plan(version, {**made_dict, **codecs, "trainer_ids": trainers})
         log.info(
             "published plan %d: %d stages x %d replicas over %d peers (%d links measured, %d assumed), "

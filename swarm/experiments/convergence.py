@@ -84,6 +84,8 @@ class Setting:
     """Epochs trained with fp32 both ways before switching to the codecs."""
     plan: dict | None = field(default=None, compare=False, hash=False)
     """A `sel:` setting's per-link choice (`swarm.experiments.selective`): boundaries' and epilogue's codecs."""
+    stage_precisions: tuple[tuple[int, str], ...] = ()
+    """Per-peer precision (`~bf16:1`): (stage, precision) pairs computed in another precision than the run's."""
 
     @classmethod
     def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
@@ -94,15 +96,19 @@ class Setting:
             forward_defaults: CodecConfig fields for the forward codec unless the text overrides them.
             backward_defaults: the same for the backward codec.
         """
+        from swarm.experiments.hetero import split_stage_precisions
+
+        name, (text, stage_precisions) = text, split_stage_precisions(text)
         pair, _, warmup = text.partition("@w")
         fw, sep, bw = pair.partition("/")
         if not sep:
             raise ValueError(f"setting {text!r} is not FW/BW, e.g. aqsgd2/gradq4+ef")
         return cls(
-            text,
+            name,
             _parse_codec(fw, forward_defaults or {}),
             _parse_codec(bw, backward_defaults or {}),
             int(warmup) if warmup else 0,
+            stage_precisions=stage_precisions,
         )
 
 
@@ -174,6 +180,7 @@ def _run_setting(
     stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
     pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
     _apply_plan(pipe, setting, cfg)
+    _stage_precisions(pipe, setting)
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
     for epoch in range(cfg.epochs):
@@ -226,6 +233,13 @@ def _apply_plan(pipe: LocalPipeline, setting: Setting, cfg: ExperimentConfig) ->
     fw = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic, "zstd_level": cfg.zstd_level}
     bw = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic, "zstd_level": cfg.zstd_level}
     apply_selective(pipe, setting.plan, fw, bw)
+
+
+def _stage_precisions(pipe: LocalPipeline, setting: Setting) -> None:
+    """Per-peer precision (issue 15, QSync): the setting's `~PRECISION:STAGES` stages switch before step 1."""
+    from swarm.experiments.hetero import apply_stage_precisions
+
+    apply_stage_precisions(pipe, setting.stage_precisions)
 
 
 def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
@@ -428,7 +442,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
         "uncompressed warm-up epochs first); sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
         "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
-        "joined by +); fp32/fp32 always runs first as the baseline "
+        "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
+        "fp32/fp32 always runs first as the baseline "
         f"(default: {','.join(DEFAULT_SETTINGS)})",
     )
     add("--epochs", type=int, default=d.epochs, help="passes over the training samples (default %(default)s)")

@@ -1,0 +1,190 @@
+"""Per-stage precision planned with placement: QSync's allocator over a pipeline's stages.
+
+Inputs, per stage: its predicted compute time in each precision its peers run (from the peers' announced
+speeds: `PeerAnnouncement.compute_layers_per_s` for fp32, `speeds` for the others) and its sensitivity in each
+low precision (`swarm.runtime.sensitivity`: the relative gradient error it adds). Output: one precision per
+stage (a plan's `"precisions"`) under a loss budget (the sum of the chosen stages' sensitivities <= budget) that
+minimises the predicted step time, lowering precision only where it moves the bottleneck:
+
+1. Start from fp32 everywhere (QSync's "quantization-minimized": the reference precision).
+2. While the budget allows: take the bottleneck stage (the slowest; a pipeline's step is paced by it) and lower
+   it to the candidate precision that gives the shortest predicted step, the least sensitive on ties. Stop when
+   the bottleneck has no faster candidate within the budget: no other stage's precision can shorten the step.
+3. Recovery (QSync's allocator recovers "redundant" low-precision operators): every lowered stage goes back up
+   to the most precise choice that does not lengthen the predicted step, the most sensitive first.
+4. If the result is not faster than fp32 everywhere, fp32 everywhere: no sensitivity is spent for nothing.
+
+fp16 is never mixed with other precisions (its loss scale is agreed by every stage, `swarm.runtime.precision`;
+`peers.records._validate_precisions` refuses such a plan), so the candidates are bf16 by default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "PrecisionChoice",
+    "choose_precisions",
+    "peer_speed",
+    "plan_precision",
+    "plan_precisions",
+    "precision_planner",
+    "stage_times",
+]
+
+DEFAULT_BUDGET = 1.0e-3
+"""Default loss budget (sum of relative squared gradient errors): bf16 on one of our stages measures ~1e-4."""
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The allocator's answer: one precision per stage, the predicted step time with it and with fp32 only."""
+
+    precisions: tuple[str, ...]
+    step_s: float
+    fp32_step_s: float
+    spent: float
+    """the chosen stages' summed sensitivity (<= the budget)"""
+    why: str
+
+
+def _bottleneck(times: Sequence[float]) -> float:
+    return max(times)
+
+
+def choose_precisions(
+    times: Sequence[Mapping[str, float]],
+    sensitivity: Sequence[Mapping[str, float]],
+    budget: float = DEFAULT_BUDGET,
+    candidates: Sequence[str] = ("bf16",),
+    step_time: Callable[[Sequence[float]], float] = _bottleneck,
+) -> PrecisionChoice:
+    """Chooses a precision per stage (see the module docstring).
+
+    Args:
+        times: per stage, predicted compute seconds per step in each precision it can run; "fp32" required.
+        sensitivity: per stage, the sensitivity of each low precision; a precision without one is not chosen.
+        budget: the most summed sensitivity the plan may spend (>= 0).
+        candidates: the low precisions to consider, in no particular order.
+        step_time: the predicted step time from the stages' times (default: the slowest stage's).
+    """
+    n = len(times)
+    if n == 0 or len(sensitivity) != n:
+        raise ValueError(f"need times and sensitivities for the same stages, got {n} and {len(sensitivity)}")
+    if not (math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"budget must be a finite number >= 0, got {budget}")
+    for s, t in enumerate(times):
+        if not all(math.isfinite(v) and v > 0 for v in t.values()) or "fp32" not in t:
+            raise ValueError(f"stage {s}: times need a positive finite fp32 figure, got {dict(t)}")
+    options = [
+        ["fp32"] + [p for p in candidates if p in times[s] and p in sensitivity[s] and p != "fp32"] for s in range(n)
+    ]
+
+    def sens(s: int, p: str) -> float:
+        return 0.0 if p == "fp32" else float(sensitivity[s][p])
+
+    def predict(choice: Sequence[str]) -> float:
+        return step_time([times[s][p] for s, p in enumerate(choice)])
+
+    base = ["fp32"] * n
+    fp32_step = predict(base)
+    choice, spent = list(base), 0.0
+    while True:
+        stage_t = [times[s][p] for s, p in enumerate(choice)]
+        b = max(range(n), key=lambda s: stage_t[s])
+        best = None
+        for p in options[b]:
+            extra = spent - sens(b, choice[b]) + sens(b, p)
+            if times[b][p] >= stage_t[b] - _EPS or extra > budget + _EPS:
+                continue
+            trial = choice[:b] + [p] + choice[b + 1 :]
+            key = (predict(trial), sens(b, p))
+            if best is None or key < best[0]:
+                best = (key, p, extra)
+        if best is None:
+            break
+        choice[b], spent = best[1], best[2]
+    target = predict(choice)
+    for s in sorted(range(n), key=lambda s: -sens(s, choice[s])):  # recovery, the most sensitive first
+        for p in sorted(options[s], key=lambda p: sens(s, p)):
+            if sens(s, p) >= sens(s, choice[s]):
+                break
+            trial = choice[:s] + [p] + choice[s + 1 :]
+            if predict(trial) <= target + _EPS:
+                spent += sens(s, p) - sens(s, choice[s])
+                choice[s] = p
+                break
+    step = predict(choice)
+    if step >= fp32_step - _EPS:
+        why = "fp32 everywhere: no lower precision within the budget shortens the step"
+        return PrecisionChoice(tuple(base), fp32_step, fp32_step, 0.0, why)
+    lowered = [f"stage {s} {p}" for s, p in enumerate(choice) if p != "fp32"]
+    why = f"{', '.join(lowered)}: predicted step {step:.4g} s (fp32 {fp32_step:.4g} s), sensitivity {spent:.3g}"
+    return PrecisionChoice(tuple(choice), step, fp32_step, max(spent, 0.0), why)
+
+
+def peer_speed(announcement, precision: str) -> float | None:
+    """A peer's announced layers/s in `precision` (None: it announced none)."""
+    if precision == "fp32":
+        return announcement.compute_layers_per_s or None
+    return dict(announcement.speeds).get(precision)
+
+
+def stage_times(stages: Sequence[Mapping], peers: Mapping[str, object], precisions: Sequence[str]) -> list[dict]:
+    """Per stage of a plan dict's `stages`, its compute seconds per layer-pass in each precision every one of its
+    peers announced a speed for: its layers over its slowest replica's speed (a replica paces its route)."""
+    out = []
+    for stage in stages:
+        layers = int(stage["layer_end"]) - int(stage["layer_start"])
+        figures = {}
+        for p in ("fp32", *precisions):
+            speeds = [peer_speed(peers[pid], p) for pid in stage["peer_ids"] if pid in peers]
+            if speeds and all(speeds):
+                figures[p] = layers / min(speeds)
+        out.append(figures)
+    return out
+
+
+def plan_precisions(
+    stages: Sequence[Mapping],
+    peers: Mapping[str, object],
+    sensitivity: Sequence[Mapping[str, float]] | None,
+    budget: float = DEFAULT_BUDGET,
+) -> dict:
+    """The live planner's hook: `{"precisions": [...]}` for a plan's stages from the peers' announced speeds and
+    the stages' sensitivities, or {} (today's behaviour: each peer's --precision) when a stage lacks an fp32
+    speed, no sensitivity is known, or fp32 everywhere is as fast."""
+    if sensitivity is None or len(sensitivity) != len(stages):
+        return {}
+    times = stage_times(stages, peers, ("bf16",))
+    if any("fp32" not in t for t in times):
+        return {}
+    choice = choose_precisions(times, sensitivity, budget)
+    return {"precisions": list(choice.precisions)} if "bf16" in choice.precisions else {}
+
+
+def plan_precision(plan: Mapping, stage: int, default: str) -> str:
+    """The precision a plan's `precisions` gives `stage` (validated with the plan), else `default` (the peer's
+    --precision): what a peer computes its stage in."""
+    precisions = plan.get("precisions")
+    return str(precisions[stage]) if isinstance(precisions, list) and 0 <= stage < len(precisions) else default
+
+
+def precision_planner(model, budget: float, micro_batch_size: int = 2) -> Callable[[list, list], dict] | None:
+    """What the live planner calls on a fresh plan's stages and the announced peers when --precision-budget is
+    set (None: off): `plan_precisions` with each stage's sensitivity from `stage_sensitivity` (the planner's own
+    measurement on the model's init and synthetic inputs: peers do not report theirs yet)."""
+    if not budget:
+        return None
+    from swarm.runtime.sensitivity import stage_sensitivity
+
+    def choose(stages: list, peers: list) -> dict:
+        sens = [stage_sensitivity(model, s["layer_start"], s["layer_end"], micro_batch_size) for s in stages]
+        return plan_precisions(stages, {p.peer_id: p for p in peers}, sens, budget)
+
+    return choose
