@@ -158,6 +158,10 @@ class PeerAnnouncement:
     """Checkpoint copies it holds for other stages (`swarm.daemon.held`): (layer_start, layer_end, steps_done)."""
     planner_until: float = 0.0
     """DHT time until which it holds the planner lease (`elected_planner`); 0: it never led since it started."""
+    reach: str = "direct"
+    """"direct": others can dial `address`; "relay": they cannot, reach it through the peer `relay`."""
+    relay: str | None = None
+    """Peer id of the reachable peer it keeps a connection to; set exactly when reach == "relay"."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
@@ -205,6 +209,12 @@ class PeerAnnouncement:
         _set(self, "planner_until", _float(r, "planner_until", self.planner_until, 0.0, _MAX_TIME_S))
         if self.codec is not None:
             _str(r, "codec", self.codec, _CODEC_RE, "a codec name of 1-64 characters [A-Za-z0-9_.:+-]")
+        if self.reach not in ("direct", "relay"):
+            raise _fail(r, "reach", "'direct' or 'relay'", self.reach)
+        if (self.reach == "relay") != (self.relay is not None):
+            raise _fail(r, "relay", "a peer id exactly when reach == 'relay'", self.relay)
+        if self.relay is not None and _peer_id(r, "relay", self.relay) == self.peer_id:
+            raise _fail(r, "relay", "another peer's id", self.relay)
 
     @property
     def layers(self) -> range | None:
