@@ -118,6 +118,8 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scenario-scale", type=float, default=1.0, help="multiply the scenario's bandwidths by this")
     g.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay of every peer's links, ms")
     g.add_argument("--subnet", default=d.subnet, help=f"private IPv4 subnet of the bridge (default {d.subnet})")
+    g.add_argument("--nat", default="", metavar="I,J,...", help="peers behind a NAT router: they dial out, none in")
+    g.add_argument("--nat-subnet", default=d.nat_subnet, help=f"private subnet behind the NAT (default {d.nat_subnet})")
 
 
 def config_from_args(args: argparse.Namespace) -> TestbedConfig:
@@ -131,6 +133,8 @@ def config_from_args(args: argparse.Namespace) -> TestbedConfig:
         links=links,
         delay_ms=args.delay_ms,
         subnet=args.subnet,
+        nat=tuple(int(i) for i in args.nat.split(",") if i.strip()),
+        nat_subnet=args.nat_subnet,
         prefix=getattr(args, "prefix", None) or TestbedConfig.prefix,
         fw_codec=args.fw_codec,
         bw_codec=args.bw_codec,

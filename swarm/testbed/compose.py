@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 
-from swarm.testbed.services import ADDRESS_FILE, Service, TestbedConfig, metrics_port, testbed_services
+from swarm.testbed.nat import router_addresses
+from swarm.testbed.services import ADDRESS_FILE, Service, TestbedConfig, metrics_port, nat_names, testbed_services
 
 __all__ = ["SHARED_DIR", "compose_service", "entrypoint_argv", "render_compose"]
 
@@ -37,6 +38,22 @@ def entrypoint_argv(command: list[str], env: dict[str, str]) -> list[str]:
     return list(command)
 
 
+def _router_service(uplink: str, gateway: str) -> list[str]:
+    """The NAT router container (docker/nat-router.sh): on both networks, masquerading the LAN's connections
+    out of its uplink and forwarding nothing new inwards, as `swarm.testbed.nat` does in a namespace."""
+    q = json.dumps
+    return [
+        "  natrouter:",
+        "    <<: *swarm",
+        f"    entrypoint: {q(['/opt/swarm/docker/nat-router.sh'])}",
+        f"    environment: {{UPLINK_ADDRESS: {q(uplink)}, LAN_ADDRESS: {q(gateway)}}}",
+        "    sysctls: {net.ipv4.ip_forward: 1}",
+        "    networks:",
+        f"      swarm: {{ipv4_address: {uplink}}}",
+        f"      lan: {{ipv4_address: {gateway}}}",
+    ]
+
+
 def render_compose(cfg: TestbedConfig) -> str:
     """docker/compose.yaml for `cfg`: the same services, argv, addresses and rates as the namespace testbed."""
     q = json.dumps
@@ -57,11 +74,18 @@ def render_compose(cfg: TestbedConfig) -> str:
         "services:",
     ]
     services = testbed_services(cfg, SHARED_DIR)
+    behind_nat = nat_names(cfg)
+    uplink, gateway = router_addresses(cfg.subnet, cfg.nat_subnet)
+    if behind_nat:
+        lines += _router_service(uplink, gateway)
     for service in services:
         command, env = compose_service(service)
+        if service.name in behind_nat:
+            env["GATEWAY"] = gateway
+        network = "lan" if service.name in behind_nat else "swarm"
         lines += [f"  {service.name}:", "    <<: *swarm", f"    command: {q(command)}", "    environment:"]
         lines += [f"      {key}: {q(value)}" for key, value in env.items()]
-        lines += ["    networks:", "      swarm:", f"        ipv4_address: {service.address}"]
+        lines += ["    networks:", f"      {network}:", f"        ipv4_address: {service.address}"]
         if service.name == "bootstrap":
             test = q(["CMD", "test", "-s", f"{SHARED_DIR}/{ADDRESS_FILE}"])
             lines += ["    healthcheck:", f"      test: {test}", "      interval: 1s", "      retries: 120"]
@@ -79,6 +103,16 @@ def render_compose(cfg: TestbedConfig) -> str:
         "  swarm:",
         "    ipam:",
         f"      config: [{{subnet: {cfg.subnet}}}]",
+        *(
+            [
+                "  lan:  # behind the NAT router only: docker neither routes it nor lets it out",
+                "    internal: true",
+                "    ipam:",
+                f"      config: [{{subnet: {cfg.nat_subnet}}}]",
+            ]
+            if behind_nat
+            else []
+        ),
         "",
         "volumes:",
         "  shared: {}",
