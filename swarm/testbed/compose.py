@@ -9,8 +9,16 @@ from __future__ import annotations
 
 import json
 
-from swarm.testbed.nat import router_addresses
-from swarm.testbed.services import ADDRESS_FILE, Service, TestbedConfig, metrics_port, nat_names, testbed_services
+from swarm.testbed.nat import lan_gateway, uplink_address
+from swarm.testbed.services import (
+    ADDRESS_FILE,
+    Service,
+    TestbedConfig,
+    metrics_port,
+    nat_lan,
+    nat_names,
+    testbed_services,
+)
 
 __all__ = ["SHARED_DIR", "compose_service", "entrypoint_argv", "render_compose"]
 
@@ -38,19 +46,21 @@ def entrypoint_argv(command: list[str], env: dict[str, str]) -> list[str]:
     return list(command)
 
 
-def _router_service(uplink: str, gateway: str) -> list[str]:
-    """The NAT router container (docker/nat-router.sh): on both networks, masquerading the LAN's connections
-    out of its uplink and forwarding nothing new inwards, as `swarm.testbed.nat` does in a namespace."""
+def _router_service(cfg: TestbedConfig) -> list[str]:
+    """The NAT router container (docker/nat-router.sh): on the swarm's network and on every NAT'd peer's LAN,
+    masquerading their connections out of its uplink and forwarding nothing else, as `swarm.testbed.nat`
+    does in a namespace."""
     q = json.dumps
+    uplink = uplink_address(cfg)
     return [
         "  natrouter:",
         "    <<: *swarm",
         f"    entrypoint: {q(['/opt/swarm/docker/nat-router.sh'])}",
-        f"    environment: {{UPLINK_ADDRESS: {q(uplink)}, LAN_ADDRESS: {q(gateway)}}}",
+        f"    environment: {{UPLINK_ADDRESS: {q(uplink)}}}",
         "    sysctls: {net.ipv4.ip_forward: 1}",
         "    networks:",
         f"      swarm: {{ipv4_address: {uplink}}}",
-        f"      lan: {{ipv4_address: {gateway}}}",
+        *(f"      lan{i}: {{ipv4_address: {lan_gateway(cfg, i)}}}" for i in cfg.nat),
     ]
 
 
@@ -75,14 +85,14 @@ def render_compose(cfg: TestbedConfig) -> str:
     ]
     services = testbed_services(cfg, SHARED_DIR)
     behind_nat = nat_names(cfg)
-    uplink, gateway = router_addresses(cfg.subnet, cfg.nat_subnet)
     if behind_nat:
-        lines += _router_service(uplink, gateway)
+        lines += _router_service(cfg)
     for service in services:
         command, env = compose_service(service)
+        network = "swarm"
         if service.name in behind_nat:
-            env["GATEWAY"] = gateway
-        network = "lan" if service.name in behind_nat else "swarm"
+            network = f"lan{service.name.removeprefix('peer')}"
+            env["GATEWAY"] = lan_gateway(cfg, int(service.name.removeprefix("peer")))
         lines += [f"  {service.name}:", "    <<: *swarm", f"    command: {q(command)}", "    environment:"]
         lines += [f"      {key}: {q(value)}" for key, value in env.items()]
         lines += ["    networks:", f"      {network}:", f"        ipv4_address: {service.address}"]
@@ -104,14 +114,14 @@ def render_compose(cfg: TestbedConfig) -> str:
         "    ipam:",
         f"      config: [{{subnet: {cfg.subnet}}}]",
         *(
-            [
-                "  lan:  # behind the NAT router only: docker neither routes it nor lets it out",
+            line
+            for i in cfg.nat
+            for line in (
+                f"  lan{i}:  # peer{i} and the NAT router only: docker neither routes it nor lets it out",
                 "    internal: true",
                 "    ipam:",
-                f"      config: [{{subnet: {cfg.nat_subnet}}}]",
-            ]
-            if behind_nat
-            else []
+                f"      config: [{{subnet: {nat_lan(cfg, i)}}}]",
+            )
         ),
         "",
         "volumes:",

@@ -1,5 +1,6 @@
 """The NAT router of the namespace testbed for real (root, `ip netns` and iptables needed): a NAT'd peer's
-namespace reaches the outside, and the outside cannot open a TCP connection to it, not even with a route."""
+namespace reaches the outside, and the outside cannot open a TCP connection to it, not even with a route,
+nor can another NAT'd peer."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from swarm.testbed.netns import (
 
 PREFIX = "swn-"
 CFG = services.TestbedConfig(
-    peers=2, nat=(1,), rate_mbit=0, prefix=PREFIX, subnet="10.79.0.0/24", nat_subnet="10.80.0.0/24"
+    peers=3, nat=(1, 2), rate_mbit=0, prefix=PREFIX, subnet="10.79.0.0/24", nat_subnet="10.80.0.0/24"
 )
 
 
@@ -80,7 +81,7 @@ def _serve_and_dial(server_ns: str, client_ns: str, target: str) -> tuple[str, s
     return client, seen
 
 
-def test_a_nat_peer_dials_out_and_nobody_dials_in():
+def test_nat_peers_dial_out_and_nobody_dials_in():
     plan = plan_testbed(CFG, "/tmp")
     outside, inside = plan.node("peer0"), plan.node("peer1")
     try:
@@ -102,6 +103,13 @@ def test_a_nat_peer_dials_out_and_nobody_dials_in():
         run_command(["ip", "-n", outside.namespace, "route", "add", CFG.nat_subnet, "via", "10.79.0.4"])
         client, seen = _serve_and_dial(inside.namespace, outside.namespace, inside.service.address)
         assert client == "TimeoutError" and seen == "none"
+        # two NAT'd peers are behind two home routers: neither reaches the other
+        other = plan.node("peer2")
+        client, seen = _serve_and_dial(inside.namespace, other.namespace, inside.service.address)
+        assert client == "TimeoutError" and seen == "none"
+        # while the second one dials out as the first does
+        out = _serve_and_dial(outside.namespace, other.namespace, outside.service.address)
+        assert out == ("connected", "10.79.0.4")
     finally:
         sweep(PREFIX, grace_s=2)
     assert list_namespaces(PREFIX) == [] and list_links(PREFIX) == []
