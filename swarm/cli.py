@@ -34,6 +34,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "swarm.experiments.finetune",
         "write a Hugging Face checkpoint and tokenizer locally, fine-tune it over a local 3-peer swarm",
     ),
+    ("experiment", "nat"): (
+        "swarm.experiments.nat",
+        "the same run with every peer reachable, half behind NAT, and two adjacent stages through a relay",
+    ),
     ("experiment", "churn"): (
         "swarm.experiments.churn",
         "train twice from one seed, without and with peers killed and joining; recovery, samples, targets",

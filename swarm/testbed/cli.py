@@ -171,11 +171,11 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 # ---- the experiment hook ----------------------------------------------------------------------------------
 
 
-def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int):
+def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int, nat: tuple[int, ...] = ()):
     """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers with every link
     shaped by tc to `cell.rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
     taken down; returns the rows of the trainer's steps.csv. `--rate-mbit` in `peer_flags` is dropped: the
-    kernel shapes instead."""
+    kernel shapes instead. `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
     flags = list(peer_flags)
     popped = {name: _pop_flag(flags, name) for name in ("--rate-mbit", "--fw-codec", "--bw-codec", "--delay-ms")}
     for name in ("--total-steps", "--warmup-steps"):  # the testbed derives both from the trainer's steps
@@ -203,6 +203,7 @@ def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int):
         micro_batches=train.micro_batches,
         peer_flags=(*flags, "--model-seed", str(model.init_seed)),
         trainer_flags=tuple(trainer_flags),
+        nat=nat,
     )
     run_dir = Path(train.out)
     quiet = lambda _: None  # noqa: E731
