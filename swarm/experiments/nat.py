@@ -6,8 +6,9 @@ testbed with its NAT router with `--netns`) and trains the same steps from the s
 stage boundaries, so only who can dial whom differs:
 
 - `reachable`: every peer reachable (`--reach direct`);
-- `half-nat`: every other peer behind NAT (peers 1, 3, ...): the relay-aware planner places each next to a
-  reachable neighbour, whom it dials (reverse connections), so no link needs a relay;
+- `half-nat`: every other peer behind NAT (peers 1, 3, ...): the relay-aware planner places reachable peers
+  between them, so no two NAT'd stages meet (a link into a NAT'd peer from a neighbour that is not its
+  relay still passes its relay: the transport's rule, see swarm/scheduler/relays.py);
 - `relay`: one more peer behind NAT (peer 0 too): with 3 of 4 NAT'd, two adjacent stages are both NAT'd and
   their link goes through a relay (the planner makes exactly one such link, the reachable peer in the middle).
 

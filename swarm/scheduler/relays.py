@@ -1,13 +1,13 @@
 """Peers behind NAT as the scheduler sees them: a link that needs a relay is the path through it.
 
 A peer announces `reach == "relay"` when others cannot dial it, with the reachable peer it keeps a
-connection to (`relay`). How its links run (issue 16):
+connection to (`relay`), as the relay transport builds it (swarm/net/relay.py): a caller reaches an
+unreachable peer j through j's relay r, which forwards over the connection j keeps to it; only r itself
+reaches j without an extra hop (the reverse connection). So a directed link i -> j is
 
-- i -> j where j is reachable: i dials j (an unreachable i dials out, and the stream is bidirectional once
-  open), so the link is the direct one, whatever i's reach.
-- i -> j where j is unreachable but i is reachable: j dialed i (a reverse connection), also direct.
-- i -> j where both are unreachable: nobody can dial either, so i dials j's relay r, which forwards over
-  the connection j keeps to it: the path i -> r -> j. Its cost is the sum of its two legs,
+- direct when j is reachable (i dials it, whatever i's own reach);
+- direct when j is unreachable and i is j's relay;
+- otherwise the path i -> r -> j through j's relay r, priced as the sum of its two legs,
 
       delay = d[i, r] + d[r, j]         1 / bw = k_r * (1 / bw[i, r] + 1 / bw[r, j])
       burst = min(burst[i, r], burst[r, j])
@@ -17,9 +17,11 @@ connection to (`relay`). How its links run (issue 16):
   that is not among the planned peers, or that is itself unreachable, makes the link infeasible (priced at
   `_INFEASIBLE_*`, so the search avoids it without special cases).
 
-We choose the *destination's* relay, per direction: the forward activations i -> j go through j's relay and
-the gradients j -> i through i's. Because a relayed link costs at least its two legs, the search places
-reachable peers between unreachable ones on its own whenever it can (tests/unit/test_nat_scheduler.py).
+Each direction takes its destination's relay: the activations i -> j go through j's, the gradients j -> i
+through i's. Two unreachable peers therefore always talk through a relay, and an unreachable peer costs
+nothing extra only next to its own relay (or at the pipeline's end, next to it). Because a relayed link
+costs at least its two legs, the search places reachable peers between unreachable ones, and unreachable
+peers beside their relays, on its own whenever it can (tests/unit/test_nat_scheduler.py).
 
 The sharing k_r depends on the layout (which relayed links the plan uses), so `plan_relayed` searches with
 k_r = 1, counts the layout's relayed links per relay (`relay_shares`), searches again with those shares, and
@@ -47,18 +49,20 @@ def relays_of(peers: Iterable) -> dict[str, str | None]:
 
 
 def relay_paths(plan_input: PlanInput, relays: Mapping[str, str | None]) -> dict[tuple[int, int], int | None]:
-    """For each directed pair (i, j) of unreachable peers: the index of the relay its bytes pass through, or
-    None when that relay cannot carry them (not planned, or unreachable itself). Other pairs are direct."""
+    """For each directed pair (i, j) whose bytes pass through a relay (j unreachable, i not its relay): the
+    index of that relay, or None when it cannot carry them (not planned, or unreachable itself). Other pairs
+    are direct."""
     ids = [p.peer_id for p in plan_input.peers]
     index = {pid: k for k, pid in enumerate(ids)}
-    hidden = [k for k, pid in enumerate(ids) if relays.get(pid) is not None]
     paths: dict[tuple[int, int], int | None] = {}
-    for i in hidden:
-        for j in hidden:
-            if i == j:
-                continue
-            r = index.get(relays[ids[j]])
-            paths[i, j] = r if r is not None and relays.get(ids[r]) is None else None
+    for j, pid in enumerate(ids):
+        if relays.get(pid) is None:
+            continue
+        r = index.get(relays[pid])
+        usable = r is not None and relays.get(ids[r]) is None
+        for i in range(len(ids)):
+            if i != j and not (usable and i == r):
+                paths[i, j] = r if usable else None
     return paths
 
 
