@@ -50,7 +50,7 @@ RELAYED_METRIC = "swarm_relayed_bytes_total"
 @dataclass(frozen=True)
 class NatConfig:
     peers: int = 4
-    steps: int = 16
+    steps: int = 40
     train_samples: int = 32
     batch_size: int = 8
     micro_batches: int = 4
