@@ -43,6 +43,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "swarm.experiments.hetero",
         "one peer 2x slower: all-equal, uniform fp32 and planned per-peer precision (QSync), same seed",
     ),
+    ("experiment", "nat"): (
+        "swarm.experiments.nat",
+        "the same run with every peer reachable, half behind NAT, and two adjacent stages through a relay",
+    ),
     ("experiment", "churn"): (
         "swarm.experiments.churn",
         "train twice from one seed, without and with peers killed and joining; recovery, samples, targets",

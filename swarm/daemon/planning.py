@@ -63,6 +63,7 @@ from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, plan
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
+from swarm.scheduler.relays import relayed_input, relays_of
 
 log = logging.getLogger("swarm.daemon.planning")
 
@@ -124,7 +125,8 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
         for pid in ids
     )
     np.fill_diagonal(burst, 0.0)
-    return SwarmInput(PlanInput(planned, delay, bandwidth, burst), measured, filled)
+    # two unreachable peers talk through a relay: their link is priced as its two legs (swarm.scheduler.relays)
+    return SwarmInput(relayed_input(PlanInput(planned, delay, bandwidth, burst), relays_of(peers)), measured, filled)
 
 
 def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> SearchConfig:

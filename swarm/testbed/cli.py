@@ -118,6 +118,8 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scenario-scale", type=float, default=1.0, help="multiply the scenario's bandwidths by this")
     g.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay of every peer's links, ms")
     g.add_argument("--subnet", default=d.subnet, help=f"private IPv4 subnet of the bridge (default {d.subnet})")
+    g.add_argument("--nat", default="", metavar="I,J,...", help="peers behind a NAT router: they dial out, none in")
+    g.add_argument("--nat-subnet", default=d.nat_subnet, help=f"private subnet behind the NAT (default {d.nat_subnet})")
 
 
 def config_from_args(args: argparse.Namespace) -> TestbedConfig:
@@ -131,6 +133,8 @@ def config_from_args(args: argparse.Namespace) -> TestbedConfig:
         links=links,
         delay_ms=args.delay_ms,
         subnet=args.subnet,
+        nat=tuple(int(i) for i in args.nat.split(",") if i.strip()),
+        nat_subnet=args.nat_subnet,
         prefix=getattr(args, "prefix", None) or TestbedConfig.prefix,
         fw_codec=args.fw_codec,
         bw_codec=args.bw_codec,
@@ -167,11 +171,11 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 # ---- the experiment hook ----------------------------------------------------------------------------------
 
 
-def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int):
+def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int, nat: tuple[int, ...] = ()):
     """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers with every link
     shaped by tc to `cell.rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
     taken down; returns the rows of the trainer's steps.csv. `--rate-mbit` in `peer_flags` is dropped: the
-    kernel shapes instead."""
+    kernel shapes instead. `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
     flags = list(peer_flags)
     popped = {name: _pop_flag(flags, name) for name in ("--rate-mbit", "--fw-codec", "--bw-codec", "--delay-ms")}
     for name in ("--total-steps", "--warmup-steps"):  # the testbed derives both from the trainer's steps
@@ -199,6 +203,7 @@ def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int):
         micro_batches=train.micro_batches,
         peer_flags=(*flags, "--model-seed", str(model.init_seed)),
         trainer_flags=tuple(trainer_flags),
+        nat=nat,
     )
     run_dir = Path(train.out)
     quiet = lambda _: None  # noqa: E731

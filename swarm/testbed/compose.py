@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import json
 
-from swarm.testbed.services import ADDRESS_FILE, Service, TestbedConfig, metrics_port, testbed_services
+from swarm.testbed.nat import lan_gateway, uplink_address
+from swarm.testbed.services import (
+    ADDRESS_FILE,
+    Service,
+    TestbedConfig,
+    metrics_port,
+    nat_lan,
+    nat_names,
+    testbed_services,
+)
 
 __all__ = ["SHARED_DIR", "compose_service", "entrypoint_argv", "render_compose"]
 
@@ -37,6 +46,24 @@ def entrypoint_argv(command: list[str], env: dict[str, str]) -> list[str]:
     return list(command)
 
 
+def _router_service(cfg: TestbedConfig) -> list[str]:
+    """The NAT router container (docker/nat-router.sh): on the swarm's network and on every NAT'd peer's LAN,
+    masquerading their connections out of its uplink and forwarding nothing else, as `swarm.testbed.nat`
+    does in a namespace."""
+    q = json.dumps
+    uplink = uplink_address(cfg)
+    return [
+        "  natrouter:",
+        "    <<: *swarm",
+        f"    entrypoint: {q(['/opt/swarm/docker/nat-router.sh'])}",
+        f"    environment: {{UPLINK_ADDRESS: {q(uplink)}}}",
+        "    sysctls: {net.ipv4.ip_forward: 1}",
+        "    networks:",
+        f"      swarm: {{ipv4_address: {uplink}}}",
+        *(f"      lan{i}: {{ipv4_address: {lan_gateway(cfg, i)}}}" for i in cfg.nat),
+    ]
+
+
 def render_compose(cfg: TestbedConfig) -> str:
     """docker/compose.yaml for `cfg`: the same services, argv, addresses and rates as the namespace testbed."""
     q = json.dumps
@@ -57,11 +84,18 @@ def render_compose(cfg: TestbedConfig) -> str:
         "services:",
     ]
     services = testbed_services(cfg, SHARED_DIR)
+    behind_nat = nat_names(cfg)
+    if behind_nat:
+        lines += _router_service(cfg)
     for service in services:
         command, env = compose_service(service)
+        network = "swarm"
+        if service.name in behind_nat:
+            network = f"lan{service.name.removeprefix('peer')}"
+            env["GATEWAY"] = lan_gateway(cfg, int(service.name.removeprefix("peer")))
         lines += [f"  {service.name}:", "    <<: *swarm", f"    command: {q(command)}", "    environment:"]
         lines += [f"      {key}: {q(value)}" for key, value in env.items()]
-        lines += ["    networks:", "      swarm:", f"        ipv4_address: {service.address}"]
+        lines += ["    networks:", f"      {network}:", f"        ipv4_address: {service.address}"]
         if service.name == "bootstrap":
             test = q(["CMD", "test", "-s", f"{SHARED_DIR}/{ADDRESS_FILE}"])
             lines += ["    healthcheck:", f"      test: {test}", "      interval: 1s", "      retries: 120"]
@@ -79,6 +113,16 @@ def render_compose(cfg: TestbedConfig) -> str:
         "  swarm:",
         "    ipam:",
         f"      config: [{{subnet: {cfg.subnet}}}]",
+        *(
+            line
+            for i in cfg.nat
+            for line in (
+                f"  lan{i}:  # peer{i} and the NAT router only: docker neither routes it nor lets it out",
+                "    internal: true",
+                "    ipam:",
+                f"      config: [{{subnet: {nat_lan(cfg, i)}}}]",
+            )
+        ),
         "",
         "volumes:",
         "  shared: {}",

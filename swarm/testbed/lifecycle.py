@@ -19,8 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from swarm.testbed.nat import nat_unavailable_reason
 from swarm.testbed.netns import (
     TestbedPlan,
+    Unavailable,
     check_available,
     list_links,
     list_namespaces,
@@ -94,6 +96,8 @@ def bring_up(
     from swarm.testbed.procs import ProcessGroup
 
     check_available()
+    if cfg.nat and nat_unavailable_reason():
+        raise Unavailable(nat_unavailable_reason())
     if list_namespaces(cfg.prefix) or list_links(cfg.prefix):
         raise RuntimeError(f"a testbed with prefix {cfg.prefix!r} is already up: `swarm testbed down` first")
     run_dir = run_dir.resolve()

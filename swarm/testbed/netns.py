@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from swarm.testbed.services import Service, TestbedConfig, testbed_services
+from swarm.testbed.nat import nat_node_commands, router_commands
+from swarm.testbed.services import Service, TestbedConfig, nat_names, testbed_services
 
 __all__ = [
     "FALLBACK_HINT",
@@ -94,6 +95,7 @@ def plan_testbed(cfg: TestbedConfig, shared_dir: str) -> TestbedPlan:
 
 def setup_commands(plan: TestbedPlan) -> list[list[str]]:
     """Bridge, then per node: namespace, veth pair (one end on the bridge), loopback, address, shaping.
+    With NAT'd peers, first the NAT router, and those peers' veths end on its LAN (`swarm.testbed.nat`).
     The root side gets no IPv6 link-local address, so the host itself never talks on the bridge."""
     br = plan.bridge
     commands = [
@@ -101,8 +103,15 @@ def setup_commands(plan: TestbedPlan) -> list[list[str]]:
         ["ip", "link", "set", br, "addrgenmode", "none"],
         ["ip", "link", "set", br, "up"],
     ]
+    behind_nat = nat_names(plan.config)
+    if behind_nat:
+        commands += router_commands(plan)
     for node in plan.nodes:
         ns, a, b = node.namespace, node.veth_root, node.veth_ns
+        if node.service.name in behind_nat:
+            commands += nat_node_commands(plan, node)
+            commands += shaping_commands(b, node.service.rate_mbit, node.service.link_rate_mbit, netns=ns)
+            continue
         commands += [
             ["ip", "netns", "add", ns],
             ["ip", "link", "add", a, "type", "veth", "peer", "name", b, "netns", ns],

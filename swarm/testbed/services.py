@@ -17,6 +17,8 @@ __all__ = [
     "ADDRESS_FILE",
     "METRICS_PORT",
     "metrics_port",
+    "nat_lan",
+    "nat_names",
     "BOOTSTRAP_PORT",
     "PEER_PORT",
     "LinkRate",
@@ -121,6 +123,11 @@ class TestbedConfig:
     """Extra flags for every swarm-peer, verbatim (checked against swarm-peer's parser by the tests)."""
     trainer_flags: tuple[str, ...] = ()
     """Extra flags for `swarm train`, verbatim."""
+    nat: tuple[int, ...] = ()
+    """Peers behind a NAT router (`swarm.testbed.nat`): they can dial out, nobody can dial in."""
+    nat_subnet: str = "10.78.0.0/20"
+    """Private IPv4 addresses behind the NAT router: NAT'd peer i has the /28 number i of it to itself
+    (`nat_lan`), the router at .4 of it and the peer at .10, so no two NAT'd peers share a LAN."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peer_rate_mbit", tuple(float(r) for r in self.peer_rate_mbit))
@@ -140,6 +147,12 @@ class TestbedConfig:
             raise ValueError(f"TestbedConfig.subnet: expected a private IPv4 subnet, got {self.subnet}")
         if net.num_addresses < 12 + self.peers:
             raise ValueError(f"TestbedConfig.subnet: {self.subnet} is too small for {self.peers} peers")
+        object.__setattr__(self, "nat", tuple(self.nat))
+        if len(set(self.nat)) != len(self.nat) or any(type(i) is not int or not 0 <= i < self.peers for i in self.nat):
+            raise ValueError(f"TestbedConfig.nat: expected distinct peer indices in [0, {self.peers}), got {self.nat}")
+        lan = ipaddress.ip_network(self.nat_subnet)
+        if lan.version != 4 or not lan.is_private or lan.overlaps(net) or lan.num_addresses < 16 * self.peers:
+            raise ValueError(f"TestbedConfig.nat_subnet: expected a private IPv4 subnet apart from {self.subnet}")
         names = set(service_addresses(self))
         for link in self.links:
             if link.src not in names or link.dst not in names:
@@ -192,7 +205,21 @@ def service_addresses(cfg: TestbedConfig) -> dict[str, str]:
     """Service name -> address, in start order (bootstrap, peers, trainer)."""
     net = ipaddress.ip_network(cfg.subnet)
     names = {"bootstrap": 2, **{f"peer{i}": 10 + i for i in range(cfg.peers)}, "trainer": 3}
-    return {name: str(net.network_address + offset) for name, offset in names.items()}
+    addresses = {name: str(net.network_address + offset) for name, offset in names.items()}
+    for i in cfg.nat:
+        addresses[f"peer{i}"] = str(nat_lan(cfg, i).network_address + 10)
+    return addresses
+
+
+def nat_names(cfg: TestbedConfig) -> set[str]:
+    """Services behind the NAT router."""
+    return {f"peer{i}" for i in cfg.nat}
+
+
+def nat_lan(cfg: TestbedConfig, peer: int) -> ipaddress.IPv4Network:
+    """The LAN of NAT'd peer `peer`: the /28 number `peer` of `nat_subnet` (router .4, peer .10)."""
+    base = ipaddress.ip_network(cfg.nat_subnet).network_address + 16 * peer
+    return ipaddress.ip_network(f"{base}/28")
 
 
 def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:

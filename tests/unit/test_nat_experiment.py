@@ -1,0 +1,87 @@
+"""`swarm experiment nat` without running swarms: its settings, the flags it gives peers, its targets."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from swarm.daemon.peer import build_parser
+from swarm.experiments import nat
+from swarm.scheduler import ModelSpec, Peer, PlanInput, SearchConfig
+from swarm.scheduler.relays import plan_relayed
+
+
+def test_settings_put_the_right_peers_behind_nat():
+    assert [nat.nat_peers(s, 4) for s in nat.SETTINGS] == [(), (1, 3), (0, 1, 3)]
+    assert nat.nat_peers("half-nat", 5) == (1, 3) and nat.nat_peers("relay", 6) == (0, 1, 3, 5)
+
+
+def test_reach_flags():
+    assert nat.reach_flags(True, False) == ["--reach", "relay"]
+    assert nat.reach_flags(False, False) == ["--reach", "direct"]
+    assert nat.reach_flags(True, True) == nat.reach_flags(False, True) == ["--reach", "auto"]
+    assert nat.reach_flags(False, False, supported=False) == []
+    with pytest.raises(ValueError, match="--reach"):
+        nat.reach_flags(True, False, supported=False)  # a NAT setting never runs without its flag
+
+
+def test_peer_flags_are_swarm_peers_own():
+    cfg = nat.NatConfig()
+    supported = nat.reach_supported()
+    args = build_parser().parse_args(
+        [*nat.common_flags(cfg), *nat.reach_flags(False, False, supported), "--grpc-port", "5", "--metrics-port", "6"]
+    )
+    assert args.rate_mbit == 100.0 and args.delay_ms == 5.0 and args.total_steps == cfg.steps
+    if supported:
+        args = build_parser().parse_args([*nat.common_flags(cfg), *nat.reach_flags(True, False)])
+        assert args.reach == "relay"
+
+
+def test_relayed_links_and_bytes():
+    assert nat.relayed_links("R-N-R-N") == 0 and nat.relayed_links("N-N-R-N") == 1 and nat.relayed_links(None) is None
+    text = (
+        "# HELP swarm_relayed_bytes_total bytes\n# TYPE swarm_relayed_bytes_total counter\n"
+        'swarm_relayed_bytes_total{link="a->b"} 1000\nswarm_relayed_bytes_total{link="b->a"} 24.0\n'
+        "swarm_relayed_bytes_total_other 7\nswarm_wire_bytes_total 99\nswarm_relayed_bytes_total{link=x} junk\n"
+    )
+    assert nat.relayed_bytes_of(text) == 1024  # that metric's samples only; a bad value is skipped
+    assert nat.relayed_bytes_of("") == 0
+
+
+def _row(setting, loss, step, predicted=None):
+    return {"setting": setting, "final_loss": loss, "mean_step_s": step, "predicted_step_s": predicted}
+
+
+def test_targets_are_judged_on_the_rows():
+    rows = [_row("reachable", 4.25, 1.0, 1.0), _row("half-nat", 4.25, 1.09, 1.0), _row("relay", 4.25, 1.2, 1.3)]
+    assert [met for _, met in nat.check_targets(rows)] == [True, True, True, True]
+    rows = [_row("reachable", 4.25, 1.0, 1.0), _row("half-nat", 4.2500001, 1.2, 1.0), _row("relay", 4.25, 1.5, 1.3)]
+    assert [met for _, met in nat.check_targets(rows)] == [False, True, False, False]
+    unjudged = nat.check_targets([_row("reachable", 4.25, 1.0), {"setting": "relay", "final_loss": None}])
+    assert [met for _, met in unjudged] == [None, None, None, None]
+
+
+def test_config():
+    parser = argparse.ArgumentParser()
+    nat.add_arguments(parser)
+    cfg = nat.config_from_args(parser.parse_args(["--quick"]))
+    assert (cfg.steps, cfg.train_samples, cfg.settings) == (4, 16, nat.SETTINGS)
+    for bad in (["--peers", "2"], ["--settings", "reachable,moon"], ["--train-samples", "12"]):
+        with pytest.raises(ValueError):
+            nat.config_from_args(parser.parse_args(bad))
+
+
+@pytest.mark.parametrize(("setting", "relayed"), [("half-nat", 0), ("relay", 1)])
+def test_the_planner_gives_each_setting_its_links(setting, relayed):
+    # the experiment's swarm as the planner sees it: equal peers on equal links, NAT'd ones relayed by peer 2
+    ids = [f"p{i}" for i in range(4)]
+    behind = nat.nat_peers(setting, 4)
+    relays = {f"p{i}": "p2" for i in behind}
+    x = PlanInput(tuple(Peer(i, 1e12, 1e12) for i in ids), np.full((4, 4), 0.005), np.full((4, 4), 12.5e6))
+    sizes = {"forward_bytes": 2e5, "backward_bytes": 2e5, "gradient_bytes_per_layer": 1, "memory_bytes_per_layer": 1}
+    model = ModelSpec(layers=4, flops_per_layer=1e9, micro_batches=4, full_duplex=True, **sizes)
+    made = plan_relayed(x, model, relays, SearchConfig(seed=0, stages=4, max_replicas=1))
+    order = "-".join("N" if int(s.peer_ids[0][1:]) in behind else "R" for s in made.stages)
+    assert nat.relayed_links(order) == relayed, order
