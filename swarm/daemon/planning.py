@@ -62,8 +62,8 @@ from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, plan
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
-from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
 from swarm.scheduler.relays import relayed_input, relays_of
+from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
 
 log = logging.getLogger("swarm.daemon.planning")
 

@@ -266,21 +266,11 @@ def test_the_planner_publishes_epilogue_codecs_and_rechooses_them_only_past_the_
 
 
 def test_a_peer_builds_its_averager_from_the_plan_s_epilogue_codecs():
-    from types import SimpleNamespace
 
-    from swarm.daemon.peer import PeerDaemon
-    from swarm.model.gpt import ModelConfig
     from swarm.runtime.host import StageRole
-    from swarm.runtime.worker import OptimConfig
-    from tests.unit.scheduler.test_bits import A
+    from tests.unit.scheduler.test_bits import bare_daemon
 
-    daemon = PeerDaemon.__new__(PeerDaemon)
-    daemon.cfg = SimpleNamespace(optim=OptimConfig(), device="cpu", precision="fp32", budget=None)
-    daemon.model, daemon.speed, daemon.shaping = ModelConfig(), 10.0, None
-    daemon.codecs = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
-    daemon.dht, daemon.transport, daemon.signer, daemon.book, daemon.metrics = SimpleNamespace(peer_id=A), *[None] * 4
-    daemon._setup_checkpoints = lambda host: None
-    daemon.nat = SimpleNamespace(tunnels=SimpleNamespace(dial=lambda address: address))  # every peer direct
+    daemon = bare_daemon()
     plan = {"epilogue_codecs": {"average": ["fp32", "bf16"], "tied": "gradq8+ef+rot+nr+cs+g1024"}}
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
     assert host.averager.codecs == {False: CodecConfig.parse("bf16"), True: CodecConfig.parse(TIED_LADDER[2])}

@@ -121,9 +121,9 @@ def test_each_stage_takes_its_two_boundaries_codecs():
     assert stage_link_configs({}, 1, flags) == flags * 2  # the flags' configs themselves where nothing changes
 
 
-def test_a_peer_builds_its_boundary_ends_from_the_plans_codecs():
+def bare_daemon():
+    """A `PeerDaemon` with only what `_make_host` reads: flags' codecs aqsgd4/gradq4, every peer dialed direct."""
     from swarm.daemon.peer import PeerDaemon
-    from swarm.runtime.host import StageRole
     from swarm.runtime.worker import OptimConfig
 
     daemon = PeerDaemon.__new__(PeerDaemon)
@@ -132,7 +132,14 @@ def test_a_peer_builds_its_boundary_ends_from_the_plans_codecs():
     daemon.codecs = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
     daemon.dht, daemon.transport, daemon.signer, daemon.book, daemon.metrics = SimpleNamespace(peer_id=A), *[None] * 4
     daemon._setup_checkpoints = lambda host: None
+    daemon.nat = SimpleNamespace(tunnels=SimpleNamespace(dial=lambda address: address))
+    return daemon
 
+
+def test_a_peer_builds_its_boundary_ends_from_the_plans_codecs():
+    from swarm.runtime.host import StageRole
+
+    daemon = bare_daemon()
     plan = {"codecs": [{"forward": "aqsgd2", "backward": "gradq2+ef"}]}
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
     ends = host.links
