@@ -43,6 +43,13 @@ SKIP_S = 30.0
 """How long a relay that refused or failed an Attach is passed over."""
 WATCH_S = 1.0
 """How often an attached peer checks that its relay is still the one it prefers (a plan moved its neighbours)."""
+MOVE_ATTACH_S = 10.0
+"""How long a move waits for the new relay to hold the Attach before it gives the move up."""
+MOVE_GRACE_S = 6.0
+"""How long the old Attach stays open after the new one holds: callers' announcements (`Announced`, at most 5 s
+old) still route some connections through the old relay meanwhile."""
+NEIGHBOUR = 1
+"""`_rank` at or below this: a pipeline neighbour (an Attach there is never moved)."""
 
 
 class Announced:
@@ -191,19 +198,41 @@ class NatWiring:
         return "relay"
 
     def _watch(self) -> None:
-        """Moves the Attach to the preferred relay when that changes (a new plan gave this peer a reachable
-        neighbour): the old relay's tunnels end, the callers' channels reconnect through the new one."""
+        """Moves the Attach to a pipeline neighbour when a new plan gave this peer a reachable one and its relay
+        is not a neighbour (an Attach on either neighbour stays: a move costs more than one hop saves)."""
         while not self._closed.wait(WATCH_S):
             attachment = self.attachment
             if attachment is None or not attachment.attached.is_set():
                 continue
             try:
-                candidates, rank = self._candidates(), self._rank()
+                target = self.move_to(attachment.relay_id)
             except TimeoutError:
                 continue
-            if candidates and rank(candidates[0].peer_id) < rank(attachment.relay_id or ""):
-                log.info("moving the Attach to pipeline neighbour %s", candidates[0].peer_id)
-                attachment.reattach()
+            if target is not None:
+                log.info("moving the Attach to pipeline neighbour %s", target)
+                self._move(attachment)
+
+    def move_to(self, relay_id: str | None) -> str | None:
+        """The pipeline neighbour to move an Attach held by `relay_id` to; None to stay (it is a neighbour, or
+        no reachable neighbour exists)."""
+        candidates, rank = self._candidates(), self._rank()
+        if candidates and rank(relay_id or "") > NEIGHBOUR >= rank(candidates[0].peer_id):
+            return candidates[0].peer_id
+        return None
+
+    def _move(self, old: Attachment) -> None:
+        """Make before break: announces the new relay, attaches there, and only then (after `MOVE_GRACE_S`, while
+        callers' announcements catch up; the new relay holds their Connects until the Attach arrives) ends the
+        old Attach. A new relay that does not take the Attach within `MOVE_ATTACH_S` gives the move up."""
+        new = Attachment(self._relay, self.signer, old.local_address, self.limits, self._failed).start()
+        if new.attached.wait(MOVE_ATTACH_S):
+            self.attachment = new
+            self._closed.wait(MOVE_GRACE_S)
+            old.close()
+            return
+        log.warning("the move to a neighbour's relay did not attach within %.0f s: staying", MOVE_ATTACH_S)
+        new.close()
+        old.reattach()  # re-announces whichever relay `_relay` picks now (the failed one is skipped)
 
     def _relay(self) -> tuple[str, str] | None:
         """The relay to attach to now; announced (reach="relay", relay=it) before the Attach is made."""
@@ -216,8 +245,9 @@ class NatWiring:
             return None
         current = self.daemon.announcement
         rank = self._rank()
-        # keep the current relay unless a better-ranked one (a neighbour) is there
-        kept = [p for p in candidates if p.peer_id == current.relay and rank(p.peer_id) <= rank(candidates[0].peer_id)]
+        # keep the current relay when it is a neighbour, or unless a better-ranked one (a neighbour) is there
+        best = rank(candidates[0].peer_id)
+        kept = [p for p in candidates if p.peer_id == current.relay and rank(p.peer_id) <= max(best, NEIGHBOUR)]
         chosen = kept[0] if kept else candidates[0]
         if current.reach != "relay" or current.relay != chosen.peer_id:
             self.daemon.announcement = dataclasses.replace(current, reach="relay", relay=chosen.peer_id)

@@ -25,6 +25,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -67,6 +68,11 @@ class RelayLimits:
     """how long the attached peer may take to open the Accept of a new connection"""
     keepalive_s: float = 15.0
     """an Attach stream carries an empty message this often (NAT mappings forget idle flows)"""
+    attach_wait_s: float = 5.0
+    """how long a Connect waits for the Attach of a target that announces this relay but has not attached yet
+    (it is moving here from another relay, or reattaching after a drop)"""
+    max_waiting: int = 8
+    """Connects waiting for such an Attach at once (beyond: NOT_FOUND at once)"""
 
     def threads(self) -> int:
         """Server threads the relay may hold: one per Attach, two per connection (Connect and Accept)."""
@@ -151,6 +157,9 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         self._pairs: dict[tuple[str, str], int] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        """notified when a peer attaches (Connects waiting for it)"""
+        self._waiting = 0
 
     # ---- who calls --------------------------------------------------------------------------------------
 
@@ -199,6 +208,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
             if old is None and len(self._attached) >= self.limits.max_attached:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limits.max_attached} peers attached")
             self._attached[caller] = entry
+            self._arrived.notify_all()
         if old is not None:
             log.info("peer %s attached again: the newer Attach replaces the older", caller)
             old.close()
@@ -227,6 +237,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         if not self.serve_relay:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, "this peer does not relay (--no-relay)")
         pending = _Pending(caller, target, frames)
+        self._await_attach(target)
         with self._lock:
             entry = self._attached.get(target)
             if entry is None:
@@ -257,6 +268,24 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                 self._pairs[pair] -= 1
                 if not self._pairs[pair]:
                     del self._pairs[pair]
+
+    def _await_attach(self, target: str) -> None:
+        """Waits (at most `attach_wait_s`, at most `max_waiting` Connects at once) for the Attach of a target that
+        is not attached but announces this relay: a peer moving its Attach here announces first and attaches
+        a moment later, and a caller that read the new announcement must not find it missing meanwhile."""
+        with self._lock:
+            if target in self._attached or self._waiting >= self.limits.max_waiting:
+                return
+        if not self.may_attach(target):  # a DHT read (rate-limited): outside the lock
+            return
+        deadline = time.monotonic() + self.limits.attach_wait_s
+        with self._lock:
+            self._waiting += 1
+            try:
+                while target not in self._attached and (left := deadline - time.monotonic()) > 0:
+                    self._arrived.wait(left)
+            finally:
+                self._waiting -= 1
 
     def Connect(self, request_iterator, context):
         caller = self._caller(context)

@@ -144,7 +144,7 @@ def test_a_stranger_cannot_attach_and_anonymous_calls_are_refused():
 
 
 def test_connecting_to_a_peer_that_is_not_attached_is_refused_by_name():
-    relay = relay_servicer()
+    relay = relay_servicer(limits=RelayLimits(attach_wait_s=0.2))  # it announces this relay: a short wait first
     with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
         frames = iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id)])
         replies = stage_pb2_grpc.RelayStub(channel).Connect(
@@ -385,3 +385,40 @@ def test_one_caller_cannot_take_every_connection_to_an_attached_peer():
             assert probe(others, b"other", who="stranger") == b"other"
         finally:
             others.close()
+
+
+def test_a_connect_waits_for_the_attach_of_a_peer_moving_to_this_relay_and_not_for_strangers():
+    import threading
+    import time
+
+    # "peer" announces this relay (it is moving here): a Connect that comes first is held until it attaches
+    relay = relay_servicer(limits=RelayLimits(attach_wait_s=30.0))
+    with serve(relay) as (_, relay_address), serve(EchoStage(IDS["peer"].peer_id)) as (_, p_address):
+        route = RelayRoute(IDS["peer"].peer_id, IDS["relay"].peer_id, relay_address)
+        tunnels = Tunnels(signer("caller"), lambda a: route if a == "p.example:1" else None)
+        got: list[bytes] = []
+        caller = threading.Thread(target=lambda: got.append(probe(tunnels, b"moved", timeout=30)), daemon=True)
+        caller.start()
+        deadline = time.monotonic() + 20
+        while relay._waiting != 1 and time.monotonic() < deadline:
+            caller.join(0.05)  # poll: the Connect is waiting for the Attach
+        assert relay._waiting == 1, "the Connect waits for the announced peer's Attach"
+        attachment = Attachment(lambda: (IDS["relay"].peer_id, relay_address), signer("peer"), p_address).start()
+        try:
+            caller.join(30)
+            assert got == [b"moved"] and relay._waiting == 0
+        finally:
+            tunnels.close()
+            attachment.close()
+    # a target that does not announce this relay is refused at once, whatever the wait allowed
+    stranger = relay_servicer(allowed=(), limits=RelayLimits(attach_wait_s=30.0))
+    with serve(stranger) as (_, address), grpc.insecure_channel(address) as channel:
+        started = time.monotonic()
+        replies = stage_pb2_grpc.RelayStub(channel).Connect(
+            iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id)]),
+            metadata=signer("caller").metadata(IDS["relay"].peer_id),
+            timeout=60,
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(replies)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() - started < 15

@@ -208,3 +208,20 @@ def test_swarm_peer_reach_flags(argv, reach, relay, client_mode):
     assert (cfg.reach, cfg.relay, cfg.dht.client_mode) == (reach, relay, client_mode)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--reach", "nat"])
+
+
+def test_an_attach_on_either_pipeline_neighbour_stays(daemons):
+    from types import SimpleNamespace
+
+    board = {}
+    first, second = daemons(board, "direct"), daemons(board, "direct")
+    natted = daemons(board, "relay", announce_port=closed_port())
+    ids = first.identity.peer_id, natted.identity.peer_id, second.identity.peer_id
+    stages = {"stages": [{"peer_ids": [ids[0]]}, {"peer_ids": [ids[1]]}, {"peer_ids": [ids[2]]}]}
+    natted.following = SimpleNamespace(plan=stages)
+    # held by the previous stage: the next stage ranks first for a fresh choice, but a move would cut the
+    # callers' tunnels for a hop the previous neighbour already saves
+    assert natted.nat.move_to(ids[0]) is None and natted.nat.move_to(ids[2]) is None
+    assert natted.nat.move_to("someone-else") == ids[2]  # not a neighbour: move to the next stage
+    natted.following = SimpleNamespace(plan={"stages": [{"peer_ids": [ids[1]]}]})
+    assert natted.nat.move_to(ids[0]) is None  # no reachable neighbour: stay wherever it is
