@@ -25,6 +25,7 @@ from swarm.net.connect import LocalNetwork
 from swarm.peers.shaper import LinkShaping
 from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.driver import PipelineDriver, StepResult
+from swarm.runtime.freeze import FreezePolicy, FreezingDriver
 from swarm.runtime.host import StageHost, StageRole
 from swarm.runtime.policy import Roster
 from swarm.runtime.schedules import SCHEDULES
@@ -112,6 +113,8 @@ class LocalPipeline:
         self.killed: set[tuple[int, int]] = set()
         self._driver: PipelineDriver | None = None
         self._step = 0
+        self.freeze: FreezePolicy | None = None
+        """the trainer's freezing criterion (`swarm.runtime.freeze`); set before the first step"""
 
     def _shape(self, grid: list[list[str]]) -> tuple:
         """Flat (one replica per stage, the roster's original shape) or nested `[stage][replica]`."""
@@ -145,7 +148,10 @@ class LocalPipeline:
             connector = self.network.connector(CallSigner(self.trainer) if self.trainer else None)
             route, peers = self._shape(self.replica_addresses), self._shape(self.replica_peers)
             options = {"tied": self.model.tied_embeddings, **driver_options}
-            self._driver = PipelineDriver(route, peers, self.schedule, n_micro, connector=connector, **options)
+            if self.freeze is not None:
+                options["policy"] = self.freeze
+            cls = PipelineDriver if self.freeze is None else FreezingDriver
+            self._driver = cls(route, peers, self.schedule, n_micro, connector=connector, **options)
         return self._driver
 
     def train_step(self, batch: Batch, n_micro: int) -> StepResult:

@@ -1,0 +1,177 @@
+"""PipeTransformer's freezing (swarm.runtime.freeze): the criterion, frozen stages, and the trainer's decision."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarm.compression import CodecConfig
+from swarm.model.data import Batch
+from swarm.model.gpt import ModelConfig
+from swarm.model.hf import hf_model_config
+from swarm.net.stream import StageCallError
+from swarm.runtime.freeze import FreezePolicy, block_of, set_frozen
+from swarm.runtime.local import LocalPipeline
+from swarm.runtime.worker import OptimConfig, StageConfig
+
+GPT = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=4, n_heads=4, init_seed=1)
+LLAMA = hf_model_config("llama-tiny", seq_len_tokens=16)  # untied, 3 layers
+FP32 = CodecConfig(name="fp32")
+NO_CLIP = StageConfig(OptimConfig(warmup_steps=2, total_steps=50, grad_clip_norm=None))
+
+
+def _batch(vocab: int, seq: int, step: int, n: int = 8) -> Batch:
+    gen = torch.Generator().manual_seed(step % 3)
+    windows = torch.randint(0, vocab, (n, seq + 1), generator=gen)
+    first = (step % 3) * n
+    return Batch(torch.arange(first, first + n), windows[:, :-1], windows[:, 1:])
+
+
+def _params(pipe: LocalPipeline) -> dict[str, torch.Tensor]:
+    return {f"{s}:{k}": v.detach().clone() for s, w in enumerate(pipe.workers) for k, v in w.module.named_parameters()}
+
+
+# ---- the criterion ----------------------------------------------------------------------------------------
+
+
+def _settling(step: int, n_layers: int, settled_by: list[int]) -> list[float]:
+    """Squared norms: layer i changes until step settled_by[i], then stays constant."""
+    return [(1.0 + max(settled_by[i] - step, 0)) ** 2 for i in range(n_layers)]
+
+
+def test_policy_freezes_bottom_up_never_unfreezes_and_respects_caps():
+    policy = FreezePolicy(n_layers=8, interval=5, tolerance=0.05, max_fraction=0.5)
+    settled_by = [10, 20, 30, 40, 50, 60, 70, 80]  # the bottom layers settle first
+    seen = []
+    for step in range(120):
+        seen.append(policy.observe(step, _settling(step, 8, settled_by)))
+    assert seen == sorted(seen)  # never unfreezes
+    assert seen[-1] == 4  # capped at half the layers, though every layer settled by step 80
+    steps = dict((n, s) for s, n in policy.history)
+    assert steps[1] >= 15 and all(steps[n] >= settled_by[n - 1] for n in steps)  # never before the layer settled
+    # a layer that is still moving holds the prefix even though the ones above it settled
+    policy = FreezePolicy(n_layers=4, interval=5, tolerance=0.05, max_fraction=1.0)
+    for step in range(100):
+        policy.observe(step, [1.0, (1 + step) ** 2, 1.0, 1.0])
+    assert policy.frozen == 1  # layer 0 only; the last layer is never frozen either (keep_last)
+    policy = FreezePolicy(n_layers=6, interval=2, tolerance=0.5, max_fraction=1.0, max_step=1)
+    for step in range(10):
+        policy.observe(step, [1.0] * 6)
+    assert [n for _, n in policy.history] == [1, 2, 3, 4]  # one layer per decision
+
+
+def test_policy_ignores_malformed_and_repeated_observations():
+    policy = FreezePolicy(n_layers=3, interval=1, tolerance=0.5)
+    for step, norms in enumerate([[1.0, 1.0], [math.nan, 1.0, 1.0], [-1.0, 1.0, 1.0], [math.inf, 1, 1]]):
+        assert policy.observe(step, norms) == 0
+    assert policy.observe(10, [1.0, 1.0, 1.0]) == 0  # first window: nothing to compare with
+    assert policy.observe(10, [1.0, 1.0, 1.0]) == 0  # the same step again is not a second window
+    assert policy.observe(11, [1.0, 1.0, 1.0]) == 2
+    with pytest.raises(ValueError):
+        FreezePolicy(n_layers=0)
+
+
+def test_block_names_of_every_family():
+    assert block_of("blocks.3.attn.qkv.weight") == 3
+    assert block_of("transformer.h.12.mlp.c_fc.weight") == 12
+    assert block_of("model.layers.0.self_attn.q_proj.weight") == 0
+    assert block_of("tok_emb.weight") is None and block_of("model.embed_tokens.weight") is None
+
+
+# ---- frozen stages -----------------------------------------------------------------------------------------
+
+
+def _run(model, n_stages: int, steps: int, freeze_at: int | None, frozen: int, reference: bool = False):
+    """Losses of `steps` steps; the policy is told to freeze `frozen` layers in the Step of step `freeze_at`
+    (applied from the next step on); `reference` instead trains unfrozen and restores those layers' weights
+    after every later step (what freezing must equal)."""
+    pipe = LocalPipeline(model, n_stages, FP32, FP32, stage_cfg=NO_CLIP)
+    pipe.freeze = FreezePolicy(n_layers=model.n_layers, tolerance=1e-12, max_fraction=1.0)
+    losses, results, kept = [], [], None
+    for step in range(steps):
+        if step == freeze_at and not reference:
+            pipe.freeze.frozen = frozen
+        result = pipe.train_step(_batch(model.vocab_size, model.seq_len_tokens, step), 2)
+        losses.append(result.loss)
+        results.append(result)
+        if reference and freeze_at is not None and step >= freeze_at:
+            if kept is None:
+                kept = {
+                    (s, k): p.detach().clone()
+                    for s, w in enumerate(pipe.workers)
+                    for k, p in w.module.named_parameters()
+                    if _frozen_name(k, frozen, w.module, model)
+                }
+            for s, w in enumerate(pipe.workers):
+                for k, p in w.module.named_parameters():
+                    if (s, k) in kept:
+                        p.data.copy_(kept[(s, k)])
+    return pipe, losses, results
+
+
+def _frozen_name(name: str, frozen: int, module, model) -> bool:
+    block = block_of(name)
+    if block is not None:
+        return block < frozen
+    embedding = module.is_first and ("emb" in name or "wte" in name or "wpe" in name)
+    return frozen > 0 and embedding and not (model.tied_embeddings and "tok_emb" in name or "wte" in name)
+
+
+@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt-tied", "llama-untied"])
+def test_freezing_at_step_k_equals_a_run_that_stops_updating_those_layers(model):
+    frozen = 2
+    pipe, losses, _ = _run(model, 2, 6, freeze_at=2, frozen=frozen)
+    ref, ref_losses, _ = _run(model, 2, 6, freeze_at=2, frozen=frozen, reference=True)
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for a, b in zip(_params(pipe).items(), _params(ref).items(), strict=True):
+        torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=1e-6, msg=a[0])
+    assert all(w.frozen_layers == frozen for w in pipe.workers)
+
+
+def test_frozen_parameters_stay_while_the_others_move_and_a_frozen_stage_gets_no_backward():
+    pipe = LocalPipeline(LLAMA, 2, FP32, FP32, stage_cfg=NO_CLIP)  # stage 0: embedding + layers 0, 1
+    pipe.freeze = FreezePolicy(n_layers=3, tolerance=1e-12, max_fraction=1.0)
+    calls = {"Backward": 0}
+    servicer = pipe.switches[0][0].target
+    backward = servicer.Backward
+
+    def counting(request_iterator, context):
+        calls["Backward"] += 1
+        return backward(request_iterator, context)
+
+    servicer.Backward = counting
+    pipe.train_step(_batch(256, 16, 0), 2)
+    pipe.freeze.frozen = 2
+    result = pipe.train_step(_batch(256, 16, 1), 2)  # its Step freezes layers 0-1: stage 0 entirely
+    assert result.traffic.sent.get((0, "backward"), 0) > 0 and calls["Backward"] == 4  # 2 steps x 2 micro-batches
+    before = _params(pipe)
+    results = [pipe.train_step(_batch(256, 16, step), 2) for step in range(2, 5)]
+    after = _params(pipe)
+    assert pipe.workers[0].forward_only and not pipe.workers[1].input_grad
+    assert calls["Backward"] == 4  # no Backward call into the frozen stage any more
+    assert all(r.traffic.sent.get((0, "backward"), 0) == 0 for r in results)
+    assert all(r.traffic.sent.get((0, "forward"), 0) > 0 for r in results)
+    for name, value in before.items():
+        moved = not torch.equal(value, after[name])
+        assert moved == name.startswith("1:"), name  # stage 0 frozen, stage 1 (layer 2, norm, head) trains
+    assert pipe.workers[0].in_flight == 0 and pipe.workers[0].peak_in_flight <= 2
+
+
+def test_a_step_that_would_unfreeze_or_freeze_everything_is_refused_and_changes_nothing():
+    pipe = LocalPipeline(GPT, 2, FP32, FP32, stage_cfg=NO_CLIP)
+    pipe.freeze = FreezePolicy(n_layers=4, tolerance=1e-12)
+    pipe.freeze.frozen = 2
+    pipe.train_step(_batch(64, 16, 0), 2)
+    for bad in (1, 4, 2**31):
+        pipe.freeze.frozen = bad
+        before = _params(pipe)
+        with pytest.raises(StageCallError, match="frozen_layers"):
+            pipe.train_step(_batch(64, 16, 1), 2)
+        pipe.abandon_step()
+        after = _params(pipe)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert all(w.frozen_layers == 2 for w in pipe.workers)
+    with pytest.raises(ValueError):
+        set_frozen(pipe.workers[0], 1)
