@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from torch import nn
 
 from swarm.net.stream import CallRefused
@@ -41,6 +42,7 @@ __all__ = [
     "FreezingDriver",
     "MAX_LAYER_NORMS",
     "block_of",
+    "cached_forward",
     "check_frozen",
     "grad_reply",
     "layer_sq_norms",
@@ -111,7 +113,35 @@ def set_frozen(worker: StageWorker, frozen_layers: int) -> bool:
     worker.input_grad = not module.is_first and (tied or module.layer_start > frozen_layers)
     trainable = any(p.requires_grad for p in module.parameters())
     worker.forward_only = not trainable and not worker.input_grad
+    worker.frozen_sent = {}  # the frozen activation cache starts empty at every change (`cached_forward`)
     return worker.forward_only
+
+
+def cached_forward(host, info: stage_pb2.CallInfo, mb: int, inputs, ids: list[int], targets) -> torch.Tensor:
+    """A stage's forward of one micro-batch, answered from the frozen activation cache where it can be.
+
+    On a stage that runs forward only (everything here and before is frozen) with AQ-SGD buffers on its
+    outgoing boundary, the sender's buffer `m[sample]` is the receiver's copy. A sample's first forward after
+    the freeze is computed and sent in full (its buffer is forgotten, so it travels as a first sight and both
+    copies become the frozen output, in the buffer dtype); after that the stage skips the compute and sends
+    `m` itself: a zero delta, which leaves the receiver's copy unchanged and costs almost no bytes."""
+    worker = host.worker
+    if not worker.forward_only or host.role.is_last:
+        return worker.forward(mb, inputs, torch.tensor(ids), targets)
+    nxt = host._neighbour(info, host.role.stage + 1)
+    address = nxt.route[nxt.stage]
+    store = host.links.send_end("fw", address).buffers
+    if store is None:  # no AQ-SGD buffers on this boundary: nothing to answer from
+        return worker.forward(mb, inputs, torch.tensor(ids), targets)
+    sent = worker.frozen_sent.setdefault(address, set())
+    fresh = [i for i in ids if i not in sent or i not in store]
+    if not fresh:
+        worker.cache_hits += len(ids)
+        return store.gather(store.lookup(ids)).float()
+    out = worker.forward(mb, inputs, torch.tensor(ids), targets)
+    host.links.forget(fresh, address)  # in full once more: the receiver's copy becomes the frozen output
+    sent.update(fresh)
+    return out
 
 
 def check_frozen(request: stage_pb2.StepRequest, worker: StageWorker, n_layers: int) -> None:

@@ -36,7 +36,7 @@ from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.device import to_device
-from swarm.runtime.freeze import check_frozen, grad_reply, set_frozen
+from swarm.runtime.freeze import cached_forward, check_frozen, grad_reply, set_frozen
 from swarm.runtime.gate import GateError, ScheduleGate
 from swarm.runtime.precision import check_scale, check_step
 from swarm.runtime.routes import local_micro
@@ -302,7 +302,7 @@ class StageHost:
                 self._still(current, info)
                 targets = self.labels.pop(self._mb(info)) if role.is_last else None
                 inputs, targets = to_device(self.links.device, inputs, targets)
-                out = self.worker.forward(self._mb(info), inputs, torch.tensor(ids), targets)
+                out = cached_forward(self, info, self._mb(info), inputs, ids, targets)  # swarm.runtime.freeze
             if role.is_last:
                 return stage_pb2.ForwardReply(has_loss=True, loss=float(out))
             # encoded in schedule order, still holding the turn: the codec's state (stochastic rounding draws,

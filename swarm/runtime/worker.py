@@ -131,6 +131,10 @@ class StageWorker:
         """something before this stage trains: its input needs a gradient, sent upstream by backward"""
         self.forward_only = False
         """nothing here or before trains: forward keeps nothing and no backward comes"""
+        self.frozen_sent: dict[str, set[int]] = {}
+        """forward only: samples sent in full since the freeze, per next-stage address (the activation cache)"""
+        self.cache_hits = 0
+        """forward only: samples answered from the activation cache without computing"""
 
     @property
     def loss_scale(self) -> float:

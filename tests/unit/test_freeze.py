@@ -175,3 +175,23 @@ def test_a_step_that_would_unfreeze_or_freeze_everything_is_refused_and_changes_
         assert all(w.frozen_layers == 2 for w in pipe.workers)
     with pytest.raises(ValueError):
         set_frozen(pipe.workers[0], 1)
+
+
+def test_a_frozen_boundary_sends_almost_nothing_after_first_sight_and_the_receiver_holds_the_frozen_output():
+    fw, bw = CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4+ef")
+    pipe = LocalPipeline(LLAMA, 2, fw, bw, stage_cfg=NO_CLIP)
+    pipe.freeze = FreezePolicy(n_layers=3, tolerance=1e-12, max_fraction=1.0)
+    batches = [_batch(256, 16, step) for step in range(3)]  # an epoch of 3 batches, 24 samples
+    for step in range(3):
+        pipe.train_step(batches[step], 2)
+    pipe.freeze.frozen = 2  # the next Step freezes stage 0 entirely
+    pipe.train_step(batches[0], 2)
+    sent = [pipe.train_step(batches[step % 3], 2).traffic.sent[(0, "forward")] for step in range(1, 10)]
+    first, later = sent[:3], sent[3:]
+    assert pipe.workers[0].cache_hits == 2 * 24  # two epochs answered from the cache, no compute
+    assert max(later) * 20 < min(first)  # after first sight: a zero delta, a few hundred bytes of envelope
+    receiver = pipe.hosts[1].links.fw_recv.buffers
+    for batch in batches:
+        exact = pipe.workers[0].infer(batch.tokens)  # what the frozen stage computes for these samples
+        held = torch.stack([receiver.get(int(i)).float() for i in batch.sample_ids])
+        torch.testing.assert_close(held, exact, rtol=1e-2, atol=1e-3)  # the buffer dtype's rounding only
