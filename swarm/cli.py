@@ -34,6 +34,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "swarm.experiments.finetune",
         "write a Hugging Face checkpoint and tokenizer locally, fine-tune it over a local 3-peer swarm",
     ),
+    ("experiment", "freezing"): (
+        "swarm.experiments.freezing",
+        "train from one seed without freezing, with PipeTransformer's freezing, and with freezing + repack",
+    ),
     ("experiment", "churn"): (
         "swarm.experiments.churn",
         "train twice from one seed, without and with peers killed and joining; recovery, samples, targets",

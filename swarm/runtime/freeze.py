@@ -7,9 +7,10 @@ after that step's optimizer step, so all stages freeze at the same step boundary
 would unfreeze, reaches past the model, or is not finite (`check_frozen`), and only a trainer may send Step.
 
 The criterion (`FreezePolicy`) is PipeTransformer's on the gradient norm's change: every `interval` steps it
-compares each active block's mean gradient norm over the window with the previous window's, and freezes the
-longest prefix whose relative change is below `tolerance` (the gradients have settled), at most `max_step`
-more layers per decision and never past `max_fraction` of the model nor into the last `keep_last` layers.
+compares each active block's mean gradient norm over the window with the previous window's and freezes up to
+the active block whose relative change is smallest (Algorithm 1's argmin), at most a fraction `alpha` of the
+active layers per decision (at least one), and only once that change is below `tolerance` (the gradients have
+settled); never past `max_fraction` of the model nor into the last `keep_last` layers, never back.
 
 Frozen layers: their parameters get `requires_grad=False`, so autograd records nothing through them when
 nothing before them trains, the optimizer skips them (no gradient), and a stage whose input needs no gradient
@@ -167,13 +168,15 @@ class FreezePolicy:
     """Never freeze more than this fraction of the layers."""
     keep_last: int = 1
     """Never freeze the last `keep_last` layers."""
-    max_step: int | None = None
-    """Most layers frozen by one decision (None: no cap)."""
+    alpha: float = 0.2
+    """PipeTransformer's alpha: one decision freezes at most this fraction of the active layers (at least 1)."""
     warmup_steps: int = 0
     """Steps observed before the first window starts (the learning-rate warm-up moves every gradient)."""
     frozen: int = 0
     history: list[tuple[int, int]] = field(default_factory=list)
     """(step, frozen layers) at every change."""
+    changes: list[tuple[int, list[float]]] = field(default_factory=list)
+    """(step, each layer's relative change of its mean gradient norm) at every decision, for reports"""
     _window: list[list[float]] = field(default_factory=list, repr=False)
     _previous: list[float] | None = field(default=None, repr=False)
     _last_step: int = field(default=-1, repr=False)
@@ -181,8 +184,8 @@ class FreezePolicy:
     def __post_init__(self) -> None:
         if self.n_layers < 1 or self.interval < 1 or not self.tolerance > 0 or self.keep_last < 1:
             raise ValueError("need n_layers >= 1, interval >= 1, tolerance > 0, keep_last >= 1")
-        if not 0 <= self.max_fraction <= 1:
-            raise ValueError("max_fraction must be in [0, 1]")
+        if not 0 <= self.max_fraction <= 1 or not 0 < self.alpha <= 1:
+            raise ValueError("max_fraction must be in [0, 1] and alpha in (0, 1]")
 
     @property
     def cap(self) -> int:
@@ -207,15 +210,19 @@ class FreezePolicy:
         previous, self._previous = self._previous, mean
         if previous is None:
             return self.frozen
-        settled = self.frozen
-        while settled < self.cap:
-            before = previous[settled]
-            change = abs(mean[settled] - before) / before if before > 0 else math.inf
-            if change >= self.tolerance:
-                break
-            settled += 1
-        if self.max_step is not None:
-            settled = min(settled, self.frozen + self.max_step)
+        self.changes.append(
+            (step, [abs(a - b) / b if b > 0 else math.inf for a, b in zip(mean, previous, strict=True)])
+        )
+        # PipeTransformer: freeze up to the active layer whose gradient norm changed least, at most a fraction
+        # alpha of the active layers at once; here only once that layer's change is below the tolerance
+        candidates = range(self.frozen, self.cap)
+        if not candidates:
+            return self.frozen
+        best = min(candidates, key=lambda i: (self.changes[-1][1][i], -i))  # ties: the deeper layer
+        if self.changes[-1][1][best] >= self.tolerance:
+            return self.frozen
+        pace = max(1, math.floor(self.alpha * (self.n_layers - self.frozen)))
+        settled = min(best + 1, self.frozen + pace)
         if settled > self.frozen:
             self.frozen = settled
             self.history.append((step, settled))

@@ -56,6 +56,7 @@ class LocalPipeline:
         auth: authenticate every call and authorize it by the roster (a key per host and one for the
             driver, generated here); False only to measure what that costs.
         replicas: hosts per stage: one count for every stage, or one per stage.
+        layers: each stage's [start, end) layers (default: `split_layers`, as even as possible).
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class LocalPipeline:
         adaptive_zstd: bool = False,
         auth: bool = True,
         replicas: int | Sequence[int] = 1,
+        layers: Sequence[tuple[int, int]] | None = None,
     ):
         counts = [replicas] * n_stages if isinstance(replicas, int) else [int(r) for r in replicas]
         if n_stages < 1 or len(counts) != n_stages or min(counts) < 1:
@@ -99,7 +101,9 @@ class LocalPipeline:
             self._shape(self.replica_peers), self._shape(self.replica_addresses), trainers, frozenset(peer.values())
         )
         cfg = stage_cfg or StageConfig()
-        layers = split_layers(model.n_layers, n_stages)
+        layers = list(layers) if layers is not None else split_layers(model.n_layers, n_stages)
+        if len(layers) != n_stages:
+            raise ValueError(f"{len(layers)} layer ranges for {n_stages} stages")
         for s, r in grid:
             role = StageRole(s, n_stages, *layers[s], replica=r)
             connector = self.network.connector(CallSigner(ids[(s, r)]) if auth else None)

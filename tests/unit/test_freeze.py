@@ -51,15 +51,19 @@ def test_policy_freezes_bottom_up_never_unfreezes_and_respects_caps():
     assert seen[-1] == 4  # capped at half the layers, though every layer settled by step 80
     steps = dict((n, s) for s, n in policy.history)
     assert steps[1] >= 15 and all(steps[n] >= settled_by[n - 1] for n in steps)  # never before the layer settled
-    # a layer that is still moving holds the prefix even though the ones above it settled
+    # while every layer still moves by more than the tolerance nothing freezes, whatever the step count
     policy = FreezePolicy(n_layers=4, interval=5, tolerance=0.05, max_fraction=1.0)
-    for step in range(100):
-        policy.observe(step, [1.0, (1 + step) ** 2, 1.0, 1.0])
-    assert policy.frozen == 1  # layer 0 only; the last layer is never frozen either (keep_last)
-    policy = FreezePolicy(n_layers=6, interval=2, tolerance=0.5, max_fraction=1.0, max_step=1)
-    for step in range(10):
-        policy.observe(step, [1.0] * 6)
-    assert [n for _, n in policy.history] == [1, 2, 3, 4]  # one layer per decision
+    for step in range(200):
+        policy.observe(step, [1.1 ** (2 * step)] * 4)  # the norm grows 10% a step
+    assert policy.frozen == 0
+    # PipeTransformer's argmin: up to the layer that moved least, at most alpha of the active layers at once
+    policy = FreezePolicy(n_layers=10, interval=1, tolerance=0.5, max_fraction=1.0, alpha=0.2)
+    policy.observe(0, [1.0] * 10)
+    assert policy.observe(1, [1.2, 1.2, 1.2, 1.2, 1.0, 1.2, 1.2, 1.2, 1.2, 1.2]) == 2  # argmin 4, paced to 2
+    assert policy.observe(2, [1.2, 1.2, 1.2, 1.2, 1.0, 1.2, 1.2, 1.2, 1.2, 1.2]) == 3  # argmin 3 (ties: deeper)
+    assert policy.observe(3, [1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2]) == 4
+    assert policy.observe(4, [1.0, 1.0, 1.0, 1.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0]) == 4  # active layers moved: hold
+    assert policy.cap == 9 and [n for _, n in policy.history] == [2, 3, 4]
 
 
 def test_policy_ignores_malformed_and_repeated_observations():
@@ -68,7 +72,7 @@ def test_policy_ignores_malformed_and_repeated_observations():
         assert policy.observe(step, norms) == 0
     assert policy.observe(10, [1.0, 1.0, 1.0]) == 0  # first window: nothing to compare with
     assert policy.observe(10, [1.0, 1.0, 1.0]) == 0  # the same step again is not a second window
-    assert policy.observe(11, [1.0, 1.0, 1.0]) == 2
+    assert policy.observe(11, [1.0, 1.0, 1.0]) == 1  # one layer a decision (alpha)
     with pytest.raises(ValueError):
         FreezePolicy(n_layers=0)
 
