@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
 import torch
 
@@ -11,7 +12,9 @@ from swarm.compression import CodecConfig
 from swarm.model.data import Batch
 from swarm.model.gpt import ModelConfig
 from swarm.model.hf import hf_model_config
+from swarm.net.auth import CallSigner, Identity
 from swarm.net.stream import StageCallError
+from swarm.proto import stage_pb2
 from swarm.runtime.freeze import FreezePolicy, block_of, set_frozen
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
@@ -199,3 +202,19 @@ def test_a_frozen_boundary_sends_almost_nothing_after_first_sight_and_the_receiv
         exact = pipe.workers[0].infer(batch.tokens)  # what the frozen stage computes for these samples
         held = torch.stack([receiver.get(int(i)).float() for i in batch.sample_ids])
         torch.testing.assert_close(held, exact, rtol=1e-2, atol=1e-3)  # the buffer dtype's rounding only
+
+
+def test_a_stranger_or_a_stage_cannot_freeze_layers():
+    pipe = LocalPipeline(GPT, 2, FP32, FP32, stage_cfg=NO_CLIP)
+    pipe.freeze = FreezePolicy(n_layers=4, tolerance=1e-12)
+    pipe.forward_backward(_batch(64, 16, 0), 2)  # step 0 open on both stages, waiting for its Step
+    request = stage_pb2.StepRequest(step=0, global_grad_norm=1.0, frozen_layers=2)
+    stranger = pipe.network.connector(CallSigner(Identity.generate()))
+    neighbour = pipe.hosts[1].connector  # stage 1, signed with its own key: a plan peer, not a trainer
+    for connector in (stranger, neighbour):
+        with pytest.raises(grpc.RpcError) as err:
+            connector.stage(pipe.addresses[0], pipe.replica_peers[0][0]).Step(request)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert pipe.workers[0].frozen_layers == 0 and all(p.requires_grad for p in pipe.workers[0].module.parameters())
+    pipe.abandon_step()
+    pipe.train_step(_batch(64, 16, 1), 2)  # the trainer's own Step still goes through
