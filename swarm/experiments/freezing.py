@@ -14,14 +14,17 @@ replicas of the remaining stages in a swarm (`repack_plan`), but replicas in one
 parallel, so the repacked run here has one host per stage and gains only what fewer stages save.
 
 The model is an untied Llama (tied embeddings keep the token embedding training through the head, so only blocks
-could freeze and gradients would still flow to stage 0: `swarm.runtime.freeze`). The run freezes from the start
-with a criterion that needs the gradients to settle (windows of `--interval` steps after the learning-rate
-warm-up, relative change of each block's mean gradient norm under `--tolerance`), not a fine-tuning checkpoint.
+could freeze and gradients would still flow to stage 0: `swarm.runtime.freeze`). Freezing follows a criterion
+that needs the gradients to settle (windows of `--interval` steps after the learning-rate
+warm-up, relative change of each block's mean gradient norm under `--tolerance`) in PipeTransformer's setting,
+fine-tuning: `--pretrain-epochs` are trained once without freezing (untimed), and every setting fine-tunes from
+those weights with a fresh optimizer and a lower learning rate, over the same batches.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -55,8 +58,13 @@ class FreezingConfig:
     n_micro: int = 4
     train_samples: int = 256
     eval_samples: int = 64
-    epochs: int = 8
-    lr: float = 2e-3
+    pretrain_epochs: int = 6
+    """Epochs trained once, without freezing and untimed, to the state every setting fine-tunes from."""
+    pretrain_lr: float = 2e-3
+    epochs: int = 6
+    """Fine-tuning epochs of every setting (timed)."""
+    lr: float = 5e-4
+    """Peak learning rate of the fine-tuning."""
     warmup_fraction: float = 0.1
     interval: int = 8
     """Steps per window of the criterion."""
@@ -69,7 +77,15 @@ class FreezingConfig:
     seed: int = 0
 
 
-QUICK = {"n_layers": 4, "hidden": 64, "n_stages": 2, "train_samples": 96, "eval_samples": 32, "epochs": 6}
+QUICK = {
+    "n_layers": 4,
+    "hidden": 64,
+    "n_stages": 2,
+    "train_samples": 96,
+    "eval_samples": 32,
+    "pretrain_epochs": 4,
+    "epochs": 6,
+}
 
 
 def untied_llama(n_layers: int, hidden: int, seq_len: int, seed: int = 0) -> HFModelConfig:
@@ -102,7 +118,30 @@ def _transplant(old: LocalPipeline, new: LocalPipeline, frozen: int) -> None:
     new.freeze = old.freeze
 
 
-def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say) -> dict:
+def _close(pipe: LocalPipeline) -> None:
+    """Closes the driver and every host's connector, and collects the garbage now."""
+    pipe.close()
+    for host in (h for row in pipe.replica_hosts for h in row):
+        host.close()
+    gc.collect()
+
+
+def _pretrain(cfg: FreezingConfig, model, train, say) -> dict[str, torch.Tensor]:
+    """The state every setting fine-tunes from: `pretrain_epochs` without freezing (weights by global name)."""
+    total = max(1, len(train) // cfg.batch_size * cfg.pretrain_epochs)
+    optim = OptimConfig(lr_peak=cfg.pretrain_lr, warmup_steps=max(1, round(total * 0.2)), total_steps=total)
+    fw, bw = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
+    pipe = LocalPipeline(model, cfg.n_stages, fw, bw, stage_cfg=StageConfig(optim))
+    for epoch in range(cfg.pretrain_epochs):
+        for batch in epoch_batches(train, cfg.batch_size, 1000 + epoch, cfg.seed):
+            result = pipe.train_step(batch, cfg.n_micro)
+        say(f"pretrain: epoch {epoch + 1}/{cfg.pretrain_epochs} loss {result.loss:.4f}")
+    weights = {k: p.detach().clone() for w in pipe.workers for k, p in w.module.named_parameters()}
+    _close(pipe)
+    return weights
+
+
+def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, start=None) -> dict:
     steps_per_epoch = len(train) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
     optim = OptimConfig(lr_peak=cfg.lr, warmup_steps=max(1, round(total * cfg.warmup_fraction)), total_steps=total)
@@ -110,6 +149,10 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say) ->
     fw, bw = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
     layout = split_layers(cfg.n_layers, cfg.n_stages)
     pipe = LocalPipeline(model, cfg.n_stages, fw, bw, stage_cfg=stage_cfg, layers=layout)
+    with torch.no_grad():
+        for w in pipe.workers if start else ():
+            for name, p in w.module.named_parameters():
+                p.copy_(start[name])
     if setting != "no-freeze":
         pipe.freeze = FreezePolicy(
             cfg.n_layers, cfg.interval, cfg.tolerance, cfg.max_fraction, warmup_steps=optim.warmup_steps
@@ -123,13 +166,15 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say) ->
             now = pipe.freeze.frozen if pipe.freeze is not None else 0
             if setting == "freeze+repack" and now != frozen:
                 ranges, _ = repack_layout(cfg.n_layers, now, cfg.n_stages, limit, cfg.n_stages)
-                if ranges != layout:  # one host per stage: in one process replicas would not run in parallel
+                # only when the stages get fewer: in one process a rebalance alone buys nothing to pay its first
+                # sights for, and one host per stage, as replicas in one process would not run in parallel
+                if len(ranges) < len(layout):
                     layout, repacked = (
                         ranges,
                         LocalPipeline(model, len(ranges), fw, bw, stage_cfg=stage_cfg, layers=ranges),
                     )
                     _transplant(pipe, repacked, now)
-                    pipe.close()
+                    _close(pipe)
                     pipe = repacked
                     stages.append(len(ranges))
             frozen = now
@@ -139,7 +184,7 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say) ->
         say(f"{setting}: epoch {epoch + 1}/{cfg.epochs} loss {rows[-1]['loss']:.4f} frozen {frozen} stages {stages}")
     final = pipe.evaluate(evals, cfg.batch_size * 2)
     samples = len(rows) * cfg.batch_size
-    pipe.close()
+    _close(pipe)
     return {
         "setting": setting,
         "frozen_layers": frozen,
@@ -154,22 +199,16 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say) ->
     }
 
 
-def _warm_up(cfg: FreezingConfig, model, train) -> None:
-    """A few untimed steps first: the process's first steps pay one-time costs (lazy imports, allocator, kernel
-    selection) that would otherwise be charged to whichever setting runs first (measured: 12x slower)."""
-    pipe = LocalPipeline(model, cfg.n_stages, CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec))
-    for batch, _ in zip(epoch_batches(train, cfg.batch_size, 0, cfg.seed + 1), range(3), strict=False):
-        pipe.train_step(batch, cfg.n_micro)
-    pipe.close()
-
-
 def run_experiment(cfg: FreezingConfig, out: Path, say=lambda s: None) -> list[dict]:
     torch.manual_seed(cfg.seed)
     model = untied_llama(cfg.n_layers, cfg.hidden, cfg.seq_len, cfg.seed)
     data = DataConfig(seq_len_tokens=cfg.seq_len, train_samples=cfg.train_samples, eval_samples=cfg.eval_samples)
     train, evals, _ = build_datasets(data)
-    _warm_up(cfg, model, train)
-    results = [_run_setting(s, cfg, model, train, evals, say) for s in SETTINGS]
+    start = _pretrain(cfg, model, train, say) if cfg.pretrain_epochs else None
+    # untimed: the first setting run in a process ran 3-6x slower than the same setting run again (not the
+    # garbage collector, not lingering threads; cause not found), so one epoch of it runs first, discarded
+    _run_setting("no-freeze", replace(cfg, epochs=1), model, train, evals, lambda *_: None, start)
+    results = [_run_setting(s, cfg, model, train, evals, say, start) for s in SETTINGS]
     base = results[0]
     for r in results:
         r["speedup"] = r["throughput_samples_s"] / base["throughput_samples_s"]
@@ -215,7 +254,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--layers", type=int, default=d.n_layers, help="model layers (default %(default)s)")
     add("--hidden", type=int, default=d.hidden, help="model width (default %(default)s)")
     add("--stages", type=int, default=d.n_stages, help="pipeline stages before any repack (default %(default)s)")
-    add("--epochs", type=int, default=d.epochs, help="passes over the training samples (default %(default)s)")
+    add(
+        "--pretrain-epochs",
+        type=int,
+        default=d.pretrain_epochs,
+        help="untimed epochs to start from (default %(default)s)",
+    )
+    add("--epochs", type=int, default=d.epochs, help="fine-tuning epochs per setting (default %(default)s)")
     add("--interval", type=int, default=d.interval, help="steps per window of the criterion (default %(default)s)")
     add("--tolerance", type=float, default=d.tolerance, help="settled below this change (default %(default)s)")
     add("--max-fraction", type=float, default=d.max_fraction, help="freeze at most this (default %(default)s)")
@@ -230,6 +275,7 @@ def config_from_args(args: argparse.Namespace) -> FreezingConfig:
         n_layers=args.layers,
         hidden=args.hidden,
         n_stages=args.stages,
+        pretrain_epochs=args.pretrain_epochs,
         epochs=args.epochs,
         interval=args.interval,
         tolerance=args.tolerance,

@@ -113,8 +113,9 @@ def set_frozen(worker: StageWorker, frozen_layers: int) -> bool:
     worker.frozen_layers = frozen_layers
     worker.input_grad = not module.is_first and (tied or module.layer_start > frozen_layers)
     trainable = any(p.requires_grad for p in module.parameters())
-    worker.forward_only = not trainable and not worker.input_grad
-    worker.frozen_sent = {}  # the frozen activation cache starts empty at every change (`cached_forward`)
+    was, worker.forward_only = worker.forward_only, not trainable and not worker.input_grad
+    if not was:  # outputs computed before are stale: the cache starts empty (`cached_forward`); once forward
+        worker.frozen_sent = {}  # only, a stage's outputs never change again, so a later change keeps it
     return worker.forward_only
 
 
