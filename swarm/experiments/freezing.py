@@ -58,8 +58,9 @@ class FreezingConfig:
     n_micro: int = 4
     train_samples: int = 256
     eval_samples: int = 64
-    pretrain_epochs: int = 6
-    """Epochs trained once, without freezing and untimed, to the state every setting fine-tunes from."""
+    pretrain_epochs: int = 12
+    """Epochs trained once, without freezing and untimed, to the state every setting fine-tunes from. After 6 the
+    model still learned in every layer and freezing cost +1.7% held-out loss; after 12, +0.8% (one seed)."""
     pretrain_lr: float = 2e-3
     epochs: int = 6
     """Fine-tuning epochs of every setting (timed)."""
