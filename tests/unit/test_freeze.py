@@ -218,3 +218,23 @@ def test_a_stranger_or_a_stage_cannot_freeze_layers():
     assert pipe.workers[0].frozen_layers == 0 and all(p.requires_grad for p in pipe.workers[0].module.parameters())
     pipe.abandon_step()
     pipe.train_step(_batch(64, 16, 1), 2)  # the trainer's own Step still goes through
+
+
+@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt-tied", "llama-untied"])
+def test_replicas_freeze_together_and_stay_equal(model):
+    fw, bw = CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4+ef")
+    pipe = LocalPipeline(model, 2, fw, bw, stage_cfg=NO_CLIP, replicas=2)
+    pipe.freeze = FreezePolicy(n_layers=model.n_layers, tolerance=1e-12, max_fraction=1.0)
+    pipe.train_step(_batch(model.vocab_size, 16, 0), 2)
+    pipe.freeze.frozen = 2
+    pipe.train_step(_batch(model.vocab_size, 16, 1), 4)  # its Step freezes layers 0-1 on every replica
+    before = pipe.replica_hosts[0][0].worker.module.state_dict()
+    before = {k: v.clone() for k, v in before.items() if block_of(k) == 0}
+    for step in range(2, 5):
+        pipe.train_step(_batch(model.vocab_size, 16, step), 4)
+    assert [h.worker.frozen_layers for row in pipe.replica_hosts for h in row] == [2] * 4
+    for s in range(2):
+        a, b = (h.worker.module.state_dict() for h in pipe.replica_hosts[s])
+        assert all(torch.equal(a[k], b[k]) for k in a)  # the replicas' averaging still keeps them equal
+    after = pipe.replica_hosts[0][0].worker.module.state_dict()
+    assert before and all(torch.equal(v, after[k]) for k, v in before.items())  # block 0 stays frozen
