@@ -527,6 +527,7 @@ def validate_plan(
     _validate_codecs(plan.get("codecs"), len(stages))
     _validate_epilogue_codecs(plan.get("epilogue_codecs"), len(stages))
     _validate_precisions(plan.get("precisions"), len(stages))
+    _validate_frozen_layers(plan.get("frozen_layers"), start)
     trainer_ids = plan.get("trainer_ids", [])
     if type(trainer_ids) is not list or len(trainer_ids) > MAX_PLAN_TRAINERS:
         raise _fail("plan", "trainer_ids", f"a list of at most {MAX_PLAN_TRAINERS} trainer ids", trainer_ids)
@@ -537,6 +538,13 @@ def validate_plan(
             raise _fail("plan", "trainer_ids", "announced trainers", tid)
     if len(set(trainer_ids)) != len(trainer_ids):
         raise _fail("plan", "trainer_ids", "distinct trainer ids", trainer_ids)
+
+
+def _validate_frozen_layers(frozen: Any, n_layers: int) -> None:
+    """A plan's frozen prefix (optional, `swarm.runtime.freeze`): an int in [0, n_layers), the layers the stages
+    cover (the last layer always trains)."""
+    if frozen is not None and (type(frozen) is not int or not 0 <= frozen < n_layers):
+        raise _fail("plan", "frozen_layers", f"an int in [0, {n_layers})", frozen)
 
 
 _MAX_CODEC_LABEL = 64

@@ -111,7 +111,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale", "trainer_elapsed_s")
+    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale", "trainer_elapsed_s", "frozen_layers")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIED_GRAD_SUM_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class StepRequest(_message.Message):
     SKIP_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     step: int
     tied_grad_sum: _wire_pb2.TensorMessage
     global_grad_norm: float
@@ -128,17 +129,20 @@ class StepRequest(_message.Message):
     skip: bool
     loss_scale: float
     trainer_elapsed_s: float
-    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., trainer_elapsed_s: _Optional[float] = ...) -> None: ...
+    frozen_layers: int
+    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., trainer_elapsed_s: _Optional[float] = ..., frozen_layers: _Optional[int] = ...) -> None: ...
 
 class GradReply(_message.Message):
-    __slots__ = ("tied_grad", "grad_sq_norm", "loss_scale")
+    __slots__ = ("tied_grad", "grad_sq_norm", "loss_scale", "layer_sq_norms")
     TIED_GRAD_FIELD_NUMBER: _ClassVar[int]
     GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SQ_NORMS_FIELD_NUMBER: _ClassVar[int]
     tied_grad: _wire_pb2.TensorMessage
     grad_sq_norm: float
     loss_scale: float
-    def __init__(self, tied_grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ...) -> None: ...
+    layer_sq_norms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tied_grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., layer_sq_norms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("step", "lr", "loss_scale", "skipped")

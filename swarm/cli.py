@@ -47,6 +47,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "swarm.experiments.nat",
         "the same run with every peer reachable, half behind NAT, and two adjacent stages through a relay",
     ),
+    ("experiment", "freezing"): (
+        "swarm.experiments.freezing",
+        "train from one seed without freezing, with PipeTransformer's freezing, and with freezing + repack",
+    ),
     ("experiment", "churn"): (
         "swarm.experiments.churn",
         "train twice from one seed, without and with peers killed and joining; recovery, samples, targets",

@@ -31,6 +31,8 @@ class ScheduleGate:
         self._running: Action | None = None
         """The action whose body runs now (a duplicate of it is refused, not run beside it)."""
         self._generation = 0
+        self.forward_only = False
+        """Every layer here and before is frozen (swarm.runtime.freeze): the program has no backward turns."""
         """Bumped by every new step and reset: a body that outlives its step does not move the next one on."""
 
     def _program_of(self, schedule: str, n_micro: int) -> list[Action]:
@@ -38,7 +40,8 @@ class ScheduleGate:
             raise GateError(f"schedule: unknown schedule {schedule!r}; expected one of {sorted(SCHEDULES)}")
         if not 1 <= n_micro <= self.max_micro_batches:
             raise GateError(f"num_micro_batches: {n_micro} is outside 1..{self.max_micro_batches}")
-        return SCHEDULES[schedule](self.n_stages, n_micro)[self.stage]
+        program = SCHEDULES[schedule](self.n_stages, n_micro)[self.stage]
+        return [a for a in program if a.kind != Kind.BACKWARD] if self.forward_only else program
 
     def _begin(self, step: int, schedule: str, n_micro: int) -> None:
         self._program = self._program_of(schedule, n_micro)

@@ -36,6 +36,7 @@ from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.device import to_device
+from swarm.runtime.freeze import cached_forward, check_frozen, grad_reply, set_frozen
 from swarm.runtime.gate import GateError, ScheduleGate
 from swarm.runtime.precision import check_scale, check_step
 from swarm.runtime.routes import local_micro
@@ -301,7 +302,7 @@ class StageHost:
                 self._still(current, info)
                 targets = self.labels.pop(self._mb(info)) if role.is_last else None
                 inputs, targets = to_device(self.links.device, inputs, targets)
-                out = self.worker.forward(self._mb(info), inputs, torch.tensor(ids), targets)
+                out = cached_forward(self, info, self._mb(info), inputs, ids, targets)  # swarm.runtime.freeze
             if role.is_last:
                 return stage_pb2.ForwardReply(has_loss=True, loss=float(out))
             # encoded in schedule order, still holding the turn: the codec's state (stochastic rounding draws,
@@ -445,7 +446,7 @@ class StageHost:
         attempt that is still running when the next attempt's backward, Reduce or abandon touches the same
         gradients must not read them concurrently (torch does not make that safe; it crashed the process)."""
         with self.compute_lock:  # +Inf where this stage found Inf/NaN (fp16): every stage then skips
-            return stage_pb2.GradReply(grad_sq_norm=self.worker.grad_sq_norm(), loss_scale=self.worker.loss_scale)
+            return grad_reply(self.worker)  # with per-block norms, the trainer's freezing criterion
 
     def step(self, request: stage_pb2.StepRequest) -> float:
         """Steps the optimizer (or abandons the step's gradients). A Step for the step applied last (a retry after
@@ -464,6 +465,7 @@ class StageHost:
             else:
                 self._check_step(request)
                 check_step(request, self.worker)
+                check_frozen(request, self.worker, self.model.n_layers)
                 lr = self.worker.step(math.inf if request.skip else request.global_grad_norm)
                 self.steps_done += 1
                 self.last_step, self._last_lr = request.step, lr
@@ -472,6 +474,7 @@ class StageHost:
                 if 0 < request.trainer_elapsed_s <= 1e6:  # the whole step as the trainer saw it (calibration)
                     self._observe("trainer", arrived - request.trainer_elapsed_s)
                 self._close_step()
+                self.gate.forward_only = set_frozen(self.worker, request.frozen_layers)  # from the next step on
         if self.on_step is not None and not request.abandon:
             self.on_step(self)
         return lr

@@ -25,6 +25,7 @@ from swarm.net.connect import LocalNetwork
 from swarm.peers.shaper import LinkShaping
 from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.driver import PipelineDriver, StepResult
+from swarm.runtime.freeze import FreezePolicy, FreezingDriver
 from swarm.runtime.host import StageHost, StageRole
 from swarm.runtime.policy import Roster
 from swarm.runtime.schedules import SCHEDULES
@@ -55,6 +56,7 @@ class LocalPipeline:
         auth: authenticate every call and authorize it by the roster (a key per host and one for the
             driver, generated here); False only to measure what that costs.
         replicas: hosts per stage: one count for every stage, or one per stage.
+        layers: each stage's [start, end) layers (default: `split_layers`, as even as possible).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class LocalPipeline:
         adaptive_zstd: bool = False,
         auth: bool = True,
         replicas: int | Sequence[int] = 1,
+        layers: Sequence[tuple[int, int]] | None = None,
     ):
         counts = [replicas] * n_stages if isinstance(replicas, int) else [int(r) for r in replicas]
         if n_stages < 1 or len(counts) != n_stages or min(counts) < 1:
@@ -98,7 +101,9 @@ class LocalPipeline:
             self._shape(self.replica_peers), self._shape(self.replica_addresses), trainers, frozenset(peer.values())
         )
         cfg = stage_cfg or StageConfig()
-        layers = split_layers(model.n_layers, n_stages)
+        layers = list(layers) if layers is not None else split_layers(model.n_layers, n_stages)
+        if len(layers) != n_stages:
+            raise ValueError(f"{len(layers)} layer ranges for {n_stages} stages")
         for s, r in grid:
             role = StageRole(s, n_stages, *layers[s], replica=r)
             connector = self.network.connector(CallSigner(ids[(s, r)]) if auth else None)
@@ -112,6 +117,8 @@ class LocalPipeline:
         self.killed: set[tuple[int, int]] = set()
         self._driver: PipelineDriver | None = None
         self._step = 0
+        self.freeze: FreezePolicy | None = None
+        """the trainer's freezing criterion (`swarm.runtime.freeze`); set before the first step"""
 
     def _shape(self, grid: list[list[str]]) -> tuple:
         """Flat (one replica per stage, the roster's original shape) or nested `[stage][replica]`."""
@@ -145,7 +152,10 @@ class LocalPipeline:
             connector = self.network.connector(CallSigner(self.trainer) if self.trainer else None)
             route, peers = self._shape(self.replica_addresses), self._shape(self.replica_peers)
             options = {"tied": self.model.tied_embeddings, **driver_options}
-            self._driver = PipelineDriver(route, peers, self.schedule, n_micro, connector=connector, **options)
+            if self.freeze is not None:
+                options["policy"] = self.freeze
+            cls = PipelineDriver if self.freeze is None else FreezingDriver
+            self._driver = cls(route, peers, self.schedule, n_micro, connector=connector, **options)
         return self._driver
 
     def train_step(self, batch: Batch, n_micro: int) -> StepResult:

@@ -125,6 +125,16 @@ class StageWorker:
         self.found_inf = False
         """this step met Inf/NaN in this stage's gradients or activations (fp16): it must be skipped"""
         self.skipped_steps = 0
+        self.frozen_layers = 0
+        """layers [0, frozen_layers) of the model are frozen (`swarm.runtime.freeze.set_frozen`)"""
+        self.input_grad = not module.is_first
+        """something before this stage trains: its input needs a gradient, sent upstream by backward"""
+        self.forward_only = False
+        """nothing here or before trains: forward keeps nothing and no backward comes"""
+        self.frozen_sent: dict[str, set[int]] = {}
+        """forward only: samples sent in full since the freeze, per next-stage address (the activation cache)"""
+        self.cache_hits = 0
+        """forward only: samples answered from the activation cache without computing"""
 
     @property
     def loss_scale(self) -> float:
@@ -161,10 +171,11 @@ class StageWorker:
             raise RuntimeError(f"micro-batch {mb} is already in flight on this stage")
         x = inputs
         if not self.module.is_first:
-            x = inputs.detach().requires_grad_(True)
-        with autocast(self.precision, self.cfg.device):
+            x = inputs.detach().requires_grad_(self.input_grad)
+        with autocast(self.precision, self.cfg.device), torch.set_grad_enabled(not self.forward_only):
             out = self.module(x, targets) if self.module.is_last else self.module(x)
-        self._saved[mb] = (x if x.requires_grad else None, out)
+        if not self.forward_only:  # frozen through here: no backward will come
+            self._saved[mb] = (x if x.requires_grad else None, out)
         self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
         out = out.detach().float()  # the boundary codecs take fp32 (the loss is fp32 already)
         if self.scaler is not None and not bool(torch.isfinite(out).all()):
@@ -273,6 +284,10 @@ class StageWorker:
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
+        if self.frozen_layers:  # a replicas' sum hands frozen parameters zeros: AdamW's momentum and decay would
+            for p in self.module.parameters():  # still move them, so they get no gradient at all
+                if not p.requires_grad:
+                    p.grad = None
         lr = lr_at(optim, self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

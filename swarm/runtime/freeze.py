@@ -1,0 +1,257 @@
+"""PipeTransformer's layer freezing: the criterion, the frozen prefix on a stage, and the trainer's side.
+
+Who decides: the trainer (`FreezingDriver`). It already gathers every stage's `Grads` each step, so it sees each
+block's squared gradient norm (`GradReply.layer_sq_norms`) without another round trip, and its `Step` reaches
+every stage of the step: the decision travels in `StepRequest.frozen_layers` and every stage applies it right
+after that step's optimizer step, so all stages freeze at the same step boundary. A stage refuses a value that
+would unfreeze, reaches past the model, or is not finite (`check_frozen`), and only a trainer may send Step.
+
+The criterion (`FreezePolicy`) is PipeTransformer's on the gradient norm's change: every `interval` steps it
+compares each active block's mean gradient norm over the window with the previous window's and freezes up to
+the active block whose relative change is smallest (Algorithm 1's argmin), at most a fraction `alpha` of the
+active layers per decision (at least one), and only once that change is below `tolerance` (the gradients have
+settled); never past `max_fraction` of the model nor into the last `keep_last` layers, never back.
+
+Frozen layers: their parameters get `requires_grad=False`, so autograd records nothing through them when
+nothing before them trains, the optimizer skips them (no gradient), and a stage whose input needs no gradient
+sends none upstream. A stage holding only frozen layers runs its forward under `no_grad`, keeps nothing, and
+its schedule program has no backward turns: no Backward call is made into it. With tied embeddings (the
+built-in GPT) the token embedding is also the head and keeps training, so only blocks (and the position
+embedding) freeze and gradients still flow back to stage 0: the math stays right, fewer weight gradients are
+computed, and no stage becomes forward-only. An untied model (`--model llama-tiny`) freezes its embedding
+with the first block, and then the whole prefix stops.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from torch import nn
+
+from swarm.net.stream import CallRefused
+from swarm.proto import stage_pb2
+from swarm.runtime.driver import PipelineDriver
+from swarm.runtime.worker import StageWorker
+
+__all__ = [
+    "FreezePolicy",
+    "FreezingDriver",
+    "MAX_LAYER_NORMS",
+    "block_of",
+    "cached_forward",
+    "check_frozen",
+    "grad_reply",
+    "layer_sq_norms",
+    "set_frozen",
+]
+
+MAX_LAYER_NORMS = 4096
+"""Most per-block norms one stage may report (a reply with more is ignored by the trainer)."""
+
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|h|layers)\.(\d+)\.")
+
+
+def block_of(name: str) -> int | None:
+    """The global block index a parameter name belongs to (`blocks.3.`, `transformer.h.3.`, `model.layers.3.`)."""
+    match = _BLOCK.search(name)
+    return None if match is None else int(match.group(1))
+
+
+def _embeddings(module: nn.Module) -> set[int]:
+    """ids of the input-embedding parameters (the first stage's nn.Embedding weights)."""
+    if not getattr(module, "is_first", False):
+        return set()
+    return {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+
+
+def _tied(worker: StageWorker) -> bool:
+    cfg = getattr(worker.module, "cfg", None)
+    return bool(getattr(worker.module, "tied", False) or (cfg is not None and cfg.tied_embeddings))
+
+
+def layer_sq_norms(worker: StageWorker) -> list[float]:
+    """Squared gradient norm of each of the stage's blocks, in layer order (0 for a block without gradients)."""
+    module = worker.module
+    sums = {i: 0.0 for i in range(module.layer_start, module.layer_end)}
+    for name, p in module.named_parameters():
+        i = block_of(name)
+        if i in sums and p.grad is not None:
+            sums[i] += float(p.grad.detach().float().pow(2).sum())
+    return [sums[i] for i in sorted(sums)]
+
+
+def grad_reply(worker: StageWorker) -> stage_pb2.GradReply:
+    """A stage's Grads reply: its squared gradient norm, loss scale, and each block's squared norm."""
+    return stage_pb2.GradReply(
+        grad_sq_norm=worker.grad_sq_norm(), loss_scale=worker.loss_scale, layer_sq_norms=layer_sq_norms(worker)
+    )
+
+
+def set_frozen(worker: StageWorker, frozen_layers: int) -> bool:
+    """Freezes layers [0, frozen_layers) on this stage (only its own blocks change); never unfreezes.
+
+    Sets `worker.input_grad` (whether anything before this stage still trains) and `worker.forward_only`
+    (nothing here or before trains: no backward at all), and returns the latter. Call between steps."""
+    if frozen_layers == worker.frozen_layers:
+        return worker.forward_only
+    if frozen_layers < worker.frozen_layers:
+        raise ValueError(f"frozen layers never decrease ({worker.frozen_layers} -> {frozen_layers})")
+    module, tied = worker.module, _tied(worker)
+    tied_param = module.tied_parameter()
+    embeddings = _embeddings(module) if frozen_layers > 0 else set()
+    for name, p in module.named_parameters():
+        i = block_of(name)
+        frozen = (i is not None and i < frozen_layers) or id(p) in embeddings
+        if frozen and not (tied and p is tied_param):
+            p.requires_grad_(False)
+            p.grad = None
+    worker.frozen_layers = frozen_layers
+    worker.input_grad = not module.is_first and (tied or module.layer_start > frozen_layers)
+    trainable = any(p.requires_grad for p in module.parameters())
+    was, worker.forward_only = worker.forward_only, not trainable and not worker.input_grad
+    if not was:  # outputs computed before are stale: the cache starts empty (`cached_forward`); once forward
+        worker.frozen_sent = {}  # only, a stage's outputs never change again, so a later change keeps it
+    return worker.forward_only
+
+
+def cached_forward(host, info: stage_pb2.CallInfo, mb: int, inputs, ids: list[int], targets) -> torch.Tensor:
+    """A stage's forward of one micro-batch, answered from the frozen activation cache where it can be.
+
+    On a stage that runs forward only (everything here and before is frozen) with AQ-SGD buffers on its
+    outgoing boundary, the sender's buffer `m[sample]` is the receiver's copy. A sample's first forward after
+    the freeze is computed and sent in full (its buffer is forgotten, so it travels as a first sight and both
+    copies become the frozen output, in the buffer dtype); after that the stage skips the compute and sends
+    `m` itself: a zero delta, which leaves the receiver's copy unchanged and costs almost no bytes. (Keeping
+    AQ-SGD's last delta instead of a full resend left the receiver's copy 22% off the frozen output in the unit
+    test after three epochs at 2 bits: cheaper, but an error the cache would then keep forever.)"""
+    worker = host.worker
+    if not worker.forward_only or host.role.is_last:
+        return worker.forward(mb, inputs, torch.tensor(ids), targets)
+    nxt = host._neighbour(info, host.role.stage + 1)
+    address = nxt.route[nxt.stage]
+    store = host.links.send_end("fw", address).buffers
+    if store is None:  # no AQ-SGD buffers on this boundary: nothing to answer from
+        return worker.forward(mb, inputs, torch.tensor(ids), targets)
+    sent = worker.frozen_sent.setdefault(address, set())
+    fresh = [i for i in ids if i not in sent or i not in store]
+    if not fresh:
+        worker.cache_hits += len(ids)
+        return store.gather(store.lookup(ids)).float()
+    out = worker.forward(mb, inputs, torch.tensor(ids), targets)
+    host.links.forget(fresh, address)  # in full once more: the receiver's copy becomes the frozen output
+    sent.update(fresh)
+    return out
+
+
+def check_frozen(request: stage_pb2.StepRequest, worker: StageWorker, n_layers: int) -> None:
+    """Refuses a Step whose `frozen_layers` would unfreeze or reach the model's last layer; changes nothing."""
+    n = request.frozen_layers
+    if n < worker.frozen_layers or n >= max(n_layers, 1):
+        raise CallRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"frozen_layers: {n} is outside [{worker.frozen_layers}, {n_layers}) (frozen layers never thaw)",
+        )
+
+
+@dataclass
+class FreezePolicy:
+    """PipeTransformer's freezing criterion on per-block gradient norms (the trainer's; see the module doc)."""
+
+    n_layers: int
+    interval: int = 10
+    """Steps per evaluation window (a decision compares two windows)."""
+    tolerance: float = 0.1
+    """A block has settled when its mean gradient norm changed by less than this fraction between windows."""
+    max_fraction: float = 0.75
+    """Never freeze more than this fraction of the layers."""
+    keep_last: int = 1
+    """Never freeze the last `keep_last` layers."""
+    alpha: float = 0.2
+    """PipeTransformer's alpha: one decision freezes at most this fraction of the active layers (at least 1)."""
+    warmup_steps: int = 0
+    """Steps observed before the first window starts (the learning-rate warm-up moves every gradient)."""
+    frozen: int = 0
+    history: list[tuple[int, int]] = field(default_factory=list)
+    """(step, frozen layers) at every change."""
+    changes: list[tuple[int, list[float]]] = field(default_factory=list)
+    """(step, each layer's relative change of its mean gradient norm) at every decision, for reports"""
+    _window: list[list[float]] = field(default_factory=list, repr=False)
+    _previous: list[float] | None = field(default=None, repr=False)
+    _last_step: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 1 or self.interval < 1 or not self.tolerance > 0 or self.keep_last < 1:
+            raise ValueError("need n_layers >= 1, interval >= 1, tolerance > 0, keep_last >= 1")
+        if not 0 <= self.max_fraction <= 1 or not 0 < self.alpha <= 1:
+            raise ValueError("max_fraction must be in [0, 1] and alpha in (0, 1]")
+
+    @property
+    def cap(self) -> int:
+        return max(0, min(math.floor(self.max_fraction * self.n_layers), self.n_layers - self.keep_last))
+
+    def observe(self, step: int, sq_norms: Sequence[float]) -> int:
+        """Feeds one step's per-layer squared gradient norms (all layers, in order); returns the frozen count.
+
+        A malformed observation (wrong length, negative or non-finite) or a repeated step is ignored."""
+        if step <= self._last_step or len(sq_norms) != self.n_layers:
+            return self.frozen
+        if not all(math.isfinite(v) and v >= 0 for v in sq_norms):
+            return self.frozen
+        self._last_step = step
+        if step < self.warmup_steps:
+            return self.frozen
+        self._window.append([math.sqrt(v) for v in sq_norms])
+        if len(self._window) < self.interval:
+            return self.frozen
+        mean = [sum(col) / len(col) for col in zip(*self._window, strict=True)]
+        self._window = []
+        previous, self._previous = self._previous, mean
+        if previous is None:
+            return self.frozen
+        self.changes.append(
+            (step, [abs(a - b) / b if b > 0 else math.inf for a, b in zip(mean, previous, strict=True)])
+        )
+        # PipeTransformer: freeze up to the active layer whose gradient norm changed least, at most a fraction
+        # alpha of the active layers at once; here only once that layer's change is below the tolerance
+        candidates = range(self.frozen, self.cap)
+        if not candidates:
+            return self.frozen
+        best = min(candidates, key=lambda i: (self.changes[-1][1][i], -i))  # ties: the deeper layer
+        if self.changes[-1][1][best] >= self.tolerance:
+            return self.frozen
+        pace = max(1, math.floor(self.alpha * (self.n_layers - self.frozen)))
+        settled = min(best + 1, self.frozen + pace)
+        if settled > self.frozen:
+            self.frozen = settled
+            self.history.append((step, settled))
+        return self.frozen
+
+
+class FreezingDriver(PipelineDriver):
+    """A `PipelineDriver` whose trainer runs a `FreezePolicy`: it reads each stage's per-block gradient norms
+    from the Grads replies and sends the decision in every Step (`StepRequest.frozen_layers`)."""
+
+    def __init__(self, *args, policy: FreezePolicy, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy = policy
+        self._norms: dict[int, list[float]] = {}
+
+    def _call(self, stage: int, replica: int, method: str, request, timeout: float | None = None):
+        if method == "Step" and not request.abandon:
+            request.frozen_layers = self.policy.frozen
+        reply = super()._call(stage, replica, method, request, timeout)
+        if method == "Grads" and len(reply.layer_sq_norms) <= MAX_LAYER_NORMS:
+            self._norms.setdefault(stage, list(reply.layer_sq_norms))  # replicas hold the same reduced gradients
+        return reply
+
+    def _grads(self, step, chains, wake) -> float:
+        self._norms = {}
+        norm = super()._grads(step, chains, wake)
+        if math.isfinite(norm) and sorted(self._norms) == list(range(self.n_stages)):
+            self.policy.observe(step, [v for s in range(self.n_stages) for v in self._norms[s]])
+        return norm
