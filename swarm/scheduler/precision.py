@@ -15,7 +15,7 @@ minimises the predicted step time, lowering precision only where it moves the bo
 4. If the result is not faster than fp32 everywhere, fp32 everywhere: no sensitivity is spent for nothing.
 
 fp16 is never mixed with other precisions (its loss scale is agreed by every stage, `swarm.runtime.precision`;
-`peers.records._validate_precisions` refuses such a plan), so the candidates are bf16 by default.
+`swarm.peers.plan_keys` (`validate_plan_keys`) refuses such a plan), so the candidates are bf16 by default.
 """
 
 from __future__ import annotations
