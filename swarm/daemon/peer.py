@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from swarm.daemon.checkpoints import StageCheckpoints
 from swarm.daemon.config import PeerConfig, PlanningConfig, build_parser, config_from_args
 from swarm.metrics import Metrics, MetricsServer, serve_metrics
 from swarm.peers.allocator import tune_allocator
@@ -45,7 +46,7 @@ class PeerDaemon:
         self._leave_deadline: float | None = None
         self.held = None  # HeldStore of the buddy copies, with --checkpoint-dir
         self.following = None  # the PlanRecord this peer serves under, in --assign plan mode
-        self.resumed = False
+        self.checkpoints = StageCheckpoints(cfg)
         self.metrics = Metrics()
         """This process's metrics, served with --metrics-port; what the stage host should count into."""
         self.metrics_server: MetricsServer | None = None
@@ -144,7 +145,7 @@ class PeerDaemon:
             host = self.servicer.host
             if host is not None:
                 with host.compute_lock:
-                    self._checkpoint(host, final=True)
+                    self.checkpoints.save(host, final=True)
             heartbeat.stop()
             return 0
         finally:
@@ -179,7 +180,7 @@ class PeerDaemon:
         )
         host.compute_layers_per_s, host.link_codecs = self.speed, ends
         host.averager.set_codecs(*epilogue_configs(plan or {}, role.stage))  # the plan's averaging/tied codecs
-        self._setup_checkpoints(host)
+        self.checkpoints.setup(host)
         return host
 
     def _announce_role(self, role) -> None:
@@ -467,7 +468,8 @@ class PeerDaemon:
                 except Exception as e:
                     why.append(f"{holder}'s copy: {e}")
             if state is None:
-                state = self._checkpointed(index, start, end, "; ".join(why) or "no holder left", checkpoint_handover)
+                why_not = "; ".join(why) or "no holder left"
+                state = self.checkpoints.read(index, start, end, why_not, checkpoint_handover)
                 if state is None:
                     continue
             loaded.update(state)
@@ -517,19 +519,6 @@ class PeerDaemon:
                 raise
             return retry_refused(self._stop, fetch_state, self.channels, address, stage, 0)
 
-    def _checkpointed(self, index: int, start: int, end: int, why: str, read) -> dict | None:
-        """The old stage's state from its checkpoint in --checkpoint-dir (shared by a local swarm's peers, or
-        this peer's own), when its holder could not hand it over; None (logged) without one."""
-        if self.cfg.checkpoint_dir:
-            try:
-                state = read(self.cfg.checkpoint_dir, start, end)
-                log.info("stage %d's holder is unreachable (%s): taking its layers from its checkpoint", index, why)
-                return state
-            except Exception as e:
-                why = f"{why}; no usable checkpoint: {e}"
-        log.warning("could not take over stage %d (layers [%d, %d)): %s", index, start, end, why)
-        return None
-
     def _wait_for_role(self, dht, assigner):
         deadline = time.monotonic() + self.cfg.assign_timeout_s
         while time.monotonic() < deadline and not self._stop.is_set():
@@ -538,47 +527,6 @@ class PeerDaemon:
                 return role
             self._stop.wait(0.5)
         return None
-
-    def _setup_checkpoints(self, host) -> None:
-        """Resumes the stage from its checkpoint once (--resume), and checkpoints it every --checkpoint-every
-        steps."""
-        from swarm.runtime.checkpoint import resume
-
-        cfg = self.cfg
-        if not cfg.checkpoint_dir:
-            return
-        role = host.role
-        if cfg.resume and not self.resumed:
-            found = resume(cfg.checkpoint_dir, host.worker, role.layer_start, role.layer_end)
-            if found is not None:
-                host.steps_done = int(found["steps_done"])
-                self.resumed = True
-                log.info(
-                    "resumed layers [%d, %d) at step %d (lr step %s, saved under plan %s)",
-                    role.layer_start,
-                    role.layer_end,
-                    host.steps_done,
-                    found["lr_step"],
-                    found["plan_version"],
-                )
-
-        def on_step(h):
-            if h.steps_done % cfg.checkpoint_every == 0:
-                self._checkpoint(h)
-
-        host.on_step = on_step
-
-    def _checkpoint(self, host, final: bool = False) -> None:
-        from swarm.runtime.checkpoint import save_worker
-
-        if not self.cfg.checkpoint_dir:
-            return
-        role = host.role
-        path = save_worker(
-            self.cfg.checkpoint_dir, host.worker, role.layer_start, role.layer_end, host.steps_done, role.plan_version
-        )
-        if path is not None:
-            log.info("checkpoint written: %s (step %d%s)", path, host.steps_done, ", final" if final else "")
 
 
 def main(argv: list[str] | None = None) -> int:

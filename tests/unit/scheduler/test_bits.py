@@ -131,7 +131,7 @@ def bare_daemon():
     daemon.model, daemon.speed, daemon.shaping = ModelConfig(), 10.0, None
     daemon.codecs = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
     daemon.dht, daemon.transport, daemon.signer, daemon.book, daemon.metrics = SimpleNamespace(peer_id=A), *[None] * 4
-    daemon._setup_checkpoints = lambda host: None
+    daemon.checkpoints = SimpleNamespace(setup=lambda host: None)
     daemon.nat = SimpleNamespace(tunnels=SimpleNamespace(dial=lambda address: address))
     return daemon
 
