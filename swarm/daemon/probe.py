@@ -37,17 +37,19 @@ class LinkProber:
         self._rng = random.Random(dht.peer_id)
         self._fp32 = make_codec(CodecConfig("fp32"))
 
-    def measure(self, address: str, timeout_s: float = 30.0) -> tuple[float, float, float]:
+    def measure(self, address: str, timeout_s: float = 30.0, answer_s: float = 3.0) -> tuple[float, float, float]:
         """(round-trip time in s, bytes/s, burst bytes) to the stage service at `address`.
 
         Two probes back to back: the second finds the link's bucket empty, so its time is the rate's alone; the
         first passed its burst at once, and what it beat the rate by is that burst (0 on an unshaped link).
+        The empty Probes must answer within `answer_s`: behind NAT a dial into a peer's private address is
+        dropped without a word, and the daemon's loop (plans, the planner) must not wait out `timeout_s` on it.
         """
         stub = stage_pb2_grpc.StageStub(self.channels.get(address))
         rtts = []
         for _ in range(3):
             start = time.perf_counter()
-            stub.Probe(stage_pb2.ProbeRequest(reply_bytes=0), timeout=timeout_s)
+            stub.Probe(stage_pb2.ProbeRequest(reply_bytes=0), timeout=min(timeout_s, answer_s))
             rtts.append(time.perf_counter() - start)
         rtt = min(rtts)
         msg = self._fp32.encode(torch.rand(self.probe_bytes // 4))

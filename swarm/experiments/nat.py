@@ -195,7 +195,7 @@ def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool)
     steps = run_in_testbed(_Cell(cfg.rate_mbit), flags, _train_config(cfg, out), cfg.peers, nat=nat)
     times = [float(s["step_s"]) for s in steps]
     return {
-        "order": None, "relayed_links": None, "steps": len(steps), "final_loss": float(steps[-1]["loss"]),
+        "order": None, "relayed_links": None, "steps": len(steps), "final_loss": float(steps[-1]["train_loss"]),
         "mean_step_s": sum(times[1:] or times) / max(1, len(times[1:] or times)), "predicted_step_s": None,
         "relayed_bytes": None, "total_wire_bytes": sum(int(s.get("total_wire_bytes") or 0) for s in steps),
     }  # fmt: skip

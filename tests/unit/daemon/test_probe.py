@@ -1,0 +1,39 @@
+"""`LinkProber.measure` against a peer that takes the TCP connection but never answers (behind NAT a dial into a
+private address is dropped without a word; a stalled peer looks the same): it gives up within `answer_s`, not the
+Sink's 30 s, so the daemon's loop that follows plans is not held."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import grpc
+import pytest
+
+from swarm.daemon.probe import LinkProber
+from swarm.peers.shaper import LinkShaping
+from swarm.peers.transport import Channels, TransportConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _DHT:
+    peer_id = "prober"
+
+
+def test_a_probe_of_a_peer_that_never_answers_gives_up_within_answer_s():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections complete in the kernel's backlog; nothing ever reads or answers them
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    channels = Channels(TransportConfig())
+    try:
+        prober = LinkProber(_DHT(), "127.0.0.1:1", LinkShaping(), channels)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            prober.measure(address, timeout_s=30.0, answer_s=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 15.0, "held for the Sink's timeout, not the answer's"
+    finally:
+        channels.close()
+        silent.close()
