@@ -161,6 +161,7 @@ class PeerDaemon:
     def _make_host(self, role, plan: dict | None = None):
         from swarm.net.connect import GrpcConnector
         from swarm.runtime.boundary import LinkEnds
+        from swarm.runtime.freeze import apply_frozen, frozen_of
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
         from swarm.scheduler.bits import epilogue_configs, stage_link_configs
@@ -180,6 +181,7 @@ class PeerDaemon:
         )
         host.compute_layers_per_s, host.link_codecs = self.speed, ends
         host.averager.set_codecs(*epilogue_configs(plan or {}, role.stage))  # the plan's averaging/tied codecs
+        apply_frozen(host, frozen_of(plan))  # a repacked plan's frozen prefix: it never trains here, not for a step
         self.checkpoints.setup(host)
         return host
 
@@ -215,9 +217,10 @@ class PeerDaemon:
 
     def _follow_plans(self, address: str) -> int:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
-        from swarm.daemon.calibrate import calibrator
+        from swarm.daemon.calibrate import calibrator, status_reader
         from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
         from swarm.daemon.planning import LinkProber, Planner, model_spec
+        from swarm.daemon.repack import RepackWatch
         from swarm.scheduler.bits import codec_sizes
         from swarm.scheduler.precision import precision_planner
 
@@ -254,6 +257,7 @@ class PeerDaemon:
             lease_s=plans.planner_lease_s,
             reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
+            repack=RepackWatch(status_reader(self.channels, lambda: self._addresses)),  # a freezing trainer's
             precisions=precision_planner(self.model, plans.precision_budget, plans.micro_batch_size),
             **({} if plans.probe_links else {"probe_wait_s": 0.0}),
         )
