@@ -36,6 +36,12 @@ __all__ = ["PeerConfig", "PeerDaemon", "PlanningConfig", "build_parser", "config
 log = logging.getLogger("swarm.peer")
 
 
+def retired(role, record):
+    """An old host's role while its peer switches to `record`: the new plan's version, so an old-plan step is
+    refused (no step lands after its state was copied) and GetState serves it as it is now."""
+    return dataclasses.replace(role, plan_version=record.version)
+
+
 class PeerDaemon:
     """One peer's lifetime; `run()` blocks until `stop()` (or a signal) and returns the exit code."""
 
@@ -367,6 +373,10 @@ class PeerDaemon:
         else:
             new_host = None if role is None else self._make_host(role, record.plan)
             source = self._state_source(record, role)
+            if new_host is not None and source is not None and self.servicer.host is not None:
+                # the old host takes no further old-plan step (it is refused: the trainer follows the new plan)
+                # while its state is copied, here and by the peers that take its layers (GetState "now")
+                self.servicer.when_idle(lambda sv: setattr(sv.host, "role", retired(sv.host.role, record)), wait_s)
             if new_host is not None and source is not None:
                 self._hand_over(new_host, source, own=not behind and source is self.following)
             self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
@@ -506,6 +516,8 @@ class PeerDaemon:
         deadline = time.monotonic() + wait_s
         while others and time.monotonic() < deadline and not self._stop.is_set():
             switched = {p.peer_id for p in self.dht.peers() if p.plan_version >= version}
+            status = {h: peer_status(self.channels, addresses.get(h, "")) for h in others if h not in switched}
+            switched |= {h for h, r in status.items() if r is not None and r.plan_version >= version}  # retired
             if any(h in switched for h in others):
                 return sorted(live, key=lambda h: (h != me, h not in switched))
             self._stop.wait(0.25)
