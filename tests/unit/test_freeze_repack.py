@@ -180,6 +180,11 @@ def test_swarm_train_freeze_flags():
     assert cfg == FreezeConfig(interval=2, tolerance=5.0)
     with pytest.raises(ValueError):
         freeze_config(parser.parse_args(["--freeze", "--freeze-tolerance", "0"]))
+    from swarm.train import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert freeze_config(parser.parse_args(["--freeze", "--freeze-alpha", "1"])) == FreezeConfig(alpha=1.0)
 
 
 def test_one_policy_survives_every_new_route(monkeypatch):
