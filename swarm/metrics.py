@@ -85,6 +85,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("loss", Gauge, "swarm_loss", "Training loss of the last step"),
     MetricSpec("plan_version", Gauge, "swarm_plan_version", "Version of the plan followed (0: no plan)"),
     MetricSpec(
+        "frozen_layers", Gauge, "swarm_frozen_layers",
+        "Layers [0, N) of the model frozen on this peer's stage (PipeTransformer; what the planner repacks by)",
+    ),
+    MetricSpec(
         "buffered_samples", Gauge, "swarm_buffered_samples", "Samples held in the AQ-SGD buffer of a link", ("link",)
     ),
     MetricSpec(
@@ -110,6 +114,7 @@ class Metrics:
         steps: swarm_steps_total.
         loss: swarm_loss.
         plan_version: swarm_plan_version.
+        frozen_layers: swarm_frozen_layers (swarm.runtime.freeze.apply_frozen).
         buffered_samples: swarm_buffered_samples{link}.
         relayed_bytes: swarm_relayed_bytes_total{link} (swarm.net.relay; link "<src>-><dst>").
     """
@@ -126,6 +131,7 @@ class Metrics:
     steps: Counter
     loss: Gauge
     plan_version: Gauge
+    frozen_layers: Gauge
     buffered_samples: Gauge
     relayed_bytes: Counter
 

@@ -36,6 +36,12 @@ __all__ = ["PeerConfig", "PeerDaemon", "PlanningConfig", "build_parser", "config
 log = logging.getLogger("swarm.peer")
 
 
+def retired(role, record):
+    """An old host's role while its peer switches to `record`: the new plan's version, so an old-plan step is
+    refused (no step lands after its state was copied) and GetState serves it as it is now."""
+    return dataclasses.replace(role, plan_version=record.version)
+
+
 class PeerDaemon:
     """One peer's lifetime; `run()` blocks until `stop()` (or a signal) and returns the exit code."""
 
@@ -161,6 +167,7 @@ class PeerDaemon:
     def _make_host(self, role, plan: dict | None = None):
         from swarm.net.connect import GrpcConnector
         from swarm.runtime.boundary import LinkEnds
+        from swarm.runtime.freeze import apply_frozen, frozen_of
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
         from swarm.scheduler.bits import epilogue_configs, stage_link_configs
@@ -180,6 +187,7 @@ class PeerDaemon:
         )
         host.compute_layers_per_s, host.link_codecs = self.speed, ends
         host.averager.set_codecs(*epilogue_configs(plan or {}, role.stage))  # the plan's averaging/tied codecs
+        apply_frozen(host, frozen_of(plan))  # a repacked plan's frozen prefix: it never trains here, not for a step
         self.checkpoints.setup(host)
         return host
 
@@ -215,9 +223,10 @@ class PeerDaemon:
 
     def _follow_plans(self, address: str) -> int:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
-        from swarm.daemon.calibrate import calibrator
+        from swarm.daemon.calibrate import calibrator, status_reader
         from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
         from swarm.daemon.planning import LinkProber, Planner, model_spec
+        from swarm.daemon.repack import RepackWatch
         from swarm.scheduler.bits import codec_sizes
         from swarm.scheduler.precision import precision_planner
 
@@ -254,6 +263,7 @@ class PeerDaemon:
             lease_s=plans.planner_lease_s,
             reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
+            repack=RepackWatch(status_reader(self.channels, lambda: self._addresses)),  # a freezing trainer's
             precisions=precision_planner(self.model, plans.precision_budget, plans.micro_batch_size),
             **({} if plans.probe_links else {"probe_wait_s": 0.0}),
         )
@@ -363,6 +373,10 @@ class PeerDaemon:
         else:
             new_host = None if role is None else self._make_host(role, record.plan)
             source = self._state_source(record, role)
+            if new_host is not None and source is not None and self.servicer.host is not None:
+                # the old host takes no further old-plan step (it is refused: the trainer follows the new plan)
+                # while its state is copied, here and by the peers that take its layers (GetState "now")
+                self.servicer.when_idle(lambda sv: setattr(sv.host, "role", retired(sv.host.role, record)), wait_s)
             if new_host is not None and source is not None:
                 self._hand_over(new_host, source, own=not behind and source is self.following)
             self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
@@ -502,6 +516,8 @@ class PeerDaemon:
         deadline = time.monotonic() + wait_s
         while others and time.monotonic() < deadline and not self._stop.is_set():
             switched = {p.peer_id for p in self.dht.peers() if p.plan_version >= version}
+            status = {h: peer_status(self.channels, addresses.get(h, "")) for h in others if h not in switched}
+            switched |= {h for h, r in status.items() if r is not None and r.plan_version >= version}  # retired
             if any(h in switched for h in others):
                 return sorted(live, key=lambda h: (h != me, h not in switched))
             self._stop.wait(0.25)

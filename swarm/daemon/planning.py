@@ -203,6 +203,7 @@ class Route:
     replica_peer_ids: tuple[tuple[str, ...], ...] = ()
     predicted_step_s: float | None = None
     """The plan's predicted step time (its "step_time_s"); None for an even split by join order (no plan)."""
+    frozen_layers: int = 0  # the plan's frozen prefix: its stages start with it (swarm.daemon.repack)
 
     @property
     def replica_counts(self) -> tuple[int, ...]:
@@ -250,7 +251,8 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
         return None
     flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
     nested = ((), ()) if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
-    return Route(*flat, *nested, predicted_step_s=predicted_step_s(record.plan))
+    frozen = record.plan.get("frozen_layers", 0)  # validated with the plan
+    return Route(*flat, *nested, predicted_step_s=predicted_step_s(record.plan), frozen_layers=frozen)
 
 
 def predicted_step_s(plan: dict) -> float | None:
@@ -294,12 +296,13 @@ class Planner:
         reannounce: Callable[[], object] | None = None,
         calibrator: Calibrator | None = None,
         precisions: Callable[[list, list], dict] | None = None,
+        repack=None,  # a swarm.daemon.repack.RepackWatch: repacks the plan when its stages froze more layers
     ):
         self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
         self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
         self.replicas, self.liveness, self.even_layers = replicas, liveness, even_layers
         self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
-        self.calibrator, self.precisions = calibrator, precisions  # precisions: swarm.scheduler.precision
+        self.calibrator, self.precisions, self.repack = calibrator, precisions, repack  # precisions: scheduler
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
         """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
         self._chosen_from: list[LinkFigures] | None = None
@@ -409,6 +412,8 @@ class Planner:
         if current is None and len(alive) < self.min_peers and not self.plan_existed(peers):
             return None
         unchanged = same_peers and inherited is None and current.plan.get("trainer_ids", []) == trainers
+        if unchanged and self.repack is not None and (done := self.repack.round(self, current, peers)):
+            return done
         if unchanged and self.calibrator is not None and (done := self.recalibrate(current, peers, alive)):
             return done
         if unchanged and self.codec_bytes is not None and alive:

@@ -12,14 +12,31 @@ smaller pipeline bubble, and more data parallelism.
 `repack_plan` returns the next plan dict (same peers, new stages, `frozen_layers` set, per-link codecs dropped
 when the boundaries change); the live planner publishes it as a new version like a repair, and every peer
 follows it through the same re-planning as joins and leaves (state over GetState).
+
+When: `RepackWatch` (the elected planner's, `Planner.round`) reads every plan peer's `Status`, where each stage
+reports the prefix it applied (`swarm_frozen_layers`, set by `swarm.runtime.freeze.apply_frozen` after the
+trainer's Step). Only when every peer of every stage answers as that stage of that very plan version, with the
+same whole number F in [0, n_layers) above the plan's `frozen_layers`, does it publish `repack_plan(plan, F)`: a
+stranger's figure is never read (only the plan's peers, at their announced addresses), a lagging or malformed
+one holds the repack back, and one answer cannot move it. Peers built for the new plan start frozen
+(`swarm.daemon.peer`: `apply_frozen` on every new host), so no frozen layer trains for even one step.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["layer_costs", "split_by_cost", "repack_layout", "repack_plan"]
+__all__ = ["RepackWatch", "frozen_figure", "layer_costs", "split_by_cost", "repack_layout", "repack_plan"]
+
+log = logging.getLogger("swarm.daemon.repack")
+
+FROZEN_METRIC = "swarm_frozen_layers"
+_PER_STAGE_KEYS = ("precisions", "epilogue_codecs", "breakdown", "measured", "step_time_s", "first_step_time_s")
+"""Plan keys made for the old stages (one entry per stage, or a prediction of their layout): dropped on repack."""
 
 
 def layer_costs(n_layers: int, frozen_layers: int, frozen_cost: float = 1 / 3) -> list[float]:
@@ -107,3 +124,78 @@ def repack_plan(plan: dict, frozen_layers: int, frozen_cost: float = 1 / 3) -> d
     if len(new) != len(stages):
         out.pop("codecs", None)
     return out
+
+
+def frozen_figure(metrics: Mapping[str, float], n_layers: int) -> int | None:
+    """The frozen prefix a stage reports in its `StatusReply.metrics`; None when absent or malformed (not a
+    whole number in [0, n_layers))."""
+    value = metrics.get(FROZEN_METRIC)
+    if type(value) is not float or not math.isfinite(value) or value != int(value) or not 0 <= value < n_layers:
+        return None
+    return int(value)
+
+
+class RepackWatch:
+    """The planner's trigger for an elastic repack (module doc).
+
+    Args:
+        read: peer id -> its `StatusReply` over the stage service (None when it does not answer).
+        every_s: least time between two readings of the plan's peers.
+    """
+
+    def __init__(
+        self, read: Callable[[str], object | None], every_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ):
+        self.read, self.every_s, self.clock = read, every_s, clock
+        self._next = 0.0
+
+    def agreed(self, record) -> int | None:
+        """The frozen prefix every peer of every stage of `record` reports applying under `record.version`,
+        when it is above the plan's own; None otherwise (or too soon after the last reading)."""
+        stages = record.plan.get("stages", [])
+        if not stages or self.clock() < self._next:
+            return None
+        self._next = self.clock() + self.every_s
+        n_layers, base = int(stages[-1]["layer_end"]), int(record.plan.get("frozen_layers", 0))
+        figures = set()
+        for index, stage in enumerate(stages):
+            for pid in stage["peer_ids"]:
+                reply = self.read(str(pid))
+                if reply is None or getattr(reply, "peer_id", None) != pid or getattr(reply, "stage", None) != index:
+                    return None
+                if getattr(reply, "plan_version", None) != record.version:
+                    return None  # lagging (or ahead): its figure is not this plan's
+                figures.add(frozen_figure(dict(reply.metrics), n_layers))
+        if len(figures) != 1 or None in figures:
+            return None
+        frozen = figures.pop()
+        return frozen if frozen > base else None
+
+    def round(self, planner, current, peers) -> object | None:
+        """Publishes `repack_plan(current.plan, F)` as the next version once the stages agree on F (`agreed`);
+        returns the published record, or None when nothing is due."""
+        frozen = self.agreed(current)
+        if frozen is None:
+            return None
+        try:
+            plan = repack_plan(current.plan, frozen)
+        except ValueError as e:
+            log.warning("repack for %d frozen layers: %s", frozen, e)
+            return None
+        if len(plan["stages"]) != len(current.plan["stages"]):
+            for key in _PER_STAGE_KEYS:
+                plan.pop(key, None)
+        version = planner.next_version(peers)
+        if version is None:
+            return None
+        try:
+            planner.dht.publish_plan(version, plan)
+        except ValueError as e:  # the repacked plan does not validate: keep the current one
+            log.warning("repacked plan not published: %s", e)
+            return None
+        layout = [(s["layer_start"], s["layer_end"], len(s["peer_ids"])) for s in plan["stages"]]
+        log.info(
+            "published plan %d: plan %d repacked for %d frozen layers: %d stages -> %d (layers, replicas) %s",
+            version, current.version, frozen, len(current.plan["stages"]), len(plan["stages"]), layout,
+        )  # fmt: skip
+        return planner.dht.get_plan(planner.spec.layers, peers=peers, check_trainers=False)

@@ -42,9 +42,11 @@ __all__ = [
     "FreezePolicy",
     "FreezingDriver",
     "MAX_LAYER_NORMS",
+    "apply_frozen",
     "block_of",
     "cached_forward",
     "check_frozen",
+    "frozen_of",
     "grad_reply",
     "layer_sq_norms",
     "set_frozen",
@@ -117,6 +119,20 @@ def set_frozen(worker: StageWorker, frozen_layers: int) -> bool:
     if not was:  # outputs computed before are stale: the cache starts empty (`cached_forward`); once forward
         worker.frozen_sent = {}  # only, a stage's outputs never change again, so a later change keeps it
     return worker.forward_only
+
+
+def apply_frozen(host, frozen_layers: int) -> None:
+    """Freezes layers [0, frozen_layers) on a host's stage (`set_frozen`), drops the backward turns of its
+    schedule when nothing here or before trains, and reports the prefix in its metrics (`swarm_frozen_layers`,
+    read from Status by the planner's repack, `swarm.daemon.repack.RepackWatch`). Call between steps."""
+    host.gate.forward_only = set_frozen(host.worker, frozen_layers)
+    host.metrics.frozen_layers.set(host.worker.frozen_layers)
+
+
+def frozen_of(plan: dict | None) -> int:
+    """A plan's frozen prefix (`"frozen_layers"`, validated with the plan; absent: 0)."""
+    value = (plan or {}).get("frozen_layers", 0)
+    return value if type(value) is int and value > 0 else 0
 
 
 def cached_forward(host, info: stage_pb2.CallInfo, mb: int, inputs, ids: list[int], targets) -> torch.Tensor:
@@ -193,6 +209,17 @@ class FreezePolicy:
     @property
     def cap(self) -> int:
         return max(0, min(math.floor(self.max_fraction * self.n_layers), self.n_layers - self.keep_last))
+
+    def adopt(self, frozen_layers: int, step: int = -1) -> int:
+        """Raises the frozen count to what the stages already apply (a plan's `frozen_layers`: this trainer
+        started or restarted after they froze: a Step with fewer is refused), even past `cap`, never back; returns
+        the frozen count."""
+        settled = min(max(0, frozen_layers), self.n_layers - 1)
+        if settled > self.frozen:
+            self.frozen = settled
+            self.history.append((step, settled))
+            self._window, self._previous = [], None  # the windows start again over the still active layers
+        return self.frozen
 
     def observe(self, step: int, sq_norms: Sequence[float]) -> int:
         """Feeds one step's per-layer squared gradient norms (all layers, in order); returns the frozen count.

@@ -36,7 +36,7 @@ from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.device import to_device
-from swarm.runtime.freeze import cached_forward, check_frozen, grad_reply, set_frozen
+from swarm.runtime.freeze import apply_frozen, cached_forward, check_frozen, grad_reply
 from swarm.runtime.gate import GateError, ScheduleGate
 from swarm.runtime.precision import check_scale, check_step
 from swarm.runtime.routes import local_micro
@@ -474,7 +474,7 @@ class StageHost:
                 if 0 < request.trainer_elapsed_s <= 1e6:  # the whole step as the trainer saw it (calibration)
                     self._observe("trainer", arrived - request.trainer_elapsed_s)
                 self._close_step()
-                self.gate.forward_only = set_frozen(self.worker, request.frozen_layers)  # from the next step on
+                apply_frozen(self, request.frozen_layers)  # from the next step on; reported in Status
         if self.on_step is not None and not request.abandon:
             self.on_step(self)
         return lr

@@ -20,6 +20,7 @@ from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, codec_labels
 from swarm.options import add_model_arguments, add_schedule_argument, model_arguments, model_config
 from swarm.runtime.device import DeviceError, add_device_argument, check_device
 from swarm.runtime.precision import add_precision_argument
+from swarm.train.freezing import add_freeze_arguments, freeze_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_precision_argument(parser)
     add_device_argument(parser)
+    add_freeze_arguments(parser)  # --freeze: the trainer freezes, the swarm's planner repacks
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr))
     model = model_config(args)  # a bad --model fails here, before any process starts
+    freeze = freeze_config(args)  # and a bad --freeze-*
     try:
         check_device(args.device)  # and a --device cuda without CUDA
     except DeviceError as e:
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         train_cfg = TrainConfig(
             model=model, data=args.data, train_samples=args.train_samples,
             batch_size=args.batch_size, micro_batches=args.micro_batches, schedule=args.schedule,
-            epochs=args.epochs, setting=f"{args.fw_codec}/{args.bw_codec}", out=str(out),
+            epochs=args.epochs, setting=f"{args.fw_codec}/{args.bw_codec}", out=str(out), freeze=freeze,
         )  # fmt: skip
         try:
             summary = train(train_cfg, swarm.path, quiet=args.json, signer=swarm.signer, dht=swarm.dht)

@@ -34,6 +34,7 @@ from swarm.options import (
     dht_config,
     model_config,
 )
+from swarm.train.freezing import FreezeConfig, add_freeze_arguments, driver_factory, freeze_config
 from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ class TrainConfig:
     chain_weights: str = "measured"
     """How a step's samples are shared among the chains of replicas: `measured` (by their measured
     throughput, ChainWeights) or `equal` (every chain weight 1, always: the same split run after run)."""
+    freeze: FreezeConfig | None = None  # --freeze: PipeTransformer's freezing (swarm.train.freezing); None: off
 
     def __post_init__(self) -> None:
         for name in ("train_samples", "batch_size", "micro_batches", "epochs", "checkpoint_every"):
@@ -218,6 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between writes of trainer_state.json"
     )
     g.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_freeze_arguments(parser)
     add_metrics_arguments(parser)
 
 
@@ -244,6 +247,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         chain_weights=args.chain_weights,
         dht=dht_config(args, client_mode=True),
         metrics_port=args.metrics_port,
+        freeze=freeze_config(args),
     )
 
 
@@ -347,7 +351,6 @@ def train(
     from swarm.net.connect import GrpcConnector
     from swarm.net.stream import PLAN_MISMATCH, StageCallError
     from swarm.plots import Panel, moving_average, save_line_plots
-    from swarm.runtime.driver import PipelineDriver
     from swarm.runtime.modelcheck import model_label
 
     metrics = metrics if metrics is not None else Metrics()
@@ -373,11 +376,12 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
 
     dial = None if dht is None else announced_dial(dht.peers, signer)  # peers behind NAT: through their relays
+    make_driver = driver_factory(cfg.freeze, model.n_layers)  # with --freeze: one FreezePolicy for the whole run
 
-    def connect(r: Route) -> PipelineDriver:
+    def connect(r: Route):
         metrics.plan_version.set(r.plan_version)
-        driver = PipelineDriver(
-            *r.driver_args(), cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
+        driver = make_driver(
+            r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=chain_weights(cfg.chain_weights),
             tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial),
         )  # fmt: skip

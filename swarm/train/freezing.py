@@ -1,0 +1,80 @@
+"""`swarm train --freeze`: the trainer drives with `FreezingDriver` (PipeTransformer's freezing, decided from
+the Grads replies' per-block gradient norms, sent in every Step; `swarm.runtime.freeze`).
+
+One `FreezePolicy` lives for the whole run: a re-plan builds a new driver on the new route around the same
+policy, so its windows and history survive joins, repairs and the planner's repack. A route whose plan already
+freezes more layers than the policy (`Route.frozen_layers`: the stages apply them, and refuse a Step with fewer)
+raises the policy to it (`FreezePolicy.adopt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["FreezeConfig", "add_freeze_arguments", "driver_factory", "freeze_config"]
+
+
+@dataclass(frozen=True)
+class FreezeConfig:
+    """The trainer's freezing criterion (`FreezePolicy`'s knobs; see there)."""
+
+    interval: int = 10
+    tolerance: float = 0.1
+    max_fraction: float = 0.75
+    alpha: float = 0.2
+    warmup_steps: int = 0
+
+    def policy(self, n_layers: int):
+        from swarm.runtime.freeze import FreezePolicy
+
+        return FreezePolicy(
+            n_layers, self.interval, self.tolerance, self.max_fraction, alpha=self.alpha, warmup_steps=self.warmup_steps
+        )
+
+
+def add_freeze_arguments(parser: argparse.ArgumentParser) -> None:
+    d = FreezeConfig()
+    g = parser.add_argument_group("freezing (PipeTransformer)")
+    g.add_argument(
+        "--freeze",
+        action="store_true",
+        help="freeze a growing prefix of the layers by the gradient norms' change; the planner repacks the "
+        "active layers onto fewer stages",
+    )
+    g.add_argument("--freeze-interval", type=int, default=d.interval, help="steps per window of gradient norms")
+    g.add_argument(
+        "--freeze-tolerance", type=float, default=d.tolerance, help="relative change of a block's norm that settles it"
+    )
+    g.add_argument("--freeze-max-fraction", type=float, default=d.max_fraction, help="most of the layers to freeze")
+    g.add_argument("--freeze-alpha", type=float, default=d.alpha, help="most of the active layers one decision freezes")
+    g.add_argument("--freeze-warmup-steps", type=int, default=d.warmup_steps, help="steps before the first window")
+
+
+def freeze_config(args: argparse.Namespace) -> FreezeConfig | None:
+    """The flags' `FreezeConfig` (None without --freeze); a bad value fails here, before anything starts."""
+    if not getattr(args, "freeze", False):
+        return None
+    names = ("interval", "tolerance", "max_fraction", "alpha", "warmup_steps")
+    cfg = FreezeConfig(**{n: getattr(args, f"freeze_{n}") for n in names})
+    cfg.policy(2)  # FreezePolicy validates its knobs
+    return cfg
+
+
+def driver_factory(freeze: FreezeConfig | None, n_layers: int) -> Callable:
+    """`make(route, *args, **kwargs)`: a `PipelineDriver` over `route` (without freezing), or a `FreezingDriver`
+    around the run's one policy, raised to the route's frozen prefix."""
+    from swarm.runtime.driver import PipelineDriver
+    from swarm.runtime.freeze import FreezingDriver
+
+    if freeze is None:
+        return lambda route, *args, **kwargs: PipelineDriver(*route.driver_args(), *args, **kwargs)
+    policy = freeze.policy(n_layers)
+
+    def make(route, *args, **kwargs):
+        policy.adopt(getattr(route, "frozen_layers", 0))
+        return FreezingDriver(*route.driver_args(), *args, policy=policy, **kwargs)
+
+    make.policy = policy  # type: ignore[attr-defined]
+    return make

@@ -1,0 +1,63 @@
+"""Freezing and the elastic repack live: a 4-peer local swarm (4 stages of one layer), a trainer with `--freeze`
+tuned to freeze early. Every stage reports the prefix it applied; once they all report 3 frozen layers the
+planner publishes the repacked plan (2 stages x 2 replicas, `frozen_layers` 3), the peers move their layers
+through the usual handover, and the trainer follows it and trains on without a gap."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+
+from swarm.model.gpt import ModelConfig
+from swarm.net.connect import GrpcConnector
+from swarm.proto import stage_pb2
+from swarm.testbed.local import local_swarm
+from swarm.train.freezing import FreezeConfig
+from swarm.train.trainer import TrainConfig, train
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+N_LAYERS = ModelConfig().n_layers
+
+
+def test_the_planner_repacks_a_frozen_prefix_and_the_trainer_trains_on_the_repacked_plan(tmp_path):
+    flags = ["--assign", "plan", "--plan-even-layers", "--compute-speed", "40", "--no-link-probe"]
+    # tolerance far above any change: every decision freezes (alpha 1: up to the block that changed least)
+    freeze = FreezeConfig(interval=2, tolerance=1e6, max_fraction=0.75, alpha=1.0)
+    out = tmp_path / "train"
+    with local_swarm(tmp_path, 4, flags, timeout_s=120) as swarm:
+        first = swarm.dht.get_plan(N_LAYERS)
+        cfg = TrainConfig(train_samples=16, batch_size=8, micro_batches=2, steps=24, out=str(out), freeze=freeze)
+        summary = train(cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
+        record = swarm.dht.get_plan(N_LAYERS)
+        addresses = {p.peer_id: p.address for p in swarm.dht.peers()}
+        connector = GrpcConnector(signer=swarm.signer)
+        status = {
+            pid: connector.stage(addresses[pid], pid).Status(stage_pb2.Empty(), timeout=10)
+            for s in record.plan["stages"]
+            for pid in s["peer_ids"]
+        }
+        connector.close()
+    assert len(first.plan["stages"]) == 4 and not first.plan.get("frozen_layers")
+    assert record.plan["frozen_layers"] == 3, record.plan
+    assert len(record.plan["stages"]) == 2 and [len(s["peer_ids"]) for s in record.plan["stages"]] == [2, 2]
+    # the trainer followed the repacked plan and kept training: every step numbered, losses finite
+    assert summary.steps == 24 and summary.stages == 2 and first.version < summary.plan_version <= record.version
+    with open(out / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(1, 25))
+    assert all(math.isfinite(float(r["train_loss"])) for r in rows)
+    # the replicas of each repacked stage took the same state and applied the same steps: equal weights
+    for index, stage in enumerate(record.plan["stages"]):
+        replies = [status[pid] for pid in stage["peer_ids"]]
+        assert all(r.stage == index and r.layer_end == stage["layer_end"] for r in replies), replies
+        figures = [(r.weights_digest, r.last_step, r.steps_done) for r in replies]
+        assert len(set(figures)) == 1, figures
+    versions = [int(r["plan_version"]) for r in rows]
+    # the switch is quick: the peers retire their old hosts first, so none waits on another's announcement
+    # (before: each waited out _settled_replicas' 30 s for holders that were themselves switching)
+    switch = versions.index(versions[-1])
+    assert float(rows[switch]["time"]) - float(rows[switch - 1]["time"]) < 25.0
+    assert versions[0] == first.version and versions[-1] == summary.plan_version and versions == sorted(versions)

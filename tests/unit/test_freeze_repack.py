@@ -1,0 +1,206 @@
+"""The live side of the elastic repack: stages report their frozen prefix, the planner repacks once every plan
+stage agrees (swarm.daemon.repack.RepackWatch), hosts of a frozen plan start frozen, and `swarm train --freeze`
+keeps one FreezePolicy across re-plans (swarm.train.freezing)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swarm.compression import CodecConfig
+from swarm.daemon.planning import route_of
+from swarm.daemon.repack import RepackWatch, frozen_figure, repack_plan
+from swarm.model.gpt import ModelConfig
+from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
+from swarm.runtime.freeze import FreezePolicy, apply_frozen, frozen_of
+from swarm.runtime.local import LocalPipeline
+from swarm.runtime.worker import OptimConfig, StageConfig
+from swarm.train import freezing
+from swarm.train.freezing import FreezeConfig, add_freeze_arguments, driver_factory, freeze_config
+
+GPT = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=4, n_heads=4, init_seed=1)
+FP32 = CodecConfig(name="fp32")
+IDS = "abcd"
+
+
+def _record(version: int = 3, **extra) -> PlanRecord:
+    stages = [{"layer_start": i, "layer_end": i + 1, "peer_ids": [p]} for i, p in enumerate(IDS)]
+    return PlanRecord(version=version, plan={"stages": stages, **extra}, created_at=1.0)
+
+
+def _reply(pid: str, stage: int, version: int = 3, frozen=3.0, **metrics):
+    figures = {} if frozen is None else {"swarm_frozen_layers": frozen}
+    return SimpleNamespace(peer_id=pid, stage=stage, plan_version=version, metrics={**figures, **metrics})
+
+
+def _replies(**override) -> dict:
+    out = {p: _reply(p, i) for i, p in enumerate(IDS)}
+    out.update(override)
+    return out
+
+
+def _watch(replies: dict) -> RepackWatch:
+    return RepackWatch(lambda pid: replies.get(pid), every_s=0.0)
+
+
+# ---- what a stage reports ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(0.0, 0), (3.0, 3), (None, None), (4.0, None), (-1.0, None), (1.5, None), (math.nan, None), (math.inf, None)],
+)
+def test_a_stages_frozen_figure_is_read_only_when_whole_and_in_range(value, expected):
+    metrics = {} if value is None else {"swarm_frozen_layers": value}
+    assert frozen_figure(metrics, 4) == expected
+    assert frozen_figure({"swarm_frozen_layers": 3}, 4) is None  # not the float a Status map carries
+
+
+def test_a_host_reports_the_prefix_it_applied_in_status_and_a_host_of_a_frozen_plan_never_trains_it():
+    pipe = LocalPipeline(GPT, 2, FP32, FP32, stage_cfg=StageConfig(OptimConfig(warmup_steps=1, total_steps=20)))
+    host = pipe.switches[0][0].target.host
+    assert host.status().metrics["swarm_frozen_layers"] == 0.0
+    plan = {"stages": [], "frozen_layers": 1}
+    apply_frozen(host, frozen_of(plan))  # what swarm-peer does to every host it builds for a plan
+    assert host.status().metrics["swarm_frozen_layers"] == 1.0 and host.worker.frozen_layers == 1
+    before = {k: v.detach().clone() for k, v in host.worker.module.named_parameters() if k.startswith("blocks.0.")}
+    pipe.freeze = FreezePolicy(n_layers=4)
+    pipe.freeze.adopt(1)  # the trainer follows the plan's prefix (a Step with less is refused)
+    gen = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, 64, (8, 17), generator=gen)
+    from swarm.model.data import Batch
+
+    result = pipe.train_step(Batch(torch.arange(8), windows[:, :-1], windows[:, 1:]), 2)
+    assert math.isfinite(result.loss)
+    after = dict(host.worker.module.named_parameters())
+    assert before and all(torch.equal(v, after[k]) for k, v in before.items())  # layer 0 never trained
+
+
+@pytest.mark.parametrize("plan", [{}, {"frozen_layers": 0}, {"frozen_layers": 2}, None])
+def test_frozen_of_a_plan(plan):
+    assert frozen_of(plan) == (2 if plan and plan.get("frozen_layers") else 0)
+
+
+# ---- when the planner repacks ------------------------------------------------------------------------------
+
+
+def test_the_planner_repacks_only_when_every_plan_stage_reports_the_same_larger_prefix():
+    assert _watch(_replies()).agreed(_record()) == 3
+    assert _watch(_replies()).agreed(_record(frozen_layers=3)) is None  # the plan already has it
+    assert _watch(_replies(d=_reply("d", 3, frozen=2.0))).agreed(_record()) is None  # they disagree
+    assert _watch(_replies(d=_reply("d", 3, version=2))).agreed(_record()) is None  # a lagging stage
+    assert _watch(_replies(d=_reply("d", 3, version=4))).agreed(_record()) is None  # ahead: not this plan's
+    assert _watch(_replies(d=None)).agreed(_record()) is None  # never answers
+    assert _watch(_replies(d=_reply("e", 3))).agreed(_record()) is None  # a stranger answers at d's address
+    assert _watch(_replies(d=_reply("d", 2))).agreed(_record()) is None  # another stage's figure
+    assert _watch(_replies(d=_reply("d", 3, frozen=math.nan))).agreed(_record()) is None  # malformed
+    assert _watch(_replies(d=_reply("d", 3, frozen=None))).agreed(_record()) is None  # absent
+    assert _watch(_replies(d=_reply("d", 3, frozen=1e300))).agreed(_record()) is None  # oversized
+
+
+def test_the_watch_reads_the_peers_at_most_every_every_s():
+    now, reads = [0.0], []
+    replies = _replies()
+    watch = RepackWatch(lambda pid: reads.append(pid) or replies[pid], every_s=5.0, clock=lambda: now[0])
+    assert watch.agreed(_record()) == 3 and len(reads) == 4
+    assert watch.agreed(_record()) is None and len(reads) == 4
+    now[0] = 5.0
+    assert watch.agreed(_record()) == 3 and len(reads) == 8
+
+
+class _DHT:
+    def __init__(self, fail: bool = False):
+        self.published, self.fail = [], fail
+
+    def publish_plan(self, version, plan):
+        record = PlanRecord(version=version, plan=plan, created_at=1.0)  # validates its shape, as the DHT's does
+        validate_plan(record, 4, [PeerAnnouncement(p, "127.0.0.1:5000", "cpu", 1 << 30, 1.0) for p in IDS])
+        if self.fail:
+            raise ValueError("refused")
+        self.published.append((version, plan))
+
+    def get_plan(self, n_layers, peers=None, check_trainers=True):
+        return PlanRecord(*self.published[-1], created_at=1.0) if self.published else None
+
+
+def _planner(dht, version=4):
+    return SimpleNamespace(dht=dht, spec=SimpleNamespace(layers=4), next_version=lambda peers: version)
+
+
+def test_the_planner_publishes_the_repacked_plan_without_the_old_stages_per_stage_keys():
+    dht = _DHT()
+    current = _record(precisions=["fp32"] * 4, step_time_s=1.0, trainer_ids=["t"])
+    got = _watch(_replies()).round(_planner(dht), current, [])
+    assert got is not None and got.version == 4 and len(dht.published) == 1
+    plan = dht.published[0][1]
+    assert plan["frozen_layers"] == 3 and len(plan["stages"]) == 2  # 3 frozen layers + 1 active: 2 stages
+    assert [s["peer_ids"] for s in plan["stages"]] == [["a", "b"], ["c", "d"]]  # the freed peers as replicas
+    assert "precisions" not in plan and "step_time_s" not in plan and plan["trainer_ids"] == ["t"]
+    assert plan["stages"] == repack_plan(current.plan, 3)["stages"]
+
+
+def test_no_repack_is_published_when_nothing_is_due_or_the_plan_is_refused():
+    assert _watch(_replies(a=None)).round(_planner(_DHT()), _record(), []) is None
+    assert _watch(_replies()).round(_planner(_DHT(), version=None), _record(), []) is None
+    dht = _DHT(fail=True)
+    assert _watch(_replies()).round(_planner(dht), _record(), []) is None and not dht.published
+
+
+def test_a_route_carries_its_plans_frozen_prefix():
+    peers = [
+        PeerAnnouncement(p, f"127.0.0.1:{5000 + i}", "cpu", 1 << 30, 1.0, stage=i, layer_start=i, layer_end=i + 1)
+        for i, p in enumerate(IDS)
+    ]
+    peers = [dataclasses.replace(p, plan_version=3) for p in peers]
+    assert route_of(_record(frozen_layers=2), peers).frozen_layers == 2
+    assert route_of(_record(), peers).frozen_layers == 0
+
+
+# ---- the trainer's side ------------------------------------------------------------------------------------
+
+
+def test_the_policy_adopts_a_plans_prefix_never_back_and_starts_its_windows_again():
+    policy = FreezePolicy(n_layers=4, interval=1, tolerance=10.0)
+    policy.observe(0, [1.0] * 4)
+    assert policy.adopt(2, step=1) == 2 and policy.history == [(1, 2)] and policy._previous is None
+    assert policy.adopt(1) == 2 and policy.adopt(99) == 3  # never back; never the last layer
+    assert policy.observe(2, [1.0] * 4) == 3
+
+
+def test_swarm_train_freeze_flags():
+    parser = argparse.ArgumentParser()
+    add_freeze_arguments(parser)
+    assert freeze_config(parser.parse_args([])) is None
+    cfg = freeze_config(parser.parse_args(["--freeze", "--freeze-interval", "2", "--freeze-tolerance", "5"]))
+    assert cfg == FreezeConfig(interval=2, tolerance=5.0)
+    with pytest.raises(ValueError):
+        freeze_config(parser.parse_args(["--freeze", "--freeze-tolerance", "0"]))
+    from swarm.train import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert freeze_config(parser.parse_args(["--freeze", "--freeze-alpha", "1"])) == FreezeConfig(alpha=1.0)
+
+
+def test_one_policy_survives_every_new_route(monkeypatch):
+    made = []
+
+    class Recording:
+        def __init__(self, *args, policy, **kwargs):
+            made.append((args, policy))
+
+    import swarm.runtime.freeze as freeze_module
+
+    monkeypatch.setattr(freeze_module, "FreezingDriver", Recording)
+    make = driver_factory(FreezeConfig(interval=2), 4)
+    route = SimpleNamespace(driver_args=lambda: (["x"], ["p"]), frozen_layers=0)
+    make(route, "1f1b", 4)
+    make(SimpleNamespace(driver_args=lambda: (["y"], ["q"]), frozen_layers=2), "1f1b", 4)
+    assert made[0][1] is made[1][1] is make.policy and make.policy.frozen == 2
+    assert made[1][0] == (["y"], ["q"], "1f1b", 4)
+    assert freezing.driver_factory(None, 4).__name__ == "<lambda>"
