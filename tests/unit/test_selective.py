@@ -237,17 +237,9 @@ def test_selective_predicted_step_is_never_above_fp32_and_at_most_two_shares_abo
 
 
 def test_the_planner_publishes_epilogue_codecs_and_rechooses_them_only_past_the_hysteresis():
-    from swarm.daemon.planning import Planner, model_spec
-    from swarm.model.gpt import ModelConfig
-    from tests.unit.scheduler.test_bits import SIZES, A, B, fake_dht, measured
+    from tests.unit.scheduler.test_bits import A, B, measured, per_link_planner
 
-    model = ModelConfig()
-    spec = model_spec(model, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))
-    links = measured(1.0)
-    records = {"peers": [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0) for pid in (A, B)]}
-    dht, published = fake_dht(records, links)
-    planner = Planner(dht, spec, 2, 2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0, codec_bytes=SIZES)
-    planner.round()
+    model, planner, records, links, published = per_link_planner()
     ((version, first),) = published
     validate_plan(PlanRecord(version, first, 1.0), model.n_layers, records["peers"])
     assert first["epilogue_codecs"]["tied"] == TIED_LADDER[-1]  # 1 Mbit/s: the tied sync at its floor
@@ -340,16 +332,9 @@ def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
 def test_a_move_past_the_hysteresis_to_the_same_codecs_publishes_nothing():
     # regression: the planner compared the codecs with their `why` texts, whose milliseconds change with every
     # measurement, so a move that chose the same codecs republished the plan (a new version for nothing)
-    from swarm.daemon.planning import Planner, model_spec
-    from swarm.model.gpt import ModelConfig
-    from tests.unit.scheduler.test_bits import SIZES, A, B, fake_dht, measured
+    from tests.unit.scheduler.test_bits import A, B, measured, per_link_planner
 
-    spec = model_spec(ModelConfig(), CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))
-    links = measured(1.0)
-    records = {"peers": [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0) for pid in (A, B)]}
-    dht, published = fake_dht(records, links)
-    planner = Planner(dht, spec, 2, 2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0, codec_bytes=SIZES)
-    planner.round()
+    _, planner, records, links, published = per_link_planner()
     ((version, first),) = published
     records["peers"] = [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0, plan_version=version)
                         for pid in (A, B)]  # fmt: skip

@@ -167,14 +167,21 @@ def measured(mbit: float) -> list[LinkMeasurement]:
     return [LinkMeasurement(a, b, 0.001, mbit * 1e6 / 8, 1.0) for a, b in ((A, B), (B, A))]
 
 
-def test_the_planner_publishes_per_link_codecs_and_rechooses_only_past_the_hysteresis():
+def per_link_planner(mbit: float = 1.0):
+    """A per-link-codec `Planner` of two peers A, B joined at `mbit` Mbit/s over a fake DHT, after its first round:
+    (model, planner, records, links, published); change `records`/`links` in place for the next round."""
     model = ModelConfig()
     spec = model_spec(model, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))
-    links = measured(1.0)
+    links = measured(mbit)
     records = {"peers": [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0) for pid in (A, B)]}
     dht, published = fake_dht(records, links)
     planner = Planner(dht, spec, 2, 2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0, codec_bytes=SIZES)
     planner.round()
+    return model, planner, records, links, published
+
+
+def test_the_planner_publishes_per_link_codecs_and_rechooses_only_past_the_hysteresis():
+    model, planner, records, links, published = per_link_planner()
     ((version, first),) = published
     validate_plan(PlanRecord(version, first, 1.0), model.n_layers, records["peers"])
     slow = first["codecs"][0]
