@@ -250,8 +250,7 @@ class NatWiring:
         kept = [p for p in candidates if p.peer_id == current.relay and rank(p.peer_id) <= max(best, NEIGHBOUR)]
         chosen = kept[0] if kept else candidates[0]
         if current.reach != "relay" or current.relay != chosen.peer_id:
-            self.daemon.announcement = dataclasses.replace(current, reach="relay", relay=chosen.peer_id)
-            self.daemon.dht.announce(self.daemon.announcement)
+            self.daemon.update_announcement(reach="relay", relay=chosen.peer_id)
         return chosen.peer_id, chosen.address
 
     def _failed(self, relay_id: str, code: grpc.StatusCode | None) -> None:

@@ -50,6 +50,7 @@ class PeerDaemon:
         self._stop = threading.Event()
         self._leave = threading.Event()
         self._leave_deadline: float | None = None
+        self._announce_lock = threading.Lock()
         self.held = None  # HeldStore of the buddy copies, with --checkpoint-dir
         self.following = None  # the PlanRecord this peer serves under, in --assign plan mode
         self.checkpoints = StageCheckpoints(cfg)
@@ -191,16 +192,24 @@ class PeerDaemon:
         self.checkpoints.setup(host)
         return host
 
+    def update_announcement(self, **changes):
+        """Changes these fields of this peer's announcement and announces it. Threads change different fields (the
+        plan loop its role, the relay's its reach): each change is made on the newest announcement under one
+        lock, announced under it too, so none writes back another's field as it was before (a stale relay sends
+        callers to a relay this peer left) and no older record reaches the DHT after a newer one."""
+        with self._announce_lock:
+            self.announcement = announced = dataclasses.replace(self.announcement, **changes)
+            self.dht.announce(announced)
+        return announced
+
     def _announce_role(self, role) -> None:
-        self.announcement = dataclasses.replace(
-            self.announcement,
+        announced = self.update_announcement(
             stage=None if role is None else role.stage,
             layer_start=None if role is None else role.layer_start,
             layer_end=None if role is None else role.layer_end,
             plan_version=self.following.version if self.following is not None else 0,
         )
-        self.metrics.plan_version.set(self.announcement.plan_version)
-        self.dht.announce(self.announcement)
+        self.metrics.plan_version.set(announced.plan_version)
 
     def _serve_even_split(self) -> int:
         from swarm.daemon.assign import EvenSplit
@@ -308,8 +317,7 @@ class PeerDaemon:
 
         if self._leave_deadline is None:
             self._leave_deadline = time.monotonic() + self.cfg.leave_timeout_s
-            self.announcement = dataclasses.replace(self.announcement, leaving=True)
-            self.dht.announce(self.announcement)
+            self.update_announcement(leaving=True)
             log.info("leaving: waiting for a plan without this peer (at most %.0f s)", self.cfg.leave_timeout_s)
         held = self.servicer.host or self.servicer.previous
         if held is None:
@@ -335,8 +343,7 @@ class PeerDaemon:
             return fetch_state(self.channels, address, stage, version)
 
         def announce_held() -> None:
-            self.announcement = dataclasses.replace(self.announcement, held=self.held.held())
-            self.dht.announce(self.announcement)
+            self.update_announcement(held=self.held.held())
 
         replicator = Replicator(self.dht.peer_id, self.held, self.cfg.replicate_every, self._steps_done, fetch)
         replicator.on_pulled = announce_held

@@ -130,3 +130,38 @@ def test_served_by_replicas_needs_another_peer_serving_the_same_layers():
 def test_buddies_of_an_uneven_plan_hold_another_stage(rows, expected):
     plan = record(1, *rows).plan
     assert {p: buddy_of(plan, p) for p in expected} == expected
+
+
+def test_announcement_changes_from_two_threads_keep_each_others_fields():
+    """The plan loop changes the role while the relay's thread changes the reach: neither writes back the other's
+    field as it read it, and the last record announced carries both (a stale relay sends callers astray)."""
+    import threading
+    from types import SimpleNamespace
+
+    from swarm.daemon.peer import PeerDaemon
+    from swarm.peers.records import PeerAnnouncement
+
+    announced: list[PeerAnnouncement] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def announce(record):
+        if record.stage == 1 and not entered.is_set():  # the role's announcement stalls in the DHT
+            entered.set()
+            release.wait(10)
+        announced.append(record)
+        return True
+
+    daemon = PeerDaemon.__new__(PeerDaemon)
+    daemon._announce_lock = threading.Lock()
+    daemon.dht = SimpleNamespace(announce=announce)
+    daemon.announcement = PeerAnnouncement("a" * 24, "127.0.0.1:5000", "cpu", 1, 1.0)
+    role = threading.Thread(target=lambda: daemon.update_announcement(stage=1, layer_start=0, layer_end=2))
+    role.start()
+    assert entered.wait(10)
+    relay = threading.Thread(target=lambda: daemon.update_announcement(reach="relay", relay="b" * 24))
+    relay.start()
+    release.set()
+    role.join(10)
+    relay.join(10)
+    assert (daemon.announcement.stage, daemon.announcement.relay) == (1, "b" * 24)
+    assert (announced[-1].stage, announced[-1].relay) == (1, "b" * 24)

@@ -57,6 +57,11 @@ class Daemon:
         )  # fmt: skip
         self.dht.announce(self.announcement)
 
+    def update_announcement(self, **changes):
+        self.announcement = dataclasses.replace(self.announcement, **changes)
+        self.dht.announce(self.announcement)
+        return self.announcement
+
     def close(self):
         self.nat.close()
         self.server.stop(grace=None)
