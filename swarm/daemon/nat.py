@@ -124,6 +124,9 @@ class NatWiring:
         )  # fmt: skip
         self.tunnels = Tunnels(signer, self.book.route, local=self.servicer)
         self.attachment: Attachment | None = None
+        self.second: Attachment | None = None
+        """the Attach to a second reachable pipeline neighbour (`second_neighbour`), not announced"""
+        self._local_address = ""
         self._skip: dict[str, float] = {}
         self._closed = threading.Event()
 
@@ -138,11 +141,24 @@ class NatWiring:
         stage_pb2_grpc.add_RelayServicer_to_server(self.servicer, server)
 
     def may_attach(self, peer_id: str) -> bool:
+        """Whether `peer_id` may attach here: it announces reach="relay" and names this peer its relay, or it is
+        this peer's pipeline neighbour under the plan this peer follows (its second Attach: this peer's calls to
+        it then take the reverse connection, while others reach it through the relay it names)."""
         found = self.book.get(peer_id)
         if found is None or found.relay != self.me:  # maybe announced a moment ago: read again (rate-limited)
             self.book._refresh(miss=True)
             found = self.book.get(peer_id)
-        return found is not None and found.reach == "relay" and found.relay == self.me
+        if found is None or found.reach != "relay":
+            return False
+        return found.relay == self.me or self._neighbours_of_mine(peer_id)
+
+    def _neighbours_of_mine(self, peer_id: str) -> bool:
+        """Whether `peer_id` serves a stage next to this peer's under the plan this peer follows."""
+        record = getattr(self.daemon, "following", None)
+        stages = record.plan.get("stages", []) if record is not None else []
+        where = {str(p): i for i, st in enumerate(stages) for p in st.get("peer_ids", ())}
+        mine, theirs = where.get(self.me), where.get(peer_id)
+        return mine is not None and theirs is not None and abs(mine - theirs) == 1
 
     # ---- this peer's reach ------------------------------------------------------------------------------
 
@@ -194,6 +210,7 @@ class NatWiring:
         log.info("reach: relay (nobody dials this peer: its calls come through a relay it attaches to)")
         self._relay()  # announced now, before anyone makes a channel to the direct address it announced first
         self.attachment = Attachment(self._relay, self.signer, local_address, self.limits, self._failed).start()
+        self._local_address = local_address
         threading.Thread(target=self._watch, name="swarm-relay-watch", daemon=True).start()
         return "relay"
 
@@ -211,6 +228,34 @@ class NatWiring:
             if target is not None:
                 log.info("moving the Attach to pipeline neighbour %s", target)
                 self._move(attachment)
+            self._keep_second(attachment)
+
+    def second_neighbour(self, relay_id: str | None) -> tuple[str, str] | None:
+        """(id, address) of a reachable pipeline neighbour other than the relay this peer announces: it holds a
+        second Attach, so its calls into this peer (a boundary's Forward or Backward) take the reverse connection
+        instead of two legs through the announced relay. None when there is no such neighbour."""
+        rank = self._rank()
+        for p in self._candidates():
+            if p.peer_id != relay_id and rank(p.peer_id) <= NEIGHBOUR:
+                return p.peer_id, p.address
+        return None
+
+    def _keep_second(self, primary: Attachment) -> None:
+        """Keeps the second Attach on `second_neighbour` (made, moved or ended as plans change)."""
+        try:
+            wanted = self.second_neighbour(primary.relay_id)
+        except TimeoutError:
+            return
+        second = self.second
+        if second is not None and (wanted is None or second.relay_id != wanted[0]) and second.attached.is_set():
+            second.close()
+            self.second = second = None
+        if wanted is not None and second is None:
+            log.info("a second Attach to pipeline neighbour %s (its calls take the reverse connection)", wanted[0])
+            self.second = Attachment(
+                lambda: wanted if self.second_neighbour(self.attachment.relay_id) == wanted else None,
+                self.signer, self._local_address, self.limits,
+            ).start()  # fmt: skip
 
     def move_to(self, relay_id: str | None) -> str | None:
         """The pipeline neighbour to move an Attach held by `relay_id` to; None to stay (it is a neighbour, or
@@ -260,6 +305,7 @@ class NatWiring:
 
     def close(self) -> None:
         self._closed.set()
-        if self.attachment is not None:
-            self.attachment.close()
+        for attachment in (self.attachment, self.second):
+            if attachment is not None:
+                attachment.close()
         self.tunnels.close()

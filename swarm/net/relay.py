@@ -177,6 +177,11 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         with self._lock:
             return sorted(self._attached)
 
+    def holds(self, peer_id: str) -> bool:
+        """Whether `peer_id` is attached here now."""
+        with self._lock:
+            return peer_id in self._attached
+
     # ---- reachability (swarm.net.reach) -----------------------------------------------------------------
 
     def DialBack(self, request, context):
@@ -444,7 +449,9 @@ class Tunnels:
             sock.close()
             return
         try:
-            if self.local is not None and route.relay_id == self.my_id:
+            # the reverse connection: the peer attached here (its announced relay, or its second Attach to this
+            # pipeline neighbour) is reached in this process
+            if self.local is not None and (route.relay_id == self.my_id or self.local.holds(route.peer_id)):
                 replies = self.local.connect(self.my_id, route.peer_id, _socket_frames(sock))
             else:
                 metadata = self.signer.metadata(route.relay_id) if self.signer is not None else ()

@@ -187,6 +187,12 @@ def test_a_newer_attach_replaces_the_older():
             while first.attached.is_set() and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert relay.attached() == [IDS["peer"].peer_id]
+            # the two now replace each other in turn; with the older stopped, the newer holds the place
+            first.close()
+            deadline = time.monotonic() + 10
+            while not second.attached.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert relay.attached() == [IDS["peer"].peer_id] and second.attached.is_set()
             assert probe(tunnels, b"still served") == b"still served"
         finally:
             second.close()

@@ -230,3 +230,36 @@ def test_an_attach_on_either_pipeline_neighbour_stays(daemons):
     assert natted.nat.move_to("someone-else") == ids[2]  # not a neighbour: move to the next stage
     natted.following = SimpleNamespace(plan={"stages": [{"peer_ids": [ids[1]]}]})
     assert natted.nat.move_to(ids[0]) is None  # no reachable neighbour: stay wherever it is
+
+
+def test_a_second_attach_to_the_other_neighbour_makes_its_calls_reverse_connections(daemons):
+    from types import SimpleNamespace
+
+    board = {}
+    first, second = daemons(board, "direct"), daemons(board, "direct")
+    natted = daemons(board, "relay", announce_port=closed_port())
+    ids = first.identity.peer_id, natted.identity.peer_id, second.identity.peer_id
+    plan = SimpleNamespace(plan={"stages": [{"peer_ids": [i]} for i in ids]})
+    for d in (first, second, natted):
+        d.following = plan  # natted serves the middle stage between the two reachable peers
+    stranger = daemons(board, "direct")
+    assert natted.nat.settle("127.0.0.1", natted.port) == "relay"
+    assert natted.nat.attachment.attached.wait(10)
+    relay_id = board[ids[1]].relay
+    other = first if relay_id == ids[2] else second  # the neighbour natted does not announce
+    deadline = time.monotonic() + 20
+    while not other.nat.servicer.holds(ids[1]) and time.monotonic() < deadline:
+        natted.nat.attachment.attached.wait(0.1)
+    assert other.nat.servicer.holds(ids[1]), "the unannounced neighbour holds a second Attach"
+    assert board[ids[1]].relay == relay_id, "the announcement still names one relay"
+    md = other.signer.metadata(ids[1])
+    with grpc.insecure_channel(other.nat.tunnels.dial(board[ids[1]].address)) as channel:
+        reply = stage_pb2_grpc.StageStub(channel).Probe(stage_pb2.ProbeRequest(payload=b"r"), timeout=10, metadata=md)
+    assert reply.payload == b"r"
+    relay = first if relay_id == ids[0] else second
+    link = f'swarm_relayed_bytes_total{{link="{other.identity.peer_id}->{ids[1]}"}}'
+    assert relay.metrics.snapshot().get(link, 0) == 0, "not two legs through the announced relay"
+    assert other.metrics.snapshot()[link] > 0  # piped in the neighbour's own process
+    # a peer that is not its neighbour may not take a second Attach of it
+    stranger.following = plan
+    assert not stranger.nat.may_attach(ids[1]) and other.nat.may_attach(ids[1])
