@@ -126,6 +126,7 @@ class NatWiring:
         self.attachment: Attachment | None = None
         self.second: Attachment | None = None
         """the Attach to a second reachable pipeline neighbour (`second_neighbour`), not announced"""
+        self._second_target: tuple[str, str] | None = None
         self._local_address = ""
         self._skip: dict[str, float] = {}
         self._closed = threading.Event()
@@ -246,16 +247,20 @@ class NatWiring:
             wanted = self.second_neighbour(primary.relay_id)
         except TimeoutError:
             return
-        second = self.second
-        if second is not None and (wanted is None or second.relay_id != wanted[0]) and second.attached.is_set():
-            second.close()
-            self.second = second = None
-        if wanted is not None and second is None:
+        if self.second is not None and self._second_target != wanted:
+            self._drop_second()
+        if wanted is not None and self.second is None:
             log.info("a second Attach to pipeline neighbour %s (its calls take the reverse connection)", wanted[0])
+            self._second_target = wanted
             self.second = Attachment(
                 lambda: wanted if self.second_neighbour(self.attachment.relay_id) == wanted else None,
                 self.signer, self._local_address, self.limits,
             ).start()  # fmt: skip
+
+    def _drop_second(self) -> None:
+        second, self.second, self._second_target = self.second, None, None
+        if second is not None:
+            second.close()
 
     def move_to(self, relay_id: str | None) -> str | None:
         """The pipeline neighbour to move an Attach held by `relay_id` to; None to stay (it is a neighbour, or
@@ -269,6 +274,7 @@ class NatWiring:
         """Make before break: announces the new relay, attaches there, and only then (after `MOVE_GRACE_S`, while
         callers' announcements catch up; the new relay holds their Connects until the Attach arrives) ends the
         old Attach. A new relay that does not take the Attach within `MOVE_ATTACH_S` gives the move up."""
+        self._drop_second()  # it may hold the neighbour moved to: two Attaches there would replace each other
         new = Attachment(self._relay, self.signer, old.local_address, self.limits, self._failed).start()
         if new.attached.wait(MOVE_ATTACH_S):
             self.attachment = new

@@ -263,3 +263,12 @@ def test_a_second_attach_to_the_other_neighbour_makes_its_calls_reverse_connecti
     # a peer that is not its neighbour may not take a second Attach of it
     stranger.following = plan
     assert not stranger.nat.may_attach(ids[1]) and other.nat.may_attach(ids[1])
+    # a plan that no longer makes `other` a neighbour ends the second Attach there
+    two = SimpleNamespace(plan={"stages": [{"peer_ids": [ids[1]]}, {"peer_ids": [relay_id]}]})
+    for d in (first, second, natted):
+        d.following = two
+    deadline = time.monotonic() + 20
+    while other.nat.servicer.holds(ids[1]) and time.monotonic() < deadline:
+        natted.nat.attachment.attached.wait(0.1)
+    assert not other.nat.servicer.holds(ids[1]) and natted.nat.second is None
+    assert natted.nat.attachment.relay_id == relay_id  # the announced Attach is untouched
