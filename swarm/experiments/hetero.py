@@ -80,28 +80,18 @@ def apply_stage_precisions(pipe: LocalPipeline, stage_precisions: tuple[tuple[in
             set_stage_precision(host.worker, precision)
 
 
-class _BackwardStart(torch.autograd.Function):
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward calls `hook()` as the gradient passes (marks where a stage's backward starts and
+    ends)."""
+
     @staticmethod
-    def forward(ctx, x, throttle):
-        ctx.throttle = throttle
+    def forward(ctx, x, hook):
+        ctx.hook = hook
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.throttle.backward_start = time.thread_time()
-        return grad, None
-
-
-class _BackwardEnd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, throttle):
-        ctx.throttle = throttle
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        t = ctx.throttle
-        t.sleep(time.thread_time() - t.backward_start)
+        ctx.hook()
         return grad, None
 
 
@@ -131,14 +121,20 @@ class ComputeThrottle:
         self._t0 = time.thread_time()
         x = args[0]
         if x.is_floating_point() and x.requires_grad:
-            return (_BackwardEnd.apply(x, self), *args[1:])
+            return (_OnBackward.apply(x, self._backward_end), *args[1:])
         return None
 
     def _post(self, module, args, out):
         if not torch.is_grad_enabled():
             return None
         self.sleep(time.thread_time() - self._t0)
-        return _BackwardStart.apply(out, self) if out.requires_grad else out
+        return _OnBackward.apply(out, self._backward_start) if out.requires_grad else out
+
+    def _backward_start(self) -> None:
+        self.backward_start = time.thread_time()
+
+    def _backward_end(self) -> None:
+        self.sleep(time.thread_time() - self.backward_start)
 
     def remove(self) -> None:
         for h in self._handles:
