@@ -36,7 +36,26 @@ def _validate_frozen_layers(frozen: Any, n_layers: int) -> None:
 
 
 _MAX_CODEC_LABEL = 64
-_MAX_CODEC_WHY = 400
+MAX_CODEC_WHY = 400
+"""Characters of a codec choice's `why` text (the planner cuts its texts to it)."""
+
+
+def _label(r: str, key: str, label: Any):
+    """`label` as the `CodecConfig` it names: a string of at most _MAX_CODEC_LABEL characters `CodecConfig.parse`
+    knows."""
+    from swarm.compression import CodecConfig
+
+    if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
+        raise _fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
+    try:
+        return CodecConfig.parse(label)
+    except (ValueError, KeyError) as e:
+        raise _fail(r, key, "a known codec label", label) from e
+
+
+def _why(r: str, why: Any) -> None:
+    if type(why) is not str or len(why) > MAX_CODEC_WHY:
+        raise _fail(r, "why", f"text of at most {MAX_CODEC_WHY} characters", why)
 
 
 def _validate_codecs(codecs: Any, n_stages: int) -> None:
@@ -44,8 +63,6 @@ def _validate_codecs(codecs: Any, n_stages: int) -> None:
     boundary, every label one `CodecConfig.parse` knows."""
     if codecs is None:
         return
-    from swarm.compression import CodecConfig
-
     if type(codecs) is not list or len(codecs) != n_stages - 1:
         raise _fail("plan", "codecs", f"a list of {n_stages - 1} boundaries' codecs", codecs)
     for i, link in enumerate(codecs):
@@ -53,29 +70,15 @@ def _validate_codecs(codecs: Any, n_stages: int) -> None:
         if not isinstance(link, dict) or not set(link) <= {"forward", "backward", "why"}:
             raise _fail("plan", f"codecs[{i}]", "a dict of forward, backward (and why)", link)
         for key in ("forward", "backward"):
-            label = link.get(key)
-            if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
-                raise _fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
-            try:
-                CodecConfig.parse(label)
-            except (ValueError, KeyError) as e:
-                raise _fail(r, key, "a known codec label", label) from e
-        why = link.get("why", "")
-        if type(why) is not str or len(why) > _MAX_CODEC_WHY:
-            raise _fail(r, "why", f"text of at most {_MAX_CODEC_WHY} characters", why)
+            _label(r, key, link.get(key))
+        _why(r, link.get("why", ""))
 
 
 def _epilogue_label(r: str, key: str, label: Any) -> None:
     """A codec label the averager can sum with: known, and without sample buffers (a gradient has no samples)."""
-    from swarm.compression import CodecConfig, codec_class
+    from swarm.compression import codec_class
 
-    if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
-        raise _fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
-    try:
-        uses_buffers = codec_class(CodecConfig.parse(label).name).uses_buffers
-    except (ValueError, KeyError) as e:
-        raise _fail(r, key, "a known codec label", label) from e
-    if uses_buffers:
+    if codec_class(_label(r, key, label).name).uses_buffers:  # parsed: its name is a known codec
         raise _fail(r, key, "a codec without sample buffers", label)
 
 
@@ -95,9 +98,7 @@ def _validate_epilogue_codecs(chosen: Any, n_stages: int) -> None:
     tied = chosen.get("tied")
     if tied is not None:
         _epilogue_label("plan.epilogue_codecs", "tied", tied)
-    why = chosen.get("why", "")
-    if type(why) is not str or len(why) > _MAX_CODEC_WHY:
-        raise _fail("plan.epilogue_codecs", "why", f"text of at most {_MAX_CODEC_WHY} characters", why)
+    _why("plan.epilogue_codecs", chosen.get("why", ""))
 
 
 def _validate_precisions(precisions: Any, n_stages: int) -> None:

@@ -127,7 +127,7 @@ def _from_wire(cls: type, wire: Any) -> Any:
     return cls(**kwargs)
 
 
-LOW_PRECISIONS = ("bf16", "fp16")
+LOW_PRECISIONS = PLAN_PRECISIONS[1:]
 """Precisions a peer may announce a speed for (`PeerAnnouncement.speeds`); fp32's is `compute_layers_per_s`."""
 
 

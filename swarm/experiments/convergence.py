@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from swarm.compression import CodecConfig, codec_labels
+from swarm.experiments.hetero import apply_stage_precisions
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.options import add_model_choice_arguments, add_schedule_argument, builtin_model, chosen_model
@@ -180,7 +181,7 @@ def _run_setting(
     stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
     pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
     _apply_plan(pipe, setting, cfg)
-    _stage_precisions(pipe, setting)
+    apply_stage_precisions(pipe, setting.stage_precisions)  # per-peer precision (`~bf16:S`), before step 1
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
     for epoch in range(cfg.epochs):
@@ -230,16 +231,14 @@ def _apply_plan(pipe: LocalPipeline, setting: Setting, cfg: ExperimentConfig) ->
         return
     from swarm.experiments.selective import apply_selective
 
+    apply_selective(pipe, setting.plan, *_codec_defaults(cfg))
+
+
+def _codec_defaults(cfg: ExperimentConfig) -> tuple[dict, dict]:
+    """The forward and backward codecs' `CodecConfig` fields the flags set (group size, rounding, zstd level)."""
     fw = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic, "zstd_level": cfg.zstd_level}
     bw = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic, "zstd_level": cfg.zstd_level}
-    apply_selective(pipe, setting.plan, fw, bw)
-
-
-def _stage_precisions(pipe: LocalPipeline, setting: Setting) -> None:
-    """Per-peer precision (issue 15, QSync): the setting's `~PRECISION:STAGES` stages switch before step 1."""
-    from swarm.experiments.hetero import apply_stage_precisions
-
-    apply_stage_precisions(pipe, setting.stage_precisions)
+    return fw, bw
 
 
 def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
@@ -300,8 +299,7 @@ def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True)
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
-    fw = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic, "zstd_level": cfg.zstd_level}
-    bw = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic, "zstd_level": cfg.zstd_level}
+    fw, bw = _codec_defaults(cfg)
     names = list(dict.fromkeys(("fp32/fp32", *cfg.settings)))
     settings = [_parse_setting(n, fw, bw, cfg) for n in names]
     train, evals, report = build_datasets(cfg.data)

@@ -181,22 +181,20 @@ def _stage_time(pipe: LocalPipeline, stage: int, x: torch.Tensor, targets: torch
 def _plan(pipe: LocalPipeline, cfg: HeteroConfig, batch) -> tuple[list[str], dict]:
     """Measures each stage's time per precision and sensitivity on `batch`, chooses and applies precisions."""
     mb = max(1, cfg.batch_size // cfg.n_micro)
-    inputs, h = [], batch.tokens[:mb]
+    # each stage's inputs, computed once through the stages before it: the timed micro-batch, then the
+    # sensitivity batches
+    feed = [batch.tokens[:mb]] + [batch.tokens[i * mb : (i + 1) * mb] for i in range(cfg.sensitivity_batches)]
+    stage_in = []
     with torch.no_grad():
         for host in pipe.hosts:
-            inputs.append(h)
-            h = host.worker.module(h) if not host.worker.module.is_last else None
+            stage_in.append(feed)
+            if not host.worker.module.is_last:
+                feed = [host.worker.module(c) for c in feed]
     times, sens = [], []
     for s, host in enumerate(pipe.hosts):
-        times.append({p: _stage_time(pipe, s, inputs[s], batch.targets[:mb], p) for p in ("fp32", "bf16")})
-        chunks = [batch.tokens[i * mb : (i + 1) * mb] for i in range(cfg.sensitivity_batches)]
-        stage_in = []
-        with torch.no_grad():
-            for c in chunks:
-                for prev in pipe.hosts[:s]:
-                    c = prev.worker.module(c)
-                stage_in.append(c)
-        sens.append(measure_sensitivity(host.worker.module, stage_in, ("bf16",), seed=cfg.seed))
+        timed, *chunks = stage_in[s]
+        times.append({p: _stage_time(pipe, s, timed, batch.targets[:mb], p) for p in ("fp32", "bf16")})
+        sens.append(measure_sensitivity(host.worker.module, chunks, ("bf16",), seed=cfg.seed))
     choice = choose_precisions(times, sens, cfg.budget)
     for host, p in zip(pipe.hosts, choice.precisions, strict=True):
         set_stage_precision(host.worker, p)
@@ -289,7 +287,10 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool]]:
     planned = rows[2]
     rec = planned["recovered"] if planned["recovered"] is not None else 0.0
     return [
-        (f"per-peer precision recovers >= {RECOVER_TARGET:.0%} of the slow peer's cost ({rec:.1%})", rec >= 0.3),
+        (
+            f"per-peer precision recovers >= {RECOVER_TARGET:.0%} of the slow peer's cost ({rec:.1%})",
+            rec >= RECOVER_TARGET,
+        ),
         (
             f"held-out loss within {LOSS_TOLERANCE:.1%} of uniform fp32 ({planned['loss_vs_slow_fp32']:+.2%})",
             abs(planned["loss_vs_slow_fp32"]) <= LOSS_TOLERANCE,

@@ -15,14 +15,12 @@ import logging
 
 import numpy as np
 
-from swarm.compression import CodecConfig
+from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
 
 __all__ = ["SEL_LAYERS_PER_S", "apply_selective", "selective_plan", "setting_codecs"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LABELS = ("acsgd2+ch+nr", "gradq2+ef+rot+nr+cs+g1024")
-"""The swarm's default codecs (`DEFAULT_FW_CODEC`, `DEFAULT_BW_CODEC`): where a plan names none."""
 SEL_LAYERS_PER_S = 40.0
 """Layers a second (forward + backward of one micro-batch) each peer of a `sel:` setting is planned at."""
 
@@ -84,7 +82,7 @@ def apply_selective(pipe, plan: dict, fw_defaults: dict, bw_defaults: dict) -> N
     for row in pipe.replica_hosts:
         for host in row:
             stage = host.role.stage
-            labels = stage_link_codecs(plan, stage, (DEFAULT_LABELS))
+            labels = stage_link_codecs(plan, stage, (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC))
             fw_send, bw_send, fw_recv, bw_recv = (
                 CodecConfig.parse(label, **(fw_defaults if i % 2 == 0 else bw_defaults))
                 for i, label in enumerate(labels)

@@ -36,6 +36,7 @@ import grpc
 import torch
 
 from swarm.net.stream import CallRefused, StageCallError
+from swarm.peers.plan_keys import PLAN_PRECISIONS
 
 if TYPE_CHECKING:
     from swarm.proto import stage_pb2
@@ -55,7 +56,8 @@ __all__ = [
     "step_mismatch",
 ]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = PLAN_PRECISIONS
+"""What a stage computes in (the names a plan's `precisions` may give, `swarm.peers.plan_keys`)."""
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -49,7 +49,7 @@ def _grads(module: nn.Module, x: torch.Tensor, precision: str, seed: int, device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     proj = torch.randn(out.shape, generator=gen).to(out.device)
     (out.float() * proj).sum().backward()
-    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]  # handed over: no copy
     for p in params:
         p.grad = None
     return grads

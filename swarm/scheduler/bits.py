@@ -27,6 +27,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from swarm.peers.plan_keys import MAX_CODEC_WHY
+
 __all__ = [
     "AVERAGE_LADDER",
     "BACKWARD_LADDER",
@@ -174,12 +176,9 @@ def epilogue_bytes(label: str, elements: float) -> float:
 
 
 def _pick_epilogue(ladder: Sequence[str], floor: str, fig: EpilogueFigures, share: float) -> tuple[str, float]:
-    allowed = ladder[: ladder.index(floor) + 1]
-    for label in allowed:
-        seconds = epilogue_bytes(label, fig.elements) / fig.bytes_per_s
-        if seconds <= share * fig.step_s:
-            return label, seconds
-    return allowed[-1], epilogue_bytes(allowed[-1], fig.elements) / fig.bytes_per_s
+    size = lambda label: epilogue_bytes(label, fig.elements)  # noqa: E731
+    label = _pick(ladder, floor, fig.bytes_per_s, share * fig.step_s, size)
+    return label, size(label) / fig.bytes_per_s
 
 
 def choose_epilogue(
@@ -201,10 +200,7 @@ def choose_epilogue(
         why.append(f"tied {tied_label} {seconds * 1e3:.1f}ms")
     step = max([f.step_s for f in (*average, tied) if f is not None], default=0.0)
     text = f"{', '.join(why)} (share {policy.epilogue_share:g} of {step * 1e3:.1f}ms)"
-    return {"average": labels, "tied": tied_label, "why": text[:_WHY_MAX]}
-
-
-_WHY_MAX = 400
+    return {"average": labels, "tied": tied_label, "why": text[:MAX_CODEC_WHY]}
 
 
 def rechoose_epilogue(
@@ -235,8 +231,8 @@ def epilogue_configs(plan: dict, stage: int):
     chosen = plan.get("epilogue_codecs")
     if not chosen:
         return None, None
-    average = chosen["average"][stage] if stage < len(chosen["average"]) else None
     n_stages = len(chosen["average"])
+    average = chosen["average"][stage] if stage < n_stages else None
     tied = chosen.get("tied") if stage in (0, n_stages - 1) else None
     return (CodecConfig.parse(average) if average else None, CodecConfig.parse(tied) if tied else None)
 
