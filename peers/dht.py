@@ -22,6 +22,7 @@ the old planner's lease lapse).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -519,9 +520,13 @@ class Heartbeat:
         dht: SwarmDHT,
         make_announcement: Callable[[], PeerAnnouncement],
         period_s: float | None = None,
+        lock: threading.Lock | None = None,
     ):
         self._dht = dht
         self._make = make_announcement
+        self._lock = lock
+        """held while a beat reads and stores the announcement (the owner's lock for changing it), so a beat
+        never stores a record older than one the owner stored meanwhile"""
         self.period_s = period_s if period_s is not None else dht.config.announce_ttl_s / 3
         self.beats = 0
         """Announcements a DHT node accepted so far."""
@@ -554,7 +559,9 @@ class Heartbeat:
 
     def _beat(self) -> None:
         try:
-            if self._dht.announce(self._make()):
+            with self._lock or contextlib.nullcontext():
+                accepted = self._dht.announce(self._make())
+            if accepted:
                 self.beats += 1
             else:
                 logger.warning("announcement refused by every DHT node reached; retrying in %.1f s", self.period_s)

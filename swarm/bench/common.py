@@ -44,3 +44,12 @@ def emit(rows: Sequence[dict], columns: Sequence[str], as_json: bool, title: str
         print(json.dumps(list(rows), indent=1))
     else:
         print_table(rows, columns, title)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the caller binds it soon after)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -140,8 +140,7 @@ class PeerDaemon:
             with contextlib.suppress(TimeoutError):
                 if cfg.assign == "plan" and (record := dht.get_plan(self.model.n_layers)):
                     self._apply_plan(record)
-            heartbeat = Heartbeat(dht, lambda: self.announcement).start()
-            dht.announce(self.announcement)
+            heartbeat = Heartbeat(dht, lambda: self.announcement, lock=self._announce_lock).start()  # announces now
             self.nat.settle(cfg.transport.host, port, stop=self._stop)  # --reach: dial-back, relay, attach
             log.info("links shaped to %s", cfg.link_shape.describe())
             code = self._follow_plans(address) if cfg.assign == "plan" else self._serve_even_split()
@@ -270,7 +269,7 @@ class PeerDaemon:
             even_layers=plans.even_layers,
             codec_bytes=codec_sizes(self.model, plans.micro_batch_size) if plans.codec_policy == "per-link" else None,
             lease_s=plans.planner_lease_s,
-            reannounce=lambda: self.dht.announce(self.announcement),  # SwarmDHT stamps the lease on it
+            reannounce=self.update_announcement,  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
             repack=RepackWatch(status_reader(self.channels, lambda: self._addresses)),  # a freezing trainer's
             precisions=precision_planner(self.model, plans.precision_budget, plans.micro_batch_size),

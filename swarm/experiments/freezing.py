@@ -159,7 +159,7 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, st
             cfg.n_layers, cfg.interval, cfg.tolerance, cfg.max_fraction, warmup_steps=optim.warmup_steps
         )
     limit = max(b - a for a, b in layout)
-    rows, wire, seconds, frozen, stages = [], 0, 0.0, 0, [len(layout)]
+    rows, wire, seconds, frozen, stages, hits = [], 0, 0.0, 0, [len(layout)], 0
     for epoch in range(cfg.epochs):
         for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.seed):
             start = time.perf_counter()
@@ -175,6 +175,7 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, st
                         LocalPipeline(model, len(ranges), fw, bw, stage_cfg=stage_cfg, layers=ranges),
                     )
                     _transplant(pipe, repacked, now)
+                    hits += sum(w.cache_hits for w in pipe.workers)
                     _close(pipe)
                     pipe = repacked
                     stages.append(len(ranges))
@@ -185,6 +186,7 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, st
         say(f"{setting}: epoch {epoch + 1}/{cfg.epochs} loss {rows[-1]['loss']:.4f} frozen {frozen} stages {stages}")
     final = pipe.evaluate(evals, cfg.batch_size * 2)
     samples = len(rows) * cfg.batch_size
+    hits += sum(w.cache_hits for w in pipe.workers)
     _close(pipe)
     return {
         "setting": setting,
@@ -195,7 +197,7 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, st
         "total_wire_bytes": wire,
         "train_seconds": seconds,
         "steps": len(rows),
-        "cache_hits": 0,
+        "cache_hits": hits,
         "curve": rows,
     }
 

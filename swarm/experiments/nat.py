@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import csv
 import json
-import socket
 import sys
 import time
 import urllib.request
@@ -110,12 +109,6 @@ def relayed_links(order: str | None) -> int | None:
     return sum(a == b == "N" for a, b in zip(marks, marks[1:], strict=False))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def relayed_bytes_of(text: str) -> int:
     """The sum of every `swarm_relayed_bytes_total{...}` sample in a Prometheus text exposition."""
     total = 0.0
@@ -137,7 +130,9 @@ def _scrape(ports: list[int]) -> int:
 def common_flags(cfg: NatConfig) -> list[str]:
     """Every peer's flags: even stage boundaries (the same split in every setting, so the math is the same),
     the shaped links, the schedule."""
-    warmup = max(1, round(cfg.steps * 0.2))
+    from swarm.experiments.throttled import warmup_steps
+
+    warmup = warmup_steps(cfg.steps)
     return [
         "--assign", "plan", "--plan-even-layers",
         "--rate-mbit", f"{cfg.rate_mbit:g}", "--delay-ms", f"{cfg.delay_ms:g}",
@@ -161,11 +156,12 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
     row = {"setting": setting, "nat_peers": len(nat)}
     if cfg.netns:
         return {**row, **_run_netns(cfg, nat, out / setting, supported)}
+    from swarm.bench.common import free_port
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
-    grpc_ports = [_free_port() for _ in range(cfg.peers)]
-    metrics_ports = [_free_port() for _ in range(cfg.peers)]
+    grpc_ports = [free_port() for _ in range(cfg.peers)]
+    metrics_ports = [free_port() for _ in range(cfg.peers)]
     per_peer = [
         [*reach_flags(i in nat, False, supported), "--grpc-port", str(port), "--metrics-port", str(metrics)]
         for i, (port, metrics) in enumerate(zip(grpc_ports, metrics_ports, strict=True))
@@ -187,12 +183,9 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
 def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool) -> dict:
     from swarm.testbed.cli import run_in_testbed
 
-    @dataclass(frozen=True)
-    class _Cell:
-        rate_mbit: float
-
     flags = [*common_flags(cfg), *reach_flags(bool(nat), True, supported)]
-    steps = run_in_testbed(_Cell(cfg.rate_mbit), flags, _train_config(cfg, out), cfg.peers, nat=nat)
+    cell = argparse.Namespace(rate_mbit=cfg.rate_mbit)
+    steps = run_in_testbed(cell, flags, _train_config(cfg, out), cfg.peers, nat=nat)
     times = [float(s["step_s"]) for s in steps]
     return {
         "order": None, "relayed_links": None, "steps": len(steps), "final_loss": float(steps[-1]["train_loss"]),
@@ -253,7 +246,7 @@ def config_from_args(args: argparse.Namespace) -> NatConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.bench.common import print_table
+    from swarm.bench.common import emit
 
     try:
         cfg = config_from_args(args)
@@ -264,9 +257,9 @@ def run(args: argparse.Namespace) -> int:
     supported = reach_supported()
     rows = []
     for setting in cfg.settings:
-        if not supported and nat_peers(setting, cfg.peers):  # never run a NAT setting without its flags
+        if not supported and (nat := nat_peers(setting, cfg.peers)):  # never run a NAT setting without its flags
             note = "not run: this swarm-peer has no --reach (the relay transport)"
-            rows.append({"setting": setting, "nat_peers": len(nat_peers(setting, cfg.peers)), "note": note})
+            rows.append({"setting": setting, "nat_peers": len(nat), "note": note})
             continue
         print(f"[nat] {setting} ...", file=sys.stderr, flush=True)
         rows.append(run_setting(setting, cfg, out, supported))
@@ -280,10 +273,8 @@ def run(args: argparse.Namespace) -> int:
         writer.writeheader()
         writer.writerows(rows)
     targets = check_targets(rows)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print_table(rows, COLUMNS, f"nat experiment ({cfg.peers} peers, {cfg.steps} steps, {cfg.rate_mbit:g} Mbit/s)")
+    emit(rows, COLUMNS, args.json, f"nat experiment ({cfg.peers} peers, {cfg.steps} steps, {cfg.rate_mbit:g} Mbit/s)")
+    if not args.json:
         for statement, met in targets:
             print(f"[{'not judged' if met is None else 'met' if met else 'MISSED'}] {statement}")
         print(f"wrote {out}/results.json, results.csv")

@@ -45,7 +45,7 @@ _INFEASIBLE_BYTES_PER_S = 1.0
 
 def relays_of(peers: Iterable) -> dict[str, str | None]:
     """{peer id: its relay's id, or None when it is reachable} from announcements (`PeerAnnouncement`)."""
-    return {p.peer_id: (p.relay if getattr(p, "reach", "direct") == "relay" else None) for p in peers}
+    return {p.peer_id: p.relay for p in peers}  # validated: relay is None unless reach == "relay"
 
 
 def relay_paths(plan_input: PlanInput, relays: Mapping[str, str | None]) -> dict[tuple[int, int], int | None]:

@@ -96,8 +96,8 @@ def bring_up(
     from swarm.testbed.procs import ProcessGroup
 
     check_available()
-    if cfg.nat and nat_unavailable_reason():
-        raise Unavailable(nat_unavailable_reason())
+    if cfg.nat and (reason := nat_unavailable_reason()):
+        raise Unavailable(reason)
     if list_namespaces(cfg.prefix) or list_links(cfg.prefix):
         raise RuntimeError(f"a testbed with prefix {cfg.prefix!r} is already up: `swarm testbed down` first")
     run_dir = run_dir.resolve()
