@@ -165,11 +165,11 @@ class RepackWatch:
                     return None
                 if getattr(reply, "plan_version", None) != record.version:
                     return None  # lagging (or ahead): its figure is not this plan's
-                figures.add(frozen_figure(dict(reply.metrics), n_layers))
-        if len(figures) != 1 or None in figures:
-            return None
-        frozen = figures.pop()
-        return frozen if frozen > base else None
+                figure = frozen_figure(dict(reply.metrics), n_layers)
+                if figure is None or figure <= base or (figures and figure not in figures):
+                    return None  # this round cannot agree on more: read no further peers
+                figures.add(figure)
+        return figures.pop() if figures else None
 
     def round(self, planner, current, peers) -> object | None:
         """Publishes `repack_plan(current.plan, F)` as the next version once the stages agree on F (`agreed`);

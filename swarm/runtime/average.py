@@ -60,11 +60,13 @@ def flatten_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Sets each parameter's gradient to its slice of `flat`."""
+    """Sets each trained parameter's gradient to its slice of `flat`; a frozen one (no `requires_grad`) gets none,
+    so the optimizer leaves it where it is (a zero gradient would still move it through momentum and decay)."""
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset : offset + n].view(p.shape).to(p.device, p.dtype, copy=True)
+        if p.requires_grad:
+            p.grad = flat[offset : offset + n].view(p.shape).to(p.device, p.dtype, copy=True)
         offset += n
 
 

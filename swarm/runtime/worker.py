@@ -284,10 +284,6 @@ class StageWorker:
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        if self.frozen_layers:  # a replicas' sum hands frozen parameters zeros: AdamW's momentum and decay would
-            for p in self.module.parameters():  # still move them, so they get no gradient at all
-                if not p.requires_grad:
-                    p.grad = None
         lr = lr_at(optim, self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
