@@ -31,9 +31,9 @@ class ScheduleGate:
         self._running: Action | None = None
         """The action whose body runs now (a duplicate of it is refused, not run beside it)."""
         self._generation = 0
+        """Bumped by every new step and reset: a body that outlives its step does not move the next one on."""
         self.forward_only = False
         """Every layer here and before is frozen (swarm.runtime.freeze): the program has no backward turns."""
-        """Bumped by every new step and reset: a body that outlives its step does not move the next one on."""
 
     def _program_of(self, schedule: str, n_micro: int) -> list[Action]:
         if schedule not in SCHEDULES:
