@@ -215,6 +215,21 @@ class NatWiring:
         threading.Thread(target=self._watch, name="swarm-relay-watch", daemon=True).start()
         return "relay"
 
+    def serve_dht_records(self) -> bool:
+        """Under `--reach auto`, once found reachable: the DHT node, which joined in client mode (behind NAT a
+        server node stalls others' stores), starts serving records. False when it could not (it stays a client:
+        the swarm loses a record holder, nothing else)."""
+        from swarm.net.dhtmode import serve_records
+
+        try:
+            changed = serve_records(self.daemon.dht)
+        except (TimeoutError, RuntimeError) as e:
+            log.warning("the DHT node stays in client mode: %s", e)
+            return False
+        if changed:
+            log.info("reachable: the DHT node now serves records (it joined in client mode)")
+        return changed
+
     def _watch(self) -> None:
         """Moves the Attach to a pipeline neighbour when a new plan gave this peer a reachable one and its relay
         is not a neighbour (an Attach on either neighbour stays: a move costs more than one hop saves)."""
