@@ -63,6 +63,10 @@ class Announced:
         self._read_at = -1e9
         self._lock = threading.Lock()
 
+    def reread(self) -> None:
+        """Reads the DHT again now unless it was read within `refresh_s` (a record may have changed a moment ago)."""
+        self._refresh(miss=True)
+
     def _refresh(self, miss: bool) -> None:
         now = time.monotonic()
         with self._lock:
@@ -147,19 +151,11 @@ class NatWiring:
         it then take the reverse connection, while others reach it through the relay it names)."""
         found = self.book.get(peer_id)
         if found is None or found.relay != self.me:  # maybe announced a moment ago: read again (rate-limited)
-            self.book._refresh(miss=True)
+            self.book.reread()
             found = self.book.get(peer_id)
         if found is None or found.reach != "relay":
             return False
-        return found.relay == self.me or self._neighbours_of_mine(peer_id)
-
-    def _neighbours_of_mine(self, peer_id: str) -> bool:
-        """Whether `peer_id` serves a stage next to this peer's under the plan this peer follows."""
-        record = getattr(self.daemon, "following", None)
-        stages = record.plan.get("stages", []) if record is not None else []
-        where = {str(p): i for i, st in enumerate(stages) for p in st.get("peer_ids", ())}
-        mine, theirs = where.get(self.me), where.get(peer_id)
-        return mine is not None and theirs is not None and abs(mine - theirs) == 1
+        return found.relay == self.me or self._rank()(peer_id) <= NEIGHBOUR
 
     # ---- this peer's reach ------------------------------------------------------------------------------
 
@@ -169,9 +165,10 @@ class NatWiring:
             p for p in self.daemon.dht.peers()
             if p.peer_id != self.me and p.reach == "direct" and not p.leaving and self._skip.get(p.peer_id, 0) < now
         ]  # fmt: skip
-        ranked = sorted(peers, key=lambda p: hashlib.sha256(f"{self.me}/{p.peer_id}".encode()).digest())
-        rank = self._rank()
-        return sorted(ranked, key=lambda p: rank(p.peer_id))  # stable: hash order among equals
+        rank = self._rank()  # neighbours first, then by a hash of the two ids (spreads peers over relays)
+        return sorted(
+            peers, key=lambda p: (rank(p.peer_id), hashlib.sha256(f"{self.me}/{p.peer_id}".encode()).digest())
+        )
 
     def _rank(self) -> Callable[[str], int]:
         """peer id -> 0: a peer of the next stage under the followed plan, 1: of the previous stage, 2: other."""
@@ -234,34 +231,40 @@ class NatWiring:
         """Moves the Attach to a pipeline neighbour when a new plan gave this peer a reachable one and its relay
         is not a neighbour (an Attach on either neighbour stays: a move costs more than one hop saves)."""
         while not self._closed.wait(WATCH_S):
-            attachment = self.attachment
-            if attachment is None or not attachment.attached.is_set():
-                continue
-            try:
-                target = self.move_to(attachment.relay_id)
-            except TimeoutError:
-                continue
-            if target is not None:
-                log.info("moving the Attach to pipeline neighbour %s", target)
-                self._move(attachment)
-            self._keep_second(attachment)
+            self._tick()
 
-    def second_neighbour(self, relay_id: str | None) -> tuple[str, str] | None:
+    def _tick(self) -> None:
+        """One look (one DHT read): move the Attach, else keep the second Attach beside it. After a move the
+        second waits for the next tick: it is chosen beside the new relay, never beside the old one (which
+        would make the relay moved to the second's target, and the two Attaches there replace each other)."""
+        attachment = self.attachment
+        if attachment is None or not attachment.attached.is_set():
+            return
+        try:
+            candidates = self._candidates()
+        except TimeoutError:
+            return
+        target = self.move_to(attachment.relay_id, candidates)
+        if target is not None:
+            log.info("moving the Attach to pipeline neighbour %s", target)
+            self._move(attachment)
+            return
+        self._keep_second(attachment, candidates)
+
+    def second_neighbour(self, relay_id: str | None, candidates=None) -> tuple[str, str] | None:
         """(id, address) of a reachable pipeline neighbour other than the relay this peer announces: it holds a
         second Attach, so its calls into this peer (a boundary's Forward or Backward) take the reverse connection
-        instead of two legs through the announced relay. None when there is no such neighbour."""
+        instead of two legs through the announced relay. None when there is no such neighbour. `candidates`:
+        `_candidates()` as read already (None: read now)."""
         rank = self._rank()
-        for p in self._candidates():
+        for p in self._candidates() if candidates is None else candidates:
             if p.peer_id != relay_id and rank(p.peer_id) <= NEIGHBOUR:
                 return p.peer_id, p.address
         return None
 
-    def _keep_second(self, primary: Attachment) -> None:
+    def _keep_second(self, primary: Attachment, candidates: list[PeerAnnouncement]) -> None:
         """Keeps the second Attach on `second_neighbour` (made, moved or ended as plans change)."""
-        try:
-            wanted = self.second_neighbour(primary.relay_id)
-        except TimeoutError:
-            return
+        wanted = self.second_neighbour(primary.relay_id, candidates)
         if self.second is not None and self._second_target != wanted:
             self._drop_second()
         if wanted is not None and self.second is None:
@@ -277,10 +280,10 @@ class NatWiring:
         if second is not None:
             second.close()
 
-    def move_to(self, relay_id: str | None) -> str | None:
+    def move_to(self, relay_id: str | None, candidates=None) -> str | None:
         """The pipeline neighbour to move an Attach held by `relay_id` to; None to stay (it is a neighbour, or
-        no reachable neighbour exists)."""
-        candidates, rank = self._candidates(), self._rank()
+        no reachable neighbour exists). `candidates`: `_candidates()` as read already (None: read now)."""
+        candidates, rank = self._candidates() if candidates is None else candidates, self._rank()
         if candidates and rank(relay_id or "") > NEIGHBOUR >= rank(candidates[0].peer_id):
             return candidates[0].peer_id
         return None

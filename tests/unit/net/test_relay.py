@@ -177,6 +177,19 @@ def test_an_oversized_frame_ends_the_connection():
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds 1024" in err.value.details()
 
 
+def test_a_frame_after_the_first_carries_data_only():
+    # frames are forwarded as they came (no new message per frame): one naming a target or a connection mid-stream
+    # is malformed and ends the connection instead of reaching the other end
+    with relayed() as (_, _, address, _, _, _), grpc.insecure_channel(address) as channel:
+        frames = iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id), stage_pb2.RelayFrame(data=b"x", conn_id=3)])
+        replies = stage_pb2_grpc.RelayStub(channel).Connect(
+            frames, metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(replies)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "data only" in err.value.details()
+
+
 def test_a_newer_attach_replaces_the_older():
     with relayed() as (relay, _, address, tunnels, first, _):
         second = Attachment(lambda: (IDS["relay"].peer_id, address), signer("peer"), first.local_address).start()
