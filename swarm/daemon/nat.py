@@ -48,6 +48,7 @@ MOVE_ATTACH_S = 10.0
 MOVE_GRACE_S = 6.0
 """How long the old Attach stays open after the new one holds: callers' announcements (`Announced`, at most 5 s
 old) still route some connections through the old relay meanwhile."""
+RELAYED_TOTAL = "swarm_relayed_bytes_total"
 NEIGHBOUR = 1
 """`_rank` at or below this: a pipeline neighbour (an Attach there is never moved)."""
 
@@ -328,6 +329,9 @@ class NatWiring:
             self._skip[relay_id] = time.monotonic() + SKIP_S
 
     def close(self) -> None:
+        relayed = sum(v for k, v in self.daemon.metrics.snapshot().items() if k.startswith(RELAYED_TOTAL))
+        if relayed:  # read back by `swarm experiment nat --netns` (a NAT'd testbed's /metrics are not reachable)
+            log.info("relayed %d bytes in all", relayed)
         self._closed.set()
         for attachment in (self.attachment, self.second):
             if attachment is not None:

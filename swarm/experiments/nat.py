@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import csv
 import json
+import re
 import sys
 import time
 import urllib.request
@@ -187,11 +188,60 @@ def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool)
     cell = argparse.Namespace(rate_mbit=cfg.rate_mbit)
     steps = run_in_testbed(cell, flags, _train_config(cfg, out), cfg.peers, nat=nat)
     times = [float(s["step_s"]) for s in steps]
+    summary = _read_json(out / "train" / "summary.json") or {}
+    order = netns_order(summary.get("route") or [], _read_json(out / "state.json") or {}, nat)
     return {
-        "order": None, "relayed_links": None, "steps": len(steps), "final_loss": float(steps[-1]["train_loss"]),
-        "mean_step_s": sum(times[1:] or times) / max(1, len(times[1:] or times)), "predicted_step_s": None,
-        "relayed_bytes": None, "total_wire_bytes": sum(int(s.get("total_wire_bytes") or 0) for s in steps),
+        "order": order, "relayed_links": relayed_links(order), "steps": len(steps),
+        "final_loss": float(steps[-1]["train_loss"]), **step_stats(times),
+        "predicted_step_s": summary.get("predicted_step_s"), "relayed_bytes": relayed_bytes_logged(out / "logs"),
+        "total_wire_bytes": sum(int(s.get("total_wire_bytes") or 0) for s in steps),
     }  # fmt: skip
+
+
+def step_stats(times: list[float]) -> dict:
+    """`mean_step_s` and `step_std_s` (per-step standard deviation) of the steps after the first (the first
+    builds channels and tunnels)."""
+    kept = times[1:] or times
+    mean = sum(kept) / max(1, len(kept))
+    std = (sum((t - mean) ** 2 for t in kept) / (len(kept) - 1)) ** 0.5 if len(kept) > 1 else 0.0
+    return {"mean_step_s": mean, "step_std_s": std, "timed_steps": len(kept)}
+
+
+def _read_json(path: Path):
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text())
+    return None
+
+
+def netns_order(route: list[str], state: dict, nat: tuple[int, ...]) -> str | None:
+    """The pipeline order (R/N) of a namespace testbed's route: each stage's address is a node's of the
+    testbed's state (`peerK`, behind NAT when K is in `nat`). None when an address is no peer's."""
+    index = {}
+    for node in state.get("nodes", []):
+        name = str(node.get("name", ""))
+        if name.startswith("peer") and name[4:].isdigit():
+            index[str(node.get("address"))] = int(name[4:])  # a NAT'd peer's: its LAN address, as it announces
+    marks = []
+    for address in route:
+        k = index.get(str(address).rsplit(":", 1)[0])
+        if k is None:
+            return None
+        marks.append("N" if k in nat else "R")
+    return "-".join(marks) if marks else None
+
+
+_RELAYED_LOG = re.compile(r"relayed (\d+) bytes in all")
+
+
+def relayed_bytes_logged(logs: Path) -> int | None:
+    """The relays' bytes as each peer logs them when it stops (swarm.daemon.nat); None: no peer log found."""
+    total, found = 0, False
+    for log in sorted(logs.glob("peer*.log")):
+        found = True
+        with contextlib.suppress(OSError):
+            for m in _RELAYED_LOG.finditer(log.read_text(errors="replace")):
+                total += int(m.group(1))
+    return total if found else None
 
 
 def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:

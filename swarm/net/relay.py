@@ -73,6 +73,10 @@ class RelayLimits:
     (it is moving here from another relay, or reattaching after a drop)"""
     max_waiting: int = 8
     """Connects waiting for such an Attach at once (beyond: NOT_FOUND at once)"""
+    attach_connect_s: float = 3.0
+    """how long an Attach waits for its relay's connection: a relay that announces reach=direct before its own
+    check found it behind NAT drops the SYN, and gRPC's own connect timeout (~10 s) kept the peer unreached
+    long enough for the planner to drop it (`swarm experiment nat --netns`)"""
 
     def threads(self) -> int:
         """Server threads the relay may hold: one per Attach, two per connection (Connect and Accept)."""
@@ -377,6 +381,20 @@ def _drain(replies: Iterator, sock: socket.socket) -> None:
 _CHANNEL_OPTIONS = TransportConfig().channel_options()
 
 
+class _Unconnected(grpc.RpcError):
+    """An Attach whose relay did not take the connection within `RelayLimits.attach_connect_s`."""
+
+    def __init__(self, address: str, timeout_s: float):
+        super().__init__(f"no connection to {address} within {timeout_s:g} s")
+        self._details = f"no connection to {address} within {timeout_s:g} s"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
 class RelayRoute(NamedTuple):
     """How to reach a peer that cannot be dialed: its id, and its relay's id and address."""
 
@@ -523,6 +541,10 @@ class Attachment:
         stop = self._stop
         # keepalive: a relay that vanishes without a word is noticed within keepalive_s + keepalive_timeout_s
         with grpc.insecure_channel(relay_address, options=_CHANNEL_OPTIONS) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.limits.attach_connect_s)
+            except grpc.FutureTimeoutError:
+                raise _Unconnected(relay_address, self.limits.attach_connect_s) from None
             stub = stage_pb2_grpc.RelayStub(channel)
             metadata = self.signer.metadata(relay_id)
 
