@@ -330,7 +330,7 @@ class NatWiring:
 
     def close(self) -> None:
         relayed = sum(v for k, v in self.daemon.metrics.snapshot().items() if k.startswith(RELAYED_TOTAL))
-        if relayed:  # read back by `swarm experiment nat --netns` (a NAT'd testbed's /metrics are not reachable)
+        if relayed:
             log.info("relayed %d bytes in all", relayed)
         self._closed.set()
         for attachment in (self.attachment, self.second):
