@@ -39,6 +39,8 @@ __all__ = ["REACH_MODES", "Announced", "NatWiring", "announced_dial"]
 log = logging.getLogger("swarm.nat")
 
 REACH_MODES = ("auto", "direct", "relay")
+RECHECK_S = 2.0
+"""How often a peer that found nobody to check its reach at first asks again (`--reach auto`)."""
 SKIP_S = 30.0
 """How long a relay that refused or failed an Attach is passed over."""
 WATCH_S = 1.0
@@ -184,7 +186,8 @@ class NatWiring:
 
     def settle(self, listen_host: str, port: int, attempts: int = 5, stop: threading.Event | None = None) -> str:
         """Decides this peer's reach (after its first, direct announcement: a helper dials what it announced)
-        and, when unreachable, announces a relay and keeps attaching to it. Returns the reach."""
+        and, when unreachable, announces a relay and keeps attaching to it. Returns the reach: "direct", "relay",
+        or "unknown" (under auto, nobody could check yet: announced direct, asked again in the background)."""
         from swarm.daemon.addresses import stage_address
 
         stop = stop or threading.Event()
@@ -192,20 +195,48 @@ class NatWiring:
         local_address = stage_address(host, port)  # the Accepts' way into this peer's own server
         reachable: bool | None = self.reach == "direct"
         if self.reach == "auto":
-            reachable = None
-            for _ in range(attempts):
-                helpers = [(p.peer_id, p.address) for p in self._candidates()[:3]]
-                if not helpers:
-                    break
-                reachable = check_reachable(helpers, self.signer, self.nonces)
-                if reachable is not None or stop.wait(1.0):
-                    break
-            if reachable is None:
-                log.info("reachability: no peer could dial back yet; announcing reach=direct")
-                reachable = True
+            reachable = self._check(attempts, stop)
+            if reachable is None:  # announced direct meanwhile (the first peers have nobody to ask), asking again
+                log.info("reachability: no peer could dial back yet; announcing reach=direct, asking again")
+                args = (local_address, stop)
+                threading.Thread(target=self._recheck, args=args, name="swarm-reach", daemon=True).start()
+                return "unknown"
         if reachable:
             log.info("reach: direct (others dial %s)", self.daemon.announcement.address)
             return "direct"
+        return self._go_relay(local_address)
+
+    def _check(self, attempts: int, stop: threading.Event) -> bool | None:
+        """The dial-back check (`check_reachable`) of up to 3 reachable candidates, asked again a second apart
+        (`attempts` in all) while none answers; None: nobody could tell."""
+        for _ in range(attempts):
+            try:
+                helpers = [(p.peer_id, p.address) for p in self._candidates()[:3]]
+            except TimeoutError:
+                helpers = []
+            if helpers and (found := check_reachable(helpers, self.signer, self.nonces)) is not None:
+                return found
+            if stop.wait(1.0) or self._closed.is_set():
+                return None
+        return None
+
+    def _recheck(self, local_address: str, stop: threading.Event) -> None:
+        """For a peer that found no helper at first: asks again (`RECHECK_S` apart) until one answers. Found
+        behind NAT, it moves to a relay (before: it announced reach=direct for good, and a NAT'd peer that
+        started first was unreachable to all); found reachable, its DHT node starts serving records."""
+        while not (stop.is_set() or self._closed.is_set()):
+            found = self._check(1, stop)
+            if found is True:
+                log.info("reach: direct, confirmed by a dial-back")
+                self.serve_dht_records()
+                return
+            if found is False:
+                self._go_relay(local_address)
+                return
+            if self._closed.wait(RECHECK_S):
+                return
+
+    def _go_relay(self, local_address: str) -> str:
         log.info("reach: relay (nobody dials this peer: its calls come through a relay it attaches to)")
         self._relay()  # announced now, before anyone makes a channel to the direct address it announced first
         self.attachment = Attachment(self._relay, self.signer, local_address, self.limits, self._failed).start()
@@ -273,8 +304,11 @@ class NatWiring:
             self._second_target = wanted
             self.second = Attachment(
                 lambda: wanted if self.second_neighbour(self.attachment.relay_id) == wanted else None,
-                self.signer, self._local_address, self.limits,
-            ).start()  # fmt: skip
+                self.signer,
+                self._local_address,
+                self.limits,
+                self._failed,
+            ).start()  # fmt: skip  (a neighbour that fails is skipped: it may announce direct and be NAT'd)
 
     def _drop_second(self) -> None:
         second, self.second, self._second_target = self.second, None, None

@@ -95,6 +95,23 @@ def test_auto_finds_a_dialable_peer_direct(daemons):
     assert board[peer.identity.peer_id].reach == "direct" and peer.nat.attachment is None
 
 
+def test_a_nat_peer_that_found_no_helper_at_first_moves_to_a_relay_once_one_appears(daemons, monkeypatch):
+    import swarm.daemon.nat as nat
+
+    monkeypatch.setattr(nat, "RECHECK_S", 0.2)
+    board = {}
+    natted = daemons(board, "auto", announce_port=closed_port())
+    # the first peer up has nobody to ask: it announces direct for now (before: for good, unreachable to all)
+    assert natted.nat.settle("127.0.0.1", natted.port, attempts=1) == "unknown"
+    assert board[natted.identity.peer_id].reach == "direct"
+    helper = daemons(board, "direct")
+    deadline = time.monotonic() + 20
+    while board[natted.identity.peer_id].reach != "relay" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert board[natted.identity.peer_id].relay == helper.identity.peer_id
+    assert natted.nat.attachment is not None and natted.nat.attachment.attached.wait(10)
+
+
 @pytest.mark.parametrize("reach", ["auto", "relay"])
 def test_an_unreachable_peer_announces_a_relay_attaches_and_is_reached_through_it(daemons, reach):
     board = {}
