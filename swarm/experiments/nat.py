@@ -175,7 +175,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
         route = list(summary.route)
     port_of = {port: i for i, port in enumerate(grpc_ports)}
     order = "-".join("N" if port_of.get(int(a.rsplit(":", 1)[1])) in nat else "R" for a in route)
-    spread = step_stats(_step_times(out / setting / "train" / "steps.csv"))
+    spread = step_stats(_step_times(out / setting / "steps.csv"))  # the trainer's --out is the setting's folder
     return {
         **row, "order": order, "relayed_links": relayed_links(order), "steps": summary.steps,
         "final_loss": summary.final_loss, "mean_step_s": summary.mean_step_s,
