@@ -387,8 +387,9 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     fw_codec, bw_codec = codec_configs(args)
     default_shape, per_link = link_shapes(args)
     return PeerConfig(
-        # behind NAT nobody can dial the DHT node either: it joins in client mode (works on hivemind 1.1.12)
-        dht=dht_config(args, announce_ttl_s=args.announce_ttl_s, client_mode=args.reach == "relay"),
+        # behind NAT nobody can dial the DHT node either: it joins in client mode (works on hivemind 1.1.12); under
+        # auto too, until the dial-back finds it reachable (swarm.net.dhtmode upgrades it then)
+        dht=dht_config(args, announce_ttl_s=args.announce_ttl_s, client_mode=args.reach in ("relay", "auto")),
         transport=TransportConfig(host=args.host, max_workers=args.max_workers),
         grpc_port=args.grpc_port,
         assign=args.assign,

@@ -39,6 +39,8 @@ __all__ = ["REACH_MODES", "Announced", "NatWiring", "announced_dial"]
 log = logging.getLogger("swarm.nat")
 
 REACH_MODES = ("auto", "direct", "relay")
+RECHECK_S = 2.0
+"""How often a peer that found nobody to check its reach at first asks again (`--reach auto`)."""
 SKIP_S = 30.0
 """How long a relay that refused or failed an Attach is passed over."""
 WATCH_S = 1.0
@@ -48,6 +50,7 @@ MOVE_ATTACH_S = 10.0
 MOVE_GRACE_S = 6.0
 """How long the old Attach stays open after the new one holds: callers' announcements (`Announced`, at most 5 s
 old) still route some connections through the old relay meanwhile."""
+RELAYED_TOTAL = "swarm_relayed_bytes_total"
 NEIGHBOUR = 1
 """`_rank` at or below this: a pipeline neighbour (an Attach there is never moved)."""
 
@@ -62,6 +65,10 @@ class Announced:
         self._by_address: dict[str, PeerAnnouncement] = {}
         self._read_at = -1e9
         self._lock = threading.Lock()
+
+    def reread(self) -> None:
+        """Reads the DHT again now unless it was read within `refresh_s` (a record may have changed a moment ago)."""
+        self._refresh(miss=True)
 
     def _refresh(self, miss: bool) -> None:
         now = time.monotonic()
@@ -147,19 +154,11 @@ class NatWiring:
         it then take the reverse connection, while others reach it through the relay it names)."""
         found = self.book.get(peer_id)
         if found is None or found.relay != self.me:  # maybe announced a moment ago: read again (rate-limited)
-            self.book._refresh(miss=True)
+            self.book.reread()
             found = self.book.get(peer_id)
         if found is None or found.reach != "relay":
             return False
-        return found.relay == self.me or self._neighbours_of_mine(peer_id)
-
-    def _neighbours_of_mine(self, peer_id: str) -> bool:
-        """Whether `peer_id` serves a stage next to this peer's under the plan this peer follows."""
-        record = getattr(self.daemon, "following", None)
-        stages = record.plan.get("stages", []) if record is not None else []
-        where = {str(p): i for i, st in enumerate(stages) for p in st.get("peer_ids", ())}
-        mine, theirs = where.get(self.me), where.get(peer_id)
-        return mine is not None and theirs is not None and abs(mine - theirs) == 1
+        return found.relay == self.me or self._rank()(peer_id) <= NEIGHBOUR
 
     # ---- this peer's reach ------------------------------------------------------------------------------
 
@@ -169,9 +168,10 @@ class NatWiring:
             p for p in self.daemon.dht.peers()
             if p.peer_id != self.me and p.reach == "direct" and not p.leaving and self._skip.get(p.peer_id, 0) < now
         ]  # fmt: skip
-        ranked = sorted(peers, key=lambda p: hashlib.sha256(f"{self.me}/{p.peer_id}".encode()).digest())
-        rank = self._rank()
-        return sorted(ranked, key=lambda p: rank(p.peer_id))  # stable: hash order among equals
+        rank = self._rank()  # neighbours first, then by a hash of the two ids (spreads peers over relays)
+        return sorted(
+            peers, key=lambda p: (rank(p.peer_id), hashlib.sha256(f"{self.me}/{p.peer_id}".encode()).digest())
+        )
 
     def _rank(self) -> Callable[[str], int]:
         """peer id -> 0: a peer of the next stage under the followed plan, 1: of the previous stage, 2: other."""
@@ -186,7 +186,8 @@ class NatWiring:
 
     def settle(self, listen_host: str, port: int, attempts: int = 5, stop: threading.Event | None = None) -> str:
         """Decides this peer's reach (after its first, direct announcement: a helper dials what it announced)
-        and, when unreachable, announces a relay and keeps attaching to it. Returns the reach."""
+        and, when unreachable, announces a relay and keeps attaching to it. Returns the reach: "direct", "relay",
+        or "unknown" (under auto, nobody could check yet: announced direct, asked again in the background)."""
         from swarm.daemon.addresses import stage_address
 
         stop = stop or threading.Event()
@@ -194,20 +195,48 @@ class NatWiring:
         local_address = stage_address(host, port)  # the Accepts' way into this peer's own server
         reachable: bool | None = self.reach == "direct"
         if self.reach == "auto":
-            reachable = None
-            for _ in range(attempts):
-                helpers = [(p.peer_id, p.address) for p in self._candidates()[:3]]
-                if not helpers:
-                    break
-                reachable = check_reachable(helpers, self.signer, self.nonces)
-                if reachable is not None or stop.wait(1.0):
-                    break
-            if reachable is None:
-                log.info("reachability: no peer could dial back yet; announcing reach=direct")
-                reachable = True
+            reachable = self._check(attempts, stop)
+            if reachable is None:  # announced direct meanwhile (the first peers have nobody to ask), asking again
+                log.info("reachability: no peer could dial back yet; announcing reach=direct, asking again")
+                args = (local_address, stop)
+                threading.Thread(target=self._recheck, args=args, name="swarm-reach", daemon=True).start()
+                return "unknown"
         if reachable:
             log.info("reach: direct (others dial %s)", self.daemon.announcement.address)
             return "direct"
+        return self._go_relay(local_address)
+
+    def _check(self, attempts: int, stop: threading.Event) -> bool | None:
+        """The dial-back check (`check_reachable`) of up to 3 reachable candidates, asked again a second apart
+        (`attempts` in all) while none answers; None: nobody could tell."""
+        for _ in range(attempts):
+            try:
+                helpers = [(p.peer_id, p.address) for p in self._candidates()[:3]]
+            except TimeoutError:
+                helpers = []
+            if helpers and (found := check_reachable(helpers, self.signer, self.nonces)) is not None:
+                return found
+            if stop.wait(1.0) or self._closed.is_set():
+                return None
+        return None
+
+    def _recheck(self, local_address: str, stop: threading.Event) -> None:
+        """For a peer that found no helper at first: asks again (`RECHECK_S` apart) until one answers. Found
+        behind NAT, it moves to a relay (before: it announced reach=direct for good, and a NAT'd peer that
+        started first was unreachable to all); found reachable, its DHT node starts serving records."""
+        while not (stop.is_set() or self._closed.is_set()):
+            found = self._check(1, stop)
+            if found is True:
+                log.info("reach: direct, confirmed by a dial-back")
+                self.serve_dht_records()
+                return
+            if found is False:
+                self._go_relay(local_address)
+                return
+            if self._closed.wait(RECHECK_S):
+                return
+
+    def _go_relay(self, local_address: str) -> str:
         log.info("reach: relay (nobody dials this peer: its calls come through a relay it attaches to)")
         self._relay()  # announced now, before anyone makes a channel to the direct address it announced first
         self.attachment = Attachment(self._relay, self.signer, local_address, self.limits, self._failed).start()
@@ -215,38 +244,59 @@ class NatWiring:
         threading.Thread(target=self._watch, name="swarm-relay-watch", daemon=True).start()
         return "relay"
 
+    def serve_dht_records(self) -> bool:
+        """Under `--reach auto`, once found reachable: the DHT node, which joined in client mode (behind NAT a
+        server node stalls others' stores), starts serving records. False when it could not (it stays a client:
+        the swarm loses a record holder, nothing else)."""
+        from swarm.net.dhtmode import serve_records
+
+        try:
+            changed = serve_records(self.daemon.dht)
+        except (TimeoutError, RuntimeError) as e:
+            log.warning("the DHT node stays in client mode: %s", e)
+            return False
+        if changed:
+            log.info("reachable: the DHT node now serves records (it joined in client mode)")
+        return changed
+
     def _watch(self) -> None:
         """Moves the Attach to a pipeline neighbour when a new plan gave this peer a reachable one and its relay
         is not a neighbour (an Attach on either neighbour stays: a move costs more than one hop saves)."""
         while not self._closed.wait(WATCH_S):
-            attachment = self.attachment
-            if attachment is None or not attachment.attached.is_set():
-                continue
-            try:
-                target = self.move_to(attachment.relay_id)
-            except TimeoutError:
-                continue
-            if target is not None:
-                log.info("moving the Attach to pipeline neighbour %s", target)
-                self._move(attachment)
-            self._keep_second(attachment)
+            self._tick()
 
-    def second_neighbour(self, relay_id: str | None) -> tuple[str, str] | None:
+    def _tick(self) -> None:
+        """One look (one DHT read): move the Attach, else keep the second Attach beside it. After a move the
+        second waits for the next tick: it is chosen beside the new relay, never beside the old one (which
+        would make the relay moved to the second's target, and the two Attaches there replace each other)."""
+        attachment = self.attachment
+        if attachment is None or not attachment.attached.is_set():
+            return
+        try:
+            candidates = self._candidates()
+        except TimeoutError:
+            return
+        target = self.move_to(attachment.relay_id, candidates)
+        if target is not None:
+            log.info("moving the Attach to pipeline neighbour %s", target)
+            self._move(attachment)
+            return
+        self._keep_second(attachment, candidates)
+
+    def second_neighbour(self, relay_id: str | None, candidates=None) -> tuple[str, str] | None:
         """(id, address) of a reachable pipeline neighbour other than the relay this peer announces: it holds a
         second Attach, so its calls into this peer (a boundary's Forward or Backward) take the reverse connection
-        instead of two legs through the announced relay. None when there is no such neighbour."""
+        instead of two legs through the announced relay. None when there is no such neighbour. `candidates`:
+        `_candidates()` as read already (None: read now)."""
         rank = self._rank()
-        for p in self._candidates():
+        for p in self._candidates() if candidates is None else candidates:
             if p.peer_id != relay_id and rank(p.peer_id) <= NEIGHBOUR:
                 return p.peer_id, p.address
         return None
 
-    def _keep_second(self, primary: Attachment) -> None:
+    def _keep_second(self, primary: Attachment, candidates: list[PeerAnnouncement]) -> None:
         """Keeps the second Attach on `second_neighbour` (made, moved or ended as plans change)."""
-        try:
-            wanted = self.second_neighbour(primary.relay_id)
-        except TimeoutError:
-            return
+        wanted = self.second_neighbour(primary.relay_id, candidates)
         if self.second is not None and self._second_target != wanted:
             self._drop_second()
         if wanted is not None and self.second is None:
@@ -254,18 +304,21 @@ class NatWiring:
             self._second_target = wanted
             self.second = Attachment(
                 lambda: wanted if self.second_neighbour(self.attachment.relay_id) == wanted else None,
-                self.signer, self._local_address, self.limits,
-            ).start()  # fmt: skip
+                self.signer,
+                self._local_address,
+                self.limits,
+                self._failed,
+            ).start()  # fmt: skip  (a neighbour that fails is skipped: it may announce direct and be NAT'd)
 
     def _drop_second(self) -> None:
         second, self.second, self._second_target = self.second, None, None
         if second is not None:
             second.close()
 
-    def move_to(self, relay_id: str | None) -> str | None:
+    def move_to(self, relay_id: str | None, candidates=None) -> str | None:
         """The pipeline neighbour to move an Attach held by `relay_id` to; None to stay (it is a neighbour, or
-        no reachable neighbour exists)."""
-        candidates, rank = self._candidates(), self._rank()
+        no reachable neighbour exists). `candidates`: `_candidates()` as read already (None: read now)."""
+        candidates, rank = self._candidates() if candidates is None else candidates, self._rank()
         if candidates and rank(relay_id or "") > NEIGHBOUR >= rank(candidates[0].peer_id):
             return candidates[0].peer_id
         return None
@@ -310,6 +363,9 @@ class NatWiring:
             self._skip[relay_id] = time.monotonic() + SKIP_S
 
     def close(self) -> None:
+        relayed = sum(v for k, v in self.daemon.metrics.snapshot().items() if k.startswith(RELAYED_TOTAL))
+        if relayed:
+            log.info("relayed %d bytes in all", relayed)
         self._closed.set()
         for attachment in (self.attachment, self.second):
             if attachment is not None:

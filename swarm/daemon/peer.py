@@ -141,7 +141,8 @@ class PeerDaemon:
                 if cfg.assign == "plan" and (record := dht.get_plan(self.model.n_layers)):
                     self._apply_plan(record)
             heartbeat = Heartbeat(dht, lambda: self.announcement, lock=self._announce_lock).start()  # announces now
-            self.nat.settle(cfg.transport.host, port, stop=self._stop)  # --reach: dial-back, relay, attach
+            if self.nat.settle(cfg.transport.host, port, stop=self._stop) == "direct" and cfg.reach == "auto":
+                self.nat.serve_dht_records()  # joined as a client until found dialable (swarm.net.dhtmode)
             log.info("links shaped to %s", cfg.link_shape.describe())
             code = self._follow_plans(address) if cfg.assign == "plan" else self._serve_even_split()
             if code:

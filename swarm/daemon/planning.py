@@ -60,9 +60,9 @@ from swarm.peers.records import (
 )
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
-from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig, plan
+from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
-from swarm.scheduler.relays import relayed_input, relays_of
+from swarm.scheduler.relays import plan_relayed, relayed_input, relays_of, shared_input
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
 
 log = logging.getLogger("swarm.daemon.planning")
@@ -78,6 +78,9 @@ class SwarmInput:
     measured_links: int
     """Directed links with a measurement of their own (the rest are filled in, see `swarm_plan_input`)."""
     filled_links: int
+    direct_input: PlanInput | None = None
+    """`plan_input` before relayed links became their paths (`relays`: who relays whom), for `plan_relayed`."""
+    relays: dict = dataclasses.field(default_factory=dict)
 
 
 def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement], spec: ModelSpec) -> SwarmInput:
@@ -126,7 +129,8 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
     )
     np.fill_diagonal(burst, 0.0)
     # two unreachable peers talk through a relay: their link is priced as its two legs (swarm.scheduler.relays)
-    return SwarmInput(relayed_input(PlanInput(planned, delay, bandwidth, burst), relays_of(peers)), measured, filled)
+    direct, relays = PlanInput(planned, delay, bandwidth, burst), relays_of(peers)
+    return SwarmInput(relayed_input(direct, relays), measured, filled, direct, relays)
 
 
 def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> SearchConfig:
@@ -445,9 +449,11 @@ class Planner:
         if swarm.filled_links and now - self._since < self.probe_wait_s:
             return None  # give the probes a little time: planning on guesses moves stages twice
         stages = min(self.n_stages, len(alive)) if self.n_stages else None
-        made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed, self.replicas), version=version)
+        # a relay's rate is divided among the relayed links the layout sends through it (swarm.scheduler.relays)
+        search = live_search(stages, self.seed, self.replicas)
+        made = plan_relayed(swarm.direct_input, self.spec, swarm.relays, search, version=version)
         if self.even_layers:
-            made = with_even_layers(made, swarm.plan_input, self.spec)
+            made = with_even_layers(made, shared_input(swarm.direct_input, swarm.relays, made), self.spec)
         made_dict = made.to_dict()
         codecs = self.codecs_for(made_dict["stages"], swarm)
         codecs |= self.precisions(made_dict["stages"], peers) if self.precisions else {}

@@ -17,11 +17,13 @@ App-shaped runs emulate NAT by `--reach relay` on the NAT'd peers (they behave a
 auto`). Those flags belong to the relay transport (swarm/net/relay.py): where this swarm-peer lacks them, the
 NAT settings are reported as not run, never run without them.
 
-Rows: `setting`, `nat_peers`, `order` (pipeline order, R reachable / N NAT'd, app-shaped only),
-`relayed_links` (adjacent N-N stages), `steps`, `final_loss`, `mean_step_s` (the trainer's, steps after the
-first), `predicted_step_s` (the plan's, which prices a relayed link as its two legs), `relayed_bytes` (the
-relays' `swarm_relayed_bytes_total`, summed over their /metrics), `total_wire_bytes`, `step_ratio` (over
-`reachable`).
+Rows (app-shaped and `--netns` alike): `setting`, `nat_peers`, `order` (pipeline order, R reachable / N NAT'd;
+with --netns from the route's addresses, a NAT'd peer announcing its LAN's), `relayed_links` (adjacent N-N
+stages), `steps`, `final_loss`, `mean_step_s` (the trainer's, steps after the first), `step_std_s` (their
+per-step standard deviation: the two-legs judge prints the standard error of its difference with it),
+`predicted_step_s` (the plan's, which prices a relayed link as its two legs, a relay shared by its links),
+`relayed_bytes` (the relays' `swarm_relayed_bytes_total`, summed over their /metrics; with --netns read inside
+each peer's namespace before the testbed goes down), `total_wire_bytes`, `step_ratio` (over `reachable`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import ipaddress
 import json
 import sys
 import time
@@ -39,7 +42,7 @@ from pathlib import Path
 SETTINGS = ("reachable", "half-nat", "relay")
 COLUMNS = [
     "setting", "nat_peers", "order", "relayed_links", "steps", "final_loss", "mean_step_s", "predicted_step_s",
-    "relayed_bytes", "total_wire_bytes", "step_ratio", "note",
+    "step_std_s", "relayed_bytes", "total_wire_bytes", "step_ratio", "note",
 ]  # fmt: skip
 HALF_NAT_TOLERANCE = 0.10
 """Target: half the peers behind NAT within 10% of the all-reachable step time."""
@@ -172,9 +175,11 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
         route = list(summary.route)
     port_of = {port: i for i, port in enumerate(grpc_ports)}
     order = "-".join("N" if port_of.get(int(a.rsplit(":", 1)[1])) in nat else "R" for a in route)
+    spread = step_stats(_step_times(out / setting / "steps.csv"))  # the trainer's --out is the setting's folder
     return {
         **row, "order": order, "relayed_links": relayed_links(order), "steps": summary.steps,
         "final_loss": summary.final_loss, "mean_step_s": summary.mean_step_s,
+        "step_std_s": spread["step_std_s"], "timed_steps": spread["timed_steps"],
         "predicted_step_s": summary.predicted_step_s, "relayed_bytes": relayed,
         "total_wire_bytes": summary.total_wire_bytes,
     }  # fmt: skip
@@ -185,13 +190,80 @@ def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool)
 
     flags = [*common_flags(cfg), *reach_flags(bool(nat), True, supported)]
     cell = argparse.Namespace(rate_mbit=cfg.rate_mbit)
-    steps = run_in_testbed(cell, flags, _train_config(cfg, out), cfg.peers, nat=nat)
+    relayed: list[int] = []
+    steps = run_in_testbed(
+        cell, flags, _train_config(cfg, out), cfg.peers, nat=nat, before_down=lambda tb: relayed.append(_scrape_ns(tb))
+    )
     times = [float(s["step_s"]) for s in steps]
+    summary = _read_json(out / "train" / "summary.json") or {}
+    order = netns_order(summary.get("route") or [])
     return {
-        "order": None, "relayed_links": None, "steps": len(steps), "final_loss": float(steps[-1]["train_loss"]),
-        "mean_step_s": sum(times[1:] or times) / max(1, len(times[1:] or times)), "predicted_step_s": None,
-        "relayed_bytes": None, "total_wire_bytes": sum(int(s.get("total_wire_bytes") or 0) for s in steps),
+        "order": order, "relayed_links": relayed_links(order), "steps": len(steps),
+        "final_loss": float(steps[-1]["train_loss"]), **step_stats(times),
+        "predicted_step_s": summary.get("predicted_step_s"), "relayed_bytes": relayed[0] if relayed else None,
+        "total_wire_bytes": sum(int(s.get("total_wire_bytes") or 0) for s in steps),
     }  # fmt: skip
+
+
+_READ_METRICS = (
+    "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+)
+
+
+def _scrape_ns(testbed) -> int:
+    """The relayed bytes of every peer of a namespace testbed, read in each peer's namespace (the host has no
+    address on the bridge; a NAT'd peer relays for nobody and counts 0)."""
+    import subprocess
+
+    from swarm.testbed.services import METRICS_PORT
+
+    total = 0
+    for node in testbed.plan.nodes:
+        if not node.service.name.startswith("peer"):
+            continue
+        url = f"http://{node.service.address}:{METRICS_PORT}/metrics"
+        argv = ["ip", "netns", "exec", node.namespace, sys.executable, "-c", _READ_METRICS, url]
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+            total += relayed_bytes_of(done.stdout)
+    return total
+
+
+def step_stats(times: list[float]) -> dict:
+    """`mean_step_s` and `step_std_s` (per-step standard deviation) of the steps after the first (the first
+    builds channels and tunnels)."""
+    kept = times[1:] or times
+    mean = sum(kept) / max(1, len(kept))
+    std = (sum((t - mean) ** 2 for t in kept) / (len(kept) - 1)) ** 0.5 if len(kept) > 1 else 0.0
+    return {"mean_step_s": mean, "step_std_s": std, "timed_steps": len(kept)}
+
+
+def _step_times(path: Path) -> list[float]:
+    with contextlib.suppress(OSError, ValueError, KeyError), open(path) as f:
+        return [float(r["step_s"]) for r in csv.DictReader(f)]
+    return []
+
+
+def _read_json(path: Path):
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text())
+    return None
+
+
+def netns_order(route: list[str], nat_subnet: str | None = None) -> str | None:
+    """The pipeline order (R/N) of a namespace testbed's route: a NAT'd peer announces its LAN address, inside
+    the testbed's `nat_subnet` (default `TestbedConfig.nat_subnet`). None without a route or on a bad address."""
+    from swarm.testbed.services import TestbedConfig
+
+    lans = ipaddress.ip_network(nat_subnet or TestbedConfig.nat_subnet)
+    marks = []
+    for address in route:
+        try:
+            host = ipaddress.ip_address(str(address).rsplit(":", 1)[0].strip("[]"))
+        except ValueError:
+            return None
+        marks.append("N" if host in lans else "R")
+    return "-".join(marks) if marks else None
 
 
 def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
@@ -212,10 +284,19 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
     else:
         extra, legs = r["mean_step_s"] - base["mean_step_s"], r["predicted_step_s"] - base["predicted_step_s"]
         out.append(
-            (f"relay: the relayed link costs no more than its two legs (measured extra {extra:.4f} s/step, "
-             f"two legs predicted {legs:.4f} s/step)", extra <= max(legs, 0.0)),
+            (f"relay: the relayed link costs no more than its two legs (measured extra {extra:.4f}"
+             f"{_spread(r, base)} s/step, two legs predicted {legs:.4f} s/step)", extra <= max(legs, 0.0)),
         )  # fmt: skip
     return out
+
+
+def _spread(r: dict, base: dict) -> str:
+    """ " ± the standard error of a difference of two rows' mean steps (from their per-step std), or ""."""
+    try:
+        se = (r["step_std_s"] ** 2 / r["timed_steps"] + base["step_std_s"] ** 2 / base["timed_steps"]) ** 0.5
+    except (KeyError, TypeError, ZeroDivisionError):
+        return ""
+    return f" ± {se:.4f} (standard error)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

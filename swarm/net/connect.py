@@ -10,6 +10,7 @@ convergence experiment and the unit tests exercise the code the swarm runs.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -89,7 +90,8 @@ class GrpcConnector:
             if key not in self._clients:
                 if len(self._clients) > 4096:  # peers come and go: forget old clients (channels stay cached)
                     self._clients.clear()
-                self._clients[key] = _GrpcStage(self.channels.get(address), _token_source(self.signer, peer_id))
+                channel = functools.partial(self.channels.get, address)
+                self._clients[key] = _GrpcStage(channel, _token_source(self.signer, peer_id))
             return self._clients[key]
 
     def close(self) -> None:
@@ -98,23 +100,40 @@ class GrpcConnector:
         self.channels.close()
 
 
+_STREAMS = ("Forward", "Backward", "Sink")
+_UNARY = ("PutLabels", "Grads", "Step", "Status", "Probe", "GetState", "Reduce")
+
+
 class _GrpcStage:
-    def __init__(self, channel: grpc.Channel, token: Callable[[], Metadata]):
-        stub, streams = stage_pb2_grpc.StageStub(channel), TensorStreams(channel)
+    """A stage's signed calls on the channel `channel()` gives at each call: `Channels.get` makes a new channel
+    when the address's dial target changed (a peer announced a relay, or left it), and a client held across
+    that (a driver keeps its clients for a whole plan) would otherwise call on the closed old channel for good."""
 
-        def signed(method):
-            def call(request, timeout: float | None = None):
-                return method(request, timeout=timeout, metadata=token())
+    def __init__(self, channel: Callable[[], grpc.Channel], token: Callable[[], Metadata]):
+        self._channel, self._token = channel, token
+        self._bound: tuple[grpc.Channel | None, dict[str, Callable]] = (None, {})
+        self._lock = threading.Lock()
 
-            return call
+    def _methods(self) -> dict[str, Callable]:
+        channel = self._channel()
+        with self._lock:
+            if self._bound[0] is not channel:
+                stub, streams = stage_pb2_grpc.StageStub(channel), TensorStreams(channel)
+                methods = {name: getattr(streams, name) for name in _STREAMS}
+                methods |= {name: getattr(stub, name) for name in _UNARY}
+                # Average takes already serialized stream items, as TensorStreams' calls do
+                methods["Average"] = channel.stream_unary("/swarm.Stage/Average", None, stage_pb2.Traffic.FromString)
+                self._bound = (channel, methods)
+            return self._bound[1]
 
-        self.Forward, self.Backward, self.Sink = signed(streams.Forward), signed(streams.Backward), signed(streams.Sink)
-        self.PutLabels, self.Grads, self.Step = signed(stub.PutLabels), signed(stub.Grads), signed(stub.Step)
-        self.Status, self.Probe, self.GetState = signed(stub.Status), signed(stub.Probe), signed(stub.GetState)
-        self.Reduce = signed(stub.Reduce)
-        # Average takes already serialized stream items, as TensorStreams' calls do
-        average = channel.stream_unary("/swarm.Stage/Average", None, stage_pb2.Traffic.FromString)
-        self.Average = signed(average)
+    def __getattr__(self, name: str):
+        if name not in _STREAMS and name not in _UNARY and name != "Average":
+            raise AttributeError(name)
+
+        def call(request, timeout: float | None = None):
+            return self._methods()[name](request, timeout=timeout, metadata=self._token())
+
+        return call
 
 
 class _CallDetails(NamedTuple):

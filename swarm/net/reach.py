@@ -19,6 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING
 
 import grpc
@@ -135,9 +136,12 @@ def check_reachable(
     timeout_s: float = 5.0,
     channel: Callable[[str], grpc.Channel] = grpc.insecure_channel,
 ) -> bool | None:
-    """Whether others can dial this peer's announced address: asks each (peer id, address) helper in turn until
-    one answers. True/False: this peer's Echo saw the nonce or not; None: no helper answered (unknown)."""
-    for helper_id, address in helpers:
+    """Whether others can dial this peer's announced address: asks every (peer id, address) helper at once and
+    takes the first that answers (one at a time, a helper that announced reach=direct before its own check
+    found it behind NAT cost `timeout_s` each: its SYNs are dropped). True/False: this peer's Echo saw that
+    helper's nonce or not; None: no helper answered (unknown)."""
+
+    def ask(helper_id: str, address: str) -> bool | None:
         nonce = nonces.issue()
         ch = channel(address)
         try:
@@ -147,8 +151,18 @@ def check_reachable(
                 stage_pb2.DialBackRequest(nonce=nonce), timeout=timeout_s, metadata=metadata
             )
         except grpc.RpcError:
-            continue  # that helper cannot tell: the next one
+            return None  # that helper cannot tell
         finally:
             ch.close()
         return nonces.wait(nonce, max(0.0, 0.5 - (time.monotonic() - started)))
-    return None
+
+    if not helpers:
+        return None
+    pool = ThreadPoolExecutor(len(helpers), thread_name_prefix="swarm-dialback")
+    try:
+        for done in as_completed([pool.submit(ask, *helper) for helper in helpers]):
+            if (answer := done.result()) is not None:
+                return answer
+        return None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # the slower asks end within timeout_s on their own

@@ -73,6 +73,10 @@ class RelayLimits:
     (it is moving here from another relay, or reattaching after a drop)"""
     max_waiting: int = 8
     """Connects waiting for such an Attach at once (beyond: NOT_FOUND at once)"""
+    attach_connect_s: float = 3.0
+    """how long an Attach waits for its relay's connection: a relay that announces reach=direct before its own
+    check found it behind NAT drops the SYN, and gRPC's own connect timeout (~10 s) kept the peer unreached
+    long enough for the planner to drop it (`swarm experiment nat --netns`)"""
 
     def threads(self) -> int:
         """Server threads the relay may hold: one per Attach, two per connection (Connect and Accept)."""
@@ -104,11 +108,10 @@ class _Pending:
         self.caller, self.target, self.frames = caller, target, frames
         self.accepted = threading.Event()
         self.accept_frames: Iterator | None = None
-        self.done = threading.Event()
         self.error: RelayError | None = None
         """why one leg failed: the other leg ends with the same error, not as a clean close"""
 
-    def pipe(self, frames: Iterator[bytes]) -> Iterator[bytes]:
+    def pipe(self, frames: Iterator) -> Iterator:
         try:
             yield from frames
         except RelayError as e:
@@ -236,9 +239,9 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
             entry.close()
             log.info("peer %s detached", caller)
 
-    def connect(self, caller: str, target: str, frames: Iterator) -> Iterator[bytes]:
-        """A connection from `caller` to the attached `target`: yields the target's bytes while `frames` (the
-        caller's `RelayFrame`s, the first already read) are piped to it. Raises RelayError when refused."""
+    def connect(self, caller: str, target: str, frames: Iterator) -> Iterator:
+        """A connection from `caller` to the attached `target`: yields the target's `RelayFrame`s while `frames`
+        (the caller's, the first already read) are piped to it. Raises RelayError when refused."""
         if not self.serve_relay:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, "this peer does not relay (--no-relay)")
         pending = _Pending(caller, target, frames)
@@ -265,7 +268,6 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                 raise RelayError(grpc.StatusCode.UNAVAILABLE, f"peer {target} did not accept through relay")
             yield from pending.pipe(self._pipe(pending.accept_frames, src=target, dst=caller))
         finally:
-            pending.done.set()
             with self._lock:
                 self._pending.pop(conn_id, None)
                 entry.conns -= 1
@@ -298,8 +300,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         if first is None or not first.target or len(first.target) > 64 or first.data:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect's first frame names its target, nothing else")
         try:
-            for data in self.connect(caller, first.target, request_iterator):
-                yield stage_pb2.RelayFrame(data=data)
+            yield from self.connect(caller, first.target, request_iterator)  # frames as they came
         except RelayError as e:
             context.abort(e.code, e.details)
 
@@ -317,30 +318,30 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no connection {conn_id} waits for peer {caller}")
         pending.accepted.set()
         try:
-            for data in pending.pipe(self._pipe(pending.frames, src=pending.caller, dst=caller)):
-                yield stage_pb2.RelayFrame(data=data)
+            yield from pending.pipe(self._pipe(pending.frames, src=pending.caller, dst=caller))
         except RelayError as e:
             context.abort(e.code, e.details)
 
-    def _pipe(self, frames: Iterator, src: str, dst: str) -> Iterator[bytes]:
-        """The data of `frames` (from `src`), checked, paced toward `dst` and counted."""
+    def _pipe(self, frames: Iterator, src: str, dst: str) -> Iterator:
+        """`frames` (from `src`) as they came, each checked (data only, at most `max_frame_bytes`), paced toward
+        `dst` and counted: forwarded without building a new message per frame (`swarm bench relay`)."""
         shaper = None
         if self.shaping is not None:
             shaper = self.shaping.for_destination(self.address_of(dst) or dst)
         counter = None if self.metrics is None else self.metrics.relayed_bytes.labels(f"{src}->{dst}")
         try:
             for frame in frames:
-                data = frame.data
-                if len(data) > self.limits.max_frame_bytes:
-                    raise RelayError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"frame of {len(data)} bytes exceeds {self.limits.max_frame_bytes} (from {src})",
+                n = len(frame.data)
+                if n > self.limits.max_frame_bytes or frame.target or frame.conn_id:
+                    why = (
+                        f"exceeds {self.limits.max_frame_bytes}" if n > self.limits.max_frame_bytes else "not data only"
                     )
+                    raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, f"frame of {n} bytes {why} (from {src})")
                 if shaper is not None:
-                    shaper.consume(len(data))
+                    shaper.consume(n)
                 if counter is not None:
-                    counter.inc(len(data))
-                yield data
+                    counter.inc(n)
+                yield frame
         except grpc.RpcError as e:  # the other leg's stream ended under us
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relayed stream from {src} ended: {e}") from None
 
@@ -363,10 +364,10 @@ def _socket_frames(sock: socket.socket, first: stage_pb2.RelayFrame | None = Non
 
 
 def _drain(replies: Iterator, sock: socket.socket) -> None:
-    """Writes the bytes of `replies` (frames or bytes) to `sock` until either ends, then closes `sock`."""
+    """Writes the data of `replies` (RelayFrames) to `sock` until either ends, then closes `sock`."""
     try:
         for reply in replies:
-            sock.sendall(reply if isinstance(reply, bytes) else reply.data)
+            sock.sendall(reply.data)
     except (grpc.RpcError, RelayError, OSError) as e:
         log.debug("tunnel closed: %s", e)
     finally:
@@ -378,6 +379,20 @@ def _drain(replies: Iterator, sock: socket.socket) -> None:
 
 
 _CHANNEL_OPTIONS = TransportConfig().channel_options()
+
+
+class _Unconnected(grpc.RpcError):
+    """An Attach whose relay did not take the connection within `RelayLimits.attach_connect_s`."""
+
+    def __init__(self, address: str, timeout_s: float):
+        super().__init__(f"no connection to {address} within {timeout_s:g} s")
+        self._details = f"no connection to {address} within {timeout_s:g} s"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
 
 
 class RelayRoute(NamedTuple):
@@ -396,7 +411,6 @@ class Tunnels:
         route: announced address -> how to reach the peer there (None: dial it directly). Read at each new
             connection, so a peer that moves to another relay is reached through the new one.
         local: this peer's own relay servicer: a peer attached to it is reached in process (reverse connection).
-        channel: address -> a gRPC channel to a relay (default: one insecure channel per relay address).
     """
 
     def __init__(
@@ -404,16 +418,12 @@ class Tunnels:
         signer: CallSigner | None,
         route: Callable[[str], RelayRoute | None],
         local: RelayServicer | None = None,
-        channel: Callable[[str], grpc.Channel] | None = None,
-        my_id: str | None = None,
     ):
         self.signer, self.route, self.local = signer, route, local
-        self.my_id = my_id or (local.peer_id if local is not None else None)
-        self._channel = channel
+        self.my_id = local.peer_id if local is not None else None
         self._channels: dict[str, grpc.Channel] = {}
         self._listeners: dict[str, tuple[socket.socket, str]] = {}
         self._lock = threading.Lock()
-        self._closed = False
 
     def dial(self, address: str) -> str:
         """The address to dial for `address`: itself, or the local listener of its tunnel."""
@@ -427,8 +437,6 @@ class Tunnels:
             return self._listeners[address][1]
 
     def _relay_channel(self, address: str) -> grpc.Channel:
-        if self._channel is not None:
-            return self._channel(address)
         with self._lock:
             if address not in self._channels:
                 self._channels[address] = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
@@ -533,6 +541,10 @@ class Attachment:
         stop = self._stop
         # keepalive: a relay that vanishes without a word is noticed within keepalive_s + keepalive_timeout_s
         with grpc.insecure_channel(relay_address, options=_CHANNEL_OPTIONS) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.limits.attach_connect_s)
+            except grpc.FutureTimeoutError:
+                raise _Unconnected(relay_address, self.limits.attach_connect_s) from None
             stub = stage_pb2_grpc.RelayStub(channel)
             metadata = self.signer.metadata(relay_id)
 

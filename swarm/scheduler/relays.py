@@ -37,7 +37,7 @@ from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Breakdown, ModelSpec, Plan, PlanInput
 from swarm.scheduler.search import SearchConfig, layout_to_plan, search_full
 
-__all__ = ["plan_relayed", "price", "relay_paths", "relay_shares", "relayed_input", "relays_of"]
+__all__ = ["plan_relayed", "price", "relay_paths", "relay_shares", "relayed_input", "relays_of", "shared_input"]
 
 _INFEASIBLE_DELAY_S = 3600.0
 _INFEASIBLE_BYTES_PER_S = 1.0
@@ -143,3 +143,14 @@ def plan_relayed(
         shares = next_shares
     breakdown, result = best
     return layout_to_plan(result.layout, breakdown, plan_input, "full", result.unused, version)
+
+
+def shared_input(plan_input: PlanInput, relays: Mapping[str, str | None], made: Plan) -> PlanInput:
+    """`relayed_input` with each relay shared by the relayed links of the plan `made` (its peers' layout): what
+    the live planner prices a plan with (the even-layers re-pricing, the codecs' link figures)."""
+    import numpy as np
+
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
+    layout = Layout(grid, np.zeros(len(made.stages), dtype=np.int64))  # the layers do not matter to the shares
+    return relayed_input(plan_input, relays, relay_shares(layout, plan_input, relays))

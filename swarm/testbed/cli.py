@@ -171,7 +171,9 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 # ---- the experiment hook ----------------------------------------------------------------------------------
 
 
-def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int, nat: tuple[int, ...] = ()):
+def run_in_testbed(
+    cell, peer_flags: list[str], train: TrainConfig, peers: int, nat: tuple[int, ...] = (), before_down=None
+):
     """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers with every link
     shaped by tc to `cell.rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
     taken down; returns the rows of the trainer's steps.csv. `--rate-mbit` in `peer_flags` is dropped: the
@@ -212,6 +214,8 @@ def run_in_testbed(cell, peer_flags: list[str], train: TrainConfig, peers: int, 
         code = train_in(testbed, 3600.0, quiet)
         if code:
             raise RuntimeError(f"the trainer exited with code {code}; log: {run_dir / 'logs' / 'trainer.log'}")
+        if before_down is not None:  # e.g. read the peers' /metrics while they still serve
+            before_down(testbed)
         with open(run_dir / "train" / "steps.csv") as f:
             return list(csv.DictReader(f))
     finally:

@@ -85,3 +85,22 @@ def test_the_planner_gives_each_setting_its_links(setting, relayed):
     made = plan_relayed(x, model, relays, SearchConfig(seed=0, stages=4, max_replicas=1))
     order = "-".join("N" if int(s.peer_ids[0][1:]) in behind else "R" for s in made.stages)
     assert nat.relayed_links(order) == relayed, order
+
+
+def test_netns_rows_carry_the_order_from_the_route():
+    route = ["10.78.0.58:50051", "10.77.0.12:50051", "10.77.0.10:50051", "10.78.0.26:50051"]
+    assert nat.netns_order(route) == "N-R-R-N" and nat.relayed_links("N-R-R-N") == 0
+    assert nat.netns_order(["10.78.0.58:1", "10.78.0.26:1", "10.77.0.3:1"]) == "N-N-R"
+    assert nat.netns_order([]) is None and nat.netns_order(["peer.example:1"]) is None
+
+
+def test_step_spread_and_the_two_legs_statement():
+    stats = nat.step_stats([9.0, 1.0, 3.0])  # the first step (channels, tunnels) is left out
+    assert stats == {"mean_step_s": 2.0, "step_std_s": pytest.approx(2**0.5), "timed_steps": 2}
+    rows = [
+        {**_row("reachable", 4.25, 1.0, 1.0), "step_std_s": 0.3, "timed_steps": 9},
+        {**_row("half-nat", 4.25, 1.0, 1.0)},
+        {**_row("relay", 4.25, 1.2, 1.3), "step_std_s": 0.4, "timed_steps": 16},
+    ]
+    statement, met = nat.check_targets(rows)[-1]
+    assert met is True and "± 0.1414 (standard error)" in statement  # sqrt(0.09/9 + 0.16/16)

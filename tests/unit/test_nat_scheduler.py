@@ -184,3 +184,25 @@ def test_the_live_plan_input_prices_relayed_links():
     assert relays_of(peers) == {"a": "c", "b": "c", "c": None}
     assert x.delay_s[0, 1] == pytest.approx(0.02) and x.bandwidth_bytes_per_s[0, 1] == pytest.approx(5e5)
     assert x.delay_s[0, 2] == pytest.approx(0.01) and x.bandwidth_bytes_per_s[0, 2] == pytest.approx(1e6)
+
+
+def test_the_live_planner_shares_a_relay_among_the_links_it_carries():
+    from swarm.daemon.planning import Planner
+    from tests.unit.daemon.test_planner_versions import SPEC, swarm
+
+    a, b, c, d = "0a0000000000", "0b0000000000", "0c0000000000", "0d0000000000"
+    peers = [
+        PeerAnnouncement(a, "127.0.0.1:5000", "cpu", 1 << 30, 1e-3),  # too slow to serve: it only relays
+        *(PeerAnnouncement(p, f"127.0.0.1:{5001 + k}", "cpu", 1 << 30, 1.0, reach="relay", relay=a)
+          for k, p in enumerate((b, c, d))),
+    ]  # fmt: skip
+    dht, published = swarm(a, {"peers": peers})
+    made = Planner(dht, SPEC, n_stages=2, min_peers=4, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0).round()
+    assert made is not None and published
+    x = swarm_plan_input(peers, [], SPEC)
+    cfg = SearchConfig(seed=0, stages=2, max_replicas=1, replica_fractions=(1.0,))
+    shared = plan_relayed(x.direct_input, SPEC, x.relays, cfg)
+    unshared = plan(x.plan_input, SPEC, cfg)  # what it published before: every relayed link as if alone
+    assert made.breakdown.total_s == pytest.approx(shared.breakdown.total_s)
+    assert a not in _order(shared) and a not in _order(unshared)  # two NAT'd stages: their link both ways via a
+    assert shared.breakdown.total_s > unshared.breakdown.total_s  # a carries two links: each at half its rate

@@ -4,6 +4,7 @@ attaches, dead relays and dial-backs to unannounced addresses are refused or fai
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -177,6 +178,19 @@ def test_an_oversized_frame_ends_the_connection():
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds 1024" in err.value.details()
 
 
+def test_a_frame_after_the_first_carries_data_only():
+    # frames are forwarded as they came (no new message per frame): one naming a target or a connection mid-stream
+    # is malformed and ends the connection instead of reaching the other end
+    with relayed() as (_, _, address, _, _, _), grpc.insecure_channel(address) as channel:
+        frames = iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id), stage_pb2.RelayFrame(data=b"x", conn_id=3)])
+        replies = stage_pb2_grpc.RelayStub(channel).Connect(
+            frames, metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(replies)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "data only" in err.value.details()
+
+
 def test_a_newer_attach_replaces_the_older():
     with relayed() as (relay, _, address, tunnels, first, _):
         second = Attachment(lambda: (IDS["relay"].peer_id, address), signer("peer"), first.local_address).start()
@@ -268,6 +282,42 @@ def test_dial_back_reaches_the_announced_address_and_the_asker_decides_from_its_
             assert check_reachable([(IDS["relay"].peer_id, helper_address)], signer("peer"), nonces) is False
             # no helper answers: unknown
             assert check_reachable([(IDS["relay"].peer_id, "127.0.0.1:1")], signer("peer"), nonces) is None
+
+
+def _silent_listener() -> socket.socket:
+    """A port that takes TCP connections and never says a word (as a NAT'd host whose SYNs are dropped is, to
+    gRPC: the connection never becomes ready)."""
+    return socket.create_server(("127.0.0.1", 0), backlog=16)
+
+
+def test_dial_back_asks_its_helpers_at_once():
+    nonces = NonceBook()
+    asker = relay_servicer(nonces=nonces)
+    asker.verifier = CallVerifier(IDS["peer"].peer_id)
+    with serve(asker) as (_, asker_address), _silent_listener() as silent:
+        announced = {IDS["peer"].peer_id: asker_address}
+        helper = relay_servicer(dial_back=DialBackHelper(announced.get, signer("relay"), interval_s=0.0))
+        with serve(helper) as (_, helper_address):
+            silent_address = f"127.0.0.1:{silent.getsockname()[1]}"
+            helpers = [(IDS["caller"].peer_id, silent_address), (IDS["relay"].peer_id, helper_address)]
+            started = time.monotonic()
+            assert check_reachable(helpers, signer("peer"), nonces, timeout_s=4.0) is True
+            assert time.monotonic() - started < 3.0  # before: the silent helper's whole timeout first
+
+
+def test_an_attach_to_a_relay_that_never_connects_fails_fast():
+    failed = threading.Event()
+    with _silent_listener() as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        attachment = Attachment(
+            lambda: (IDS["relay"].peer_id, address), signer("peer"), "127.0.0.1:1",
+            RelayLimits(attach_connect_s=0.5), on_fail=lambda relay, code: failed.set(),
+        ).start()  # fmt: skip
+        try:
+            assert failed.wait(5.0), "the peer moves on to another relay (before: it waited on this one)"
+            assert not attachment.attached.is_set()
+        finally:
+            attachment.close()
 
 
 def test_dial_back_dials_only_what_the_caller_announced():

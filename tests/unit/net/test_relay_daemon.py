@@ -5,6 +5,7 @@ is reached through it; `--reach relay` skips the check; announcements decide tun
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import grpc
@@ -92,6 +93,23 @@ def test_auto_finds_a_dialable_peer_direct(daemons):
     peer = daemons(board, "auto")
     assert peer.nat.settle("127.0.0.1", peer.port) == "direct"
     assert board[peer.identity.peer_id].reach == "direct" and peer.nat.attachment is None
+
+
+def test_a_nat_peer_that_found_no_helper_at_first_moves_to_a_relay_once_one_appears(daemons, monkeypatch):
+    import swarm.daemon.nat as nat
+
+    monkeypatch.setattr(nat, "RECHECK_S", 0.2)
+    board = {}
+    natted = daemons(board, "auto", announce_port=closed_port())
+    # the first peer up has nobody to ask: it announces direct for now (before: for good, unreachable to all)
+    assert natted.nat.settle("127.0.0.1", natted.port, attempts=1) == "unknown"
+    assert board[natted.identity.peer_id].reach == "direct"
+    helper = daemons(board, "direct")
+    deadline = time.monotonic() + 20
+    while board[natted.identity.peer_id].reach != "relay" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert board[natted.identity.peer_id].relay == helper.identity.peer_id
+    assert natted.nat.attachment is not None and natted.nat.attachment.attached.wait(10)
 
 
 @pytest.mark.parametrize("reach", ["auto", "relay"])
@@ -204,7 +222,8 @@ def test_a_plan_moves_the_attach_to_the_reachable_pipeline_neighbour(daemons):
 
 @pytest.mark.parametrize(
     "argv,reach,relay,client_mode",
-    [([], "auto", True, False), (["--reach", "relay"], "relay", True, True), (["--no-relay"], "auto", False, False)],
+    # auto joins the DHT as a client too, until the dial-back finds it reachable (swarm.net.dhtmode)
+    [([], "auto", True, True), (["--reach", "relay"], "relay", True, True), (["--no-relay"], "auto", False, True)],
 )
 def test_swarm_peer_reach_flags(argv, reach, relay, client_mode):
     from swarm.daemon.config import build_parser, config_from_args
@@ -272,3 +291,69 @@ def test_a_second_attach_to_the_other_neighbour_makes_its_calls_reverse_connecti
         natted.nat.attachment.attached.wait(0.1)
     assert not other.nat.servicer.holds(ids[1]) and natted.nat.second is None
     assert natted.nat.attachment.relay_id == relay_id  # the announced Attach is untouched
+
+
+class CountingDHT(FakeDHT):
+    reads = 0
+
+    def peers(self):
+        self.reads += 1
+        return super().peers()
+
+
+class FakeAttachment:
+    made: list = []
+
+    def __init__(self, relay, *args, **kw):
+        self.relay, self.attached, self.local_address = relay, threading.Event(), "127.0.0.1:1"
+        self.relay_id = None
+        FakeAttachment.made.append(self)
+
+    def start(self):
+        target = self.relay()
+        self.relay_id = None if target is None else target[0]
+        self.attached.set()
+        return self
+
+    def close(self):
+        self.attached.clear()
+
+
+def test_a_watch_tick_reads_once_and_keeps_the_second_beside_the_new_relay(monkeypatch):
+    from types import SimpleNamespace
+
+    import swarm.daemon.nat as nat
+
+    monkeypatch.setattr(nat, "Attachment", FakeAttachment)
+    monkeypatch.setattr(nat, "MOVE_GRACE_S", 0.0)
+    FakeAttachment.made = []
+    board = {}
+    ids = [Identity.generate() for _ in range(4)]  # prev neighbour, this NAT'd peer, next neighbour, a far relay
+    for i, ident in enumerate(ids):
+        reach = "relay" if i == 1 else "direct"
+        board[ident.peer_id] = PeerAnnouncement(
+            peer_id=ident.peer_id, address=f"127.0.0.1:{5000 + i}", device="cpu", memory_bytes=1,
+            compute_layers_per_s=1.0, reach=reach, relay=ids[3].peer_id if i == 1 else None,
+        )  # fmt: skip
+    daemon = SimpleNamespace(
+        dht=CountingDHT(board, ids[1]), shaping=LinkShaping(), metrics=Metrics(), announcement=board[ids[1].peer_id],
+        following=SimpleNamespace(plan={"stages": [{"peer_ids": [i.peer_id]} for i in ids[:3]]}),
+    )  # fmt: skip
+    daemon.update_announcement = lambda **c: board.__setitem__(
+        ids[1].peer_id, dataclasses.replace(board[ids[1].peer_id], **c)
+    )
+    daemon.announcement = board[ids[1].peer_id]
+    wiring = NatWiring(daemon, "relay", True, CallSigner(ids[1]), None)
+    far = FakeAttachment(lambda: (ids[3].peer_id, "127.0.0.1:5003")).start()
+    wiring.attachment = far
+    daemon.dht.reads = 0
+    wiring._tick()  # the far relay is no neighbour: move to the next stage's peer
+    assert wiring.attachment is not far and wiring.attachment.relay_id == ids[2].peer_id
+    assert wiring.second is None, "no second Attach chosen beside the old relay (it would be the new relay)"
+    wiring._tick()
+    assert wiring.second is not None and wiring.second.relay_id == ids[0].peer_id  # the other neighbour
+    reads = daemon.dht.reads
+    wiring._tick()  # nothing to change: one look
+    assert daemon.dht.reads - reads == 1, "one DHT read per tick (it was two)"
+    assert {a.relay_id for a in (wiring.attachment, wiring.second)} == {ids[0].peer_id, ids[2].peer_id}
+    wiring.close()
