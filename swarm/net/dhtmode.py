@@ -9,7 +9,7 @@ id and others add it as they would a node that joined as a server. The DHT's pro
 server starts (peer.py) and stays the same process: nothing is forked beside gRPC's threads.
 
 This reaches into hivemind 1.1.12's `DHTProtocol` (what its `create` does for a server), the version
-docs/NAT.md checked; `tests/unit/test_dht_mode.py` checks it against the installed hivemind.
+docs/NAT.md checked; `tests/integration/test_dht_mode.py` checks it against the installed hivemind.
 """
 
 from __future__ import annotations
