@@ -238,9 +238,12 @@ def measured_bytes(spec: ModelSpec, stages: list[dict], measured: Mapping[str, M
     forward = [m.forward_bytes for row in rows[:last] for m in row]
     backward = [m.backward_bytes for row in rows[1:] for m in row]
     partners = len(stages[0]["peer_ids"]) + len(stages[last]["peer_ids"]) - 1
-    tied = [m.tied_bytes / partners for m in rows[0] + rows[last]]
+    # each end its own: the last stage's tied gradient can be 3x the first's, and the rate bound of a direction
+    # is what its own sender puts on it (one figure for both read the larger on the smaller's direction: +7%)
+    first = max((m.tied_bytes / partners for m in rows[0]), default=0.0)
+    final = max((m.tied_bytes / partners for m in rows[last]), default=0.0)
     figures = {"forward_bytes": max(forward, default=0.0), "backward_bytes": max(backward, default=0.0)}
-    figures["tied_bytes"] = max(tied, default=0.0)
+    figures |= {"tied_bytes": first or final, "tied_bytes_last": final or first}
     return dataclasses.replace(spec, **{k: v for k, v in figures.items() if v > 0})
 
 

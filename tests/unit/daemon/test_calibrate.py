@@ -179,6 +179,28 @@ def test_calibrated_breakdown_takes_measured_compute_bytes_and_the_rest_as_overh
     assert after.overhead_s == 0.0 and after.total_s > 4.0
 
 
+def test_calibration_keeps_each_ends_tied_bytes_apart():
+    # the throttled experiment's 1 Mbit/s default cell (s22): stage 0 sent 5.8 kB forward per micro-batch and 4.8 kB
+    # of tied gradient per step, stage 1 5.2 kB back and 14.1 kB; its steady steps (empty buckets) took 0.28 s.
+    # One tied figure (the larger, on both directions) predicted 0.2975 s; each end's own predicts 0.278 s.
+    spec = ModelSpec(layers=2, flops_per_layer=1e9, forward_bytes=50_000, backward_bytes=50_000,
+                     gradient_bytes_per_layer=0, memory_bytes_per_layer=0, micro_batches=4, full_duplex=True,
+                     tied_bytes=20_000)  # fmt: skip
+    measured = {
+        A: Measured(0.0109, 0.2147, 5, forward_bytes=5778.7, tied_bytes=4844.4),
+        B: Measured(0.0111, 0.2142, 5, backward_bytes=5172.4, tied_bytes=14113.2),
+    }
+    links = two_peer_input(125e3)  # 1 Mbit/s and the shaper's 64 KiB bucket
+    links = PlanInput(links.peers, links.delay_s, links.bandwidth_bytes_per_s, np.where(np.eye(2), 0.0, 65536.0))
+    after, _ = calibrated_breakdown(PLAN, links, spec, measured)
+    assert after.total_s == pytest.approx((4 * 5172.4 + 14113.2) / 125e3)
+    both = measured_bytes(spec, PLAN["stages"], measured)
+    assert (both.tied_bytes, both.tied_bytes_last) == (4844.4, 14113.2)
+    # one end sent nothing (a figure missing): the other's stands for both
+    one = measured_bytes(spec, PLAN["stages"], {A: measured[A], B: Measured(0.1, 0.1, 1)})
+    assert (one.tied_bytes, one.tied_bytes_last) == (4844.4, 4844.4)
+
+
 def test_measured_bytes_keeps_the_synthetic_figure_where_nothing_was_sent():
     spec = ModelSpec(layers=2, flops_per_layer=1.0, forward_bytes=7.0, backward_bytes=9.0,
                      gradient_bytes_per_layer=0, memory_bytes_per_layer=0, tied_bytes=3.0)  # fmt: skip
