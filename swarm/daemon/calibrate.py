@@ -83,6 +83,9 @@ class Measured:
     """Bytes it sent backward per micro-batch (0 on the first stage)."""
     tied_bytes: float = 0.0
     """Bytes of the tied gradient it sent per step, to every other member of the tied group together."""
+    first_step: int = 0
+    """Steps the stage had done when the window opened: the window is its steps first_step + 1 onwards (the
+    experiment compares its clock with the trainer's own over the same steps)."""
 
 
 def _figure(metrics: Mapping[str, float], key: str, most: float) -> float | None:
@@ -129,7 +132,9 @@ def window(before: StageClock, after: StageClock) -> Measured | None:
     timed, timed_s = after.trainer[0] - before.trainer[0], after.trainer[1] - before.trainer[1]
     if timed == steps and timed_s > 0:  # every step of the window timed whole, from the trainer's start
         step_s = timed_s
-    return Measured(work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps)
+    return Measured(
+        work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps, before.steps
+    )
 
 
 def _stages_key(plan: dict) -> tuple:

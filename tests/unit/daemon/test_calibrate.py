@@ -71,7 +71,7 @@ def test_window_takes_differences_and_refuses_counters_that_went_back():
     before = StageClock(4, 10.0, 2.0, 32, (8000.0, 0.0, 100.0))
     after = StageClock(7, 13.0, 3.5, 56, (20000.0, 0.0, 400.0))
     m = window(before, after)
-    assert m == Measured(pytest.approx(1.5 / 12), pytest.approx(1.0), 3, pytest.approx(1000.0), 0.0, 100.0)
+    assert m == Measured(pytest.approx(1.5 / 12), pytest.approx(1.0), 3, pytest.approx(1000.0), 0.0, 100.0, 4)
     assert window(after, before) is None  # a restarted host
     assert window(before, before) is None  # no step in between
 
