@@ -49,6 +49,8 @@ WORK_PHASES = ("compute", "encode", "decode")
 MAX_SECONDS = 1e7
 """Largest clock sum taken from a peer (about 4 months of one stage's work): beyond it a reply is refused."""
 MAX_COUNT = 1e12
+MAX_RATIO = 4.0
+"""Most bytes on the wire per fp32 byte taken from a peer (fp32 sends 1 plus its framing)."""
 MAX_BYTES = 1e18
 
 
@@ -66,6 +68,8 @@ class StageClock:
     trainer: tuple[int, float] = (0, 0.0)
     """Steps timed whole (the trainer's time up to its `Step` plus the stage's Step: phase "trainer") and their
     seconds."""
+    fp32: tuple[float, float] = (0.0, 0.0)
+    """The fp32 size of what it sent forward and backward (`swarm_fp32_bytes_total`), counted with `sent`."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,12 @@ class Measured:
     first_step: int = 0
     """Steps the stage had done when the window opened: the window is its steps first_step + 1 onwards (the
     experiment compares its clock with the trainer's own over the same steps)."""
+    forward_ratio: float = 0.0
+    """Bytes it sent forward over their fp32 size (0: none sent). Counted together, the two agree at any moment;
+    bytes over passes do not (a reading mid-step finds forward and backward passes apart: the 1 Mbit/s fp32 cell
+    read its forward 6% under and its backward 6% over what each message was, h/cal's run r1)."""
+    backward_ratio: float = 0.0
+    """Bytes it sent backward over their fp32 size (0: none sent)."""
 
 
 def _figure(metrics: Mapping[str, float], key: str, most: float) -> float | None:
@@ -109,16 +119,21 @@ def read_clock(metrics: Mapping[str, float], stage: int) -> StageClock | None:
         _figure(metrics, f'swarm_wire_bytes_total{{direction="{d}",link="{link}"}}', MAX_BYTES)
         for d, link in (("forward", stage), ("backward", stage - 1), ("tied", "tied"))
     ]
+    fp32 = [
+        _figure(metrics, f'swarm_fp32_bytes_total{{direction="{d}",link="{link}"}}', MAX_BYTES)
+        for d, link in (("forward", stage), ("backward", stage - 1))
+    ]
     whole = [
         _figure(metrics, f'swarm_phase_seconds_count{{phase="trainer",stage="{stage}"}}', MAX_COUNT),
         _figure(metrics, f'swarm_phase_seconds_sum{{phase="trainer",stage="{stage}"}}', MAX_SECONDS),
     ]
-    if any(v is None for v in (*values, *work, *sent, *whole)):
+    if any(v is None for v in (*values, *work, *sent, *whole, *fp32)):
         return None
     steps, step_s, passes = values
     if steps != int(steps) or passes != int(passes) or whole[0] != int(whole[0]):
         return None
-    return StageClock(int(steps), step_s, float(sum(work)), int(passes), tuple(sent), (int(whole[0]), whole[1]))
+    whole_steps = (int(whole[0]), whole[1])
+    return StageClock(int(steps), step_s, float(sum(work)), int(passes), tuple(sent), whole_steps, tuple(fp32))
 
 
 def window(before: StageClock, after: StageClock) -> Measured | None:
@@ -126,15 +141,20 @@ def window(before: StageClock, after: StageClock) -> Measured | None:
     steps, passes = after.steps - before.steps, after.passes - before.passes
     step_s, work_s = after.step_s - before.step_s, after.work_s - before.work_s
     sent = [a - b for a, b in zip(after.sent, before.sent, strict=True)]
-    if steps < 1 or passes < 2 or step_s <= 0 or work_s <= 0 or min(sent) < 0:
+    fp32 = [a - b for a, b in zip(after.fp32, before.fp32, strict=True)]
+    if steps < 1 or passes < 2 or step_s <= 0 or work_s <= 0 or min(sent) < 0 or min(fp32) < 0:
         return None
+    ratios = [s / f if f > 0 else 0.0 for s, f in zip(sent, fp32, strict=False)]
+    if not all(math.isfinite(r) and r <= MAX_RATIO for r in ratios):
+        return None  # no codec sends several times a message's fp32 size: a malformed or hostile reply
     micro = passes / 2
     timed, timed_s = after.trainer[0] - before.trainer[0], after.trainer[1] - before.trainer[1]
     if timed == steps and timed_s > 0:  # every step of the window timed whole, from the trainer's start
         step_s = timed_s
     return Measured(
-        work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps, before.steps
-    )
+        work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps, before.steps,
+        *ratios,
+    )  # fmt: skip
 
 
 def _stages_key(plan: dict) -> tuple:
@@ -240,8 +260,9 @@ def measured_bytes(spec: ModelSpec, stages: list[dict], measured: Mapping[str, M
     if last < 1:
         return spec
     rows = [[measured[pid] for pid in st["peer_ids"] if pid in measured] for st in stages]
-    forward = [m.forward_bytes for row in rows[:last] for m in row]
-    backward = [m.backward_bytes for row in rows[1:] for m in row]
+    fp32 = 4 * spec.message_elements  # a message's fp32 size: its measured ratio prices it exactly
+    forward = [m.forward_ratio * fp32 if fp32 and m.forward_ratio else m.forward_bytes for r in rows[:last] for m in r]
+    backward = [m.backward_ratio * fp32 if fp32 and m.backward_ratio else m.backward_bytes for r in rows[1:] for m in r]
     partners = len(stages[0]["peer_ids"]) + len(stages[last]["peer_ids"]) - 1
     # each end its own: the last stage's tied gradient can be 3x the first's, and the rate bound of a direction
     # is what its own sender puts on it (one figure for both read the larger on the smaller's direction: +7%)

@@ -202,6 +202,9 @@ class ModelSpec:
     tied_bytes_last: float | None = None
     """Bytes each last-stage member sends per partner, when the two ends' tied gradients differ (the peers
     measured 4.8 kB from the first stage and 14.1 kB from the last at 1 Mbit/s); None: `tied_bytes` too."""
+    message_elements: float = 0.0
+    """Elements of one boundary message (micro-batch x sequence x hidden), so 4x this is its fp32 size; 0: not
+    known. Calibration prices a measured compression ratio by it (`swarm.daemon.calibrate.measured_bytes`)."""
     schedule: str = "1f1b"
     """"1f1b" keeps at most S - k micro-batches in flight on stage k, so a round trip through the later stages
     can pace the steady state; "gpipe" keeps them all in flight (no such bound)."""
@@ -209,7 +212,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.layers < 1 or self.micro_batches < 1:
             raise ValueError("layers and micro_batches must be >= 1")
-        for name in ("step_overhead_s", "tied_bytes", "tied_bytes_last"):
+        for name in ("step_overhead_s", "tied_bytes", "tied_bytes_last", "message_elements"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0")
@@ -234,6 +237,7 @@ class ModelSpec:
             stash_bytes_per_micro_batch=elements * 2,
             working_bytes=elements * 34 + 5 * b * s * s * max(1, h // 128),
             micro_batches=shape.micro_batches,
+            message_elements=float(elements),
         )
 
     @classmethod

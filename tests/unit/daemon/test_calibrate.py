@@ -3,6 +3,7 @@ and malformed, stranger, late and silent replies leave the prediction alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ from swarm.daemon.calibrate import (
 )
 from swarm.daemon.planning import Planner
 from swarm.peers.records import PlanRecord
-from swarm.scheduler.plans import ModelSpec, Peer, PlanInput
+from swarm.scheduler.plans import ModelSpec, Peer, PlanInput, TransformerShape
 
 
 def metrics(stage: int, steps: int, step_s: float, work_s: float, passes: int, fw=0.0, bw=0.0, tied=0.0) -> dict:
@@ -199,6 +200,28 @@ def test_calibration_keeps_each_ends_tied_bytes_apart():
     # one end sent nothing (a figure missing): the other's stands for both
     one = measured_bytes(spec, PLAN["stages"], {A: measured[A], B: Measured(0.1, 0.1, 1)})
     assert (one.tied_bytes, one.tied_bytes_last) == (4844.4, 4844.4)
+
+
+def test_message_bytes_come_from_the_ratio_counted_with_them_not_from_passes_read_mid_step():
+    # stage 0 of 1F1B, read twice mid-step: 16 micro-batches' passes (32) between the readings, but 15 forward
+    # messages of 1000 bytes sent (its backward passes ran ahead). Bytes over passes read 937.5 a message; the
+    # fp32 counter moves with the bytes (4000 a message of 1000 elements): 1000 exactly
+    fp32 = 'swarm_fp32_bytes_total{direction="forward",link="0"}'
+    before = read_clock(metrics(0, 4, 4.0, 1.0, 16, fw=8000.0) | {fp32: 32000.0}, 0)
+    after = read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=23000.0) | {fp32: 92000.0}, 0)
+    m = window(before, after)
+    assert m.forward_bytes == pytest.approx(937.5) and m.forward_ratio == pytest.approx(0.25)
+    spec = ModelSpec(layers=2, flops_per_layer=1.0, forward_bytes=7.0, backward_bytes=9.0,
+                     gradient_bytes_per_layer=0, memory_bytes_per_layer=0, message_elements=1000.0)  # fmt: skip
+    assert measured_bytes(spec, PLAN["stages"], {A: m, B: Measured(0.1, 0.1, 1)}).forward_bytes == pytest.approx(1000)
+    # no element count in the spec: bytes over passes as before
+    unknown = dataclasses.replace(spec, message_elements=0.0)
+    assert measured_bytes(unknown, PLAN["stages"], {A: m}).forward_bytes == pytest.approx(937.5)
+    # a reply whose bytes outgrow their fp32 size many times over is refused, as are fp32 counters that went back
+    assert window(before, read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=9e9) | {fp32: 92000.0}, 0)) is None
+    assert window(before, read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=23000.0) | {fp32: 1.0}, 0)) is None
+    assert read_clock(metrics(0, 8, 8.0, 2.0, 48) | {fp32: math.nan}, 0) is None
+    assert ModelSpec.transformer(TransformerShape(2, 64, 16, micro_batch_size=2)).message_elements == 2 * 16 * 64
 
 
 def test_measured_bytes_keeps_the_synthetic_figure_where_nothing_was_sent():
