@@ -169,8 +169,11 @@ class Calibrator:
     Args:
         read: peer id -> its `StatusReply` (None when it does not answer).
         after_steps: steps into the plan the window starts (every stage has done at least this many).
-        window_steps: steps the window spans (every stage).
+        window_steps: steps the window spans at least (every stage).
         every_s: least time between two readings of the peers.
+        window_s: seconds the window spans at least. Steps on a shared machine vary: on 2 loaded cores a 0.2 s
+            step read 0.13-0.43 s, and a window of 4-6 such steps (1 s) was 10-13% off the run's mean on its own
+            noise (a mean of n steps is off by about its spread over root n); 4 s of steps halves that.
     """
 
     def __init__(
@@ -180,13 +183,15 @@ class Calibrator:
         window_steps: int = 4,
         every_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        window_s: float = 4.0,
     ):
-        if after_steps < 0 or window_steps < 1 or every_s < 0:
-            raise ValueError("Calibrator: need after_steps >= 0, window_steps >= 1 and every_s >= 0")
+        if after_steps < 0 or window_steps < 1 or every_s < 0 or not 0 <= window_s < math.inf:
+            raise ValueError("Calibrator: need after_steps >= 0, window_steps >= 1, every_s >= 0, 0 <= window_s")
         self.read, self.after_steps, self.window_steps = read, after_steps, window_steps
-        self.every_s, self.clock = every_s, clock
+        self.every_s, self.clock, self.window_s = every_s, clock, window_s
         self._key: tuple | None = None
         self._start: dict[str, StageClock] = {}
+        self._opened: float | None = None
         self._done = False
         self._next = 0.0
 
@@ -194,7 +199,7 @@ class Calibrator:
         """Every plan peer's figures once the window is complete (then None again until the stages change)."""
         key = _stages_key(plan)
         if key != self._key:
-            self._key, self._start, self._done = key, {}, False
+            self._key, self._start, self._done, self._opened = key, {}, False, None
         if self._done or not key or self.clock() < self._next:
             return None
         self._next = self.clock() + self.every_s
@@ -214,9 +219,14 @@ class Calibrator:
             if (start is None or clock.steps < start.steps) and clock.steps >= self.after_steps:
                 self._start[pid] = clock
         if set(self._start) != set(now):
+            self._opened = None
             return None
+        if self._opened is None:
+            self._opened = self.clock()  # every stage's start read: the window's seconds count from here
         measured = {pid: window(self._start[pid], clock) for pid, clock in now.items()}
         if any(m is None or m.steps < self.window_steps for m in measured.values()):
+            return None
+        if self.clock() - self._opened < self.window_s:
             return None
         self._done = True
         return measured  # type: ignore[return-value]

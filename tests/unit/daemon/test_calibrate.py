@@ -102,7 +102,7 @@ def set_steps(peers: Peers, steps: int, stage_of_b: int = 1) -> None:
 
 def test_the_calibrator_waits_for_every_stage_then_gives_the_window_once():
     peers, now = Peers(), [0.0]
-    cal = Calibrator(peers, after_steps=4, window_steps=3, every_s=1.0, clock=lambda: now[0])
+    cal = Calibrator(peers, after_steps=4, window_steps=3, every_s=1.0, clock=lambda: now[0], window_s=0.0)
     set_steps(peers, 2)
     assert cal.observe(PLAN) is None  # before the first epoch is over
     now[0] += 1
@@ -125,10 +125,30 @@ def test_the_calibrator_waits_for_every_stage_then_gives_the_window_once():
     assert cal.observe(moved) is None
 
 
+def test_the_window_spans_window_s_as_well_as_window_steps():
+    # 0.2 s steps on a loaded machine: 4 steps (0.8 s) were one reading's worth, too few to average their spread
+    peers, now = Peers(), [0.0]
+    cal = Calibrator(peers, after_steps=4, window_steps=4, every_s=1.0, clock=lambda: now[0], window_s=4.0)
+    set_steps(peers, 4)
+    assert cal.observe(PLAN) is None  # opened at t = 0
+    for t, steps in ((1.0, 9), (2.0, 14), (3.0, 19)):
+        now[0] = t
+        set_steps(peers, steps)
+        assert cal.observe(PLAN) is None, f"{steps - 4} steps but only {t} s"
+    now[0] = 4.0
+    set_steps(peers, 24)
+    measured = cal.observe(PLAN)
+    assert measured is not None and measured[A].steps == 20 and measured[A].first_step == 4
+    with pytest.raises(ValueError):
+        Calibrator(peers, window_s=math.inf)
+    with pytest.raises(ValueError):
+        Calibrator(peers, window_s=-1.0)
+
+
 @pytest.mark.parametrize("fault", ["silent", "wrong stage", "malformed"])
 def test_a_silent_stranger_or_malformed_peer_holds_the_window(fault):
     peers, now = Peers(), [0.0]
-    cal = Calibrator(peers, after_steps=0, window_steps=1, every_s=0.0, clock=lambda: now[0])
+    cal = Calibrator(peers, after_steps=0, window_steps=1, every_s=0.0, clock=lambda: now[0], window_s=0.0)
     set_steps(peers, 1)
     assert cal.observe(PLAN) is None
     set_steps(peers, 5, stage_of_b=0 if fault == "wrong stage" else 1)
@@ -142,7 +162,7 @@ def test_a_silent_stranger_or_malformed_peer_holds_the_window(fault):
 
 def test_a_restarted_host_starts_its_window_again():
     peers = Peers()
-    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0)
+    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0, window_s=0.0)
     set_steps(peers, 5)
     assert cal.observe(PLAN) is None
     set_steps(peers, 1)  # counters went back: both start again from here
@@ -236,7 +256,7 @@ def test_the_planner_republishes_the_stages_with_the_calibrated_prediction():
     records = {"peers": [peer(A, 4), peer(B, 4)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
     peers = Peers()
-    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0)
+    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0, window_s=0.0)
     planner = Planner(dht, SPEC, n_stages=2, min_peers=2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0,
                       calibrator=cal)  # fmt: skip
     set_steps(peers, 1)
