@@ -49,6 +49,8 @@ WORK_PHASES = ("compute", "encode", "decode")
 MAX_SECONDS = 1e7
 """Largest clock sum taken from a peer (about 4 months of one stage's work): beyond it a reply is refused."""
 MAX_COUNT = 1e12
+MAX_RATIO = 4.0
+"""Most bytes on the wire per fp32 byte taken from a peer (fp32 sends 1 plus its framing)."""
 MAX_BYTES = 1e18
 
 
@@ -66,6 +68,8 @@ class StageClock:
     trainer: tuple[int, float] = (0, 0.0)
     """Steps timed whole (the trainer's time up to its `Step` plus the stage's Step: phase "trainer") and their
     seconds."""
+    fp32: tuple[float, float] = (0.0, 0.0)
+    """The fp32 size of what it sent forward and backward (`swarm_fp32_bytes_total`), counted with `sent`."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,15 @@ class Measured:
     """Bytes it sent backward per micro-batch (0 on the first stage)."""
     tied_bytes: float = 0.0
     """Bytes of the tied gradient it sent per step, to every other member of the tied group together."""
+    first_step: int = 0
+    """Steps the stage had done when the window opened: the window is its steps first_step + 1 onwards (the
+    experiment compares its clock with the trainer's own over the same steps)."""
+    forward_ratio: float = 0.0
+    """Bytes it sent forward over their fp32 size (0: none sent). Counted together, the two agree at any moment;
+    bytes over passes do not (a reading mid-step finds forward and backward passes apart: the 1 Mbit/s fp32 cell
+    read its forward 6% under and its backward 6% over what each message was, h/cal's run r1)."""
+    backward_ratio: float = 0.0
+    """Bytes it sent backward over their fp32 size (0: none sent)."""
 
 
 def _figure(metrics: Mapping[str, float], key: str, most: float) -> float | None:
@@ -106,16 +119,21 @@ def read_clock(metrics: Mapping[str, float], stage: int) -> StageClock | None:
         _figure(metrics, f'swarm_wire_bytes_total{{direction="{d}",link="{link}"}}', MAX_BYTES)
         for d, link in (("forward", stage), ("backward", stage - 1), ("tied", "tied"))
     ]
+    fp32 = [
+        _figure(metrics, f'swarm_fp32_bytes_total{{direction="{d}",link="{link}"}}', MAX_BYTES)
+        for d, link in (("forward", stage), ("backward", stage - 1))
+    ]
     whole = [
         _figure(metrics, f'swarm_phase_seconds_count{{phase="trainer",stage="{stage}"}}', MAX_COUNT),
         _figure(metrics, f'swarm_phase_seconds_sum{{phase="trainer",stage="{stage}"}}', MAX_SECONDS),
     ]
-    if any(v is None for v in (*values, *work, *sent, *whole)):
+    if any(v is None for v in (*values, *work, *sent, *whole, *fp32)):
         return None
     steps, step_s, passes = values
     if steps != int(steps) or passes != int(passes) or whole[0] != int(whole[0]):
         return None
-    return StageClock(int(steps), step_s, float(sum(work)), int(passes), tuple(sent), (int(whole[0]), whole[1]))
+    whole_steps = (int(whole[0]), whole[1])
+    return StageClock(int(steps), step_s, float(sum(work)), int(passes), tuple(sent), whole_steps, tuple(fp32))
 
 
 def window(before: StageClock, after: StageClock) -> Measured | None:
@@ -123,13 +141,20 @@ def window(before: StageClock, after: StageClock) -> Measured | None:
     steps, passes = after.steps - before.steps, after.passes - before.passes
     step_s, work_s = after.step_s - before.step_s, after.work_s - before.work_s
     sent = [a - b for a, b in zip(after.sent, before.sent, strict=True)]
-    if steps < 1 or passes < 2 or step_s <= 0 or work_s <= 0 or min(sent) < 0:
+    fp32 = [a - b for a, b in zip(after.fp32, before.fp32, strict=True)]
+    if steps < 1 or passes < 2 or step_s <= 0 or work_s <= 0 or min(sent) < 0 or min(fp32) < 0:
         return None
+    ratios = [s / f if f > 0 else 0.0 for s, f in zip(sent, fp32, strict=False)]
+    if not all(math.isfinite(r) and r <= MAX_RATIO for r in ratios):
+        return None  # no codec sends several times a message's fp32 size: a malformed or hostile reply
     micro = passes / 2
     timed, timed_s = after.trainer[0] - before.trainer[0], after.trainer[1] - before.trainer[1]
     if timed == steps and timed_s > 0:  # every step of the window timed whole, from the trainer's start
         step_s = timed_s
-    return Measured(work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps)
+    return Measured(
+        work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps, before.steps,
+        *ratios,
+    )  # fmt: skip
 
 
 def _stages_key(plan: dict) -> tuple:
@@ -144,8 +169,11 @@ class Calibrator:
     Args:
         read: peer id -> its `StatusReply` (None when it does not answer).
         after_steps: steps into the plan the window starts (every stage has done at least this many).
-        window_steps: steps the window spans (every stage).
+        window_steps: steps the window spans at least (every stage).
         every_s: least time between two readings of the peers.
+        window_s: seconds the window spans at least. Steps on a shared machine vary: on 2 loaded cores a 0.2 s
+            step read 0.13-0.43 s, and a window of 4-6 such steps (1 s) was 10-13% off the run's mean on its own
+            noise (a mean of n steps is off by about its spread over root n); 4 s of steps halves that.
     """
 
     def __init__(
@@ -155,13 +183,15 @@ class Calibrator:
         window_steps: int = 4,
         every_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        window_s: float = 4.0,
     ):
-        if after_steps < 0 or window_steps < 1 or every_s < 0:
-            raise ValueError("Calibrator: need after_steps >= 0, window_steps >= 1 and every_s >= 0")
+        if after_steps < 0 or window_steps < 1 or every_s < 0 or not 0 <= window_s < math.inf:
+            raise ValueError("Calibrator: need after_steps >= 0, window_steps >= 1, every_s >= 0, 0 <= window_s")
         self.read, self.after_steps, self.window_steps = read, after_steps, window_steps
-        self.every_s, self.clock = every_s, clock
+        self.every_s, self.clock, self.window_s = every_s, clock, window_s
         self._key: tuple | None = None
         self._start: dict[str, StageClock] = {}
+        self._opened: float | None = None
         self._done = False
         self._next = 0.0
 
@@ -169,7 +199,7 @@ class Calibrator:
         """Every plan peer's figures once the window is complete (then None again until the stages change)."""
         key = _stages_key(plan)
         if key != self._key:
-            self._key, self._start, self._done = key, {}, False
+            self._key, self._start, self._done, self._opened = key, {}, False, None
         if self._done or not key or self.clock() < self._next:
             return None
         self._next = self.clock() + self.every_s
@@ -189,9 +219,14 @@ class Calibrator:
             if (start is None or clock.steps < start.steps) and clock.steps >= self.after_steps:
                 self._start[pid] = clock
         if set(self._start) != set(now):
+            self._opened = None
             return None
+        if self._opened is None:
+            self._opened = self.clock()  # every stage's start read: the window's seconds count from here
         measured = {pid: window(self._start[pid], clock) for pid, clock in now.items()}
         if any(m is None or m.steps < self.window_steps for m in measured.values()):
+            return None
+        if self.clock() - self._opened < self.window_s:
             return None
         self._done = True
         return measured  # type: ignore[return-value]
@@ -235,12 +270,16 @@ def measured_bytes(spec: ModelSpec, stages: list[dict], measured: Mapping[str, M
     if last < 1:
         return spec
     rows = [[measured[pid] for pid in st["peer_ids"] if pid in measured] for st in stages]
-    forward = [m.forward_bytes for row in rows[:last] for m in row]
-    backward = [m.backward_bytes for row in rows[1:] for m in row]
+    fp32 = 4 * spec.message_elements  # a message's fp32 size: its measured ratio prices it exactly
+    forward = [m.forward_ratio * fp32 if fp32 and m.forward_ratio else m.forward_bytes for r in rows[:last] for m in r]
+    backward = [m.backward_ratio * fp32 if fp32 and m.backward_ratio else m.backward_bytes for r in rows[1:] for m in r]
     partners = len(stages[0]["peer_ids"]) + len(stages[last]["peer_ids"]) - 1
-    tied = [m.tied_bytes / partners for m in rows[0] + rows[last]]
+    # each end its own: the last stage's tied gradient can be 3x the first's, and the rate bound of a direction
+    # is what its own sender puts on it (one figure for both read the larger on the smaller's direction: +7%)
+    first = max((m.tied_bytes / partners for m in rows[0]), default=0.0)
+    final = max((m.tied_bytes / partners for m in rows[last]), default=0.0)
     figures = {"forward_bytes": max(forward, default=0.0), "backward_bytes": max(backward, default=0.0)}
-    figures["tied_bytes"] = max(tied, default=0.0)
+    figures |= {"tied_bytes": first or final, "tied_bytes_last": final or first}
     return dataclasses.replace(spec, **{k: v for k, v in figures.items() if v > 0})
 
 

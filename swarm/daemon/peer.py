@@ -288,7 +288,8 @@ class PeerDaemon:
                     self._addresses = {p.peer_id: p.address for p in peers}
                     if prober is not None and time.monotonic() >= next_probe:
                         # probe often while peers are new to us, then only to refresh
-                        next_probe = time.monotonic() + (1.0 if prober.round() else plans.interval_s)
+                        soon = prober.round() or not prober.found_peers  # nobody to probe yet: look again soon
+                        next_probe = time.monotonic() + (1.0 if soon else plans.interval_s)
                     planner.round()
                     record = self.dht.get_plan(self.model.n_layers)
                     if record is not None and (self.following is None or record.version > self.following.version):

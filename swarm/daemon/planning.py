@@ -99,7 +99,7 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
     n = len(ids)
     bandwidth = np.full((n, n), np.nan)
     delay = np.full((n, n), np.nan)
-    burst = np.zeros((n, n))
+    burst = np.full((n, n), np.nan)
     measured = 0
     for m in links:
         if m.src in index and m.dst in index and m.bytes_per_s > 0:
@@ -112,6 +112,9 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
     known_delay = delay[~np.isnan(delay)]
     bandwidth = np.where(np.isnan(bandwidth), bandwidth.T, bandwidth)
     delay = np.where(np.isnan(delay), delay.T, delay)
+    known_burst = burst[~np.isnan(burst)]  # an unmeasured direction's bucket comes with the rate it borrows
+    burst = np.where(np.isnan(burst), burst.T, burst)
+    burst = np.where(np.isnan(burst), np.median(known_burst) if known_burst.size else 0.0, burst)
     off = ~np.eye(n, dtype=bool)
     filled = int((np.isnan(bandwidth) & off).sum())
     bandwidth = np.where(np.isnan(bandwidth), np.median(known_bw) if known_bw.size else DEFAULT_BYTES_PER_S, bandwidth)

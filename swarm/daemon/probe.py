@@ -36,6 +36,11 @@ class LinkProber:
         self._measured: dict[str, float] = {}  # peer id -> when
         self._rng = random.Random(dht.peer_id)
         self._fp32 = make_codec(CodecConfig("fp32"))
+        self.found_peers = False
+        """Whether the last round saw another peer. Until one does, the daemon asks again within a second, not
+        its plan interval: a peer up before the others found nobody to probe, waited 30 s, and then probed its
+        link in the middle of training (4 s of a 1 Mbit/s link's time taken from a step, a burst read from a
+        bucket the traffic had emptied, and the first plan priced with that direction unmeasured)."""
 
     def measure(self, address: str, timeout_s: float = 30.0, answer_s: float = 3.0) -> tuple[float, float, float]:
         """(round-trip time in s, bytes/s, burst bytes) to the stage service at `address`.
@@ -69,6 +74,7 @@ class LinkProber:
         """Probes up to `peers_per_round` peers, unmeasured ones first; returns how many were measured."""
         now = time.time() if now is None else now
         others = [p for p in self.dht.peers() if p.peer_id != self.dht.peer_id and p.address != self.my_address]
+        self.found_peers = bool(others)
         due = [p for p in others if now - self._measured.get(p.peer_id, -1e18) >= self.refresh_s]
         self._rng.shuffle(due)
         due.sort(key=lambda p: p.peer_id in self._measured)  # never-measured peers first

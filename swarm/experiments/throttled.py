@@ -94,8 +94,14 @@ class ThrottledConfig:
     steps: int = 40
     """Optimizer steps per cell."""
     slow_steps: int = 12
-    """Optimizer steps of the cells on links slower than `SLOW_RATE_MBIT` (at most `steps`): fp32 takes
+    """Optimizer steps of the fp32 cells on links slower than `SLOW_RATE_MBIT` (at most `steps`): fp32 takes
     seconds per step there. 12 = 3 epochs of the default data: 8 steps of steady state after the first."""
+    slow_codec_steps: int = 64
+    """Optimizer steps of the other cells on those links (at least `steps`). A link-bound step there takes its
+    bytes over the rate, but twice in a run the links idle long enough to fill the shaper's 64 KiB bucket (one
+    direction through the first epoch's full forward messages, both while the trainer follows the calibrated
+    plan), about 1 s of link time passed at once each time: over s22's 8 steady steps that read 0.195 s a step
+    for a link-bound 0.28 s. Over 60 steady steps (under 30 s a cell here) it is about 6%."""
     train_samples: int = 32
     """Training samples, a multiple of `batch_size`."""
     batch_size: int = 8
@@ -125,7 +131,15 @@ class ThrottledConfig:
                 f"--baseline {self.baseline} needs --netns: the baseline's gloo links are shaped by tc in the "
                 "testbed's namespaces, not by the swarm's own shaper, so the comparison is fair only there"
             )
-        for name in ("steps", "slow_steps", "train_samples", "batch_size", "micro_batches", "peers"):
+        for name in (
+            "steps",
+            "slow_steps",
+            "slow_codec_steps",
+            "train_samples",
+            "batch_size",
+            "micro_batches",
+            "peers",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ThrottledConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.train_samples % self.batch_size:
@@ -136,9 +150,13 @@ class ThrottledConfig:
         return [Cell(rate, setting) for rate in self.rates for setting in self.settings]
 
     def steps_of(self, cell: Cell) -> int:
-        """Steps the cell trains: `slow_steps` on links slower than `SLOW_RATE_MBIT`, else `steps`."""
-        slow = cell.rate_mbit is not None and cell.rate_mbit < SLOW_RATE_MBIT
-        return min(self.steps, self.slow_steps) if slow else self.steps
+        """Steps the cell trains: on links slower than `SLOW_RATE_MBIT`, `slow_steps` for fp32 and
+        `slow_codec_steps` for the others; else `steps`."""
+        if cell.rate_mbit is None or cell.rate_mbit >= SLOW_RATE_MBIT:
+            return self.steps
+        if cell.setting.startswith("fp32/"):
+            return min(self.steps, self.slow_steps)
+        return max(self.steps, self.slow_codec_steps)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +172,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=ThrottledConfig.slow_steps,
         help=f"steps of the cells below {SLOW_RATE_MBIT:g} Mbit/s, on the same learning-rate schedule "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--slow-codec-steps",
+        type=int,
+        default=ThrottledConfig.slow_codec_steps,
+        help=f"steps of the compressed cells below {SLOW_RATE_MBIT:g} Mbit/s (at least --steps; past --steps the "
+        "learning rate stays at its minimum), long enough that a filled token bucket does not set their mean "
         "(default %(default)s)",
     )
     parser.add_argument("--train-samples", type=int, default=32, help="training samples (default %(default)s)")
@@ -192,6 +218,7 @@ def config_from_args(args: argparse.Namespace) -> ThrottledConfig:
         settings=tuple(settings),
         steps=steps,
         slow_steps=args.slow_steps,
+        slow_codec_steps=args.slow_codec_steps,
         train_samples=train_samples,
         batch_size=args.batch_size,
         micro_batches=args.micro_batches,
@@ -246,8 +273,22 @@ def read_summary(cell_dir: Path) -> dict:
             if "measured" in plan and isinstance(plan.get("step_time_s"), float):
                 summary["first_plan_step_s"] = plan.get("first_step_time_s")
                 summary["predicted_step_s"] = plan["step_time_s"]
+                summary["calibration_window"] = calibration_window(plan["measured"])
             return summary
     return {}
+
+
+def calibration_window(measured: object) -> dict | None:
+    """The calibrated plan's window: its first and last step (the trainer's numbering, from 1) and the longest
+    stage clock over it (the step the calibration took); None when the plan's figures do not read that way."""
+    if not isinstance(measured, dict) or not measured:
+        return None
+    try:
+        figures = [(int(m["first_step"]), int(m["steps"]), float(m["step_s"])) for m in measured.values()]
+    except (KeyError, TypeError, ValueError):
+        return None  # a plan from before `Measured.first_step`
+    first, steps = min(f[0] for f in figures), min(f[1] for f in figures)
+    return {"first": first + 1, "last": first + steps, "clock_s": max(f[2] for f in figures)}
 
 
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
@@ -314,6 +355,9 @@ def summarize(
     steady_fp32_total = sum(_int(s, "fp32_total_wire_bytes") for s in after)
     predicted = (summary or {}).get("predicted_step_s")
     mean = statistics.mean(steady)
+    # the calibration's window: the trainer's own mean over those steps beside the stage clock the planner read
+    cal = (summary or {}).get("calibration_window") or {}
+    in_window = [float(s["step_s"]) for s in steps if cal and cal["first"] <= int(s["step"]) <= cal["last"]]
     return {
         "rate_mbit": cell.rate_mbit,
         "setting": cell.setting,
@@ -342,6 +386,9 @@ def summarize(
         "predicted_error_pct": 100 * (predicted - mean) / mean if predicted else None,
         # the first plan's prediction (the peers' block speed alone, no overhead), when a calibrated one followed
         "first_plan_step_s": (summary or {}).get("first_plan_step_s"),
+        "window_steps": [cal["first"], cal["last"]] if cal else None,
+        "window_clock_s": cal.get("clock_s"),
+        "window_step_s": statistics.mean(in_window) if in_window else None,
         "final_loss": statistics.mean(losses[-steps_per_epoch:]),
         "steps": len(steps),
     }
@@ -421,6 +468,20 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
     return out
 
 
+def slow_steps_note(cfg: ThrottledConfig) -> str:
+    """What the report says of the cells whose step count is not `steps` ('' when there are none)."""
+    slow = sorted({c.rate_mbit for c in cfg.cells if cfg.steps_of(c) != cfg.steps})
+    if not slow:
+        return ""
+    rates = ", ".join(f"{r:g}" for r in slow)
+    fp32, other = min(cfg.slow_steps, cfg.steps), max(cfg.steps, cfg.slow_codec_steps)
+    return (
+        f"Cells at {rates} Mbit/s: fp32 ran {fp32} of {cfg.steps} steps (a prefix of the same learning-rate "
+        f"schedule; its final loss is at that step), the compressed settings {other} (past step {cfg.steps} at "
+        "the schedule's minimum rate), so that the token bucket's two refills do not set their mean step."
+    )
+
+
 def _link(rate: float | None) -> str:
     return "unshaped" if rate is None else f"{rate:g} Mbit/s"
 
@@ -462,13 +523,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.baseline == "torch":
         rows += _run_baseline(cfg, out, lambda line: print(f"[torch] {line}", file=sys.stderr, flush=True))
     ratios = add_comparisons(rows)
-    slow = sorted({c.rate_mbit for c in cells if cfg.steps_of(c) < cfg.steps})
-    slow_note = (
-        f"Cells at {', '.join(f'{r:g}' for r in slow)} Mbit/s ran {min(cfg.slow_steps, cfg.steps)} of {cfg.steps} "
-        "steps (the same learning-rate schedule, so a prefix of the same run; their final loss is at that step)."
-        if slow
-        else ""
-    )
+    slow_note = slow_steps_note(cfg)
     from swarm.experiments.throttled_report import torch_comparison, write_outputs
 
     write_outputs(out, rows, all_steps, ratios, slow_note)

@@ -18,7 +18,8 @@ replica, a boundary at its slowest replica link):
                    rate bound)   (the busiest link's bytes of a whole step, both boundaries' M messages and the
                                   tied gradient, over its rate: a token bucket refills while its link idles)
     tied     = max over end-stage replicas i, j of max((T - burst_ij)+ / bw_ij, (T - burst_ji)+ / bw_ji) + d_ij + d_ji
-               (T: `tied_bytes`; the bucket refilled while the pipeline drained)
+               (T: what member i sends, `tied_bytes` from the first stage and `tied_bytes_last` from the last;
+               the bucket refilled while the pipeline drained)
 
     compute_s = layers_s * flops_per_layer / (slowest replica's FLOP/s)
     pace_b    = forward_bytes / bw[p, q] + backward_bytes / bw[q, p]   (worst pair p -> q of the boundary)
@@ -331,10 +332,11 @@ class FullCost:
             for a, b in zip(grid[s], grid[s + 1], strict=True):
                 load[a, b] += micro * m.forward_bytes * self.inverse_bw[a, b]
                 load[b, a] += micro * m.backward_bytes * self.inverse_bw[b, a]
-        if m.tied_bytes > 0 and len(grid) > 1:
+        if m.tied and len(grid) > 1:
             members = np.concatenate([grid[0], grid[-1]])
             sub = np.ix_(members, members)
-            load[sub] += m.tied_bytes * self.inverse_bw[sub]
+            # each sender's own bytes on its own direction (the two ends' tied gradients can differ in size)
+            load[sub] += m.tied_sent(len(grid), grid.shape[1])[:, None] * self.inverse_bw[sub]
         if not m.full_duplex:
             load = load + load.T
         return float(load.max())
@@ -343,11 +345,12 @@ class FullCost:
         """The tied group's exchange: every end-stage replica sends its tied gradient to every other member at
         once (each through its own link), so a member waits for its slowest partner, both ways, and a round
         trip. 0 with one stage or an untied model."""
-        if self.model.tied_bytes <= 0 or len(grid) < 2:
+        if not self.model.tied or len(grid) < 2:
             return 0.0
         members = np.concatenate([grid[0], grid[-1]])
         sub = np.ix_(members, members)
-        per_pair = np.maximum(self.model.tied_bytes - self.burst[sub], 0.0) * self.inverse_bw[sub]
+        sent = self.model.tied_sent(len(grid), grid.shape[1])[:, None]  # row i: what member i sends
+        per_pair = np.maximum(sent - self.burst[sub], 0.0) * self.inverse_bw[sub]
         both = np.maximum(per_pair, per_pair.T) + self.round_trip_s[sub]
         return float(both.max())
 

@@ -198,7 +198,13 @@ class ModelSpec:
     """Fixed time per step outside the pipeline (optimizer step, Grads/Step round trips), measured."""
     tied_bytes: float = 0.0
     """Bytes each end stage sends the other per step to sum the tied embedding's gradient, after the pipeline
-    drains and beside the replicas' averaging (0: an untied model)."""
+    drains and beside the replicas' averaging (0: an untied model); the first stage's members send this."""
+    tied_bytes_last: float | None = None
+    """Bytes each last-stage member sends per partner, when the two ends' tied gradients differ (the peers
+    measured 4.8 kB from the first stage and 14.1 kB from the last at 1 Mbit/s); None: `tied_bytes` too."""
+    message_elements: float = 0.0
+    """Elements of one boundary message (micro-batch x sequence x hidden), so 4x this is its fp32 size; 0: not
+    known. Calibration prices a measured compression ratio by it (`swarm.daemon.calibrate.measured_bytes`)."""
     schedule: str = "1f1b"
     """"1f1b" keeps at most S - k micro-batches in flight on stage k, so a round trip through the later stages
     can pace the steady state; "gpipe" keeps them all in flight (no such bound)."""
@@ -206,8 +212,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.layers < 1 or self.micro_batches < 1:
             raise ValueError("layers and micro_batches must be >= 1")
-        for name in ("step_overhead_s", "tied_bytes"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+        for name in ("step_overhead_s", "tied_bytes", "tied_bytes_last", "message_elements"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule must be 1f1b or gpipe, got {self.schedule!r}")
@@ -230,6 +237,7 @@ class ModelSpec:
             stash_bytes_per_micro_batch=elements * 2,
             working_bytes=elements * 34 + 5 * b * s * s * max(1, h // 128),
             micro_batches=shape.micro_batches,
+            message_elements=float(elements),
         )
 
     @classmethod
@@ -247,6 +255,17 @@ class ModelSpec:
             micro_batches=replicas,
             overlapped_sync_latency=False,
         )
+
+    def tied_sent(self, stages: int, replicas: int) -> np.ndarray:
+        """Tied bytes each end-stage member sends every other one, first stage's `replicas` members then the
+        last's (`tied_bytes`, then `tied_bytes_last` where given)."""
+        last = self.tied_bytes if self.tied_bytes_last is None else self.tied_bytes_last
+        return np.repeat([self.tied_bytes, last if stages > 1 else self.tied_bytes], replicas)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the end stages exchange a tied gradient at all."""
+        return self.tied_bytes > 0 or (self.tied_bytes_last or 0.0) > 0
 
     def micro_batches_per_pipeline(self, replicas: int) -> int:
         return math.ceil(self.micro_batches / replicas)

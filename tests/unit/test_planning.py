@@ -46,6 +46,18 @@ def test_links_take_their_own_figure_then_the_reverse_then_the_median():
     assert speeds[0] == pytest.approx(10 * SPEC.flops_per_layer)
 
 
+def test_an_unmeasured_direction_takes_the_reverse_directions_bucket_with_its_rate():
+    # the throttled experiment's 1 Mbit/s default cell (h/cal): one peer probed before the first plan, the other
+    # only later; the unprobed direction took the reverse's rate and no bucket, so its messages and the 14 kB tied
+    # gradient were priced at the rate: 0.338 s predicted for 0.29 s measured
+    measured = LinkMeasurement("p0", "p1", rtt_s=1e-3, bytes_per_s=125e3, measured_at=1.0, burst_bytes=65536.0)
+    pi = swarm_plan_input([peer(0), peer(1), peer(2)], [measured], SPEC).plan_input
+    assert pi.burst_bytes[0, 1] == pi.burst_bytes[1, 0] == 65536.0
+    assert pi.burst_bytes[1, 2] == 65536.0, "unprobed both ways: the median of the measured buckets"
+    assert pi.burst_bytes[0, 0] == 0.0
+    assert swarm_plan_input([peer(0), peer(1)], [], SPEC).plan_input.burst_bytes[0, 1] == 0.0
+
+
 def test_a_swarm_nobody_has_probed_is_planned_at_a_typical_rate():
     got = swarm_plan_input([peer(0), peer(1)], [], SPEC)
     assert got.plan_input.bandwidth_bytes_per_s[0, 1] == DEFAULT_BYTES_PER_S and got.filled_links == 2

@@ -96,9 +96,39 @@ def test_slow_cells_run_fewer_steps_and_default_matrix_has_1_mbit():
     cfg = ThrottledConfig(steps=40, slow_steps=12)
     assert 1.0 in cfg.rates and th.SLOW_RATE_MBIT > 1.0
     assert cfg.steps_of(Cell(1.0, "fp32/fp32")) == 12 and cfg.steps_of(Cell(10.0, "fp32/fp32")) == 40
-    assert cfg.steps_of(Cell(None, "fp32/fp32")) == 40 and ThrottledConfig(steps=8).steps_of(Cell(1.0, "x/y")) == 8
+    assert cfg.steps_of(Cell(None, "fp32/fp32")) == 40 and ThrottledConfig(steps=8).steps_of(Cell(10.0, "x/y")) == 8
     with pytest.raises(ValueError):
         ThrottledConfig(slow_steps=0)
+    with pytest.raises(ValueError):
+        ThrottledConfig(slow_codec_steps=0)
+
+
+def test_slow_compressed_cells_run_long_enough_that_a_full_bucket_does_not_set_their_mean():
+    # s22's 1 Mbit/s default cell: 12 steps, 8 after the first epoch, two 64 KiB refills of about 0.5 s of link
+    # each: 0.195 s measured for a link-bound 0.28 s. Its compressed cells now run 64 steps (at least `steps`)
+    cfg = ThrottledConfig(steps=40, slow_steps=12)
+    assert cfg.steps_of(Cell(1.0, th.DEFAULT_CODECS)) == 64 and cfg.steps_of(Cell(1.0, "directq2/gradq4")) == 64
+    assert ThrottledConfig(steps=80).steps_of(Cell(1.0, "directq2/gradq4")) == 80
+    assert cfg.steps_of(Cell(1.0, "fp32/fp32")) == 12  # fp32 takes ~5 s a step there: 12 as before
+    refills_s = 2 * 65536 / 125e3  # both directions' buckets at 1 Mbit/s, once each
+    steady = cfg.steps_of(Cell(1.0, th.DEFAULT_CODECS)) - cfg.train_samples // cfg.batch_size
+    assert refills_s / (steady * 0.28) < 0.07
+    note = th.slow_steps_note(cfg)
+    assert "fp32 ran 12 of 40" in note and "compressed settings 64" in note
+    assert th.slow_steps_note(ThrottledConfig(rates=(10.0,))) == ""
+    assert th.config_from_args(_args("--slow-codec-steps", "20")).slow_codec_steps == 20
+
+
+def test_the_calibration_window_is_read_from_the_plan_and_compared_with_the_trainers_steps():
+    plan = {"A": {"first_step": 4, "steps": 3, "step_s": 0.2}, "B": {"first_step": 5, "steps": 4, "step_s": 0.25}}
+    assert th.calibration_window(plan) == {"first": 5, "last": 7, "clock_s": 0.25}
+    assert th.calibration_window({"A": {"steps": 3, "step_s": 0.2}}) is None  # an older plan
+    assert th.calibration_window({"A": {"first_step": "x", "steps": 3, "step_s": 0.2}}) is None
+    assert th.calibration_window([]) is None
+    steps = [{"step": str(i), "step_s": str(0.1 * i), "train_loss": "3.0"} for i in range(1, 9)]
+    row = th.summarize(Cell(None, "fp32/fp32"), steps, 4, 8, {"calibration_window": th.calibration_window(plan)})
+    assert row["window_steps"] == [5, 7] and row["window_step_s"] == pytest.approx(0.6)
+    assert row["window_clock_s"] == 0.25
 
 
 def _args(*argv: str) -> argparse.Namespace:

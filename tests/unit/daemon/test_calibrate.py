@@ -3,6 +3,7 @@ and malformed, stranger, late and silent replies leave the prediction alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ from swarm.daemon.calibrate import (
 )
 from swarm.daemon.planning import Planner
 from swarm.peers.records import PlanRecord
-from swarm.scheduler.plans import ModelSpec, Peer, PlanInput
+from swarm.scheduler.plans import ModelSpec, Peer, PlanInput, TransformerShape
 
 
 def metrics(stage: int, steps: int, step_s: float, work_s: float, passes: int, fw=0.0, bw=0.0, tied=0.0) -> dict:
@@ -71,7 +72,7 @@ def test_window_takes_differences_and_refuses_counters_that_went_back():
     before = StageClock(4, 10.0, 2.0, 32, (8000.0, 0.0, 100.0))
     after = StageClock(7, 13.0, 3.5, 56, (20000.0, 0.0, 400.0))
     m = window(before, after)
-    assert m == Measured(pytest.approx(1.5 / 12), pytest.approx(1.0), 3, pytest.approx(1000.0), 0.0, 100.0)
+    assert m == Measured(pytest.approx(1.5 / 12), pytest.approx(1.0), 3, pytest.approx(1000.0), 0.0, 100.0, 4)
     assert window(after, before) is None  # a restarted host
     assert window(before, before) is None  # no step in between
 
@@ -101,7 +102,7 @@ def set_steps(peers: Peers, steps: int, stage_of_b: int = 1) -> None:
 
 def test_the_calibrator_waits_for_every_stage_then_gives_the_window_once():
     peers, now = Peers(), [0.0]
-    cal = Calibrator(peers, after_steps=4, window_steps=3, every_s=1.0, clock=lambda: now[0])
+    cal = Calibrator(peers, after_steps=4, window_steps=3, every_s=1.0, clock=lambda: now[0], window_s=0.0)
     set_steps(peers, 2)
     assert cal.observe(PLAN) is None  # before the first epoch is over
     now[0] += 1
@@ -124,10 +125,30 @@ def test_the_calibrator_waits_for_every_stage_then_gives_the_window_once():
     assert cal.observe(moved) is None
 
 
+def test_the_window_spans_window_s_as_well_as_window_steps():
+    # 0.2 s steps on a loaded machine: 4 steps (0.8 s) were one reading's worth, too few to average their spread
+    peers, now = Peers(), [0.0]
+    cal = Calibrator(peers, after_steps=4, window_steps=4, every_s=1.0, clock=lambda: now[0], window_s=4.0)
+    set_steps(peers, 4)
+    assert cal.observe(PLAN) is None  # opened at t = 0
+    for t, steps in ((1.0, 9), (2.0, 14), (3.0, 19)):
+        now[0] = t
+        set_steps(peers, steps)
+        assert cal.observe(PLAN) is None, f"{steps - 4} steps but only {t} s"
+    now[0] = 4.0
+    set_steps(peers, 24)
+    measured = cal.observe(PLAN)
+    assert measured is not None and measured[A].steps == 20 and measured[A].first_step == 4
+    with pytest.raises(ValueError):
+        Calibrator(peers, window_s=math.inf)
+    with pytest.raises(ValueError):
+        Calibrator(peers, window_s=-1.0)
+
+
 @pytest.mark.parametrize("fault", ["silent", "wrong stage", "malformed"])
 def test_a_silent_stranger_or_malformed_peer_holds_the_window(fault):
     peers, now = Peers(), [0.0]
-    cal = Calibrator(peers, after_steps=0, window_steps=1, every_s=0.0, clock=lambda: now[0])
+    cal = Calibrator(peers, after_steps=0, window_steps=1, every_s=0.0, clock=lambda: now[0], window_s=0.0)
     set_steps(peers, 1)
     assert cal.observe(PLAN) is None
     set_steps(peers, 5, stage_of_b=0 if fault == "wrong stage" else 1)
@@ -141,7 +162,7 @@ def test_a_silent_stranger_or_malformed_peer_holds_the_window(fault):
 
 def test_a_restarted_host_starts_its_window_again():
     peers = Peers()
-    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0)
+    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0, window_s=0.0)
     set_steps(peers, 5)
     assert cal.observe(PLAN) is None
     set_steps(peers, 1)  # counters went back: both start again from here
@@ -179,6 +200,50 @@ def test_calibrated_breakdown_takes_measured_compute_bytes_and_the_rest_as_overh
     assert after.overhead_s == 0.0 and after.total_s > 4.0
 
 
+def test_calibration_keeps_each_ends_tied_bytes_apart():
+    # the throttled experiment's 1 Mbit/s default cell (s22): stage 0 sent 5.8 kB forward per micro-batch and 4.8 kB
+    # of tied gradient per step, stage 1 5.2 kB back and 14.1 kB; its steady steps (empty buckets) took 0.28 s.
+    # One tied figure (the larger, on both directions) predicted 0.2975 s; each end's own predicts 0.278 s.
+    spec = ModelSpec(layers=2, flops_per_layer=1e9, forward_bytes=50_000, backward_bytes=50_000,
+                     gradient_bytes_per_layer=0, memory_bytes_per_layer=0, micro_batches=4, full_duplex=True,
+                     tied_bytes=20_000)  # fmt: skip
+    measured = {
+        A: Measured(0.0109, 0.2147, 5, forward_bytes=5778.7, tied_bytes=4844.4),
+        B: Measured(0.0111, 0.2142, 5, backward_bytes=5172.4, tied_bytes=14113.2),
+    }
+    links = two_peer_input(125e3)  # 1 Mbit/s and the shaper's 64 KiB bucket
+    links = PlanInput(links.peers, links.delay_s, links.bandwidth_bytes_per_s, np.where(np.eye(2), 0.0, 65536.0))
+    after, _ = calibrated_breakdown(PLAN, links, spec, measured)
+    assert after.total_s == pytest.approx((4 * 5172.4 + 14113.2) / 125e3)
+    both = measured_bytes(spec, PLAN["stages"], measured)
+    assert (both.tied_bytes, both.tied_bytes_last) == (4844.4, 14113.2)
+    # one end sent nothing (a figure missing): the other's stands for both
+    one = measured_bytes(spec, PLAN["stages"], {A: measured[A], B: Measured(0.1, 0.1, 1)})
+    assert (one.tied_bytes, one.tied_bytes_last) == (4844.4, 4844.4)
+
+
+def test_message_bytes_come_from_the_ratio_counted_with_them_not_from_passes_read_mid_step():
+    # stage 0 of 1F1B, read twice mid-step: 16 micro-batches' passes (32) between the readings, but 15 forward
+    # messages of 1000 bytes sent (its backward passes ran ahead). Bytes over passes read 937.5 a message; the
+    # fp32 counter moves with the bytes (4000 a message of 1000 elements): 1000 exactly
+    fp32 = 'swarm_fp32_bytes_total{direction="forward",link="0"}'
+    before = read_clock(metrics(0, 4, 4.0, 1.0, 16, fw=8000.0) | {fp32: 32000.0}, 0)
+    after = read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=23000.0) | {fp32: 92000.0}, 0)
+    m = window(before, after)
+    assert m.forward_bytes == pytest.approx(937.5) and m.forward_ratio == pytest.approx(0.25)
+    spec = ModelSpec(layers=2, flops_per_layer=1.0, forward_bytes=7.0, backward_bytes=9.0,
+                     gradient_bytes_per_layer=0, memory_bytes_per_layer=0, message_elements=1000.0)  # fmt: skip
+    assert measured_bytes(spec, PLAN["stages"], {A: m, B: Measured(0.1, 0.1, 1)}).forward_bytes == pytest.approx(1000)
+    # no element count in the spec: bytes over passes as before
+    unknown = dataclasses.replace(spec, message_elements=0.0)
+    assert measured_bytes(unknown, PLAN["stages"], {A: m}).forward_bytes == pytest.approx(937.5)
+    # a reply whose bytes outgrow their fp32 size many times over is refused, as are fp32 counters that went back
+    assert window(before, read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=9e9) | {fp32: 92000.0}, 0)) is None
+    assert window(before, read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=23000.0) | {fp32: 1.0}, 0)) is None
+    assert read_clock(metrics(0, 8, 8.0, 2.0, 48) | {fp32: math.nan}, 0) is None
+    assert ModelSpec.transformer(TransformerShape(2, 64, 16, micro_batch_size=2)).message_elements == 2 * 16 * 64
+
+
 def test_measured_bytes_keeps_the_synthetic_figure_where_nothing_was_sent():
     spec = ModelSpec(layers=2, flops_per_layer=1.0, forward_bytes=7.0, backward_bytes=9.0,
                      gradient_bytes_per_layer=0, memory_bytes_per_layer=0, tied_bytes=3.0)  # fmt: skip
@@ -191,7 +256,7 @@ def test_the_planner_republishes_the_stages_with_the_calibrated_prediction():
     records = {"peers": [peer(A, 4), peer(B, 4)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
     peers = Peers()
-    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0)
+    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0, window_s=0.0)
     planner = Planner(dht, SPEC, n_stages=2, min_peers=2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0,
                       calibrator=cal)  # fmt: skip
     set_steps(peers, 1)

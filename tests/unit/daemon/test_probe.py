@@ -37,3 +37,31 @@ def test_a_probe_of_a_peer_that_never_answers_gives_up_within_answer_s():
     finally:
         channels.close()
         silent.close()
+
+
+class _Announced:
+    def __init__(self, peer_id: str, address: str):
+        self.peer_id, self.address = peer_id, address
+
+
+class _Peers(_DHT):
+    def __init__(self):
+        self.announced: list[_Announced] = []
+        self.stored = []
+
+    def peers(self):
+        return list(self.announced)
+
+    def store_link(self, measurement) -> None:
+        self.stored.append(measurement)
+
+
+def test_a_round_that_finds_nobody_says_so_so_the_daemon_looks_again_soon():
+    dht = _Peers()
+    prober = LinkProber(dht, "127.0.0.1:1", LinkShaping(), channels=None)
+    prober.measure = lambda address: (1e-3, 125e3, 65536.0)  # no network: the round's bookkeeping alone
+    assert prober.round(now=0.0) == 0 and not prober.found_peers  # alone: the daemon asks again within 1 s
+    dht.announced = [_Announced("prober", "127.0.0.1:1"), _Announced("other", "127.0.0.1:2")]
+    assert prober.round(now=1.0) == 1 and prober.found_peers
+    assert [m.dst for m in dht.stored] == ["other"] and dht.stored[0].burst_bytes == 65536.0
+    assert prober.round(now=2.0) == 0 and prober.found_peers  # measured: the plan interval's refresh now

@@ -197,3 +197,26 @@ def test_a_token_bucket_refills_while_the_link_idles_so_a_step_takes_its_bytes_o
         Layout(np.array([[0], [1]]), np.array([1, 1]))
     )
     assert slower.total_s == pytest.approx(0.8)  # 400 + 400 kB at the rate binds
+
+
+def test_each_end_puts_its_own_tied_bytes_on_its_own_direction():
+    # 1 Mbit/s (125 kB/s) both ways, a 64 KiB bucket, 4 micro-batches: forward 5.8 kB a message and 4.8 kB of tied
+    # gradient from stage 0; backward 5.2 kB and 14.1 kB of tied gradient from stage 1 (the figures the peers
+    # measured in the throttled experiment's default cell). Direction 1 -> 0 binds: 4 x 5.2 + 14.1 = 34.9 kB.
+    # One tied figure for both ends (the larger) read 4 x 5.8 + 14.1 = 37.3 kB on direction 0 -> 1: 7% too slow.
+    eye = np.eye(2, dtype=bool)
+    peers = (Peer("a", 1e12, 1e10), Peer("b", 1e12, 1e10))
+    swarm = PlanInput(peers, np.zeros((2, 2)), np.where(eye, np.inf, 125e3), np.where(eye, 0.0, 65536.0))
+    model = ModelSpec(layers=2, flops_per_layer=0, forward_bytes=5.8e3, backward_bytes=5.2e3,
+                      gradient_bytes_per_layer=0, memory_bytes_per_layer=0, micro_batches=4, tied_bytes=4.8e3,
+                      tied_bytes_last=14.1e3, full_duplex=True)  # fmt: skip
+    layout = Layout(np.array([[0], [1]]), np.array([1, 1]))
+    assert FullCost(swarm, model).evaluate(layout).total_s == pytest.approx((4 * 5.2e3 + 14.1e3) / 125e3)
+    # the last stage's 14.1 kB fits the refilled bucket; 100 kB does not: its own direction waits, not the other
+    big = FullCost(swarm, dataclasses.replace(model, tied_bytes_last=100e3)).evaluate(layout)
+    assert big.tied_s == pytest.approx((100e3 - 65536) / 125e3)
+    # None: both ends send `tied_bytes`, as before
+    same = FullCost(swarm, dataclasses.replace(model, tied_bytes_last=None)).evaluate(layout)
+    assert same.total_s == pytest.approx((4 * 5.8e3 + 4.8e3) / 125e3)
+    with pytest.raises(ValueError):
+        dataclasses.replace(model, tied_bytes_last=float("nan"))
