@@ -36,9 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from swarm.compression import CodecConfig, make_codec
 from swarm.daemon.calibrate import Calibrator
 from swarm.daemon.capacity import (  # noqa: F401  (re-exported: where callers import them from)
     REFERENCE_MICRO_BATCH,
@@ -50,6 +48,7 @@ from swarm.daemon.capacity import (  # noqa: F401  (re-exported: where callers i
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.probe import LinkProber  # noqa: F401  (re-exported: where callers import it from)
 from swarm.daemon.repair import grow_plan, repair_plan
+from swarm.daemon.state_fetch import MAX_STATE_TENSORS, fetch_state  # noqa: F401  (re-exported)
 from swarm.peers.records import (
     MAX_PLAN_TRAINERS,
     MAX_PLAN_VERSION,
@@ -58,7 +57,6 @@ from swarm.peers.records import (
     PlanRecord,
     elected_planner,
 )
-from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
@@ -560,43 +558,3 @@ class Planner:
                 self._exhausted = True
             return None
         return floor + 1
-
-
-MAX_STATE_TENSORS = 1 << 14
-"""Named tensors one GetState reply may carry (a stage has a few per parameter): more is refused."""
-
-
-def fetch_state(
-    channels,
-    address: str,
-    stage: int,
-    plan_version: int,
-    timeout_s: float = 120.0,
-    metadata: tuple[tuple[str, str], ...] = (),
-    max_bytes: int = 8 << 30,
-) -> dict:
-    """The named fp32 tensors of `stage` as the peer at `address` held it under `plan_version` (or, with the
-    held-range `metadata`, the checkpoint copy it holds). The reply is bounded: at most MAX_STATE_TENSORS
-    names, `max_bytes` of bodies, each tensor framed within the wire limits; a name sent twice is refused."""
-    from swarm.compression import Unframer, WireError
-
-    fp32 = make_codec(CodecConfig("fp32"))
-    stub = stage_pb2_grpc.StageStub(channels.get(address))
-    tensors: dict[str, torch.Tensor] = {}
-    unframers: dict[str, Unframer] = {}
-    received = 0
-    call = stub.GetState(
-        stage_pb2.StateRequest(stage=stage, plan_version=plan_version), timeout=timeout_s, metadata=metadata or None
-    )
-    for item in call:
-        if item.name in tensors or (item.name not in unframers and len(unframers) >= MAX_STATE_TENSORS):
-            call.cancel()
-            raise WireError(f"state from {address}", f"tensor {item.name[:64]!r} repeated or over {MAX_STATE_TENSORS}")
-        received += len(item.chunk.data)
-        if received > max_bytes:
-            call.cancel()
-            raise WireError(f"state from {address}", f"over {max_bytes} bytes")
-        msg = unframers.setdefault(item.name, Unframer()).feed(item.chunk)
-        if msg is not None:
-            tensors[item.name] = fp32.decode(msg)
-    return tensors

@@ -239,7 +239,7 @@ class FakeChannels:
 
 def test_fetch_state_bounds_what_a_holder_sends(monkeypatch):
     from swarm.compression import WireError
-    from swarm.daemon import planning
+    from swarm.daemon import state_fetch
     from swarm.daemon.held import fetch_held, state_items_of
 
     tensors = {"model.w": torch.ones(4, 4), "meta.steps_done": torch.tensor([3.0])}
@@ -249,10 +249,10 @@ def test_fetch_state_bounds_what_a_holder_sends(monkeypatch):
     assert set(got) == set(tensors) and channels.metadata == ((HELD_METADATA_KEY, "0-1"),)
     channels = FakeChannels(good + good[:1])  # a tensor sent twice
     with pytest.raises(WireError, match="repeated"):
-        planning.fetch_state(channels, "x", 0, 0)
+        state_fetch.fetch_state(channels, "x", 0, 0)
     assert channels.calls[-1].cancelled, "the stream is cancelled, not read on"
     with pytest.raises(WireError, match="over 16 bytes"):
-        planning.fetch_state(FakeChannels(good), "x", 0, 0, max_bytes=16)
-    monkeypatch.setattr(planning, "MAX_STATE_TENSORS", 1)
+        state_fetch.fetch_state(FakeChannels(good), "x", 0, 0, max_bytes=16)
+    monkeypatch.setattr(state_fetch, "MAX_STATE_TENSORS", 1)
     with pytest.raises(WireError, match="over 1"):
-        planning.fetch_state(FakeChannels(good), "x", 0, 0)
+        state_fetch.fetch_state(FakeChannels(good), "x", 0, 0)
