@@ -27,6 +27,7 @@ CODEC_MODULES = (
     "codec_acsgd",
     "codec_tern",
     "codec_bilevel",
+    "codec_gsign",
 )
 """Modules of swarm.compression that define codecs, in the order names are listed (help, errors)."""
 

@@ -124,9 +124,10 @@ class CodecConfig:
     def label(self) -> str:
         """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot` (rounding is
         not part of it: each codec family has its own default)."""
-        if not codec_class(self.name).quantized:  # tern, sign: a name without bits, maybe channel groups
+        if not codec_class(self.name).quantized:  # tern, gsign: a name without bits, maybe channel groups
             channel = "+ch" if self.group_layout == "channel" else ""
-            return self.name + channel + (f"+r{self.rate_percent}" if self.rate_percent else "")
+            feedback, rotated = "+ef" if self.error_feedback else "", "+rot" if self.rotation == "hadamard" else ""
+            return self.name + feedback + channel + rotated + (f"+r{self.rate_percent}" if self.rate_percent else "")
         return (
             f"{self.name}{self.bits}"
             + ("+ef" if self.error_feedback else "")

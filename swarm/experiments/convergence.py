@@ -87,6 +87,8 @@ class Setting:
     """A `sel:` setting's per-link choice (`swarm.experiments.selective`): boundaries' and epilogue's codecs."""
     stage_precisions: tuple[tuple[int, str], ...] = ()
     """Per-peer precision (`~bf16:1`): (stage, precision) pairs computed in another precision than the run's."""
+    tied_bits: int | None = None
+    """`@tN`: the tied embedding's sum at N bits (`GradientAverager.tied_min_bits` on every host) instead of 4."""
 
     @classmethod
     def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
@@ -100,6 +102,7 @@ class Setting:
         from swarm.experiments.hetero import split_stage_precisions
 
         name, (text, stage_precisions) = text, split_stage_precisions(text)
+        text, tied_bits = _split_tied_bits(text)
         pair, _, warmup = text.partition("@w")
         fw, sep, bw = pair.partition("/")
         if not sep:
@@ -110,7 +113,20 @@ class Setting:
             _parse_codec(bw, backward_defaults or {}),
             int(warmup) if warmup else 0,
             stage_precisions=stage_precisions,
+            tied_bits=tied_bits,
         )
+
+
+def _split_tied_bits(text: str) -> tuple[str, int | None]:
+    """`FW/BW@t3` -> (`FW/BW`, 3): the tied sum's bits, one of the quantized codecs' widths."""
+    from swarm.compression.quantized import SUPPORTED_BITS
+
+    head, sep, bits = text.partition("@t")
+    if not sep:
+        return text, None
+    if not bits.isdigit() or int(bits) not in SUPPORTED_BITS:
+        raise ValueError(f"setting {text!r}: @tN takes N in {SUPPORTED_BITS}, after every other part")
+    return head, int(bits)
 
 
 def _bits(cfg: CodecConfig) -> int:
@@ -181,6 +197,9 @@ def _run_setting(
     stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
     pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
     _apply_plan(pipe, setting, cfg)
+    if setting.tied_bits is not None:  # an instance attribute over the class's floor, this run's hosts only
+        for host in (h for replicas in pipe.replica_hosts for h in replicas):
+            host.averager.tied_min_bits = setting.tied_bits
     apply_stage_precisions(pipe, setting.stage_precisions)  # per-peer precision (`~bf16:S`), before step 1
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
@@ -438,7 +457,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
         "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
         "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
-        "uncompressed warm-up epochs first); sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
+        "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last); "
+        "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
         "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
         "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
         "fp32/fp32 always runs first as the baseline "
