@@ -69,13 +69,32 @@ class GSignCodec(Codec):
         """Gradient sums keep gradq's bit floors (`GradientAverager.min_bits`, `tied_min_bits`): the same rotation,
         rounding and groups, 16-bit scales. A sign has no bit width to raise, and the tied sum's error feedback
         carries across steps, where 1 bit was not measured."""
-        return dataclasses.replace(config, name="gradq", bits=2, scale_dtype="auto")
+        return dataclasses.replace(config, name="gradq", bits=2, scale_dtype="auto", rate_percent=0)
+
+    code_bits = 1
+    """`Quantized.bits` of its messages."""
 
     def payload_nbytes(self, numel: int) -> int:
         group = group_size(self.config)
         if self.config.rotation == "hadamard":
             numel = rot.padded_numel(numel, group)
-        return math.ceil(numel / 8) + 2 * math.ceil(numel / group)
+        return self._code_nbytes(numel) + 2 * math.ceil(numel / group)
+
+    # the code: a subclass (gtern) swaps these five
+    def _code_nbytes(self, numel: int) -> int:
+        return math.ceil(numel / 8)
+
+    def _quantize(self, values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return sign_quantize(values, group)
+
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+        return sign_dequantize(codes, scales, group)
+
+    def _pack(self, codes: torch.Tensor) -> bytes:
+        return pack_bits(codes.to(torch.uint8))
+
+    def _unpack(self, payload: bytes, numel: int, field: str) -> torch.Tensor:
+        return unpack_bits(payload, numel, field)
 
     def _encode_body(self, x, msg, state):
         use_feedback = self.config.error_feedback and state is not None
@@ -89,14 +108,14 @@ class GSignCodec(Codec):
             seed = seed if seed is not None else self.config.seed % (1 << 62)
             values = rot.rotate(x, group, seed)
             msg.rotation, msg.rotation_seed = ROTATION_HADAMARD, seed
-        codes, scales = sign_quantize(values, group)
+        codes, scales = self._quantize(values, group)
         q = msg.quantized
-        q.bits, q.group_size, q.numel = 1, group, values.numel()
+        q.bits, q.group_size, q.numel = self.code_bits, group, values.numel()
         q.scale_dtype = wire_dtype(torch.float16)
         q.scales = tensor_to_bytes(scales)
-        q.payload = pack_bits(codes.to(torch.uint8))
+        q.payload = self._pack(codes)
         if use_feedback:
-            sent = sign_dequantize(codes, scales, group)
+            sent = self._dequantize(codes, scales, group)
             if seed is not None:
                 sent = rot.unrotate(sent, group, seed, x.numel())
             state.residual = x.float() - sent.view(x.shape)
@@ -107,8 +126,8 @@ class GSignCodec(Codec):
             raise WireError("rotation", f"unknown rotation {msg.rotation}")
         if msg.rotation == ROTATION_NONE and msg.rotation_seed:
             raise WireError("rotation_seed", "set on a message without rotation")
-        if q.bits != 1:
-            raise WireError(f"{field}.bits", f"{q.bits}, sign codes are 1 bit")
+        if q.bits != self.code_bits:
+            raise WireError(f"{field}.bits", f"{q.bits}, this codec's codes say {self.code_bits}")
         if not 1 <= q.group_size <= 65536:
             raise WireError(f"{field}.group_size", f"{q.group_size} is outside 1..65536")
         bound = decoded_bound(msg)
@@ -123,18 +142,18 @@ class GSignCodec(Codec):
         if q.numel != coded:
             raise WireError(f"{field}.numel", f"{q.numel}, expected {coded} coded elements")
         if q.scale_dtype != wire_pb2.FLOAT16:
-            raise WireError(f"{field}.scale_dtype", "sign codes carry fp16 scales")
+            raise WireError(f"{field}.scale_dtype", "the codes carry fp16 scales")
         if q.mins:
-            raise WireError(f"{field}.mins", "sign codes carry no mins")
+            raise WireError(f"{field}.mins", "the codes carry no mins")
         groups = math.ceil(coded / q.group_size)
         scales = check_levels(q.scales, groups, f"{field}.scales", bound)
         if bool((scales < 0).any()):
             raise WireError(f"{field}.scales", "a negative scale")
-        codes = unpack_bits(q.payload, coded, f"{field}.payload")
+        codes = self._unpack(q.payload, coded, f"{field}.payload")
         zero = (scales == 0).repeat_interleave(q.group_size)[:coded]
-        if bool((codes & zero).any()):
+        if bool(((codes != 0) & zero).any()):
             raise WireError(f"{field}.payload", "a code set in a group whose scale is 0")
-        out = sign_dequantize(codes, scales, q.group_size)
+        out = self._dequantize(codes, scales, q.group_size)
         if msg.rotation == ROTATION_HADAMARD:
             out = rot.unrotate(out, q.group_size, msg.rotation_seed, numel)
             check_wire_finite(out, f"{field}.scales")

@@ -99,8 +99,10 @@ class CodecConfig:
             raise ValueError(f"group_layout must be one of {GROUP_LAYOUTS}, got {self.group_layout!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
-        if not 0 <= self.rate_percent <= 1000 or (self.rate_percent and self.name != "tern"):
-            raise ValueError(f"rate_percent (+rN) is 0..1000 and applies to tern only, got {self.rate_percent}")
+        if not 0 <= self.rate_percent <= 1000 or (self.rate_percent and self.name not in ("tern", "gtern")):
+            raise ValueError(
+                f"rate_percent (+rN) is 0..1000 and applies to tern and gtern only, got {self.rate_percent}"
+            )
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.scale_dtype != "float32" and self.name != "gradq":

@@ -20,6 +20,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TERN: _ClassVar[Codec]
     BILEVEL: _ClassVar[Codec]
     GSIGN: _ClassVar[Codec]
+    GTERN: _ClassVar[Codec]
 
 class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +49,7 @@ ACSGD: Codec
 TERN: Codec
 BILEVEL: Codec
 GSIGN: Codec
+GTERN: Codec
 GROUP_LAYOUT_FLAT: GroupLayout
 GROUP_LAYOUT_CHANNEL: GroupLayout
 DTYPE_UNSPECIFIED: DType
