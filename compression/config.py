@@ -110,9 +110,8 @@ class CodecConfig:
         if self.rotation == "hadamard" and not is_power_of_two(group_size(self)):
             raise ValueError(f"rotation needs a power-of-two group_size, got {self.group_size}")
         if self.error_feedback and not codec.error_feedback:
-            with_feedback = " and ".join(n for n, c in BY_NAME.items() if c.error_feedback)
-            codecs = "codecs" if " and " in with_feedback else "codec"
-            raise ValueError(f"error_feedback applies to the {with_feedback} {codecs} only")
+            with_feedback = ", ".join(n for n, c in BY_NAME.items() if c.error_feedback)
+            raise ValueError(f"error_feedback applies to these codecs only: {with_feedback}")
 
     @property
     def torch_buffer_dtype(self) -> torch.dtype:
