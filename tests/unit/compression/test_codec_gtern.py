@@ -112,3 +112,14 @@ def test_a_gsign_message_relabelled_as_gtern_is_refused():
     msg.codec = wire_pb2.GTERN
     with pytest.raises(WireError, match="bits"):
         decoder_for(msg).decode(msg)
+
+
+def test_the_planners_tied_estimate_follows_the_averager():
+    """`capacity.tied_bytes` sizes a gtern (or gsign) backward's tied sum as the gradq sum the averager sends."""
+    from swarm.daemon.capacity import tied_bytes
+    from swarm.model.gpt import ModelConfig
+
+    model = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
+    gradq = tied_bytes(model, CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024"))
+    for label in ("gtern+ef+rot+nr+r150+g1024", "gsign+ef+rot+nr+g1024"):
+        assert tied_bytes(model, CodecConfig.parse(label)) == gradq > 0
