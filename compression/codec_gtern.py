@@ -8,6 +8,9 @@ zero what buys least (`+rN`, TERN's rate weight: keep the k of each group that m
 `c_k^2 / k - rate * mean(v^2) * k`) sit on a better curve: r0 1.54 bits at 0.19, r75 1.23 at 0.26, r100 1.11 at
 0.31, r150 0.96 at 0.40. zstd takes the base-3 bytes to within 2% of their order-0 entropy: the zeros are what
 shrink. The error feedback carries what a code leaves out into the next micro-batch of the step, as gradq's.
+In `swarm experiment convergence` (8 epochs, forward `tern+ch+r75`, seeds 0 / 1) the backward moved 37.6 KB a step
+at r100 (+1.70% / +1.86% held-out, 19.0x fewer total bytes after epoch 1) and 32.4 KB at r150 (+2.30% / +1.67%,
+20.05x), against gradq2's 43.9 KB (+1.66%, 18.0x); r200 27 KB at +7.35%.
 
 On the wire: as gsign's, with `bits` 0 and `payload` ceil(numel / 5) bytes, five codes a byte, base 3, the
 first code least significant (`codec_tern.pack_trits`; a byte >= 243 or a nonzero padding code is refused), one
