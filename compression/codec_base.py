@@ -45,6 +45,12 @@ class Codec:
     rotates: ClassVar[bool] = False
     """reads `TensorMessage.rotation`; every other codec refuses a message that sets it (it would decode unrotated)"""
 
+    @classmethod
+    def sum_config(cls, config: CodecConfig) -> CodecConfig:
+        """The config a replicas' or tied gradient sum starts from when this codec is the backward codec (the
+        averager then applies its bit floors): the same config, unless the codec has no bit width to raise."""
+        return config
+
     def __init__(self, config: CodecConfig):
         self.config = config
 

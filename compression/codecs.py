@@ -27,6 +27,8 @@ CODEC_MODULES = (
     "codec_acsgd",
     "codec_tern",
     "codec_bilevel",
+    "codec_gsign",
+    "codec_gtern",
 )
 """Modules of swarm.compression that define codecs, in the order names are listed (help, errors)."""
 

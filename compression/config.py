@@ -99,8 +99,10 @@ class CodecConfig:
             raise ValueError(f"group_layout must be one of {GROUP_LAYOUTS}, got {self.group_layout!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
-        if not 0 <= self.rate_percent <= 1000 or (self.rate_percent and self.name != "tern"):
-            raise ValueError(f"rate_percent (+rN) is 0..1000 and applies to tern only, got {self.rate_percent}")
+        if not 0 <= self.rate_percent <= 1000 or (self.rate_percent and self.name not in ("tern", "gtern")):
+            raise ValueError(
+                f"rate_percent (+rN) is 0..1000 and applies to tern and gtern only, got {self.rate_percent}"
+            )
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.scale_dtype != "float32" and self.name != "gradq":
@@ -108,8 +110,8 @@ class CodecConfig:
         if self.rotation == "hadamard" and not is_power_of_two(group_size(self)):
             raise ValueError(f"rotation needs a power-of-two group_size, got {self.group_size}")
         if self.error_feedback and not codec.error_feedback:
-            with_feedback = " and ".join(n for n, c in BY_NAME.items() if c.error_feedback)
-            raise ValueError(f"error_feedback applies to the {with_feedback} codec only")
+            with_feedback = ", ".join(n for n, c in BY_NAME.items() if c.error_feedback)
+            raise ValueError(f"error_feedback applies to these codecs only: {with_feedback}")
 
     @property
     def torch_buffer_dtype(self) -> torch.dtype:
@@ -124,9 +126,10 @@ class CodecConfig:
     def label(self) -> str:
         """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot` (rounding is
         not part of it: each codec family has its own default)."""
-        if not codec_class(self.name).quantized:  # tern, sign: a name without bits, maybe channel groups
+        if not codec_class(self.name).quantized:  # tern, gsign: a name without bits, maybe channel groups
             channel = "+ch" if self.group_layout == "channel" else ""
-            return self.name + channel + (f"+r{self.rate_percent}" if self.rate_percent else "")
+            feedback, rotated = "+ef" if self.error_feedback else "", "+rot" if self.rotation == "hadamard" else ""
+            return self.name + feedback + channel + rotated + (f"+r{self.rate_percent}" if self.rate_percent else "")
         return (
             f"{self.name}{self.bits}"
             + ("+ef" if self.error_feedback else "")

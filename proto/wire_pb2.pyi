@@ -19,6 +19,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACSGD: _ClassVar[Codec]
     TERN: _ClassVar[Codec]
     BILEVEL: _ClassVar[Codec]
+    GSIGN: _ClassVar[Codec]
+    GTERN: _ClassVar[Codec]
 
 class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +48,8 @@ GRADQ: Codec
 ACSGD: Codec
 TERN: Codec
 BILEVEL: Codec
+GSIGN: Codec
+GTERN: Codec
 GROUP_LAYOUT_FLAT: GroupLayout
 GROUP_LAYOUT_CHANNEL: GroupLayout
 DTYPE_UNSPECIFIED: DType

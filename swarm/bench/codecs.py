@@ -19,7 +19,8 @@ from swarm.compression import CodecConfig, LinkState, frame, make_codec
 OURS = [
     "fp32", "fp16", "bf16", "directq2", "directq2+ch", "directq4", "directq8",
     "aqsgd2", "aqsgd2+ch", "aqsgd4", "aqsgd4+ch", "aqsgd8", "acsgd2+ch", "acsgd4+ch", "tern+ch", "bilevel+ch",
-    "gradq4", "gradq8",
+    "gradq4", "gradq8", "gradq2+rot+nr+cs+g1024", "gsign+rot+g1024",
+    "gtern+rot+nr+r75+g1024", "gtern+rot+nr+r150+g1024",
 ]  # fmt: skip
 HIVEMIND = [
     "Float16Compression",
@@ -28,8 +29,8 @@ HIVEMIND = [
     "Quantile8BitQuantization",
     "BlockwiseQuantization",
 ]
-RAW_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "tern": 1.6, "bilevel": 1}
-"""Bits per element of the codecs without a bit width (tern: 5 ternary codes a byte)."""
+RAW_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "tern": 1.6, "bilevel": 1, "gsign": 1, "gtern": 1.6}
+"""Bits per element of the codecs without a bit width (tern, gtern: 5 ternary codes a byte)."""
 COLUMNS = [
     "codec",
     "bits",

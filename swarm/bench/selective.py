@@ -98,7 +98,7 @@ def rows(
         spec = replace(base, forward_bytes=sizes(fw), backward_bytes=sizes(bw))
         chosen = choose_epilogue(*epilogue_figures(plan_stages, plan_input, spec), policy)
         fp32 = step("fp32", "fp32", "fp32", "fp32")
-        compressed = step(FORWARD_LADDER[-1], BACKWARD_LADDER[-1], AVERAGE_LADDER[-1], TIED_LADDER[-1])
+        compressed = step(FORWARD_LADDER[-1], policy.backward_floor, AVERAGE_LADDER[-1], TIED_LADDER[-1])
         selective = selective_breakdown(plan_stages, plan_input, spec, chosen).total_s
         out.append(
             {

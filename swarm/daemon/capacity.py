@@ -160,6 +160,7 @@ def tied_bytes(model: ModelConfig, backward: CodecConfig) -> float:
 
     if model.n_layers < 2 or not getattr(model, "tied_embeddings", True):
         return 0.0
+    backward = codec_class(backward.name).sum_config(backward)  # as the averager: gsign's sums are gradq's
     cls = codec_class(backward.name)
     if cls.uses_buffers:
         config = CodecConfig("fp32", zstd_level=backward.zstd_level)

@@ -334,6 +334,7 @@ class GradientAverager:
         (fp32 for a codec that needs sample buffers), never below the group's floor of bits, its rounding draws
         seeded by step, group and member so no two messages share them."""
         cfg = self.codecs[tied] or self.host.links.bw_recv.config
+        cfg = codec_class(cfg.name).sum_config(cfg)  # a 1-bit backward codec's sums are gradq's
         cls = codec_class(cfg.name)
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)

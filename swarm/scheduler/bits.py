@@ -50,9 +50,17 @@ __all__ = [
 FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", "acsgd2+ch+nr")
 """Forward (activation) codecs, most precise first; the last is the default floor (`DEFAULT_FW_CODEC`): the
 current family (the AQ-SGD paper's quantizer, channel groups, round to nearest) at 8, 4 and 2 bits."""
-BACKWARD_LADDER = ("fp32", "gradq8+ef+rot+nr+cs+g1024", "gradq4+ef+rot+nr+cs+g1024", "gradq2+ef+rot+nr+cs+g1024")
-"""Backward (activation-gradient) codecs, most precise first; the last is the default floor (`DEFAULT_BW_CODEC`):
-error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4 and 2 bits."""
+BACKWARD_LADDER = (
+    "fp32",
+    "gradq8+ef+rot+nr+cs+g1024",
+    "gradq4+ef+rot+nr+cs+g1024",
+    "gradq2+ef+rot+nr+cs+g1024",
+    "gtern+ef+rot+nr+r150+g1024",
+)
+"""Backward (activation-gradient) codecs, most precise first; the 2-bit rung is the default floor
+(`DEFAULT_BW_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4
+and 2 bits. Below it, ternary gradients at about 1 bit an element (`gtern`, issue 13's best setting), which a
+policy reaches only by naming it as its `backward_floor`."""
 AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024")
 """Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is 8 bits with error
 feedback (`GradientAverager.min_bits`: 4 trained measurably worse). bf16 rather than fp16: a gradient sum must
@@ -66,7 +74,7 @@ class BitsPolicy:
     """The loss budget as a floor on each ladder, and how much a rate must move to re-choose."""
 
     forward_floor: str = FORWARD_LADDER[-1]
-    backward_floor: str = BACKWARD_LADDER[-1]
+    backward_floor: str = BACKWARD_LADDER[3]
     hysteresis: float = 1.5
     """Re-choose when a link's rate or a stage's compute changed by more than this factor."""
     headroom: float = 1.0

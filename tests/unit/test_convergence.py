@@ -129,3 +129,38 @@ def test_quick_run_counts_every_byte(tmp_path, capsys):
         assert row["control_bytes"] > 0
     assert abs(fp32["total_ratio_vs_fp32"] - 1) < 0.05  # fp32 on the wire is its own fp32 equivalent
     assert 1 < aq["total_ratio_vs_fp32"] < aq["total_steady_ratio_vs_fp32"]
+
+
+def test_tied_bits_option_parses_and_sets_each_hosts_floor(tmp_path, capsys):
+    """`@tN` sets the tied sum's bits on this run's hosts only; a gsign backward's tied sum is gradq at the floor."""
+    s = Setting.parse("tern+ch/gsign+ef+rot+nr@w1@t3")
+    assert (s.tied_bits, s.warmup_epochs, s.backward.label) == (3, 1, "gsign+ef+rot")
+    assert Setting.parse("aqsgd2/gradq4+ef").tied_bits is None
+    for bad in ("aqsgd2/gradq4@t5", "aqsgd2/gradq4@t", "aqsgd2/gradq4@t3@w1"):
+        with pytest.raises(ValueError):
+            Setting.parse(bad)
+    out = tmp_path / "run"
+    settings = "fp32/fp32,directq2/gradq2+ef+rot+nr+cs@t2,directq2/gradq2+ef+rot+nr+cs,directq2/gradq2+ef+rot+nr+cs@t8"
+    argv = ["experiment", "convergence", "--quick", "--json", "--no-progress", "--out", str(out), "--epochs", "1"]
+    assert main([*argv, "--settings", settings]) == 0
+    _, t2, t4, t8 = json.loads(capsys.readouterr().out)
+    assert 0 < t2["sync_bytes"] < t4["sync_bytes"] < t8["sync_bytes"]
+    from swarm.runtime.average import GradientAverager
+
+    assert GradientAverager.tied_min_bits == 4  # the option set instances, not the class
+
+
+def test_a_gsign_backwards_tied_sum_is_gradq_at_the_tied_floor():
+    from swarm.compression import CodecConfig
+    from swarm.model.gpt import ModelConfig
+    from swarm.runtime.local import LocalPipeline
+
+    model = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
+    pipe = LocalPipeline(model, 2, CodecConfig.parse("fp32"), CodecConfig.parse("gsign+ef+rot+nr", group_size=64))
+    try:
+        for host in pipe.hosts:
+            tied = host.averager._config(1, 0, tied=True)
+            assert (tied.name, tied.bits, tied.error_feedback, tied.rotation) == ("gradq", 4, True, "hadamard")
+            assert tied.scale_dtype == "auto" and tied.group_size == 64
+    finally:
+        pipe.close()

@@ -53,7 +53,7 @@ def test_validation_follows_each_codecs_traits():
         if cls.error_feedback:
             assert CodecConfig.parse(f"{name}4+ef").error_feedback
         else:
-            with pytest.raises(ValueError, match="error_feedback applies to the gradq codec only"):
+            with pytest.raises(ValueError, match="error_feedback applies to these codecs only: gradq, gsign, gtern"):
                 CodecConfig(name=name, error_feedback=True)
         assert (LinkState(CodecConfig(name=name)).buffers is not None) == cls.uses_buffers
     with pytest.raises(ValueError, match="codec name must be one of"):

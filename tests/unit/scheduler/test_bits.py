@@ -55,11 +55,17 @@ def test_the_loss_budget_is_a_floor_even_when_nothing_hides():
     assert (c["forward"], c["backward"]) == ("acsgd4+ch+nr", "gradq8+ef+rot+nr+cs+g1024")
     with pytest.raises(ValueError):
         BitsPolicy(forward_floor="directq1")
+    # the ternary rung below the default floor is chosen only when a policy names it
+    policy = BitsPolicy(backward_floor="gtern+ef+rot+nr+r150+g1024")
+    assert choose_link(link(0.01), SIZES, policy)["backward"] == "gtern+ef+rot+nr+r150+g1024"
+    assert choose_link(link(1000), SIZES, policy)["backward"] == "fp32"
 
 
 def test_the_ladders_are_the_default_codec_family():
     assert BitsPolicy().forward_floor == DEFAULT_FW_CODEC and BitsPolicy().backward_floor == DEFAULT_BW_CODEC
-    for ladder in (FORWARD_LADDER, BACKWARD_LADDER):
+    assert BACKWARD_LADDER[-1] == "gtern+ef+rot+nr+r150+g1024"  # below the default floor: a policy names it
+    assert SIZES(BACKWARD_LADDER[-1]) < SIZES(BACKWARD_LADDER[-2])
+    for ladder in (FORWARD_LADDER, BACKWARD_LADDER[:4]):
         rungs = [CodecConfig.parse(label) for label in ladder]
         assert [c.wire_bits for c in rungs] == [32, 8, 4, 2]
         assert [SIZES(label) for label in ladder] == sorted((SIZES(label) for label in ladder), reverse=True)
