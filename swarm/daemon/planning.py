@@ -49,6 +49,7 @@ from swarm.daemon.capacity import (  # noqa: F401  (re-exported: where callers i
 )
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.probe import LinkProber  # noqa: F401  (re-exported: where callers import it from)
+from swarm.daemon.repack import with_frozen
 from swarm.daemon.repair import grow_plan, repair_plan
 from swarm.peers.records import (
     MAX_PLAN_TRAINERS,
@@ -448,7 +449,7 @@ class Planner:
         made = plan(swarm.plan_input, self.spec, live_search(stages, self.seed, self.replicas), version=version)
         if self.even_layers:
             made = with_even_layers(made, swarm.plan_input, self.spec)
-        made_dict = made.to_dict()
+        made_dict = with_frozen(made.to_dict(), current.plan if current is not None else None)  # keeps F
         codecs = self.codecs_for(made_dict["stages"], swarm)
         codecs |= self.precisions(made_dict["stages"], peers) if self.precisions else {}
         self.dht.publish_plan(version, {**made_dict, **codecs, "trainer_ids": trainers})
