@@ -89,6 +89,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "Layers [0, N) of the model frozen on this peer's stage (PipeTransformer; what the planner repacks by)",
     ),
     MetricSpec(
+        "compute_bits", Gauge, "swarm_compute_bits",
+        "Bits of this peer's stage compute precision: 32 fp32, 16 bf16 or fp16 (a plan's precisions; QSync)",
+    ),
+    MetricSpec(
         "buffered_samples", Gauge, "swarm_buffered_samples", "Samples held in the AQ-SGD buffer of a link", ("link",)
     ),
     MetricSpec(
@@ -115,6 +119,7 @@ class Metrics:
         loss: swarm_loss.
         plan_version: swarm_plan_version.
         frozen_layers: swarm_frozen_layers (swarm.runtime.freeze.apply_frozen).
+        compute_bits: swarm_compute_bits (set by the stage's Status from its worker's precision).
         buffered_samples: swarm_buffered_samples{link}.
         relayed_bytes: swarm_relayed_bytes_total{link} (swarm.net.relay; link "<src>-><dst>").
     """
@@ -132,6 +137,7 @@ class Metrics:
     loss: Gauge
     plan_version: Gauge
     frozen_layers: Gauge
+    compute_bits: Gauge
     buffered_samples: Gauge
     relayed_bytes: Counter
 

@@ -47,6 +47,7 @@ from swarm.daemon.capacity import (  # noqa: F401  (re-exported: where callers i
 )
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.probe import LinkProber  # noqa: F401  (re-exported: where callers import it from)
+from swarm.daemon.repack import with_frozen
 from swarm.daemon.repair import grow_plan, repair_plan
 from swarm.daemon.state_fetch import MAX_STATE_TENSORS, fetch_state  # noqa: F401  (re-exported)
 from swarm.peers.records import (
@@ -455,7 +456,7 @@ class Planner:
         made = plan_relayed(swarm.direct_input, self.spec, swarm.relays, search, version=version)
         if self.even_layers:
             made = with_even_layers(made, shared_input(swarm.direct_input, swarm.relays, made), self.spec)
-        made_dict = made.to_dict()
+        made_dict = with_frozen(made.to_dict(), current.plan if current is not None else None)  # keeps F
         codecs = self.codecs_for(made_dict["stages"], swarm)
         codecs |= self.precisions(made_dict["stages"], peers) if self.precisions else {}
         self.dht.publish_plan(version, {**made_dict, **codecs, "trainer_ids": trainers})

@@ -30,7 +30,9 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["RepackWatch", "frozen_figure", "layer_costs", "split_by_cost", "repack_layout", "repack_plan"]
+__all__ = [
+    "RepackWatch", "frozen_figure", "layer_costs", "split_by_cost", "repack_layout", "repack_plan", "with_frozen"
+]  # fmt: skip
 
 log = logging.getLogger("swarm.daemon.repack")
 
@@ -123,6 +125,24 @@ def repack_plan(plan: dict, frozen_layers: int, frozen_cost: float = 1 / 3) -> d
     out["stages"], out["frozen_layers"] = new, frozen_layers
     if len(new) != len(stages):
         out.pop("codecs", None)
+    return out
+
+
+def with_frozen(plan: dict, previous: dict | None) -> dict:
+    """A freshly searched `plan` (the planner's full re-search after joins, leaves or a failed repair) made to
+    keep `previous`'s frozen prefix: `frozen_layers` carried over and the layers repacked for it
+    (`repack_plan`; the per-stage keys of the searched layout dropped when the stage count changes), so hosts
+    built from it start frozen and the repacked layout survives. Frozen layers never thaw: a re-search that
+    forgot the prefix would train them again for at least one step, and every stage refuses the trainer's
+    Step with fewer. Unchanged without a frozen prefix (or when the prefix reaches past the new plan)."""
+    frozen = int((previous or {}).get("frozen_layers", 0))
+    stages = plan.get("stages", [])
+    if frozen <= 0 or not stages or frozen >= int(stages[-1]["layer_end"]):
+        return plan
+    out = repack_plan(plan, frozen)
+    if len(out["stages"]) != len(stages):
+        for key in _PER_STAGE_KEYS:
+            out.pop(key, None)
     return out
 
 

@@ -9,6 +9,12 @@ gradients to the sum of the DECODED messages of all members in group order, its 
 included: every replica adds the same tensors in the same order, so all hold bit-identical gradients and,
 after the same optimizer step, identical weights.
 
+Frozen parameters (no `requires_grad`, `swarm.runtime.freeze`) leave the summed vector: it is the trained
+parameters' gradients only, so a frozen prefix costs no averaging bytes. The layout changes only when a Step
+freezes more layers, and every replica applies that same Step before its next step opens, so the members of
+a sum agree on its size; a member whose frozen prefix differs sends a message of another size, which is refused
+by name (INVALID_ARGUMENT) before anything is summed. The residual keeps the trained parameters' slices.
+
 The error-feedback residual is per stage. A Reduce computes the next one; it is committed only when `Step`
 applies the step, and dropped when the step is abandoned, so a failed attempt leaves no trace.
 
@@ -54,7 +60,8 @@ def parameters_digest(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def flatten_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The parameters' gradients as one fp32 vector (zeros for a parameter without one)."""
+    """The parameters' gradients as one fp32 vector (zeros for a parameter without one); the averager passes
+    only the trained ones (`GradientAverager.trained`)."""
     parts = [torch.zeros(p.numel()) if p.grad is None else p.grad.detach().float().reshape(-1).cpu() for p in params]
     return torch.cat(parts) if parts else torch.zeros(0)
 
@@ -112,12 +119,14 @@ class GradientAverager:
         module = host.worker.module
         tied = module.tied_parameter() if host.role.n_stages > 1 else None
         self.params = [p for _, p in sorted(module.named_parameters()) if p is not tied]
-        self.numel = sum(p.numel() for p in self.params)
+        """Every parameter the stage group sums, frozen or not (`trained` is what a sum carries)."""
+        self._layout = tuple(p.requires_grad for p in self.params)
+        numel = sum(p.numel() for p, on in zip(self.params, self._layout, strict=True) if on)
         self.tied_numel = 0 if tied is None else tied.numel()
         """Elements of the tied weight this stage sums with the tied group (0: not an end stage of 2+)."""
-        self.groups = {False: _Group(self.numel), True: _Group(self.tied_numel)}
+        self.groups = {False: _Group(numel), True: _Group(self.tied_numel)}
         """The stage group's state (False) and the tied group's (True): keyed by `CallInfo.tied`."""
-        most = max(1, self.numel, self.tied_numel)
+        most = max(1, sum(p.numel() for p in self.params), self.tied_numel)
         self.limits = WireLimits(max_dims=1, max_numel=most, max_message_bytes=4 * most + (1 << 20))
         """What one member's message may be: the larger of the stage's flat gradient and the tied weight's, at
         most fp32 (`receive` then holds each message to its own group's exact size)."""
@@ -135,7 +144,34 @@ class GradientAverager:
                 if config != self.codecs[key]:
                     self.codecs[key], self.groups[key].residual = config, None
 
+    numel = property(lambda self: self.groups[False].numel, doc="Elements of the stage sum: trained parameters'.")
     residual = property(lambda self: self.groups[False].residual, doc="Stage error feedback (committed).")
+
+    @property
+    def trained(self) -> list[torch.nn.Parameter]:
+        """The parameters the stage sum carries: those still trained (frozen ones leave it)."""
+        return [p for p in self.params if p.requires_grad]
+
+    def relayout(self) -> None:
+        """Follows a grown frozen prefix (call between steps; `apply_frozen` does, `receive` and `_sum` check):
+        the sum's size becomes the trained parameters', and the committed residual keeps their slices."""
+        with self._arrived:
+            layout = tuple(p.requires_grad for p in self.params)
+            if layout == self._layout:
+                return
+            group, old = self.groups[False], self._layout
+            if group.residual is not None:
+                parts, offset = [], 0
+                for p, was, now in zip(self.params, old, layout, strict=True):
+                    n = p.numel() if was else 0
+                    if now:
+                        parts.append(group.residual[offset : offset + n] if was else torch.zeros(p.numel()))
+                    offset += n
+                group.residual = torch.cat(parts) if parts else torch.zeros(0)
+            self._layout = layout
+            group.numel = sum(p.numel() for p, on in zip(self.params, layout, strict=True) if on)
+            group.drop()
+
     tied_residual = property(lambda self: self.groups[True].residual, doc="Tied error feedback (committed).")
 
     def tied_done(self, step: int) -> bool:
@@ -202,9 +238,11 @@ class GradientAverager:
     def receive(self, call: Incoming, sender: str) -> None:
         """Holds a checked message for the open step's Reduce: one per sender and group, the group's size."""
         msg, group = call.message, self.groups[call.info.tied]
+        self.relayout()
         if msg is None or list(msg.shape) != [group.numel]:
             shape = None if msg is None else list(msg.shape)
-            what = "the tied weight has" if call.info.tied else "this stage sums"
+            frozen = self.host.worker.frozen_layers
+            what = "the tied weight has" if call.info.tied else f"this stage ({frozen} layers frozen) sums"
             raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"shape: {shape}, {what} [{group.numel}]")
         with self._arrived:
             self.check_average(call.info, sender)  # again, atomically: the step may have ended meanwhile
@@ -250,7 +288,8 @@ class GradientAverager:
         config = self._config(request.step, me, tied)
         codec = make_codec(config)
         with host.compute_lock:
-            own = host.worker.tied_grad().reshape(-1).float().cpu() if tied else flatten_grads(self.params)
+            self.relayout()
+            own = host.worker.tied_grad().reshape(-1).float().cpu() if tied else flatten_grads(self.trained)
             state = LinkState(config)
             state.residual = group.residual
             msg = codec.encode(own, state=state)
@@ -273,14 +312,19 @@ class GradientAverager:
         total = torch.zeros(group.numel)
         for i in range(len(peers)):
             message = msg if i == me else received[keys[i]]
-            total += decoder_for(message, config).decode(message, limits=limits).float()
+            part = decoder_for(message, config).decode(message, limits=limits).float()
+            if part.shape != total.shape:  # never sum vectors of two layouts (received ones were checked already)
+                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"member {peers[i]} sent {list(part.shape)}")
+            total += part
         with host.compute_lock, self._arrived:
             if host.open_step != request.step or group.reduced is not None:
                 raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step} ended while it was being reduced")
             if tied:
                 host.worker.set_tied_grad(total.view(host.worker.module.tied_parameter().shape))
+            elif self._layout != tuple(p.requires_grad for p in self.params):
+                raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step}: the frozen prefix changed meanwhile")
             else:
-                unflatten_into(self.params, total)
+                unflatten_into(self.trained, total)
             group.pending, group.reduced = pending, request.step
         fp32 = 4 * group.numel * (len(peers) - 1)
         link = "tied" if tied else "average"

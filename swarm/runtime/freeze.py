@@ -126,6 +126,7 @@ def apply_frozen(host, frozen_layers: int) -> None:
     schedule when nothing here or before trains, and reports the prefix in its metrics (`swarm_frozen_layers`,
     read from Status by the planner's repack, `swarm.daemon.repack.RepackWatch`). Call between steps."""
     host.gate.forward_only = set_frozen(host.worker, frozen_layers)
+    host.averager.relayout()  # frozen parameters leave the replicas' sum (`swarm.runtime.average`)
     host.metrics.frozen_layers.set(host.worker.frozen_layers)
 
 

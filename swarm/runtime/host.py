@@ -538,6 +538,7 @@ class StageHost:
     def status(self) -> stage_pb2.StatusReply:
         """What this stage is and has done; `metrics` holds its counters and gauges (not the histograms'
         buckets), the figures `swarm status` shows."""
+        self.metrics.compute_bits.set(32 if self.worker.precision == "fp32" else 16)  # the plan's, once switched
         snapshot = {k: v for k, v in self.metrics.snapshot().items() if "_bucket" not in k}
         return stage_pb2.StatusReply(
             metrics=snapshot,

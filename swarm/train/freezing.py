@@ -10,10 +10,13 @@ raises the policy to it (`FreezePolicy.adopt`).
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["FreezeConfig", "add_freeze_arguments", "driver_factory", "freeze_config"]
+
+log = logging.getLogger("swarm.train.freezing")
 
 
 @dataclass(frozen=True)
@@ -63,17 +66,24 @@ def freeze_config(args: argparse.Namespace) -> FreezeConfig | None:
 
 
 def driver_factory(freeze: FreezeConfig | None, n_layers: int) -> Callable:
-    """`make(route, *args, **kwargs)`: a `PipelineDriver` over `route` (without freezing), or a `FreezingDriver`
-    around the run's one policy, raised to the route's frozen prefix."""
+    """`make(route, *args, **kwargs)`: a `FreezingDriver` around the run's one policy, raised to the route's
+    frozen prefix; without --freeze (`freeze` None) a `PipelineDriver` until a plan freezes layers, then a
+    `FreezingDriver` whose policy only follows the plans (it never freezes more by itself), logged."""
     from swarm.runtime.driver import PipelineDriver
-    from swarm.runtime.freeze import FreezingDriver
+    from swarm.runtime.freeze import FreezePolicy, FreezingDriver
 
-    if freeze is None:
-        return lambda route, *args, **kwargs: PipelineDriver(*route.driver_args(), *args, **kwargs)
-    policy = freeze.policy(n_layers)
+    # without --freeze the policy only follows: a frozen prefix is the run's state (the stages refuse a Step with
+    # fewer), not one trainer's option, so a plan's frozen_layers is sent in every Step, and never more
+    policy = freeze.policy(n_layers) if freeze is not None else FreezePolicy(n_layers, max_fraction=0.0)
 
     def make(route, *args, **kwargs):
-        policy.adopt(getattr(route, "frozen_layers", 0))
+        frozen = getattr(route, "frozen_layers", 0)
+        if freeze is None and max(frozen, policy.frozen) == 0:
+            return PipelineDriver(*route.driver_args(), *args, **kwargs)  # nothing frozen: nothing to follow
+        if freeze is None and frozen > policy.frozen:
+            log.info("the plan freezes layers [0, %d): following it (without --freeze this trainer freezes no more)",
+                     frozen)  # fmt: skip
+        policy.adopt(frozen)
         return FreezingDriver(*route.driver_args(), *args, policy=policy, **kwargs)
 
     make.policy = policy  # type: ignore[attr-defined]

@@ -203,4 +203,32 @@ def test_one_policy_survives_every_new_route(monkeypatch):
     make(SimpleNamespace(driver_args=lambda: (["y"], ["q"]), frozen_layers=2), "1f1b", 4)
     assert made[0][1] is made[1][1] is make.policy and make.policy.frozen == 2
     assert made[1][0] == (["y"], ["q"], "1f1b", 4)
-    assert freezing.driver_factory(None, 4).__name__ == "<lambda>"
+
+
+def test_a_trainer_without_freeze_follows_a_frozen_plan_says_so_and_never_freezes_more(monkeypatch, caplog):
+    made = []
+
+    class Recording:
+        def __init__(self, *args, policy=None, **kwargs):
+            made.append(policy)
+
+    import swarm.runtime.driver as driver_module
+    import swarm.runtime.freeze as freeze_module
+
+    monkeypatch.setattr(freeze_module, "FreezingDriver", Recording)
+    monkeypatch.setattr(driver_module, "PipelineDriver", Recording)
+    make = freezing.driver_factory(None, 4)
+    route = lambda frozen: SimpleNamespace(driver_args=lambda: ([], []), frozen_layers=frozen)  # noqa: E731
+    with caplog.at_level("INFO", logger="swarm.train.freezing"):
+        make(route(0), "1f1b", 4)
+        assert made == [None] and not caplog.records, "an unfrozen plan: the plain driver"
+        make(route(2), "1f1b", 4)
+        make(route(2), "1f1b", 4)  # a later re-plan keeps following
+    assert made[1] is made[2] is make.policy and make.policy.frozen == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "the plan freezes layers [0, 2): following it (without --freeze this trainer freezes no more)"
+    ]
+    for step in range(40):  # settled norms would freeze a --freeze trainer's layers; this one only follows
+        assert make.policy.observe(step, [1.0] * 4) == 2
+    make(route(0), "1f1b", 4)  # a plan that forgot the prefix: the Steps still carry it (never thawed)
+    assert made[3] is make.policy and make.policy.frozen == 2
