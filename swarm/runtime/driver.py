@@ -234,10 +234,10 @@ class PipelineDriver:
         return task
 
     def _ping(self, peer: str, timeout_s: float) -> None:
-        """A Status call to `peer`; raises only where the peer may be dead (a refusal is an answer too)."""
+        """A Ping to `peer`; raises only where the peer may be dead (a refusal, UNIMPLEMENTED too, is an answer)."""
         stage, replica = self._where(peer)
         try:
-            self._call(stage, replica, "Status", stage_pb2.Empty(), timeout=timeout_s)
+            self._call(stage, replica, "Ping", stage_pb2.Empty(), timeout=timeout_s)
         except StageCallError as e:
             if reroutable(e):
                 raise
