@@ -180,3 +180,16 @@ def test_a_private_run_serves_only_secret_holders():
             trainer_without.stage(addresses[0], peers[0]).Step(stage_pb2.StepRequest(step=0, abandon=True), timeout=10)
         for c in (outsider, insider, trainer_without):
             c.close()
+
+
+def test_a_malformed_or_oversized_ping_is_refused_and_the_stage_still_answers():
+    with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
+        with grpc.insecure_channel(addresses[1]) as channel:
+            raw = channel.unary_unary("/swarm.Stage/Ping")  # bytes in, bytes out: no client-side checks
+            for body in (b"\xff\xff\xff", b"\x0a\x05abc", bytes(8 << 20)):  # garbage, truncated, past the limit
+                with pytest.raises(grpc.RpcError) as e:
+                    raw(body, timeout=10)
+                assert e.value.code() != grpc.StatusCode.OK
+        stranger = GrpcConnector(signer=CallSigner(Identity.generate()))
+        assert stranger.stage(addresses[1], hosts[1].peer_id).Ping(stage_pb2.Empty(), 10) == stage_pb2.Empty()
+        stranger.close()
