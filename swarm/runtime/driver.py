@@ -524,7 +524,7 @@ class PipelineDriver:
         )  # fmt: skip
 
     def _recover(self, step: int, failure: Failed, attempt: int) -> None:
-        """After a failed attempt: find the dead (one Status ping per suspect), abandon the step on every live
+        """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
         if error is not None and not reroutable(error):
