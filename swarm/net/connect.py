@@ -41,6 +41,7 @@ class StageClient(Protocol):
     def Grads(self, request: stage_pb2.StepRequest, timeout: float | None = None) -> stage_pb2.GradReply: ...
     def Step(self, request: stage_pb2.StepRequest, timeout: float | None = None) -> stage_pb2.StepReply: ...
     def Status(self, request: stage_pb2.Empty, timeout: float | None = None) -> stage_pb2.StatusReply: ...
+    def Ping(self, request: stage_pb2.Empty, timeout: float | None = None) -> stage_pb2.Empty: ...
     def Probe(self, request: stage_pb2.ProbeRequest, timeout: float | None = None) -> stage_pb2.ProbeReply: ...
     def GetState(self, request: stage_pb2.StateRequest, timeout: float | None = None) -> Iterator: ...
     def Reduce(self, request: stage_pb2.ReduceRequest, timeout: float | None = None) -> stage_pb2.ReduceReply: ...
@@ -101,7 +102,7 @@ class GrpcConnector:
 
 
 _STREAMS = ("Forward", "Backward", "Sink")
-_UNARY = ("PutLabels", "Grads", "Step", "Status", "Probe", "GetState", "Reduce")
+_UNARY = ("PutLabels", "Grads", "Step", "Status", "Ping", "Probe", "GetState", "Reduce")
 
 
 class _GrpcStage:
@@ -298,6 +299,7 @@ class _LocalStage:
     Forward, Backward, Sink = _stream("Forward"), _stream("Backward"), _stream("Sink")
     PutLabels, Grads, Step = _unary("PutLabels"), _unary("Grads"), _unary("Step")
     Status, Probe, GetState = _unary("Status"), _unary("Probe"), _unary("GetState")
+    Ping = _unary("Ping")
     Reduce, Average = _unary("Reduce"), _stream("Average")
 
 

@@ -234,10 +234,10 @@ class PipelineDriver:
         return task
 
     def _ping(self, peer: str, timeout_s: float) -> None:
-        """A Status call to `peer`; raises only where the peer may be dead (a refusal is an answer too)."""
+        """A Ping to `peer`; raises only where the peer may be dead (a refusal, UNIMPLEMENTED too, is an answer)."""
         stage, replica = self._where(peer)
         try:
-            self._call(stage, replica, "Status", stage_pb2.Empty(), timeout=timeout_s)
+            self._call(stage, replica, "Ping", stage_pb2.Empty(), timeout=timeout_s)
         except StageCallError as e:
             if reroutable(e):
                 raise
@@ -524,7 +524,7 @@ class PipelineDriver:
         )  # fmt: skip
 
     def _recover(self, step: int, failure: Failed, attempt: int) -> None:
-        """After a failed attempt: find the dead (one Status ping per suspect), abandon the step on every live
+        """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
         if error is not None and not reroutable(error):

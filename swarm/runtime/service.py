@@ -365,6 +365,17 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._checked(context, None)
         return self._guard(context, lambda: self._serving().status())
 
+    def Ping(self, request, context):
+        """Liveness only: what Status answers (any authenticated caller; not serving a stage fails alike),
+        without its reply's bytes (the metrics map and digest: ~1.4 KB a heartbeat in the trainer's control bytes)."""
+        self._checked(context, None)
+
+        def run() -> stage_pb2.Empty:
+            self._serving()
+            return stage_pb2.Empty()
+
+        return self._guard(context, run)
+
     def GetState(self, request, context):
         self._checked(context, lambda caller: self.policy.check_state(caller))
         if self.held_state is not None and (held := self.held_state(context)) is not None:

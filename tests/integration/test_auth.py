@@ -59,6 +59,7 @@ def calls(addresses, peers, stage: int) -> dict:
         "Step": lambda s: s.Step(stage_pb2.StepRequest(step=0, abandon=True), 10),
         "GetState": lambda s: list(s.GetState(stage_pb2.StateRequest(stage=stage), timeout=10)),
         "Status": lambda s: s.Status(stage_pb2.Empty(), 10),
+        "Ping": lambda s: s.Ping(stage_pb2.Empty(), 10),
         "Probe": lambda s: s.Probe(stage_pb2.ProbeRequest(reply_bytes=8), 10),
         "Sink": lambda s: s.Sink(iter(activation_items(info(addresses, peers, stage))), 10),
     }
@@ -99,7 +100,7 @@ def test_strangers_are_refused_on_every_method_and_the_next_step_is_served():
                 assert code == grpc.StatusCode.UNAUTHENTICATED and "missing call token" in details, (method, details)
                 code, details = outcome(call, stranger.stage(addresses[stage], peers[stage]))
                 rule = EXPECTED_RULE.get((stage, method))
-                if rule is None:  # Status, Probe, Sink: any authenticated caller
+                if rule is None:  # Status, Ping, Probe, Sink: any authenticated caller
                     assert code == grpc.StatusCode.OK, (stage, method, details)
                 else:
                     assert code == grpc.StatusCode.PERMISSION_DENIED and rule in details, (stage, method, details)
@@ -129,7 +130,7 @@ def test_a_plan_neighbour_may_make_only_its_own_calls():
         # its own call (Forward into stage 1) and state transfer pass authorization
         assert refused == {
             "Forward": False, "Backward": True, "PutLabels": True, "Grads": True, "Step": True,
-            "GetState": False, "Status": False, "Probe": False, "Sink": False,
+            "GetState": False, "Status": False, "Ping": False, "Probe": False, "Sink": False,
         }  # fmt: skip
         stage0.close()
 
@@ -179,3 +180,16 @@ def test_a_private_run_serves_only_secret_holders():
             trainer_without.stage(addresses[0], peers[0]).Step(stage_pb2.StepRequest(step=0, abandon=True), timeout=10)
         for c in (outsider, insider, trainer_without):
             c.close()
+
+
+def test_a_malformed_or_oversized_ping_is_refused_and_the_stage_still_answers():
+    with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
+        with grpc.insecure_channel(addresses[1]) as channel:
+            raw = channel.unary_unary("/swarm.Stage/Ping")  # bytes in, bytes out: no client-side checks
+            for body in (b"\xff\xff\xff", b"\x0a\x05abc", bytes(8 << 20)):  # garbage, truncated, past the limit
+                with pytest.raises(grpc.RpcError) as e:
+                    raw(body, timeout=10)
+                assert e.value.code() != grpc.StatusCode.OK
+        stranger = GrpcConnector(signer=CallSigner(Identity.generate()))
+        assert stranger.stage(addresses[1], hosts[1].peer_id).Ping(stage_pb2.Empty(), 10) == stage_pb2.Empty()
+        stranger.close()

@@ -35,7 +35,7 @@ class _KillOn:
 
 
 class _Hang:
-    """Wraps a servicer: Forward and Status never answer until `release` (a peer that hangs)."""
+    """Wraps a servicer: Forward, Status and Ping never answer until `release` (a peer that hangs)."""
 
     def __init__(self, target):
         self.target, self.release = target, threading.Event()
@@ -50,6 +50,10 @@ class _Hang:
     def Status(self, request, context):
         self.release.wait()
         return self.target.Status(request, context)
+
+    def Ping(self, request, context):  # the driver's heartbeats and suspect checks
+        self.release.wait()
+        return self.target.Ping(request, context)
 
 
 def _surviving_chain_applied_once(pipe: LocalPipeline, chain: int, steps: int) -> None:
