@@ -92,7 +92,8 @@ class Liveness:
 
 
 def status_prober(channels, addresses: Callable[[], dict[str, str]], timeout_s: float = 1.0) -> Callable[[str], bool]:
-    """A `ping` over the stage service's `Status`: any reply, or any refusal but silence, is an answer.
+    """A `ping` over the stage service's `Ping` (what `Status` answers, without its ~1.4 KB reply): any reply, or
+    any refusal but silence, is an answer (an older peer's UNIMPLEMENTED too).
 
     Args:
         channels: the peer's (signed) channel cache.
@@ -106,7 +107,7 @@ def status_prober(channels, addresses: Callable[[], dict[str, str]], timeout_s: 
         if address is None:
             return False
         try:
-            stage_pb2_grpc.StageStub(channels.get(address)).Status(stage_pb2.Empty(), timeout=timeout_s)
+            stage_pb2_grpc.StageStub(channels.get(address)).Ping(stage_pb2.Empty(), timeout=timeout_s)
         except grpc.RpcError as e:
             return e.code() not in SILENT_CODES
         return True

@@ -63,11 +63,13 @@ BEST_TARGET_SETTING = "tern+ch+r75/gtern+ef+rot+nr+r100"
 setting reaches both on seed 0 yet: this is the one with the fewest bytes within 2% on seeds 0 and 1 (8 epochs:
 19.0x / 18.9x at +1.70% / +1.86%; forward ternary deltas with a rate weight, backward ternary gradients with a
 rate weight, rotation and error feedback, `swarm.compression.codec_gtern`). Per step after epoch 1 it moves
-forward 45 KB, backward 38 KB, tied sync 20 KB (gradq4), control 8 KB; 20x allows 105 KB.
+forward 45 KB, backward 38 KB, tied sync 20 KB (gradq4), control 4.8 KB (8 KB before heartbeats moved to
+`Ping`): 107 KB, 19.6x; 20x allows 105 KB.
 `.../gtern+ef+rot+nr+r150` reaches 20.05x / 20.01x at +2.30% / +1.67% (over 2% on seed 0); the sign (`gsign`)
 19.8x at +2.42%; the tied sum at 3 bits (`@t3`) cost 0.5-1.9% more in every pairing tried (seed 0). Before
-gtern: `tern+ch+r75/gradq2+ef+rot+nr+cs` 18.0x at +1.66%. Control bytes include heartbeats, so they grow with
-a step's wall time: the ratios move by about 1% with the machine's load."""
+gtern: `tern+ch+r75/gradq2+ef+rot+nr+cs` 18.0x at +1.66%. Heartbeats are `Ping` calls with empty messages,
+so control bytes (Forward's tokens, PutLabels' labels, each call's CallInfo) no longer grow with a step's wall
+time."""
 
 
 def _parse_codec(text: str, defaults: dict) -> CodecConfig:
