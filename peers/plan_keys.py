@@ -1,16 +1,20 @@
 """The optional keys of a plan beside its stages, each checked whole before anyone follows the plan
 (`swarm.peers.records.validate_plan` calls `validate_plan_keys`): per-link codecs, the epilogue's codecs
-(selective compression), per-stage precisions (QSync) and the frozen prefix (PipeTransformer). Absent keys keep
-today's behaviour; a malformed one raises ValueError naming the field."""
+(selective compression), per-stage precisions (QSync), the frozen prefix (PipeTransformer) and what the plan's
+relayed links add to its predicted step (`relay_extra_s`). Absent keys keep today's behaviour; a malformed one
+raises ValueError naming the field."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-__all__ = ["PLAN_PRECISIONS", "validate_plan_keys"]
+__all__ = ["MAX_RELAY_EXTRA_S", "PLAN_PRECISIONS", "validate_plan_keys"]
 
 PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 """What a plan's `precisions` may name (`swarm.runtime.precision.PRECISIONS`)."""
+MAX_RELAY_EXTRA_S = 1e6
+"""Largest `relay_extra_s` a plan may carry (a plan through a relay that cannot carry its links prices at it)."""
 
 
 def _fail(record: str, name: str, expected: str, value: Any) -> ValueError:
@@ -26,6 +30,17 @@ def validate_plan_keys(plan: dict, n_stages: int, n_layers: int) -> None:
     _validate_epilogue_codecs(plan.get("epilogue_codecs"), n_stages)
     _validate_precisions(plan.get("precisions"), n_stages)
     _validate_frozen_layers(plan.get("frozen_layers"), n_layers)
+    _validate_relay_extra(plan.get("relay_extra_s"))
+
+
+def _validate_relay_extra(extra: Any) -> None:
+    """A plan's `relay_extra_s` (optional; absent: no relayed link, `swarm.scheduler.relays.relay_extra_s`): a
+    finite number of seconds in [0, MAX_RELAY_EXTRA_S]."""
+    if extra is None:
+        return
+    ok = type(extra) in (int, float) and math.isfinite(extra) and 0 <= extra <= MAX_RELAY_EXTRA_S
+    if not ok:
+        raise _fail("plan", "relay_extra_s", f"a finite number of seconds in [0, {MAX_RELAY_EXTRA_S:g}]", extra)
 
 
 def _validate_frozen_layers(frozen: Any, n_layers: int) -> None:

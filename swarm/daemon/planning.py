@@ -61,7 +61,7 @@ from swarm.peers.records import (
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
-from swarm.scheduler.relays import plan_relayed, relayed_input, relays_of, shared_input
+from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, relays_of, shared_input
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
 
 log = logging.getLogger("swarm.daemon.planning")
@@ -210,6 +210,7 @@ class Route:
     predicted_step_s: float | None = None
     """The plan's predicted step time (its "step_time_s"); None for an even split by join order (no plan)."""
     frozen_layers: int = 0  # the plan's frozen prefix: its stages start with it (swarm.daemon.repack)
+    relay_extra_s: float | None = None  # the plan's: what its relayed links add to predicted_step_s (None: none)
 
     @property
     def replica_counts(self) -> tuple[int, ...]:
@@ -258,7 +259,8 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
     flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
     nested = ((), ()) if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
     frozen = record.plan.get("frozen_layers", 0)  # validated with the plan
-    return Route(*flat, *nested, predicted_step_s=predicted_step_s(record.plan), frozen_layers=frozen)
+    extra = record.plan.get("relay_extra_s")  # validated with the plan
+    return Route(*flat, *nested, predicted_step_s(record.plan), frozen_layers=frozen, relay_extra_s=extra)
 
 
 def predicted_step_s(plan: dict) -> float | None:
@@ -459,6 +461,8 @@ class Planner:
         made_dict = with_frozen(made.to_dict(), current.plan if current is not None else None)  # keeps F
         codecs = self.codecs_for(made_dict["stages"], swarm)
         codecs |= self.precisions(made_dict["stages"], peers) if self.precisions else {}
+        extra = relay_extra_s(made, swarm.direct_input, swarm.relays, self.spec)  # None: no relayed link
+        codecs |= {} if extra is None else {"relay_extra_s": extra}
         self.dht.publish_plan(version, {**made_dict, **codecs, "trainer_ids": trainers})
         log.info(
             "published plan %d: %d stages x %d replicas over %d peers (%d links measured, %d assumed), "

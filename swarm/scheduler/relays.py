@@ -26,6 +26,11 @@ peers beside their relays, on its own whenever it can (tests/unit/test_nat_sched
 The sharing k_r depends on the layout (which relayed links the plan uses), so `plan_relayed` searches with
 k_r = 1, counts the layout's relayed links per relay (`relay_shares`), searches again with those shares, and
 keeps whichever layout is cheaper once priced with its own shares (`price`).
+
+`relay_extra_s` is what a plan's relayed links add to its predicted step: the same layout priced with them as
+their two legs minus priced as if every link were direct (same measurements, same cost model). The live planner
+publishes it with each plan that relays a link (plan key `relay_extra_s`), and `swarm experiment nat` judges a
+relayed run's measured extra against it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Breakdown, ModelSpec, Plan, PlanInput
 from swarm.scheduler.search import SearchConfig, layout_to_plan, search_full
 
-__all__ = ["plan_relayed", "price", "relay_paths", "relay_shares", "relayed_input", "relays_of", "shared_input"]
+__all__ = [
+    "plan_relayed", "price", "relay_extra_s", "relay_paths", "relay_shares", "relayed_input", "relays_of",
+    "shared_input",
+]  # fmt: skip
 
 _INFEASIBLE_DELAY_S = 3600.0
 _INFEASIBLE_BYTES_PER_S = 1.0
@@ -145,12 +153,35 @@ def plan_relayed(
     return layout_to_plan(result.layout, breakdown, plan_input, "full", result.unused, version)
 
 
-def shared_input(plan_input: PlanInput, relays: Mapping[str, str | None], made: Plan) -> PlanInput:
-    """`relayed_input` with each relay shared by the relayed links of the plan `made` (its peers' layout): what
-    the live planner prices a plan with (the even-layers re-pricing, the codecs' link figures)."""
+def _layout_of(made: Plan, plan_input: PlanInput) -> Layout:
+    """The plan `made` as a layout over `plan_input`'s peers (its stages' peers and layer counts)."""
     import numpy as np
 
     index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
     grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
-    layout = Layout(grid, np.zeros(len(made.stages), dtype=np.int64))  # the layers do not matter to the shares
+    return Layout(grid, np.array([s.layer_end - s.layer_start for s in made.stages], dtype=np.int64))
+
+
+def shared_input(plan_input: PlanInput, relays: Mapping[str, str | None], made: Plan) -> PlanInput:
+    """`relayed_input` with each relay shared by the relayed links of the plan `made` (its peers' layout): what
+    the live planner prices a plan with (the even-layers re-pricing, the codecs' link figures)."""
+    layout = _layout_of(made, plan_input)  # the layers do not matter to the shares
     return relayed_input(plan_input, relays, relay_shares(layout, plan_input, relays))
+
+
+def relay_extra_s(
+    made: Plan, plan_input: PlanInput, relays: Mapping[str, str | None], model: ModelSpec
+) -> float | None:
+    """What the plan `made`'s relayed links add to its predicted step: its layout priced with them as their two
+    legs, each relay shared by the layout's relayed links (`price`, as the plan is published), minus the same
+    layout priced as if every link were direct (`plan_input`: the measured links, an unreachable pair's
+    filled figure). None when the layout relays no link; 0 when the path prices no dearer than that direct
+    figure (a fill: an unreachable pair cannot be measured)."""
+    from swarm.peers.plan_keys import MAX_RELAY_EXTRA_S
+
+    layout = _layout_of(made, plan_input)
+    paths = relay_paths(plan_input, relays)
+    if not any(pair in paths for pair in _talking_pairs(layout)):
+        return None
+    extra = price(layout, plan_input, relays, model).total_s - FullCost(plan_input, model).evaluate(layout).total_s
+    return min(max(extra, 0.0), MAX_RELAY_EXTRA_S)  # an infeasible relay (no carrier) prices at the bound

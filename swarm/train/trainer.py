@@ -36,6 +36,7 @@ from swarm.options import (
 )
 from swarm.train.freezing import FreezeConfig, add_freeze_arguments, driver_factory, freeze_config
 from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns
+from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
 
 if TYPE_CHECKING:
     from swarm.daemon.planning import Route
@@ -100,6 +101,8 @@ class TrainSummary:
     """fp32_total_wire_bytes / total_wire_bytes (0: nothing counted)"""
     predicted_step_s: float | None = None
     """the plan's predicted step time (`Route.predicted_step_s`), beside `mean_step_s`; None for even splits"""
+    relay_extra_s: float | None = None
+    """what the plan's relayed links add to `predicted_step_s` (`Route.relay_extra_s`); None: none relayed"""
 
 
 @dataclass(frozen=True)
@@ -500,6 +503,7 @@ def train(
         fp32_total_wire_bytes=log.totals["fp32_total_wire_bytes"],
         total_ratio_vs_fp32=log.totals["fp32_total_wire_bytes"] / max(1, log.totals["total_wire_bytes"]),
         predicted_step_s=getattr(route, "predicted_step_s", None),
+        relay_extra_s=getattr(route, "relay_extra_s", None),
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
@@ -576,24 +580,3 @@ def run(args: argparse.Namespace) -> int:
             return 2
     print(json.dumps(asdict(summary)) if args.json else format_summary(summary))
     return 0
-
-
-def format_summary(s: TrainSummary) -> str:
-    ratio = s.fp32_wire_bytes / max(1, s.wire_bytes)
-    predicted = "no prediction (even split)" if s.predicted_step_s is None else f"{s.predicted_step_s:.2f} s/step"
-    known = s.predicted_step_s is not None and s.mean_step_s > 0
-    off = f" (prediction {s.predicted_step_s / s.mean_step_s - 1:+.1%})" if known else ""
-    return "\n".join(
-        [
-            f"steps:        {s.steps} in {s.seconds:.1f} s ({s.mean_step_s:.2f} s/step)",
-            f"step time:    predicted {predicted}, measured {s.mean_step_s:.2f} s/step{off}",
-            f"loss:         {s.first_loss:.3f} -> {s.final_loss:.3f} (mean of the last 5 steps)",
-            f"wire bytes:   {s.wire_bytes / 1e6:.2f} MB; fp32: {s.fp32_wire_bytes / 1e6:.2f} MB ({ratio:.1f}x)",
-            f"embedding:    {s.sync_bytes / 1e6:.2f} MB of tied-gradient sync between the end stages",
-            f"total bytes:  {s.total_wire_bytes / 1e6:.2f} MB (boundaries + embedding + sums + control); fp32: "
-            f"{s.fp32_total_wire_bytes / 1e6:.2f} MB ({s.total_ratio_vs_fp32:.1f}x)",
-            f"stages:       {s.stages} at {', '.join(s.route)}"
-            + (f" (plan {s.plan_version}, {s.replans} re-plans followed)" if s.plan_version else ""),
-            f"outputs:      {s.csv}" + (f", {s.plot}" if s.plot else ""),
-        ]
-    )

@@ -1,0 +1,32 @@
+"""`swarm train`'s summary as text (`TrainSummary`, swarm/train/trainer.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from swarm.train.trainer import TrainSummary
+
+
+def format_summary(s: TrainSummary) -> str:
+    """`swarm train`'s summary for people (`--json` prints the summary's fields)."""
+    ratio = s.fp32_wire_bytes / max(1, s.wire_bytes)
+    predicted = "no prediction (even split)" if s.predicted_step_s is None else f"{s.predicted_step_s:.2f} s/step"
+    known = s.predicted_step_s is not None and s.mean_step_s > 0
+    off = f" (prediction {s.predicted_step_s / s.mean_step_s - 1:+.1%})" if known else ""
+    if s.relay_extra_s is not None:
+        off += f"; its relayed links add {s.relay_extra_s:.3f} s/step of it"
+    return "\n".join(
+        [
+            f"steps:        {s.steps} in {s.seconds:.1f} s ({s.mean_step_s:.2f} s/step)",
+            f"step time:    predicted {predicted}, measured {s.mean_step_s:.2f} s/step{off}",
+            f"loss:         {s.first_loss:.3f} -> {s.final_loss:.3f} (mean of the last 5 steps)",
+            f"wire bytes:   {s.wire_bytes / 1e6:.2f} MB; fp32: {s.fp32_wire_bytes / 1e6:.2f} MB ({ratio:.1f}x)",
+            f"embedding:    {s.sync_bytes / 1e6:.2f} MB of tied-gradient sync between the end stages",
+            f"total bytes:  {s.total_wire_bytes / 1e6:.2f} MB (boundaries + embedding + sums + control); fp32: "
+            f"{s.fp32_total_wire_bytes / 1e6:.2f} MB ({s.total_ratio_vs_fp32:.1f}x)",
+            f"stages:       {s.stages} at {', '.join(s.route)}"
+            + (f" (plan {s.plan_version}, {s.replans} re-plans followed)" if s.plan_version else ""),
+            f"outputs:      {s.csv}" + (f", {s.plot}" if s.plot else ""),
+        ]
+    )
