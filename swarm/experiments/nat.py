@@ -22,8 +22,18 @@ with --netns from the route's addresses, a NAT'd peer announcing its LAN's), `re
 stages), `steps`, `final_loss`, `mean_step_s` (the trainer's, steps after the first), `step_std_s` (their
 per-step standard deviation: the two-legs judge prints the standard error of its difference with it),
 `predicted_step_s` (the plan's, which prices a relayed link as its two legs, a relay shared by its links),
+`relay_extra_s` (the plan's: what its relayed links add to `predicted_step_s`, the same layout priced with them
+as their two legs minus priced all-direct, `swarm.scheduler.relays.relay_extra_s`; None: no link relayed),
 `relayed_bytes` (the relays' `swarm_relayed_bytes_total`, summed over their /metrics; with --netns read inside
 each peer's namespace before the testbed goes down), `total_wire_bytes`, `step_ratio` (over `reachable`).
+
+The two-legs target ("a relayed link costs no more than its two legs") is judged on the relay row's own plan:
+measured extra = relay row's mean step - reachable row's mean step, against the relay row's `relay_extra_s` (one
+plan, one set of measurements: two rows' `predicted_step_s` come from two runs' plans, each from compute speeds
+measured afresh, and their difference is mostly noise). The measured extra is itself a difference of two runs'
+means, so the target is met when extra <= relay_extra_s + 2 standard errors of that difference
+(`NOISE_STANDARD_ERRORS`; a one-sided test at about 98%: the data do not show the link dearer than its legs);
+the target line prints the margin, and whether extra <= relay_extra_s holds without it.
 """
 
 from __future__ import annotations
@@ -42,10 +52,12 @@ from pathlib import Path
 SETTINGS = ("reachable", "half-nat", "relay")
 COLUMNS = [
     "setting", "nat_peers", "order", "relayed_links", "steps", "final_loss", "mean_step_s", "predicted_step_s",
-    "step_std_s", "relayed_bytes", "total_wire_bytes", "step_ratio", "note",
+    "relay_extra_s", "step_std_s", "relayed_bytes", "total_wire_bytes", "step_ratio", "note",
 ]  # fmt: skip
 HALF_NAT_TOLERANCE = 0.10
 """Target: half the peers behind NAT within 10% of the all-reachable step time."""
+NOISE_STANDARD_ERRORS = 2.0
+"""Target: the relayed run's measured extra within relay_extra_s + this many standard errors of it."""
 RELAYED_METRIC = "swarm_relayed_bytes_total"
 
 
@@ -180,7 +192,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
         **row, "order": order, "relayed_links": relayed_links(order), "steps": summary.steps,
         "final_loss": summary.final_loss, "mean_step_s": summary.mean_step_s,
         "step_std_s": spread["step_std_s"], "timed_steps": spread["timed_steps"],
-        "predicted_step_s": summary.predicted_step_s, "relayed_bytes": relayed,
+        "predicted_step_s": summary.predicted_step_s, "relay_extra_s": summary.relay_extra_s, "relayed_bytes": relayed,
         "total_wire_bytes": summary.total_wire_bytes,
     }  # fmt: skip
 
@@ -200,7 +212,8 @@ def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool)
     return {
         "order": order, "relayed_links": relayed_links(order), "steps": len(steps),
         "final_loss": float(steps[-1]["train_loss"]), **step_stats(times),
-        "predicted_step_s": summary.get("predicted_step_s"), "relayed_bytes": relayed[0] if relayed else None,
+        "predicted_step_s": summary.get("predicted_step_s"), "relay_extra_s": summary.get("relay_extra_s"),
+        "relayed_bytes": relayed[0] if relayed else None,
         "total_wire_bytes": sum(int(s.get("total_wire_bytes") or 0) for s in steps),
     }  # fmt: skip
 
@@ -278,25 +291,37 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
     r = by.get("half-nat")
     met = None if base is None or r is None else r["mean_step_s"] <= (1 + HALF_NAT_TOLERANCE) * base["mean_step_s"]
     out.append((f"half-nat: mean step within {HALF_NAT_TOLERANCE:.0%} of reachable", met))
-    r = by.get("relay")
-    if base is None or r is None or None in (r.get("predicted_step_s"), base.get("predicted_step_s")):
-        out.append(("relay: the relayed link costs no more than its two legs", None))
-    else:
-        extra, legs = r["mean_step_s"] - base["mean_step_s"], r["predicted_step_s"] - base["predicted_step_s"]
-        out.append(
-            (f"relay: the relayed link costs no more than its two legs (measured extra {extra:.4f}"
-             f"{_spread(r, base)} s/step, two legs predicted {legs:.4f} s/step)", extra <= max(legs, 0.0)),
-        )  # fmt: skip
+    out.append(_two_legs(base, by.get("relay")))
     return out
 
 
-def _spread(r: dict, base: dict) -> str:
-    """ " ± the standard error of a difference of two rows' mean steps (from their per-step std), or ""."""
+def _two_legs(base: dict | None, r: dict | None) -> tuple[str, bool | None]:
+    """The two-legs target on the relay row's own plan (module docstring): measured extra against its
+    `relay_extra_s`, allowing NOISE_STANDARD_ERRORS standard errors of the measured difference."""
+    name = "relay: the relayed link costs no more than its two legs"
+    legs = None if r is None else r.get("relay_extra_s")
+    if base is None or r is None:
+        return name, None
+    if legs is None:
+        return f"{name} (its plan carries no relay_extra_s: no relayed link planned)", None
+    extra, se = r["mean_step_s"] - base["mean_step_s"], standard_error(r, base)
+    allowed = legs + NOISE_STANDARD_ERRORS * (se or 0.0)
+    noise = "no standard error: judged strictly" if se is None else f"± {se:.4f} (standard error)"
+    strict = "holds" if extra <= legs else "does not hold"
+    return (
+        f"{name}: measured extra {extra:.4f} {noise} s/step vs its plan's relay_extra_s {legs:.4f} s/step; met when "
+        f"extra <= relay_extra_s + {NOISE_STANDARD_ERRORS:g} standard errors = {allowed:.4f} (strictly extra <= "
+        f"relay_extra_s: {strict})",
+        extra <= allowed,
+    )
+
+
+def standard_error(r: dict, base: dict) -> float | None:
+    """The standard error of a difference of two rows' mean steps (from their per-step std), or None."""
     try:
-        se = (r["step_std_s"] ** 2 / r["timed_steps"] + base["step_std_s"] ** 2 / base["timed_steps"]) ** 0.5
+        return (r["step_std_s"] ** 2 / r["timed_steps"] + base["step_std_s"] ** 2 / base["timed_steps"]) ** 0.5
     except (KeyError, TypeError, ZeroDivisionError):
-        return ""
-    return f" ± {se:.4f} (standard error)"
+        return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -50,17 +50,34 @@ def test_relayed_links_and_bytes():
     assert nat.relayed_bytes_of("") == 0
 
 
-def _row(setting, loss, step, predicted=None):
-    return {"setting": setting, "final_loss": loss, "mean_step_s": step, "predicted_step_s": predicted}
+def _row(setting, loss, step, predicted=None, extra=None):
+    row = {"setting": setting, "final_loss": loss, "mean_step_s": step, "predicted_step_s": predicted}
+    return row | ({} if extra is None else {"relay_extra_s": extra})
 
 
 def test_targets_are_judged_on_the_rows():
-    rows = [_row("reachable", 4.25, 1.0, 1.0), _row("half-nat", 4.25, 1.09, 1.0), _row("relay", 4.25, 1.2, 1.3)]
+    rows = [_row("reachable", 4.25, 1.0, 1.0), _row("half-nat", 4.25, 1.09, 1.0), _row("relay", 4.25, 1.2, 1.3, 0.2)]
     assert [met for _, met in nat.check_targets(rows)] == [True, True, True, True]
-    rows = [_row("reachable", 4.25, 1.0, 1.0), _row("half-nat", 4.2500001, 1.2, 1.0), _row("relay", 4.25, 1.5, 1.3)]
+    rows = [
+        _row("reachable", 4.25, 1.0, 1.0),
+        _row("half-nat", 4.2500001, 1.2, 1.0),
+        _row("relay", 4.25, 1.5, 1.3, 0.3),
+    ]
     assert [met for _, met in nat.check_targets(rows)] == [False, True, False, False]
     unjudged = nat.check_targets([_row("reachable", 4.25, 1.0), {"setting": "relay", "final_loss": None}])
     assert [met for _, met in unjudged] == [None, None, None, None]
+
+
+def test_the_two_legs_are_the_relay_rows_own_plans_figure():
+    # two runs' predictions differ by noise (the relay row's plan even predicts less than reachable's): the
+    # judge reads the relay row's relay_extra_s, priced on one plan, not the difference of predictions
+    rows = [_row("reachable", 4.25, 1.0, 1.3), _row("relay", 4.25, 1.1, 1.2, 0.15)]
+    statement, met = nat.check_targets(rows)[-1]
+    assert met is True and "relay_extra_s 0.1500" in statement and "measured extra 0.1000" in statement
+    rows = [_row("reachable", 4.25, 1.0, 1.0), _row("relay", 4.25, 1.1, 1.5, 0.05)]
+    assert nat.check_targets(rows)[-1][1] is False  # predictions 0.5 apart; its own plan says 0.05
+    statement, met = nat.check_targets([_row("reachable", 4.25, 1.0, 1.0), _row("relay", 4.25, 1.1, 1.5)])[-1]
+    assert met is None and "no relay_extra_s" in statement  # a plan without a relayed link is not judged
 
 
 def test_config():
@@ -94,13 +111,17 @@ def test_netns_rows_carry_the_order_from_the_route():
     assert nat.netns_order([]) is None and nat.netns_order(["peer.example:1"]) is None
 
 
-def test_step_spread_and_the_two_legs_statement():
+def test_step_spread_and_the_noise_allowance_of_the_two_legs():
     stats = nat.step_stats([9.0, 1.0, 3.0])  # the first step (channels, tunnels) is left out
     assert stats == {"mean_step_s": 2.0, "step_std_s": pytest.approx(2**0.5), "timed_steps": 2}
-    rows = [
-        {**_row("reachable", 4.25, 1.0, 1.0), "step_std_s": 0.3, "timed_steps": 9},
-        {**_row("half-nat", 4.25, 1.0, 1.0)},
-        {**_row("relay", 4.25, 1.2, 1.3), "step_std_s": 0.4, "timed_steps": 16},
-    ]
-    statement, met = nat.check_targets(rows)[-1]
-    assert met is True and "± 0.1414 (standard error)" in statement  # sqrt(0.09/9 + 0.16/16)
+    base = {**_row("reachable", 4.25, 1.0, 1.0), "step_std_s": 0.3, "timed_steps": 9}
+    relay = {**_row("relay", 4.25, 1.2, 1.3, 0.0), "step_std_s": 0.4, "timed_steps": 16}  # se sqrt(.09/9+.16/16)
+    statement, met = nat.check_targets([base, {**_row("half-nat", 4.25, 1.0, 1.0)}, relay])[-1]
+    assert met is True and "± 0.1414 (standard error)" in statement  # 0.2 extra <= 0 + 2 x 0.1414
+    assert "+ 2 standard errors = 0.2828" in statement and "strictly extra <= relay_extra_s: does not hold" in statement
+    statement, met = nat.check_targets([base, {**relay, "mean_step_s": 1.3}])[-1]
+    assert met is False  # 0.3 > 0.2828: the data show the link dearer than its legs
+    statement, met = nat.check_targets([_row("reachable", 4.25, 1.0), _row("relay", 4.25, 1.2, None, 0.1)])[-1]
+    assert met is False and "no standard error: judged strictly" in statement
+    statement, met = nat.check_targets([_row("reachable", 4.25, 1.0), _row("relay", 4.25, 1.05, None, 0.1)])[-1]
+    assert met is True and "strictly extra <= relay_extra_s: holds" in statement
