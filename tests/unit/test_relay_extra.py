@@ -118,3 +118,13 @@ def test_the_live_planner_publishes_relay_extra_with_a_plan_that_relays_a_link()
         validate_plan(PlanRecord(version=1, plan=plan, created_at=1.0), 4, peers)
         assert ("relay_extra_s" in plan) is relayed
         assert not relayed or 0 < plan["relay_extra_s"] < plan["step_time_s"]
+
+
+def test_the_trainers_summary_carries_and_prints_it():
+    from swarm.train.trainer import TrainSummary, format_summary
+
+    base = dict(first_loss=5.0, final_loss=4.0, steps=3, wire_bytes=1, fp32_wire_bytes=4, sync_bytes=0)
+    base |= dict(mean_step_s=0.3, seconds=1.0, stages=4, route=["a:1"], plan_version=2, replans=0, csv="c", plot=None)
+    s = TrainSummary(**base, predicted_step_s=0.25, relay_extra_s=0.0125)
+    assert "its relayed links add 0.013 s/step of it" in format_summary(s)
+    assert "relayed links" not in format_summary(TrainSummary(**base, predicted_step_s=0.25))
