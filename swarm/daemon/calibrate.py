@@ -174,6 +174,9 @@ class Calibrator:
         window_s: seconds the window spans at least. Steps on a shared machine vary: on 2 loaded cores a 0.2 s
             step read 0.13-0.43 s, and a window of 4-6 such steps (1 s) was 10-13% off the run's mean on its own
             noise (a mean of n steps is off by about its spread over root n); 4 s of steps halves that.
+        enough_steps: a window of this many steps (every stage) closes whatever its seconds: what the seconds
+            buy is steps to average, and a short run of fast steps never spans `window_s` (a quiet machine's
+            40-step throttled cells at 0.12 s a step never calibrated under 4 s alone).
     """
 
     def __init__(
@@ -184,10 +187,14 @@ class Calibrator:
         every_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         window_s: float = 4.0,
+        enough_steps: int = 16,
     ):
-        if after_steps < 0 or window_steps < 1 or every_s < 0 or not 0 <= window_s < math.inf:
-            raise ValueError("Calibrator: need after_steps >= 0, window_steps >= 1, every_s >= 0, 0 <= window_s")
+        if after_steps < 0 or window_steps < 1 or every_s < 0 or not 0 <= window_s < math.inf or enough_steps < 1:
+            raise ValueError(
+                "Calibrator: need after_steps >= 0, window_steps >= 1, every_s >= 0, 0 <= window_s, enough_steps >= 1"
+            )
         self.read, self.after_steps, self.window_steps = read, after_steps, window_steps
+        self.enough_steps = enough_steps
         self.every_s, self.clock, self.window_s = every_s, clock, window_s
         self._key: tuple | None = None
         self._start: dict[str, StageClock] = {}
@@ -226,7 +233,7 @@ class Calibrator:
         measured = {pid: window(self._start[pid], clock) for pid, clock in now.items()}
         if any(m is None or m.steps < self.window_steps for m in measured.values()):
             return None
-        if self.clock() - self._opened < self.window_s:
+        if self.clock() - self._opened < self.window_s and any(m.steps < self.enough_steps for m in measured.values()):
             return None
         self._done = True
         return measured  # type: ignore[return-value]

@@ -145,6 +145,24 @@ def test_the_window_spans_window_s_as_well_as_window_steps():
         Calibrator(peers, window_s=-1.0)
 
 
+def test_enough_steps_close_the_window_before_window_s():
+    # 0.1 s steps on a quiet machine: a 40-step run never spans 4 s after its first epoch, and 16 steps are
+    # what 4 s of loaded 0.25 s steps would have averaged
+    peers, now = Peers(), [0.0]
+    cal = Calibrator(peers, after_steps=4, window_steps=4, every_s=1.0, clock=lambda: now[0], window_s=4.0)
+    set_steps(peers, 4)
+    assert cal.observe(PLAN) is None  # opened at t = 0
+    now[0] = 1.0
+    set_steps(peers, 14)
+    assert cal.observe(PLAN) is None, "10 steps in 1 s: neither enough steps nor enough seconds"
+    now[0] = 2.0
+    set_steps(peers, 24)
+    measured = cal.observe(PLAN)
+    assert measured is not None and measured[A].steps == 20 and measured[A].first_step == 4
+    with pytest.raises(ValueError):
+        Calibrator(peers, enough_steps=0)
+
+
 @pytest.mark.parametrize("fault", ["silent", "wrong stage", "malformed"])
 def test_a_silent_stranger_or_malformed_peer_holds_the_window(fault):
     peers, now = Peers(), [0.0]
