@@ -101,10 +101,11 @@ class GSignCodec(Codec):
 
     def _encode_body(self, x, msg, state):
         use_feedback = self.config.error_feedback and state is not None
+        x = x.float()  # one fp32 copy at most (none for an fp32 gradient)
         if use_feedback and state.residual is not None and state.residual.shape == x.shape:
-            x = x.float() + state.residual
+            x = x + state.residual
         group = group_size(self.config)
-        values, seed = x.float().reshape(-1), None
+        values, seed = x.reshape(-1), None
         if self.config.rotation == "hadamard":
             # as gradq's: a fresh seeded rotation per message unless `+nr` (the sign itself draws nothing)
             seed = state.next_seed() if state is not None else None
@@ -121,7 +122,7 @@ class GSignCodec(Codec):
             sent = self._dequantize(codes, scales, group)
             if seed is not None:
                 sent = rot.unrotate(sent, group, seed, x.numel())
-            state.residual = x.float() - sent.view(x.shape)
+            state.residual = x - sent.view(x.shape)
 
     def _decode_body(self, msg, numel, state):
         q, field = msg.quantized, "quantized"

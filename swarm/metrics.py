@@ -49,6 +49,9 @@ class MetricSpec:
             raise ValueError(f"MetricSpec {self.name}: histograms, and only histograms, have buckets")
 
 
+RELAYED_BYTES = "swarm_relayed_bytes_total"
+"""The relays' byte counter's name (read back by `swarm.daemon.nat` and `swarm experiment nat`)."""
+
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "wire_bytes", Counter, "swarm_wire_bytes_total",
@@ -96,7 +99,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "buffered_samples", Gauge, "swarm_buffered_samples", "Samples held in the AQ-SGD buffer of a link", ("link",)
     ),
     MetricSpec(
-        "relayed_bytes", Counter, "swarm_relayed_bytes_total",
+        "relayed_bytes", Counter, RELAYED_BYTES,
         "Bytes this peer forwarded as a relay for peers behind NAT, per link '<src peer>-><dst peer>'", ("link",),
     ),
 )  # fmt: skip

@@ -144,7 +144,7 @@ def window(before: StageClock, after: StageClock) -> Measured | None:
     fp32 = [a - b for a, b in zip(after.fp32, before.fp32, strict=True)]
     if steps < 1 or passes < 2 or step_s <= 0 or work_s <= 0 or min(sent) < 0 or min(fp32) < 0:
         return None
-    ratios = [s / f if f > 0 else 0.0 for s, f in zip(sent, fp32, strict=False)]
+    ratios = [s / f if f > 0 else 0.0 for s, f in zip(sent[:2], fp32, strict=True)]  # forward, backward
     if not all(math.isfinite(r) and r <= MAX_RATIO for r in ratios):
         return None  # no codec sends several times a message's fp32 size: a malformed or hostile reply
     micro = passes / 2

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from swarm.metrics import RELAYED_BYTES
 from swarm.net.reach import DialBackHelper, NonceBook, check_reachable
 from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Tunnels
 
@@ -50,7 +51,6 @@ MOVE_ATTACH_S = 10.0
 MOVE_GRACE_S = 6.0
 """How long the old Attach stays open after the new one holds: callers' announcements (`Announced`, at most 5 s
 old) still route some connections through the old relay meanwhile."""
-RELAYED_TOTAL = "swarm_relayed_bytes_total"
 NEIGHBOUR = 1
 """`_rank` at or below this: a pipeline neighbour (an Attach there is never moved)."""
 
@@ -363,7 +363,7 @@ class NatWiring:
             self._skip[relay_id] = time.monotonic() + SKIP_S
 
     def close(self) -> None:
-        relayed = sum(v for k, v in self.daemon.metrics.snapshot().items() if k.startswith(RELAYED_TOTAL))
+        relayed = sum(v for k, v in self.daemon.metrics.snapshot().items() if k.startswith(RELAYED_BYTES))
         if relayed:
             log.info("relayed %d bytes in all", relayed)
         self._closed.set()

@@ -111,7 +111,8 @@ def repack_layout(
 
 def repack_plan(plan: dict, frozen_layers: int, frozen_cost: float = 1 / 3) -> dict:
     """The next plan for a grown frozen prefix: the plan's peers (in stage order) re-dealt onto the repacked
-    stages. Codecs per boundary are dropped when the stage count changes (the planner may choose them anew)."""
+    stages. Codecs per boundary and the other keys made for the old stages (`_PER_STAGE_KEYS`) are dropped when
+    the stage count changes (the planner may choose them anew)."""
     stages = plan["stages"]
     n_layers = stages[-1]["layer_end"]
     peers = [pid for stage in stages for pid in stage["peer_ids"]]
@@ -124,14 +125,15 @@ def repack_plan(plan: dict, frozen_layers: int, frozen_cost: float = 1 / 3) -> d
         at += count
     out["stages"], out["frozen_layers"] = new, frozen_layers
     if len(new) != len(stages):
-        out.pop("codecs", None)
+        for key in ("codecs", *_PER_STAGE_KEYS):
+            out.pop(key, None)
     return out
 
 
 def with_frozen(plan: dict, previous: dict | None) -> dict:
     """A freshly searched `plan` (the planner's full re-search after joins, leaves or a failed repair) made to
     keep `previous`'s frozen prefix: `frozen_layers` carried over and the layers repacked for it
-    (`repack_plan`; the per-stage keys of the searched layout dropped when the stage count changes), so hosts
+    (`repack_plan`, which drops the searched layout's per-stage keys when the stage count changes), so hosts
     built from it start frozen and the repacked layout survives. Frozen layers never thaw: a re-search that
     forgot the prefix would train them again for at least one step, and every stage refuses the trainer's
     Step with fewer. Unchanged without a frozen prefix (or when the prefix reaches past the new plan)."""
@@ -139,11 +141,7 @@ def with_frozen(plan: dict, previous: dict | None) -> dict:
     stages = plan.get("stages", [])
     if frozen <= 0 or not stages or frozen >= int(stages[-1]["layer_end"]):
         return plan
-    out = repack_plan(plan, frozen)
-    if len(out["stages"]) != len(stages):
-        for key in _PER_STAGE_KEYS:
-            out.pop(key, None)
-    return out
+    return repack_plan(plan, frozen)
 
 
 def frozen_figure(metrics: Mapping[str, float], n_layers: int) -> int | None:
@@ -202,9 +200,6 @@ class RepackWatch:
         except ValueError as e:
             log.warning("repack for %d frozen layers: %s", frozen, e)
             return None
-        if len(plan["stages"]) != len(current.plan["stages"]):
-            for key in _PER_STAGE_KEYS:
-                plan.pop(key, None)
         version = planner.next_version(peers)
         if version is None:
             return None

@@ -49,6 +49,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarm.metrics import RELAYED_BYTES
+
 SETTINGS = ("reachable", "half-nat", "relay")
 COLUMNS = [
     "setting", "nat_peers", "order", "relayed_links", "steps", "final_loss", "mean_step_s", "predicted_step_s",
@@ -58,7 +60,6 @@ HALF_NAT_TOLERANCE = 0.10
 """Target: half the peers behind NAT within 10% of the all-reachable step time."""
 NOISE_STANDARD_ERRORS = 2.0
 """Target: the relayed run's measured extra within relay_extra_s + this many standard errors of it."""
-RELAYED_METRIC = "swarm_relayed_bytes_total"
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def relayed_bytes_of(text: str) -> int:
     """The sum of every `swarm_relayed_bytes_total{...}` sample in a Prometheus text exposition."""
     total = 0.0
     for line in text.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] == RELAYED_METRIC:
+        if line.split("{", 1)[0].split(" ", 1)[0] == RELAYED_BYTES:
             with contextlib.suppress(ValueError, IndexError):
                 total += float(line.rsplit(" ", 1)[1])
     return int(total)

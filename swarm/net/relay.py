@@ -332,11 +332,13 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         try:
             for frame in frames:
                 n = len(frame.data)
-                if n > self.limits.max_frame_bytes or frame.target or frame.conn_id:
-                    why = (
-                        f"exceeds {self.limits.max_frame_bytes}" if n > self.limits.max_frame_bytes else "not data only"
+                if n > self.limits.max_frame_bytes:
+                    raise RelayError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"frame of {n} bytes exceeds {self.limits.max_frame_bytes} (from {src})",
                     )
-                    raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, f"frame of {n} bytes {why} (from {src})")
+                if frame.target or frame.conn_id:
+                    raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, f"frame of {n} bytes not data only (from {src})")
                 if shaper is not None:
                     shaper.consume(n)
                 if counter is not None:
@@ -385,8 +387,8 @@ class _Unconnected(grpc.RpcError):
     """An Attach whose relay did not take the connection within `RelayLimits.attach_connect_s`."""
 
     def __init__(self, address: str, timeout_s: float):
-        super().__init__(f"no connection to {address} within {timeout_s:g} s")
         self._details = f"no connection to {address} within {timeout_s:g} s"
+        super().__init__(self._details)
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE

@@ -67,13 +67,13 @@ def flatten_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Sets each trained parameter's gradient to its slice of `flat`; a frozen one (no `requires_grad`) gets none,
-    so the optimizer leaves it where it is (a zero gradient would still move it through momentum and decay)."""
+    """Sets each parameter's gradient to its slice of `flat`. The averager passes only the trained ones, so a
+    frozen parameter gets no gradient and the optimizer leaves it where it is (a zero gradient would still move
+    it through momentum and decay)."""
     offset = 0
     for p in params:
         n = p.numel()
-        if p.requires_grad:
-            p.grad = flat[offset : offset + n].view(p.shape).to(p.device, p.dtype, copy=True)
+        p.grad = flat[offset : offset + n].view(p.shape).to(p.device, p.dtype, copy=True)
         offset += n
 
 
@@ -120,8 +120,8 @@ class GradientAverager:
         tied = module.tied_parameter() if host.role.n_stages > 1 else None
         self.params = [p for _, p in sorted(module.named_parameters()) if p is not tied]
         """Every parameter the stage group sums, frozen or not (`trained` is what a sum carries)."""
-        self._layout = tuple(p.requires_grad for p in self.params)
-        numel = sum(p.numel() for p, on in zip(self.params, self._layout, strict=True) if on)
+        self._layout = self._layout_now()
+        numel = self._numel_of(self._layout)
         self.tied_numel = 0 if tied is None else tied.numel()
         """Elements of the tied weight this stage sums with the tied group (0: not an end stage of 2+)."""
         self.groups = {False: _Group(numel), True: _Group(self.tied_numel)}
@@ -147,6 +147,13 @@ class GradientAverager:
     numel = property(lambda self: self.groups[False].numel, doc="Elements of the stage sum: trained parameters'.")
     residual = property(lambda self: self.groups[False].residual, doc="Stage error feedback (committed).")
 
+    def _layout_now(self) -> tuple[bool, ...]:
+        """Which parameters are trained now (frozen ones are not)."""
+        return tuple(p.requires_grad for p in self.params)
+
+    def _numel_of(self, layout: tuple[bool, ...]) -> int:
+        return sum(p.numel() for p, on in zip(self.params, layout, strict=True) if on)
+
     @property
     def trained(self) -> list[torch.nn.Parameter]:
         """The parameters the stage sum carries: those still trained (frozen ones leave it)."""
@@ -156,7 +163,7 @@ class GradientAverager:
         """Follows a grown frozen prefix (call between steps; `apply_frozen` does, `receive` and `_sum` check):
         the sum's size becomes the trained parameters', and the committed residual keeps their slices."""
         with self._arrived:
-            layout = tuple(p.requires_grad for p in self.params)
+            layout = self._layout_now()
             if layout == self._layout:
                 return
             group, old = self.groups[False], self._layout
@@ -169,7 +176,7 @@ class GradientAverager:
                     offset += n
                 group.residual = torch.cat(parts) if parts else torch.zeros(0)
             self._layout = layout
-            group.numel = sum(p.numel() for p, on in zip(self.params, layout, strict=True) if on)
+            group.numel = self._numel_of(layout)
             group.drop()
 
     tied_residual = property(lambda self: self.groups[True].residual, doc="Tied error feedback (committed).")
@@ -321,7 +328,7 @@ class GradientAverager:
                 raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step} ended while it was being reduced")
             if tied:
                 host.worker.set_tied_grad(total.view(host.worker.module.tied_parameter().shape))
-            elif self._layout != tuple(p.requires_grad for p in self.params):
+            elif self._layout != self._layout_now():
                 raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step}: the frozen prefix changed meanwhile")
             else:
                 unflatten_into(self.trained, total)

@@ -336,7 +336,7 @@ class FullCost:
             members = np.concatenate([grid[0], grid[-1]])
             sub = np.ix_(members, members)
             # each sender's own bytes on its own direction (the two ends' tied gradients can differ in size)
-            load[sub] += m.tied_sent(len(grid), grid.shape[1])[:, None] * self.inverse_bw[sub]
+            load[sub] += m.tied_sent(grid.shape[1])[:, None] * self.inverse_bw[sub]
         if not m.full_duplex:
             load = load + load.T
         return float(load.max())
@@ -349,7 +349,7 @@ class FullCost:
             return 0.0
         members = np.concatenate([grid[0], grid[-1]])
         sub = np.ix_(members, members)
-        sent = self.model.tied_sent(len(grid), grid.shape[1])[:, None]  # row i: what member i sends
+        sent = self.model.tied_sent(grid.shape[1])[:, None]  # row i: what member i sends
         per_pair = np.maximum(sent - self.burst[sub], 0.0) * self.inverse_bw[sub]
         both = np.maximum(per_pair, per_pair.T) + self.round_trip_s[sub]
         return float(both.max())

@@ -256,11 +256,11 @@ class ModelSpec:
             overlapped_sync_latency=False,
         )
 
-    def tied_sent(self, stages: int, replicas: int) -> np.ndarray:
-        """Tied bytes each end-stage member sends every other one, first stage's `replicas` members then the
-        last's (`tied_bytes`, then `tied_bytes_last` where given)."""
+    def tied_sent(self, replicas: int) -> np.ndarray:
+        """Tied bytes each end-stage member of a 2+ stage plan sends every other one, the first stage's `replicas`
+        members then the last's (`tied_bytes`, then `tied_bytes_last` where given)."""
         last = self.tied_bytes if self.tied_bytes_last is None else self.tied_bytes_last
-        return np.repeat([self.tied_bytes, last if stages > 1 else self.tied_bytes], replicas)
+        return np.repeat([self.tied_bytes, last], replicas)
 
     @property
     def tied(self) -> bool:
