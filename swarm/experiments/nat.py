@@ -300,9 +300,9 @@ def _two_legs(base: dict | None, r: dict | None) -> tuple[str, bool | None]:
     """The two-legs target on the relay row's own plan (module docstring): measured extra against its
     `relay_extra_s`, allowing NOISE_STANDARD_ERRORS standard errors of the measured difference."""
     name = "relay: the relayed link costs no more than its two legs"
-    legs = None if r is None else r.get("relay_extra_s")
     if base is None or r is None:
         return name, None
+    legs = r.get("relay_extra_s")
     if legs is None:
         return f"{name} (its plan carries no relay_extra_s: no relayed link planned)", None
     extra, se = r["mean_step_s"] - base["mean_step_s"], standard_error(r, base)
