@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,6 +37,7 @@ from swarm.model.data import Batch
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.proto import stage_pb2
+from swarm.runtime.callinfo import RouteAcks, RoutedCalls
 from swarm.runtime.chains import (
     Chain,
     ChainWeights,
@@ -78,7 +79,7 @@ def _nested(route: Sequence) -> list[list[str]]:
     return [[r] if isinstance(r, str) else list(r) for r in route]
 
 
-class PipelineDriver:
+class PipelineDriver(RoutedCalls):
     """Drives training steps over the chains of replicas at `route`, rerouting around dead peers.
 
     Args:
@@ -129,6 +130,8 @@ class PipelineDriver:
         self.route, self.peers = list(self.chains[0].addresses), list(self.chains[0].peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version, self.max_attempts = plan_version, max_attempts
+        self._route_acks = RouteAcks()
+        """peers that took the route under a plan version: calls to them leave it out (`swarm.runtime.callinfo`)"""
         self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
         if connector is None and signer is None:
             from swarm.net.auth import CallSigner, Identity
@@ -180,29 +183,6 @@ class PipelineDriver:
         return [c.index for c in self.chains if not self.dead.intersection(c.peers)]
 
     # ---- calls ------------------------------------------------------------------------------------------
-
-    def _info(self, step: int, mb: int, stage: int, work: ChainWork, layout=None) -> stage_pb2.CallInfo:
-        """The call info of micro-batch `mb` of `work`; `layout`: (schedule, `stage_numbering`) with uneven
-        replica counts, None with equal ones."""
-        chain, (schedule, numbering) = work.chain, layout or (self.schedule, None)
-        info = stage_pb2.CallInfo(
-            step=step,
-            micro_batch=mb,
-            stage=stage,
-            plan_version=self.plan_version,
-            num_micro_batches=len(work.micro),
-            schedule=schedule,
-            route=chain.addresses,
-            route_peers=chain.peers,
-            deadline_s=self.deadline_s,
-            loss_weight=work.loss_weights[mb],
-            chain=chain.index,
-            loss_scale=self.loss_scale,
-        )
-        if numbering is not None:  # uneven replica counts: each stage's replica numbers its own micro-batches
-            info.stage_micro.extend(numbering[(chain.index, mb)][0])
-            info.stage_micro_count.extend(numbering[(chain.index, mb)][1])
-        return info
 
     def _count_control(self, nbytes: int) -> None:
         with self._control_lock:
@@ -274,17 +254,21 @@ class PipelineDriver:
     def _micro_batch(self, step: int, work: ChainWork, mb: int, layout=None) -> _MicroResult:
         last, data = self.n_stages - 1, work.micro[mb]
         first_r, last_r = work.chain.index % self.counts[0], work.chain.index % self.counts[last]
-        info = self._info(step, mb, last, work, layout)
-        self._call(last, last_r, "PutLabels", stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(data.targets)))
-        item = stage_pb2.StreamItem(
-            info=self._info(step, mb, 0, work, layout), tokens=tokens_to_wire(data.tokens, data.sample_ids)
-        )
+
+        def labels(route: bool) -> stage_pb2.LabelsRequest:
+            info = self._info(step, mb, last, work, layout, route)
+            return stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(data.targets))
+
+        def tokens(route: bool) -> Iterator[bytes]:
+            wire = tokens_to_wire(data.tokens, data.sample_ids)
+            return self._start(step, mb, 0, work, layout, route, wire)
+
+        self._routed(last, last_r, "PutLabels", labels)
         # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
         # comes back
-        fw = self._call(0, first_r, "Forward", iter([item.SerializeToString()]))
+        fw = self._routed(0, first_r, "Forward", tokens)
         # communication: the backward starts at the chain's last stage and flows back to its stage 0
-        start = stage_pb2.StreamItem(info=info).SerializeToString()
-        bw = self._call(last, last_r, "Backward", iter([start]))
+        bw = self._routed(last, last_r, "Backward", lambda route: self._start(step, mb, last, work, layout, route))
         traffic = Traffic()
         traffic.add(fw.traffic, "forward")
         traffic.add(bw.traffic, "backward")

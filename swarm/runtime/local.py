@@ -109,7 +109,7 @@ class LocalPipeline:
             connector = self.network.connector(CallSigner(ids[(s, r)]) if auth else None)
             host = StageHost(role, model, cfg, self._links(fw, bw), peer[(s, r)], connector)
             verifier = CallVerifier(peer[(s, r)]) if auth else None
-            servicer = StageServicer(host, verifier, roster) if auth else StageServicer(host)
+            servicer = StageServicer(host, verifier, roster)  # without auth the roster only gives routes
             self.switches[s].append(_Switch(servicer))
             self.network.register(self.replica_addresses[s][r], self.switches[s][r], peer[(s, r)])
             self.replica_hosts[s].append(host)

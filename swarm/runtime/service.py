@@ -20,6 +20,7 @@ from swarm.compression import BufferMissError, WireError, WireLimits
 from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, read_stream
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.budget import CallSlots, SlotsExhausted, StageBudget
+from swarm.runtime.callinfo import fill_route
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
 from swarm.runtime.policy import CallPolicy, Roster
@@ -142,6 +143,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def _check_info(self, info: stage_pb2.CallInfo, caller: str | None, method: str | None = None) -> StageHost:
         """Checks what a call's info alone decides: the host's rules, then the plan's chain. Changes nothing."""
         host = self._serving()
+        fill_route(info, self.policy.roster, host.role, host.peer_id)  # a route-less call's, from the plan
         host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
         if caller is not None:
             self.policy.check_route(info, caller, method, host.peer_id)
@@ -155,6 +157,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         with self._admission:
             host = self._serving()
             policy = self.policy
+            fill_route(info, policy.roster, host.role, host.peer_id)  # a no-op once `_check_info` filled it
             route_check = None if caller is None else lambda i: policy.check_route(i, caller, method, host.peer_id)
             host.admit(call, info, kind, caller, route_check)
             return host

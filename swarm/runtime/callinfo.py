@@ -1,0 +1,188 @@
+"""The CallInfo of a trainer's call, and the route a stage takes from its plan rather than from the call.
+
+Every Forward, Backward and PutLabels names the chain it runs on, and the stage needs that chain's address
+and peer id of every stage to send along it. They used to travel in every call (`CallInfo.route`,
+`route_peers`: ~70 bytes a call, 0.84 KB of a 2-stage step's 4.8 KB of control). The plan a stage follows
+already holds them: its roster (`swarm.runtime.policy.Roster`, set from the validated plan, the same one
+`CallPolicy.check_route` holds carried routes to). So:
+
+- The trainer (`RouteAcks`) carries the route to a peer until a call carrying it succeeded there under the
+  current plan version; from then on it leaves both fields empty.
+- A stage given a call without a route (`fill_route`) takes the route of the call's chain from its roster, if
+  the call names the plan the stage follows, the stage has a roster of that plan's shape, and that roster puts
+  this peer at the call's stage of that chain. Otherwise it refuses with FAILED_PRECONDITION and `ROUTE_NEEDED`,
+  having changed nothing; the trainer sends the call again with the route, and keeps sending it to that peer
+  for that plan.
+- A call that carries a route is checked as before (its length here, the roster's chain by the policy).
+
+A route therefore never comes from anything but the stage's validated plan or a carried route validated as
+before: a stranger naming another plan version is refused as another plan's call before any route is used.
+Boundary calls between stages still carry the route the stage filled in (they are checked against the next
+stage's roster as before).
+
+`call_info` also leaves `loss_weight` 0 where the micro-batch's weight is 1 / num_micro_batches: proto3 omits a
+zero double, and the last stage reads 0 as exactly that weight (`StageHost.decode`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from swarm.net.stream import CallRefused, StageCallError
+from swarm.proto import stage_pb2
+
+__all__ = ["ROUTE_NEEDED", "RouteAcks", "RoutedCalls", "call_info", "fill_route", "route_needed"]
+
+log = logging.getLogger(__name__)
+
+ROUTE_NEEDED = "route needed:"
+"""Marks the refusal of a call without a route that the stage cannot take from its plan: send it again with one."""
+
+
+def call_info(
+    *,
+    step: int,
+    micro_batch: int,
+    stage: int,
+    plan_version: int,
+    num_micro_batches: int,
+    schedule: str,
+    route: tuple[tuple[str, ...], tuple[str, ...]] | None,
+    deadline_s: float,
+    loss_weight: float,
+    chain: int,
+    loss_scale: float,
+) -> stage_pb2.CallInfo:
+    """A trainer's call info; `route` (addresses, peer ids) None leaves the route out for the stage to take
+    from its plan, and an equal share's `loss_weight` (exactly 1 / num_micro_batches) is left 0."""
+    info = stage_pb2.CallInfo(
+        step=step,
+        micro_batch=micro_batch,
+        stage=stage,
+        plan_version=plan_version,
+        num_micro_batches=num_micro_batches,
+        schedule=schedule,
+        deadline_s=deadline_s,
+        loss_weight=0.0 if loss_weight == 1.0 / max(1, num_micro_batches) else loss_weight,
+        chain=chain,
+        loss_scale=loss_scale,
+    )
+    if route is not None:
+        info.route.extend(route[0])
+        info.route_peers.extend(route[1])
+    return info
+
+
+def route_needed(error: Exception) -> bool:
+    """Whether a failed call was refused only for the route it left out (nothing was done: send it again)."""
+    return (
+        isinstance(error, StageCallError)
+        and error.code == grpc.StatusCode.FAILED_PRECONDITION
+        and ROUTE_NEEDED in str(error)
+    )
+
+
+class RouteAcks:
+    """Which peers took a call carrying the route under which plan version: calls to them may leave it out.
+
+    A peer that refused a call without a route (`ROUTE_NEEDED`) gets the route in every call of that plan."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._acked: set[tuple[str, int]] = set()
+        self._refused: set[tuple[str, int]] = set()
+
+    def carry(self, peer: str, plan_version: int) -> bool:
+        """Whether a call to `peer` under `plan_version` must carry the route."""
+        key = (peer, plan_version)
+        with self._lock:
+            return key not in self._acked or key in self._refused
+
+    def acked(self, peer: str, plan_version: int) -> None:
+        """A call carrying the route succeeded at `peer`: it follows `plan_version` and holds its roster."""
+        with self._lock:
+            self._acked.add((peer, plan_version))
+
+    def refused(self, peer: str, plan_version: int) -> None:
+        """`peer` refused a call without the route: carry it to that peer for the rest of this plan."""
+        with self._lock:
+            self._refused.add((peer, plan_version))
+
+
+def fill_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> None:
+    """Takes a route-less call's route from `roster` (the plan this stage follows: `role.plan_version`; this peer
+    is `own`, serving `role.stage` of `role.n_stages`), in place. A call that carries any route, or names another
+    plan or another stage, is left as it is (the host's checks refuse or validate it). Raises CallRefused
+    (`ROUTE_NEEDED`) where the roster cannot give this call's route, before anything changed."""
+    plan_version, stage = role.plan_version, role.stage
+    if len(info.route) or len(info.route_peers) or info.plan_version != plan_version or info.stage != stage:
+        return
+    if roster is None or roster.n_stages != role.n_stages or info.chain >= roster.n_routes:
+        raise CallRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{ROUTE_NEEDED} this stage cannot take chain {info.chain}'s route from plan {plan_version}'s roster; "
+            "send the call with its route",
+        )
+    addresses, peers = roster.chain(info.chain)
+    if own is not None and peers[stage] != own:
+        raise CallRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{ROUTE_NEEDED} plan {plan_version}'s chain {info.chain} names {peers[stage]} at stage {stage}, not this "
+            "peer; send the call with its route",
+        )
+    info.route.extend(addresses)
+    info.route_peers.extend(peers)
+
+
+class RoutedCalls:
+    """The trainer's side (a mixin of `PipelineDriver`): a micro-batch's call info and its calls, which carry the
+    route only until the peer took it (`RouteAcks`). Uses the driver's plan_version, schedule, deadline_s,
+    loss_scale, replica_peers, `_route_acks` and `_call`."""
+
+    def _info(self, step: int, mb: int, stage: int, work, layout=None, route=True) -> stage_pb2.CallInfo:
+        """The call info of micro-batch `mb` of `work`; `layout`: (schedule, `stage_numbering`) with uneven
+        replica counts, None with equal ones; `route` False leaves the route to the stage's plan (`callinfo`)."""
+        chain, (schedule, numbering) = work.chain, layout or (self.schedule, None)
+        info = call_info(
+            step=step,
+            micro_batch=mb,
+            stage=stage,
+            plan_version=self.plan_version,
+            num_micro_batches=len(work.micro),
+            schedule=schedule,
+            route=(chain.addresses, chain.peers) if route else None,
+            deadline_s=self.deadline_s,
+            loss_weight=work.loss_weights[mb],
+            chain=chain.index,
+            loss_scale=self.loss_scale,
+        )
+        if numbering is not None:  # uneven replica counts: each stage's replica numbers its own micro-batches
+            info.stage_micro.extend(numbering[(chain.index, mb)][0])
+            info.stage_micro_count.extend(numbering[(chain.index, mb)][1])
+        return info
+
+    def _start(self, step, mb, stage, work, layout, route, tokens=None) -> Iterator[bytes]:
+        """The one item of a Forward into stage 0 (with `tokens`) or of the Backward start at the last stage."""
+        info = self._info(step, mb, stage, work, layout, route)
+        return iter([stage_pb2.StreamItem(info=info, tokens=tokens).SerializeToString()])
+
+    def _routed(self, stage: int, replica: int, method: str, request: Callable[[bool], object]):
+        """`method` with `request(carry_route)`: the route is left out once the peer took it under this plan;
+        a peer that cannot take it from its plan refuses at once, and the call goes again with it."""
+        peer, version = self.replica_peers[stage][replica], self.plan_version
+        carry = self._route_acks.carry(peer, version)
+        try:
+            reply = self._call(stage, replica, method, request(carry))
+        except StageCallError as e:
+            if carry or not route_needed(e):
+                raise
+            log.info("%s: %s; sending the route", method, e)
+            self._route_acks.refused(peer, version)
+            carry, reply = True, self._call(stage, replica, method, request(True))
+        if carry:
+            self._route_acks.acked(peer, version)
+        return reply
