@@ -1,0 +1,196 @@
+"""Routes from the plan, not from every call (`swarm.runtime.callinfo`): a trainer's call leaves the route out
+once the peer took it under the plan, the stage fills it from its validated roster or refuses with
+`route needed:`, and equal micro-batch loss weights travel as proto3's default 0."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from swarm.net.auth import CallSigner, Identity
+from swarm.net.stream import CallRefused, StageCallError, tokens_to_wire
+from swarm.proto import stage_pb2
+from swarm.runtime.callinfo import ROUTE_NEEDED, RouteAcks, call_info, fill_route, route_needed
+from swarm.runtime.host import StageRole
+from swarm.runtime.local import LocalPipeline
+from swarm.runtime.policy import Roster
+from tests.unit.runtime.test_replicas import CFG, FP32, batch
+
+torch.set_num_threads(1)
+
+ROSTER = Roster((("p0", "q0"), ("p1", "q1")), (("a0", "b0"), ("a1", "b1")), None, frozenset())
+ROLE = StageRole(1, 2, 2, 4, plan_version=3, replica=1)
+
+
+def bare(chain: int = 1, stage: int = 1, version: int = 3, **fields) -> stage_pb2.CallInfo:
+    return stage_pb2.CallInfo(step=5, stage=stage, chain=chain, plan_version=version, **fields)
+
+
+def refused_for_route(info, roster, own="q1") -> None:
+    before = info.SerializeToString()
+    with pytest.raises(CallRefused) as e:
+        fill_route(info, roster, ROLE, own)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and ROUTE_NEEDED in e.value.details
+    assert info.SerializeToString() == before, "a refused call is left as it came"
+
+
+def test_a_route_less_call_of_the_followed_plan_takes_its_chain_from_the_roster():
+    info = bare()
+    fill_route(info, ROSTER, ROLE, "q1")
+    assert (tuple(info.route), tuple(info.route_peers)) == ROSTER.chain(1) == (("b0", "b1"), ("q0", "q1"))
+
+
+def test_a_carried_route_or_another_plan_or_stage_is_left_to_the_usual_checks():
+    wrong = bare(route=["evil:1", "evil:2"], route_peers=["x", "y"])  # validated (and refused) by check_route
+    half = bare(route=["b0", "b1"])  # malformed: addresses without peer ids; the host refuses its length
+    for info in (wrong, half, bare(version=2), bare(version=4), bare(stage=0)):
+        before = info.SerializeToString()
+        fill_route(info, ROSTER, ROLE, "q1")
+        assert info.SerializeToString() == before
+
+
+def test_a_stage_that_cannot_take_the_route_from_its_plan_refuses_and_changes_nothing():
+    refused_for_route(bare(), None)  # no roster yet (the plan's addresses are not all known)
+    refused_for_route(bare(chain=2), ROSTER)  # the plan has 2 routes
+    refused_for_route(bare(chain=0), ROSTER)  # chain 0's stage 1 is p1, not this peer (q1)
+    three = Roster(("p0", "p1", "p2"), ("a0", "a1", "a2"), None, frozenset())
+    refused_for_route(bare(chain=0), three)  # a roster of another shape than the plan this stage follows
+
+
+def test_equal_loss_weights_travel_as_zero_and_mean_the_same_share():
+    kw = dict(step=1, micro_batch=0, stage=1, plan_version=0, schedule="1f1b", route=None, deadline_s=5.0, chain=0)
+    for n, rows, total in ((4, 4, 16), (3, 5, 15), (7, 3, 21)):
+        info = call_info(num_micro_batches=n, loss_weight=rows / total, loss_scale=0.0, **kw)
+        assert info.loss_weight == 0.0 and (info.loss_weight or 1.0 / n) == rows / total
+    uneven = call_info(num_micro_batches=4, loss_weight=5 / 16, loss_scale=0.0, **kw)
+    assert uneven.loss_weight == 5 / 16
+    full = call_info(num_micro_batches=4, loss_weight=0.25, loss_scale=0.0, **{**kw, "route": ROSTER.chain(0)})
+    assert list(full.route) == ["a0", "a1"] and full.ByteSize() > info.ByteSize() + 8
+
+
+def test_route_acks_carry_until_taken_and_for_good_after_a_refusal():
+    acks = RouteAcks()
+    assert acks.carry("p", 1)
+    acks.acked("p", 1)
+    assert not acks.carry("p", 1) and acks.carry("p", 2) and acks.carry("q", 1)
+    acks.refused("p", 1)
+    acks.acked("p", 1)
+    assert acks.carry("p", 1), "a peer that refused keeps getting the route under that plan"
+    other = StageCallError("stage 1: not authorized", grpc.StatusCode.FAILED_PRECONDITION)
+    assert route_needed(StageCallError(f"stage 1: {ROUTE_NEEDED} x", grpc.StatusCode.FAILED_PRECONDITION))
+    assert not route_needed(other) and not route_needed(ValueError(ROUTE_NEEDED))
+
+
+# ---- through the servicer: LocalPipeline, authenticated ---------------------------------------------------------
+
+
+@pytest.fixture
+def pipe():
+    p = LocalPipeline(CFG, 2, FP32, FP32, schedule="gpipe")
+    yield p
+    p.close()
+
+
+def capture(driver) -> list[tuple[str, stage_pb2.CallInfo]]:
+    """The CallInfo of every trainer call the driver makes from now on."""
+    seen, original = [], driver._call
+
+    def call(stage, replica, method, request, timeout=None):
+        if isinstance(request, stage_pb2.LabelsRequest):  # a copy: in-process, the stage fills the one it is given
+            seen.append((method, stage_pb2.CallInfo.FromString(request.info.SerializeToString())))
+        elif method in ("Forward", "Backward"):
+            items = list(request)
+            seen.append((method, stage_pb2.StreamItem.FromString(items[0]).info))
+            request = iter(items)
+        return original(stage, replica, method, request, timeout)
+
+    driver._call = call
+    return seen
+
+
+def test_calls_after_the_first_step_carry_no_route_and_train_alike(pipe):
+    ref = LocalPipeline(CFG, 2, FP32, FP32, schedule="gpipe")
+    try:
+        ref_driver = ref.driver(4)
+        ref_driver._route_acks.carry = lambda peer, version: True  # today's calls: the route every time
+        driver = pipe.driver(4)
+        seen = capture(driver)
+        losses = [pipe.train_step(batch(seed=s), 4).loss for s in range(3)]
+        ref_losses = [ref.train_step(batch(seed=s), 4).loss for s in range(3)]
+    finally:
+        ref.close()
+    assert losses == ref_losses, "the stage sends along the same route, taken from its plan"
+    first, later = seen[:12], seen[12:]
+    # the first call to each peer carries it (PutLabels to the last stage, Forward to stage 0); later calls of
+    # step 1 may already leave it out (its micro-batches run at once), and the Backward follows its PutLabels
+    firsts = {m: i for m, i in reversed(first)}
+    assert all(len(firsts[m].route) == 2 and len(firsts[m].route_peers) == 2 for m in ("PutLabels", "Forward"))
+    assert len(later) == 24
+    assert all(not i.route and not i.route_peers and i.loss_weight == 0.0 for _, i in later)
+
+
+def test_a_stage_without_the_plan_refuses_once_and_gets_the_route_again():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, schedule="gpipe", auth=False)  # no roster needed to serve
+    driver = pipe.driver(2)
+    pipe.train_step(batch(), 2)
+    last = pipe.switches[1][0].target
+    last.policy.roster = None  # lost its roster (e.g. the plan's addresses changed)
+    try:
+        seen = capture(driver)
+        before = driver._control
+        pipe.train_step(batch(seed=1), 2)
+        refused = [i for m, i in seen if m == "PutLabels" and not i.route]
+        assert 1 <= len(refused) <= 2, "each micro-batch in flight is refused at most once, then sent with the route"
+        assert driver._route_acks.carry(driver.replica_peers[1][0], driver.plan_version)
+        assert driver._control - before > 0
+        seen.clear()
+        pipe.train_step(batch(seed=2), 2)
+        to_last = [i for m, i in seen if m in ("PutLabels", "Backward")]
+        assert len(to_last) == 4 and all(len(i.route) == 2 for i in to_last), "the route for the rest of the plan"
+        assert all(not i.route for m, i in seen if m == "Forward"), "stage 0 still takes it from its plan"
+    finally:
+        pipe.close()
+
+
+def labels(pipe, info: stage_pb2.CallInfo, signer=None) -> grpc.StatusCode | None:
+    """A PutLabels straight to the last stage, as `signer` (the trainer by default); the refusal's code."""
+    connector = pipe.network.connector(CallSigner(signer or pipe.trainer))
+    stub = connector.stage(pipe.replica_addresses[1][0], pipe.replica_peers[1][0])
+    rows = torch.zeros(2, CFG.seq_len_tokens, dtype=torch.int64)
+    try:
+        stub.PutLabels(stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(rows)), timeout=10)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return None
+
+
+def test_strangers_other_plans_unknown_chains_and_duplicates(pipe):
+    pipe.train_step(batch(), 2)
+    ok = stage_pb2.CallInfo(step=9, micro_batch=0, stage=1, num_micro_batches=2, schedule="gpipe", deadline_s=10)
+    code, details = labels(pipe, ok, signer=Identity.generate())
+    assert code == grpc.StatusCode.PERMISSION_DENIED, "a stranger is refused before any route is looked at"
+    other_plan = stage_pb2.CallInfo()
+    other_plan.CopyFrom(ok)
+    other_plan.plan_version = 7  # naming a plan the stage does not follow gets no route from anywhere
+    code, details = labels(pipe, other_plan)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "plan 7" in details and ROUTE_NEEDED not in details
+    beyond = stage_pb2.CallInfo()
+    beyond.CopyFrom(ok)
+    beyond.chain = 5
+    code, details = labels(pipe, beyond)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and ROUTE_NEEDED in details
+    assert labels(pipe, ok) is None and labels(pipe, ok) is None, "a duplicate is served as with a route"
+    host = pipe.replica_hosts[1][0]
+    assert host.open_step == 9 and set(host.labels) == {0}
+    forged = stage_pb2.CallInfo()
+    forged.CopyFrom(ok)
+    forged.route.extend(["evil:1", pipe.replica_addresses[1][0]])
+    forged.route_peers.extend(pipe.replica_peers[0][0:1] + pipe.replica_peers[1][0:1])
+    code, details = labels(pipe, forged)
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "route" in details, "a carried route is checked as before"
+    nan = stage_pb2.CallInfo()
+    nan.CopyFrom(ok)
+    nan.loss_weight = float("nan")
+    code, _ = labels(pipe, nan)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
