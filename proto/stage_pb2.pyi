@@ -83,20 +83,24 @@ class Traffic(_message.Message):
     def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ..., link_bytes: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("has_loss", "loss", "traffic")
+    __slots__ = ("has_loss", "loss", "traffic", "plan_route")
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ROUTE_FIELD_NUMBER: _ClassVar[int]
     has_loss: bool
     loss: float
     traffic: Traffic
-    def __init__(self, has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., traffic: _Optional[_Union[Traffic, _Mapping]] = ...) -> None: ...
+    plan_route: bool
+    def __init__(self, has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., traffic: _Optional[_Union[Traffic, _Mapping]] = ..., plan_route: _Optional[bool] = ...) -> None: ...
 
 class BackwardReply(_message.Message):
-    __slots__ = ("traffic",)
+    __slots__ = ("traffic", "plan_route")
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ROUTE_FIELD_NUMBER: _ClassVar[int]
     traffic: Traffic
-    def __init__(self, traffic: _Optional[_Union[Traffic, _Mapping]] = ...) -> None: ...
+    plan_route: bool
+    def __init__(self, traffic: _Optional[_Union[Traffic, _Mapping]] = ..., plan_route: _Optional[bool] = ...) -> None: ...
 
 class LabelsRequest(_message.Message):
     __slots__ = ("info", "labels")

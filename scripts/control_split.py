@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 
 from swarm.experiments.convergence import ExperimentConfig, _codec_defaults, _parse_setting
 from swarm.model.data import build_datasets, epoch_batches
+from swarm.runtime.callinfo import RouteAcks
 from swarm.runtime.driver import PipelineDriver
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.worker import StageConfig
@@ -23,7 +24,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--setting", default="tern+ch+r75/gtern+ef+rot+nr+r100")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--carry-routes", action="store_true", help="every call carries its route (before the cut)")
     args = ap.parse_args()
+    if args.carry_routes:
+        RouteAcks.carry = lambda self, peer, version: True
     cfg = ExperimentConfig()
     setting = _parse_setting(args.setting, *_codec_defaults(cfg), cfg)
     tally: dict[tuple[str, str], int] = defaultdict(int)
@@ -52,18 +56,21 @@ def main() -> None:
         schedule=cfg.schedule,
         stage_cfg=StageConfig(cfg.optim),
     )
-    control = []
+    control, boundary = [], []
     try:
         for i, batch in enumerate(epoch_batches(train, cfg.batch_size, 0, cfg.data_seed)):
             if i == args.steps:
                 break
             if i == 1:
                 tally.clear(), calls.clear()
-            control.append(pipe.train_step(batch, cfg.n_micro).control_bytes)
+            r = pipe.train_step(batch, cfg.n_micro)
+            control.append(r.control_bytes)
+            boundary.append(r.forward_bytes + r.backward_bytes)
     finally:
         pipe.close()
     n = args.steps - 1
     print(f"{args.setting}: control bytes of steps 2..{args.steps} (StepResult): {[int(c) for c in control[1:]]}")
+    print(f"  boundary (forward + backward) bytes of steps 2..{args.steps}: {[int(b) for b in boundary[1:]]}")
     total = 0
     for method in sorted({m for m, _ in tally}):
         req, rep = tally[(method, "request")] / n, tally[(method, "reply")] / n

@@ -35,7 +35,7 @@ import grpc
 from swarm.net.stream import CallRefused, StageCallError
 from swarm.proto import stage_pb2
 
-__all__ = ["ROUTE_NEEDED", "RouteAcks", "RoutedCalls", "call_info", "fill_route", "route_needed"]
+__all__ = ["ROUTE_NEEDED", "RouteAcks", "RoutedCalls", "call_info", "fill_route", "plan_gives_route", "route_needed"]
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,12 @@ def call_info(
     return info
 
 
-def route_needed(error: Exception) -> bool:
-    """Whether a failed call was refused only for the route it left out (nothing was done: send it again)."""
-    return (
-        isinstance(error, StageCallError)
-        and error.code == grpc.StatusCode.FAILED_PRECONDITION
-        and ROUTE_NEEDED in str(error)
-    )
+def route_needed(error: BaseException, peer: str | None = None) -> bool:
+    """Whether a failed call was refused for a route left out: by `peer` itself (then nothing was done and the
+    call may go again with the route), or with `peer` None by any stage of the chain (the step may run again)."""
+    if not isinstance(error, StageCallError) or error.code != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    return (ROUTE_NEEDED in str(error)) if peer is None else (f"(peer {peer} at " in str(error).split(ROUTE_NEEDED)[0])
 
 
 class RouteAcks:
@@ -111,6 +110,20 @@ class RouteAcks:
         """`peer` refused a call without the route: carry it to that peer for the rest of this plan."""
         with self._lock:
             self._refused.add((peer, plan_version))
+
+
+def plan_gives_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> bool:
+    """Whether a route-less call like `info` (which carries its route) would get this same route from `roster`
+    here: what a reply's `plan_route` says, so that the caller may leave the route out from then on."""
+    if roster is None or roster.n_stages != role.n_stages or info.plan_version != role.plan_version:
+        return False
+    if info.stage != role.stage or info.chain >= roster.n_routes:
+        return False
+    addresses, peers = roster.chain(info.chain)
+    return (own is None or peers[role.stage] == own) and (tuple(info.route), tuple(info.route_peers)) == (
+        addresses,
+        peers,
+    )
 
 
 def fill_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> None:
@@ -171,18 +184,18 @@ class RoutedCalls:
         return iter([stage_pb2.StreamItem(info=info, tokens=tokens).SerializeToString()])
 
     def _routed(self, stage: int, replica: int, method: str, request: Callable[[bool], object]):
-        """`method` with `request(carry_route)`: the route is left out once the peer took it under this plan;
-        a peer that cannot take it from its plan refuses at once, and the call goes again with it."""
+        """`method` with `request(carry_route)`: the route is left out once the peer's reply said it takes it from
+        this plan (`plan_route`); a peer that cannot refuses at once, and the call goes again with it."""
         peer, version = self.replica_peers[stage][replica], self.plan_version
         carry = self._route_acks.carry(peer, version)
         try:
             reply = self._call(stage, replica, method, request(carry))
         except StageCallError as e:
-            if carry or not route_needed(e):
+            if carry or not route_needed(e, peer):  # another stage's refusal: the step runs again (`_recover`)
                 raise
             log.info("%s: %s; sending the route", method, e)
             self._route_acks.refused(peer, version)
-            carry, reply = True, self._call(stage, replica, method, request(True))
-        if carry:
+            reply = self._call(stage, replica, method, request(True))
+        if getattr(reply, "plan_route", False):  # PutLabels' peer says so in its Backward reply
             self._route_acks.acked(peer, version)
         return reply

@@ -37,7 +37,7 @@ from swarm.model.data import Batch
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.proto import stage_pb2
-from swarm.runtime.callinfo import RouteAcks, RoutedCalls
+from swarm.runtime.callinfo import RouteAcks, RoutedCalls, route_needed
 from swarm.runtime.chains import (
     Chain,
     ChainWeights,
@@ -511,7 +511,7 @@ class PipelineDriver(RoutedCalls):
         """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
-        if error is not None and not reroutable(error):
+        if error is not None and not reroutable(error) and not route_needed(error):  # route needed: run again
             self.abandon(step)
             raise as_error(failure, step) from error
         for peer in failure.suspects:

@@ -28,16 +28,17 @@ from swarm.net.stream import (
     PLAN_MISMATCH,
     CallRefused,
     Incoming,
-    name_failure,
     tokens_from_wire,
 )
 from swarm.proto import stage_pb2
 from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
+from swarm.runtime.callinfo import RouteAcks
 from swarm.runtime.device import to_device
 from swarm.runtime.freeze import apply_frozen, cached_forward, check_frozen, grad_reply
 from swarm.runtime.gate import GateError, ScheduleGate
+from swarm.runtime.neighbours import BufferMiss, NeighbourCalls
 from swarm.runtime.precision import check_scale, check_step
 from swarm.runtime.routes import local_micro
 from swarm.runtime.schedules import Kind
@@ -71,7 +72,7 @@ class StageRole:
         return self.stage == self.n_stages - 1
 
 
-class StageHost:
+class StageHost(NeighbourCalls):
     """What one peer holds for its stage: the worker, its boundary ends, pending labels, the schedule gate.
 
     Args:
@@ -134,6 +135,8 @@ class StageHost:
         """Called after every optimizer step (e.g. checkpointing)."""
         self.averager = GradientAverager(self)
         """The replicas' gradient sum (`Reduce`, `Average`) and its error-feedback residual."""
+        self._route_acks = RouteAcks()
+        """neighbours that take the route from their plan: boundary calls to them leave it out (`neighbours`)"""
 
     # ---- admission ----------------------------------------------------------------------------------------
     # A call is checked whole before it changes anything: `check_call` (its info, as soon as the first stream
@@ -332,7 +335,7 @@ class StageHost:
             prev = self._neighbour(info, self.role.stage - 1)
             to = prev.route[prev.stage]
             with self._phase("encode"):
-                items = self.links.outgoing(self.links.send_end("bw", to), grad_in, None, prev, to)
+                items = self.links.outgoing(self.links.send_end("bw", to), grad_in, None, self._wire_info(prev), to)
         # communication: the input gradient goes straight back to the previous stage
         reply, sent = self._call(prev, "Backward", items)
         self._count(reply.traffic, prev.stage, "backward", sent, 4 * grad_in.numel())
@@ -344,7 +347,7 @@ class StageHost:
         """Sends the activation; on a buffer miss at the next stage, re-sends these samples in full."""
         try:
             reply, sent = self._call(nxt, "Forward", items, retry_on=BUFFER_MISS)
-        except _BufferMiss:
+        except BufferMiss:
             log.info("stage %d lost AQ-SGD buffers; re-sending %d samples in full", nxt.stage, len(ids))
             self.links.forget(ids, nxt.route[nxt.stage])
             # re-sending only the missed ids would desynchronise the others, whose sender-side m already moved
@@ -362,7 +365,7 @@ class StageHost:
             self.metrics.buffer_hits.labels(link).inc(hits)
             self.metrics.buffer_misses.labels(link).inc(len(ids) - hits)
         with self._phase("encode"):
-            return self.links.outgoing(end, out, ids, nxt, to)
+            return self.links.outgoing(end, out, ids, self._wire_info(nxt), to)
 
     def _count(self, traffic: stage_pb2.Traffic, link: int, direction: str, sent: int, fp32: int) -> None:
         """Counts what this stage sent, in its metrics and in the reply that carries it back to the driver."""
@@ -377,28 +380,6 @@ class StageHost:
 
     def _observe(self, phase: str, since: float) -> None:
         self.metrics.phase_seconds.labels(str(self.role.stage), phase).observe(time.perf_counter() - since)
-
-    def _call(self, info: stage_pb2.CallInfo, method: str, items: Iterator[bytes], retry_on: str | None = None):
-        address = info.route[info.stage]
-        counted = _Counted(items)
-        try:
-            client = self.connector.stage(address, info.route_peers[info.stage])  # the token names the callee
-            reply = getattr(client, method)(iter(counted), timeout=self._deadline(info))
-        except grpc.RpcError as e:
-            if (
-                retry_on is not None
-                and e.code() == grpc.StatusCode.FAILED_PRECONDITION
-                and retry_on in (e.details() or "")
-            ):
-                raise _BufferMiss() from e
-            raise name_failure(e, info.stage, info.route_peers[info.stage], address) from e
-        return reply, counted.nbytes
-
-    def _neighbour(self, info: stage_pb2.CallInfo, stage: int) -> stage_pb2.CallInfo:
-        out = stage_pb2.CallInfo()
-        out.CopyFrom(info)
-        out.stage = stage
-        return out
 
     def _still(self, current, info: stage_pb2.CallInfo) -> None:
         """Under the compute lock: the call's step is still this stage's (not abandoned while it waited)."""
@@ -581,19 +562,3 @@ class StageHost:
 
     def close(self) -> None:
         self.connector.close()
-
-
-class _BufferMiss(Exception):
-    pass
-
-
-class _Counted:
-    """Counts the bytes of the serialized items a stream yields."""
-
-    def __init__(self, items: Iterator[bytes]):
-        self.items, self.nbytes = items, 0
-
-    def __iter__(self):
-        for item in self.items:
-            self.nbytes += len(item)
-            yield item

@@ -20,7 +20,7 @@ from swarm.compression import BufferMissError, WireError, WireLimits
 from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, read_stream
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.budget import CallSlots, SlotsExhausted, StageBudget
-from swarm.runtime.callinfo import fill_route
+from swarm.runtime.callinfo import fill_route, plan_gives_route
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
 from swarm.runtime.policy import CallPolicy, Roster
@@ -183,19 +183,24 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     if header.body_bytes > self.budget.large_stream_bytes:
                         reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
 
-                call = read_stream(
-                    request_iterator,
-                    self._limits(),
-                    on_info=lambda info: self._check_info(info, caller, method),
-                    on_header=on_header,
-                )
+                carried = []  # whether the call came with its route (before `fill_route` gives it one)
+
+                def on_info(info) -> None:
+                    carried.append(len(info.route) > 0)
+                    self._check_info(info, caller, method)
+
+                call = read_stream(request_iterator, self._limits(), on_info=on_info, on_header=on_header)
                 host = self._admit(call.info, call, kind, caller, method)
                 try:
                     inputs = host.decode(call, kind)
                     reading.close()  # decoded: the slot is free before the call waits for its turn
-                    if kind == Kind.FORWARD:
-                        return host.forward(call, inputs, gone)
-                    return host.backward(call, inputs, gone)
+                    forward = kind == Kind.FORWARD
+                    reply = host.forward(call, inputs, gone) if forward else host.backward(call, inputs, gone)
+                    # this stage's own answer (a Forward's reply may be the next stage's, which said its own)
+                    reply.plan_route = carried[0] and plan_gives_route(
+                        call.info, self.policy.roster, host.role, host.peer_id
+                    )
+                    return reply
                 finally:
                     host.leave()
 

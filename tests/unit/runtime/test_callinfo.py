@@ -11,7 +11,7 @@ import torch
 from swarm.net.auth import CallSigner, Identity
 from swarm.net.stream import CallRefused, StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2
-from swarm.runtime.callinfo import ROUTE_NEEDED, RouteAcks, call_info, fill_route, route_needed
+from swarm.runtime.callinfo import ROUTE_NEEDED, RouteAcks, call_info, fill_route, plan_gives_route, route_needed
 from swarm.runtime.host import StageRole
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.policy import Roster
@@ -194,3 +194,65 @@ def test_strangers_other_plans_unknown_chains_and_duplicates(pipe):
     nan.loss_weight = float("nan")
     code, _ = labels(pipe, nan)
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_route_needed_tells_the_addressed_peers_refusal_from_a_stage_further_on():
+    own = StageCallError(f"stage 1 (peer q1 at b1): {ROUTE_NEEDED} x", grpc.StatusCode.FAILED_PRECONDITION)
+    further = StageCallError(f"stage 2 (peer q2 at b2): {ROUTE_NEEDED} x", grpc.StatusCode.FAILED_PRECONDITION)
+    assert route_needed(own, "q1") and not route_needed(further, "q1") and route_needed(further)
+    assert not route_needed(StageCallError(f"stage 1 (peer q1 at b1): {ROUTE_NEEDED}", grpc.StatusCode.ABORTED))
+
+
+def test_plan_route_only_for_the_route_this_stages_roster_gives():
+    assert plan_gives_route(bare(route=["b0", "b1"], route_peers=["q0", "q1"]), ROSTER, ROLE, "q1")
+    assert not plan_gives_route(bare(route=["b0", "evil"], route_peers=["q0", "q1"]), ROSTER, ROLE, "q1")
+    assert not plan_gives_route(bare(route=["b0", "b1"], route_peers=["q0", "q1"]), None, ROLE, "q1")
+    assert not plan_gives_route(bare(version=2, route=["b0", "b1"], route_peers=["q0", "q1"]), ROSTER, ROLE, "q1")
+    assert not plan_gives_route(bare(chain=0, route=["a0", "a1"], route_peers=["p0", "p1"]), ROSTER, ROLE, "q1")
+
+
+def boundary_infos(pipe) -> list[tuple[int, stage_pb2.CallInfo]]:
+    """The call info of every boundary call the hosts send from now on: (sending stage, info)."""
+    seen = []
+    for s, host in enumerate(h for row in pipe.replica_hosts for h in row):
+        original = host._call
+
+        def call(info, method, items, retry_on=None, s=s, original=original):
+            items = list(items)
+            seen.append((s, stage_pb2.StreamItem.FromString(items[0]).info))
+            return original(info, method, iter(items), retry_on)
+
+        host._call = call
+    return seen
+
+
+def test_boundary_calls_leave_the_route_out_once_the_neighbour_said_so(pipe):
+    seen = boundary_infos(pipe)
+    pipe.train_step(batch(), 4)
+    assert any(len(i.route) == 2 for _, i in seen), "the first calls carry it"
+    seen.clear()
+    before = pipe.train_step(batch(seed=1), 4)
+    assert len(seen) == 8 and all(not i.route and not i.route_peers for _, i in seen)
+    assert {s for s, _ in seen} == {0, 1} and before.loss > 0
+
+
+def test_a_neighbour_that_lost_the_plan_refuses_and_the_step_runs_again_with_the_route():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, schedule="gpipe", auth=False)
+    try:
+        pipe.train_step(batch(), 2)
+        pipe.train_step(batch(seed=1), 2)  # every peer said plan_route
+        host0 = pipe.replica_hosts[0][0]
+        peer1 = pipe.replica_peers[1][0]
+        assert not host0._route_acks.carry(peer1, 0)
+        pipe.switches[1][0].target.policy.roster = None
+        driver = pipe.driver(2)
+        driver._route_acks.refused(peer1, 0)  # the trainer's calls to it carry the route: stage 0's Forward fails
+        seen = boundary_infos(pipe)
+        r = pipe.train_step(batch(seed=2), 2)
+        assert r.attempts == 2 and r.loss > 0, "refused by stage 1 inside the step: abandoned, run again"
+        assert host0._route_acks.carry(peer1, 0)
+        assert [h.steps_done for h in pipe.hosts] == [3, 3]
+        from0 = [i for s, i in seen if s == 0]  # stage 0's Forwards: route-less (refused), then with it
+        assert not from0[0].route and all(len(i.route) == 2 for i in from0[-2:])
+    finally:
+        pipe.close()
