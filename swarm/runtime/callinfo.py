@@ -20,8 +20,9 @@ before: a stranger naming another plan version is refused as another plan's call
 Boundary calls between stages still carry the route the stage filled in (they are checked against the next
 stage's roster as before).
 
-`call_info` also leaves `loss_weight` 0 where the micro-batch's weight is 1 / num_micro_batches: proto3 omits a
-zero double, and the last stage reads 0 as exactly that weight (`StageHost.decode`).
+`call_info` also leaves `loss_weight` 0 where the micro-batch's weight is 1 / num_micro_batches, `schedule` empty
+for 1f1b and `deadline_s` 0 for 120 s: proto3 omits default values, and the stages read each default as exactly
+that value (`StageHost.decode`, `_turn`, `_deadline`; stages of earlier versions alike).
 """
 
 from __future__ import annotations
@@ -35,9 +36,24 @@ import grpc
 from swarm.net.stream import CallRefused, StageCallError
 from swarm.proto import stage_pb2
 
-__all__ = ["ROUTE_NEEDED", "RouteAcks", "RoutedCalls", "call_info", "fill_route", "plan_gives_route", "route_needed"]
+__all__ = [
+    "DEFAULT_DEADLINE_S",
+    "DEFAULT_SCHEDULE",
+    "ROUTE_NEEDED",
+    "RouteAcks",
+    "RoutedCalls",
+    "call_info",
+    "fill_route",
+    "plan_gives_route",
+    "route_needed",
+]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 120.0
+"""A call's deadline when its `deadline_s` is 0 (proto3's default, so a call with this deadline leaves it out)."""
+DEFAULT_SCHEDULE = "1f1b"
+"""A call's schedule when its `schedule` is empty (likewise)."""
 
 ROUTE_NEEDED = "route needed:"
 """Marks the refusal of a call without a route that the stage cannot take from its plan: send it again with one."""
@@ -58,15 +74,17 @@ def call_info(
     loss_scale: float,
 ) -> stage_pb2.CallInfo:
     """A trainer's call info; `route` (addresses, peer ids) None leaves the route out for the stage to take
-    from its plan, and an equal share's `loss_weight` (exactly 1 / num_micro_batches) is left 0."""
+    from its plan. Fields equal to what the stage reads for proto3's default are left at the default (not on
+    the wire): an equal share's `loss_weight` (exactly 1 / num_micro_batches), the default schedule (1f1b) and
+    deadline (120 s)."""
     info = stage_pb2.CallInfo(
         step=step,
         micro_batch=micro_batch,
         stage=stage,
         plan_version=plan_version,
         num_micro_batches=num_micro_batches,
-        schedule=schedule,
-        deadline_s=deadline_s,
+        schedule="" if schedule == DEFAULT_SCHEDULE else schedule,
+        deadline_s=0.0 if deadline_s == DEFAULT_DEADLINE_S else deadline_s,
         loss_weight=0.0 if loss_weight == 1.0 / max(1, num_micro_batches) else loss_weight,
         chain=chain,
         loss_scale=loss_scale,

@@ -34,7 +34,7 @@ from swarm.proto import stage_pb2
 from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
-from swarm.runtime.callinfo import RouteAcks
+from swarm.runtime.callinfo import DEFAULT_DEADLINE_S, DEFAULT_SCHEDULE, RouteAcks
 from swarm.runtime.device import to_device
 from swarm.runtime.freeze import apply_frozen, cached_forward, check_frozen, grad_reply
 from swarm.runtime.gate import GateError, ScheduleGate
@@ -47,8 +47,6 @@ from swarm.runtime.worker import StageConfig, StageWorker
 __all__ = ["StageHost", "StageRole"]
 
 log = logging.getLogger("swarm.runtime.host")
-
-DEFAULT_DEADLINE_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -198,7 +196,7 @@ class StageHost(NeighbourCalls):
         if kind is not None:
             replacing = self.open_step is not None and info.step != self.open_step
             mb, n_micro = local_micro(info, self.role.stage)
-            self.gate.check(info.step, kind, mb, info.schedule or "1f1b", n_micro, replacing)
+            self.gate.check(info.step, kind, mb, info.schedule or DEFAULT_SCHEDULE, n_micro, replacing)
         if call is not None:
             self._check_payload(call, kind)
         with self.compute_lock:
@@ -390,7 +388,7 @@ class StageHost(NeighbourCalls):
     def _turn(self, info: stage_pb2.CallInfo, kind: Kind, cancelled: threading.Event | None = None):
         mb, n_micro = local_micro(info, self.role.stage)
         timeout_s = self._deadline(info)
-        return self.gate.turn(info.step, kind, mb, info.schedule or "1f1b", n_micro, timeout_s, cancelled)
+        return self.gate.turn(info.step, kind, mb, info.schedule or DEFAULT_SCHEDULE, n_micro, timeout_s, cancelled)
 
     def _mb(self, info: stage_pb2.CallInfo) -> int:
         """The call's micro-batch at this replica: its index among this replica's micro-batches of the step

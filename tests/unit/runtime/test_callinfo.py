@@ -11,7 +11,16 @@ import torch
 from swarm.net.auth import CallSigner, Identity
 from swarm.net.stream import CallRefused, StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2
-from swarm.runtime.callinfo import ROUTE_NEEDED, RouteAcks, call_info, fill_route, plan_gives_route, route_needed
+from swarm.runtime.callinfo import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_SCHEDULE,
+    ROUTE_NEEDED,
+    RouteAcks,
+    call_info,
+    fill_route,
+    plan_gives_route,
+    route_needed,
+)
 from swarm.runtime.host import StageRole
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.policy import Roster
@@ -65,6 +74,14 @@ def test_equal_loss_weights_travel_as_zero_and_mean_the_same_share():
         assert info.loss_weight == 0.0 and (info.loss_weight or 1.0 / n) == rows / total
     uneven = call_info(num_micro_batches=4, loss_weight=5 / 16, loss_scale=0.0, **kw)
     assert uneven.loss_weight == 5 / 16
+    assert (uneven.schedule, uneven.deadline_s) == ("", 5.0), "1f1b is the default, 5 s is not"
+    default = call_info(num_micro_batches=4, loss_weight=0.25, loss_scale=1.0, **{**kw, "deadline_s": 120.0})
+    assert (default.schedule, default.deadline_s) == ("", 0.0), "what the stage reads for the defaults"
+    assert (default.schedule or DEFAULT_SCHEDULE, default.deadline_s or DEFAULT_DEADLINE_S) == ("1f1b", 120.0)
+    gpipe = call_info(
+        num_micro_batches=4, loss_weight=0.25, loss_scale=1.0, **{**kw, "schedule": "gpipe", "deadline_s": 120.0}
+    )
+    assert gpipe.schedule == "gpipe" and gpipe.ByteSize() == default.ByteSize() + len("gpipe") + 2
     full = call_info(num_micro_batches=4, loss_weight=0.25, loss_scale=0.0, **{**kw, "route": ROSTER.chain(0)})
     assert list(full.route) == ["a0", "a1"] and full.ByteSize() > info.ByteSize() + 8
 
