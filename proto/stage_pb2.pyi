@@ -103,12 +103,14 @@ class BackwardReply(_message.Message):
     def __init__(self, traffic: _Optional[_Union[Traffic, _Mapping]] = ..., plan_route: _Optional[bool] = ...) -> None: ...
 
 class LabelsRequest(_message.Message):
-    __slots__ = ("info", "labels")
+    __slots__ = ("info", "labels", "micro_rows")
     INFO_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_ROWS_FIELD_NUMBER: _ClassVar[int]
     info: CallInfo
     labels: TokenBatch
-    def __init__(self, info: _Optional[_Union[CallInfo, _Mapping]] = ..., labels: _Optional[_Union[TokenBatch, _Mapping]] = ...) -> None: ...
+    micro_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, info: _Optional[_Union[CallInfo, _Mapping]] = ..., labels: _Optional[_Union[TokenBatch, _Mapping]] = ..., micro_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

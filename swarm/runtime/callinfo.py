@@ -32,9 +32,11 @@ import threading
 from collections.abc import Callable, Iterator
 
 import grpc
+import torch
 
-from swarm.net.stream import CallRefused, StageCallError
+from swarm.net.stream import CallRefused, StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2
+from swarm.runtime.budget import StageBudget
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
@@ -217,3 +219,26 @@ class RoutedCalls:
         if getattr(reply, "plan_route", False):  # PutLabels' peer says so in its Backward reply
             self._route_acks.acked(peer, version)
         return reply
+
+    def _labels(self, step: int, work, layout=None, max_rows: int = StageBudget().max_batch) -> None:
+        """The labels of `work`'s micro-batches at its last stage: one PutLabels per run of consecutive micro-batches
+        of at most `max_rows` rows together (the most one call may carry), not one per micro-batch."""
+        last = self.n_stages - 1
+        replica, runs, rows = work.chain.index % self.counts[last], [], 0
+        for mb, batch in enumerate(work.micro):
+            if not runs or rows + len(batch.targets) > max_rows:
+                runs.append([])
+                rows = 0
+            runs[-1].append(mb)
+            rows += len(batch.targets)
+        for run in runs:
+
+            def request(route: bool, run=run) -> stage_pb2.LabelsRequest:
+                targets = torch.cat([work.micro[mb].targets for mb in run])
+                info = self._info(step, run[0], last, work, layout, route)
+                out = stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(targets))
+                if len(run) > 1:
+                    out.micro_rows.extend(len(work.micro[mb].targets) for mb in run)
+                return out
+
+            self._routed(last, replica, "PutLabels", request)

@@ -255,15 +255,10 @@ class PipelineDriver(RoutedCalls):
         last, data = self.n_stages - 1, work.micro[mb]
         first_r, last_r = work.chain.index % self.counts[0], work.chain.index % self.counts[last]
 
-        def labels(route: bool) -> stage_pb2.LabelsRequest:
-            info = self._info(step, mb, last, work, layout, route)
-            return stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(data.targets))
-
         def tokens(route: bool) -> Iterator[bytes]:
             wire = tokens_to_wire(data.tokens, data.sample_ids)
             return self._start(step, mb, 0, work, layout, route, wire)
 
-        self._routed(last, last_r, "PutLabels", labels)
         # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
         # comes back
         fw = self._routed(0, first_r, "Forward", tokens)
@@ -287,6 +282,9 @@ class PipelineDriver(RoutedCalls):
             if schedule != self.schedule:
                 log.info("step %d: %s would deadlock on these routes' shared replicas: gpipe", step, self.schedule)
             layout = (schedule, numbering)
+        # the labels first: one PutLabels per chain (and per max_batch rows) rather than one per micro-batch
+        labels = [self._spawn(lambda w=w: self._labels(step, w, layout), w.chain.peers) for w in work]
+        gather(labels, wake, self.dead, self.deadline_s)
         tasks = [
             [
                 self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout), w.chain.peers)

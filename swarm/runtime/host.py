@@ -397,24 +397,32 @@ class StageHost(NeighbourCalls):
 
     # ---- once per step ----------------------------------------------------------------------------------
 
-    def check_labels(self, info: stage_pb2.CallInfo, labels: stage_pb2.TokenBatch) -> torch.Tensor:
-        """The checked targets of a PutLabels call; changes nothing. Labels are taken for the open step only
-        (admission opens it), one batch per micro-batch (a retry replaces it), so the table never outgrows the
-        budget."""
+    def check_labels(
+        self, info: stage_pb2.CallInfo, labels: stage_pb2.TokenBatch, micro_rows=()
+    ) -> list[tuple[int, torch.Tensor]]:
+        """The checked targets of a PutLabels call, as (local micro-batch, targets) pairs; changes nothing.
+        Labels are taken for the open step only (admission opens it), one batch per micro-batch (a retry replaces
+        it), so the table never outgrows the budget. With `micro_rows`, one call holds the labels of consecutive
+        micro-batches of the call's chain (`LabelsRequest.micro_rows`), together no more rows than one may."""
         if not self.role.is_last:
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.role.stage} is not the last stage")
         rows = list(labels.shape)[:1]
         if rows and rows[0] > self.budget.max_batch:
             raise WireError("labels.shape", f"{rows[0]} rows exceed the budget of {self.budget.max_batch}")
+        first, count = local_micro(info, self.role.stage)
+        split = [int(r) for r in micro_rows]
+        if len(split) > count - first or (split and (not rows or min(split) < 1 or sum(split) != rows[0])):
+            raise WireError("micro_rows", f"{split[:8]}: not 1+ rows each of the {rows} rows, for micro-batches "
+                            f"{first}.. of {count}")  # fmt: skip
         targets, _ = tokens_from_wire(labels, self.model.vocab_size, self.model.seq_len_tokens)
-        return targets
+        return list(zip(range(first, count), targets.split(split or [len(targets)]), strict=False))
 
-    def put_labels(self, info: stage_pb2.CallInfo, targets: torch.Tensor) -> None:
-        """Stores checked labels of the open step (`admit` opened it)."""
+    def put_labels(self, info: stage_pb2.CallInfo, labels: list[tuple[int, torch.Tensor]]) -> None:
+        """Stores checked labels (`check_labels`) of the open step (`admit` opened it)."""
         with self.compute_lock:
             if self.open_step != info.step:
                 raise GateError(f"step {info.step} was abandoned before its labels were stored")
-            self.labels[self._mb(info)] = targets
+            self.labels.update(labels)
             self._progressed = True
 
     def grads(self) -> stage_pb2.GradReply:

@@ -282,7 +282,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             caller = self._sender(context, "PutLabels")
             with self._data_slots.take():
                 info = request.info
-                targets = self._check_info(info, caller).check_labels(info, request.labels)
+                targets = self._check_info(info, caller).check_labels(info, request.labels, request.micro_rows)
                 host = self._admit(info, None, None, caller)
                 try:
                     host.put_labels(info, targets)

@@ -138,12 +138,12 @@ def test_calls_after_the_first_step_carry_no_route_and_train_alike(pipe):
     finally:
         ref.close()
     assert losses == ref_losses, "the stage sends along the same route, taken from its plan"
-    first, later = seen[:12], seen[12:]
+    first, later = seen[:9], seen[9:]  # a step: one PutLabels, 4 Forwards, 4 Backward starts
     # the first call to each peer carries it (PutLabels to the last stage, Forward to stage 0); later calls of
     # step 1 may already leave it out (its micro-batches run at once), and the Backward follows its PutLabels
     firsts = {m: i for m, i in reversed(first)}
     assert all(len(firsts[m].route) == 2 and len(firsts[m].route_peers) == 2 for m in ("PutLabels", "Forward"))
-    assert len(later) == 24
+    assert len(later) == 18
     assert all(not i.route and not i.route_peers and i.loss_weight == 0.0 for _, i in later)
 
 
@@ -158,13 +158,13 @@ def test_a_stage_without_the_plan_refuses_once_and_gets_the_route_again():
         before = driver._control
         pipe.train_step(batch(seed=1), 2)
         refused = [i for m, i in seen if m == "PutLabels" and not i.route]
-        assert 1 <= len(refused) <= 2, "each micro-batch in flight is refused at most once, then sent with the route"
+        assert len(refused) == 1, "refused once, then sent with the route"
         assert driver._route_acks.carry(driver.replica_peers[1][0], driver.plan_version)
         assert driver._control - before > 0
         seen.clear()
         pipe.train_step(batch(seed=2), 2)
         to_last = [i for m, i in seen if m in ("PutLabels", "Backward")]
-        assert len(to_last) == 4 and all(len(i.route) == 2 for i in to_last), "the route for the rest of the plan"
+        assert len(to_last) == 3 and all(len(i.route) == 2 for i in to_last), "the route for the rest of the plan"
         assert all(not i.route for m, i in seen if m == "Forward"), "stage 0 still takes it from its plan"
     finally:
         pipe.close()
@@ -273,3 +273,58 @@ def test_a_neighbour_that_lost_the_plan_refuses_and_the_step_runs_again_with_the
         assert not from0[0].route and all(len(i.route) == 2 for i in from0[-2:])
     finally:
         pipe.close()
+
+
+# ---- labels once per chain -------------------------------------------------------------------------------------
+
+
+def test_one_putlabels_per_chain_carries_every_micro_batch_and_trains_alike(pipe):
+    ref = LocalPipeline(CFG, 2, FP32, FP32, schedule="gpipe")
+    try:
+        ref_driver = ref.driver(4)
+        per_micro = ref_driver._labels
+        ref_driver._labels = lambda step, work, layout=None: per_micro(step, work, layout, max_rows=4)  # one each
+        seen, ref_seen = capture(pipe.driver(4)), capture(ref_driver)
+        losses = [pipe.train_step(batch(seed=s), 4) for s in range(3)]
+        ref_losses = [ref.train_step(batch(seed=s), 4) for s in range(3)]
+    finally:
+        ref.close()
+    assert [r.loss for r in losses] == [r.loss for r in ref_losses]
+    assert [m for m, _ in seen].count("PutLabels") == 3 and [m for m, _ in ref_seen].count("PutLabels") == 12
+    assert sum(r.control_bytes for r in losses[1:]) < sum(r.control_bytes for r in ref_losses[1:])
+
+
+def test_labels_of_several_micro_batches_are_checked_whole():
+    p = LocalPipeline(CFG, 2, FP32, FP32, schedule="gpipe")
+    try:
+        host = p.replica_hosts[1][0]
+        rows = torch.arange(6 * CFG.seq_len_tokens).view(6, -1) % CFG.vocab_size
+        labels = tokens_to_wire(rows)
+        info = stage_pb2.CallInfo(step=1, micro_batch=1, stage=1, num_micro_batches=4)
+        parts = host.check_labels(info, labels, [2, 4])
+        assert [mb for mb, _ in parts] == [1, 2] and torch.equal(torch.cat([t for _, t in parts]), rows)
+        assert [mb for mb, _ in host.check_labels(info, labels)] == [1], "no micro_rows: the call's micro-batch"
+        uneven = stage_pb2.CallInfo(step=1, stage=1, num_micro_batches=2, stage_micro=[0, 2], stage_micro_count=[2, 4])
+        assert [mb for mb, _ in host.check_labels(uneven, labels, [3, 3])] == [2, 3], "the replica's own numbers"
+        for bad in ([2, 3], [6, 0], [1, 1, 1, 3], [7], [2**32 - 1, 7]):  # sums, empty rows, beyond the count
+            with pytest.raises(Exception, match="micro_rows"):
+                host.check_labels(info, labels, bad)
+        big = tokens_to_wire(torch.zeros(host.budget.max_batch + 1, 4, dtype=torch.long))
+        with pytest.raises(Exception, match="exceed the budget"):
+            host.check_labels(info, big, [host.budget.max_batch, 1])
+    finally:
+        p.close()
+
+
+def test_malformed_micro_rows_over_the_wire_are_refused_and_store_nothing(pipe):
+    pipe.train_step(batch(), 2)
+    connector = pipe.network.connector(CallSigner(pipe.trainer))
+    stub = connector.stage(pipe.replica_addresses[1][0], pipe.replica_peers[1][0])
+    info = stage_pb2.CallInfo(step=9, stage=1, num_micro_batches=2, schedule="gpipe", deadline_s=10)
+    rows = tokens_to_wire(torch.zeros(4, CFG.seq_len_tokens, dtype=torch.long))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PutLabels(stage_pb2.LabelsRequest(info=info, labels=rows, micro_rows=[1, 1, 2]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "micro_rows" in e.value.details()
+    assert pipe.replica_hosts[1][0].labels == {}
+    stub.PutLabels(stage_pb2.LabelsRequest(info=info, labels=rows, micro_rows=[1, 3]), timeout=10)
+    assert {mb: len(t) for mb, t in pipe.replica_hosts[1][0].labels.items()} == {0: 1, 1: 3}
