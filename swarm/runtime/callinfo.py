@@ -27,8 +27,8 @@ that value (`StageHost.decode`, `_turn`, `_deadline`; stages of earlier versions
 `RoutedCalls._labels` sends a chain's labels in one PutLabels (`LabelsRequest.micro_rows`: consecutive
 micro-batches, at most `StageBudget.max_batch` rows together, as one micro-batch's may be) before its micro-batches
 run, instead of one PutLabels per micro-batch: 3 fewer call infos and a better-compressed token batch a step. A
-stage of an earlier version ignores `micro_rows` and would take them all as one micro-batch's labels (its loss
-then fails on the row count): trainer and stages must both have this version.
+stage of an earlier version ignores `micro_rows` and would take them all as one micro-batch's labels (not tested
+against one): trainer and stages must both have this version.
 """
 
 from __future__ import annotations
