@@ -509,19 +509,20 @@ class PipelineDriver(RoutedCalls):
         """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
-        if error is not None and not reroutable(error) and not route_needed(error):  # route needed: run again
-            self.abandon(step)
-            raise as_error(failure, step) from error
-        for peer in failure.suspects:
+        fatal = error is not None and not reroutable(error) and not route_needed(error)  # route needed: run again
+        for peer in () if fatal else failure.suspects:
             if peer not in self.dead and not self._alive(peer):
                 log.warning("step %d: peer %s does not answer: declared dead", step, peer)
                 self.dead.add(peer)
         # calls among live peers end soon after the abandon; wait for them (briefly), so that none of them opens
-        # the step again behind the next attempt's back, then abandon once more
+        # the step again behind the next attempt's (or, after a fatal error, the next step's) back, then abandon
+        # once more
         self.abandon(step)
         live = [f for f, suspects in self._inflight if not self.dead.intersection(suspects)]
         wait(live, timeout=ABANDON_GRACE_S)
         self.abandon(step)
+        if fatal:
+            raise as_error(failure, step) from error
         self._live(step, failure)  # raises NoLiveChain when nothing is left
         if attempt >= self.max_attempts:
             raise as_error(failure, step, f"gave up after {attempt} attempts")
