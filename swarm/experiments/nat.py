@@ -43,7 +43,6 @@ import contextlib
 import csv
 import ipaddress
 import json
-import re
 import statistics
 import sys
 import time
@@ -82,6 +81,8 @@ class NatConfig:
     repeats: int = 3
     """Interleaved rounds of the settings (round k starts at setting k); ratios are the rounds' medians."""
     netns: bool = False
+    ping: int = 0
+    """With --netns: signed Pings to each stage, timed, from the trainer's namespace and each relay's (0: none)."""
     out: Path | None = None
 
     def __post_init__(self) -> None:
@@ -212,14 +213,14 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
 
 
 def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool) -> dict:
+    from swarm.experiments.nat_netns import probe
     from swarm.testbed.cli import run_in_testbed
 
     flags = [*common_flags(cfg), *reach_flags(bool(nat), True, supported)]
     cell = argparse.Namespace(rate_mbit=cfg.rate_mbit)
     probed: list[dict] = []
-    steps = run_in_testbed(
-        cell, flags, _train_config(cfg, out), cfg.peers, nat=nat, before_down=lambda tb: probed.append(_scrape_ns(tb))
-    )
+    keep = lambda testbed: probed.append(probe(testbed, cfg.ping))  # noqa: E731
+    steps = run_in_testbed(cell, flags, _train_config(cfg, out), cfg.peers, nat=nat, before_down=keep)
     times = [float(s["step_s"]) for s in steps]
     summary = _read_json(out / "train" / "summary.json") or {}
     order = netns_order(summary.get("route") or [])
@@ -230,79 +231,6 @@ def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool)
         "relayed_bytes": None, **(probed[0] if probed else {}),
         "total_wire_bytes": sum(int(s.get("total_wire_bytes") or 0) for s in steps),
     }  # fmt: skip
-
-
-_READ_METRICS = (
-    "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
-)
-
-
-def relayed_by_link(text: str) -> dict[str, int]:
-    """`swarm_relayed_bytes_total` per `link` label ("<src>-><dst>") of a Prometheus text exposition."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] != RELAYED_BYTES or 'link="' not in line:
-            continue
-        with contextlib.suppress(ValueError, IndexError):
-            link = line.split('link="', 1)[1].split('"', 1)[0]
-            out[link] = out.get(link, 0) + int(float(line.rsplit(" ", 1)[1]))
-    return out
-
-
-def process_cpu_s(pid: int | None) -> float | None:
-    """User + system CPU seconds a live process has used so far (/proc/<pid>/stat), or None."""
-    import os
-
-    try:
-        fields = Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, TypeError):
-        return None
-
-
-_ID_LINES = (re.compile(r"joined the DHT as ([0-9a-f]{8,64})"), re.compile(r"trainer ([0-9a-f]{8,64}) announced"))
-
-
-def names_of_ids(logs: Path) -> dict[str, str]:
-    """Peer id -> the testbed's service name ("peer1", "trainer"), from the first lines of each one's log."""
-    out = {}
-    for log in sorted(logs.glob("*.log")):
-        with contextlib.suppress(OSError), open(log, errors="replace") as f:
-            head = f.read(1 << 16)
-        for pattern in _ID_LINES:
-            if m := pattern.search(head):
-                out[m.group(1)] = log.stem
-                break
-    return out
-
-
-def _scrape_ns(testbed) -> dict:
-    """What the peers of a namespace testbed measured, read before it goes down: `relayed_bytes` (summed),
-    `relayed_by_link` (per "<relay>:<src>-><dst>"; read in each peer's namespace: the host has no address on
-    the bridge; a NAT'd peer relays for nobody), and `peer_cpu_s` (each peer process's CPU seconds so far,
-    from /proc: what relaying costs shows as the difference to the all-reachable run)."""
-    import subprocess
-
-    from swarm.testbed.lifecycle import read_state
-    from swarm.testbed.services import METRICS_PORT
-
-    pids = {n.get("name"): n.get("pid") for n in (read_state(testbed.run_dir) or {}).get("nodes", [])}
-    names = names_of_ids(Path(testbed.run_dir) / "logs")
-    total, links, cpu = 0, {}, {}
-    for node in testbed.plan.nodes:
-        name = node.service.name
-        if not name.startswith("peer"):
-            continue
-        cpu[name] = process_cpu_s(pids.get(name))
-        url = f"http://{node.service.address}:{METRICS_PORT}/metrics"
-        argv = ["ip", "netns", "exec", node.namespace, sys.executable, "-c", _READ_METRICS, url]
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
-            total += relayed_bytes_of(done.stdout)
-            for link, n in relayed_by_link(done.stdout).items():
-                src, _, dst = link.partition("->")
-                links[f"{name}:{names.get(src, src)}->{names.get(dst, dst)}"] = n
-    return {"relayed_bytes": total, "relayed_by_link": links, "peer_cpu_s": cpu}
 
 
 def step_stats(times: list[float]) -> dict:
@@ -457,6 +385,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=d.repeats, help="interleaved rounds, ratios their medians (default %(default)s)"
     )
     parser.add_argument("--netns", action="store_true", help="the namespace testbed with a real NAT router (root)")
+    parser.add_argument(
+        "--ping", type=int, default=0, help="with --netns: time this many Pings per stage and path (diagnosis)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/nat-<time>)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and samples")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -470,7 +401,7 @@ def config_from_args(args: argparse.Namespace) -> NatConfig:
         peers=args.peers, steps=steps, train_samples=samples, batch_size=args.batch_size,
         micro_batches=args.micro_batches, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
         settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), netns=args.netns, out=args.out,
-        repeats=repeats,
+        repeats=repeats, ping=max(0, args.ping),
     )  # fmt: skip
 
 

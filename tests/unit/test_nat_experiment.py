@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from swarm.daemon.peer import build_parser
-from swarm.experiments import nat
+from swarm.experiments import nat, nat_netns
 from swarm.scheduler import ModelSpec, Peer, PlanInput, SearchConfig
 from swarm.scheduler.relays import plan_relayed
 
@@ -185,13 +185,13 @@ def test_netns_probe_helpers(tmp_path):
         'swarm_relayed_bytes_total{link="aa->bb"} 100\nswarm_relayed_bytes_total{link="bb->aa"} 5.0\n'
         'swarm_wire_bytes_total{link="aa->bb"} 9\nswarm_relayed_bytes_total{link="cc->bb"} junk\n'
     )
-    assert nat.relayed_by_link(text) == {"aa->bb": 100, "bb->aa": 5}
+    assert nat_netns.relayed_by_link(text) == {"aa->bb": 100, "bb->aa": 5}
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "peer1.log").write_text("x INFO swarm.peer: joined the DHT as 1d8405feb61fb7ca; compute 5 layers/s\n")
     (logs / "trainer.log").write_text("metrics at http://x\ntrainer c3d6950f2a491a6c announced\n")
     (logs / "bootstrap.log").write_text("nothing here\n")
-    assert nat.names_of_ids(logs) == {"1d8405feb61fb7ca": "peer1", "c3d6950f2a491a6c": "trainer"}
+    assert nat_netns.names_of_ids(logs) == {"1d8405feb61fb7ca": "peer1", "c3d6950f2a491a6c": "trainer"}
     import os
 
-    assert nat.process_cpu_s(os.getpid()) > 0 and nat.process_cpu_s(None) is None and nat.process_cpu_s(-1) is None
+    assert nat_netns.process_cpu_s(os.getpid()) > 0 and nat_netns.process_cpu_s(None) is None and nat_netns.process_cpu_s(-1) is None
