@@ -27,13 +27,24 @@ as their two legs minus priced all-direct, `swarm.scheduler.relays.relay_extra_s
 `relayed_bytes` (the relays' `swarm_relayed_bytes_total`, summed over their /metrics; with --netns read inside
 each peer's namespace before the testbed goes down), `total_wire_bytes`, `step_ratio` (over `reachable`).
 
-The two-legs target ("a relayed link costs no more than its two legs") is judged on the relay row's own plan:
-measured extra = relay row's mean step - reachable row's mean step, against the relay row's `relay_extra_s` (one
-plan, one set of measurements: two rows' `predicted_step_s` come from two runs' plans, each from compute speeds
-measured afresh, and their difference is mostly noise). The measured extra is itself a difference of two runs'
-means, so the target is met when extra <= relay_extra_s + 2 standard errors of that difference
-(`NOISE_STANDARD_ERRORS`; a one-sided test at about 98%: the data do not show the link dearer than its legs);
-the target line prints the margin, and whether extra <= relay_extra_s holds without it.
+Rounds (`--repeats`, 3; 1 with --quick): the settings run in interleaved rounds, round k starting at setting k
+(`rotated`), so a loaded or quiet stretch of the machine falls on every setting alike. A row is the first round's
+run with `mean_step_s` the median of the rounds' means and `step_ratio` the median of the rounds' paired ratios
+(each round's run over the same round's `reachable` run), with `step_ratio_min`/`step_ratio_max`; `rounds_data`
+keeps every round. The half-nat target reads that median ratio; the final-loss equality must hold in every round.
+
+The two-legs target ("a relayed link costs no more than its two legs") is judged on the relay runs' own plans:
+per round, measured extra = relay run's mean step - the same round's reachable run's, against the relay run's
+`relay_extra_s` (one plan, one set of measurements: two rows' `predicted_step_s` come from two runs' plans, each
+from compute speeds measured afresh, and their difference is mostly noise); the median of the rounds' extras is
+compared with the median of their `relay_extra_s`. The extras are differences of runs' means, so the target is met
+when extra <= relay_extra_s + 2 standard errors of the mean extra (`NOISE_STANDARD_ERRORS`, from the runs'
+per-step std; a one-sided test at about 98%: the data do not show the link dearer than its legs); the target line
+prints the margin, and whether extra <= relay_extra_s holds without it.
+
+With --netns each row also carries what `swarm.experiments.nat_netns` read before the testbed went down:
+`relayed_by_link` ("<relay>:<src>-><dst>" by service name), `peer_cpu_s`, and with `--ping N` `ping_ms` (per-call
+latency to each stage, direct or through its relay, from the trainer's and each relay's namespace).
 """
 
 from __future__ import annotations

@@ -196,3 +196,29 @@ def test_netns_probe_helpers(tmp_path):
 
     assert nat_netns.process_cpu_s(os.getpid()) > 0
     assert nat_netns.process_cpu_s(None) is None and nat_netns.process_cpu_s(-1) is None
+
+
+def test_ping_targets_name_each_nat_peers_last_relay(tmp_path):
+    from types import SimpleNamespace
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "peer0.log").write_text("INFO swarm.peer: joined the DHT as aaaaaaaaaaaa; compute\n")
+    (logs / "peer1.log").write_text(
+        "INFO swarm.peer: joined the DHT as bbbbbbbbbbbb; compute\n"
+        "INFO swarm.relay: attached to relay cccccccccccc at 10.77.0.12:50051\n"
+        "INFO swarm.relay: attached to relay aaaaaaaaaaaa at 10.77.0.10:50051\n"  # moved: the last one counts
+    )
+    nodes = [
+        SimpleNamespace(service=SimpleNamespace(name=n, address=a))
+        for n, a in (("bootstrap", "10.77.0.2"), ("peer0", "10.77.0.10"), ("peer1", "10.78.0.26"), ("peer2", "x"))
+    ]
+    testbed = SimpleNamespace(run_dir=tmp_path, plan=SimpleNamespace(nodes=nodes))
+    targets = nat_netns.ping_targets(testbed, nat_netns.names_of_ids(logs))
+    assert targets == [  # peer2 has no id in its (missing) log: not pinged
+        {"name": "peer0", "address": "10.77.0.10:50051", "peer_id": "aaaaaaaaaaaa"},
+        {
+            "name": "peer1", "address": "10.78.0.26:50051", "peer_id": "bbbbbbbbbbbb", "relay_id": "aaaaaaaaaaaa",
+            "relay_address": "10.77.0.10:50051", "relay_name": "peer0",
+        },
+    ]  # fmt: skip
