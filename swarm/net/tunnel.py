@@ -146,14 +146,21 @@ class Tunnels:
     ):
         self.signer, self.route, self.local = signer, route, local
         self.my_id = local.peer_id if local is not None else None
+        self.own_address: str | None = None
+        """this peer's own server as it listens (set once it is relayed): its calls to itself are dialed there,
+        not out through its relay and back (`swarm experiment nat --netns` saw them as relayed bytes P->P)"""
         self._channels: dict[str, grpc.Channel] = {}
         self._listeners: dict[str, tuple[socket.socket, str]] = {}
         self._lock = threading.Lock()
 
     def dial(self, address: str) -> str:
-        """The address to dial for `address`: itself, or the local listener of its tunnel."""
-        if self.route(address) is None:
+        """The address to dial for `address`: itself, this peer's own server when it names this peer, or the
+        local listener of its tunnel."""
+        route = self.route(address)
+        if route is None:
             return address
+        if self.own_address is not None and self.my_id is not None and route.peer_id == self.my_id:
+            return self.own_address
         with self._lock:
             if address not in self._listeners:
                 listener = socket.create_server(("127.0.0.1", 0))
