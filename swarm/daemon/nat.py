@@ -238,6 +238,7 @@ class NatWiring:
 
     def _go_relay(self, local_address: str) -> str:
         log.info("reach: relay (nobody dials this peer: its calls come through a relay it attaches to)")
+        self.tunnels.own_address = local_address  # before announcing: its calls to itself stay local
         self._relay()  # announced now, before anyone makes a channel to the direct address it announced first
         self.attachment = Attachment(self._relay, self.signer, local_address, self.limits, self._failed).start()
         self._local_address = local_address

@@ -27,13 +27,24 @@ as their two legs minus priced all-direct, `swarm.scheduler.relays.relay_extra_s
 `relayed_bytes` (the relays' `swarm_relayed_bytes_total`, summed over their /metrics; with --netns read inside
 each peer's namespace before the testbed goes down), `total_wire_bytes`, `step_ratio` (over `reachable`).
 
-The two-legs target ("a relayed link costs no more than its two legs") is judged on the relay row's own plan:
-measured extra = relay row's mean step - reachable row's mean step, against the relay row's `relay_extra_s` (one
-plan, one set of measurements: two rows' `predicted_step_s` come from two runs' plans, each from compute speeds
-measured afresh, and their difference is mostly noise). The measured extra is itself a difference of two runs'
-means, so the target is met when extra <= relay_extra_s + 2 standard errors of that difference
-(`NOISE_STANDARD_ERRORS`; a one-sided test at about 98%: the data do not show the link dearer than its legs);
-the target line prints the margin, and whether extra <= relay_extra_s holds without it.
+Rounds (`--repeats`, 3; 1 with --quick): the settings run in interleaved rounds, round k starting at setting k
+(`rotated`), so a loaded or quiet stretch of the machine falls on every setting alike. A row is the first round's
+run with `mean_step_s` the median of the rounds' means and `step_ratio` the median of the rounds' paired ratios
+(each round's run over the same round's `reachable` run), with `step_ratio_min`/`step_ratio_max`; `rounds_data`
+keeps every round. The half-nat target reads that median ratio; the final-loss equality must hold in every round.
+
+The two-legs target ("a relayed link costs no more than its two legs") is judged on the relay runs' own plans:
+per round, measured extra = relay run's mean step - the same round's reachable run's, against the relay run's
+`relay_extra_s` (one plan, one set of measurements: two rows' `predicted_step_s` come from two runs' plans, each
+from compute speeds measured afresh, and their difference is mostly noise); the median of the rounds' extras is
+compared with the median of their `relay_extra_s`. The extras are differences of runs' means, so the target is met
+when extra <= relay_extra_s + 2 standard errors of the mean extra (`NOISE_STANDARD_ERRORS`, from the runs'
+per-step std; a one-sided test at about 98%: the data do not show the link dearer than its legs); the target line
+prints the margin, and whether extra <= relay_extra_s holds without it.
+
+With --netns each row also carries what `swarm.experiments.nat_netns` read before the testbed went down:
+`relayed_by_link` ("<relay>:<src>-><dst>" by service name), `peer_cpu_s`, and with `--ping N` `ping_ms` (per-call
+latency to each stage, direct or through its relay, from the trainer's and each relay's namespace).
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import contextlib
 import csv
 import ipaddress
 import json
+import statistics
 import sys
 import time
 import urllib.request
@@ -54,7 +66,8 @@ from swarm.metrics import RELAYED_BYTES
 SETTINGS = ("reachable", "half-nat", "relay")
 COLUMNS = [
     "setting", "nat_peers", "order", "relayed_links", "steps", "final_loss", "mean_step_s", "predicted_step_s",
-    "relay_extra_s", "step_std_s", "relayed_bytes", "total_wire_bytes", "step_ratio", "note",
+    "relay_extra_s", "step_std_s", "relayed_bytes", "total_wire_bytes", "step_ratio", "step_ratio_min",
+    "step_ratio_max", "rounds", "note",
 ]  # fmt: skip
 HALF_NAT_TOLERANCE = 0.10
 """Target: half the peers behind NAT within 10% of the all-reachable step time."""
@@ -65,7 +78,9 @@ NOISE_STANDARD_ERRORS = 2.0
 @dataclass(frozen=True)
 class NatConfig:
     peers: int = 4
-    steps: int = 40
+    steps: int = 30
+    """Per round: 3 rounds of 30 steps (87 timed steps a setting) fit ~7 minutes with --netns, where bringing a
+    testbed up takes ~35 s of each run; 40-step single runs left a ~5% standard error per ratio."""
     train_samples: int = 32
     batch_size: int = 8
     micro_batches: int = 4
@@ -74,13 +89,17 @@ class NatConfig:
     delay_ms: float = 5.0
     """One-way delay of every peer's links."""
     settings: tuple[str, ...] = SETTINGS
+    repeats: int = 3
+    """Interleaved rounds of the settings (round k starts at setting k); ratios are the rounds' medians."""
     netns: bool = False
+    ping: int = 0
+    """With --netns: signed Pings to each stage, timed, from the trainer's namespace and each relay's (0: none)."""
     out: Path | None = None
 
     def __post_init__(self) -> None:
         if self.peers < 3:
             raise ValueError("--peers: at least 3 (the relay setting needs two adjacent NAT'd stages and a relay)")
-        for name in ("steps", "train_samples", "batch_size", "micro_batches"):
+        for name in ("steps", "train_samples", "batch_size", "micro_batches", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected >= 1")
         if self.train_samples % self.batch_size:
@@ -115,6 +134,12 @@ def reach_supported() -> bool:
     from swarm.daemon.peer import build_parser
 
     return "--reach" in build_parser()._option_string_actions
+
+
+def rotated(settings: tuple[str, ...], k: int) -> tuple[str, ...]:
+    """Round k's order: the settings started at the k-th, so no setting is always first or last."""
+    k %= max(1, len(settings))
+    return settings[k:] + settings[:k]
 
 
 def relayed_links(order: str | None) -> int | None:
@@ -199,14 +224,14 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
 
 
 def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool) -> dict:
+    from swarm.experiments.nat_netns import probe
     from swarm.testbed.cli import run_in_testbed
 
     flags = [*common_flags(cfg), *reach_flags(bool(nat), True, supported)]
     cell = argparse.Namespace(rate_mbit=cfg.rate_mbit)
-    relayed: list[int] = []
-    steps = run_in_testbed(
-        cell, flags, _train_config(cfg, out), cfg.peers, nat=nat, before_down=lambda tb: relayed.append(_scrape_ns(tb))
-    )
+    probed: list[dict] = []
+    keep = lambda testbed: probed.append(probe(testbed, cfg.ping))  # noqa: E731
+    steps = run_in_testbed(cell, flags, _train_config(cfg, out), cfg.peers, nat=nat, before_down=keep)
     times = [float(s["step_s"]) for s in steps]
     summary = _read_json(out / "train" / "summary.json") or {}
     order = netns_order(summary.get("route") or [])
@@ -214,33 +239,9 @@ def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool)
         "order": order, "relayed_links": relayed_links(order), "steps": len(steps),
         "final_loss": float(steps[-1]["train_loss"]), **step_stats(times),
         "predicted_step_s": summary.get("predicted_step_s"), "relay_extra_s": summary.get("relay_extra_s"),
-        "relayed_bytes": relayed[0] if relayed else None,
+        "relayed_bytes": None, **(probed[0] if probed else {}),
         "total_wire_bytes": sum(int(s.get("total_wire_bytes") or 0) for s in steps),
     }  # fmt: skip
-
-
-_READ_METRICS = (
-    "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
-)
-
-
-def _scrape_ns(testbed) -> int:
-    """The relayed bytes of every peer of a namespace testbed, read in each peer's namespace (the host has no
-    address on the bridge; a NAT'd peer relays for nobody and counts 0)."""
-    import subprocess
-
-    from swarm.testbed.services import METRICS_PORT
-
-    total = 0
-    for node in testbed.plan.nodes:
-        if not node.service.name.startswith("peer"):
-            continue
-        url = f"http://{node.service.address}:{METRICS_PORT}/metrics"
-        argv = ["ip", "netns", "exec", node.namespace, sys.executable, "-c", _READ_METRICS, url]
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
-            total += relayed_bytes_of(done.stdout)
-    return total
 
 
 def step_stats(times: list[float]) -> dict:
@@ -280,39 +281,95 @@ def netns_order(route: list[str], nat_subnet: str | None = None) -> str | None:
     return "-".join(marks) if marks else None
 
 
+def rounds_of(row: dict) -> list[dict]:
+    """A row's rounds (each a row of one run: `mean_step_s`, `step_std_s`, `timed_steps`, `final_loss`,
+    `relay_extra_s`); a row of one run is its own only round."""
+    return row.get("rounds_data") or [row]
+
+
+def _paired(base: dict, r: dict) -> list[tuple[dict, dict]]:
+    return list(zip(rounds_of(base), rounds_of(r), strict=False))
+
+
+def combine_rounds(rounds: list[dict[str, dict]], settings: tuple[str, ...]) -> list[dict]:
+    """One row per setting from interleaved rounds (each {setting: that run's row}): the first round's fields,
+    `mean_step_s` the median of the rounds' means, `step_ratio` the median of the per-round ratios to the same
+    round's `reachable` run with `step_ratio_min`/`step_ratio_max`, and every round kept in `rounds_data`."""
+    rows = []
+    for setting in settings:
+        runs = [rd[setting] for rd in rounds if setting in rd]
+        row = dict(runs[0])
+        timed = [x for x in runs if x.get("mean_step_s")]
+        if not timed:
+            rows.append(row)
+            continue
+        row["rounds"] = len(runs)
+        row["mean_step_s"] = statistics.median(x["mean_step_s"] for x in timed)
+        row["mean_step_s_runs"] = [x["mean_step_s"] for x in timed]
+        row["final_loss_runs"] = [x.get("final_loss") for x in runs]
+        extras = [x["relay_extra_s"] for x in runs if x.get("relay_extra_s") is not None]
+        row["relay_extra_s"] = statistics.median(extras) if extras else None
+        ratios = [
+            rd[setting]["mean_step_s"] / rd["reachable"]["mean_step_s"]
+            for rd in rounds
+            if rd.get(setting, {}).get("mean_step_s") and rd.get("reachable", {}).get("mean_step_s")
+        ]
+        if ratios:
+            row["step_ratio"] = statistics.median(ratios)
+            row["step_ratio_runs"], row["step_ratio_min"], row["step_ratio_max"] = ratios, min(ratios), max(ratios)
+        row["rounds_data"] = [
+            {k: x.get(k) for k in ("round", "mean_step_s", "step_std_s", "timed_steps", "final_loss", "relay_extra_s")}
+            for x in runs
+        ]
+        rows.append(row)
+    return rows
+
+
 def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
-    """The issue's targets, judged on the rows (None: not judged, a setting missing)."""
+    """The issue's targets, judged on the rows and, where they carry rounds, on every round paired with the same
+    round's reachable run (None: not judged, a setting missing)."""
     by = {r["setting"]: r for r in rows if r.get("final_loss") is not None}
     base = by.get("reachable")
     out: list[tuple[str, bool | None]] = []
     for name in ("half-nat", "relay"):
         r = by.get(name)
-        met = None if base is None or r is None else r["final_loss"] == base["final_loss"]
-        out.append((f"{name}: the same final loss as reachable, to float equality", met))
+        met = None
+        if base is not None and r is not None:
+            pairs = _paired(base, r)
+            met = bool(pairs) and all(x["final_loss"] == b["final_loss"] for b, x in pairs)
+        out.append((f"{name}: the same final loss as reachable, to float equality (every round)", met))
     r = by.get("half-nat")
-    met = None if base is None or r is None else r["mean_step_s"] <= (1 + HALF_NAT_TOLERANCE) * base["mean_step_s"]
-    out.append((f"half-nat: mean step within {HALF_NAT_TOLERANCE:.0%} of reachable", met))
+    met, ratio = None, None
+    if base is not None and r is not None:
+        ratio = statistics.median(x["mean_step_s"] / b["mean_step_s"] for b, x in _paired(base, r))
+        met = ratio <= 1 + HALF_NAT_TOLERANCE
+    shown = "" if ratio is None else f" (median of the rounds' paired ratios {ratio:.3f})"
+    out.append((f"half-nat: mean step within {HALF_NAT_TOLERANCE:.0%} of reachable{shown}", met))
     out.append(_two_legs(base, by.get("relay")))
     return out
 
 
 def _two_legs(base: dict | None, r: dict | None) -> tuple[str, bool | None]:
-    """The two-legs target on the relay row's own plan (module docstring): measured extra against its
-    `relay_extra_s`, allowing NOISE_STANDARD_ERRORS standard errors of the measured difference."""
+    """The two-legs target on the relay runs' own plans (module docstring): the median of the rounds' measured
+    extras (relay run minus the same round's reachable run) against the median of their `relay_extra_s`,
+    allowing NOISE_STANDARD_ERRORS standard errors of the mean of those extras."""
     name = "relay: the relayed link costs no more than its two legs"
     if base is None or r is None:
         return name, None
     legs = r.get("relay_extra_s")
     if legs is None:
         return f"{name} (its plan carries no relay_extra_s: no relayed link planned)", None
-    extra, se = r["mean_step_s"] - base["mean_step_s"], standard_error(r, base)
+    pairs = _paired(base, r)
+    extra = statistics.median(x["mean_step_s"] - b["mean_step_s"] for b, x in pairs)
+    ses = [standard_error(x, b) for b, x in pairs]
+    se = None if None in ses else sum(e**2 for e in ses) ** 0.5 / len(ses)
     allowed = legs + NOISE_STANDARD_ERRORS * (se or 0.0)
     noise = "no standard error: judged strictly" if se is None else f"± {se:.4f} (standard error)"
     strict = "holds" if extra <= legs else "does not hold"
     return (
         f"{name}: measured extra {extra:.4f} {noise} s/step vs its plan's relay_extra_s {legs:.4f} s/step; met when "
         f"extra <= relay_extra_s + {NOISE_STANDARD_ERRORS:g} standard errors = {allowed:.4f} (strictly extra <= "
-        f"relay_extra_s: {strict})",
+        f"relay_extra_s: {strict}; {len(pairs)} round(s))",
         extra <= allowed,
     )
 
@@ -335,20 +392,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-mbit", type=float, default=d.rate_mbit, help="every peer's egress, Mbit/s")
     parser.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay of every link, ms")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated settings (default: all)")
+    parser.add_argument(
+        "--repeats", type=int, default=d.repeats, help="interleaved rounds, ratios their medians (default %(default)s)"
+    )
     parser.add_argument("--netns", action="store_true", help="the namespace testbed with a real NAT router (root)")
+    parser.add_argument(
+        "--ping", type=int, default=0, help="with --netns: time this many Pings per stage and path (diagnosis)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/nat-<time>)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and samples")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
 def config_from_args(args: argparse.Namespace) -> NatConfig:
-    steps, samples = args.steps, args.train_samples
+    steps, samples, repeats = args.steps, args.train_samples, args.repeats
     if args.quick:
-        steps, samples = min(steps, 4), min(samples, 16)
+        steps, samples, repeats = min(steps, 4), min(samples, 16), 1
     return NatConfig(
         peers=args.peers, steps=steps, train_samples=samples, batch_size=args.batch_size,
         micro_batches=args.micro_batches, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
         settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), netns=args.netns, out=args.out,
+        repeats=repeats, ping=max(0, args.ping),
     )  # fmt: skip
 
 
@@ -362,18 +426,19 @@ def run(args: argparse.Namespace) -> int:
     out = cfg.out or Path(f"runs/nat-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     supported = reach_supported()
-    rows = []
-    for setting in cfg.settings:
-        if not supported and (nat := nat_peers(setting, cfg.peers)):  # never run a NAT setting without its flags
-            note = "not run: this swarm-peer has no --reach (the relay transport)"
-            rows.append({"setting": setting, "nat_peers": len(nat), "note": note})
-            continue
-        print(f"[nat] {setting} ...", file=sys.stderr, flush=True)
-        rows.append(run_setting(setting, cfg, out, supported))
-    base = next((r for r in rows if r["setting"] == "reachable" and r.get("mean_step_s")), None)
-    for r in rows:
-        if base and r.get("mean_step_s"):
-            r["step_ratio"] = r["mean_step_s"] / base["mean_step_s"]
+    rounds = []
+    for k in range(cfg.repeats):
+        here = out if cfg.repeats == 1 else out / f"round{k}"
+        done: dict[str, dict] = {}
+        for setting in rotated(cfg.settings, k):
+            if not supported and (nat := nat_peers(setting, cfg.peers)):  # never run a NAT setting without its flags
+                note = "not run: this swarm-peer has no --reach (the relay transport)"
+                done[setting] = {"setting": setting, "nat_peers": len(nat), "note": note}
+                continue
+            print(f"[nat] round {k + 1}/{cfg.repeats}: {setting} ...", file=sys.stderr, flush=True)
+            done[setting] = {**run_setting(setting, cfg, here, supported), "round": k}
+        rounds.append(done)
+    rows = combine_rounds(rounds, cfg.settings)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")

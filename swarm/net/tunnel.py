@@ -1,0 +1,325 @@
+"""The two ends of a relayed tunnel (swarm/net/relay.py has the relay between them): the caller's 127.0.0.1
+listeners (`Tunnels`) and the unreachable peer's Attach (`Attachment`), with the bounds both sides share
+(`RelayLimits`) and the relay's refusals (`RelayError`). Moved out of relay.py, which had reached 595 lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import grpc
+
+from swarm.peers.transport import TransportConfig
+from swarm.proto import stage_pb2, stage_pb2_grpc
+
+if TYPE_CHECKING:
+    from swarm.net.auth import CallSigner
+    from swarm.net.relay import RelayServicer
+
+__all__ = ["READ_BYTES", "Attachment", "RelayError", "RelayLimits", "RelayRoute", "Tunnels"]
+
+log = logging.getLogger("swarm.relay")
+
+READ_BYTES = 256 << 10
+"""Bytes read from a socket per frame (a frame carries at most `RelayLimits.max_frame_bytes`)."""
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What one relay serves at most."""
+
+    max_attached: int = 8
+    """peers attached at once"""
+    conns_per_peer: int = 16
+    """open connections to one attached peer (each caller's channel holds one)"""
+    max_conns: int = 32
+    """open connections through this relay in all"""
+    conns_per_caller: int = 4
+    """open connections of one caller to one attached peer (a gRPC channel holds one; a stranger cannot take
+    the attached peer's every slot)"""
+    max_frame_bytes: int = 1 << 20
+    """data bytes of one frame; a larger frame ends its connection (INVALID_ARGUMENT)"""
+    accept_timeout_s: float = 5.0
+    """how long the attached peer may take to open the Accept of a new connection"""
+    keepalive_s: float = 15.0
+    """an Attach stream carries an empty message this often (NAT mappings forget idle flows)"""
+    attach_wait_s: float = 5.0
+    """how long a Connect waits for the Attach of a target that announces this relay but has not attached yet
+    (it is moving here from another relay, or reattaching after a drop)"""
+    max_waiting: int = 8
+    """Connects waiting for such an Attach at once (beyond: NOT_FOUND at once)"""
+    attach_connect_s: float = 3.0
+    """how long an Attach waits for its relay's connection: a relay that announces reach=direct before its own
+    check found it behind NAT drops the SYN, and gRPC's own connect timeout (~10 s) kept the peer unreached
+    long enough for the planner to drop it (`swarm experiment nat --netns`)"""
+
+    def threads(self) -> int:
+        """Server threads the relay may hold: one per Attach, two per connection (Connect and Accept)."""
+        return self.max_attached + 2 * self.max_conns
+
+
+class RelayError(Exception):
+    """A relay refused or lost a connection: the gRPC status code and what happened."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+# ---- the two ends of a tunnel --------------------------------------------------------------------------
+
+
+def _socket_frames(sock: socket.socket, first: stage_pb2.RelayFrame | None = None) -> Iterator:
+    """RelayFrames of the bytes read from `sock` until it closes (after `first`)."""
+    if first is not None:
+        yield first
+    while True:
+        try:
+            data = sock.recv(READ_BYTES)
+        except OSError:
+            return
+        if not data:
+            return
+        yield stage_pb2.RelayFrame(data=data)
+
+
+def _drain(replies: Iterator, sock: socket.socket) -> None:
+    """Writes the data of `replies` (RelayFrames) to `sock` until either ends, then closes `sock`."""
+    try:
+        for reply in replies:
+            sock.sendall(reply.data)
+    except (grpc.RpcError, RelayError, OSError) as e:
+        log.debug("tunnel closed: %s", e)
+    finally:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+
+
+_CHANNEL_OPTIONS = TransportConfig().channel_options()
+
+
+class _Unconnected(grpc.RpcError):
+    """An Attach whose relay did not take the connection within `RelayLimits.attach_connect_s`."""
+
+    def __init__(self, address: str, timeout_s: float):
+        self._details = f"no connection to {address} within {timeout_s:g} s"
+        super().__init__(self._details)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
+class RelayRoute(NamedTuple):
+    """How to reach a peer that cannot be dialed: its id, and its relay's id and address."""
+
+    peer_id: str
+    relay_id: str
+    relay_address: str
+
+
+class Tunnels:
+    """The caller's end: one 127.0.0.1 listener per relayed peer, dialed by the channel pool in its place.
+
+    Args:
+        signer: signs the Connect calls for the relay.
+        route: announced address -> how to reach the peer there (None: dial it directly). Read at each new
+            connection, so a peer that moves to another relay is reached through the new one.
+        local: this peer's own relay servicer: a peer attached to it is reached in process (reverse connection).
+    """
+
+    def __init__(
+        self,
+        signer: CallSigner | None,
+        route: Callable[[str], RelayRoute | None],
+        local: RelayServicer | None = None,
+    ):
+        self.signer, self.route, self.local = signer, route, local
+        self.my_id = local.peer_id if local is not None else None
+        self.own_address: str | None = None
+        """this peer's own server as it listens (set once it is relayed): its calls to itself are dialed there,
+        not out through its relay and back (`swarm experiment nat --netns` saw them as relayed bytes P->P)"""
+        self._channels: dict[str, grpc.Channel] = {}
+        self._listeners: dict[str, tuple[socket.socket, str]] = {}
+        self._lock = threading.Lock()
+
+    def dial(self, address: str) -> str:
+        """The address to dial for `address`: itself, this peer's own server when it names this peer, or the
+        local listener of its tunnel."""
+        route = self.route(address)
+        if route is None:
+            return address
+        if self.own_address is not None and self.my_id is not None and route.peer_id == self.my_id:
+            return self.own_address
+        with self._lock:
+            if address not in self._listeners:
+                listener = socket.create_server(("127.0.0.1", 0))
+                self._listeners[address] = (listener, f"127.0.0.1:{listener.getsockname()[1]}")
+                threading.Thread(target=self._serve, args=(address, listener), name="swarm-tunnel", daemon=True).start()
+            return self._listeners[address][1]
+
+    def _relay_channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            return self._channels[address]
+
+    def _serve(self, address: str, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # closed
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._carry, args=(address, sock), name="swarm-tunnel-conn", daemon=True).start()
+
+    def _carry(self, address: str, sock: socket.socket) -> None:
+        route = self.route(address)
+        if route is None:  # it became dialable: callers will re-resolve on their next channel
+            sock.close()
+            return
+        try:
+            # the reverse connection: the peer attached here (its announced relay, or its second Attach to this
+            # pipeline neighbour) is reached in this process
+            if self.local is not None and (route.relay_id == self.my_id or self.local.holds(route.peer_id)):
+                replies = self.local.connect(self.my_id, route.peer_id, _socket_frames(sock))
+            else:
+                metadata = self.signer.metadata(route.relay_id) if self.signer is not None else ()
+                stub = stage_pb2_grpc.RelayStub(self._relay_channel(route.relay_address))
+                replies = stub.Connect(
+                    _socket_frames(sock, stage_pb2.RelayFrame(target=route.peer_id)), metadata=metadata
+                )
+        except Exception as e:
+            log.warning("cannot open a tunnel to %s: %s", route.peer_id, e)
+            sock.close()
+            return
+        _drain(replies, sock)
+
+    def close(self) -> None:
+        with self._lock:
+            listeners, self._listeners = list(self._listeners.values()), {}
+            channels, self._channels = list(self._channels.values()), {}
+        for listener, _ in listeners:
+            listener.close()
+        for channel in channels:
+            channel.close()
+
+
+class Attachment:
+    """The unreachable peer's end: keeps an Attach open to its relay and opens an Accept, piped to its own
+    gRPC server at `local_address`, for every connection the relay announces. Reattaches after a failure
+    (backoff up to 5 s) until `close()`.
+
+    Args:
+        relay: () -> (relay peer id, relay address) to attach to now (re-read at every attempt).
+        signer: signs the Attach and Accept calls for the relay.
+        local_address: this peer's own gRPC server, as it listens (127.0.0.1 under --reach relay).
+        on_fail: (relay id, status code or None) after an Attach to it failed or ended.
+    """
+
+    def __init__(
+        self,
+        relay: Callable[[], tuple[str, str] | None],
+        signer: CallSigner,
+        local_address: str,
+        limits: RelayLimits | None = None,
+        on_fail: Callable[[str, grpc.StatusCode | None], None] | None = None,
+    ):
+        self.relay, self.signer, self.local_address, self.on_fail = relay, signer, local_address, on_fail
+        self.limits = limits or RelayLimits()
+        self.attached = threading.Event()
+        """set while the relay holds our Attach"""
+        self.relay_id: str | None = None
+        self._stop = threading.Event()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name="swarm-attach", daemon=True)
+
+    def start(self) -> Attachment:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            target = self.relay()
+            if target is not None:
+                relay_id, relay_address = target
+                code = None
+                try:
+                    self._attach(relay_id, relay_address)
+                    backoff = 0.2
+                except grpc.RpcError as e:
+                    code = e.code()
+                    if not self._stop.is_set():
+                        log.warning("attach to relay %s at %s failed: %s", relay_id, relay_address, e.details())
+                finally:
+                    self.attached.clear()
+                if self.on_fail is not None and not self._stop.is_set():
+                    self.on_fail(relay_id, code)
+            self._stop.wait(backoff)
+            backoff = min(5.0, backoff * 2)
+
+    def _attach(self, relay_id: str, relay_address: str) -> None:
+        stop = self._stop
+        # keepalive: a relay that vanishes without a word is noticed within keepalive_s + keepalive_timeout_s
+        with grpc.insecure_channel(relay_address, options=_CHANNEL_OPTIONS) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self.limits.attach_connect_s)
+            except grpc.FutureTimeoutError:
+                raise _Unconnected(relay_address, self.limits.attach_connect_s) from None
+            stub = stage_pb2_grpc.RelayStub(channel)
+            metadata = self.signer.metadata(relay_id)
+
+            def upstream():
+                while not stop.wait(self.limits.keepalive_s):
+                    yield stage_pb2.AttachUp(keepalive=True)
+
+            self._call = stub.Attach(upstream(), metadata=metadata)
+            for down in self._call:
+                if not self.attached.is_set():
+                    self.relay_id = relay_id
+                    self.attached.set()
+                    log.info("attached to relay %s at %s", relay_id, relay_address)
+                if down.conn_id:
+                    threading.Thread(
+                        target=self._accept, args=(stub, metadata, down.conn_id), name="swarm-accept", daemon=True
+                    ).start()
+
+    def _accept(self, stub, metadata, conn_id: int) -> None:
+        host, port = self.local_address.rsplit(":", 1)
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as e:
+            log.warning("cannot reach this peer's own server at %s: %s", self.local_address, e)
+            return
+        try:
+            replies = stub.Accept(_socket_frames(sock, stage_pb2.RelayFrame(conn_id=conn_id)), metadata=metadata)
+        except grpc.RpcError:
+            sock.close()
+            return
+        _drain(replies, sock)
+
+    def reattach(self) -> None:
+        """Ends the current Attach; the next is made to whichever relay `relay()` names then."""
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def close(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5.0)

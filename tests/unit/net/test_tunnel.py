@@ -1,0 +1,39 @@
+"""`Tunnels.dial` of a relayed peer's own address: its calls to itself stay local."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from swarm.net.tunnel import RelayRoute, Tunnels
+
+
+def _tunnels(routes: dict[str, RelayRoute]) -> Tunnels:
+    local = SimpleNamespace(peer_id="me", holds=lambda peer_id: False)
+    return Tunnels(None, routes.get, local=local)
+
+
+def test_a_relayed_peer_dials_itself_directly():
+    routes = {"10.78.0.26:50051": RelayRoute("me", "r", "10.77.0.10:50051")}
+    routes["10.78.0.58:50051"] = RelayRoute("other", "r", "10.77.0.10:50051")
+    tunnels = _tunnels(routes)
+    try:
+        before = tunnels.dial("10.78.0.26:50051")  # not yet relayed itself: the tunnel, as before
+        assert before.startswith("127.0.0.1:")
+        tunnels.own_address = "127.0.0.1:4242"
+        # before: its own calls went out through its relay and back (relayed bytes "me->me" on the relay)
+        assert tunnels.dial("10.78.0.26:50051") == "127.0.0.1:4242"
+        other = tunnels.dial("10.78.0.58:50051")  # another relayed peer: still its tunnel
+        assert other.startswith("127.0.0.1:") and other != "127.0.0.1:4242"
+        assert tunnels.dial("10.77.0.12:50051") == "10.77.0.12:50051"  # a reachable peer: dialed directly
+    finally:
+        tunnels.close()
+
+
+def test_a_peer_without_its_own_servicer_never_takes_a_routed_address_for_itself():
+    # the trainer (no relay servicer, no id of its own here): every relayed stage is a tunnel, whatever the id
+    tunnels = Tunnels(None, {"a:1": RelayRoute("me", "r", "r:1")}.get)
+    tunnels.own_address = "127.0.0.1:4242"
+    try:
+        assert tunnels.dial("a:1").startswith("127.0.0.1:") and tunnels.dial("a:1") != "127.0.0.1:4242"
+    finally:
+        tunnels.close()
