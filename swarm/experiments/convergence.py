@@ -28,6 +28,7 @@ import torch
 
 from swarm.compression import CodecConfig, codec_labels
 from swarm.experiments.hetero import apply_stage_precisions
+from swarm.experiments.tied import apply_tied, split_tied
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.options import add_model_choice_arguments, add_schedule_argument, builtin_model, chosen_model
@@ -94,6 +95,8 @@ class Setting:
     """Per-peer precision (`~bf16:1`): (stage, precision) pairs computed in another precision than the run's."""
     tied_bits: int | None = None
     """`@tN`: the tied embedding's sum at N bits (`GradientAverager.tied_min_bits` on every host) instead of 4."""
+    tied_codec: str | None = None
+    """`@lrN[+f8]`: the tied embedding's sum as rank-N factors (`swarm.experiments.tied`), e.g. `lowrank4+ef`."""
 
     @classmethod
     def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
@@ -107,7 +110,7 @@ class Setting:
         from swarm.experiments.hetero import split_stage_precisions
 
         name, (text, stage_precisions) = text, split_stage_precisions(text)
-        text, tied_bits = _split_tied_bits(text)
+        text, tied_bits, tied_codec = split_tied(text)
         pair, _, warmup = text.partition("@w")
         fw, sep, bw = pair.partition("/")
         if not sep:
@@ -119,19 +122,8 @@ class Setting:
             int(warmup) if warmup else 0,
             stage_precisions=stage_precisions,
             tied_bits=tied_bits,
+            tied_codec=tied_codec,
         )
-
-
-def _split_tied_bits(text: str) -> tuple[str, int | None]:
-    """`FW/BW@t3` -> (`FW/BW`, 3): the tied sum's bits, one of the quantized codecs' widths."""
-    from swarm.compression.quantized import SUPPORTED_BITS
-
-    head, sep, bits = text.partition("@t")
-    if not sep:
-        return text, None
-    if not bits.isdigit() or int(bits) not in SUPPORTED_BITS:
-        raise ValueError(f"setting {text!r}: @tN takes N in {SUPPORTED_BITS}, after every other part")
-    return head, int(bits)
 
 
 def _bits(cfg: CodecConfig) -> int:
@@ -202,9 +194,7 @@ def _run_setting(
     stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
     pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
     _apply_plan(pipe, setting, cfg)
-    if setting.tied_bits is not None:  # an instance attribute over the class's floor, this run's hosts only
-        for host in (h for replicas in pipe.replica_hosts for h in replicas):
-            host.averager.tied_min_bits = setting.tied_bits
+    apply_tied(pipe, setting.tied_bits, setting.tied_codec, cfg.zstd_level)  # `@tN`, `@lrN`: this run's hosts
     apply_stage_precisions(pipe, setting.stage_precisions)  # per-peer precision (`~bf16:S`), before step 1
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
@@ -305,6 +295,7 @@ def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
         "steady_wire_bytes": steady,
         "steady_ratio_vs_fp32": fp32_steady / max(steady, 1) if epochs > 1 else float("nan"),
         "sync_bytes": total(res, "sync_bytes"),
+        "steady_sync_bytes_per_step": total(res, "sync_bytes", 1) / max(1, sum(x["epoch"] >= 1 for x in res.steps)),
         "control_bytes": total(res, "control_bytes"),
         "total_wire_bytes": all_bytes,
         "fp32_total_wire_bytes": all_fp32,
@@ -462,7 +453,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
         "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
         "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
-        "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last); "
+        "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
+        "tied sum as rank-N factors, fp16 or 8-bit); "
         "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
         "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
         "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
