@@ -4,6 +4,8 @@ and a plan naming it is validated like any other epilogue codec."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -72,3 +74,19 @@ def test_the_convergence_setting_suffix():
     for bad in ("a/b@lr", "a/b@lr0", "a/b@lr4+f4", "a/b@lr4@w1", "a/b@lrx"):
         with pytest.raises(ValueError):
             split_tied(bad)
+
+
+def test_the_convergence_experiment_runs_the_tied_sum_low_rank(tmp_path, capsys):
+    import json
+
+    from swarm.cli import main
+    from swarm.experiments.convergence import Setting
+
+    assert Setting.parse("tern+ch/gradq2+ef+rot+nr+cs@lr4+f8").tied_codec == "lowrank4+ef+f8"
+    assert Setting.parse("tern+ch/gradq2+ef+rot+nr+cs").tied_codec is None  # the default setting is unchanged
+    out = tmp_path / "run"
+    settings = "fp32/fp32,directq2/gradq2+ef+rot+nr+cs,directq2/gradq2+ef+rot+nr+cs@lr2+f8"
+    argv = ["experiment", "convergence", "--quick", "--json", "--no-progress", "--out", str(out), "--epochs", "1"]
+    assert main([*argv, "--settings", settings]) == 0
+    _, gradq4, low = json.loads(capsys.readouterr().out)
+    assert 0 < low["sync_bytes"] < gradq4["sync_bytes"] / 2 and math.isfinite(low["final_eval_loss"])
