@@ -44,6 +44,8 @@ class Codec:
     """needs AQ-SGD message buffers in its `LinkState`"""
     rotates: ClassVar[bool] = False
     """reads `TensorMessage.rotation`; every other codec refuses a message that sets it (it would decode unrotated)"""
+    ranked: ClassVar[bool] = False
+    """takes a rank (`CodecConfig.rank`), written in its label where a quantized codec writes its bits: `lowrank4`"""
 
     @classmethod
     def sum_config(cls, config: CodecConfig) -> CodecConfig:

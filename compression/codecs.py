@@ -29,6 +29,7 @@ CODEC_MODULES = (
     "codec_bilevel",
     "codec_gsign",
     "codec_gtern",
+    "codec_lowrank",
 )
 """Modules of swarm.compression that define codecs, in the order names are listed (help, errors)."""
 

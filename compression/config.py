@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.compression.codec_lowrank import FACTOR_BITS, MAX_RANK
 from swarm.compression.codecs import BY_NAME, CODEC_NAMES, codec_class
 from swarm.compression.quantized import SCALE_DTYPES, SUPPORTED_BITS, group_size
 from swarm.compression.rotation import is_power_of_two
@@ -79,6 +80,11 @@ class CodecConfig:
     square delta per kept code (`+rN`); 0 keeps the MSE-optimal code, larger zeroes more codes (fewer bytes
     after zstd)."""
 
+    rank: int = 4
+    """lowrank: rank of the factors P (rows x rank) and Q (cols x rank); written in its label (`lowrank4`)."""
+    factor_bits: int = 16
+    """lowrank: how the factors travel, fp16 codes (16) or int8 codes (8, label suffix `+f8`), fp32 column scales."""
+
     def __post_init__(self) -> None:
         codec = codec_class(self.name)
         if codec.quantized and self.bits not in SUPPORTED_BITS:
@@ -103,6 +109,10 @@ class CodecConfig:
             raise ValueError(
                 f"rate_percent (+rN) is 0..1000 and applies to tern and gtern only, got {self.rate_percent}"
             )
+        if not 1 <= self.rank <= MAX_RANK or (self.rank != 4 and not codec.ranked):
+            raise ValueError(f"rank is 1..{MAX_RANK} and applies to ranked codecs (lowrankN) only, got {self.rank}")
+        if self.factor_bits not in FACTOR_BITS or (self.factor_bits != 16 and not codec.ranked):
+            raise ValueError(f"factor_bits (+fN) is one of {FACTOR_BITS} and applies to lowrank only")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.scale_dtype != "float32" and self.name != "gradq":
@@ -126,6 +136,9 @@ class CodecConfig:
     def label(self) -> str:
         """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot` (rounding is
         not part of it: each codec family has its own default)."""
+        if codec_class(self.name).ranked:  # lowrank4+ef+f8: the rank where bits would be
+            feedback, factors = "+ef" if self.error_feedback else "", "+f8" if self.factor_bits == 8 else ""
+            return f"{self.name}{self.rank}{feedback}{factors}"
         if not codec_class(self.name).quantized:  # tern, gsign: a name without bits, maybe channel groups
             channel = "+ch" if self.group_layout == "channel" else ""
             feedback, rotated = "+ef" if self.error_feedback else "", "+rot" if self.rotation == "hadamard" else ""
@@ -149,10 +162,13 @@ class CodecConfig:
         kwargs = dict(defaults)
         kwargs["name"] = name
         if digits:
-            kwargs["bits"] = int(digits)
+            kwargs["rank" if name in BY_NAME and BY_NAME[name].ranked else "bits"] = int(digits)
         for suffix in suffixes:
             if suffix[:1] == "r" and suffix[1:].isdigit():  # +r50: tern's rate weight, in percent
                 kwargs["rate_percent"] = int(suffix[1:])
+                continue
+            if suffix[:1] == "f" and suffix[1:].isdigit():  # +f8: lowrank's factor bits
+                kwargs["factor_bits"] = int(suffix[1:])
                 continue
             if suffix[:1] == "g" and suffix[1:].isdigit():  # +g256: this codec's group size, over any default
                 kwargs["group_size"] = int(suffix[1:])

@@ -21,6 +21,8 @@ class LinkState:
         if buffers is None and codec_class(config.name).uses_buffers:
             self.buffers = make_store(config.buffer_capacity, config.torch_buffer_dtype, config.buffer_path)
         self.residual: torch.Tensor | None = None
+        self.warm: torch.Tensor | None = None
+        """lowrank: the encoder's Q of its last message, the next power iteration's warm start (sender-local)"""
         self._draws = 0
 
     def next_seed(self) -> int | None:

@@ -21,6 +21,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BILEVEL: _ClassVar[Codec]
     GSIGN: _ClassVar[Codec]
     GTERN: _ClassVar[Codec]
+    LOWRANK: _ClassVar[Codec]
 
 class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -50,6 +51,7 @@ TERN: Codec
 BILEVEL: Codec
 GSIGN: Codec
 GTERN: Codec
+LOWRANK: Codec
 GROUP_LAYOUT_FLAT: GroupLayout
 GROUP_LAYOUT_CHANNEL: GroupLayout
 DTYPE_UNSPECIFIED: DType

@@ -20,8 +20,11 @@ OURS = [
     "fp32", "fp16", "bf16", "directq2", "directq2+ch", "directq4", "directq8",
     "aqsgd2", "aqsgd2+ch", "aqsgd4", "aqsgd4+ch", "aqsgd8", "acsgd2+ch", "acsgd4+ch", "tern+ch", "bilevel+ch",
     "gradq4", "gradq8", "gradq2+rot+nr+cs+g1024", "gsign+rot+g1024",
-    "gtern+rot+nr+r75+g1024", "gtern+rot+nr+r150+g1024",
+    "gtern+rot+nr+r75+g1024", "gtern+rot+nr+r150+g1024", "lowrank4+g128", "lowrank4+f8+g128",
 ]  # fmt: skip
+"""`lowrank` views the tensor as rows of 128 (the hidden size): on these full-rank activations its error is near
+1, the bytes and speed are what the row shows; the tied embedding's gradient, where it is used, is another
+matter (`swarm experiment convergence ...@lr4`)."""
 HIVEMIND = [
     "Float16Compression",
     "ScaledFloat16Compression",
@@ -97,7 +100,7 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
     plain = sum(c.ByteSize() for c in frame(msg, zstd_level=0))
     return {
         "codec": cfg.label,
-        "bits": RAW_BITS.get(cfg.name, cfg.bits),
+        "bits": cfg.factor_bits if cfg.name == "lowrank" else RAW_BITS.get(cfg.name, cfg.bits),
         "wire_bytes_per_element": wire / numel,
         "ratio_vs_fp32": 4 * numel / wire,
         "ratio_vs_fp32_no_zstd": 4 * numel / plain,

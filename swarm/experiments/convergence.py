@@ -28,6 +28,7 @@ import torch
 
 from swarm.compression import CodecConfig, codec_labels
 from swarm.experiments.hetero import apply_stage_precisions
+from swarm.experiments.tied import apply_tied, split_tied
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.options import add_model_choice_arguments, add_schedule_argument, builtin_model, chosen_model
@@ -58,18 +59,17 @@ DEFAULT_TARGET_SETTING = "acsgd2+ch/gradq2+ef+rot+nr+cs"
 fp32 after the first epoch, >= 8x over the run, held-out loss within 1% of fp32. Forward: AQ-SGD with the
 paper's quantizer in channel groups; backward: 2-bit gradients with error feedback, Hadamard rotation,
 round-to-nearest and 16-bit scales, in the experiment's groups of 1024."""
-BEST_TARGET_SETTING = "tern+ch+r75/gtern+ef+rot+nr+r100"
-"""The "best setting" of the issue's targets: >= 20x fewer total bytes after the first epoch, within 2%. No
-setting reaches both on seed 0 yet: this is the one with the fewest bytes within 2% on seeds 0 and 1 (8 epochs:
-19.0x / 18.9x at +1.70% / +1.86%; forward ternary deltas with a rate weight, backward ternary gradients with a
-rate weight, rotation and error feedback, `swarm.compression.codec_gtern`). Per step after epoch 1 it moves
-forward 45 KB, backward 38 KB, tied sync 20 KB (gradq4), control 4.8 KB (8 KB before heartbeats moved to
-`Ping`): 107 KB, 19.6x; 20x allows 105 KB.
-`.../gtern+ef+rot+nr+r150` reaches 20.05x / 20.01x at +2.30% / +1.67% (over 2% on seed 0); the sign (`gsign`)
-19.8x at +2.42%; the tied sum at 3 bits (`@t3`) cost 0.5-1.9% more in every pairing tried (seed 0). Before
-gtern: `tern+ch+r75/gradq2+ef+rot+nr+cs` 18.0x at +1.66%. Heartbeats are `Ping` calls with empty messages,
-so control bytes (Forward's tokens, PutLabels' labels, each call's CallInfo) no longer grow with a step's wall
-time."""
+BEST_TARGET_SETTING = "tern+ch+r75/gradq2+ef+rot+nr+cs@lr4+f8"
+"""The "best setting" of the issue's targets: >= 20x fewer total bytes after the first epoch, within 2%. 8 epochs,
+seeds 0 / 1: 21.75x / 21.70x at +1.90% / +1.50% held-out (the fewest bytes within 2% on both seeds). Forward
+ternary deltas with a rate weight; backward 2-bit gradients (rotation, error feedback, 16-bit scales); the tied
+embedding's sum as rank-4 PowerSGD factors in 8 bits (`@lr4+f8`, `swarm.compression.codec_lowrank`): 2.4 KB a
+step where gradq4 moved 19.7 KB. `@lr8+f8` 21.30x / 21.27x at +1.81% / +1.70%. With the gtern r100 backward
+(the best setting before, 19.61x / 19.54x at +1.70% / +1.86%, tied 19.7 KB): `@lr4+f8` 23.42x / 23.28x at
++1.99% / +2.01%, `@lr4` (fp16 factors, 5.2 KB) 22.62x / 22.58x at +2.07% / +2.27%, `@lr8` +2.40%, `@lr2`
++3.85% (seed 0); gtern r75 with `@lr4+f8` +2.81%, `@lr4` +2.31% (seed 0). Run-to-run spread between settings is
+~0.3-0.5%; the tied sum at 3 bits (`@t3`) cost 0.5-1.9% more in every pairing tried (seed 0). Heartbeats are
+`Ping` calls with empty messages, so control bytes no longer grow with a step's wall time."""
 
 
 def _parse_codec(text: str, defaults: dict) -> CodecConfig:
@@ -94,6 +94,8 @@ class Setting:
     """Per-peer precision (`~bf16:1`): (stage, precision) pairs computed in another precision than the run's."""
     tied_bits: int | None = None
     """`@tN`: the tied embedding's sum at N bits (`GradientAverager.tied_min_bits` on every host) instead of 4."""
+    tied_codec: str | None = None
+    """`@lrN[+f8]`: the tied embedding's sum as rank-N factors (`swarm.experiments.tied`), e.g. `lowrank4+ef`."""
 
     @classmethod
     def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
@@ -107,7 +109,7 @@ class Setting:
         from swarm.experiments.hetero import split_stage_precisions
 
         name, (text, stage_precisions) = text, split_stage_precisions(text)
-        text, tied_bits = _split_tied_bits(text)
+        text, tied_bits, tied_codec = split_tied(text)
         pair, _, warmup = text.partition("@w")
         fw, sep, bw = pair.partition("/")
         if not sep:
@@ -119,19 +121,8 @@ class Setting:
             int(warmup) if warmup else 0,
             stage_precisions=stage_precisions,
             tied_bits=tied_bits,
+            tied_codec=tied_codec,
         )
-
-
-def _split_tied_bits(text: str) -> tuple[str, int | None]:
-    """`FW/BW@t3` -> (`FW/BW`, 3): the tied sum's bits, one of the quantized codecs' widths."""
-    from swarm.compression.quantized import SUPPORTED_BITS
-
-    head, sep, bits = text.partition("@t")
-    if not sep:
-        return text, None
-    if not bits.isdigit() or int(bits) not in SUPPORTED_BITS:
-        raise ValueError(f"setting {text!r}: @tN takes N in {SUPPORTED_BITS}, after every other part")
-    return head, int(bits)
 
 
 def _bits(cfg: CodecConfig) -> int:
@@ -202,9 +193,7 @@ def _run_setting(
     stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
     pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
     _apply_plan(pipe, setting, cfg)
-    if setting.tied_bits is not None:  # an instance attribute over the class's floor, this run's hosts only
-        for host in (h for replicas in pipe.replica_hosts for h in replicas):
-            host.averager.tied_min_bits = setting.tied_bits
+    apply_tied(pipe, setting.tied_bits, setting.tied_codec, cfg.zstd_level)  # `@tN`, `@lrN`: this run's hosts
     apply_stage_precisions(pipe, setting.stage_precisions)  # per-peer precision (`~bf16:S`), before step 1
     eval_batch = cfg.batch_size * 2
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
@@ -305,6 +294,7 @@ def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
         "steady_wire_bytes": steady,
         "steady_ratio_vs_fp32": fp32_steady / max(steady, 1) if epochs > 1 else float("nan"),
         "sync_bytes": total(res, "sync_bytes"),
+        "steady_sync_bytes_per_step": total(res, "sync_bytes", 1) / max(1, sum(x["epoch"] >= 1 for x in res.steps)),
         "control_bytes": total(res, "control_bytes"),
         "total_wire_bytes": all_bytes,
         "fp32_total_wire_bytes": all_fp32,
@@ -462,7 +452,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
         "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
         "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
-        "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last); "
+        "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
+        "tied sum as rank-N factors, fp16 or 8-bit); "
         "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
         "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
         "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "

@@ -93,6 +93,7 @@ class _Group:
         self.inbox: dict[str, wire_pb2.TensorMessage] = {}
         self.inbox_step: int | None = None
         self.reduced: int | None = None
+        self.warm: torch.Tensor | None = None  # a lowrank encoder's warm start: any value is valid, never committed
 
     def drop(self) -> None:
         self.pending, self.inbox, self.inbox_step, self.reduced = None, {}, None, None
@@ -298,8 +299,9 @@ class GradientAverager:
             self.relayout()
             own = host.worker.tied_grad().reshape(-1).float().cpu() if tied else flatten_grads(self.trained)
             state = LinkState(config)
-            state.residual = group.residual
+            state.residual, state.warm = group.residual, group.warm
             msg = codec.encode(own, state=state)
+            group.warm = state.warm
         pending = state.residual if config.error_feedback else None
         info = stage_pb2.CallInfo(
             step=request.step,
@@ -391,6 +393,8 @@ class GradientAverager:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
         bits = max(cfg.bits, self.tied_min_bits if tied else self.min_bits) if cls.quantized else cfg.bits
+        if tied and cls.ranked and cfg.group_size is None:  # a low-rank sum views the tied weight as it is shaped
+            cfg = replace(cfg, group_size=self.host.worker.module.tied_parameter().shape[-1])
         return replace(cfg, bits=bits, error_feedback=cls.error_feedback, seed=seed)
 
     def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float) -> int:
