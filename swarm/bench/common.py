@@ -46,10 +46,38 @@ def emit(rows: Sequence[dict], columns: Sequence[str], as_json: bool, title: str
         print_table(rows, columns, title)
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low(default: int = 32768) -> int:
+    """The lowest port the kernel hands out for port 0 and outgoing connections (Linux; else `default`)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the caller binds it soon after)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now (the caller binds it soon after), picked below the
+    kernel's ephemeral range where it can: a port from that range (what binding port 0 gives) can be taken by any
+    outgoing connection or port-0 listener before the caller binds it, and was (`swarm experiment nat`: a peer
+    failed to bind its --grpc-port between the pick and its start, and the run waited 120 s for a pipeline).
+    Never the same port twice in one process."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 10000), low) if low > 2048 else 0
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError("no free TCP port on 127.0.0.1")

@@ -74,7 +74,7 @@ def local_swarm(
                     procs.check_alive()
                     say(line)
 
-                found = discover_route(dht, n_peers, timeout_s, show, trainer_id=dht.peer_id)
+                found = discover_route(dht, n_peers, timeout_s, show, trainer_id=dht.peer_id, check=procs.check_alive)
                 yield LocalSwarm(
                     found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer),
                     found, dht,

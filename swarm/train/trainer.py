@@ -39,6 +39,8 @@ from swarm.train.steplog import StepLog, counter_columns, load_position, save_po
 from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from swarm.daemon.planning import Route
     from swarm.peers.dht import DHTConfig
 
@@ -262,8 +264,10 @@ def discover_route(
     min_version: int = 0,
     trainer_id: str | None = None,
     n_layers: int | None = None,
+    check: Callable[[], None] | None = None,
 ) -> Route:
-    """Waits until a whole pipeline is served and returns it.
+    """Waits until a whole pipeline is served and returns it (`check`, called at every poll, may raise: e.g. a
+    local swarm's peer process died, so no pipeline will come).
 
     With a plan in the DHT (from the plan authority, valid for `n_layers`), the route is the plan's, once every
     peer in it announces that it follows that version and the plan names `trainer_id` among its trainers
@@ -305,6 +309,8 @@ def discover_route(
         if line != last_line:
             show(line)
             last_line = line
+        if check is not None:
+            check()
         if time.monotonic() > deadline:
             raise TimeoutError(f"no complete pipeline after {timeout_s:.0f} s ({line})")
         time.sleep(0.5)  # poll interval of the DHT

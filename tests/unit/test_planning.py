@@ -99,6 +99,26 @@ def test_roles_and_routes_come_from_the_plan_once_every_peer_follows_it():
     assert route_of(record, new) == Route(["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"], plan_version=4)
 
 
+def test_waiting_for_a_pipeline_stops_as_soon_as_its_check_raises():
+    """A local swarm's dead peer ends the wait at the next poll, not after the whole timeout (the check ran only
+    when the status line changed, so a peer that died at start-up cost the nat experiment 120 s)."""
+    from types import SimpleNamespace
+
+    from swarm.train.trainer import discover_route
+
+    dht = SimpleNamespace(peers=lambda: [], get_plan=lambda n_layers, peers: None)
+    polls = []
+
+    def check():
+        polls.append(1)
+        if len(polls) == 3:  # the line never changes after the first poll
+            raise RuntimeError("peer0 exited with code 1")
+
+    with pytest.raises(RuntimeError, match="peer0 exited"):
+        discover_route(dht, 2, 60.0, lambda line: None, check=check)
+    assert len(polls) == 3
+
+
 def test_a_trainer_waits_for_a_plan_that_names_it():
     from types import SimpleNamespace
 
