@@ -526,6 +526,7 @@ class PipelineDriver(RoutedCalls):
         self._live(step, failure)  # raises NoLiveChain when nothing is left
         if attempt >= self.max_attempts:
             raise as_error(failure, step, f"gave up after {attempt} attempts")
+        log.warning("step %d: attempt %d failed (%s); running the step again", step, attempt, as_error(failure, step))
 
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""
