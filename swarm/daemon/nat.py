@@ -57,12 +57,27 @@ NEIGHBOUR = 1
 
 class Announced:
     """The DHT's announcements by peer id and by address, re-read at most once per `refresh_s` (on a miss, or
-    when older than `max_age_s`), so a stranger's calls cannot turn into a DHT request each."""
+    when older than `max_age_s`), so a stranger's calls cannot turn into a DHT request each.
 
-    def __init__(self, peers: Callable[[], list[PeerAnnouncement]], refresh_s: float = 1.0, max_age_s: float = 5.0):
-        self.peers, self.refresh_s, self.max_age_s = peers, refresh_s, max_age_s
+    A record missing from one read is kept until it has been missing for `keep_s`: a DHT read can come back
+    without some records for a moment, and a tunnel that found no route for a NAT'd peer closed its connection
+    without a word, which left the caller's channel in gRPC's reconnect backoff for every attempt of a step (the
+    nat experiment's relay setting gave up its first step so). A peer that really left is dialed through its
+    old relay for those seconds and fails as any dead peer does."""
+
+    def __init__(
+        self,
+        peers: Callable[[], list[PeerAnnouncement]],
+        refresh_s: float = 1.0,
+        max_age_s: float = 5.0,
+        keep_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.peers, self.refresh_s, self.max_age_s, self.keep_s, self.clock = peers, refresh_s, max_age_s, keep_s, clock
         self._by_id: dict[str, PeerAnnouncement] = {}
         self._by_address: dict[str, PeerAnnouncement] = {}
+        self._seen: dict[str, float] = {}
+        """peer id -> when a read last returned its record"""
         self._read_at = -1e9
         self._lock = threading.Lock()
 
@@ -71,7 +86,7 @@ class Announced:
         self._refresh(miss=True)
 
     def _refresh(self, miss: bool) -> None:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             age = now - self._read_at
             if age < self.refresh_s or (not miss and age < self.max_age_s):
@@ -82,8 +97,11 @@ class Announced:
         except TimeoutError:
             return
         with self._lock:
-            self._by_id = {a.peer_id: a for a in found}
-            self._by_address = {a.address: a for a in found}
+            for a in found:
+                self._by_id[a.peer_id], self._seen[a.peer_id] = a, now
+            for gone in [p for p, seen in self._seen.items() if now - seen > self.keep_s]:
+                del self._by_id[gone], self._seen[gone]
+            self._by_address = {a.address: a for a in self._by_id.values()}
 
     def get(self, peer_id: str) -> PeerAnnouncement | None:
         self._refresh(miss=peer_id not in self._by_id)

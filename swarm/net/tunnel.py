@@ -186,6 +186,7 @@ class Tunnels:
     def _carry(self, address: str, sock: socket.socket) -> None:
         route = self.route(address)
         if route is None:  # it became dialable: callers will re-resolve on their next channel
+            log.info("no relay route to %s any more: its tunnel connection closes", address)
             sock.close()
             return
         try:

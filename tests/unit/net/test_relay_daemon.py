@@ -158,17 +158,42 @@ def test_routes_follow_announcements_only():
     me, relay = Identity.generate().peer_id, Identity.generate().peer_id
     base = PeerAnnouncement(peer_id=me, address="10.0.0.1:5", device="cpu", memory_bytes=1, compute_layers_per_s=1.0)
     board = {relay: dataclasses.replace(base, peer_id=relay, address="10.0.0.2:5")}
-    book = Announced(lambda: list(board.values()), refresh_s=0.0)
+    now = [0.0]
+    book = Announced(lambda: list(board.values()), refresh_s=0.0, clock=lambda: now[0])
     board[me] = base
     assert book.route("10.0.0.1:5") is None  # direct
     board[me] = dataclasses.replace(base, reach="relay", relay=relay)
     book._read_at = -1e9
     route = book.route("10.0.0.1:5")
     assert (route.peer_id, route.relay_id, route.relay_address) == (me, relay, "10.0.0.2:5")
-    del board[relay]  # its relay left: no tunnel through a relay nobody announces
+    del board[relay]  # its relay's record is missing from a read: kept a while (a DHT read can miss records)
+    book._read_at = -1e9
+    assert book.route("10.0.0.1:5") == route
+    now[0] += book.keep_s + 1  # missing for longer: its relay left, no tunnel through a relay nobody announces
     book._read_at = -1e9
     assert book.route("10.0.0.1:5") is None
     assert book.route("10.9.9.9:1") is None  # an address nobody announces: dialed as it is
+
+
+def test_a_read_that_misses_a_record_keeps_its_route_until_keep_s():
+    """A DHT read without the NAT'd peer's or its relay's record must not drop the route at once: the tunnel
+    closed the caller's connection without a word, and gRPC's reconnect backoff failed every attempt of a step."""
+    me, relay = Identity.generate().peer_id, Identity.generate().peer_id
+    base = PeerAnnouncement(peer_id=me, address="10.0.0.1:5", device="cpu", memory_bytes=1, compute_layers_per_s=1.0)
+    full = [
+        dataclasses.replace(base, reach="relay", relay=relay),
+        dataclasses.replace(base, peer_id=relay, address="10.0.0.2:5"),
+    ]
+    read = [full]
+    now = [0.0]
+    book = Announced(lambda: read[0], refresh_s=0.0, max_age_s=0.0, clock=lambda: now[0])
+    expected = book.route("10.0.0.1:5")
+    assert expected is not None and expected.relay_id == relay
+    for partial in ([], full[1:], full[:1]):  # reads without either record, without the peer's, without the relay's
+        read[0] = partial
+        now[0] += 1.0
+        assert book.route("10.0.0.1:5") == expected
+    assert book.address(me) == "10.0.0.1:5"
 
 
 def test_may_attach_only_peers_that_announce_this_relay():
