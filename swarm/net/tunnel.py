@@ -94,7 +94,7 @@ def _drain(replies: Iterator, sock: socket.socket) -> None:
         for reply in replies:
             sock.sendall(reply.data)
     except (grpc.RpcError, RelayError, OSError) as e:
-        log.debug("tunnel closed: %s", e)
+        log.info("tunnel closed: %s", e)
     finally:
         try:
             sock.shutdown(socket.SHUT_RDWR)
