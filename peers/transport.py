@@ -80,12 +80,18 @@ class Channels:
 
     `dial` maps an announced address to the one actually dialed (`swarm.net.relay.Tunnels.dial`: a local
     tunnel to a peer behind NAT), asked at every `get`: when it changes (the peer turned out unreachable and
-    now announces a relay), the old channel is closed and a new one dials the new target.
+    now announces a relay), a new channel dials the new target. The old one is retired, not closed: calls
+    already on it finish there (closing it failed them with "Channel closed!", and the nat experiment's first
+    step ran again). The `retired_kept` newest retired channels stay open; older ones, and all at `close`, close.
     """
+
+    retired_kept = 8
+    """Retired channels kept open at most (a peer flipping its announcement cannot grow them without bound)."""
 
     def __init__(self, config: TransportConfig, dial=None):
         self.config, self.dial = config, dial
         self._channels: dict[str, tuple[str, grpc.Channel]] = {}
+        self._retired: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
     def get(self, address: str) -> grpc.Channel:
@@ -95,16 +101,19 @@ class Channels:
             if cached is not None and cached[0] == target:
                 return cached[1]
             if cached is not None:
-                cached[1].close()
+                self._retired.append(cached[1])
+                while len(self._retired) > self.retired_kept:
+                    self._retired.pop(0).close()
             channel = grpc.insecure_channel(target, options=self.config.channel_options())
             self._channels[address] = (target, channel)
             return channel
 
     def close(self) -> None:
         with self._lock:
-            for _, channel in self._channels.values():
+            for channel in [*(c for _, c in self._channels.values()), *self._retired]:
                 channel.close()
             self._channels.clear()
+            self._retired.clear()
 
 
 def paced(items: Iterable[bytes], shaper: Shaper | None) -> Iterator[bytes]:

@@ -65,3 +65,40 @@ def test_a_round_that_finds_nobody_says_so_so_the_daemon_looks_again_soon():
     assert prober.round(now=1.0) == 1 and prober.found_peers
     assert [m.dst for m in dht.stored] == ["other"] and dht.stored[0].burst_bytes == 65536.0
     assert prober.round(now=2.0) == 0 and prober.found_peers  # measured: the plan interval's refresh now
+
+
+def test_a_channel_whose_dial_target_changes_is_retired_not_closed_under_its_calls():
+    """A peer that starts announcing a relay changes its dial target; a call already on the old channel must finish
+    (closing it failed the call with "Channel closed!" and the step ran again), and retired channels stay bounded."""
+    from concurrent import futures
+
+    started, release = __import__("threading").Event(), __import__("threading").Event()
+
+    def slow(request, context):
+        started.set()
+        release.wait(10)
+        return request
+
+    handler = grpc.method_handlers_generic_handler("t.T", {"Echo": grpc.unary_unary_rpc_method_handler(slow)})
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    targets = iter([f"127.0.0.1:{port}", f"localhost:{port}"] + [f"127.0.0.{i}:{port}" for i in range(2, 40)])
+    channels = Channels(TransportConfig(), dial=lambda address: next(targets))
+    try:
+        old = channels.get("peer")
+        call = old.unary_unary("/t.T/Echo").future(b"x", timeout=10)
+        assert started.wait(10)
+        new = channels.get("peer")  # the dial target changed under the call
+        assert new is not old
+        release.set()
+        assert call.result() == b"x", "the call on the retired channel finishes"
+        for _ in range(Channels.retired_kept + 3):
+            channels.get("peer")
+        assert len(channels._retired) == Channels.retired_kept
+    finally:
+        release.set()
+        channels.close()
+        server.stop(0)
+    assert channels._retired == [] and channels._channels == {}
