@@ -103,6 +103,15 @@ def _drain(replies: Iterator, sock: socket.socket) -> None:
         sock.close()
 
 
+def _stop_listening(listener: socket.socket) -> None:
+    """Closes a listener whose `_serve` thread may sit in accept(): a plain close leaves it listening until then."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    listener.close()
+
+
 _CHANNEL_OPTIONS = TransportConfig().channel_options()
 
 
@@ -150,7 +159,8 @@ class Tunnels:
         """this peer's own server as it listens (set once it is relayed): its calls to itself are dialed there,
         not out through its relay and back (`swarm experiment nat --netns` saw them as relayed bytes P->P)"""
         self._channels: dict[str, grpc.Channel] = {}
-        self._listeners: dict[str, tuple[socket.socket, str]] = {}
+        self._listeners: dict[str, tuple[socket.socket, str, str]] = {}
+        """announced address -> (its listener, the listener's address, the relay it was made for)"""
         self._lock = threading.Lock()
 
     def dial(self, address: str) -> str:
@@ -162,11 +172,19 @@ class Tunnels:
         if self.own_address is not None and self.my_id is not None and route.peer_id == self.my_id:
             return self.own_address
         with self._lock:
-            if address not in self._listeners:
+            held = self._listeners.get(address)
+            if held is not None and held[2] != route.relay_id:
+                # its relay changed: a new listener, so the caller's channel pool sees a new target and retires
+                # the old channel (calls on it finish through the old relay, which keeps the peer's old Attach
+                # for MOVE_GRACE_S); new connections no longer pin themselves to the relay being left
+                _stop_listening(held[0])
+                held = None
+            if held is None:
                 listener = socket.create_server(("127.0.0.1", 0))
-                self._listeners[address] = (listener, f"127.0.0.1:{listener.getsockname()[1]}")
+                held = (listener, f"127.0.0.1:{listener.getsockname()[1]}", route.relay_id)
+                self._listeners[address] = held
                 threading.Thread(target=self._serve, args=(address, listener), name="swarm-tunnel", daemon=True).start()
-            return self._listeners[address][1]
+            return held[1]
 
     def _relay_channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -210,8 +228,8 @@ class Tunnels:
         with self._lock:
             listeners, self._listeners = list(self._listeners.values()), {}
             channels, self._channels = list(self._channels.values()), {}
-        for listener, _ in listeners:
-            listener.close()
+        for listener, _, _ in listeners:
+            _stop_listening(listener)
         for channel in channels:
             channel.close()
 

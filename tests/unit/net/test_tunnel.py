@@ -37,3 +37,26 @@ def test_a_peer_without_its_own_servicer_never_takes_a_routed_address_for_itself
         assert tunnels.dial("a:1").startswith("127.0.0.1:") and tunnels.dial("a:1") != "127.0.0.1:4242"
     finally:
         tunnels.close()
+
+
+def test_a_peer_that_moves_its_relay_gets_a_new_tunnel_address_and_the_old_listener_closes():
+    """A NAT'd peer moving its Attach to another relay: connections already made stay pinned to the old relay,
+    which drops them when the old Attach closes (the nat experiment's step 25 failed so). A new dial target makes
+    the caller's pool retire the old channel (its calls finish) and open the next connection through the new relay."""
+    import socket
+
+    import pytest
+
+    routes = {"a:1": RelayRoute("p", "r1", "r1:1")}
+    tunnels = Tunnels(None, routes.get)
+    try:
+        first = tunnels.dial("a:1")
+        assert tunnels.dial("a:1") == first  # same relay: same tunnel
+        routes["a:1"] = RelayRoute("p", "r2", "r2:1")
+        second = tunnels.dial("a:1")
+        assert second != first and second.startswith("127.0.0.1:")
+        assert tunnels.dial("a:1") == second
+        with pytest.raises(OSError):  # the old listener takes no new connection
+            socket.create_connection(("127.0.0.1", int(first.rsplit(":", 1)[1])), timeout=2).close()
+    finally:
+        tunnels.close()
