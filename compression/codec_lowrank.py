@@ -60,14 +60,9 @@ def _pack_factor(f: torch.Tensor, bits: int, q: wire_pb2.Quantized) -> torch.Ten
     n, r = f.shape
     cols = f.t().contiguous()  # r x n: one group per column
     peak = cols.abs().amax(dim=1)
-    if bits == 16:
-        step = peak
-        codes = torch.where(peak[:, None] > 0, cols / peak.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
-        codes = codes.to(torch.float16)
-    else:
-        step = peak / 127
-        codes = torch.where(step[:, None] > 0, cols / step.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
-        codes = codes.round().clamp(-127, 127).to(torch.int8)
+    step = peak if bits == 16 else peak / 127  # fp16 codes in [-1, 1], int8 codes in -127..127
+    codes = torch.where(step[:, None] > 0, cols / step.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    codes = codes.to(torch.float16) if bits == 16 else codes.round().clamp(-127, 127).to(torch.int8)
     q.bits, q.group_size, q.numel = bits, n, n * r
     q.scale_dtype = wire_dtype(torch.float32)
     q.scales = tensor_to_bytes(step.float())

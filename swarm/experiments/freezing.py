@@ -43,6 +43,7 @@ import torch
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
 from swarm.daemon.repack import repack_layout
+from swarm.experiments import rotated
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import split_layers
 from swarm.model.hf import HFModelConfig, _canonical, _family_config_dict
@@ -223,7 +224,7 @@ def run_experiment(cfg: FreezingConfig, out: Path, say=lambda s: None) -> list[d
     _run_setting("no-freeze", replace(cfg, epochs=1), model, train, evals, lambda *_: None, start)
     rounds = []
     for k in range(max(1, cfg.repeats)):
-        order = SETTINGS[k % len(SETTINGS) :] + SETTINGS[: k % len(SETTINGS)]
+        order = rotated(SETTINGS, k)
         quiet = say if k == 0 else (lambda *_: None)
         rounds.append({s: _run_setting(s, cfg, model, train, evals, quiet, start) for s in order})
         say(f"round {k + 1}/{cfg.repeats}: " + ", ".join(f"{s} {rounds[-1][s]['train_seconds']:.1f} s" for s in order))

@@ -61,6 +61,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarm.experiments import rotated
 from swarm.metrics import RELAYED_BYTES
 
 SETTINGS = ("reachable", "half-nat", "relay")
@@ -136,12 +137,6 @@ def reach_supported() -> bool:
     return "--reach" in build_parser()._option_string_actions
 
 
-def rotated(settings: tuple[str, ...], k: int) -> tuple[str, ...]:
-    """Round k's order: the settings started at the k-th, so no setting is always first or last."""
-    k %= max(1, len(settings))
-    return settings[k:] + settings[:k]
-
-
 def relayed_links(order: str | None) -> int | None:
     """Adjacent stages both NAT'd in an order like "R-N-N-R"."""
     if order is None:
@@ -150,14 +145,21 @@ def relayed_links(order: str | None) -> int | None:
     return sum(a == b == "N" for a, b in zip(marks, marks[1:], strict=False))
 
 
-def relayed_bytes_of(text: str) -> int:
-    """The sum of every `swarm_relayed_bytes_total{...}` sample in a Prometheus text exposition."""
-    total = 0.0
+def relayed_by_link(text: str) -> dict[str, int]:
+    """`swarm_relayed_bytes_total` per `link` label ("<src>-><dst>") of a Prometheus text exposition."""
+    out: dict[str, int] = {}
     for line in text.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] == RELAYED_BYTES:
-            with contextlib.suppress(ValueError, IndexError):
-                total += float(line.rsplit(" ", 1)[1])
-    return int(total)
+        if line.split("{", 1)[0].split(" ", 1)[0] != RELAYED_BYTES or 'link="' not in line:
+            continue
+        with contextlib.suppress(ValueError, IndexError):
+            link = line.split('link="', 1)[1].split('"', 1)[0]
+            out[link] = out.get(link, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def relayed_bytes_of(text: str) -> int:
+    """The sum of every `swarm_relayed_bytes_total{link=...}` sample in a Prometheus text exposition."""
+    return sum(relayed_by_link(text).values())
 
 
 def _scrape(ports: list[int]) -> int:

@@ -11,26 +11,13 @@ import re
 import sys
 from pathlib import Path
 
-from swarm.experiments.nat import relayed_bytes_of
-from swarm.metrics import RELAYED_BYTES
+from swarm.experiments.nat import relayed_by_link
 
 __all__ = ["names_of_ids", "ping_targets", "probe", "process_cpu_s", "relayed_by_link"]
 
 _READ_METRICS = (
     "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
 )
-
-
-def relayed_by_link(text: str) -> dict[str, int]:
-    """`swarm_relayed_bytes_total` per `link` label ("<src>-><dst>") of a Prometheus text exposition."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] != RELAYED_BYTES or 'link="' not in line:
-            continue
-        with contextlib.suppress(ValueError, IndexError):
-            link = line.split('link="', 1)[1].split('"', 1)[0]
-            out[link] = out.get(link, 0) + int(float(line.rsplit(" ", 1)[1]))
-    return out
 
 
 def process_cpu_s(pid: int | None) -> float | None:
@@ -126,8 +113,9 @@ def probe(testbed, ping: int = 0) -> dict:
         argv = ["ip", "netns", "exec", node.namespace, sys.executable, "-c", _READ_METRICS, url]
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
-            total += relayed_bytes_of(done.stdout)
-            for link, n in relayed_by_link(done.stdout).items():
+            by_link = relayed_by_link(done.stdout)
+            total += sum(by_link.values())
+            for link, n in by_link.items():
                 src, _, dst = link.partition("->")
                 links[f"{name}:{names.get(src, src)}->{names.get(dst, dst)}"] = n
     found = {"relayed_bytes": total, "relayed_by_link": links, "peer_cpu_s": cpu}

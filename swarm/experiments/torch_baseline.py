@@ -36,7 +36,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from swarm.bench.common import free_port as _free_port  # a port below the kernel's ephemeral range
 
 if TYPE_CHECKING:
     from swarm.experiments.throttled import ThrottledConfig
@@ -195,12 +196,6 @@ def _refuse_pickled_objects(dist) -> None:
 
 
 # ---- the runs ---------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

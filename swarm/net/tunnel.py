@@ -96,20 +96,17 @@ def _drain(replies: Iterator, sock: socket.socket) -> None:
     except (grpc.RpcError, RelayError, OSError) as e:
         log.info("tunnel closed: %s", e)
     finally:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
+        _shut(sock)
 
 
-def _stop_listening(listener: socket.socket) -> None:
-    """Closes a listener whose `_serve` thread may sit in accept(): a plain close leaves it listening until then."""
+def _shut(sock: socket.socket) -> None:
+    """Shuts `sock` down, then closes it: a listener whose `_serve` thread sits in accept() stays listening after
+    a plain close, and a connection's peer sees the end at once."""
     try:
-        listener.shutdown(socket.SHUT_RDWR)
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-    listener.close()
+    sock.close()
 
 
 _CHANNEL_OPTIONS = TransportConfig().channel_options()
@@ -177,7 +174,7 @@ class Tunnels:
                 # its relay changed: a new listener, so the caller's channel pool sees a new target and retires
                 # the old channel (calls on it finish through the old relay, which keeps the peer's old Attach
                 # for MOVE_GRACE_S); new connections no longer pin themselves to the relay being left
-                _stop_listening(held[0])
+                _shut(held[0])
                 held = None
             if held is None:
                 listener = socket.create_server(("127.0.0.1", 0))
@@ -229,7 +226,7 @@ class Tunnels:
             listeners, self._listeners = list(self._listeners.values()), {}
             channels, self._channels = list(self._channels.values()), {}
         for listener, _, _ in listeners:
-            _stop_listening(listener)
+            _shut(listener)
         for channel in channels:
             channel.close()
 

@@ -138,43 +138,42 @@ class RouteAcks:
             self._refused.add((peer, plan_version))
 
 
+def _roster_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> tuple[tuple, tuple] | str:
+    """The route of `info`'s chain from `roster` (the plan this stage follows: `role.plan_version`; this peer is
+    `own`, serving `role.stage` of `role.n_stages`) as (addresses, peer ids), or why the roster cannot give it."""
+    if roster is None or roster.n_stages != role.n_stages or info.chain >= roster.n_routes:
+        return f"this stage cannot take chain {info.chain}'s route from plan {role.plan_version}'s roster"
+    addresses, peers = roster.chain(info.chain)
+    if own is not None and peers[role.stage] != own:
+        return (
+            f"plan {role.plan_version}'s chain {info.chain} names {peers[role.stage]} at stage {role.stage}, "
+            "not this peer"
+        )
+    return addresses, peers
+
+
+def _ours(info: stage_pb2.CallInfo, role) -> bool:
+    """Whether the call names the plan and the stage this host serves (no route is taken for another's)."""
+    return info.plan_version == role.plan_version and info.stage == role.stage
+
+
 def plan_gives_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> bool:
     """Whether a route-less call like `info` (which carries its route) would get this same route from `roster`
     here: what a reply's `plan_route` says, so that the caller may leave the route out from then on."""
-    if roster is None or roster.n_stages != role.n_stages or info.plan_version != role.plan_version:
-        return False
-    if info.stage != role.stage or info.chain >= roster.n_routes:
-        return False
-    addresses, peers = roster.chain(info.chain)
-    return (own is None or peers[role.stage] == own) and (tuple(info.route), tuple(info.route_peers)) == (
-        addresses,
-        peers,
-    )
+    return _ours(info, role) and _roster_route(info, roster, role, own) == (tuple(info.route), tuple(info.route_peers))
 
 
 def fill_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> None:
-    """Takes a route-less call's route from `roster` (the plan this stage follows: `role.plan_version`; this peer
-    is `own`, serving `role.stage` of `role.n_stages`), in place. A call that carries any route, or names another
-    plan or another stage, is left as it is (the host's checks refuse or validate it). Raises CallRefused
-    (`ROUTE_NEEDED`) where the roster cannot give this call's route, before anything changed."""
-    plan_version, stage = role.plan_version, role.stage
-    if len(info.route) or len(info.route_peers) or info.plan_version != plan_version or info.stage != stage:
+    """Takes a route-less call's route from `roster` (`_roster_route`), in place. A call that carries any route,
+    or names another plan or another stage, is left as it is (the host's checks refuse or validate it). Raises
+    CallRefused (`ROUTE_NEEDED`) where the roster cannot give this call's route, before anything changed."""
+    if len(info.route) or len(info.route_peers) or not _ours(info, role):
         return
-    if roster is None or roster.n_stages != role.n_stages or info.chain >= roster.n_routes:
-        raise CallRefused(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"{ROUTE_NEEDED} this stage cannot take chain {info.chain}'s route from plan {plan_version}'s roster; "
-            "send the call with its route",
-        )
-    addresses, peers = roster.chain(info.chain)
-    if own is not None and peers[stage] != own:
-        raise CallRefused(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"{ROUTE_NEEDED} plan {plan_version}'s chain {info.chain} names {peers[stage]} at stage {stage}, not this "
-            "peer; send the call with its route",
-        )
-    info.route.extend(addresses)
-    info.route_peers.extend(peers)
+    route = _roster_route(info, roster, role, own)
+    if isinstance(route, str):
+        raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"{ROUTE_NEEDED} {route}; send the call with its route")
+    info.route.extend(route[0])
+    info.route_peers.extend(route[1])
 
 
 class RoutedCalls:

@@ -157,7 +157,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         with self._admission:
             host = self._serving()
             policy = self.policy
-            fill_route(info, policy.roster, host.role, host.peer_id)  # a no-op once `_check_info` filled it
             route_check = None if caller is None else lambda i: policy.check_route(i, caller, method, host.peer_id)
             host.admit(call, info, kind, caller, route_check)
             return host
