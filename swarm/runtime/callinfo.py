@@ -112,25 +112,28 @@ def route_needed(error: BaseException, peer: str | None = None) -> bool:
 
 
 class RouteAcks:
-    """Which peers took a call carrying the route under which plan version: calls to them may leave it out.
+    """Which peers took a call carrying the route under which plan version: calls to them may leave it out, from
+    the step after the first that said so. Within a step every call carries the route or none does, so a step's
+    bytes do not depend on which of its concurrent calls was answered first.
 
     A peer that refused a call without a route (`ROUTE_NEEDED`) gets the route in every call of that plan."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._acked: set[tuple[str, int]] = set()
+        self._acked: dict[tuple[str, int], int] = {}
+        """(peer, plan version) -> the step whose call it acknowledged first"""
         self._refused: set[tuple[str, int]] = set()
 
-    def carry(self, peer: str, plan_version: int) -> bool:
-        """Whether a call to `peer` under `plan_version` must carry the route."""
+    def carry(self, peer: str, plan_version: int, step: int) -> bool:
+        """Whether a call of `step` to `peer` under `plan_version` must carry the route."""
         key = (peer, plan_version)
         with self._lock:
-            return key not in self._acked or key in self._refused
+            return not self._acked.get(key, step) < step or key in self._refused
 
-    def acked(self, peer: str, plan_version: int) -> None:
-        """A call carrying the route succeeded at `peer`: it follows `plan_version` and holds its roster."""
+    def acked(self, peer: str, plan_version: int, step: int) -> None:
+        """A call of `step` carrying the route succeeded at `peer`: it follows `plan_version` and holds its roster."""
         with self._lock:
-            self._acked.add((peer, plan_version))
+            self._acked.setdefault((peer, plan_version), step)
 
     def refused(self, peer: str, plan_version: int) -> None:
         """`peer` refused a call without the route: carry it to that peer for the rest of this plan."""
@@ -208,11 +211,11 @@ class RoutedCalls:
         info = self._info(step, mb, stage, work, layout, route)
         return iter([stage_pb2.StreamItem(info=info, tokens=tokens).SerializeToString()])
 
-    def _routed(self, stage: int, replica: int, method: str, request: Callable[[bool], object]):
+    def _routed(self, step: int, stage: int, replica: int, method: str, request: Callable[[bool], object]):
         """`method` with `request(carry_route)`: the route is left out once the peer's reply said it takes it from
         this plan (`plan_route`); a peer that cannot refuses at once, and the call goes again with it."""
         peer, version = self.replica_peers[stage][replica], self.plan_version
-        carry = self._route_acks.carry(peer, version)
+        carry = self._route_acks.carry(peer, version, step)
         try:
             reply = self._call(stage, replica, method, request(carry))
         except StageCallError as e:
@@ -222,7 +225,7 @@ class RoutedCalls:
             self._route_acks.refused(peer, version)
             reply = self._call(stage, replica, method, request(True))
         if getattr(reply, "plan_route", False):  # PutLabels' peer says so in its Backward reply
-            self._route_acks.acked(peer, version)
+            self._route_acks.acked(peer, version, step)
         return reply
 
     def _labels(self, step: int, work, layout=None, max_rows: int = StageBudget().max_batch) -> None:
@@ -246,4 +249,4 @@ class RoutedCalls:
                     out.micro_rows.extend(len(work.micro[mb].targets) for mb in run)
                 return out
 
-            self._routed(last, replica, "PutLabels", request)
+            self._routed(step, last, replica, "PutLabels", request)

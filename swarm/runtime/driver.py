@@ -261,9 +261,10 @@ class PipelineDriver(RoutedCalls):
 
         # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
         # comes back
-        fw = self._routed(0, first_r, "Forward", tokens)
+        fw = self._routed(step, 0, first_r, "Forward", tokens)
         # communication: the backward starts at the chain's last stage and flows back to its stage 0
-        bw = self._routed(last, last_r, "Backward", lambda route: self._start(step, mb, last, work, layout, route))
+        start = lambda route: self._start(step, mb, last, work, layout, route)  # noqa: E731
+        bw = self._routed(step, last, last_r, "Backward", start)
         traffic = Traffic()
         traffic.add(fw.traffic, "forward")
         traffic.add(bw.traffic, "backward")

@@ -58,7 +58,7 @@ class NeighbourCalls:
                 raise BufferMiss() from e
             raise name_failure(e, info.stage, peer, address) from e
         if reply.plan_route:
-            self._route_acks.acked(peer, info.plan_version)
+            self._route_acks.acked(peer, info.plan_version, info.step)
         return reply, counted.nbytes
 
     def _neighbour(self, info: stage_pb2.CallInfo, stage: int) -> stage_pb2.CallInfo:
@@ -69,7 +69,7 @@ class NeighbourCalls:
 
     def _wire_info(self, info: stage_pb2.CallInfo) -> stage_pb2.CallInfo:
         """The call info as it goes to the neighbour: without the route once that neighbour takes it from its plan."""
-        if self._route_acks.carry(info.route_peers[info.stage], info.plan_version):
+        if self._route_acks.carry(info.route_peers[info.stage], info.plan_version, info.step):
             return info
         out = stage_pb2.CallInfo()
         out.CopyFrom(info)

@@ -88,12 +88,13 @@ def test_equal_loss_weights_travel_as_zero_and_mean_the_same_share():
 
 def test_route_acks_carry_until_taken_and_for_good_after_a_refusal():
     acks = RouteAcks()
-    assert acks.carry("p", 1)
-    acks.acked("p", 1)
-    assert not acks.carry("p", 1) and acks.carry("p", 2) and acks.carry("q", 1)
+    assert acks.carry("p", 1, step=0)
+    acks.acked("p", 1, step=0)
+    assert acks.carry("p", 1, step=0), "the rest of the acknowledged step carries it too: its bytes stay fixed"
+    assert not acks.carry("p", 1, step=1) and acks.carry("p", 2, step=1) and acks.carry("q", 1, step=1)
     acks.refused("p", 1)
-    acks.acked("p", 1)
-    assert acks.carry("p", 1), "a peer that refused keeps getting the route under that plan"
+    acks.acked("p", 1, step=2)
+    assert acks.carry("p", 1, step=3), "a peer that refused keeps getting the route under that plan"
     other = StageCallError("stage 1: not authorized", grpc.StatusCode.FAILED_PRECONDITION)
     assert route_needed(StageCallError(f"stage 1: {ROUTE_NEEDED} x", grpc.StatusCode.FAILED_PRECONDITION))
     assert not route_needed(other) and not route_needed(ValueError(ROUTE_NEEDED))
@@ -130,7 +131,7 @@ def test_calls_after_the_first_step_carry_no_route_and_train_alike(pipe):
     ref = LocalPipeline(CFG, 2, FP32, FP32, schedule="gpipe")
     try:
         ref_driver = ref.driver(4)
-        ref_driver._route_acks.carry = lambda peer, version: True  # today's calls: the route every time
+        ref_driver._route_acks.carry = lambda peer, version, step: True  # today's calls: the route every time
         driver = pipe.driver(4)
         seen = capture(driver)
         losses = [pipe.train_step(batch(seed=s), 4).loss for s in range(3)]
@@ -159,7 +160,7 @@ def test_a_stage_without_the_plan_refuses_once_and_gets_the_route_again():
         pipe.train_step(batch(seed=1), 2)
         refused = [i for m, i in seen if m == "PutLabels" and not i.route]
         assert len(refused) == 1, "refused once, then sent with the route"
-        assert driver._route_acks.carry(driver.replica_peers[1][0], driver.plan_version)
+        assert driver._route_acks.carry(driver.replica_peers[1][0], driver.plan_version, step=2)
         assert driver._control - before > 0
         seen.clear()
         pipe.train_step(batch(seed=2), 2)
@@ -260,14 +261,14 @@ def test_a_neighbour_that_lost_the_plan_refuses_and_the_step_runs_again_with_the
         pipe.train_step(batch(seed=1), 2)  # every peer said plan_route
         host0 = pipe.replica_hosts[0][0]
         peer1 = pipe.replica_peers[1][0]
-        assert not host0._route_acks.carry(peer1, 0)
+        assert not host0._route_acks.carry(peer1, 0, step=2)
         pipe.switches[1][0].target.policy.roster = None
         driver = pipe.driver(2)
         driver._route_acks.refused(peer1, 0)  # the trainer's calls to it carry the route: stage 0's Forward fails
         seen = boundary_infos(pipe)
         r = pipe.train_step(batch(seed=2), 2)
         assert r.attempts == 2 and r.loss > 0, "refused by stage 1 inside the step: abandoned, run again"
-        assert host0._route_acks.carry(peer1, 0)
+        assert host0._route_acks.carry(peer1, 0, step=3)
         assert [h.steps_done for h in pipe.hosts] == [3, 3]
         from0 = [i for s, i in seen if s == 0]  # stage 0's Forwards: route-less (refused), then with it
         assert not from0[0].route and all(len(i.route) == 2 for i in from0[-2:])
