@@ -308,7 +308,11 @@ class AttachUp(_message.Message):
     def __init__(self, keepalive: _Optional[bool] = ...) -> None: ...
 
 class AttachDown(_message.Message):
-    __slots__ = ("conn_id",)
+    __slots__ = ("conn_id", "splice_port", "splice_secret")
     CONN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPLICE_PORT_FIELD_NUMBER: _ClassVar[int]
+    SPLICE_SECRET_FIELD_NUMBER: _ClassVar[int]
     conn_id: int
-    def __init__(self, conn_id: _Optional[int] = ...) -> None: ...
+    splice_port: int
+    splice_secret: bytes
+    def __init__(self, conn_id: _Optional[int] = ..., splice_port: _Optional[int] = ..., splice_secret: _Optional[bytes] = ...) -> None: ...

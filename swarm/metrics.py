@@ -102,6 +102,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "relayed_bytes", Counter, RELAYED_BYTES,
         "Bytes this peer forwarded as a relay for peers behind NAT, per link '<src peer>-><dst peer>'", ("link",),
     ),
+    MetricSpec(
+        "relayed_connections", Counter, "swarm_relayed_connections_total",
+        "Connections this peer relayed, by how the peer behind NAT took them: 'data-port' (plain TCP) or "
+        "'frames' (an Accept stream)", ("path",),
+    ),
 )  # fmt: skip
 
 
@@ -125,6 +130,7 @@ class Metrics:
         compute_bits: swarm_compute_bits (set by the stage's Status from its worker's precision).
         buffered_samples: swarm_buffered_samples{link}.
         relayed_bytes: swarm_relayed_bytes_total{link} (swarm.net.relay; link "<src>-><dst>").
+        relayed_connections: swarm_relayed_connections_total{path} (swarm.net.relay; "data-port" or "frames").
     """
 
     registry: CollectorRegistry
@@ -143,6 +149,7 @@ class Metrics:
     compute_bits: Gauge
     buffered_samples: Gauge
     relayed_bytes: Counter
+    relayed_connections: Counter
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

@@ -1,9 +1,12 @@
-"""`swarm bench relay`: what the relay hop costs a call, on loopback, as three processes.
+"""`swarm bench relay`: what the relay hop costs a call, on loopback, as four processes.
 
-P serves a stage-like service (its Probe reads a payload and answers `reply_bytes`) and attaches to relay R
-(another process); the caller C (this process) calls P directly, and through R (`Connect`: C -> R -> P over a
-tunnel). Alternating rounds of each: the latency of a small call (median, p90) and the bytes/s of large
-one-way payloads. Loopback and Python piping only: the hop's CPU cost, not a network's.
+Two stage-like peers P (each serves a Probe that reads a payload and answers `reply_bytes`) attach to a relay R
+(another process) and to the caller C (this process, which relays too). One P takes relayed connections by the
+relays' raw data ports (`swarm.net.splice`: plain TCP), the other by Accept streams (every socket read a gRPC
+frame, as before the data port). C calls P directly; through R (`Connect`: C -> R -> P, two legs); and as P's
+relay itself (the reverse connection, no extra hop), each path by frames and by the data port. Alternating
+rounds of each: the latency of a small call (median, p90) and the bytes/s of large one-way payloads. Loopback
+and Python piping only: the hop's CPU cost, not a network's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 
 __all__ = ["add_arguments", "run"]
 
+PATHS = ("direct", "two-legs frames", "two-legs raw", "reverse frames", "reverse raw")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calls", type=int, default=300, help="small calls per path and round")
@@ -26,9 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _serve(role: str, conn, relay: tuple[str, str] | None) -> None:
-    """A child process: P (a Probe service, attached to `relay`) or R (a relay for any caller); sends back
-    (peer id, address, key bytes), then serves until told to stop."""
+def _serve(role: str, conn, relays: list[tuple[str, str]]) -> None:
+    """A child process: R (a relay for any caller, with a data port) or P (a Probe service attached to every relay
+    in `relays`; role "raw": by data ports, "frames": by Accept streams); sends back (peer id, address), then
+    serves until told to stop."""
     from swarm.net.auth import CallSigner, CallVerifier, Identity
     from swarm.net.relay import Attachment, RelayServicer
     from swarm.peers.transport import TransportConfig, make_server
@@ -38,9 +44,11 @@ def _serve(role: str, conn, relay: tuple[str, str] | None) -> None:
     me = identity.peer_id
     server, port = make_server(TransportConfig(max_workers=16))
     address = f"127.0.0.1:{port}"
-    attachment = None
+    relay = None
     if role == "relay":
-        stage_pb2_grpc.add_RelayServicer_to_server(RelayServicer(me, CallVerifier(me), lambda peer: True), server)
+        relay = RelayServicer(me, CallVerifier(me), lambda peer: True)
+        relay.listen_raw("127.0.0.1")
+        stage_pb2_grpc.add_RelayServicer_to_server(relay, server)
     else:
         verifier = CallVerifier(me)
 
@@ -51,13 +59,17 @@ def _serve(role: str, conn, relay: tuple[str, str] | None) -> None:
 
         stage_pb2_grpc.add_StageServicer_to_server(Stage(), server)
     server.start()
-    if relay is not None:
-        attachment = Attachment(lambda: relay, CallSigner(identity), address).start()
+    attachments = []
+    for target in relays:
+        attachment = Attachment(lambda t=target: t, CallSigner(identity), address, raw=role == "raw").start()
         attachment.attached.wait(30)
+        attachments.append(attachment)
     conn.send((me, address))
     conn.recv()  # stop
-    if attachment is not None:
+    for attachment in attachments:
         attachment.close()
+    if relay is not None:
+        relay.close()
     server.stop(grace=None)
 
 
@@ -76,59 +88,76 @@ def _time(stub, metadata, payload: bytes, calls: int, reply_bytes: int = 16) -> 
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from swarm.net.auth import CallSigner, Identity
-    from swarm.net.relay import RelayRoute, Tunnels
-    from swarm.peers.transport import TransportConfig
+    from swarm.net.auth import CallSigner, CallVerifier, Identity
+    from swarm.net.relay import RelayRoute, RelayServicer, Tunnels
+    from swarm.peers.transport import TransportConfig, make_server
     from swarm.proto import stage_pb2_grpc
 
     if args.quick:
         args.calls, args.large_calls, args.rounds, args.payload_mib = 50, 3, 2, 1.0
     ctx = mp.get_context("spawn")
-    ends, procs = [], []
+    identity = Identity.generate()
+    me = identity.peer_id
+    local = RelayServicer(me, CallVerifier(me), lambda peer: True)  # C relays too: the reverse connection
+    local.listen_raw("127.0.0.1")
+    server, port = make_server(TransportConfig(max_workers=16))
+    stage_pb2_grpc.add_RelayServicer_to_server(local, server)
+    server.start()
+    c_relay = (me, f"127.0.0.1:{port}")
+    ends, procs, channels, tunnels = [], [], {}, []
     try:
-        r_end, child = ctx.Pipe()
-        procs.append(ctx.Process(target=_serve, args=("relay", child, None), daemon=True))
-        procs[-1].start()
-        relay_id, relay_address = r_end.recv()
-        p_end, child = ctx.Pipe()
-        procs.append(ctx.Process(target=_serve, args=("stage", child, (relay_id, relay_address)), daemon=True))
-        procs[-1].start()
-        peer_id, peer_address = p_end.recv()
-        ends = [r_end, p_end]
-        signer = CallSigner(Identity.generate())
-        metadata = signer.metadata(peer_id)
-        tunnels = Tunnels(signer, lambda a: RelayRoute(peer_id, relay_id, relay_address))
-        options = TransportConfig().channel_options()
-        paths = {
-            "direct": grpc.insecure_channel(peer_address, options=options),
-            "relayed": grpc.insecure_channel(tunnels.dial("p:1"), options=options),
+
+        def spawn(role: str, relays: list) -> tuple[str, str]:
+            end, child = ctx.Pipe()
+            procs.append(ctx.Process(target=_serve, args=(role, child, relays), daemon=True))
+            procs[-1].start()
+            ends.append(end)
+            return end.recv()
+
+        relay_id, relay_address = spawn("relay", [])
+        peers = {kind: spawn(kind, [(relay_id, relay_address), c_relay]) for kind in ("frames", "raw")}
+        signer = CallSigner(identity)
+        routes = {
+            f"{kind}.two-legs:1": RelayRoute(peer_id, relay_id, relay_address) for kind, (peer_id, _) in peers.items()
         }
+        routes |= {f"{kind}.reverse:1": RelayRoute(peer_id, me, "unused:1") for kind, (peer_id, _) in peers.items()}
+        remote, reverse = Tunnels(signer, routes.get), Tunnels(signer, routes.get, local=local)
+        tunnels += [remote, reverse]
+        options = TransportConfig().channel_options()
+        targets = {"direct": (peers["raw"][1], peers["raw"][0])}
+        for kind, (peer_id, _) in peers.items():
+            targets[f"two-legs {kind}"] = (remote.dial(f"{kind}.two-legs:1"), peer_id)
+            targets[f"reverse {kind}"] = (reverse.dial(f"{kind}.reverse:1"), peer_id)
         small, large = b"s" * 64, b"L" * int(args.payload_mib * (1 << 20))
-        lat: dict[str, list[float]] = {k: [] for k in paths}
-        bulk: dict[str, list[float]] = {k: [] for k in paths}
-        for channel in paths.values():  # warm up: connect, first token check
-            _time(stage_pb2_grpc.StageStub(channel), metadata, small, 5)
+        lat: dict[str, list[float]] = {k: [] for k in PATHS}
+        bulk: dict[str, list[float]] = {k: [] for k in PATHS}
+        stubs = {}
+        for name in PATHS:  # warm up: connect, first token check
+            address, peer_id = targets[name]
+            channels[name] = grpc.insecure_channel(address, options=options)
+            stubs[name] = (stage_pb2_grpc.StageStub(channels[name]), signer.metadata(peer_id))
+            _time(*stubs[name], small, 5)
         for _ in range(args.rounds):
-            for name, channel in paths.items():
-                stub = stage_pb2_grpc.StageStub(channel)
-                lat[name] += _time(stub, metadata, small, args.calls)
-                bulk[name] += _time(stub, metadata, large, args.large_calls)
+            for name in PATHS:
+                lat[name] += _time(*stubs[name], small, args.calls)
+                bulk[name] += _time(*stubs[name], large, args.large_calls)
         rows = {}
-        for name in paths:
+        for name in PATHS:
             ordered = sorted(lat[name])
             rows[name] = {
                 "latency_ms_median": 1e3 * statistics.median(ordered),
                 "latency_ms_p90": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
                 "mbyte_per_s": len(large) * len(bulk[name]) / sum(bulk[name]) / 1e6,
             }
-        rows["relayed_over_direct"] = {
-            "latency": rows["relayed"]["latency_ms_median"] / rows["direct"]["latency_ms_median"],
-            "bytes_per_s": rows["relayed"]["mbyte_per_s"] / rows["direct"]["mbyte_per_s"],
-        }
-        for channel in paths.values():
-            channel.close()
-        tunnels.close()
+        direct = rows["direct"]
+        for name in PATHS[1:]:
+            rows[name]["extra_ms_over_direct"] = rows[name]["latency_ms_median"] - direct["latency_ms_median"]
+            rows[name]["bytes_per_s_over_direct"] = rows[name]["mbyte_per_s"] / direct["mbyte_per_s"]
     finally:
+        for channel in channels.values():
+            channel.close()
+        for t in tunnels:
+            t.close()
         for end in ends:
             end.send("stop")
         for proc in procs:
@@ -136,13 +165,18 @@ def run(args: argparse.Namespace) -> int:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        local.close()
+        server.stop(grace=None)
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"{'path':<10} {'median ms':>10} {'p90 ms':>8} {'MB/s':>8}   ({args.payload_mib:g} MiB calls)")
-        for name in ("direct", "relayed"):
+        head = f"{'path':<16} {'median ms':>10} {'p90 ms':>8} {'extra ms':>9} {'MB/s':>8}"
+        print(f"{head}   ({args.payload_mib:g} MiB calls)")
+        for name in PATHS:
             r = rows[name]
-            print(f"{name:<10} {r['latency_ms_median']:>10.3f} {r['latency_ms_p90']:>8.3f} {r['mbyte_per_s']:>8.1f}")
-        ratio = rows["relayed_over_direct"]
-        print(f"relayed/direct: latency x{ratio['latency']:.2f}, bytes/s x{ratio['bytes_per_s']:.2f}")
+            extra = r.get("extra_ms_over_direct", 0.0)
+            print(
+                f"{name:<16} {r['latency_ms_median']:>10.3f} {r['latency_ms_p90']:>8.3f} {extra:>9.3f} "
+                f"{r['mbyte_per_s']:>8.1f}"
+            )
     return 0

@@ -165,6 +165,9 @@ class PeerConfig:
     """--reach: auto (dial-back check), direct or relay (swarm.daemon.nat)"""
     relay: bool = True
     """relay for peers behind NAT (--no-relay: False)"""
+    relay_data_port: int | None = 0
+    """the relay's raw data port (swarm.net.splice): relayed bytes as plain TCP; 0: any free port; None: none
+    (every relayed byte goes as gRPC frames)"""
     budget: StageBudget = field(default_factory=StageBudget)
     """What the stage gives its callers at most (rows per micro-batch, micro-batches per step, waits, slots)."""
     """Authenticate every call and serve only the plan's peers and trainers; False only to measure its cost."""
@@ -252,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(serve through a relay; the DHT node runs in client mode), as behind NAT; direct: skip the check",
     )  # fmt: skip
     g.add_argument("--no-relay", action="store_true", help="do not relay for peers behind NAT (default: relay)")
+    g.add_argument(
+        "--relay-data-port", type=int, default=d.relay_data_port, metavar="PORT",
+        help="as a relay, carry relayed connections' bytes as plain TCP on this port (0: any free port; -1: none, "
+        "every relayed byte as gRPC frames on the stage port). Peers behind NAT dial it, and fall back to the "
+        "stage port when they cannot",
+    )  # fmt: skip
     budget = StageBudget()
     g.add_argument(
         "--max-batch", type=int, default=budget.max_batch, help="most samples in one micro-batch this stage takes"
@@ -440,6 +449,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         auth=not args.no_auth,
         reach=args.reach,
         relay=not args.no_relay,
+        relay_data_port=None if args.relay_data_port < 0 else args.relay_data_port,
         budget=StageBudget(
             max_batch=args.max_batch,
             max_micro_batches=args.max_micro_batches,

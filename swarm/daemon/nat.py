@@ -161,10 +161,15 @@ class NatWiring:
         extra = self.limits.threads() if self.relaying else 4
         return dataclasses.replace(transport, max_workers=transport.max_workers + extra)
 
-    def add_to(self, server: grpc.Server) -> None:
+    def add_to(self, server: grpc.Server, host: str | None = None, data_port: int | None = None) -> None:
+        """Serves the Relay service on `server`; a relay also opens its raw data port on `host` (`data_port`:
+        0 any free port, None none)."""
         from swarm.proto import stage_pb2_grpc
 
         stage_pb2_grpc.add_RelayServicer_to_server(self.servicer, server)
+        if self.relaying and host is not None and data_port is not None and self.servicer.verifier is not None:
+            port = self.servicer.listen_raw(host, data_port)
+            log.info("relay data port %s:%d (relayed bytes as plain TCP)", host, port)
 
     def may_attach(self, peer_id: str) -> bool:
         """Whether `peer_id` may attach here: it announces reach="relay" and names this peer its relay, or it is
@@ -390,3 +395,4 @@ class NatWiring:
             if attachment is not None:
                 attachment.close()
         self.tunnels.close()
+        self.servicer.close()

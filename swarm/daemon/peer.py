@@ -118,7 +118,8 @@ class PeerDaemon:
                 self.held = HeldStore(Path(cfg.checkpoint_dir) / "held")
                 self.servicer.held_state = HeldServer(self.held, self.model.n_layers)
             stage_pb2_grpc.add_StageServicer_to_server(self.servicer, server)
-            self.nat.add_to(server)  # Relay: dial-back, Echo, and relaying for peers behind NAT
+            # Relay: dial-back, Echo, and relaying for peers behind NAT (bytes on the data port)
+            self.nat.add_to(server, cfg.transport.host, cfg.relay_data_port)
             server.start()
             log.info("stage service listening on %s", address)
             self.mb = cfg.planning.micro_batch_size

@@ -20,17 +20,21 @@ reroute and repair take over. R paces relayed bytes by its shaper per destinatio
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import grpc
 
-from swarm.net.tunnel import Attachment, RelayError, RelayLimits, RelayRoute, Tunnels
+from swarm.net.splice import TAKEN, DataPort, new_secret, shut, splice
+from swarm.net.tunnel import Attachment, RelayError, RelayLimits, RelayRoute, Tunnels, _drain, _socket_frames
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
 if TYPE_CHECKING:
@@ -47,7 +51,8 @@ log = logging.getLogger("swarm.relay")
 class _Attached:
     def __init__(self, peer_id: str):
         self.peer_id = peer_id
-        self.requests: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.requests: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
+        """(conn_id, its data-port secret) of each connection the peer is asked to accept"""
         self.conns = 0
         self.closed = threading.Event()
 
@@ -61,8 +66,16 @@ class _Pending:
         self.caller, self.target, self.frames = caller, target, frames
         self.accepted = threading.Event()
         self.accept_frames: Iterator | None = None
+        """the target's Accept stream, when it took the connection that way"""
+        self.sock: socket.socket | None = None
+        """the target's raw connection to the data port, when it took the connection that way"""
+        self.secret = new_secret()
         self.error: RelayError | None = None
         """why one leg failed: the other leg ends with the same error, not as a clean close"""
+
+    def taken(self) -> bool:
+        """Whether the target took the connection already (by Accept or by the data port)."""
+        return self.accept_frames is not None or self.sock is not None
 
     def pipe(self, frames: Iterator) -> Iterator:
         try:
@@ -116,6 +129,8 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         self._arrived = threading.Condition(self._lock)
         """notified when a peer attaches (Connects waiting for it)"""
         self._waiting = 0
+        self.data_port: DataPort | None = None
+        """the raw data port (`listen_raw`); None: every connection's bytes go as frames"""
 
     # ---- who calls --------------------------------------------------------------------------------------
 
@@ -177,14 +192,19 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         log.info("peer %s attached", caller)
         try:
             yield stage_pb2.AttachDown(conn_id=0)  # accepted: the peer may announce this relay now
+            port = 0 if self.data_port is None else self.data_port.port
             while not entry.closed.is_set():
                 try:
-                    conn_id = entry.requests.get(timeout=self.limits.keepalive_s)
+                    asked = entry.requests.get(timeout=self.limits.keepalive_s)
                 except queue.Empty:
-                    conn_id = 0
-                if conn_id is None:
+                    asked = (0, b"")
+                if asked is None:
                     break
-                yield stage_pb2.AttachDown(conn_id=conn_id)
+                conn_id, secret = asked
+                if conn_id and port:
+                    yield stage_pb2.AttachDown(conn_id=conn_id, splice_port=port, splice_secret=secret)
+                else:
+                    yield stage_pb2.AttachDown(conn_id=conn_id)
         finally:
             with self._lock:
                 if self._attached.get(caller) is entry:
@@ -192,9 +212,10 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
             entry.close()
             log.info("peer %s detached", caller)
 
-    def connect(self, caller: str, target: str, frames: Iterator) -> Iterator:
-        """A connection from `caller` to the attached `target`: yields the target's `RelayFrame`s while `frames`
-        (the caller's, the first already read) are piped to it. Raises RelayError when refused."""
+    @contextmanager
+    def _open(self, caller: str, target: str, frames: Iterator):
+        """A connection from `caller` to the attached `target`, within the bounds, once the target took it (by
+        its data port or an Accept stream): yields the `_Pending`. Raises RelayError when refused."""
         if not self.serve_relay:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, "this peer does not relay (--no-relay)")
         pending = _Pending(caller, target, frames)
@@ -216,10 +237,12 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
             conn_id = next(self._ids)
             self._pending[conn_id] = pending
         try:
-            entry.requests.put(conn_id)
+            entry.requests.put((conn_id, pending.secret))
             if entry.closed.is_set() or not pending.accepted.wait(self.limits.accept_timeout_s):
                 raise RelayError(grpc.StatusCode.UNAVAILABLE, f"peer {target} did not accept through relay")
-            yield from pending.pipe(self._pipe(pending.accept_frames, src=target, dst=caller))
+            if self.metrics is not None:
+                self.metrics.relayed_connections.labels("frames" if pending.sock is None else "data-port").inc()
+            yield pending
         finally:
             with self._lock:
                 self._pending.pop(conn_id, None)
@@ -228,6 +251,85 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                 self._pairs[pair] -= 1
                 if not self._pairs[pair]:
                     del self._pairs[pair]
+            if pending.sock is not None:  # taken just as the wait gave up, or done: closed either way
+                shut(pending.sock)
+
+    def connect(self, caller: str, target: str, frames: Iterator) -> Iterator:
+        """A connection from `caller` to the attached `target`: yields the target's `RelayFrame`s while `frames`
+        (the caller's, the first already read) are piped to it. Raises RelayError when refused."""
+        with self._open(caller, target, frames) as pending:
+            if pending.sock is None:
+                yield from pending.pipe(self._pipe(pending.accept_frames, src=target, dst=caller))
+            else:
+                yield from self._frames_to_raw(pending)
+
+    def carry_local(self, caller: str, target: str, sock: socket.socket) -> None:
+        """The reverse connection: `sock` (a connection of this process, the caller) carried to the attached
+        `target` until either ends; closes `sock`. Raises RelayError when refused."""
+        with self._open(caller, target, _socket_frames(sock)) as pending:
+            if pending.sock is not None:
+                splice(sock, pending.sock, self._meter(caller, target), self._meter(target, caller))
+                return
+            _drain(pending.pipe(self._pipe(pending.accept_frames, src=target, dst=caller)), sock)
+
+    def _frames_to_raw(self, pending: _Pending) -> Iterator:
+        """The caller's frames written to the target's raw connection, and what it reads back as frames."""
+        sock, caller, target = pending.sock, pending.caller, pending.target
+
+        def upstream():
+            try:
+                for frame in pending.pipe(self._pipe(pending.frames, src=caller, dst=target)):
+                    sock.sendall(frame.data)
+                sock.shutdown(socket.SHUT_WR)
+            except (RelayError, OSError):
+                shut(sock)  # ends the read below too
+
+        threading.Thread(target=upstream, name="swarm-relay-up", daemon=True).start()
+        meter = self._meter(target, caller)
+        while True:
+            try:
+                data = sock.recv(256 << 10)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            meter(len(data))
+            yield stage_pb2.RelayFrame(data=data)
+        if pending.error is not None:
+            raise pending.error
+
+    def take_raw(self, conn_id: int, secret: bytes, peer: str, sock: socket.socket) -> bool:
+        """The data port's hand-over: `sock` takes connection `conn_id` when `peer` is the one asked to accept it,
+        `secret` is its secret, and nothing took it yet. Answers `TAKEN` on `sock` before the connection's bytes
+        may flow (a caller whose stream already ended shuts the socket's sending side at once)."""
+        with self._lock:
+            pending = self._pending.get(conn_id)
+            if (
+                pending is None
+                or pending.target != peer
+                or not hmac.compare_digest(pending.secret, secret)
+                or pending.taken()
+            ):
+                return False
+            pending.sock = sock
+            try:
+                sock.sendall(TAKEN)
+            except OSError:
+                pending.sock = None
+                return False
+        pending.accepted.set()
+        return True
+
+    def listen_raw(self, host: str, port: int = 0) -> int:
+        """Opens the raw data port (`swarm.net.splice`) on `host`; returns its port. Needs a verifier."""
+        if self.verifier is None:
+            raise ValueError("a data port needs a verifier: it serves authenticated peers only")
+        self.data_port = DataPort(host, self.verifier, self.take_raw, port)
+        return self.data_port.port
+
+    def close(self) -> None:
+        if self.data_port is not None:
+            self.data_port.close()
 
     def _await_attach(self, target: str) -> None:
         """Waits (at most `attach_wait_s`, at most `max_waiting` Connects at once) for the Attach of a target that
@@ -263,7 +365,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         conn_id = 0 if first is None else first.conn_id
         with self._lock:
             pending = self._pending.get(conn_id)
-            if pending is None or pending.target != caller or pending.accept_frames is not None:
+            if pending is None or pending.target != caller or pending.taken():
                 pending = None
             else:
                 pending.accept_frames = request_iterator
@@ -278,10 +380,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
     def _pipe(self, frames: Iterator, src: str, dst: str) -> Iterator:
         """`frames` (from `src`) as they came, each checked (data only, at most `max_frame_bytes`), paced toward
         `dst` and counted: forwarded without building a new message per frame (`swarm bench relay`)."""
-        shaper = None
-        if self.shaping is not None:
-            shaper = self.shaping.for_destination(self.address_of(dst) or dst)
-        counter = None if self.metrics is None else self.metrics.relayed_bytes.labels(f"{src}->{dst}")
+        meter = self._meter(src, dst)
         try:
             for frame in frames:
                 n = len(frame.data)
@@ -292,10 +391,23 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                     )
                 if frame.target or frame.conn_id:
                     raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, f"frame of {n} bytes not data only (from {src})")
-                if shaper is not None:
-                    shaper.consume(n)
-                if counter is not None:
-                    counter.inc(n)
+                meter(n)
                 yield frame
         except grpc.RpcError as e:  # the other leg's stream ended under us
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"relayed stream from {src} ended: {e}") from None
+
+    def _meter(self, src: str, dst: str) -> Callable[[int], None]:
+        """Paces `n` bytes toward `dst` (its shaper, keyed by its address, else its id) and counts them on the
+        `src->dst` link."""
+        shaper = None
+        if self.shaping is not None:
+            shaper = self.shaping.for_destination(self.address_of(dst) or dst)
+        counter = None if self.metrics is None else self.metrics.relayed_bytes.labels(f"{src}->{dst}")
+
+        def meter(n: int) -> None:
+            if shaper is not None:
+                shaper.consume(n)
+            if counter is not None:
+                counter.inc(n)
+
+        return meter

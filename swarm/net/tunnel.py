@@ -8,12 +8,15 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
+from swarm.net.auth import TOKEN_KEY
+from swarm.net.splice import dial_data_port, splice
 from swarm.peers.transport import TransportConfig
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
@@ -25,6 +28,8 @@ __all__ = ["READ_BYTES", "Attachment", "RelayError", "RelayLimits", "RelayRoute"
 
 log = logging.getLogger("swarm.relay")
 
+RAW_RETRY_S = 60.0
+"""After a relay's data port failed, connections through that relay take the Accept stream this long."""
 READ_BYTES = 256 << 10
 """Bytes read from a socket per frame (a frame carries at most `RelayLimits.max_frame_bytes`)."""
 
@@ -208,13 +213,18 @@ class Tunnels:
             # the reverse connection: the peer attached here (its announced relay, or its second Attach to this
             # pipeline neighbour) is reached in this process
             if self.local is not None and (route.relay_id == self.my_id or self.local.holds(route.peer_id)):
-                replies = self.local.connect(self.my_id, route.peer_id, _socket_frames(sock))
+                self.local.carry_local(self.my_id, route.peer_id, sock)
+                return
             else:
                 metadata = self.signer.metadata(route.relay_id) if self.signer is not None else ()
                 stub = stage_pb2_grpc.RelayStub(self._relay_channel(route.relay_address))
                 replies = stub.Connect(
                     _socket_frames(sock, stage_pb2.RelayFrame(target=route.peer_id)), metadata=metadata
                 )
+        except RelayError as e:
+            log.info("tunnel to %s closed: %s", route.peer_id, e)
+            sock.close()
+            return
         except Exception as e:
             log.warning("cannot open a tunnel to %s: %s", route.peer_id, e)
             sock.close()
@@ -250,12 +260,17 @@ class Attachment:
         local_address: str,
         limits: RelayLimits | None = None,
         on_fail: Callable[[str, grpc.StatusCode | None], None] | None = None,
+        raw: bool = True,
     ):
         self.relay, self.signer, self.local_address, self.on_fail = relay, signer, local_address, on_fail
         self.limits = limits or RelayLimits()
         self.attached = threading.Event()
         """set while the relay holds our Attach"""
         self.relay_id: str | None = None
+        self.raw = raw
+        """take connections by the relay's data port when it offers one (False: always the Accept stream)"""
+        self._raw_failed: dict[str, float] = {}
+        """relay address -> until when its data port is not tried (it failed)"""
         self._stop = threading.Event()
         self._call = None
         self._thread = threading.Thread(target=self._run, name="swarm-attach", daemon=True)
@@ -307,11 +322,16 @@ class Attachment:
                     self.attached.set()
                     log.info("attached to relay %s at %s", relay_id, relay_address)
                 if down.conn_id:
+                    raw = None
+                    if down.splice_port and self.raw and self._raw_failed.get(relay_address, 0) < time.monotonic():
+                        raw = (relay_address, down.splice_port, bytes(down.splice_secret))
                     threading.Thread(
-                        target=self._accept, args=(stub, metadata, down.conn_id), name="swarm-accept", daemon=True
+                        target=self._accept, args=(stub, metadata, down.conn_id, raw), name="swarm-accept", daemon=True
                     ).start()
 
-    def _accept(self, stub, metadata, conn_id: int) -> None:
+    def _accept(self, stub, metadata, conn_id: int, raw: tuple[str, int, bytes] | None = None) -> None:
+        """Takes connection `conn_id`: by the relay's data port when `raw` (relay address, data port, secret)
+        names one and it answers, else by an Accept stream; either way piped to this peer's own server."""
         host, port = self.local_address.rsplit(":", 1)
         try:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
@@ -320,6 +340,16 @@ class Attachment:
         except OSError as e:
             log.warning("cannot reach this peer's own server at %s: %s", self.local_address, e)
             return
+        if raw is not None:  # the relay's data port: plain TCP; else (or when that fails) the Accept stream
+            relay_address, port, secret = raw
+            token = dict(metadata)[TOKEN_KEY]
+            host = relay_address.rsplit(":", 1)[0]
+            relay_sock = dial_data_port(host, port, conn_id, secret, token, self.limits.attach_connect_s)
+            if relay_sock is not None:
+                splice(sock, relay_sock)
+                return
+            # a data port that cannot be reached (only the gRPC port forwarded) is not tried again for a while
+            self._raw_failed[relay_address] = time.monotonic() + RAW_RETRY_S
         try:
             replies = stub.Accept(_socket_frames(sock, stage_pb2.RelayFrame(conn_id=conn_id)), metadata=metadata)
         except grpc.RpcError:

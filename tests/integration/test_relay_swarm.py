@@ -50,4 +50,7 @@ def test_a_swarm_with_a_peer_behind_nat_trains_exactly_as_in_process(tmp_path):
     assert got == expected  # float equality: the relay changes where bytes go, not the math
     relay_status = next(s for s in statuses if s.peer_id == relayed[0].relay)
     assert total(dict(relay_status.metrics), "swarm_relayed_bytes_total") > 0
+    conns = dict(relay_status.metrics)
+    assert conns.get('swarm_relayed_connections_total{path="data-port"}', 0) > 0, "plain TCP by the data port"
+    assert conns.get('swarm_relayed_connections_total{path="frames"}', 0) == 0
     assert codes["peer0"] == 0 and codes["peer1"] == 0, "peers must shut down cleanly"

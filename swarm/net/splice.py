@@ -1,0 +1,190 @@
+"""Raw TCP data paths for relayed connections: the bytes of a tunnel as plain TCP, not as gRPC frames.
+
+The frame path (swarm/net/relay.py) carries each socket read as a `RelayFrame` through gRPC streams: behind
+the testbed's router a relayed call cost about 0.6 ms more than a direct one, almost all of it the frames'
+Python and gRPC handling, not the wire (`swarm experiment nat --netns --ping`). Here the attached peer P
+dials the relay R's *data port* for each connection R asks it to accept and sends a hello; R checks it and
+the connection's bytes are then copied between plain sockets (`splice`), paced and counted by R as before.
+The Attach stream stays the control path: it names the data port and a fresh secret per connection, and P
+falls back to the Accept stream when the data port cannot be reached (a volunteer who forwarded only the
+gRPC port) or refuses it.
+
+The hello, P's first bytes on a fresh connection to R's data port:
+
+    magic b"swsp" | u8 version (1) | u64 conn_id | 16-byte secret | u16 token length | token
+
+`token` is P's call token for R (swarm.net.auth, the one its Attach carries). R answers one byte (`TAKEN`)
+when the hello names a connection R asked P, and only P, to accept and that no Accept or earlier hello took;
+anything else closes the socket without a word. A stranger needs both P's token and a secret R sent only
+over P's Attach. Hellos are read under a deadline and a bound on how many are read at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from swarm.net.auth import MAX_TOKEN_BYTES, TOKEN_KEY, AuthError
+
+__all__ = ["HELLO", "SECRET_BYTES", "TAKEN", "DataPort", "dial_data_port", "hello", "new_secret", "splice"]
+
+log = logging.getLogger("swarm.relay")
+
+MAGIC, VERSION = b"swsp", 1
+HELLO = struct.Struct("!4sBQ16sH")
+"""magic, version, conn_id, secret, token length (the token follows)"""
+SECRET_BYTES = 16
+TAKEN = b"\x01"
+COPY_BYTES = 256 << 10
+"""bytes read from a socket at once"""
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def hello(conn_id: int, secret: bytes, token: bytes) -> bytes:
+    if len(secret) != SECRET_BYTES or len(token) > MAX_TOKEN_BYTES:
+        raise ValueError("a hello takes a 16-byte secret and a token of at most MAX_TOKEN_BYTES")
+    return HELLO.pack(MAGIC, VERSION, conn_id, secret, len(token)) + token
+
+
+def _tune(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # NAT mappings forget idle flows
+    return sock
+
+
+def shut(sock: socket.socket) -> None:
+    """Shuts `sock` down, then closes it: the other end sees the end at once, and a thread blocked reading it
+    returns."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _copy(src: socket.socket, dst: socket.socket, meter: Callable[[int], None] | None, failed: threading.Event):
+    buf = bytearray(COPY_BYTES)
+    view = memoryview(buf)
+    try:
+        while True:
+            n = src.recv_into(buf)
+            if not n:
+                break
+            if meter is not None:
+                meter(n)
+            dst.sendall(view[:n])
+        dst.shutdown(socket.SHUT_WR)  # the end of this direction reaches the other side; the other goes on
+    except OSError:
+        failed.set()
+        shut(src)
+        shut(dst)
+
+
+def splice(a: socket.socket, b: socket.socket, a_to_b=None, b_to_a=None) -> None:
+    """Copies bytes between `a` and `b` both ways until both directions end (or either fails), then closes both.
+    `a_to_b(n)` / `b_to_a(n)` meter each direction (pace and count) before its bytes are sent on. Blocks the
+    calling thread for the connection's lifetime (one more thread carries the other direction)."""
+    failed = threading.Event()
+    other = threading.Thread(target=_copy, args=(b, a, b_to_a, failed), name="swarm-splice", daemon=True)
+    other.start()
+    _copy(a, b, a_to_b, failed)
+    other.join()
+    shut(a)
+    shut(b)
+
+
+def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("hello too slow")
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed during the hello")
+        out += chunk
+    return bytes(out)
+
+
+class DataPort:
+    """The relay's raw data port: reads hellos and hands each checked connection to `take`.
+
+    Args:
+        host: the address to listen on (the gRPC server's bind host).
+        verifier: establishes the hello's peer id from its token (`CallVerifier.caller`).
+        take: (conn_id, secret, peer id, socket) -> whether the connection was the relay's to take (it then
+            owns the socket and has answered `TAKEN` on it); False closes it.
+        port: 0 picks a free one.
+        max_hellos: hellos read at once (beyond: closed at once).
+        hello_timeout_s: how long one hello may take.
+    """
+
+    def __init__(self, host: str, verifier, take, port: int = 0, max_hellos: int = 16, hello_timeout_s: float = 5.0):
+        self.verifier, self.take = verifier, take
+        self.hello_timeout_s = hello_timeout_s
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._sock = socket.create_server((host.strip("[]"), port), family=family)
+        self.port: int = self._sock.getsockname()[1]
+        self._hellos = threading.BoundedSemaphore(max_hellos)
+        threading.Thread(target=self._serve, name="swarm-data-port", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            if not self._hellos.acquire(blocking=False):
+                sock.close()
+                continue
+            threading.Thread(target=self._hello, args=(sock,), name="swarm-data-hello", daemon=True).start()
+
+    def _hello(self, sock: socket.socket) -> None:
+        taken = False
+        try:
+            deadline = time.monotonic() + self.hello_timeout_s
+            magic, version, conn_id, secret, n = HELLO.unpack(_read_exact(sock, HELLO.size, deadline))
+            if magic != MAGIC or version != VERSION or n > MAX_TOKEN_BYTES:
+                raise ValueError("not a hello")
+            token = _read_exact(sock, n, deadline)
+            peer = self.verifier.caller([(TOKEN_KEY, token)])
+            sock.settimeout(None)
+            taken = self.take(conn_id, secret, peer, _tune(sock))
+        except (OSError, ValueError, struct.error, AuthError) as e:
+            log.debug("data port: a hello refused: %s", e)
+        finally:
+            self._hellos.release()
+            if not taken:
+                shut(sock)
+
+    def close(self) -> None:
+        shut(self._sock)
+
+
+def dial_data_port(host: str, port: int, conn_id: int, secret: bytes, token: bytes, timeout_s: float):
+    """The attached peer's side: a connection to the relay's data port that the relay took for `conn_id`, or
+    None (unreachable, refused, or no answer within `timeout_s`)."""
+    try:
+        sock = socket.create_connection((host.strip("[]"), port), timeout=timeout_s)
+    except OSError as e:
+        log.info("relay data port %s:%d unreachable: %s", host, port, e)
+        return None
+    try:
+        sock.sendall(hello(conn_id, secret, token))
+        if sock.recv(1) != TAKEN:
+            raise ConnectionError("refused")
+        sock.settimeout(None)
+        return _tune(sock)
+    except OSError as e:
+        log.info("relay data port %s:%d did not take connection %d: %s", host, port, conn_id, e)
+        shut(sock)
+        return None
