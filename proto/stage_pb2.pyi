@@ -292,14 +292,20 @@ class EchoReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class RelayFrame(_message.Message):
-    __slots__ = ("target", "conn_id", "data")
+    __slots__ = ("target", "conn_id", "data", "splice", "splice_port", "splice_secret")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     CONN_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SPLICE_FIELD_NUMBER: _ClassVar[int]
+    SPLICE_PORT_FIELD_NUMBER: _ClassVar[int]
+    SPLICE_SECRET_FIELD_NUMBER: _ClassVar[int]
     target: str
     conn_id: int
     data: bytes
-    def __init__(self, target: _Optional[str] = ..., conn_id: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    splice: bool
+    splice_port: int
+    splice_secret: bytes
+    def __init__(self, target: _Optional[str] = ..., conn_id: _Optional[int] = ..., data: _Optional[bytes] = ..., splice: _Optional[bool] = ..., splice_port: _Optional[int] = ..., splice_secret: _Optional[bytes] = ...) -> None: ...
 
 class AttachUp(_message.Message):
     __slots__ = ("keepalive",)

@@ -86,6 +86,28 @@ class _Pending:
             raise self.error
 
 
+class _Offer:
+    """The data port offered to a Connect's caller: taken by its hello (`sock`), or declined by a data frame on
+    its stream (`frame`), or neither (it went)."""
+
+    def __init__(self, caller: str):
+        self.caller, self.secret = caller, new_secret()
+        self.sock: socket.socket | None = None
+        self.frame: stage_pb2.RelayFrame | None = None
+        self.decided = threading.Event()
+
+    def read_first(self, frames: Iterator) -> None:
+        """The caller's next frame (a decline) or the end of its stream, whichever comes; a thread's whole life:
+        after a hello took the offer it just waits for the stream's end."""
+        try:
+            frame = next(frames, None)
+        except grpc.RpcError:
+            frame = None
+        if not self.decided.is_set():
+            self.frame = frame
+            self.decided.set()
+
+
 class RelayServicer(stage_pb2_grpc.RelayServicer):
     """The relay side (any reachable peer, unless --no-relay), plus the dial-back helper and the Echo of its
     own reachability check (`swarm.net.reach`), all on the `Relay` service beside the stage service.
@@ -129,6 +151,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         self._arrived = threading.Condition(self._lock)
         """notified when a peer attaches (Connects waiting for it)"""
         self._waiting = 0
+        self._offers: dict[int, _Offer] = {}
         self.data_port: DataPort | None = None
         """the raw data port (`listen_raw`); None: every connection's bytes go as frames"""
 
@@ -303,6 +326,17 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         `secret` is its secret, and nothing took it yet. Answers `TAKEN` on `sock` before the connection's bytes
         may flow (a caller whose stream already ended shuts the socket's sending side at once)."""
         with self._lock:
+            offer = self._offers.get(conn_id)
+            if offer is not None:  # a Connect's caller taking the data port offered to it
+                if offer.caller != peer or not hmac.compare_digest(offer.secret, secret) or offer.decided.is_set():
+                    return False
+                try:
+                    sock.sendall(TAKEN)
+                except OSError:
+                    return False
+                offer.sock = sock
+                offer.decided.set()
+                return True
             pending = self._pending.get(conn_id)
             if (
                 pending is None
@@ -355,9 +389,42 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         if first is None or not first.target or len(first.target) > 64 or first.data:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect's first frame names its target, nothing else")
         try:
-            yield from self.connect(caller, first.target, request_iterator)  # frames as they came
+            if first.splice:
+                yield from self._connect_offer(caller, first.target, request_iterator)
+            else:
+                yield from self.connect(caller, first.target, request_iterator)  # frames as they came
         except RelayError as e:
             context.abort(e.code, e.details)
+
+    def _connect_offer(self, caller: str, target: str, frames: Iterator) -> Iterator:
+        """A Connect whose caller can take the data port: once the target took the connection by the data port,
+        the first reply offers it to the caller too, and the two sockets are spliced here; else (the target took
+        an Accept, no data port, or the caller declines) frames. The first reply is the offer or empty."""
+        with self._open(caller, target, frames) as pending:
+            if pending.sock is None or self.data_port is None:
+                yield stage_pb2.RelayFrame()
+                yield from pending.pipe(self._pipe(pending.accept_frames, src=target, dst=caller))
+                return
+            offer = _Offer(caller)
+            with self._lock:
+                offer_id = next(self._ids)
+                self._offers[offer_id] = offer
+            try:
+                port = self.data_port.port
+                yield stage_pb2.RelayFrame(conn_id=offer_id, splice_port=port, splice_secret=offer.secret)
+                threading.Thread(target=offer.read_first, args=(frames,), name="swarm-relay-offer", daemon=True).start()
+                if not offer.decided.wait(self.limits.accept_timeout_s):
+                    raise RelayError(grpc.StatusCode.UNAVAILABLE, f"caller {caller} neither took nor declined")
+                if offer.sock is not None:
+                    splice(offer.sock, pending.sock, self._meter(caller, target), self._meter(target, caller))
+                elif offer.frame is not None:  # declined: its frames, this one first, to the target's socket
+                    pending.frames = itertools.chain([offer.frame], frames)
+                    yield from self._frames_to_raw(pending)
+            finally:
+                with self._lock:
+                    self._offers.pop(offer_id, None)
+                if offer.sock is not None:
+                    shut(offer.sock)
 
     def Accept(self, request_iterator, context):
         caller = self._caller(context)

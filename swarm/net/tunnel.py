@@ -147,6 +147,7 @@ class Tunnels:
         route: announced address -> how to reach the peer there (None: dial it directly). Read at each new
             connection, so a peer that moves to another relay is reached through the new one.
         local: this peer's own relay servicer: a peer attached to it is reached in process (reverse connection).
+        raw: ask relays to carry connections' bytes by their data ports (False: always frames).
     """
 
     def __init__(
@@ -154,8 +155,11 @@ class Tunnels:
         signer: CallSigner | None,
         route: Callable[[str], RelayRoute | None],
         local: RelayServicer | None = None,
+        raw: bool = True,
     ):
-        self.signer, self.route, self.local = signer, route, local
+        self.signer, self.route, self.local, self.raw = signer, route, local, raw
+        self._raw_failed: dict[str, float] = {}
+        """relay address -> until when its data port is not tried (it failed)"""
         self.my_id = local.peer_id if local is not None else None
         self.own_address: str | None = None
         """this peer's own server as it listens (set once it is relayed): its calls to itself are dialed there,
@@ -215,12 +219,12 @@ class Tunnels:
             if self.local is not None and (route.relay_id == self.my_id or self.local.holds(route.peer_id)):
                 self.local.carry_local(self.my_id, route.peer_id, sock)
                 return
-            else:
-                metadata = self.signer.metadata(route.relay_id) if self.signer is not None else ()
-                stub = stage_pb2_grpc.RelayStub(self._relay_channel(route.relay_address))
-                replies = stub.Connect(
-                    _socket_frames(sock, stage_pb2.RelayFrame(target=route.peer_id)), metadata=metadata
-                )
+            metadata = self.signer.metadata(route.relay_id) if self.signer is not None else ()
+            stub = stage_pb2_grpc.RelayStub(self._relay_channel(route.relay_address))
+            if self.raw and self.signer is not None and self._raw_failed.get(route.relay_address, 0) < time.monotonic():
+                self._connect_offered(route, sock, stub, metadata)
+                return
+            replies = stub.Connect(_socket_frames(sock, stage_pb2.RelayFrame(target=route.peer_id)), metadata=metadata)
         except RelayError as e:
             log.info("tunnel to %s closed: %s", route.peer_id, e)
             sock.close()
@@ -230,6 +234,52 @@ class Tunnels:
             sock.close()
             return
         _drain(replies, sock)
+
+    def _connect_offered(self, route: RelayRoute, sock: socket.socket, stub, metadata) -> None:
+        """A Connect that asks for the relay's data port: spliced to it when offered and reachable, else the
+        socket's bytes as frames on the Connect (whose request stream holds back until that is decided)."""
+        decided, done = threading.Event(), threading.Event()
+        raw: list[socket.socket] = []
+
+        def requests():
+            yield stage_pb2.RelayFrame(target=route.peer_id, splice=True)
+            decided.wait()
+            if raw:  # the bytes go by the data port; the Connect stays open until they end
+                done.wait()
+                return
+            yield from _socket_frames(sock)
+
+        replies = stub.Connect(requests(), metadata=metadata)
+        try:
+            try:
+                first = next(replies)
+            except (grpc.RpcError, StopIteration) as e:
+                log.info("tunnel to %s closed: %s", route.peer_id, e)
+                _shut(sock)
+                return
+            if first.splice_port:
+                token = dict(self.signer.metadata(route.relay_id))[TOKEN_KEY]
+                host = route.relay_address.rsplit(":", 1)[0]
+                secret = bytes(first.splice_secret)
+                timeout = RelayLimits().attach_connect_s
+                relay_sock = dial_data_port(host, first.splice_port, first.conn_id, secret, token, timeout)
+                if relay_sock is not None:
+                    raw.append(relay_sock)
+                    decided.set()
+                    splice(sock, relay_sock)
+                    return
+                self._raw_failed[route.relay_address] = time.monotonic() + RAW_RETRY_S
+            decided.set()
+            if first.data:
+                sock.sendall(first.data)
+            _drain(replies, sock)
+        except OSError as e:
+            log.info("tunnel to %s closed: %s", route.peer_id, e)
+            _shut(sock)
+        finally:
+            decided.set()
+            done.set()
+            replies.cancel()
 
     def close(self) -> None:
         with self._lock:

@@ -24,12 +24,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def counting(relay):
-    """Wraps the relay's data-port hand-over: the list records each hand-over's outcome."""
+    """Wraps the relay's data-port hand-over (before `listen_raw`): the list records each one's (peer, outcome)."""
     taken, take = [], relay.take_raw
 
-    def wrapped(*args):
-        ok = take(*args)
-        taken.append(ok)
+    def wrapped(conn_id, secret, peer, sock):
+        ok = take(conn_id, secret, peer, sock)
+        taken.append((peer, ok))
         return ok
 
     relay.take_raw = wrapped
@@ -65,7 +65,9 @@ def test_relayed_bytes_flow_by_the_data_port_and_are_counted(reverse):
             tunnels.close()
             attachment.close()
             relay.close()
-    assert taken and all(taken), "every connection taken by the data port (not an Accept)"
+    assert taken and all(ok for _, ok in taken), "every connection taken by the data port (not an Accept)"
+    ends = {IDS["peer"].peer_id} if reverse else {IDS["peer"].peer_id, IDS["caller"].peer_id}
+    assert {peer for peer, _ in taken} == ends, "two legs: the caller's leg by the data port too"
     snap = metrics.snapshot()
     c, p = IDS[who].peer_id, IDS["peer"].peer_id
     assert snap[f'swarm_relayed_bytes_total{{link="{c}->{p}"}}'] > len(payload)
@@ -92,7 +94,7 @@ def test_raw_relayed_bytes_are_paced_by_the_relays_shaper():
             tunnels.close()
             attachment.close()
             relay.close()
-    assert taken and all(taken)
+    assert taken and all(ok for _, ok in taken)
     assert elapsed >= 0.45, elapsed  # 1 MiB each way at 2 MB/s per destination
     assert set(shaping._shapers) == {"p.example:1", IDS["caller"].peer_id}
 
@@ -110,6 +112,35 @@ def test_a_peer_that_cannot_reach_the_data_port_falls_back_to_the_accept_stream(
         finally:
             tunnels.close()
             attachment.close()
+
+
+def test_a_caller_that_cannot_reach_the_data_port_sends_frames_instead(monkeypatch):
+    import swarm.net.tunnel as tunnel
+
+    dial = tunnel.dial_data_port
+
+    def callers_fail(*args):  # the caller's tunnel thread cannot reach the port; P's Accept threads can
+        return None if threading.current_thread().name == "swarm-tunnel-conn" else dial(*args)
+
+    monkeypatch.setattr(tunnel, "dial_data_port", callers_fail)
+    metrics = Metrics()
+    relay = relay_servicer(metrics=metrics)
+    taken = counting(relay)
+    relay.listen_raw("127.0.0.1")
+    with serve(relay) as (_, relay_address), serve(EchoStage(IDS["peer"].peer_id)) as (_, p_address):
+        attachment = attach(relay_address, p_address)
+        tunnels = caller_tunnels(relay_address)
+        try:
+            payload = b"q" * (300 << 10)
+            assert probe(tunnels, payload) == payload
+            assert relay_address in tunnels._raw_failed, "the next connections do not ask for it"
+        finally:
+            tunnels.close()
+            attachment.close()
+            relay.close()
+    assert {peer for peer, ok in taken if ok} == {IDS["peer"].peer_id}, "P's leg still by the data port"
+    c, p = IDS["caller"].peer_id, IDS["peer"].peer_id
+    assert metrics.snapshot()[f'swarm_relayed_bytes_total{{link="{c}->{p}"}}'] > len(payload)
 
 
 def test_a_peer_told_not_to_use_the_data_port_takes_the_accept_stream():
@@ -227,3 +258,59 @@ def test_hello_refuses_a_bad_secret_or_token_size():
     with pytest.raises(ValueError):
         hello(1, bytes(16), bytes(5000))
     assert struct.calcsize("!4sBQ16sH") == HELLO.size
+
+
+def test_a_callers_offer_is_taken_only_by_that_caller_once_and_joins_the_two_sockets():
+    relay = relay_servicer(limits=RelayLimits(accept_timeout_s=5.0))
+    port = relay.listen_raw("127.0.0.1")
+    with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
+        stub = stage_pb2_grpc.RelayStub(channel)
+        audience = IDS["relay"].peer_id
+        attach_call = stub.Attach(iter(()), metadata=signer("peer").metadata(audience), timeout=30)
+        assert next(attach_call).conn_id == 0
+        caller_done = threading.Event()
+
+        def caller_frames():
+            yield stage_pb2.RelayFrame(target=IDS["peer"].peer_id, splice=True)
+            caller_done.wait(30)
+
+        replies = stub.Connect(caller_frames(), metadata=signer("caller").metadata(audience), timeout=20)
+        down = next(attach_call)
+        token = {n: dict(signer(n).metadata(audience))[TOKEN_KEY] for n in ("peer", "caller", "stranger")}
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as p_sock:
+            p_sock.sendall(hello(down.conn_id, bytes(down.splice_secret), token["peer"]))
+            assert p_sock.recv(1) == TAKEN
+            offer = next(replies)  # the relay's first reply: its data port, for this caller
+            assert offer.splice_port == port and offer.conn_id and len(offer.splice_secret) == 16 and not offer.data
+            conn_id, secret = offer.conn_id, bytes(offer.splice_secret)
+            assert _hello_reply(port, hello(conn_id, secret, token["stranger"])) == b"", "a stranger's token"
+            assert _hello_reply(port, hello(conn_id, secret, token["peer"])) == b"", "not the caller"
+            assert _hello_reply(port, hello(conn_id, bytes(16), token["caller"])) == b"", "a wrong secret"
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as c_sock:
+                c_sock.sendall(hello(conn_id, secret, token["caller"]))
+                assert c_sock.recv(1) == TAKEN
+                assert _hello_reply(port, hello(conn_id, secret, token["caller"])) == b"", "taken once only"
+                c_sock.sendall(b"ping")
+                assert p_sock.recv(4) == b"ping"
+                p_sock.sendall(b"pong")
+                assert c_sock.recv(4) == b"pong"
+                c_sock.close()  # the caller's socket ends: the target's end sees it
+                p_sock.settimeout(10)
+                assert p_sock.recv(1) == b""
+        caller_done.set()
+        replies.cancel()
+        attach_call.cancel()
+    relay.close()
+
+
+def test_without_a_data_port_a_splice_asking_connect_gets_an_empty_first_reply_then_frames():
+    relay = relay_servicer()  # no data port: the peer's Attachment opens Accepts
+    with serve(relay) as (_, relay_address), serve(EchoStage(IDS["peer"].peer_id)) as (_, p_address):
+        attachment = attach(relay_address, p_address)
+        tunnels = caller_tunnels(relay_address)
+        try:
+            assert probe(tunnels, b"frames both legs") == b"frames both legs"
+            assert tunnels._raw_failed == {}, "nothing offered, nothing failed"
+        finally:
+            tunnels.close()
+            attachment.close()
