@@ -10,7 +10,7 @@ from peers.records import LinkMeasurement, PeerAnnouncement
 from swarm.daemon.planning import swarm_plan_input
 from swarm.scheduler import ModelSpec, Peer, PlanInput, SearchConfig, plan
 from swarm.scheduler.cost import FullCost, Layout
-from swarm.scheduler.relays import plan_relayed, price, relay_shares, relayed_input, relays_of
+from swarm.scheduler.relays import TUNNEL_CALL_S, plan_relayed, price, relay_shares, relayed_input, relays_of
 
 
 def _input(ids, delay, bandwidth, burst=None) -> PlanInput:
@@ -91,7 +91,11 @@ def test_full_cost_prices_the_relayed_boundary_as_two_legs():
     assert direct.total_s == pytest.approx(2 * (0.1 + 0.01), rel=1e-6)
     assert legs.total_s == pytest.approx(2 * (0.2 + 0.02), rel=1e-6)
     # priced with the layout's sharing: c carries a->b and b->a at once, so each gets half its rate
-    assert price(layout, x, relays, model).total_s == pytest.approx(2 * (0.4 + 0.02), rel=1e-6)
+    assert price(layout, x, relays, model, tunnel_s=0.0).total_s == pytest.approx(2 * (0.4 + 0.02), rel=1e-6)
+    # and the tunnel per message into a or b: a 1 backward, the trainer's Forward, Grads, Step; b 1 forward, the
+    # trainer's Backward start and PutLabels, Grads, Step
+    by_hand = 2 * (0.4 + 0.02) + 9 * TUNNEL_CALL_S
+    assert price(layout, x, relays, model).total_s == pytest.approx(by_hand, rel=1e-6)
 
 
 def test_relay_shares_count_the_layouts_relayed_links():
@@ -130,8 +134,11 @@ def test_the_planner_places_reachable_peers_between_unreachable_ones():
     cfg = SearchConfig(seed=0, stages=4, max_replicas=1)
     made = plan_relayed(_uniform(ids), _model(), relays, cfg)
     assert _order(made) in (["a", "c", "d", "b"], ["b", "d", "c", "a"]), _order(made)
-    # and it costs what the all-reachable swarm costs: no link needs the relay
-    assert made.breakdown.total_s == pytest.approx(plan(_uniform(ids), _model(), cfg).breakdown.total_s)
+    # and it costs what the all-reachable swarm costs but the tunnel's fixed cost: no link needs two legs, while
+    # 21 messages a step enter a or b (a: 4 backward, the trainer's 4 Forward, Grads, Step; b: 4 forward, the
+    # trainer's 4 Backward starts and PutLabels, Grads, Step)
+    reachable = plan(_uniform(ids), _model(), cfg).breakdown.total_s
+    assert made.breakdown.total_s == pytest.approx(reachable + 21 * TUNNEL_CALL_S)
 
 
 def test_when_unreachables_must_meet_the_relayed_link_is_priced_and_shared():
