@@ -340,7 +340,11 @@ def relay_extra_s(
     layout = _layout_of(made, plan_input)
     paths = relay_paths(plan_input, relays)
     tunnelled = tunnel_s > 0 and bool(unreachable_of(plan_input, relays)[layout.grid.ravel()].any())
-    if not tunnelled and not any(pair in paths for pair in _talking_pairs(layout)):
+    pairs = _talking_pairs(layout)
+    if model.tied and layout.stages > 1:  # the end stages' tied sum: priced through its relays too (`tied_s`)
+        members = [int(p) for p in np.concatenate([layout.grid[0], layout.grid[-1]])]
+        pairs += [(a, b) for a in members for b in members if a != b]
+    if not tunnelled and not any(pair in paths for pair in pairs):
         return None
     priced = price(layout, plan_input, relays, model, tunnel_s).total_s
     extra = priced - FullCost(plan_input, model).evaluate(layout).total_s

@@ -131,3 +131,19 @@ def test_the_default_is_the_measured_figure_and_priced_whole():
     assert priced.total_s == plain.total_s + count * TUNNEL_CALL_S
     assert priced.overhead_s == plain.overhead_s + count * TUNNEL_CALL_S
     assert math.isinf(cost.evaluate(Layout(layout.grid, np.array([3, 0, 0]))).total_s)  # infeasible stays so
+
+
+def test_a_tied_sum_through_relays_is_a_relayed_link():
+    # a | c | d | b, a relayed by c and b by d: no pipeline link takes two legs, but the tied sum between a and b
+    # does (a -> b through d, b -> a through c), and the plan's price counts it; the old relay_extra_s said None
+    x, model = _uniform(["a", "b", "c", "d"], delay=0.005, bandwidth=1e6), _model(tied_bytes=2e4)
+    from swarm.scheduler.plans import Plan, StagePlan
+
+    layout = Layout(np.array([[0], [2], [3], [1]]), np.ones(4, dtype=np.int64))
+    made = Plan(
+        tuple(StagePlan(i, i + 1, (p,)) for i, p in enumerate("acdb")), FullCost(x, model).evaluate(layout), "full"
+    )
+    relays = {"a": "c", "b": "d"}
+    legs = price(layout, x, relays, model, tunnel_s=0.0).total_s - FullCost(x, model).evaluate(layout).total_s
+    assert legs > 0
+    assert relay_extra_s(made, x, relays, model, tunnel_s=0.0) == pytest.approx(legs)
