@@ -68,7 +68,7 @@ from swarm.scheduler.search import SearchConfig, layout_to_plan, search_full
 
 __all__ = [
     "TUNNEL_CALL_S", "TunnelCost", "plan_relayed", "price", "relay_extra_s", "relay_paths", "relay_shares",
-    "relayed_input", "relays_of", "shared_input", "tunnelled_messages", "unreachable_of",
+    "relayed_input", "relays_of", "shared_cost", "shared_input", "tunnelled_messages", "unreachable_of",
 ]  # fmt: skip
 
 TUNNEL_CALL_S = 0.6e-3
@@ -318,6 +318,19 @@ def shared_input(plan_input: PlanInput, relays: Mapping[str, str | None], made: 
     the live planner prices a plan with (the even-layers re-pricing, the codecs' link figures)."""
     layout = _layout_of(made, plan_input)  # the layers do not matter to the shares
     return relayed_input(plan_input, relays, relay_shares(layout, plan_input, relays))
+
+
+def shared_cost(
+    plan_input: PlanInput,
+    relays: Mapping[str, str | None],
+    made: Plan,
+    model: ModelSpec,
+    tunnel_s: float = TUNNEL_CALL_S,
+) -> FullCost:
+    """The cost model `price` uses for the plan `made`'s peers (each relay shared by its relayed links, the
+    tunnels charged), for re-pricing that layout with other layers (the live planner's even layers)."""
+    layout = _layout_of(made, plan_input)  # the layers do not matter to the shares
+    return _cost(plan_input, relays, model, relay_shares(layout, plan_input, relays), _checked_tunnel_s(tunnel_s))
 
 
 def relay_extra_s(

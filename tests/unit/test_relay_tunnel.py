@@ -147,3 +147,20 @@ def test_a_tied_sum_through_relays_is_a_relayed_link():
     legs = price(layout, x, relays, model, tunnel_s=0.0).total_s - FullCost(x, model).evaluate(layout).total_s
     assert legs > 0
     assert relay_extra_s(made, x, relays, model, tunnel_s=0.0) == pytest.approx(legs)
+
+
+def test_the_live_planners_even_layers_keep_the_tunnels_price():
+    # the live planner re-prices its plan with even layers (`--plan-even-layers`, as `swarm experiment nat`
+    # runs): that re-pricing charges the tunnels too, so the published step is the layout's `price`
+    from swarm.daemon.planning import with_even_layers
+    from swarm.scheduler.relays import shared_cost, shared_input
+
+    x, model, relays = _uniform(["p0", "p1", "p2", "p3"]), _model(layers=6), {"p1": "p0", "p3": "p2"}
+    made = plan_relayed(x, model, relays, CFG)
+    even = with_even_layers(made, shared_input(x, relays, made), model, shared_cost(x, relays, made, model))
+    index = {p: i for i, p in enumerate(["p0", "p1", "p2", "p3"])}
+    layout = Layout(np.array([[index[s.peer_ids[0]]] for s in even.stages]), np.array([2, 2, 1, 1]))
+    assert even.step_time_s == price(layout, x, relays, model).total_s
+    plain = with_even_layers(made, shared_input(x, relays, made), model)  # FullCost: no tunnel
+    count = tunnelled_messages(layout.grid, np.array([False, True, False, True]), model)
+    assert even.step_time_s == pytest.approx(plain.step_time_s + count * TUNNEL_CALL_S)
