@@ -105,7 +105,10 @@ def relay_paths(plan_input: PlanInput, relays: Mapping[str, str | None]) -> dict
 
 
 def relayed_input(
-    plan_input: PlanInput, relays: Mapping[str, str | None], shares: Mapping[int, int] | None = None
+    plan_input: PlanInput,
+    relays: Mapping[str, str | None],
+    shares: Mapping[int, int] | None = None,
+    neighbours: bool = False,
 ) -> PlanInput:
     """The swarm with every relayed link replaced by its path through the relay (module docstring).
 
@@ -113,8 +116,13 @@ def relayed_input(
         plan_input: measured links between peers (an unreachable pair's own entry is never used).
         relays: peer id -> its relay's id, None (or absent) for a reachable peer.
         shares: relay index -> links it carries at once (default 1 each): each leg's rate is divided by it.
+        neighbours: the links of pipeline neighbours: a reachable sender's stays direct (the reverse connection
+            of the NAT'd peer's announced relay or of its second Attach, `NatWiring.second_neighbour`).
     """
     paths = relay_paths(plan_input, relays)
+    if neighbours:
+        ids = [p.peer_id for p in plan_input.peers]
+        paths = {(i, j): r for (i, j), r in paths.items() if relays.get(ids[i]) is not None}
     if not paths:
         return plan_input
     delay = plan_input.delay_s.copy()
@@ -132,15 +140,16 @@ def relayed_input(
     return PlanInput(plan_input.peers, delay, bandwidth, burst)
 
 
-def _talking_pairs(layout: Layout) -> list[tuple[int, int]]:
+def _talking_pairs(layout: Layout, reachable: np.ndarray | None = None) -> list[tuple[int, int]]:
     """Directed peer pairs that exchange bytes under a layout: each boundary's pair both ways, and the
-    replicas of a stage with each other (gradient averaging)."""
+    replicas of a stage with each other (gradient averaging). With `reachable` (per peer), a boundary pair
+    whose sender is reachable is left out: its calls take the reverse connection (`relayed_input`)."""
     grid = layout.grid
     pairs = []
     for s in range(grid.shape[0] - 1):
         for r in range(grid.shape[1]):
             p, q = int(grid[s, r]), int(grid[s + 1, r])
-            pairs += [(p, q), (q, p)]
+            pairs += [(a, b) for a, b in ((p, q), (q, p)) if reachable is None or not reachable[a]]
     for row in grid:
         pairs += [(int(a), int(b)) for a in row for b in row if a != b]
     return pairs
@@ -193,12 +202,44 @@ class TunnelCost(FullCost):
     """`FullCost` plus `tunnel_s` for every message of a step that passes a tunnel (module docstring), on links
     already priced as their paths (`relayed_input`)."""
 
-    def __init__(self, plan_input: PlanInput, model: ModelSpec, unreachable: np.ndarray, tunnel_s: float):
+    def __init__(
+        self,
+        plan_input: PlanInput,
+        model: ModelSpec,
+        unreachable: np.ndarray,
+        tunnel_s: float,
+        neighbour_input: PlanInput | None = None,
+    ):
+        """`plan_input`: every relayed link as its path (replicas' averaging, the tied sum); `neighbour_input`:
+        the pipeline boundaries' links, a reachable neighbour's direct (`relayed_input(neighbours=True)`;
+        default `plan_input`)."""
         super().__init__(plan_input, model)
         self.unreachable = np.asarray(unreachable, dtype=bool)
         if self.unreachable.shape != (plan_input.n_peers,):
             raise ValueError("unreachable: one flag per peer")
         self.tunnel_s = _checked_tunnel_s(tunnel_s)
+        self.boundary_inverse_bw = self.inverse_bw
+        if neighbour_input is not None:
+            boundaries = FullCost(neighbour_input, model)
+            self.fill_s, self.pace_s = boundaries.fill_s, boundaries.pace_s
+            self.boundary_inverse_bw = boundaries.inverse_bw
+
+    def rate_bound_s(self, grid: np.ndarray) -> float:
+        """`FullCost.rate_bound_s` with the boundaries' loads on their own links (`neighbour_input`)."""
+        m = self.model
+        load = np.zeros_like(self.inverse_bw)
+        micro = self.steady_factor(grid.shape[1]) + 1
+        for s in range(len(grid) - 1):
+            for a, b in zip(grid[s], grid[s + 1], strict=True):
+                load[a, b] += micro * m.forward_bytes * self.boundary_inverse_bw[a, b]
+                load[b, a] += micro * m.backward_bytes * self.boundary_inverse_bw[b, a]
+        if m.tied and len(grid) > 1:
+            members = np.concatenate([grid[0], grid[-1]])
+            sub = np.ix_(members, members)
+            load[sub] += m.tied_sent(grid.shape[1])[:, None] * self.inverse_bw[sub]
+        if not m.full_duplex:
+            load = load + load.T
+        return float(load.max())
 
     def tunnel_term_s(self, grid: np.ndarray) -> float:
         return self.tunnel_s * tunnelled_messages(grid, self.unreachable, self.model)
@@ -249,9 +290,11 @@ class TunnelCost(FullCost):
 
 
 def relay_shares(layout: Layout, plan_input: PlanInput, relays: Mapping[str, str | None]) -> dict[int, int]:
-    """Relay index -> how many directed links of this layout pass through it."""
+    """Relay index -> how many directed links of this layout pass through it (a reachable neighbour's boundary
+    link takes the reverse connection, not the relay)."""
     paths = relay_paths(plan_input, relays)
-    return dict(Counter(paths[pair] for pair in _talking_pairs(layout) if paths.get(pair) is not None))
+    pairs = _talking_pairs(layout, ~unreachable_of(plan_input, relays))
+    return dict(Counter(paths[pair] for pair in pairs if paths.get(pair) is not None))
 
 
 def _cost(
@@ -262,7 +305,8 @@ def _cost(
     unreachable = unreachable_of(plan_input, relays)
     if not unreachable.any():
         return FullCost(effective, model)
-    return TunnelCost(effective, model, unreachable, tunnel_s)
+    neighbours = relayed_input(plan_input, relays, shares, neighbours=True)
+    return TunnelCost(effective, model, unreachable, tunnel_s, neighbours)
 
 
 def price(
@@ -353,7 +397,7 @@ def relay_extra_s(
     layout = _layout_of(made, plan_input)
     paths = relay_paths(plan_input, relays)
     tunnelled = tunnel_s > 0 and bool(unreachable_of(plan_input, relays)[layout.grid.ravel()].any())
-    pairs = _talking_pairs(layout)
+    pairs = _talking_pairs(layout, ~unreachable_of(plan_input, relays))
     if model.tied and layout.stages > 1:  # the end stages' tied sum: priced through its relays too (`tied_s`)
         members = [int(p) for p in np.concatenate([layout.grid[0], layout.grid[-1]])]
         pairs += [(a, b) for a in members for b in members if a != b]

@@ -164,3 +164,17 @@ def test_the_live_planners_even_layers_keep_the_tunnels_price():
     plain = with_even_layers(made, shared_input(x, relays, made), model)  # FullCost: no tunnel
     count = tunnelled_messages(layout.grid, np.array([False, True, False, True]), model)
     assert even.step_time_s == pytest.approx(plain.step_time_s + count * TUNNEL_CALL_S)
+
+
+def test_a_reachable_neighbours_boundary_link_is_a_reverse_connection():
+    # b | d | a | c with a relayed by c, b by d: d -> a is not a's relay, but a keeps a second Attach to its
+    # reachable neighbour d (NatWiring.second_neighbour), so no boundary link takes two legs: with the tunnel
+    # free the layout prices as if every peer were reachable. The old planner priced d -> a as d -> c -> a.
+    x, model = _uniform(["a", "b", "c", "d"], delay=0.005, bandwidth=1e6), _model(tied_bytes=0.0)
+    relays = {"a": "c", "b": "d"}
+    layout = Layout(np.array([[1], [3], [0], [2]]), np.ones(4, dtype=np.int64))
+    direct = FullCost(x, model).evaluate(layout).total_s
+    assert price(layout, x, relays, model, tunnel_s=0.0).total_s == pytest.approx(direct)
+    # two NAT'd neighbours still talk through a relay: b | a | d | c prices a -> b and b -> a as two legs
+    adjacent = Layout(np.array([[1], [0], [3], [2]]), np.ones(4, dtype=np.int64))
+    assert price(adjacent, x, relays, model, tunnel_s=0.0).total_s > FullCost(x, model).evaluate(adjacent).total_s
