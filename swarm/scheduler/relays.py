@@ -17,6 +17,11 @@ reaches j without an extra hop (the reverse connection). So a directed link i ->
   that is not among the planned peers, or that is itself unreachable, makes the link infeasible (priced at
   `_INFEASIBLE_*`, so the search avoids it without special cases).
 
+A pipeline boundary's link from a reachable neighbour is direct too: the NAT'd peer keeps a second Attach to
+its other reachable neighbour (`NatWiring.second_neighbour`), so both neighbours' calls take a reverse
+connection. `TunnelCost` prices the boundaries so (`relayed_input(neighbours=True)`) and the replicas' averaging
+and the tied sum through the relay; `relay_shares` counts only links that pass a relay.
+
 Each direction takes its destination's relay: the activations i -> j go through j's, the gradients j -> i
 through i's. Two unreachable peers therefore always talk through a relay, and an unreachable peer costs
 nothing extra only next to its own relay (or at the pipeline's end, next to it). Because a relayed link
