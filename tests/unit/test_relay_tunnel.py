@@ -178,3 +178,17 @@ def test_a_reachable_neighbours_boundary_link_is_a_reverse_connection():
     # two NAT'd neighbours still talk through a relay: b | a | d | c prices a -> b and b -> a as two legs
     adjacent = Layout(np.array([[1], [0], [3], [2]]), np.ones(4, dtype=np.int64))
     assert price(adjacent, x, relays, model, tunnel_s=0.0).total_s > FullCost(x, model).evaluate(adjacent).total_s
+
+
+@pytest.mark.parametrize("relay_of_1, relay_of_3", [("p0", "p0"), ("p0", "p2"), ("p2", "p0"), ("p2", "p2")])
+def test_the_nat_experiments_half_nat_swarm_gets_at_most_one_nat_end(relay_of_1, relay_of_3):
+    # `swarm experiment nat`'s half-nat setting as its peers measure it: 4 equal peers, 100 Mbit/s and 5 ms each
+    # way, peers 1 and 3 NAT'd (whichever reachable peer each attached to before the first plan), the default
+    # model's message sizes at batch 8 in 4 micro-batches. The old planner chose N-R-R-N for every assignment.
+    x = _uniform(["p0", "p1", "p2", "p3"], delay=0.005, bandwidth=100e6 / 8)
+    model = _model(forward_bytes=7313.0, backward_bytes=5412.0, tied_bytes=13872.0)
+    relays = {"p1": relay_of_1, "p3": relay_of_3}
+    made = plan_relayed(x, model, relays, CFG)
+    order = [s.peer_ids[0] for s in made.stages]
+    assert _ends(made, relays) == 1, order
+    assert not any(relays.get(order[k]) and relays.get(order[k + 1]) for k in range(3)), order
