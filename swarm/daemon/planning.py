@@ -61,7 +61,7 @@ from swarm.peers.records import (
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
-from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, relays_of, shared_input
+from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, relays_of, shared_cost, shared_input
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
 
 log = logging.getLogger("swarm.daemon.planning")
@@ -143,8 +143,9 @@ def live_search(n_stages: int | None, seed: int = 0, replicas: int = 1) -> Searc
     return SearchConfig(seed=seed, stages=n_stages, max_replicas=replicas, replica_fractions=(1.0,))
 
 
-def with_even_layers(made: Plan, plan_input: PlanInput, spec: ModelSpec) -> Plan:
-    """`made`'s peers, order and pairing with the layers split evenly, and that layout's predicted step."""
+def with_even_layers(made: Plan, plan_input: PlanInput, spec: ModelSpec, cost=None) -> Plan:
+    """`made`'s peers, order and pairing with the layers split evenly, and that layout's predicted step (by
+    `cost`, default `FullCost` on `plan_input`; with NAT'd peers `relays.shared_cost`, the tunnels priced)."""
     from swarm.scheduler.cost import FullCost, Layout, even_layers
     from swarm.scheduler.search import layout_to_plan
 
@@ -152,7 +153,7 @@ def with_even_layers(made: Plan, plan_input: PlanInput, spec: ModelSpec) -> Plan
     grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
     layout = Layout(grid, even_layers(spec.layers, len(made.stages)))
     unused = np.array([index[pid] for pid in made.unused_peer_ids], dtype=np.int64)
-    breakdown = FullCost(plan_input, spec).evaluate(layout)
+    breakdown = (cost or FullCost(plan_input, spec)).evaluate(layout)
     return layout_to_plan(layout, breakdown, plan_input, made.cost_model, unused, made.version)
 
 
@@ -457,7 +458,10 @@ class Planner:
         search = live_search(stages, self.seed, self.replicas)
         made = plan_relayed(swarm.direct_input, self.spec, swarm.relays, search, version=version)
         if self.even_layers:
-            made = with_even_layers(made, shared_input(swarm.direct_input, swarm.relays, made), self.spec)
+            shared = shared_input(swarm.direct_input, swarm.relays, made)
+            made = with_even_layers(
+                made, shared, self.spec, shared_cost(swarm.direct_input, swarm.relays, made, self.spec)
+            )
         made_dict = with_frozen(made.to_dict(), current.plan if current is not None else None)  # keeps F
         codecs = self.codecs_for(made_dict["stages"], swarm)
         codecs |= self.precisions(made_dict["stages"], peers) if self.precisions else {}

@@ -17,6 +17,11 @@ reaches j without an extra hop (the reverse connection). So a directed link i ->
   that is not among the planned peers, or that is itself unreachable, makes the link infeasible (priced at
   `_INFEASIBLE_*`, so the search avoids it without special cases).
 
+A pipeline boundary's link from a reachable neighbour is direct too: the NAT'd peer keeps a second Attach to
+its other reachable neighbour (`NatWiring.second_neighbour`), so both neighbours' calls take a reverse
+connection. `TunnelCost` prices the boundaries so (`relayed_input(neighbours=True)`) and the replicas' averaging
+and the tied sum through the relay; `relay_shares` counts only links that pass a relay.
+
 Each direction takes its destination's relay: the activations i -> j go through j's, the gradients j -> i
 through i's. Two unreachable peers therefore always talk through a relay, and an unreachable peer costs
 nothing extra only next to its own relay (or at the pipeline's end, next to it). Because a relayed link
@@ -31,21 +36,51 @@ keeps whichever layout is cheaper once priced with its own shares (`price`).
 their two legs minus priced as if every link were direct (same measurements, same cost model). The live planner
 publishes it with each plan that relays a link (plan key `relay_extra_s`), and `swarm experiment nat` judges a
 relayed run's measured extra against it.
+
+What the tunnel costs beyond bytes and delays (`TunnelCost`). Every message into an unreachable peer passes the
+tunnel, whether through two legs or over the reverse connection from its own relay, and pays a fixed `tunnel_s`
+(`TUNNEL_CALL_S`, measured; `swarm bench relay` measures small-call latency direct vs relayed). The messages of a
+step into each peer (`tunnelled_messages`), with M micro-batches per pipeline and R replicas per stage:
+
+- the pipeline: M forward into every stage but the first, M backward into every stage but the last;
+- the replicas' averaging: one from every other replica of the stage (R > 1);
+- the tied sum (a tied model, 2+ stages): one from every other end-stage replica;
+- the trainer's calls (the trainer is reachable; its own links are not measured, so a call into an unreachable
+  peer costs `tunnel_s` over its direct call, which is what the trainer-side measurement gives): M Forward into
+  each first-stage replica; M Backward starts and one PutLabels into each last-stage replica; Grads and Step
+  into every replica, and Reduce into every replica of a replicated stage or of an end stage of a tied model.
+
+They are added one after another (`tunnel_s` x count on the step), as the s25 note accounts them: an upper
+bound where calls overlap. A middle stage and a first stage receive 2M each, a last stage 2M + 1, so the order
+matters through the ends: PutLabels, the ends' Reduce and the tied sum; with both ends unreachable every
+trainer call and both directions of the tied sum pass a tunnel. `TunnelCost.complete` therefore also tries the
+order that places the cheapest ends (`_end_order`); with no unreachable peer it is `FullCost`, bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-from swarm.scheduler.cost import FullCost, Layout
+import numpy as np
+
+from swarm.scheduler.cost import FullCost, GroupStats, Layout
+from swarm.scheduler.graph import open_path_tsp
 from swarm.scheduler.plans import Breakdown, ModelSpec, Plan, PlanInput
 from swarm.scheduler.search import SearchConfig, layout_to_plan, search_full
 
 __all__ = [
-    "plan_relayed", "price", "relay_extra_s", "relay_paths", "relay_shares", "relayed_input", "relays_of",
-    "shared_input",
+    "TUNNEL_CALL_S", "TunnelCost", "plan_relayed", "price", "relay_extra_s", "relay_paths", "relay_shares",
+    "relayed_input", "relays_of", "shared_cost", "shared_input", "tunnelled_messages", "unreachable_of",
 ]  # fmt: skip
+
+TUNNEL_CALL_S = 0.6e-3
+"""What a call into an unreachable peer costs beyond its bytes and delays: s25 measured 0.9-1.2 ms per small call
+through a relay (two legs or the reverse connection) against 0.3-0.5 ms direct, behind the real NAT router
+(`swarm experiment nat --netns --ping`); `swarm bench relay` measures the same difference on loopback. It is
+the Python tunnel's frames (gRPC streams, thread handoffs), not the wire: lower it when the tunnel gets cheaper."""
 
 _INFEASIBLE_DELAY_S = 3600.0
 _INFEASIBLE_BYTES_PER_S = 1.0
@@ -75,7 +110,10 @@ def relay_paths(plan_input: PlanInput, relays: Mapping[str, str | None]) -> dict
 
 
 def relayed_input(
-    plan_input: PlanInput, relays: Mapping[str, str | None], shares: Mapping[int, int] | None = None
+    plan_input: PlanInput,
+    relays: Mapping[str, str | None],
+    shares: Mapping[int, int] | None = None,
+    neighbours: bool = False,
 ) -> PlanInput:
     """The swarm with every relayed link replaced by its path through the relay (module docstring).
 
@@ -83,8 +121,13 @@ def relayed_input(
         plan_input: measured links between peers (an unreachable pair's own entry is never used).
         relays: peer id -> its relay's id, None (or absent) for a reachable peer.
         shares: relay index -> links it carries at once (default 1 each): each leg's rate is divided by it.
+        neighbours: the links of pipeline neighbours: a reachable sender's stays direct (the reverse connection
+            of the NAT'd peer's announced relay or of its second Attach, `NatWiring.second_neighbour`).
     """
     paths = relay_paths(plan_input, relays)
+    if neighbours:
+        ids = [p.peer_id for p in plan_input.peers]
+        paths = {(i, j): r for (i, j), r in paths.items() if relays.get(ids[i]) is not None}
     if not paths:
         return plan_input
     delay = plan_input.delay_s.copy()
@@ -102,31 +145,187 @@ def relayed_input(
     return PlanInput(plan_input.peers, delay, bandwidth, burst)
 
 
-def _talking_pairs(layout: Layout) -> list[tuple[int, int]]:
+def _talking_pairs(layout: Layout, reachable: np.ndarray | None = None) -> list[tuple[int, int]]:
     """Directed peer pairs that exchange bytes under a layout: each boundary's pair both ways, and the
-    replicas of a stage with each other (gradient averaging)."""
+    replicas of a stage with each other (gradient averaging). With `reachable` (per peer), a boundary pair
+    whose sender is reachable is left out: its calls take the reverse connection (`relayed_input`)."""
     grid = layout.grid
     pairs = []
     for s in range(grid.shape[0] - 1):
         for r in range(grid.shape[1]):
             p, q = int(grid[s, r]), int(grid[s + 1, r])
-            pairs += [(p, q), (q, p)]
+            pairs += [(a, b) for a, b in ((p, q), (q, p)) if reachable is None or not reachable[a]]
     for row in grid:
         pairs += [(int(a), int(b)) for a in row for b in row if a != b]
     return pairs
 
 
+def unreachable_of(plan_input: PlanInput, relays: Mapping[str, str | None]) -> np.ndarray:
+    """Per planned peer: whether it is unreachable (it announced a relay)."""
+    return np.array([relays.get(p.peer_id) is not None for p in plan_input.peers], dtype=bool)
+
+
+def _checked_tunnel_s(tunnel_s: float) -> float:
+    if isinstance(tunnel_s, bool) or not isinstance(tunnel_s, (int, float)) or not math.isfinite(tunnel_s):
+        raise ValueError(f"tunnel_s must be a finite number of seconds, got {tunnel_s!r}")
+    if tunnel_s < 0:
+        raise ValueError(f"tunnel_s must be >= 0, got {tunnel_s!r}")
+    return float(tunnel_s)
+
+
+def _messages_into(grid: np.ndarray, model: ModelSpec) -> Counter:
+    """Peer index -> messages a step sends into it (the module docstring's list: pipeline, averaging, tied
+    sum, the trainer's calls)."""
+    stages, replicas = grid.shape
+    m = model.micro_batches_per_pipeline(replicas)
+    tied = model.tied and stages > 1
+    into: Counter = Counter()
+    for s in range(stages - 1):
+        for p, q in zip(grid[s], grid[s + 1], strict=True):
+            into[int(q)] += m  # forward
+            into[int(p)] += m  # backward
+    for s, row in enumerate(grid):
+        reduce = replicas > 1 or (tied and s in (0, stages - 1))
+        for p in row:
+            into[int(p)] += (replicas - 1) + 2 + int(reduce)  # averaging partners; Grads, Step; Reduce
+    if tied:
+        members = np.concatenate([grid[0], grid[-1]])
+        for p in members:
+            into[int(p)] += len(members) - 1
+    for r in range(replicas):
+        into[int(grid[0, r])] += m  # the trainer's Forward
+        into[int(grid[-1, r])] += m + 1  # its Backward starts and PutLabels
+    return into
+
+
+def tunnelled_messages(grid: np.ndarray, unreachable: np.ndarray, model: ModelSpec) -> int:
+    """Messages of one step of the layout `grid` that pass a tunnel: those into an unreachable peer."""
+    return sum(count for p, count in _messages_into(np.asarray(grid), model).items() if unreachable[p])
+
+
+class TunnelCost(FullCost):
+    """`FullCost` plus `tunnel_s` for every message of a step that passes a tunnel (module docstring), on links
+    already priced as their paths (`relayed_input`)."""
+
+    def __init__(
+        self,
+        plan_input: PlanInput,
+        model: ModelSpec,
+        unreachable: np.ndarray,
+        tunnel_s: float,
+        neighbour_input: PlanInput | None = None,
+    ):
+        """`plan_input`: every relayed link as its path (replicas' averaging, the tied sum); `neighbour_input`:
+        the pipeline boundaries' links, a reachable neighbour's direct (`relayed_input(neighbours=True)`;
+        default `plan_input`)."""
+        super().__init__(plan_input, model)
+        self.unreachable = np.asarray(unreachable, dtype=bool)
+        if self.unreachable.shape != (plan_input.n_peers,):
+            raise ValueError("unreachable: one flag per peer")
+        self.tunnel_s = _checked_tunnel_s(tunnel_s)
+        self.boundary_inverse_bw = self.inverse_bw
+        if neighbour_input is not None:
+            boundaries = FullCost(neighbour_input, model)
+            self.fill_s, self.pace_s = boundaries.fill_s, boundaries.pace_s
+            self.boundary_inverse_bw = boundaries.inverse_bw
+
+    def rate_bound_s(self, grid: np.ndarray) -> float:
+        """`FullCost.rate_bound_s` with the boundaries' loads on their own links (`neighbour_input`)."""
+        m = self.model
+        load = np.zeros_like(self.inverse_bw)
+        micro = self.steady_factor(grid.shape[1]) + 1
+        for s in range(len(grid) - 1):
+            for a, b in zip(grid[s], grid[s + 1], strict=True):
+                load[a, b] += micro * m.forward_bytes * self.boundary_inverse_bw[a, b]
+                load[b, a] += micro * m.backward_bytes * self.boundary_inverse_bw[b, a]
+        if m.tied and len(grid) > 1:
+            members = np.concatenate([grid[0], grid[-1]])
+            sub = np.ix_(members, members)
+            load[sub] += m.tied_sent(grid.shape[1])[:, None] * self.inverse_bw[sub]
+        if not m.full_duplex:
+            load = load + load.T
+        return float(load.max())
+
+    def tunnel_term_s(self, grid: np.ndarray) -> float:
+        return self.tunnel_s * tunnelled_messages(grid, self.unreachable, self.model)
+
+    def evaluate(self, layout: Layout) -> Breakdown:
+        breakdown = super().evaluate(layout)
+        if not math.isfinite(breakdown.total_s):
+            return breakdown
+        term = self.tunnel_term_s(layout.grid)
+        return dataclasses.replace(breakdown, total_s=breakdown.total_s + term, overhead_s=breakdown.overhead_s + term)
+
+    def complete(
+        self, groups: list[np.ndarray], stats: list[GroupStats] | None = None, exact_order: bool = True
+    ) -> tuple[Breakdown, Layout | None]:
+        """`FullCost.complete`, then also the order whose ends pass the fewest tunnels (`_end_order`)."""
+        stats = stats or [self.group_stats(g, len(groups)) for g in groups]
+        best = super().complete(groups, stats, exact_order)
+        s = len(groups)
+        if s < 3 or not self.unreachable.any():
+            return best
+        weight, fill, pace = np.zeros((s, s)), np.zeros((s, s)), np.zeros((s, s))
+        perms: dict[tuple[int, int], np.ndarray] = {}
+        for i in range(s):
+            for j in range(s):
+                if i != j:
+                    weight[i, j], fill[i, j], pace[i, j], perms[i, j] = self.boundary(groups[i], groups[j])
+        found = self._complete_order(groups, stats, self._end_order(groups, weight), fill, pace, perms)
+        return found if found[0].total_s < best[0].total_s else best
+
+    def _end_order(self, groups: list[np.ndarray], weight: np.ndarray) -> list[int]:
+        """The open path over the boundaries' weights from a start node to an end node, where entering group g
+        first costs the tunnels its place as the first stage adds and leaving it last those of the last stage
+        (a middle stage's count is the baseline: `_messages_into`)."""
+        s, replicas = len(groups), len(groups[0])
+        tied = self.model.tied
+        # over a middle stage, per unreachable replica: a last stage's PutLabels; an end's Reduce (tied, R = 1)
+        # and its tied partners (2R - 1)
+        ends = (int(replicas == 1) + 2 * replicas - 1) if tied else 0
+        nat = np.array([self.unreachable[np.asarray(g)].sum() for g in groups], dtype=float)
+        big = 1e6 + float(np.abs(weight).sum())
+        dist = np.full((s + 2, s + 2), big)
+        dist[:s, :s] = weight
+        dist[s, :s] = self.tunnel_s * ends * nat  # start -> first stage
+        dist[:s, s + 1] = self.tunnel_s * (ends + 1) * nat  # last stage -> end
+        _, order = open_path_tsp(dist)
+        inner = [k for k in order if k < s]
+        return inner if order[0] == s and order[-1] == s + 1 else list(range(s))
+
+
 def relay_shares(layout: Layout, plan_input: PlanInput, relays: Mapping[str, str | None]) -> dict[int, int]:
-    """Relay index -> how many directed links of this layout pass through it."""
+    """Relay index -> how many directed links of this layout pass through it (a reachable neighbour's boundary
+    link takes the reverse connection, not the relay)."""
     paths = relay_paths(plan_input, relays)
-    return dict(Counter(paths[pair] for pair in _talking_pairs(layout) if paths.get(pair) is not None))
+    pairs = _talking_pairs(layout, ~unreachable_of(plan_input, relays))
+    return dict(Counter(paths[pair] for pair in pairs if paths.get(pair) is not None))
 
 
-def price(layout: Layout, plan_input: PlanInput, relays: Mapping[str, str | None], model: ModelSpec) -> Breakdown:
+def _cost(
+    plan_input: PlanInput, relays: Mapping[str, str | None], model: ModelSpec, shares, tunnel_s: float
+) -> FullCost:
+    """The cost model on the relayed links: `TunnelCost`, or `FullCost` itself when no peer is unreachable."""
+    effective = relayed_input(plan_input, relays, shares)
+    unreachable = unreachable_of(plan_input, relays)
+    if not unreachable.any():
+        return FullCost(effective, model)
+    neighbours = relayed_input(plan_input, relays, shares, neighbours=True)
+    return TunnelCost(effective, model, unreachable, tunnel_s, neighbours)
+
+
+def price(
+    layout: Layout,
+    plan_input: PlanInput,
+    relays: Mapping[str, str | None],
+    model: ModelSpec,
+    tunnel_s: float = TUNNEL_CALL_S,
+) -> Breakdown:
     """A layout's predicted step, its relayed links through their relays, each relay shared by the layout's
-    relayed links."""
+    relayed links, and `tunnel_s` per message through a tunnel."""
+    tunnel_s = _checked_tunnel_s(tunnel_s)
     shares = relay_shares(layout, plan_input, relays)
-    return FullCost(relayed_input(plan_input, relays, shares), model).evaluate(layout)
+    return _cost(plan_input, relays, model, shares, tunnel_s).evaluate(layout)
 
 
 def plan_relayed(
@@ -135,14 +334,17 @@ def plan_relayed(
     relays: Mapping[str, str | None],
     cfg: SearchConfig | None = None,
     version: int = 0,
+    tunnel_s: float = TUNNEL_CALL_S,
 ) -> Plan:
-    """`search.plan` for a swarm with unreachable peers (equal to it when every peer is reachable)."""
+    """`search.plan` for a swarm with unreachable peers (equal to it when every peer is reachable); `tunnel_s`:
+    what a message through a tunnel costs beyond its bytes (module docstring)."""
+    tunnel_s = _checked_tunnel_s(tunnel_s)
     best = None
     shares: dict[int, int] = {}
     for _ in range(2):
-        effective = relayed_input(plan_input, relays, shares)
-        result = search_full(FullCost(effective, model), effective, cfg)
-        breakdown = price(result.layout, plan_input, relays, model)
+        cost = _cost(plan_input, relays, model, shares, tunnel_s)
+        result = search_full(cost, relayed_input(plan_input, relays, shares), cfg)
+        breakdown = price(result.layout, plan_input, relays, model, tunnel_s)
         if best is None or breakdown.total_s < best[0].total_s:
             best = (breakdown, result)
         next_shares = relay_shares(result.layout, plan_input, relays)
@@ -155,8 +357,6 @@ def plan_relayed(
 
 def _layout_of(made: Plan, plan_input: PlanInput) -> Layout:
     """The plan `made` as a layout over `plan_input`'s peers (its stages' peers and layer counts)."""
-    import numpy as np
-
     index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
     grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
     return Layout(grid, np.array([s.layer_end - s.layer_start for s in made.stages], dtype=np.int64))
@@ -169,19 +369,45 @@ def shared_input(plan_input: PlanInput, relays: Mapping[str, str | None], made: 
     return relayed_input(plan_input, relays, relay_shares(layout, plan_input, relays))
 
 
+def shared_cost(
+    plan_input: PlanInput,
+    relays: Mapping[str, str | None],
+    made: Plan,
+    model: ModelSpec,
+    tunnel_s: float = TUNNEL_CALL_S,
+) -> FullCost:
+    """The cost model `price` uses for the plan `made`'s peers (each relay shared by its relayed links, the
+    tunnels charged), for re-pricing that layout with other layers (the live planner's even layers)."""
+    layout = _layout_of(made, plan_input)  # the layers do not matter to the shares
+    return _cost(plan_input, relays, model, relay_shares(layout, plan_input, relays), _checked_tunnel_s(tunnel_s))
+
+
 def relay_extra_s(
-    made: Plan, plan_input: PlanInput, relays: Mapping[str, str | None], model: ModelSpec
+    made: Plan,
+    plan_input: PlanInput,
+    relays: Mapping[str, str | None],
+    model: ModelSpec,
+    tunnel_s: float = TUNNEL_CALL_S,
 ) -> float | None:
-    """What the plan `made`'s relayed links add to its predicted step: its layout priced with them as their two
-    legs, each relay shared by the layout's relayed links (`price`, as the plan is published), minus the same
-    layout priced as if every link were direct (`plan_input`: the measured links, an unreachable pair's
-    filled figure). None when the layout relays no link; 0 when the path prices no dearer than that direct
-    figure (a fill: an unreachable pair cannot be measured)."""
+    """What the plan `made`'s relayed links and tunnels add to its predicted step: its layout priced with the
+    relayed links as their two legs, each relay shared by the layout's relayed links, plus `tunnel_s` for each
+    message through a tunnel, the trainer's included (`price`, as the plan is published), minus the same layout
+    priced as if every link were direct (`plan_input`: the measured links, an unreachable pair's filled figure).
+    None when the layout relays no link and no message passes a tunnel (no unreachable peer, or `tunnel_s`
+    0); 0 when the path prices no dearer than that direct figure (a fill: an unreachable pair cannot be
+    measured)."""
     from swarm.peers.plan_keys import MAX_RELAY_EXTRA_S
 
+    tunnel_s = _checked_tunnel_s(tunnel_s)
     layout = _layout_of(made, plan_input)
     paths = relay_paths(plan_input, relays)
-    if not any(pair in paths for pair in _talking_pairs(layout)):
+    tunnelled = tunnel_s > 0 and bool(unreachable_of(plan_input, relays)[layout.grid.ravel()].any())
+    pairs = _talking_pairs(layout, ~unreachable_of(plan_input, relays))
+    if model.tied and layout.stages > 1:  # the end stages' tied sum: priced through its relays too (`tied_s`)
+        members = [int(p) for p in np.concatenate([layout.grid[0], layout.grid[-1]])]
+        pairs += [(a, b) for a in members for b in members if a != b]
+    if not tunnelled and not any(pair in paths for pair in pairs):
         return None
-    extra = price(layout, plan_input, relays, model).total_s - FullCost(plan_input, model).evaluate(layout).total_s
+    priced = price(layout, plan_input, relays, model, tunnel_s).total_s
+    extra = priced - FullCost(plan_input, model).evaluate(layout).total_s
     return min(max(extra, 0.0), MAX_RELAY_EXTRA_S)  # an infeasible relay (no carrier) prices at the bound

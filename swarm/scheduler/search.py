@@ -139,8 +139,11 @@ def _allowed(layout: Layout, cfg: SearchConfig) -> bool:
 
 
 def _peer_classes(cost: FullCost, plan_input: PlanInput) -> np.ndarray:
-    # Peers are interchangeable when links, speed and memory all match.
-    extra = np.stack([plan_input.speeds_flops_per_s, plan_input.memories_bytes], axis=1)
+    # Peers are interchangeable when links, speed, memory and reach (a relays.TunnelCost's) all match.
+    columns = [plan_input.speeds_flops_per_s, plan_input.memories_bytes]
+    if (unreachable := getattr(cost, "unreachable", None)) is not None:
+        columns.append(unreachable.astype(float))
+    extra = np.stack(columns, axis=1)
     return equivalence_classes(cost.fill_s, cost.pace_s, cost.round_trip_s, extra=extra)
 
 

@@ -10,7 +10,15 @@ from peers.records import LinkMeasurement, PeerAnnouncement
 from swarm.daemon.planning import swarm_plan_input
 from swarm.scheduler import ModelSpec, Peer, PlanInput, SearchConfig, plan
 from swarm.scheduler.cost import FullCost, Layout
-from swarm.scheduler.relays import plan_relayed, price, relay_shares, relayed_input, relays_of
+from swarm.scheduler.relays import (
+    TUNNEL_CALL_S,
+    plan_relayed,
+    price,
+    relay_shares,
+    relayed_input,
+    relays_of,
+    tunnelled_messages,
+)
 
 
 def _input(ids, delay, bandwidth, burst=None) -> PlanInput:
@@ -91,7 +99,11 @@ def test_full_cost_prices_the_relayed_boundary_as_two_legs():
     assert direct.total_s == pytest.approx(2 * (0.1 + 0.01), rel=1e-6)
     assert legs.total_s == pytest.approx(2 * (0.2 + 0.02), rel=1e-6)
     # priced with the layout's sharing: c carries a->b and b->a at once, so each gets half its rate
-    assert price(layout, x, relays, model).total_s == pytest.approx(2 * (0.4 + 0.02), rel=1e-6)
+    assert price(layout, x, relays, model, tunnel_s=0.0).total_s == pytest.approx(2 * (0.4 + 0.02), rel=1e-6)
+    # and the tunnel per message into a or b: a 1 backward, the trainer's Forward, Grads, Step; b 1 forward, the
+    # trainer's Backward start and PutLabels, Grads, Step
+    by_hand = 2 * (0.4 + 0.02) + 9 * TUNNEL_CALL_S
+    assert price(layout, x, relays, model).total_s == pytest.approx(by_hand, rel=1e-6)
 
 
 def test_relay_shares_count_the_layouts_relayed_links():
@@ -101,8 +113,9 @@ def test_relay_shares_count_the_layouts_relayed_links():
     assert relay_shares(Layout(np.array([[0], [1], [3]]), np.array([1, 1, 1])), x, relays) == {2: 4}
     # a | c | b: nothing relayed
     assert relay_shares(Layout(np.array([[0], [2], [1]]), np.array([1, 1, 1])), x, relays) == {}
-    # a and b replicas of one stage: they average through c both ways, and e's gradients to b go through c
-    assert relay_shares(Layout(np.array([[0, 1], [2, 4]]), np.array([1, 1])), x, relays) == {2: 3}
+    # a and b replicas of one stage: they average through c both ways; e's gradients to b take the reverse
+    # connection of b's second Attach (e is its reachable pipeline neighbour), not c
+    assert relay_shares(Layout(np.array([[0, 1], [2, 4]]), np.array([1, 1])), x, relays) == {2: 2}
 
 
 def _model(layers=4) -> ModelSpec:
@@ -123,15 +136,22 @@ def _order(made):
 
 
 def test_the_planner_places_reachable_peers_between_unreachable_ones():
-    # a behind NAT relayed by c, b by d: only a c d b (or its reverse) has no relayed link, the NAT'd peers at
-    # the ends, each beside its relay
+    # a behind NAT relayed by c, b by d: a reachable neighbour's calls take the reverse connection (the announced
+    # relay's or the second Attach's), so any order without two NAT'd neighbours has no two-legs link; the tunnels'
+    # price then keeps a NAT'd peer off one end (N-R-N-R: the trainer's PutLabels and Backward starts go direct)
     ids = ["a", "b", "c", "d"]
     relays = {"a": "c", "b": "d", "c": None, "d": None}
     cfg = SearchConfig(seed=0, stages=4, max_replicas=1)
     made = plan_relayed(_uniform(ids), _model(), relays, cfg)
-    assert _order(made) in (["a", "c", "d", "b"], ["b", "d", "c", "a"]), _order(made)
-    # and it costs what the all-reachable swarm costs: no link needs the relay
-    assert made.breakdown.total_s == pytest.approx(plan(_uniform(ids), _model(), cfg).breakdown.total_s)
+    order = _order(made)
+    assert not any(order[k] in "ab" and order[k + 1] in "ab" for k in range(3)), order
+    assert sum(order[k] in "ab" for k in (0, 3)) == 1, order
+    # and it costs what the all-reachable swarm costs but the tunnel's fixed cost per message into a or b
+    reachable = plan(_uniform(ids), _model(), cfg).breakdown.total_s
+    grid = np.array([[ids.index(p)] for p in order])
+    count = tunnelled_messages(grid, np.array([True, True, False, False]), _model())
+    assert count == 20  # each NAT'd stage: 4 forward or Forward, 4 backward, Grads, Step (none is the last)
+    assert made.breakdown.total_s == pytest.approx(reachable + count * TUNNEL_CALL_S)
 
 
 def test_when_unreachables_must_meet_the_relayed_link_is_priced_and_shared():

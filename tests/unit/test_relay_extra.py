@@ -16,7 +16,7 @@ from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.scheduler import ModelSpec, Peer, PlanInput
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Plan, StagePlan
-from swarm.scheduler.relays import relay_extra_s
+from swarm.scheduler.relays import TUNNEL_CALL_S, relay_extra_s
 from tests.unit.daemon.test_planner_versions import swarm
 
 MODEL = ModelSpec(
@@ -56,12 +56,21 @@ def test_one_relayed_link_adds_its_two_legs_over_the_direct_link():
     layout = Layout(np.array([[0], [1], [2], [3]]), np.ones(4, dtype=np.int64))
     by_hand = FullCost(PlanInput(x.peers, *legs), MODEL).evaluate(layout).total_s
     direct = FullCost(x, MODEL).evaluate(layout).total_s
-    assert extra == pytest.approx(by_hand - direct) and extra > 0
+    # and the tunnel's fixed cost per message into a or b, counted by hand (M = 4 micro-batches, untied model):
+    # a (stage 0): 4 backward from b + the trainer's 4 Forward, Grads, Step = 10; b (stage 1): 4 forward from a +
+    # 4 backward from c (its relay: the reverse connection) + Grads, Step = 10
+    assert extra == pytest.approx(by_hand - direct + 20 * TUNNEL_CALL_S) and extra > 0
+    assert relay_extra_s(_chain("abcd"), x, RELAYS, MODEL, tunnel_s=0.0) == pytest.approx(by_hand - direct)
 
 
-def test_a_plan_without_relayed_links_has_no_extra():
-    # c relays a, d relays b: a | c | d | b, each NAT'd peer at an end beside its relay (a reverse connection)
-    assert relay_extra_s(_chain("acdb"), _input(), {"a": "c", "b": "d"}, MODEL) is None
+def test_a_plan_without_relayed_links_pays_only_its_tunnels():
+    # c relays a, d relays b: a | c | d | b, each NAT'd peer at an end beside its relay (a reverse connection):
+    # no two legs, but every message into a or b passes the tunnel. By hand: a (first stage): 4 backward from c,
+    # the trainer's 4 Forward, Grads, Step = 10; b (last): 4 forward from d, the trainer's 4 Backward starts and
+    # PutLabels, Grads, Step = 11
+    ends = relay_extra_s(_chain("acdb"), _input(), {"a": "c", "b": "d"}, MODEL)
+    assert ends == pytest.approx(21 * TUNNEL_CALL_S, abs=1e-12)
+    assert relay_extra_s(_chain("acdb"), _input(), {"a": "c", "b": "d"}, MODEL, tunnel_s=0.0) is None
     assert relay_extra_s(_chain("abcd"), _input(), {}, MODEL) is None  # everyone reachable
 
 
