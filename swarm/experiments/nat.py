@@ -44,7 +44,8 @@ prints the margin, and whether extra <= relay_extra_s holds without it.
 
 With --netns each row also carries what `swarm.experiments.nat_netns` read before the testbed went down:
 `relayed_by_link` ("<relay>:<src>-><dst>" by service name), `peer_cpu_s`, and with `--ping N` `ping_ms` (per-call
-latency to each stage, direct or through its relay, from the trainer's and each relay's namespace).
+latency to each stage, direct or through its relay, from the trainer's and each relay's namespace). Every row
+carries `relayed_connections`: the relays' connections by path ("data-port": plain TCP, "frames": gRPC frames).
 """
 
 from __future__ import annotations
@@ -157,17 +158,33 @@ def relayed_by_link(text: str) -> dict[str, int]:
     return out
 
 
+def relayed_connections_of(text: str) -> dict[str, int]:
+    """`swarm_relayed_connections_total` per `path` label ("data-port" or "frames") of a text exposition."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.split("{", 1)[0] != "swarm_relayed_connections_total" or 'path="' not in line:
+            continue
+        with contextlib.suppress(ValueError, IndexError):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            out[path] = out.get(path, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 def relayed_bytes_of(text: str) -> int:
     """The sum of every `swarm_relayed_bytes_total{link=...}` sample in a Prometheus text exposition."""
     return sum(relayed_by_link(text).values())
 
 
-def _scrape(ports: list[int]) -> int:
-    total = 0
+def _scrape(ports: list[int]) -> tuple[int, dict[str, int]]:
+    """Relayed bytes, and relayed connections by path, summed over the peers' /metrics."""
+    total, conns = 0, {}
     for port in ports:
         with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            total += relayed_bytes_of(r.read(1 << 22).decode(errors="replace"))
-    return total
+            text = r.read(1 << 22).decode(errors="replace")
+            total += relayed_bytes_of(text)
+            for path, n in relayed_connections_of(text).items():
+                conns[path] = conns.get(path, 0) + n
+    return total, conns
 
 
 def common_flags(cfg: NatConfig) -> list[str]:
@@ -211,7 +228,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
     ]
     with local_swarm(out / setting, cfg.peers, common_flags(cfg), per_peer_flags=per_peer) as swarm:
         summary = train(_train_config(cfg, out / setting), swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
-        relayed = _scrape(metrics_ports)
+        relayed, conns = _scrape(metrics_ports)
         route = list(summary.route)
     port_of = {port: i for i, port in enumerate(grpc_ports)}
     order = "-".join("N" if port_of.get(int(a.rsplit(":", 1)[1])) in nat else "R" for a in route)
@@ -221,7 +238,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
         "final_loss": summary.final_loss, "mean_step_s": summary.mean_step_s,
         "step_std_s": spread["step_std_s"], "timed_steps": spread["timed_steps"],
         "predicted_step_s": summary.predicted_step_s, "relay_extra_s": summary.relay_extra_s, "relayed_bytes": relayed,
-        "total_wire_bytes": summary.total_wire_bytes,
+        "total_wire_bytes": summary.total_wire_bytes, "relayed_connections": conns,
     }  # fmt: skip
 
 

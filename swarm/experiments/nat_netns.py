@@ -11,9 +11,9 @@ import re
 import sys
 from pathlib import Path
 
-from swarm.experiments.nat import relayed_by_link
+from swarm.experiments.nat import relayed_by_link, relayed_connections_of
 
-__all__ = ["names_of_ids", "ping_targets", "probe", "process_cpu_s", "relayed_by_link"]
+__all__ = ["names_of_ids", "ping_targets", "probe", "process_cpu_s", "relayed_by_link", "relayed_connections_of"]
 
 _READ_METRICS = (
     "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
@@ -94,8 +94,9 @@ def _ping_ns(testbed, names: dict[str, str], calls: int) -> dict:
 def probe(testbed, ping: int = 0) -> dict:
     """What the peers of a namespace testbed measured, read before it goes down: `relayed_bytes` (summed),
     `relayed_by_link` (per "<relay>:<src>-><dst>"; read in each peer's namespace: the host has no address on
-    the bridge; a NAT'd peer relays for nobody), and `peer_cpu_s` (each peer process's CPU seconds so far,
-    from /proc: what relaying costs shows as the difference to the all-reachable run)."""
+    the bridge; a NAT'd peer relays for nobody), `relayed_connections` (by path: "data-port" or "frames"), and
+    `peer_cpu_s` (each peer process's CPU seconds so far, from /proc: what relaying costs shows as the difference
+    to the all-reachable run)."""
     import subprocess
 
     from swarm.testbed.lifecycle import read_state
@@ -103,7 +104,7 @@ def probe(testbed, ping: int = 0) -> dict:
 
     pids = {n.get("name"): n.get("pid") for n in (read_state(testbed.run_dir) or {}).get("nodes", [])}
     names = names_of_ids(Path(testbed.run_dir) / "logs")
-    total, links, cpu = 0, {}, {}
+    total, links, cpu, conns = 0, {}, {}, {}
     for node in testbed.plan.nodes:
         name = node.service.name
         if not name.startswith("peer"):
@@ -114,9 +115,11 @@ def probe(testbed, ping: int = 0) -> dict:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
             by_link = relayed_by_link(done.stdout)
+            for path, n in relayed_connections_of(done.stdout).items():
+                conns[path] = conns.get(path, 0) + n
             total += sum(by_link.values())
             for link, n in by_link.items():
                 src, _, dst = link.partition("->")
                 links[f"{name}:{names.get(src, src)}->{names.get(dst, dst)}"] = n
-    found = {"relayed_bytes": total, "relayed_by_link": links, "peer_cpu_s": cpu}
+    found = {"relayed_bytes": total, "relayed_by_link": links, "peer_cpu_s": cpu, "relayed_connections": conns}
     return found | ({"ping_ms": _ping_ns(testbed, names, ping)} if ping else {})

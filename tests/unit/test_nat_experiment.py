@@ -186,6 +186,8 @@ def test_netns_probe_helpers(tmp_path):
         'swarm_wire_bytes_total{link="aa->bb"} 9\nswarm_relayed_bytes_total{link="cc->bb"} junk\n'
     )
     assert nat_netns.relayed_by_link(text) == {"aa->bb": 100, "bb->aa": 5}
+    conns = 'swarm_relayed_connections_total{path="data-port"} 3.0\nswarm_relayed_connections_total{path="frames"} x\n'
+    assert nat_netns.relayed_connections_of(conns + text) == {"data-port": 3}
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "peer1.log").write_text("x INFO swarm.peer: joined the DHT as 1d8405feb61fb7ca; compute 5 layers/s\n")
