@@ -76,11 +76,11 @@ __all__ = [
     "relayed_input", "relays_of", "shared_cost", "shared_input", "tunnelled_messages", "unreachable_of",
 ]  # fmt: skip
 
-TUNNEL_CALL_S = 0.6e-3
-"""What a call into an unreachable peer costs beyond its bytes and delays: s25 measured 0.9-1.2 ms per small call
-through a relay (two legs or the reverse connection) against 0.3-0.5 ms direct, behind the real NAT router
-(`swarm experiment nat --netns --ping`); `swarm bench relay` measures the same difference on loopback. It is
-the Python tunnel's frames (gRPC streams, thread handoffs), not the wire: lower it when the tunnel gets cheaper."""
+TUNNEL_CALL_S = 0.2e-3
+"""What a call into an unreachable peer costs beyond its bytes and delays, with the relays' data ports (plain TCP,
+`swarm.net.splice`): 0.55-0.66 ms per small call through a relay (two legs or the reverse connection) against
+0.30-0.46 ms direct, behind the testbed's NAT router (`swarm experiment nat --netns --quick --ping 100`, s26, a
+loaded machine). By gRPC frames it was 0.6 ms more (s25). `swarm bench relay` measures it on loopback."""
 
 _INFEASIBLE_DELAY_S = 3600.0
 _INFEASIBLE_BYTES_PER_S = 1.0

