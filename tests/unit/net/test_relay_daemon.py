@@ -259,6 +259,15 @@ def test_swarm_peer_reach_flags(argv, reach, relay, client_mode):
         build_parser().parse_args(["--reach", "nat"])
 
 
+@pytest.mark.parametrize(
+    "argv,port", [([], 0), (["--relay-data-port", "7000"], 7000), (["--relay-data-port", "-1"], None)]
+)
+def test_swarm_peer_relay_data_port_flag(argv, port):
+    from swarm.daemon.config import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(argv)).relay_data_port == port
+
+
 def test_an_attach_on_either_pipeline_neighbour_stays(daemons):
     from types import SimpleNamespace
 
