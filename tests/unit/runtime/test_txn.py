@@ -91,6 +91,46 @@ def test_a_step_that_fails_midway_and_runs_again_is_bit_identical_to_a_clean_run
         assert torch.equal(final[name], w), name
 
 
+def _tied_run(fail: bool):
+    """Two stages whose tied embedding is summed as rank-4 factors (a warm-started power iteration)."""
+    pipe = LocalPipeline(CFG, 2, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4+ef"))
+    try:
+        for host in pipe.hosts:
+            host.averager.set_codecs(None, CodecConfig.parse("lowrank4+ef"))
+        if fail:  # step 1's Grads, after its Reduce encoded the tied sum from the warm start
+            pipe.switches[1][0].target = _FailOnce(pipe.switches[1][0].target, "Grads", 2)
+        results = [pipe.train_step(batch(seed=s, first_id=i), 4) for s, i in STEPS]
+        return [r.loss for r in results], [r.attempts for r in results], weights(pipe)
+    finally:
+        pipe.close()
+
+
+def test_a_retried_step_starts_the_lowrank_tied_sum_from_the_committed_warm_start():
+    clean_losses, _, clean_weights = _tied_run(False)
+    losses, attempts, final = _tied_run(True)
+    assert attempts == [1, 2, 1] and losses == clean_losses
+    assert all(torch.equal(final[n], w) for n, w in clean_weights.items())
+
+
+def test_a_restarted_trainer_abandons_the_open_step_and_its_codec_state():
+    """A trainer that dies mid-step and comes back sends the next step's calls without an abandon: the stages
+    close the old step (`StageHost.open`) and undo its codec state, so training goes on as if it never ran."""
+    pipe, ref = _pipe("aqsgd2"), _pipe("aqsgd2")
+    try:
+        for p in (pipe, ref):
+            p.train_step(batch(), 4)
+        pipe.forward_backward(batch(seed=1, first_id=16), 4)  # the trainer dies here: no Step, no abandon
+        pipe._step += 1
+        ref._step += 1
+        losses = [p.train_step(batch(seed=2, first_id=16), 4).loss for p in (pipe, ref)]
+        assert losses[0] == losses[1]
+        assert all(torch.equal(a, b) for a, b in zip(weights(pipe).values(), weights(ref).values(), strict=True))
+        _check_ends_agree(pipe)
+    finally:
+        pipe.close()
+        ref.close()
+
+
 def test_abandon_restores_both_ends_exactly_and_a_commit_drops_the_journal():
     pipe = _pipe("aqsgd2")
     try:
