@@ -129,6 +129,7 @@ class BufferStore:
             return
         if journal.alloc is None:
             journal.alloc = (self._next_slot, tuple(self._free))
+            journal.free = frozenset(self._free)
         if sample_id not in journal.slots:
             journal.slots[sample_id] = self._slots.get(sample_id)
 
@@ -141,6 +142,10 @@ class BufferStore:
             if slot is None and len(self._slots) < self.capacity:
                 self._save_slot(int(sample_id))
                 slot = self._slots[int(sample_id)] = self._take_slot()
+                if self._journal is not None and not self._journal.fresh(slot):
+                    self._save_rows([slot])  # a slot an id held when the step began (forgotten since)
+            elif slot is not None:
+                self._save_rows([slot])
             if slot is None:
                 if not self._warned_full:
                     warnings.warn(
@@ -151,7 +156,6 @@ class BufferStore:
                     self._warned_full = True
                 stored.append(False)
                 continue
-            self._save_rows([slot])
             self._data[slot] = values[i].to(self.dtype)
             stored.append(True)
         return stored
@@ -182,12 +186,17 @@ class BufferStore:
 class _Journal:
     """One transaction's undo record: prior rows by slot, prior slots by id, the allocator as it was."""
 
-    __slots__ = ("alloc", "rows", "slots")
+    __slots__ = ("alloc", "free", "rows", "slots")
 
     def __init__(self) -> None:
         self.rows: dict[int, torch.Tensor] = {}
         self.slots: dict[int, int | None] = {}
         self.alloc: tuple[int, tuple[int, ...]] | None = None
+        self.free: frozenset[int] = frozenset()
+
+    def fresh(self, slot: int) -> bool:
+        """Whether no id held `slot` when the transaction began (never handed out, or free): nothing to restore."""
+        return self.alloc is not None and (slot >= self.alloc[0] or slot in self.free)
 
 
 def _rows_held(data) -> int:
