@@ -10,9 +10,12 @@ import torch
 
 from swarm.compression import CodecConfig
 from swarm.compression.codec_aqsgd import buffer_digest
+from swarm.runtime.freeze import FreezePolicy
 from swarm.runtime.gate import GateError
 from swarm.runtime.local import LocalPipeline
 from tests.unit.runtime.test_replicas import CFG, batch, weights
+from tests.unit.test_freeze import LLAMA, NO_CLIP
+from tests.unit.test_freeze import _batch as _fbatch
 
 torch.set_num_threads(1)
 
@@ -129,6 +132,32 @@ def test_a_restarted_trainer_abandons_the_open_step_and_its_codec_state():
     finally:
         pipe.close()
         ref.close()
+
+
+def _frozen_run(fail: bool):
+    """Stage 0 (embedding + layers 0-1 of 3) frozen from step 2: its forwards come from the AQ-SGD cache once
+    each sample went in full after the freeze (`freeze.cached_forward`, which keeps a sent set per link)."""
+    pipe = LocalPipeline(LLAMA, 2, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4+ef"), stage_cfg=NO_CLIP)
+    pipe.freeze = FreezePolicy(n_layers=LLAMA.n_layers, tolerance=1e-12, max_fraction=1.0)
+    try:
+        if fail:  # step 2's second micro-batch: its first went in full after the freeze and was marked sent
+            pipe.switches[1][0].target = _FailOnce(pipe.switches[1][0].target, "Forward", 6)
+        results = []
+        for step in range(6):
+            if step == 1:
+                pipe.freeze.frozen = 2
+            results.append(pipe.train_step(_fbatch(LLAMA.vocab_size, LLAMA.seq_len_tokens, step % 2), 2))
+        assert pipe.workers[0].forward_only
+        return [r.loss for r in results], [r.attempts for r in results], weights(pipe)
+    finally:
+        pipe.close()
+
+
+def test_a_retried_step_on_a_frozen_stage_sends_its_first_frozen_outputs_again():
+    clean_losses, _, clean_weights = _frozen_run(False)
+    losses, attempts, final = _frozen_run(True)
+    assert attempts == [1, 1, 2, 1, 1, 1] and losses == clean_losses
+    assert all(torch.equal(final[n], w) for n, w in clean_weights.items())
 
 
 def test_abandon_restores_both_ends_exactly_and_a_commit_drops_the_journal():
