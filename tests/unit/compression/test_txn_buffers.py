@@ -9,10 +9,11 @@ import torch
 
 from swarm.compression import CodecConfig, LinkState, make_codec
 from swarm.compression.buffers import MemoryBufferStore, MmapBufferStore
+from swarm.runtime.device import DeviceBufferStore
 
 
 def _snapshot(store) -> tuple:
-    rows = {i: store.get(i).clone() for i in store.ids()}
+    rows = {i: store.get(i).cpu().clone() for i in store.ids()}
     return dict(store._slots), store._next_slot, list(store._free), rows
 
 
@@ -20,10 +21,15 @@ def _same(a: tuple, b: tuple) -> bool:
     return a[:3] == b[:3] and a[3].keys() == b[3].keys() and all(torch.equal(a[3][i], b[3][i]) for i in a[3])
 
 
-@pytest.fixture(params=["memory", "mmap"])
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=["memory", "mmap", *(f"device-{d}" for d in DEVICES)])
 def store(request, tmp_path):
     if request.param == "memory":
         return MemoryBufferStore(6, torch.float16)
+    if request.param.startswith("device-"):  # a sending end's store of a device-encoded codec (its own scatter)
+        return DeviceBufferStore(6, torch.float16, request.param.removeprefix("device-"))
     return MmapBufferStore(6, torch.float16, tmp_path / "b.buf")
 
 
