@@ -8,6 +8,11 @@ every time they are seen (a miss), which costs bytes but never correctness. Noth
 ends with the same capacity agree on which samples are buffered without talking about it; if they do not
 agree (different capacities, a restarted peer), the receiver reports the miss and the sender re-sends
 those samples in full.
+
+Transactions: between `begin` and `commit`/`rollback` a store journals what it changes (the first prior value of
+each row it writes, the first prior slot of each id it admits or forgets, and its slot allocation), so that a
+step that is abandoned leaves the store exactly as the step found it (on both ends of a link alike) and a retry
+sends what a clean run sends. The journal holds only the rows the step touched and is dropped at commit.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class BufferStore:
         """slots of forgotten ids, reused first (FIFO), so a live id never shares its slot"""
         self._data: torch.Tensor | None = None
         self._warned_full = False
+        self._journal: _Journal | None = None
+        """the open transaction's undo record (None: changes are permanent at once)"""
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -68,7 +75,63 @@ class BufferStore:
 
     def scatter(self, slots: list[int], values: torch.Tensor) -> None:
         if slots:
+            self._save_rows(slots)
             self._data[torch.tensor(slots, dtype=torch.long)] = values.to(self.dtype)
+
+    # ---- transactions -------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Starts journalling (an open transaction is committed first)."""
+        self._journal = _Journal()
+
+    def commit(self) -> None:
+        """Makes the transaction's changes permanent and drops its journal."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undoes every change since `begin`: ids, slots, the free list and the rows' bits, exactly."""
+        journal, self._journal = self._journal, None
+        if journal is None:
+            return
+        for sample_id, slot in journal.slots.items():
+            if slot is None:
+                self._slots.pop(sample_id, None)
+            else:
+                self._slots[sample_id] = slot
+        if journal.alloc is not None:
+            self._next_slot, free = journal.alloc
+            self._free = deque(free)
+        if journal.rows:
+            index = list(journal.rows)
+            self._data[torch.tensor(index, dtype=torch.long, device=_device_of(self._data))] = torch.stack(
+                [journal.rows[i] for i in index]
+            )
+
+    def journalled(self) -> int:
+        """Rows and ids the open transaction holds (0 when none is open): what it costs in memory."""
+        return 0 if self._journal is None else len(self._journal.rows) + len(self._journal.slots)
+
+    def _save_rows(self, slots: list[int]) -> None:
+        """Journals the prior bits of rows about to be written (the first write of a transaction only)."""
+        journal = self._journal
+        if journal is None:
+            return
+        new = [s for s in dict.fromkeys(slots) if s not in journal.rows and s < _rows_held(self._data)]
+        if new:
+            old = self._data[torch.tensor(new, dtype=torch.long, device=_device_of(self._data))].clone()
+            journal.rows.update(zip(new, old, strict=True))
+        # rows never written before hold nothing to restore: an id that owns one was admitted in this step
+
+    def _save_slot(self, sample_id: int) -> None:
+        """Journals an id's prior slot (None: not buffered) and the allocator, before its mapping changes."""
+        journal = self._journal
+        if journal is None:
+            return
+        if journal.alloc is None:
+            journal.alloc = (self._next_slot, tuple(self._free))
+            journal.free = frozenset(self._free)
+        if sample_id not in journal.slots:
+            journal.slots[sample_id] = self._slots.get(sample_id)
 
     def admit(self, sample_ids: list[int], values: torch.Tensor) -> list[bool]:
         """Stores `values[i]` for each new id while there is room; returns which ids are now buffered."""
@@ -77,7 +140,12 @@ class BufferStore:
         for i, sample_id in enumerate(sample_ids):
             slot = self._slots.get(int(sample_id))
             if slot is None and len(self._slots) < self.capacity:
+                self._save_slot(int(sample_id))
                 slot = self._slots[int(sample_id)] = self._take_slot()
+                if self._journal is not None and not self._journal.fresh(slot):
+                    self._save_rows([slot])  # a slot an id held when the step began (forgotten since)
+            elif slot is not None:
+                self._save_rows([slot])
             if slot is None:
                 if not self._warned_full:
                     warnings.warn(
@@ -104,6 +172,8 @@ class BufferStore:
         """Drops ids; their slots go to the free list for later admissions. Which slot an id gets is local to
         each end: only the id -> value mapping has to agree between the two ends."""
         for sample_id in sample_ids:
+            if int(sample_id) in self._slots:
+                self._save_slot(int(sample_id))
             slot = self._slots.pop(int(sample_id), None)
             if slot is not None:
                 self._free.append(slot)
@@ -111,6 +181,35 @@ class BufferStore:
     def get(self, sample_id: int) -> torch.Tensor | None:
         slot = self._slots.get(int(sample_id))
         return None if slot is None else self._data[slot]
+
+
+class _Journal:
+    """One transaction's undo record: prior rows by slot, prior slots by id, the allocator as it was."""
+
+    __slots__ = ("alloc", "free", "rows", "slots")
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}
+        self.slots: dict[int, int | None] = {}
+        self.alloc: tuple[int, tuple[int, ...]] | None = None
+        self.free: frozenset[int] = frozenset()
+
+    def fresh(self, slot: int) -> bool:
+        """Whether no id held `slot` when the transaction began (never handed out, or free): nothing to restore."""
+        return self.alloc is not None and (slot >= self.alloc[0] or slot in self.free)
+
+
+def _rows_held(data) -> int:
+    """Rows a store's data holds now (a growing store allocates lazily: rows past it were never written)."""
+    if data is None:
+        return 0
+    rows = getattr(data, "_rows", data)
+    return rows.shape[0]
+
+
+def _device_of(data) -> torch.device:
+    rows = getattr(data, "_rows", data)
+    return rows.device
 
 
 class MemoryBufferStore(BufferStore):

@@ -24,6 +24,8 @@ class LinkState:
         self.warm: torch.Tensor | None = None
         """lowrank: the encoder's Q of its last message, the next power iteration's warm start (sender-local)"""
         self._draws = 0
+        self._saved: tuple[int, torch.Tensor | None] | None = None
+        """the open step's starting draws and warm start (None: no step open), restored when it is abandoned"""
 
     def next_seed(self) -> int | None:
         """A fresh, reproducible seed for one stochastic quantization."""
@@ -32,6 +34,23 @@ class LinkState:
         self._draws += 1
         return (self.config.seed * 1_000_003 + self._draws) % (1 << 62)
 
-    def end_step(self) -> None:
-        """Called after each optimizer step: error feedback carries only across micro-batches of one step."""
+    def begin_step(self) -> None:
+        """A step starts: from here on, what this end changes is journalled until `end_step` says whether the
+        step was applied (kept) or abandoned (undone exactly: buffers, rounding draws, warm start)."""
+        self._saved = (self._draws, self.warm)
+        if self.buffers is not None:
+            self.buffers.begin()
+
+    def end_step(self, commit: bool = True) -> None:
+        """Called when a step ends: error feedback carries only across micro-batches of one step. `commit`
+        False (the step was abandoned) undoes everything since `begin_step`, so a retry runs as a clean run."""
         self.residual = None
+        saved, self._saved = self._saved, None
+        if self.buffers is not None:
+            (self.buffers.commit if commit else self.buffers.rollback)()
+        if not commit and saved is not None:
+            self._draws, self.warm = saved
+
+    def journalled(self) -> int:
+        """What the open step's journal holds (rows and ids; 0 outside a step or after it ended)."""
+        return 0 if self.buffers is None else self.buffers.journalled()

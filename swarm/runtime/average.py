@@ -93,10 +93,12 @@ class _Group:
         self.inbox: dict[str, wire_pb2.TensorMessage] = {}
         self.inbox_step: int | None = None
         self.reduced: int | None = None
-        self.warm: torch.Tensor | None = None  # a lowrank encoder's warm start: any value is valid, never committed
+        self.warm: torch.Tensor | None = None  # a lowrank encoder's warm start: any value is valid
+        self.pending_warm: torch.Tensor | None = None  # the open step's: kept at commit, so a retry starts alike
 
     def drop(self) -> None:
         self.pending, self.inbox, self.inbox_step, self.reduced = None, {}, None, None
+        self.pending_warm = None
 
 
 class GradientAverager:
@@ -193,6 +195,8 @@ class GradientAverager:
         for group in self.groups.values():
             if group.pending is not None:
                 group.residual, group.pending = group.pending, None
+            if group.pending_warm is not None:
+                group.warm, group.pending_warm = group.pending_warm, None
 
     def end_step(self) -> None:
         """The step ended (applied or abandoned): what it received and an uncommitted residual go."""
@@ -301,7 +305,7 @@ class GradientAverager:
             state = LinkState(config)
             state.residual, state.warm = group.residual, group.warm
             msg = codec.encode(own, state=state)
-            group.warm = state.warm
+            group.pending_warm = state.warm
         pending = state.residual if config.error_feedback else None
         info = stage_pb2.CallInfo(
             step=request.step,

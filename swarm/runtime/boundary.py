@@ -15,7 +15,7 @@ import re
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from swarm.net.stream import Incoming, tensor_items
 from swarm.peers.shaper import LinkShaping
 from swarm.proto import stage_pb2, wire_pb2
 from swarm.runtime.device import DEVICE_ENCODED_CODECS, DeviceBufferStore, resolve_device, to_device
+from swarm.runtime.gate import GateError
 
 __all__ = ["MAX_DESTINATIONS", "Direction", "LinkEnds", "need_message", "send_file"]
 
@@ -129,6 +130,10 @@ class LinkEnds:
         self._zstd: dict[str, ZstdPolicy] = {}
         self.device = torch.device("cpu")
         """The stage's device: decoded tensors go there; sending ends of device-encoded codecs encode there."""
+        self.step: int | None = None
+        """The step whose codec-state changes are journalled now (`begin_step`); None between steps."""
+        self._undo: list[Callable[[], None]] = []
+        """the open step's other undo actions (`on_abandon`), run in reverse order when it is abandoned"""
 
     def place_on(self, device: str | torch.device) -> torch.device:
         """Sets the stage's device (DeviceError when it is absent) before any end sends; returns it."""
@@ -157,6 +162,8 @@ class LinkEnds:
                 )
                 _unlink_store(dropped)
             end = self._send[key] = Direction(self._configs[kind], send_file(kind, address), self.device)
+            if self.step is not None:  # created mid-step: its changes belong to the open step too
+                end.state.begin_step()
             return end
 
     def send_ends(self, kind: str) -> list[Direction]:
@@ -174,10 +181,47 @@ class LinkEnds:
         with self.lock:
             return [self.fw_recv, self.bw_recv, *self._send.values()]
 
-    def end_step(self) -> None:
+    def begin_step(self, step: int) -> None:
+        """`step` opens on this stage: every codec-state change from here on is journalled per end until
+        `end_step` (an open step is abandoned first)."""
         with self.lock:
+            if self.step is not None:
+                self._end(False)
+            self.step = step
             for end in (self.fw_recv, self.bw_recv, *self._send.values()):
-                end.state.end_step()
+                end.state.begin_step()
+
+    def end_step(self, commit: bool = True) -> None:
+        """The open step ends: applied (`commit`: its changes stay, its journals go) or abandoned (every end
+        goes back to the state the step found, bit for bit, so the peer on the other side of each link, which
+        abandons the same step, holds the same buffers again, and a retry computes what a clean run does)."""
+        with self.lock:
+            self._end(commit)
+
+    def _end(self, commit: bool) -> None:
+        for end in (self.fw_recv, self.bw_recv, *self._send.values()):
+            end.state.end_step(commit)
+        undo, self._undo, self.step = self._undo, [], None
+        if not commit:
+            for action in reversed(undo):
+                action()
+
+    def on_abandon(self, action: Callable[[], None]) -> None:
+        """Runs `action` if the open step is abandoned (state kept beside the codecs: e.g. the frozen cache's
+        sent sets); dropped when it commits. Outside a step it is never run."""
+        with self.lock:
+            if self.step is not None:
+                self._undo.append(action)
+
+    def journalled(self) -> int:
+        """Rows and ids every end's journal holds, plus pending undo actions: 0 between steps."""
+        return sum(end.state.journalled() for end in self._ends()) + len(self._undo)
+
+    def _check_step(self, step: int | None) -> None:
+        """Refuses a codec-state change for a step that is not the open one (a late call of an abandoned step),
+        so that nothing outside the open step's journal moves the buffers."""
+        if step is not None and step != self.step:
+            raise GateError(f"step {step} is not open on this stage's links (open: {self.step})")
 
     def buffered_samples(self) -> int:
         """Samples held in every AQ-SGD buffer store of this stage, receiving and sending ends."""
@@ -198,26 +242,32 @@ class LinkEnds:
         sample_ids: list[int] | None,
         info: stage_pb2.CallInfo,
         address: str,
+        step: int | None = None,
     ) -> Iterator[bytes]:
         """The way out: one tensor as the serialized stream items of a call to `address`.
 
         Encoding happens now, in the caller's (schedule) order; the rest runs as the transport pulls items.
+        With `step`, refuses (GateError) unless it is the open step, whose journal records the change.
         """
         # encode: AQ-SGD quantizes the change since the sample's last sight and moves the sender's buffer;
         # on the device for a device-encoded codec (only codes and scales come back), else on the host
         if tensor.device != end.device:
             (tensor,) = to_host(tensor) if end.device.type == "cpu" else to_device(end.device, tensor)
         with self.lock:
+            self._check_step(step)
             msg = end.codec.encode(tensor, sample_ids=sample_ids, state=end.state)
         # frame (zstd where it pays on this link) -> stream items (the call info with the first chunk) -> pace
         policy = self._policy(address, end.config.zstd_level)
         return tensor_items(info, msg, end.config.zstd_level, self.shaping.for_destination(address), policy)
 
-    def incoming(self, end: Direction, msg: wire_pb2.TensorMessage, limits: WireLimits) -> torch.Tensor:
+    def incoming(
+        self, end: Direction, msg: wire_pb2.TensorMessage, limits: WireLimits, step: int | None = None
+    ) -> torch.Tensor:
         """The way in, the mirror of `outgoing` from the message on (`read_stream` has unframed it, bounds
         checked): decode. AQ-SGD returns the receiver's buffer m for these samples. Runs only after the call
-        was admitted, so a refused call changes no codec state."""
+        was admitted, so a refused call changes no codec state; with `step`, only while it is the open step."""
         with self.lock:
+            self._check_step(step)
             out = end.codec.decode(msg, state=end.state, limits=limits)
         return to_device(self.device, out)[0]
 

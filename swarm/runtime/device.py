@@ -111,6 +111,7 @@ class DeviceBufferStore(MemoryBufferStore):
 
     def scatter(self, slots: list[int], values: torch.Tensor) -> None:
         if slots:
+            self._save_rows(slots)  # the open transaction's journal (compression.buffers)
             self._data[torch.tensor(slots, dtype=torch.long, device=self.device)] = values.to(self.device, self.dtype)
 
     def admit(self, sample_ids: list[int], values: torch.Tensor) -> list[bool]:

@@ -161,7 +161,9 @@ def cached_forward(host, info: stage_pb2.CallInfo, mb: int, inputs, ids: list[in
         return store.gather(store.lookup(ids)).float()
     out = worker.forward(mb, inputs, torch.tensor(ids), targets)
     host.links.forget(fresh, address)  # in full once more: the receiver's copy becomes the frozen output
-    sent.update(fresh)
+    added = [i for i in fresh if i not in sent]
+    sent.update(added)
+    host.links.on_abandon(lambda: sent.difference_update(added))  # the forget is undone too: send it again
     return out
 
 

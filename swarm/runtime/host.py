@@ -228,6 +228,7 @@ class StageHost(NeighbourCalls):
         if self.open_step != step:
             self.open_step, self._owner, self._progressed = step, caller, False
             self._opened_at = time.perf_counter()
+            self.links.begin_step(step)  # codec state is journalled from here: kept at Step, undone on abandon
         self._touched = time.monotonic()
 
     def _check_payload(self, call: Incoming, kind: Kind) -> None:
@@ -281,7 +282,7 @@ class StageHost(NeighbourCalls):
             return torch.tensor(call.info.loss_weight or 1.0 / max(1, call.info.num_micro_batches))
         direction = self.links.fw_recv if kind == Kind.FORWARD else self.links.bw_recv
         with self._phase("decode"):
-            return self.links.incoming(direction, need_message(call), self.limits)
+            return self.links.incoming(direction, need_message(call), self.limits, step=call.info.step)
 
     def forward(
         self, call: Incoming, inputs: torch.Tensor | None = None, cancelled: threading.Event | None = None
@@ -333,7 +334,8 @@ class StageHost(NeighbourCalls):
             prev = self._neighbour(info, self.role.stage - 1)
             to = prev.route[prev.stage]
             with self._phase("encode"):
-                items = self.links.outgoing(self.links.send_end("bw", to), grad_in, None, self._wire_info(prev), to)
+                end = self.links.send_end("bw", to)
+                items = self.links.outgoing(end, grad_in, None, self._wire_info(prev), to, step=info.step)
         # communication: the input gradient goes straight back to the previous stage
         reply, sent = self._call(prev, "Backward", items)
         self._count(reply.traffic, prev.stage, "backward", sent, 4 * grad_in.numel())
@@ -363,7 +365,7 @@ class StageHost(NeighbourCalls):
             self.metrics.buffer_hits.labels(link).inc(hits)
             self.metrics.buffer_misses.labels(link).inc(len(ids) - hits)
         with self._phase("encode"):
-            return self.links.outgoing(end, out, ids, self._wire_info(nxt), to)
+            return self.links.outgoing(end, out, ids, self._wire_info(nxt), to, step=nxt.step)
 
     def _count(self, traffic: stage_pb2.Traffic, link: int, direction: str, sent: int, fp32: int) -> None:
         """Counts what this stage sent, in its metrics and in the reply that carries it back to the driver."""
@@ -460,7 +462,7 @@ class StageHost(NeighbourCalls):
                 self._step_metrics()
                 if 0 < request.trainer_elapsed_s <= 1e6:  # the whole step as the trainer saw it (calibration)
                     self._observe("trainer", arrived - request.trainer_elapsed_s)
-                self._close_step()
+                self._close_step(commit=True)
                 apply_frozen(self, request.frozen_layers)  # from the next step on; reported in Status
         if self.on_step is not None and not request.abandon:
             self.on_step(self)
@@ -478,9 +480,10 @@ class StageHost(NeighbourCalls):
         self.worker.zero_grad()
         self._close_step()
 
-    def _close_step(self) -> None:
+    def _close_step(self, commit: bool = False) -> None:
+        """Ends the open step: applied (`commit`) or abandoned, which undoes its codec-state changes."""
         self.averager.end_step()
-        self.links.end_step()
+        self.links.end_step(commit)
         self.gate.reset()
         self.open_step, self._owner, self._progressed = None, None, False
         self.labels = {}
