@@ -96,6 +96,9 @@ class NatConfig:
     netns: bool = False
     ping: int = 0
     """With --netns: signed Pings to each stage, timed, from the trainer's namespace and each relay's (0: none)."""
+    frames: bool = False
+    """Relays carry bytes as gRPC frames (`--relay-data-port -1` on every peer): the tunnel before the data port,
+    for comparison."""
     out: Path | None = None
 
     def __post_init__(self) -> None:
@@ -198,6 +201,7 @@ def common_flags(cfg: NatConfig) -> list[str]:
         "--rate-mbit", f"{cfg.rate_mbit:g}", "--delay-ms", f"{cfg.delay_ms:g}",
         "--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches)),
         "--plan-micro-batches", str(cfg.micro_batches), "--total-steps", str(cfg.steps), "--warmup-steps", str(warmup),
+        *(["--relay-data-port", "-1"] if cfg.frames else []),
     ]  # fmt: skip
 
 
@@ -418,6 +422,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ping", type=int, default=0, help="with --netns: time this many Pings per stage and path (diagnosis)"
     )
+    parser.add_argument(
+        "--frames", action="store_true",
+        help="relays carry relayed bytes as gRPC frames, not by their data ports (the older tunnel, to compare)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/nat-<time>)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and samples")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -431,7 +439,7 @@ def config_from_args(args: argparse.Namespace) -> NatConfig:
         peers=args.peers, steps=steps, train_samples=samples, batch_size=args.batch_size,
         micro_batches=args.micro_batches, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
         settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), netns=args.netns, out=args.out,
-        repeats=repeats, ping=max(0, args.ping),
+        repeats=repeats, ping=max(0, args.ping), frames=args.frames,
     )  # fmt: skip
 
 

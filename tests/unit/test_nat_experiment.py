@@ -37,6 +37,9 @@ def test_peer_flags_are_swarm_peers_own():
     if supported:
         args = build_parser().parse_args([*nat.common_flags(cfg), *nat.reach_flags(True, False)])
         assert args.reach == "relay"
+    assert args.relay_data_port == 0, "relays carry bytes by their data ports by default"
+    frames = build_parser().parse_args(nat.common_flags(nat.NatConfig(frames=True)))
+    assert frames.relay_data_port == -1, "--frames: every relay without a data port"
 
 
 def test_relayed_links_and_bytes():
