@@ -249,6 +249,9 @@ class FullCost:
         self.fill_s = first_forward + first_backward + delay + delay.T
         self.round_trip_s = delay + delay.T
         self.inverse_bw = inverse_bw
+        self.boundary_inverse_bw = inverse_bw
+        """the pipeline boundaries' links (`rate_bound_s`): the same links here; `relays.TunnelCost` prices a
+        reachable neighbour's link into a NAT'd peer as direct there, and the other pairs as their relayed paths"""
         self.inverse_bw_sum = inverse_bw + inverse_bw.T
 
     # -- groups --------------------------------------------------------------------------------------
@@ -330,8 +333,8 @@ class FullCost:
         micro = self.steady_factor(grid.shape[1]) + 1
         for s in range(len(grid) - 1):
             for a, b in zip(grid[s], grid[s + 1], strict=True):
-                load[a, b] += micro * m.forward_bytes * self.inverse_bw[a, b]
-                load[b, a] += micro * m.backward_bytes * self.inverse_bw[b, a]
+                load[a, b] += micro * m.forward_bytes * self.boundary_inverse_bw[a, b]
+                load[b, a] += micro * m.backward_bytes * self.boundary_inverse_bw[b, a]
         if m.tied and len(grid) > 1:
             members = np.concatenate([grid[0], grid[-1]])
             sub = np.ix_(members, members)

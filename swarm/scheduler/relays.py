@@ -223,28 +223,10 @@ class TunnelCost(FullCost):
         if self.unreachable.shape != (plan_input.n_peers,):
             raise ValueError("unreachable: one flag per peer")
         self.tunnel_s = _checked_tunnel_s(tunnel_s)
-        self.boundary_inverse_bw = self.inverse_bw
         if neighbour_input is not None:
             boundaries = FullCost(neighbour_input, model)
             self.fill_s, self.pace_s = boundaries.fill_s, boundaries.pace_s
             self.boundary_inverse_bw = boundaries.inverse_bw
-
-    def rate_bound_s(self, grid: np.ndarray) -> float:
-        """`FullCost.rate_bound_s` with the boundaries' loads on their own links (`neighbour_input`)."""
-        m = self.model
-        load = np.zeros_like(self.inverse_bw)
-        micro = self.steady_factor(grid.shape[1]) + 1
-        for s in range(len(grid) - 1):
-            for a, b in zip(grid[s], grid[s + 1], strict=True):
-                load[a, b] += micro * m.forward_bytes * self.boundary_inverse_bw[a, b]
-                load[b, a] += micro * m.backward_bytes * self.boundary_inverse_bw[b, a]
-        if m.tied and len(grid) > 1:
-            members = np.concatenate([grid[0], grid[-1]])
-            sub = np.ix_(members, members)
-            load[sub] += m.tied_sent(grid.shape[1])[:, None] * self.inverse_bw[sub]
-        if not m.full_duplex:
-            load = load + load.T
-        return float(load.max())
 
     def tunnel_term_s(self, grid: np.ndarray) -> float:
         return self.tunnel_s * tunnelled_messages(grid, self.unreachable, self.model)
