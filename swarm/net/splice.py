@@ -40,6 +40,8 @@ HELLO = struct.Struct("!4sBQ16sH")
 """magic, version, conn_id, secret, token length (the token follows)"""
 SECRET_BYTES = 16
 TAKEN = b"\x01"
+ACCEPT_RETRY_S = 0.1
+"""After a failed accept() (no descriptors left), the data port accepts again this much later."""
 COPY_BYTES = 256 << 10
 """bytes read from a socket at once"""
 
@@ -135,14 +137,23 @@ class DataPort:
         self._sock = socket.create_server((host.strip("[]"), port), family=family)
         self.port: int = self._sock.getsockname()[1]
         self._hellos = threading.BoundedSemaphore(max_hellos)
+        self._closed = threading.Event()
         threading.Thread(target=self._serve, name="swarm-data-port", daemon=True).start()
 
+    def _accept(self) -> socket.socket:
+        return self._sock.accept()[0]
+
     def _serve(self) -> None:
-        while True:
+        while not self._closed.is_set():
             try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return  # closed
+                sock = self._accept()
+            except OSError as e:
+                if self._closed.is_set():
+                    return
+                # out of descriptors or buffers for a moment (a flood of connections): the port keeps serving
+                log.warning("data port: accept failed (%s); accepting again", e)
+                self._closed.wait(ACCEPT_RETRY_S)
+                continue
             if not self._hellos.acquire(blocking=False):
                 sock.close()
                 continue
@@ -167,6 +178,7 @@ class DataPort:
                 shut(sock)
 
     def close(self) -> None:
+        self._closed.set()
         shut(self._sock)
 
 

@@ -314,3 +314,26 @@ def test_without_a_data_port_a_splice_asking_connect_gets_an_empty_first_reply_t
         finally:
             tunnels.close()
             attachment.close()
+
+
+def test_a_failed_accept_does_not_end_the_data_port():
+    """accept() failing for a moment (EMFILE under a flood) must not stop the port for good."""
+    import errno
+
+    class Flaky(DataPort):
+        failures = 2
+
+        def _accept(self):
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return super()._accept()
+
+    port = Flaky("127.0.0.1", verifier=None, take=lambda *a: False, hello_timeout_s=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", port.port), timeout=10) as sock:
+            sock.sendall(b"x" * HELLO.size)  # served: read, refused, closed
+            assert sock.recv(1) == b""
+        assert port.failures == 0
+    finally:
+        port.close()
