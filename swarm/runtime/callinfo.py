@@ -182,7 +182,7 @@ def fill_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> None:
 class RoutedCalls:
     """The trainer's side (a mixin of `PipelineDriver`): a micro-batch's call info and its calls, which carry the
     route only until the peer took it (`RouteAcks`). Uses the driver's plan_version, schedule, deadline_s,
-    loss_scale, replica_peers, `_route_acks` and `_call`."""
+    loss_scale, attempt_id, replica_peers, `_route_acks` and `_call`."""
 
     def _info(self, step: int, mb: int, stage: int, work, layout=None, route=True) -> stage_pb2.CallInfo:
         """The call info of micro-batch `mb` of `work`; `layout`: (schedule, `stage_numbering`) with uneven
@@ -201,6 +201,7 @@ class RoutedCalls:
             chain=chain.index,
             loss_scale=self.loss_scale,
         )
+        info.attempt_id = self.attempt_id  # the driver's running attempt of the step
         if numbering is not None:  # uneven replica counts: each stage's replica numbers its own micro-batches
             info.stage_micro.extend(numbering[(chain.index, mb)][0])
             info.stage_micro_count.extend(numbering[(chain.index, mb)][1])

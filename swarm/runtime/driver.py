@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -131,6 +132,8 @@ class PipelineDriver(RoutedCalls):
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version, self.max_attempts = plan_version, max_attempts
         self._route_acks = RouteAcks()
+        self.attempt_id = 0
+        """the running attempt's random id (`CallInfo.attempt_id`; 0 before the first step)"""
         """peers that took the route under a plan version: calls to them leave it out (`swarm.runtime.callinfo`)"""
         self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
         if connector is None and signer is None:
@@ -472,6 +475,7 @@ class PipelineDriver(RoutedCalls):
             work = self._work(batch, chains)
             used = [w.chain for w in work]
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
+            self.attempt_id = 1 + secrets.randbits(62)  # a stage told to abandon it refuses its late calls
             try:
                 with self._heartbeat(used, wake):
                     loss, traffic = self._run_chains(step, work, wake)
@@ -532,7 +536,7 @@ class PipelineDriver(RoutedCalls):
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""
         # a stage that is gone, busy or stuck is skipped: the caller already reports the failure that matters
-        request = stage_pb2.StepRequest(step=step, abandon=True)
+        request = stage_pb2.StepRequest(step=step, abandon=True, attempt_id=self.attempt_id)
         calls = [
             spawn(lambda s=s, r=r: self._call(s, r, "Step", request, timeout=5), "abandon", self._threads)
             for s in range(self.n_stages)

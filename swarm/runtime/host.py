@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -111,6 +112,8 @@ class StageHost(NeighbourCalls):
         self.labels: dict[int, torch.Tensor] = {}
         """The open step's labels by micro-batch (last stage); dropped when the step ends."""
         self.compute_lock = threading.Lock()
+        self._abandoned: deque[tuple[int, int]] = deque(maxlen=16)
+        """(step, attempt id) of the attempts this stage was told to abandon: their late calls are refused"""
         self.steps_done = 0
         self.last_step: int | None = None
         """The last step this stage applied, and the lr it used: a retried Step for it changes nothing."""
@@ -156,6 +159,8 @@ class StageHost(NeighbourCalls):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this peer serves stage {self.role.stage}, not stage {info.stage}",
             )
+        if info.attempt_id and (info.step, info.attempt_id) in self._abandoned:
+            raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"that attempt of step {info.step} was abandoned")
         if len(info.route) != self.role.n_stages or len(info.route_peers) != self.role.n_stages:
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -445,6 +450,8 @@ class StageHost(NeighbourCalls):
             if not request.abandon and self._applied(request):
                 return self._last_lr
             if request.abandon:
+                if request.attempt_id:
+                    self._abandoned.append((request.step, request.attempt_id))
                 if self.open_step is not None and request.step != self.open_step:
                     raise CallRefused(
                         grpc.StatusCode.FAILED_PRECONDITION,

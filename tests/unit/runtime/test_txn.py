@@ -219,3 +219,50 @@ def test_a_step_committed_upstream_but_abandoned_downstream_recovers_through_the
         _check_ends_agree(pipe)
     finally:
         pipe.close()
+
+
+def test_late_calls_of_an_abandoned_attempt_are_refused_so_the_retry_waits_for_none(monkeypatch):
+    """A failed attempt's calls still in flight reached stages after its abandon and opened the step there again,
+    waiting for micro-batches that never came: the driver then waited its whole ABANDON_GRACE_S (5 s) before
+    the retry. Calls carry their attempt's id, and a stage told to abandon that attempt refuses them."""
+    import swarm.runtime.driver as driver_module
+
+    waits, real_wait = [], driver_module.wait
+
+    def recording(futures, timeout=None, **kw):
+        done, not_done = real_wait(futures, timeout=timeout, **kw)
+        waits.append((timeout, len(not_done)))
+        return done, not_done
+
+    monkeypatch.setattr(driver_module, "ABANDON_GRACE_S", 30.0)
+    monkeypatch.setattr(driver_module, "wait", recording)
+    _, attempts, _ = _run("default", (1, "Backward", 6))
+    assert attempts == [1, 2, 1]
+    assert [left for timeout, left in waits if timeout == 30.0] == [0], "every call of the failed attempt ended"
+
+
+def test_a_stage_refuses_only_the_abandoned_attempt_of_a_step_and_changes_nothing():
+    from swarm.net.stream import CallRefused
+    from swarm.proto import stage_pb2
+
+    pipe = _pipe("default")
+    try:
+        host = pipe.hosts[1]
+        host.step(stage_pb2.StepRequest(step=3, abandon=True, attempt_id=77))
+
+        def call(step: int, attempt_id: int) -> stage_pb2.CallInfo:
+            info = stage_pb2.CallInfo(step=step, stage=1, plan_version=host.role.plan_version, attempt_id=attempt_id)
+            info.route.extend(pipe.addresses)
+            info.route_peers.extend(p[0] for p in pipe.replica_peers)
+            return info
+
+        info = call(3, 77)
+        with pytest.raises(CallRefused, match="abandoned"):
+            host.check_call(info)
+        assert host.open_step is None
+        for other in (call(3, 78), call(4, 77)):
+            host.check_call(other)  # the retry's own attempt, another step: served
+        info.attempt_id = 0
+        host.check_call(info)  # a caller that names no attempt is never refused on this ground
+    finally:
+        pipe.close()
