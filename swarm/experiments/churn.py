@@ -55,7 +55,7 @@ PLAN_INPUTS = {
     True: "measured (--measured-plan: link probes and throughput-weighted chains; timing noise moves the plan "
     "and the sample split, so the settings differ before the first kill)",
 }
-QUICK_STEPS = 150
+QUICK_STEPS = 80
 QUICK_KILL_AT_S = 5.0
 
 
