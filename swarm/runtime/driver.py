@@ -475,7 +475,7 @@ class PipelineDriver(RoutedCalls):
             work = self._work(batch, chains)
             used = [w.chain for w in work]
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
-            self.attempt_id = 1 + secrets.randbits(62)  # a stage told to abandon it refuses its late calls
+            self.attempt_id = 1 + secrets.randbelow(0xFFFFFFFF)  # a stage told to abandon it refuses its late calls
             try:
                 with self._heartbeat(used, wake):
                     loss, traffic = self._run_chains(step, work, wake)
