@@ -103,7 +103,7 @@ class BufferStore:
             self._free = deque(free)
         if journal.rows:
             index = list(journal.rows)
-            self._data[torch.tensor(index, dtype=torch.long, device=_device_of(self._data))] = torch.stack(
+            self._data[torch.tensor(index, dtype=torch.long, device=_rows_of(self._data).device)] = torch.stack(
                 [journal.rows[i] for i in index]
             )
 
@@ -116,9 +116,10 @@ class BufferStore:
         journal = self._journal
         if journal is None:
             return
-        new = [s for s in dict.fromkeys(slots) if s not in journal.rows and s < _rows_held(self._data)]
+        held = _rows_of(self._data)
+        new = [s for s in dict.fromkeys(slots) if s not in journal.rows and held is not None and s < held.shape[0]]
         if new:
-            old = self._data[torch.tensor(new, dtype=torch.long, device=_device_of(self._data))].clone()
+            old = self._data[torch.tensor(new, dtype=torch.long, device=held.device)].clone()
             journal.rows.update(zip(new, old, strict=True))
         # rows never written before hold nothing to restore: an id that owns one was admitted in this step
 
@@ -199,17 +200,9 @@ class _Journal:
         return self.alloc is not None and (slot >= self.alloc[0] or slot in self.free)
 
 
-def _rows_held(data) -> int:
-    """Rows a store's data holds now (a growing store allocates lazily: rows past it were never written)."""
-    if data is None:
-        return 0
-    rows = getattr(data, "_rows", data)
-    return rows.shape[0]
-
-
-def _device_of(data) -> torch.device:
-    rows = getattr(data, "_rows", data)
-    return rows.device
+def _rows_of(data) -> torch.Tensor | None:
+    """The rows a store's data holds now (a growing store allocates lazily: rows past them were never written)."""
+    return None if data is None else getattr(data, "_rows", data)
 
 
 class MemoryBufferStore(BufferStore):

@@ -149,28 +149,26 @@ def relayed_links(order: str | None) -> int | None:
     return sum(a == b == "N" for a, b in zip(marks, marks[1:], strict=False))
 
 
-def relayed_by_link(text: str) -> dict[str, int]:
-    """`swarm_relayed_bytes_total` per `link` label ("<src>-><dst>") of a Prometheus text exposition."""
+def _counter_by_label(text: str, name: str, label: str) -> dict[str, int]:
+    """Counter `name`'s samples per value of `label` in a Prometheus text exposition (malformed lines skipped)."""
     out: dict[str, int] = {}
     for line in text.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] != RELAYED_BYTES or 'link="' not in line:
+        if line.split("{", 1)[0].split(" ", 1)[0] != name or f'{label}="' not in line:
             continue
         with contextlib.suppress(ValueError, IndexError):
-            link = line.split('link="', 1)[1].split('"', 1)[0]
-            out[link] = out.get(link, 0) + int(float(line.rsplit(" ", 1)[1]))
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0) + int(float(line.rsplit(" ", 1)[1]))
     return out
+
+
+def relayed_by_link(text: str) -> dict[str, int]:
+    """`swarm_relayed_bytes_total` per `link` label ("<src>-><dst>") of a Prometheus text exposition."""
+    return _counter_by_label(text, RELAYED_BYTES, "link")
 
 
 def relayed_connections_of(text: str) -> dict[str, int]:
     """`swarm_relayed_connections_total` per `path` label ("data-port" or "frames") of a text exposition."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.split("{", 1)[0] != "swarm_relayed_connections_total" or 'path="' not in line:
-            continue
-        with contextlib.suppress(ValueError, IndexError):
-            path = line.split('path="', 1)[1].split('"', 1)[0]
-            out[path] = out.get(path, 0) + int(float(line.rsplit(" ", 1)[1]))
-    return out
+    return _counter_by_label(text, "swarm_relayed_connections_total", "path")
 
 
 def relayed_bytes_of(text: str) -> int:

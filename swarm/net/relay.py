@@ -309,15 +309,9 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
 
         threading.Thread(target=upstream, name="swarm-relay-up", daemon=True).start()
         meter = self._meter(target, caller)
-        while True:
-            try:
-                data = sock.recv(256 << 10)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            meter(len(data))
-            yield stage_pb2.RelayFrame(data=data)
+        for frame in _socket_frames(sock):
+            meter(len(frame.data))
+            yield frame
         if pending.error is not None:
             raise pending.error
 
@@ -328,30 +322,19 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         with self._lock:
             offer = self._offers.get(conn_id)
             if offer is not None:  # a Connect's caller taking the data port offered to it
-                if offer.caller != peer or not hmac.compare_digest(offer.secret, secret) or offer.decided.is_set():
-                    return False
-                try:
-                    sock.sendall(TAKEN)
-                except OSError:
-                    return False
-                offer.sock = sock
-                offer.decided.set()
-                return True
-            pending = self._pending.get(conn_id)
-            if (
-                pending is None
-                or pending.target != peer
-                or not hmac.compare_digest(pending.secret, secret)
-                or pending.taken()
-            ):
+                slot, asked, taken, ready = offer, offer.caller, offer.decided.is_set(), offer.decided
+            elif (pending := self._pending.get(conn_id)) is not None:  # the target taking its connection
+                slot, asked, taken, ready = pending, pending.target, pending.taken(), pending.accepted
+            else:
                 return False
-            pending.sock = sock
+            if asked != peer or taken or not hmac.compare_digest(slot.secret, secret):
+                return False
             try:
                 sock.sendall(TAKEN)
             except OSError:
-                pending.sock = None
                 return False
-        pending.accepted.set()
+            slot.sock = sock
+            ready.set()
         return True
 
     def listen_raw(self, host: str, port: int = 0) -> int:

@@ -31,7 +31,10 @@ from collections.abc import Callable
 
 from swarm.net.auth import MAX_TOKEN_BYTES, TOKEN_KEY, AuthError
 
-__all__ = ["HELLO", "SECRET_BYTES", "TAKEN", "DataPort", "dial_data_port", "hello", "new_secret", "splice"]
+__all__ = [
+    "HELLO", "RAW_RETRY_S", "SECRET_BYTES", "TAKEN", "DataPort", "DataPortPaths", "dial_data_port", "hello",
+    "new_secret", "shut", "splice",
+]  # fmt: skip
 
 log = logging.getLogger("swarm.relay")
 
@@ -40,6 +43,8 @@ HELLO = struct.Struct("!4sBQ16sH")
 """magic, version, conn_id, secret, token length (the token follows)"""
 SECRET_BYTES = 16
 TAKEN = b"\x01"
+RAW_RETRY_S = 60.0
+"""After a relay's data port failed, connections through that relay take the frame path this long."""
 ACCEPT_RETRY_S = 0.1
 """After a failed accept() (no descriptors left), the data port accepts again this much later."""
 COPY_BYTES = 256 << 10
@@ -200,3 +205,31 @@ def dial_data_port(host: str, port: int, conn_id: int, secret: bytes, token: byt
         log.info("relay data port %s:%d did not take connection %d: %s", host, port, conn_id, e)
         shut(sock)
         return None
+
+
+class DataPortPaths:
+    """A tunnel end's use of relays' data ports (the attached peer's and the caller's alike): which relays' ports
+    to try, and the dial; a relay whose port failed is not tried again for `RAW_RETRY_S` (a volunteer who
+    forwarded only the gRPC port).
+
+    Args:
+        enabled: False: never (every connection's bytes go as frames).
+        timeout_s: how long one dial and hello may take.
+    """
+
+    def __init__(self, enabled: bool, timeout_s: float):
+        self.enabled, self.timeout_s = enabled, timeout_s
+        self.failed: dict[str, float] = {}
+        """relay address -> until when its data port is not tried"""
+
+    def usable(self, relay_address: str) -> bool:
+        return self.enabled and self.failed.get(relay_address, 0) < time.monotonic()
+
+    def dial(self, relay_address: str, port: int, conn_id: int, secret: bytes, metadata) -> socket.socket | None:
+        """A connection the relay at `relay_address` took for `conn_id` on its data `port`, the hello signed by
+        the call token in `metadata` (the one the end's calls to that relay carry); None when it failed."""
+        host = relay_address.rsplit(":", 1)[0]
+        sock = dial_data_port(host, port, conn_id, secret, dict(metadata)[TOKEN_KEY], self.timeout_s)
+        if sock is None:
+            self.failed[relay_address] = time.monotonic() + RAW_RETRY_S
+        return sock

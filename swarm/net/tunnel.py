@@ -8,15 +8,13 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
-from swarm.net.auth import TOKEN_KEY
-from swarm.net.splice import dial_data_port, splice
+from swarm.net.splice import COPY_BYTES, DataPortPaths, shut, splice
 from swarm.peers.transport import TransportConfig
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
@@ -28,9 +26,7 @@ __all__ = ["READ_BYTES", "Attachment", "RelayError", "RelayLimits", "RelayRoute"
 
 log = logging.getLogger("swarm.relay")
 
-RAW_RETRY_S = 60.0
-"""After a relay's data port failed, connections through that relay take the Accept stream this long."""
-READ_BYTES = 256 << 10
+READ_BYTES = COPY_BYTES
 """Bytes read from a socket per frame (a frame carries at most `RelayLimits.max_frame_bytes`)."""
 
 
@@ -101,17 +97,7 @@ def _drain(replies: Iterator, sock: socket.socket) -> None:
     except (grpc.RpcError, RelayError, OSError) as e:
         log.info("tunnel closed: %s", e)
     finally:
-        _shut(sock)
-
-
-def _shut(sock: socket.socket) -> None:
-    """Shuts `sock` down, then closes it: a listener whose `_serve` thread sits in accept() stays listening after
-    a plain close, and a connection's peer sees the end at once."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
+        shut(sock)
 
 
 _CHANNEL_OPTIONS = TransportConfig().channel_options()
@@ -157,9 +143,8 @@ class Tunnels:
         local: RelayServicer | None = None,
         raw: bool = True,
     ):
-        self.signer, self.route, self.local, self.raw = signer, route, local, raw
-        self._raw_failed: dict[str, float] = {}
-        """relay address -> until when its data port is not tried (it failed)"""
+        self.signer, self.route, self.local = signer, route, local
+        self._raw = DataPortPaths(raw and signer is not None, RelayLimits.attach_connect_s)
         self.my_id = local.peer_id if local is not None else None
         self.own_address: str | None = None
         """this peer's own server as it listens (set once it is relayed): its calls to itself are dialed there,
@@ -183,7 +168,7 @@ class Tunnels:
                 # its relay changed: a new listener, so the caller's channel pool sees a new target and retires
                 # the old channel (calls on it finish through the old relay, which keeps the peer's old Attach
                 # for MOVE_GRACE_S); new connections no longer pin themselves to the relay being left
-                _shut(held[0])
+                shut(held[0])  # a listener whose thread sits in accept() stays listening after a plain close
                 held = None
             if held is None:
                 listener = socket.create_server(("127.0.0.1", 0))
@@ -221,7 +206,7 @@ class Tunnels:
                 return
             metadata = self.signer.metadata(route.relay_id) if self.signer is not None else ()
             stub = stage_pb2_grpc.RelayStub(self._relay_channel(route.relay_address))
-            if self.raw and self.signer is not None and self._raw_failed.get(route.relay_address, 0) < time.monotonic():
+            if self._raw.usable(route.relay_address):
                 self._connect_offered(route, sock, stub, metadata)
                 return
             replies = stub.Connect(_socket_frames(sock, stage_pb2.RelayFrame(target=route.peer_id)), metadata=metadata)
@@ -255,27 +240,23 @@ class Tunnels:
                 first = next(replies)
             except (grpc.RpcError, StopIteration) as e:
                 log.info("tunnel to %s closed: %s", route.peer_id, e)
-                _shut(sock)
+                shut(sock)
                 return
             if first.splice_port:
-                token = dict(self.signer.metadata(route.relay_id))[TOKEN_KEY]
-                host = route.relay_address.rsplit(":", 1)[0]
                 secret = bytes(first.splice_secret)
-                timeout = RelayLimits().attach_connect_s
-                relay_sock = dial_data_port(host, first.splice_port, first.conn_id, secret, token, timeout)
+                relay_sock = self._raw.dial(route.relay_address, first.splice_port, first.conn_id, secret, metadata)
                 if relay_sock is not None:
                     raw.append(relay_sock)
                     decided.set()
                     splice(sock, relay_sock)
                     return
-                self._raw_failed[route.relay_address] = time.monotonic() + RAW_RETRY_S
             decided.set()
             if first.data:
                 sock.sendall(first.data)
             _drain(replies, sock)
         except OSError as e:
             log.info("tunnel to %s closed: %s", route.peer_id, e)
-            _shut(sock)
+            shut(sock)
         finally:
             decided.set()
             done.set()
@@ -286,7 +267,7 @@ class Tunnels:
             listeners, self._listeners = list(self._listeners.values()), {}
             channels, self._channels = list(self._channels.values()), {}
         for listener, _, _ in listeners:
-            _shut(listener)
+            shut(listener)
         for channel in channels:
             channel.close()
 
@@ -317,10 +298,8 @@ class Attachment:
         self.attached = threading.Event()
         """set while the relay holds our Attach"""
         self.relay_id: str | None = None
-        self.raw = raw
-        """take connections by the relay's data port when it offers one (False: always the Accept stream)"""
-        self._raw_failed: dict[str, float] = {}
-        """relay address -> until when its data port is not tried (it failed)"""
+        self._raw = DataPortPaths(raw, self.limits.attach_connect_s)
+        """takes connections by the relay's data port when it offers one (`raw` False: always the Accept stream)"""
         self._stop = threading.Event()
         self._call = None
         self._thread = threading.Thread(target=self._run, name="swarm-attach", daemon=True)
@@ -373,7 +352,7 @@ class Attachment:
                     log.info("attached to relay %s at %s", relay_id, relay_address)
                 if down.conn_id:
                     raw = None
-                    if down.splice_port and self.raw and self._raw_failed.get(relay_address, 0) < time.monotonic():
+                    if down.splice_port and self._raw.usable(relay_address):
                         raw = (relay_address, down.splice_port, bytes(down.splice_secret))
                     threading.Thread(
                         target=self._accept, args=(stub, metadata, down.conn_id, raw), name="swarm-accept", daemon=True
@@ -392,14 +371,10 @@ class Attachment:
             return
         if raw is not None:  # the relay's data port: plain TCP; else (or when that fails) the Accept stream
             relay_address, port, secret = raw
-            token = dict(metadata)[TOKEN_KEY]
-            host = relay_address.rsplit(":", 1)[0]
-            relay_sock = dial_data_port(host, port, conn_id, secret, token, self.limits.attach_connect_s)
+            relay_sock = self._raw.dial(relay_address, port, conn_id, secret, metadata)
             if relay_sock is not None:
                 splice(sock, relay_sock)
                 return
-            # a data port that cannot be reached (only the gRPC port forwarded) is not tried again for a while
-            self._raw_failed[relay_address] = time.monotonic() + RAW_RETRY_S
         try:
             replies = stub.Accept(_socket_frames(sock, stage_pb2.RelayFrame(conn_id=conn_id)), metadata=metadata)
         except grpc.RpcError:

@@ -179,7 +179,11 @@ class LinkEnds:
 
     def _ends(self) -> list[Direction]:
         with self.lock:
-            return [self.fw_recv, self.bw_recv, *self._send.values()]
+            return self._ends_held()
+
+    def _ends_held(self) -> list[Direction]:
+        """Every end (the lock held)."""
+        return [self.fw_recv, self.bw_recv, *self._send.values()]
 
     def begin_step(self, step: int) -> None:
         """`step` opens on this stage: every codec-state change from here on is journalled per end until
@@ -188,7 +192,7 @@ class LinkEnds:
             if self.step is not None:
                 self._end(False)
             self.step = step
-            for end in (self.fw_recv, self.bw_recv, *self._send.values()):
+            for end in self._ends_held():
                 end.state.begin_step()
 
     def end_step(self, commit: bool = True) -> None:
@@ -199,7 +203,7 @@ class LinkEnds:
             self._end(commit)
 
     def _end(self, commit: bool) -> None:
-        for end in (self.fw_recv, self.bw_recv, *self._send.values()):
+        for end in self._ends_held():
             end.state.end_step(commit)
         undo, self._undo, self.step = self._undo, [], None
         if not commit:

@@ -287,7 +287,9 @@ def relay_shares(layout: Layout, plan_input: PlanInput, relays: Mapping[str, str
 def _cost(
     plan_input: PlanInput, relays: Mapping[str, str | None], model: ModelSpec, shares, tunnel_s: float
 ) -> FullCost:
-    """The cost model on the relayed links: `TunnelCost`, or `FullCost` itself when no peer is unreachable."""
+    """The cost model on the relayed links: `TunnelCost`, or `FullCost` itself when no peer is unreachable.
+    Every pricing goes through here, so this is where `tunnel_s` is checked."""
+    tunnel_s = _checked_tunnel_s(tunnel_s)
     effective = relayed_input(plan_input, relays, shares)
     unreachable = unreachable_of(plan_input, relays)
     if not unreachable.any():
@@ -305,7 +307,6 @@ def price(
 ) -> Breakdown:
     """A layout's predicted step, its relayed links through their relays, each relay shared by the layout's
     relayed links, and `tunnel_s` per message through a tunnel."""
-    tunnel_s = _checked_tunnel_s(tunnel_s)
     shares = relay_shares(layout, plan_input, relays)
     return _cost(plan_input, relays, model, shares, tunnel_s).evaluate(layout)
 
@@ -320,7 +321,6 @@ def plan_relayed(
 ) -> Plan:
     """`search.plan` for a swarm with unreachable peers (equal to it when every peer is reachable); `tunnel_s`:
     what a message through a tunnel costs beyond its bytes (module docstring)."""
-    tunnel_s = _checked_tunnel_s(tunnel_s)
     best = None
     shares: dict[int, int] = {}
     for _ in range(2):
@@ -361,7 +361,7 @@ def shared_cost(
     """The cost model `price` uses for the plan `made`'s peers (each relay shared by its relayed links, the
     tunnels charged), for re-pricing that layout with other layers (the live planner's even layers)."""
     layout = _layout_of(made, plan_input)  # the layers do not matter to the shares
-    return _cost(plan_input, relays, model, relay_shares(layout, plan_input, relays), _checked_tunnel_s(tunnel_s))
+    return _cost(plan_input, relays, model, relay_shares(layout, plan_input, relays), tunnel_s)
 
 
 def relay_extra_s(
@@ -383,8 +383,9 @@ def relay_extra_s(
     tunnel_s = _checked_tunnel_s(tunnel_s)
     layout = _layout_of(made, plan_input)
     paths = relay_paths(plan_input, relays)
-    tunnelled = tunnel_s > 0 and bool(unreachable_of(plan_input, relays)[layout.grid.ravel()].any())
-    pairs = _talking_pairs(layout, ~unreachable_of(plan_input, relays))
+    unreachable = unreachable_of(plan_input, relays)
+    tunnelled = tunnel_s > 0 and bool(unreachable[layout.grid.ravel()].any())
+    pairs = _talking_pairs(layout, ~unreachable)
     if model.tied and layout.stages > 1:  # the end stages' tied sum: priced through its relays too (`tied_s`)
         members = [int(p) for p in np.concatenate([layout.grid[0], layout.grid[-1]])]
         pairs += [(a, b) for a in members for b in members if a != b]

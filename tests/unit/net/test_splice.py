@@ -108,21 +108,21 @@ def test_a_peer_that_cannot_reach_the_data_port_falls_back_to_the_accept_stream(
         tunnels = caller_tunnels(relay_address)
         try:
             assert probe(tunnels, b"through frames") == b"through frames"
-            assert relay_address in attachment._raw_failed, "not tried again for a while"
+            assert relay_address in attachment._raw.failed, "not tried again for a while"
         finally:
             tunnels.close()
             attachment.close()
 
 
 def test_a_caller_that_cannot_reach_the_data_port_sends_frames_instead(monkeypatch):
-    import swarm.net.tunnel as tunnel
+    import swarm.net.splice as splice_module
 
-    dial = tunnel.dial_data_port
+    dial = splice_module.dial_data_port
 
     def callers_fail(*args):  # the caller's tunnel thread cannot reach the port; P's Accept threads can
         return None if threading.current_thread().name == "swarm-tunnel-conn" else dial(*args)
 
-    monkeypatch.setattr(tunnel, "dial_data_port", callers_fail)
+    monkeypatch.setattr(splice_module, "dial_data_port", callers_fail)
     metrics = Metrics()
     relay = relay_servicer(metrics=metrics)
     taken = counting(relay)
@@ -133,7 +133,7 @@ def test_a_caller_that_cannot_reach_the_data_port_sends_frames_instead(monkeypat
         try:
             payload = b"q" * (300 << 10)
             assert probe(tunnels, payload) == payload
-            assert relay_address in tunnels._raw_failed, "the next connections do not ask for it"
+            assert relay_address in tunnels._raw.failed, "the next connections do not ask for it"
         finally:
             tunnels.close()
             attachment.close()
@@ -310,7 +310,7 @@ def test_without_a_data_port_a_splice_asking_connect_gets_an_empty_first_reply_t
         tunnels = caller_tunnels(relay_address)
         try:
             assert probe(tunnels, b"frames both legs") == b"frames both legs"
-            assert tunnels._raw_failed == {}, "nothing offered, nothing failed"
+            assert tunnels._raw.failed == {}, "nothing offered, nothing failed"
         finally:
             tunnels.close()
             attachment.close()
