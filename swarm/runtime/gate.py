@@ -8,7 +8,7 @@ computes what the in-process one does, and 1F1B's bound on activations in flight
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 
 from swarm.runtime.routes import route_replicas
@@ -89,18 +89,23 @@ class ScheduleGate:
         n_micro: int,
         timeout_s: float,
         cancelled: threading.Event | None = None,
+        open_step: Callable[[], int | None] | None = None,
     ):
         """Waits until `kind mb` of `step` is this stage's next action, runs the body, then moves on.
 
         The body gets a callable telling whether its step is still the gate's (no reset or new step since):
         check it under the compute lock before changing the worker's state. A set `cancelled` (the caller gave
-        up; call `wake()` after setting it) ends the wait at once.
+        up; call `wake()` after setting it) ends the wait at once. `open_step()`: the stage's open step; a call
+        whose step the stage closed after admitting it (an abandon in between) does not begin that step again
+        here, where it would wait for micro-batches that never come.
         """
         want = Action(self.stage, kind, mb)
         with self._cond:
             if self._step != step:
                 if self._step is not None and self._pos < len(self._program):
                     raise GateError(f"step {step} arrived while step {self._step} is unfinished on this stage")
+                if open_step is not None and open_step() != step:
+                    raise GateError(f"step {step} was abandoned on this stage before {want} reached its turn")
                 self._begin(step, schedule, n_micro)
                 self._cond.notify_all()  # whoever watches the gate sees the new step
             if want not in self._program:

@@ -159,8 +159,7 @@ class StageHost(NeighbourCalls):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this peer serves stage {self.role.stage}, not stage {info.stage}",
             )
-        if info.attempt_id and (info.step, info.attempt_id) in self._abandoned:
-            raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"that attempt of step {info.step} was abandoned")
+        self._check_attempt(info)
         if len(info.route) != self.role.n_stages or len(info.route_peers) != self.role.n_stages:
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -205,9 +204,15 @@ class StageHost(NeighbourCalls):
         if call is not None:
             self._check_payload(call, kind)
         with self.compute_lock:
+            self._check_attempt(info)  # again, atomic with the open: an abandon may have landed since check_call
             self.open(info.step, caller)
             with self._calls:
                 self._inflight += 1
+
+    def _check_attempt(self, info: stage_pb2.CallInfo) -> None:
+        """Refuses a late call of an attempt this stage was told to abandon (it would open the step again)."""
+        if info.attempt_id and (info.step, info.attempt_id) in self._abandoned:
+            raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"that attempt of step {info.step} was abandoned")
 
     def orphaned(self, idle_s: float) -> bool:
         """Whether the open step has had no call in flight, and none admitted, for `idle_s` seconds."""
@@ -395,7 +400,8 @@ class StageHost(NeighbourCalls):
     def _turn(self, info: stage_pb2.CallInfo, kind: Kind, cancelled: threading.Event | None = None):
         mb, n_micro = local_micro(info, self.role.stage)
         timeout_s = self._deadline(info)
-        return self.gate.turn(info.step, kind, mb, info.schedule or DEFAULT_SCHEDULE, n_micro, timeout_s, cancelled)
+        schedule = info.schedule or DEFAULT_SCHEDULE
+        return self.gate.turn(info.step, kind, mb, schedule, n_micro, timeout_s, cancelled, lambda: self.open_step)
 
     def _mb(self, info: stage_pb2.CallInfo) -> int:
         """The call's micro-batch at this replica: its index among this replica's micro-batches of the step
@@ -491,8 +497,10 @@ class StageHost(NeighbourCalls):
         """Ends the open step: applied (`commit`) or abandoned, which undoes its codec-state changes."""
         self.averager.end_step()
         self.links.end_step(commit)
-        self.gate.reset()
+        # closed before the gate resets: a call admitted for this step that reaches the gate after the reset
+        # finds the step closed and does not begin it again (`ScheduleGate.turn`'s `open_step`)
         self.open_step, self._owner, self._progressed = None, None, False
+        self.gate.reset()
         self.labels = {}
 
     def _deadline(self, info: stage_pb2.CallInfo) -> float:
