@@ -1,7 +1,7 @@
 """Per-step cost of averaging one stage's gradients between two replicas on 127.0.0.1: hivemind's
 DecentralizedAverager (matchmaking + all-reduce, a group of 2) against the stage service's Reduce/Average.
 
-This is the measured reason for the choice in docs/ARCHITECTURE.md ("Replicas"). Prints one line per setting
+This is the measured reason for the choice in docs/reports/replicas.md. Prints one line per setting
 (`--json`: one JSON object per line). hivemind's 8-bit codecs crash at decode under numpy 2, so it runs
 uncompressed and with Float16Compression; Reduce runs with fp32 and with gradq (4 bits, error feedback).
 
