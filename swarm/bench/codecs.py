@@ -13,8 +13,8 @@ import warnings
 
 import torch
 
-from swarm.bench.common import emit, median_seconds
 from swarm.compression import CodecConfig, LinkState, frame, make_codec
+from swarm.report import emit, median_seconds
 
 OURS = [
     "fp32", "fp16", "bf16", "directq2", "directq2+ch", "directq4", "directq8",

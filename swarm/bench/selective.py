@@ -19,7 +19,7 @@ from functools import cache
 
 import numpy as np
 
-from swarm.bench.common import emit
+from swarm.report import emit
 from swarm.scheduler.bits import (
     AVERAGE_LADDER,
     BACKWARD_LADDER,

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from swarm.bench.common import emit, median_seconds
+from swarm.report import emit, median_seconds
 
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
 CODECS = ["fp32", "fp16", "directq8", "directq4", "directq2"]

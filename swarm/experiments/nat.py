@@ -218,7 +218,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
     row = {"setting": setting, "nat_peers": len(nat)}
     if cfg.netns:
         return {**row, **_run_netns(cfg, nat, out / setting, supported)}
-    from swarm.bench.common import free_port
+    from swarm.report import free_port
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
@@ -442,7 +442,7 @@ def config_from_args(args: argparse.Namespace) -> NatConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.bench.common import emit
+    from swarm.report import emit
 
     try:
         cfg = config_from_args(args)

@@ -503,7 +503,7 @@ def _run_baseline(cfg: ThrottledConfig, out: Path, say) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from swarm.bench.common import print_table
+    from swarm.report import print_table
 
     try:
         cfg = config_from_args(args)
