@@ -40,7 +40,7 @@ def predict_chain(
     delay_s: float = 0.0,
 ) -> float:
     """Predicted step time of one chain (peer k holds stage k, layers split evenly), as the planner sees it."""
-    from swarm.daemon.planning import model_spec
+    from swarm.scheduler.sizes import model_spec
 
     model = model or ModelConfig()
     spec = model_spec(model, CodecConfig.parse(fw), CodecConfig.parse(bw), micro_batch_size, micro_batches)

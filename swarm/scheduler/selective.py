@@ -8,7 +8,7 @@ step shows the epilogue it will run. `choose_for_plan` is both, what the live pl
 
 Sizes: the cost model counts a layer's gradient at `TransformerShape.gradient_bits` (8) bits an element, so
 a stage's elements are its layers x `gradient_bytes_per_layer` x 8 / 8; the tied weight's elements are read back
-from `ModelSpec.tied_bytes`, which `swarm.daemon.capacity.tied_bytes` measures at the tied floor's 4 bits
+from `ModelSpec.tied_bytes`, which `swarm.scheduler.sizes.tied_bytes` measures at the tied floor's 4 bits
 (`GradientAverager.tied_min_bits`, the default backward codec).
 """
 
