@@ -40,24 +40,21 @@ def _package_folder(name: str) -> Path:
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the `swarm` namespace by dotted name, the mapped folders (compression/, kernels/, ...)
-    found where the import system finds them."""
+    """Every module of the `swarm` namespace by dotted name: swarm/ walked whole, and the folders mapped into
+    it (compression/, kernels/, peers/, proto/) found where the import system finds them."""
     root = _package_folder("swarm")
     roots = {"swarm": root}
     for names in LAYERS:
         for name in names:
             spec = importlib.util.find_spec(f"swarm.{name}")
             assert spec is not None, f"swarm.{name} (in swarm.layers.LAYERS) does not exist"
-            if spec.submodule_search_locations:
-                roots[f"swarm.{name}"] = Path(spec.submodule_search_locations[0])
+            folder = spec.submodule_search_locations and Path(spec.submodule_search_locations[0])
+            if folder and folder.parent != root:
+                roots[f"swarm.{name}"] = folder
     files: dict[str, Path] = {}
     for prefix, folder in roots.items():
         for path in sorted(folder.rglob("*.py")):
             parts = list(path.relative_to(folder).with_suffix("").parts)
-            if prefix == "swarm" and parts[0] != "__init__" and (root / parts[0]).is_dir():
-                if f"swarm.{parts[0]}" not in roots:
-                    raise AssertionError(f"{path}: package swarm.{parts[0]} is in no layer of swarm.layers.LAYERS")
-                continue  # a subpackage: walked from its own entry
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             files[".".join([prefix, *parts])] = path
@@ -149,8 +146,9 @@ def imports() -> list[Import]:
 def test_every_package_has_one_layer():
     names = [name for layer in LAYERS for name in layer]
     assert len(names) == len(set(names)), "a package is in two layers"
-    for path in module_files().values():
-        assert path.suffix == ".py"
+    packages = {package_of(module) for module in module_files()} - {None}
+    missing, gone = sorted(packages - set(names)), sorted(set(names) - packages)
+    assert not missing and not gone, f"in no layer of swarm.layers.LAYERS: {missing}; listed but gone: {gone}"
 
 
 def test_no_import_goes_upward_or_sideways(imports):
@@ -168,12 +166,15 @@ def test_no_package_level_cycle(imports):
     cycles = package_cycles(imports)
     lines = []
     for component in cycles:
-        members = set(component)
         lines.append(" <-> ".join(component))
+        between: dict[tuple[str, str], list[Import]] = defaultdict(list)
         for imp in imports:
             a, b = package_of(imp.source), package_of(imp.target)
-            if a in members and b in members and a != b:
-                lines.append(f"  {imp.where}: {imp.source} imports {imp.target}")
+            if a in component and b in component and a != b:
+                between[a, b].append(imp)
+        for (a, b), found in sorted(between.items()):
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            lines.append(f"  {a} -> {b}: {found[0].where}: {found[0].source} imports {found[0].target}{more}")
     assert not cycles, "package-level import cycles:\n" + "\n".join(lines)
 
 
