@@ -17,7 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("peers",),  # DHT records and node, transport, the link shaper
     ("net",),  # stage calls on the wire, how to reach a stage
     ("runtime",),  # the stage runtime, the driver
-    ("scheduler",),  # the planner and its cost model, capacity and message sizes
+    ("scheduler",),  # the planner, its cost model and the message sizes it plans with
     ("options",),  # shared command-line options
     ("daemon",),  # swarm-peer, live planning
     ("train",),  # swarm train

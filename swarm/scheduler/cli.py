@@ -1,7 +1,8 @@
-"""`swarm plan`: plan stages, layer ranges and peers for a DT-FM scenario, a JSON file or (later) the DHT.
+"""`swarm plan`'s flags, and its plans for a DT-FM scenario or a JSON file.
 
 Reads the swarm into a `PlanInput`, runs the planner and prints the plan (or its JSON). The same code path
-serves simulations and live swarms: only where the `PlanInput` comes from differs.
+serves simulations and live swarms: only where the `PlanInput` comes from differs (`--dht`, the live swarm's
+announcements and link probes, is read by `swarm.daemon.live_plan`, the command's entry point).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 TIED_SPEC_BITS = 4
-"""Bits an element of `ModelSpec.tied_bytes` as `capacity.tied_bytes` measures it (the tied floor)."""
+"""Bits an element of `ModelSpec.tied_bytes` as `sizes.tied_bytes` measures it (the tied floor)."""
 
 
 def tied_elements(spec: ModelSpec) -> float:

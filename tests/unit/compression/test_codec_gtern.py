@@ -115,7 +115,7 @@ def test_a_gsign_message_relabelled_as_gtern_is_refused():
 
 
 def test_the_planners_tied_estimate_follows_the_averager():
-    """`capacity.tied_bytes` sizes a gtern (or gsign) backward's tied sum as the gradq sum the averager sends."""
+    """`sizes.tied_bytes` sizes a gtern (or gsign) backward's tied sum as the gradq sum the averager sends."""
     from swarm.model.gpt import ModelConfig
     from swarm.scheduler.sizes import tied_bytes
 
