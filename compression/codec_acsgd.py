@@ -36,6 +36,7 @@ class ACSGDCodec(AQSGDCodec):
     """AQ-SGD with the paper's quantizer: fp16 max-abs scale per group, symmetric grid with zero (module doc)."""
 
     name, wire = "acsgd", wire_pb2.ACSGD
+    device_encoded = True  # the symmetric quantizer and the fused update have CUDA kernels
 
     def payload_nbytes(self, numel: int) -> int:
         return packed_nbytes(numel, self.config.bits) + 2 * math.ceil(numel / group_size(self.config))

@@ -46,6 +46,52 @@ class Codec:
     """reads `TensorMessage.rotation`; every other codec refuses a message that sets it (it would decode unrotated)"""
     ranked: ClassVar[bool] = False
     """takes a rank (`CodecConfig.rank`), written in its label where a quantized codec writes its bits: `lowrank4`"""
+    rated: ClassVar[bool] = False
+    """takes a rate weight (`CodecConfig.rate_percent`, label suffix `+rN`)"""
+    compact_scales: ClassVar[bool] = False
+    """can send its group scales in 16 bits (`CodecConfig.scale_dtype`, label suffixes `+cs`, `+bs`)"""
+    device_encoded: ClassVar[bool] = False
+    """a sending end on a GPU encodes there, its message buffers kept on the device (kernels for its quantizer
+    on CUDA); every other codec's ends encode on the host"""
+
+    TRAITS: ClassVar[tuple[str, ...]] = (
+        "quantized",
+        "error_feedback",
+        "uses_buffers",
+        "rotates",
+        "ranked",
+        "rated",
+        "compact_scales",
+        "device_encoded",
+    )
+    """The boolean traits every codec declares (its own or inherited); the registry checks them at import."""
+
+    @classmethod
+    def check(cls, config: CodecConfig) -> None:
+        """Refuses (ValueError) values of this codec's own parameters that it cannot send; `CodecConfig` checks
+        the shared ones, and that a codec's fields are left at their defaults for codecs without the trait."""
+
+    @classmethod
+    def label(cls, config: CodecConfig) -> str:
+        """The short name of `config` for tables, plots and plans: the name, the bit width of a quantized codec,
+        then suffixes for what differs from the defaults: `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot+cs`,
+        `tern+ch+r50` (rounding and group size are not part of it; `CodecConfig.parse` reads it back)."""
+        return (
+            (f"{cls.name}{config.bits}" if cls.quantized else cls.name)
+            + ("+ef" if config.error_feedback else "")
+            + ("+ch" if config.group_layout == "channel" else "")
+            + ("+rot" if config.rotation == "hadamard" else "")
+            + {"float32": "", "auto": "+cs", "bfloat16": "+bs"}[config.scale_dtype]
+            + (f"+r{config.rate_percent}" if config.rate_percent else "")
+        )
+
+    @classmethod
+    def nominal_bits(cls, config: CodecConfig) -> float:
+        """Bits per element of the codes themselves, scales aside (the codec benchmark's `bits` column): a
+        quantized codec's bit width; any other codec says its own."""
+        if not cls.quantized:
+            raise NotImplementedError(f"{cls.__name__} must say its nominal bits")
+        return config.bits
 
     @classmethod
     def sum_config(cls, config: CodecConfig) -> CodecConfig:

@@ -91,6 +91,10 @@ class BilevelCodec(LowBitDeltaCodec):
     def wire_bits(cls, config) -> int:
         return 1
 
+    @classmethod
+    def nominal_bits(cls, config) -> float:
+        return 1
+
     def payload_nbytes(self, numel: int) -> int:
         return math.ceil(numel / 8) + 4 * math.ceil(numel / group_size(self.config))
 

@@ -41,7 +41,7 @@ class GradQCodec(DirectQCodec):
     """Quantized activation gradients; with error feedback, each micro-batch's quantization error is added to
     the next micro-batch's gradient within the same step (Optimus-CC's lazy error propagation)."""
 
-    name, wire, error_feedback, rotates = "gradq", wire_pb2.GRADQ, True, True
+    name, wire, error_feedback, rotates, compact_scales = "gradq", wire_pb2.GRADQ, True, True, True
 
     def payload_nbytes(self, numel: int) -> int:
         group = group_size(self.config)

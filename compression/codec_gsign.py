@@ -68,6 +68,10 @@ class GSignCodec(Codec):
         return 1
 
     @classmethod
+    def nominal_bits(cls, config) -> float:
+        return 1
+
+    @classmethod
     def sum_config(cls, config):
         """Gradient sums keep gradq's bit floors (`GradientAverager.min_bits`, `tied_min_bits`): the same rotation,
         rounding and groups, 16-bit scales. A sign has no bit width to raise, and the tied sum's error feedback

@@ -35,12 +35,16 @@ from swarm.proto import wire_pb2
 class GTernCodec(GSignCodec):
     """Ternary activation gradients with a rate weight (`+rN`), rotation (`+rot`), error feedback (`+ef`)."""
 
-    name, wire = "gtern", wire_pb2.GTERN
+    name, wire, rated = "gtern", wire_pb2.GTERN, True
     code_bits = 0
 
     @classmethod
     def wire_bits(cls, config) -> int:
         return 2  # the planner's integer figure: never below what the codes (1.6 bits packed) and scales take
+
+    @classmethod
+    def nominal_bits(cls, config) -> float:
+        return 8 / TRITS_PER_BYTE  # 5 ternary codes a byte
 
     def _code_nbytes(self, numel: int) -> int:
         return math.ceil(numel / TRITS_PER_BYTE)

@@ -117,6 +117,26 @@ class LowRankCodec(Codec):
     def wire_bits(cls, config) -> int:
         return 1  # the planner's integer figure: (rows + cols) r bits / (rows cols) is under 1 at any useful rank
 
+    @classmethod
+    def nominal_bits(cls, config) -> float:
+        return config.factor_bits  # the factors' codes
+
+    @classmethod
+    def check(cls, config) -> None:
+        if not 1 <= config.rank <= MAX_RANK:
+            raise ValueError(f"rank is 1..{MAX_RANK}, got {config.rank}")
+        if config.factor_bits not in FACTOR_BITS:
+            raise ValueError(f"factor_bits (+fN) is one of {FACTOR_BITS}, got {config.factor_bits}")
+
+    @classmethod
+    def label(cls, config) -> str:
+        """`lowrank4`, `lowrank4+ef+f8`: the rank where a quantized codec writes its bits."""
+        return (
+            f"{cls.name}{config.rank}"
+            + ("+ef" if config.error_feedback else "")
+            + ("+f8" if config.factor_bits == 8 else "")
+        )
+
     def _shape(self, numel: int) -> tuple[int, int, int]:
         rows, cols = matrix_shape(numel, self.config.group_size)
         return rows, cols, min(self.config.rank, rows, cols)

@@ -18,6 +18,10 @@ class _RawCodec(Codec):
     def wire_bits(cls, config) -> int:
         return 8 * cls.dtype.itemsize
 
+    @classmethod
+    def nominal_bits(cls, config) -> float:
+        return 8 * cls.dtype.itemsize
+
     def payload_nbytes(self, numel: int) -> int:
         return numel * self.dtype.itemsize
 

@@ -102,12 +102,17 @@ class LowBitDeltaCodec(ACSGDCodec):
     message's fields decode (`_decode_delta`); the header checks are shared."""
 
     quantized = False  # no bit width to choose: the label is the name (`tern+ch`)
+    device_encoded = False  # no CUDA kernels for these codes: encoded on the host
     wire_code_bits = 0
     """`Quantized.bits` of a delta message."""
 
     @classmethod
     def wire_bits(cls, config) -> int:
         return 2  # the planner's integer figure: never below what the codes (1.6 or 1 bits) and scales take
+
+    @classmethod
+    def nominal_bits(cls, config) -> float:
+        return 8 / TRITS_PER_BYTE  # 5 ternary codes a byte
 
     def _encode_delta(self, d: torch.Tensor, group: int, out: wire_pb2.Quantized) -> torch.Tensor:
         """Codes `d` (group order, fp32) into `out`'s payload, scales and mins; returns the decoded delta."""
@@ -150,7 +155,7 @@ def check_levels(data: bytes, groups: int, field: str, bound: float) -> torch.Te
 class TernCodec(LowBitDeltaCodec):
     """AQ-SGD with MSE-optimal ternary deltas, 5 codes a byte and an fp16 scale per group (module doc)."""
 
-    name, wire = "tern", wire_pb2.TERN
+    name, wire, rated = "tern", wire_pb2.TERN, True
 
     def payload_nbytes(self, numel: int) -> int:
         return math.ceil(numel / TRITS_PER_BYTE) + 2 * math.ceil(numel / group_size(self.config))

@@ -1,7 +1,8 @@
 """The codec registry: every codec by its name and by its wire enum, checked complete at import.
 
-Names, command-line help, config validation and the planner's bits per element all come from here, so a new
-codec is its `codec_*` module (a `Codec` subclass listed in the module's `CODECS`), its tests, one entry in
+Names, command-line help, config validation, labels, the planner's bits per element and where a link end
+encodes all come from the codecs' own traits (`Codec.TRAITS`, `wire_bits`, `label`, `check`), so a new codec is
+its `codec_*` module (a `Codec` subclass listed in the module's `CODECS`), its tests, one entry in
 `CODEC_MODULES`, and, because each codec has its own wire enum, one line in proto/wire.proto's `Codec` enum
 (then `python scripts/gen_proto.py`).
 """
@@ -43,6 +44,10 @@ def _load() -> tuple[type[Codec], ...]:
     missing = set(wire_pb2.Codec.values()) - {wire_pb2.CODEC_UNSPECIFIED} - {c.wire for c in codecs}
     if missing:  # checked at import: every wire enum has a codec
         raise ImportError(f"codecs missing for wire enums {[wire_pb2.Codec.Name(v) for v in missing]}")
+    for c in codecs:  # and every codec says each trait, as a bool (its own or the one it inherits)
+        odd = [t for t in Codec.TRAITS if not isinstance(getattr(c, t, None), bool)]
+        if odd:
+            raise ImportError(f"codec {c.name} must declare {odd} as bools")
     return codecs
 
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.compression.codec_lowrank import FACTOR_BITS, MAX_RANK
 from swarm.compression.codecs import BY_NAME, CODEC_NAMES, codec_class
 from swarm.compression.quantized import SCALE_DTYPES, SUPPORTED_BITS, group_size
 from swarm.compression.rotation import is_power_of_two
@@ -105,23 +104,25 @@ class CodecConfig:
             raise ValueError(f"group_layout must be one of {GROUP_LAYOUTS}, got {self.group_layout!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {ROTATIONS}, got {self.rotation!r}")
-        if not 0 <= self.rate_percent <= 1000 or (self.rate_percent and self.name not in ("tern", "gtern")):
+        if not 0 <= self.rate_percent <= 1000 or (self.rate_percent and not codec.rated):
             raise ValueError(
-                f"rate_percent (+rN) is 0..1000 and applies to tern and gtern only, got {self.rate_percent}"
+                f"rate_percent (+rN) is 0..1000 and applies to {_having('rated')} only, got {self.rate_percent}"
             )
-        if not 1 <= self.rank <= MAX_RANK or (self.rank != 4 and not codec.ranked):
-            raise ValueError(f"rank is 1..{MAX_RANK} and applies to ranked codecs (lowrankN) only, got {self.rank}")
-        if self.factor_bits not in FACTOR_BITS or (self.factor_bits != 16 and not codec.ranked):
-            raise ValueError(f"factor_bits (+fN) is one of {FACTOR_BITS} and applies to lowrank only")
+        if self.rank != 4 and not codec.ranked:
+            raise ValueError(f"rank applies to ranked codecs ({_having('ranked')}) only, got {self.rank}")
+        if self.factor_bits != 16 and not codec.ranked:
+            raise ValueError(f"factor_bits (+fN) applies to ranked codecs ({_having('ranked')}) only")
+        codec.check(self)  # the codec's own parameters (a rank's range, the factors' bits)
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
-        if self.scale_dtype != "float32" and self.name != "gradq":
-            raise ValueError("compact scales (scale_dtype, +cs, +bs) apply to the gradq codec only")
+        if self.scale_dtype != "float32" and not codec.compact_scales:
+            having = _having("compact_scales")
+            the = f"the {having} codec" if "," not in having else f"the {having} codecs"
+            raise ValueError(f"compact scales (scale_dtype, +cs, +bs) apply to {the} only")
         if self.rotation == "hadamard" and not is_power_of_two(group_size(self)):
             raise ValueError(f"rotation needs a power-of-two group_size, got {self.group_size}")
         if self.error_feedback and not codec.error_feedback:
-            with_feedback = ", ".join(n for n, c in BY_NAME.items() if c.error_feedback)
-            raise ValueError(f"error_feedback applies to these codecs only: {with_feedback}")
+            raise ValueError(f"error_feedback applies to these codecs only: {_having('error_feedback')}")
 
     @property
     def torch_buffer_dtype(self) -> torch.dtype:
@@ -134,22 +135,9 @@ class CodecConfig:
 
     @property
     def label(self) -> str:
-        """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot` (rounding is
-        not part of it: each codec family has its own default)."""
-        if codec_class(self.name).ranked:  # lowrank4+ef+f8: the rank where bits would be
-            feedback, factors = "+ef" if self.error_feedback else "", "+f8" if self.factor_bits == 8 else ""
-            return f"{self.name}{self.rank}{feedback}{factors}"
-        if not codec_class(self.name).quantized:  # tern, gsign: a name without bits, maybe channel groups
-            channel = "+ch" if self.group_layout == "channel" else ""
-            feedback, rotated = "+ef" if self.error_feedback else "", "+rot" if self.rotation == "hadamard" else ""
-            return self.name + feedback + channel + rotated + (f"+r{self.rate_percent}" if self.rate_percent else "")
-        return (
-            f"{self.name}{self.bits}"
-            + ("+ef" if self.error_feedback else "")
-            + ("+ch" if self.group_layout == "channel" else "")
-            + ("+rot" if self.rotation == "hadamard" else "")
-            + {"float32": "", "auto": "+cs", "bfloat16": "+bs"}[self.scale_dtype]
-        )
+        """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot`, in the codec's
+        own grammar (`Codec.label`; rounding is not part of it: each codec family has its own default)."""
+        return codec_class(self.name).label(self)
 
     @classmethod
     def parse(cls, text: str, **defaults) -> CodecConfig:
@@ -178,3 +166,8 @@ class CodecConfig:
                 raise ValueError(f"unknown codec suffix +{suffix} in {text!r} (known: {known}, +gN for a group size)")
             kwargs.update(LABEL_SUFFIXES[suffix])
         return cls(**kwargs)
+
+
+def _having(trait: str) -> str:
+    """The registered codecs with `trait`, for error messages: `gradq, gsign, gtern`."""
+    return ", ".join(n for n, c in BY_NAME.items() if getattr(c, trait))

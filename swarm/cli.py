@@ -8,11 +8,11 @@ import sys
 
 # command path -> (module, one-line help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("demo",): ("swarm.train.demo", "start a local swarm on 127.0.0.1 and train the default model (the main job)"),
+    ("demo",): ("swarm.testbed.demo", "start a local swarm on 127.0.0.1 and train the default model (the main job)"),
     ("train",): ("swarm.train.trainer", "drive training across the stages found in the DHT"),
     ("status",): ("swarm.daemon.status", "list the peers in the DHT, their stages and link figures"),
     ("bootstrap",): ("swarm.daemon.bootstrap", "run a DHT bootstrap node that peers and trainers join"),
-    ("plan",): ("swarm.scheduler.cli", "plan stages, layer ranges and peers for a scenario, a JSON file or the DHT"),
+    ("plan",): ("swarm.daemon.live_plan", "plan stages, layer ranges and peers for a scenario, a JSON file or the DHT"),
     ("testbed",): ("swarm.testbed.cli", "network-namespace testbed: up, status, down"),
     ("bench", "kernels"): ("swarm.bench.kernels", "quantize/dequantize GB/s against a memory copy"),
     ("bench", "codecs"): ("swarm.bench.codecs", "every codec's wire size, error and speed, beside hivemind's"),

@@ -152,7 +152,7 @@ def link_shapes(args: argparse.Namespace) -> tuple[LinkShape, dict[str, LinkShap
 
 def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
     """The DHT flags of `swarm bootstrap` (--initial-peers, --host, --port, --run-name) plus --address-file."""
-    from swarm.daemon.bootstrap import add_dht_arguments as add_bootstrap_dht_arguments
+    from swarm.peers.dht_flags import add_dht_arguments as add_bootstrap_dht_arguments
 
     add_bootstrap_dht_arguments(parser)
     parser.add_argument(
@@ -161,14 +161,14 @@ def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def initial_peers(args: argparse.Namespace) -> list[str]:
-    from swarm.daemon.bootstrap import read_address_file
+    from swarm.peers.dht_flags import read_address_file
 
     return list(args.initial_peers) + (read_address_file(args.address_file) if args.address_file else [])
 
 
 def dht_config(args: argparse.Namespace, **overrides):
     """The DHTConfig of a command's parsed DHT flags."""
-    from swarm.daemon.bootstrap import dht_config_from_args
+    from swarm.peers.dht_flags import dht_config_from_args
 
     return dht_config_from_args(args, initial_peers=tuple(initial_peers(args)), **overrides)
 

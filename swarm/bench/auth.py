@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from swarm.bench.common import print_table
+from swarm.report import print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,8 +13,8 @@ import warnings
 
 import torch
 
-from swarm.bench.common import emit, median_seconds
-from swarm.compression import CodecConfig, LinkState, frame, make_codec
+from swarm.compression import CodecConfig, LinkState, codec_class, frame, make_codec
+from swarm.report import emit, median_seconds
 
 OURS = [
     "fp32", "fp16", "bf16", "directq2", "directq2+ch", "directq4", "directq8",
@@ -32,8 +32,6 @@ HIVEMIND = [
     "Quantile8BitQuantization",
     "BlockwiseQuantization",
 ]
-RAW_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "tern": 1.6, "bilevel": 1, "gsign": 1, "gtern": 1.6}
-"""Bits per element of the codecs without a bit width (tern, gtern: 5 ternary codes a byte)."""
 COLUMNS = [
     "codec",
     "bits",
@@ -100,7 +98,7 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
     plain = sum(c.ByteSize() for c in frame(msg, zstd_level=0))
     return {
         "codec": cfg.label,
-        "bits": cfg.factor_bits if cfg.name == "lowrank" else RAW_BITS.get(cfg.name, cfg.bits),
+        "bits": codec_class(cfg.name).nominal_bits(cfg),
         "wire_bytes_per_element": wire / numel,
         "ratio_vs_fp32": 4 * numel / wire,
         "ratio_vs_fp32_no_zstd": 4 * numel / plain,

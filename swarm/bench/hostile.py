@@ -34,7 +34,7 @@ from pathlib import Path
 
 import grpc
 
-from swarm.bench.common import print_table
+from swarm.report import print_table
 
 __all__ = ["Harness", "Keys", "Outcome", "add_arguments", "run"]
 

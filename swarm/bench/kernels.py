@@ -20,7 +20,6 @@ import math
 
 import torch
 
-from swarm.bench.common import emit, median_seconds
 from swarm.kernels import (
     DEFAULT_GROUP_SIZE,
     aqsgd_update,
@@ -32,6 +31,7 @@ from swarm.kernels import (
     sym_quantize,
     sym_update,
 )
+from swarm.report import emit, median_seconds
 from swarm.runtime.device import DeviceError, add_device_argument, resolve_device
 
 COLUMNS = [

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from swarm.bench.common import emit
+from swarm.report import emit
 from swarm.scheduler.baselines import baseline_shape, full_distance, greedy_layout, random_layouts
 from swarm.scheduler.cost import DtfmCost, FullCost
 from swarm.scheduler.localsearch import AnnealConfig

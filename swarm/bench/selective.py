@@ -7,7 +7,7 @@ at the row's. For each row the per-link choice (`swarm.scheduler.bits`: boundari
 rule, the epilogue by the `epilogue_share` rule) and the cost model's predicted step (`FullCost`, with the
 epilogue at its codecs' bytes: `swarm.scheduler.selective.selective_breakdown`) for three settings: everything
 fp32, everything at the floors (the default codecs, 8-bit averaging, 4-bit tied sync), and selective.
-Boundary message bytes are measured (`planning.message_bytes` on the model's activation shape); epilogue bytes
+Boundary message bytes are measured (`sizes.message_bytes` on the model's activation shape); epilogue bytes
 are elements x the codec's wire bits.
 """
 
@@ -19,7 +19,7 @@ from functools import cache
 
 import numpy as np
 
-from swarm.bench.common import emit
+from swarm.report import emit
 from swarm.scheduler.bits import (
     AVERAGE_LADDER,
     BACKWARD_LADDER,
@@ -68,7 +68,8 @@ def rows(
     """One row per rate: the selective choice and the predicted step of fp32 / all-compressed / selective."""
     policy = policy or BitsPolicy()
     from swarm.compression import CodecConfig
-    from swarm.daemon.planning import link_figures, message_bytes
+    from swarm.daemon.planning import link_figures
+    from swarm.scheduler.sizes import message_bytes
 
     activation = (shape.micro_batch_size, shape.seq_len, shape.hidden)
     sizes = cache(lambda label: float(message_bytes(CodecConfig.parse(label), activation)))

@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm.bench.common import print_table
+from swarm.report import print_table
 
 __all__ = ["ProcessSample", "add_arguments", "run", "sample_tree", "slope_per_1k", "summed"]
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from swarm.bench.common import emit, median_seconds
+from swarm.report import emit, median_seconds
 
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
 CODECS = ["fp32", "fp16", "directq8", "directq4", "directq2"]
@@ -270,7 +270,7 @@ def shaper_rows(args) -> list[dict]:
 def zstd_rows(args) -> list[dict]:
     import zstandard
 
-    from swarm.compression import CodecConfig, LinkState, ZstdPolicy, make_codec
+    from swarm.compression import CodecConfig, LinkState, ZstdPolicy, codec_class, make_codec
 
     gen = torch.Generator().manual_seed(0)
     acts = torch.randn(8, 128, 128, generator=gen)
@@ -279,7 +279,7 @@ def zstd_rows(args) -> list[dict]:
         cfg = CodecConfig.parse(label)
         codec, state = make_codec(cfg), LinkState(cfg)
         ids = list(range(acts.shape[0]))
-        if cfg.name == "aqsgd":
+        if codec_class(cfg.name).uses_buffers:
             codec.encode(acts, sample_ids=ids, state=state)  # first sight; measure the steady-state delta
         body = codec.encode(acts + 0.05 * torch.randn(acts.shape, generator=gen), sample_ids=ids, state=state)
         raw = body.SerializeToString()

@@ -164,6 +164,6 @@ def state_items_of(tensors: dict[str, torch.Tensor]) -> Iterator:
 def fetch_held(channels, address: str, start: int, end: int, timeout_s: float = 120.0) -> dict[str, torch.Tensor]:
     """The held copy of layers [start, end) that the peer at `address` keeps (GetState with the held-range
     metadata); raises grpc.RpcError (NOT_FOUND when it holds none)."""
-    from swarm.daemon.planning import fetch_state
+    from swarm.daemon.state_fetch import fetch_state
 
     return fetch_state(channels, address, 0, 0, timeout_s, metadata=((HELD_METADATA_KEY, f"{start}-{end}"),))

@@ -235,10 +235,12 @@ class PeerDaemon:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
         from swarm.daemon.calibrate import calibrator, status_reader
         from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
-        from swarm.daemon.planning import LinkProber, Planner, model_spec
+        from swarm.daemon.planning import Planner
+        from swarm.daemon.probe import LinkProber
         from swarm.daemon.repack import RepackWatch
         from swarm.scheduler.bits import codec_sizes
         from swarm.scheduler.precision import precision_planner
+        from swarm.scheduler.sizes import model_spec
 
         cfg, plans = self.cfg, self.cfg.planning
         spec = model_spec(self.model, *self.codecs, plans.micro_batch_size, plans.micro_batches)
@@ -336,7 +338,7 @@ class PeerDaemon:
     def _replicator(self):
         """Keeps a copy of the buddy stage under --checkpoint-dir/held (None without a checkpoint dir)."""
         from swarm.daemon.churn import Replicator
-        from swarm.daemon.planning import fetch_state
+        from swarm.daemon.state_fetch import fetch_state
 
         if self.held is None:
             return None
@@ -450,8 +452,8 @@ class PeerDaemon:
         the most steps, else a checkpoint."""
         from swarm.daemon.churn import takeover_sources
         from swarm.daemon.held import fetch_held
-        from swarm.daemon.planning import fetch_state
         from swarm.daemon.roster import retry_refused
+        from swarm.daemon.state_fetch import fetch_state
         from swarm.runtime.checkpoint import checkpoint_handover, handover_tensors, take_over
 
         role = new_host.role

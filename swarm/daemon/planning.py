@@ -38,18 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from swarm.daemon.calibrate import Calibrator
-from swarm.daemon.capacity import (  # noqa: F401  (re-exported: where callers import them from)
-    REFERENCE_MICRO_BATCH,
-    REFERENCE_MICRO_BATCHES,
-    message_bytes,
-    model_spec,
-    wire_bits,
-)
 from swarm.daemon.liveness import Liveness
-from swarm.daemon.probe import LinkProber  # noqa: F401  (re-exported: where callers import it from)
 from swarm.daemon.repack import with_frozen
 from swarm.daemon.repair import grow_plan, repair_plan
-from swarm.daemon.state_fetch import MAX_STATE_TENSORS, fetch_state  # noqa: F401  (re-exported)
 from swarm.peers.records import (
     MAX_PLAN_TRAINERS,
     MAX_PLAN_VERSION,

@@ -36,6 +36,7 @@ from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.precision import add_precision_argument
 from swarm.runtime.worker import OptimConfig, StageConfig
+from swarm.train.steplog import step_row
 
 __all__ = ["Setting", "ExperimentConfig", "add_arguments", "run", "run_experiment", "DEFAULT_SETTINGS"]
 
@@ -206,23 +207,7 @@ def _run_setting(
         for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
             r = pipe.train_step(batch, cfg.n_micro)
             step += 1
-            result.steps.append(
-                {
-                    "step": step,
-                    "epoch": epoch,
-                    "train_loss": r.loss,
-                    "lr": r.lr,
-                    "grad_norm": r.grad_norm,
-                    "forward_bytes": r.forward_bytes,
-                    "backward_bytes": r.backward_bytes,
-                    # every byte of the step (boundaries, tied-embedding sync, averaging, control) and the
-                    # same tensors at fp32: the runtime fills both (StepResult, issue 13)
-                    "sync_bytes": r.sync_bytes,
-                    "control_bytes": r.control_bytes,
-                    "total_wire_bytes": r.total_wire_bytes,
-                    "fp32_total_wire_bytes": r.fp32_total_wire_bytes,
-                }
-            )
+            result.steps.append(step_row(r, step, epoch))  # the row `swarm train` records too
             progress.set_postfix_str(f"{setting.name} epoch {epoch + 1} loss {r.loss:.3f}")
             progress.update(1)
         result.evals.append({"epoch": epoch + 1, "step": step, "eval_loss": pipe.evaluate(evals, eval_batch)})

@@ -64,6 +64,7 @@ from pathlib import Path
 
 from swarm.experiments import rotated
 from swarm.metrics import RELAYED_BYTES
+from swarm.report import emit, free_port
 
 SETTINGS = ("reachable", "half-nat", "relay")
 COLUMNS = [
@@ -218,7 +219,6 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
     row = {"setting": setting, "nat_peers": len(nat)}
     if cfg.netns:
         return {**row, **_run_netns(cfg, nat, out / setting, supported)}
-    from swarm.bench.common import free_port
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
@@ -442,8 +442,6 @@ def config_from_args(args: argparse.Namespace) -> NatConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.bench.common import emit
-
     try:
         cfg = config_from_args(args)
     except ValueError as e:

@@ -40,11 +40,11 @@ def _parse(text: str, n_stages: int) -> tuple[list[float], float]:
 def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int) -> dict:
     """A plan dict (`"stages"`, `"codecs"`, `"epilogue_codecs"`) chosen for the `sel:` setting `text`."""
     from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
-    from swarm.daemon.capacity import model_spec
     from swarm.daemon.planning import link_figures
     from swarm.scheduler.bits import BitsPolicy, choose_codecs, codec_sizes
     from swarm.scheduler.plans import Peer, PlanInput
     from swarm.scheduler.selective import choose_for_plan, pipeline_step_s
+    from swarm.scheduler.sizes import model_spec
 
     if n_stages < 2:
         raise ValueError(f"setting {text!r}: selective compression needs 2+ stages")

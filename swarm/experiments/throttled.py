@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.report import print_table
 
 if TYPE_CHECKING:
     from swarm.train.trainer import TrainConfig
@@ -502,8 +503,6 @@ def _run_baseline(cfg: ThrottledConfig, out: Path, say) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-
-    from swarm.bench.common import print_table
 
     try:
         cfg = config_from_args(args)

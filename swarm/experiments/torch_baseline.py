@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarm.bench.common import free_port as _free_port  # a port below the kernel's ephemeral range
+from swarm.report import free_port as _free_port  # a port below the kernel's ephemeral range
 
 if TYPE_CHECKING:
     from swarm.experiments.throttled import ThrottledConfig

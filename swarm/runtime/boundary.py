@@ -36,7 +36,7 @@ from swarm.kernels.host_copy import to_host
 from swarm.net.stream import Incoming, tensor_items
 from swarm.peers.shaper import LinkShaping
 from swarm.proto import stage_pb2, wire_pb2
-from swarm.runtime.device import DEVICE_ENCODED_CODECS, DeviceBufferStore, resolve_device, to_device
+from swarm.runtime.device import DeviceBufferStore, resolve_device, to_device
 from swarm.runtime.gate import GateError
 
 __all__ = ["MAX_DESTINATIONS", "Direction", "LinkEnds", "need_message", "send_file"]
@@ -68,7 +68,7 @@ class Direction:
     state: LinkState = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.config.name not in DEVICE_ENCODED_CODECS:
+        if not codec_class(self.config.name).device_encoded:
             self.device = torch.device("cpu")
         self.codec = make_codec(self.config)
         self.state = LinkState(self.config, self._store())

@@ -18,7 +18,6 @@ import torch
 from swarm.compression import MemoryBufferStore
 
 __all__ = [
-    "DEVICE_ENCODED_CODECS",
     "DeviceBufferStore",
     "DeviceError",
     "add_device_argument",
@@ -29,9 +28,6 @@ __all__ = [
 ]
 
 _PATTERN = re.compile(r"cpu|cuda(?::(0|[1-9][0-9]{0,3}))?")
-
-DEVICE_ENCODED_CODECS = frozenset({"acsgd"})
-"""Codecs whose sending end encodes on the device (kernels for their quantizer on CUDA, buffers there)."""
 
 
 class DeviceError(RuntimeError):

@@ -121,7 +121,7 @@ def choose_link(
     exposed_s: float = math.inf,
 ) -> dict:
     """`{"forward": label, "backward": label, "why": text}` for one boundary (`message_bytes(label)`: bytes of
-    one micro-batch's message under that codec, e.g. `planning.message_bytes` at the run's shape). `exposed_s`:
+    one micro-batch's message under that codec, e.g. `sizes.message_bytes` at the run's shape). `exposed_s`:
     what one message each way may take at most, hidden or not: the pipeline's fill and drain wait for one
     message each way on every boundary, so even a message the steady state hides is on the critical path once
     a step (`choose_codecs` gives each boundary its part of `epilogue_share`)."""
@@ -275,11 +275,11 @@ def stage_link_configs(plan: dict, stage: int, default: tuple) -> tuple:
 
 def codec_sizes(model, micro_batch_size: int) -> Callable[[str], float]:
     """Bytes of one micro-batch's boundary message per codec label, measured once per label
-    (`planning.message_bytes` on a `[micro_batch_size, seq_len, hidden]` tensor of `model`)."""
+    (`sizes.message_bytes` on a `[micro_batch_size, seq_len, hidden]` tensor of `model`)."""
     from functools import cache
 
     from swarm.compression import CodecConfig
-    from swarm.daemon.planning import message_bytes
+    from swarm.scheduler.sizes import message_bytes
 
     shape = (micro_batch_size, model.seq_len_tokens, model.hidden_dim)
     return cache(lambda label: float(message_bytes(CodecConfig.parse(label), shape)))

@@ -1,7 +1,8 @@
-"""`swarm plan`: plan stages, layer ranges and peers for a DT-FM scenario, a JSON file or (later) the DHT.
+"""`swarm plan`'s flags, and its plans for a DT-FM scenario or a JSON file.
 
 Reads the swarm into a `PlanInput`, runs the planner and prints the plan (or its JSON). The same code path
-serves simulations and live swarms: only where the `PlanInput` comes from differs.
+serves simulations and live swarms: only where the `PlanInput` comes from differs (`--dht`, the live swarm's
+announcements and link probes, is read by `swarm.daemon.live_plan`, the command's entry point).
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ import argparse
 import json
 import sys
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
 from swarm.scheduler.localsearch import AnnealConfig
 from swarm.scheduler.plans import ModelSpec, Plan, PlanInput, TransformerShape
 from swarm.scheduler.scenarios import GB, SCENARIO_NAMES, load_scenario, scenario_data
 from swarm.scheduler.search import SearchConfig, plan, plan_dtfm
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "check_source", "describe", "fill_model_defaults", "model_of", "run"]
 
 _PEERS_SHOWN = 6  # replicas listed per stage before eliding
 
@@ -113,7 +113,7 @@ def _read_input(args) -> tuple[PlanInput, str, float | None, float | None]:
     return PlanInput.load(args.input), args.input, None, None
 
 
-def _model(args) -> ModelSpec:
+def model_of(args) -> ModelSpec:
     return ModelSpec.transformer(
         TransformerShape(
             layers=args.layers,
@@ -128,7 +128,7 @@ def _model(args) -> ModelSpec:
     )
 
 
-def _describe(result: Plan, plan_input: PlanInput, source: str) -> str:
+def describe(result: Plan, plan_input: PlanInput, source: str) -> str:
     b = result.breakdown
     regions = {p.peer_id: p.region for p in plan_input.peers}
     used = result.n_stages * result.n_replicas
@@ -156,12 +156,18 @@ def _describe(result: Plan, plan_input: PlanInput, source: str) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_source(args: argparse.Namespace) -> None:
+    """Exits unless exactly one of --scenario, --input and --dht (or --dht-address-file) names the swarm."""
     if len([x for x in (args.scenario, args.input, args.dht or args.dht_address_file) if x]) != 1:
         raise SystemExit("swarm plan: give exactly one of --scenario, --input or --dht")
+
+
+def run(args: argparse.Namespace) -> int:
+    """A scenario's or an input file's plan (the live swarm's, `--dht`, is `swarm.daemon.live_plan`'s)."""
+    check_source(args)
     if args.dht or args.dht_address_file:
-        return _run_live(args)
-    _fill_model_defaults(args, TransformerShape())
+        raise SystemExit("swarm plan --dht: the live swarm is read by swarm.daemon.live_plan")
+    fill_model_defaults(args, TransformerShape())
     plan_input, source, activation_bytes, gradient_bytes = _read_input(args)
     if args.save_input:
         plan_input.save(args.save_input)
@@ -181,77 +187,19 @@ def run(args: argparse.Namespace) -> int:
         gradient = gradient or workload["gradient_gb"] * GB
         result = plan_dtfm(plan_input, activation, gradient, args.stages, args.replicas, args.layers, cfg)
     else:
-        result = plan(plan_input, _model(args), cfg)
+        result = plan(plan_input, model_of(args), cfg)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
-        print(_describe(result, plan_input, source))
+        print(describe(result, plan_input, source))
     return 0
 
 
-def _fill_model_defaults(args, shape: TransformerShape) -> None:
+def fill_model_defaults(args, shape: TransformerShape) -> None:
+    """The model flags left unset take `shape`'s values."""
     for name in ("layers", "hidden", "seq_len", "micro_batch_size", "micro_batches"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(shape, name))
     for name in ("forward_bits", "backward_bits", "gradient_bits"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(shape, name))
-
-
-def _run_live(args) -> int:
-    """The live swarm: its published plan, and the plan the live planner would make from it now."""
-    from swarm.compression import CodecConfig
-    from swarm.daemon.bootstrap import read_address_file
-    from swarm.daemon.planning import (
-        REFERENCE_MICRO_BATCH,
-        REFERENCE_MICRO_BATCHES,
-        live_search,
-        swarm_plan_input,
-        wire_bits,
-    )
-    from swarm.model.gpt import ModelConfig
-    from swarm.peers.dht import DHTConfig, SwarmDHT
-
-    model = ModelConfig()
-    _fill_model_defaults(
-        args,
-        TransformerShape(
-            layers=model.n_layers,
-            hidden=model.hidden_dim,
-            seq_len=model.seq_len_tokens,
-            micro_batch_size=REFERENCE_MICRO_BATCH,
-            micro_batches=REFERENCE_MICRO_BATCHES,
-            forward_bits=wire_bits(CodecConfig.parse(DEFAULT_FW_CODEC)),
-            backward_bits=wire_bits(CodecConfig.parse(DEFAULT_BW_CODEC)),
-        ),
-    )
-    initial = list(args.dht or []) + (read_address_file(args.dht_address_file) if args.dht_address_file else [])
-    config = DHTConfig(initial_peers=tuple(initial), client_mode=True, run_name=args.run_name)
-    with SwarmDHT(config) as dht:
-        peers, links, published = dht.peers(), dht.links(), dht.get_plan(check_trainers=False)
-    if not peers:
-        print(f"swarm plan: no peers announced in run {args.run_name!r}", file=sys.stderr)
-        return 2
-    swarm = swarm_plan_input(peers, links, _model(args))
-    stages = len(published.plan.get("stages", [])) if published is not None else None
-    fresh = plan(swarm.plan_input, _model(args), live_search(stages, args.seed))
-    if args.json:
-        out = {
-            "published": None if published is None else {**published.plan, "version": published.version},
-            "now": fresh.to_dict(),
-            "peers": len(peers),
-            "measured_links": swarm.measured_links,
-            "assumed_links": swarm.filled_links,
-        }
-        print(json.dumps(out, indent=1))
-        return 0
-    source = f"live swarm {args.run_name!r}: {len(peers)} peers, {swarm.measured_links} links measured"
-    if swarm.filled_links:
-        source += f", {swarm.filled_links} assumed (not probed yet)"
-    if published is not None:
-        print(f"published plan (version {published.version}):")
-        print(_describe(Plan.from_dict(published.plan), swarm.plan_input, source))
-        print()
-    print("the plan the planner would make now:" if published is not None else "no plan published yet; now:")
-    print(_describe(fresh, swarm.plan_input, source))
-    return 0

@@ -22,6 +22,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.peers.shaper import LinkShape
 from swarm.scheduler.cost import FullCost, Layout, even_layers
 from swarm.scheduler.plans import Peer, PlanInput
+from swarm.scheduler.sizes import model_spec
 
 __all__ = ["predict_chain", "main"]
 
@@ -40,8 +41,6 @@ def predict_chain(
     delay_s: float = 0.0,
 ) -> float:
     """Predicted step time of one chain (peer k holds stage k, layers split evenly), as the planner sees it."""
-    from swarm.daemon.planning import model_spec
-
     model = model or ModelConfig()
     spec = model_spec(model, CodecConfig.parse(fw), CodecConfig.parse(bw), micro_batch_size, micro_batches)
     n = len(layers_per_s)

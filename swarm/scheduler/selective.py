@@ -8,7 +8,7 @@ step shows the epilogue it will run. `choose_for_plan` is both, what the live pl
 
 Sizes: the cost model counts a layer's gradient at `TransformerShape.gradient_bits` (8) bits an element, so
 a stage's elements are its layers x `gradient_bytes_per_layer` x 8 / 8; the tied weight's elements are read back
-from `ModelSpec.tied_bytes`, which `swarm.daemon.capacity.tied_bytes` measures at the tied floor's 4 bits
+from `ModelSpec.tied_bytes`, which `swarm.scheduler.sizes.tied_bytes` measures at the tied floor's 4 bits
 (`GradientAverager.tied_min_bits`, the default backward codec).
 """
 
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 TIED_SPEC_BITS = 4
-"""Bits an element of `ModelSpec.tied_bytes` as `capacity.tied_bytes` measures it (the tied floor)."""
+"""Bits an element of `ModelSpec.tied_bytes` as `sizes.tied_bytes` measures it (the tied floor)."""
 
 
 def tied_elements(spec: ModelSpec) -> float:

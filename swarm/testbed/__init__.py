@@ -1,1 +1,1 @@
-"""Local swarms of processes, network-namespace and docker compose testbeds."""
+"""Local swarms of processes (and `swarm demo` on one), network-namespace and docker compose testbeds."""

@@ -1,1 +1,1 @@
-"""The trainer and the demo that runs a whole local swarm."""
+"""`swarm train`: the trainer, its step log and its freezing policy."""

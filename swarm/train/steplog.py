@@ -14,7 +14,7 @@ import os
 from array import array
 from pathlib import Path
 
-__all__ = ["StepLog", "load_position", "save_position", "step_columns", "counter_columns"]
+__all__ = ["StepLog", "counter_columns", "load_position", "save_position", "step_columns", "step_row"]
 
 
 class StepLog:
@@ -96,6 +96,25 @@ def load_position(out: Path, identity: dict) -> tuple[int, int, int] | None:
     if not all(type(v) is int and v >= 0 for v in values):
         raise ValueError(f"{path}: step, epoch and batch must be integers >= 0, got {values}")
     return values[0], values[1], values[2]
+
+
+def step_row(result, step: int, epoch: int) -> dict:
+    """A step's row as every run records it, `swarm train` (steps.csv) and the convergence experiment alike:
+    the loss, learning rate and gradient norm of `result` (a `StepResult`), and its bytes: both boundary
+    directions, the tied-embedding sync, control, every byte of the step and the same tensors at fp32."""
+    return {
+        "step": step,
+        "epoch": epoch,
+        "train_loss": result.loss,
+        "lr": result.lr,
+        "grad_norm": result.grad_norm,
+        "forward_bytes": result.forward_bytes,
+        "backward_bytes": result.backward_bytes,
+        "sync_bytes": result.sync_bytes,
+        "control_bytes": result.control_bytes,
+        "total_wire_bytes": result.total_wire_bytes,
+        "fp32_total_wire_bytes": result.fp32_total_wire_bytes,
+    }
 
 
 def step_columns(result, sample_ids: tuple[int, ...], chains: int, retries: int = 0) -> dict:

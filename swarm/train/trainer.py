@@ -35,7 +35,7 @@ from swarm.options import (
     model_config,
 )
 from swarm.train.freezing import FreezeConfig, add_freeze_arguments, driver_factory, freeze_config
-from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns
+from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns, step_row
 from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
 
 if TYPE_CHECKING:
@@ -449,19 +449,9 @@ def train(
                     log.add(
                         {
                             "setting": cfg.setting,
-                            "step": step + 1,
-                            "epoch": epoch,
-                            "train_loss": r.loss,
-                            "lr": r.lr,
-                            "grad_norm": r.grad_norm,
-                            "forward_bytes": r.forward_bytes,
-                            "backward_bytes": r.backward_bytes,
+                            **step_row(r, step + 1, epoch),
                             "fp32_wire_bytes": r.fp32_wire_bytes,
-                            "sync_bytes": r.sync_bytes,
                             "tied_bytes": r.sync_bytes,
-                            "control_bytes": r.control_bytes,
-                            "total_wire_bytes": r.total_wire_bytes,
-                            "fp32_total_wire_bytes": r.fp32_total_wire_bytes,
                             "step_s": r.seconds,
                             "skipped": int(r.skipped),  # fp16: every stage skipped it
                             "loss_scale": r.loss_scale,

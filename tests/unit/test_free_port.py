@@ -2,12 +2,12 @@
 
 import socket
 
-from swarm.bench import common
-from swarm.bench.common import free_port
+from swarm import report
+from swarm.report import free_port
 
 
 def test_ports_come_from_below_the_ephemeral_range_and_never_twice():
-    low = common._ephemeral_low()
+    low = report._ephemeral_low()
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports), "one process never gets a port twice"
     if low > 2048:  # Linux: port 0 and outgoing connections take ports from [low, high]
@@ -23,7 +23,7 @@ def test_a_port_something_listens_on_is_skipped(monkeypatch):
         busy.listen()
         taken = busy.getsockname()[1]
         picks = iter([taken, *range(20000, 20100)])
-        monkeypatch.setattr(common, "_ephemeral_low", lambda: 60000)
+        monkeypatch.setattr(report, "_ephemeral_low", lambda: 60000)
         monkeypatch.setattr("random.randrange", lambda lo, hi: next(picks))
         port = free_port()
     assert port != taken

@@ -180,7 +180,7 @@ def test_swarm_train_freeze_flags():
     assert cfg == FreezeConfig(interval=2, tolerance=5.0)
     with pytest.raises(ValueError):
         freeze_config(parser.parse_args(["--freeze", "--freeze-tolerance", "0"]))
-    from swarm.train import demo
+    from swarm.testbed import demo
 
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)

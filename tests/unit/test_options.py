@@ -10,7 +10,8 @@ from swarm.compression import CODEC_NAMES
 from swarm.daemon import peer
 from swarm.experiments import convergence, throttled
 from swarm.runtime.schedules import SCHEDULES
-from swarm.train import demo, trainer
+from swarm.testbed import demo
+from swarm.train import trainer
 
 
 def _parser(module) -> argparse.ArgumentParser:

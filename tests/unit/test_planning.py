@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import (
-    DEFAULT_BYTES_PER_S,
-    Route,
-    live_search,
-    model_spec,
-    role_in_plan,
-    route_of,
-    swarm_plan_input,
-)
+from swarm.daemon.planning import DEFAULT_BYTES_PER_S, Route, live_search, role_in_plan, route_of, swarm_plan_input
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 from swarm.scheduler import plan
+from swarm.scheduler.sizes import model_spec
 
 SPEC = model_spec(ModelConfig(), CodecConfig("aqsgd", bits=2), CodecConfig("gradq", bits=4))
 

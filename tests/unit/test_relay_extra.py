@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import Planner, model_spec, route_of
+from swarm.daemon.planning import Planner, route_of
 from swarm.model.gpt import ModelConfig
 from swarm.peers.plan_keys import MAX_RELAY_EXTRA_S
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
@@ -17,6 +17,7 @@ from swarm.scheduler import ModelSpec, Peer, PlanInput
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Plan, StagePlan
 from swarm.scheduler.relays import TUNNEL_CALL_S, relay_extra_s
+from swarm.scheduler.sizes import model_spec
 from tests.unit.daemon.test_planner_versions import swarm
 
 MODEL = ModelSpec(

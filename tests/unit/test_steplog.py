@@ -72,3 +72,24 @@ def test_total_bytes_columns_add_up_and_the_summary_prints_prediction_and_totals
     text = format_summary(TrainSummary(**common, predicted_step_s=0.42))
     assert "predicted 0.42 s/step, measured 0.50 s/step (prediction -16.0%)" in text and "(4.4x)" in text
     assert "predicted no prediction (even split), measured 0.50" in format_summary(TrainSummary(**common))
+
+
+def test_swarm_train_and_the_convergence_experiment_record_one_step_row():
+    """The row is made in one place: the trainer's steps.csv has every column of it, and a `StepResult`'s
+    figures land in it unchanged (the convergence experiment's losses.csv is these rows)."""
+    from swarm.runtime.chains import Traffic
+    from swarm.runtime.results import StepResult
+    from swarm.train.steplog import step_row
+    from swarm.train.trainer import CSV_FIELDS
+
+    traffic = Traffic(sent={(0, "forward"): 5, (0, "backward"): 3})
+    r = StepResult(loss=2.5, grad_norm=0.75, lr=1e-3, traffic=traffic, seconds=0.1, sync_bytes=7, control_bytes=11,
+                   total_wire_bytes=40, fp32_total_wire_bytes=90)  # fmt: skip
+    row = step_row(r, 3, 1)
+    assert list(row) == ["step", "epoch", "train_loss", "lr", "grad_norm", "forward_bytes", "backward_bytes",
+                         "sync_bytes", "control_bytes", "total_wire_bytes", "fp32_total_wire_bytes"]  # fmt: skip
+    assert (row["step"], row["epoch"], row["train_loss"], row["grad_norm"], row["lr"]) == (3, 1, 2.5, 0.75, 1e-3)
+    assert (row["forward_bytes"], row["backward_bytes"]) == (traffic.forward_bytes, traffic.backward_bytes)
+    assert (row["sync_bytes"], row["control_bytes"], row["total_wire_bytes"], row["fp32_total_wire_bytes"]) == (
+        7, 11, 40, 90)  # fmt: skip
+    assert set(row) <= set(CSV_FIELDS)

@@ -115,9 +115,9 @@ def test_a_gsign_message_relabelled_as_gtern_is_refused():
 
 
 def test_the_planners_tied_estimate_follows_the_averager():
-    """`capacity.tied_bytes` sizes a gtern (or gsign) backward's tied sum as the gradq sum the averager sends."""
-    from swarm.daemon.capacity import tied_bytes
+    """`sizes.tied_bytes` sizes a gtern (or gsign) backward's tied sum as the gradq sum the averager sends."""
     from swarm.model.gpt import ModelConfig
+    from swarm.scheduler.sizes import tied_bytes
 
     model = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
     gradq = tied_bytes(model, CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024"))

@@ -82,3 +82,50 @@ def test_label_suffixes_set_their_fields_over_the_defaults_and_round_trip():
         CodecConfig.parse("aqsgd2+zz")
     with pytest.raises(ValueError, match="group_layout"):
         CodecConfig(name="aqsgd", group_layout="diagonal")
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_every_codec_declares_each_trait_and_its_label_grammar_reads_back(name):
+    """What a codec says of itself is all that configs, labels, the planner, the benchmark and the runtime's
+    link ends read: each trait a bool, its figures numbers, its default config's label parsed back whole."""
+    cls = codec_class(name)
+    for trait in cls.TRAITS:
+        assert isinstance(getattr(cls, trait), bool), f"{name}.{trait}"
+    cfg = CodecConfig(name=name)
+    assert isinstance(cls.wire_bits(cfg), int) and cls.wire_bits(cfg) > 0
+    assert 0 < cls.nominal_bits(cfg) <= 32
+    cls.check(cfg)
+    assert CodecConfig.parse(cfg.label) == cfg and cfg.label == cls.label(cfg)
+    if cls.device_encoded:
+        assert cls.uses_buffers, "a device-encoded codec's buffers are what stays on the device"
+    variants = {"error_feedback": "+ef", "rated": "+r50", "compact_scales": "+cs"}
+    for trait, suffix in variants.items():
+        label = cfg.label + suffix
+        if getattr(cls, trait):
+            assert CodecConfig.parse(label).label == label
+        else:
+            with pytest.raises(ValueError):
+                CodecConfig.parse(label)
+
+
+def test_the_traits_keep_what_the_tables_elsewhere_said():
+    """The runtime's device-encoded set, the codec benchmark's bits column and the config's name checks were
+    tables outside the codecs; the traits that replace them give the same answers."""
+    assert {n for n in CODEC_NAMES if codec_class(n).device_encoded} == {"acsgd"}
+    nominal = {"fp32": 32, "fp16": 16, "bf16": 16, "tern": 1.6, "bilevel": 1, "gsign": 1, "gtern": 1.6}
+    for name, bits in nominal.items():
+        assert codec_class(name).nominal_bits(CodecConfig(name=name)) == bits
+    assert codec_class("lowrank").nominal_bits(CodecConfig.parse("lowrank4+f8")) == 8
+    assert codec_class("directq").nominal_bits(CodecConfig.parse("directq2")) == 2
+    assert {n for n in CODEC_NAMES if codec_class(n).rated} == {"tern", "gtern"}
+    assert {n for n in CODEC_NAMES if codec_class(n).compact_scales} == {"gradq"}
+    assert CodecConfig.parse("lowrank8+ef+f8").label == "lowrank8+ef+f8"
+    for bad in ("lowrank0", "lowrank65", "lowrank4+f4"):
+        with pytest.raises(ValueError, match="rank|factor_bits"):
+            CodecConfig.parse(bad)
+
+
+def test_a_codec_without_a_trait_fails_the_registry_at_import(monkeypatch):
+    monkeypatch.setattr(codec_class("tern"), "rated", None)
+    with pytest.raises(ImportError, match="tern"):
+        registry._load()

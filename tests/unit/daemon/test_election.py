@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import Planner, elected_planner, model_spec
+from swarm.daemon.planning import Planner, elected_planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import PeerAnnouncement, PlanRecord
+from swarm.scheduler.sizes import model_spec
 from tests.unit.daemon.test_planner_versions import SPEC as SPEC_2
 from tests.unit.daemon.test_planner_versions import swarm, two_stages
 

@@ -5,10 +5,11 @@ repacks its searched layout for it (swarm.daemon.repack.with_frozen)."""
 from __future__ import annotations
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import Planner, model_spec
+from swarm.daemon.planning import Planner
 from swarm.daemon.repack import repack_plan, with_frozen
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
+from swarm.scheduler.sizes import model_spec
 from tests.unit.daemon.test_planner_versions import swarm
 
 MODEL = ModelConfig(n_layers=4, hidden_dim=32, n_heads=2, seq_len_tokens=16)

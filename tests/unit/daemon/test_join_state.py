@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import swarm.daemon.liveness as liveness
-import swarm.daemon.planning as planning
+import swarm.daemon.state_fetch as state_fetch
 import swarm.runtime.checkpoint as checkpoint
 from swarm.daemon.churn import served_by_replicas
 from swarm.daemon.held import buddy_of
@@ -75,7 +75,7 @@ def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | N
         events.append(("take_over", sorted(tensors)))
         return len(tensors), [], 7
 
-    monkeypatch.setattr(planning, "fetch_state", fetch_state)
+    monkeypatch.setattr(state_fetch, "fetch_state", fetch_state)
     monkeypatch.setattr(checkpoint, "take_over", take_over)
     monkeypatch.setattr(liveness, "status_prober", lambda channels, addresses: lambda pid: True)
     return daemon, events

@@ -4,11 +4,12 @@ re-publishes the same stages when only the trainers change (so no layer moves)."
 from __future__ import annotations
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import Planner, model_spec
+from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
 from swarm.peers.records import MAX_PLAN_VERSION, PeerAnnouncement, PlanRecord, TrainerAnnouncement
+from swarm.scheduler.sizes import model_spec
 
 MODEL = ModelConfig(n_layers=2, hidden_dim=32, n_heads=2, seq_len_tokens=16)
 SPEC = model_spec(MODEL, CodecConfig("fp32"), CodecConfig("fp32"))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
-from swarm.daemon.planning import Planner, model_spec
+from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
@@ -25,6 +25,7 @@ from swarm.scheduler.bits import (
     stage_link_codecs,
     stage_link_configs,
 )
+from swarm.scheduler.sizes import model_spec
 
 SIZES = codec_sizes(ModelConfig(), 2)  # fp32: ~121 kB, acsgd2+ch+nr: ~7.3 kB, gradq2+...: ~5.4 kB per micro-batch
 COMPUTE_S = 0.05

@@ -9,20 +9,14 @@ import numpy as np
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import (
-    live_search,
-    message_bytes,
-    model_spec,
-    predicted_step_s,
-    route_of,
-    with_even_layers,
-)
+from swarm.daemon.planning import live_search, predicted_step_s, route_of, with_even_layers
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 from swarm.scheduler import plan
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import ModelSpec, Peer, PlanInput
 from swarm.scheduler.predict import predict_chain
+from swarm.scheduler.sizes import message_bytes, model_spec
 
 FP32 = CodecConfig.parse("fp32")
 
@@ -156,7 +150,7 @@ def test_a_link_measurements_burst_is_validated(burst):
 @pytest.mark.parametrize("label", ["aqsgd2", "acsgd2+ch+nr", "aqsgd4+ch"])
 def test_buffer_codecs_are_measured_in_their_steady_state(label):
     from swarm.compression import CodecConfig
-    from swarm.daemon.planning import message_bytes
+    from swarm.scheduler.sizes import message_bytes
 
     shape = (2, 128, 32)  # the model's 128 tokens: a channel group's scales spread over 128 elements
     fp32, full = message_bytes(CodecConfig("fp32"), shape), message_bytes(CodecConfig.parse("fp16"), shape)

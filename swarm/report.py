@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: timing, printing a table or JSON."""
+"""How benchmarks and experiments report: timing, a table or JSON on stdout, and a free port for what they start."""
 
 from __future__ import annotations
 

@@ -17,10 +17,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, codec_labels
+from swarm.net.stream import StageCallError
 from swarm.options import add_model_arguments, add_schedule_argument, model_arguments, model_config
 from swarm.runtime.device import DeviceError, add_device_argument, check_device
 from swarm.runtime.precision import add_precision_argument
+from swarm.testbed.local import local_swarm
 from swarm.train.freezing import add_freeze_arguments, freeze_config
+from swarm.train.trainer import TrainConfig, format_summary, train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,10 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.net.stream import StageCallError
-    from swarm.testbed.local import local_swarm
-    from swarm.train.trainer import TrainConfig, format_summary, train
-
     out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr))
