@@ -264,12 +264,15 @@ def stage_link_codecs(plan: dict, stage: int, default: tuple[str, str]) -> tuple
 
 def stage_link_configs(plan: dict, stage: int, default: tuple) -> tuple:
     """`stage_link_codecs` as `CodecConfig`s; `default`: the peer's own (forward, backward) configs, kept as
-    they are (their zstd level and other flags) wherever the plan names the same label."""
+    they are wherever the plan names the same label. Where it names another, the label is parsed over the peer's
+    own options (`CodecConfig.local_options`: group size unless the label sets one, zstd level, seed, buffer
+    directory), so a plan chooses codecs, never a peer's local settings."""
     from swarm.compression import CodecConfig
 
     labels = stage_link_codecs(plan, stage, (default[0].label, default[1].label))
     return tuple(
-        c if label == c.label else CodecConfig.parse(label) for c, label in zip(default * 2, labels, strict=True)
+        c if label == c.label else CodecConfig.parse(label, **c.local_options())
+        for c, label in zip(default * 2, labels, strict=True)
     )
 
 

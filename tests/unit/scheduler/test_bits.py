@@ -127,6 +127,26 @@ def test_each_stage_takes_its_two_boundaries_codecs():
     assert stage_link_configs({}, 1, flags) == flags * 2  # the flags' configs themselves where nothing changes
 
 
+def test_a_plans_codecs_keep_the_peers_own_codec_options():
+    """The plan names each link's codec; the peer's --group-size, --zstd-level, --codec-seed and --buffer-dir
+    (fields no plan label sets, group size only where the label has no +gN) hold on every link end."""
+    local = dict(group_size=256, zstd_level=7, seed=11)
+    flags = (CodecConfig.parse("aqsgd4", **local, buffer_dir="/tmp/bufs"), CodecConfig.parse("gradq4", **local))
+    plan = {
+        "codecs": [
+            {"forward": "acsgd2+ch+nr", "backward": "gradq2+ef+rot+nr+cs+g1024"},  # other codecs, +g1024 on one
+            {"forward": "aqsgd4", "backward": "gradq4"},  # the flags' own labels
+        ]
+    }
+    fw_send, bw_send, fw_recv, bw_recv = stage_link_configs(plan, 1, flags)
+    assert (fw_send, bw_recv) == flags, "the plan names the flags' labels: the flags' configs themselves"
+    assert fw_recv == CodecConfig.parse("acsgd2+ch+nr", **local, buffer_dir="/tmp/bufs")
+    assert bw_send == CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024", zstd_level=7, seed=11)
+    assert bw_send.group_size == 1024, "the label's +g1024 wins over --group-size"
+    for end in (fw_send, bw_send, fw_recv, bw_recv):
+        assert (end.zstd_level, end.seed) == (7, 11)
+
+
 def bare_daemon():
     """A `PeerDaemon` with only what `_make_host` reads: flags' codecs aqsgd4/gradq4, every peer dialed direct."""
     from swarm.daemon.peer import PeerDaemon
