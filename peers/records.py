@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.peers.plan_keys import PLAN_PRECISIONS, validate_plan_keys
-from swarm.runtime.routes import MAX_ROUTES, fits
+from swarm.peers.routes import MAX_ROUTES, fits
 
 __all__ = [
     "MAX_CLOCK_SKEW_S",

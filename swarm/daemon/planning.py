@@ -21,7 +21,7 @@ Replicas: `--replicas N` plans N replicas of every stage in the first plan (0: t
 it leaves out stay on standby. After a loss the planner first REPAIRS the current plan (`swarm.daemon.repair`:
 the lost place goes to a standby, else the stage serves with fewer replicas, nobody else moves) and searches
 anew only when that fails. A joiner becomes one more replica of the busiest stage (`grow_plan`), so stages may
-have different replica counts (the runtime's routes, `swarm.runtime.routes`). Plan peers that
+have different replica counts (the runtime's routes, `swarm.peers.routes`). Plan peers that
 stop answering its `Status` heartbeats (`swarm.daemon.liveness`) or announce that they are leaving count as
 gone at once, without waiting for their announcements to expire.
 """
@@ -196,7 +196,7 @@ class Route:
     """The pipelines a trainer drives: every replica of every stage, all following the same plan.
 
     Stages may have different replica counts (a joiner became one more replica of the busiest stage): the
-    trainer then drives the routes of `swarm.runtime.routes` (route c runs on replica c % R_s of stage s).
+    trainer then drives the routes of `swarm.peers.routes` (route c runs on replica c % R_s of stage s).
     """
 
     addresses: list[str]

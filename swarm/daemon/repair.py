@@ -11,7 +11,7 @@ new layers' state over slow links. So:
   least two). Only when that too is impossible does the planner search again.
 - `grow_plan` makes each joiner (a live peer the plan does not name) one more replica of the busiest stage, the
   one with the most time per sample (its layers / the sum of its replicas' compute speeds), as long as the
-  plan's routes (`swarm.runtime.routes.n_routes`: the lcm of the replica counts) stay within `max_routes`. The
+  plan's routes (`swarm.peers.routes.n_routes`: the lcm of the replica counts) stay within `max_routes`. The
   joiner pulls that stage's state from a live replica and serves from the next step. The plan's own standbys
   (`unused_peer_ids`) stay standbys: they are the takeover reserve.
 
@@ -24,14 +24,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Collection, Mapping, Sequence
 
-from swarm.runtime.routes import MAX_ROUTES, fits
+from swarm.peers.routes import MAX_ROUTES, fits
 
 __all__ = ["busiest_stage", "grow_plan", "plan_columns", "repair_plan", "standby_pool"]
 
 
 def plan_columns(plan: dict) -> list[list[str]]:
     """The plan's straight chains: column r is `peer_ids[r]` of every stage, for r below the smallest replica
-    count (with uneven counts the routes are `swarm.runtime.routes`', not these)."""
+    count (with uneven counts the routes are `swarm.peers.routes`', not these)."""
     stages = plan.get("stages", [])
     if not stages:
         return []

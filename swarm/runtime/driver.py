@@ -7,7 +7,7 @@ stage's squared gradient norm; the tied embedding's gradients are summed between
 gRPC in a swarm, in-process in `swarm.runtime.local`. Every byte of a step is counted: the stages report the
 boundaries', sums' and tied group's bytes, the driver its own calls' (`control_bytes`), failed attempts too.
 
-With replicas, the plan's routes (`swarm.runtime.routes`: column r with equal counts, route c on replica
+With replicas, the plan's routes (`swarm.peers.routes`: column r with equal counts, route c on replica
 c % R_s of stage s with uneven ones) are the chains: each sample trains on one (`swarm.runtime.chains`), the
 replicas of each stage then sum their gradients among themselves (`Reduce`) before every replica steps; a
 replica shared by several routes gets one Reduce, Grads and Step per step. With 2+ stages every distinct
@@ -37,6 +37,7 @@ from swarm.metrics import Metrics, delta
 from swarm.model.data import Batch
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
+from swarm.peers.routes import n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
 from swarm.runtime.callinfo import RouteAcks, RoutedCalls, route_needed
 from swarm.runtime.chains import (
@@ -57,7 +58,6 @@ from swarm.runtime.chains import (
 from swarm.runtime.gate import runs_through
 from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
-from swarm.runtime.routes import n_routes, route_replicas, stage_numbering, uneven
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
@@ -124,7 +124,7 @@ class PipelineDriver(RoutedCalls):
         if any(not r for r in routes) or max_attempts < 1:
             raise ValueError("every stage needs a replica, and a step at least one attempt")
         self.counts = tuple(len(r) for r in routes)
-        """replicas of each stage; route c runs on replica c % counts[s] of stage s (`swarm.runtime.routes`)"""
+        """replicas of each stage; route c runs on replica c % counts[s] of stage s (`swarm.peers.routes`)"""
         self.replica_addresses = [tuple(r) for r in routes]
         self.replica_peers = [tuple(r) for r in ids]
         self.chains = [self._route(c) for c in range(n_routes(self.counts))]

@@ -8,7 +8,7 @@ import pytest
 from swarm.daemon.planning import Route, route_of
 from swarm.daemon.repair import busiest_stage, grow_plan, repair_plan
 from swarm.peers.records import PeerAnnouncement, PlanRecord
-from swarm.runtime.routes import n_routes
+from swarm.peers.routes import n_routes
 
 A, B, C, D, E, F, G, H = (f"0{c}0000000000" for c in "abcdefgh")
 

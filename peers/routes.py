@@ -1,7 +1,7 @@
 """Routes through stages with uneven replica counts: which replica of every stage a micro-batch travels.
 
 Stage s of a plan has R_s replicas (column r of `peer_ids`). With equal counts R, route c is column c of every
-stage (the straight chains of `swarm.runtime.chains`). With uneven counts (a joiner became one more replica of
+stage (the straight chains the driver runs). With uneven counts (a joiner became one more replica of
 the busiest stage) there are C = lcm(R_0, ..., R_{K-1}) routes, and route c runs on replica `c % R_s` of stage
 s. Every replica of stage s then carries exactly C / R_s routes, so equally weighted routes load the replicas
 of each stage evenly, and c -> (c % R_s)_s is one-to-one on [0, C), so no two routes are the same peers.
