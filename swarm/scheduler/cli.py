@@ -233,11 +233,11 @@ def _run_live(args) -> int:
         print(f"swarm plan: no peers announced in run {args.run_name!r}", file=sys.stderr)
         return 2
     swarm = swarm_plan_input(peers, links, _model(args))
-    stages = len(published.plan.get("stages", [])) if published is not None else None
+    stages = published.document.n_stages if published is not None else None
     fresh = plan(swarm.plan_input, _model(args), live_search(stages, args.seed))
     if args.json:
         out = {
-            "published": None if published is None else {**published.plan, "version": published.version},
+            "published": None if published is None else {**published.document.to_wire(), "version": published.version},
             "now": fresh.to_dict(),
             "peers": len(peers),
             "measured_links": swarm.measured_links,
@@ -250,7 +250,7 @@ def _run_live(args) -> int:
         source += f", {swarm.filled_links} assumed (not probed yet)"
     if published is not None:
         print(f"published plan (version {published.version}):")
-        print(_describe(Plan.from_dict(published.plan), swarm.plan_input, source))
+        print(_describe(Plan.from_dict(published.document.to_wire()), swarm.plan_input, source))
         print()
     print("the plan the planner would make now:" if published is not None else "no plan published yet; now:")
     print(_describe(fresh, swarm.plan_input, source))

@@ -282,7 +282,7 @@ def discover_route(
     while True:
         peers = dht.peers()
         record = dht.get_plan(n_layers, peers=peers)
-        if record is not None and trainer_id is not None and trainer_id not in record.plan.get("trainer_ids", []):
+        if record is not None and trainer_id is not None and not record.document.serves_trainer(trainer_id):
             line = f"waiting for a plan that names trainer {trainer_id} (plan {record.version} does not)"
         elif record is not None and record.version >= min_version:
             found = route_of(record, peers)

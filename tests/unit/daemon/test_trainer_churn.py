@@ -34,7 +34,7 @@ def ann(pid: str, stage: int, version: int) -> PeerAnnouncement:
 
 def plan(version: int, rows: list[list[str]], trainer: str = "me") -> PlanRecord:
     stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": r} for s, r in enumerate(rows)]
-    return PlanRecord(version=version, plan={"stages": stages, "trainer_ids": [trainer]}, created_at=1.0)
+    return PlanRecord(version=version, document={"stages": stages, "trainer_ids": [trainer]}, created_at=1.0)
 
 
 def test_route_of_gives_the_plans_columns_once_every_replica_follows():
