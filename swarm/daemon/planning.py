@@ -57,6 +57,7 @@ from swarm.peers.records import (
     PlanRecord,
     elected_planner,
 )
+from swarm.peers.routes import Route, n_routes, route_replicas
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
@@ -185,11 +186,12 @@ def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
 
 
 @dataclass(frozen=True)
-class Route:
-    """The pipelines a trainer drives: every replica of every stage, all following the same plan.
+class PlanRoutes:
+    """Every route a trainer drives under a plan: every replica of every stage at its announced address, all
+    following the same plan, with the plan's figures the trainer reports.
 
     Stages may have different replica counts (a joiner became one more replica of the busiest stage): the
-    trainer then drives the routes of `swarm.peers.routes` (route c runs on replica c % R_s of stage s).
+    trainer then drives the lcm of them (route c runs on replica c % R_s of stage s, `swarm.peers.routes`).
     """
 
     addresses: list[str]
@@ -224,6 +226,15 @@ class Route:
             return self.replica_addresses, self.replica_peer_ids
         return tuple((a,) for a in self.addresses), tuple((p,) for p in self.peer_ids)
 
+    def routes(self) -> tuple[Route, ...]:
+        """Each `Route` (one replica of every stage) in route order."""
+        addresses, peers = self.nested()
+        counts = self.replica_counts
+        return tuple(
+            Route(c, tuple(addresses[s][r] for s, r in enumerate(at)), tuple(peers[s][r] for s, r in enumerate(at)))
+            for c, at in ((c, route_replicas(c, counts)) for c in range(n_routes(counts)))
+        )
+
     def driver_args(self) -> tuple:
         """What `PipelineDriver(route, peers, ...)` takes: flat with one replica per stage (every driver takes
         that), nested `[stage][replica]` otherwise (rows of different lengths when uneven)."""
@@ -232,7 +243,7 @@ class Route:
         return tuple(map(list, self.replica_addresses)), tuple(map(list, self.replica_peer_ids))
 
 
-def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
+def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> PlanRoutes | None:
     """Every replica of every stage of the plan, once every one of its peers announces that it follows the
     plan (replica counts may differ between stages; None while a peer is still switching)."""
     following = {p.peer_id: p for p in peers if p.plan_version == record.version and p.stage is not None}
@@ -249,7 +260,7 @@ def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
     flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
     nested = ((), ()) if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
     extra = plan.relay_extra_s
-    return Route(*flat, *nested, plan.predicted_step_s, frozen_layers=plan.frozen, relay_extra_s=extra)
+    return PlanRoutes(*flat, *nested, plan.predicted_step_s, frozen_layers=plan.frozen, relay_extra_s=extra)
 
 
 class Planner:

@@ -7,7 +7,7 @@ import pytest
 from swarm.compression import CodecConfig
 from swarm.daemon.planning import (
     DEFAULT_BYTES_PER_S,
-    Route,
+    PlanRoutes,
     live_search,
     model_spec,
     role_in_plan,
@@ -96,7 +96,7 @@ def test_roles_and_routes_come_from_the_plan_once_every_peer_follows_it():
     ]
     assert route_of(record, old) is None, "p2 still follows plan 3"
     new = [peer(2, stage=0, layer_start=0, layer_end=3, plan_version=4), old[1]]
-    assert route_of(record, new) == Route(["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"], plan_version=4)
+    assert route_of(record, new) == PlanRoutes(["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"], plan_version=4)
 
 
 def test_waiting_for_a_pipeline_stops_as_soon_as_its_check_raises():

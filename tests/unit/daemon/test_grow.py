@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.daemon.planning import Route, route_of
+from swarm.daemon.planning import PlanRoutes, route_of
 from swarm.daemon.repair import busiest_stage, grow_plan, repair_plan
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord
-from swarm.peers.routes import n_routes
+from swarm.peers.routes import Route, n_routes
 
 A, B, C, D, E, F, G, H = (f"0{c}0000000000" for c in "abcdefgh")
 
@@ -135,13 +135,18 @@ def test_route_of_takes_uneven_replica_rows():
     assert ids == ([A], [B, C, D])
     assert addresses == (["127.0.0.1:5000"], ["127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003"])
     assert route.nested() == (route.replica_addresses, route.replica_peer_ids)
+    routes = route.routes()  # lcm(1, 3) = 3 routes, route c on replica c % 3 of stage 1: the driver's routes
+    assert [r.index for r in routes] == [0, 1, 2] and [r.peers for r in routes] == [(A, B), (A, C), (A, D)]
+    assert routes[2].addresses == ("127.0.0.1:5000", "127.0.0.1:5003")
+    assert len({r.key for r in routes}) == 3 and routes[0].key == Route(9, ("elsewhere",) * 2, (A, B)).key
 
 
 def test_route_replica_counts_flat_and_even():
-    flat = Route(["x", "y"], [A, B], 1)
+    flat = PlanRoutes(["x", "y"], [A, B], 1)
     assert flat.replica_counts == (1, 1) and flat.n_replicas == 1
     assert flat.driver_args() == (["x", "y"], [A, B])
-    even = Route(["x", "y"], [A, B], 1, (("x", "z"), ("y", "w")), ((A, C), (B, D)))
+    assert flat.routes() == (Route(0, ("x", "y"), (A, B)),)
+    even = PlanRoutes(["x", "y"], [A, B], 1, (("x", "z"), ("y", "w")), ((A, C), (B, D)))
     assert even.replica_counts == (2, 2) and even.n_replicas == 2
 
 

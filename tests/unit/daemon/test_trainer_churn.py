@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from swarm.daemon.planning import Route, route_of
+from swarm.daemon.planning import PlanRoutes, route_of
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import StageCallError
 from swarm.peers.records import PeerAnnouncement, PlanRecord
@@ -60,7 +60,7 @@ def test_step_columns_from_a_replicated_driver_and_a_plain_one():
 
 
 def test_which_failures_wait_for_a_new_plan():
-    one, two = Route(["a"], ["p"]), Route(["a"], ["p"], 1, (("a", "b"),), (("p", "q"),))
+    one, two = PlanRoutes(["a"], ["p"]), PlanRoutes(["a"], ["p"], 1, (("a", "b"),), (("p", "q"),))
     assert no_chain_left(NoLiveChain("stage 1 has no live replica"), two)
     assert no_chain_left(StageCallError("stage 0: unreachable", grpc.StatusCode.UNAVAILABLE), one)
     assert not no_chain_left(StageCallError("stage 0: unreachable", grpc.StatusCode.UNAVAILABLE), two), (
