@@ -120,6 +120,10 @@ class PlanStage:
     peer_ids: tuple[str, ...]
     """Its replicas' peer ids: replica r is `peer_ids[r]` (route c runs on replica c % len, `swarm.peers.routes`)."""
 
+    def __post_init__(self) -> None:
+        if type(self.peer_ids) is list:  # the wire's list, kept as a tuple (the document checks each id)
+            set_field(self, "peer_ids", tuple(self.peer_ids))
+
     @property
     def layers(self) -> range:
         return range(self.layer_start, self.layer_end)
@@ -143,23 +147,20 @@ class LinkCodecs:
     backward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._check("plan.codecs[?]")
-
-    def _check(self, r: str) -> None:
+        r = "plan.codecs[?]"  # `from_wire` checks the wire form first, naming the boundary
         set_field(self, "forward", _codec(r, "forward", self.forward_label))
         set_field(self, "backward", _codec(r, "backward", self.backward_label))
         _why(r, self.why)
 
     @classmethod
-    def from_wire(cls, wire: Any, r: str = "plan.codecs[?]") -> LinkCodecs:
+    def from_wire(cls, wire: Any, boundary: int) -> LinkCodecs:
+        """Boundary `boundary`'s codecs from the wire; ValueError naming the field (`plan.codecs[1].forward`)."""
+        r = f"plan.codecs[{boundary}]"
         if not isinstance(wire, dict) or not set(wire) <= {"forward", "backward", "why"}:
-            raise fail(_P, r.removeprefix("plan."), "a dict of forward, backward (and why)", wire)
-        link = cls.__new__(cls)
-        for name, value in (("forward_label", wire.get("forward")), ("backward_label", wire.get("backward"))):
-            set_field(link, name, value)
-        set_field(link, "why", wire.get("why"))
-        link._check(r)
-        return link
+            raise fail(_P, f"codecs[{boundary}]", "a dict of forward, backward (and why)", wire)
+        for key in ("forward", "backward"):
+            _codec(r, key, wire.get(key))
+        return cls(wire["forward"], wire["backward"], _why(r, wire.get("why")))
 
     def to_wire(self) -> dict[str, Any]:
         out = {"forward": self.forward_label, "backward": self.backward_label}
@@ -274,9 +275,7 @@ class PlanDocument:
         if extra is not None and (type(extra) not in (int, float) or not 0 <= extra <= MAX_RELAY_EXTRA_S):
             raise fail(_P, "relay_extra_s", f"a finite number of seconds in [0, {MAX_RELAY_EXTRA_S:g}]", extra)
         if self.trainer_ids is not None:
-            what = f"a list of at most {MAX_PLAN_TRAINERS} trainer ids"
-            if type(self.trainer_ids) not in (list, tuple) or len(self.trainer_ids) > MAX_PLAN_TRAINERS:
-                raise fail(_P, "trainer_ids", what, self.trainer_ids)
+            what = f"at most {MAX_PLAN_TRAINERS} trainer ids"
             set_field(self, "trainer_ids", _ids(_P, "trainer_ids", self.trainer_ids, 0, MAX_PLAN_TRAINERS, what))
             if len(set(self.trainer_ids)) != len(self.trainer_ids):
                 raise fail(_P, "trainer_ids", "distinct trainer ids", list(self.trainer_ids))
@@ -336,7 +335,7 @@ class PlanDocument:
         if codecs is not None:
             if type(codecs) is not list or len(codecs) != len(stages) - 1:
                 raise fail(_P, "codecs", f"a list of {len(stages) - 1} boundaries' codecs", codecs)
-            codecs = tuple(LinkCodecs.from_wire(link, f"plan.codecs[{i}]") for i, link in enumerate(codecs))
+            codecs = tuple(LinkCodecs.from_wire(link, i) for i, link in enumerate(codecs))
         epilogue = wire.get("epilogue_codecs")
         measured = wire.get("measured")
         if measured is not None:
