@@ -23,6 +23,10 @@ LABEL_SUFFIXES = {
 }
 """Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets."""
 
+LOCAL_FIELDS = ("group_size", "seed", "zstd_level", "buffer_dir", "buffer_path", "buffer_capacity", "buffer_dtype")
+"""`CodecConfig` fields that are a peer's own rather than its codec's: no label suffix sets them (`+gN` sets
+`group_size` where a label has it)."""
+
 DEFAULT_FW_CODEC = "acsgd2+ch+nr"
 """AQ-SGD with the paper's quantizer (one fp16 max-abs scale per channel of a sample), round to nearest: the
 fewest bytes and the lowest loss of the forward codecs in `swarm experiment convergence`."""
@@ -138,6 +142,12 @@ class CodecConfig:
         """Short name for tables and plots, e.g. `aqsgd2`, `gradq4+ef`, `aqsgd2+ch`, `gradq2+ef+rot`, in the codec's
         own grammar (`Codec.label`; rounding is not part of it: each codec family has its own default)."""
         return codec_class(self.name).label(self)
+
+    def local_options(self) -> dict:
+        """The fields no label names but `group_size` (set by `+gN` only where a label has it): a peer's own
+        options (--group-size, --zstd-level, --codec-seed, --buffer-dir), which hold on a link whatever codec a
+        plan names for it (`CodecConfig.parse(label, **config.local_options())`)."""
+        return {name: getattr(self, name) for name in LOCAL_FIELDS}
 
     @classmethod
     def parse(cls, text: str, **defaults) -> CodecConfig:

@@ -42,6 +42,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import use_hivemind_log_handler
 
 from swarm.peers.entries import LINK_SEP, MAX_TTL_S, PLAN_SEP, RunKeys, RunRecordValidator, parse_entry, peer_id_of
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import (
     LinkMeasurement,
     PeerAnnouncement,
@@ -316,9 +317,10 @@ class SwarmDHT:
         """The unexpired, valid link measurements of the run, by (src, dst)."""
         return sorted(self._parse_all(self._keys.links, "links"), key=lambda m: (m.src, m.dst))
 
-    def publish_plan(self, version: int, plan: dict[str, Any], ttl_s: float | None = None) -> bool:
-        """Publishes a plan; peers follow the highest version they see. Raises ValueError for an invalid plan."""
-        record = PlanRecord(version=version, plan=plan, created_at=get_dht_time())
+    def publish_plan(self, version: int, document: PlanDocument | dict[str, Any], ttl_s: float | None = None) -> bool:
+        """Publishes a plan (a document, or its wire dict: checked here); peers follow the highest version they see.
+        Raises ValueError for an invalid plan."""
+        record = PlanRecord(version=version, document=document, created_at=get_dht_time())
         subkey = self._owner + PLAN_SEP + str(version).encode()
         return self._store(self._keys.plan, subkey, record.to_wire(), ttl_s or self.config.plan_ttl_s)
 

@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.peers.plan_keys import PLAN_PRECISIONS, validate_plan_keys
-from swarm.runtime.routes import MAX_ROUTES, fits
+from swarm.peers.fields import MAX_LAYERS, fail, float_field, int_field, peer_id_field, set_field, str_field
+from swarm.peers.plan import PLAN_PRECISIONS, PlanDocument
 
 __all__ = [
     "MAX_CLOCK_SKEW_S",
     "MAX_PLANNER_LEASE_S",
     "MAX_PLAN_BYTES",
-    "MAX_PLAN_STAGES",
-    "MAX_PLAN_TRAINERS",
     "MAX_PLAN_VERSION",
     "LOW_PRECISIONS",
-    "PLAN_PRECISIONS",
     "LinkMeasurement",
     "PeerAnnouncement",
     "PlanRecord",
@@ -47,7 +43,6 @@ MAX_PLANNER_LEASE_S = 60.0
 
 _MAX_TIME_S = 1e11  # seconds since the epoch, year ~5000: anything later is garbage, not clock skew
 _MAX_STAGES = 4096
-_MAX_LAYERS = 1 << 20
 _MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
 _MAX_LAYERS_PER_S = 1e9
 _MAX_RTT_S = 3600.0
@@ -55,16 +50,10 @@ _MAX_BYTES_PER_S = 1e13  # 80 Tbit/s
 _MAX_BURST_BYTES = float(1 << 30)  # a bucket deeper than 1 GiB is no measurement
 MAX_PLAN_VERSION = 1 << 53
 """Highest plan version: far below msgpack's int64, so `version + 1` always fits (and survives a float)."""
-MAX_PLAN_STAGES = 256
-"""Most stages a plan may have."""
-MAX_PLAN_TRAINERS = 16
-"""Most trainers a plan may name."""
 MAX_CLOCK_SKEW_S = 120.0
 """How far in the future a record's own timestamp may lie (clocks of volunteers differ a little)."""
 _MAX_VERSION = MAX_PLAN_VERSION
-_MAX_PLAN_PEERS = 4096
 
-_PEER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _ADDRESS_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))" r":(?P<port>\d{1,5})")
 _DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,15}(?::\d{1,4})?")
 _CODEC_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:+-]{0,63}")
@@ -74,45 +63,12 @@ _MAX_HELD = 8
 """Held checkpoint copies an announcement may list."""
 
 
-def _fail(record: str, name: str, expected: str, value: Any) -> ValueError:
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return ValueError(f"{record}.{name}: expected {expected}, got {shown}")
-
-
-def _int(record: str, name: str, value: Any, lo: int, hi: int) -> int:
-    # bool is an int subclass in Python; on the wire it is a different type and never a valid count.
-    if type(value) is not int or not lo <= value <= hi:
-        raise _fail(record, name, f"an int in [{lo}, {hi}]", value)
-    return value
-
-
-def _float(record: str, name: str, value: Any, lo: float, hi: float) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
-        raise _fail(record, name, f"a finite number in [{lo:g}, {hi:g}]", value)
-    return float(value)
-
-
-def _str(record: str, name: str, value: Any, pattern: re.Pattern[str], what: str) -> str:
-    if type(value) is not str or pattern.fullmatch(value) is None:
-        raise _fail(record, name, what, value)
-    return value
-
-
-def _peer_id(record: str, name: str, value: Any) -> str:
-    return _str(record, name, value, _PEER_ID_RE, "a peer id of 1-64 characters [A-Za-z0-9._-]")
-
-
 def _address(record: str, name: str, value: Any) -> str:
     what = "a gRPC address 'host:port' with a port in [1, 65535]"
     match = _ADDRESS_RE.fullmatch(value) if type(value) is str else None
     if match is None or not 1 <= int(match["port"]) <= 65535:
-        raise _fail(record, name, what, value)
+        raise fail(record, name, what, value)
     return value
-
-
-def _set(obj: object, name: str, value: Any) -> None:
-    object.__setattr__(obj, name, value)  # normalizing a field of a frozen dataclass in __post_init__
 
 
 def _from_wire(cls: type, wire: Any) -> Any:
@@ -138,16 +94,16 @@ def _speeds(record: str, value: Any) -> tuple[tuple[str, float], ...]:
         try:
             value = [(name, float(speed)) for name, speed in (entry.split(":") for entry in value.split())]
         except ValueError:
-            raise _fail(record, "speeds", what, value) from None
+            raise fail(record, "speeds", what, value) from None
     if not isinstance(value, (list, tuple)) or len(value) > len(LOW_PRECISIONS):
-        raise _fail(record, "speeds", what, value)
+        raise fail(record, "speeds", what, value)
     speeds = []
     for entry in value:
         if not isinstance(entry, (list, tuple)) or len(entry) != 2 or entry[0] not in LOW_PRECISIONS:
-            raise _fail(record, "speeds", what, entry)
-        speeds.append((entry[0], _float(record, "speeds", entry[1], 0.0, _MAX_LAYERS_PER_S)))
+            raise fail(record, "speeds", what, entry)
+        speeds.append((entry[0], float_field(record, "speeds", entry[1], 0.0, _MAX_LAYERS_PER_S)))
     if len({name for name, _ in speeds}) != len(speeds):
-        raise _fail(record, "speeds", what, value)
+        raise fail(record, "speeds", what, value)
     return tuple(speeds)
 
 
@@ -195,58 +151,58 @@ class PeerAnnouncement:
 
     def __post_init__(self) -> None:
         r = type(self).__name__
-        _peer_id(r, "peer_id", self.peer_id)
-        _set(self, "speeds", _speeds(r, self.speeds))
+        peer_id_field(r, "peer_id", self.peer_id)
+        set_field(self, "speeds", _speeds(r, self.speeds))
         if type(self.leaving) is not bool:
-            raise _fail(r, "leaving", "a bool", self.leaving)
+            raise fail(r, "leaving", "a bool", self.leaving)
         if isinstance(self.held, str) and len(self.held) <= 40 * _MAX_HELD:
             try:
-                _set(self, "held", tuple(tuple(int(x) for x in h.split(":")) for h in self.held.split()))
+                set_field(self, "held", tuple(tuple(int(x) for x in h.split(":")) for h in self.held.split()))
             except ValueError:
-                raise _fail(r, "held", "'start:end:steps ...'", self.held[:64]) from None
+                raise fail(r, "held", "'start:end:steps ...'", self.held[:64]) from None
         if not isinstance(self.held, (list, tuple)) or len(self.held) > _MAX_HELD:
-            raise _fail(r, "held", f"a list of at most {_MAX_HELD} [start, end, steps] entries", self.held)
+            raise fail(r, "held", f"a list of at most {_MAX_HELD} [start, end, steps] entries", self.held)
         held = []
         for entry in self.held:
             if not isinstance(entry, (list, tuple)) or len(entry) != 3:
-                raise _fail(r, "held", "[layer_start, layer_end, steps_done] entries", entry)
-            start = _int(r, "held", entry[0], 0, _MAX_LAYERS - 1)
-            end = _int(r, "held", entry[1], start + 1, _MAX_LAYERS)
-            held.append((start, end, _int(r, "held", entry[2], 0, _MAX_VERSION)))
-        _set(self, "held", tuple(held))
+                raise fail(r, "held", "[layer_start, layer_end, steps_done] entries", entry)
+            start = int_field(r, "held", entry[0], 0, MAX_LAYERS - 1)
+            end = int_field(r, "held", entry[1], start + 1, MAX_LAYERS)
+            held.append((start, end, int_field(r, "held", entry[2], 0, _MAX_VERSION)))
+        set_field(self, "held", tuple(held))
         _address(r, "address", self.address)
-        _str(r, "device", self.device, _DEVICE_RE, "a device like 'cpu' or 'cuda:0'")
-        _int(r, "memory_bytes", self.memory_bytes, 0, _MAX_MEMORY_BYTES)
-        _set(
+        str_field(r, "device", self.device, _DEVICE_RE, "a device like 'cpu' or 'cuda:0'")
+        int_field(r, "memory_bytes", self.memory_bytes, 0, _MAX_MEMORY_BYTES)
+        set_field(
             self,
             "compute_layers_per_s",
-            _float(r, "compute_layers_per_s", self.compute_layers_per_s, 0, _MAX_LAYERS_PER_S),
+            float_field(r, "compute_layers_per_s", self.compute_layers_per_s, 0, _MAX_LAYERS_PER_S),
         )
         if self.stage is not None:
-            _int(r, "stage", self.stage, 0, _MAX_STAGES - 1)
+            int_field(r, "stage", self.stage, 0, _MAX_STAGES - 1)
         if self.layer_start is not None:
-            _int(r, "layer_start", self.layer_start, 0, _MAX_LAYERS - 1)
+            int_field(r, "layer_start", self.layer_start, 0, MAX_LAYERS - 1)
         if self.layer_end is not None:
-            _int(r, "layer_end", self.layer_end, 1, _MAX_LAYERS)
+            int_field(r, "layer_end", self.layer_end, 1, MAX_LAYERS)
         if (self.layer_start is None) != (self.layer_end is None):
-            raise _fail(r, "layer_end", "to be set exactly when layer_start is", self.layer_end)
+            raise fail(r, "layer_end", "to be set exactly when layer_start is", self.layer_end)
         if self.layer_start is not None and self.layer_start >= self.layer_end:
-            raise _fail(r, "layer_end", f"an int > layer_start={self.layer_start}", self.layer_end)
+            raise fail(r, "layer_end", f"an int > layer_start={self.layer_start}", self.layer_end)
         if (self.stage is None) != (self.layer_start is None):
-            raise _fail(r, "stage", "to be set exactly when a layer range is", self.stage)
-        _set(self, "load", _float(r, "load", self.load, 0.0, 1.0))
-        _int(r, "plan_version", self.plan_version, 0, _MAX_VERSION)
-        _set(self, "started_at", _float(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
-        _set(self, "planner_until", _float(r, "planner_until", self.planner_until, 0.0, _MAX_TIME_S))
+            raise fail(r, "stage", "to be set exactly when a layer range is", self.stage)
+        set_field(self, "load", float_field(r, "load", self.load, 0.0, 1.0))
+        int_field(r, "plan_version", self.plan_version, 0, _MAX_VERSION)
+        set_field(self, "started_at", float_field(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
+        set_field(self, "planner_until", float_field(r, "planner_until", self.planner_until, 0.0, _MAX_TIME_S))
         if self.codec is not None:
-            _str(r, "codec", self.codec, _CODEC_RE, "a codec name of 1-64 characters [A-Za-z0-9_.:+-]")
+            str_field(r, "codec", self.codec, _CODEC_RE, "a codec name of 1-64 characters [A-Za-z0-9_.:+-]")
         if self.reach not in ("direct", "relay"):
-            raise _fail(r, "reach", "'direct' or 'relay'", self.reach)
+            raise fail(r, "reach", "'direct' or 'relay'", self.reach)
         if self.reach == "relay":
-            if _peer_id(r, "relay", self.relay) == self.peer_id:
-                raise _fail(r, "relay", "another peer's id (a peer cannot relay for itself)", self.relay)
+            if peer_id_field(r, "relay", self.relay) == self.peer_id:
+                raise fail(r, "relay", "another peer's id (a peer cannot relay for itself)", self.relay)
         elif self.relay is not None:
-            raise _fail(r, "relay", "None unless reach == 'relay'", self.relay)
+            raise fail(r, "relay", "None unless reach == 'relay'", self.relay)
 
     @property
     def layers(self) -> range | None:
@@ -286,14 +242,14 @@ class LinkMeasurement:
 
     def __post_init__(self) -> None:
         r = type(self).__name__
-        _peer_id(r, "src", self.src)
-        _peer_id(r, "dst", self.dst)
+        peer_id_field(r, "src", self.src)
+        peer_id_field(r, "dst", self.dst)
         if self.src == self.dst:
-            raise _fail(r, "dst", "a peer other than src", self.dst)
-        _set(self, "rtt_s", _float(r, "rtt_s", self.rtt_s, 0.0, _MAX_RTT_S))
-        _set(self, "bytes_per_s", _float(r, "bytes_per_s", self.bytes_per_s, 0.0, _MAX_BYTES_PER_S))
-        _set(self, "measured_at", _float(r, "measured_at", self.measured_at, 0.0, _MAX_TIME_S))
-        _set(self, "burst_bytes", _float(r, "burst_bytes", self.burst_bytes, 0.0, _MAX_BURST_BYTES))
+            raise fail(r, "dst", "a peer other than src", self.dst)
+        set_field(self, "rtt_s", float_field(r, "rtt_s", self.rtt_s, 0.0, _MAX_RTT_S))
+        set_field(self, "bytes_per_s", float_field(r, "bytes_per_s", self.bytes_per_s, 0.0, _MAX_BYTES_PER_S))
+        set_field(self, "measured_at", float_field(r, "measured_at", self.measured_at, 0.0, _MAX_TIME_S))
+        set_field(self, "burst_bytes", float_field(r, "burst_bytes", self.burst_bytes, 0.0, _MAX_BURST_BYTES))
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -316,8 +272,8 @@ class TrainerAnnouncement:
 
     def __post_init__(self) -> None:
         r = type(self).__name__
-        _peer_id(r, "peer_id", self.peer_id)
-        _set(self, "started_at", _float(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
+        peer_id_field(r, "peer_id", self.peer_id)
+        set_field(self, "started_at", float_field(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -330,37 +286,46 @@ class TrainerAnnouncement:
 
 @dataclass(frozen=True)
 class PlanRecord:
-    """A versioned plan from the scheduler: stages, layer ranges and peers. Higher versions supersede lower."""
+    """A versioned plan from the planner (`swarm.peers.plan.PlanDocument`). Higher versions supersede lower."""
 
     version: int
     """Monotonic plan version, >= 1 (peers announce 0 before they follow any plan)."""
-    plan: dict[str, Any]
-    """The plan itself, JSON-able, at most MAX_PLAN_BYTES as compact JSON; its schema belongs to the scheduler."""
+    document: PlanDocument
+    """The plan itself; given as a `PlanDocument` or its wire dict (parsed and checked here). On the wire it is
+    compact JSON text under the key "plan", at most MAX_PLAN_BYTES."""
     created_at: float
     """When it was made, in seconds since the epoch."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
-        _int(r, "version", self.version, 1, _MAX_VERSION)
-        _set(self, "plan", _parse_plan(r, _dump_plan(r, self.plan)))  # canonical: tuples -> lists, keys -> str
-        _set(self, "created_at", _float(r, "created_at", self.created_at, 0.0, _MAX_TIME_S))
+        int_field(r, "version", self.version, 1, _MAX_VERSION)
+        if not isinstance(self.document, PlanDocument):
+            set_field(self, "document", PlanDocument.from_wire(_parse_plan(r, _dump_plan(r, self.document))))
+        _dump_plan(r, self.document.to_wire())  # its size
+        set_field(self, "created_at", float_field(r, "created_at", self.created_at, 0.0, _MAX_TIME_S))
 
     def to_wire(self) -> dict[str, Any]:
         # The plan travels as JSON text: its size is checked before it is parsed, and it can't nest msgpack types.
-        return {"version": self.version, "plan": _dump_plan("PlanRecord", self.plan), "created_at": self.created_at}
+        text = _dump_plan("PlanRecord", self.document.to_wire())
+        return {"version": self.version, "plan": text, "created_at": self.created_at}
 
     @classmethod
     def from_wire(cls, wire: Any) -> PlanRecord:
         """Builds a plan from untrusted wire data. Raises ValueError naming the first bad field."""
-        if isinstance(wire, dict) and "plan" in wire:
-            wire = {**wire, "plan": _parse_plan(cls.__name__, wire["plan"])}
-        return _from_wire(cls, wire)
+        if not isinstance(wire, dict):
+            raise ValueError(f"{cls.__name__}: expected a dict, got {type(wire).__name__}")
+        for key in ("version", "plan", "created_at"):
+            if key not in wire:
+                raise ValueError(f"{cls.__name__}.{key}: missing")
+        int_field(cls.__name__, "version", wire["version"], 1, _MAX_VERSION)
+        document = PlanDocument.from_wire(_parse_plan(cls.__name__, wire["plan"]))
+        return cls(wire["version"], document, wire["created_at"])
 
 
 def _dump_plan(record: str, plan: Any) -> str:
     what = f"a JSON-able dict of at most {MAX_PLAN_BYTES} bytes"
     if not isinstance(plan, dict):
-        raise _fail(record, "plan", what, plan)
+        raise fail(record, "plan", what, plan)
     try:
         text = json.dumps(plan, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as e:
@@ -373,13 +338,13 @@ def _dump_plan(record: str, plan: Any) -> str:
 def _parse_plan(record: str, text: Any) -> dict[str, Any]:
     what = f"JSON text of a dict, at most {MAX_PLAN_BYTES} bytes"
     if type(text) is not str or len(text) > MAX_PLAN_BYTES or len(text.encode()) > MAX_PLAN_BYTES:
-        raise _fail(record, "plan", what, text)
+        raise fail(record, "plan", what, text)
     try:
         plan = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:
         raise ValueError(f"{record}.plan: expected {what}: {e}") from None
     if not isinstance(plan, dict):
-        raise _fail(record, "plan", what, text)
+        raise fail(record, "plan", what, text)
     return plan
 
 
@@ -459,13 +424,11 @@ def followed_plan(
 
 def _serves(record: PlanRecord, ann: PeerAnnouncement) -> bool:
     """Whether `record` names `ann`'s peer where it announces it serves (a standby: nowhere in the stages)."""
-    stages = record.plan["stages"]
-    where = [i for i, s in enumerate(stages) if ann.peer_id in s["peer_ids"]]
-    if ann.stage is None:
-        return not where
-    if where != [ann.stage]:
-        return False
-    return (stages[ann.stage]["layer_start"], stages[ann.stage]["layer_end"]) == (ann.layer_start, ann.layer_end)
+    place = record.document.place_of(ann.peer_id)
+    if ann.stage is None or place is None:
+        return ann.stage is None and place is None
+    stage = record.document.stages[place[0]]
+    return place[0] == ann.stage and (stage.layer_start, stage.layer_end) == (ann.layer_start, ann.layer_end)
 
 
 def validate_plan(
@@ -476,9 +439,10 @@ def validate_plan(
 ) -> None:
     """Checks a plan against the model and the announced peers before anyone follows it.
 
-    Stages must cover layers [0, model_n_layers) contiguously, 1 to MAX_PLAN_STAGES of them, each served by
-    at least one announced peer, no peer named twice; `trainer_ids` (optional) at most MAX_PLAN_TRAINERS
-    distinct ids, each announced as a trainer when `trainers` is given.
+    The record's `PlanDocument` checked its own shape when it was parsed (contiguous stages from layer 0, 1 to
+    MAX_PLAN_STAGES of them, no peer named twice, at most MAX_PLAN_TRAINERS distinct trainers, ...); here: the
+    stages cover the model's `model_n_layers` layers, every peer they name is announced, and every trainer is
+    announced when `trainers` is given.
 
     Args:
         record: the plan, as read from the DHT.
@@ -489,48 +453,4 @@ def validate_plan(
     Raises:
         ValueError: naming the first bad field, e.g. `plan.stages[1].layer_end`.
     """
-    plan, announced = record.plan, {p.peer_id for p in peers}
-    stages = plan.get("stages")
-    if type(stages) is not list or not 1 <= len(stages) <= MAX_PLAN_STAGES:
-        raise _fail("plan", "stages", f"a list of 1 to {MAX_PLAN_STAGES} stages", stages)
-    top = model_n_layers if model_n_layers is not None else _MAX_LAYERS
-    seen: set[str] = set()
-    start = 0
-    for i, stage in enumerate(stages):
-        r = f"plan.stages[{i}]"
-        if not isinstance(stage, dict):
-            raise _fail("plan", f"stages[{i}]", "a dict", stage)
-        if stage.get("layer_start") != start or type(stage.get("layer_start")) is not int:
-            raise _fail(r, "layer_start", f"{start} (stages contiguous from layer 0)", stage.get("layer_start"))
-        start = _int(r, "layer_end", stage.get("layer_end"), start + 1, top)
-        ids = stage.get("peer_ids")
-        if type(ids) is not list or not 1 <= len(ids) <= _MAX_PLAN_PEERS:
-            raise _fail(r, "peer_ids", f"a list of 1 to {_MAX_PLAN_PEERS} peer ids", ids)
-        for pid in ids:
-            _peer_id(r, "peer_ids", pid)
-            if pid not in announced:
-                raise _fail(r, "peer_ids", "announced peers", pid)
-            if pid in seen:
-                raise _fail(r, "peer_ids", "each peer in one stage only", pid)
-            seen.add(pid)
-    if not fits([len(s["peer_ids"]) for s in stages]):  # uneven replica counts: routes are their lcm
-        raise _fail("plan", "stages", f"replica counts whose lcm is at most {MAX_ROUTES} (routes)", len(stages))
-    if model_n_layers is not None and start != model_n_layers:
-        raise _fail(f"plan.stages[{len(stages) - 1}]", "layer_end", f"{model_n_layers} (the model's layers)", start)
-    unused = plan.get("unused_peer_ids", [])
-    if type(unused) is not list or len(unused) > _MAX_PLAN_PEERS:
-        raise _fail("plan", "unused_peer_ids", f"a list of at most {_MAX_PLAN_PEERS} peer ids", unused)
-    for pid in unused:
-        if _peer_id("plan", "unused_peer_ids", pid) in seen:
-            raise _fail("plan", "unused_peer_ids", "peers the stages do not name", pid)
-    validate_plan_keys(plan, len(stages), start)
-    trainer_ids = plan.get("trainer_ids", [])
-    if type(trainer_ids) is not list or len(trainer_ids) > MAX_PLAN_TRAINERS:
-        raise _fail("plan", "trainer_ids", f"a list of at most {MAX_PLAN_TRAINERS} trainer ids", trainer_ids)
-    known = None if trainers is None else set(trainers)
-    for tid in trainer_ids:
-        _peer_id("plan", "trainer_ids", tid)
-        if known is not None and tid not in known:
-            raise _fail("plan", "trainer_ids", "announced trainers", tid)
-    if len(set(trainer_ids)) != len(trainer_ids):
-        raise _fail("plan", "trainer_ids", "distinct trainer ids", trainer_ids)
+    record.document.check_run(model_n_layers, (p.peer_id for p in peers), trainers)

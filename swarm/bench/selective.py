@@ -69,20 +69,17 @@ def rows(
     policy = policy or BitsPolicy()
     from swarm.compression import CodecConfig
     from swarm.daemon.planning import link_figures
+    from swarm.peers.plan import PlanStage
     from swarm.scheduler.sizes import message_bytes
 
     activation = (shape.micro_batch_size, shape.seq_len, shape.hidden)
     sizes = cache(lambda label: float(message_bytes(CodecConfig.parse(label), activation)))
     base = replace(ModelSpec.transformer(shape), full_duplex=True, tied_bytes=VOCAB * shape.hidden * 4 / 8)
     per = shape.layers // stages
-    plan_stages = [
-        {
-            "layer_start": s * per,
-            "layer_end": (s + 1) * per,
-            "peer_ids": [f"p{s * replicas + r}" for r in range(replicas)],
-        }
-        for s in range(stages)
+    layout = [
+        PlanStage(s * per, (s + 1) * per, tuple(f"p{s * replicas + r}" for r in range(replicas))) for s in range(stages)
     ]
+    plan_stages = [stage.to_wire() for stage in layout]
     out = []
     for rate in rates_mbit:
         plan_input = swarm_at(rate, replica_mbit, stages, replicas, flops)
@@ -93,7 +90,7 @@ def rows(
             return selective_breakdown(plan_stages, plan_input, spec, chosen).total_s
 
         step_s = pipeline_step_s(plan_stages, plan_input, base)
-        bounds = choose_codecs(link_figures(plan_stages, plan_input, base), sizes, policy, step_s)
+        bounds = choose_codecs(link_figures(layout, plan_input, base), sizes, policy, step_s)
         fw = max((b["forward"] for b in bounds), key=FORWARD_LADDER.index)  # uniform rates: one choice; else the
         bw = max((b["backward"] for b in bounds), key=BACKWARD_LADDER.index)  # narrowest, for one spec's bytes
         spec = replace(base, forward_bytes=sizes(fw), backward_bytes=sizes(bw))

@@ -33,11 +33,12 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from swarm.peers.plan import PlanDocument, PlanStage
 from swarm.scheduler import ModelSpec, PlanInput
 from swarm.scheduler.plans import Breakdown
 
@@ -157,12 +158,6 @@ def window(before: StageClock, after: StageClock) -> Measured | None:
     )  # fmt: skip
 
 
-def _stages_key(plan: dict) -> tuple:
-    return tuple(
-        (int(s["layer_start"]), int(s["layer_end"]), tuple(map(str, s["peer_ids"]))) for s in plan.get("stages", [])
-    )
-
-
 class Calibrator:
     """Reads the plan peers' clocks and, once per set of stages, gives their figures over a window of steps.
 
@@ -202,17 +197,17 @@ class Calibrator:
         self._done = False
         self._next = 0.0
 
-    def observe(self, plan: dict) -> dict[str, Measured] | None:
+    def observe(self, plan: PlanDocument) -> dict[str, Measured] | None:
         """Every plan peer's figures once the window is complete (then None again until the stages change)."""
-        key = _stages_key(plan)
+        key = plan.stages
         if key != self._key:
             self._key, self._start, self._done, self._opened = key, {}, False, None
-        if self._done or not key or self.clock() < self._next:
+        if self._done or self.clock() < self._next:
             return None
         self._next = self.clock() + self.every_s
         now: dict[str, StageClock] = {}
-        for index, (_, _, peer_ids) in enumerate(key):
-            for pid in peer_ids:
+        for index, stage in enumerate(key):
+            for pid in stage.peer_ids:
                 reply = self.read(pid)
                 clock = None
                 if reply is not None and getattr(reply, "stage", None) == index:
@@ -240,7 +235,7 @@ class Calibrator:
 
 
 def calibrated_breakdown(
-    plan: dict, plan_input: PlanInput, spec: ModelSpec, measured: Mapping[str, Measured]
+    plan: PlanDocument, plan_input: PlanInput, spec: ModelSpec, measured: Mapping[str, Measured]
 ) -> tuple[Breakdown, Breakdown]:
     """(calibrated, uncalibrated) predictions of `plan`'s layout: each plan peer's compute speed from its stage's
     measured seconds per micro-batch, the probed links, and the step overhead the stage clocks measured beyond
@@ -248,14 +243,14 @@ def calibrated_breakdown(
     from swarm.scheduler.cost import FullCost, Layout
 
     index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
-    stages = plan["stages"]
-    grid = np.array([[index[pid] for pid in st["peer_ids"]] for st in stages])
-    layers = np.array([int(st["layer_end"]) - int(st["layer_start"]) for st in stages], dtype=np.int64)
+    stages = plan.stages
+    grid = np.array([[index[pid] for pid in st.peer_ids] for st in stages])
+    layers = np.array([len(st.layers) for st in stages], dtype=np.int64)
     layout = Layout(grid, layers)
     before = FullCost(plan_input, dataclasses.replace(spec, step_overhead_s=0.0)).evaluate(layout)
     peers = list(plan_input.peers)
     for st, n in zip(stages, layers, strict=True):
-        for pid in st["peer_ids"]:
+        for pid in st.peer_ids:
             if pid in measured:
                 speed = n * max(spec.flops_per_layer, 1.0) / measured[pid].micro_batch_s
                 peers[index[pid]] = dataclasses.replace(peers[index[pid]], compute_flops_per_s=speed)
@@ -270,17 +265,17 @@ def calibrated_breakdown(
     return after, before
 
 
-def measured_bytes(spec: ModelSpec, stages: list[dict], measured: Mapping[str, Measured]) -> ModelSpec:
+def measured_bytes(spec: ModelSpec, stages: Sequence[PlanStage], measured: Mapping[str, Measured]) -> ModelSpec:
     """`spec` with the bytes the peers sent: the busiest boundary's forward and backward bytes per micro-batch,
     and the tied gradient's bytes per step and partner (each end-stage replica sends it to every other one)."""
     last = len(stages) - 1
     if last < 1:
         return spec
-    rows = [[measured[pid] for pid in st["peer_ids"] if pid in measured] for st in stages]
+    rows = [[measured[pid] for pid in st.peer_ids if pid in measured] for st in stages]
     fp32 = 4 * spec.message_elements  # a message's fp32 size: its measured ratio prices it exactly
     forward = [m.forward_ratio * fp32 if fp32 and m.forward_ratio else m.forward_bytes for r in rows[:last] for m in r]
     backward = [m.backward_ratio * fp32 if fp32 and m.backward_ratio else m.backward_bytes for r in rows[1:] for m in r]
-    partners = len(stages[0]["peer_ids"]) + len(stages[last]["peer_ids"]) - 1
+    partners = len(stages[0].peer_ids) + len(stages[last].peer_ids) - 1
     # each end its own: the last stage's tied gradient can be 3x the first's, and the rate bound of a direction
     # is what its own sender puts on it (one figure for both read the larger on the smaller's direction: +7%)
     first = max((m.tied_bytes / partners for m in rows[0]), default=0.0)

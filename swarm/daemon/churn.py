@@ -85,15 +85,15 @@ class Replicator:
 
     def due(self, plan: PlanRecord, peers: list[PeerAnnouncement]) -> tuple[str, int, int, int] | None:
         """(address, stage, start, end) of the buddy stage if a pull is due, else None."""
-        buddy = buddy_of(plan.plan, self.peer_id)
+        buddy = buddy_of(plan.document, self.peer_id)
         if buddy is None:
             return None
         stage, holder = buddy
         address = next((p.address for p in peers if p.peer_id == holder), None)
         if address is None:
             return None
-        spec = plan.plan["stages"][stage]
-        start, end = int(spec["layer_start"]), int(spec["layer_end"])
+        spec = plan.document.stages[stage]
+        start, end = spec.layer_start, spec.layer_end
         steps = self.status(address)
         if steps is None or steps < self.pulled.get((start, end), 0) + self.every_steps:
             return None
@@ -134,10 +134,10 @@ def takeover_sources(
         (replica peer ids: this peer first, then the stage's other replicas still announced; held copies:
         (peer id, steps_done) of announced peers holding that layer range, freshest first).
     """
-    spec = old.plan["stages"][stage]
-    start, end = int(spec["layer_start"]), int(spec["layer_end"])
+    spec = old.document.stages[stage]
+    start, end = spec.layer_start, spec.layer_end
     announced = {p.peer_id for p in peers}
-    replicas = [str(p) for p in spec["peer_ids"] if str(p) == me or str(p) in announced]
+    replicas = [p for p in spec.peer_ids if p == me or p in announced]
     replicas.sort(key=lambda p: p != me)
     held = [(p.peer_id, n) for p in peers for s, e, n in p.held if (s, e) == (start, end) and p.peer_id != me]
     held.sort(key=lambda c: (-c[1], c[0]))
@@ -149,9 +149,9 @@ def served_by_replicas(record: PlanRecord, stage: int, peers: list[PeerAnnouncem
     announced, under any plan): then a peer that joins the stage with no older plan to take it over from
     (its first plan names it) copies their state, instead of serving initial weights beside trained ones.
     False in a fresh swarm, where nobody serves yet."""
-    spec = record.plan["stages"][stage]
-    layers = (int(spec["layer_start"]), int(spec["layer_end"]))
-    others = {str(p) for p in spec["peer_ids"]} - {me}
+    spec = record.document.stages[stage]
+    layers = (spec.layer_start, spec.layer_end)
+    others = set(spec.peer_ids) - {me}
     return any(p.peer_id in others and (p.layer_start, p.layer_end) == layers for p in peers)
 
 
@@ -161,12 +161,12 @@ def leave_done(plan: PlanRecord | None, peers: list[PeerAnnouncement], me: str, 
     when no other peer stays (all leave at once, as when a whole local swarm stops): nobody to hand over to."""
     if not any(p.peer_id != me and not p.leaving for p in peers):
         return True
-    if plan is None or any(me in s.get("peer_ids", []) for s in plan.plan.get("stages", [])):
+    if plan is None or me in plan.document.used_peers():
         return False
     following = {p.peer_id for p in peers if p.plan_version >= plan.version and p.stage is not None}
     start, end = my_layers
-    for spec in plan.plan.get("stages", []):
-        overlaps = int(spec["layer_start"]) < end and start < int(spec["layer_end"])
-        if overlaps and not all(p in following for p in spec["peer_ids"]):
+    for spec in plan.document.stages:
+        overlaps = spec.layer_start < end and start < spec.layer_end
+        if overlaps and not all(p in following for p in spec.peer_ids):
             return False
     return True

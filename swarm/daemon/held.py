@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from swarm.peers.plan import PlanDocument
 from swarm.runtime.checkpoint import FORMAT, checkpoint_handover, checkpoint_path, save_stage
 
 __all__ = [
@@ -113,11 +114,11 @@ class HeldStore:
         return tuple(sorted((s, e, n) for (s, e), n in self._steps.items()))
 
 
-def buddy_of(plan: dict, peer_id: str) -> tuple[int, str] | None:
+def buddy_of(plan: PlanDocument, peer_id: str) -> tuple[int, str] | None:
     """(stage index, holder id) whose state `peer_id` keeps a copy of: the next peer after it in plan order
     (stages in order, replicas in column order, then the standbys; wrapping) that serves a different stage."""
-    order = [(i, str(p)) for i, s in enumerate(plan.get("stages", [])) for p in s.get("peer_ids", [])]
-    order += [(-1, str(p)) for p in plan.get("unused_peer_ids", [])]
+    order = [(i, p) for i, s in enumerate(plan.stages) for p in s.peer_ids]
+    order += [(-1, p) for p in plan.unused_peer_ids]
     mine = [k for k, (_, p) in enumerate(order) if p == peer_id]
     if not mine:
         return None

@@ -48,11 +48,11 @@ def run_live(args: argparse.Namespace) -> int:
         print(f"swarm plan: no peers announced in run {args.run_name!r}", file=sys.stderr)
         return 2
     swarm = swarm_plan_input(peers, links, model_of(args))
-    stages = len(published.plan.get("stages", [])) if published is not None else None
+    stages = published.document.n_stages if published is not None else None
     fresh = plan(swarm.plan_input, model_of(args), live_search(stages, args.seed))
     if args.json:
         out = {
-            "published": None if published is None else {**published.plan, "version": published.version},
+            "published": None if published is None else {**published.document.to_wire(), "version": published.version},
             "now": fresh.to_dict(),
             "peers": len(peers),
             "measured_links": swarm.measured_links,
@@ -65,7 +65,7 @@ def run_live(args: argparse.Namespace) -> int:
         source += f", {swarm.filled_links} assumed (not probed yet)"
     if published is not None:
         print(f"published plan (version {published.version}):")
-        print(describe(Plan.from_dict(published.plan), swarm.plan_input, source))
+        print(describe(Plan.from_dict(published.document.to_wire()), swarm.plan_input, source))
         print()
     print("the plan the planner would make now:" if published is not None else "no plan published yet; now:")
     print(describe(fresh, swarm.plan_input, source))

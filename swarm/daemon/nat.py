@@ -199,12 +199,12 @@ class NatWiring:
     def _rank(self) -> Callable[[str], int]:
         """peer id -> 0: a peer of the next stage under the followed plan, 1: of the previous stage, 2: other."""
         record = getattr(self.daemon, "following", None)
-        stages = record.plan.get("stages", []) if record is not None else []
-        mine = next((i for i, st in enumerate(stages) if self.me in map(str, st.get("peer_ids", ()))), None)
+        stages = record.document.stages if record is not None else ()
+        place = record.document.place_of(self.me) if record is not None else None
         ranks: dict[str, int] = {}
-        for r, k in enumerate((mine + 1, mine - 1) if mine is not None else ()):
-            for p in stages[k].get("peer_ids", ()) if 0 <= k < len(stages) else ():
-                ranks.setdefault(str(p), r)
+        for r, k in enumerate((place[0] + 1, place[0] - 1) if place is not None else ()):
+            for p in stages[k].peer_ids if 0 <= k < len(stages) else ():
+                ranks.setdefault(p, r)
         return lambda peer_id: ranks.get(peer_id, 2)
 
     def settle(self, listen_host: str, port: int, attempts: int = 5, stop: threading.Event | None = None) -> str:

@@ -29,7 +29,7 @@ from swarm.peers.allocator import tune_allocator
 from swarm.runtime.modelcheck import check_plan_models, peer_status
 
 if TYPE_CHECKING:
-    pass
+    from swarm.peers.plan import PlanDocument
 
 __all__ = ["PeerConfig", "PeerDaemon", "PlanningConfig", "build_parser", "config_from_args", "main"]
 
@@ -166,21 +166,21 @@ class PeerDaemon:
 
     # ---- roles ---------------------------------------------------------------------------------------------
 
-    def _make_host(self, role, plan: dict | None = None):
+    def _make_host(self, role, plan: PlanDocument | None = None):
         from swarm.net.connect import GrpcConnector
         from swarm.runtime.boundary import LinkEnds
-        from swarm.runtime.freeze import apply_frozen, frozen_of
+        from swarm.runtime.freeze import apply_frozen
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
-        from swarm.scheduler.bits import epilogue_configs, stage_link_configs
-        from swarm.scheduler.precision import plan_precision
 
         cfg = self.cfg
-        ends = stage_link_configs(plan or {}, role.stage, self.codecs)  # a plan's per-link codecs, else the flags'
+        # a plan's per-link codecs (over this peer's own codec options), else the flags'
+        ends = plan.link_configs(role.stage, self.codecs) if plan is not None else self.codecs * 2
+        precision = plan.precision(role.stage, cfg.precision) if plan is not None else cfg.precision
         host = StageHost(
             role,
             self.model,
-            StageConfig(cfg.optim, precision=plan_precision(plan or {}, role.stage, cfg.precision), device=cfg.device),
+            StageConfig(cfg.optim, precision=precision, device=cfg.device),
             LinkEnds(ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3])),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
@@ -188,8 +188,9 @@ class PeerDaemon:
             budget=cfg.budget,
         )
         host.compute_layers_per_s, host.link_codecs = self.speed, ends
-        host.averager.set_codecs(*epilogue_configs(plan or {}, role.stage))  # the plan's averaging/tied codecs
-        apply_frozen(host, frozen_of(plan))  # a repacked plan's frozen prefix: it never trains here, not for a step
+        epilogue = plan.epilogue_configs(role.stage) if plan is not None else (None, None)
+        host.averager.set_codecs(*epilogue)  # the plan's averaging/tied codecs
+        apply_frozen(host, plan.frozen if plan is not None else 0)  # a repacked plan's frozen prefix: never trained
         self.checkpoints.setup(host)
         return host
 
@@ -357,10 +358,9 @@ class PeerDaemon:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
         from swarm.daemon.planning import role_in_plan
         from swarm.runtime.sensitivity import set_stage_precision
-        from swarm.scheduler.bits import epilogue_configs, stage_link_configs
-        from swarm.scheduler.precision import plan_precision
 
         role = role_in_plan(record, self.dht.peer_id)
+        plan = record.document
         roster = self.book.plan_roster(record, self.announcement)
         host = self.servicer.host
         same = (
@@ -368,21 +368,21 @@ class PeerDaemon:
             and role is not None
             and (host.role.stage, host.role.n_stages, host.role.layer_start, host.role.layer_end)
             == (role.stage, role.n_stages, role.layer_start, role.layer_end)
-            and stage_link_configs(record.plan, role.stage, self.codecs) == getattr(host, "link_codecs", None)
+            and plan.link_configs(role.stage, self.codecs) == getattr(host, "link_codecs", None)
         )
         wait_s = 2 * 120.0
         behind = same and self.following is not None and self._behind_replicas(record, role, host.steps_done)
         if same and not behind:
 
             def bump(servicer) -> None:
-                set_stage_precision(servicer.host.worker, plan_precision(record.plan, role.stage, self.cfg.precision))
+                set_stage_precision(servicer.host.worker, plan.precision(role.stage, self.cfg.precision))
                 servicer.host.role = role  # same layers: only the plan version (epilogue codecs, precision) change
-                servicer.host.averager.set_codecs(*epilogue_configs(record.plan, role.stage))
+                servicer.host.averager.set_codecs(*plan.epilogue_configs(role.stage))
                 servicer.set_roster(roster)
 
             self.servicer.when_idle(bump, wait_s)
         else:
-            new_host = None if role is None else self._make_host(role, record.plan)
+            new_host = None if role is None else self._make_host(role, plan)
             source = self._state_source(record, role)
             if new_host is not None and source is not None and self.servicer.host is not None:
                 # the old host takes no further old-plan step (it is refused: the trainer follows the new plan)
@@ -431,8 +431,7 @@ class PeerDaemon:
         """Whether another replica of this peer's stage under `record` applied more steps than this one: this
         peer sat on a chain the trainer dropped (its neighbour died) while the others trained on, so its weights
         and optimizer are stale and must be copied again before it serves, or the replicas would diverge."""
-        peer_ids = record.plan["stages"][role.stage]["peer_ids"]
-        others = [str(p) for p in peer_ids if str(p) != self.dht.peer_id]
+        others = [p for p in record.document.stages[role.stage].peer_ids if p != self.dht.peer_id]
         if not others:
             return False
         # no wait for the others to switch plans here (they may be asking the same of us); a replica still
@@ -459,10 +458,10 @@ class PeerDaemon:
         role = new_host.role
         peers = self.dht.peers()
         addresses = {p.peer_id: p.address for p in peers}
-        old_stages = old.plan.get("stages", [])
+        old_stages = old.document.stages
         loaded: dict[str, torch.Tensor] = {}
         for index, stage in enumerate(old_stages):
-            start, end = int(stage["layer_start"]), int(stage["layer_end"])
+            start, end = stage.layer_start, stage.layer_end
             overlaps = start < role.layer_end and role.layer_start < end
             ends = (index == 0 and role.is_first) or (index == len(old_stages) - 1 and role.is_last)
             if not (overlaps or ends):

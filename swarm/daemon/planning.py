@@ -21,7 +21,7 @@ Replicas: `--replicas N` plans N replicas of every stage in the first plan (0: t
 it leaves out stay on standby. After a loss the planner first REPAIRS the current plan (`swarm.daemon.repair`:
 the lost place goes to a standby, else the stage serves with fewer replicas, nobody else moves) and searches
 anew only when that fails. A joiner becomes one more replica of the busiest stage (`grow_plan`), so stages may
-have different replica counts (the runtime's routes, `swarm.runtime.routes`). Plan peers that
+have different replica counts (the runtime's routes, `swarm.peers.routes`). Plan peers that
 stop answering its `Status` heartbeats (`swarm.daemon.liveness`) or announce that they are leaving count as
 gone at once, without waiting for their announcements to expire.
 """
@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,19 +40,20 @@ from swarm.daemon.calibrate import Calibrator
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.repack import with_frozen
 from swarm.daemon.repair import grow_plan, repair_plan
+from swarm.peers.plan import MAX_PLAN_TRAINERS, PlanDocument, PlanStage
 from swarm.peers.records import (
-    MAX_PLAN_TRAINERS,
     MAX_PLAN_VERSION,
     LinkMeasurement,
     PeerAnnouncement,
     PlanRecord,
     elected_planner,
 )
+from swarm.peers.routes import Route, n_routes, route_replicas
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
 from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, relays_of, shared_cost, shared_input
-from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue, same_choice
+from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
 
 log = logging.getLogger("swarm.daemon.planning")
 
@@ -148,14 +148,15 @@ def with_even_layers(made: Plan, plan_input: PlanInput, spec: ModelSpec, cost=No
     return layout_to_plan(layout, breakdown, plan_input, made.cost_model, unused, made.version)
 
 
-def link_figures(stages: list[dict], plan_input: PlanInput, spec: ModelSpec) -> list[LinkFigures]:
+def link_figures(stages: Sequence[PlanStage], plan_input: PlanInput, spec: ModelSpec) -> list[LinkFigures]:
     """Each boundary's measured rates (its slowest replica pair each way) and its slower stage's compute per
-    micro-batch: what `swarm.scheduler.bits` chooses codecs from. `stages`: a plan dict's "stages"."""
+    micro-batch: what `swarm.scheduler.bits` chooses codecs from. `stages`: a plan's (or the scheduler's
+    `StagePlan`s: layers and peer ids)."""
     index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
     bw, speeds = plan_input.bandwidth_bytes_per_s, plan_input.speeds_flops_per_s
-    rows = [[index[pid] for pid in st["peer_ids"]] for st in stages]
+    rows = [[index[pid] for pid in st.peer_ids] for st in stages]
     compute = [
-        (st["layer_end"] - st["layer_start"]) * spec.flops_per_layer / speeds[row].min()
+        (st.layer_end - st.layer_start) * spec.flops_per_layer / speeds[row].min()
         for st, row in zip(stages, rows, strict=True)
     ]
     return [
@@ -167,27 +168,21 @@ def link_figures(stages: list[dict], plan_input: PlanInput, spec: ModelSpec) -> 
 def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
     """This peer's stage (and replica: its index in the stage's `peer_ids`) under a published plan, or None if
     it is on standby."""
-    stages = record.plan.get("stages", [])
-    for index, stage in enumerate(stages):
-        ids = stage.get("peer_ids", [])
-        if peer_id in ids:
-            start, end = int(stage["layer_start"]), int(stage["layer_end"])
-            return StageRole(index, len(stages), start, end, record.version, replica=ids.index(peer_id))
-    return None
-
-
-def plan_peers(record: PlanRecord) -> set[str]:
-    """Every peer the plan was made from: those it uses and those it leaves on standby."""
-    used = {pid for stage in record.plan.get("stages", []) for pid in stage.get("peer_ids", [])}
-    return used | set(record.plan.get("unused_peer_ids", []))
+    place = record.document.place_of(peer_id)
+    if place is None:
+        return None
+    stage = record.document.stages[place[0]]
+    n_stages = record.document.n_stages
+    return StageRole(place[0], n_stages, stage.layer_start, stage.layer_end, record.version, replica=place[1])
 
 
 @dataclass(frozen=True)
-class Route:
-    """The pipelines a trainer drives: every replica of every stage, all following the same plan.
+class PlanRoutes:
+    """Every route a trainer drives under a plan: every replica of every stage at its announced address, all
+    following the same plan, with the plan's figures the trainer reports.
 
     Stages may have different replica counts (a joiner became one more replica of the busiest stage): the
-    trainer then drives the routes of `swarm.runtime.routes` (route c runs on replica c % R_s of stage s).
+    trainer then drives the lcm of them (route c runs on replica c % R_s of stage s, `swarm.peers.routes`).
     """
 
     addresses: list[str]
@@ -222,6 +217,15 @@ class Route:
             return self.replica_addresses, self.replica_peer_ids
         return tuple((a,) for a in self.addresses), tuple((p,) for p in self.peer_ids)
 
+    def routes(self) -> tuple[Route, ...]:
+        """Each `Route` (one replica of every stage) in route order."""
+        addresses, peers = self.nested()
+        counts = self.replica_counts
+        return tuple(
+            Route(c, tuple(addresses[s][r] for s, r in enumerate(at)), tuple(peers[s][r] for s, r in enumerate(at)))
+            for c, at in ((c, route_replicas(c, counts)) for c in range(n_routes(counts)))
+        )
+
     def driver_args(self) -> tuple:
         """What `PipelineDriver(route, peers, ...)` takes: flat with one replica per stage (every driver takes
         that), nested `[stage][replica]` otherwise (rows of different lengths when uneven)."""
@@ -230,37 +234,24 @@ class Route:
         return tuple(map(list, self.replica_addresses)), tuple(map(list, self.replica_peer_ids))
 
 
-def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> Route | None:
+def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> PlanRoutes | None:
     """Every replica of every stage of the plan, once every one of its peers announces that it follows the
     plan (replica counts may differ between stages; None while a peer is still switching)."""
     following = {p.peer_id: p for p in peers if p.plan_version == record.version and p.stage is not None}
-    addresses, ids = [], []
-    for index, stage in enumerate(record.plan.get("stages", [])):
+    plan, addresses = record.document, []
+    for index, stage in enumerate(plan.stages):
         row = []
-        for pid in stage["peer_ids"]:
+        for pid in stage.peer_ids:
             ann = following.get(pid)
             if ann is None or ann.stage != index:
                 return None
             row.append(ann.address)
-        if not row:
-            return None
         addresses.append(tuple(row))
-        ids.append(tuple(map(str, stage["peer_ids"])))
-    if not ids:
-        return None
+    ids = [stage.peer_ids for stage in plan.stages]
     flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
     nested = ((), ()) if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
-    frozen = record.plan.get("frozen_layers", 0)  # validated with the plan
-    extra = record.plan.get("relay_extra_s")  # validated with the plan
-    return Route(*flat, *nested, predicted_step_s(record.plan), frozen_layers=frozen, relay_extra_s=extra)
-
-
-def predicted_step_s(plan: dict) -> float | None:
-    """A published plan's "step_time_s" when it is a finite positive number (records come from strangers)."""
-    value = plan.get("step_time_s")
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) and value > 0 else None
+    extra = plan.relay_extra_s
+    return PlanRoutes(*flat, *nested, plan.predicted_step_s, frozen_layers=plan.frozen, relay_extra_s=extra)
 
 
 class Planner:
@@ -306,7 +297,7 @@ class Planner:
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
         """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
         self._chosen_from: list[LinkFigures] | None = None
-        self._epilogue_from = None  # the epilogue figures the plan's "epilogue_codecs" were chosen from
+        self._epilogue_from = None  # the epilogue figures the plan's epilogue codecs were chosen from
         self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
@@ -399,19 +390,19 @@ class Planner:
             log.info("inheriting plan %d, which the peers follow: republishing its stages", inherited.version)
             current = self._last = inherited
         if self.liveness is not None and current is not None:
-            self.liveness.round(plan_peers(current) | {p.peer_id for p in peers} - {self.dht.peer_id})
+            self.liveness.round(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
         gone = self.gone(peers)
         alive = frozenset(p.peer_id for p in peers) - gone
         trainers = sorted(t.peer_id for t in self.dht.trainers())[:MAX_PLAN_TRAINERS]
         now = self.clock()
         if (alive, tuple(trainers)) != self._seen:
             self._seen, self._since = (alive, tuple(trainers)), now
-        same_peers = current is not None and plan_peers(current) == alive
+        same_peers = current is not None and current.document.named_peers() == alive
         # the first plan waits for --min-peers; later ones heal the swarm with whoever is left (a plan naming a
         # peer that left no longer validates, so "a plan exists" is whether the authority published any)
         if current is None and len(alive) < self.min_peers and not self.plan_existed(peers):
             return None
-        unchanged = same_peers and inherited is None and current.plan.get("trainer_ids", []) == trainers
+        unchanged = same_peers and inherited is None and list(current.document.trainer_ids or ()) == trainers
         if unchanged and self.repack is not None and (done := self.repack.round(self, current, peers)):
             return done
         if unchanged and self.calibrator is not None and (done := self.recalibrate(current, peers, alive)):
@@ -423,21 +414,20 @@ class Planner:
         repaired = None
         if current is not None and not same_peers:
             # a loss is repaired (nobody else moves); a joiner becomes one more replica of the busiest stage
-            lost = any(p not in alive for s in current.plan["stages"] for p in s["peer_ids"])
-            repaired = repair_plan(current.plan, alive, gone)
+            lost = any(p not in alive for p in current.document.used_peers())
+            repaired = repair_plan(current.document, alive, gone)
             if repaired is not None:
                 repaired = grow_plan(repaired, {p.peer_id: p.compute_layers_per_s for p in peers if p.peer_id in alive})
             if repaired is None and inherited is not None and not lost:
-                repaired = current.plan  # a new planner first keeps the followed stages
+                repaired = current.document  # a new planner first keeps the followed stages
         if repaired is None and inherited is None and now - self._since < self.settle_s:
             return None  # peers are still arriving (or leaving): wait for the set to settle
         version = self.next_version(peers)
         if version is None:
             return None
         if same_peers or repaired is not None:  # no layer moves; only a standby takes a lost place
-            plan_dict = {**(repaired or current.plan), "trainer_ids": trainers}
-            self.dht.publish_plan(version, plan_dict)
-            what = "repaired" if repaired is not None and repaired["stages"] != current.plan["stages"] else "same"
+            self.dht.publish_plan(version, (repaired or current.document).replace(trainer_ids=tuple(trainers)))
+            what = "repaired" if repaired is not None and repaired.stages != current.document.stages else "same"
             log.info("published plan %d: plan %d's stages (%s), trainers %s", version, current.version, what, trainers)
             return self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
         links = self.dht.links()
@@ -453,14 +443,15 @@ class Planner:
             made = with_even_layers(
                 made, shared, self.spec, shared_cost(swarm.direct_input, swarm.relays, made, self.spec)
             )
-        made_dict = with_frozen(made.to_dict(), current.plan if current is not None else None)  # keeps F
-        codecs = self.codecs_for(made_dict["stages"], swarm)
-        codecs |= self.precisions(made_dict["stages"], peers) if self.precisions else {}
+        # the scheduler's plan as the document peers follow, keeping the frozen prefix (F)
+        document = with_frozen(PlanDocument.from_wire(made.to_dict()), current.document if current else None)
+        chosen = self.codecs_for(document, swarm)
+        chosen |= self.precisions(document.stage_dicts(), peers) if self.precisions else {}
+        document = document.with_chosen(chosen)
         # what the relayed links' two legs add (None: no relayed link): the tunnels' per-message cost is in the
         # plan's step, not here, so `swarm experiment nat`'s "no more than its two legs" is judged on the legs
         extra = relay_extra_s(made, swarm.direct_input, swarm.relays, self.spec, tunnel_s=0.0)
-        codecs |= {} if extra is None else {"relay_extra_s": extra}
-        self.dht.publish_plan(version, {**made_dict, **codecs, "trainer_ids": trainers})
+        self.dht.publish_plan(version, document.replace(relay_extra_s=extra, trainer_ids=tuple(trainers)))
         log.info(
             "published plan %d: %d stages x %d replicas over %d peers (%d links measured, %d assumed), "
             "predicted %.3f s/step",
@@ -474,14 +465,16 @@ class Planner:
         )
         return made
 
-    def codecs_for(self, stages: list[dict], swarm: SwarmInput) -> dict:
-        """`{"codecs": [...]}` chosen per boundary from the measured links (empty with fixed codecs)."""
+    def codecs_for(self, plan: PlanDocument, swarm: SwarmInput) -> dict:
+        """The codecs chosen per boundary from the measured links and the epilogue's, in their wire form for
+        `PlanDocument.with_chosen` (empty with fixed codecs)."""
         if self.codec_bytes is None:
             return {}
+        stages = plan.stage_dicts()
         epilogue, self._epilogue_from = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits)
         if len(stages) < 2:
             return epilogue
-        self._chosen_from = link_figures(stages, swarm.plan_input, self.spec)
+        self._chosen_from = link_figures(plan.stages, swarm.plan_input, self.spec)
         step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
         codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s)
         for b, c in enumerate(codecs):
@@ -491,20 +484,21 @@ class Planner:
     def rechoose_codecs(self, current: PlanRecord, peers: list[PeerAnnouncement], alive: frozenset[str]):
         """Republishes the current stages with codecs chosen again once the links' measurements moved past the
         hysteresis (the same stages: only the codecs change); None while they hold."""
-        stages = current.plan["stages"]
+        plan = current.document
         swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
-        bounds = len(stages) >= 2 and rechoose(
-            self._chosen_from, link_figures(stages, swarm.plan_input, self.spec), self.bits
+        bounds = plan.n_stages >= 2 and rechoose(
+            self._chosen_from, link_figures(plan.stages, swarm.plan_input, self.spec), self.bits
         )
-        if not bounds and not epilogue_moved(self._epilogue_from, stages, swarm.plan_input, self.spec, self.bits):
+        moved = epilogue_moved(self._epilogue_from, plan.stage_dicts(), swarm.plan_input, self.spec, self.bits)
+        if not bounds and not moved:
             return None
-        codecs = self.codecs_for(stages, swarm)
-        if same_choice(current.plan, codecs):
+        chosen = plan.with_chosen(self.codecs_for(plan, swarm))
+        if chosen.same_codecs(plan):
             return None  # moved, but to the same choice: nothing to switch
         version = self.next_version(peers)
         if version is None:
             return None
-        self.dht.publish_plan(version, {**current.plan, **codecs})
+        self.dht.publish_plan(version, chosen)
         log.info("published plan %d: plan %d's stages with codecs chosen again", version, current.version)
         return self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
 
@@ -513,25 +507,24 @@ class Planner:
         their window of steps is complete (`Calibrator`); None until then."""
         from swarm.daemon.calibrate import calibrated_breakdown
 
-        measured = self.calibrator.observe(current.plan)
+        plan = current.document
+        measured = self.calibrator.observe(plan)
         if measured is None:
             return None
         swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
-        after, before = calibrated_breakdown(current.plan, swarm.plan_input, self.spec, measured)
+        after, before = calibrated_breakdown(plan, swarm.plan_input, self.spec, measured)
         version = self.next_version(peers)
         if version is None:
             return None
         figures = {pid: dataclasses.asdict(m) for pid, m in sorted(measured.items())}
-        self.dht.publish_plan(
-            version,
-            {
-                **current.plan,
-                "step_time_s": after.total_s,
-                "breakdown": dataclasses.asdict(after),
-                "measured": figures,
-                "first_step_time_s": current.plan.get("first_step_time_s", current.plan.get("step_time_s")),
-            },
+        first = plan.first_step_time_s if plan.first_step_time_s is not None else plan.step_time_s
+        calibrated = plan.replace(
+            step_time_s=after.total_s,
+            breakdown=tuple(dataclasses.asdict(after).items()),
+            measured=tuple((pid, tuple(f.items())) for pid, f in figures.items()),
+            first_step_time_s=first,
         )
+        self.dht.publish_plan(version, calibrated)
         log.info(
             "published plan %d: plan %d's stages, predicted %.3f s/step from the peers' clocks (%.3f before; "
             "overhead %.3f s, compute %.3f s): %s",

@@ -9,7 +9,7 @@ the plan with every layer active: what a peer has shown it can carry, in compute
 further peer to the stage with the highest cost per replica. Fewer stages: fewer boundaries, fewer bytes, a
 smaller pipeline bubble, and more data parallelism.
 
-`repack_plan` returns the next plan dict (same peers, new stages, `frozen_layers` set, per-link codecs dropped
+`repack_plan` returns the next plan (same peers, new stages, `frozen_layers` set, per-link codecs dropped
 when the boundaries change); the live planner publishes it as a new version like a repair, and every peer
 follows it through the same re-planning as joins and leaves (state over GetState).
 
@@ -24,11 +24,12 @@ one holds the repack back, and one answer cannot move it. Peers built for the ne
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+
+from swarm.peers.plan import PlanDocument, PlanStage
 
 __all__ = [
     "RepackWatch", "frozen_figure", "layer_costs", "split_by_cost", "repack_layout", "repack_plan", "with_frozen"
@@ -37,8 +38,9 @@ __all__ = [
 log = logging.getLogger("swarm.daemon.repack")
 
 FROZEN_METRIC = "swarm_frozen_layers"
-_PER_STAGE_KEYS = ("precisions", "epilogue_codecs", "breakdown", "measured", "step_time_s", "first_step_time_s")
-"""Plan keys made for the old stages (one entry per stage, or a prediction of their layout): dropped on repack."""
+_PER_STAGE = ("precisions", "epilogue", "breakdown", "measured", "step_time_s", "first_step_time_s")
+"""`PlanDocument` fields made for the old stages (one entry per stage, or a prediction of their layout): dropped
+on repack."""
 
 
 def layer_costs(n_layers: int, frozen_layers: int, frozen_cost: float = 1 / 3) -> list[float]:
@@ -109,37 +111,30 @@ def repack_layout(
     return chosen
 
 
-def repack_plan(plan: dict, frozen_layers: int, frozen_cost: float = 1 / 3) -> dict:
+def repack_plan(plan: PlanDocument, frozen_layers: int, frozen_cost: float = 1 / 3) -> PlanDocument:
     """The next plan for a grown frozen prefix: the plan's peers (in stage order) re-dealt onto the repacked
-    stages. Codecs per boundary and the other keys made for the old stages (`_PER_STAGE_KEYS`) are dropped when
+    stages. Codecs per boundary and what else was made for the old stages (`_PER_STAGE`) are dropped when
     the stage count changes (the planner may choose them anew)."""
-    stages = plan["stages"]
-    n_layers = stages[-1]["layer_end"]
-    peers = [pid for stage in stages for pid in stage["peer_ids"]]
-    limit = max(stage["layer_end"] - stage["layer_start"] for stage in stages)  # all layers active: cost 1 each
-    ranges, counts = repack_layout(n_layers, frozen_layers, len(peers), limit, len(stages), frozen_cost)
-    out = copy.deepcopy(plan)
+    peers = [pid for stage in plan.stages for pid in stage.peer_ids]
+    limit = max(len(stage.layers) for stage in plan.stages)  # all layers active: cost 1 each
+    ranges, counts = repack_layout(plan.n_layers, frozen_layers, len(peers), limit, plan.n_stages, frozen_cost)
     new, at = [], 0
     for (start, end), count in zip(ranges, counts, strict=True):
-        new.append({"layer_start": start, "layer_end": end, "peer_ids": peers[at : at + count]})
+        new.append(PlanStage(start, end, tuple(peers[at : at + count])))
         at += count
-    out["stages"], out["frozen_layers"] = new, frozen_layers
-    if len(new) != len(stages):
-        for key in ("codecs", *_PER_STAGE_KEYS):
-            out.pop(key, None)
-    return out
+    dropped = {} if len(new) == plan.n_stages else dict.fromkeys(("codecs", *_PER_STAGE))
+    return plan.replace(stages=tuple(new), frozen_layers=frozen_layers, **dropped)
 
 
-def with_frozen(plan: dict, previous: dict | None) -> dict:
+def with_frozen(plan: PlanDocument, previous: PlanDocument | None) -> PlanDocument:
     """A freshly searched `plan` (the planner's full re-search after joins, leaves or a failed repair) made to
     keep `previous`'s frozen prefix: `frozen_layers` carried over and the layers repacked for it
-    (`repack_plan`, which drops the searched layout's per-stage keys when the stage count changes), so hosts
+    (`repack_plan`, which drops the searched layout's per-stage parts when the stage count changes), so hosts
     built from it start frozen and the repacked layout survives. Frozen layers never thaw: a re-search that
     forgot the prefix would train them again for at least one step, and every stage refuses the trainer's
     Step with fewer. Unchanged without a frozen prefix (or when the prefix reaches past the new plan)."""
-    frozen = int((previous or {}).get("frozen_layers", 0))
-    stages = plan.get("stages", [])
-    if frozen <= 0 or not stages or frozen >= int(stages[-1]["layer_end"]):
+    frozen = previous.frozen if previous is not None else 0
+    if frozen <= 0 or frozen >= plan.n_layers:
         return plan
     return repack_plan(plan, frozen)
 
@@ -170,15 +165,14 @@ class RepackWatch:
     def agreed(self, record) -> int | None:
         """The frozen prefix every peer of every stage of `record` reports applying under `record.version`,
         when it is above the plan's own; None otherwise (or too soon after the last reading)."""
-        stages = record.plan.get("stages", [])
-        if not stages or self.clock() < self._next:
+        if self.clock() < self._next:
             return None
         self._next = self.clock() + self.every_s
-        n_layers, base = int(stages[-1]["layer_end"]), int(record.plan.get("frozen_layers", 0))
+        n_layers, base = record.document.n_layers, record.document.frozen
         figures = set()
-        for index, stage in enumerate(stages):
-            for pid in stage["peer_ids"]:
-                reply = self.read(str(pid))
+        for index, stage in enumerate(record.document.stages):
+            for pid in stage.peer_ids:
+                reply = self.read(pid)
                 if reply is None or getattr(reply, "peer_id", None) != pid or getattr(reply, "stage", None) != index:
                     return None
                 if getattr(reply, "plan_version", None) != record.version:
@@ -190,13 +184,13 @@ class RepackWatch:
         return figures.pop() if figures else None
 
     def round(self, planner, current, peers) -> object | None:
-        """Publishes `repack_plan(current.plan, F)` as the next version once the stages agree on F (`agreed`);
+        """Publishes `repack_plan(current.document, F)` as the next version once the stages agree on F (`agreed`);
         returns the published record, or None when nothing is due."""
         frozen = self.agreed(current)
         if frozen is None:
             return None
         try:
-            plan = repack_plan(current.plan, frozen)
+            plan = repack_plan(current.document, frozen)
         except ValueError as e:
             log.warning("repack for %d frozen layers: %s", frozen, e)
             return None
@@ -208,9 +202,9 @@ class RepackWatch:
         except ValueError as e:  # the repacked plan does not validate: keep the current one
             log.warning("repacked plan not published: %s", e)
             return None
-        layout = [(s["layer_start"], s["layer_end"], len(s["peer_ids"])) for s in plan["stages"]]
+        layout = [(s.layer_start, s.layer_end, len(s.peer_ids)) for s in plan.stages]
         log.info(
             "published plan %d: plan %d repacked for %d frozen layers: %d stages -> %d (layers, replicas) %s",
-            version, current.version, frozen, len(current.plan["stages"]), len(plan["stages"]), layout,
+            version, current.version, frozen, current.document.n_stages, plan.n_stages, layout,
         )  # fmt: skip
         return planner.dht.get_plan(planner.spec.layers, peers=peers, check_trainers=False)

@@ -1,6 +1,6 @@
 """Whom a peer's stage serves: the roster of the plan it follows, from the plan record and the announcements.
 
-The plan names a peer id per stage and (`"trainer_ids"`) the trainers; the DHT announcements give the
+The plan names a peer id per stage and (`trainer_ids`) the trainers; the DHT announcements give the
 addresses. Without a plan (`--assign even`) the roster is the one the trainers find themselves: the first
 peer announcing each stage. `AddressBook` answers the reverse question, whose stage listens at an address,
 so the peer's own calls (forward to the next stage, probes, state transfers) carry a token for the callee.
@@ -69,7 +69,7 @@ def roster_from_plan(
     known: dict[str, str] | None = None,
 ) -> Roster | None:
     """The roster of `record`: every replica of every stage at its announced address (nested `[stage][replica]`
-    when the plan has replicas, flat with one), its trainers (`"trainer_ids"`, filtered by the run's
+    when the plan has replicas, flat with one), its trainers (`trainer_ids`, filtered by the run's
     allowlist), and every peer it names.
 
     Args:
@@ -83,13 +83,12 @@ def roster_from_plan(
     """
     addresses = {a.peer_id: a.address for a in announcements}
     addresses.update(known or {})
-    stages = record.plan.get("stages", [])
-    replicas = tuple(tuple(str(p) for p in stage["peer_ids"]) for stage in stages)
-    named = {p for row in replicas for p in row} | {str(p) for p in record.plan.get("unused_peer_ids", [])}
-    if not replicas or any(p not in addresses for row in replicas for p in row):
+    plan = record.document
+    replicas = tuple(stage.peer_ids for stage in plan.stages)
+    named = plan.named_peers()
+    if any(p not in addresses for row in replicas for p in row):
         return None
-    trainer_ids = record.plan.get("trainer_ids")
-    trainers = _trainers(None if trainer_ids is None else map(str, trainer_ids), allowed_trainers)
+    trainers = _trainers(plan.trainer_ids, allowed_trainers)
     if all(len(row) == 1 for row in replicas):  # flat: one chain, the form every Roster takes
         return Roster(
             tuple(r[0] for r in replicas), tuple(addresses[r[0]] for r in replicas), trainers, frozenset(named)

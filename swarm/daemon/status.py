@@ -122,7 +122,7 @@ def to_json(
         "time": now,
         "peers": [{**p.to_wire(), "age_s": now - p.started_at, "metrics": metrics.get(p.peer_id)} for p in peers],
         "links": [{**m.to_wire(), "age_s": now - m.measured_at} for m in links],
-        "plan": None if plan is None else {"version": plan.version, "created_at": plan.created_at, "plan": plan.plan},
+        "plan": None if plan is None else {**plan.to_wire(), "plan": plan.document.to_wire()},
     }
 
 

@@ -32,6 +32,7 @@ from swarm.experiments.tied import apply_tied, split_tied
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.options import add_model_choice_arguments, add_schedule_argument, builtin_model, chosen_model
+from swarm.peers.plan import PlanDocument
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.precision import add_precision_argument
@@ -92,7 +93,7 @@ class Setting:
     """Codec of the activation gradients."""
     warmup_epochs: int = 0
     """Epochs trained with fp32 both ways before switching to the codecs."""
-    plan: dict | None = field(default=None, compare=False, hash=False)
+    plan: PlanDocument | None = field(default=None, compare=False, hash=False)
     """A `sel:` setting's per-link choice (`swarm.experiments.selective`): boundaries' and epilogue's codecs."""
     stage_precisions: tuple[tuple[int, str], ...] = ()
     """Per-peer precision (`~bf16:1`): (stage, precision) pairs computed in another precision than the run's."""
@@ -269,7 +270,7 @@ def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
         "bw_bits": _bits(s.backward),
         "error_feedback": s.backward.error_feedback,
         "warmup_epochs": s.warmup_epochs,
-        "epilogue": "" if s.plan is None else s.plan.get("epilogue_codecs", {}).get("why", ""),
+        "epilogue": "" if s.plan is None or s.plan.epilogue is None else s.plan.epilogue.why or "",
         "final_train_loss": sum(last_epoch) / max(len(last_epoch), 1),
         "final_eval_loss": eval_loss,
         "eval_vs_fp32_pct": 100 * (eval_loss - fp32_eval) / fp32_eval,

@@ -57,7 +57,7 @@ def ping_targets(testbed, names: dict[str, str]) -> list[dict]:
 
     ids = {name: peer_id for peer_id, name in names.items()}
     targets = []
-    for node in testbed.plan.nodes:
+    for node in testbed.layout.nodes:
         name = node.service.name
         if not name.startswith("peer") or name not in ids:
             continue
@@ -83,7 +83,7 @@ def _ping_ns(testbed, names: dict[str, str], calls: int) -> dict:
     for source in ["trainer", *relays]:
         mine = targets if source == "trainer" else [t for t in targets if t.get("relay_name") == source]
         mine += [] if source == "trainer" else [t for t in direct if t["name"] != source][:1]
-        node = testbed.plan.node(source)
+        node = testbed.layout.node(source)
         argv = ["ip", "netns", "exec", node.namespace, sys.executable, "-m", "swarm.experiments.nat_ping"]
         with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
             done = subprocess.run([*argv, str(calls), json.dumps(mine)], capture_output=True, text=True, timeout=120)
@@ -105,7 +105,7 @@ def probe(testbed, ping: int = 0) -> dict:
     pids = {n.get("name"): n.get("pid") for n in (read_state(testbed.run_dir) or {}).get("nodes", [])}
     names = names_of_ids(Path(testbed.run_dir) / "logs")
     total, links, cpu, conns = 0, {}, {}, {}
-    for node in testbed.plan.nodes:
+    for node in testbed.layout.nodes:
         name = node.service.name
         if not name.startswith("peer"):
             continue

@@ -16,6 +16,7 @@ import logging
 import numpy as np
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.peers.plan import PlanDocument, PlanStage
 
 __all__ = ["SEL_LAYERS_PER_S", "apply_selective", "selective_plan", "setting_codecs"]
 
@@ -37,8 +38,8 @@ def _parse(text: str, n_stages: int) -> tuple[list[float], float]:
     return (rates * (n_stages - 1) if len(rates) == 1 else rates), speed
 
 
-def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int) -> dict:
-    """A plan dict (`"stages"`, `"codecs"`, `"epilogue_codecs"`) chosen for the `sel:` setting `text`."""
+def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int) -> PlanDocument:
+    """The plan (stages, link codecs, epilogue codecs) chosen for the `sel:` setting `text`."""
     from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
     from swarm.daemon.planning import link_figures
     from swarm.scheduler.bits import BitsPolicy, choose_codecs, codec_sizes
@@ -58,31 +59,29 @@ def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro
     peers = tuple(Peer(f"s{s}", speed * spec.flops_per_layer, 1e12) for s in range(n_stages))
     plan_input = PlanInput(peers, np.zeros((n_stages, n_stages)), bw)
     bounds = np.linspace(0, model.n_layers, n_stages + 1).round().astype(int)
-    stages = [
-        {"layer_start": int(bounds[s]), "layer_end": int(bounds[s + 1]), "peer_ids": [f"s{s}"]} for s in range(n_stages)
-    ]
-    policy = BitsPolicy()
+    plan = PlanDocument(tuple(PlanStage(int(bounds[s]), int(bounds[s + 1]), (f"s{s}",)) for s in range(n_stages)))
+    stages, policy = plan.stage_dicts(), BitsPolicy()
     step_s = pipeline_step_s(stages, plan_input, spec)
-    codecs = choose_codecs(link_figures(stages, plan_input, spec), codec_sizes(model, micro_batch_size), policy, step_s)
+    sizes = codec_sizes(model, micro_batch_size)
+    codecs = choose_codecs(link_figures(plan.stages, plan_input, spec), sizes, policy, step_s)
     epilogue, _, breakdown = choose_for_plan(stages, plan_input, spec, policy)
-    plan = {"stages": stages, "codecs": codecs, **epilogue}
-    for b, c in enumerate(codecs):
-        log.info("%s boundary %d: %s", text, b, c["why"])
-    log.info("%s epilogue: %s; predicted step %.3f s", text, epilogue["epilogue_codecs"]["why"], breakdown.total_s)
+    plan = plan.with_chosen({"codecs": codecs, **epilogue})
+    for b, c in enumerate(plan.codecs):
+        log.info("%s boundary %d: %s", text, b, c.why)
+    log.info("%s epilogue: %s; predicted step %.3f s", text, plan.epilogue.why, breakdown.total_s)
     return plan
 
 
-def apply_selective(pipe, plan: dict, fw_defaults: dict, bw_defaults: dict) -> None:
+def apply_selective(pipe, plan: PlanDocument, fw_defaults: dict, bw_defaults: dict) -> None:
     """Every host of `pipe` (a `LocalPipeline`) takes its boundary ends and epilogue codecs from `plan`, as a peer
-    does (`stage_link_codecs`, `epilogue_configs`); each label parsed with the experiment's codec defaults (group
-    sizes, rounding, zstd level) unless it says otherwise, as the fixed settings' codecs are."""
+    does (`PlanDocument.link_labels`, `epilogue_configs`); each label parsed with the experiment's codec defaults
+    (group sizes, rounding, zstd level) unless it says otherwise, as the fixed settings' codecs are."""
     from swarm.runtime.boundary import LinkEnds
-    from swarm.scheduler.bits import epilogue_configs, stage_link_codecs
 
     for row in pipe.replica_hosts:
         for host in row:
             stage = host.role.stage
-            labels = stage_link_codecs(plan, stage, (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC))
+            labels = plan.link_labels(stage, (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC))
             fw_send, bw_send, fw_recv, bw_recv = (
                 CodecConfig.parse(label, **(fw_defaults if i % 2 == 0 else bw_defaults))
                 for i, label in enumerate(labels)
@@ -90,10 +89,10 @@ def apply_selective(pipe, plan: dict, fw_defaults: dict, bw_defaults: dict) -> N
             host.links = LinkEnds(
                 fw_send, bw_send, pipe.shaping, adaptive_zstd=pipe.adaptive_zstd, recv=(fw_recv, bw_recv)
             )
-            host.averager.set_codecs(*epilogue_configs(plan, stage))
+            host.averager.set_codecs(*plan.epilogue_configs(stage))
 
 
-def setting_codecs(plan: dict, fw_defaults: dict, bw_defaults: dict) -> tuple[CodecConfig, CodecConfig]:
+def setting_codecs(plan: PlanDocument, fw_defaults: dict, bw_defaults: dict) -> tuple[CodecConfig, CodecConfig]:
     """Boundary 0's (forward, backward) configs: what a `sel:` setting's row names."""
-    first = plan["codecs"][0]
-    return CodecConfig.parse(first["forward"], **fw_defaults), CodecConfig.parse(first["backward"], **bw_defaults)
+    first = plan.codecs[0]
+    return CodecConfig.parse(first.forward_label, **fw_defaults), CodecConfig.parse(first.backward_label, **bw_defaults)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.peers.plan import PlanDocument
 from swarm.report import print_table
 
 if TYPE_CHECKING:
@@ -270,11 +271,12 @@ def read_summary(cell_dir: Path) -> dict:
     for path in (cell_dir / "summary.json", cell_dir / "train" / "summary.json"):
         if path.is_file():
             summary = json.loads(path.read_text())
-            plan = json.loads((cell_dir / "plan.json").read_text()) if (cell_dir / "plan.json").is_file() else {}
-            if "measured" in plan and isinstance(plan.get("step_time_s"), float):
-                summary["first_plan_step_s"] = plan.get("first_step_time_s")
-                summary["predicted_step_s"] = plan["step_time_s"]
-                summary["calibration_window"] = calibration_window(plan["measured"])
+            saved = cell_dir / "plan.json"
+            plan = PlanDocument.from_wire(json.loads(saved.read_text())) if saved.is_file() else None
+            if plan is not None and plan.measured is not None and isinstance(plan.step_time_s, float):
+                summary["first_plan_step_s"] = plan.first_step_time_s
+                summary["predicted_step_s"] = plan.step_time_s
+                summary["calibration_window"] = calibration_window(plan.measured_figures())
             return summary
     return {}
 
@@ -320,7 +322,7 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
         train(train_cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
         record = swarm.dht.get_plan(train_cfg.model.n_layers)
         if record is not None:  # the newest plan: calibrated if the window completed during the run
-            (out / cell.label / "plan.json").write_text(json.dumps(record.plan))
+            (out / cell.label / "plan.json").write_text(json.dumps(record.document.to_wire()))
     with open(out / cell.label / "steps.csv") as f:
         return list(csv.DictReader(f))
 

@@ -21,7 +21,7 @@ gloo's own headers are not counted (nor are they in swarm's rows). Step times ar
 start of a step's schedule to the end of its optimizer step; every step ends with the collectives above, so
 the ranks step together.
 
-With `ThrottledConfig.netns` the ranks run in namespaces of the testbed (`swarm.testbed.netns.plan_testbed`,
+With `ThrottledConfig.netns` the ranks run in namespaces of the testbed (`swarm.testbed.netns.lay_out_testbed`,
 `setup_commands`: a bridge, one namespace per service, every namespace's egress shaped by tbf at the rate,
 as the swarm cells' links are); otherwise on loopback, unshaped. Every rank has a deadline for rendezvous
 and collectives (gloo's timeout) and the parent one for the whole run: a failed or late rank gets every rank
@@ -335,9 +335,9 @@ def run_torch_rows(
 def _run_in_namespaces(run: TorchRun, rate: float | None, out: Path, deadline_s: float) -> list[dict]:
     from swarm.testbed.netns import (
         check_available,
+        lay_out_testbed,
         list_links,
         list_namespaces,
-        plan_testbed,
         run_command,
         setup_commands,
         sweep,
@@ -348,11 +348,11 @@ def _run_in_namespaces(run: TorchRun, rate: float | None, out: Path, deadline_s:
     if list_namespaces(NETNS_PREFIX) or list_links(NETNS_PREFIX):
         sweep(NETNS_PREFIX, grace_s=2)  # left by a killed run of this baseline: the prefix is its own
     cfg = TestbedConfig(peers=run.stages, rate_mbit=rate or 0.0, prefix=NETNS_PREFIX, subnet=NETNS_SUBNET)
-    plan = plan_testbed(cfg, str(out))
+    layout = lay_out_testbed(cfg, str(out))
     try:
-        for command in setup_commands(plan):
+        for command in setup_commands(layout):
             run_command(command)
-        nodes = [plan.node(f"peer{i}") for i in range(run.stages)]
+        nodes = [layout.node(f"peer{i}") for i in range(run.stages)]
         places = [(["ip", "netns", "exec", node.namespace], node.veth_ns) for node in nodes]
         return run_torch(run, out, places, f"{nodes[0].service.address}:{GLOO_PORT}", deadline_s)
     finally:

@@ -135,7 +135,7 @@ class GradientAverager:
         most fp32 (`receive` then holds each message to its own group's exact size)."""
         self._arrived = threading.Condition()
         self.codecs: dict[bool, CodecConfig | None] = {False: None, True: None}
-        """The plan's epilogue codecs (`swarm.scheduler.bits.epilogue_configs`) for the stage group (False) and
+        """The plan's epilogue codecs (`swarm.peers.plan.PlanDocument.epilogue_configs`) for the stage group (False) and
         the tied group (True); None: the stage's backward codec, as without a plan."""
 
     def set_codecs(self, average: CodecConfig | None, tied: CodecConfig | None) -> None:

@@ -25,10 +25,10 @@ import torch
 
 from swarm.model.data import Batch
 from swarm.net.stream import PLAN_MISMATCH, StageCallError
+from swarm.peers.routes import Route
 from swarm.proto import stage_pb2
 
 __all__ = [
-    "Chain",
     "ChainWeights",
     "ChainWork",
     "Failed",
@@ -47,24 +47,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Chain:
-    """Pipeline `index` of a plan: replica `index` of every stage, in stage order."""
-
-    index: int
-    """the plan's column (`CallInfo.chain`)"""
-    addresses: tuple[str, ...]
-    """address of each stage's replica, in pipeline order"""
-    peers: tuple[str, ...]
-    """peer id of each stage's replica, same order"""
-
-    @property
-    def key(self) -> bytes:
-        """Names the chain by its peers, not its column: a re-plan that keeps the same peers in a chain keeps
-        its samples (and AQ-SGD buffers) on it."""
-        return hashlib.sha256("\0".join(self.peers).encode()).digest()
 
 
 @dataclass
@@ -203,7 +185,7 @@ class ChainWeights:
 class ChainWork:
     """What one chain trains in a step."""
 
-    chain: Chain
+    chain: Route
     micro: tuple[Batch, ...]
     """its micro-batches, in order (`CallInfo.micro_batch` is the position here)"""
     loss_weights: tuple[float, ...]
@@ -214,7 +196,7 @@ class ChainWork:
         return sum(len(b.sample_ids) for b in self.micro)
 
 
-def chain_work(batch: Batch, chains: Sequence[Chain], weights: Sequence[float], n_micro: int) -> list[ChainWork]:
+def chain_work(batch: Batch, chains: Sequence[Route], weights: Sequence[float], n_micro: int) -> list[ChainWork]:
     """Splits `batch` over `chains`: rows by `assign_samples`, each chain's rows into about
     `n_micro * share` micro-batches (at least 1, at most one per row) of near-equal size.
 

@@ -7,7 +7,7 @@ stage's squared gradient norm; the tied embedding's gradients are summed between
 gRPC in a swarm, in-process in `swarm.runtime.local`. Every byte of a step is counted: the stages report the
 boundaries', sums' and tied group's bytes, the driver its own calls' (`control_bytes`), failed attempts too.
 
-With replicas, the plan's routes (`swarm.runtime.routes`: column r with equal counts, route c on replica
+With replicas, the plan's routes (`swarm.peers.routes`: column r with equal counts, route c on replica
 c % R_s of stage s with uneven ones) are the chains: each sample trains on one (`swarm.runtime.chains`), the
 replicas of each stage then sum their gradients among themselves (`Reduce`) before every replica steps; a
 replica shared by several routes gets one Reduce, Grads and Step per step. With 2+ stages every distinct
@@ -37,10 +37,10 @@ from swarm.metrics import Metrics, delta
 from swarm.model.data import Batch
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
+from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
 from swarm.runtime.callinfo import RouteAcks, RoutedCalls, route_needed
 from swarm.runtime.chains import (
-    Chain,
     ChainWeights,
     ChainWork,
     Failed,
@@ -57,7 +57,6 @@ from swarm.runtime.chains import (
 from swarm.runtime.gate import runs_through
 from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
-from swarm.runtime.routes import n_routes, route_replicas, stage_numbering, uneven
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
@@ -124,7 +123,7 @@ class PipelineDriver(RoutedCalls):
         if any(not r for r in routes) or max_attempts < 1:
             raise ValueError("every stage needs a replica, and a step at least one attempt")
         self.counts = tuple(len(r) for r in routes)
-        """replicas of each stage; route c runs on replica c % counts[s] of stage s (`swarm.runtime.routes`)"""
+        """replicas of each stage; route c runs on replica c % counts[s] of stage s (`swarm.peers.routes`)"""
         self.replica_addresses = [tuple(r) for r in routes]
         self.replica_peers = [tuple(r) for r in ids]
         self.chains = [self._route(c) for c in range(n_routes(self.counts))]
@@ -172,12 +171,12 @@ class PipelineDriver(RoutedCalls):
         """The number of routes (with equal replica counts R: R chains)."""
         return len(self.chains)
 
-    def _route(self, c: int) -> Chain:
+    def _route(self, c: int) -> Route:
         at = route_replicas(c, self.counts)
         addresses = tuple(self.replica_addresses[s][r] for s, r in enumerate(at))
-        return Chain(c, addresses, tuple(self.replica_peers[s][r] for s, r in enumerate(at)))
+        return Route(c, addresses, tuple(self.replica_peers[s][r] for s, r in enumerate(at)))
 
-    def _replicas(self, s: int, chains: Sequence[Chain]) -> list[int]:
+    def _replicas(self, s: int, chains: Sequence[Route]) -> list[int]:
         """The distinct replicas of stage `s` that `chains` run on, in replica order: each gets one call."""
         return sorted({c.index % self.counts[s] for c in chains})
 
@@ -240,7 +239,7 @@ class PipelineDriver(RoutedCalls):
                 return s, peers.index(peer)
         raise KeyError(peer)
 
-    def _heartbeat(self, chains: Sequence[Chain], wake: threading.Event) -> Heartbeat:
+    def _heartbeat(self, chains: Sequence[Route], wake: threading.Event) -> Heartbeat:
         def ping(peer: str) -> None:
             self._ping(peer, self.heartbeat_s)
 
@@ -311,7 +310,7 @@ class PipelineDriver(RoutedCalls):
         with self._control_lock:
             self._all.merge(traffic)
 
-    def _reduce(self, step: int, chains: list[Chain], wake: threading.Event) -> Traffic:
+    def _reduce(self, step: int, chains: list[Route], wake: threading.Event) -> Traffic:
         """Sums each stage's gradients over the distinct replicas `chains` used (`Reduce`, one call per replica),
         bytes under direction "average"; with 2+ stages of a model that ties its embedding and head (`tied`), the
         end stages' replicas also sum the tied gradient (their tied group: stage 0's replicas, then the last
@@ -352,7 +351,7 @@ class PipelineDriver(RoutedCalls):
         self._record(traffic)
         return traffic
 
-    def _grads(self, step: int, chains: list[Chain], wake: threading.Event) -> float:
+    def _grads(self, step: int, chains: list[Route], wake: threading.Event) -> float:
         """The global gradient norm (stage 0 counts the tied group's sum in its own, the last stage not)."""
         request = stage_pb2.StepRequest(step=step)
         groups = [self._replicas(s, chains) for s in range(self.n_stages)]
@@ -370,7 +369,7 @@ class PipelineDriver(RoutedCalls):
             raise
         return norm
 
-    def _apply(self, step: int, chains: list[Chain], norm: float, wake: threading.Event) -> float:
+    def _apply(self, step: int, chains: list[Route], norm: float, wake: threading.Event) -> float:
         """`Step` on every distinct live replica `chains` used, once each. A replica that dies now is left behind
         (the others apply the step: the reduced gradient is already theirs); a live one that failed is asked once
         more (Step is idempotent). Once any replica applied the step it counts as applied: a replica whose Step
@@ -422,7 +421,7 @@ class PipelineDriver(RoutedCalls):
 
     # ---- the step ---------------------------------------------------------------------------------------
 
-    def _live(self, step: int, failure: Failed | None = None) -> list[Chain]:
+    def _live(self, step: int, failure: Failed | None = None) -> list[Route]:
         """The live chains; raises NoLiveChain naming the stage with no live replica (and the last failure)."""
         live = [self.chains[i] for i in self.live_chains()]
         if live:
@@ -439,7 +438,7 @@ class PipelineDriver(RoutedCalls):
         why = f"; last failure: {failure.error}" if failure is not None and failure.error is not None else ""
         raise NoLiveChain(f"step {step}: no live replica of {', '.join(lost)}{why}", grpc.StatusCode.UNAVAILABLE)
 
-    def _work(self, batch: Batch, chains: list[Chain]) -> list[ChainWork]:
+    def _work(self, batch: Batch, chains: list[Route]) -> list[ChainWork]:
         if len(batch.sample_ids) < len(chains):
             # a chain without a sample would have no step to reduce and apply: its replicas would fall behind
             raise ValueError(f"a batch of {len(batch.sample_ids)} samples cannot feed {len(chains)} live chains")
@@ -546,7 +545,7 @@ class PipelineDriver(RoutedCalls):
         wait(calls, timeout=5)
 
     def status(self) -> list[stage_pb2.StatusReply]:
-        """Chain 0's stages' status."""
+        """Route 0's stages' status."""
         return [self._call(s, 0, "Status", stage_pb2.Empty(), timeout=10) for s in range(self.n_stages)]
 
     def check_model(self, identity: str, label: str = "") -> None:

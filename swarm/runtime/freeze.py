@@ -46,7 +46,6 @@ __all__ = [
     "block_of",
     "cached_forward",
     "check_frozen",
-    "frozen_of",
     "grad_reply",
     "layer_sq_norms",
     "set_frozen",
@@ -128,12 +127,6 @@ def apply_frozen(host, frozen_layers: int) -> None:
     host.gate.forward_only = set_frozen(host.worker, frozen_layers)
     host.averager.relayout()  # frozen parameters leave the replicas' sum (`swarm.runtime.average`)
     host.metrics.frozen_layers.set(host.worker.frozen_layers)
-
-
-def frozen_of(plan: dict | None) -> int:
-    """A plan's frozen prefix (`"frozen_layers"`, validated with the plan; absent: 0)."""
-    value = (plan or {}).get("frozen_layers", 0)
-    return value if type(value) is int and value > 0 else 0
 
 
 def cached_forward(host, info: stage_pb2.CallInfo, mb: int, inputs, ids: list[int], targets) -> torch.Tensor:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 
-from swarm.runtime.routes import route_replicas
+from swarm.peers.routes import route_replicas
 from swarm.runtime.schedules import SCHEDULES, Action, Kind
 
 

@@ -31,6 +31,7 @@ from swarm.net.stream import (
     Incoming,
     tokens_from_wire,
 )
+from swarm.peers.routes import local_micro
 from swarm.proto import stage_pb2
 from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
@@ -41,7 +42,6 @@ from swarm.runtime.freeze import apply_frozen, cached_forward, check_frozen, gra
 from swarm.runtime.gate import GateError, ScheduleGate
 from swarm.runtime.neighbours import BufferMiss, NeighbourCalls
 from swarm.runtime.precision import check_scale, check_step
-from swarm.runtime.routes import local_micro
 from swarm.runtime.schedules import Kind
 from swarm.runtime.worker import StageConfig, StageWorker
 

@@ -40,7 +40,7 @@ class LocalPipeline:
 
     With `replicas` R > 1, every stage has R hosts and replica r of every stage forms chain r (a nested
     roster, `StageRole.replica`); with a per-stage sequence (R_0, R_1, ...), stage s has R_s hosts and the
-    driver runs the lcm(R_s) routes of `swarm.runtime.routes`. `kill` takes a host off the network for fault
+    driver runs the lcm(R_s) routes of `swarm.peers.routes`. `kill` takes a host off the network for fault
     tests.
 
     Args:

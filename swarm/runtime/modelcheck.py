@@ -76,7 +76,7 @@ def check_plan_models(channels, record, announced: Callable[[], list], own_id: s
     identity = getattr(host, "model_identity", None)  # None: no host (standby), or one that names no model
     if identity is None:
         return None
-    ids = {str(p) for stage in record.plan.get("stages", []) for p in stage.get("peer_ids", [])} - {own_id}
+    ids = record.document.used_peers() - {own_id}
     label = model_label(host.model)
 
     def check() -> None:

@@ -3,7 +3,7 @@
 Authentication (`swarm.net.auth`) says who is calling; this module says whether that peer may make this
 call. A stage serves data and step calls only from its neighbours on its route of the plan and from the plan's
 trainers, gradient sums only from the other replicas of its stage, hands its state only to peers the plan names,
-and follows (and so sends along) only the plan's routes (`swarm.runtime.routes`), whatever route a caller
+and follows (and so sends along) only the plan's routes (`swarm.peers.routes`), whatever route a caller
 writes into its `CallInfo`.
 Every refusal names the rule it broke.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import grpc
 
 from swarm.net.stream import CallRefused
+from swarm.peers.routes import n_routes, route_replicas
 from swarm.proto import stage_pb2
-from swarm.runtime.routes import n_routes, route_replicas
 
 __all__ = ["CallPolicy", "Roster"]
 
@@ -35,7 +35,7 @@ def _nested(value, what: str) -> Peers:
 @dataclass(frozen=True)
 class Roster:
     """The peers of the plan a stage serves under: R_s replicas of stage s (counts may differ between stages),
-    and C = lcm(R_s) routes, route c running on replica c % R_s of every stage s (`swarm.runtime.routes`): a
+    and C = lcm(R_s) routes, route c running on replica c % R_s of every stage s (`swarm.peers.routes`): a
     replica sends forward only to its route's replica of stage s+1, backward only to its route's of stage s-1.
     With equal counts R, route c is column c of the plan (chain c)."""
 

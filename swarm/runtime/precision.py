@@ -36,7 +36,7 @@ import grpc
 import torch
 
 from swarm.net.stream import CallRefused, StageCallError
-from swarm.peers.plan_keys import PLAN_PRECISIONS
+from swarm.peers.plan import PLAN_PRECISIONS
 
 if TYPE_CHECKING:
     from swarm.proto import stage_pb2
@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 PRECISIONS = PLAN_PRECISIONS
-"""What a stage computes in (the names a plan's `precisions` may give, `swarm.peers.plan_keys`)."""
+"""What a stage computes in (the names a plan's `precisions` may give, `swarm.peers.plan`)."""
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

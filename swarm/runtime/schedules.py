@@ -59,7 +59,7 @@ class Action:
 
 
 Programs = list[list[Action]]
-"""plan[s] is stage s's program: its actions in the order it runs them."""
+"""programs[s] is stage s's program: its actions in the order it runs them."""
 
 
 def gpipe(n_stages: int, n_micro: int) -> Programs:
@@ -81,15 +81,15 @@ def one_f_one_b(n_stages: int, n_micro: int) -> Programs:
     micro-batches' activations, whatever the number of micro-batches.
     """
     _check_sizes(n_stages, n_micro)
-    plan: Programs = []
+    programs: Programs = []
     for s in range(n_stages):
         warmup = min(n_stages - s - 1, n_micro)
         actions = [Action(s, F, m) for m in range(warmup)]
         for i in range(n_micro - warmup):
             actions += [Action(s, F, warmup + i), Action(s, B, i)]
         actions += [Action(s, B, m) for m in range(n_micro - warmup, n_micro)]
-        plan.append(actions)
-    return plan
+        programs.append(actions)
+    return programs
 
 
 SCHEDULES: dict[str, Callable[[int, int], Programs]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
@@ -111,14 +111,14 @@ def max_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def validate(plan: Programs, n_micro: int) -> None:
-    """Raise ValueError unless `plan` is a complete, runnable schedule for `n_micro` micro-batches.
+def validate(programs: Programs, n_micro: int) -> None:
+    """Raise ValueError unless `programs` is a complete, runnable schedule for `n_micro` micro-batches.
 
     Checks: stage s's program only holds stage-s actions; every micro-batch is run forward and backward
     exactly once per stage; each forward precedes its backward; and the stages together do not deadlock
     (`linearize` succeeds).
     """
-    for s, actions in enumerate(plan):
+    for s, actions in enumerate(programs):
         if any(a.stage != s for a in actions):
             raise ValueError(f"stage {s}'s program holds another stage's action: {actions}")
         for kind in Kind:
@@ -131,7 +131,7 @@ def validate(plan: Programs, n_micro: int) -> None:
                 seen_forward.add(a.mb)
             elif a.mb not in seen_forward:
                 raise ValueError(f"{a} runs before its forward {s}F{a.mb}")
-    linearize(plan)
+    linearize(programs)
 
 
 def _ready(a: Action, done: set[Action], n_stages: int) -> bool:
@@ -142,25 +142,25 @@ def _ready(a: Action, done: set[Action], n_stages: int) -> bool:
     return Action(a.stage + 1, B, a.mb) in done
 
 
-def linearize(plan: Programs) -> list[list[Action]]:
-    """Run the plan on an idealised clock where every action takes one tick and transfers are free.
+def linearize(programs: Programs) -> list[list[Action]]:
+    """Run the programs on an idealised clock where every action takes one tick and transfers are free.
 
     Returns the actions grouped by tick (stages that work in the same tick run concurrently on a real
     pipeline); flattening the ticks gives an order the single-threaded runtime can execute. Raises
     ValueError if the stages would deadlock waiting on each other.
     """
-    n_stages = len(plan)
+    n_stages = len(programs)
     cursor = [0] * n_stages
     done: set[Action] = set()
     ticks: list[list[Action]] = []
-    while any(cursor[s] < len(plan[s]) for s in range(n_stages)):
+    while any(cursor[s] < len(programs[s]) for s in range(n_stages)):
         tick = [
-            plan[s][cursor[s]]
+            programs[s][cursor[s]]
             for s in range(n_stages)
-            if cursor[s] < len(plan[s]) and _ready(plan[s][cursor[s]], done, n_stages)
+            if cursor[s] < len(programs[s]) and _ready(programs[s][cursor[s]], done, n_stages)
         ]
         if not tick:
-            blocked = [str(plan[s][cursor[s]]) for s in range(n_stages) if cursor[s] < len(plan[s])]
+            blocked = [str(programs[s][cursor[s]]) for s in range(n_stages) if cursor[s] < len(programs[s])]
             raise ValueError(f"schedule deadlocks: every stage waits ({', '.join(blocked)})")
         for a in tick:
             cursor[a.stage] += 1
@@ -169,12 +169,12 @@ def linearize(plan: Programs) -> list[list[Action]]:
     return ticks
 
 
-def format_programs(plan: Programs) -> str:
-    """The plan as a timeline, one row per stage and one column per tick ('.' = idle)."""
-    ticks = linearize(plan)
+def format_programs(programs: Programs) -> str:
+    """The programs as a timeline, one row per stage and one column per tick ('.' = idle)."""
+    ticks = linearize(programs)
     width = max((len(str(a)) for tick in ticks for a in tick), default=3)
     rows = []
-    for s in range(len(plan)):
+    for s in range(len(programs)):
         cells = []
         for tick in ticks:
             hit = next((a for a in tick if a.stage == s), None)

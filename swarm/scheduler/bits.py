@@ -13,8 +13,8 @@ embedding's sync run after the pipeline drains, where nothing overlaps them: the
 the step. So they are compressed by a different rule: the widest codec of their ladder whose transfer adds at
 most `epilogue_share` of the step's pipeline time; if none does, the floor (the averager's: 8 bits for the
 replicas' sum, 4 for the tied sync). One averaging codec per stage (each stage's replicas have their own links)
-and one tied codec; the plan carries them as `"epilogue_codecs"` and peers set them on their averager
-(`epilogue_configs`). A fast link thus sums in fp32 or bf16, a slow one in 8 bits with error feedback.
+and one tied codec; the plan carries them (`swarm.peers.plan.EpilogueCodecs`) and peers set them on their averager
+(`PlanDocument.epilogue_configs`). A fast link thus sums in fp32 or bf16, a slow one in 8 bits with error feedback.
 
 Re-choice (`rechoose`): a plan's codecs change only when some link's rate moved by more than `hysteresis`
 (a factor) since the rates it was chosen from, or a stage's compute did: probes are noisy, and each switch of
@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from swarm.peers.plan_keys import MAX_CODEC_WHY
+from swarm.peers.plan import MAX_CODEC_WHY
 
 __all__ = [
     "AVERAGE_LADDER",
@@ -36,7 +36,6 @@ __all__ = [
     "TIED_LADDER",
     "choose_epilogue",
     "epilogue_bytes",
-    "epilogue_configs",
     "rechoose_epilogue",
     "FORWARD_LADDER",
     "BitsPolicy",
@@ -44,7 +43,6 @@ __all__ = [
     "choose_codecs",
     "choose_link",
     "rechoose",
-    "stage_link_codecs",
 ]
 
 FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", "acsgd2+ch+nr")
@@ -229,48 +227,6 @@ def rechoose_epilogue(
         )
 
     return any(moved(a, b) for a, b in zip((*old[0], old[1]), (*new[0], new[1]), strict=True))
-
-
-def epilogue_configs(plan: dict, stage: int):
-    """(averaging, tied) `CodecConfig`s a (validated) plan gives stage `stage`'s averager; None where it names
-    none (the averager then uses its backward codec, as without a plan)."""
-    from swarm.compression import CodecConfig
-
-    chosen = plan.get("epilogue_codecs")
-    if not chosen:
-        return None, None
-    n_stages = len(chosen["average"])
-    average = chosen["average"][stage] if stage < n_stages else None
-    tied = chosen.get("tied") if stage in (0, n_stages - 1) else None
-    return (CodecConfig.parse(average) if average else None, CodecConfig.parse(tied) if tied else None)
-
-
-def stage_link_codecs(plan: dict, stage: int, default: tuple[str, str]) -> tuple[str, str, str, str]:
-    """What stage `stage` of a (validated) plan puts on its boundary ends: (forward send, backward send, forward
-    receive, backward receive) labels. It sends forward on boundary `stage` and receives backward there; it
-    receives forward and sends backward on boundary `stage - 1`. Without "codecs", `default` (fw, bw) everywhere."""
-    codecs = plan.get("codecs")
-    if not codecs:
-        fw, bw = default
-        return fw, bw, fw, bw
-    after = codecs[stage] if stage < len(codecs) else None
-    before = codecs[stage - 1] if stage > 0 else None
-    fw_send = after["forward"] if after else (before["forward"] if before else default[0])
-    bw_recv = after["backward"] if after else (before["backward"] if before else default[1])
-    fw_recv = before["forward"] if before else fw_send
-    bw_send = before["backward"] if before else bw_recv
-    return fw_send, bw_send, fw_recv, bw_recv
-
-
-def stage_link_configs(plan: dict, stage: int, default: tuple) -> tuple:
-    """`stage_link_codecs` as `CodecConfig`s; `default`: the peer's own (forward, backward) configs, kept as
-    they are (their zstd level and other flags) wherever the plan names the same label."""
-    from swarm.compression import CodecConfig
-
-    labels = stage_link_codecs(plan, stage, (default[0].label, default[1].label))
-    return tuple(
-        c if label == c.label else CodecConfig.parse(label) for c, label in zip(default * 2, labels, strict=True)
-    )
 
 
 def codec_sizes(model, micro_batch_size: int) -> Callable[[str], float]:

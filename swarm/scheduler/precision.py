@@ -15,7 +15,7 @@ minimises the predicted step time, lowering precision only where it moves the bo
 4. If the result is not faster than fp32 everywhere, fp32 everywhere: no sensitivity is spent for nothing.
 
 fp16 is never mixed with other precisions (its loss scale is agreed by every stage, `swarm.runtime.precision`;
-`swarm.peers.plan_keys` (`validate_plan_keys`) refuses such a plan), so the candidates are bf16 by default.
+`swarm.peers.plan.PlanDocument` refuses such a plan), so the candidates are bf16 by default.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "PrecisionChoice",
     "choose_precisions",
     "peer_speed",
-    "plan_precision",
     "plan_precisions",
     "precision_planner",
     "stage_times",
@@ -166,13 +165,6 @@ def plan_precisions(
         return {}
     choice = choose_precisions(times, sensitivity, budget)
     return {"precisions": list(choice.precisions)} if "bf16" in choice.precisions else {}
-
-
-def plan_precision(plan: Mapping, stage: int, default: str) -> str:
-    """The precision a plan's `precisions` gives `stage` (validated with the plan), else `default` (the peer's
-    --precision): what a peer computes its stage in."""
-    precisions = plan.get("precisions")
-    return str(precisions[stage]) if isinstance(precisions, list) and 0 <= stage < len(precisions) else default
 
 
 def precision_planner(model, budget: float, micro_batch_size: int = 2) -> Callable[[list, list], dict] | None:

@@ -378,7 +378,7 @@ def relay_extra_s(
     None when the layout relays no link and no message passes a tunnel (no unreachable peer, or `tunnel_s`
     0); 0 when the path prices no dearer than that direct figure (a fill: an unreachable pair cannot be
     measured)."""
-    from swarm.peers.plan_keys import MAX_RELAY_EXTRA_S
+    from swarm.peers.plan import MAX_RELAY_EXTRA_S
 
     tunnel_s = _checked_tunnel_s(tunnel_s)
     layout = _layout_of(made, plan_input)

@@ -29,7 +29,6 @@ __all__ = [
     "pipeline_s",
     "pipeline_step_s",
     "planned_epilogue",
-    "same_choice",
     "selective_breakdown",
     "tied_elements",
 ]
@@ -148,15 +147,3 @@ def epilogue_moved(old, stages: list[dict], plan_input: PlanInput, spec: ModelSp
     if old is None and all(f is None for f in new[0]) and new[1] is None:
         return False
     return rechoose_epilogue(old, new, policy)
-
-
-def same_choice(plan: dict, chosen: dict) -> bool:
-    """Whether `chosen` (`"codecs"`, `"epilogue_codecs"`) names the codecs `plan` already runs: the labels, not
-    the `why` texts, whose figures change with every measurement."""
-
-    def labels(d: dict) -> tuple:
-        links = tuple((c["forward"], c["backward"]) for c in d.get("codecs") or ())
-        epilogue = d.get("epilogue_codecs") or {}
-        return links, tuple(epilogue.get("average") or ()), epilogue.get("tied")
-
-    return labels(plan) == labels(chosen)

@@ -14,7 +14,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from swarm.testbed.netns import check_available, list_links, list_namespaces, plan_testbed, run_command, setup_commands
+from swarm.testbed.netns import (
+    check_available,
+    lay_out_testbed,
+    list_links,
+    list_namespaces,
+    run_command,
+    setup_commands,
+)
 from swarm.testbed.netns import sweep as sweep_namespaces
 from swarm.testbed.services import ADDRESS_FILE, TestbedConfig
 
@@ -31,15 +38,15 @@ class NetnsPlacement:
     def __init__(self, run_dir: Path, max_peers: int, rate_mbit: float = 1000.0, say: Callable[[str], None] = print):
         self.run_dir, self.say = run_dir.resolve(), say
         cfg = TestbedConfig(peers=max_peers, rate_mbit=rate_mbit, prefix=PREFIX, subnet=SUBNET)
-        self.plan = plan_testbed(cfg, str(self.run_dir))
+        self.layout = lay_out_testbed(cfg, str(self.run_dir))
 
     def __enter__(self) -> NetnsPlacement:
         check_available()
         if list_namespaces(PREFIX) or list_links(PREFIX):
             raise RuntimeError(f"namespaces or links named {PREFIX}* exist: another churn run, or a crashed one")
-        self.say(f"creating {len(self.plan.nodes)} namespaces ({SUBNET})")
+        self.say(f"creating {len(self.layout.nodes)} namespaces ({SUBNET})")
         try:
-            for command in setup_commands(self.plan):
+            for command in setup_commands(self.layout):
                 run_command(command)
         except BaseException:
             sweep_namespaces(PREFIX, grace_s=5)
@@ -51,9 +58,9 @@ class NetnsPlacement:
 
     def _node(self, name: str):
         try:
-            return self.plan.node("trainer" if name == "clock" else name)
+            return self.layout.node("trainer" if name == "clock" else name)
         except StopIteration:
-            raise RuntimeError(f"no namespace left for {name}: the run made {len(self.plan.nodes)}") from None
+            raise RuntimeError(f"no namespace left for {name}: the run made {len(self.layout.nodes)}") from None
 
     def wrap(self, name: str, argv: list[str]) -> list[str]:
         """`argv` run in `name`'s namespace, listening on its address (the step clock: in the trainer's)."""

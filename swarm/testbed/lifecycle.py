@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 from swarm.testbed.nat import nat_unavailable_reason
 from swarm.testbed.netns import (
-    TestbedPlan,
+    TestbedLayout,
     Unavailable,
     check_available,
+    lay_out_testbed,
     list_links,
     list_namespaces,
-    plan_testbed,
     run_command,
     setup_commands,
     sweep,
@@ -43,7 +43,7 @@ _ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 @dataclass
 class Testbed:
-    plan: TestbedPlan
+    layout: TestbedLayout
     run_dir: Path
     procs: ProcessGroup
     """The services' processes: they run on when `up` returns; `down` finds them by namespace."""
@@ -53,14 +53,14 @@ def _state_path(run_dir: Path) -> Path:
     return run_dir / "state.json"
 
 
-def _write_state(run_dir: Path, plan: TestbedPlan, pids: dict[str, int]) -> None:
+def _write_state(run_dir: Path, layout: TestbedLayout, pids: dict[str, int]) -> None:
     state = {
-        "prefix": plan.config.prefix,
-        "subnet": plan.config.subnet,
-        "bridge": plan.bridge,
+        "prefix": layout.config.prefix,
+        "subnet": layout.config.subnet,
+        "bridge": layout.bridge,
         "testbed_pid": os.getpid(),
         "started_at": time.time(),
-        "config": asdict(plan.config),
+        "config": asdict(layout.config),
         "nodes": [
             {
                 "name": n.service.name,
@@ -73,7 +73,7 @@ def _write_state(run_dir: Path, plan: TestbedPlan, pids: dict[str, int]) -> None
                 "argv": list(n.service.argv),
                 "pid": pids.get(n.service.name),
             }
-            for n in plan.nodes
+            for n in layout.nodes
         ],
     }
     tmp = _state_path(run_dir).with_suffix(".tmp")
@@ -103,23 +103,23 @@ def bring_up(
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ADDRESS_FILE).unlink(missing_ok=True)
-    plan = plan_testbed(cfg, str(run_dir))
-    _write_state(run_dir, plan, {})  # before anything exists: a crash from here on leaves a findable trail
+    layout = lay_out_testbed(cfg, str(run_dir))
+    _write_state(run_dir, layout, {})  # before anything exists: a crash from here on leaves a findable trail
     procs = ProcessGroup(run_dir / "logs")
     try:
-        say(f"creating {len(plan.nodes)} namespaces on bridge {plan.bridge} ({cfg.subnet})")
-        for command in setup_commands(plan):
+        say(f"creating {len(layout.nodes)} namespaces on bridge {layout.bridge} ({cfg.subnet})")
+        for command in setup_commands(layout):
             run_command(command)
         pids = {}
-        for node in plan.nodes[:-1]:  # every service but the trainer
+        for node in layout.nodes[:-1]:  # every service but the trainer
             argv = ["ip", "netns", "exec", node.namespace, *process_argv(node.service.argv)]
             pids[node.service.name] = procs.start(node.service.name, argv, env=_ENV).pid
-            _write_state(run_dir, plan, pids)
+            _write_state(run_dir, layout, pids)
             if node.service.name == "bootstrap":
                 procs.wait_for_file(run_dir / ADDRESS_FILE, 60)
                 say(f"bootstrap node up at {node.service.address}; starting {cfg.peers} peers")
-        _wait_for_stages(plan, run_dir, procs, ready_timeout_s, say)
-        return Testbed(plan, run_dir, procs)
+        _wait_for_stages(layout, run_dir, procs, ready_timeout_s, say)
+        return Testbed(layout, run_dir, procs)
     except BaseException:
         say("start failed: taking down what was made")
         sweep(cfg.prefix, grace_s=5)
@@ -127,10 +127,10 @@ def bring_up(
         raise
 
 
-def _wait_for_stages(plan: TestbedPlan, run_dir: Path, procs, timeout_s: float, say) -> None:
+def _wait_for_stages(layout: TestbedLayout, run_dir: Path, procs, timeout_s: float, say) -> None:
     """Asks the DHT from the trainer's namespace (`swarm status`) until every stage is announced, so the
     check crosses the bridge exactly as the trainer will."""
-    trainer = plan.node("trainer")
+    trainer = layout.node("trainer")
     argv = [
         "ip", "netns", "exec", trainer.namespace,
         *process_argv(("swarm", "status", "--address-file", str(run_dir / ADDRESS_FILE),
@@ -145,11 +145,11 @@ def _wait_for_stages(plan: TestbedPlan, run_dir: Path, procs, timeout_s: float, 
         except (json.JSONDecodeError, KeyError):
             peers = []
         stages = sorted({p["stage"] for p in peers if p.get("stage") is not None})
-        line = f"{len(stages)}/{plan.config.peers} stages announced"
+        line = f"{len(stages)}/{layout.config.peers} stages announced"
         if line != last:
             say(line)
             last = line
-        if len(stages) >= plan.config.peers:
+        if len(stages) >= layout.config.peers:
             (run_dir / "dht_status.json").write_text(result.stdout)
             return
         if time.monotonic() > deadline:
@@ -159,7 +159,7 @@ def _wait_for_stages(plan: TestbedPlan, run_dir: Path, procs, timeout_s: float, 
 
 def train_in(testbed: Testbed, timeout_s: float, say: Callable[[str], None] = print) -> int:
     """Runs the trainer in its namespace until it exits; returns its exit code."""
-    node = testbed.plan.node("trainer")
+    node = testbed.layout.node("trainer")
     argv = ["ip", "netns", "exec", node.namespace, *process_argv(node.service.argv)]
     say(f"training from {node.service.address} (log: {testbed.run_dir / 'logs' / 'trainer.log'})")
     proc = testbed.procs.start("trainer", argv, env=_ENV)

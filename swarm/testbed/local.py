@@ -24,15 +24,15 @@ class LocalSwarm:
     signer: object = None
     """the `CallSigner` of the swarm's trainer: the one trainer the plan names, announced while the swarm runs"""
     found: object = None
-    """the `Route` the trainer discovered (with the plan's predicted step time); None: built from the fields"""
+    """the `PlanRoutes` the trainer discovered (with the plan's predicted step time); None: built from the fields"""
     dht: object = None
     """the trainer's DHT client while the swarm runs: `train(..., dht=)` follows re-published plans with it"""
 
     @property
     def path(self):
-        from swarm.daemon.planning import Route
+        from swarm.daemon.planning import PlanRoutes
 
-        return self.found if self.found is not None else Route(self.route, self.peers, self.plan_version)
+        return self.found if self.found is not None else PlanRoutes(self.route, self.peers, self.plan_version)
 
 
 @contextmanager

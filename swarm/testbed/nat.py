@@ -17,7 +17,7 @@ three). One router namespace serves every NAT'd peer: they share its public addr
 carrier-grade NAT do. A NAT'd peer's egress is shaped on its own veth as every node's is. Everything is named
 with the testbed's prefix, so `sweep` removes it with the rest.
 
-Everything here is argv lists built from the plan (unit-tested without root); `swarm.testbed.netns` runs them.
+Everything here is argv lists built from the layout (unit-tested without root); `swarm.testbed.netns` runs them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from swarm.testbed.services import TestbedConfig, nat_lan
 
 if TYPE_CHECKING:
-    from swarm.testbed.netns import Node, TestbedPlan
+    from swarm.testbed.netns import Node, TestbedLayout
 
 __all__ = [
     "IPTABLES_HINT",
@@ -78,28 +78,28 @@ def iptables_rules(uplink: str) -> list[list[str]]:
     ]
 
 
-def router_commands(plan: TestbedPlan) -> list[list[str]]:
+def router_commands(layout: TestbedLayout) -> list[list[str]]:
     """The router namespace: uplink on the testbed bridge, forwarding and the iptables rules."""
-    n = router_names(plan.config.prefix)
+    n = router_names(layout.config.prefix)
     ns, up = n["namespace"], n["uplink"]
     ipt = ["ip", "netns", "exec", ns, "iptables", "-w", "5"]
     return [
         ["ip", "netns", "add", ns],
         ["ip", "link", "add", n["uplink_root"], "type", "veth", "peer", "name", up, "netns", ns],
         ["ip", "link", "set", n["uplink_root"], "addrgenmode", "none"],
-        ["ip", "link", "set", n["uplink_root"], "master", plan.bridge, "up"],
+        ["ip", "link", "set", n["uplink_root"], "master", layout.bridge, "up"],
         ["ip", "-n", ns, "link", "set", "lo", "up"],
-        ["ip", "-n", ns, "addr", "add", f"{uplink_address(plan.config)}/{plan.prefix_len}", "dev", up],
+        ["ip", "-n", ns, "addr", "add", f"{uplink_address(layout.config)}/{layout.prefix_len}", "dev", up],
         ["ip", "-n", ns, "link", "set", up, "up"],
         ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
         *([*ipt, *rule] for rule in iptables_rules(up)),
     ]
 
 
-def nat_node_commands(plan: TestbedPlan, node: Node) -> list[list[str]]:
+def nat_node_commands(layout: TestbedLayout, node: Node) -> list[list[str]]:
     """A NAT'd node's namespace on a LAN of its own to the router, with its default route through it (its
     shaping is added by the caller, as for every node)."""
-    cfg = plan.config
+    cfg = layout.config
     peer = int(node.service.name.removeprefix("peer"))
     router, ns, a, b = router_names(cfg.prefix)["namespace"], node.namespace, node.veth_root, node.veth_ns
     gateway, lan_len = lan_gateway(cfg, peer), nat_lan(cfg, peer).prefixlen

@@ -1,7 +1,7 @@
 """Network-namespace testbed mechanics: the namespaces and links of the services, the `ip`/`tc` commands that
 build and shape them, a thin runner, a sweep, and a goodput check of a shaped link.
 
-Everything is data first: a `TestbedPlan` names every namespace, veth and bridge for the services of a
+Everything is data first: a `TestbedLayout` names every namespace, veth and bridge for the services of a
 `TestbedConfig` (`swarm.testbed.services`), and `setup_commands` / `shaping_commands` are plain argv lists,
 unit-tested without root. A thin runner executes them. Every name starts with the config's prefix, so `sweep`
 finds and removes what a testbed left behind, also after the testbed process itself was killed.
@@ -36,7 +36,7 @@ __all__ = [
     "CommandError",
     "Node",
     "SweepReport",
-    "TestbedPlan",
+    "TestbedLayout",
     "Unavailable",
     "check_available",
     "list_links",
@@ -44,7 +44,7 @@ __all__ = [
     "measure_rate",
     "namespace_address",
     "namespace_pids",
-    "plan_testbed",
+    "lay_out_testbed",
     "qdisc_stats",
     "run_command",
     "setup_commands",
@@ -75,7 +75,7 @@ class Node:
 
 
 @dataclass(frozen=True)
-class TestbedPlan:
+class TestbedLayout:
     config: TestbedConfig
     bridge: str
     prefix_len: int
@@ -85,31 +85,31 @@ class TestbedPlan:
         return next(n for n in self.nodes if n.service.name == name)
 
 
-def plan_testbed(cfg: TestbedConfig, shared_dir: str) -> TestbedPlan:
+def lay_out_testbed(cfg: TestbedConfig, shared_dir: str) -> TestbedLayout:
     nodes = tuple(
         Node(service, f"{cfg.prefix}{service.name}", f"{cfg.prefix}{i}a", f"{cfg.prefix}{i}b")
         for i, service in enumerate(testbed_services(cfg, shared_dir))
     )
-    return TestbedPlan(cfg, f"{cfg.prefix}br0", ipaddress.ip_network(cfg.subnet).prefixlen, nodes)
+    return TestbedLayout(cfg, f"{cfg.prefix}br0", ipaddress.ip_network(cfg.subnet).prefixlen, nodes)
 
 
-def setup_commands(plan: TestbedPlan) -> list[list[str]]:
+def setup_commands(layout: TestbedLayout) -> list[list[str]]:
     """Bridge, then per node: namespace, veth pair (one end on the bridge), loopback, address, shaping.
     With NAT'd peers, first the NAT router, and those peers' veths end on its LAN (`swarm.testbed.nat`).
     The root side gets no IPv6 link-local address, so the host itself never talks on the bridge."""
-    br = plan.bridge
+    br = layout.bridge
     commands = [
         ["ip", "link", "add", br, "type", "bridge"],
         ["ip", "link", "set", br, "addrgenmode", "none"],
         ["ip", "link", "set", br, "up"],
     ]
-    behind_nat = nat_names(plan.config)
+    behind_nat = nat_names(layout.config)
     if behind_nat:
-        commands += router_commands(plan)
-    for node in plan.nodes:
+        commands += router_commands(layout)
+    for node in layout.nodes:
         ns, a, b = node.namespace, node.veth_root, node.veth_ns
         if node.service.name in behind_nat:
-            commands += nat_node_commands(plan, node)
+            commands += nat_node_commands(layout, node)
             commands += shaping_commands(b, node.service.rate_mbit, node.service.link_rate_mbit, netns=ns)
             continue
         commands += [
@@ -118,7 +118,7 @@ def setup_commands(plan: TestbedPlan) -> list[list[str]]:
             ["ip", "link", "set", a, "addrgenmode", "none"],
             ["ip", "link", "set", a, "master", br, "up"],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
-            ["ip", "-n", ns, "addr", "add", f"{node.service.address}/{plan.prefix_len}", "dev", b],
+            ["ip", "-n", ns, "addr", "add", f"{node.service.address}/{layout.prefix_len}", "dev", b],
             ["ip", "-n", ns, "link", "set", b, "up"],
         ]
         commands += shaping_commands(b, node.service.rate_mbit, node.service.link_rate_mbit, netns=ns)

@@ -2,9 +2,9 @@
 the Grads replies' per-block gradient norms, sent in every Step; `swarm.runtime.freeze`).
 
 One `FreezePolicy` lives for the whole run: a re-plan builds a new driver on the new route around the same
-policy, so its windows and history survive joins, repairs and the planner's repack. A route whose plan already
-freezes more layers than the policy (`Route.frozen_layers`: the stages apply them, and refuse a Step with fewer)
-raises the policy to it (`FreezePolicy.adopt`).
+policy, so its windows and history survive joins, repairs and the planner's repack. Routes whose plan already
+freezes more layers than the policy (`PlanRoutes.frozen_layers`: the stages apply them, and refuse a Step with
+fewer) raise the policy to it (`FreezePolicy.adopt`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported:
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from swarm.daemon.planning import Route
+    from swarm.daemon.planning import PlanRoutes
     from swarm.peers.dht import DHTConfig
 
 log = logging.getLogger("swarm.train.trainer")
@@ -102,9 +102,9 @@ class TrainSummary:
     total_ratio_vs_fp32: float = 0.0
     """fp32_total_wire_bytes / total_wire_bytes (0: nothing counted)"""
     predicted_step_s: float | None = None
-    """the plan's predicted step time (`Route.predicted_step_s`), beside `mean_step_s`; None for even splits"""
+    """the plan's predicted step time (`PlanRoutes.predicted_step_s`), beside `mean_step_s`; None for even splits"""
     relay_extra_s: float | None = None
-    """what the plan's relayed links add to `predicted_step_s` (`Route.relay_extra_s`); None: none relayed"""
+    """what the plan's relayed links add to `predicted_step_s` (`PlanRoutes.relay_extra_s`); None: none relayed"""
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,7 @@ def discover_route(
     trainer_id: str | None = None,
     n_layers: int | None = None,
     check: Callable[[], None] | None = None,
-) -> Route:
+) -> PlanRoutes:
     """Waits until a whole pipeline is served and returns it (`check`, called at every poll, may raise: e.g. a
     local swarm's peer process died, so no pipeline will come).
 
@@ -275,14 +275,14 @@ def discover_route(
     first peer announcing each of stages 0..n_stages-1. `min_version` skips plans older than one the trainer
     already ran into.
     """
-    from swarm.daemon.planning import Route, route_of
+    from swarm.daemon.planning import PlanRoutes, route_of
 
     deadline = time.monotonic() + timeout_s
     last_line = None
     while True:
         peers = dht.peers()
         record = dht.get_plan(n_layers, peers=peers)
-        if record is not None and trainer_id is not None and trainer_id not in record.plan.get("trainer_ids", []):
+        if record is not None and trainer_id is not None and not record.document.serves_trainer(trainer_id):
             line = f"waiting for a plan that names trainer {trainer_id} (plan {record.version} does not)"
         elif record is not None and record.version >= min_version:
             found = route_of(record, peers)
@@ -301,7 +301,9 @@ def discover_route(
                     by_stage.setdefault(ann.stage, ann)
             missing = [s for s in range(wanted) if s not in by_stage]
             if not missing:
-                return Route([by_stage[s].address for s in range(wanted)], [by_stage[s].peer_id for s in range(wanted)])
+                return PlanRoutes(
+                    [by_stage[s].address for s in range(wanted)], [by_stage[s].peer_id for s in range(wanted)]
+                )
             served = wanted - len(missing)
             line = f"waiting for stages {missing} ({served}/{wanted} served; {len(peers)} peers, no plan yet)"
         else:
@@ -336,7 +338,7 @@ class PlanWatch:
 
 def train(
     cfg: TrainConfig,
-    route: Route,
+    route: PlanRoutes,
     quiet: bool = False,
     dht=None,
     say=lambda line: None,
@@ -387,7 +389,7 @@ def train(
     dial = None if dht is None else announced_dial(dht.peers, signer)  # peers behind NAT: through their relays
     make_driver = driver_factory(cfg.freeze, model.n_layers)  # with --freeze: one FreezePolicy for the whole run
 
-    def connect(r: Route):
+    def connect(r: PlanRoutes):
         metrics.plan_version.set(r.plan_version)
         driver = make_driver(
             r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
@@ -515,7 +517,7 @@ def chain_weights(kind: str):
     return ChainWeights(tolerance=math.inf) if kind == "equal" else ChainWeights()
 
 
-def no_chain_left(error: Exception, route: Route) -> bool:
+def no_chain_left(error: Exception, route: PlanRoutes) -> bool:
     """Whether a failed step needs a newer plan: the driver found no live chain (`NoLiveChain`), or, on a
     one-chain route (a driver without replicas), a stage is unreachable rather than refusing."""
     if type(error).__name__ == "NoLiveChain":

@@ -122,17 +122,17 @@ def victim(dht, procs, stage: int) -> tuple[str, str, dict]:
     from swarm.peers.records import elected_planner
 
     record = plan_now(dht)
-    stages = record.plan["stages"]
-    assert [len(s["peer_ids"]) for s in stages] == [2, 2] and len(record.plan["unused_peer_ids"]) == 1, record.plan
+    plan = record.document
+    assert plan.replica_counts == (2, 2) and len(plan.unused_peer_ids) == 1, plan
     planner = elected_planner(dht.peers())
-    pid = next(p for p in stages[stage]["peer_ids"] if p != planner)
+    pid = next(p for p in plan.stages[stage].peer_ids if p != planner)
     return pid, peer_ids(procs)[pid], record
 
 
 def test_a_killed_replica_is_rerouted_around_and_replaced_by_the_standby(tmp_path):
     with churn_swarm(tmp_path) as (procs, dht, out, trained):
         pid, name, before = victim(dht, procs, 1)
-        standby = before.plan["unused_peer_ids"][0]
+        standby = before.document.unused_peer_ids[0]
         os.killpg(procs.procs[name].pid, signal.SIGKILL)  # the peer and its DHT helper, without warning
         procs.procs[name].wait(10)
         del procs.procs[name]  # reaped; check_alive watches the others
@@ -140,12 +140,12 @@ def test_a_killed_replica_is_rerouted_around_and_replaced_by_the_standby(tmp_pat
 
         def repaired():
             record = plan_now(dht)
-            return record if record is not None and standby in record.plan["stages"][1]["peer_ids"] else None
+            return record if record is not None and standby in record.document.stages[1].peer_ids else None
 
         after = wait_until("the planner's repair with the standby", repaired, 120, procs)
-        assert after.plan["stages"][0] == {**before.plan["stages"][0]}, "stage 0 did not move"
-        column = before.plan["stages"][1]["peer_ids"].index(pid)
-        assert after.plan["stages"][1]["peer_ids"][column] == standby, "the standby took the dead peer's column"
+        assert after.document.stages[0] == before.document.stages[0], "stage 0 did not move"
+        column = before.document.stages[1].peer_ids.index(pid)
+        assert after.document.stages[1].peer_ids[column] == standby, "the standby took the dead peer's column"
         n = len(rows(out))
         wait_until(
             "steps on the repaired plan",
@@ -156,8 +156,8 @@ def test_a_killed_replica_is_rerouted_around_and_replaced_by_the_standby(tmp_pat
         procs.procs["trainer"].send_signal(signal.SIGTERM)  # stop between steps, then compare the replicas
         assert procs.procs["trainer"].wait(60) == 0, procs.tail("trainer", 40)
         addresses = {p.peer_id: p.address for p in dht.peers()}
-        for stage in after.plan["stages"]:  # stage 0 too: the dead peer's partner sat out steps on its chain
-            replies = [status_of(dht, addresses[p], p) for p in stage["peer_ids"]]
+        for stage in after.document.stages:  # stage 0 too: the dead peer's partner sat out steps on its chain
+            replies = [status_of(dht, addresses[p], p) for p in stage.peer_ids]
             assert replies[0].steps_done == replies[1].steps_done > 0
             assert replies[0].weights_digest == replies[1].weights_digest != "", "replicas hold equal weights again"
         assert "took over" in procs.tail(peer_ids(procs)[standby], 400)
@@ -169,7 +169,7 @@ def test_a_killed_replica_is_rerouted_around_and_replaced_by_the_standby(tmp_pat
 def test_a_terminated_replica_hands_over_and_exits_0(tmp_path):
     with churn_swarm(tmp_path) as (procs, dht, out, trained):
         pid, name, before = victim(dht, procs, 0)
-        standby = before.plan["unused_peer_ids"][0]
+        standby = before.document.unused_peer_ids[0]
         addresses = {p.peer_id: p.address for p in dht.peers()}
         procs.procs[name].send_signal(signal.SIGTERM)
         code = procs.procs[name].wait(90)
@@ -178,8 +178,8 @@ def test_a_terminated_replica_hands_over_and_exits_0(tmp_path):
         assert "left: plan" in procs.tail(name, 60), procs.tail(name, 60)
         del procs.procs[name]
         record = plan_now(dht)
-        assert pid not in {p for s in record.plan["stages"] for p in s["peer_ids"]}
-        assert standby in record.plan["stages"][0]["peer_ids"], record.plan
+        assert pid not in record.document.used_peers()
+        assert standby in record.document.stages[0].peer_ids, record.document
         assert last, procs.tail(peer_ids(procs)[standby], 60)
         n = len(rows(out))
         wait_until("steps after the leave", lambda: trained(n + 3), 180, procs)

@@ -179,7 +179,6 @@ def _two_stages(first: str, second: str) -> dict:
             {"layer_start": 0, "layer_end": 2, "peer_ids": [first]},
             {"layer_start": 2, "layer_end": 4, "peer_ids": [second]},
         ],
-        "note": ("tuples", "become", "lists"),
     }
 
 
@@ -206,7 +205,7 @@ def test_plans_count_only_from_the_elected_planner_and_only_when_valid(swarm):
                                     "layer_end": 1000000, "peer_ids": [a.peer_id]}]})  # fmt: skip
     for reader in (a, b, c):
         got = wait_for(lambda r=reader: (p := r.get_plan(4)) and p.version == 2 and p, WAIT_S, what="plan 2")
-        assert got.plan["note"] == ["tuples", "become", "lists"]
+        assert got.document.stages[0].peer_ids == (b.peer_id,)
     with pytest.raises(ValueError, match="plan"):
         b.publish_plan(4, {"bad": float("nan")})
 

@@ -36,13 +36,13 @@ def test_the_planner_repacks_a_frozen_prefix_and_the_trainer_trains_on_the_repac
         connector = GrpcConnector(signer=swarm.signer)
         status = {
             pid: connector.stage(addresses[pid], pid).Status(stage_pb2.Empty(), timeout=10)
-            for s in record.plan["stages"]
-            for pid in s["peer_ids"]
+            for s in record.document.stages
+            for pid in s.peer_ids
         }
         connector.close()
-    assert len(first.plan["stages"]) == 4 and not first.plan.get("frozen_layers")
-    assert record.plan["frozen_layers"] == 3, record.plan
-    assert len(record.plan["stages"]) == 2 and [len(s["peer_ids"]) for s in record.plan["stages"]] == [2, 2]
+    assert first.document.n_stages == 4 and not first.document.frozen_layers
+    assert record.document.frozen_layers == 3, record.document
+    assert record.document.replica_counts == (2, 2)
     # the trainer followed the repacked plan and kept training: every step numbered, losses finite
     assert summary.steps == 24 and summary.stages == 2 and first.version < summary.plan_version <= record.version
     with open(out / "steps.csv") as f:
@@ -50,9 +50,9 @@ def test_the_planner_repacks_a_frozen_prefix_and_the_trainer_trains_on_the_repac
     assert [int(r["step"]) for r in rows] == list(range(1, 25))
     assert all(math.isfinite(float(r["train_loss"])) for r in rows)
     # the replicas of each repacked stage took the same state and applied the same steps: equal weights
-    for index, stage in enumerate(record.plan["stages"]):
-        replies = [status[pid] for pid in stage["peer_ids"]]
-        assert all(r.stage == index and r.layer_end == stage["layer_end"] for r in replies), replies
+    for index, stage in enumerate(record.document.stages):
+        replies = [status[pid] for pid in stage.peer_ids]
+        assert all(r.stage == index and r.layer_end == stage.layer_end for r in replies), replies
         figures = [(r.weights_digest, r.last_step, r.steps_done) for r in replies]
         assert len(set(figures)) == 1, figures
     versions = [int(r["plan_version"]) for r in rows]

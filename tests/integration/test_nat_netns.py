@@ -12,9 +12,9 @@ import pytest
 from swarm.testbed import services
 from swarm.testbed.nat import nat_unavailable_reason
 from swarm.testbed.netns import (
+    lay_out_testbed,
     list_links,
     list_namespaces,
-    plan_testbed,
     run_command,
     setup_commands,
     sweep,
@@ -82,7 +82,7 @@ def _serve_and_dial(server_ns: str, client_ns: str, target: str) -> tuple[str, s
 
 
 def test_nat_peers_dial_out_and_nobody_dials_in():
-    plan = plan_testbed(CFG, "/tmp")
+    plan = lay_out_testbed(CFG, "/tmp")
     outside, inside = plan.node("peer0"), plan.node("peer1")
     try:
         for command in setup_commands(plan):

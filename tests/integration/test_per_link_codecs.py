@@ -23,8 +23,8 @@ def bits(label: str) -> int:
 
 def floored(record) -> bool:
     """Whether `record` chose per-link codecs with some direction at the 2-bit floor."""
-    codecs = record.plan.get("codecs") if record is not None else None
-    return bool(codecs) and min(bits(c[d]) for c in codecs for d in ("forward", "backward")) == 2
+    codecs = record.document.codecs if record is not None else None
+    return bool(codecs) and min(bits(label) for c in codecs for label in (c.forward_label, c.backward_label)) == 2
 
 
 def test_a_slow_and_a_fast_link_get_different_codecs_and_train(tmp_path):
@@ -38,13 +38,12 @@ def test_a_slow_and_a_fast_link_get_different_codecs_and_train(tmp_path):
         summary = train(cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
         record = swarm.dht.get_plan(ModelConfig().n_layers)
     assert summary.steps == 4 and math.isfinite(summary.final_loss)
-    codecs = record.plan["codecs"]
-    assert len(codecs) == 2 and all(c["forward"] in FORWARD_LADDER and c["backward"] in BACKWARD_LADDER for c in codecs)
-    pairs = [(c["forward"], c["backward"]) for c in codecs]
+    pairs = [(c.forward_label, c.backward_label) for c in record.document.codecs]
+    assert len(pairs) == 2 and all(fw in FORWARD_LADDER and bw in BACKWARD_LADDER for fw, bw in pairs)
     assert pairs[0] != pairs[1], pairs
     labels = [label for pair in pairs for label in pair]
     # the slow peer's outgoing direction is at the floor; some direction between the unshaped peers carries more
     assert min(map(bits, labels)) == 2 and max(map(bits, labels)) > 2, pairs
     # the tied sync's codec is chosen per link too (selective compression), and the peers trained with it
-    epilogue = record.plan["epilogue_codecs"]
-    assert epilogue["average"] == [None, None, None] and epilogue["tied"] in TIED_LADDER, epilogue
+    epilogue = record.document.epilogue
+    assert epilogue.average_labels == (None, None, None) and epilogue.tied_label in TIED_LADDER, epilogue

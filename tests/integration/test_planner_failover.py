@@ -64,17 +64,17 @@ def test_a_killed_or_leaving_planner_is_replaced_and_its_plan_repaired_within_se
                 record = dht.get_plan(2, check_trainers=False)
                 if record is None or record.version <= before.version:
                     return None
-                named = [p for s in record.plan["stages"] for p in s["peer_ids"]] + record.plan["unused_peer_ids"]
+                named = [*(p for s in record.document.stages for p in s.peer_ids), *record.document.unused_peer_ids]
                 return record if sorted(named) == sorted(p.peer_id for p in peers if p.peer_id != planner) else None
 
             after = wait_until("a plan naming the survivors only", repaired, 60, procs, poll_s=0.1)
             took = time.monotonic() - killed
             print(f"plan {after.version} without the planner {took:.1f} s after {signal.Signals(sig).name}")
             assert took < 15, f"the repair took {took:.1f} s"
-            for index, stage in enumerate(before.plan["stages"]):
-                for pid in stage["peer_ids"]:
+            for index, stage in enumerate(before.document.stages):
+                for pid in stage.peer_ids:
                     if pid != planner:
-                        assert pid in after.plan["stages"][index]["peer_ids"], "a survivor moved: searched anew"
+                        assert pid in after.document.stages[index].peer_ids, "a survivor moved: searched anew"
             try:
                 code = leaver.wait(60)  # a leaver exits once its successor serves its layers
             finally:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, WireLimits, frame, make_codec
-from swarm.daemon.planning import Route
+from swarm.daemon.planning import PlanRoutes
 from swarm.model.data import Batch
 from swarm.net.auth import CallSigner
 from swarm.net.stream import StageCallError, tokens_to_wire
@@ -163,7 +163,7 @@ def test_a_stopped_trainer_resumes_where_it_was_with_the_same_data_order(tmp_pat
     for name in ("whole", "stopped"):
         with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
             peers, trainer = trainer_of(addresses)
-            route, signer = Route(addresses, peers), CallSigner(trainer)
+            route, signer = PlanRoutes(addresses, peers), CallSigner(trainer)
             out = str(tmp_path / name)
             if name == "whole":
                 losses[name] = _steps_csv_losses(train(TrainConfig(**cfg, out=out), route, quiet=True, signer=signer))

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from swarm.daemon.repack import repack_layout, repack_plan, split_by_cost
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 
 PEERS = [PeerAnnouncement(p, "127.0.0.1:5000", "cpu", 1 << 30, 1.0) for p in "abcd"]
@@ -18,13 +19,13 @@ def _plan() -> dict:
 
 @pytest.mark.parametrize("frozen", [0, 3, 7])
 def test_a_plan_may_name_a_frozen_prefix(frozen):
-    validate_plan(PlanRecord(version=1, plan={**_plan(), "frozen_layers": frozen}, created_at=1.0), 8, PEERS)
+    validate_plan(PlanRecord(version=1, document={**_plan(), "frozen_layers": frozen}, created_at=1.0), 8, PEERS)
 
 
 @pytest.mark.parametrize("bad", [-1, 8, 99, 2.0, True, "3", math.nan, [1]])
 def test_a_malformed_frozen_prefix_is_refused(bad):
     with pytest.raises(ValueError, match="frozen_layers|JSON"):  # NaN: the record itself refuses it
-        validate_plan(PlanRecord(version=1, plan={**_plan(), "frozen_layers": bad}, created_at=1.0), 8, PEERS)
+        validate_plan(PlanRecord(version=1, document={**_plan(), "frozen_layers": bad}, created_at=1.0), 8, PEERS)
 
 
 def test_split_by_cost_balances_the_costliest_stage():
@@ -38,12 +39,13 @@ def test_repack_halves_the_stages_once_the_frozen_prefix_allows_and_deals_the_fr
     assert repack_layout(8, 0, 4, 2.0, 4) == ([(0, 2), (2, 4), (4, 6), (6, 8)], [1, 1, 1, 1])
     assert repack_layout(8, 4, 4, 2.0, 4)[1] == [1, 1, 1, 1]  # 4 active layers on 2 stages would be 2.67 a stage
     assert repack_layout(8, 6, 4, 2.0, 4) == ([(0, 6), (6, 8)], [2, 2])
-    plan = repack_plan({**_plan(), "codecs": [{"forward": "fp32", "backward": "fp32"}] * 3}, 6)
-    assert [(s["layer_start"], s["layer_end"], s["peer_ids"]) for s in plan["stages"]] == [
+    codecs = [{"forward": "fp32", "backward": "fp32"}] * 3
+    plan = repack_plan(PlanDocument.from_wire({**_plan(), "codecs": codecs}), 6)
+    assert [(s.layer_start, s.layer_end, list(s.peer_ids)) for s in plan.stages] == [
         (0, 6, ["a", "b"]),
         (6, 8, ["c", "d"]),
     ]
-    assert plan["frozen_layers"] == 6 and "codecs" not in plan
-    validate_plan(PlanRecord(version=2, plan=plan, created_at=1.0), 8, PEERS)
+    assert plan.frozen_layers == 6 and plan.codecs is None
+    validate_plan(PlanRecord(version=2, document=plan, created_at=1.0), 8, PEERS)
     with pytest.raises(ValueError):
-        repack_plan(_plan(), 8)  # the last layer always trains
+        repack_plan(PlanDocument.from_wire(_plan()), 8)  # the last layer always trains

@@ -16,8 +16,9 @@ from swarm.compression import CodecConfig
 from swarm.daemon.planning import route_of
 from swarm.daemon.repack import RepackWatch, frozen_figure, repack_plan
 from swarm.model.gpt import ModelConfig
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
-from swarm.runtime.freeze import FreezePolicy, apply_frozen, frozen_of
+from swarm.runtime.freeze import FreezePolicy, apply_frozen
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.train import freezing
@@ -30,7 +31,7 @@ IDS = "abcd"
 
 def _record(version: int = 3, **extra) -> PlanRecord:
     stages = [{"layer_start": i, "layer_end": i + 1, "peer_ids": [p]} for i, p in enumerate(IDS)]
-    return PlanRecord(version=version, plan={"stages": stages, **extra}, created_at=1.0)
+    return PlanRecord(version=version, document={"stages": stages, **extra}, created_at=1.0)
 
 
 def _reply(pid: str, stage: int, version: int = 3, frozen=3.0, **metrics):
@@ -65,8 +66,9 @@ def test_a_host_reports_the_prefix_it_applied_in_status_and_a_host_of_a_frozen_p
     pipe = LocalPipeline(GPT, 2, FP32, FP32, stage_cfg=StageConfig(OptimConfig(warmup_steps=1, total_steps=20)))
     host = pipe.switches[0][0].target.host
     assert host.status().metrics["swarm_frozen_layers"] == 0.0
-    plan = {"stages": [], "frozen_layers": 1}
-    apply_frozen(host, frozen_of(plan))  # what swarm-peer does to every host it builds for a plan
+    one_stage = [{"layer_start": 0, "layer_end": 4, "peer_ids": ["p"]}]
+    plan = PlanDocument.from_wire({"stages": one_stage, "frozen_layers": 1})
+    apply_frozen(host, plan.frozen)  # what swarm-peer does to every host it builds for a plan
     assert host.status().metrics["swarm_frozen_layers"] == 1.0 and host.worker.frozen_layers == 1
     before = {k: v.detach().clone() for k, v in host.worker.module.named_parameters() if k.startswith("blocks.0.")}
     pipe.freeze = FreezePolicy(n_layers=4)
@@ -81,9 +83,10 @@ def test_a_host_reports_the_prefix_it_applied_in_status_and_a_host_of_a_frozen_p
     assert before and all(torch.equal(v, after[k]) for k, v in before.items())  # layer 0 never trained
 
 
-@pytest.mark.parametrize("plan", [{}, {"frozen_layers": 0}, {"frozen_layers": 2}, None])
-def test_frozen_of_a_plan(plan):
-    assert frozen_of(plan) == (2 if plan and plan.get("frozen_layers") else 0)
+@pytest.mark.parametrize("parts", [{}, {"frozen_layers": 0}, {"frozen_layers": 2}])
+def test_the_frozen_prefix_of_a_plan(parts):
+    plan = PlanDocument.from_wire({"stages": [{"layer_start": 0, "layer_end": 4, "peer_ids": ["p"]}], **parts})
+    assert plan.frozen == (2 if parts.get("frozen_layers") else 0)
 
 
 # ---- when the planner repacks ------------------------------------------------------------------------------
@@ -118,11 +121,11 @@ class _DHT:
         self.published, self.fail = [], fail
 
     def publish_plan(self, version, plan):
-        record = PlanRecord(version=version, plan=plan, created_at=1.0)  # validates its shape, as the DHT's does
+        record = PlanRecord(version=version, document=plan, created_at=1.0)  # validates its shape, as the DHT's does
         validate_plan(record, 4, [PeerAnnouncement(p, "127.0.0.1:5000", "cpu", 1 << 30, 1.0) for p in IDS])
         if self.fail:
             raise ValueError("refused")
-        self.published.append((version, plan))
+        self.published.append((version, plan.to_wire()))  # what the DHT carries
 
     def get_plan(self, n_layers, peers=None, check_trainers=True):
         return PlanRecord(*self.published[-1], created_at=1.0) if self.published else None
@@ -141,7 +144,7 @@ def test_the_planner_publishes_the_repacked_plan_without_the_old_stages_per_stag
     assert plan["frozen_layers"] == 3 and len(plan["stages"]) == 2  # 3 frozen layers + 1 active: 2 stages
     assert [s["peer_ids"] for s in plan["stages"]] == [["a", "b"], ["c", "d"]]  # the freed peers as replicas
     assert "precisions" not in plan and "step_time_s" not in plan and plan["trainer_ids"] == ["t"]
-    assert plan["stages"] == repack_plan(current.plan, 3)["stages"]
+    assert plan["stages"] == repack_plan(current.document, 3).stage_dicts()
 
 
 def test_no_repack_is_published_when_nothing_is_due_or_the_plan_is_refused():

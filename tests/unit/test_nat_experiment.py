@@ -218,7 +218,7 @@ def test_ping_targets_name_each_nat_peers_last_relay(tmp_path):
         SimpleNamespace(service=SimpleNamespace(name=n, address=a))
         for n, a in (("bootstrap", "10.77.0.2"), ("peer0", "10.77.0.10"), ("peer1", "10.78.0.26"), ("peer2", "x"))
     ]
-    testbed = SimpleNamespace(run_dir=tmp_path, plan=SimpleNamespace(nodes=nodes))
+    testbed = SimpleNamespace(run_dir=tmp_path, layout=SimpleNamespace(nodes=nodes))
     targets = nat_netns.ping_targets(testbed, nat_netns.names_of_ids(logs))
     assert targets == [  # peer2 has no id in its (missing) log: not pinged
         {"name": "peer0", "address": "10.77.0.10:50051", "peer_id": "aaaaaaaaaaaa"},

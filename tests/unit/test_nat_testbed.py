@@ -12,7 +12,7 @@ import pytest
 from swarm.testbed import cli as testbed
 from swarm.testbed import nat, services
 from swarm.testbed.compose import SHARED_DIR, render_compose
-from swarm.testbed.netns import plan_testbed, setup_commands, shaping_commands
+from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 CFG = services.TestbedConfig(peers=4, nat=(1, 3), rate_mbit=50.0)
@@ -38,7 +38,7 @@ def test_nat_peers_get_private_addresses_behind_the_router():
 
 
 def test_setup_puts_nat_peers_behind_a_masquerading_router():
-    plan = plan_testbed(CFG, "/run")
+    plan = lay_out_testbed(CFG, "/run")
     commands = [" ".join(c) for c in setup_commands(plan)]
     router = "ip netns add swt-nat"
     assert router in commands
@@ -67,7 +67,7 @@ def test_setup_puts_nat_peers_behind_a_masquerading_router():
 
 
 def test_without_nat_the_testbed_is_unchanged():
-    commands = setup_commands(plan_testbed(services.TestbedConfig(peers=4), "/run"))
+    commands = setup_commands(lay_out_testbed(services.TestbedConfig(peers=4), "/run"))
     assert not any("swt-nat" in " ".join(c) or "iptables" in c for c in commands)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from swarm.daemon.capacity import low_precisions, measure_speeds
 from swarm.model.gpt import ModelConfig
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.runtime.sensitivity import (
     MAX_SENSITIVITY,
@@ -20,7 +21,7 @@ from swarm.runtime.sensitivity import (
     validate_sensitivity,
 )
 from swarm.runtime.worker import StageConfig, StageWorker
-from swarm.scheduler.precision import choose_precisions, plan_precision, plan_precisions, stage_times
+from swarm.scheduler.precision import choose_precisions, plan_precisions, stage_times
 
 LOW = {"bf16": 1e-4}
 
@@ -156,7 +157,7 @@ STAGES = [
 
 
 def record(**extra) -> PlanRecord:
-    return PlanRecord(version=2, plan={"stages": STAGES, **extra}, created_at=1.0)
+    return PlanRecord(version=2, document={"stages": STAGES, **extra}, created_at=1.0)
 
 
 def test_a_plan_with_valid_precisions_or_none_passes():
@@ -184,9 +185,10 @@ def test_a_plan_with_bad_precisions_is_refused(bad):
 
 
 def test_a_peer_computes_its_stage_in_its_plan_precision():
-    assert plan_precision({"stages": STAGES, "precisions": ["fp32", "bf16"]}, 1, "fp32") == "bf16"
-    assert plan_precision({"stages": STAGES, "precisions": ["fp32", "bf16"]}, 0, "bf16") == "fp32"
-    assert plan_precision({"stages": STAGES}, 1, "fp16") == "fp16", "no precisions: the peer's --precision"
+    plan = PlanDocument.from_wire({"stages": STAGES, "precisions": ["fp32", "bf16"]})
+    assert plan.precision(1, "fp32") == "bf16"
+    assert plan.precision(0, "bf16") == "fp32"
+    assert PlanDocument.from_wire({"stages": STAGES}).precision(1, "fp16") == "fp16", "no precisions: --precision"
 
 
 # ---- announced speeds ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from swarm.compression import CodecConfig
 from swarm.daemon.planning import Planner, route_of
 from swarm.model.gpt import ModelConfig
-from swarm.peers.plan_keys import MAX_RELAY_EXTRA_S
+from swarm.peers.plan import MAX_RELAY_EXTRA_S
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.scheduler import ModelSpec, Peer, PlanInput
 from swarm.scheduler.cost import FullCost, Layout
@@ -85,7 +85,7 @@ PEERS = [PeerAnnouncement(p, "127.0.0.1:5000", "cpu", 1 << 30, 1.0) for p in "ab
 
 def _record(**extra) -> PlanRecord:
     stages = [{"layer_start": 2 * i, "layer_end": 2 * i + 2, "peer_ids": [p]} for i, p in enumerate("abcd")]
-    return PlanRecord(version=1, plan={"stages": stages, **extra}, created_at=1.0)
+    return PlanRecord(version=1, document={"stages": stages, **extra}, created_at=1.0)
 
 
 @pytest.mark.parametrize("good", [0, 0.0, 0.0171, MAX_RELAY_EXTRA_S])
@@ -125,7 +125,7 @@ def test_the_live_planner_publishes_relay_extra_with_a_plan_that_relays_a_link()
         dht, published = swarm(ids[0], {"peers": peers})
         Planner(dht, spec, n_stages=4, min_peers=4, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0).round()
         ((_, plan),) = published
-        validate_plan(PlanRecord(version=1, plan=plan, created_at=1.0), 4, peers)
+        validate_plan(PlanRecord(version=1, document=plan, created_at=1.0), 4, peers)
         assert ("relay_extra_s" in plan) is relayed
         assert not relayed or 0 < plan["relay_extra_s"] < plan["step_time_s"]
 

@@ -10,6 +10,7 @@ import torch
 
 from swarm.bench.selective import rows
 from swarm.compression import CodecConfig
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.proto import stage_pb2
 from swarm.scheduler.bits import (
@@ -20,7 +21,6 @@ from swarm.scheduler.bits import (
     LinkFigures,
     choose_codecs,
     choose_epilogue,
-    epilogue_configs,
     rechoose_epilogue,
 )
 from swarm.scheduler.plans import ModelSpec, TransformerShape
@@ -110,16 +110,16 @@ STAGES = [
 
 
 def record(epilogue) -> PlanRecord:
-    return PlanRecord(version=2, plan={"stages": STAGES, "epilogue_codecs": epilogue}, created_at=1.0)
+    return PlanRecord(version=2, document={"stages": STAGES, "epilogue_codecs": epilogue}, created_at=1.0)
 
 
 def test_a_plan_with_well_formed_epilogue_codecs_passes_and_peers_read_their_own():
     good = {"average": ["fp32", "gradq8+ef+rot+nr+cs+g1024"], "tied": "bf16", "why": "x"}
     validate_plan(record(good), 4, PEERS)
     validate_plan(record({"average": [None, None]}), 4, PEERS)
-    average, tied = epilogue_configs({"stages": STAGES, "epilogue_codecs": good}, 1)
+    average, tied = PlanDocument.from_wire({"stages": STAGES, "epilogue_codecs": good}).epilogue_configs(1)
     assert average == CodecConfig.parse("gradq8+ef+rot+nr+cs+g1024") and tied == CodecConfig.parse("bf16")
-    assert epilogue_configs({"stages": STAGES}, 0) == (None, None)  # no key: the backward codec, as today
+    assert PlanDocument.from_wire({"stages": STAGES}).epilogue_configs(0) == (None, None)  # none: the backward codec
 
 
 @pytest.mark.parametrize(
@@ -155,7 +155,7 @@ def test_replicas_summing_with_the_plan_s_codec_hold_identical_weights_after_ste
     plan = {"stages": [{"layer_start": 0, "layer_end": 2, "peer_ids": pipe.peers}], "epilogue_codecs": {}}
     plan["epilogue_codecs"] = {"average": [label], "tied": None}
     for host in pipe.hosts:
-        host.averager.set_codecs(*epilogue_configs(plan, 0))
+        host.averager.set_codecs(*PlanDocument.from_wire(plan).epilogue_configs(0))
     pipe.split_step(0)
     own = [flat(pipe, r) for r in range(2)]
     replies = pipe.reduce(0)
@@ -213,7 +213,7 @@ def test_the_planner_s_epilogue_validates_and_its_predicted_step_uses_the_chosen
     added, figures = planned_epilogue(stages, plan_input, spec)
     assert added["epilogue_codecs"]["average"] == [AVERAGE_LADDER[-1]] * 2  # 10 Mbit/s: compressed
     peers = [peer(f"p{i}") for i in range(4)]
-    validate_plan(PlanRecord(version=2, plan={"stages": stages, **added}, created_at=1.0), 4, peers)
+    validate_plan(PlanRecord(version=2, document={"stages": stages, **added}, created_at=1.0), 4, peers)
     _, _, fp32 = choose_for_plan(stages, swarm_at(1e6, None, 2, 2, 2e12), spec)
     assert added["step_time_s"] > fp32.total_s  # slower links, slower step
     assert added["breakdown"]["sync_s"] > 0 and added["breakdown"]["tied_s"] > 0
@@ -263,13 +263,15 @@ def test_a_peer_builds_its_averager_from_the_plan_s_epilogue_codecs():
     from tests.unit.scheduler.test_bits import bare_daemon
 
     daemon = bare_daemon()
-    plan = {"epilogue_codecs": {"average": ["fp32", "bf16"], "tied": "gradq8+ef+rot+nr+cs+g1024"}}
+    epilogue = {"average": ["fp32", "bf16"], "tied": "gradq8+ef+rot+nr+cs+g1024"}
+    plan = PlanDocument.from_wire({"stages": STAGES, "epilogue_codecs": epilogue})
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
     assert host.averager.codecs == {False: CodecConfig.parse("bf16"), True: CodecConfig.parse(TIED_LADDER[2])}
     assert host.averager._config(0, 0).name == "bf16"  # not the flags' gradq4
     assert host.averager._config(0, 0, tied=True).bits == 8
-    bare = daemon._make_host(StageRole(1, 2, 2, 4, 3), {})
-    assert bare.averager._config(0, 0).name == "gradq"  # no plan key: the backward codec, at >= 8 bits
+    bare = daemon._make_host(StageRole(1, 2, 2, 4, 3), PlanDocument.from_wire({"stages": STAGES}))
+    assert bare.averager._config(0, 0).name == "gradq"  # no epilogue codecs: the backward codec, at >= 8 bits
+    assert daemon._make_host(StageRole(1, 2, 2, 4, 3)).averager._config(0, 0).name == "gradq"  # no plan: the same
 
 
 # ---- the convergence experiment's setting ----------------------------------------------------------------------
@@ -316,7 +318,7 @@ def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
 
     model = ModelConfig(n_layers=3, hidden_dim=32, n_heads=2, seq_len_tokens=32)
     plan = selective_plan("sel:100000+1", model, 3, 4, 2)
-    assert plan["codecs"][0]["forward"] == "fp32" and plan["codecs"][1]["forward"] == "acsgd2+ch+nr"
+    assert plan.codecs[0].forward_label == "fp32" and plan.codecs[1].forward_label == "acsgd2+ch+nr"
     pipe = LocalPipeline(model, 3, FP32, FP32)
     try:
         apply_selective(pipe, plan, {}, {})

@@ -19,7 +19,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.testbed import cli as testbed
 from swarm.testbed import lifecycle, netns, services
 from swarm.testbed.compose import SHARED_DIR, compose_service, entrypoint_argv, render_compose
-from swarm.testbed.netns import plan_testbed, setup_commands, shaping_commands, tbf_burst_bytes, tbf_limit_bytes
+from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands, tbf_burst_bytes, tbf_limit_bytes
 from swarm.testbed.services import METRICS_PORT, PEER_PORT, LinkRate, process_argv
 from swarm.testbed.status import metrics_url, render_status
 from swarm.train.trainer import TrainConfig
@@ -122,7 +122,7 @@ def test_process_argv_runs_entry_points_with_this_interpreter():
 
 
 def test_setup_commands_name_everything_with_the_prefix():
-    plan = plan_testbed(RICH, "/run")
+    plan = lay_out_testbed(RICH, "/run")
     commands = setup_commands(plan)
     assert commands[0] == ["ip", "link", "add", "swt-br0", "type", "bridge"]
     for node in plan.nodes:
@@ -281,7 +281,7 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
         seen["cfg"] = cfg
         (run_dir / "train").mkdir(parents=True)
         (run_dir / "train" / "steps.csv").write_text("step,train_loss\n1,5.5\n")
-        return lifecycle.Testbed(plan_testbed(cfg, str(run_dir)), run_dir, None)
+        return lifecycle.Testbed(lay_out_testbed(cfg, str(run_dir)), run_dir, None)
 
     monkeypatch.setattr(testbed, "bring_up", fake_bring_up)
     monkeypatch.setattr(testbed, "train_in", lambda *a, **k: 0)

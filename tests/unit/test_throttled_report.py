@@ -197,12 +197,15 @@ def test_cells_warm_up_over_a_fifth_of_the_schedule():
     assert th.warmup_steps(40) == 8 and th.warmup_steps(8) == 2 and th.warmup_steps(2) == 1  # 10% before
 
 
+ONE_STAGE = [{"layer_start": 0, "layer_end": 4, "peer_ids": ["p"]}]
+
+
 def test_a_calibrated_plan_gives_the_cells_prediction(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.05, "mean_step_s": 0.12}))
     assert th.read_summary(tmp_path)["predicted_step_s"] == 0.05  # no plan file: the trainer's own
-    (tmp_path / "plan.json").write_text(json.dumps({"stages": [], "step_time_s": 0.2}))
+    (tmp_path / "plan.json").write_text(json.dumps({"stages": ONE_STAGE, "step_time_s": 0.2}))
     assert th.read_summary(tmp_path)["predicted_step_s"] == 0.05  # the newest plan, not calibrated
-    calibrated = {"stages": [], "step_time_s": 0.118, "measured": {}, "first_step_time_s": 0.05}
+    calibrated = {"stages": ONE_STAGE, "step_time_s": 0.118, "measured": {}, "first_step_time_s": 0.05}
     (tmp_path / "plan.json").write_text(json.dumps(calibrated))
     (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.118, "mean_step_s": 0.12}))
     summary = th.read_summary(tmp_path)  # the trainer followed the calibrated plan: its first comes from the plan

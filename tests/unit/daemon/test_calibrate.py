@@ -89,7 +89,7 @@ class Peers:
         return self.replies.get(pid)
 
 
-PLAN = two_stages(3, A, B).plan
+PLAN = two_stages(3, A, B).document
 
 
 def set_steps(peers: Peers, steps: int, stage_of_b: int = 1) -> None:
@@ -120,7 +120,7 @@ def test_the_calibrator_waits_for_every_stage_then_gives_the_window_once():
     set_steps(peers, 20)
     assert cal.observe(PLAN) is None, "once per set of stages"
     # new stages: a new window
-    moved = two_stages(4, B, A).plan
+    moved = two_stages(4, B, A).document
     now[0] += 1
     assert cal.observe(moved) is None
 
@@ -233,10 +233,10 @@ def test_calibration_keeps_each_ends_tied_bytes_apart():
     links = PlanInput(links.peers, links.delay_s, links.bandwidth_bytes_per_s, np.where(np.eye(2), 0.0, 65536.0))
     after, _ = calibrated_breakdown(PLAN, links, spec, measured)
     assert after.total_s == pytest.approx((4 * 5172.4 + 14113.2) / 125e3)
-    both = measured_bytes(spec, PLAN["stages"], measured)
+    both = measured_bytes(spec, PLAN.stages, measured)
     assert (both.tied_bytes, both.tied_bytes_last) == (4844.4, 14113.2)
     # one end sent nothing (a figure missing): the other's stands for both
-    one = measured_bytes(spec, PLAN["stages"], {A: measured[A], B: Measured(0.1, 0.1, 1)})
+    one = measured_bytes(spec, PLAN.stages, {A: measured[A], B: Measured(0.1, 0.1, 1)})
     assert (one.tied_bytes, one.tied_bytes_last) == (4844.4, 4844.4)
 
 
@@ -251,10 +251,10 @@ def test_message_bytes_come_from_the_ratio_counted_with_them_not_from_passes_rea
     assert m.forward_bytes == pytest.approx(937.5) and m.forward_ratio == pytest.approx(0.25)
     spec = ModelSpec(layers=2, flops_per_layer=1.0, forward_bytes=7.0, backward_bytes=9.0,
                      gradient_bytes_per_layer=0, memory_bytes_per_layer=0, message_elements=1000.0)  # fmt: skip
-    assert measured_bytes(spec, PLAN["stages"], {A: m, B: Measured(0.1, 0.1, 1)}).forward_bytes == pytest.approx(1000)
+    assert measured_bytes(spec, PLAN.stages, {A: m, B: Measured(0.1, 0.1, 1)}).forward_bytes == pytest.approx(1000)
     # no element count in the spec: bytes over passes as before
     unknown = dataclasses.replace(spec, message_elements=0.0)
-    assert measured_bytes(unknown, PLAN["stages"], {A: m}).forward_bytes == pytest.approx(937.5)
+    assert measured_bytes(unknown, PLAN.stages, {A: m}).forward_bytes == pytest.approx(937.5)
     # a reply whose bytes outgrow their fp32 size many times over is refused, as are fp32 counters that went back
     assert window(before, read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=9e9) | {fp32: 92000.0}, 0)) is None
     assert window(before, read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=23000.0) | {fp32: 1.0}, 0)) is None
@@ -265,7 +265,7 @@ def test_message_bytes_come_from_the_ratio_counted_with_them_not_from_passes_rea
 def test_measured_bytes_keeps_the_synthetic_figure_where_nothing_was_sent():
     spec = ModelSpec(layers=2, flops_per_layer=1.0, forward_bytes=7.0, backward_bytes=9.0,
                      gradient_bytes_per_layer=0, memory_bytes_per_layer=0, tied_bytes=3.0)  # fmt: skip
-    same = measured_bytes(spec, PLAN["stages"], {A: Measured(0.1, 0.1, 1), B: Measured(0.1, 0.1, 1)})
+    same = measured_bytes(spec, PLAN.stages, {A: Measured(0.1, 0.1, 1), B: Measured(0.1, 0.1, 1)})
     assert (same.forward_bytes, same.backward_bytes, same.tied_bytes) == (7.0, 9.0, 3.0)
 
 
@@ -283,7 +283,7 @@ def test_the_planner_republishes_the_stages_with_the_calibrated_prediction():
     record = planner.round()
     assert isinstance(record, PlanRecord) and record.version == 5
     version, plan = published[0]
-    assert plan["stages"] == current.plan["stages"] and plan["trainer_ids"] == []
+    assert plan["stages"] == current.document.to_wire()["stages"] and plan["trainer_ids"] == []
     assert plan["step_time_s"] == pytest.approx(0.3)  # stage 0's clock: 0.3 s per step over the window
     assert plan["breakdown"]["compute_s"] == pytest.approx(0.07)  # the measured 0.04 + 0.03 s per micro-batch
     assert plan["breakdown"]["overhead_s"] > 0.05 and set(plan["measured"]) == {A, B}

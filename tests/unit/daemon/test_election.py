@@ -187,7 +187,9 @@ def test_a_new_planner_inherits_the_followed_plan_within_a_lease_and_repairs_fro
     clock.t = NOW + 3.0
     planner.round()
     assert beats == [NOW + 6.0], "B leads and leases"
-    assert published == [(6, old.plan)], "the followed stages under the next version: no search, no settle wait"
+    assert published == [(6, old.document.to_wire())], (
+        "the followed stages under the next version: no search, no settle wait"
+    )
     records["peers"] = records["peers"][1:]  # A's announcement expires (or the heartbeats find it silent)
     planner.round()
     assert [v for v, _ in published] == [6, 7]
@@ -209,7 +211,9 @@ def test_only_a_plan_matching_what_its_followers_serve_is_inherited(monkeypatch)
     clock = DHTClock()
     monkeypatch.setattr("swarm.peers.dht.get_dht_time", clock)
     genuine = two_stages(5, A, B)
-    forged = PlanRecord(version=5, plan={**two_stages(5, C, B).plan, "x": 1}, created_at=0.5)  # C in A's place
+    forged = PlanRecord(
+        version=5, document={**two_stages(5, C, B).document.to_wire(), "x": 1}, created_at=0.5
+    )  # C in A's place
     peers = [peer_at(A, 5, 0), peer_at(B, 5, 1), peer(C), peer_at(D, 4, 0)]
     dht, _ = swarm(C, {"peers": peers, "plan": [(D, forged), (A, genuine), (D, two_stages(4, D, B))]})
     assert dht.followed_plan(2, peers) == genuine, "most peers follow 5, and only A's 5 names them where they serve"

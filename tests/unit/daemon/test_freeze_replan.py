@@ -8,6 +8,7 @@ from swarm.compression import CodecConfig
 from swarm.daemon.planning import Planner
 from swarm.daemon.repack import repack_plan, with_frozen
 from swarm.model.gpt import ModelConfig
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.scheduler.sizes import model_spec
 from tests.unit.daemon.test_planner_versions import swarm
@@ -29,11 +30,11 @@ def _peer(pid: str, version: int = 0) -> PeerAnnouncement:
     return PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 30, 1.0, plan_version=version)
 
 
-def _frozen_plan() -> dict:
+def _frozen_plan() -> PlanDocument:
     """Four one-layer stages repacked for 3 frozen layers: 2 stages x 2 replicas."""
     stages = [{"layer_start": i, "layer_end": i + 1, "peer_ids": [p]} for i, p in enumerate((A, B, C, D))]
-    plan = repack_plan({"stages": stages, "unused_peer_ids": [], "trainer_ids": []}, 3)
-    assert [s["peer_ids"] for s in plan["stages"]] == [[A, B], [C, D]] and plan["frozen_layers"] == 3
+    plan = repack_plan(PlanDocument.from_wire({"stages": stages, "unused_peer_ids": [], "trainer_ids": []}), 3)
+    assert [list(s.peer_ids) for s in plan.stages] == [[A, B], [C, D]] and plan.frozen_layers == 3
     return plan
 
 
@@ -45,7 +46,7 @@ def _planner(records: dict, clock: Clock):
 def test_a_repair_and_a_growth_keep_the_frozen_prefix_and_the_repacked_layout():
     plan = _frozen_plan()
     peers = [_peer(p, 5) for p in (A, B, C, D)]
-    records = {"peers": peers, "plan": [(A, PlanRecord(version=5, plan=plan, created_at=1.0))]}
+    records = {"peers": peers, "plan": [(A, PlanRecord(version=5, document=plan, created_at=1.0))]}
     planner, published = _planner(records, Clock())
     assert planner.round() is None, "nothing changed"
     records["peers"] = [p for p in peers if p.peer_id != D]  # D died: stage 1 keeps C
@@ -61,7 +62,7 @@ def test_a_repair_and_a_growth_keep_the_frozen_prefix_and_the_repacked_layout():
 def test_a_full_re_search_carries_the_frozen_prefix():
     plan = _frozen_plan()
     peers = [_peer(p, 5) for p in (A, B, C, D)]
-    records = {"peers": peers, "plan": [(A, PlanRecord(version=5, plan=plan, created_at=1.0))]}
+    records = {"peers": peers, "plan": [(A, PlanRecord(version=5, document=plan, created_at=1.0))]}
     clock = Clock()
     planner, published = _planner(records, clock)
     assert planner.round() is None, "nothing changed"
@@ -77,16 +78,23 @@ def test_a_full_re_search_carries_the_frozen_prefix():
     version, got = published[-1]
     assert version == 7 and got["frozen_layers"] == 3, "the searched plan kept the frozen prefix"
     assert [(s["layer_start"], s["layer_end"], s["peer_ids"]) for s in got["stages"]] == [(0, 4, [A])]
-    validate_plan(PlanRecord(version=version, plan=got, created_at=1.0), 4, records["peers"])
+    validate_plan(PlanRecord(version=version, document=got, created_at=1.0), 4, records["peers"])
 
 
 def test_with_frozen_leaves_an_unfrozen_plan_alone_and_drops_the_searched_layouts_per_stage_keys():
     stages = [{"layer_start": i, "layer_end": i + 1, "peer_ids": [p]} for i, p in enumerate((A, B, C, D))]
-    searched = {"stages": stages, "precisions": ["fp32"] * 4, "step_time_s": 1.0, "codecs": [{}] * 3}
+    codecs = [{"forward": "fp32", "backward": "fp32"}] * 3
+    searched = PlanDocument.from_wire(
+        {"stages": stages, "precisions": ["fp32"] * 4, "step_time_s": 1.0, "codecs": codecs}
+    )
+
+    def previous(n_layers: int, **parts) -> PlanDocument:
+        return PlanDocument.from_wire({"stages": [{"layer_start": 0, "layer_end": n_layers, "peer_ids": [E]}], **parts})
+
     assert with_frozen(searched, None) is searched
-    assert with_frozen(searched, {"stages": stages}) is searched
-    assert with_frozen(searched, {"frozen_layers": 4}) is searched, "a prefix past the model is not carried"
-    got = with_frozen(searched, {"frozen_layers": 3})
-    assert got["frozen_layers"] == 3 and len(got["stages"]) == 2
-    assert not {"precisions", "step_time_s", "codecs"} & set(got)
-    assert searched["stages"] == stages and "frozen_layers" not in searched, "the searched plan is not changed"
+    assert with_frozen(searched, previous(4)) is searched
+    assert with_frozen(searched, previous(8, frozen_layers=4)) is searched, "a prefix past the model is not carried"
+    got = with_frozen(searched, previous(4, frozen_layers=3))
+    assert got.frozen_layers == 3 and got.n_stages == 2
+    assert got.precisions is None and got.step_time_s is None and got.codecs is None
+    assert searched.stage_dicts() == stages and searched.frozen_layers is None, "the searched plan is not changed"

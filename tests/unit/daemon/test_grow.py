@@ -5,24 +5,29 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.daemon.planning import Route, route_of
+from swarm.daemon.planning import PlanRoutes, route_of
 from swarm.daemon.repair import busiest_stage, grow_plan, repair_plan
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord
-from swarm.runtime.routes import n_routes
+from swarm.peers.routes import Route, n_routes
 
 A, B, C, D, E, F, G, H = (f"0{c}0000000000" for c in "abcdefgh")
 
 
-def plan_of(*rows: list[str], layers: list[int] | None = None, unused: list[str] = ()) -> dict:
-    """A plan dict of len(rows) stages; stage s holds `layers[s]` layers (1 each by default)."""
+def plan_wire(*rows: list[str], layers: list[int] | None = None, unused: list[str] = ()) -> dict:
+    """A plan's wire dict of len(rows) stages; stage s holds `layers[s]` layers (1 each by default)."""
     layers = layers or [1] * len(rows)
     bounds = [sum(layers[:s]) for s in range(len(rows) + 1)]
     stages = [{"layer_start": bounds[s], "layer_end": bounds[s + 1], "peer_ids": list(r)} for s, r in enumerate(rows)]
     return {"stages": stages, "unused_peer_ids": list(unused), "trainer_ids": ["t"], "step_time_s": 1.0}
 
 
-def rows(plan: dict) -> list[list[str]]:
-    return [s["peer_ids"] for s in plan["stages"]]
+def plan_of(*rows: list[str], layers: list[int] | None = None, unused: list[str] = ()) -> PlanDocument:
+    return PlanDocument.from_wire(plan_wire(*rows, layers=layers, unused=unused))
+
+
+def rows(plan: PlanDocument) -> list[list[str]]:
+    return [list(s.peer_ids) for s in plan.stages]
 
 
 def test_the_joiner_goes_to_the_stage_with_the_most_time_per_sample_by_speeds():
@@ -51,14 +56,14 @@ def test_joiners_are_placed_in_id_order_each_seeing_the_previous_growth():
     plan = plan_of([A], [B])
     grown = grow_plan(plan, {A: 1.0, B: 1.0, E: 1.0, D: 1.0, C: 1.0})
     assert rows(grown) == [[A, C, E], [B, D]], "C to stage 0 (tie), D to stage 1, E to stage 0"
-    assert grown["unused_peer_ids"] == [] and grown["trainer_ids"] == ["t"]
+    assert list(grown.unused_peer_ids) == [] and list(grown.trainer_ids) == ["t"]
     again = grow_plan(plan, {C: 1.0, E: 1.0, D: 1.0, A: 1.0, B: 1.0})
     assert rows(again) == rows(grown), "deterministic: the order of the speeds does not matter"
 
 
 def test_the_plans_standbys_stay_standbys():
     grown = grow_plan(plan_of([A], [B], unused=[C]), {A: 1.0, B: 1.0, C: 9.0, D: 1.0})
-    assert rows(grown) == [[A, D], [B]] and grown["unused_peer_ids"] == [C]
+    assert rows(grown) == [[A, D], [B]] and list(grown.unused_peer_ids) == [C]
 
 
 def test_no_stage_grows_past_max_routes_and_a_joiner_that_fits_nowhere_stays_on_standby():
@@ -67,7 +72,7 @@ def test_no_stage_grows_past_max_routes_and_a_joiner_that_fits_nowhere_stays_on_
     speeds[A] = speeds[B] = speeds[C] = 0.1  # stage 0 is by far the busiest
     grown = grow_plan(plan, speeds, max_routes=6)
     assert rows(grown) == [[A, B, C, F], [D, E]], "(4, 2) needs 4 routes"
-    assert grown["unused_peer_ids"] == [G], "(5, 2) needs 10 routes, (4, 3) 12: G fits nowhere"
+    assert list(grown.unused_peer_ids) == [G], "(5, 2) needs 10 routes, (4, 3) 12: G fits nowhere"
     assert n_routes([len(r) for r in rows(grown)]) <= 6
 
 
@@ -80,14 +85,14 @@ def test_growth_within_the_default_bound():
 
 def test_without_a_standby_a_lost_replica_is_dropped_and_the_stage_serves_with_fewer():
     fixed = repair_plan(plan_of([A, B, C], [D, E]), alive={A, C, D, E})
-    assert rows(fixed) == [[A, C], [D, E]] and fixed["unused_peer_ids"] == []
+    assert rows(fixed) == [[A, C], [D, E]] and list(fixed.unused_peer_ids) == []
     assert rows(repair_plan(plan_of([A, B], [C, D]), alive={A, B, C})) == [[A, B], [C]]
 
 
 def test_a_standby_still_takes_the_lost_place_first():
     assert rows(repair_plan(plan_of([A, B], [C]), alive={A, C, D}, gone=set())) == [[A, D], [C]], "joiner D"
     fixed = repair_plan(plan_of([A, B], [C], unused=[E]), alive={A, C, E})
-    assert rows(fixed) == [[A, E], [C]] and fixed["unused_peer_ids"] == []
+    assert rows(fixed) == [[A, E], [C]] and list(fixed.unused_peer_ids) == []
 
 
 def test_a_stage_that_lost_every_replica_takes_the_standby_before_a_stage_that_keeps_one():
@@ -118,7 +123,7 @@ def ann(pid: str, version: int, stage: int) -> PeerAnnouncement:
 
 
 def test_route_of_takes_uneven_replica_rows():
-    record = PlanRecord(version=7, plan=plan_of([A], [B, C, D]), created_at=1.0)
+    record = PlanRecord(version=7, document=plan_of([A], [B, C, D]), created_at=1.0)
     peers = [ann(A, 7, 0), ann(B, 7, 1), ann(C, 7, 1), ann(D, 6, 1)]
     assert route_of(record, peers) is None, "D still switching"
     peers[-1] = ann(D, 7, 1)
@@ -130,13 +135,18 @@ def test_route_of_takes_uneven_replica_rows():
     assert ids == ([A], [B, C, D])
     assert addresses == (["127.0.0.1:5000"], ["127.0.0.1:5001", "127.0.0.1:5002", "127.0.0.1:5003"])
     assert route.nested() == (route.replica_addresses, route.replica_peer_ids)
+    routes = route.routes()  # lcm(1, 3) = 3 routes, route c on replica c % 3 of stage 1: the driver's routes
+    assert [r.index for r in routes] == [0, 1, 2] and [r.peers for r in routes] == [(A, B), (A, C), (A, D)]
+    assert routes[2].addresses == ("127.0.0.1:5000", "127.0.0.1:5003")
+    assert len({r.key for r in routes}) == 3 and routes[0].key == Route(9, ("elsewhere",) * 2, (A, B)).key
 
 
 def test_route_replica_counts_flat_and_even():
-    flat = Route(["x", "y"], [A, B], 1)
+    flat = PlanRoutes(["x", "y"], [A, B], 1)
     assert flat.replica_counts == (1, 1) and flat.n_replicas == 1
     assert flat.driver_args() == (["x", "y"], [A, B])
-    even = Route(["x", "y"], [A, B], 1, (("x", "z"), ("y", "w")), ((A, C), (B, D)))
+    assert flat.routes() == (Route(0, ("x", "y"), (A, B)),)
+    even = PlanRoutes(["x", "y"], [A, B], 1, (("x", "z"), ("y", "w")), ((A, C), (B, D)))
     assert even.replica_counts == (2, 2) and even.n_replicas == 2
 
 
@@ -147,14 +157,14 @@ def test_a_published_uneven_plan_validates(counts):
     names = iter([A, B, C, D, E, F, G, H])
     plan = plan_of(*[[next(names) for _ in range(n)] for n in counts])
     peers = [ann(p, 1, s) for s, row in enumerate(rows(plan)) for p in row]
-    validate_plan(PlanRecord(version=1, plan=plan, created_at=1.0), len(counts), peers)
+    validate_plan(PlanRecord(version=1, document=plan, created_at=1.0), len(counts), peers)
 
 
 def test_a_plan_needing_more_than_max_routes_is_refused():
     from swarm.peers.records import validate_plan
 
     names = [f"0{i}{j}000000000" for i in "abcdefgh" for j in "ab"]
-    plan = plan_of(names[:4], names[4:7], names[7:12])  # lcm(4, 3, 5) = 60
-    peers = [ann(p, 1, s) for s, row in enumerate(rows(plan)) for p in row]
+    plan = plan_wire(names[:4], names[4:7], names[7:12])  # lcm(4, 3, 5) = 60
+    peers = [ann(p, 1, s) for s, stage in enumerate(plan["stages"]) for p in stage["peer_ids"]]
     with pytest.raises(ValueError, match="routes"):
-        validate_plan(PlanRecord(version=1, plan=plan, created_at=1.0), 3, peers)
+        validate_plan(PlanRecord(version=1, document=plan, created_at=1.0), 3, peers)

@@ -56,7 +56,7 @@ def ann(pid: str, held=(), version: int = 0, stage: int | None = None) -> PeerAn
 
 
 def test_takeover_sources_surviving_replicas_then_held_copies_by_steps():
-    old = PlanRecord(version=3, plan=grid([A, B], [C, D]), created_at=1.0)
+    old = PlanRecord(version=3, document=grid([A, B], [C, D]), created_at=1.0)
     peers = [ann(B), ann(C, held=[(1, 2, 10)]), ann(D, held=[(0, 1, 30)]), ann(E, held=[(0, 1, 50), (1, 2, 5)])]
     replicas, held = takeover_sources(old, 0, peers, me=E)
     assert replicas == [B], "A is gone"
@@ -149,7 +149,7 @@ class Clock:
 def test_replicator_pulls_the_buddy_every_n_steps(tmp_path):
     pipe = LocalPipeline(TINY, 2)
     host = pipe.hosts[1]
-    plan = PlanRecord(version=2, plan={"stages": [
+    plan = PlanRecord(version=2, document={"stages": [
         {"layer_start": 0, "layer_end": 2, "peer_ids": [A]},
         {"layer_start": 2, "layer_end": 3, "peer_ids": [B]},
     ], "unused_peer_ids": [C]}, created_at=1.0)  # fmt: skip
@@ -188,9 +188,9 @@ def test_replicator_pulls_the_buddy_every_n_steps(tmp_path):
 
 
 def test_a_leave_is_done_when_the_successor_follows_a_plan_without_the_leaver():
-    new = PlanRecord(version=5, plan=grid([A, E], [C, D]), created_at=1.0)
+    new = PlanRecord(version=5, document=grid([A, E], [C, D]), created_at=1.0)
     assert not leave_done(None, [ann(A)], B, (0, 1))
-    assert not leave_done(PlanRecord(version=4, plan=grid([A, B], [C, D]), created_at=1.0), [ann(A)], B, (0, 1))
+    assert not leave_done(PlanRecord(version=4, document=grid([A, B], [C, D]), created_at=1.0), [ann(A)], B, (0, 1))
     assert leave_done(None, [ann(B), dataclasses.replace(ann(A), leaving=True)], B, (0, 1)), "everyone leaves"
     behind = [ann(A, version=5, stage=0), ann(E, version=4), ann(C, version=5, stage=1), ann(D, version=5, stage=1)]
     assert not leave_done(new, behind, B, (0, 1)), "E has not taken stage 0 over yet"

@@ -28,7 +28,7 @@ def ann(pid: str, version: int, stage: int | None = None) -> PeerAnnouncement:
 
 def record(version: int, *rows: list[str], unused: list[str] = ()) -> PlanRecord:
     stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": list(r)} for s, r in enumerate(rows)]
-    return PlanRecord(version=version, plan={"stages": stages, "unused_peer_ids": list(unused)}, created_at=1.0)
+    return PlanRecord(version=version, document={"stages": stages, "unused_peer_ids": list(unused)}, created_at=1.0)
 
 
 class Servicer:
@@ -128,7 +128,7 @@ def test_served_by_replicas_needs_another_peer_serving_the_same_layers():
     ],
 )
 def test_buddies_of_an_uneven_plan_hold_another_stage(rows, expected):
-    plan = record(1, *rows).plan
+    plan = record(1, *rows).document
     assert {p: buddy_of(plan, p) for p in expected} == expected
 
 

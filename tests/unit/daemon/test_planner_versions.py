@@ -25,7 +25,7 @@ def two_stages(version: int, first: str, second: str, **extra) -> PlanRecord:
         {"layer_start": 0, "layer_end": 1, "peer_ids": [first]},
         {"layer_start": 1, "layer_end": 2, "peer_ids": [second]},
     ]
-    return PlanRecord(version=version, plan={"stages": stages, **extra}, created_at=1.0)
+    return PlanRecord(version=version, document={"stages": stages, **extra}, created_at=1.0)
 
 
 def swarm(me: str, records: dict[str, list], **config) -> tuple[SwarmDHT, list[tuple[int, dict]]]:
@@ -37,8 +37,8 @@ def swarm(me: str, records: dict[str, list], **config) -> tuple[SwarmDHT, list[t
     dht.links = lambda: []
 
     def publish_plan(version, plan):
-        published.append((version, plan))
-        records.setdefault("plan", []).append((me, PlanRecord(version=version, plan=plan, created_at=1e6)))
+        published.append((version, plan.to_wire()))  # what the DHT carries
+        records.setdefault("plan", []).append((me, PlanRecord(version=version, document=plan, created_at=1e6)))
 
     dht.publish_plan = publish_plan
     return dht, published
@@ -55,7 +55,7 @@ def test_a_new_trainer_gets_the_same_stages_under_the_next_version():
     assert planner(dht).round() is None, "nothing changed"
     records["trainers"] = [TrainerAnnouncement("t2"), TrainerAnnouncement("t1")]
     assert planner(dht).round() is not None
-    assert published == [(5, {**current.plan, "trainer_ids": ["t1", "t2"]})]
+    assert published == [(5, {**current.document.to_wire(), "trainer_ids": ["t1", "t2"]})]
 
 
 def test_a_planner_taking_over_numbers_above_what_the_peers_follow():

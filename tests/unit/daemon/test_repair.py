@@ -5,36 +5,40 @@ from __future__ import annotations
 
 from swarm.daemon.liveness import Liveness, LivenessConfig
 from swarm.daemon.planning import Planner
-from swarm.daemon.repair import plan_columns, repair_plan, standby_pool
+from swarm.daemon.repair import repair_plan, standby_pool
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 from tests.unit.daemon.test_planner_versions import SPEC, swarm
 
 A, B, C, D, E, F = (f"0{c}0000000000" for c in "abcdef")
 
 
-def grid(*rows: list[str], unused: list[str] = ()) -> dict:
-    """A plan dict of len(rows) stages, row s = the replicas of stage s (one layer each)."""
+def grid(*rows: list[str], unused: list[str] = ()) -> PlanDocument:
+    """A plan of len(rows) stages, row s = the replicas of stage s (one layer each)."""
     stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": list(r)} for s, r in enumerate(rows)]
-    return {"stages": stages, "unused_peer_ids": list(unused), "trainer_ids": ["t"], "step_time_s": 1.0}
+    wire = {"stages": stages, "unused_peer_ids": list(unused), "trainer_ids": ["t"], "step_time_s": 1.0}
+    return PlanDocument.from_wire(wire)
 
 
-def ids(plan: dict) -> list[list[str]]:
-    return [s["peer_ids"] for s in plan["stages"]]
+def ids(plan: PlanDocument | dict) -> list[list[str]]:
+    """Each stage's replicas, of a plan or of a published one's wire dict."""
+    plan = PlanDocument.from_wire(plan) if isinstance(plan, dict) else plan
+    return [list(s.peer_ids) for s in plan.stages]
 
 
 def test_a_dead_replica_goes_to_the_first_standby_and_nobody_else_moves():
     plan = grid([A, B], [C, D], unused=[E, F])
     fixed = repair_plan(plan, alive={A, C, D, E, F})  # B died (gone from the announcements)
     assert ids(fixed) == [[A, E], [C, D]]
-    assert fixed["unused_peer_ids"] == [F]
-    assert plan_columns(fixed) == [[A, C], [E, D]], "E takes B's column: chain 1"
-    assert fixed["trainer_ids"] == ["t"] and fixed["step_time_s"] == 1.0, "every other key kept"
+    assert list(fixed.unused_peer_ids) == [F]
+    assert fixed.columns() == [[A, C], [E, D]], "E takes B's column: chain 1"
+    assert fixed.trainer_ids == ("t",) and fixed.step_time_s == 1.0, "every other key kept"
     assert ids(plan) == [[A, B], [C, D]], "the input is not changed"
 
 
 def test_a_dead_sole_holder_is_replaced():
     fixed = repair_plan(grid([A], [B], [C], unused=[D]), alive={A, C, D})
-    assert ids(fixed) == [[A], [D], [C]] and fixed["unused_peer_ids"] == []
+    assert ids(fixed) == [[A], [D], [C]] and list(fixed.unused_peer_ids) == []
 
 
 def test_a_leaving_peer_is_replaced_while_still_announced():
@@ -51,13 +55,13 @@ def test_without_a_standby_there_is_no_repair_when_no_stage_can_spare_a_replica(
 def test_nothing_lost_leaves_stages_and_standbys_unchanged():
     plan = grid([A, B], [C, D], unused=[F, E])
     fixed = repair_plan(plan, alive={A, B, C, D, E, F})
-    assert ids(fixed) == ids(plan) and fixed["unused_peer_ids"] == [F, E], "standby order kept"
+    assert ids(fixed) == ids(plan) and list(fixed.unused_peer_ids) == [F, E], "standby order kept"
 
 
 def test_joiners_are_left_for_grow_plan_and_gone_standbys_are_dropped():
     fixed = repair_plan(grid([A], [B], unused=[C, D]), alive={A, B, D, F, E})
     assert ids(fixed) == [[A], [B]]
-    assert fixed["unused_peer_ids"] == [D], "the plan's standbys stay (C left); joiners E, F are grow_plan's"
+    assert list(fixed.unused_peer_ids) == [D], "the plan's standbys stay (C left); joiners E, F are grow_plan's"
 
 
 def test_several_losses_and_a_preferred_standby():
@@ -72,8 +76,8 @@ def peer(pid: str, version: int = 0, stage: int | None = None, leaving: bool = F
     return PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 30, 1.0, plan_version=version, leaving=leaving, **layers)
 
 
-def record(version: int, plan: dict) -> PlanRecord:
-    return PlanRecord(version=version, plan=plan, created_at=1.0)
+def record(version: int, plan: PlanDocument) -> PlanRecord:
+    return PlanRecord(version=version, document=plan, created_at=1.0)
 
 
 class Clock:
@@ -85,7 +89,7 @@ class Clock:
 
 
 def test_the_planner_repairs_at_once_and_searches_only_without_a_standby():
-    current = record(3, {**grid([A, B], [C, D], unused=[E]), "trainer_ids": []})
+    current = record(3, grid([A, B], [C, D], unused=[E]).replace(trainer_ids=()))
     announced = [peer(A, 3, 0), peer(B, 3, 0), peer(C, 3, 1), peer(D, 3, 1), peer(E, 3)]
     records = {"peers": announced, "plan": [(A, current)]}
     dht, published = swarm(A, records)
@@ -122,7 +126,7 @@ def test_the_planner_repairs_at_once_and_searches_only_without_a_standby():
 
 
 def test_a_leaving_peer_is_planned_without_while_announced():
-    current = record(3, {**grid([A], [B], unused=[C]), "trainer_ids": []})
+    current = record(3, grid([A], [B], unused=[C]).replace(trainer_ids=()))
     records = {"peers": [peer(A, 3, 0), peer(B, 3, 1, leaving=True), peer(C, 3)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
     Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock()).round()
@@ -171,7 +175,7 @@ def test_a_raising_prober_counts_as_silence():
 
 
 def test_the_planner_repairs_around_a_peer_that_stops_answering_before_its_record_expires():
-    current = record(3, {**grid([A, B], [C, D], unused=[E]), "trainer_ids": []})
+    current = record(3, grid([A, B], [C, D], unused=[E]).replace(trainer_ids=()))
     announced = [peer(A, 3, 0), peer(B, 3, 0), peer(C, 3, 1), peer(D, 3, 1), peer(E, 3)]
     dht, published = swarm(A, {"peers": announced, "plan": [(A, current)]})
     clock = Clock()
@@ -203,7 +207,7 @@ def test_replicas_flag_plans_that_many_replicas_of_every_stage_when_the_peers_al
 
 
 def test_with_replicas_set_a_joiner_becomes_a_replica_of_the_busiest_stage_at_once():
-    current = record(3, {**grid([A], [B]), "trainer_ids": []})
+    current = record(3, grid([A], [B]).replace(trainer_ids=()))
     records = {"peers": [peer(A, 3, 0), peer(B, 3, 1)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
     planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock(), replicas=1)
@@ -218,7 +222,7 @@ def test_with_replicas_set_a_joiner_becomes_a_replica_of_the_busiest_stage_at_on
 
 
 def test_a_planner_with_a_standby_keeps_it_and_grows_with_the_joiner():
-    current = record(3, {**grid([A], [B], unused=[C]), "trainer_ids": []})
+    current = record(3, grid([A], [B], unused=[C]).replace(trainer_ids=()))
     records = {"peers": [peer(A, 3, 0), peer(B, 3, 1), peer(C, 3), peer(D)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
     Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock()).round()
@@ -226,7 +230,7 @@ def test_a_planner_with_a_standby_keeps_it_and_grows_with_the_joiner():
 
 
 def test_a_planner_taking_over_from_a_dead_planner_re_plans_below_min_peers():
-    old = record(2, {**grid([A], [B]), "trainer_ids": []})  # published by A, which died
+    old = record(2, grid([A], [B]).replace(trainer_ids=()))  # published by A, which died
     dht, published = swarm(B, {"peers": [peer(B, 2, 1)], "plan": [(A, old)]})
     Planner(dht, SPEC, 2, min_peers=2, settle_s=0.0, probe_wait_s=0.0, clock=Clock()).round()
     assert [(v, ids(p)) for v, p in published] == [(3, [[B]])], "B follows plan 2: the swarm had a plan"

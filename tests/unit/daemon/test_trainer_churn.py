@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from swarm.daemon.planning import Route, route_of
+from swarm.daemon.planning import PlanRoutes, route_of
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import StageCallError
 from swarm.peers.records import PeerAnnouncement, PlanRecord
@@ -34,7 +34,7 @@ def ann(pid: str, stage: int, version: int) -> PeerAnnouncement:
 
 def plan(version: int, rows: list[list[str]], trainer: str = "me") -> PlanRecord:
     stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": r} for s, r in enumerate(rows)]
-    return PlanRecord(version=version, plan={"stages": stages, "trainer_ids": [trainer]}, created_at=1.0)
+    return PlanRecord(version=version, document={"stages": stages, "trainer_ids": [trainer]}, created_at=1.0)
 
 
 def test_route_of_gives_the_plans_columns_once_every_replica_follows():
@@ -60,7 +60,7 @@ def test_step_columns_from_a_replicated_driver_and_a_plain_one():
 
 
 def test_which_failures_wait_for_a_new_plan():
-    one, two = Route(["a"], ["p"]), Route(["a"], ["p"], 1, (("a", "b"),), (("p", "q"),))
+    one, two = PlanRoutes(["a"], ["p"]), PlanRoutes(["a"], ["p"], 1, (("a", "b"),), (("p", "q"),))
     assert no_chain_left(NoLiveChain("stage 1 has no live replica"), two)
     assert no_chain_left(StageCallError("stage 0: unreachable", grpc.StatusCode.UNAVAILABLE), one)
     assert not no_chain_left(StageCallError("stage 0: unreachable", grpc.StatusCode.UNAVAILABLE), two), (

@@ -52,7 +52,7 @@ def test_chain_weights_flag_defaults_to_measured_and_reaches_the_config():
 def test_the_driver_gets_the_configured_weights(monkeypatch, tmp_path):
     """train() builds its driver with `weights=` from --chain-weights (an equal one never moves)."""
     import swarm.runtime.driver as driver_module
-    from swarm.daemon.planning import Route
+    from swarm.daemon.planning import PlanRoutes
 
     made = []
 
@@ -68,7 +68,7 @@ def test_the_driver_gets_the_configured_weights(monkeypatch, tmp_path):
 
     cfg = TrainConfig(chain_weights="equal", steps=1, out=str(tmp_path), train_samples=8, batch_size=8)
     with pytest.raises(Stop):
-        train(cfg, Route(["127.0.0.1:1"], ["p"]), quiet=True)
+        train(cfg, PlanRoutes(["127.0.0.1:1"], ["p"]), quiet=True)
     (weights,) = made
     weights.observe({b"a": 100.0, b"b": 1.0})
     weights.observe({b"a": 100.0, b"b": 1.0})

@@ -14,6 +14,7 @@ import pytest
 from swarm.daemon.nat import Announced, NatWiring
 from swarm.metrics import Metrics
 from swarm.net.auth import CallSigner, CallVerifier, Identity
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement
 from swarm.peers.shaper import LinkShaping
 from swarm.peers.transport import TransportConfig, make_server
@@ -79,6 +80,14 @@ def daemons():
     yield make
     for d in made:
         d.close()
+
+
+def following(*stage_peers: str):
+    """What a daemon follows: a plan record whose stage s is served by `stage_peers[s]` alone (one layer each)."""
+    from types import SimpleNamespace
+
+    stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": [p]} for s, p in enumerate(stage_peers)]
+    return SimpleNamespace(document=PlanDocument.from_wire({"stages": stages}))
 
 
 def closed_port() -> int:
@@ -213,7 +222,6 @@ def test_may_attach_only_peers_that_announce_this_relay():
 
 
 def test_a_plan_moves_the_attach_to_the_reachable_pipeline_neighbour(daemons):
-    from types import SimpleNamespace
 
     board = {}
     first, second = daemons(board, "direct"), daemons(board, "direct")
@@ -224,9 +232,7 @@ def test_a_plan_moves_the_attach_to_the_reachable_pipeline_neighbour(daemons):
     before = natted.nat.attachment.relay_id
     neighbour = second if before == first.identity.peer_id else first
     # the new plan: stage 0 is the other peer, stage 1 this one (its previous stage: the only neighbour)
-    natted.following = SimpleNamespace(
-        plan={"stages": [{"peer_ids": [neighbour.identity.peer_id]}, {"peer_ids": [natted.identity.peer_id]}]}
-    )
+    natted.following = following(neighbour.identity.peer_id, natted.identity.peer_id)
     deadline = time.monotonic() + 20
     while natted.nat.attachment.relay_id != neighbour.identity.peer_id and time.monotonic() < deadline:
         natted.nat.attachment.attached.wait(0.1)
@@ -269,30 +275,27 @@ def test_swarm_peer_relay_data_port_flag(argv, port):
 
 
 def test_an_attach_on_either_pipeline_neighbour_stays(daemons):
-    from types import SimpleNamespace
 
     board = {}
     first, second = daemons(board, "direct"), daemons(board, "direct")
     natted = daemons(board, "relay", announce_port=closed_port())
     ids = first.identity.peer_id, natted.identity.peer_id, second.identity.peer_id
-    stages = {"stages": [{"peer_ids": [ids[0]]}, {"peer_ids": [ids[1]]}, {"peer_ids": [ids[2]]}]}
-    natted.following = SimpleNamespace(plan=stages)
+    natted.following = following(*ids)
     # held by the previous stage: the next stage ranks first for a fresh choice, but a move would cut the
     # callers' tunnels for a hop the previous neighbour already saves
     assert natted.nat.move_to(ids[0]) is None and natted.nat.move_to(ids[2]) is None
     assert natted.nat.move_to("someone-else") == ids[2]  # not a neighbour: move to the next stage
-    natted.following = SimpleNamespace(plan={"stages": [{"peer_ids": [ids[1]]}]})
+    natted.following = following(ids[1])
     assert natted.nat.move_to(ids[0]) is None  # no reachable neighbour: stay wherever it is
 
 
 def test_a_second_attach_to_the_other_neighbour_makes_its_calls_reverse_connections(daemons):
-    from types import SimpleNamespace
 
     board = {}
     first, second = daemons(board, "direct"), daemons(board, "direct")
     natted = daemons(board, "relay", announce_port=closed_port())
     ids = first.identity.peer_id, natted.identity.peer_id, second.identity.peer_id
-    plan = SimpleNamespace(plan={"stages": [{"peer_ids": [i]} for i in ids]})
+    plan = following(*ids)
     for d in (first, second, natted):
         d.following = plan  # natted serves the middle stage between the two reachable peers
     stranger = daemons(board, "direct")
@@ -317,7 +320,7 @@ def test_a_second_attach_to_the_other_neighbour_makes_its_calls_reverse_connecti
     stranger.following = plan
     assert not stranger.nat.may_attach(ids[1]) and other.nat.may_attach(ids[1])
     # a plan that no longer makes `other` a neighbour ends the second Attach there
-    two = SimpleNamespace(plan={"stages": [{"peer_ids": [ids[1]]}, {"peer_ids": [relay_id]}]})
+    two = following(ids[1], relay_id)
     for d in (first, second, natted):
         d.following = two
     deadline = time.monotonic() + 20
@@ -371,7 +374,7 @@ def test_a_watch_tick_reads_once_and_keeps_the_second_beside_the_new_relay(monke
         )  # fmt: skip
     daemon = SimpleNamespace(
         dht=CountingDHT(board, ids[1]), shaping=LinkShaping(), metrics=Metrics(), announcement=board[ids[1].peer_id],
-        following=SimpleNamespace(plan={"stages": [{"peer_ids": [i.peer_id]} for i in ids[:3]]}),
+        following=following(*(i.peer_id for i in ids[:3])),
     )  # fmt: skip
     daemon.update_announcement = lambda **c: board.__setitem__(
         ids[1].peer_id, dataclasses.replace(board[ids[1].peer_id], **c)

@@ -25,7 +25,7 @@ def plan(**extra) -> PlanRecord:
         {"layer_start": 0, "layer_end": 2, "peer_ids": ["a"]},
         {"layer_start": 2, "layer_end": 4, "peer_ids": ["b", "c"]},
     ]
-    return PlanRecord(version=3, plan={"stages": stages, "unused_peer_ids": ["d"], **extra}, created_at=1.0)
+    return PlanRecord(version=3, document={"stages": stages, "unused_peer_ids": ["d"], **extra}, created_at=1.0)
 
 
 PEERS = [ann("a", 1001), ann("b", 1002), ann("c", 1003), ann("d", 1004)]

@@ -23,7 +23,7 @@ def peer(pid: str, plan_version: int = 0) -> PeerAnnouncement:
 def plan(version: int, *ids: str, layers: int = 2, **extra) -> PlanRecord:
     stages = [{"layer_start": i, "layer_end": i + 1, "peer_ids": [pid]} for i, pid in enumerate(ids)]
     stages[-1]["layer_end"] = layers
-    return PlanRecord(version=version, plan={"stages": stages, **extra}, created_at=float(version))
+    return PlanRecord(version=version, document={"stages": stages, **extra}, created_at=float(version))
 
 
 def reader(records: dict[str, list], **config) -> SwarmDHT:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 
 from swarm.peers.entries import MAX_TTL_S, parse_entry
+from swarm.peers.plan import MAX_PLAN_STAGES, MAX_PLAN_TRAINERS
 from swarm.peers.records import (
     MAX_CLOCK_SKEW_S,
-    MAX_PLAN_STAGES,
-    MAX_PLAN_TRAINERS,
     MAX_PLAN_VERSION,
     PeerAnnouncement,
     PlanRecord,
@@ -27,7 +26,7 @@ PEERS = [peer(p) for p in ("p0", "p1", "p2")]
 
 
 def record(stages, version: int = 2, **extra) -> PlanRecord:
-    return PlanRecord(version=version, plan={"stages": stages, **extra}, created_at=1.0)
+    return PlanRecord(version=version, document={"stages": stages, **extra}, created_at=1.0)
 
 
 def stage(start: int, end: int, *ids: str) -> dict:
@@ -80,10 +79,10 @@ def test_the_stage_count_is_bounded():
 
 
 def test_versions_are_bounded_so_the_next_version_always_fits():
-    PlanRecord(version=MAX_PLAN_VERSION, plan={}, created_at=1.0)
+    PlanRecord(version=MAX_PLAN_VERSION, document={"stages": GOOD}, created_at=1.0)
     for version in (MAX_PLAN_VERSION + 1, (1 << 63) - 1):
         with pytest.raises(ValueError, match=r"PlanRecord\.version"):
-            PlanRecord(version=version, plan={}, created_at=1.0)
+            PlanRecord(version=version, document={"stages": GOOD}, created_at=1.0)
     with pytest.raises(ValueError, match=r"PeerAnnouncement\.plan_version"):
         PeerAnnouncement("p0", "127.0.0.1:5000", "cpu", 1, 1.0, plan_version=(1 << 63) - 1)
 
@@ -93,7 +92,7 @@ def _signed_plan_entry(created_at: float) -> tuple[bytes, dict]:
     from hivemind.utils.crypto import RSAPrivateKey
 
     owner = RSASignatureValidator(RSAPrivateKey()).local_public_key
-    rec = PlanRecord(version=3, plan={"stages": GOOD}, created_at=created_at)
+    rec = PlanRecord(version=3, document={"stages": GOOD}, created_at=created_at)
     return owner + b"#3", rec.to_wire()
 
 

@@ -10,8 +10,8 @@ import torch
 
 from swarm.model.data import Batch
 from swarm.net.stream import StageCallError
+from swarm.peers.routes import Route
 from swarm.runtime.chains import (
-    Chain,
     ChainWeights,
     Failed,
     Heartbeat,
@@ -23,8 +23,8 @@ from swarm.runtime.chains import (
 )
 
 
-def _chains(n: int) -> list[Chain]:
-    return [Chain(r, (f"a{r}.0", f"a{r}.1"), (f"p{r}.0", f"p{r}.1")) for r in range(n)]
+def _chains(n: int) -> list[Route]:
+    return [Route(r, (f"a{r}.0", f"a{r}.1"), (f"p{r}.0", f"p{r}.1")) for r in range(n)]
 
 
 def _batch(n: int, start: int = 0) -> Batch:

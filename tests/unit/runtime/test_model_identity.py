@@ -10,6 +10,7 @@ import torch
 
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import model_identity
+from swarm.peers.plan import PlanDocument
 from swarm.proto import stage_pb2
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.modelcheck import ModelMismatch, check_status, model_label
@@ -72,7 +73,11 @@ def test_a_peer_following_a_plan_logs_each_plan_peer_of_another_model(monkeypatc
     mine, other = model_identity(CFG), model_identity(dataclasses.replace(CFG, init_seed=9))
     replies = {"b:2": stage_pb2.StatusReply(model_identity=other), "c:3": stage_pb2.StatusReply(model_identity=mine)}
     monkeypatch.setattr(modelcheck, "peer_status", lambda channels, address: replies.get(address))
-    record = SimpleNamespace(version=3, plan={"stages": [{"peer_ids": ["me", "pb"]}, {"peer_ids": ["pc"]}]})
+    stages = [
+        {"layer_start": 0, "layer_end": 1, "peer_ids": ["me", "pb"]},
+        {"layer_start": 1, "layer_end": 2, "peer_ids": ["pc"]},
+    ]
+    record = SimpleNamespace(version=3, document=PlanDocument.from_wire({"stages": stages}))
     announced = [SimpleNamespace(peer_id=p, address=a) for p, a in (("me", "a:1"), ("pb", "b:2"), ("pc", "c:3"))]
     host = SimpleNamespace(model_identity=mine, model=CFG)
     with caplog.at_level("ERROR", logger="swarm.runtime.modelcheck"):
@@ -90,7 +95,8 @@ def test_the_model_check_never_fails_the_plan_switch_on_a_slow_dht(caplog):
     def announced():
         raise TimeoutError("DHT get timed out")
 
-    record = SimpleNamespace(version=4, plan={"stages": [{"peer_ids": ["me", "pb"]}]})
+    stages = [{"layer_start": 0, "layer_end": 1, "peer_ids": ["me", "pb"]}]
+    record = SimpleNamespace(version=4, document=PlanDocument.from_wire({"stages": stages}))
     host = SimpleNamespace(model_identity=model_identity(CFG), model=CFG)
     with caplog.at_level("WARNING", logger="swarm.runtime.modelcheck"):
         modelcheck.check_plan_models(None, record, announced, "me", host).join(10)

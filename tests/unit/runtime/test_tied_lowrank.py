@@ -11,9 +11,9 @@ import torch
 
 from swarm.compression import CodecConfig
 from swarm.experiments.tied import split_tied
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PlanRecord, validate_plan
 from swarm.runtime.local import LocalPipeline
-from swarm.scheduler.bits import epilogue_configs
 from tests.unit.runtime.test_replicas import CFG, batch
 from tests.unit.runtime.test_tied import GRADQ, tied_weights
 from tests.unit.test_selective import PEERS, STAGES
@@ -57,11 +57,12 @@ def test_every_end_stage_replica_holds_the_same_tied_bits_at_a_fraction_of_gradq
 
 def test_a_plans_lowrank_tied_codec_is_validated_and_read_by_the_end_stages():
     def record(epilogue) -> PlanRecord:
-        return PlanRecord(version=2, plan={"stages": STAGES, "epilogue_codecs": epilogue}, created_at=1.0)
+        return PlanRecord(version=2, document={"stages": STAGES, "epilogue_codecs": epilogue}, created_at=1.0)
 
     good = {"average": [None, None], "tied": "lowrank4+ef+f8"}
     validate_plan(record(good), 4, PEERS)
-    assert epilogue_configs({"stages": STAGES, "epilogue_codecs": good}, 1)[1] == CodecConfig.parse("lowrank4+ef+f8")
+    plan = PlanDocument.from_wire({"stages": STAGES, "epilogue_codecs": good})
+    assert plan.epilogue_configs(1)[1] == CodecConfig.parse("lowrank4+ef+f8")
     for bad in ("lowrank0", "lowrank65", "lowrank4+f4", "gradq4+f8"):
         with pytest.raises(ValueError, match="epilogue_codecs"):
             validate_plan(record({"average": [None, None], "tied": bad}), 4, PEERS)

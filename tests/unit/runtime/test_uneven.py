@@ -1,5 +1,5 @@
 """Uneven replica counts in one process: stages with different numbers of replicas run the lcm routes of
-`swarm.runtime.routes`, train like the unreplicated pipeline, keep every replica of a stage identical, call each
+`swarm.peers.routes`, train like the unreplicated pipeline, keep every replica of a stage identical, call each
 shared replica once per step, and reroute around a dead replica of the widest stage."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 
 from swarm.compression import CodecConfig
 from swarm.net.stream import CallRefused
+from swarm.peers.routes import stage_numbering
 from swarm.proto import stage_pb2
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.gate import runs_through
 from swarm.runtime.local import LocalPipeline
-from swarm.runtime.routes import stage_numbering
 from tests.unit.runtime.test_replicas import CFG, FP32, batch, digests, weights
 from tests.unit.runtime.test_reroute import _KillOn
 

@@ -13,6 +13,7 @@ from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
+from swarm.peers.plan import PlanDocument
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord, validate_plan
 from swarm.scheduler.bits import (
     BACKWARD_LADDER,
@@ -22,8 +23,6 @@ from swarm.scheduler.bits import (
     choose_link,
     codec_sizes,
     rechoose,
-    stage_link_codecs,
-    stage_link_configs,
 )
 from swarm.scheduler.sizes import model_spec
 
@@ -117,15 +116,40 @@ def test_a_valid_plan_with_codecs_passes():
     validate_plan(two_stage_plan(), 4, PEERS)  # no codecs: the flags' codecs
 
 
+def three_stages(codecs=None) -> PlanDocument:
+    stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": [f"p{s}"]} for s in range(3)]
+    return PlanDocument.from_wire({"stages": stages} if codecs is None else {"stages": stages, "codecs": codecs})
+
+
 def test_each_stage_takes_its_two_boundaries_codecs():
-    plan = {"codecs": [{"forward": "fp32", "backward": "gradq8+ef"}, {"forward": "aqsgd2", "backward": "gradq2+ef"}]}
+    plan = three_stages([{"forward": "fp32", "backward": "gradq8+ef"}, {"forward": "aqsgd2", "backward": "gradq2+ef"}])
     default = ("aqsgd4", "gradq4")
-    assert stage_link_codecs(plan, 0, default) == ("fp32", "gradq8+ef", "fp32", "gradq8+ef")
-    assert stage_link_codecs(plan, 1, default) == ("aqsgd2", "gradq8+ef", "fp32", "gradq2+ef")
-    assert stage_link_codecs(plan, 2, default) == ("aqsgd2", "gradq2+ef", "aqsgd2", "gradq2+ef")
-    assert stage_link_codecs({}, 1, default) == ("aqsgd4", "gradq4", "aqsgd4", "gradq4")
+    assert plan.link_labels(0, default) == ("fp32", "gradq8+ef", "fp32", "gradq8+ef")
+    assert plan.link_labels(1, default) == ("aqsgd2", "gradq8+ef", "fp32", "gradq2+ef")
+    assert plan.link_labels(2, default) == ("aqsgd2", "gradq2+ef", "aqsgd2", "gradq2+ef")
+    assert three_stages().link_labels(1, default) == ("aqsgd4", "gradq4", "aqsgd4", "gradq4")
     flags = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
-    assert stage_link_configs({}, 1, flags) == flags * 2  # the flags' configs themselves where nothing changes
+    assert three_stages().link_configs(1, flags) == flags * 2  # the flags' configs themselves where nothing changes
+
+
+def test_a_plans_codecs_keep_the_peers_own_codec_options():
+    """The plan names each link's codec; the peer's --group-size, --zstd-level, --codec-seed and --buffer-dir
+    (fields no plan label sets, group size only where the label has no +gN) hold on every link end."""
+    local = dict(group_size=256, zstd_level=7, seed=11)
+    flags = (CodecConfig.parse("aqsgd4", **local, buffer_dir="/tmp/bufs"), CodecConfig.parse("gradq4", **local))
+    plan = three_stages(
+        [
+            {"forward": "acsgd2+ch+nr", "backward": "gradq2+ef+rot+nr+cs+g1024"},  # other codecs, +g1024 on one
+            {"forward": "aqsgd4", "backward": "gradq4"},  # the flags' own labels
+        ]
+    )
+    fw_send, bw_send, fw_recv, bw_recv = plan.link_configs(1, flags)
+    assert (fw_send, bw_recv) == flags, "the plan names the flags' labels: the flags' configs themselves"
+    assert fw_recv == CodecConfig.parse("acsgd2+ch+nr", **local, buffer_dir="/tmp/bufs")
+    assert bw_send == CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024", zstd_level=7, seed=11)
+    assert bw_send.group_size == 1024, "the label's +g1024 wins over --group-size"
+    for end in (fw_send, bw_send, fw_recv, bw_recv):
+        assert (end.zstd_level, end.seed) == (7, 11)
 
 
 def bare_daemon():
@@ -147,7 +171,8 @@ def test_a_peer_builds_its_boundary_ends_from_the_plans_codecs():
     from swarm.runtime.host import StageRole
 
     daemon = bare_daemon()
-    plan = {"codecs": [{"forward": "aqsgd2", "backward": "gradq2+ef"}]}
+    stages = [{"layer_start": 0, "layer_end": 2, "peer_ids": [A]}, {"layer_start": 2, "layer_end": 4, "peer_ids": [B]}]
+    plan = PlanDocument.from_wire({"stages": stages, "codecs": [{"forward": "aqsgd2", "backward": "gradq2+ef"}]})
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
     ends = host.links
     assert ends.fw_recv.config.label == "aqsgd2" and ends.bw_recv.config.label == "gradq2+ef"
@@ -163,8 +188,8 @@ def fake_dht(records: dict, links: list) -> tuple[SwarmDHT, list]:
     dht.links = lambda: list(links)
 
     def publish_plan(version, plan):
-        published.append((version, plan))
-        records.setdefault("plan", []).append((A, PlanRecord(version=version, plan=plan, created_at=1e6)))
+        published.append((version, plan.to_wire()))  # what the DHT carries
+        records.setdefault("plan", []).append((A, PlanRecord(version=version, document=plan, created_at=1e6)))
 
     dht.publish_plan = publish_plan
     return dht, published

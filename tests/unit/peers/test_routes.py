@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from swarm.peers.routes import MAX_ROUTES, fits, local_micro, n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
-from swarm.runtime.routes import MAX_ROUTES, fits, local_micro, n_routes, route_replicas, stage_numbering, uneven
 
 
 def test_equal_counts_are_the_straight_chains():

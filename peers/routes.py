@@ -1,7 +1,7 @@
 """Routes through stages with uneven replica counts: which replica of every stage a micro-batch travels.
 
 Stage s of a plan has R_s replicas (column r of `peer_ids`). With equal counts R, route c is column c of every
-stage (the straight chains of `swarm.runtime.chains`). With uneven counts (a joiner became one more replica of
+stage (the straight chains the driver runs). With uneven counts (a joiner became one more replica of
 the busiest stage) there are C = lcm(R_0, ..., R_{K-1}) routes, and route c runs on replica `c % R_s` of stage
 s. Every replica of stage s then carries exactly C / R_s routes, so equally weighted routes load the replicas
 of each stage evenly, and c -> (c % R_s)_s is one-to-one on [0, C), so no two routes are the same peers.
@@ -16,13 +16,34 @@ micro-batches, so the replicas' schedules agree with each other. With equal coun
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["MAX_ROUTES", "fits", "local_micro", "n_routes", "route_replicas", "stage_numbering", "uneven"]
+__all__ = ["MAX_ROUTES", "Route", "fits", "local_micro", "n_routes", "route_replicas", "stage_numbering", "uneven"]
 
 MAX_ROUTES = 12
 """Most routes a plan may have (lcm of its replica counts): a planner adds no replica that would need more."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Route `index` of a plan: one replica of every stage (`route_replicas`), in stage order, the path a trainer's
+    micro-batches take through the replicas (with equal replica counts R, route r is column r of every stage)."""
+
+    index: int
+    """the route's number c in [0, lcm(R_s)) (`CallInfo.chain`)"""
+    addresses: tuple[str, ...]
+    """address of each stage's replica, in pipeline order"""
+    peers: tuple[str, ...]
+    """peer id of each stage's replica, same order"""
+
+    @property
+    def key(self) -> bytes:
+        """Names the route by its peers, not its number: a re-plan that keeps the same peers on a route keeps its
+        samples (and AQ-SGD buffers) on it."""
+        return hashlib.sha256("\0".join(self.peers).encode()).digest()
 
 
 def _counts(counts: Sequence[int]) -> tuple[int, ...]:

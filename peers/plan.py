@@ -1,0 +1,531 @@
+"""The published plan: one typed, validated document that every peer and trainer follows.
+
+A plan names the stages (their layers and replicas' peer ids), the peers it leaves on standby and the trainers it
+serves, and optionally each boundary's codecs, the epilogue's codecs (selective compression), each stage's
+precision (QSync), the frozen prefix (PipeTransformer), what its relayed links add to the step, and the
+scheduler's figures (predicted step, its breakdown, the peers' measured clocks). `PlanDocument.from_wire` parses
+and checks the DHT's dict once, raising ValueError naming the field (`plan.stages[1].layer_end`); everything
+after it reads typed fields and methods, never keys. `to_wire` gives the same dict back.
+
+Only checks that need the run (the model's layer count, the announced peers and trainers) are left to
+`swarm.peers.records.validate_plan`. Unknown keys are ignored, so newer planners may add fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.compression import CodecConfig, codec_class
+from swarm.peers.fields import MAX_LAYERS, fail, int_field, peer_id_field, set_field
+from swarm.peers.routes import MAX_ROUTES, fits
+
+__all__ = [
+    "MAX_CODEC_WHY",
+    "MAX_PLAN_PEERS",
+    "MAX_PLAN_STAGES",
+    "MAX_PLAN_TRAINERS",
+    "MAX_RELAY_EXTRA_S",
+    "PLAN_PRECISIONS",
+    "EpilogueCodecs",
+    "LinkCodecs",
+    "PlanDocument",
+    "PlanStage",
+]
+
+MAX_PLAN_STAGES = 256
+"""Most stages a plan may have."""
+MAX_PLAN_TRAINERS = 16
+"""Most trainers a plan may name."""
+MAX_PLAN_PEERS = 4096
+"""Most peers a stage's replicas, or the standbys, may list."""
+PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
+"""What a plan's `precisions` may name (`swarm.runtime.precision.PRECISIONS`)."""
+MAX_RELAY_EXTRA_S = 1e6
+"""Largest `relay_extra_s` a plan may carry (a plan through a relay that cannot carry its links prices at it)."""
+MAX_CODEC_WHY = 400
+"""Characters of a codec choice's `why` text (the planner cuts its texts to it)."""
+_MAX_CODEC_LABEL = 64
+_MAX_NAME = 64  # a figure's name, the plan's cost model
+_MAX_FIGURES = 64  # named figures in a breakdown or one peer's measurement
+_MAX_PLAN_VERSION = 1 << 53  # a scheduler version, bounded as a record's (`swarm.peers.records.MAX_PLAN_VERSION`)
+_P = "plan"
+
+
+def _codec(r: str, key: str, label: Any) -> CodecConfig:
+    """`label` as the `CodecConfig` it names: a string of at most _MAX_CODEC_LABEL characters `CodecConfig.parse`
+    knows."""
+    if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
+        raise fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
+    try:
+        return CodecConfig.parse(label)
+    except (ValueError, KeyError) as e:
+        raise fail(r, key, "a known codec label", label) from e
+
+
+def _epilogue_codec(r: str, key: str, label: Any) -> CodecConfig:
+    """A codec label the averager can sum with: known, and without sample buffers (a gradient has no samples)."""
+    config = _codec(r, key, label)
+    if codec_class(config.name).uses_buffers:
+        raise fail(r, key, "a codec without sample buffers", label)
+    return config
+
+
+def _why(r: str, why: Any) -> str | None:
+    if why is not None and (type(why) is not str or len(why) > MAX_CODEC_WHY):
+        raise fail(r, "why", f"text of at most {MAX_CODEC_WHY} characters", why)
+    return why
+
+
+def _number(r: str, key: str, value: Any) -> float | int | None:
+    """A figure the scheduler wrote: a finite number (int or float, kept as given so the wire form round-trips)."""
+    if value is not None and (type(value) not in (int, float) or not math.isfinite(value)):
+        raise fail(r, key, "a finite number", value)
+    return value
+
+
+def _name(r: str, key: str, value: Any) -> str | None:
+    if value is not None and (type(value) is not str or len(value) > _MAX_NAME):
+        raise fail(r, key, f"text of at most {_MAX_NAME} characters", value)
+    return value
+
+
+def _figures(r: str, key: str, value: Any) -> tuple[tuple[str, float | int], ...]:
+    """A dict of at most _MAX_FIGURES named finite numbers, as (name, value) pairs in its order."""
+    if not isinstance(value, Mapping) or len(value) > _MAX_FIGURES:
+        raise fail(r, key, f"a dict of at most {_MAX_FIGURES} named numbers", value)
+    for name, number in value.items():
+        _name(f"{r}.{key}", "name", name)
+        _number(f"{r}.{key}", str(name), number)
+    return tuple(value.items())
+
+
+def _ids(r: str, key: str, value: Any, lo: int, hi: int, what: str) -> tuple[str, ...]:
+    if type(value) not in (list, tuple) or not lo <= len(value) <= hi:
+        raise fail(r, key, f"a list of {what}", value)
+    return tuple(peer_id_field(r, key, pid) for pid in value)
+
+
+@dataclass(frozen=True)
+class PlanStage:
+    """One stage of a plan: its layers and the peers that serve them, one per replica."""
+
+    layer_start: int
+    """First layer (inclusive)."""
+    layer_end: int
+    """Layer after the last one (exclusive)."""
+    peer_ids: tuple[str, ...]
+    """Its replicas' peer ids: replica r is `peer_ids[r]` (route c runs on replica c % len, `swarm.peers.routes`)."""
+
+    def __post_init__(self) -> None:
+        if type(self.peer_ids) is list:  # the wire's list, kept as a tuple (the document checks each id)
+            set_field(self, "peer_ids", tuple(self.peer_ids))
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"layer_start": self.layer_start, "layer_end": self.layer_end, "peer_ids": list(self.peer_ids)}
+
+
+@dataclass(frozen=True)
+class LinkCodecs:
+    """One boundary's codecs: what the stage before it sends forward and the stage after it sends back.
+
+    The labels are kept as published (a label says more than `CodecConfig.label` prints: `+nr`, `+gN`); the
+    configs are what they parse to, with no peer's options (`PlanDocument.link_configs` adds those)."""
+
+    forward_label: str
+    backward_label: str
+    why: str | None = None
+    """Why the planner chose them (`swarm.scheduler.bits.choose_link`), for logs."""
+    forward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
+    backward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        r = "plan.codecs[?]"  # `from_wire` checks the wire form first, naming the boundary
+        set_field(self, "forward", _codec(r, "forward", self.forward_label))
+        set_field(self, "backward", _codec(r, "backward", self.backward_label))
+        _why(r, self.why)
+
+    @classmethod
+    def from_wire(cls, wire: Any, boundary: int) -> LinkCodecs:
+        """Boundary `boundary`'s codecs from the wire; ValueError naming the field (`plan.codecs[1].forward`)."""
+        r = f"plan.codecs[{boundary}]"
+        if not isinstance(wire, dict) or not set(wire) <= {"forward", "backward", "why"}:
+            raise fail(_P, f"codecs[{boundary}]", "a dict of forward, backward (and why)", wire)
+        for key in ("forward", "backward"):
+            _codec(r, key, wire.get(key))
+        return cls(wire["forward"], wire["backward"], _why(r, wire.get("why")))
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {"forward": self.forward_label, "backward": self.backward_label}
+        return out if self.why is None else {**out, "why": self.why}
+
+
+@dataclass(frozen=True)
+class EpilogueCodecs:
+    """The codecs of the steps' epilogue (SEL, `swarm.scheduler.bits.choose_epilogue`): each stage's replicas'
+    gradient sum and the tied embedding's sync, as published and as the `CodecConfig`s they parse to."""
+
+    average_labels: tuple[str | None, ...]
+    """Per stage: its replicas' sum's codec (None: one replica, or the averager's backward codec)."""
+    tied_label: str | None = None
+    """The tied sync's codec (None: none chosen)."""
+    why: str | None = None
+    average: tuple[CodecConfig | None, ...] = dataclasses.field(init=False, compare=False, repr=False)
+    tied: CodecConfig | None = dataclasses.field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        r = "plan.epilogue_codecs"
+        if type(self.average_labels) not in (list, tuple):
+            raise fail(r, "average", "a list of the stages' codecs", self.average_labels)
+        set_field(self, "average_labels", tuple(self.average_labels))
+        configs = [
+            None if label is None else _epilogue_codec(r, f"average[{i}]", label)
+            for i, label in enumerate(self.average_labels)
+        ]
+        set_field(self, "average", tuple(configs))
+        set_field(self, "tied", None if self.tied_label is None else _epilogue_codec(r, "tied", self.tied_label))
+        _why(r, self.why)
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> EpilogueCodecs:
+        if not isinstance(wire, dict) or not set(wire) <= {"average", "tied", "why"} or "average" not in wire:
+            raise fail(_P, "epilogue_codecs", "a dict of average, tied (and why)", wire)
+        return cls(wire["average"], wire.get("tied"), wire.get("why"))
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {"average": list(self.average_labels), "tied": self.tied_label}
+        return out if self.why is None else {**out, "why": self.why}
+
+
+@dataclass(frozen=True)
+class PlanDocument:
+    """What a published plan says, checked whole on construction (`from_wire` for the DHT's dict).
+
+    Optional parts are None where the plan leaves them out: then every peer keeps its own flags (codecs,
+    precision) and nothing is frozen or relayed."""
+
+    stages: tuple[PlanStage, ...]
+    """The pipeline, in order: contiguous layers from 0, each stage served by at least one peer."""
+    unused_peer_ids: tuple[str, ...] = ()
+    """Peers the plan was made from but leaves on standby."""
+    trainer_ids: tuple[str, ...] | None = None
+    """The trainers whose calls the stages serve (None: not named; the planner always names them)."""
+    codecs: tuple[LinkCodecs, ...] | None = None
+    """One per boundary (stage s to s+1); None: every peer's flags."""
+    epilogue: EpilogueCodecs | None = None
+    """The epilogue's codecs (wire key "epilogue_codecs"); None: the averagers' backward codecs."""
+    precisions: tuple[str, ...] | None = None
+    """One of PLAN_PRECISIONS per stage; None: every peer's --precision."""
+    frozen_layers: int | None = None
+    """The frozen prefix (`swarm.runtime.freeze`, `swarm.daemon.repack`): layers no stage trains; None: 0."""
+    relay_extra_s: float | None = None
+    """What the plan's relayed links add to its predicted step (`swarm.scheduler.relays`); None: no relayed link."""
+    step_time_s: float | None = None
+    """The predicted step, in seconds (calibrated from the peers' clocks once `measured` is set)."""
+    first_step_time_s: float | None = None
+    """The prediction before calibration, kept when a calibrated plan replaces it."""
+    breakdown: tuple[tuple[str, float], ...] | None = None
+    """The predicted step's parts (`swarm.scheduler.cost.Breakdown`'s fields), as (name, seconds) pairs."""
+    measured: tuple[tuple[str, tuple[tuple[str, float], ...]], ...] | None = None
+    """Per peer, the figures of its clock the calibration read (`swarm.daemon.calibrate.Measured`)."""
+    format: int | None = None
+    """The scheduler's plan format (`swarm.scheduler.plans.PLAN_FORMAT`)."""
+    version: int | None = None
+    """The version the scheduler numbered its plan with (the record's version carries the authority)."""
+    cost_model: str | None = None
+    """The cost model that priced it ("full" or "dtfm")."""
+
+    def __post_init__(self) -> None:
+        if type(self.stages) not in (list, tuple) or not 1 <= len(self.stages) <= MAX_PLAN_STAGES:
+            raise fail(_P, "stages", f"a list of 1 to {MAX_PLAN_STAGES} stages", self.stages)
+        set_field(self, "stages", tuple(self.stages))
+        seen: set[str] = set()
+        start = 0
+        for i, stage in enumerate(self.stages):
+            r = f"plan.stages[{i}]"
+            if not isinstance(stage, PlanStage):
+                raise fail(_P, f"stages[{i}]", "a dict", stage)
+            if type(stage.layer_start) is not int or stage.layer_start != start:
+                raise fail(r, "layer_start", f"{start} (stages contiguous from layer 0)", stage.layer_start)
+            start = int_field(r, "layer_end", stage.layer_end, start + 1, MAX_LAYERS)
+            ids = _ids(r, "peer_ids", stage.peer_ids, 1, MAX_PLAN_PEERS, f"1 to {MAX_PLAN_PEERS} peer ids")
+            for pid in ids:
+                if pid in seen:
+                    raise fail(r, "peer_ids", "each peer in one stage only", pid)
+                seen.add(pid)
+        if not fits(self.replica_counts):  # uneven replica counts: routes are their lcm
+            raise fail(_P, "stages", f"replica counts whose lcm is at most {MAX_ROUTES} (routes)", len(self.stages))
+        what = f"at most {MAX_PLAN_PEERS} peer ids"
+        set_field(self, "unused_peer_ids", _ids(_P, "unused_peer_ids", self.unused_peer_ids, 0, MAX_PLAN_PEERS, what))
+        for pid in self.unused_peer_ids:
+            if pid in seen:
+                raise fail(_P, "unused_peer_ids", "peers the stages do not name", pid)
+        self._check_codecs()
+        self._check_precisions()
+        if self.frozen_layers is not None:
+            int_field(_P, "frozen_layers", self.frozen_layers, 0, self.n_layers - 1)
+        extra = self.relay_extra_s
+        if extra is not None and (type(extra) not in (int, float) or not 0 <= extra <= MAX_RELAY_EXTRA_S):
+            raise fail(_P, "relay_extra_s", f"a finite number of seconds in [0, {MAX_RELAY_EXTRA_S:g}]", extra)
+        if self.trainer_ids is not None:
+            what = f"at most {MAX_PLAN_TRAINERS} trainer ids"
+            set_field(self, "trainer_ids", _ids(_P, "trainer_ids", self.trainer_ids, 0, MAX_PLAN_TRAINERS, what))
+            if len(set(self.trainer_ids)) != len(self.trainer_ids):
+                raise fail(_P, "trainer_ids", "distinct trainer ids", list(self.trainer_ids))
+        for key in ("step_time_s", "first_step_time_s"):
+            _number(_P, key, getattr(self, key))
+        if self.format is not None:
+            int_field(_P, "format", self.format, 0, 1 << 16)
+        _name(_P, "cost_model", self.cost_model)
+        if self.version is not None:
+            int_field(_P, "version", self.version, 0, _MAX_PLAN_VERSION)
+
+    def _check_codecs(self) -> None:
+        n = len(self.stages)
+        if self.codecs is not None:
+            if type(self.codecs) not in (list, tuple) or len(self.codecs) != n - 1:
+                raise fail(_P, "codecs", f"a list of {n - 1} boundaries' codecs", self.codecs)
+            set_field(self, "codecs", tuple(self.codecs))
+        if self.epilogue is not None and len(self.epilogue.average_labels) != n:
+            what = f"a list of {n} stages' codecs"
+            raise fail("plan.epilogue_codecs", "average", what, list(self.epilogue.average_labels))
+
+    def _check_precisions(self) -> None:
+        """fp16 is all or none: its loss scale is agreed by every stage (`swarm.runtime.precision`), which a stage
+        without scaling (scale 1) cannot agree to."""
+        precisions, n = self.precisions, len(self.stages)
+        if precisions is None:
+            return
+        if type(precisions) not in (list, tuple) or len(precisions) != n:
+            raise fail(_P, "precisions", f"a list of {n} precisions, one per stage", precisions)
+        for i, name in enumerate(precisions):
+            if type(name) is not str or name not in PLAN_PRECISIONS:
+                raise fail(_P, f"precisions[{i}]", f"one of {PLAN_PRECISIONS}", name)
+        if "fp16" in precisions and set(precisions) != {"fp16"}:
+            what = "fp16 on every stage or on none (its loss scale is agreed)"
+            raise fail(_P, "precisions", what, list(precisions))
+        set_field(self, "precisions", tuple(precisions))
+
+    # ---- wire form -----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> PlanDocument:
+        """Parses a plan from untrusted wire data (a JSON dict). Raises ValueError naming the first bad field."""
+        if not isinstance(wire, dict):
+            raise fail("PlanRecord", "plan", "a dict", wire)
+        stages = wire.get("stages")
+        if type(stages) is not list or not 1 <= len(stages) <= MAX_PLAN_STAGES:
+            raise fail(_P, "stages", f"a list of 1 to {MAX_PLAN_STAGES} stages", stages)
+        parsed = []
+        for i, stage in enumerate(stages):
+            if not isinstance(stage, dict):
+                raise fail(_P, f"stages[{i}]", "a dict", stage)
+            ids = stage.get("peer_ids")
+            if type(ids) is not list:
+                raise fail(f"plan.stages[{i}]", "peer_ids", f"a list of 1 to {MAX_PLAN_PEERS} peer ids", ids)
+            parsed.append(PlanStage(stage.get("layer_start"), stage.get("layer_end"), tuple(ids)))
+        codecs = wire.get("codecs")
+        if codecs is not None:
+            if type(codecs) is not list or len(codecs) != len(stages) - 1:
+                raise fail(_P, "codecs", f"a list of {len(stages) - 1} boundaries' codecs", codecs)
+            codecs = tuple(LinkCodecs.from_wire(link, i) for i, link in enumerate(codecs))
+        epilogue = wire.get("epilogue_codecs")
+        measured = wire.get("measured")
+        if measured is not None:
+            if not isinstance(measured, dict) or len(measured) > MAX_PLAN_PEERS:
+                raise fail(_P, "measured", f"a dict of at most {MAX_PLAN_PEERS} peers' figures", measured)
+            measured = tuple(
+                (peer_id_field(_P, "measured", pid), _figures("plan.measured", pid, figures))
+                for pid, figures in measured.items()
+            )
+        breakdown = wire.get("breakdown")
+        unused = wire.get("unused_peer_ids", [])
+        if type(unused) is not list:
+            raise fail(_P, "unused_peer_ids", f"a list of at most {MAX_PLAN_PEERS} peer ids", unused)
+        trainers = wire.get("trainer_ids")
+        if trainers is not None and type(trainers) is not list:
+            raise fail(_P, "trainer_ids", f"a list of at most {MAX_PLAN_TRAINERS} trainer ids", trainers)
+        precisions = wire.get("precisions")
+        if precisions is not None and type(precisions) is not list:
+            raise fail(_P, "precisions", f"a list of {len(stages)} precisions, one per stage", precisions)
+        return cls(
+            stages=tuple(parsed),
+            unused_peer_ids=tuple(unused),
+            trainer_ids=None if trainers is None else tuple(trainers),
+            codecs=codecs,
+            epilogue=None if epilogue is None else EpilogueCodecs.from_wire(epilogue),
+            precisions=None if precisions is None else tuple(precisions),
+            frozen_layers=wire.get("frozen_layers"),
+            relay_extra_s=wire.get("relay_extra_s"),
+            step_time_s=wire.get("step_time_s"),
+            first_step_time_s=wire.get("first_step_time_s"),
+            breakdown=None if breakdown is None else _figures(_P, "breakdown", breakdown),
+            measured=measured,
+            format=wire.get("format"),
+            version=wire.get("version"),
+            cost_model=wire.get("cost_model"),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The plan as the DHT carries it (JSON-able), keys in the order the planner writes them."""
+        out: dict[str, Any] = {}
+        for key in ("format", "version", "cost_model", "step_time_s"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.breakdown is not None:
+            out["breakdown"] = dict(self.breakdown)
+        out["stages"] = [s.to_wire() for s in self.stages]
+        out["unused_peer_ids"] = list(self.unused_peer_ids)
+        optional = {
+            "frozen_layers": self.frozen_layers,
+            "codecs": None if self.codecs is None else [c.to_wire() for c in self.codecs],
+            "epilogue_codecs": None if self.epilogue is None else self.epilogue.to_wire(),
+            "precisions": None if self.precisions is None else list(self.precisions),
+            "relay_extra_s": self.relay_extra_s,
+            "trainer_ids": None if self.trainer_ids is None else list(self.trainer_ids),
+            "measured": None if self.measured is None else {pid: dict(f) for pid, f in self.measured},
+            "first_step_time_s": self.first_step_time_s,
+        }
+        return out | {key: value for key, value in optional.items() if value is not None}
+
+    def replace(self, **changes: Any) -> PlanDocument:
+        """This plan with `changes` (fields by name), checked whole again."""
+        return dataclasses.replace(self, **changes)
+
+    def with_chosen(self, chosen: Mapping[str, Any]) -> PlanDocument:
+        """This plan with what the planner chose for it, in the wire form the scheduler gives it (`"codecs"`,
+        `"epilogue_codecs"`, `"precisions"`, the predicted `"step_time_s"` and its `"breakdown"`), checked whole."""
+        return PlanDocument.from_wire({**self.to_wire(), **chosen})
+
+    def stage_dicts(self) -> list[dict[str, Any]]:
+        """The stages in the scheduler's layout form (`swarm.scheduler.plans.Plan.to_dict`'s "stages")."""
+        return [stage.to_wire() for stage in self.stages]
+
+    def same_codecs(self, other: PlanDocument) -> bool:
+        """Whether both plans name the same codecs (links and epilogue): the labels, not the `why` texts, whose
+        figures change with every measurement."""
+
+        def labels(plan: PlanDocument) -> tuple:
+            links = tuple((c.forward_label, c.backward_label) for c in plan.codecs or ())
+            epilogue = plan.epilogue
+            return links, (epilogue.average_labels, epilogue.tied_label) if epilogue else ((), None)
+
+        return labels(self) == labels(other)
+
+    # ---- reading the plan ----------------------------------------------------------------------------------
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def n_layers(self) -> int:
+        """The layers the stages cover (the model's, once `validate_plan` checked it)."""
+        return self.stages[-1].layer_end
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        """Replicas of every stage, in stage order (uneven after a joiner grew one: `swarm.peers.routes`)."""
+        return tuple(len(s.peer_ids) for s in self.stages)
+
+    @property
+    def frozen(self) -> int:
+        """The frozen prefix's layer count (0: none)."""
+        return self.frozen_layers or 0
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        """The predicted step when it is a positive number of seconds, else None (an even split: no prediction)."""
+        value = self.step_time_s
+        return float(value) if value is not None and value > 0 else None
+
+    def used_peers(self) -> set[str]:
+        """The peers that serve a stage."""
+        return {pid for stage in self.stages for pid in stage.peer_ids}
+
+    def named_peers(self) -> set[str]:
+        """Every peer the plan was made from: those it uses and those it leaves on standby."""
+        return self.used_peers() | set(self.unused_peer_ids)
+
+    def place_of(self, peer_id: str) -> tuple[int, int] | None:
+        """(stage, replica) where `peer_id` serves, or None on standby."""
+        for index, stage in enumerate(self.stages):
+            if peer_id in stage.peer_ids:
+                return index, stage.peer_ids.index(peer_id)
+        return None
+
+    def columns(self) -> list[list[str]]:
+        """The plan's straight chains: column r is replica r of every stage, for r below the smallest replica
+        count (with uneven counts the routes are `swarm.peers.routes`', not these)."""
+        return [[s.peer_ids[r] for s in self.stages] for r in range(min(self.replica_counts))]
+
+    def serves_trainer(self, trainer_id: str) -> bool:
+        """Whether the stages serve `trainer_id`'s calls under this plan."""
+        return trainer_id in (self.trainer_ids or ())
+
+    def link_labels(self, stage: int, default: tuple[str, str]) -> tuple[str, str, str, str]:
+        """The codec labels stage `stage` puts on its boundary ends: (forward send, backward send, forward
+        receive, backward receive). It sends forward on boundary `stage` and receives backward there; it receives
+        forward and sends backward on boundary `stage - 1`. Without codecs, `default` (fw, bw) everywhere."""
+        if not self.codecs:
+            fw, bw = default
+            return fw, bw, fw, bw
+        after = self.codecs[stage] if stage < len(self.codecs) else None
+        before = self.codecs[stage - 1] if stage > 0 else None
+        fw_send = after.forward_label if after else (before.forward_label if before else default[0])
+        bw_recv = after.backward_label if after else (before.backward_label if before else default[1])
+        fw_recv = before.forward_label if before else fw_send
+        bw_send = before.backward_label if before else bw_recv
+        return fw_send, bw_send, fw_recv, bw_recv
+
+    def link_configs(self, stage: int, default: tuple[CodecConfig, CodecConfig]) -> tuple[CodecConfig, ...]:
+        """`link_labels` as the `CodecConfig`s stage `stage` runs; `default`: the peer's own (forward, backward)
+        configs, kept as they are wherever the plan names their label. Where it names another, the label is
+        parsed over the peer's own options (`CodecConfig.local_options`: group size unless the label sets one,
+        zstd level, seed, buffer directory): a plan chooses codecs, never a peer's local settings."""
+        labels = self.link_labels(stage, (default[0].label, default[1].label))
+        return tuple(
+            c if label == c.label else CodecConfig.parse(label, **c.local_options())
+            for c, label in zip(default * 2, labels, strict=True)
+        )
+
+    def epilogue_configs(self, stage: int) -> tuple[CodecConfig | None, CodecConfig | None]:
+        """(averaging, tied) configs for stage `stage`'s averager; None where the plan names none (the averager
+        then uses its backward codec, as without a plan). The tied sync runs on the first and last stages."""
+        if self.epilogue is None:
+            return None, None
+        n = len(self.epilogue.average)
+        average = self.epilogue.average[stage] if stage < n else None
+        return average, self.epilogue.tied if stage in (0, n - 1) else None
+
+    def precision(self, stage: int, default: str) -> str:
+        """What stage `stage` computes in: the plan's precision for it, else `default` (the peer's --precision)."""
+        precisions = self.precisions
+        return precisions[stage] if precisions is not None and 0 <= stage < len(precisions) else default
+
+    def measured_figures(self) -> dict[str, dict[str, float]]:
+        """The calibration's per-peer figures (empty before a calibration)."""
+        return {pid: dict(figures) for pid, figures in self.measured or ()}
+
+    def check_run(self, n_layers: int | None, peers: Iterable[str], trainers: Iterable[str] | None) -> None:
+        """The checks that need the run: the stages cover the model's `n_layers` (None: not checked), every peer
+        a stage names is in `peers` (the announced ids), and every trainer in `trainers` (None: not checked)."""
+        if n_layers is not None and self.n_layers != n_layers:
+            r = f"plan.stages[{len(self.stages) - 1}]"
+            raise fail(r, "layer_end", f"{n_layers} (the model's layers)", self.n_layers)
+        announced = set(peers)
+        for i, stage in enumerate(self.stages):
+            for pid in stage.peer_ids:
+                if pid not in announced:
+                    raise fail(f"plan.stages[{i}]", "peer_ids", "announced peers", pid)
+        known = None if trainers is None else set(trainers)
+        for tid in self.trainer_ids or ():
+            if known is not None and tid not in known:
+                raise fail(_P, "trainer_ids", "announced trainers", tid)
