@@ -165,23 +165,26 @@ class _Leaf:
         self.choices = choices
 
     def add_to(self, group: argparse._ActionsContainer, default: Any) -> None:
+        """Adds the flag: its dest is the flag's name with underscores (`args.seq_len`), its default the base's
+        value, and the names of the flags given are kept in `args` (a --config file goes under them only)."""
         help_text = (self.spec.help or self.help or "").replace("%", "%%")
         help_text += f" (default: {self.show(default)})"
-        kwargs: dict[str, Any] = dict(dest=self.dest, default=argparse.SUPPRESS, help=help_text.strip())
+        kwargs: dict[str, Any] = dict(dest=self.dest, help=help_text.strip())
         if self.kind != "bool" and (self.spec.metavar or not self.choices):
             kwargs["metavar"] = self.spec.metavar or self.name[2:].upper().replace("-", "_")
         if self.kind == "bool":
-            group.add_argument(self.name, action=argparse.BooleanOptionalAction, **kwargs)
+            group.add_argument(self.name, action=_GivenBool, default=default, **kwargs)
             return
         if self.choices:
             kwargs["choices"] = list(self.choices)
-        if self.kind == "multi":
-            if self.spec.repeat:
-                group.add_argument(self.name, action="append", type=self.convert, **kwargs)
-            else:
-                group.add_argument(self.name, nargs=self.nargs, type=self.convert, **kwargs)
-            return
-        group.add_argument(self.name, type=self.convert, **kwargs)
+        if self.kind == "multi" and self.spec.repeat:
+            group.add_argument(self.name, action=_GivenAppend, type=self.convert, default=list(default), **kwargs)
+        elif self.kind == "multi":
+            group.add_argument(
+                self.name, action=_GivenStore, nargs=self.nargs, type=self.convert, default=default, **kwargs
+            )
+        else:
+            group.add_argument(self.name, action=_GivenStore, type=self.convert, default=default, **kwargs)
 
     def show(self, value: Any) -> str:
         """`value` as --help shows a default."""
@@ -189,11 +192,11 @@ class _Leaf:
             return "true" if value else "false"
         if self.kind == "multi":
             return " ".join(self.render_one(v) for v in value) or _NONE
-        return _NONE if value is None else self.render_one(value)
+        return _NONE if value in (None, ()) else self.render_one(value)
 
     @property
     def dest(self) -> str:
-        return "flag:" + self.name.lstrip("-")
+        return self.name[2:].replace("-", "_")
 
     def value(self, parsed: Any) -> Any:
         return tuple(parsed) if self.kind == "multi" else parsed
@@ -206,7 +209,7 @@ class _Leaf:
             items = [self.render_one(v) for v in value]
             if self.spec.repeat:
                 return [t for item in items for t in (self.name, item)]
-            return [self.name, *items]
+            return [self.name, *items] if items or self.nargs != "+" else []
         return [self.name, _NONE if value is None else self.render_one(value)]
 
     def tokens(self, value: Any, where: str) -> list[str]:
@@ -222,6 +225,42 @@ class _Leaf:
         if isinstance(value, (list, dict)):
             raise ValueError(f"{where}: expected one value, got {value!r}")
         return [self.name, _toml_text(value)]
+
+
+_GIVEN = "_flags_given"
+
+
+def _mark(namespace: argparse.Namespace, dest: str) -> bool:
+    """Notes that `dest` was given; True the first time."""
+    given = namespace.__dict__.setdefault(_GIVEN, set())
+    first = dest not in given
+    given.add(dest)
+    return first
+
+
+class _GivenStore(argparse._StoreAction):
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        _mark(namespace, self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _GivenAppend(argparse._AppendAction):
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        if _mark(namespace, self.dest):  # the first one replaces the default's items
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _GivenBool(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        _mark(namespace, self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _given(namespace: argparse.Namespace, leaves: Mapping[str, list[_Leaf]]) -> dict[str, Any]:
+    """`{flag name: value}` of the flags given in `namespace`."""
+    given = getattr(namespace, _GIVEN, set())
+    return {name[2:]: getattr(namespace, ls[0].dest) for name, ls in leaves.items() if ls[0].dest in given}
 
 
 def _toml_text(value: Any) -> str:
@@ -263,7 +302,7 @@ class _Group:
     cls: type
     title: str | None
     children: dict[str, Any]  # field name -> _Leaf | _Group | _Via | None (fixed)
-    optional: _Leaf | None = None  # `X | None` nested: the flag that turns it on
+    optional: _Leaf | None = None  # `X | None` nested with a `Flag.name`: the flag that turns it on
 
 
 @dataclass
@@ -276,6 +315,7 @@ class _Via:
 
 
 def _resolve_hints(cls: type) -> dict[str, Any]:
+    """The class's annotations, evaluated; names imported under `if TYPE_CHECKING:` are imported for it."""
     module = sys.modules.get(cls.__module__)
     namespace = dict(vars(module)) if module else {}
     hints = {}
@@ -284,10 +324,30 @@ def _resolve_hints(cls: type) -> dict[str, Any]:
             if isinstance(ann, str):
                 try:
                     ann = eval(ann, namespace, dict(vars(klass)))  # noqa: S307 - the class's own annotation
-                except NameError:  # a TYPE_CHECKING-only name: fine for a via/skip/nested field
-                    ann = Any
+                except NameError:
+                    namespace.update(_type_checking_imports(module))
+                    try:
+                        ann = eval(ann, namespace, dict(vars(klass)))  # noqa: S307
+                    except NameError:
+                        ann = Any
             hints[name] = ann
     return hints
+
+
+def _type_checking_imports(module: types.ModuleType | None) -> dict[str, Any]:
+    """The names a module imports under `if TYPE_CHECKING:`, imported."""
+    if module is None:
+        return {}
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    namespace: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            imports = [n for n in node.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            exec(compile(ast.Module(imports, []), module.__name__, "exec"), namespace)  # noqa: S102 - its imports
+    return namespace
 
 
 def _tree(cls: type, path: str, spec: Flag, title: str | None) -> _Group:
@@ -311,12 +371,14 @@ def _tree(cls: type, path: str, spec: Flag, title: str | None) -> _Group:
                 children[name] = "covered"
             continue
         ann = hints.get(f.name, Any)
+        if ann is Any and f.default_factory is not dataclasses.MISSING:  # a TYPE_CHECKING-only annotation
+            ann = type(f.default_factory())
         inner, optional = _strip_optional(ann)
         if dataclasses.is_dataclass(inner) and own.parse is None:
             group_title = own.group or docs.get(f.name, "").rstrip(".") or title
             sub = _tree(inner, where + ".", own, group_title)
-            if optional:
-                name = own.name or "--" + f.name.replace("_", "-")
+            if optional and own.name:  # `X | None`: a flag turns it on, else it is on where the base has one
+                name = own.name
                 sub.optional = _Leaf(where, name, bool, Flag(), docs.get(f.name, ""), group_title=group_title)
             children[f.name] = sub
             continue
@@ -348,12 +410,14 @@ class Flags(Generic[C]):
         base: the config whose values are the flags' defaults (default: `cls()`); a command whose defaults differ
             from the class's (`swarm demo` shapes links to 100 Mbit/s) passes its own.
         title: --help group of the top-level fields (default: the parser's options).
+        spec: how the class's own fields are flags (`Flag.only`, `Flag.fields`, `Flag.prefix`), as for a nested
+            config.
     """
 
-    def __init__(self, cls: type[C], *, base: C | None = None, title: str | None = None):
+    def __init__(self, cls: type[C], *, base: C | None = None, title: str | None = None, spec: Flag | None = None):
         self.cls = cls
         self.base = cls() if base is None else base
-        self.tree = _tree(cls, "", Flag(), title)
+        self.tree = _tree(cls, "", spec or Flag(), title)
         self._defaults: dict[str, Any] | None = None
         self.by_name: dict[str, list[_Leaf]] = {}
         for leaf in _leaves(self.tree):
@@ -361,21 +425,24 @@ class Flags(Generic[C]):
 
     # -- argparse --
 
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
-        """Adds every flag (each shared flag once, in the group of its first field) and `--config FILE`."""
-        groups: dict[str | None, argparse._ActionsContainer] = {None: parser}
+    def add_to(self, parser: argparse.ArgumentParser, *, config_flag: bool = True) -> None:
+        """Adds every flag (each shared flag once, in the group of its first field) and `--config FILE` (unless
+        told not to: a command whose flags come from several configs adds it with one of them)."""
+        groups: dict[str | None, argparse._ActionsContainer] = {g.title: g for g in parser._action_groups[2:]}
+        groups[None] = parser
         for leaves in self.by_name.values():
             leaf = leaves[0]
             title = leaf.group_title
             if title not in groups:
                 groups[title] = parser.add_argument_group(title)
             leaf.add_to(groups[title], self._default(leaf))
-        parser.add_argument(
-            "--config",
-            metavar="FILE",
-            default=None,
-            help="a TOML file of flags (keys are flag names, `-` or `_`); flags on the command line override it",
-        )
+        if config_flag:
+            parser.add_argument(
+                "--config",
+                metavar="FILE",
+                default=None,
+                help="a TOML file of flags (keys are flag names, `-` or `_`); flags on the command line override it",
+            )
 
     def parser(self, **kwargs: Any) -> argparse.ArgumentParser:
         """A parser of these flags alone."""
@@ -393,7 +460,7 @@ class Flags(Generic[C]):
         Raises:
             SystemExit: the --config file is unreadable, names an unknown key, or holds a bad value.
         """
-        given = {k[len("flag:") :]: v for k, v in vars(args).items() if k.startswith("flag:")}
+        given = _given(args, self.by_name)
         path = getattr(args, "config", None)
         if path:
             try:
@@ -431,7 +498,7 @@ class Flags(Generic[C]):
             parsed = parser.parse_args(tokens)
         except argparse.ArgumentError as e:
             raise ValueError(f"{path}: {e}") from None
-        return {k[len("flag:") :]: v for k, v in vars(parsed).items() if k.startswith("flag:")}
+        return _given(parsed, self.by_name)
 
     # -- building --
 
@@ -440,6 +507,10 @@ class Flags(Generic[C]):
         return self._build(self.tree, self.base, given)
 
     def _build(self, group: _Group, base: Any, given: Mapping[str, Any]) -> Any:
+        if base is None and group.optional is None:  # `X | None` without a flag of its own: on if a flag is given
+            if not any(leaf.name[2:] in given for leaf in _leaves(group)):
+                return None
+            base = group.cls()
         if group.optional is not None:
             on = given.get(group.optional.name[2:], base is not None)
             if not on:
@@ -480,6 +551,10 @@ class Flags(Generic[C]):
         return argv
 
     def _collect(self, group: _Group, value: Any, base: Any, out: dict, path: str) -> None:
+        if group.optional is None and value is None and base is None:
+            value = base = group.cls()  # its flags' defaults, for --help (nothing differs, nothing is rendered)
+        elif group.optional is None and (value is None) != (base is None):
+            raise ValueError(f"{path.rstrip('.')}: {value!r} cannot be rendered as argv (no flag turns it on or off)")
         if group.optional is not None:
             self._put(out, group.optional, value is not None, base is not None)
             if value is None:  # off: its flags' defaults are the class's (shown in --help, never rendered)

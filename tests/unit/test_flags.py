@@ -70,7 +70,7 @@ class Outer:
     """Another inner, sharing --rate-s."""
     hidden: int = field(default=7, metadata=flag(skip=True))
     """Not a flag."""
-    maybe: Inner | None = field(default=None, metadata=flag(prefix="maybe-"))
+    maybe: Inner | None = field(default=None, metadata=flag(name="--maybe", prefix="maybe-"))
     """Turn the optional inner on."""
 
 
