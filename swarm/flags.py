@@ -366,7 +366,7 @@ def _tree(cls: type, path: str, spec: Flag, title: str | None) -> _Group:
         if own.via is not None:
             covers = own.covers or (f.name,)
             group_title = own.group or docs.get(f.name, "").rstrip(".") or title
-            children[f.name] = _Via(own, _tree(own.via, where + ".", Flag(), group_title), covers)
+            children[f.name] = _Via(own, _tree(own.via, where + ".", Flag(only=own.only), group_title), covers)
             for name in covers[1:]:
                 children[name] = "covered"
             continue

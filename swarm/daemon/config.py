@@ -234,14 +234,9 @@ class PeerConfig:
         # the rules that tie fields together, whoever builds the config: 8 of the server's threads stay free for
         # control calls (Status, Probe, Grads, Step); behind NAT nobody can dial the DHT node either, so it joins
         # in client mode (works on hivemind 1.1.12), under auto too until the dial-back finds it reachable
-        # (swarm.net.dhtmode upgrades it then); an --address-file's peers join the initial ones, each once
+        # (swarm.net.dhtmode upgrades it then)
         object.__setattr__(self, "budget", replace(self.budget, data_calls=max(1, self.transport.max_workers - 8)))
-        dht = replace(
-            self.dht,
-            client_mode=self.reach in ("relay", "auto"),
-            announce_ttl_s=self.announce_ttl_s,
-            initial_peers=joined_peers(self.dht.initial_peers, self.address_file),
-        )
+        dht = replace(self.dht, client_mode=self.reach in ("relay", "auto"), announce_ttl_s=self.announce_ttl_s)
         object.__setattr__(self, "dht", dht)
         if self.budget.data_calls < self.budget.max_micro_batches + 4:
             raise ValueError(
@@ -286,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
-    """The PeerConfig of swarm-peer's parsed flags; a clear DeviceError now when CUDA is asked for and absent."""
+    """The PeerConfig of swarm-peer's parsed flags, with the --address-file's peers among the initial ones (read
+    now: the file is the parent's, written once the bootstrap node is up); a clear DeviceError now when CUDA is
+    asked for and absent."""
     cfg = peer_flags().from_args(args)
     check_device(cfg.device)
-    return cfg
+    return replace(cfg, dht=replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file)))

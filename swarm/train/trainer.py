@@ -155,9 +155,6 @@ class TrainConfig:
     the planner repacks the active layers onto fewer stages"""
 
     def __post_init__(self) -> None:
-        if self.dht is not None and self.address_file:  # its peers join the initial ones, each once
-            peers = joined_peers(self.dht.initial_peers, self.address_file)
-            object.__setattr__(self, "dht", replace(self.dht, initial_peers=peers))
         for name in ("train_samples", "batch_size", "micro_batches", "epochs", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
@@ -191,8 +188,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig of `swarm train`'s parsed flags."""
-    return train_flags().from_args(args)
+    """The TrainConfig of `swarm train`'s parsed flags, with the --address-file's peers among the initial ones."""
+    cfg = train_flags().from_args(args)
+    peers = joined_peers(cfg.dht.initial_peers, cfg.address_file)
+    return replace(cfg, dht=replace(cfg.dht, initial_peers=peers))
 
 
 def discover_route(
