@@ -190,9 +190,22 @@ def _rate_mbit(text: str) -> float | None:
     return None if text.strip().lower() in ("none", "0", "inf") else float(text)
 
 
+def _mbit(rate_bytes_per_s: float | None) -> float | None:
+    return None if rate_bytes_per_s is None else round(rate_bytes_per_s * 8 / 1e6, 9)  # 9 digits: not 7.000000001
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 9)
+
+
+def _number(x: float) -> str:
+    text = repr(x)
+    return text[:-2] if text.endswith(".0") else text
+
+
 def _shape_text(shape: LinkShape) -> str:
-    rate = "none" if shape.rate_bytes_per_s is None else repr(shape.rate_bytes_per_s * 8 / 1e6)
-    return f"{rate}:{shape.delay_s * 1000!r}"
+    rate = _mbit(shape.rate_bytes_per_s)
+    return f"{'none' if rate is None else _number(rate)}:{_number(_ms(shape.delay_s))}"
 
 
 @dataclass(frozen=True)
@@ -223,8 +236,7 @@ class LinkShaping:
 
     @classmethod
     def of(cls, shape: LinkShape, shapes: tuple[tuple[str, LinkShape], ...]) -> LinkShaping:
-        rate = None if shape.rate_bytes_per_s is None else shape.rate_bytes_per_s * 8 / 1e6
-        return cls(rate, shape.delay_s * 1000, tuple(f"{a}={_shape_text(s)}" for a, s in shapes))
+        return cls(_mbit(shape.rate_bytes_per_s), _ms(shape.delay_s), tuple(f"{a}={_shape_text(s)}" for a, s in shapes))
 
 
 def peer_ids(text: str) -> tuple[str, ...]:

@@ -142,10 +142,10 @@ _TRANSPORT_FLAGS = Flag(
 class PeerConfig:
     """Everything a swarm-peer is told: its fields are its flags (`peer_flags`); tests build it directly."""
 
-    dht: DHTConfig = field(default_factory=_default_dht, metadata={"flag": DHT_FLAGS})
-    """How the peer joins the DHT (its host is also the stage service's) and how long its announcement lives."""
     address_file: str | None = field(default=None, metadata=flag(group="DHT"))
     """join through the multiaddrs in this file (as `swarm bootstrap` writes), besides --initial-peers"""
+    dht: DHTConfig = field(default_factory=_default_dht, metadata={"flag": DHT_FLAGS})
+    """How the peer joins the DHT (its host is also the stage service's) and how long its announcement lives."""
     transport: TransportConfig = field(default_factory=TransportConfig, metadata={"flag": _TRANSPORT_FLAGS})
     """The gRPC stage service's address and bounds."""
     grpc_port: int = field(default=0, metadata=flag(group=_SERVING))

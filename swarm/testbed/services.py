@@ -12,6 +12,10 @@ import ipaddress
 import re
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from swarm.daemon.config import PeerConfig
 
 __all__ = [
     "ADDRESS_FILE",
@@ -225,9 +229,11 @@ def nat_lan(cfg: TestbedConfig, peer: int) -> ipaddress.IPv4Network:
 def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
     """Every service of the testbed with its argv; `shared_dir` holds the address file and outputs
     (the run directory here, the shared volume in docker compose)."""
+    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.peers.shaper import LinkShape
+
     addresses = service_addresses(cfg)
     address_file = f"{shared_dir}/{ADDRESS_FILE}"
-    total = cfg.total_steps
     services = []
     for name, address in addresses.items():
         if name == "bootstrap":
@@ -246,23 +252,47 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
             if cfg.steps:
                 argv += ["--steps", str(cfg.steps)]
         else:
-            argv = [
-                "swarm-peer", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
-                "--grpc-port", str(PEER_PORT), "--fw-codec", cfg.fw_codec, "--bw-codec", cfg.bw_codec,
-                "--total-steps", str(total), "--warmup-steps", str(max(1, total // 10)),
-                "--checkpoint-dir", f"{shared_dir}/checkpoints", "--metrics-port", str(METRICS_PORT),
-                *cfg.model_flags(), *cfg.peer_flags,
-            ]  # fmt: skip
-            for link in cfg.links:
-                if link.src == name and link.delay_ms:
-                    argv += ["--link", f"{addresses[link.dst]}:{PEER_PORT}=none:{link.delay_ms:g}"]
-            if cfg.delay_ms:
-                argv += ["--delay-ms", f"{cfg.delay_ms:g}"]
+            # every link's one-way delay goes last: docker's entrypoint hands it back there (swarm.testbed.compose)
+            delay = PeerConfig(link_shape=LinkShape(delay_s=cfg.delay_ms / 1000))
+            argv = ["swarm-peer", *peer_flags().to_argv(peer_config(cfg, name, addresses, shared_dir))]
+            argv += [*cfg.model_flags(), *cfg.peer_flags, *peer_flags().to_argv(delay)]
         per_link = tuple(
             (addresses[link.dst], link.rate_mbit) for link in cfg.links if link.src == name and link.rate_mbit
         )
         services.append(Service(name, address, tuple(argv), cfg.egress_mbit(name), per_link))
     return services
+
+
+def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared_dir: str) -> PeerConfig:
+    """What peer `name` is told: the testbed's address, ports, codecs and schedule, and the one-way delays of
+    its particular links (bandwidth is the kernel's job, not the application shaper's; every link's delay and
+    the model are `testbed_services`')."""
+    from swarm.daemon.config import PeerConfig
+    from swarm.options import LinkCodecs
+    from swarm.peers.dht import DHTConfig
+    from swarm.peers.shaper import LinkShape
+    from swarm.peers.transport import TransportConfig
+    from swarm.runtime.worker import OptimConfig
+
+    address, total = addresses[name], cfg.total_steps
+    delays = tuple(
+        (f"{addresses[link.dst]}:{PEER_PORT}", LinkShape(delay_s=link.delay_ms / 1000))
+        for link in cfg.links
+        if link.src == name and link.delay_ms
+    )
+    codecs = LinkCodecs(cfg.fw_codec, cfg.bw_codec).build()
+    return PeerConfig(
+        address_file=f"{shared_dir}/{ADDRESS_FILE}",
+        dht=DHTConfig(host=address),
+        transport=TransportConfig(host=address),
+        num_stages=cfg.peers,
+        grpc_port=PEER_PORT,
+        optim=OptimConfig(total_steps=total, warmup_steps=max(1, total // 10)),
+        checkpoint_dir=f"{shared_dir}/checkpoints",
+        metrics_port=METRICS_PORT,
+        link_shapes=delays,
+        **codecs,
+    )
 
 
 def process_argv(argv: tuple[str, ...] | list[str], python: str = sys.executable) -> list[str]:
