@@ -48,6 +48,8 @@ class Flag:
     """Turns the flag's text into the field's value (argparse `type`); None: from the annotation."""
     render: Callable[[Any], str] | None = None
     """Turns the field's value back into the flag's text (for `to_argv`); None: `str`, "none" for None."""
+    value: Callable[[Any], Any] | None = None
+    """Turns the parsed flag (what `args` holds, e.g. -1) into the field's value (e.g. None)."""
     help: str | None = None
     """Help text instead of the field's docstring (where the flag's wording differs from the field's)."""
     metavar: str | None = None
@@ -192,14 +194,15 @@ class _Leaf:
             return "true" if value else "false"
         if self.kind == "multi":
             return " ".join(self.render_one(v) for v in value) or _NONE
-        return _NONE if value in (None, ()) else self.render_one(value)
+        return _NONE if value in (None, ()) and self.spec.render is None else self.render_one(value)
 
     @property
     def dest(self) -> str:
         return self.name[2:].replace("-", "_")
 
     def value(self, parsed: Any) -> Any:
-        return tuple(parsed) if self.kind == "multi" else parsed
+        parsed = tuple(parsed) if self.kind == "multi" else parsed
+        return self.spec.value(parsed) if self.spec.value is not None else parsed
 
     def render(self, value: Any) -> list[str]:
         """The argv that gives `value` (a bool: its --x or --no-x)."""
@@ -210,7 +213,7 @@ class _Leaf:
             if self.spec.repeat:
                 return [t for item in items for t in (self.name, item)]
             return [self.name, *items] if items or self.nargs != "+" else []
-        return [self.name, _NONE if value is None else self.render_one(value)]
+        return [self.name, _NONE if value is None and self.spec.render is None else self.render_one(value)]
 
     def tokens(self, value: Any, where: str) -> list[str]:
         """The argv of a TOML value (a TOML file's key)."""
@@ -530,9 +533,10 @@ class Flags(Generic[C]):
 
     # -- rendering --
 
-    def to_argv(self, config: C, *, all: bool = False) -> list[str]:  # noqa: A002 - the natural word
+    def to_argv(self, config: C, *, all: bool = False, always: Sequence[str] = ()) -> list[str]:  # noqa: A002
         """The argv whose flags rebuild `config` (`parse(to_argv(c)) == c`): the flags whose values differ from
-        the base's, or every flag with `all`.
+        the base's, and those named in `always` (for a child of another checkout, whose defaults may differ),
+        or every flag with `all`.
 
         Raises:
             ValueError: a field without a flag differs from the base, two fields sharing a flag differ, or a
@@ -540,13 +544,16 @@ class Flags(Generic[C]):
         """
         values: dict[str, Any] = {}
         self._collect(self.tree, config, self.base, values, "")
+        unknown = set(always) - set(self.by_name)
+        if unknown:
+            raise ValueError(f"not flags of {self.cls.__name__}: {sorted(unknown)}")
         argv: list[str] = []
         for name, leaves in self.by_name.items():
             key = name[2:]
             if key not in values:
                 continue
             value, default = values[key]
-            if all or value != default:
+            if all or value != default or name in always:
                 argv += leaves[0].render(value)
         return argv
 

@@ -112,7 +112,7 @@ _OPTIM_FLAGS = Flag(
         "warmup_steps": Flag(help="steps of linear learning-rate warm-up"),
         "total_steps": Flag(help="steps the cosine decay spans"),
         "grad_clip_norm": Flag(
-            name="--grad-clip", parse=lambda text: float(text) or None, render=repr,
+            name="--grad-clip", parse=float, value=lambda norm: norm or None, render=lambda norm: repr(norm or 0.0),
             help="clip the global gradient norm to this (0 or none = off)",
         ),
     },
@@ -183,7 +183,7 @@ class PeerConfig:
     relay: bool = field(default=True, metadata=flag(group=_SERVING))
     """relay for peers behind NAT (--no-relay: do not)"""
     relay_data_port: int | None = field(
-        default=0, metadata=flag(parse=lambda text: None if int(text) < 0 else int(text), metavar="PORT",
+        default=0, metadata=flag(parse=int, value=lambda port: None if port < 0 else port, metavar="PORT",
                                  render=lambda port: "-1" if port is None else str(port), group=_SERVING)
     )  # fmt: skip
     """as a relay, carry relayed connections' bytes as plain TCP on this port (swarm.net.splice; 0: any free

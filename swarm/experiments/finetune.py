@@ -167,6 +167,33 @@ def _stop_without_handover(procs) -> None:
     procs.close()
 
 
+def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
+    """Every peer's flags: the checkpoint by its --model name (a Hugging Face model is written by its name, not
+    its config), the codecs and schedule, and fixed even stages, declared compute and no link probes: the plan
+    does not depend on noisy measurements."""
+    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.flags import Flags
+    from swarm.options import LinkCodecs, ModelFlags
+    from swarm.runtime.worker import OptimConfig
+
+    planning = PlanningConfig(
+        even_layers=True,
+        probe_links=False,
+        micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches),
+        micro_batches=cfg.micro_batches,
+    )
+    peer = PeerConfig(
+        assign="plan",
+        compute_layers_per_s=1.0,
+        replicate_every=1000000,
+        planning=planning,
+        optim=OptimConfig(lr_peak=cfg.lr, total_steps=cfg.steps, warmup_steps=max(1, cfg.steps // 5)),
+        **LinkCodecs(cfg.fw_codec, cfg.bw_codec).build(),
+    )
+    model = ModelFlags(model=str(checkpoint), seq_len=cfg.seq_len, model_seed=cfg.seed)
+    return [*Flags(ModelFlags).to_argv(model), *peer_flags().to_argv(peer)]
+
+
 def run_finetune(cfg: FinetuneConfig, out: Path, say=print) -> dict:
     """Runs the experiment and returns its result (also written to `out`/result.json)."""
     from swarm.testbed.local import local_swarm
@@ -174,13 +201,7 @@ def run_finetune(cfg: FinetuneConfig, out: Path, say=print) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     checkpoint, model = _write_checkpoint(cfg, out, say)
-    flags = ["--model", str(checkpoint), "--seq-len", str(cfg.seq_len), "--model-seed", str(cfg.seed)]
-    flags += ["--fw-codec", cfg.fw_codec, "--bw-codec", cfg.bw_codec, "--lr", str(cfg.lr)]
-    flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 5))]
-    # fixed even stages, declared compute, no link probes: the plan does not depend on noisy measurements
-    flags += ["--assign", "plan", "--plan-even-layers", "--compute-speed", "1", "--no-link-probe"]
-    flags += ["--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches))]
-    flags += ["--plan-micro-batches", str(cfg.micro_batches), "--replicate-every", "1000000"]
+    flags = _peer_flags(cfg, checkpoint)
     train_cfg = TrainConfig(
         model=model, data=cfg.data, train_samples=cfg.train_samples, batch_size=cfg.batch_size,
         micro_batches=cfg.micro_batches, steps=cfg.steps, seed=cfg.seed, setting=f"{cfg.fw_codec}/{cfg.bw_codec}",

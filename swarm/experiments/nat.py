@@ -191,16 +191,22 @@ def _scrape(ports: list[int]) -> tuple[int, dict[str, int]]:
 def common_flags(cfg: NatConfig) -> list[str]:
     """Every peer's flags: even stage boundaries (the same split in every setting, so the math is the same),
     the shaped links, the schedule."""
+    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
     from swarm.experiments.throttled import warmup_steps
+    from swarm.peers.shaper import LinkShape
+    from swarm.runtime.worker import OptimConfig
 
-    warmup = warmup_steps(cfg.steps)
-    return [
-        "--assign", "plan", "--plan-even-layers",
-        "--rate-mbit", f"{cfg.rate_mbit:g}", "--delay-ms", f"{cfg.delay_ms:g}",
-        "--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches)),
-        "--plan-micro-batches", str(cfg.micro_batches), "--total-steps", str(cfg.steps), "--warmup-steps", str(warmup),
-        *(["--relay-data-port", "-1"] if cfg.frames else []),
-    ]  # fmt: skip
+    planning = PlanningConfig(
+        even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
+    )
+    peer = PeerConfig(
+        assign="plan",
+        planning=planning,
+        link_shape=LinkShape.from_mbit(cfg.rate_mbit, cfg.delay_ms),
+        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
+        relay_data_port=None if cfg.frames else 0,
+    )
+    return peer_flags().to_argv(peer)
 
 
 def _train_config(cfg: NatConfig, out: Path):

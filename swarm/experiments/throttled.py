@@ -24,7 +24,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -291,21 +291,36 @@ def calibration_window(measured: object) -> dict | None:
     return {"first": first + 1, "last": first + steps, "clock_s": max(f[2] for f in figures)}
 
 
+def peer_config(cell: Cell, cfg: ThrottledConfig):
+    """What every peer of a cell is told: its codecs and link, and a planned route with even layers, the same
+    split in every cell (the planner's own split follows noisy compute measurements, and a different stage
+    boundary would change the training math between the cells being compared), so the plan carries the cost
+    model's prediction for this cell's batch and links."""
+    from swarm.daemon.config import PeerConfig, PlanningConfig
+    from swarm.options import LinkCodecs
+    from swarm.peers.shaper import LinkShape
+    from swarm.runtime.worker import OptimConfig
+
+    fw, bw = cell.setting.split("/")
+    planning = PlanningConfig(
+        even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
+    )
+    return PeerConfig(
+        assign="plan",
+        planning=planning,
+        link_shape=LinkShape.from_mbit(cell.rate_mbit, cfg.delay_ms),
+        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
+        **LinkCodecs(fw, bw).build(),
+    )
+
+
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
+    from swarm.daemon.config import peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
-    fw, bw = cell.setting.split("/")
-    # a planned route with even layers, the same split in every cell (the planner's own split follows noisy
-    # compute measurements, and a different stage boundary would change the training math between the cells
-    # being compared), so the plan carries the cost model's prediction for this cell's batch and links
-    flags = ["--assign", "plan", "--plan-even-layers", "--fw-codec", fw, "--bw-codec", bw]
-    flags += ["--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches))]
-    flags += ["--plan-micro-batches", str(cfg.micro_batches), "--delay-ms", str(cfg.delay_ms)]
-    flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(warmup_steps(cfg.steps))]
-    if cell.rate_mbit is not None:
-        flags += ["--rate-mbit", str(cell.rate_mbit)]
-    flags += list(cfg.model_flags)
+    peer = peer_config(cell, cfg)
+    flags = peer_flags().to_argv(peer) + list(cfg.model_flags)
     train_cfg = train_config(cell, cfg, out)
     if cfg.netns:
         from swarm.testbed.cli import run_in_testbed
@@ -314,7 +329,8 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
     # full first sights over) and republishes it; the trainer follows it through the DHT, and its summary's
     # prediction is that one: made during the run, from the run's own early steps
-    flags += ["--calibrate-after-steps", str(cfg.train_samples // cfg.batch_size)]
+    calibrated = replace(peer.planning, calibrate_after_steps=cfg.train_samples // cfg.batch_size)
+    flags = peer_flags().to_argv(replace(peer, planning=calibrated)) + list(cfg.model_flags)
     with local_swarm(out / cell.label, cfg.peers, flags) as swarm:
         train(train_cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
         record = swarm.dht.get_plan(train_cfg.model.n_layers)
