@@ -509,7 +509,7 @@ class Flags(Generic[C]):
         """The config from `{flag name without dashes: parsed value}`; absent flags keep the base's values."""
         return self._build(self.tree, self.base, given)
 
-    def _build(self, group: _Group, base: Any, given: Mapping[str, Any]) -> Any:
+    def _build(self, group: _Group, base: Any, given: Mapping[str, Any], parsed: bool = True) -> Any:
         if base is None and group.optional is None:  # `X | None` without a flag of its own: on if a flag is given
             if not any(leaf.name[2:] in given for leaf in _leaves(group)):
                 return None
@@ -522,12 +522,13 @@ class Flags(Generic[C]):
         changes: dict[str, Any] = {}
         for name, child in group.children.items():
             if isinstance(child, _Leaf) and child.name[2:] in given:
-                changes[name] = child.value(given[child.name[2:]])
+                value = given[child.name[2:]]
+                changes[name] = child.value(value) if parsed else value
             elif isinstance(child, _Group):
-                changes[name] = self._build(child, getattr(base, name), given)
+                changes[name] = self._build(child, getattr(base, name), given, parsed)
             elif isinstance(child, _Via):
                 flags = child.spec.via.of(*(getattr(base, c) for c in child.covers))
-                built = self._build(child.group, flags, given).build()
+                built = self._build(child.group, flags, given, parsed).build()
                 changes.update(built if len(child.covers) > 1 else {child.covers[0]: built})
         return dataclasses.replace(base, **changes) if changes else base
 
@@ -555,6 +556,10 @@ class Flags(Generic[C]):
             value, default = values[key]
             if all or value != default or name in always:
                 argv += leaves[0].render(value)
+        rebuilt = self._build(self.tree, self.base, {k: v for k, (v, _) in values.items()}, parsed=False)
+        if rebuilt != config:  # a field without a flag differs from the base (fields derived from others do not)
+            differ = [f.name for f in dataclasses.fields(config) if getattr(rebuilt, f.name) != getattr(config, f.name)]
+            raise ValueError(f"{', '.join(differ)}: not all of it has flags, so it cannot be rendered as argv")
         return argv
 
     def _collect(self, group: _Group, value: Any, base: Any, out: dict, path: str) -> None:
@@ -581,8 +586,6 @@ class Flags(Generic[C]):
                 if (list(built.values()) if len(child.covers) > 1 else [built]) != mine:
                     raise ValueError(f"{path}{name}: {mine!r} cannot be written as {via.__name__}'s flags")
                 self._collect(child.group, flags, base_flags, out, f"{path}{name}.")
-            elif child is None and mine != theirs:
-                raise ValueError(f"{path}{name} has no flag: {mine!r} cannot be rendered as argv")
 
     def _put(self, out: dict, leaf: _Leaf, value: Any, default: Any) -> None:
         key = leaf.name[2:]

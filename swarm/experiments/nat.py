@@ -129,9 +129,10 @@ def reach_flags(behind_nat: bool, netns: bool, supported: bool = True) -> list[s
         if behind_nat:
             raise ValueError("a NAT'd peer needs swarm-peer's --reach (the relay transport)")
         return []
-    if netns:
-        return ["--reach", "auto"]
-    return ["--reach", "relay" if behind_nat else "direct"]
+    from swarm.daemon.config import PeerConfig, peer_flags
+
+    reach = "auto" if netns else "relay" if behind_nat else "direct"
+    return peer_flags().to_argv(PeerConfig(reach=reach), always=["--reach"])
 
 
 def reach_supported() -> bool:
@@ -225,15 +226,17 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
     if cfg.netns:
         return {**row, **_run_netns(cfg, nat, out / setting, supported)}
     from swarm.bench.common import free_port
+    from swarm.daemon.config import PeerConfig, peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
     grpc_ports = [free_port() for _ in range(cfg.peers)]
     metrics_ports = [free_port() for _ in range(cfg.peers)]
-    per_peer = [
-        [*reach_flags(i in nat, False, supported), "--grpc-port", str(port), "--metrics-port", str(metrics)]
-        for i, (port, metrics) in enumerate(zip(grpc_ports, metrics_ports, strict=True))
+    ports = [
+        peer_flags().to_argv(PeerConfig(grpc_port=port, metrics_port=metrics))
+        for port, metrics in zip(grpc_ports, metrics_ports, strict=True)
     ]
+    per_peer = [[*reach_flags(i in nat, False, supported), *own] for i, own in enumerate(ports)]
     with local_swarm(out / setting, cfg.peers, common_flags(cfg), per_peer_flags=per_peer) as swarm:
         summary = train(_train_config(cfg, out / setting), swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
         relayed, conns = _scrape(metrics_ports)

@@ -135,7 +135,7 @@ def test_to_argv_round_trips_and_lists_only_changes():
 
 
 def test_to_argv_refuses_what_flags_cannot_say():
-    with pytest.raises(ValueError, match="hidden has no flag"):
+    with pytest.raises(ValueError, match="hidden: not all of it has flags"):
         to_argv(Outer(hidden=8))
     with pytest.raises(ValueError, match="--rate-s is shared"):
         to_argv(Outer(inner=Inner(rate_s=2.0)))
