@@ -242,7 +242,7 @@ class LinkShaping:
 def peer_ids(text: str) -> tuple[str, ...]:
     """`ID[,ID...]` as a tuple of peer ids."""
     ids = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not ids:
+    if not ids and text.strip():  # "" is none (what an empty tuple renders as)
         raise argparse.ArgumentTypeError(f"expected peer ids separated by commas, got {text!r}")
     return ids
 
