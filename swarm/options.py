@@ -247,23 +247,18 @@ def peer_ids(text: str) -> tuple[str, ...]:
     return ids
 
 
-def _identity(path: str) -> str:
+def _identity(path: str | None) -> str | None:
     from swarm.peers.dht import load_or_create_key
 
-    try:
+    if path is not None:
         load_or_create_key(path)  # an unreadable or malformed file fails here, named, not in a child process
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
     return path
 
 
-def _secret(path: str) -> str:
+def _secret(path: str | None) -> str | None:
     from swarm.daemon.bootstrap import read_secret_file
 
-    try:
-        return read_secret_file(path)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if path is None else read_secret_file(path)
 
 
 def _no_secret(secret: str | None) -> str:
@@ -288,7 +283,7 @@ DHT_FLAGS = Flag(
         "port": Flag(help="TCP port the DHT node listens on (0: any free)"),
         "run_name": Flag(help="namespace of the run's DHT keys, so runs can share a DHT"),
         "signing_key_path": Flag(
-            name="--identity", metavar="FILE", parse=_identity, group=_TRUST,
+            name="--identity", metavar="FILE", parse=str, value=_identity, group=_TRUST,
             help="RSA key (DER) that signs this process's records and calls; its hash is the peer id, so a restart "
             "with the same file keeps the id (created with mode 0600 if missing; none: a fresh key each start)",
         ),
@@ -299,7 +294,7 @@ DHT_FLAGS = Flag(
             "swarms should name their planners)",
         ),
         "run_secret": Flag(
-            name="--run-secret-file", metavar="FILE", parse=_secret, render=_no_secret, group=_TRUST,
+            name="--run-secret-file", metavar="FILE", parse=str, value=_secret, render=_no_secret, group=_TRUST,
             help="private run: a secret shared by the run's peers and trainers, read from FILE (never on the "
             "command line); stages serve only callers that know it",
         ),
@@ -318,26 +313,3 @@ def joined_peers(initial_peers: tuple[str, ...], address_file: str | None) -> tu
 
     extra = read_address_file(address_file) if address_file else []
     return tuple(dict.fromkeys([*initial_peers, *extra]))
-
-
-def initial_peers(args: argparse.Namespace) -> list[str]:
-    from swarm.daemon.bootstrap import read_address_file
-
-    return list(args.initial_peers) + (read_address_file(args.address_file) if args.address_file else [])
-
-
-def dht_config(args: argparse.Namespace, **overrides):
-    """The DHTConfig of a command's parsed DHT flags."""
-    from swarm.daemon.bootstrap import dht_config_from_args
-
-    return dht_config_from_args(args, initial_peers=tuple(initial_peers(args)), **overrides)
-
-
-def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("monitoring")
-    g.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (off unless given; 0: any port)",
-    )

@@ -13,9 +13,12 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
+from functools import cache
 from typing import Any
 
-from swarm.peers.dht import DHTConfig, SwarmDHT, load_or_create_key, quiet_hivemind
+from swarm.flags import Flags
+from swarm.options import DHT_FLAGS
+from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
 
 __all__ = [
     "add_arguments",
@@ -103,67 +106,15 @@ def _report(dht: SwarmDHT) -> None:
     logger.info("%d peers announced in run %r, serving stages %s", len(peers), dht.config.run_name, stages)
 
 
+@cache
+def _dht_flags() -> Flags[DHTConfig]:
+    return Flags(DHTConfig, spec=DHT_FLAGS)
+
+
 def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds --initial-peers, --host, --port, --run-name to a command (its --address-file is its own)."""
-    defaults = DHTConfig()
-    group = parser.add_argument_group("DHT")
-    group.add_argument(
-        "--initial-peers",
-        nargs="+",
-        default=[],
-        metavar="MADDR",
-        help="multiaddrs of live DHT nodes to join through, as `swarm bootstrap` prints them "
-        "(/ip4/HOST/tcp/PORT/p2p/ID); none starts a new swarm",
-    )
-    group.add_argument(
-        "--host",
-        default=defaults.host,
-        help=f"IP address the DHT node listens on (default {defaults.host}; 0.0.0.0 to accept other machines)",
-    )
-    group.add_argument("--port", type=int, default=0, help="TCP port the DHT node listens on (default: any free)")
-    group.add_argument(
-        "--run-name",
-        default=defaults.run_name,
-        help=f"namespace of the run's DHT keys, so runs can share a DHT (default {defaults.run_name!r})",
-    )
-    group = parser.add_argument_group("identity and trust")
-    group.add_argument(
-        "--identity",
-        metavar="FILE",
-        default=None,
-        help="RSA key (DER) that signs this process's records and calls; its hash is the peer id, so a restart "
-        "with the same file keeps the id (created with mode 0600 if missing; default: a fresh key each start)",
-    )
-    group.add_argument(
-        "--trusted-planners",
-        type=_peer_ids,
-        default=(),
-        metavar="ID[,ID...]",
-        help="follow plans only from these peer ids, and let only them plan (default: the elected planner, the "
-        "lowest announced id holding the planner lease; a stranger can grind a key for a low id, so open "
-        "swarms should name their planners)",
-    )
-    group.add_argument(
-        "--run-secret-file",
-        metavar="FILE",
-        default=None,
-        help="private run: a secret shared by the run's peers and trainers, read from FILE (never on the command "
-        "line); stages serve only callers that know it",
-    )
-    group.add_argument(
-        "--trainers",
-        type=_peer_ids,
-        default=(),
-        metavar="ID[,ID...]",
-        help="private run: the peer ids of the trainers the stages serve (default: any announced trainer)",
-    )
-
-
-def _peer_ids(text: str) -> tuple[str, ...]:
-    ids = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not ids:
-        raise argparse.ArgumentTypeError(f"expected peer ids separated by commas, got {text!r}")
-    return ids
+    """Adds --initial-peers, --host, --port, --run-name and the identity and trust flags to a command (its
+    --address-file is its own): `swarm.options.DHT_FLAGS`, as swarm-peer and swarm train have them."""
+    _dht_flags().add_to(parser, config_flag=False)
 
 
 def read_secret_file(path: str) -> str:
@@ -188,17 +139,7 @@ def dht_config_from_args(args: argparse.Namespace, **overrides: Any) -> DHTConfi
     Raises:
         ValueError: a flag's value is invalid (the message names the flag or field).
     """
-    fields = {"initial_peers": tuple(args.initial_peers), "host": args.host, "port": args.port}
-    secret_file, identity = getattr(args, "run_secret_file", None), getattr(args, "identity", None)
-    if identity is not None:
-        load_or_create_key(identity)  # an unreadable or malformed file fails here, named, not in a child process
-    trust = {
-        "signing_key_path": identity,
-        "trusted_planners": tuple(getattr(args, "trusted_planners", ())),
-        "allowed_trainers": tuple(getattr(args, "trainers", ())),
-        "run_secret": read_secret_file(secret_file) if secret_file else None,
-    }
-    return dataclasses.replace(DHTConfig(run_name=args.run_name, **fields, **trust), **overrides)
+    return dataclasses.replace(_dht_flags().from_args(args), **overrides)
 
 
 def read_address_file(path: str) -> list[str]:
