@@ -152,13 +152,13 @@ class _Leaf:
         if ann is bool and self.spec.parse is None:
             self.kind = "bool"
             return
-        if origin is tuple and self.spec.parse is None:
+        if origin is tuple and (self.spec.parse is None or self.spec.repeat):  # a parse: of each item
             self.kind = "multi"
             args = typing.get_args(ann)
             variadic = len(args) == 2 and args[1] is Ellipsis
             self.nargs = self.spec.nargs or ("*" if variadic or not args else len(args))
-            self.convert = _scalar(args[0] if args else str)
-            self.render_one = _render_scalar
+            self.convert = self.spec.parse or _scalar(args[0] if args else str)
+            self.render_one = self.spec.render or _render_scalar
             self.choices = choices
             return
         base = self.spec.parse or _scalar(ann)
