@@ -13,6 +13,9 @@ built from several flags (a model from `--model/--layers/...`) names a flag-shap
 namespace: two fields that declare the same flag (`--host` of the DHT node and of the gRPC server) are set by it
 together.
 
+Types: int, float, str and Path flags; bool as --x/--no-x; `X | None` takes the text "none" for None; tuples
+take several values (or one flag per item, `repeat`); Literal and `choices` are argparse choices.
+
 This module is the bottom of the `swarm` package: it imports nothing from it.
 """
 

@@ -166,3 +166,19 @@ def test_flags_join_an_existing_parser():
     flags.add_to(parser)
     args = parser.parse_args(["--json", "--steps", "2"])
     assert args.json and flags.from_args(args).steps == 2
+
+
+def test_to_argv_always_names_flags_at_their_defaults():
+    flags = Flags(Outer)
+    argv = flags.to_argv(Outer(steps=5), always=["--mode", "--auth"])
+    assert argv == ["--steps", "5", "--auth", "--mode", "fast"]
+    assert flags.parse(argv) == Outer(steps=5)
+    with pytest.raises(ValueError, match="not flags of Outer"):
+        flags.to_argv(Outer(), always=["--nope"])
+
+
+def test_a_flag_given_at_its_default_still_overrides_the_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("steps = 9\nverbose = true\n")
+    c = Flags(Outer).parse(["--config", str(path), "--steps", "3", "--no-verbose"])
+    assert c.steps == 3 and not c.verbose
