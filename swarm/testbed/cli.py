@@ -129,6 +129,13 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 # ---- the experiment hook ----------------------------------------------------------------------------------
 
 
+def _model_seed_flags(seed: int) -> list[str]:
+    """The peers' --model-seed: the trainer's init seed, so peers and trainer start from the same weights."""
+    from swarm.options import ModelFlags
+
+    return Flags(ModelFlags).to_argv(ModelFlags(model_seed=seed), always=["--model-seed"])
+
+
 def run_in_testbed(
     cell, peer_flags: list[str], train: TrainConfig, peers: int, nat: tuple[int, ...] = (), before_down=None
 ):
@@ -161,7 +168,7 @@ def run_in_testbed(
         train_samples=train.train_samples,
         batch_size=train.batch_size,
         micro_batches=train.micro_batches,
-        peer_flags=(*flags, "--model-seed", str(model.init_seed)),
+        peer_flags=(*flags, *_model_seed_flags(model.init_seed)),
         trainer_flags=tuple(trainer_flags),
         nat=nat,
     )
