@@ -256,9 +256,23 @@ def _identity(path: str | None) -> str | None:
 
 
 def _secret(path: str | None) -> str | None:
-    from swarm.daemon.bootstrap import read_secret_file
-
     return None if path is None else read_secret_file(path)
+
+
+def read_secret_file(path: str) -> str:
+    """The run secret in `path` (surrounding whitespace stripped). Raises ValueError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4097)
+    except OSError as e:
+        raise ValueError(f"--run-secret-file {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        secret = data.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"--run-secret-file {path}: not UTF-8 text") from None
+    if not secret or len(data) > 4096:
+        raise ValueError(f"--run-secret-file {path}: expected 1 to 4096 bytes of text")
+    return secret
 
 
 def _no_secret(secret: str | None) -> str:
@@ -305,11 +319,3 @@ DHT_FLAGS = Flag(
     },
 )  # fmt: skip
 """How a command's `dht: DHTConfig` field is flags (`field(metadata={"flag": DHT_FLAGS})`)."""
-
-
-def joined_peers(initial_peers: tuple[str, ...], address_file: str | None) -> tuple[str, ...]:
-    """`initial_peers` and the multiaddrs in `address_file`, each once (so joining them again changes nothing)."""
-    from swarm.daemon.bootstrap import read_address_file
-
-    extra = read_address_file(address_file) if address_file else []
-    return tuple(dict.fromkeys([*initial_peers, *extra]))

@@ -24,7 +24,7 @@ __all__ = [
     "add_arguments",
     "add_dht_arguments",
     "dht_config_from_args",
-    "read_secret_file",
+    "joined_peers",
     "read_address_file",
     "run",
     "write_address_file",
@@ -117,22 +117,6 @@ def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
     _dht_flags().add_to(parser, config_flag=False)
 
 
-def read_secret_file(path: str) -> str:
-    """The run secret in `path` (surrounding whitespace stripped). Raises ValueError naming the file."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(4097)
-    except OSError as e:
-        raise ValueError(f"--run-secret-file {path}: cannot read it: {e.strerror or e}") from None
-    try:
-        secret = data.decode().strip()
-    except UnicodeDecodeError:
-        raise ValueError(f"--run-secret-file {path}: not UTF-8 text") from None
-    if not secret or len(data) > 4096:
-        raise ValueError(f"--run-secret-file {path}: expected 1 to 4096 bytes of text")
-    return secret
-
-
 def dht_config_from_args(args: argparse.Namespace, **overrides: Any) -> DHTConfig:
     """The DHTConfig of a command's parsed arguments (see add_dht_arguments), with `overrides` on top.
 
@@ -146,6 +130,12 @@ def read_address_file(path: str) -> list[str]:
     """The multiaddrs in an address file: one per line, blank lines and '#' comments ignored."""
     with open(path) as f:
         return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def joined_peers(initial_peers: tuple[str, ...], address_file: str | None) -> tuple[str, ...]:
+    """`initial_peers` and the multiaddrs in `address_file`, each once (so joining them again changes nothing)."""
+    extra = read_address_file(address_file) if address_file else []
+    return tuple(dict.fromkeys([*initial_peers, *extra]))
 
 
 def write_address_file(path: str, maddrs: Sequence[str]) -> None:

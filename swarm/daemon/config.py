@@ -12,7 +12,7 @@ from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
 from swarm.flags import Flag, Flags, flag
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig
-from swarm.options import DHT_FLAGS, MODEL_GROUP, LinkCodecs, LinkShaping, ModelFlags, joined_peers
+from swarm.options import DHT_FLAGS, MODEL_GROUP, LinkCodecs, LinkShaping, ModelFlags
 from swarm.peers.records import MAX_PLANNER_LEASE_S
 from swarm.peers.shaper import LinkShape
 from swarm.peers.transport import TransportConfig
@@ -284,6 +284,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     """The PeerConfig of swarm-peer's parsed flags, with the --address-file's peers among the initial ones (read
     now: the file is the parent's, written once the bootstrap node is up); a clear DeviceError now when CUDA is
     asked for and absent."""
+    from swarm.daemon.bootstrap import joined_peers  # hivemind is slow to import: only when a config is made
+
     cfg = peer_flags().from_args(args)
     check_device(cfg.device)
     return replace(cfg, dht=replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file)))

@@ -28,7 +28,7 @@ from swarm.flags import Flags, flag
 from swarm.metrics import Metrics, serve_metrics
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig, model_identity
-from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags, joined_peers
+from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
 from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns
 from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
@@ -189,6 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of `swarm train`'s parsed flags, with the --address-file's peers among the initial ones."""
+    from swarm.daemon.bootstrap import joined_peers  # hivemind is slow to import: only when a config is made
+
     cfg = train_flags().from_args(args)
     peers = joined_peers(cfg.dht.initial_peers, cfg.address_file)
     return replace(cfg, dht=replace(cfg.dht, initial_peers=peers))
