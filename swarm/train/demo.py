@@ -18,8 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarm.flags import Flag, Flags
-from swarm.options import LinkCodecs, LinkShaping
+from swarm.flags import Flag, Flags, flag
+from swarm.options import MODEL_GROUP, LinkCodecs, LinkShaping, ModelFlags
 from swarm.runtime.device import DeviceError, check_device
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 _PEER_FLAGS = Flag(
     group="peers",
-    only=("fw_codec", "link_shape", "auth", "precision", "device", "model"),
+    only=("fw_codec", "link_shape", "auth", "precision", "device"),
     fields={
         "fw_codec": Flag(
             via=LinkCodecs, covers=("fw_codec", "bw_codec"), only=("fw_codec", "bw_codec"), group="peers' links"
@@ -41,10 +41,10 @@ _PEER_FLAGS = Flag(
 """The peers' flags the demo takes (the rest are the demo's: stages, steps, checkpoints)."""
 _TRAIN_FLAGS = Flag(
     group="training",
-    only=("model", "train_samples", "batch_size", "micro_batches", "schedule", "epochs", "data", "freeze"),
+    only=("train_samples", "batch_size", "micro_batches", "schedule", "epochs", "data", "freeze"),
     fields={"freeze": Flag(name="--freeze", prefix="freeze-", group="freezing (PipeTransformer)")},
 )
-"""The trainer's flags the demo takes; --model and the shape flags are the peers' too (one shared flag each)."""
+"""The trainer's flags the demo takes (its model is `DemoConfig.model`'s)."""
 
 
 def _peer() -> PeerConfig:
@@ -66,6 +66,9 @@ class DemoConfig:
 
     peers: int = 2
     """swarm-peer processes, one pipeline stage each"""
+    model: ModelFlags = field(default_factory=ModelFlags, metadata=flag(group=MODEL_GROUP))
+    """The model of the peers and the trainer, as its flags name it: the peers get these flags (a Hugging Face
+    model is named, not written out) and resolve it themselves, as the trainer does here."""
     out: str | None = None
     """output folder (none: runs/demo-<time>)"""
     peer: PeerConfig = field(default_factory=_peer, metadata={"flag": _PEER_FLAGS})
@@ -105,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import format_summary, train
 
-    cfg = demo_flags().from_args(args)  # a bad --model or --freeze-* fails here, before any process starts
+    cfg = demo_flags().from_args(args)  # a bad --freeze-* fails here, before any process starts
+    model = cfg.model.build()  # and a bad --model
     out = Path(cfg.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr))
@@ -122,10 +126,11 @@ def run(args: argparse.Namespace) -> int:
     fw_codec, bw_codec = labels.fw_codec, labels.bw_codec
     shaped = "unshaped" if rate_mbit is None else f"shaped to {rate_mbit:g} Mbit/s"
     say(f"starting a bootstrap node and {cfg.peers} peers (links {shaped})")
-    with local_swarm(out, cfg.peers, peer_flags().to_argv(peer), say) as swarm:
+    argv = [*peer_flags().to_argv(peer), *Flags(ModelFlags).to_argv(cfg.model)]
+    with local_swarm(out, cfg.peers, argv, say) as swarm:
         route, procs = swarm.route, swarm.procs
         say(f"plan {swarm.plan_version}: all {cfg.peers} stages served: {', '.join(route)}")
-        train_cfg = replace(cfg.train, setting=f"{fw_codec}/{bw_codec}", out=str(out))
+        train_cfg = replace(cfg.train, model=model, setting=f"{fw_codec}/{bw_codec}", out=str(out))
         try:
             summary = train(train_cfg, swarm.path, quiet=args.json, signer=swarm.signer, dht=swarm.dht)
         except StageCallError as e:
