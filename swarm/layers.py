@@ -12,7 +12,7 @@ from __future__ import annotations
 __all__ = ["LAYERS", "layer_of"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("proto", "kernels", "metrics", "plots", "report", "layers"),  # wire messages, kernels, leaf utilities
+    ("proto", "kernels", "metrics", "plots", "report", "layers", "flags"),  # wire messages, kernels, leaf utilities
     ("compression", "model"),  # codecs; the model families and their data
     ("peers",),  # DHT records and node, transport, the link shaper
     ("net",),  # stage calls on the wire, how to reach a stage

@@ -1,56 +1,78 @@
-"""Command-line flags shared by the peer daemon, the trainer, the demo and the experiments."""
+"""Flag groups shared by the peer daemon, the trainer, the demo and the experiments, each flag a field here:
+the model (`ModelFlags`), the links' codecs (`LinkCodecs`) and shaping (`LinkShaping`, the one `--rate-mbit` of
+a peer's links), the DHT (`DHT_FLAGS`) and the schedule (`SCHEDULE_CHOICES`)."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig, codec_labels
+from swarm.flags import Flag, Flags, flag
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import BUILTIN, AnyModelConfig, resolve_model
 from swarm.peers.shaper import LinkShape
 from swarm.runtime.schedules import SCHEDULES
 
 DEFAULT_MODEL = ModelConfig()
+SCHEDULE_CHOICES = tuple(sorted(SCHEDULES))
+"""`--schedule`'s choices: the schedule registry's names (`swarm.runtime.schedules.SCHEDULES`)."""
 
 
-def add_model_choice_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+@dataclass(frozen=True)
+class ModelFlags:
+    """The flags that name a model (`build`: the model config they name; `of`: the flags of a built-in one)."""
+
+    model: str = field(default=BUILTIN, metadata=flag(metavar="NAME|DIR"))
+    """the model: 'gpt' (the built-in byte-level GPT, shaped by --layers/--hidden/--heads), a preset (gpt2-tiny,
+    llama-tiny, gpt2-small, llama-100m) or a local Hugging Face directory with config.json (nothing is
+    downloaded)"""
+    weights: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """a local Hugging Face checkpoint (safetensors, sharded with an index or not): each stage loads only its own
+    layers (none: a directory --model's own weights, else the seeded init)"""
+    tokenizer: str | None = field(default=None, metadata=flag(metavar="FILE"))
+    """a local tokenizer.json the data is tokenized with (none: a directory --model's own, else bytes)"""
+    layers: int = DEFAULT_MODEL.n_layers
+    """transformer blocks (--model gpt)"""
+    hidden: int = DEFAULT_MODEL.hidden_dim
+    """width of the residual stream (--model gpt)"""
+    heads: int = DEFAULT_MODEL.n_heads
+    """attention heads (--model gpt)"""
+    seq_len: int = DEFAULT_MODEL.seq_len_tokens
+    """tokens per sample"""
+    model_seed: int = DEFAULT_MODEL.init_seed
+    """seed of the weights' init"""
+
+    def build(self) -> AnyModelConfig:
+        return model_config(self)
+
+    @classmethod
+    def of(cls, model: AnyModelConfig) -> ModelFlags:
+        """The flags of a built-in model (a Hugging Face model is written by its --model name: `ModelFlags`
+        itself, as `swarm experiment finetune` does)."""
+        if not isinstance(model, ModelConfig):
+            raise ValueError(f"a {type(model).__name__} has no flags of its own: pass its --model name instead")
+        return cls(
+            layers=model.n_layers, hidden=model.hidden_dim, heads=model.n_heads, seq_len=model.seq_len_tokens,
+            model_seed=model.init_seed,
+        )  # fmt: skip
+
+
+MODEL_GROUP = "model (every peer and the trainer must agree)"
+_MODEL_FLAGS = Flags(ModelFlags, title=MODEL_GROUP)
+_MODEL_CHOICE_FLAGS = Flags(ModelFlags, title=MODEL_GROUP, spec=Flag(only=("model", "weights", "tokenizer")))
+
+
+def add_model_choice_arguments(parser: argparse.ArgumentParser) -> None:
     """`--model`, `--weights`, `--tokenizer`: which model, from which local files (commands that shape the
     built-in model with flags of their own add only these)."""
-    parser.add_argument(
-        "--model",
-        default=BUILTIN,
-        metavar="NAME|DIR",
-        help="the model: 'gpt' (the built-in byte-level GPT, shaped by --layers/--hidden/--heads), a preset "
-        "(gpt2-tiny, llama-tiny, gpt2-small, llama-100m) or a local Hugging Face directory with config.json "
-        "(default %(default)s; nothing is downloaded)",
-    )
-    parser.add_argument(
-        "--weights",
-        default=None,
-        metavar="DIR",
-        help="a local Hugging Face checkpoint (safetensors, sharded with an index or not): each stage loads only "
-        "its own layers (default: a directory --model's own weights, else the seeded init)",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="FILE",
-        help="a local tokenizer.json the data is tokenized with (default: a directory --model's own, else bytes)",
-    )
+    _MODEL_CHOICE_FLAGS.add_to(parser, config_flag=False)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model (every peer and the trainer must agree)")
-    add_model_choice_arguments(g)
-    g.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers, help="transformer blocks (--model gpt)")
-    g.add_argument(
-        "--hidden", type=int, default=DEFAULT_MODEL.hidden_dim, help="width of the residual stream (--model gpt)"
-    )
-    g.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads, help="attention heads (--model gpt)")
-    g.add_argument("--seq-len", type=int, default=DEFAULT_MODEL.seq_len_tokens, help="tokens per sample")
-    g.add_argument("--model-seed", type=int, default=DEFAULT_MODEL.init_seed, help="seed of the weights' init")
+    """The `ModelFlags` of a command that reads them from its namespace (`model_config(args)`)."""
+    _MODEL_FLAGS.add_to(parser, config_flag=False)
 
 
 def builtin_model(args: argparse.Namespace, init_seed: int) -> ModelConfig:
@@ -69,9 +91,9 @@ def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConf
     `builtin`'s sequence length and init seed; a bad value exits with a one-line error naming the flag."""
     name = getattr(args, "model", BUILTIN)
     weights, tokenizer = getattr(args, "weights", None), getattr(args, "tokenizer", None)
-    for flag, value in (("--weights", weights), ("--tokenizer", tokenizer)):
+    for option, value in (("--weights", weights), ("--tokenizer", tokenizer)):
         if value is not None and not Path(value).exists():
-            raise SystemExit(f"{flag} {value}: no such file or directory")
+            raise SystemExit(f"{option} {value}: no such file or directory")
     if name == BUILTIN:
         if weights is not None or tokenizer is not None:
             raise SystemExit("--weights and --tokenizer need a Hugging Face model (--model PRESET or a directory)")
@@ -95,11 +117,7 @@ def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConf
 
 def model_arguments(args: argparse.Namespace) -> list[str]:
     """The model flags of `args` as a command line, for the peers a command starts (the same model)."""
-    flags = [
-        f"--model={args.model}", f"--layers={args.layers}", f"--hidden={args.hidden}", f"--heads={args.heads}",
-        f"--seq-len={args.seq_len}", f"--model-seed={args.model_seed}",
-    ]  # fmt: skip
-    return flags + [f"--{k}={getattr(args, k)}" for k in ("weights", "tokenizer") if getattr(args, k, None)]
+    return _MODEL_FLAGS.to_argv(ModelFlags(**{f.name: getattr(args, f.name) for f in fields(ModelFlags)}))
 
 
 def add_schedule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "1f1b") -> None:
@@ -109,75 +127,195 @@ def add_schedule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGr
     )
 
 
-def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("compression on the links")
-    labels = codec_labels()
-    g.add_argument("--fw-codec", default=DEFAULT_FW_CODEC, help=f"activation codec: {labels} (default %(default)s)")
-    g.add_argument("--bw-codec", default=DEFAULT_BW_CODEC, help=f"gradient codec: {labels} (default %(default)s)")
-    g.add_argument("--group-size", type=int, default=None, help="quantization group size (default: the kernels')")
-    g.add_argument("--zstd-level", type=int, default=1, help="zstd level of the framing, 0 = off")
-    g.add_argument("--codec-seed", type=int, default=0, help="seed of the stochastic rounding")
+def _codec_label(text: str) -> str:
+    CodecConfig.parse(text)  # a bad label fails as the flag is read, naming it
+    return text
+
+
+_LABELS = codec_labels()
+
+
+def _full_label(c: CodecConfig) -> str:
+    """`c.label` with what it leaves out: round to nearest (`+nr`) and the group size (`+gN`)."""
+    return c.label + ("" if c.stochastic else "+nr") + (f"+g{c.group_size}" if c.group_size is not None else "")
+
+
+@dataclass(frozen=True)
+class LinkCodecs:
+    """Compression on the links: the flags of a peer's two codecs (`build`: the `CodecConfig`s they give)."""
+
+    fw_codec: str = field(
+        default=DEFAULT_FW_CODEC, metadata=flag(parse=_codec_label, help=f"activation codec: {_LABELS}")
+    )
+    """Label of the activation codec of the links this peer sends forward on."""
+    bw_codec: str = field(
+        default=DEFAULT_BW_CODEC, metadata=flag(parse=_codec_label, help=f"gradient codec: {_LABELS}")
+    )
+    """Label of the gradient codec of the links this peer sends backward on."""
+    group_size: int | None = None
+    """quantization group size (none: the kernels')"""
+    zstd_level: int = 1
+    """zstd level of the framing, 0 = off"""
+    codec_seed: int = 0
+    """seed of the stochastic rounding"""
+    buffer_dir: str | None = None
+    """keep AQ-SGD buffers in memory-mapped files here (data larger than RAM)"""
+
+    def build(self) -> dict[str, CodecConfig]:
+        common = dict(group_size=self.group_size, zstd_level=self.zstd_level, seed=self.codec_seed)
+        fw_extra = {"buffer_dir": str(self.buffer_dir)} if self.buffer_dir else {}  # one file per link end
+        return {
+            "fw_codec": CodecConfig.parse(self.fw_codec, **common, **fw_extra),
+            "bw_codec": CodecConfig.parse(self.bw_codec, **common),
+        }
+
+    @classmethod
+    def of(cls, fw: CodecConfig, bw: CodecConfig) -> LinkCodecs:
+        """The flags of two codecs (each one's rounding and group size in its label, `+nr`, `+gN`)."""
+        labels = [
+            default if CodecConfig.parse(default) == c else _full_label(c)
+            for c, default in ((fw, DEFAULT_FW_CODEC), (bw, DEFAULT_BW_CODEC))
+        ]
+        return cls(*labels, None, fw.zstd_level, fw.seed, fw.buffer_dir)
 
 
 def codec_configs(args: argparse.Namespace) -> tuple[CodecConfig, CodecConfig]:
-    common = dict(group_size=args.group_size, zstd_level=args.zstd_level, seed=args.codec_seed)
-    buffer_dir = getattr(args, "buffer_dir", None)
-    fw_extra = {"buffer_dir": str(buffer_dir)} if buffer_dir else {}  # one file per link end, see Direction
-    return CodecConfig.parse(args.fw_codec, **common, **fw_extra), CodecConfig.parse(args.bw_codec, **common)
+    """The codecs of a namespace holding `LinkCodecs`' flags."""
+    names = [f.name for f in fields(LinkCodecs)]
+    built = LinkCodecs(**{n: getattr(args, n, None) for n in names if hasattr(args, n)}).build()
+    return built["fw_codec"], built["bw_codec"]
 
 
-def add_shaping_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("link shaping in the application (token bucket + one-way delay)")
-    g.add_argument("--rate-mbit", type=float, default=None, help="bandwidth of every outgoing link, Mbit/s")
-    g.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every outgoing link, ms")
-    g.add_argument(
-        "--link",
-        action="append",
-        default=[],
-        metavar="ADDR=RATE[:DELAY]",
-        help="shape the link to one address differently, e.g. 127.0.0.1:5001=10:25 (repeatable)",
-    )
+def _rate_mbit(text: str) -> float | None:
+    return None if text.strip().lower() in ("none", "0", "inf") else float(text)
 
 
-def link_shapes(args: argparse.Namespace) -> tuple[LinkShape, dict[str, LinkShape]]:
-    default = LinkShape.from_mbit(args.rate_mbit, args.delay_ms)
-    per_link = {}
-    for spec in args.link:
-        address, sep, shape = spec.partition("=")
-        if not sep:
-            raise SystemExit(f"--link {spec!r}: expected ADDR=RATE[:DELAY]")
-        per_link[address] = LinkShape.parse(shape)
-    return default, per_link
+def _mbit(rate_bytes_per_s: float | None) -> float | None:
+    return None if rate_bytes_per_s is None else round(rate_bytes_per_s * 8 / 1e6, 9)  # 9 digits: not 7.000000001
 
 
-def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
-    """The DHT flags of `swarm bootstrap` (--initial-peers, --host, --port, --run-name) plus --address-file."""
-    from swarm.peers.dht_flags import add_dht_arguments as add_bootstrap_dht_arguments
-
-    add_bootstrap_dht_arguments(parser)
-    parser.add_argument(
-        "--address-file", default=None, help="join through the multiaddrs in this file (as `swarm bootstrap` writes)"
-    )
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 9)
 
 
-def initial_peers(args: argparse.Namespace) -> list[str]:
-    from swarm.peers.dht_flags import read_address_file
-
-    return list(args.initial_peers) + (read_address_file(args.address_file) if args.address_file else [])
-
-
-def dht_config(args: argparse.Namespace, **overrides):
-    """The DHTConfig of a command's parsed DHT flags."""
-    from swarm.peers.dht_flags import dht_config_from_args
-
-    return dht_config_from_args(args, initial_peers=tuple(initial_peers(args)), **overrides)
+def _number(x: float) -> str:
+    text = repr(x)
+    return text[:-2] if text.endswith(".0") else text
 
 
-def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("monitoring")
-    g.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (off unless given; 0: any port)",
-    )
+def _shape_text(shape: LinkShape) -> str:
+    rate = _mbit(shape.rate_bytes_per_s)
+    return f"{'none' if rate is None else _number(rate)}:{_number(_ms(shape.delay_s))}"
+
+
+@dataclass(frozen=True)
+class LinkShaping:
+    """Link shaping in the application (token bucket + one-way delay): the flags of a peer's outgoing links."""
+
+    rate_mbit: float | None = field(default=None, metadata=flag(parse=_rate_mbit))
+    """bandwidth of every outgoing link, Mbit/s (none or 0: unshaped)"""
+    delay_ms: float = 0.0
+    """one-way delay of every outgoing link, ms"""
+    link: tuple[str, ...] = field(default=(), metadata=flag(repeat=True, metavar="ADDR=RATE[:DELAY]"))
+    """shape the link to one address differently, e.g. 127.0.0.1:5001=10:25 (repeatable)"""
+
+    def __post_init__(self) -> None:
+        for spec in self.link:
+            if "=" not in spec:
+                raise ValueError(f"--link {spec!r}: expected ADDR=RATE[:DELAY]")
+
+    def build(self) -> dict[str, object]:
+        per_link = {}
+        for spec in self.link:
+            address, _, shape = spec.partition("=")
+            per_link[address] = LinkShape.parse(shape)
+        return {
+            "link_shape": LinkShape.from_mbit(self.rate_mbit, self.delay_ms),
+            "link_shapes": tuple(per_link.items()),
+        }
+
+    @classmethod
+    def of(cls, shape: LinkShape, shapes: tuple[tuple[str, LinkShape], ...]) -> LinkShaping:
+        return cls(_mbit(shape.rate_bytes_per_s), _ms(shape.delay_s), tuple(f"{a}={_shape_text(s)}" for a, s in shapes))
+
+
+def peer_ids(text: str) -> tuple[str, ...]:
+    """`ID[,ID...]` as a tuple of peer ids."""
+    ids = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not ids and text.strip():  # "" is none (what an empty tuple renders as)
+        raise argparse.ArgumentTypeError(f"expected peer ids separated by commas, got {text!r}")
+    return ids
+
+
+def _identity(path: str | None) -> str | None:
+    from swarm.peers.dht import load_or_create_key
+
+    if path is not None:
+        load_or_create_key(path)  # an unreadable or malformed file fails here, named, not in a child process
+    return path
+
+
+def _secret(path: str | None) -> str | None:
+    return None if path is None else read_secret_file(path)
+
+
+def read_secret_file(path: str) -> str:
+    """The run secret in `path` (surrounding whitespace stripped). Raises ValueError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4097)
+    except OSError as e:
+        raise ValueError(f"--run-secret-file {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        secret = data.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"--run-secret-file {path}: not UTF-8 text") from None
+    if not secret or len(data) > 4096:
+        raise ValueError(f"--run-secret-file {path}: expected 1 to 4096 bytes of text")
+    return secret
+
+
+def _no_secret(secret: str | None) -> str:
+    if secret is None:
+        return "none"
+    raise ValueError("a run secret never goes on a command line: give the child --run-secret-file itself")
+
+
+_TRUST = "identity and trust"
+DHT_FLAGS = Flag(
+    group="DHT",
+    only=("initial_peers", "host", "port", "run_name", "signing_key_path", "trusted_planners", "run_secret",
+          "allowed_trainers"),
+    fields={
+        "initial_peers": Flag(
+            nargs="+", metavar="MADDR",
+            help="multiaddrs of live DHT nodes to join through, as `swarm bootstrap` prints them "
+            "(/ip4/HOST/tcp/PORT/p2p/ID); none starts a new swarm",
+        ),
+        "host": Flag(help="IP address the DHT node (and a peer's stage service) listens on; 0.0.0.0 to accept "
+                     "other machines"),
+        "port": Flag(help="TCP port the DHT node listens on (0: any free)"),
+        "run_name": Flag(help="namespace of the run's DHT keys, so runs can share a DHT"),
+        "signing_key_path": Flag(
+            name="--identity", metavar="FILE", parse=str, value=_identity, group=_TRUST,
+            help="RSA key (DER) that signs this process's records and calls; its hash is the peer id, so a restart "
+            "with the same file keeps the id (created with mode 0600 if missing; none: a fresh key each start)",
+        ),
+        "trusted_planners": Flag(
+            parse=peer_ids, render=",".join, nargs=None, metavar="ID[,ID...]", group=_TRUST,
+            help="follow plans only from these peer ids, and let only them plan (none: the elected planner, the "
+            "lowest announced id holding the planner lease; a stranger can grind a key for a low id, so open "
+            "swarms should name their planners)",
+        ),
+        "run_secret": Flag(
+            name="--run-secret-file", metavar="FILE", parse=str, value=_secret, render=_no_secret, group=_TRUST,
+            help="private run: a secret shared by the run's peers and trainers, read from FILE (never on the "
+            "command line); stages serve only callers that know it",
+        ),
+        "allowed_trainers": Flag(
+            name="--trainers", parse=peer_ids, render=",".join, metavar="ID[,ID...]", group=_TRUST,
+            help="private run: the peer ids of the trainers the stages serve (none: any announced trainer)",
+        ),
+    },
+)  # fmt: skip
+"""How a command's `dht: DHTConfig` field is flags (`field(metadata={"flag": DHT_FLAGS})`)."""

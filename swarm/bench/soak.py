@@ -172,6 +172,9 @@ class _StepReader:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.options import LinkCodecs
+    from swarm.runtime.worker import OptimConfig
     from swarm.testbed.local import local_swarm
     from swarm.testbed.procs import swarm_command
 
@@ -186,12 +189,14 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     say = lambda line: print(f"[soak] {line}", file=sys.stderr)
     warmup = int(args.steps * args.warmup_fraction)
-    peer_flags = [
-        "--fw-codec", "aqsgd2", "--bw-codec", "gradq4", "--threads", "1",
-        "--total-steps", str(args.steps), "--warmup-steps", str(max(1, warmup)), *MODEL_FLAGS,
-    ]  # fmt: skip
+    peer = PeerConfig(
+        threads=1,
+        optim=OptimConfig(total_steps=args.steps, warmup_steps=max(1, warmup)),
+        **LinkCodecs("aqsgd2", "gradq4").build(),
+    )
+    peer_argv = [*peer_flags().to_argv(peer), *MODEL_FLAGS]
     say(f"starting a bootstrap node and {args.peers} peers")
-    with local_swarm(out, args.peers, peer_flags, say) as swarm:
+    with local_swarm(out, args.peers, peer_argv, say) as swarm:
         procs = swarm.procs
         trainer = procs.start(
             "trainer",

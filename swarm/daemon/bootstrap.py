@@ -1,18 +1,34 @@
-"""`swarm bootstrap`: a DHT node that peers and trainers join through; prints its multiaddrs, serves until stopped."""
+"""`swarm bootstrap`: a DHT node that peers and trainers join through; prints its multiaddrs, serves until stopped.
+
+Also home of the DHT flags and address files that every command joining the DHT shares (status, peer, train).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
 
-from swarm.peers.dht import SwarmDHT, quiet_hivemind
-from swarm.peers.dht_flags import add_dht_arguments, dht_config_from_args, write_address_file
+from swarm.flags import Flags
+from swarm.options import DHT_FLAGS
+from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
 
-__all__ = ["add_arguments", "run"]
+__all__ = [
+    "add_arguments",
+    "add_dht_arguments",
+    "dht_config_from_args",
+    "joined_peers",
+    "read_address_file",
+    "run",
+    "write_address_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +104,43 @@ def _report(dht: SwarmDHT) -> None:
         return
     stages = sorted({p.stage for p in peers if p.stage is not None})
     logger.info("%d peers announced in run %r, serving stages %s", len(peers), dht.config.run_name, stages)
+
+
+@cache
+def _dht_flags() -> Flags[DHTConfig]:
+    return Flags(DHTConfig, spec=DHT_FLAGS)
+
+
+def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds --initial-peers, --host, --port, --run-name and the identity and trust flags to a command (its
+    --address-file is its own): `swarm.options.DHT_FLAGS`, as swarm-peer and swarm train have them."""
+    _dht_flags().add_to(parser, config_flag=False)
+
+
+def dht_config_from_args(args: argparse.Namespace, **overrides: Any) -> DHTConfig:
+    """The DHTConfig of a command's parsed arguments (see add_dht_arguments), with `overrides` on top.
+
+    Raises:
+        ValueError: a flag's value is invalid (the message names the flag or field).
+    """
+    return dataclasses.replace(_dht_flags().from_args(args), **overrides)
+
+
+def read_address_file(path: str) -> list[str]:
+    """The multiaddrs in an address file: one per line, blank lines and '#' comments ignored."""
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def joined_peers(initial_peers: tuple[str, ...], address_file: str | None) -> tuple[str, ...]:
+    """`initial_peers` and the multiaddrs in `address_file`, each once (so joining them again changes nothing)."""
+    extra = read_address_file(address_file) if address_file else []
+    return tuple(dict.fromkeys([*initial_peers, *extra]))
+
+
+def write_address_file(path: str, maddrs: Sequence[str]) -> None:
+    """Writes multiaddrs one per line, atomically: a reader never sees a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write("".join(f"{m}\n" for m in maddrs))
+    os.replace(tmp, path)

@@ -8,10 +8,10 @@ import json
 import sys
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.daemon.bootstrap import read_address_file
 from swarm.daemon.planning import live_search, swarm_plan_input
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
-from swarm.peers.dht_flags import read_address_file
 from swarm.scheduler import Plan, TransformerShape, plan
 from swarm.scheduler.cli import add_arguments, check_source, describe, fill_model_defaults, model_of
 from swarm.scheduler.cli import run as run_offline

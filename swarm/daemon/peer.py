@@ -264,21 +264,16 @@ class PeerDaemon:
             LivenessConfig(every_s=plans.heartbeat_s, gone_after_s=plans.gone_after_s),
         )
         planner = Planner(
+            plans,
             self.dht,
             spec,
             stages,
-            min_peers=plans.min_peers or stages or 1,
-            seed=plans.seed,
-            replicas=plans.replicas,
             liveness=liveness,
-            even_layers=plans.even_layers,
             codec_bytes=codec_sizes(self.model, plans.micro_batch_size) if plans.codec_policy == "per-link" else None,
-            lease_s=plans.planner_lease_s,
             reannounce=self.update_announcement,  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
             repack=RepackWatch(status_reader(self.channels, lambda: self._addresses)),  # a freezing trainer's
             precisions=precision_planner(self.model, plans.precision_budget, plans.micro_batch_size),
-            **({} if plans.probe_links else {"probe_wait_s": 0.0}),
         )
         lease_stop = threading.Event()
         threading.Thread(target=planner.keep_lease, args=(lease_stop,), name="swarm-planner-lease", daemon=True).start()

@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -54,6 +55,9 @@ from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
 from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, relays_of, shared_cost, shared_input
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
+
+if TYPE_CHECKING:
+    from swarm.daemon.config import PlanningConfig
 
 log = logging.getLogger("swarm.daemon.planning")
 
@@ -269,36 +273,36 @@ class Planner:
 
     def __init__(
         self,
+        cfg: PlanningConfig,
         dht,
         spec: ModelSpec,
         n_stages: int | None,
-        min_peers: int,
+        *,
         settle_s: float = 2.0,
         probe_wait_s: float = 20.0,
-        seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        replicas: int = 1,
         liveness: Liveness | None = None,
-        even_layers: bool = False,
         codec_bytes: Callable[[str], float] | None = None,
         bits: BitsPolicy | None = None,
-        lease_s: float = 3.0,
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
         calibrator: Calibrator | None = None,
         precisions: Callable[[list, list], dict] | None = None,
         repack=None,  # a swarm.daemon.repack.RepackWatch: repacks the plan when its stages froze more layers
     ):
-        self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, min_peers
-        self.settle_s, self.probe_wait_s, self.seed, self.clock = settle_s, probe_wait_s, seed, clock
-        self.replicas, self.liveness, self.even_layers = replicas, liveness, even_layers
+        """`cfg` says how to plan (min peers, seed, replicas, even layers, lease); the rest are collaborators.
+        Without link probes (`cfg.probe_links` False) it waits for none (`probe_wait_s` 0)."""
+        self.dht, self.spec, self.n_stages, self.min_peers = dht, spec, n_stages, cfg.min_peers or n_stages or 1
+        self.settle_s, self.seed, self.clock = settle_s, cfg.seed, clock
+        self.probe_wait_s = probe_wait_s if cfg.probe_links else 0.0
+        self.replicas, self.liveness, self.even_layers = cfg.replicas, liveness, cfg.even_layers
         self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
         self.calibrator, self.precisions, self.repack = calibrator, precisions, repack  # precisions: scheduler
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
         """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
         self._chosen_from: list[LinkFigures] | None = None
         self._epilogue_from = None  # the epilogue figures the plan's epilogue codecs were chosen from
-        self.lease_s, self.dht_time, self.reannounce = lease_s, dht_time, reannounce  # time.time: hivemind's DHT time
+        self.lease_s, self.dht_time, self.reannounce = cfg.planner_lease_s, dht_time, reannounce  # time.time: DHT time
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
         self._led_since: float | None = None

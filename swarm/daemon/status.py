@@ -11,9 +11,8 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from swarm.daemon.bootstrap import LOG_FORMAT
+from swarm.daemon.bootstrap import LOG_FORMAT, add_dht_arguments, dht_config_from_args, read_address_file
 from swarm.peers.dht import SwarmDHT, quiet_hivemind
-from swarm.peers.dht_flags import add_dht_arguments, dht_config_from_args, read_address_file
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 
 __all__ = ["add_arguments", "render", "run", "to_json"]

@@ -203,14 +203,33 @@ def config_from_args(args: argparse.Namespace) -> ChurnConfig:
 def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tuple[list[str], list[str]]:
     """(swarm-peer flags, swarm train flags) of one setting; flags this checkout's peer or trainer lacks are
     left out (main before issue 12: no --replicas)."""
-    peer = ["--num-stages", str(cfg.stages), "--min-peers", str(cfg.peers), "--fw-codec", cfg.fw_codec,
-            "--bw-codec", cfg.bw_codec, "--threads", "1", "--plan-seed", str(cfg.seed),
-            "--compute-speed", str(COMPUTE_LAYERS_PER_S),
-            "--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 10))]  # fmt: skip
-    if support.get("--replicas"):
-        peer += ["--replicas", str(cfg.replicas)]
-    if support.get("--no-link-probe") and not cfg.measured_plan:
-        peer += ["--no-link-probe"]
+    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.options import LinkCodecs
+    from swarm.runtime.worker import OptimConfig
+
+    planning = PlanningConfig(
+        min_peers=cfg.peers,
+        seed=cfg.seed,
+        replicas=cfg.replicas if support.get("--replicas") else 0,
+        probe_links=not (support.get("--no-link-probe") and not cfg.measured_plan),
+    )
+    config = PeerConfig(
+        num_stages=cfg.stages,
+        threads=1,
+        compute_layers_per_s=COMPUTE_LAYERS_PER_S,
+        planning=planning,
+        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, cfg.steps // 10)),
+        **LinkCodecs(cfg.fw_codec, cfg.bw_codec).build(),
+    )
+    # named even where they are this checkout's defaults: a run of another checkout may default otherwise
+    explicit = ["--num-stages", "--min-peers", "--fw-codec", "--bw-codec", "--threads", "--plan-seed"]
+    explicit += [
+        "--compute-speed",
+        "--total-steps",
+        "--warmup-steps",
+        *(["--replicas"] if support.get("--replicas") else []),
+    ]
+    peer = peer_flags().to_argv(config, always=explicit)
     trainer = ["--num-stages", str(cfg.stages), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
                "--setting", setting, "--train-samples", str(cfg.train_samples), "--batch-size", str(cfg.batch_size),
                "--micro-batches", str(cfg.micro_batches), "--deadline-s", "60", "--wait-timeout-s", "180"]  # fmt: skip

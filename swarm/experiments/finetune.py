@@ -24,10 +24,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.flags import Flags, flag
 
 __all__ = ["FinetuneConfig", "add_arguments", "run", "run_finetune", "parameters_by_stage"]
 
@@ -37,58 +38,55 @@ _FIRST = ("embed_tokens", ".wte.", ".wpe.")
 
 @dataclass(frozen=True)
 class FinetuneConfig:
+    """`swarm experiment finetune`: a Hugging Face checkpoint written locally, fine-tuned over a local swarm."""
+
     model: str = "llama-100m"
-    """A preset of `swarm.model.hf.PRESETS` whose checkpoint is written and fine-tuned."""
+    """model preset to write and fine-tune (a preset of `swarm.model.hf.PRESETS`)"""
     peers: int = 3
-    """swarm-peer processes, one stage each."""
+    """swarm-peer processes, one stage each"""
     steps: int = 20
+    """optimizer steps"""
     seq_len: int = 128
+    """tokens per sample"""
     batch_size: int = 4
+    """samples per step"""
     micro_batches: int = 2
+    """micro-batches per step"""
     train_samples: int = 40
-    """Two epochs in 20 steps of 4: from step 10 every sample comes back, and AQ-SGD sends deltas, not first
-    sights."""
+    """training samples. Two epochs in 20 steps of 4: from step 10 every sample comes back, and AQ-SGD sends
+    deltas, not first sights"""
     lr: float = 6e-4
-    vocab: int | None = None
+    """peak learning rate"""
+    vocab: int | None = field(default=None, metadata=flag(skip=True))
     """Tokenizer vocabulary (None: the model's)."""
     data: str | None = None
+    """a text file or folder (none: the Python stdlib's docstrings)"""
     fw_codec: str = DEFAULT_FW_CODEC
+    """activation codec"""
     bw_codec: str = DEFAULT_BW_CODEC
+    """gradient codec"""
     shard_mb: int = 200
-    """Shard size of the written checkpoint, MB (several shards and an index, as real checkpoints have)."""
-    seed: int = 0
+    """checkpoint shard size, MB (several shards and an index, as real checkpoints have)"""
+    seed: int = field(default=0, metadata=flag(skip=True))
+    """Seed of the init and the data order."""
+
+
+_FLAGS = Flags(FinetuneConfig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = FinetuneConfig()
-    add = parser.add_argument
-    add("--model", default=d.model, help="model preset to write and fine-tune (default %(default)s)")
-    add("--peers", type=int, default=d.peers, help="swarm-peer processes, one stage each (default %(default)s)")
-    add("--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    add("--seq-len", type=int, default=d.seq_len, help="tokens per sample (default %(default)s)")
-    add("--batch-size", type=int, default=d.batch_size, help="samples per step (default %(default)s)")
-    add("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per step (default %(default)s)")
-    add("--train-samples", type=int, default=d.train_samples, help="training samples (default %(default)s)")
-    add("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
-    add("--data", default=None, help="a text file or folder (default: the Python stdlib's docstrings)")
-    add("--fw-codec", default=d.fw_codec, help="activation codec (default %(default)s)")
-    add("--bw-codec", default=d.bw_codec, help="gradient codec (default %(default)s)")
-    add("--shard-mb", type=int, default=d.shard_mb, help="checkpoint shard size, MB (default %(default)s)")
-    add("--out", type=Path, default=None, help="output folder (default runs/finetune-<time>)")
-    add("--quick", action="store_true", help="llama-tiny, 8 steps, 3 peers: the smoke test")
-    add("--json", action="store_true", help="print the result as one JSON object")
+    _FLAGS.add_to(parser)
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/finetune-<time>)")
+    parser.add_argument("--quick", action="store_true", help="llama-tiny, 8 steps, 3 peers: the smoke test")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
-    cfg = FinetuneConfig(
-        model=args.model, peers=args.peers, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
-        micro_batches=args.micro_batches, train_samples=args.train_samples, lr=args.lr, data=args.data,
-        fw_codec=args.fw_codec, bw_codec=args.bw_codec, shard_mb=args.shard_mb,
-    )  # fmt: skip
-    if args.quick:
+    cfg = _FLAGS.from_args(args)
+    if args.quick:  # the smoke test: only the data and the codecs are the flags'
         return FinetuneConfig(
             model="llama-tiny", peers=3, steps=8, seq_len=32, batch_size=4, micro_batches=2, train_samples=16,
-            lr=3e-3, data=args.data, fw_codec=args.fw_codec, bw_codec=args.bw_codec, shard_mb=1,
+            lr=3e-3, data=cfg.data, fw_codec=cfg.fw_codec, bw_codec=cfg.bw_codec, shard_mb=1,
         )  # fmt: skip
     return cfg
 
@@ -167,6 +165,33 @@ def _stop_without_handover(procs) -> None:
     procs.close()
 
 
+def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
+    """Every peer's flags: the checkpoint by its --model name (a Hugging Face model is written by its name, not
+    its config), the codecs and schedule, and fixed even stages, declared compute and no link probes: the plan
+    does not depend on noisy measurements."""
+    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.flags import Flags
+    from swarm.options import LinkCodecs, ModelFlags
+    from swarm.runtime.worker import OptimConfig
+
+    planning = PlanningConfig(
+        even_layers=True,
+        probe_links=False,
+        micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches),
+        micro_batches=cfg.micro_batches,
+    )
+    peer = PeerConfig(
+        assign="plan",
+        compute_layers_per_s=1.0,
+        replicate_every=1000000,
+        planning=planning,
+        optim=OptimConfig(lr_peak=cfg.lr, total_steps=cfg.steps, warmup_steps=max(1, cfg.steps // 5)),
+        **LinkCodecs(cfg.fw_codec, cfg.bw_codec).build(),
+    )
+    model = ModelFlags(model=str(checkpoint), seq_len=cfg.seq_len, model_seed=cfg.seed)
+    return [*Flags(ModelFlags).to_argv(model), *peer_flags().to_argv(peer)]
+
+
 def run_finetune(cfg: FinetuneConfig, out: Path, say=print) -> dict:
     """Runs the experiment and returns its result (also written to `out`/result.json)."""
     from swarm.testbed.local import local_swarm
@@ -174,13 +199,7 @@ def run_finetune(cfg: FinetuneConfig, out: Path, say=print) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     checkpoint, model = _write_checkpoint(cfg, out, say)
-    flags = ["--model", str(checkpoint), "--seq-len", str(cfg.seq_len), "--model-seed", str(cfg.seed)]
-    flags += ["--fw-codec", cfg.fw_codec, "--bw-codec", cfg.bw_codec, "--lr", str(cfg.lr)]
-    flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(max(1, cfg.steps // 5))]
-    # fixed even stages, declared compute, no link probes: the plan does not depend on noisy measurements
-    flags += ["--assign", "plan", "--plan-even-layers", "--compute-speed", "1", "--no-link-probe"]
-    flags += ["--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches))]
-    flags += ["--plan-micro-batches", str(cfg.micro_batches), "--replicate-every", "1000000"]
+    flags = _peer_flags(cfg, checkpoint)
     train_cfg = TrainConfig(
         model=model, data=cfg.data, train_samples=cfg.train_samples, batch_size=cfg.batch_size,
         micro_batches=cfg.micro_batches, steps=cfg.steps, seed=cfg.seed, setting=f"{cfg.fw_codec}/{cfg.bw_codec}",

@@ -36,7 +36,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ import torch
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
 from swarm.daemon.repack import repack_layout
 from swarm.experiments import rotated
+from swarm.flags import Flags, flag
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import split_layers
 from swarm.model.hf import HFModelConfig, _canonical, _family_config_dict
@@ -59,34 +60,51 @@ SETTINGS = ("no-freeze", "freeze", "freeze+repack")
 
 @dataclass(frozen=True)
 class FreezingConfig:
-    n_layers: int = 8
+    """`swarm experiment freezing`: from one seed, no freezing, PipeTransformer's freezing, and freezing + repack."""
+
+    n_layers: int = field(default=8, metadata=flag(name="--layers"))
+    """model layers"""
     hidden: int = 128
-    seq_len: int = 64
-    n_stages: int = 4
-    batch_size: int = 16
-    n_micro: int = 4
-    train_samples: int = 256
-    eval_samples: int = 64
+    """model width"""
+    seq_len: int = field(default=64, metadata=flag(skip=True))
+    """Tokens per sample."""
+    n_stages: int = field(default=4, metadata=flag(name="--stages"))
+    """pipeline stages before any repack"""
+    batch_size: int = field(default=16, metadata=flag(skip=True))
+    """Samples per step."""
+    n_micro: int = field(default=4, metadata=flag(skip=True))
+    """Micro-batches per step."""
+    train_samples: int = field(default=256, metadata=flag(skip=True))
+    """Training samples."""
+    eval_samples: int = field(default=64, metadata=flag(skip=True))
+    """Held-out samples."""
     pretrain_epochs: int = 12
-    """Epochs trained once, without freezing and untimed, to the state every setting fine-tunes from. After 6 the
-    model still learned in every layer and freezing cost +1.7% held-out loss; after 12, +0.8% (one seed)."""
-    pretrain_lr: float = 2e-3
+    """untimed epochs trained once, without freezing, to the state every setting fine-tunes from. After 6 the
+    model still learned in every layer and freezing cost +1.7% held-out loss; after 12, +0.8% (one seed)"""
+    pretrain_lr: float = field(default=2e-3, metadata=flag(skip=True))
+    """Peak learning rate of the pre-training."""
     epochs: int = 6
-    """Fine-tuning epochs of every setting (timed)."""
-    lr: float = 5e-4
+    """fine-tuning epochs per setting (timed)"""
+    lr: float = field(default=5e-4, metadata=flag(skip=True))
     """Peak learning rate of the fine-tuning."""
-    warmup_fraction: float = 0.1
+    warmup_fraction: float = field(default=0.1, metadata=flag(skip=True))
+    """Share of the fine-tuning steps that warm the learning rate up."""
     interval: int = 8
-    """Steps per window of the criterion."""
+    """steps per window of the criterion"""
     tolerance: float = 0.1
-    """A block whose mean gradient norm moved by less than this fraction between windows has settled."""
+    """settled below this change: a block whose mean gradient norm moved by less than this fraction between
+    windows has settled"""
     max_fraction: float = 0.75
-    """Never freeze more than this fraction of the layers (PipeTransformer's alpha-style cap)."""
-    fw_codec: str = DEFAULT_FW_CODEC
-    bw_codec: str = DEFAULT_BW_CODEC
+    """freeze at most this fraction of the layers (PipeTransformer's alpha-style cap)"""
+    fw_codec: str = field(default=DEFAULT_FW_CODEC, metadata=flag(skip=True))
+    """Activation codec of the stage links."""
+    bw_codec: str = field(default=DEFAULT_BW_CODEC, metadata=flag(skip=True))
+    """Gradient codec of the stage links."""
     seed: int = 0
+    """model and data seed"""
     repeats: int = 3
-    """Interleaved rounds of the three settings; speedups are the median of the rounds' ratios (module doc)."""
+    """interleaved timed rounds of the three settings; speedups are the median of the rounds' ratios (module
+    doc)"""
 
 
 QUICK = {
@@ -275,42 +293,19 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+_FLAGS = Flags(FreezingConfig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = FreezingConfig()
+    _FLAGS.add_to(parser)
     add = parser.add_argument
-    add("--layers", type=int, default=d.n_layers, help="model layers (default %(default)s)")
-    add("--hidden", type=int, default=d.hidden, help="model width (default %(default)s)")
-    add("--stages", type=int, default=d.n_stages, help="pipeline stages before any repack (default %(default)s)")
-    add(
-        "--pretrain-epochs",
-        type=int,
-        default=d.pretrain_epochs,
-        help="untimed epochs to start from (default %(default)s)",
-    )
-    add("--epochs", type=int, default=d.epochs, help="fine-tuning epochs per setting (default %(default)s)")
-    add("--interval", type=int, default=d.interval, help="steps per window of the criterion (default %(default)s)")
-    add("--tolerance", type=float, default=d.tolerance, help="settled below this change (default %(default)s)")
-    add("--max-fraction", type=float, default=d.max_fraction, help="freeze at most this (default %(default)s)")
-    add("--seed", type=int, default=d.seed, help="model and data seed (default %(default)s)")
-    add("--repeats", type=int, default=d.repeats, help="interleaved timed rounds; medians (default %(default)s)")
     add("--quick", action="store_true", help="a small model and run (about a minute)")
     add("--json", action="store_true", help="print the rows as JSON")
     add("--out", type=Path, default=None, help="output folder (default runs/freezing-<time>)")
 
 
 def config_from_args(args: argparse.Namespace) -> FreezingConfig:
-    cfg = FreezingConfig(
-        n_layers=args.layers,
-        hidden=args.hidden,
-        n_stages=args.stages,
-        pretrain_epochs=args.pretrain_epochs,
-        epochs=args.epochs,
-        interval=args.interval,
-        tolerance=args.tolerance,
-        max_fraction=args.max_fraction,
-        seed=args.seed,
-        repeats=args.repeats,
-    )
+    cfg = _FLAGS.from_args(args)
     return replace(cfg, **QUICK) if args.quick else cfg
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from swarm.flags import Flag, Flags, flag
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.runtime.local import LocalPipeline
@@ -141,23 +142,52 @@ class ComputeThrottle:
             h.remove()
 
 
+_MODEL_FLAGS = Flag(
+    only=("hidden_dim", "n_layers", "init_seed"),
+    fields={
+        "hidden_dim": Flag(name="--hidden", help="model width"),
+        "n_layers": Flag(name="--layers", help="transformer blocks"),
+        "init_seed": Flag(name="--seed", help="model init and data shuffling seed"),
+    },
+)
+_DATA_FLAGS = Flag(
+    only=("path",), fields={"path": Flag(name="--data", help="a text file or folder of them (none: the Python "
+                                                               "stdlib's docstrings)")}
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class HeteroConfig:
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(hidden_dim=256, n_layers=4, n_heads=4))
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr_peak=1e-3))
-    n_stages: int = 2
+    """`swarm experiment hetero`: one stage slowed, all-equal vs uniform fp32 vs planned per-stage precision."""
+
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(hidden_dim=256, n_layers=4, n_heads=4), metadata={"flag": _MODEL_FLAGS}
+    )
+    """The model (its width, depth and seed are flags)."""
+    data: DataConfig = field(default_factory=DataConfig, metadata={"flag": _DATA_FLAGS})
+    """The data (its file is a flag)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr_peak=1e-3), metadata=flag(skip=True))
+    """Optimizer and schedule of every stage."""
+    n_stages: int = field(default=2, metadata=flag(name="--stages"))
+    """pipeline stages"""
     slow_stage: int = 1
-    """the slowed stage (not 0: its input must carry a gradient for the backward to be timed)"""
+    """the slowed stage, >= 1 (not 0: its input must carry a gradient for the backward to be timed)"""
     slow_factor: float = 2.0
-    batch_size: int = 16
-    n_micro: int = 4
+    """how much slower it is"""
+    batch_size: int = field(default=16, metadata=flag(skip=True))
+    """Samples per step."""
+    n_micro: int = field(default=4, metadata=flag(skip=True))
+    """Micro-batches per step."""
     epochs: int = 5
-    plan_fraction: float = 0.1
+    """passes over the training samples"""
+    plan_fraction: float = field(default=0.1, metadata=flag(skip=True))
     """share of the steps trained in fp32 before the planned run measures and chooses precisions"""
     budget: float = DEFAULT_BUDGET
-    sensitivity_batches: int = 2
+    """loss budget: summed sensitivity"""
+    sensitivity_batches: int = field(default=2, metadata=flag(skip=True))
+    """Batches the sensitivity is measured on."""
     seed: int = 0
+    """model init and data shuffling seed"""
 
 
 def _stage_time(pipe: LocalPipeline, stage: int, x: torch.Tensor, targets: torch.Tensor, precision: str) -> float:
@@ -298,18 +328,12 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool]]:
     ]
 
 
+_FLAGS = Flags(HeteroConfig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = HeteroConfig()
+    _FLAGS.add_to(parser)
     add = parser.add_argument
-    add("--epochs", type=int, default=d.epochs, help="passes over the training samples (default %(default)s)")
-    add("--stages", type=int, default=d.n_stages, help="pipeline stages (default %(default)s)")
-    add("--slow-stage", type=int, default=d.slow_stage, help="the slowed stage, >= 1 (default %(default)s)")
-    add("--slow-factor", type=float, default=d.slow_factor, help="how much slower it is (default %(default)s)")
-    add("--budget", type=float, default=d.budget, help="loss budget: summed sensitivity (default %(default)s)")
-    add("--hidden", type=int, default=d.model.hidden_dim, help="model width (default %(default)s)")
-    add("--layers", type=int, default=d.model.n_layers, help="transformer blocks (default %(default)s)")
-    add("--seed", type=int, default=0, help="model init and data shuffling seed (default %(default)s)")
-    add("--data", default=None, help="a text file or folder of them (default: the Python stdlib's docstrings)")
     add("--quick", action="store_true", help="fewer steps and samples: a smoke test")
     add("--no-progress", action="store_true", help="hide the progress bar")
     add("--json", action="store_true", help="print the result rows as JSON instead of a table")
@@ -317,19 +341,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> HeteroConfig:
-    d = HeteroConfig()
-    model = replace(d.model, hidden_dim=args.hidden, n_layers=args.layers, init_seed=args.seed)
-    cfg = replace(
-        d,
-        model=model,
-        data=replace(d.data, path=args.data),
-        n_stages=args.stages,
-        slow_stage=args.slow_stage,
-        slow_factor=args.slow_factor,
-        budget=args.budget,
-        epochs=args.epochs,
-        seed=args.seed,
-    )
+    cfg = _FLAGS.from_args(args)  # --seed seeds the model's init and the run alike (one flag, both fields)
     if args.quick:
         cfg = replace(cfg, data=replace(cfg.data, train_samples=128, eval_samples=32), epochs=2)
     return cfg

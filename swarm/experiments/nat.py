@@ -59,10 +59,11 @@ import statistics
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from swarm.experiments import rotated
+from swarm.flags import Flags, flag
 from swarm.metrics import RELAYED_BYTES
 from swarm.report import emit, free_port
 
@@ -78,29 +79,44 @@ NOISE_STANDARD_ERRORS = 2.0
 """Target: the relayed run's measured extra within relay_extra_s + this many standard errors of it."""
 
 
+def _settings(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
 @dataclass(frozen=True)
 class NatConfig:
+    """`swarm experiment nat`: the same run reachable, half behind NAT, and through a relay."""
+
     peers: int = 4
+    """swarm-peers, one stage each"""
     steps: int = 30
-    """Per round: 3 rounds of 30 steps (87 timed steps a setting) fit ~7 minutes with --netns, where bringing a
-    testbed up takes ~35 s of each run; 40-step single runs left a ~5% standard error per ratio."""
+    """optimizer steps per setting and round. 3 rounds of 30 steps (87 timed steps a setting) fit ~7 minutes with
+    --netns, where bringing a testbed up takes ~35 s of each run; 40-step single runs left a ~5% standard error per
+    ratio"""
     train_samples: int = 32
+    """training samples"""
     batch_size: int = 8
+    """samples per step"""
     micro_batches: int = 4
+    """micro-batches per step"""
     rate_mbit: float = 100.0
-    """Every peer's egress (the application's shaper, or tc with --netns)."""
+    """every peer's egress, Mbit/s (the application's shaper, or tc with --netns)"""
     delay_ms: float = 5.0
-    """One-way delay of every peer's links."""
-    settings: tuple[str, ...] = SETTINGS
+    """one-way delay of every peer's links, ms"""
+    settings: tuple[str, ...] = field(default=SETTINGS, metadata=flag(parse=_settings, render=",".join))
+    """comma-separated settings"""
     repeats: int = 3
-    """Interleaved rounds of the settings (round k starts at setting k); ratios are the rounds' medians."""
+    """interleaved rounds of the settings (round k starts at setting k); ratios are the rounds' medians"""
     netns: bool = False
-    ping: int = 0
-    """With --netns: signed Pings to each stage, timed, from the trainer's namespace and each relay's (0: none)."""
+    """the namespace testbed with a real NAT router (root)"""
+    ping: int = field(default=0, metadata=flag(value=lambda n: max(0, n)))
+    """with --netns: time this many signed Pings per stage and path, from the trainer's namespace and each
+    relay's (diagnosis; 0: none)"""
     frames: bool = False
-    """Relays carry bytes as gRPC frames (`--relay-data-port -1` on every peer): the tunnel before the data port,
-    for comparison."""
+    """relays carry relayed bytes as gRPC frames (`--relay-data-port -1` on every peer), not by their data ports:
+    the older tunnel, to compare"""
     out: Path | None = None
+    """output folder (none: runs/nat-<time>)"""
 
     def __post_init__(self) -> None:
         if self.peers < 3:
@@ -130,9 +146,10 @@ def reach_flags(behind_nat: bool, netns: bool, supported: bool = True) -> list[s
         if behind_nat:
             raise ValueError("a NAT'd peer needs swarm-peer's --reach (the relay transport)")
         return []
-    if netns:
-        return ["--reach", "auto"]
-    return ["--reach", "relay" if behind_nat else "direct"]
+    from swarm.daemon.config import PeerConfig, peer_flags
+
+    reach = "auto" if netns else "relay" if behind_nat else "direct"
+    return peer_flags().to_argv(PeerConfig(reach=reach), always=["--reach"])
 
 
 def reach_supported() -> bool:
@@ -192,16 +209,22 @@ def _scrape(ports: list[int]) -> tuple[int, dict[str, int]]:
 def common_flags(cfg: NatConfig) -> list[str]:
     """Every peer's flags: even stage boundaries (the same split in every setting, so the math is the same),
     the shaped links, the schedule."""
+    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
     from swarm.experiments.throttled import warmup_steps
+    from swarm.peers.shaper import LinkShape
+    from swarm.runtime.worker import OptimConfig
 
-    warmup = warmup_steps(cfg.steps)
-    return [
-        "--assign", "plan", "--plan-even-layers",
-        "--rate-mbit", f"{cfg.rate_mbit:g}", "--delay-ms", f"{cfg.delay_ms:g}",
-        "--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches)),
-        "--plan-micro-batches", str(cfg.micro_batches), "--total-steps", str(cfg.steps), "--warmup-steps", str(warmup),
-        *(["--relay-data-port", "-1"] if cfg.frames else []),
-    ]  # fmt: skip
+    planning = PlanningConfig(
+        even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
+    )
+    peer = PeerConfig(
+        assign="plan",
+        planning=planning,
+        link_shape=LinkShape.from_mbit(cfg.rate_mbit, cfg.delay_ms),
+        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
+        relay_data_port=None if cfg.frames else 0,
+    )
+    return peer_flags().to_argv(peer)
 
 
 def _train_config(cfg: NatConfig, out: Path):
@@ -219,15 +242,17 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
     row = {"setting": setting, "nat_peers": len(nat)}
     if cfg.netns:
         return {**row, **_run_netns(cfg, nat, out / setting, supported)}
+    from swarm.daemon.config import PeerConfig, peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
     grpc_ports = [free_port() for _ in range(cfg.peers)]
     metrics_ports = [free_port() for _ in range(cfg.peers)]
-    per_peer = [
-        [*reach_flags(i in nat, False, supported), "--grpc-port", str(port), "--metrics-port", str(metrics)]
-        for i, (port, metrics) in enumerate(zip(grpc_ports, metrics_ports, strict=True))
+    ports = [
+        peer_flags().to_argv(PeerConfig(grpc_port=port, metrics_port=metrics))
+        for port, metrics in zip(grpc_ports, metrics_ports, strict=True)
     ]
+    per_peer = [[*reach_flags(i in nat, False, supported), *own] for i, own in enumerate(ports)]
     with local_swarm(out / setting, cfg.peers, common_flags(cfg), per_peer_flags=per_peer) as swarm:
         summary = train(_train_config(cfg, out / setting), swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
         relayed, conns = _scrape(metrics_ports)
@@ -403,42 +428,20 @@ def standard_error(r: dict, base: dict) -> float | None:
         return None
 
 
+_FLAGS = Flags(NatConfig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = NatConfig()
-    parser.add_argument("--peers", type=int, default=d.peers, help="swarm-peers, one stage each (default %(default)s)")
-    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per setting (default %(default)s)")
-    parser.add_argument("--train-samples", type=int, default=d.train_samples, help="training samples")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per step")
-    parser.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per step")
-    parser.add_argument("--rate-mbit", type=float, default=d.rate_mbit, help="every peer's egress, Mbit/s")
-    parser.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay of every link, ms")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated settings (default: all)")
-    parser.add_argument(
-        "--repeats", type=int, default=d.repeats, help="interleaved rounds, ratios their medians (default %(default)s)"
-    )
-    parser.add_argument("--netns", action="store_true", help="the namespace testbed with a real NAT router (root)")
-    parser.add_argument(
-        "--ping", type=int, default=0, help="with --netns: time this many Pings per stage and path (diagnosis)"
-    )
-    parser.add_argument(
-        "--frames", action="store_true",
-        help="relays carry relayed bytes as gRPC frames, not by their data ports (the older tunnel, to compare)",
-    )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/nat-<time>)")
+    _FLAGS.add_to(parser)
     parser.add_argument("--quick", action="store_true", help="fewer steps and samples")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
 def config_from_args(args: argparse.Namespace) -> NatConfig:
-    steps, samples, repeats = args.steps, args.train_samples, args.repeats
+    cfg = _FLAGS.from_args(args)
     if args.quick:
-        steps, samples, repeats = min(steps, 4), min(samples, 16), 1
-    return NatConfig(
-        peers=args.peers, steps=steps, train_samples=samples, batch_size=args.batch_size,
-        micro_batches=args.micro_batches, rate_mbit=args.rate_mbit, delay_ms=args.delay_ms,
-        settings=tuple(s.strip() for s in args.settings.split(",") if s.strip()), netns=args.netns, out=args.out,
-        repeats=repeats, ping=max(0, args.ping), frames=args.frames,
-    )  # fmt: skip
+        return replace(cfg, steps=min(cfg.steps, 4), train_samples=min(cfg.train_samples, 16), repeats=1)
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,11 +24,12 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.flags import Flags, flag
 from swarm.peers.plan import PlanDocument
 from swarm.report import print_table
 
@@ -85,44 +86,60 @@ class Cell:
         return f"{rate}-{self.setting.replace('/', '-')}"
 
 
+def _rates(text: str) -> tuple[float | None, ...]:
+    return tuple(None if r.strip().lower() in ("none", "unshaped") else float(r) for r in text.split(","))
+
+
+def _rates_text(rates: tuple[float | None, ...]) -> str:
+    return ",".join("none" if r is None else repr(r).removesuffix(".0") for r in rates)
+
+
+def _settings(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
 @dataclass(frozen=True)
 class ThrottledConfig:
     """The matrix of `swarm experiment throttled`: every link speed with every codec setting."""
 
-    rates: tuple[float | None, ...] = tuple(RATES)
-    """Link speeds of the cells, Mbit/s; None: an unshaped link."""
-    settings: tuple[str, ...] = tuple(SETTINGS)
-    """FW/BW codec pairs of the cells; the fp32/* ones are the baseline of the comparisons."""
+    rates: tuple[float | None, ...] = field(default=tuple(RATES), metadata=flag(parse=_rates, render=_rates_text))
+    """comma-separated link speeds of the cells, Mbit/s; 'none' for an unshaped link"""
+    settings: tuple[str, ...] = field(default=tuple(SETTINGS), metadata=flag(parse=_settings, render=",".join))
+    """comma-separated FW/BW codec pairs of the cells; the fp32/* ones are the baseline of the comparisons (one is
+    always run)"""
     steps: int = 40
-    """Optimizer steps per cell."""
+    """optimizer steps per cell"""
     slow_steps: int = 12
-    """Optimizer steps of the fp32 cells on links slower than `SLOW_RATE_MBIT` (at most `steps`): fp32 takes
-    seconds per step there. 12 = 3 epochs of the default data: 8 steps of steady state after the first."""
+    """optimizer steps of the fp32 cells on links slower than 100 Mbit/s (`SLOW_RATE_MBIT`; at most --steps), on
+    the same learning-rate schedule: fp32 takes seconds per step there. 12 = 3 epochs of the default data: 8
+    steps of steady state after the first"""
     slow_codec_steps: int = 64
-    """Optimizer steps of the other cells on those links (at least `steps`). A link-bound step there takes its
-    bytes over the rate, but twice in a run the links idle long enough to fill the shaper's 64 KiB bucket (one
-    direction through the first epoch's full forward messages, both while the trainer follows the calibrated
-    plan), about 1 s of link time passed at once each time: over s22's 8 steady steps that read 0.195 s a step
-    for a link-bound 0.28 s. Over 60 steady steps (under 30 s a cell here) it is about 6%."""
+    """optimizer steps of the compressed cells on those links (at least --steps; past --steps the learning rate stays
+    at its minimum), long enough that a filled token bucket does not set their mean. A link-bound step there takes
+    its bytes over the rate, but twice in a run the links idle long enough to fill the shaper's 64 KiB bucket (one
+    direction through the first epoch's full forward messages, both while the trainer follows the calibrated plan),
+    about 1 s of link time passed at once each time: over s22's 8 steady steps that read 0.195 s a step for a link-
+    bound 0.28 s. Over 60 steady steps (under 30 s a cell here) it is about 6%."""
     train_samples: int = 32
-    """Training samples, a multiple of `batch_size`."""
+    """training samples, a multiple of --batch-size"""
     batch_size: int = 8
-    """Samples per step."""
+    """samples per step"""
     micro_batches: int = 4
-    """Micro-batches per step."""
+    """micro-batches per step"""
     peers: int = 2
-    """swarm-peer processes, one stage each."""
+    """swarm-peer processes, one stage each"""
     delay_ms: float = 0.0
-    """One-way delay of every link, ms."""
+    """one-way delay of every link, ms"""
     netns: bool = False
-    """Shape with tc in network namespaces (needs root) instead of the application's shaper."""
+    """shape with tc in network namespaces (needs root) instead of the application's shaper"""
     out: Path | None = None
-    """Output folder (None: runs/throttled-<time>)."""
-    baseline: str | None = None
-    """"torch": also run PyTorch's own pipeline (fp32) at every rate, in the same namespaces (needs netns)."""
-    model: object = None
+    """output folder (none: runs/throttled-<time>)"""
+    baseline: str | None = field(default=None, metadata=flag(choices=BASELINES))
+    """torch: also PyTorch's own pipeline (torch.distributed.pipelining, 1F1B, gloo, fp32) at every rate, same
+    model split and tc shaping (needs --netns)"""
+    model: object = field(default=None, metadata=flag(skip=True))
     """The model (`swarm.options.model_config`; None: the entry points' default, the built-in GPT)."""
-    model_flags: tuple[str, ...] = ()
+    model_flags: tuple[str, ...] = field(default=(), metadata=flag(skip=True))
     """The same model as swarm-peer flags (`swarm.options.model_arguments`)."""
 
     def __post_init__(self) -> None:
@@ -162,75 +179,27 @@ class ThrottledConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--rates",
-        default=",".join("none" if r is None else f"{r:g}" for r in RATES),
-        help="comma-separated link speeds in Mbit/s, 'none' for an unshaped link (default %(default)s)",
-    )
-    parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated FW/BW codec pairs")
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default %(default)s)")
-    parser.add_argument(
-        "--slow-steps",
-        type=int,
-        default=ThrottledConfig.slow_steps,
-        help=f"steps of the cells below {SLOW_RATE_MBIT:g} Mbit/s, on the same learning-rate schedule "
-        "(default %(default)s)",
-    )
-    parser.add_argument(
-        "--slow-codec-steps",
-        type=int,
-        default=ThrottledConfig.slow_codec_steps,
-        help=f"steps of the compressed cells below {SLOW_RATE_MBIT:g} Mbit/s (at least --steps; past --steps the "
-        "learning rate stays at its minimum), long enough that a filled token bucket does not set their mean "
-        "(default %(default)s)",
-    )
-    parser.add_argument("--train-samples", type=int, default=32, help="training samples (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per step (default %(default)s)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default %(default)s)")
-    parser.add_argument("--peers", type=int, default=2, help="swarm-peer processes, one stage each")
-    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every link, ms")
-    parser.add_argument("--netns", action="store_true", help="shape with tc in network namespaces (needs root)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/throttled-<time>)")
-    parser.add_argument(
-        "--baseline",
-        choices=BASELINES,
-        default=None,
-        help="torch: also PyTorch's own pipeline (torch.distributed.pipelining, 1F1B, gloo, fp32) at every rate, "
-        "same model split and tc shaping (needs --netns)",
-    )
-    parser.add_argument("--quick", action="store_true", help="a small matrix (10 Mbit/s and unshaped, 2 settings)")
-    parser.add_argument("--json", action="store_true", help="print the table rows as JSON")
     from swarm.options import add_model_arguments
 
+    _FLAGS.add_to(parser)
+    parser.add_argument("--quick", action="store_true", help="a small matrix (10 Mbit/s and unshaped, 2 settings)")
+    parser.add_argument("--json", action="store_true", help="print the table rows as JSON")
     add_model_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ThrottledConfig:
     """The ThrottledConfig of the flags; --quick shrinks the matrix, and an fp32 baseline is always run."""
-    rates = [None if r.strip().lower() in ("none", "unshaped") else float(r) for r in args.rates.split(",")]
-    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    steps, train_samples = args.steps, args.train_samples
+    cfg = replace(_FLAGS.from_args(args), **_model_of(args))
+    rates, settings, steps, train_samples = cfg.rates, list(cfg.settings), cfg.steps, cfg.train_samples
     if args.quick:
-        rates, settings = list(QUICK_RATES), list(QUICK_SETTINGS)
+        rates, settings = tuple(QUICK_RATES), list(QUICK_SETTINGS)
         steps, train_samples = min(steps, 8), min(train_samples, 16)
     if not any(s.startswith("fp32/") for s in settings):
         settings.insert(0, "fp32/fp32")
-    return ThrottledConfig(
-        rates=tuple(rates),
-        settings=tuple(settings),
-        steps=steps,
-        slow_steps=args.slow_steps,
-        slow_codec_steps=args.slow_codec_steps,
-        train_samples=train_samples,
-        batch_size=args.batch_size,
-        micro_batches=args.micro_batches,
-        peers=args.peers,
-        delay_ms=args.delay_ms,
-        netns=args.netns,
-        out=args.out,
-        baseline=args.baseline,
-        **_model_of(args),
-    )
+    return replace(cfg, rates=rates, settings=tuple(settings), steps=steps, train_samples=train_samples)
+
+
+_FLAGS = Flags(ThrottledConfig)
 
 
 def _model_of(args: argparse.Namespace) -> dict:
@@ -294,21 +263,36 @@ def calibration_window(measured: object) -> dict | None:
     return {"first": first + 1, "last": first + steps, "clock_s": max(f[2] for f in figures)}
 
 
+def peer_config(cell: Cell, cfg: ThrottledConfig):
+    """What every peer of a cell is told: its codecs and link, and a planned route with even layers, the same
+    split in every cell (the planner's own split follows noisy compute measurements, and a different stage
+    boundary would change the training math between the cells being compared), so the plan carries the cost
+    model's prediction for this cell's batch and links."""
+    from swarm.daemon.config import PeerConfig, PlanningConfig
+    from swarm.options import LinkCodecs
+    from swarm.peers.shaper import LinkShape
+    from swarm.runtime.worker import OptimConfig
+
+    fw, bw = cell.setting.split("/")
+    planning = PlanningConfig(
+        even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
+    )
+    return PeerConfig(
+        assign="plan",
+        planning=planning,
+        link_shape=LinkShape.from_mbit(cell.rate_mbit, cfg.delay_ms),
+        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
+        **LinkCodecs(fw, bw).build(),
+    )
+
+
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
+    from swarm.daemon.config import peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
-    fw, bw = cell.setting.split("/")
-    # a planned route with even layers, the same split in every cell (the planner's own split follows noisy
-    # compute measurements, and a different stage boundary would change the training math between the cells
-    # being compared), so the plan carries the cost model's prediction for this cell's batch and links
-    flags = ["--assign", "plan", "--plan-even-layers", "--fw-codec", fw, "--bw-codec", bw]
-    flags += ["--plan-micro-batch-size", str(max(1, cfg.batch_size // cfg.micro_batches))]
-    flags += ["--plan-micro-batches", str(cfg.micro_batches), "--delay-ms", str(cfg.delay_ms)]
-    flags += ["--total-steps", str(cfg.steps), "--warmup-steps", str(warmup_steps(cfg.steps))]
-    if cell.rate_mbit is not None:
-        flags += ["--rate-mbit", str(cell.rate_mbit)]
-    flags += list(cfg.model_flags)
+    peer = peer_config(cell, cfg)
+    flags = peer_flags().to_argv(peer) + list(cfg.model_flags)
     train_cfg = train_config(cell, cfg, out)
     if cfg.netns:
         from swarm.testbed.cli import run_in_testbed
@@ -317,7 +301,8 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
     # full first sights over) and republishes it; the trainer follows it through the DHT, and its summary's
     # prediction is that one: made during the run, from the run's own early steps
-    flags += ["--calibrate-after-steps", str(cfg.train_samples // cfg.batch_size)]
+    calibrated = replace(peer.planning, calibrate_after_steps=cfg.train_samples // cfg.batch_size)
+    flags = peer_flags().to_argv(replace(peer, planning=calibrated)) + list(cfg.model_flags)
     with local_swarm(out / cell.label, cfg.peers, flags) as swarm:
         train(train_cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
         record = swarm.dht.get_plan(train_cfg.model.n_layers)

@@ -165,18 +165,21 @@ class ChurnSwarm:
 
     def start_peer(self) -> PeerProc:
         """A fresh peer (new name, new identity) joining through the bootstrap node."""
+        from swarm.daemon.config import PeerConfig, peer_flags
         from swarm.net.auth import Identity
-        from swarm.peers.dht import load_or_create_key
+        from swarm.peers.dht import DHTConfig, load_or_create_key
 
         with self._lock:
             name = f"peer{len(self.peers)}"
             key_path = self.identities / f"{name}.der"
             key_path.parent.mkdir(parents=True, exist_ok=True)
             peer_id = Identity(load_or_create_key(str(key_path))).peer_id
-            argv = peer_command(
-                "--address-file", str(self.address_file), "--identity", str(key_path),
-                "--checkpoint-dir", str(self.out / "checkpoints" / name), *self.peer_flags,
-            )  # fmt: skip
+            own = PeerConfig(
+                address_file=str(self.address_file),
+                dht=DHTConfig(signing_key_path=str(key_path)),
+                checkpoint_dir=str(self.out / "checkpoints" / name),
+            )
+            argv = peer_command(*peer_flags().to_argv(own), *self.peer_flags)
             peer = PeerProc(name, peer_id, self.procs.start(name, self.wrap(name, argv)))
             self.peers[name] = peer
             return peer

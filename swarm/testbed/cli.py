@@ -21,9 +21,11 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from swarm.flags import Flags
 from swarm.testbed.compose import render_compose
 from swarm.testbed.lifecycle import bring_up, take_down, train_in
 from swarm.testbed.netns import (
@@ -89,66 +91,22 @@ def _add_location_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default=None, help="name prefix of namespaces and links (default: state or swt-)")
 
 
+_TESTBED_FLAGS = Flags(TestbedConfig)
+
+
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TestbedConfig()
-    g = parser.add_argument_group("swarm")
-    g.add_argument("--peers", type=int, default=d.peers, help=f"swarm-peers, one stage each (default {d.peers})")
-    g.add_argument("--fw-codec", default=d.fw_codec, help=f"activation codec (default {d.fw_codec})")
-    g.add_argument("--bw-codec", default=d.bw_codec, help=f"gradient codec (default {d.bw_codec})")
-    g.add_argument("--model", default=None, help="model preset of every peer and the trainer (default: the built-in)")
-    for flag, text in (("--layers", "transformer blocks"), ("--hidden", "width"), ("--heads", "attention heads")):
-        g.add_argument(flag, type=int, default=None, help=f"model {text} (default: the entry points')")
-    g.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the entry points')")
-    g.add_argument("--epochs", type=int, default=d.epochs, help=f"trainer's passes over the data (default {d.epochs})")
-    g.add_argument("--steps", type=int, default=None, help="trainer's optimizer steps (default: --epochs worth)")
-    g.add_argument("--train-samples", type=int, default=d.train_samples, help="training samples")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per step")
-    g.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per step")
+    _TESTBED_FLAGS.add_to(parser)
     g = parser.add_argument_group("network (bandwidth by the kernel, delay by swarm-peer's shaper)")
-    g.add_argument("--rate-mbit", type=float, default=d.rate_mbit, help="egress of every namespace, Mbit/s (0: none)")
-    g.add_argument("--peer-rate-mbit", default="", metavar="R0,R1,...", help="egress of peer0, peer1, ..., Mbit/s")
-    g.add_argument(
-        "--link",
-        action="append",
-        default=[],
-        metavar="SRC:DST=RATE[:DELAY]",
-        help="one directed link, e.g. peer0:peer1=10:40 (RATE none keeps the sender's; delay peer to peer only)",
-    )
     g.add_argument("--scenario", default=None, help="per-link rates and delays between peers from a DT-FM scenario")
     g.add_argument("--scenario-scale", type=float, default=1.0, help="multiply the scenario's bandwidths by this")
-    g.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay of every peer's links, ms")
-    g.add_argument("--subnet", default=d.subnet, help=f"private IPv4 subnet of the bridge (default {d.subnet})")
-    g.add_argument("--nat", default="", metavar="I,J,...", help="peers behind a NAT router: they dial out, none in")
-    g.add_argument("--nat-subnet", default=d.nat_subnet, help=f"private subnet behind the NAT (default {d.nat_subnet})")
 
 
 def config_from_args(args: argparse.Namespace) -> TestbedConfig:
-    links = tuple(LinkRate.parse(spec) for spec in args.link)
-    if args.scenario:
-        links = _scenario_links(args.scenario, args.peers, args.scenario_scale) + links
-    return TestbedConfig(
-        peers=args.peers,
-        rate_mbit=args.rate_mbit,
-        peer_rate_mbit=tuple(float(r) for r in args.peer_rate_mbit.split(",") if r.strip()),
-        links=links,
-        delay_ms=args.delay_ms,
-        subnet=args.subnet,
-        nat=tuple(int(i) for i in args.nat.split(",") if i.strip()),
-        nat_subnet=args.nat_subnet,
-        prefix=getattr(args, "prefix", None) or TestbedConfig.prefix,
-        fw_codec=args.fw_codec,
-        bw_codec=args.bw_codec,
-        model=args.model,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        seq_len=args.seq_len,
-        epochs=args.epochs,
-        steps=args.steps,
-        train_samples=args.train_samples,
-        batch_size=args.batch_size,
-        micro_batches=args.micro_batches,
-    )
+    """The TestbedConfig of the flags, with a --scenario's links before the --link ones and the --prefix of the
+    location flags."""
+    cfg = _TESTBED_FLAGS.from_args(args)
+    links = _scenario_links(args.scenario, cfg.peers, args.scenario_scale) if args.scenario else ()
+    return replace(cfg, links=links + cfg.links, prefix=getattr(args, "prefix", None) or TestbedConfig.prefix)
 
 
 def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]:
@@ -169,6 +127,13 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 
 
 # ---- the experiment hook ----------------------------------------------------------------------------------
+
+
+def _model_seed_flags(seed: int) -> list[str]:
+    """The peers' --model-seed: the trainer's init seed, so peers and trainer start from the same weights."""
+    from swarm.options import ModelFlags
+
+    return Flags(ModelFlags).to_argv(ModelFlags(model_seed=seed), always=["--model-seed"])
 
 
 def run_in_testbed(
@@ -203,7 +168,7 @@ def run_in_testbed(
         train_samples=train.train_samples,
         batch_size=train.batch_size,
         micro_batches=train.micro_batches,
-        peer_flags=(*flags, "--model-seed", str(model.init_seed)),
+        peer_flags=(*flags, *_model_seed_flags(model.init_seed)),
         trainer_flags=tuple(trainer_flags),
         nat=nat,
     )

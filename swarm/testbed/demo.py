@@ -13,78 +13,124 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, codec_labels
-from swarm.net.stream import StageCallError
-from swarm.options import add_model_arguments, add_schedule_argument, model_arguments, model_config
-from swarm.runtime.device import DeviceError, add_device_argument, check_device
-from swarm.runtime.precision import add_precision_argument
-from swarm.testbed.local import local_swarm
-from swarm.train.freezing import add_freeze_arguments, freeze_config
-from swarm.train.trainer import TrainConfig, format_summary, train
+from swarm.flags import Flag, Flags, flag
+from swarm.options import MODEL_GROUP, LinkCodecs, LinkShaping, ModelFlags
+from swarm.runtime.device import DeviceError, check_device
+
+if TYPE_CHECKING:
+    from swarm.daemon.config import PeerConfig
+    from swarm.train.trainer import TrainConfig
+
+_PEER_FLAGS = Flag(
+    group="peers",
+    only=("fw_codec", "link_shape", "auth", "precision", "device"),
+    fields={
+        "fw_codec": Flag(
+            via=LinkCodecs, covers=("fw_codec", "bw_codec"), only=("fw_codec", "bw_codec"), group="peers' links"
+        ),
+        "link_shape": Flag(
+            via=LinkShaping, covers=("link_shape", "link_shapes"), only=("rate_mbit", "delay_ms"), group="peers' links"
+        ),
+    },
+)
+"""The peers' flags the demo takes (the rest are the demo's: stages, steps, checkpoints)."""
+_TRAIN_FLAGS = Flag(
+    group="training",
+    only=("train_samples", "batch_size", "micro_batches", "schedule", "epochs", "data", "freeze"),
+    fields={"freeze": Flag(name="--freeze", prefix="freeze-", group="freezing (PipeTransformer)")},
+)
+"""The trainer's flags the demo takes (its model is `DemoConfig.model`'s)."""
+
+
+def _peer() -> PeerConfig:
+    from swarm.daemon.config import PeerConfig
+    from swarm.peers.shaper import LinkShape
+
+    return PeerConfig(link_shape=LinkShape.from_mbit(100.0))
+
+
+def _trainer() -> TrainConfig:
+    from swarm.train.trainer import TrainConfig
+
+    return TrainConfig(train_samples=256, batch_size=16, epochs=6)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """`swarm demo`: how many peers, what they are told, and what the trainer trains."""
+
+    peers: int = 2
+    """swarm-peer processes, one pipeline stage each"""
+    model: ModelFlags = field(default_factory=ModelFlags, metadata=flag(group=MODEL_GROUP))
+    """The model of the peers and the trainer, as its flags name it: the peers get these flags (a Hugging Face
+    model is named, not written out) and resolve it themselves, as the trainer does here."""
+    out: str | None = None
+    """output folder (none: runs/demo-<time>)"""
+    peer: PeerConfig = field(default_factory=_peer, metadata={"flag": _PEER_FLAGS})
+    """What every peer is told (links shaped to 100 Mbit/s unless --rate-mbit says otherwise)."""
+    train: TrainConfig = field(default_factory=_trainer, metadata={"flag": _TRAIN_FLAGS})
+    """What the trainer trains (256 samples, 16 a step, 6 epochs unless told otherwise)."""
+
+
+@cache
+def demo_flags() -> Flags[DemoConfig]:
+    return Flags(DemoConfig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peers", type=int, default=2, help="swarm-peer processes, one pipeline stage each")
-    parser.add_argument("--rate-mbit", type=float, default=100.0, help="bandwidth of every link, Mbit/s (0 = unshaped)")
-    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of every link, ms")
-    parser.add_argument("--fw-codec", default=DEFAULT_FW_CODEC, help=f"activation codec: {codec_labels()}")
-    parser.add_argument("--bw-codec", default=DEFAULT_BW_CODEC, help=f"gradient codec: {codec_labels()}")
-    parser.add_argument("--epochs", type=int, default=6, help="passes over the training samples")
-    parser.add_argument("--train-samples", type=int, default=256, help="training samples")
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per step")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
-    add_schedule_argument(parser)
-    parser.add_argument("--data", default=None, help="text file or folder (default: Python's own docstrings)")
-    parser.add_argument("--out", default=None, help="output folder (default runs/demo-<time>)")
+    demo_flags().add_to(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    parser.add_argument(
-        "--no-auth",
-        action="store_true",
-        help="peers serve anonymous calls (measurement only; by default every call is signed and authorized)",
+
+
+def peer_config(cfg: DemoConfig, out: Path) -> PeerConfig:
+    """What the demo tells every peer: its flags, and a schedule and checkpoints that fit the run."""
+    train = cfg.train
+    steps = train.epochs * (train.train_samples // train.batch_size)
+    return replace(
+        cfg.peer,
+        optim=replace(cfg.peer.optim, total_steps=steps, warmup_steps=max(1, steps // 5)),  # 10% spiked the loss
+        checkpoint_dir=str(out / "checkpoints"),
+        checkpoint_every=max(1, steps),
+        # the planner re-predicts the step from the peers' clocks after the first epoch and republishes the
+        # plan; the trainer follows it through the DHT, so the summary's prediction is the calibrated one
+        planning=replace(cfg.peer.planning, calibrate_after_steps=max(1, train.train_samples // train.batch_size)),
     )
-    add_model_arguments(parser)
-    add_precision_argument(parser)
-    add_device_argument(parser)
-    add_freeze_arguments(parser)  # --freeze: the trainer freezes, the swarm's planner repacks
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    from swarm.daemon.config import peer_flags
+    from swarm.net.stream import StageCallError
+    from swarm.testbed.local import local_swarm
+    from swarm.train.trainer import format_summary, train
+
+    cfg = demo_flags().from_args(args)  # a bad --freeze-* fails here, before any process starts
+    model = cfg.model.build()  # and a bad --model
+    out = Path(cfg.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda *_: None) if args.json else (lambda s: print(f"[demo] {s}", file=sys.stderr))
-    model = model_config(args)  # a bad --model fails here, before any process starts
-    freeze = freeze_config(args)  # and a bad --freeze-*
     try:
-        check_device(args.device)  # and a --device cuda without CUDA
+        check_device(cfg.peer.device)  # and a --device cuda without CUDA
     except DeviceError as e:
         print(f"swarm demo: {e}", file=sys.stderr)
         return 2
-    model_flags = model_arguments(args)
-    steps = args.epochs * (args.train_samples // args.batch_size)
     started = time.perf_counter()
-    peer_flags = [
-        "--fw-codec", args.fw_codec, "--bw-codec", args.bw_codec,
-        "--rate-mbit", str(args.rate_mbit or 0), "--delay-ms", str(args.delay_ms),
-        "--total-steps", str(steps), "--warmup-steps", str(max(1, steps // 5)),  # 10% spiked the loss
-        "--checkpoint-dir", str(out / "checkpoints"), "--checkpoint-every", str(max(1, steps)),
-        *model_flags, *(["--no-auth"] if args.no_auth else []), "--precision", args.precision,
-        "--device", args.device,
-        # the planner re-predicts the step from the peers' clocks after the first epoch and republishes the
-        # plan; the trainer follows it through the DHT, so the summary's prediction is the calibrated one
-        "--calibrate-after-steps", str(max(1, args.train_samples // args.batch_size)),
-    ]  # fmt: skip
-    say(f"starting a bootstrap node and {args.peers} peers (links shaped to {args.rate_mbit:g} Mbit/s)")
-    with local_swarm(out, args.peers, peer_flags, say) as swarm:
+    peer = peer_config(cfg, out)
+    rate = peer.link_shape.rate_bytes_per_s
+    rate_mbit = None if rate is None else rate * 8 / 1e6
+    labels = LinkCodecs.of(peer.fw_codec, peer.bw_codec)
+    fw_codec, bw_codec = labels.fw_codec, labels.bw_codec
+    shaped = "unshaped" if rate_mbit is None else f"shaped to {rate_mbit:g} Mbit/s"
+    say(f"starting a bootstrap node and {cfg.peers} peers (links {shaped})")
+    argv = [*peer_flags().to_argv(peer), *Flags(ModelFlags).to_argv(cfg.model)]
+    with local_swarm(out, cfg.peers, argv, say) as swarm:
         route, procs = swarm.route, swarm.procs
-        say(f"plan {swarm.plan_version}: all {args.peers} stages served: {', '.join(route)}")
-        train_cfg = TrainConfig(
-            model=model, data=args.data, train_samples=args.train_samples,
-            batch_size=args.batch_size, micro_batches=args.micro_batches, schedule=args.schedule,
-            epochs=args.epochs, setting=f"{args.fw_codec}/{args.bw_codec}", out=str(out), freeze=freeze,
-        )  # fmt: skip
+        say(f"plan {swarm.plan_version}: all {cfg.peers} stages served: {', '.join(route)}")
+        train_cfg = replace(cfg.train, model=model, setting=f"{fw_codec}/{bw_codec}", out=str(out))
         try:
             summary = train(train_cfg, swarm.path, quiet=args.json, signer=swarm.signer, dht=swarm.dht)
         except StageCallError as e:
@@ -92,9 +138,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
         codes = procs.close()
     leftovers = {name: code for name, code in codes.items() if code not in (0, -15)}
-    result = {**asdict(summary), "total_s": time.perf_counter() - started, "peers": args.peers,
-              "auth": not args.no_auth, "rate_mbit": args.rate_mbit or None, "fw_codec": args.fw_codec,
-              "bw_codec": args.bw_codec,
+    result = {**asdict(summary), "total_s": time.perf_counter() - started, "peers": cfg.peers,
+              "auth": peer.auth, "rate_mbit": rate_mbit, "fw_codec": fw_codec, "bw_codec": bw_codec,
               "wire_ratio_vs_fp32": summary.fp32_wire_bytes / max(1, summary.wire_bytes),
               "sync_bytes_per_step": summary.sync_bytes / max(1, summary.steps),
               "peer_exit_codes": codes}  # fmt: skip

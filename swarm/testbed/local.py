@@ -46,9 +46,15 @@ def local_swarm(
 ) -> Iterator[LocalSwarm]:
     """Starts a bootstrap node and `n_peers` peers (one stage each, as the planner assigns them) and waits
     until every stage is served under a plan that names this swarm's trainer (stages serve training calls
-    only from the plan's trainers): train with `LocalSwarm.signer`."""
+    only from the plan's trainers): train with `LocalSwarm.signer`.
+
+    `peer_flags` (every peer's) and `per_peer_flags` (each one's own) are swarm-peer argv, e.g. a
+    `PeerConfig`'s (`swarm.daemon.config.peer_flags().to_argv`); they come after the swarm's own (its address
+    file and stage count), so they win."""
     import time
 
+    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.config import peer_flags as peer_cli
     from swarm.net.auth import CallSigner, Identity
     from swarm.peers.dht import DHTConfig, Heartbeat, SwarmDHT
     from swarm.peers.records import TrainerAnnouncement
@@ -59,9 +65,10 @@ def local_swarm(
         address_file.unlink(missing_ok=True)
         procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
         procs.wait_for_file(address_file, 60)
+        joining = peer_cli().to_argv(PeerConfig(address_file=str(address_file), num_stages=n_peers))
         for i in range(n_peers):
             own = per_peer_flags[i] if per_peer_flags else []  # e.g. one peer's own --rate-mbit
-            argv = peer_command("--address-file", str(address_file), "--num-stages", str(n_peers), *peer_flags, *own)
+            argv = peer_command(*joining, *peer_flags, *own)
             procs.start(f"peer{i}", argv)
         initial = [line for line in address_file.read_text().splitlines() if line.strip()]
         trainer = Identity.generate()

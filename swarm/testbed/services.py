@@ -11,7 +11,14 @@ from __future__ import annotations
 import ipaddress
 import re
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from swarm.flags import flag
+
+if TYPE_CHECKING:
+    from swarm.daemon.config import PeerConfig
 
 __all__ = [
     "ADDRESS_FILE",
@@ -51,7 +58,9 @@ class LinkRate:
     """Receiving service."""
     rate_mbit: float | None = None
     """Bandwidth of this link, Mbit/s (kernel, an htb class on the sender's egress); None keeps the default."""
-    delay_ms: float = 0.0
+    delay_ms: float = field(
+        default=0.0, metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
+    )
     """One-way delay of this link, ms (the sending peer's application shaper); peers at both ends only."""
 
     def __post_init__(self) -> None:
@@ -78,54 +87,98 @@ class LinkRate:
         rate_mbit = None if rate.strip().lower() in ("", "none") else float(rate)
         return cls(src.strip(), dst.strip(), rate_mbit, float(delay) if delay else 0.0)
 
+    def text(self) -> str:
+        """The `SRC:DST=RATE[:DELAY]` that parses back to this link."""
+        rate = "none" if self.rate_mbit is None else repr(self.rate_mbit)
+        return f"{self.src}:{self.dst}={rate}" + (f":{self.delay_ms!r}" if self.delay_ms else "")
+
+
+def _numbers(kind: type) -> Callable[[str], tuple]:
+    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def _joined(values: tuple) -> str:
+    return ",".join(map(repr, values)) if values and isinstance(values[0], float) else ",".join(map(str, values))
+
 
 @dataclass(frozen=True)
 class TestbedConfig:
     """A testbed: one DHT bootstrap node, `peers` swarm-peers and a trainer, each in its own namespace."""
 
-    peers: int = 2
+    peers: int = field(default=2, metadata=flag(group="swarm"))
     """swarm-peer services, one pipeline stage each."""
-    rate_mbit: float = 100.0
+    rate_mbit: float = field(
+        default=100.0, metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
+    )
     """Egress bandwidth of every namespace, Mbit/s; 0 leaves it unshaped."""
-    peer_rate_mbit: tuple[float, ...] = ()
+    peer_rate_mbit: tuple[float, ...] = field(
+        default=(),
+        metadata=flag(
+            parse=_numbers(float),
+            render=_joined,
+            metavar="R0,R1,...",
+            group="network (bandwidth by the kernel, delay by swarm-peer's shaper)",
+        ),
+    )
     """Egress bandwidth of peer i (entry i, 0 = unshaped); peers past the end get `rate_mbit`."""
-    links: tuple[LinkRate, ...] = ()
+    links: tuple[LinkRate, ...] = field(
+        default=(),
+        metadata=flag(
+            name="--link", repeat=True, parse=LinkRate.parse, render=LinkRate.text, metavar="SRC:DST=RATE[:DELAY]",
+            group="network (bandwidth by the kernel, delay by swarm-peer's shaper)",
+        ),
+    )  # fmt: skip
     """Directed links shaped differently from their sender's default."""
     delay_ms: float = 0.0
     """One-way delay of every peer's outgoing links, ms, applied by swarm-peer's application shaper."""
-    subnet: str = "10.77.0.0/24"
+    subnet: str = field(
+        default="10.77.0.0/24", metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
+    )
     """Private IPv4 subnet of the bridge; bootstrap .2, trainer .3, peer i .(10+i) (Docker's gateway is .1)."""
-    prefix: str = "swt-"
+    prefix: str = field(default="swt-", metadata=flag(skip=True))
     """Start of every namespace and link name, so `down` finds leftovers; 2-7 characters ending in '-'."""
-    fw_codec: str = "acsgd2+ch+nr"
+    fw_codec: str = field(default="acsgd2+ch+nr", metadata=flag(group="swarm"))
     """Activation codec of the peers (swarm.compression.DEFAULT_FW_CODEC, spelled out: this module stays free of
     torch; a test checks they agree)."""
-    bw_codec: str = "gradq2+ef+rot+nr+cs+g1024"
+    bw_codec: str = field(default="gradq2+ef+rot+nr+cs+g1024", metadata=flag(group="swarm"))
     """Gradient codec of the peers (swarm.compression.DEFAULT_BW_CODEC)."""
-    model: str | None = None
+    model: str | None = field(default=None, metadata=flag(group="swarm"))
     """`--model` of every peer and the trainer: a preset name (None: the entry points' default, the built-in)."""
-    layers: int | None = None
+    layers: int | None = field(default=None, metadata=flag(group="swarm"))
     """Transformer blocks (None: the entry points' default; likewise hidden, heads, seq_len)."""
-    hidden: int | None = None
-    heads: int | None = None
-    seq_len: int | None = None
-    epochs: int = 4
+    hidden: int | None = field(default=None, metadata=flag(group="swarm"))
+    """Width of the residual stream (None: the entry points' default)."""
+    heads: int | None = field(default=None, metadata=flag(group="swarm"))
+    """Attention heads (None: the entry points' default)."""
+    seq_len: int | None = field(default=None, metadata=flag(group="swarm"))
+    """Tokens per sample (None: the entry points' default)."""
+    epochs: int = field(default=4, metadata=flag(group="swarm"))
     """Passes of the trainer over its samples (ignored when `steps` is set)."""
-    steps: int | None = None
+    steps: int | None = field(default=None, metadata=flag(group="swarm"))
     """Optimizer steps of the trainer; None: `epochs` worth."""
-    train_samples: int = 64
+    train_samples: int = field(default=64, metadata=flag(group="swarm"))
     """Training samples."""
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata=flag(group="swarm"))
     """Samples per optimizer step."""
-    micro_batches: int = 4
+    micro_batches: int = field(default=4, metadata=flag(group="swarm"))
     """Micro-batches per step."""
-    peer_flags: tuple[str, ...] = ()
+    peer_flags: tuple[str, ...] = field(default=(), metadata=flag(skip=True))
     """Extra flags for every swarm-peer, verbatim (checked against swarm-peer's parser by the tests)."""
-    trainer_flags: tuple[str, ...] = ()
+    trainer_flags: tuple[str, ...] = field(default=(), metadata=flag(skip=True))
     """Extra flags for `swarm train`, verbatim."""
-    nat: tuple[int, ...] = ()
+    nat: tuple[int, ...] = field(
+        default=(),
+        metadata=flag(
+            parse=_numbers(int),
+            render=_joined,
+            metavar="I,J,...",
+            group="network (bandwidth by the kernel, delay by swarm-peer's shaper)",
+        ),
+    )
     """Peers behind a NAT router (`swarm.testbed.nat`): they can dial out, nobody can dial in."""
-    nat_subnet: str = "10.78.0.0/20"
+    nat_subnet: str = field(
+        default="10.78.0.0/20", metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
+    )
     """Private IPv4 addresses behind the NAT router: NAT'd peer i has the /28 number i of it to itself
     (`nat_lan`), the router at .4 of it and the peer at .10, so no two NAT'd peers share a LAN."""
 
@@ -225,9 +278,11 @@ def nat_lan(cfg: TestbedConfig, peer: int) -> ipaddress.IPv4Network:
 def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
     """Every service of the testbed with its argv; `shared_dir` holds the address file and outputs
     (the run directory here, the shared volume in docker compose)."""
+    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.peers.shaper import LinkShape
+
     addresses = service_addresses(cfg)
     address_file = f"{shared_dir}/{ADDRESS_FILE}"
-    total = cfg.total_steps
     services = []
     for name, address in addresses.items():
         if name == "bootstrap":
@@ -246,23 +301,47 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
             if cfg.steps:
                 argv += ["--steps", str(cfg.steps)]
         else:
-            argv = [
-                "swarm-peer", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
-                "--grpc-port", str(PEER_PORT), "--fw-codec", cfg.fw_codec, "--bw-codec", cfg.bw_codec,
-                "--total-steps", str(total), "--warmup-steps", str(max(1, total // 10)),
-                "--checkpoint-dir", f"{shared_dir}/checkpoints", "--metrics-port", str(METRICS_PORT),
-                *cfg.model_flags(), *cfg.peer_flags,
-            ]  # fmt: skip
-            for link in cfg.links:
-                if link.src == name and link.delay_ms:
-                    argv += ["--link", f"{addresses[link.dst]}:{PEER_PORT}=none:{link.delay_ms:g}"]
-            if cfg.delay_ms:
-                argv += ["--delay-ms", f"{cfg.delay_ms:g}"]
+            # every link's one-way delay goes last: docker's entrypoint hands it back there (swarm.testbed.compose)
+            delay = PeerConfig(link_shape=LinkShape(delay_s=cfg.delay_ms / 1000))
+            argv = ["swarm-peer", *peer_flags().to_argv(peer_config(cfg, name, addresses, shared_dir))]
+            argv += [*cfg.model_flags(), *cfg.peer_flags, *peer_flags().to_argv(delay)]
         per_link = tuple(
             (addresses[link.dst], link.rate_mbit) for link in cfg.links if link.src == name and link.rate_mbit
         )
         services.append(Service(name, address, tuple(argv), cfg.egress_mbit(name), per_link))
     return services
+
+
+def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared_dir: str) -> PeerConfig:
+    """What peer `name` is told: the testbed's address, ports, codecs and schedule, and the one-way delays of
+    its particular links (bandwidth is the kernel's job, not the application shaper's; every link's delay and
+    the model are `testbed_services`')."""
+    from swarm.daemon.config import PeerConfig
+    from swarm.options import LinkCodecs
+    from swarm.peers.dht import DHTConfig
+    from swarm.peers.shaper import LinkShape
+    from swarm.peers.transport import TransportConfig
+    from swarm.runtime.worker import OptimConfig
+
+    address, total = addresses[name], cfg.total_steps
+    delays = tuple(
+        (f"{addresses[link.dst]}:{PEER_PORT}", LinkShape(delay_s=link.delay_ms / 1000))
+        for link in cfg.links
+        if link.src == name and link.delay_ms
+    )
+    codecs = LinkCodecs(cfg.fw_codec, cfg.bw_codec).build()
+    return PeerConfig(
+        address_file=f"{shared_dir}/{ADDRESS_FILE}",
+        dht=DHTConfig(host=address),
+        transport=TransportConfig(host=address),
+        num_stages=cfg.peers,
+        grpc_port=PEER_PORT,
+        optim=OptimConfig(total_steps=total, warmup_steps=max(1, total // 10)),
+        checkpoint_dir=f"{shared_dir}/checkpoints",
+        metrics_port=METRICS_PORT,
+        link_shapes=delays,
+        **codecs,
+    )
 
 
 def process_argv(argv: tuple[str, ...] | list[str], python: str = sys.executable) -> list[str]:

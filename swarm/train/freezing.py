@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["FreezeConfig", "add_freeze_arguments", "driver_factory", "freeze_config"]
+from swarm.flags import Flag, Flags
+
+__all__ = ["FREEZE_FLAG", "FreezeConfig", "add_freeze_arguments", "driver_factory", "freeze_config"]
 
 log = logging.getLogger("swarm.train.freezing")
 
@@ -24,10 +26,18 @@ class FreezeConfig:
     """The trainer's freezing criterion (`FreezePolicy`'s knobs; see there)."""
 
     interval: int = 10
+    """steps per window of gradient norms"""
     tolerance: float = 0.1
+    """relative change of a block's norm that settles it"""
     max_fraction: float = 0.75
+    """most of the layers to freeze"""
     alpha: float = 0.2
+    """most of the active layers one decision freezes"""
     warmup_steps: int = 0
+    """steps before the first window"""
+
+    def __post_init__(self) -> None:
+        self.policy(2)  # FreezePolicy validates its knobs: a bad one fails here, before anything starts
 
     def policy(self, n_layers: int):
         from swarm.runtime.freeze import FreezePolicy
@@ -37,32 +47,27 @@ class FreezeConfig:
         )
 
 
+FREEZE_FLAG = Flag(name="--freeze", prefix="freeze-", group="freezing (PipeTransformer)")
+"""How a `freeze: FreezeConfig | None` field is flags: `--freeze` turns it on, `--freeze-interval` etc."""
+
+
+@dataclass(frozen=True)
+class _Freezing:
+    freeze: FreezeConfig | None = field(default=None, metadata={"flag": FREEZE_FLAG})
+    """freeze a growing prefix of the layers by the gradient norms' change; the planner repacks the active
+    layers onto fewer stages"""
+
+
+_FLAGS = Flags(_Freezing)
+
+
 def add_freeze_arguments(parser: argparse.ArgumentParser) -> None:
-    d = FreezeConfig()
-    g = parser.add_argument_group("freezing (PipeTransformer)")
-    g.add_argument(
-        "--freeze",
-        action="store_true",
-        help="freeze a growing prefix of the layers by the gradient norms' change; the planner repacks the "
-        "active layers onto fewer stages",
-    )
-    g.add_argument("--freeze-interval", type=int, default=d.interval, help="steps per window of gradient norms")
-    g.add_argument(
-        "--freeze-tolerance", type=float, default=d.tolerance, help="relative change of a block's norm that settles it"
-    )
-    g.add_argument("--freeze-max-fraction", type=float, default=d.max_fraction, help="most of the layers to freeze")
-    g.add_argument("--freeze-alpha", type=float, default=d.alpha, help="most of the active layers one decision freezes")
-    g.add_argument("--freeze-warmup-steps", type=int, default=d.warmup_steps, help="steps before the first window")
+    _FLAGS.add_to(parser, config_flag=False)
 
 
 def freeze_config(args: argparse.Namespace) -> FreezeConfig | None:
     """The flags' `FreezeConfig` (None without --freeze); a bad value fails here, before anything starts."""
-    if not getattr(args, "freeze", False):
-        return None
-    names = ("interval", "tolerance", "max_fraction", "alpha", "warmup_steps")
-    cfg = FreezeConfig(**{n: getattr(args, f"freeze_{n}") for n in names})
-    cfg.policy(2)  # FreezePolicy validates its knobs
-    return cfg
+    return _FLAGS.from_args(args).freeze
 
 
 def driver_factory(freeze: FreezeConfig | None, n_layers: int) -> Callable:

@@ -19,22 +19,17 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from swarm.flags import Flags, flag
 from swarm.metrics import Metrics, serve_metrics
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig, model_identity
-from swarm.options import (
-    add_dht_arguments,
-    add_metrics_arguments,
-    add_model_arguments,
-    add_schedule_argument,
-    dht_config,
-    model_config,
-)
-from swarm.train.freezing import FreezeConfig, add_freeze_arguments, driver_factory, freeze_config
+from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
+from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
 from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns, step_row
 from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
 
@@ -70,6 +65,7 @@ CSV_FIELDS = [
     "dead_peers",
     "sample_ids",
 ]
+_TRAINING = "training"
 CHAIN_WEIGHTS = ("measured", "equal")
 """--chain-weights: the chains' sample shares from measured throughput, or equal and fixed."""
 UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
@@ -111,48 +107,52 @@ class TrainSummary:
 class TrainConfig:
     """What the trainer trains and how: `swarm train` builds it from flags, the demo and experiments directly."""
 
-    model: AnyModelConfig = field(default_factory=ModelConfig)
-    """The model; every stage's peer must serve the same one."""
-    data: str | None = None
-    """A text file or folder to train on (None: Python's own docstrings)."""
-    train_samples: int = 64
-    """Training samples, each seen once per epoch."""
-    batch_size: int = 8
-    """Samples per optimizer step."""
-    micro_batches: int = 4
-    """Micro-batches per step; divides `batch_size`."""
-    schedule: str = "1f1b"
-    """Pipeline schedule: 1f1b or gpipe."""
-    steps: int | None = None
-    """Optimizer steps; None: `epochs` worth."""
-    epochs: int = 4
-    """Passes over the training samples (ignored when `steps` is set)."""
-    seed: int = 0
-    """Seed of the data order."""
-    setting: str = "swarm"
-    """Label of this run in the CSV."""
-    deadline_s: float = 120.0
-    """Longest a micro-batch may take end to end, seconds."""
-    out: str | None = None
-    """Folder for steps.csv, loss.png and summary.json (None: runs/train-<time>)."""
-    num_stages: int | None = None
-    """Stages to wait for when the peers follow no plan (None: 2); with a plan, the plan's."""
-    wait_timeout_s: float = 120.0
-    """Bound on finding a whole pipeline in the DHT (at the start and after a re-plan), seconds."""
-    dht: DHTConfig | None = None
+    model: AnyModelConfig = field(default_factory=ModelConfig, metadata=flag(via=ModelFlags, group=MODEL_GROUP))
+    """The model; every stage's peer must serve the same one (flags: `ModelFlags`)."""
+    num_stages: int | None = field(default=None, metadata=flag(group=_TRAINING))
+    """stages to wait for when the peers follow no plan (--assign even; none: 2); with a plan, its stages"""
+    data: str | None = field(default=None, metadata=flag(group=_TRAINING))
+    """a text file or folder to train on (none: Python's own docstrings)"""
+    train_samples: int = field(default=64, metadata=flag(group=_TRAINING))
+    """training samples (each seen once per epoch)"""
+    batch_size: int = field(default=8, metadata=flag(group=_TRAINING))
+    """samples per optimizer step"""
+    micro_batches: int = field(default=4, metadata=flag(group=_TRAINING))
+    """micro-batches per step (must divide the batch)"""
+    schedule: str = field(default="1f1b", metadata=flag(choices=SCHEDULE_CHOICES, group=_TRAINING))
+    """pipeline schedule"""
+    steps: int | None = field(default=None, metadata=flag(group=_TRAINING))
+    """optimizer steps (none: --epochs worth)"""
+    epochs: int = field(default=4, metadata=flag(group=_TRAINING))
+    """passes over the training samples (ignored when --steps is set)"""
+    seed: int = field(default=0, metadata=flag(group=_TRAINING))
+    """seed of the data order"""
+    setting: str = field(default="swarm", metadata=flag(group=_TRAINING))
+    """label of this run in the CSV"""
+    wait_timeout_s: float = field(default=120.0, metadata=flag(group=_TRAINING))
+    """give up if the stages are not all served within this many seconds (at the start and after a re-plan)"""
+    replan_timeout_s: float = field(default=120.0, metadata=flag(group=_TRAINING))
+    """with no chain of replicas left, wait this long for a newer plan (the planner's repair), seconds"""
+    chain_weights: str = field(default="measured", metadata=flag(choices=CHAIN_WEIGHTS, group=_TRAINING))
+    """how a step's samples are shared among the chains of replicas: by their measured throughput
+    (ChainWeights), or equally (every chain weight 1, always: the same split every run, for comparisons)"""
+    deadline_s: float = field(default=120.0, metadata=flag(group=_TRAINING))
+    """longest a micro-batch may take end to end, seconds"""
+    out: str | None = field(default=None, metadata=flag(group=_TRAINING))
+    """folder for steps.csv, loss.png, summary.json (none: runs/train-<time>)"""
+    resume: bool = field(default=False, metadata=flag(group=_TRAINING))
+    """continue from --out's trainer_state.json: the same data order, from the step where it stopped"""
+    checkpoint_every: int = field(default=50, metadata=flag(group=_TRAINING))
+    """steps between writes of trainer_state.json (and one at the end)"""
+    dht: DHTConfig | None = field(default=None, metadata={"flag": DHT_FLAGS})
     """How `swarm train` joins the DHT; None where the caller finds the route itself (demo, experiments)."""
-    metrics_port: int | None = None
-    """Serve the process's metrics at http://HOST:PORT/metrics (HOST: the DHT's host); None: off, 0: any port."""
-    resume: bool = False
-    """Continue from `out`'s trainer_state.json (step, epoch, batch within it) instead of step 0."""
-    checkpoint_every: int = 50
-    """Steps between writes of trainer_state.json (and one at the end)."""
-    replan_timeout_s: float = 120.0
-    """When no chain of replicas is left, wait this long for a newer plan (the planner's repair), seconds."""
-    chain_weights: str = "measured"
-    """How a step's samples are shared among the chains of replicas: `measured` (by their measured
-    throughput, ChainWeights) or `equal` (every chain weight 1, always: the same split run after run)."""
-    freeze: FreezeConfig | None = None  # --freeze: PipeTransformer's freezing (swarm.train.freezing); None: off
+    address_file: str | None = field(default=None, metadata=flag(group="DHT"))
+    """join through the multiaddrs in this file (as `swarm bootstrap` writes), besides --initial-peers"""
+    metrics_port: int | None = field(default=None, metadata=flag(group="monitoring"))
+    """serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (none: off; 0: any port)"""
+    freeze: FreezeConfig | None = field(default=None, metadata={"flag": FREEZE_FLAG})
+    """freeze a growing prefix of the layers by the gradient norms' change (PipeTransformer, swarm.train.freezing);
+    the planner repacks the active layers onto fewer stages"""
 
     def __post_init__(self) -> None:
         for name in ("train_samples", "batch_size", "micro_batches", "epochs", "checkpoint_every"):
@@ -174,86 +174,26 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.metrics_port: expected 0-65535, got {self.metrics_port}")
 
 
+@cache
+def train_flags() -> Flags[TrainConfig]:
+    """`swarm train`'s flags: a `TrainConfig` whose DHT node joins in client mode (it serves nothing)."""
+    from swarm.peers.dht import DHTConfig  # hivemind is slow to import: only when the command is built
+
+    return Flags(TrainConfig, base=TrainConfig(dht=DHTConfig(client_mode=True)))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
-    add_dht_arguments(parser)
-    add_model_arguments(parser)
-    g = parser.add_argument_group("training")
-    g.add_argument(
-        "--num-stages",
-        type=int,
-        default=d.num_stages,
-        help="stages to wait for when the peers follow no plan (--assign even; default 2); with a plan, its stages",
-    )
-    g.add_argument("--data", default=d.data, help="a text file or folder (default: Python's own docstrings)")
-    g.add_argument(
-        "--train-samples", type=int, default=d.train_samples, help="training samples (each seen once per epoch)"
-    )
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per optimizer step")
-    g.add_argument(
-        "--micro-batches", type=int, default=d.micro_batches, help="micro-batches per step (must divide the batch)"
-    )
-    add_schedule_argument(g, default=d.schedule)
-    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (default: --epochs worth)")
-    g.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training samples")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the data order")
-    g.add_argument("--setting", default=d.setting, help="label of this run in the CSV")
-    g.add_argument(
-        "--wait-timeout-s", type=float, default=d.wait_timeout_s, help="give up if the stages are not all served"
-    )
-    g.add_argument(
-        "--replan-timeout-s",
-        type=float,
-        default=d.replan_timeout_s,
-        help="with no chain of replicas left, wait this long for a newer plan (the planner's repair)",
-    )
-    g.add_argument(
-        "--chain-weights",
-        choices=CHAIN_WEIGHTS,
-        default=d.chain_weights,
-        help="share each step's samples among the chains of replicas by measured throughput, or equally "
-        "(equal: the same split every run, for comparisons; default %(default)s)",
-    )
-    g.add_argument("--deadline-s", type=float, default=d.deadline_s, help="longest a micro-batch may take end to end")
-    g.add_argument("--out", default=d.out, help="folder for steps.csv, loss.png, summary.json (default runs/train-*)")
-    g.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from --out's trainer_state.json: the same data order, from the step where it stopped",
-    )
-    g.add_argument(
-        "--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between writes of trainer_state.json"
-    )
-    g.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    add_freeze_arguments(parser)
-    add_metrics_arguments(parser)
+    train_flags().add_to(parser)
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig of `swarm train`'s flags, the one place they are read."""
-    return TrainConfig(
-        model=model_config(args),
-        data=args.data,
-        train_samples=args.train_samples,
-        batch_size=args.batch_size,
-        micro_batches=args.micro_batches,
-        schedule=args.schedule,
-        steps=args.steps,
-        epochs=args.epochs,
-        seed=args.seed,
-        setting=args.setting,
-        deadline_s=args.deadline_s,
-        out=args.out,
-        resume=args.resume,
-        checkpoint_every=args.checkpoint_every,
-        num_stages=args.num_stages,
-        wait_timeout_s=args.wait_timeout_s,
-        replan_timeout_s=args.replan_timeout_s,
-        chain_weights=args.chain_weights,
-        dht=dht_config(args, client_mode=True),
-        metrics_port=args.metrics_port,
-        freeze=freeze_config(args),
-    )
+    """The TrainConfig of `swarm train`'s parsed flags, with the --address-file's peers among the initial ones."""
+    from swarm.daemon.bootstrap import joined_peers  # hivemind is slow to import: only when a config is made
+
+    cfg = train_flags().from_args(args)
+    peers = joined_peers(cfg.dht.initial_peers, cfg.address_file)
+    return replace(cfg, dht=replace(cfg.dht, initial_peers=peers))
 
 
 def discover_route(

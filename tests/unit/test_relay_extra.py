@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from swarm.compression import CodecConfig
+from swarm.daemon.config import PlanningConfig
 from swarm.daemon.planning import Planner, route_of
 from swarm.model.gpt import ModelConfig
 from swarm.peers.plan import MAX_RELAY_EXTRA_S
@@ -123,7 +124,15 @@ def test_the_live_planner_publishes_relay_extra_with_a_plan_that_relays_a_link()
     for nat, relayed in ((ids[1:], True), ((), False)):  # three of four behind d's relay: two must meet
         peers = [ann(p, ids[0] if p in nat else None) for p in ids]
         dht, published = swarm(ids[0], {"peers": peers})
-        Planner(dht, spec, n_stages=4, min_peers=4, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0).round()
+        Planner(
+            PlanningConfig(min_peers=4, replicas=1),
+            dht,
+            spec,
+            n_stages=4,
+            settle_s=0.0,
+            probe_wait_s=0.0,
+            clock=lambda: 100.0,
+        ).round()
         ((_, plan),) = published
         validate_plan(PlanRecord(version=1, document=plan, created_at=1.0), 4, peers)
         assert ("relay_extra_s" in plan) is relayed

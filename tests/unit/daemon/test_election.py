@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.compression import CodecConfig
+from swarm.daemon.config import PlanningConfig
 from swarm.daemon.planning import Planner, elected_planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import PeerAnnouncement, PlanRecord
@@ -73,7 +74,7 @@ def _planner(me: str, peers: list[PeerAnnouncement], trusted: tuple[str, ...] = 
         peers=lambda: list(peers),
         publish_plan=publish_plan,
     )
-    return Planner(dht, SPEC, n_stages=2, min_peers=2, clock=lambda: 0.0)
+    return Planner(PlanningConfig(min_peers=2, replicas=1), dht, SPEC, n_stages=2, clock=lambda: 0.0)
 
 
 @pytest.mark.parametrize("trusted", [(), (B, C)])
@@ -145,9 +146,16 @@ def _leased_planner(me, records, clock, **config):
     dht.links = lambda: pytest.fail("searched anew instead of inheriting the followed plan")
     beats = []
     planner = Planner(
-        dht, SPEC_2, n_stages=2, min_peers=2, settle_s=5.0, probe_wait_s=0.0, clock=clock, dht_time=clock,
+        PlanningConfig(min_peers=2, replicas=1),
+        dht,
+        SPEC_2,
+        n_stages=2,
+        settle_s=5.0,
+        probe_wait_s=0.0,
+        clock=clock,
+        dht_time=clock,
         reannounce=lambda: beats.append(dht.planner_until),
-    )  # fmt: skip
+    )
     return planner, dht, published, beats
 
 

@@ -5,6 +5,7 @@ repacks its searched layout for it (swarm.daemon.repack.with_frozen)."""
 from __future__ import annotations
 
 from swarm.compression import CodecConfig
+from swarm.daemon.config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.daemon.repack import repack_plan, with_frozen
 from swarm.model.gpt import ModelConfig
@@ -40,7 +41,9 @@ def _frozen_plan() -> PlanDocument:
 
 def _planner(records: dict, clock: Clock):
     dht, published = swarm(A, records)
-    return Planner(dht, SPEC, 4, min_peers=2, settle_s=5.0, probe_wait_s=0.0, clock=clock), published
+    return Planner(
+        PlanningConfig(min_peers=2, replicas=1), dht, SPEC, 4, settle_s=5.0, probe_wait_s=0.0, clock=clock
+    ), published
 
 
 def test_a_repair_and_a_growth_keep_the_frozen_prefix_and_the_repacked_layout():

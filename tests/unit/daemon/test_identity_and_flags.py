@@ -14,7 +14,6 @@ from swarm.daemon.addresses import stage_address, stage_announce_host
 from swarm.daemon.peer import build_parser as peer_parser
 from swarm.daemon.peer import config_from_args as peer_config
 from swarm.peers.dht import load_or_create_key, peer_id_of
-from swarm.peers.dht_flags import dht_config_from_args
 from swarm.train import trainer
 
 TRUST_FLAGS = ("--identity", "--trusted-planners", "--run-secret-file", "--trainers")
@@ -83,7 +82,7 @@ def test_bad_secret_and_identity_files_are_named(tmp_path):
         (["--identity", str(empty)], "not an RSA private key"),
     ):
         with pytest.raises(ValueError, match=message):
-            dht_config_from_args(parser.parse_args(flags))
+            bootstrap.dht_config_from_args(parser.parse_args(flags))
 
 
 def test_a_wildcard_host_announces_the_outward_address_or_refuses():

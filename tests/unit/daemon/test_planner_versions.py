@@ -4,6 +4,7 @@ re-publishes the same stages when only the trainers change (so no layer moves)."
 from __future__ import annotations
 
 from swarm.compression import CodecConfig
+from swarm.daemon.config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
@@ -45,7 +46,15 @@ def swarm(me: str, records: dict[str, list], **config) -> tuple[SwarmDHT, list[t
 
 
 def planner(dht) -> Planner:
-    return Planner(dht, SPEC, n_stages=2, min_peers=2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0)
+    return Planner(
+        PlanningConfig(min_peers=2, replicas=1),
+        dht,
+        SPEC,
+        n_stages=2,
+        settle_s=0.0,
+        probe_wait_s=0.0,
+        clock=lambda: 100.0,
+    )
 
 
 def test_a_new_trainer_gets_the_same_stages_under_the_next_version():

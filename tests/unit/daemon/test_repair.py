@@ -3,6 +3,7 @@ The planner repairs at once (no settle wait), and heartbeats make a silent peer 
 
 from __future__ import annotations
 
+from swarm.daemon.config import PlanningConfig
 from swarm.daemon.liveness import Liveness, LivenessConfig
 from swarm.daemon.planning import Planner
 from swarm.daemon.repair import repair_plan, standby_pool
@@ -94,7 +95,9 @@ def test_the_planner_repairs_at_once_and_searches_only_without_a_standby():
     records = {"peers": announced, "plan": [(A, current)]}
     dht, published = swarm(A, records)
     clock = Clock()
-    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, probe_wait_s=0.0, clock=clock, replicas=2)
+    planner = Planner(
+        PlanningConfig(min_peers=2, replicas=2), dht, SPEC, 2, settle_s=5.0, probe_wait_s=0.0, clock=clock
+    )
     assert planner.round() is None, "nothing changed"
     records["peers"] = [p for p in announced if p.peer_id != D]  # D's record expired
     planner.round()
@@ -129,7 +132,7 @@ def test_a_leaving_peer_is_planned_without_while_announced():
     current = record(3, grid([A], [B], unused=[C]).replace(trainer_ids=()))
     records = {"peers": [peer(A, 3, 0), peer(B, 3, 1, leaving=True), peer(C, 3)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
-    Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock()).round()
+    Planner(PlanningConfig(min_peers=2, replicas=1), dht, SPEC, 2, settle_s=5.0, clock=Clock()).round()
     assert [ids(p) for _, p in published] == [[[A], [C]]]
 
 
@@ -180,7 +183,7 @@ def test_the_planner_repairs_around_a_peer_that_stops_answering_before_its_recor
     dht, published = swarm(A, {"peers": announced, "plan": [(A, current)]})
     clock = Clock()
     live = Liveness(lambda pid: pid != C, clock=clock)
-    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=clock, replicas=2, liveness=live)
+    planner = Planner(PlanningConfig(min_peers=2, replicas=2), dht, SPEC, 2, settle_s=5.0, clock=clock, liveness=live)
     for _ in range(4):
         planner.round()
         clock.t += 1
@@ -210,7 +213,7 @@ def test_with_replicas_set_a_joiner_becomes_a_replica_of_the_busiest_stage_at_on
     current = record(3, grid([A], [B]).replace(trainer_ids=()))
     records = {"peers": [peer(A, 3, 0), peer(B, 3, 1)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
-    planner = Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock(), replicas=1)
+    planner = Planner(PlanningConfig(min_peers=2, replicas=1), dht, SPEC, 2, settle_s=5.0, clock=Clock())
     records["peers"] = [*records["peers"], peer(C)]
     planner.round()
     assert [(v, ids(p), p["unused_peer_ids"]) for v, p in published] == [(4, [[A, C], [B]], [])], (
@@ -225,12 +228,14 @@ def test_a_planner_with_a_standby_keeps_it_and_grows_with_the_joiner():
     current = record(3, grid([A], [B], unused=[C]).replace(trainer_ids=()))
     records = {"peers": [peer(A, 3, 0), peer(B, 3, 1), peer(C, 3), peer(D)], "plan": [(A, current)]}
     dht, published = swarm(A, records)
-    Planner(dht, SPEC, 2, min_peers=2, settle_s=5.0, clock=Clock()).round()
+    Planner(PlanningConfig(min_peers=2, replicas=1), dht, SPEC, 2, settle_s=5.0, clock=Clock()).round()
     assert [(ids(p), p["unused_peer_ids"]) for _, p in published] == [([[A, D], [B]], [C])]
 
 
 def test_a_planner_taking_over_from_a_dead_planner_re_plans_below_min_peers():
     old = record(2, grid([A], [B]).replace(trainer_ids=()))  # published by A, which died
     dht, published = swarm(B, {"peers": [peer(B, 2, 1)], "plan": [(A, old)]})
-    Planner(dht, SPEC, 2, min_peers=2, settle_s=0.0, probe_wait_s=0.0, clock=Clock()).round()
+    Planner(
+        PlanningConfig(min_peers=2, replicas=1), dht, SPEC, 2, settle_s=0.0, probe_wait_s=0.0, clock=Clock()
+    ).round()
     assert [(v, ids(p)) for v, p in published] == [(3, [[B]])], "B follows plan 2: the swarm had a plan"

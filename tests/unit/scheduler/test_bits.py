@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.daemon.config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
@@ -207,7 +208,16 @@ def per_link_planner(mbit: float = 1.0):
     links = measured(mbit)
     records = {"peers": [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0) for pid in (A, B)]}
     dht, published = fake_dht(records, links)
-    planner = Planner(dht, spec, 2, 2, settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0, codec_bytes=SIZES)
+    planner = Planner(
+        PlanningConfig(min_peers=2, replicas=1),
+        dht,
+        spec,
+        2,
+        settle_s=0.0,
+        probe_wait_s=0.0,
+        clock=lambda: 100.0,
+        codec_bytes=SIZES,
+    )
     planner.round()
     return model, planner, records, links, published
 
