@@ -186,9 +186,12 @@ class PeerDaemon:
             connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
             metrics=self.metrics,
             budget=cfg.budget,
+            on_step=self.checkpoints.on_step,
         )
-        host.compute_layers_per_s, host.link_codecs = self.speed, ends
-        host.averager.set_codecs(*epilogue_configs(plan or {}, role.stage))  # the plan's averaging/tied codecs
+        host.apply(  # the plan's averaging/tied codecs
+            dataclasses.replace(host.assignment, link_codecs=ends, compute_layers_per_s=self.speed,
+                                epilogue=epilogue_configs(plan or {}, role.stage))
+        )  # fmt: skip
         apply_frozen(host, frozen_of(plan))  # a repacked plan's frozen prefix: it never trains here, not for a step
         self.checkpoints.setup(host)
         return host
@@ -366,7 +369,7 @@ class PeerDaemon:
             and role is not None
             and (host.role.stage, host.role.n_stages, host.role.layer_start, host.role.layer_end)
             == (role.stage, role.n_stages, role.layer_start, role.layer_end)
-            and stage_link_configs(record.plan, role.stage, self.codecs) == getattr(host, "link_codecs", None)
+            and stage_link_configs(record.plan, role.stage, self.codecs) == host.assignment.link_codecs
         )
         wait_s = 2 * 120.0
         behind = same and self.following is not None and self._behind_replicas(record, role, host.steps_done)
@@ -374,8 +377,9 @@ class PeerDaemon:
 
             def bump(servicer) -> None:
                 set_stage_precision(servicer.host.worker, plan_precision(record.plan, role.stage, self.cfg.precision))
-                servicer.host.role = role  # same layers: only the plan version (epilogue codecs, precision) change
-                servicer.host.averager.set_codecs(*epilogue_configs(record.plan, role.stage))
+                # same layers: only the plan version (epilogue codecs, precision) change
+                epilogue = epilogue_configs(record.plan, role.stage)
+                servicer.host.apply(dataclasses.replace(servicer.host.assignment, role=role, epilogue=epilogue))
                 servicer.set_roster(roster)
 
             self.servicer.when_idle(bump, wait_s)
@@ -497,7 +501,7 @@ class PeerDaemon:
                     continue
             loaded.update(state)
         count, missing, steps_done = take_over(new_host.worker, loaded)
-        new_host.steps_done = max(new_host.steps_done, steps_done)
+        new_host.restore(steps_done)
         log.info(
             "took over %d weights with their optimizer state from plan %d (step %d, lr step %d)%s",
             count,

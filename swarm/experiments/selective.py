@@ -76,6 +76,8 @@ def apply_selective(pipe, plan: dict, fw_defaults: dict, bw_defaults: dict) -> N
     """Every host of `pipe` (a `LocalPipeline`) takes its boundary ends and epilogue codecs from `plan`, as a peer
     does (`stage_link_codecs`, `epilogue_configs`); each label parsed with the experiment's codec defaults (group
     sizes, rounding, zstd level) unless it says otherwise, as the fixed settings' codecs are."""
+    from dataclasses import replace
+
     from swarm.runtime.boundary import LinkEnds
     from swarm.scheduler.bits import epilogue_configs, stage_link_codecs
 
@@ -87,10 +89,8 @@ def apply_selective(pipe, plan: dict, fw_defaults: dict, bw_defaults: dict) -> N
                 CodecConfig.parse(label, **(fw_defaults if i % 2 == 0 else bw_defaults))
                 for i, label in enumerate(labels)
             )
-            host.links = LinkEnds(
-                fw_send, bw_send, pipe.shaping, adaptive_zstd=pipe.adaptive_zstd, recv=(fw_recv, bw_recv)
-            )
-            host.averager.set_codecs(*epilogue_configs(plan, stage))
+            links = LinkEnds(fw_send, bw_send, pipe.shaping, adaptive_zstd=pipe.adaptive_zstd, recv=(fw_recv, bw_recv))
+            host.apply(replace(host.assignment, links=links, epilogue=epilogue_configs(plan, stage)))
 
 
 def setting_codecs(plan: dict, fw_defaults: dict, bw_defaults: dict) -> tuple[CodecConfig, CodecConfig]:

@@ -421,7 +421,7 @@ class GradientAverager:
 
             try:
                 # communication: this member's gradients to member i of the group
-                host.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=max(deadline_s, 0.001))
+                host.outbox.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=max(deadline_s, 0.001))
             except grpc.RpcError as e:
                 errors.append(name_failure(e, info.stage, peers[i], addresses[i]))
             except Exception as e:  # noqa: BLE001 - reported to the caller, naming the peer

@@ -11,25 +11,28 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, fields
 from typing import TYPE_CHECKING
 
 import grpc
 
-from swarm.compression import BufferMissError, WireError, WireLimits
+from swarm.compression import BufferMissError, CodecConfig, WireError, WireLimits, frame, make_codec
 from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, read_stream
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.budget import CallSlots, SlotsExhausted, StageBudget
 from swarm.runtime.callinfo import fill_route, plan_gives_route
+from swarm.runtime.checkpoint import handover_tensors
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
+from swarm.runtime.messages import StepOrder
 from swarm.runtime.policy import CallPolicy, Roster
 from swarm.runtime.schedules import Kind
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallVerifier
 
-__all__ = ["StageServicer"]
+__all__ = ["StageServicer", "state_items", "step_order"]
 
 log = logging.getLogger("swarm.runtime.service")
 
@@ -217,12 +220,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         deadline = time.monotonic() + timeout_s
         with self._admission:
             while not (idle := self.host is None or self.host.open_step is None):
-                if time.monotonic() >= deadline or self.host.orphaned(self.budget.orphan_step_s):
+                if time.monotonic() >= deadline or self.host.ledger.orphaned(self.budget.orphan_step_s):
                     break
                 self._admission.wait(min(0.5, max(0.0, deadline - time.monotonic())))  # step ends notify it
             if not idle:
                 log.warning("stage %d: abandoning unfinished step %s", self.host.role.stage, self.host.open_step)
-                self.host.step(stage_pb2.StepRequest(step=self.host.open_step or 0, abandon=True))
+                self.host.step(StepOrder(step=self.host.open_step or 0, abandon=True))
             change(self)
             self._admission.notify_all()
         return idle
@@ -293,14 +296,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Grads(self, request, context):
         self._checked(context, lambda caller: self.policy.check_step("Grads", caller))
-        return self._guard(context, lambda: self._serving().grads())
+        return self._guard(context, lambda: stage_pb2.GradReply(**asdict(self._serving().grads())))
 
     def Step(self, request, context):
         self._checked(context, lambda caller: self.policy.check_step("Step", caller))
 
         def run():
             host = self._serving()
-            lr = host.step(request)
+            lr = host.step(step_order(request))
             with self._admission:
                 self._admission.notify_all()  # a plan change may be waiting for the step to end
             skipped = request.skip and not request.abandon
@@ -370,7 +373,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Status(self, request, context):
         self._checked(context, None)
-        return self._guard(context, lambda: self._serving().status())
+        return self._guard(context, lambda: stage_pb2.StatusReply(**asdict(self._serving().status())))
 
     def Ping(self, request, context):
         """Liveness only: what Status answers (any authenticated caller; not serving a stage fails alike),
@@ -407,5 +410,21 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             except SlotsExhausted as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             with host.compute_lock:
-                items = list(host.state_items())
+                items = list(state_items(host))
             yield from items
+
+
+def step_order(request: stage_pb2.StepRequest) -> StepOrder:
+    """A Step call's request as the host takes it: the same fields, and whether it carries the retired tied sum."""
+    carried = {f.name: getattr(request, f.name) for f in fields(StepOrder) if f.name != "tied_grad_sum"}
+    return StepOrder(**carried, tied_grad_sum=request.HasField("tied_grad_sum"))
+
+
+def state_items(host: StageHost) -> Iterator[stage_pb2.StateItem]:
+    """The stage's state as named fp32 tensors, for handing the stage over to another peer: weights
+    (`model.*`), optimizer moments (`optim.*`) and the schedule's position (`meta.*`). Call holding the host's
+    compute lock."""
+    codec = make_codec(CodecConfig("fp32"))
+    for name, tensor in handover_tensors(host.worker, host.steps_done).items():
+        for chunk in frame(codec.encode(tensor.float()), zstd_level=0):
+            yield stage_pb2.StateItem(name=name, chunk=chunk)

@@ -13,6 +13,7 @@ from swarm.compression.codec_aqsgd import buffer_digest
 from swarm.runtime.freeze import FreezePolicy
 from swarm.runtime.gate import GateError
 from swarm.runtime.local import LocalPipeline
+from swarm.runtime.messages import StepOrder
 from tests.unit.runtime.test_replicas import CFG, batch, weights
 from tests.unit.test_freeze import LLAMA, NO_CLIP
 from tests.unit.test_freeze import _batch as _fbatch
@@ -248,7 +249,7 @@ def test_a_stage_refuses_only_the_abandoned_attempt_of_a_step_and_changes_nothin
     pipe = _pipe("default")
     try:
         host = pipe.hosts[1]
-        host.step(stage_pb2.StepRequest(step=3, abandon=True, attempt_id=77))
+        host.step(StepOrder(step=3, abandon=True, attempt_id=77))
 
         def call(step: int, attempt_id: int) -> stage_pb2.CallInfo:
             info = stage_pb2.CallInfo(step=step, stage=1, plan_version=host.role.plan_version, attempt_id=attempt_id)
