@@ -36,10 +36,10 @@ __all__ = ["PeerConfig", "PeerDaemon", "PlanningConfig", "build_parser", "config
 log = logging.getLogger("swarm.peer")
 
 
-def retired(role, record):
-    """An old host's role while its peer switches to `record`: the new plan's version, so an old-plan step is
-    refused (no step lands after its state was copied) and GetState serves it as it is now."""
-    return dataclasses.replace(role, plan_version=record.version)
+def retired(assignment, record):
+    """An old host's assignment while its peer switches to `record`: its role under the new plan's version, so an
+    old-plan step is refused (no step lands after its state was copied) and GetState serves it as it is now."""
+    return dataclasses.replace(assignment, role=dataclasses.replace(assignment.role, plan_version=record.version))
 
 
 class PeerDaemon:
@@ -389,7 +389,7 @@ class PeerDaemon:
             if new_host is not None and source is not None and self.servicer.host is not None:
                 # the old host takes no further old-plan step (it is refused: the trainer follows the new plan)
                 # while its state is copied, here and by the peers that take its layers (GetState "now")
-                self.servicer.when_idle(lambda sv: setattr(sv.host, "role", retired(sv.host.role, record)), wait_s)
+                self.servicer.when_idle(lambda sv: sv.host.apply(retired(sv.host.assignment, record)), wait_s)
             if new_host is not None and source is not None:
                 self._hand_over(new_host, source, own=not behind and source is self.following)
             self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
