@@ -22,7 +22,7 @@ stage's roster as before).
 
 `call_info` also leaves `loss_weight` 0 where the micro-batch's weight is 1 / num_micro_batches, `schedule` empty
 for 1f1b and `deadline_s` 0 for 120 s: proto3 omits default values, and the stages read each default as exactly
-that value (`StageHost.decode`, `_turn`, `_deadline`; stages of earlier versions alike).
+that value (`StageHost.decode`, `StageHost._turn`, `call_wait_s`; stages of earlier versions alike).
 
 `CallRouter.labels` sends a chain's labels in one PutLabels (`LabelsRequest.micro_rows`: consecutive
 micro-batches, at most `StageBudget.max_batch` rows together, as one micro-batch's may be) before its micro-batches

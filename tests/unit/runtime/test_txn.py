@@ -118,7 +118,7 @@ def test_a_retried_step_starts_the_lowrank_tied_sum_from_the_committed_warm_star
 
 def test_a_restarted_trainer_abandons_the_open_step_and_its_codec_state():
     """A trainer that dies mid-step and comes back sends the next step's calls without an abandon: the stages
-    close the old step (`StageHost.open`) and undo its codec state, so training goes on as if it never ran."""
+    close the old step (`StageHost.admit`) and undo its codec state, so training goes on as if it never ran."""
     pipe, ref = _pipe("aqsgd2"), _pipe("aqsgd2")
     try:
         for p in (pipe, ref):
