@@ -23,7 +23,16 @@ from swarm.proto import stage_pb2
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
 
-__all__ = ["METHODS", "Connector", "GrpcConnector", "LocalNetwork", "LocalRpcError", "SignedChannels", "StageClient"]
+__all__ = [
+    "METHODS",
+    "Connector",
+    "GrpcConnector",
+    "LocalNetwork",
+    "LocalRpcError",
+    "SignedChannels",
+    "StageClient",
+    "status_of",
+]
 
 Metadata = tuple[tuple[str, bytes], ...]
 Resolve = Callable[[str], "str | None"]
@@ -120,6 +129,11 @@ def _bind(channel: grpc.Channel, method) -> Callable:
         return factory(path, request_serializer=None, response_deserializer=reply)
     factory = channel.unary_stream if method.server_streaming else channel.unary_unary
     return factory(path, request_serializer=_message(method.input_type).SerializeToString, response_deserializer=reply)
+
+
+def status_of(channel: grpc.Channel, timeout_s: float) -> stage_pb2.StatusReply:
+    """The Status of the stage service on `channel` (a raw channel, or one whose calls are signed)."""
+    return _bind(channel, METHODS["Status"])(stage_pb2.Empty(), timeout=timeout_s)
 
 
 class _GrpcStage:

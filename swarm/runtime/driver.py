@@ -54,6 +54,7 @@ from swarm.runtime.chains import (
     spawn,
 )
 from swarm.runtime.gate import runs_through
+from swarm.runtime.messages import GradReport
 from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
 from swarm.runtime.routes import n_routes, route_replicas, stage_numbering, uneven
@@ -268,8 +269,8 @@ class PipelineDriver:
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         bw = self.router.routed(step, last, last_r, "Backward", start)
         traffic = Traffic()
-        traffic.add(fw.traffic, "forward")
-        traffic.add(bw.traffic, "backward")
+        traffic.add(fw.traffic.link_bytes, fw.traffic.fp32_wire_bytes, "forward")
+        traffic.add(bw.traffic.link_bytes, bw.traffic.fp32_wire_bytes, "backward")
         self._record(traffic)
         return _MicroResult(fw.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
@@ -361,7 +362,8 @@ class PipelineDriver:
             for r in group
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
-        grads = {key: future.result() for key, (future, _) in tasks.items()}
+        replies = {key: future.result() for key, (future, _) in tasks.items()}
+        grads = {key: GradReport(r.grad_sq_norm, r.loss_scale, tuple(r.layer_sq_norms)) for key, r in replies.items()}
         try:
             self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
         except StageCallError:

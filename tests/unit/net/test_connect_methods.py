@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from swarm.net.connect import METHODS, LocalNetwork, StageClient, _bind
+from swarm.net.connect import METHODS, LocalNetwork, StageClient, _bind, status_of
 from swarm.proto import stage_pb2
 
 pytestmark = pytest.mark.timeout(30)
@@ -84,3 +84,16 @@ def test_local_calls_parse_stream_items_and_pass_unary_requests():
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     with pytest.raises(AttributeError):
         client.Missing  # noqa: B018
+
+
+def test_status_of_calls_status_on_a_channel():
+    from tests.unit.net.test_connect_redial import _server
+
+    seen: list[str] = []
+    server, address = _server(seen, "a")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            assert isinstance(status_of(channel, timeout_s=10), stage_pb2.StatusReply)
+        assert seen == ["a"]
+    finally:
+        server.stop(grace=None)
