@@ -33,6 +33,7 @@ against one): trainer and stages must both have this version.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -44,6 +45,7 @@ import torch
 from swarm.net.stream import CallRefused, StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2
 from swarm.runtime.budget import StageBudget
+from swarm.runtime.messages import CallInfo
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
@@ -54,6 +56,8 @@ __all__ = [
     "call_info",
     "call_wait_s",
     "fill_route",
+    "info_from_wire",
+    "info_to_wire",
     "plan_gives_route",
     "route_needed",
 ]
@@ -105,7 +109,18 @@ def call_info(
     return info
 
 
-def call_wait_s(info: stage_pb2.CallInfo, budget: StageBudget) -> float:
+def info_from_wire(wire: stage_pb2.CallInfo) -> CallInfo:
+    """A call's CallInfo as the host takes it: every field, as it came (repeated fields as tuples)."""
+    values = {f.name: getattr(wire, f.name) for f in dataclasses.fields(CallInfo)}
+    return CallInfo(**{k: v if isinstance(v, str | int | float) else tuple(v) for k, v in values.items()})
+
+
+def info_to_wire(info: CallInfo) -> stage_pb2.CallInfo:
+    """`info` as it goes on the wire (fields at their defaults are not on it, as proto3 leaves them out)."""
+    return stage_pb2.CallInfo(**{f.name: getattr(info, f.name) for f in dataclasses.fields(CallInfo)})
+
+
+def call_wait_s(info: CallInfo, budget: StageBudget) -> float:
     """How long a call may wait at a stage or downstream of it: what it asks, capped by the stage's budget."""
     return min(info.deadline_s or DEFAULT_DEADLINE_S, budget.max_wait_s)
 
@@ -148,7 +163,7 @@ class RouteAcks:
             self._refused.add((peer, plan_version))
 
 
-def _roster_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> tuple[tuple, tuple] | str:
+def _roster_route(info: CallInfo, roster, role, own: str | None) -> tuple[tuple, tuple] | str:
     """The route of `info`'s chain from `roster` (the plan this stage follows: `role.plan_version`; this peer is
     `own`, serving `role.stage` of `role.n_stages`) as (addresses, peer ids), or why the roster cannot give it."""
     if roster is None or roster.n_stages != role.n_stages or info.chain >= roster.n_routes:
@@ -162,28 +177,27 @@ def _roster_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> tu
     return addresses, peers
 
 
-def _ours(info: stage_pb2.CallInfo, role) -> bool:
+def _ours(info: CallInfo, role) -> bool:
     """Whether the call names the plan and the stage this host serves (no route is taken for another's)."""
     return info.plan_version == role.plan_version and info.stage == role.stage
 
 
-def plan_gives_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> bool:
+def plan_gives_route(info: CallInfo, roster, role, own: str | None) -> bool:
     """Whether a route-less call like `info` (which carries its route) would get this same route from `roster`
     here: what a reply's `plan_route` says, so that the caller may leave the route out from then on."""
     return _ours(info, role) and _roster_route(info, roster, role, own) == (tuple(info.route), tuple(info.route_peers))
 
 
-def fill_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> None:
-    """Takes a route-less call's route from `roster` (`_roster_route`), in place. A call that carries any route,
-    or names another plan or another stage, is left as it is (the host's checks refuse or validate it). Raises
-    CallRefused (`ROUTE_NEEDED`) where the roster cannot give this call's route, before anything changed."""
+def fill_route(info: CallInfo, roster, role, own: str | None) -> CallInfo:
+    """A route-less call's info with its route from `roster` (`_roster_route`). A call that carries any route, or
+    names another plan or another stage, is returned as it is (the host's checks refuse or validate it). Raises
+    CallRefused (`ROUTE_NEEDED`) where the roster cannot give this call's route."""
     if len(info.route) or len(info.route_peers) or not _ours(info, role):
-        return
+        return info
     route = _roster_route(info, roster, role, own)
     if isinstance(route, str):
         raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"{ROUTE_NEEDED} {route}; send the call with its route")
-    info.route.extend(route[0])
-    info.route_peers.extend(route[1])
+    return dataclasses.replace(info, route=tuple(route[0]), route_peers=tuple(route[1]))
 
 
 class CallRouter:

@@ -23,8 +23,7 @@ from swarm.compression import CodecConfig, WireError, WireLimits
 from swarm.metrics import Metrics
 from swarm.model.spec import AnyModelConfig, build_stage, model_identity
 from swarm.net.connect import Connector
-from swarm.net.stream import PLAN_MISMATCH, CallRefused, Incoming, tokens_from_wire
-from swarm.proto import stage_pb2
+from swarm.net.stream import PLAN_MISMATCH, CallRefused, tokens_from_wire
 from swarm.runtime.average import GradientAverager, parameters_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
@@ -33,7 +32,7 @@ from swarm.runtime.device import to_device
 from swarm.runtime.freeze import apply_frozen, cached_forward, check_frozen, grad_report
 from swarm.runtime.gate import GateError, ScheduleGate
 from swarm.runtime.ledger import StepLedger
-from swarm.runtime.messages import GradReport, StageStatus, StepOrder
+from swarm.runtime.messages import CallInfo, GradReport, StageCall, StageStatus, StepOrder
 from swarm.runtime.outbox import Outbox
 from swarm.runtime.precision import check_scale, check_step
 from swarm.runtime.routes import local_micro
@@ -166,7 +165,7 @@ class StageHost:
     # admitted call; a step whose calls all failed before any progress closes again, so a bad call cannot
     # hold the stage for the next legitimate step.
 
-    def check_call(self, info: stage_pb2.CallInfo, caller: str | None = None) -> None:
+    def check_call(self, info: CallInfo, caller: str | None = None) -> None:
         """Refuses a call that this stage cannot serve whatever it carries; changes nothing."""
         role, ledger = self.role, self.ledger
         if info.plan_version != role.plan_version:
@@ -198,11 +197,11 @@ class StageHost:
 
     def admit(
         self,
-        call: Incoming | None,
-        info: stage_pb2.CallInfo,
+        call: StageCall | None,
+        info: CallInfo,
         kind: Kind | None,
         caller: str | None = None,
-        route_check: Callable[[stage_pb2.CallInfo], None] | None = None,
+        route_check: Callable[[CallInfo], None] | None = None,
     ):
         """Checks the whole call (info, then `route_check` of the plan's route, then message or tokens against
         the budget and the schedule), then opens its step: a stale step, or one its own trainer left for a later
@@ -233,7 +232,7 @@ class StageHost:
                 if self.ledger.idle_unused():
                     self._close_step()
 
-    def _check_payload(self, call: Incoming, kind: Kind) -> None:
+    def _check_payload(self, call: StageCall, kind: Kind) -> None:
         role, info, budget, model = self.role, call.info, self.budget, self.model
         mb = local_micro(info, role.stage)[0]
         if kind == Kind.FORWARD and role.is_first:
@@ -275,7 +274,7 @@ class StageHost:
 
     # ---- one micro-batch: forward and backward -------------------------------------------------------------
 
-    def decode(self, call: Incoming, kind: Kind) -> torch.Tensor:
+    def decode(self, call: StageCall, kind: Kind) -> torch.Tensor:
         """What an admitted call brings: the tokens into stage 0, the decoded activation or gradient elsewhere
         (for AQ-SGD the receiver's buffer m: the receiver computes on what the codec delivers)."""
         if kind == Kind.FORWARD and self.role.is_first:
@@ -287,12 +286,11 @@ class StageHost:
         with _phase(self.metrics, self.role.stage, "decode"):
             return links.incoming(direction, need_message(call), self.limits, step=call.info.step)
 
-    def forward(
-        self, call: Incoming, inputs: torch.Tensor | None = None, cancelled: threading.Event | None = None
-    ) -> stage_pb2.ForwardReply:
+    def forward(self, call: StageCall, inputs: torch.Tensor | None = None, cancelled: threading.Event | None = None):
         """Stage k's forward of one micro-batch (admitted: see `admit`): compute in schedule order, send on to
         stage k+1. `inputs` are the call's, decoded (default: decoded now); a set `cancelled` (the caller gave
-        up) ends its wait for its turn."""
+        up) ends its wait for its turn. Returns the reply: the next stage's, with this stage's bytes added (the
+        last stage's own: its loss)."""
         info, role, links = call.info, self.role, self.links
         if inputs is None:
             inputs = self.decode(call, Kind.FORWARD)
@@ -310,18 +308,17 @@ class StageHost:
                 address = None if role.is_last else info.route[role.stage + 1]
                 out = cached_forward(self.worker, links, address, mb, inputs, ids, targets)  # swarm.runtime.freeze
             if role.is_last:
-                return stage_pb2.ForwardReply(has_loss=True, loss=float(out))
+                return self.outbox.answer(float(out))
             # encoded in schedule order, still holding the turn (`Outbox.encode_forward`)
             nxt = self.outbox.to(info, role.stage + 1)
             items = self.outbox.encode_forward(links, out, ids, nxt)
         # communication: the activation goes straight to the next stage, which returns the loss
         return self.outbox.forward(links, nxt, items, out, ids)
 
-    def backward(
-        self, call: Incoming, grad_out: torch.Tensor | None = None, cancelled: threading.Event | None = None
-    ) -> stage_pb2.BackwardReply:
+    def backward(self, call: StageCall, grad_out: torch.Tensor | None = None, cancelled: threading.Event | None = None):
         """Stage k's backward of one micro-batch (admitted): backpropagate in schedule order, send to stage k-1.
-        `grad_out` is the call's gradient, decoded (default: decoded now)."""
+        `grad_out` is the call's gradient, decoded (default: decoded now). Returns the reply: the previous
+        stage's, with this stage's bytes added (stage 0's own)."""
         info, links = call.info, self.links
         if grad_out is None:
             grad_out = self.decode(call, Kind.BACKWARD)
@@ -332,14 +329,14 @@ class StageHost:
                 self.ledger.still(current(), info.step, mb)
                 grad_in = self.worker.backward(mb, *to_device(links.device, grad_out))
             if grad_in is None:
-                return stage_pb2.BackwardReply()
+                return self.outbox.answer()
             # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule
             prev = self.outbox.to(info, self.role.stage - 1)
             items = self.outbox.encode_backward(links, grad_in, prev)
         # communication: the input gradient goes straight back to the previous stage
         return self.outbox.backward(prev, items, grad_in)
 
-    def _turn(self, info: stage_pb2.CallInfo, kind: Kind, cancelled: threading.Event | None = None):
+    def _turn(self, info: CallInfo, kind: Kind, cancelled: threading.Event | None = None):
         """The call's turn in the schedule (a context manager), waited for at most as long as the call may wait."""
         mb, n_micro = local_micro(info, self.role.stage)
         timeout_s = call_wait_s(info, self.budget)
@@ -348,13 +345,12 @@ class StageHost:
 
     # ---- once per step ----------------------------------------------------------------------------------
 
-    def check_labels(
-        self, info: stage_pb2.CallInfo, labels: stage_pb2.TokenBatch, micro_rows=()
-    ) -> list[tuple[int, torch.Tensor]]:
+    def check_labels(self, info: CallInfo, labels, micro_rows=()) -> list[tuple[int, torch.Tensor]]:
         """The checked targets of a PutLabels call, as (local micro-batch, targets) pairs; changes nothing.
         Labels are taken for the open step only (admission opens it), one batch per micro-batch (a retry replaces
         it), so the table never outgrows the budget. With `micro_rows`, one call holds the labels of consecutive
-        micro-batches of the call's chain (`LabelsRequest.micro_rows`), together no more rows than one may."""
+        micro-batches of the call's chain (`LabelsRequest.micro_rows`), together no more rows than one may.
+        `labels` is the call's token batch as it came (`tokens_from_wire` reads it within the model's bounds)."""
         if not self.role.is_last:
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.role.stage} is not the last stage")
         rows = list(labels.shape)[:1]
@@ -368,7 +364,7 @@ class StageHost:
         targets, _ = tokens_from_wire(labels, self.model.vocab_size, self.model.seq_len_tokens)
         return list(zip(range(first, count), targets.split(split or [len(targets)]), strict=False))
 
-    def put_labels(self, info: stage_pb2.CallInfo, labels: list[tuple[int, torch.Tensor]]) -> None:
+    def put_labels(self, info: CallInfo, labels: list[tuple[int, torch.Tensor]]) -> None:
         """Stores checked labels (`check_labels`) of the open step (`admit` opened it)."""
         with self.compute_lock:
             if self.open_step != info.step:

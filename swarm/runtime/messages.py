@@ -1,14 +1,61 @@
-"""The stage host's Step order, Grads report and Status, as plain dataclasses.
+"""The stage host's calls, Step order, Grads report and Status, as plain dataclasses.
 
-The host works with these; the servicer (`swarm.runtime.service`) turns a StepRequest into a `StepOrder` and
-the host's `GradReport` and `StageStatus` into their protobuf replies, field by field of the same names.
+The host works with these; the servicer (`swarm.runtime.service`) turns a call's CallInfo into a `CallInfo`
+(`swarm.runtime.callinfo.info_from_wire`) and a StepRequest into a `StepOrder`, and the host's `GradReport` and
+`StageStatus` into their protobuf replies, field by field of the same names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GradReport", "StageStatus", "StepOrder"]
+__all__ = ["CallInfo", "GradReport", "StageCall", "StageStatus", "StepOrder"]
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """What a Forward, Backward or PutLabels says about itself (`stage.proto`'s CallInfo, field for field).
+
+    Fields at proto3's defaults mean what the stage reads for them: `num_micro_batches` 0 is 1, `schedule` ""
+    is 1f1b, `deadline_s` 0 is 120 s, `loss_weight` 0 is 1 / num_micro_batches (`swarm.runtime.callinfo`)."""
+
+    step: int = 0
+    micro_batch: int = 0
+    stage: int = 0
+    """the stage the caller addresses"""
+    plan_version: int = 0
+    num_micro_batches: int = 0
+    schedule: str = ""
+    route: tuple[str, ...] = ()
+    """gRPC address of every stage of the call's chain, in pipeline order (empty: the stage's plan gives it)"""
+    route_peers: tuple[str, ...] = ()
+    """peer id of every stage of the chain"""
+    deadline_s: float = 0.0
+    loss_weight: float = 0.0
+    chain: int = 0
+    """the route the call runs on"""
+    stage_micro: tuple[int, ...] = ()
+    """uneven replica counts: the micro-batch's index at each stage's replica (empty: `micro_batch`)"""
+    stage_micro_count: tuple[int, ...] = ()
+    tied: bool = False
+    """an Average of the tied group"""
+    loss_scale: float = 0.0
+    attempt_id: int = 0
+    """the trainer's attempt of the step (0: none)"""
+
+
+@dataclass
+class StageCall:
+    """One Forward or Backward as the host takes it: its info, and its payload as it came (the tensor message
+    that the stage's links decode, or the token batch into stage 0), read and bounded at the edge."""
+
+    info: CallInfo
+    message: object | None = None
+    """the tensor message (`swarm.compression` wire format), None for a token batch or nothing"""
+    tokens: object | None = None
+    """the token batch into stage 0"""
+    parsed: tuple | None = None
+    """checked (tokens, sample ids) of `tokens`, once the stage has admitted the call"""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ roster) gets the route for the rest of that plan; the refused call fails, the tr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -23,7 +24,8 @@ from swarm.net.stream import BUFFER_MISS, name_failure
 from swarm.proto import stage_pb2
 from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.budget import StageBudget
-from swarm.runtime.callinfo import ROUTE_NEEDED, RouteAcks, call_wait_s
+from swarm.runtime.callinfo import ROUTE_NEEDED, RouteAcks, call_wait_s, info_to_wire
+from swarm.runtime.messages import CallInfo
 
 __all__ = ["BufferMiss", "Counted", "Outbox"]
 
@@ -61,14 +63,11 @@ class Outbox:
         """neighbours that take the route from their plan: boundary calls to them leave it out"""
 
     @staticmethod
-    def to(info: stage_pb2.CallInfo, stage: int) -> stage_pb2.CallInfo:
+    def to(info: CallInfo, stage: int) -> CallInfo:
         """`info` as the call to `stage` of the same chain carries it."""
-        out = stage_pb2.CallInfo()
-        out.CopyFrom(info)
-        out.stage = stage
-        return out
+        return dataclasses.replace(info, stage=stage)
 
-    def encode_forward(self, links: LinkEnds, out: torch.Tensor, ids: list[int], nxt: stage_pb2.CallInfo):
+    def encode_forward(self, links: LinkEnds, out: torch.Tensor, ids: list[int], nxt: CallInfo):
         """The stream items of the activation `out` of samples `ids` for the next stage. Called in schedule order,
         holding the turn: the codec's state (stochastic rounding draws, AQ-SGD buffers) advances in the same order
         in every run, whatever the network's timing."""
@@ -81,10 +80,10 @@ class Outbox:
             self.metrics.buffer_hits.labels(link).inc(hits)
             self.metrics.buffer_misses.labels(link).inc(len(ids) - hits)
         with self._phase(nxt.stage - 1, "encode"):
-            return links.outgoing(end, out, ids, self.wire_info(nxt), to, step=nxt.step)
+            return links.outgoing(end, out, ids, info_to_wire(self.wire_info(nxt)), to, step=nxt.step)
 
     def forward(
-        self, links: LinkEnds, nxt: stage_pb2.CallInfo, items: Iterator[bytes], out: torch.Tensor, ids: list[int]
+        self, links: LinkEnds, nxt: CallInfo, items: Iterator[bytes], out: torch.Tensor, ids: list[int]
     ) -> stage_pb2.ForwardReply:
         """Sends the activation's items; on a buffer miss at the next stage, re-sends these samples in full."""
         try:
@@ -97,20 +96,26 @@ class Outbox:
         self._count(reply.traffic, nxt.stage - 1, "forward", sent, 4 * out.numel())
         return reply
 
-    def encode_backward(self, links: LinkEnds, grad_in: torch.Tensor, prev: stage_pb2.CallInfo) -> Iterator[bytes]:
+    def encode_backward(self, links: LinkEnds, grad_in: torch.Tensor, prev: CallInfo) -> Iterator[bytes]:
         """The stream items of the input gradient for the previous stage (in schedule order, as `encode_forward`)."""
         to = prev.route[prev.stage]
         with self._phase(prev.stage + 1, "encode"):
             end = links.send_end("bw", to)
-            return links.outgoing(end, grad_in, None, self.wire_info(prev), to, step=prev.step)
+            return links.outgoing(end, grad_in, None, info_to_wire(self.wire_info(prev)), to, step=prev.step)
 
-    def backward(self, prev: stage_pb2.CallInfo, items: Iterator[bytes], grad_in: torch.Tensor):
+    def backward(self, prev: CallInfo, items: Iterator[bytes], grad_in: torch.Tensor):
         """Sends the input gradient's items to the previous stage."""
         reply, sent = self.call(prev, "Backward", items)
         self._count(reply.traffic, prev.stage, "backward", sent, 4 * grad_in.numel())
         return reply
 
-    def call(self, info: stage_pb2.CallInfo, method: str, items: Iterator[bytes], retry_on: str | None = None):
+    @staticmethod
+    def answer(loss: float | None = None):
+        """The reply to a call that ends at this stage: a Forward at the last stage (the micro-batch's `loss`), or a
+        Backward that sends nothing on (`loss` None)."""
+        return stage_pb2.BackwardReply() if loss is None else stage_pb2.ForwardReply(has_loss=True, loss=loss)
+
+    def call(self, info: CallInfo, method: str, items: Iterator[bytes], retry_on: str | None = None):
         """`method` on the neighbour `info` names (its full route: `items` may carry the call info without it);
         the reply and the bytes sent."""
         address, peer = info.route[info.stage], info.route_peers[info.stage]
@@ -129,15 +134,11 @@ class Outbox:
             self.acks.acked(peer, info.plan_version, info.step)
         return reply, counted.nbytes
 
-    def wire_info(self, info: stage_pb2.CallInfo) -> stage_pb2.CallInfo:
+    def wire_info(self, info: CallInfo) -> CallInfo:
         """The call info as it goes to the neighbour: without the route once that neighbour takes it from its plan."""
         if self.acks.carry(info.route_peers[info.stage], info.plan_version, info.step):
             return info
-        out = stage_pb2.CallInfo()
-        out.CopyFrom(info)
-        out.ClearField("route")
-        out.ClearField("route_peers")
-        return out
+        return dataclasses.replace(info, route=(), route_peers=())
 
     def close(self) -> None:
         self.connector.close()

@@ -21,11 +21,11 @@ from swarm.compression import BufferMissError, CodecConfig, WireError, WireLimit
 from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, read_stream
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.budget import CallSlots, SlotsExhausted, StageBudget
-from swarm.runtime.callinfo import fill_route, plan_gives_route
+from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
 from swarm.runtime.checkpoint import handover_tensors
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
-from swarm.runtime.messages import StepOrder
+from swarm.runtime.messages import CallInfo, StageCall, StepOrder
 from swarm.runtime.policy import CallPolicy, Roster
 from swarm.runtime.schedules import Kind
 
@@ -143,17 +143,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     # ---- admission ------------------------------------------------------------------------------------------
 
-    def _check_info(self, info: stage_pb2.CallInfo, caller: str | None, method: str | None = None) -> StageHost:
-        """Checks what a call's info alone decides: the host's rules, then the plan's chain. Changes nothing."""
+    def _check_info(
+        self, wire: stage_pb2.CallInfo, caller: str | None, method: str | None = None
+    ) -> tuple[StageHost, CallInfo]:
+        """Checks what a call's info alone decides: the host's rules, then the plan's chain. Changes nothing.
+        Returns the host and the info as the host takes it (a route-less call's route from the plan)."""
         host = self._serving()
-        fill_route(info, self.policy.roster, host.role, host.peer_id)  # a route-less call's, from the plan
+        info = fill_route(info_from_wire(wire), self.policy.roster, host.role, host.peer_id)
         host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
         if caller is not None:
             self.policy.check_route(info, caller, method, host.peer_id)
-        return host
+        return host, info
 
     def _admit(
-        self, info: stage_pb2.CallInfo, call, kind: Kind | None, caller: str | None, method: str | None = None
+        self, info: CallInfo, call: StageCall | None, kind: Kind | None, caller: str | None, method: str | None = None
     ) -> StageHost:
         """Checks a whole call against the plan and the current host and opens its step there, atomically
         with `swap`. The caller must `leave()` the returned host when the call is answered."""
@@ -185,13 +188,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     if header.body_bytes > self.budget.large_stream_bytes:
                         reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
 
+                infos = []  # the call's info as the host takes it
                 carried = []  # whether the call came with its route (before `fill_route` gives it one)
 
-                def on_info(info) -> None:
-                    carried.append(len(info.route) > 0)
-                    self._check_info(info, caller, method)
+                def on_info(wire: stage_pb2.CallInfo) -> None:
+                    carried.append(len(wire.route) > 0)
+                    infos.append(self._check_info(wire, caller, method)[1])
 
-                call = read_stream(request_iterator, self._limits(), on_info=on_info, on_header=on_header)
+                read = read_stream(request_iterator, self._limits(), on_info=on_info, on_header=on_header)
+                call = StageCall(infos[0], read.message, read.tokens)
                 host = self._admit(call.info, call, kind, caller, method)
                 try:
                     inputs = host.decode(call, kind)
@@ -283,8 +288,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         def run():
             caller = self._sender(context, "PutLabels")
             with self._data_slots.take():
-                info = request.info
-                targets = self._check_info(info, caller).check_labels(info, request.labels, request.micro_rows)
+                host, info = self._check_info(request.info, caller)
+                targets = host.check_labels(info, request.labels, request.micro_rows)
                 host = self._admit(info, None, None, caller)
                 try:
                     host.put_labels(info, targets)

@@ -15,12 +15,13 @@ from swarm.net.stream import PLAN_MISMATCH, CallRefused
 from swarm.proto import stage_pb2
 from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.budget import StageBudget
+from swarm.runtime.callinfo import info_from_wire, info_to_wire
 from swarm.runtime.driver import PipelineDriver
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost, StageRole
 from swarm.runtime.ledger import StepLedger
 from swarm.runtime.local import LocalPipeline
-from swarm.runtime.messages import GradReport, StageStatus, StepOrder
+from swarm.runtime.messages import CallInfo, GradReport, StageStatus, StepOrder
 from swarm.runtime.outbox import Outbox
 from swarm.runtime.service import StageServicer, step_order
 from swarm.runtime.worker import StageConfig
@@ -125,15 +126,29 @@ def test_the_ledger_tracks_the_open_step_its_calls_and_applied_steps():
 
 def test_the_outbox_leaves_the_route_out_once_the_neighbour_took_it():
     outbox = Outbox(None, None, StageBudget())
-    info = stage_pb2.CallInfo(step=2, stage=0, plan_version=3, route=["a", "b"], route_peers=["p", "q"])
+    info = CallInfo(step=2, stage=0, plan_version=3, route=("a", "b"), route_peers=("p", "q"))
     nxt = outbox.to(info, 1)
-    assert (nxt.stage, info.stage, list(nxt.route)) == (1, 0, ["a", "b"])
+    assert (nxt.stage, info.stage, nxt.route) == (1, 0, ("a", "b"))
     assert outbox.wire_info(nxt) is nxt, "not acknowledged yet: the route travels"
     outbox.acks.acked("q", 3, step=2)
     assert outbox.wire_info(nxt) is nxt, "not within the step it was acknowledged in"
-    later = outbox.to(stage_pb2.CallInfo(step=3, stage=0, plan_version=3, route=["a", "b"], route_peers=["p", "q"]), 1)
+    later = dataclasses.replace(nxt, step=3)
     bare = outbox.wire_info(later)
-    assert not bare.route and not bare.route_peers and bare.step == 3 and len(later.route) == 2
+    assert bare == dataclasses.replace(later, route=(), route_peers=()) and len(later.route) == 2
+
+
+def test_call_info_goes_to_the_wire_and_back_field_for_field():
+    wire = stage_pb2.CallInfo(
+        step=7, micro_batch=1, stage=2, plan_version=3, num_micro_batches=4, schedule="gpipe", route=["a", "b", "c"],
+        route_peers=["p", "q", "r"], deadline_s=9.5, loss_weight=0.25, chain=5, stage_micro=[0, 1, 2],
+        stage_micro_count=[3, 3, 4], tied=True, loss_scale=1024.0, attempt_id=0xFFFFFFFF,
+    )  # fmt: skip
+    assert {f.name for f in dataclasses.fields(CallInfo)} == _names(stage_pb2.CallInfo)
+    info = info_from_wire(wire)
+    assert info.route == ("a", "b", "c") and info.stage_micro_count == (3, 3, 4) and info.attempt_id == 0xFFFFFFFF
+    assert info_to_wire(info).SerializeToString() == wire.SerializeToString()
+    empty = stage_pb2.CallInfo(step=1)
+    assert info_to_wire(info_from_wire(empty)).SerializeToString() == empty.SerializeToString(), "defaults stay off"
 
 
 # ---- the driver's call router -------------------------------------------------------------------------------
