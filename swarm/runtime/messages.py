@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CallInfo", "GradReport", "StageCall", "StageStatus", "StepOrder"]
+__all__ = ["CallInfo", "GradReport", "ReduceOrder", "ReduceReport", "StageCall", "StageStatus", "StepOrder"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,34 @@ class StepOrder:
     """with `abandon`: the attempt abandoned (0: none)"""
     tied_grad_sum: bool = False
     """whether the request carried the retired tied gradient (the end stages sum it in Reduce): refused"""
+
+
+@dataclass(frozen=True)
+class ReduceOrder:
+    """The trainer's Reduce: sum the step's gradients with these replicas (and the tied group's, at an end stage)."""
+
+    step: int
+    plan_version: int = 0
+    stage: int = 0
+    group_peers: tuple[str, ...] = ()
+    """the replicas taking part, in summation order; this peer among them"""
+    group_addresses: tuple[str, ...] = ()
+    deadline_s: float = 0.0
+    """how long to wait for every other replica's gradients (0: the budget's longest wait)"""
+    tied_peers: tuple[str, ...] = ()
+    """the tied group (first and last stages' replicas), empty off the end stages"""
+    tied_addresses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReduceReport:
+    """What a Reduce sent: to the stage group and to the tied group, beside what fp32 would have cost."""
+
+    wire_bytes: int = 0
+    fp32_wire_bytes: int = 0
+    group_size: int = 0
+    tied_wire_bytes: int = 0
+    tied_fp32_wire_bytes: int = 0
 
 
 @dataclass(frozen=True)

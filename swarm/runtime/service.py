@@ -25,14 +25,14 @@ from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
 from swarm.runtime.checkpoint import handover_tensors
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
-from swarm.runtime.messages import CallInfo, StageCall, StepOrder
+from swarm.runtime.messages import CallInfo, ReduceOrder, StageCall, StepOrder
 from swarm.runtime.policy import CallPolicy, Roster
 from swarm.runtime.schedules import Kind
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallVerifier
 
-__all__ = ["StageServicer", "state_items", "step_order"]
+__all__ = ["StageServicer", "reduce_order", "state_items", "step_order"]
 
 log = logging.getLogger("swarm.runtime.service")
 
@@ -317,15 +317,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self._guard(context, run)
 
     def Reduce(self, request, context):
+        order = reduce_order(request)
+
         def check(caller: str) -> None:
             self.policy.check_step("Reduce", caller)
-            self.policy.check_group(request, self._serving().peer_id)
+            self.policy.check_group(order, self._serving().peer_id)
 
         self._checked(context, check)
 
         def run():
             with self._reduce_slots.take():
-                return self._serving().averager.reduce(request, keyed_by_peer=self.verifier is not None)
+                report = self._serving().averager.reduce(order, keyed_by_peer=self.verifier is not None)
+            return stage_pb2.ReduceReply(**asdict(report))
 
         return self._guard(context, run)
 
@@ -339,8 +342,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if caller is not None:  # from the metadata: a replica of this stage, or of the tied group
                 self.policy.check_average(host.role.stage, caller, host.peer_id, tied=None)
             sender: list[str] = []
+            infos: list[CallInfo] = []
 
-            def on_info(info: stage_pb2.CallInfo) -> None:
+            def on_info(wire: stage_pb2.CallInfo) -> None:
+                info = info_from_wire(wire)
+                infos.append(info)
                 if caller is not None:  # the call info says which sum: hold the caller to that one's members
                     self.policy.check_average(host.role.stage, caller, host.peer_id, tied=info.tied)
                 sender.append(caller if caller is not None else f"#{info.micro_batch}")
@@ -352,9 +358,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     if header.body_bytes > self.budget.large_stream_bytes:
                         reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
 
-                call = read_stream(request_iterator, host.averager.limits, on_info=on_info, on_header=on_header)
-                host.averager.receive(call, sender[0])
-            return stage_pb2.Traffic(wire_bytes=call.wire_bytes)
+                read = read_stream(request_iterator, host.averager.limits, on_info=on_info, on_header=on_header)
+                host.averager.receive(StageCall(infos[0], read.message), sender[0])
+            return stage_pb2.Traffic(wire_bytes=read.wire_bytes)
 
         return self._guard(context, run)
 
@@ -417,6 +423,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             with host.compute_lock:
                 items = list(state_items(host))
             yield from items
+
+
+def reduce_order(request: stage_pb2.ReduceRequest) -> ReduceOrder:
+    """A Reduce call's request as the host's averager takes it: the same fields (repeated ones as tuples)."""
+    values = {f.name: getattr(request, f.name) for f in fields(ReduceOrder)}
+    return ReduceOrder(**{k: v if isinstance(v, str | int | float) else tuple(v) for k, v in values.items()})
 
 
 def step_order(request: stage_pb2.StepRequest) -> StepOrder:

@@ -21,9 +21,9 @@ from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost, StageRole
 from swarm.runtime.ledger import StepLedger
 from swarm.runtime.local import LocalPipeline
-from swarm.runtime.messages import CallInfo, GradReport, StageStatus, StepOrder
+from swarm.runtime.messages import CallInfo, GradReport, ReduceOrder, ReduceReport, StageStatus, StepOrder
 from swarm.runtime.outbox import Outbox
-from swarm.runtime.service import StageServicer, step_order
+from swarm.runtime.service import StageServicer, reduce_order, step_order
 from swarm.runtime.worker import StageConfig
 from tests.unit.runtime.test_replicas import CFG, batch
 
@@ -191,6 +191,18 @@ def test_every_reply_field_is_carried_and_nothing_else():
     assert {f.name for f in dataclasses.fields(StageStatus)} == _names(stage_pb2.StatusReply)
     order = {f.name for f in dataclasses.fields(StepOrder)}
     assert order == _names(stage_pb2.StepRequest), "tied_grad_sum: whether the retired field came"
+    assert {f.name for f in dataclasses.fields(ReduceOrder)} == _names(stage_pb2.ReduceRequest)
+    assert {f.name for f in dataclasses.fields(ReduceReport)} == _names(stage_pb2.ReduceReply)
+
+
+def test_a_reduce_request_becomes_its_order_field_for_field():
+    request = stage_pb2.ReduceRequest(
+        step=3, plan_version=2, stage=1, group_peers=["p", "q"], group_addresses=["a", "b"], deadline_s=4.0,
+        tied_peers=["x"], tied_addresses=["y"],
+    )  # fmt: skip
+    order = reduce_order(request)
+    assert order == ReduceOrder(3, 2, 1, ("p", "q"), ("a", "b"), 4.0, ("x",), ("y",))
+    assert stage_pb2.ReduceRequest(**dataclasses.asdict(order)) == request
 
 
 def test_a_step_request_becomes_its_order_field_for_field():
