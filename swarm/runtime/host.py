@@ -5,6 +5,11 @@ a `Connector` (gRPC, or the in-process `LocalNetwork`), and every call it serves
 stage's schedule program (`ScheduleGate`). Forward calls flow stage 0 -> last stage, each stage sending
 its activation straight to the next one and returning the loss back along the chain; backward calls flow
 last -> stage 0 the same way.
+
+The host works with tensors and dataclasses (`swarm.runtime.messages`); the servicer reads each call into them
+and writes the protobuf replies. It composes its step ledger (`StepLedger`: the open step, its calls in flight,
+the steps applied) and its outbox (`Outbox`: the calls to its neighbours); what the plan assigns it arrives
+whole, between steps, through `apply(StageAssignment)`.
 """
 
 from __future__ import annotations
