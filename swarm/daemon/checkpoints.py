@@ -33,8 +33,7 @@ class StageCheckpoints:
         return None
 
     def setup(self, host) -> None:
-        """Resumes the stage from its checkpoint once (--resume), and checkpoints it every --checkpoint-every
-        steps."""
+        """Resumes the stage from its checkpoint once (--resume); `on_step` checkpoints it from then on."""
         from swarm.runtime.checkpoint import resume
 
         cfg = self.cfg
@@ -44,7 +43,7 @@ class StageCheckpoints:
         if cfg.resume and not self.resumed:
             found = resume(cfg.checkpoint_dir, host.worker, role.layer_start, role.layer_end)
             if found is not None:
-                host.steps_done = int(found["steps_done"])
+                host.restore(int(found["steps_done"]))
                 self.resumed = True
                 log.info(
                     "resumed layers [%d, %d) at step %d (lr step %s, saved under plan %s)",
@@ -55,11 +54,10 @@ class StageCheckpoints:
                     found["plan_version"],
                 )
 
-        def on_step(h):
-            if h.steps_done % cfg.checkpoint_every == 0:
-                self.save(h)
-
-        host.on_step = on_step
+    def on_step(self, host) -> None:
+        """After every step the host applied (its `on_step`): a checkpoint every --checkpoint-every steps."""
+        if self.cfg.checkpoint_dir and host.steps_done % self.cfg.checkpoint_every == 0:
+            self.save(host)
 
     def save(self, host, final: bool = False) -> None:
         from swarm.runtime.checkpoint import save_worker

@@ -152,7 +152,7 @@ def freshest(copies: Iterable[Copy]) -> Copy | None:
 
 
 def state_items_of(tensors: dict[str, torch.Tensor]) -> Iterator:
-    """GetState's stream items for named tensors (fp32 frames, as `StageHost.state_items`)."""
+    """GetState's stream items for named tensors (fp32 frames, as `swarm.runtime.service.state_items`)."""
     from swarm.compression import CodecConfig, frame, make_codec
     from swarm.proto import stage_pb2
 

@@ -36,10 +36,10 @@ __all__ = ["PeerConfig", "PeerDaemon", "PlanningConfig", "build_parser", "config
 log = logging.getLogger("swarm.peer")
 
 
-def retired(role, record):
-    """An old host's role while its peer switches to `record`: the new plan's version, so an old-plan step is
-    refused (no step lands after its state was copied) and GetState serves it as it is now."""
-    return dataclasses.replace(role, plan_version=record.version)
+def retired(assignment, record):
+    """An old host's assignment while its peer switches to `record`: its role under the new plan's version, so an
+    old-plan step is refused (no step lands after its state was copied) and GetState serves it as it is now."""
+    return dataclasses.replace(assignment, role=dataclasses.replace(assignment.role, plan_version=record.version))
 
 
 class PeerDaemon:
@@ -186,10 +186,12 @@ class PeerDaemon:
             connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
             metrics=self.metrics,
             budget=cfg.budget,
+            on_step=self.checkpoints.on_step,
         )
-        host.compute_layers_per_s, host.link_codecs = self.speed, ends
         epilogue = plan.epilogue_configs(role.stage) if plan is not None else (None, None)
-        host.averager.set_codecs(*epilogue)  # the plan's averaging/tied codecs
+        host.apply(  # the plan's link codecs and averaging/tied codecs, this peer's measured speed
+            dataclasses.replace(host.assignment, link_codecs=ends, compute_layers_per_s=self.speed, epilogue=epilogue)
+        )
         apply_frozen(host, plan.frozen if plan is not None else 0)  # a repacked plan's frozen prefix: never trained
         self.checkpoints.setup(host)
         return host
@@ -363,7 +365,7 @@ class PeerDaemon:
             and role is not None
             and (host.role.stage, host.role.n_stages, host.role.layer_start, host.role.layer_end)
             == (role.stage, role.n_stages, role.layer_start, role.layer_end)
-            and plan.link_configs(role.stage, self.codecs) == getattr(host, "link_codecs", None)
+            and plan.link_configs(role.stage, self.codecs) == host.assignment.link_codecs
         )
         wait_s = 2 * 120.0
         behind = same and self.following is not None and self._behind_replicas(record, role, host.steps_done)
@@ -371,8 +373,9 @@ class PeerDaemon:
 
             def bump(servicer) -> None:
                 set_stage_precision(servicer.host.worker, plan.precision(role.stage, self.cfg.precision))
-                servicer.host.role = role  # same layers: only the plan version (epilogue codecs, precision) change
-                servicer.host.averager.set_codecs(*plan.epilogue_configs(role.stage))
+                # same layers: only the plan version (epilogue codecs, precision) change
+                epilogue = plan.epilogue_configs(role.stage)
+                servicer.host.apply(dataclasses.replace(servicer.host.assignment, role=role, epilogue=epilogue))
                 servicer.set_roster(roster)
 
             self.servicer.when_idle(bump, wait_s)
@@ -382,7 +385,7 @@ class PeerDaemon:
             if new_host is not None and source is not None and self.servicer.host is not None:
                 # the old host takes no further old-plan step (it is refused: the trainer follows the new plan)
                 # while its state is copied, here and by the peers that take its layers (GetState "now")
-                self.servicer.when_idle(lambda sv: setattr(sv.host, "role", retired(sv.host.role, record)), wait_s)
+                self.servicer.when_idle(lambda sv: sv.host.apply(retired(sv.host.assignment, record)), wait_s)
             if new_host is not None and source is not None:
                 self._hand_over(new_host, source, own=not behind and source is self.following)
             self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
@@ -493,7 +496,7 @@ class PeerDaemon:
                     continue
             loaded.update(state)
         count, missing, steps_done = take_over(new_host.worker, loaded)
-        new_host.steps_done = max(new_host.steps_done, steps_done)
+        new_host.restore(steps_done)
         log.info(
             "took over %d weights with their optimizer state from plan %d (step %d, lr step %d)%s",
             count,

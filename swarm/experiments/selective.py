@@ -76,6 +76,8 @@ def apply_selective(pipe, plan: PlanDocument, fw_defaults: dict, bw_defaults: di
     """Every host of `pipe` (a `LocalPipeline`) takes its boundary ends and epilogue codecs from `plan`, as a peer
     does (`PlanDocument.link_labels`, `epilogue_configs`); each label parsed with the experiment's codec defaults
     (group sizes, rounding, zstd level) unless it says otherwise, as the fixed settings' codecs are."""
+    from dataclasses import replace
+
     from swarm.runtime.boundary import LinkEnds
 
     for row in pipe.replica_hosts:
@@ -86,10 +88,8 @@ def apply_selective(pipe, plan: PlanDocument, fw_defaults: dict, bw_defaults: di
                 CodecConfig.parse(label, **(fw_defaults if i % 2 == 0 else bw_defaults))
                 for i, label in enumerate(labels)
             )
-            host.links = LinkEnds(
-                fw_send, bw_send, pipe.shaping, adaptive_zstd=pipe.adaptive_zstd, recv=(fw_recv, bw_recv)
-            )
-            host.averager.set_codecs(*plan.epilogue_configs(stage))
+            links = LinkEnds(fw_send, bw_send, pipe.shaping, adaptive_zstd=pipe.adaptive_zstd, recv=(fw_recv, bw_recv))
+            host.apply(replace(host.assignment, links=links, epilogue=plan.epilogue_configs(stage)))
 
 
 def setting_codecs(plan: PlanDocument, fw_defaults: dict, bw_defaults: dict) -> tuple[CodecConfig, CodecConfig]:

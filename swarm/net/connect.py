@@ -17,14 +17,22 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import grpc
 
-from swarm.net.stream import TensorStreams
 from swarm.peers.transport import Channels, TransportConfig
-from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.proto import stage_pb2
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
 
-__all__ = ["Connector", "GrpcConnector", "LocalNetwork", "LocalRpcError", "SignedChannels", "StageClient"]
+__all__ = [
+    "METHODS",
+    "Connector",
+    "GrpcConnector",
+    "LocalNetwork",
+    "LocalRpcError",
+    "SignedChannels",
+    "StageClient",
+    "status_of",
+]
 
 Metadata = tuple[tuple[str, bytes], ...]
 Resolve = Callable[[str], "str | None"]
@@ -101,8 +109,31 @@ class GrpcConnector:
         self.channels.close()
 
 
-_STREAMS = ("Forward", "Backward", "Sink")
-_UNARY = ("PutLabels", "Grads", "Step", "Status", "Ping", "Probe", "GetState", "Reduce")
+_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"]
+"""The stage service as `stage.proto` declares it: every client table below is derived from it."""
+METHODS = {method.name: method for method in _SERVICE.methods}
+"""The stage service's methods by name (their request and reply types, and which side streams)."""
+
+
+def _message(descriptor) -> type:
+    return getattr(stage_pb2, descriptor.name)
+
+
+def _bind(channel: grpc.Channel, method) -> Callable:
+    """`method` on `channel`: a client-streaming call takes already serialized stream items (not parsed and
+    serialized again, as in `swarm.net.stream.TensorStreams`), a unary call takes its request message."""
+    path = f"/{_SERVICE.full_name}/{method.name}"
+    reply = _message(method.output_type).FromString
+    if method.client_streaming:
+        factory = channel.stream_stream if method.server_streaming else channel.stream_unary
+        return factory(path, request_serializer=None, response_deserializer=reply)
+    factory = channel.unary_stream if method.server_streaming else channel.unary_unary
+    return factory(path, request_serializer=_message(method.input_type).SerializeToString, response_deserializer=reply)
+
+
+def status_of(channel: grpc.Channel, timeout_s: float) -> stage_pb2.StatusReply:
+    """The Status of the stage service on `channel` (a raw channel, or one whose calls are signed)."""
+    return _bind(channel, METHODS["Status"])(stage_pb2.Empty(), timeout=timeout_s)
 
 
 class _GrpcStage:
@@ -119,16 +150,11 @@ class _GrpcStage:
         channel = self._channel()
         with self._lock:
             if self._bound[0] is not channel:
-                stub, streams = stage_pb2_grpc.StageStub(channel), TensorStreams(channel)
-                methods = {name: getattr(streams, name) for name in _STREAMS}
-                methods |= {name: getattr(stub, name) for name in _UNARY}
-                # Average takes already serialized stream items, as TensorStreams' calls do
-                methods["Average"] = channel.stream_unary("/swarm.Stage/Average", None, stage_pb2.Traffic.FromString)
-                self._bound = (channel, methods)
+                self._bound = (channel, {name: _bind(channel, method) for name, method in METHODS.items()})
             return self._bound[1]
 
     def __getattr__(self, name: str):
-        if name not in _STREAMS and name not in _UNARY and name != "Average":
+        if name not in METHODS:
             raise AttributeError(name)
 
         def call(request, timeout: float | None = None):
@@ -279,28 +305,25 @@ class LocalNetwork:
 
 
 class _LocalStage:
+    """A registered servicer's methods, called in the caller's thread: a client-streaming call's items are parsed
+    from their serialized bytes, as gRPC would hand them to the servicer."""
+
     def __init__(self, servicer: Any, token: Callable[[], Metadata]):
         self._servicer, self._token = servicer, token
 
-    def _stream(name: str):
-        def call(self, items: Iterable[bytes], timeout: float | None = None):
+    def __getattr__(self, name: str):
+        method = METHODS.get(name)
+        if method is None:
+            raise AttributeError(name)
+        parse = _message(method.input_type).FromString if method.client_streaming else None
+
+        def call(request, timeout: float | None = None):
             context = _LocalContext(self._token())
-            parsed = (stage_pb2.StreamItem.FromString(item) for item in items)
-            return getattr(self._servicer, name)(parsed, context)
+            if parse is not None:
+                request = (parse(item) for item in request)
+            return getattr(self._servicer, name)(request, context)
 
         return call
-
-    def _unary(name: str):
-        def call(self, request, timeout: float | None = None):
-            return getattr(self._servicer, name)(request, _LocalContext(self._token()))
-
-        return call
-
-    Forward, Backward, Sink = _stream("Forward"), _stream("Backward"), _stream("Sink")
-    PutLabels, Grads, Step = _unary("PutLabels"), _unary("Grads"), _unary("Step")
-    Status, Probe, GetState = _unary("Status"), _unary("Probe"), _unary("GetState")
-    Ping = _unary("Ping")
-    Reduce, Average = _unary("Reduce"), _stream("Average")
 
 
 class _Unreachable:

@@ -39,8 +39,9 @@ import torch
 
 from swarm.compression import CodecConfig, WireLimits, codec_class, decoder_for, make_codec
 from swarm.compression.state import LinkState
-from swarm.net.stream import PLAN_MISMATCH, CallRefused, Incoming, name_failure, tensor_items
-from swarm.proto import stage_pb2, wire_pb2
+from swarm.net.stream import PLAN_MISMATCH, CallRefused, name_failure, tensor_items
+from swarm.runtime.callinfo import info_to_wire
+from swarm.runtime.messages import CallInfo, ReduceOrder, ReduceReport, StageCall
 
 if TYPE_CHECKING:
     from swarm.runtime.host import StageHost
@@ -90,7 +91,8 @@ class _Group:
         self.numel = numel
         self.residual: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
-        self.inbox: dict[str, wire_pb2.TensorMessage] = {}
+        self.inbox: dict[str, object] = {}
+        """sender -> its tensor message for the open step (the codec's wire format, decoded at the Reduce)"""
         self.inbox_step: int | None = None
         self.reduced: int | None = None
         self.warm: torch.Tensor | None = None  # a lowrank encoder's warm start: any value is valid
@@ -225,7 +227,7 @@ class GradientAverager:
         elif stage != role.stage:
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"this peer serves stage {role.stage}, not {stage}")
 
-    def check_average(self, info: stage_pb2.CallInfo, sender: str) -> None:
+    def check_average(self, info: CallInfo, sender: str) -> None:
         """Refuses, from its call info alone, an Average that is not for this stage's open step, or a second
         one from the same sender for the same group; changes nothing."""
         host = self.host
@@ -247,7 +249,7 @@ class GradientAverager:
             if group.inbox_step == info.step and sender in group.inbox:
                 raise CallRefused(grpc.StatusCode.ALREADY_EXISTS, f"{sender} sent its gradients for step {info.step}")
 
-    def receive(self, call: Incoming, sender: str) -> None:
+    def receive(self, call: StageCall, sender: str) -> None:
         """Holds a checked message for the open step's Reduce: one per sender and group, the group's size."""
         msg, group = call.message, self.groups[call.info.tied]
         self.relayout()
@@ -267,7 +269,7 @@ class GradientAverager:
 
     # ---- Reduce ------------------------------------------------------------------------------------------
 
-    def reduce(self, request: stage_pb2.ReduceRequest, keyed_by_peer: bool) -> stage_pb2.ReduceReply:
+    def reduce(self, request: ReduceOrder, keyed_by_peer: bool) -> ReduceReport:
         """Sums the step's gradients with the stage group's, then the tied gradient with the tied group's (see
         the module docstring); returns what was sent.
 
@@ -281,17 +283,15 @@ class GradientAverager:
         me = self._check_reduce(request, peers, addresses)
         tied_me = self._check_tied(tied_peers, tied_addresses)
         end = time.monotonic() + min(request.deadline_s or host.budget.max_wait_s, host.budget.max_wait_s)
-        reply = stage_pb2.ReduceReply(group_size=len(peers))
+        sent = fp32 = tied_sent = tied_fp32 = 0
         if len(peers) == 1:
             with self._arrived:
                 self.groups[False].reduced = request.step
         else:
             sent, fp32 = self._sum(request, False, peers, addresses, me, end, keyed_by_peer)
-            reply.wire_bytes, reply.fp32_wire_bytes = sent, fp32
         if tied_me is not None:
-            sent, fp32 = self._sum(request, True, tied_peers, tied_addresses, tied_me, end, keyed_by_peer)
-            reply.tied_wire_bytes, reply.tied_fp32_wire_bytes = sent, fp32
-        return reply
+            tied_sent, tied_fp32 = self._sum(request, True, tied_peers, tied_addresses, tied_me, end, keyed_by_peer)
+        return ReduceReport(sent, fp32, len(peers), tied_sent, tied_fp32)
 
     def _sum(self, request, tied: bool, peers, addresses, me: int, end: float, keyed_by_peer: bool):
         """One group's exchange: encode this member's gradient, send it to the others, wait for theirs, set the
@@ -307,14 +307,14 @@ class GradientAverager:
             msg = codec.encode(own, state=state)
             group.pending_warm = state.warm
         pending = state.residual if config.error_feedback else None
-        info = stage_pb2.CallInfo(
+        info = CallInfo(
             step=request.step,
             stage=host.role.stage if tied else request.stage,
             plan_version=request.plan_version,
             micro_batch=me,
             num_micro_batches=len(peers),
-            route=addresses,
-            route_peers=peers,
+            route=tuple(addresses),
+            route_peers=tuple(peers),
             tied=tied,
         )
         sent = self._send_all(info, msg, config, peers, addresses, me, end)
@@ -344,7 +344,7 @@ class GradientAverager:
         host.metrics.fp32_bytes.labels(link, link).inc(fp32)
         return sent, fp32
 
-    def _check_reduce(self, request: stage_pb2.ReduceRequest, peers: list[str], addresses: list[str]) -> int:
+    def _check_reduce(self, request: ReduceOrder, peers: list[str], addresses: list[str]) -> int:
         """This peer's index in the group, once the request is known to be for its open, finished step."""
         host = self.host
         self._check_role("Reduce", request.plan_version, request.stage)
@@ -412,7 +412,7 @@ class GradientAverager:
 
         def send(i: int) -> None:
             shaper = host.links.shaping.for_destination(addresses[i])
-            items = tensor_items(info, msg, config.zstd_level, shaper)
+            items = tensor_items(info_to_wire(info), msg, config.zstd_level, shaper)
 
             def counted():
                 for item in items:
@@ -421,7 +421,7 @@ class GradientAverager:
 
             try:
                 # communication: this member's gradients to member i of the group
-                host.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=max(deadline_s, 0.001))
+                host.outbox.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=max(deadline_s, 0.001))
             except grpc.RpcError as e:
                 errors.append(name_failure(e, info.stage, peers[i], addresses[i]))
             except Exception as e:  # noqa: BLE001 - reported to the caller, naming the peer

@@ -33,11 +33,12 @@ from swarm.compression import (
     make_codec,
 )
 from swarm.kernels.host_copy import to_host
-from swarm.net.stream import Incoming, tensor_items
+from swarm.net.stream import tensor_items
 from swarm.peers.shaper import LinkShaping
 from swarm.proto import stage_pb2, wire_pb2
 from swarm.runtime.device import DeviceBufferStore, resolve_device, to_device
 from swarm.runtime.gate import GateError
+from swarm.runtime.messages import StageCall
 
 __all__ = ["MAX_DESTINATIONS", "Direction", "LinkEnds", "need_message", "send_file"]
 
@@ -280,7 +281,7 @@ class LinkEnds:
             return self._zstd.setdefault(address, ZstdPolicy(level=level, adaptive=self.adaptive_zstd))
 
 
-def need_message(call: Incoming) -> wire_pb2.TensorMessage:
+def need_message(call: StageCall) -> wire_pb2.TensorMessage:
     if call.message is None:
         raise WireError("chunk", "the call carries no tensor")
     return call.message

@@ -17,7 +17,7 @@ import grpc
 
 from swarm.compression import WireLimits
 from swarm.net.stream import CallRefused
-from swarm.proto import stage_pb2
+from swarm.runtime.messages import CallInfo
 
 __all__ = ["MAX_STEP", "CallSlots", "SlotsExhausted", "StageBudget"]
 
@@ -67,7 +67,7 @@ class StageBudget:
             if not getattr(self, name) > 0:
                 raise ValueError(f"StageBudget.{name} must be > 0, got {getattr(self, name)}")
 
-    def check_info(self, info: stage_pb2.CallInfo) -> None:
+    def check_info(self, info: CallInfo) -> None:
         """Refuses call info past these bounds (INVALID_ARGUMENT naming the field); changes nothing."""
         n_micro = info.num_micro_batches or 1
         problem = None
@@ -84,7 +84,7 @@ class StageBudget:
         if problem is not None:
             raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
-    def _stage_micro_problem(self, info: stage_pb2.CallInfo) -> str | None:
+    def _stage_micro_problem(self, info: CallInfo) -> str | None:
         """`stage_micro` / `stage_micro_count` (uneven replica counts): both empty, or one entry per stage of
         the route, each index below its count and each count within 1..max_micro_batches."""
         index, count = list(info.stage_micro), list(info.stage_micro_count)

@@ -22,9 +22,9 @@ stage's roster as before).
 
 `call_info` also leaves `loss_weight` 0 where the micro-batch's weight is 1 / num_micro_batches, `schedule` empty
 for 1f1b and `deadline_s` 0 for 120 s: proto3 omits default values, and the stages read each default as exactly
-that value (`StageHost.decode`, `_turn`, `_deadline`; stages of earlier versions alike).
+that value (`StageHost.decode`, `StageHost._turn`, `call_wait_s`; stages of earlier versions alike).
 
-`RoutedCalls._labels` sends a chain's labels in one PutLabels (`LabelsRequest.micro_rows`: consecutive
+`CallRouter.labels` sends a chain's labels in one PutLabels (`LabelsRequest.micro_rows`: consecutive
 micro-batches, at most `StageBudget.max_batch` rows together, as one micro-batch's may be) before its micro-batches
 run, instead of one PutLabels per micro-batch: 3 fewer call infos and a better-compressed token batch a step. A
 stage of an earlier version ignores `micro_rows` and would take them all as one micro-batch's labels (not tested
@@ -33,7 +33,9 @@ against one): trainer and stages must both have this version.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 
@@ -43,15 +45,19 @@ import torch
 from swarm.net.stream import CallRefused, StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2
 from swarm.runtime.budget import StageBudget
+from swarm.runtime.messages import CallInfo
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
     "DEFAULT_SCHEDULE",
     "ROUTE_NEEDED",
+    "CallRouter",
     "RouteAcks",
-    "RoutedCalls",
     "call_info",
+    "call_wait_s",
     "fill_route",
+    "info_from_wire",
+    "info_to_wire",
     "plan_gives_route",
     "route_needed",
 ]
@@ -103,6 +109,22 @@ def call_info(
     return info
 
 
+def info_from_wire(wire: stage_pb2.CallInfo) -> CallInfo:
+    """A call's CallInfo as the host takes it: every field, as it came (repeated fields as tuples)."""
+    values = {f.name: getattr(wire, f.name) for f in dataclasses.fields(CallInfo)}
+    return CallInfo(**{k: v if isinstance(v, str | int | float) else tuple(v) for k, v in values.items()})
+
+
+def info_to_wire(info: CallInfo) -> stage_pb2.CallInfo:
+    """`info` as it goes on the wire (fields at their defaults are not on it, as proto3 leaves them out)."""
+    return stage_pb2.CallInfo(**{f.name: getattr(info, f.name) for f in dataclasses.fields(CallInfo)})
+
+
+def call_wait_s(info: CallInfo, budget: StageBudget) -> float:
+    """How long a call may wait at a stage or downstream of it: what it asks, capped by the stage's budget."""
+    return min(info.deadline_s or DEFAULT_DEADLINE_S, budget.max_wait_s)
+
+
 def route_needed(error: BaseException, peer: str | None = None) -> bool:
     """Whether a failed call was refused for a route left out: by `peer` itself (then nothing was done and the
     call may go again with the route), or with `peer` None by any stage of the chain (the step may run again)."""
@@ -141,7 +163,7 @@ class RouteAcks:
             self._refused.add((peer, plan_version))
 
 
-def _roster_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> tuple[tuple, tuple] | str:
+def _roster_route(info: CallInfo, roster, role, own: str | None) -> tuple[tuple, tuple] | str:
     """The route of `info`'s chain from `roster` (the plan this stage follows: `role.plan_version`; this peer is
     `own`, serving `role.stage` of `role.n_stages`) as (addresses, peer ids), or why the roster cannot give it."""
     if roster is None or roster.n_stages != role.n_stages or info.chain >= roster.n_routes:
@@ -155,36 +177,69 @@ def _roster_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> tu
     return addresses, peers
 
 
-def _ours(info: stage_pb2.CallInfo, role) -> bool:
+def _ours(info: CallInfo, role) -> bool:
     """Whether the call names the plan and the stage this host serves (no route is taken for another's)."""
     return info.plan_version == role.plan_version and info.stage == role.stage
 
 
-def plan_gives_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> bool:
+def plan_gives_route(info: CallInfo, roster, role, own: str | None) -> bool:
     """Whether a route-less call like `info` (which carries its route) would get this same route from `roster`
     here: what a reply's `plan_route` says, so that the caller may leave the route out from then on."""
     return _ours(info, role) and _roster_route(info, roster, role, own) == (tuple(info.route), tuple(info.route_peers))
 
 
-def fill_route(info: stage_pb2.CallInfo, roster, role, own: str | None) -> None:
-    """Takes a route-less call's route from `roster` (`_roster_route`), in place. A call that carries any route,
-    or names another plan or another stage, is left as it is (the host's checks refuse or validate it). Raises
-    CallRefused (`ROUTE_NEEDED`) where the roster cannot give this call's route, before anything changed."""
+def fill_route(info: CallInfo, roster, role, own: str | None) -> CallInfo:
+    """A route-less call's info with its route from `roster` (`_roster_route`). A call that carries any route, or
+    names another plan or another stage, is returned as it is (the host's checks refuse or validate it). Raises
+    CallRefused (`ROUTE_NEEDED`) where the roster cannot give this call's route."""
     if len(info.route) or len(info.route_peers) or not _ours(info, role):
-        return
+        return info
     route = _roster_route(info, roster, role, own)
     if isinstance(route, str):
         raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"{ROUTE_NEEDED} {route}; send the call with its route")
-    info.route.extend(route[0])
-    info.route_peers.extend(route[1])
+    return dataclasses.replace(info, route=tuple(route[0]), route_peers=tuple(route[1]))
 
 
-class RoutedCalls:
-    """The trainer's side (a mixin of `PipelineDriver`): a micro-batch's call info and its calls, which carry the
-    route only until the peer took it (`RouteAcks`). Uses the driver's plan_version, schedule, deadline_s,
-    loss_scale, attempt_id, replica_peers, `_route_acks` and `_call`."""
+class CallRouter:
+    """The trainer's calls along its chains: each micro-batch's call info, and the route it carries until the peer
+    took it (`RouteAcks`, owned here). One per driver (one plan).
 
-    def _info(self, step: int, mb: int, stage: int, work, layout=None, route=True) -> stage_pb2.CallInfo:
+    Args:
+        call: `call(stage, replica, method, request)` -> the reply (the driver's counted, named call).
+        replica_peers: peer ids by stage and replica.
+        counts: replicas of each stage (route c runs on replica c % counts[s] of stage s).
+        plan_version: the plan every call names.
+        schedule: the schedule calls name where the layout does not say another.
+        deadline_s: longest a micro-batch may take end to end.
+        loss_scale: the loss scale every stage holds now (the driver's, as the last replies said), read as each
+            call info is made.
+    """
+
+    def __init__(
+        self,
+        call: Callable[..., object],
+        replica_peers: list[tuple[str, ...]],
+        counts: tuple[int, ...],
+        plan_version: int,
+        schedule: str,
+        deadline_s: float,
+        loss_scale: Callable[[], float],
+    ):
+        self.send, self._loss_scale = call, loss_scale
+        self.replica_peers, self.counts = replica_peers, counts
+        self.plan_version, self.schedule, self.deadline_s = plan_version, schedule, deadline_s
+        self.acks = RouteAcks()
+        """peers that took the route under a plan version: calls to them leave it out"""
+        self.attempt_id = 0
+        """the running attempt's random id (`CallInfo.attempt_id`; 0 before the first step)"""
+
+    def new_attempt(self) -> int:
+        """A fresh random id for the calls of the attempt that starts now: a stage told to abandon it refuses its
+        late calls."""
+        self.attempt_id = 1 + secrets.randbelow(0xFFFFFFFF)
+        return self.attempt_id
+
+    def info(self, step: int, mb: int, stage: int, work, layout=None, route=True):
         """The call info of micro-batch `mb` of `work`; `layout`: (schedule, `stage_numbering`) with uneven
         replica counts, None with equal ones; `route` False leaves the route to the stage's plan (`callinfo`)."""
         chain, (schedule, numbering) = work.chain, layout or (self.schedule, None)
@@ -199,40 +254,40 @@ class RoutedCalls:
             deadline_s=self.deadline_s,
             loss_weight=work.loss_weights[mb],
             chain=chain.index,
-            loss_scale=self.loss_scale,
+            loss_scale=self._loss_scale(),
         )
-        info.attempt_id = self.attempt_id  # the driver's running attempt of the step
+        info.attempt_id = self.attempt_id  # the running attempt of the step
         if numbering is not None:  # uneven replica counts: each stage's replica numbers its own micro-batches
             info.stage_micro.extend(numbering[(chain.index, mb)][0])
             info.stage_micro_count.extend(numbering[(chain.index, mb)][1])
         return info
 
-    def _start(self, step, mb, stage, work, layout, route, tokens=None) -> Iterator[bytes]:
+    def start(self, step, mb, stage, work, layout, route, tokens=None) -> Iterator[bytes]:
         """The one item of a Forward into stage 0 (with `tokens`) or of the Backward start at the last stage."""
-        info = self._info(step, mb, stage, work, layout, route)
+        info = self.info(step, mb, stage, work, layout, route)
         return iter([stage_pb2.StreamItem(info=info, tokens=tokens).SerializeToString()])
 
-    def _routed(self, step: int, stage: int, replica: int, method: str, request: Callable[[bool], object]):
+    def routed(self, step: int, stage: int, replica: int, method: str, request: Callable[[bool], object]):
         """`method` with `request(carry_route)`: the route is left out once the peer's reply said it takes it from
         this plan (`plan_route`); a peer that cannot refuses at once, and the call goes again with it."""
         peer, version = self.replica_peers[stage][replica], self.plan_version
-        carry = self._route_acks.carry(peer, version, step)
+        carry = self.acks.carry(peer, version, step)
         try:
-            reply = self._call(stage, replica, method, request(carry))
+            reply = self.send(stage, replica, method, request(carry))
         except StageCallError as e:
             if carry or not route_needed(e, peer):  # another stage's refusal: the step runs again (`_recover`)
                 raise
             log.info("%s: %s; sending the route", method, e)
-            self._route_acks.refused(peer, version)
-            reply = self._call(stage, replica, method, request(True))
+            self.acks.refused(peer, version)
+            reply = self.send(stage, replica, method, request(True))
         if getattr(reply, "plan_route", False):  # PutLabels' peer says so in its Backward reply
-            self._route_acks.acked(peer, version, step)
+            self.acks.acked(peer, version, step)
         return reply
 
-    def _labels(self, step: int, work, layout=None, max_rows: int = StageBudget().max_batch) -> None:
+    def labels(self, step: int, work, layout=None, max_rows: int = StageBudget().max_batch) -> None:
         """The labels of `work`'s micro-batches at its last stage: one PutLabels per run of consecutive micro-batches
         of at most `max_rows` rows together (the most one call may carry), not one per micro-batch."""
-        last = self.n_stages - 1
+        last = len(self.counts) - 1
         replica, runs, rows = work.chain.index % self.counts[last], [], 0
         for mb, batch in enumerate(work.micro):
             if not runs or rows + len(batch.targets) > max_rows:
@@ -244,10 +299,10 @@ class RoutedCalls:
 
             def request(route: bool, run=run) -> stage_pb2.LabelsRequest:
                 targets = torch.cat([work.micro[mb].targets for mb in run])
-                info = self._info(step, run[0], last, work, layout, route)
+                info = self.info(step, run[0], last, work, layout, route)
                 out = stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(targets))
                 if len(run) > 1:
                     out.micro_rows.extend(len(work.micro[mb].targets) for mb in run)
                 return out
 
-            self._routed(step, last, replica, "PutLabels", request)
+            self.routed(step, last, replica, "PutLabels", request)

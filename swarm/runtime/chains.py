@@ -15,7 +15,7 @@ import hashlib
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -26,7 +26,6 @@ import torch
 from swarm.model.data import Batch
 from swarm.net.stream import PLAN_MISMATCH, StageCallError
 from swarm.peers.routes import Route
-from swarm.proto import stage_pb2
 
 __all__ = [
     "ChainWeights",
@@ -62,9 +61,10 @@ class Traffic:
     tied_fp32_bytes: int = 0
     """what the tied group's exchange (link "tied", direction "tied") would have cost in fp32"""
 
-    def add(self, reply: stage_pb2.Traffic, direction: str) -> None:
-        self.fp32_wire_bytes += reply.fp32_wire_bytes
-        for link, nbytes in reply.link_bytes.items():
+    def add(self, link_bytes: Mapping[int, int], fp32_wire_bytes: int, direction: str) -> None:
+        """One call's bytes as its reply reported them: sent on each link, and what fp32 would have cost."""
+        self.fp32_wire_bytes += fp32_wire_bytes
+        for link, nbytes in link_bytes.items():
             self.sent[(link, direction)] = self.sent.get((link, direction), 0) + nbytes
 
     def merge(self, other: Traffic) -> None:

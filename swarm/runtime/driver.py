@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -39,7 +38,7 @@ from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
-from swarm.runtime.callinfo import RouteAcks, RoutedCalls, route_needed
+from swarm.runtime.callinfo import CallRouter, route_needed
 from swarm.runtime.chains import (
     ChainWeights,
     ChainWork,
@@ -55,6 +54,7 @@ from swarm.runtime.chains import (
     spawn,
 )
 from swarm.runtime.gate import runs_through
+from swarm.runtime.messages import GradReport
 from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
 
@@ -79,7 +79,7 @@ def _nested(route: Sequence) -> list[list[str]]:
     return [[r] if isinstance(r, str) else list(r) for r in route]
 
 
-class PipelineDriver(RoutedCalls):
+class PipelineDriver:
     """Drives training steps over the chains of replicas at `route`, rerouting around dead peers.
 
     Args:
@@ -130,10 +130,6 @@ class PipelineDriver(RoutedCalls):
         self.route, self.peers = list(self.chains[0].addresses), list(self.chains[0].peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version, self.max_attempts = plan_version, max_attempts
-        self._route_acks = RouteAcks()
-        self.attempt_id = 0
-        """the running attempt's random id (`CallInfo.attempt_id`; 0 before the first step)"""
-        """peers that took the route under a plan version: calls to them leave it out (`swarm.runtime.callinfo`)"""
         self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
         if connector is None and signer is None:
             from swarm.net.auth import CallSigner, Identity
@@ -161,6 +157,10 @@ class PipelineDriver(RoutedCalls):
         self.loss_scale = 0.0
         """the loss scale every stage holds for the next step, as their Grads and Step replies said (0: not
         heard yet); named in every call, so a stage holding another refuses (swarm.runtime.precision)"""
+        self.router = CallRouter(
+            self._call, self.replica_peers, self.counts, plan_version, schedule, deadline_s, lambda: self.loss_scale
+        )
+        """each micro-batch's call info and calls, which carry the route until the peer takes it from its plan"""
 
     @property
     def n_stages(self) -> int:
@@ -259,17 +259,17 @@ class PipelineDriver(RoutedCalls):
 
         def tokens(route: bool) -> Iterator[bytes]:
             wire = tokens_to_wire(data.tokens, data.sample_ids)
-            return self._start(step, mb, 0, work, layout, route, wire)
+            return self.router.start(step, mb, 0, work, layout, route, wire)
 
         # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
         # comes back
-        fw = self._routed(step, 0, first_r, "Forward", tokens)
+        fw = self.router.routed(step, 0, first_r, "Forward", tokens)
         # communication: the backward starts at the chain's last stage and flows back to its stage 0
-        start = lambda route: self._start(step, mb, last, work, layout, route)  # noqa: E731
-        bw = self._routed(step, last, last_r, "Backward", start)
+        start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
+        bw = self.router.routed(step, last, last_r, "Backward", start)
         traffic = Traffic()
-        traffic.add(fw.traffic, "forward")
-        traffic.add(bw.traffic, "backward")
+        traffic.add(fw.traffic.link_bytes, fw.traffic.fp32_wire_bytes, "forward")
+        traffic.add(bw.traffic.link_bytes, bw.traffic.fp32_wire_bytes, "backward")
         self._record(traffic)
         return _MicroResult(fw.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
@@ -286,7 +286,7 @@ class PipelineDriver(RoutedCalls):
                 log.info("step %d: %s would deadlock on these routes' shared replicas: gpipe", step, self.schedule)
             layout = (schedule, numbering)
         # the labels first: one PutLabels per chain (and per max_batch rows) rather than one per micro-batch
-        labels = [self._spawn(lambda w=w: self._labels(step, w, layout), w.chain.peers) for w in work]
+        labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.chain.peers) for w in work]
         gather(labels, wake, self.dead, self.deadline_s)
         tasks = [
             [
@@ -361,7 +361,8 @@ class PipelineDriver(RoutedCalls):
             for r in group
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
-        grads = {key: future.result() for key, (future, _) in tasks.items()}
+        replies = {key: future.result() for key, (future, _) in tasks.items()}
+        grads = {key: GradReport(r.grad_sq_norm, r.loss_scale, tuple(r.layer_sq_norms)) for key, r in replies.items()}
         try:
             self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
         except StageCallError:
@@ -474,7 +475,7 @@ class PipelineDriver(RoutedCalls):
             work = self._work(batch, chains)
             used = [w.chain for w in work]
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
-            self.attempt_id = 1 + secrets.randbelow(0xFFFFFFFF)  # a stage told to abandon it refuses its late calls
+            self.router.new_attempt()  # a stage told to abandon it refuses its late calls
             try:
                 with self._heartbeat(used, wake):
                     loss, traffic = self._run_chains(step, work, wake)
@@ -535,7 +536,7 @@ class PipelineDriver(RoutedCalls):
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""
         # a stage that is gone, busy or stuck is skipped: the caller already reports the failure that matters
-        request = stage_pb2.StepRequest(step=step, abandon=True, attempt_id=self.attempt_id)
+        request = stage_pb2.StepRequest(step=step, abandon=True, attempt_id=self.router.attempt_id)
         calls = [
             spawn(lambda s=s, r=r: self._call(s, r, "Step", request, timeout=5), "abandon", self._threads)
             for s in range(self.n_stages)

@@ -34,8 +34,9 @@ import torch
 from torch import nn
 
 from swarm.net.stream import CallRefused
-from swarm.proto import stage_pb2
+from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.driver import PipelineDriver
+from swarm.runtime.messages import GradReport, StepOrder
 from swarm.runtime.worker import StageWorker
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
     "block_of",
     "cached_forward",
     "check_frozen",
-    "grad_reply",
+    "grad_report",
     "layer_sq_norms",
     "set_frozen",
 ]
@@ -86,11 +87,9 @@ def layer_sq_norms(worker: StageWorker) -> list[float]:
     return [sums[i] for i in sorted(sums)]
 
 
-def grad_reply(worker: StageWorker) -> stage_pb2.GradReply:
-    """A stage's Grads reply: its squared gradient norm, loss scale, and each block's squared norm."""
-    return stage_pb2.GradReply(
-        grad_sq_norm=worker.grad_sq_norm(), loss_scale=worker.loss_scale, layer_sq_norms=layer_sq_norms(worker)
-    )
+def grad_report(worker: StageWorker) -> GradReport:
+    """A stage's Grads report: its squared gradient norm, loss scale, and each block's squared norm."""
+    return GradReport(worker.grad_sq_norm(), worker.loss_scale, tuple(layer_sq_norms(worker)))
 
 
 def set_frozen(worker: StageWorker, frozen_layers: int) -> bool:
@@ -129,7 +128,9 @@ def apply_frozen(host, frozen_layers: int) -> None:
     host.metrics.frozen_layers.set(host.worker.frozen_layers)
 
 
-def cached_forward(host, info: stage_pb2.CallInfo, mb: int, inputs, ids: list[int], targets) -> torch.Tensor:
+def cached_forward(
+    worker: StageWorker, links: LinkEnds, address: str | None, mb: int, inputs, ids: list[int], targets
+) -> torch.Tensor:
     """A stage's forward of one micro-batch, answered from the frozen activation cache where it can be.
 
     On a stage that runs forward only (everything here and before is frozen) with AQ-SGD buffers on its
@@ -138,13 +139,12 @@ def cached_forward(host, info: stage_pb2.CallInfo, mb: int, inputs, ids: list[in
     copies become the frozen output, in the buffer dtype); after that the stage skips the compute and sends
     `m` itself: a zero delta, which leaves the receiver's copy unchanged and costs almost no bytes. (Keeping
     AQ-SGD's last delta instead of a full resend left the receiver's copy 22% off the frozen output in the unit
-    test after three epochs at 2 bits: cheaper, but an error the cache would then keep forever.)"""
-    worker = host.worker
-    if not worker.forward_only or host.role.is_last:
+    test after three epochs at 2 bits: cheaper, but an error the cache would then keep forever.)
+
+    `address` is the next stage's of the call's chain (None on the last stage); `links` the stage's ends."""
+    if not worker.forward_only or address is None:
         return worker.forward(mb, inputs, torch.tensor(ids), targets)
-    nxt = host._neighbour(info, host.role.stage + 1)
-    address = nxt.route[nxt.stage]
-    store = host.links.send_end("fw", address).buffers
+    store = links.send_end("fw", address).buffers
     if store is None:  # no AQ-SGD buffers on this boundary: nothing to answer from
         return worker.forward(mb, inputs, torch.tensor(ids), targets)
     sent = worker.frozen_sent.setdefault(address, set())
@@ -153,14 +153,14 @@ def cached_forward(host, info: stage_pb2.CallInfo, mb: int, inputs, ids: list[in
         worker.cache_hits += len(ids)
         return store.gather(store.lookup(ids)).float()
     out = worker.forward(mb, inputs, torch.tensor(ids), targets)
-    host.links.forget(fresh, address)  # in full once more: the receiver's copy becomes the frozen output
+    links.forget(fresh, address)  # in full once more: the receiver's copy becomes the frozen output
     added = [i for i in fresh if i not in sent]
     sent.update(added)
-    host.links.on_abandon(lambda: sent.difference_update(added))  # the forget is undone too: send it again
+    links.on_abandon(lambda: sent.difference_update(added))  # the forget is undone too: send it again
     return out
 
 
-def check_frozen(request: stage_pb2.StepRequest, worker: StageWorker, n_layers: int) -> None:
+def check_frozen(request: StepOrder, worker: StageWorker, n_layers: int) -> None:
     """Refuses a Step whose `frozen_layers` would unfreeze or reach the model's last layer; changes nothing."""
     n = request.frozen_layers
     if n < worker.frozen_layers or n >= max(n_layers, 1):

@@ -11,6 +11,7 @@ that off, for measuring its cost).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import grpc
@@ -141,7 +142,7 @@ class LocalPipeline:
     def set_codecs(self, forward: CodecConfig, backward: CodecConfig) -> None:
         """Fresh boundary ends with these codecs on every stage (AQ-SGD buffers start empty), between steps."""
         for host in (h for row in self.replica_hosts for h in row):
-            host.links = self._links(forward, backward)
+            host.apply(dataclasses.replace(host.assignment, links=self._links(forward, backward)))
 
     def driver(self, n_micro: int, **driver_options) -> PipelineDriver:
         """The driver for steps of `n_micro` micro-batches; `driver_options` (PipelineDriver's keyword

@@ -45,10 +45,10 @@ def check_status(reply, identity: str, label: str, where: str) -> None:
 def peer_status(channels, address: str, timeout_s: float = 2.0):
     """The StatusReply of the stage service at `address` over `channels` (signed calls); None if it does not
     answer."""
-    from swarm.proto import stage_pb2, stage_pb2_grpc
+    from swarm.net.connect import status_of
 
     try:
-        return stage_pb2_grpc.StageStub(channels.get(address)).Status(stage_pb2.Empty(), timeout=timeout_s)
+        return status_of(channels.get(address), timeout_s)
     except Exception:
         return None
 

@@ -16,7 +16,7 @@ import grpc
 
 from swarm.net.stream import CallRefused
 from swarm.peers.routes import n_routes, route_replicas
-from swarm.proto import stage_pb2
+from swarm.runtime.messages import CallInfo, ReduceOrder
 
 __all__ = ["CallPolicy", "Roster"]
 
@@ -146,7 +146,7 @@ class CallPolicy:
                 )
 
     def check_route(
-        self, info: stage_pb2.CallInfo, caller: str | None = None, method: str | None = None, own: str | None = None
+        self, info: CallInfo, caller: str | None = None, method: str | None = None, own: str | None = None
     ) -> None:
         """A call's route must be the plan's route `info.chain`: a stage sends only where the plan says. With
         `caller` and `method` (a Forward or Backward from a neighbour), the caller must be that route's peer of
@@ -193,7 +193,7 @@ class CallPolicy:
         if not tied and not in_stage:
             raise _denied(f"Average into stage {stage} only from another replica of it; {caller} is not one")
 
-    def check_group(self, request: stage_pb2.ReduceRequest, own: str) -> None:
+    def check_group(self, request: ReduceOrder, own: str) -> None:
         """A Reduce's group: distinct replicas of the request's stage at the plan's addresses, this peer among
         them, so a trainer cannot make a stage send its gradients anywhere else."""
         roster = self._need_roster()

@@ -39,7 +39,7 @@ from swarm.net.stream import CallRefused, StageCallError
 from swarm.peers.plan import PLAN_PRECISIONS
 
 if TYPE_CHECKING:
-    from swarm.proto import stage_pb2
+    from swarm.runtime.messages import GradReport, StepOrder
     from swarm.runtime.worker import StageWorker
 
 __all__ = [
@@ -185,7 +185,7 @@ def check_scale(named: float, worker: StageWorker) -> None:
         raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, why)
 
 
-def check_step(request: stage_pb2.StepRequest, worker: StageWorker) -> None:
+def check_step(request: StepOrder, worker: StageWorker) -> None:
     """Refuses a Step (not an abandon) whose skip flag, norm or scale disagree with each other or with this
     stage; changes nothing. A NaN or Inf norm is legitimate only as a skip."""
     check_scale(request.loss_scale, worker)
@@ -194,7 +194,7 @@ def check_step(request: stage_pb2.StepRequest, worker: StageWorker) -> None:
         raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, why)
 
 
-def agreed_step(step: int, replies: dict[tuple[int, int], stage_pb2.GradReply], counted: list[tuple[int, int]]):
+def agreed_step(step: int, replies: dict[tuple[int, int], GradReport], counted: list[tuple[int, int]]):
     """The trainer's reading of a step's Grads replies (keyed (stage, replica)): (the loss scale every stage holds,
     the global norm over the replicas in `counted`, one per stage: a stage's replicas hold the same reduced
     gradients). Any replica's non-finite norm (+Inf: it found Inf/NaN in its fp16 gradients and sent zeros to

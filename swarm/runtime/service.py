@@ -11,25 +11,28 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, fields
 from typing import TYPE_CHECKING
 
 import grpc
 
-from swarm.compression import BufferMissError, WireError, WireLimits
+from swarm.compression import BufferMissError, CodecConfig, WireError, WireLimits, frame, make_codec
 from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, read_stream
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.budget import CallSlots, SlotsExhausted, StageBudget
-from swarm.runtime.callinfo import fill_route, plan_gives_route
+from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
+from swarm.runtime.checkpoint import handover_tensors
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
+from swarm.runtime.messages import CallInfo, ReduceOrder, StageCall, StepOrder
 from swarm.runtime.policy import CallPolicy, Roster
 from swarm.runtime.schedules import Kind
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallVerifier
 
-__all__ = ["StageServicer"]
+__all__ = ["StageServicer", "reduce_order", "state_items", "step_order"]
 
 log = logging.getLogger("swarm.runtime.service")
 
@@ -140,17 +143,20 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     # ---- admission ------------------------------------------------------------------------------------------
 
-    def _check_info(self, info: stage_pb2.CallInfo, caller: str | None, method: str | None = None) -> StageHost:
-        """Checks what a call's info alone decides: the host's rules, then the plan's chain. Changes nothing."""
+    def _check_info(
+        self, wire: stage_pb2.CallInfo, caller: str | None, method: str | None = None
+    ) -> tuple[StageHost, CallInfo]:
+        """Checks what a call's info alone decides: the host's rules, then the plan's chain. Changes nothing.
+        Returns the host and the info as the host takes it (a route-less call's route from the plan)."""
         host = self._serving()
-        fill_route(info, self.policy.roster, host.role, host.peer_id)  # a route-less call's, from the plan
+        info = fill_route(info_from_wire(wire), self.policy.roster, host.role, host.peer_id)
         host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
         if caller is not None:
             self.policy.check_route(info, caller, method, host.peer_id)
-        return host
+        return host, info
 
     def _admit(
-        self, info: stage_pb2.CallInfo, call, kind: Kind | None, caller: str | None, method: str | None = None
+        self, info: CallInfo, call: StageCall | None, kind: Kind | None, caller: str | None, method: str | None = None
     ) -> StageHost:
         """Checks a whole call against the plan and the current host and opens its step there, atomically
         with `swap`. The caller must `leave()` the returned host when the call is answered."""
@@ -182,13 +188,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     if header.body_bytes > self.budget.large_stream_bytes:
                         reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
 
+                infos = []  # the call's info as the host takes it
                 carried = []  # whether the call came with its route (before `fill_route` gives it one)
 
-                def on_info(info) -> None:
-                    carried.append(len(info.route) > 0)
-                    self._check_info(info, caller, method)
+                def on_info(wire: stage_pb2.CallInfo) -> None:
+                    carried.append(len(wire.route) > 0)
+                    infos.append(self._check_info(wire, caller, method)[1])
 
-                call = read_stream(request_iterator, self._limits(), on_info=on_info, on_header=on_header)
+                read = read_stream(request_iterator, self._limits(), on_info=on_info, on_header=on_header)
+                call = StageCall(infos[0], read.message, read.tokens)
                 host = self._admit(call.info, call, kind, caller, method)
                 try:
                     inputs = host.decode(call, kind)
@@ -217,12 +225,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         deadline = time.monotonic() + timeout_s
         with self._admission:
             while not (idle := self.host is None or self.host.open_step is None):
-                if time.monotonic() >= deadline or self.host.orphaned(self.budget.orphan_step_s):
+                if time.monotonic() >= deadline or self.host.ledger.orphaned(self.budget.orphan_step_s):
                     break
                 self._admission.wait(min(0.5, max(0.0, deadline - time.monotonic())))  # step ends notify it
             if not idle:
                 log.warning("stage %d: abandoning unfinished step %s", self.host.role.stage, self.host.open_step)
-                self.host.step(stage_pb2.StepRequest(step=self.host.open_step or 0, abandon=True))
+                self.host.step(StepOrder(step=self.host.open_step or 0, abandon=True))
             change(self)
             self._admission.notify_all()
         return idle
@@ -280,8 +288,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         def run():
             caller = self._sender(context, "PutLabels")
             with self._data_slots.take():
-                info = request.info
-                targets = self._check_info(info, caller).check_labels(info, request.labels, request.micro_rows)
+                host, info = self._check_info(request.info, caller)
+                targets = host.check_labels(info, request.labels, request.micro_rows)
                 host = self._admit(info, None, None, caller)
                 try:
                     host.put_labels(info, targets)
@@ -293,14 +301,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Grads(self, request, context):
         self._checked(context, lambda caller: self.policy.check_step("Grads", caller))
-        return self._guard(context, lambda: self._serving().grads())
+        return self._guard(context, lambda: stage_pb2.GradReply(**asdict(self._serving().grads())))
 
     def Step(self, request, context):
         self._checked(context, lambda caller: self.policy.check_step("Step", caller))
 
         def run():
             host = self._serving()
-            lr = host.step(request)
+            lr = host.step(step_order(request))
             with self._admission:
                 self._admission.notify_all()  # a plan change may be waiting for the step to end
             skipped = request.skip and not request.abandon
@@ -309,15 +317,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self._guard(context, run)
 
     def Reduce(self, request, context):
+        order = reduce_order(request)
+
         def check(caller: str) -> None:
             self.policy.check_step("Reduce", caller)
-            self.policy.check_group(request, self._serving().peer_id)
+            self.policy.check_group(order, self._serving().peer_id)
 
         self._checked(context, check)
 
         def run():
             with self._reduce_slots.take():
-                return self._serving().averager.reduce(request, keyed_by_peer=self.verifier is not None)
+                report = self._serving().averager.reduce(order, keyed_by_peer=self.verifier is not None)
+            return stage_pb2.ReduceReply(**asdict(report))
 
         return self._guard(context, run)
 
@@ -331,8 +342,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if caller is not None:  # from the metadata: a replica of this stage, or of the tied group
                 self.policy.check_average(host.role.stage, caller, host.peer_id, tied=None)
             sender: list[str] = []
+            infos: list[CallInfo] = []
 
-            def on_info(info: stage_pb2.CallInfo) -> None:
+            def on_info(wire: stage_pb2.CallInfo) -> None:
+                info = info_from_wire(wire)
+                infos.append(info)
                 if caller is not None:  # the call info says which sum: hold the caller to that one's members
                     self.policy.check_average(host.role.stage, caller, host.peer_id, tied=info.tied)
                 sender.append(caller if caller is not None else f"#{info.micro_batch}")
@@ -344,9 +358,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     if header.body_bytes > self.budget.large_stream_bytes:
                         reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
 
-                call = read_stream(request_iterator, host.averager.limits, on_info=on_info, on_header=on_header)
-                host.averager.receive(call, sender[0])
-            return stage_pb2.Traffic(wire_bytes=call.wire_bytes)
+                read = read_stream(request_iterator, host.averager.limits, on_info=on_info, on_header=on_header)
+                host.averager.receive(StageCall(infos[0], read.message), sender[0])
+            return stage_pb2.Traffic(wire_bytes=read.wire_bytes)
 
         return self._guard(context, run)
 
@@ -370,7 +384,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Status(self, request, context):
         self._checked(context, None)
-        return self._guard(context, lambda: self._serving().status())
+        return self._guard(context, lambda: stage_pb2.StatusReply(**asdict(self._serving().status())))
 
     def Ping(self, request, context):
         """Liveness only: what Status answers (any authenticated caller; not serving a stage fails alike),
@@ -407,5 +421,27 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             except SlotsExhausted as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             with host.compute_lock:
-                items = list(host.state_items())
+                items = list(state_items(host))
             yield from items
+
+
+def reduce_order(request: stage_pb2.ReduceRequest) -> ReduceOrder:
+    """A Reduce call's request as the host's averager takes it: the same fields (repeated ones as tuples)."""
+    values = {f.name: getattr(request, f.name) for f in fields(ReduceOrder)}
+    return ReduceOrder(**{k: v if isinstance(v, str | int | float) else tuple(v) for k, v in values.items()})
+
+
+def step_order(request: stage_pb2.StepRequest) -> StepOrder:
+    """A Step call's request as the host takes it: the same fields, and whether it carries the retired tied sum."""
+    carried = {f.name: getattr(request, f.name) for f in fields(StepOrder) if f.name != "tied_grad_sum"}
+    return StepOrder(**carried, tied_grad_sum=request.HasField("tied_grad_sum"))
+
+
+def state_items(host: StageHost) -> Iterator[stage_pb2.StateItem]:
+    """The stage's state as named fp32 tensors, for handing the stage over to another peer: weights
+    (`model.*`), optimizer moments (`optim.*`) and the schedule's position (`meta.*`). Call holding the host's
+    compute lock."""
+    codec = make_codec(CodecConfig("fp32"))
+    for name, tensor in handover_tensors(host.worker, host.steps_done).items():
+        for chunk in frame(codec.encode(tensor.float()), zstd_level=0):
+            yield stage_pb2.StateItem(name=name, chunk=chunk)

@@ -43,6 +43,7 @@ def loopback_stages(
     stage_cfg: StageConfig | None = None,
     auth: bool = True,
     run_secret: str | None = None,
+    on_step=None,
     **transport_kw,
 ):
     """Starts one gRPC stage server per stage; yields (hosts, servers, addresses). Stops them all after.
@@ -61,7 +62,7 @@ def loopback_stages(
             role = StageRole(stage, n_stages, start, end)
             links = LinkEnds(fw, bw, shaping=shaping)
             connector = GrpcConnector(transport, CallSigner(ids[stage], run_secret) if ids else None, book.get)
-            host = StageHost(role, model, stage_cfg or StageConfig(), links, peers[stage], connector)
+            host = StageHost(role, model, stage_cfg or StageConfig(), links, peers[stage], connector, on_step=on_step)
             server, port = make_server(transport)
             servicer = StageServicer(host, CallVerifier(peers[stage], run_secret) if ids else None)
             stage_pb2_grpc.add_StageServicer_to_server(servicer, server)

@@ -119,7 +119,7 @@ def test_a_plan_neighbour_may_make_only_its_own_calls():
     with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
         peers = [h.peer_id for h in hosts]
         # stage 0's own key (as a compromised or buggy stage 0 would use it) against stage 1
-        stage0 = GrpcConnector(signer=CallSigner(hosts[0].connector.signer.identity))
+        stage0 = GrpcConnector(signer=CallSigner(hosts[0].outbox.connector.signer.identity))
         stub = stage0.stage(addresses[1], peers[1])
         refused = {}
         for method, call in calls(addresses, peers, 1).items():
@@ -156,7 +156,7 @@ def test_state_goes_only_to_plan_peers():
     with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
         peers, trainer = trainer_of(addresses)
         request = stage_pb2.StateRequest(stage=0)
-        neighbour = GrpcConnector(signer=CallSigner(hosts[1].connector.signer.identity))
+        neighbour = GrpcConnector(signer=CallSigner(hosts[1].outbox.connector.signer.identity))
         assert list(neighbour.stage(addresses[0], peers[0]).GetState(request, timeout=10))
         outsider = GrpcConnector(signer=CallSigner(trainer))  # the trainer is no peer of the plan
         with pytest.raises(grpc.RpcError, match="GetState only to a peer of the plan") as e:

@@ -39,11 +39,11 @@ def train_relayed(data, relay_is_neighbour: bool) -> tuple[list[float], list[dic
     metrics = Metrics()
     with loopback_stages(2, FW, BW) as (hosts, _, addresses):
         peers, trainer = trainer_of(addresses)
-        stage0, stage1 = hosts[0].connector.signer, hosts[1].connector.signer
+        stage0, stage1 = hosts[0].outbox.connector.signer, hosts[1].outbox.connector.signer
         relay_identity = stage0.identity if relay_is_neighbour else Identity.generate()
         relay_id = relay_identity.peer_id
         relay = RelayServicer(relay_id, CallVerifier(relay_id), {peers[1]}.__contains__, metrics=metrics)
-        server, port = make_server(hosts[0].connector.channels.config)
+        server, port = make_server(hosts[0].outbox.connector.channels.config)
         stage_pb2_grpc.add_RelayServicer_to_server(relay, server)
         server.start()
         relay_address = f"127.0.0.1:{port}"
@@ -57,8 +57,10 @@ def train_relayed(data, relay_is_neighbour: bool) -> tuple[list[float], list[dic
         neighbour_tunnels = Tunnels(stage0, routes, local=relay if relay_is_neighbour else None)
         try:
             assert attachment.attached.wait(10)
-            old = hosts[0].connector
-            hosts[0].connector = GrpcConnector(old.channels.config, old.signer, old.resolve, neighbour_tunnels.dial)
+            old = hosts[0].outbox.connector  # stage 0 dials stage 1 through the relay from now on
+            hosts[0].outbox.connector = GrpcConnector(
+                old.channels.config, old.signer, old.resolve, neighbour_tunnels.dial
+            )
             book = dict(zip(addresses, peers, strict=True))
             connector = GrpcConnector(signer=CallSigner(trainer), resolve=book.get, dial=trainer_tunnels.dial)
             pipe = PipelineDriver(addresses, peers, "1f1b", 2, deadline_s=30.0, connector=connector)

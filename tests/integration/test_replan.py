@@ -36,7 +36,8 @@ def test_a_stage_on_another_plan_refuses_and_the_step_is_abandoned_everywhere():
     with loopback_stages(2, FP32, FP32, auth=False) as (hosts, _, addresses):  # anonymous `mixed` driver below
         pipe = remote(addresses, "1f1b", n_micro=2)
         pipe.train_step(0, data[0])
-        hosts[1].role = dataclasses.replace(hosts[1].role, plan_version=1)  # stage 1 moved on to plan 1
+        moved = dataclasses.replace(hosts[1].role, plan_version=1)
+        hosts[1].apply(dataclasses.replace(hosts[1].assignment, role=moved))  # stage 1 moved on to plan 1
         with pytest.raises(StageCallError) as failure:
             pipe.train_step(1, data[1])
         assert PLAN_MISMATCH in str(failure.value) and "stage 1" in str(failure.value)
@@ -46,7 +47,8 @@ def test_a_stage_on_another_plan_refuses_and_the_step_is_abandoned_everywhere():
         mixed = PipelineDriver(addresses, ["peer0", "peer1"], "1f1b", 2, deadline_s=30, plan_version=1)
         with pytest.raises(StageCallError, match=PLAN_MISMATCH):
             mixed.train_step(1, data[1])  # stage 0 still follows plan 0: refused there
-        hosts[0].role = dataclasses.replace(hosts[0].role, plan_version=1)
+        moved = dataclasses.replace(hosts[0].role, plan_version=1)
+        hosts[0].apply(dataclasses.replace(hosts[0].assignment, role=moved))
         assert mixed.train_step(1, data[1]).loss > 0
         mixed.close()
     assert [h.steps_done for h in hosts] == [2, 2]

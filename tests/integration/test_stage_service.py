@@ -161,20 +161,19 @@ def test_a_stopped_trainer_resumes_where_it_was_with_the_same_data_order(tmp_pat
     cfg = dict(model=TINY, train_samples=16, batch_size=4, micro_batches=2, epochs=2, checkpoint_every=1)
     losses = {}
     for name in ("whole", "stopped"):
-        with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
+        stop = threading.Event()
+
+        def stop_after_three(host, stop=stop) -> None:  # of the 8 steps
+            if host.role.stage == 0 and host.steps_done == 3:
+                stop.set()
+
+        with loopback_stages(2, FP32, FP32, on_step=stop_after_three) as (hosts, _, addresses):
             peers, trainer = trainer_of(addresses)
             route, signer = PlanRoutes(addresses, peers), CallSigner(trainer)
             out = str(tmp_path / name)
             if name == "whole":
                 losses[name] = _steps_csv_losses(train(TrainConfig(**cfg, out=out), route, quiet=True, signer=signer))
                 continue
-            stop = threading.Event()
-
-            def stop_after_three(host, stop=stop) -> None:
-                if host.steps_done == 3:
-                    stop.set()
-
-            hosts[0].on_step = stop_after_three  # of the 8 steps
             first = train(TrainConfig(**cfg, out=out), route, quiet=True, signer=signer, stop=stop)
             assert first.steps == 3
             before = _steps_csv_losses(first)  # the resumed run writes its own steps.csv

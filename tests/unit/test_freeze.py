@@ -210,7 +210,7 @@ def test_a_stranger_or_a_stage_cannot_freeze_layers():
     pipe.forward_backward(_batch(64, 16, 0), 2)  # step 0 open on both stages, waiting for its Step
     request = stage_pb2.StepRequest(step=0, global_grad_norm=1.0, frozen_layers=2)
     stranger = pipe.network.connector(CallSigner(Identity.generate()))
-    neighbour = pipe.hosts[1].connector  # stage 1, signed with its own key: a plan peer, not a trainer
+    neighbour = pipe.hosts[1].outbox.connector  # stage 1, signed with its own key: a plan peer, not a trainer
     for connector in (stranger, neighbour):
         with pytest.raises(grpc.RpcError) as err:
             connector.stage(pipe.addresses[0], pipe.replica_peers[0][0]).Step(request)

@@ -109,7 +109,7 @@ def test_get_state_serves_held_copies_to_plan_peers_only(tmp_path):
     store.save(2, 3, handover_tensors(pipe.hosts[1].worker, 7))
     servicer.held_state = HeldServer(store, TINY.n_layers)
     callee = pipe.hosts[0].peer_id
-    neighbour = pipe.hosts[1].connector.signer
+    neighbour = pipe.hosts[1].outbox.connector.signer
     got = decode(call_get_state(servicer, neighbour, callee, "2-3"))
     assert int(got["meta.steps_done"].item()) == 7
     for name, value in pipe.hosts[1].worker.module.state_dict().items():
@@ -155,7 +155,7 @@ def test_replicator_pulls_the_buddy_every_n_steps(tmp_path):
     ], "unused_peer_ids": [C]}, created_at=1.0)  # fmt: skip
     peers = [ann(A), ann(B), ann(C)]
     servicer = servicer_of(pipe, 1)
-    plan_peer = pipe.hosts[0].connector.signer
+    plan_peer = pipe.hosts[0].outbox.connector.signer
     fetched = []
 
     def fetch(address, stage, version):  # GetState from stage 1, as fetch_state reads it
@@ -168,21 +168,21 @@ def test_replicator_pulls_the_buddy_every_n_steps(tmp_path):
     rep = Replicator(A, store, every_steps=20, status=lambda a: host.steps_done, fetch=fetch, poll_s=2.0, clock=clock)
     pulled = []
     rep.on_pulled = lambda: pulled.append(store.held())
-    host.steps_done = 19
+    host.restore(19)
     assert not rep.tick(plan, peers), "19 steps: not due"
     clock.t += 2
-    host.steps_done = 20
+    host.restore(20)
     assert rep.tick(plan, peers)
     rep._busy.acquire()  # the pull thread is done once it releases
     rep._busy.release()
     assert fetched == [("127.0.0.1:1", 1, 2)] and pulled == [((2, 3, 20),)]
     clock.t += 2
-    host.steps_done = 39
+    host.restore(39)
     assert not rep.tick(plan, peers), "next pull at step 40"
     assert not rep.tick(None, peers), "no plan: nothing to copy"
     clock.t += 2
     rep.status = lambda a: None
-    host.steps_done = 40
+    host.restore(40)
     assert not rep.tick(plan, peers), "holder unreachable: try later"
     pipe.close()
 

@@ -52,6 +52,13 @@ class Servicer:
         return True
 
 
+class _Host(SimpleNamespace):
+    """A stage host as the plan switch uses it."""
+
+    def restore(self, steps_done: int) -> None:
+        self.steps_done = max(self.steps_done, steps_done)
+
+
 def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | None):
     """A PeerDaemon for J whose GetState fetches, state loads and announcements land in `events`."""
     events: list = []
@@ -63,9 +70,7 @@ def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | N
     daemon.servicer = Servicer(events)
     daemon.channels = None
     daemon.announcement = ann(J, 0)
-    daemon._make_host = lambda role, plan=None: SimpleNamespace(
-        role=role, worker=SimpleNamespace(step_count=7), steps_done=0
-    )
+    daemon._make_host = lambda role, plan=None: _Host(role=role, worker=SimpleNamespace(step_count=7), steps_done=0)
 
     def fetch_state(channels, address, stage, version, *rest, **kw):
         events.append(("fetch", address, stage, version))

@@ -340,7 +340,7 @@ def test_a_call_whose_caller_vanished_stops_waiting_and_frees_its_slot():
     assert not waiting.is_alive() and "gave up" in errors[0]
     with s.servicers[1]._data_slots.take():  # its slot is free again
         pass
-    assert host._inflight == 0
+    assert host.ledger.inflight == 0
 
 
 def test_a_plan_change_abandons_an_orphaned_step_at_once_and_waits_for_a_live_one():

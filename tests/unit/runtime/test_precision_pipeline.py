@@ -93,13 +93,13 @@ def test_inf_in_one_stage_skips_the_step_on_every_stage_and_replica():
         assert same(before, snapshot(pipe))  # nothing applied anywhere, bit for bit; no lr step either
         assert {h.worker.loss_scale for h in hosts(pipe)} == {2.0**15} and skipped.loss_scale == 2.0**15
         assert all(p.grad is None for h in hosts(pipe) for p in h.worker.module.parameters())
-        assert {h.last_step for h in hosts(pipe)} == {1}
+        assert {h.ledger.last_step for h in hosts(pipe)} == {1}
         after = pipe.train_step(batch(seed=1), n_micro=4)  # the next step applies, at the lowered scale
         assert not after.skipped and after.lr == pytest.approx(first.lr * 2)  # warm-up resumed where it was
         assert {h.worker.step_count for h in hosts(pipe)} == {2}
         assert not same(before, snapshot(pipe))
         for row in pipe.replica_hosts:  # the replicas still agree
-            assert len({h.weights_digest() for h in row}) == 1
+            assert len({h.status().weights_digest for h in row}) == 1
     finally:
         pipe.close()
 

@@ -32,7 +32,7 @@ def trainer(pipe: LocalPipeline, s: int, r: int = 0):
 def as_host(pipe: LocalPipeline, sender: tuple[int, int], to: tuple[int, int]):
     """A client of host `to`, signed by host `sender` (its own connector)."""
     s, r = to
-    return pipe.replica_hosts[sender[0]][sender[1]].connector.stage(
+    return pipe.replica_hosts[sender[0]][sender[1]].outbox.connector.stage(
         pipe.replica_addresses[s][r], pipe.replica_peers[s][r]
     )
 

@@ -13,6 +13,7 @@ from swarm.compression.codec_aqsgd import buffer_digest
 from swarm.runtime.freeze import FreezePolicy
 from swarm.runtime.gate import GateError
 from swarm.runtime.local import LocalPipeline
+from swarm.runtime.messages import StepOrder
 from tests.unit.runtime.test_replicas import CFG, batch, weights
 from tests.unit.test_freeze import LLAMA, NO_CLIP
 from tests.unit.test_freeze import _batch as _fbatch
@@ -117,7 +118,7 @@ def test_a_retried_step_starts_the_lowrank_tied_sum_from_the_committed_warm_star
 
 def test_a_restarted_trainer_abandons_the_open_step_and_its_codec_state():
     """A trainer that dies mid-step and comes back sends the next step's calls without an abandon: the stages
-    close the old step (`StageHost.open`) and undo its codec state, so training goes on as if it never ran."""
+    close the old step (`StageHost.admit`) and undo its codec state, so training goes on as if it never ran."""
     pipe, ref = _pipe("aqsgd2"), _pipe("aqsgd2")
     try:
         for p in (pipe, ref):
@@ -248,7 +249,7 @@ def test_a_stage_refuses_only_the_abandoned_attempt_of_a_step_and_changes_nothin
     pipe = _pipe("default")
     try:
         host = pipe.hosts[1]
-        host.step(stage_pb2.StepRequest(step=3, abandon=True, attempt_id=77))
+        host.step(StepOrder(step=3, abandon=True, attempt_id=77))
 
         def call(step: int, attempt_id: int) -> stage_pb2.CallInfo:
             info = stage_pb2.CallInfo(step=step, stage=1, plan_version=host.role.plan_version, attempt_id=attempt_id)

@@ -163,7 +163,7 @@ def bare_daemon():
     daemon.model, daemon.speed, daemon.shaping = ModelConfig(), 10.0, None
     daemon.codecs = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
     daemon.dht, daemon.transport, daemon.signer, daemon.book, daemon.metrics = SimpleNamespace(peer_id=A), *[None] * 4
-    daemon.checkpoints = SimpleNamespace(setup=lambda host: None)
+    daemon.checkpoints = SimpleNamespace(setup=lambda host: None, on_step=lambda host: None)
     daemon.nat = SimpleNamespace(tunnels=SimpleNamespace(dial=lambda address: address))
     return daemon
 
@@ -177,7 +177,7 @@ def test_a_peer_builds_its_boundary_ends_from_the_plans_codecs():
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
     ends = host.links
     assert ends.fw_recv.config.label == "aqsgd2" and ends.bw_recv.config.label == "gradq2+ef"
-    assert host.link_codecs[1].label == "gradq2+ef"
+    assert host.assignment.link_codecs[1].label == "gradq2+ef"
 
 
 def fake_dht(records: dict, links: list) -> tuple[SwarmDHT, list]:
