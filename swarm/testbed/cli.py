@@ -42,6 +42,7 @@ from swarm.testbed.services import LinkRate, TestbedConfig
 from swarm.testbed.status import collect_status, render_status
 
 if TYPE_CHECKING:
+    from swarm.daemon.config import PeerConfig
     from swarm.train.trainer import TrainConfig
 
 __all__ = ["add_arguments", "config_from_args", "run", "run_in_testbed"]
@@ -129,36 +130,41 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 # ---- the experiment hook ----------------------------------------------------------------------------------
 
 
-def _model_seed_flags(seed: int) -> list[str]:
-    """The peers' --model-seed: the trainer's init seed, so peers and trainer start from the same weights."""
-    from swarm.options import ModelFlags
-
-    return Flags(ModelFlags).to_argv(ModelFlags(model_seed=seed), always=["--model-seed"])
-
-
 def run_in_testbed(
-    cell, peer_flags: list[str], train: TrainConfig, peers: int, nat: tuple[int, ...] = (), before_down=None
-):
-    """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers with every link
-    shaped by tc to `cell.rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
-    taken down; returns the rows of the trainer's steps.csv. `--rate-mbit` in `peer_flags` is dropped: the
-    kernel shapes instead. `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
-    flags = list(peer_flags)
-    popped = {name: _pop_flag(flags, name) for name in ("--rate-mbit", "--fw-codec", "--bw-codec", "--delay-ms")}
-    for name in ("--total-steps", "--warmup-steps"):  # the testbed derives both from the trainer's steps
-        _pop_flag(flags, name)
+    rate_mbit: float | None, peer: PeerConfig, train: TrainConfig, peers: int, nat: tuple[int, ...] = (),
+    before_down=None,
+):  # fmt: skip
+    """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers whose every namespace's
+    egress tc shapes to `rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
+    taken down; returns the rows of the trainer's steps.csv. The peers are told `peer` but for what the testbed
+    sets itself: their bandwidth (the kernel shapes it instead), codecs and delay (the testbed's own flags) and
+    total and warm-up steps (the testbed derives both from the trainer's steps); the model is the trainer's.
+    `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
+    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.options import LinkCodecs, LinkShaping
+    from swarm.peers.shaper import LinkShape
+    from swarm.train.trainer import train_flags
+
+    codecs = LinkCodecs.of(peer.fw_codec, peer.bw_codec)
+    delay_ms = LinkShaping.of(peer.link_shape, peer.link_shapes).delay_ms
+    unset = PeerConfig()
+    rest = replace(
+        peer, model=train.model, link_shape=LinkShape(),
+        optim=replace(peer.optim, total_steps=unset.optim.total_steps, warmup_steps=unset.optim.warmup_steps),
+        **replace(codecs, fw_codec=LinkCodecs.fw_codec, bw_codec=LinkCodecs.bw_codec).build(),
+    )  # fmt: skip
+    trainer_flags = train_flags()
+    trainer = replace(
+        trainer_flags.base, model=train.model, schedule=train.schedule, seed=train.seed, setting=train.setting,
+        deadline_s=train.deadline_s, data=train.data,
+    )  # fmt: skip
     model = train.model
-    trainer_flags = ["--schedule", train.schedule, "--seed", str(train.seed)]
-    trainer_flags += ["--setting", train.setting, "--deadline-s", str(train.deadline_s)]
-    trainer_flags += ["--model-seed", str(model.init_seed)]
-    if train.data:
-        trainer_flags += ["--data", str(train.data)]
     cfg = TestbedConfig(
         peers=peers,
-        rate_mbit=cell.rate_mbit or 0.0,
-        delay_ms=float(popped["--delay-ms"] or 0.0),
-        fw_codec=popped["--fw-codec"] or TestbedConfig.fw_codec,
-        bw_codec=popped["--bw-codec"] or TestbedConfig.bw_codec,
+        rate_mbit=rate_mbit or 0.0,
+        delay_ms=delay_ms,
+        fw_codec=codecs.fw_codec,
+        bw_codec=codecs.bw_codec,
         layers=model.n_layers,
         hidden=model.hidden_dim,
         heads=model.n_heads,
@@ -168,8 +174,11 @@ def run_in_testbed(
         train_samples=train.train_samples,
         batch_size=train.batch_size,
         micro_batches=train.micro_batches,
-        peer_flags=(*flags, *_model_seed_flags(model.init_seed)),
-        trainer_flags=tuple(trainer_flags),
+        # the model seed named even at its default: peers and trainer start from the same weights
+        peer_flags=tuple(peer_flags().to_argv(rest, always=["--model-seed"])),
+        trainer_flags=tuple(
+            trainer_flags.to_argv(trainer, always=["--schedule", "--seed", "--setting", "--deadline-s", "--model-seed"])
+        ),
         nat=nat,
     )
     run_dir = Path(train.out)
@@ -185,15 +194,6 @@ def run_in_testbed(
             return list(csv.DictReader(f))
     finally:
         take_down(run_dir, cfg.prefix, say=quiet)
-
-
-def _pop_flag(flags: list[str], name: str) -> str | None:
-    value = None
-    while name in flags:
-        i = flags.index(name)
-        value = flags[i + 1]
-        del flags[i : i + 2]
-    return value
 
 
 # ---- commands ---------------------------------------------------------------------------------------------

@@ -286,14 +286,20 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
     monkeypatch.setattr(testbed, "bring_up", fake_bring_up)
     monkeypatch.setattr(testbed, "train_in", lambda *a, **k: 0)
     monkeypatch.setattr(testbed, "take_down", lambda *a, **k: (0, 0, 0))
-    cell = argparse.Namespace(rate_mbit=10.0, setting="aqsgd2/gradq4")
-    flags = ["--fw-codec", "aqsgd2", "--bw-codec", "gradq4", "--delay-ms", "5", "--total-steps", "8"]
-    flags += ["--warmup-steps", "1", "--rate-mbit", "10.0"]
+    from swarm.daemon.config import PeerConfig
+    from swarm.options import LinkCodecs
+    from swarm.peers.shaper import LinkShape
+    from swarm.runtime.worker import OptimConfig
+
+    peer = PeerConfig(
+        link_shape=LinkShape.from_mbit(10.0, 5.0), optim=OptimConfig(total_steps=8, warmup_steps=1),
+        **LinkCodecs("aqsgd2", "gradq4").build(),
+    )  # fmt: skip
     train_cfg = TrainConfig(
         model=ModelConfig(init_seed=3), train_samples=16, batch_size=8, micro_batches=4, steps=8,
         setting="aqsgd2/gradq4", deadline_s=300.0, out=str(tmp_path / "cell"),
     )  # fmt: skip
-    rows = testbed.run_in_testbed(cell, flags, train_cfg, peers=2)
+    rows = testbed.run_in_testbed(10.0, peer, train_cfg, peers=2)
     assert rows == [{"step": "1", "train_loss": "5.5"}]
     cfg = seen["cfg"]
     assert (cfg.rate_mbit, cfg.delay_ms, f"{cfg.fw_codec}/{cfg.bw_codec}", cfg.steps) == (10.0, 5.0, "aqsgd2/gradq4", 8)
