@@ -14,18 +14,34 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from swarm.flags import Flags
 from swarm.report import print_table
 
 
+@dataclass(frozen=True)
+class AuthBench:
+    """`swarm bench auth`: the demo's mean step time with authentication on and off, alternating."""
+
+    pairs: int = 3
+    """demo runs per setting, alternating"""
+    epochs: int = 2
+    """epochs of each demo (2: 32 steps)"""
+    quick: bool = False
+    """one pair of one-epoch demos"""
+    json: bool = False
+    """print one JSON object per row"""
+
+
+_FLAGS = Flags(AuthBench)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pairs", type=int, default=3, help="demo runs per setting, alternating (default 3)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs of each demo (default 2: 32 steps)")
-    parser.add_argument("--quick", action="store_true", help="one pair of one-epoch demos")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per row")
+    _FLAGS.add_to(parser)
 
 
 def _demo(auth: bool, epochs: int, out: Path) -> dict:
@@ -37,7 +53,8 @@ def _demo(auth: bool, epochs: int, out: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    pairs, epochs = (1, 1) if args.quick else (args.pairs, args.epochs)
+    bench = _FLAGS.from_args(args)
+    pairs, epochs = (1, 1) if bench.quick else (bench.pairs, bench.epochs)
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-bench-auth-") as tmp:
         runs = [(i, auth) for i in range(pairs) for auth in (True, False)]
@@ -57,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         "no_auth_median_step_s": statistics.median(off),
         "ratio": statistics.mean(on) / statistics.mean(off),
     }
-    if args.json:
+    if bench.json:
         for row in [*rows, summary]:
             print(json.dumps(row))
     else:
