@@ -12,7 +12,7 @@ import ipaddress
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from swarm.flags import flag
@@ -299,15 +299,7 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
                 "--port", str(BOOTSTRAP_PORT), "--identity-path", f"{shared_dir}/bootstrap.id",
             ]  # fmt: skip
         elif name == "trainer":
-            argv = [
-                "swarm", "train", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
-                "--epochs", str(cfg.epochs), "--train-samples", str(cfg.train_samples),
-                "--batch-size", str(cfg.batch_size), "--micro-batches", str(cfg.micro_batches),
-                "--out", f"{shared_dir}/train", "--metrics-port", str(METRICS_PORT),
-                *cfg.model_flags(), *cfg.trainer_flags,
-            ]  # fmt: skip
-            if cfg.steps:
-                argv += ["--steps", str(cfg.steps)]
+            argv = ["swarm", "train", *trainer_argv(cfg, address, shared_dir), *cfg.model_flags(), *cfg.trainer_flags]
         else:
             # every link's one-way delay goes last: docker's entrypoint hands it back there (swarm.testbed.compose)
             delay = PeerConfig(link_shape=LinkShape(delay_s=cfg.delay_ms / 1000))
@@ -318,6 +310,22 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
         )
         services.append(Service(name, address, tuple(argv), cfg.egress_mbit(name), per_link))
     return services
+
+
+def trainer_argv(cfg: TestbedConfig, address: str, shared_dir: str) -> list[str]:
+    """The trainer's flags (its model's and `trainer_flags` aside): the testbed's address file, stages, address,
+    training figures, output folder and metrics port, each named even at `swarm train`'s default."""
+    from swarm.train.trainer import train_flags
+
+    flags = train_flags()
+    trainer = replace(
+        flags.base, address_file=f"{shared_dir}/{ADDRESS_FILE}", num_stages=cfg.peers,
+        dht=replace(flags.base.dht, host=address), epochs=cfg.epochs, steps=cfg.steps or None,
+        train_samples=cfg.train_samples, batch_size=cfg.batch_size, micro_batches=cfg.micro_batches,
+        out=f"{shared_dir}/train", metrics_port=METRICS_PORT,
+    )  # fmt: skip
+    always = ["--num-stages", "--host", "--epochs", "--train-samples", "--batch-size", "--micro-batches"]
+    return flags.to_argv(trainer, always=always)
 
 
 def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared_dir: str) -> PeerConfig:
