@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -45,8 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _demo(auth: bool, epochs: int, out: Path) -> dict:
-    argv = [sys.executable, "-m", "swarm.cli", "demo", "--json", "--epochs", str(epochs), "--out", str(out)]
-    done = subprocess.run(argv + ([] if auth else ["--no-auth"]), capture_output=True, text=True, timeout=900)
+    from swarm.testbed.demo import demo_flags
+
+    flags = demo_flags()
+    demo = replace(flags.base, out=str(out), peer=replace(flags.base.peer, auth=auth))
+    demo = replace(demo, train=replace(demo.train, epochs=epochs))
+    argv = [sys.executable, "-m", "swarm.cli", "demo", "--json", *flags.to_argv(demo, always=["--epochs"])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"swarm demo {'(auth)' if auth else '--no-auth'} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout)
