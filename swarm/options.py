@@ -61,13 +61,6 @@ class ModelFlags:
 
 MODEL_GROUP = "model (every peer and the trainer must agree)"
 _MODEL_FLAGS = Flags(ModelFlags, title=MODEL_GROUP)
-_MODEL_CHOICE_FLAGS = Flags(ModelFlags, title=MODEL_GROUP, spec=Flag(only=("model", "weights", "tokenizer")))
-
-
-def add_model_choice_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model`, `--weights`, `--tokenizer`: which model, from which local files (commands that shape the
-    built-in model with flags of their own add only these)."""
-    _MODEL_CHOICE_FLAGS.add_to(parser, config_flag=False)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,15 +68,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     _MODEL_FLAGS.add_to(parser, config_flag=False)
 
 
-def builtin_model(args: argparse.Namespace, init_seed: int) -> ModelConfig:
-    """The built-in GPT shaped by `--seq-len/--hidden/--layers/--heads`, initialised from `init_seed`."""
-    shape = dict(seq_len_tokens=args.seq_len, hidden_dim=args.hidden, n_layers=args.layers, n_heads=args.heads)
-    return ModelConfig(**shape, init_seed=init_seed)
-
-
 def model_config(args: argparse.Namespace) -> AnyModelConfig:
     """The model the flags name (`swarm.model.spec.resolve_model`); a bad value exits with a one-line error."""
-    return chosen_model(args, builtin_model(args, args.model_seed))
+    shape = dict(seq_len_tokens=args.seq_len, hidden_dim=args.hidden, n_layers=args.layers, n_heads=args.heads)
+    return chosen_model(args, ModelConfig(**shape, init_seed=args.model_seed))
 
 
 def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConfig:
@@ -118,13 +106,6 @@ def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConf
 def model_arguments(args: argparse.Namespace) -> list[str]:
     """The model flags of `args` as a command line, for the peers a command starts (the same model)."""
     return _MODEL_FLAGS.to_argv(ModelFlags(**{f.name: getattr(args, f.name) for f in fields(ModelFlags)}))
-
-
-def add_schedule_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "1f1b") -> None:
-    """`--schedule`, whose choices are the schedule registry's names (`swarm.runtime.schedules.SCHEDULES`)."""
-    parser.add_argument(
-        "--schedule", choices=sorted(SCHEDULES), default=default, help="pipeline schedule (default %(default)s)"
-    )
 
 
 def _codec_label(text: str) -> str:

@@ -14,30 +14,52 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
+from swarm.flags import Flags
 from swarm.report import print_table
 
 
+@dataclass(frozen=True)
+class AuthBench:
+    """`swarm bench auth`: the demo's mean step time with authentication on and off, alternating."""
+
+    pairs: int = 3
+    """demo runs per setting, alternating"""
+    epochs: int = 2
+    """epochs of each demo (2: 32 steps)"""
+    quick: bool = False
+    """one pair of one-epoch demos"""
+    json: bool = False
+    """print one JSON object per row"""
+
+
+_FLAGS = Flags(AuthBench)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pairs", type=int, default=3, help="demo runs per setting, alternating (default 3)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs of each demo (default 2: 32 steps)")
-    parser.add_argument("--quick", action="store_true", help="one pair of one-epoch demos")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per row")
+    _FLAGS.add_to(parser)
 
 
 def _demo(auth: bool, epochs: int, out: Path) -> dict:
-    argv = [sys.executable, "-m", "swarm.cli", "demo", "--json", "--epochs", str(epochs), "--out", str(out)]
-    done = subprocess.run(argv + ([] if auth else ["--no-auth"]), capture_output=True, text=True, timeout=900)
+    from swarm.testbed.demo import demo_flags
+
+    flags = demo_flags()
+    demo = replace(flags.base, out=str(out), peer=replace(flags.base.peer, auth=auth))
+    demo = replace(demo, train=replace(demo.train, epochs=epochs))
+    argv = [sys.executable, "-m", "swarm.cli", "demo", "--json", *flags.to_argv(demo, always=["--epochs"])]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"swarm demo {'(auth)' if auth else '--no-auth'} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout)
 
 
 def run(args: argparse.Namespace) -> int:
-    pairs, epochs = (1, 1) if args.quick else (args.pairs, args.epochs)
+    bench = _FLAGS.from_args(args)
+    pairs, epochs = (1, 1) if bench.quick else (bench.pairs, bench.epochs)
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarm-bench-auth-") as tmp:
         runs = [(i, auth) for i in range(pairs) for auth in (True, False)]
@@ -57,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         "no_auth_median_step_s": statistics.median(off),
         "ratio": statistics.mean(on) / statistics.mean(off),
     }
-    if args.json:
+    if bench.json:
         for row in [*rows, summary]:
             print(json.dumps(row))
     else:

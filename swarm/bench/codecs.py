@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from swarm.compression import CodecConfig, LinkState, codec_class, frame, make_codec
+from swarm.flags import Flags, flag
 from swarm.report import emit, median_seconds
 
 OURS = [
@@ -45,28 +47,43 @@ COLUMNS = [
 ]
 
 
+@dataclass(frozen=True)
+class CodecsBench:
+    """`swarm bench codecs`: every codec's wire size, error and speed, beside hivemind's (or, with --deltas,
+    group layouts on AQ-SGD deltas)."""
+
+    numel: int = 1 << 22
+    """elements per test tensor (4M fp32)"""
+    repeats: int = 5
+    """timed repeats per codec; the median is reported"""
+    zstd_level: int = 1
+    """zstd level of our framing (0 turns it off)"""
+    drift: float = 0.05
+    """AQ-SGD: relative change of the activation"""
+    quick: bool = False
+    """small tensors and one repeat, for a smoke test"""
+    json: bool = False
+    """print rows as JSON instead of a table"""
+    deltas: str | None = field(default=None, metadata=flag(choices=("synthetic", "model", "all")))
+    """instead of the codec table: group layouts and the AQ-SGD paper's compressor on AQ-SGD deltas (synthetic with
+    10x channels, and/or captured from training the default model), with code entropy"""
+    delta_epochs: int = 4
+    """--deltas model: epochs of training to capture"""
+
+
+_FLAGS = Flags(CodecsBench)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--numel", type=int, default=1 << 22, help="elements per test tensor (default 4M fp32)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per codec; the median is reported")
-    parser.add_argument("--zstd-level", type=int, default=1, help="zstd level of our framing (0 turns it off)")
-    parser.add_argument("--drift", type=float, default=0.05, help="AQ-SGD: relative change of the activation")
-    parser.add_argument("--quick", action="store_true", help="small tensors and one repeat, for a smoke test")
-    parser.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
-    parser.add_argument(
-        "--deltas",
-        choices=("synthetic", "model", "all"),
-        help="instead of the codec table: group layouts and the AQ-SGD paper's compressor on AQ-SGD deltas "
-        "(synthetic with 10x channels, and/or captured from training the default model), with code entropy",
-    )
-    parser.add_argument("--delta-epochs", type=int, default=4, help="--deltas model: epochs of training to capture")
+    _FLAGS.add_to(parser)
 
 
 def _rel_error(y: torch.Tensor, x: torch.Tensor) -> float:
     return float((y.float() - x.float()).norm() / x.float().norm().clamp_min(1e-30))
 
 
-def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
-    cfg = CodecConfig.parse(label, zstd_level=args.zstd_level, seed=0)
+def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, bench: CodecsBench) -> dict:
+    cfg = CodecConfig.parse(label, zstd_level=bench.zstd_level, seed=0)
     codec = make_codec(cfg)
     numel = x.numel()
     ids = list(range(x.shape[0]))
@@ -75,7 +92,7 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
         codec.decode(codec.encode(prev, sample_ids=ids, state=send), state=recv)  # first sight
         # fresh copies of both ends for every timed run (made before the clock starts), so that every run
         # measures the same one-step change and none times the copying
-        pairs = [(_copy_state(send), _copy_state(recv)) for _ in range(args.repeats + 2)]
+        pairs = [(_copy_state(send), _copy_state(recv)) for _ in range(bench.repeats + 2)]
 
         def encode_decode():
             s, r = pairs.pop()
@@ -93,8 +110,8 @@ def _ours(label: str, x: torch.Tensor, prev: torch.Tensor, args) -> dict:
     else:
         msg = codec.encode(x, sample_ids=ids, state=LinkState(cfg))
         y = codec.decode(msg, state=LinkState(cfg))
-    seconds = median_seconds(encode_decode, repeats=args.repeats)
-    wire = sum(c.ByteSize() for c in frame(msg, zstd_level=args.zstd_level))
+    seconds = median_seconds(encode_decode, repeats=bench.repeats)
+    wire = sum(c.ByteSize() for c in frame(msg, zstd_level=bench.zstd_level))
     plain = sum(c.ByteSize() for c in frame(msg, zstd_level=0))
     return {
         "codec": cfg.label,
@@ -125,7 +142,7 @@ def _copy_state(state: LinkState) -> LinkState:
     return clone
 
 
-def _hivemind(name: str, x: torch.Tensor, args) -> dict:
+def _hivemind(name: str, x: torch.Tensor, bench: CodecsBench) -> dict:
     row = {"codec": f"hivemind.{name}", "bits": 16 if "16" in name else 8}
     try:
         import hivemind.compression as hc
@@ -134,7 +151,7 @@ def _hivemind(name: str, x: torch.Tensor, args) -> dict:
         info = hc.CompressionInfo.from_tensor(x)
         msg = codec.compress(x, info)
         y = codec.extract(msg)
-        seconds = median_seconds(lambda: codec.extract(codec.compress(x, info)), repeats=args.repeats)
+        seconds = median_seconds(lambda: codec.extract(codec.compress(x, info)), repeats=bench.repeats)
         numel = x.numel()
         row.update(
             wire_bytes_per_element=msg.ByteSize() / numel,
@@ -148,7 +165,7 @@ def _hivemind(name: str, x: torch.Tensor, args) -> dict:
     return row
 
 
-def _bitsandbytes(x: torch.Tensor, args) -> dict:
+def _bitsandbytes(x: torch.Tensor, bench: CodecsBench) -> dict:
     row = {"codec": "bitsandbytes.blockwise8", "bits": 8}
     try:
         import bitsandbytes.functional as bnb
@@ -156,7 +173,7 @@ def _bitsandbytes(x: torch.Tensor, args) -> dict:
         q, qstate = bnb.quantize_blockwise(x)
         y = bnb.dequantize_blockwise(q, qstate)
         wire = q.numel() + qstate.absmax.numel() * qstate.absmax.element_size() + qstate.code.numel() * 4
-        seconds = median_seconds(lambda: bnb.dequantize_blockwise(*bnb.quantize_blockwise(x)), repeats=args.repeats)
+        seconds = median_seconds(lambda: bnb.dequantize_blockwise(*bnb.quantize_blockwise(x)), repeats=bench.repeats)
         numel = x.numel()
         row.update(
             wire_bytes_per_element=wire / numel,
@@ -171,37 +188,38 @@ def _bitsandbytes(x: torch.Tensor, args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.deltas:
-        return _run_deltas(args)
-    if args.quick:
-        args.numel, args.repeats = min(args.numel, 1 << 16), 1
+    bench = _FLAGS.from_args(args)
+    if bench.deltas:
+        return _run_deltas(bench)
+    if bench.quick:
+        bench = replace(bench, numel=min(bench.numel, 1 << 16), repeats=1)
     gen = torch.Generator().manual_seed(0)
     # activations as they cross a stage boundary: [samples, seq 128, hidden 128], the default model's shape
-    sample = (128, 128) if args.numel >= 128 * 128 else (1, args.numel)
-    prev = torch.randn(max(1, args.numel // (sample[0] * sample[1])), *sample, generator=gen)
-    x = prev + args.drift * torch.randn(prev.shape, generator=gen)
+    sample = (128, 128) if bench.numel >= 128 * 128 else (1, bench.numel)
+    prev = torch.randn(max(1, bench.numel // (sample[0] * sample[1])), *sample, generator=gen)
+    x = prev + bench.drift * torch.randn(prev.shape, generator=gen)
     rows = []
     started = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rows += [_ours(label, x, prev, args) for label in OURS]
-        rows += [_hivemind(name, x, args) for name in HIVEMIND]
-        rows.append(_bitsandbytes(x, args))
+        rows += [_ours(label, x, prev, bench) for label in OURS]
+        rows += [_hivemind(name, x, bench) for name in HIVEMIND]
+        rows.append(_bitsandbytes(x, bench))
     title = f"codecs on {x.numel():,} fp32 elements ({time.perf_counter() - started:.1f} s)"
-    emit(rows, COLUMNS, args.json, title)
+    emit(rows, COLUMNS, bench.json, title)
     return 0
 
 
-def _run_deltas(args: argparse.Namespace) -> int:
+def _run_deltas(bench: CodecsBench) -> int:
     from swarm.bench.codec_deltas import DELTA_COLUMNS, delta_rows, model_deltas, synthetic_deltas
 
     started, sources = time.perf_counter(), {}
-    if args.deltas in ("synthetic", "all"):
-        sources["synthetic"] = synthetic_deltas(n=1 if args.quick else 8, shape=(2 if args.quick else 4, 128, 128))
-    if args.deltas in ("model", "all"):
-        say = (lambda _: None) if args.json else print
-        sources["model"] = model_deltas(epochs=1 if args.quick else args.delta_epochs, say=say)
+    if bench.deltas in ("synthetic", "all"):
+        sources["synthetic"] = synthetic_deltas(n=1 if bench.quick else 8, shape=(2 if bench.quick else 4, 128, 128))
+    if bench.deltas in ("model", "all"):
+        say = (lambda _: None) if bench.json else print
+        sources["model"] = model_deltas(epochs=1 if bench.quick else bench.delta_epochs, say=say)
     rows = delta_rows(sources)
     sizes = ", ".join(f"{k}: {sum(d.numel() for d in v):,} elements" for k, v in sources.items())
-    emit(rows, DELTA_COLUMNS, args.json, f"AQ-SGD deltas ({sizes}; {time.perf_counter() - started:.1f} s)")
+    emit(rows, DELTA_COLUMNS, bench.json, f"AQ-SGD deltas ({sizes}; {time.perf_counter() - started:.1f} s)")
     return 0

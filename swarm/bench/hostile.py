@@ -34,6 +34,7 @@ from pathlib import Path
 
 import grpc
 
+from swarm.flags import Flags, flag
 from swarm.report import print_table
 
 __all__ = ["Harness", "Keys", "Outcome", "add_arguments", "run"]
@@ -62,19 +63,32 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class HostileBench:
+    """`swarm bench hostile`: hostile clients against a local pipeline, case by case."""
+
+    json: bool = False
+    """print one JSON object per line instead of a table"""
+    case: tuple[str, ...] = field(default=(), metadata=flag(repeat=True))
+    """run only this case (repeatable; none: every case)"""
+    list: bool = False
+    """list the cases and what each sends, then exit"""
+    quick: bool = False
+    """skip the slow and memory-hungry cases (marked heavy in --list)"""
+    watchdog_s: float = WATCHDOG_S
+    """longest one case may run, seconds"""
+
+
+_FLAGS = Flags(HostileBench)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Hostile clients (a stranger, and the plan's own trainer misbehaving) against a local 3-stage pipeline "
         "over real gRPC on 127.0.0.1, the stage servers in a child process. One row per case: refused, the "
         "error, whether the next legitimate step was served, server RSS growth and held threads; then a summary."
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object per line instead of a table")
-    parser.add_argument("--case", action="append", default=None, help="run only this case (repeatable)")
-    parser.add_argument("--list", action="store_true", help="list the cases and what each sends, then exit")
-    parser.add_argument(
-        "--quick", action="store_true", help="skip the slow and memory-hungry cases (marked heavy in --list)"
-    )
-    parser.add_argument("--watchdog-s", type=float, default=WATCHDOG_S, help="longest one case may run, seconds")
+    _FLAGS.add_to(parser)
 
 
 # ---- identities: the one adapter to swarm.net.auth -----------------------------------------------------------
@@ -537,19 +551,20 @@ def summary_row(rows: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    bench = _FLAGS.from_args(args)
     from swarm.bench.hostile_cases import CASES
 
-    if args.list:
+    if bench.list:
         for case in CASES:
             print(f"{case.name:28s} {case.caller:9s} {'heavy' if case.heavy else '     '} {case.doc}")
         return 0
-    chosen = [c for c in CASES if not (args.quick and c.heavy)]
-    if args.case:
-        unknown = set(args.case) - {c.name for c in CASES}
+    chosen = [c for c in CASES if not (bench.quick and c.heavy)]
+    if bench.case:
+        unknown = set(bench.case) - {c.name for c in CASES}
         if unknown:
             print(f"error: unknown case(s) {sorted(unknown)}; see --list", file=sys.stderr)
             return 2
-        chosen = [c for c in chosen if c.name in args.case]
+        chosen = [c for c in chosen if c.name in bench.case]
     from tqdm import tqdm
 
     rows = []
@@ -563,15 +578,15 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: the pipeline does not train before any case: {error}", file=sys.stderr)
                 return 1
             for case in tqdm(chosen, desc="hostile cases", unit="case", file=sys.stderr):
-                row = run_case(harness, case, args.watchdog_s)
+                row = run_case(harness, case, bench.watchdog_s)
                 rows.append(row)
-                if args.json:
+                if bench.json:
                     print(json.dumps(row), flush=True)
         finally:
             harness.close_clients()
             servers.close()
     summary = summary_row(rows)
-    if args.json:
+    if bench.json:
         print(json.dumps(summary), flush=True)
     else:
         print_table(rows, COLUMNS, "hostile cases against a local 3-stage pipeline (servers in a child process)")

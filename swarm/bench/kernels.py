@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass, field
 
 import torch
 
+from swarm.flags import Flags, flag
 from swarm.kernels import (
     DEFAULT_GROUP_SIZE,
     aqsgd_update,
@@ -61,60 +63,66 @@ DEVICE_COLUMNS = [
 ENCODING_COLUMNS = ["data", "bits", "fp16@128", "bf16@128", "fp32@128", "fp32@256", "fp32@512"]
 
 
+@dataclass(frozen=True)
+class KernelsBench:
+    """`swarm bench kernels`: quantize/dequantize GB/s against a memory copy (the device is `--device`'s)."""
+
+    bits: tuple[int, ...] = field(default=(2, 4, 8), metadata=flag(nargs="+"))
+    """code widths"""
+    sizes_kib: tuple[int, ...] = field(default=(64, 256, 1024, 4096, 16384, 65536), metadata=flag(nargs="+"))
+    """tensor sizes in KiB of float32 (64 KiB to 64 MiB)"""
+    group_size: int = DEFAULT_GROUP_SIZE
+    """elements per scale/min pair"""
+    repeats: int = 5
+    """timed repeats; the median is reported"""
+    nearest: bool = False
+    """time round-to-nearest instead of stochastic"""
+    threads: int = 0
+    """torch threads (0: torch's own setting)"""
+    quick: bool = False
+    """64 KiB and 1 MiB only, 3 repeats: a smoke test"""
+    encodings: bool = False
+    """instead: error of fp16/bf16/fp32 scale encodings and group sizes on synthetic data"""
+    json: bool = False
+    """print rows as JSON instead of a table"""
+    quantizer: str = field(default="aqsgd", metadata=flag(choices=("aqsgd", "acsgd")))
+    """the CPU table's quantizer: aqsgd (min/scale, fp32 pairs) or acsgd (symmetric, fp16 scale)"""
+
+
+_FLAGS = Flags(KernelsBench)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bits", type=int, nargs="+", default=[2, 4, 8], help="code widths (default 2 4 8)")
-    parser.add_argument(
-        "--sizes-kib",
-        type=int,
-        nargs="+",
-        default=[64, 256, 1024, 4096, 16384, 65536],
-        help="tensor sizes in KiB of float32 (default 64 KiB to 64 MiB)",
-    )
-    parser.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="elements per scale/min pair")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
-    parser.add_argument("--nearest", action="store_true", help="time round-to-nearest instead of stochastic")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own setting)")
-    parser.add_argument("--quick", action="store_true", help="64 KiB and 1 MiB only, 3 repeats: a smoke test")
-    parser.add_argument(
-        "--encodings",
-        action="store_true",
-        help="instead: error of fp16/bf16/fp32 scale encodings and group sizes on synthetic data",
-    )
-    parser.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
-    parser.add_argument(
-        "--quantizer",
-        choices=("aqsgd", "acsgd"),
-        default="aqsgd",
-        help="the CPU table's quantizer: aqsgd (min/scale, fp32 pairs) or acsgd (symmetric, fp16 scale)",
-    )
+    _FLAGS.add_to(parser)
     add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    bench = _FLAGS.from_args(args)
+    if bench.threads:
+        torch.set_num_threads(bench.threads)
     if args.device != "cpu":
-        return _run_device(args)
-    if args.encodings:
-        emit(_encoding_rows(1 << 18 if args.quick else 1 << 20), ENCODING_COLUMNS, args.json,
+        return _run_device(bench, args.device)
+    if bench.encodings:
+        emit(_encoding_rows(1 << 18 if bench.quick else 1 << 20), ENCODING_COLUMNS, bench.json,
              "relative error ||x - deQ(Q(x))|| / ||x - mean(x)||, stochastic rounding")  # fmt: skip
         return 0
-    sizes_kib = [64, 1024] if args.quick else args.sizes_kib
-    repeats = 3 if args.quick else args.repeats
+    sizes_kib = [64, 1024] if bench.quick else bench.sizes_kib
+    repeats = 3 if bench.quick else bench.repeats
     rows = []
     for size_kib in sizes_kib:
         x = torch.randn(size_kib * 1024 // 4, generator=torch.Generator().manual_seed(0))
         copy_target = torch.empty_like(x)
         memcpy_gbps = _gbps(x, median_seconds(lambda: copy_target.copy_(x), repeats, warmup=2))  # noqa: B023
-        for bits in args.bits:
-            symmetric = args.quantizer == "acsgd"
-            rows.append(_row(x, bits, args.group_size, not args.nearest, repeats, memcpy_gbps, size_kib, symmetric))
+        for bits in bench.bits:
+            symmetric = bench.quantizer == "acsgd"
+            rows.append(_row(x, bits, bench.group_size, not bench.nearest, repeats, memcpy_gbps, size_kib, symmetric))
     title = (
-        f"quantizer={args.quantizer} backend={backend_name('cpu', args.group_size)} group_size={args.group_size} "
-        f"threads={torch.get_num_threads()} rounding={'nearest' if args.nearest else 'stochastic'}; "
+        f"quantizer={bench.quantizer} backend={backend_name('cpu', bench.group_size)} group_size={bench.group_size} "
+        f"threads={torch.get_num_threads()} rounding={'nearest' if bench.nearest else 'stochastic'}; "
         "GB/s of float32 input"
     )
-    emit(rows, COLUMNS, args.json, title)
+    emit(rows, COLUMNS, bench.json, title)
     return 0
 
 
@@ -215,29 +223,29 @@ def _sixteen_bit_pair(
     return (mins + codes * scales).reshape(-1)
 
 
-def _run_device(args: argparse.Namespace) -> int:
-    """The GPU table (module doc); a clear message and exit status 2 without CUDA."""
+def _run_device(bench: KernelsBench, name: str) -> int:
+    """The GPU table (module doc) on device `name`; a clear message and exit status 2 without CUDA."""
     try:
-        device = resolve_device(args.device)
+        device = resolve_device(name)
     except DeviceError as error:
         print(f"swarm bench kernels: {error}")
         return 2
-    numel = (1 << 20 if args.quick else 64 << 20) // 4
+    numel = (1 << 20 if bench.quick else 64 << 20) // 4
     x = torch.randn(numel, device=device, generator=torch.Generator(device).manual_seed(0))
     target = torch.empty_like(x)
-    repeats = 3 if args.quick else max(args.repeats, 20)
+    repeats = 3 if bench.quick else max(bench.repeats, 20)
     copy_gbps = 8 * numel / _cuda_seconds(lambda: target.copy_(x), repeats) / 1e9
-    stochastic = not args.nearest
+    stochastic = not bench.nearest
     rows = []
     for quantizer in ("aqsgd", "acsgd"):
-        for bits in args.bits:
-            rows.append(_device_row(quantizer, x, bits, args.group_size, stochastic, repeats, copy_gbps))
+        for bits in bench.bits:
+            rows.append(_device_row(quantizer, x, bits, bench.group_size, stochastic, repeats, copy_gbps))
     title = (
-        f"{torch.cuda.get_device_name(device)} ({device}); group_size={args.group_size} "
-        f"rounding={'nearest' if args.nearest else 'stochastic'}; GB/s of bytes read + written, share = of the "
+        f"{torch.cuda.get_device_name(device)} ({device}); group_size={bench.group_size} "
+        f"rounding={'nearest' if bench.nearest else 'stochastic'}; GB/s of bytes read + written, share = of the "
         f"measured device-to-device copy ({copy_gbps:.0f} GB/s)"
     )
-    emit(rows, DEVICE_COLUMNS, args.json, title)
+    emit(rows, DEVICE_COLUMNS, bench.json, title)
     return 0
 
 

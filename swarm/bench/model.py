@@ -16,10 +16,13 @@ import argparse
 import importlib.util
 import json
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig, frame, make_codec
+from swarm.flags import Flags, flag
+from swarm.options import MODEL_GROUP, ModelFlags
 
 __all__ = ["add_arguments", "run", "bench_model"]
 
@@ -28,25 +31,43 @@ def _has_device_module() -> bool:
     return importlib.util.find_spec("swarm.runtime.device") is not None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from swarm.options import add_model_choice_arguments
+@dataclass(frozen=True)
+class ModelBench:
+    """`swarm bench model`: a model's tokens/s per stage, boundary bytes per token and the link speeds below
+    which it is network-bound."""
 
-    add_model_choice_arguments(parser)
-    add = parser.add_argument
-    add("--seq-len", type=int, default=128, help="tokens per sample (default %(default)s)")
-    add("--model-seed", type=int, default=0, help="seed of the init (no --weights) (default %(default)s)")
-    add("--stages", type=int, default=3, help="even stages to split the model into (default %(default)s)")
-    add("--micro-batch", type=int, default=2, help="samples per micro-batch (default %(default)s)")
-    add("--iters", type=int, default=3, help="timed passes per stage, the fastest counts (default %(default)s)")
-    add("--lr", type=float, default=1e-4, help="AdamW step before the steady-state delta (default %(default)s)")
-    add("--fw-codec", default=DEFAULT_FW_CODEC, help="activation codec (default %(default)s)")
-    add("--bw-codec", default=DEFAULT_BW_CODEC, help="gradient codec (default %(default)s)")
-    add("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
+    model: ModelFlags = field(
+        default_factory=ModelFlags,
+        metadata=flag(only=("model", "weights", "tokenizer", "seq_len", "model_seed"), group=MODEL_GROUP),
+    )
+    """The model (the built-in's shape: its defaults)."""
+    stages: int = 3
+    """even stages to split the model into"""
+    micro_batch: int = 2
+    """samples per micro-batch"""
+    iters: int = 3
+    """timed passes per stage, the fastest counts"""
+    lr: float = 1e-4
+    """AdamW step before the steady-state delta"""
+    fw_codec: str = DEFAULT_FW_CODEC
+    """activation codec"""
+    bw_codec: str = DEFAULT_BW_CODEC
+    """gradient codec"""
+    threads: int = 1
+    """torch intra-op threads"""
+    json: bool = False
+    """print one JSON object"""
+
+
+_FLAGS = Flags(ModelBench)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _FLAGS.add_to(parser)
     if _has_device_module():
         from swarm.runtime.device import add_device_argument
 
         add_device_argument(parser)
-    add("--json", action="store_true", help="print one JSON object")
 
 
 def _tokens(model, batch: int) -> torch.Tensor:
@@ -161,22 +182,23 @@ def bench_model(model, stages: int, micro_batch: int, iters: int, lr: float, fw:
 
 
 def run(args: argparse.Namespace) -> int:
+    bench = _FLAGS.from_args(args)
     from swarm.model.gpt import ModelConfig
     from swarm.options import chosen_model
 
-    torch.set_num_threads(args.threads)
-    builtin = ModelConfig(seq_len_tokens=args.seq_len, init_seed=args.model_seed)
-    model = chosen_model(args, builtin)
-    if args.stages < 1 or args.stages > model.n_layers:
-        raise SystemExit(f"--stages {args.stages}: expected 1..{model.n_layers} (the model's layers)")
+    torch.set_num_threads(bench.threads)
+    builtin = ModelConfig(seq_len_tokens=bench.model.seq_len, init_seed=bench.model.model_seed)
+    model = chosen_model(bench.model, builtin)
+    if bench.stages < 1 or bench.stages > model.n_layers:
+        raise SystemExit(f"--stages {bench.stages}: expected 1..{model.n_layers} (the model's layers)")
     device = getattr(args, "device", "cpu")
     result = bench_model(
-        model, args.stages, args.micro_batch, args.iters, args.lr, args.fw_codec, args.bw_codec, device
+        model, bench.stages, bench.micro_batch, bench.iters, bench.lr, bench.fw_codec, bench.bw_codec, device
     )
-    if args.json:
+    if bench.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.model}: {result['parameters']:,} parameters, {result['layers']} layers x {result['hidden']}, "
+    print(f"{bench.model.model}: {result['parameters']:,} parameters, {result['layers']} layers x {result['hidden']}, "
           f"micro-batch {result['micro_batch']} x {result['seq_len']} tokens on {result['device']}")  # fmt: skip
     for r in result["stages"]:
         a, b = r["layers"]

@@ -16,19 +16,42 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import dataclass, replace
+
+from swarm.flags import Flags
 
 __all__ = ["add_arguments", "run"]
 
 PATHS = ("direct", "two-legs frames", "two-legs raw", "reverse frames", "reverse raw")
 
 
+@dataclass(frozen=True)
+class RelayBench:
+    """`swarm bench relay`: latency and bytes/s of a call through a relay against a direct one."""
+
+    calls: int = 300
+    """small calls per path and round"""
+    payload_mib: float = 4.0
+    """size of one large call's payload"""
+    large_calls: int = 10
+    """large calls per path and round"""
+    rounds: int = 3
+    """alternating rounds (direct, relayed)"""
+    quick: bool = False
+    """a few calls only (a smoke run)"""
+    json: bool = False
+    """print one JSON object"""
+
+    def run_config(self) -> RelayBench:
+        """The run the flags give: --quick is 50 small and 3 large calls of 1 MiB, in 2 rounds."""
+        return replace(self, calls=50, large_calls=3, rounds=2, payload_mib=1.0) if self.quick else self
+
+
+_FLAGS = Flags(RelayBench)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--calls", type=int, default=300, help="small calls per path and round")
-    parser.add_argument("--payload-mib", type=float, default=4.0, help="size of one large call's payload")
-    parser.add_argument("--large-calls", type=int, default=10, help="large calls per path and round")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (direct, relayed)")
-    parser.add_argument("--quick", action="store_true", help="a few calls only (a smoke run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    _FLAGS.add_to(parser)
 
 
 def _serve(role: str, conn, relays: list[tuple[str, str]]) -> None:
@@ -86,6 +109,7 @@ def _time(stub, metadata, payload: bytes, calls: int, reply_bytes: int = 16) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    bench = _FLAGS.from_args(args)
     import grpc
 
     from swarm.net.auth import CallSigner, CallVerifier, Identity
@@ -93,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from swarm.peers.transport import TransportConfig, make_server
     from swarm.proto import stage_pb2_grpc
 
-    if args.quick:
-        args.calls, args.large_calls, args.rounds, args.payload_mib = 50, 3, 2, 1.0
+    bench = bench.run_config()
     ctx = mp.get_context("spawn")
     identity = Identity.generate()
     me = identity.peer_id
@@ -128,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         for kind, (peer_id, _) in peers.items():
             targets[f"two-legs {kind}"] = (remote.dial(f"{kind}.two-legs:1"), peer_id)
             targets[f"reverse {kind}"] = (reverse.dial(f"{kind}.reverse:1"), peer_id)
-        small, large = b"s" * 64, b"L" * int(args.payload_mib * (1 << 20))
+        small, large = b"s" * 64, b"L" * int(bench.payload_mib * (1 << 20))
         lat: dict[str, list[float]] = {k: [] for k in PATHS}
         bulk: dict[str, list[float]] = {k: [] for k in PATHS}
         stubs = {}
@@ -137,10 +160,10 @@ def run(args: argparse.Namespace) -> int:
             channels[name] = grpc.insecure_channel(address, options=options)
             stubs[name] = (stage_pb2_grpc.StageStub(channels[name]), signer.metadata(peer_id))
             _time(*stubs[name], small, 5)
-        for _ in range(args.rounds):
+        for _ in range(bench.rounds):
             for name in PATHS:
-                lat[name] += _time(*stubs[name], small, args.calls)
-                bulk[name] += _time(*stubs[name], large, args.large_calls)
+                lat[name] += _time(*stubs[name], small, bench.calls)
+                bulk[name] += _time(*stubs[name], large, bench.large_calls)
         rows = {}
         for name in PATHS:
             ordered = sorted(lat[name])
@@ -167,11 +190,11 @@ def run(args: argparse.Namespace) -> int:
                 proc.join()
         local.close()
         server.stop(grace=None)
-    if args.json:
+    if bench.json:
         print(json.dumps(rows))
     else:
         head = f"{'path':<16} {'median ms':>10} {'p90 ms':>8} {'extra ms':>9} {'MB/s':>8}"
-        print(f"{head}   ({args.payload_mib:g} MiB calls)")
+        print(f"{head}   ({bench.payload_mib:g} MiB calls)")
         for name in PATHS:
             r = rows[name]
             extra = r.get("extra_ms_over_direct", 0.0)

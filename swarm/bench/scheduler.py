@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from swarm.flags import Flags, flag
 from swarm.report import emit
 from swarm.scheduler.baselines import baseline_shape, full_distance, greedy_layout, random_layouts
 from swarm.scheduler.cost import DtfmCost, FullCost
@@ -59,24 +60,37 @@ COLUMNS = [
 ]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, default=0, help="seed of the search and of the random baselines")
-    parser.add_argument("--random", type=int, default=100, help="random assignments per full row; the median is shown")
-    parser.add_argument(
-        "--dtfm-random",
-        type=int,
+@dataclass(frozen=True)
+class SchedulerBench:
+    """`swarm bench scheduler`: our plans against random and greedy ones on DT-FM's scenarios."""
+
+    seed: int = 0
+    """seed of the search and of the random baselines"""
+    random: int = 100
+    """random assignments per full row; the median is shown"""
+    dtfm_random: int = field(
         default=DTFM_RANDOM_DRAWS,
-        help=f"random grids per dtfm row, DT-FM's random scheduler draws {DTFM_RANDOM_DRAWS}; median and mean shown",
+        metadata=flag(
+            help=f"random grids per dtfm row, DT-FM's random scheduler draws {DTFM_RANDOM_DRAWS}; median and mean shown"
+        ),
     )
-    parser.add_argument(
-        "--sizes",
-        default="256,1000",
-        help="peers of the synthetic worldwide swarms, comma-separated (default 256,1000)",
-    )
-    parser.add_argument("--moves", type=int, default=2000, help="annealing moves per refined candidate")
-    parser.add_argument("--only", choices=("dtfm", "full"), help="run only the rows of one cost model (default: both)")
-    parser.add_argument("--quick", action="store_true", help="small budgets and one 128-peer swarm: a smoke test")
-    parser.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
+    sizes: str = "256,1000"
+    """peers of the synthetic worldwide swarms, comma-separated"""
+    moves: int = 2000
+    """annealing moves per refined candidate"""
+    only: str | None = field(default=None, metadata=flag(choices=("dtfm", "full")))
+    """run only the rows of one cost model (none: both)"""
+    quick: bool = False
+    """small budgets and one 128-peer swarm: a smoke test"""
+    json: bool = False
+    """print rows as JSON instead of a table"""
+
+
+_FLAGS = Flags(SchedulerBench)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _FLAGS.add_to(parser)
 
 
 def _row(scenario: str, peers: int, cost_model: str, ours: float, randoms: list[float], greedy: float, solve: float):
@@ -133,22 +147,23 @@ def full_row(name: str, plan_input, model: ModelSpec, cfg: SearchConfig, random_
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = SearchConfig(seed=args.seed, anneal=AnnealConfig(moves=args.moves))
-    if args.quick:
+    bench = _FLAGS.from_args(args)
+    cfg = SearchConfig(seed=bench.seed, anneal=AnnealConfig(moves=bench.moves))
+    if bench.quick:
         cfg = replace(cfg, chains=2, anneal=AnnealConfig(moves=200))
-    random_count = min(args.random, 20) if args.quick else args.random
-    dtfm_random = min(args.dtfm_random, 100) if args.quick else args.dtfm_random
-    sizes = [128] if args.quick else [int(x) for x in args.sizes.split(",") if x]
+    random_count = min(bench.random, 20) if bench.quick else bench.random
+    dtfm_random = min(bench.dtfm_random, 100) if bench.quick else bench.dtfm_random
+    sizes = [128] if bench.quick else [int(x) for x in bench.sizes.split(",") if x]
     model = ModelSpec.transformer(TransformerShape())
     rows = []
     for name in SCENARIOS:
-        if args.only in (None, "dtfm"):
+        if bench.only in (None, "dtfm"):
             rows.append(dtfm_row(name, cfg, dtfm_random))
-        if args.only in (None, "full"):
+        if bench.only in (None, "full"):
             rows.append(full_row(name, load_scenario(name).plan_input, model, cfg, random_count))
-    if args.only in (None, "full"):
+    if bench.only in (None, "full"):
         for size in sizes:
-            swarm = synthetic_worldwide(size, seed=args.seed)
+            swarm = synthetic_worldwide(size, seed=bench.seed)
             rows.append(full_row(f"synthetic-{size}", swarm, model, cfg, random_count))
-    emit(rows, COLUMNS, args.json, title="scheduler: predicted step time (s) of our plan, random (median), greedy")
+    emit(rows, COLUMNS, bench.json, title="scheduler: predicted step time (s) of our plan, random (median), greedy")
     return 0

@@ -14,11 +14,12 @@ are elements x the codec's wire bits.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
 
+from swarm.flags import Flags
 from swarm.report import emit
 from swarm.scheduler.bits import (
     AVERAGE_LADDER,
@@ -115,15 +116,30 @@ def rows(
     return out
 
 
+@dataclass(frozen=True)
+class SelectiveBench:
+    """`swarm bench selective`: which links selective compression compresses, per link rate."""
+
+    rates: str = ",".join(f"{r:g}" for r in RATES_MBIT)
+    """link rates, Mbit/s"""
+    replica_rate: float | None = None
+    """the replicas' links at this rate, Mbit/s"""
+    quick: bool = False
+    """a small model (figures in well under a second)"""
+    json: bool = False
+    """print the rows as JSON"""
+
+
+_FLAGS = Flags(SelectiveBench)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES_MBIT), help="link rates, Mbit/s")
-    parser.add_argument("--replica-rate", type=float, default=None, help="the replicas' links at this rate, Mbit/s")
-    parser.add_argument("--quick", action="store_true", help="a small model (figures in well under a second)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    _FLAGS.add_to(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
-    table = rows(rates, args.replica_rate, QUICK_SHAPE if args.quick else SHAPE)
-    emit(table, COLUMNS, args.json, "selective compression: predicted step (s) per link rate")
+    bench = _FLAGS.from_args(args)
+    rates = tuple(float(r) for r in bench.rates.split(",") if r.strip())
+    table = rows(rates, bench.replica_rate, QUICK_SHAPE if bench.quick else SHAPE)
+    emit(table, COLUMNS, bench.json, "selective compression: predicted step (s) per link rate")
     return 0

@@ -17,20 +17,54 @@ import re
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from swarm.flags import Flags
+from swarm.options import ModelFlags
 from swarm.report import print_table
 
-__all__ = ["ProcessSample", "add_arguments", "run", "sample_tree", "slope_per_1k", "summed"]
+__all__ = ["ProcessSample", "SoakConfig", "add_arguments", "run", "sample_tree", "slope_per_1k", "summed"]
 
-MODEL_FLAGS = ["--layers=2", "--hidden=32", "--heads=2", "--seq-len=16"]
+MODEL = ModelFlags(layers=2, hidden=32, heads=2, seq_len=16)
+"""The soak's model: every peer's and the trainer's."""
 TRAIN_SAMPLES, BATCH_SIZE, MICRO_BATCHES = 64, 4, 2
 SLOPE_TARGET_MIB_PER_1K = 1.0
 COLUMNS = [
     "process", "rss_start_mib", "rss_end_mib", "rss_slope_mib_per_1k_steps", "threads_start", "threads_end",
     "fds_start", "fds_end", "processes", "steps", "verdict",
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """`swarm bench soak`: how long the swarm trains and how it is sampled."""
+
+    steps: int = 5000
+    """training steps"""
+    peers: int = 2
+    """swarm-peer processes, one stage each"""
+    warmup_fraction: float = 0.1
+    """share of the steps before the start figures"""
+    sample_every_s: float | None = None
+    """seconds between samples (none: 2, 0.5 with --quick)"""
+    per_process: bool = False
+    """also one row per process of each tree (python, its DHT process, p2pd), named ROLE/NAME PID"""
+    quick: bool = False
+    """200 steps (for tests)"""
+    out: str | None = None
+    """folder for logs and the trainer's outputs (none: runs/soak-*)"""
+    json: bool = False
+    """print one JSON object per row instead of a table"""
+
+    def run_config(self) -> SoakConfig:
+        """The run the flags give: --quick is 200 steps, and the sampling period is set."""
+        steps = 200 if self.quick else self.steps
+        every = self.sample_every_s if self.sample_every_s is not None else 0.5 if self.quick else 2.0
+        return replace(self, steps=steps, sample_every_s=every)
+
+
+_FLAGS = Flags(SoakConfig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,22 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{MICRO_BATCHES} micro-batches drawn from {TRAIN_SAMPLES} samples, aqsgd2 activations and gradq4 "
         "gradients on unshaped links: a few minutes on 2 cores."
     )
-    parser.add_argument("--steps", type=int, default=5000, help="training steps (default %(default)s)")
-    parser.add_argument("--peers", type=int, default=2, help="swarm-peer processes, one stage each")
-    parser.add_argument(
-        "--warmup-fraction", type=float, default=0.1, help="share of the steps before the start figures"
-    )
-    parser.add_argument(
-        "--sample-every-s", type=float, default=None, help="seconds between samples (default 2, 0.5 with --quick)"
-    )
-    parser.add_argument(
-        "--per-process",
-        action="store_true",
-        help="also one row per process of each tree (python, its DHT process, p2pd), named ROLE/NAME PID",
-    )
-    parser.add_argument("--quick", action="store_true", help="200 steps (for tests)")
-    parser.add_argument("--out", default=None, help="folder for logs and the trainer's outputs (default runs/soak-*)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per row instead of a table")
+    _FLAGS.add_to(parser)
 
 
 @dataclass(frozen=True)
@@ -177,40 +196,36 @@ def run(args: argparse.Namespace) -> int:
     from swarm.runtime.worker import OptimConfig
     from swarm.testbed.local import local_swarm
     from swarm.testbed.procs import swarm_command
+    from swarm.train.trainer import train_flags
 
-    if args.quick:
-        args.steps = 200
-    if args.sample_every_s is None:
-        args.sample_every_s = 0.5 if args.quick else 2.0
-    if args.steps < 10 or not 0 <= args.warmup_fraction < 1 or args.peers < 1:
+    cfg = _FLAGS.from_args(args).run_config()
+    if cfg.steps < 10 or not 0 <= cfg.warmup_fraction < 1 or cfg.peers < 1:
         print("error: need --steps >= 10, 0 <= --warmup-fraction < 1 and --peers >= 1", file=sys.stderr)
         return 2
-    out = Path(args.out or f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(cfg.out or f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     say = lambda line: print(f"[soak] {line}", file=sys.stderr)
-    warmup = int(args.steps * args.warmup_fraction)
+    warmup = int(cfg.steps * cfg.warmup_fraction)
     peer = PeerConfig(
         threads=1,
-        optim=OptimConfig(total_steps=args.steps, warmup_steps=max(1, warmup)),
+        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, warmup)),
         **LinkCodecs("aqsgd2", "gradq4").build(),
     )
-    peer_argv = [*peer_flags().to_argv(peer), *MODEL_FLAGS]
-    say(f"starting a bootstrap node and {args.peers} peers")
-    with local_swarm(out, args.peers, peer_argv, say) as swarm:
+    peer_argv = [*peer_flags().to_argv(peer), *Flags(ModelFlags).to_argv(MODEL)]
+    say(f"starting a bootstrap node and {cfg.peers} peers")
+    with local_swarm(out, cfg.peers, peer_argv, say) as swarm:
         procs = swarm.procs
-        trainer = procs.start(
-            "trainer",
-            swarm_command(
-                "train", "--address-file", str(swarm.address_file), "--num-stages", str(args.peers), *MODEL_FLAGS,
-                "--train-samples", str(TRAIN_SAMPLES), "--batch-size", str(BATCH_SIZE),
-                "--micro-batches", str(MICRO_BATCHES), "--steps", str(args.steps), "--metrics-port", "0",
-                "--out", str(out / "train"),
-            ),
+        flags = train_flags()
+        train = replace(
+            flags.base, model=MODEL.build(), address_file=str(swarm.address_file), num_stages=cfg.peers,
+            train_samples=TRAIN_SAMPLES, batch_size=BATCH_SIZE, micro_batches=MICRO_BATCHES, steps=cfg.steps,
+            metrics_port=0, out=str(out / "train"),
         )  # fmt: skip
+        trainer = procs.start("trainer", swarm_command("train", *flags.to_argv(train)))
         names = list(procs.procs)
         series = {name: _Series() for name in names}
         reader = _StepReader(procs.log_dir / "trainer.log")
-        with tqdm(total=args.steps, desc="soak", unit="step", file=sys.stderr) as bar:
+        with tqdm(total=cfg.steps, desc="soak", unit="step", file=sys.stderr) as bar:
             while trainer.poll() is None:
                 for name, proc in procs.procs.items():
                     if name != "trainer" and proc.poll() is not None:
@@ -218,25 +233,25 @@ def run(args: argparse.Namespace) -> int:
                 step = reader.step()
                 if step is not None:
                     bar.update(step - bar.n)
-                    if warmup <= step < args.steps:  # after the last step the trainer is shutting down
+                    if warmup <= step < cfg.steps:  # after the last step the trainer is shutting down
                         for name in names:
                             tree = sample_tree(procs.procs[name].pid)
-                            parts = {f"{name}/{key}": part for key, part in tree.items()} if args.per_process else {}
+                            parts = {f"{name}/{key}": part for key, part in tree.items()} if cfg.per_process else {}
                             for key, sample in ((name, summed(tree)), *parts.items()):
                                 if sample is not None:
                                     series.setdefault(key, _Series()).steps.append(step)
                                     series[key].samples.append(sample)
-                time.sleep(args.sample_every_s)  # the sampling period, not a synchronisation
+                time.sleep(cfg.sample_every_s)  # the sampling period, not a synchronisation
         if trainer.returncode != 0:
             print(f"error: the trainer exited with {trainer.returncode}:\n{procs.tail('trainer')}", file=sys.stderr)
             return 1
     rows = [series[name].row(name) for name in sorted(series, key=lambda k: (names.index(k.split("/")[0]), k))]
-    if args.json:
+    if cfg.json:
         for row in rows:
             print(json.dumps(row))
     else:
         title = (
-            f"soak: {args.steps} steps, {args.peers} peers; start after {warmup} steps; each process with its "
+            f"soak: {cfg.steps} steps, {cfg.peers} peers; start after {warmup} steps; each process with its "
             f"children (DHT process, p2pd) summed; target slope < {SLOPE_TARGET_MIB_PER_1K} MiB/1k steps, "
             "threads and fds unchanged"
         )

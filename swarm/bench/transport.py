@@ -18,9 +18,11 @@ import argparse
 import socket
 import threading
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
+from swarm.flags import Flags
 from swarm.report import emit, median_seconds
 
 SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -28,11 +30,25 @@ CODECS = ["fp32", "fp16", "directq8", "directq4", "directq2"]
 RATES_MBIT = [10.0, 100.0, 1000.0]
 
 
+@dataclass(frozen=True)
+class TransportBench:
+    """`swarm bench transport`: gRPC stream throughput, goodput on shaped links, zstd's worth."""
+
+    repeats: int = 3
+    """timed repeats; the median is reported"""
+    shaped_seconds: float = 3.0
+    """seconds of traffic per shaped-link row"""
+    quick: bool = False
+    """small sizes, one repeat, short shaped runs"""
+    json: bool = False
+    """print all rows as one JSON list"""
+
+
+_FLAGS = Flags(TransportBench)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
-    parser.add_argument("--shaped-seconds", type=float, default=3.0, help="seconds of traffic per shaped-link row")
-    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat, short shaped runs")
-    parser.add_argument("--json", action="store_true", help="print all rows as one JSON list")
+    _FLAGS.add_to(parser)
 
 
 class _Receiver:
@@ -173,7 +189,7 @@ def _socket_bytes_per_s(port: int, nbytes: int, repeats: int) -> float:
         return nbytes / median_seconds(once, repeats=repeats)
 
 
-def loopback_rows(args) -> list[dict]:
+def loopback_rows(bench: TransportBench) -> list[dict]:
     from swarm.compression import CodecConfig, make_codec
     from swarm.net.stream import TensorStreams
     from swarm.peers.transport import Channels, TransportConfig
@@ -183,17 +199,17 @@ def loopback_rows(args) -> list[dict]:
     stub = TensorStreams(channels.get(server.address))
     rows = []
     try:
-        for size in SIZES if not args.quick else SIZES[:2]:
+        for size in SIZES if not bench.quick else SIZES[:2]:
             x = torch.randn(size // 4)
             for label in CODECS:
                 codec = make_codec(CodecConfig.parse(label))
                 msg = codec.encode(x)
                 _sink_seconds(stub, msg)  # warm-up
-                times = [_sink_seconds(stub, msg) for _ in range(args.repeats)]
+                times = [_sink_seconds(stub, msg) for _ in range(bench.repeats)]
                 seconds = sorted(t for t, _ in times)[len(times) // 2]
                 wire = times[0][1]
-                socket_bps = _socket_bytes_per_s(server.socket_port, wire, args.repeats)
-                raw_bps = _raw_grpc_bytes_per_s(channels.get(server.address), wire, args.repeats)
+                socket_bps = _socket_bytes_per_s(server.socket_port, wire, bench.repeats)
+                raw_bps = _raw_grpc_bytes_per_s(channels.get(server.address), wire, bench.repeats)
                 rows.append(
                     {
                         "table": "loopback",
@@ -215,7 +231,7 @@ def loopback_rows(args) -> list[dict]:
     return rows
 
 
-def shaped_rows(args) -> list[dict]:
+def shaped_rows(bench: TransportBench) -> list[dict]:
     from swarm.compression import CodecConfig, make_codec
     from swarm.net.stream import TensorStreams
     from swarm.peers.shaper import LinkShape, Shaper
@@ -229,7 +245,7 @@ def shaped_rows(args) -> list[dict]:
     try:
         for rate in (100.0, 1000.0):
             shaper = Shaper(LinkShape.from_mbit(rate))
-            seconds = args.shaped_seconds if not args.quick else 1.0
+            seconds = bench.shaped_seconds if not bench.quick else 1.0
             start, moved = time.perf_counter(), 0
             while time.perf_counter() - start < seconds:
                 moved += _sink_seconds(stub, msg, shaper)[1]
@@ -248,7 +264,7 @@ def shaped_rows(args) -> list[dict]:
     return rows
 
 
-def shaper_rows(args) -> list[dict]:
+def shaper_rows(bench: TransportBench) -> list[dict]:
     from swarm.peers.shaper import LinkShape, Shaper
 
     rows = []
@@ -256,7 +272,7 @@ def shaper_rows(args) -> list[dict]:
         shape = LinkShape.from_mbit(rate)
         shaper = Shaper(shape)
         shaper.consume(shape.burst)  # the bucket starts full: measure the sustained rate after it
-        seconds = 2.0 if not args.quick else 0.5
+        seconds = 2.0 if not bench.quick else 0.5
         nbytes = int(rate * 1e6 / 8 * seconds)
         start = time.perf_counter()
         for _ in range(nbytes // (64 << 10)):
@@ -267,7 +283,7 @@ def shaper_rows(args) -> list[dict]:
     return rows
 
 
-def zstd_rows(args) -> list[dict]:
+def zstd_rows(bench: TransportBench) -> list[dict]:
     import zstandard
 
     from swarm.compression import CodecConfig, LinkState, ZstdPolicy, codec_class, make_codec
@@ -286,7 +302,7 @@ def zstd_rows(args) -> list[dict]:
         compressor, decompressor = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
         packed = compressor.compress(raw)
         zstd_s = median_seconds(
-            lambda c=compressor, d=decompressor, r=raw: d.decompress(c.compress(r)), repeats=args.repeats
+            lambda c=compressor, d=decompressor, r=raw: d.decompress(c.compress(r)), repeats=bench.repeats
         )
         policy = ZstdPolicy(level=1, probe_every=1 << 30)
         for _ in range(30):
@@ -309,8 +325,9 @@ def zstd_rows(args) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.quick:
-        args.repeats = 1
+    bench = _FLAGS.from_args(args)
+    if bench.quick:
+        bench = replace(bench, repeats=1)
     tables = [
         ("loopback: gRPC stream vs plain socket", loopback_rows, ["codec", "tensor_bytes", "wire_bytes",
          "grpc_wire_mb_s", "tensor_mb_s", "socket_mb_s", "vs_socket", "raw_grpc_mb_s", "raw_grpc_vs_socket"]),
@@ -321,11 +338,11 @@ def run(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     everything = []
     for title, fn, columns in tables:
-        rows = fn(args)
+        rows = fn(bench)
         everything += rows
-        if not args.json:
+        if not bench.json:
             emit(rows, columns, False, title)
             print()
-    if args.json:
+    if bench.json:
         emit(everything, [], True)
     return 0

@@ -12,8 +12,8 @@ from swarm.daemon.bootstrap import read_address_file
 from swarm.daemon.planning import live_search, swarm_plan_input
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
-from swarm.scheduler import Plan, TransformerShape, plan
-from swarm.scheduler.cli import add_arguments, check_source, describe, fill_model_defaults, model_of
+from swarm.scheduler import ModelSpec, Plan, TransformerShape, plan
+from swarm.scheduler.cli import PLAN_FLAGS, PlanCommand, add_arguments, describe
 from swarm.scheduler.cli import run as run_offline
 from swarm.scheduler.sizes import REFERENCE_MICRO_BATCH, REFERENCE_MICRO_BATCHES, wire_bits
 
@@ -21,15 +21,15 @@ __all__ = ["add_arguments", "run", "run_live"]
 
 
 def run(args: argparse.Namespace) -> int:
-    check_source(args)
-    return run_live(args) if args.dht or args.dht_address_file else run_offline(args)
+    cfg = PLAN_FLAGS.from_args(args)
+    cfg.source.check()
+    return run_live(cfg) if cfg.source.live else run_offline(args)
 
 
-def run_live(args: argparse.Namespace) -> int:
+def run_live(cfg: PlanCommand) -> int:
     """The live swarm: its published plan, and the plan the live planner would make from it now."""
     model = ModelConfig()
-    fill_model_defaults(
-        args,
+    shape = cfg.model.shape(
         TransformerShape(
             layers=model.n_layers,
             hidden=model.hidden_dim,
@@ -38,19 +38,21 @@ def run_live(args: argparse.Namespace) -> int:
             micro_batches=REFERENCE_MICRO_BATCHES,
             forward_bits=wire_bits(CodecConfig.parse(DEFAULT_FW_CODEC)),
             backward_bits=wire_bits(CodecConfig.parse(DEFAULT_BW_CODEC)),
-        ),
+        )
     )
-    initial = list(args.dht or []) + (read_address_file(args.dht_address_file) if args.dht_address_file else [])
-    config = DHTConfig(initial_peers=tuple(initial), client_mode=True, run_name=args.run_name)
+    source = cfg.source
+    initial = list(source.dht) + (read_address_file(source.dht_address_file) if source.dht_address_file else [])
+    config = DHTConfig(initial_peers=tuple(initial), client_mode=True, run_name=source.run_name)
     with SwarmDHT(config) as dht:
         peers, links, published = dht.peers(), dht.links(), dht.get_plan(check_trainers=False)
     if not peers:
-        print(f"swarm plan: no peers announced in run {args.run_name!r}", file=sys.stderr)
+        print(f"swarm plan: no peers announced in run {source.run_name!r}", file=sys.stderr)
         return 2
-    swarm = swarm_plan_input(peers, links, model_of(args))
+    spec = ModelSpec.transformer(shape)
+    swarm = swarm_plan_input(peers, links, spec)
     stages = published.document.n_stages if published is not None else None
-    fresh = plan(swarm.plan_input, model_of(args), live_search(stages, args.seed))
-    if args.json:
+    fresh = plan(swarm.plan_input, spec, live_search(stages, cfg.seed))
+    if cfg.json:
         out = {
             "published": None if published is None else {**published.document.to_wire(), "version": published.version},
             "now": fresh.to_dict(),
@@ -60,13 +62,13 @@ def run_live(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=1))
         return 0
-    source = f"live swarm {args.run_name!r}: {len(peers)} peers, {swarm.measured_links} links measured"
+    where = f"live swarm {source.run_name!r}: {len(peers)} peers, {swarm.measured_links} links measured"
     if swarm.filled_links:
-        source += f", {swarm.filled_links} assumed (not probed yet)"
+        where += f", {swarm.filled_links} assumed (not probed yet)"
     if published is not None:
         print(f"published plan (version {published.version}):")
-        print(describe(Plan.from_dict(published.document.to_wire()), swarm.plan_input, source))
+        print(describe(Plan.from_dict(published.document.to_wire()), swarm.plan_input, where))
         print()
     print("the plan the planner would make now:" if published is not None else "no plan published yet; now:")
-    print(describe(fresh, swarm.plan_input, source))
+    print(describe(fresh, swarm.plan_input, where))
     return 0

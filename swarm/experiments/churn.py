@@ -27,7 +27,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
@@ -41,6 +41,7 @@ from swarm.experiments.churn_report import (
     summarize,
     targets,
 )
+from swarm.flags import Flags, flag
 
 SETTINGS = ("no-churn", "churn")
 OPTIONAL_PEER_FLAGS = ("--replicas", "--no-link-probe")
@@ -64,49 +65,50 @@ class ChurnConfig:
     """One `swarm experiment churn` run: the swarm, the training and the churn schedule."""
 
     stages: int = 3
-    """Pipeline stages."""
+    """pipeline stages"""
     replicas: int = 2
-    """Replicas per stage (passed as swarm-peer --replicas when the peer has that flag)."""
+    """replicas per stage (passed as swarm-peer --replicas when the peer has that flag)"""
     standby: int = 1
-    """Peers beyond stages x replicas, on standby for takeovers."""
+    """extra peers on standby for takeovers, beyond stages x replicas"""
     steps: int = 400
-    """Optimizer steps per setting (both settings train the same number); 400 took 135 s without churn on main
-    (3 stages, one chain, 2 cores), leaving room for replicas' averaging and the recoveries in 15 minutes."""
-    train_samples: int = 64
+    """optimizer steps per setting (both settings train the same number); 400 took 135 s without churn on main
+    (3 stages, one chain, 2 cores), leaving room for replicas' averaging and the recoveries in 15 minutes"""
+    train_samples: int = field(default=64, metadata=flag(skip=True))
     """Training samples of the embedded data set (Python's own docstrings)."""
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata=flag(skip=True))
     """Samples per step."""
-    micro_batches: int = 4
+    micro_batches: int = field(default=4, metadata=flag(skip=True))
     """Micro-batches per step."""
     seed: int = 0
-    """Seed of the data order, the planner and the churn schedule."""
-    fw_codec: str = DEFAULT_FW_CODEC
+    """seed of the data order, the planner and the churn schedule"""
+    fw_codec: str = field(default=DEFAULT_FW_CODEC, metadata=flag(skip=True))
     """Activation codec of the stage links."""
-    bw_codec: str = DEFAULT_BW_CODEC
+    bw_codec: str = field(default=DEFAULT_BW_CODEC, metadata=flag(skip=True))
     """Gradient codec of the stage links."""
-    kill_every_s: float | None = 60.0
+    kill_every_s: float | None = field(default=60.0, metadata=flag(skip=True))
     """Seconds between leaves (None: exponential lifetimes, see mean_lifetime_s)."""
-    mean_lifetime_s: float | None = None
+    mean_lifetime_s: float | None = field(default=None, metadata=flag(skip=True))
     """Mean lifetime of a serving peer, seconds (used when kill_every_s is None)."""
     graceful_fraction: float = 0.0
-    """Share of the leaves that are SIGTERM (graceful) instead of SIGKILL."""
-    join_delay_s: float = 2.0
+    """share of the leaves that are SIGTERM (a graceful leave) instead of SIGKILL"""
+    join_delay_s: float = field(default=2.0, metadata=flag(skip=True))
     """Seconds from a leave to the start of the fresh peer that replaces it."""
-    churn_horizon_s: float = 3600.0
+    churn_horizon_s: float = field(default=3600.0, metadata=flag(skip=True))
     """The schedule's span, seconds from the first step (the run ends it earlier when training ends)."""
-    setting_timeout_s: float = 360.0
-    """Bound on one setting's training, seconds; the trainer is stopped past it."""
+    setting_timeout_s: float = field(default=360.0, metadata=flag(name="--timeout-s"))
+    """bound on one setting's training, seconds; the trainer is stopped past it"""
     measured_plan: bool = False
-    """Plan from measured links and weight chains by measured throughput (both timing noise: the settings
-    then differ before the first kill); False, the default: frozen inputs, the same computation until churn."""
-    identities: Path | None = None
-    """Folder of the peers' key files (None: out/identities, new keys per output folder). Peer ids decide the
-    planner, the plan's columns and which chain each sample takes (rendezvous hashing on the chain's peer
-    ids), so two runs compute the same numbers only with the same keys: give two runs the same folder."""
+    """plan from measured link speeds and share samples by measured chain throughput (realism; both timing noise:
+    the settings then differ before the first kill); by default every peer runs --no-link-probe and the trainer
+    --chain-weights equal, so both settings compute the same losses step for step until the first kill"""
+    identities: Path | None = field(default=None, metadata=flag(metavar="DIR"))
+    """the peers' key files, created there if missing (none: OUT/identities, new keys per output folder). Peer ids
+    decide the planner, the plan's columns and which chain each sample takes (rendezvous hashing on the chain's
+    peer ids), so two runs given the same DIR compute the same losses"""
     netns: bool = False
-    """Run the swarm in the network-namespace testbed (root only)."""
+    """run the swarm in the namespace testbed (needs root)"""
     out: Path | None = None
-    """Output folder (None: runs/churn-<time>)."""
+    """output folder (none: runs/churn-<time>)"""
 
     def __post_init__(self) -> None:
         for name in ("stages", "replicas", "steps", "train_samples", "batch_size", "micro_batches"):
@@ -124,80 +126,51 @@ class ChurnConfig:
         return self.stages * self.replicas + self.standby
 
 
+@dataclass(frozen=True)
+class ChurnRun:
+    """`swarm experiment churn`'s flags: the run's config, its churn schedule (whose defaults depend on each
+    other and on --quick) and how the result is printed."""
+
+    churn: ChurnConfig = field(default_factory=ChurnConfig)
+    kill_every: float | None = field(default=None, metadata=flag(metavar="S"))
+    """seconds between leaves (none: 60 unless --mean-lifetime is given)"""
+    mean_lifetime: float | None = field(default=None, metadata=flag(metavar="S"))
+    """instead of --kill-every: serving peers live an exponential time of this mean, seconds"""
+    quick: bool = False
+    """a small swarm (2 stages, 1 standby), 80 steps, one kill 5 s into training (or --kill-every s)"""
+    json: bool = False
+    """print the rows as JSON"""
+
+    def config(self) -> ChurnConfig:
+        """The ChurnConfig of the flags: --kill-every 60 unless --mean-lifetime; --quick shrinks the swarm.
+
+        Raises:
+            ValueError: the flags do not make a valid run (both --kill-every and --mean-lifetime, ...).
+        """
+        cfg = self.churn
+        if self.quick:
+            # one leave: the schedule's span ends with the first one
+            every = self.kill_every if self.kill_every is not None else QUICK_KILL_AT_S
+            # the join right after the leave: on a swarm that cannot reroute yet the run ends at the kill
+            return replace(
+                cfg, stages=2, standby=1, steps=QUICK_STEPS, train_samples=32, kill_every_s=every,
+                mean_lifetime_s=None, churn_horizon_s=every, join_delay_s=0.0,
+            )  # fmt: skip
+        kill_every = self.kill_every
+        if kill_every is None and self.mean_lifetime is None:
+            kill_every = ChurnConfig.kill_every_s
+        return replace(cfg, kill_every_s=kill_every, mean_lifetime_s=self.mean_lifetime)
+
+
+_FLAGS = Flags(ChurnRun)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ChurnConfig()
-    parser.add_argument(
-        "--kill-every",
-        type=float,
-        default=None,
-        metavar="S",
-        help=f"seconds between leaves (default {d.kill_every_s:g} unless --mean-lifetime is given)",
-    )
-    parser.add_argument(
-        "--mean-lifetime",
-        type=float,
-        default=None,
-        metavar="S",
-        help="instead of --kill-every: serving peers live an exponential time of this mean, seconds",
-    )
-    parser.add_argument(
-        "--graceful-fraction",
-        type=float,
-        default=d.graceful_fraction,
-        help="share of the leaves that are SIGTERM (a graceful leave) instead of SIGKILL",
-    )
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the data order, planner and churn schedule")
-    parser.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per setting (default %(default)s)")
-    parser.add_argument("--stages", type=int, default=d.stages, help="pipeline stages (default %(default)s)")
-    parser.add_argument("--replicas", type=int, default=d.replicas, help="replicas per stage (default %(default)s)")
-    parser.add_argument("--standby", type=int, default=d.standby, help="extra peers on standby (default %(default)s)")
-    parser.add_argument(
-        "--timeout-s",
-        type=float,
-        default=d.setting_timeout_s,
-        help="bound on one setting's training, seconds (default %(default)s)",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"a small swarm (2 stages, 1 standby), {QUICK_STEPS} steps, one kill {QUICK_KILL_AT_S:g} s into training",
-    )
-    parser.add_argument(
-        "--measured-plan",
-        action="store_true",
-        help="plan from measured link speeds and share samples by measured chain throughput (realism); by "
-        "default every peer runs --no-link-probe and the trainer --chain-weights equal, so both settings "
-        "compute the same losses step for step until the first kill",
-    )
-    parser.add_argument(
-        "--identities",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="the peers' key files, created there if missing (default OUT/identities); peer ids decide the plan "
-        "and which chain takes each sample, so two runs given the same DIR compute the same losses",
-    )
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/churn-<time>)")
-    parser.add_argument("--netns", action="store_true", help="run the swarm in the namespace testbed (needs root)")
+    _FLAGS.add_to(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ChurnConfig:
-    kill_every = args.kill_every
-    if kill_every is None and args.mean_lifetime is None:
-        kill_every = ChurnConfig.kill_every_s
-    common = dict(
-        kill_every_s=kill_every, mean_lifetime_s=args.mean_lifetime, graceful_fraction=args.graceful_fraction,
-        seed=args.seed, netns=args.netns, out=args.out, setting_timeout_s=args.timeout_s,
-        measured_plan=getattr(args, "measured_plan", False), identities=getattr(args, "identities", None),
-    )  # fmt: skip
-    if args.quick:
-        # one leave: the schedule's span ends with the first one
-        every = args.kill_every if args.kill_every is not None else QUICK_KILL_AT_S
-        # the join right after the leave: on a swarm that cannot reroute yet the run ends at the kill
-        common.update(kill_every_s=every, mean_lifetime_s=None, churn_horizon_s=every, join_delay_s=0.0)
-        return ChurnConfig(stages=2, replicas=args.replicas, standby=1, steps=QUICK_STEPS, train_samples=32, **common)
-    return ChurnConfig(stages=args.stages, replicas=args.replicas, standby=args.standby, steps=args.steps, **common)
+    return _FLAGS.from_args(args).config()
 
 
 def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tuple[list[str], list[str]]:
@@ -206,6 +179,7 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
     from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
     from swarm.options import LinkCodecs
     from swarm.runtime.worker import OptimConfig
+    from swarm.train.trainer import train_flags
 
     planning = PlanningConfig(
         min_peers=cfg.peers,
@@ -230,14 +204,17 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
         *(["--replicas"] if support.get("--replicas") else []),
     ]
     peer = peer_flags().to_argv(config, always=explicit)
-    trainer = ["--num-stages", str(cfg.stages), "--steps", str(cfg.steps), "--seed", str(cfg.seed),
-               "--setting", setting, "--train-samples", str(cfg.train_samples), "--batch-size", str(cfg.batch_size),
-               "--micro-batches", str(cfg.micro_batches), "--deadline-s", "60", "--wait-timeout-s", "180"]  # fmt: skip
-    if support.get("--replan-timeout-s"):
-        trainer += ["--replan-timeout-s", "120"]
-    if support.get("--chain-weights") and not cfg.measured_plan:
-        trainer += ["--chain-weights", "equal"]
-    return peer, trainer
+    flags = train_flags()
+    train = replace(
+        flags.base, num_stages=cfg.stages, steps=cfg.steps, seed=cfg.seed, setting=setting,
+        train_samples=cfg.train_samples, batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, deadline_s=60.0,
+        wait_timeout_s=180.0, replan_timeout_s=120.0,
+        chain_weights="equal" if support.get("--chain-weights") and not cfg.measured_plan else "measured",
+    )  # fmt: skip
+    explicit = ["--num-stages", "--steps", "--seed", "--setting", "--train-samples", "--batch-size"]
+    explicit += ["--micro-batches", "--deadline-s", "--wait-timeout-s"]
+    explicit += ["--replan-timeout-s"] if support.get("--replan-timeout-s") else []
+    return peer, flags.to_argv(train, always=explicit)
 
 
 def flag_support() -> dict[str, bool]:
@@ -360,8 +337,9 @@ def write_outputs(cfg: ChurnConfig, out: Path, rows: list[dict], notes: list[str
 
 
 def run(args: argparse.Namespace) -> int:
+    flags = _FLAGS.from_args(args)
     try:
-        cfg = config_from_args(args)
+        cfg = flags.config()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     say = lambda line: print(line, file=sys.stderr)  # stderr: --json stays clean
@@ -395,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
     rows = collect(cfg, out, expected=expected)
     checks = write_outputs(cfg, out, rows, notes)
     say(f"done in {time.monotonic() - started:.0f} s; wrote {out}/report.md")
-    if args.json:
+    if flags.json:
         print(json.dumps([{k: r[k] for k in ROW_KEYS} for r in rows], indent=1))
     else:
         for c in checks:

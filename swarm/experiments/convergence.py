@@ -29,17 +29,27 @@ import torch
 from swarm.compression import CodecConfig, codec_labels
 from swarm.experiments.hetero import apply_stage_precisions
 from swarm.experiments.tied import apply_tied, split_tied
+from swarm.flags import Flags, flag
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
-from swarm.options import add_model_choice_arguments, add_schedule_argument, builtin_model, chosen_model
+from swarm.options import MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags, chosen_model
 from swarm.peers.plan import PlanDocument
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.local import LocalPipeline
-from swarm.runtime.precision import add_precision_argument
+from swarm.runtime.precision import PRECISIONS
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.train.steplog import step_row
 
-__all__ = ["Setting", "ExperimentConfig", "add_arguments", "run", "run_experiment", "DEFAULT_SETTINGS"]
+__all__ = [
+    "Setting",
+    "ExperimentConfig",
+    "ConvergenceRun",
+    "ModelData",
+    "add_arguments",
+    "run",
+    "run_experiment",
+    "DEFAULT_SETTINGS",
+]
 
 DEFAULT_SETTINGS = (
     "fp32/fp32",
@@ -134,45 +144,116 @@ def _bits(cfg: CodecConfig) -> int:
     return cfg.wire_bits
 
 
+def _settings(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+_SETTINGS_HELP = (
+    f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
+    "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
+    "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
+    "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
+    "tied sum as rank-N factors, fp16 or 8-bit); "
+    "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
+    "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
+    "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
+    "fp32/fp32 always runs first as the baseline"
+)
+_ROUNDINGS = ("nearest", "stochastic")
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """Everything one run of the experiment depends on."""
+    """Everything one run of the experiment depends on (its fields without a flag are set by `ModelData`)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    settings: tuple[str, ...] = DEFAULT_SETTINGS
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=flag(skip=True))
+    data: DataConfig = field(default_factory=DataConfig, metadata=flag(skip=True))
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata=flag(skip=True))
+    settings: tuple[str, ...] = field(
+        default=DEFAULT_SETTINGS, metadata=flag(parse=_settings, render=",".join, help=_SETTINGS_HELP)
+    )
     """Codec settings, `FW/BW[@wN]`; fp32/fp32 is added first when missing (it is the baseline)."""
-    n_stages: int = 2
-    """Pipeline stages; every boundary runs the setting's codecs."""
-    schedule: str = "1f1b"
-    """gpipe or 1f1b (the losses do not depend on it)."""
+    n_stages: int = field(default=2, metadata=flag(name="--stages"))
+    """pipeline stages; every boundary runs the setting's codecs"""
+    schedule: str = field(default="1f1b", metadata=flag(choices=SCHEDULE_CHOICES))
+    """pipeline schedule (the losses do not depend on it)"""
     batch_size: int = 16
-    """Samples per optimizer step."""
-    n_micro: int = 4
-    """Micro-batches per step."""
+    """samples per optimizer step"""
+    n_micro: int = field(default=4, metadata=flag(name="--micro-batches"))
+    """micro-batches per step"""
     epochs: int = 8
-    """Passes over the training samples."""
-    warmup_fraction: float = 0.2
+    """passes over the training samples"""
+    warmup_fraction: float = field(default=0.2, metadata=flag(skip=True))
     """Share of the run spent in the learning-rate warm-up (5% = 10 steps spiked the loss at step 12)."""
-    data_seed: int = 0
+    data_seed: int = field(default=0, metadata=flag(skip=True))
     """Seed of the per-epoch shuffling."""
-    forward_group_size: int | None = 128
-    """Quantization group of the activation codecs (each group adds a 32-bit scale and a 32-bit min)."""
-    forward_stochastic: bool = False
-    """Stochastic rounding of the activation codecs. Off by default: AQ-SGD's buffers carry any error into
-    the next delta (an error-feedback loop), so unbiasedness buys nothing there, while round-to-nearest
-    halves the error variance; with 2 bits that decides whether m keeps up with the activations."""
-    backward_group_size: int | None = 1024
-    """Quantization group of the gradient codecs."""
-    backward_stochastic: bool = True
+    forward_group_size: int | None = field(default=128, metadata=flag(name="--fw-group-size"))
+    """activation quantization group (each group adds a 32-bit scale and a 32-bit min)"""
+    forward_stochastic: bool = field(
+        default=False,
+        metadata=flag(
+            name="--fw-rounding", parse=str, choices=_ROUNDINGS, value=lambda text: text == "stochastic",
+            render=lambda stochastic: _ROUNDINGS[stochastic],
+        ),
+    )  # fmt: skip
+    """rounding of the activation codecs unless a setting says +sr/+nr. Nearest by default: AQ-SGD's buffers carry
+    any error into the next delta (an error-feedback loop), so unbiasedness buys nothing there, while
+    round-to-nearest halves the error variance; with 2 bits that decides whether m keeps up with the activations"""
+    backward_group_size: int | None = field(default=1024, metadata=flag(name="--bw-group-size"))
+    """gradient quantization group"""
+    backward_stochastic: bool = field(default=True, metadata=flag(skip=True))
     """Stochastic rounding of the gradient codecs (unbiased gradients)."""
     zstd_level: int = 1
-    """zstd level of the framing."""
-    autocast_bf16: bool = False
-    """Run stage forwards under bf16 autocast."""
-    precision: str = "fp32"
-    """Stage compute precision (swarm.runtime.precision): fp32, bf16, or fp16 with agreed loss scaling."""
+    """zstd level of the framing, 0 = off"""
+    autocast_bf16: bool = field(default=False, metadata=flag(name="--bf16"))
+    """bf16 autocast in the stage forwards (= --precision bf16)"""
+    precision: str = field(default="fp32", metadata=flag(choices=PRECISIONS))
+    """compute precision: fp32; bf16 autocast; fp16 autocast with dynamic loss scaling agreed by every stage (a
+    non-finite gradient anywhere skips the step everywhere). Weights and optimizer state stay fp32"""
+
+
+@dataclass(frozen=True)
+class ModelData:
+    """The model and its data, as flags: `--seed` seeds both the weights' init and the data's shuffling, and
+    `--seq-len` is both the model's and the samples' length."""
+
+    model: ModelFlags = field(
+        default_factory=ModelFlags,
+        metadata=flag(
+            only=("model", "weights", "tokenizer", "seq_len", "hidden", "layers", "heads"), group=MODEL_GROUP
+        ),
+    )
+    """The model (the built-in's init seed is --seed)."""
+    train_samples: int = DataConfig.train_samples
+    """training samples"""
+    eval_samples: int = DataConfig.eval_samples
+    """held-out samples"""
+    data: str | None = None
+    """a text file or folder of them (none: the Python stdlib's docstrings)"""
+    lr: float = OptimConfig.lr_peak
+    """peak learning rate, warm-up then cosine"""
+    seed: int = 0
+    """model init and data shuffling seed"""
+
+    def quick(self) -> ModelData:
+        """The smoke test's: a tiny model, few samples, a higher learning rate (the model's name and files, the
+        data and the seed are kept)."""
+        tiny = replace(self.model, seq_len=32, hidden=32, layers=2, heads=2)
+        return replace(self, model=tiny, train_samples=48, eval_samples=16, lr=3e-3)
+
+    def build(self) -> dict:
+        """`ExperimentConfig`'s model, data, optimizer and data seed (a bad --model/--weights/--tokenizer exits
+        with a one-line error)."""
+        m = self.model
+        shape = ModelConfig(
+            seq_len_tokens=m.seq_len, hidden_dim=m.hidden, n_layers=m.layers, n_heads=m.heads, init_seed=self.seed
+        )
+        model = chosen_model(m, shape)  # the built-in shaped by the flags, or a Hugging Face one
+        data = DataConfig(
+            path=self.data, seq_len_tokens=m.seq_len, train_samples=self.train_samples,
+            eval_samples=self.eval_samples, tokenizer=getattr(model, "tokenizer_path", None),
+        )  # fmt: skip
+        return {"model": model, "data": data, "optim": OptimConfig(lr_peak=self.lr), "data_seed": self.seed}
 
 
 @dataclass
@@ -431,123 +512,51 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
     return out
 
 
+@dataclass(frozen=True)
+class ConvergenceRun:
+    """`swarm experiment convergence`'s flags: the experiment, its model and data, and how the run shows."""
+
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    inputs: ModelData = field(default_factory=ModelData)
+    out: Path | None = None
+    """output folder (none: runs/convergence-<timestamp>)"""
+    threads: int = 1
+    """torch intra-op threads"""
+    quick: bool = False
+    """tiny model and data, 3 epochs, 3 settings: a smoke test in seconds"""
+    progress: bool = True
+    """show the progress bar"""
+    json: bool = False
+    """print the result rows as JSON instead of a table"""
+
+    def config(self) -> ExperimentConfig:
+        """The experiment the flags give; --quick shrinks it (the settings too, unless given)."""
+        cfg = self.experiment
+        if not self.quick:
+            return replace(cfg, **self.inputs.build())
+        settings = QUICK_SETTINGS if cfg.settings == DEFAULT_SETTINGS else cfg.settings
+        quick = dict(settings=settings, n_stages=2, batch_size=8, n_micro=2, epochs=3)
+        return replace(cfg, **self.inputs.quick().build(), **quick)
+
+
+_FLAGS = Flags(ConvergenceRun)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d, m = ExperimentConfig(), ModelConfig()
-    add = parser.add_argument
-    add("--out", type=Path, default=None, help="output folder (default runs/convergence-<timestamp>)")
-    add(
-        "--settings",
-        default=",".join(DEFAULT_SETTINGS),
-        help=f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
-        "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
-        "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
-        "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
-        "tied sum as rank-N factors, fp16 or 8-bit); "
-        "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
-        "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
-        "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
-        "fp32/fp32 always runs first as the baseline "
-        f"(default: {','.join(DEFAULT_SETTINGS)})",
-    )
-    add("--epochs", type=int, default=d.epochs, help="passes over the training samples (default %(default)s)")
-    add("--stages", type=int, default=d.n_stages, help="pipeline stages (default %(default)s)")
-    add_schedule_argument(parser, default=d.schedule)
-    add("--batch-size", type=int, default=d.batch_size, help="samples per optimizer step (default %(default)s)")
-    add("--micro-batches", type=int, default=d.n_micro, help="micro-batches per step (default %(default)s)")
-    add("--train-samples", type=int, default=d.data.train_samples, help="training samples (default %(default)s)")
-    add("--eval-samples", type=int, default=d.data.eval_samples, help="held-out samples (default %(default)s)")
-    add("--data", default=None, help="a text file or folder of them (default: the Python stdlib's docstrings)")
-    add_model_choice_arguments(parser)
-    add("--seq-len", type=int, default=m.seq_len_tokens, help="tokens per sample (default %(default)s)")
-    add("--hidden", type=int, default=m.hidden_dim, help="model width (default %(default)s)")
-    add("--layers", type=int, default=m.n_layers, help="transformer blocks (default %(default)s)")
-    add("--heads", type=int, default=m.n_heads, help="attention heads (default %(default)s)")
-    add(
-        "--lr",
-        type=float,
-        default=d.optim.lr_peak,
-        help="peak learning rate, warm-up then cosine (default %(default)s)",
-    )
-    add("--seed", type=int, default=0, help="model init and data shuffling seed (default %(default)s)")
-    add(
-        "--fw-group-size",
-        type=int,
-        default=d.forward_group_size,
-        help="activation quantization group (default %(default)s)",
-    )
-    add(
-        "--bw-group-size",
-        type=int,
-        default=d.backward_group_size,
-        help="gradient quantization group (default %(default)s)",
-    )
-    add(
-        "--fw-rounding",
-        choices=["nearest", "stochastic"],
-        default="stochastic" if d.forward_stochastic else "nearest",
-        help="rounding of the activation codecs unless a setting says +sr/+nr (default %(default)s)",
-    )
-    add("--zstd-level", type=int, default=d.zstd_level, help="zstd level of the framing, 0 = off (default %(default)s)")
-    add("--bf16", action="store_true", help="bf16 autocast in the stage forwards (= --precision bf16)")
-    add_precision_argument(parser)
-    add("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
-    add("--quick", action="store_true", help="tiny model and data, 3 epochs, 3 settings: a smoke test in seconds")
-    add("--no-progress", action="store_true", help="hide the progress bar")
-    add("--json", action="store_true", help="print the result rows as JSON instead of a table")
+    _FLAGS.add_to(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
-    settings = tuple(s.strip() for s in args.settings.split(",") if s.strip())
-    # --model: the built-in shaped by --seq-len/--hidden/--layers/--heads, or a Hugging Face one
-    model = chosen_model(args, builtin_model(args, args.seed))
-    tokenizer = getattr(model, "tokenizer_path", None)
-    cfg = ExperimentConfig(
-        model=model,
-        data=DataConfig(
-            path=args.data,
-            seq_len_tokens=args.seq_len,
-            train_samples=args.train_samples,
-            eval_samples=args.eval_samples,
-            tokenizer=tokenizer,
-        ),
-        optim=OptimConfig(lr_peak=args.lr),
-        settings=settings,
-        n_stages=args.stages,
-        schedule=args.schedule,
-        batch_size=args.batch_size,
-        n_micro=args.micro_batches,
-        epochs=args.epochs,
-        data_seed=args.seed,
-        forward_group_size=args.fw_group_size,
-        forward_stochastic=args.fw_rounding == "stochastic",
-        backward_group_size=args.bw_group_size,
-        zstd_level=args.zstd_level,
-        autocast_bf16=args.bf16,
-        precision=args.precision,
-    )
-    if not args.quick:
-        return cfg
-    return replace(
-        cfg,
-        model=chosen_model(
-            args, ModelConfig(seq_len_tokens=32, hidden_dim=32, n_layers=2, n_heads=2, init_seed=args.seed)
-        ),
-        data=DataConfig(path=args.data, seq_len_tokens=32, train_samples=48, eval_samples=16, tokenizer=tokenizer),
-        optim=OptimConfig(lr_peak=3e-3),
-        settings=QUICK_SETTINGS if settings == DEFAULT_SETTINGS else settings,
-        n_stages=2,
-        batch_size=8,
-        n_micro=2,
-        epochs=3,
-    )
+    return _FLAGS.from_args(args).config()
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
-    cfg = config_from_args(args)
-    out = args.out or Path("runs") / f"convergence-{time.strftime('%Y%m%d-%H%M%S')}"
-    rows = run_experiment(cfg, out, show_progress=not args.no_progress)
-    if args.json:
+    flags = _FLAGS.from_args(args)
+    torch.set_num_threads(flags.threads)
+    cfg = flags.config()
+    out = flags.out or Path("runs") / f"convergence-{time.strftime('%Y%m%d-%H%M%S')}"
+    rows = run_experiment(cfg, out, show_progress=flags.progress)
+    if flags.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(format_table(rows))

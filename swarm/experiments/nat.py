@@ -207,9 +207,16 @@ def _scrape(ports: list[int]) -> tuple[int, dict[str, int]]:
 
 
 def common_flags(cfg: NatConfig) -> list[str]:
-    """Every peer's flags: even stage boundaries (the same split in every setting, so the math is the same),
+    """Every peer's flags (`common_peer`)."""
+    from swarm.daemon.config import peer_flags
+
+    return peer_flags().to_argv(common_peer(cfg))
+
+
+def common_peer(cfg: NatConfig):
+    """What every peer is told: even stage boundaries (the same split in every setting, so the math is the same),
     the shaped links, the schedule."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.daemon.config import PeerConfig, PlanningConfig
     from swarm.experiments.throttled import warmup_steps
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
@@ -217,14 +224,13 @@ def common_flags(cfg: NatConfig) -> list[str]:
     planning = PlanningConfig(
         even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
     )
-    peer = PeerConfig(
+    return PeerConfig(
         assign="plan",
         planning=planning,
         link_shape=LinkShape.from_mbit(cfg.rate_mbit, cfg.delay_ms),
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
         relay_data_port=None if cfg.frames else 0,
     )
-    return peer_flags().to_argv(peer)
 
 
 def _train_config(cfg: NatConfig, out: Path):
@@ -273,11 +279,12 @@ def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool)
     from swarm.experiments.nat_netns import probe
     from swarm.testbed.cli import run_in_testbed
 
-    flags = [*common_flags(cfg), *reach_flags(bool(nat), True, supported)]
-    cell = argparse.Namespace(rate_mbit=cfg.rate_mbit)
+    if nat and not supported:
+        raise ValueError("a NAT'd peer needs swarm-peer's --reach (the relay transport)")
+    peer = common_peer(cfg)  # reach: the default, auto: on the real NAT router every peer detects its own
     probed: list[dict] = []
     keep = lambda testbed: probed.append(probe(testbed, cfg.ping))  # noqa: E731
-    steps = run_in_testbed(cell, flags, _train_config(cfg, out), cfg.peers, nat=nat, before_down=keep)
+    steps = run_in_testbed(cfg.rate_mbit, peer, _train_config(cfg, out), cfg.peers, nat=nat, before_down=keep)
     times = [float(s["step_s"]) for s in steps]
     summary = _read_json(out / "train" / "summary.json") or {}
     order = netns_order(summary.get("route") or [])

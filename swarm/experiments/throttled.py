@@ -292,12 +292,11 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     from swarm.train.trainer import train
 
     peer = peer_config(cell, cfg)
-    flags = peer_flags().to_argv(peer) + list(cfg.model_flags)
     train_cfg = train_config(cell, cfg, out)
     if cfg.netns:
         from swarm.testbed.cli import run_in_testbed
 
-        return run_in_testbed(cell, flags, train_cfg, cfg.peers)
+        return run_in_testbed(cell.rate_mbit, peer, train_cfg, cfg.peers)
     # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
     # full first sights over) and republishes it; the trainer follows it through the DHT, and its summary's
     # prediction is that one: made during the run, from the run's own early steps

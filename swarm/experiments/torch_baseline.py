@@ -342,12 +342,12 @@ def _run_in_namespaces(run: TorchRun, rate: float | None, out: Path, deadline_s:
         setup_commands,
         sweep,
     )
-    from swarm.testbed.services import TestbedConfig
+    from swarm.testbed.services import Egress, TestbedConfig
 
     check_available()
     if list_namespaces(NETNS_PREFIX) or list_links(NETNS_PREFIX):
         sweep(NETNS_PREFIX, grace_s=2)  # left by a killed run of this baseline: the prefix is its own
-    cfg = TestbedConfig(peers=run.stages, rate_mbit=rate or 0.0, prefix=NETNS_PREFIX, subnet=NETNS_SUBNET)
+    cfg = TestbedConfig(peers=run.stages, egress=Egress(rate or 0.0), prefix=NETNS_PREFIX, subnet=NETNS_SUBNET)
     layout = lay_out_testbed(cfg, str(out))
     try:
         for command in setup_commands(layout):

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from swarm.testbed.procs import ProcessGroup, peer_command, swarm_command
@@ -185,10 +185,11 @@ class ChurnSwarm:
             return peer
 
     def start_trainer(self, out: Path) -> subprocess.Popen:
-        argv = swarm_command(
-            "train", "--address-file", str(self.address_file), "--out", str(out), "--metrics-port", "0",
-            *self.trainer_flags,
-        )  # fmt: skip
+        from swarm.train.trainer import train_flags
+
+        flags = train_flags()
+        own = replace(flags.base, address_file=str(self.address_file), out=str(out), metrics_port=0)
+        argv = swarm_command("train", *flags.to_argv(own), *self.trainer_flags)
         self.trainer = self.procs.start("trainer", self.wrap("trainer", argv))
         return self.trainer
 

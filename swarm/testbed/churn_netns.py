@@ -23,7 +23,7 @@ from swarm.testbed.netns import (
     setup_commands,
 )
 from swarm.testbed.netns import sweep as sweep_namespaces
-from swarm.testbed.services import ADDRESS_FILE, TestbedConfig
+from swarm.testbed.services import ADDRESS_FILE, Egress, TestbedConfig
 
 __all__ = ["NetnsPlacement"]
 
@@ -37,7 +37,7 @@ class NetnsPlacement:
 
     def __init__(self, run_dir: Path, max_peers: int, rate_mbit: float = 1000.0, say: Callable[[str], None] = print):
         self.run_dir, self.say = run_dir.resolve(), say
-        cfg = TestbedConfig(peers=max_peers, rate_mbit=rate_mbit, prefix=PREFIX, subnet=SUBNET)
+        cfg = TestbedConfig(peers=max_peers, egress=Egress(rate_mbit), prefix=PREFIX, subnet=SUBNET)
         self.layout = lay_out_testbed(cfg, str(self.run_dir))
 
     def __enter__(self) -> NetnsPlacement:

@@ -21,11 +21,11 @@ import json
 import signal
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarm.flags import Flags
+from swarm.flags import Flags, flag
 from swarm.testbed.compose import render_compose
 from swarm.testbed.lifecycle import bring_up, take_down, train_in
 from swarm.testbed.netns import (
@@ -38,75 +38,163 @@ from swarm.testbed.netns import (
     shaped_pair,
     shaping_commands,
 )
-from swarm.testbed.services import LinkRate, TestbedConfig
+from swarm.testbed.services import Egress, LinkRate, TestbedConfig
 from swarm.testbed.status import collect_status, render_status
 
 if TYPE_CHECKING:
+    from swarm.daemon.config import PeerConfig
     from swarm.train.trainer import TrainConfig
 
-__all__ = ["add_arguments", "config_from_args", "run", "run_in_testbed"]
+__all__ = ["Layout", "Location", "Shape", "add_arguments", "config_from_args", "run", "run_in_testbed"]
 
 DEFAULT_RUN_DIR = "runs/testbed"
 
 
+_NETWORK = "network (bandwidth by the kernel, delay by swarm-peer's shaper)"
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a testbed keeps its state, and the names it gives the kernel's objects."""
+
+    run_dir: str = DEFAULT_RUN_DIR
+    """state, logs, outputs"""
+    prefix: str | None = None
+    """name prefix of namespaces and links (none: the state's, or swt-)"""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The testbed `up` and `compose` run: its config, and the links a DT-FM scenario gives."""
+
+    testbed: TestbedConfig = field(default_factory=TestbedConfig)
+    scenario: str | None = field(default=None, metadata=flag(group=_NETWORK))
+    """per-link rates and delays between peers from a DT-FM scenario"""
+    scenario_scale: float = field(default=1.0, metadata=flag(group=_NETWORK))
+    """multiply the scenario's bandwidths by this"""
+
+    def config(self, prefix: str | None = None) -> TestbedConfig:
+        """The TestbedConfig, with the scenario's links before the --link ones and `prefix` (None: the default)."""
+        cfg = self.testbed
+        links = _scenario_links(self.scenario, cfg.peers, self.scenario_scale) if self.scenario else ()
+        return replace(cfg, links=links + cfg.links, prefix=prefix or TestbedConfig.prefix)
+
+
+@dataclass(frozen=True)
+class Up:
+    """`swarm testbed up`."""
+
+    layout: Layout = field(default_factory=Layout)
+    location: Location = field(default_factory=Location)
+    train: bool = field(default=False, metadata=flag(group="lifecycle"))
+    """also run the trainer in its namespace and print its summary"""
+    down: bool = field(default=False, metadata=flag(group="lifecycle"))
+    """take the testbed down again before returning"""
+    ready_timeout_s: float = field(default=120.0, metadata=flag(group="lifecycle"))
+    """bound on every stage being announced"""
+    train_timeout_s: float = field(default=1800.0, metadata=flag(group="lifecycle"))
+    """bound on the trainer's run"""
+
+
+@dataclass(frozen=True)
+class Status:
+    """`swarm testbed status`."""
+
+    location: Location = field(default_factory=Location)
+    json: bool = False
+    """print one JSON object"""
+
+
+@dataclass(frozen=True)
+class Down:
+    """`swarm testbed down`."""
+
+    location: Location = field(default_factory=Location)
+    grace_s: float = 10.0
+    """seconds between SIGTERM and SIGKILL"""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """`swarm testbed shape`: the testbed's tc shaping of one interface (the docker entrypoint's half)."""
+
+    dev: str = "eth0"
+    """interface to shape"""
+    egress: Egress = field(default_factory=lambda: Egress(0.0))
+    to: tuple[str, ...] = field(default=(), metadata=flag(repeat=True, metavar="ADDR=RATE"))
+    """rate to one address (repeat)"""
+    dry_run: bool = False
+    """print the tc commands instead of running them"""
+
+    def links(self) -> tuple[tuple[str, float], ...]:
+        """(address, Mbit/s) of every --to."""
+        links = []
+        for spec in self.to:
+            address, sep, rate = spec.partition("=")
+            if not sep:
+                raise ValueError(f"--to {spec!r}: expected ADDR=RATE")
+            links.append((address, float(rate)))
+        return tuple(links)
+
+
+@dataclass(frozen=True)
+class Measure:
+    """`swarm testbed measure`: goodput of a tc-shaped veth link at several rates."""
+
+    rates: str = "10,100,1000"
+    """comma-separated rates, Mbit/s"""
+    seconds: float = 1.5
+    """data per rate: this long at the rate, >= 1 MB"""
+    qdiscs: str = "tbf,htb"
+    """tbf (one rate) and/or htb (per-link class)"""
+    prefix: str = "swt-"
+    """name prefix of the two namespaces"""
+    json: bool = False
+    """print the rows as JSON"""
+
+
+_ACTIONS: dict[str, tuple[Flags, str, str]] = {
+    "up": (
+        Flags(Up), "create the namespaces and links, start the swarm (needs root)",
+        "Create a bridge and one namespace per service, shape every link with tc, start the swarm.",
+    ),
+    "status": (
+        Flags(Status), "namespaces, addresses, qdisc counters, live processes",
+        "Show the testbed's namespaces, addresses, shaping with byte counts, and processes.",
+    ),
+    "down": (
+        Flags(Down), "stop every process, remove every namespace and link of the prefix",
+        "Stop every testbed process and remove its namespaces and links (also leftovers of a crash).",
+    ),
+    "compose": (
+        Flags(Layout), "print the docker compose file running the same services",
+        "Print docker/compose.yaml for these options: `swarm testbed compose > docker/compose.yaml`.",
+    ),
+    "shape": (
+        Flags(Shape), "shape one interface's egress with tc (the docker entrypoint's half)",
+        "Apply the testbed's tc shaping to one interface of this namespace (or print it).",
+    ),
+    "measure": (
+        Flags(Measure), "goodput of a tc-shaped veth link at several rates (needs root)",
+        "Shape a veth pair between two namespaces at each rate and measure TCP goodput.",
+    ),
+}  # fmt: skip
+"""Each action's flags, help and description."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    up = actions.add_parser("up", help="create the namespaces and links, start the swarm (needs root)")
-    up.description = "Create a bridge and one namespace per service, shape every link with tc, start the swarm."
-    _add_location_arguments(up)
-    _add_config_arguments(up)
-    g = up.add_argument_group("lifecycle")
-    g.add_argument("--train", action="store_true", help="also run the trainer in its namespace and print its summary")
-    g.add_argument("--down", action="store_true", help="take the testbed down again before returning")
-    g.add_argument("--ready-timeout-s", type=float, default=120.0, help="bound on every stage being announced")
-    g.add_argument("--train-timeout-s", type=float, default=1800.0, help="bound on the trainer's run")
-    status = actions.add_parser("status", help="namespaces, addresses, qdisc counters, live processes")
-    status.description = "Show the testbed's namespaces, addresses, shaping with byte counts, and processes."
-    _add_location_arguments(status)
-    status.add_argument("--json", action="store_true", help="print one JSON object")
-    down = actions.add_parser("down", help="stop every process, remove every namespace and link of the prefix")
-    down.description = "Stop every testbed process and remove its namespaces and links (also leftovers of a crash)."
-    _add_location_arguments(down)
-    down.add_argument("--grace-s", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
-    compose = actions.add_parser("compose", help="print the docker compose file running the same services")
-    compose.description = "Print docker/compose.yaml for these options: `swarm testbed compose > docker/compose.yaml`."
-    _add_config_arguments(compose)
-    shape = actions.add_parser("shape", help="shape one interface's egress with tc (the docker entrypoint's half)")
-    shape.description = "Apply the testbed's tc shaping to one interface of this namespace (or print it)."
-    shape.add_argument("--dev", default="eth0", help="interface to shape (default eth0)")
-    shape.add_argument("--rate-mbit", type=float, default=0.0, help="egress bandwidth, Mbit/s (0: unshaped)")
-    shape.add_argument("--to", action="append", default=[], metavar="ADDR=RATE", help="rate to one address (repeat)")
-    shape.add_argument("--dry-run", action="store_true", help="print the tc commands instead of running them")
-    measure = actions.add_parser("measure", help="goodput of a tc-shaped veth link at several rates (needs root)")
-    measure.description = "Shape a veth pair between two namespaces at each rate and measure TCP goodput."
-    measure.add_argument("--rates", default="10,100,1000", help="comma-separated rates, Mbit/s (default 10,100,1000)")
-    measure.add_argument("--seconds", type=float, default=1.5, help="data per rate: this long at the rate, >= 1 MB")
-    measure.add_argument("--qdiscs", default="tbf,htb", help="tbf (one rate) and/or htb (per-link class)")
-    measure.add_argument("--prefix", default="swt-", help="name prefix of the two namespaces")
-    measure.add_argument("--json", action="store_true", help="print the rows as JSON")
-
-
-def _add_location_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help=f"state, logs, outputs (default {DEFAULT_RUN_DIR})")
-    parser.add_argument("--prefix", default=None, help="name prefix of namespaces and links (default: state or swt-)")
-
-
-_TESTBED_FLAGS = Flags(TestbedConfig)
-
-
-def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    _TESTBED_FLAGS.add_to(parser)
-    g = parser.add_argument_group("network (bandwidth by the kernel, delay by swarm-peer's shaper)")
-    g.add_argument("--scenario", default=None, help="per-link rates and delays between peers from a DT-FM scenario")
-    g.add_argument("--scenario-scale", type=float, default=1.0, help="multiply the scenario's bandwidths by this")
+    for name, (flags, help_text, description) in _ACTIONS.items():
+        flags.add_to(actions.add_parser(name, help=help_text, description=description))
 
 
 def config_from_args(args: argparse.Namespace) -> TestbedConfig:
-    """The TestbedConfig of the flags, with a --scenario's links before the --link ones and the --prefix of the
-    location flags."""
-    cfg = _TESTBED_FLAGS.from_args(args)
-    links = _scenario_links(args.scenario, cfg.peers, args.scenario_scale) if args.scenario else ()
-    return replace(cfg, links=links + cfg.links, prefix=getattr(args, "prefix", None) or TestbedConfig.prefix)
+    """The TestbedConfig of `up`'s or `compose`'s flags, with a --scenario's links before the --link ones and
+    the --prefix of the location flags."""
+    flags = _ACTIONS[args.action][0].from_args(args)
+    if isinstance(flags, Up):
+        return flags.layout.config(flags.location.prefix)
+    return flags.config()
 
 
 def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]:
@@ -129,36 +217,41 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 # ---- the experiment hook ----------------------------------------------------------------------------------
 
 
-def _model_seed_flags(seed: int) -> list[str]:
-    """The peers' --model-seed: the trainer's init seed, so peers and trainer start from the same weights."""
-    from swarm.options import ModelFlags
-
-    return Flags(ModelFlags).to_argv(ModelFlags(model_seed=seed), always=["--model-seed"])
-
-
 def run_in_testbed(
-    cell, peer_flags: list[str], train: TrainConfig, peers: int, nat: tuple[int, ...] = (), before_down=None
-):
-    """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers with every link
-    shaped by tc to `cell.rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
-    taken down; returns the rows of the trainer's steps.csv. `--rate-mbit` in `peer_flags` is dropped: the
-    kernel shapes instead. `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
-    flags = list(peer_flags)
-    popped = {name: _pop_flag(flags, name) for name in ("--rate-mbit", "--fw-codec", "--bw-codec", "--delay-ms")}
-    for name in ("--total-steps", "--warmup-steps"):  # the testbed derives both from the trainer's steps
-        _pop_flag(flags, name)
+    rate_mbit: float | None, peer: PeerConfig, train: TrainConfig, peers: int, nat: tuple[int, ...] = (),
+    before_down=None,
+):  # fmt: skip
+    """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers whose every namespace's
+    egress tc shapes to `rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
+    taken down; returns the rows of the trainer's steps.csv. The peers are told `peer` but for what the testbed
+    sets itself: their bandwidth (the kernel shapes it instead), codecs and delay (the testbed's own flags) and
+    total and warm-up steps (the testbed derives both from the trainer's steps); the model is the trainer's.
+    `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
+    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.options import LinkCodecs, LinkShaping
+    from swarm.peers.shaper import LinkShape
+    from swarm.train.trainer import train_flags
+
+    codecs = LinkCodecs.of(peer.fw_codec, peer.bw_codec)
+    delay_ms = LinkShaping.of(peer.link_shape, peer.link_shapes).delay_ms
+    unset = PeerConfig()
+    rest = replace(
+        peer, model=train.model, link_shape=LinkShape(),
+        optim=replace(peer.optim, total_steps=unset.optim.total_steps, warmup_steps=unset.optim.warmup_steps),
+        **replace(codecs, fw_codec=LinkCodecs.fw_codec, bw_codec=LinkCodecs.bw_codec).build(),
+    )  # fmt: skip
+    trainer_flags = train_flags()
+    trainer = replace(
+        trainer_flags.base, model=train.model, schedule=train.schedule, seed=train.seed, setting=train.setting,
+        deadline_s=train.deadline_s, data=train.data,
+    )  # fmt: skip
     model = train.model
-    trainer_flags = ["--schedule", train.schedule, "--seed", str(train.seed)]
-    trainer_flags += ["--setting", train.setting, "--deadline-s", str(train.deadline_s)]
-    trainer_flags += ["--model-seed", str(model.init_seed)]
-    if train.data:
-        trainer_flags += ["--data", str(train.data)]
     cfg = TestbedConfig(
         peers=peers,
-        rate_mbit=cell.rate_mbit or 0.0,
-        delay_ms=float(popped["--delay-ms"] or 0.0),
-        fw_codec=popped["--fw-codec"] or TestbedConfig.fw_codec,
-        bw_codec=popped["--bw-codec"] or TestbedConfig.bw_codec,
+        egress=Egress(rate_mbit or 0.0),
+        delay_ms=delay_ms,
+        fw_codec=codecs.fw_codec,
+        bw_codec=codecs.bw_codec,
         layers=model.n_layers,
         hidden=model.hidden_dim,
         heads=model.n_heads,
@@ -168,8 +261,11 @@ def run_in_testbed(
         train_samples=train.train_samples,
         batch_size=train.batch_size,
         micro_batches=train.micro_batches,
-        peer_flags=(*flags, *_model_seed_flags(model.init_seed)),
-        trainer_flags=tuple(trainer_flags),
+        # the model seed named even at its default: peers and trainer start from the same weights
+        peer_flags=tuple(peer_flags().to_argv(rest, always=["--model-seed"])),
+        trainer_flags=tuple(
+            trainer_flags.to_argv(trainer, always=["--schedule", "--seed", "--setting", "--deadline-s", "--model-seed"])
+        ),
         nat=nat,
     )
     run_dir = Path(train.out)
@@ -185,15 +281,6 @@ def run_in_testbed(
             return list(csv.DictReader(f))
     finally:
         take_down(run_dir, cfg.prefix, say=quiet)
-
-
-def _pop_flag(flags: list[str], name: str) -> str | None:
-    value = None
-    while name in flags:
-        i = flags.index(name)
-        value = flags[i + 1]
-        del flags[i : i + 2]
-    return value
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
@@ -220,26 +307,28 @@ def _interrupt(_signum, _frame):
 
 
 def _up(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    run_dir = Path(args.run_dir)
+    up: Up = _ACTIONS["up"][0].from_args(args)
+    cfg = up.layout.config(up.location.prefix)
+    run_dir = Path(up.location.run_dir)
+    take_down_after = up.down
     signal.signal(signal.SIGTERM, _interrupt)  # `down` or a supervisor: clean up like on Ctrl-C
     try:
-        testbed = bring_up(cfg, run_dir, _say, args.ready_timeout_s)
+        testbed = bring_up(cfg, run_dir, _say, up.ready_timeout_s)
     except KeyboardInterrupt:
         return 130
     code = 0
     try:
         _say(f"up: {cfg.peers} peers serving; logs in {testbed.run_dir / 'logs'}")
         print(render_status(collect_status(testbed.run_dir, cfg.prefix)))
-        if args.train:
-            code = train_in(testbed, args.train_timeout_s, _say)
+        if up.train:
+            code = train_in(testbed, up.train_timeout_s, _say)
             print(_train_summary(testbed.run_dir) if code == 0 else (testbed.procs.tail("trainer") or ""))
             if code:
                 _say(f"the trainer exited with code {code}")
     except KeyboardInterrupt:
-        args.down, code = True, 130
+        take_down_after, code = True, 130
     finally:
-        if args.down:
+        if take_down_after:
             counts = take_down(testbed.run_dir, cfg.prefix, say=_say)
             _say("down: stopped {} processes, removed {} namespaces and {} links".format(*counts))
         else:
@@ -254,16 +343,18 @@ def _train_summary(run_dir: Path) -> str:
 
 
 def _down(args: argparse.Namespace) -> int:
+    down: Down = _ACTIONS["down"][0].from_args(args)
     check_available()
-    counts = take_down(Path(args.run_dir), args.prefix, args.grace_s, _say)
+    counts = take_down(Path(down.location.run_dir), down.location.prefix, down.grace_s, _say)
     print("down: stopped {} processes, removed {} namespaces and {} links".format(*counts))
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
+    flags: Status = _ACTIONS["status"][0].from_args(args)
     check_available()
-    status = collect_status(Path(args.run_dir), args.prefix)
-    print(json.dumps(status, indent=1) if args.json else render_status(status))
+    status = collect_status(Path(flags.location.run_dir), flags.location.prefix)
+    print(json.dumps(status, indent=1) if flags.json else render_status(status))
     return 0 if status["namespaces"] else 1
 
 
@@ -273,15 +364,10 @@ def _compose(args: argparse.Namespace) -> int:
 
 
 def _shape(args: argparse.Namespace) -> int:
-    links = []
-    for spec in args.to:
-        address, sep, rate = spec.partition("=")
-        if not sep:
-            raise ValueError(f"--to {spec!r}: expected ADDR=RATE")
-        links.append((address, float(rate)))
-    commands = shaping_commands(args.dev, args.rate_mbit or None, tuple(links))
+    shape: Shape = _ACTIONS["shape"][0].from_args(args)
+    commands = shaping_commands(shape.dev, shape.egress.rate_mbit or None, shape.links())
     for command in commands:
-        if args.dry_run:
+        if shape.dry_run:
             print(" ".join(command))
         else:
             try:
@@ -292,12 +378,13 @@ def _shape(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> int:
+    measure: Measure = _ACTIONS["measure"][0].from_args(args)
     check_available()
     rows = []
-    for qdisc, text in itertools.product(args.qdiscs.split(","), args.rates.split(",")):
+    for qdisc, text in itertools.product(measure.qdiscs.split(","), measure.rates.split(",")):
         rate = float(text)
-        nbytes = int(max(1e6, rate * 1e6 / 8 * args.seconds))
-        with shaped_pair(rate, args.prefix, qdisc=qdisc) as (a, b):
+        nbytes = int(max(1e6, rate * 1e6 / 8 * measure.seconds))
+        with shaped_pair(rate, measure.prefix, qdisc=qdisc) as (a, b):
             started = time.perf_counter()
             goodput_mbit = measure_rate(a, b, nbytes) * 8 / 1e6
             seconds = time.perf_counter() - started
@@ -305,7 +392,7 @@ def _measure(args: argparse.Namespace) -> int:
             {"qdisc": qdisc, "rate_mbit": rate, "goodput_mbit": goodput_mbit, "ratio": goodput_mbit / rate,
              "bytes": nbytes, "seconds": seconds}
         )  # fmt: skip
-    if args.json:
+    if measure.json:
         print(json.dumps(rows))
         return 0
     print("qdisc  configured Mbit/s  TCP goodput Mbit/s  goodput/configured      bytes  seconds")

@@ -12,7 +12,7 @@ import ipaddress
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from swarm.flags import flag
@@ -48,6 +48,9 @@ _PREFIX_RE = re.compile(r"[a-z][a-z0-9]{0,5}-")
 _NAME_RE = re.compile(r"bootstrap|trainer|peer\d+")
 
 
+_NETWORK = "network (bandwidth by the kernel, delay by swarm-peer's shaper)"
+
+
 @dataclass(frozen=True)
 class LinkRate:
     """One directed link shaped differently from its sender's default."""
@@ -58,9 +61,7 @@ class LinkRate:
     """Receiving service."""
     rate_mbit: float | None = None
     """Bandwidth of this link, Mbit/s (kernel, an htb class on the sender's egress); None keeps the default."""
-    delay_ms: float = field(
-        default=0.0, metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
-    )
+    delay_ms: float = field(default=0.0, metadata=flag(group=_NETWORK))
     """One-way delay of this link, ms (the sending peer's application shaper); peers at both ends only."""
 
     def __post_init__(self) -> None:
@@ -102,38 +103,47 @@ def _joined(values: tuple) -> str:
 
 
 @dataclass(frozen=True)
+class Egress:
+    """Bandwidth by the kernel: the `--rate-mbit` of the commands that shape with tc (`swarm testbed up`,
+    `compose` and `shape`), as opposed to a peer's own shaper in the application (`swarm.options.LinkShaping`)."""
+
+    rate_mbit: float = 100.0
+    """tc egress of every namespace, Mbit/s; 0 leaves it unshaped"""
+
+    def __post_init__(self) -> None:
+        if self.rate_mbit < 0:
+            raise ValueError(f"--rate-mbit: expected >= 0 (0: unshaped), got {self.rate_mbit}")
+
+
+@dataclass(frozen=True)
 class TestbedConfig:
     """A testbed: one DHT bootstrap node, `peers` swarm-peers and a trainer, each in its own namespace."""
 
     peers: int = field(default=2, metadata=flag(group="swarm"))
     """swarm-peer services, one pipeline stage each."""
-    rate_mbit: float = field(
-        default=100.0, metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
-    )
-    """Egress bandwidth of every namespace, Mbit/s; 0 leaves it unshaped."""
+    egress: Egress = field(default_factory=Egress, metadata=flag(group=_NETWORK))
+    """Every namespace's egress (peers: unless `peer_rate_mbit` says otherwise)."""
     peer_rate_mbit: tuple[float, ...] = field(
         default=(),
         metadata=flag(
             parse=_numbers(float),
             render=_joined,
             metavar="R0,R1,...",
-            group="network (bandwidth by the kernel, delay by swarm-peer's shaper)",
+            group=_NETWORK,
         ),
     )
-    """Egress bandwidth of peer i (entry i, 0 = unshaped); peers past the end get `rate_mbit`."""
+    """Egress bandwidth of peer i (entry i, 0 = unshaped); peers past the end get `--rate-mbit`."""
     links: tuple[LinkRate, ...] = field(
         default=(),
         metadata=flag(
             name="--link", repeat=True, parse=LinkRate.parse, render=LinkRate.text, metavar="SRC:DST=RATE[:DELAY]",
-            group="network (bandwidth by the kernel, delay by swarm-peer's shaper)",
+            group=_NETWORK,
         ),
     )  # fmt: skip
     """Directed links shaped differently from their sender's default."""
     delay_ms: float = 0.0
     """One-way delay of every peer's outgoing links, ms, applied by swarm-peer's application shaper."""
-    subnet: str = field(
-        default="10.77.0.0/24", metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
-    )
+    subnet: str = field(default="10.77.0.0/24", metadata=flag(group=_NETWORK))
     """Private IPv4 subnet of the bridge; bootstrap .2, trainer .3, peer i .(10+i) (Docker's gateway is .1)."""
     prefix: str = field(default="swt-", metadata=flag(skip=True))
     """Start of every namespace and link name, so `down` finds leftovers; 2-7 characters ending in '-'."""
@@ -172,13 +182,11 @@ class TestbedConfig:
             parse=_numbers(int),
             render=_joined,
             metavar="I,J,...",
-            group="network (bandwidth by the kernel, delay by swarm-peer's shaper)",
+            group=_NETWORK,
         ),
     )
     """Peers behind a NAT router (`swarm.testbed.nat`): they can dial out, nobody can dial in."""
-    nat_subnet: str = field(
-        default="10.78.0.0/20", metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
-    )
+    nat_subnet: str = field(default="10.78.0.0/20", metadata=flag(group=_NETWORK))
     """Private IPv4 addresses behind the NAT router: NAT'd peer i has the /28 number i of it to itself
     (`nat_lan`), the router at .4 of it and the peer at .10, so no two NAT'd peers share a LAN."""
 
@@ -191,7 +199,7 @@ class TestbedConfig:
             raise ValueError(f"TestbedConfig.peers: expected 1-200, got {self.peers}")
         if len(self.peer_rate_mbit) > self.peers:
             raise ValueError(f"TestbedConfig.peer_rate_mbit: {len(self.peer_rate_mbit)} rates for {self.peers} peers")
-        if self.rate_mbit < 0 or any(r < 0 for r in self.peer_rate_mbit) or self.delay_ms < 0:
+        if any(r < 0 for r in self.peer_rate_mbit) or self.delay_ms < 0:
             raise ValueError("TestbedConfig: rates and delay must be >= 0")
         if not _PREFIX_RE.fullmatch(self.prefix):
             raise ValueError(f"TestbedConfig.prefix: expected [a-z][a-z0-9]{{0,5}}- (e.g. 'swt-'), got {self.prefix!r}")
@@ -232,7 +240,7 @@ class TestbedConfig:
 
     def egress_mbit(self, name: str) -> float | None:
         """Default egress bandwidth of a service, Mbit/s; None when unshaped."""
-        rate = self.rate_mbit
+        rate = self.egress.rate_mbit
         if name.startswith("peer") and int(name[4:]) < len(self.peer_rate_mbit):
             rate = self.peer_rate_mbit[int(name[4:])]
         return rate or None
@@ -291,15 +299,7 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
                 "--port", str(BOOTSTRAP_PORT), "--identity-path", f"{shared_dir}/bootstrap.id",
             ]  # fmt: skip
         elif name == "trainer":
-            argv = [
-                "swarm", "train", "--address-file", address_file, "--num-stages", str(cfg.peers), "--host", address,
-                "--epochs", str(cfg.epochs), "--train-samples", str(cfg.train_samples),
-                "--batch-size", str(cfg.batch_size), "--micro-batches", str(cfg.micro_batches),
-                "--out", f"{shared_dir}/train", "--metrics-port", str(METRICS_PORT),
-                *cfg.model_flags(), *cfg.trainer_flags,
-            ]  # fmt: skip
-            if cfg.steps:
-                argv += ["--steps", str(cfg.steps)]
+            argv = ["swarm", "train", *trainer_argv(cfg, address, shared_dir), *cfg.model_flags(), *cfg.trainer_flags]
         else:
             # every link's one-way delay goes last: docker's entrypoint hands it back there (swarm.testbed.compose)
             delay = PeerConfig(link_shape=LinkShape(delay_s=cfg.delay_ms / 1000))
@@ -310,6 +310,22 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
         )
         services.append(Service(name, address, tuple(argv), cfg.egress_mbit(name), per_link))
     return services
+
+
+def trainer_argv(cfg: TestbedConfig, address: str, shared_dir: str) -> list[str]:
+    """The trainer's flags (its model's and `trainer_flags` aside): the testbed's address file, stages, address,
+    training figures, output folder and metrics port, each named even at `swarm train`'s default."""
+    from swarm.train.trainer import train_flags
+
+    flags = train_flags()
+    trainer = replace(
+        flags.base, address_file=f"{shared_dir}/{ADDRESS_FILE}", num_stages=cfg.peers,
+        dht=replace(flags.base.dht, host=address), epochs=cfg.epochs, steps=cfg.steps or None,
+        train_samples=cfg.train_samples, batch_size=cfg.batch_size, micro_batches=cfg.micro_batches,
+        out=f"{shared_dir}/train", metrics_port=METRICS_PORT,
+    )  # fmt: skip
+    always = ["--num-stages", "--host", "--epochs", "--train-samples", "--batch-size", "--micro-batches"]
+    return flags.to_argv(trainer, always=always)
 
 
 def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared_dir: str) -> PeerConfig:

@@ -4,12 +4,11 @@ are the same at every step completed before the kill (frozen plan inputs: the sa
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import pytest
 
-from swarm.experiments.churn import collect, config_from_args, flag_support, run_setting
+from swarm.experiments.churn import ChurnConfig, ChurnRun, collect, flag_support, run_setting
 from swarm.experiments.churn_report import SAME_LOSS_TOL, read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -26,11 +25,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.timeout(540)
 def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_path):
-    args = argparse.Namespace(
-        kill_every=None, mean_lifetime=None, graceful_fraction=0.0, seed=0, steps=150, stages=3, replicas=2,
-        standby=1, timeout_s=120.0, quick=True, json=False, out=tmp_path, netns=False, measured_plan=False,
-    )  # fmt: skip
-    cfg = config_from_args(args)
+    cfg = ChurnRun(ChurnConfig(steps=150, setting_timeout_s=120.0, out=tmp_path), quick=True).config()
     lines: list[str] = []
     support = flag_support()
     base = run_setting(cfg, "no-churn", tmp_path, support, lines.append)
@@ -68,11 +63,7 @@ def test_quick_churn_in_namespaces_kills_and_joins_then_removes_every_namespace(
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"the namespace testbed is unavailable here: {reason}")
-    args = argparse.Namespace(
-        kill_every=None, mean_lifetime=None, graceful_fraction=0.0, seed=0, steps=150, stages=3, replicas=2,
-        standby=1, timeout_s=120.0, quick=True, json=False, out=tmp_path, netns=True,
-    )  # fmt: skip
-    cfg = config_from_args(args)
+    cfg = ChurnRun(ChurnConfig(steps=150, setting_timeout_s=120.0, out=tmp_path, netns=True), quick=True).config()
     lines: list[str] = []
     result = run_setting(cfg, "churn", tmp_path, flag_support(), lines.append)
     events = read_jsonl(tmp_path / "churn" / "events.jsonl")

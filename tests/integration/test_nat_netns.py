@@ -23,7 +23,7 @@ from swarm.testbed.netns import (
 
 PREFIX = "swn-"
 CFG = services.TestbedConfig(
-    peers=3, nat=(1, 2), rate_mbit=0, prefix=PREFIX, subnet="10.79.0.0/24", nat_subnet="10.80.0.0/24"
+    peers=3, nat=(1, 2), egress=services.Egress(0.0), prefix=PREFIX, subnet="10.79.0.0/24", nat_subnet="10.80.0.0/24"
 )
 
 

@@ -15,7 +15,7 @@ from swarm.testbed.compose import SHARED_DIR, render_compose
 from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
-CFG = services.TestbedConfig(peers=4, nat=(1, 3), rate_mbit=50.0)
+CFG = services.TestbedConfig(peers=4, nat=(1, 3), egress=services.Egress(50.0))
 
 
 def test_nat_config_is_validated():

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 RICH = services.TestbedConfig(
     peers=3,
-    rate_mbit=50,
+    egress=services.Egress(50.0),
     peer_rate_mbit=(100, 0),
     links=(LinkRate("peer0", "peer1", 10, 40), LinkRate("peer1", "peer2", None, 25), LinkRate("trainer", "peer0", 5)),
     delay_ms=20,
@@ -180,7 +180,6 @@ def test_per_link_rates_are_htb_classes_with_a_filter_per_destination():
         {"subnet": "fd00::/64"},
         {"subnet": "10.77.0.0/29"},
         {"peer_rate_mbit": (1, 2, 3)},
-        {"rate_mbit": -1},
         {"links": (LinkRate("peer0", "peer7", 10),)},
         {"peers": 0},
         {"train_samples": 4},
@@ -189,6 +188,11 @@ def test_per_link_rates_are_htb_classes_with_a_filter_per_destination():
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         services.TestbedConfig(**kwargs)
+
+
+def test_egress_rejects_a_negative_rate():
+    with pytest.raises(ValueError):
+        services.Egress(-1)
 
 
 def test_link_parse_and_validation():
@@ -286,17 +290,28 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
     monkeypatch.setattr(testbed, "bring_up", fake_bring_up)
     monkeypatch.setattr(testbed, "train_in", lambda *a, **k: 0)
     monkeypatch.setattr(testbed, "take_down", lambda *a, **k: (0, 0, 0))
-    cell = argparse.Namespace(rate_mbit=10.0, setting="aqsgd2/gradq4")
-    flags = ["--fw-codec", "aqsgd2", "--bw-codec", "gradq4", "--delay-ms", "5", "--total-steps", "8"]
-    flags += ["--warmup-steps", "1", "--rate-mbit", "10.0"]
+    from swarm.daemon.config import PeerConfig
+    from swarm.options import LinkCodecs
+    from swarm.peers.shaper import LinkShape
+    from swarm.runtime.worker import OptimConfig
+
+    peer = PeerConfig(
+        link_shape=LinkShape.from_mbit(10.0, 5.0), optim=OptimConfig(total_steps=8, warmup_steps=1),
+        **LinkCodecs("aqsgd2", "gradq4").build(),
+    )  # fmt: skip
     train_cfg = TrainConfig(
         model=ModelConfig(init_seed=3), train_samples=16, batch_size=8, micro_batches=4, steps=8,
         setting="aqsgd2/gradq4", deadline_s=300.0, out=str(tmp_path / "cell"),
     )  # fmt: skip
-    rows = testbed.run_in_testbed(cell, flags, train_cfg, peers=2)
+    rows = testbed.run_in_testbed(10.0, peer, train_cfg, peers=2)
     assert rows == [{"step": "1", "train_loss": "5.5"}]
     cfg = seen["cfg"]
-    assert (cfg.rate_mbit, cfg.delay_ms, f"{cfg.fw_codec}/{cfg.bw_codec}", cfg.steps) == (10.0, 5.0, "aqsgd2/gradq4", 8)
+    assert (cfg.egress.rate_mbit, cfg.delay_ms, f"{cfg.fw_codec}/{cfg.bw_codec}", cfg.steps) == (
+        10.0,
+        5.0,
+        "aqsgd2/gradq4",
+        8,
+    )
     assert cfg.peers == 2 and (cfg.layers, cfg.hidden, cfg.seq_len) == (4, 128, 128)
     for service in services.testbed_services(cfg, "/run"):
         args = parse_entry_point(service.argv)
@@ -377,3 +392,34 @@ def test_testbed_peers_default_to_the_swarms_codecs():
     cfg = TestbedConfig()
     assert (cfg.fw_codec, cfg.bw_codec) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC)
     assert CodecConfig.parse(DEFAULT_BW_CODEC).group_size == 1024  # parses, with its own group size
+
+
+def test_every_tc_command_shares_one_egress_flag():
+    from swarm.flags import Flags
+
+    up = Flags(testbed.Up).parse(["--rate-mbit", "20"])
+    shape = Flags(testbed.Shape).parse(["--rate-mbit", "20"])
+    assert up.layout.testbed.egress == shape.egress == services.Egress(20.0)
+    assert Flags(testbed.Up).parse([]).layout.testbed.egress.rate_mbit == 100.0  # each command keeps its default
+    assert Flags(testbed.Shape).parse([]).egress.rate_mbit == 0.0
+
+
+def test_testbed_actions_round_trip_and_read_toml(tmp_path):
+    from swarm.flags import Flags
+
+    flags = Flags(testbed.Up)
+    up = testbed.Up(
+        testbed.Layout(services.TestbedConfig(peers=3, egress=services.Egress(10.0), nat=(1,)), scenario_scale=0.5),
+        testbed.Location("runs/x", "abc-"), train=True, ready_timeout_s=30.0,
+    )  # fmt: skip
+    assert flags.parse(flags.to_argv(up)) == up
+    shape = testbed.Shape(dev="veth0", egress=services.Egress(5.0), to=("10.0.0.2=1", "10.0.0.3=2"), dry_run=True)
+    assert Flags(testbed.Shape).parse(Flags(testbed.Shape).to_argv(shape)) == shape
+    path = tmp_path / "up.toml"
+    path.write_text('peers = 4\nrate-mbit = 30.0\nprefix = "tb-"\ntrain = true\n')
+    parser = argparse.ArgumentParser()
+    testbed.add_arguments(parser)
+    cfg = testbed.config_from_args(parser.parse_args(["up", "--config", str(path), "--rate-mbit", "40"]))
+    assert (cfg.peers, cfg.egress.rate_mbit, cfg.prefix) == (4, 40.0, "tb-")
+    with pytest.raises(ValueError, match="expected ADDR=RATE"):
+        testbed.Shape(to=("10.0.0.2",)).links()

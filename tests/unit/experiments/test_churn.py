@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
-from swarm.experiments.churn import QUICK_KILL_AT_S, ChurnConfig, config_from_args, swarm_flags
+from swarm.experiments.churn import QUICK_KILL_AT_S, ChurnConfig, ChurnRun, add_arguments, config_from_args, swarm_flags
 from swarm.experiments.churn_report import (
     ROW_KEYS,
     account_samples,
@@ -22,6 +22,7 @@ from swarm.experiments.churn_report import (
     summarize,
     targets,
 )
+from swarm.flags import Flags
 from swarm.testbed.churn import Action, churn_schedule
 
 EXPECTED = [(3, 1), (0, 2), (1, 0), (2, 3)]  # 4 steps of 2 samples (ids repeat across epochs)
@@ -246,23 +247,31 @@ def test_plots_are_written_from_synthetic_files(tmp_path):
 # --- configuration ---
 
 
-def _args(**kw):
-    base = dict(kill_every=None, mean_lifetime=None, graceful_fraction=0.0, seed=0, steps=400, stages=3,
-                replicas=2, standby=1, timeout_s=360.0, quick=False, json=False, out=None, netns=False)  # fmt: skip
-    return argparse.Namespace(**{**base, **kw})
-
-
 def test_default_config_is_issue_12s_swarm():
-    cfg = config_from_args(_args())
+    cfg = ChurnRun().config()
     assert (cfg.stages, cfg.replicas, cfg.standby, cfg.peers) == (3, 2, 1, 7)
     assert (cfg.fw_codec, cfg.bw_codec, cfg.kill_every_s) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC, 60.0)
-    assert config_from_args(_args(mean_lifetime=90.0)).kill_every_s is None
+    assert ChurnRun(mean_lifetime=90.0).config().kill_every_s is None
     with pytest.raises(ValueError):
-        config_from_args(_args(kill_every=30.0, mean_lifetime=90.0))
+        ChurnRun(kill_every=30.0, mean_lifetime=90.0).config()
+
+
+def test_flags_give_the_run_and_round_trip(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--mean-lifetime", "90"])) == ChurnRun(mean_lifetime=90.0).config()
+    run = ChurnRun(ChurnConfig(stages=2, setting_timeout_s=100.0, identities=Path("keys")), kill_every=7.0, quick=True)
+    argv = Flags(ChurnRun).to_argv(run)
+    assert "--timeout-s" in argv and "--identities" in argv and "--quick" in argv
+    assert Flags(ChurnRun).parse(argv) == run
+    path = tmp_path / "churn.toml"
+    path.write_text("stages = 4\nkill-every = 30.0\nseed = 3\n")
+    cfg = config_from_args(parser.parse_args(["--config", str(path), "--seed", "5"]))
+    assert (cfg.stages, cfg.kill_every_s, cfg.seed) == (4, 30.0, 5)
 
 
 def test_quick_schedules_exactly_one_leave():
-    cfg = config_from_args(_args(quick=True))
+    cfg = ChurnRun(quick=True).config()
     assert cfg.kill_every_s == QUICK_KILL_AT_S and cfg.churn_horizon_s == QUICK_KILL_AT_S
     actions = churn_schedule(cfg.churn_horizon_s, cfg.seed, cfg.kill_every_s, None, 4, 0.0, cfg.join_delay_s)
     assert sum(1 for a in actions if a.kind != "join") == 1
