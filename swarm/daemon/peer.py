@@ -73,7 +73,7 @@ class PeerDaemon:
         from swarm.daemon.nat import NatWiring
         from swarm.daemon.roster import AddressBook, PeerAuth
         from swarm.net.connect import SignedChannels
-        from swarm.peers.dht import Heartbeat, SwarmDHT
+        from swarm.peers.dht import Reannouncer, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
         from swarm.peers.transport import Channels, make_server
@@ -141,7 +141,7 @@ class PeerDaemon:
             with contextlib.suppress(TimeoutError):
                 if cfg.assign == "plan" and (record := dht.get_plan(self.model.n_layers)):
                     self._apply_plan(record)
-            heartbeat = Heartbeat(dht, lambda: self.announcement, lock=self._announce_lock).start()  # announces now
+            reannouncer = Reannouncer(dht, lambda: self.announcement, lock=self._announce_lock).start()  # announces now
             if self.nat.settle(cfg.transport.host, port, stop=self._stop) == "direct" and cfg.reach == "auto":
                 self.nat.serve_dht_records()  # joined as a client until found dialable (swarm.net.dhtmode)
             log.info("links shaped to %s", cfg.link_shape.describe())
@@ -154,7 +154,7 @@ class PeerDaemon:
             if host is not None:
                 with host.compute_lock:
                     self.checkpoints.save(host, final=True)
-            heartbeat.stop()
+            reannouncer.stop()
             return 0
         finally:
             if server is not None:

@@ -43,8 +43,8 @@ from swarm.runtime.chains import (
     ChainWeights,
     ChainWork,
     Failed,
-    Heartbeat,
     NoLiveChain,
+    PingLoop,
     Task,
     Traffic,
     as_error,
@@ -225,7 +225,7 @@ class PipelineDriver:
                 raise
 
     def _alive(self, peer: str, timeout_s: float = 2.0) -> bool:
-        """One Status ping (on its own thread, waited for at most `timeout_s`): does `peer` answer at all?"""
+        """One `Ping` (on its own thread, waited for at most `timeout_s`): does `peer` answer at all?"""
         ping = spawn(lambda: self._ping(peer, timeout_s), "ping", self._threads)
         with contextlib.suppress(Exception):
             ping.result(timeout=timeout_s)
@@ -239,7 +239,7 @@ class PipelineDriver:
                 return s, peers.index(peer)
         raise KeyError(peer)
 
-    def _heartbeat(self, chains: Sequence[Route], wake: threading.Event) -> Heartbeat:
+    def _ping_loop(self, chains: Sequence[Route], wake: threading.Event) -> PingLoop:
         def ping(peer: str) -> None:
             self._ping(peer, self.heartbeat_s)
 
@@ -249,7 +249,7 @@ class PipelineDriver:
             wake.set()
 
         peers = [p for c in chains for p in c.peers]
-        return Heartbeat(ping, peers, on_dead, self.heartbeat_s, self.heartbeat_misses)
+        return PingLoop(ping, peers, on_dead, self.heartbeat_s, self.heartbeat_misses)
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
@@ -452,7 +452,7 @@ class PipelineDriver:
         chains = self._live(step)
         wake, self._inflight = threading.Event(), []
         try:
-            with self._heartbeat(chains, wake):
+            with self._ping_loop(chains, wake):
                 return self._run_chains(step, self._work(batch, chains), wake)
         except Failed as f:
             self.abandon(step)
@@ -477,7 +477,7 @@ class PipelineDriver:
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
             try:
-                with self._heartbeat(used, wake):
+                with self._ping_loop(used, wake):
                     loss, traffic = self._run_chains(step, work, wake)
                     traffic.merge(self._reduce(step, used, wake))
                     norm = self._grads(step, used, wake)
