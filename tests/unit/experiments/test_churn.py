@@ -22,7 +22,7 @@ from swarm.experiments.churn_report import (
     summarize,
     targets,
 )
-from swarm.testbed.churn import Action, churn_schedule
+from swarm.testbed.churn import ChurnEvent, churn_schedule
 
 EXPECTED = [(3, 1), (0, 2), (1, 0), (2, 3)]  # 4 steps of 2 samples (ids repeat across epochs)
 
@@ -85,12 +85,12 @@ def test_schedule_rejects_bad_arguments(kwargs):
         churn_schedule(100, seed=0, **kwargs)
 
 
-def test_action_validates_and_prints_compactly():
-    assert str(Action(60.0, "kill", 0.25)) == "kill@60.0#0.25"
+def test_churn_event_validates_and_prints_compactly():
+    assert str(ChurnEvent(60.0, "kill", 0.25)) == "kill@60.0#0.25"
     with pytest.raises(ValueError):
-        Action(1.0, "explode")
+        ChurnEvent(1.0, "explode")
     with pytest.raises(ValueError):
-        Action(1.0, "kill", 1.0)
+        ChurnEvent(1.0, "kill", 1.0)
 
 
 # --- sample accounting ---
@@ -344,15 +344,15 @@ def test_controller_leaves_only_serving_peers_and_names_the_stage_and_survivors(
 
     swarm = _FakeSwarm([0, 0, 1, None])  # peer3 is on standby
     controller = ChurnController(swarm, [], tmp_path / "events.jsonl")
-    first = controller.apply(Action(1.0, "kill", 0.0))  # serving by name: peer0, peer1, peer2
+    first = controller.apply(ChurnEvent(1.0, "kill", 0.0))  # serving by name: peer0, peer1, peer2
     assert (first["peer"], first["stage"], first["replicas_left"], first["pid"]) == ("peer0", 0, 1, 100)
-    second = controller.apply(Action(2.0, "term", 0.99))
+    second = controller.apply(ChurnEvent(2.0, "term", 0.99))
     assert (second["peer"], second["kind"], second["replicas_left"]) == ("peer2", "term", 0)
-    third = controller.apply(Action(3.0, "kill", 0.0))
+    third = controller.apply(ChurnEvent(3.0, "kill", 0.0))
     assert third["peer"] == "peer1" and third["replicas_left"] == 0
-    assert controller.apply(Action(4.0, "kill", 0.5))["kind"] == "skip"  # only the standby is left
+    assert controller.apply(ChurnEvent(4.0, "kill", 0.5))["kind"] == "skip"  # only the standby is left
     assert [name for name, _ in swarm.left] == ["peer0", "peer2", "peer1"]  # never the standby
-    join = controller.apply(Action(5.0, "join"))
+    join = controller.apply(ChurnEvent(5.0, "join"))
     assert join["kind"] == "join" and join["peer"] == "peer4" and join["pid"] == 200
 
 
@@ -361,7 +361,7 @@ def test_controller_plays_its_schedule_from_begin_and_logs_each_action(tmp_path)
 
     swarm = _FakeSwarm([0, 0])
     path = tmp_path / "events.jsonl"
-    controller = ChurnController(swarm, [Action(0.0, "kill", 0.0), Action(0.0, "join")], path)
+    controller = ChurnController(swarm, [ChurnEvent(0.0, "kill", 0.0), ChurnEvent(0.0, "join")], path)
     controller.start()
     controller.begin()
     controller.join(10)
@@ -373,7 +373,7 @@ def test_a_stopped_controller_acts_no_more(tmp_path):
     from swarm.testbed.churn import ChurnController
 
     swarm = _FakeSwarm([0, 0])
-    controller = ChurnController(swarm, [Action(3600.0, "kill", 0.0)], tmp_path / "events.jsonl")
+    controller = ChurnController(swarm, [ChurnEvent(3600.0, "kill", 0.0)], tmp_path / "events.jsonl")
     controller.start()
     controller.begin()
     controller.stop.set()
