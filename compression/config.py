@@ -61,7 +61,7 @@ class CodecConfig:
     keeps it in RAM"""
     buffer_dir: str | None = None
     """aqsgd: a directory for the memory-mapped buffer stores of a stage's link ends, one file per end (the
-    runtime's `Direction` names them: `fw-recv.buf`, `fw-send-<destination>.buf`); None keeps them in RAM"""
+    runtime's `LinkEnd` names them: `fw-recv.buf`, `fw-send-<destination>.buf`); None keeps them in RAM"""
     first_sight_bits: int = 16
     """aqsgd: how a sample's first sight travels: 16 = in the buffer dtype, 8 or 4 = quantized directly"""
     zstd_level: int = 1

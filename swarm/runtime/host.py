@@ -287,9 +287,9 @@ class StageHost:
         if kind == Kind.BACKWARD and self.role.is_last:  # the micro-batch's share of the step's (batch-mean) loss
             return torch.tensor(call.info.loss_weight or 1.0 / max(1, call.info.num_micro_batches))
         links = self.links
-        direction = links.fw_recv if kind == Kind.FORWARD else links.bw_recv
+        end = links.fw_recv if kind == Kind.FORWARD else links.bw_recv
         with _phase(self.metrics, self.role.stage, "decode"):
-            return links.incoming(direction, need_message(call), self.limits, step=call.info.step)
+            return links.incoming(end, need_message(call), self.limits, step=call.info.step)
 
     def forward(self, call: StageCall, inputs: torch.Tensor | None = None, cancelled: threading.Event | None = None):
         """Stage k's forward of one micro-batch (admitted: see `admit`): compute in schedule order, send on to

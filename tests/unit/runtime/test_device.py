@@ -11,7 +11,7 @@ import torch
 from swarm.compression import CodecConfig, LinkState, MemoryBufferStore, WireLimits, frame, make_codec, unframe
 from swarm.daemon.config import build_parser, config_from_args
 from swarm.kernels.host_copy import to_host
-from swarm.runtime.boundary import Direction, LinkEnds
+from swarm.runtime.boundary import LinkEnd, LinkEnds
 from swarm.runtime.device import (
     DeviceBufferStore,
     DeviceError,
@@ -104,12 +104,12 @@ def test_the_device_cannot_change_once_an_end_has_sent():
 
 def test_only_device_encoded_codecs_keep_their_sending_end_on_the_device():
     cuda = torch.device("cuda", 0)  # nothing is allocated until a sample is admitted
-    acsgd = Direction(CodecConfig.parse("acsgd2+ch+nr"), "fw-send", cuda)
+    acsgd = LinkEnd(CodecConfig.parse("acsgd2+ch+nr"), "fw-send", cuda)
     assert acsgd.device == cuda and isinstance(acsgd.buffers, DeviceBufferStore)
-    gradq = Direction(CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024"), "bw-send", cuda)
+    gradq = LinkEnd(CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024"), "bw-send", cuda)
     assert gradq.device == torch.device("cpu")
-    assert Direction(CodecConfig.parse("acsgd2+ch+nr"), "fw-send").device == torch.device("cpu")
-    assert type(Direction(CodecConfig.parse("acsgd2+ch+nr"), "x").buffers) is MemoryBufferStore
+    assert LinkEnd(CodecConfig.parse("acsgd2+ch+nr"), "fw-send").device == torch.device("cpu")
+    assert type(LinkEnd(CodecConfig.parse("acsgd2+ch+nr"), "x").buffers) is MemoryBufferStore
 
 
 def test_a_device_store_behaves_as_a_memory_store():
