@@ -53,13 +53,13 @@ from swarm.runtime.freeze import FreezePolicy, set_frozen
 from swarm.runtime.local import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 
-__all__ = ["FreezingConfig", "SETTINGS", "add_arguments", "run", "run_experiment", "untied_llama"]
+__all__ = ["FreezingExperimentConfig", "SETTINGS", "add_arguments", "run", "run_experiment", "untied_llama"]
 
 SETTINGS = ("no-freeze", "freeze", "freeze+repack")
 
 
 @dataclass(frozen=True)
-class FreezingConfig:
+class FreezingExperimentConfig:
     """`swarm experiment freezing`: from one seed, no freezing, PipeTransformer's freezing, and freezing + repack."""
 
     n_layers: int = field(default=8, metadata=flag(name="--layers"))
@@ -156,7 +156,7 @@ def _close(pipe: LocalPipeline) -> None:
     gc.collect()
 
 
-def _pretrain(cfg: FreezingConfig, model, train, say) -> dict[str, torch.Tensor]:
+def _pretrain(cfg: FreezingExperimentConfig, model, train, say) -> dict[str, torch.Tensor]:
     """The state every setting fine-tunes from: `pretrain_epochs` without freezing (weights by global name)."""
     total = max(1, len(train) // cfg.batch_size * cfg.pretrain_epochs)
     optim = OptimConfig(lr_peak=cfg.pretrain_lr, warmup_steps=max(1, round(total * 0.2)), total_steps=total)
@@ -171,7 +171,7 @@ def _pretrain(cfg: FreezingConfig, model, train, say) -> dict[str, torch.Tensor]
     return weights
 
 
-def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, start=None) -> dict:
+def _run_setting(setting: str, cfg: FreezingExperimentConfig, model, train, evals, say, start=None) -> dict:
     steps_per_epoch = len(train) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
     optim = OptimConfig(lr_peak=cfg.lr, warmup_steps=max(1, round(total * cfg.warmup_fraction)), total_steps=total)
@@ -231,7 +231,7 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, st
     }
 
 
-def run_experiment(cfg: FreezingConfig, out: Path, say=lambda s: None) -> list[dict]:
+def run_experiment(cfg: FreezingExperimentConfig, out: Path, say=lambda s: None) -> list[dict]:
     torch.manual_seed(cfg.seed)
     model = untied_llama(cfg.n_layers, cfg.hidden, cfg.seq_len, cfg.seed)
     data = DataConfig(seq_len_tokens=cfg.seq_len, train_samples=cfg.train_samples, eval_samples=cfg.eval_samples)
@@ -293,7 +293,7 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-_FLAGS = Flags(FreezingConfig)
+_FLAGS = Flags(FreezingExperimentConfig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -304,7 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", type=Path, default=None, help="output folder (default runs/freezing-<time>)")
 
 
-def config_from_args(args: argparse.Namespace) -> FreezingConfig:
+def config_from_args(args: argparse.Namespace) -> FreezingExperimentConfig:
     cfg = _FLAGS.from_args(args)
     return replace(cfg, **QUICK) if args.quick else cfg
 
