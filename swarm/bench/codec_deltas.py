@@ -171,7 +171,7 @@ def model_deltas(epochs: int = 4, every: int = 2, say: Callable[[str], None] = p
     from swarm.compression.codec_aqsgd import AQSGDCodec
     from swarm.experiments.convergence import ExperimentConfig, Setting
     from swarm.model.data import build_datasets, epoch_batches
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
     from swarm.runtime.worker import StageConfig
 
     cfg = ExperimentConfig()

@@ -57,7 +57,7 @@ from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, r
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
 
 if TYPE_CHECKING:
-    from swarm.daemon.config import PlanningConfig
+    from swarm.daemon.peer_config import PlanningConfig
 
 log = logging.getLogger("swarm.daemon.planning")
 

@@ -203,7 +203,7 @@ def config_from_args(args: argparse.Namespace) -> ChurnConfig:
 def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tuple[list[str], list[str]]:
     """(swarm-peer flags, swarm train flags) of one setting; flags this checkout's peer or trainer lacks are
     left out (main before issue 12: no --replicas)."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
     from swarm.options import LinkCodecs
     from swarm.runtime.worker import OptimConfig
 

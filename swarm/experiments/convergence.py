@@ -34,7 +34,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.options import add_model_choice_arguments, add_schedule_argument, builtin_model, chosen_model
 from swarm.peers.plan import PlanDocument
 from swarm.plots import Panel, moving_average, save_line_plots
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.precision import add_precision_argument
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.train.steplog import step_row

@@ -169,7 +169,7 @@ def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
     """Every peer's flags: the checkpoint by its --model name (a Hugging Face model is written by its name, not
     its config), the codecs and schedule, and fixed even stages, declared compute and no link probes: the plan
     does not depend on noisy measurements."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
     from swarm.flags import Flags
     from swarm.options import LinkCodecs, ModelFlags
     from swarm.runtime.worker import OptimConfig

@@ -50,7 +50,7 @@ from swarm.model.gpt import split_layers
 from swarm.model.hf import HFModelConfig, _canonical, _family_config_dict
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.freeze import FreezePolicy, set_frozen
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 
 __all__ = ["FreezingExperimentConfig", "SETTINGS", "add_arguments", "run", "run_experiment", "untied_llama"]

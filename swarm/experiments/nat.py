@@ -146,7 +146,7 @@ def reach_flags(behind_nat: bool, netns: bool, supported: bool = True) -> list[s
         if behind_nat:
             raise ValueError("a NAT'd peer needs swarm-peer's --reach (the relay transport)")
         return []
-    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
 
     reach = "auto" if netns else "relay" if behind_nat else "direct"
     return peer_flags().to_argv(PeerConfig(reach=reach), always=["--reach"])
@@ -209,7 +209,7 @@ def _scrape(ports: list[int]) -> tuple[int, dict[str, int]]:
 def common_flags(cfg: NatConfig) -> list[str]:
     """Every peer's flags: even stage boundaries (the same split in every setting, so the math is the same),
     the shaped links, the schedule."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
     from swarm.experiments.throttled import warmup_steps
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
@@ -242,7 +242,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
     row = {"setting": setting, "nat_peers": len(nat)}
     if cfg.netns:
         return {**row, **_run_netns(cfg, nat, out / setting, supported)}
-    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 

@@ -268,7 +268,7 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
     split in every cell (the planner's own split follows noisy compute measurements, and a different stage
     boundary would change the training math between the cells being compared), so the plan carries the cost
     model's prediction for this cell's batch and links."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig
     from swarm.options import LinkCodecs
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
@@ -287,7 +287,7 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
 
 
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
-    from swarm.daemon.config import peer_flags
+    from swarm.daemon.peer_config import peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 

@@ -4,7 +4,7 @@ Token ids go to stage 0 and labels to the last stage; activations and gradients 
 directly, never through the driver. The driver only collects each micro-batch's loss, and once per step each
 stage's squared gradient norm; the tied embedding's gradients are summed between the end stages themselves
 (the tied group of their Reduce, `swarm.runtime.average`). The stages are reached through a `Connector`: over
-gRPC in a swarm, in-process in `swarm.runtime.local`. Every byte of a step is counted: the stages report the
+gRPC in a swarm, in-process in `swarm.runtime.inprocess`. Every byte of a step is counted: the stages report the
 boundaries', sums' and tied group's bytes, the driver its own calls' (`control_bytes`), failed attempts too.
 
 With replicas, the plan's routes (`swarm.peers.routes`: column r with equal counts, route c on replica

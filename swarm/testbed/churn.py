@@ -165,7 +165,7 @@ class ChurnSwarm:
 
     def start_peer(self) -> PeerProc:
         """A fresh peer (new name, new identity) joining through the bootstrap node."""
-        from swarm.daemon.config import PeerConfig, peer_flags
+        from swarm.daemon.peer_config import PeerConfig, peer_flags
         from swarm.net.auth import Identity
         from swarm.peers.dht import DHTConfig, load_or_create_key
 

@@ -49,12 +49,12 @@ def local_swarm(
     only from the plan's trainers): train with `LocalSwarm.signer`.
 
     `peer_flags` (every peer's) and `per_peer_flags` (each one's own) are swarm-peer argv, e.g. a
-    `PeerConfig`'s (`swarm.daemon.config.peer_flags().to_argv`); they come after the swarm's own (its address
+    `PeerConfig`'s (`swarm.daemon.peer_config.peer_flags().to_argv`); they come after the swarm's own (its address
     file and stage count), so they win."""
     import time
 
-    from swarm.daemon.config import PeerConfig
-    from swarm.daemon.config import peer_flags as peer_cli
+    from swarm.daemon.peer_config import PeerConfig
+    from swarm.daemon.peer_config import peer_flags as peer_cli
     from swarm.net.auth import CallSigner, Identity
     from swarm.peers.dht import DHTConfig, Reannouncer, SwarmDHT
     from swarm.peers.records import TrainerAnnouncement

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from swarm.flags import flag
 
 if TYPE_CHECKING:
-    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig
 
 __all__ = [
     "ADDRESS_FILE",
@@ -278,7 +278,7 @@ def nat_lan(cfg: TestbedConfig, peer: int) -> ipaddress.IPv4Network:
 def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
     """Every service of the testbed with its argv; `shared_dir` holds the address file and outputs
     (the run directory here, the shared volume in docker compose)."""
-    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
     from swarm.peers.shaper import LinkShape
 
     addresses = service_addresses(cfg)
@@ -316,7 +316,7 @@ def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared
     """What peer `name` is told: the testbed's address, ports, codecs and schedule, and the one-way delays of
     its particular links (bandwidth is the kernel's job, not the application shaper's; every link's delay and
     the model are `testbed_services`')."""
-    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig
     from swarm.options import LinkCodecs
     from swarm.peers.dht import DHTConfig
     from swarm.peers.shaper import LinkShape

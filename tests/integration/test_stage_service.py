@@ -16,7 +16,7 @@ from swarm.model.data import Batch
 from swarm.net.auth import CallSigner
 from swarm.net.stream import StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2, stage_pb2_grpc, wire_pb2
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.train.trainer import TrainConfig, train
 from tests.integration.swarm_fixtures import TINY, loopback_stages, remote, trainer_of
 

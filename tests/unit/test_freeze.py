@@ -16,7 +16,7 @@ from swarm.net.auth import CallSigner, Identity
 from swarm.net.stream import StageCallError
 from swarm.proto import stage_pb2
 from swarm.runtime.freeze import FreezePolicy, block_of, set_frozen
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 
 GPT = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=4, n_heads=4, init_seed=1)

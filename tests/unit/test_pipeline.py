@@ -9,7 +9,7 @@ import torch
 from swarm.compression import CodecConfig
 from swarm.model.data import Batch
 from swarm.model.gpt import GPT, TIED_EMBEDDING, ModelConfig
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig, StageWorker, lr_at
 
 torch.set_num_threads(1)

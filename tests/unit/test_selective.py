@@ -314,7 +314,7 @@ def test_malformed_sel_settings_are_refused(text):
 def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
     from swarm.experiments.selective import apply_selective, selective_plan
     from swarm.model.gpt import ModelConfig
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
 
     model = ModelConfig(n_layers=3, hidden_dim=32, n_heads=2, seq_len_tokens=32)
     plan = selective_plan("sel:100000+1", model, 3, 4, 2)

@@ -94,7 +94,7 @@ def test_a_drifted_receiver_is_repaired_inside_a_running_pipeline():
     from swarm.compression import CodecConfig
     from swarm.model.data import Batch
     from swarm.model.gpt import ModelConfig
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
 
     model = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=4, init_seed=1)
     pipe = LocalPipeline(model, 2, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))

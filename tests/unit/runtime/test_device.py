@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, LinkState, MemoryBufferStore, WireLimits, frame, make_codec, unframe
-from swarm.daemon.config import build_parser, config_from_args
+from swarm.daemon.peer_config import build_parser, config_from_args
 from swarm.kernels.host_copy import to_host
 from swarm.runtime.boundary import LinkEnd, LinkEnds
 from swarm.runtime.device import (

@@ -16,7 +16,7 @@ from swarm.net.connect import LocalRpcError
 from swarm.net.stream import StageCallError
 from swarm.proto import stage_pb2
 from swarm.runtime.checkpoint import handover_tensors, load_worker, save_worker, take_over
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.precision import LossScaler, ScalerConfig
 from swarm.runtime.worker import OptimConfig, StageConfig, StageWorker
 from tests.unit.runtime.test_replicas import CFG, FP32, batch

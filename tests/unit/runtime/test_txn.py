@@ -12,7 +12,7 @@ from swarm.compression import CodecConfig
 from swarm.compression.codec_aqsgd import buffer_digest
 from swarm.runtime.freeze import FreezePolicy
 from swarm.runtime.gate import GateError
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.messages import StepOrder
 from tests.unit.runtime.test_replicas import CFG, batch, weights
 from tests.unit.test_freeze import LLAMA, NO_CLIP

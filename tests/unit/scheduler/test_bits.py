@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
-from swarm.daemon.config import PlanningConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT

@@ -82,7 +82,7 @@ class PlanningConfig:
     republishes it (`swarm.daemon.calibrate`); None: off (a trainer without the DHT cannot follow the new version)."""
     precision_budget: float = 0.0
     """The planner chooses each stage's precision (fp32/bf16, QSync) from the peers' announced speeds under this
-    loss budget, e.g. 1e-3 (summed sensitivity, `swarm.scheduler.precision`); 0: off, every peer computes in its
+    loss budget, e.g. 1e-3 (summed sensitivity, `swarm.scheduler.precision_choice`); 0: off, every peer computes in its
     --precision."""
 
     def __post_init__(self) -> None:
