@@ -1,4 +1,4 @@
-"""`swarm plan`: the scheduler's command (`swarm.scheduler.cli`: a scenario or an input file) and, with `--dht`,
+"""`swarm plan`: the scheduler's command (`swarm.scheduler.plan_cli`: a scenario or an input file) and, with `--dht`,
 the live swarm's published plan beside the plan the live planner would make from it now."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from swarm.daemon.planning import live_search, swarm_plan_input
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.scheduler import Plan, TransformerShape, plan
-from swarm.scheduler.cli import add_arguments, check_source, describe, fill_model_defaults, model_of
-from swarm.scheduler.cli import run as run_offline
+from swarm.scheduler.plan_cli import add_arguments, check_source, describe, fill_model_defaults, model_of
+from swarm.scheduler.plan_cli import run as run_offline
 from swarm.scheduler.sizes import REFERENCE_MICRO_BATCH, REFERENCE_MICRO_BATCHES, wire_bits
 
 __all__ = ["add_arguments", "run", "run_live"]

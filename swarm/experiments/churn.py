@@ -3,7 +3,7 @@ kills, graceful leaves and joins, and what the churn cost (issue 12's targets, r
 
 Each setting starts a bootstrap node, swarm-peer processes (default: 3 stages x 2 replicas + 1 standby,
 AQ-SGD forward and gradq backward) and a `swarm train` process on the embedded data set, trains a fixed
-number of steps and reaps everything. In the churn setting a controller (swarm.testbed.churn) SIGKILLs
+number of steps and reaps everything. In the churn setting a controller (swarm.testbed.churn_control) SIGKILLs
 serving peers (SIGTERMs a `--graceful-fraction` of them) on a seeded schedule that starts at the first
 completed step, and starts a fresh peer after each leave so the swarm keeps its size; it never touches the
 bootstrap node or the trainer.
@@ -243,7 +243,7 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
 def flag_support() -> dict[str, bool]:
     import subprocess
 
-    from swarm.testbed.churn import peer_flag_support
+    from swarm.testbed.churn_control import peer_flag_support
     from swarm.testbed.procs import swarm_command
 
     support = peer_flag_support(OPTIONAL_PEER_FLAGS)
@@ -255,7 +255,7 @@ def flag_support() -> dict[str, bool]:
 def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bool], say=print) -> dict:
     """Trains one setting on a fresh local swarm; returns {"rc": trainer exit code, "pids": {name: pid}}.
     Writes steps.csv, events.jsonl, step_clock.jsonl, schedule.json and logs/ under out/setting."""
-    from swarm.testbed.churn import ChurnController, ChurnSwarm, StepClock, churn_schedule
+    from swarm.testbed.churn_control import ChurnController, ChurnSwarm, StepClock, churn_schedule
 
     d = out / setting
     shutil.rmtree(d, ignore_errors=True)

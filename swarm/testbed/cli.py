@@ -39,7 +39,7 @@ from swarm.testbed.netns import (
     shaping_commands,
 )
 from swarm.testbed.services import LinkRate, TestbedConfig
-from swarm.testbed.status import collect_status, render_status
+from swarm.testbed.testbed_status import collect_status, render_status
 
 if TYPE_CHECKING:
     from swarm.train.trainer import TrainConfig

@@ -21,7 +21,7 @@ from swarm.testbed import lifecycle, netns, services
 from swarm.testbed.compose import SHARED_DIR, compose_service, entrypoint_argv, render_compose
 from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands, tbf_burst_bytes, tbf_limit_bytes
 from swarm.testbed.services import METRICS_PORT, PEER_PORT, LinkRate, process_argv
-from swarm.testbed.status import metrics_url, render_status
+from swarm.testbed.testbed_status import metrics_url, render_status
 from swarm.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]

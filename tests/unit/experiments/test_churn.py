@@ -22,7 +22,7 @@ from swarm.experiments.churn_report import (
     summarize,
     targets,
 )
-from swarm.testbed.churn import ChurnEvent, churn_schedule
+from swarm.testbed.churn_control import ChurnEvent, churn_schedule
 
 EXPECTED = [(3, 1), (0, 2), (1, 0), (2, 3)]  # 4 steps of 2 samples (ids repeat across epochs)
 
@@ -315,7 +315,7 @@ class _Proc:
 
 class _FakeSwarm:
     def __init__(self, stages):
-        from swarm.testbed.churn import PeerProc
+        from swarm.testbed.churn_control import PeerProc
 
         self.peers = {f"peer{i}": PeerProc(f"peer{i}", f"id{i}", _Proc(100 + i)) for i in range(len(stages))}
         self._stages = {f"id{i}": s for i, s in enumerate(stages)}
@@ -332,7 +332,7 @@ class _FakeSwarm:
         self.left.append((peer.name, kind))
 
     def start_peer(self):
-        from swarm.testbed.churn import PeerProc
+        from swarm.testbed.churn_control import PeerProc
 
         name = f"peer{len(self.peers)}"
         self.peers[name] = PeerProc(name, f"id{len(self.peers)}", _Proc(200))
@@ -340,7 +340,7 @@ class _FakeSwarm:
 
 
 def test_controller_leaves_only_serving_peers_and_names_the_stage_and_survivors(tmp_path):
-    from swarm.testbed.churn import ChurnController
+    from swarm.testbed.churn_control import ChurnController
 
     swarm = _FakeSwarm([0, 0, 1, None])  # peer3 is on standby
     controller = ChurnController(swarm, [], tmp_path / "events.jsonl")
@@ -357,7 +357,7 @@ def test_controller_leaves_only_serving_peers_and_names_the_stage_and_survivors(
 
 
 def test_controller_plays_its_schedule_from_begin_and_logs_each_action(tmp_path):
-    from swarm.testbed.churn import ChurnController
+    from swarm.testbed.churn_control import ChurnController
 
     swarm = _FakeSwarm([0, 0])
     path = tmp_path / "events.jsonl"
@@ -370,7 +370,7 @@ def test_controller_plays_its_schedule_from_begin_and_logs_each_action(tmp_path)
 
 
 def test_a_stopped_controller_acts_no_more(tmp_path):
-    from swarm.testbed.churn import ChurnController
+    from swarm.testbed.churn_control import ChurnController
 
     swarm = _FakeSwarm([0, 0])
     controller = ChurnController(swarm, [ChurnEvent(3600.0, "kill", 0.0)], tmp_path / "events.jsonl")

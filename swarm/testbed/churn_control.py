@@ -242,7 +242,7 @@ class ChurnSwarm:
 
     def start_clock(self, url: str, path: Path) -> None:
         """A step clock process beside the trainer (in its namespace, if any), writing `path`."""
-        argv = [sys.executable, "-m", "swarm.testbed.churn", "clock", url, str(path)]
+        argv = [sys.executable, "-m", "swarm.testbed.churn_control", "clock", url, str(path)]
         self.procs.start("clock", self.wrap("clock", argv))
 
     def close(self) -> dict[str, int | None]:
@@ -342,10 +342,10 @@ class StepClock(threading.Thread):
 
 
 def main(argv: list[str]) -> int:
-    """`python -m swarm.testbed.churn clock URL PATH`: a step clock as its own process (run beside a trainer
+    """`python -m swarm.testbed.churn_control clock URL PATH`: a step clock as its own process (run beside a trainer
     in a network namespace, where this process's network cannot reach it); stops on SIGTERM."""
     if len(argv) != 3 or argv[0] != "clock":
-        print("usage: python -m swarm.testbed.churn clock URL PATH", file=sys.stderr)
+        print("usage: python -m swarm.testbed.churn_control clock URL PATH", file=sys.stderr)
         return 2
     clock = StepClock(argv[1], Path(argv[2]))
     signal.signal(signal.SIGTERM, lambda *_: clock.stop.set())
