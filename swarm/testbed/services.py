@@ -175,7 +175,7 @@ class TestbedConfig:
             group="network (bandwidth by the kernel, delay by swarm-peer's shaper)",
         ),
     )
-    """Peers behind a NAT router (`swarm.testbed.nat`): they can dial out, nobody can dial in."""
+    """Peers behind a NAT router (`swarm.testbed.nat_routers`): they can dial out, nobody can dial in."""
     nat_subnet: str = field(
         default="10.78.0.0/20", metadata=flag(group="network (bandwidth by the kernel, delay by swarm-peer's shaper)")
     )
