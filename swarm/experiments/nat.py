@@ -271,7 +271,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
 
 def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool) -> dict:
     from swarm.experiments.nat_netns import probe
-    from swarm.testbed.cli import run_in_testbed
+    from swarm.testbed.testbed_cli import run_in_testbed
 
     flags = [*common_flags(cfg), *reach_flags(bool(nat), True, supported)]
     cell = argparse.Namespace(rate_mbit=cfg.rate_mbit)

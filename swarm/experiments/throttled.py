@@ -295,7 +295,7 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     flags = peer_flags().to_argv(peer) + list(cfg.model_flags)
     train_cfg = train_config(cell, cfg, out)
     if cfg.netns:
-        from swarm.testbed.cli import run_in_testbed
+        from swarm.testbed.testbed_cli import run_in_testbed
 
         return run_in_testbed(cell, flags, train_cfg, cfg.peers)
     # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's

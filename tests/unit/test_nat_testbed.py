@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.testbed import cli as testbed
 from swarm.testbed import nat_routers, services
+from swarm.testbed import testbed_cli as testbed
 from swarm.testbed.compose import SHARED_DIR, render_compose
 from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands
 

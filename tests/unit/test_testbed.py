@@ -16,8 +16,8 @@ import pytest
 
 from swarm import cli
 from swarm.model.gpt import ModelConfig
-from swarm.testbed import cli as testbed
 from swarm.testbed import lifecycle, netns, services
+from swarm.testbed import testbed_cli as testbed
 from swarm.testbed.compose import SHARED_DIR, compose_service, entrypoint_argv, render_compose
 from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands, tbf_burst_bytes, tbf_limit_bytes
 from swarm.testbed.services import METRICS_PORT, PEER_PORT, LinkRate, process_argv
