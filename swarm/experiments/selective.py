@@ -84,11 +84,17 @@ def apply_selective(pipe, plan: PlanDocument, fw_defaults: dict, bw_defaults: di
         for host in row:
             stage = host.role.stage
             labels = plan.link_labels(stage, (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC))
-            fw_send, bw_send, fw_recv, bw_recv = (
+            forward_send, backward_send, forward_recv, backward_recv = (
                 CodecConfig.parse(label, **(fw_defaults if i % 2 == 0 else bw_defaults))
                 for i, label in enumerate(labels)
             )
-            links = LinkEnds(fw_send, bw_send, pipe.shaping, adaptive_zstd=pipe.adaptive_zstd, recv=(fw_recv, bw_recv))
+            links = LinkEnds(
+                forward_send,
+                backward_send,
+                pipe.shaping,
+                adaptive_zstd=pipe.adaptive_zstd,
+                recv=(forward_recv, backward_recv),
+            )
             host.apply(replace(host.assignment, links=links, epilogue=plan.epilogue_configs(stage)))
 
 

@@ -120,8 +120,10 @@ class LinkEnds:
         recv: tuple[CodecConfig, CodecConfig] | None = None,
     ):
         self._configs = {"fw": forward, "bw": backward}
-        fw_recv, bw_recv = recv or (forward, backward)  # a plan's per-link codecs: the other boundary's codecs
-        self.fw_recv, self.bw_recv = LinkEnd(fw_recv, "fw-recv.buf"), LinkEnd(bw_recv, "bw-recv.buf")
+        # a plan's per-link codecs: the other boundary's codecs
+        forward_recv, backward_recv = recv or (forward, backward)
+        self.forward_recv = LinkEnd(forward_recv, "fw-recv.buf")
+        self.backward_recv = LinkEnd(backward_recv, "bw-recv.buf")
         self._send: OrderedDict[tuple[str, str], LinkEnd] = OrderedDict()
         """sending ends by (kind, destination address), least recently used first"""
         self.shaping = shaping or LinkShaping()
@@ -184,7 +186,7 @@ class LinkEnds:
 
     def _ends_held(self) -> list[LinkEnd]:
         """Every end (the lock held)."""
-        return [self.fw_recv, self.bw_recv, *self._send.values()]
+        return [self.forward_recv, self.backward_recv, *self._send.values()]
 
     def begin_step(self, step: int) -> None:
         """`step` opens on this stage: every codec-state change from here on is journalled per end until

@@ -263,15 +263,15 @@ class PipelineDriver:
 
         # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
         # comes back
-        fw = self.router.routed(step, 0, first_r, "Forward", tokens)
+        forward = self.router.routed(step, 0, first_r, "Forward", tokens)
         # communication: the backward starts at the chain's last stage and flows back to its stage 0
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
-        bw = self.router.routed(step, last, last_r, "Backward", start)
+        backward = self.router.routed(step, last, last_r, "Backward", start)
         traffic = Traffic()
-        traffic.add(fw.traffic.link_bytes, fw.traffic.fp32_wire_bytes, "forward")
-        traffic.add(bw.traffic.link_bytes, bw.traffic.fp32_wire_bytes, "backward")
+        traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
+        traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
         self._record(traffic)
-        return _MicroResult(fw.loss * work.loss_weights[mb], traffic, time.perf_counter())
+        return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
     def _run_chains(self, step: int, work: list[ChainWork], wake: threading.Event) -> tuple[float, Traffic]:
         """Every chain's micro-batches, all at once; the batch's mean loss and the bytes. Records each chain's

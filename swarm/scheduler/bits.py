@@ -124,12 +124,18 @@ def choose_link(
     message each way on every boundary, so even a message the steady state hides is on the critical path once
     a step (`choose_codecs` gives each boundary its part of `epilogue_share`)."""
     budget = min(link.compute_s / policy.headroom, exposed_s / 2)
-    fw = _pick(FORWARD_LADDER, policy.forward_floor, link.forward_bytes_per_s, budget, message_bytes)
-    bw = _pick(BACKWARD_LADDER, policy.backward_floor, link.backward_bytes_per_s, budget, message_bytes)
-    fw_s, bw_s = message_bytes(fw) / link.forward_bytes_per_s, message_bytes(bw) / link.backward_bytes_per_s
-    hidden = "hidden under" if max(fw_s, bw_s) <= budget else "over (at the floor)"
-    why = f"{fw}/{bw}: {fw_s * 1e3:.1f}/{bw_s * 1e3:.1f} ms per micro-batch, {hidden} {budget * 1e3:.1f} ms compute"
-    return {"forward": fw, "backward": bw, "why": why}
+    forward = _pick(FORWARD_LADDER, policy.forward_floor, link.forward_bytes_per_s, budget, message_bytes)
+    backward = _pick(BACKWARD_LADDER, policy.backward_floor, link.backward_bytes_per_s, budget, message_bytes)
+    forward_s, backward_s = (
+        message_bytes(forward) / link.forward_bytes_per_s,
+        message_bytes(backward) / link.backward_bytes_per_s,
+    )
+    hidden = "hidden under" if max(forward_s, backward_s) <= budget else "over (at the floor)"
+    why = (
+        f"{forward}/{backward}: {forward_s * 1e3:.1f}/{backward_s * 1e3:.1f} ms per micro-batch, "
+        f"{hidden} {budget * 1e3:.1f} ms compute"
+    )
+    return {"forward": forward, "backward": backward, "why": why}
 
 
 def choose_codecs(

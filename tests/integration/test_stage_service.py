@@ -60,7 +60,7 @@ def test_aqsgd_loopback_trains_and_buffers_match_on_both_ends():
         results = [pipe.train_step(step, b) for step, b in enumerate(data)]
         pipe.close()
         [send_end] = hosts[0].links.send_ends("fw")  # one destination: the plan's next stage
-        send, recv = send_end.buffers, hosts[1].links.fw_recv.buffers
+        send, recv = send_end.buffers, hosts[1].links.forward_recv.buffers
         assert sorted(send.ids()) == sorted(recv.ids()) and len(send.ids()) == 8
         for sample in send.ids():
             assert torch.equal(send.get(sample), recv.get(sample))

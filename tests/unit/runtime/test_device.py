@@ -140,7 +140,7 @@ def test_cpu_stage_links_encode_as_before():
             got = end.codec.encode(x, sample_ids=ids, state=end.state)
         want = codec.encode(x, sample_ids=ids, state=state)
         assert got.SerializeToString() == want.SerializeToString()
-        out = links.incoming(links.fw_recv, unframe(list(frame(got))), WireLimits())
+        out = links.incoming(links.forward_recv, unframe(list(frame(got))), WireLimits())
         assert out.device.type == "cpu"
 
 
@@ -165,7 +165,7 @@ def test_a_cuda_sending_end_encodes_on_the_device_and_the_cpu_receiver_agrees():
     sent = end.buffers.gather(end.buffers.lookup([0, 1, 2])).cpu()
     got = recv.buffers.gather(recv.buffers.lookup([0, 1, 2]))
     assert torch.equal(sent.view(torch.int16), got.view(torch.int16))
-    decoded = gpu.incoming(gpu.fw_recv, unframe(list(frame(on_cpu))), WireLimits())
+    decoded = gpu.incoming(gpu.forward_recv, unframe(list(frame(on_cpu))), WireLimits())
     assert decoded.device.type == "cuda"
 
 

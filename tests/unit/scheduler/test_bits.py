@@ -144,12 +144,12 @@ def test_a_plans_codecs_keep_the_peers_own_codec_options():
             {"forward": "aqsgd4", "backward": "gradq4"},  # the flags' own labels
         ]
     )
-    fw_send, bw_send, fw_recv, bw_recv = plan.link_configs(1, flags)
-    assert (fw_send, bw_recv) == flags, "the plan names the flags' labels: the flags' configs themselves"
-    assert fw_recv == CodecConfig.parse("acsgd2+ch+nr", **local, buffer_dir="/tmp/bufs")
-    assert bw_send == CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024", zstd_level=7, seed=11)
-    assert bw_send.group_size == 1024, "the label's +g1024 wins over --group-size"
-    for end in (fw_send, bw_send, fw_recv, bw_recv):
+    forward_send, backward_send, forward_recv, backward_recv = plan.link_configs(1, flags)
+    assert (forward_send, backward_recv) == flags, "the plan names the flags' labels: the flags' configs themselves"
+    assert forward_recv == CodecConfig.parse("acsgd2+ch+nr", **local, buffer_dir="/tmp/bufs")
+    assert backward_send == CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024", zstd_level=7, seed=11)
+    assert backward_send.group_size == 1024, "the label's +g1024 wins over --group-size"
+    for end in (forward_send, backward_send, forward_recv, backward_recv):
         assert (end.zstd_level, end.seed) == (7, 11)
 
 
@@ -176,7 +176,7 @@ def test_a_peer_builds_its_boundary_ends_from_the_plans_codecs():
     plan = PlanDocument.from_wire({"stages": stages, "codecs": [{"forward": "aqsgd2", "backward": "gradq2+ef"}]})
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
     ends = host.links
-    assert ends.fw_recv.config.label == "aqsgd2" and ends.bw_recv.config.label == "gradq2+ef"
+    assert ends.forward_recv.config.label == "aqsgd2" and ends.backward_recv.config.label == "gradq2+ef"
     assert host.assignment.link_codecs[1].label == "gradq2+ef"
 
 
