@@ -163,20 +163,20 @@ class LinkCodecs:
 
     def build(self) -> dict[str, CodecConfig]:
         common = dict(group_size=self.group_size, zstd_level=self.zstd_level, seed=self.codec_seed)
-        fw_extra = {"buffer_dir": str(self.buffer_dir)} if self.buffer_dir else {}  # one file per link end
+        forward_extra = {"buffer_dir": str(self.buffer_dir)} if self.buffer_dir else {}  # one file per link end
         return {
-            "fw_codec": CodecConfig.parse(self.fw_codec, **common, **fw_extra),
+            "fw_codec": CodecConfig.parse(self.fw_codec, **common, **forward_extra),
             "bw_codec": CodecConfig.parse(self.bw_codec, **common),
         }
 
     @classmethod
-    def of(cls, fw: CodecConfig, bw: CodecConfig) -> LinkCodecs:
+    def of(cls, forward: CodecConfig, backward: CodecConfig) -> LinkCodecs:
         """The flags of two codecs (each one's rounding and group size in its label, `+nr`, `+gN`)."""
         labels = [
             default if CodecConfig.parse(default) == c else _full_label(c)
-            for c, default in ((fw, DEFAULT_FW_CODEC), (bw, DEFAULT_BW_CODEC))
+            for c, default in ((forward, DEFAULT_FW_CODEC), (backward, DEFAULT_BW_CODEC))
         ]
-        return cls(*labels, None, fw.zstd_level, fw.seed, fw.buffer_dir)
+        return cls(*labels, None, forward.zstd_level, forward.seed, forward.buffer_dir)
 
 
 def codec_configs(args: argparse.Namespace) -> tuple[CodecConfig, CodecConfig]:

@@ -160,8 +160,8 @@ def _pretrain(cfg: FreezingExperimentConfig, model, train, say) -> dict[str, tor
     """The state every setting fine-tunes from: `pretrain_epochs` without freezing (weights by global name)."""
     total = max(1, len(train) // cfg.batch_size * cfg.pretrain_epochs)
     optim = OptimConfig(lr_peak=cfg.pretrain_lr, warmup_steps=max(1, round(total * 0.2)), total_steps=total)
-    fw, bw = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
-    pipe = LocalPipeline(model, cfg.n_stages, fw, bw, stage_cfg=StageConfig(optim))
+    forward, backward = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
+    pipe = LocalPipeline(model, cfg.n_stages, forward, backward, stage_cfg=StageConfig(optim))
     for epoch in range(cfg.pretrain_epochs):
         for batch in epoch_batches(train, cfg.batch_size, 1000 + epoch, cfg.seed):
             result = pipe.train_step(batch, cfg.n_micro)
@@ -176,9 +176,9 @@ def _run_setting(setting: str, cfg: FreezingExperimentConfig, model, train, eval
     total = steps_per_epoch * cfg.epochs
     optim = OptimConfig(lr_peak=cfg.lr, warmup_steps=max(1, round(total * cfg.warmup_fraction)), total_steps=total)
     stage_cfg = StageConfig(optim)
-    fw, bw = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
+    forward, backward = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
     layout = split_layers(cfg.n_layers, cfg.n_stages)
-    pipe = LocalPipeline(model, cfg.n_stages, fw, bw, stage_cfg=stage_cfg, layers=layout)
+    pipe = LocalPipeline(model, cfg.n_stages, forward, backward, stage_cfg=stage_cfg, layers=layout)
     with torch.no_grad():
         for w in pipe.workers if start else ():
             for name, p in w.module.named_parameters():
@@ -201,7 +201,7 @@ def _run_setting(setting: str, cfg: FreezingExperimentConfig, model, train, eval
                 if len(ranges) < len(layout):
                     layout, repacked = (
                         ranges,
-                        LocalPipeline(model, len(ranges), fw, bw, stage_cfg=stage_cfg, layers=ranges),
+                        LocalPipeline(model, len(ranges), forward, backward, stage_cfg=stage_cfg, layers=ranges),
                     )
                     _transplant(pipe, repacked, now)
                     hits += sum(w.cache_hits for w in pipe.workers)

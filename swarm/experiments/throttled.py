@@ -273,7 +273,7 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
 
-    fw, bw = cell.setting.split("/")
+    forward, backward = cell.setting.split("/")
     planning = PlanningConfig(
         even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
     )
@@ -282,7 +282,7 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
         planning=planning,
         link_shape=LinkShape.from_mbit(cell.rate_mbit, cfg.delay_ms),
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
-        **LinkCodecs(fw, bw).build(),
+        **LinkCodecs(forward, backward).build(),
     )
 
 
@@ -320,8 +320,9 @@ def _busiest_direction(step: dict) -> float:
     """Bytes of a step's busier direction: the larger boundary direction plus half of what is not boundary
     traffic (the tied-embedding exchange, averaging, control: symmetric between two members, so half each
     way); the boundaries alone while the runtime reports no totals."""
-    fwd, bwd = _int(step, "forward_bytes"), _int(step, "backward_bytes")
-    return max(fwd, bwd) + max(0, _int(step, "total_wire_bytes") - fwd - bwd) / 2
+    forward_bytes, backward_bytes = _int(step, "forward_bytes"), _int(step, "backward_bytes")
+    not_boundary = max(0, _int(step, "total_wire_bytes") - forward_bytes - backward_bytes)
+    return max(forward_bytes, backward_bytes) + not_boundary / 2
 
 
 def summarize(
@@ -331,7 +332,7 @@ def summarize(
     times = [float(s["step_s"]) for s in steps]
     steady = times[steps_per_epoch:] or times
     first = times[:steps_per_epoch]
-    fw, bw = cell.setting.split("/")
+    forward, backward = cell.setting.split("/")
     wire = sum(_int(s, "forward_bytes") + _int(s, "backward_bytes") for s in steps)
     losses = [float(s["train_loss"]) for s in steps]
     total, fp32_total = (
@@ -349,8 +350,8 @@ def summarize(
     return {
         "rate_mbit": cell.rate_mbit,
         "setting": cell.setting,
-        "fw_bits": _bits(fw),
-        "bw_bits": _bits(bw),
+        "fw_bits": _bits(forward),
+        "bw_bits": _bits(backward),
         "mean_step_s": mean,
         "first_epoch_step_s": statistics.mean(first),
         "throughput_samples_per_s": batch_size / mean,
