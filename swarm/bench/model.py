@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig, frame, make_codec
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig, frame, make_codec
 
 __all__ = ["add_arguments", "run", "bench_model"]
 
@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--micro-batch", type=int, default=2, help="samples per micro-batch (default %(default)s)")
     add("--iters", type=int, default=3, help="timed passes per stage, the fastest counts (default %(default)s)")
     add("--lr", type=float, default=1e-4, help="AdamW step before the steady-state delta (default %(default)s)")
-    add("--fw-codec", default=DEFAULT_FW_CODEC, help="activation codec (default %(default)s)")
-    add("--bw-codec", default=DEFAULT_BW_CODEC, help="gradient codec (default %(default)s)")
+    add("--fw-codec", default=DEFAULT_FORWARD_CODEC, help="activation codec (default %(default)s)")
+    add("--bw-codec", default=DEFAULT_BACKWARD_CODEC, help="gradient codec (default %(default)s)")
     add("--threads", type=int, default=1, help="torch intra-op threads (default %(default)s)")
     if _has_device_module():
         from swarm.runtime.device import add_device_argument

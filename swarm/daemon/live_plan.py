@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.daemon.bootstrap import read_address_file
 from swarm.daemon.planning import live_search, swarm_plan_input
 from swarm.model.gpt import ModelConfig
@@ -36,8 +36,8 @@ def run_live(args: argparse.Namespace) -> int:
             seq_len=model.seq_len_tokens,
             micro_batch_size=REFERENCE_MICRO_BATCH,
             micro_batches=REFERENCE_MICRO_BATCHES,
-            forward_bits=wire_bits(CodecConfig.parse(DEFAULT_FW_CODEC)),
-            backward_bits=wire_bits(CodecConfig.parse(DEFAULT_BW_CODEC)),
+            forward_bits=wire_bits(CodecConfig.parse(DEFAULT_FORWARD_CODEC)),
+            backward_bits=wire_bits(CodecConfig.parse(DEFAULT_BACKWARD_CODEC)),
         ),
     )
     initial = list(args.dht or []) + (read_address_file(args.dht_address_file) if args.dht_address_file else [])

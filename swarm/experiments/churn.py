@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.experiments.churn_report import (
     ROW_KEYS,
     expected_batches,
@@ -80,9 +80,9 @@ class ChurnConfig:
     """Micro-batches per step."""
     seed: int = 0
     """Seed of the data order, the planner and the churn schedule."""
-    fw_codec: str = DEFAULT_FW_CODEC
+    fw_codec: str = DEFAULT_FORWARD_CODEC
     """Activation codec of the stage links."""
-    bw_codec: str = DEFAULT_BW_CODEC
+    bw_codec: str = DEFAULT_BACKWARD_CODEC
     """Gradient codec of the stage links."""
     kill_every_s: float | None = 60.0
     """Seconds between leaves (None: exponential lifetimes, see mean_lifetime_s)."""

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.daemon.repack import repack_layout
 from swarm.experiments import rotated
 from swarm.flags import Flags, flag
@@ -96,9 +96,9 @@ class FreezingExperimentConfig:
     windows has settled"""
     max_fraction: float = 0.75
     """freeze at most this fraction of the layers (PipeTransformer's alpha-style cap)"""
-    fw_codec: str = field(default=DEFAULT_FW_CODEC, metadata=flag(skip=True))
+    fw_codec: str = field(default=DEFAULT_FORWARD_CODEC, metadata=flag(skip=True))
     """Activation codec of the stage links."""
-    bw_codec: str = field(default=DEFAULT_BW_CODEC, metadata=flag(skip=True))
+    bw_codec: str = field(default=DEFAULT_BACKWARD_CODEC, metadata=flag(skip=True))
     """Gradient codec of the stage links."""
     seed: int = 0
     """model and data seed"""

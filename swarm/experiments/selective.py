@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.peers.plan import PlanDocument, PlanStage
 
 __all__ = ["SEL_LAYERS_PER_S", "apply_selective", "selective_plan", "setting_codecs"]
@@ -40,7 +40,7 @@ def _parse(text: str, n_stages: int) -> tuple[list[float], float]:
 
 def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int) -> PlanDocument:
     """The plan (stages, link codecs, epilogue codecs) chosen for the `sel:` setting `text`."""
-    from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+    from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
     from swarm.daemon.planning import link_figures
     from swarm.scheduler.bits import BitsPolicy, choose_codecs, codec_sizes
     from swarm.scheduler.plans import Peer, PlanInput
@@ -51,7 +51,11 @@ def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro
         raise ValueError(f"setting {text!r}: selective compression needs 2+ stages")
     rates, speed = _parse(text, n_stages)
     spec = model_spec(
-        model, CodecConfig.parse(DEFAULT_FW_CODEC), CodecConfig.parse(DEFAULT_BW_CODEC), micro_batch_size, micro_batches
+        model,
+        CodecConfig.parse(DEFAULT_FORWARD_CODEC),
+        CodecConfig.parse(DEFAULT_BACKWARD_CODEC),
+        micro_batch_size,
+        micro_batches,
     )
     bandwidth = np.full((n_stages, n_stages), min(rates) * 1e6 / 8)
     for b, rate in enumerate(rates):
@@ -83,7 +87,7 @@ def apply_selective(pipe, plan: PlanDocument, forward_defaults: dict, backward_d
     for row in pipe.replica_hosts:
         for host in row:
             stage = host.role.stage
-            labels = plan.link_labels(stage, (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC))
+            labels = plan.link_labels(stage, (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC))
             forward_send, backward_send, forward_recv, backward_recv = (
                 CodecConfig.parse(label, **(forward_defaults if i % 2 == 0 else backward_defaults))
                 for i, label in enumerate(labels)

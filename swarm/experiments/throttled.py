@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.flags import Flags, flag
 from swarm.peers.plan import PlanDocument
 from swarm.report import print_table
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from swarm.train.trainer import TrainConfig
 
 RATES = [1.0, 10.0, 100.0, 1000.0, None]
-DEFAULT_CODECS = f"{DEFAULT_FW_CODEC}/{DEFAULT_BW_CODEC}"
+DEFAULT_CODECS = f"{DEFAULT_FORWARD_CODEC}/{DEFAULT_BACKWARD_CODEC}"
 """The swarm's default codecs (`swarm-peer --fw-codec/--bw-codec`), the convergence experiment's default setting
 spelled with the experiment's rounding and group size."""
 SETTINGS = ["fp32/fp32", "directq2/gradq4", "aqsgd2/gradq4", DEFAULT_CODECS]

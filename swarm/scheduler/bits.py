@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", "acsgd2+ch+nr")
-"""Forward (activation) codecs, most precise first; the last is the default floor (`DEFAULT_FW_CODEC`): the
+"""Forward (activation) codecs, most precise first; the last is the default floor (`DEFAULT_FORWARD_CODEC`): the
 current family (the AQ-SGD paper's quantizer, channel groups, round to nearest) at 8, 4 and 2 bits."""
 BACKWARD_LADDER = (
     "fp32",
@@ -56,7 +56,7 @@ BACKWARD_LADDER = (
     "gtern+ef+rot+nr+r150+g1024",
 )
 """Backward (activation-gradient) codecs, most precise first; the 2-bit rung is the default floor
-(`DEFAULT_BW_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4
+(`DEFAULT_BACKWARD_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4
 and 2 bits. Below it, ternary gradients at about 1 bit an element (`gtern`, issue 13's best setting), which a
 policy reaches only by naming it as its `backward_floor`."""
 AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024")

@@ -371,9 +371,9 @@ def test_dockerfile_installs_the_project_with_cpu_torch_and_the_entrypoint():
 
 
 def test_testbed_peers_default_to_the_swarms_codecs():
-    from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+    from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
     from swarm.testbed.services import TestbedConfig
 
     cfg = TestbedConfig()
-    assert (cfg.fw_codec, cfg.bw_codec) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC)
-    assert CodecConfig.parse(DEFAULT_BW_CODEC).group_size == 1024  # parses, with its own group size
+    assert (cfg.fw_codec, cfg.bw_codec) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC)
+    assert CodecConfig.parse(DEFAULT_BACKWARD_CODEC).group_size == 1024  # parses, with its own group size

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.experiments.churn import QUICK_KILL_AT_S, ChurnConfig, config_from_args, swarm_flags
 from swarm.experiments.churn_report import (
     ROW_KEYS,
@@ -255,7 +255,7 @@ def _args(**kw):
 def test_default_config_is_issue_12s_swarm():
     cfg = config_from_args(_args())
     assert (cfg.stages, cfg.replicas, cfg.standby, cfg.peers) == (3, 2, 1, 7)
-    assert (cfg.fw_codec, cfg.bw_codec, cfg.kill_every_s) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC, 60.0)
+    assert (cfg.fw_codec, cfg.bw_codec, cfg.kill_every_s) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC, 60.0)
     assert config_from_args(_args(mean_lifetime=90.0)).kill_every_s is None
     with pytest.raises(ValueError):
         config_from_args(_args(kill_every=30.0, mean_lifetime=90.0))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
@@ -50,7 +50,7 @@ def test_slow_links_get_fewer_bits_and_fast_links_more():
 
 def test_the_loss_budget_is_a_floor_even_when_nothing_hides():
     c = choose_link(link(0.01), SIZES)
-    assert (c["forward"], c["backward"]) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC) and "floor" in c["why"]
+    assert (c["forward"], c["backward"]) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC) and "floor" in c["why"]
     policy = BitsPolicy(forward_floor="acsgd4+ch+nr", backward_floor="gradq8+ef+rot+nr+cs+g1024")
     c = choose_link(link(0.01), SIZES, policy)
     assert (c["forward"], c["backward"]) == ("acsgd4+ch+nr", "gradq8+ef+rot+nr+cs+g1024")
@@ -63,7 +63,7 @@ def test_the_loss_budget_is_a_floor_even_when_nothing_hides():
 
 
 def test_the_ladders_are_the_default_codec_family():
-    assert BitsPolicy().forward_floor == DEFAULT_FW_CODEC and BitsPolicy().backward_floor == DEFAULT_BW_CODEC
+    assert BitsPolicy().forward_floor == DEFAULT_FORWARD_CODEC and BitsPolicy().backward_floor == DEFAULT_BACKWARD_CODEC
     assert BACKWARD_LADDER[-1] == "gtern+ef+rot+nr+r150+g1024"  # below the default floor: a policy names it
     assert SIZES(BACKWARD_LADDER[-1]) < SIZES(BACKWARD_LADDER[-2])
     for ladder in (FORWARD_LADDER, BACKWARD_LADDER[:4]):
@@ -227,7 +227,7 @@ def test_the_planner_publishes_per_link_codecs_and_rechooses_only_past_the_hyste
     ((version, first),) = published
     validate_plan(PlanRecord(version, first, 1.0), model.n_layers, records["peers"])
     slow = first["codecs"][0]
-    assert (slow["forward"], slow["backward"]) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC), slow
+    assert (slow["forward"], slow["backward"]) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC), slow
     records["peers"] = [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0, plan_version=version)
                         for pid in (A, B)]  # fmt: skip
     links[:] = measured(1.2)
