@@ -3,8 +3,8 @@
 from swarm.compression.buffers import BufferStore, MemoryBufferStore, MmapBufferStore
 from swarm.compression.codec_aqsgd import BufferDriftError, BufferMissError, buffer_digest
 from swarm.compression.codec_base import Codec
+from swarm.compression.codec_config import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.compression.codecs import CODEC_NAMES, REGISTRY, codec_class, codec_labels, decoder_for, make_codec
-from swarm.compression.config import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
 from swarm.compression.framing import Unframer, ZstdPolicy, frame, unframe
 from swarm.compression.quantized import quantized_nbytes
 from swarm.compression.state import LinkState
@@ -12,8 +12,8 @@ from swarm.compression.wire import DEFAULT_LIMITS, WireError, WireLimits
 
 __all__ = [
     "CODEC_NAMES",
-    "DEFAULT_BW_CODEC",
-    "DEFAULT_FW_CODEC",
+    "DEFAULT_BACKWARD_CODEC",
+    "DEFAULT_FORWARD_CODEC",
     "DEFAULT_LIMITS",
     "REGISTRY",
     "BufferDriftError",

@@ -25,7 +25,7 @@ from swarm.compression.wire import (
 from swarm.proto import wire_pb2
 
 if TYPE_CHECKING:
-    from swarm.compression.config import CodecConfig
+    from swarm.compression.codec_config import CodecConfig
     from swarm.compression.state import LinkState
 
 

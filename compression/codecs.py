@@ -18,7 +18,7 @@ from swarm.compression.wire import WireError
 from swarm.proto import wire_pb2
 
 if TYPE_CHECKING:
-    from swarm.compression.config import CodecConfig
+    from swarm.compression.codec_config import CodecConfig
 
 CODEC_MODULES = (
     "codec_raw",
@@ -80,7 +80,7 @@ def decoder_for(msg: wire_pb2.TensorMessage, config: CodecConfig | None = None) 
     """The codec that reads `msg`; an unknown enum is a clear error."""
     if msg.codec not in REGISTRY:
         raise WireError("codec", f"unknown codec enum {msg.codec}")
-    from swarm.compression.config import CodecConfig  # the config module validates names against this one
+    from swarm.compression.codec_config import CodecConfig  # the config module validates names against this one
 
     cls = REGISTRY[msg.codec]
     return cls(config if config is not None and BY_NAME[config.name] is cls else CodecConfig(name=cls.name))

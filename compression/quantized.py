@@ -14,7 +14,7 @@ from swarm.kernels.reference import pack
 from swarm.proto import wire_pb2
 
 if TYPE_CHECKING:
-    from swarm.compression.config import CodecConfig
+    from swarm.compression.codec_config import CodecConfig
 
 SCALE_DTYPES = ("float32", "bfloat16", "auto")
 """How a gradq message's per-group (scale, min) pairs travel: float32 (64 bits a group), bfloat16 (32 bits), or

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from swarm.compression.buffers import BufferStore, make_store
+from swarm.compression.codec_config import CodecConfig
 from swarm.compression.codecs import codec_class
-from swarm.compression.config import CodecConfig
 
 
 class LinkState:

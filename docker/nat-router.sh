@@ -1,5 +1,5 @@
 #!/bin/sh
-# The compose testbed's NAT router (`swarm testbed compose --nat I,J`; swarm/testbed/nat.py builds the same
+# The compose testbed's NAT router (`swarm testbed compose --nat I,J`; swarm/testbed/nat_routers.py builds the same
 # in a namespace): masquerade the LANs' outgoing connections behind UPLINK_ADDRESS, forward the replies back,
 # and nothing else: nothing new inwards (no port forwarding), nothing from one LAN to another. Needs cap_add
 # NET_ADMIN and sysctls net.ipv4.ip_forward=1. SWARM_DRY_RUN=1 prints the iptables commands (the uplink as

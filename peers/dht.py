@@ -55,7 +55,7 @@ from swarm.peers.records import (
 
 __all__ = [
     "DHTConfig",
-    "Heartbeat",
+    "Reannouncer",
     "SwarmDHT",
     "load_or_create_key",
     "peer_id_of",
@@ -283,7 +283,7 @@ class SwarmDHT:
         """Stores (or refreshes) this peer's (or trainer's) announcement for `ttl_s` (default announce_ttl_s).
 
         DHT nodes keep the record that expires last, so an announcement that would expire before the one
-        already stored is refused: keep the ttl constant (as Heartbeat does) rather than shortening it.
+        already stored is refused: keep the ttl constant (as Reannouncer does) rather than shortening it.
 
         Returns:
             Whether a DHT node accepted it.
@@ -510,7 +510,7 @@ async def _visible_maddrs(_dht: DHT, node: Any) -> list[Any]:
     return await node.get_visible_maddrs()  # runs inside the DHT process (hivemind's run_coroutine)
 
 
-class Heartbeat:
+class Reannouncer:
     """Re-announces a peer every ttl/3 seconds from a background thread, so a missed beat or two is harmless.
 
     The announcement is rebuilt on every beat by calling `make_announcement` (from the heartbeat thread), so
@@ -533,9 +533,9 @@ class Heartbeat:
         self.beats = 0
         """Announcements a DHT node accepted so far."""
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="swarm-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="swarm-reannounce", daemon=True)
 
-    def start(self) -> Heartbeat:
+    def start(self) -> Reannouncer:
         """Announces once right away (in the caller's thread), then keeps announcing in the background."""
         self._beat()
         self._thread.start()
@@ -549,7 +549,7 @@ class Heartbeat:
             if self._thread.is_alive():
                 logger.warning("heartbeat thread still busy after %.1f s; leaving it (daemon thread)", timeout_s)
 
-    def __enter__(self) -> Heartbeat:
+    def __enter__(self) -> Reannouncer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

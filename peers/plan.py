@@ -473,17 +473,17 @@ class PlanDocument:
     def link_labels(self, stage: int, default: tuple[str, str]) -> tuple[str, str, str, str]:
         """The codec labels stage `stage` puts on its boundary ends: (forward send, backward send, forward
         receive, backward receive). It sends forward on boundary `stage` and receives backward there; it receives
-        forward and sends backward on boundary `stage - 1`. Without codecs, `default` (fw, bw) everywhere."""
+        forward and sends backward on boundary `stage - 1`. Without codecs, `default` (forward, backward) everywhere."""
         if not self.codecs:
-            fw, bw = default
-            return fw, bw, fw, bw
+            forward, backward = default
+            return forward, backward, forward, backward
         after = self.codecs[stage] if stage < len(self.codecs) else None
         before = self.codecs[stage - 1] if stage > 0 else None
-        fw_send = after.forward_label if after else (before.forward_label if before else default[0])
-        bw_recv = after.backward_label if after else (before.backward_label if before else default[1])
-        fw_recv = before.forward_label if before else fw_send
-        bw_send = before.backward_label if before else bw_recv
-        return fw_send, bw_send, fw_recv, bw_recv
+        forward_send = after.forward_label if after else (before.forward_label if before else default[0])
+        backward_recv = after.backward_label if after else (before.backward_label if before else default[1])
+        forward_recv = before.forward_label if before else forward_send
+        backward_send = before.backward_label if before else backward_recv
+        return forward_send, backward_send, forward_recv, backward_recv
 
     def link_configs(self, stage: int, default: tuple[CodecConfig, CodecConfig]) -> tuple[CodecConfig, ...]:
         """`link_labels` as the `CodecConfig`s stage `stage` runs; `default`: the peer's own (forward, backward)

@@ -16,7 +16,7 @@ from swarm.experiments.convergence import ExperimentConfig, _codec_defaults, _pa
 from swarm.model.data import build_datasets, epoch_batches
 from swarm.runtime.callinfo import RouteAcks
 from swarm.runtime.driver import PipelineDriver
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import StageConfig
 
 

@@ -28,7 +28,7 @@ from swarm.experiments.convergence import ExperimentConfig
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.plots import Panel, save_line_plots
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 
 OLD_OPTIM = {"lr_peak": 2e-3, "betas": (0.9, 0.95), "eps": 1e-8}

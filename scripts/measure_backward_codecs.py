@@ -63,7 +63,7 @@ def capture(steps: int, skip: int, tensors: str = "boundary") -> list[list[torch
     with `tensors="tied"`, stage 0's tied-embedding gradient of each step (what the tied sync sends)."""
     from swarm.experiments.convergence import ExperimentConfig
     from swarm.model.data import build_datasets, epoch_batches
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
     from swarm.runtime.worker import StageConfig
 
     cfg = ExperimentConfig()

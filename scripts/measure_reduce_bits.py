@@ -10,7 +10,7 @@ from swarm.compression import CodecConfig
 from swarm.experiments.convergence import ExperimentConfig
 from swarm.model.data import build_datasets, epoch_batches
 from swarm.runtime.average import GradientAverager
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import StageConfig
 
 replicas, bits, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -23,7 +23,7 @@ import torch
 
 from swarm.experiments.convergence import DEFAULT_TARGET_SETTING, ExperimentConfig, _codec_defaults, _parse_setting
 from swarm.model.data import build_datasets, epoch_batches
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import StageConfig
 
 

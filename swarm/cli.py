@@ -13,7 +13,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("status",): ("swarm.daemon.status", "list the peers in the DHT, their stages and link figures"),
     ("bootstrap",): ("swarm.daemon.bootstrap", "run a DHT bootstrap node that peers and trainers join"),
     ("plan",): ("swarm.daemon.live_plan", "plan stages, layer ranges and peers for a scenario, a JSON file or the DHT"),
-    ("testbed",): ("swarm.testbed.cli", "network-namespace testbed: up, status, down"),
+    ("testbed",): ("swarm.testbed.testbed_cli", "network-namespace testbed: up, status, down"),
     ("bench", "kernels"): ("swarm.bench.kernels", "quantize/dequantize GB/s against a memory copy"),
     ("bench", "codecs"): ("swarm.bench.codecs", "every codec's wire size, error and speed, beside hivemind's"),
     ("bench", "scheduler"): ("swarm.bench.scheduler", "our plans against random and greedy on DT-FM's scenarios"),

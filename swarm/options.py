@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig, codec_labels
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig, codec_labels
 from swarm.flags import Flag, Flags, flag
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import BUILTIN, AnyModelConfig, resolve_model
@@ -126,11 +126,11 @@ class LinkCodecs:
     """Compression on the links: the flags of a peer's two codecs (`build`: the `CodecConfig`s they give)."""
 
     fw_codec: str = field(
-        default=DEFAULT_FW_CODEC, metadata=flag(parse=_codec_label, help=f"activation codec: {_LABELS}")
+        default=DEFAULT_FORWARD_CODEC, metadata=flag(parse=_codec_label, help=f"activation codec: {_LABELS}")
     )
     """Label of the activation codec of the links this peer sends forward on."""
     bw_codec: str = field(
-        default=DEFAULT_BW_CODEC, metadata=flag(parse=_codec_label, help=f"gradient codec: {_LABELS}")
+        default=DEFAULT_BACKWARD_CODEC, metadata=flag(parse=_codec_label, help=f"gradient codec: {_LABELS}")
     )
     """Label of the gradient codec of the links this peer sends backward on."""
     group_size: int | None = None
@@ -144,20 +144,20 @@ class LinkCodecs:
 
     def build(self) -> dict[str, CodecConfig]:
         common = dict(group_size=self.group_size, zstd_level=self.zstd_level, seed=self.codec_seed)
-        fw_extra = {"buffer_dir": str(self.buffer_dir)} if self.buffer_dir else {}  # one file per link end
+        forward_extra = {"buffer_dir": str(self.buffer_dir)} if self.buffer_dir else {}  # one file per link end
         return {
-            "fw_codec": CodecConfig.parse(self.fw_codec, **common, **fw_extra),
+            "fw_codec": CodecConfig.parse(self.fw_codec, **common, **forward_extra),
             "bw_codec": CodecConfig.parse(self.bw_codec, **common),
         }
 
     @classmethod
-    def of(cls, fw: CodecConfig, bw: CodecConfig) -> LinkCodecs:
+    def of(cls, forward: CodecConfig, backward: CodecConfig) -> LinkCodecs:
         """The flags of two codecs (each one's rounding and group size in its label, `+nr`, `+gN`)."""
         labels = [
             default if CodecConfig.parse(default) == c else _full_label(c)
-            for c, default in ((fw, DEFAULT_FW_CODEC), (bw, DEFAULT_BW_CODEC))
+            for c, default in ((forward, DEFAULT_FORWARD_CODEC), (backward, DEFAULT_BACKWARD_CODEC))
         ]
-        return cls(*labels, None, fw.zstd_level, fw.seed, fw.buffer_dir)
+        return cls(*labels, None, forward.zstd_level, forward.seed, forward.buffer_dir)
 
 
 def codec_configs(args: argparse.Namespace) -> tuple[CodecConfig, CodecConfig]:

@@ -171,13 +171,13 @@ def model_deltas(epochs: int = 4, every: int = 2, say: Callable[[str], None] = p
     from swarm.compression.codec_aqsgd import AQSGDCodec
     from swarm.experiments.convergence import ExperimentConfig, Setting
     from swarm.model.data import build_datasets, epoch_batches
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
     from swarm.runtime.worker import StageConfig
 
     cfg = ExperimentConfig()
-    fw = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic}
-    bw = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic}
-    setting = Setting.parse("aqsgd2/gradq4+ef", fw, bw)
+    forward_defaults = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic}
+    backward_defaults = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic}
+    setting = Setting.parse("aqsgd2/gradq4+ef", forward_defaults, backward_defaults)
     train, _, _ = build_datasets(cfg.data)
     captured: list[torch.Tensor] = []
     capture = [False]

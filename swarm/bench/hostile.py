@@ -229,12 +229,12 @@ def _serve(conn, key_dir: str) -> None:
     from swarm.runtime.worker import StageConfig
 
     torch.set_num_threads(1)
-    keys, model, (fw, bw) = Keys(Path(key_dir)), tiny_model(), codecs()
+    keys, model, (forward, backward) = Keys(Path(key_dir)), tiny_model(), codecs()
     transport = TransportConfig(max_workers=MAX_WORKERS)
     pools, servers, servicers, addresses = [], [], [], []
     for stage, (start, end) in enumerate(split_layers(model.n_layers, N_STAGES)):
         host = StageHost(
-            StageRole(stage, N_STAGES, start, end), model, StageConfig(), LinkEnds(fw, bw),
+            StageRole(stage, N_STAGES, start, end), model, StageConfig(), LinkEnds(forward, backward),
             keys.stage_ids[stage], keys.connector(stage), budget=StageBudget(max_wait_s=BUDGET_MAX_WAIT_S),
         )  # fmt: skip
         pool = _CountingExecutor(MAX_WORKERS)
@@ -340,7 +340,7 @@ class Harness:
         from swarm.peers.transport import TransportConfig
 
         self.servers, self.keys = servers, keys
-        self.model, (self.fw, self.bw) = tiny_model(), codecs()
+        self.model, (self.forward_codec, self.backward_codec) = tiny_model(), codecs()
         self.step = 0
         """The step hostile calls name; the next legitimate step runs at step + 1."""
         self._transport = TransportConfig(max_message_bytes=1 << 30)

@@ -55,7 +55,7 @@ def activation(h: Harness, n: int, ids: list[int] | None = None, delta: bool = F
     would encode it: first sights in full, or (delta=True) quantized changes against the sender's buffers."""
     from swarm.compression import LinkState, make_codec
 
-    state, codec = LinkState(h.fw), make_codec(h.fw)
+    state, codec = LinkState(h.forward_codec), make_codec(h.forward_codec)
     ids = ids if ids is not None else fresh_ids(n)
     x = torch.randn(n, h.model.seq_len_tokens, h.model.hidden_dim)
     if delta:

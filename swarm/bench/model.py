@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig, frame, make_codec
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig, frame, make_codec
 from swarm.flags import Flags, flag
 from swarm.options import MODEL_GROUP, ModelFlags
 
@@ -49,9 +49,9 @@ class ModelBench:
     """timed passes per stage, the fastest counts"""
     lr: float = 1e-4
     """AdamW step before the steady-state delta"""
-    fw_codec: str = DEFAULT_FW_CODEC
+    fw_codec: str = DEFAULT_FORWARD_CODEC
     """activation codec"""
-    bw_codec: str = DEFAULT_BW_CODEC
+    bw_codec: str = DEFAULT_BACKWARD_CODEC
     """gradient codec"""
     threads: int = 1
     """torch intra-op threads"""
@@ -113,7 +113,9 @@ def _time_stage(stage, x: torch.Tensor, targets: torch.Tensor, iters: int) -> fl
     return fastest
 
 
-def bench_model(model, stages: int, micro_batch: int, iters: int, lr: float, fw: str, bw: str, device="cpu") -> dict:
+def bench_model(
+    model, stages: int, micro_batch: int, iters: int, lr: float, forward_codec: str, backward_codec: str, device="cpu"
+) -> dict:
     from swarm.model.gpt import split_layers
     from swarm.model.spec import build_stage, model_identity
 
@@ -142,7 +144,7 @@ def bench_model(model, stages: int, micro_batch: int, iters: int, lr: float, fw:
         grad = x.grad.detach()
         (act * grad).sum().backward()  # stage 0's own gradient of the same loss
         ids = list(range(micro_batch))
-        forward = _End(fw)
+        forward = _End(forward_codec)
         first_sight = forward.message_bytes(act.detach().float().cpu(), ids)
         torch.optim.AdamW(first.parameters(), lr=lr).step()
         with torch.no_grad():
@@ -152,7 +154,7 @@ def bench_model(model, stages: int, micro_batch: int, iters: int, lr: float, fw:
             "fp32_backward": _End("fp32").message_bytes(grad.float().cpu(), ids) / n_tok,
             "codec_forward_first_sight": first_sight / n_tok,
             "codec_forward_steady": forward.message_bytes(act2, ids) / n_tok,
-            "codec_backward": _End(bw).message_bytes(grad.float().cpu(), ids) / n_tok,
+            "codec_backward": _End(backward_codec).message_bytes(grad.float().cpu(), ids) / n_tok,
         }
     slowest = max(r["fwd_bwd_s"] for r in rows)
     link = {}
@@ -172,8 +174,8 @@ def bench_model(model, stages: int, micro_batch: int, iters: int, lr: float, fw:
         "seq_len": model.seq_len_tokens,
         "micro_batch": micro_batch,
         "device": str(device),
-        "fw_codec": fw,
-        "bw_codec": bw,
+        "fw_codec": forward_codec,
+        "bw_codec": backward_codec,
         "stages": rows,
         "boundary_bytes_per_token": boundary,
         "slowest_stage_s": slowest,

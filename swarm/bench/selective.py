@@ -48,13 +48,13 @@ def _short(label: str | None) -> str:
 
 def swarm_at(rate_mbit: float, replica_mbit: float | None, stages: int, replicas: int, flops: float) -> PlanInput:
     n = stages * replicas
-    bw = np.full((n, n), rate_mbit * 1e6 / 8)
+    bandwidth = np.full((n, n), rate_mbit * 1e6 / 8)
     if replica_mbit is not None:
         for s in range(stages):
             row = np.arange(s * replicas, (s + 1) * replicas)
-            bw[np.ix_(row, row)] = replica_mbit * 1e6 / 8
+            bandwidth[np.ix_(row, row)] = replica_mbit * 1e6 / 8
     peers = tuple(Peer(f"p{i}", flops, 80e9) for i in range(n))
-    return PlanInput(peers, np.full((n, n), 0.01), bw)
+    return PlanInput(peers, np.full((n, n), 0.01), bandwidth)
 
 
 def rows(
@@ -85,16 +85,16 @@ def rows(
     for rate in rates_mbit:
         plan_input = swarm_at(rate, replica_mbit, stages, replicas, flops)
 
-        def step(fw: str, bw: str, average: str, tied: str, plan_input: PlanInput = plan_input) -> float:
-            spec = replace(base, forward_bytes=sizes(fw), backward_bytes=sizes(bw))
+        def step(forward: str, backward: str, average: str, tied: str, plan_input: PlanInput = plan_input) -> float:
+            spec = replace(base, forward_bytes=sizes(forward), backward_bytes=sizes(backward))
             chosen = {"average": [average] * stages, "tied": tied}
             return selective_breakdown(plan_stages, plan_input, spec, chosen).total_s
 
         step_s = pipeline_step_s(plan_stages, plan_input, base)
         bounds = choose_codecs(link_figures(layout, plan_input, base), sizes, policy, step_s)
-        fw = max((b["forward"] for b in bounds), key=FORWARD_LADDER.index)  # uniform rates: one choice; else the
-        bw = max((b["backward"] for b in bounds), key=BACKWARD_LADDER.index)  # narrowest, for one spec's bytes
-        spec = replace(base, forward_bytes=sizes(fw), backward_bytes=sizes(bw))
+        forward = max((b["forward"] for b in bounds), key=FORWARD_LADDER.index)  # uniform rates: one choice; else the
+        backward = max((b["backward"] for b in bounds), key=BACKWARD_LADDER.index)  # narrowest, for one spec's bytes
+        spec = replace(base, forward_bytes=sizes(forward), backward_bytes=sizes(backward))
         chosen = choose_epilogue(*epilogue_figures(plan_stages, plan_input, spec), policy)
         fp32 = step("fp32", "fp32", "fp32", "fp32")
         compressed = step(FORWARD_LADDER[-1], policy.backward_floor, AVERAGE_LADDER[-1], TIED_LADDER[-1])
@@ -103,7 +103,7 @@ def rows(
             {
                 "rate_mbit": rate,
                 "replica_rate_mbit": replica_mbit if replica_mbit is not None else rate,
-                "boundary": f"{_short(fw)}/{_short(bw)}",
+                "boundary": f"{_short(forward)}/{_short(backward)}",
                 "average": ",".join(_short(a) for a in chosen["average"]),
                 "tied": _short(chosen["tied"]),
                 "fp32_s": round(fp32, 4),

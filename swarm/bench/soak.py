@@ -191,7 +191,7 @@ class _StepReader:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
     from swarm.options import LinkCodecs
     from swarm.runtime.worker import OptimConfig
     from swarm.testbed.local import local_swarm

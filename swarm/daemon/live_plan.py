@@ -1,4 +1,4 @@
-"""`swarm plan`: the scheduler's command (`swarm.scheduler.cli`: a scenario or an input file) and, with `--dht`,
+"""`swarm plan`: the scheduler's command (`swarm.scheduler.plan_cli`: a scenario or an input file) and, with `--dht`,
 the live swarm's published plan beside the plan the live planner would make from it now."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import argparse
 import json
 import sys
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.daemon.bootstrap import read_address_file
 from swarm.daemon.planning import live_search, swarm_plan_input
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.scheduler import ModelSpec, Plan, TransformerShape, plan
-from swarm.scheduler.cli import PLAN_FLAGS, PlanCommand, add_arguments, describe
-from swarm.scheduler.cli import run as run_offline
+from swarm.scheduler.plan_cli import PLAN_FLAGS, PlanCommand, add_arguments, describe
+from swarm.scheduler.plan_cli import run as run_offline
 from swarm.scheduler.sizes import REFERENCE_MICRO_BATCH, REFERENCE_MICRO_BATCHES, wire_bits
 
 __all__ = ["add_arguments", "run", "run_live"]
@@ -36,8 +36,8 @@ def run_live(cfg: PlanCommand) -> int:
             seq_len=model.seq_len_tokens,
             micro_batch_size=REFERENCE_MICRO_BATCH,
             micro_batches=REFERENCE_MICRO_BATCHES,
-            forward_bits=wire_bits(CodecConfig.parse(DEFAULT_FW_CODEC)),
-            backward_bits=wire_bits(CodecConfig.parse(DEFAULT_BW_CODEC)),
+            forward_bits=wire_bits(CodecConfig.parse(DEFAULT_FORWARD_CODEC)),
+            backward_bits=wire_bits(CodecConfig.parse(DEFAULT_BACKWARD_CODEC)),
         )
     )
     source = cfg.source

@@ -1,10 +1,10 @@
-"""The planner's heartbeats: a plan peer that stops answering `Status` is gone long before its DHT record is.
+"""The planner's heartbeats: a plan peer that stops answering `Ping` is gone long before its DHT record is.
 
 An announcement lives a ttl (tens of seconds) after its peer dies, so waiting for it to expire stalls every
-re-plan by that much. The elected planner therefore pings every plan peer's `Status` every `every_s` (1 s);
+re-plan by that much. The elected planner therefore calls every plan peer's `Ping` every `every_s` (1 s);
 a peer unreachable for `gone_after_s` (3 s) is treated as gone and the plan repaired without it, even though
 its announcement has not expired; once it answers again it is eligible again (a standby, say). Any reply,
-a refusal included (a standby answers `Status` with "not serving"), proves the peer is there: only
+a refusal included (a standby answers `Ping` with "not serving"), proves the peer is there: only
 UNAVAILABLE, DEADLINE_EXCEEDED and transport failures count as silence.
 
 The prober and the clock are injected: tests drive a fake clock and a fake prober, no sleeps.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.daemon.checkpoints import StageCheckpoints
-from swarm.daemon.config import PeerConfig, PlanningConfig, build_parser, config_from_args
+from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args
 from swarm.metrics import Metrics, MetricsServer, serve_metrics
 from swarm.peers.allocator import tune_allocator
 from swarm.runtime.modelcheck import check_plan_models, peer_status
@@ -73,7 +73,7 @@ class PeerDaemon:
         from swarm.daemon.nat import NatWiring
         from swarm.daemon.roster import AddressBook, PeerAuth
         from swarm.net.connect import SignedChannels
-        from swarm.peers.dht import Heartbeat, SwarmDHT
+        from swarm.peers.dht import Reannouncer, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
         from swarm.peers.transport import Channels, make_server
@@ -112,8 +112,8 @@ class PeerDaemon:
             if cfg.checkpoint_dir:
                 from pathlib import Path
 
-                from swarm.daemon.churn import HeldServer
                 from swarm.daemon.held import HeldStore
+                from swarm.daemon.replication import HeldServer
 
                 self.held = HeldStore(Path(cfg.checkpoint_dir) / "held")
                 self.servicer.held_state = HeldServer(self.held, self.model.n_layers)
@@ -141,7 +141,7 @@ class PeerDaemon:
             with contextlib.suppress(TimeoutError):
                 if cfg.assign == "plan" and (record := dht.get_plan(self.model.n_layers)):
                     self._apply_plan(record)
-            heartbeat = Heartbeat(dht, lambda: self.announcement, lock=self._announce_lock).start()  # announces now
+            reannouncer = Reannouncer(dht, lambda: self.announcement, lock=self._announce_lock).start()  # announces now
             if self.nat.settle(cfg.transport.host, port, stop=self._stop) == "direct" and cfg.reach == "auto":
                 self.nat.serve_dht_records()  # joined as a client until found dialable (swarm.net.dhtmode)
             log.info("links shaped to %s", cfg.link_shape.describe())
@@ -154,7 +154,7 @@ class PeerDaemon:
             if host is not None:
                 with host.compute_lock:
                     self.checkpoints.save(host, final=True)
-            heartbeat.stop()
+            reannouncer.stop()
             return 0
         finally:
             if server is not None:
@@ -242,7 +242,7 @@ class PeerDaemon:
         from swarm.daemon.probe import LinkProber
         from swarm.daemon.repack import RepackWatch
         from swarm.scheduler.bits import codec_sizes
-        from swarm.scheduler.precision import precision_planner
+        from swarm.scheduler.precision_choice import precision_planner
         from swarm.scheduler.sizes import model_spec
 
         cfg, plans = self.cfg, self.cfg.planning
@@ -315,7 +315,7 @@ class PeerDaemon:
     def _left(self, peers) -> bool:
         """After SIGTERM: announces leaving once; True when the successor serves this peer's layers (or the
         leave timed out, or there was nothing to hand over)."""
-        from swarm.daemon.churn import leave_done
+        from swarm.daemon.replication import leave_done
 
         if self._leave_deadline is None:
             self._leave_deadline = time.monotonic() + self.cfg.leave_timeout_s
@@ -335,7 +335,7 @@ class PeerDaemon:
 
     def _replicator(self):
         """Keeps a copy of the buddy stage under --checkpoint-dir/held (None without a checkpoint dir)."""
-        from swarm.daemon.churn import Replicator
+        from swarm.daemon.replication import Replicator
         from swarm.daemon.state_fetch import fetch_state
 
         if self.held is None:
@@ -414,7 +414,7 @@ class PeerDaemon:
         peer whose first plan already makes it one more replica of a stage that others serve (its start-up
         read of the plan failed, or it restarted), `record` itself: its other replicas. None: nothing to take
         (a fresh swarm), so the layers start from the initial weights or --resume's checkpoint."""
-        from swarm.daemon.churn import served_by_replicas
+        from swarm.daemon.replication import served_by_replicas
 
         if self.following is not None or role is None:
             return self.following
@@ -447,8 +447,8 @@ class PeerDaemon:
         """Loads the layers `new_host` takes over from the freshest copy under the old plan: a replica of the
         old stage (this peer's own host first, unless `own` is False: it fell behind), else the held copy with
         the most steps, else a checkpoint."""
-        from swarm.daemon.churn import takeover_sources
         from swarm.daemon.held import fetch_held
+        from swarm.daemon.replication import takeover_sources
         from swarm.daemon.roster import retry_refused
         from swarm.daemon.state_fetch import fetch_state
         from swarm.runtime.checkpoint import checkpoint_handover, handover_tensors, take_over

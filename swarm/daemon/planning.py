@@ -57,7 +57,7 @@ from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, r
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
 
 if TYPE_CHECKING:
-    from swarm.daemon.config import PlanningConfig
+    from swarm.daemon.peer_config import PlanningConfig
 
 log = logging.getLogger("swarm.daemon.planning")
 
@@ -102,7 +102,7 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
             burst[index[m.src], index[m.dst]] = m.burst_bytes
             measured += 1
     # the reverse direction's figure, then the median of the measured links
-    known_bw = bandwidth[~np.isnan(bandwidth)]
+    known_bandwidth = bandwidth[~np.isnan(bandwidth)]
     known_delay = delay[~np.isnan(delay)]
     bandwidth = np.where(np.isnan(bandwidth), bandwidth.T, bandwidth)
     delay = np.where(np.isnan(delay), delay.T, delay)
@@ -111,7 +111,9 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
     burst = np.where(np.isnan(burst), np.median(known_burst) if known_burst.size else 0.0, burst)
     off = ~np.eye(n, dtype=bool)
     filled = int((np.isnan(bandwidth) & off).sum())
-    bandwidth = np.where(np.isnan(bandwidth), np.median(known_bw) if known_bw.size else DEFAULT_BYTES_PER_S, bandwidth)
+    bandwidth = np.where(
+        np.isnan(bandwidth), np.median(known_bandwidth) if known_bandwidth.size else DEFAULT_BYTES_PER_S, bandwidth
+    )
     delay = np.where(np.isnan(delay), np.median(known_delay) if known_delay.size else 1e-3, delay)
     np.fill_diagonal(bandwidth, np.inf)
     np.fill_diagonal(delay, 0.0)
@@ -157,14 +159,16 @@ def link_figures(stages: Sequence[PlanStage], plan_input: PlanInput, spec: Model
     micro-batch: what `swarm.scheduler.bits` chooses codecs from. `stages`: a plan's (or the scheduler's
     `StagePlan`s: layers and peer ids)."""
     index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
-    bw, speeds = plan_input.bandwidth_bytes_per_s, plan_input.speeds_flops_per_s
+    bandwidth, speeds = plan_input.bandwidth_bytes_per_s, plan_input.speeds_flops_per_s
     rows = [[index[pid] for pid in st.peer_ids] for st in stages]
     compute = [
         (st.layer_end - st.layer_start) * spec.flops_per_layer / speeds[row].min()
         for st, row in zip(stages, rows, strict=True)
     ]
     return [
-        LinkFigures(float(bw[np.ix_(a, b)].min()), float(bw[np.ix_(b, a)].min()), max(compute[s], compute[s + 1]))
+        LinkFigures(
+            float(bandwidth[np.ix_(a, b)].min()), float(bandwidth[np.ix_(b, a)].min()), max(compute[s], compute[s + 1])
+        )
         for s, (a, b) in enumerate(zip(rows, rows[1:], strict=False))
     ]
 

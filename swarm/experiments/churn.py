@@ -3,7 +3,7 @@ kills, graceful leaves and joins, and what the churn cost (issue 12's targets, r
 
 Each setting starts a bootstrap node, swarm-peer processes (default: 3 stages x 2 replicas + 1 standby,
 AQ-SGD forward and gradq backward) and a `swarm train` process on the embedded data set, trains a fixed
-number of steps and reaps everything. In the churn setting a controller (swarm.testbed.churn) SIGKILLs
+number of steps and reaps everything. In the churn setting a controller (swarm.testbed.churn_control) SIGKILLs
 serving peers (SIGTERMs a `--graceful-fraction` of them) on a seeded schedule that starts at the first
 completed step, and starts a fresh peer after each leave so the swarm keeps its size; it never touches the
 bootstrap node or the trainer.
@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.experiments.churn_report import (
     ROW_KEYS,
     expected_batches,
@@ -81,9 +81,9 @@ class ChurnConfig:
     """Micro-batches per step."""
     seed: int = 0
     """seed of the data order, the planner and the churn schedule"""
-    fw_codec: str = field(default=DEFAULT_FW_CODEC, metadata=flag(skip=True))
+    fw_codec: str = field(default=DEFAULT_FORWARD_CODEC, metadata=flag(skip=True))
     """Activation codec of the stage links."""
-    bw_codec: str = field(default=DEFAULT_BW_CODEC, metadata=flag(skip=True))
+    bw_codec: str = field(default=DEFAULT_BACKWARD_CODEC, metadata=flag(skip=True))
     """Gradient codec of the stage links."""
     kill_every_s: float | None = field(default=60.0, metadata=flag(skip=True))
     """Seconds between leaves (None: exponential lifetimes, see mean_lifetime_s)."""
@@ -176,7 +176,7 @@ def config_from_args(args: argparse.Namespace) -> ChurnConfig:
 def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tuple[list[str], list[str]]:
     """(swarm-peer flags, swarm train flags) of one setting; flags this checkout's peer or trainer lacks are
     left out (main before issue 12: no --replicas)."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
     from swarm.options import LinkCodecs
     from swarm.runtime.worker import OptimConfig
     from swarm.train.trainer import train_flags
@@ -220,7 +220,7 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
 def flag_support() -> dict[str, bool]:
     import subprocess
 
-    from swarm.testbed.churn import peer_flag_support
+    from swarm.testbed.churn_control import peer_flag_support
     from swarm.testbed.procs import swarm_command
 
     support = peer_flag_support(OPTIONAL_PEER_FLAGS)
@@ -232,7 +232,7 @@ def flag_support() -> dict[str, bool]:
 def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bool], say=print) -> dict:
     """Trains one setting on a fresh local swarm; returns {"rc": trainer exit code, "pids": {name: pid}}.
     Writes steps.csv, events.jsonl, step_clock.jsonl, schedule.json and logs/ under out/setting."""
-    from swarm.testbed.churn import ChurnController, ChurnSwarm, StepClock, churn_schedule
+    from swarm.testbed.churn_control import ChurnController, ChurnSwarm, StepClock, churn_schedule
 
     d = out / setting
     shutil.rmtree(d, ignore_errors=True)

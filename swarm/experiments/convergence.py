@@ -35,7 +35,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.options import MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags, chosen_model
 from swarm.peers.plan import PlanDocument
 from swarm.plots import Panel, moving_average, save_line_plots
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.precision import PRECISIONS
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.train.steplog import step_row
@@ -126,13 +126,13 @@ class Setting:
         name, (text, stage_precisions) = text, split_stage_precisions(text)
         text, tied_bits, tied_codec = split_tied(text)
         pair, _, warmup = text.partition("@w")
-        fw, sep, bw = pair.partition("/")
+        forward, sep, backward = pair.partition("/")
         if not sep:
             raise ValueError(f"setting {text!r} is not FW/BW, e.g. aqsgd2/gradq4+ef")
         return cls(
             name,
-            _parse_codec(fw, forward_defaults or {}),
-            _parse_codec(bw, backward_defaults or {}),
+            _parse_codec(forward, forward_defaults or {}),
+            _parse_codec(backward, backward_defaults or {}),
             int(warmup) if warmup else 0,
             stage_precisions=stage_precisions,
             tied_bits=tied_bits,
@@ -298,14 +298,14 @@ def _run_setting(
     return result
 
 
-def _parse_setting(text: str, fw: dict, bw: dict, cfg: ExperimentConfig) -> Setting:
+def _parse_setting(text: str, forward_defaults: dict, backward_defaults: dict, cfg: ExperimentConfig) -> Setting:
     """`Setting.parse`, or a `sel:RATES[:LAYERS_PER_S]` setting: codecs chosen per link as the planner would."""
     if not text.startswith("sel:"):
-        return Setting.parse(text, fw, bw)
+        return Setting.parse(text, forward_defaults, backward_defaults)
     from swarm.experiments.selective import selective_plan, setting_codecs
 
     plan = selective_plan(text, cfg.model, cfg.n_stages, cfg.batch_size // cfg.n_micro, cfg.n_micro)
-    return Setting(text, *setting_codecs(plan, fw, bw), plan=plan)
+    return Setting(text, *setting_codecs(plan, forward_defaults, backward_defaults), plan=plan)
 
 
 def _apply_plan(pipe: LocalPipeline, setting: Setting, cfg: ExperimentConfig) -> None:
@@ -319,9 +319,17 @@ def _apply_plan(pipe: LocalPipeline, setting: Setting, cfg: ExperimentConfig) ->
 
 def _codec_defaults(cfg: ExperimentConfig) -> tuple[dict, dict]:
     """The forward and backward codecs' `CodecConfig` fields the flags set (group size, rounding, zstd level)."""
-    fw = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic, "zstd_level": cfg.zstd_level}
-    bw = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic, "zstd_level": cfg.zstd_level}
-    return fw, bw
+    forward_defaults = {
+        "group_size": cfg.forward_group_size,
+        "stochastic": cfg.forward_stochastic,
+        "zstd_level": cfg.zstd_level,
+    }
+    backward_defaults = {
+        "group_size": cfg.backward_group_size,
+        "stochastic": cfg.backward_stochastic,
+        "zstd_level": cfg.zstd_level,
+    }
+    return forward_defaults, backward_defaults
 
 
 def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
@@ -383,9 +391,9 @@ def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True)
     from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
-    fw, bw = _codec_defaults(cfg)
+    forward_defaults, backward_defaults = _codec_defaults(cfg)
     names = list(dict.fromkeys(("fp32/fp32", *cfg.settings)))
-    settings = [_parse_setting(n, fw, bw, cfg) for n in names]
+    settings = [_parse_setting(n, forward_defaults, backward_defaults, cfg) for n in names]
     train, evals, report = build_datasets(cfg.data)
     print(report.describe(), file=sys.stderr, flush=True)
     steps_per_epoch = len(train) // cfg.batch_size

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.flags import Flags, flag
 
 __all__ = ["FinetuneConfig", "add_arguments", "run", "run_finetune", "parameters_by_stage"]
@@ -61,9 +61,9 @@ class FinetuneConfig:
     """Tokenizer vocabulary (None: the model's)."""
     data: str | None = None
     """a text file or folder (none: the Python stdlib's docstrings)"""
-    fw_codec: str = DEFAULT_FW_CODEC
+    fw_codec: str = DEFAULT_FORWARD_CODEC
     """activation codec"""
-    bw_codec: str = DEFAULT_BW_CODEC
+    bw_codec: str = DEFAULT_BACKWARD_CODEC
     """gradient codec"""
     shard_mb: int = 200
     """checkpoint shard size, MB (several shards and an index, as real checkpoints have)"""
@@ -169,7 +169,7 @@ def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
     """Every peer's flags: the checkpoint by its --model name (a Hugging Face model is written by its name, not
     its config), the codecs and schedule, and fixed even stages, declared compute and no link probes: the plan
     does not depend on noisy measurements."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
     from swarm.flags import Flags
     from swarm.options import LinkCodecs, ModelFlags
     from swarm.runtime.worker import OptimConfig

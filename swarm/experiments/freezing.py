@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.daemon.repack import repack_layout
 from swarm.experiments import rotated
 from swarm.flags import Flags, flag
@@ -50,16 +50,16 @@ from swarm.model.gpt import split_layers
 from swarm.model.hf import HFModelConfig, _canonical, _family_config_dict
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.freeze import FreezePolicy, set_frozen
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 
-__all__ = ["FreezingConfig", "SETTINGS", "add_arguments", "run", "run_experiment", "untied_llama"]
+__all__ = ["FreezingExperimentConfig", "SETTINGS", "add_arguments", "run", "run_experiment", "untied_llama"]
 
 SETTINGS = ("no-freeze", "freeze", "freeze+repack")
 
 
 @dataclass(frozen=True)
-class FreezingConfig:
+class FreezingExperimentConfig:
     """`swarm experiment freezing`: from one seed, no freezing, PipeTransformer's freezing, and freezing + repack."""
 
     n_layers: int = field(default=8, metadata=flag(name="--layers"))
@@ -96,9 +96,9 @@ class FreezingConfig:
     windows has settled"""
     max_fraction: float = 0.75
     """freeze at most this fraction of the layers (PipeTransformer's alpha-style cap)"""
-    fw_codec: str = field(default=DEFAULT_FW_CODEC, metadata=flag(skip=True))
+    fw_codec: str = field(default=DEFAULT_FORWARD_CODEC, metadata=flag(skip=True))
     """Activation codec of the stage links."""
-    bw_codec: str = field(default=DEFAULT_BW_CODEC, metadata=flag(skip=True))
+    bw_codec: str = field(default=DEFAULT_BACKWARD_CODEC, metadata=flag(skip=True))
     """Gradient codec of the stage links."""
     seed: int = 0
     """model and data seed"""
@@ -156,12 +156,12 @@ def _close(pipe: LocalPipeline) -> None:
     gc.collect()
 
 
-def _pretrain(cfg: FreezingConfig, model, train, say) -> dict[str, torch.Tensor]:
+def _pretrain(cfg: FreezingExperimentConfig, model, train, say) -> dict[str, torch.Tensor]:
     """The state every setting fine-tunes from: `pretrain_epochs` without freezing (weights by global name)."""
     total = max(1, len(train) // cfg.batch_size * cfg.pretrain_epochs)
     optim = OptimConfig(lr_peak=cfg.pretrain_lr, warmup_steps=max(1, round(total * 0.2)), total_steps=total)
-    fw, bw = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
-    pipe = LocalPipeline(model, cfg.n_stages, fw, bw, stage_cfg=StageConfig(optim))
+    forward, backward = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
+    pipe = LocalPipeline(model, cfg.n_stages, forward, backward, stage_cfg=StageConfig(optim))
     for epoch in range(cfg.pretrain_epochs):
         for batch in epoch_batches(train, cfg.batch_size, 1000 + epoch, cfg.seed):
             result = pipe.train_step(batch, cfg.n_micro)
@@ -171,14 +171,14 @@ def _pretrain(cfg: FreezingConfig, model, train, say) -> dict[str, torch.Tensor]
     return weights
 
 
-def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, start=None) -> dict:
+def _run_setting(setting: str, cfg: FreezingExperimentConfig, model, train, evals, say, start=None) -> dict:
     steps_per_epoch = len(train) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
     optim = OptimConfig(lr_peak=cfg.lr, warmup_steps=max(1, round(total * cfg.warmup_fraction)), total_steps=total)
     stage_cfg = StageConfig(optim)
-    fw, bw = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
+    forward, backward = CodecConfig.parse(cfg.fw_codec), CodecConfig.parse(cfg.bw_codec)
     layout = split_layers(cfg.n_layers, cfg.n_stages)
-    pipe = LocalPipeline(model, cfg.n_stages, fw, bw, stage_cfg=stage_cfg, layers=layout)
+    pipe = LocalPipeline(model, cfg.n_stages, forward, backward, stage_cfg=stage_cfg, layers=layout)
     with torch.no_grad():
         for w in pipe.workers if start else ():
             for name, p in w.module.named_parameters():
@@ -201,7 +201,7 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, st
                 if len(ranges) < len(layout):
                     layout, repacked = (
                         ranges,
-                        LocalPipeline(model, len(ranges), fw, bw, stage_cfg=stage_cfg, layers=ranges),
+                        LocalPipeline(model, len(ranges), forward, backward, stage_cfg=stage_cfg, layers=ranges),
                     )
                     _transplant(pipe, repacked, now)
                     hits += sum(w.cache_hits for w in pipe.workers)
@@ -231,7 +231,7 @@ def _run_setting(setting: str, cfg: FreezingConfig, model, train, evals, say, st
     }
 
 
-def run_experiment(cfg: FreezingConfig, out: Path, say=lambda s: None) -> list[dict]:
+def run_experiment(cfg: FreezingExperimentConfig, out: Path, say=lambda s: None) -> list[dict]:
     torch.manual_seed(cfg.seed)
     model = untied_llama(cfg.n_layers, cfg.hidden, cfg.seq_len, cfg.seed)
     data = DataConfig(seq_len_tokens=cfg.seq_len, train_samples=cfg.train_samples, eval_samples=cfg.eval_samples)
@@ -293,7 +293,7 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-_FLAGS = Flags(FreezingConfig)
+_FLAGS = Flags(FreezingExperimentConfig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -304,7 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", type=Path, default=None, help="output folder (default runs/freezing-<time>)")
 
 
-def config_from_args(args: argparse.Namespace) -> FreezingConfig:
+def config_from_args(args: argparse.Namespace) -> FreezingExperimentConfig:
     cfg = _FLAGS.from_args(args)
     return replace(cfg, **QUICK) if args.quick else cfg
 

@@ -11,7 +11,7 @@ precision: when it computes in bf16 its passes are shorter and so are its sleeps
 Three runs, same seed, same batches: `equal` (no throttle, fp32), `slow-fp32` (the slow stage, fp32
 everywhere) and `slow-planned` (the slow stage; after `plan_step` fp32 steps each stage's speed is measured
 in fp32 and bf16 (its real module, throttle included, on a real micro-batch), each stage's sensitivity is
-measured (`swarm.runtime.sensitivity`), the allocator (`swarm.scheduler.precision`) chooses per-stage
+measured (`swarm.runtime.sensitivity`), the allocator (`swarm.scheduler.precision_choice`) chooses per-stage
 precisions under the loss budget, and the stages switch between two steps). Throughput is over the steps
 after `plan_step`, the same window in every run; `recovered` = (planned - slow) / (equal - slow) samples/s.
 Target (issue 15): recovers >= 30% with held-out loss within 0.5% of `slow-fp32`'s.
@@ -32,11 +32,11 @@ import torch
 from swarm.flags import Flag, Flags, flag
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.precision import PRECISIONS
 from swarm.runtime.sensitivity import measure_sensitivity, set_stage_precision
 from swarm.runtime.worker import OptimConfig, StageConfig
-from swarm.scheduler.precision import DEFAULT_BUDGET, choose_precisions
+from swarm.scheduler.precision_choice import DEFAULT_BUDGET, choose_precisions
 
 __all__ = [
     "ComputeThrottle",

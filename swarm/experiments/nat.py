@@ -146,7 +146,7 @@ def reach_flags(behind_nat: bool, netns: bool, supported: bool = True) -> list[s
         if behind_nat:
             raise ValueError("a NAT'd peer needs swarm-peer's --reach (the relay transport)")
         return []
-    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
 
     reach = "auto" if netns else "relay" if behind_nat else "direct"
     return peer_flags().to_argv(PeerConfig(reach=reach), always=["--reach"])
@@ -208,7 +208,7 @@ def _scrape(ports: list[int]) -> tuple[int, dict[str, int]]:
 
 def common_flags(cfg: NatConfig) -> list[str]:
     """Every peer's flags (`common_peer`)."""
-    from swarm.daemon.config import peer_flags
+    from swarm.daemon.peer_config import peer_flags
 
     return peer_flags().to_argv(common_peer(cfg))
 
@@ -216,7 +216,7 @@ def common_flags(cfg: NatConfig) -> list[str]:
 def common_peer(cfg: NatConfig):
     """What every peer is told: even stage boundaries (the same split in every setting, so the math is the same),
     the shaped links, the schedule."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig
     from swarm.experiments.throttled import warmup_steps
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
@@ -248,7 +248,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
     row = {"setting": setting, "nat_peers": len(nat)}
     if cfg.netns:
         return {**row, **_run_netns(cfg, nat, out / setting, supported)}
-    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
@@ -277,7 +277,7 @@ def run_setting(setting: str, cfg: NatConfig, out: Path, supported: bool = True)
 
 def _run_netns(cfg: NatConfig, nat: tuple[int, ...], out: Path, supported: bool) -> dict:
     from swarm.experiments.nat_netns import probe
-    from swarm.testbed.cli import run_in_testbed
+    from swarm.testbed.testbed_cli import run_in_testbed
 
     if nat and not supported:
         raise ValueError("a NAT'd peer needs swarm-peer's --reach (the relay transport)")

@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.peers.plan import PlanDocument, PlanStage
 
 __all__ = ["SEL_LAYERS_PER_S", "apply_selective", "selective_plan", "setting_codecs"]
@@ -40,7 +40,7 @@ def _parse(text: str, n_stages: int) -> tuple[list[float], float]:
 
 def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int) -> PlanDocument:
     """The plan (stages, link codecs, epilogue codecs) chosen for the `sel:` setting `text`."""
-    from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+    from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
     from swarm.daemon.planning import link_figures
     from swarm.scheduler.bits import BitsPolicy, choose_codecs, codec_sizes
     from swarm.scheduler.plans import Peer, PlanInput
@@ -51,13 +51,17 @@ def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro
         raise ValueError(f"setting {text!r}: selective compression needs 2+ stages")
     rates, speed = _parse(text, n_stages)
     spec = model_spec(
-        model, CodecConfig.parse(DEFAULT_FW_CODEC), CodecConfig.parse(DEFAULT_BW_CODEC), micro_batch_size, micro_batches
+        model,
+        CodecConfig.parse(DEFAULT_FORWARD_CODEC),
+        CodecConfig.parse(DEFAULT_BACKWARD_CODEC),
+        micro_batch_size,
+        micro_batches,
     )
-    bw = np.full((n_stages, n_stages), min(rates) * 1e6 / 8)
+    bandwidth = np.full((n_stages, n_stages), min(rates) * 1e6 / 8)
     for b, rate in enumerate(rates):
-        bw[b, b + 1] = bw[b + 1, b] = rate * 1e6 / 8
+        bandwidth[b, b + 1] = bandwidth[b + 1, b] = rate * 1e6 / 8
     peers = tuple(Peer(f"s{s}", speed * spec.flops_per_layer, 1e12) for s in range(n_stages))
-    plan_input = PlanInput(peers, np.zeros((n_stages, n_stages)), bw)
+    plan_input = PlanInput(peers, np.zeros((n_stages, n_stages)), bandwidth)
     bounds = np.linspace(0, model.n_layers, n_stages + 1).round().astype(int)
     plan = PlanDocument(tuple(PlanStage(int(bounds[s]), int(bounds[s + 1]), (f"s{s}",)) for s in range(n_stages)))
     stages, policy = plan.stage_dicts(), BitsPolicy()
@@ -72,7 +76,7 @@ def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro
     return plan
 
 
-def apply_selective(pipe, plan: PlanDocument, fw_defaults: dict, bw_defaults: dict) -> None:
+def apply_selective(pipe, plan: PlanDocument, forward_defaults: dict, backward_defaults: dict) -> None:
     """Every host of `pipe` (a `LocalPipeline`) takes its boundary ends and epilogue codecs from `plan`, as a peer
     does (`PlanDocument.link_labels`, `epilogue_configs`); each label parsed with the experiment's codec defaults
     (group sizes, rounding, zstd level) unless it says otherwise, as the fixed settings' codecs are."""
@@ -83,16 +87,25 @@ def apply_selective(pipe, plan: PlanDocument, fw_defaults: dict, bw_defaults: di
     for row in pipe.replica_hosts:
         for host in row:
             stage = host.role.stage
-            labels = plan.link_labels(stage, (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC))
-            fw_send, bw_send, fw_recv, bw_recv = (
-                CodecConfig.parse(label, **(fw_defaults if i % 2 == 0 else bw_defaults))
+            labels = plan.link_labels(stage, (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC))
+            forward_send, backward_send, forward_recv, backward_recv = (
+                CodecConfig.parse(label, **(forward_defaults if i % 2 == 0 else backward_defaults))
                 for i, label in enumerate(labels)
             )
-            links = LinkEnds(fw_send, bw_send, pipe.shaping, adaptive_zstd=pipe.adaptive_zstd, recv=(fw_recv, bw_recv))
+            links = LinkEnds(
+                forward_send,
+                backward_send,
+                pipe.shaping,
+                adaptive_zstd=pipe.adaptive_zstd,
+                recv=(forward_recv, backward_recv),
+            )
             host.apply(replace(host.assignment, links=links, epilogue=plan.epilogue_configs(stage)))
 
 
-def setting_codecs(plan: PlanDocument, fw_defaults: dict, bw_defaults: dict) -> tuple[CodecConfig, CodecConfig]:
+def setting_codecs(
+    plan: PlanDocument, forward_defaults: dict, backward_defaults: dict
+) -> tuple[CodecConfig, CodecConfig]:
     """Boundary 0's (forward, backward) configs: what a `sel:` setting's row names."""
     first = plan.codecs[0]
-    return CodecConfig.parse(first.forward_label, **fw_defaults), CodecConfig.parse(first.backward_label, **bw_defaults)
+    forward = CodecConfig.parse(first.forward_label, **forward_defaults)
+    return forward, CodecConfig.parse(first.backward_label, **backward_defaults)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.flags import Flags, flag
 from swarm.peers.plan import PlanDocument
 from swarm.report import print_table
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from swarm.train.trainer import TrainConfig
 
 RATES = [1.0, 10.0, 100.0, 1000.0, None]
-DEFAULT_CODECS = f"{DEFAULT_FW_CODEC}/{DEFAULT_BW_CODEC}"
+DEFAULT_CODECS = f"{DEFAULT_FORWARD_CODEC}/{DEFAULT_BACKWARD_CODEC}"
 """The swarm's default codecs (`swarm-peer --fw-codec/--bw-codec`), the convergence experiment's default setting
 spelled with the experiment's rounding and group size."""
 SETTINGS = ["fp32/fp32", "directq2/gradq4", "aqsgd2/gradq4", DEFAULT_CODECS]
@@ -268,12 +268,12 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
     split in every cell (the planner's own split follows noisy compute measurements, and a different stage
     boundary would change the training math between the cells being compared), so the plan carries the cost
     model's prediction for this cell's batch and links."""
-    from swarm.daemon.config import PeerConfig, PlanningConfig
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig
     from swarm.options import LinkCodecs
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
 
-    fw, bw = cell.setting.split("/")
+    forward, backward = cell.setting.split("/")
     planning = PlanningConfig(
         even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
     )
@@ -282,19 +282,19 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
         planning=planning,
         link_shape=LinkShape.from_mbit(cell.rate_mbit, cfg.delay_ms),
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
-        **LinkCodecs(fw, bw).build(),
+        **LinkCodecs(forward, backward).build(),
     )
 
 
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
-    from swarm.daemon.config import peer_flags
+    from swarm.daemon.peer_config import peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train
 
     peer = peer_config(cell, cfg)
     train_cfg = train_config(cell, cfg, out)
     if cfg.netns:
-        from swarm.testbed.cli import run_in_testbed
+        from swarm.testbed.testbed_cli import run_in_testbed
 
         return run_in_testbed(cell.rate_mbit, peer, train_cfg, cfg.peers)
     # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
@@ -319,8 +319,9 @@ def _busiest_direction(step: dict) -> float:
     """Bytes of a step's busier direction: the larger boundary direction plus half of what is not boundary
     traffic (the tied-embedding exchange, averaging, control: symmetric between two members, so half each
     way); the boundaries alone while the runtime reports no totals."""
-    fwd, bwd = _int(step, "forward_bytes"), _int(step, "backward_bytes")
-    return max(fwd, bwd) + max(0, _int(step, "total_wire_bytes") - fwd - bwd) / 2
+    forward_bytes, backward_bytes = _int(step, "forward_bytes"), _int(step, "backward_bytes")
+    not_boundary = max(0, _int(step, "total_wire_bytes") - forward_bytes - backward_bytes)
+    return max(forward_bytes, backward_bytes) + not_boundary / 2
 
 
 def summarize(
@@ -330,7 +331,7 @@ def summarize(
     times = [float(s["step_s"]) for s in steps]
     steady = times[steps_per_epoch:] or times
     first = times[:steps_per_epoch]
-    fw, bw = cell.setting.split("/")
+    forward, backward = cell.setting.split("/")
     wire = sum(_int(s, "forward_bytes") + _int(s, "backward_bytes") for s in steps)
     losses = [float(s["train_loss"]) for s in steps]
     total, fp32_total = (
@@ -348,8 +349,8 @@ def summarize(
     return {
         "rate_mbit": cell.rate_mbit,
         "setting": cell.setting,
-        "fw_bits": _bits(fw),
-        "bw_bits": _bits(bw),
+        "fw_bits": _bits(forward),
+        "bw_bits": _bits(backward),
         "mean_step_s": mean,
         "first_epoch_step_s": statistics.mean(first),
         "throughput_samples_per_s": batch_size / mean,

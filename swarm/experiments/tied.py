@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
 
 __all__ = ["apply_tied", "split_tied"]
 

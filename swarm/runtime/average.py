@@ -390,7 +390,7 @@ class GradientAverager:
         """The plan's epilogue codec for the group, else the backward codec, with error feedback where it has it
         (fp32 for a codec that needs sample buffers), never below the group's floor of bits, its rounding draws
         seeded by step, group and member so no two messages share them."""
-        cfg = self.codecs[tied] or self.host.links.bw_recv.config
+        cfg = self.codecs[tied] or self.host.links.backward_recv.config
         cfg = codec_class(cfg.name).sum_config(cfg)  # a 1-bit backward codec's sums are gradq's
         cls = codec_class(cfg.name)
         if cls.uses_buffers:

@@ -40,7 +40,7 @@ from swarm.runtime.device import DeviceBufferStore, resolve_device, to_device
 from swarm.runtime.gate import GateError
 from swarm.runtime.messages import StageCall
 
-__all__ = ["MAX_DESTINATIONS", "Direction", "LinkEnds", "need_message", "send_file"]
+__all__ = ["MAX_DESTINATIONS", "LinkEnd", "LinkEnds", "need_message", "send_file"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ KINDS = ("fw", "bw")
 
 
 @dataclass
-class Direction:
+class LinkEnd:
     """This stage's end of one direction of one boundary: the codec and its state (AQ-SGD buffers, error
     feedback, rounding draws).
 
@@ -120,9 +120,11 @@ class LinkEnds:
         recv: tuple[CodecConfig, CodecConfig] | None = None,
     ):
         self._configs = {"fw": forward, "bw": backward}
-        fw_recv, bw_recv = recv or (forward, backward)  # a plan's per-link codecs: the other boundary's codecs
-        self.fw_recv, self.bw_recv = Direction(fw_recv, "fw-recv.buf"), Direction(bw_recv, "bw-recv.buf")
-        self._send: OrderedDict[tuple[str, str], Direction] = OrderedDict()
+        # a plan's per-link codecs: the other boundary's codecs
+        forward_recv, backward_recv = recv or (forward, backward)
+        self.forward_recv = LinkEnd(forward_recv, "fw-recv.buf")
+        self.backward_recv = LinkEnd(backward_recv, "bw-recv.buf")
+        self._send: OrderedDict[tuple[str, str], LinkEnd] = OrderedDict()
         """sending ends by (kind, destination address), least recently used first"""
         self.shaping = shaping or LinkShaping()
         self.adaptive_zstd = adaptive_zstd
@@ -145,7 +147,7 @@ class LinkEnds:
             self.device = resolved
         return resolved
 
-    def send_end(self, kind: str, address: str) -> Direction:
+    def send_end(self, kind: str, address: str) -> LinkEnd:
         """The sending end of `kind` ("fw" or "bw") to `address`, created on first use."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -162,12 +164,12 @@ class LinkEnds:
                     "dropping the %s sending end to %s (%d destinations)", kind, same_kind[0][1], MAX_DESTINATIONS
                 )
                 _unlink_store(dropped)
-            end = self._send[key] = Direction(self._configs[kind], send_file(kind, address), self.device)
+            end = self._send[key] = LinkEnd(self._configs[kind], send_file(kind, address), self.device)
             if self.step is not None:  # created mid-step: its changes belong to the open step too
                 end.state.begin_step()
             return end
 
-    def send_ends(self, kind: str) -> list[Direction]:
+    def send_ends(self, kind: str) -> list[LinkEnd]:
         """The sending ends of `kind`, least recently used first."""
         with self.lock:
             return [end for (k, _), end in self._send.items() if k == kind]
@@ -178,13 +180,13 @@ class LinkEnds:
             return None
         return sum(len(end.buffers) for end in self.send_ends(kind))
 
-    def _ends(self) -> list[Direction]:
+    def _ends(self) -> list[LinkEnd]:
         with self.lock:
             return self._ends_held()
 
-    def _ends_held(self) -> list[Direction]:
+    def _ends_held(self) -> list[LinkEnd]:
         """Every end (the lock held)."""
-        return [self.fw_recv, self.bw_recv, *self._send.values()]
+        return [self.forward_recv, self.backward_recv, *self._send.values()]
 
     def begin_step(self, step: int) -> None:
         """`step` opens on this stage: every codec-state change from here on is journalled per end until
@@ -242,7 +244,7 @@ class LinkEnds:
 
     def outgoing(
         self,
-        end: Direction,
+        end: LinkEnd,
         tensor: torch.Tensor,
         sample_ids: list[int] | None,
         info: stage_pb2.CallInfo,
@@ -266,7 +268,7 @@ class LinkEnds:
         return tensor_items(info, msg, end.config.zstd_level, self.shaping.for_destination(address), policy)
 
     def incoming(
-        self, end: Direction, msg: wire_pb2.TensorMessage, limits: WireLimits, step: int | None = None
+        self, end: LinkEnd, msg: wire_pb2.TensorMessage, limits: WireLimits, step: int | None = None
     ) -> torch.Tensor:
         """The way in, the mirror of `outgoing` from the message on (`read_stream` has unframed it, bounds
         checked): decode. AQ-SGD returns the receiver's buffer m for these samples. Runs only after the call
@@ -287,7 +289,7 @@ def need_message(call: StageCall) -> wire_pb2.TensorMessage:
     return call.message
 
 
-def _unlink_store(end: Direction) -> None:
+def _unlink_store(end: LinkEnd) -> None:
     """Removes a dropped end's buffer file, so a later end to that address maps a fresh one (an encode still
     running on the dropped end keeps its mapping until it ends)."""
     store = end.buffers

@@ -31,8 +31,8 @@ __all__ = [
     "ChainWeights",
     "ChainWork",
     "Failed",
-    "Heartbeat",
     "NoLiveChain",
+    "PingLoop",
     "REROUTE_CODES",
     "Task",
     "Traffic",
@@ -242,15 +242,15 @@ def spawn(fn: Callable[[], T], name: str, threads: set[threading.Thread] | None 
     return future
 
 
-class Heartbeat:
-    """Pings `Status` of `peers` every `interval_s` while a step runs; `misses` pings in a row unanswered
-    (failed, or still pending at the next beat) declare a peer dead.
+class PingLoop:
+    """The driver's liveness pings: calls `Ping` on each of `peers` every `interval_s` while a step runs;
+    `misses` pings in a row unanswered (failed, or still pending at the next beat) declare a peer dead.
 
     At most one ping per peer is outstanding: a peer that hangs costs one stuck thread, not one per beat.
-    `on_dead(peer)` runs on the heartbeat's thread when a peer is declared dead.
+    `on_dead(peer)` runs on the loop's thread when a peer is declared dead.
 
     Args:
-        ping: peer id -> a blocking Status call that raises when the peer does not answer.
+        ping: peer id -> a blocking `Ping` call that raises when the peer does not answer.
         peers: the peers to watch.
         on_dead: told of each death once.
         interval_s: time between beats (each ping's own timeout should be at most this).
@@ -271,9 +271,9 @@ class Heartbeat:
         self._missed = dict.fromkeys(self.peers, 0)
         self._pending: dict[str, Future] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ping-loop", daemon=True)
 
-    def __enter__(self) -> Heartbeat:
+    def __enter__(self) -> PingLoop:
         self._thread.start()
         return self
 

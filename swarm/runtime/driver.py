@@ -4,7 +4,7 @@ Token ids go to stage 0 and labels to the last stage; activations and gradients 
 directly, never through the driver. The driver only collects each micro-batch's loss, and once per step each
 stage's squared gradient norm; the tied embedding's gradients are summed between the end stages themselves
 (the tied group of their Reduce, `swarm.runtime.average`). The stages are reached through a `Connector`: over
-gRPC in a swarm, in-process in `swarm.runtime.local`. Every byte of a step is counted: the stages report the
+gRPC in a swarm, in-process in `swarm.runtime.inprocess`. Every byte of a step is counted: the stages report the
 boundaries', sums' and tied group's bytes, the driver its own calls' (`control_bytes`), failed attempts too.
 
 With replicas, the plan's routes (`swarm.peers.routes`: column r with equal counts, route c on replica
@@ -43,8 +43,8 @@ from swarm.runtime.chains import (
     ChainWeights,
     ChainWork,
     Failed,
-    Heartbeat,
     NoLiveChain,
+    PingLoop,
     Task,
     Traffic,
     as_error,
@@ -225,7 +225,7 @@ class PipelineDriver:
                 raise
 
     def _alive(self, peer: str, timeout_s: float = 2.0) -> bool:
-        """One Status ping (on its own thread, waited for at most `timeout_s`): does `peer` answer at all?"""
+        """One `Ping` (on its own thread, waited for at most `timeout_s`): does `peer` answer at all?"""
         ping = spawn(lambda: self._ping(peer, timeout_s), "ping", self._threads)
         with contextlib.suppress(Exception):
             ping.result(timeout=timeout_s)
@@ -239,7 +239,7 @@ class PipelineDriver:
                 return s, peers.index(peer)
         raise KeyError(peer)
 
-    def _heartbeat(self, chains: Sequence[Route], wake: threading.Event) -> Heartbeat:
+    def _ping_loop(self, chains: Sequence[Route], wake: threading.Event) -> PingLoop:
         def ping(peer: str) -> None:
             self._ping(peer, self.heartbeat_s)
 
@@ -249,7 +249,7 @@ class PipelineDriver:
             wake.set()
 
         peers = [p for c in chains for p in c.peers]
-        return Heartbeat(ping, peers, on_dead, self.heartbeat_s, self.heartbeat_misses)
+        return PingLoop(ping, peers, on_dead, self.heartbeat_s, self.heartbeat_misses)
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
@@ -263,15 +263,15 @@ class PipelineDriver:
 
         # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
         # comes back
-        fw = self.router.routed(step, 0, first_r, "Forward", tokens)
+        forward = self.router.routed(step, 0, first_r, "Forward", tokens)
         # communication: the backward starts at the chain's last stage and flows back to its stage 0
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
-        bw = self.router.routed(step, last, last_r, "Backward", start)
+        backward = self.router.routed(step, last, last_r, "Backward", start)
         traffic = Traffic()
-        traffic.add(fw.traffic.link_bytes, fw.traffic.fp32_wire_bytes, "forward")
-        traffic.add(bw.traffic.link_bytes, bw.traffic.fp32_wire_bytes, "backward")
+        traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
+        traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
         self._record(traffic)
-        return _MicroResult(fw.loss * work.loss_weights[mb], traffic, time.perf_counter())
+        return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
     def _run_chains(self, step: int, work: list[ChainWork], wake: threading.Event) -> tuple[float, Traffic]:
         """Every chain's micro-batches, all at once; the batch's mean loss and the bytes. Records each chain's
@@ -452,7 +452,7 @@ class PipelineDriver:
         chains = self._live(step)
         wake, self._inflight = threading.Event(), []
         try:
-            with self._heartbeat(chains, wake):
+            with self._ping_loop(chains, wake):
                 return self._run_chains(step, self._work(batch, chains), wake)
         except Failed as f:
             self.abandon(step)
@@ -477,7 +477,7 @@ class PipelineDriver:
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
             try:
-                with self._heartbeat(used, wake):
+                with self._ping_loop(used, wake):
                     loss, traffic = self._run_chains(step, work, wake)
                     traffic.merge(self._reduce(step, used, wake))
                     norm = self._grads(step, used, wake)

@@ -287,9 +287,9 @@ class StageHost:
         if kind == Kind.BACKWARD and self.role.is_last:  # the micro-batch's share of the step's (batch-mean) loss
             return torch.tensor(call.info.loss_weight or 1.0 / max(1, call.info.num_micro_batches))
         links = self.links
-        direction = links.fw_recv if kind == Kind.FORWARD else links.bw_recv
+        end = links.forward_recv if kind == Kind.FORWARD else links.backward_recv
         with _phase(self.metrics, self.role.stage, "decode"):
-            return links.incoming(direction, need_message(call), self.limits, step=call.info.step)
+            return links.incoming(end, need_message(call), self.limits, step=call.info.step)
 
     def forward(self, call: StageCall, inputs: torch.Tensor | None = None, cancelled: threading.Event | None = None):
         """Stage k's forward of one micro-batch (admitted: see `admit`): compute in schedule order, send on to
@@ -490,7 +490,7 @@ def _step_metrics(metrics: Metrics, role: StageRole, links: LinkEnds, opened_at:
     metrics.steps.inc()
     metrics.step_seconds.observe(time.perf_counter() - opened_at)
     metrics.plan_version.set(role.plan_version)
-    held = None if links.fw_recv.buffers is None else len(links.fw_recv.buffers)
+    held = None if links.forward_recv.buffers is None else len(links.forward_recv.buffers)
     for count, link in ((held, role.stage - 1), (links.send_buffers("fw"), role.stage)):
         if count is not None and 0 <= link < role.n_stages - 1:
             metrics.buffered_samples.labels(str(link)).set(count)

@@ -1,6 +1,6 @@
 """One pipeline stage's compute: forward and backward per micro-batch, and the optimizer step.
 
-`StageWorker` is pure compute with no transport. The in-process runtime (`swarm.runtime.local`) calls it
+`StageWorker` is pure compute with no transport. The in-process runtime (`swarm.runtime.inprocess`) calls it
 directly; a gRPC servicer calls the same methods after decoding a message, so both paths share one
 implementation of what a stage does. Everything a stage needs to know about the rest of the pipeline
 arrives as arguments: the gradient of the objective with respect to its output, the global gradient

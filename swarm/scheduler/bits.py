@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", "acsgd2+ch+nr")
-"""Forward (activation) codecs, most precise first; the last is the default floor (`DEFAULT_FW_CODEC`): the
+"""Forward (activation) codecs, most precise first; the last is the default floor (`DEFAULT_FORWARD_CODEC`): the
 current family (the AQ-SGD paper's quantizer, channel groups, round to nearest) at 8, 4 and 2 bits."""
 BACKWARD_LADDER = (
     "fp32",
@@ -56,7 +56,7 @@ BACKWARD_LADDER = (
     "gtern+ef+rot+nr+r150+g1024",
 )
 """Backward (activation-gradient) codecs, most precise first; the 2-bit rung is the default floor
-(`DEFAULT_BW_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4
+(`DEFAULT_BACKWARD_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4
 and 2 bits. Below it, ternary gradients at about 1 bit an element (`gtern`, issue 13's best setting), which a
 policy reaches only by naming it as its `backward_floor`."""
 AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024")
@@ -124,12 +124,18 @@ def choose_link(
     message each way on every boundary, so even a message the steady state hides is on the critical path once
     a step (`choose_codecs` gives each boundary its part of `epilogue_share`)."""
     budget = min(link.compute_s / policy.headroom, exposed_s / 2)
-    fw = _pick(FORWARD_LADDER, policy.forward_floor, link.forward_bytes_per_s, budget, message_bytes)
-    bw = _pick(BACKWARD_LADDER, policy.backward_floor, link.backward_bytes_per_s, budget, message_bytes)
-    fw_s, bw_s = message_bytes(fw) / link.forward_bytes_per_s, message_bytes(bw) / link.backward_bytes_per_s
-    hidden = "hidden under" if max(fw_s, bw_s) <= budget else "over (at the floor)"
-    why = f"{fw}/{bw}: {fw_s * 1e3:.1f}/{bw_s * 1e3:.1f} ms per micro-batch, {hidden} {budget * 1e3:.1f} ms compute"
-    return {"forward": fw, "backward": bw, "why": why}
+    forward = _pick(FORWARD_LADDER, policy.forward_floor, link.forward_bytes_per_s, budget, message_bytes)
+    backward = _pick(BACKWARD_LADDER, policy.backward_floor, link.backward_bytes_per_s, budget, message_bytes)
+    forward_s, backward_s = (
+        message_bytes(forward) / link.forward_bytes_per_s,
+        message_bytes(backward) / link.backward_bytes_per_s,
+    )
+    hidden = "hidden under" if max(forward_s, backward_s) <= budget else "over (at the floor)"
+    why = (
+        f"{forward}/{backward}: {forward_s * 1e3:.1f}/{backward_s * 1e3:.1f} ms per micro-batch, "
+        f"{hidden} {budget * 1e3:.1f} ms compute"
+    )
+    return {"forward": forward, "backward": backward, "why": why}
 
 
 def choose_codecs(

@@ -17,16 +17,17 @@ replica, a boundary at its slowest replica link):
     step     = max(pipeline + max(max_s sync_s, tied) + step_overhead,     (overhead: everything else, measured)
                    rate bound)   (the busiest link's bytes of a whole step, both boundaries' M messages and the
                                   tied gradient, over its rate: a token bucket refills while its link idles)
-    tied     = max over end-stage replicas i, j of max((T - burst_ij)+ / bw_ij, (T - burst_ji)+ / bw_ji) + d_ij + d_ji
+    tied     = max over end-stage replicas i, j of
+                 max((T - burst_ij)+ / bandwidth_ij, (T - burst_ji)+ / bandwidth_ji) + d_ij + d_ji
                (T: what member i sends, `tied_bytes` from the first stage and `tied_bytes_last` from the last;
                the bucket refilled while the pipeline drained)
 
     compute_s = layers_s * flops_per_layer / (slowest replica's FLOP/s)
-    pace_b    = forward_bytes / bw[p, q] + backward_bytes / bw[q, p]   (worst pair p -> q of the boundary)
+    pace_b    = forward_bytes / bandwidth[p, q] + backward_bytes / bandwidth[q, p]   (worst pair p -> q of the boundary)
                 (full-duplex links: the max of the two instead of their sum)
-    fill_b    = (forward_bytes - burst[p, q])+ / bw[p, q] + (backward_bytes - burst[q, p])+ / bw[q, p]
+    fill_b    = (forward_bytes - burst[p, q])+ / bandwidth[p, q] + (backward_bytes - burst[q, p])+ / bandwidth[q, p]
                 + delay[p, q] + delay[q, p]          (the first messages find idle links: a bucket's burst)
-    sync_s    = max over replicas i of  latency_i + sum_{j != i} G_s / R * (1 / bw_ij + 1 / bw_ji)
+    sync_s    = max over replicas i of  latency_i + sum_{j != i} G_s / R * (1 / bandwidth_ij + 1 / bandwidth_ji)
     latency_i = max_{j != i} (d_ij + d_ji)      (parts sent concurrently, as hivemind's butterfly does)
              or sum_{j != i} (d_ij + d_ji)      (DT-FM: one partner after another)
 
@@ -234,25 +235,25 @@ class FullCost:
         n = plan_input.n_peers
         off = _off_diagonal(n)
         delay = np.where(off, plan_input.delay_s, 0.0)
-        inverse_bw = np.where(off, 1.0 / plan_input.bandwidth_bytes_per_s, 0.0)
+        inverse_bandwidth = np.where(off, 1.0 / plan_input.bandwidth_bytes_per_s, 0.0)
         self.model = model
         self.speeds = plan_input.speeds_flops_per_s
         self.memories = plan_input.memories_bytes
         # pair p -> q of a boundary: forward p -> q, backward q -> p.
-        forward_s, backward_s = model.forward_bytes * inverse_bw, model.backward_bytes * inverse_bw.T
+        forward_s, backward_s = model.forward_bytes * inverse_bandwidth, model.backward_bytes * inverse_bandwidth.T
         # full duplex: the two directions overlap in the steady state; the fill still waits for one of each
         self.pace_s = np.maximum(forward_s, backward_s) if model.full_duplex else forward_s + backward_s
         # the fill's messages find their links idle: a token bucket passes its burst at once
         burst = self.burst = plan_input.burst_bytes
-        first_forward = np.maximum(model.forward_bytes - burst, 0.0) * inverse_bw
-        first_backward = np.maximum(model.backward_bytes - burst.T, 0.0) * inverse_bw.T
+        first_forward = np.maximum(model.forward_bytes - burst, 0.0) * inverse_bandwidth
+        first_backward = np.maximum(model.backward_bytes - burst.T, 0.0) * inverse_bandwidth.T
         self.fill_s = first_forward + first_backward + delay + delay.T
         self.round_trip_s = delay + delay.T
-        self.inverse_bw = inverse_bw
-        self.boundary_inverse_bw = inverse_bw
+        self.inverse_bandwidth = inverse_bandwidth
+        self.boundary_inverse_bandwidth = inverse_bandwidth
         """the pipeline boundaries' links (`rate_bound_s`): the same links here; `relays.TunnelCost` prices a
         reachable neighbour's link into a NAT'd peer as direct there, and the other pairs as their relayed paths"""
-        self.inverse_bw_sum = inverse_bw + inverse_bw.T
+        self.inverse_bandwidth_sum = inverse_bandwidth + inverse_bandwidth.T
 
     # -- groups --------------------------------------------------------------------------------------
 
@@ -268,7 +269,7 @@ class FullCost:
         sub = np.ix_(group, group)
         round_trips = self.round_trip_s[sub]
         latency = round_trips.max(axis=1) if m.overlapped_sync_latency else round_trips.sum(axis=1)  # per member
-        per_layer = (m.gradient_bytes_per_layer / replicas) * self.inverse_bw_sum[sub].sum(axis=1)
+        per_layer = (m.gradient_bytes_per_layer / replicas) * self.inverse_bandwidth_sum[sub].sum(axis=1)
         n = np.arange(m.layers + 1)
         if replicas > 1:
             table = (latency[None, :] + n[:, None] * per_layer[None, :]).max(axis=1)
@@ -329,17 +330,17 @@ class FullCost:
         (the optimizer step, the Grads/Step round trips, the trainer's own work), so a link-bound step takes its
         bytes over the rate however the phases fall, not the pipeline's link time plus those phases."""
         m = self.model
-        load = np.zeros_like(self.inverse_bw)
+        load = np.zeros_like(self.inverse_bandwidth)
         micro = self.steady_factor(grid.shape[1]) + 1
         for s in range(len(grid) - 1):
             for a, b in zip(grid[s], grid[s + 1], strict=True):
-                load[a, b] += micro * m.forward_bytes * self.boundary_inverse_bw[a, b]
-                load[b, a] += micro * m.backward_bytes * self.boundary_inverse_bw[b, a]
+                load[a, b] += micro * m.forward_bytes * self.boundary_inverse_bandwidth[a, b]
+                load[b, a] += micro * m.backward_bytes * self.boundary_inverse_bandwidth[b, a]
         if m.tied and len(grid) > 1:
             members = np.concatenate([grid[0], grid[-1]])
             sub = np.ix_(members, members)
             # each sender's own bytes on its own direction (the two ends' tied gradients can differ in size)
-            load[sub] += m.tied_sent(grid.shape[1])[:, None] * self.inverse_bw[sub]
+            load[sub] += m.tied_sent(grid.shape[1])[:, None] * self.inverse_bandwidth[sub]
         if not m.full_duplex:
             load = load + load.T
         return float(load.max())
@@ -353,7 +354,7 @@ class FullCost:
         members = np.concatenate([grid[0], grid[-1]])
         sub = np.ix_(members, members)
         sent = self.model.tied_sent(grid.shape[1])[:, None]  # row i: what member i sends
-        per_pair = np.maximum(sent - self.burst[sub], 0.0) * self.inverse_bw[sub]
+        per_pair = np.maximum(sent - self.burst[sub], 0.0) * self.inverse_bandwidth[sub]
         both = np.maximum(per_pair, per_pair.T) + self.round_trip_s[sub]
         return float(both.max())
 

@@ -33,8 +33,8 @@ _LOCAL_RTT_S = 1e-3
 def predict_chain(
     layers_per_s: list[float],
     rate_mbit: float | None,
-    fw: str,
-    bw: str,
+    forward: str,
+    backward: str,
     model: ModelConfig | None = None,
     micro_batch_size: int = 2,
     micro_batches: int = 4,
@@ -42,7 +42,7 @@ def predict_chain(
 ) -> float:
     """Predicted step time of one chain (peer k holds stage k, layers split evenly), as the planner sees it."""
     model = model or ModelConfig()
-    spec = model_spec(model, CodecConfig.parse(fw), CodecConfig.parse(bw), micro_batch_size, micro_batches)
+    spec = model_spec(model, CodecConfig.parse(forward), CodecConfig.parse(backward), micro_batch_size, micro_batches)
     n = len(layers_per_s)
     rate = np.inf if rate_mbit is None else rate_mbit * 1e6 / 8
     eye = np.eye(n, dtype=bool)
@@ -61,7 +61,7 @@ def _cell(folder: Path, steps_per_epoch: int) -> dict | None:
         return None
     with open(steps_csv) as f:
         steps = list(csv.DictReader(f))
-    fw, bw = steps[0]["setting"].split("/")
+    forward, backward = steps[0]["setting"].split("/")
     rate_part = folder.name.split("-")[0]
     rate = None if rate_part == "unshaped" else float(rate_part.removesuffix("mbit"))
     speeds = [
@@ -71,7 +71,7 @@ def _cell(folder: Path, steps_per_epoch: int) -> dict | None:
     ]
     times = [float(s["step_s"]) for s in steps]
     measured = statistics.mean(times[steps_per_epoch:] or times)
-    predicted = predict_chain(speeds, rate, fw, bw)
+    predicted = predict_chain(speeds, rate, forward, backward)
     return {
         "cell": folder.name,
         "layers_per_s": speeds,

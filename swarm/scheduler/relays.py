@@ -9,7 +9,7 @@ reaches j without an extra hop (the reverse connection). So a directed link i ->
 - direct when j is unreachable and i is j's relay;
 - otherwise the path i -> r -> j through j's relay r, priced as the sum of its two legs,
 
-      delay = d[i, r] + d[r, j]         1 / bw = k_r * (1 / bw[i, r] + 1 / bw[r, j])
+      delay = d[i, r] + d[r, j]         1 / bandwidth = k_r * (1 / bandwidth[i, r] + 1 / bandwidth[r, j])
       burst = min(burst[i, r], burst[r, j])
 
   (store and forward: an upper bound of a relay that streams chunk by chunk, which pays nearer the slower
@@ -133,14 +133,14 @@ def relayed_input(
     delay = plan_input.delay_s.copy()
     bandwidth = plan_input.bandwidth_bytes_per_s.copy()
     burst = plan_input.burst_bytes.copy()
-    d, bw, b = plan_input.delay_s, plan_input.bandwidth_bytes_per_s, plan_input.burst_bytes
+    d, given_bandwidth, b = plan_input.delay_s, plan_input.bandwidth_bytes_per_s, plan_input.burst_bytes
     for (i, j), r in paths.items():
         if r is None:
             delay[i, j], bandwidth[i, j], burst[i, j] = _INFEASIBLE_DELAY_S, _INFEASIBLE_BYTES_PER_S, 0.0
             continue
         k = max(int((shares or {}).get(r, 1)), 1)
         delay[i, j] = d[i, r] + d[r, j]
-        bandwidth[i, j] = 1.0 / (k * (1.0 / bw[i, r] + 1.0 / bw[r, j]))
+        bandwidth[i, j] = 1.0 / (k * (1.0 / given_bandwidth[i, r] + 1.0 / given_bandwidth[r, j]))
         burst[i, j] = min(b[i, r], b[r, j])
     return PlanInput(plan_input.peers, delay, bandwidth, burst)
 
@@ -226,7 +226,7 @@ class TunnelCost(FullCost):
         if neighbour_input is not None:
             boundaries = FullCost(neighbour_input, model)
             self.fill_s, self.pace_s = boundaries.fill_s, boundaries.pace_s
-            self.boundary_inverse_bw = boundaries.inverse_bw
+            self.boundary_inverse_bandwidth = boundaries.inverse_bandwidth
 
     def tunnel_term_s(self, grid: np.ndarray) -> float:
         return self.tunnel_s * tunnelled_messages(grid, self.unreachable, self.model)

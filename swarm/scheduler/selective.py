@@ -64,8 +64,8 @@ def pipeline_step_s(stages: list[dict], plan_input: PlanInput, spec: ModelSpec) 
 
 
 def _slowest(plan_input: PlanInput, members: np.ndarray) -> float:
-    bw = plan_input.bandwidth_bytes_per_s[np.ix_(members, members)]
-    return float(bw[~np.eye(len(members), dtype=bool)].min())
+    bandwidth = plan_input.bandwidth_bytes_per_s[np.ix_(members, members)]
+    return float(bandwidth[~np.eye(len(members), dtype=bool)].min())
 
 
 def epilogue_figures(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from swarm.testbed.nat import lan_gateway, uplink_address
+from swarm.testbed.nat_routers import lan_gateway, uplink_address
 from swarm.testbed.services import (
     ADDRESS_FILE,
     Service,
@@ -48,7 +48,7 @@ def entrypoint_argv(command: list[str], env: dict[str, str]) -> list[str]:
 
 def _router_service(cfg: TestbedConfig) -> list[str]:
     """The NAT router container (docker/nat-router.sh): on the swarm's network and on every NAT'd peer's LAN,
-    masquerading their connections out of its uplink and forwarding nothing else, as `swarm.testbed.nat`
+    masquerading their connections out of its uplink and forwarding nothing else, as `swarm.testbed.nat_routers`
     does in a namespace."""
     q = json.dumps
     uplink = uplink_address(cfg)

@@ -23,7 +23,7 @@ from swarm.options import MODEL_GROUP, LinkCodecs, LinkShaping, ModelFlags
 from swarm.runtime.device import DeviceError, check_device
 
 if TYPE_CHECKING:
-    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig
     from swarm.train.trainer import TrainConfig
 
 _PEER_FLAGS = Flag(
@@ -48,7 +48,7 @@ _TRAIN_FLAGS = Flag(
 
 
 def _peer() -> PeerConfig:
-    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig
     from swarm.peers.shaper import LinkShape
 
     return PeerConfig(link_shape=LinkShape.from_mbit(100.0))
@@ -103,7 +103,7 @@ def peer_config(cfg: DemoConfig, out: Path) -> PeerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.daemon.config import peer_flags
+    from swarm.daemon.peer_config import peer_flags
     from swarm.net.stream import StageCallError
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import format_summary, train

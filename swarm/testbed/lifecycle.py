@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarm.testbed.nat import nat_unavailable_reason
+from swarm.testbed.nat_routers import nat_unavailable_reason
 from swarm.testbed.netns import (
     TestbedLayout,
     Unavailable,

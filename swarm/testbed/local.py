@@ -49,14 +49,14 @@ def local_swarm(
     only from the plan's trainers): train with `LocalSwarm.signer`.
 
     `peer_flags` (every peer's) and `per_peer_flags` (each one's own) are swarm-peer argv, e.g. a
-    `PeerConfig`'s (`swarm.daemon.config.peer_flags().to_argv`); they come after the swarm's own (its address
+    `PeerConfig`'s (`swarm.daemon.peer_config.peer_flags().to_argv`); they come after the swarm's own (its address
     file and stage count), so they win."""
     import time
 
-    from swarm.daemon.config import PeerConfig
-    from swarm.daemon.config import peer_flags as peer_cli
+    from swarm.daemon.peer_config import PeerConfig
+    from swarm.daemon.peer_config import peer_flags as peer_cli
     from swarm.net.auth import CallSigner, Identity
-    from swarm.peers.dht import DHTConfig, Heartbeat, SwarmDHT
+    from swarm.peers.dht import DHTConfig, Reannouncer, SwarmDHT
     from swarm.peers.records import TrainerAnnouncement
     from swarm.train.trainer import discover_route
 
@@ -75,7 +75,7 @@ def local_swarm(
         dht_config = DHTConfig(initial_peers=initial, client_mode=True)
         with SwarmDHT(dht_config, private_key=trainer.key) as dht:
             me = TrainerAnnouncement(dht.peer_id, started_at=time.time())
-            with Heartbeat(dht, lambda: me):
+            with Reannouncer(dht, lambda: me):
 
                 def show(line: str) -> None:
                     procs.check_alive()

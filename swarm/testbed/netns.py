@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from swarm.testbed.nat import nat_node_commands, router_commands
+from swarm.testbed.nat_routers import nat_node_commands, router_commands
 from swarm.testbed.services import Service, TestbedConfig, nat_names, testbed_services
 
 __all__ = [
@@ -95,7 +95,7 @@ def lay_out_testbed(cfg: TestbedConfig, shared_dir: str) -> TestbedLayout:
 
 def setup_commands(layout: TestbedLayout) -> list[list[str]]:
     """Bridge, then per node: namespace, veth pair (one end on the bridge), loopback, address, shaping.
-    With NAT'd peers, first the NAT router, and those peers' veths end on its LAN (`swarm.testbed.nat`).
+    With NAT'd peers, first the NAT router, and those peers' veths end on its LAN (`swarm.testbed.nat_routers`).
     The root side gets no IPv6 link-local address, so the host itself never talks on the bridge."""
     br = layout.bridge
     commands = [

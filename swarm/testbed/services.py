@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from swarm.flags import flag
 
 if TYPE_CHECKING:
-    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig
 
 __all__ = [
     "ADDRESS_FILE",
@@ -148,10 +148,10 @@ class TestbedConfig:
     prefix: str = field(default="swt-", metadata=flag(skip=True))
     """Start of every namespace and link name, so `down` finds leftovers; 2-7 characters ending in '-'."""
     fw_codec: str = field(default="acsgd2+ch+nr", metadata=flag(group="swarm"))
-    """Activation codec of the peers (swarm.compression.DEFAULT_FW_CODEC, spelled out: this module stays free of
+    """Activation codec of the peers (swarm.compression.DEFAULT_FORWARD_CODEC, spelled out: this module stays free of
     torch; a test checks they agree)."""
     bw_codec: str = field(default="gradq2+ef+rot+nr+cs+g1024", metadata=flag(group="swarm"))
-    """Gradient codec of the peers (swarm.compression.DEFAULT_BW_CODEC)."""
+    """Gradient codec of the peers (swarm.compression.DEFAULT_BACKWARD_CODEC)."""
     model: str | None = field(default=None, metadata=flag(group="swarm"))
     """`--model` of every peer and the trainer: a preset name (None: the entry points' default, the built-in)."""
     layers: int | None = field(default=None, metadata=flag(group="swarm"))
@@ -185,7 +185,7 @@ class TestbedConfig:
             group=_NETWORK,
         ),
     )
-    """Peers behind a NAT router (`swarm.testbed.nat`): they can dial out, nobody can dial in."""
+    """Peers behind a NAT router (`swarm.testbed.nat_routers`): they can dial out, nobody can dial in."""
     nat_subnet: str = field(default="10.78.0.0/20", metadata=flag(group=_NETWORK))
     """Private IPv4 addresses behind the NAT router: NAT'd peer i has the /28 number i of it to itself
     (`nat_lan`), the router at .4 of it and the peer at .10, so no two NAT'd peers share a LAN."""
@@ -286,7 +286,7 @@ def nat_lan(cfg: TestbedConfig, peer: int) -> ipaddress.IPv4Network:
 def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
     """Every service of the testbed with its argv; `shared_dir` holds the address file and outputs
     (the run directory here, the shared volume in docker compose)."""
-    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
     from swarm.peers.shaper import LinkShape
 
     addresses = service_addresses(cfg)
@@ -332,7 +332,7 @@ def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared
     """What peer `name` is told: the testbed's address, ports, codecs and schedule, and the one-way delays of
     its particular links (bandwidth is the kernel's job, not the application shaper's; every link's delay and
     the model are `testbed_services`')."""
-    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig
     from swarm.options import LinkCodecs
     from swarm.peers.dht import DHTConfig
     from swarm.peers.shaper import LinkShape

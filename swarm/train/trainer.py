@@ -469,7 +469,7 @@ def no_chain_left(error: Exception, route: PlanRoutes) -> bool:
 def run(args: argparse.Namespace) -> int:
     from swarm.daemon.roster import PeerAuth
     from swarm.net.stream import StageCallError
-    from swarm.peers.dht import Heartbeat, SwarmDHT
+    from swarm.peers.dht import Reannouncer, SwarmDHT
     from swarm.peers.records import TrainerAnnouncement
 
     try:
@@ -492,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
             say(f"metrics at {server.url}")
         # the planner names announced trainers in the plan, and stages serve only those: announce until done
         me = TrainerAnnouncement(dht.peer_id, started_at=time.time())
-        stack.enter_context(Heartbeat(dht, lambda: me))
+        stack.enter_context(Reannouncer(dht, lambda: me))
         say(f"trainer {dht.peer_id} announced")
         try:
             route = discover_route(

@@ -21,7 +21,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.peers.dht import DHTConfig, Heartbeat, SwarmDHT, peer_id_of, quiet_hivemind, wait_for
+from swarm.peers.dht import DHTConfig, Reannouncer, SwarmDHT, peer_id_of, quiet_hivemind, wait_for
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -87,7 +87,7 @@ def test_announcing_for_another_peer_is_refused_locally(swarm):
 def test_heartbeat_refreshes_then_the_announcement_expires(swarm):
     _, b, c = swarm
     beats = iter(range(1, 1_000_000))
-    heartbeat = Heartbeat(c, lambda: announcement(c, plan_version=next(beats)))
+    heartbeat = Reannouncer(c, lambda: announcement(c, plan_version=next(beats)))
     assert heartbeat.period_s == pytest.approx(SHORT_TTL_S / 3)
     with heartbeat:
         # Each beat carries a new plan_version: seeing 3 on another node means it was refreshed twice.

@@ -9,8 +9,8 @@ import functools
 
 import pytest
 
-from swarm.daemon.config import config_from_args
 from swarm.daemon.peer import build_parser
+from swarm.daemon.peer_config import config_from_args
 from swarm.net.dhtmode import serve_records
 from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
 

@@ -9,7 +9,7 @@ import torch
 from swarm.experiments.hetero import ComputeThrottle, HeteroConfig, run_experiment
 from swarm.model.data import DataConfig
 from swarm.model.gpt import ModelConfig
-from swarm.scheduler.precision import choose_precisions
+from swarm.scheduler.precision_choice import choose_precisions
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from swarm.testbed import services
-from swarm.testbed.nat import nat_unavailable_reason
+from swarm.testbed.nat_routers import nat_unavailable_reason
 from swarm.testbed.netns import (
     lay_out_testbed,
     list_links,

@@ -1,6 +1,6 @@
 """Per-peer precision switched live: a 3-peer local swarm (swarm-peer processes) follows the plans of one
 trusted planner, the trainer's own key (`--trusted-planners`: the plans are this test's). Plan 1 computes every
-stage in fp32; while the trainer runs, plan 2 gives stage 1 bf16 (`"precisions"`, swarm.scheduler.precision).
+stage in fp32; while the trainer runs, plan 2 gives stage 1 bf16 (`"precisions"`, swarm.scheduler.precision_choice).
 The peer of stage 1 switches between two steps (same layers: no handover) and reports 16 compute bits in its
 Status, and the trainer trains on across the switch without a gap."""
 

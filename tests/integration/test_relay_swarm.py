@@ -14,7 +14,7 @@ from swarm.metrics import total
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.net.connect import GrpcConnector
 from swarm.runtime.driver import PipelineDriver
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.testbed.local import local_swarm
 from tests.integration.swarm_fixtures import TINY
 

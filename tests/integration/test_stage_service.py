@@ -16,7 +16,7 @@ from swarm.model.data import Batch
 from swarm.net.auth import CallSigner
 from swarm.net.stream import StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2, stage_pb2_grpc, wire_pb2
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.train.trainer import TrainConfig, train
 from tests.integration.swarm_fixtures import TINY, loopback_stages, remote, trainer_of
 
@@ -60,7 +60,7 @@ def test_aqsgd_loopback_trains_and_buffers_match_on_both_ends():
         results = [pipe.train_step(step, b) for step, b in enumerate(data)]
         pipe.close()
         [send_end] = hosts[0].links.send_ends("fw")  # one destination: the plan's next stage
-        send, recv = send_end.buffers, hosts[1].links.fw_recv.buffers
+        send, recv = send_end.buffers, hosts[1].links.forward_recv.buffers
         assert sorted(send.ids()) == sorted(recv.ids()) and len(send.ids()) == 8
         for sample in send.ids():
             assert torch.equal(send.get(sample), recv.get(sample))

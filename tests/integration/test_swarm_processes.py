@@ -18,7 +18,7 @@ import torch
 from swarm.compression import CodecConfig
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.runtime.driver import PipelineDriver
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.testbed.local import local_swarm
 from tests.integration.swarm_fixtures import TINY
 

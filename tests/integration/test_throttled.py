@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from swarm.compression import DEFAULT_FW_CODEC
+from swarm.compression import DEFAULT_FORWARD_CODEC
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -32,7 +32,7 @@ def test_quick_matrix_writes_rows_csv_plots_and_report(tmp_path):
     # the same seed and the same even split in every cell: the link speed changes time, never the math,
     # also where stochastic rounding and error feedback make the math depend on the order of the encodes
     assert fp32_slow["final_loss"] == fp32_fast["final_loss"]
-    fw = DEFAULT_FW_CODEC
+    fw = DEFAULT_FORWARD_CODEC
     assert by[(10.0, fw)]["final_loss"] == by[(None, fw)]["final_loss"]
     assert fp32_slow["wire_bytes"] <= fp32_fast["wire_bytes"], "zstd may only shrink what a slow link carries"
     quantized = [r for r in rows if r["fw_bits"] < 32]

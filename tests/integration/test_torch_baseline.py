@@ -25,7 +25,7 @@ from swarm.experiments.torch_baseline import (
 )
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.testbed.netns import list_links, list_namespaces, unavailable_reason
 

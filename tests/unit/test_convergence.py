@@ -153,7 +153,7 @@ def test_tied_bits_option_parses_and_sets_each_hosts_floor(tmp_path, capsys):
 def test_a_gsign_backwards_tied_sum_is_gradq_at_the_tied_floor():
     from swarm.compression import CodecConfig
     from swarm.model.gpt import ModelConfig
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
 
     model = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
     pipe = LocalPipeline(model, 2, CodecConfig.parse("fp32"), CodecConfig.parse("gsign+ef+rot+nr", group_size=64))

@@ -16,7 +16,7 @@ from swarm.net.auth import CallSigner, Identity
 from swarm.net.stream import StageCallError
 from swarm.proto import stage_pb2
 from swarm.runtime.freeze import FreezePolicy, block_of, set_frozen
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 
 GPT = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=4, n_heads=4, init_seed=1)
@@ -197,7 +197,7 @@ def test_a_frozen_boundary_sends_almost_nothing_after_first_sight_and_the_receiv
     first, later = sent[:3], sent[3:]
     assert pipe.workers[0].cache_hits == 2 * 24  # two epochs answered from the cache, no compute
     assert max(later) * 15 < min(first)  # after first sight: a zero delta (414 B against 8008 B, envelope included)
-    receiver = pipe.hosts[1].links.fw_recv.buffers
+    receiver = pipe.hosts[1].links.forward_recv.buffers
     for batch in batches:
         exact = pipe.workers[0].infer(batch.tokens)  # what the frozen stage computes for these samples
         held = torch.stack([receiver.get(int(i)).float() for i in batch.sample_ids])

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from swarm.experiments.freezing import SETTINGS, FreezingConfig, run_experiment
+from swarm.experiments.freezing import SETTINGS, FreezingExperimentConfig, run_experiment
 
 
 def test_the_freezing_experiment_writes_rows_plot_and_table(tmp_path):
-    cfg = FreezingConfig(
+    cfg = FreezingExperimentConfig(
         n_layers=4, hidden=32, seq_len=16, n_stages=2, batch_size=8, n_micro=2, train_samples=32,
         eval_samples=16, pretrain_epochs=1, epochs=3, interval=2, tolerance=10.0, max_fraction=0.75, repeats=2,
     )  # fmt: skip

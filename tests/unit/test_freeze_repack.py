@@ -19,7 +19,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.runtime.freeze import FreezePolicy, apply_frozen
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.train import freezing
 from swarm.train.freezing import FreezeConfig, add_freeze_arguments, driver_factory, freeze_config

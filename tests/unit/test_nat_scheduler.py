@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from peers.records import LinkMeasurement, PeerAnnouncement
-from swarm.daemon.config import PlanningConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import swarm_plan_input
 from swarm.scheduler import ModelSpec, Peer, PlanInput, SearchConfig, plan
 from swarm.scheduler.cost import FullCost, Layout

@@ -1,4 +1,4 @@
-"""The NAT router of the namespace and compose testbeds, as data (no root, no Docker): `swarm.testbed.nat`."""
+"""The NAT router of the namespace and compose testbeds, as data (no root, no Docker): `swarm.testbed.nat_routers`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.testbed import cli as testbed
-from swarm.testbed import nat, services
+from swarm.testbed import nat_routers, services
+from swarm.testbed import testbed_cli as testbed
 from swarm.testbed.compose import SHARED_DIR, render_compose
 from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands
 
@@ -31,8 +31,8 @@ def test_nat_peers_get_private_addresses_behind_the_router():
     addresses = services.service_addresses(CFG)
     assert addresses["peer1"] == "10.78.0.26" and addresses["peer3"] == "10.78.0.58"  # .10 of their own /28
     assert addresses["peer0"] == "10.77.0.10" and addresses["bootstrap"] == "10.77.0.2"
-    assert nat.uplink_address(CFG) == "10.77.0.4"
-    assert (nat.lan_gateway(CFG, 1), nat.lan_gateway(CFG, 3)) == ("10.78.0.20", "10.78.0.52")
+    assert nat_routers.uplink_address(CFG) == "10.77.0.4"
+    assert (nat_routers.lan_gateway(CFG, 1), nat_routers.lan_gateway(CFG, 3)) == ("10.78.0.20", "10.78.0.52")
     peer1 = next(s for s in services.testbed_services(CFG, "/run") if s.name == "peer1")
     assert "10.78.0.26" in peer1.argv  # it binds and announces its private address, as behind a home router
 
@@ -58,7 +58,7 @@ def test_setup_puts_nat_peers_behind_a_masquerading_router():
         in_router = f"ip -n swt-nat link set {node.veth_root} up"
         assert (on_bridge in commands) != behind and (in_router in commands) == behind, node.service.name
         if behind:
-            gateway = nat.lan_gateway(CFG, int(node.service.name[4:]))
+            gateway = nat_routers.lan_gateway(CFG, int(node.service.name[4:]))
             assert f"ip -n swt-nat addr add {gateway}/28 dev {node.veth_root}" in commands
             assert f"ip -n {node.namespace} route add default via {gateway}" in commands
             assert commands.index(router) < commands.index(in_router)
@@ -79,8 +79,8 @@ def test_cli_parses_nat():
 
 
 def test_nat_unavailable_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(nat.shutil, "which", lambda _: None)
-    assert "apt-get install iptables" in nat.nat_unavailable_reason()
+    monkeypatch.setattr(nat_routers.shutil, "which", lambda _: None)
+    assert "apt-get install iptables" in nat_routers.nat_unavailable_reason()
 
 
 def test_compose_has_a_nat_router_and_a_lan_per_nat_peer():
@@ -114,7 +114,7 @@ def _dry_run(script: str, args: list[str], env: dict[str, str]) -> list[str]:
 
 def test_compose_router_applies_the_namespace_routers_rules():
     lines = _dry_run("nat-router.sh", [], {"UPLINK_ADDRESS": "10.77.0.4"})
-    assert lines == [" ".join(["iptables", *rule]) for rule in nat.iptables_rules("$up")]
+    assert lines == [" ".join(["iptables", *rule]) for rule in nat_routers.iptables_rules("$up")]
 
 
 def test_entrypoint_routes_a_nat_peer_through_the_router():

@@ -9,7 +9,7 @@ import torch
 from swarm.compression import CodecConfig
 from swarm.model.data import Batch
 from swarm.model.gpt import GPT, TIED_EMBEDDING, ModelConfig
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig, StageWorker, lr_at
 
 torch.set_num_threads(1)
@@ -115,7 +115,7 @@ def test_aqsgd_receiver_computes_on_the_message_buffer_and_pays_less_on_second_s
     second = pipe.train_step(batch, n_micro=1)  # the same samples again: deltas against the buffers
     assert second.forward_bytes < first.forward_bytes / 4
     [send_end] = pipe.hosts[0].links.send_ends("fw")
-    send, recv = send_end.buffers, pipe.hosts[1].links.fw_recv.buffers
+    send, recv = send_end.buffers, pipe.hosts[1].links.forward_recv.buffers
     assert sorted(send.ids()) == sorted(recv.ids()) == list(range(4))
     for sample in send.ids():  # both ends hold bit-identical message buffers
         assert torch.equal(send.get(sample), recv.get(sample))

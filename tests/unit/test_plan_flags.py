@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from swarm.scheduler import TransformerShape
-from swarm.scheduler.cli import PLAN_FLAGS, DtfmGrid, PlanCommand, PlanSource, ShapeFlags, add_arguments
+from swarm.scheduler.plan_cli import PLAN_FLAGS, DtfmGrid, PlanCommand, PlanSource, ShapeFlags, add_arguments
 
 
 def test_unset_shape_flags_take_the_default_shape():

@@ -21,7 +21,7 @@ from swarm.runtime.sensitivity import (
     validate_sensitivity,
 )
 from swarm.runtime.worker import StageConfig, StageWorker
-from swarm.scheduler.precision import choose_precisions, plan_precisions, stage_times
+from swarm.scheduler.precision_choice import choose_precisions, plan_precisions, stage_times
 
 LOW = {"bf16": 1e-4}
 
@@ -259,8 +259,8 @@ def test_a_stage_switches_precision_between_steps_and_keeps_fp32_master_weights(
 
 
 def test_the_planner_measures_stage_sensitivities_and_plans_with_them():
-    from swarm.daemon.config import PlanningConfig
-    from swarm.scheduler.precision import precision_planner
+    from swarm.daemon.peer_config import PlanningConfig
+    from swarm.scheduler.precision_choice import precision_planner
 
     assert precision_planner(ModelConfig(), 0.0) is None, "off by default: today's behaviour"
     with pytest.raises(ValueError, match="precision_budget"):
@@ -279,7 +279,7 @@ def test_the_planner_measures_stage_sensitivities_and_plans_with_them():
 def test_a_convergence_setting_names_stages_computed_in_bf16():
     from swarm.experiments.convergence import Setting
     from swarm.experiments.hetero import apply_stage_precisions, split_stage_precisions
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
 
     s = Setting.parse("fp32/fp32~bf16:1")
     assert s.name == "fp32/fp32~bf16:1" and s.stage_precisions == ((1, "bf16"),) and s.forward.name == "fp32"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.config import PlanningConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner, route_of
 from swarm.model.gpt import ModelConfig
 from swarm.peers.plan import MAX_RELAY_EXTRA_S

@@ -314,7 +314,7 @@ def test_malformed_sel_settings_are_refused(text):
 def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
     from swarm.experiments.selective import apply_selective, selective_plan
     from swarm.model.gpt import ModelConfig
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
 
     model = ModelConfig(n_layers=3, hidden_dim=32, n_heads=2, seq_len_tokens=32)
     plan = selective_plan("sel:100000+1", model, 3, 4, 2)
@@ -323,8 +323,10 @@ def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
     try:
         apply_selective(pipe, plan, {}, {})
         middle = pipe.hosts[1].links
-        assert middle.fw_recv.config.name == "fp32"  # from stage 0, over the fast boundary
-        assert middle.bw_recv.config.name == "gradq" and middle.bw_recv.config.bits == 2  # from stage 2, slow
+        assert middle.forward_recv.config.name == "fp32"  # from stage 0, over the fast boundary
+        assert (
+            middle.backward_recv.config.name == "gradq" and middle.backward_recv.config.bits == 2
+        )  # from stage 2, slow
         assert pipe.hosts[2].averager.codecs[True] is not None  # the tied sync's codec, end stages only
         assert pipe.hosts[1].averager.codecs == {False: None, True: None}
     finally:

@@ -16,12 +16,12 @@ import pytest
 
 from swarm import cli
 from swarm.model.gpt import ModelConfig
-from swarm.testbed import cli as testbed
 from swarm.testbed import lifecycle, netns, services
+from swarm.testbed import testbed_cli as testbed
 from swarm.testbed.compose import SHARED_DIR, compose_service, entrypoint_argv, render_compose
 from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands, tbf_burst_bytes, tbf_limit_bytes
 from swarm.testbed.services import METRICS_PORT, PEER_PORT, LinkRate, process_argv
-from swarm.testbed.status import metrics_url, render_status
+from swarm.testbed.testbed_status import metrics_url, render_status
 from swarm.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -290,7 +290,7 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
     monkeypatch.setattr(testbed, "bring_up", fake_bring_up)
     monkeypatch.setattr(testbed, "train_in", lambda *a, **k: 0)
     monkeypatch.setattr(testbed, "take_down", lambda *a, **k: (0, 0, 0))
-    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig
     from swarm.options import LinkCodecs
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
@@ -386,12 +386,12 @@ def test_dockerfile_installs_the_project_with_cpu_torch_and_the_entrypoint():
 
 
 def test_testbed_peers_default_to_the_swarms_codecs():
-    from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+    from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
     from swarm.testbed.services import TestbedConfig
 
     cfg = TestbedConfig()
-    assert (cfg.fw_codec, cfg.bw_codec) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC)
-    assert CodecConfig.parse(DEFAULT_BW_CODEC).group_size == 1024  # parses, with its own group size
+    assert (cfg.fw_codec, cfg.bw_codec) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC)
+    assert CodecConfig.parse(DEFAULT_BACKWARD_CODEC).group_size == 1024  # parses, with its own group size
 
 
 def test_every_tc_command_shares_one_egress_flag():

@@ -235,7 +235,7 @@ def test_codecs_that_never_rotate_refuse_a_rotated_message(label):
     import torch
 
     from swarm.compression import LinkState, make_codec
-    from swarm.compression.config import CodecConfig
+    from swarm.compression.codec_config import CodecConfig
     from swarm.compression.wire import WireError
 
     cfg = CodecConfig.parse(label)

@@ -23,7 +23,7 @@ def send(sender, receiver, address: str, x: torch.Tensor, ids: list[int]) -> tor
     """One activation from `sender` to the stage at `address` (`receiver`), through their codec states."""
     end = sender.send_end("fw", address)
     msg = end.codec.encode(x, sample_ids=ids, state=end.state)
-    return receiver.fw_recv.codec.decode(msg, state=receiver.fw_recv.state)
+    return receiver.forward_recv.codec.decode(msg, state=receiver.forward_recv.state)
 
 
 def same(a, b) -> bool:
@@ -40,11 +40,11 @@ def test_a_middle_stage_maps_one_file_per_end_and_both_stay_in_step(tmp_path):
         y = send(first, middle, "middle:1", x, ids)
         send(middle, last, "last:1", torch.tanh(y) * 2, ids)  # what the middle stage computes and sends on
     [to_middle], [to_last] = first.send_ends("fw"), middle.send_ends("fw")
-    recv, sent = middle.fw_recv.buffers, to_last.buffers
+    recv, sent = middle.forward_recv.buffers, to_last.buffers
     assert isinstance(recv, MmapBufferStore) and isinstance(sent, MmapBufferStore)
     assert recv.path != sent.path  # before the fix both were <dir>/fw.buf: one overwrote the other
     assert {recv.path.name, sent.path.name} == {"fw-recv.buf", send_file("fw", "last:1")}
-    assert same(to_middle.buffers, recv) and same(sent, last.fw_recv.buffers)
+    assert same(to_middle.buffers, recv) and same(sent, last.forward_recv.buffers)
     assert middle.buffered_samples() == len(recv) + len(sent) == 12
 
 
@@ -57,7 +57,7 @@ def test_a_send_to_another_address_leaves_the_next_stages_buffers_alone():
         send(stage, stranger, "evil:6666", x + t, ids)
     assert all(torch.equal(before[s], stage.send_end("fw", "next:1").buffers.get(s)) for s in ids)
     y = send(stage, nxt, "next:1", x + 0.01, ids)  # still deltas, still in step
-    assert same(stage.send_end("fw", "next:1").buffers, nxt.fw_recv.buffers)
+    assert same(stage.send_end("fw", "next:1").buffers, nxt.forward_recv.buffers)
     assert (y - (x + 0.01)).abs().max() < 0.1
     stage.forget([1], "evil:6666")
     assert 1 in stage.send_end("fw", "next:1").buffers and 1 not in stage.send_end("fw", "evil:6666").buffers
@@ -78,8 +78,8 @@ def test_sending_ends_are_bounded_per_kind_and_a_dropped_one_starts_over(tmp_pat
     end = stage.send_end("fw", "peer0:1")  # back again: a fresh end, whose first message is in full
     msg = end.codec.encode(x, sample_ids=ids, state=end.state)
     assert not any(msg.sample_is_delta)
-    receivers["peer0:1"].fw_recv.codec.decode(msg, state=receivers["peer0:1"].fw_recv.state)
-    assert same(end.buffers, receivers["peer0:1"].fw_recv.buffers)
+    receivers["peer0:1"].forward_recv.codec.decode(msg, state=receivers["peer0:1"].forward_recv.state)
+    assert same(end.buffers, receivers["peer0:1"].forward_recv.buffers)
     assert len(stage.send_ends("fw")) == MAX_DESTINATIONS
     with pytest.raises(ValueError, match="kind"):
         stage.send_end("sideways", "peer0:1")
@@ -94,7 +94,7 @@ def test_a_drifted_receiver_is_repaired_inside_a_running_pipeline():
     from swarm.compression import CodecConfig
     from swarm.model.data import Batch
     from swarm.model.gpt import ModelConfig
-    from swarm.runtime.local import LocalPipeline
+    from swarm.runtime.inprocess import LocalPipeline
 
     model = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=4, init_seed=1)
     pipe = LocalPipeline(model, 2, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))
@@ -102,7 +102,7 @@ def test_a_drifted_receiver_is_repaired_inside_a_running_pipeline():
     batch = Batch(torch.arange(4), windows[:, :-1], windows[:, 1:])
     for _ in range(2):
         pipe.train_step(batch, n_micro=1)
-    recv = pipe.hosts[1].links.fw_recv.buffers
+    recv = pipe.hosts[1].links.forward_recv.buffers
     recv.scatter(recv.lookup([2]), recv.get(2).unsqueeze(0).float() + 0.5)  # one row goes bad
     [to_next] = pipe.hosts[0].links.send_ends("fw")
     assert not same(to_next.buffers, recv)

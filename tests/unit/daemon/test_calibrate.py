@@ -21,7 +21,7 @@ from swarm.daemon.calibrate import (
     read_clock,
     window,
 )
-from swarm.daemon.config import PlanningConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.peers.records import PlanRecord
 from swarm.scheduler.plans import ModelSpec, Peer, PlanInput, TransformerShape

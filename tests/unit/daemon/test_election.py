@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.config import PlanningConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner, elected_planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import PeerAnnouncement, PlanRecord

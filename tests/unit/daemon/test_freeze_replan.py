@@ -5,7 +5,7 @@ repacks its searched layout for it (swarm.daemon.repack.with_frozen)."""
 from __future__ import annotations
 
 from swarm.compression import CodecConfig
-from swarm.daemon.config import PlanningConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.daemon.repack import repack_plan, with_frozen
 from swarm.model.gpt import ModelConfig

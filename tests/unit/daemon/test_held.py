@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, Unframer, make_codec
-from swarm.daemon.churn import HeldServer, Replicator, leave_done, takeover_sources
 from swarm.daemon.held import HELD_METADATA_KEY, Copy, HeldStore, buddy_of, freshest, parse_held_layers
+from swarm.daemon.replication import HeldServer, Replicator, leave_done, takeover_sources
 from swarm.model.gpt import ModelConfig
 from swarm.net.auth import CallSigner, Identity
 from swarm.net.connect import LocalRpcError, _LocalContext
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 from swarm.proto import stage_pb2
 from swarm.runtime.checkpoint import handover_tensors
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from tests.unit.daemon.test_repair import A, B, C, D, E, grid
 
 TINY = ModelConfig(vocab_size=64, seq_len_tokens=8, hidden_dim=32, n_layers=3, n_heads=2)

@@ -12,9 +12,9 @@ import torch
 import swarm.daemon.liveness as liveness
 import swarm.daemon.state_fetch as state_fetch
 import swarm.runtime.checkpoint as checkpoint
-from swarm.daemon.churn import served_by_replicas
 from swarm.daemon.held import buddy_of
 from swarm.daemon.peer import PeerConfig, PeerDaemon
+from swarm.daemon.replication import served_by_replicas
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 
 A, B, C, J = "0a0000000000", "0b0000000000", "0c0000000000", "0j0000000000"

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.config import PeerConfig, PlanningConfig, build_parser, config_from_args, peer_flags
+from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args, peer_flags
 from swarm.flags import field_docs
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig

@@ -4,7 +4,7 @@ re-publishes the same stages when only the trainers change (so no layer moves)."
 from __future__ import annotations
 
 from swarm.compression import CodecConfig
-from swarm.daemon.config import PlanningConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT

@@ -3,8 +3,8 @@ The planner repairs at once (no settle wait), and heartbeats make a silent peer 
 
 from __future__ import annotations
 
-from swarm.daemon.config import PlanningConfig
 from swarm.daemon.liveness import Liveness, LivenessConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.daemon.repair import repair_plan, standby_pool
 from swarm.peers.plan import PlanDocument

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from swarm.daemon.config import build_parser
-from swarm.daemon.config import config_from_args as peer_config
+from swarm.daemon.peer_config import build_parser
+from swarm.daemon.peer_config import config_from_args as peer_config
 from swarm.train.steplog import StepLog
 from swarm.train.trainer import TrainConfig, add_arguments, chain_weights, config_from_args
 

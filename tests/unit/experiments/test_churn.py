@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.experiments.churn import QUICK_KILL_AT_S, ChurnConfig, ChurnRun, add_arguments, config_from_args, swarm_flags
 from swarm.experiments.churn_report import (
     ROW_KEYS,
@@ -23,7 +23,7 @@ from swarm.experiments.churn_report import (
     targets,
 )
 from swarm.flags import Flags
-from swarm.testbed.churn import Action, churn_schedule
+from swarm.testbed.churn_control import ChurnEvent, churn_schedule
 
 EXPECTED = [(3, 1), (0, 2), (1, 0), (2, 3)]  # 4 steps of 2 samples (ids repeat across epochs)
 
@@ -86,12 +86,12 @@ def test_schedule_rejects_bad_arguments(kwargs):
         churn_schedule(100, seed=0, **kwargs)
 
 
-def test_action_validates_and_prints_compactly():
-    assert str(Action(60.0, "kill", 0.25)) == "kill@60.0#0.25"
+def test_churn_event_validates_and_prints_compactly():
+    assert str(ChurnEvent(60.0, "kill", 0.25)) == "kill@60.0#0.25"
     with pytest.raises(ValueError):
-        Action(1.0, "explode")
+        ChurnEvent(1.0, "explode")
     with pytest.raises(ValueError):
-        Action(1.0, "kill", 1.0)
+        ChurnEvent(1.0, "kill", 1.0)
 
 
 # --- sample accounting ---
@@ -250,7 +250,7 @@ def test_plots_are_written_from_synthetic_files(tmp_path):
 def test_default_config_is_issue_12s_swarm():
     cfg = ChurnRun().config()
     assert (cfg.stages, cfg.replicas, cfg.standby, cfg.peers) == (3, 2, 1, 7)
-    assert (cfg.fw_codec, cfg.bw_codec, cfg.kill_every_s) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC, 60.0)
+    assert (cfg.fw_codec, cfg.bw_codec, cfg.kill_every_s) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC, 60.0)
     assert ChurnRun(mean_lifetime=90.0).config().kill_every_s is None
     with pytest.raises(ValueError):
         ChurnRun(kill_every=30.0, mean_lifetime=90.0).config()
@@ -324,7 +324,7 @@ class _Proc:
 
 class _FakeSwarm:
     def __init__(self, stages):
-        from swarm.testbed.churn import PeerProc
+        from swarm.testbed.churn_control import PeerProc
 
         self.peers = {f"peer{i}": PeerProc(f"peer{i}", f"id{i}", _Proc(100 + i)) for i in range(len(stages))}
         self._stages = {f"id{i}": s for i, s in enumerate(stages)}
@@ -341,7 +341,7 @@ class _FakeSwarm:
         self.left.append((peer.name, kind))
 
     def start_peer(self):
-        from swarm.testbed.churn import PeerProc
+        from swarm.testbed.churn_control import PeerProc
 
         name = f"peer{len(self.peers)}"
         self.peers[name] = PeerProc(name, f"id{len(self.peers)}", _Proc(200))
@@ -349,28 +349,28 @@ class _FakeSwarm:
 
 
 def test_controller_leaves_only_serving_peers_and_names_the_stage_and_survivors(tmp_path):
-    from swarm.testbed.churn import ChurnController
+    from swarm.testbed.churn_control import ChurnController
 
     swarm = _FakeSwarm([0, 0, 1, None])  # peer3 is on standby
     controller = ChurnController(swarm, [], tmp_path / "events.jsonl")
-    first = controller.apply(Action(1.0, "kill", 0.0))  # serving by name: peer0, peer1, peer2
+    first = controller.apply(ChurnEvent(1.0, "kill", 0.0))  # serving by name: peer0, peer1, peer2
     assert (first["peer"], first["stage"], first["replicas_left"], first["pid"]) == ("peer0", 0, 1, 100)
-    second = controller.apply(Action(2.0, "term", 0.99))
+    second = controller.apply(ChurnEvent(2.0, "term", 0.99))
     assert (second["peer"], second["kind"], second["replicas_left"]) == ("peer2", "term", 0)
-    third = controller.apply(Action(3.0, "kill", 0.0))
+    third = controller.apply(ChurnEvent(3.0, "kill", 0.0))
     assert third["peer"] == "peer1" and third["replicas_left"] == 0
-    assert controller.apply(Action(4.0, "kill", 0.5))["kind"] == "skip"  # only the standby is left
+    assert controller.apply(ChurnEvent(4.0, "kill", 0.5))["kind"] == "skip"  # only the standby is left
     assert [name for name, _ in swarm.left] == ["peer0", "peer2", "peer1"]  # never the standby
-    join = controller.apply(Action(5.0, "join"))
+    join = controller.apply(ChurnEvent(5.0, "join"))
     assert join["kind"] == "join" and join["peer"] == "peer4" and join["pid"] == 200
 
 
 def test_controller_plays_its_schedule_from_begin_and_logs_each_action(tmp_path):
-    from swarm.testbed.churn import ChurnController
+    from swarm.testbed.churn_control import ChurnController
 
     swarm = _FakeSwarm([0, 0])
     path = tmp_path / "events.jsonl"
-    controller = ChurnController(swarm, [Action(0.0, "kill", 0.0), Action(0.0, "join")], path)
+    controller = ChurnController(swarm, [ChurnEvent(0.0, "kill", 0.0), ChurnEvent(0.0, "join")], path)
     controller.start()
     controller.begin()
     controller.join(10)
@@ -379,10 +379,10 @@ def test_controller_plays_its_schedule_from_begin_and_logs_each_action(tmp_path)
 
 
 def test_a_stopped_controller_acts_no_more(tmp_path):
-    from swarm.testbed.churn import ChurnController
+    from swarm.testbed.churn_control import ChurnController
 
     swarm = _FakeSwarm([0, 0])
-    controller = ChurnController(swarm, [Action(3600.0, "kill", 0.0)], tmp_path / "events.jsonl")
+    controller = ChurnController(swarm, [ChurnEvent(3600.0, "kill", 0.0)], tmp_path / "events.jsonl")
     controller.start()
     controller.begin()
     controller.stop.set()

@@ -110,7 +110,7 @@ def test_final_loss_is_the_last_5_steps_and_mean20_the_last_20_both_reported():
 
 def test_identities_folder_is_passed_to_the_swarm_so_two_runs_share_peer_ids(tmp_path, monkeypatch):
     import swarm.experiments.churn as churn
-    import swarm.testbed.churn as testbed
+    import swarm.testbed.churn_control as testbed
 
     cfg = config_from_args(_args())
     assert cfg.identities is None

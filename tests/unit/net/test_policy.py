@@ -13,7 +13,7 @@ from swarm.net.auth import CallSigner, Identity
 from swarm.net.connect import LocalRpcError
 from swarm.net.stream import CallRefused
 from swarm.proto import stage_pb2
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.policy import CallPolicy, Roster
 
 TINY = ModelConfig(vocab_size=64, seq_len_tokens=8, hidden_dim=32, n_layers=3, n_heads=2)

@@ -257,7 +257,7 @@ def test_a_plan_moves_the_attach_to_the_reachable_pipeline_neighbour(daemons):
     [([], "auto", True, True), (["--reach", "relay"], "relay", True, True), (["--no-relay"], "auto", False, True)],
 )
 def test_swarm_peer_reach_flags(argv, reach, relay, client_mode):
-    from swarm.daemon.config import build_parser, config_from_args
+    from swarm.daemon.peer_config import build_parser, config_from_args
 
     cfg = config_from_args(build_parser().parse_args(argv))
     assert (cfg.reach, cfg.relay, cfg.dht.client_mode) == (reach, relay, client_mode)
@@ -269,7 +269,7 @@ def test_swarm_peer_reach_flags(argv, reach, relay, client_mode):
     "argv,port", [([], 0), (["--relay-data-port", "7000"], 7000), (["--relay-data-port", "-1"], None)]
 )
 def test_swarm_peer_relay_data_port_flag(argv, port):
-    from swarm.daemon.config import build_parser, config_from_args
+    from swarm.daemon.peer_config import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args(argv)).relay_data_port == port
 

@@ -209,7 +209,7 @@ def test_a_refused_call_moves_no_aqsgd_state():
     gen = torch.Generator().manual_seed(1)
     w = torch.randint(0, TINY.vocab_size, (4, TINY.seq_len_tokens + 1), generator=gen)
     s.driver.forward_backward(1, Batch(torch.arange(4), w[:, :-1], w[:, 1:]))  # step 1 open, all of it ran
-    store = s.hosts[1].links.fw_recv.buffers
+    store = s.hosts[1].links.forward_recv.buffers
     before = (len(store), store.ids())
     # forward 0 of step 1 again, with 100 samples never seen: all would be first sights
     msg = make_codec(aq).encode(torch.randn(100, 16, 32), sample_ids=list(range(1000, 1100)), state=LinkState(aq))

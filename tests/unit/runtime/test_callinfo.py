@@ -24,7 +24,7 @@ from swarm.runtime.callinfo import (
     route_needed,
 )
 from swarm.runtime.host import StageRole
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.messages import CallInfo
 from swarm.runtime.policy import Roster
 from tests.unit.runtime.test_replicas import CFG, FP32, batch

@@ -14,7 +14,7 @@ from swarm.peers.routes import Route
 from swarm.runtime.chains import (
     ChainWeights,
     Failed,
-    Heartbeat,
+    PingLoop,
     assign_samples,
     chain_work,
     gather,
@@ -141,7 +141,7 @@ def test_heartbeat_declares_a_hung_peer_dead_after_its_misses_and_ignores_a_live
         return peer
 
     dead = []
-    beat = Heartbeat(ping, ["live", "hung"], dead.append, interval_s=1.0, misses=3)
+    beat = PingLoop(ping, ["live", "hung"], dead.append, interval_s=1.0, misses=3)
     try:
         for _ in range(2):
             beat.beat()
@@ -163,7 +163,7 @@ def test_heartbeat_counts_failed_pings_and_a_reply_resets_the_count():
             raise StageCallError("gone", grpc.StatusCode.UNAVAILABLE)
 
     dead = []
-    beat = Heartbeat(ping, ["p"], dead.append, misses=3)
+    beat = PingLoop(ping, ["p"], dead.append, misses=3)
     for _ in range(6):
         beat.beat()
         beat._pending["p"].exception(timeout=5)  # the ping (on its own thread) has answered
@@ -173,7 +173,7 @@ def test_heartbeat_counts_failed_pings_and_a_reply_resets_the_count():
 
 
 def test_heartbeat_thread_stops():
-    beat = Heartbeat(lambda p: None, ["a"], lambda p: None, interval_s=60.0)
+    beat = PingLoop(lambda p: None, ["a"], lambda p: None, interval_s=60.0)
     with beat:
         pass
     assert not beat._thread.is_alive()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, LinkState, MemoryBufferStore, WireLimits, frame, make_codec, unframe
-from swarm.daemon.config import build_parser, config_from_args
+from swarm.daemon.peer_config import build_parser, config_from_args
 from swarm.kernels.host_copy import to_host
-from swarm.runtime.boundary import Direction, LinkEnds
+from swarm.runtime.boundary import LinkEnd, LinkEnds
 from swarm.runtime.device import (
     DeviceBufferStore,
     DeviceError,
@@ -104,12 +104,12 @@ def test_the_device_cannot_change_once_an_end_has_sent():
 
 def test_only_device_encoded_codecs_keep_their_sending_end_on_the_device():
     cuda = torch.device("cuda", 0)  # nothing is allocated until a sample is admitted
-    acsgd = Direction(CodecConfig.parse("acsgd2+ch+nr"), "fw-send", cuda)
+    acsgd = LinkEnd(CodecConfig.parse("acsgd2+ch+nr"), "fw-send", cuda)
     assert acsgd.device == cuda and isinstance(acsgd.buffers, DeviceBufferStore)
-    gradq = Direction(CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024"), "bw-send", cuda)
+    gradq = LinkEnd(CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024"), "bw-send", cuda)
     assert gradq.device == torch.device("cpu")
-    assert Direction(CodecConfig.parse("acsgd2+ch+nr"), "fw-send").device == torch.device("cpu")
-    assert type(Direction(CodecConfig.parse("acsgd2+ch+nr"), "x").buffers) is MemoryBufferStore
+    assert LinkEnd(CodecConfig.parse("acsgd2+ch+nr"), "fw-send").device == torch.device("cpu")
+    assert type(LinkEnd(CodecConfig.parse("acsgd2+ch+nr"), "x").buffers) is MemoryBufferStore
 
 
 def test_a_device_store_behaves_as_a_memory_store():
@@ -140,7 +140,7 @@ def test_cpu_stage_links_encode_as_before():
             got = end.codec.encode(x, sample_ids=ids, state=end.state)
         want = codec.encode(x, sample_ids=ids, state=state)
         assert got.SerializeToString() == want.SerializeToString()
-        out = links.incoming(links.fw_recv, unframe(list(frame(got))), WireLimits())
+        out = links.incoming(links.forward_recv, unframe(list(frame(got))), WireLimits())
         assert out.device.type == "cpu"
 
 
@@ -165,7 +165,7 @@ def test_a_cuda_sending_end_encodes_on_the_device_and_the_cpu_receiver_agrees():
     sent = end.buffers.gather(end.buffers.lookup([0, 1, 2])).cpu()
     got = recv.buffers.gather(recv.buffers.lookup([0, 1, 2]))
     assert torch.equal(sent.view(torch.int16), got.view(torch.int16))
-    decoded = gpu.incoming(gpu.fw_recv, unframe(list(frame(on_cpu))), WireLimits())
+    decoded = gpu.incoming(gpu.forward_recv, unframe(list(frame(on_cpu))), WireLimits())
     assert decoded.device.type == "cuda"
 
 

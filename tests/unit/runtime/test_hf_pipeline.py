@@ -10,7 +10,7 @@ import torch
 
 from swarm.model.data import Batch
 from swarm.model.spec import resolve_model
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 
 torch.set_num_threads(1)
 

@@ -19,8 +19,8 @@ from swarm.runtime.callinfo import info_from_wire, info_to_wire
 from swarm.runtime.driver import PipelineDriver
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost, StageRole
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.ledger import StepLedger
-from swarm.runtime.local import LocalPipeline
 from swarm.runtime.messages import CallInfo, GradReport, ReduceOrder, ReduceReport, StageStatus, StepOrder
 from swarm.runtime.outbox import Outbox
 from swarm.runtime.service import StageServicer, reduce_order, step_order

@@ -12,7 +12,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.model.spec import model_identity
 from swarm.peers.plan import PlanDocument
 from swarm.proto import stage_pb2
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.modelcheck import ModelMismatch, check_status, model_label
 
 torch.set_num_threads(1)

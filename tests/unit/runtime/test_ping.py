@@ -9,7 +9,7 @@ import torch
 
 from swarm.net.auth import CallSigner, Identity
 from swarm.proto import stage_pb2
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from tests.unit.runtime.test_replicas import CFG, FP32, batch
 
 torch.set_num_threads(1)

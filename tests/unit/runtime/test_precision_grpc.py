@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import StageConfig
 from tests.integration.swarm_fixtures import TINY, loopback_stages, remote
 from tests.integration.test_stage_service import batches

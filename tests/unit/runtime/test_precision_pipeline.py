@@ -16,7 +16,7 @@ from swarm.net.connect import LocalRpcError
 from swarm.net.stream import StageCallError
 from swarm.proto import stage_pb2
 from swarm.runtime.checkpoint import handover_tensors, load_worker, save_worker, take_over
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.precision import LossScaler, ScalerConfig
 from swarm.runtime.worker import OptimConfig, StageConfig, StageWorker
 from tests.unit.runtime.test_replicas import CFG, FP32, batch
@@ -267,10 +267,10 @@ def test_a_held_copy_keeps_the_loss_scale(tmp_path):
 def test_a_skip_with_the_default_codecs_keeps_the_links_in_step():
     """With AQ-SGD activations and gradq gradients on the boundary, an overflowed stage sends zeros (the codecs
     refuse Inf/NaN): both ends' buffers move alike, the step is skipped, and the next steps train on."""
-    from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+    from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 
     cfg = StageConfig(precision="fp16")
-    fw, bw = CodecConfig.parse(DEFAULT_FW_CODEC), CodecConfig.parse(DEFAULT_BW_CODEC)
+    fw, bw = CodecConfig.parse(DEFAULT_FORWARD_CODEC), CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
     pipe = LocalPipeline(CFG, 2, fw, bw, stage_cfg=cfg)
     try:
         pipe.train_step(batch(seed=0), n_micro=2)

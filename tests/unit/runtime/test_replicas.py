@@ -10,7 +10,7 @@ from swarm.compression import CodecConfig
 from swarm.model.data import Batch
 from swarm.model.gpt import ModelConfig
 from swarm.proto import stage_pb2_grpc
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.service import StageServicer
 
 torch.set_num_threads(1)

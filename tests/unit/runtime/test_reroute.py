@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swarm.runtime.chains import NoLiveChain
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from tests.unit.runtime.test_replicas import CFG, FP32, batch, weights
 
 torch.set_num_threads(1)

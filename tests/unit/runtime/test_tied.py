@@ -15,7 +15,7 @@ from swarm.net.auth import CallSigner, Identity
 from swarm.net.connect import LocalRpcError
 from swarm.net.stream import tensor_items
 from swarm.proto import stage_pb2
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from tests.unit.runtime.test_replicas import CFG, FP32, batch
 
 torch.set_num_threads(1)

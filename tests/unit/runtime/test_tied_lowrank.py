@@ -13,7 +13,7 @@ from swarm.compression import CodecConfig
 from swarm.experiments.tied import split_tied
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PlanRecord, validate_plan
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from tests.unit.runtime.test_replicas import CFG, batch
 from tests.unit.runtime.test_tied import GRADQ, tied_weights
 from tests.unit.test_selective import PEERS, STAGES

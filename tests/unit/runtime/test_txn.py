@@ -12,7 +12,7 @@ from swarm.compression import CodecConfig
 from swarm.compression.codec_aqsgd import buffer_digest
 from swarm.runtime.freeze import FreezePolicy
 from swarm.runtime.gate import GateError
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.messages import StepOrder
 from tests.unit.runtime.test_replicas import CFG, batch, weights
 from tests.unit.test_freeze import LLAMA, NO_CLIP
@@ -76,7 +76,7 @@ def _check_ends_agree(pipe: LocalPipeline) -> None:
     """Both ends of every forward link hold the same samples with the same bits."""
     for k in range(len(pipe.hosts) - 1):
         send = pipe.hosts[k].links.send_ends("fw")
-        recv = pipe.hosts[k + 1].links.fw_recv.buffers
+        recv = pipe.hosts[k + 1].links.forward_recv.buffers
         if recv is None:
             continue
         assert len(send) == 1
@@ -165,7 +165,7 @@ def test_abandon_restores_both_ends_exactly_and_a_commit_drops_the_journal():
     pipe = _pipe("aqsgd2")
     try:
         pipe.train_step(batch(), 4)
-        ends = [pipe.hosts[0].links.send_ends("fw")[0], pipe.hosts[1].links.fw_recv]
+        ends = [pipe.hosts[0].links.send_ends("fw")[0], pipe.hosts[1].links.forward_recv]
         before = [(_store_digest(e.buffers), e.state._draws) for e in ends]
         pipe.forward_backward(batch(seed=1, first_id=8), 4)  # half old samples (deltas), half new
         assert pipe.hosts[0].links.journalled() > 0 and pipe.hosts[1].links.journalled() > 0
@@ -186,13 +186,13 @@ def test_a_late_call_of_an_abandoned_step_changes_no_codec_state():
     try:
         pipe.train_step(batch(), 4)
         links = pipe.hosts[1].links
-        digest = _store_digest(links.fw_recv.buffers)
+        digest = _store_digest(links.forward_recv.buffers)
         assert links.step is None
         with pytest.raises(GateError, match="not open"):
-            links.incoming(links.fw_recv, None, None, step=0)  # refused before the message is read
+            links.incoming(links.forward_recv, None, None, step=0)  # refused before the message is read
         with pytest.raises(GateError, match="not open"):
             links.outgoing(links.send_end("fw", "local:2"), torch.zeros(1, 1), [0], None, "local:2", step=5)
-        assert _store_digest(links.fw_recv.buffers) == digest and links.journalled() == 0
+        assert _store_digest(links.forward_recv.buffers) == digest and links.journalled() == 0
     finally:
         pipe.close()
 
@@ -212,7 +212,7 @@ def test_a_step_committed_upstream_but_abandoned_downstream_recovers_through_the
         for host in pipe.hosts:
             host.worker.zero_grad()
             host._close_step()
-        send, recv = pipe.hosts[0].links.send_ends("fw")[0].buffers, pipe.hosts[1].links.fw_recv.buffers
+        send, recv = pipe.hosts[0].links.send_ends("fw")[0].buffers, pipe.hosts[1].links.forward_recv.buffers
         assert len(send) == 24 and len(recv) == 16
         pipe._step = step + 1
         result = pipe.train_step(batch(seed=2, first_id=8), 4)

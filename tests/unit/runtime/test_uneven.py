@@ -17,7 +17,7 @@ from swarm.peers.routes import stage_numbering
 from swarm.proto import stage_pb2
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.gate import runs_through
-from swarm.runtime.local import LocalPipeline
+from swarm.runtime.inprocess import LocalPipeline
 from tests.unit.runtime.test_replicas import CFG, FP32, batch, digests, weights
 from tests.unit.runtime.test_reroute import _KillOn
 

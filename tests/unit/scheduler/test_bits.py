@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
-from swarm.daemon.config import PlanningConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
+from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
@@ -50,7 +50,7 @@ def test_slow_links_get_fewer_bits_and_fast_links_more():
 
 def test_the_loss_budget_is_a_floor_even_when_nothing_hides():
     c = choose_link(link(0.01), SIZES)
-    assert (c["forward"], c["backward"]) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC) and "floor" in c["why"]
+    assert (c["forward"], c["backward"]) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC) and "floor" in c["why"]
     policy = BitsPolicy(forward_floor="acsgd4+ch+nr", backward_floor="gradq8+ef+rot+nr+cs+g1024")
     c = choose_link(link(0.01), SIZES, policy)
     assert (c["forward"], c["backward"]) == ("acsgd4+ch+nr", "gradq8+ef+rot+nr+cs+g1024")
@@ -63,7 +63,7 @@ def test_the_loss_budget_is_a_floor_even_when_nothing_hides():
 
 
 def test_the_ladders_are_the_default_codec_family():
-    assert BitsPolicy().forward_floor == DEFAULT_FW_CODEC and BitsPolicy().backward_floor == DEFAULT_BW_CODEC
+    assert BitsPolicy().forward_floor == DEFAULT_FORWARD_CODEC and BitsPolicy().backward_floor == DEFAULT_BACKWARD_CODEC
     assert BACKWARD_LADDER[-1] == "gtern+ef+rot+nr+r150+g1024"  # below the default floor: a policy names it
     assert SIZES(BACKWARD_LADDER[-1]) < SIZES(BACKWARD_LADDER[-2])
     for ladder in (FORWARD_LADDER, BACKWARD_LADDER[:4]):
@@ -144,12 +144,12 @@ def test_a_plans_codecs_keep_the_peers_own_codec_options():
             {"forward": "aqsgd4", "backward": "gradq4"},  # the flags' own labels
         ]
     )
-    fw_send, bw_send, fw_recv, bw_recv = plan.link_configs(1, flags)
-    assert (fw_send, bw_recv) == flags, "the plan names the flags' labels: the flags' configs themselves"
-    assert fw_recv == CodecConfig.parse("acsgd2+ch+nr", **local, buffer_dir="/tmp/bufs")
-    assert bw_send == CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024", zstd_level=7, seed=11)
-    assert bw_send.group_size == 1024, "the label's +g1024 wins over --group-size"
-    for end in (fw_send, bw_send, fw_recv, bw_recv):
+    forward_send, backward_send, forward_recv, backward_recv = plan.link_configs(1, flags)
+    assert (forward_send, backward_recv) == flags, "the plan names the flags' labels: the flags' configs themselves"
+    assert forward_recv == CodecConfig.parse("acsgd2+ch+nr", **local, buffer_dir="/tmp/bufs")
+    assert backward_send == CodecConfig.parse("gradq2+ef+rot+nr+cs+g1024", zstd_level=7, seed=11)
+    assert backward_send.group_size == 1024, "the label's +g1024 wins over --group-size"
+    for end in (forward_send, backward_send, forward_recv, backward_recv):
         assert (end.zstd_level, end.seed) == (7, 11)
 
 
@@ -176,7 +176,7 @@ def test_a_peer_builds_its_boundary_ends_from_the_plans_codecs():
     plan = PlanDocument.from_wire({"stages": stages, "codecs": [{"forward": "aqsgd2", "backward": "gradq2+ef"}]})
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
     ends = host.links
-    assert ends.fw_recv.config.label == "aqsgd2" and ends.bw_recv.config.label == "gradq2+ef"
+    assert ends.forward_recv.config.label == "aqsgd2" and ends.backward_recv.config.label == "gradq2+ef"
     assert host.assignment.link_codecs[1].label == "gradq2+ef"
 
 
@@ -227,7 +227,7 @@ def test_the_planner_publishes_per_link_codecs_and_rechooses_only_past_the_hyste
     ((version, first),) = published
     validate_plan(PlanRecord(version, first, 1.0), model.n_layers, records["peers"])
     slow = first["codecs"][0]
-    assert (slow["forward"], slow["backward"]) == (DEFAULT_FW_CODEC, DEFAULT_BW_CODEC), slow
+    assert (slow["forward"], slow["backward"]) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC), slow
     records["peers"] = [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0, plan_version=version)
                         for pid in (A, B)]  # fmt: skip
     links[:] = measured(1.2)

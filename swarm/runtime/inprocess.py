@@ -91,7 +91,7 @@ class LocalPipeline:
         self.replica_hosts: list[list[StageHost]] = [[] for _ in range(n_stages)]
         self.switches: list[list[_Switch]] = [[] for _ in range(n_stages)]
         """what the network serves at each host's address: its servicer, until `kill`"""
-        fw, bw = forward or CodecConfig("fp32"), backward or CodecConfig("fp32")
+        forward, backward = forward or CodecConfig("fp32"), backward or CodecConfig("fp32")
         # identities: one per host and one for the driver (the trainer), as separate peers would hold
         ids = {key: Identity.generate() for key in grid} if auth else {}
         peer = {key: ids[key].peer_id if auth else f"local{name(*key)}" for key in grid}
@@ -108,7 +108,7 @@ class LocalPipeline:
         for s, r in grid:
             role = StageRole(s, n_stages, *layers[s], replica=r)
             connector = self.network.connector(CallSigner(ids[(s, r)]) if auth else None)
-            host = StageHost(role, model, cfg, self._links(fw, bw), peer[(s, r)], connector)
+            host = StageHost(role, model, cfg, self._links(forward, backward), peer[(s, r)], connector)
             verifier = CallVerifier(peer[(s, r)]) if auth else None
             servicer = StageServicer(host, verifier, roster)  # without auth the roster only gives routes
             self.switches[s].append(_Switch(servicer))

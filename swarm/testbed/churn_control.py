@@ -1,6 +1,6 @@
 """Churn on a local swarm: a seeded schedule of kills, graceful leaves and joins, and the processes it acts on.
 
-The schedule is data (`Action`s made by `churn_schedule` from a seed), so a run can be replayed and the
+The schedule is data (`ChurnEvent`s made by `churn_schedule` from a seed), so a run can be replayed and the
 schedule unit-tested without processes. `ChurnSwarm` starts a bootstrap node, swarm-peer daemons (each with
 an identity file written first, so its peer id is known before it starts) and a `swarm train` process, all
 in one `ProcessGroup` (reaped when the `with` block ends); `ChurnController` plays a schedule against it
@@ -27,8 +27,8 @@ from pathlib import Path
 from swarm.testbed.procs import ProcessGroup, peer_command, swarm_command
 
 __all__ = [
-    "Action",
     "ChurnController",
+    "ChurnEvent",
     "ChurnSwarm",
     "StepClock",
     "churn_schedule",
@@ -39,8 +39,8 @@ LEAVES = ("kill", "term")
 
 
 @dataclass(frozen=True)
-class Action:
-    """One churn action, `at_s` seconds after the schedule starts (e.g. `kill@60.0#0.42`)."""
+class ChurnEvent:
+    """One churn event, `at_s` seconds after the schedule starts (e.g. `kill@60.0#0.42`)."""
 
     at_s: float
     """Seconds after the start of the schedule."""
@@ -52,9 +52,9 @@ class Action:
 
     def __post_init__(self) -> None:
         if self.kind not in (*LEAVES, "join"):
-            raise ValueError(f"Action.kind: expected kill, term or join, got {self.kind!r}")
+            raise ValueError(f"ChurnEvent.kind: expected kill, term or join, got {self.kind!r}")
         if not 0.0 <= self.pick < 1.0 or self.at_s < 0:
-            raise ValueError(f"Action: at_s must be >= 0 and pick in [0, 1), got {self.at_s}, {self.pick}")
+            raise ValueError(f"ChurnEvent: at_s must be >= 0 and pick in [0, 1), got {self.at_s}, {self.pick}")
 
     def __str__(self) -> str:
         return f"{self.kind}@{self.at_s:.1f}#{self.pick:.2f}"
@@ -68,7 +68,7 @@ def churn_schedule(
     serving_peers: int = 6,
     graceful_fraction: float = 0.0,
     join_delay_s: float = 2.0,
-) -> list[Action]:
+) -> list[ChurnEvent]:
     """The leaves and joins of one run, sorted by time.
 
     Leaves come every `kill_every_s` seconds (the first one then too), or, with `mean_lifetime_s` instead,
@@ -90,8 +90,8 @@ def churn_schedule(
         if t > duration_s:
             break
         kind = "term" if rng.random() < graceful_fraction else "kill"
-        actions.append(Action(round(t, 3), kind, rng.random()))
-        actions.append(Action(round(t + join_delay_s, 3), "join"))
+        actions.append(ChurnEvent(round(t, 3), kind, rng.random()))
+        actions.append(ChurnEvent(round(t + join_delay_s, 3), "join"))
     return sorted(actions, key=lambda a: (a.at_s, a.kind == "join"))
 
 
@@ -165,7 +165,7 @@ class ChurnSwarm:
 
     def start_peer(self) -> PeerProc:
         """A fresh peer (new name, new identity) joining through the bootstrap node."""
-        from swarm.daemon.config import PeerConfig, peer_flags
+        from swarm.daemon.peer_config import PeerConfig, peer_flags
         from swarm.net.auth import Identity
         from swarm.peers.dht import DHTConfig, load_or_create_key
 
@@ -243,7 +243,7 @@ class ChurnSwarm:
 
     def start_clock(self, url: str, path: Path) -> None:
         """A step clock process beside the trainer (in its namespace, if any), writing `path`."""
-        argv = [sys.executable, "-m", "swarm.testbed.churn", "clock", url, str(path)]
+        argv = [sys.executable, "-m", "swarm.testbed.churn_control", "clock", url, str(path)]
         self.procs.start("clock", self.wrap("clock", argv))
 
     def close(self) -> dict[str, int | None]:
@@ -262,7 +262,7 @@ class ChurnController(threading.Thread):
     needs a standby and a checkpoint).
     """
 
-    def __init__(self, swarm: ChurnSwarm, schedule: list[Action], events_path: Path):
+    def __init__(self, swarm: ChurnSwarm, schedule: list[ChurnEvent], events_path: Path):
         super().__init__(name="churn", daemon=True)
         self.swarm, self.schedule, self.events_path = swarm, schedule, events_path
         self.stop = threading.Event()
@@ -294,7 +294,7 @@ class ChurnController(threading.Thread):
                 log.write(json.dumps(event) + "\n")
                 log.flush()
 
-    def apply(self, action: Action) -> dict:
+    def apply(self, action: ChurnEvent) -> dict:
         now = time.time()
         if action.kind == "join":
             peer = self.swarm.start_peer()
@@ -343,10 +343,10 @@ class StepClock(threading.Thread):
 
 
 def main(argv: list[str]) -> int:
-    """`python -m swarm.testbed.churn clock URL PATH`: a step clock as its own process (run beside a trainer
+    """`python -m swarm.testbed.churn_control clock URL PATH`: a step clock as its own process (run beside a trainer
     in a network namespace, where this process's network cannot reach it); stops on SIGTERM."""
     if len(argv) != 3 or argv[0] != "clock":
-        print("usage: python -m swarm.testbed.churn clock URL PATH", file=sys.stderr)
+        print("usage: python -m swarm.testbed.churn_control clock URL PATH", file=sys.stderr)
         return 2
     clock = StepClock(argv[1], Path(argv[2]))
     signal.signal(signal.SIGTERM, lambda *_: clock.stop.set())

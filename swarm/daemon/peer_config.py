@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import TYPE_CHECKING
 
-from swarm.compression import DEFAULT_BW_CODEC, DEFAULT_FW_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.flags import Flag, Flags, flag
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig
@@ -82,7 +82,7 @@ class PlanningConfig:
     republishes it (`swarm.daemon.calibrate`); None: off (a trainer without the DHT cannot follow the new version)."""
     precision_budget: float = 0.0
     """The planner chooses each stage's precision (fp32/bf16, QSync) from the peers' announced speeds under this
-    loss budget, e.g. 1e-3 (summed sensitivity, `swarm.scheduler.precision`); 0: off, every peer computes in its
+    loss budget, e.g. 1e-3 (summed sensitivity, `swarm.scheduler.precision_choice`); 0: off, every peer computes in its
     --precision."""
 
     def __post_init__(self) -> None:
@@ -199,11 +199,13 @@ class PeerConfig:
     """Optimizer and learning-rate schedule of the stage (defaults from OptimConfig, so a swarm and the
     in-process pipeline train alike unless told otherwise)."""
     fw_codec: CodecConfig = field(
-        default_factory=lambda: CodecConfig.parse(DEFAULT_FW_CODEC),
+        default_factory=lambda: CodecConfig.parse(DEFAULT_FORWARD_CODEC),
         metadata=flag(via=LinkCodecs, covers=("fw_codec", "bw_codec"), group="compression on the links"),
     )
     """Activation codec of the links this peer sends forward on (flags: `LinkCodecs`, with bw_codec)."""
-    bw_codec: CodecConfig = field(default_factory=lambda: CodecConfig.parse(DEFAULT_BW_CODEC), metadata=flag(skip=True))
+    bw_codec: CodecConfig = field(
+        default_factory=lambda: CodecConfig.parse(DEFAULT_BACKWARD_CODEC), metadata=flag(skip=True)
+    )
     """Gradient codec of the links this peer sends backward on (flags: `LinkCodecs`, with fw_codec)."""
     link_shape: LinkShape = field(
         default_factory=LinkShape,

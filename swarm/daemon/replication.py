@@ -19,7 +19,7 @@ from swarm.peers.records import PeerAnnouncement, PlanRecord
 
 __all__ = ["HeldServer", "Replicator", "leave_done", "served_by_replicas", "takeover_sources"]
 
-log = logging.getLogger("swarm.daemon.churn")
+log = logging.getLogger("swarm.daemon.replication")
 
 
 class HeldServer:

@@ -27,10 +27,10 @@ LOCAL_FIELDS = ("group_size", "seed", "zstd_level", "buffer_dir", "buffer_path",
 """`CodecConfig` fields that are a peer's own rather than its codec's: no label suffix sets them (`+gN` sets
 `group_size` where a label has it)."""
 
-DEFAULT_FW_CODEC = "acsgd2+ch+nr"
+DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr"
 """AQ-SGD with the paper's quantizer (one fp16 max-abs scale per channel of a sample), round to nearest: the
 fewest bytes and the lowest loss of the forward codecs in `swarm experiment convergence`."""
-DEFAULT_BW_CODEC = "gradq2+ef+rot+nr+cs+g1024"
+DEFAULT_BACKWARD_CODEC = "gradq2+ef+rot+nr+cs+g1024"
 """2-bit gradients with error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024:
 1.4 bits per element on the wire, held-out loss within 1% of fp32 in `swarm experiment convergence`."""
 
@@ -61,7 +61,7 @@ class CodecConfig:
     keeps it in RAM"""
     buffer_dir: str | None = None
     """aqsgd: a directory for the memory-mapped buffer stores of a stage's link ends, one file per end (the
-    runtime's `Direction` names them: `fw-recv.buf`, `fw-send-<destination>.buf`); None keeps them in RAM"""
+    runtime's `LinkEnd` names them: `fw-recv.buf`, `fw-send-<destination>.buf`); None keeps them in RAM"""
     first_sight_bits: int = 16
     """aqsgd: how a sample's first sight travels: 16 = in the buffer dtype, 8 or 4 = quantized directly"""
     zstd_level: int = 1

@@ -39,10 +39,10 @@ from swarm.testbed.netns import (
     shaping_commands,
 )
 from swarm.testbed.services import Egress, LinkRate, TestbedConfig
-from swarm.testbed.status import collect_status, render_status
+from swarm.testbed.testbed_status import collect_status, render_status
 
 if TYPE_CHECKING:
-    from swarm.daemon.config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig
     from swarm.train.trainer import TrainConfig
 
 __all__ = ["Layout", "Location", "Shape", "add_arguments", "config_from_args", "run", "run_in_testbed"]
@@ -227,7 +227,7 @@ def run_in_testbed(
     sets itself: their bandwidth (the kernel shapes it instead), codecs and delay (the testbed's own flags) and
     total and warm-up steps (the testbed derives both from the trainer's steps); the model is the trainer's.
     `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
-    from swarm.daemon.config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
     from swarm.options import LinkCodecs, LinkShaping
     from swarm.peers.shaper import LinkShape
     from swarm.train.trainer import train_flags
