@@ -241,6 +241,12 @@ class PlanDocument:
     """The version the scheduler numbered its plan with (the record's version carries the authority)."""
     cost_model: str | None = None
     """The cost model that priced it ("full" or "dtfm")."""
+    key_order: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    """The order of its wire keys (`to_wire`), set on construction: a parsed plan's as the wire gave them
+    (`from_wire`), a new one's in the planner's order (format, version, cost model, step, breakdown, stages,
+    standbys, frozen prefix, codecs, epilogue, precisions, relays, trainers, measured, first step). A plan
+    made with `replace` keeps its keys where they were and puts the ones it adds last, as a JSON dict merged
+    with `{**plan, **changes}` orders them: a plan republished with some fields replaced keeps its text."""
 
     def __post_init__(self) -> None:
         if type(self.stages) not in (list, tuple) or not 1 <= len(self.stages) <= MAX_PLAN_STAGES:
@@ -286,6 +292,10 @@ class PlanDocument:
         _name(_P, "cost_model", self.cost_model)
         if self.version is not None:
             int_field(_P, "version", self.version, 0, _MAX_PLAN_VERSION)
+        # kept keys where they were, new ones last; a key this plan no longer has goes last if a later plan sets it
+        present = self._wire_in_canonical_order()
+        kept = tuple(key for key in self.key_order if key in present)
+        set_field(self, "key_order", kept + tuple(key for key in present if key not in kept))
 
     def _check_codecs(self) -> None:
         n = len(self.stages)
@@ -371,10 +381,15 @@ class PlanDocument:
             format=wire.get("format"),
             version=wire.get("version"),
             cost_model=wire.get("cost_model"),
+            key_order=tuple(wire),
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """The plan as the DHT carries it (JSON-able), keys in the order the planner writes them."""
+        """The plan as the DHT carries it (JSON-able), its keys in `key_order`."""
+        out = self._wire_in_canonical_order()
+        return {key: out[key] for key in self.key_order}
+
+    def _wire_in_canonical_order(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key in ("format", "version", "cost_model", "step_time_s"):
             if getattr(self, key) is not None:

@@ -81,3 +81,17 @@ def test_the_document_answers_where_a_peer_serves_and_whom_the_plan_names():
 def test_a_changed_plan_is_checked_whole_again(change, field):
     with pytest.raises(ValueError, match=field):
         grid([A], [B]).replace(**change)
+
+
+def test_a_replaced_plan_keeps_its_keys_where_they_were_and_adds_new_ones_last():
+    """As `{**plan, **changes}` ordered them before the document: a republished plan keeps its text."""
+    wire = {"stages": grid([A], [B]).stage_dicts(), "trainer_ids": ["t"], "unused_peer_ids": []}
+    plan = PlanDocument.from_wire(wire)
+    assert list(plan.replace(trainer_ids=("u",)).to_wire()) == ["stages", "trainer_ids", "unused_peer_ids"]
+    frozen = plan.replace(frozen_layers=1, relay_extra_s=0.5)  # to_wire's order among the added keys
+    assert list(frozen.to_wire()) == ["stages", "trainer_ids", "unused_peer_ids", "frozen_layers", "relay_extra_s"]
+    dropped = frozen.replace(frozen_layers=None).replace(frozen_layers=1)
+    assert list(dropped.to_wire())[-1] == "frozen_layers", "a key dropped and set again comes last"
+    fresh = PlanDocument(grid([A], [B]).stages, trainer_ids=("t",), frozen_layers=1)
+    assert list(fresh.to_wire()) == ["stages", "unused_peer_ids", "frozen_layers", "trainer_ids"]
+    assert fresh == PlanDocument.from_wire(json.loads(json.dumps(fresh.to_wire()))), "order is not content"
