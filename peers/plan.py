@@ -103,6 +103,16 @@ def _figures(r: str, key: str, value: Any) -> tuple[tuple[str, float | int], ...
     return tuple(value.items())
 
 
+def _figure_pairs(r: str, key: str, value: Any) -> tuple[tuple[str, float | int], ...]:
+    """`_figures` of (name, number) pairs, as the document keeps them."""
+    if type(value) not in (list, tuple) or any(type(pair) is not tuple or len(pair) != 2 for pair in value):
+        raise fail(r, key, f"at most {_MAX_FIGURES} (name, number) pairs", value)
+    figures = dict(value)
+    if len(figures) != len(value):
+        raise fail(r, key, "distinct names", [name for name, _ in value])
+    return _figures(r, key, figures)
+
+
 def _ids(r: str, key: str, value: Any, lo: int, hi: int, what: str) -> tuple[str, ...]:
     if type(value) not in (list, tuple) or not lo <= len(value) <= hi:
         raise fail(r, key, f"a list of {what}", value)
@@ -287,6 +297,17 @@ class PlanDocument:
                 raise fail(_P, "trainer_ids", "distinct trainer ids", list(self.trainer_ids))
         for key in ("step_time_s", "first_step_time_s"):
             _number(_P, key, getattr(self, key))
+        if self.breakdown is not None:
+            set_field(self, "breakdown", _figure_pairs(_P, "breakdown", self.breakdown))
+        if self.measured is not None:
+            if type(self.measured) not in (list, tuple) or len(self.measured) > MAX_PLAN_PEERS:
+                raise fail(_P, "measured", f"at most {MAX_PLAN_PEERS} peers' figures", self.measured)
+            pairs = (pair if type(pair) is tuple and len(pair) == 2 else (None, None) for pair in self.measured)
+            measured = tuple(
+                (peer_id_field(_P, "measured", pid), _figure_pairs("plan.measured", str(pid), figures))
+                for pid, figures in pairs
+            )
+            set_field(self, "measured", measured)
         if self.format is not None:
             int_field(_P, "format", self.format, 0, 1 << 16)
         _name(_P, "cost_model", self.cost_model)
@@ -303,6 +324,11 @@ class PlanDocument:
             if type(self.codecs) not in (list, tuple) or len(self.codecs) != n - 1:
                 raise fail(_P, "codecs", f"a list of {n - 1} boundaries' codecs", self.codecs)
             set_field(self, "codecs", tuple(self.codecs))
+            for i, link in enumerate(self.codecs):
+                if not isinstance(link, LinkCodecs):
+                    raise fail(_P, f"codecs[{i}]", "a LinkCodecs", link)
+        if self.epilogue is not None and not isinstance(self.epilogue, EpilogueCodecs):
+            raise fail(_P, "epilogue_codecs", "an EpilogueCodecs", self.epilogue)
         if self.epilogue is not None and len(self.epilogue.average_labels) != n:
             what = f"a list of {n} stages' codecs"
             raise fail("plan.epilogue_codecs", "average", what, list(self.epilogue.average_labels))
@@ -414,10 +440,22 @@ class PlanDocument:
         """This plan with `changes` (fields by name), checked whole again."""
         return dataclasses.replace(self, **changes)
 
-    def with_chosen(self, chosen: Mapping[str, Any]) -> PlanDocument:
-        """This plan with what the planner chose for it, in the wire form the scheduler gives it (`"codecs"`,
-        `"epilogue_codecs"`, `"precisions"`, the predicted `"step_time_s"` and its `"breakdown"`), checked whole."""
-        return PlanDocument.from_wire({**self.to_wire(), **chosen})
+    def with_link_codecs(self, codecs: Iterable[LinkCodecs]) -> PlanDocument:
+        """This plan with each boundary's codecs (`swarm.scheduler.bits.choose_codecs`), one per boundary."""
+        return self.replace(codecs=tuple(codecs))
+
+    def with_epilogue(self, epilogue: EpilogueCodecs) -> PlanDocument:
+        """This plan with the epilogue's codecs (`swarm.scheduler.bits.choose_epilogue`), one average per stage."""
+        return self.replace(epilogue=epilogue)
+
+    def with_prediction(self, step_time_s: float, breakdown: Mapping[str, float]) -> PlanDocument:
+        """This plan with its predicted step and that step's parts (`swarm.scheduler.cost.Breakdown`'s fields, in
+        their order), as the planner predicts them for the codecs it chose."""
+        return self.replace(step_time_s=step_time_s, breakdown=tuple(breakdown.items()))
+
+    def with_precisions(self, precisions: Iterable[str]) -> PlanDocument:
+        """This plan with one of PLAN_PRECISIONS per stage (`swarm.scheduler.precision.plan_precisions`)."""
+        return self.replace(precisions=tuple(precisions))
 
     def stage_dicts(self) -> list[dict[str, Any]]:
         """The stages in the scheduler's layout form (`swarm.scheduler.plans.Plan.to_dict`'s "stages")."""

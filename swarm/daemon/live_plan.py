@@ -65,7 +65,7 @@ def run_live(args: argparse.Namespace) -> int:
         source += f", {swarm.filled_links} assumed (not probed yet)"
     if published is not None:
         print(f"published plan (version {published.version}):")
-        print(describe(Plan.from_dict(published.document.to_wire()), swarm.plan_input, source))
+        print(describe(Plan.from_document(published.document), swarm.plan_input, source))
         print()
     print("the plan the planner would make now:" if published is not None else "no plan published yet; now:")
     print(describe(fresh, swarm.plan_input, source))

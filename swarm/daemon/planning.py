@@ -287,7 +287,7 @@ class Planner:
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
         calibrator: Calibrator | None = None,
-        precisions: Callable[[list, list], dict] | None = None,
+        precisions: Callable[[list, list], tuple[str, ...] | None] | None = None,
         repack=None,  # a swarm.daemon.repack.RepackWatch: repacks the plan when its stages froze more layers
     ):
         """`cfg` says how to plan (min peers, seed, replicas, even layers, lease); the rest are collaborators.
@@ -449,9 +449,9 @@ class Planner:
             )
         # the scheduler's plan as the document peers follow, keeping the frozen prefix (F)
         document = with_frozen(PlanDocument.from_wire(made.to_dict()), current.document if current else None)
-        chosen = self.codecs_for(document, swarm)
-        chosen |= self.precisions(document.stage_dicts(), peers) if self.precisions else {}
-        document = document.with_chosen(chosen)
+        document = self.with_codecs(document, swarm)
+        precisions = self.precisions(document.stage_dicts(), peers) if self.precisions else None
+        document = document if precisions is None else document.with_precisions(precisions)
         # what the relayed links' two legs add (None: no relayed link): the tunnels' per-message cost is in the
         # plan's step, not here, so `swarm experiment nat`'s "no more than its two legs" is judged on the legs
         extra = relay_extra_s(made, swarm.direct_input, swarm.relays, self.spec, tunnel_s=0.0)
@@ -469,21 +469,25 @@ class Planner:
         )
         return made
 
-    def codecs_for(self, plan: PlanDocument, swarm: SwarmInput) -> dict:
-        """The codecs chosen per boundary from the measured links and the epilogue's, in their wire form for
-        `PlanDocument.with_chosen` (empty with fixed codecs)."""
+    def with_codecs(self, plan: PlanDocument, swarm: SwarmInput) -> PlanDocument:
+        """`plan` with the codecs chosen per boundary from the measured links, and the epilogue's with the step
+        predicted for them (unchanged with fixed codecs)."""
         if self.codec_bytes is None:
-            return {}
+            return plan
         stages = plan.stage_dicts()
-        epilogue, self._epilogue_from = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits)
-        if len(stages) < 2:
-            return epilogue
-        self._chosen_from = link_figures(plan.stages, swarm.plan_input, self.spec)
-        step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
-        codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s)
-        for b, c in enumerate(codecs):
-            log.info("boundary %d codecs %s", b, c["why"])
-        return {"codecs": codecs, **epilogue}
+        epilogue = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits)
+        self._epilogue_from = None if epilogue is None else epilogue.figures
+        if len(stages) >= 2:
+            self._chosen_from = link_figures(plan.stages, swarm.plan_input, self.spec)
+            step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
+            codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s)
+            for b, c in enumerate(codecs):
+                log.info("boundary %d codecs %s", b, c.why)
+            plan = plan.with_link_codecs(codecs)
+        if epilogue is None:
+            return plan
+        breakdown = dataclasses.asdict(epilogue.breakdown)
+        return plan.with_epilogue(epilogue.codecs).with_prediction(epilogue.breakdown.total_s, breakdown)
 
     def rechoose_codecs(self, current: PlanRecord, peers: list[PeerAnnouncement], alive: frozenset[str]):
         """Republishes the current stages with codecs chosen again once the links' measurements moved past the
@@ -496,7 +500,7 @@ class Planner:
         moved = epilogue_moved(self._epilogue_from, plan.stage_dicts(), swarm.plan_input, self.spec, self.bits)
         if not bounds and not moved:
             return None
-        chosen = plan.with_chosen(self.codecs_for(plan, swarm))
+        chosen = self.with_codecs(plan, swarm)
         if chosen.same_codecs(plan):
             return None  # moved, but to the same choice: nothing to switch
         version = self.next_version(peers)
