@@ -440,6 +440,16 @@ class PlanDocument:
         """This plan with `changes` (fields by name), checked whole again."""
         return dataclasses.replace(self, **changes)
 
+    def with_stages(self, stages: Iterable[PlanStage]) -> PlanDocument:
+        """This plan's peers on other stages (a repack, `swarm.daemon.repack`). With another stage count, what was
+        made for the old stages goes: the boundaries' codecs, the epilogue's and the precisions (one per stage or
+        boundary), and the prediction of their layout (step, breakdown, measured clocks)."""
+        stages = tuple(stages)
+        if len(stages) == self.n_stages:
+            return self.replace(stages=stages)
+        dropped = ("codecs", "epilogue", "precisions", "step_time_s", "first_step_time_s", "breakdown", "measured")
+        return self.replace(stages=stages, **dict.fromkeys(dropped))
+
     def with_link_codecs(self, codecs: Iterable[LinkCodecs]) -> PlanDocument:
         """This plan with each boundary's codecs (`swarm.scheduler.bits.choose_codecs`), one per boundary."""
         return self.replace(codecs=tuple(codecs))

@@ -195,15 +195,24 @@ def main() -> None:
 
     statuses: dict = {}
 
-    def freeze(records, clock):
-        follow(records, clock)
-        record = records["plan"][-1][1]
-        stages = json.loads(record.to_wire()["plan"])["stages"]
-        for s, st in enumerate(stages):
-            for pid in st["peer_ids"]:
-                statuses[pid] = Status(pid, s, record.version, 2)
+    def freeze(layers: int):
+        """The stages report `layers` frozen under the newest plan (the repack's trigger)."""
 
-    scenario("repack with frozen layers", n_stages=4, peers=four, repack=statuses, steps=[freeze, freeze, kill(d)])
+        def step(records, clock):
+            follow(records, clock)
+            record = records["plan"][-1][1]
+            stages = json.loads(record.to_wire()["plan"])["stages"]
+            for s, st in enumerate(stages):
+                for pid in st["peer_ids"]:
+                    statuses[pid] = Status(pid, s, record.version, layers)
+
+        return step
+
+    two = freeze(2)
+    scenario("repack with frozen layers", n_stages=4, peers=four, repack=statuses, steps=[two, two, kill(d)])
+    statuses.clear()
+    three = freeze(3)  # 4 stages become 2 x 2 replicas: the per-stage parts go
+    scenario("repack + per-link codecs", n_stages=4, peers=four, repack=statuses, per_link=True, steps=[three, three])
     relayed = [
         announce(a, 10.0),
         announce(b, 12.0),

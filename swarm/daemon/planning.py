@@ -199,7 +199,7 @@ class PlanRoutes:
     `addresses`)."""
     replica_peer_ids: tuple[tuple[str, ...], ...] = ()
     predicted_step_s: float | None = None
-    """The plan's predicted step time (its "step_time_s"); None for an even split by join order (no plan)."""
+    """The plan's predicted step time (`PlanDocument.predicted_step_s`); None for an even split by join order."""
     frozen_layers: int = 0  # the plan's frozen prefix: its stages start with it (swarm.daemon.repack)
     relay_extra_s: float | None = None  # the plan's: what its relayed links add to predicted_step_s (None: none)
 
