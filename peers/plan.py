@@ -21,7 +21,7 @@ from typing import Any
 
 from swarm.compression import CodecConfig, codec_class
 from swarm.peers.fields import MAX_LAYERS, fail, int_field, peer_id_field, set_field
-from swarm.peers.routes import MAX_ROUTES, fits
+from swarm.peers.routes import MAX_ROUTES, PlanRoutes, fits
 
 __all__ = [
     "MAX_CODEC_WHY",
@@ -528,6 +528,26 @@ class PlanDocument:
         """The plan's straight chains: column r is replica r of every stage, for r below the smallest replica
         count (with uneven counts the routes are `swarm.peers.routes`', not these)."""
         return [[s.peer_ids[r] for s in self.stages] for r in range(min(self.replica_counts))]
+
+    def route_of(self, announcements: Iterable, version: int) -> PlanRoutes | None:
+        """Every replica of every stage of this plan (published as `version`) at its announced address, once every
+        one of its peers announces that it follows the plan in its stage (`PeerAnnouncement`'s `plan_version`,
+        `stage` and `address`); None while a peer is still switching. Replica counts may differ between stages."""
+        following = {p.peer_id: p for p in announcements if p.plan_version == version and p.stage is not None}
+        addresses = []
+        for index, stage in enumerate(self.stages):
+            row = []
+            for pid in stage.peer_ids:
+                ann = following.get(pid)
+                if ann is None or ann.stage != index:
+                    return None
+                row.append(ann.address)
+            addresses.append(tuple(row))
+        ids = [stage.peer_ids for stage in self.stages]
+        flat = [r[0] for r in addresses], [r[0] for r in ids], version
+        nested = ((), ()) if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
+        extra = self.relay_extra_s
+        return PlanRoutes(*flat, *nested, self.predicted_step_s, frozen_layers=self.frozen, relay_extra_s=extra)
 
     def serves_trainer(self, trainer_id: str) -> bool:
         """Whether the stages serve `trainer_id`'s calls under this plan."""
