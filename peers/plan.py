@@ -21,7 +21,7 @@ from typing import Any
 
 from swarm.compression import CodecConfig, codec_class
 from swarm.peers.fields import MAX_LAYERS, fail, int_field, peer_id_field, set_field
-from swarm.peers.routes import MAX_ROUTES, fits
+from swarm.peers.routes import MAX_ROUTES, PlanRoutes, fits
 
 __all__ = [
     "MAX_CODEC_WHY",
@@ -101,6 +101,16 @@ def _figures(r: str, key: str, value: Any) -> tuple[tuple[str, float | int], ...
         _name(f"{r}.{key}", "name", name)
         _number(f"{r}.{key}", str(name), number)
     return tuple(value.items())
+
+
+def _figure_pairs(r: str, key: str, value: Any) -> tuple[tuple[str, float | int], ...]:
+    """`_figures` of (name, number) pairs, as the document keeps them."""
+    if type(value) not in (list, tuple) or any(type(pair) is not tuple or len(pair) != 2 for pair in value):
+        raise fail(r, key, f"at most {_MAX_FIGURES} (name, number) pairs", value)
+    figures = dict(value)
+    if len(figures) != len(value):
+        raise fail(r, key, "distinct names", [name for name, _ in value])
+    return _figures(r, key, figures)
 
 
 def _ids(r: str, key: str, value: Any, lo: int, hi: int, what: str) -> tuple[str, ...]:
@@ -241,6 +251,12 @@ class PlanDocument:
     """The version the scheduler numbered its plan with (the record's version carries the authority)."""
     cost_model: str | None = None
     """The cost model that priced it ("full" or "dtfm")."""
+    key_order: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    """The order of its wire keys (`to_wire`), set on construction: a parsed plan's as the wire gave them
+    (`from_wire`), a new one's in the planner's order (format, version, cost model, step, breakdown, stages,
+    standbys, frozen prefix, codecs, epilogue, precisions, relays, trainers, measured, first step). A plan
+    made with `replace` keeps its keys where they were and puts the ones it adds last, as a JSON dict merged
+    with `{**plan, **changes}` orders them: a plan republished with some fields replaced keeps its text."""
 
     def __post_init__(self) -> None:
         if type(self.stages) not in (list, tuple) or not 1 <= len(self.stages) <= MAX_PLAN_STAGES:
@@ -281,11 +297,26 @@ class PlanDocument:
                 raise fail(_P, "trainer_ids", "distinct trainer ids", list(self.trainer_ids))
         for key in ("step_time_s", "first_step_time_s"):
             _number(_P, key, getattr(self, key))
+        if self.breakdown is not None:
+            set_field(self, "breakdown", _figure_pairs(_P, "breakdown", self.breakdown))
+        if self.measured is not None:
+            if type(self.measured) not in (list, tuple) or len(self.measured) > MAX_PLAN_PEERS:
+                raise fail(_P, "measured", f"at most {MAX_PLAN_PEERS} peers' figures", self.measured)
+            pairs = (pair if type(pair) is tuple and len(pair) == 2 else (None, None) for pair in self.measured)
+            measured = tuple(
+                (peer_id_field(_P, "measured", pid), _figure_pairs("plan.measured", str(pid), figures))
+                for pid, figures in pairs
+            )
+            set_field(self, "measured", measured)
         if self.format is not None:
             int_field(_P, "format", self.format, 0, 1 << 16)
         _name(_P, "cost_model", self.cost_model)
         if self.version is not None:
             int_field(_P, "version", self.version, 0, _MAX_PLAN_VERSION)
+        # kept keys where they were, new ones last; a key this plan no longer has goes last if a later plan sets it
+        present = self._wire_in_canonical_order()
+        kept = tuple(key for key in self.key_order if key in present)
+        set_field(self, "key_order", kept + tuple(key for key in present if key not in kept))
 
     def _check_codecs(self) -> None:
         n = len(self.stages)
@@ -293,6 +324,11 @@ class PlanDocument:
             if type(self.codecs) not in (list, tuple) or len(self.codecs) != n - 1:
                 raise fail(_P, "codecs", f"a list of {n - 1} boundaries' codecs", self.codecs)
             set_field(self, "codecs", tuple(self.codecs))
+            for i, link in enumerate(self.codecs):
+                if not isinstance(link, LinkCodecs):
+                    raise fail(_P, f"codecs[{i}]", "a LinkCodecs", link)
+        if self.epilogue is not None and not isinstance(self.epilogue, EpilogueCodecs):
+            raise fail(_P, "epilogue_codecs", "an EpilogueCodecs", self.epilogue)
         if self.epilogue is not None and len(self.epilogue.average_labels) != n:
             what = f"a list of {n} stages' codecs"
             raise fail("plan.epilogue_codecs", "average", what, list(self.epilogue.average_labels))
@@ -371,10 +407,15 @@ class PlanDocument:
             format=wire.get("format"),
             version=wire.get("version"),
             cost_model=wire.get("cost_model"),
+            key_order=tuple(wire),
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """The plan as the DHT carries it (JSON-able), keys in the order the planner writes them."""
+        """The plan as the DHT carries it (JSON-able), its keys in `key_order`."""
+        out = self._wire_in_canonical_order()
+        return {key: out[key] for key in self.key_order}
+
+    def _wire_in_canonical_order(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key in ("format", "version", "cost_model", "step_time_s"):
             if getattr(self, key) is not None:
@@ -399,10 +440,32 @@ class PlanDocument:
         """This plan with `changes` (fields by name), checked whole again."""
         return dataclasses.replace(self, **changes)
 
-    def with_chosen(self, chosen: Mapping[str, Any]) -> PlanDocument:
-        """This plan with what the planner chose for it, in the wire form the scheduler gives it (`"codecs"`,
-        `"epilogue_codecs"`, `"precisions"`, the predicted `"step_time_s"` and its `"breakdown"`), checked whole."""
-        return PlanDocument.from_wire({**self.to_wire(), **chosen})
+    def with_stages(self, stages: Iterable[PlanStage]) -> PlanDocument:
+        """This plan's peers on other stages (a repack, `swarm.daemon.repack`). With another stage count, what was
+        made for the old stages goes: the boundaries' codecs, the epilogue's and the precisions (one per stage or
+        boundary), and the prediction of their layout (step, breakdown, measured clocks)."""
+        stages = tuple(stages)
+        if len(stages) == self.n_stages:
+            return self.replace(stages=stages)
+        dropped = ("codecs", "epilogue", "precisions", "step_time_s", "first_step_time_s", "breakdown", "measured")
+        return self.replace(stages=stages, **dict.fromkeys(dropped))
+
+    def with_link_codecs(self, codecs: Iterable[LinkCodecs]) -> PlanDocument:
+        """This plan with each boundary's codecs (`swarm.scheduler.bits.choose_codecs`), one per boundary."""
+        return self.replace(codecs=tuple(codecs))
+
+    def with_epilogue(self, epilogue: EpilogueCodecs) -> PlanDocument:
+        """This plan with the epilogue's codecs (`swarm.scheduler.bits.choose_epilogue`), one average per stage."""
+        return self.replace(epilogue=epilogue)
+
+    def with_prediction(self, step_time_s: float, breakdown: Mapping[str, float]) -> PlanDocument:
+        """This plan with its predicted step and that step's parts (`swarm.scheduler.cost.Breakdown`'s fields, in
+        their order), as the planner predicts them for the codecs it chose."""
+        return self.replace(step_time_s=step_time_s, breakdown=tuple(breakdown.items()))
+
+    def with_precisions(self, precisions: Iterable[str]) -> PlanDocument:
+        """This plan with one of PLAN_PRECISIONS per stage (`swarm.scheduler.precision.plan_precisions`)."""
+        return self.replace(precisions=tuple(precisions))
 
     def stage_dicts(self) -> list[dict[str, Any]]:
         """The stages in the scheduler's layout form (`swarm.scheduler.plans.Plan.to_dict`'s "stages")."""
@@ -465,6 +528,26 @@ class PlanDocument:
         """The plan's straight chains: column r is replica r of every stage, for r below the smallest replica
         count (with uneven counts the routes are `swarm.peers.routes`', not these)."""
         return [[s.peer_ids[r] for s in self.stages] for r in range(min(self.replica_counts))]
+
+    def route_of(self, announcements: Iterable, version: int) -> PlanRoutes | None:
+        """Every replica of every stage of this plan (published as `version`) at its announced address, once every
+        one of its peers announces that it follows the plan in its stage (`PeerAnnouncement`'s `plan_version`,
+        `stage` and `address`); None while a peer is still switching. Replica counts may differ between stages."""
+        following = {p.peer_id: p for p in announcements if p.plan_version == version and p.stage is not None}
+        addresses = []
+        for index, stage in enumerate(self.stages):
+            row = []
+            for pid in stage.peer_ids:
+                ann = following.get(pid)
+                if ann is None or ann.stage != index:
+                    return None
+                row.append(ann.address)
+            addresses.append(tuple(row))
+        ids = [stage.peer_ids for stage in self.stages]
+        flat = [r[0] for r in addresses], [r[0] for r in ids], version
+        nested = ((), ()) if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
+        extra = self.relay_extra_s
+        return PlanRoutes(*flat, *nested, self.predicted_step_s, frozen_layers=self.frozen, relay_extra_s=extra)
 
     def serves_trainer(self, trainer_id: str) -> bool:
         """Whether the stages serve `trainer_id`'s calls under this plan."""

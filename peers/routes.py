@@ -21,7 +21,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_ROUTES", "Route", "fits", "local_micro", "n_routes", "route_replicas", "stage_numbering", "uneven"]
+__all__ = [
+    "MAX_ROUTES",
+    "PlanRoutes",
+    "Route",
+    "fits",
+    "local_micro",
+    "n_routes",
+    "route_replicas",
+    "stage_numbering",
+    "uneven",
+]
 
 MAX_ROUTES = 12
 """Most routes a plan may have (lcm of its replica counts): a planner adds no replica that would need more."""
@@ -44,6 +54,65 @@ class Route:
         """Names the route by its peers, not its number: a re-plan that keeps the same peers on a route keeps its
         samples (and AQ-SGD buffers) on it."""
         return hashlib.sha256("\0".join(self.peers).encode()).digest()
+
+
+@dataclass(frozen=True)
+class PlanRoutes:
+    """Every route a trainer drives under a plan: every replica of every stage at its announced address, all
+    following the same plan, with the plan's figures the trainer reports.
+
+    Stages may have different replica counts (a joiner became one more replica of the busiest stage): the
+    trainer then drives the lcm of them (route c runs on replica c % R_s of stage s, `route_replicas`).
+    `swarm.peers.plan.PlanDocument.route_of` makes one from a plan and the announcements.
+    """
+
+    addresses: list[str]
+    """gRPC address of each stage's replica 0, in pipeline order (route 0: what single-chain callers use)."""
+    peer_ids: list[str]
+    plan_version: int = 0
+    """The plan they follow (0: an even split by join order, no plan)."""
+    replica_addresses: tuple[tuple[str, ...], ...] = ()
+    """`[stage][replica]`, rows of different lengths when the counts are uneven (empty: one replica per stage,
+    `addresses`)."""
+    replica_peer_ids: tuple[tuple[str, ...], ...] = ()
+    predicted_step_s: float | None = None
+    """The plan's predicted step time (`PlanDocument.predicted_step_s`); None for an even split by join order."""
+    frozen_layers: int = 0  # the plan's frozen prefix: its stages start with it (swarm.daemon.repack)
+    relay_extra_s: float | None = None  # the plan's: what its relayed links add to predicted_step_s (None: none)
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        """Replicas of every stage, in stage order."""
+        if self.replica_peer_ids:
+            return tuple(len(row) for row in self.replica_peer_ids)
+        return (1,) * len(self.peer_ids)
+
+    @property
+    def n_replicas(self) -> int:
+        """The most replicas any stage has: 1 exactly when the route is one flat chain."""
+        return max(self.replica_counts, default=1)
+
+    def nested(self) -> tuple[tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:
+        """(addresses, peer ids) as `[stage][replica]`, for `PipelineDriver`'s nested form."""
+        if self.replica_addresses:
+            return self.replica_addresses, self.replica_peer_ids
+        return tuple((a,) for a in self.addresses), tuple((p,) for p in self.peer_ids)
+
+    def routes(self) -> tuple[Route, ...]:
+        """Each `Route` (one replica of every stage) in route order."""
+        addresses, peers = self.nested()
+        counts = self.replica_counts
+        return tuple(
+            Route(c, tuple(addresses[s][r] for s, r in enumerate(at)), tuple(peers[s][r] for s, r in enumerate(at)))
+            for c, at in ((c, route_replicas(c, counts)) for c in range(n_routes(counts)))
+        )
+
+    def driver_args(self) -> tuple:
+        """What `PipelineDriver(route, peers, ...)` takes: flat with one replica per stage (every driver takes
+        that), nested `[stage][replica]` otherwise (rows of different lengths when uneven)."""
+        if self.n_replicas == 1:
+            return list(self.addresses), list(self.peer_ids)
+        return tuple(map(list, self.replica_addresses)), tuple(map(list, self.replica_peer_ids))
 
 
 def _counts(counts: Sequence[int]) -> tuple[int, ...]:

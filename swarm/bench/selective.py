@@ -70,7 +70,7 @@ def rows(
     policy = policy or BitsPolicy()
     from swarm.compression import CodecConfig
     from swarm.daemon.planning import link_figures
-    from swarm.peers.plan import PlanStage
+    from swarm.peers.plan import EpilogueCodecs, PlanStage
     from swarm.scheduler.sizes import message_bytes
 
     activation = (shape.micro_batch_size, shape.seq_len, shape.hidden)
@@ -87,13 +87,13 @@ def rows(
 
         def step(forward: str, backward: str, average: str, tied: str, plan_input: PlanInput = plan_input) -> float:
             spec = replace(base, forward_bytes=sizes(forward), backward_bytes=sizes(backward))
-            chosen = {"average": [average] * stages, "tied": tied}
+            chosen = EpilogueCodecs((average,) * stages, tied)
             return selective_breakdown(plan_stages, plan_input, spec, chosen).total_s
 
         step_s = pipeline_step_s(plan_stages, plan_input, base)
         bounds = choose_codecs(link_figures(layout, plan_input, base), sizes, policy, step_s)
-        forward = max((b["forward"] for b in bounds), key=FORWARD_LADDER.index)  # uniform rates: one choice; else the
-        backward = max((b["backward"] for b in bounds), key=BACKWARD_LADDER.index)  # narrowest, for one spec's bytes
+        forward = max((b.forward_label for b in bounds), key=FORWARD_LADDER.index)  # uniform rates: one choice; else
+        backward = max((b.backward_label for b in bounds), key=BACKWARD_LADDER.index)  # the narrowest, for one spec
         spec = replace(base, forward_bytes=sizes(forward), backward_bytes=sizes(backward))
         chosen = choose_epilogue(*epilogue_figures(plan_stages, plan_input, spec), policy)
         fp32 = step("fp32", "fp32", "fp32", "fp32")
@@ -104,8 +104,8 @@ def rows(
                 "rate_mbit": rate,
                 "replica_rate_mbit": replica_mbit if replica_mbit is not None else rate,
                 "boundary": f"{_short(forward)}/{_short(backward)}",
-                "average": ",".join(_short(a) for a in chosen["average"]),
-                "tied": _short(chosen["tied"]),
+                "average": ",".join(_short(a) for a in chosen.average_labels),
+                "tied": _short(chosen.tied_label),
                 "fp32_s": round(fp32, 4),
                 "compressed_s": round(compressed, 4),
                 "selective_s": round(selective, 4),

@@ -67,7 +67,7 @@ def run_live(cfg: PlanCommand) -> int:
         where += f", {swarm.filled_links} assumed (not probed yet)"
     if published is not None:
         print(f"published plan (version {published.version}):")
-        print(describe(Plan.from_dict(published.document.to_wire()), swarm.plan_input, where))
+        print(describe(Plan.from_document(published.document), swarm.plan_input, where))
         print()
     print("the plan the planner would make now:" if published is not None else "no plan published yet; now:")
     print(describe(fresh, swarm.plan_input, where))

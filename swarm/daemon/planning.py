@@ -49,7 +49,6 @@ from swarm.peers.records import (
     PlanRecord,
     elected_planner,
 )
-from swarm.peers.routes import Route, n_routes, route_replicas
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
@@ -184,84 +183,6 @@ def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
     return StageRole(place[0], n_stages, stage.layer_start, stage.layer_end, record.version, replica=place[1])
 
 
-@dataclass(frozen=True)
-class PlanRoutes:
-    """Every route a trainer drives under a plan: every replica of every stage at its announced address, all
-    following the same plan, with the plan's figures the trainer reports.
-
-    Stages may have different replica counts (a joiner became one more replica of the busiest stage): the
-    trainer then drives the lcm of them (route c runs on replica c % R_s of stage s, `swarm.peers.routes`).
-    """
-
-    addresses: list[str]
-    """gRPC address of each stage's replica 0, in pipeline order (route 0: what single-chain callers use)."""
-    peer_ids: list[str]
-    plan_version: int = 0
-    """The plan they follow (0: an even split by join order, no plan)."""
-    replica_addresses: tuple[tuple[str, ...], ...] = ()
-    """`[stage][replica]`, rows of different lengths when the counts are uneven (empty: one replica per stage,
-    `addresses`)."""
-    replica_peer_ids: tuple[tuple[str, ...], ...] = ()
-    predicted_step_s: float | None = None
-    """The plan's predicted step time (its "step_time_s"); None for an even split by join order (no plan)."""
-    frozen_layers: int = 0  # the plan's frozen prefix: its stages start with it (swarm.daemon.repack)
-    relay_extra_s: float | None = None  # the plan's: what its relayed links add to predicted_step_s (None: none)
-
-    @property
-    def replica_counts(self) -> tuple[int, ...]:
-        """Replicas of every stage, in stage order."""
-        if self.replica_peer_ids:
-            return tuple(len(row) for row in self.replica_peer_ids)
-        return (1,) * len(self.peer_ids)
-
-    @property
-    def n_replicas(self) -> int:
-        """The most replicas any stage has: 1 exactly when the route is one flat chain."""
-        return max(self.replica_counts, default=1)
-
-    def nested(self) -> tuple[tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:
-        """(addresses, peer ids) as `[stage][replica]`, for `PipelineDriver`'s nested form."""
-        if self.replica_addresses:
-            return self.replica_addresses, self.replica_peer_ids
-        return tuple((a,) for a in self.addresses), tuple((p,) for p in self.peer_ids)
-
-    def routes(self) -> tuple[Route, ...]:
-        """Each `Route` (one replica of every stage) in route order."""
-        addresses, peers = self.nested()
-        counts = self.replica_counts
-        return tuple(
-            Route(c, tuple(addresses[s][r] for s, r in enumerate(at)), tuple(peers[s][r] for s, r in enumerate(at)))
-            for c, at in ((c, route_replicas(c, counts)) for c in range(n_routes(counts)))
-        )
-
-    def driver_args(self) -> tuple:
-        """What `PipelineDriver(route, peers, ...)` takes: flat with one replica per stage (every driver takes
-        that), nested `[stage][replica]` otherwise (rows of different lengths when uneven)."""
-        if self.n_replicas == 1:
-            return list(self.addresses), list(self.peer_ids)
-        return tuple(map(list, self.replica_addresses)), tuple(map(list, self.replica_peer_ids))
-
-
-def route_of(record: PlanRecord, peers: list[PeerAnnouncement]) -> PlanRoutes | None:
-    """Every replica of every stage of the plan, once every one of its peers announces that it follows the
-    plan (replica counts may differ between stages; None while a peer is still switching)."""
-    following = {p.peer_id: p for p in peers if p.plan_version == record.version and p.stage is not None}
-    plan, addresses = record.document, []
-    for index, stage in enumerate(plan.stages):
-        row = []
-        for pid in stage.peer_ids:
-            ann = following.get(pid)
-            if ann is None or ann.stage != index:
-                return None
-            row.append(ann.address)
-        addresses.append(tuple(row))
-    ids = [stage.peer_ids for stage in plan.stages]
-    flat = [r[0] for r in addresses], [r[0] for r in ids], record.version
-    nested = ((), ()) if all(len(r) == 1 for r in ids) else (tuple(addresses), tuple(ids))
-    extra = plan.relay_extra_s
-    return PlanRoutes(*flat, *nested, plan.predicted_step_s, frozen_layers=plan.frozen, relay_extra_s=extra)
-
-
 class Planner:
     """Makes and publishes plans when this peer leads (`elected_planner`) and the membership changed.
 
@@ -291,7 +212,7 @@ class Planner:
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
         calibrator: Calibrator | None = None,
-        precisions: Callable[[list, list], dict] | None = None,
+        precisions: Callable[[list, list], tuple[str, ...] | None] | None = None,
         repack=None,  # a swarm.daemon.repack.RepackWatch: repacks the plan when its stages froze more layers
     ):
         """`cfg` says how to plan (min peers, seed, replicas, even layers, lease); the rest are collaborators.
@@ -453,9 +374,9 @@ class Planner:
             )
         # the scheduler's plan as the document peers follow, keeping the frozen prefix (F)
         document = with_frozen(PlanDocument.from_wire(made.to_dict()), current.document if current else None)
-        chosen = self.codecs_for(document, swarm)
-        chosen |= self.precisions(document.stage_dicts(), peers) if self.precisions else {}
-        document = document.with_chosen(chosen)
+        document = self.with_codecs(document, swarm)
+        precisions = self.precisions(document.stage_dicts(), peers) if self.precisions else None
+        document = document if precisions is None else document.with_precisions(precisions)
         # what the relayed links' two legs add (None: no relayed link): the tunnels' per-message cost is in the
         # plan's step, not here, so `swarm experiment nat`'s "no more than its two legs" is judged on the legs
         extra = relay_extra_s(made, swarm.direct_input, swarm.relays, self.spec, tunnel_s=0.0)
@@ -473,21 +394,25 @@ class Planner:
         )
         return made
 
-    def codecs_for(self, plan: PlanDocument, swarm: SwarmInput) -> dict:
-        """The codecs chosen per boundary from the measured links and the epilogue's, in their wire form for
-        `PlanDocument.with_chosen` (empty with fixed codecs)."""
+    def with_codecs(self, plan: PlanDocument, swarm: SwarmInput) -> PlanDocument:
+        """`plan` with the codecs chosen per boundary from the measured links, and the epilogue's with the step
+        predicted for them (unchanged with fixed codecs)."""
         if self.codec_bytes is None:
-            return {}
+            return plan
         stages = plan.stage_dicts()
-        epilogue, self._epilogue_from = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits)
-        if len(stages) < 2:
-            return epilogue
-        self._chosen_from = link_figures(plan.stages, swarm.plan_input, self.spec)
-        step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
-        codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s)
-        for b, c in enumerate(codecs):
-            log.info("boundary %d codecs %s", b, c["why"])
-        return {"codecs": codecs, **epilogue}
+        epilogue = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits)
+        self._epilogue_from = None if epilogue is None else epilogue.figures
+        if len(stages) >= 2:
+            self._chosen_from = link_figures(plan.stages, swarm.plan_input, self.spec)
+            step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
+            codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s)
+            for b, c in enumerate(codecs):
+                log.info("boundary %d codecs %s", b, c.why)
+            plan = plan.with_link_codecs(codecs)
+        if epilogue is None:
+            return plan
+        breakdown = dataclasses.asdict(epilogue.breakdown)
+        return plan.with_epilogue(epilogue.codecs).with_prediction(epilogue.breakdown.total_s, breakdown)
 
     def rechoose_codecs(self, current: PlanRecord, peers: list[PeerAnnouncement], alive: frozenset[str]):
         """Republishes the current stages with codecs chosen again once the links' measurements moved past the
@@ -500,7 +425,7 @@ class Planner:
         moved = epilogue_moved(self._epilogue_from, plan.stage_dicts(), swarm.plan_input, self.spec, self.bits)
         if not bounds and not moved:
             return None
-        chosen = plan.with_chosen(self.codecs_for(plan, swarm))
+        chosen = self.with_codecs(plan, swarm)
         if chosen.same_codecs(plan):
             return None  # moved, but to the same choice: nothing to switch
         version = self.next_version(peers)

@@ -38,9 +38,6 @@ __all__ = [
 log = logging.getLogger("swarm.daemon.repack")
 
 FROZEN_METRIC = "swarm_frozen_layers"
-_PER_STAGE = ("precisions", "epilogue", "breakdown", "measured", "step_time_s", "first_step_time_s")
-"""`PlanDocument` fields made for the old stages (one entry per stage, or a prediction of their layout): dropped
-on repack."""
 
 
 def layer_costs(n_layers: int, frozen_layers: int, frozen_cost: float = 1 / 3) -> list[float]:
@@ -113,8 +110,8 @@ def repack_layout(
 
 def repack_plan(plan: PlanDocument, frozen_layers: int, frozen_cost: float = 1 / 3) -> PlanDocument:
     """The next plan for a grown frozen prefix: the plan's peers (in stage order) re-dealt onto the repacked
-    stages. Codecs per boundary and what else was made for the old stages (`_PER_STAGE`) are dropped when
-    the stage count changes (the planner may choose them anew)."""
+    stages. Codecs per boundary and what else was made for the old stages are dropped when the stage count
+    changes (`PlanDocument.with_stages`; the planner may choose them anew)."""
     peers = [pid for stage in plan.stages for pid in stage.peer_ids]
     limit = max(len(stage.layers) for stage in plan.stages)  # all layers active: cost 1 each
     ranges, counts = repack_layout(plan.n_layers, frozen_layers, len(peers), limit, plan.n_stages, frozen_cost)
@@ -122,8 +119,7 @@ def repack_plan(plan: PlanDocument, frozen_layers: int, frozen_cost: float = 1 /
     for (start, end), count in zip(ranges, counts, strict=True):
         new.append(PlanStage(start, end, tuple(peers[at : at + count])))
         at += count
-    dropped = {} if len(new) == plan.n_stages else dict.fromkeys(("codecs", *_PER_STAGE))
-    return plan.replace(stages=tuple(new), frozen_layers=frozen_layers, **dropped)
+    return plan.with_stages(new).replace(frozen_layers=frozen_layers)
 
 
 def with_frozen(plan: PlanDocument, previous: PlanDocument | None) -> PlanDocument:

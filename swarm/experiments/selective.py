@@ -69,7 +69,7 @@ def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro
     sizes = codec_sizes(model, micro_batch_size)
     codecs = choose_codecs(link_figures(plan.stages, plan_input, spec), sizes, policy, step_s)
     epilogue, _, breakdown = choose_for_plan(stages, plan_input, spec, policy)
-    plan = plan.with_chosen({"codecs": codecs, **epilogue})
+    plan = plan.with_link_codecs(codecs).with_epilogue(epilogue)
     for b, c in enumerate(plan.codecs):
         log.info("%s boundary %d: %s", text, b, c.why)
     log.info("%s epilogue: %s; predicted step %.3f s", text, plan.epilogue.why, breakdown.total_s)

@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from swarm.peers.plan import MAX_CODEC_WHY
+from swarm.peers.plan import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
 
 __all__ = [
     "AVERAGE_LADDER",
@@ -117,8 +117,8 @@ def choose_link(
     message_bytes: Callable[[str], float],
     policy: BitsPolicy = BitsPolicy(),
     exposed_s: float = math.inf,
-) -> dict:
-    """`{"forward": label, "backward": label, "why": text}` for one boundary (`message_bytes(label)`: bytes of
+) -> LinkCodecs:
+    """The boundary's forward and backward codecs and why (`message_bytes(label)`: bytes of
     one micro-batch's message under that codec, e.g. `sizes.message_bytes` at the run's shape). `exposed_s`:
     what one message each way may take at most, hidden or not: the pipeline's fill and drain wait for one
     message each way on every boundary, so even a message the steady state hides is on the critical path once
@@ -135,7 +135,7 @@ def choose_link(
         f"{forward}/{backward}: {forward_s * 1e3:.1f}/{backward_s * 1e3:.1f} ms per micro-batch, "
         f"{hidden} {budget * 1e3:.1f} ms compute"
     )
-    return {"forward": forward, "backward": backward, "why": why}
+    return LinkCodecs(forward, backward, why)
 
 
 def choose_codecs(
@@ -143,7 +143,7 @@ def choose_codecs(
     message_bytes: Callable[[str], float],
     policy: BitsPolicy = BitsPolicy(),
     step_s: float | None = None,
-) -> list[dict]:
+) -> list[LinkCodecs]:
     """One `choose_link` per boundary, in pipeline order. With `step_s` (the step's pipeline time, as the
     epilogue's figures carry it) the boundaries' fill and drain together may add at most `epilogue_share` of
     it (Optimus-CC's epilogue: the messages no compute hides); without, only the steady-state rule applies."""
@@ -195,9 +195,9 @@ def _pick_epilogue(ladder: Sequence[str], floor: str, fig: EpilogueFigures, shar
 
 def choose_epilogue(
     average: Sequence[EpilogueFigures | None], tied: EpilogueFigures | None, policy: BitsPolicy = BitsPolicy()
-) -> dict:
-    """`{"average": [label per stage], "tied": label, "why": text}`: each stage's averaging codec (None for a
-    stage with one replica: nothing is summed) and the tied sync's (None without one)."""
+) -> EpilogueCodecs:
+    """Each stage's averaging codec (None for a stage with one replica: nothing is summed), the tied sync's (None
+    without one), and why."""
     labels, why = [], []
     for s, fig in enumerate(average):
         if fig is None:
@@ -212,7 +212,7 @@ def choose_epilogue(
         why.append(f"tied {tied_label} {seconds * 1e3:.1f}ms")
     step = max([f.step_s for f in (*average, tied) if f is not None], default=0.0)
     text = f"{', '.join(why)} (share {policy.epilogue_share:g} of {step * 1e3:.1f}ms)"
-    return {"average": labels, "tied": tied_label, "why": text[:MAX_CODEC_WHY]}
+    return EpilogueCodecs(tuple(labels), tied_label, text[:MAX_CODEC_WHY])
 
 
 def rechoose_epilogue(

@@ -11,8 +11,12 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from swarm.peers.plan import PlanDocument
 
 __all__ = [
     "Breakdown",
@@ -348,6 +352,23 @@ class Plan:
             ],
             "unused_peer_ids": list(self.unused_peer_ids),
         }
+
+    @classmethod
+    def from_document(cls, document: PlanDocument) -> Plan:
+        """The scheduler's plan a published plan was made from (what `swarm plan --dht` describes): its stages,
+        standbys, breakdown (calibrated, once the planner re-predicted it), cost model and version. ValueError for
+        a plan that no scheduler of this format made."""
+        if document.format != PLAN_FORMAT:
+            raise ValueError(f"unknown plan format {document.format!r}")
+        if document.breakdown is None or document.cost_model is None or document.version is None:
+            raise ValueError("the plan has no breakdown, cost model or version: not a scheduler's plan")
+        return cls(
+            stages=tuple(StagePlan(s.layer_start, s.layer_end, s.peer_ids) for s in document.stages),
+            breakdown=Breakdown(**dict(document.breakdown)),
+            cost_model=document.cost_model,
+            version=document.version,
+            unused_peer_ids=document.unused_peer_ids,
+        )
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:

@@ -3,7 +3,7 @@
 Inputs, per stage: its predicted compute time in each precision its peers run (from the peers' announced
 speeds: `PeerAnnouncement.compute_layers_per_s` for fp32, `speeds` for the others) and its sensitivity in each
 low precision (`swarm.runtime.sensitivity`: the relative gradient error it adds). Output: one precision per
-stage (a plan's `"precisions"`) under a loss budget (the sum of the chosen stages' sensitivities <= budget) that
+stage (the plan's `precisions`) under a loss budget (the sum of the chosen stages' sensitivities <= budget) that
 minimises the predicted step time, lowering precision only where it moves the bottleneck:
 
 1. Start from fp32 everywhere (QSync's "quantization-minimized": the reference precision).
@@ -154,20 +154,22 @@ def plan_precisions(
     peers: Mapping[str, object],
     sensitivity: Sequence[Mapping[str, float]] | None,
     budget: float = DEFAULT_BUDGET,
-) -> dict:
-    """The live planner's hook: `{"precisions": [...]}` for a plan's stages from the peers' announced speeds and
-    the stages' sensitivities, or {} (today's behaviour: each peer's --precision) when a stage lacks an fp32
-    speed, no sensitivity is known, or fp32 everywhere is as fast."""
+) -> tuple[str, ...] | None:
+    """The live planner's hook: one precision per stage of a plan (`PlanDocument.with_precisions`) from the peers'
+    announced speeds and the stages' sensitivities, or None (today's behaviour: each peer's --precision) when a
+    stage lacks an fp32 speed, no sensitivity is known, or fp32 everywhere is as fast."""
     if sensitivity is None or len(sensitivity) != len(stages):
-        return {}
+        return None
     times = stage_times(stages, peers, ("bf16",))
     if any("fp32" not in t for t in times):
-        return {}
+        return None
     choice = choose_precisions(times, sensitivity, budget)
-    return {"precisions": list(choice.precisions)} if "bf16" in choice.precisions else {}
+    return choice.precisions if "bf16" in choice.precisions else None
 
 
-def precision_planner(model, budget: float, micro_batch_size: int = 2) -> Callable[[list, list], dict] | None:
+def precision_planner(
+    model, budget: float, micro_batch_size: int = 2
+) -> Callable[[list, list], tuple[str, ...] | None] | None:
     """What the live planner calls on a fresh plan's stages and the announced peers when --precision-budget is
     set (None: off): `plan_precisions` with each stage's sensitivity from `stage_sensitivity` (the planner's own
     measurement on the model's init and synthetic inputs: peers do not report theirs yet)."""
@@ -175,7 +177,7 @@ def precision_planner(model, budget: float, micro_batch_size: int = 2) -> Callab
         return None
     from swarm.runtime.sensitivity import stage_sensitivity
 
-    def choose(stages: list, peers: list) -> dict:
+    def choose(stages: list, peers: list) -> tuple[str, ...] | None:
         sens = [stage_sensitivity(model, s["layer_start"], s["layer_end"], micro_batch_size) for s in stages]
         return plan_precisions(stages, {p.peer_id: p for p in peers}, sens, budget)
 

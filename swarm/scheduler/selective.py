@@ -14,15 +14,17 @@ from `ModelSpec.tied_bytes`, which `swarm.scheduler.sizes.tied_bytes` measures a
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from swarm.peers.plan import EpilogueCodecs
 from swarm.scheduler.bits import BitsPolicy, EpilogueFigures, choose_epilogue, epilogue_bytes
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Breakdown, ModelSpec, PlanInput, TransformerShape
 
 __all__ = [
+    "PlannedEpilogue",
     "choose_for_plan",
     "epilogue_figures",
     "epilogue_moved",
@@ -99,41 +101,55 @@ class _EpilogueCost(FullCost):
         return own.group_stats(group, stages) if own is not None else super().group_stats(group, stages)
 
 
-def selective_breakdown(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, chosen: dict) -> Breakdown:
-    """The predicted step of `stages` with the epilogue at `chosen`'s codecs (`choose_epilogue`'s dict): each
+def selective_breakdown(
+    stages: list[dict], plan_input: PlanInput, spec: ModelSpec, chosen: EpilogueCodecs
+) -> Breakdown:
+    """The predicted step of `stages` with the epilogue at `chosen`'s codecs (`choose_epilogue`'s): each
     stage's averaging at its codec's bits per element, the tied sync at its codec's bytes."""
     layout = _layout(stages, plan_input)
-    tied = chosen.get("tied")
+    tied = chosen.tied_label
     model = replace(spec, tied_bytes=epilogue_bytes(tied, tied_elements(spec))) if tied else spec
     per_element = spec.gradient_bytes_per_layer * 8 / TransformerShape.gradient_bits
     per_group = {
         tuple(int(i) for i in row): epilogue_bytes(label, per_element)
-        for row, label in zip(layout.grid, chosen["average"], strict=True)
+        for row, label in zip(layout.grid, chosen.average_labels, strict=True)
         if label is not None
     }
     return _EpilogueCost(plan_input, model, per_group).evaluate(layout)
 
 
-def choose_for_plan(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy | None = None):
-    """(`{"epilogue_codecs": ...}`, the figures it was chosen from, the predicted breakdown with it)."""
+def choose_for_plan(
+    stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy | None = None
+) -> tuple[EpilogueCodecs, tuple, Breakdown]:
+    """(The epilogue's codecs, the figures they were chosen from, the predicted breakdown with them)."""
     figures = epilogue_figures(stages, plan_input, spec)
     chosen = choose_epilogue(*figures, policy or BitsPolicy())
-    return {"epilogue_codecs": chosen}, figures, selective_breakdown(stages, plan_input, spec, chosen)
+    return chosen, figures, selective_breakdown(stages, plan_input, spec, chosen)
 
 
-def planned_epilogue(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy | None = None):
-    """What the live planner adds to a plan: `{"epilogue_codecs": ..., "step_time_s", "breakdown"}` (the predicted
-    step with the chosen epilogue) and the figures chosen from; ({}, None) where nothing is summed or the layout
-    is not one the cost model scores (uneven replica counts)."""
-    from dataclasses import asdict
+@dataclass(frozen=True)
+class PlannedEpilogue:
+    """What the live planner adds to a plan for its epilogue (`PlanDocument.with_epilogue`, `with_prediction`)."""
 
+    codecs: EpilogueCodecs
+    breakdown: Breakdown
+    """The predicted step with these codecs: the plan's `step_time_s` is its `total_s`."""
+    figures: tuple
+    """What the codecs were chosen from (`epilogue_figures`), for `epilogue_moved`."""
+
+
+def planned_epilogue(
+    stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy | None = None
+) -> PlannedEpilogue | None:
+    """The epilogue's codecs for a plan's stages and the step predicted with them; None where nothing is summed
+    or the layout is not one the cost model scores (uneven replica counts)."""
     try:
         chosen, figures, breakdown = choose_for_plan(stages, plan_input, spec, policy)
     except ValueError:
-        return {}, None
+        return None
     if all(f is None for f in figures[0]) and figures[1] is None:
-        return {}, None
-    return {**chosen, "step_time_s": breakdown.total_s, "breakdown": asdict(breakdown)}, figures
+        return None
+    return PlannedEpilogue(chosen, breakdown, figures)
 
 
 def epilogue_moved(old, stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy) -> bool:

@@ -30,7 +30,7 @@ class LocalSwarm:
 
     @property
     def path(self):
-        from swarm.daemon.planning import PlanRoutes
+        from swarm.peers.routes import PlanRoutes
 
         return self.found if self.found is not None else PlanRoutes(self.route, self.peers, self.plan_version)
 

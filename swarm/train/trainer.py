@@ -36,8 +36,8 @@ from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported:
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from swarm.daemon.planning import PlanRoutes
     from swarm.peers.dht import DHTConfig
+    from swarm.peers.routes import PlanRoutes
 
 log = logging.getLogger("swarm.train.trainer")
 
@@ -215,7 +215,7 @@ def discover_route(
     first peer announcing each of stages 0..n_stages-1. `min_version` skips plans older than one the trainer
     already ran into.
     """
-    from swarm.daemon.planning import PlanRoutes, route_of
+    from swarm.peers.routes import PlanRoutes
 
     deadline = time.monotonic() + timeout_s
     last_line = None
@@ -225,7 +225,7 @@ def discover_route(
         if record is not None and trainer_id is not None and not record.document.serves_trainer(trainer_id):
             line = f"waiting for a plan that names trainer {trainer_id} (plan {record.version} does not)"
         elif record is not None and record.version >= min_version:
-            found = route_of(record, peers)
+            found = record.document.route_of(peers, record.version)
             if found is not None:
                 if n_stages and len(found.addresses) != n_stages:
                     stages = len(found.addresses)

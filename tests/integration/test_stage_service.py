@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, WireLimits, frame, make_codec
-from swarm.daemon.planning import PlanRoutes
 from swarm.model.data import Batch
 from swarm.net.auth import CallSigner
 from swarm.net.stream import StageCallError, tokens_to_wire
+from swarm.peers.routes import PlanRoutes
 from swarm.proto import stage_pb2, stage_pb2_grpc, wire_pb2
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.train.trainer import TrainConfig, train

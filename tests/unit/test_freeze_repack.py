@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import route_of
 from swarm.daemon.repack import RepackWatch, frozen_figure, repack_plan
 from swarm.model.gpt import ModelConfig
 from swarm.peers.plan import PlanDocument
@@ -160,8 +159,9 @@ def test_a_route_carries_its_plans_frozen_prefix():
         for i, p in enumerate(IDS)
     ]
     peers = [dataclasses.replace(p, plan_version=3) for p in peers]
-    assert route_of(_record(frozen_layers=2), peers).frozen_layers == 2
-    assert route_of(_record(), peers).frozen_layers == 0
+    frozen, thawed = _record(frozen_layers=2), _record()
+    assert frozen.document.route_of(peers, frozen.version).frozen_layers == 2
+    assert thawed.document.route_of(peers, thawed.version).frozen_layers == 0
 
 
 # ---- the trainer's side ------------------------------------------------------------------------------------

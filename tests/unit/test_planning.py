@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import (
-    DEFAULT_BYTES_PER_S,
-    PlanRoutes,
-    live_search,
-    role_in_plan,
-    route_of,
-    swarm_plan_input,
-)
+from swarm.daemon.planning import DEFAULT_BYTES_PER_S, live_search, role_in_plan, swarm_plan_input
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
+from swarm.peers.routes import PlanRoutes
 from swarm.scheduler import plan
 from swarm.scheduler.sizes import model_spec
 
@@ -94,9 +88,11 @@ def test_roles_and_routes_come_from_the_plan_once_every_peer_follows_it():
         peer(2, stage=0, layer_start=0, layer_end=2, plan_version=3),
         peer(0, stage=1, layer_start=3, layer_end=4, plan_version=4),
     ]
-    assert route_of(record, old) is None, "p2 still follows plan 3"
+    assert record.document.route_of(old, record.version) is None, "p2 still follows plan 3"
     new = [peer(2, stage=0, layer_start=0, layer_end=3, plan_version=4), old[1]]
-    assert route_of(record, new) == PlanRoutes(["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"], plan_version=4)
+    assert record.document.route_of(new, 4) == PlanRoutes(
+        ["127.0.0.1:5002", "127.0.0.1:5000"], ["p2", "p0"], plan_version=4
+    )
 
 
 def test_waiting_for_a_pipeline_stops_as_soon_as_its_check_raises():

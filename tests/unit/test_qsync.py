@@ -92,11 +92,11 @@ def test_the_live_planner_hook_plans_from_announced_speeds():
     peers = {"a": peer("a", 20.0, 40.0), "b": peer("b", 20.0, 40.0), "c": peer("c", 10.0, 25.0)}
     times = stage_times(stages, peers, ("bf16",))
     assert times[1] == {"fp32": pytest.approx(0.2), "bf16": pytest.approx(0.08)}, "the slowest replica paces"
-    assert plan_precisions(stages, peers, [LOW, LOW], budget=1e-4) == {"precisions": ["fp32", "bf16"]}
-    assert plan_precisions(stages, peers, [LOW, LOW], budget=1e-3) == {"precisions": ["bf16", "bf16"]}
-    assert plan_precisions(stages, peers, None) == {}, "no sensitivity known: today's behaviour"
+    assert plan_precisions(stages, peers, [LOW, LOW], budget=1e-4) == ("fp32", "bf16")
+    assert plan_precisions(stages, peers, [LOW, LOW], budget=1e-3) == ("bf16", "bf16")
+    assert plan_precisions(stages, peers, None) is None, "no sensitivity known: today's behaviour"
     peers["c"] = peer("c", 10.0)  # a replica that announced no bf16 speed: its stage stays fp32
-    assert plan_precisions(stages, peers, [LOW, LOW]) == {}
+    assert plan_precisions(stages, peers, [LOW, LOW]) is None
 
 
 # ---- sensitivity -----------------------------------------------------------------------------------------
@@ -271,9 +271,9 @@ def test_the_planner_measures_stage_sensitivities_and_plans_with_them():
         {"layer_start": 0, "layer_end": 1, "peer_ids": ["a"]},
         {"layer_start": 1, "layer_end": 2, "peer_ids": ["b"]},
     ]
-    assert choose(stages, [peer("a", 40.0, 60.0), peer("b", 10.0, 25.0)]) == {"precisions": ["fp32", "bf16"]}
+    assert choose(stages, [peer("a", 40.0, 60.0), peer("b", 10.0, 25.0)]) == ("fp32", "bf16")
     strict = precision_planner(tiny, 1e-12, micro_batch_size=1)
-    assert strict(stages, [peer("a", 40.0, 60.0), peer("b", 10.0, 25.0)]) == {}, "over the budget: fp32"
+    assert strict(stages, [peer("a", 40.0, 60.0), peer("b", 10.0, 25.0)]) is None, "over the budget: fp32"
 
 
 def test_a_convergence_setting_names_stages_computed_in_bf16():

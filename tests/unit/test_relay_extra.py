@@ -10,7 +10,7 @@ import pytest
 
 from swarm.compression import CodecConfig
 from swarm.daemon.peer_config import PlanningConfig
-from swarm.daemon.planning import Planner, route_of
+from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.plan import MAX_RELAY_EXTRA_S
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
@@ -109,8 +109,9 @@ def test_the_route_carries_the_followed_plans_relay_extra():
                          layer_start=2 * i, layer_end=2 * i + 2)
         for i, p in enumerate("abcd")
     ]  # fmt: skip
-    assert route_of(_record(relay_extra_s=0.25, step_time_s=1.0), following).relay_extra_s == 0.25
-    assert route_of(_record(step_time_s=1.0), following).relay_extra_s is None
+    relayed, direct = _record(relay_extra_s=0.25, step_time_s=1.0), _record(step_time_s=1.0)
+    assert relayed.document.route_of(following, relayed.version).relay_extra_s == 0.25
+    assert direct.document.route_of(following, direct.version).relay_extra_s is None
 
 
 def test_the_live_planner_publishes_relay_extra_with_a_plan_that_relays_a_link():

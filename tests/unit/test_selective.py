@@ -3,6 +3,7 @@ the plan key that carries them (validated), the averager built from it, and the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -42,17 +43,17 @@ def fig(mbit: float, elements: float = ELEMENTS, step: float = STEP) -> Epilogue
 
 def test_averaging_on_a_fast_link_stays_wide_and_on_a_slow_link_is_compressed():
     fast, slow = choose_epilogue([fig(100_000)], None), choose_epilogue([fig(100)], None)
-    assert fast["average"] == ["fp32"]
-    assert slow["average"] == [AVERAGE_LADDER[-1]]  # the 8-bit floor with error feedback
+    assert fast.average_labels == ("fp32",)
+    assert slow.average_labels == (AVERAGE_LADDER[-1],)  # the 8-bit floor with error feedback
     middle = choose_epilogue([fig(10_000)], None)
-    assert middle["average"] == ["bf16"]  # 16-bit: fp32 would take 80 ms > 5% of 0.9 s, bf16 40 ms fits
-    assert fast["tied"] is None and "avg0 fp32" in fast["why"]
+    assert middle.average_labels == ("bf16",)  # 16-bit: fp32 would take 80 ms > 5% of 0.9 s, bf16 40 ms fits
+    assert fast.tied_label is None and "avg0 fp32" in fast.why
 
 
 def test_each_stage_and_the_tied_sync_get_their_own_link_s_codec():
     chosen = choose_epilogue([fig(100_000), None, fig(100)], fig(100, elements=32e6))
-    assert chosen["average"] == ["fp32", None, AVERAGE_LADDER[-1]]  # a one-replica stage sums nothing
-    assert chosen["tied"] == TIED_LADDER[-1]  # the tied floor is 4 bits
+    assert chosen.average_labels == ("fp32", None, AVERAGE_LADDER[-1])  # a one-replica stage sums nothing
+    assert chosen.tied_label == TIED_LADDER[-1]  # the tied floor is 4 bits
 
 
 def test_boundaries_keep_today_s_rule_and_the_fill_share_narrows_only_exposed_messages():
@@ -65,11 +66,11 @@ def test_boundaries_keep_today_s_rule_and_the_fill_share_narrows_only_exposed_me
     slow = LinkFigures(10 * MBIT, 10 * MBIT, 0.1)
     assert choose_codecs([fast, slow], size) == choose_codecs([fast, slow], size, step_s=None)
     out = choose_codecs([fast, slow], size, step_s=1.0)
-    assert out[0]["forward"] == "fp32" and out[1]["forward"].startswith("acsgd2")
+    assert out[0].forward_label == "fp32" and out[1].forward_label.startswith("acsgd2")
     # at 1000 Mbit fp32 hides under 100 ms of compute, but the fill's message would add 32 ms + 32 ms to a 1 s step
     mid = LinkFigures(1000 * MBIT, 1000 * MBIT, 0.1)
-    assert choose_codecs([mid], size)[0]["forward"] == "fp32"
-    assert choose_codecs([mid], size, step_s=1.0)[0]["forward"] != "fp32"
+    assert choose_codecs([mid], size)[0].forward_label == "fp32"
+    assert choose_codecs([mid], size, step_s=1.0)[0].forward_label != "fp32"
 
 
 def test_hysteresis_no_flip_flop_around_a_threshold():
@@ -82,7 +83,7 @@ def test_hysteresis_no_flip_flop_around_a_threshold():
         assert not rechoose_epilogue(base, wobble, policy)
     moved = ([fig(10_000 / 2)], fig(1000, 32e6))
     assert rechoose_epilogue(base, moved, policy)
-    assert choose_epilogue(*moved, policy)["average"] != chosen["average"]
+    assert choose_epilogue(*moved, policy).average_labels != chosen.average_labels
     assert rechoose_epilogue(None, base, policy)  # nothing chosen yet
     assert rechoose_epilogue(base, ([fig(10_000), fig(10_000)], None), policy)  # another shape
 
@@ -210,15 +211,17 @@ def test_the_planner_s_epilogue_validates_and_its_predicted_step_uses_the_chosen
         {"layer_start": 0, "layer_end": 2, "peer_ids": ["p0", "p1"]},
         {"layer_start": 2, "layer_end": 4, "peer_ids": ["p2", "p3"]},
     ]
-    added, figures = planned_epilogue(stages, plan_input, spec)
-    assert added["epilogue_codecs"]["average"] == [AVERAGE_LADDER[-1]] * 2  # 10 Mbit/s: compressed
+    added = planned_epilogue(stages, plan_input, spec)
+    assert added.codecs.average_labels == (AVERAGE_LADDER[-1],) * 2  # 10 Mbit/s: compressed
     peers = [peer(f"p{i}") for i in range(4)]
-    validate_plan(PlanRecord(version=2, document={"stages": stages, **added}, created_at=1.0), 4, peers)
+    plan = PlanDocument.from_wire({"stages": stages}).with_epilogue(added.codecs)
+    plan = plan.with_prediction(added.breakdown.total_s, dataclasses.asdict(added.breakdown))
+    validate_plan(PlanRecord(version=2, document=plan, created_at=1.0), 4, peers)
     _, _, fp32 = choose_for_plan(stages, swarm_at(1e6, None, 2, 2, 2e12), spec)
-    assert added["step_time_s"] > fp32.total_s  # slower links, slower step
-    assert added["breakdown"]["sync_s"] > 0 and added["breakdown"]["tied_s"] > 0
+    assert added.breakdown.total_s > fp32.total_s  # slower links, slower step
+    assert added.breakdown.sync_s > 0 and added.breakdown.tied_s > 0
     uneven = [{"layer_start": 0, "layer_end": 4, "peer_ids": ["p0", "p1"]}, {**stages[1], "peer_ids": ["p2"]}]
-    assert planned_epilogue(uneven, plan_input, spec) == ({}, None)  # not a layout the cost model scores
+    assert planned_epilogue(uneven, plan_input, spec) is None  # not a layout the cost model scores
 
 
 def test_selective_predicted_step_is_never_above_fp32_and_at_most_two_shares_above_all_compressed():

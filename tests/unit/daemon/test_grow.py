@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.daemon.planning import PlanRoutes, route_of
 from swarm.daemon.repair import busiest_stage, grow_plan, repair_plan
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord
-from swarm.peers.routes import Route, n_routes
+from swarm.peers.routes import PlanRoutes, Route, n_routes
 
 A, B, C, D, E, F, G, H = (f"0{c}0000000000" for c in "abcdefgh")
 
@@ -122,12 +121,12 @@ def ann(pid: str, version: int, stage: int) -> PeerAnnouncement:
     return PeerAnnouncement(pid, f"127.0.0.1:{port}", "cpu", 1 << 30, 1.0, plan_version=version, **layers)
 
 
-def test_route_of_takes_uneven_replica_rows():
+def test_the_plans_route_takes_uneven_replica_rows():
     record = PlanRecord(version=7, document=plan_of([A], [B, C, D]), created_at=1.0)
     peers = [ann(A, 7, 0), ann(B, 7, 1), ann(C, 7, 1), ann(D, 6, 1)]
-    assert route_of(record, peers) is None, "D still switching"
+    assert record.document.route_of(peers, record.version) is None, "D still switching"
     peers[-1] = ann(D, 7, 1)
-    route = route_of(record, peers)
+    route = record.document.route_of(peers, record.version)
     assert route.replica_counts == (1, 3) and route.n_replicas == 3
     assert route.replica_peer_ids == ((A,), (B, C, D))
     assert route.addresses == ["127.0.0.1:5000", "127.0.0.1:5001"], "route 0: replica 0 of every stage"

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from swarm.daemon.planning import PlanRoutes, route_of
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import StageCallError
 from swarm.peers.records import PeerAnnouncement, PlanRecord
+from swarm.peers.routes import PlanRoutes
 from swarm.train.steplog import step_columns
 from swarm.train.trainer import TrainConfig, no_chain_left, train
 
@@ -37,17 +37,17 @@ def plan(version: int, rows: list[list[str]], trainer: str = "me") -> PlanRecord
     return PlanRecord(version=version, document={"stages": stages, "trainer_ids": [trainer]}, created_at=1.0)
 
 
-def test_route_of_gives_the_plans_columns_once_every_replica_follows():
+def test_the_plans_route_is_its_columns_once_every_replica_follows():
     record = plan(4, [["p1", "p2"], ["p3", "p4"]])
     peers = [ann("p1", 0, 4), ann("p2", 0, 4), ann("p3", 1, 4), ann("p4", 1, 3)]
-    assert route_of(record, peers) is None, "p4 still switching"
+    assert record.document.route_of(peers, record.version) is None, "p4 still switching"
     peers[3] = ann("p4", 1, 4)
-    route = route_of(record, peers)
+    route = record.document.route_of(peers, record.version)
     assert route.replica_peer_ids == (("p1", "p2"), ("p3", "p4")) and route.n_replicas == 2
     assert route.peer_ids == ["p1", "p3"], "chain 0 for single-chain callers"
     addresses, ids = route.driver_args()
     assert ids == (["p1", "p2"], ["p3", "p4"]) and addresses[1] == ["127.0.0.1:5003", "127.0.0.1:5004"]
-    one = route_of(plan(4, [["p1"], ["p3"]]), peers)
+    one = plan(4, [["p1"], ["p3"]]).document.route_of(peers, 4)
     assert one.driver_args() == (["127.0.0.1:5001", "127.0.0.1:5003"], ["p1", "p3"]), "flat for one chain"
 
 
@@ -128,7 +128,7 @@ def test_no_live_chain_waits_for_the_repaired_plan_and_runs_the_step_there(tmp_p
     dht = SimpleNamespace(peer_id="me", peers=lambda: state["peers"], get_plan=get_plan)
     cfg = TrainConfig(model=TINY, train_samples=8, batch_size=4, micro_batches=2, steps=3, out=str(tmp_path),
                       replan_timeout_s=30.0)  # fmt: skip
-    route = route_of(v1, peers)
+    route = v1.document.route_of(peers, v1.version)
     summary = train(cfg, route, quiet=True, dht=dht)
     assert summary.steps == 3 and summary.replans == 1
     assert FakeDriver.calls[0] == (0, 1) and FakeDriver.calls[1] == (0, 2), "step 0 ran again on plan 2"

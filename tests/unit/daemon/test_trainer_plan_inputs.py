@@ -52,7 +52,7 @@ def test_chain_weights_flag_defaults_to_measured_and_reaches_the_config():
 def test_the_driver_gets_the_configured_weights(monkeypatch, tmp_path):
     """train() builds its driver with `weights=` from --chain-weights (an equal one never moves)."""
     import swarm.runtime.driver as driver_module
-    from swarm.daemon.planning import PlanRoutes
+    from swarm.peers.routes import PlanRoutes
 
     made = []
 

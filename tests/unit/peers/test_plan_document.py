@@ -81,3 +81,48 @@ def test_the_document_answers_where_a_peer_serves_and_whom_the_plan_names():
 def test_a_changed_plan_is_checked_whole_again(change, field):
     with pytest.raises(ValueError, match=field):
         grid([A], [B]).replace(**change)
+
+
+def test_a_replaced_plan_keeps_its_keys_where_they_were_and_adds_new_ones_last():
+    """As `{**plan, **changes}` ordered them before the document: a republished plan keeps its text."""
+    wire = {"stages": grid([A], [B]).stage_dicts(), "trainer_ids": ["t"], "unused_peer_ids": []}
+    plan = PlanDocument.from_wire(wire)
+    assert list(plan.replace(trainer_ids=("u",)).to_wire()) == ["stages", "trainer_ids", "unused_peer_ids"]
+    frozen = plan.replace(frozen_layers=1, relay_extra_s=0.5)  # to_wire's order among the added keys
+    assert list(frozen.to_wire()) == ["stages", "trainer_ids", "unused_peer_ids", "frozen_layers", "relay_extra_s"]
+    dropped = frozen.replace(frozen_layers=None).replace(frozen_layers=1)
+    assert list(dropped.to_wire())[-1] == "frozen_layers", "a key dropped and set again comes last"
+    fresh = PlanDocument(grid([A], [B]).stages, trainer_ids=("t",), frozen_layers=1)
+    assert list(fresh.to_wire()) == ["stages", "unused_peer_ids", "frozen_layers", "trainer_ids"]
+    assert fresh == PlanDocument.from_wire(json.loads(json.dumps(fresh.to_wire()))), "order is not content"
+
+
+def test_what_the_planner_chooses_is_added_typed_and_checked_whole():
+    plan = grid([A], [B])
+    link = LinkCodecs("acsgd2+ch+nr", "gradq2+ef+rot+nr+cs+g1024", "slow link")
+    chosen = plan.with_link_codecs([link]).with_epilogue(EpilogueCodecs((None, None), "bf16"))
+    chosen = chosen.with_prediction(2.5, {"total_s": 2.5, "sync_s": 0.5}).with_precisions(["fp32", "bf16"])
+    assert chosen.codecs == (link,) and chosen.epilogue.tied == CodecConfig.parse("bf16")
+    assert chosen.step_time_s == 2.5 and chosen.breakdown == (("total_s", 2.5), ("sync_s", 0.5))
+    assert chosen.precision(1, "fp32") == "bf16"
+    assert PlanDocument.from_wire(json.loads(json.dumps(chosen.to_wire()))) == chosen
+    with pytest.raises(ValueError, match=r"plan\.codecs"):
+        plan.with_link_codecs([link, link])  # one per boundary
+    with pytest.raises(ValueError, match=r"plan\.codecs\[0\]"):
+        plan.with_link_codecs([{"forward": "fp32", "backward": "fp32"}])  # the wire form is from_wire's
+    with pytest.raises(ValueError, match=r"plan\.epilogue_codecs\.average"):
+        plan.with_epilogue(EpilogueCodecs(("bf16",)))  # one per stage
+    with pytest.raises(ValueError, match=r"plan\.breakdown"):
+        plan.with_prediction(1.0, {"total_s": float("nan")})
+    with pytest.raises(ValueError, match=r"plan\.precisions"):
+        plan.with_precisions(["fp32"])
+
+
+def test_the_scheduler_reads_a_published_plan_from_the_document():
+    from swarm.scheduler.plans import Plan
+
+    _, planner, records, links, published = per_link_planner()
+    document = PlanDocument.from_wire(published[0][1])
+    assert Plan.from_document(document) == Plan.from_dict(document.to_wire())
+    with pytest.raises(ValueError, match="format"):
+        Plan.from_document(grid([A], [B]))

@@ -41,25 +41,25 @@ def bits(label: str) -> int:
 
 def test_slow_links_get_fewer_bits_and_fast_links_more():
     chosen = [choose_link(link(rate), SIZES) for rate in (1, 10, 100, 1000)]
-    fw = [bits(c["forward"]) for c in chosen]
-    bw = [bits(c["backward"]) for c in chosen]
+    fw = [bits(c.forward_label) for c in chosen]
+    bw = [bits(c.backward_label) for c in chosen]
     assert fw == sorted(fw) and bw == sorted(bw) and fw[0] < fw[-1] and bw[0] < bw[-1], chosen
-    assert chosen[-1]["forward"] == "fp32" and chosen[-1]["backward"] == "fp32"  # 1 Gbit/s hides fp32
-    assert all(c["why"] for c in chosen)
+    assert chosen[-1].forward_label == "fp32" and chosen[-1].backward_label == "fp32"  # 1 Gbit/s hides fp32
+    assert all(c.why for c in chosen)
 
 
 def test_the_loss_budget_is_a_floor_even_when_nothing_hides():
     c = choose_link(link(0.01), SIZES)
-    assert (c["forward"], c["backward"]) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC) and "floor" in c["why"]
+    assert (c.forward_label, c.backward_label) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC) and "floor" in c.why
     policy = BitsPolicy(forward_floor="acsgd4+ch+nr", backward_floor="gradq8+ef+rot+nr+cs+g1024")
     c = choose_link(link(0.01), SIZES, policy)
-    assert (c["forward"], c["backward"]) == ("acsgd4+ch+nr", "gradq8+ef+rot+nr+cs+g1024")
+    assert (c.forward_label, c.backward_label) == ("acsgd4+ch+nr", "gradq8+ef+rot+nr+cs+g1024")
     with pytest.raises(ValueError):
         BitsPolicy(forward_floor="directq1")
     # the ternary rung below the default floor is chosen only when a policy names it
     policy = BitsPolicy(backward_floor="gtern+ef+rot+nr+r150+g1024")
-    assert choose_link(link(0.01), SIZES, policy)["backward"] == "gtern+ef+rot+nr+r150+g1024"
-    assert choose_link(link(1000), SIZES, policy)["backward"] == "fp32"
+    assert choose_link(link(0.01), SIZES, policy).backward_label == "gtern+ef+rot+nr+r150+g1024"
+    assert choose_link(link(1000), SIZES, policy).backward_label == "fp32"
 
 
 def test_the_ladders_are_the_default_codec_family():

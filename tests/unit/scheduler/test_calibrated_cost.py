@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.planning import live_search, route_of, with_even_layers
+from swarm.daemon.planning import live_search, with_even_layers
 from swarm.model.gpt import ModelConfig
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
@@ -119,7 +119,7 @@ def test_routes_carry_the_plans_prediction_and_refuse_a_malformed_one():
     ]
     peers = [announcement(0, 3, 0), announcement(1, 3, 1)]
     record = PlanRecord(3, {"stages": stages, "step_time_s": 0.25}, 1.0)
-    assert route_of(record, peers).predicted_step_s == 0.25
+    assert record.document.route_of(peers, record.version).predicted_step_s == 0.25
     for none in (-1.0, 0.0, None):
         assert PlanDocument.from_wire({"stages": stages, "step_time_s": none}).predicted_step_s is None
     for bad in (math.nan, math.inf, "0.3", True, [0.3]):  # malformed: the plan itself is refused
