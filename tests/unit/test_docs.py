@@ -131,3 +131,26 @@ def test_the_name_check_can_fail():
     assert _unresolved("swarm.testbed.churn_control.Action") is not None
     assert not _path_exists("swarm/testbed/nat.py", ROOT / "docs" / "NAT.md")
     assert _path_exists("runtime/outbox.py", ROOT / "docs" / "ARCHITECTURE.md")
+
+
+def _layer_table() -> list[tuple[str, ...]]:
+    """The layers of ARCHITECTURE.md's table, bottom first: a row's backticked names in its first cell, joined to
+    the row above where the cell says "same layer"."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers: list[tuple[str, ...]] = []
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cell = line.split("|")[1]
+        names = tuple(_CODE.findall(cell))
+        if "same layer" in cell and layers:
+            layers[-1] += names
+        else:
+            layers.append(names)
+    return layers
+
+
+def test_layer_table_is_the_checked_list():
+    from swarm.layers import LAYERS
+
+    assert _layer_table() == [tuple(names) for names in LAYERS]
