@@ -17,6 +17,7 @@ MAX_ARCHITECTURE_LINES = 250
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _CODE = re.compile(r"`([^`\n]+)`")
 _PATH = re.compile(r"^(?:[\w.-]+/)+[\w.-]+\.(?:py|proto|md|sh|toml|json)$")
+_BASENAME = re.compile(r"^(?!swarm\.)\w+\.(?:py|proto)$")
 _MODULE = re.compile(r"^swarm(?:\.\w+)+")
 _PLACEHOLDERS = ("NAME", "<", "*", "{", "...")
 _TOP_FOLDERS = ("compression", "kernels", "peers", "proto", "scripts", "docs", "tests", "swarm", "docker")
@@ -62,6 +63,12 @@ def _path_exists(path: str, page: Path) -> bool:
         for base in (ROOT, ROOT / "swarm", page.parent)
         if path.split("/")[0] in _TOP_FOLDERS or base != ROOT or (ROOT / "swarm" / path.split("/")[0]).is_dir()
     )
+
+
+def _basenames() -> set[str]:
+    """Names of the repository's Python and proto files, for a page that quotes a bare `host.py`."""
+    folders = ("swarm", "compression", "kernels", "peers", "proto", "scripts", "tests")
+    return {p.name for folder in folders for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".proto")}
 
 
 def _defined_names(node: ast.AST) -> set[str]:
@@ -110,7 +117,12 @@ def _unresolved(dotted: str) -> str | None:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_quoted_paths_exist(page: Path):
-    missing = [code for code in _quoted(page) if _PATH.match(code) and not _path_exists(code, page)]
+    names = _basenames()
+    missing = [
+        code
+        for code in _quoted(page)
+        if (_PATH.match(code) and not _path_exists(code, page)) or (_BASENAME.match(code) and code not in names)
+    ]
     assert not missing, f"{page.relative_to(ROOT)}: no such files {missing}"
 
 
@@ -131,6 +143,7 @@ def test_the_name_check_can_fail():
     assert _unresolved("swarm.testbed.churn_control.Action") is not None
     assert not _path_exists("swarm/testbed/nat.py", ROOT / "docs" / "NAT.md")
     assert _path_exists("runtime/outbox.py", ROOT / "docs" / "ARCHITECTURE.md")
+    assert "outbox.py" in _basenames() and "neighbours.py" not in _basenames()
 
 
 def _layer_table() -> list[tuple[str, ...]]:
