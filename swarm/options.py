@@ -1,5 +1,5 @@
 """Flag groups shared by the peer daemon, the trainer, the demo and the experiments, each flag a field here:
-the model (`ModelFlags`), the links' codecs (`LinkCodecs`) and shaping (`LinkShaping`, the one `--rate-mbit` of
+the model (`ModelFlags`), the links' codecs (`CodecFlags`) and shaping (`LinkShaping`, the one `--rate-mbit` of
 a peer's links), the DHT (`DHT_FLAGS`) and the schedule (`SCHEDULE_CHOICES`)."""
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _full_label(c: CodecConfig) -> str:
 
 
 @dataclass(frozen=True)
-class LinkCodecs:
+class CodecFlags:
     """Compression on the links: the flags of a peer's two codecs (`build`: the `CodecConfig`s they give)."""
 
     fw_codec: str = field(
@@ -151,7 +151,7 @@ class LinkCodecs:
         }
 
     @classmethod
-    def of(cls, forward: CodecConfig, backward: CodecConfig) -> LinkCodecs:
+    def of(cls, forward: CodecConfig, backward: CodecConfig) -> CodecFlags:
         """The flags of two codecs (each one's rounding and group size in its label, `+nr`, `+gN`)."""
         labels = [
             default if CodecConfig.parse(default) == c else _full_label(c)
@@ -161,9 +161,9 @@ class LinkCodecs:
 
 
 def codec_configs(args: argparse.Namespace) -> tuple[CodecConfig, CodecConfig]:
-    """The codecs of a namespace holding `LinkCodecs`' flags."""
-    names = [f.name for f in fields(LinkCodecs)]
-    built = LinkCodecs(**{n: getattr(args, n, None) for n in names if hasattr(args, n)}).build()
+    """The codecs of a namespace holding `CodecFlags`' flags."""
+    names = [f.name for f in fields(CodecFlags)]
+    built = CodecFlags(**{n: getattr(args, n, None) for n in names if hasattr(args, n)}).build()
     return built["fw_codec"], built["bw_codec"]
 
 

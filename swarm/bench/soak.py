@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from swarm.daemon.peer_config import PeerConfig, peer_flags
-    from swarm.options import LinkCodecs
+    from swarm.options import CodecFlags
     from swarm.runtime.worker import OptimConfig
     from swarm.testbed.local import local_swarm
     from swarm.testbed.procs import swarm_command
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     peer = PeerConfig(
         threads=1,
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, warmup)),
-        **LinkCodecs("aqsgd2", "gradq4").build(),
+        **CodecFlags("aqsgd2", "gradq4").build(),
     )
     peer_argv = [*peer_flags().to_argv(peer), *Flags(ModelFlags).to_argv(MODEL)]
     say(f"starting a bootstrap node and {cfg.peers} peers")

@@ -12,7 +12,7 @@ from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, Cod
 from swarm.flags import Flag, Flags, flag
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig
-from swarm.options import DHT_FLAGS, MODEL_GROUP, LinkCodecs, LinkShaping, ModelFlags
+from swarm.options import DHT_FLAGS, MODEL_GROUP, CodecFlags, LinkShaping, ModelFlags
 from swarm.peers.records import MAX_PLANNER_LEASE_S
 from swarm.peers.shaper import LinkShape
 from swarm.peers.transport import TransportConfig
@@ -200,13 +200,13 @@ class PeerConfig:
     in-process pipeline train alike unless told otherwise)."""
     fw_codec: CodecConfig = field(
         default_factory=lambda: CodecConfig.parse(DEFAULT_FORWARD_CODEC),
-        metadata=flag(via=LinkCodecs, covers=("fw_codec", "bw_codec"), group="compression on the links"),
+        metadata=flag(via=CodecFlags, covers=("fw_codec", "bw_codec"), group="compression on the links"),
     )
-    """Activation codec of the links this peer sends forward on (flags: `LinkCodecs`, with bw_codec)."""
+    """Activation codec of the links this peer sends forward on (flags: `CodecFlags`, with bw_codec)."""
     bw_codec: CodecConfig = field(
         default_factory=lambda: CodecConfig.parse(DEFAULT_BACKWARD_CODEC), metadata=flag(skip=True)
     )
-    """Gradient codec of the links this peer sends backward on (flags: `LinkCodecs`, with fw_codec)."""
+    """Gradient codec of the links this peer sends backward on (flags: `CodecFlags`, with fw_codec)."""
     link_shape: LinkShape = field(
         default_factory=LinkShape,
         metadata=flag(

@@ -177,7 +177,7 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
     """(swarm-peer flags, swarm train flags) of one setting; flags this checkout's peer or trainer lacks are
     left out (main before issue 12: no --replicas)."""
     from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
-    from swarm.options import LinkCodecs
+    from swarm.options import CodecFlags
     from swarm.runtime.worker import OptimConfig
     from swarm.train.trainer import train_flags
 
@@ -193,7 +193,7 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
         compute_layers_per_s=COMPUTE_LAYERS_PER_S,
         planning=planning,
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, cfg.steps // 10)),
-        **LinkCodecs(cfg.fw_codec, cfg.bw_codec).build(),
+        **CodecFlags(cfg.fw_codec, cfg.bw_codec).build(),
     )
     # named even where they are this checkout's defaults: a run of another checkout may default otherwise
     explicit = ["--num-stages", "--min-peers", "--fw-codec", "--bw-codec", "--threads", "--plan-seed"]

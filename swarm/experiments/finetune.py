@@ -171,7 +171,7 @@ def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
     does not depend on noisy measurements."""
     from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
     from swarm.flags import Flags
-    from swarm.options import LinkCodecs, ModelFlags
+    from swarm.options import CodecFlags, ModelFlags
     from swarm.runtime.worker import OptimConfig
 
     planning = PlanningConfig(
@@ -186,7 +186,7 @@ def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
         replicate_every=1000000,
         planning=planning,
         optim=OptimConfig(lr_peak=cfg.lr, total_steps=cfg.steps, warmup_steps=max(1, cfg.steps // 5)),
-        **LinkCodecs(cfg.fw_codec, cfg.bw_codec).build(),
+        **CodecFlags(cfg.fw_codec, cfg.bw_codec).build(),
     )
     model = ModelFlags(model=str(checkpoint), seq_len=cfg.seq_len, model_seed=cfg.seed)
     return [*Flags(ModelFlags).to_argv(model), *peer_flags().to_argv(peer)]

@@ -269,7 +269,7 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
     boundary would change the training math between the cells being compared), so the plan carries the cost
     model's prediction for this cell's batch and links."""
     from swarm.daemon.peer_config import PeerConfig, PlanningConfig
-    from swarm.options import LinkCodecs
+    from swarm.options import CodecFlags
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
 
@@ -282,7 +282,7 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
         planning=planning,
         link_shape=LinkShape.from_mbit(cell.rate_mbit, cfg.delay_ms),
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
-        **LinkCodecs(forward, backward).build(),
+        **CodecFlags(forward, backward).build(),
     )
 
 

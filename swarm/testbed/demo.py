@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.flags import Flag, Flags, flag
-from swarm.options import MODEL_GROUP, LinkCodecs, LinkShaping, ModelFlags
+from swarm.options import MODEL_GROUP, CodecFlags, LinkShaping, ModelFlags
 from swarm.runtime.device import DeviceError, check_device
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ _PEER_FLAGS = Flag(
     only=("fw_codec", "link_shape", "auth", "precision", "device"),
     fields={
         "fw_codec": Flag(
-            via=LinkCodecs, covers=("fw_codec", "bw_codec"), only=("fw_codec", "bw_codec"), group="peers' links"
+            via=CodecFlags, covers=("fw_codec", "bw_codec"), only=("fw_codec", "bw_codec"), group="peers' links"
         ),
         "link_shape": Flag(
             via=LinkShaping, covers=("link_shape", "link_shapes"), only=("rate_mbit", "delay_ms"), group="peers' links"
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     peer = peer_config(cfg, out)
     rate = peer.link_shape.rate_bytes_per_s
     rate_mbit = None if rate is None else rate * 8 / 1e6
-    labels = LinkCodecs.of(peer.fw_codec, peer.bw_codec)
+    labels = CodecFlags.of(peer.fw_codec, peer.bw_codec)
     fw_codec, bw_codec = labels.fw_codec, labels.bw_codec
     shaped = "unshaped" if rate_mbit is None else f"shaped to {rate_mbit:g} Mbit/s"
     say(f"starting a bootstrap node and {cfg.peers} peers (links {shaped})")

@@ -333,7 +333,7 @@ def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared
     its particular links (bandwidth is the kernel's job, not the application shaper's; every link's delay and
     the model are `testbed_services`')."""
     from swarm.daemon.peer_config import PeerConfig
-    from swarm.options import LinkCodecs
+    from swarm.options import CodecFlags
     from swarm.peers.dht import DHTConfig
     from swarm.peers.shaper import LinkShape
     from swarm.peers.transport import TransportConfig
@@ -345,7 +345,7 @@ def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared
         for link in cfg.links
         if link.src == name and link.delay_ms
     )
-    codecs = LinkCodecs(cfg.fw_codec, cfg.bw_codec).build()
+    codecs = CodecFlags(cfg.fw_codec, cfg.bw_codec).build()
     return PeerConfig(
         address_file=f"{shared_dir}/{ADDRESS_FILE}",
         dht=DHTConfig(host=address),

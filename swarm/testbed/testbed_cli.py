@@ -228,17 +228,17 @@ def run_in_testbed(
     total and warm-up steps (the testbed derives both from the trainer's steps); the model is the trainer's.
     `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
     from swarm.daemon.peer_config import PeerConfig, peer_flags
-    from swarm.options import LinkCodecs, LinkShaping
+    from swarm.options import CodecFlags, LinkShaping
     from swarm.peers.shaper import LinkShape
     from swarm.train.trainer import train_flags
 
-    codecs = LinkCodecs.of(peer.fw_codec, peer.bw_codec)
+    codecs = CodecFlags.of(peer.fw_codec, peer.bw_codec)
     delay_ms = LinkShaping.of(peer.link_shape, peer.link_shapes).delay_ms
     unset = PeerConfig()
     rest = replace(
         peer, model=train.model, link_shape=LinkShape(),
         optim=replace(peer.optim, total_steps=unset.optim.total_steps, warmup_steps=unset.optim.warmup_steps),
-        **replace(codecs, fw_codec=LinkCodecs.fw_codec, bw_codec=LinkCodecs.bw_codec).build(),
+        **replace(codecs, fw_codec=CodecFlags.fw_codec, bw_codec=CodecFlags.bw_codec).build(),
     )  # fmt: skip
     trainer_flags = train_flags()
     trainer = replace(

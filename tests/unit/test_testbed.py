@@ -291,13 +291,13 @@ def test_run_in_testbed_maps_the_throttled_experiments_cell(monkeypatch, tmp_pat
     monkeypatch.setattr(testbed, "train_in", lambda *a, **k: 0)
     monkeypatch.setattr(testbed, "take_down", lambda *a, **k: (0, 0, 0))
     from swarm.daemon.peer_config import PeerConfig
-    from swarm.options import LinkCodecs
+    from swarm.options import CodecFlags
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
 
     peer = PeerConfig(
         link_shape=LinkShape.from_mbit(10.0, 5.0), optim=OptimConfig(total_steps=8, warmup_steps=1),
-        **LinkCodecs("aqsgd2", "gradq4").build(),
+        **CodecFlags("aqsgd2", "gradq4").build(),
     )  # fmt: skip
     train_cfg = TrainConfig(
         model=ModelConfig(init_seed=3), train_samples=16, batch_size=8, micro_batches=4, steps=8,
