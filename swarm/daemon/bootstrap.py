@@ -1,6 +1,6 @@
 """`swarm bootstrap`: a DHT node that peers and trainers join through; prints its multiaddrs, serves until stopped.
 
-Also home of the DHT flags and address files that every command joining the DHT shares (status, peer, train).
+Also home of the address files that every command joining the DHT shares (status, peer, train).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
 
-from swarm.flags import Flags
+from swarm.flags import Flag, Flags, flag
 from swarm.options import DHT_FLAGS
 from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
 
 __all__ = [
+    "BootstrapConfig",
     "add_arguments",
-    "add_dht_arguments",
-    "dht_config_from_args",
+    "bootstrap_flags",
     "joined_peers",
     "read_address_file",
     "run",
@@ -35,26 +35,41 @@ logger = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+_DHT_FLAGS = dataclasses.replace(
+    DHT_FLAGS,
+    only=(*DHT_FLAGS.only, "identity_path"),
+    fields={
+        **DHT_FLAGS.fields,
+        "identity_path": Flag(
+            metavar="PATH",
+            help="libp2p identity file of the DHT node (created if missing): with --port, the multiaddrs stay the "
+            "same across restarts, so peers' --initial-peers stay valid (--identity is the swarm peer id's RSA key)",
+        ),
+    },
+)
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """Everything `swarm bootstrap` is told: its fields are its flags (`bootstrap_flags`)."""
+
+    address_file: str | None = field(default=None, metadata=flag(metavar="PATH", group="DHT"))
+    """also write the node's multiaddrs to PATH, one per line, once it is up (atomically, so scripts can wait for
+    the file); the file is removed on exit"""
+    dht: DHTConfig = field(default_factory=DHTConfig, metadata={"flag": _DHT_FLAGS})
+    """The node: where it listens, the run it serves, its libp2p identity (--identity-path) and its trust."""
+    report_s: float = 60.0
+    """seconds between log lines counting the run's announced peers (0: never)"""
+
+
+@cache
+def bootstrap_flags() -> Flags[BootstrapConfig]:
+    """`swarm bootstrap`'s flags: `bootstrap_flags().to_argv(config)` is the command line of that node."""
+    return Flags(BootstrapConfig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_dht_arguments(parser)
-    parser.add_argument(
-        "--address-file",
-        metavar="PATH",
-        help="also write the node's multiaddrs to PATH, one per line, once it is up (atomically, so scripts "
-        "can wait for the file); the file is removed on exit",
-    )
-    parser.add_argument(
-        "--identity-path",
-        metavar="PATH",
-        help="libp2p identity file of the DHT node (created if missing): with --port, the multiaddrs stay the "
-        "same across restarts, so peers' --initial-peers stay valid (--identity is the swarm peer id's RSA key)",
-    )
-    parser.add_argument(
-        "--report-s",
-        type=float,
-        default=60.0,
-        help="seconds between log lines counting the run's announced peers (default 60; 0: never)",
-    )
+    bootstrap_flags().add_to(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="also log hivemind's info messages")
 
 
@@ -62,10 +77,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     quiet_hivemind(logging.INFO if args.verbose else logging.WARNING)
     try:
-        config = dht_config_from_args(args, identity_path=args.identity_path)
+        boot = bootstrap_flags().from_args(args)
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    config = boot.dht
 
     # Handlers first: a signal during the start must still end in a clean shutdown, not an orphaned daemon.
     stop = threading.Event()
@@ -79,16 +95,16 @@ def run(args: argparse.Namespace) -> int:
         with dht:
             maddrs = dht.visible_maddrs()
             print("\n".join(maddrs), flush=True)
-            if args.address_file:
-                write_address_file(args.address_file, maddrs)
+            if boot.address_file:
+                write_address_file(boot.address_file, maddrs)
             logger.info("bootstrap node up for run %r; join with --initial-peers %s", config.run_name, " ".join(maddrs))
             try:
-                while not stop.wait(args.report_s if args.report_s > 0 else None):
+                while not stop.wait(boot.report_s if boot.report_s > 0 else None):
                     _report(dht)
             finally:
-                if args.address_file:
+                if boot.address_file:
                     with contextlib.suppress(FileNotFoundError):
-                        os.remove(args.address_file)
+                        os.remove(boot.address_file)
             logger.info("shutting down")
         return 0
     finally:
@@ -104,26 +120,6 @@ def _report(dht: SwarmDHT) -> None:
         return
     stages = sorted({p.stage for p in peers if p.stage is not None})
     logger.info("%d peers announced in run %r, serving stages %s", len(peers), dht.config.run_name, stages)
-
-
-@cache
-def _dht_flags() -> Flags[DHTConfig]:
-    return Flags(DHTConfig, spec=DHT_FLAGS)
-
-
-def add_dht_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds --initial-peers, --host, --port, --run-name and the identity and trust flags to a command (its
-    --address-file is its own): `swarm.options.DHT_FLAGS`, as swarm-peer and swarm train have them."""
-    _dht_flags().add_to(parser, config_flag=False)
-
-
-def dht_config_from_args(args: argparse.Namespace, **overrides: Any) -> DHTConfig:
-    """The DHTConfig of a command's parsed arguments (see add_dht_arguments), with `overrides` on top.
-
-    Raises:
-        ValueError: a flag's value is invalid (the message names the flag or field).
-    """
-    return dataclasses.replace(_dht_flags().from_args(args), **overrides)
 
 
 def read_address_file(path: str) -> list[str]:

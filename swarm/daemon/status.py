@@ -7,34 +7,72 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from swarm.daemon.bootstrap import LOG_FORMAT, add_dht_arguments, dht_config_from_args, read_address_file
-from swarm.peers.dht import SwarmDHT, quiet_hivemind
+from swarm.daemon.bootstrap import LOG_FORMAT, joined_peers
+from swarm.flags import Flags, flag
+from swarm.options import DHT_FLAGS
+from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 
-__all__ = ["add_arguments", "render", "run", "to_json"]
+__all__ = ["StatusConfig", "add_arguments", "render", "run", "status_argv", "status_flags", "to_json"]
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StatusConfig:
+    """Everything `swarm status` is told: its fields are its flags (`status_flags`)."""
+
+    address_file: str | None = field(default=None, metadata=flag(metavar="PATH", group="DHT"))
+    """read multiaddrs to join through from PATH (as `swarm bootstrap --address-file` writes them), in addition to
+    any --initial-peers"""
+    dht: DHTConfig = field(default_factory=DHTConfig, metadata={"flag": DHT_FLAGS})
+    """How it joins the DHT (`dht_config` adds the address file's peers, client mode and the timeout)."""
+    json: bool = False
+    """print one JSON object instead of tables"""
+    timeout_s: float = 20.0
+    """bound, in seconds, on joining the DHT and on each query"""
+
+    def dht_config(self) -> DHTConfig:
+        """The DHT config to join with: --initial-peers and the address file's peers, in client mode (a
+        short-lived reader should not become a home for others' records), bounded by --timeout-s.
+
+        Raises:
+            OSError: the address file cannot be read.
+            ValueError: nothing to join (no initial peers, no address file).
+        """
+        initial_peers = joined_peers(self.dht.initial_peers, self.address_file)
+        if not initial_peers:
+            raise ValueError("nothing to join: give --initial-peers MADDR... or --address-file PATH")
+        return replace(
+            self.dht,
+            initial_peers=initial_peers,
+            client_mode=True,
+            start_timeout_s=self.timeout_s,
+            request_timeout_s=self.timeout_s,
+        )
+
+
+@cache
+def status_flags() -> Flags[StatusConfig]:
+    """`swarm status`'s flags: `status_flags().to_argv(config)` is the command line of that query."""
+    return Flags(StatusConfig)
+
+
+def status_argv(address_file: str, host: str, timeout_s: float) -> list[str]:
+    """The flags of a `swarm status --json` query joining from `host` through `address_file` (the testbed's
+    check that every stage is announced)."""
+    cfg = StatusConfig(address_file, DHTConfig(host=host), json=True, timeout_s=timeout_s)
+    return status_flags().to_argv(cfg)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_dht_arguments(parser)
-    parser.add_argument(
-        "--address-file",
-        metavar="PATH",
-        help="read multiaddrs to join through from PATH (as `swarm bootstrap --address-file` writes them), "
-        "in addition to any --initial-peers",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument(
-        "--timeout-s",
-        type=float,
-        default=20.0,
-        help="bound, in seconds, on joining the DHT and on each query (default 20)",
-    )
+    status_flags().add_to(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log our and hivemind's info messages")
 
 
@@ -44,24 +82,16 @@ def run(args: argparse.Namespace) -> int:
         format=LOG_FORMAT,
     )
     quiet_hivemind(logging.INFO if args.verbose else logging.WARNING)
-    initial_peers = list(args.initial_peers)
-    if args.address_file:
-        try:
-            initial_peers += read_address_file(args.address_file)
-        except OSError as e:
-            logger.error("can't read the address file: %s", e)
-            return 2
-    if not initial_peers:
-        logger.error("nothing to join: give --initial-peers MADDR... or --address-file PATH")
+    try:
+        cfg = status_flags().from_args(args)
+    except ValueError as e:
+        logger.error("%s", e)
         return 2
     try:
-        config = dht_config_from_args(
-            args,
-            initial_peers=tuple(initial_peers),
-            client_mode=True,  # a short-lived reader should not become a home for others' records
-            start_timeout_s=args.timeout_s,
-            request_timeout_s=args.timeout_s,
-        )
+        config = cfg.dht_config()
+    except OSError as e:
+        logger.error("can't read the address file: %s", e)
+        return 2
     except ValueError as e:
         logger.error("%s", e)
         return 2
@@ -71,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
     except (TimeoutError, RuntimeError) as e:
         logger.error("%s", e)
         return 1
-    metrics = peer_metrics(peers, timeout_s=min(args.timeout_s, 5.0))
+    metrics = peer_metrics(peers, timeout_s=min(cfg.timeout_s, 5.0))
     now = get_dht_time()
-    if args.json:
+    if cfg.json:
         json.dump(to_json(config.run_name, peers, links, plan, now, metrics), sys.stdout, indent=2)
         print()
     else:

@@ -154,9 +154,10 @@ class ChurnSwarm:
     def start(self, n_peers: int, timeout_s: float = 60.0) -> None:
         """The bootstrap node, then `n_peers` peers; returns once the bootstrap's address is written."""
         self.address_file.unlink(missing_ok=True)
-        self.procs.start(
-            "bootstrap", self.wrap("bootstrap", swarm_command("bootstrap", "--address-file", str(self.address_file)))
-        )
+        from swarm.daemon.bootstrap import BootstrapConfig, bootstrap_flags
+
+        boot = bootstrap_flags().to_argv(BootstrapConfig(address_file=str(self.address_file)))
+        self.procs.start("bootstrap", self.wrap("bootstrap", swarm_command("bootstrap", *boot)))
         self.procs.wait_for_file(self.address_file, timeout_s)
         if self.observe is None:
             self._open_dht()  # here, in the caller's thread: hivemind's DHT does not start from the churn thread

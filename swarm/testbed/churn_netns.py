@@ -70,11 +70,11 @@ class NetnsPlacement:
 
     def stages(self) -> dict[str, int | None]:
         """peer id -> announced stage, as the DHT answers `swarm status` in the trainer's namespace."""
+        from swarm.daemon.status import status_argv
+
         node = self._node("trainer")
-        argv = [
-            sys.executable, "-m", "swarm.cli", "status", "--address-file", str(self.run_dir / ADDRESS_FILE),
-            "--host", node.service.address, "--json", "--timeout-s", "10",
-        ]  # fmt: skip
+        status = status_argv(str(self.run_dir / ADDRESS_FILE), node.service.address, timeout_s=10.0)
+        argv = [sys.executable, "-m", "swarm.cli", "status", *status]
         done = run_command(["ip", "netns", "exec", node.namespace, *argv], timeout_s=60, check=False)
         try:
             peers = json.loads(done.stdout)["peers"] if done.returncode == 0 else []

@@ -130,12 +130,11 @@ def bring_up(
 def _wait_for_stages(layout: TestbedLayout, run_dir: Path, procs, timeout_s: float, say) -> None:
     """Asks the DHT from the trainer's namespace (`swarm status`) until every stage is announced, so the
     check crosses the bridge exactly as the trainer will."""
+    from swarm.daemon.status import status_argv
+
     trainer = layout.node("trainer")
-    argv = [
-        "ip", "netns", "exec", trainer.namespace,
-        *process_argv(("swarm", "status", "--address-file", str(run_dir / ADDRESS_FILE),
-                       "--host", trainer.service.address, "--json", "--timeout-s", "15")),
-    ]  # fmt: skip
+    status = status_argv(str(run_dir / ADDRESS_FILE), trainer.service.address, timeout_s=15.0)
+    argv = ["ip", "netns", "exec", trainer.namespace, *process_argv(("swarm", "status", *status))]
     deadline, last = time.monotonic() + timeout_s, None
     while True:
         procs.check_alive()

@@ -53,6 +53,7 @@ def local_swarm(
     file and stage count), so they win."""
     import time
 
+    from swarm.daemon.bootstrap import BootstrapConfig, bootstrap_flags
     from swarm.daemon.peer_config import PeerConfig
     from swarm.daemon.peer_config import peer_flags as peer_cli
     from swarm.net.auth import CallSigner, Identity
@@ -63,7 +64,8 @@ def local_swarm(
     with ProcessGroup(out / "logs") as procs:
         address_file = out / "bootstrap.addr"
         address_file.unlink(missing_ok=True)
-        procs.start("bootstrap", swarm_command("bootstrap", "--address-file", str(address_file)))
+        boot = bootstrap_flags().to_argv(BootstrapConfig(address_file=str(address_file)))
+        procs.start("bootstrap", swarm_command("bootstrap", *boot))
         procs.wait_for_file(address_file, 60)
         joining = peer_cli().to_argv(PeerConfig(address_file=str(address_file), num_stages=n_peers))
         for i in range(n_peers):

@@ -286,7 +286,9 @@ def nat_lan(cfg: TestbedConfig, peer: int) -> ipaddress.IPv4Network:
 def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
     """Every service of the testbed with its argv; `shared_dir` holds the address file and outputs
     (the run directory here, the shared volume in docker compose)."""
+    from swarm.daemon.bootstrap import BootstrapConfig, bootstrap_flags
     from swarm.daemon.peer_config import PeerConfig, peer_flags
+    from swarm.peers.dht import DHTConfig
     from swarm.peers.shaper import LinkShape
 
     addresses = service_addresses(cfg)
@@ -294,10 +296,8 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
     services = []
     for name, address in addresses.items():
         if name == "bootstrap":
-            argv = [
-                "swarm", "bootstrap", "--address-file", address_file, "--host", address,
-                "--port", str(BOOTSTRAP_PORT), "--identity-path", f"{shared_dir}/bootstrap.id",
-            ]  # fmt: skip
+            dht = DHTConfig(host=address, port=BOOTSTRAP_PORT, identity_path=f"{shared_dir}/bootstrap.id")
+            argv = ["swarm", "bootstrap", *bootstrap_flags().to_argv(BootstrapConfig(address_file, dht))]
         elif name == "trainer":
             argv = ["swarm", "train", *trainer_argv(cfg, address, shared_dir), *cfg.model_flags(), *cfg.trainer_flags]
         else:

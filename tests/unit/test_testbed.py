@@ -423,3 +423,12 @@ def test_testbed_actions_round_trip_and_read_toml(tmp_path):
     assert (cfg.peers, cfg.egress.rate_mbit, cfg.prefix) == (4, 40.0, "tb-")
     with pytest.raises(ValueError, match="expected ADDR=RATE"):
         testbed.Shape(to=("10.0.0.2",)).links()
+
+
+def test_the_bootstrap_service_argv_is_its_config_rendered():
+    from swarm.daemon.bootstrap import bootstrap_flags
+
+    boot = next(s for s in services.testbed_services(services.TestbedConfig(), "/run") if s.name == "bootstrap")
+    cfg = bootstrap_flags().parse(list(boot.argv[2:]))
+    assert (cfg.dht.host, cfg.dht.port) == (boot.address, services.BOOTSTRAP_PORT)
+    assert cfg.dht.identity_path == "/run/bootstrap.id" and cfg.address_file == f"/run/{services.ADDRESS_FILE}"

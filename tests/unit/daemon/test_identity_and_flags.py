@@ -82,7 +82,7 @@ def test_bad_secret_and_identity_files_are_named(tmp_path):
         (["--identity", str(empty)], "not an RSA private key"),
     ):
         with pytest.raises(ValueError, match=message):
-            bootstrap.dht_config_from_args(parser.parse_args(flags))
+            bootstrap.bootstrap_flags().from_args(parser.parse_args(flags))
 
 
 def test_a_wildcard_host_announces_the_outward_address_or_refuses():
