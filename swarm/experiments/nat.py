@@ -100,7 +100,11 @@ class NatConfig:
     micro_batches: int = 4
     """micro-batches per step"""
     rate_mbit: float = 100.0
-    """every peer's egress, Mbit/s (the application's shaper, or tc with --netns)"""
+    """bandwidth, Mbit/s, shaped by one of two shapers: without --netns, the application's token bucket on each of a
+    peer's outgoing links (every swarm-peer's --rate-mbit, `swarm.options.LinkShaping`; the trainer's links are not
+    shaped); with --netns, tc on the egress of every namespace, the trainer's included, a peer's links sharing it
+    (`swarm testbed up --rate-mbit`, `swarm.testbed.services.Egress`; the peers' own shaper then shapes no
+    bandwidth). --delay-ms is the application's in both"""
     delay_ms: float = 5.0
     """one-way delay of every peer's links, ms"""
     settings: tuple[str, ...] = field(default=SETTINGS, metadata=flag(parse=_settings, render=",".join))

@@ -227,3 +227,14 @@ def test_ping_targets_name_each_nat_peers_last_relay(tmp_path):
             "relay_address": "10.77.0.10:50051", "relay_name": "peer0",
         },
     ]  # fmt: skip
+
+
+def test_rate_mbit_says_which_shaper_applies_with_and_without_netns():
+    parser = argparse.ArgumentParser()
+    nat.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "without --netns, the application's token bucket on each of a peer's outgoing links" in text
+    assert "with --netns, tc on the egress of every namespace" in text
+    # without --netns the one flag is every peer's application shaper (with it, run_in_testbed hands it to tc:
+    # test_testbed's test_run_in_testbed_maps_the_throttled_experiments_cell)
+    assert nat.common_peer(nat.NatConfig(rate_mbit=20.0)).link_shape.rate_bytes_per_s == 20e6 / 8
