@@ -48,7 +48,7 @@ def refused_for_route(info, roster, own="q1") -> None:
 
 def test_a_route_less_call_of_the_followed_plan_takes_its_chain_from_the_roster():
     info = fill_route(bare(), ROSTER, ROLE, "q1")
-    assert (tuple(info.route), tuple(info.route_peers)) == ROSTER.chain(1) == (("b0", "b1"), ("q0", "q1"))
+    assert (tuple(info.route), tuple(info.route_peers)) == ROSTER.route(1) == (("b0", "b1"), ("q0", "q1"))
     assert dataclasses.replace(info, route=(), route_peers=()) == bare(), "nothing else changes"
 
 
@@ -82,7 +82,7 @@ def test_equal_loss_weights_travel_as_zero_and_mean_the_same_share():
         num_micro_batches=4, loss_weight=0.25, loss_scale=1.0, **{**kw, "schedule": "gpipe", "deadline_s": 120.0}
     )
     assert gpipe.schedule == "gpipe" and gpipe.ByteSize() == default.ByteSize() + len("gpipe") + 2
-    full = call_info(num_micro_batches=4, loss_weight=0.25, loss_scale=0.0, **{**kw, "route": ROSTER.chain(0)})
+    full = call_info(num_micro_batches=4, loss_weight=0.25, loss_scale=0.0, **{**kw, "route": ROSTER.route(0)})
     assert list(full.route) == ["a0", "a1"] and full.ByteSize() > info.ByteSize() + 8
 
 

@@ -11,14 +11,14 @@ import torch
 from swarm.model.data import Batch
 from swarm.net.stream import StageCallError
 from swarm.peers.routes import Route
-from swarm.runtime.chains import (
-    ChainWeights,
+from swarm.runtime.routing import (
     Failed,
     PingLoop,
+    RouteWeights,
     assign_samples,
-    chain_work,
     gather,
     reroutable,
+    route_work,
     spawn,
 )
 
@@ -63,7 +63,7 @@ def test_only_a_dead_chains_samples_move():
 
 def test_samples_stay_when_measured_throughput_wobbles():
     chains, ids = _chains(2), list(range(256))
-    weights = ChainWeights()
+    weights = RouteWeights()
     gen = torch.Generator().manual_seed(0)
     owners = [_owner(ids, chains, weights.weights([c.key for c in chains]))]
     for _ in range(50):  # both chains equally fast, measured with +-20% noise
@@ -75,7 +75,7 @@ def test_samples_stay_when_measured_throughput_wobbles():
 def test_a_much_faster_chain_gets_more_samples_but_weights_stay_bounded():
     chains, ids = _chains(2), list(range(2000))
     keys = [c.key for c in chains]
-    weights = ChainWeights()
+    weights = RouteWeights()
     for _ in range(20):
         weights.observe({keys[0]: 300.0, keys[1]: 100.0})
     w = weights.weights(keys)
@@ -101,9 +101,9 @@ def test_every_chain_gets_a_sample_when_there_are_enough():
     assert sorted(r for rs in rows for r in rs) == [0, 1]
 
 
-def test_chain_work_covers_the_batch_once_with_loss_weights_summing_to_one():
+def test_route_work_covers_the_batch_once_with_loss_weights_summing_to_one():
     batch = _batch(24, start=100)
-    work = chain_work(batch, _chains(2), [1.0, 1.0], n_micro=4)
+    work = route_work(batch, _chains(2), [1.0, 1.0], n_micro=4)
     ids = sorted(int(i) for w in work for b in w.micro for i in b.sample_ids)
     assert ids == list(range(100, 124))
     assert sum(sum(w.loss_weights) for w in work) == pytest.approx(1.0)
@@ -117,7 +117,7 @@ def test_chain_work_covers_the_batch_once_with_loss_weights_summing_to_one():
 
 def test_one_chain_splits_like_batch_split():
     batch = _batch(8)
-    (work,) = chain_work(batch, _chains(1), [1.0], n_micro=4)
+    (work,) = route_work(batch, _chains(1), [1.0], n_micro=4)
     for a, b in zip(work.micro, batch.split(4), strict=True):
         assert torch.equal(a.sample_ids, b.sample_ids) and torch.equal(a.tokens, b.tokens)
     assert work.loss_weights == (0.25,) * 4
