@@ -48,7 +48,7 @@ def test_the_plans_route_is_its_columns_once_every_replica_follows():
     addresses, ids = route.driver_args()
     assert ids == (["p1", "p2"], ["p3", "p4"]) and addresses[1] == ["127.0.0.1:5003", "127.0.0.1:5004"]
     one = plan(4, [["p1"], ["p3"]]).document.route_of(peers, 4)
-    assert one.driver_args() == (["127.0.0.1:5001", "127.0.0.1:5003"], ["p1", "p3"]), "flat for one chain"
+    assert one.driver_args() == (["127.0.0.1:5001", "127.0.0.1:5003"], ["p1", "p3"]), "flat for one route"
 
 
 def test_step_columns_from_a_replicated_driver_and_a_plain_one():
@@ -67,6 +67,15 @@ def test_which_failures_wait_for_a_new_plan():
         "with replicas the driver reroutes; what reaches the trainer is not a dead replica"
     )
     assert not no_route_left(StageCallError("invalid", grpc.StatusCode.INVALID_ARGUMENT), one)
+
+
+def test_the_drivers_own_no_live_route_waits_for_a_new_plan():
+    """The trainer knows the driver's exception by name (no import of the runtime at module load): the real
+    class, not only this module's stand-in, must be recognised, so a rename on one side fails here."""
+    from swarm.runtime.routing import NoLiveRoute as DriverNoLiveRoute
+
+    two = PlanRoutes(["a"], ["p"], 1, (("a", "b"),), (("p", "q"),))
+    assert no_route_left(DriverNoLiveRoute("stage 1 has no live replica", grpc.StatusCode.UNAVAILABLE), two)
 
 
 class FakeDriver:
