@@ -167,11 +167,11 @@ def _roster_route(info: CallInfo, roster, role, own: str | None) -> tuple[tuple,
     """The route `info.chain` names, from `roster` (the plan this stage follows: `role.plan_version`; this peer is
     `own`, serving `role.stage` of `role.n_stages`) as (addresses, peer ids), or why the roster cannot give it."""
     if roster is None or roster.n_stages != role.n_stages or info.chain >= roster.n_routes:
-        return f"this stage cannot take chain {info.chain}'s route from plan {role.plan_version}'s roster"
+        return f"this stage cannot take route {info.chain} from plan {role.plan_version}'s roster"
     addresses, peers = roster.route(info.chain)
     if own is not None and peers[role.stage] != own:
         return (
-            f"plan {role.plan_version}'s chain {info.chain} names {peers[role.stage]} at stage {role.stage}, "
+            f"plan {role.plan_version}'s route {info.chain} names {peers[role.stage]} at stage {role.stage}, "
             "not this peer"
         )
     return addresses, peers

@@ -154,21 +154,21 @@ class CallPolicy:
         callee's peer id), the route must name the callee at the call's stage."""
         roster = self._need_roster()
         if info.chain >= roster.n_routes:
-            raise _denied(f"chain {info.chain}: the plan has {roster.n_routes} routes")
+            raise _denied(f"route {info.chain}: the plan has {roster.n_routes} routes")
         addresses, peers = roster.route(info.chain)
         if tuple(info.route) != addresses or tuple(info.route_peers) != peers:
             raise _denied(
                 f"route: the call names route {list(info.route)[:8]} of peers {list(info.route_peers)[:8]}, "
-                f"the plan's chain {info.chain} is {list(addresses)} of peers {list(peers)}"
+                f"the plan's route {info.chain} is {list(addresses)} of peers {list(peers)}"
             )
         if own is not None and 0 <= info.stage < len(peers) and peers[info.stage] != own:
-            raise _denied(f"chain {info.chain}'s peer of stage {info.stage} is {peers[info.stage]}, not this peer")
+            raise _denied(f"route {info.chain}'s peer of stage {info.stage} is {peers[info.stage]}, not this peer")
         if caller is None or method not in ("Forward", "Backward"):
             return
         sender = _sender_stage(method, info.stage)
         if 0 <= sender < roster.n_stages and caller != peers[sender]:  # else: the trainer's end of the route
             raise _denied(
-                f"{method} of chain {info.chain} into stage {info.stage} only from its peer of stage {sender} "
+                f"{method} of route {info.chain} into stage {info.stage} only from its peer of stage {sender} "
                 f"({peers[sender]}), not {caller}"
             )
 

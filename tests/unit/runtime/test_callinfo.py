@@ -62,7 +62,7 @@ def test_a_carried_route_or_another_plan_or_stage_is_left_to_the_usual_checks():
 def test_a_stage_that_cannot_take_the_route_from_its_plan_refuses_and_changes_nothing():
     refused_for_route(bare(), None)  # no roster yet (the plan's addresses are not all known)
     refused_for_route(bare(chain=2), ROSTER)  # the plan has 2 routes
-    refused_for_route(bare(chain=0), ROSTER)  # chain 0's stage 1 is p1, not this peer (q1)
+    refused_for_route(bare(chain=0), ROSTER)  # route 0's stage 1 is p1, not this peer (q1)
     three = Roster(("p0", "p1", "p2"), ("a0", "a1", "a2"), None, frozenset())
     refused_for_route(bare(chain=0), three)  # a roster of another shape than the plan this stage follows
 

@@ -56,13 +56,13 @@ def test_route_must_be_exactly_the_chain_the_call_names():
     policy = CallPolicy(ROSTER)
     policy.check_route(call(0, 1))
     policy.check_route(call(1, 1))
-    denied(policy.check_route, call(0, 1, route=ROSTER.route(1)[0]), match="chain 0")  # chain 1's route, chain 0
+    denied(policy.check_route, call(0, 1, route=ROSTER.route(1)[0]), match="route 0")  # route 1's addresses, route 0
     mixed = stage_pb2.CallInfo(stage=1, chain=0, route=["a0", "b1", "a2"], route_peers=["p0", "q1", "p2"])
     denied(policy.check_route, mixed, match="route")
     beyond = stage_pb2.CallInfo(stage=1, chain=2, route=["a0"] * 3, route_peers=["p0"] * 3)
     denied(policy.check_route, beyond, match="2 routes")
     policy.check_route(call(1, 1), "q0", "Forward", own="q1")
-    denied(policy.check_route, call(0, 1), "p0", "Forward", "q1", match="chain 0's peer of stage 1 is p1, not this")
+    denied(policy.check_route, call(0, 1), "p0", "Forward", "q1", match="route 0's peer of stage 1 is p1, not this")
 
 
 def test_forward_and_backward_only_from_the_same_chain():
@@ -72,8 +72,8 @@ def test_forward_and_backward_only_from_the_same_chain():
     policy.check_route(call(1, 1), "q2", "Backward")
     policy.check_route(call(0, 0), "t", "Forward")  # the trainer's end of the chain
     policy.check_route(call(1, 2), "t", "Backward")
-    # ... the call info then holds it to its own chain: q0 (chain 1) may not feed chain 0's stage 1
-    denied(policy.check_route, call(0, 1), "q0", "Forward", match="chain 0 into stage 1 only from its peer of stage 0")
+    # ... the call info then holds it to its own route: q0 (route 1) may not feed route 0's stage 1
+    denied(policy.check_route, call(0, 1), "q0", "Forward", match="route 0 into stage 1 only from its peer of stage 0")
     denied(policy.check_route, call(1, 0), "p1", "Backward", match="only from its peer of stage 1")
     denied(policy.check_sender, "Forward", 1, "q1", match="peer of stage 0")  # a same-stage replica is no sender
     denied(policy.check_sender, "Forward", 2, "stranger", match="peer of stage 1")
@@ -133,8 +133,8 @@ def test_uneven_forward_only_from_the_routes_replica_of_the_sending_stage():
     policy.check_route(uneven_call(4, 1), "q2", "Backward", own="p1")  # route 4: stage 2 replica 1 -> stage 1 r0
     # p1 is a replica of stage 1 (it passes the pre-body check) but not route 3's
     policy.check_sender("Forward", 2, "p1")
-    denied(policy.check_route, uneven_call(3, 2), "p1", "Forward", match="chain 3 into stage 2 only from its peer")
-    denied(policy.check_route, uneven_call(3, 2), "q1", "Forward", "q2", match="chain 3's peer of stage 2 is p2")
+    denied(policy.check_route, uneven_call(3, 2), "p1", "Forward", match="route 3 into stage 2 only from its peer")
+    denied(policy.check_route, uneven_call(3, 2), "q1", "Forward", "q2", match="route 3's peer of stage 2 is p2")
     denied(policy.check_route, uneven_call(4, 1), "r2", "Backward", match="only from its peer of stage 2")
     beyond = stage_pb2.CallInfo(stage=1, chain=6, route=["a0", "a1", "a2"], route_peers=["p0", "p1", "p2"])
     denied(policy.check_route, beyond, match="6 routes")
