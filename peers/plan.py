@@ -525,7 +525,7 @@ class PlanDocument:
         return None
 
     def columns(self) -> list[list[str]]:
-        """The plan's straight chains: column r is replica r of every stage, for r below the smallest replica
+        """The plan's columns: column r is replica r of every stage, for r below the smallest replica
         count (with uneven counts the routes are `swarm.peers.routes`', not these)."""
         return [[s.peer_ids[r] for s in self.stages] for r in range(min(self.replica_counts))]
 

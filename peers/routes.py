@@ -1,10 +1,10 @@
 """Routes through stages with uneven replica counts: which replica of every stage a micro-batch travels.
 
 Stage s of a plan has R_s replicas (column r of `peer_ids`). With equal counts R, route c is column c of every
-stage (the straight chains the driver runs). With uneven counts (a joiner became one more replica of
-the busiest stage) there are C = lcm(R_0, ..., R_{K-1}) routes, and route c runs on replica `c % R_s` of stage
-s. Every replica of stage s then carries exactly C / R_s routes, so equally weighted routes load the replicas
-of each stage evenly, and c -> (c % R_s)_s is one-to-one on [0, C), so no two routes are the same peers.
+stage. With uneven counts (a joiner became one more replica of the busiest stage) there are
+C = lcm(R_0, ..., R_{K-1}) routes, and route c runs on replica `c % R_s` of stage s. Every replica of stage s
+then carries exactly C / R_s routes, so equally weighted routes load the replicas of each stage evenly, and
+c -> (c % R_s)_s is one-to-one on [0, C), so no two routes are the same peers.
 
 A replica shared by several routes runs the micro-batches of all of them in one step. Its schedule gate,
 worker and labels number those micro-batches 0..n-1 in (route, position in the route) order: `stage_numbering`
@@ -43,7 +43,7 @@ class Route:
     micro-batches take through the replicas (with equal replica counts R, route r is column r of every stage)."""
 
     index: int
-    """the route's number c in [0, lcm(R_s)) (`CallInfo.chain`)"""
+    """the route's number c in [0, lcm(R_s)) (the wire's `CallInfo.chain`)"""
     addresses: tuple[str, ...]
     """address of each stage's replica, in pipeline order"""
     peers: tuple[str, ...]
@@ -67,7 +67,7 @@ class PlanRoutes:
     """
 
     addresses: list[str]
-    """gRPC address of each stage's replica 0, in pipeline order (route 0: what single-chain callers use)."""
+    """gRPC address of each stage's replica 0, in pipeline order (route 0: what callers of one route use)."""
     peer_ids: list[str]
     plan_version: int = 0
     """The plan they follow (0: an even split by join order, no plan)."""
@@ -89,7 +89,7 @@ class PlanRoutes:
 
     @property
     def n_replicas(self) -> int:
-        """The most replicas any stage has: 1 exactly when the route is one flat chain."""
+        """The most replicas any stage has: 1 exactly when the plan has one route."""
         return max(self.replica_counts, default=1)
 
     def nested(self) -> tuple[tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:

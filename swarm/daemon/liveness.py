@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from swarm.runtime.chains import REROUTE_CODES
+from swarm.runtime.routing import REROUTE_CODES
 
 __all__ = ["Liveness", "LivenessConfig", "status_prober"]
 

@@ -427,7 +427,7 @@ class PeerDaemon:
 
     def _behind_replicas(self, record, role, steps_done: int) -> bool:
         """Whether another replica of this peer's stage under `record` applied more steps than this one: this
-        peer sat on a chain the trainer dropped (its neighbour died) while the others trained on, so its weights
+        peer sat on a route the trainer dropped (its neighbour died) while the others trained on, so its weights
         and optimizer are stale and must be copied again before it serves, or the replicas would diverge."""
         others = [p for p in record.document.stages[role.stage].peer_ids if p != self.dht.peer_id]
         if not others:

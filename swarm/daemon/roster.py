@@ -89,7 +89,7 @@ def roster_from_plan(
     if any(p not in addresses for row in replicas for p in row):
         return None
     trainers = _trainers(plan.trainer_ids, allowed_trainers)
-    if all(len(row) == 1 for row in replicas):  # flat: one chain, the form every Roster takes
+    if all(len(row) == 1 for row in replicas):  # flat: one route, the form every Roster takes
         return Roster(
             tuple(r[0] for r in replicas), tuple(addresses[r[0]] for r in replicas), trainers, frozenset(named)
         )

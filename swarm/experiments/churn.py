@@ -10,9 +10,9 @@ bootstrap node or the trainer.
 
 Both settings compute the same numbers until the first kill, by design: same seed, same peer ids, declared
 compute speeds, and by default no measured plan inputs (swarm-peer --no-link-probe: every link planned at
-the default speed; swarm train --chain-weights equal: every chain of replicas gets the same share). The
+the default speed; swarm train --chain-weights equal: every route of replicas gets the same share). The
 report compares the two settings' losses step by step up to the first kill. `--measured-plan` restores
-the measured inputs (link probes, throughput-weighted chains) for realism studies.
+the measured inputs (link probes, throughput-weighted routes) for realism studies.
 
 Sample accounting, recovery and throughput come from the trainer's steps.csv, the controller's events.jsonl
 and a step clock (swarm.experiments.churn_report).
@@ -72,7 +72,7 @@ class ChurnConfig:
     """extra peers on standby for takeovers, beyond stages x replicas"""
     steps: int = 400
     """optimizer steps per setting (both settings train the same number); 400 took 135 s without churn on main
-    (3 stages, one chain, 2 cores), leaving room for replicas' averaging and the recoveries in 15 minutes"""
+    (3 stages, one route, 2 cores), leaving room for replicas' averaging and the recoveries in 15 minutes"""
     train_samples: int = field(default=64, metadata=flag(skip=True))
     """Training samples of the embedded data set (Python's own docstrings)."""
     batch_size: int = field(default=8, metadata=flag(skip=True))
@@ -98,12 +98,12 @@ class ChurnConfig:
     setting_timeout_s: float = field(default=360.0, metadata=flag(name="--timeout-s"))
     """bound on one setting's training, seconds; the trainer is stopped past it"""
     measured_plan: bool = False
-    """plan from measured link speeds and share samples by measured chain throughput (realism; both timing noise:
+    """plan from measured link speeds and share samples by measured route throughput (realism; both timing noise:
     the settings then differ before the first kill); by default every peer runs --no-link-probe and the trainer
     --chain-weights equal, so both settings compute the same losses step for step until the first kill"""
     identities: Path | None = field(default=None, metadata=flag(metavar="DIR"))
     """the peers' key files, created there if missing (none: OUT/identities, new keys per output folder). Peer ids
-    decide the planner, the plan's columns and which chain each sample takes (rendezvous hashing on the chain's
+    decide the planner, the plan's columns and which route each sample takes (rendezvous hashing on the route's
     peer ids), so two runs given the same DIR compute the same losses"""
     netns: bool = False
     """run the swarm in the namespace testbed (needs root)"""
@@ -256,7 +256,7 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
             joins = sum(1 for a in schedule if a.kind == "join" and a.at_s <= cfg.setting_timeout_s)
             place = stack.enter_context(NetnsPlacement(d, cfg.peers + joins, say=say))
             wrap, observe = place.wrap, place.stages
-        # both settings' peers share keys: same ids, same plan and chains, so they compute alike until a kill
+        # both settings' peers share keys: same ids, same plan and routes, so they compute alike until a kill
         swarm = stack.enter_context(
             ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe, cfg.identities or out / "identities")
         )

@@ -1,19 +1,19 @@
 """The CallInfo of a trainer's call, and the route a stage takes from its plan rather than from the call.
 
-Every Forward, Backward and PutLabels names the chain it runs on, and the stage needs that chain's address
-and peer id of every stage to send along it. They used to travel in every call (`CallInfo.route`,
+Every Forward, Backward and PutLabels names the route it runs on (`CallInfo.chain`), and the stage needs that
+route's address and peer id of every stage to send along it. They used to travel in every call (`CallInfo.route`,
 `route_peers`: ~70 bytes a call, 0.84 KB of a 2-stage step's 4.8 KB of control). The plan a stage follows
 already holds them: its roster (`swarm.runtime.policy.Roster`, set from the validated plan, the same one
 `CallPolicy.check_route` holds carried routes to). So:
 
 - The trainer (`RouteAcks`) carries the route to a peer until a call carrying it succeeded there under the
   current plan version; from then on it leaves both fields empty.
-- A stage given a call without a route (`fill_route`) takes the route of the call's chain from its roster, if
+- A stage given a call without a route (`fill_route`) takes the call's route (`CallInfo.chain`) from its roster, if
   the call names the plan the stage follows, the stage has a roster of that plan's shape, and that roster puts
-  this peer at the call's stage of that chain. Otherwise it refuses with FAILED_PRECONDITION and `ROUTE_NEEDED`,
+  this peer at the call's stage of that route. Otherwise it refuses with FAILED_PRECONDITION and `ROUTE_NEEDED`,
   having changed nothing; the trainer sends the call again with the route, and keeps sending it to that peer
   for that plan.
-- A call that carries a route is checked as before (its length here, the roster's chain by the policy).
+- A call that carries a route is checked as before (its length here, the roster's route by the policy).
 
 A route therefore never comes from anything but the stage's validated plan or a carried route validated as
 before: a stranger naming another plan version is refused as another plan's call before any route is used.
@@ -24,7 +24,7 @@ stage's roster as before).
 for 1f1b and `deadline_s` 0 for 120 s: proto3 omits default values, and the stages read each default as exactly
 that value (`StageHost.decode`, `StageHost._turn`, `call_wait_s`; stages of earlier versions alike).
 
-`CallRouter.labels` sends a chain's labels in one PutLabels (`LabelsRequest.micro_rows`: consecutive
+`CallRouter.labels` sends a route's labels in one PutLabels (`LabelsRequest.micro_rows`: consecutive
 micro-batches, at most `StageBudget.max_batch` rows together, as one micro-batch's may be) before its micro-batches
 run, instead of one PutLabels per micro-batch: 3 fewer call infos and a better-compressed token batch a step. A
 stage of an earlier version ignores `micro_rows` and would take them all as one micro-batch's labels (not tested
@@ -127,7 +127,7 @@ def call_wait_s(info: CallInfo, budget: StageBudget) -> float:
 
 def route_needed(error: BaseException, peer: str | None = None) -> bool:
     """Whether a failed call was refused for a route left out: by `peer` itself (then nothing was done and the
-    call may go again with the route), or with `peer` None by any stage of the chain (the step may run again)."""
+    call may go again with the route), or with `peer` None by any stage of the route (the step may run again)."""
     if not isinstance(error, StageCallError) or error.code != grpc.StatusCode.FAILED_PRECONDITION:
         return False
     return (ROUTE_NEEDED in str(error)) if peer is None else (f"(peer {peer} at " in str(error).split(ROUTE_NEEDED)[0])
@@ -164,14 +164,14 @@ class RouteAcks:
 
 
 def _roster_route(info: CallInfo, roster, role, own: str | None) -> tuple[tuple, tuple] | str:
-    """The route of `info`'s chain from `roster` (the plan this stage follows: `role.plan_version`; this peer is
+    """The route `info.chain` names, from `roster` (the plan this stage follows: `role.plan_version`; this peer is
     `own`, serving `role.stage` of `role.n_stages`) as (addresses, peer ids), or why the roster cannot give it."""
     if roster is None or roster.n_stages != role.n_stages or info.chain >= roster.n_routes:
-        return f"this stage cannot take chain {info.chain}'s route from plan {role.plan_version}'s roster"
-    addresses, peers = roster.chain(info.chain)
+        return f"this stage cannot take route {info.chain} from plan {role.plan_version}'s roster"
+    addresses, peers = roster.route(info.chain)
     if own is not None and peers[role.stage] != own:
         return (
-            f"plan {role.plan_version}'s chain {info.chain} names {peers[role.stage]} at stage {role.stage}, "
+            f"plan {role.plan_version}'s route {info.chain} names {peers[role.stage]} at stage {role.stage}, "
             "not this peer"
         )
     return addresses, peers
@@ -201,7 +201,7 @@ def fill_route(info: CallInfo, roster, role, own: str | None) -> CallInfo:
 
 
 class CallRouter:
-    """The trainer's calls along its chains: each micro-batch's call info, and the route it carries until the peer
+    """The trainer's calls along its routes: each micro-batch's call info, and the route it carries until the peer
     took it (`RouteAcks`, owned here). One per driver (one plan).
 
     Args:
@@ -242,7 +242,7 @@ class CallRouter:
     def info(self, step: int, mb: int, stage: int, work, layout=None, route=True):
         """The call info of micro-batch `mb` of `work`; `layout`: (schedule, `stage_numbering`) with uneven
         replica counts, None with equal ones; `route` False leaves the route to the stage's plan (`callinfo`)."""
-        chain, (schedule, numbering) = work.chain, layout or (self.schedule, None)
+        work_route, (schedule, numbering) = work.route, layout or (self.schedule, None)
         info = call_info(
             step=step,
             micro_batch=mb,
@@ -250,16 +250,16 @@ class CallRouter:
             plan_version=self.plan_version,
             num_micro_batches=len(work.micro),
             schedule=schedule,
-            route=(chain.addresses, chain.peers) if route else None,
+            route=(work_route.addresses, work_route.peers) if route else None,
             deadline_s=self.deadline_s,
             loss_weight=work.loss_weights[mb],
-            chain=chain.index,
+            chain=work_route.index,
             loss_scale=self._loss_scale(),
         )
         info.attempt_id = self.attempt_id  # the running attempt of the step
         if numbering is not None:  # uneven replica counts: each stage's replica numbers its own micro-batches
-            info.stage_micro.extend(numbering[(chain.index, mb)][0])
-            info.stage_micro_count.extend(numbering[(chain.index, mb)][1])
+            info.stage_micro.extend(numbering[(work_route.index, mb)][0])
+            info.stage_micro_count.extend(numbering[(work_route.index, mb)][1])
         return info
 
     def start(self, step, mb, stage, work, layout, route, tokens=None) -> Iterator[bytes]:
@@ -288,7 +288,7 @@ class CallRouter:
         """The labels of `work`'s micro-batches at its last stage: one PutLabels per run of consecutive micro-batches
         of at most `max_rows` rows together (the most one call may carry), not one per micro-batch."""
         last = len(self.counts) - 1
-        replica, runs, rows = work.chain.index % self.counts[last], [], 0
+        replica, runs, rows = work.route.index % self.counts[last], [], 0
         for mb, batch in enumerate(work.micro):
             if not runs or rows + len(batch.targets) > max_rows:
                 runs.append([])

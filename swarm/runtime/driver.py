@@ -1,4 +1,4 @@
-"""The trainer's side of a pipeline: drive one optimizer step across the chains of stage replicas of a plan.
+"""The trainer's side of a pipeline: drive one optimizer step across the routes of stage replicas of a plan.
 
 Token ids go to stage 0 and labels to the last stage; activations and gradients then travel stage to stage
 directly, never through the driver. The driver only collects each micro-batch's loss, and once per step each
@@ -7,13 +7,13 @@ stage's squared gradient norm; the tied embedding's gradients are summed between
 gRPC in a swarm, in-process in `swarm.runtime.inprocess`. Every byte of a step is counted: the stages report the
 boundaries', sums' and tied group's bytes, the driver its own calls' (`control_bytes`), failed attempts too.
 
-With replicas, the plan's routes (`swarm.peers.routes`: column r with equal counts, route c on replica
-c % R_s of stage s with uneven ones) are the chains: each sample trains on one (`swarm.runtime.chains`), the
+With replicas, the plan has several routes (`swarm.peers.routes`: column r with equal counts, route c on replica
+c % R_s of stage s with uneven ones): each sample trains on one (`swarm.runtime.routing`), the
 replicas of each stage then sum their gradients among themselves (`Reduce`) before every replica steps; a
 replica shared by several routes gets one Reduce, Grads and Step per step. With 2+ stages every distinct
 replica of the first and last stage gets a Reduce (alone in its stage or not) naming the tied group.
-A peer that dies mid-step (a failed call confirmed by a ping, or missed heartbeats) takes its chain out;
-the step is abandoned on every live replica and run again whole on the surviving chains, so every stage
+A peer that dies mid-step (a failed call confirmed by a ping, or missed heartbeats) takes its route out;
+the step is abandoned on every live replica and run again whole on the surviving routes, so every stage
 applies each step exactly once.
 """
 
@@ -39,29 +39,29 @@ from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
 from swarm.runtime.callinfo import CallRouter, route_needed
-from swarm.runtime.chains import (
-    ChainWeights,
-    ChainWork,
-    Failed,
-    NoLiveChain,
-    PingLoop,
-    Task,
-    Traffic,
-    as_error,
-    chain_work,
-    gather,
-    reroutable,
-    spawn,
-)
 from swarm.runtime.gate import runs_through
 from swarm.runtime.messages import GradReport
 from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
+from swarm.runtime.routing import (
+    Failed,
+    NoLiveRoute,
+    PingLoop,
+    RouteWeights,
+    RouteWork,
+    Task,
+    Traffic,
+    as_error,
+    gather,
+    reroutable,
+    route_work,
+    spawn,
+)
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
 
-__all__ = ["NoLiveChain", "PipelineDriver", "StepResult", "Traffic"]
+__all__ = ["NoLiveRoute", "PipelineDriver", "StepResult", "Traffic"]
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,14 @@ def _nested(route: Sequence) -> list[list[str]]:
 
 
 class PipelineDriver:
-    """Drives training steps over the chains of replicas at `route`, rerouting around dead peers.
+    """Drives training steps over the routes of replicas at `route`, rerouting around dead peers.
 
     Args:
         route: address of every stage in pipeline order: one per stage, or the replicas of each stage
             (`route[stage][replica]`; counts may differ between stages: route c runs on replica c % R_s).
         peers: peer ids, shaped like `route`.
         schedule: a name in `swarm.runtime.schedules.SCHEDULES`.
-        n_micro: micro-batches per step, over all chains.
+        n_micro: micro-batches per step, over all routes.
         deadline_s: longest a micro-batch may take end to end.
         connector: how to reach the stages (default: gRPC, signed by `signer`).
         plan_version: the plan the stages follow.
@@ -97,7 +97,7 @@ class PipelineDriver:
         max_attempts: runs of one step (the first and its reroutes) before it fails.
         heartbeat_s: time between heartbeat pings of the peers while a step runs (also each ping's timeout).
         heartbeat_misses: unanswered pings in a row that make a peer dead.
-        weights: the chains' sample shares (default: fresh, from measured throughput).
+        weights: the routes' sample shares (default: fresh, from measured throughput).
     """
 
     def __init__(
@@ -114,7 +114,7 @@ class PipelineDriver:
         max_attempts: int = 3,
         heartbeat_s: float = 1.0,
         heartbeat_misses: int = 3,
-        weights: ChainWeights | None = None,
+        weights: RouteWeights | None = None,
         tied: bool = True,
     ):
         routes, ids = _nested(route), _nested(peers)
@@ -126,8 +126,8 @@ class PipelineDriver:
         """replicas of each stage; route c runs on replica c % counts[s] of stage s (`swarm.peers.routes`)"""
         self.replica_addresses = [tuple(r) for r in routes]
         self.replica_peers = [tuple(r) for r in ids]
-        self.chains = [self._route(c) for c in range(n_routes(self.counts))]
-        self.route, self.peers = list(self.chains[0].addresses), list(self.chains[0].peers)
+        self.routes = [self._route(c) for c in range(n_routes(self.counts))]
+        self.route, self.peers = list(self.routes[0].addresses), list(self.routes[0].peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version, self.max_attempts = plan_version, max_attempts
         self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
@@ -138,7 +138,7 @@ class PipelineDriver:
         self.connector = connector or GrpcConnector(signer=signer)
         self.metrics = metrics or Metrics()
         self._step_started = time.perf_counter()  # when the step in progress began (its Step reports the time)
-        self.weights = weights or ChainWeights()
+        self.weights = weights or RouteWeights()
         self.tied = tied
         """whether the model ties its embedding and head: only then do the end stages sum a tied group"""
         self.dead: set[str] = set()
@@ -168,21 +168,21 @@ class PipelineDriver:
 
     @property
     def n_replicas(self) -> int:
-        """The number of routes (with equal replica counts R: R chains)."""
-        return len(self.chains)
+        """The number of routes (with equal replica counts R: R routes)."""
+        return len(self.routes)
 
     def _route(self, c: int) -> Route:
         at = route_replicas(c, self.counts)
         addresses = tuple(self.replica_addresses[s][r] for s, r in enumerate(at))
         return Route(c, addresses, tuple(self.replica_peers[s][r] for s, r in enumerate(at)))
 
-    def _replicas(self, s: int, chains: Sequence[Route]) -> list[int]:
-        """The distinct replicas of stage `s` that `chains` run on, in replica order: each gets one call."""
-        return sorted({c.index % self.counts[s] for c in chains})
+    def _replicas(self, s: int, routes: Sequence[Route]) -> list[int]:
+        """The distinct replicas of stage `s` that `routes` run on, in replica order: each gets one call."""
+        return sorted({c.index % self.counts[s] for c in routes})
 
-    def live_chains(self) -> list[int]:
-        """The chains whose every peer is alive."""
-        return [c.index for c in self.chains if not self.dead.intersection(c.peers)]
+    def live_routes(self) -> list[int]:
+        """The routes whose every peer is alive."""
+        return [c.index for c in self.routes if not self.dead.intersection(c.peers)]
 
     # ---- calls ------------------------------------------------------------------------------------------
 
@@ -239,7 +239,7 @@ class PipelineDriver:
                 return s, peers.index(peer)
         raise KeyError(peer)
 
-    def _ping_loop(self, chains: Sequence[Route], wake: threading.Event) -> PingLoop:
+    def _ping_loop(self, routes: Sequence[Route], wake: threading.Event) -> PingLoop:
         def ping(peer: str) -> None:
             self._ping(peer, self.heartbeat_s)
 
@@ -248,23 +248,23 @@ class PipelineDriver:
             self.dead.add(peer)
             wake.set()
 
-        peers = [p for c in chains for p in c.peers]
+        peers = [p for c in routes for p in c.peers]
         return PingLoop(ping, peers, on_dead, self.heartbeat_s, self.heartbeat_misses)
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
-    def _micro_batch(self, step: int, work: ChainWork, mb: int, layout=None) -> _MicroResult:
+    def _micro_batch(self, step: int, work: RouteWork, mb: int, layout=None) -> _MicroResult:
         last, data = self.n_stages - 1, work.micro[mb]
-        first_r, last_r = work.chain.index % self.counts[0], work.chain.index % self.counts[last]
+        first_r, last_r = work.route.index % self.counts[0], work.route.index % self.counts[last]
 
         def tokens(route: bool) -> Iterator[bytes]:
             wire = tokens_to_wire(data.tokens, data.sample_ids)
             return self.router.start(step, mb, 0, work, layout, route, wire)
 
-        # communication: tokens into stage 0 of the chain; the activations flow on to its last stage, the loss
+        # communication: tokens into stage 0 of the route; the activations flow on to its last stage, the loss
         # comes back
         forward = self.router.routed(step, 0, first_r, "Forward", tokens)
-        # communication: the backward starts at the chain's last stage and flows back to its stage 0
+        # communication: the backward starts at the route's last stage and flows back to its stage 0
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
         traffic = Traffic()
@@ -273,36 +273,36 @@ class PipelineDriver:
         self._record(traffic)
         return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
-    def _run_chains(self, step: int, work: list[ChainWork], wake: threading.Event) -> tuple[float, Traffic]:
-        """Every chain's micro-batches, all at once; the batch's mean loss and the bytes. Records each chain's
+    def _run_routes(self, step: int, work: list[RouteWork], wake: threading.Event) -> tuple[float, Traffic]:
+        """Every route's micro-batches, all at once; the batch's mean loss and the bytes. Records each route's
         samples/s in `weights`."""
         start = time.perf_counter()
         layout = None
         if uneven(self.counts):  # shared replicas: number every replica's micro-batches (route, position) order
-            numbering = stage_numbering({w.chain.index: len(w.micro) for w in work}, self.counts)
+            numbering = stage_numbering({w.route.index: len(w.micro) for w in work}, self.counts)
             # a shared replica interleaves routes: 1F1B may then deadlock (from 3 stages on); GPipe never does
             schedule = self.schedule if runs_through(self.schedule, self.counts, numbering) else "gpipe"
             if schedule != self.schedule:
                 log.info("step %d: %s would deadlock on these routes' shared replicas: gpipe", step, self.schedule)
             layout = (schedule, numbering)
-        # the labels first: one PutLabels per chain (and per max_batch rows) rather than one per micro-batch
-        labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.chain.peers) for w in work]
+        # the labels first: one PutLabels per route (and per max_batch rows) rather than one per micro-batch
+        labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
         gather(labels, wake, self.dead, self.deadline_s)
         tasks = [
             [
-                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout), w.chain.peers)
+                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout), w.route.peers)
                 for mb in range(len(w.micro))
             ]
             for w in work
         ]
-        gather([t for chain in tasks for t in chain], wake, self.dead, self.deadline_s)
+        gather([t for calls in tasks for t in calls], wake, self.dead, self.deadline_s)
         traffic, loss, rates = Traffic(), 0.0, {}
-        for w, chain in zip(work, tasks, strict=True):
-            results = [f.result() for f, _ in chain]
+        for w, calls in zip(work, tasks, strict=True):
+            results = [f.result() for f, _ in calls]
             for r in results:
                 traffic.merge(r.traffic)
                 loss += r.loss
-            rates[w.chain.key] = w.rows / max(max(r.ended for r in results) - start, 1e-9)
+            rates[w.route.key] = w.rows / max(max(r.ended for r in results) - start, 1e-9)
         self.weights.observe(rates)
         return loss, traffic
 
@@ -310,19 +310,19 @@ class PipelineDriver:
         with self._control_lock:
             self._all.merge(traffic)
 
-    def _reduce(self, step: int, chains: list[Route], wake: threading.Event) -> Traffic:
-        """Sums each stage's gradients over the distinct replicas `chains` used (`Reduce`, one call per replica),
+    def _reduce(self, step: int, routes: list[Route], wake: threading.Event) -> Traffic:
+        """Sums each stage's gradients over the distinct replicas `routes` used (`Reduce`, one call per replica),
         bytes under direction "average"; with 2+ stages of a model that ties its embedding and head (`tied`), the
         end stages' replicas also sum the tied gradient (their tied group: stage 0's replicas, then the last
-        stage's), bytes under ("tied", "tied"). A stage whose chains share one replica has nothing to sum (an
+        stage's), bytes under ("tied", "tied"). A stage whose routes share one replica has nothing to sum (an
         end stage of a tied model still joins the tied group)."""
         traffic = Traffic()
         tasks = []
         last = self.n_stages - 1
         ends = (0, last) if last > 0 and self.tied else ()
-        tied = [(s, r) for s in ends for r in self._replicas(s, chains)]
+        tied = [(s, r) for s in ends for r in self._replicas(s, routes)]
         for s in range(self.n_stages):
-            replicas = self._replicas(s, chains)
+            replicas = self._replicas(s, routes)
             if len(replicas) < 2 and s not in ends:
                 continue  # a group of one: nothing to sum
             request = stage_pb2.ReduceRequest(
@@ -351,10 +351,10 @@ class PipelineDriver:
         self._record(traffic)
         return traffic
 
-    def _grads(self, step: int, chains: list[Route], wake: threading.Event) -> float:
+    def _grads(self, step: int, routes: list[Route], wake: threading.Event) -> float:
         """The global gradient norm (stage 0 counts the tied group's sum in its own, the last stage not)."""
         request = stage_pb2.StepRequest(step=step)
-        groups = [self._replicas(s, chains) for s in range(self.n_stages)]
+        groups = [self._replicas(s, routes) for s in range(self.n_stages)]
         tasks = {
             (s, r): self._spawn(lambda s=s, r=r: self._call(s, r, "Grads", request), (self.replica_peers[s][r],))
             for s, group in enumerate(groups)
@@ -370,8 +370,8 @@ class PipelineDriver:
             raise
         return norm
 
-    def _apply(self, step: int, chains: list[Route], norm: float, wake: threading.Event) -> float:
-        """`Step` on every distinct live replica `chains` used, once each. A replica that dies now is left behind
+    def _apply(self, step: int, routes: list[Route], norm: float, wake: threading.Event) -> float:
+        """`Step` on every distinct live replica `routes` used, once each. A replica that dies now is left behind
         (the others apply the step: the reduced gradient is already theirs); a live one that failed is asked once
         more (Step is idempotent). Once any replica applied the step it counts as applied: a replica whose Step
         hangs past the deadline is declared dead (it catches up later), the step is never run again."""
@@ -384,7 +384,7 @@ class PipelineDriver:
             req.trainer_elapsed_s = time.perf_counter() - self._step_started
             return self._call(s, replica, "Step", req)
 
-        keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, chains)]
+        keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, routes)]
         lrs: list[stage_pb2.StepReply] = []
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
@@ -416,15 +416,15 @@ class PipelineDriver:
             if not keys:
                 break
         if not lrs:
-            raise NoLiveChain(f"step {step}: every replica died before applying it")
+            raise NoLiveRoute(f"step {step}: every replica died before applying it")
         self.loss_scale = lrs[0].loss_scale  # every stage moved it alike; one that did not refuses the next call
         return lrs[0].lr
 
     # ---- the step ---------------------------------------------------------------------------------------
 
     def _live(self, step: int, failure: Failed | None = None) -> list[Route]:
-        """The live chains; raises NoLiveChain naming the stage with no live replica (and the last failure)."""
-        live = [self.chains[i] for i in self.live_chains()]
+        """The live routes; raises NoLiveRoute naming the stage with no live replica (and the last failure)."""
+        live = [self.routes[i] for i in self.live_routes()]
         if live:
             return live
 
@@ -437,32 +437,32 @@ class PipelineDriver:
         if not lost:  # every route lost a replica, of different stages
             lost = [gone(s, True) for s in stages if self.dead.intersection(self.replica_peers[s])]
         why = f"; last failure: {failure.error}" if failure is not None and failure.error is not None else ""
-        raise NoLiveChain(f"step {step}: no live replica of {', '.join(lost)}{why}", grpc.StatusCode.UNAVAILABLE)
+        raise NoLiveRoute(f"step {step}: no live replica of {', '.join(lost)}{why}", grpc.StatusCode.UNAVAILABLE)
 
-    def _work(self, batch: Batch, chains: list[Route]) -> list[ChainWork]:
-        if len(batch.sample_ids) < len(chains):
-            # a chain without a sample would have no step to reduce and apply: its replicas would fall behind
-            raise ValueError(f"a batch of {len(batch.sample_ids)} samples cannot feed {len(chains)} live chains")
-        return chain_work(batch, chains, self.weights.weights([c.key for c in chains]), self.n_micro)
+    def _work(self, batch: Batch, routes: list[Route]) -> list[RouteWork]:
+        if len(batch.sample_ids) < len(routes):
+            # a route without a sample would have no step to reduce and apply: its replicas would fall behind
+            raise ValueError(f"a batch of {len(batch.sample_ids)} samples cannot feed {len(routes)} live routes")
+        return route_work(batch, routes, self.weights.weights([c.key for c in routes]), self.n_micro)
 
     def forward_backward(self, step: int, batch: Batch) -> tuple[float, Traffic]:
-        """Every micro-batch's forward and backward on the live chains (gradients accumulate on the stages); the
+        """Every micro-batch's forward and backward on the live routes (gradients accumulate on the stages); the
         mean loss and the bytes. No reroute: raises StageCallError naming the stage and peer that failed,
         after abandoning the step."""
-        chains = self._live(step)
+        routes = self._live(step)
         wake, self._inflight = threading.Event(), []
         try:
-            with self._ping_loop(chains, wake):
-                return self._run_chains(step, self._work(batch, chains), wake)
+            with self._ping_loop(routes, wake):
+                return self._run_routes(step, self._work(batch, routes), wake)
         except Failed as f:
             self.abandon(step)
             raise as_error(f, step) from f.error
 
     def train_step(self, step: int, batch: Batch) -> StepResult:
-        """One optimizer step on `batch` over the live chains, run again on the survivors when a peer dies.
+        """One optimizer step on `batch` over the live routes, run again on the survivors when a peer dies.
 
         Raises:
-            NoLiveChain: a stage has no live replica left (the step is abandoned everywhere).
+            NoLiveRoute: a stage has no live replica left (the step is abandoned everywhere).
             StageCallError: a call failed for another reason (plan-mismatch included), or `max_attempts` ran out.
         """
         m, start, before = self.metrics, time.perf_counter(), self.metrics.snapshot()
@@ -471,14 +471,14 @@ class PipelineDriver:
         with self._control_lock:
             self._control, self._all = 0, Traffic()
         for attempt in range(1, self.max_attempts + 1):
-            chains = self._live(step)
-            work = self._work(batch, chains)
-            used = [w.chain for w in work]
+            routes = self._live(step)
+            work = self._work(batch, routes)
+            used = [w.route for w in work]
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
             try:
                 with self._ping_loop(used, wake):
-                    loss, traffic = self._run_chains(step, work, wake)
+                    loss, traffic = self._run_routes(step, work, wake)
                     traffic.merge(self._reduce(step, used, wake))
                     norm = self._grads(step, used, wake)
                     lr = self._apply(step, used, norm, wake)
@@ -504,7 +504,7 @@ class PipelineDriver:
         return StepResult(
             loss, norm, lr, traffic, seconds, sync_bytes, counters,
             sample_ids=ids, attempts=attempt, dead_peers=tuple(sorted(self.dead - dead_before)),
-            chains=len(used), reduce_bytes=traffic.direction_bytes("average"), control_bytes=control,
+            routes=len(used), reduce_bytes=traffic.direction_bytes("average"), control_bytes=control,
             skipped=not math.isfinite(norm), loss_scale=self.loss_scale,
             total_wire_bytes=sum(every.sent.values()) + control,
             fp32_total_wire_bytes=every.fp32_wire_bytes + every.tied_fp32_bytes + control,
@@ -528,7 +528,7 @@ class PipelineDriver:
         self.abandon(step)
         if fatal:
             raise as_error(failure, step) from error
-        self._live(step, failure)  # raises NoLiveChain when nothing is left
+        self._live(step, failure)  # raises NoLiveRoute when nothing is left
         if attempt >= self.max_attempts:
             raise as_error(failure, step, f"gave up after {attempt} attempts")
         log.warning("step %d: attempt %d failed (%s); running the step again", step, attempt, as_error(failure, step))

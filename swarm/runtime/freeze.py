@@ -141,7 +141,7 @@ def cached_forward(
     AQ-SGD's last delta instead of a full resend left the receiver's copy 22% off the frozen output in the unit
     test after three epochs at 2 bits: cheaper, but an error the cache would then keep forever.)
 
-    `address` is the next stage's of the call's chain (None on the last stage); `links` the stage's ends."""
+    `address` is the next stage's of the call's route (None on the last stage); `links` the stage's ends."""
     if not worker.forward_only or address is None:
         return worker.forward(mb, inputs, torch.tensor(ids), targets)
     store = links.send_end("fw", address).buffers
@@ -272,9 +272,9 @@ class FreezingDriver(PipelineDriver):
             self._norms.setdefault(stage, list(reply.layer_sq_norms))  # replicas hold the same reduced gradients
         return reply
 
-    def _grads(self, step, chains, wake) -> float:
+    def _grads(self, step, routes, wake) -> float:
         self._norms = {}
-        norm = super()._grads(step, chains, wake)
+        norm = super()._grads(step, routes, wake)
         if math.isfinite(norm) and sorted(self._norms) == list(range(self.n_stages)):
             self.policy.observe(step, [v for s in range(self.n_stages) for v in self._norms[s]])
         return norm

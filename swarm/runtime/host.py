@@ -3,7 +3,7 @@
 A host runs the same whether its neighbours are in this process or on other peers: it reaches them through
 a `Connector` (gRPC, or the in-process `LocalNetwork`), and every call it serves runs in the order of its
 stage's schedule program (`ScheduleGate`). Forward calls flow stage 0 -> last stage, each stage sending
-its activation straight to the next one and returning the loss back along the chain; backward calls flow
+its activation straight to the next one and returning the loss back along the route; backward calls flow
 last -> stage 0 the same way.
 
 The host works with tensors and dataclasses (`swarm.runtime.messages`); the servicer reads each call into them
@@ -354,7 +354,7 @@ class StageHost:
         """The checked targets of a PutLabels call, as (local micro-batch, targets) pairs; changes nothing.
         Labels are taken for the open step only (admission opens it), one batch per micro-batch (a retry replaces
         it), so the table never outgrows the budget. With `micro_rows`, one call holds the labels of consecutive
-        micro-batches of the call's chain (`LabelsRequest.micro_rows`), together no more rows than one may.
+        micro-batches of the call's route (`LabelsRequest.micro_rows`), together no more rows than one may.
         `labels` is the call's token batch as it came (`tokens_from_wire` reads it within the model's bounds)."""
         if not self.role.is_last:
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"stage {self.role.stage} is not the last stage")

@@ -39,7 +39,7 @@ __all__ = ["LocalPipeline"]
 class LocalPipeline:
     """Stage hosts in this process, joined by in-process links, driven one optimizer step at a time.
 
-    With `replicas` R > 1, every stage has R hosts and replica r of every stage forms chain r (a nested
+    With `replicas` R > 1, every stage has R hosts and replica r of every stage forms route r (a nested
     roster, `StageRole.replica`); with a per-stage sequence (R_0, R_1, ...), stage s has R_s hosts and the
     driver runs the lcm(R_s) routes of `swarm.peers.routes`. `kill` takes a host off the network for fault
     tests.

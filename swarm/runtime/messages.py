@@ -27,13 +27,13 @@ class CallInfo:
     num_micro_batches: int = 0
     schedule: str = ""
     route: tuple[str, ...] = ()
-    """gRPC address of every stage of the call's chain, in pipeline order (empty: the stage's plan gives it)"""
+    """gRPC address of every stage of the call's route, in pipeline order (empty: the stage's plan gives it)"""
     route_peers: tuple[str, ...] = ()
-    """peer id of every stage of the chain"""
+    """peer id of every stage of the route"""
     deadline_s: float = 0.0
     loss_weight: float = 0.0
     chain: int = 0
-    """the route the call runs on"""
+    """the route the call runs on (`Route.index`; named as the wire's `CallInfo.chain`)"""
     stage_micro: tuple[int, ...] = ()
     """uneven replica counts: the micro-batch's index at each stage's replica (empty: `micro_batch`)"""
     stage_micro_count: tuple[int, ...] = ()

@@ -3,7 +3,7 @@ Backward), what they carry and cost, and the route those calls leave out once th
 plan (`swarm.runtime.callinfo`).
 
 A boundary call carries the route until a reply of the neighbour says `plan_route` (its validated roster of
-this plan gives this call's chain, `callinfo.plan_gives_route`); from then on, under that plan version, the call
+this plan gives this call's route, `callinfo.plan_gives_route`); from then on, under that plan version, the call
 info it sends leaves the route out. A neighbour that refuses a route-less call (`ROUTE_NEEDED`, e.g. it lost its
 roster) gets the route for the rest of that plan; the refused call fails, the trainer runs the step again
 (`callinfo.route_needed`).
@@ -49,7 +49,7 @@ class Counted:
 
 
 class Outbox:
-    """What one stage host sends along its chains, and the neighbours that take the route from their plan.
+    """What one stage host sends along its routes, and the neighbours that take the route from their plan.
 
     Args:
         connector: how to reach the neighbouring stages.
@@ -64,7 +64,7 @@ class Outbox:
 
     @staticmethod
     def to(info: CallInfo, stage: int) -> CallInfo:
-        """`info` as the call to `stage` of the same chain carries it."""
+        """`info` as the call to `stage` of the same route carries it."""
         return dataclasses.replace(info, stage=stage)
 
     def encode_forward(self, links: LinkEnds, out: torch.Tensor, ids: list[int], nxt: CallInfo):

@@ -37,7 +37,7 @@ class Roster:
     """The peers of the plan a stage serves under: R_s replicas of stage s (counts may differ between stages),
     and C = lcm(R_s) routes, route c running on replica c % R_s of every stage s (`swarm.peers.routes`): a
     replica sends forward only to its route's replica of stage s+1, backward only to its route's of stage s-1.
-    With equal counts R, route c is column c of the plan (chain c)."""
+    With equal counts R, route c is column c of the plan."""
 
     stage_peers: Peers
     """Peer ids of each stage's replicas, in pipeline order (given flat, one per stage, or nested)."""
@@ -73,7 +73,7 @@ class Roster:
 
     @property
     def n_routes(self) -> int:
-        """Routes through the stages: lcm of the replica counts (with equal counts R, R chains)."""
+        """Routes through the stages: lcm of the replica counts (with equal counts R, R routes)."""
         return n_routes(self.counts)
 
     @property
@@ -89,7 +89,7 @@ class Roster:
         """Addresses of the replicas of `stage`, in column order."""
         return self.addresses[stage]
 
-    def chain(self, r: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def route(self, r: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(addresses, peer ids) of route `r`: replica r % R_s of every stage s, in pipeline order."""
         if not 0 <= r < self.n_routes:
             raise IndexError(f"route {r} is not one of the plan's {self.n_routes}")
@@ -154,21 +154,21 @@ class CallPolicy:
         callee's peer id), the route must name the callee at the call's stage."""
         roster = self._need_roster()
         if info.chain >= roster.n_routes:
-            raise _denied(f"chain {info.chain}: the plan has {roster.n_routes} routes")
-        addresses, peers = roster.chain(info.chain)
+            raise _denied(f"route {info.chain}: the plan has {roster.n_routes} routes")
+        addresses, peers = roster.route(info.chain)
         if tuple(info.route) != addresses or tuple(info.route_peers) != peers:
             raise _denied(
                 f"route: the call names route {list(info.route)[:8]} of peers {list(info.route_peers)[:8]}, "
-                f"the plan's chain {info.chain} is {list(addresses)} of peers {list(peers)}"
+                f"the plan's route {info.chain} is {list(addresses)} of peers {list(peers)}"
             )
         if own is not None and 0 <= info.stage < len(peers) and peers[info.stage] != own:
-            raise _denied(f"chain {info.chain}'s peer of stage {info.stage} is {peers[info.stage]}, not this peer")
+            raise _denied(f"route {info.chain}'s peer of stage {info.stage} is {peers[info.stage]}, not this peer")
         if caller is None or method not in ("Forward", "Backward"):
             return
         sender = _sender_stage(method, info.stage)
-        if 0 <= sender < roster.n_stages and caller != peers[sender]:  # else: the trainer's end of the chain
+        if 0 <= sender < roster.n_stages and caller != peers[sender]:  # else: the trainer's end of the route
             raise _denied(
-                f"{method} of chain {info.chain} into stage {info.stage} only from its peer of stage {sender} "
+                f"{method} of route {info.chain} into stage {info.stage} only from its peer of stage {sender} "
                 f"({peers[sender]}), not {caller}"
             )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from swarm.runtime.chains import Traffic
+from swarm.runtime.routing import Traffic
 
 __all__ = ["StepResult"]
 
@@ -29,13 +29,13 @@ class StepResult:
     counters: dict[str, float] = field(default_factory=dict)
     """What every counter of the driver's metrics registry gained during the step (snapshot keys)."""
     sample_ids: tuple[int, ...] = ()
-    """The samples the applied step trained, each once, chain by chain."""
+    """The samples the applied step trained, each once, route by route."""
     attempts: int = 1
     """Runs of the step: 1, plus one per reroute."""
     dead_peers: tuple[str, ...] = ()
     """Peers declared dead during the step."""
-    chains: int = 1
-    """Chains of replicas the applied step ran on."""
+    routes: int = 1
+    """Routes the applied step ran on (its CSV column is `chains`)."""
     reduce_bytes: int = 0
     """Bytes the replicas sent each other to sum their gradients (also in `wire_bytes` and `traffic`)."""
     control_bytes: int = 0

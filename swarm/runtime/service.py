@@ -146,7 +146,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def _check_info(
         self, wire: stage_pb2.CallInfo, caller: str | None, method: str | None = None
     ) -> tuple[StageHost, CallInfo]:
-        """Checks what a call's info alone decides: the host's rules, then the plan's chain. Changes nothing.
+        """Checks what a call's info alone decides: the host's rules, then the plan's route. Changes nothing.
         Returns the host and the info as the host takes it (a route-less call's route from the plan)."""
         host = self._serving()
         info = fill_route(info_from_wire(wire), self.policy.roster, host.role, host.peer_id)

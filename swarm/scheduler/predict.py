@@ -24,13 +24,13 @@ from swarm.scheduler.cost import FullCost, Layout, even_layers
 from swarm.scheduler.plans import Peer, PlanInput
 from swarm.scheduler.sizes import model_spec
 
-__all__ = ["predict_chain", "main"]
+__all__ = ["predict_route", "main"]
 
 _SPEED = re.compile(r"compute ([0-9.]+) layers/s")
 _LOCAL_RTT_S = 1e-3
 
 
-def predict_chain(
+def predict_route(
     layers_per_s: list[float],
     rate_mbit: float | None,
     forward: str,
@@ -40,7 +40,7 @@ def predict_chain(
     micro_batches: int = 4,
     delay_s: float = 0.0,
 ) -> float:
-    """Predicted step time of one chain (peer k holds stage k, layers split evenly), as the planner sees it."""
+    """Predicted step time of one route (peer k holds stage k, layers split evenly), as the planner sees it."""
     model = model or ModelConfig()
     spec = model_spec(model, CodecConfig.parse(forward), CodecConfig.parse(backward), micro_batch_size, micro_batches)
     n = len(layers_per_s)
@@ -71,7 +71,7 @@ def _cell(folder: Path, steps_per_epoch: int) -> dict | None:
     ]
     times = [float(s["step_s"]) for s in steps]
     measured = statistics.mean(times[steps_per_epoch:] or times)
-    predicted = predict_chain(speeds, rate, forward, backward)
+    predicted = predict_route(speeds, rate, forward, backward)
     return {
         "cell": folder.name,
         "layers_per_s": speeds,

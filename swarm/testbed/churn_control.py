@@ -122,7 +122,7 @@ class ChurnSwarm:
         observe: peer id -> stage (None: standby) as the DHT shows them; None: a client DHT node in this
             process, started with the swarm.
         identities: where peers' key files live (default out/identities); runs that share it give their n-th
-            peers the same ids, so they elect the same planner, plan alike and put samples on the same chains.
+            peers the same ids, so they elect the same planner, plan alike and put samples on the same routes.
     """
 
     def __init__(

@@ -117,14 +117,14 @@ def step_row(result, step: int, epoch: int) -> dict:
     }
 
 
-def step_columns(result, sample_ids: tuple[int, ...], chains: int, retries: int = 0) -> dict:
+def step_columns(result, sample_ids: tuple[int, ...], routes: int, retries: int = 0) -> dict:
     """The churn columns of a step row: the applied step's samples (space-separated ids, each once), the
-    attempts it took, the peers declared dead during it, and the live chains it ran on. A driver without
-    replicas reports none of these: one attempt on one chain, the batch's samples. `retries`: the trainer's
-    own re-runs of the step on a newer plan, counted as attempts too."""
+    attempts it took, the peers declared dead during it, and the live routes it ran on (column `chains`). A
+    driver without replicas reports none of these: one attempt on one route, the batch's samples. `retries`: the
+    trainer's own re-runs of the step on a newer plan, counted as attempts too."""
     return {
         "attempts": int(getattr(result, "attempts", 1)) + retries,
-        "chains": int(getattr(result, "chains", chains)),
+        "chains": int(getattr(result, "routes", routes)),
         "dead_peers": " ".join(getattr(result, "dead_peers", ())),
         "sample_ids": " ".join(str(int(i)) for i in sample_ids),
     }

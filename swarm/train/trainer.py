@@ -1,11 +1,11 @@
 """`swarm train`: find the stages in the DHT, then drive training across them with a progress bar.
 
 Writes the same per-step CSV as the convergence experiment (plus step time and fp32-equivalent bytes),
-a loss plot, and a JSON summary. It drives every chain of the plan (the plan's columns: replicas of each
-stage); a dead replica costs a step attempt while a chain lives (the driver reroutes). When no chain lives
-(`NoLiveChain`, or a stage unreachable on a one-chain route) it waits for a newer plan, the planner's repair,
-up to `--replan-timeout-s`, and runs the step there. Other stage failures are reported by stage and peer, and
-the trainer exits non-zero.
+a loss plot, and a JSON summary. It drives every route of the plan (with equal replica counts, the plan's
+columns: replicas of each stage); a dead replica costs a step attempt while a route lives (the driver
+reroutes). When no route lives (`NoLiveRoute`, or a stage unreachable on a plan of one route) it waits for a
+newer plan, the planner's repair, up to `--replan-timeout-s`, and runs the step there. Other stage failures
+are reported by stage and peer, and the trainer exits non-zero.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ CSV_FIELDS = [
 ]
 _TRAINING = "training"
 CHAIN_WEIGHTS = ("measured", "equal")
-"""--chain-weights: the chains' sample shares from measured throughput, or equal and fixed."""
+"""--chain-weights (the flag keeps its name): the routes' sample shares from measured throughput, or equal and fixed."""
 UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
 """Codes of a stage that is gone rather than refusing: the trainer waits for a plan without it."""
 
@@ -132,10 +132,10 @@ class TrainConfig:
     wait_timeout_s: float = field(default=120.0, metadata=flag(group=_TRAINING))
     """give up if the stages are not all served within this many seconds (at the start and after a re-plan)"""
     replan_timeout_s: float = field(default=120.0, metadata=flag(group=_TRAINING))
-    """with no chain of replicas left, wait this long for a newer plan (the planner's repair), seconds"""
+    """with no route of replicas left, wait this long for a newer plan (the planner's repair), seconds"""
     chain_weights: str = field(default="measured", metadata=flag(choices=CHAIN_WEIGHTS, group=_TRAINING))
-    """how a step's samples are shared among the chains of replicas: by their measured throughput
-    (ChainWeights), or equally (every chain weight 1, always: the same split every run, for comparisons)"""
+    """how a step's samples are shared among the routes of replicas: by their measured throughput
+    (RouteWeights), or equally (every route weight 1, always: the same split every run, for comparisons)"""
     deadline_s: float = field(default=120.0, metadata=flag(group=_TRAINING))
     """longest a micro-batch may take end to end, seconds"""
     out: str | None = field(default=None, metadata=flag(group=_TRAINING))
@@ -333,7 +333,7 @@ def train(
         metrics.plan_version.set(r.plan_version)
         driver = make_driver(
             r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
-            plan_version=r.plan_version, metrics=metrics, signer=signer, weights=chain_weights(cfg.chain_weights),
+            plan_version=r.plan_version, metrics=metrics, signer=signer, weights=route_weights(cfg.chain_weights),
             tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial),
         )  # fmt: skip
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
@@ -347,8 +347,8 @@ def train(
         nonlocal pipe, route, replans
         pipe.close()
         route = discover_route(dht, None, timeout_s, say, min_version, trainer_id=dht.peer_id, n_layers=model.n_layers)
-        chains = f" x {route.n_replicas} replicas" if route.n_replicas > 1 else ""
-        say(f"plan {route.plan_version}: {len(route.addresses)} stages{chains} at {', '.join(route.addresses)}")
+        replicas = f" x {route.n_replicas} replicas" if route.n_replicas > 1 else ""
+        say(f"plan {route.plan_version}: {len(route.addresses)} stages{replicas} at {', '.join(route.addresses)}")
         pipe, watch.version = connect(route), route.plan_version
         replans += 1
 
@@ -363,8 +363,8 @@ def train(
                     raise
                 if PLAN_MISMATCH in str(e):
                     follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
-                elif no_chain_left(e, route):
-                    say(f"step {step}: no chain of replicas left ({e}); waiting for a plan without the dead peers")
+                elif no_route_left(e, route):
+                    say(f"step {step}: no route of replicas left ({e}); waiting for a plan without the dead peers")
                     follow(route.plan_version + 1, cfg.replan_timeout_s)
                 else:
                     raise
@@ -447,20 +447,20 @@ def train(
     return summary
 
 
-def chain_weights(kind: str):
-    """The driver's ChainWeights for --chain-weights: `measured` moves with the chains' throughput; `equal`
-    never moves (an infinite tolerance: no measurement ever replaces the weight 1 every chain starts at)."""
-    from swarm.runtime.chains import ChainWeights
+def route_weights(kind: str):
+    """The driver's RouteWeights for --chain-weights: `measured` moves with the routes' throughput; `equal`
+    never moves (an infinite tolerance: no measurement ever replaces the weight 1 every route starts at)."""
+    from swarm.runtime.routing import RouteWeights
 
     if kind not in CHAIN_WEIGHTS:
         raise ValueError(f"chain weights: expected one of {CHAIN_WEIGHTS}, got {kind!r}")
-    return ChainWeights(tolerance=math.inf) if kind == "equal" else ChainWeights()
+    return RouteWeights(tolerance=math.inf) if kind == "equal" else RouteWeights()
 
 
-def no_chain_left(error: Exception, route: PlanRoutes) -> bool:
-    """Whether a failed step needs a newer plan: the driver found no live chain (`NoLiveChain`), or, on a
-    one-chain route (a driver without replicas), a stage is unreachable rather than refusing."""
-    if type(error).__name__ == "NoLiveChain":
+def no_route_left(error: Exception, route: PlanRoutes) -> bool:
+    """Whether a failed step needs a newer plan: the driver found no live route (`NoLiveRoute`), or, on a
+    plan of one route (a driver without replicas), a stage is unreachable rather than refusing."""
+    if type(error).__name__ == "NoLiveRoute":
         return True
     code = getattr(getattr(error, "code", None), "name", "")
     return route.n_replicas == 1 and code in UNREACHABLE

@@ -77,8 +77,8 @@ def test_total_bytes_columns_add_up_and_the_summary_prints_prediction_and_totals
 def test_swarm_train_and_the_convergence_experiment_record_one_step_row():
     """The row is made in one place: the trainer's steps.csv has every column of it, and a `StepResult`'s
     figures land in it unchanged (the convergence experiment's losses.csv is these rows)."""
-    from swarm.runtime.chains import Traffic
     from swarm.runtime.results import StepResult
+    from swarm.runtime.routing import Traffic
     from swarm.train.steplog import step_row
     from swarm.train.trainer import CSV_FIELDS
 

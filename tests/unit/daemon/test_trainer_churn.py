@@ -1,5 +1,5 @@
 """The trainer under churn: it drives the plan's columns, writes the churn columns of its step rows, and when
-no chain is left (NoLiveChain, or a dead stage of a one-chain route) waits for a newer plan and runs the step
+no route is left (NoLiveRoute, or a dead stage of a plan of one route) waits for a newer plan and runs the step
 there: no step lost, none run twice."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from swarm.net.stream import StageCallError
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 from swarm.peers.routes import PlanRoutes
 from swarm.train.steplog import step_columns
-from swarm.train.trainer import TrainConfig, no_chain_left, train
+from swarm.train.trainer import TrainConfig, no_route_left, train
 
 TINY = ModelConfig(vocab_size=64, seq_len_tokens=8, hidden_dim=32, n_layers=2, n_heads=2)
 
 
-class NoLiveChain(StageCallError):  # R2's exception, by name (swarm.runtime.driver once merged)
+class NoLiveRoute(StageCallError):  # R2's exception, by name (swarm.runtime.driver once merged)
     pass
 
 
@@ -48,11 +48,11 @@ def test_the_plans_route_is_its_columns_once_every_replica_follows():
     addresses, ids = route.driver_args()
     assert ids == (["p1", "p2"], ["p3", "p4"]) and addresses[1] == ["127.0.0.1:5003", "127.0.0.1:5004"]
     one = plan(4, [["p1"], ["p3"]]).document.route_of(peers, 4)
-    assert one.driver_args() == (["127.0.0.1:5001", "127.0.0.1:5003"], ["p1", "p3"]), "flat for one chain"
+    assert one.driver_args() == (["127.0.0.1:5001", "127.0.0.1:5003"], ["p1", "p3"]), "flat for one route"
 
 
 def test_step_columns_from_a_replicated_driver_and_a_plain_one():
-    r2 = SimpleNamespace(attempts=2, chains=1, dead_peers=("p2",), sample_ids=(5, 1))
+    r2 = SimpleNamespace(attempts=2, routes=1, dead_peers=("p2",), sample_ids=(5, 1))
     assert step_columns(r2, (5, 1), 2) == {"attempts": 2, "chains": 1, "dead_peers": "p2", "sample_ids": "5 1"}
     assert step_columns(SimpleNamespace(), (3, 4), 1, retries=1) == {
         "attempts": 2, "chains": 1, "dead_peers": "", "sample_ids": "3 4",
@@ -61,12 +61,21 @@ def test_step_columns_from_a_replicated_driver_and_a_plain_one():
 
 def test_which_failures_wait_for_a_new_plan():
     one, two = PlanRoutes(["a"], ["p"]), PlanRoutes(["a"], ["p"], 1, (("a", "b"),), (("p", "q"),))
-    assert no_chain_left(NoLiveChain("stage 1 has no live replica"), two)
-    assert no_chain_left(StageCallError("stage 0: unreachable", grpc.StatusCode.UNAVAILABLE), one)
-    assert not no_chain_left(StageCallError("stage 0: unreachable", grpc.StatusCode.UNAVAILABLE), two), (
+    assert no_route_left(NoLiveRoute("stage 1 has no live replica"), two)
+    assert no_route_left(StageCallError("stage 0: unreachable", grpc.StatusCode.UNAVAILABLE), one)
+    assert not no_route_left(StageCallError("stage 0: unreachable", grpc.StatusCode.UNAVAILABLE), two), (
         "with replicas the driver reroutes; what reaches the trainer is not a dead replica"
     )
-    assert not no_chain_left(StageCallError("invalid", grpc.StatusCode.INVALID_ARGUMENT), one)
+    assert not no_route_left(StageCallError("invalid", grpc.StatusCode.INVALID_ARGUMENT), one)
+
+
+def test_the_drivers_own_no_live_route_waits_for_a_new_plan():
+    """The trainer knows the driver's exception by name (no import of the runtime at module load): the real
+    class, not only this module's stand-in, must be recognised, so a rename on one side fails here."""
+    from swarm.runtime.routing import NoLiveRoute as DriverNoLiveRoute
+
+    two = PlanRoutes(["a"], ["p"], 1, (("a", "b"),), (("p", "q"),))
+    assert no_route_left(DriverNoLiveRoute("stage 1 has no live replica", grpc.StatusCode.UNAVAILABLE), two)
 
 
 class FakeDriver:
@@ -93,7 +102,7 @@ class FakeDriver:
         traffic = SimpleNamespace(forward_bytes=1, backward_bytes=1, fp32_wire_bytes=4, link_bytes={})
         return SimpleNamespace(
             loss=1.0, lr=0.1, grad_norm=1.0, forward_bytes=1, backward_bytes=1, fp32_wire_bytes=4, sync_bytes=0,
-            seconds=0.01, traffic=traffic, counters={}, attempts=1, chains=2 if self.plan_version == 1 else 1,
+            seconds=0.01, traffic=traffic, counters={}, attempts=1, routes=2 if self.plan_version == 1 else 1,
             dead_peers=(), sample_ids=tuple(int(i) for i in batch.sample_ids), control_bytes=0, total_wire_bytes=0,
             fp32_total_wire_bytes=0, skipped=False, loss_scale=0.0,
         )  # fmt: skip
@@ -105,7 +114,7 @@ class FakeDriver:
 @pytest.mark.parametrize(
     "failure,replicas",
     [
-        (NoLiveChain("stage 1 has no live replica"), 2),
+        (NoLiveRoute("stage 1 has no live replica"), 2),
         (StageCallError("stage 1: unreachable", grpc.StatusCode.UNAVAILABLE), 1),
     ],
     ids=["no-live-chain", "one-chain-unreachable"],

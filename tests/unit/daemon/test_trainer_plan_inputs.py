@@ -12,7 +12,7 @@ import pytest
 from swarm.daemon.peer_config import build_parser
 from swarm.daemon.peer_config import config_from_args as peer_config
 from swarm.train.steplog import StepLog
-from swarm.train.trainer import TrainConfig, add_arguments, chain_weights, config_from_args
+from swarm.train.trainer import TrainConfig, add_arguments, config_from_args, route_weights
 
 KEYS = [b"a", b"b"]
 
@@ -23,15 +23,15 @@ def _train_args(*argv):
     return parser.parse_args(list(argv))
 
 
-def test_equal_chain_weights_never_move_however_unequal_the_chains():
-    weights = chain_weights("equal")
+def test_equal_route_weights_never_move_however_unequal_the_routes():
+    weights = route_weights("equal")
     for _ in range(50):
         weights.observe({b"a": 100.0, b"b": 1.0})
     assert weights.weights(KEYS) == [1.0, 1.0]
 
 
-def test_measured_chain_weights_follow_the_throughput():
-    weights = chain_weights("measured")
+def test_measured_route_weights_follow_the_throughput():
+    weights = route_weights("measured")
     for _ in range(50):
         weights.observe({b"a": 100.0, b"b": 1.0})
     a, b = weights.weights(KEYS)
@@ -46,7 +46,7 @@ def test_chain_weights_flag_defaults_to_measured_and_reaches_the_config():
     with pytest.raises(ValueError, match="chain_weights"):
         TrainConfig(chain_weights="fast")
     with pytest.raises(ValueError):
-        chain_weights("fast")
+        route_weights("fast")
 
 
 def test_the_driver_gets_the_configured_weights(monkeypatch, tmp_path):

@@ -20,7 +20,7 @@ TINY = ModelConfig(vocab_size=64, seq_len_tokens=8, hidden_dim=32, n_layers=3, n
 ROSTER = Roster(("p0", "p1", "p2"), ("a0", "a1", "a2"), frozenset({"t"}), frozenset({"spare"}))
 
 
-CHAIN0 = ROSTER.chain(0)
+CHAIN0 = ROSTER.route(0)
 
 
 def info(route=CHAIN0[0], peers=CHAIN0[1]) -> stage_pb2.CallInfo:

@@ -33,7 +33,7 @@ PEERS = [ann("a", 1001), ann("b", 1002), ann("c", 1003), ann("d", 1004)]
 
 def test_plan_roster_takes_stage_peers_addresses_and_trainers():
     roster = roster_from_plan(plan(trainer_ids=["t1", "t2"]), PEERS)
-    assert roster.chain(0) == (("127.0.0.1:1001", "127.0.0.1:1002"), ("a", "b"))
+    assert roster.route(0) == (("127.0.0.1:1001", "127.0.0.1:1002"), ("a", "b"))
     assert roster.trainers == {"t1", "t2"}
     assert roster.plan_peers == {"a", "b", "c", "d"}
 
@@ -53,7 +53,7 @@ def test_plan_roster_waits_for_every_stage_address():
 def test_even_split_roster_is_the_first_announcer_of_each_stage():
     peers = [ann("late", 1, stage=0, started=5.0), ann("s0", 2, stage=0, started=1.0), ann("s1", 3, stage=1)]
     roster = roster_from_announcements(peers, 2)
-    assert roster.chain(0)[1] == ("s0", "s1") and roster.trainers is None
+    assert roster.route(0)[1] == ("s0", "s1") and roster.trainers is None
     assert roster_from_announcements(peers, 3) is None
 
 

@@ -48,7 +48,7 @@ def refused_for_route(info, roster, own="q1") -> None:
 
 def test_a_route_less_call_of_the_followed_plan_takes_its_chain_from_the_roster():
     info = fill_route(bare(), ROSTER, ROLE, "q1")
-    assert (tuple(info.route), tuple(info.route_peers)) == ROSTER.chain(1) == (("b0", "b1"), ("q0", "q1"))
+    assert (tuple(info.route), tuple(info.route_peers)) == ROSTER.route(1) == (("b0", "b1"), ("q0", "q1"))
     assert dataclasses.replace(info, route=(), route_peers=()) == bare(), "nothing else changes"
 
 
@@ -62,7 +62,7 @@ def test_a_carried_route_or_another_plan_or_stage_is_left_to_the_usual_checks():
 def test_a_stage_that_cannot_take_the_route_from_its_plan_refuses_and_changes_nothing():
     refused_for_route(bare(), None)  # no roster yet (the plan's addresses are not all known)
     refused_for_route(bare(chain=2), ROSTER)  # the plan has 2 routes
-    refused_for_route(bare(chain=0), ROSTER)  # chain 0's stage 1 is p1, not this peer (q1)
+    refused_for_route(bare(chain=0), ROSTER)  # route 0's stage 1 is p1, not this peer (q1)
     three = Roster(("p0", "p1", "p2"), ("a0", "a1", "a2"), None, frozenset())
     refused_for_route(bare(chain=0), three)  # a roster of another shape than the plan this stage follows
 
@@ -82,7 +82,7 @@ def test_equal_loss_weights_travel_as_zero_and_mean_the_same_share():
         num_micro_batches=4, loss_weight=0.25, loss_scale=1.0, **{**kw, "schedule": "gpipe", "deadline_s": 120.0}
     )
     assert gpipe.schedule == "gpipe" and gpipe.ByteSize() == default.ByteSize() + len("gpipe") + 2
-    full = call_info(num_micro_batches=4, loss_weight=0.25, loss_scale=0.0, **{**kw, "route": ROSTER.chain(0)})
+    full = call_info(num_micro_batches=4, loss_weight=0.25, loss_scale=0.0, **{**kw, "route": ROSTER.route(0)})
     assert list(full.route) == ["a0", "a1"] and full.ByteSize() > info.ByteSize() + 8
 
 

@@ -172,7 +172,7 @@ def test_the_router_names_the_running_attempt_and_the_current_loss_scale():
         pipe.train_step(batch(seed=1), 2)
         assert first and sent == [first, driver.router.attempt_id] and sent[0] != sent[1]
         driver.loss_scale = 4.0
-        work = driver._work(batch(), [driver.chains[0]])[0]
+        work = driver._work(batch(), [driver.routes[0]])[0]
         assert driver.router.info(5, 0, 1, work).loss_scale == 4.0
     finally:
         pipe.close()

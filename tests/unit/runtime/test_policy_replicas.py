@@ -22,23 +22,23 @@ def denied(fn, *args, match: str) -> None:
 
 
 def call(chain: int, stage: int, route=None, peers=None) -> stage_pb2.CallInfo:
-    addresses, ids = ROSTER.chain(chain)
+    addresses, ids = ROSTER.route(chain)
     return stage_pb2.CallInfo(stage=stage, chain=chain, route=list(route or addresses), route_peers=list(peers or ids))
 
 
 def test_roster_stores_replicas_nested_and_reads_chains_as_columns():
     assert ROSTER.n_stages == 3 and ROSTER.n_replicas == 2
     assert ROSTER.replicas(1) == ("p1", "q1") and ROSTER.replica_addresses(2) == ("a2", "b2")
-    assert ROSTER.chain(1) == (("b0", "b1", "b2"), ("q0", "q1", "q2"))
+    assert ROSTER.route(1) == (("b0", "b1", "b2"), ("q0", "q1", "q2"))
     assert ROSTER.plan_peers == {"spare", *(p for r in PEERS for p in r)}
     flat = Roster(("p0", "p1"), ("a0", "a1"), None, frozenset())
     assert (
         flat.stage_peers == (("p0",), ("p1",))
         and flat.n_replicas == 1
-        and flat.chain(0) == (("a0", "a1"), ("p0", "p1"))
+        and flat.route(0) == (("a0", "a1"), ("p0", "p1"))
     )
     with pytest.raises(IndexError):
-        ROSTER.chain(2)
+        ROSTER.route(2)
 
 
 def test_roster_refuses_too_many_routes_or_mismatched_replicas():
@@ -56,13 +56,13 @@ def test_route_must_be_exactly_the_chain_the_call_names():
     policy = CallPolicy(ROSTER)
     policy.check_route(call(0, 1))
     policy.check_route(call(1, 1))
-    denied(policy.check_route, call(0, 1, route=ROSTER.chain(1)[0]), match="chain 0")  # chain 1's route, chain 0
+    denied(policy.check_route, call(0, 1, route=ROSTER.route(1)[0]), match="route 0")  # route 1's addresses, route 0
     mixed = stage_pb2.CallInfo(stage=1, chain=0, route=["a0", "b1", "a2"], route_peers=["p0", "q1", "p2"])
     denied(policy.check_route, mixed, match="route")
     beyond = stage_pb2.CallInfo(stage=1, chain=2, route=["a0"] * 3, route_peers=["p0"] * 3)
     denied(policy.check_route, beyond, match="2 routes")
     policy.check_route(call(1, 1), "q0", "Forward", own="q1")
-    denied(policy.check_route, call(0, 1), "p0", "Forward", "q1", match="chain 0's peer of stage 1 is p1, not this")
+    denied(policy.check_route, call(0, 1), "p0", "Forward", "q1", match="route 0's peer of stage 1 is p1, not this")
 
 
 def test_forward_and_backward_only_from_the_same_chain():
@@ -72,8 +72,8 @@ def test_forward_and_backward_only_from_the_same_chain():
     policy.check_route(call(1, 1), "q2", "Backward")
     policy.check_route(call(0, 0), "t", "Forward")  # the trainer's end of the chain
     policy.check_route(call(1, 2), "t", "Backward")
-    # ... the call info then holds it to its own chain: q0 (chain 1) may not feed chain 0's stage 1
-    denied(policy.check_route, call(0, 1), "q0", "Forward", match="chain 0 into stage 1 only from its peer of stage 0")
+    # ... the call info then holds it to its own route: q0 (route 1) may not feed route 0's stage 1
+    denied(policy.check_route, call(0, 1), "q0", "Forward", match="route 0 into stage 1 only from its peer of stage 0")
     denied(policy.check_route, call(1, 0), "p1", "Backward", match="only from its peer of stage 1")
     denied(policy.check_sender, "Forward", 1, "q1", match="peer of stage 0")  # a same-stage replica is no sender
     denied(policy.check_sender, "Forward", 2, "stranger", match="peer of stage 1")
@@ -113,17 +113,17 @@ UNEVEN = Roster((("p0",), ("p1", "q1"), ("p2", "q2", "r2")), (("a0",), ("a1", "b
 
 
 def uneven_call(route: int, stage: int) -> stage_pb2.CallInfo:
-    addresses, ids = UNEVEN.chain(route)
+    addresses, ids = UNEVEN.route(route)
     return stage_pb2.CallInfo(stage=stage, chain=route, route=list(addresses), route_peers=list(ids))
 
 
 def test_uneven_roster_reads_route_c_on_replica_c_mod_r():
     assert UNEVEN.counts == (1, 2, 3) and UNEVEN.n_routes == 6 and UNEVEN.n_replicas == 6
-    assert UNEVEN.chain(0) == (("a0", "a1", "a2"), ("p0", "p1", "p2"))
-    assert UNEVEN.chain(5) == (("a0", "b1", "c2"), ("p0", "q1", "r2"))
-    assert len({UNEVEN.chain(c) for c in range(6)}) == 6  # no two routes are the same peers
+    assert UNEVEN.route(0) == (("a0", "a1", "a2"), ("p0", "p1", "p2"))
+    assert UNEVEN.route(5) == (("a0", "b1", "c2"), ("p0", "q1", "r2"))
+    assert len({UNEVEN.route(c) for c in range(6)}) == 6  # no two routes are the same peers
     with pytest.raises(IndexError):
-        UNEVEN.chain(6)
+        UNEVEN.route(6)
 
 
 def test_uneven_forward_only_from_the_routes_replica_of_the_sending_stage():
@@ -133,8 +133,8 @@ def test_uneven_forward_only_from_the_routes_replica_of_the_sending_stage():
     policy.check_route(uneven_call(4, 1), "q2", "Backward", own="p1")  # route 4: stage 2 replica 1 -> stage 1 r0
     # p1 is a replica of stage 1 (it passes the pre-body check) but not route 3's
     policy.check_sender("Forward", 2, "p1")
-    denied(policy.check_route, uneven_call(3, 2), "p1", "Forward", match="chain 3 into stage 2 only from its peer")
-    denied(policy.check_route, uneven_call(3, 2), "q1", "Forward", "q2", match="chain 3's peer of stage 2 is p2")
+    denied(policy.check_route, uneven_call(3, 2), "p1", "Forward", match="route 3 into stage 2 only from its peer")
+    denied(policy.check_route, uneven_call(3, 2), "q1", "Forward", "q2", match="route 3's peer of stage 2 is p2")
     denied(policy.check_route, uneven_call(4, 1), "r2", "Backward", match="only from its peer of stage 2")
     beyond = stage_pb2.CallInfo(stage=1, chain=6, route=["a0", "a1", "a2"], route_peers=["p0", "p1", "p2"])
     denied(policy.check_route, beyond, match="6 routes")

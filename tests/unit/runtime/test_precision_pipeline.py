@@ -153,7 +153,7 @@ def _open_reduced_step(pipe: LocalPipeline, step: int):
     """Runs step `step`'s forward, backward and Reduce, leaving it open for a hand-made Step."""
     driver = pipe.driver(2)
     driver.forward_backward(step, batch(seed=step))
-    driver._reduce(step, driver.chains, threading.Event())
+    driver._reduce(step, driver.routes, threading.Event())
     return driver
 
 

@@ -52,7 +52,7 @@ def test_two_replicas_train_like_one():
         for step in range(3):
             b = batch(seed=step)
             a, r = one.train_step(b, n_micro=4), two.train_step(b, n_micro=4)
-            assert r.chains == 2 and r.attempts == 1 and r.dead_peers == ()
+            assert r.routes == 2 and r.attempts == 1 and r.dead_peers == ()
             assert sorted(r.sample_ids) == b.sample_ids.tolist()
             assert r.loss == pytest.approx(a.loss, abs=1e-5)
             assert r.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
@@ -91,7 +91,7 @@ def test_samples_stay_on_their_chain_so_aqsgd_buffers_hit_on_both():
             for half in range(2):
                 rows = torch.arange(16) + 16 * half
                 result = pipe.train_step(data.select(rows), n_micro=4)
-                assert result.chains == 2
+                assert result.routes == 2
                 chains_of.append(result.sample_ids)
             if epoch == 0:
                 first = chains_of

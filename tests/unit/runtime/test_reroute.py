@@ -9,8 +9,8 @@ import grpc
 import pytest
 import torch
 
-from swarm.runtime.chains import NoLiveChain
 from swarm.runtime.inprocess import LocalPipeline
+from swarm.runtime.routing import NoLiveRoute
 from tests.unit.runtime.test_replicas import CFG, FP32, batch, weights
 
 torch.set_num_threads(1)
@@ -80,9 +80,9 @@ def test_a_replica_killed_mid_step_reroutes_the_step_to_the_other_chain(method):
         pipe.switches[1][0].target = _KillOn(pipe, 1, 0, method)
         result = pipe.train_step(b, n_micro=4)
         dead = pipe.replica_peers[1][0]
-        assert result.attempts == 2 and result.dead_peers == (dead,) and result.chains == 1
+        assert result.attempts == 2 and result.dead_peers == (dead,) and result.routes == 1
         assert sorted(result.sample_ids) == b.sample_ids.tolist()
-        assert pipe.driver(4).live_chains() == [1] and pipe.driver(4).dead == {dead}
+        assert pipe.driver(4).live_routes() == [1] and pipe.driver(4).dead == {dead}
         _surviving_chain_applied_once(pipe, 1, steps=1)
         left = pipe.replica_hosts[0][0]  # alive, on the dead chain: abandoned, nothing applied or kept
         assert left.steps_done == 0 and left.open_step is None
@@ -92,7 +92,7 @@ def test_a_replica_killed_mid_step_reroutes_the_step_to_the_other_chain(method):
         for name, w in weights(pipe, replica=1).items():
             torch.testing.assert_close(w, ref_weights[name], atol=1e-5, rtol=0, msg=name)
         again = pipe.train_step(batch(seed=4), n_micro=4)  # the next step runs on the survivor at once
-        assert again.attempts == 1 and again.chains == 1 and again.dead_peers == ()
+        assert again.attempts == 1 and again.routes == 1 and again.dead_peers == ()
         _surviving_chain_applied_once(pipe, 1, steps=2)
     finally:
         pipe.close()
@@ -119,11 +119,11 @@ def test_both_replicas_of_a_stage_dead_raises_no_live_chain_naming_it():
     try:
         pipe.kill(1, 0)
         pipe.kill(1, 1)
-        with pytest.raises(NoLiveChain, match="stage 1"):
+        with pytest.raises(NoLiveRoute, match="stage 1"):
             pipe.train_step(batch(), n_micro=4)
         for host in (pipe.replica_hosts[0][0], pipe.replica_hosts[0][1]):
             assert host.steps_done == 0 and host.open_step is None
-        with pytest.raises(NoLiveChain, match="stage 1"):  # and at once for the next step
+        with pytest.raises(NoLiveRoute, match="stage 1"):  # and at once for the next step
             pipe.train_step(batch(), n_micro=4)
     finally:
         pipe.close()
@@ -156,7 +156,7 @@ def test_one_chain_keeps_working_without_replicas():
     pipe = LocalPipeline(CFG, 3, FP32, FP32)
     try:
         result = pipe.train_step(batch(n=8), n_micro=4)
-        assert result.chains == 1 and result.attempts == 1 and result.reduce_bytes == 0
+        assert result.routes == 1 and result.attempts == 1 and result.reduce_bytes == 0
         assert sorted(result.sample_ids) == list(range(8))
     finally:
         pipe.close()
@@ -167,11 +167,11 @@ def test_a_replica_killed_at_step_time_is_left_behind_and_the_others_apply_the_s
     try:
         pipe.switches[1][0].target = _KillOn(pipe, 1, 0, "Step")
         result = pipe.train_step(batch(seed=6), n_micro=4)
-        assert result.attempts == 1 and result.chains == 2 and result.dead_peers == (pipe.replica_peers[1][0],)
+        assert result.attempts == 1 and result.routes == 2 and result.dead_peers == (pipe.replica_peers[1][0],)
         assert [h.steps_done for h in (pipe.replica_hosts[0][0], pipe.replica_hosts[0][1])] == [1, 1]
         assert pipe.replica_hosts[1][1].steps_done == 1
         again = pipe.train_step(batch(seed=7), n_micro=4)
-        assert again.chains == 1 and again.attempts == 1
+        assert again.routes == 1 and again.attempts == 1
         _surviving_chain_applied_once(pipe, 1, steps=2)
     finally:
         pipe.close()
@@ -203,10 +203,10 @@ def test_a_step_whose_reply_was_lost_is_asked_again_and_applied_once():
         pipe.close()
 
 
-def test_a_batch_smaller_than_the_live_chains_is_refused_before_any_call():
+def test_a_batch_smaller_than_the_live_routes_is_refused_before_any_call():
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
     try:
-        with pytest.raises(ValueError, match="cannot feed 2 live chains"):
+        with pytest.raises(ValueError, match="cannot feed 2 live routes"):
             pipe.train_step(batch(n=1), n_micro=1)
         assert all(h.open_step is None for row in pipe.replica_hosts for h in row)
     finally:

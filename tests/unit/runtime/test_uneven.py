@@ -72,7 +72,7 @@ def test_uneven_replicas_train_like_one_pipeline(counts, schedule):
             b = batch(seed=step)
             before = _forwards(seen, counts)
             a, r = one.train_step(b, n_micro=4), many.train_step(b, n_micro=4)
-            assert r.chains == routes and r.attempts == 1 and r.dead_peers == ()
+            assert r.routes == routes and r.attempts == 1 and r.dead_peers == ()
             assert sorted(r.sample_ids) == b.sample_ids.tolist()  # every sample once
             assert r.loss == pytest.approx(a.loss, abs=1e-5)
             assert r.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
@@ -124,7 +124,7 @@ def test_a_dead_replica_of_the_widest_stage_takes_its_routes_out_and_the_step_re
         result, expected = pipe.train_step(b, n_micro=4), ref.train_step(b, n_micro=4)
         dead = pipe.replica_peers[1][2]
         assert result.attempts == 2 and result.dead_peers == (dead,)
-        assert pipe.driver(4).live_chains() == [0, 1, 3, 4] and result.chains == 4  # routes 2 and 5 ran on it
+        assert pipe.driver(4).live_routes() == [0, 1, 3, 4] and result.routes == 4  # routes 2 and 5 ran on it
         assert sorted(result.sample_ids) == b.sample_ids.tolist()  # every sample trained exactly once
         assert result.loss == pytest.approx(expected.loss, abs=1e-5)
         hosts = pipe.replica_hosts
@@ -135,7 +135,7 @@ def test_a_dead_replica_of_the_widest_stage_takes_its_routes_out_and_the_step_re
             for name, w in host.worker.module.named_parameters():
                 torch.testing.assert_close(w.detach(), ref_weights[name], atol=1e-5, rtol=0, msg=name)
         again = pipe.train_step(batch(seed=2), n_micro=4)  # the next step runs on the surviving routes at once
-        assert again.attempts == 1 and again.chains == 4
+        assert again.attempts == 1 and again.routes == 4
     finally:
         pipe.close()
         ref.close()
@@ -166,7 +166,7 @@ def test_a_step_that_hangs_on_one_replica_after_others_applied_it_is_not_run_aga
         assert result.attempts == 1 and result.dead_peers == (stuck,)
         applied = [h for row in pipe.replica_hosts for h in row if h is not pipe.replica_hosts[1][0]]
         assert all(h.steps_done == 1 for h in applied)
-        assert pipe.driver(4).live_chains() == [1]
+        assert pipe.driver(4).live_routes() == [1]
     finally:
         release.set()
         pipe.close()
@@ -236,8 +236,8 @@ def test_uneven_1f1b_that_would_deadlock_runs_the_step_as_gpipe():
         driver = many.driver(n_micro)
 
         def numbering_of(b):
-            work = driver._work(b, driver.chains)
-            return stage_numbering({w.chain.index: len(w.micro) for w in work}, counts)
+            work = driver._work(b, driver.routes)
+            return stage_numbering({w.route.index: len(w.micro) for w in work}, counts)
 
         # the samples' routes follow the replicas' (random) peer ids: take the first batch of ids whose split
         # deadlocks as 1F1B (about one in four does; 64 tries miss with probability 1e-8)
@@ -245,7 +245,7 @@ def test_uneven_1f1b_that_would_deadlock_runs_the_step_as_gpipe():
         b = next((c for c in tries if not runs_through("1f1b", counts, numbering_of(c))), None)
         assert b is not None and not runs_through("1f1b", counts, numbering_of(b))  # replicas would wait on each other
         a, r = one.train_step(b, n_micro=4), many.train_step(b, n_micro=n_micro)
-        assert r.attempts == 1 and r.chains == 6 and sorted(r.sample_ids) == b.sample_ids.tolist()
+        assert r.attempts == 1 and r.routes == 6 and sorted(r.sample_ids) == b.sample_ids.tolist()
         assert r.loss == pytest.approx(a.loss, abs=1e-5)
         assert all(len(d) == 1 for d in digests(many))
     finally:

@@ -16,7 +16,7 @@ from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 from swarm.scheduler import plan
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import ModelSpec, Peer, PlanInput
-from swarm.scheduler.predict import predict_chain
+from swarm.scheduler.predict import predict_route
 from swarm.scheduler.sizes import message_bytes, model_spec
 
 FP32 = CodecConfig.parse("fp32")
@@ -102,7 +102,7 @@ RECORDED = [(1.0, "fp32", "fp32", 4.856), (1.0, "directq2", "gradq4", 0.632), (1
 
 @pytest.mark.parametrize(("rate", "fw", "bw", "measured"), RECORDED)
 def test_the_model_is_within_10_percent_of_recorded_steps(rate, fw, bw, measured):
-    assert predict_chain([41.0, 41.0], rate, fw, bw) == pytest.approx(measured, rel=0.10)
+    assert predict_route([41.0, 41.0], rate, fw, bw) == pytest.approx(measured, rel=0.10)
 
 
 def announcement(i: int, version: int, stage: int) -> PeerAnnouncement:

@@ -1,4 +1,4 @@
-"""Sample assignment to chains of replicas, micro-batch splits, heartbeats and the waiting rule."""
+"""Sample assignment to routes of replicas, micro-batch splits, heartbeats and the waiting rule."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ import torch
 from swarm.model.data import Batch
 from swarm.net.stream import StageCallError
 from swarm.peers.routes import Route
-from swarm.runtime.chains import (
-    ChainWeights,
+from swarm.runtime.routing import (
     Failed,
     PingLoop,
+    RouteWeights,
     assign_samples,
-    chain_work,
     gather,
     reroutable,
+    route_work,
     spawn,
 )
 
 
-def _chains(n: int) -> list[Route]:
+def _routes(n: int) -> list[Route]:
     return [Route(r, (f"a{r}.0", f"a{r}.1"), (f"p{r}.0", f"p{r}.1")) for r in range(n)]
 
 
@@ -32,78 +32,78 @@ def _batch(n: int, start: int = 0) -> Batch:
     return Batch(ids, ids[:, None].repeat(1, 4), ids[:, None].repeat(1, 4) + 1)
 
 
-def _owner(ids, chains, weights) -> dict[int, int]:
-    rows = assign_samples(ids, [(c.key, w) for c, w in zip(chains, weights, strict=True)])
+def _owner(ids, routes, weights) -> dict[int, int]:
+    rows = assign_samples(ids, [(c.key, w) for c, w in zip(routes, weights, strict=True)])
     return {ids[r]: c for c, rs in enumerate(rows) for r in rs}
 
 
 def test_equal_weights_split_evenly_and_deterministically():
-    chains, ids = _chains(2), list(range(4000))
-    owner = _owner(ids, chains, [1.0, 1.0])
+    routes, ids = _routes(2), list(range(4000))
+    owner = _owner(ids, routes, [1.0, 1.0])
     share = sum(1 for c in owner.values() if c == 0) / len(ids)
     assert 0.45 < share < 0.55
-    assert owner == _owner(ids, chains, [1.0, 1.0])
+    assert owner == _owner(ids, routes, [1.0, 1.0])
 
 
 def test_weights_set_the_shares():
-    chains, ids = _chains(2), list(range(4000))
-    owner = _owner(ids, chains, [3.0, 1.0])
+    routes, ids = _routes(2), list(range(4000))
+    owner = _owner(ids, routes, [3.0, 1.0])
     assert 0.70 < sum(1 for c in owner.values() if c == 0) / len(ids) < 0.80
 
 
-def test_only_a_dead_chains_samples_move():
-    chains, ids = _chains(3), list(range(600))
-    before = _owner(ids, chains, [1.0, 1.0, 1.0])
-    after = _owner(ids, [chains[0], chains[2]], [1.0, 1.0])
+def test_only_a_dead_routes_samples_move():
+    routes, ids = _routes(3), list(range(600))
+    before = _owner(ids, routes, [1.0, 1.0, 1.0])
+    after = _owner(ids, [routes[0], routes[2]], [1.0, 1.0])
     survivors = {0: 0, 2: 1}
     for sid, c in before.items():
         if c != 1:
-            assert after[sid] == survivors[c], f"sample {sid} moved off a live chain"
+            assert after[sid] == survivors[c], f"sample {sid} moved off a live route"
 
 
 def test_samples_stay_when_measured_throughput_wobbles():
-    chains, ids = _chains(2), list(range(256))
-    weights = ChainWeights()
+    routes, ids = _routes(2), list(range(256))
+    weights = RouteWeights()
     gen = torch.Generator().manual_seed(0)
-    owners = [_owner(ids, chains, weights.weights([c.key for c in chains]))]
-    for _ in range(50):  # both chains equally fast, measured with +-20% noise
-        weights.observe({c.key: 100.0 * (1 + 0.4 * (float(torch.rand((), generator=gen)) - 0.5)) for c in chains})
-        owners.append(_owner(ids, chains, weights.weights([c.key for c in chains])))
+    owners = [_owner(ids, routes, weights.weights([c.key for c in routes]))]
+    for _ in range(50):  # both routes equally fast, measured with +-20% noise
+        weights.observe({c.key: 100.0 * (1 + 0.4 * (float(torch.rand((), generator=gen)) - 0.5)) for c in routes})
+        owners.append(_owner(ids, routes, weights.weights([c.key for c in routes])))
     assert all(o == owners[0] for o in owners)
 
 
-def test_a_much_faster_chain_gets_more_samples_but_weights_stay_bounded():
-    chains, ids = _chains(2), list(range(2000))
-    keys = [c.key for c in chains]
-    weights = ChainWeights()
+def test_a_much_faster_route_gets_more_samples_but_weights_stay_bounded():
+    routes, ids = _routes(2), list(range(2000))
+    keys = [c.key for c in routes]
+    weights = RouteWeights()
     for _ in range(20):
         weights.observe({keys[0]: 300.0, keys[1]: 100.0})
     w = weights.weights(keys)
     # the held weights move only by whole tolerance bands, so they follow 3:1 only coarsely
     assert 1.5 < w[0] / w[1] <= 3.0
-    share = sum(1 for c in _owner(ids, chains, w).values() if c == 0) / len(ids)
+    share = sum(1 for c in _owner(ids, routes, w).values() if c == 0) / len(ids)
     assert 0.6 < share < 0.8
     for _ in range(20):
         weights.observe({keys[0]: 300.0, keys[1]: 1.0})  # very slow: not starved beyond the bound
     w = weights.weights(keys)
     assert w[0] / w[1] == pytest.approx(4.0)
-    assert weights.weights([keys[0], b"new"])[1] > 0  # an unmeasured chain gets a share
-    weights.observe({keys[0]: 300.0})  # one chain alone: nothing to compare, nothing changes
+    assert weights.weights([keys[0], b"new"])[1] > 0  # an unmeasured route gets a share
+    weights.observe({keys[0]: 300.0})  # one route alone: nothing to compare, nothing changes
     assert weights.weights(keys) == w
 
 
-def test_every_chain_gets_a_sample_when_there_are_enough():
-    chains = _chains(4)
+def test_every_route_gets_a_sample_when_there_are_enough():
+    routes = _routes(4)
     for n in range(4, 12):
-        rows = assign_samples(list(range(n)), [(c.key, 1.0) for c in chains])
+        rows = assign_samples(list(range(n)), [(c.key, 1.0) for c in routes])
         assert all(rows) and sorted(r for rs in rows for r in rs) == list(range(n))
-    rows = assign_samples([0, 1], [(c.key, 1.0) for c in chains])  # fewer samples than chains
+    rows = assign_samples([0, 1], [(c.key, 1.0) for c in routes])  # fewer samples than routes
     assert sorted(r for rs in rows for r in rs) == [0, 1]
 
 
-def test_chain_work_covers_the_batch_once_with_loss_weights_summing_to_one():
+def test_route_work_covers_the_batch_once_with_loss_weights_summing_to_one():
     batch = _batch(24, start=100)
-    work = chain_work(batch, _chains(2), [1.0, 1.0], n_micro=4)
+    work = route_work(batch, _routes(2), [1.0, 1.0], n_micro=4)
     ids = sorted(int(i) for w in work for b in w.micro for i in b.sample_ids)
     assert ids == list(range(100, 124))
     assert sum(sum(w.loss_weights) for w in work) == pytest.approx(1.0)
@@ -115,9 +115,9 @@ def test_chain_work_covers_the_batch_once_with_loss_weights_summing_to_one():
     assert sum(len(w.micro) for w in work) in (3, 4, 5)
 
 
-def test_one_chain_splits_like_batch_split():
+def test_one_route_splits_like_batch_split():
     batch = _batch(8)
-    (work,) = chain_work(batch, _chains(1), [1.0], n_micro=4)
+    (work,) = route_work(batch, _routes(1), [1.0], n_micro=4)
     for a, b in zip(work.micro, batch.split(4), strict=True):
         assert torch.equal(a.sample_ids, b.sample_ids) and torch.equal(a.tokens, b.tokens)
     assert work.loss_weights == (0.25,) * 4

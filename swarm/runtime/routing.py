@@ -1,12 +1,13 @@
-"""The chains of stage replicas: which samples each trains (sticky weighted rendezvous), whether it lives.
+"""Routing a step over a plan's routes: which samples each route trains (sticky weighted rendezvous), the
+routes' weights, the pings and gathering that tell whether a route lives.
 
-A replicated plan is R straight pipelines ("chains"): column r of the plan. AQ-SGD keeps a message buffer per
-link and sample id, so a sample should travel the same chain step after step: a sample that moves refills
-its buffers through first sights (full precision) on the new chain. Weighted rendezvous hashing
-(highest random weight) gives exactly that: each (sample, chain) pair draws a fixed score, a sample goes to
-its highest-scoring live chain, so a dead chain's samples move and nobody else's do. The weights follow the
-chains' measured throughput but only move in coarse, hysteretic steps (`ChainWeights`), so timing noise
-never moves a sample.
+A replicated plan has several routes (`swarm.peers.routes.Route`; with equal replica counts R, route r is
+column r of the plan). AQ-SGD keeps a message buffer per link and sample id, so a sample should travel the same
+route step after step: a sample that moves refills its buffers through first sights (full precision) on the new
+route. Weighted rendezvous hashing (highest random weight) gives exactly that: each (sample, route) pair draws a
+fixed score, a sample goes to its highest-scoring live route, so a dead route's samples move and nobody else's
+do. The weights follow the routes' measured throughput but only move in coarse, hysteretic steps
+(`RouteWeights`), so timing noise never moves a sample.
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ from swarm.net.stream import PLAN_MISMATCH, StageCallError
 from swarm.peers.routes import Route
 
 __all__ = [
-    "ChainWeights",
-    "ChainWork",
+    "RouteWeights",
+    "RouteWork",
     "Failed",
-    "NoLiveChain",
+    "NoLiveRoute",
     "PingLoop",
     "REROUTE_CODES",
     "Task",
     "Traffic",
     "as_error",
     "assign_samples",
-    "chain_work",
+    "route_work",
     "gather",
     "rendezvous_score",
     "reroutable",
@@ -98,55 +99,55 @@ class Traffic:
 
 
 def rendezvous_score(sample_id: int, key: bytes, weight: float) -> float:
-    """The weighted rendezvous score of a sample on a chain: -w / ln(u), u uniform in (0, 1) drawn from a hash
-    of (chain, sample). A chain of weight w wins a share w / sum(w) of the samples."""
+    """The weighted rendezvous score of a sample on a route: -w / ln(u), u uniform in (0, 1) drawn from a hash
+    of (route, sample). A route of weight w wins a share w / sum(w) of the samples."""
     digest = hashlib.blake2b(sample_id.to_bytes(8, "little", signed=True), key=key[:64], digest_size=8).digest()
     u = (int.from_bytes(digest, "little") + 0.5) / 2.0**64
     return -weight / math.log(u)
 
 
-def assign_samples(sample_ids: Sequence[int], chains: Sequence[tuple[bytes, float]]) -> list[list[int]]:
-    """Rows of the batch for each chain (in batch order), by weighted rendezvous hashing of the sample ids.
+def assign_samples(sample_ids: Sequence[int], routes: Sequence[tuple[bytes, float]]) -> list[list[int]]:
+    """Rows of the batch for each route (in batch order), by weighted rendezvous hashing of the sample ids.
 
-    Every chain gets at least one row when the batch has enough (a replica that runs no micro-batch would
-    have no step to reduce): an empty chain takes, from the chain holding the most rows, the row that scores
+    Every route gets at least one row when the batch has enough (a replica that runs no micro-batch would
+    have no step to reduce): an empty route takes, from the route holding the most rows, the row that scores
     highest on it.
 
     Args:
         sample_ids: the batch's sample ids, row by row.
-        chains: (key, weight) of every live chain; weights > 0.
+        routes: (key, weight) of every live route; weights > 0.
     """
-    if not chains:
-        raise ValueError("no chain to assign samples to")
-    scores = [[rendezvous_score(int(s), key, w) for key, w in chains] for s in sample_ids]
-    rows: list[list[int]] = [[] for _ in chains]
-    for row, per_chain in enumerate(scores):
-        rows[max(range(len(chains)), key=per_chain.__getitem__)].append(row)
-    for empty in range(len(chains)):
+    if not routes:
+        raise ValueError("no route to assign samples to")
+    scores = [[rendezvous_score(int(s), key, w) for key, w in routes] for s in sample_ids]
+    rows: list[list[int]] = [[] for _ in routes]
+    for row, per_route in enumerate(scores):
+        rows[max(range(len(routes)), key=per_route.__getitem__)].append(row)
+    for empty in range(len(routes)):
         if rows[empty]:
             continue
-        donor = max(range(len(chains)), key=lambda c: len(rows[c]))
+        donor = max(range(len(routes)), key=lambda c: len(rows[c]))
         if len(rows[donor]) < 2:
-            break  # fewer rows than chains: the caller leaves the empty chains out of this step
+            break  # fewer rows than routes: the caller leaves the empty routes out of this step
         moved = max(rows[donor], key=lambda r: scores[r][empty])
         rows[donor].remove(moved)
         rows[empty].append(moved)
     return [sorted(r) for r in rows]
 
 
-class ChainWeights:
-    """Each chain's weight for `assign_samples`: its measured samples/s relative to the other chains', held
+class RouteWeights:
+    """Each route's weight for `assign_samples`: its measured samples/s relative to the other routes', held
     still until the smoothed measurement leaves the held weight by more than `tolerance`.
 
-    Every chain starts at weight 1 and equally fast chains keep it: timing noise never moves a sample. A
-    chain's weight is kept within a factor `max_ratio` of the heaviest one's, so a briefly slow chain is not
-    starved (a chain with fewer samples measures fewer samples/s: pipeline fill and drain do not shrink with
+    Every route starts at weight 1 and equally fast routes keep it: timing noise never moves a sample. A
+    route's weight is kept within a factor `max_ratio` of the heaviest one's, so a briefly slow route is not
+    starved (a route with fewer samples measures fewer samples/s: pipeline fill and drain do not shrink with
     its share).
 
     Args:
         tolerance: relative distance the smoothed relative rate must reach from the held weight to replace it.
         smoothing: weight of a new measurement in the moving average.
-        max_ratio: largest ratio between two chains' weights.
+        max_ratio: largest ratio between two routes' weights.
     """
 
     def __init__(self, tolerance: float = 0.5, smoothing: float = 0.3, max_ratio: float = 4.0):
@@ -157,10 +158,10 @@ class ChainWeights:
         self._weight: dict[bytes, float] = {}
 
     def observe(self, samples_per_s: dict[bytes, float]) -> None:
-        """The chains' throughput in the step just done (chain key -> samples/s)."""
+        """The routes' throughput in the step just done (route key -> samples/s)."""
         rates = {k: r for k, r in samples_per_s.items() if r > 0 and math.isfinite(r)}
         if len(rates) < 2:
-            return  # one chain has nobody to be faster than
+            return  # one route has nobody to be faster than
         mean = sum(rates.values()) / len(rates)
         for key, rate in rates.items():
             old = self._relative.get(key, 1.0)
@@ -170,7 +171,7 @@ class ChainWeights:
                 self._weight[key] = smooth
 
     def weights(self, keys: Sequence[bytes]) -> list[float]:
-        """The weights of these chains (1 for a chain never measured)."""
+        """The weights of these routes (1 for a route never measured)."""
         held = [self._weight.get(k, 1.0) for k in keys]
         floor = max(held) / self.max_ratio
         return [max(w, floor) for w in held]
@@ -182,10 +183,10 @@ class ChainWeights:
 
 
 @dataclass(frozen=True)
-class ChainWork:
-    """What one chain trains in a step."""
+class RouteWork:
+    """What one route trains in a step."""
 
-    chain: Route
+    route: Route
     micro: tuple[Batch, ...]
     """its micro-batches, in order (`CallInfo.micro_batch` is the position here)"""
     loss_weights: tuple[float, ...]
@@ -196,23 +197,23 @@ class ChainWork:
         return sum(len(b.sample_ids) for b in self.micro)
 
 
-def chain_work(batch: Batch, chains: Sequence[Route], weights: Sequence[float], n_micro: int) -> list[ChainWork]:
-    """Splits `batch` over `chains`: rows by `assign_samples`, each chain's rows into about
+def route_work(batch: Batch, routes: Sequence[Route], weights: Sequence[float], n_micro: int) -> list[RouteWork]:
+    """Splits `batch` over `routes`: rows by `assign_samples`, each route's rows into about
     `n_micro * share` micro-batches (at least 1, at most one per row) of near-equal size.
 
-    A chain left without rows (a batch smaller than the chains) is left out of the result.
+    A route left without rows (a batch smaller than the routes) is left out of the result.
     """
     ids = batch.sample_ids.tolist()
     total = len(ids)
-    assigned = assign_samples(ids, [(c.key, w) for c, w in zip(chains, weights, strict=True)])
+    assigned = assign_samples(ids, [(c.key, w) for c, w in zip(routes, weights, strict=True)])
     work = []
-    for chain, rows in zip(chains, assigned, strict=True):
+    for route, rows in zip(routes, assigned, strict=True):
         if not rows:
             continue
         n = min(len(rows), max(1, round(n_micro * len(rows) / total)))
         parts = torch.tensor(rows, dtype=torch.int64).tensor_split(n)
         micro = tuple(batch.select(p) for p in parts)
-        work.append(ChainWork(chain, micro, tuple(len(p) / total for p in parts)))
+        work.append(RouteWork(route, micro, tuple(len(p) / total for p in parts)))
     return work
 
 
@@ -310,14 +311,14 @@ class PingLoop:
                 return
 
 
-# ---- whether a chain lives ------------------------------------------------------------------------------
+# ---- whether a route lives ------------------------------------------------------------------------------
 
 REROUTE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 """Failures that may mean a dead peer: the driver pings the suspects and reroutes around the dead ones."""
 
 
-class NoLiveChain(StageCallError):
-    """No chain of replicas is left whole: a stage has no live replica (or every chain lost one)."""
+class NoLiveRoute(StageCallError):
+    """No route of replicas is left whole: a stage has no live replica (or every route lost one)."""
 
 
 class Failed(Exception):
