@@ -6,8 +6,9 @@ records the JSON text the DHT would store (`PlanRecord.to_wire()["plan"]`, key o
 the planner's constructor of either side of the plan-document refactor (a `PlanningConfig` first, or unpacked
 parameters), so the same scenarios run on both.
 
-Usage, from any directory (each venv imports its own checkout's swarm):
-    /work/before/.venv/bin/python scripts/compare_plan_bytes.py > old.jsonl
+Usage (each venv imports its own checkout's swarm; the old one e.g. `git worktree add ../before bfebab1` and
+`bash scripts/env.sh` there):
+    ../before/.venv/bin/python scripts/compare_plan_bytes.py > old.jsonl
     .venv/bin/python scripts/compare_plan_bytes.py > new.jsonl && cmp old.jsonl new.jsonl
 """
 
@@ -28,12 +29,13 @@ from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord, TrainerAnnouncement
 from swarm.scheduler.bits import BitsPolicy, codec_sizes
-from swarm.scheduler.precision import precision_planner
 
 try:
+    from swarm.scheduler.precision_choice import precision_planner
     from swarm.scheduler.sizes import model_spec
 except ImportError:  # before the refactor
     from swarm.daemon.planning import model_spec
+    from swarm.scheduler.precision import precision_planner
 
 IDS = [f"0{c}0000000000" for c in "abcdefgh"]
 
@@ -80,7 +82,10 @@ def fake_dht(me: str, records: dict) -> tuple[SwarmDHT, list[str]]:
 
 def make_planner(dht, spec, n_stages, *, min_peers, replicas=1, seed=0, even_layers=False, clock, **kw) -> Planner:
     if "cfg" in inspect.signature(Planner.__init__).parameters:
-        from swarm.daemon.config import PlanningConfig
+        try:
+            from swarm.daemon.peer_config import PlanningConfig
+        except ImportError:  # between the config and the rename commits
+            from swarm.daemon.config import PlanningConfig
 
         cfg = PlanningConfig(min_peers=min_peers, replicas=replicas, seed=seed, even_layers=even_layers)
         return Planner(cfg, dht, spec, n_stages, clock=clock, **kw)
