@@ -220,21 +220,12 @@ def common_flags(cfg: NatConfig) -> list[str]:
 def common_peer(cfg: NatConfig):
     """What every peer is told: even stage boundaries (the same split in every setting, so the math is the same),
     the shaped links, the schedule."""
-    from swarm.daemon.peer_config import PeerConfig, PlanningConfig
-    from swarm.experiments.throttled import warmup_steps
-    from swarm.peers.shaper import LinkShape
-    from swarm.runtime.worker import OptimConfig
+    from swarm.experiments.throttled import planned_peer
 
-    planning = PlanningConfig(
-        even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
-    )
-    return PeerConfig(
-        assign="plan",
-        planning=planning,
-        link_shape=LinkShape.from_mbit(cfg.rate_mbit, cfg.delay_ms),
-        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
-        relay_data_port=None if cfg.frames else 0,
-    )
+    return planned_peer(
+        batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, steps=cfg.steps, rate_mbit=cfg.rate_mbit,
+        delay_ms=cfg.delay_ms, relay_data_port=None if cfg.frames else 0,
+    )  # fmt: skip
 
 
 def _train_config(cfg: NatConfig, out: Path):

@@ -263,27 +263,37 @@ def calibration_window(measured: object) -> dict | None:
     return {"first": first + 1, "last": first + steps, "clock_s": max(f[2] for f in figures)}
 
 
-def peer_config(cell: Cell, cfg: ThrottledConfig):
-    """What every peer of a cell is told: its codecs and link, and a planned route with even layers, the same
-    split in every cell (the planner's own split follows noisy compute measurements, and a different stage
-    boundary would change the training math between the cells being compared), so the plan carries the cost
-    model's prediction for this cell's batch and links."""
+def planned_peer(*, batch_size: int, micro_batches: int, steps: int, rate_mbit: float, delay_ms: float, **fields):
+    """What every peer of a planned experiment is told: a planned route with even layers, the same split in every
+    cell or setting (the planner's own split follows noisy compute measurements, and a different stage boundary
+    would change the training math between the runs being compared), so the plan carries the cost model's
+    prediction for the batch and links; links shaped to `rate_mbit`/`delay_ms`, the optimizer's warm-up for
+    `steps`; `fields`: further `PeerConfig` fields (codecs, ports)."""
     from swarm.daemon.peer_config import PeerConfig, PlanningConfig
-    from swarm.options import CodecFlags
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
 
-    forward, backward = cell.setting.split("/")
     planning = PlanningConfig(
-        even_layers=True, micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches), micro_batches=cfg.micro_batches
+        even_layers=True, micro_batch_size=max(1, batch_size // micro_batches), micro_batches=micro_batches
     )
     return PeerConfig(
         assign="plan",
         planning=planning,
-        link_shape=LinkShape.from_mbit(cell.rate_mbit, cfg.delay_ms),
-        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=warmup_steps(cfg.steps)),
-        **CodecFlags(forward, backward).build(),
+        link_shape=LinkShape.from_mbit(rate_mbit, delay_ms),
+        optim=OptimConfig(total_steps=steps, warmup_steps=warmup_steps(steps)),
+        **fields,
     )
+
+
+def peer_config(cell: Cell, cfg: ThrottledConfig):
+    """What every peer of a cell is told: `planned_peer` with the cell's codecs and link rate."""
+    from swarm.options import CodecFlags
+
+    forward, backward = cell.setting.split("/")
+    return planned_peer(
+        batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, steps=cfg.steps, rate_mbit=cell.rate_mbit,
+        delay_ms=cfg.delay_ms, **CodecFlags(forward, backward).build(),
+    )  # fmt: skip
 
 
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
