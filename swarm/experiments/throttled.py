@@ -267,8 +267,9 @@ def planned_peer(*, batch_size: int, micro_batches: int, steps: int, rate_mbit: 
     """What every peer of a planned experiment is told: a planned route with even layers, the same split in every
     cell or setting (the planner's own split follows noisy compute measurements, and a different stage boundary
     would change the training math between the runs being compared), so the plan carries the cost model's
-    prediction for the batch and links; links shaped to `rate_mbit`/`delay_ms`, the optimizer's warm-up for
-    `steps`; `fields`: further `PeerConfig` fields (codecs, ports)."""
+    prediction for the batch and links; links shaped to `rate_mbit`/`delay_ms` (0 or None: unshaped, as
+    swarm-peer's own --rate-mbit reads it), the optimizer's warm-up for `steps`; `fields`: further `PeerConfig`
+    fields (codecs, ports)."""
     from swarm.daemon.peer_config import PeerConfig, PlanningConfig
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
@@ -279,7 +280,7 @@ def planned_peer(*, batch_size: int, micro_batches: int, steps: int, rate_mbit: 
     return PeerConfig(
         assign="plan",
         planning=planning,
-        link_shape=LinkShape.from_mbit(rate_mbit, delay_ms),
+        link_shape=LinkShape.from_mbit(rate_mbit or None, delay_ms),
         optim=OptimConfig(total_steps=steps, warmup_steps=warmup_steps(steps)),
         **fields,
     )

@@ -238,3 +238,12 @@ def test_rate_mbit_says_which_shaper_applies_with_and_without_netns():
     # without --netns the one flag is every peer's application shaper (with it, run_in_testbed hands it to tc:
     # test_testbed's test_run_in_testbed_maps_the_throttled_experiments_cell)
     assert nat.common_peer(nat.NatConfig(rate_mbit=20.0)).link_shape.rate_bytes_per_s == 20e6 / 8
+
+
+def test_rate_mbit_0_leaves_the_peers_links_unshaped():
+    """`--rate-mbit 0` means unshaped, as swarm-peer's own flag reads it: before, the app shaper was given a rate of
+    0 bytes/s, which no link can send at."""
+    from dataclasses import replace
+
+    assert nat.common_peer(replace(nat.NatConfig(), rate_mbit=0.0)).link_shape.rate_bytes_per_s is None
+    assert nat.common_peer(replace(nat.NatConfig(), rate_mbit=10.0)).link_shape.rate_bytes_per_s == 10e6 / 8
