@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from peers.records import LinkMeasurement, PeerAnnouncement
-from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import swarm_plan_input
 from swarm.scheduler import ModelSpec, Peer, PlanInput, SearchConfig, plan
 from swarm.scheduler.cost import FullCost, Layout
@@ -208,8 +207,7 @@ def test_the_live_plan_input_prices_relayed_links():
 
 
 def test_the_live_planner_shares_a_relay_among_the_links_it_carries():
-    from swarm.daemon.planning import Planner
-    from tests.unit.daemon.test_planner_versions import SPEC, swarm
+    from tests.unit.daemon.test_planner_versions import SPEC, planner, swarm
 
     a, b, c, d = "0a0000000000", "0b0000000000", "0c0000000000", "0d0000000000"
     peers = [
@@ -218,15 +216,7 @@ def test_the_live_planner_shares_a_relay_among_the_links_it_carries():
           for k, p in enumerate((b, c, d))),
     ]  # fmt: skip
     dht, published = swarm(a, {"peers": peers})
-    made = Planner(
-        PlanningConfig(min_peers=4, replicas=1),
-        dht,
-        SPEC,
-        n_stages=2,
-        settle_s=0.0,
-        probe_wait_s=0.0,
-        clock=lambda: 100.0,
-    ).round()
+    made = planner(dht, min_peers=4).round()
     assert made is not None and published
     x = swarm_plan_input(peers, [], SPEC)
     cfg = SearchConfig(seed=0, stages=2, max_replicas=1, replica_fractions=(1.0,))

@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.daemon.peer_config import PlanningConfig
-from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.plan import MAX_RELAY_EXTRA_S
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
@@ -19,7 +17,7 @@ from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Plan, StagePlan
 from swarm.scheduler.relays import TUNNEL_CALL_S, relay_extra_s
 from swarm.scheduler.sizes import model_spec
-from tests.unit.daemon.test_planner_versions import swarm
+from tests.unit.daemon.test_planner_versions import planner, swarm
 
 MODEL = ModelSpec(
     layers=4, flops_per_layer=1e9, forward_bytes=4e5, backward_bytes=4e5, gradient_bytes_per_layer=1e3,
@@ -125,15 +123,7 @@ def test_the_live_planner_publishes_relay_extra_with_a_plan_that_relays_a_link()
     for nat, relayed in ((ids[1:], True), ((), False)):  # three of four behind d's relay: two must meet
         peers = [ann(p, ids[0] if p in nat else None) for p in ids]
         dht, published = swarm(ids[0], {"peers": peers})
-        Planner(
-            PlanningConfig(min_peers=4, replicas=1),
-            dht,
-            spec,
-            n_stages=4,
-            settle_s=0.0,
-            probe_wait_s=0.0,
-            clock=lambda: 100.0,
-        ).round()
+        planner(dht, spec, min_peers=4, n_stages=4).round()
         ((_, plan),) = published
         validate_plan(PlanRecord(version=1, document=plan, created_at=1.0), 4, peers)
         assert ("relay_extra_s" in plan) is relayed

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_planner_versions import SPEC, A, B, peer, swarm, two_stages
+from test_planner_versions import A, B, peer, swarm, two_stages
+from test_planner_versions import planner as make_planner
 
 from swarm.daemon.calibrate import (
     MAX_SECONDS,
@@ -21,8 +22,6 @@ from swarm.daemon.calibrate import (
     read_clock,
     window,
 )
-from swarm.daemon.peer_config import PlanningConfig
-from swarm.daemon.planning import Planner
 from swarm.peers.records import PlanRecord
 from swarm.scheduler.plans import ModelSpec, Peer, PlanInput, TransformerShape
 
@@ -276,16 +275,7 @@ def test_the_planner_republishes_the_stages_with_the_calibrated_prediction():
     dht, published = swarm(A, records)
     peers = Peers()
     cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0, window_s=0.0)
-    planner = Planner(
-        PlanningConfig(min_peers=2, replicas=1),
-        dht,
-        SPEC,
-        n_stages=2,
-        settle_s=0.0,
-        probe_wait_s=0.0,
-        clock=lambda: 100.0,
-        calibrator=cal,
-    )
+    planner = make_planner(dht, calibrator=cal)
     set_steps(peers, 1)
     assert planner.round() is None and published == []
     set_steps(peers, 3)

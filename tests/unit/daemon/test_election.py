@@ -15,6 +15,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 from swarm.scheduler.sizes import model_spec
 from tests.unit.daemon.test_planner_versions import SPEC as SPEC_2
+from tests.unit.daemon.test_planner_versions import planner as make_planner
 from tests.unit.daemon.test_planner_versions import swarm, two_stages
 
 SPEC = model_spec(ModelConfig(), CodecConfig("fp32"), CodecConfig("fp32"))
@@ -145,16 +146,8 @@ def _leased_planner(me, records, clock, **config):
     dht.planner_until = 0.0
     dht.links = lambda: pytest.fail("searched anew instead of inheriting the followed plan")
     beats = []
-    planner = Planner(
-        PlanningConfig(min_peers=2, replicas=1),
-        dht,
-        SPEC_2,
-        n_stages=2,
-        settle_s=5.0,
-        probe_wait_s=0.0,
-        clock=clock,
-        dht_time=clock,
-        reannounce=lambda: beats.append(dht.planner_until),
+    planner = make_planner(
+        dht, SPEC_2, settle_s=5.0, clock=clock, dht_time=clock, reannounce=lambda: beats.append(dht.planner_until)
     )
     return planner, dht, published, beats
 

@@ -10,6 +10,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
 from swarm.peers.records import MAX_PLAN_VERSION, PeerAnnouncement, PlanRecord, TrainerAnnouncement
+from swarm.scheduler.plans import ModelSpec
 from swarm.scheduler.sizes import model_spec
 
 MODEL = ModelConfig(n_layers=2, hidden_dim=32, n_heads=2, seq_len_tokens=16)
@@ -45,16 +46,11 @@ def swarm(me: str, records: dict[str, list], **config) -> tuple[SwarmDHT, list[t
     return dht, published
 
 
-def planner(dht) -> Planner:
-    return Planner(
-        PlanningConfig(min_peers=2, replicas=1),
-        dht,
-        SPEC,
-        n_stages=2,
-        settle_s=0.0,
-        probe_wait_s=0.0,
-        clock=lambda: 100.0,
-    )
+def planner(dht, spec: ModelSpec = SPEC, *, min_peers: int = 2, n_stages: int = 2, **overrides) -> Planner:
+    """A one-replica planner over `dht` that plans at once (no settling, no probe wait) at a fixed clock (100.0);
+    `overrides` are further `Planner` arguments or replace those. The tests of other modules share it."""
+    kwargs = dict(settle_s=0.0, probe_wait_s=0.0, clock=lambda: 100.0) | overrides
+    return Planner(PlanningConfig(min_peers=min_peers, replicas=1), dht, spec, n_stages=n_stages, **kwargs)
 
 
 def test_a_new_trainer_gets_the_same_stages_under_the_next_version():

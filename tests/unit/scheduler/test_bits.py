@@ -9,8 +9,6 @@ from types import SimpleNamespace
 import pytest
 
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
-from swarm.daemon.peer_config import PlanningConfig
-from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
@@ -26,6 +24,7 @@ from swarm.scheduler.bits import (
     rechoose,
 )
 from swarm.scheduler.sizes import model_spec
+from tests.unit.daemon.test_planner_versions import planner as make_planner
 
 SIZES = codec_sizes(ModelConfig(), 2)  # fp32: ~121 kB, acsgd2+ch+nr: ~7.3 kB, gradq2+...: ~5.4 kB per micro-batch
 COMPUTE_S = 0.05
@@ -208,16 +207,7 @@ def per_link_planner(mbit: float = 1.0):
     links = measured(mbit)
     records = {"peers": [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0) for pid in (A, B)]}
     dht, published = fake_dht(records, links)
-    planner = Planner(
-        PlanningConfig(min_peers=2, replicas=1),
-        dht,
-        spec,
-        2,
-        settle_s=0.0,
-        probe_wait_s=0.0,
-        clock=lambda: 100.0,
-        codec_bytes=SIZES,
-    )
+    planner = make_planner(dht, spec, codec_bytes=SIZES)
     planner.round()
     return model, planner, records, links, published
 
