@@ -1,7 +1,7 @@
 """Command-line flags, TOML files and child-process argv generated from frozen config dataclasses.
 
 A config field is written once: its annotation gives the flag's type, the string literal after it (the field's
-docstring, read once with `ast` from the class source, as torchtitan and tyro do) gives the flag's help, and its
+docstring, read once from the class source by `swarm.field_source`) gives the flag's help, and its
 default gives the flag's default. `Flags(Config)` adds the flags to a parser, builds the config back from the
 parsed arguments (`from_args`), renders a config as the argv that rebuilds it (`to_argv`), and loads a TOML
 file given with `--config FILE` under the flags given on the command line.
@@ -16,17 +16,14 @@ together.
 Types: int, float, str and Path flags; bool as --x/--no-x; `X | None` takes the text "none" for None; tuples
 take several values (or one flag per item, `repeat`); Literal and `choices` are argparse choices.
 
-This module is the bottom of the `swarm` package: it imports nothing from it.
+It imports from `swarm` only `swarm.field_source` (the layer below it), which reads the docstrings and
+annotations.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import sys
-import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
-__all__ = ["Flag", "Flags", "field_docs", "flag", "to_argv"]
+from swarm.field_source import field_docs, field_hints
+
+__all__ = ["Flag", "Flags", "flag", "to_argv"]
 
 C = TypeVar("C")
 _NONE = "none"
@@ -87,43 +86,6 @@ def flag(**kwargs: Any) -> dict[str, Flag]:
 
 def _spec(f: dataclasses.Field, overrides: Mapping[str, Flag]) -> Flag:
     return overrides.get(f.name) or f.metadata.get("flag") or Flag()
-
-
-# ---- field docstrings ------------------------------------------------------------------------------------
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """`{field: docstring}` of a dataclass and its dataclass bases: the string literal after each field."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            docs.update(_own_docs(klass))
-    return docs
-
-
-_DOCS: dict[type, dict[str, str]] = {}
-
-
-def _own_docs(cls: type) -> dict[str, str]:
-    if cls not in _DOCS:
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-        except (OSError, TypeError, SyntaxError):  # no source (a REPL class): flags without help
-            _DOCS[cls] = {}
-            return {}
-        body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
-        docs = {}
-        for node, after in zip(body, body[1:], strict=False):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-        _DOCS[cls] = docs
-    return _DOCS[cls]
 
 
 # ---- the tree of flags -----------------------------------------------------------------------------------
@@ -320,44 +282,8 @@ class _Via:
     covers: tuple[str, ...]
 
 
-def _resolve_hints(cls: type) -> dict[str, Any]:
-    """The class's annotations, evaluated; names imported under `if TYPE_CHECKING:` are imported for it."""
-    module = sys.modules.get(cls.__module__)
-    namespace = dict(vars(module)) if module else {}
-    hints = {}
-    for klass in reversed(cls.__mro__):
-        for name, ann in getattr(klass, "__annotations__", {}).items():
-            if isinstance(ann, str):
-                try:
-                    ann = eval(ann, namespace, dict(vars(klass)))  # noqa: S307 - the class's own annotation
-                except NameError:
-                    namespace.update(_type_checking_imports(module))
-                    try:
-                        ann = eval(ann, namespace, dict(vars(klass)))  # noqa: S307
-                    except NameError:
-                        ann = Any
-            hints[name] = ann
-    return hints
-
-
-def _type_checking_imports(module: types.ModuleType | None) -> dict[str, Any]:
-    """The names a module imports under `if TYPE_CHECKING:`, imported."""
-    if module is None:
-        return {}
-    try:
-        tree = ast.parse(inspect.getsource(module))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    namespace: dict[str, Any] = {}
-    for node in tree.body:
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            imports = [n for n in node.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-            exec(compile(ast.Module(imports, []), module.__name__, "exec"), namespace)  # noqa: S102 - its imports
-    return namespace
-
-
 def _tree(cls: type, path: str, spec: Flag, title: str | None) -> _Group:
-    hints, docs = _resolve_hints(cls), field_docs(cls)
+    hints, docs = field_hints(cls), field_docs(cls)
     children: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if not f.init:

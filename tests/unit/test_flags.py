@@ -9,7 +9,8 @@ from typing import Literal
 
 import pytest
 
-from swarm.flags import Flag, Flags, field_docs, flag, to_argv
+from swarm.field_source import field_docs
+from swarm.flags import Flag, Flags, flag, to_argv
 
 
 @dataclass(frozen=True)
