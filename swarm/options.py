@@ -60,12 +60,12 @@ class ModelFlags:
 
 
 MODEL_GROUP = "model (every peer and the trainer must agree)"
-_MODEL_FLAGS = Flags(ModelFlags, title=MODEL_GROUP)
+MODEL_FLAGS = Flags(ModelFlags, title=MODEL_GROUP)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The `ModelFlags` of a command that reads them from its namespace (`model_config(args)`)."""
-    _MODEL_FLAGS.add_to(parser, config_flag=False)
+    MODEL_FLAGS.add_to(parser, config_flag=False)
 
 
 def model_config(args: argparse.Namespace) -> AnyModelConfig:
@@ -105,7 +105,7 @@ def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConf
 
 def model_arguments(args: argparse.Namespace) -> list[str]:
     """The model flags of `args` as a command line, for the peers a command starts (the same model)."""
-    return _MODEL_FLAGS.to_argv(ModelFlags(**{f.name: getattr(args, f.name) for f in fields(ModelFlags)}))
+    return MODEL_FLAGS.to_argv(ModelFlags(**{f.name: getattr(args, f.name) for f in fields(ModelFlags)}))
 
 
 def _codec_label(text: str) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from swarm.flags import Flags
-from swarm.options import ModelFlags
+from swarm.options import MODEL_FLAGS, ModelFlags
 from swarm.report import print_table
 
 __all__ = ["ProcessSample", "SoakConfig", "add_arguments", "run", "sample_tree", "slope_per_1k", "summed"]
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, warmup)),
         **CodecFlags("aqsgd2", "gradq4").build(),
     )
-    peer_argv = [*peer_flags().to_argv(peer), *Flags(ModelFlags).to_argv(MODEL)]
+    peer_argv = [*peer_flags().to_argv(peer), *MODEL_FLAGS.to_argv(MODEL)]
     say(f"starting a bootstrap node and {cfg.peers} peers")
     with local_swarm(out, cfg.peers, peer_argv, say) as swarm:
         procs = swarm.procs

@@ -170,8 +170,7 @@ def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
     its config), the codecs and schedule, and fixed even stages, declared compute and no link probes: the plan
     does not depend on noisy measurements."""
     from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
-    from swarm.flags import Flags
-    from swarm.options import CodecFlags, ModelFlags
+    from swarm.options import MODEL_FLAGS, CodecFlags, ModelFlags
     from swarm.runtime.worker import OptimConfig
 
     planning = PlanningConfig(
@@ -189,7 +188,7 @@ def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
         **CodecFlags(cfg.fw_codec, cfg.bw_codec).build(),
     )
     model = ModelFlags(model=str(checkpoint), seq_len=cfg.seq_len, model_seed=cfg.seed)
-    return [*Flags(ModelFlags).to_argv(model), *peer_flags().to_argv(peer)]
+    return [*MODEL_FLAGS.to_argv(model), *peer_flags().to_argv(peer)]
 
 
 def run_finetune(cfg: FinetuneConfig, out: Path, say=print) -> dict:

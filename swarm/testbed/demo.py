@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.flags import Flag, Flags, flag
-from swarm.options import MODEL_GROUP, CodecFlags, LinkShaping, ModelFlags
+from swarm.options import MODEL_FLAGS, MODEL_GROUP, CodecFlags, LinkShaping, ModelFlags
 from swarm.runtime.device import DeviceError, check_device
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     fw_codec, bw_codec = labels.fw_codec, labels.bw_codec
     shaped = "unshaped" if rate_mbit is None else f"shaped to {rate_mbit:g} Mbit/s"
     say(f"starting a bootstrap node and {cfg.peers} peers (links {shaped})")
-    argv = [*peer_flags().to_argv(peer), *Flags(ModelFlags).to_argv(cfg.model)]
+    argv = [*peer_flags().to_argv(peer), *MODEL_FLAGS.to_argv(cfg.model)]
     with local_swarm(out, cfg.peers, argv, say) as swarm:
         route, procs = swarm.route, swarm.procs
         say(f"plan {swarm.plan_version}: all {cfg.peers} stages served: {', '.join(route)}")
