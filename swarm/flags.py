@@ -424,8 +424,7 @@ class Flags(Generic[C]):
                 raise ValueError(f"{path}: unknown key {key!r} (not a flag of this command)")
             tokens += self.by_name[name][0].tokens(value, f"{path}: {key}")
         parser = argparse.ArgumentParser(exit_on_error=False, add_help=False)
-        for leaves in self.by_name.values():
-            leaves[0].add_to(parser, self._default(leaves[0]))
+        self.add_to(parser, config_flag=False)
         try:
             parsed = parser.parse_args(tokens)
         except argparse.ArgumentError as e:
