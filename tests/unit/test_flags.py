@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from swarm.field_source import field_docs
+from swarm.field_source import field_docs, field_hints
 from swarm.flags import Flag, Flags, flag, to_argv
 
 
@@ -80,6 +80,12 @@ def test_field_docs_are_the_literals_after_the_fields():
     assert docs["steps"] == "Optimizer steps."
     assert docs["limit"] == "Most calls; None: no limit."
     assert "hidden" in docs and "rate_s" not in docs
+
+
+def test_field_hints_are_the_annotations_evaluated():
+    hints = field_hints(Outer)  # this module's annotations are strings (`from __future__ import annotations`)
+    assert hints["steps"] is int and hints["limit"] == int | None
+    assert hints["pair"] == tuple[int, int] and hints["maybe"] == Inner | None and hints["out"] is Path
 
 
 def test_flags_of_every_kind_parse():
