@@ -12,6 +12,11 @@ import time
 from dataclasses import dataclass
 
 
+def parse_rate_mbit(text: str) -> float | None:
+    """A rate in Mbit/s as flags and link specs write it: `none`, `0` or `inf` for an unshaped link."""
+    return None if text.strip().lower() in ("none", "0", "inf") else float(text)
+
+
 @dataclass(frozen=True)
 class LinkShape:
     """How one outgoing link is shaped."""
@@ -47,7 +52,7 @@ class LinkShape:
     def parse(cls, text: str) -> LinkShape:
         """`RATE_MBIT[:DELAY_MS]`, with `none` or `0` for an unshaped rate, e.g. `100`, `10:25`, `none:40`."""
         rate, _, delay = text.partition(":")
-        rate_mbit = None if rate.strip().lower() in ("", "none", "0", "inf") else float(rate)
+        rate_mbit = None if not rate.strip() else parse_rate_mbit(rate)
         return cls.from_mbit(rate_mbit, float(delay) if delay else 0.0)
 
     def describe(self) -> str:

@@ -12,7 +12,7 @@ from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, Cod
 from swarm.flags import Flag, Flags, flag
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import BUILTIN, AnyModelConfig, resolve_model
-from swarm.peers.shaper import LinkShape
+from swarm.peers.shaper import LinkShape, parse_rate_mbit
 from swarm.runtime.schedules import SCHEDULES
 
 DEFAULT_MODEL = ModelConfig()
@@ -167,10 +167,6 @@ def codec_configs(args: argparse.Namespace) -> tuple[CodecConfig, CodecConfig]:
     return built["fw_codec"], built["bw_codec"]
 
 
-def _rate_mbit(text: str) -> float | None:
-    return None if text.strip().lower() in ("none", "0", "inf") else float(text)
-
-
 def _mbit(rate_bytes_per_s: float | None) -> float | None:
     return None if rate_bytes_per_s is None else round(rate_bytes_per_s * 8 / 1e6, 9)  # 9 digits: not 7.000000001
 
@@ -193,7 +189,7 @@ def _shape_text(shape: LinkShape) -> str:
 class LinkShaping:
     """Link shaping in the application (token bucket + one-way delay): the flags of a peer's outgoing links."""
 
-    rate_mbit: float | None = field(default=None, metadata=flag(parse=_rate_mbit))
+    rate_mbit: float | None = field(default=None, metadata=flag(parse=parse_rate_mbit))
     """bandwidth of every outgoing link, Mbit/s (none or 0: unshaped)"""
     delay_ms: float = 0.0
     """one-way delay of every outgoing link, ms"""
