@@ -301,13 +301,14 @@ class PlanRecord:
         int_field(r, "version", self.version, 1, _MAX_VERSION)
         if not isinstance(self.document, PlanDocument):
             set_field(self, "document", PlanDocument.from_wire(_parse_plan(r, _dump_plan(r, self.document))))
-        _dump_plan(r, self.document.to_wire())  # its size
+        # the compact JSON text `to_wire` publishes, dumped once here where its size is checked (not a field: the
+        # document is the record's content, this is its cached wire form)
+        set_field(self, "_text", _dump_plan(r, self.document.to_wire()))
         set_field(self, "created_at", float_field(r, "created_at", self.created_at, 0.0, _MAX_TIME_S))
 
     def to_wire(self) -> dict[str, Any]:
         # The plan travels as JSON text: its size is checked before it is parsed, and it can't nest msgpack types.
-        text = _dump_plan("PlanRecord", self.document.to_wire())
-        return {"version": self.version, "plan": text, "created_at": self.created_at}
+        return {"version": self.version, "plan": self._text, "created_at": self.created_at}
 
     @classmethod
     def from_wire(cls, wire: Any) -> PlanRecord:
