@@ -155,22 +155,20 @@ class LinkCodecs:
     """Why the planner chose them (`swarm.scheduler.bits.choose_link`), for logs."""
     forward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
     backward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
+    where: dataclasses.InitVar[str] = "plan.codecs[?]"
+    """How errors name it: `from_wire` names its boundary (`plan.codecs[1]`), a new one's is not known yet."""
 
-    def __post_init__(self) -> None:
-        r = "plan.codecs[?]"  # `from_wire` checks the wire form first, naming the boundary
-        set_field(self, "forward", _codec(r, "forward", self.forward_label))
-        set_field(self, "backward", _codec(r, "backward", self.backward_label))
-        _why(r, self.why)
+    def __post_init__(self, where: str) -> None:
+        set_field(self, "forward", _codec(where, "forward", self.forward_label))
+        set_field(self, "backward", _codec(where, "backward", self.backward_label))
+        _why(where, self.why)
 
     @classmethod
     def from_wire(cls, wire: Any, boundary: int) -> LinkCodecs:
         """Boundary `boundary`'s codecs from the wire; ValueError naming the field (`plan.codecs[1].forward`)."""
-        r = f"plan.codecs[{boundary}]"
         if not isinstance(wire, dict) or not set(wire) <= {"forward", "backward", "why"}:
             raise fail(_P, f"codecs[{boundary}]", "a dict of forward, backward (and why)", wire)
-        for key in ("forward", "backward"):
-            _codec(r, key, wire.get(key))
-        return cls(wire["forward"], wire["backward"], _why(r, wire.get("why")))
+        return cls(wire.get("forward"), wire.get("backward"), wire.get("why"), f"plan.codecs[{boundary}]")
 
     def to_wire(self) -> dict[str, Any]:
         out = {"forward": self.forward_label, "backward": self.backward_label}
