@@ -19,19 +19,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.compression import CodecConfig, codec_class
+from swarm.compression import CodecConfig
 from swarm.peers.fields import MAX_LAYERS, fail, int_field, peer_id_field, set_field
+from swarm.peers.plan_codecs import EpilogueCodecs, LinkCodecs
 from swarm.peers.routes import MAX_ROUTES, PlanRoutes, fits
 
 __all__ = [
-    "MAX_CODEC_WHY",
     "MAX_PLAN_PEERS",
     "MAX_PLAN_STAGES",
     "MAX_PLAN_TRAINERS",
     "MAX_RELAY_EXTRA_S",
     "PLAN_PRECISIONS",
-    "EpilogueCodecs",
-    "LinkCodecs",
     "PlanDocument",
     "PlanStage",
 ]
@@ -46,38 +44,10 @@ PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 """What a plan's `precisions` may name (`swarm.runtime.precision.PRECISIONS`)."""
 MAX_RELAY_EXTRA_S = 1e6
 """Largest `relay_extra_s` a plan may carry (a plan through a relay that cannot carry its links prices at it)."""
-MAX_CODEC_WHY = 400
-"""Characters of a codec choice's `why` text (the planner cuts its texts to it)."""
-_MAX_CODEC_LABEL = 64
 _MAX_NAME = 64  # a figure's name, the plan's cost model
 _MAX_FIGURES = 64  # named figures in a breakdown or one peer's measurement
 _MAX_PLAN_VERSION = 1 << 53  # a scheduler version, bounded as a record's (`swarm.peers.records.MAX_PLAN_VERSION`)
 _P = "plan"
-
-
-def _codec(r: str, key: str, label: Any) -> CodecConfig:
-    """`label` as the `CodecConfig` it names: a string of at most _MAX_CODEC_LABEL characters `CodecConfig.parse`
-    knows."""
-    if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
-        raise fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
-    try:
-        return CodecConfig.parse(label)
-    except (ValueError, KeyError) as e:
-        raise fail(r, key, "a known codec label", label) from e
-
-
-def _epilogue_codec(r: str, key: str, label: Any) -> CodecConfig:
-    """A codec label the averager can sum with: known, and without sample buffers (a gradient has no samples)."""
-    config = _codec(r, key, label)
-    if codec_class(config.name).uses_buffers:
-        raise fail(r, key, "a codec without sample buffers", label)
-    return config
-
-
-def _why(r: str, why: Any) -> str | None:
-    if why is not None and (type(why) is not str or len(why) > MAX_CODEC_WHY):
-        raise fail(r, "why", f"text of at most {MAX_CODEC_WHY} characters", why)
-    return why
 
 
 def _number(r: str, key: str, value: Any) -> float | int | None:
@@ -140,76 +110,6 @@ class PlanStage:
 
     def to_wire(self) -> dict[str, Any]:
         return {"layer_start": self.layer_start, "layer_end": self.layer_end, "peer_ids": list(self.peer_ids)}
-
-
-@dataclass(frozen=True)
-class LinkCodecs:
-    """One boundary's codecs: what the stage before it sends forward and the stage after it sends back.
-
-    The labels are kept as published (a label says more than `CodecConfig.label` prints: `+nr`, `+gN`); the
-    configs are what they parse to, with no peer's options (`PlanDocument.link_configs` adds those)."""
-
-    forward_label: str
-    backward_label: str
-    why: str | None = None
-    """Why the planner chose them (`swarm.scheduler.bits.choose_link`), for logs."""
-    forward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
-    backward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
-    where: dataclasses.InitVar[str] = "plan.codecs[?]"
-    """How errors name it: `from_wire` names its boundary (`plan.codecs[1]`), a new one's is not known yet."""
-
-    def __post_init__(self, where: str) -> None:
-        set_field(self, "forward", _codec(where, "forward", self.forward_label))
-        set_field(self, "backward", _codec(where, "backward", self.backward_label))
-        _why(where, self.why)
-
-    @classmethod
-    def from_wire(cls, wire: Any, boundary: int) -> LinkCodecs:
-        """Boundary `boundary`'s codecs from the wire; ValueError naming the field (`plan.codecs[1].forward`)."""
-        if not isinstance(wire, dict) or not set(wire) <= {"forward", "backward", "why"}:
-            raise fail(_P, f"codecs[{boundary}]", "a dict of forward, backward (and why)", wire)
-        return cls(wire.get("forward"), wire.get("backward"), wire.get("why"), f"plan.codecs[{boundary}]")
-
-    def to_wire(self) -> dict[str, Any]:
-        out = {"forward": self.forward_label, "backward": self.backward_label}
-        return out if self.why is None else {**out, "why": self.why}
-
-
-@dataclass(frozen=True)
-class EpilogueCodecs:
-    """The codecs of the steps' epilogue (SEL, `swarm.scheduler.bits.choose_epilogue`): each stage's replicas'
-    gradient sum and the tied embedding's sync, as published and as the `CodecConfig`s they parse to."""
-
-    average_labels: tuple[str | None, ...]
-    """Per stage: its replicas' sum's codec (None: one replica, or the averager's backward codec)."""
-    tied_label: str | None = None
-    """The tied sync's codec (None: none chosen)."""
-    why: str | None = None
-    average: tuple[CodecConfig | None, ...] = dataclasses.field(init=False, compare=False, repr=False)
-    tied: CodecConfig | None = dataclasses.field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        r = "plan.epilogue_codecs"
-        if type(self.average_labels) not in (list, tuple):
-            raise fail(r, "average", "a list of the stages' codecs", self.average_labels)
-        set_field(self, "average_labels", tuple(self.average_labels))
-        configs = [
-            None if label is None else _epilogue_codec(r, f"average[{i}]", label)
-            for i, label in enumerate(self.average_labels)
-        ]
-        set_field(self, "average", tuple(configs))
-        set_field(self, "tied", None if self.tied_label is None else _epilogue_codec(r, "tied", self.tied_label))
-        _why(r, self.why)
-
-    @classmethod
-    def from_wire(cls, wire: Any) -> EpilogueCodecs:
-        if not isinstance(wire, dict) or not set(wire) <= {"average", "tied", "why"} or "average" not in wire:
-            raise fail(_P, "epilogue_codecs", "a dict of average, tied (and why)", wire)
-        return cls(wire["average"], wire.get("tied"), wire.get("why"))
-
-    def to_wire(self) -> dict[str, Any]:
-        out = {"average": list(self.average_labels), "tied": self.tied_label}
-        return out if self.why is None else {**out, "why": self.why}
 
 
 @dataclass(frozen=True)
