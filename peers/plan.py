@@ -48,6 +48,24 @@ _MAX_NAME = 64  # a figure's name, the plan's cost model
 _MAX_FIGURES = 64  # named figures in a breakdown or one peer's measurement
 _MAX_PLAN_VERSION = 1 << 53  # a scheduler version, bounded as a record's (`swarm.peers.records.MAX_PLAN_VERSION`)
 _P = "plan"
+_WIRE_FIELDS = {
+    "format": "format",
+    "version": "version",
+    "cost_model": "cost_model",
+    "step_time_s": "step_time_s",
+    "breakdown": "breakdown",
+    "stages": "stages",
+    "unused_peer_ids": "unused_peer_ids",
+    "frozen_layers": "frozen_layers",
+    "codecs": "codecs",
+    "epilogue_codecs": "epilogue",
+    "precisions": "precisions",
+    "relay_extra_s": "relay_extra_s",
+    "trainer_ids": "trainer_ids",
+    "measured": "measured",
+    "first_step_time_s": "first_step_time_s",
+}
+"""Each wire key's field, in the planner's order of a new plan's keys (`PlanDocument.key_order`)."""
 
 
 def _number(r: str, key: str, value: Any) -> float | int | None:
@@ -212,7 +230,7 @@ class PlanDocument:
         if self.version is not None:
             int_field(_P, "version", self.version, 0, _MAX_PLAN_VERSION)
         # kept keys where they were, new ones last; a key this plan no longer has goes last if a later plan sets it
-        present = self._wire_in_canonical_order()
+        present = [key for key, name in _WIRE_FIELDS.items() if getattr(self, name) is not None]
         kept = tuple(key for key in self.key_order if key in present)
         set_field(self, "key_order", kept + tuple(key for key in present if key not in kept))
 
@@ -310,29 +328,22 @@ class PlanDocument:
 
     def to_wire(self) -> dict[str, Any]:
         """The plan as the DHT carries it (JSON-able), its keys in `key_order`."""
-        out = self._wire_in_canonical_order()
-        return {key: out[key] for key in self.key_order}
+        return {key: self._wire_value(key) for key in self.key_order}
 
-    def _wire_in_canonical_order(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key in ("format", "version", "cost_model", "step_time_s"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.breakdown is not None:
-            out["breakdown"] = dict(self.breakdown)
-        out["stages"] = [s.to_wire() for s in self.stages]
-        out["unused_peer_ids"] = list(self.unused_peer_ids)
-        optional = {
-            "frozen_layers": self.frozen_layers,
-            "codecs": None if self.codecs is None else [c.to_wire() for c in self.codecs],
-            "epilogue_codecs": None if self.epilogue is None else self.epilogue.to_wire(),
-            "precisions": None if self.precisions is None else list(self.precisions),
-            "relay_extra_s": self.relay_extra_s,
-            "trainer_ids": None if self.trainer_ids is None else list(self.trainer_ids),
-            "measured": None if self.measured is None else {pid: dict(f) for pid, f in self.measured},
-            "first_step_time_s": self.first_step_time_s,
-        }
-        return out | {key: value for key, value in optional.items() if value is not None}
+    def _wire_value(self, key: str) -> Any:
+        """Wire key `key`'s value (a key of `key_order`: its field is set)."""
+        value = getattr(self, _WIRE_FIELDS[key])
+        if key in ("stages", "codecs"):
+            return [part.to_wire() for part in value]
+        if key in ("unused_peer_ids", "precisions", "trainer_ids"):
+            return list(value)
+        if key == "epilogue_codecs":
+            return value.to_wire()
+        if key == "breakdown":
+            return dict(value)
+        if key == "measured":
+            return {pid: dict(figures) for pid, figures in value}
+        return value
 
     def replace(self, **changes: Any) -> PlanDocument:
         """This plan with `changes` (fields by name), checked whole again."""
