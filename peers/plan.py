@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.compression import CodecConfig
-from swarm.peers.fields import MAX_LAYERS, fail, int_field, peer_id_field, set_field
+from swarm.peers.fields import MAX_LAYERS, MAX_PLAN_VERSION, fail, int_field, peer_id_field, set_field
 from swarm.peers.plan_codecs import EpilogueCodecs, LinkCodecs
 from swarm.peers.routes import MAX_ROUTES, PlanRoutes, fits
 
@@ -46,7 +46,6 @@ MAX_RELAY_EXTRA_S = 1e6
 """Largest `relay_extra_s` a plan may carry (a plan through a relay that cannot carry its links prices at it)."""
 _MAX_NAME = 64  # a figure's name, the plan's cost model
 _MAX_FIGURES = 64  # named figures in a breakdown or one peer's measurement
-_MAX_PLAN_VERSION = 1 << 53  # a scheduler version, bounded as a record's (`swarm.peers.records.MAX_PLAN_VERSION`)
 _P = "plan"
 _WIRE_FIELDS = {
     "format": "format",
@@ -228,7 +227,7 @@ class PlanDocument:
             int_field(_P, "format", self.format, 0, 1 << 16)
         _name(_P, "cost_model", self.cost_model)
         if self.version is not None:
-            int_field(_P, "version", self.version, 0, _MAX_PLAN_VERSION)
+            int_field(_P, "version", self.version, 0, MAX_PLAN_VERSION)
         # kept keys where they were, new ones last; a key this plan no longer has goes last if a later plan sets it
         present = [key for key, name in _WIRE_FIELDS.items() if getattr(self, name) is not None]
         kept = tuple(key for key in self.key_order if key in present)
