@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "MAX_LAYERS",
+    "MAX_PLAN_VERSION",
     "PEER_ID_RE",
     "fail",
     "float_field",
@@ -24,6 +25,8 @@ __all__ = [
 
 MAX_LAYERS = 1 << 20
 """Most layers a record may name."""
+MAX_PLAN_VERSION = 1 << 53
+"""Highest plan version: far below msgpack's int64, so `version + 1` always fits (and survives a float)."""
 PEER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A peer (or trainer) id: 1-64 characters of [A-Za-z0-9._-], not starting with a dot, dash or underscore."""
 

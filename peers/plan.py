@@ -19,19 +19,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.compression import CodecConfig, codec_class
-from swarm.peers.fields import MAX_LAYERS, fail, int_field, peer_id_field, set_field
+from swarm.compression import CodecConfig
+from swarm.peers.fields import MAX_LAYERS, MAX_PLAN_VERSION, fail, int_field, peer_id_field, set_field
+from swarm.peers.plan_codecs import EpilogueCodecs, LinkCodecs
 from swarm.peers.routes import MAX_ROUTES, PlanRoutes, fits
 
 __all__ = [
-    "MAX_CODEC_WHY",
     "MAX_PLAN_PEERS",
     "MAX_PLAN_STAGES",
     "MAX_PLAN_TRAINERS",
     "MAX_RELAY_EXTRA_S",
     "PLAN_PRECISIONS",
-    "EpilogueCodecs",
-    "LinkCodecs",
     "PlanDocument",
     "PlanStage",
 ]
@@ -46,38 +44,27 @@ PLAN_PRECISIONS = ("fp32", "bf16", "fp16")
 """What a plan's `precisions` may name (`swarm.runtime.precision.PRECISIONS`)."""
 MAX_RELAY_EXTRA_S = 1e6
 """Largest `relay_extra_s` a plan may carry (a plan through a relay that cannot carry its links prices at it)."""
-MAX_CODEC_WHY = 400
-"""Characters of a codec choice's `why` text (the planner cuts its texts to it)."""
-_MAX_CODEC_LABEL = 64
 _MAX_NAME = 64  # a figure's name, the plan's cost model
 _MAX_FIGURES = 64  # named figures in a breakdown or one peer's measurement
-_MAX_PLAN_VERSION = 1 << 53  # a scheduler version, bounded as a record's (`swarm.peers.records.MAX_PLAN_VERSION`)
 _P = "plan"
-
-
-def _codec(r: str, key: str, label: Any) -> CodecConfig:
-    """`label` as the `CodecConfig` it names: a string of at most _MAX_CODEC_LABEL characters `CodecConfig.parse`
-    knows."""
-    if type(label) is not str or not 0 < len(label) <= _MAX_CODEC_LABEL:
-        raise fail(r, key, f"a codec label of at most {_MAX_CODEC_LABEL} characters", label)
-    try:
-        return CodecConfig.parse(label)
-    except (ValueError, KeyError) as e:
-        raise fail(r, key, "a known codec label", label) from e
-
-
-def _epilogue_codec(r: str, key: str, label: Any) -> CodecConfig:
-    """A codec label the averager can sum with: known, and without sample buffers (a gradient has no samples)."""
-    config = _codec(r, key, label)
-    if codec_class(config.name).uses_buffers:
-        raise fail(r, key, "a codec without sample buffers", label)
-    return config
-
-
-def _why(r: str, why: Any) -> str | None:
-    if why is not None and (type(why) is not str or len(why) > MAX_CODEC_WHY):
-        raise fail(r, "why", f"text of at most {MAX_CODEC_WHY} characters", why)
-    return why
+_WIRE_FIELDS = {
+    "format": "format",
+    "version": "version",
+    "cost_model": "cost_model",
+    "step_time_s": "step_time_s",
+    "breakdown": "breakdown",
+    "stages": "stages",
+    "unused_peer_ids": "unused_peer_ids",
+    "frozen_layers": "frozen_layers",
+    "codecs": "codecs",
+    "epilogue_codecs": "epilogue",
+    "precisions": "precisions",
+    "relay_extra_s": "relay_extra_s",
+    "trainer_ids": "trainer_ids",
+    "measured": "measured",
+    "first_step_time_s": "first_step_time_s",
+}
+"""Each wire key's field, in the planner's order of a new plan's keys (`PlanDocument.key_order`)."""
 
 
 def _number(r: str, key: str, value: Any) -> float | int | None:
@@ -140,78 +127,6 @@ class PlanStage:
 
     def to_wire(self) -> dict[str, Any]:
         return {"layer_start": self.layer_start, "layer_end": self.layer_end, "peer_ids": list(self.peer_ids)}
-
-
-@dataclass(frozen=True)
-class LinkCodecs:
-    """One boundary's codecs: what the stage before it sends forward and the stage after it sends back.
-
-    The labels are kept as published (a label says more than `CodecConfig.label` prints: `+nr`, `+gN`); the
-    configs are what they parse to, with no peer's options (`PlanDocument.link_configs` adds those)."""
-
-    forward_label: str
-    backward_label: str
-    why: str | None = None
-    """Why the planner chose them (`swarm.scheduler.bits.choose_link`), for logs."""
-    forward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
-    backward: CodecConfig = dataclasses.field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        r = "plan.codecs[?]"  # `from_wire` checks the wire form first, naming the boundary
-        set_field(self, "forward", _codec(r, "forward", self.forward_label))
-        set_field(self, "backward", _codec(r, "backward", self.backward_label))
-        _why(r, self.why)
-
-    @classmethod
-    def from_wire(cls, wire: Any, boundary: int) -> LinkCodecs:
-        """Boundary `boundary`'s codecs from the wire; ValueError naming the field (`plan.codecs[1].forward`)."""
-        r = f"plan.codecs[{boundary}]"
-        if not isinstance(wire, dict) or not set(wire) <= {"forward", "backward", "why"}:
-            raise fail(_P, f"codecs[{boundary}]", "a dict of forward, backward (and why)", wire)
-        for key in ("forward", "backward"):
-            _codec(r, key, wire.get(key))
-        return cls(wire["forward"], wire["backward"], _why(r, wire.get("why")))
-
-    def to_wire(self) -> dict[str, Any]:
-        out = {"forward": self.forward_label, "backward": self.backward_label}
-        return out if self.why is None else {**out, "why": self.why}
-
-
-@dataclass(frozen=True)
-class EpilogueCodecs:
-    """The codecs of the steps' epilogue (SEL, `swarm.scheduler.bits.choose_epilogue`): each stage's replicas'
-    gradient sum and the tied embedding's sync, as published and as the `CodecConfig`s they parse to."""
-
-    average_labels: tuple[str | None, ...]
-    """Per stage: its replicas' sum's codec (None: one replica, or the averager's backward codec)."""
-    tied_label: str | None = None
-    """The tied sync's codec (None: none chosen)."""
-    why: str | None = None
-    average: tuple[CodecConfig | None, ...] = dataclasses.field(init=False, compare=False, repr=False)
-    tied: CodecConfig | None = dataclasses.field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        r = "plan.epilogue_codecs"
-        if type(self.average_labels) not in (list, tuple):
-            raise fail(r, "average", "a list of the stages' codecs", self.average_labels)
-        set_field(self, "average_labels", tuple(self.average_labels))
-        configs = [
-            None if label is None else _epilogue_codec(r, f"average[{i}]", label)
-            for i, label in enumerate(self.average_labels)
-        ]
-        set_field(self, "average", tuple(configs))
-        set_field(self, "tied", None if self.tied_label is None else _epilogue_codec(r, "tied", self.tied_label))
-        _why(r, self.why)
-
-    @classmethod
-    def from_wire(cls, wire: Any) -> EpilogueCodecs:
-        if not isinstance(wire, dict) or not set(wire) <= {"average", "tied", "why"} or "average" not in wire:
-            raise fail(_P, "epilogue_codecs", "a dict of average, tied (and why)", wire)
-        return cls(wire["average"], wire.get("tied"), wire.get("why"))
-
-    def to_wire(self) -> dict[str, Any]:
-        out = {"average": list(self.average_labels), "tied": self.tied_label}
-        return out if self.why is None else {**out, "why": self.why}
 
 
 @dataclass(frozen=True)
@@ -312,9 +227,9 @@ class PlanDocument:
             int_field(_P, "format", self.format, 0, 1 << 16)
         _name(_P, "cost_model", self.cost_model)
         if self.version is not None:
-            int_field(_P, "version", self.version, 0, _MAX_PLAN_VERSION)
+            int_field(_P, "version", self.version, 0, MAX_PLAN_VERSION)
         # kept keys where they were, new ones last; a key this plan no longer has goes last if a later plan sets it
-        present = self._wire_in_canonical_order()
+        present = [key for key, name in _WIRE_FIELDS.items() if getattr(self, name) is not None]
         kept = tuple(key for key in self.key_order if key in present)
         set_field(self, "key_order", kept + tuple(key for key in present if key not in kept))
 
@@ -412,29 +327,22 @@ class PlanDocument:
 
     def to_wire(self) -> dict[str, Any]:
         """The plan as the DHT carries it (JSON-able), its keys in `key_order`."""
-        out = self._wire_in_canonical_order()
-        return {key: out[key] for key in self.key_order}
+        return {key: self._wire_value(key) for key in self.key_order}
 
-    def _wire_in_canonical_order(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key in ("format", "version", "cost_model", "step_time_s"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.breakdown is not None:
-            out["breakdown"] = dict(self.breakdown)
-        out["stages"] = [s.to_wire() for s in self.stages]
-        out["unused_peer_ids"] = list(self.unused_peer_ids)
-        optional = {
-            "frozen_layers": self.frozen_layers,
-            "codecs": None if self.codecs is None else [c.to_wire() for c in self.codecs],
-            "epilogue_codecs": None if self.epilogue is None else self.epilogue.to_wire(),
-            "precisions": None if self.precisions is None else list(self.precisions),
-            "relay_extra_s": self.relay_extra_s,
-            "trainer_ids": None if self.trainer_ids is None else list(self.trainer_ids),
-            "measured": None if self.measured is None else {pid: dict(f) for pid, f in self.measured},
-            "first_step_time_s": self.first_step_time_s,
-        }
-        return out | {key: value for key, value in optional.items() if value is not None}
+    def _wire_value(self, key: str) -> Any:
+        """Wire key `key`'s value (a key of `key_order`: its field is set)."""
+        value = getattr(self, _WIRE_FIELDS[key])
+        if key in ("stages", "codecs"):
+            return [part.to_wire() for part in value]
+        if key in ("unused_peer_ids", "precisions", "trainer_ids"):
+            return list(value)
+        if key == "epilogue_codecs":
+            return value.to_wire()
+        if key == "breakdown":
+            return dict(value)
+        if key == "measured":
+            return {pid: dict(figures) for pid, figures in value}
+        return value
 
     def replace(self, **changes: Any) -> PlanDocument:
         """This plan with `changes` (fields by name), checked whole again."""

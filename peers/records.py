@@ -17,14 +17,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.peers.fields import MAX_LAYERS, fail, float_field, int_field, peer_id_field, set_field, str_field
+from swarm.peers.fields import (
+    MAX_LAYERS,
+    MAX_PLAN_VERSION,
+    fail,
+    float_field,
+    int_field,
+    peer_id_field,
+    set_field,
+    str_field,
+)
 from swarm.peers.plan import PLAN_PRECISIONS, PlanDocument
 
 __all__ = [
     "MAX_CLOCK_SKEW_S",
     "MAX_PLANNER_LEASE_S",
     "MAX_PLAN_BYTES",
-    "MAX_PLAN_VERSION",
     "LOW_PRECISIONS",
     "LinkMeasurement",
     "PeerAnnouncement",
@@ -48,11 +56,8 @@ _MAX_LAYERS_PER_S = 1e9
 _MAX_RTT_S = 3600.0
 _MAX_BYTES_PER_S = 1e13  # 80 Tbit/s
 _MAX_BURST_BYTES = float(1 << 30)  # a bucket deeper than 1 GiB is no measurement
-MAX_PLAN_VERSION = 1 << 53
-"""Highest plan version: far below msgpack's int64, so `version + 1` always fits (and survives a float)."""
 MAX_CLOCK_SKEW_S = 120.0
 """How far in the future a record's own timestamp may lie (clocks of volunteers differ a little)."""
-_MAX_VERSION = MAX_PLAN_VERSION
 
 _ADDRESS_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))" r":(?P<port>\d{1,5})")
 _DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,15}(?::\d{1,4})?")
@@ -168,7 +173,7 @@ class PeerAnnouncement:
                 raise fail(r, "held", "[layer_start, layer_end, steps_done] entries", entry)
             start = int_field(r, "held", entry[0], 0, MAX_LAYERS - 1)
             end = int_field(r, "held", entry[1], start + 1, MAX_LAYERS)
-            held.append((start, end, int_field(r, "held", entry[2], 0, _MAX_VERSION)))
+            held.append((start, end, int_field(r, "held", entry[2], 0, MAX_PLAN_VERSION)))
         set_field(self, "held", tuple(held))
         _address(r, "address", self.address)
         str_field(r, "device", self.device, _DEVICE_RE, "a device like 'cpu' or 'cuda:0'")
@@ -191,7 +196,7 @@ class PeerAnnouncement:
         if (self.stage is None) != (self.layer_start is None):
             raise fail(r, "stage", "to be set exactly when a layer range is", self.stage)
         set_field(self, "load", float_field(r, "load", self.load, 0.0, 1.0))
-        int_field(r, "plan_version", self.plan_version, 0, _MAX_VERSION)
+        int_field(r, "plan_version", self.plan_version, 0, MAX_PLAN_VERSION)
         set_field(self, "started_at", float_field(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
         set_field(self, "planner_until", float_field(r, "planner_until", self.planner_until, 0.0, _MAX_TIME_S))
         if self.codec is not None:
@@ -298,16 +303,17 @@ class PlanRecord:
 
     def __post_init__(self) -> None:
         r = type(self).__name__
-        int_field(r, "version", self.version, 1, _MAX_VERSION)
+        int_field(r, "version", self.version, 1, MAX_PLAN_VERSION)
         if not isinstance(self.document, PlanDocument):
             set_field(self, "document", PlanDocument.from_wire(_parse_plan(r, _dump_plan(r, self.document))))
-        _dump_plan(r, self.document.to_wire())  # its size
+        # the compact JSON text `to_wire` publishes, dumped once here where its size is checked (not a field: the
+        # document is the record's content, this is its cached wire form)
+        set_field(self, "_text", _dump_plan(r, self.document.to_wire()))
         set_field(self, "created_at", float_field(r, "created_at", self.created_at, 0.0, _MAX_TIME_S))
 
     def to_wire(self) -> dict[str, Any]:
         # The plan travels as JSON text: its size is checked before it is parsed, and it can't nest msgpack types.
-        text = _dump_plan("PlanRecord", self.document.to_wire())
-        return {"version": self.version, "plan": text, "created_at": self.created_at}
+        return {"version": self.version, "plan": self._text, "created_at": self.created_at}
 
     @classmethod
     def from_wire(cls, wire: Any) -> PlanRecord:
@@ -317,7 +323,7 @@ class PlanRecord:
         for key in ("version", "plan", "created_at"):
             if key not in wire:
                 raise ValueError(f"{cls.__name__}.{key}: missing")
-        int_field(cls.__name__, "version", wire["version"], 1, _MAX_VERSION)
+        int_field(cls.__name__, "version", wire["version"], 1, MAX_PLAN_VERSION)
         document = PlanDocument.from_wire(_parse_plan(cls.__name__, wire["plan"]))
         return cls(wire["version"], document, wire["created_at"])
 

@@ -70,7 +70,8 @@ def rows(
     policy = policy or BitsPolicy()
     from swarm.compression import CodecConfig
     from swarm.daemon.planning import link_figures
-    from swarm.peers.plan import EpilogueCodecs, PlanStage
+    from swarm.peers.plan import PlanStage
+    from swarm.peers.plan_codecs import EpilogueCodecs
     from swarm.scheduler.sizes import message_bytes
 
     activation = (shape.micro_batch_size, shape.seq_len, shape.hidden)

@@ -41,9 +41,9 @@ from swarm.daemon.calibrate import Calibrator
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.repack import with_frozen
 from swarm.daemon.repair import grow_plan, repair_plan
+from swarm.peers.fields import MAX_PLAN_VERSION
 from swarm.peers.plan import MAX_PLAN_TRAINERS, PlanDocument, PlanStage
 from swarm.peers.records import (
-    MAX_PLAN_VERSION,
     LinkMeasurement,
     PeerAnnouncement,
     PlanRecord,

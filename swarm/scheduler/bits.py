@@ -13,8 +13,9 @@ embedding's sync run after the pipeline drains, where nothing overlaps them: the
 the step. So they are compressed by a different rule: the widest codec of their ladder whose transfer adds at
 most `epilogue_share` of the step's pipeline time; if none does, the floor (the averager's: 8 bits for the
 replicas' sum, 4 for the tied sync). One averaging codec per stage (each stage's replicas have their own links)
-and one tied codec; the plan carries them (`swarm.peers.plan.EpilogueCodecs`) and peers set them on their averager
-(`PlanDocument.epilogue_configs`). A fast link thus sums in fp32 or bf16, a slow one in 8 bits with error feedback.
+and one tied codec; the plan carries them (`swarm.peers.plan_codecs.EpilogueCodecs`) and peers set them on their
+averager (`PlanDocument.epilogue_configs`). A fast link thus sums in fp32 or bf16, a slow one in 8 bits with error
+feedback.
 
 Re-choice (`rechoose`): a plan's codecs change only when some link's rate moved by more than `hysteresis`
 (a factor) since the rates it was chosen from, or a stage's compute did: probes are noisy, and each switch of
@@ -27,7 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from swarm.peers.plan import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
+from swarm.peers.plan_codecs import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
 
 __all__ = [
     "AVERAGE_LADDER",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from swarm.peers.plan import EpilogueCodecs
+from swarm.peers.plan_codecs import EpilogueCodecs
 from swarm.scheduler.bits import BitsPolicy, EpilogueFigures, choose_epilogue, epilogue_bytes
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Breakdown, ModelSpec, PlanInput, TransformerShape

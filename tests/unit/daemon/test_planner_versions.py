@@ -9,7 +9,8 @@ from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
 from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
-from swarm.peers.records import MAX_PLAN_VERSION, PeerAnnouncement, PlanRecord, TrainerAnnouncement
+from swarm.peers.fields import MAX_PLAN_VERSION
+from swarm.peers.records import PeerAnnouncement, PlanRecord, TrainerAnnouncement
 from swarm.scheduler.plans import ModelSpec
 from swarm.scheduler.sizes import model_spec
 

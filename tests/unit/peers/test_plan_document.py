@@ -8,7 +8,8 @@ import json
 import pytest
 
 from swarm.compression import CodecConfig
-from swarm.peers.plan import EpilogueCodecs, LinkCodecs, PlanDocument, PlanStage
+from swarm.peers.plan import PlanDocument, PlanStage
+from swarm.peers.plan_codecs import EpilogueCodecs, LinkCodecs
 from swarm.peers.records import PlanRecord
 from tests.unit.daemon.test_freeze_replan import _frozen_plan
 from tests.unit.daemon.test_repair import A, B, C, D, E, grid

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from swarm.peers.entries import MAX_TTL_S, parse_entry
+from swarm.peers.fields import MAX_PLAN_VERSION
 from swarm.peers.plan import MAX_PLAN_STAGES, MAX_PLAN_TRAINERS
 from swarm.peers.records import (
     MAX_CLOCK_SKEW_S,
-    MAX_PLAN_VERSION,
     PeerAnnouncement,
     PlanRecord,
     validate_plan,
