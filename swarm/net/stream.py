@@ -170,8 +170,6 @@ class Incoming:
     message: wire_pb2.TensorMessage | None = None
     tokens: stage_pb2.TokenBatch | None = None
     wire_bytes: int = 0
-    parsed: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Checked (tokens, sample ids) of `tokens`, once the stage has admitted the call."""
 
 
 def read_stream(
