@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import grpc
 
+from swarm.net.stream import METHODS, bind_method, message_type
 from swarm.peers.transport import Channels, TransportConfig
 from swarm.proto import stage_pb2
 
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
 
 __all__ = [
-    "METHODS",
     "Connector",
     "GrpcConnector",
     "LocalNetwork",
@@ -109,31 +109,9 @@ class GrpcConnector:
         self.channels.close()
 
 
-_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"]
-"""The stage service as `stage.proto` declares it: every client table below is derived from it."""
-METHODS = {method.name: method for method in _SERVICE.methods}
-"""The stage service's methods by name (their request and reply types, and which side streams)."""
-
-
-def _message(descriptor) -> type:
-    return getattr(stage_pb2, descriptor.name)
-
-
-def _bind(channel: grpc.Channel, method) -> Callable:
-    """`method` on `channel`: a client-streaming call takes already serialized stream items (not parsed and
-    serialized again, as in `swarm.net.stream.TensorStreams`), a unary call takes its request message."""
-    path = f"/{_SERVICE.full_name}/{method.name}"
-    reply = _message(method.output_type).FromString
-    if method.client_streaming:
-        factory = channel.stream_stream if method.server_streaming else channel.stream_unary
-        return factory(path, request_serializer=None, response_deserializer=reply)
-    factory = channel.unary_stream if method.server_streaming else channel.unary_unary
-    return factory(path, request_serializer=_message(method.input_type).SerializeToString, response_deserializer=reply)
-
-
 def status_of(channel: grpc.Channel, timeout_s: float) -> stage_pb2.StatusReply:
     """The Status of the stage service on `channel` (a raw channel, or one whose calls are signed)."""
-    return _bind(channel, METHODS["Status"])(stage_pb2.Empty(), timeout=timeout_s)
+    return bind_method(channel, METHODS["Status"])(stage_pb2.Empty(), timeout=timeout_s)
 
 
 class _GrpcStage:
@@ -150,7 +128,7 @@ class _GrpcStage:
         channel = self._channel()
         with self._lock:
             if self._bound[0] is not channel:
-                self._bound = (channel, {name: _bind(channel, method) for name, method in METHODS.items()})
+                self._bound = (channel, {name: bind_method(channel, method) for name, method in METHODS.items()})
             return self._bound[1]
 
     def __getattr__(self, name: str):
@@ -315,7 +293,7 @@ class _LocalStage:
         method = METHODS.get(name)
         if method is None:
             raise AttributeError(name)
-        parse = _message(method.input_type).FromString if method.client_streaming else None
+        parse = message_type(method.input_type).FromString if method.client_streaming else None
 
         def call(request, timeout: float | None = None):
             context = _LocalContext(self._token())

@@ -143,23 +143,39 @@ def item_nbytes(item: stage_pb2.StreamItem, data_len: int) -> int:
     return n
 
 
-class TensorStreams:
-    """The stage service's tensor-carrying calls for streams of already serialized items (`tensor_items`).
+STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"]
+"""The stage service as `stage.proto` declares it: every client's methods are bound from it (`bind_method`)."""
+METHODS = {method.name: method for method in STAGE_SERVICE.methods}
+"""The stage service's methods by name (their request and reply types, and which side streams)."""
 
-    The generated stub would take `StreamItem` objects and serialize each again; these take the bytes as
-    they are. Replies are parsed as the generated stub does.
-    """
+
+def message_type(descriptor) -> type:
+    """The generated class of a `stage.proto` message."""
+    return getattr(stage_pb2, descriptor.name)
+
+
+def bind_method(channel: grpc.Channel, method) -> Callable:
+    """`method` (of `METHODS`) on `channel`: a client-streaming call takes already serialized stream items
+    (`tensor_items`; the generated stub would take `StreamItem` objects and serialize each again), a unary call
+    takes its request message. Replies are parsed as the generated stub does."""
+    path = f"/{STAGE_SERVICE.full_name}/{method.name}"
+    reply = message_type(method.output_type).FromString
+    if method.client_streaming:
+        factory = channel.stream_stream if method.server_streaming else channel.stream_unary
+        return factory(path, request_serializer=None, response_deserializer=reply)
+    factory = channel.unary_stream if method.server_streaming else channel.unary_unary
+    request = message_type(method.input_type).SerializeToString
+    return factory(path, request_serializer=request, response_deserializer=reply)
+
+
+class TensorStreams:
+    """The stage service's tensor-carrying calls on a raw channel, for streams of already serialized items
+    (`tensor_items`), bound as every stage client binds them (`bind_method`)."""
 
     def __init__(self, channel: grpc.Channel):
-        service = stage_pb2.DESCRIPTOR.services_by_name["Stage"]
-
-        def call(name: str, reply):
-            path = f"/{service.full_name}/{service.methods_by_name[name].name}"
-            return channel.stream_unary(path, request_serializer=None, response_deserializer=reply.FromString)
-
-        self.Forward = call("Forward", stage_pb2.ForwardReply)
-        self.Backward = call("Backward", stage_pb2.BackwardReply)
-        self.Sink = call("Sink", stage_pb2.Traffic)
+        self.Forward = bind_method(channel, METHODS["Forward"])
+        self.Backward = bind_method(channel, METHODS["Backward"])
+        self.Sink = bind_method(channel, METHODS["Sink"])
 
 
 @dataclass
@@ -170,8 +186,6 @@ class Incoming:
     message: wire_pb2.TensorMessage | None = None
     tokens: stage_pb2.TokenBatch | None = None
     wire_bytes: int = 0
-    parsed: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Checked (tokens, sample ids) of `tokens`, once the stage has admitted the call."""
 
 
 def read_stream(

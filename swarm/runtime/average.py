@@ -409,10 +409,11 @@ class GradientAverager:
         counts = [0] * len(peers)
         deadline_s = max(0.0, end - time.monotonic())
         what = "tied gradient" if info.tied else "gradients"
+        wire = info_to_wire(info)  # the same call info to every member
 
         def send(i: int) -> None:
             shaper = host.links.shaping.for_destination(addresses[i])
-            items = tensor_items(info_to_wire(info), msg, config.zstd_level, shaper)
+            items = tensor_items(wire, msg, config.zstd_level, shaper)
 
             def counted():
                 for item in items:

@@ -45,7 +45,7 @@ import torch
 from swarm.net.stream import CallRefused, StageCallError, tokens_to_wire
 from swarm.proto import stage_pb2
 from swarm.runtime.budget import StageBudget
-from swarm.runtime.messages import CallInfo
+from swarm.runtime.messages import CallInfo, from_wire
 
 __all__ = [
     "DEFAULT_DEADLINE_S",
@@ -111,8 +111,7 @@ def call_info(
 
 def info_from_wire(wire: stage_pb2.CallInfo) -> CallInfo:
     """A call's CallInfo as the host takes it: every field, as it came (repeated fields as tuples)."""
-    values = {f.name: getattr(wire, f.name) for f in dataclasses.fields(CallInfo)}
-    return CallInfo(**{k: v if isinstance(v, str | int | float) else tuple(v) for k, v in values.items()})
+    return from_wire(CallInfo, wire)
 
 
 def info_to_wire(info: CallInfo) -> stage_pb2.CallInfo:

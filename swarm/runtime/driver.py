@@ -40,7 +40,7 @@ from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering,
 from swarm.proto import stage_pb2
 from swarm.runtime.callinfo import CallRouter, route_needed
 from swarm.runtime.gate import runs_through
-from swarm.runtime.messages import GradReport
+from swarm.runtime.messages import GradReport, from_wire
 from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
 from swarm.runtime.routing import (
@@ -361,8 +361,7 @@ class PipelineDriver:
             for r in group
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
-        replies = {key: future.result() for key, (future, _) in tasks.items()}
-        grads = {key: GradReport(r.grad_sq_norm, r.loss_scale, tuple(r.layer_sq_norms)) for key, r in replies.items()}
+        grads = {key: from_wire(GradReport, future.result()) for key, (future, _) in tasks.items()}
         try:
             self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
         except StageCallError:

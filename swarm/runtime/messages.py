@@ -7,9 +7,25 @@ The host works with these; the servicer (`swarm.runtime.service`) turns a call's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-__all__ = ["CallInfo", "GradReport", "ReduceOrder", "ReduceReport", "StageCall", "StageStatus", "StepOrder"]
+__all__ = [
+    "CallInfo",
+    "GradReport",
+    "ReduceOrder",
+    "ReduceReport",
+    "StageCall",
+    "StageStatus",
+    "StepOrder",
+    "from_wire",
+]
+
+
+def from_wire(cls, message):
+    """The dataclass `cls` of a protobuf `message` with fields of the same names: every field as it came,
+    repeated ones as tuples."""
+    values = {f.name: getattr(message, f.name) for f in fields(cls)}
+    return cls(**{k: v if isinstance(v, str | int | float) else tuple(v) for k, v in values.items()})
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
 from swarm.runtime.checkpoint import handover_tensors
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
-from swarm.runtime.messages import CallInfo, ReduceOrder, StageCall, StepOrder
+from swarm.runtime.messages import CallInfo, ReduceOrder, StageCall, StepOrder, from_wire
 from swarm.runtime.policy import CallPolicy, Roster
 from swarm.runtime.schedules import Kind
 
@@ -427,8 +427,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
 def reduce_order(request: stage_pb2.ReduceRequest) -> ReduceOrder:
     """A Reduce call's request as the host's averager takes it: the same fields (repeated ones as tuples)."""
-    values = {f.name: getattr(request, f.name) for f in fields(ReduceOrder)}
-    return ReduceOrder(**{k: v if isinstance(v, str | int | float) else tuple(v) for k, v in values.items()})
+    return from_wire(ReduceOrder, request)
 
 
 def step_order(request: stage_pb2.StepRequest) -> StepOrder:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from swarm.net.connect import METHODS, LocalNetwork, StageClient, _bind, status_of
+from swarm.net.connect import LocalNetwork, StageClient, status_of
+from swarm.net.stream import METHODS, bind_method
 from swarm.proto import stage_pb2
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,7 +43,7 @@ class _Channel:
 def test_grpc_bindings_take_serialized_items_for_streams():
     channel = _Channel()
     for method in METHODS.values():
-        _bind(channel, method)
+        bind_method(channel, method)
     kind, serializer, reply = channel.bound["/swarm.Stage/Forward"]
     assert (kind, serializer) == ("stream_unary", None)  # items go as they are, serialized once
     assert reply(stage_pb2.ForwardReply(loss=2.0).SerializeToString()).loss == 2.0
