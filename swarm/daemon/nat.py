@@ -29,7 +29,7 @@ import grpc
 
 from swarm.metrics import RELAYED_BYTES
 from swarm.net.reach import DialBackHelper, NonceBook, check_reachable
-from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Tunnels
+from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Standing, Tunnels
 
 if TYPE_CHECKING:
     from swarm.peers.records import PeerAnnouncement
@@ -146,6 +146,7 @@ class NatWiring:
         self.servicer = RelayServicer(
             self.me, verifier, self.may_attach, self.limits, daemon.shaping, self.book.address, daemon.metrics,
             serve_relay=self.relaying, dial_back=DialBackHelper(self.book.address, signer), nonces=self.nonces,
+            planned=self.planned,
         )  # fmt: skip
         self.tunnels = Tunnels(signer, self.book.route, local=self.servicer)
         self.attachment: Attachment | None = None
@@ -171,17 +172,35 @@ class NatWiring:
             port = self.servicer.listen_raw(host, data_port)
             log.info("relay data port %s:%d (relayed bytes as plain TCP)", host, port)
 
-    def may_attach(self, peer_id: str) -> bool:
-        """Whether `peer_id` may attach here: it announces reach="relay" and names this peer its relay, or it is
-        this peer's pipeline neighbour under the plan this peer follows (its second Attach: this peer's calls to
-        it then take the reverse connection, while others reach it through the relay it names)."""
+    def may_attach(self, peer_id: str) -> Standing:
+        """What the run vouches for `peer_id` as, for an Attach here (the relay's rule: `RelayLimits`). It must be
+        announced in the run (its PeerAnnouncement, signed by its key) with reach="relay" and either name this peer
+        its relay or be this peer's pipeline neighbour under the plan this peer follows (its second Attach: this
+        peer's calls to it then take the reverse connection, while others reach it through the relay it names);
+        else STRANGER (refused). PLANNED when the plan names it (it may evict a peer the plan does not name),
+        else ANNOUNCED."""
         found = self.book.get(peer_id)
         if found is None or found.relay != self.me:  # maybe announced a moment ago: read again (rate-limited)
             self.book.reread()
             found = self.book.get(peer_id)
         if found is None or found.reach != "relay":
-            return False
-        return found.relay == self.me or self._rank()(peer_id) <= NEIGHBOUR
+            return Standing.STRANGER
+        if found.relay != self.me and self._rank()(peer_id) > NEIGHBOUR:
+            return Standing.STRANGER
+        return Standing.PLANNED if self.planned(peer_id) else Standing.ANNOUNCED
+
+    def planned(self, peer_id: str) -> bool:
+        """Whether the run names `peer_id`: the plan this peer follows (a stage peer, one on standby, a trainer),
+        or a private run's `allowed_trainers` / `trusted_planners`. Such a caller's relay Connects may use the slots
+        the relay keeps from strangers, and such a peer's Attach may evict a stranger's. No DHT read: the plan in
+        memory only (a Connect asks it)."""
+        record = getattr(self.daemon, "following", None)
+        if record is not None:
+            document = record.document
+            if peer_id in (document.trainer_ids or ()) or peer_id in document.named_peers():
+                return True
+        config = getattr(self.daemon.dht, "config", None)
+        return peer_id in getattr(config, "allowed_trainers", ()) or peer_id in getattr(config, "trusted_planners", ())
 
     # ---- this peer's reach ------------------------------------------------------------------------------
 

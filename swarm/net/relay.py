@@ -9,10 +9,13 @@ to end, unchanged, inside the tunnel: C's calls stay signed for P and are checke
 can neither read as calls nor forge. When C is R itself (P's pipeline neighbour is its relay), the tunnel
 opens the pipe inside R's process: the reverse connection, no extra hop.
 
-Bounds (`RelayLimits`): attached peers, connections per attached peer and in all, bytes per frame, how long
-P may take to accept. Only P can attach as P (the Attach is signed by P's key) and only while P announces R
-as its relay (`may_attach`); a connection to a peer that is not attached is refused (NOT_FOUND); a newer
-Attach of the same peer replaces the older (a restarted P is not locked out by its own dead stream). A
+Bounds (`RelayLimits`): attached peers, connections per caller (to one peer and in all), per attached peer and
+in all, bytes per frame, how long P may take to accept. Only P can attach as P (the Attach is signed by P's key)
+and only while the run vouches for it (`may_attach` answers its `Standing`: P announces R as its relay, or the
+plan names P); a connection to a peer that is not attached is refused (NOT_FOUND); a newer Attach of the same
+peer replaces the older (a restarted P is not locked out by its own dead stream). Strangers never shut out
+the plan: callers the plan names (`planned`: its trainers and stage peers) may use slots that others may not,
+and a peer the plan names evicts, when the relay is full, a peer it does not name. A
 relay that dies ends every tunnel through it, so the calls inside fail with UNAVAILABLE and the driver's
 reroute and repair take over. R paces relayed bytes by its shaper per destination, and counts them as
 `swarm_relayed_bytes_total{link="<src>-><dst>"}`.
@@ -34,7 +37,16 @@ from typing import TYPE_CHECKING
 import grpc
 
 from swarm.net.splice import TAKEN, DataPort, new_secret, shut, splice
-from swarm.net.tunnel import Attachment, RelayError, RelayLimits, RelayRoute, Tunnels, _drain, _socket_frames
+from swarm.net.tunnel import (
+    Attachment,
+    RelayError,
+    RelayLimits,
+    RelayRoute,
+    Standing,
+    Tunnels,
+    _drain,
+    _socket_frames,
+)
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
 if TYPE_CHECKING:
@@ -43,18 +55,22 @@ if TYPE_CHECKING:
     from swarm.net.reach import DialBackHelper, NonceBook
     from swarm.peers.shaper import LinkShaping
 
-__all__ = ["Attachment", "RelayError", "RelayLimits", "RelayRoute", "RelayServicer", "Tunnels"]
+__all__ = ["Attachment", "RelayError", "RelayLimits", "RelayRoute", "RelayServicer", "Standing", "Tunnels"]
 
 log = logging.getLogger("swarm.relay")
 
 
 class _Attached:
-    def __init__(self, peer_id: str):
-        self.peer_id = peer_id
+    def __init__(self, peer_id: str, standing: Standing = Standing.ANNOUNCED):
+        self.peer_id, self.standing = peer_id, standing
         self.requests: queue.SimpleQueue[tuple[int, bytes] | None] = queue.SimpleQueue()
         """(conn_id, its data-port secret) of each connection the peer is asked to accept"""
         self.conns = 0
+        self.open_conns = 0
+        """of `conns`, those of callers the plan does not name"""
         self.closed = threading.Event()
+        self.evicted_for: str | None = None
+        """the peer the plan names that took this one's slot (its Attach then ends RESOURCE_EXHAUSTED)"""
 
     def close(self) -> None:
         self.closed.set()
@@ -116,13 +132,16 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         peer_id: this peer's id (the relay's half of every link label).
         verifier: establishes each caller's peer id; without one every call is refused (a relay serves only
             peers it can name).
-        may_attach: whether a peer may attach here (daemon: it announces reach="relay", relay=this peer).
+        may_attach: peer id -> its `Standing` for an Attach here (daemon: announced with reach="relay" and
+            relay=this peer, or named by the plan); a bool reads as STRANGER/ANNOUNCED.
         limits: bounds.
         shaping: paces forwarded bytes per destination (keyed by `address_of(peer)`, else the peer id).
         metrics: counts `relayed_bytes`.
         serve_relay: False (--no-relay): Attach and Connect are refused; DialBack and Echo still served.
         dial_back: the dial-back helper (None: DialBack refused).
         nonces: this peer's pending reachability nonces, answered by Echo.
+        planned: caller id -> whether the plan this relay follows names it (its trainers and stage peers): such
+            callers' Connects may use the slots the limits reserve (`RelayLimits`), strangers' may not.
     """
 
     def __init__(
@@ -137,8 +156,9 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         serve_relay: bool = True,
         dial_back: DialBackHelper | None = None,
         nonces: NonceBook | None = None,
+        planned: Callable[[str], bool] = lambda peer: False,
     ):
-        self.peer_id, self.verifier, self.may_attach = peer_id, verifier, may_attach
+        self.peer_id, self.verifier, self.may_attach, self.planned = peer_id, verifier, may_attach, planned
         self.limits = limits or RelayLimits()
         self.shaping, self.address_of, self.metrics = shaping, address_of, metrics
         self.serve_relay, self.dial_back, self.nonces = serve_relay, dial_back, nonces
@@ -146,6 +166,11 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         self._pending: dict[int, _Pending] = {}
         self._conns = 0
         self._pairs: dict[tuple[str, str], int] = {}
+        self._by_caller: dict[str, int] = {}
+        """open connections per caller, to all targets (`conns_per_caller_total`)"""
+        self._open_conns = 0
+        """open connections of callers the plan does not name (`open_conns`)"""
+        self._waiting_by: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -195,24 +220,55 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
 
     # ---- relaying ---------------------------------------------------------------------------------------
 
+    def _admit(self, caller: str, standing: Standing) -> tuple[_Attached, _Attached | None, _Attached | None]:
+        """The slot of `caller`'s Attach: (its entry, the older Attach of the same peer it replaces, the peer
+        the plan does not name it evicts). Raises RelayError when full. Under the lock."""
+        entry = _Attached(caller, standing)
+        old = self._attached.get(caller)
+        others = [e for e in self._attached.values() if e is not old]
+        victim = None
+        if standing < Standing.PLANNED and sum(e.standing < Standing.PLANNED for e in others) >= (
+            self.limits.open_attached
+        ):
+            raise RelayError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"relay {self.peer_id}: {self.limits.open_attached} peers the plan does not name attached already",
+            )
+        if len(others) >= self.limits.max_attached:
+            unnamed = [e for e in others if e.standing < Standing.PLANNED]
+            if standing < Standing.PLANNED or not unnamed:
+                full = f"relay {self.peer_id}: {self.limits.max_attached} peers attached"
+                raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, full)
+            victim = unnamed[-1]  # the last attached (dicts keep order): the longest-held stay
+            del self._attached[victim.peer_id]
+            victim.evicted_for = caller
+        self._attached[caller] = entry
+        self._arrived.notify_all()
+        return entry, old, victim
+
     def Attach(self, request_iterator, context):
         caller = self._caller(context)
         if not self.serve_relay:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer does not relay (--no-relay)")
-        if not self.may_attach(caller):
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"peer {caller} does not announce relay={self.peer_id}")
-        entry = _Attached(caller)
+        standing = Standing(int(self.may_attach(caller)))
+        if standing == Standing.STRANGER:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"peer {caller} does not announce relay={self.peer_id} and the plan does not name it",
+            )
         with self._lock:
-            old = self._attached.get(caller)
-            if old is None and len(self._attached) >= self.limits.max_attached:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.limits.max_attached} peers attached")
-            self._attached[caller] = entry
-            self._arrived.notify_all()
+            try:
+                entry, old, victim = self._admit(caller, standing)
+            except RelayError as e:
+                context.abort(e.code, e.details)
         if old is not None:
             log.info("peer %s attached again: the newer Attach replaces the older", caller)
             old.close()
+        if victim is not None:
+            log.warning("peer %s evicted: peer %s, named by the plan, takes its slot", victim.peer_id, caller)
+            victim.close()
         context.add_callback(entry.close)
-        log.info("peer %s attached", caller)
+        log.info("peer %s attached (%s)", caller, standing.name.lower())
         try:
             yield stage_pb2.AttachDown(conn_id=0)  # accepted: the peer may announce this relay now
             port = 0 if self.data_port is None else self.data_port.port
@@ -222,6 +278,11 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                 except queue.Empty:
                     asked = (0, b"")
                 if asked is None:
+                    if entry.evicted_for is not None:
+                        context.abort(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"relay {self.peer_id} full: peer {entry.evicted_for}, named by the plan, took the slot",
+                        )
                     break
                 conn_id, secret = asked
                 if conn_id and port:
@@ -242,21 +303,22 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         if not self.serve_relay:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, "this peer does not relay (--no-relay)")
         pending = _Pending(caller, target, frames)
-        self._await_attach(target)
+        # this relay's own calls and the plan's callers may use the reserved slots (read outside the lock)
+        named = caller == self.peer_id or bool(self.planned(caller))
+        self._await_attach(caller, target)
         with self._lock:
             entry = self._attached.get(target)
             if entry is None:
                 raise RelayError(grpc.StatusCode.NOT_FOUND, f"peer {target} is not attached to relay {self.peer_id}")
             pair = (caller, target)
-            if (
-                entry.conns >= self.limits.conns_per_peer
-                or self._conns >= self.limits.max_conns
-                or self._pairs.get(pair, 0) >= self.limits.conns_per_caller
-            ):
-                raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay {self.peer_id}: too many connections")
+            self._check_slots(entry, caller, pair, named)
             entry.conns += 1
             self._conns += 1
             self._pairs[pair] = self._pairs.get(pair, 0) + 1
+            self._by_caller[caller] = self._by_caller.get(caller, 0) + 1
+            if not named:
+                entry.open_conns += 1
+                self._open_conns += 1
             conn_id = next(self._ids)
             self._pending[conn_id] = pending
         try:
@@ -274,6 +336,12 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                 self._pairs[pair] -= 1
                 if not self._pairs[pair]:
                     del self._pairs[pair]
+                self._by_caller[caller] -= 1
+                if not self._by_caller[caller]:
+                    del self._by_caller[caller]
+                if not named:
+                    entry.open_conns -= 1
+                    self._open_conns -= 1
             if pending.sock is not None:  # taken just as the wait gave up, or done: closed either way
                 shut(pending.sock)
 
@@ -348,23 +416,52 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         if self.data_port is not None:
             self.data_port.close()
 
-    def _await_attach(self, target: str) -> None:
-        """Waits (at most `attach_wait_s`, at most `max_waiting` Connects at once) for the Attach of a target that
-        is not attached but announces this relay: a peer moving its Attach here announces first and attaches
-        a moment later, and a caller that read the new announcement must not find it missing meanwhile."""
+    def _check_slots(self, entry: _Attached, caller: str, pair: tuple[str, str], named: bool) -> None:
+        """Raises RelayError (RESOURCE_EXHAUSTED, naming the bound) when a new connection of `caller` to `entry`
+        would pass a bound: per caller and target, per caller, per target, in all; a caller the plan does not
+        name also within the open (unreserved) slots. Under the lock."""
+        limits, why = self.limits, None
+        if self._pairs.get(pair, 0) >= limits.conns_per_caller:
+            why = f"{limits.conns_per_caller} connections of caller {caller} to peer {entry.peer_id}"
+        elif self._by_caller.get(caller, 0) >= limits.conns_per_caller_total:
+            why = f"{limits.conns_per_caller_total} connections of caller {caller}"
+        elif entry.conns >= limits.conns_per_peer:
+            why = f"{limits.conns_per_peer} connections to peer {entry.peer_id}"
+        elif self._conns >= limits.max_conns:
+            why = f"{limits.max_conns} connections in all"
+        elif not named and entry.open_conns >= limits.open_conns_per_peer:
+            why = f"{limits.open_conns_per_peer} connections to peer {entry.peer_id} of callers the plan does not name"
+        elif not named and self._open_conns >= limits.open_conns:
+            why = f"{limits.open_conns} connections of callers the plan does not name"
+        if why is not None:
+            raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"relay {self.peer_id}: {why}")
+
+    def _await_attach(self, caller: str, target: str) -> None:
+        """Waits (at most `attach_wait_s`, at most `max_waiting` Connects at once and `waiting_per_caller` of one
+        caller) for the Attach of a target that is not attached but announces this relay: a peer moving its
+        Attach here announces first and attaches a moment later, and a caller that read the new announcement
+        must not find it missing meanwhile."""
         with self._lock:
-            if target in self._attached or self._waiting >= self.limits.max_waiting:
+            if (
+                target in self._attached
+                or self._waiting >= self.limits.max_waiting
+                or self._waiting_by.get(caller, 0) >= self.limits.waiting_per_caller
+            ):
                 return
         if not self.may_attach(target):  # a DHT read (rate-limited): outside the lock
             return
         deadline = time.monotonic() + self.limits.attach_wait_s
         with self._lock:
             self._waiting += 1
+            self._waiting_by[caller] = self._waiting_by.get(caller, 0) + 1
             try:
                 while target not in self._attached and (left := deadline - time.monotonic()) > 0:
                     self._arrived.wait(left)
             finally:
                 self._waiting -= 1
+                self._waiting_by[caller] -= 1
+                if not self._waiting_by[caller]:
+                    del self._waiting_by[caller]
 
     def Connect(self, request_iterator, context):
         caller = self._caller(context)

@@ -5,6 +5,7 @@ listeners (`Tunnels`) and the unreachable peer's Attach (`Attachment`), with the
 
 from __future__ import annotations
 
+import enum
 import logging
 import socket
 import threading
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
     from swarm.net.relay import RelayServicer
 
-__all__ = ["READ_BYTES", "Attachment", "RelayError", "RelayLimits", "RelayRoute", "Tunnels"]
+__all__ = ["READ_BYTES", "Attachment", "RelayError", "RelayLimits", "RelayRoute", "Standing", "Tunnels"]
 
 log = logging.getLogger("swarm.relay")
 
@@ -30,19 +31,53 @@ READ_BYTES = COPY_BYTES
 """Bytes read from a socket per frame (a frame carries at most `RelayLimits.max_frame_bytes`)."""
 
 
+class Standing(enum.IntEnum):
+    """What the run vouches for a peer as, in a relay's eyes (the daemon answers: `NatWiring.may_attach`).
+    A callable that answers a bool reads as STRANGER (False) or ANNOUNCED (True)."""
+
+    STRANGER = 0
+    """neither announced in the run naming this relay nor named by the plan: its Attach is refused"""
+    ANNOUNCED = 1
+    """announced in the run (a PeerAnnouncement signed by its key) with reach="relay" and this relay: it attaches
+    in the open slots (`RelayLimits.open_attached`), and is evicted for a PLANNED peer when the relay is full"""
+    PLANNED = 2
+    """named by the plan this relay follows: takes any free slot, else evicts an ANNOUNCED peer"""
+
+
 @dataclass(frozen=True)
 class RelayLimits:
-    """What one relay serves at most."""
+    """What one relay serves at most, and what an attached peer takes from its relay at most.
+
+    The rule (issue 27): strangers never shut out the plan. A caller the plan names (its trainers, its stage
+    peers: `RelayServicer`'s `planned`) may hold every connection slot; callers it does not name share what
+    the reserves leave (`open_conns_per_peer`, `open_conns`). A peer the plan names attaches in any free slot
+    and, the relay full, evicts the last attached peer the plan does not name; those attach only while fewer
+    than `open_attached` of them are attached."""
 
     max_attached: int = 8
     """peers attached at once"""
+    reserved_attached: int = 4
+    """of `max_attached`, the slots peers the plan does not name may not take"""
     conns_per_peer: int = 16
     """open connections to one attached peer (each caller's channel holds one)"""
+    reserved_conns_per_peer: int = 8
+    """of `conns_per_peer`, the slots kept for callers the plan names (the trainer, pipeline neighbours)"""
     max_conns: int = 32
     """open connections through this relay in all"""
+    reserved_conns: int = 16
+    """of `max_conns`, the slots kept for callers the plan names"""
     conns_per_caller: int = 4
     """open connections of one caller to one attached peer (a gRPC channel holds one; a stranger cannot take
     the attached peer's every slot)"""
+    conns_per_caller_total: int = 8
+    """open connections of one caller through this relay, to all attached peers together"""
+    waiting_per_caller: int = 2
+    """Connects of one caller waiting for a target's Attach at once (`attach_wait_s`; beyond: NOT_FOUND at once)"""
+    accepts_per_attach: int = 24
+    """the attached peer's side: connections it takes from one relay at once (each costs it two threads and
+    three descriptors). An honest relay asks at most `conns_per_peer`; the margin covers the moments when a
+    connection's end has reached one side and not yet the other. Further requests are dropped, and a relay
+    that asks `accepts_per_attach` more than that within one Attach is left (a flooding relay)"""
     max_frame_bytes: int = 1 << 20
     """data bytes of one frame; a larger frame ends its connection (INVALID_ARGUMENT)"""
     accept_timeout_s: float = 5.0
@@ -58,6 +93,32 @@ class RelayLimits:
     """how long an Attach waits for its relay's connection: a relay that announces reach=direct before its own
     check found it behind NAT drops the SYN, and gRPC's own connect timeout (~10 s) kept the peer unreached
     long enough for the planner to drop it (`swarm experiment nat --netns`)"""
+
+    def __post_init__(self) -> None:
+        for name, whole in (
+            ("reserved_attached", "max_attached"),
+            ("reserved_conns_per_peer", "conns_per_peer"),
+            ("reserved_conns", "max_conns"),
+        ):
+            if not 0 <= getattr(self, name) <= getattr(self, whole):
+                raise ValueError(f"RelayLimits.{name} must be within 0..{whole} ({getattr(self, whole)})")
+        if min(self.max_attached, self.conns_per_peer, self.max_conns, self.accepts_per_attach) < 1:
+            raise ValueError("RelayLimits: max_attached, conns_per_peer, max_conns and accepts_per_attach must be >= 1")
+
+    @property
+    def open_attached(self) -> int:
+        """Peers the plan does not name that may be attached at once."""
+        return self.max_attached - self.reserved_attached
+
+    @property
+    def open_conns_per_peer(self) -> int:
+        """Connections to one attached peer that callers the plan does not name may hold together."""
+        return self.conns_per_peer - self.reserved_conns_per_peer
+
+    @property
+    def open_conns(self) -> int:
+        """Connections through this relay that callers the plan does not name may hold together."""
+        return self.max_conns - self.reserved_conns
 
     def threads(self) -> int:
         """Server threads the relay may hold: one per Attach, two per connection (Connect and Accept)."""
@@ -112,6 +173,21 @@ class _Unconnected(grpc.RpcError):
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Flooding(grpc.RpcError):
+    """An Attach whose relay asked for more connections at once than `RelayLimits.accepts_per_attach` allows, by
+    more than that again: the peer leaves it (`Attachment.on_fail` sees RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, relay_id: str, dropped: int):
+        self._details = f"relay {relay_id} asked {dropped} connections over the bound: left"
+        super().__init__(self._details)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def details(self) -> str:
         return self._details
@@ -275,7 +351,9 @@ class Tunnels:
 class Attachment:
     """The unreachable peer's end: keeps an Attach open to its relay and opens an Accept, piped to its own
     gRPC server at `local_address`, for every connection the relay announces. Reattaches after a failure
-    (backoff up to 5 s) until `close()`.
+    (backoff up to 5 s) until `close()`. At most `limits.accepts_per_attach` connections are taken at once (a
+    relay that floods AttachDowns cannot grow this peer's threads or descriptors past that: two threads and
+    three descriptors each); a relay that asks for that many more is left (RESOURCE_EXHAUSTED to `on_fail`).
 
     Args:
         relay: () -> (relay peer id, relay address) to attach to now (re-read at every attempt).
@@ -300,6 +378,9 @@ class Attachment:
         self.relay_id: str | None = None
         self._raw = DataPortPaths(raw, self.limits.attach_connect_s)
         """takes connections by the relay's data port when it offers one (`raw` False: always the Accept stream)"""
+        self.dropped = 0
+        """connection requests dropped over `accepts_per_attach` (a flooding relay), over this object's life"""
+        self._taking_lock = threading.Lock()
         self._stop = threading.Event()
         self._call = None
         self._thread = threading.Thread(target=self._run, name="swarm-attach", daemon=True)
@@ -345,22 +426,49 @@ class Attachment:
                     yield stage_pb2.AttachUp(keepalive=True)
 
             self._call = stub.Attach(upstream(), metadata=metadata)
+            taking: set[int] = set()
+            """conn_ids being taken now (the bound: `RelayLimits.accepts_per_attach`)"""
+            dropped = 0
             for down in self._call:
                 if not self.attached.is_set():
                     self.relay_id = relay_id
                     self.attached.set()
                     log.info("attached to relay %s at %s", relay_id, relay_address)
-                if down.conn_id:
-                    raw = None
-                    if down.splice_port and self._raw.usable(relay_address):
-                        raw = (relay_address, down.splice_port, bytes(down.splice_secret))
-                    threading.Thread(
-                        target=self._accept, args=(stub, metadata, down.conn_id, raw), name="swarm-accept", daemon=True
-                    ).start()
+                if not down.conn_id:
+                    continue
+                with self._taking_lock:
+                    take = down.conn_id not in taking and len(taking) < self.limits.accepts_per_attach
+                    if take:
+                        taking.add(down.conn_id)
+                if not take:  # an honest relay never asks this much: a flooding one costs no thread, no socket
+                    dropped += 1
+                    self.dropped += 1
+                    if dropped == 1:
+                        log.warning("relay %s asks more connections than %d at once: dropped", relay_id, len(taking))
+                    if dropped > self.limits.accepts_per_attach:
+                        self._call.cancel()
+                        raise _Flooding(relay_id, dropped)
+                    continue
+                raw = None
+                if down.splice_port and self._raw.usable(relay_address):
+                    raw = (relay_address, down.splice_port, bytes(down.splice_secret))
+                threading.Thread(
+                    target=self._accept, args=(stub, metadata, down.conn_id, raw, taking), name="swarm-accept",
+                    daemon=True,
+                ).start()  # fmt: skip
 
-    def _accept(self, stub, metadata, conn_id: int, raw: tuple[str, int, bytes] | None = None) -> None:
-        """Takes connection `conn_id`: by the relay's data port when `raw` (relay address, data port, secret)
-        names one and it answers, else by an Accept stream; either way piped to this peer's own server."""
+    def _accept(self, stub, metadata, conn_id: int, raw=None, taking: set[int] | None = None) -> None:
+        """Takes connection `conn_id` (then frees its place in `taking`): by the relay's data port when `raw`
+        (relay address, data port, secret) names one and it answers, else by an Accept stream; either way piped
+        to this peer's own server."""
+        try:
+            self._take(stub, metadata, conn_id, raw)
+        finally:
+            if taking is not None:
+                with self._taking_lock:
+                    taking.discard(conn_id)
+
+    def _take(self, stub, metadata, conn_id: int, raw: tuple[str, int, bytes] | None) -> None:
         host, port = self.local_address.rsplit(":", 1)
         try:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)

@@ -221,6 +221,36 @@ def test_may_attach_only_peers_that_announce_this_relay():
         relay.close()
 
 
+def test_the_plan_vouches_for_attaches_and_callers_the_relay_must_not_shut_out():
+    """Issue 27: an announced peer naming this relay attaches as ANNOUNCED, one the followed plan names as PLANNED
+    (it may evict a stranger); callers the plan names (its stage peers, its trainers) use the reserved slots."""
+    from types import SimpleNamespace
+
+    from swarm.net.relay import Standing
+
+    board = {}
+    relay = Daemon(board, "direct")
+    try:
+        me = relay.identity.peer_id
+        volunteer, trainer, other = (Identity.generate().peer_id for _ in range(3))
+        announced = dict(peer_id=volunteer, address="1.2.3.4:5", reach="relay", relay=me)
+        board[volunteer] = dataclasses.replace(relay.announcement, **announced)
+        assert relay.nat.may_attach(volunteer) == Standing.ANNOUNCED
+        assert relay.nat.may_attach(other) == Standing.STRANGER  # not announced: refused
+        assert not relay.nat.planned(volunteer) and not relay.nat.planned(trainer)
+        plan = {"stages": [{"layer_start": 0, "layer_end": 1, "peer_ids": [volunteer]}], "trainer_ids": [trainer]}
+        relay.following = SimpleNamespace(document=PlanDocument.from_wire(plan))
+        assert relay.nat.may_attach(volunteer) == Standing.PLANNED
+        assert relay.nat.planned(volunteer) and relay.nat.planned(trainer) and not relay.nat.planned(other)
+        assert relay.nat.servicer.planned is not None and relay.nat.servicer.planned(trainer)
+        # named by the plan but announcing another relay, and no neighbour of this one: not attached here
+        board[volunteer] = dataclasses.replace(relay.announcement, **(announced | {"relay": other}))
+        relay.nat.book._read_at = -1e9
+        assert relay.nat.may_attach(volunteer) == Standing.STRANGER
+    finally:
+        relay.close()
+
+
 def test_a_plan_moves_the_attach_to_the_reachable_pipeline_neighbour(daemons):
 
     board = {}
