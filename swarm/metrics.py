@@ -3,19 +3,25 @@
 A new metric is one row in `METRICS` plus its use: `Metrics` makes an attribute of each row. Each `Metrics`
 has its own `CollectorRegistry` (never the client's global default), so several stage hosts in one process,
 as the tests run them, count apart. `snapshot()` flattens every sample into a dict for per-step figures
-(`delta`, `total`); `serve_metrics` serves the Prometheus text at `GET /metrics`.
+(`delta`, `total`); `serve_metrics` serves the Prometheus text at `GET /metrics`, on one thread and within
+stated bounds (`MetricsServerLimits`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import socket
 import threading
+import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["METRICS", "MetricSpec", "Metrics", "MetricsServer", "delta", "sample_key", "serve_metrics", "total"]
+__all__ = [
+    "METRICS", "MetricSpec", "Metrics", "MetricsServer", "MetricsServerLimits", "delta", "sample_key", "serve_metrics",
+    "total",
+]  # fmt: skip
 
 PHASE_BUCKETS_S = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 """Bucket bounds of one phase of one micro-batch, seconds: encodes take well under a millisecond."""
@@ -214,24 +220,131 @@ def total(snapshot: dict[str, float], name: str, **labels: object) -> float:
     return summed
 
 
-class MetricsServer:
-    """A running `/metrics` endpoint; `close()` stops it and frees the port."""
+@dataclass(frozen=True)
+class MetricsServerLimits:
+    """What the `/metrics` endpoint serves at most: its port is as open as the stage's, so an idle or slow
+    connection must not hold a thread or a slot for long (issue 27: 400 idle connections held 400 threads)."""
 
-    def __init__(self, httpd: ThreadingHTTPServer, thread: threading.Thread):
-        self._httpd, self._thread = httpd, thread
-        self.host: str = httpd.server_address[0]
+    max_connections: int = 32
+    """connections open at once; one more closes the oldest that has not sent its whole request yet"""
+    read_timeout_s: float = 5.0
+    """how long a connection may take to send its request (idle or slow: closed)"""
+    write_timeout_s: float = 10.0
+    """how long the reply may take to leave"""
+    max_request_bytes: int = 8192
+    """request line and headers; a longer request is closed"""
+
+
+class MetricsServer:
+    """A running `/metrics` endpoint (one thread, every connection on one event loop: an idle connection costs a
+    socket, never a thread); `close()` stops it and frees the port.
+
+    Args:
+        metrics: whose text `GET /metrics` serves.
+        host: the address to listen on.
+        port: 0 picks a free one.
+        limits: connections at once, read and write deadlines, request size.
+    """
+
+    def __init__(self, metrics: Metrics, host: str, port: int, limits: MetricsServerLimits | None = None):
+        self.metrics, self.limits = metrics, limits or MetricsServerLimits()
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._sock = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
+        self._sock.setblocking(False)
+        self.host: str = host
         """The address it listens on."""
-        self.port: int = httpd.server_address[1]
+        self.port: int = self._sock.getsockname()[1]
         """The bound port (the free one picked when asked for port 0)."""
+        self._reading: dict[asyncio.Task, float] = {}
+        """connections still reading their request -> when they came (the oldest is closed for a new one)"""
+        self._tasks: set[asyncio.Task] = set()
+        self.served = 0
+        """requests answered (200 or 404)"""
+        self.dropped = 0
+        """connections closed unanswered: idle past the read deadline, evicted, malformed or too long"""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"metrics-{self.port}", daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/metrics"
 
+    def open_connections(self) -> int:
+        """Connections being served now (reading, or writing their reply)."""
+        return len(self._tasks)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._serve, sock=self._sock, limit=self.limits.max_request_bytes)
+        )
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*self._tasks, return_exceptions=True))
+            self._loop.run_until_complete(self._server.wait_closed())
+            self._loop.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        if len(self._tasks) > self.limits.max_connections:  # full: the oldest still reading makes room
+            oldest = min(self._reading, key=self._reading.get, default=None)
+            if oldest is None:  # every connection is writing its reply: this one waits no turn
+                self._tasks.discard(task)
+                self.dropped += 1
+                writer.close()
+                return
+            del self._reading[oldest]
+            oldest.cancel()
+        self._reading[task] = time.monotonic()
+        try:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.limits.read_timeout_s)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                self.dropped += 1
+                return
+            finally:
+                self._reading.pop(task, None)
+            status, body, kind = self._answer(head)
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
+            await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
+            self.served += 1
+        except asyncio.CancelledError:
+            self.dropped += 1
+        except (asyncio.TimeoutError, ConnectionError):
+            self.dropped += 1
+        finally:
+            self._tasks.discard(task)
+            self._reading.pop(task, None)
+            writer.close()
+
+    def _answer(self, head: bytes) -> tuple[str, bytes, str]:
+        """(status line, body, content type) for a request's head."""
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            return "400 Bad Request", b"a request line: GET /metrics HTTP/1.1\n", "text/plain"
+        if parts[0] != b"GET":
+            return "405 Method Not Allowed", b"only GET is served here\n", "text/plain"
+        if parts[1].split(b"?", 1)[0] != b"/metrics":
+            return "404 Not Found", b"only /metrics is served here\n", "text/plain"
+        return "200 OK", self.metrics.text(), CONTENT_TYPE_LATEST
+
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join()
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
 
     def __enter__(self) -> MetricsServer:
         return self
@@ -240,27 +353,10 @@ class MetricsServer:
         self.close()
 
 
-def serve_metrics(metrics: Metrics, port: int, host: str = "127.0.0.1") -> MetricsServer:
-    """Serves `metrics.text()` at `GET http://host:port/metrics` (404 on any other path) from a daemon
-    thread until `close()`. Loopback by default; port 0 picks a free port (see `MetricsServer.port`)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            if self.path.split("?", 1)[0] != "/metrics":
-                self.send_error(404, "only /metrics is served here")
-                return
-            body = metrics.text()
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_) -> None:  # a scrape every few seconds is no news
-            pass
-
-    httpd = ThreadingHTTPServer((host, port), Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, name=f"metrics-{httpd.server_address[1]}", daemon=True)
-    thread.start()
-    return MetricsServer(httpd, thread)
+def serve_metrics(
+    metrics: Metrics, port: int, host: str = "127.0.0.1", limits: MetricsServerLimits | None = None
+) -> MetricsServer:
+    """Serves `metrics.text()` at `GET http://host:port/metrics` (404 on any other path) from one daemon thread
+    until `close()`, within `limits` (connections at once, read and write deadlines). Loopback by default; port
+    0 picks a free port (see `MetricsServer.port`). Raises OSError when the port cannot be bound."""
+    return MetricsServer(metrics, host, port, limits)
