@@ -8,8 +8,12 @@ lying helper can make A use a relay it did not need, never make A announce an ad
 
 The announced address is still the caller's choice (it signs its own announcement), so the helper bounds
 what aiming it elsewhere buys: one dial at a time and one per `interval_s` per caller, `max_dials` in all,
-`timeout_s` each, a gRPC call only (nothing but an Echo is sent), and a reply without how the dial failed
-(refused or timed out would say whether a port is open).
+`timeout_s` each, a gRPC call only (nothing but an Echo is sent), and a reply that says nothing of the dial.
+
+Nor does its timing (issue 27: a closed port answered in 0.01 s, an open one that never speaks gRPC in 3.01 s):
+the helper answers as soon as it has taken the dial on, before dialing, and the outcome reaches the asker only
+as its own Echo (the nonce proof). A dial holds its caller's turn and its slot for the whole `timeout_s`
+whatever happened, so a refusal ("under way", "too many at once") does not tell the port's state either.
 """
 
 from __future__ import annotations
@@ -30,9 +34,13 @@ from swarm.proto import stage_pb2, stage_pb2_grpc
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
 
-__all__ = ["MAX_NONCE_BYTES", "MIN_NONCE_BYTES", "DialBackHelper", "NonceBook", "check_reachable"]
+__all__ = ["DIAL_TIMEOUT_S", "MAX_NONCE_BYTES", "MIN_NONCE_BYTES", "DialBackHelper", "NonceBook", "check_reachable"]
 
 MIN_NONCE_BYTES, MAX_NONCE_BYTES = 16, 64
+DIAL_TIMEOUT_S = 3.0
+"""A helper's limit on one dial (connect and Echo), and how long it holds the caller's turn and a slot for it."""
+DIALING = "dialing: the Echo is the answer"
+"""A helper's reply to a dial-back it took on (the same whatever the dial finds)."""
 
 
 class NonceBook:
@@ -72,7 +80,8 @@ class DialBackHelper:
     Args:
         announced: peer id -> the address it announces (None: not announced; refused).
         signer: signs the Echo for the asker's peer id.
-        timeout_s: one dial's limit (connect and Echo).
+        timeout_s: one dial's limit (connect and Echo); each dial holds its caller's turn and its slot this long,
+            whatever it found.
         max_dials: dials at once, over all callers.
         interval_s: least time between two dials for one caller.
     """
@@ -81,7 +90,7 @@ class DialBackHelper:
         self,
         announced: Callable[[str], str | None],
         signer: CallSigner | None,
-        timeout_s: float = 3.0,
+        timeout_s: float = DIAL_TIMEOUT_S,
         max_dials: int = 4,
         interval_s: float = 1.0,
         channel: Callable[[str], grpc.Channel] = grpc.insecure_channel,
@@ -92,9 +101,22 @@ class DialBackHelper:
         self._busy: set[str] = set()
         self._next: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._closed = threading.Event()
+
+    def busy(self, caller: str) -> bool:
+        """Whether a dial-back for `caller` holds its turn now."""
+        with self._lock:
+            return caller in self._busy
+
+    def close(self) -> None:
+        """Ends the holds early (the dials themselves end within `timeout_s`)."""
+        self._closed.set()
 
     def dial_back(self, caller: str, nonce: bytes) -> tuple[bool, str]:
-        """Dials `caller`'s announced address and calls Echo(nonce); (reached, what happened)."""
+        """Takes on a dial of `caller`'s announced address with Echo(nonce), and answers at once: (False,
+        `DIALING`), the same whatever the dial will find; the asker learns the outcome from its own Echo. Raises
+        RelayError when refused (a malformed nonce, no announced address, the caller's turn or every slot
+        taken)."""
         if not MIN_NONCE_BYTES <= len(nonce) <= MAX_NONCE_BYTES:
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, f"nonce of {len(nonce)} bytes")
         address = self.announced(caller)
@@ -111,22 +133,38 @@ class DialBackHelper:
             if not self._slots.acquire(blocking=False):
                 raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many dial-backs at once")
             self._busy.add(caller)
+        started = time.monotonic()
+        try:
+            threading.Thread(
+                target=self._dial, args=(caller, address, nonce, started), name="swarm-dialback", daemon=True
+            ).start()
+        except RuntimeError:  # no thread to be had: the turn and the slot go back
+            self._release(caller)
+            raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many dial-backs at once") from None
+        return False, DIALING
+
+    def _dial(self, caller: str, address: str, nonce: bytes, started: float) -> None:
+        """The dial itself, then the hold: the caller's turn and the slot come back `timeout_s` after `started`,
+        however soon the dial ended."""
         try:
             channel = self.channel(address)
             try:
                 metadata = self.signer.metadata(caller) if self.signer is not None else ()
-                reply = stage_pb2_grpc.RelayStub(channel).Echo(
+                stage_pb2_grpc.RelayStub(channel).Echo(
                     stage_pb2.EchoRequest(nonce=nonce), timeout=self.timeout_s, metadata=metadata
                 )
-                return reply.known, "answered" if reply.known else "answered without knowing the nonce"
-            except grpc.RpcError:  # no detail: how a dial failed would tell the caller whether a port is open
-                return False, "not reached"
+            except grpc.RpcError:
+                pass  # the asker's Echo saw nothing: that is its answer
             finally:
                 channel.close()
+            self._closed.wait(max(0.0, started + self.timeout_s - time.monotonic()))
         finally:
-            with self._lock:
-                self._busy.discard(caller)
-            self._slots.release()
+            self._release(caller)
+
+    def _release(self, caller: str) -> None:
+        with self._lock:
+            self._busy.discard(caller)
+        self._slots.release()
 
 
 def check_reachable(
@@ -135,11 +173,14 @@ def check_reachable(
     nonces: NonceBook,
     timeout_s: float = 5.0,
     channel: Callable[[str], grpc.Channel] = grpc.insecure_channel,
+    echo_wait_s: float = DIAL_TIMEOUT_S + 0.5,
 ) -> bool | None:
     """Whether others can dial this peer's announced address: asks every (peer id, address) helper at once and
     takes the first that answers (one at a time, a helper that announced reach=direct before its own check
     found it behind NAT cost `timeout_s` each: its SYNs are dropped). True/False: this peer's Echo saw that
-    helper's nonce or not; None: no helper answered (unknown)."""
+    helper's nonce within `echo_wait_s` of its answer (a helper answers before it dials) or not; None: no helper
+    answered (unknown). A reachable peer knows as soon as the first Echo comes; an unreachable one after
+    `echo_wait_s`."""
 
     def ask(helper_id: str, address: str) -> bool | None:
         nonce = nonces.issue()
@@ -154,7 +195,7 @@ def check_reachable(
             return None  # that helper cannot tell
         finally:
             ch.close()
-        return nonces.wait(nonce, max(0.0, 0.5 - (time.monotonic() - started)))
+        return nonces.wait(nonce, max(0.0, echo_wait_s - (time.monotonic() - started)))
 
     if not helpers:
         return None

@@ -415,6 +415,8 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
     def close(self) -> None:
         if self.data_port is not None:
             self.data_port.close()
+        if self.dial_back is not None:
+            self.dial_back.close()
 
     def _check_slots(self, entry: _Attached, caller: str, pair: tuple[str, str], named: bool) -> None:
         """Raises RelayError (RESOURCE_EXHAUSTED, naming the bound) when a new connection of `caller` to `entry`

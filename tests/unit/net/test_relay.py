@@ -273,15 +273,13 @@ def test_dial_back_reaches_the_announced_address_and_the_asker_decides_from_its_
     asker = relay_servicer(nonces=nonces)
     asker.verifier = CallVerifier(IDS["peer"].peer_id)
     with serve(asker) as (_, asker_address):
-        announced = {IDS["peer"].peer_id: asker_address}
-        helper = relay_servicer(dial_back=DialBackHelper(announced.get, signer("relay"), interval_s=0.0))
-        with serve(helper) as (_, helper_address):
-            assert check_reachable([(IDS["relay"].peer_id, helper_address)], signer("peer"), nonces) is True
-            # announced somewhere nobody answers: not reachable
-            announced[IDS["peer"].peer_id] = "127.0.0.1:1"
-            assert check_reachable([(IDS["relay"].peer_id, helper_address)], signer("peer"), nonces) is False
-            # no helper answers: unknown
-            assert check_reachable([(IDS["relay"].peer_id, "127.0.0.1:1")], signer("peer"), nonces) is None
+        # one helper per question: a helper holds a caller's turn for its whole dial timeout (issue 27)
+        for address, expected in ((asker_address, True), ("127.0.0.1:1", False)):  # nobody answers there: False
+            helper = relay_servicer(dial_back=DialBackHelper({IDS["peer"].peer_id: address}.get, signer("relay")))
+            with serve(helper) as (_, helper_address):
+                assert check_reachable([(IDS["relay"].peer_id, helper_address)], signer("peer"), nonces) is expected
+        # no helper answers: unknown
+        assert check_reachable([(IDS["relay"].peer_id, "127.0.0.1:1")], signer("peer"), nonces) is None
 
 
 def _silent_listener() -> socket.socket:
@@ -352,27 +350,36 @@ def test_one_dial_back_at_a_time_per_caller():
             release.wait(20)
             return stage_pb2.EchoReply(known=False)
 
+    from swarm.net.relay import RelayError
+
     with serve(Stuck()) as (_, stuck_address):
-        helper = DialBackHelper({IDS["peer"].peer_id: stuck_address}.get, signer("relay"), timeout_s=20, interval_s=0)
-        first = threading.Thread(target=helper.dial_back, args=(IDS["peer"].peer_id, b"a" * 32))
-        first.start()
+        helper = DialBackHelper({IDS["peer"].peer_id: stuck_address}.get, signer("relay"), timeout_s=2, interval_s=0)
+        assert helper.dial_back(IDS["peer"].peer_id, b"a" * 32)[0] is False  # answered before the dial
         try:
             assert entered.wait(10)
-            from swarm.net.relay import RelayError
-
             with pytest.raises(RelayError, match="under way"):
                 helper.dial_back(IDS["peer"].peer_id, b"b" * 32)
         finally:
             release.set()
-            first.join(10)
-        assert helper.dial_back(IDS["peer"].peer_id, b"c" * 32)[0] is False  # the slot is free again
+        # the Echo answered, but the turn is held for the whole timeout (its length would tell the port's state)
+        with pytest.raises(RelayError, match="under way"):
+            helper.dial_back(IDS["peer"].peer_id, b"b" * 32)
+        deadline = time.monotonic() + 10
+        while helper.busy(IDS["peer"].peer_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert helper.dial_back(IDS["peer"].peer_id, b"c" * 32)[0] is False  # the turn is free again
+        helper.close()
 
 
 def test_dial_backs_are_spaced_per_caller_and_say_nothing_about_how_a_dial_failed():
+    from swarm.net.reach import DIALING
     from swarm.net.relay import RelayError
 
-    helper = DialBackHelper({IDS["peer"].peer_id: "127.0.0.1:1"}.get, signer("relay"), interval_s=60.0)
-    assert helper.dial_back(IDS["peer"].peer_id, b"a" * 32) == (False, "not reached")
+    helper = DialBackHelper({IDS["peer"].peer_id: "127.0.0.1:1"}.get, signer("relay"), timeout_s=0.3, interval_s=60.0)
+    assert helper.dial_back(IDS["peer"].peer_id, b"a" * 32) == (False, DIALING)
+    deadline = time.monotonic() + 10
+    while helper.busy(IDS["peer"].peer_id) and time.monotonic() < deadline:
+        time.sleep(0.02)
     with pytest.raises(RelayError, match="one dial-back per 60 s"):
         helper.dial_back(IDS["peer"].peer_id, b"b" * 32)
 
