@@ -303,6 +303,7 @@ class MetricsServer:
                 writer.close()
                 return
             del self._reading[oldest]
+            self._tasks.discard(oldest)  # counted out now: its cancellation closes it on the loop's next turn
             oldest.cancel()
         self._reading[task] = time.monotonic()
         try:

@@ -7,6 +7,11 @@ frame, as before the data port). C calls P directly; through R (`Connect`: C -> 
 relay itself (the reverse connection, no extra hop), each path by frames and by the data port. Alternating
 rounds of each: the latency of a small call (median, p90) and the bytes/s of large one-way payloads. Loopback
 and Python piping only: the hop's CPU cost, not a network's.
+
+Then (`--floods`, on by default) the flood cases of `swarm.bench.relay_floods` (issue 27): strangers filling a
+relay's Connects and Attaches, a relay flooding its peer with AttachDowns, idle connections to the metrics port,
+and dial-back answer times for an open and a closed port; threads and descriptors before and at the peak, and
+whether the honest peer still gets in. In the JSON under "floods".
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class RelayBench:
     """alternating rounds (direct, relayed)"""
     quick: bool = False
     """a few calls only (a smoke run)"""
+    floods: bool = True
+    """also run the flood cases (strangers against the relay's, the attached peer's and the metrics port's bounds)"""
     json: bool = False
     """print one JSON object"""
 
@@ -190,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
                 proc.join()
         local.close()
         server.stop(grace=None)
+    if bench.floods:
+        from swarm.bench.relay_floods import run_floods
+
+        rows["floods"] = run_floods()
     if bench.json:
         print(json.dumps(rows))
     else:
@@ -201,5 +212,10 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"{name:<16} {r['latency_ms_median']:>10.3f} {r['latency_ms_p90']:>8.3f} {extra:>9.3f} "
                 f"{r['mbyte_per_s']:>8.1f}"
+            )
+        for case, row in rows.get("floods", {}).items():
+            print(
+                f"flood {case}: "
+                + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
             )
     return 0
