@@ -283,3 +283,26 @@ def test_a_relay_flooding_attach_downs_cannot_grow_the_peers_threads_or_fds(aske
         assert peak.threads - threads_before <= 2 * limits.accepts_per_attach + relay_workers + 8
         assert peak.fds - fds_before <= 3 * limits.accepts_per_attach + 16
         assert flood.accepts <= limits.accepts_per_attach
+
+
+def test_one_caller_holds_at_most_waiting_per_caller_connects_waiting_for_an_attach():
+    """A target that announces this relay but has not attached yet: Connects wait for it (`attach_wait_s`), but
+    one caller's beyond `waiting_per_caller` are answered NOT_FOUND at once, and another caller still waits."""
+    limits = RelayLimits(attach_wait_s=30.0, waiting_per_caller=2, max_waiting=8)
+    relay = relay_servicer(limits=limits)  # "peer" announces this relay, never attaches
+    held: list[HeldConnect] = []
+    with serve(relay, workers=limits.threads() + 8) as (_, address), grpc.insecure_channel(address) as channel:
+        try:
+            for _ in range(2):
+                held.append(HeldConnect(channel, signer("stranger"), PEER))
+            assert _wait(lambda: relay._waiting == 2)
+            third = HeldConnect(channel, signer("stranger"), PEER)
+            held.append(third)
+            code, details = third.outcome()
+            assert code == "NOT_FOUND" and PEER in details  # answered while the first two still wait
+            assert relay._waiting == 2
+            held.append(HeldConnect(channel, signer("caller"), PEER))
+            assert _wait(lambda: relay._waiting == 3), "another caller's Connect still waits"
+        finally:
+            for h in held:
+                h.release()
