@@ -264,9 +264,13 @@ class MetricsServer:
         """connections closed unanswered: idle past the read deadline, evicted, malformed or too long"""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
+        self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"metrics-{self.port}", daemon=True)
         self._thread.start()
-        self._ready.wait(10)
+        self._ready.wait()
+        if self._failed is not None:
+            self._thread.join()
+            raise OSError(f"cannot serve metrics on {host}:{self.port}: {self._failed}") from self._failed
 
     @property
     def url(self) -> str:
@@ -278,10 +282,17 @@ class MetricsServer:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._serve, sock=self._sock, limit=self.limits.max_request_bytes)
-        )
-        self._ready.set()
+        try:
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._serve, sock=self._sock, limit=self.limits.max_request_bytes)
+            )
+        except (OSError, RuntimeError) as e:
+            self._failed = e
+            self._sock.close()
+            self._loop.close()
+            return
+        finally:
+            self._ready.set()
         try:
             self._loop.run_forever()
         finally:
