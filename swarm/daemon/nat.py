@@ -12,6 +12,10 @@ neighbour's own calls then take no extra hop, the reverse connection), else the 
 ranked first by a hash of the two ids (spreads peers over relays). A new plan that makes another reachable
 peer the neighbour moves the Attach there (`WATCH_S`); a relay that refuses (--no-relay, full) or dies is
 skipped for `SKIP_S`.
+
+The relay's rules against strangers (docs/NAT.md, "Relay rules") need the run's word, which only the daemon has:
+`may_attach` answers a peer's `Standing` (announced naming this relay, or named by the followed plan) and
+`planned` whether the plan or a private run's lists name a caller; both go to the `RelayServicer` as callables.
 """
 
 from __future__ import annotations
