@@ -422,7 +422,9 @@ class CallVerifier:
         if len(proof) != _PROOF.size or proof[:4] != PROOF_MAGIC:
             raise AuthError(f"malformed call proof ({len(proof)} bytes; expected {_PROOF.size} with {PROOF_MAGIC!r})")
         _, nonce, timestamp, signature = _PROOF.unpack(proof)
-        if not math.isfinite(timestamp) or timestamp > now + CLOCK_SKEW_S:
+        if not math.isfinite(timestamp):
+            raise AuthError(f"call proof dated {timestamp}: not a time")
+        if timestamp > now + CLOCK_SKEW_S:
             raise AuthError(
                 f"call proof dated {timestamp - now:.0f} s in the future (clock skew up to {CLOCK_SKEW_S:g} s)"
             )
