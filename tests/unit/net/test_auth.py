@@ -328,3 +328,15 @@ def test_a_verifier_refuses_an_old_replay_after_the_cache_forgot_it(alice, bob):
     late = now + auth.FRESH_S + auth.CLOCK_SKEW_S + 1  # the nonce is forgotten, and the proof is stale
     with pytest.raises(AuthError, match="stale call proof"):
         verifier.call(md, STEP, b"x", now=late)
+
+
+def test_a_verifier_under_a_flood_of_signed_calls_stays_bounded_and_still_refuses_replays(alice, bob):
+    verifier, signer = CallVerifier(bob.peer_id, replay_cache_size=50), CallSigner(alice)
+    flood = [signer.metadata(bob.peer_id, STEP, b"x") for _ in range(200)]
+    for md in flood:
+        verifier.call(md, STEP, b"x")
+    assert len(verifier.replays) == 50
+    for md in (flood[0], flood[120], flood[-1]):  # forgotten or remembered, each is refused
+        with pytest.raises(AuthError, match="replayed call|older than"):
+            verifier.call(md, STEP, b"x")
+    assert verifier.call(signer.metadata(bob.peer_id, STEP, b"x"), STEP, b"x") == alice.peer_id
