@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import re
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- identities: the one adapter to swarm.net.auth -----------------------------------------------------------
 
+_SIGNED = object()
+"""`Harness.call`'s default metadata: `who`'s token and that call's proof."""
+
 
 class Keys:
     """The identities of the stages, the plan's trainer and a stranger, kept as key files in `directory` so the
@@ -117,18 +121,28 @@ class Keys:
         self._signers = {"trainer": auth.CallSigner(self._trainer), "stranger": auth.CallSigner(self._stranger)}
         self._stage_signers = [auth.CallSigner(i) for i in self._stages]
 
-    def metadata(self, who: str, stage: int, method: str | None = None) -> tuple[tuple[str, bytes], ...] | None:
+    def metadata(
+        self, who: str, stage: int, method: str | None = None, fields=None, signed: bool = False, now=None
+    ) -> tuple[tuple[str, bytes], ...] | None:
         """What a call from `who` ("trainer", "stranger" or "none") to `stage` carries. "trainer" stands for the
         caller the plan allows: the trainer, or for a Forward into stage k > 0 (a Backward into k < last) the
-        plan's peer of stage k-1 (k+1), so in-plan cases reach the checks behind authorization."""
+        plan's peer of stage k-1 (k+1), so in-plan cases reach the checks behind authorization. `signed`: with
+        the call's proof over `method` and `fields` (its request or first stream item), dated `now` (None: the
+        present), else the token alone."""
         if self.auth is None or who == "none":
             return None
         audience = self.stage_ids[stage]
         if who == "trainer" and method == "Forward" and stage > 0:
-            return self._stage_signers[stage - 1].metadata(audience)
-        if who == "trainer" and method == "Backward" and stage < N_STAGES - 1:
-            return self._stage_signers[stage + 1].metadata(audience)
-        return self._signers[who].metadata(audience)
+            signer = self._stage_signers[stage - 1]
+        elif who == "trainer" and method == "Backward" and stage < N_STAGES - 1:
+            signer = self._stage_signers[stage + 1]
+        else:
+            signer = self._signers[who]
+        if not signed or method is None:
+            return signer.metadata(audience)
+        from swarm.net.connect import method_path
+
+        return signer.metadata(audience, method_path(method), fields, now=now)
 
     def token(self, who: str, stage: int, issued_ago_s: float = 0.0) -> tuple[tuple[str, bytes], ...] | None:
         """A token `who` signed `issued_ago_s` seconds ago (an expired one, for a long enough age); None
@@ -383,13 +397,18 @@ class Harness:
         from swarm.proto import stage_pb2_grpc
 
         channel = self.channel(self.addresses[stage])
-        metadata = kw.pop("metadata", self.keys.metadata(who, stage, method))
         if method in ("Forward", "Backward", "Sink"):
             fn = getattr(TensorStreams(channel), method)
         else:
             fn = getattr(stage_pb2_grpc.StageStub(channel), method)
+        fields = request
         if method in ("Forward", "Backward", "Sink"):
             request = iter(request)
+            fields = next(request, None)  # a call's proof signs its stream's first item
+            request = iter(()) if fields is None else itertools.chain((fields,), request)
+        metadata = kw.pop("metadata", _SIGNED)
+        if metadata is _SIGNED:
+            metadata = self.keys.metadata(who, stage, method, fields, signed=True)
         reply = fn(request, timeout=timeout, metadata=metadata)
         return list(reply) if method == "GetState" else reply
 

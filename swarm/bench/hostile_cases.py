@@ -8,6 +8,7 @@ after it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -181,6 +182,64 @@ def tampered_token(h):
 def garbage_token(h):
     put_labels(h)
     return h.expect_refusal(0, "Forward", tokens_item(h), metadata=((_token_key(h), bytes(64)),))
+
+
+# ---- replay: a call captured on the way (an on-path observer, a relay) sent again or turned into another -------
+
+
+def _captured(h: Harness, stage: int, method: str, fields, now: float | None = None):
+    """The metadata of the trainer's call of `method` to `stage` over `fields` (its request, or its stream's first
+    item), as an on-path observer or a relay sees it: the token and that call's proof."""
+    return h.keys.metadata("trainer", stage, method, fields, signed=True, now=now)
+
+
+@case("none", "a served Status call sent again as captured, token and proof (replay)")
+def replayed_call(h):
+    request = stage_pb2.Empty()
+    metadata = _captured(h, 1, "Status", request)
+    h.call(1, "Status", request, metadata=metadata)  # the trainer's own call: served
+    return h.expect_refusal(1, "Status", request, metadata=metadata)
+
+
+@case("none", "a captured Forward's token and proof on a Step(abandon) (another method)")
+def replayed_as_abandon(h):
+    items = tokens_item(h)
+    return h.expect_refusal(
+        0, "Step", stage_pb2.StepRequest(step=h.step + 1, abandon=True), metadata=_captured(h, 0, "Forward", items[0])
+    )
+
+
+@case("none", "a captured Step's token and proof with another request (Step(abandon) of another step)")
+def replayed_other_fields(h):
+    metadata = _captured(h, 0, "Step", stage_pb2.StepRequest(step=h.step + 1000))
+    return h.expect_refusal(0, "Step", stage_pb2.StepRequest(step=h.step + 1, abandon=True), metadata=metadata)
+
+
+@case("none", "a captured Forward's proof on another first item (other tokens, same call info)")
+def replayed_other_item(h):
+    put_labels(h)
+    metadata = _captured(h, 0, "Forward", tokens_item(h)[0])
+    return h.expect_refusal(0, "Forward", tokens_item(h), metadata=metadata)
+
+
+@case("none", "Forward into stage 0 with the trainer's token alone, no call proof (a token seen on a relay)")
+def token_without_proof(h):
+    put_labels(h)
+    return h.expect_refusal(0, "Forward", tokens_item(h), metadata=h.keys.metadata("trainer", 0))
+
+
+@case("none", "Forward into stage 0 whose proof is dated 10 minutes ago (a call held back, then sent)")
+def stale_proof(h):
+    put_labels(h)
+    items = tokens_item(h)
+    return h.expect_refusal(0, "Forward", items, metadata=_captured(h, 0, "Forward", items[0], now=time.time() - 600))
+
+
+@case("none", "Forward into stage 0 whose proof is dated 10 minutes ahead")
+def future_proof(h):
+    put_labels(h)
+    items = tokens_item(h)
+    return h.expect_refusal(0, "Forward", items, metadata=_captured(h, 0, "Forward", items[0], now=time.time() + 600))
 
 
 # ---- in plan, malicious: the call info ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ def ping_targets(targets: list[dict], calls: int) -> dict:
     import grpc
 
     from swarm.net.auth import CallSigner, Identity
+    from swarm.net.connect import method_path
     from swarm.net.relay import RelayRoute, Tunnels
     from swarm.proto import stage_pb2, stage_pb2_grpc
 
@@ -35,11 +36,12 @@ def ping_targets(targets: list[dict], calls: int) -> dict:
     try:
         for t in targets:
             with grpc.insecure_channel(tunnels.dial(t["address"])) as channel:
-                stub, metadata = stage_pb2_grpc.StageStub(channel), signer.metadata(t["peer_id"])
+                stub, ping = stage_pb2_grpc.StageStub(channel), method_path("Ping")
                 times = []
                 for _ in range(calls + 1):
                     start = time.perf_counter()
-                    try:
+                    try:  # each call carries its own proof: a stage refuses one sent twice
+                        metadata = signer.metadata(t["peer_id"], ping, stage_pb2.Empty())
                         stub.Ping(stage_pb2.Empty(), metadata=metadata, timeout=5.0)
                     except grpc.RpcError as e:
                         out[t["name"]] = {"error": str(e.code())}

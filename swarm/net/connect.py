@@ -1,7 +1,9 @@
 """How a stage host or a trainer reaches a stage: over gRPC, or in-process, through one client interface.
 
 A `Connector` hands out a `StageClient` per address; with a `CallSigner`, every call carries the signer's
-token for the callee's peer id (`swarm.net.auth`), given by the caller or looked up by address. The gRPC
+token for the callee's peer id (`swarm.net.auth`), given by the caller or looked up by address, and a proof
+signing that call's method and fields (its request, or its stream's first item, peeked before the call starts),
+so a captured call cannot be sent again or turned into another. The gRPC
 connector wraps channels and stubs; the in-process one (`LocalNetwork`) calls the registered servicer of
 that address directly, with the same serialized stream items, metadata and errors (`grpc.RpcError` with a
 code and details), so everything above this module runs unchanged in one process or across peers: the
@@ -11,13 +13,14 @@ convergence experiment and the unit tests exercise the code the swarm runs.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import grpc
 
-from swarm.net.stream import METHODS, bind_method, message_type
+from swarm.net.stream import METHODS, STAGE_SERVICE, bind_method, message_type
 from swarm.peers.transport import Channels, TransportConfig
 from swarm.proto import stage_pb2
 
@@ -31,12 +34,15 @@ __all__ = [
     "LocalRpcError",
     "SignedChannels",
     "StageClient",
+    "method_path",
     "status_of",
 ]
 
 Metadata = tuple[tuple[str, bytes], ...]
 Resolve = Callable[[str], "str | None"]
 """address -> peer id of the stage there (None: unknown), for calls whose caller names no peer id"""
+Sign = Callable[[str, Any], Metadata]
+"""(method path, the call's fields: its request or its stream's first item) -> the call's metadata"""
 
 
 class StageClient(Protocol):
@@ -61,12 +67,24 @@ class Connector(Protocol):
     def close(self) -> None: ...
 
 
-def _token_source(signer: CallSigner | None, peer_id: str | None) -> Callable[[], Metadata]:
-    """What a call to `peer_id` carries: the signer's token for it, or nothing (anonymous, refused where
-    authentication is on)."""
+def _token_source(signer: CallSigner | None, peer_id: str | None) -> Sign | None:
+    """What a call to `peer_id` carries: the signer's token for it and the call's proof, or None: nothing
+    (anonymous, refused where authentication is on; a stream is then not peeked)."""
     if signer is None or not peer_id:
-        return lambda: ()
-    return lambda: signer.metadata(peer_id)
+        return None
+    return lambda method, fields: signer.metadata(peer_id, method, fields)
+
+
+def _peek(items: Iterable) -> tuple[Iterator, Any]:
+    """(the same items, the first of them or None): a stream's proof signs its first item."""
+    items = iter(items)
+    first = next(items, None)
+    return (iter(()) if first is None else itertools.chain((first,), items)), first
+
+
+def method_path(name: str) -> str:
+    """The gRPC path of the stage service's method `name` ("/swarm.Stage/Step"): what a call's proof signs."""
+    return f"/{STAGE_SERVICE.full_name}/{name}"
 
 
 class GrpcConnector:
@@ -119,7 +137,7 @@ class _GrpcStage:
     when the address's dial target changed (a peer announced a relay, or left it), and a client held across
     that (a driver keeps its clients for a whole plan) would otherwise call on the closed old channel for good."""
 
-    def __init__(self, channel: Callable[[], grpc.Channel], token: Callable[[], Metadata]):
+    def __init__(self, channel: Callable[[], grpc.Channel], token: Sign | None):
         self._channel, self._token = channel, token
         self._bound: tuple[grpc.Channel | None, dict[str, Callable]] = (None, {})
         self._lock = threading.Lock()
@@ -132,11 +150,20 @@ class _GrpcStage:
             return self._bound[1]
 
     def __getattr__(self, name: str):
-        if name not in METHODS:
+        method = METHODS.get(name)
+        if method is None:
             raise AttributeError(name)
+        path, streaming = method_path(name), method.client_streaming
 
         def call(request, timeout: float | None = None):
-            return self._methods()[name](request, timeout=timeout, metadata=self._token())
+            metadata: Metadata = ()
+            if self._token is not None:
+                if streaming:
+                    request, fields = _peek(request)
+                else:
+                    fields = request
+                metadata = self._token(path, fields)
+            return self._methods()[name](request, timeout=timeout, metadata=metadata)
 
         return call
 
@@ -156,29 +183,32 @@ class _TokenInterceptor(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds a call token to every call on a channel (for code that uses raw stubs on `Channels`)."""
+    """Adds a call token and the call's proof to every call on a channel (for code that uses raw stubs on
+    `Channels`)."""
 
-    def __init__(self, token: Callable[[], Metadata]):
+    def __init__(self, token: Sign):
         self.token = token
 
-    def _details(self, details):
-        metadata = (*tuple(details.metadata or ()), *self.token())
+    def _details(self, details, fields):
+        metadata = (*tuple(details.metadata or ()), *self.token(details.method, fields))
         return _CallDetails(
             details.method, details.timeout, metadata, details.credentials,
             getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
         )  # fmt: skip
 
     def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._details(details), request)
+        return continuation(self._details(details, request), request)
 
     def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._details(details), request)
+        return continuation(self._details(details, request), request)
 
     def intercept_stream_unary(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
+        request_iterator, first = _peek(request_iterator)
+        return continuation(self._details(details, first), request_iterator)
 
     def intercept_stream_stream(self, continuation, details, request_iterator):
-        return continuation(self._details(details), request_iterator)
+        request_iterator, first = _peek(request_iterator)
+        return continuation(self._details(details, first), request_iterator)
 
 
 class SignedChannels:
@@ -197,8 +227,9 @@ class SignedChannels:
             cached = self._signed.get(address)
             if cached is None or cached[0] is not raw:
 
-                def token(address=address) -> Metadata:
-                    return _token_source(self.signer, self.resolve(address))()
+                def token(method: str, fields, address=address) -> Metadata:
+                    sign = _token_source(self.signer, self.resolve(address))
+                    return () if sign is None else sign(method, fields)
 
                 cached = self._signed[address] = (raw, grpc.intercept_channel(raw, _TokenInterceptor(token)))
             return cached[1]
@@ -286,7 +317,7 @@ class _LocalStage:
     """A registered servicer's methods, called in the caller's thread: a client-streaming call's items are parsed
     from their serialized bytes, as gRPC would hand them to the servicer."""
 
-    def __init__(self, servicer: Any, token: Callable[[], Metadata]):
+    def __init__(self, servicer: Any, token: Sign | None):
         self._servicer, self._token = servicer, token
 
     def __getattr__(self, name: str):
@@ -294,9 +325,16 @@ class _LocalStage:
         if method is None:
             raise AttributeError(name)
         parse = message_type(method.input_type).FromString if method.client_streaming else None
+        path = method_path(name)
 
         def call(request, timeout: float | None = None):
-            context = _LocalContext(self._token())
+            if self._token is None:
+                context = _LocalContext()
+            elif parse is not None:
+                request, first = _peek(request)
+                context = _LocalContext(self._token(path, first))
+            else:
+                context = _LocalContext(self._token(path, request))
             if parse is not None:
                 request = (parse(item) for item in request)
             return getattr(self._servicer, name)(request, context)

@@ -9,13 +9,16 @@ tensor's shape: a file that does not match is reported and skipped (`resume`), n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 if TYPE_CHECKING:
@@ -39,7 +42,9 @@ def checkpoint_path(directory: str | os.PathLike, layer_start: int, layer_end: i
 
 def save_stage(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
     """Writes `state` to `path` via a temporary file and an atomic rename; returns False (and keeps the
-    previous checkpoint) when the disk refuses, e.g. because it is full."""
+    previous checkpoint, and no partial file) when the disk refuses, e.g. because it is full: safetensors
+    reports a failed write as SafetensorError, not OSError, and both are a refused checkpoint, not a failed
+    stage."""
     tmp = path.with_suffix(".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,10 +53,27 @@ def save_stage(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, s
         os.replace(tmp, path)
         _fsync(path.parent)  # and the rename itself survives a power cut
         return True
-    except OSError as e:
-        log.error("checkpoint %s not written (%s); the previous one is kept", path, e)
-        tmp.unlink(missing_ok=True)
+    except (OSError, SafetensorError) as e:
+        log.error("checkpoint %s not written: %s (%s); the previous one is kept", path, e, describe_disk(path))
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return False
+
+
+def describe_disk(path: str | os.PathLike) -> str:
+    """The file system that holds (or would hold) `path`, for an error about a write there: its mount point and
+    free space."""
+    at = Path(os.path.abspath(path))
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    mount = at
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        usage = shutil.disk_usage(at)
+    except OSError:
+        return f"the disk mounted at {mount}"
+    return f"the disk mounted at {mount}: {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
 
 
 def load_stage(

@@ -6,19 +6,27 @@ trainers, gradient sums only from the other replicas of its stage, hands its sta
 and follows (and so sends along) only the plan's routes (`swarm.peers.routes`), whatever route a caller
 writes into its `CallInfo`.
 Every refusal names the rule it broke.
+
+`bind_calls` makes the stage service refuse a call whose proof (`swarm.net.auth`) does not sign that very call:
+a captured token, or a captured call, is useless for another method, other fields, or a second time.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
-from swarm.net.stream import CallRefused
+from swarm.net.auth import AuthError, PendingCall
+from swarm.net.connect import method_path
+from swarm.net.stream import METHODS, CallRefused
 from swarm.peers.routes import n_routes, route_replicas
 from swarm.runtime.messages import CallInfo, ReduceOrder
 
-__all__ = ["CallPolicy", "Roster"]
+__all__ = ["CallPolicy", "Roster", "bind_calls"]
 
 
 Peers = tuple[tuple[str, ...], ...]
@@ -238,3 +246,68 @@ class CallPolicy:
 def _sender_stage(method: str, stage: int) -> int:
     """The stage a neighbour's Forward (the previous) or Backward (the next) into `stage` comes from."""
     return stage - 1 if method == "Forward" else stage + 1
+
+
+# ---- each call bound to its own fields (swarm.net.auth proofs) ---------------------------------------------------
+
+
+def _unauthenticated(error: AuthError) -> CallRefused:
+    return CallRefused(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {error}")
+
+
+def bind_calls(servicer: Any) -> None:
+    """Makes every stage method of `servicer` check its call's proof while `servicer.verifier` is set (None:
+    anonymous calls, nothing checked).
+
+    The methods are replaced on the instance, which is what gRPC's registration and `LocalNetwork` call. A unary
+    call's proof must sign its request, checked before the handler runs (refused: abort UNAUTHENTICATED). A
+    client stream's token and proof format and age are checked from the metadata before the handler runs, and
+    the proof against the stream's first item when the handler reads it (refused: CallRefused UNAUTHENTICATED
+    from the handler's read, which it answers like its own refusals), so a stream's first item is read in the
+    handler's data slot, as before, and a stranger's stream still costs nothing.
+    """
+    for name, method in METHODS.items():
+        handler = getattr(servicer, name)
+        bound = _stream_bound if method.client_streaming else _unary_bound
+        setattr(servicer, name, functools.wraps(handler)(bound(servicer, handler, method_path(name))))
+
+
+def _unary_bound(servicer: Any, handler, path: str):
+    def call(request, context):
+        verifier = servicer.verifier
+        if verifier is not None:
+            try:
+                verifier.call(context.invocation_metadata(), path, request)
+            except AuthError as e:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
+        return handler(request, context)
+
+    return call
+
+
+def _stream_bound(servicer: Any, handler, path: str):
+    def call(request_iterator, context):
+        verifier = servicer.verifier
+        if verifier is None:
+            return handler(request_iterator, context)
+        try:
+            pending = verifier.pending(context.invocation_metadata(), path)
+        except AuthError as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
+        return handler(_first_checked(request_iterator, pending), context)
+
+    return call
+
+
+def _first_checked(items: Iterable, pending: PendingCall) -> Iterator:
+    """`items`, once the call's proof signs the first of them. Later items are not signed: `swarm.net.auth`."""
+    items = iter(items)
+    first = next(items, None)
+    if first is None:
+        return
+    try:
+        pending.check(first)
+    except AuthError as e:
+        raise _unauthenticated(e) from None
+    yield first
+    yield from items

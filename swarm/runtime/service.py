@@ -26,7 +26,7 @@ from swarm.runtime.checkpoint import handover_tensors
 from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
 from swarm.runtime.messages import CallInfo, ReduceOrder, StageCall, StepOrder, from_wire
-from swarm.runtime.policy import CallPolicy, Roster
+from swarm.runtime.policy import CallPolicy, Roster, bind_calls
 from swarm.runtime.schedules import Kind
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """The plan that left this peer without a stage, if one did: calls meant for its old stage are
         refused as from another plan, so the trainer moves on to the new plan instead of failing."""
         self._admission = threading.Condition()
+        bind_calls(self)  # each call's proof must sign that call (swarm.net.auth, swarm.runtime.policy)
 
     def _not_serving(self) -> CallRefused:
         if self.standby_version is not None:
@@ -378,6 +379,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 call = read_stream(request_iterator, self.budget.sink_limits())
         except SlotsExhausted as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except CallRefused as e:  # the first item's proof (bind_calls)
+            context.abort(e.code, e.details)
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
         return stage_pb2.Traffic(wire_bytes=call.wire_bytes)

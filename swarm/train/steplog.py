@@ -8,13 +8,19 @@ first moved at step 900 still gets its column, 0 before), and removes the lines 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import logging
 import os
 from array import array
 from pathlib import Path
 
+from swarm.runtime.checkpoint import describe_disk
+
 __all__ = ["StepLog", "counter_columns", "load_position", "save_position", "step_columns", "step_row"]
+
+log = logging.getLogger("swarm.train.steplog")
 
 
 class StepLog:
@@ -67,14 +73,27 @@ class StepLog:
 TRAINER_FORMAT = "swarm-trainer/1"
 
 
-def save_position(out: Path, step: int, epoch: int, batch: int, identity: dict) -> None:
+def save_position(out: Path, step: int, epoch: int, batch: int, identity: dict) -> bool:
     """Writes where the trainer is (`trainer_state.json`: the next step, its epoch and batch within the epoch)
-    atomically, with `identity` (seed, batch size, samples) that a resume must match."""
+    atomically, with `identity` (seed, batch size, samples) that a resume must match. Returns False when the
+    disk refuses (full, read-only): logged with the path and the disk, no `.tmp` left behind, the previous
+    position kept (a resume starts there, as it would after a crash), and training goes on."""
     path, tmp = out / "trainer_state.json", out / "trainer_state.json.tmp"
-    tmp.write_text(json.dumps({"format": TRAINER_FORMAT, "step": step, "epoch": epoch, "batch": batch, **identity}))
-    with open(tmp) as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"format": TRAINER_FORMAT, "step": step, "epoch": epoch, "batch": batch, **identity}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        log.error(
+            "trainer position %s (step %d) not written: %s (%s); the previous one is kept", path, step, e,
+            describe_disk(path),
+        )  # fmt: skip
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return False
 
 
 def load_position(out: Path, identity: dict) -> tuple[int, int, int] | None:

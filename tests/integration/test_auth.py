@@ -193,3 +193,40 @@ def test_a_malformed_or_oversized_ping_is_refused_and_the_stage_still_answers():
         stranger = GrpcConnector(signer=CallSigner(Identity.generate()))
         assert stranger.stage(addresses[1], hosts[1].peer_id).Ping(stage_pb2.Empty(), 10) == stage_pb2.Empty()
         stranger.close()
+
+
+def test_a_replayed_or_repurposed_call_is_refused_over_grpc_and_signed_channels_sign_each_call():
+    from swarm.net.connect import SignedChannels, method_path, status_of
+    from swarm.net.stream import TensorStreams
+    from swarm.peers.transport import Channels, TransportConfig
+    from swarm.proto import stage_pb2_grpc
+
+    with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
+        peers, trainer = trainer_of(addresses)
+        signer = CallSigner(trainer)
+        with grpc.insecure_channel(addresses[0]) as channel:
+            stub = stage_pb2_grpc.StageStub(channel)
+            captured = signer.metadata(peers[0], method_path("Status"), stage_pb2.Empty())
+            assert stub.Status(stage_pb2.Empty(), metadata=captured, timeout=10).stage == 0
+            with pytest.raises(grpc.RpcError, match="replayed call") as e:
+                stub.Status(stage_pb2.Empty(), metadata=captured, timeout=10)  # the same call, sent again
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            abandon = stage_pb2.StepRequest(step=0, abandon=True)
+            forward = signer.metadata(peers[0], method_path("Forward"), token_item(info(addresses, peers, 0)))
+            with pytest.raises(grpc.RpcError, match="bad call proof") as e:
+                stub.Step(abandon, metadata=forward, timeout=10)  # a captured Forward turned into an abandon
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # raw stubs on SignedChannels (link probes, state transfers): every call, unary or stream, its own proof
+        signed = SignedChannels(
+            Channels(TransportConfig()), CallSigner(Identity.generate()), dict(zip(addresses, peers, strict=True)).get
+        )
+        for _ in range(2):
+            assert status_of(signed.get(addresses[1]), 10).stage == 1
+            sink = TensorStreams(signed.get(addresses[1])).Sink(
+                iter(activation_items(info(addresses, peers, 1))), timeout=10
+            )
+            assert sink.wire_bytes > 0
+        signed.close()
+        pipe = remote(addresses, "gpipe", n_micro=1)
+        assert pipe.train_step(0, batch()).loss > 0
+        pipe.close()

@@ -98,4 +98,14 @@ def test_every_quick_hostile_case_is_refused_and_training_goes_on():
         assert r["threads_held"] == 0 and r["rss_growth_mib"] < 64, r
     by = {r["case"]: r for r in case_rows}
     assert "plan" in by["wrong_plan_version"]["error"] and "not authenticated" in by["no_token"]["error"]
+    replays = ("replayed_call", "replayed_as_abandon", "replayed_other_fields", "replayed_other_item")
+    for name in (
+        "expired_token",
+        "wrong_audience_token",
+        "token_without_proof",
+        "stale_proof",
+        "future_proof",
+        *replays,
+    ):
+        assert by[name]["error"].startswith("UNAUTHENTICATED: not authenticated"), by[name]
     assert summary["all_refused"] and summary["max_rss_growth_mib"] == max(r["rss_growth_mib"] for r in case_rows)

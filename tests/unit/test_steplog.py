@@ -93,3 +93,51 @@ def test_swarm_train_and_the_convergence_experiment_record_one_step_row():
     assert (row["sync_bytes"], row["control_bytes"], row["total_wire_bytes"], row["fp32_total_wire_bytes"]) == (
         7, 11, 40, 90)  # fmt: skip
     assert set(row) <= set(CSV_FIELDS)
+
+
+def test_a_position_the_disk_refuses_is_logged_keeps_the_previous_one_and_leaves_no_tmp(tmp_path, monkeypatch, caplog):
+    import errno
+    import logging
+
+    from swarm.train import steplog
+    from swarm.train.steplog import load_position, save_position
+
+    run = {"seed": 0, "batch_size": 8, "train_samples": 64}
+    assert save_position(tmp_path, 12, 1, 4, run)
+    real_open = open
+
+    class FullFile:  # writes half, then the disk is full
+        def __init__(self, path, mode="r"):
+            self.f = real_open(path, mode)
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(steplog, "open", FullFile, raising=False)
+    with caplog.at_level(logging.ERROR, logger="swarm.train.steplog"):
+        assert save_position(tmp_path, 13, 1, 5, run) is False
+    text = caplog.text
+    assert str(tmp_path / "trainer_state.json") in text and "No space left" in text and "the disk mounted at" in text
+    assert load_position(tmp_path, run) == (12, 1, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trainer_state.json"]
+
+
+def test_on_a_really_full_disk_the_position_is_refused_and_the_previous_one_kept(tmp_path):
+    from swarm.train.steplog import load_position, save_position
+    from tests.unit.full_disk import fill, tiny_disk
+
+    run = {"seed": 0, "batch_size": 8, "train_samples": 64}
+    with tiny_disk(tmp_path) as disk:
+        assert save_position(disk, 12, 1, 4, run)
+        fill(disk)
+        assert save_position(disk, 13, 1, 5, run) is False  # ENOSPC: no exception, the run goes on
+        assert load_position(disk, run) == (12, 1, 4)
+        assert not (disk / "trainer_state.json.tmp").exists()

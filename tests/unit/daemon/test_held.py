@@ -14,7 +14,7 @@ from swarm.daemon.held import HELD_METADATA_KEY, Copy, HeldStore, buddy_of, fres
 from swarm.daemon.replication import HeldServer, Replicator, leave_done, takeover_sources
 from swarm.model.gpt import ModelConfig
 from swarm.net.auth import CallSigner, Identity
-from swarm.net.connect import LocalRpcError, _LocalContext
+from swarm.net.connect import LocalRpcError, _LocalContext, method_path
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 from swarm.proto import stage_pb2
 from swarm.runtime.checkpoint import handover_tensors
@@ -98,8 +98,10 @@ def servicer_of(pipe: LocalPipeline, stage: int):
 
 
 def call_get_state(servicer, signer: CallSigner, callee: str, held: str | None):
-    metadata = tuple(signer.metadata(callee)) + (((HELD_METADATA_KEY, held),) if held else ())
-    return list(servicer.GetState(stage_pb2.StateRequest(stage=0), _LocalContext(metadata)))
+    request = stage_pb2.StateRequest(stage=0)
+    metadata = signer.metadata(callee, method_path("GetState"), request)  # the token and this call's proof
+    metadata += ((HELD_METADATA_KEY, held),) if held else ()
+    return list(servicer.GetState(request, _LocalContext(metadata)))
 
 
 def test_get_state_serves_held_copies_to_plan_peers_only(tmp_path):
@@ -128,7 +130,10 @@ def test_get_state_serves_held_copies_to_plan_peers_only(tmp_path):
     with pytest.raises(LocalRpcError, match="GetState only to a peer of the plan"):
         call_get_state(servicer, CallSigner(Identity.generate()), callee, "2-3")  # a stranger
     # a second transfer while one is under way is refused at once, and the slot comes back after
-    metadata = (*neighbour.metadata(callee), (HELD_METADATA_KEY, "2-3"))
+    metadata = (
+        *neighbour.metadata(callee, method_path("GetState"), stage_pb2.StateRequest()),
+        (HELD_METADATA_KEY, "2-3"),
+    )
     first = servicer.GetState(stage_pb2.StateRequest(), _LocalContext(metadata))
     next(first)
     with pytest.raises(LocalRpcError) as e:
@@ -160,8 +165,9 @@ def test_replicator_pulls_the_buddy_every_n_steps(tmp_path):
 
     def fetch(address, stage, version):  # GetState from stage 1, as fetch_state reads it
         fetched.append((address, stage, version))
-        context = _LocalContext(tuple(plan_peer.metadata(host.peer_id)))
-        return decode(servicer.GetState(stage_pb2.StateRequest(stage=1), context))
+        request = stage_pb2.StateRequest(stage=1)
+        context = _LocalContext(plan_peer.metadata(host.peer_id, method_path("GetState"), request))
+        return decode(servicer.GetState(request, context))
 
     clock = Clock()
     store = HeldStore(tmp_path)

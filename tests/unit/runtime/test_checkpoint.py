@@ -81,6 +81,36 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_reports_false(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # the half-written file is gone
 
 
+def test_a_safetensors_write_error_is_a_refused_checkpoint_naming_path_and_disk(tmp_path, monkeypatch, caplog):
+    from safetensors import SafetensorError
+
+    path = checkpoint_path(tmp_path, 0, 2)
+    old = stage_state()
+    assert save_stage(path, old, {})
+    full = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+    monkeypatch.setattr(checkpoint, "save_file", _failing_write(full))
+    with caplog.at_level(logging.ERROR, logger="swarm.runtime.checkpoint"):
+        assert save_stage(path, stage_state(ModelConfig(**{**CFG.__dict__, "init_seed": 9})), {}) is False
+    assert str(path) in caplog.text and "StorageFull" in caplog.text and "the disk mounted at" in caplog.text
+    assert_same_state(load_stage(path, old), old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no partial file
+
+
+def test_on_a_really_full_disk_a_checkpoint_is_refused_and_the_previous_one_kept(tmp_path, caplog):
+    from tests.unit.full_disk import fill, tiny_disk
+
+    small = {"w": torch.arange(64.0)}
+    with tiny_disk(tmp_path, size_kib=64) as disk:
+        path = checkpoint_path(disk, 0, 2)
+        assert save_stage(path, small, {"steps_done": "1"})
+        fill(disk)
+        with caplog.at_level(logging.ERROR, logger="swarm.runtime.checkpoint"):
+            assert save_stage(path, {"w": torch.zeros(4096)}, {"steps_done": "2"}) is False  # no exception
+        assert f"the disk mounted at {disk}" in caplog.text
+        assert_same_state(load_stage(path, small), small)
+        assert not path.with_suffix(".tmp").exists()
+
+
 def test_a_write_that_fails_otherwise_raises_and_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
     path = checkpoint_path(tmp_path, 0, 2)
     old = stage_state()
