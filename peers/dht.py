@@ -12,11 +12,18 @@ A peer's id is derived from its public key (`peer_id_of`), so a record naming a 
 does not hash to is rejected: nobody can speak for another peer. Honest DHT nodes refuse to store records
 that fail these checks, and readers check again, since a dishonest node may return anything.
 
-Anyone may store a plan under their own subkey, so readers take a plan only from its authority (the
-`trusted_planners`, else the elected planner: `elected_planner` over the current announcements and their
-planner leases, at the reader's DHT time) and only once it validates against the model and the announced
-peers (`validate_plan`). A reader accepts a new planner's plans as soon as it sees that planner's lease (or
-the old planner's lease lapse).
+An owned run (`DHTConfig.run`: its id, or its manifest file) also keeps its owner's signed documents, which
+any peer may store and refresh since they verify by themselves (`swarm.peers.manifest`):
+
+    {run}.manifest     subkey "manifest"          -> the run's RunManifest (JSON text), whose id is {run}
+    {run}.delegations  subkey SEQUENCE            -> the owner's RunDelegation number SEQUENCE
+
+Anyone may store a plan under their own subkey, so readers take a plan only from its authority and only once
+it validates against the model and the announced peers (`validate_plan`). The authority: in an owned run, the
+planners the owner delegated (the manifest, as the newest delegation changed it: `authority`); in a private
+run the `trusted_planners`; in an unowned run the elected planner (`elected_planner` over the current
+announcements and their planner leases, at the reader's DHT time), which a ground low id can take over. A
+reader accepts a new planner's plans as soon as it sees that planner's lease (or the old planner's lapse).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
+import math
 import os
 import re
 import signal
@@ -41,7 +49,18 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import use_hivemind_log_handler
 
-from swarm.peers.entries import LINK_SEP, MAX_TTL_S, PLAN_SEP, RunKeys, RunRecordValidator, parse_entry, peer_id_of
+from swarm.peers.entries import (
+    LINK_SEP,
+    MANIFEST_SUBKEY,
+    MAX_TTL_S,
+    PLAN_SEP,
+    RunKeys,
+    RunRecordValidator,
+    parse_entry,
+    parse_run_entry,
+    peer_id_of,
+)
+from swarm.peers.manifest import RUN_ID_RE, AuthorityTracker, RunAuthority, RunDelegation, RunManifest
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import (
     LinkMeasurement,
@@ -110,6 +129,9 @@ class DHTConfig:
     """Shared secret of a private run: stages serve only callers that prove they know it; None: open run."""
     allowed_trainers: tuple[str, ...] = ()
     """Peer ids of the trainers a private run serves (the planner names only these); empty: any trainer."""
+    run: str | None = None
+    """The owned run to join: its id (the manifest is fetched from the DHT and verified) or its manifest file;
+    its id becomes the run name. None: an unowned run under `run_name` (any peer can take over its planning)."""
 
     def __repr__(self) -> str:
         # a config is logged and printed; the run secret must never be
@@ -140,6 +162,8 @@ class DHTConfig:
             raise ValueError(f"DHTConfig.port: expected a port in [0, 65535], got {self.port}")
         if self.announce_host is not None and self.port == 0:
             raise ValueError("DHTConfig.port: announce_host needs an explicit port (0 can't be announced)")
+        if self.run is not None:
+            self._own_run()
         if _RUN_NAME_RE.fullmatch(self.run_name) is None:
             raise ValueError(f"DHTConfig.run_name: expected 1-64 characters [A-Za-z0-9_-], got {self.run_name!r}")
         for name in ("announce_ttl_s", "link_ttl_s", "plan_ttl_s", "start_timeout_s", "request_timeout_s"):
@@ -148,6 +172,24 @@ class DHTConfig:
         for name, kind in (("announce_ttl_s", "peers"), ("link_ttl_s", "links"), ("plan_ttl_s", "plan")):
             if getattr(self, name) > MAX_TTL_S[kind]:
                 raise ValueError(f"DHTConfig.{name}: at most {MAX_TTL_S[kind]:.0f} s (readers refuse longer lives)")
+
+    def _own_run(self) -> None:
+        """An owned run: its id is the run name; its planners and trainers come from the manifest only."""
+        run = self.run if RUN_ID_RE.fullmatch(str(self.run)) else RunManifest.load(str(self.run)).run_id
+        if self.run_name not in ("swarm", run):
+            raise ValueError(f"DHTConfig.run_name: {self.run_name!r}, but run {run}'s keys are under its id")
+        if self.trusted_planners or self.allowed_trainers:
+            raise ValueError(
+                "DHTConfig: --trusted-planners and --trainers are for private runs; an owned run's planners and "
+                "trainers are the ones its manifest and the owner's delegations name"
+            )
+        object.__setattr__(self, "run_name", run)
+
+    def run_manifest(self) -> RunManifest | None:
+        """The manifest of `run` when it is a file (read and verified), else None (fetched by id on joining)."""
+        if self.run is None or RUN_ID_RE.fullmatch(self.run):
+            return None
+        return RunManifest.load(self.run, self.run_name)
 
     @property
     def host_maddrs(self) -> list[str]:
@@ -230,6 +272,11 @@ class SwarmDHT:
     Thread-safe: the heartbeat thread and the caller may use it at once. Usable as a context manager.
     """
 
+    _run: AuthorityTracker | None = None
+    """An owned run's manifest and authority, as read so far; None: unowned (or private) run."""
+    _authority_read_at = -math.inf
+    _run_published_at = -math.inf
+
     def __init__(self, config: DHTConfig, *, private_key: RSAPrivateKey | None = None):
         """Starts the DHT node and joins the swarm through `config.initial_peers`.
 
@@ -276,6 +323,118 @@ class SwarmDHT:
         logger.info(
             "DHT node up in %.2f s, peer id %s, run %r", time.monotonic() - started, self.peer_id, config.run_name
         )
+        if config.run is not None:
+            try:
+                self._join_run(config.run_manifest())
+            except Exception:
+                self._dht.shutdown()
+                raise
+
+    # -- the owned run ---------------------------------------------------------------------------------------
+
+    def _join_run(self, manifest: RunManifest | None) -> None:
+        """Verifies the run's manifest (the file's, or the DHT's by id, waiting up to start_timeout_s)."""
+        if manifest is None:
+
+            def fetch() -> RunManifest | None:
+                try:
+                    return self.fetch_manifest()
+                except TimeoutError:
+                    return None
+
+            try:
+                manifest = wait_for(fetch, self.config.start_timeout_s, 0.5, "manifest")
+            except TimeoutError:
+                raise RuntimeError(
+                    f"run {self.config.run_name}: no valid manifest in the DHT within {self.config.start_timeout_s} s "
+                    "(join through a peer of that run, or give the manifest file to --run)"
+                ) from None
+        self._run = AuthorityTracker(manifest)
+        logger.info("owned run %s (%r), owner %s", manifest.run_id, manifest.name, manifest.owner_id)
+        self.authority()
+        self.publish_run()
+
+    @property
+    def manifest(self) -> RunManifest | None:
+        """The owned run's verified manifest; None in an unowned or private run."""
+        return None if self._run is None else self._run.manifest
+
+    def fetch_manifest(self) -> RunManifest | None:
+        """The run's manifest from the DHT, verified against the run id (invalid ones are warned about, once)."""
+        for manifest in self._parse_run(self._keys.manifest, "manifest"):
+            return manifest
+        return None
+
+    def authority(self, max_age_s: float = 2.0) -> RunAuthority | None:
+        """Who may plan and train in this owned run: the manifest's delegates as the newest valid delegation
+        changed them, re-read from the DHT at most every `max_age_s`; None in an unowned or private run."""
+        if self._run is None:
+            return None
+        if time.monotonic() - self._authority_read_at >= max_age_s:
+            self._authority_read_at = time.monotonic()
+            found = []
+            try:
+                for d in self._parse_run(self._keys.delegations, "delegations"):
+                    try:
+                        found.append(d.check_for(self._run.manifest))
+                    except ValueError as e:
+                        self._warn(f"run {self.config.run_name}: refusing a delegation: {e}")
+            except TimeoutError as e:
+                logger.debug("run %s: delegations not read (%s): keeping the last ones", self.config.run_name, e)
+            if self._run.update(found):
+                now = self._run.authority
+                logger.info(
+                    "run %s: delegation %d: planners %s, trainers %s, revoked %s", self.config.run_name,
+                    now.sequence, sorted(now.planners), sorted(now.trainers), sorted(now.revoked),
+                )  # fmt: skip
+        return self._run.authority
+
+    def planners(self) -> tuple[str, ...]:
+        """Whose plans count and who may plan, when the run restricts it: the owner's delegated planners, else
+        the trusted planners (a private run); empty in an unowned run (the elected planner)."""
+        authority = self.authority()
+        return tuple(sorted(authority.planners)) if authority is not None else self.config.trusted_planners
+
+    @property
+    def restricted(self) -> bool:
+        """Whether plan authority is named (owned or private run), rather than elected by lowest id."""
+        return self._run is not None or bool(self.config.trusted_planners)
+
+    def publish_run(self, every_s: float = 0.0) -> bool:
+        """(Re)stores the owned run's manifest and the newest delegation known, at most every `every_s`: every
+        peer of the run does (with its announcements), so the run's documents live as long as any peer does."""
+        if self._run is None or time.monotonic() - self._run_published_at < every_s:
+            return False
+        self._run_published_at = time.monotonic()
+        ttl = MAX_TTL_S["manifest"] / 2
+        stored = self._store(self._keys.manifest, MANIFEST_SUBKEY, self._run.manifest.to_json(), ttl)
+        if self._run.newest is not None:
+            self.publish_delegation(self._run.newest, ttl)
+        return stored
+
+    def publish_delegation(self, delegation: RunDelegation, ttl_s: float | None = None) -> bool:
+        """Stores the owner's `delegation` (checked against the run: a foreign one raises ValueError)."""
+        if self._run is not None:
+            delegation.check_for(self._run.manifest)
+            self._run.update([delegation])
+        elif delegation.run_id != self.config.run_name:
+            raise ValueError(f"RunDelegation: for run {delegation.run_id}, not {self.config.run_name}")
+        ttl = ttl_s or MAX_TTL_S["delegations"] / 2
+        return self._store(self._keys.delegations, delegation.sequence, delegation.to_json(), ttl)
+
+    def _parse_run(self, key: str, kind: str) -> list[Any]:
+        found = self._request(f"get {key}", lambda: self._dht.get(key, latest=True, return_future=True))
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now, records = get_dht_time(), []
+        for subkey, entry in list(found.value.items())[:64]:
+            if entry.expiration_time < now:
+                continue
+            try:
+                records.append(parse_run_entry(kind, self.config.run_name, subkey, entry.value, entry.expiration_time))
+            except ValueError as e:
+                self._warn(f"skipping an invalid record under {key}: {e}")
+        return records
 
     # -- records ---------------------------------------------------------------------------------------------
 
@@ -303,6 +462,9 @@ class SwarmDHT:
     def trainers(self) -> list[TrainerAnnouncement]:
         """The unexpired, valid trainer announcements, by peer id (filtered by `allowed_trainers` when set)."""
         allowed = set(self.config.allowed_trainers)
+        authority = self.authority()
+        if authority is not None:
+            allowed = set(authority.trainers) or {""}  # the owner's delegates only (none delegated: nobody)
         found = [t for t in self._parse_all(self._keys.trainers, "trainers") if not allowed or t.peer_id in allowed]
         return sorted(found, key=lambda t: t.peer_id)
 
@@ -325,9 +487,10 @@ class SwarmDHT:
         return self._store(self._keys.plan, subkey, record.to_wire(), ttl_s or self.config.plan_ttl_s)
 
     def plan_authority(self, peers: list[PeerAnnouncement]) -> frozenset[str]:
-        """Whose plans count: the trusted planners when configured, else the elected planner among `peers`."""
-        if self.config.trusted_planners:
-            return frozenset(self.config.trusted_planners)
+        """Whose plans count: the owner's delegated planners in an owned run, the trusted planners in a private
+        one, else (unowned) the elected planner among `peers`."""
+        if self.restricted:
+            return frozenset(self.planners())
         elected = elected_planner(peers, now=get_dht_time())
         return frozenset() if elected is None else frozenset({elected})
 
@@ -367,7 +530,10 @@ class SwarmDHT:
         """The plan the most announced peers follow, whoever published it (`followed_plan`): what a new planner
         inherits. With trusted planners only theirs count (as in `get_plan`)."""
         plans = self._parse_all(self._keys.plan, "plan")
-        return followed_plan(plans, peers, n_layers, self.config.trusted_planners)
+        planners = self.planners()
+        if self.restricted and not planners:
+            return None  # the owner delegated no planner (yet): nobody's plans count
+        return followed_plan(plans, peers, n_layers, planners)
 
     def _authority_plans(self, peers: list[PeerAnnouncement]) -> list[tuple[str, PlanRecord]]:
         authority = self.plan_authority(peers)
@@ -375,6 +541,12 @@ class SwarmDHT:
         for owner, record in self._parse_all(self._keys.plan, "plan"):
             if owner in authority:
                 plans.append((owner, record))
+            elif self._run is not None:
+                # a stranger's plan in an owned run: refused by name, once (not once per poll)
+                self._warn(
+                    f"refusing plan {record.version} from {owner}: not a planner the owner of run "
+                    f"{self.config.run_name} delegated ({sorted(authority)})"
+                )
             else:
                 # once each at info level: an earlier planner's plans are normal after a hand-over
                 self._warn(
@@ -510,6 +682,10 @@ async def _visible_maddrs(_dht: DHT, node: Any) -> list[Any]:
     return await node.get_visible_maddrs()  # runs inside the DHT process (hivemind's run_coroutine)
 
 
+RUN_REPUBLISH_S = 120.0
+"""How often a member re-stores the owned run's manifest and newest delegation (they live MAX_TTL_S / 2)."""
+
+
 class Reannouncer:
     """Re-announces a peer every ttl/3 seconds from a background thread, so a missed beat or two is harmless.
 
@@ -567,6 +743,10 @@ class Reannouncer:
                 self.beats += 1
             else:
                 logger.warning("announcement refused by every DHT node reached; retrying in %.1f s", self.period_s)
+            # an owned run's manifest and newest delegation, refreshed by every member: the run outlives its owner
+            publish_run = getattr(self._dht, "publish_run", None)
+            if publish_run is not None:
+                publish_run(every_s=RUN_REPUBLISH_S)
         except Exception as e:  # a heartbeat must survive DHT hiccups: the next beat retries
             logger.warning("announcement failed (%s); retrying in %.1f s", e, self.period_s)
 
