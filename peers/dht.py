@@ -359,6 +359,11 @@ class SwarmDHT:
         """The owned run's verified manifest; None in an unowned or private run."""
         return None if self._run is None else self._run.manifest
 
+    @property
+    def delegation(self) -> RunDelegation | None:
+        """The owned run's newest valid delegation seen so far (None: none, or not an owned run)."""
+        return None if self._run is None else self._run.newest
+
     def fetch_manifest(self) -> RunManifest | None:
         """The run's manifest from the DHT, verified against the run id (invalid ones are warned about, once)."""
         for manifest in self._parse_run(self._keys.manifest, "manifest"):

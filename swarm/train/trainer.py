@@ -192,8 +192,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from swarm.daemon.bootstrap import joined_peers  # hivemind is slow to import: only when a config is made
 
     cfg = train_flags().from_args(args)
-    peers = joined_peers(cfg.dht.initial_peers, cfg.address_file)
-    return replace(cfg, dht=replace(cfg.dht, initial_peers=peers))
+    dht = replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file))
+    if dht.run is not None:  # an owned run: the model is the manifest's (a flag contradicting it is refused)
+        from swarm.daemon.run_cli import manifest_of, with_manifest
+
+        cfg = with_manifest(train_flags(), args, manifest_of(dht))
+    return replace(cfg, dht=dht)
 
 
 def discover_route(
