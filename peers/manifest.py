@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -494,21 +495,23 @@ class AuthorityTracker:
 
     It keeps the newest delegation seen (so a delegation that expired from the DHT, or that a dishonest node
     withholds, still counts: the peer also re-publishes it) and every id ever revoked (so a revocation holds
-    even when an older delegation is all a reader is shown later). Not thread-safe: the caller serializes.
+    even when an older delegation is all a reader is shown later). Thread-safe: `authority` and `newest` are
+    replaced whole, under a lock.
     """
 
     def __init__(self, manifest: RunManifest):
         self.manifest = manifest
         self.newest: RunDelegation | None = None
         self.authority = RunAuthority.of(manifest)
+        self._lock = threading.Lock()
 
     def update(self, delegations: Iterable[RunDelegation]) -> bool:
-        """Folds in `delegations` (each already `check_for` this run: others raise); whether the authority
-        changed."""
-        seen = [*delegations, *([self.newest] if self.newest is not None else [])]
-        before = self.authority
-        self.authority = RunAuthority.of(self.manifest, seen, before.revoked)
-        for d in seen:
-            if self.newest is None or (d.sequence, d.signature) > (self.newest.sequence, self.newest.signature):
-                self.newest = d
-        return self.authority != before
+        """Folds in `delegations` (each must be `check_for` this run: others raise ValueError, and change
+        nothing); whether the authority changed."""
+        with self._lock:
+            seen = [*delegations, *([self.newest] if self.newest is not None else [])]
+            before = self.authority
+            after = RunAuthority.of(self.manifest, seen, before.revoked)
+            newest = max(seen, key=lambda d: (d.sequence, d.signature), default=None)
+            self.authority, self.newest = after, newest
+            return after != before
