@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
-import math
 import os
 import re
 import signal
@@ -51,7 +50,6 @@ from hivemind.utils.logging import use_hivemind_log_handler
 
 from swarm.peers.entries import (
     LINK_SEP,
-    MANIFEST_SUBKEY,
     MAX_TTL_S,
     PLAN_SEP,
     RunKeys,
@@ -60,7 +58,8 @@ from swarm.peers.entries import (
     parse_run_entry,
     peer_id_of,
 )
-from swarm.peers.manifest import RUN_ID_RE, AuthorityTracker, RunAuthority, RunDelegation, RunManifest
+from swarm.peers.manifest import RUN_ID_RE, RunAuthority, RunDelegation, RunManifest
+from swarm.peers.owned import OwnedRun
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import (
     LinkMeasurement,
@@ -272,10 +271,8 @@ class SwarmDHT:
     Thread-safe: the heartbeat thread and the caller may use it at once. Usable as a context manager.
     """
 
-    _run: AuthorityTracker | None = None
+    _run: OwnedRun | None = None
     """An owned run's manifest and authority, as read so far; None: unowned (or private) run."""
-    _authority_read_at = -math.inf
-    _run_published_at = -math.inf
 
     def __init__(self, config: DHTConfig, *, private_key: RSAPrivateKey | None = None):
         """Starts the DHT node and joins the swarm through `config.initial_peers`.
@@ -330,29 +327,29 @@ class SwarmDHT:
                 self._dht.shutdown()
                 raise
 
-    # -- the owned run ---------------------------------------------------------------------------------------
+    # -- the owned run (swarm.peers.owned) ----------------------------------------------------------------
 
     def _join_run(self, manifest: RunManifest | None) -> None:
         """Verifies the run's manifest (the file's, or the DHT's by id, waiting up to start_timeout_s)."""
         if manifest is None:
-
-            def fetch() -> RunManifest | None:
-                try:
-                    return self.fetch_manifest()
-                except TimeoutError:
-                    return None
-
             try:
-                manifest = wait_for(fetch, self.config.start_timeout_s, 0.5, "manifest")
+                manifest = wait_for(self._fetch_quietly, self.config.start_timeout_s, 0.5, "manifest")
             except TimeoutError:
                 raise RuntimeError(
                     f"run {self.config.run_name}: no valid manifest in the DHT within {self.config.start_timeout_s} s "
                     "(join through a peer of that run, or give the manifest file to --run)"
                 ) from None
-        self._run = AuthorityTracker(manifest)
+        store = lambda kind, subkey, text, ttl: self._store(getattr(self._keys, kind), subkey, text, ttl)
+        self._run = OwnedRun(manifest, self._parse_run, store, self._warn)
         logger.info("owned run %s (%r), owner %s", manifest.run_id, manifest.name, manifest.owner_id)
-        self.authority()
-        self.publish_run()
+        self._run.authority()
+        self._run.publish()
+
+    def _fetch_quietly(self) -> RunManifest | None:
+        try:
+            return self.fetch_manifest()
+        except TimeoutError:
+            return None
 
     @property
     def manifest(self) -> RunManifest | None:
@@ -366,33 +363,12 @@ class SwarmDHT:
 
     def fetch_manifest(self) -> RunManifest | None:
         """The run's manifest from the DHT, verified against the run id (invalid ones are warned about, once)."""
-        for manifest in self._parse_run(self._keys.manifest, "manifest"):
-            return manifest
-        return None
+        return next(iter(self._parse_run("manifest")), None)
 
     def authority(self, max_age_s: float = 2.0) -> RunAuthority | None:
         """Who may plan and train in this owned run: the manifest's delegates as the newest valid delegation
         changed them, re-read from the DHT at most every `max_age_s`; None in an unowned or private run."""
-        if self._run is None:
-            return None
-        if time.monotonic() - self._authority_read_at >= max_age_s:
-            self._authority_read_at = time.monotonic()
-            found = []
-            try:
-                for d in self._parse_run(self._keys.delegations, "delegations"):
-                    try:
-                        found.append(d.check_for(self._run.manifest))
-                    except ValueError as e:
-                        self._warn(f"run {self.config.run_name}: refusing a delegation: {e}")
-            except TimeoutError as e:
-                logger.debug("run %s: delegations not read (%s): keeping the last ones", self.config.run_name, e)
-            if self._run.update(found):
-                now = self._run.authority
-                logger.info(
-                    "run %s: delegation %d: planners %s, trainers %s, revoked %s", self.config.run_name,
-                    now.sequence, sorted(now.planners), sorted(now.trainers), sorted(now.revoked),
-                )  # fmt: skip
-        return self._run.authority
+        return None if self._run is None else self._run.authority(max_age_s)
 
     def planners(self) -> tuple[str, ...]:
         """Whose plans count and who may plan, when the run restricts it: the owner's delegated planners, else
@@ -408,26 +384,17 @@ class SwarmDHT:
     def publish_run(self, every_s: float = 0.0) -> bool:
         """(Re)stores the owned run's manifest and the newest delegation known, at most every `every_s`: every
         peer of the run does (with its announcements), so the run's documents live as long as any peer does."""
-        if self._run is None or time.monotonic() - self._run_published_at < every_s:
-            return False
-        self._run_published_at = time.monotonic()
-        ttl = MAX_TTL_S["manifest"] / 2
-        stored = self._store(self._keys.manifest, MANIFEST_SUBKEY, self._run.manifest.to_json(), ttl)
-        if self._run.newest is not None:
-            self.publish_delegation(self._run.newest, ttl)
-        return stored
+        return self._run is not None and self._run.publish(every_s)
 
-    def publish_delegation(self, delegation: RunDelegation, ttl_s: float | None = None) -> bool:
+    def publish_delegation(self, delegation: RunDelegation) -> bool:
         """Stores the owner's `delegation` (checked against the run: a foreign one raises ValueError)."""
-        if self._run is not None:
-            delegation.check_for(self._run.manifest)
-            self._run.update([delegation])
-        elif delegation.run_id != self.config.run_name:
-            raise ValueError(f"RunDelegation: for run {delegation.run_id}, not {self.config.run_name}")
-        ttl = ttl_s or MAX_TTL_S["delegations"] / 2
-        return self._store(self._keys.delegations, delegation.sequence, delegation.to_json(), ttl)
+        if self._run is None:
+            raise ValueError(f"RunDelegation: run {self.config.run_name} is not an owned run (give --run)")
+        return self._run.publish_delegation(delegation)
 
-    def _parse_run(self, key: str, kind: str) -> list[Any]:
+    def _parse_run(self, kind: str) -> list[Any]:
+        """The verified manifest or delegations of this run in the DHT (at most 64 entries looked at)."""
+        key = getattr(self._keys, kind)
         found = self._request(f"get {key}", lambda: self._dht.get(key, latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return []

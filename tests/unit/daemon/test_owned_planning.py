@@ -11,7 +11,8 @@ import logging
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.peers.fields import MAX_PLAN_VERSION
-from swarm.peers.manifest import AuthorityTracker, RunDelegation, RunManifest
+from swarm.peers.manifest import RunDelegation, RunManifest
+from swarm.peers.owned import OwnedRun
 from swarm.peers.records import TrainerAnnouncement
 from tests.unit.daemon.test_planner_versions import peer, planner, swarm, two_stages
 
@@ -33,8 +34,8 @@ def owned(me: str, records: dict, m: RunManifest | None = None):
     """A fake SwarmDHT of the owned run `m` (default: planner P1, trainer T) over `records`; delegations are
     records["delegations"]."""
     dht, published = swarm(me, records)
-    dht._run = AuthorityTracker(m or manifest())
-    dht._parse_run = lambda key, kind: list(records.get(kind, []))
+    read = lambda kind: list(records.get(kind, []))
+    dht._run = OwnedRun(m or manifest(), read, store=lambda *_: True, warn=dht._warn)
     return dht, published
 
 
@@ -118,13 +119,13 @@ def test_the_owners_delegation_moves_planning_and_a_revoked_planner_is_refused()
     dht, _ = owned(P2, records, m)
     assert dht.plan_authority(records["peers"]) == {P1}
     records["delegations"] = [revoke]
-    dht._authority_read_at = float("-inf")  # the next read re-reads the delegations
+    assert dht.authority(max_age_s=0.0).planners == {P2}, "re-read: the owner's delegation 1"
     assert dht.plan_authority(records["peers"]) == {P2}
     assert dht.get_plan(2) is None, "the revoked planner's plan no longer counts"
     assert planner(dht, dht_time=lambda: NOW).is_leader(records["peers"])
     # an old delegation replayed (the manifest's P1 again, or a forged one) changes nothing
     records["delegations"] = []
-    dht._authority_read_at = float("-inf")
+    assert dht.authority(max_age_s=0.0).planners == {P2}
     assert dht.plan_authority(records["peers"]) == {P2}
 
 
