@@ -432,13 +432,13 @@ class SwarmDHT:
         return sorted(found, key=lambda a: (a.stage is None, a.stage or 0, a.peer_id))
 
     def trainers(self) -> list[TrainerAnnouncement]:
-        """The unexpired, valid trainer announcements, by peer id (filtered by `allowed_trainers` when set)."""
-        allowed = set(self.config.allowed_trainers)
+        """The unexpired, valid trainer announcements, by peer id: in an owned run only the owner's delegated
+        trainers', in a private run only the `allowed_trainers`', else all."""
         authority = self.authority()
-        if authority is not None:
-            allowed = set(authority.trainers) or {""}  # the owner's delegates only (none delegated: nobody)
-        found = [t for t in self._parse_all(self._keys.trainers, "trainers") if not allowed or t.peer_id in allowed]
-        return sorted(found, key=lambda t: t.peer_id)
+        allowed = authority.trainers if authority is not None else frozenset(self.config.allowed_trainers)
+        restricted = authority is not None or bool(allowed)
+        found = self._parse_all(self._keys.trainers, "trainers")
+        return sorted((t for t in found if not restricted or t.peer_id in allowed), key=lambda t: t.peer_id)
 
     def store_link(self, m: LinkMeasurement, ttl_s: float | None = None) -> bool:
         """Stores this peer's measurement of its link to `m.dst`, replacing its previous one."""

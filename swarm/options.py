@@ -287,9 +287,9 @@ DHT_FLAGS = Flag(
         ),
         "trusted_planners": Flag(
             parse=peer_ids, render=",".join, nargs=None, metavar="ID[,ID...]", group=_TRUST,
-            help="follow plans only from these peer ids, and let only them plan (none: the elected planner, the "
-            "lowest announced id holding the planner lease; a stranger can grind a key for a low id, so open "
-            "swarms should name their planners)",
+            help="private run: follow plans only from these peer ids, and let only them plan (none: an owned run's "
+            "delegated planners, else the elected planner, the lowest announced id holding the planner lease, which "
+            "a stranger can grind a key for: open runs are owned runs, --run)",
         ),
         "run_secret": Flag(
             name="--run-secret-file", metavar="FILE", parse=str, value=_secret, render=_no_secret, group=_TRUST,
