@@ -131,6 +131,36 @@ def test_a_stranger_with_a_ground_low_id_and_a_lease_is_not_followed(run: Run, c
     assert stranger.peer_id not in [t.peer_id for t in follower.trainers()]
 
 
+def test_a_swarm_peer_joined_by_the_run_id_alone_serves_the_manifests_model(run: Run, tmp_path):
+    from swarm.model.spec import model_identity
+    from swarm.testbed.procs import ProcessGroup, peer_command
+    from tests.integration.test_churn_peers import status_of, wait_until
+
+    argv = ["--run", run.files.run_id, "--initial-peers", *run.maddrs, "--compute-speed", "50", "--reach", "direct"]
+    with ProcessGroup(tmp_path / "logs") as procs:
+        procs.start("volunteer", peer_command(*argv, "--threads", "1", "--no-link-probe"))  # no model flag at all
+        mine = {run.planner.peer_id, run.stranger.peer_id}
+
+        def announced():
+            procs.check_alive()
+            return next((p for p in run.planner.peers() if p.peer_id not in mine), None)
+
+        volunteer = wait_until("the volunteer's announcement", announced, 90, procs)
+        run.planner.announce(announcement(run.planner))
+        stage = {"layer_start": 0, "layer_end": 2, "peer_ids": [volunteer.peer_id]}  # the manifest's 2 layers
+        assert run.planner.publish_plan(2, {"stages": [stage]})
+        # a peer with the default model (4 layers) would refuse this plan as not covering its model
+        serving = lambda: "serving stage 0 of 1, layers [0, 2)" in procs.tail("volunteer", 200)
+        wait_until("the volunteer serves the manifest's model", serving, 60, procs)
+        expected = model_identity(ModelFlags(**_model_kwargs(run.files.manifest)).build())
+        assert status_of(None, volunteer.address, volunteer.peer_id).model_identity == expected
+        assert f"owned run {run.files.run_id}" in procs.tail("volunteer", 400)
+
+
+def _model_kwargs(manifest: RunManifest) -> dict:
+    return {key.replace("-", "_"): value for key, value in manifest.model}
+
+
 def test_the_owners_delegation_reaches_every_member_and_an_old_one_replayed_changes_nothing(run: Run):
     owner = load_or_create_key(str(run.files.owner_key))
     m = run.files.manifest
