@@ -88,6 +88,8 @@ _RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _PEER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MAX_SECRET_BYTES = 4096
 _MAX_DISTINCT_WARNINGS = 256
+MAX_RUN_TRIES = 64
+"""Most manifest or delegation entries verified per read of the DHT (each costs one RSA verification)."""
 _FUTURE_TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)  # distinct types before Python 3.11
 
 
@@ -393,20 +395,25 @@ class SwarmDHT:
         return self._run.publish_delegation(delegation)
 
     def _parse_run(self, kind: str) -> list[Any]:
-        """The verified manifest or delegations of this run in the DHT (at most 64 entries looked at)."""
+        """The run's verified manifest, or its newest valid delegation, from the DHT (as a list: empty if none).
+
+        Only the newest delegation is needed (each carries every earlier revocation: `swarm run revoke` writes
+        it so), so entries are tried highest sequence first and the first valid one ends the search; at most
+        MAX_RUN_TRIES entries are verified per read, whatever a dishonest DHT node returns.
+        """
         key = getattr(self._keys, kind)
         found = self._request(f"get {key}", lambda: self._dht.get(key, latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return []
-        now, records = get_dht_time(), []
-        for subkey, entry in list(found.value.items())[:64]:
-            if entry.expiration_time < now:
-                continue
+        now = get_dht_time()
+        entries = [(k, e) for k, e in found.value.items() if e.expiration_time >= now and type(k) in (int, str)]
+        entries.sort(key=lambda item: (type(item[0]) is int, item[0] if type(item[0]) is int else 0), reverse=True)
+        for subkey, entry in entries[:MAX_RUN_TRIES]:
             try:
-                records.append(parse_run_entry(kind, self.config.run_name, subkey, entry.value, entry.expiration_time))
+                return [parse_run_entry(kind, self.config.run_name, subkey, entry.value, entry.expiration_time)]
             except ValueError as e:
                 self._warn(f"skipping an invalid record under {key}: {e}")
-        return records
+        return []
 
     # -- records ---------------------------------------------------------------------------------------------
 

@@ -236,3 +236,27 @@ def test_honest_nodes_refuse_to_store_a_forged_manifest_or_delegation():
     assert not validator.validate(record(keys.delegations, 1, "garbage"))
     forged = {**delegation(m, 1).to_wire(), "planners": [P2]}
     assert not validator.validate(record(keys.delegations, 1, json.dumps(forged)))
+
+
+def test_a_reader_takes_the_newest_valid_delegation_past_junk_and_verifies_a_bounded_number():
+    from types import SimpleNamespace
+
+    from hivemind.utils import get_dht_time
+
+    from swarm.peers.dht import MAX_RUN_TRIES, DHTConfig, SwarmDHT
+
+    m = manifest()
+    good, old = delegation(m, 3), delegation(m, 1)
+
+    def reader(entries: dict) -> SwarmDHT:
+        dht = SwarmDHT.__new__(SwarmDHT)
+        dht.config, dht._warned, dht._keys = DHTConfig(run_name=m.run_id), set(), RunKeys.of_run(m.run_id)
+        held = {k: SimpleNamespace(value=v, expiration_time=get_dht_time() + 60) for k, v in entries.items()}
+        dht._request = lambda what, submit: SimpleNamespace(value=held)
+        return dht
+
+    junk = {seq: "garbage" for seq in range(10, 20)}  # a dishonest node's higher sequence numbers
+    assert reader({1: old.to_json(), 3: good.to_json(), **junk})._parse_run("delegations") == [good]
+    flood = {seq: "garbage" for seq in range(10, 10 + MAX_RUN_TRIES)}
+    assert reader({3: good.to_json(), **flood})._parse_run("delegations") == [], "bounded: gives up, keeps the last"
+    assert reader({MANIFEST_SUBKEY: m.to_json()})._parse_run("manifest") == [m]
