@@ -188,3 +188,14 @@ def test_swarm_run_show_verifies_a_run_fetched_by_id(run: Run, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["manifest"]["run_id"] == run.files.run_id
     assert Path(run.files.manifest_path).exists()
+
+
+def test_a_peer_of_an_unowned_run_says_once_that_anyone_can_take_its_planning_over(run: Run, tmp_path):
+    from swarm.testbed.procs import ProcessGroup, peer_command
+    from tests.integration.test_churn_peers import wait_until
+
+    argv = ["--run-name", "unowned-test", "--initial-peers", *run.maddrs, "--compute-speed", "50", "--reach", "direct"]
+    with ProcessGroup(tmp_path / "logs") as procs:
+        procs.start("peer", peer_command(*argv, "--threads", "1", "--assign", "even", "--num-stages", "1"))
+        wait_until("the peer serves", lambda: "ready" in procs.tail("peer", 200), 90, procs)
+        assert procs.tail("peer", 400).count("this run is unowned: any peer can take over its planning") == 1
