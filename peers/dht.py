@@ -345,7 +345,10 @@ class SwarmDHT:
         self._run = OwnedRun(manifest, self._parse_run, store, self._warn)
         logger.info("owned run %s (%r), owner %s", manifest.run_id, manifest.name, manifest.owner_id)
         self._run.authority()
-        self._run.publish()
+        try:
+            self._run.publish()
+        except TimeoutError as e:  # the heartbeat publishes again (Reannouncer); joining need not wait for it
+            logger.warning("run %s: could not publish the manifest yet: %s", manifest.run_id, e)
 
     def _fetch_quietly(self) -> RunManifest | None:
         try:
