@@ -81,11 +81,11 @@ class OwnedRun:
         the manifest."""
         if self._clock() - self._published_at < every_s:
             return False
-        self._published_at = self._clock()
         ttl = MAX_TTL_S["manifest"] / 2
         stored = self._store("manifest", MANIFEST_SUBKEY, self.manifest.to_json(), ttl)
         if self.newest is not None:
             self.publish_delegation(self.newest, ttl)
+        self._published_at = self._clock()  # not before: a store that timed out is retried on the next beat
         return stored
 
     def publish_delegation(self, delegation: RunDelegation, ttl_s: float | None = None) -> bool:
