@@ -372,18 +372,35 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _change(args: argparse.Namespace) -> int:
-    from swarm.peers.dht import DHTConfig, SwarmDHT, load_or_create_key
-    from swarm.peers.manifest import RunAuthority, RunDelegation, RunManifest
+    from swarm.peers.dht import DHTConfig, SwarmDHT
 
     cfg = _flags(RunChangeConfig).from_args(args)
+    if not cfg.initial_peers:
+        _next_delegation(args, cfg, None)
+        return 0
+    dht_cfg = DHTConfig(initial_peers=cfg.initial_peers, client_mode=True, run=args.manifest)
+    with SwarmDHT(dht_cfg) as dht:  # the run's newest delegation may be newer than this directory's
+        delegation = _next_delegation(args, cfg, dht.delegation)
+        if not dht.publish_delegation(delegation):
+            raise RuntimeError("no DHT node accepted the delegation")
+    print("  published: every member of the run re-publishes it from now on")
+    return 0
+
+
+def _next_delegation(args: argparse.Namespace, cfg: RunChangeConfig, seen: RunDelegation | None) -> RunDelegation:
+    """The owner's next delegation after the newest of this directory's and `seen` (the DHT's), written beside
+    the manifest: `delegate` adds ids, `revoke` removes one for good (and keeps every earlier revocation)."""
+    from swarm.peers.dht import load_or_create_key
+    from swarm.peers.manifest import RunAuthority, RunDelegation, RunManifest
+
     path = Path(args.manifest)
     manifest = RunManifest.load(str(path))
     key_path = cfg.owner_key or str(path.parent / OWNER_KEY_FILE)
     if not os.path.exists(key_path):
         raise ValueError(f"owner key {key_path}: not found (give --owner-key)")
     owner = load_or_create_key(key_path)
-    newest = latest_delegation(path, manifest)
-    now = RunAuthority.of(manifest, [newest] if newest else [])
+    known = [d for d in (latest_delegation(path, manifest), seen) if d is not None]
+    now = RunAuthority.of(manifest, known, revoked=[r for d in known for r in d.revoked])
     planners, trainers, revoked = set(now.planners), set(now.trainers), set(now.revoked)
     if args.run_command == "revoke":
         if cfg.planner or cfg.trainer:
@@ -409,10 +426,4 @@ def _change(args: argparse.Namespace) -> int:
     print(f"  planners {', '.join(delegation.planners) or '(none)'}")
     print(f"  trainers {', '.join(delegation.trainers) or '(none)'}")
     print(f"  revoked  {', '.join(delegation.revoked) or '(none)'}")
-    if cfg.initial_peers:
-        dht_cfg = DHTConfig(initial_peers=cfg.initial_peers, client_mode=True, run=str(path))
-        with SwarmDHT(dht_cfg) as dht:
-            if not dht.publish_delegation(delegation):
-                raise RuntimeError("no DHT node accepted the delegation")
-        print("  published: every member of the run re-publishes it from now on")
-    return 0
+    return delegation

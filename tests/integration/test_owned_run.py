@@ -199,3 +199,19 @@ def test_a_peer_of_an_unowned_run_says_once_that_anyone_can_take_its_planning_ov
         procs.start("peer", peer_command(*argv, "--threads", "1", "--assign", "even", "--num-stages", "1"))
         wait_until("the peer serves", lambda: "ready" in procs.tail("peer", 200), 90, procs)
         assert procs.tail("peer", 400).count("this run is unowned: any peer can take over its planning") == 1
+
+
+def test_swarm_run_revoke_publishes_the_next_delegation_above_the_runs_newest(run: Run):
+    from swarm.daemon import run_cli
+
+    parser = argparse.ArgumentParser()
+    run_cli.add_arguments(parser)
+    before = run.follower.authority(max_age_s=0.0).sequence  # delegations published without files (above)
+    victim = next(iter(run.files.manifest.trainers))
+    args = parser.parse_args(["revoke", str(run.files.manifest_path), victim, "--initial-peers", *run.maddrs])
+    assert run_cli.run(args) == 0
+    wait_for(lambda: run.follower.authority(max_age_s=0.0).sequence == before + 1, WAIT_S, what="the revocation")
+    now = run.follower.authority()
+    assert victim in now.revoked and victim not in now.trainers
+    assert run.planner.peer_id in now.revoked, "earlier revocations are kept"
+    assert victim not in [t.peer_id for t in run.follower.trainers()]
