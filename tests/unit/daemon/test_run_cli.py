@@ -106,7 +106,9 @@ def test_a_trainer_takes_its_model_from_the_manifest_file(files):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    cfg = config_from_args(parser.parse_args(["--run", str(files.manifest_path), "--identity", "x.key"]))
+    cfg = config_from_args(
+        parser.parse_args(["--run", str(files.manifest_path), "--identity", str(files.trainer_keys[0])])
+    )
     assert cfg.model.n_layers == 2 and cfg.dht.run_name == files.run_id
     with pytest.raises(ValueError, match="--hidden 64 contradicts"):
         config_from_args(parser.parse_args(["--run", str(files.manifest_path), "--hidden", "64"]))
