@@ -494,6 +494,15 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: cannot serve metrics on {cfg.dht.host}:{cfg.metrics_port}: {e}", file=sys.stderr)
                 return 2
             say(f"metrics at {server.url}")
+        authority = dht.authority()
+        if authority is not None and dht.peer_id not in authority.trainers:
+            print(
+                f"error: {dht.peer_id} is not a trainer of run {cfg.dht.run_name} (its owner delegated "
+                f"{sorted(authority.trainers)}): train with a delegated key (--identity), or have the owner run "
+                f"`swarm run delegate MANIFEST --trainer {dht.peer_id}`",
+                file=sys.stderr,
+            )
+            return 2
         # the planner names announced trainers in the plan, and stages serve only those: announce until done
         me = TrainerAnnouncement(dht.peer_id, started_at=time.time())
         stack.enter_context(Reannouncer(dht, lambda: me))

@@ -215,3 +215,15 @@ def test_swarm_run_revoke_publishes_the_next_delegation_above_the_runs_newest(ru
     assert victim in now.revoked and victim not in now.trainers
     assert run.planner.peer_id in now.revoked, "earlier revocations are kept"
     assert victim not in [t.peer_id for t in run.follower.trainers()]
+
+
+def test_swarm_train_with_a_key_the_owner_did_not_delegate_stops_at_once_naming_it(run: Run, tmp_path, capsys):
+    from swarm.train.trainer import add_arguments
+    from swarm.train.trainer import run as train
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    key = str(tmp_path / "stranger.key")
+    args = parser.parse_args(["--run", run.files.run_id, "--identity", key, "--initial-peers", *run.maddrs])
+    assert train(args) == 2
+    assert f"is not a trainer of run {run.files.run_id}" in capsys.readouterr().err
