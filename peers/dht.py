@@ -12,11 +12,18 @@ A peer's id is derived from its public key (`peer_id_of`), so a record naming a 
 does not hash to is rejected: nobody can speak for another peer. Honest DHT nodes refuse to store records
 that fail these checks, and readers check again, since a dishonest node may return anything.
 
-Anyone may store a plan under their own subkey, so readers take a plan only from its authority (the
-`trusted_planners`, else the elected planner: `elected_planner` over the current announcements and their
-planner leases, at the reader's DHT time) and only once it validates against the model and the announced
-peers (`validate_plan`). A reader accepts a new planner's plans as soon as it sees that planner's lease (or
-the old planner's lease lapse).
+An owned run (`DHTConfig.run`: its id, or its manifest file) also keeps its owner's signed documents, which
+any peer may store and refresh since they verify by themselves (`swarm.peers.manifest`):
+
+    {run}.manifest     subkey "manifest"          -> the run's RunManifest (JSON text), whose id is {run}
+    {run}.delegations  subkey SEQUENCE            -> the owner's RunDelegation number SEQUENCE
+
+Anyone may store a plan under their own subkey, so readers take a plan only from its authority and only once
+it validates against the model and the announced peers (`validate_plan`). The authority: in an owned run, the
+planners the owner delegated (the manifest, as the newest delegation changed it: `authority`); in a private
+run the `trusted_planners`; in an unowned run the elected planner (`elected_planner` over the current
+announcements and their planner leases, at the reader's DHT time), which a ground low id can take over. A
+reader accepts a new planner's plans as soon as it sees that planner's lease (or the old planner's lapse).
 """
 
 from __future__ import annotations
@@ -41,7 +48,18 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import use_hivemind_log_handler
 
-from swarm.peers.entries import LINK_SEP, MAX_TTL_S, PLAN_SEP, RunKeys, RunRecordValidator, parse_entry, peer_id_of
+from swarm.peers.entries import (
+    LINK_SEP,
+    MAX_TTL_S,
+    PLAN_SEP,
+    RunKeys,
+    RunRecordValidator,
+    parse_entry,
+    parse_run_entry,
+    peer_id_of,
+)
+from swarm.peers.manifest import RUN_ID_RE, RunAuthority, RunDelegation, RunManifest
+from swarm.peers.owned import OwnedRun
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import (
     LinkMeasurement,
@@ -70,6 +88,8 @@ _RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _PEER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MAX_SECRET_BYTES = 4096
 _MAX_DISTINCT_WARNINGS = 256
+MAX_RUN_TRIES = 64
+"""Most manifest or delegation entries verified per read of the DHT (each costs one RSA verification)."""
 _FUTURE_TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)  # distinct types before Python 3.11
 
 
@@ -110,6 +130,9 @@ class DHTConfig:
     """Shared secret of a private run: stages serve only callers that prove they know it; None: open run."""
     allowed_trainers: tuple[str, ...] = ()
     """Peer ids of the trainers a private run serves (the planner names only these); empty: any trainer."""
+    run: str | None = None
+    """The owned run to join: its id (the manifest is fetched from the DHT and verified) or its manifest file;
+    its id becomes the run name. None: an unowned run under `run_name` (any peer can take over its planning)."""
 
     def __repr__(self) -> str:
         # a config is logged and printed; the run secret must never be
@@ -140,6 +163,8 @@ class DHTConfig:
             raise ValueError(f"DHTConfig.port: expected a port in [0, 65535], got {self.port}")
         if self.announce_host is not None and self.port == 0:
             raise ValueError("DHTConfig.port: announce_host needs an explicit port (0 can't be announced)")
+        if self.run is not None:
+            self._own_run()
         if _RUN_NAME_RE.fullmatch(self.run_name) is None:
             raise ValueError(f"DHTConfig.run_name: expected 1-64 characters [A-Za-z0-9_-], got {self.run_name!r}")
         for name in ("announce_ttl_s", "link_ttl_s", "plan_ttl_s", "start_timeout_s", "request_timeout_s"):
@@ -148,6 +173,24 @@ class DHTConfig:
         for name, kind in (("announce_ttl_s", "peers"), ("link_ttl_s", "links"), ("plan_ttl_s", "plan")):
             if getattr(self, name) > MAX_TTL_S[kind]:
                 raise ValueError(f"DHTConfig.{name}: at most {MAX_TTL_S[kind]:.0f} s (readers refuse longer lives)")
+
+    def _own_run(self) -> None:
+        """An owned run: its id is the run name; its planners and trainers come from the manifest only."""
+        run = self.run if RUN_ID_RE.fullmatch(str(self.run)) else RunManifest.load(str(self.run)).run_id
+        if self.run_name not in ("swarm", run):
+            raise ValueError(f"DHTConfig.run_name: {self.run_name!r}, but run {run}'s keys are under its id")
+        if self.trusted_planners or self.allowed_trainers:
+            raise ValueError(
+                "DHTConfig: --trusted-planners and --trainers are for private runs; an owned run's planners and "
+                "trainers are the ones its manifest and the owner's delegations name"
+            )
+        object.__setattr__(self, "run_name", run)
+
+    def run_manifest(self) -> RunManifest | None:
+        """The manifest of `run` when it is a file (read and verified), else None (fetched by id on joining)."""
+        if self.run is None or RUN_ID_RE.fullmatch(self.run):
+            return None
+        return RunManifest.load(self.run, self.run_name)
 
     @property
     def host_maddrs(self) -> list[str]:
@@ -230,6 +273,9 @@ class SwarmDHT:
     Thread-safe: the heartbeat thread and the caller may use it at once. Usable as a context manager.
     """
 
+    _run: OwnedRun | None = None
+    """An owned run's manifest and authority, as read so far; None: unowned (or private) run."""
+
     def __init__(self, config: DHTConfig, *, private_key: RSAPrivateKey | None = None):
         """Starts the DHT node and joins the swarm through `config.initial_peers`.
 
@@ -276,6 +322,101 @@ class SwarmDHT:
         logger.info(
             "DHT node up in %.2f s, peer id %s, run %r", time.monotonic() - started, self.peer_id, config.run_name
         )
+        if config.run is not None:
+            try:
+                self._join_run(config.run_manifest())
+            except Exception:
+                self._dht.shutdown()
+                raise
+
+    # -- the owned run (swarm.peers.owned) ----------------------------------------------------------------
+
+    def _join_run(self, manifest: RunManifest | None) -> None:
+        """Verifies the run's manifest (the file's, or the DHT's by id, waiting up to start_timeout_s)."""
+        if manifest is None:
+            try:
+                manifest = wait_for(self._fetch_quietly, self.config.start_timeout_s, 0.5, "manifest")
+            except TimeoutError:
+                raise RuntimeError(
+                    f"run {self.config.run_name}: no valid manifest in the DHT within {self.config.start_timeout_s} s "
+                    "(join through a peer of that run, or give the manifest file to --run)"
+                ) from None
+        store = lambda kind, subkey, text, ttl: self._store(getattr(self._keys, kind), subkey, text, ttl)
+        self._run = OwnedRun(manifest, self._parse_run, store, self._warn)
+        logger.info("owned run %s (%r), owner %s", manifest.run_id, manifest.name, manifest.owner_id)
+        self._run.authority()
+        try:
+            self._run.publish()
+        except TimeoutError as e:  # the heartbeat publishes again (Reannouncer); joining need not wait for it
+            logger.warning("run %s: could not publish the manifest yet: %s", manifest.run_id, e)
+
+    def _fetch_quietly(self) -> RunManifest | None:
+        try:
+            return self.fetch_manifest()
+        except TimeoutError:
+            return None
+
+    @property
+    def manifest(self) -> RunManifest | None:
+        """The owned run's verified manifest; None in an unowned or private run."""
+        return None if self._run is None else self._run.manifest
+
+    @property
+    def delegation(self) -> RunDelegation | None:
+        """The owned run's newest valid delegation seen so far (None: none, or not an owned run)."""
+        return None if self._run is None else self._run.newest
+
+    def fetch_manifest(self) -> RunManifest | None:
+        """The run's manifest from the DHT, verified against the run id (invalid ones are warned about, once)."""
+        return next(iter(self._parse_run("manifest")), None)
+
+    def authority(self, max_age_s: float = 2.0) -> RunAuthority | None:
+        """Who may plan and train in this owned run: the manifest's delegates as the newest valid delegation
+        changed them, re-read from the DHT at most every `max_age_s`; None in an unowned or private run."""
+        return None if self._run is None else self._run.authority(max_age_s)
+
+    def planners(self) -> tuple[str, ...]:
+        """Whose plans count and who may plan, when the run restricts it: the owner's delegated planners, else
+        the trusted planners (a private run); empty in an unowned run (the elected planner)."""
+        authority = self.authority()
+        return tuple(sorted(authority.planners)) if authority is not None else self.config.trusted_planners
+
+    @property
+    def restricted(self) -> bool:
+        """Whether plan authority is named (owned or private run), rather than elected by lowest id."""
+        return self._run is not None or bool(self.config.trusted_planners)
+
+    def publish_run(self, every_s: float = 0.0) -> bool:
+        """(Re)stores the owned run's manifest and the newest delegation known, at most every `every_s`: every
+        peer of the run does (with its announcements), so the run's documents live as long as any peer does."""
+        return self._run is not None and self._run.publish(every_s)
+
+    def publish_delegation(self, delegation: RunDelegation) -> bool:
+        """Stores the owner's `delegation` (checked against the run: a foreign one raises ValueError)."""
+        if self._run is None:
+            raise ValueError(f"RunDelegation: run {self.config.run_name} is not an owned run (give --run)")
+        return self._run.publish_delegation(delegation)
+
+    def _parse_run(self, kind: str) -> list[Any]:
+        """The run's verified manifest, or its newest valid delegation, from the DHT (as a list: empty if none).
+
+        Only the newest delegation is needed (each carries every earlier revocation: `swarm run revoke` writes
+        it so), so entries are tried highest sequence first and the first valid one ends the search; at most
+        MAX_RUN_TRIES entries are verified per read, whatever a dishonest DHT node returns.
+        """
+        key = getattr(self._keys, kind)
+        found = self._request(f"get {key}", lambda: self._dht.get(key, latest=True, return_future=True))
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        entries = [(k, e) for k, e in found.value.items() if e.expiration_time >= now and type(k) in (int, str)]
+        entries.sort(key=lambda item: (type(item[0]) is int, item[0] if type(item[0]) is int else 0), reverse=True)
+        for subkey, entry in entries[:MAX_RUN_TRIES]:
+            try:
+                return [parse_run_entry(kind, self.config.run_name, subkey, entry.value, entry.expiration_time)]
+            except ValueError as e:
+                self._warn(f"skipping an invalid record under {key}: {e}")
+        return []
 
     # -- records ---------------------------------------------------------------------------------------------
 
@@ -301,10 +442,13 @@ class SwarmDHT:
         return sorted(found, key=lambda a: (a.stage is None, a.stage or 0, a.peer_id))
 
     def trainers(self) -> list[TrainerAnnouncement]:
-        """The unexpired, valid trainer announcements, by peer id (filtered by `allowed_trainers` when set)."""
-        allowed = set(self.config.allowed_trainers)
-        found = [t for t in self._parse_all(self._keys.trainers, "trainers") if not allowed or t.peer_id in allowed]
-        return sorted(found, key=lambda t: t.peer_id)
+        """The unexpired, valid trainer announcements, by peer id: in an owned run only the owner's delegated
+        trainers', in a private run only the `allowed_trainers`', else all."""
+        authority = self.authority()
+        allowed = authority.trainers if authority is not None else frozenset(self.config.allowed_trainers)
+        restricted = authority is not None or bool(allowed)
+        found = self._parse_all(self._keys.trainers, "trainers")
+        return sorted((t for t in found if not restricted or t.peer_id in allowed), key=lambda t: t.peer_id)
 
     def store_link(self, m: LinkMeasurement, ttl_s: float | None = None) -> bool:
         """Stores this peer's measurement of its link to `m.dst`, replacing its previous one."""
@@ -325,9 +469,10 @@ class SwarmDHT:
         return self._store(self._keys.plan, subkey, record.to_wire(), ttl_s or self.config.plan_ttl_s)
 
     def plan_authority(self, peers: list[PeerAnnouncement]) -> frozenset[str]:
-        """Whose plans count: the trusted planners when configured, else the elected planner among `peers`."""
-        if self.config.trusted_planners:
-            return frozenset(self.config.trusted_planners)
+        """Whose plans count: the owner's delegated planners in an owned run, the trusted planners in a private
+        one, else (unowned) the elected planner among `peers`."""
+        if self.restricted:
+            return frozenset(self.planners())
         elected = elected_planner(peers, now=get_dht_time())
         return frozenset() if elected is None else frozenset({elected})
 
@@ -367,7 +512,10 @@ class SwarmDHT:
         """The plan the most announced peers follow, whoever published it (`followed_plan`): what a new planner
         inherits. With trusted planners only theirs count (as in `get_plan`)."""
         plans = self._parse_all(self._keys.plan, "plan")
-        return followed_plan(plans, peers, n_layers, self.config.trusted_planners)
+        planners = self.planners()
+        if self.restricted and not planners:
+            return None  # the owner delegated no planner (yet): nobody's plans count
+        return followed_plan(plans, peers, n_layers, planners)
 
     def _authority_plans(self, peers: list[PeerAnnouncement]) -> list[tuple[str, PlanRecord]]:
         authority = self.plan_authority(peers)
@@ -375,6 +523,12 @@ class SwarmDHT:
         for owner, record in self._parse_all(self._keys.plan, "plan"):
             if owner in authority:
                 plans.append((owner, record))
+            elif self._run is not None:
+                # a stranger's plan in an owned run: refused by name, once (not once per poll)
+                self._warn(
+                    f"refusing plan {record.version} from {owner}: not a planner the owner of run "
+                    f"{self.config.run_name} delegated ({sorted(authority)})"
+                )
             else:
                 # once each at info level: an earlier planner's plans are normal after a hand-over
                 self._warn(
@@ -510,6 +664,10 @@ async def _visible_maddrs(_dht: DHT, node: Any) -> list[Any]:
     return await node.get_visible_maddrs()  # runs inside the DHT process (hivemind's run_coroutine)
 
 
+RUN_REPUBLISH_S = 120.0
+"""How often a member re-stores the owned run's manifest and newest delegation (they live MAX_TTL_S / 2)."""
+
+
 class Reannouncer:
     """Re-announces a peer every ttl/3 seconds from a background thread, so a missed beat or two is harmless.
 
@@ -567,6 +725,10 @@ class Reannouncer:
                 self.beats += 1
             else:
                 logger.warning("announcement refused by every DHT node reached; retrying in %.1f s", self.period_s)
+            # an owned run's manifest and newest delegation, refreshed by every member: the run outlives its owner
+            publish_run = getattr(self._dht, "publish_run", None)
+            if publish_run is not None:
+                publish_run(every_s=RUN_REPUBLISH_S)
         except Exception as e:  # a heartbeat must survive DHT hiccups: the next beat retries
             logger.warning("announcement failed (%s); retrying in %.1f s", e, self.period_s)
 

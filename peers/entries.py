@@ -23,6 +23,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from swarm.peers.manifest import RunDelegation, RunManifest
 from swarm.peers.records import (
     MAX_CLOCK_SKEW_S,
     MAX_PLANNER_LEASE_S,
@@ -32,14 +33,31 @@ from swarm.peers.records import (
     TrainerAnnouncement,
 )
 
-__all__ = ["LINK_SEP", "MAX_TTL_S", "PLAN_SEP", "RunKeys", "RunRecordValidator", "parse_entry", "peer_id_of"]
+__all__ = [
+    "LINK_SEP",
+    "MANIFEST_SUBKEY",
+    "MAX_TTL_S",
+    "PLAN_SEP",
+    "RunKeys",
+    "RunRecordValidator",
+    "parse_entry",
+    "parse_run_entry",
+    "peer_id_of",
+]
 
 logger = logging.getLogger(__name__)
 
 _OWNER_RE = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 LINK_SEP, PLAN_SEP = b"->", b"#"
 
-MAX_TTL_S = {"peers": 600.0, "trainers": 600.0, "links": 3600.0, "plan": 7200.0}
+MAX_TTL_S = {
+    "peers": 600.0,
+    "trainers": 600.0,
+    "links": 3600.0,
+    "plan": 7200.0,
+    "manifest": 3600.0,
+    "delegations": 3600.0,
+}
 """Longest lifetime a record of each kind may ask for, in seconds (plus MAX_CLOCK_SKEW_S)."""
 
 
@@ -119,6 +137,31 @@ def parse_entry(kind: str, subkey: Any, value: Any, expiration: float, now: floa
     return record
 
 
+MANIFEST_SUBKEY = "manifest"
+"""The one subkey of `{run}.manifest`: the run's manifest (JSON text), unowned (anyone may store it: it verifies)."""
+
+
+def parse_run_entry(kind: str, run: str, subkey: Any, value: Any, expiration: float, now: float | None = None) -> Any:
+    """The verified `RunManifest` ('manifest') or `RunDelegation` ('delegations', under its sequence number) of
+    run `run` in one DHT entry; ValueError naming what is wrong (another run's, forged, oversized...).
+
+    Neither is signed by the storing peer (hivemind's owner subkeys): both are signed by the run's owner and
+    hash to the run id, so any peer may store and refresh them and nobody can store another."""
+    now = get_dht_time() if now is None else now
+    if not expiration <= now + MAX_TTL_S[kind] + MAX_CLOCK_SKEW_S:
+        raise ValueError(f"{kind}: expires {expiration - now:.0f} s from now, past the {MAX_TTL_S[kind]:.0f} s bound")
+    if kind == "manifest":
+        if subkey != MANIFEST_SUBKEY:
+            raise ValueError(f"RunManifest: stored under subkey {str(subkey)[:32]!r}, not {MANIFEST_SUBKEY!r}")
+        return RunManifest.from_json(value, run)
+    delegation = RunDelegation.from_json(value)
+    if delegation.run_id != run:
+        raise ValueError(f"RunDelegation: for run {delegation.run_id}, not {run}")
+    if subkey != delegation.sequence:
+        raise ValueError(f"RunDelegation.sequence: {delegation.sequence} is not its subkey {str(subkey)[:32]!r}")
+    return delegation
+
+
 @dataclass(frozen=True)
 class RunKeys:
     """The run's DHT keys, one per record kind."""
@@ -127,10 +170,17 @@ class RunKeys:
     trainers: str
     links: str
     plan: str
+    manifest: str = ""
+    """The owned run's manifest (`parse_run_entry`)."""
+    delegations: str = ""
+    """The owner's delegations, one per sequence number."""
+    run: str = ""
+    """The run name the keys are under (an owned run's: its id)."""
 
     @classmethod
     def of_run(cls, run_name: str) -> RunKeys:
-        return cls(*(f"{run_name}.{kind}" for kind in ("peers", "trainers", "links", "plan")))
+        kinds = ("peers", "trainers", "links", "plan", "manifest", "delegations")
+        return cls(*(f"{run_name}.{kind}" for kind in kinds), run=run_name)
 
 
 class RunRecordValidator(RecordValidatorBase):
@@ -142,7 +192,10 @@ class RunRecordValidator(RecordValidatorBase):
 
     def __init__(self, keys: RunKeys):
         kinds = {keys.peers: "peers", keys.trainers: "trainers", keys.links: "links", keys.plan: "plan"}
+        if keys.manifest:
+            kinds.update({keys.manifest: "manifest", keys.delegations: "delegations"})
         self._kinds = {DHTID.generate(source=key).to_bytes(): kind for key, kind in kinds.items()}
+        self._run = keys.run
 
     def validate(self, record: DHTRecord) -> bool:
         kind = self._kinds.get(record.key)
@@ -152,7 +205,10 @@ class RunRecordValidator(RecordValidatorBase):
             return False  # the run's keys hold only dictionaries of owned subkeys, never a plain value
         try:
             subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
-            parse_entry(kind, subkey, value, record.expiration_time)
+            if kind in ("manifest", "delegations"):
+                parse_run_entry(kind, self._run, subkey, value, record.expiration_time)
+            else:
+                parse_entry(kind, subkey, value, record.expiration_time)
         except Exception as e:  # any failure to decode or validate means the record is refused
             logger.debug("refusing a record: %s", e)
             return False

@@ -380,8 +380,9 @@ def elected_planner(
     runs ahead by X looks alive X longer to the others after it dies; readers refuse leases more than
     MAX_PLANNER_LEASE_S (+ MAX_CLOCK_SKEW_S) ahead (`swarm.peers.entries`).
 
-    Ids are hashes of keys, so anyone can grind a key for a low id (and announce a lease): open swarms should
-    name trusted planners. None while no candidate is announced.
+    Ids are hashes of keys, so anyone can grind a key for a low id (and announce a lease): an open run is an
+    owned run, whose delegated planners are the `trusted` ones (`swarm.peers.manifest`). None while no
+    candidate is announced.
     """
     now = time.time() if now is None else now
     allowed = set(trusted)
@@ -402,8 +403,8 @@ def followed_plan(
     checked) and names every follower of that version at the stage and layers it announces; whoever published
     it (only the `trusted` ids' plans when any are given). None when no followed version has such a record.
 
-    Why this is no weaker than taking only the elected planner's plans: without trusted planners anyone can
-    grind a low id, win the election and publish any plan; a record inherited here changes nothing the swarm
+    Why this is no weaker than taking only the elected planner's plans: in an unowned run anyone can grind a
+    low id, win the election and publish any plan; a record inherited here changes nothing the swarm
     does, since it is what the peers already serve (their own signed announcements say so), and it must
     validate against the announced peers. With trusted planners all of their plans count anyway.
     """

@@ -12,6 +12,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train",): ("swarm.train.trainer", "drive training across the stages found in the DHT"),
     ("status",): ("swarm.daemon.status", "list the peers in the DHT, their stages and link figures"),
     ("bootstrap",): ("swarm.daemon.bootstrap", "run a DHT bootstrap node that peers and trainers join"),
+    ("run",): ("swarm.daemon.run_cli", "an owned run: init (owner key, signed manifest), show, delegate, revoke"),
     ("plan",): ("swarm.daemon.live_plan", "plan stages, layer ranges and peers for a scenario, a JSON file or the DHT"),
     ("testbed",): ("swarm.testbed.testbed_cli", "network-namespace testbed: up, status, down"),
     ("bench", "kernels"): ("swarm.bench.kernels", "quantize/dequantize GB/s against a memory copy"),

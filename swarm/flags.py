@@ -392,6 +392,15 @@ class Flags(Generic[C]):
         Raises:
             SystemExit: the --config file is unreadable, names an unknown key, or holds a bad value.
         """
+        return self.build(self.given(args))
+
+    def given(self, args: argparse.Namespace) -> dict[str, Any]:
+        """`{flag name without dashes: parsed value}` of the flags given on the command line or in its `--config`
+        file (what a command checks against values it gets elsewhere, e.g. an owned run's manifest).
+
+        Raises:
+            SystemExit: the --config file is unreadable, names an unknown key, or holds a bad value.
+        """
         given = _given(args, self.by_name)
         path = getattr(args, "config", None)
         if path:
@@ -399,7 +408,7 @@ class Flags(Generic[C]):
                 given = {**self.read_toml(path), **given}
             except ValueError as e:
                 raise SystemExit(f"--config {e}") from None
-        return self.build(given)
+        return given
 
     def read_toml(self, path: str | Path) -> dict[str, Any]:
         """`{flag: value}` of a TOML file of flags.

@@ -261,7 +261,7 @@ def _no_secret(secret: str | None) -> str:
 _TRUST = "identity and trust"
 DHT_FLAGS = Flag(
     group="DHT",
-    only=("initial_peers", "host", "port", "run_name", "signing_key_path", "trusted_planners", "run_secret",
+    only=("initial_peers", "host", "port", "run_name", "run", "signing_key_path", "trusted_planners", "run_secret",
           "allowed_trainers"),
     fields={
         "initial_peers": Flag(
@@ -273,6 +273,13 @@ DHT_FLAGS = Flag(
                      "other machines"),
         "port": Flag(help="TCP port the DHT node listens on (0: any free)"),
         "run_name": Flag(help="namespace of the run's DHT keys, so runs can share a DHT"),
+        "run": Flag(
+            metavar="ID|FILE", group=_TRUST,
+            help="join the owned run with this id (its manifest is fetched from the DHT and verified) or this "
+            "manifest file (`swarm run init`): the model, codecs and schedule come from the manifest, and only the "
+            "owner's delegated planners and trainers plan and train (none: an unowned run, whose planning any peer "
+            "can take over)",
+        ),
         "signing_key_path": Flag(
             name="--identity", metavar="FILE", parse=str, value=_identity, group=_TRUST,
             help="RSA key (DER) that signs this process's records and calls; its hash is the peer id, so a restart "
@@ -280,9 +287,9 @@ DHT_FLAGS = Flag(
         ),
         "trusted_planners": Flag(
             parse=peer_ids, render=",".join, nargs=None, metavar="ID[,ID...]", group=_TRUST,
-            help="follow plans only from these peer ids, and let only them plan (none: the elected planner, the "
-            "lowest announced id holding the planner lease; a stranger can grind a key for a low id, so open "
-            "swarms should name their planners)",
+            help="private run: follow plans only from these peer ids, and let only them plan (none: an owned run's "
+            "delegated planners, else the elected planner, the lowest announced id holding the planner lease, which "
+            "a stranger can grind a key for: open runs are owned runs, --run)",
         ),
         "run_secret": Flag(
             name="--run-secret-file", metavar="FILE", parse=str, value=_secret, render=_no_secret, group=_TRUST,

@@ -125,6 +125,12 @@ class PeerDaemon:
             self.mb = cfg.planning.micro_batch_size
             self.speed = cfg.compute_layers_per_s or measure_compute(self.model, cfg.device, micro_batch_size=self.mb)
             log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, self.speed)
+            if dht.manifest is None and not cfg.dht.trusted_planners:
+                log.warning(
+                    "this run is unowned: any peer can take over its planning (the lowest id holding a lease plans, "
+                    "and ids can be ground) and name any trainer; for a run volunteers can trust, start it with "
+                    "`swarm run init` and join it with --run ID"
+                )
             self.announcement = PeerAnnouncement(
                 peer_id=dht.peer_id,
                 address=address,

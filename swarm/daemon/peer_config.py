@@ -285,9 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
     """The PeerConfig of swarm-peer's parsed flags, with the --address-file's peers among the initial ones (read
     now: the file is the parent's, written once the bootstrap node is up); a clear DeviceError now when CUDA is
-    asked for and absent."""
+    asked for and absent. With `--run`, the model, codecs and schedule come from the run's manifest (fetched
+    from the DHT by id), and a flag that contradicts it raises ValueError naming both values."""
     from swarm.daemon.bootstrap import joined_peers  # hivemind is slow to import: only when a config is made
 
     cfg = peer_flags().from_args(args)
     check_device(cfg.device)
-    return replace(cfg, dht=replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file)))
+    dht = replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file))
+    if dht.run is not None:  # an owned run: the model, codecs and schedule are the manifest's
+        from swarm.daemon.run_cli import manifest_of, with_manifest
+
+        cfg = with_manifest(peer_flags(), args, manifest_of(dht))
+    return replace(cfg, dht=dht)

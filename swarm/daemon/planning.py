@@ -6,7 +6,8 @@
 - `swarm_plan_input`: turns the DHT's announcements and link measurements into the scheduler's `PlanInput`,
   the same structure a JSON file or a scenario gives, so simulations and live swarms share one code path.
 - `Planner`: the elected peer (`elected_planner`: the lowest id holding a planner lease, else the lowest id
-  whose lease has not lapsed; among the trusted planners when set) plans, when enough peers have announced and
+  whose lease has not lapsed; among the owner's delegated planners in an owned run, the trusted planners in a
+  private one, every announced peer only in an unowned run) plans, when enough peers have announced and
   whenever the set of peers changes, and publishes the plan in the DHT with the next version number. It renews
   its lease (--planner-lease-s, 3 s) every third of it, so a joiner with a lower id does not depose it and a
   dead planner is replaced within a lease. A new planner inherits the plan the peers follow (`followed_plan`)
@@ -240,8 +241,12 @@ class Planner:
         plan no longer validates and the DHT's reader falls back to an older one)."""
 
     def is_leader(self, peers: list[PeerAnnouncement]) -> bool:
-        now = self.dht_time()
-        return elected_planner(peers, self.dht.config.trusted_planners, now=now) == self.dht.peer_id
+        """Whether this peer plans now: elected by lease among the delegated planners of an owned run (the
+        trusted ones of a private run), among every announced peer in an unowned run."""
+        planners = _planners(self.dht)
+        if _restricted(self.dht) and self.dht.peer_id not in planners:
+            return False  # not delegated: never plans, whatever its id or lease
+        return elected_planner(peers, planners, now=self.dht_time()) == self.dht.peer_id
 
     def renew_lease(self) -> bool:
         """Renews the lease (and re-announces) if this peer leads and a third of the lease has passed."""
@@ -471,14 +476,15 @@ class Planner:
         return self.dht.newest_plan_version(peers) > 0 or any(p.plan_version > 0 for p in peers)
 
     def next_version(self, peers: list[PeerAnnouncement]) -> int | None:
-        """One above every version the authority published and (without trusted planners) the peers follow.
+        """One above every version the authority published and (in an unowned run) the peers follow.
 
-        A planner taking over from one that left numbers on from what the peers follow, so they switch. Without
-        trusted planners an announced peer can inflate that floor (as it can win the election with a ground key):
-        at MAX_PLAN_VERSION this planner stops publishing, with an error, rather than overflow.
+        A planner taking over from one that left numbers on from what the peers follow, so they switch. In an
+        unowned run (no delegated or trusted planners) an announced peer can inflate that floor (as it can win
+        the election with a ground key): at MAX_PLAN_VERSION this planner stops publishing, with an error,
+        rather than overflow.
         """
         floor = self.dht.newest_plan_version(peers)
-        if not self.dht.config.trusted_planners:
+        if not _restricted(self.dht):
             floor = max([floor, *(p.plan_version for p in peers)])
         if floor >= MAX_PLAN_VERSION:
             if not self._exhausted:
@@ -486,3 +492,14 @@ class Planner:
                 self._exhausted = True
             return None
         return floor + 1
+
+
+def _planners(dht) -> tuple[str, ...]:
+    """The planners the run names (`SwarmDHT.planners`: an owned run's delegates, a private run's trusted ones)."""
+    named = getattr(dht, "planners", None)
+    return tuple(named()) if named is not None else tuple(dht.config.trusted_planners)
+
+
+def _restricted(dht) -> bool:
+    """Whether the run names its planners (owned or private) rather than electing the lowest id."""
+    return bool(getattr(dht, "restricted", bool(dht.config.trusted_planners)))

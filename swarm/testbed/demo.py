@@ -5,6 +5,11 @@ the application to `--rate-mbit`), trains with AQ-SGD activations and quantized 
 summary (final loss, steps, wire bytes against fp32's, mean step time), writes a plot, and stops every
 process it started, also when interrupted. Every call is authenticated and authorized as in any swarm:
 the trainer signs with a key generated here (`--no-auth` turns that off, to measure what it costs).
+
+It runs an owned run, as volunteers would join one: it makes an owner key, a planner key and a trainer key
+in `<out>/run` and a manifest (`swarm run init`'s `init_run`) of the model, codecs and schedule the peers are
+told; the first peer plans with the planner key, the trainer trains with the trainer key, and no other peer
+can plan or train.
 """
 
 from __future__ import annotations
@@ -102,6 +107,20 @@ def peer_config(cfg: DemoConfig, out: Path) -> PeerConfig:
     )
 
 
+def owned_run(where: Path, model: ModelFlags, peer: PeerConfig, fw_codec: str, bw_codec: str):
+    """A fresh owned run in `where` (an earlier demo's there is replaced) whose manifest says what `peer` is told."""
+    import shutil
+
+    from swarm.daemon.run_cli import init_run
+
+    shutil.rmtree(where, ignore_errors=True)
+    optim = peer.optim
+    return init_run(
+        where, name="demo", model=model, fw_codec=fw_codec, bw_codec=bw_codec, lr=optim.lr_peak,
+        warmup_steps=optim.warmup_steps, total_steps=optim.total_steps, data="swarm demo's data",
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from swarm.daemon.peer_config import peer_flags
     from swarm.net.stream import StageCallError
@@ -125,9 +144,11 @@ def run(args: argparse.Namespace) -> int:
     labels = CodecFlags.of(peer.fw_codec, peer.bw_codec)
     fw_codec, bw_codec = labels.fw_codec, labels.bw_codec
     shaped = "unshaped" if rate_mbit is None else f"shaped to {rate_mbit:g} Mbit/s"
+    owned = owned_run(out / "run", cfg.model, peer, fw_codec, bw_codec)
+    say(f"owned run {owned.run_id}: {owned.manifest_path}")
     say(f"starting a bootstrap node and {cfg.peers} peers (links {shaped})")
     argv = [*peer_flags().to_argv(peer), *MODEL_FLAGS.to_argv(cfg.model)]
-    with local_swarm(out, cfg.peers, argv, say) as swarm:
+    with local_swarm(out, cfg.peers, argv, say, run=owned) as swarm:
         route, procs = swarm.route, swarm.procs
         say(f"plan {swarm.plan_version}: all {cfg.peers} stages served: {', '.join(route)}")
         train_cfg = replace(cfg.train, model=model, setting=f"{fw_codec}/{bw_codec}", out=str(out))

@@ -43,6 +43,7 @@ def local_swarm(
     say: Callable[[str], None] = lambda _: None,
     timeout_s: float = 120.0,
     per_peer_flags: list[list[str]] | None = None,
+    run=None,
 ) -> Iterator[LocalSwarm]:
     """Starts a bootstrap node and `n_peers` peers (one stage each, as the planner assigns them) and waits
     until every stage is served under a plan that names this swarm's trainer (stages serve training calls
@@ -50,7 +51,11 @@ def local_swarm(
 
     `peer_flags` (every peer's) and `per_peer_flags` (each one's own) are swarm-peer argv, e.g. a
     `PeerConfig`'s (`swarm.daemon.peer_config.peer_flags().to_argv`); they come after the swarm's own (its address
-    file and stage count), so they win."""
+    file and stage count), so they win.
+
+    `run` (a `swarm.daemon.run_cli.RunFiles`) makes it an owned run: every peer joins with `--run` (the
+    manifest file), the first peers hold the delegated planner keys, and the trainer signs with the delegated
+    trainer key; the manifest's model, codecs and schedule must agree with `peer_flags`. None: an unowned run."""
     import time
 
     from swarm.daemon.bootstrap import BootstrapConfig, bootstrap_flags
@@ -64,17 +69,26 @@ def local_swarm(
     with ProcessGroup(out / "logs") as procs:
         address_file = out / "bootstrap.addr"
         address_file.unlink(missing_ok=True)
-        boot = bootstrap_flags().to_argv(BootstrapConfig(address_file=str(address_file)))
+        owned = () if run is None else ("--run", str(run.manifest_path))
+        boot = [*bootstrap_flags().to_argv(BootstrapConfig(address_file=str(address_file))), *owned]
         procs.start("bootstrap", swarm_command("bootstrap", *boot))
         procs.wait_for_file(address_file, 60)
         joining = peer_cli().to_argv(PeerConfig(address_file=str(address_file), num_stages=n_peers))
         for i in range(n_peers):
             own = per_peer_flags[i] if per_peer_flags else []  # e.g. one peer's own --rate-mbit
+            if run is not None:  # the delegated planners first, volunteers after
+                keys = run.planner_keys
+                own = [*owned, *(["--identity", str(keys[i])] if i < len(keys) else []), *own]
             argv = peer_command(*joining, *peer_flags, *own)
             procs.start(f"peer{i}", argv)
         initial = [line for line in address_file.read_text().splitlines() if line.strip()]
-        trainer = Identity.generate()
-        dht_config = DHTConfig(initial_peers=initial, client_mode=True)
+        if run is None:
+            trainer, dht_config = Identity.generate(), DHTConfig(initial_peers=initial, client_mode=True)
+        else:
+            from swarm.peers.dht import load_or_create_key
+
+            trainer = Identity(load_or_create_key(str(run.trainer_keys[0])))
+            dht_config = DHTConfig(initial_peers=initial, client_mode=True, run=str(run.manifest_path))
         with SwarmDHT(dht_config, private_key=trainer.key) as dht:
             me = TrainerAnnouncement(dht.peer_id, started_at=time.time())
             with Reannouncer(dht, lambda: me):

@@ -192,8 +192,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from swarm.daemon.bootstrap import joined_peers  # hivemind is slow to import: only when a config is made
 
     cfg = train_flags().from_args(args)
-    peers = joined_peers(cfg.dht.initial_peers, cfg.address_file)
-    return replace(cfg, dht=replace(cfg.dht, initial_peers=peers))
+    dht = replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file))
+    if dht.run is not None:  # an owned run: the model is the manifest's (a flag contradicting it is refused)
+        from swarm.daemon.run_cli import manifest_of, with_manifest
+
+        cfg = with_manifest(train_flags(), args, manifest_of(dht))
+    return replace(cfg, dht=dht)
 
 
 def discover_route(
@@ -490,6 +494,15 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: cannot serve metrics on {cfg.dht.host}:{cfg.metrics_port}: {e}", file=sys.stderr)
                 return 2
             say(f"metrics at {server.url}")
+        authority = dht.authority()
+        if authority is not None and dht.peer_id not in authority.trainers:
+            print(
+                f"error: {dht.peer_id} is not a trainer of run {cfg.dht.run_name} (its owner delegated "
+                f"{sorted(authority.trainers)}): train with a delegated key (--identity), or have the owner run "
+                f"`swarm run delegate MANIFEST --trainer {dht.peer_id}`",
+                file=sys.stderr,
+            )
+            return 2
         # the planner names announced trainers in the plan, and stages serve only those: announce until done
         me = TrainerAnnouncement(dht.peer_id, started_at=time.time())
         stack.enter_context(Reannouncer(dht, lambda: me))
