@@ -15,6 +15,12 @@ replica of the first and last stage gets a Reduce (alone in its stage or not) na
 A peer that dies mid-step (a failed call confirmed by a ping, or missed heartbeats) takes its route out;
 the step is abandoned on every live replica and run again whole on the surviving routes, so every stage
 applies each step exactly once.
+
+A peer may also lie (`swarm.runtime.suspects`): every Grads reply's numbers are checked before any is used, and
+a step that fails because of one peer's reply (an implausible norm, or a call whose error blames it: a
+neighbour's refusal of what it sent, its own failure to compute or encode) is abandoned everywhere and
+skipped, with a strike for that peer. Enough strikes evict it: it counts as dead from then on (its routes are
+left out, the step runs again on the survivors), and stays banned for the run (`Suspects.banned`).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from swarm.runtime.routing import (
     route_work,
     spawn,
 )
+from swarm.runtime.suspects import Implausible, Suspects, culprit
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
@@ -98,6 +105,8 @@ class PipelineDriver:
         heartbeat_s: time between heartbeat pings of the peers while a step runs (also each ping's timeout).
         heartbeat_misses: unanswered pings in a row that make a peer dead.
         weights: the routes' sample shares (default: fresh, from measured throughput).
+        suspects: the run's strikes, bans and norm history (default: fresh; the trainer keeps one for the run,
+            so that a re-plan's driver knows who was banned).
     """
 
     def __init__(
@@ -116,6 +125,7 @@ class PipelineDriver:
         heartbeat_misses: int = 3,
         weights: RouteWeights | None = None,
         tied: bool = True,
+        suspects: Suspects | None = None,
     ):
         routes, ids = _nested(route), _nested(peers)
         if not routes or len(routes) != len(ids) or [len(r) for r in ids] != [len(r) for r in routes]:
@@ -141,8 +151,11 @@ class PipelineDriver:
         self.weights = weights or RouteWeights()
         self.tied = tied
         """whether the model ties its embedding and head: only then do the end stages sum a tied group"""
-        self.dead: set[str] = set()
-        """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats)"""
+        self.suspects = suspects or Suspects()
+        self.dead: set[str] = {p for row in ids for p in row if p in self.suspects.banned}
+        """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats), or evicted"""
+        self._stage_sq: dict[int, float] = {}
+        """the squared norm each stage reported in the step's Grads (for `Suspects.applied`)"""
         # every call to a stage carries a token for that stage's peer id
         self._stubs = {
             (s, r): self.connector.stage(a, ids[s][r]) for s, row in enumerate(routes) for r, a in enumerate(row)
@@ -231,6 +244,11 @@ class PipelineDriver:
             ping.result(timeout=timeout_s)
             return True
         return False
+
+    def _name(self, stage: int, replica: int) -> str:
+        """How an error names a replica: "stage S replica R (peer ID at ADDR)"."""
+        peer, address = self.replica_peers[stage][replica], self.replica_addresses[stage][replica]
+        return f"stage {stage} replica {replica} (peer {peer} at {address})"
 
     def _where(self, peer: str) -> tuple[int, int]:
         """(stage, replica) of `peer`."""
@@ -363,7 +381,10 @@ class PipelineDriver:
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: from_wire(GradReport, future.result()) for key, (future, _) in tasks.items()}
         try:
+            # every number is checked before any is used: a lie raises Implausible (the step is then skipped)
+            self.suspects.judge_grads(step, grads, {k: self.replica_peers[k[0]][k[1]] for k in grads}, self._name)
             self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
+            self._stage_sq = {s: grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)}
         except StageCallError:
             self.abandon(step)
             raise
@@ -469,21 +490,27 @@ class PipelineDriver:
         dead_before = set(self.dead)
         with self._control_lock:
             self._control, self._all = 0, Traffic()
+        loss, traffic = math.nan, Traffic()  # a step skipped before its losses came back has none
         for attempt in range(1, self.max_attempts + 1):
             routes = self._live(step)
             work = self._work(batch, routes)
             used = [w.route for w in work]
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
+            norm, lr = math.nan, 0.0
             try:
                 with self._ping_loop(used, wake):
                     loss, traffic = self._run_routes(step, work, wake)
                     traffic.merge(self._reduce(step, used, wake))
                     norm = self._grads(step, used, wake)
                     lr = self._apply(step, used, norm, wake)
+                if math.isfinite(norm):
+                    self.suspects.applied(self._stage_sq)
                 break
-            except Failed as f:
-                self._recover(step, f, attempt)
+            except (Failed, Implausible) as caught:
+                if self._struck(step, caught, attempt):
+                    norm, lr = math.nan, 0.0  # skipped: nothing of it was applied anywhere
+                    break
         seconds = time.perf_counter() - start
         with self._control_lock:
             control, every = self._control, self._all
@@ -509,6 +536,30 @@ class PipelineDriver:
             fp32_total_wire_bytes=every.fp32_wire_bytes + every.tied_fp32_bytes + control,
         )  # fmt: skip
 
+    def _struck(self, step: int, caught: Failed | Implausible, attempt: int) -> bool:
+        """After an attempt failed or was refused by the checks of the Grads replies: a failure nobody's reply
+        caused goes to `_recover` (False: run again, or it raises). One a peer's reply caused (`culprit`) is a
+        strike for that peer (`Implausible` struck already), and the step is abandoned everywhere; True: skip the
+        step; False: the strike evicted the peer, run the step again on the routes without it."""
+        error = caught.error if isinstance(caught, Failed) else caught
+        peer = culprit(error, {p for row in self.replica_peers for p in row} - self.dead)
+        if peer is None and isinstance(caught, Failed):
+            self._recover(step, caught, attempt)
+            return False
+        if peer is not None and not isinstance(error, Implausible):
+            self.suspects.strike(peer, step, str(error))
+        self._drop(step)
+        if peer is None or peer not in self.suspects.banned:
+            log.warning("step %d skipped (%s)", step, error)
+            return True
+        self.dead.add(peer)
+        failure = caught if isinstance(caught, Failed) else Failed(caught, (peer,))
+        self._live(step, failure)  # raises NoLiveRoute when it was its stage's last replica: the plan must change
+        if attempt >= self.max_attempts:
+            raise as_error(failure, step, f"gave up after {attempt} attempts")
+        log.warning("step %d: peer %s evicted; running the step again without it", step, peer)
+        return False
+
     def _recover(self, step: int, failure: Failed, attempt: int) -> None:
         """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
@@ -518,6 +569,16 @@ class PipelineDriver:
             if peer not in self.dead and not self._alive(peer):
                 log.warning("step %d: peer %s does not answer: declared dead", step, peer)
                 self.dead.add(peer)
+        self._drop(step)
+        if fatal:
+            raise as_error(failure, step) from error
+        self._live(step, failure)  # raises NoLiveRoute when nothing is left
+        if attempt >= self.max_attempts:
+            raise as_error(failure, step, f"gave up after {attempt} attempts")
+        log.warning("step %d: attempt %d failed (%s); running the step again", step, attempt, as_error(failure, step))
+
+    def _drop(self, step: int) -> None:
+        """Abandons the step on every live replica so that none keeps gradients from it."""
         # calls among live peers end soon after the abandon; wait for them (briefly), so that none of them opens
         # the step again behind the next attempt's (or, after a fatal error, the next step's) back, then abandon
         # once more
@@ -525,12 +586,6 @@ class PipelineDriver:
         live = [f for f, suspects in self._inflight if not self.dead.intersection(suspects)]
         wait(live, timeout=ABANDON_GRACE_S)
         self.abandon(step)
-        if fatal:
-            raise as_error(failure, step) from error
-        self._live(step, failure)  # raises NoLiveRoute when nothing is left
-        if attempt >= self.max_attempts:
-            raise as_error(failure, step, f"gave up after {attempt} attempts")
-        log.warning("step %d: attempt %d failed (%s); running the step again", step, attempt, as_error(failure, step))
 
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""
