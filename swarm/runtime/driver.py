@@ -152,7 +152,8 @@ class PipelineDriver:
         self.tied = tied
         """whether the model ties its embedding and head: only then do the end stages sum a tied group"""
         self.suspects = suspects or Suspects()
-        self.dead: set[str] = {p for row in ids for p in row if p in self.suspects.banned}
+        self._peer_set = frozenset(p for row in ids for p in row)
+        self.dead: set[str] = set(self._peer_set & self.suspects.banned.keys())
         """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats), or evicted"""
         self._stage_sq: dict[int, float] = {}
         """the squared norm each stage reported in the step's Grads (for `Suspects.applied`)"""
@@ -492,6 +493,7 @@ class PipelineDriver:
             self._control, self._all = 0, Traffic()
         loss, traffic = math.nan, Traffic()  # a step skipped before its losses came back has none
         for attempt in range(1, self.max_attempts + 1):
+            self.dead.update(self.suspects.banned.keys() & self._peer_set)  # evicted: as good as dead
             routes = self._live(step)
             work = self._work(batch, routes)
             used = [w.route for w in work]
@@ -542,7 +544,7 @@ class PipelineDriver:
         strike for that peer (`Implausible` struck already), and the step is abandoned everywhere; True: skip the
         step; False: the strike evicted the peer, run the step again on the routes without it."""
         error = caught.error if isinstance(caught, Failed) else caught
-        peer = culprit(error, {p for row in self.replica_peers for p in row} - self.dead)
+        peer = culprit(error, self._peer_set - self.dead)
         if peer is None and isinstance(caught, Failed):
             self._recover(step, caught, attempt)
             return False

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 BLAME_TAG = "[suspect peer "
 """How a stage's refusal names the peer that sent what it refused (`blame_tag`), for the trainer's strikes."""
 _BLAMED = re.compile(r"\[suspect peer ([^\]\s]+)\]")
-_NAMED = re.compile(r"^stage (\d+) \(peer (\S+) at ")
+_NAMED = re.compile(r"^stage (\d+) \(peer ([^\s()]+)[ )]")
 STRIKE_CODES = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -193,8 +193,8 @@ class Suspects:
     def judge_grads(self, step: int, replies: Mapping, peers: Mapping[tuple[int, int], str], where: Where) -> None:
         """Checks every Grads reply of a step (keyed (stage, replica); `peers` gives each one's peer id) against
         the rules of this module; strikes and raises `Implausible` at the first that breaks one. An fp16 +Inf at
-        a loss scale down to `inf_strike_scale` is struck but not raised: the step is skipped as every +Inf
-        skips it."""
+        a loss scale down to `inf_strike_scale` is struck but not raised (the step is skipped as every +Inf
+        skips it) unless the strike evicts."""
         cfg = self.cfg
         for (s, r), reply in sorted(replies.items()):
             why = _reply_lie(reply, cfg)
@@ -208,7 +208,9 @@ class Suspects:
                     scale = replies[k].loss_scale
                     if math.isinf(v) and scale <= cfg.inf_strike_scale:
                         why = f"Inf/NaN in its gradients at loss scale {scale:g} (<= {cfg.inf_strike_scale:g})"
-                        self.strike(peers[k], step, f"step {step}: {where(*k)}: {why}")
+                        msg = f"step {step}: {where(*k)}: {why}"
+                        if self.strike(peers[k], step, msg):
+                            raise Implausible(msg, peers[k])  # evicted: the step runs again without it
                 continue  # a skip: no norm to compare
             if len(keys) > 1 and max(values) - min(values) > cfg.replica_rtol * max(values):
                 liar = self._odd_replica(s, keys, values)

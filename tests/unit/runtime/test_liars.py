@@ -134,3 +134,93 @@ def test_implausible_names_nobody_when_two_replicas_disagree_with_no_history():
     with pytest.raises(Implausible, match="report different grad_sq_norm") as e:
         s.judge_grads(0, replies, {(0, 0): "a", (0, 1): "b"}, lambda st, r: f"stage {st} replica {r}")
     assert e.value.peer is None and s.strikes("a") == s.strikes("b") == 0
+
+
+class _Scaled:
+    """Wraps a worker: its forward outputs (activations to the next stage) times `factor` from its `after`-th
+    forward on, or its backward's input gradients replaced by NaN (`nan_grads`), or (`overflow`) its fp16
+    backward finding Inf/NaN every time."""
+
+    def __init__(self, worker, factor=1.0, after=0, nan_grads=False, overflow=False):
+        self.worker, self.factor, self.after, self.nan_grads, self.calls = worker, factor, after, nan_grads, 0
+        self.overflow = overflow
+        self._forward, self._backward = worker.forward, worker.backward
+        worker.forward, worker.backward = self.forward, self.backward
+
+    def forward(self, *args, **kwargs):
+        out = self._forward(*args, **kwargs)
+        self.calls += 1
+        return out * self.factor if self.calls > self.after else out
+
+    def backward(self, *args, **kwargs):
+        grad = self._backward(*args, **kwargs)
+        if self.overflow:
+            self.worker.found_inf = True  # as `_scaled_backward` marks it: the stage reports +Inf
+        return torch.full_like(grad, math.nan) if self.nan_grads and grad is not None else grad
+
+
+def test_link_watch_refuses_non_finite_and_outsized_messages_and_keeps_zeros_out_of_its_history():
+    from swarm.runtime.boundary import LinkWatch
+
+    watch = LinkWatch(ratio=30, history=8, min_history=4)
+    x = torch.randn(2, 4, 8)
+    assert watch.check(x * 300) is None  # no history yet: only finiteness and the ceiling
+    for _ in range(3):
+        assert watch.check(x) is None
+    assert watch.check(torch.zeros_like(x)) is None  # an fp16 stage's zeros: accepted, not counted
+    assert "Inf/NaN" in watch.check(x.clone().index_fill_(0, torch.tensor([0]), math.nan))
+    assert "more than 30 x" in watch.check(x * 300)  # the median is x's RMS: 300x is refused
+    assert watch.check(x * 20) is None and 19 < watch.peak_ratio < 21
+    assert "ceiling" in watch.check(torch.full((4,), 2e4))
+    assert "Inf/NaN" in watch.check(torch.full((4,), 3e38))  # its square overflows fp32: refused too
+
+
+def test_activations_scaled_300x_are_refused_naming_the_sender_who_is_evicted(caplog):
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[0][1]
+    # 2 micro-batches per step over 2 routes: one each; stage 1 replica 1 has 8 messages of history after 8 steps
+    _Scaled(pipe.replica_hosts[0][1].worker, factor=300.0, after=8)
+    try:
+        results = _train(pipe, 13)
+        assert [r.skipped for r in results] == [False] * 8 + [True, True] + [False] * 3
+        assert results[10].attempts == 2 and results[10].routes == 1
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)
+        refusals = [r.getMessage() for r in caplog.records if "refused the activation" in r.getMessage()]
+        assert refusals and all(f"from peer {liar}: RMS" in m for m in refusals)
+        clean = _clean_losses(11)
+        assert results[-1].loss == pytest.approx(clean[-1], rel=0.05)
+    finally:
+        pipe.close()
+
+
+def test_nan_gradients_from_one_replica_fail_its_sends_until_it_is_evicted():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[1][1]
+    _Scaled(pipe.replica_hosts[1][1].worker, nan_grads=True)
+    try:
+        results = _train(pipe, 5)
+        assert [r.skipped for r in results] == [True, True, False, False, False]
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)
+    finally:
+        pipe.close()
+
+
+def test_an_fp16_stage_overflowing_at_every_loss_scale_is_evicted():
+    """fp16: a stage whose gradients are NaN reports +Inf; every stage skips and halves the scale. Once the scale
+    is down to 2^8 an honest stage would no longer overflow: each further +Inf is a strike."""
+    from swarm.runtime.precision import ScalerConfig
+    from swarm.runtime.worker import StageConfig
+
+    cfg = StageConfig(precision="fp16", scaler=ScalerConfig(init_scale=2.0**10))
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2, stage_cfg=cfg)
+    liar = pipe.replica_peers[1][1]
+    _Scaled(pipe.replica_hosts[1][1].worker, overflow=True)
+    try:
+        results = _train(pipe, 8)
+        # 2^10 -> 2^9 -> 2^8: two skips without strikes, then three struck ones, then the run goes on without it
+        assert [r.skipped for r in results[:4]] == [True] * 4
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)
+        assert results[4].attempts == 2 and not results[4].skipped  # the evicting step ran again without it
+        assert not any(r.skipped for r in results[4:]) and results[-1].routes == 1
+    finally:
+        pipe.close()
