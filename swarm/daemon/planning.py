@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from swarm.daemon.bans import RunBans
 from swarm.daemon.calibrate import Calibrator
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.repack import with_frozen
@@ -235,6 +236,8 @@ class Planner:
         self._seen: tuple[frozenset[str], tuple[str, ...]] = (frozenset(), ())
         self._since = 0.0
         self._exhausted = False
+        self.bans = RunBans()
+        """peers the run's trainers banned (`swarm.daemon.bans`): gone for every plan of this run"""
         self._last: PlanRecord | None = None
         """The newest valid plan seen: what to repair once its lost peer's announcement expired (then the
         plan no longer validates and the DHT's reader falls back to an older one)."""
@@ -320,7 +323,7 @@ class Planner:
             current = self._last = inherited
         if self.liveness is not None and current is not None:
             self.liveness.round(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
-        gone = self.gone(peers)
+        gone = self.gone(peers) | self.bans.update(self.dht.trainers(), current)  # a banned peer counts as gone
         alive = frozenset(p.peer_id for p in peers) - gone
         trainers = sorted(t.peer_id for t in self.dht.trainers())[:MAX_PLAN_TRAINERS]
         now = self.clock()
