@@ -406,7 +406,7 @@ class PipelineDriver:
             return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, routes)]
-        lrs: list[stage_pb2.StepReply] = []
+        lrs: dict[tuple[int, int], stage_pb2.StepReply] = {}
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
             try:
@@ -424,7 +424,7 @@ class PipelineDriver:
                 if outcome is None:
                     continue  # died (or hung) before it answered
                 if outcome.exception() is None:
-                    lrs.append(outcome.result())
+                    lrs[key] = outcome.result()
                     continue
                 peer = self.replica_peers[key[0]][key[1]]
                 if not self._alive(peer):
@@ -438,8 +438,13 @@ class PipelineDriver:
                 break
         if not lrs:
             raise NoLiveRoute(f"step {step}: every replica died before applying it")
-        self.loss_scale = lrs[0].loss_scale  # every stage moved it alike; one that did not refuses the next call
-        return lrs[0].lr
+        # every stage moved the scale alike: a reply that says otherwise is struck, not believed (the scale is named
+        # in every next call, and a stage holding another refuses it)
+        peers = {k: self.replica_peers[k[0]][k[1]] for k in lrs}
+        self.loss_scale, lr = self.suspects.judge_steps(
+            step, lrs, peers, self._name, self.loss_scale, skipped=not math.isfinite(norm)
+        )
+        return lr
 
     # ---- the step ---------------------------------------------------------------------------------------
 

@@ -117,6 +117,8 @@ class SuspectConfig:
     """an fp16 "Inf/NaN found" (+Inf) at a loss scale this low or lower is a strike for the stage reporting it"""
     max_scale: float = 2.0**24
     """largest loss scale a stage may report (the scaler's `max_scale`)"""
+    max_lr: float = 1e3
+    """largest learning rate a Step reply may report"""
 
     def __post_init__(self) -> None:
         if self.strikes < 1 or self.window_steps < 1 or self.norm_history < 1 or self.min_history < 1:
@@ -227,6 +229,46 @@ class Suspects:
                 for k in keys[1:]:
                     self.strike(peers[k], step, msg)
                 self._raise(step, msg, peers[keys[0]])
+
+    def judge_steps(
+        self,
+        step: int,
+        replies: Mapping,
+        peers: Mapping[tuple[int, int], str],
+        where: Where,
+        held: float,
+        skipped: bool,
+    ) -> tuple[float, float]:
+        """(the loss scale the stages now hold, the lr) from a step's Step replies (keyed (stage, replica), each
+        with `lr` and `loss_scale`). The step is applied already, so nothing is skipped: each reply whose numbers
+        cannot be true is struck. The scale is the one most replies give among those the scaler can move to
+        from `held` (a skip: `held` or lower; an applied step: `held` or 2 x `held`), ties to the lower; an lr
+        must be finite in [0, `max_lr`]. The trainer names that scale in every next call, so one reply's lie no
+        longer makes every stage refuse the next step."""
+        cfg = self.cfg
+
+        def possible(scale: float) -> bool:
+            if not (math.isfinite(scale) and 2.0**-24 <= scale <= cfg.max_scale and math.frexp(scale)[0] == 0.5):
+                return False
+            return held <= 0 or (scale <= held if skipped else scale in (held, 2 * held))
+
+        votes: dict[float, int] = {}
+        for reply in replies.values():
+            if possible(reply.loss_scale):
+                votes[reply.loss_scale] = votes.get(reply.loss_scale, 0) + 1
+        scale = min(votes, key=lambda s: (-votes[s], s)) if votes else held
+        lr = None
+        for key, reply in sorted(replies.items()):
+            why = None
+            if reply.loss_scale != scale:
+                why = f"loss_scale {reply.loss_scale!r} after the step, the other stages hold {scale:g}"
+            elif not (math.isfinite(reply.lr) and 0 <= reply.lr <= cfg.max_lr):
+                why = f"lr {reply.lr!r} is not in [0, {cfg.max_lr:g}]"
+            if why is not None:
+                self.strike(peers[key], step, f"step {step}: {where(*key)}: {why}")
+            elif lr is None:
+                lr = reply.lr
+        return scale, 0.0 if lr is None else lr
 
     def applied(self, sq_norms: Mapping[int, float]) -> None:
         """A step was applied with these stages' squared norms: they join each stage's history."""

@@ -224,3 +224,33 @@ def test_an_fp16_stage_overflowing_at_every_loss_scale_is_evicted():
         assert not any(r.skipped for r in results[4:]) and results[-1].routes == 1
     finally:
         pipe.close()
+
+
+class _LyingStep:
+    """Wraps a servicer: its Step replies report loss scale `scale` (the trainer names it in every next call)."""
+
+    def __init__(self, target, scale: float):
+        self.target, self.scale = target, scale
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Step(self, request, context):
+        reply = self.target.Step(request, context)
+        if not request.abandon:
+            reply.loss_scale = self.scale
+        return reply
+
+
+def test_a_step_reply_lying_about_the_loss_scale_is_outvoted_and_struck():
+    """Believed, the lie would make every stage refuse the next step (the scale is named in every call)."""
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[0][1]
+    pipe.switches[0][1].target = _LyingStep(pipe.switches[0][1].target, 2.0**20)
+    try:
+        results = _train(pipe, 5)
+        assert not any(r.skipped for r in results) and all(r.loss_scale == 1.0 for r in results)
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)  # struck at steps 0, 1, 2
+        assert results[3].routes == 1
+    finally:
+        pipe.close()
