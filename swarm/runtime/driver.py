@@ -286,6 +286,9 @@ class PipelineDriver:
         # communication: the backward starts at the route's last stage and flows back to its stage 0
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
+        if (why := self.suspects.loss_lie(forward.loss, self.loss_scale)) is not None:
+            # the last stage computed it (the stages before it relay its reply)
+            raise Implausible(f"step {step}: {self._name(last, last_r)}: {why}", work.route.peers[last])
         traffic = Traffic()
         traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
         traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
@@ -544,16 +547,16 @@ class PipelineDriver:
         )  # fmt: skip
 
     def _struck(self, step: int, caught: Failed | Implausible, attempt: int) -> bool:
-        """After an attempt failed or was refused by the checks of the Grads replies: a failure nobody's reply
+        """After an attempt failed or a reply's numbers were refused (`Implausible`): a failure nobody's reply
         caused goes to `_recover` (False: run again, or it raises). One a peer's reply caused (`culprit`) is a
-        strike for that peer (`Implausible` struck already), and the step is abandoned everywhere; True: skip the
-        step; False: the strike evicted the peer, run the step again on the routes without it."""
+        strike for that peer (unless the check that raised it struck it already), and the step is abandoned
+        everywhere; True: skip the step; False: the strike evicted the peer, run the step again without it."""
         error = caught.error if isinstance(caught, Failed) else caught
         peer = culprit(error, self._peer_set - self.dead)
         if peer is None and isinstance(caught, Failed):
             self._recover(step, caught, attempt)
             return False
-        if peer is not None and not isinstance(error, Implausible):
+        if peer is not None and not getattr(error, "struck", False):
             self.suspects.strike(peer, step, str(error))
         self._drop(step)
         if peer is None or peer not in self.suspects.banned:

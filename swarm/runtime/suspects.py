@@ -87,11 +87,12 @@ def culprit(error: BaseException | None, peers: frozenset[str] | set[str]) -> st
 
 
 class Implausible(StageCallError):
-    """A reply whose numbers cannot be true; `peer` sent it (None: the liar among the replicas cannot be told)."""
+    """A reply whose numbers cannot be true; `peer` sent it (None: the liar among the replicas cannot be told).
+    `struck`: the peer has had its strike for it already."""
 
-    def __init__(self, details: str, peer: str | None):
+    def __init__(self, details: str, peer: str | None, struck: bool = False):
         super().__init__(details, grpc.StatusCode.INVALID_ARGUMENT)
-        self.peer = peer
+        self.peer, self.struck = peer, struck
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ class SuspectConfig:
     """largest loss scale a stage may report (the scaler's `max_scale`)"""
     max_lr: float = 1e3
     """largest learning rate a Step reply may report"""
+    max_loss: float = 1e4
+    """largest loss a Forward reply may report"""
 
     def __post_init__(self) -> None:
         if self.strikes < 1 or self.window_steps < 1 or self.norm_history < 1 or self.min_history < 1:
@@ -212,7 +215,7 @@ class Suspects:
                         why = f"Inf/NaN in its gradients at loss scale {scale:g} (<= {cfg.inf_strike_scale:g})"
                         msg = f"step {step}: {where(*k)}: {why}"
                         if self.strike(peers[k], step, msg):
-                            raise Implausible(msg, peers[k])  # evicted: the step runs again without it
+                            raise Implausible(msg, peers[k], struck=True)  # evicted: the step runs again without it
                 continue  # a skip: no norm to compare
             if len(keys) > 1 and max(values) - min(values) > cfg.replica_rtol * max(values):
                 liar = self._odd_replica(s, keys, values)
@@ -270,6 +273,16 @@ class Suspects:
                 lr = reply.lr
         return scale, 0.0 if lr is None else lr
 
+    def loss_lie(self, loss: float, scale: float) -> str | None:
+        """Why a micro-batch's loss cannot be true (None: possible): a cross-entropy is >= 0 and at most
+        `max_loss`; Inf or NaN only where the stages scale their loss (fp16 overflow: the Grads replies then
+        skip the step) or the trainer has not heard their scale yet (0), never at scale 1."""
+        if math.isnan(loss) or math.isinf(loss):
+            return None if scale != 1 else f"loss {loss!r} from a stage without loss scaling"
+        if not 0 <= loss <= self.cfg.max_loss:
+            return f"loss {loss!r} is not a cross-entropy in [0, {self.cfg.max_loss:g}]"
+        return None
+
     def applied(self, sq_norms: Mapping[int, float]) -> None:
         """A step was applied with these stages' squared norms: they join each stage's history."""
         cfg = self.cfg
@@ -311,7 +324,7 @@ class Suspects:
             self.strike(peer, step, msg)
         else:
             log.warning("%s: the step is skipped, nobody struck", msg)
-        raise Implausible(msg, peer)
+        raise Implausible(msg, peer, struck=True)
 
 
 def _reply_lie(reply, cfg: SuspectConfig) -> str | None:

@@ -254,3 +254,33 @@ def test_a_step_reply_lying_about_the_loss_scale_is_outvoted_and_struck():
         assert results[3].routes == 1
     finally:
         pipe.close()
+
+
+class _LyingLoss:
+    """Wraps a servicer of the last stage: its Forward replies report `loss`."""
+
+    def __init__(self, target, loss: float):
+        self.target, self.loss = target, loss
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Forward(self, items, context):
+        reply = self.target.Forward(items, context)
+        reply.loss = self.loss
+        return reply
+
+
+@pytest.mark.parametrize("loss", [-1.0, math.nan, 1e30])
+def test_a_lying_loss_is_named_and_its_stage_evicted(loss):
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[1][1]
+    try:
+        pipe.train_step(batch(seed=0), n_micro=2)  # the trainer hears the stages' scale (1: unscaled)
+        pipe.switches[1][1].target = _LyingLoss(pipe.switches[1][1].target, loss)
+        results = [pipe.train_step(batch(seed=step), n_micro=2) for step in range(1, 6)]
+        assert [r.skipped for r in results] == [True, True, False, False, False]
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)
+        assert all(math.isfinite(r.loss) for r in results[2:])
+    finally:
+        pipe.close()
