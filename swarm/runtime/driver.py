@@ -552,7 +552,9 @@ class PipelineDriver:
         strike for that peer (unless the check that raised it struck it already), and the step is abandoned
         everywhere; True: skip the step; False: the strike evicted the peer, run the step again without it."""
         error = caught.error if isinstance(caught, Failed) else caught
-        peer = culprit(error, self._peer_set - self.dead)
+        # a failed call may blame only a peer of its own route (a liar on it cannot name a stranger's replica)
+        named = set(caught.suspects) if isinstance(caught, Failed) and caught.suspects else self._peer_set
+        peer = culprit(error, named - self.dead)
         if peer is None and isinstance(caught, Failed):
             self._recover(step, caught, attempt)
             return False

@@ -284,3 +284,27 @@ def test_a_lying_loss_is_named_and_its_stage_evicted(loss):
         assert all(math.isfinite(r.loss) for r in results[2:])
     finally:
         pipe.close()
+
+
+def test_culprit_is_the_blamed_or_self_named_peer_of_a_failure_a_reply_caused():
+    import grpc
+
+    from swarm.net.stream import PLAN_MISMATCH, StageCallError
+    from swarm.runtime.suspects import blame_tag, culprit
+
+    peers = {"a", "b"}
+    refusal = f"stage 1 (peer b at x:1): refused the activation from peer a: RMS 9 {blame_tag('a')}"
+    assert culprit(StageCallError(refusal, grpc.StatusCode.INVALID_ARGUMENT), peers) == "a"
+    assert culprit(StageCallError(refusal, grpc.StatusCode.INVALID_ARGUMENT), {"b"}) == "b", "a is off the route"
+    own = StageCallError("stage 1 (peer b): activation gradient contains NaN or Inf", grpc.StatusCode.INVALID_ARGUMENT)
+    assert culprit(own, peers) == "b"
+    assert culprit(StageCallError("stage 1 (peer b) failed: RuntimeError: x", grpc.StatusCode.INTERNAL), peers) == "b"
+    gone = StageCallError("stage 1 (peer b at x:1): unreachable or too slow (UNAVAILABLE)", grpc.StatusCode.UNAVAILABLE)
+    assert culprit(gone, peers) is None, "a dead peer is rerouted around, not struck"
+    moved = StageCallError(f"stage 1 (peer b at x:1): {PLAN_MISMATCH} plan 3", grpc.StatusCode.INVALID_ARGUMENT)
+    assert culprit(moved, peers) is None
+    assert (
+        culprit(StageCallError("stage 1 (peer b at x:1): wrong scale", grpc.StatusCode.FAILED_PRECONDITION), peers)
+        is None
+    )
+    assert culprit(ValueError("x"), peers) is None and culprit(None, peers) is None
