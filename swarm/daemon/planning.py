@@ -323,9 +323,10 @@ class Planner:
             current = self._last = inherited
         if self.liveness is not None and current is not None:
             self.liveness.round(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
-        gone = self.gone(peers) | self.bans.update(self.dht.trainers(), current)  # a banned peer counts as gone
+        announced = self.dht.trainers()
+        gone = self.gone(peers) | self.bans.update(announced, current)  # a peer the trainers banned counts as gone
         alive = frozenset(p.peer_id for p in peers) - gone
-        trainers = sorted(t.peer_id for t in self.dht.trainers())[:MAX_PLAN_TRAINERS]
+        trainers = sorted(t.peer_id for t in announced)[:MAX_PLAN_TRAINERS]
         now = self.clock()
         if (alive, tuple(trainers)) != self._seen:
             self._seen, self._since = (alive, tuple(trainers)), now

@@ -51,3 +51,37 @@ def test_the_planner_repairs_the_plan_without_a_banned_peer_and_never_plans_it_a
     clock.t += 10
     planner.round()
     assert all(B not in sum(ids(p), []) for _, p in published)
+
+
+def test_the_trainer_hands_one_suspects_to_every_driver_so_bans_survive_a_replan(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import swarm.runtime.driver
+    from swarm.runtime.routing import NoLiveRoute
+    from swarm.runtime.suspects import Suspects
+    from swarm.train.trainer import TrainConfig, train
+    from tests.unit.daemon.test_trainer_churn import TINY, FakeDriver, ann, plan
+
+    given = []
+
+    class Recording(FakeDriver):
+        def __init__(self, *args, suspects=None, **kwargs):
+            given.append(suspects)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(swarm.runtime.driver, "PipelineDriver", Recording)
+    FakeDriver.made, FakeDriver.calls, FakeDriver.failure = [], [], NoLiveRoute("stage 1: peer p4 evicted")
+    v1, v2 = plan(1, [["p1"], ["p4"]]), plan(2, [["p1"], ["p5"]])
+    state = {"plan": v1, "peers": [ann("p1", 0, 1), ann("p4", 1, 1)]}
+
+    def get_plan(n_layers=None, peers=None):
+        if FakeDriver.failure is None:  # the planner's repair without the banned p4
+            state["plan"], state["peers"] = v2, [ann("p1", 0, 2), ann("p5", 1, 2)]
+        return state["plan"]
+
+    dht = SimpleNamespace(peer_id="me", peers=lambda: state["peers"], get_plan=get_plan)
+    cfg = TrainConfig(model=TINY, train_samples=8, batch_size=4, micro_batches=2, steps=2, out=str(tmp_path),
+                      replan_timeout_s=30.0)  # fmt: skip
+    suspects = Suspects()
+    train(cfg, v1.document.route_of(state["peers"], 1), quiet=True, dht=dht, suspects=suspects)
+    assert len(given) == 2 and all(s is suspects for s in given)
