@@ -286,13 +286,13 @@ class PipelineDriver:
         # communication: the backward starts at the route's last stage and flows back to its stage 0
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
-        if (why := self.suspects.loss_lie(forward.loss, self.loss_scale)) is not None:
-            # the last stage computed it (the stages before it relay its reply)
-            raise Implausible(f"step {step}: {self._name(last, last_r)}: {why}", work.route.peers[last])
         traffic = Traffic()
         traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
         traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
-        self._record(traffic)
+        self._record(traffic)  # counted even for a lie: every attempt's bytes are
+        if (why := self.suspects.loss_lie(forward.loss, self.loss_scale)) is not None:
+            # the last stage computed it (the stages before it relay its reply)
+            raise Implausible(f"step {step}: {self._name(last, last_r)}: {why}", work.route.peers[last])
         return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
     def _run_routes(self, step: int, work: list[RouteWork], wake: threading.Event) -> tuple[float, Traffic]:
