@@ -17,9 +17,10 @@ The per-block norms (`layer_sq_norms`) must be finite, >= 0 and sum to at most t
 of it); the loss scale a power of two in the scaler's range. A reply that breaks a rule raises `Implausible`
 naming the stage, replica, peer and address, and the value; the driver abandons the step on every replica
 (nothing of it is applied: a lying norm never shrinks the honest stages' update through clipping) and strikes
-the peer. `strikes` strikes within `window_steps` steps (one per peer per step) evict the peer: it is banned for
-the run, the driver treats it as dead (its routes are left out, as a dead peer's), and the trainer publishes
-the ban in its `TrainerAnnouncement.banned` for the planner (`swarm.daemon.bans`).
+the peer. `strikes` strikes within `window_steps` steps (one per peer per step), or `max_strikes` within
+`long_window_steps`, evict the peer: it is banned for the run, the driver treats it as dead (its routes are
+left out, as a dead peer's), and the trainer publishes the ban in its `TrainerAnnouncement.banned` for the
+planner (`swarm.daemon.bans`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ class SuspectConfig:
     """strikes within `window_steps` that evict a peer"""
     window_steps: int = 10
     """steps over which strikes count (the step of the strike and the `window_steps - 1` before it)"""
+    max_strikes: int = 10
+    """strikes within `long_window_steps` that evict a peer however spread out (one that lies every
+    `window_steps`-th step would never gather `strikes` in a window)"""
+    long_window_steps: int = 1000
+    """steps over which `max_strikes` count (long: rare honest failures must not add up to an eviction)"""
     norm_ratio: float = 1e4
     """largest ratio of a stage's squared gradient norm to the median of its recent ones (1e4: 100x the norm;
     the honest quick convergence settings peaked at 8x the squared norm, see docs/SECURITY.md)"""
@@ -124,8 +130,10 @@ class SuspectConfig:
     """largest loss a Forward reply may report"""
 
     def __post_init__(self) -> None:
-        if self.strikes < 1 or self.window_steps < 1 or self.norm_history < 1 or self.min_history < 1:
+        if min(self.strikes, self.window_steps, self.norm_history, self.min_history) < 1:
             raise ValueError("SuspectConfig: strikes, window_steps, norm_history and min_history must be >= 1")
+        if self.max_strikes < self.strikes or self.long_window_steps < self.window_steps:
+            raise ValueError("SuspectConfig: need max_strikes >= strikes and long_window_steps >= window_steps")
         if not (self.norm_ratio > 1 and self.max_sq_norm > 0 and 0 <= self.replica_rtol < 1):
             raise ValueError("SuspectConfig: need norm_ratio > 1, max_sq_norm > 0, 0 <= replica_rtol < 1")
 
@@ -150,6 +158,7 @@ class Suspects:
         self.on_ban = on_ban
         self._lock = threading.Lock()
         self._strikes: dict[str, deque[int]] = {}
+        """each peer's strikes (their steps) within the long window"""
         self.banned: dict[str, str] = {}
         """evicted peer -> why, in eviction order; never shrinks during the run"""
         self._norms: dict[int, deque[float]] = {}
@@ -169,10 +178,10 @@ class Suspects:
             steps = self._strikes.setdefault(peer, deque())
             if step not in steps:
                 steps.append(step)
-            while steps and steps[0] <= step - cfg.window_steps:
+            while steps and steps[0] <= step - cfg.long_window_steps:
                 steps.popleft()
-            count = len(steps)
-            evicted = count >= cfg.strikes
+            count = sum(1 for s in steps if s > step - cfg.window_steps)
+            evicted = count >= cfg.strikes or len(steps) >= cfg.max_strikes
             if evicted:
                 self.banned[peer] = why
                 self._strikes.pop(peer, None)
@@ -184,7 +193,7 @@ class Suspects:
         return evicted
 
     def strikes(self, peer: str) -> int:
-        """`peer`'s strikes in the current window (0 once banned)."""
+        """`peer`'s strikes in the long window (0 once banned)."""
         with self._lock:
             return len(self._strikes.get(peer, ()))
 

@@ -129,9 +129,17 @@ def test_strikes_count_once_per_step_and_expire_outside_the_window():
     assert not s.strike("p", 0, "x") and not s.strike("p", 0, "x again")
     assert s.strikes("p") == 1
     assert not s.strike("p", 5, "x") and not s.strike("p", 12, "x")  # step 0's strike left the window
-    assert s.strikes("p") == 2 and not banned
+    assert s.strikes("p") == 3 and not banned  # (still in the long window)
     assert s.strike("p", 13, "x") and banned == ["p"] and s.banned_ids() == ("p",)
     assert s.strike("p", 14, "x") and banned == ["p"]  # told once
+
+
+def test_a_peer_lying_too_rarely_for_the_window_is_evicted_by_its_strikes_over_the_run():
+    s = Suspects(SuspectConfig(strikes=3, window_steps=10, max_strikes=5, long_window_steps=100))
+    assert not any(s.strike("p", step, "x") for step in range(0, 40, 10))  # never 2 in a window
+    assert s.strike("p", 40, "x") and s.banned_ids() == ("p",)
+    rare = Suspects(SuspectConfig(strikes=3, window_steps=10, max_strikes=5, long_window_steps=100))
+    assert not any(rare.strike("q", step, "x") for step in range(0, 1000, 30)), "4 in 100 steps: never evicted"
 
 
 def test_implausible_names_nobody_when_two_replicas_disagree_with_no_history():
