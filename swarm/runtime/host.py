@@ -288,9 +288,7 @@ class StageHost:
             return torch.tensor(call.info.loss_weight or 1.0 / max(1, call.info.num_micro_batches))
         links = self.links
         end = links.forward_recv if kind == Kind.FORWARD else links.backward_recv
-        sender = _neighbour(
-            call.info, self.role.stage + (-1 if kind == Kind.FORWARD else 1)
-        )  # the caller (route_check)
+        sender = _neighbour(call.info, self.role.stage - 1 if kind == Kind.FORWARD else self.role.stage + 1)
         with _phase(self.metrics, self.role.stage, "decode"):
             return links.incoming(end, need_message(call), self.limits, step=call.info.step, sender=sender)
 
@@ -480,7 +478,8 @@ class StageHost:
 
 
 def _neighbour(info: CallInfo, stage: int) -> str:
-    """The route's peer at `stage` (for a refusal naming who sent what it refuses); "" when it names none."""
+    """The route's peer at `stage`, for a refusal naming who sent what it refuses (the caller: the plan's route
+    check admitted only that peer); "" when it names none."""
     return info.route_peers[stage] if 0 <= stage < len(info.route_peers) else ""
 
 
