@@ -287,8 +287,12 @@ class PipelineDriver:
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
         traffic = Traffic()
-        traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
-        traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
+        for reply, direction in ((forward, "forward"), (backward, "backward")):
+            links, fp32, why = self.suspects.counted_bytes(reply.traffic, self.n_stages - 1)
+            if why is not None:  # summed along the route: whose lie cannot be told; it never reaches the metrics
+                log.warning("step %d: route %s's %s reply counts impossible bytes, dropped: %s",
+                            step, list(work.route.peers), direction, why)  # fmt: skip
+            traffic.add(links, fp32, direction)
         self._record(traffic)  # counted even for a lie: every attempt's bytes are
         if (why := self.suspects.loss_lie(forward.loss, self.loss_scale)) is not None:
             # the last stage computed it (the stages before it relay its reply)

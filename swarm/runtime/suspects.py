@@ -128,6 +128,8 @@ class SuspectConfig:
     """largest learning rate a Step reply may report"""
     max_loss: float = 1e4
     """largest loss a Forward reply may report"""
+    max_call_bytes: int = 1 << 40
+    """largest byte count one call's reply may report on one link"""
 
     def __post_init__(self) -> None:
         if min(self.strikes, self.window_steps, self.norm_history, self.min_history) < 1:
@@ -291,6 +293,22 @@ class Suspects:
         if not 0 <= loss <= self.cfg.max_loss:
             return f"loss {loss!r} is not a cross-entropy in [0, {self.cfg.max_loss:g}]"
         return None
+
+    def counted_bytes(self, traffic, n_links: int) -> tuple[dict[int, int], int, str | None]:
+        """A reply's byte counts (`link_bytes`, `fp32_wire_bytes`) fit for the metrics: links of this pipeline
+        only, each count at most `max_call_bytes`; and why the reply's were not (None: taken as they came).
+        They feed metrics only and are summed along the route, so no peer is blamed: a lie is dropped."""
+        cap, why = self.cfg.max_call_bytes, None
+        links = {}
+        for link, nbytes in traffic.link_bytes.items():
+            if not 0 <= link < n_links or nbytes > cap:
+                why = f"link_bytes {{{link}: {nbytes}}} (links 0..{n_links - 1}, at most {cap:g} bytes)"
+                continue
+            links[link] = nbytes
+        fp32 = traffic.fp32_wire_bytes
+        if fp32 > cap:
+            why, fp32 = f"fp32_wire_bytes {fp32} (at most {cap:g})", 0
+        return links, fp32, why
 
     def applied(self, sq_norms: Mapping[int, float]) -> None:
         """A step was applied with these stages' squared norms: they join each stage's history."""

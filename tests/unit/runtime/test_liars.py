@@ -324,3 +324,14 @@ def test_culprit_is_the_blamed_or_self_named_peer_of_a_failure_a_reply_caused():
         is None
     )
     assert culprit(ValueError("x"), peers) is None and culprit(None, peers) is None
+
+
+def test_impossible_byte_counts_are_dropped_before_the_metrics():
+    from swarm.proto import stage_pb2
+
+    s = Suspects()
+    honest = stage_pb2.Traffic(fp32_wire_bytes=40, link_bytes={0: 10, 1: 12})
+    assert s.counted_bytes(honest, 2) == ({0: 10, 1: 12}, 40, None)
+    lying = stage_pb2.Traffic(fp32_wire_bytes=1 << 60, link_bytes={0: 10, 7: 5, 1: 1 << 50})
+    links, fp32, why = s.counted_bytes(lying, 2)
+    assert links == {0: 10} and fp32 == 0 and why is not None
