@@ -216,6 +216,7 @@ class Suspects:
             why = _reply_lie(reply, cfg)
             if why is not None:
                 self._raise(step, f"step {step}: {where(s, r)}: {why}", peers[(s, r)])
+        self._judge_scales(step, replies, peers, where)
         for s in sorted({s for s, _ in replies}):
             keys = sorted(k for k in replies if k[0] == s)
             values = [replies[k].grad_sq_norm for k in keys]
@@ -243,6 +244,27 @@ class Suspects:
                 for k in keys[1:]:
                     self.strike(peers[k], step, msg)
                 self._raise(step, msg, peers[keys[0]])
+
+    def _judge_scales(self, step: int, replies: Mapping, peers: Mapping, where: Where) -> None:
+        """Every stage computed the step with the same loss scale: where a strict majority of the replies gives
+        one, each reply giving another is struck and the step skipped (`Implausible`). Without a majority (two
+        replies, one each) nobody can be told the liar: `agreed_step` refuses the step, as it always did."""
+        votes: dict[float, int] = {}
+        for reply in replies.values():
+            votes[reply.loss_scale] = votes.get(reply.loss_scale, 0) + 1
+        if len(votes) < 2:
+            return
+        scale, most = max(votes.items(), key=lambda kv: kv[1])
+        if most * 2 <= len(replies):
+            return
+        odd = [k for k, reply in sorted(replies.items()) if reply.loss_scale != scale]
+        msgs = [
+            f"step {step}: {where(*k)}: loss_scale {replies[k].loss_scale:g}, the other stages computed with {scale:g}"
+            for k in odd
+        ]
+        for k, msg in zip(odd[1:], msgs[1:], strict=True):
+            self.strike(peers[k], step, msg)
+        self._raise(step, msgs[0], peers[odd[0]])
 
     def judge_steps(
         self,

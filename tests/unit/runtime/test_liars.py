@@ -335,3 +335,26 @@ def test_impossible_byte_counts_are_dropped_before_the_metrics():
     lying = stage_pb2.Traffic(fp32_wire_bytes=1 << 60, link_bytes={0: 10, 7: 5, 1: 1 << 50})
     links, fp32, why = s.counted_bytes(lying, 2)
     assert links == {0: 10} and fp32 == 0 and why is not None
+
+
+def test_a_grads_loss_scale_against_the_majority_is_struck_and_a_tie_stays_fatal():
+    import grpc
+
+    from swarm.net.stream import StageCallError
+    from swarm.runtime.messages import GradReport
+    from swarm.runtime.precision import agreed_step
+
+    def name(s, r):
+        return f"stage {s} replica {r}"
+
+    s = Suspects()
+    three = {(0, 0): GradReport(1.0, 4.0), (1, 0): GradReport(1.0, 4.0), (2, 0): GradReport(1.0, 2.0**20)}
+    peers = {(0, 0): "a", (1, 0): "b", (2, 0): "c"}
+    with pytest.raises(Implausible, match="stage 2 replica 0: loss_scale 1.04858e\\+06, the other stages computed"):
+        s.judge_grads(0, three, peers, name)
+    assert s.strikes("c") == 1 and s.strikes("a") == s.strikes("b") == 0
+    two = {(0, 0): GradReport(1.0, 4.0), (1, 0): GradReport(1.0, 8.0)}
+    s.judge_grads(1, two, {(0, 0): "a", (1, 0): "b"}, name)  # one against one: nobody can be told
+    with pytest.raises(StageCallError, match="loss scales disagree") as e:
+        agreed_step(1, two, [(0, 0), (1, 0)])
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
