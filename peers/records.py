@@ -265,6 +265,10 @@ class LinkMeasurement:
         return _from_wire(cls, wire)
 
 
+MAX_BANNED = 64
+"""Most peers one trainer announcement bans (`TrainerAnnouncement.banned`)."""
+
+
 @dataclass(frozen=True)
 class TrainerAnnouncement:
     """A trainer's presence in the run, refreshed by its heartbeat: the planner names the announced trainers in
@@ -274,11 +278,17 @@ class TrainerAnnouncement:
     """The trainer's id, derived from the public key that signs its records (as a peer's)."""
     started_at: float = 0.0
     """When the trainer started, in seconds since the epoch."""
+    banned: tuple[str, ...] = ()
+    """Peers this trainer evicted for lying (`swarm.runtime.suspects`): the planner plans them no more in this run
+    (`swarm.daemon.bans`). At most MAX_BANNED."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
         peer_id_field(r, "peer_id", self.peer_id)
         set_field(self, "started_at", float_field(r, "started_at", self.started_at, 0.0, _MAX_TIME_S))
+        if not isinstance(self.banned, (list, tuple)) or len(self.banned) > MAX_BANNED:
+            raise fail(r, "banned", f"a list of at most {MAX_BANNED} peer ids", self.banned)
+        set_field(self, "banned", tuple(peer_id_field(r, "banned", p) for p in self.banned))
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

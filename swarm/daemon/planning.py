@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from swarm.daemon.bans import RunBans
 from swarm.daemon.calibrate import Calibrator
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.repack import with_frozen
@@ -236,6 +237,8 @@ class Planner:
         self._seen: tuple[frozenset[str], tuple[str, ...]] = (frozenset(), ())
         self._since = 0.0
         self._exhausted = False
+        self.bans = RunBans()
+        """peers the run's trainers banned (`swarm.daemon.bans`): gone for every plan of this run"""
         self._last: PlanRecord | None = None
         """The newest valid plan seen: what to repair once its lost peer's announcement expired (then the
         plan no longer validates and the DHT's reader falls back to an older one)."""
@@ -325,9 +328,10 @@ class Planner:
             current = self._last = inherited
         if self.liveness is not None and current is not None:
             self.liveness.round(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
-        gone = self.gone(peers)
+        announced = self.dht.trainers()
+        gone = self.gone(peers) | self.bans.update(announced, current)  # a peer the trainers banned counts as gone
         alive = frozenset(p.peer_id for p in peers) - gone
-        trainers = sorted(t.peer_id for t in self.dht.trainers())[:MAX_PLAN_TRAINERS]
+        trainers = sorted(t.peer_id for t in announced)[:MAX_PLAN_TRAINERS]
         now = self.clock()
         if (alive, tuple(trainers)) != self._seen:
             self._seen, self._since = (alive, tuple(trainers)), now

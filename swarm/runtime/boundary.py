@@ -6,19 +6,28 @@ to it, and the sending end of its activations to stage k+1 and the receiving end
 The way out is `LinkEnds.outgoing` (encode, then `tensor_items`: frame -> stream items -> pace) and the way
 in its mirror (`read_stream`: stream items -> unframe, checked; then `LinkEnds.incoming`: decode); both run
 the same in one process and across peers.
+
+What comes in is checked before anything computes on it (`LinkWatch`): a decoded activation or gradient must be
+finite, and its RMS within `LinkWatch.ratio` times the median RMS of the last messages of that receiving end
+(and under an absolute ceiling). A message that breaks either is refused (INVALID_ARGUMENT) naming its sender,
+the route's neighbour the call came from, with `swarm.runtime.suspects.blame_tag` for the trainer's strikes. The
+check costs one reduction per message.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
+import statistics
 import threading
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import torch
 
 from swarm.compression import (
@@ -33,14 +42,15 @@ from swarm.compression import (
     make_codec,
 )
 from swarm.kernels.host_copy import to_host
-from swarm.net.stream import tensor_items
+from swarm.net.stream import CallRefused, tensor_items
 from swarm.peers.shaper import LinkShaping
 from swarm.proto import stage_pb2, wire_pb2
 from swarm.runtime.device import DeviceBufferStore, resolve_device, to_device
 from swarm.runtime.gate import GateError
 from swarm.runtime.messages import StageCall
+from swarm.runtime.suspects import blame_tag
 
-__all__ = ["MAX_DESTINATIONS", "LinkEnd", "LinkEnds", "need_message", "send_file"]
+__all__ = ["MAX_DESTINATIONS", "LinkEnd", "LinkEnds", "LinkWatch", "need_message", "send_file"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,48 @@ dropped (its destination is then sent first sights in full again), so no caller 
 
 KINDS = ("fw", "bw")
 """The two kinds of a boundary: activations forward, activation gradients backward."""
+
+
+class LinkWatch:
+    """The magnitude of what one receiving end decodes: the RMS of its last `history` messages.
+
+    `check` refuses a message whose values are not all finite, whose RMS exceeds `ceiling`, or, once
+    `min_history` messages were accepted, exceeds `ratio` times their median RMS. Honest runs stay far below
+    (the quick convergence settings' largest ratio to the median: see docs/SECURITY.md "Lying peers").
+
+    Args:
+        ratio: largest ratio of a message's RMS to the median of the last ones.
+        history: messages whose RMS make the median.
+        min_history: accepted messages before the ratio applies (only finiteness and `ceiling` before).
+        ceiling: largest RMS at all (fp16 holds at most 65504).
+    """
+
+    def __init__(self, ratio: float = 30.0, history: int = 32, min_history: int = 8, ceiling: float = 1e4):
+        if not (ratio > 1 and history >= min_history >= 1 and ceiling > 0):
+            raise ValueError("LinkWatch: need ratio > 1, history >= min_history >= 1, ceiling > 0")
+        self.ratio, self.min_history, self.ceiling = ratio, min_history, ceiling
+        self._rms: deque[float] = deque(maxlen=history)
+        self.peak_ratio = 0.0
+        """the largest ratio of an accepted message's RMS to the median so far (this link's margin)"""
+
+    def check(self, x: torch.Tensor) -> str | None:
+        """Why `x` must be refused (None: accepted, and counted in the history). One reduction over `x`."""
+        if x.numel() == 0:
+            return None
+        rms = float(torch.linalg.vector_norm(x.detach(), dtype=torch.float32)) / math.sqrt(x.numel())
+        if not math.isfinite(rms):
+            return "holds Inf/NaN values (or overflows fp32)"
+        if rms > self.ceiling:
+            return f"RMS {rms:.4g} exceeds the ceiling {self.ceiling:g}"
+        if len(self._rms) >= self.min_history:
+            median = statistics.median(self._rms)
+            if median > 0:
+                if rms > self.ratio * median:
+                    return f"RMS {rms:.4g} is more than {self.ratio:g} x this link's median {median:.4g}"
+                self.peak_ratio = max(self.peak_ratio, rms / median)
+        if rms > 0:  # an fp16 stage's zeros after an overflow say nothing of the link's magnitude
+            self._rms.append(rms)
+        return None
 
 
 @dataclass
@@ -73,6 +125,8 @@ class LinkEnd:
             self.device = torch.device("cpu")
         self.codec = make_codec(self.config)
         self.state = LinkState(self.config, self._store())
+        self.watch = LinkWatch()
+        """what a receiving end accepts (a sending end never uses it)"""
 
     def _store(self) -> BufferStore | None:
         cfg = self.config
@@ -268,14 +322,28 @@ class LinkEnds:
         return tensor_items(info, msg, end.config.zstd_level, self.shaping.for_destination(address), policy)
 
     def incoming(
-        self, end: LinkEnd, msg: wire_pb2.TensorMessage, limits: WireLimits, step: int | None = None
+        self,
+        end: LinkEnd,
+        msg: wire_pb2.TensorMessage,
+        limits: WireLimits,
+        step: int | None = None,
+        sender: str = "",
     ) -> torch.Tensor:
         """The way in, the mirror of `outgoing` from the message on (`read_stream` has unframed it, bounds
-        checked): decode. AQ-SGD returns the receiver's buffer m for these samples. Runs only after the call
-        was admitted, so a refused call changes no codec state; with `step`, only while it is the open step."""
+        checked): decode, then check (`LinkWatch`). AQ-SGD returns the receiver's buffer m for these samples.
+        Runs only after the call was admitted, so a refused call changes no codec state; with `step`, only while
+        it is the open step. A message the check refuses raises CallRefused naming `sender` (the peer it came
+        from); the buffers it moved are the open step's, undone when the trainer abandons the step."""
         with self.lock:
             self._check_step(step)
             out = end.codec.decode(msg, state=end.state, limits=limits)
+            why = end.watch.check(out)
+        if why is not None:
+            what = "activation" if end is self.forward_recv else "gradient"
+            raise CallRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"refused the {what} from peer {sender or '?'}: {why} {blame_tag(sender)}",
+            )
         return to_device(self.device, out)[0]
 
     def _policy(self, address: str, level: int) -> ZstdPolicy:

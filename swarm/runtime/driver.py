@@ -15,6 +15,12 @@ replica of the first and last stage gets a Reduce (alone in its stage or not) na
 A peer that dies mid-step (a failed call confirmed by a ping, or missed heartbeats) takes its route out;
 the step is abandoned on every live replica and run again whole on the surviving routes, so every stage
 applies each step exactly once.
+
+A peer may also lie (`swarm.runtime.suspects`): every Grads reply's numbers are checked before any is used, and
+a step that fails because of one peer's reply (an implausible norm, or a call whose error blames it: a
+neighbour's refusal of what it sent, its own failure to compute or encode) is abandoned everywhere and
+skipped, with a strike for that peer. Enough strikes evict it: it counts as dead from then on (its routes are
+left out, the step runs again on the survivors), and stays banned for the run (`Suspects.banned`).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from swarm.runtime.routing import (
     route_work,
     spawn,
 )
+from swarm.runtime.suspects import Implausible, Suspects, culprit
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
@@ -98,6 +105,8 @@ class PipelineDriver:
         heartbeat_s: time between heartbeat pings of the peers while a step runs (also each ping's timeout).
         heartbeat_misses: unanswered pings in a row that make a peer dead.
         weights: the routes' sample shares (default: fresh, from measured throughput).
+        suspects: the run's strikes, bans and norm history (default: fresh; the trainer keeps one for the run,
+            so that a re-plan's driver knows who was banned).
     """
 
     def __init__(
@@ -116,6 +125,7 @@ class PipelineDriver:
         heartbeat_misses: int = 3,
         weights: RouteWeights | None = None,
         tied: bool = True,
+        suspects: Suspects | None = None,
     ):
         routes, ids = _nested(route), _nested(peers)
         if not routes or len(routes) != len(ids) or [len(r) for r in ids] != [len(r) for r in routes]:
@@ -141,8 +151,12 @@ class PipelineDriver:
         self.weights = weights or RouteWeights()
         self.tied = tied
         """whether the model ties its embedding and head: only then do the end stages sum a tied group"""
-        self.dead: set[str] = set()
-        """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats)"""
+        self.suspects = suspects or Suspects()
+        self._peer_set = frozenset(p for row in ids for p in row)
+        self.dead: set[str] = set(self._peer_set & self.suspects.banned.keys())
+        """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats), or evicted"""
+        self._stage_sq: dict[int, float] = {}
+        """the squared norm each stage reported in the step's Grads (for `Suspects.applied`)"""
         # every call to a stage carries a token for that stage's peer id
         self._stubs = {
             (s, r): self.connector.stage(a, ids[s][r]) for s, row in enumerate(routes) for r, a in enumerate(row)
@@ -232,6 +246,11 @@ class PipelineDriver:
             return True
         return False
 
+    def _name(self, stage: int, replica: int) -> str:
+        """How an error names a replica: "stage S replica R (peer ID at ADDR)"."""
+        peer, address = self.replica_peers[stage][replica], self.replica_addresses[stage][replica]
+        return f"stage {stage} replica {replica} (peer {peer} at {address})"
+
     def _where(self, peer: str) -> tuple[int, int]:
         """(stage, replica) of `peer`."""
         for s, peers in enumerate(self.replica_peers):
@@ -268,9 +287,16 @@ class PipelineDriver:
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
         traffic = Traffic()
-        traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
-        traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
-        self._record(traffic)
+        for reply, direction in ((forward, "forward"), (backward, "backward")):
+            links, fp32, why = self.suspects.counted_bytes(reply.traffic, self.n_stages - 1)
+            if why is not None:  # summed along the route: whose lie cannot be told; it never reaches the metrics
+                log.warning("step %d: route %s's %s reply counts impossible bytes, dropped: %s",
+                            step, list(work.route.peers), direction, why)  # fmt: skip
+            traffic.add(links, fp32, direction)
+        self._record(traffic)  # counted even for a lie: every attempt's bytes are
+        if (why := self.suspects.loss_lie(forward.loss, self.loss_scale)) is not None:
+            # the last stage computed it (the stages before it relay its reply)
+            raise Implausible(f"step {step}: {self._name(last, last_r)}: {why}", work.route.peers[last])
         return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
     def _run_routes(self, step: int, work: list[RouteWork], wake: threading.Event) -> tuple[float, Traffic]:
@@ -363,7 +389,10 @@ class PipelineDriver:
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: from_wire(GradReport, future.result()) for key, (future, _) in tasks.items()}
         try:
+            # every number is checked before any is used: a lie raises Implausible (the step is then skipped)
+            self.suspects.judge_grads(step, grads, {k: self.replica_peers[k[0]][k[1]] for k in grads}, self._name)
             self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
+            self._stage_sq = {s: grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)}
         except StageCallError:
             self.abandon(step)
             raise
@@ -384,7 +413,7 @@ class PipelineDriver:
             return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, routes)]
-        lrs: list[stage_pb2.StepReply] = []
+        lrs: dict[tuple[int, int], stage_pb2.StepReply] = {}
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
             try:
@@ -402,7 +431,7 @@ class PipelineDriver:
                 if outcome is None:
                     continue  # died (or hung) before it answered
                 if outcome.exception() is None:
-                    lrs.append(outcome.result())
+                    lrs[key] = outcome.result()
                     continue
                 peer = self.replica_peers[key[0]][key[1]]
                 if not self._alive(peer):
@@ -416,8 +445,13 @@ class PipelineDriver:
                 break
         if not lrs:
             raise NoLiveRoute(f"step {step}: every replica died before applying it")
-        self.loss_scale = lrs[0].loss_scale  # every stage moved it alike; one that did not refuses the next call
-        return lrs[0].lr
+        # every stage moved the scale alike: a reply that says otherwise is struck, not believed (the scale is named
+        # in every next call, and a stage holding another refuses it)
+        peers = {k: self.replica_peers[k[0]][k[1]] for k in lrs}
+        self.loss_scale, lr = self.suspects.judge_steps(
+            step, lrs, peers, self._name, self.loss_scale, skipped=not math.isfinite(norm)
+        )
+        return lr
 
     # ---- the step ---------------------------------------------------------------------------------------
 
@@ -469,21 +503,28 @@ class PipelineDriver:
         dead_before = set(self.dead)
         with self._control_lock:
             self._control, self._all = 0, Traffic()
+        loss, traffic = math.nan, Traffic()  # a step skipped before its losses came back has none
         for attempt in range(1, self.max_attempts + 1):
+            self.dead.update(self.suspects.banned.keys() & self._peer_set)  # evicted: as good as dead
             routes = self._live(step)
             work = self._work(batch, routes)
             used = [w.route for w in work]
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
+            norm, lr = math.nan, 0.0
             try:
                 with self._ping_loop(used, wake):
                     loss, traffic = self._run_routes(step, work, wake)
                     traffic.merge(self._reduce(step, used, wake))
                     norm = self._grads(step, used, wake)
                     lr = self._apply(step, used, norm, wake)
+                if math.isfinite(norm):
+                    self.suspects.applied(self._stage_sq)
                 break
-            except Failed as f:
-                self._recover(step, f, attempt)
+            except (Failed, Implausible) as caught:
+                if self._struck(step, caught, attempt):
+                    norm, lr = math.nan, 0.0  # skipped: nothing of it was applied anywhere
+                    break
         seconds = time.perf_counter() - start
         with self._control_lock:
             control, every = self._control, self._all
@@ -509,6 +550,32 @@ class PipelineDriver:
             fp32_total_wire_bytes=every.fp32_wire_bytes + every.tied_fp32_bytes + control,
         )  # fmt: skip
 
+    def _struck(self, step: int, caught: Failed | Implausible, attempt: int) -> bool:
+        """After an attempt failed or a reply's numbers were refused (`Implausible`): a failure nobody's reply
+        caused goes to `_recover` (False: run again, or it raises). One a peer's reply caused (`culprit`) is a
+        strike for that peer (unless the check that raised it struck it already), and the step is abandoned
+        everywhere; True: skip the step; False: the strike evicted the peer, run the step again without it."""
+        error = caught.error if isinstance(caught, Failed) else caught
+        # a failed call may blame only a peer of its own route (a liar on it cannot name a stranger's replica)
+        named = set(caught.suspects) if isinstance(caught, Failed) and caught.suspects else self._peer_set
+        peer = culprit(error, named - self.dead)
+        if peer is None and isinstance(caught, Failed):
+            self._recover(step, caught, attempt)
+            return False
+        if peer is not None and not getattr(error, "struck", False):
+            self.suspects.strike(peer, step, str(error))
+        self._drop(step)
+        if peer is None or peer not in self.suspects.banned:
+            log.warning("step %d skipped (%s)", step, error)
+            return True
+        self.dead.add(peer)
+        failure = caught if isinstance(caught, Failed) else Failed(caught, (peer,))
+        self._live(step, failure)  # raises NoLiveRoute when it was its stage's last replica: the plan must change
+        if attempt >= self.max_attempts:
+            raise as_error(failure, step, f"gave up after {attempt} attempts")
+        log.warning("step %d: peer %s evicted; running the step again without it", step, peer)
+        return False
+
     def _recover(self, step: int, failure: Failed, attempt: int) -> None:
         """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
@@ -518,6 +585,16 @@ class PipelineDriver:
             if peer not in self.dead and not self._alive(peer):
                 log.warning("step %d: peer %s does not answer: declared dead", step, peer)
                 self.dead.add(peer)
+        self._drop(step)
+        if fatal:
+            raise as_error(failure, step) from error
+        self._live(step, failure)  # raises NoLiveRoute when nothing is left
+        if attempt >= self.max_attempts:
+            raise as_error(failure, step, f"gave up after {attempt} attempts")
+        log.warning("step %d: attempt %d failed (%s); running the step again", step, attempt, as_error(failure, step))
+
+    def _drop(self, step: int) -> None:
+        """Abandons the step on every live replica so that none keeps gradients from it."""
         # calls among live peers end soon after the abandon; wait for them (briefly), so that none of them opens
         # the step again behind the next attempt's (or, after a fatal error, the next step's) back, then abandon
         # once more
@@ -525,12 +602,6 @@ class PipelineDriver:
         live = [f for f, suspects in self._inflight if not self.dead.intersection(suspects)]
         wait(live, timeout=ABANDON_GRACE_S)
         self.abandon(step)
-        if fatal:
-            raise as_error(failure, step) from error
-        self._live(step, failure)  # raises NoLiveRoute when nothing is left
-        if attempt >= self.max_attempts:
-            raise as_error(failure, step, f"gave up after {attempt} attempts")
-        log.warning("step %d: attempt %d failed (%s); running the step again", step, attempt, as_error(failure, step))
 
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""

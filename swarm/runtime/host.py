@@ -288,8 +288,9 @@ class StageHost:
             return torch.tensor(call.info.loss_weight or 1.0 / max(1, call.info.num_micro_batches))
         links = self.links
         end = links.forward_recv if kind == Kind.FORWARD else links.backward_recv
+        sender = _neighbour(call.info, self.role.stage - 1 if kind == Kind.FORWARD else self.role.stage + 1)
         with _phase(self.metrics, self.role.stage, "decode"):
-            return links.incoming(end, need_message(call), self.limits, step=call.info.step)
+            return links.incoming(end, need_message(call), self.limits, step=call.info.step, sender=sender)
 
     def forward(self, call: StageCall, inputs: torch.Tensor | None = None, cancelled: threading.Event | None = None):
         """Stage k's forward of one micro-batch (admitted: see `admit`): compute in schedule order, send on to
@@ -474,6 +475,12 @@ class StageHost:
 
     def close(self) -> None:
         self.outbox.close()
+
+
+def _neighbour(info: CallInfo, stage: int) -> str:
+    """The route's peer at `stage`, for a refusal naming who sent what it refuses (the caller: the plan's route
+    check admitted only that peer); "" when it names none."""
+    return info.route_peers[stage] if 0 <= stage < len(info.route_peers) else ""
 
 
 def _phase(metrics: Metrics, stage: int, phase: str):

@@ -198,7 +198,9 @@ def agreed_step(step: int, replies: dict[tuple[int, int], GradReport], counted: 
     """The trainer's reading of a step's Grads replies (keyed (stage, replica)): (the loss scale every stage holds,
     the global norm over the replicas in `counted`, one per stage: a stage's replicas hold the same reduced
     gradients). Any replica's non-finite norm (+Inf: it found Inf/NaN in its fp16 gradients and sent zeros to
-    its replicas' sum) makes the norm +Inf: the step is skipped everywhere. Raises StageCallError
+    its replicas' sum) makes the norm +Inf: the step is skipped everywhere. The replies were judged before
+    (`swarm.runtime.suspects.Suspects.judge_grads`): a NaN, negative, absurd or implausible norm never gets here,
+    it skips the step with a strike for its sender. Raises StageCallError
     (FAILED_PRECONDITION) when the stages hold different scales (one restarted without its scaler's state, or
     computes in another precision): no scale may then be trusted and the step must not be applied."""
     scales = {reply.loss_scale for reply in replies.values()}

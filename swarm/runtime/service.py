@@ -274,10 +274,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except StageCallError as e:
             context.abort(e.code, str(e))
         except ValueError as e:  # e.g. NaN in a tensor to encode
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {host.role.stage}: {e}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {host.role.stage} (peer {host.peer_id}): {e}")
         except Exception as e:
             log.exception("stage %d: unexpected failure", host.role.stage)
-            context.abort(grpc.StatusCode.INTERNAL, f"stage {host.role.stage} failed: {type(e).__name__}: {e}")
+            stage = f"stage {host.role.stage} (peer {host.peer_id})"
+            context.abort(grpc.StatusCode.INTERNAL, f"{stage} failed: {type(e).__name__}: {e}")
 
     def Forward(self, request_iterator, context):
         return self._stream_call(request_iterator, context, Kind.FORWARD)

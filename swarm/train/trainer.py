@@ -289,6 +289,7 @@ def train(
     stop: threading.Event | None = None,
     metrics: Metrics | None = None,
     signer=None,
+    suspects=None,
 ) -> TrainSummary:
     """Trains over the stages of `route`; raises StageCallError if one fails.
 
@@ -296,7 +297,8 @@ def train(
     because it already follows a newer plan is abandoned on every stage and run again on the new route.
     `metrics` is the process's registry (`swarm train` serves it with --metrics-port); None: a private one.
     `signer` (a `CallSigner`) signs every call to the stages; None: a fresh key, enough where any
-    authenticated trainer may train.
+    authenticated trainer may train. `suspects` (a `swarm.runtime.suspects.Suspects`) holds the run's strikes and
+    bans across re-plans; None: a fresh one.
     """
     from tqdm import tqdm
 
@@ -332,13 +334,17 @@ def train(
 
     dial = None if dht is None else announced_dial(dht.peers, signer)  # peers behind NAT: through their relays
     make_driver = driver_factory(cfg.freeze, model.n_layers)  # with --freeze: one FreezePolicy for the whole run
+    if suspects is None:
+        from swarm.runtime.suspects import Suspects
+
+        suspects = Suspects()  # one for the run: a re-plan's driver knows whom this trainer evicted
 
     def connect(r: PlanRoutes):
         metrics.plan_version.set(r.plan_version)
         driver = make_driver(
             r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=route_weights(cfg.chain_weights),
-            tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial),
+            tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial), suspects=suspects,
         )  # fmt: skip
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
         return driver
@@ -470,11 +476,20 @@ def no_route_left(error: Exception, route: PlanRoutes) -> bool:
     return route.n_replicas == 1 and code in UNREACHABLE
 
 
+def _announce_quietly(dht, announcement) -> None:
+    """Announces now (a ban, before the next beat); a failure is left to the next beat, which retries."""
+    try:
+        dht.announce(announcement)
+    except Exception as e:
+        log.warning("announcing the trainer's bans failed (the next heartbeat retries): %s", e)
+
+
 def run(args: argparse.Namespace) -> int:
     from swarm.daemon.roster import PeerAuth
     from swarm.net.stream import StageCallError
     from swarm.peers.dht import Reannouncer, SwarmDHT
-    from swarm.peers.records import TrainerAnnouncement
+    from swarm.peers.records import MAX_BANNED, TrainerAnnouncement
+    from swarm.runtime.suspects import Suspects
 
     try:
         cfg = config_from_args(args)
@@ -505,7 +520,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         # the planner names announced trainers in the plan, and stages serve only those: announce until done
         me = TrainerAnnouncement(dht.peer_id, started_at=time.time())
-        stack.enter_context(Reannouncer(dht, lambda: me))
+        # the peers it evicts are announced with it, at once: the planner plans them no more
+        ban = lambda: replace(me, banned=suspects.banned_ids()[-MAX_BANNED:])  # noqa: E731
+        suspects = Suspects(on_ban=lambda *_: _announce_quietly(dht, ban()))
+        stack.enter_context(Reannouncer(dht, ban))
         say(f"trainer {dht.peer_id} announced")
         try:
             route = discover_route(
@@ -519,7 +537,9 @@ def run(args: argparse.Namespace) -> int:
             stop = threading.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: (say("stopping after the current step"), stop.set()))
-            summary = train(cfg, route, dht=dht, say=say, stop=stop, metrics=metrics, signer=auth.signer)
+            summary = train(
+                cfg, route, dht=dht, say=say, stop=stop, metrics=metrics, signer=auth.signer, suspects=suspects
+            )
         except StageCallError as e:
             print(f"error: training failed: {e}", file=sys.stderr)
             return 1

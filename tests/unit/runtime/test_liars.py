@@ -1,0 +1,360 @@
+"""Lying peers in one process: a stage whose Grads reply or activations lie is named, struck, evicted, and the
+run goes on on the surviving replica, to a loss close to a clean run's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarm.runtime.inprocess import LocalPipeline
+from swarm.runtime.routing import NoLiveRoute
+from swarm.runtime.suspects import Implausible, SuspectConfig, Suspects
+from tests.unit.runtime.test_replicas import CFG, FP32, batch, weights
+
+torch.set_num_threads(1)
+
+
+class _LyingNorm:
+    """Wraps a servicer: its Grads replies report `sq` as the squared gradient norm (from step `after` on)."""
+
+    def __init__(self, target, sq: float, after: int = 0):
+        self.target, self.sq, self.after = target, sq, after
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Grads(self, request, context):
+        reply = self.target.Grads(request, context)
+        if request.step >= self.after:
+            reply.grad_sq_norm = self.sq
+        return reply
+
+
+def _train(pipe: LocalPipeline, steps: int) -> list:
+    return [pipe.train_step(batch(seed=step % 4), n_micro=2) for step in range(steps)]
+
+
+def _clean_weights(seeds: list[int]) -> dict[str, torch.Tensor]:
+    """A clean run's weights after steps on the batches of `seeds` (the ones the liar's run applied)."""
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        for seed in seeds:
+            pipe.train_step(batch(seed=seed), n_micro=2)
+        return weights(pipe)
+    finally:
+        pipe.close()
+
+
+def _assert_as_clean(pipe: LocalPipeline, seeds: list[int]) -> None:
+    """The honest replicas (0) hold a clean run's weights: one step moves them by ~5e-4, float order by ~3e-8."""
+    torch.testing.assert_close(weights(pipe), _clean_weights(seeds), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("lie", [-1e30, math.nan, 1e30, -math.inf])
+def test_a_lying_norm_is_named_struck_and_evicted_and_the_run_goes_on(lie, caplog):
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[1][1]
+    pipe.switches[1][1].target = _LyingNorm(pipe.switches[1][1].target, lie)
+    try:
+        results = _train(pipe, 8)
+        driver = pipe.driver(2)
+        # the first steps are skipped (nothing applied anywhere), a strike each; the third strike evicts
+        assert [r.skipped for r in results[:2]] == [True, True]
+        assert all(not r.skipped for r in results[2:])
+        assert driver.suspects.banned_ids() == (liar,) and liar in driver.dead
+        assert results[2].attempts == 2 and results[3].routes == 1
+        named = [r.getMessage() for r in caplog.records if "strike" in r.getMessage()]
+        assert named and all(f"stage 1 replica 1 (peer {liar} at local:1.1)" in m for m in named)
+        # the honest replicas took every applied step, and none of the skipped ones
+        assert [h.steps_done for h in (pipe.replica_hosts[0][0], pipe.replica_hosts[1][0])] == [6, 6]
+        # the skipped batches (steps 0, 1) are lost, nothing else: as a clean run on the batches applied
+        _assert_as_clean(pipe, [s % 4 for s in range(2, 8)])
+    finally:
+        pipe.close()
+
+
+def test_a_lone_stage_lying_is_evicted_and_the_trainer_must_wait_for_a_plan_without_it():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32)
+    pipe.switches[1][0].target = _LyingNorm(pipe.switches[1][0].target, -1e30)
+    try:
+        for _ in range(2):
+            assert pipe.train_step(batch(), n_micro=2).skipped
+        with pytest.raises(NoLiveRoute, match="no live replica of stage 1"):
+            pipe.train_step(batch(), n_micro=2)
+        assert pipe.driver(2).suspects.banned_ids() == (pipe.replica_peers[1][0],)
+        assert all(h.steps_done == 0 for h in pipe.hosts)  # nothing of the liar's steps was applied
+    finally:
+        pipe.close()
+
+
+def test_a_norm_far_above_the_stages_history_skips_the_step_instead_of_clipping_the_others():
+    """1e30 would shrink every honest stage's update to nothing through clipping: the step is skipped."""
+    pipe = LocalPipeline(CFG, 2, FP32, FP32)
+    cfg = SuspectConfig(max_sq_norm=1e40)  # the absolute bound off: the history rule alone must catch it
+    before = None
+    try:
+        driver = pipe.driver(2, suspects=Suspects(cfg))
+        for step in range(5):
+            assert not pipe.train_step(batch(seed=step), n_micro=2).skipped
+        before = [p.detach().clone() for p in pipe.hosts[0].worker.module.parameters()]
+        pipe.switches[1][0].target = _LyingNorm(pipe.switches[1][0].target, 1e30)
+        r = pipe.train_step(batch(seed=9), n_micro=2)
+        assert r.skipped and r.lr == 0.0 and driver.suspects.strikes(pipe.replica_peers[1][0]) == 1
+        after = list(pipe.hosts[0].worker.module.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # stage 0 applied nothing
+    finally:
+        pipe.close()
+
+
+def test_replicas_that_disagree_blame_the_one_off_the_stages_history():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        driver = pipe.driver(2)
+        for step in range(5):
+            pipe.train_step(batch(seed=step), n_micro=2)
+        pipe.switches[1][1].target = _LyingNorm(pipe.switches[1][1].target, 1e-9)  # plausible alone, too small
+        r = pipe.train_step(batch(seed=5), n_micro=2)
+        assert r.skipped
+        assert driver.suspects.strikes(pipe.replica_peers[1][1]) == 1
+        assert driver.suspects.strikes(pipe.replica_peers[1][0]) == 0
+    finally:
+        pipe.close()
+
+
+def test_strikes_count_once_per_step_and_expire_outside_the_window():
+    banned = []
+    s = Suspects(SuspectConfig(strikes=3, window_steps=10), on_ban=lambda p, why: banned.append(p))
+    assert not s.strike("p", 0, "x") and not s.strike("p", 0, "x again")
+    assert s.strikes("p") == 1
+    assert not s.strike("p", 5, "x") and not s.strike("p", 12, "x")  # step 0's strike left the window
+    assert s.strikes("p") == 3 and not banned  # (still in the long window)
+    assert s.strike("p", 13, "x") and banned == ["p"] and s.banned_ids() == ("p",)
+    assert s.strike("p", 14, "x") and banned == ["p"]  # told once
+
+
+def test_a_peer_lying_too_rarely_for_the_window_is_evicted_by_its_strikes_over_the_run():
+    s = Suspects(SuspectConfig(strikes=3, window_steps=10, max_strikes=5, long_window_steps=100))
+    assert not any(s.strike("p", step, "x") for step in range(0, 40, 10))  # never 2 in a window
+    assert s.strike("p", 40, "x") and s.banned_ids() == ("p",)
+    rare = Suspects(SuspectConfig(strikes=3, window_steps=10, max_strikes=5, long_window_steps=100))
+    assert not any(rare.strike("q", step, "x") for step in range(0, 1000, 30)), "4 in 100 steps: never evicted"
+
+
+def test_implausible_names_nobody_when_two_replicas_disagree_with_no_history():
+    from swarm.runtime.messages import GradReport
+
+    s = Suspects()
+    replies = {(0, 0): GradReport(1.0, 1.0), (0, 1): GradReport(2.0, 1.0)}
+    with pytest.raises(Implausible, match="report different grad_sq_norm") as e:
+        s.judge_grads(0, replies, {(0, 0): "a", (0, 1): "b"}, lambda st, r: f"stage {st} replica {r}")
+    assert e.value.peer is None and s.strikes("a") == s.strikes("b") == 0
+
+
+class _Scaled:
+    """Wraps a worker: its forward outputs (activations to the next stage) times `factor` from its `after`-th
+    forward on, or its backward's input gradients replaced by NaN (`nan_grads`), or (`overflow`) its fp16
+    backward finding Inf/NaN every time."""
+
+    def __init__(self, worker, factor=1.0, after=0, nan_grads=False, overflow=False):
+        self.worker, self.factor, self.after, self.nan_grads, self.calls = worker, factor, after, nan_grads, 0
+        self.overflow = overflow
+        self._forward, self._backward = worker.forward, worker.backward
+        worker.forward, worker.backward = self.forward, self.backward
+
+    def forward(self, *args, **kwargs):
+        out = self._forward(*args, **kwargs)
+        self.calls += 1
+        return out * self.factor if self.calls > self.after else out
+
+    def backward(self, *args, **kwargs):
+        grad = self._backward(*args, **kwargs)
+        if self.overflow:
+            self.worker.found_inf = True  # as `_scaled_backward` marks it: the stage reports +Inf
+        return torch.full_like(grad, math.nan) if self.nan_grads and grad is not None else grad
+
+
+def test_link_watch_refuses_non_finite_and_outsized_messages_and_keeps_zeros_out_of_its_history():
+    from swarm.runtime.boundary import LinkWatch
+
+    watch = LinkWatch(ratio=30, history=8, min_history=4)
+    x = torch.randn(2, 4, 8)
+    assert watch.check(x * 300) is None  # no history yet: only finiteness and the ceiling
+    for _ in range(3):
+        assert watch.check(x) is None
+    assert watch.check(torch.zeros_like(x)) is None  # an fp16 stage's zeros: accepted, not counted
+    assert "Inf/NaN" in watch.check(x.clone().index_fill_(0, torch.tensor([0]), math.nan))
+    assert "more than 30 x" in watch.check(x * 300)  # the median is x's RMS: 300x is refused
+    assert watch.check(x * 20) is None and 19 < watch.peak_ratio < 21
+    assert "ceiling" in watch.check(torch.full((4,), 2e4))
+    assert "Inf/NaN" in watch.check(torch.full((4,), 3e38))  # its square overflows fp32: refused too
+
+
+def test_activations_scaled_300x_are_refused_naming_the_sender_who_is_evicted(caplog):
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[0][1]
+    # 2 micro-batches per step over 2 routes: one each; stage 1 replica 1 has 8 messages of history after 8 steps
+    _Scaled(pipe.replica_hosts[0][1].worker, factor=300.0, after=8)
+    try:
+        results = _train(pipe, 13)
+        assert [r.skipped for r in results] == [False] * 8 + [True, True] + [False] * 3
+        assert results[10].attempts == 2 and results[10].routes == 1
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)
+        refusals = [r.getMessage() for r in caplog.records if "refused the activation" in r.getMessage()]
+        assert refusals and all(f"from peer {liar}: RMS" in m for m in refusals)
+        applied = [s % 4 for s in [*range(8), 10, 11, 12]]  # steps 8 and 9 skipped
+        _assert_as_clean(pipe, applied)
+    finally:
+        pipe.close()
+
+
+def test_nan_gradients_from_one_replica_fail_its_sends_until_it_is_evicted():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[1][1]
+    _Scaled(pipe.replica_hosts[1][1].worker, nan_grads=True)
+    try:
+        results = _train(pipe, 5)
+        assert [r.skipped for r in results] == [True, True, False, False, False]
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)
+    finally:
+        pipe.close()
+
+
+def test_an_fp16_stage_overflowing_at_every_loss_scale_is_evicted():
+    """fp16: a stage whose gradients are NaN reports +Inf; every stage skips and halves the scale. Once the scale
+    is down to 2^8 an honest stage would no longer overflow: each further +Inf is a strike."""
+    from swarm.runtime.precision import ScalerConfig
+    from swarm.runtime.worker import StageConfig
+
+    cfg = StageConfig(precision="fp16", scaler=ScalerConfig(init_scale=2.0**10))
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2, stage_cfg=cfg)
+    liar = pipe.replica_peers[1][1]
+    _Scaled(pipe.replica_hosts[1][1].worker, overflow=True)
+    try:
+        results = _train(pipe, 8)
+        # 2^10 -> 2^9 -> 2^8: two skips without strikes, then three struck ones, then the run goes on without it
+        assert [r.skipped for r in results[:4]] == [True] * 4
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)
+        assert results[4].attempts == 2 and not results[4].skipped  # the evicting step ran again without it
+        assert not any(r.skipped for r in results[4:]) and results[-1].routes == 1
+    finally:
+        pipe.close()
+
+
+class _LyingStep:
+    """Wraps a servicer: its Step replies report loss scale `scale` (the trainer names it in every next call)."""
+
+    def __init__(self, target, scale: float):
+        self.target, self.scale = target, scale
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Step(self, request, context):
+        reply = self.target.Step(request, context)
+        if not request.abandon:
+            reply.loss_scale = self.scale
+        return reply
+
+
+def test_a_step_reply_lying_about_the_loss_scale_is_outvoted_and_struck():
+    """Believed, the lie would make every stage refuse the next step (the scale is named in every call)."""
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[0][1]
+    pipe.switches[0][1].target = _LyingStep(pipe.switches[0][1].target, 2.0**20)
+    try:
+        results = _train(pipe, 5)
+        assert not any(r.skipped for r in results) and all(r.loss_scale == 1.0 for r in results)
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)  # struck at steps 0, 1, 2
+        assert results[3].routes == 1
+    finally:
+        pipe.close()
+
+
+class _LyingLoss:
+    """Wraps a servicer of the last stage: its Forward replies report `loss`."""
+
+    def __init__(self, target, loss: float):
+        self.target, self.loss = target, loss
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Forward(self, items, context):
+        reply = self.target.Forward(items, context)
+        reply.loss = self.loss
+        return reply
+
+
+@pytest.mark.parametrize("loss", [-1.0, math.nan, 1e30])
+def test_a_lying_loss_is_named_and_its_stage_evicted(loss):
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    liar = pipe.replica_peers[1][1]
+    try:
+        pipe.train_step(batch(seed=0), n_micro=2)  # the trainer hears the stages' scale (1: unscaled)
+        pipe.switches[1][1].target = _LyingLoss(pipe.switches[1][1].target, loss)
+        results = [pipe.train_step(batch(seed=step), n_micro=2) for step in range(1, 6)]
+        assert [r.skipped for r in results] == [True, True, False, False, False]
+        assert pipe.driver(2).suspects.banned_ids() == (liar,)
+        assert all(math.isfinite(r.loss) for r in results[2:])
+    finally:
+        pipe.close()
+
+
+def test_culprit_is_the_blamed_or_self_named_peer_of_a_failure_a_reply_caused():
+    import grpc
+
+    from swarm.net.stream import PLAN_MISMATCH, StageCallError
+    from swarm.runtime.suspects import blame_tag, culprit
+
+    peers = {"a", "b"}
+    refusal = f"stage 1 (peer b at x:1): refused the activation from peer a: RMS 9 {blame_tag('a')}"
+    assert culprit(StageCallError(refusal, grpc.StatusCode.INVALID_ARGUMENT), peers) == "a"
+    assert culprit(StageCallError(refusal, grpc.StatusCode.INVALID_ARGUMENT), {"b"}) == "b", "a is off the route"
+    own = StageCallError("stage 1 (peer b): activation gradient contains NaN or Inf", grpc.StatusCode.INVALID_ARGUMENT)
+    assert culprit(own, peers) == "b"
+    assert culprit(StageCallError("stage 1 (peer b) failed: RuntimeError: x", grpc.StatusCode.INTERNAL), peers) == "b"
+    gone = StageCallError("stage 1 (peer b at x:1): unreachable or too slow (UNAVAILABLE)", grpc.StatusCode.UNAVAILABLE)
+    assert culprit(gone, peers) is None, "a dead peer is rerouted around, not struck"
+    moved = StageCallError(f"stage 1 (peer b at x:1): {PLAN_MISMATCH} plan 3", grpc.StatusCode.INVALID_ARGUMENT)
+    assert culprit(moved, peers) is None
+    assert (
+        culprit(StageCallError("stage 1 (peer b at x:1): wrong scale", grpc.StatusCode.FAILED_PRECONDITION), peers)
+        is None
+    )
+    assert culprit(ValueError("x"), peers) is None and culprit(None, peers) is None
+
+
+def test_impossible_byte_counts_are_dropped_before_the_metrics():
+    from swarm.proto import stage_pb2
+
+    s = Suspects()
+    honest = stage_pb2.Traffic(fp32_wire_bytes=40, link_bytes={0: 10, 1: 12})
+    assert s.counted_bytes(honest, 2) == ({0: 10, 1: 12}, 40, None)
+    lying = stage_pb2.Traffic(fp32_wire_bytes=1 << 60, link_bytes={0: 10, 7: 5, 1: 1 << 50})
+    links, fp32, why = s.counted_bytes(lying, 2)
+    assert links == {0: 10} and fp32 == 0 and why is not None
+
+
+def test_a_grads_loss_scale_against_the_majority_is_struck_and_a_tie_stays_fatal():
+    import grpc
+
+    from swarm.net.stream import StageCallError
+    from swarm.runtime.messages import GradReport
+    from swarm.runtime.precision import agreed_step
+
+    def name(s, r):
+        return f"stage {s} replica {r}"
+
+    s = Suspects()
+    three = {(0, 0): GradReport(1.0, 4.0), (1, 0): GradReport(1.0, 4.0), (2, 0): GradReport(1.0, 2.0**20)}
+    peers = {(0, 0): "a", (1, 0): "b", (2, 0): "c"}
+    with pytest.raises(Implausible, match="stage 2 replica 0: loss_scale 1.04858e\\+06, the other stages computed"):
+        s.judge_grads(0, three, peers, name)
+    assert s.strikes("c") == 1 and s.strikes("a") == s.strikes("b") == 0
+    two = {(0, 0): GradReport(1.0, 4.0), (1, 0): GradReport(1.0, 8.0)}
+    s.judge_grads(1, two, {(0, 0): "a", (1, 0): "b"}, name)  # one against one: nobody can be told
+    with pytest.raises(StageCallError, match="loss scales disagree") as e:
+        agreed_step(1, two, [(0, 0), (1, 0)])
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
