@@ -24,6 +24,19 @@ from pathlib import Path
 
 import torch
 
+from swarm.compression.wire import WireError
+
+MAX_SAMPLE_ID = 1 << 53
+"""Sample ids lie in [0, MAX_SAMPLE_ID): exact as floats in every metric and log, and far beyond any data set.
+An id outside is refused before it reaches a buffer store, a label table or a step's record."""
+
+
+def check_sample_ids(ids, field: str = "sample_ids") -> None:
+    """Refuses (WireError naming `field`) sample ids outside [0, MAX_SAMPLE_ID); changes nothing."""
+    if len(ids) and not (min(ids) >= 0 and max(ids) < MAX_SAMPLE_ID):
+        bad = next(int(i) for i in ids if not 0 <= i < MAX_SAMPLE_ID)
+        raise WireError(field, f"{bad} is outside [0, 2^53)")
+
 
 class BufferStore:
     """Slots of sample activations keyed by sample id. Subclasses decide where the slots live."""
