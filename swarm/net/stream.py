@@ -314,13 +314,16 @@ def read_stream(
         return _read(iter(items), limits, on_info, on_header, None)
     watch = WATCHDOG.watch(cancel, timeouts.item_deadline_s(limits), timeouts.read_deadline_s(limits.max_message_bytes))
     try:
-        return _read(iter(items), limits, on_info, on_header, (watch, timeouts))
-    except grpc.RpcError:
+        incoming = _read(iter(items), limits, on_info, on_header, (watch, timeouts))
+    except (grpc.RpcError, WireError):
         if watch.expired is not None:
             raise StreamTimeout(watch.expired) from None
         raise
     finally:
         WATCHDOG.release(watch)
+    if watch.expired is not None:  # gRPC may end a cancelled stream as if its caller had closed it
+        raise StreamTimeout(watch.expired)
+    return incoming
 
 
 def _server_side(watch: _Watch | None, fn: Callable, arg) -> None:
