@@ -238,11 +238,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 read = self._read(request_iterator, context, self._limits(), on_info=on_info, on_header=on_header)
                 call = StageCall(infos[0], read.message, read.tokens)
                 host = self._admit(call.info, call, kind, caller, method)
+                fresh = host.fresh_ids(call, kind)  # first sights this call buffers: given back if it never runs
                 try:
                     inputs = host.decode(call, kind)
                     reading.close()  # decoded: the slot is free before the call waits for its turn
                     forward = kind == Kind.FORWARD
-                    reply = host.forward(call, inputs, gone) if forward else host.backward(call, inputs, gone)
+                    try:
+                        reply = host.forward(call, inputs, gone) if forward else host.backward(call, inputs, gone)
+                    except GateError:  # its turn never came: it ran nothing
+                        host.release_fresh(call, kind, fresh)
+                        raise
                     # this stage's own answer (a Forward's reply may be the next stage's, which said its own)
                     reply.plan_route = carried[0] and plan_gives_route(
                         call.info, self.policy.roster, host.role, host.peer_id

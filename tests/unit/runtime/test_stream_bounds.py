@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from swarm.compression import DEFAULT_LIMITS, CodecConfig, WireError, WireLimits, make_codec
+from swarm.compression import DEFAULT_LIMITS, CodecConfig, LinkState, WireError, WireLimits, make_codec
 from swarm.compression.buffers import MAX_SAMPLE_ID, check_sample_ids
 from swarm.net.connect import LocalRpcError
 from swarm.net.stream import (
@@ -26,6 +26,7 @@ from swarm.net.stream import (
 )
 from swarm.proto import stage_pb2
 from swarm.runtime.budget import CallerSlots, SlotsExhausted, StageBudget
+from swarm.runtime.messages import StepOrder
 from swarm.runtime.policy import Roster
 from tests.unit.runtime.test_admission import Stages, activation_items, refused
 
@@ -219,8 +220,6 @@ def test_a_neighbours_sample_ids_out_of_range_are_refused_by_name_before_any_sta
 
 
 def test_the_aqsgd_codec_refuses_out_of_range_ids_too():
-    from swarm.compression import LinkState
-
     codec = make_codec(AQSGD)
     sender, receiver = LinkState(AQSGD), LinkState(AQSGD)
     msg = codec.encode(torch.randn(2, 4, 8), sample_ids=[1 << 62, 1], state=sender)
@@ -289,4 +288,44 @@ def test_a_stalled_stream_is_cancelled_by_the_stage_with_one_warning_naming_its_
     _no_traceback(caplog.records)
     assert s.servicers[1]._data_slots.held(None) == 0
     assert s.hosts[1].open_step is None
+    assert s.legit_step() > 0
+
+
+# ---- memory: first sights of calls that never run ----------------------------------------------------------------
+
+
+def test_first_sights_of_a_call_whose_turn_never_comes_leave_the_buffers_at_once():
+    """Calls admitted, decoded (their first sights buffered), then refused at their turn's deadline used to keep
+    their rows in the AQ-SGD buffers until the step ended, and for good if it was then applied: a stream of such
+    calls grew the stage's memory round after round. Now the rows go when the call fails, while the step is open."""
+    s = Stages(3, StageBudget(), fw=AQSGD)
+    assert s.legit_step() > 0
+    store = s.hosts[1].links.forward_recv.buffers
+    before = set(store.ids())
+    step = s.next_step
+
+    def park(mb: int, ids: list[int], wait_s: float, out: list) -> None:
+        msg = make_codec(AQSGD).encode(torch.randn(len(ids), 16, 32), sample_ids=ids, state=LinkState(AQSGD))
+        info = s.info(1, step=step, mb=mb, n_micro=4, deadline_s=wait_s)
+        try:
+            s.client(1).Forward(list(tensor_items(info, msg, 0, None)))
+        except LocalRpcError as e:
+            out.append(e.details())
+
+    soon, late = [], []
+    holder = threading.Thread(target=park, args=(2, list(range(2000, 2064)), 30.0, late))
+    holder.start()  # keeps the step open: a call in flight, waiting for 1F0
+    deadline = time.monotonic() + 20
+    while not set(range(2000, 2064)) <= set(store.ids()) and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    park(1, list(range(1000, 1256)), 0.5, soon)  # waits 0.5 s for 1F0, which never comes
+    assert soon and "waited" in soon[0], soon
+    assert s.hosts[1].open_step == step  # still open: its other call waits
+    ids = set(store.ids())
+    assert not ids & set(range(1000, 1256))  # the failed call's 256 first sights are gone already
+    assert set(range(2000, 2064)) <= ids  # the waiting call's stay
+    s.hosts[1].gate.wake()
+    s.hosts[1].step(StepOrder(step=step, abandon=True))
+    holder.join(30)
+    assert set(store.ids()) == before
     assert s.legit_step() > 0
