@@ -6,6 +6,7 @@ Servicers and the trainer use these so that every stream is read with the same b
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -288,9 +289,14 @@ class StreamWatchdog:
             for w in watches:
                 w.check(now)
 
+    def _forked(self) -> None:
+        """In a forked child: the parent's thread and streams are not this process's."""
+        self._watches, self._cond, self._thread = set(), threading.Condition(), None
+
 
 WATCHDOG = StreamWatchdog()
 """The process's stream watchdog (one thread, started by the first watched stream)."""
+os.register_at_fork(after_in_child=WATCHDOG._forked)
 
 
 def read_stream(
