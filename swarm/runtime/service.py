@@ -444,9 +444,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._checked(context, None)
         try:
             with self._probe_slots.take():
-                call = read_stream(request_iterator, self.budget.sink_limits())
+                call = self._read(request_iterator, context, self.budget.sink_limits())
         except SlotsExhausted as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except StreamTimeout as e:  # a stalled probe gives its slot back like a stalled data stream
+            log.warning("cancelled a link probe from %s: %s", self._who(context), e)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
         return stage_pb2.Traffic(wire_bytes=call.wire_bytes)

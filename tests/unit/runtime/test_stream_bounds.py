@@ -329,3 +329,14 @@ def test_first_sights_of_a_call_whose_turn_never_comes_leave_the_buffers_at_once
     holder.join(30)
     assert set(store.ids()) == before
     assert s.legit_step() > 0
+
+
+def test_a_stalled_link_probe_gives_its_slot_back(caplog):
+    s = Stages(2, StageBudget(item_timeout_s=0.3, min_link_rate_bytes_per_s=FAST_LINK, probe_calls=1))
+    stream = Stalling(first_item_only(s))
+    with caplog.at_level(logging.INFO, logger="swarm.runtime.service"):
+        error = refused(s.servicers[1].Sink, stream, _Context(stream), code=grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert "no stream item" in error.details()
+    _no_traceback(caplog.records)
+    with s.servicers[1]._probe_slots.take():  # its one slot is free again
+        pass
