@@ -13,16 +13,73 @@ Transactions: between `begin` and `commit`/`rollback` a store journals what it c
 each row it writes, the first prior slot of each id it admits or forgets, and its slot allocation), so that a
 step that is abandoned leaves the store exactly as the step found it (on both ends of a link alike) and a retry
 sends what a clean run sends. The journal holds only the rows the step touched and is dropped at commit.
+
+A buffer directory belongs to one process (`lock_buffer_dir`, claimed by swarm-peer at start): two stages given the
+same one would overwrite each other's receive buffers, so the second refuses to start.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 import warnings
 from collections import deque
 from pathlib import Path
 
 import torch
+
+from swarm.compression.wire import WireError
+
+MAX_SAMPLE_ID = 1 << 53
+"""Sample ids lie in [0, MAX_SAMPLE_ID): exact as floats in every metric and log, and far beyond any data set.
+An id outside is refused before it reaches a buffer store, a label table or a step's record."""
+
+
+def check_sample_ids(ids, field: str = "sample_ids") -> None:
+    """Refuses (WireError naming `field`) sample ids outside [0, MAX_SAMPLE_ID); changes nothing."""
+    if len(ids) and not (min(ids) >= 0 and max(ids) < MAX_SAMPLE_ID):
+        bad = next(int(i) for i in ids if not 0 <= i < MAX_SAMPLE_ID)
+        raise WireError(field, f"{bad} is outside [0, 2^53)")
+
+
+class BufferDirInUse(RuntimeError):
+    """Another process holds this buffer directory: its stores would overwrite this one's."""
+
+
+BUFFER_DIR_LOCK = ".swarm-buffers.lock"
+"""The lock file a process holds (fcntl.flock) in each buffer directory it uses, for its whole life."""
+_held_dirs: dict[str, int] = {}
+_held_dirs_lock = threading.Lock()
+
+
+def lock_buffer_dir(directory: str | os.PathLike) -> Path:
+    """Claims `directory` for this process's memory-mapped buffer stores until the process ends (the kernel
+    drops the lock when it dies, however it dies). Claiming it again from the same process is a no-op: a stage
+    rebuilt on a plan change maps the same files. Returns the directory, resolved.
+
+    Raises:
+        BufferDirInUse: another process holds it (its pid, from the lock file, is named).
+    """
+    path = Path(directory).resolve()
+    with _held_dirs_lock:
+        if str(path) in _held_dirs:
+            return path
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / BUFFER_DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise BufferDirInUse(
+                f"buffer directory {path} is in use by another process (pid {holder}): two stages on one directory "
+                "overwrite each other's AQ-SGD buffers; give each its own --buffer-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held_dirs[str(path)] = fd
+    return path
 
 
 class BufferStore:

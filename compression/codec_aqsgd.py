@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from swarm.compression.buffers import check_sample_ids
 from swarm.compression.codec_base import Codec, decoded_bound
 from swarm.compression.layout import FLAT, from_groups, group_for, layout_for, read_layout, to_groups, write_layout
 from swarm.compression.quantized import group_size, pack_quantized, quantized_nbytes, unpack_quantized
@@ -192,6 +193,7 @@ def _check_rows(
     if len(msg.sample_is_delta) != len(msg.sample_ids):
         raise WireError("sample_is_delta", f"{len(msg.sample_is_delta)} flags for {len(msg.sample_ids)} ids")
     ids = list(msg.sample_ids)
+    check_sample_ids(ids)
     if len(set(ids)) != len(ids):
         raise WireError("sample_ids", "ids repeat within one message")
     if sample_shape is not None and ids and tuple(shape[1:]) != sample_shape:

@@ -44,6 +44,11 @@ N_STAGES = 3
 BUDGET_MAX_WAIT_S = 5.0
 """The stage servers' wait cap (StageBudget.max_wait_s; a swarm-peer's default is 120 s, --max-wait-s): short
 here so a case that parks calls ends in seconds."""
+BUDGET_ITEM_TIMEOUT_S = 2.0
+"""The stage servers' read deadline slack per stream item (StageBudget.item_timeout_s; swarm-peer's: 10 s)."""
+BUDGET_LINK_RATE = 100e6
+"""The slowest link the servers allow for (StageBudget.min_link_rate_bytes_per_s; swarm-peer's: 1 Mbit/s): loopback,
+so a stalled stream is cancelled after about BUDGET_ITEM_TIMEOUT_S, not the half minute a 1 Mbit/s link needs."""
 CALL_TIMEOUT_S = 10.0
 """The client's deadline on a hostile call: longer than the servers' wait cap, so the server ends a parked
 call, not the client."""
@@ -244,12 +249,14 @@ def _serve(conn, key_dir: str) -> None:
 
     torch.set_num_threads(1)
     keys, model, (forward, backward) = Keys(Path(key_dir)), tiny_model(), codecs()
+    deadlines = dict(item_timeout_s=BUDGET_ITEM_TIMEOUT_S, min_link_rate_bytes_per_s=BUDGET_LINK_RATE)
+    budget = StageBudget(max_wait_s=BUDGET_MAX_WAIT_S, **deadlines)
     transport = TransportConfig(max_workers=MAX_WORKERS)
     pools, servers, servicers, addresses = [], [], [], []
     for stage, (start, end) in enumerate(split_layers(model.n_layers, N_STAGES)):
         host = StageHost(
             StageRole(stage, N_STAGES, start, end), model, StageConfig(), LinkEnds(forward, backward),
-            keys.stage_ids[stage], keys.connector(stage), budget=StageBudget(max_wait_s=BUDGET_MAX_WAIT_S),
+            keys.stage_ids[stage], keys.connector(stage), budget=budget,
         )  # fmt: skip
         pool = _CountingExecutor(MAX_WORKERS)
         # as swarm.peers.transport.make_server, with the counting pool

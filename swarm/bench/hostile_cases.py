@@ -8,6 +8,7 @@ after it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from swarm.bench.hostile import Harness, Outcome, rpc_error
+from swarm.bench.hostile import CALL_TIMEOUT_S, Harness, Outcome, rpc_error
 from swarm.bench.hostile_wire import (
     MIB,
     Foreign,
@@ -577,6 +578,69 @@ def step_never_ran(h):
 def probe_reply_max(h):
 
     return h.expect_refusal(1, "Probe", stage_pb2.ProbeRequest(reply_bytes=2**32 - 1), "stranger")
+
+
+# ---- in plan, malicious: what a caller holds (the server's bounds) ---------------------------------------------
+
+
+def _held_stream(h: Harness, stage: int, release: threading.Event) -> Outcome:
+    """A Forward into `stage` that sends its first item, then nothing until `release` (or the client's deadline)."""
+    first = tokens_item(h)
+
+    def items():
+        yield from first
+        release.wait(CALL_TIMEOUT_S)
+
+    return h.expect_refusal(stage, "Forward", items())
+
+
+@case("trainer", "24 data streams into stage 0 that send only their first item (every data slot, held)")
+def held_streams_x24(h):
+    """The server's read deadline cancels each within its item deadline, long before the client's deadline;
+    the trainer's own share of the slots refuses the ones past it at once."""
+    put_labels(h)
+    release, started = threading.Event(), time.monotonic()
+    try:
+        outcomes = burst(lambda _: _held_stream(h, 0, release), 24, threads=24)
+    finally:
+        release.set()
+    result = all_refused(outcomes, {"held_s": round(time.monotonic() - started, 2)})
+    result.refused = result.refused and result.extra["held_s"] < CALL_TIMEOUT_S
+    return result
+
+
+@case("trainer", "sample ids 2^62 and -2^63 in an AQ-SGD activation into the middle stage")
+def sample_ids_out_of_range(h):
+    outcomes = [forward_to_middle(h, activation(h, 2, ids=[5, bad])) for bad in (1 << 62, -(1 << 63))]
+    return all_refused(outcomes)
+
+
+@case("trainer", "sample id -2^63 in a token batch into stage 0")
+def token_sample_id_negative(h):
+    put_labels(h)
+    item = tokens_item(h)
+    batch = stage_pb2.StreamItem.FromString(item[0])
+    batch.tokens.sample_ids[1] = -(1 << 63)
+    return h.expect_refusal(0, "Forward", [batch.SerializeToString()])
+
+
+@case(
+    "trainer",
+    "14 rounds of 24 concurrent 256-row first sights, each admitted then refused (its turn never comes)",
+    heavy=True,
+)
+def first_sights_256_x24_rounds(h):
+    """The stage decodes each call's first sights, then the call waits for a turn that never comes and is refused
+    at max_wait_s: the server's RSS must not grow round after round (`rss_mib_by_round`)."""
+
+    def parked(i: int) -> Outcome:
+        return forward_to_middle(h, activation(h, 256), micro_batch=i % 15 + 1, num_micro_batches=16)
+
+    outcomes, rss = [], []
+    for _ in range(14):
+        outcomes += burst(parked, 24, threads=24)
+        rss.append(round(h.servers.stats().get("rss_mib", 0.0), 1))
+    return all_refused(outcomes, {"rss_mib_by_round": rss, "received_mib": round(14 * 24 * 256 * 16 * 32 * 2 / 2**20)})
 
 
 assert len({c.name for c in CASES}) == len(CASES), "case names must be unique"

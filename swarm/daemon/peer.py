@@ -82,6 +82,14 @@ class PeerDaemon:
 
         cfg = self.cfg
         torch.set_num_threads(cfg.threads)
+        if cfg.fw_codec.buffer_dir:  # before anything starts: another peer on this directory would share its buffers
+            from swarm.compression.buffers import BufferDirInUse, lock_buffer_dir
+
+            try:
+                lock_buffer_dir(cfg.fw_codec.buffer_dir)
+            except BufferDirInUse as e:
+                log.error("%s", e)
+                return 2
         self.model = cfg.model
         self.codecs = (cfg.fw_codec, cfg.bw_codec)
         self.shaping = LinkShaping(cfg.link_shape, dict(cfg.link_shapes))

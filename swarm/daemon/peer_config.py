@@ -119,11 +119,16 @@ _OPTIM_FLAGS = Flag(
 )  # fmt: skip
 _BUDGET_FLAGS = Flag(
     group=_SERVING,
-    only=("max_batch", "max_micro_batches", "max_wait_s"),
+    only=("max_batch", "max_micro_batches", "max_wait_s", "caller_data_calls", "min_link_rate_bytes_per_s"),
     fields={
         "max_batch": Flag(help="most samples in one micro-batch this stage takes"),
         "max_micro_batches": Flag(help="most micro-batches in one step"),
         "max_wait_s": Flag(help="longest a call may wait here, whatever deadline it asks for"),
+        "caller_data_calls": Flag(help="most data calls one peer holds here at once (0: --max-micro-batches + 4)"),
+        "min_link_rate_bytes_per_s": Flag(
+            help="the slowest link a caller may stream over (default 1 Mbit/s): a stream slower than its bytes at "
+            "this rate, plus a slack, is cancelled"
+        ),
     },
 )
 _TRANSPORT_FLAGS = Flag(

@@ -1,11 +1,14 @@
 """The wire side of stage calls: token batches, stream items, reading a stream, and naming failures.
 
-Servicers and the trainer use these so that every stream is read with the same bounds and every failure
-says which stage and peer it came from.
+Servicers and the trainer use these so that every stream is read with the same bounds (of size, and of time:
+`ReadTimeouts`, enforced by one `StreamWatchdog` thread) and every failure says which stage and peer it came from.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -14,6 +17,7 @@ import torch
 import zstandard
 
 from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, ZstdPolicy
+from swarm.compression.buffers import check_sample_ids
 from swarm.compression.framing import frame_parts
 from swarm.peers.shaper import Shaper
 from swarm.peers.transport import paced
@@ -70,6 +74,7 @@ def tokens_from_wire(batch: stage_pb2.TokenBatch, vocab_size: int, max_seq: int)
     tokens = torch.frombuffer(bytearray(body), dtype=TOKEN_WIDTHS[width]).view(*shape).long()
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
         raise WireError("tokens.tokens", f"token ids must lie in [0, {vocab_size})")
+    check_sample_ids(batch.sample_ids, "tokens.sample_ids")
     ids = torch.tensor(list(batch.sample_ids) or range(shape[0]), dtype=torch.long)
     return tokens, ids
 
@@ -188,27 +193,178 @@ class Incoming:
     wire_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class ReadTimeouts:
+    """How long a stream may take to arrive, derived from the slowest link a caller may stream over: any item
+    and any message the wire limits admit gets the time its bytes take at `min_rate_bytes_per_s`, plus a slack.
+
+    A stream whose next item is later than `item_deadline_s`, or that is still arriving `read_deadline_s`
+    after its call began, is cancelled: a caller that stops sending holds its slot for that long at most."""
+
+    item_s: float
+    """slack for each item beyond its bytes at the minimum rate"""
+    read_s: float
+    """slack for the whole stream beyond its declared body at the minimum rate"""
+    min_rate_bytes_per_s: float
+    """the slowest link a caller may use (1 Mbit/s: 125,000 bytes/s)"""
+
+    def item_deadline_s(self, limits: WireLimits) -> float:
+        """Longest wait for one item: the largest chunk `limits` admit, at the minimum rate, plus the slack."""
+        return self.item_s + limits.max_chunk_bytes / self.min_rate_bytes_per_s
+
+    def read_deadline_s(self, body_bytes: int) -> float:
+        """Longest a stream of `body_bytes` (its frame header's declaration, bounded by the limits) may take."""
+        return self.read_s + body_bytes / self.min_rate_bytes_per_s
+
+
+class StreamTimeout(Exception):
+    """A stream that stalled past its read deadline; the call was cancelled and its slot is free."""
+
+
+class _Watch:
+    """One stream's deadlines (monotonic seconds; inf: not waiting on the caller now)."""
+
+    __slots__ = ("cancel", "expired", "item_due", "item_s", "paused_s", "read_due", "read_s", "started")
+
+    def __init__(self, cancel: Callable[[], None], item_s: float, read_s: float):
+        self.cancel, self.item_s, self.read_s = cancel, item_s, read_s
+        self.started = time.monotonic()
+        self.paused_s = 0.0
+        """time the server itself spent mid-read (checks, waiting for a large-stream slot): not the caller's"""
+        self.item_due = float("inf")
+        self.read_due = self.started + read_s
+        self.expired: str | None = None
+
+    def check(self, now: float) -> None:
+        if self.expired is not None or now < min(self.item_due, self.read_due):
+            return
+        if now >= self.item_due:
+            self.expired = f"no stream item for {self.item_s:.1f} s"
+        else:
+            self.expired = f"the stream took longer than {self.read_s:.1f} s to arrive"
+        try:
+            self.cancel()
+        except Exception:  # a call that ended meanwhile: nothing to cancel
+            pass
+
+
+class StreamWatchdog:
+    """One thread that cancels the streams past their read deadlines (checked every `tick_s`), so a stalled
+    caller cannot hold a server thread and its slot: the blocked read then fails at once. It runs only while
+    streams are being read; a stream's deadlines cost two float writes per item."""
+
+    def __init__(self, tick_s: float = 0.25):
+        self.tick_s = tick_s
+        self._watches: set[_Watch] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, cancel: Callable[[], None], item_s: float, read_s: float) -> _Watch:
+        """Watches a stream from now on; `cancel` ends its call. `release` it when the read is over."""
+        w = _Watch(cancel, item_s, read_s)
+        with self._cond:
+            self._watches.add(w)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stream-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return w
+
+    def release(self, w: _Watch) -> None:
+        with self._cond:
+            self._watches.discard(w)
+
+    def watched(self) -> int:
+        """Streams being watched now."""
+        return len(self._watches)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._watches:
+                    self._cond.wait()
+                self._cond.wait(self.tick_s)
+                watches = list(self._watches)
+            now = time.monotonic()
+            for w in watches:
+                w.check(now)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's thread and streams are not this process's."""
+        self._watches, self._cond, self._thread = set(), threading.Condition(), None
+
+
+WATCHDOG = StreamWatchdog()
+"""The process's stream watchdog (one thread, started by the first watched stream)."""
+os.register_at_fork(after_in_child=WATCHDOG._forked)
+
+
 def read_stream(
     items: Iterable[stage_pb2.StreamItem],
     limits: WireLimits = DEFAULT_LIMITS,
     on_info: Callable[[stage_pb2.CallInfo], None] | None = None,
     on_header: Callable[[wire_pb2.FrameHeader], None] | None = None,
+    timeouts: ReadTimeouts | None = None,
+    cancel: Callable[[], None] | None = None,
 ) -> Incoming:
     """Reads a whole stream; raises WireError naming the field on anything malformed or out of bounds.
 
     `on_info` sees the call info as soon as the first item is in, before any more of the stream is read: it
     raises to refuse the call, so a call the stage would refuse costs one item, not the whole stream.
     `on_header` likewise sees the frame header (checked against `limits`) before any body byte is kept.
+    With `timeouts` and `cancel` (the call's `context.cancel`), a stream that stalls past its deadlines is
+    cancelled and StreamTimeout raised; the time `on_info` and `on_header` take (the server's own waits) does
+    not count. Sample ids are checked (`check_sample_ids`) before the message is returned.
     """
+    if timeouts is None or cancel is None:
+        return _read(iter(items), limits, on_info, on_header, None)
+    watch = WATCHDOG.watch(cancel, timeouts.item_deadline_s(limits), timeouts.read_deadline_s(limits.max_message_bytes))
+    try:
+        incoming = _read(iter(items), limits, on_info, on_header, (watch, timeouts))
+    except (grpc.RpcError, WireError):
+        if watch.expired is not None:
+            raise StreamTimeout(watch.expired) from None
+        raise
+    finally:
+        WATCHDOG.release(watch)
+    if watch.expired is not None:  # gRPC may end a cancelled stream as if its caller had closed it
+        raise StreamTimeout(watch.expired)
+    return incoming
+
+
+def _server_side(watch: _Watch | None, fn: Callable, arg) -> None:
+    """Runs `fn(arg)`, the server's own work mid-read: its time is added to the stream's read deadline."""
+    if watch is None:
+        fn(arg)
+        return
+    begun = time.monotonic()
+    watch.read_due = float("inf")
+    try:
+        fn(arg)
+    finally:
+        watch.paused_s += time.monotonic() - begun
+        watch.read_due = watch.started + watch.read_s + watch.paused_s
+
+
+def _read(items: Iterator, limits: WireLimits, on_info, on_header, watched) -> Incoming:
     incoming: Incoming | None = None
     unframer = Unframer(limits)
-    for item in items:
+    watch, timeouts = watched if watched is not None else (None, None)
+    while True:
+        if watch is not None:
+            watch.item_due = time.monotonic() + watch.item_s
+        try:
+            item = next(items)
+        except StopIteration:
+            break
+        if watch is not None:
+            watch.item_due = float("inf")
         if incoming is None:
             if not item.HasField("info"):
                 raise WireError("info", "the first item of a stream must carry the call info")
             incoming = Incoming(info=item.info)
             if on_info is not None:
-                on_info(item.info)
+                _server_side(watch, on_info, item.info)
         elif item.HasField("info"):
             raise WireError("info", "call info repeated within a stream")
         if item.HasField("tokens"):
@@ -220,8 +376,17 @@ def read_stream(
             if incoming.message is not None or incoming.tokens is not None:
                 raise WireError("chunk", "data after the end of the message")
             before = unframer.received_bytes
-            if on_header is not None and unframer.header is None and item.chunk.HasField("header"):
-                on_header(unframer.check_header(item.chunk.header))
+            if (
+                (on_header is not None or watch is not None)
+                and unframer.header is None
+                and item.chunk.HasField("header")
+            ):
+                header = unframer.check_header(item.chunk.header)
+                if watch is not None:  # the declared body sets the read deadline
+                    watch.read_s = timeouts.read_deadline_s(header.body_bytes)
+                    watch.read_due = watch.started + watch.read_s + watch.paused_s
+                if on_header is not None:
+                    _server_side(watch, on_header, header)
             incoming.message = unframer.feed(item.chunk)  # checks the header's sizes before the body arrives
             data_len = unframer.received_bytes - before  # len(item.chunk.data) would copy the data once more
         incoming.wire_bytes += item_nbytes(item, data_len)
@@ -231,6 +396,10 @@ def read_stream(
         raise WireError("stream", "empty stream")
     if unframer.header is not None and incoming.message is None:
         raise WireError("chunk", "the stream ended before the message was complete")
+    if incoming.message is not None:
+        check_sample_ids(incoming.message.sample_ids, "sample_ids")
+    if incoming.tokens is not None:
+        check_sample_ids(incoming.tokens.sample_ids, "tokens.sample_ids")
     return incoming
 
 

@@ -3,8 +3,9 @@
 Every stage port is reachable by strangers, and even a caller the plan names may misbehave, so nothing a call
 asks for is granted beyond these bounds: rows per micro-batch and micro-batches per step (hence the size of
 every message and of the label table), how long a call may hold a schedule turn, how many data streams are
-read at once, how long an open step may sit idle, and what link probes may cost. A call past a bound is
-refused by name (`BudgetError`, RESOURCE_EXHAUSTED or INVALID_ARGUMENT) before it changes any state.
+read at once and by whom, how long a stream may take to arrive, how long an open step may sit idle, and what link
+probes may cost. A call past a bound is refused by name (`BudgetError`, RESOURCE_EXHAUSTED or INVALID_ARGUMENT)
+before it changes any state.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 import grpc
 
 from swarm.compression import WireLimits
-from swarm.net.stream import CallRefused
+from swarm.net.stream import CallRefused, ReadTimeouts
 from swarm.runtime.messages import CallInfo
 
-__all__ = ["MAX_STEP", "CallSlots", "SlotsExhausted", "StageBudget"]
+__all__ = ["MAX_STEP", "CallSlots", "CallerSlots", "SlotsExhausted", "StageBudget"]
 
 MAX_STEP = 1 << 53
 """Step numbers stay below this (exact as floats in every metric and log)."""
@@ -47,6 +48,21 @@ class StageBudget:
     data_calls: int = 24
     """Forward/Backward/PutLabels/GetState calls served at once; more are refused at once, so the server's
     other threads stay free for control calls (Status, Probe, Grads, Step)"""
+    caller_data_calls: int = 0
+    """most data calls one caller (an authenticated peer id) holds at once; 0: `max_micro_batches` + 4, what a
+    trainer sending a whole step at once needs (at most `data_calls`)"""
+    reserved_data_calls: int = 2
+    """data slots held back for each plan peer that may send data to this stage (the neighbouring stages'
+    replicas, this stage's other replicas, the named trainers at an end stage) while it holds fewer: whoever else
+    holds slots, each of them finds this many (together at most `data_calls` minus one caller's cap)"""
+    min_link_rate_bytes_per_s: float = 125_000.0
+    """the slowest link a caller may stream over (1 Mbit/s): read deadlines give every item and message the
+    wire limits admit the time it takes at this rate"""
+    item_timeout_s: float = 10.0
+    """a stream's next item arrives within this, plus the largest chunk's bytes at `min_link_rate_bytes_per_s`,
+    or the call is cancelled and its slot freed (the server's own waits, for a large-stream slot, do not count)"""
+    read_timeout_s: float = 30.0
+    """a whole stream arrives within this, plus its declared body's bytes at `min_link_rate_bytes_per_s`"""
     large_streams: int = 4
     """data streams larger than `large_stream_bytes` read and decoded at once (each is held in memory whole;
     another waits for a slot, at most `max_wait_s`)"""
@@ -63,9 +79,24 @@ class StageBudget:
         for name in ("max_batch", "max_micro_batches", "data_calls", "large_streams", "probe_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StageBudget.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_wait_s", "stale_step_s", "orphan_step_s"):
+        for name in ("caller_data_calls", "reserved_data_calls"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StageBudget.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_wait_s", "stale_step_s", "orphan_step_s", "min_link_rate_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StageBudget.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("item_timeout_s", "read_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"StageBudget.{name} must be a finite number > 0, got {getattr(self, name)}")
+
+    @property
+    def caller_cap(self) -> int:
+        """Data calls one caller may hold at once (`caller_data_calls`, its default filled in)."""
+        return min(self.data_calls, self.caller_data_calls or self.max_micro_batches + 4)
+
+    def read_timeouts(self) -> ReadTimeouts:
+        """The deadlines a data stream is read under (`swarm.net.stream.read_stream`)."""
+        return ReadTimeouts(self.item_timeout_s, self.read_timeout_s, self.min_link_rate_bytes_per_s)
 
     def check_info(self, info: CallInfo) -> None:
         """Refuses call info past these bounds (INVALID_ARGUMENT naming the field); changes nothing."""
@@ -132,3 +163,62 @@ class CallSlots:
             yield
         finally:
             self._free.release()
+
+
+class CallerSlots:
+    """At most `n` calls of one kind at once, at most `per_caller` of them from one caller, and `reserved` slots
+    held back for each of the callers the plan names (`named`) that holds fewer: a caller that fills its share
+    cannot take the last slots from the plan's other peers. `take()` never waits.
+
+    The reserve owed to the named callers counts at most `n - per_caller` slots, so a caller alone can always
+    reach its cap. Calls without a caller (authentication off) share the `n` slots alone."""
+
+    def __init__(self, n: int, what: str, per_caller: int, reserved: int = 0):
+        self.n, self.what, self.per_caller, self.reserved = n, what, min(per_caller, n), reserved
+        self._lock = threading.Lock()
+        self._held: dict[str | None, int] = {}
+        self._total = 0
+
+    def held(self, caller: str | None) -> int:
+        """Slots `caller` holds now."""
+        return self._held.get(caller, 0)
+
+    def _refusal(self, caller: str | None, named: frozenset[str]) -> str | None:
+        free = self.n - self._total
+        if free < 1:
+            return f"{self.n} {self.what} calls are being served already; retry later"
+        if caller is None:
+            return None
+        mine = self._held.get(caller, 0)
+        if mine >= self.per_caller:
+            return f"{caller} holds {mine} {self.what} calls already, its share of {self.n}; retry later"
+        if mine < self.reserved and caller in named:
+            return None  # its reserve
+        owed = sum(max(0, self.reserved - self._held.get(p, 0)) for p in named if p != caller)
+        owed = min(owed, self.n - self.per_caller)
+        if free - 1 < owed:
+            return (
+                f"the last {free} of {self.n} {self.what} slots are held back for the plan's other peers "
+                f"({caller} holds {mine}); retry later"
+            )
+        return None
+
+    @contextmanager
+    def take(self, caller: str | None = None, named: frozenset[str] = frozenset()):
+        """Holds a slot for `caller` for the body; raises SlotsExhausted naming the rule if it may not take one."""
+        with self._lock:
+            problem = self._refusal(caller, named)
+            if problem is not None:
+                raise SlotsExhausted(problem)
+            self._held[caller] = self._held.get(caller, 0) + 1
+            self._total += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._total -= 1
+                left = self._held[caller] - 1
+                if left:
+                    self._held[caller] = left
+                else:
+                    del self._held[caller]

@@ -277,6 +277,33 @@ class StageHost:
             if list(call.message.shape) != list(saved):
                 raise WireError("shape", f"{list(call.message.shape)} is not the activation's {list(saved)}")
 
+    # ---- admitted, not yet run: what a call holds in the AQ-SGD buffers ------------------------------------
+
+    def _recv_store(self, kind: Kind):
+        end = self.links.forward_recv if kind == Kind.FORWARD else self.links.backward_recv
+        return end.buffers
+
+    def fresh_ids(self, call: StageCall, kind: Kind) -> list[int]:
+        """The sample ids an admitted call's message would newly buffer at this stage's receiving end (its first
+        sights; none for codecs without buffers): what `release_fresh` gives back if the call never runs."""
+        store = self._recv_store(kind)
+        if store is None or call.message is None or (kind == Kind.FORWARD and self.role.is_first):
+            return []
+        return [int(i) for i in call.message.sample_ids if int(i) not in store]
+
+    def release_fresh(self, call: StageCall, kind: Kind, ids: list[int]) -> None:
+        """Forgets `ids` again (`fresh_ids`, buffered by this call's decode) when the call's turn never came: its
+        step will be retried or abandoned anyway (which would undo them then), and meanwhile a stream of calls
+        that never run cannot grow the buffers past what the calls in flight hold. An id another call of the
+        step buffered meanwhile is forgotten too: the next sight of it is then a miss, which the sender answers
+        by resending it in full (never an error)."""
+        store = self._recv_store(kind)
+        if store is None or not ids:
+            return
+        with self.links.lock:
+            if self.open_step == call.info.step:
+                store.forget(ids)
+
     # ---- one micro-batch: forward and backward -------------------------------------------------------------
 
     def decode(self, call: StageCall, kind: Kind) -> torch.Tensor:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from swarm.compression import BufferMissError, CodecConfig, WireError, WireLimits, frame, make_codec
-from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, read_stream
+from swarm.net.stream import BUFFER_MISS, PLAN_MISMATCH, CallRefused, StageCallError, StreamTimeout, read_stream
 from swarm.proto import stage_pb2, stage_pb2_grpc
-from swarm.runtime.budget import CallSlots, SlotsExhausted, StageBudget
+from swarm.runtime.budget import CallerSlots, CallSlots, SlotsExhausted, StageBudget
 from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
 from swarm.runtime.checkpoint import handover_tensors
 from swarm.runtime.gate import GateError
@@ -56,8 +56,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._next_roster_fetch = 0.0
         self._roster_fetch = threading.Lock()
         self.budget = budget or (host.budget if host is not None else StageBudget())
-        self._data_slots = CallSlots(self.budget.data_calls, "data")
-        """Data calls held at once: past it they are refused at once, so control calls always find a thread."""
+        self._data_slots = CallerSlots(
+            self.budget.data_calls, "data", self.budget.caller_cap, self.budget.reserved_data_calls
+        )
+        """Data calls held at once, and by one caller: past it they are refused at once, so control calls always
+        find a thread and the plan's peers a data slot (`_named_senders`)."""
+        self._named: tuple[object, int, frozenset[str]] = (None, -1, frozenset())
+        """(roster, stage, the plan peers it names as this stage's data senders), cached per roster and stage"""
+        self._calling = threading.local()
+        """The caller of the call this thread serves (for the one line a cancelled or stalled call logs)."""
         self._large_slots = CallSlots(self.budget.large_streams, "large stream")
         """Messages over `large_stream_bytes` read at once: what a flood of big streams may hold in memory."""
         self._probe_slots = CallSlots(self.budget.probe_calls, "link probe")
@@ -100,6 +107,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def _caller(self, context: grpc.ServicerContext) -> str | None:
         """The calling peer's id from the call's token (None with authentication off); reads only metadata."""
+        self._calling.caller = None
         if self.verifier is None:
             return None
         from swarm.net.auth import AuthError
@@ -108,6 +116,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             caller = self.verifier.caller(context.invocation_metadata())
         except AuthError as e:
             raise CallRefused(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}") from None
+        self._calling.caller = caller
         self._fetch_roster()
         return caller
 
@@ -143,6 +152,37 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             context.abort(e.code, e.details)
 
     # ---- admission ------------------------------------------------------------------------------------------
+
+    def _named_senders(self) -> frozenset[str]:
+        """The plan peers that may send this stage data calls: its neighbouring stages' replicas, its own other
+        replicas (Average), and the named trainers at an end stage. Each finds `reserved_data_calls` slots."""
+        roster, host = self.policy.roster, self.host
+        if roster is None or host is None:
+            return frozenset()
+        stage = host.role.stage
+        cached_roster, cached_stage, named = self._named
+        if cached_roster is roster and cached_stage == stage:
+            return named
+        last = roster.n_stages - 1
+        peers: set[str] = set()
+        for s in (stage - 1, stage, stage + 1):
+            if 0 <= s <= last:
+                peers.update(roster.replicas(s))
+        if stage in (0, last) and roster.trainers is not None:
+            peers.update(roster.trainers)
+        peers.discard(host.peer_id)
+        named = frozenset(peers)
+        self._named = (roster, stage, named)
+        return named
+
+    def _data_slot(self, caller: str | None):
+        """One data slot for `caller` (`CallerSlots`): SlotsExhausted past the total, its share, or the reserve."""
+        return self._data_slots.take(caller, self._named_senders())
+
+    def _read(self, request_iterator, context, limits: WireLimits, **hooks):
+        """`read_stream` under the budget's read deadlines: a stalled stream is cancelled (StreamTimeout)."""
+        cancel = getattr(context, "cancel", None)  # in-process calls (LocalNetwork) cannot stall
+        return read_stream(request_iterator, limits, timeouts=self.budget.read_timeouts(), cancel=cancel, **hooks)
 
     def _check_info(
         self, wire: stage_pb2.CallInfo, caller: str | None, method: str | None = None
@@ -183,7 +223,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     self.host.gate.wake()
 
             context.add_callback(on_end)
-            with self._data_slots.take(), contextlib.ExitStack() as reading:
+            with self._data_slot(caller), contextlib.ExitStack() as reading:
 
                 def on_header(header) -> None:  # a large message is read and decoded in a slot of its own
                     if header.body_bytes > self.budget.large_stream_bytes:
@@ -196,14 +236,19 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     carried.append(len(wire.route) > 0)
                     infos.append(self._check_info(wire, caller, method)[1])
 
-                read = read_stream(request_iterator, self._limits(), on_info=on_info, on_header=on_header)
+                read = self._read(request_iterator, context, self._limits(), on_info=on_info, on_header=on_header)
                 call = StageCall(infos[0], read.message, read.tokens)
                 host = self._admit(call.info, call, kind, caller, method)
+                fresh = host.fresh_ids(call, kind)  # first sights this call buffers: given back if it never runs
                 try:
                     inputs = host.decode(call, kind)
                     reading.close()  # decoded: the slot is free before the call waits for its turn
                     forward = kind == Kind.FORWARD
-                    reply = host.forward(call, inputs, gone) if forward else host.backward(call, inputs, gone)
+                    try:
+                        reply = host.forward(call, inputs, gone) if forward else host.backward(call, inputs, gone)
+                    except GateError:  # its turn never came: it ran nothing
+                        host.release_fresh(call, kind, fresh)
+                        raise
                     # this stage's own answer (a Forward's reply may be the next stage's, which said its own)
                     reply.plan_route = carried[0] and plan_gives_route(
                         call.info, self.policy.roster, host.role, host.peer_id
@@ -254,19 +299,36 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return self.when_idle(change, timeout_s)
 
     def _guard(self, context: grpc.ServicerContext, fn):
-        """Runs `fn`, turning every failure into a gRPC error that names the problem; the peer keeps serving."""
+        """Runs `fn`, turning every failure into a gRPC error that names the problem; the peer keeps serving.
+
+        A stream its caller cancelled, or that stalled past its read deadline (and was cancelled here), costs one
+        log line naming the caller (INFO, WARNING): never a traceback, which any caller could otherwise write."""
         host = self.host
         if host is None:
             refused = self._not_serving()
             context.abort(refused.code, refused.details)
+        self._calling.caller = None
         try:
             return fn()
+        except StreamTimeout as e:
+            log.warning("stage %d: cancelled a stream from %s: %s", host.role.stage, self._who(context), e)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {host.role.stage}: {e}")
+        except grpc.RpcError as e:
+            if getattr(context, "is_active", lambda: True)():  # a call of ours failed: not the caller's doing
+                log.exception("stage %d: unexpected failure", host.role.stage)
+                context.abort(grpc.StatusCode.INTERNAL, f"stage {host.role.stage} failed: {type(e).__name__}: {e}")
+            log.info(
+                "stage %d: the call from %s was cancelled by its caller",
+                host.role.stage,
+                self._who(context),
+            )
+            raise  # gRPC knows this error as its own: the call is over, nothing more is logged
         except CallRefused as e:
             context.abort(e.code, e.details)
         except BufferMissError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{BUFFER_MISS} {e}")
-        except WireError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
+        except WireError as e:  # the sender named: a neighbour's bad message reaches the trainer through the chain
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message from {self._who(context)}: {e}")
         except GateError as e:
             context.abort(grpc.StatusCode.ABORTED, f"schedule: {e}")
         except SlotsExhausted as e:
@@ -280,6 +342,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             stage = f"stage {host.role.stage} (peer {host.peer_id})"
             context.abort(grpc.StatusCode.INTERNAL, f"{stage} failed: {type(e).__name__}: {e}")
 
+    def _who(self, context: grpc.ServicerContext) -> str:
+        """The caller of this thread's call: its peer id if authenticated, else its address."""
+        caller = self._calling.__dict__.get("caller")
+        if caller is not None:
+            return f"peer {caller}"
+        return f"{getattr(context, 'peer', lambda: 'an unknown caller')()} (not authenticated)"
+
     def Forward(self, request_iterator, context):
         return self._stream_call(request_iterator, context, Kind.FORWARD)
 
@@ -289,7 +358,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def PutLabels(self, request, context):
         def run():
             caller = self._sender(context, "PutLabels")
-            with self._data_slots.take():
+            with self._data_slot(caller):
                 host, info = self._check_info(request.info, caller)
                 targets = host.check_labels(info, request.labels, request.micro_rows)
                 host = self._admit(info, None, None, caller)
@@ -354,13 +423,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 sender.append(caller if caller is not None else f"#{info.micro_batch}")
                 host.averager.check_average(info, sender[0])
 
-            with self._data_slots.take(), contextlib.ExitStack() as reading:
+            with self._data_slot(caller), contextlib.ExitStack() as reading:
 
                 def on_header(header) -> None:
                     if header.body_bytes > self.budget.large_stream_bytes:
                         reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
 
-                read = read_stream(request_iterator, host.averager.limits, on_info=on_info, on_header=on_header)
+                read = self._read(request_iterator, context, host.averager.limits, on_info=on_info, on_header=on_header)
                 host.averager.receive(StageCall(infos[0], read.message), sender[0])
             return stage_pb2.Traffic(wire_bytes=read.wire_bytes)
 
@@ -377,11 +446,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._checked(context, None)
         try:
             with self._probe_slots.take():
-                call = read_stream(request_iterator, self.budget.sink_limits())
+                call = self._read(request_iterator, context, self.budget.sink_limits())
         except SlotsExhausted as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except CallRefused as e:  # the first item's proof (bind_calls)
             context.abort(e.code, e.details)
+        except StreamTimeout as e:  # a stalled probe gives its slot back like a stalled data stream
+            log.warning("cancelled a link probe from %s: %s", self._who(context), e)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message: {e}")
         return stage_pb2.Traffic(wire_bytes=call.wire_bytes)
@@ -421,7 +493,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         host = wanted[0]
         with contextlib.ExitStack() as held:  # the slot is held until the last item is sent
             try:
-                held.enter_context(self._data_slots.take())
+                held.enter_context(self._data_slot(self._calling.__dict__.get("caller")))
             except SlotsExhausted as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             with host.compute_lock:
