@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from swarm.net.auth import CallSigner, Identity
-from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Standing, Tunnels
+from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Standing, Tunnels, relay_metadata
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from tests.unit.net.test_relay import IDS, EchoStage, probe, relay_servicer, serve, signer
 
@@ -30,11 +30,14 @@ class HeldConnect:
     def __init__(self, channel: grpc.Channel, who: CallSigner, target: str):
         self._release = threading.Event()
 
+        first = stage_pb2.RelayFrame(target=target)
+
         def frames():
-            yield stage_pb2.RelayFrame(target=target)
+            yield first
             self._release.wait(60)
 
-        self.call = stage_pb2_grpc.RelayStub(channel).Connect(frames(), metadata=who.metadata(RELAY), timeout=60)
+        metadata = relay_metadata(who, RELAY, "Connect", first)
+        self.call = stage_pb2_grpc.RelayStub(channel).Connect(frames(), metadata=metadata, timeout=60)
 
     def outcome(self) -> tuple[str, str]:
         """("admitted", "") or (status code name, details)."""
