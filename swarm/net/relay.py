@@ -9,6 +9,9 @@ to end, unchanged, inside the tunnel: C's calls stay signed for P and are checke
 can neither read as calls nor forge. When C is R itself (P's pipeline neighbour is its relay), the tunnel
 opens the pipe inside R's process: the reverse connection, no extra hop.
 
+Every relay call (Attach, Connect, Accept, DialBack, Echo, and the data port's hello) carries a proof of itself
+beside its token (`relay_metadata`: method, its request or first frame, a nonce, the time; `swarm.net.auth`),
+checked by R's `CallVerifier` before the call changes anything: a captured call is served once, as itself only.
 Bounds (`RelayLimits`): attached peers, connections per caller (to one peer and in all), per attached peer and
 in all, bytes per frame, how long P may take to accept. Only P can attach as P (the Attach is signed by P's key)
 and only while the run vouches for it (`may_attach` answers its `Standing`: P announces R as its relay, or the
