@@ -17,6 +17,7 @@ whether the honest peer still gets in. In the JSON under "floods".
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import statistics
@@ -80,11 +81,19 @@ def _serve(role: str, conn, relays: list[tuple[str, str]]) -> None:
         relay.listen_raw("127.0.0.1")
         stage_pb2_grpc.add_RelayServicer_to_server(relay, server)
     else:
-        verifier = CallVerifier(me)
+        import grpc
+
+        from swarm.net.auth import AuthError
+        from swarm.net.connect import method_path
+
+        verifier, path = CallVerifier(me), method_path("Probe")
 
         class Stage(stage_pb2_grpc.StageServicer):
-            def Probe(self, request, context):
-                verifier.caller(context.invocation_metadata())
+            def Probe(self, request, context):  # checked as a stage checks its calls: token and this call's proof
+                try:
+                    verifier.call(context.invocation_metadata(), path, request)
+                except AuthError as e:
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
                 return stage_pb2.ProbeReply(payload=b"x" * request.reply_bytes)
 
         stage_pb2_grpc.add_StageServicer_to_server(Stage(), server)
@@ -103,14 +112,16 @@ def _serve(role: str, conn, relays: list[tuple[str, str]]) -> None:
     server.stop(grace=None)
 
 
-def _time(stub, metadata, payload: bytes, calls: int, reply_bytes: int = 16) -> list[float]:
+def _time(stub, sign, payload: bytes, calls: int, reply_bytes: int = 16) -> list[float]:
+    """Times of `calls` Probes, each signed for itself by `sign(request)` (a call's proof is good once), the
+    signing included as a real call's is."""
     from swarm.proto import stage_pb2
 
     request = stage_pb2.ProbeRequest(payload=payload, reply_bytes=reply_bytes)
     out = []
     for _ in range(calls):
         started = time.perf_counter()
-        stub.Probe(request, timeout=60, metadata=metadata)
+        stub.Probe(request, timeout=60, metadata=sign(request))
         out.append(time.perf_counter() - started)
     return out
 
@@ -120,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from swarm.net.auth import CallSigner, CallVerifier, Identity
+    from swarm.net.connect import method_path
     from swarm.net.relay import RelayRoute, RelayServicer, Tunnels
     from swarm.peers.transport import TransportConfig, make_server
     from swarm.proto import stage_pb2_grpc
@@ -165,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         for name in PATHS:  # warm up: connect, first token check
             address, peer_id = targets[name]
             channels[name] = grpc.insecure_channel(address, options=options)
-            stubs[name] = (stage_pb2_grpc.StageStub(channels[name]), signer.metadata(peer_id))
+            sign = functools.partial(signer.metadata, peer_id, method_path("Probe"))
+            stubs[name] = (stage_pb2_grpc.StageStub(channels[name]), sign)
             _time(*stubs[name], small, 5)
         for _ in range(bench.rounds):
             for name in PATHS:

@@ -92,14 +92,20 @@ def _server(*servicers, workers: int):
 
 
 def _echo_stage(peer_id: str):
-    from swarm.net.auth import CallVerifier
+    import grpc
+
+    from swarm.net.auth import AuthError, CallVerifier
+    from swarm.net.connect import method_path
     from swarm.proto import stage_pb2, stage_pb2_grpc
 
-    verifier = CallVerifier(peer_id)
+    verifier, path = CallVerifier(peer_id), method_path("Probe")
 
     class Echo(stage_pb2_grpc.StageServicer):
-        def Probe(self, request, context):
-            verifier.caller(context.invocation_metadata())
+        def Probe(self, request, context):  # checked as a stage checks its calls: token and this call's proof
+            try:
+                verifier.call(context.invocation_metadata(), path, request)
+            except AuthError as e:
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
             return stage_pb2.ProbeReply(payload=bytes(request.payload))
 
     return Echo()
@@ -109,7 +115,8 @@ def connect_fill() -> dict:
     import grpc
 
     from swarm.net.auth import CallSigner, CallVerifier, Identity
-    from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Tunnels
+    from swarm.net.connect import method_path
+    from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Tunnels, relay_metadata
     from swarm.proto import stage_pb2, stage_pb2_grpc
 
     relay_id, peer, trainer = Identity.generate(), Identity.generate(), Identity.generate()
@@ -129,9 +136,10 @@ def connect_fill() -> dict:
         channel = grpc.insecure_channel(relay_address)
         try:
             with _Peak() as peak:
+                first = stage_pb2.RelayFrame(target=peer.peer_id)
 
                 def frames():
-                    yield stage_pb2.RelayFrame(target=peer.peer_id)
+                    yield first
                     release.wait(60)
 
                 admitted = 0
@@ -139,7 +147,7 @@ def connect_fill() -> dict:
                     for _ in range(4):
                         calls.append(
                             stage_pb2_grpc.RelayStub(channel).Connect(
-                                frames(), metadata=who.metadata(relay_id.peer_id), timeout=60
+                                frames(), metadata=relay_metadata(who, relay_id.peer_id, "Connect", first), timeout=60
                             )
                         )
                         try:
@@ -151,10 +159,9 @@ def connect_fill() -> dict:
                 tunnels = Tunnels(CallSigner(trainer), lambda a: route)
                 try:
                     with grpc.insecure_channel(tunnels.dial("p:1")) as ch:
-                        reply = stage_pb2_grpc.StageStub(ch).Probe(
-                            stage_pb2.ProbeRequest(payload=b"step"), timeout=10,
-                            metadata=CallSigner(trainer).metadata(peer.peer_id),
-                        )  # fmt: skip
+                        step = stage_pb2.ProbeRequest(payload=b"step")
+                        md = CallSigner(trainer).metadata(peer.peer_id, method_path("Probe"), step)
+                        reply = stage_pb2_grpc.StageStub(ch).Probe(step, timeout=10, metadata=md)
                     trainer_ok = reply.payload == b"step"
                 except grpc.RpcError:
                     trainer_ok = False

@@ -50,6 +50,7 @@ from swarm.peers.dht import load_or_create_key, peer_id_of
 __all__ = [
     "CLOCK_SKEW_S",
     "FRESH_S",
+    "PROOF_BYTES",
     "PROOF_KEY",
     "TOKEN_KEY",
     "AuthError",
@@ -86,6 +87,8 @@ them are refused, so a flood narrows the window a call may take but never lets a
 _HEAD = struct.Struct("!4sH")
 _TIMES = struct.Struct("!dd")
 _PROOF = struct.Struct("!4s16sd64s")
+PROOF_BYTES = _PROOF.size
+"""Length of a call proof (92 bytes): a relay's data port reads one from a hello (`swarm.net.splice`)."""
 _PROOF_CONTEXT = b"swarm call proof v1\0"
 _DELEGATE_BYTES = 32
 
@@ -221,8 +224,8 @@ class CallSigner:
     ) -> tuple[tuple[str, bytes], ...]:
         """The gRPC metadata of a call to `audience_peer_id`: the cached token (re-signed at half its life), and
         with `method` (the call's path, "/swarm.Stage/Step") a fresh proof of this one call over `fields` (its
-        request, or its stream's first item; see `call_digest`). A stage refuses a call without its proof; the
-        relay's own calls (Attach, Connect, the data port's hello) carry the token alone."""
+        request, or its stream's first item; see `call_digest`). A stage and a relay refuse a call without its
+        proof."""
         md, delegate = self._cached(audience_peer_id)
         if method is None:
             return md
@@ -394,8 +397,8 @@ class CallVerifier:
         self._lock = threading.Lock()
 
     def caller(self, metadata: Iterable[tuple[str, str | bytes]] | None, now: float | None = None) -> str:
-        """The caller's peer id from a call's token alone (the relay's calls, the data port's hello; stage calls
-        use `call`); raises AuthError naming what is wrong."""
+        """The caller's peer id from a call's token alone (a call served by token alone could be replayed: stage
+        and relay calls use `call`); raises AuthError naming what is wrong."""
         return self._verified(self._token(metadata), time.time() if now is None else now).caller
 
     def call(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from swarm.net.relay import RelayError
+from swarm.net.relay import RelayError, relay_metadata
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
 if TYPE_CHECKING:
@@ -149,10 +149,9 @@ class DialBackHelper:
         try:
             channel = self.channel(address)
             try:
-                metadata = self.signer.metadata(caller) if self.signer is not None else ()
-                stage_pb2_grpc.RelayStub(channel).Echo(
-                    stage_pb2.EchoRequest(nonce=nonce), timeout=self.timeout_s, metadata=metadata
-                )
+                request = stage_pb2.EchoRequest(nonce=nonce)
+                metadata = relay_metadata(self.signer, caller, "Echo", request)
+                stage_pb2_grpc.RelayStub(channel).Echo(request, timeout=self.timeout_s, metadata=metadata)
             except grpc.RpcError:
                 pass  # the asker's Echo saw nothing: that is its answer
             finally:
@@ -186,11 +185,10 @@ def check_reachable(
         nonce = nonces.issue()
         ch = channel(address)
         try:
-            metadata = signer.metadata(helper_id) if signer is not None else ()
+            request = stage_pb2.DialBackRequest(nonce=nonce)
+            metadata = relay_metadata(signer, helper_id, "DialBack", request)
             started = time.monotonic()
-            stage_pb2_grpc.RelayStub(ch).DialBack(
-                stage_pb2.DialBackRequest(nonce=nonce), timeout=timeout_s, metadata=metadata
-            )
+            stage_pb2_grpc.RelayStub(ch).DialBack(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError:
             return None  # that helper cannot tell
         finally:

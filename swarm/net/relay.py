@@ -9,6 +9,9 @@ to end, unchanged, inside the tunnel: C's calls stay signed for P and are checke
 can neither read as calls nor forge. When C is R itself (P's pipeline neighbour is its relay), the tunnel
 opens the pipe inside R's process: the reverse connection, no extra hop.
 
+Every relay call (Attach, Connect, Accept, DialBack, Echo, and the data port's hello) carries a proof of itself
+beside its token (`relay_metadata`: method, its request or first frame, a nonce, the time; `swarm.net.auth`),
+checked by R's `CallVerifier` before the call changes anything: a captured call is served once, as itself only.
 Bounds (`RelayLimits`): attached peers, connections per caller (to one peer and in all), per attached peer and
 in all, bytes per frame, how long P may take to accept. Only P can attach as P (the Attach is signed by P's key)
 and only while the run vouches for it (`may_attach` answers its `Standing`: P announces R as its relay, or the
@@ -46,6 +49,8 @@ from swarm.net.tunnel import (
     Tunnels,
     _drain,
     _socket_frames,
+    relay_metadata,
+    relay_path,
 )
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
@@ -55,7 +60,10 @@ if TYPE_CHECKING:
     from swarm.net.reach import DialBackHelper, NonceBook
     from swarm.peers.shaper import LinkShaping
 
-__all__ = ["Attachment", "RelayError", "RelayLimits", "RelayRoute", "RelayServicer", "Standing", "Tunnels"]
+__all__ = [
+    "Attachment", "RelayError", "RelayLimits", "RelayRoute", "RelayServicer", "Standing", "Tunnels", "relay_metadata",
+    "relay_path",
+]  # fmt: skip
 
 log = logging.getLogger("swarm.relay")
 
@@ -182,15 +190,38 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
 
     # ---- who calls --------------------------------------------------------------------------------------
 
-    def _caller(self, context) -> str:
+    def _caller(self, context, method: str, fields=None) -> str:
+        """The caller of this call of `method` once its token verifies and its proof signs this relay, the method
+        and `fields` (a unary call's request; None for an Attach, whose stream carries nothing to sign) with a
+        nonce this relay has not seen: else the call ends UNAUTHENTICATED before it changes anything."""
         from swarm.net.auth import AuthError
 
         if self.verifier is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this relay serves authenticated peers only")
         try:
-            return self.verifier.caller(context.invocation_metadata())
+            return self.verifier.call(context.invocation_metadata(), relay_path(method), fields)
         except AuthError as e:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
+
+    def _first(self, request_iterator, context, method: str):
+        """(caller, first frame) of a Connect or an Accept: the token and the proof's form and age are checked
+        from the metadata before the stream is read (a stranger's stream costs no read), the proof against the
+        first frame once it came; refused: UNAUTHENTICATED. The first frame is None when the stream had none."""
+        from swarm.net.auth import AuthError
+
+        if self.verifier is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this relay serves authenticated peers only")
+        try:
+            pending = self.verifier.pending(context.invocation_metadata(), relay_path(method))
+        except AuthError as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
+        first = next(request_iterator, None)
+        if first is None:
+            return pending.caller, None
+        try:
+            return pending.check(first), first
+        except AuthError as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
 
     def attached(self) -> list[str]:
         with self._lock:
@@ -204,7 +235,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
     # ---- reachability (swarm.net.reach) -----------------------------------------------------------------
 
     def DialBack(self, request, context):
-        caller = self._caller(context)
+        caller = self._caller(context, "DialBack", request)
         if self.dial_back is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this peer does not dial back")
         try:
@@ -214,7 +245,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         return stage_pb2.DialBackReply(reached=reached, detail=detail)
 
     def Echo(self, request, context):
-        self._caller(context)
+        self._caller(context, "Echo", request)
         known = self.nonces is not None and self.nonces.seen(bytes(request.nonce))
         return stage_pb2.EchoReply(known=known)
 
@@ -247,7 +278,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
         return entry, old, victim
 
     def Attach(self, request_iterator, context):
-        caller = self._caller(context)
+        caller = self._caller(context, "Attach")
         if not self.serve_relay:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer does not relay (--no-relay)")
         standing = Standing(int(self.may_attach(caller)))
@@ -466,8 +497,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                     del self._waiting_by[caller]
 
     def Connect(self, request_iterator, context):
-        caller = self._caller(context)
-        first = next(request_iterator, None)
+        caller, first = self._first(request_iterator, context, "Connect")
         if first is None or not first.target or len(first.target) > 64 or first.data:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Connect's first frame names its target, nothing else")
         try:
@@ -509,8 +539,7 @@ class RelayServicer(stage_pb2_grpc.RelayServicer):
                     shut(offer.sock)
 
     def Accept(self, request_iterator, context):
-        caller = self._caller(context)
-        first = next(request_iterator, None)
+        caller, first = self._first(request_iterator, context, "Accept")
         conn_id = 0 if first is None else first.conn_id
         with self._lock:
             pending = self._pending.get(conn_id)

@@ -11,12 +11,15 @@ gRPC port) or refuses it.
 
 The hello, P's first bytes on a fresh connection to R's data port:
 
-    magic b"swsp" | u8 version (1) | u64 conn_id | 16-byte secret | u16 token length | token
+    magic b"swsp" | u8 version (2) | u64 conn_id | 16-byte secret | u16 token length | token | proof
 
-`token` is P's call token for R (swarm.net.auth, the one its Attach carries). R answers one byte (`TAKEN`)
+`token` is P's call token for R (swarm.net.auth, the one its Attach carries) and `proof` (`PROOF_BYTES`) a call
+proof of this hello: signed over the pseudo-method `HELLO_PATH` and the hello's head (magic to secret), so a
+captured hello cannot be sent again (its nonce) nor its proof serve any call. R answers one byte (`TAKEN`)
 when the hello names a connection R asked P, and only P, to accept and that no Accept or earlier hello took;
-anything else closes the socket without a word. A stranger needs both P's token and a secret R sent only
-over P's Attach. Hellos are read under a deadline and a bound on how many are read at once.
+anything else closes the socket without a word. A stranger needs P's delegate key (a captured token is not
+enough) and a secret R sent only over P's Attach. Hellos are read under a deadline and a bound on how many are
+read at once. A caller C taking the data port R offered on its Connect sends the same hello.
 """
 
 from __future__ import annotations
@@ -29,18 +32,21 @@ import threading
 import time
 from collections.abc import Callable
 
-from swarm.net.auth import MAX_TOKEN_BYTES, TOKEN_KEY, AuthError
+from swarm.net.auth import MAX_TOKEN_BYTES, PROOF_BYTES, PROOF_KEY, TOKEN_KEY, AuthError
 
 __all__ = [
-    "HELLO", "RAW_RETRY_S", "SECRET_BYTES", "TAKEN", "DataPort", "DataPortPaths", "dial_data_port", "hello",
-    "new_secret", "shut", "splice",
+    "HELLO", "HELLO_PATH", "RAW_RETRY_S", "SECRET_BYTES", "TAKEN", "DataPort", "DataPortPaths", "dial_data_port",
+    "hello", "hello_head", "new_secret", "shut", "splice",
 ]  # fmt: skip
 
 log = logging.getLogger("swarm.relay")
 
-MAGIC, VERSION = b"swsp", 1
+MAGIC, VERSION = b"swsp", 2
 HELLO = struct.Struct("!4sBQ16sH")
-"""magic, version, conn_id, secret, token length (the token follows)"""
+"""magic, version, conn_id, secret, token length (the token, then the proof, follow)"""
+_HEAD = struct.Struct("!4sBQ16s")
+HELLO_PATH = "/swarm.Relay/hello"
+"""what a hello's proof signs as its method: no gRPC method has this path"""
 SECRET_BYTES = 16
 TAKEN = b"\x01"
 RAW_RETRY_S = 60.0
@@ -55,10 +61,20 @@ def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
-def hello(conn_id: int, secret: bytes, token: bytes) -> bytes:
-    if len(secret) != SECRET_BYTES or len(token) > MAX_TOKEN_BYTES:
-        raise ValueError("a hello takes a 16-byte secret and a token of at most MAX_TOKEN_BYTES")
-    return HELLO.pack(MAGIC, VERSION, conn_id, secret, len(token)) + token
+def hello_head(conn_id: int, secret: bytes) -> bytes:
+    """The hello's fields its proof signs (magic, version, conn_id, secret)."""
+    return _HEAD.pack(MAGIC, VERSION, conn_id, secret)
+
+
+def hello(conn_id: int, secret: bytes, signer, audience: str) -> bytes:
+    """The hello of connection `conn_id` to the relay `audience`, signed by `signer` (a `CallSigner`)."""
+    if len(secret) != SECRET_BYTES:
+        raise ValueError("a hello takes a 16-byte secret")
+    md = dict(signer.metadata(audience, HELLO_PATH, hello_head(conn_id, secret)))
+    token, proof = md[TOKEN_KEY], md[PROOF_KEY]
+    if len(token) > MAX_TOKEN_BYTES:
+        raise ValueError("a hello takes a token of at most MAX_TOKEN_BYTES")
+    return HELLO.pack(MAGIC, VERSION, conn_id, secret, len(token)) + token + proof
 
 
 def _tune(sock: socket.socket) -> socket.socket:
@@ -172,7 +188,9 @@ class DataPort:
             if magic != MAGIC or version != VERSION or n > MAX_TOKEN_BYTES:
                 raise ValueError("not a hello")
             token = _read_exact(sock, n, deadline)
-            peer = self.verifier.caller([(TOKEN_KEY, token)])
+            proof = _read_exact(sock, PROOF_BYTES, deadline)
+            md = [(TOKEN_KEY, token), (PROOF_KEY, proof)]
+            peer = self.verifier.call(md, HELLO_PATH, hello_head(conn_id, secret))
             sock.settimeout(None)
             taken = self.take(conn_id, secret, peer, _tune(sock))
         except (OSError, ValueError, struct.error, AuthError) as e:
@@ -187,16 +205,16 @@ class DataPort:
         shut(self._sock)
 
 
-def dial_data_port(host: str, port: int, conn_id: int, secret: bytes, token: bytes, timeout_s: float):
-    """The attached peer's side: a connection to the relay's data port that the relay took for `conn_id`, or
-    None (unreachable, refused, or no answer within `timeout_s`)."""
+def dial_data_port(host: str, port: int, conn_id: int, secret: bytes, signer, audience: str, timeout_s: float):
+    """A tunnel end's side: a connection to the data port of the relay `audience` that the relay took for
+    `conn_id`, the hello signed by `signer`; or None (unreachable, refused, or no answer within `timeout_s`)."""
     try:
         sock = socket.create_connection((host.strip("[]"), port), timeout=timeout_s)
     except OSError as e:
         log.info("relay data port %s:%d unreachable: %s", host, port, e)
         return None
     try:
-        sock.sendall(hello(conn_id, secret, token))
+        sock.sendall(hello(conn_id, secret, signer, audience))
         if sock.recv(1) != TAKEN:
             raise ConnectionError("refused")
         sock.settimeout(None)
@@ -225,11 +243,15 @@ class DataPortPaths:
     def usable(self, relay_address: str) -> bool:
         return self.enabled and self.failed.get(relay_address, 0) < time.monotonic()
 
-    def dial(self, relay_address: str, port: int, conn_id: int, secret: bytes, metadata) -> socket.socket | None:
-        """A connection the relay at `relay_address` took for `conn_id` on its data `port`, the hello signed by
-        the call token in `metadata` (the one the end's calls to that relay carry); None when it failed."""
+    def dial(
+        self, relay_address: str, port: int, conn_id: int, secret: bytes, signer, relay_id: str
+    ) -> socket.socket | None:
+        """A connection the relay `relay_id` at `relay_address` took for `conn_id` on its data `port`, the hello
+        signed by `signer` (a `CallSigner`; None: no hello can be made, so None); None when it failed."""
+        if signer is None:
+            return None
         host = relay_address.rsplit(":", 1)[0]
-        sock = dial_data_port(host, port, conn_id, secret, dict(metadata)[TOKEN_KEY], self.timeout_s)
+        sock = dial_data_port(host, port, conn_id, secret, signer, relay_id, self.timeout_s)
         if sock is None:
             self.failed[relay_address] = time.monotonic() + RAW_RETRY_S
         return sock

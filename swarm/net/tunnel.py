@@ -23,12 +23,29 @@ if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
     from swarm.net.relay import RelayServicer
 
-__all__ = ["READ_BYTES", "Attachment", "RelayError", "RelayLimits", "RelayRoute", "Standing", "Tunnels"]
+__all__ = [
+    "READ_BYTES", "RELAY_SERVICE", "Attachment", "RelayError", "RelayLimits", "RelayRoute", "Standing", "Tunnels",
+    "relay_metadata", "relay_path",
+]  # fmt: skip
 
 log = logging.getLogger("swarm.relay")
 
 READ_BYTES = COPY_BYTES
 """Bytes read from a socket per frame (a frame carries at most `RelayLimits.max_frame_bytes`)."""
+RELAY_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Relay"].full_name
+
+
+def relay_path(name: str) -> str:
+    """The gRPC path of the relay service's method `name` ("/swarm.Relay/Attach"): what a relay call's proof
+    signs."""
+    return f"/{RELAY_SERVICE}/{name}"
+
+
+def relay_metadata(signer: CallSigner | None, relay_id: str, method: str, fields=None) -> tuple:
+    """The metadata of one call of the relay service's `method` to `relay_id`: the token and a proof of this call
+    over `fields` (a unary call's request, a Connect's or an Accept's first frame, None for an Attach), good
+    once (`swarm.net.auth`); empty without a signer."""
+    return () if signer is None else signer.metadata(relay_id, relay_path(method), fields)
 
 
 class Standing(enum.IntEnum):
@@ -280,12 +297,13 @@ class Tunnels:
             if self.local is not None and (route.relay_id == self.my_id or self.local.holds(route.peer_id)):
                 self.local.carry_local(self.my_id, route.peer_id, sock)
                 return
-            metadata = self.signer.metadata(route.relay_id) if self.signer is not None else ()
             stub = stage_pb2_grpc.RelayStub(self._relay_channel(route.relay_address))
             if self._raw.usable(route.relay_address):
-                self._connect_offered(route, sock, stub, metadata)
+                self._connect_offered(route, sock, stub)
                 return
-            replies = stub.Connect(_socket_frames(sock, stage_pb2.RelayFrame(target=route.peer_id)), metadata=metadata)
+            first = stage_pb2.RelayFrame(target=route.peer_id)
+            metadata = relay_metadata(self.signer, route.relay_id, "Connect", first)
+            replies = stub.Connect(_socket_frames(sock, first), metadata=metadata)
         except RelayError as e:
             log.info("tunnel to %s closed: %s", route.peer_id, e)
             sock.close()
@@ -296,14 +314,17 @@ class Tunnels:
             return
         _drain(replies, sock)
 
-    def _connect_offered(self, route: RelayRoute, sock: socket.socket, stub, metadata) -> None:
+    def _connect_offered(self, route: RelayRoute, sock: socket.socket, stub) -> None:
         """A Connect that asks for the relay's data port: spliced to it when offered and reachable, else the
         socket's bytes as frames on the Connect (whose request stream holds back until that is decided)."""
         decided, done = threading.Event(), threading.Event()
         raw: list[socket.socket] = []
 
+        request = stage_pb2.RelayFrame(target=route.peer_id, splice=True)
+        metadata = relay_metadata(self.signer, route.relay_id, "Connect", request)
+
         def requests():
-            yield stage_pb2.RelayFrame(target=route.peer_id, splice=True)
+            yield request
             decided.wait()
             if raw:  # the bytes go by the data port; the Connect stays open until they end
                 done.wait()
@@ -320,7 +341,9 @@ class Tunnels:
                 return
             if first.splice_port:
                 secret = bytes(first.splice_secret)
-                relay_sock = self._raw.dial(route.relay_address, first.splice_port, first.conn_id, secret, metadata)
+                relay_sock = self._raw.dial(
+                    route.relay_address, first.splice_port, first.conn_id, secret, self.signer, route.relay_id
+                )
                 if relay_sock is not None:
                     raw.append(relay_sock)
                     decided.set()
@@ -419,7 +442,7 @@ class Attachment:
             except grpc.FutureTimeoutError:
                 raise _Unconnected(relay_address, self.limits.attach_connect_s) from None
             stub = stage_pb2_grpc.RelayStub(channel)
-            metadata = self.signer.metadata(relay_id)
+            metadata = relay_metadata(self.signer, relay_id, "Attach")  # no fields: the proof is checked at once
 
             def upstream():
                 while not stop.wait(self.limits.keepalive_s):
@@ -453,22 +476,22 @@ class Attachment:
                 if down.splice_port and self._raw.usable(relay_address):
                     raw = (relay_address, down.splice_port, bytes(down.splice_secret))
                 threading.Thread(
-                    target=self._accept, args=(stub, metadata, down.conn_id, raw, taking), name="swarm-accept",
+                    target=self._accept, args=(stub, relay_id, down.conn_id, raw, taking), name="swarm-accept",
                     daemon=True,
                 ).start()  # fmt: skip
 
-    def _accept(self, stub, metadata, conn_id: int, raw=None, taking: set[int] | None = None) -> None:
+    def _accept(self, stub, relay_id: str, conn_id: int, raw=None, taking: set[int] | None = None) -> None:
         """Takes connection `conn_id` (then frees its place in `taking`): by the relay's data port when `raw`
         (relay address, data port, secret) names one and it answers, else by an Accept stream; either way piped
         to this peer's own server."""
         try:
-            self._take(stub, metadata, conn_id, raw)
+            self._take(stub, relay_id, conn_id, raw)
         finally:
             if taking is not None:
                 with self._taking_lock:
                     taking.discard(conn_id)
 
-    def _take(self, stub, metadata, conn_id: int, raw: tuple[str, int, bytes] | None) -> None:
+    def _take(self, stub, relay_id: str, conn_id: int, raw: tuple[str, int, bytes] | None) -> None:
         host, port = self.local_address.rsplit(":", 1)
         try:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
@@ -479,12 +502,14 @@ class Attachment:
             return
         if raw is not None:  # the relay's data port: plain TCP; else (or when that fails) the Accept stream
             relay_address, port, secret = raw
-            relay_sock = self._raw.dial(relay_address, port, conn_id, secret, metadata)
+            relay_sock = self._raw.dial(relay_address, port, conn_id, secret, self.signer, relay_id)
             if relay_sock is not None:
                 splice(sock, relay_sock)
                 return
         try:
-            replies = stub.Accept(_socket_frames(sock, stage_pb2.RelayFrame(conn_id=conn_id)), metadata=metadata)
+            first = stage_pb2.RelayFrame(conn_id=conn_id)
+            metadata = relay_metadata(self.signer, relay_id, "Accept", first)
+            replies = stub.Accept(_socket_frames(sock, first), metadata=metadata)
         except grpc.RpcError:
             sock.close()
             return

@@ -15,7 +15,7 @@ import pytest
 from swarm.metrics import Metrics
 from swarm.net.auth import CallSigner, CallVerifier, Identity
 from swarm.net.reach import DialBackHelper, NonceBook, check_reachable
-from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Tunnels
+from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Tunnels, relay_metadata
 from swarm.peers.transport import TransportConfig, make_server
 from swarm.proto import stage_pb2, stage_pb2_grpc
 
@@ -57,6 +57,12 @@ def relay_servicer(allowed=("peer",), **kw) -> RelayServicer:
 
 def signer(name: str) -> CallSigner:
     return CallSigner(IDS[name])
+
+
+def relay_md(who: str, method: str, fields=None) -> tuple:
+    """`who`'s metadata for one call of the relay's `method` over `fields` (its request or first frame): token and
+    proof, good once."""
+    return relay_metadata(signer(who), IDS["relay"].peer_id, method, fields)
 
 
 @contextmanager
@@ -135,7 +141,7 @@ def test_a_stranger_cannot_attach_and_anonymous_calls_are_refused():
     with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
         stub = stage_pb2_grpc.RelayStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            next(stub.Attach(iter(()), metadata=signer("stranger").metadata(IDS["relay"].peer_id), timeout=10))
+            next(stub.Attach(iter(()), metadata=relay_md("stranger", "Attach"), timeout=10))
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "does not announce relay" in err.value.details()
         with pytest.raises(grpc.RpcError) as err:
@@ -147,9 +153,9 @@ def test_a_stranger_cannot_attach_and_anonymous_calls_are_refused():
 def test_connecting_to_a_peer_that_is_not_attached_is_refused_by_name():
     relay = relay_servicer(limits=RelayLimits(attach_wait_s=0.2))  # it announces this relay: a short wait first
     with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
-        frames = iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id)])
+        first = stage_pb2.RelayFrame(target=IDS["peer"].peer_id)
         replies = stage_pb2_grpc.RelayStub(channel).Connect(
-            frames, metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10
+            iter([first]), metadata=relay_md("caller", "Connect", first), timeout=10
         )
         with pytest.raises(grpc.RpcError) as err:
             list(replies)
@@ -159,19 +165,19 @@ def test_connecting_to_a_peer_that_is_not_attached_is_refused_by_name():
 def test_an_accept_for_a_connection_the_relay_did_not_ask_for_is_refused():
     relay = relay_servicer(allowed=("peer", "stranger"))
     with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
-        frames = iter([stage_pb2.RelayFrame(conn_id=7)])
+        first = stage_pb2.RelayFrame(conn_id=7)
         with pytest.raises(grpc.RpcError) as err:
-            metadata = signer("stranger").metadata(IDS["relay"].peer_id)
-            list(stage_pb2_grpc.RelayStub(channel).Accept(frames, metadata=metadata))
+            metadata = relay_md("stranger", "Accept", first)
+            list(stage_pb2_grpc.RelayStub(channel).Accept(iter([first]), metadata=metadata))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_an_oversized_frame_ends_the_connection():
     limits = RelayLimits(max_frame_bytes=1024)
     with relayed(limits=limits) as (_, _, address, _, _, _), grpc.insecure_channel(address) as channel:
-        frames = iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id), stage_pb2.RelayFrame(data=b"x" * 4096)])
+        frames = [stage_pb2.RelayFrame(target=IDS["peer"].peer_id), stage_pb2.RelayFrame(data=b"x" * 4096)]
         replies = stage_pb2_grpc.RelayStub(channel).Connect(
-            frames, metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10
+            iter(frames), metadata=relay_md("caller", "Connect", frames[0]), timeout=10
         )
         with pytest.raises(grpc.RpcError) as err:
             list(replies)
@@ -182,9 +188,9 @@ def test_a_frame_after_the_first_carries_data_only():
     # frames are forwarded as they came (no new message per frame): one naming a target or a connection mid-stream
     # is malformed and ends the connection instead of reaching the other end
     with relayed() as (_, _, address, _, _, _), grpc.insecure_channel(address) as channel:
-        frames = iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id), stage_pb2.RelayFrame(data=b"x", conn_id=3)])
+        frames = [stage_pb2.RelayFrame(target=IDS["peer"].peer_id), stage_pb2.RelayFrame(data=b"x", conn_id=3)]
         replies = stage_pb2_grpc.RelayStub(channel).Connect(
-            frames, metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10
+            iter(frames), metadata=relay_md("caller", "Connect", frames[0]), timeout=10
         )
         with pytest.raises(grpc.RpcError) as err:
             list(replies)
@@ -328,12 +334,14 @@ def test_dial_back_dials_only_what_the_caller_announced():
     helper = relay_servicer(dial_back=DialBackHelper({}.get, signer("relay"), channel=channel))
     with serve(helper) as (_, address), grpc.insecure_channel(address) as ch:
         stub = stage_pb2_grpc.RelayStub(ch)
-        metadata = signer("stranger").metadata(IDS["relay"].peer_id)
+        request = stage_pb2.DialBackRequest(nonce=b"n" * 32)
+        metadata = relay_md("stranger", "DialBack", request)
         with pytest.raises(grpc.RpcError) as err:  # a caller that announces no address gets no dial at all
-            stub.DialBack(stage_pb2.DialBackRequest(nonce=b"n" * 32), metadata=metadata, timeout=10)
+            stub.DialBack(request, metadata=metadata, timeout=10)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "announces no address" in err.value.details()
         with pytest.raises(grpc.RpcError) as err:  # malformed nonce
-            stub.DialBack(stage_pb2.DialBackRequest(nonce=b"n"), metadata=metadata, timeout=10)
+            short = stage_pb2.DialBackRequest(nonce=b"n")
+            stub.DialBack(short, metadata=relay_md("stranger", "DialBack", short), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.RpcError) as err:  # anonymous
             stub.DialBack(stage_pb2.DialBackRequest(nonce=b"n" * 32), timeout=10)
@@ -392,12 +400,11 @@ def test_a_peer_that_never_accepts_fails_the_connect_and_a_late_accept_is_refuse
     relay = relay_servicer(limits=RelayLimits(accept_timeout_s=0.5))
     with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
         stub = stage_pb2_grpc.RelayStub(channel)
-        peer_md = signer("peer").metadata(IDS["relay"].peer_id)
-        caller_md = signer("caller").metadata(IDS["relay"].peer_id)
-        attach = stub.Attach(iter(()), metadata=peer_md, timeout=20)  # attached, but never opens an Accept
+        attach = stub.Attach(iter(()), metadata=relay_md("peer", "Attach"), timeout=20)  # never opens an Accept
         assert next(attach).conn_id == 0
         started = time.monotonic()
-        replies = stub.Connect(iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id)]), metadata=caller_md, timeout=10)
+        first = stage_pb2.RelayFrame(target=IDS["peer"].peer_id)
+        replies = stub.Connect(iter([first]), metadata=relay_md("caller", "Connect", first), timeout=10)
         with pytest.raises(grpc.RpcError) as err:
             list(replies)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "did not accept" in err.value.details()
@@ -405,7 +412,8 @@ def test_a_peer_that_never_accepts_fails_the_connect_and_a_late_accept_is_refuse
         conn_id = next(attach).conn_id
         assert conn_id > 0
         with pytest.raises(grpc.RpcError) as err:  # too late: the connection is gone
-            list(stub.Accept(iter([stage_pb2.RelayFrame(conn_id=conn_id)]), metadata=peer_md, timeout=10))
+            accept = stage_pb2.RelayFrame(conn_id=conn_id)
+            list(stub.Accept(iter([accept]), metadata=relay_md("peer", "Accept", accept), timeout=10))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         attach.cancel()
 
@@ -418,7 +426,7 @@ def test_a_malformed_connect_is_refused(first):
     relay = relay_servicer()
     with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
         replies = stage_pb2_grpc.RelayStub(channel).Connect(
-            iter([first]), metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10
+            iter([first]), metadata=relay_md("caller", "Connect", first), timeout=10
         )
         with pytest.raises(grpc.RpcError) as err:
             list(replies)
@@ -434,10 +442,10 @@ def test_one_caller_cannot_take_every_connection_to_an_attached_peer():
         md = signer("caller").metadata(IDS["peer"].peer_id)
         stage_pb2_grpc.StageStub(held).Probe(stage_pb2.ProbeRequest(payload=b"x"), timeout=10, metadata=md)
         with grpc.insecure_channel(address) as channel:  # the caller's one connection is open: a second is refused
+            first = stage_pb2.RelayFrame(target=IDS["peer"].peer_id)
             replies = stage_pb2_grpc.RelayStub(channel).Connect(
-                iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id)]),
-                metadata=signer("caller").metadata(IDS["relay"].peer_id), timeout=10,
-            )  # fmt: skip
+                iter([first]), metadata=relay_md("caller", "Connect", first), timeout=10
+            )
             with pytest.raises(grpc.RpcError) as err:
                 list(replies)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -477,10 +485,9 @@ def test_a_connect_waits_for_the_attach_of_a_peer_moving_to_this_relay_and_not_f
     stranger = relay_servicer(allowed=(), limits=RelayLimits(attach_wait_s=30.0))
     with serve(stranger) as (_, address), grpc.insecure_channel(address) as channel:
         started = time.monotonic()
+        first = stage_pb2.RelayFrame(target=IDS["peer"].peer_id)
         replies = stage_pb2_grpc.RelayStub(channel).Connect(
-            iter([stage_pb2.RelayFrame(target=IDS["peer"].peer_id)]),
-            metadata=signer("caller").metadata(IDS["relay"].peer_id),
-            timeout=60,
+            iter([first]), metadata=relay_md("caller", "Connect", first), timeout=60
         )
         with pytest.raises(grpc.RpcError) as err:
             list(replies)

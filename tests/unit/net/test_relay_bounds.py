@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from swarm.net.auth import CallSigner, Identity
-from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Standing, Tunnels
+from swarm.net.relay import Attachment, RelayLimits, RelayRoute, RelayServicer, Standing, Tunnels, relay_metadata
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from tests.unit.net.test_relay import IDS, EchoStage, probe, relay_servicer, serve, signer
 
@@ -30,11 +30,14 @@ class HeldConnect:
     def __init__(self, channel: grpc.Channel, who: CallSigner, target: str):
         self._release = threading.Event()
 
+        first = stage_pb2.RelayFrame(target=target)
+
         def frames():
-            yield stage_pb2.RelayFrame(target=target)
+            yield first
             self._release.wait(60)
 
-        self.call = stage_pb2_grpc.RelayStub(channel).Connect(frames(), metadata=who.metadata(RELAY), timeout=60)
+        metadata = relay_metadata(who, RELAY, "Connect", first)
+        self.call = stage_pb2_grpc.RelayStub(channel).Connect(frames(), metadata=metadata, timeout=60)
 
     def outcome(self) -> tuple[str, str]:
         """("admitted", "") or (status code name, details)."""
@@ -101,9 +104,10 @@ def test_one_caller_is_capped_in_all_not_only_per_target():
         try:
             assert attachment.attached.wait(10)
             with grpc.insecure_channel(relay_address) as channel:
-                for _ in range(3):
+                outcomes = []
+                for _ in range(3):  # one at a time: three at once race for the two slots, in any order
                     held.append(HeldConnect(channel, signer("stranger"), PEER))
-                outcomes = [h.outcome() for h in held]
+                    outcomes.append(held[-1].outcome())
                 assert [o[0] for o in outcomes] == ["admitted", "admitted", "RESOURCE_EXHAUSTED"], outcomes
                 assert f"2 connections of caller {IDS['stranger'].peer_id}" in outcomes[2][1]
                 held.append(HeldConnect(channel, signer("caller"), PEER))  # another caller is not affected

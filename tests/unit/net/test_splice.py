@@ -14,11 +14,11 @@ import grpc
 import pytest
 
 from swarm.metrics import Metrics
-from swarm.net.auth import TOKEN_KEY
+from swarm.net.auth import PROOF_BYTES, PROOF_KEY, TOKEN_KEY
 from swarm.net.relay import Attachment, RelayLimits, RelayRoute, Tunnels
-from swarm.net.splice import HELLO, TAKEN, DataPort, hello, splice
+from swarm.net.splice import HELLO, HELLO_PATH, TAKEN, VERSION, DataPort, hello, hello_head, splice
 from swarm.proto import stage_pb2, stage_pb2_grpc
-from tests.unit.net.test_relay import IDS, EchoStage, probe, relay_servicer, serve, signer
+from tests.unit.net.test_relay import IDS, EchoStage, probe, relay_md, relay_servicer, serve, signer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -174,34 +174,48 @@ def test_hellos_are_taken_only_from_the_asked_peer_with_its_secret_once():
     port = relay.listen_raw("127.0.0.1")
     with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
         stub = stage_pb2_grpc.RelayStub(channel)
-        peer_md = signer("peer").metadata(IDS["relay"].peer_id)
-        attach_call = stub.Attach(iter(()), metadata=peer_md, timeout=30)  # attached; we answer by hand
+        attach_call = stub.Attach(iter(()), metadata=relay_md("peer", "Attach"), timeout=30)  # we answer by hand
         assert next(attach_call).conn_id == 0
-        caller_md = signer("caller").metadata(IDS["relay"].peer_id)
         caller_done = threading.Event()
+        first = stage_pb2.RelayFrame(target=IDS["peer"].peer_id)
 
         def caller_frames():  # the target, then nothing: the stream stays open until the caller goes
-            yield stage_pb2.RelayFrame(target=IDS["peer"].peer_id)
+            yield first
             caller_done.wait(30)
 
-        replies = stub.Connect(caller_frames(), metadata=caller_md, timeout=20)
+        replies = stub.Connect(caller_frames(), metadata=relay_md("caller", "Connect", first), timeout=20)
         down = next(attach_call)
         assert down.conn_id > 0 and down.splice_port == port and len(down.splice_secret) == 16
         conn_id, secret = down.conn_id, bytes(down.splice_secret)
-        token = {name: dict(signer(name).metadata(IDS["relay"].peer_id))[TOKEN_KEY] for name in ("peer", "stranger")}
+        relay_id = IDS["relay"].peer_id
+        peer, stranger = signer("peer"), signer("stranger")
         wrong = bytes(16 - len(b"x")) + b"x"
-        assert _hello_reply(port, hello(conn_id, secret, token["stranger"])) == b"", "a stranger's token"
-        assert _hello_reply(port, hello(conn_id, wrong, token["peer"])) == b"", "a wrong secret"
-        assert _hello_reply(port, hello(conn_id + 7, secret, token["peer"])) == b"", "a connection never asked"
+        assert _hello_reply(port, hello(conn_id, secret, stranger, relay_id)) == b"", "a stranger's hello"
+        assert _hello_reply(port, hello(conn_id, wrong, peer, relay_id)) == b"", "a wrong secret"
+        assert _hello_reply(port, hello(conn_id + 7, secret, peer, relay_id)) == b"", "a connection never asked"
         assert _hello_reply(port, b"GET / HTTP/1.1\r\n\r\n" + bytes(64)) == b"", "not a hello"
-        too_long = HELLO.pack(b"swsp", 1, conn_id, secret, 60000)
+        too_long = HELLO.pack(b"swsp", VERSION, conn_id, secret, 60000)
         assert _hello_reply(port, too_long) == b"", "a token longer than any"
+        # the peer's token captured (its Attach's, in plaintext): alone, with the stranger's proof, or with a proof
+        # of another call, it takes nothing; nor does the earlier hello format (version 1: the token alone)
+        captured = dict(relay_md("peer", "Attach"))
+        token = captured[TOKEN_KEY]
+        head = HELLO.pack(b"swsp", VERSION, conn_id, secret, len(token)) + token
+        own = dict(stranger.metadata(relay_id, HELLO_PATH, hello_head(conn_id, secret)))[PROOF_KEY]
+        assert _hello_reply(port, head + own) == b"", "a captured token with a stranger's proof"
+        assert _hello_reply(port, head + captured[PROOF_KEY]) == b"", "a captured token with its Attach's proof"
+        assert _hello_reply(port, head + bytes(PROOF_BYTES)) == b"", "a captured token with a forged proof"
+        old = HELLO.pack(b"swsp", 1, conn_id, secret, len(token)) + token
+        assert _hello_reply(port, old) == b"", "the token-only hello of version 1"
         with socket.create_connection(("127.0.0.1", port), timeout=10) as good:
-            good.sendall(hello(conn_id, secret, token["peer"]))
+            sent = hello(conn_id, secret, peer, relay_id)
+            good.sendall(sent)
             assert good.recv(1) == TAKEN
-            assert _hello_reply(port, hello(conn_id, secret, token["peer"])) == b"", "taken once only"
+            assert _hello_reply(port, sent) == b"", "the same hello sent again"
+            assert _hello_reply(port, hello(conn_id, secret, peer, relay_id)) == b"", "taken once only"
             with pytest.raises(grpc.RpcError) as err:  # nor by a late Accept
-                list(stub.Accept(iter([stage_pb2.RelayFrame(conn_id=conn_id)]), metadata=peer_md, timeout=10))
+                accept = stage_pb2.RelayFrame(conn_id=conn_id)
+                list(stub.Accept(iter([accept]), metadata=relay_md("peer", "Accept", accept), timeout=10))
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
             caller_done.set()  # the caller goes: the relay ends the raw connection too
             replies.cancel()
@@ -225,7 +239,7 @@ def test_a_slow_or_silent_hello_is_dropped_and_hellos_are_bounded():
         assert time.monotonic() - started < 5
         silent[2].close()
         half = socket.create_connection(("127.0.0.1", port.port), timeout=10)
-        half.sendall(HELLO.pack(b"swsp", 1, 1, bytes(16), 100)[:10])  # half a header, then nothing
+        half.sendall(HELLO.pack(b"swsp", VERSION, 1, bytes(16), 100)[:10])  # half a header, then nothing
         assert half.recv(1) == b""
         half.close()
         assert calls == []
@@ -252,12 +266,13 @@ def test_splice_carries_both_ways_and_ends_when_either_side_goes():
     assert not worker.is_alive()
 
 
-def test_hello_refuses_a_bad_secret_or_token_size():
+def test_hello_refuses_a_bad_secret_and_carries_a_proof_of_its_head():
     with pytest.raises(ValueError):
-        hello(1, b"short", b"t")
-    with pytest.raises(ValueError):
-        hello(1, bytes(16), bytes(5000))
+        hello(1, b"short", signer("peer"), IDS["relay"].peer_id)
     assert struct.calcsize("!4sBQ16sH") == HELLO.size
+    made = hello(1, bytes(16), signer("peer"), IDS["relay"].peer_id)
+    *_, n = HELLO.unpack_from(made)
+    assert len(made) == HELLO.size + n + PROOF_BYTES
 
 
 def test_a_callers_offer_is_taken_only_by_that_caller_once_and_joins_the_two_sockets():
@@ -266,30 +281,31 @@ def test_a_callers_offer_is_taken_only_by_that_caller_once_and_joins_the_two_soc
     with serve(relay) as (_, address), grpc.insecure_channel(address) as channel:
         stub = stage_pb2_grpc.RelayStub(channel)
         audience = IDS["relay"].peer_id
-        attach_call = stub.Attach(iter(()), metadata=signer("peer").metadata(audience), timeout=30)
+        attach_call = stub.Attach(iter(()), metadata=relay_md("peer", "Attach"), timeout=30)
         assert next(attach_call).conn_id == 0
         caller_done = threading.Event()
+        first = stage_pb2.RelayFrame(target=IDS["peer"].peer_id, splice=True)
 
         def caller_frames():
-            yield stage_pb2.RelayFrame(target=IDS["peer"].peer_id, splice=True)
+            yield first
             caller_done.wait(30)
 
-        replies = stub.Connect(caller_frames(), metadata=signer("caller").metadata(audience), timeout=20)
+        replies = stub.Connect(caller_frames(), metadata=relay_md("caller", "Connect", first), timeout=20)
         down = next(attach_call)
-        token = {n: dict(signer(n).metadata(audience))[TOKEN_KEY] for n in ("peer", "caller", "stranger")}
+        who = {n: signer(n) for n in ("peer", "caller", "stranger")}
         with socket.create_connection(("127.0.0.1", port), timeout=10) as p_sock:
-            p_sock.sendall(hello(down.conn_id, bytes(down.splice_secret), token["peer"]))
+            p_sock.sendall(hello(down.conn_id, bytes(down.splice_secret), who["peer"], audience))
             assert p_sock.recv(1) == TAKEN
             offer = next(replies)  # the relay's first reply: its data port, for this caller
             assert offer.splice_port == port and offer.conn_id and len(offer.splice_secret) == 16 and not offer.data
             conn_id, secret = offer.conn_id, bytes(offer.splice_secret)
-            assert _hello_reply(port, hello(conn_id, secret, token["stranger"])) == b"", "a stranger's token"
-            assert _hello_reply(port, hello(conn_id, secret, token["peer"])) == b"", "not the caller"
-            assert _hello_reply(port, hello(conn_id, bytes(16), token["caller"])) == b"", "a wrong secret"
+            assert _hello_reply(port, hello(conn_id, secret, who["stranger"], audience)) == b"", "a stranger's hello"
+            assert _hello_reply(port, hello(conn_id, secret, who["peer"], audience)) == b"", "not the caller"
+            assert _hello_reply(port, hello(conn_id, bytes(16), who["caller"], audience)) == b"", "a wrong secret"
             with socket.create_connection(("127.0.0.1", port), timeout=10) as c_sock:
-                c_sock.sendall(hello(conn_id, secret, token["caller"]))
+                c_sock.sendall(hello(conn_id, secret, who["caller"], audience))
                 assert c_sock.recv(1) == TAKEN
-                assert _hello_reply(port, hello(conn_id, secret, token["caller"])) == b"", "taken once only"
+                assert _hello_reply(port, hello(conn_id, secret, who["caller"], audience)) == b"", "taken once only"
                 c_sock.sendall(b"ping")
                 assert p_sock.recv(4) == b"ping"
                 p_sock.sendall(b"pong")
