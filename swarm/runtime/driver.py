@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -57,6 +57,7 @@ from swarm.runtime.routing import (
     route_work,
     spawn,
 )
+from swarm.runtime.verify import AuditDisputed, LiarFound, StageVerifier, VerifyConfig
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
@@ -98,6 +99,8 @@ class PipelineDriver:
         heartbeat_s: time between heartbeat pings of the peers while a step runs (also each ping's timeout).
         heartbeat_misses: unanswered pings in a row that make a peer dead.
         weights: the routes' sample shares (default: fresh, from measured throughput).
+        verify: how replicated stages' work is audited (`swarm.runtime.verify`; None or fraction 0: not at all).
+        on_liar: told `(peer_id, reason)` of every replica the audits evict (e.g. to ban it for the run).
     """
 
     def __init__(
@@ -116,6 +119,8 @@ class PipelineDriver:
         heartbeat_misses: int = 3,
         weights: RouteWeights | None = None,
         tied: bool = True,
+        verify: VerifyConfig | None = None,
+        on_liar: Callable[[str, str], None] | None = None,
     ):
         routes, ids = _nested(route), _nested(peers)
         if not routes or len(routes) != len(ids) or [len(r) for r in ids] != [len(r) for r in routes]:
@@ -161,6 +166,19 @@ class PipelineDriver:
             self._call, self.replica_peers, self.counts, plan_version, schedule, deadline_s, lambda: self.loss_scale
         )
         """each micro-batch's call info and calls, which carry the route until the peer takes it from its plan"""
+        self.on_liar = on_liar
+        self.liars: list[tuple[str, str]] = []
+        """(peer id, reason) of every replica evicted as a liar, in order"""
+        self._abandons = 0
+        """abandons sent so far: an audit concludes nothing once its attempt was abandoned"""
+        self._used: list[Route] = []
+        """the routes of the attempt that runs"""
+        self.verifier = (
+            StageVerifier(verify, self._call, self.replica_peers, self._evict)
+            if verify is not None and (verify.fraction > 0 or verify.digests)
+            else None
+        )
+        """the audits of replicated stages' work (`swarm.runtime.verify`; None: off)"""
 
     @property
     def n_stages(self) -> int:
@@ -255,6 +273,7 @@ class PipelineDriver:
 
     def _micro_batch(self, step: int, work: RouteWork, mb: int, layout=None) -> _MicroResult:
         last, data = self.n_stages - 1, work.micro[mb]
+        attempt, abandons = self.router.attempt_id, self._abandons
         first_r, last_r = work.route.index % self.counts[0], work.route.index % self.counts[last]
 
         def tokens(route: bool) -> Iterator[bytes]:
@@ -267,16 +286,42 @@ class PipelineDriver:
         # communication: the backward starts at the route's last stage and flows back to its stage 0
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
+        verifier = self.verifier  # a sampled micro-batch is audited now, before the step's Step
+        if verifier is not None and verifier.sampled(step, attempt, work.route.index, mb):
+            self._audit(step, work, mb, layout, abandons)
         traffic = Traffic()
         traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
         traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
         self._record(traffic)
         return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
+    def _audit(self, step: int, work: RouteWork, mb: int, layout, abandons: int) -> None:
+        """Audits micro-batch `mb` of `work` (`StageVerifier.audit`) against the other replicas of its stages
+        that run this attempt."""
+        at = route_replicas(work.route.index, self.counts)
+        local = layout[1][(work.route.index, mb)][0] if layout is not None else [mb] * self.n_stages
+        siblings = [
+            [r for r in self._replicas(s, self._used) if r != at[s] and self.replica_peers[s][r] not in self.dead]
+            for s in range(self.n_stages)
+        ]
+        self.verifier.audit(
+            step, self.plan_version, at, local, siblings, work.micro[mb], work.loss_weights[mb],
+            current=lambda: self._abandons == abandons,
+        )  # fmt: skip
+
+    def _evict(self, peer: str, reason: str) -> None:
+        """Takes a liar out of the routes (as if dead: its step runs again without it) and tells `on_liar`."""
+        log.warning("evicting peer %s: %s", peer, reason)
+        self.dead.add(peer)
+        self.liars.append((peer, reason))
+        if self.on_liar is not None:
+            self.on_liar(peer, reason)
+
     def _run_routes(self, step: int, work: list[RouteWork], wake: threading.Event) -> tuple[float, Traffic]:
         """Every route's micro-batches, all at once; the batch's mean loss and the bytes. Records each route's
         samples/s in `weights`."""
         start = time.perf_counter()
+        self._used = [w.route for w in work]
         layout = None
         if uneven(self.counts):  # shared replicas: number every replica's micro-batches (route, position) order
             numbering = stage_numbering({w.route.index: len(w.micro) for w in work}, self.counts)
@@ -380,11 +425,14 @@ class PipelineDriver:
             req = stage_pb2.StepRequest(
                 step=step, global_grad_norm=norm, plan_version=self.plan_version, skip=skip, loss_scale=self.loss_scale
             )
+            req.want_digest = want_digest and len(self._replicas(s, routes)) > 1
             req.trainer_elapsed_s = time.perf_counter() - self._step_started
             return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, routes)]
         lrs: list[stage_pb2.StepReply] = []
+        want_digest = self.verifier is not None and self.verifier.config.digests
+        digests: dict[tuple[int, int], str] = {}
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
             try:
@@ -403,6 +451,7 @@ class PipelineDriver:
                     continue  # died (or hung) before it answered
                 if outcome.exception() is None:
                     lrs.append(outcome.result())
+                    digests[key] = outcome.result().weights_digest
                     continue
                 peer = self.replica_peers[key[0]][key[1]]
                 if not self._alive(peer):
@@ -416,6 +465,8 @@ class PipelineDriver:
                 break
         if not lrs:
             raise NoLiveRoute(f"step {step}: every replica died before applying it")
+        if want_digest:  # replicas whose weights diverged are evicted (the step is applied: the others' is right)
+            self.verifier.check_digests(step, digests)
         self.loss_scale = lrs[0].loss_scale  # every stage moved it alike; one that did not refuses the next call
         return lrs[0].lr
 
@@ -513,7 +564,8 @@ class PipelineDriver:
         """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
-        fatal = error is not None and not reroutable(error) and not route_needed(error)  # route needed: run again
+        audited = isinstance(error, LiarFound | AuditDisputed)  # the liar is out (or nobody is): run again
+        fatal = error is not None and not reroutable(error) and not route_needed(error) and not audited
         for peer in () if fatal else failure.suspects:
             if peer not in self.dead and not self._alive(peer):
                 log.warning("step %d: peer %s does not answer: declared dead", step, peer)
@@ -535,6 +587,7 @@ class PipelineDriver:
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""
         # a stage that is gone, busy or stuck is skipped: the caller already reports the failure that matters
+        self._abandons += 1  # an audit still running concludes nothing from here on
         request = stage_pb2.StepRequest(step=step, abandon=True, attempt_id=self.router.attempt_id)
         calls = [
             spawn(lambda s=s, r=r: self._call(s, r, "Step", request, timeout=5), "abandon", self._threads)

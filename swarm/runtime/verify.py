@@ -1,0 +1,437 @@
+"""Verified stage work, the trainer's side: audit sampled micro-batches against a sibling replica's recomputation,
+compare replicas' weights after every step, evict the liar and undo what it poisoned.
+
+Replicas of a stage hold bit-identical weights within a step (`swarm.runtime.average`), so any replica can redo
+another's work. For a micro-batch drawn with a secret seed (a stage cannot know which of its micro-batches will
+be audited), after its backward and before the step's `Step`, the trainer asks every stage of its route for its
+records (`Stage.Audit`: the input it computed on, its output, the gradient it received and the one it sent,
+`swarm.runtime.audit`) and another replica of each stage to recompute from the reported input (`Stage.Recompute`).
+Per stage it checks:
+
+- own: the stage's recorded output (or loss) and input gradient equal the sibling's recomputation within `rtol`
+  (float reordering only: the weights are the same bits);
+- link: what the next stage says it decoded as its input (and the previous stage, as its received gradient)
+  equals the recomputation within `link_rtol`, the codec's error: a stage that sends other than it records is
+  caught by its neighbour's independent record.
+
+A failed own check is resolved by more recomputations: the audited stage's own (a stage whose record disagrees
+with its own recomputation contradicts itself) and, with 3+ replicas, a second sibling's (the majority of the
+recomputations is right). A failed link check blames the sender where the receiver's own records are
+corroborated (its own and downstream checks pass), else nobody. Two replicas that recompute the same input
+differently, each consistently with itself, cannot be told apart: that is a dispute, the step is abandoned and
+nobody is evicted. A verdict evicts the liar (`evict(peer, reason)`: the driver takes it out of its routes and
+tells `on_liar`) and raises `LiarFound`, so the driver abandons the step before any `Step` and runs it again
+without the liar: nothing it poisoned is applied.
+
+After `Step`, replicas report their weights' digest (`StepRequest.want_digest`): replicas that disagree have
+diverged. With 3+ replicas the minority is the liar; with 2 the one whose digest did not change over an applied
+step stopped updating; anything else is a dispute, logged. The honest replicas' state is the stage's: the
+evicted replica is out of the routes, and a peer that returns catches up from its replicas
+(`PeerDaemon._behind_replicas`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.compression import CodecConfig, WireError, make_codec
+from swarm.net.stream import StageCallError, tokens_from_wire, tokens_to_wire
+from swarm.proto import stage_pb2
+
+__all__ = ["AuditDisputed", "Evidence", "Finding", "LiarFound", "StageVerifier", "VerifyConfig", "judge", "rel_err"]
+
+log = logging.getLogger("swarm.runtime.verify")
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """How the trainer verifies replicated stages' work."""
+
+    fraction: float = 0.1
+    """Share of micro-batches audited (drawn per micro-batch with a secret seed); 0 turns audits off. Each audit
+    costs one forward and one input-gradient backward of that micro-batch on a sibling replica, and the records'
+    bytes through the trainer."""
+    rtol: float = 1e-3
+    """Largest relative error (L2) between a stage's record and a sibling's recomputation of the same input: the
+    weights are the same bits, so only float reordering differs."""
+    link_rtol: float = 0.35
+    """Largest relative error between a recomputation and the neighbour's decoded copy of it (the codec's error;
+    honest runs measured in docs/SECURITY.md#verified-stage-work)."""
+    backward: bool = True
+    """Also audit the backward: the input gradient each stage sent."""
+    digests: bool = True
+    """Compare the replicas' weights digests after every Step."""
+    seed: int | None = None
+    """The sampling secret (None: a fresh random one; set only in tests)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction <= 1:
+            raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
+        if not (self.rtol > 0 and self.link_rtol > 0):
+            raise ValueError("tolerances must be positive")
+
+
+class LiarFound(Exception):
+    """An audit found a stage replica lying; it was evicted and the step must be abandoned and run again."""
+
+    def __init__(self, peer: str, stage: int, reason: str):
+        super().__init__(f"stage {stage} peer {peer}: {reason}")
+        self.peer, self.stage, self.reason = peer, stage, reason
+
+
+class AuditDisputed(Exception):
+    """An audit found a mismatch it cannot pin on one peer: the step is abandoned, nobody is evicted."""
+
+
+def rel_err(a: torch.Tensor | float | None, b: torch.Tensor | float | None) -> float:
+    """‖a - b‖ / ‖b‖ (L2; inf when either is missing or the shapes differ, NaN stays NaN)."""
+    if a is None or b is None:
+        return math.inf
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    if a.shape != b.shape:
+        return math.inf
+    diff, norm = float((a - b).norm()), float(b.norm())
+    if norm == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / norm
+
+
+@dataclass
+class Evidence:
+    """One stage of an audited micro-batch's route: the replica's records and a sibling's recomputation."""
+
+    stage: int
+    peer: str
+    inputs: torch.Tensor | None = None
+    output: torch.Tensor | float | None = None
+    """the activation, or the last stage's loss"""
+    grad_received: torch.Tensor | None = None
+    grad_sent: torch.Tensor | None = None
+    verifier: str | None = None
+    """the sibling that recomputed (None: a lone stage, not verified)"""
+    check_output: torch.Tensor | float | None = None
+    check_grad: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    stage: int
+    kind: str
+    """"own" (the stage's record vs the recomputation) or "link" (the neighbour's record vs the recomputation)"""
+    direction: str
+    """"forward" or "backward\""""
+    error: float
+
+
+def judge(route: Sequence[Evidence], rtol: float, link_rtol: float, backward: bool = True) -> list[Finding]:
+    """The failed checks of one audited micro-batch, own checks first (pure: no calls)."""
+    own, link = [], []
+    last = len(route) - 1
+    for s, e in enumerate(route):
+        if e.verifier is None:
+            continue
+        err = rel_err(e.output, e.check_output)
+        if not err <= rtol:
+            own.append(Finding(s, "own", "forward", err))
+        if s < last:
+            err = rel_err(route[s + 1].inputs, e.check_output)
+            if not err <= link_rtol:
+                link.append(Finding(s, "link", "forward", err))
+        if backward and s > 0:
+            err = rel_err(e.grad_sent, e.check_grad)
+            if not err <= rtol:
+                own.append(Finding(s, "own", "backward", err))
+            err = rel_err(route[s - 1].grad_received, e.check_grad)
+            if not err <= link_rtol:
+                link.append(Finding(s, "link", "backward", err))
+    return own + link
+
+
+@dataclass
+class VerifyStats:
+    audits: int = 0
+    """micro-batches audited"""
+    recomputes: int = 0
+    detections: list[tuple[str, str]] = field(default_factory=list)
+    """(peer, reason) of every liar evicted"""
+    disputes: int = 0
+    seconds: float = 0.0
+    """time spent in audits (on the micro-batches' threads, overlapping the step's other work)"""
+    worst_own: float = 0.0
+    """largest own-check error an audit passed (how close honest runs come to `rtol`)"""
+    worst_link: float = 0.0
+    """largest link-check error an audit passed"""
+
+
+Call = Callable[[int, int, str, object], object]
+"""(stage, replica, method, request) -> reply: the driver's `_call`"""
+
+
+class StageVerifier:
+    """The trainer's audits of one pipeline's replicated stages.
+
+    Args:
+        config: sampling rate and tolerances.
+        call: how to call a replica (the driver's `_call`, which counts the bytes and names failures).
+        replica_peers: peer ids `[stage][replica]`.
+        evict: takes a liar out (the driver's: out of the routes, and its `on_liar`).
+    """
+
+    def __init__(
+        self,
+        config: VerifyConfig,
+        call: Call,
+        replica_peers: Sequence[Sequence[str]],
+        evict: Callable[[str, str], None],
+    ):
+        self.config, self._call, self.evict = config, call, evict
+        self.replica_peers = [tuple(r) for r in replica_peers]
+        self._secret = (config.seed if config.seed is not None else secrets.randbits(64)).to_bytes(16, "little")
+        self._last_digest: dict[str, str] = {}
+        self._local = threading.local()  # the running audit's `current`, per call thread
+        self.stats = VerifyStats()
+        self._codec = make_codec(CodecConfig("fp32"))
+
+    # ---- which micro-batches ------------------------------------------------------------------------------
+
+    def sampled(self, step: int, attempt: int, route: int, mb: int) -> bool:
+        """Whether micro-batch `mb` of `route` in this attempt of `step` is audited: a keyed hash of them under
+        the trainer's secret, so no stage can tell in advance, and a re-run attempt draws afresh."""
+        if self.config.fraction <= 0:
+            return False
+        key = f"{step}:{attempt}:{route}:{mb}".encode()
+        draw = int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=8).digest(), "little")
+        return draw / 2**64 < self.config.fraction
+
+    def _pick(self, step: int, stage: int, choices: Sequence[int]) -> int:
+        key = f"pick:{step}:{stage}:{time.perf_counter_ns()}".encode()
+        draw = int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=8).digest(), "little")
+        return choices[draw % len(choices)]
+
+    # ---- one audited micro-batch --------------------------------------------------------------------------
+
+    def audit(
+        self,
+        step: int,
+        plan_version: int,
+        replicas: Sequence[int],
+        local_mb: Sequence[int],
+        siblings: Sequence[Sequence[int]],
+        micro,
+        loss_weight: float,
+        current: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Audits one micro-batch whose backward ran: `replicas[s]` ran it at stage s as local micro-batch
+        `local_mb[s]`; `siblings[s]` are the other live replicas of stage s in this step; `micro` its `Batch`.
+        Returns when every check passed; raises LiarFound (the liar evicted) or AuditDisputed. `current` says
+        whether the attempt still runs: once it was abandoned, the stages' records may be another attempt's, so
+        nothing is concluded (AuditDisputed) and nobody is evicted."""
+        started = time.perf_counter()
+        self._local.current = current
+        try:
+            self._audit(step, plan_version, replicas, local_mb, siblings, micro, loss_weight)
+        finally:
+            self.stats.audits += 1
+            self.stats.seconds += time.perf_counter() - started
+
+    def _audit(self, step, plan_version, replicas, local_mb, siblings, micro, loss_weight) -> None:
+        cfg, n = self.config, len(replicas)
+        route = [Evidence(s, self.replica_peers[s][r]) for s, r in enumerate(replicas)]
+        for s, e in enumerate(route):  # the records, as each stage of the route states them
+            request = stage_pb2.AuditRequest(
+                step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward
+            )
+            reply = self._ask(s, replicas[s], "Audit", request, e.peer)
+            self._read_record(e, reply, s == 0, s == n - 1, micro)
+        if not bool(torch.equal(route[0].inputs, micro.tokens)):
+            self._liar(route[0], f"step {step}: its record holds other tokens than the trainer sent")
+        requests = {}
+        for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
+            if not siblings[s]:
+                continue
+            requests[s] = self._recompute_request(step, plan_version, s, n, e, micro, loss_weight)
+            v = self._pick(step, s, siblings[s])
+            e.verifier = self.replica_peers[s][v]
+            e.check_output, e.check_grad = self._recompute(s, v, requests[s], e.verifier, n)
+        findings = judge(route, cfg.rtol, cfg.link_rtol, cfg.backward)
+        self._note_passes(route, findings)
+        if not findings:
+            return
+        for f in findings:
+            if f.kind == "own":
+                self._resolve_own(step, route, f, replicas, siblings, requests[f.stage], n)
+        for f in findings:
+            self._resolve_link(step, route, f, findings)
+
+    def _resolve_own(self, step, route, finding: Finding, replicas, siblings, request, n) -> None:
+        """The stage's record disagrees with a sibling's recomputation: who is right?"""
+        s, e = finding.stage, route[finding.stage]
+        forward = finding.direction == "forward"
+        pick = (lambda out: out[0]) if forward else (lambda out: out[1])
+        claimed = e.output if forward else e.grad_sent
+        verified = e.check_output if forward else e.check_grad
+        tol, what = self.config.rtol, "output" if forward else "input gradient"
+        own = pick(self._recompute(s, replicas[s], request, e.peer, n))
+        if rel_err(own, verified) <= tol:
+            self._liar(e, f"step {step}: its {what} record is {finding.error:.3g} off its own and {e.verifier}'s "
+                       f"recomputation")  # fmt: skip
+        others = [r for r in siblings[s] if self.replica_peers[s][r] != e.verifier]
+        if others:
+            third = others[0]
+            again = pick(self._recompute(s, third, request, self.replica_peers[s][third], n))
+            if rel_err(again, verified) <= tol:
+                self._liar(e, f"step {step}: its {what} is {finding.error:.3g} off two replicas' recomputation")
+            if rel_err(again, claimed) <= tol:
+                verifier = Evidence(s, e.verifier)
+                self._liar(verifier, f"step {step}: its recomputation of {e.peer}'s micro-batch disagrees with two "
+                           f"replicas'")  # fmt: skip
+        self._dispute(step, f"stage {s}: {e.peer} and {e.verifier} compute the same input differently ({what})")
+
+    def _resolve_link(self, step, route, finding: Finding, findings: list[Finding]) -> None:
+        """What a neighbour decoded differs from the sender's recomputed work, though the sender's own records
+        agree: the sender sent other than it computed, unless the receiver's records are not corroborated."""
+        s, e = finding.stage, route[finding.stage]
+        if any(f.kind == "own" and f.stage == s for f in findings):
+            return  # resolved as an own check
+        forward = finding.direction == "forward"
+        receiver = s + 1 if forward else s - 1
+        r = route[receiver]
+        # the receiver's records are corroborated by its own checks passing; stage 0's received gradient by nothing
+        # (it sends no gradient on)
+        corroborated = r.verifier is not None and not any(f.stage == receiver for f in findings)
+        corroborated = corroborated and (forward or receiver > 0)
+        what = "an activation" if forward else "an input gradient"
+        if corroborated:
+            self._liar(e, f"step {step}: sent {what} {finding.error:.3g} off the one it computed (as {r.peer} "
+                       f"decoded it)")  # fmt: skip
+        self._dispute(step, f"stage {s} ({e.peer}) -> stage {receiver} ({r.peer}): {what} differs by "
+                      f"{finding.error:.3g}, and the receiver's records are not corroborated")  # fmt: skip
+
+    # ---- after Step ---------------------------------------------------------------------------------------
+
+    def check_digests(self, step: int, digests: dict[tuple[int, int], str]) -> None:
+        """Replicas' weights digests after `step` was applied; evicts the replicas that diverged (the
+        minority; with two, the one whose weights did not change) and returns."""
+        by_stage: dict[int, dict[int, str]] = {}
+        for (s, r), digest in digests.items():
+            if digest:
+                by_stage.setdefault(s, {})[r] = digest
+        for s, got in sorted(by_stage.items()):
+            counts = Counter(got.values())
+            if len(counts) > 1:
+                self._diverged(step, s, got, counts)
+            for r, digest in got.items():
+                self._last_digest[self.replica_peers[s][r]] = digest
+
+    def _diverged(self, step: int, s: int, got: dict[int, str], counts: Counter) -> None:
+        (top, most), *rest = counts.most_common()
+        if most * 2 > len(got):
+            liars = [r for r, d in got.items() if d != top]
+            why = f"its weights differ from {most} of its {len(got)} replicas' after step {step}"
+        else:
+            liars = [r for r, d in got.items() if self._last_digest.get(self.replica_peers[s][r]) == d]
+            why = f"its weights did not change at step {step}, its replicas' did"
+            if not liars or len(liars) == len(got):
+                self.stats.disputes += 1
+                log.warning("step %d: stage %d's replicas' weights differ and no minority is known: %s", step, s, got)
+                return
+        for r in liars:
+            peer = self.replica_peers[s][r]
+            self.stats.detections.append((peer, why))
+            self.evict(peer, f"stage {s}: {why}")
+
+    # ---- calls and bookkeeping ----------------------------------------------------------------------------
+
+    def _ask(self, s: int, r: int, method: str, request, peer: str):
+        """An Audit or Recompute call; a refusal from a live peer of its own work is a lie (an honest stage holds
+        its records until Step), any failure is passed on as the driver's other failures are."""
+        try:
+            return self._call(s, r, method, request)
+        except StageCallError as e:
+            if method == "Audit" and e.code.name in ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "INTERNAL"):
+                self._liar(Evidence(s, peer), f"refused an audit of its own work: {e}")
+            raise
+
+    def _read_record(self, e: Evidence, reply, first: bool, last: bool, micro) -> None:
+        try:
+            if first:
+                shape = micro.tokens.shape
+                e.inputs = tokens_from_wire(reply.tokens, 1 << 31, shape[1])[0] if reply.HasField("tokens") else None
+            else:
+                e.inputs = self._tensor(reply, "input")
+            e.output = reply.loss if last else self._tensor(reply, "output")
+            e.grad_received = None if last else self._tensor(reply, "grad_received")
+            e.grad_sent = None if first else self._tensor(reply, "grad_sent")
+        except WireError as error:
+            self._liar(e, f"its audit record is malformed: {error}")
+        if e.inputs is None:
+            self._liar(e, "its audit record has no input")
+
+    def _tensor(self, message, name: str) -> torch.Tensor | None:
+        return self._codec.decode(getattr(message, name)) if message.HasField(name) else None
+
+    def _recompute_request(self, step, plan_version, s, n, e: Evidence, micro, loss_weight):
+        request = stage_pb2.RecomputeRequest(step=step, plan_version=plan_version, stage=s)
+        if s == 0:
+            request.tokens.CopyFrom(tokens_to_wire(micro.tokens))
+        else:
+            request.input.CopyFrom(self._codec.encode(e.inputs.float()))
+        if s == n - 1:
+            request.targets.CopyFrom(tokens_to_wire(micro.targets))
+        if self.config.backward and s > 0:
+            request.backward = True
+            if s == n - 1:
+                request.loss_weight = loss_weight
+            elif e.grad_received is not None:
+                request.grad.CopyFrom(self._codec.encode(e.grad_received.float()))
+            else:
+                request.backward = False
+        return request
+
+    def _recompute(self, s: int, r: int, request, peer: str, n: int):
+        reply = self._ask(s, r, "Recompute", request, peer)
+        self.stats.recomputes += 1
+        try:
+            output = reply.loss if s == n - 1 else self._tensor(reply, "output")
+            grad = self._tensor(reply, "grad_in") if request.backward else None
+        except WireError:
+            output, grad = None, None  # counts as a disagreement, resolved like any other
+        return output, grad
+
+    def _note_passes(self, route: Sequence[Evidence], findings: list[Finding]) -> None:
+        failed = {(f.stage, f.kind, f.direction) for f in findings}
+        stats, last = self.stats, len(route) - 1
+        for s, e in enumerate(route):
+            if e.verifier is None:
+                continue
+            if (s, "own", "forward") not in failed:
+                stats.worst_own = max(stats.worst_own, rel_err(e.output, e.check_output))
+            if s < last and (s, "link", "forward") not in failed:
+                stats.worst_link = max(stats.worst_link, rel_err(route[s + 1].inputs, e.check_output))
+            if self.config.backward and s > 0:
+                if (s, "own", "backward") not in failed:
+                    stats.worst_own = max(stats.worst_own, rel_err(e.grad_sent, e.check_grad))
+                if (s, "link", "backward") not in failed:
+                    stats.worst_link = max(stats.worst_link, rel_err(route[s - 1].grad_received, e.check_grad))
+
+    def _liar(self, e: Evidence, reason: str):
+        if not getattr(self._local, "current", lambda: True)():
+            raise AuditDisputed(f"the attempt was abandoned during the audit of stage {e.stage}")
+        self.stats.detections.append((e.peer, reason))
+        self.evict(e.peer, f"stage {e.stage}: {reason}")
+        raise LiarFound(e.peer, e.stage, reason)
+
+    def _dispute(self, step: int, why: str):
+        self.stats.disputes += 1
+        log.warning("step %d: audit dispute, step abandoned: %s", step, why)
+        raise AuditDisputed(f"step {step}: {why}")
