@@ -311,9 +311,12 @@ class PipelineDriver:
 
     def _evict(self, peer: str, reason: str) -> None:
         """Takes a liar out of the routes (as if dead: its step runs again without it) and tells `on_liar`."""
+        with self._control_lock:  # audits run on the micro-batches' threads: one eviction per liar
+            if any(p == peer for p, _ in self.liars):
+                return
+            self.liars.append((peer, reason))
         log.warning("evicting peer %s: %s", peer, reason)
         self.dead.add(peer)
-        self.liars.append((peer, reason))
         if self.on_liar is not None:
             self.on_liar(peer, reason)
 
