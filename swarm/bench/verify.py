@@ -3,8 +3,10 @@
 Every setting trains the same steps of the same model from the same seed on a fresh `LocalPipeline` (2 stages x 2
 replicas, the swarm's default codecs); the settings alternate round after round in one run of this command, so the
 machine's drift touches all alike. In one process every replica shares the CPU, so the figure is the audits' whole
-added compute (a recomputation on a sibling, the records' copies and bytes), not only their latency. Reported: each
-setting's samples/s (median over rounds), its cost against verification off, and the audits' counts.
+added compute (a recomputation on a sibling, the records' copies and bytes, the weights' digests), not only their
+latency. Two figures per run: samples per second of wall time, and samples per CPU-second of the process (all
+its threads: every stage, replica and the trainer), which other load on a shared machine barely moves. Reported:
+each setting's medians over rounds, its cost against verification off, and the audits' counts.
 """
 
 from __future__ import annotations
@@ -66,19 +68,20 @@ def measure(fraction: float, steps: int, hidden: int, seed: int = 0) -> dict:
     gen, rows = torch.Generator().manual_seed(seed), 16
     windows = torch.randint(0, model.vocab_size, (4 * rows, model.seq_len_tokens + 1), generator=gen)
     try:
-        start, samples = 0.0, 0
+        start, cpu, samples = 0.0, 0.0, 0
         for step in range(steps):
             if step == 1:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
             at = (step % 4) * rows  # samples come back (AQ-SGD buffers warm), as in an epoch
             batch = Batch(torch.arange(at, at + rows), windows[at : at + rows, :-1], windows[at : at + rows, 1:])
             driver.train_step(step, batch)
             samples += rows if step >= 1 else 0
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
         stats = driver.verifier.stats if driver.verifier is not None else None
         return {
             "fraction": fraction,
             "samples_s": samples / seconds,
+            "samples_cpu_s": samples / cpu_seconds,
             "audits": stats.audits if stats else 0,
             "detections": len(stats.detections) if stats else 0,
             "audit_s": stats.seconds if stats else 0.0,
@@ -95,14 +98,19 @@ def run(args: argparse.Namespace) -> int:
     for r in range(rounds):
         for fraction in fractions:
             runs.append({"round": r, **measure(fraction, steps, hidden, seed=r)})
-            print(f"round {r} fraction {fraction}: {runs[-1]['samples_s']:.2f} samples/s", file=sys.stderr)
+            done = runs[-1]
+            print(f"round {r} fraction {fraction}: {done['samples_s']:.2f} samples/s, {done['samples_cpu_s']:.2f} per "
+                  f"CPU-second", file=sys.stderr)  # fmt: skip
     off = statistics.median(x["samples_s"] for x in runs if x["fraction"] == 0)
+    off_cpu = statistics.median(x["samples_cpu_s"] for x in runs if x["fraction"] == 0)
     rows = []
     for fraction in fractions:
         mine = [x for x in runs if x["fraction"] == fraction]
         rate = statistics.median(x["samples_s"] for x in mine)
+        cpu_rate = statistics.median(x["samples_cpu_s"] for x in mine)
         rows.append(
             {"fraction": fraction, "samples_s": round(rate, 3), "cost": round(1 - rate / off, 4),
+             "samples_cpu_s": round(cpu_rate, 3), "cpu_cost": round(1 - cpu_rate / off_cpu, 4),
              "audits": sum(x["audits"] for x in mine), "detections": sum(x["detections"] for x in mine)}
         )  # fmt: skip
     if bench.json:
@@ -110,5 +118,6 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(row))
         print(json.dumps({"fraction": "summary", "throughput_no_verify_samples_s": off, "rounds": rounds}))
     else:
-        print_table(rows, ["fraction", "samples_s", "cost", "audits", "detections"], "verified stage work: cost")
+        columns = ["fraction", "samples_s", "cost", "samples_cpu_s", "cpu_cost", "audits", "detections"]
+        print_table(rows, columns, "verified stage work: cost")
     return 0

@@ -171,6 +171,10 @@ class PipelineDriver:
         """(peer id, reason) of every replica evicted as a liar, in order"""
         self._abandons = 0
         """abandons sent so far: an audit concludes nothing once its attempt was abandoned"""
+        self._audits: list[Task] = []
+        """the running attempt's audits, gathered before its Step"""
+        self._attempt = 0
+        """the running attempt of the step (1, 2, ...; 0 outside `train_step`): audits draw afresh for each"""
         self._used: list[Route] = []
         """the routes of the attempt that runs"""
         self.verifier = (
@@ -273,7 +277,7 @@ class PipelineDriver:
 
     def _micro_batch(self, step: int, work: RouteWork, mb: int, layout=None) -> _MicroResult:
         last, data = self.n_stages - 1, work.micro[mb]
-        attempt, abandons = self.router.attempt_id, self._abandons
+        attempt, abandons = self._attempt, self._abandons
         first_r, last_r = work.route.index % self.counts[0], work.route.index % self.counts[last]
 
         def tokens(route: bool) -> Iterator[bytes]:
@@ -286,9 +290,10 @@ class PipelineDriver:
         # communication: the backward starts at the route's last stage and flows back to its stage 0
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
-        verifier = self.verifier  # a sampled micro-batch is audited now, before the step's Step
+        verifier = self.verifier  # a sampled micro-batch is audited beside the step's Reduce, before its Step
         if verifier is not None and verifier.sampled(step, attempt, work.route.index, mb):
-            self._audit(step, work, mb, layout, abandons)
+            audit = lambda: self._audit(step, work, mb, layout, abandons)  # noqa: E731
+            self._audits.append(self._spawn(audit, work.route.peers))
         traffic = Traffic()
         traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
         traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
@@ -324,7 +329,7 @@ class PipelineDriver:
         """Every route's micro-batches, all at once; the batch's mean loss and the bytes. Records each route's
         samples/s in `weights`."""
         start = time.perf_counter()
-        self._used = [w.route for w in work]
+        self._used, self._audits = [w.route for w in work], []
         layout = None
         if uneven(self.counts):  # shared replicas: number every replica's micro-batches (route, position) order
             numbering = stage_numbering({w.route.index: len(w.micro) for w in work}, self.counts)
@@ -506,7 +511,9 @@ class PipelineDriver:
         wake, self._inflight = threading.Event(), []
         try:
             with self._ping_loop(routes, wake):
-                return self._run_routes(step, self._work(batch, routes), wake)
+                done = self._run_routes(step, self._work(batch, routes), wake)
+                gather(self._audits, wake, self.dead, self.deadline_s)
+                return done
         except Failed as f:
             self.abandon(step)
             raise as_error(f, step) from f.error
@@ -529,11 +536,13 @@ class PipelineDriver:
             used = [w.route for w in work]
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
+            self._attempt = attempt
             try:
                 with self._ping_loop(used, wake):
                     loss, traffic = self._run_routes(step, work, wake)
                     traffic.merge(self._reduce(step, used, wake))
                     norm = self._grads(step, used, wake)
+                    gather(self._audits, wake, self.dead, self.deadline_s)  # a liar found: nothing is applied
                     lr = self._apply(step, used, norm, wake)
                 break
             except Failed as f:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.compression import CodecConfig, WireError, make_codec
-from swarm.net.stream import StageCallError, tokens_from_wire, tokens_to_wire
+from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire, tokens_to_wire
 from swarm.proto import stage_pb2
 
 __all__ = ["AuditDisputed", "Evidence", "Finding", "LiarFound", "StageVerifier", "VerifyConfig", "judge", "rel_err"]
@@ -95,6 +95,14 @@ class LiarFound(Exception):
     def __init__(self, peer: str, stage: int, reason: str):
         super().__init__(f"stage {stage} peer {peer}: {reason}")
         self.peer, self.stage, self.reason = peer, stage, reason
+
+
+class _Refused(Exception):
+    """A live stage refused an audit of its own work (judged in the audit's thread: `StageVerifier._liar`)."""
+
+    def __init__(self, stage: int, error: BaseException):
+        super().__init__(str(error))
+        self.stage, self.error = stage, error
 
 
 class AuditDisputed(Exception):
@@ -167,6 +175,30 @@ def judge(
             if not err <= link_back:
                 link.append(Finding(s, "link", "backward", err))
     return own + link
+
+
+def _together(calls: Sequence[Callable[[], object]]) -> list:
+    """Runs `calls` at once, one thread each (the first in this one); their results in order, or the first
+    failure raised after all ended."""
+    results: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), name="audit", daemon=True) for i in range(1, len(calls))]
+    for t in threads:
+        t.start()
+    if calls:
+        run(0)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 @dataclass
@@ -263,22 +295,32 @@ class StageVerifier:
     def _audit(self, step, plan_version, replicas, local_mb, siblings, micro, loss_weight) -> None:
         cfg, n = self.config, len(replicas)
         route = [Evidence(s, self.replica_peers[s][r]) for s, r in enumerate(replicas)]
-        for s, e in enumerate(route):  # the records, as each stage of the route states them
+
+        def record(s: int, e: Evidence):
             request = stage_pb2.AuditRequest(
                 step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward
             )
-            reply = self._ask(s, replicas[s], "Audit", request, e.peer)
+            return self._ask(s, replicas[s], "Audit", request, e.peer)
+
+        # the records, as each stage of the route states them (all stages at once)
+        try:
+            replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
+        except _Refused as refused:
+            self._liar(route[refused.stage], f"refused an audit of its own work: {refused.error}")
+        for s, (e, reply) in enumerate(zip(route, replies, strict=True)):
             self._read_record(e, reply, s == 0, s == n - 1, micro)
         if not bool(torch.equal(route[0].inputs, micro.tokens)):
             self._liar(route[0], f"step {step}: its record holds other tokens than the trainer sent")
-        requests = {}
+        requests, calls = {}, []
         for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
             if not siblings[s]:
                 continue
             requests[s] = self._recompute_request(step, plan_version, s, n, e, micro, loss_weight)
             v = self._pick(step, s, siblings[s])
             e.verifier = self.replica_peers[s][v]
-            e.check_output, e.check_grad = self._recompute(s, v, requests[s], e.verifier, n)
+            calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n)))
+        for (e, _), (output, grad) in zip(calls, _together([c for _, c in calls]), strict=True):
+            e.check_output, e.check_grad = output, grad
         findings = judge(route, cfg.rtol, cfg.link_rtol, cfg.backward, cfg.link_rtol_backward)
         self._note_passes(route, findings)
         if not findings:
@@ -372,8 +414,9 @@ class StageVerifier:
         try:
             return self._call(s, r, method, request)
         except StageCallError as e:
-            if method == "Audit" and e.code.name in ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "INTERNAL"):
-                self._liar(Evidence(s, peer), f"refused an audit of its own work: {e}")
+            refusal = e.code.name in ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "INTERNAL")
+            if method == "Audit" and refusal and PLAN_MISMATCH not in str(e):  # a new plan: honest
+                raise _Refused(s, e) from e
             raise
 
     def _read_record(self, e: Evidence, reply, first: bool, last: bool, micro) -> None:

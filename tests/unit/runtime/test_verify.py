@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import pytest
 import torch
 
@@ -282,6 +283,21 @@ def test_a_lie_within_the_codecs_error_passes_the_link_check_and_evicts_nobody(p
     _sends_scaled(pipe.replica_hosts[0][1], 1.5)
     driver, caught = run(pipe, 2, VerifyConfig(fraction=1.0, seed=3))
     assert caught is None and driver.verifier.stats.worst_link == pytest.approx(0.5, rel=1e-3)
+
+
+def test_a_stage_that_refuses_an_audit_of_its_own_work_is_evicted(pipe):
+    from swarm.net.stream import CallRefused
+
+    liar = pipe.replica_hosts[1][1]
+
+    def refuse(*args):
+        raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, "no such record")
+
+    liar.audit_record = refuse
+    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=3))
+    result = driver.train_step(0, batch(0))
+    assert result.attempts == 2 and [p for p, _ in driver.liars] == [liar.peer_id]
+    assert "refused an audit" in driver.liars[0][1]
 
 
 def _consistent(factor: float):
