@@ -119,7 +119,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale", "trainer_elapsed_s", "frozen_layers", "attempt_id", "want_digest")
+    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale", "trainer_elapsed_s", "frozen_layers", "attempt_id", "want_digest", "digest_stride", "digest_seed", "previous_digest_seed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIED_GRAD_SUM_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,9 @@ class StepRequest(_message.Message):
     FROZEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     WANT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
     step: int
     tied_grad_sum: _wire_pb2.TensorMessage
     global_grad_norm: float
@@ -142,7 +145,10 @@ class StepRequest(_message.Message):
     frozen_layers: int
     attempt_id: int
     want_digest: bool
-    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., trainer_elapsed_s: _Optional[float] = ..., frozen_layers: _Optional[int] = ..., attempt_id: _Optional[int] = ..., want_digest: _Optional[bool] = ...) -> None: ...
+    digest_stride: int
+    digest_seed: int
+    previous_digest_seed: int
+    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., trainer_elapsed_s: _Optional[float] = ..., frozen_layers: _Optional[int] = ..., attempt_id: _Optional[int] = ..., want_digest: _Optional[bool] = ..., digest_stride: _Optional[int] = ..., digest_seed: _Optional[int] = ..., previous_digest_seed: _Optional[int] = ...) -> None: ...
 
 class GradReply(_message.Message):
     __slots__ = ("tied_grad", "grad_sq_norm", "loss_scale", "layer_sq_norms")
@@ -157,18 +163,20 @@ class GradReply(_message.Message):
     def __init__(self, tied_grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., layer_sq_norms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "lr", "loss_scale", "skipped", "weights_digest")
+    __slots__ = ("step", "lr", "loss_scale", "skipped", "weights_digest", "previous_digest")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     step: int
     lr: float
     loss_scale: float
     skipped: bool
     weights_digest: str
-    def __init__(self, step: _Optional[int] = ..., lr: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., weights_digest: _Optional[str] = ...) -> None: ...
+    previous_digest: str
+    def __init__(self, step: _Optional[int] = ..., lr: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., weights_digest: _Optional[str] = ..., previous_digest: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")

@@ -433,14 +433,16 @@ class PipelineDriver:
             req = stage_pb2.StepRequest(
                 step=step, global_grad_norm=norm, plan_version=self.plan_version, skip=skip, loss_scale=self.loss_scale
             )
-            req.want_digest = want_digest and len(self._replicas(s, routes)) > 1
+            if want_digest and len(self._replicas(s, routes)) > 1:  # the replicas' weights, compared after
+                req.want_digest, req.digest_stride = True, self.verifier.config.digest_stride
+                req.digest_seed, req.previous_digest_seed = self.verifier.digest_seeds(step)
             req.trainer_elapsed_s = time.perf_counter() - self._step_started
             return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, routes)]
         lrs: list[stage_pb2.StepReply] = []
         want_digest = self.verifier is not None and self.verifier.config.digests
-        digests: dict[tuple[int, int], str] = {}
+        digests: dict[tuple[int, int], tuple[str, str]] = {}
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
             try:
@@ -459,7 +461,7 @@ class PipelineDriver:
                     continue  # died (or hung) before it answered
                 if outcome.exception() is None:
                     lrs.append(outcome.result())
-                    digests[key] = outcome.result().weights_digest
+                    digests[key] = (outcome.result().weights_digest, outcome.result().previous_digest)
                     continue
                 peer = self.replica_peers[key[0]][key[1]]
                 if not self._alive(peer):

@@ -31,7 +31,7 @@ from swarm.net.connect import Connector
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, tokens_from_wire
 from swarm.peers.routes import local_micro
 from swarm.runtime.audit import AuditTrail, Recomputed, recompute
-from swarm.runtime.average import GradientAverager, parameters_digest
+from swarm.runtime.average import GradientAverager, parameters_digest, sampled_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.callinfo import DEFAULT_SCHEDULE, call_wait_s
@@ -494,6 +494,12 @@ class StageHost:
                 f"{PLAN_MISMATCH} stage {stage} of plan {plan_version}: this peer serves stage {role.stage} of plan "
                 f"{role.plan_version}",
             )
+
+    def sampled_digest(self, stride: int, seed: int) -> str:
+        """SHA-256 of every `stride`-th element of the parameters from an offset drawn from `seed` (after Step,
+        for the trainer's comparison of replicas; `swarm.runtime.average.sampled_digest`)."""
+        with self.compute_lock:
+            return sampled_digest(sorted(self.worker.module.named_parameters()), stride, seed)
 
     def weights_digest(self) -> str:
         """SHA-256 of the parameters, recomputed only when one changed (as Status reports it)."""

@@ -331,10 +331,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             with self._admission:
                 self._admission.notify_all()  # a plan change may be waiting for the step to end
             skipped = request.skip and not request.abandon
-            digest = host.weights_digest() if request.want_digest and not request.abandon else ""
-            return stage_pb2.StepReply(
-                step=request.step, lr=lr, loss_scale=host.worker.loss_scale, skipped=skipped, weights_digest=digest
-            )
+            reply = stage_pb2.StepReply(step=request.step, lr=lr, loss_scale=host.worker.loss_scale, skipped=skipped)
+            if request.want_digest and not request.abandon:  # the trainer compares replicas (swarm.runtime.verify)
+                reply.weights_digest = host.sampled_digest(request.digest_stride, request.digest_seed)
+                if request.previous_digest_seed:
+                    reply.previous_digest = host.sampled_digest(request.digest_stride, request.previous_digest_seed)
+            return reply
 
         return self._guard(context, run)
 

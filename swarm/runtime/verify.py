@@ -79,12 +79,17 @@ class VerifyConfig:
     """Also audit the backward: the input gradient each stage sent."""
     digests: bool = True
     """Compare the replicas' weights digests after every Step."""
+    digest_stride: int = 61
+    """Hash every n-th element of each parameter (from an offset the trainer draws each step): about 1/n of a full
+    SHA-256 of the weights per step (1: every element)."""
     seed: int | None = None
     """The sampling secret (None: a fresh random one; set only in tests)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
+        if self.digest_stride < 1:
+            raise ValueError(f"digest_stride must be >= 1, got {self.digest_stride}")
         if not (self.rtol > 0 and self.link_rtol > 0 and self.link_rtol_backward > 0):
             raise ValueError("tolerances must be positive")
 
@@ -244,6 +249,8 @@ class StageVerifier:
         self.replica_peers = [tuple(r) for r in replica_peers]
         self._secret = (config.seed if config.seed is not None else secrets.randbits(64)).to_bytes(16, "little")
         self._last_digest: dict[str, str] = {}
+        """each replica's digest at the step digested last, under `_last_seed`"""
+        self._last_seed = 0
         self._lock = threading.Lock()
         self._local = threading.local()  # the running audit's `current`, per call thread
         self.stats = VerifyStats()
@@ -259,6 +266,14 @@ class StageVerifier:
         key = f"{step}:{attempt}:{route}:{mb}".encode()
         draw = int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=8).digest(), "little")
         return draw / 2**64 < self.config.fraction
+
+    def digest_seeds(self, step: int) -> tuple[int, int]:
+        """This step's draw of the digest's elements (keyed by the secret: no stage knows it before its Step), and
+        the draw of the step digested last (0: none), under which a replica that moved no weight reports what it
+        reported then."""
+        key = f"digest:{step}".encode()
+        seed = 1 + int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=7).digest(), "little")
+        return seed, self._last_seed
 
     def _pick(self, step: int, stage: int, choices: Sequence[int]) -> int:
         key = f"pick:{step}:{stage}:{time.perf_counter_ns()}".encode()
@@ -377,27 +392,35 @@ class StageVerifier:
 
     # ---- after Step ---------------------------------------------------------------------------------------
 
-    def check_digests(self, step: int, digests: dict[tuple[int, int], str]) -> None:
-        """Replicas' weights digests after `step` was applied; evicts the replicas that diverged (the
-        minority; with two, the one whose weights did not change) and returns."""
+    def check_digests(self, step: int, digests: dict[tuple[int, int], tuple[str, str]]) -> None:
+        """Replicas' (digest, digest under the previous draw) after `step` was applied (under `digest_seeds(step)`);
+        evicts the replicas that diverged (the minority; with two, the one whose weights did not move)."""
         by_stage: dict[int, dict[int, str]] = {}
-        for (s, r), digest in digests.items():
+        moved: dict[str, bool] = {}
+        for (s, r), (digest, previous) in digests.items():
             if digest:
                 by_stage.setdefault(s, {})[r] = digest
+                peer = self.replica_peers[s][r]
+                if previous and peer in self._last_digest:
+                    moved[peer] = previous != self._last_digest[peer]
+        self._last_digest = {}
         for s, got in sorted(by_stage.items()):
             counts = Counter(got.values())
             if len(counts) > 1:
-                self._diverged(step, s, got, counts)
+                self._diverged(step, s, got, counts, moved)
             for r, digest in got.items():
                 self._last_digest[self.replica_peers[s][r]] = digest
+        self._last_seed = self.digest_seeds(step)[0]
 
-    def _diverged(self, step: int, s: int, got: dict[int, str], counts: Counter) -> None:
+    def _diverged(self, step: int, s: int, got: dict[int, str], counts: Counter, moved: dict[str, bool]) -> None:
         (top, most), *rest = counts.most_common()
         if most * 2 > len(got):
             liars = [r for r, d in got.items() if d != top]
             why = f"its weights differ from {most} of its {len(got)} replicas' after step {step}"
         else:
-            liars = [r for r, d in got.items() if self._last_digest.get(self.replica_peers[s][r]) == d]
+            liars = [r for r in got if moved.get(self.replica_peers[s][r]) is False]
+            if any(moved.get(self.replica_peers[s][r]) is None for r in got):
+                liars = []  # not every replica's movement is known: no rule names one
             why = f"its weights did not change at step {step}, its replicas' did"
             if not liars or len(liars) == len(got):
                 self.stats.disputes += 1

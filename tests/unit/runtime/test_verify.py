@@ -119,22 +119,34 @@ def _digest_verifier(peers):
 
 def test_digests_the_minority_of_three_is_evicted():
     v, evicted = _digest_verifier([["a", "b", "c"]])
-    v.check_digests(0, {(0, 0): "x", (0, 1): "x", (0, 2): "x"})
+    v.check_digests(0, {(0, 0): ("x", ""), (0, 1): ("x", ""), (0, 2): ("x", "")})
     assert evicted == []
-    v.check_digests(1, {(0, 0): "y", (0, 1): "z", (0, 2): "y"})
+    v.check_digests(1, {(0, 0): ("y", "x1"), (0, 1): ("z", "x2"), (0, 2): ("y", "x1")})
     assert evicted == ["b"]
 
 
 def test_digests_of_two_evict_the_one_that_stopped_updating_and_nobody_when_unknown():
     v, evicted = _digest_verifier([["a", "b"]])
-    v.check_digests(0, {(0, 0): "x", (0, 1): "y"})  # no history: a dispute, nobody evicted
+    v.check_digests(0, {(0, 0): ("x", ""), (0, 1): ("y", "")})  # no history: a dispute, nobody evicted
     assert evicted == [] and v.stats.disputes == 1
-    v.check_digests(1, {(0, 0): "x1", (0, 1): "y"})  # b's weights did not move, a's did
+    assert v.digest_seeds(1)[1] == v.digest_seeds(0)[0] != v.digest_seeds(1)[0]  # the previous draw is asked for
+    v.check_digests(1, {(0, 0): ("x1", "x'"), (0, 1): ("y1", "y")})  # under step 0's draw b still hashes to y
     assert evicted == ["b"]
     v, evicted = _digest_verifier([["a", "b"]])
-    v.check_digests(0, {(0, 0): "x", (0, 1): "x"})
-    v.check_digests(1, {(0, 0): "x1", (0, 1): "x2"})  # both moved, apart: no rule names one
+    v.check_digests(0, {(0, 0): ("x", ""), (0, 1): ("x", "")})
+    v.check_digests(1, {(0, 0): ("x1", "x'"), (0, 1): ("x2", "x''")})  # both moved, apart: no rule names one
     assert evicted == [] and v.stats.disputes == 1
+
+
+def test_the_sampled_digest_agrees_on_equal_weights_and_sees_one_moved_element():
+    from swarm.runtime.average import parameters_digest, sampled_digest
+
+    a = [("w", torch.randn(40, 30)), ("b", torch.randn(7)), ("one", torch.randn(1))]
+    b = [(n, t.clone()) for n, t in a]
+    assert sampled_digest(a, 61, 5) == sampled_digest(b, 61, 5) != sampled_digest(a, 61, 6)
+    assert sampled_digest(a, 1, 5) == parameters_digest(a)
+    moved = [(n, t + 1e-6) for n, t in a]  # an optimizer step moves nearly every element
+    assert sampled_digest(moved, 61, 5) != sampled_digest(a, 61, 5)
 
 
 # ---- in-process pipelines with a lying replica -------------------------------------------------------------------
