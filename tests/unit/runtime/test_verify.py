@@ -352,3 +352,48 @@ def test_a_lone_stage_is_not_verified_and_raises_nothing():
         assert caught is None and driver.verifier.stats.audits > 0
     finally:
         pipe.close()
+
+
+def test_uneven_replica_counts_audit_each_stages_own_numbering():
+    """Routes over (2, 3) replicas: a replica numbers its micro-batches across its routes; the audit asks each
+    stage for its own number, so a clean run audited everywhere finds nothing, and a liar is still named."""
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=(2, 3))
+    try:
+        driver, caught = run(pipe, 2, VerifyConfig(fraction=1.0, seed=5), n_micro=6)
+        assert caught is None and driver.verifier.stats.audits >= 6 and driver.verifier.stats.disputes == 0
+        liar = pipe.replica_hosts[1][2]
+        flipped(liar.worker)
+        driver.train_step(2, batch(2))
+        assert [p for p, _ in driver.liars] == [liar.peer_id]
+    finally:
+        pipe.close()
+
+
+def test_three_stages_a_middle_liar_is_named_by_its_records_or_its_neighbours():
+    pipe = LocalPipeline(CFG, 3, FP32, FP32, replicas=2)
+    try:
+        liar = pipe.replica_hosts[1][0]
+        _sends_scaled(liar, 10.0)  # records honestly; the last stage's record of its input shows the lie
+        driver, caught = run(pipe, 1, VerifyConfig(fraction=1.0, seed=5))
+        assert [p for p, _ in driver.liars] == [liar.peer_id] and "sent an activation" in driver.liars[0][1]
+    finally:
+        pipe.close()
+
+
+def test_the_stage_side_refuses_audits_of_closed_steps_and_recomputes_of_applied_ones(pipe):
+    from swarm.net.stream import CallRefused
+
+    driver = pipe.driver(4, verify=VerifyConfig(fraction=0.0, digests=False))
+    driver.train_step(0, batch(0))
+    host = pipe.replica_hosts[1][0]
+    with pytest.raises(CallRefused, match="not open"):
+        host.audit_record(0, 0, 1, 0)  # the step was applied: its records are gone
+    with pytest.raises(CallRefused, match="plan"):
+        host.audit_record(0, 3, 1, 0)
+    x = torch.randn(2, CFG.seq_len_tokens, CFG.hidden_dim)
+    targets = torch.zeros(2, CFG.seq_len_tokens, dtype=torch.long)
+    with pytest.raises(CallRefused, match="applied here already"):
+        host.recompute(0, 0, 1, x, targets)
+    done = host.recompute(1, 0, 1, x, targets, torch.tensor(0.5))  # the next step's weights are these
+    assert math.isfinite(done.loss) and done.grad_in.shape == x.shape
+    assert all(p.grad is None for p in host.worker.module.parameters())  # no weight gradient touched
