@@ -275,9 +275,10 @@ class PipelineDriver:
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
-    def _micro_batch(self, step: int, work: RouteWork, mb: int, layout=None) -> _MicroResult:
+    def _micro_batch(self, step: int, work: RouteWork, mb: int, layout=None, audits=None) -> _MicroResult:
+        """One micro-batch's forward and backward on its route; `audits`: (attempt, abandons so far, the
+        attempt's list of audit tasks), taken when the attempt began, so a late task never joins a later one."""
         last, data = self.n_stages - 1, work.micro[mb]
-        attempt, abandons = self._attempt, self._abandons
         first_r, last_r = work.route.index % self.counts[0], work.route.index % self.counts[last]
 
         def tokens(route: bool) -> Iterator[bytes]:
@@ -291,9 +292,9 @@ class PipelineDriver:
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
         verifier = self.verifier  # a sampled micro-batch is audited beside the step's Reduce, before its Step
-        if verifier is not None and verifier.sampled(step, attempt, work.route.index, mb):
-            audit = lambda: self._audit(step, work, mb, layout, abandons)  # noqa: E731
-            self._audits.append(self._spawn(audit, work.route.peers))
+        if verifier is not None and audits is not None and verifier.sampled(step, audits[0], work.route.index, mb):
+            audit = lambda: self._audit(step, work, mb, layout, audits[1])  # noqa: E731
+            audits[2].append(self._spawn(audit, work.route.peers))
         traffic = Traffic()
         traffic.add(forward.traffic.link_bytes, forward.traffic.fp32_wire_bytes, "forward")
         traffic.add(backward.traffic.link_bytes, backward.traffic.fp32_wire_bytes, "backward")
@@ -341,9 +342,10 @@ class PipelineDriver:
         # the labels first: one PutLabels per route (and per max_batch rows) rather than one per micro-batch
         labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
         gather(labels, wake, self.dead, self.deadline_s)
+        audits = (self._attempt, self._abandons, self._audits)
         tasks = [
             [
-                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout), w.route.peers)
+                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout, audits), w.route.peers)
                 for mb in range(len(w.micro))
             ]
             for w in work
