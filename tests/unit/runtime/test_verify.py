@@ -397,3 +397,14 @@ def test_the_stage_side_refuses_audits_of_closed_steps_and_recomputes_of_applied
     done = host.recompute(1, 0, 1, x, targets, torch.tensor(0.5))  # the next step's weights are these
     assert math.isfinite(done.loss) and done.grad_in.shape == x.shape
     assert all(p.grad is None for p in host.worker.module.parameters())  # no weight gradient touched
+
+
+def test_swarm_train_takes_the_rate_and_refuses_nonsense():
+    from swarm.train.trainer import TrainConfig, train_flags
+
+    assert TrainConfig().verify_fraction == VerifyConfig().fraction
+    with pytest.raises(ValueError, match="verify_fraction"):
+        TrainConfig(verify_fraction=1.5)
+    parser = __import__("argparse").ArgumentParser()
+    train_flags().add_to(parser)
+    assert train_flags().from_args(parser.parse_args(["--verify-fraction", "0"])).verify_fraction == 0.0
