@@ -47,6 +47,7 @@ import torch
 from swarm.compression import CodecConfig, WireError, make_codec
 from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire, tokens_to_wire
 from swarm.proto import stage_pb2
+from swarm.runtime.routing import reroutable
 
 __all__ = ["AuditDisputed", "Evidence", "Finding", "LiarFound", "StageVerifier", "VerifyConfig", "judge", "rel_err"]
 
@@ -103,11 +104,11 @@ class LiarFound(Exception):
 
 
 class _Refused(Exception):
-    """A live stage refused an audit of its own work (judged in the audit's thread: `StageVerifier._liar`)."""
+    """A live stage refused an Audit of its own work or a Recompute (judged in the audit's thread: `_liar`)."""
 
-    def __init__(self, stage: int, error: BaseException):
+    def __init__(self, stage: int, peer: str, method: str, error: BaseException):
         super().__init__(str(error))
-        self.stage, self.error = stage, error
+        self.stage, self.peer, self.method, self.error = stage, peer, method, error
 
 
 class AuditDisputed(Exception):
@@ -172,7 +173,7 @@ def judge(
             err = rel_err(route[s + 1].inputs, e.check_output)
             if not err <= link_rtol:
                 link.append(Finding(s, "link", "forward", err))
-        if backward and s > 0:
+        if backward and s > 0 and e.grad_sent is not None and e.check_grad is not None:  # frozen stages send none
             err = rel_err(e.grad_sent, e.check_grad)
             if not err <= rtol:
                 own.append(Finding(s, "own", "backward", err))
@@ -302,6 +303,9 @@ class StageVerifier:
         self._local.current = current
         try:
             self._audit(step, plan_version, replicas, local_mb, siblings, micro, loss_weight)
+        except _Refused as refused:
+            what = "an audit of its own work" if refused.method == "Audit" else "a recomputation"
+            self._liar(Evidence(refused.stage, refused.peer), f"step {step}: refused {what}: {refused.error}")
         finally:
             with self._lock:
                 self.stats.audits += 1
@@ -318,10 +322,7 @@ class StageVerifier:
             return self._ask(s, replicas[s], "Audit", request, e.peer)
 
         # the records, as each stage of the route states them (all stages at once)
-        try:
-            replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
-        except _Refused as refused:
-            self._liar(route[refused.stage], f"refused an audit of its own work: {refused.error}")
+        replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
         for s, (e, reply) in enumerate(zip(route, replies, strict=True)):
             self._read_record(e, reply, s == 0, s == n - 1, micro)
         if not bool(torch.equal(route[0].inputs, micro.tokens)):
@@ -432,15 +433,19 @@ class StageVerifier:
     # ---- calls and bookkeeping ----------------------------------------------------------------------------
 
     def _ask(self, s: int, r: int, method: str, request, peer: str):
-        """An Audit or Recompute call; a refusal from a live peer of its own work is a lie (an honest stage holds
-        its records until Step), any failure is passed on as the driver's other failures are."""
+        """An Audit or Recompute call. A live peer's refusal is a lie (an honest stage holds its records until
+        Step, and recomputes any checked input of the open step); a dead peer's failure and a plan change are
+        passed on as the driver's other failures are; anything else (a full slot, an input the trainer could not
+        check: another hidden size) makes the audit a dispute, never a stop of the run."""
         try:
             return self._call(s, r, method, request)
         except StageCallError as e:
-            refusal = e.code.name in ("FAILED_PRECONDITION", "INVALID_ARGUMENT", "INTERNAL")
-            if method == "Audit" and refusal and PLAN_MISMATCH not in str(e):  # a new plan: honest
-                raise _Refused(s, e) from e
-            raise
+            if reroutable(e) or PLAN_MISMATCH in str(e):
+                raise
+            codes = ("FAILED_PRECONDITION", "INTERNAL") + (("INVALID_ARGUMENT",) if method == "Audit" else ())
+            if e.code.name in codes:
+                raise _Refused(s, peer, method, e) from e
+            raise AuditDisputed(f"{method} to stage {s} ({peer}) failed: {e}") from e
 
     def _read_record(self, e: Evidence, reply, first: bool, last: bool, micro) -> None:
         try:
@@ -456,6 +461,16 @@ class StageVerifier:
             self._liar(e, f"its audit record is malformed: {error}")
         if e.inputs is None:
             self._liar(e, "its audit record has no input")
+        rows_seq = list(micro.tokens.shape)
+        if first and list(e.inputs.shape) != rows_seq:
+            self._liar(e, f"its audit record's tokens are shaped {list(e.inputs.shape)}, the trainer sent {rows_seq}")
+        named = (("input", None if first else e.inputs), ("output", None if last else e.output))
+        tensors = [(name, t) for name, t in (*named, ("grad_received", e.grad_received), ("grad_sent", e.grad_sent))]
+        tensors = [(name, t) for name, t in tensors if t is not None]
+        hidden = {t.shape[-1] for _, t in tensors if t.dim()}
+        for name, t in tensors:  # every tensor of the record is [rows, seq, hidden] of this micro-batch, one hidden
+            if t.dim() != 3 or list(t.shape[:2]) != rows_seq or len(hidden) > 1:
+                self._liar(e, f"its audit record's {name} is shaped {list(t.shape)} for {rows_seq} tokens")
 
     def _tensor(self, message, name: str) -> torch.Tensor | None:
         return self._codec.decode(getattr(message, name)) if message.HasField(name) else None
@@ -498,7 +513,7 @@ class StageVerifier:
                 stats.worst_own = max(stats.worst_own, rel_err(e.output, e.check_output))
             if s < last and (s, "link", "forward") not in failed:
                 stats.worst_link = max(stats.worst_link, rel_err(route[s + 1].inputs, e.check_output))
-            if self.config.backward and s > 0:
+            if self.config.backward and s > 0 and e.grad_sent is not None and e.check_grad is not None:
                 if (s, "own", "backward") not in failed:
                     stats.worst_own = max(stats.worst_own, rel_err(e.grad_sent, e.check_grad))
                 if (s, "link", "backward") not in failed:

@@ -408,3 +408,47 @@ def test_swarm_train_takes_the_rate_and_refuses_nonsense():
     parser = __import__("argparse").ArgumentParser()
     train_flags().add_to(parser)
     assert train_flags().from_args(parser.parse_args(["--verify-fraction", "0"])).verify_fraction == 0.0
+
+
+def test_a_replica_that_refuses_to_recompute_is_evicted_and_a_busy_one_evicts_nobody(pipe):
+    from swarm.net.stream import CallRefused
+
+    stubborn = pipe.replica_hosts[1][1]
+
+    def refuse(*args, **kwargs):
+        raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, "not today")
+
+    stubborn.recompute = refuse
+    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=3))
+    driver.train_step(0, batch(0))
+    assert [p for p, _ in driver.liars] == [stubborn.peer_id] and "refused a recomputation" in driver.liars[0][1]
+
+    busy = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        from swarm.runtime.budget import SlotsExhausted
+
+        def full(*args, **kwargs):
+            raise SlotsExhausted("1 Recompute calls are being served already")
+
+        busy.replica_hosts[1][1].recompute = full
+        driver = busy.driver(4, verify=VerifyConfig(fraction=1.0, seed=3), max_attempts=2)
+        with pytest.raises(Exception, match="Recompute"):
+            driver.train_step(0, batch(0))
+        assert driver.liars == [] and all(h.steps_done == 0 for row in busy.replica_hosts for h in row)
+    finally:
+        busy.close()
+
+
+def test_a_record_of_another_shape_is_a_lie(pipe):
+    liar = pipe.replica_hosts[1][0]
+    honest = liar.audit_record
+
+    def reshaped(*args):
+        record = honest(*args)
+        record.inputs = record.inputs[:, :-1]  # one token short
+        return record
+
+    liar.audit_record = reshaped
+    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=3))
+    driver.train_step(0, batch(0))
+    assert [p for p, _ in driver.liars] == [liar.peer_id] and "shaped" in driver.liars[0][1]
