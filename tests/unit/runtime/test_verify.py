@@ -25,6 +25,8 @@ CFG = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=4, n
 FP32 = CodecConfig("fp32")
 STEPS = 20
 """the issue's bound: a liar is evicted within 20 steps"""
+HEARTBEAT_S = 10.0
+"""no peer dies here: slow heartbeats, so a loaded machine's late ping never takes a route out mid-test"""
 
 
 def batch(step: int, n: int = 8) -> Batch:
@@ -194,7 +196,7 @@ def flipped(worker):
 
 def run(pipe: LocalPipeline, steps: int, verify: VerifyConfig, n_micro: int = 4):
     """Trains `steps` steps with `verify`; the driver and the step a liar was first evicted at (None: never)."""
-    driver = pipe.driver(n_micro, verify=verify)
+    driver = pipe.driver(n_micro, heartbeat_s=HEARTBEAT_S, verify=verify)
     caught = None
     for step in range(steps):
         result = driver.train_step(step, batch(step))
@@ -249,7 +251,9 @@ def test_each_attack_evicts_the_liar_within_20_steps(pipe, attack):
     liar = pipe.replica_hosts[stage][1]
     lie(liar.worker)
     told = []
-    driver = pipe.driver(4, verify=VerifyConfig(seed=11), on_liar=lambda peer, why: told.append((peer, why)))
+    driver = pipe.driver(
+        4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(seed=11), on_liar=lambda peer, why: told.append((peer, why))
+    )
     caught = None
     for step in range(STEPS):
         driver.train_step(step, batch(step))
@@ -268,7 +272,7 @@ def test_an_evicted_liars_step_is_never_applied(pipe):
     replicas apply it once, and their weights agree with each other."""
     liar = pipe.replica_hosts[0][1]
     scaled(10.0)(liar.worker)
-    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=3))
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
     result = driver.train_step(0, batch(0))
     assert result.attempts == 2 and [p for p, _ in driver.liars] == [liar.peer_id]
     honest = [h for row in pipe.replica_hosts for h in row if h is not liar and h.steps_done]
@@ -284,7 +288,7 @@ def _sends_scaled(host, factor: float) -> None:
 def test_a_liar_that_records_honestly_but_sends_scaled_is_caught_by_its_neighbours_record(pipe):
     liar = pipe.replica_hosts[0][1]
     _sends_scaled(liar, 10.0)
-    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=3))
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
     driver.train_step(0, batch(0))
     assert [p for p, _ in driver.liars] == [liar.peer_id] and "sent an activation" in driver.liars[0][1]
 
@@ -306,7 +310,7 @@ def test_a_stage_that_refuses_an_audit_of_its_own_work_is_evicted(pipe):
         raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, "no such record")
 
     liar.audit_record = refuse
-    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=3))
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
     result = driver.train_step(0, batch(0))
     assert result.attempts == 2 and [p for p, _ in driver.liars] == [liar.peer_id]
     assert "refused an audit" in driver.liars[0][1]
@@ -338,7 +342,7 @@ def test_a_consistent_liar_between_two_replicas_is_a_dispute_that_evicts_nobody(
     """Two replicas that each recompute consistently with themselves cannot be told apart: the step is abandoned
     (nothing poisoned is applied) and nobody is evicted; docs/SECURITY.md says so."""
     _consistent(1.5)(pipe.replica_hosts[0][1].worker)
-    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=5), max_attempts=2)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=5), max_attempts=2)
     with pytest.raises(Exception, match="dispute|differently|AuditDisputed"):
         driver.train_step(0, batch(0))
     assert driver.liars == [] and driver.verifier.stats.disputes >= 1
@@ -383,7 +387,7 @@ def test_three_stages_a_middle_liar_is_named_by_its_records_or_its_neighbours():
 def test_the_stage_side_refuses_audits_of_closed_steps_and_recomputes_of_applied_ones(pipe):
     from swarm.net.stream import CallRefused
 
-    driver = pipe.driver(4, verify=VerifyConfig(fraction=0.0, digests=False))
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=0.0, digests=False))
     driver.train_step(0, batch(0))
     host = pipe.replica_hosts[1][0]
     with pytest.raises(CallRefused, match="not open"):
@@ -419,7 +423,7 @@ def test_a_replica_that_refuses_to_recompute_is_evicted_and_a_busy_one_evicts_no
         raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, "not today")
 
     stubborn.recompute = refuse
-    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=3))
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
     driver.train_step(0, batch(0))
     assert [p for p, _ in driver.liars] == [stubborn.peer_id] and "refused a recomputation" in driver.liars[0][1]
 
@@ -431,7 +435,7 @@ def test_a_replica_that_refuses_to_recompute_is_evicted_and_a_busy_one_evicts_no
             raise SlotsExhausted("1 Recompute calls are being served already")
 
         busy.replica_hosts[1][1].recompute = full
-        driver = busy.driver(4, verify=VerifyConfig(fraction=1.0, seed=3), max_attempts=2)
+        driver = busy.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3), max_attempts=2)
         with pytest.raises(Exception, match="Recompute"):
             driver.train_step(0, batch(0))
         assert driver.liars == [] and all(h.steps_done == 0 for row in busy.replica_hosts for h in row)
@@ -449,6 +453,6 @@ def test_a_record_of_another_shape_is_a_lie(pipe):
         return record
 
     liar.audit_record = reshaped
-    driver = pipe.driver(4, verify=VerifyConfig(fraction=1.0, seed=3))
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
     driver.train_step(0, batch(0))
     assert [p for p, _ in driver.liars] == [liar.peer_id] and "shaped" in driver.liars[0][1]
