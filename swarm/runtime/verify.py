@@ -313,6 +313,8 @@ class StageVerifier:
 
     def _audit(self, step, plan_version, replicas, local_mb, siblings, micro, loss_weight) -> None:
         cfg, n = self.config, len(replicas)
+        if not any(siblings):
+            return  # lone stages only: nobody can recompute (a pipeline without replicas pays nothing)
         route = [Evidence(s, self.replica_peers[s][r]) for s, r in enumerate(replicas)]
 
         def record(s: int, e: Evidence):

@@ -349,6 +349,18 @@ def test_a_consistent_liar_between_two_replicas_is_a_dispute_that_evicts_nobody(
     assert all(h.steps_done == 0 for row in pipe.replica_hosts for h in row)
 
 
+def test_a_pipeline_without_replicas_is_never_asked_for_records():
+    pipe = LocalPipeline(CFG, 2, FP32, FP32)
+    try:
+        asked = []
+        for host in pipe.hosts:
+            host.audit_record = lambda *args: asked.append(args)
+        driver, caught = run(pipe, 2, VerifyConfig(fraction=1.0, seed=5))
+        assert caught is None and asked == [] and driver.verifier.stats.recomputes == 0
+    finally:
+        pipe.close()
+
+
 def test_a_lone_stage_is_not_verified_and_raises_nothing():
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=(1, 2))
     try:
