@@ -119,7 +119,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale", "trainer_elapsed_s", "frozen_layers", "attempt_id")
+    __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale", "trainer_elapsed_s", "frozen_layers", "attempt_id", "want_digest", "digest_stride", "digest_seed", "previous_digest_seed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TIED_GRAD_SUM_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,10 @@ class StepRequest(_message.Message):
     TRAINER_ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     FROZEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    WANT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_DIGEST_SEED_FIELD_NUMBER: _ClassVar[int]
     step: int
     tied_grad_sum: _wire_pb2.TensorMessage
     global_grad_norm: float
@@ -140,7 +144,11 @@ class StepRequest(_message.Message):
     trainer_elapsed_s: float
     frozen_layers: int
     attempt_id: int
-    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., trainer_elapsed_s: _Optional[float] = ..., frozen_layers: _Optional[int] = ..., attempt_id: _Optional[int] = ...) -> None: ...
+    want_digest: bool
+    digest_stride: int
+    digest_seed: int
+    previous_digest_seed: int
+    def __init__(self, step: _Optional[int] = ..., tied_grad_sum: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., global_grad_norm: _Optional[float] = ..., abandon: _Optional[bool] = ..., plan_version: _Optional[int] = ..., skip: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., trainer_elapsed_s: _Optional[float] = ..., frozen_layers: _Optional[int] = ..., attempt_id: _Optional[int] = ..., want_digest: _Optional[bool] = ..., digest_stride: _Optional[int] = ..., digest_seed: _Optional[int] = ..., previous_digest_seed: _Optional[int] = ...) -> None: ...
 
 class GradReply(_message.Message):
     __slots__ = ("tied_grad", "grad_sq_norm", "loss_scale", "layer_sq_norms")
@@ -155,16 +163,20 @@ class GradReply(_message.Message):
     def __init__(self, tied_grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sq_norm: _Optional[float] = ..., loss_scale: _Optional[float] = ..., layer_sq_norms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "lr", "loss_scale", "skipped")
+    __slots__ = ("step", "lr", "loss_scale", "skipped", "weights_digest", "previous_digest")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     step: int
     lr: float
     loss_scale: float
     skipped: bool
-    def __init__(self, step: _Optional[int] = ..., lr: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    weights_digest: str
+    previous_digest: str
+    def __init__(self, step: _Optional[int] = ..., lr: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., weights_digest: _Optional[str] = ..., previous_digest: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("payload", "reply_bytes")
@@ -268,6 +280,68 @@ class StateItem(_message.Message):
     name: str
     chunk: _wire_pb2.Chunk
     def __init__(self, name: _Optional[str] = ..., chunk: _Optional[_Union[_wire_pb2.Chunk, _Mapping]] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ("step", "plan_version", "stage", "micro_batch", "backward")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    plan_version: int
+    stage: int
+    micro_batch: int
+    backward: bool
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[int] = ..., backward: _Optional[bool] = ...) -> None: ...
+
+class AuditReply(_message.Message):
+    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent")
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SENT_FIELD_NUMBER: _ClassVar[int]
+    input: _wire_pb2.TensorMessage
+    tokens: TokenBatch
+    output: _wire_pb2.TensorMessage
+    loss: float
+    grad_received: _wire_pb2.TensorMessage
+    grad_sent: _wire_pb2.TensorMessage
+    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ...) -> None: ...
+
+class RecomputeRequest(_message.Message):
+    __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_FIELD_NUMBER: _ClassVar[int]
+    LOSS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    plan_version: int
+    stage: int
+    input: _wire_pb2.TensorMessage
+    tokens: TokenBatch
+    targets: TokenBatch
+    grad: _wire_pb2.TensorMessage
+    loss_weight: float
+    backward: bool
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., targets: _Optional[_Union[TokenBatch, _Mapping]] = ..., grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss_weight: _Optional[float] = ..., backward: _Optional[bool] = ...) -> None: ...
+
+class RecomputeReply(_message.Message):
+    __slots__ = ("output", "loss", "grad_in")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_IN_FIELD_NUMBER: _ClassVar[int]
+    output: _wire_pb2.TensorMessage
+    loss: float
+    grad_in: _wire_pb2.TensorMessage
+    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("nonce",)

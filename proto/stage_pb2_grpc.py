@@ -94,6 +94,16 @@ class StageStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.Traffic.FromString,
                 _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/swarm.Stage/Audit',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.AuditRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.AuditReply.FromString,
+                _registered_method=True)
+        self.Recompute = channel.unary_unary(
+                '/swarm.Stage/Recompute',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.RecomputeRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.RecomputeReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -176,6 +186,20 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Audit(self, request, context):
+        """Trainer -> stage: its records of one micro-batch of the open step (audit); trainers only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Recompute(self, request, context):
+        """Trainer -> a sibling replica: recompute a micro-batch from a reported input (audit); trainers only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -238,6 +262,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Average,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.StreamItem.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.Traffic.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.AuditRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.AuditReply.SerializeToString,
+            ),
+            'Recompute': grpc.unary_unary_rpc_method_handler(
+                    servicer.Recompute,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.RecomputeRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.RecomputeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -564,6 +598,60 @@ class Stage:
             '/swarm.Stage/Average',
             swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.Traffic.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.Stage/Audit',
+            swarm_dot_proto_dot_stage__pb2.AuditRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Recompute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.Stage/Recompute',
+            swarm_dot_proto_dot_stage__pb2.RecomputeRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.RecomputeReply.FromString,
             options,
             channel_credentials,
             insecure,

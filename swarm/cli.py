@@ -28,6 +28,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ),
     ("bench", "auth"): ("swarm.bench.auth", "the demo's mean step time with authentication on and off, alternating"),
     ("bench", "relay"): ("swarm.bench.relay", "latency and bytes/s of a call through a relay vs direct"),
+    ("bench", "verify"): ("swarm.bench.verify", "samples/s of a replicated pipeline with stage-work audits off and on"),
     ("experiment", "convergence"): (
         "swarm.experiments.convergence",
         "train with every codec setting in one process and compare losses and bytes",

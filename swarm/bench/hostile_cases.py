@@ -574,6 +574,49 @@ def step_never_ran(h):
     return h.expect_refusal(1, "Step", stage_pb2.StepRequest(step=h.step + 5, global_grad_norm=1.0))
 
 
+# ---- verified stage work: Audit and Recompute (trainers only; swarm.runtime.verify) -------------------------------
+
+
+def _recompute(h, rows: int = 2, seq: int = 16, hidden: int = 32, **fields) -> stage_pb2.RecomputeRequest:
+    x = make_codec(CodecConfig("fp32")).encode(torch.randn(rows, seq, hidden))
+    return stage_pb2.RecomputeRequest(step=h.step, stage=1, input=x, **fields)
+
+
+@case("stranger", "Audit: the middle stage's records of micro-batch 0 (its activations)")
+def stranger_audit(h):
+    return h.expect_refusal(1, "Audit", stage_pb2.AuditRequest(step=h.step, stage=1), "stranger")
+
+
+@case("stranger", "Recompute: a forward of the middle stage on the stranger's activation (compute for free)")
+def stranger_recompute(h):
+    return h.expect_refusal(1, "Recompute", _recompute(h), "stranger")
+
+
+@case("trainer", "Audit of a step that is not open on the stage")
+def audit_not_open(h):
+    return h.expect_refusal(1, "Audit", stage_pb2.AuditRequest(step=h.step + 5, stage=1))
+
+
+@case("trainer", "Recompute of an activation of the wrong hidden size")
+def recompute_wrong_shape(h):
+    return h.expect_refusal(1, "Recompute", _recompute(h, hidden=31))
+
+
+@case("trainer", "Recompute of 4096 rows, past the stage's batch budget")
+def recompute_too_many_rows(h):
+    return h.expect_refusal(1, "Recompute", _recompute(h, rows=4096, seq=1))
+
+
+@case("trainer", "Recompute under another plan version")
+def recompute_other_plan(h):
+    return h.expect_refusal(1, "Recompute", _recompute(h, plan_version=7))
+
+
+@case("trainer", "Recompute with a backward whose output gradient is missing")
+def recompute_backward_no_grad(h):
+    return h.expect_refusal(1, "Recompute", _recompute(h, backward=True))
+
+
 @case("stranger", "Probe asking for 2^32-1 reply bytes")
 def probe_reply_max(h):
 

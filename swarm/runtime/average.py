@@ -46,7 +46,7 @@ from swarm.runtime.messages import CallInfo, ReduceOrder, ReduceReport, StageCal
 if TYPE_CHECKING:
     from swarm.runtime.host import StageHost
 
-__all__ = ["MAX_GROUP", "GradientAverager", "flatten_grads", "parameters_digest", "unflatten_into"]
+__all__ = ["MAX_GROUP", "GradientAverager", "flatten_grads", "parameters_digest", "sampled_digest", "unflatten_into"]
 
 MAX_GROUP = 64
 """Most replicas of one stage in a Reduce group (the roster bounds it further where calls are authorized)."""
@@ -57,6 +57,24 @@ def parameters_digest(named: list[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for _, p in named:
         h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def sampled_digest(named: list[tuple[str, torch.Tensor]], stride: int, seed: int) -> str:
+    """SHA-256 (hex) of every `stride`-th element of each tensor from an offset drawn from `seed` (a stride of
+    0 or 1: `parameters_digest`). Replicas hold the same bits, so they agree on it; a stage that does not know the
+    seed in advance cannot keep just the sampled elements right, and an optimizer step moves nearly every element,
+    so a stale replica differs. Costs about 1/stride of the full digest."""
+    if stride <= 1:
+        return parameters_digest(named)
+    h = hashlib.sha256()
+    h.update(stride.to_bytes(4, "little") + seed.to_bytes(8, "little"))
+    for i, (_, p) in enumerate(named):
+        flat = p.detach().reshape(-1)
+        offset = (seed + 7919 * i) % min(stride, max(1, flat.numel()))
+        part = flat[offset::stride]
+        part = torch.empty(part.shape, dtype=part.dtype).copy_(part)  # one dense copy (a 1-element slice keeps
+        h.update(part.view(torch.uint8).numpy().tobytes())  # its stride under .contiguous(): no byte view)
     return h.hexdigest()
 
 

@@ -30,7 +30,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,6 +64,7 @@ from swarm.runtime.routing import (
     spawn,
 )
 from swarm.runtime.suspects import Implausible, Suspects, culprit
+from swarm.runtime.verify import AuditDisputed, LiarFound, StageVerifier, VerifyConfig
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
@@ -107,6 +108,8 @@ class PipelineDriver:
         weights: the routes' sample shares (default: fresh, from measured throughput).
         suspects: the run's strikes, bans and norm history (default: fresh; the trainer keeps one for the run,
             so that a re-plan's driver knows who was banned).
+        verify: how replicated stages' work is audited (`swarm.runtime.verify`; None or fraction 0: not at all).
+        on_liar: told `(peer_id, reason)` of every replica the audits evict (e.g. to ban it for the run).
     """
 
     def __init__(
@@ -126,6 +129,8 @@ class PipelineDriver:
         weights: RouteWeights | None = None,
         tied: bool = True,
         suspects: Suspects | None = None,
+        verify: VerifyConfig | None = None,
+        on_liar: Callable[[str, str], None] | None = None,
     ):
         routes, ids = _nested(route), _nested(peers)
         if not routes or len(routes) != len(ids) or [len(r) for r in ids] != [len(r) for r in routes]:
@@ -175,6 +180,23 @@ class PipelineDriver:
             self._call, self.replica_peers, self.counts, plan_version, schedule, deadline_s, lambda: self.loss_scale
         )
         """each micro-batch's call info and calls, which carry the route until the peer takes it from its plan"""
+        self.on_liar = on_liar
+        self.liars: list[tuple[str, str]] = []
+        """(peer id, reason) of every replica evicted as a liar, in order"""
+        self._abandons = 0
+        """abandons sent so far: an audit concludes nothing once its attempt was abandoned"""
+        self._audits: list[Task] = []
+        """the running attempt's audits, gathered before its Step"""
+        self._attempt = 0
+        """the running attempt of the step (1, 2, ...; 0 outside `train_step`): audits draw afresh for each"""
+        self._used: list[Route] = []
+        """the routes of the attempt that runs"""
+        self.verifier = (
+            StageVerifier(verify, self._call, self.replica_peers, self._evict)
+            if verify is not None and (verify.fraction > 0 or verify.digests)
+            else None
+        )
+        """the audits of replicated stages' work (`swarm.runtime.verify`; None: off)"""
 
     @property
     def n_stages(self) -> int:
@@ -272,7 +294,9 @@ class PipelineDriver:
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
-    def _micro_batch(self, step: int, work: RouteWork, mb: int, layout=None) -> _MicroResult:
+    def _micro_batch(self, step: int, work: RouteWork, mb: int, layout=None, audits=None) -> _MicroResult:
+        """One micro-batch's forward and backward on its route; `audits`: (attempt, abandons so far, the
+        attempt's list of audit tasks), taken when the attempt began, so a late task never joins a later one."""
         last, data = self.n_stages - 1, work.micro[mb]
         first_r, last_r = work.route.index % self.counts[0], work.route.index % self.counts[last]
 
@@ -286,6 +310,10 @@ class PipelineDriver:
         # communication: the backward starts at the route's last stage and flows back to its stage 0
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
+        verifier = self.verifier  # a sampled micro-batch is audited beside the step's Reduce, before its Step
+        if verifier is not None and audits is not None and verifier.sampled(step, audits[0], work.route.index, mb):
+            audit = lambda: self._audit(step, work, mb, layout, audits[1])  # noqa: E731
+            audits[2].append(self._spawn(audit, work.route.peers))
         traffic = Traffic()
         for reply, direction in ((forward, "forward"), (backward, "backward")):
             links, fp32, why = self.suspects.counted_bytes(reply.traffic, self.n_stages - 1)
@@ -299,10 +327,37 @@ class PipelineDriver:
             raise Implausible(f"step {step}: {self._name(last, last_r)}: {why}", work.route.peers[last])
         return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
+    def _audit(self, step: int, work: RouteWork, mb: int, layout, abandons: int) -> None:
+        """Audits micro-batch `mb` of `work` (`StageVerifier.audit`) against the other replicas of its stages
+        that run this attempt."""
+        at = route_replicas(work.route.index, self.counts)
+        local = layout[1][(work.route.index, mb)][0] if layout is not None else [mb] * self.n_stages
+        siblings = [
+            [r for r in self._replicas(s, self._used) if r != at[s] and self.replica_peers[s][r] not in self.dead]
+            for s in range(self.n_stages)
+        ]
+        self.verifier.audit(
+            step, self.plan_version, at, local, siblings, work.micro[mb], work.loss_weights[mb],
+            current=lambda: self._abandons == abandons,
+        )  # fmt: skip
+
+    def _evict(self, peer: str, reason: str) -> None:
+        """Takes a liar out of the routes (as if dead: its step runs again without it) and tells `on_liar`."""
+        with self._control_lock:  # audits run on the micro-batches' threads: one eviction per liar
+            if any(p == peer for p, _ in self.liars):
+                return
+            self.liars.append((peer, reason))
+        log.warning("evicting peer %s: %s", peer, reason)
+        self.dead.add(peer)
+        self.suspects.ban(peer, reason)  # an audit's verdict is evidence enough: banned for the run at once
+        if self.on_liar is not None:
+            self.on_liar(peer, reason)
+
     def _run_routes(self, step: int, work: list[RouteWork], wake: threading.Event) -> tuple[float, Traffic]:
         """Every route's micro-batches, all at once; the batch's mean loss and the bytes. Records each route's
         samples/s in `weights`."""
         start = time.perf_counter()
+        self._used, self._audits = [w.route for w in work], []
         layout = None
         if uneven(self.counts):  # shared replicas: number every replica's micro-batches (route, position) order
             numbering = stage_numbering({w.route.index: len(w.micro) for w in work}, self.counts)
@@ -314,9 +369,10 @@ class PipelineDriver:
         # the labels first: one PutLabels per route (and per max_batch rows) rather than one per micro-batch
         labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
         gather(labels, wake, self.dead, self.deadline_s)
+        audits = (self._attempt, self._abandons, self._audits)
         tasks = [
             [
-                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout), w.route.peers)
+                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout, audits), w.route.peers)
                 for mb in range(len(w.micro))
             ]
             for w in work
@@ -409,11 +465,16 @@ class PipelineDriver:
             req = stage_pb2.StepRequest(
                 step=step, global_grad_norm=norm, plan_version=self.plan_version, skip=skip, loss_scale=self.loss_scale
             )
+            if want_digest and len(self._replicas(s, routes)) > 1:  # the replicas' weights, compared after
+                req.want_digest, req.digest_stride = True, self.verifier.config.digest_stride
+                req.digest_seed, req.previous_digest_seed = self.verifier.digest_seeds(step)
             req.trainer_elapsed_s = time.perf_counter() - self._step_started
             return self._call(s, replica, "Step", req)
 
         keys = [(s, r) for s in range(self.n_stages) for r in self._replicas(s, routes)]
         lrs: dict[tuple[int, int], stage_pb2.StepReply] = {}
+        want_digest = self.verifier is not None and self.verifier.config.digests
+        digests: dict[tuple[int, int], tuple[str, str]] = {}
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
             try:
@@ -432,6 +493,7 @@ class PipelineDriver:
                     continue  # died (or hung) before it answered
                 if outcome.exception() is None:
                     lrs[key] = outcome.result()
+                    digests[key] = (outcome.result().weights_digest, outcome.result().previous_digest)
                     continue
                 peer = self.replica_peers[key[0]][key[1]]
                 if not self._alive(peer):
@@ -445,6 +507,8 @@ class PipelineDriver:
                 break
         if not lrs:
             raise NoLiveRoute(f"step {step}: every replica died before applying it")
+        if want_digest:  # replicas whose weights diverged are evicted (the step is applied: the others' is right)
+            self.verifier.check_digests(step, digests)
         # every stage moved the scale alike: a reply that says otherwise is struck, not believed (the scale is named
         # in every next call, and a stage holding another refuses it)
         peers = {k: self.replica_peers[k[0]][k[1]] for k in lrs}
@@ -486,7 +550,9 @@ class PipelineDriver:
         wake, self._inflight = threading.Event(), []
         try:
             with self._ping_loop(routes, wake):
-                return self._run_routes(step, self._work(batch, routes), wake)
+                done = self._run_routes(step, self._work(batch, routes), wake)
+                gather(self._audits, wake, self.dead, self.deadline_s)
+                return done
         except Failed as f:
             self.abandon(step)
             raise as_error(f, step) from f.error
@@ -512,11 +578,13 @@ class PipelineDriver:
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
             norm, lr = math.nan, 0.0
+            self._attempt = attempt
             try:
                 with self._ping_loop(used, wake):
                     loss, traffic = self._run_routes(step, work, wake)
                     traffic.merge(self._reduce(step, used, wake))
                     norm = self._grads(step, used, wake)
+                    gather(self._audits, wake, self.dead, self.deadline_s)  # a liar found: nothing is applied
                     lr = self._apply(step, used, norm, wake)
                 if math.isfinite(norm):
                     self.suspects.applied(self._stage_sq)
@@ -580,7 +648,8 @@ class PipelineDriver:
         """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
-        fatal = error is not None and not reroutable(error) and not route_needed(error)  # route needed: run again
+        audited = isinstance(error, LiarFound | AuditDisputed)  # the liar is out (or nobody is): run again
+        fatal = error is not None and not reroutable(error) and not route_needed(error) and not audited
         for peer in () if fatal else failure.suspects:
             if peer not in self.dead and not self._alive(peer):
                 log.warning("step %d: peer %s does not answer: declared dead", step, peer)
@@ -606,6 +675,7 @@ class PipelineDriver:
     def abandon(self, step: int) -> None:
         """Best effort: tell every live replica to drop the step's gradients."""
         # a stage that is gone, busy or stuck is skipped: the caller already reports the failure that matters
+        self._abandons += 1  # an audit still running concludes nothing from here on
         request = stage_pb2.StepRequest(step=step, abandon=True, attempt_id=self.router.attempt_id)
         calls = [
             spawn(lambda s=s, r=r: self._call(s, r, "Step", request, timeout=5), "abandon", self._threads)

@@ -30,7 +30,8 @@ from swarm.model.spec import AnyModelConfig, build_stage, model_identity
 from swarm.net.connect import Connector
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, tokens_from_wire
 from swarm.peers.routes import local_micro
-from swarm.runtime.average import GradientAverager, parameters_digest
+from swarm.runtime.audit import AuditTrail, Recomputed, recompute
+from swarm.runtime.average import GradientAverager, parameters_digest, sampled_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
 from swarm.runtime.callinfo import DEFAULT_SCHEDULE, call_wait_s
@@ -137,6 +138,8 @@ class StageHost:
         """the weights' digest and the parameter versions it was computed at"""
         self.averager = GradientAverager(self)
         """The replicas' gradient sum (`Reduce`, `Average`) and its error-feedback residual."""
+        self.audit = AuditTrail(self.budget.max_micro_batches)
+        """the open step's records of each micro-batch, for the trainer's audits (`swarm.runtime.audit`)"""
 
     role = property(lambda self: self.assignment.role, doc="The stage and layers served, under which plan.")
     links = property(lambda self: self.assignment.links, doc="This stage's boundary ends.")
@@ -340,6 +343,7 @@ class StageHost:
                 inputs, targets = to_device(links.device, inputs, targets)
                 address = None if role.is_last else info.route[role.stage + 1]
                 out = cached_forward(self.worker, links, address, mb, inputs, ids, targets)  # swarm.runtime.freeze
+                self.audit.forward(info.step, mb, inputs, out)  # references: kept until the step ends
             if role.is_last:
                 return self.outbox.answer(float(out))
             # encoded in schedule order, still holding the turn (`Outbox.encode_forward`)
@@ -361,6 +365,7 @@ class StageHost:
             with self.compute_lock, _phase(self.metrics, self.role.stage, "compute"):
                 self.ledger.still(current(), info.step, mb)
                 grad_in = self.worker.backward(mb, *to_device(links.device, grad_out))
+                self.audit.backward(info.step, mb, grad_out, grad_in)
             if grad_in is None:
                 return self.outbox.answer()
             # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule
@@ -468,6 +473,70 @@ class StageHost:
         self.ledger.close()
         self.gate.reset()
         self.labels = {}
+        self.audit.clear()
+
+    # ---- verified stage work (swarm.runtime.audit; the trainer's side: swarm.runtime.verify) ----------------
+
+    def audit_record(self, step: int, plan_version: int, stage: int, mb: int):
+        """The open step's record of local micro-batch `mb` (`AuditRecord`); refuses another plan, stage or step,
+        and a micro-batch this stage holds no record of."""
+        self._check_verify(plan_version, stage)
+        if self.ledger.open_step != step:
+            raise CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION, f"step {step} is not open on this stage (open: {self.open_step})"
+            )
+        record = self.audit.get(step, mb)
+        if record is None or record.output is None:
+            raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"step {step} micro-batch {mb} has no record here")
+        return record
+
+    def recompute(self, step: int, plan_version: int, stage: int, inputs, targets=None, grad=None) -> Recomputed:
+        """A sibling's micro-batch recomputed with this replica's weights (those of `step`: refused once this
+        stage applied it). Inputs are checked (`check_recompute`) by the caller."""
+        self._check_verify(plan_version, stage)
+        with self.compute_lock:
+            if self.ledger.last_step is not None and self.ledger.last_step >= step:
+                raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"step {step} is applied here already")
+            return recompute(self.worker, inputs, targets, grad)
+
+    def check_recompute(self, inputs: torch.Tensor, targets, grad) -> None:
+        """A Recompute's tensors against the stage's budget, as a Forward's and a Backward's would be."""
+        role, model, budget = self.role, self.model, self.budget
+        if not role.is_first:
+            shape = list(inputs.shape)
+            if not (len(shape) == 3 and shape[1] <= model.seq_len_tokens and shape[2] == model.hidden_dim):
+                raise WireError("input.shape", f"{shape} is not an activation [batch, seq, {model.hidden_dim}]")
+        rows = inputs.shape[0]
+        if not 1 <= rows <= budget.max_batch:
+            raise WireError("input.shape", f"{rows} rows: a micro-batch holds 1..{budget.max_batch} samples")
+        if role.is_last and (targets is None or list(targets.shape) != list(inputs.shape)[:2]):
+            raise WireError("targets", f"the last stage needs labels shaped {list(inputs.shape)[:2]}")
+        if grad is not None and not role.is_last and list(grad.shape) != list(inputs.shape):
+            raise WireError("grad.shape", f"{list(grad.shape)} is not the output's {list(inputs.shape)}")
+
+    def _check_verify(self, plan_version: int, stage: int) -> None:
+        role = self.role
+        if plan_version != role.plan_version or stage != role.stage:
+            raise CallRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{PLAN_MISMATCH} stage {stage} of plan {plan_version}: this peer serves stage {role.stage} of plan "
+                f"{role.plan_version}",
+            )
+
+    def sampled_digest(self, stride: int, seed: int) -> str:
+        """SHA-256 of every `stride`-th element of the parameters from an offset drawn from `seed` (after Step,
+        for the trainer's comparison of replicas; `swarm.runtime.average.sampled_digest`)."""
+        with self.compute_lock:
+            return sampled_digest(sorted(self.worker.module.named_parameters()), stride, seed)
+
+    def weights_digest(self) -> str:
+        """SHA-256 of the parameters, recomputed only when one changed (as Status reports it)."""
+        params = sorted(self.worker.module.named_parameters())
+        key = tuple(p._version for _, p in params)
+        if self._digest is None or self._digest[0] != key:
+            with self.compute_lock:
+                self._digest = (key, parameters_digest(params))
+        return self._digest[1]
 
     # ---- state ------------------------------------------------------------------------------------------
 
@@ -477,11 +546,7 @@ class StageHost:
         changed (their version counters moved), so a Status stays cheap."""
         self.metrics.compute_bits.set(32 if self.worker.precision == "fp32" else 16)  # the plan's, once switched
         snapshot = {k: v for k, v in self.metrics.snapshot().items() if "_bucket" not in k}
-        params = sorted(self.worker.module.named_parameters())
-        key = tuple(p._version for _, p in params)
-        if self._digest is None or self._digest[0] != key:
-            with self.compute_lock:
-                self._digest = (key, parameters_digest(params))
+        digest = self.weights_digest()
         role, assigned = self.role, self.assignment
         return StageStatus(
             peer_id=self.peer_id,
@@ -493,7 +558,7 @@ class StageHost:
             compute_layers_per_s=assigned.compute_layers_per_s,
             buffered_samples=self.links.buffered_samples(),
             device=self.device,
-            weights_digest=self._digest[1],
+            weights_digest=digest,
             replica=role.replica,
             last_step=self.ledger.last_step or 0,
             model_identity=self.model_identity,

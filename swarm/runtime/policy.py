@@ -181,7 +181,8 @@ class CallPolicy:
             )
 
     def check_step(self, method: str, caller: str) -> None:
-        """Grads, Step (abandon included) and Reduce only from a trainer."""
+        """Grads, Step (abandon included), Reduce, and the audit's Audit and Recompute (`swarm.runtime.verify`: a
+        stage's records of its work, and a recomputation on a sibling's input) only from a trainer."""
         self._trainer(caller, method)
 
     def check_average(self, stage: int, caller: str, own: str, tied: bool | None = False) -> None:

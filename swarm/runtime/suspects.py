@@ -194,6 +194,19 @@ class Suspects:
                 self.on_ban(peer, why)
         return evicted
 
+    def ban(self, peer: str, why: str) -> bool:
+        """Evicts `peer` at once, without strikes: for conclusive evidence (an audit caught it recomputing to
+        something else than it sent, `swarm.runtime.verify`). True when this call banned it (False: it was)."""
+        with self._lock:
+            if peer in self.banned:
+                return False
+            self.banned[peer] = why
+            self._strikes.pop(peer, None)
+        log.error("peer %s evicted: %s", peer, why)
+        if self.on_ban is not None:
+            self.on_ban(peer, why)
+        return True
+
     def strikes(self, peer: str) -> int:
         """`peer`'s strikes in the long window (0 once banned)."""
         with self._lock:

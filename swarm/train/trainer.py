@@ -29,6 +29,7 @@ from swarm.metrics import Metrics, serve_metrics
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
+from swarm.runtime.verify import VerifyConfig
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
 from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns, step_row
 from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
@@ -150,6 +151,10 @@ class TrainConfig:
     """join through the multiaddrs in this file (as `swarm bootstrap` writes), besides --initial-peers"""
     metrics_port: int | None = field(default=None, metadata=flag(group="monitoring"))
     """serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (none: off; 0: any port)"""
+    verify_fraction: float = field(default=VerifyConfig().fraction, metadata=flag(group=_TRAINING))
+    """share of micro-batches whose work a sibling replica recomputes and the trainer compares, on stages with
+    replicas; replicas also compare their weights' digests after every step (0: both off;
+    docs/SECURITY.md#verified-stage-work gives the cost and what it catches)"""
     freeze: FreezeConfig | None = field(default=None, metadata={"flag": FREEZE_FLAG})
     """freeze a growing prefix of the layers by the gradient norms' change (PipeTransformer, swarm.train.freezing);
     the planner repacks the active layers onto fewer stages"""
@@ -170,6 +175,8 @@ class TrainConfig:
             raise ValueError("TrainConfig: deadline_s, wait_timeout_s and replan_timeout_s must be > 0")
         if self.chain_weights not in CHAIN_WEIGHTS:
             raise ValueError(f"TrainConfig.chain_weights: expected one of {CHAIN_WEIGHTS}, got {self.chain_weights!r}")
+        if not 0 <= self.verify_fraction <= 1:
+            raise ValueError(f"TrainConfig.verify_fraction: expected 0-1, got {self.verify_fraction}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"TrainConfig.metrics_port: expected 0-65535, got {self.metrics_port}")
 
@@ -345,6 +352,7 @@ def train(
             r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=route_weights(cfg.chain_weights),
             tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial), suspects=suspects,
+            verify=VerifyConfig(fraction=cfg.verify_fraction) if cfg.verify_fraction > 0 else None,
         )  # fmt: skip
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
         return driver

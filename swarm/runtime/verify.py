@@ -1,0 +1,541 @@
+"""Verified stage work, the trainer's side: audit sampled micro-batches against a sibling replica's recomputation,
+compare replicas' weights after every step, evict the liar and undo what it poisoned.
+
+Replicas of a stage hold bit-identical weights within a step (`swarm.runtime.average`), so any replica can redo
+another's work. For a micro-batch drawn with a secret seed (a stage cannot know which of its micro-batches will
+be audited), after its backward and before the step's `Step`, the trainer asks every stage of its route for its
+records (`Stage.Audit`: the input it computed on, its output, the gradient it received and the one it sent,
+`swarm.runtime.audit`) and another replica of each stage to recompute from the reported input (`Stage.Recompute`).
+Per stage it checks:
+
+- own: the stage's recorded output (or loss) and input gradient equal the sibling's recomputation within `rtol`
+  (float reordering only: the weights are the same bits);
+- link: what the next stage says it decoded as its input (and the previous stage, as its received gradient)
+  equals the recomputation within `link_rtol`, the codec's error: a stage that sends other than it records is
+  caught by its neighbour's independent record.
+
+A failed own check is resolved by more recomputations: the audited stage's own (a stage whose record disagrees
+with its own recomputation contradicts itself) and, with 3+ replicas, a second sibling's (the majority of the
+recomputations is right). A failed link check blames the sender where the receiver's own records are
+corroborated (its own and downstream checks pass), else nobody. Two replicas that recompute the same input
+differently, each consistently with itself, cannot be told apart: that is a dispute, the step is abandoned and
+nobody is evicted. A verdict evicts the liar (`evict(peer, reason)`: the driver takes it out of its routes and
+tells `on_liar`) and raises `LiarFound`, so the driver abandons the step before any `Step` and runs it again
+without the liar: nothing it poisoned is applied.
+
+After `Step`, replicas report their weights' digest (`StepRequest.want_digest`): replicas that disagree have
+diverged. With 3+ replicas the minority is the liar; with 2 the one whose digest did not change over an applied
+step stopped updating; anything else is a dispute, logged. The honest replicas' state is the stage's: the
+evicted replica is out of the routes, and a peer that returns catches up from its replicas
+(`PeerDaemon._behind_replicas`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.compression import CodecConfig, WireError, make_codec
+from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire, tokens_to_wire
+from swarm.proto import stage_pb2
+from swarm.runtime.routing import reroutable
+
+__all__ = ["AuditDisputed", "Evidence", "Finding", "LiarFound", "StageVerifier", "VerifyConfig", "judge", "rel_err"]
+
+log = logging.getLogger("swarm.runtime.verify")
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """How the trainer verifies replicated stages' work."""
+
+    fraction: float = 0.1
+    """Share of micro-batches audited (drawn per micro-batch with a secret seed); 0 turns audits off. Each audit
+    costs one forward and one input-gradient backward of that micro-batch on a sibling replica, and the records'
+    bytes through the trainer."""
+    rtol: float = 1e-3
+    """Largest relative error (L2) between a stage's record and a sibling's recomputation of the same input: the
+    weights are the same bits, so only float reordering differs."""
+    link_rtol: float = 1.0
+    """Largest relative error between a recomputed activation and the next stage's decoded copy of it: the forward
+    codec's error, which for AQ-SGD grows with how far the activation moved since the buffer last saw its sample
+    (honest worst over 20 steps of a 2 x 2 pipeline whose samples change every step: 0.41 with the default
+    acsgd2+ch+nr; 0.05 with acsgd4; 2e-4 fp16). Noise of the same norm is 1.4 off, x10 is 9 off; a copy
+    scaled x1.5 (0.5 off) passes the link and is caught only where the stage's own record holds it
+    (docs/SECURITY.md#verified-stage-work)."""
+    link_rtol_backward: float = 3.0
+    """The same for an input gradient and the previous stage's decoded copy: the backward codec's error (honest
+    worst 1.15 with the default gradq2+ef+rot+nr+cs+g1024, 1.7 with gradq2+ef, 0.2 with gradq4): at 2 bits
+    with error feedback the link catches only gross lies (x10); a flip is caught by the sender's own record."""
+    backward: bool = True
+    """Also audit the backward: the input gradient each stage sent."""
+    digests: bool = True
+    """Compare the replicas' weights digests after every Step."""
+    digest_stride: int = 61
+    """Hash every n-th element of each parameter (from an offset the trainer draws each step): about 1/n of a full
+    SHA-256 of the weights per step (1: every element)."""
+    seed: int | None = None
+    """The sampling secret (None: a fresh random one; set only in tests)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fraction <= 1:
+            raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
+        if self.digest_stride < 1:
+            raise ValueError(f"digest_stride must be >= 1, got {self.digest_stride}")
+        if not (self.rtol > 0 and self.link_rtol > 0 and self.link_rtol_backward > 0):
+            raise ValueError("tolerances must be positive")
+
+
+class LiarFound(Exception):
+    """An audit found a stage replica lying; it was evicted and the step must be abandoned and run again."""
+
+    def __init__(self, peer: str, stage: int, reason: str):
+        super().__init__(f"stage {stage} peer {peer}: {reason}")
+        self.peer, self.stage, self.reason = peer, stage, reason
+
+
+class _Refused(Exception):
+    """A live stage refused an Audit of its own work or a Recompute (judged in the audit's thread: `_liar`)."""
+
+    def __init__(self, stage: int, peer: str, method: str, error: BaseException):
+        super().__init__(str(error))
+        self.stage, self.peer, self.method, self.error = stage, peer, method, error
+
+
+class AuditDisputed(Exception):
+    """An audit found a mismatch it cannot pin on one peer: the step is abandoned, nobody is evicted."""
+
+
+def rel_err(a: torch.Tensor | float | None, b: torch.Tensor | float | None) -> float:
+    """‖a - b‖ / ‖b‖ (L2; inf when either is missing or the shapes differ, NaN stays NaN)."""
+    if a is None or b is None:
+        return math.inf
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    if a.shape != b.shape:
+        return math.inf
+    diff, norm = float((a - b).norm()), float(b.norm())
+    if norm == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / norm
+
+
+@dataclass
+class Evidence:
+    """One stage of an audited micro-batch's route: the replica's records and a sibling's recomputation."""
+
+    stage: int
+    peer: str
+    inputs: torch.Tensor | None = None
+    output: torch.Tensor | float | None = None
+    """the activation, or the last stage's loss"""
+    grad_received: torch.Tensor | None = None
+    grad_sent: torch.Tensor | None = None
+    verifier: str | None = None
+    """the sibling that recomputed (None: a lone stage, not verified)"""
+    check_output: torch.Tensor | float | None = None
+    check_grad: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    stage: int
+    kind: str
+    """"own" (the stage's record vs the recomputation) or "link" (the neighbour's record vs the recomputation)"""
+    direction: str
+    """"forward" or "backward\""""
+    error: float
+
+
+def judge(
+    route: Sequence[Evidence], rtol: float, link_rtol: float, backward: bool = True, link_rtol_backward: float = 0.0
+) -> list[Finding]:
+    """The failed checks of one audited micro-batch, own checks first (pure: no calls); `link_rtol_backward` 0:
+    `link_rtol` for both directions."""
+    link_back = link_rtol_backward or link_rtol
+    own, link = [], []
+    last = len(route) - 1
+    for s, e in enumerate(route):
+        if e.verifier is None:
+            continue
+        err = rel_err(e.output, e.check_output)
+        if not err <= rtol:
+            own.append(Finding(s, "own", "forward", err))
+        if s < last:
+            err = rel_err(route[s + 1].inputs, e.check_output)
+            if not err <= link_rtol:
+                link.append(Finding(s, "link", "forward", err))
+        if backward and s > 0 and e.grad_sent is not None and e.check_grad is not None:  # frozen stages send none
+            err = rel_err(e.grad_sent, e.check_grad)
+            if not err <= rtol:
+                own.append(Finding(s, "own", "backward", err))
+            err = rel_err(route[s - 1].grad_received, e.check_grad)
+            if not err <= link_back:
+                link.append(Finding(s, "link", "backward", err))
+    return own + link
+
+
+def _together(calls: Sequence[Callable[[], object]]) -> list:
+    """Runs `calls` at once, one thread each (the first in this one); their results in order, or the first
+    failure raised after all ended."""
+    results: list = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), name="audit", daemon=True) for i in range(1, len(calls))]
+    for t in threads:
+        t.start()
+    if calls:
+        run(0)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@dataclass
+class VerifyStats:
+    audits: int = 0
+    """micro-batches audited"""
+    recomputes: int = 0
+    detections: list[tuple[str, str]] = field(default_factory=list)
+    """(peer, reason) of every liar evicted"""
+    disputes: int = 0
+    seconds: float = 0.0
+    """time spent in audits (on the micro-batches' threads, overlapping the step's other work)"""
+    worst_own: float = 0.0
+    """largest own-check error an audit passed (how close honest runs come to `rtol`)"""
+    worst_link: float = 0.0
+    """largest forward link-check error an audit passed (the forward codec's error)"""
+    worst_link_backward: float = 0.0
+    """largest backward link-check error an audit passed (the backward codec's)"""
+
+
+Call = Callable[[int, int, str, object], object]
+"""(stage, replica, method, request) -> reply: the driver's `_call`"""
+
+
+class StageVerifier:
+    """The trainer's audits of one pipeline's replicated stages.
+
+    Args:
+        config: sampling rate and tolerances.
+        call: how to call a replica (the driver's `_call`, which counts the bytes and names failures).
+        replica_peers: peer ids `[stage][replica]`.
+        evict: takes a liar out (the driver's: out of the routes, and its `on_liar`).
+    """
+
+    def __init__(
+        self,
+        config: VerifyConfig,
+        call: Call,
+        replica_peers: Sequence[Sequence[str]],
+        evict: Callable[[str, str], None],
+    ):
+        self.config, self._call, self.evict = config, call, evict
+        self.replica_peers = [tuple(r) for r in replica_peers]
+        self._secret = (config.seed if config.seed is not None else secrets.randbits(64)).to_bytes(16, "little")
+        self._last_digest: dict[str, str] = {}
+        """each replica's digest at the step digested last, under `_last_seed`"""
+        self._last_seed = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()  # the running audit's `current`, per call thread
+        self.stats = VerifyStats()
+        self._codec = make_codec(CodecConfig("fp32"))
+
+    # ---- which micro-batches ------------------------------------------------------------------------------
+
+    def sampled(self, step: int, attempt: int, route: int, mb: int) -> bool:
+        """Whether micro-batch `mb` of `route` in this attempt of `step` is audited: a keyed hash of them under
+        the trainer's secret, so no stage can tell in advance, and a re-run attempt draws afresh."""
+        if self.config.fraction <= 0:
+            return False
+        key = f"{step}:{attempt}:{route}:{mb}".encode()
+        draw = int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=8).digest(), "little")
+        return draw / 2**64 < self.config.fraction
+
+    def digest_seeds(self, step: int) -> tuple[int, int]:
+        """This step's draw of the digest's elements (keyed by the secret: no stage knows it before its Step), and
+        the draw of the step digested last (0: none), under which a replica that moved no weight reports what it
+        reported then."""
+        key = f"digest:{step}".encode()
+        seed = 1 + int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=7).digest(), "little")
+        return seed, self._last_seed
+
+    def _pick(self, step: int, stage: int, choices: Sequence[int]) -> int:
+        key = f"pick:{step}:{stage}:{time.perf_counter_ns()}".encode()
+        draw = int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=8).digest(), "little")
+        return choices[draw % len(choices)]
+
+    # ---- one audited micro-batch --------------------------------------------------------------------------
+
+    def audit(
+        self,
+        step: int,
+        plan_version: int,
+        replicas: Sequence[int],
+        local_mb: Sequence[int],
+        siblings: Sequence[Sequence[int]],
+        micro,
+        loss_weight: float,
+        current: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Audits one micro-batch whose backward ran: `replicas[s]` ran it at stage s as local micro-batch
+        `local_mb[s]`; `siblings[s]` are the other live replicas of stage s in this step; `micro` its `Batch`.
+        Returns when every check passed; raises LiarFound (the liar evicted) or AuditDisputed. `current` says
+        whether the attempt still runs: once it was abandoned, the stages' records may be another attempt's, so
+        nothing is concluded (AuditDisputed) and nobody is evicted."""
+        started = time.perf_counter()
+        self._local.current = current
+        try:
+            self._audit(step, plan_version, replicas, local_mb, siblings, micro, loss_weight)
+        except _Refused as refused:
+            what = "an audit of its own work" if refused.method == "Audit" else "a recomputation"
+            self._liar(Evidence(refused.stage, refused.peer), f"step {step}: refused {what}: {refused.error}")
+        finally:
+            with self._lock:
+                self.stats.audits += 1
+                self.stats.seconds += time.perf_counter() - started
+
+    def _audit(self, step, plan_version, replicas, local_mb, siblings, micro, loss_weight) -> None:
+        cfg, n = self.config, len(replicas)
+        if not any(siblings):
+            return  # lone stages only: nobody can recompute (a pipeline without replicas pays nothing)
+        route = [Evidence(s, self.replica_peers[s][r]) for s, r in enumerate(replicas)]
+
+        def record(s: int, e: Evidence):
+            request = stage_pb2.AuditRequest(
+                step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward
+            )
+            return self._ask(s, replicas[s], "Audit", request, e.peer)
+
+        # the records, as each stage of the route states them (all stages at once)
+        replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
+        for s, (e, reply) in enumerate(zip(route, replies, strict=True)):
+            self._read_record(e, reply, s == 0, s == n - 1, micro)
+        if not bool(torch.equal(route[0].inputs, micro.tokens)):
+            self._liar(route[0], f"step {step}: its record holds other tokens than the trainer sent")
+        requests, calls = {}, []
+        for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
+            if not siblings[s]:
+                continue
+            requests[s] = self._recompute_request(step, plan_version, s, n, e, micro, loss_weight)
+            v = self._pick(step, s, siblings[s])
+            e.verifier = self.replica_peers[s][v]
+            calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n)))
+        for (e, _), (output, grad) in zip(calls, _together([c for _, c in calls]), strict=True):
+            e.check_output, e.check_grad = output, grad
+        findings = judge(route, cfg.rtol, cfg.link_rtol, cfg.backward, cfg.link_rtol_backward)
+        self._note_passes(route, findings)
+        if not findings:
+            return
+        for f in findings:
+            if f.kind == "own":
+                self._resolve_own(step, route, f, replicas, siblings, requests[f.stage], n)
+        for f in findings:
+            self._resolve_link(step, route, f, findings)
+
+    def _resolve_own(self, step, route, finding: Finding, replicas, siblings, request, n) -> None:
+        """The stage's record disagrees with a sibling's recomputation: who is right?"""
+        s, e = finding.stage, route[finding.stage]
+        forward = finding.direction == "forward"
+        pick = (lambda out: out[0]) if forward else (lambda out: out[1])
+        claimed = e.output if forward else e.grad_sent
+        verified = e.check_output if forward else e.check_grad
+        tol, what = self.config.rtol, "output" if forward else "input gradient"
+        own = pick(self._recompute(s, replicas[s], request, e.peer, n))
+        if rel_err(own, verified) <= tol:
+            self._liar(e, f"step {step}: its {what} record is {finding.error:.3g} off its own and {e.verifier}'s "
+                       f"recomputation")  # fmt: skip
+        others = [r for r in siblings[s] if self.replica_peers[s][r] != e.verifier]
+        if others:
+            third = others[0]
+            again = pick(self._recompute(s, third, request, self.replica_peers[s][third], n))
+            if rel_err(again, verified) <= tol:
+                self._liar(e, f"step {step}: its {what} is {finding.error:.3g} off two replicas' recomputation")
+            if rel_err(again, claimed) <= tol:
+                verifier = Evidence(s, e.verifier)
+                self._liar(verifier, f"step {step}: its recomputation of {e.peer}'s micro-batch disagrees with two "
+                           f"replicas'")  # fmt: skip
+        self._dispute(step, f"stage {s}: {e.peer} and {e.verifier} compute the same input differently ({what})")
+
+    def _resolve_link(self, step, route, finding: Finding, findings: list[Finding]) -> None:
+        """What a neighbour decoded differs from the sender's recomputed work, though the sender's own records
+        agree: the sender sent other than it computed, unless the receiver's records are not corroborated."""
+        s, e = finding.stage, route[finding.stage]
+        if any(f.kind == "own" and f.stage == s for f in findings):
+            return  # resolved as an own check
+        forward = finding.direction == "forward"
+        receiver = s + 1 if forward else s - 1
+        r = route[receiver]
+        # the receiver's records are corroborated by its own checks passing; stage 0's received gradient by nothing
+        # (it sends no gradient on)
+        corroborated = r.verifier is not None and not any(f.stage == receiver for f in findings)
+        corroborated = corroborated and (forward or receiver > 0)
+        what = "an activation" if forward else "an input gradient"
+        if corroborated:
+            self._liar(e, f"step {step}: sent {what} {finding.error:.3g} off the one it computed (as {r.peer} "
+                       f"decoded it)")  # fmt: skip
+        self._dispute(step, f"stage {s} ({e.peer}) -> stage {receiver} ({r.peer}): {what} differs by "
+                      f"{finding.error:.3g}, and the receiver's records are not corroborated")  # fmt: skip
+
+    # ---- after Step ---------------------------------------------------------------------------------------
+
+    def check_digests(self, step: int, digests: dict[tuple[int, int], tuple[str, str]]) -> None:
+        """Replicas' (digest, digest under the previous draw) after `step` was applied (under `digest_seeds(step)`);
+        evicts the replicas that diverged (the minority; with two, the one whose weights did not move)."""
+        by_stage: dict[int, dict[int, str]] = {}
+        moved: dict[str, bool] = {}
+        for (s, r), (digest, previous) in digests.items():
+            if digest:
+                by_stage.setdefault(s, {})[r] = digest
+                peer = self.replica_peers[s][r]
+                if previous and peer in self._last_digest:
+                    moved[peer] = previous != self._last_digest[peer]
+        self._last_digest = {}
+        for s, got in sorted(by_stage.items()):
+            counts = Counter(got.values())
+            if len(counts) > 1:
+                self._diverged(step, s, got, counts, moved)
+            for r, digest in got.items():
+                self._last_digest[self.replica_peers[s][r]] = digest
+        self._last_seed = self.digest_seeds(step)[0]
+
+    def _diverged(self, step: int, s: int, got: dict[int, str], counts: Counter, moved: dict[str, bool]) -> None:
+        (top, most), *rest = counts.most_common()
+        if most * 2 > len(got):
+            liars = [r for r, d in got.items() if d != top]
+            why = f"its weights differ from {most} of its {len(got)} replicas' after step {step}"
+        else:
+            liars = [r for r in got if moved.get(self.replica_peers[s][r]) is False]
+            if any(moved.get(self.replica_peers[s][r]) is None for r in got):
+                liars = []  # not every replica's movement is known: no rule names one
+            why = f"its weights did not change at step {step}, its replicas' did"
+            if not liars or len(liars) == len(got):
+                self.stats.disputes += 1
+                log.warning("step %d: stage %d's replicas' weights differ and no minority is known: %s", step, s, got)
+                return
+        for r in liars:
+            self._detected(self.replica_peers[s][r], f"stage {s}: {why}")
+
+    # ---- calls and bookkeeping ----------------------------------------------------------------------------
+
+    def _ask(self, s: int, r: int, method: str, request, peer: str):
+        """An Audit or Recompute call. A live peer's refusal is a lie (an honest stage holds its records until
+        Step, and recomputes any checked input of the open step); a dead peer's failure and a plan change are
+        passed on as the driver's other failures are; anything else (a full slot, an input the trainer could not
+        check: another hidden size) makes the audit a dispute, never a stop of the run."""
+        try:
+            return self._call(s, r, method, request)
+        except StageCallError as e:
+            if reroutable(e) or PLAN_MISMATCH in str(e):
+                raise
+            codes = ("FAILED_PRECONDITION", "INTERNAL") + (("INVALID_ARGUMENT",) if method == "Audit" else ())
+            if e.code.name in codes:
+                raise _Refused(s, peer, method, e) from e
+            raise AuditDisputed(f"{method} to stage {s} ({peer}) failed: {e}") from e
+
+    def _read_record(self, e: Evidence, reply, first: bool, last: bool, micro) -> None:
+        try:
+            if first:
+                shape = micro.tokens.shape
+                e.inputs = tokens_from_wire(reply.tokens, 1 << 31, shape[1])[0] if reply.HasField("tokens") else None
+            else:
+                e.inputs = self._tensor(reply, "input")
+            e.output = reply.loss if last else self._tensor(reply, "output")
+            e.grad_received = None if last else self._tensor(reply, "grad_received")
+            e.grad_sent = None if first else self._tensor(reply, "grad_sent")
+        except WireError as error:
+            self._liar(e, f"its audit record is malformed: {error}")
+        if e.inputs is None:
+            self._liar(e, "its audit record has no input")
+        rows_seq = list(micro.tokens.shape)
+        if first and list(e.inputs.shape) != rows_seq:
+            self._liar(e, f"its audit record's tokens are shaped {list(e.inputs.shape)}, the trainer sent {rows_seq}")
+        named = (("input", None if first else e.inputs), ("output", None if last else e.output))
+        tensors = [(name, t) for name, t in (*named, ("grad_received", e.grad_received), ("grad_sent", e.grad_sent))]
+        tensors = [(name, t) for name, t in tensors if t is not None]
+        hidden = {t.shape[-1] for _, t in tensors if t.dim()}
+        for name, t in tensors:  # every tensor of the record is [rows, seq, hidden] of this micro-batch, one hidden
+            if t.dim() != 3 or list(t.shape[:2]) != rows_seq or len(hidden) > 1:
+                self._liar(e, f"its audit record's {name} is shaped {list(t.shape)} for {rows_seq} tokens")
+
+    def _tensor(self, message, name: str) -> torch.Tensor | None:
+        return self._codec.decode(getattr(message, name)) if message.HasField(name) else None
+
+    def _recompute_request(self, step, plan_version, s, n, e: Evidence, micro, loss_weight):
+        request = stage_pb2.RecomputeRequest(step=step, plan_version=plan_version, stage=s)
+        if s == 0:
+            request.tokens.CopyFrom(tokens_to_wire(micro.tokens))
+        else:
+            request.input.CopyFrom(self._codec.encode(e.inputs.float()))
+        if s == n - 1:
+            request.targets.CopyFrom(tokens_to_wire(micro.targets))
+        if self.config.backward and s > 0:
+            request.backward = True
+            if s == n - 1:
+                request.loss_weight = loss_weight
+            elif e.grad_received is not None:
+                request.grad.CopyFrom(self._codec.encode(e.grad_received.float()))
+            else:
+                request.backward = False
+        return request
+
+    def _recompute(self, s: int, r: int, request, peer: str, n: int):
+        reply = self._ask(s, r, "Recompute", request, peer)
+        self.stats.recomputes += 1
+        try:
+            output = reply.loss if s == n - 1 else self._tensor(reply, "output")
+            grad = self._tensor(reply, "grad_in") if request.backward else None
+        except WireError:
+            output, grad = None, None  # counts as a disagreement, resolved like any other
+        return output, grad
+
+    def _note_passes(self, route: Sequence[Evidence], findings: list[Finding]) -> None:
+        failed = {(f.stage, f.kind, f.direction) for f in findings}
+        stats, last = self.stats, len(route) - 1
+        for s, e in enumerate(route):
+            if e.verifier is None:
+                continue
+            if (s, "own", "forward") not in failed:
+                stats.worst_own = max(stats.worst_own, rel_err(e.output, e.check_output))
+            if s < last and (s, "link", "forward") not in failed:
+                stats.worst_link = max(stats.worst_link, rel_err(route[s + 1].inputs, e.check_output))
+            if self.config.backward and s > 0 and e.grad_sent is not None and e.check_grad is not None:
+                if (s, "own", "backward") not in failed:
+                    stats.worst_own = max(stats.worst_own, rel_err(e.grad_sent, e.check_grad))
+                if (s, "link", "backward") not in failed:
+                    err = rel_err(route[s - 1].grad_received, e.check_grad)
+                    stats.worst_link_backward = max(stats.worst_link_backward, err)
+
+    def _liar(self, e: Evidence, reason: str):
+        if not getattr(self._local, "current", lambda: True)():
+            raise AuditDisputed(f"the attempt was abandoned during the audit of stage {e.stage}")
+        self._detected(e.peer, f"stage {e.stage}: {reason}")
+        raise LiarFound(e.peer, e.stage, reason)
+
+    def _detected(self, peer: str, reason: str) -> None:
+        with self._lock:
+            if any(p == peer for p, _ in self.stats.detections):
+                return
+            self.stats.detections.append((peer, reason))
+        self.evict(peer, reason)
+
+    def _dispute(self, step: int, why: str):
+        self.stats.disputes += 1
+        log.warning("step %d: audit dispute, step abandoned: %s", step, why)
+        raise AuditDisputed(f"step {step}: {why}")
