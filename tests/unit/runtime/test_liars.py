@@ -134,6 +134,17 @@ def test_strikes_count_once_per_step_and_expire_outside_the_window():
     assert s.strike("p", 14, "x") and banned == ["p"]  # told once
 
 
+def test_a_ban_on_evidence_evicts_at_once_tells_on_ban_once_and_outlives_later_strikes():
+    told = []
+    suspects = Suspects(on_ban=lambda peer, why: told.append((peer, why)))
+    assert suspects.strike("p", 1, "odd norm") is False and suspects.strikes("p") == 1
+    assert suspects.ban("p", "audit: recomputed otherwise") is True
+    assert suspects.ban("p", "again") is False  # a second verdict changes nothing and is not announced twice
+    assert suspects.banned_ids() == ("p",) and suspects.strikes("p") == 0
+    assert told == [("p", "audit: recomputed otherwise")]
+    assert suspects.strike("p", 2, "later") is True and told == [("p", "audit: recomputed otherwise")]
+
+
 def test_a_peer_lying_too_rarely_for_the_window_is_evicted_by_its_strikes_over_the_run():
     s = Suspects(SuspectConfig(strikes=3, window_steps=10, max_strikes=5, long_window_steps=100))
     assert not any(s.strike("p", step, "x") for step in range(0, 40, 10))  # never 2 in a window

@@ -262,6 +262,8 @@ def test_each_attack_evicts_the_liar_within_20_steps(pipe, attack):
             break
     assert caught is not None, f"{attack}: not detected in {STEPS} steps"
     assert [p for p, _ in driver.liars] == [liar.peer_id] and [p for p, _ in told] == [liar.peer_id]
+    # banned for the run in the run's Suspects, which the trainer announces and hands to the next plan's driver
+    assert driver.suspects.banned_ids() == (liar.peer_id,)
     # the run goes on without it
     result = driver.train_step(caught + 1, batch(caught + 1))
     assert math.isfinite(result.loss) and liar.peer_id in driver.dead
