@@ -146,7 +146,8 @@ class AttacksRun:
             return cfg
         settings = ",".join(QUICK_SETTINGS) if cfg.settings == "all" else cfg.settings
         return replace(cfg, stages=2, replicas=2, steps=8, attack_at_step=2, train_samples=32, settings=settings,
-                       stall_s=45.0, setting_timeout_s=150.0, sybils=4, stranger_trainers=4)  # fmt: skip
+                       stall_s=45.0, setting_timeout_s=150.0, sybils=4, stranger_trainers=4,
+                       no_verify_flags="none")  # fmt: skip
 
 
 _FLAGS = Flags(AttacksRun)
@@ -195,6 +196,7 @@ def swarm_flags(cfg: AttacksConfig, setup: RunSetup, setting: str) -> tuple[list
     planning = PlanningConfig(min_peers=cfg.peers, seed=cfg.seed, replicas=cfg.replicas, probe_links=False)
     config = PeerConfig(
         num_stages=cfg.stages, threads=1, compute_layers_per_s=COMPUTE_LAYERS_PER_S, planning=planning,
+        leave_timeout_s=0.0,  # a setting's end stops its volunteers at once (no hand-over to wait for)
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, cfg.steps // 10)),
     )  # fmt: skip
     peer = [*peer_flags().to_argv(config), *setup.peer_flags]
@@ -339,6 +341,7 @@ def run_setting(
                 observer.join(10)
             if observer is not None:
                 observer.dht.shutdown()
+            result["pids"] = {name: proc.pid for name, proc in swarm.procs.procs.items()}
     (d / "attack.json").write_text(json.dumps(result, indent=1, default=str))
     say(f"{setting}: trainer exit {result['rc']}{' (stalled: stopped)' if result['stalled'] else ''}")
     return result

@@ -50,7 +50,7 @@ class Lie:
             raise ValueError(f"Lie: a scale must be finite, got {self.value}")
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.value:g}" if self.kind in ("scale", "norm") else self.kind
+        return f"{self.kind}:{self.value:g}".replace("e+", "e") if self.kind in ("scale", "norm") else self.kind
 
 
 def parse_lie(text: str) -> Lie:
