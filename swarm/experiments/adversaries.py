@@ -289,38 +289,47 @@ def held_data_streams(ctx: AttackContext) -> Attack:
     record = ctx.plan()
     addresses = {p.peer_id: p.address for p in ctx.observer.peers()}
     stage0 = [] if record is None else [p for p in record.document.stages[0].peer_ids if p in addresses]
+    if named and record is not None:  # the stages serve the plan that names it (their rosters follow their plan)
+        _wait(lambda: all(a.plan_version >= record.version for a in ctx.observer.peers() if a.peer_id in stage0), 15.0)
     hold = threading.Event()
-    calls, channels = [], []
+    calls: list = []
+    channels = {peer: grpc.insecure_channel(addresses[peer]) for peer in stage0}
 
     def nothing():
         hold.wait()
         return
         yield  # a generator that sends no item until the attack ends
 
+    def open_streams(peer: str, n: int) -> list:
+        forward = bind_method(channels[peer], METHODS["Forward"])
+        return [(peer, forward.future(nothing(), metadata=signer.metadata(peer), timeout=3600)) for _ in range(n)]
+
     n = int(ctx.options.get("streams", 24))
     for peer in stage0:
-        channel = grpc.insecure_channel(addresses[peer])
-        channels.append(channel)
-        forward = bind_method(channel, METHODS["Forward"])
-        for _ in range(n):
-            calls.append(forward.future(nothing(), metadata=signer.metadata(peer), timeout=3600))
-    time.sleep(2.0)
-    refused = [c.code().name for c in calls if c.done() and c.exception() is not None]
+        calls += open_streams(peer, n)
+    refused: list[str] = []
+    deadline = time.monotonic() + 10.0
+    while True:  # a stream refused at once (a roster a moment behind) is opened again, for up to 10 s
+        time.sleep(1.0)
+        done = [(peer, c) for peer, c in calls if c.done()]
+        refused = [c.exception().code().name for _, c in done if c.exception() is not None]
+        if not done or time.monotonic() > deadline:
+            break
+        calls = [(peer, c) for peer, c in calls if not c.done()]
+        for peer, _ in done:
+            calls += open_streams(peer, 1)
+    held = sum(1 for _, c in calls if not c.done())
 
     def stop() -> None:
         hold.set()
-        for c in calls:
+        for _, c in calls:
             c.cancel()
-        for ch in channels:
+        for ch in channels.values():
             ch.close()
         node.close()
 
-    facts = {
-        "named_trainer": named,
-        "streams": len(calls),
-        "refused_at_once": len(refused),
-        "codes": sorted(set(refused)),
-    }
+    facts = {"named_trainer": named, "streams": len(calls), "held": held, "refused": len(refused),
+             "codes": sorted(set(refused))}  # fmt: skip
     return Attack("held-data-streams", [pid], facts, stop)
 
 

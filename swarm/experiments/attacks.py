@@ -87,7 +87,7 @@ class AttacksConfig:
     """Samples per step."""
     micro_batches: int = field(default=4, metadata=flag(skip=True))
     """Micro-batches per step."""
-    stall_s: float = 90.0
+    stall_s: float = 60.0
     """a setting whose trainer completes no step for this long has stopped: the trainer is stopped"""
     setting_timeout_s: float = field(default=300.0, metadata=flag(name="--timeout-s"))
     """bound on one setting, seconds, from the trainer's start"""
@@ -334,13 +334,12 @@ def run_setting(
             say(f"{setting}: {type(e).__name__}: {e}")
             result["error"] = f"{type(e).__name__}: {e}"
         finally:
-            if attack is not None:
-                attack.stop()
-            if observer is not None:
+            if observer is not None:  # first: nothing after the attack's end is judged as its effect
                 observer.stop.set()
                 observer.join(10)
-            if observer is not None:
                 observer.dht.shutdown()
+            if attack is not None:
+                attack.stop()
             result["pids"] = {name: proc.pid for name, proc in swarm.procs.procs.items()}
     (d / "attack.json").write_text(json.dumps(result, indent=1, default=str))
     say(f"{setting}: trainer exit {result['rc']}{' (stalled: stopped)' if result['stalled'] else ''}")
@@ -358,7 +357,7 @@ def _wait_trainer(trainer: subprocess.Popen, observer: Observer, stall_s: float,
         if (steps > 0 and now - last_t > stall_s) or now > deadline:
             trainer.terminate()
             try:
-                trainer.wait(30)
+                trainer.wait(5)  # a trainer waiting for a plan finishes no step to stop after
             except subprocess.TimeoutExpired:
                 trainer.kill()
                 trainer.wait(10)

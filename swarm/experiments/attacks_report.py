@@ -183,7 +183,9 @@ def _worked(s: Setting, obs: list[Observation], run_stopped: bool) -> tuple[bool
         named = {p for o in after for p in o.trainer_ids if p in s.attacker_ids}
         return bool(named), f"{len(named)} of {len(s.attacker_ids)} strangers named trainers in a plan"
     if s.name == "held-data-streams":
-        what = f"{f.get('streams', 0)} streams, {f.get('refused_at_once', 0)} refused at once {f.get('codes', [])}"
+        what = (
+            f"{f.get('held', 0)} of {f.get('streams', 0)} streams held after 10 s, last refusals {f.get('codes', [])}"
+        )
         return run_stopped, ("the honest run stopped; " if run_stopped else "the honest run went on; ") + what
     if s.name == "relay-slot-fill":
         victim = f.get("victim")
@@ -219,9 +221,11 @@ def judge(s: Setting, rows: list[dict], obs: list[Observation], rc: int | None, 
             f"evicted or banned at step {first.step}" if first else "never evicted or banned"
         )
     else:
+        # a stranger's attack is refused or not by its effect: its announced peers dropped from a plan for not
+        # answering (liveness) is no detection of the attack
         worked, evidence = _worked(s, obs, run_stopped)
-        refused = None if worked is None else (not worked) or evicted
-        detection = None if first is None else max(0, first.step - s.attack_step)
+        refused = None if worked is None else not worked
+        detection = None if first is None or not refused else max(0, first.step - s.attack_step)
     row.update(
         refused_or_detected=refused, detection_steps=detection, evicted=evicted, run_stopped=run_stopped,
         steps=len(rows), final_loss=final_loss(rows), attack_step=s.attack_step, evidence=evidence,
