@@ -336,7 +336,9 @@ def held_data_streams(ctx: AttackContext) -> Attack:
 def relay_slot_fill(ctx: AttackContext) -> Attack:
     """Strangers announce themselves behind each reachable peer's relay and Attach to it until it is full;
     then one more honest volunteer behind NAT (swarm-peer --reach relay) joins. It worked if that volunteer
-    attaches to no relay (`facts["victim"]`: its id, judged from its announcement)."""
+    cannot be reached through the relay it announces while the strangers hold the relays (`facts["probes"]`,
+    `facts["reachable"]`: Status calls through its relay, as a trainer would dial it, and how many it answered;
+    its announcement names a relay before the Attach is accepted, so it cannot tell)."""
     import grpc
 
     from swarm.net.auth import CallSigner, Identity
@@ -368,16 +370,31 @@ def relay_slot_fill(ctx: AttackContext) -> Attack:
         channels.append(channel)
         stub = stage_pb2_grpc.RelayStub(channel)
         calls.append(stub.Attach(up(), metadata=CallSigner(Identity(key)).metadata(relay.peer_id), timeout=3600))
-    accepted = 0
-    for call in calls:  # each accepted Attach first answers AttachDown(conn_id=0)
-        try:
-            if isinstance(next(call), stage_pb2.AttachDown):
-                accepted += 1
-        except grpc.RpcError:
-            pass
+    answers: list[bool] = []
+
+    def count() -> None:  # each accepted Attach first answers AttachDown(conn_id=0)
+        for call in calls:
+            try:
+                answers.append(isinstance(next(call), stage_pb2.AttachDown))
+            except (grpc.RpcError, StopIteration):
+                answers.append(False)
+
+    counting = threading.Thread(target=count, daemon=True)
+    counting.start()
+    counting.join(20.0)  # a relay that neither accepts nor refuses holds its slot for the stranger all the same
+    accepted = sum(answers)
     victim = ctx.start_peer(["--reach", "relay"]) if ctx.start_peer is not None else None
+    facts = {"relays": len(relays), "attaches": len(calls), "accepted": accepted, "victim": victim, "probes": 0,
+             "reachable": 0}  # fmt: skip
+    probing = threading.Event()
+    prober = threading.Thread(target=_probe_victim, args=(ctx, victim, facts, probing), daemon=True)
+    if victim is not None:
+        prober.start()
 
     def stop() -> None:
+        probing.set()  # first: the victim is judged only while the strangers hold the relays
+        if prober.is_alive():
+            prober.join(15)
         hold.set()
         for c in calls:
             c.cancel()
@@ -385,8 +402,36 @@ def relay_slot_fill(ctx: AttackContext) -> Attack:
             ch.close()
         node.close()
 
-    facts = {"relays": len(relays), "attaches": len(calls), "accepted": accepted, "victim": victim}
     return Attack("relay-slot-fill", [p for p, _, _ in pairs], facts, stop)
+
+
+def _probe_victim(ctx: AttackContext, victim: str, facts: dict, stop: threading.Event, every_s: float = 2.0) -> None:
+    """Calls the victim's Status through its announced relay every `every_s` until `stop`, counting answers."""
+    from swarm.daemon.nat import announced_dial
+    from swarm.net.auth import CallSigner, Identity
+    from swarm.net.connect import GrpcConnector
+    from swarm.proto import stage_pb2
+
+    # as the trainer calls it (a relay may serve only the run's callers)
+    key = Identity.load(ctx.trainer_key_path) if ctx.trainer_key_path else Identity.generate()
+    signer = CallSigner(key)
+    connector = GrpcConnector(signer=signer, dial=announced_dial(ctx.observer.peers, signer))
+    try:
+        while not stop.wait(every_s):
+            try:
+                ann = next((p for p in ctx.observer.peers() if p.peer_id == victim), None)
+            except TimeoutError:
+                continue
+            if ann is None or ann.reach != "relay":  # not yet announced behind a relay
+                continue
+            facts["probes"] += 1
+            if (
+                _status(lambda ann=ann: connector.stage(ann.address, victim).Status(stage_pb2.Empty(), timeout=5))
+                == "OK"
+            ):
+                facts["reachable"] += 1
+    finally:
+        connector.close()
 
 
 def token_replay(ctx: AttackContext) -> Attack:

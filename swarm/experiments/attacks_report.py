@@ -191,11 +191,12 @@ def _worked(s: Setting, obs: list[Observation], run_stopped: bool) -> tuple[bool
         victim = f.get("victim")
         if victim is None:
             return None, "no victim peer started"
-        attached = any((a := o.peers.get(victim)) and a[2] == "relay" and a[3] for o in after)
-        where = "attached to a relay" if attached else "attached to no relay"
-        return (
-            not attached,
-            f"{f.get('accepted', 0)}/{f.get('attaches', 0)} stranger attaches held; the NAT'd volunteer {where}",
+        probes, reached = f.get("probes", 0), f.get("reachable", 0)
+        if not probes:
+            return None, "the NAT'd volunteer never announced a relay: not measured"
+        return reached == 0, (
+            f"{f.get('accepted', 0)}/{f.get('attaches', 0)} stranger attaches held; the NAT'd volunteer answered "
+            f"{reached} of {probes} calls through its relay"
         )
     if s.name == "token-replay":
         capture, replay = f.get("capture"), f.get("replay")
