@@ -1,5 +1,5 @@
-"""`swarm experiment attacks --quick`: a small local open run, clean and attacked (stranger trainers, a volunteer
-lying NaN norms), with its rows as `--json` prints them, its report and plot, and every process reaped.
+"""`swarm experiment attacks --quick`: a small local open run, clean and with a volunteer lying NaN norms, with
+its rows as `--json` prints them, its report and plot, and every process reaped.
 
 What the attacks achieve depends on the defences in the checkout: this test holds the rows' shape and the clean
 run, not that the attacks are stopped."""
