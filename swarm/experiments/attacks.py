@@ -342,6 +342,9 @@ def run_setting(
             if attack is not None:
                 attack.stop()
             result["pids"] = {name: proc.pid for name, proc in swarm.procs.procs.items()}
+    if kind == "liar" and liar is not None:  # did the liar's stage give its lie something to change?
+        log = d / "logs" / f"peer{liar[0]}.log"
+        result["facts"]["lied"] = log.exists() and "this peer lies:" in log.read_text(errors="replace")
     (d / "attack.json").write_text(json.dumps(result, indent=1, default=str))
     say(f"{setting}: trainer exit {result['rc']}{' (stalled: stopped)' if result['stalled'] else ''}")
     return result

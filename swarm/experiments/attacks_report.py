@@ -215,6 +215,9 @@ def judge(s: Setting, rows: list[dict], obs: list[Observation], rc: int | None, 
     row = {"setting": s.name, "kind": s.kind}
     if s.kind == "clean":
         refused, detection, evidence = None, None, "no attack"
+    elif s.kind == "liar" and s.facts.get("lied") is False:
+        refused, detection = None, None
+        evidence = "the liar's stage gave its lie nothing to change (e.g. activations on the last stage): not tried"
     elif s.kind == "liar":
         refused = evicted
         detection = None if first is None else max(0, first.step - s.attack_step)

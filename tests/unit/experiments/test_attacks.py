@@ -48,6 +48,12 @@ def test_a_liar_left_out_of_a_newer_plan_is_evicted_at_that_step():
     assert row["refused_or_detected"] is True and row["evicted"] is True and row["detection_steps"] == 6
 
 
+def test_a_liar_that_could_not_lie_is_not_counted():
+    obs = [_obs(1, 0, 1, [[A, LIAR], [B, C]])]
+    row = judge(Setting("liar-scale:10", "liar", (LIAR,), facts={"lied": False}), _steps(10), obs, 0, 10)
+    assert row["refused_or_detected"] is None and "not tried" in row["evidence"]
+
+
 def test_a_ban_counts_as_detection_even_before_the_plan_changes():
     obs = [_obs(1, 0, 1, [[A, LIAR], [B, C]]), _obs(2, 3, 1, [[A, LIAR], [B, C]], banned=(LIAR,))]
     row = judge(Setting("liar-scale:300", "liar", (LIAR,)), _steps(10), obs, 0, 10)
