@@ -22,7 +22,7 @@ from typing import Any
 
 log = logging.getLogger("swarm.attacker")
 
-__all__ = ["ATTACKS", "Attack", "AttackContext", "AttackerNode", "KeyPool", "MultiKeySigner"]
+__all__ = ["ATTACKS", "Attack", "AttackContext", "AttackerNode", "KeyPool", "multi_key_signer"]
 
 ANNOUNCE_EVERY_S = 5.0
 """How often the attacker re-stores its records (announcements live 30 s)."""
@@ -62,28 +62,24 @@ class KeyPool:
             self.make(min(16, self.max_keys - total))
 
 
-class MultiKeySigner:
-    """A hivemind record validator that signs a record with whichever of its keys owns it (the key in the
-    record's subkey), so one DHT node stores records for many identities. Built on `RSASignatureValidator`."""
+def multi_key_signer(keys: list[Any]):
+    """A hivemind record validator that signs a record with whichever of `keys` owns it (the key in the record's
+    subkey), so one DHT node stores records for many identities: `RSASignatureValidator` with several keys."""
+    from hivemind.dht.crypto import RSASignatureValidator
 
-    def __new__(cls, keys: list[Any]):
-        from hivemind.dht.crypto import RSASignatureValidator
+    class MultiKeySigner(RSASignatureValidator):
+        def __init__(self) -> None:
+            super().__init__(keys[0])
+            self.by_owner = {owner_of(k): k for k in keys}
 
-        class _Signer(RSASignatureValidator):
-            def __init__(self, keys: list[Any]):
-                super().__init__(keys[0])
-                self.by_owner = {
-                    self.PUBLIC_KEY_FORMAT.replace(b"_key_", k.get_public_key().to_bytes()): k for k in keys
-                }
+        def sign_value(self, record):
+            for owner, key in self.by_owner.items():
+                if owner in record.key or owner in (record.subkey or b""):
+                    signature = key.sign(self._serialize_record(record))
+                    return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
+            return record.value
 
-            def sign_value(self, record):
-                for owner, key in self.by_owner.items():
-                    if owner in record.key or owner in (record.subkey or b""):
-                        signature = key.sign(self._serialize_record(record))
-                        return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
-                return record.value
-
-        return _Signer(keys)
+    return MultiKeySigner()
 
 
 def owner_of(key: Any) -> bytes:
@@ -105,7 +101,7 @@ class AttackerNode:
         config = DHTConfig(initial_peers=tuple(initial_peers), client_mode=True)
         self.dht = DHT(
             initial_peers=list(initial_peers), start=True, client_mode=True, host_maddrs=config.host_maddrs,
-            record_validators=[MultiKeySigner(keys), RunRecordValidator(self.run_keys)],
+            record_validators=[multi_key_signer(keys), RunRecordValidator(self.run_keys)],
         )  # fmt: skip
         self._records: list[Callable[[], tuple[str, bytes, dict, float]]] = []
         self._stop = threading.Event()
@@ -232,8 +228,7 @@ def ground_key_planner(ctx: AttackContext) -> Attack:
         if doc.version is not None:
             changes["version"] = version
         hijack = PlanRecord(version, dataclasses.replace(doc, **changes), created_at=get_dht_time())
-        time.sleep(1.0)  # its lease reaches the DHT before the plan (readers check the publisher's authority)
-        node.publish_plan(key, hijack)
+        node.publish_plan(key, hijack)  # after its lease is stored: readers check the publisher's authority
         facts["hijack_version"] = version
     return Attack("ground-key-planner", [pid], facts, node.close)
 
@@ -247,9 +242,10 @@ def sybils_then_planner_kill(ctx: AttackContext) -> Attack:
     rest = ctx.pool.below(None, n - len(low), used={p for p, _ in low})
     sybils = low + rest
     node = AttackerNode(ctx.initial_peers, [k for _, k in sybils])
+    ids = {pid for pid, _ in sybils}
     for i, (pid, key) in enumerate(sybils):
         node.announce_peer(key, _announcement(pid, i))
-    time.sleep(2 * ANNOUNCE_EVERY_S / 5)  # the sybils are stored before the kill
+    _wait(lambda: sum(p.peer_id in ids for p in ctx.observer.peers()) == len(ids), 10.0)  # stored before the kill
     killed = ctx.kill_planner()
     facts = {"killed": killed, "killed_at": time.time(), "lowest_sybil_below_honest": bool(low)}
     return Attack("sybils-planner-kill", [p for p, _ in sybils], facts, node.close)
@@ -358,7 +354,8 @@ def relay_slot_fill(ctx: AttackContext) -> Attack:
         node.announce_peer(
             key, dataclasses.replace(_announcement(pid, i, reach="relay", relay=relay.peer_id), memory_bytes=0)
         )
-    time.sleep(2.0)  # the relays read the announcements that vouch for the attaches
+    ids = {pid for pid, _, _ in pairs}  # the relays read the announcements that vouch for the attaches
+    _wait(lambda: sum(p.peer_id in ids for p in ctx.observer.peers()) == len(ids), 10.0)
 
     def up():
         hold.wait()

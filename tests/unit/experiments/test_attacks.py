@@ -234,3 +234,20 @@ def test_sign_flip_on_the_first_stage_flips_its_own_gradients():
     first.step(1.0), plain.step(1.0)
     # AdamW's first step moves each weight by about lr against its gradient's sign: opposite directions
     assert torch.all(torch.sign(first.module.lin.weight - w0) == -torch.sign(plain.module.lin.weight - w0))
+
+
+def test_one_attacker_node_signs_records_for_each_of_its_keys():
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import DHTRecord
+
+    from swarm.experiments.adversaries import KeyPool, multi_key_signer, owner_of
+
+    pool = KeyPool(max_keys=3)
+    keys = [key for _, key in pool.below(None, 3)]
+    assert len(keys) == 3 and len(pool.below("0", 5)) <= 3  # the grind stops at max_keys
+    signer, checker = multi_key_signer(keys), RSASignatureValidator(keys[0])
+    for key in keys:
+        record = DHTRecord(b"run.peers", owner_of(key), b"value", 1e12)
+        signed = DHTRecord(record.key, record.subkey, signer.sign_value(record), record.expiration_time)
+        assert checker.validate(signed)  # a reader verifies it against the key in its subkey
+    assert pool.below(min(pool.keys), 1) == []
