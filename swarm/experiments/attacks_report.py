@@ -116,26 +116,22 @@ def throughput(rows: list[dict], batch_size: int) -> float | None:
 
 
 def _evicted_at(obs: list[Observation], peer_id: str, after_t: float) -> Observation | None:
-    """The first observation after `after_t` at which `peer_id`, named in the run before, is banned or no
-    longer named in a newer plan."""
-    named_in = None
+    """The first observation after `after_t` at which `peer_id`, named in the run before, is banned, or is left out
+    of a newer plan and never named again (a peer dropped for a missed heartbeat and planned again is no eviction)."""
+    named_in, out_at = None, None
     for o in obs:
-        if o.t < after_t:
-            if o.in_run(peer_id):
-                named_in = o.plan_version
-            continue
-        if peer_id in o.banned:
+        if o.t >= after_t and peer_id in o.banned:
             return o
         if o.in_run(peer_id):
-            named_in = o.plan_version
-        elif named_in is not None and o.plan_version > named_in:
-            return o
-    return None
+            named_in, out_at = o.plan_version, None
+        elif o.t >= after_t and named_in is not None and o.plan_version > named_in and out_at is None:
+            out_at = o
+    return out_at
 
 
 def evictions(obs: list[Observation]) -> int:
-    """How many peers the run evicted: named in a plan, then banned or left out of a newer one while announced
-    (a clean run: none)."""
+    """How many peers the run evicted: named in a plan, then banned, or left out of a newer one for good while still
+    announced (a clean run: none)."""
     ids = {p for o in obs for s in o.stages for p in s}
     return sum(1 for p in ids if (o := _evicted_at(obs, p, 0.0)) is not None and (p in o.banned or p in o.peers))
 

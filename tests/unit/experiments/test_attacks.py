@@ -54,6 +54,13 @@ def test_a_liar_that_could_not_lie_is_not_counted():
     assert row["refused_or_detected"] is None and "not tried" in row["evidence"]
 
 
+def test_a_peer_planned_again_after_a_missed_heartbeat_was_not_evicted():
+    back = [_obs(1, 0, 1, [[A, LIAR], [B, C]]), _obs(2, 4, 2, [[A], [B, C]]), _obs(3, 6, 3, [[A, LIAR], [B, C]])]
+    row = judge(Setting("liar-noise", "liar", (LIAR,)), _steps(10), back, 0, 10)
+    assert row["evicted"] is False and row["refused_or_detected"] is False
+    assert evictions(back) == 0
+
+
 def test_a_ban_counts_as_detection_even_before_the_plan_changes():
     obs = [_obs(1, 0, 1, [[A, LIAR], [B, C]]), _obs(2, 3, 1, [[A, LIAR], [B, C]], banned=(LIAR,))]
     row = judge(Setting("liar-scale:300", "liar", (LIAR,)), _steps(10), obs, 0, 10)
