@@ -183,9 +183,12 @@ def _start_run(cfg: AttacksConfig, identities: Path) -> RunSetup:
         from swarm.daemon.run_cli import init_run  # owned runs (issue 27), where this checkout has them
     except ImportError:
         return RunSetup(False, [], key_flag, trainer_key, "open run (this checkout has no owned runs)")
-    run = init_run(identities / "run", trainer_keys=[trainer_key])
-    return RunSetup(True, ["--run", str(run.run_id)], [*key_flag, "--run", str(run.run_id)], trainer_key,
-                    f"owned run {run.run_id}")  # fmt: skip
+    try:
+        run = init_run(identities / "run", trainer_keys=[trainer_key])
+        run_id = str(run.run_id)
+    except (TypeError, AttributeError) as e:  # another shape than assumed here: say so in every row and the report
+        return RunSetup(False, [], key_flag, trainer_key, f"open run: init_run is there but not as assumed ({e})")
+    return RunSetup(True, ["--run", run_id], [*key_flag, "--run", run_id], trainer_key, f"owned run {run_id}")
 
 
 def swarm_flags(cfg: AttacksConfig, setup: RunSetup, setting: str) -> tuple[list[str], list[str]]:
