@@ -308,7 +308,7 @@ def run_setting(
                     "attack_step": 0, "attack_t": 0.0}  # fmt: skip
     if kind == "liar" and liar is not None:
         result["attackers"] = [liar[1]]
-    observer = attack = None
+    observer = attack = dht = None
     with ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe=lambda: {}, identities=identities) as swarm:
         try:
             swarm.start(cfg.peers)
@@ -331,8 +331,12 @@ def run_setting(
                 )  # fmt: skip
                 result["attack_step"], result["attack_t"] = observer.step_count(), time.time()
                 say(f"{setting}: attacking after step {result['attack_step']}")
-                attack = ATTACKS[setting](ctx)
-                result["facts"], result["attackers"] = attack.facts, attack.attacker_ids
+                try:
+                    attack = ATTACKS[setting](ctx)
+                    result["facts"], result["attackers"] = attack.facts, attack.attacker_ids
+                except Exception as e:  # the attacker's own failure: its row says not tried, the run goes on
+                    result["facts"] = {"error": f"{type(e).__name__}: {e}"}
+                    say(f"{setting}: the attack failed: {result['facts']['error']}")
             result["rc"], result["stalled"] = _wait_trainer(trainer, observer, cfg.stall_s, deadline)
         except Exception as e:  # a failed setting still leaves its files for the row
             say(f"{setting}: {type(e).__name__}: {e}")
@@ -341,7 +345,8 @@ def run_setting(
             if observer is not None:  # first: nothing after the attack's end is judged as its effect
                 observer.stop.set()
                 observer.join(10)
-                observer.dht.shutdown()
+            if dht is not None:
+                dht.shutdown()
             if attack is not None:
                 attack.stop()
             result["pids"] = {name: proc.pid for name, proc in swarm.procs.procs.items()}

@@ -153,6 +153,8 @@ def _worked(s: Setting, obs: list[Observation], run_stopped: bool) -> tuple[bool
     """Whether the attack got what it came for (None: it could not be tried here), and the evidence."""
     after = [o for o in obs if o.t >= s.attack_t]
     f = s.facts
+    if "error" in f:
+        return None, f"the attacker failed: {f['error']}"
     if s.kind == "liar":
         return None, "judged by eviction"
     if s.name == "ground-key-planner":

@@ -110,6 +110,12 @@ def test_token_replay_is_refused_only_by_an_authentication_refusal():
     assert judge(broken, _steps(10), [], 0, 10)["refused_or_detected"] is None
 
 
+def test_an_attacker_that_failed_is_not_counted_refused():
+    s = Setting("stranger-trainers", "stranger", (), 3, 1.5, {"error": "TimeoutError: the DHT node did not start"})
+    row = judge(s, _steps(10), [_obs(2, 4, 1, [[A], [B]])], 0, 10)
+    assert row["refused_or_detected"] is None and "TimeoutError" in row["evidence"]
+
+
 def test_held_streams_and_relay_fill_are_judged_by_their_effect():
     held = Setting("held-data-streams", "stranger", ("h",), 3, 1.5, {"streams": 48})
     assert judge(held, _steps(4), [], 1, 10)["refused_or_detected"] is False
