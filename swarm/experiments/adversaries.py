@@ -26,6 +26,8 @@ __all__ = ["ATTACKS", "Attack", "AttackContext", "AttackerNode", "KeyPool", "mul
 
 ANNOUNCE_EVERY_S = 5.0
 """How often the attacker re-stores its records (announcements live 30 s)."""
+VICTIM_START_S = 120.0
+"""How long the relay attack waits for its NAT'd volunteer to start and announce itself behind a relay."""
 HIJACK_LEASE_S = 20.0
 """The planner lease a key-grinding attacker claims (readers accept at most 60 s)."""
 
@@ -331,10 +333,10 @@ def held_data_streams(ctx: AttackContext) -> Attack:
 
 def relay_slot_fill(ctx: AttackContext) -> Attack:
     """Strangers announce themselves behind each reachable peer's relay and Attach to it until it is full;
-    then one more honest volunteer behind NAT (swarm-peer --reach relay) joins. It worked if that volunteer
-    cannot be reached through the relay it announces while the strangers hold the relays (`facts["probes"]`,
-    `facts["reachable"]`: Status calls through its relay, as a trainer would dial it, and how many it answered;
-    its announcement names a relay before the Attach is accepted, so it cannot tell)."""
+    then one more honest volunteer behind NAT (swarm-peer --reach relay) joins. It worked if that volunteer,
+    once it announces itself behind a relay, cannot be reached through it while the strangers hold the relays
+    (`facts["probes"]`, `facts["reachable"]`: Status calls through its relay, as the trainer would dial it, and
+    how many it answered; its announcement names a relay before the Attach is accepted, so it cannot tell)."""
     import grpc
 
     from swarm.net.auth import CallSigner, Identity
@@ -383,15 +385,12 @@ def relay_slot_fill(ctx: AttackContext) -> Attack:
     victim = ctx.start_peer(["--reach", "relay"]) if ctx.start_peer is not None else None
     facts = {"relays": len(relays), "attaches": len(calls), "accepted": accepted, "victim": victim, "probes": 0,
              "reachable": 0}  # fmt: skip
-    probing = threading.Event()
-    prober = threading.Thread(target=_probe_victim, args=(ctx, victim, facts, probing), daemon=True)
-    if victim is not None:
-        prober.start()
+    if victim is not None:  # judged now, while the strangers hold the relays, whatever the trainer does meanwhile
+        behind = lambda: any(p.peer_id == victim and p.reach == "relay" for p in ctx.observer.peers())  # noqa: E731
+        if _wait(behind, VICTIM_START_S):
+            _probe_victim(ctx, victim, facts)
 
     def stop() -> None:
-        probing.set()  # first: the victim is judged only while the strangers hold the relays
-        if prober.is_alive():
-            prober.join(15)
         hold.set()
         for c in calls:
             c.cancel()
@@ -402,8 +401,9 @@ def relay_slot_fill(ctx: AttackContext) -> Attack:
     return Attack("relay-slot-fill", [p for p, _, _ in pairs], facts, stop)
 
 
-def _probe_victim(ctx: AttackContext, victim: str, facts: dict, stop: threading.Event, every_s: float = 2.0) -> None:
-    """Calls the victim's Status through its announced relay every `every_s` until `stop`, counting answers."""
+def _probe_victim(ctx: AttackContext, victim: str, facts: dict, probes: int = 8, every_s: float = 2.0) -> None:
+    """Calls the victim's Status through its announced relay `probes` times, `every_s` apart, as the trainer would
+    dial it; counts the calls (`facts["probes"]`) and the answers (`facts["reachable"]`)."""
     from swarm.daemon.nat import announced_dial
     from swarm.net.auth import CallSigner, Identity
     from swarm.net.connect import GrpcConnector
@@ -414,18 +414,16 @@ def _probe_victim(ctx: AttackContext, victim: str, facts: dict, stop: threading.
     signer = CallSigner(key)
     connector = GrpcConnector(signer=signer, dial=announced_dial(ctx.observer.peers, signer))
     try:
-        while not stop.wait(every_s):
+        for i in range(probes):
+            if i:
+                time.sleep(every_s)  # spaced calls: an Attach that comes a moment late still counts
             try:
                 ann = next((p for p in ctx.observer.peers() if p.peer_id == victim), None)
-            except TimeoutError:
-                continue
-            if ann is None or ann.reach != "relay":  # not yet announced behind a relay
+            except TimeoutError:  # a slow DHT read: this call is not made
                 continue
             facts["probes"] += 1
-            if (
-                _status(lambda ann=ann: connector.stage(ann.address, victim).Status(stage_pb2.Empty(), timeout=5))
-                == "OK"
-            ):
+            if ann is not None and _status(lambda ann=ann: connector.stage(ann.address, victim).Status(
+                stage_pb2.Empty(), timeout=5)) == "OK":  # fmt: skip
                 facts["reachable"] += 1
     finally:
         connector.close()
