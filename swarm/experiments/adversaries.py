@@ -26,6 +26,8 @@ __all__ = ["ATTACKS", "Attack", "AttackContext", "AttackerNode", "KeyPool", "mul
 
 ANNOUNCE_EVERY_S = 5.0
 """How often the attacker re-stores its records (announcements live 30 s)."""
+ATTACH_RETRY_S = 20.0
+"""How long a relay attacker keeps attaching while refused."""
 VICTIM_START_S = 120.0
 """How long the relay attack waits for its NAT'd volunteer to start and announce itself behind a relay."""
 HIJACK_LEASE_S = 20.0
@@ -348,7 +350,7 @@ def relay_slot_fill(ctx: AttackContext) -> Attack:
     found = ctx.pool.below(None, per * len(relays))
     node = AttackerNode(ctx.initial_peers, [k for _, k in found])
     hold = threading.Event()
-    calls, channels, pairs = [], [], []
+    channels, pairs = [], []
     for i, (pid, key) in enumerate(found):
         relay = relays[i // per]
         pairs.append((pid, key, relay))
@@ -364,26 +366,36 @@ def relay_slot_fill(ctx: AttackContext) -> Attack:
         return
         yield
 
-    for _pid, key, relay in pairs:
+    calls: list = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + ATTACH_RETRY_S
+
+    def attach(key, relay) -> None:
+        """Attaches as `key` to `relay`, again while refused (its view of the announcements may lag) until the
+        deadline; an accepted Attach first answers AttachDown(conn_id=0) and is held."""
         channel = grpc.insecure_channel(relay.address)
-        channels.append(channel)
+        with lock:
+            channels.append(channel)
         stub = stage_pb2_grpc.RelayStub(channel)
-        calls.append(stub.Attach(up(), metadata=CallSigner(Identity(key)).metadata(relay.peer_id), timeout=3600))
-    answers: list[bool] = []
-
-    def count() -> None:  # each accepted Attach first answers AttachDown(conn_id=0)
-        for call in calls:
+        while time.monotonic() < deadline and not hold.is_set():
+            call = stub.Attach(up(), metadata=CallSigner(Identity(key)).metadata(relay.peer_id), timeout=3600)
             try:
-                answers.append(isinstance(next(call), stage_pb2.AttachDown))
+                if isinstance(next(call), stage_pb2.AttachDown):
+                    with lock:
+                        calls.append(call)
+                    return
             except (grpc.RpcError, StopIteration):
-                answers.append(False)
+                pass
+            hold.wait(1.0)  # refused: once a second until the deadline
 
-    counting = threading.Thread(target=count, daemon=True)
-    counting.start()
-    counting.join(20.0)  # a relay that neither accepts nor refuses holds its slot for the stranger all the same
-    accepted = sum(answers)
+    threads = [threading.Thread(target=attach, args=(key, relay), daemon=True) for _, key, relay in pairs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.1, deadline + 10.0 - time.monotonic()))
+    accepted = len(calls)
     victim = ctx.start_peer(["--reach", "relay"]) if ctx.start_peer is not None else None
-    facts = {"relays": len(relays), "attaches": len(calls), "accepted": accepted, "victim": victim, "probes": 0,
+    facts = {"relays": len(relays), "attaches": len(pairs), "accepted": accepted, "victim": victim, "probes": 0,
              "reachable": 0}  # fmt: skip
     if victim is not None:  # judged now, while the strangers hold the relays, whatever the trainer does meanwhile
         behind = lambda: any(p.peer_id == victim and p.reach == "relay" for p in ctx.observer.peers())  # noqa: E731
