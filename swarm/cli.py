@@ -57,6 +57,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "swarm.experiments.churn",
         "train twice from one seed, without and with peers killed and joining; recovery, samples, targets",
     ),
+    ("experiment", "attacks"): (
+        "swarm.experiments.attacks",
+        "a local open run attacked once per setting (strangers, in-plan liars): refused, evicted, stopped, loss",
+    ),
 }
 
 GROUP_HELP = {"bench": "benchmarks that print figures (and JSON with --json)", "experiment": "experiments"}

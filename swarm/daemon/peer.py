@@ -29,7 +29,10 @@ from swarm.peers.allocator import tune_allocator
 from swarm.runtime.modelcheck import check_plan_models, peer_status
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from swarm.peers.plan import PlanDocument
+    from swarm.runtime.host import StageHost
 
 __all__ = ["PeerConfig", "PeerDaemon", "PlanningConfig", "build_parser", "config_from_args", "main"]
 
@@ -45,8 +48,10 @@ def retired(assignment, record):
 class PeerDaemon:
     """One peer's lifetime; `run()` blocks until `stop()` (or a signal) and returns the exit code."""
 
-    def __init__(self, cfg: PeerConfig):
+    def __init__(self, cfg: PeerConfig, on_host: Callable[[StageHost], None] | None = None):
         self.cfg = cfg
+        self.on_host = on_host
+        """called with every stage host this peer makes, before it serves (a test's modified volunteer)"""
         self._stop = threading.Event()
         self._leave = threading.Event()
         self._leave_deadline: float | None = None
@@ -208,6 +213,8 @@ class PeerDaemon:
         )
         apply_frozen(host, plan.frozen if plan is not None else 0)  # a repacked plan's frozen prefix: never trained
         self.checkpoints.setup(host)
+        if self.on_host is not None:
+            self.on_host(host)
         return host
 
     def update_announcement(self, **changes):
@@ -567,7 +574,8 @@ class PeerDaemon:
         return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | None = None) -> int:
+    """swarm-peer; `on_host` (see `PeerDaemon`) is for programs that run a modified peer, never set by the CLI."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -582,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    daemon = PeerDaemon(cfg)
+    daemon = PeerDaemon(cfg, on_host)
     signal.signal(signal.SIGINT, daemon.stop)
     signal.signal(signal.SIGTERM, daemon.leave)
     return daemon.run()

@@ -1,0 +1,498 @@
+"""`swarm experiment attacks`: a real local open run attacked one way per setting, and whether the code stops it.
+
+Each setting starts a fresh app-shaped run: a bootstrap node, volunteer `swarm-peer`s (default 3 stages x 2
+replicas) and one `swarm train`, all local processes (`swarm.testbed.churn_control.ChurnSwarm`), and trains a
+fixed number of steps. The settings:
+
+- `clean`: no attack (and, where the peers have a verification switch, the same run with verification off, for the
+  throughput it costs);
+- the stranger attacks of `swarm.experiments.adversaries` (ground-key planner, Sybils then a planner kill, stranger
+  trainers, held data streams, relay slot fill, token replay), started once the trainer has completed
+  `--attack-at-step` steps;
+- an in-plan liar per lie of `swarm.experiments.liar_peer` (`liar-scale:300`, ...): one volunteer, the one the clean
+  run's plan put at a middle stage, runs modified code from its start.
+
+Meanwhile the experiment reads the run as anyone can (its plan, bans and announcements in the DHT, every half
+second, to observations.jsonl) and the trainer's steps; `swarm.experiments.attacks_report` turns them into one
+row per setting, judged only by what the run exposed: where a defence is not in the code, its row shows the
+attack succeeding.
+
+The run is open (no --trusted-planners, no --trainers) unless the checkout has owned runs
+(`swarm.daemon.run_cli.init_run`): then `_start_run` makes an owner, its manifest and delegated keys and every
+row says `owned_run: true`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from swarm.experiments.attacks_report import (
+    CLEAN_KEYS,
+    ROW_KEYS,
+    Observation,
+    Setting,
+    clean_row,
+    judge,
+    read_observations,
+    read_steps,
+    report_markdown,
+    save_plots,
+    targets,
+)
+from swarm.experiments.liar_peer import LIES
+from swarm.flags import Flags, flag
+
+__all__ = ["AttacksConfig", "AttacksRun", "SETTINGS", "add_arguments", "run"]
+
+STRANGER_SETTINGS = (
+    "ground-key-planner", "sybils-planner-kill", "stranger-trainers", "held-data-streams", "relay-slot-fill",
+    "token-replay",
+)  # fmt: skip
+LIAR_SETTINGS = tuple(f"liar-{lie}" for lie in LIES)
+SETTINGS = ("clean", *STRANGER_SETTINGS, *LIAR_SETTINGS)
+QUICK_SETTINGS = ("clean", "liar-norm:nan")
+"""--quick's settings: about 45 s each on a loaded 2-core machine (`--quick --settings A,B` runs others)."""
+COMPUTE_LAYERS_PER_S = 8.0
+"""Declared by every peer instead of measured, so every setting gets the same plan from the same keys."""
+VERIFY_OFF_FLAGS = (("--no-verify",), ("--verify-fraction", "0"), ("--verify-every", "0"))
+"""How a checkout's swarm-peer turns stage verification off, tried in order against its --help (auto)."""
+
+
+@dataclass(frozen=True)
+class AttacksConfig:
+    """One `swarm experiment attacks` run: the swarm, the training, and the attacks' sizes."""
+
+    stages: int = 3
+    """pipeline stages"""
+    replicas: int = 2
+    """replicas per stage (stages x replicas volunteers)"""
+    steps: int = 30
+    """optimizer steps each setting trains"""
+    attack_at_step: int = 3
+    """a stranger attack starts once the trainer has completed this many steps"""
+    settings: str = "all"
+    """comma-separated settings to run (all: every one); clean always runs first"""
+    seed: int = 0
+    """seed of the data order and the planner"""
+    train_samples: int = field(default=64, metadata=flag(skip=True))
+    """Training samples of the embedded data set."""
+    batch_size: int = field(default=8, metadata=flag(skip=True))
+    """Samples per step."""
+    micro_batches: int = field(default=4, metadata=flag(skip=True))
+    """Micro-batches per step."""
+    stall_s: float = 60.0
+    """a setting whose trainer completes no step for this long has stopped: the trainer is stopped"""
+    setting_timeout_s: float = field(default=300.0, metadata=flag(name="--timeout-s"))
+    """bound on one setting, seconds, from the trainer's start"""
+    sybils: int = 20
+    """Sybil announcements before the planner kill"""
+    stranger_trainers: int = 16
+    """stranger trainer announcements"""
+    held_streams: int = 24
+    """held Forward streams per stage-0 peer"""
+    no_verify_flags: str = "auto"
+    """swarm-peer flags that turn verification off, for the clean run's second measurement (auto: the first of
+    --no-verify, --verify-fraction 0, --verify-every 0 the peers have; none: do not measure)"""
+    identities: Path | None = field(default=None, metadata=flag(metavar="DIR"))
+    """the peers' and the trainer's key files, created there if missing (none: OUT/identities); every setting
+    uses the same keys, so the same plan"""
+    out: Path | None = None
+    """output folder (none: runs/attacks-<time>)"""
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "replicas", "steps", "train_samples", "batch_size", "micro_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AttacksConfig.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.stages * self.replicas < 2 or not 0 <= self.attack_at_step < self.steps:
+            raise ValueError("AttacksConfig: need at least 2 volunteers and 0 <= attack_at_step < steps")
+        if self.batch_size % self.micro_batches or self.train_samples % self.batch_size:
+            raise ValueError("AttacksConfig: micro-batches divide the batch, the batch the samples")
+        unknown = set(self.chosen()) - set(SETTINGS)
+        if unknown:
+            raise ValueError(f"--settings: unknown {sorted(unknown)}; known: {', '.join(SETTINGS)}")
+
+    @property
+    def peers(self) -> int:
+        return self.stages * self.replicas
+
+    def chosen(self) -> tuple[str, ...]:
+        if self.settings == "all":
+            return SETTINGS
+        names = [s.strip() for s in self.settings.split(",") if s.strip()]
+        return ("clean", *[n for n in names if n != "clean"])
+
+
+@dataclass(frozen=True)
+class AttacksRun:
+    """`swarm experiment attacks`'s flags."""
+
+    attacks: AttacksConfig = field(default_factory=AttacksConfig)
+    quick: bool = False
+    """a small run for the test suite: 2 stages x 2 replicas, 8 steps, settings clean and liar-norm:nan (unless
+    --settings names others)"""
+    json: bool = False
+    """print one row per setting as JSON"""
+
+    def config(self) -> AttacksConfig:
+        cfg = self.attacks
+        if not self.quick:
+            return cfg
+        settings = ",".join(QUICK_SETTINGS) if cfg.settings == "all" else cfg.settings
+        return replace(cfg, stages=2, replicas=2, steps=8, attack_at_step=2, train_samples=32, settings=settings,
+                       stall_s=45.0, setting_timeout_s=150.0, sybils=4, stranger_trainers=4,
+                       no_verify_flags="none")  # fmt: skip
+
+
+_FLAGS = Flags(AttacksRun)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _FLAGS.add_to(parser)
+
+
+@dataclass
+class RunSetup:
+    """How the run's processes are told which run they join: extra flags for every peer and for the trainer."""
+
+    owned: bool
+    peer_flags: list[str]
+    trainer_flags: list[str]
+    trainer_key: Path
+    note: str
+
+
+def _start_run(cfg: AttacksConfig, identities: Path) -> RunSetup:
+    """The run every setting joins. With owned runs in the checkout (`swarm.daemon.run_cli.init_run`), an owner
+    key signs a manifest delegating the trainer's key (and planners), and peers join it by its id; without them,
+    the default open run (no --trusted-planners, no --trainers), which the attacks target."""
+    from swarm.train.trainer import train_flags
+
+    trainer_key = identities / "trainer.der"
+    identities.mkdir(parents=True, exist_ok=True)
+    flags = train_flags()
+    key_flag = flags.to_argv(replace(flags.base, dht=replace(flags.base.dht, signing_key_path=str(trainer_key))))
+    try:
+        from swarm.daemon.run_cli import init_run  # owned runs (issue 27), where this checkout has them
+    except ImportError:
+        return RunSetup(False, [], key_flag, trainer_key, "open run (this checkout has no owned runs)")
+    try:
+        run = init_run(identities / "run", trainer_keys=[trainer_key])
+        run_id = str(run.run_id)
+    except (TypeError, AttributeError) as e:  # another shape than assumed here: say so in every row and the report
+        return RunSetup(False, [], key_flag, trainer_key, f"open run: init_run is there but not as assumed ({e})")
+    return RunSetup(True, ["--run", run_id], [*key_flag, "--run", run_id], trainer_key, f"owned run {run_id}")
+
+
+def swarm_flags(cfg: AttacksConfig, setup: RunSetup, setting: str) -> tuple[list[str], list[str]]:
+    """(swarm-peer flags, swarm train flags) of every setting."""
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
+    from swarm.runtime.worker import OptimConfig
+    from swarm.train.trainer import train_flags
+
+    planning = PlanningConfig(min_peers=cfg.peers, seed=cfg.seed, replicas=cfg.replicas, probe_links=False)
+    config = PeerConfig(
+        num_stages=cfg.stages, threads=1, compute_layers_per_s=COMPUTE_LAYERS_PER_S, planning=planning,
+        leave_timeout_s=0.0,  # a setting's end stops its volunteers at once (no hand-over to wait for)
+        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, cfg.steps // 10)),
+    )  # fmt: skip
+    peer = [*peer_flags().to_argv(config), *setup.peer_flags]
+    flags = train_flags()
+    train = replace(
+        flags.base, num_stages=cfg.stages, steps=cfg.steps, seed=cfg.seed, setting=setting,
+        train_samples=cfg.train_samples, batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, deadline_s=30.0,
+        wait_timeout_s=180.0, replan_timeout_s=60.0, chain_weights="equal",
+    )  # fmt: skip
+    return peer, [*flags.to_argv(train), *setup.trainer_flags]
+
+
+def verify_off_flags(cfg: AttacksConfig) -> list[str] | None:
+    """The swarm-peer flags that turn verification off (None: this checkout's peers have none)."""
+    if cfg.no_verify_flags == "none":
+        return None
+    if cfg.no_verify_flags != "auto":
+        return cfg.no_verify_flags.split()
+    from swarm.testbed.churn_control import peer_flag_support
+
+    support = peer_flag_support(tuple(f[0] for f in VERIFY_OFF_FLAGS))
+    return next((list(f) for f in VERIFY_OFF_FLAGS if support[f[0]]), None)
+
+
+class Observer(threading.Thread):
+    """Reads the run as anyone can, every `every_s`: the plan, bans, announcements, and the trainer's step count
+    (its steps.jsonl lines), to `path` (one `Observation` a line) and `self.seen`."""
+
+    def __init__(self, dht, n_layers: int, trainer_dir: Path, path: Path, every_s: float = 0.5):
+        super().__init__(name="attacks-observer", daemon=True)
+        self.dht, self.n_layers, self.trainer_dir, self.path, self.every_s = dht, n_layers, trainer_dir, path, every_s
+        self.stop = threading.Event()
+        self.seen: list[Observation] = []
+        self.steps = 0
+
+    def step_count(self) -> int:
+        lines = self.trainer_dir / "steps.jsonl"
+        if lines.exists():
+            self.steps = max(self.steps, lines.read_text().count("\n"))
+        elif (self.trainer_dir / "steps.csv").exists():
+            self.steps = max(self.steps, len(read_steps(self.trainer_dir)))
+        return self.steps
+
+    def observe(self) -> Observation:
+        peers = self.dht.peers()
+        record = self.dht.get_plan(self.n_layers, peers=peers, check_trainers=False)
+        trainers = self.dht.trainers()
+        doc = record.document if record is not None else None
+        banned = set(getattr(doc, "banned", None) or ())
+        for t in trainers:
+            banned |= set(getattr(t, "banned", None) or ())
+        return Observation(
+            t=time.time(), step=self.step_count(), plan_version=record.version if record is not None else 0,
+            stages=tuple(tuple(s.peer_ids) for s in doc.stages) if doc is not None else (),
+            trainer_ids=tuple(doc.trainer_ids or ()) if doc is not None else (), banned=tuple(sorted(banned)),
+            peers={p.peer_id: [p.stage, p.plan_version, p.reach, p.relay, p.planner_until] for p in peers},
+        )  # fmt: skip
+
+    def run(self) -> None:
+        with open(self.path, "a") as f:
+            while not self.stop.wait(self.every_s):
+                try:
+                    o = self.observe()
+                except Exception:  # a slow DHT read: the next poll tells
+                    continue
+                self.seen.append(o)
+                f.write(o.to_json() + "\n")
+                f.flush()
+
+
+def _dir_name(setting: str) -> str:
+    return setting.replace(":", "_")
+
+
+def run_setting(
+    cfg: AttacksConfig, setting: str, out: Path, setup: RunSetup, liar: tuple[int, str] | None = None,
+    extra_peer_flags: tuple[str, ...] = (), keys=None, say=print,
+) -> dict:  # fmt: skip
+    """Runs one setting on a fresh local run; returns its raw result (exit, attack, observations, steps), with
+    everything under out/<setting>: logs/, trainer/steps.csv, observations.jsonl, attack.json. `keys`: the
+    stranger attacks' `KeyPool` (made once: grinding keys is their slow part)."""
+    from swarm.experiments.adversaries import ATTACKS, AttackContext, KeyPool
+    from swarm.model.gpt import ModelConfig
+    from swarm.net.auth import Identity
+    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.testbed.churn_control import ChurnSwarm
+
+    d = out / _dir_name(setting)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    peer_flags, trainer_flags = swarm_flags(cfg, setup, setting)
+    peer_flags += list(extra_peer_flags)
+    kind = "clean" if setting.startswith("clean") else "liar" if setting.startswith("liar-") else "stranger"
+    lie = setting.removeprefix("liar-") if kind == "liar" else None
+
+    def wrap(name: str, argv: list[str]) -> list[str]:  # the liar runs the modified volunteer
+        if lie is None or liar is None or name != f"peer{liar[0]}":
+            return argv
+        at = argv.index("swarm.daemon.peer")
+        return [*argv[:at], "swarm.experiments.liar_peer", "--lie", lie, *argv[at + 1 :]]
+
+    identities = cfg.identities or out / "identities"
+    trainer_id = Identity.load(str(setup.trainer_key)).peer_id
+    result: dict = {"setting": setting, "kind": kind, "rc": None, "stalled": False, "facts": {}, "attackers": [],
+                    "attack_step": 0, "attack_t": 0.0}  # fmt: skip
+    if kind == "liar" and liar is not None:
+        result["attackers"] = [liar[1]]
+    observer = attack = dht = None
+    with ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe=lambda: {}, identities=identities) as swarm:
+        try:
+            swarm.start(cfg.peers)
+            initial = [line for line in swarm.address_file.read_text().splitlines() if line.strip()]
+            dht = SwarmDHT(DHTConfig(initial_peers=tuple(initial), client_mode=True))
+            trainer = swarm.start_trainer(d / "trainer")
+            observer = Observer(dht, ModelConfig().n_layers, d / "trainer", d / "observations.jsonl")
+            observer.start()
+            say(f"{setting}: {cfg.peers} volunteers and a trainer starting")
+            deadline = time.monotonic() + cfg.setting_timeout_s + 120.0  # + the wait for the first plan
+            if kind == "stranger":
+                while observer.step_count() < cfg.attack_at_step and trainer.poll() is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the trainer completed no {cfg.attack_at_step} steps in time")
+                    time.sleep(0.2)  # polling the trainer's step lines, bounded by the deadline
+                ctx = AttackContext(
+                    initial, dht, keys or KeyPool(), ModelConfig().n_layers, trainer_id, str(setup.trainer_key),
+                    kill_planner=lambda: _kill_planner(swarm, dht), start_peer=lambda flags: _start_peer(swarm, flags),
+                    options={"sybils": cfg.sybils, "trainers": cfg.stranger_trainers, "streams": cfg.held_streams},
+                )  # fmt: skip
+                result["attack_step"], result["attack_t"] = observer.step_count(), time.time()
+                say(f"{setting}: attacking after step {result['attack_step']}")
+                try:
+                    attack = ATTACKS[setting](ctx)
+                    result["facts"], result["attackers"] = attack.facts, attack.attacker_ids
+                except Exception as e:  # the attacker's own failure: its row says not tried, the run goes on
+                    result["facts"] = {"error": f"{type(e).__name__}: {e}"}
+                    say(f"{setting}: the attack failed: {result['facts']['error']}")
+            result["rc"], result["stalled"] = _wait_trainer(trainer, observer, cfg.stall_s, deadline)
+        except Exception as e:  # a failed setting still leaves its files for the row
+            say(f"{setting}: {type(e).__name__}: {e}")
+            result["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if observer is not None:  # first: nothing after the attack's end is judged as its effect
+                observer.stop.set()
+                observer.join(10)
+            if dht is not None:
+                dht.shutdown()
+            if attack is not None:
+                attack.stop()
+            result["pids"] = {name: proc.pid for name, proc in swarm.procs.procs.items()}
+    if kind == "liar" and liar is not None:  # did the liar's stage give its lie something to change?
+        log = d / "logs" / f"peer{liar[0]}.log"
+        result["facts"]["lied"] = log.exists() and "this peer lies:" in log.read_text(errors="replace")
+    (d / "attack.json").write_text(json.dumps(result, indent=1, default=str))
+    say(f"{setting}: trainer exit {result['rc']}{' (stalled: stopped)' if result['stalled'] else ''}")
+    return result
+
+
+def _wait_trainer(trainer: subprocess.Popen, observer: Observer, stall_s: float, deadline: float):
+    """The trainer's exit code, and whether it was stopped for making no step in `stall_s` (or past `deadline`)."""
+    last, last_t = observer.step_count(), time.monotonic()
+    while trainer.poll() is None:
+        now = time.monotonic()
+        steps = observer.step_count()
+        if steps > last:
+            last, last_t = steps, now
+        if (steps > 0 and now - last_t > stall_s) or now > deadline:
+            trainer.terminate()
+            try:
+                trainer.wait(5)  # a trainer waiting for a plan finishes no step to stop after
+            except subprocess.TimeoutExpired:
+                trainer.kill()
+                trainer.wait(10)
+            return trainer.returncode, True
+        time.sleep(0.5)  # polling the trainer's progress, bounded by the stall and the deadline
+    return trainer.returncode, False
+
+
+def _kill_planner(swarm, dht) -> str | None:
+    """SIGKILLs the peer holding the planner lease; returns its id (None: no holder found)."""
+    from hivemind.utils import get_dht_time
+
+    holders = sorted(p.peer_id for p in dht.peers() if p.planner_until > get_dht_time())
+    by_id = {p.peer_id: p for p in swarm.live_peers()}
+    for pid in holders:
+        if pid in by_id:
+            swarm.leave(by_id[pid], "kill")
+            return pid
+    return None
+
+
+def _start_peer(swarm, flags: list[str]) -> str:
+    """One more honest volunteer, with `flags` beside every peer's; returns its id."""
+    base = swarm.peer_flags
+    swarm.peer_flags = [*base, *flags]
+    try:
+        return swarm.start_peer().peer_id
+    finally:
+        swarm.peer_flags = base
+
+
+def liar_choice(observations: list[Observation], stages: int, names: dict[str, str]) -> tuple[int, str] | None:
+    """The volunteer a liar replaces: one the clean run's last plan put at the middle stage (stage 0 with two),
+    not the planner where another serves there; (peer index, peer id)."""
+    plans = [o for o in observations if o.stages]
+    if not plans:
+        return None
+    last = plans[-1]
+    middle = last.stages[min(stages // 2, len(last.stages) - 1) if stages > 2 else 0]
+    planner = [p for p, a in last.peers.items() if a[4] and a[4] > last.t]
+    pick = sorted(middle, key=lambda p: (p in planner, p))
+    for pid in pick:
+        if pid in names:
+            return int(names[pid].removeprefix("peer")), pid
+    return None
+
+
+def _peer_names(identities: Path, n: int) -> dict[str, str]:
+    from swarm.net.auth import Identity
+
+    return {Identity.load(str(identities / f"peer{i}.der")).peer_id: f"peer{i}" for i in range(n)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarm.experiments.adversaries import KeyPool
+
+    flags = _FLAGS.from_args(args)
+    try:
+        cfg = flags.config()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    say = lambda line: print(line, file=sys.stderr)  # stderr: --json stays clean
+    out = cfg.out or Path(f"runs/attacks-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    identities = cfg.identities or out / "identities"
+    started = time.monotonic()
+    setup = _start_run(cfg, identities)
+    notes = [setup.note]
+    keys = KeyPool()
+    strangers = [s for s in cfg.chosen() if s in STRANGER_SETTINGS]
+    if strangers:  # grinding runs beside the clean setting
+        threading.Thread(target=keys.make, args=(8 + cfg.sybils + cfg.stranger_trainers,), daemon=True).start()
+    results = {"clean": run_setting(cfg, "clean", out, setup, say=say)}
+    no_verify = verify_off_flags(cfg)
+    if no_verify is not None:
+        results["clean-no-verify"] = run_setting(cfg, "clean-no-verify", out, setup, extra_peer_flags=tuple(no_verify),
+                                                 say=say)  # fmt: skip
+    else:
+        notes.append("the peers have no verification switch: the clean run's throughput stands for both")
+    names = _peer_names(identities, cfg.peers)
+    liar = liar_choice(read_observations(out / "clean" / "observations.jsonl"), cfg.stages, names)
+    if any(s in LIAR_SETTINGS for s in cfg.chosen()):
+        notes.append(f"liar: {names.get(liar[1]) if liar else None} ({liar[1] if liar else 'none found'}), at the "
+                     "middle stage of the clean run's plan")  # fmt: skip
+    for setting in cfg.chosen()[1:]:
+        if setting in LIAR_SETTINGS and liar is None:
+            notes.append(f"{setting}: not run (the clean run had no plan to place a liar in)")
+            continue
+        results[setting] = run_setting(cfg, setting, out, setup, liar=liar, keys=keys, say=say)
+    rows, curves = collect(cfg, out, results, setup.owned)
+    checks = targets(rows)
+    plots = save_plots(out, curves, {r["setting"]: r["kind"] for r in rows})
+    config = {"volunteers": f"{cfg.stages} stages x {cfg.replicas} replicas", "steps": cfg.steps,
+              "stranger attacks start after step": cfg.attack_at_step, "seed": cfg.seed, "run": setup.note,
+              "verification off": " ".join(no_verify) if no_verify else "no switch"}  # fmt: skip
+    (out / "report.md").write_text(report_markdown(rows, checks, config, [p.name for p in plots], notes))
+    (out / "results.json").write_text(json.dumps({"rows": rows, "targets": [asdict(c) for c in checks]}, indent=1))
+    say(f"done in {time.monotonic() - started:.0f} s; wrote {out}/report.md")
+    if flags.json:
+        keys = lambda r: [*ROW_KEYS, *(CLEAN_KEYS if r["setting"] == "clean" else ()), "owned_run"]  # noqa: E731
+        print(json.dumps([{k: r.get(k) for k in keys(r)} for r in rows], indent=1))
+    else:
+        for c in checks:
+            print(f"{c.verdict:13} {c.name}: {c.value}")
+    return 0
+
+
+def collect(cfg: AttacksConfig, out: Path, results: dict[str, dict], owned: bool) -> tuple[list[dict], dict]:
+    """The rows of the settings run (`results`: `run_setting`'s), and each setting's step rows for the plots."""
+    rows, curves = [], {}
+    for name, r in results.items():
+        if name == "clean-no-verify":
+            continue
+        d = out / _dir_name(name)
+        steps = read_steps(d / "trainer")
+        obs = read_observations(d / "observations.jsonl")
+        setting = Setting(name, r["kind"], tuple(r["attackers"]), r["attack_step"], r["attack_t"], r["facts"])
+        row = judge(setting, steps, obs, None if r["stalled"] else r["rc"], cfg.steps)
+        if name == "clean":
+            nv = results.get("clean-no-verify")
+            nv_steps = read_steps(out / "clean-no-verify" / "trainer") if nv is not None else None
+            row = clean_row(row, obs, steps, nv_steps, cfg.batch_size)
+        row["owned_run"] = owned
+        rows.append(row)
+        curves[name] = steps
+    return rows, curves

@@ -1,0 +1,344 @@
+"""The rows, targets, plots and report of `swarm experiment attacks`, from what the run exposed (pure: no processes).
+
+A setting's inputs are the trainer's step rows (steps.csv), its exit, the observations of the run made while it
+trained (`Observation`: the plan, who is banned, every announcement, and the trainer's step count at that
+moment), and what the attack itself saw (`facts`). Whether an attack was refused or detected is judged only from
+those: a defence that is not in the code shows as the attack succeeding.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "CLEAN_KEYS",
+    "ROW_KEYS",
+    "Check",
+    "Observation",
+    "clean_row",
+    "judge",
+    "read_observations",
+    "read_steps",
+    "report_markdown",
+    "save_plots",
+    "targets",
+]
+
+ROW_KEYS = ("setting", "refused_or_detected", "detection_steps", "evicted", "run_stopped", "steps", "final_loss")
+"""Every row's keys in `--json` (the issue's)."""
+CLEAN_KEYS = ("evictions", "throughput_samples_s", "throughput_no_verify_samples_s")
+"""The clean row's keys beside ROW_KEYS."""
+DETECT_WITHIN_STEPS = 20
+LOSS_TOLERANCE = 0.01
+VERIFY_COST = 0.10
+REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+"""A replayed call answered with one of these was refused by its authentication."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The run as anyone could read it at time `t` (one poll of the DHT), and the trainer's steps by then."""
+
+    t: float
+    step: int
+    """steps the trainer had completed"""
+    plan_version: int = 0
+    """the plan readers follow (0: none found)"""
+    stages: tuple[tuple[str, ...], ...] = ()
+    """each stage's peer ids in that plan"""
+    trainer_ids: tuple[str, ...] = ()
+    banned: tuple[str, ...] = ()
+    """ids the run says it banned (the plan's or the trainers' announcements' `banned`, where the code has it)"""
+    peers: dict = field(default_factory=dict)
+    """peer id -> [stage, plan_version, reach, relay, planner_until] of its announcement"""
+
+    def in_run(self, peer_id: str) -> bool:
+        """Named in the plan: at a stage or as a trainer."""
+        return peer_id in self.trainer_ids or any(peer_id in s for s in self.stages)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> Observation:
+        d = json.loads(line)
+        return cls(**{**d, "stages": tuple(tuple(s) for s in d["stages"]), "trainer_ids": tuple(d["trainer_ids"]),
+                      "banned": tuple(d["banned"])})  # fmt: skip
+
+
+def read_observations(path: Path) -> list[Observation]:
+    if not path.exists():
+        return []
+    return [Observation.from_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_steps(trainer_dir: Path) -> list[dict]:
+    """The trainer's step rows: steps.csv, or the lines it writes while running (a trainer that was stopped)."""
+    csv_path, lines = trainer_dir / "steps.csv", trainer_dir / "steps.jsonl"
+    if csv_path.exists():
+        with open(csv_path, newline="") as f:
+            return [dict(row) for row in csv.DictReader(f)]
+    if lines.exists():
+        rows = []
+        for line in lines.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # the line being written when the trainer stopped
+                break
+        return rows
+    return []
+
+
+def _float(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def final_loss(rows: list[dict]) -> float | None:
+    """The mean training loss of the last 5 steps (as `swarm train`'s summary); None without steps."""
+    losses = [_float(r.get("train_loss")) for r in rows[-5:]]
+    return round(sum(losses) / len(losses), 5) if losses else None
+
+
+def throughput(rows: list[dict], batch_size: int) -> float | None:
+    """Samples per second between the first and the last completed step (None with fewer than 2 steps)."""
+    times = [_float(r.get("time")) for r in rows]
+    if len(times) < 2 or not times[-1] > times[0]:
+        return None
+    return round(batch_size * (len(times) - 1) / (times[-1] - times[0]), 3)
+
+
+def _evicted_at(obs: list[Observation], peer_id: str, after_t: float) -> Observation | None:
+    """The first observation after `after_t` at which `peer_id`, named in the run before, is banned, or is left out
+    of a newer plan and never named again (a peer dropped for a missed heartbeat and planned again is no eviction)."""
+    named_in, out_at = None, None
+    for o in obs:
+        if o.t >= after_t and peer_id in o.banned:
+            return o
+        if o.in_run(peer_id):
+            named_in, out_at = o.plan_version, None
+        elif o.t >= after_t and named_in is not None and o.plan_version > named_in and out_at is None:
+            out_at = o
+    return out_at
+
+
+def evictions(obs: list[Observation]) -> int:
+    """How many peers the run evicted: named in a plan, then banned, or left out of a newer one for good while still
+    announced (a clean run: none)."""
+    ids = {p for o in obs for s in o.stages for p in s}
+    return sum(1 for p in ids if (o := _evicted_at(obs, p, 0.0)) is not None and (p in o.banned or p in o.peers))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What one setting ran: its name, kind (clean, stranger, liar) and the attacker's ids and start."""
+
+    name: str
+    kind: str
+    attacker_ids: tuple[str, ...] = ()
+    attack_step: int = 0
+    """trainer steps completed when the attack started (0: from the start, as a liar lies)"""
+    attack_t: float = 0.0
+    facts: dict = field(default_factory=dict)
+
+
+def _worked(s: Setting, obs: list[Observation], run_stopped: bool) -> tuple[bool | None, str]:
+    """Whether the attack got what it came for (None: it could not be tried here), and the evidence."""
+    after = [o for o in obs if o.t >= s.attack_t]
+    f = s.facts
+    if "error" in f:
+        return None, f"the attacker failed: {f['error']}"
+    if s.kind == "liar":
+        return None, "judged by eviction"
+    if s.name == "ground-key-planner":
+        version = f.get("hijack_version")
+        if version is None:
+            return None, "no plan to copy: the attack did not start"
+        honest = lambda o: [p for p, a in o.peers.items() if p not in s.attacker_ids and a[1] == version]  # noqa: E731
+        followers = max((len(honest(o)) for o in after), default=0)
+        return followers > 0, f"{followers} honest peers followed the hijacked plan {version}"
+    if s.name == "sybils-planner-kill":
+        killed, at = f.get("killed"), f.get("killed_at", s.attack_t)
+        if killed is None:
+            return None, "no planner to kill"
+        before = max((o.plan_version for o in obs if o.t <= at), default=0)
+        replanned = [o for o in obs if o.t > at and o.plan_version > before and not o.in_run(killed)]
+        elected = f"lowest sybil below every honest id: {f.get('lowest_sybil_below_honest')}"
+        if replanned:
+            return (
+                False,
+                f"re-planned without the killed planner {killed} (plan {replanned[0].plan_version}); {elected}",
+            )
+        return True, f"no plan after the planner {killed} was killed; {elected}"
+    if s.name == "stranger-trainers":
+        named = {p for o in after for p in o.trainer_ids if p in s.attacker_ids}
+        return bool(named), f"{len(named)} of {len(s.attacker_ids)} strangers named trainers in a plan"
+    if s.name == "held-data-streams":
+        what = (
+            f"{f.get('held', 0)} of {f.get('streams', 0)} streams held after 10 s, last refusals {f.get('codes', [])}"
+        )
+        return run_stopped, ("the honest run stopped; " if run_stopped else "the honest run went on; ") + what
+    if s.name == "relay-slot-fill":
+        victim = f.get("victim")
+        if victim is None:
+            return None, "no victim peer started"
+        probes, reached = f.get("probes", 0), f.get("reachable", 0)
+        if not probes:
+            return None, "the NAT'd volunteer never announced a relay: not measured"
+        return reached == 0, (
+            f"{f.get('accepted', 0)}/{f.get('attaches', 0)} stranger attaches held; the NAT'd volunteer answered "
+            f"{reached} of {probes} calls through its relay"
+        )
+    if s.name == "token-replay":
+        capture, replay = f.get("capture"), f.get("replay")
+        if capture in REFUSED_CODES or replay in (None, "no target", "nothing captured"):
+            return None, f"nothing to replay (capture {capture}, replay {replay})"
+        return replay not in REFUSED_CODES, f"captured call {capture}; replayed on another connection: {replay}"
+    return None, f"unknown attack {s.name}"
+
+
+def judge(s: Setting, rows: list[dict], obs: list[Observation], rc: int | None, target_steps: int) -> dict:
+    """One setting's row: ROW_KEYS plus `kind`, `attack_step` and `evidence`."""
+    run_stopped = rc != 0 or len(rows) < target_steps
+    evicted_obs = [o for p in s.attacker_ids if (o := _evicted_at(obs, p, s.attack_t)) is not None]
+    first = min(evicted_obs, key=lambda o: o.t) if evicted_obs else None
+    evicted = first is not None
+    row = {"setting": s.name, "kind": s.kind}
+    if s.kind == "clean":
+        refused, detection, evidence = None, None, "no attack"
+    elif s.kind == "liar" and s.facts.get("lied") is False:
+        refused, detection = None, None
+        evidence = "the liar's stage gave its lie nothing to change (e.g. activations on the last stage): not tried"
+    elif s.kind == "liar":
+        refused = evicted
+        detection = None if first is None else max(0, first.step - s.attack_step)
+        evidence = f"liar {s.attacker_ids[0] if s.attacker_ids else '?'} " + (
+            f"evicted or banned at step {first.step}" if first else "never evicted or banned"
+        )
+    else:
+        # a stranger's attack is refused or not by its effect: its announced peers dropped from a plan for not
+        # answering (liveness) is no detection of the attack
+        worked, evidence = _worked(s, obs, run_stopped)
+        refused = None if worked is None else not worked
+        detection = None if first is None or not refused else max(0, first.step - s.attack_step)
+    row.update(
+        refused_or_detected=refused, detection_steps=detection, evicted=evicted, run_stopped=run_stopped,
+        steps=len(rows), final_loss=final_loss(rows), attack_step=s.attack_step, evidence=evidence,
+    )  # fmt: skip
+    return row
+
+
+def clean_row(
+    row: dict, obs: list[Observation], rows: list[dict], no_verify_rows: list[dict] | None, batch: int
+) -> dict:
+    """Adds the clean row's evictions and both throughputs (no_verify_rows None: the clean run is the only one)."""
+    row = dict(row)
+    row["evictions"] = evictions(obs)
+    row["throughput_samples_s"] = throughput(rows, batch)
+    row["throughput_no_verify_samples_s"] = throughput(no_verify_rows if no_verify_rows is not None else rows, batch)
+    return row
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    value: str
+    verdict: str
+    """met, MISSED, or not measured"""
+
+
+def targets(rows: list[dict]) -> list[Check]:
+    """The issue's targets over the rows (verdicts as measured; a row that could not be tried is not counted)."""
+    clean = next((r for r in rows if r["setting"] == "clean"), None)
+    attacks = [r for r in rows if r["setting"] != "clean"]
+    tried = [r for r in attacks if r["refused_or_detected"] is not None]
+    stopped = [r["setting"] for r in attacks if not r["refused_or_detected"] or (
+        r["detection_steps"] is not None and r["detection_steps"] > DETECT_WITHIN_STEPS)]  # fmt: skip
+    stopped = [n for n in stopped if n in {r["setting"] for r in tried}]
+    checks = [
+        Check(
+            f"every attack refused, or its peer evicted within {DETECT_WITHIN_STEPS} steps",
+            f"{len(tried) - len(stopped)}/{len(tried)}" + (f"; not stopped: {', '.join(stopped)}" if stopped else ""),
+            "met" if tried and not stopped else "MISSED" if tried else "not measured",
+        ),
+    ]
+    halted = [r["setting"] for r in rows if r["run_stopped"]]
+    checks.append(Check("the run never stops", ", ".join(halted) or "none stopped", "MISSED" if halted else "met"))
+    if clean is not None and clean["final_loss"]:
+        base = clean["final_loss"]
+        far = [
+            r["setting"]
+            for r in attacks
+            if r["final_loss"] is None or abs(r["final_loss"] - base) > LOSS_TOLERANCE * abs(base)
+        ]
+        value = f"clean {base:.4f}; " + (f"off by more than 1%: {', '.join(far)}" if far else "all within 1%")
+        checks.append(Check("final loss within 1% of the clean run", value, "MISSED" if far else "met"))
+        n = clean.get("evictions")
+        checks.append(Check("the clean run has zero evictions", str(n), "met" if n == 0 else "MISSED"))
+        on, off = clean.get("throughput_samples_s"), clean.get("throughput_no_verify_samples_s")
+        if on and off:
+            cost = 1.0 - on / off
+            checks.append(
+                Check(
+                    "verification costs at most 10% of throughput",
+                    f"{on:.2f} vs {off:.2f} samples/s ({cost:+.1%})",
+                    "met" if cost <= VERIFY_COST else "MISSED",
+                )  # fmt: skip
+            )
+        else:
+            checks.append(Check("verification costs at most 10% of throughput", "no throughput", "not measured"))
+    return checks
+
+
+def save_plots(out: Path, curves: dict[str, list[dict]], kinds: dict[str, str]) -> list[Path]:
+    """loss.png: each setting's training loss by step, stranger attacks and in-plan liars beside clean."""
+    from swarm.plots import Panel, moving_average, save_line_plots
+
+    panels = [Panel("stranger attacks", "step", "train loss"), Panel("in-plan liars", "step", "train loss", logy=True)]
+    for name, rows in curves.items():
+        if not rows:
+            continue
+        xs = [int(_float(r.get("step"))) for r in rows]
+        ys = moving_average([_float(r.get("train_loss")) for r in rows], 3)
+        for panel, kind in zip(panels, ("stranger", "liar"), strict=True):
+            if kinds.get(name) in (kind, "clean"):
+                panel.series[name] = (xs, ys)
+    return [save_line_plots(panels, out / "loss.png", "swarm experiment attacks: training loss")]
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def report_markdown(rows: list[dict], checks: Iterable[Check], config: dict, plots: list[str], notes: list[str]) -> str:
+    cols = [*ROW_KEYS, "attack_step", "owned_run", "evidence"]
+    lines = [
+        "# swarm experiment attacks",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | verdict |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| {c.name} | {c.value} | {c.verdict} |" for c in checks]
+    lines += ["", "## Settings", "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+    clean = next((r for r in rows if r["setting"] == "clean"), None)
+    if clean is not None:
+        lines += ["", "Clean run: " + ", ".join(f"{k} {_cell(clean.get(k))}" for k in CLEAN_KEYS)]
+    lines += ["", "## Configuration", ""] + [f"- {k}: {v}" for k, v in config.items()]
+    lines += [""] + [f"![{p}]({p})" for p in plots]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,48 @@
+"""`swarm experiment attacks --quick`: a small local open run, clean and with a volunteer lying NaN norms, with
+its rows as `--json` prints them, its report and plot, and every process reaped.
+
+What the attacks achieve depends on the defences in the checkout: this test holds the rows' shape and the clean
+run, not that the attacks are stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from swarm.cli import main
+from swarm.experiments.attacks import QUICK_SETTINGS
+from swarm.experiments.attacks_report import CLEAN_KEYS, ROW_KEYS
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is reaped by its parent's wait, not alive
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_quick_attacks_rows_clean_run_and_reaping(tmp_path, capsys):
+    assert main(["experiment", "attacks", "--quick", "--json", "--out", str(tmp_path)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["setting"] for r in rows] == list(QUICK_SETTINGS)
+    for row in rows:
+        assert set(ROW_KEYS) <= set(row), row
+        assert isinstance(row["evicted"], bool) and isinstance(row["run_stopped"], bool)
+        assert row["refused_or_detected"] in (True, False, None)
+    clean = rows[0]
+    assert set(CLEAN_KEYS) <= set(clean)
+    assert clean["steps"] == 8 and not clean["run_stopped"] and clean["evictions"] == 0
+    assert clean["final_loss"] is not None and clean["throughput_samples_s"] > 0
+    for row in rows[1:]:  # an attack row says what happened to it, refused or not
+        assert row["refused_or_detected"] is not None, row
+    assert (tmp_path / "report.md").read_text().count("| liar-norm:nan |") == 1
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    for setting in QUICK_SETTINGS:
+        result = json.loads((tmp_path / setting.replace(":", "_") / "attack.json").read_text())
+        assert result["pids"] and not [n for n, pid in result["pids"].items() if _alive(pid)], setting
