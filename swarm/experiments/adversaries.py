@@ -169,6 +169,8 @@ class AttackContext:
     start_peer: Callable[[list[str]], str] | None = None
     """starts one more honest volunteer with these extra swarm-peer flags; returns its peer id"""
     options: dict = field(default_factory=dict)
+    run_name: str = "swarm"
+    """the run's DHT namespace (an owned run's id), where the attacker stores its records"""
 
     def honest_ids(self) -> list[str]:
         return [p.peer_id for p in self.observer.peers()]
@@ -219,7 +221,7 @@ def ground_key_planner(ctx: AttackContext) -> Attack:
     honest = ctx.honest_ids()
     ((pid, key),) = ctx.pool.below(min(honest), 1) or ctx.pool.below(None, 1)
     record = ctx.plan()
-    node = AttackerNode(ctx.initial_peers, [key])
+    node = AttackerNode(ctx.initial_peers, [key], ctx.run_name)
     node.announce_peer(key, lambda: _announcement(pid, 0, planner_until=get_dht_time() + HIJACK_LEASE_S))
     node.announce_trainer(key, TrainerAnnouncement(pid, started_at=get_dht_time()))
     facts = {"ground_below_honest": pid < min(honest), "attacker_id": pid}
@@ -245,7 +247,7 @@ def sybils_then_planner_kill(ctx: AttackContext) -> Attack:
     low = ctx.pool.below(min(honest), 1)
     rest = ctx.pool.below(None, n - len(low), used={p for p, _ in low})
     sybils = low + rest
-    node = AttackerNode(ctx.initial_peers, [k for _, k in sybils])
+    node = AttackerNode(ctx.initial_peers, [k for _, k in sybils], ctx.run_name)
     ids = {pid for pid, _ in sybils}
     for i, (pid, key) in enumerate(sybils):
         node.announce_peer(key, _announcement(pid, i))
@@ -264,7 +266,7 @@ def stranger_trainers(ctx: AttackContext) -> Attack:
 
     n = int(ctx.options.get("trainers", 16))
     found = ctx.pool.below(ctx.trainer_id, n)
-    node = AttackerNode(ctx.initial_peers, [k for _, k in found])
+    node = AttackerNode(ctx.initial_peers, [k for _, k in found], ctx.run_name)
     for pid, key in found:
         node.announce_trainer(key, TrainerAnnouncement(pid, started_at=get_dht_time()))
     return Attack("stranger-trainers", [p for p, _ in found], {"below_trainer": len(found)}, node.close)
@@ -282,7 +284,7 @@ def held_data_streams(ctx: AttackContext) -> Attack:
     from swarm.peers.records import TrainerAnnouncement
 
     ((pid, key),) = ctx.pool.below(None, 1, used=set())
-    node = AttackerNode(ctx.initial_peers, [key])
+    node = AttackerNode(ctx.initial_peers, [key], ctx.run_name)
     node.announce_trainer(key, TrainerAnnouncement(pid, started_at=get_dht_time()))
     named = _wait(lambda: (r := ctx.plan()) is not None and pid in (r.document.trainer_ids or ()), 15.0)
     signer = CallSigner(Identity(key))
@@ -348,7 +350,7 @@ def relay_slot_fill(ctx: AttackContext) -> Attack:
     relays = [p for p in ctx.observer.peers() if p.reach == "direct"]
     per = int(ctx.options.get("attach_per_relay", RelayLimits().max_attached))
     found = ctx.pool.below(None, per * len(relays))
-    node = AttackerNode(ctx.initial_peers, [k for _, k in found])
+    node = AttackerNode(ctx.initial_peers, [k for _, k in found], ctx.run_name)
     hold = threading.Event()
     channels, pairs = [], []
     for i, (pid, key) in enumerate(found):

@@ -62,8 +62,8 @@ QUICK_SETTINGS = ("clean", "liar-norm:nan")
 """--quick's settings: about 45 s each on a loaded 2-core machine (`--quick --settings A,B` runs others)."""
 COMPUTE_LAYERS_PER_S = 8.0
 """Declared by every peer instead of measured, so every setting gets the same plan from the same keys."""
-VERIFY_OFF_FLAGS = (("--no-verify",), ("--verify-fraction", "0"), ("--verify-every", "0"))
-"""How a checkout's swarm-peer turns stage verification off, tried in order against its --help (auto)."""
+VERIFY_OFF_FLAGS = ("--verify-fraction", "0")
+"""The trainer's switch for stage verification (`swarm.runtime.verify`): no audits, no weight digests."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,8 @@ class AttacksConfig:
     held_streams: int = 24
     """held Forward streams per stage-0 peer"""
     no_verify_flags: str = "auto"
-    """swarm-peer flags that turn verification off, for the clean run's second measurement (auto: the first of
-    --no-verify, --verify-fraction 0, --verify-every 0 the peers have; none: do not measure)"""
+    """swarm train flags that turn stage verification off, for the clean run's second measurement (auto:
+    --verify-fraction 0; none: do not measure)"""
     identities: Path | None = field(default=None, metadata=flag(metavar="DIR"))
     """the peers' and the trainer's key files, created there if missing (none: OUT/identities); every setting
     uses the same keys, so the same plan"""
@@ -167,28 +167,40 @@ class RunSetup:
     trainer_flags: list[str]
     trainer_key: Path
     note: str
+    run: str | None = None
+    """what `--run` names (the manifest file) in an owned run; None: the open run"""
+    run_name: str = "swarm"
+    """the run's DHT namespace: an owned run's id"""
 
 
 def _start_run(cfg: AttacksConfig, identities: Path) -> RunSetup:
-    """The run every setting joins. With owned runs in the checkout (`swarm.daemon.run_cli.init_run`), an owner
-    key signs a manifest delegating the trainer's key (and planners), and peers join it by its id; without them,
-    the default open run (no --trusted-planners, no --trainers), which the attacks target."""
+    """The run every setting joins: an owned run (`swarm.daemon.run_cli.init_run`). The owner's key signs a
+    manifest (the model, codecs and the schedule of `cfg.steps`) that delegates the trainer's key and, as
+    planners, the keys of the first two volunteers (so a planner kill fails over to the other); every peer and
+    the trainer join with `--run` naming the manifest file. The attacks come from keys the owner never
+    delegated."""
+    from swarm.daemon.run_cli import init_run
+    from swarm.net.auth import Identity
+    from swarm.peers.dht import load_or_create_key
     from swarm.train.trainer import train_flags
 
     trainer_key = identities / "trainer.der"
     identities.mkdir(parents=True, exist_ok=True)
+    for path in (trainer_key, *(identities / f"peer{i}.der" for i in range(min(2, cfg.peers)))):
+        load_or_create_key(str(path))  # made now, so that the manifest can name them
+    planners = tuple(Identity.load(str(identities / f"peer{i}.der")).peer_id for i in range(min(2, cfg.peers)))
+    trainers = (Identity.load(str(trainer_key)).peer_id,)
+    run_dir = identities / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun into the same --out: a fresh owner
+    run = init_run(
+        run_dir, name="attacks", planners=planners, trainers=trainers, total_steps=cfg.steps,
+        warmup_steps=max(1, cfg.steps // 10),
+    )  # fmt: skip
     flags = train_flags()
     key_flag = flags.to_argv(replace(flags.base, dht=replace(flags.base.dht, signing_key_path=str(trainer_key))))
-    try:
-        from swarm.daemon.run_cli import init_run  # owned runs (issue 27), where this checkout has them
-    except ImportError:
-        return RunSetup(False, [], key_flag, trainer_key, "open run (this checkout has no owned runs)")
-    try:
-        run = init_run(identities / "run", trainer_keys=[trainer_key])
-        run_id = str(run.run_id)
-    except (TypeError, AttributeError) as e:  # another shape than assumed here: say so in every row and the report
-        return RunSetup(False, [], key_flag, trainer_key, f"open run: init_run is there but not as assumed ({e})")
-    return RunSetup(True, ["--run", run_id], [*key_flag, "--run", run_id], trainer_key, f"owned run {run_id}")
+    joined = ["--run", str(run.manifest_path)]
+    return RunSetup(True, joined, [*key_flag, *joined], trainer_key, f"owned run {run.run_id}",
+                    str(run.manifest_path), run.run_id)  # fmt: skip
 
 
 def swarm_flags(cfg: AttacksConfig, setup: RunSetup, setting: str) -> tuple[list[str], list[str]]:
@@ -214,15 +226,10 @@ def swarm_flags(cfg: AttacksConfig, setup: RunSetup, setting: str) -> tuple[list
 
 
 def verify_off_flags(cfg: AttacksConfig) -> list[str] | None:
-    """The swarm-peer flags that turn verification off (None: this checkout's peers have none)."""
+    """The swarm train flags that turn verification off (None: not measured)."""
     if cfg.no_verify_flags == "none":
         return None
-    if cfg.no_verify_flags != "auto":
-        return cfg.no_verify_flags.split()
-    from swarm.testbed.churn_control import peer_flag_support
-
-    support = peer_flag_support(tuple(f[0] for f in VERIFY_OFF_FLAGS))
-    return next((list(f) for f in VERIFY_OFF_FLAGS if support[f[0]]), None)
+    return list(VERIFY_OFF_FLAGS) if cfg.no_verify_flags == "auto" else cfg.no_verify_flags.split()
 
 
 class Observer(threading.Thread):
@@ -277,7 +284,7 @@ def _dir_name(setting: str) -> str:
 
 def run_setting(
     cfg: AttacksConfig, setting: str, out: Path, setup: RunSetup, liar: tuple[int, str] | None = None,
-    extra_peer_flags: tuple[str, ...] = (), keys=None, say=print,
+    extra_trainer_flags: tuple[str, ...] = (), keys=None, say=print,
 ) -> dict:  # fmt: skip
     """Runs one setting on a fresh local run; returns its raw result (exit, attack, observations, steps), with
     everything under out/<setting>: logs/, trainer/steps.csv, observations.jsonl, attack.json. `keys`: the
@@ -292,7 +299,7 @@ def run_setting(
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     peer_flags, trainer_flags = swarm_flags(cfg, setup, setting)
-    peer_flags += list(extra_peer_flags)
+    trainer_flags += list(extra_trainer_flags)
     kind = "clean" if setting.startswith("clean") else "liar" if setting.startswith("liar-") else "stranger"
     lie = setting.removeprefix("liar-") if kind == "liar" else None
 
@@ -313,7 +320,7 @@ def run_setting(
         try:
             swarm.start(cfg.peers)
             initial = [line for line in swarm.address_file.read_text().splitlines() if line.strip()]
-            dht = SwarmDHT(DHTConfig(initial_peers=tuple(initial), client_mode=True))
+            dht = SwarmDHT(DHTConfig(initial_peers=tuple(initial), client_mode=True, run=setup.run))
             trainer = swarm.start_trainer(d / "trainer")
             observer = Observer(dht, ModelConfig().n_layers, d / "trainer", d / "observations.jsonl")
             observer.start()
@@ -328,6 +335,7 @@ def run_setting(
                     initial, dht, keys or KeyPool(), ModelConfig().n_layers, trainer_id, str(setup.trainer_key),
                     kill_planner=lambda: _kill_planner(swarm, dht), start_peer=lambda flags: _start_peer(swarm, flags),
                     options={"sybils": cfg.sybils, "trainers": cfg.stranger_trainers, "streams": cfg.held_streams},
+                    run_name=setup.run_name,
                 )  # fmt: skip
                 result["attack_step"], result["attack_t"] = observer.step_count(), time.time()
                 say(f"{setting}: attacking after step {result['attack_step']}")
@@ -445,10 +453,11 @@ def run(args: argparse.Namespace) -> int:
     results = {"clean": run_setting(cfg, "clean", out, setup, say=say)}
     no_verify = verify_off_flags(cfg)
     if no_verify is not None:
-        results["clean-no-verify"] = run_setting(cfg, "clean-no-verify", out, setup, extra_peer_flags=tuple(no_verify),
-                                                 say=say)  # fmt: skip
+        results["clean-no-verify"] = run_setting(
+            cfg, "clean-no-verify", out, setup, extra_trainer_flags=tuple(no_verify), say=say
+        )
     else:
-        notes.append("the peers have no verification switch: the clean run's throughput stands for both")
+        notes.append("verification off not measured (--no-verify-flags none): the clean throughput stands for both")
     names = _peer_names(identities, cfg.peers)
     liar = liar_choice(read_observations(out / "clean" / "observations.jsonl"), cfg.stages, names)
     if any(s in LIAR_SETTINGS for s in cfg.chosen()):
