@@ -69,7 +69,7 @@ def _serve(role: str, conn, relays: list[tuple[str, str]]) -> None:
     from swarm.net.auth import CallSigner, CallVerifier, Identity
     from swarm.net.relay import Attachment, RelayServicer
     from swarm.peers.transport import TransportConfig, make_server
-    from swarm.proto import stage_pb2, stage_pb2_grpc
+    from swarm.proto import stage_pb2_grpc
 
     identity = Identity.generate()
     me = identity.peer_id
@@ -81,22 +81,10 @@ def _serve(role: str, conn, relays: list[tuple[str, str]]) -> None:
         relay.listen_raw("127.0.0.1")
         stage_pb2_grpc.add_RelayServicer_to_server(relay, server)
     else:
-        import grpc
+        from swarm.bench.relay_floods import probe_stage
 
-        from swarm.net.auth import AuthError
-        from swarm.net.connect import method_path
-
-        verifier, path = CallVerifier(me), method_path("Probe")
-
-        class Stage(stage_pb2_grpc.StageServicer):
-            def Probe(self, request, context):  # checked as a stage checks its calls: token and this call's proof
-                try:
-                    verifier.call(context.invocation_metadata(), path, request)
-                except AuthError as e:
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
-                return stage_pb2.ProbeReply(payload=b"x" * request.reply_bytes)
-
-        stage_pb2_grpc.add_StageServicer_to_server(Stage(), server)
+        stage = probe_stage(me, lambda request: b"x" * request.reply_bytes)
+        stage_pb2_grpc.add_StageServicer_to_server(stage, server)
     server.start()
     attachments = []
     for target in relays:

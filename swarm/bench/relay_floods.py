@@ -91,7 +91,9 @@ def _server(*servicers, workers: int):
         server.stop(grace=None)
 
 
-def _echo_stage(peer_id: str):
+def probe_stage(peer_id: str, answer=lambda request: bytes(request.payload)):
+    """A stage servicer answering only `Probe`, with `answer(request)` as its payload (default: an echo), after
+    checking the call's token and proof as a real stage does."""
     import grpc
 
     from swarm.net.auth import AuthError, CallVerifier
@@ -100,15 +102,15 @@ def _echo_stage(peer_id: str):
 
     verifier, path = CallVerifier(peer_id), method_path("Probe")
 
-    class Echo(stage_pb2_grpc.StageServicer):
+    class ProbeStage(stage_pb2_grpc.StageServicer):
         def Probe(self, request, context):  # checked as a stage checks its calls: token and this call's proof
             try:
                 verifier.call(context.invocation_metadata(), path, request)
             except AuthError as e:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}")
-            return stage_pb2.ProbeReply(payload=bytes(request.payload))
+            return stage_pb2.ProbeReply(payload=answer(request))
 
-    return Echo()
+    return ProbeStage()
 
 
 def connect_fill() -> dict:
@@ -129,7 +131,7 @@ def connect_fill() -> dict:
     release, calls, row = threading.Event(), [], {}
     with (
         _server(relay, workers=limits.threads() + 8) as relay_address,
-        _server(_echo_stage(peer.peer_id), workers=16) as peer_address,
+        _server(probe_stage(peer.peer_id), workers=16) as peer_address,
     ):
         attachment = Attachment(lambda: (relay_id.peer_id, relay_address), CallSigner(peer), peer_address, limits)
         attachment.start().attached.wait(10)
@@ -245,7 +247,7 @@ def attachdown_flood(asked: int = 2000) -> dict:
     failed: list = []
     with (
         _server(Flooding(), workers=limits.accepts_per_attach + 8) as relay_address,
-        _server(_echo_stage(peer.peer_id), workers=16) as peer_address,
+        _server(probe_stage(peer.peer_id), workers=16) as peer_address,
         _Peak() as peak,
     ):
         attachment = Attachment(
