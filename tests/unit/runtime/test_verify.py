@@ -340,15 +340,94 @@ def test_a_consistent_liar_among_three_replicas_is_outvoted():
         pipe.close()
 
 
-def test_a_consistent_liar_between_two_replicas_is_a_dispute_that_evicts_nobody(pipe):
-    """Two replicas that each recompute consistently with themselves cannot be told apart: the step is abandoned
-    (nothing poisoned is applied) and nobody is evicted; docs/SECURITY.md says so."""
-    _consistent(1.5)(pipe.replica_hosts[0][1].worker)
-    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=5), max_attempts=2)
+def _recomputes_scaled(factor: float):
+    """A liar whose own work is honest and whose Recompute answers (of a sibling's micro-batch) are scaled."""
+
+    def lie(host):
+        honest = host.recompute
+
+        def recompute(*args, **kwargs):
+            done = honest(*args, **kwargs)
+            if done.output is not None:
+                done.output = done.output * factor
+            else:
+                done.loss = done.loss * factor
+            return done
+
+        host.recompute = recompute
+
+    return lie
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_consistent_liar_between_two_replicas_is_refereed_by_the_trainer_and_evicted(pipe, stage):
+    """Two replicas that each recompute consistently with themselves: the trainer recomputes the disputed
+    micro-batch with weights fetched from one of them (checked against both replicas' digest) and evicts the one
+    it disagrees with; the run goes on to the end with the honest replica."""
+    liar, honest = pipe.replica_hosts[stage][1], pipe.replica_hosts[stage][0]
+    _consistent(10.0)(liar.worker)
+    driver, caught = run(pipe, STEPS, VerifyConfig(seed=11))
+    assert caught is not None and [p for p, _ in driver.liars] == [liar.peer_id], driver.verifier.stats
+    assert "trainer's recomputation" in driver.liars[0][1] and driver.verifier.stats.refereed >= 1
+    assert honest.peer_id not in driver.dead and driver.suspects.banned_ids() == (liar.peer_id,)
+    assert honest.steps_done == STEPS  # every step applied, the disputed ones run again
+    assert pipe.referee.fetched_bytes > 0
+
+
+def test_a_liar_that_lies_only_when_recomputing_its_siblings_work_is_the_one_evicted(pipe):
+    """The liar as the recomputing sibling: the audited honest replica's record is right, the liar's Recompute
+    answer x10; the trainer sides with the honest one."""
+    liar, honest = pipe.replica_hosts[0][1], pipe.replica_hosts[0][0]
+    _recomputes_scaled(10.0)(liar)
+    driver, caught = run(pipe, STEPS, VerifyConfig(seed=11))
+    assert caught is not None and [p for p, _ in driver.liars] == [liar.peer_id]
+    assert honest.peer_id not in driver.dead
+
+
+def _refuse_state(host_switch):
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "no state for you")
+        yield  # pragma: no cover - a generator, as GetState is
+
+    host_switch.target.GetState = refuse
+
+
+def _other_weights(host_switch):
+    """Serves its weights with one tensor moved: not the bits either replica reported."""
+    from swarm.compression import frame, make_codec
+    from swarm.proto import stage_pb2
+
+    honest = host_switch.target.GetState
+
+    def moved(request, context):
+        items = list(honest(request, context))
+        first = items[0].name
+        weights = {
+            f"model.{k}": v.detach().float() for k, v in host_switch.target.host.worker.module.state_dict().items()
+        }
+        for chunk in frame(make_codec(FP32).encode(weights[first] + 1.0), zstd_level=0):
+            yield stage_pb2.StateItem(name=first, chunk=chunk)
+        yield from (item for item in items if item.name != first)
+
+    host_switch.target.GetState = moved
+
+
+@pytest.mark.parametrize("failure", ["refused", "other weights"])
+def test_a_referee_that_cannot_trust_its_weights_leaves_a_dispute_and_evicts_nobody(pipe, failure):
+    """The fetch refused or the weights not the ones the replicas reported: the dispute stays one (the step is
+    abandoned, nothing poisoned applied), the honest replica is never evicted."""
+    _consistent(10.0)(pipe.replica_hosts[0][1].worker)
+    for switch in pipe.switches[0]:
+        (_refuse_state if failure == "refused" else _other_weights)(switch)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=0.0, seed=5), max_attempts=2)
+    driver.train_step(0, batch(0))  # unaudited: the replicas report their weights' digest
+    driver.verifier.config = VerifyConfig(fraction=1.0, seed=5)  # from now every micro-batch is audited
     with pytest.raises(Exception, match="dispute|differently|AuditDisputed"):
-        driver.train_step(0, batch(0))
-    assert driver.liars == [] and driver.verifier.stats.disputes >= 1
-    assert all(h.steps_done == 0 for row in pipe.replica_hosts for h in row)
+        driver.train_step(1, batch(1))
+    stats = driver.verifier.stats
+    assert driver.liars == [] and driver.dead == set() and stats.disputes >= 1
+    assert stats.referee_failures == stats.refereed >= 1
+    assert all(h.steps_done == 1 for row in pipe.replica_hosts for h in row)  # step 1 applied nowhere
 
 
 def test_a_pipeline_without_replicas_is_never_asked_for_records():
