@@ -549,3 +549,51 @@ def test_a_record_of_another_shape_is_a_lie(pipe):
     driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
     driver.train_step(0, batch(0))
     assert [p for p, _ in driver.liars] == [liar.peer_id] and "shaped" in driver.liars[0][1]
+
+
+def test_the_referee_reads_only_the_stages_weights_and_refuses_what_its_shapes_do_not_hold():
+    from types import SimpleNamespace
+
+    from swarm.compression import frame, make_codec
+    from swarm.proto import stage_pb2
+    from swarm.runtime.referee import RefereeFailed, weights_from_items
+
+    codec = make_codec(FP32)
+    expected = {"w": torch.Size([4, 3]), "b": torch.Size([3])}
+
+    def items(named):
+        return [stage_pb2.StateItem(name=n, chunk=c) for n, t in named for c in frame(codec.encode(t), zstd_level=0)]
+
+    class Call:
+        def __init__(self, stream):
+            self.stream, self.pulled, self.cancelled = stream, 0, False
+
+        def __iter__(self):
+            for item in self.stream:
+                self.pulled += 1
+                yield item
+
+        def cancel(self):
+            self.cancelled = True
+
+    w, b, moment = torch.randn(4, 3), torch.randn(3), torch.randn(4, 3)
+    call = Call(items([("model.w", w), ("model.b", b), ("optim.w.exp_avg", moment), ("optim.w.exp_avg_sq", moment)]))
+    got = weights_from_items(call, expected, "p")
+    assert torch.equal(got["w"], w) and torch.equal(got["b"], b) and set(got) == {"w", "b"}
+    assert call.cancelled and call.pulled == 3  # stopped at the first optimizer tensor
+    cases = {
+        "not of this stage": [("model.w", w), ("model.b", b), ("model.evil", b)],
+        "twice": [("model.w", w), ("model.w", w), ("model.b", b)],
+        "more bytes": [("model.w", w), ("model.b", torch.randn(40_000))],
+        "sent no": [("model.w", w)],
+    }
+    for why, named in cases.items():
+        with pytest.raises(RefereeFailed, match=why):
+            weights_from_items(Call(items(named)), expected, "p")
+
+    from swarm.train.trainer import plan_referee
+
+    stages = [SimpleNamespace(layer_start=0, layer_end=2), SimpleNamespace(layer_start=2, layer_end=4)]
+    dht = SimpleNamespace(get_plan=lambda n_layers: SimpleNamespace(version=3, document=SimpleNamespace(stages=stages)))
+    assert plan_referee(dht, CFG, 3).layers == [(0, 2), (2, 4)]
+    assert plan_referee(dht, CFG, 4) is None and plan_referee(None, CFG, 3) is None  # another plan, no DHT
