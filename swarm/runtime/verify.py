@@ -398,9 +398,10 @@ class StageVerifier:
 
     def _referee(self, step, route, finding: Finding, replicas, claimed, verified, request, n) -> None:
         """Two replicas disagree, each consistently with itself: the trainer recomputes with weights fetched from
-        one of them (drawn), checked against the digest both reported after the last applied step, and the
-        replica its number disagrees with (beyond `referee_rtol`, the other within it) is the liar. Returns
-        (a dispute) where it cannot tell: no digest both reported alike, a failed fetch, a mismatched digest."""
+        one of them (drawn), checked against the sampled digest both reported after the last applied step (where
+        none is known yet, the full digest both report in Status), and the replica its number disagrees with
+        (beyond `referee_rtol`, the other within it) is the liar. Returns (a dispute) where it cannot tell:
+        different or no digests, a failed fetch, fetched weights of another digest, both off or both within."""
         s, e = finding.stage, route[finding.stage]
         a, b = replicas[s], self.replica_peers[s].index(e.verifier)
         with self._lock:
@@ -408,8 +409,10 @@ class StageVerifier:
             digests = {self._last_digest.get(e.peer), self._last_digest.get(e.verifier)}
             stride, seed = self.config.digest_stride, self._last_seed
         try:
-            if len(digests) != 1 or None in digests or not seed:
-                raise RefereeFailed(f"no weights digest both {e.peer} and {e.verifier} reported alike")
+            if len(digests) != 1 or None in digests or not seed:  # none known yet (step 0, a replica that joined)
+                stride, seed, digests = 1, 0, self._status_digests(s, (a, b), (e.peer, e.verifier))
+            if len(digests) != 1:
+                raise RefereeFailed(f"{e.peer} and {e.verifier} report different weights digests")
             source = self._pick(step, s, [a, b])
             peer = self.replica_peers[s][source]
             inputs = self._recompute_inputs(request, e, n)
@@ -434,6 +437,20 @@ class StageVerifier:
             self.stats.referee_failures += 1
         log.warning("step %d: stage %d: the trainer's recomputation settles nothing (%s %.3g off, %s %.3g off)",
                     step, s, e.peer, off_a, e.verifier, off_b)  # fmt: skip
+
+    def _status_digests(self, s: int, replicas: Sequence[int], peers: Sequence[str]) -> set[str]:
+        """The SHA-256 of every weight each of `replicas` of stage `s` reports in its Status (the stage caches it
+        per weights version): where no Step digest of theirs is known yet."""
+        digests = set()
+        for r, peer in zip(replicas, peers, strict=True):
+            try:
+                digest = self._call(s, r, "Status", stage_pb2.Empty()).weights_digest
+            except Exception as error:  # noqa: BLE001 - no digest: the dispute stays one
+                raise RefereeFailed(f"Status of {peer} failed: {error}") from error
+            if not digest:
+                raise RefereeFailed(f"{peer} reports no weights digest")
+            digests.add(digest)
+        return digests
 
     def _recompute_inputs(self, request, e: Evidence, n: int):
         """(inputs, targets, output gradient) of a Recompute request, as the stage reads them."""

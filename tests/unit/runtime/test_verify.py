@@ -374,6 +374,17 @@ def test_a_consistent_liar_between_two_replicas_is_refereed_by_the_trainer_and_e
     assert pipe.referee.fetched_bytes > 0
 
 
+def test_a_dispute_before_any_digest_is_refereed_by_the_digest_both_report_in_status(pipe):
+    """Step 0: no Step digest is known yet; the trainer checks the fetched weights against the full digest both
+    replicas report in Status, and the liar's step is run again without it."""
+    liar = pipe.replica_hosts[0][1]
+    _consistent(10.0)(liar.worker)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=5))
+    result = driver.train_step(0, batch(0))
+    assert result.attempts == 2 and [p for p, _ in driver.liars] == [liar.peer_id]
+    assert driver.verifier.stats.referee_failures == 0 and pipe.replica_hosts[0][0].steps_done == 1
+
+
 def test_a_liar_that_lies_only_when_recomputing_its_siblings_work_is_the_one_evicted(pipe):
     """The liar as the recomputing sibling: the audited honest replica's record is right, the liar's Recompute
     answer x10; the trainer sides with the honest one."""
