@@ -219,6 +219,7 @@ def test_a_clean_run_detects_nothing(pipe):
     assert driver.verifier.stats.audits > 0  # the default rate audits some micro-batches of 20 steps
     assert driver.verifier.stats.worst_own == 0.0  # replicas recompute the same bits
     assert driver.dead == set()
+    assert driver.verifier.stats.refereed == 0 and pipe.referee.fetched_bytes == 0  # no dispute: no fetch
 
 
 def test_a_clean_run_with_the_default_codecs_detects_nothing_when_every_micro_batch_is_audited():
