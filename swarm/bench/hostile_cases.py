@@ -136,12 +136,6 @@ def stranger_probe_reply_huge(h):
     return h.expect_refusal(1, "Probe", stage_pb2.ProbeRequest(payload=b"hello", reply_bytes=8_000_000), "stranger")
 
 
-@case("trainer", "GetState from the trainer, a caller the plan does not name as a stage peer")
-def trainer_get_state(h):
-
-    return h.expect_refusal(1, "GetState", stage_pb2.StateRequest(stage=1), "trainer")
-
-
 # ---- tokens: missing, expired, for someone else, tampered -----------------------------------------------------
 
 

@@ -64,7 +64,7 @@ from swarm.runtime.routing import (
     spawn,
 )
 from swarm.runtime.suspects import Implausible, Suspects, culprit
-from swarm.runtime.verify import AuditDisputed, LiarFound, StageVerifier, VerifyConfig
+from swarm.runtime.verify import AuditDisputed, LiarFound, Referee, StageVerifier, VerifyConfig
 
 if TYPE_CHECKING:
     from swarm.net.auth import CallSigner
@@ -110,6 +110,8 @@ class PipelineDriver:
             so that a re-plan's driver knows who was banned).
         verify: how replicated stages' work is audited (`swarm.runtime.verify`; None or fraction 0: not at all).
         on_liar: told `(peer_id, reason)` of every replica the audits evict (e.g. to ban it for the run).
+        referee: the trainer's own recomputation of a stage (`swarm.runtime.referee.StageReferee`), which settles a
+            dispute between two replicas with weights fetched over GetState (None: a dispute stays one).
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class PipelineDriver:
         suspects: Suspects | None = None,
         verify: VerifyConfig | None = None,
         on_liar: Callable[[str, str], None] | None = None,
+        referee: Referee | None = None,
     ):
         routes, ids = _nested(route), _nested(peers)
         if not routes or len(routes) != len(ids) or [len(r) for r in ids] != [len(r) for r in routes]:
@@ -192,7 +195,7 @@ class PipelineDriver:
         self._used: list[Route] = []
         """the routes of the attempt that runs"""
         self.verifier = (
-            StageVerifier(verify, self._call, self.replica_peers, self._evict)
+            StageVerifier(verify, self._call, self.replica_peers, self._evict, referee, self._fetch_state)
             if verify is not None and (verify.fraction > 0 or verify.digests)
             else None
         )
@@ -240,6 +243,14 @@ class PipelineDriver:
         except grpc.RpcError as e:
             peer, address = self.replica_peers[stage][replica], self.replica_addresses[stage][replica]
             raise name_failure(e, stage, peer, address) from e
+
+    def _fetch_state(self, stage: int, replica: int):
+        """GetState of that replica's stage under this plan (the referee's weights), its items counted as
+        control bytes as they are pulled."""
+        request = stage_pb2.StateRequest(stage=stage, plan_version=self.plan_version)
+        self._count_control(request.ByteSize())
+        call = self._stubs[(stage, replica)].GetState(request, timeout=self.deadline_s)
+        return _CountedStream(call, self._count_control)
 
     def _counted(self, items):
         for item in items:
@@ -726,3 +737,20 @@ REDUCE_DEADLINE_S = 30.0
 ABANDON_GRACE_S = 5.0
 """longest the driver waits for a failed attempt's calls among live peers to end before the next attempt"""
 CLOSE_WAIT_S = 2.0
+
+
+class _CountedStream:
+    """A server stream whose items' bytes are counted as they are pulled; `cancel` ends the call."""
+
+    def __init__(self, call, count: Callable[[int], None]):
+        self._call, self._count = call, count
+
+    def __iter__(self):
+        for item in self._call:
+            self._count(item.ByteSize())
+            yield item
+
+    def cancel(self) -> None:
+        for end in (getattr(self._call, "cancel", None), getattr(self._call, "close", None)):
+            if end is not None:
+                end()

@@ -29,6 +29,7 @@ from swarm.runtime.driver import PipelineDriver, StepResult
 from swarm.runtime.freeze import FreezePolicy, FreezingDriver
 from swarm.runtime.host import StageHost, StageRole
 from swarm.runtime.policy import Roster
+from swarm.runtime.referee import StageReferee
 from swarm.runtime.schedules import SCHEDULES
 from swarm.runtime.service import StageServicer
 from swarm.runtime.worker import StageConfig, StageWorker
@@ -105,6 +106,8 @@ class LocalPipeline:
         layers = list(layers) if layers is not None else split_layers(model.n_layers, n_stages)
         if len(layers) != n_stages:
             raise ValueError(f"{len(layers)} layer ranges for {n_stages} stages")
+        self.referee = StageReferee(model, layers, cfg)
+        """the trainer's own recomputation, which settles a dispute between two replicas (`swarm.runtime.referee`)"""
         for s, r in grid:
             role = StageRole(s, n_stages, *layers[s], replica=r)
             connector = self.network.connector(CallSigner(ids[(s, r)]) if auth else None)
@@ -152,7 +155,7 @@ class LocalPipeline:
                 self._driver.close()
             connector = self.network.connector(CallSigner(self.trainer) if self.trainer else None)
             route, peers = self._shape(self.replica_addresses), self._shape(self.replica_peers)
-            options = {"tied": self.model.tied_embeddings, **driver_options}
+            options = {"tied": self.model.tied_embeddings, "referee": self.referee, **driver_options}
             if self.freeze is not None:
                 options["policy"] = self.freeze
             cls = PipelineDriver if self.freeze is None else FreezingDriver

@@ -238,10 +238,11 @@ class CallPolicy:
             )
 
     def check_state(self, caller: str) -> None:
-        """GetState only to the plan's peers."""
+        """GetState only to the plan's peers and its named trainers (in an owned run the owner's delegates: the
+        trainer referees a dispute between two replicas with the stage's weights, `swarm.runtime.referee`)."""
         roster = self._need_roster()
-        if caller not in roster.plan_peers:
-            raise _denied(f"GetState only to a peer of the plan; {caller} is not one")
+        if caller not in roster.plan_peers and (roster.trainers is None or caller not in roster.trainers):
+            raise _denied(f"GetState only to a peer of the plan or a trainer it names; {caller} is neither")
 
 
 def _sender_stage(method: str, stage: int) -> int:

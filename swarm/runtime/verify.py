@@ -18,10 +18,12 @@ A failed own check is resolved by more recomputations: the audited stage's own (
 with its own recomputation contradicts itself) and, with 3+ replicas, a second sibling's (the majority of the
 recomputations is right). A failed link check blames the sender where the receiver's own records are
 corroborated (its own and downstream checks pass), else nobody. Two replicas that recompute the same input
-differently, each consistently with itself, cannot be told apart: that is a dispute, the step is abandoned and
-nobody is evicted. A verdict evicts the liar (`evict(peer, reason)`: the driver takes it out of its routes and
-tells `on_liar`) and raises `LiarFound`, so the driver abandons the step before any `Step` and runs it again
-without the liar: nothing it poisoned is applied.
+differently, each consistently with itself, cannot be told apart by each other: the trainer's own recomputation
+with their weights (`referee`, `swarm.runtime.referee`) names the liar; where it cannot (no referee, a failed
+fetch, weights whose digest is not theirs) that is a dispute, the step is abandoned and nobody is evicted. A
+verdict evicts the liar (`evict(peer, reason)`: the driver takes it out of its routes and tells `on_liar`) and
+raises `LiarFound`, so the driver abandons the step before any `Step` and runs it again without the liar: nothing
+it poisoned is applied.
 
 After `Step`, replicas report their weights' digest (`StepRequest.want_digest`): replicas that disagree have
 diverged. With 3+ replicas the minority is the liar; with 2 the one whose digest did not change over an applied
@@ -47,6 +49,7 @@ import torch
 from swarm.compression import CodecConfig, WireError, make_codec
 from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire, tokens_to_wire
 from swarm.proto import stage_pb2
+from swarm.runtime.referee import RefereeFailed
 from swarm.runtime.routing import reroutable
 
 __all__ = ["AuditDisputed", "Evidence", "Finding", "LiarFound", "StageVerifier", "VerifyConfig", "judge", "rel_err"]
@@ -85,13 +88,18 @@ class VerifyConfig:
     SHA-256 of the weights per step (1: every element)."""
     seed: int | None = None
     """The sampling secret (None: a fresh random one; set only in tests)."""
+    referee_rtol: float = 0.05
+    """Largest relative error between a replica's number and the trainer's own recomputation of it, when the
+    trainer referees a dispute between two replicas (`swarm.runtime.referee`): the weights are the same bits, but
+    the trainer computes in fp32 on its CPU where a stage may autocast to bf16/fp16 on an accelerator. A lie of
+    x1.5 is 0.5 off."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
         if self.digest_stride < 1:
             raise ValueError(f"digest_stride must be >= 1, got {self.digest_stride}")
-        if not (self.rtol > 0 and self.link_rtol > 0 and self.link_rtol_backward > 0):
+        if not (self.rtol > 0 and self.link_rtol > 0 and self.link_rtol_backward > 0 and self.referee_rtol > 0):
             raise ValueError("tolerances must be positive")
 
 
@@ -215,6 +223,10 @@ class VerifyStats:
     detections: list[tuple[str, str]] = field(default_factory=list)
     """(peer, reason) of every liar evicted"""
     disputes: int = 0
+    refereed: int = 0
+    """disputes the trainer recomputed itself (one weights fetch each)"""
+    referee_failures: int = 0
+    """of those, the ones it could not settle (fetch refused, digest mismatch, no agreement): still disputes"""
     seconds: float = 0.0
     """time spent in audits (on the micro-batches' threads, overlapping the step's other work)"""
     worst_own: float = 0.0
@@ -227,6 +239,9 @@ class VerifyStats:
 
 Call = Callable[[int, int, str, object], object]
 """(stage, replica, method, request) -> reply: the driver's `_call`"""
+Referee = Callable[..., object]
+"""(stage, fetch, source, (stride, seed, digest), inputs, targets, grad) -> `Recomputed`, or raises
+`RefereeFailed`: `swarm.runtime.referee.StageReferee`"""
 
 
 class StageVerifier:
@@ -237,6 +252,9 @@ class StageVerifier:
         call: how to call a replica (the driver's `_call`, which counts the bytes and names failures).
         replica_peers: peer ids `[stage][replica]`.
         evict: takes a liar out (the driver's: out of the routes, and its `on_liar`).
+        referee: the trainer's own recomputation (`swarm.runtime.referee.StageReferee`), asked once per dispute
+            between two replicas (None: a dispute stays one).
+        fetch: (stage, replica) -> that replica's GetState stream, for the referee's weights.
     """
 
     def __init__(
@@ -245,8 +263,11 @@ class StageVerifier:
         call: Call,
         replica_peers: Sequence[Sequence[str]],
         evict: Callable[[str, str], None],
+        referee: Referee | None = None,
+        fetch: Callable[[int, int], object] | None = None,
     ):
         self.config, self._call, self.evict = config, call, evict
+        self.referee, self._fetch = (referee, fetch) if fetch is not None else (None, None)
         self.replica_peers = [tuple(r) for r in replica_peers]
         self._secret = (config.seed if config.seed is not None else secrets.randbits(64)).to_bytes(16, "little")
         self._last_digest: dict[str, str] = {}
@@ -371,7 +392,75 @@ class StageVerifier:
                 verifier = Evidence(s, e.verifier)
                 self._liar(verifier, f"step {step}: its recomputation of {e.peer}'s micro-batch disagrees with two "
                            f"replicas'")  # fmt: skip
+        elif self.referee is not None:
+            self._referee(step, route, finding, replicas, claimed, verified, request, n)
         self._dispute(step, f"stage {s}: {e.peer} and {e.verifier} compute the same input differently ({what})")
+
+    def _referee(self, step, route, finding: Finding, replicas, claimed, verified, request, n) -> None:
+        """Two replicas disagree, each consistently with itself: the trainer recomputes with weights fetched from
+        one of them (drawn), checked against the sampled digest both reported after the last applied step (where
+        none is known yet, the full digest both report in Status), and the replica its number disagrees with
+        (beyond `referee_rtol`, the other within it) is the liar. Returns (a dispute) where it cannot tell:
+        different or no digests, a failed fetch, fetched weights of another digest, both off or both within."""
+        s, e = finding.stage, route[finding.stage]
+        a, b = replicas[s], self.replica_peers[s].index(e.verifier)
+        with self._lock:
+            self.stats.refereed += 1
+            digests = {self._last_digest.get(e.peer), self._last_digest.get(e.verifier)}
+            stride, seed = self.config.digest_stride, self._last_seed
+        try:
+            if len(digests) != 1 or None in digests or not seed:  # none known yet (step 0, a replica that joined)
+                stride, seed, digests = 1, 0, self._status_digests(s, (a, b), (e.peer, e.verifier))
+            if len(digests) != 1:
+                raise RefereeFailed(f"{e.peer} and {e.verifier} report different weights digests")
+            source = self._pick(step, s, [a, b])
+            peer = self.replica_peers[s][source]
+            inputs = self._recompute_inputs(request, e, n)
+            done = self.referee(s, lambda: self._fetch(s, source), peer, (stride, seed, digests.pop()), *inputs)
+        except RefereeFailed as failed:
+            with self._lock:
+                self.stats.referee_failures += 1
+            log.warning("step %d: stage %d: the trainer could not referee %s and %s: %s",
+                        step, s, e.peer, e.verifier, failed)  # fmt: skip
+            return
+        forward = finding.direction == "forward"
+        mine = (done.loss if s == n - 1 else done.output) if forward else done.grad_in
+        tol, what = self.config.referee_rtol, "output" if forward else "input gradient"
+        off_a, off_b = rel_err(claimed, mine), rel_err(verified, mine)
+        if off_b <= tol < off_a or (off_b <= tol and math.isnan(off_a)):
+            self._liar(e, f"step {step}: its {what} is {off_a:.3g} off the trainer's recomputation with the "
+                       f"replicas' weights ({e.verifier}'s is {off_b:.3g})")  # fmt: skip
+        if off_a <= tol < off_b or (off_a <= tol and math.isnan(off_b)):
+            self._liar(Evidence(s, e.verifier), f"step {step}: its recomputation of {e.peer}'s {what} is {off_b:.3g} "
+                       f"off the trainer's with the replicas' weights ({e.peer}'s is {off_a:.3g})")  # fmt: skip
+        with self._lock:
+            self.stats.referee_failures += 1
+        log.warning("step %d: stage %d: the trainer's recomputation settles nothing (%s %.3g off, %s %.3g off)",
+                    step, s, e.peer, off_a, e.verifier, off_b)  # fmt: skip
+
+    def _status_digests(self, s: int, replicas: Sequence[int], peers: Sequence[str]) -> set[str]:
+        """The SHA-256 of every weight each of `replicas` of stage `s` reports in its Status (the stage caches it
+        per weights version): where no Step digest of theirs is known yet."""
+        digests = set()
+        for r, peer in zip(replicas, peers, strict=True):
+            try:
+                digest = self._call(s, r, "Status", stage_pb2.Empty()).weights_digest
+            except Exception as error:  # noqa: BLE001 - no digest: the dispute stays one
+                raise RefereeFailed(f"Status of {peer} failed: {error}") from error
+            if not digest:
+                raise RefereeFailed(f"{peer} reports no weights digest")
+            digests.add(digest)
+        return digests
+
+    def _recompute_inputs(self, request, e: Evidence, n: int):
+        """(inputs, targets, output gradient) of a Recompute request, as the stage reads them."""
+        s = request.stage
+        inputs = tokens_from_wire(request.tokens, 1 << 31, e.inputs.shape[1])[0] if s == 0 else e.inputs.float()
+        targets = tokens_from_wire(request.targets, 1 << 31, e.inputs.shape[1])[0] if s == n - 1 else None
+        grad = None
+        if request.backward and s > 0:
+            grad = torch.tensor(request.loss_weight) if s == n - 1 else e.grad_received.float()
+        return inputs, targets, grad
 
     def _resolve_link(self, step, route, finding: Finding, findings: list[Finding]) -> None:
         """What a neighbour decoded differs from the sender's recomputed work, though the sender's own records

@@ -207,6 +207,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return replace(cfg, dht=dht)
 
 
+def plan_referee(dht, model, plan_version: int):
+    """The trainer's own recomputation of a stage under plan `plan_version` (`swarm.runtime.referee`), which settles
+    a dispute between two replicas with the stage's weights (fetched over GetState, checked against the replicas'
+    digest); None without that plan's layer ranges (no DHT, or a split by join order): disputes stay disputes."""
+    from swarm.runtime.referee import StageReferee
+
+    record = dht.get_plan(model.n_layers) if dht is not None and plan_version else None
+    if record is None or record.version != plan_version:
+        return None
+    return StageReferee(model, [(stage.layer_start, stage.layer_end) for stage in record.document.stages])
+
+
 def discover_route(
     dht,
     n_stages: int | None,
@@ -353,6 +365,7 @@ def train(
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=route_weights(cfg.chain_weights),
             tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial), suspects=suspects,
             verify=VerifyConfig(fraction=cfg.verify_fraction) if cfg.verify_fraction > 0 else None,
+            referee=plan_referee(dht, model, r.plan_version) if cfg.verify_fraction > 0 else None,
         )  # fmt: skip
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
         return driver

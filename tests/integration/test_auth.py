@@ -158,7 +158,10 @@ def test_state_goes_only_to_plan_peers():
         request = stage_pb2.StateRequest(stage=0)
         neighbour = GrpcConnector(signer=CallSigner(hosts[1].outbox.connector.signer.identity))
         assert list(neighbour.stage(addresses[0], peers[0]).GetState(request, timeout=10))
-        outsider = GrpcConnector(signer=CallSigner(trainer))  # the trainer is no peer of the plan
+        named = GrpcConnector(signer=CallSigner(trainer))  # the trainer the roster names referees disputes with it
+        assert list(named.stage(addresses[0], peers[0]).GetState(request, timeout=10))
+        named.close()
+        outsider = GrpcConnector(signer=CallSigner(Identity.generate()))  # neither a plan peer nor a trainer
         with pytest.raises(grpc.RpcError, match="GetState only to a peer of the plan") as e:
             list(outsider.stage(addresses[0], peers[0]).GetState(request, timeout=10))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED

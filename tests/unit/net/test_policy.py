@@ -3,6 +3,8 @@ own calls pass, and `auth=False` (measurement only) lets everything through."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 import torch
@@ -50,7 +52,9 @@ def test_roster_rules():
     denied(policy.check_sender, "Backward", 2, "p1", match="Backward into the last stage only from a trainer")
     denied(policy.check_sender, "PutLabels", 2, "p1", match="PutLabels only from a trainer")
     denied(policy.check_step, "Step", "p0", match="Step only from a trainer")
-    denied(policy.check_state, "t", match="GetState only to a peer of the plan")
+    policy.check_state("t")  # the named trainer referees a dispute with the stage's weights (swarm.runtime.referee)
+    denied(policy.check_state, "x", match="GetState only to a peer of the plan")
+    denied(CallPolicy(dataclasses.replace(ROSTER, trainers=None)).check_state, "t", match="GetState only to a peer")
     denied(policy.check_route, info(route=("a0", "evil", "a2")), match="route")
     denied(policy.check_route, info(peers=("p0", "evil", "p2")), match="route")
 

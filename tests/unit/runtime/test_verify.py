@@ -219,6 +219,7 @@ def test_a_clean_run_detects_nothing(pipe):
     assert driver.verifier.stats.audits > 0  # the default rate audits some micro-batches of 20 steps
     assert driver.verifier.stats.worst_own == 0.0  # replicas recompute the same bits
     assert driver.dead == set()
+    assert driver.verifier.stats.refereed == 0 and pipe.referee.fetched_bytes == 0  # no dispute: no fetch
 
 
 def test_a_clean_run_with_the_default_codecs_detects_nothing_when_every_micro_batch_is_audited():
@@ -340,15 +341,105 @@ def test_a_consistent_liar_among_three_replicas_is_outvoted():
         pipe.close()
 
 
-def test_a_consistent_liar_between_two_replicas_is_a_dispute_that_evicts_nobody(pipe):
-    """Two replicas that each recompute consistently with themselves cannot be told apart: the step is abandoned
-    (nothing poisoned is applied) and nobody is evicted; docs/SECURITY.md says so."""
-    _consistent(1.5)(pipe.replica_hosts[0][1].worker)
-    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=5), max_attempts=2)
+def _recomputes_scaled(factor: float):
+    """A liar whose own work is honest and whose Recompute answers (of a sibling's micro-batch) are scaled."""
+
+    def lie(host):
+        honest = host.recompute
+
+        def recompute(*args, **kwargs):
+            done = honest(*args, **kwargs)
+            if done.output is not None:
+                done.output = done.output * factor
+            else:
+                done.loss = done.loss * factor
+            return done
+
+        host.recompute = recompute
+
+    return lie
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_consistent_liar_between_two_replicas_is_refereed_by_the_trainer_and_evicted(pipe, stage):
+    """Two replicas that each recompute consistently with themselves: the trainer recomputes the disputed
+    micro-batch with weights fetched from one of them (checked against both replicas' digest) and evicts the one
+    it disagrees with; the run goes on to the end with the honest replica."""
+    liar, honest = pipe.replica_hosts[stage][1], pipe.replica_hosts[stage][0]
+    _consistent(10.0)(liar.worker)
+    driver, caught = run(pipe, STEPS, VerifyConfig(seed=11))
+    assert caught is not None and [p for p, _ in driver.liars] == [liar.peer_id], driver.verifier.stats
+    assert "trainer's recomputation" in driver.liars[0][1] and driver.verifier.stats.refereed >= 1
+    assert honest.peer_id not in driver.dead and driver.suspects.banned_ids() == (liar.peer_id,)
+    assert honest.steps_done == STEPS  # every step applied, the disputed ones run again
+    assert pipe.referee.fetched_bytes > 0
+
+
+def test_a_dispute_before_any_digest_is_refereed_by_the_digest_both_report_in_status(pipe):
+    """Step 0: no Step digest is known yet; the trainer checks the fetched weights against the full digest both
+    replicas report in Status, and the liar's step is run again without it."""
+    liar = pipe.replica_hosts[0][1]
+    _consistent(10.0)(liar.worker)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=5))
+    result = driver.train_step(0, batch(0))
+    assert result.attempts == 2 and [p for p, _ in driver.liars] == [liar.peer_id]
+    assert driver.verifier.stats.referee_failures == 0 and pipe.replica_hosts[0][0].steps_done == 1
+
+
+def test_a_liar_that_lies_only_when_recomputing_its_siblings_work_is_the_one_evicted(pipe):
+    """The liar as the recomputing sibling: the audited honest replica's record is right, the liar's Recompute
+    answer x10; the trainer sides with the honest one."""
+    liar, honest = pipe.replica_hosts[0][1], pipe.replica_hosts[0][0]
+    _recomputes_scaled(10.0)(liar)
+    driver, caught = run(pipe, STEPS, VerifyConfig(seed=11))
+    assert caught is not None and [p for p, _ in driver.liars] == [liar.peer_id]
+    assert honest.peer_id not in driver.dead
+
+
+def _refuse_state(host_switch):
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "no state for you")
+        yield  # pragma: no cover - a generator, as GetState is
+
+    host_switch.target.GetState = refuse
+
+
+def _other_weights(host_switch):
+    """Serves its weights with one tensor moved: not the bits either replica reported."""
+    from swarm.compression import frame, make_codec
+    from swarm.proto import stage_pb2
+
+    honest = host_switch.target.GetState
+
+    def moved(request, context):
+        items = list(honest(request, context))
+        first = items[0].name
+        weights = {
+            f"model.{k}": v.detach().float() for k, v in host_switch.target.host.worker.module.state_dict().items()
+        }
+        for chunk in frame(make_codec(FP32).encode(weights[first] + 1.0), zstd_level=0):
+            yield stage_pb2.StateItem(name=first, chunk=chunk)
+        yield from (item for item in items if item.name != first)
+
+    host_switch.target.GetState = moved
+
+
+@pytest.mark.parametrize("failure", ["refused", "other weights"])
+def test_a_referee_that_cannot_trust_its_weights_leaves_a_dispute_and_evicts_nobody(pipe, failure):
+    """The fetch refused or the weights not the ones the replicas reported: the dispute stays one (the step is
+    abandoned, nothing poisoned applied), the honest replica is never evicted."""
+    _consistent(10.0)(pipe.replica_hosts[0][1].worker)
+    for switch in pipe.switches[0]:
+        (_refuse_state if failure == "refused" else _other_weights)(switch)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=0.0, seed=5), max_attempts=2)
+    driver.train_step(0, batch(0))  # unaudited: the replicas report their weights' digest
+    driver.verifier.config = VerifyConfig(fraction=1.0, seed=5)  # from now every micro-batch is audited
     with pytest.raises(Exception, match="dispute|differently|AuditDisputed"):
-        driver.train_step(0, batch(0))
-    assert driver.liars == [] and driver.verifier.stats.disputes >= 1
-    assert all(h.steps_done == 0 for row in pipe.replica_hosts for h in row)
+        driver.train_step(1, batch(1))
+    stats = driver.verifier.stats
+    assert driver.liars == [] and driver.dead == set() and stats.disputes >= 1
+    assert stats.referee_failures == stats.refereed >= 1
+    assert all(h.steps_done == 1 for row in pipe.replica_hosts for h in row)  # step 1 applied nowhere
 
 
 def test_a_pipeline_without_replicas_is_never_asked_for_records():
@@ -470,3 +561,51 @@ def test_a_record_of_another_shape_is_a_lie(pipe):
     driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
     driver.train_step(0, batch(0))
     assert [p for p, _ in driver.liars] == [liar.peer_id] and "shaped" in driver.liars[0][1]
+
+
+def test_the_referee_reads_only_the_stages_weights_and_refuses_what_its_shapes_do_not_hold():
+    from types import SimpleNamespace
+
+    from swarm.compression import frame, make_codec
+    from swarm.proto import stage_pb2
+    from swarm.runtime.referee import RefereeFailed, weights_from_items
+
+    codec = make_codec(FP32)
+    expected = {"w": torch.Size([4, 3]), "b": torch.Size([3])}
+
+    def items(named):
+        return [stage_pb2.StateItem(name=n, chunk=c) for n, t in named for c in frame(codec.encode(t), zstd_level=0)]
+
+    class Call:
+        def __init__(self, stream):
+            self.stream, self.pulled, self.cancelled = stream, 0, False
+
+        def __iter__(self):
+            for item in self.stream:
+                self.pulled += 1
+                yield item
+
+        def cancel(self):
+            self.cancelled = True
+
+    w, b, moment = torch.randn(4, 3), torch.randn(3), torch.randn(4, 3)
+    call = Call(items([("model.w", w), ("model.b", b), ("optim.w.exp_avg", moment), ("optim.w.exp_avg_sq", moment)]))
+    got = weights_from_items(call, expected, "p")
+    assert torch.equal(got["w"], w) and torch.equal(got["b"], b) and set(got) == {"w", "b"}
+    assert call.cancelled and call.pulled == 3  # stopped at the first optimizer tensor
+    cases = {
+        "not of this stage": [("model.w", w), ("model.b", b), ("model.evil", b)],
+        "twice": [("model.w", w), ("model.w", w), ("model.b", b)],
+        "more bytes": [("model.w", w), ("model.b", torch.randn(40_000))],
+        "sent no": [("model.w", w)],
+    }
+    for why, named in cases.items():
+        with pytest.raises(RefereeFailed, match=why):
+            weights_from_items(Call(items(named)), expected, "p")
+
+    from swarm.train.trainer import plan_referee
+
+    stages = [SimpleNamespace(layer_start=0, layer_end=2), SimpleNamespace(layer_start=2, layer_end=4)]
+    dht = SimpleNamespace(get_plan=lambda n_layers: SimpleNamespace(version=3, document=SimpleNamespace(stages=stages)))
+    assert plan_referee(dht, CFG, 3).layers == [(0, 2), (2, 4)]
+    assert plan_referee(dht, CFG, 4) is None and plan_referee(None, CFG, 3) is None  # another plan, no DHT
