@@ -193,7 +193,7 @@ class ProbeReply(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("peer_id", "stage", "layer_start", "layer_end", "plan_version", "steps_done", "compute_layers_per_s", "buffered_samples", "device", "metrics", "weights_digest", "replica", "last_step", "model_identity")
+    __slots__ = ("peer_id", "stage", "layer_start", "layer_end", "plan_version", "steps_done", "compute_layers_per_s", "buffered_samples", "device", "metrics", "weights_digest", "replica", "last_step", "step_open", "model_identity")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class StatusReply(_message.Message):
     WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_OPEN_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     stage: int
@@ -228,8 +229,9 @@ class StatusReply(_message.Message):
     weights_digest: str
     replica: int
     last_step: int
+    step_open: bool
     model_identity: str
-    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., weights_digest: _Optional[str] = ..., replica: _Optional[int] = ..., last_step: _Optional[int] = ..., model_identity: _Optional[str] = ...) -> None: ...
+    def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., weights_digest: _Optional[str] = ..., replica: _Optional[int] = ..., last_step: _Optional[int] = ..., step_open: _Optional[bool] = ..., model_identity: _Optional[str] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
     __slots__ = ("step", "plan_version", "stage", "group_peers", "group_addresses", "deadline_s", "tied_peers", "tied_addresses")

@@ -446,18 +446,30 @@ class PeerDaemon:
         reply = peer_status(self.channels, address)
         return None if reply is None else int(reply.steps_done)
 
-    def _behind_replicas(self, record, role, steps_done: int) -> bool:
+    def _behind_replicas(self, record, role, steps_done: int, settle_s: float = 30.0) -> bool:
         """Whether another replica of this peer's stage under `record` applied more steps than this one: this
-        peer sat on a route the trainer dropped (its neighbour died) while the others trained on, so its weights
-        and optimizer are stale and must be copied again before it serves, or the replicas would diverge."""
+        peer sat on a route the trainer dropped (its neighbour died, or was evicted) while the others trained on,
+        so its weights and optimizer are stale and must be copied again before it serves, or the replicas would
+        diverge.
+
+        A replica with a step open (the old plan's last step, run without this peer) is waited for, at most
+        `settle_s`: compared before that step is applied, it would look level and the replicas would diverge
+        by that step (seen when an eviction re-plans at once, while the step runs again on the survivors)."""
         others = [p for p in record.document.stages[role.stage].peer_ids if p != self.dht.peer_id]
         if not others:
             return False
-        # no wait for the others to switch plans here (they may be asking the same of us); a replica still
-        # finishing an old-plan step merely makes us copy state that equals ours after that step
+        # a replica switching plans waits for nobody (it has no open step while it asks), so two replicas asking
+        # each other cannot wait on each other; a replica still finishing an old-plan step is waited for
         addresses = {p.peer_id: p.address for p in self.dht.peers()}
         # a replica that does not answer has nothing to give
-        ahead = max((self._steps_done(addresses[h]) or 0 for h in others if h in addresses), default=0)
+        deadline = time.monotonic() + settle_s
+        while True:
+            replies = [peer_status(self.channels, addresses[h]) for h in others if h in addresses]
+            open_ = [r for r in replies if r is not None and r.step_open]
+            if not open_ or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)  # polling a replica's open step, bounded by settle_s
+        ahead = max((int(r.steps_done) for r in replies if r is not None), default=0)
         if ahead > steps_done:
             log.warning("stage %d: this replica is %d steps behind its replicas; copying their state", role.stage,
                         ahead - steps_done)  # fmt: skip

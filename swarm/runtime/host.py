@@ -561,6 +561,7 @@ class StageHost:
             weights_digest=digest,
             replica=role.replica,
             last_step=self.ledger.last_step or 0,
+            step_open=self.ledger.open_step is not None,
             model_identity=self.model_identity,
             metrics=snapshot,
         )

@@ -156,5 +156,7 @@ class StageStatus:
     last_step: int
     """the last step this stage applied (0: none yet)"""
     model_identity: str
+    step_open: bool = False
+    """a step is open on this stage (between its first admitted call and its Step or abandon)"""
     metrics: dict[str, float] = field(default_factory=dict)
     """the host's counters and gauges, keyed as swarm.metrics snapshots"""
