@@ -161,8 +161,15 @@ def _worked(s: Setting, obs: list[Observation], run_stopped: bool) -> tuple[bool
         version = f.get("hijack_version")
         if version is None:
             return None, "no plan to copy: the attack did not start"
+        # followed: the plan readers accept names the attacker, or honest peers announce the hijack's version
+        # while the accepted plan is older (the authority's own plan of that number, published later, does not
+        # count: it is the honest planner's)
+        named = lambda o: any(p in s.attacker_ids for p in (*o.trainer_ids, *(q for st in o.stages for q in st)))  # noqa: E731
         honest = lambda o: [p for p, a in o.peers.items() if p not in s.attacker_ids and a[1] == version]  # noqa: E731
-        followers = max((len(honest(o)) for o in after), default=0)
+        took = [o for o in after if named(o)]
+        followers = max((len(honest(o)) for o in after if o.plan_version < version), default=0)
+        if took:
+            return True, f"the accepted plan {took[0].plan_version} names the attacker; {followers} honest followers"
         return followers > 0, f"{followers} honest peers followed the hijacked plan {version}"
     if s.name == "sybils-planner-kill":
         killed, at = f.get("killed"), f.get("killed_at", s.attack_t)
