@@ -13,7 +13,7 @@ import torch
 
 from swarm.model.gpt import split_layers
 from swarm.net.auth import CallSigner, CallVerifier, Identity
-from swarm.net.connect import GrpcConnector
+from swarm.net.connect import GrpcConnector, method_path
 from swarm.net.stream import TensorStreams, tokens_to_wire
 from swarm.peers.transport import TransportConfig, make_server
 from swarm.proto import stage_pb2, stage_pb2_grpc
@@ -55,8 +55,10 @@ class Stage0:
         self.channel = grpc.insecure_channel(self.address)
         self.streams = TensorStreams(self.channel)
 
-    def metadata(self, who: str):
-        return CallSigner(self.ids[who]).metadata(self.ids["stage0"].peer_id)
+    def metadata(self, who: str, first_item: bytes):
+        """A Forward's token and its proof over the stream's first item, as a signing client sends them."""
+        signer = CallSigner(self.ids[who])
+        return signer.metadata(self.ids["stage0"].peer_id, method_path("Forward"), first_item)
 
     def first_item(self) -> bytes:
         info = stage_pb2.CallInfo(step=0, stage=0, num_micro_batches=2, schedule="gpipe")  # the plan's route
@@ -66,11 +68,13 @@ class Stage0:
     def hold(self, who: str, release: threading.Event):
         """A Forward that sends its first item and then nothing until `release`; returns a future."""
 
+        first = self.first_item()
+
         def items():
-            yield self.first_item()
+            yield first
             release.wait(30.0)
 
-        return self.streams.Forward.future(items(), timeout=30.0, metadata=self.metadata(who))
+        return self.streams.Forward.future(items(), timeout=30.0, metadata=self.metadata(who, first))
 
     def close(self) -> None:
         self.channel.close()
