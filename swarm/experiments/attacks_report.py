@@ -161,15 +161,16 @@ def _worked(s: Setting, obs: list[Observation], run_stopped: bool) -> tuple[bool
         version = f.get("hijack_version")
         if version is None:
             return None, "no plan to copy: the attack did not start"
-        # followed: the plan readers accept names the attacker, or honest peers announce the hijack's version
-        # while the accepted plan is older (the authority's own plan of that number, published later, does not
-        # count: it is the honest planner's)
-        named = lambda o: any(p in s.attacker_ids for p in (*o.trainer_ids, *(q for st in o.stages for q in st)))  # noqa: E731
+        # followed: the plan readers accept is the hijack (it names the attacker its only trainer: a planner never
+        # names a stranger trainer, though it may plan the attacker at a stage like any volunteer), or honest peers
+        # announce the hijack's version while the accepted plan is older (the authority's own plan of that
+        # number, published later, does not count: it is the honest planner's)
+        named = lambda o: any(p in s.attacker_ids for p in o.trainer_ids)  # noqa: E731
         honest = lambda o: [p for p, a in o.peers.items() if p not in s.attacker_ids and a[1] == version]  # noqa: E731
         took = [o for o in after if named(o)]
         followers = max((len(honest(o)) for o in after if o.plan_version < version), default=0)
         if took:
-            return True, f"the accepted plan {took[0].plan_version} names the attacker; {followers} honest followers"
+            return True, f"the accepted plan {took[0].plan_version} names the attacker its trainer"
         return followers > 0, f"{followers} honest peers followed the hijacked plan {version}"
     if s.name == "sybils-planner-kill":
         killed, at = f.get("killed"), f.get("killed_at", s.attack_t)
