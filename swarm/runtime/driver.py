@@ -160,6 +160,7 @@ class PipelineDriver:
         self.tied = tied
         """whether the model ties its embedding and head: only then do the end stages sum a tied group"""
         self.suspects = suspects or Suspects()
+        self.suspects.layout(self.n_stages)  # a re-plan onto other stages starts their norm history afresh
         self._peer_set = frozenset(p for row in ids for p in row)
         self.dead: set[str] = set(self._peer_set & self.suspects.banned.keys())
         """peer ids declared dead (by a failed call confirmed by a ping, or by missed heartbeats), or evicted"""

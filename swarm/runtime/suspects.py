@@ -360,11 +360,23 @@ class Suspects:
                 history.append(v)
 
     def _median(self, stage: int) -> float | None:
+        """The stage's median applied squared norm; None while it has too few steps, or a median of 0 (a frozen
+        stage: no history to judge a norm by, and one that thaws or is repacked onto other layers is honest)."""
         with self._lock:
             history = self._norms.get(stage)
             if history is None or len(history) < self.cfg.min_history:
                 return None
-            return max(statistics.median(history), 1e-30)
+            median = statistics.median(history)
+            return median if median > 0 else None
+
+    def layout(self, key: object) -> None:
+        """The plan's stage layout (e.g. its number of stages) that the norm history is for: a new one clears the
+        history, since stage s then holds other layers (a repack for a frozen prefix, a re-split), whose norms
+        the old ones say nothing about."""
+        with self._lock:
+            if key != getattr(self, "_layout", key):
+                self._norms.clear()
+            self._layout = key
 
     def _odd_replica(self, stage: int, keys: list, values: list[float]) -> tuple[int, int] | None:
         """The replica whose squared norm stands apart: with 3+ the farthest from their median, with 2 the one

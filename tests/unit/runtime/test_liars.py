@@ -369,3 +369,14 @@ def test_a_grads_loss_scale_against_the_majority_is_struck_and_a_tie_stays_fatal
     with pytest.raises(StageCallError, match="loss scales disagree") as e:
         agreed_step(1, two, [(0, 0), (1, 0)])
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_frozen_stages_zero_norms_and_another_layout_judge_no_later_norm():
+    suspects = Suspects()
+    for _ in range(8):
+        suspects.applied({0: 0.0, 1: 0.25})  # stage 0 frozen: its gradients are zero
+    assert suspects._median(0) is None and suspects._median(1) == 0.25  # nothing to judge stage 0's norms by
+    suspects.layout(4)
+    assert suspects._median(1) == 0.25  # the first layout seen keeps the history
+    suspects.layout(2)  # a repack onto 2 stages: stage 1 holds other layers now
+    assert suspects._median(1) is None
