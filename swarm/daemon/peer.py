@@ -48,6 +48,9 @@ def retired(assignment, record):
 class PeerDaemon:
     """One peer's lifetime; `run()` blocks until `stop()` (or a signal) and returns the exit code."""
 
+    on_host: Callable[[StageHost], None] | None = None
+    """told of every stage host this peer makes (a modified peer's hook, e.g. the attacks experiment's liar)"""
+
     def __init__(self, cfg: PeerConfig, on_host: Callable[[StageHost], None] | None = None):
         self.cfg = cfg
         self.on_host = on_host

@@ -95,6 +95,14 @@ class StepOrder:
     """with `abandon`: the attempt abandoned (0: none)"""
     tied_grad_sum: bool = False
     """whether the request carried the retired tied gradient (the end stages sum it in Reduce): refused"""
+    want_digest: bool = False
+    """reply with sampled digests of the weights after this step (`swarm.runtime.verify`)"""
+    digest_stride: int = 0
+    """the digests hash every digest_stride-th weight element"""
+    digest_seed: int = 0
+    """this step's offset draw for the digest"""
+    previous_digest_seed: int = 0
+    """the previous step's draw, to hash again (0: none): shows whether the weights moved"""
 
 
 @dataclass(frozen=True)

@@ -399,15 +399,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         def run():
             host = self._serving()
-            lr = host.step(step_order(request))
+            order = step_order(request)
+            lr = host.step(order)
             with self._admission:
                 self._admission.notify_all()  # a plan change may be waiting for the step to end
-            skipped = request.skip and not request.abandon
-            reply = stage_pb2.StepReply(step=request.step, lr=lr, loss_scale=host.worker.loss_scale, skipped=skipped)
-            if request.want_digest and not request.abandon:  # the trainer compares replicas (swarm.runtime.verify)
-                reply.weights_digest = host.sampled_digest(request.digest_stride, request.digest_seed)
-                if request.previous_digest_seed:
-                    reply.previous_digest = host.sampled_digest(request.digest_stride, request.previous_digest_seed)
+            skipped = order.skip and not order.abandon
+            reply = stage_pb2.StepReply(step=order.step, lr=lr, loss_scale=host.worker.loss_scale, skipped=skipped)
+            if order.want_digest and not order.abandon:  # the trainer compares replicas (swarm.runtime.verify)
+                reply.weights_digest = host.sampled_digest(order.digest_stride, order.digest_seed)
+                if order.previous_digest_seed:
+                    reply.previous_digest = host.sampled_digest(order.digest_stride, order.previous_digest_seed)
             return reply
 
         return self._guard(context, run)
