@@ -164,6 +164,8 @@ class Suspects:
         self.banned: dict[str, str] = {}
         """evicted peer -> why, in eviction order; never shrinks during the run"""
         self._norms: dict[int, deque[float]] = {}
+        self._layout: object = None
+        """the plan layout the norm history is for (`layout`); None: none seen yet"""
         self.peak_ratio: dict[int, float] = {}
         """per stage: the largest ratio of an applied squared norm to its stage's median seen so far (the margin
         of the ratio rule on this run)"""
@@ -374,7 +376,7 @@ class Suspects:
         history, since stage s then holds other layers (a repack for a frozen prefix, a re-split), whose norms
         the old ones say nothing about."""
         with self._lock:
-            if key != getattr(self, "_layout", key):
+            if self._layout is not None and key != self._layout:
                 self._norms.clear()
             self._layout = key
 

@@ -91,3 +91,12 @@ def remote(addresses: list[str], schedule: str = "1f1b", n_micro: int = 2, deadl
     peers, trainer = trainer_of(addresses)
     signer = CallSigner(trainer) if trainer is not None else None
     return PipelineDriver(addresses, peers, schedule, n_micro, deadline_s=deadline_s, signer=signer)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie (reaped by its parent's wait, not yet) is not alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

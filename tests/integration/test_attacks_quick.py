@@ -5,24 +5,15 @@ evicted, and the run neither stops nor loses a step."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from swarm.cli import main
 from swarm.experiments.attacks import QUICK_SETTINGS
 from swarm.experiments.attacks_report import CLEAN_KEYS, ROW_KEYS
+from tests.integration.swarm_fixtures import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is reaped by its parent's wait, not alive
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_quick_attacks_rows_clean_run_and_reaping(tmp_path, capsys):
@@ -46,4 +37,4 @@ def test_quick_attacks_rows_clean_run_and_reaping(tmp_path, capsys):
     assert (tmp_path / "loss.png").stat().st_size > 0
     for setting in QUICK_SETTINGS:
         result = json.loads((tmp_path / setting.replace(":", "_") / "attack.json").read_text())
-        assert result["pids"] and not [n for n, pid in result["pids"].items() if _alive(pid)], setting
+        assert result["pids"] and not [n for n, pid in result["pids"].items() if alive(pid)], setting

@@ -4,23 +4,13 @@ are the same at every step completed before the kill (frozen plan inputs: the sa
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from swarm.experiments.churn import ChurnConfig, ChurnRun, collect, flag_support, run_setting
 from swarm.experiments.churn_report import SAME_LOSS_TOL, read_jsonl
+from tests.integration.swarm_fixtures import alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is reaped by its parent's wait, not alive
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 @pytest.mark.timeout(540)
@@ -30,7 +20,7 @@ def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_p
     support = flag_support()
     base = run_setting(cfg, "no-churn", tmp_path, support, lines.append)
     assert base["rc"] == 0, lines
-    assert not [n for n, pid in base["pids"].items() if _alive(pid)], "a process of the swarm outlived the run"
+    assert not [n for n, pid in base["pids"].items() if alive(pid)], "a process of the swarm outlived the run"
     result = run_setting(cfg, "churn", tmp_path, support, lines.append)
     d = tmp_path / "churn"
     events = read_jsonl(d / "events.jsonl")
@@ -39,7 +29,7 @@ def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_p
     assert kill["stage"] is not None and kill["peer_id"] and kill["pid"] == result["pids"][kill["peer"]]
     assert join["peer"] not in (kill["peer"], "bootstrap", "trainer") and join["t"] > kill["t"]
     assert {"bootstrap", "trainer", join["peer"]} <= set(result["pids"])
-    assert not [n for n, pid in result["pids"].items() if _alive(pid)], "a process of the swarm outlived the run"
+    assert not [n for n, pid in result["pids"].items() if alive(pid)], "a process of the swarm outlived the run"
     assert (d / "steps.csv").exists() and (d / "step_clock.jsonl").exists()
     base_row, row = collect(cfg, tmp_path)
     assert row["kills"] == 1 and row["joins"] == 1 and row["steps"] >= 1
@@ -69,6 +59,6 @@ def test_quick_churn_in_namespaces_kills_and_joins_then_removes_every_namespace(
     events = read_jsonl(tmp_path / "churn" / "events.jsonl")
     assert [e["kind"] for e in events] == ["kill", "join"], (events, lines)
     assert events[0]["stage"] is not None
-    assert not [n for n, pid in result["pids"].items() if _alive(pid)], "a process of the swarm outlived the run"
+    assert not [n for n, pid in result["pids"].items() if alive(pid)], "a process of the swarm outlived the run"
     assert not list_namespaces(PREFIX) and not list_links(PREFIX)
     assert (tmp_path / "churn" / "step_clock.jsonl").stat().st_size > 0

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from swarm.testbed.netns import list_links, list_namespaces, measure_rate, namespace_pids, sweep, unavailable_reason
+from tests.integration.swarm_fixtures import alive
 
 PREFIX = "swt-"
 MODEL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16"]
@@ -39,14 +40,6 @@ pytestmark = [
 def run_testbed(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "swarm.cli", "testbed", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def assert_nothing_left(pids: list[int]) -> None:
