@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -100,17 +99,17 @@ class _End:
 
 
 def _time_stage(stage, x: torch.Tensor, targets: torch.Tensor, iters: int) -> float:
-    """Fastest forward+backward of `stage` on `x`, seconds."""
-    fastest = float("inf")
-    for i in range(iters + 1):
+    """Fastest forward+backward of `stage` on `x`, seconds (the device synchronized around each timed pass; the
+    first pass warms up the allocator and kernels)."""
+    from swarm.runtime.device import fastest_seconds
+
+    def one_pass() -> None:
         stage.zero_grad(set_to_none=True)
         inp = x if not x.is_floating_point() else x.detach().requires_grad_(True)
-        start = time.perf_counter()
         out = stage(inp, targets) if stage.is_last else stage(inp)
         (out if out.dim() == 0 else (out * torch.ones_like(out)).sum()).backward()
-        if i:  # the first pass warms up the allocator and kernels
-            fastest = min(fastest, time.perf_counter() - start)
-    return fastest
+
+    return fastest_seconds(one_pass, x.device, iters, warmup=1)
 
 
 def bench_model(

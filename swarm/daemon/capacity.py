@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -19,8 +18,11 @@ def measure_compute(model, device: str, iters: int = 10, micro_batch_size: int =
     FLOPs per layer are for the same micro-batch size, so the predicted compute is this time, not an
     extrapolation from another size. `precision` times the pass as a stage computes in it
     (`swarm.runtime.precision.autocast`: fp32 weights, the forward under autocast, the backward following it).
+    On CUDA the device is synchronized before each clock read (`swarm.runtime.device.fastest_seconds`): kernel
+    launches return at once, and an unsynchronized clock would time the launches and inflate the speed.
     """
     from swarm.model.spec import build_stage
+    from swarm.runtime.device import fastest_seconds
     from swarm.runtime.precision import autocast
 
     block = build_stage(model, 0, 1, False, False).to(device)  # one block of whichever family (a middle stage)
@@ -31,14 +33,7 @@ def measure_compute(model, device: str, iters: int = 10, micro_batch_size: int =
             out = block(x)
         out.float().sum().backward()
 
-    for _ in range(2):  # warm-up: allocator and kernel selection
-        one_pass()
-    fastest = float("inf")
-    for _ in range(iters):
-        start = time.perf_counter()
-        one_pass()
-        fastest = min(fastest, time.perf_counter() - start)
-    return 1.0 / fastest
+    return 1.0 / fastest_seconds(one_pass, device, iters, warmup=2)
 
 
 def low_precisions(device: str) -> tuple[str, ...]:

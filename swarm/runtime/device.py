@@ -11,7 +11,10 @@ decode on the host and hand the result to the GPU (`to_device`). On "cpu" every 
 from __future__ import annotations
 
 import argparse
+import math
 import re
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -22,8 +25,10 @@ __all__ = [
     "DeviceError",
     "add_device_argument",
     "check_device",
+    "fastest_seconds",
     "parse_device",
     "resolve_device",
+    "synchronize",
     "to_device",
 ]
 
@@ -74,6 +79,33 @@ def resolve_device(name: str) -> torch.device:
 def check_device(name: str) -> str:
     """`name` normalized ("cuda" -> "cuda:I"), or DeviceError: for entry points to fail early and clearly."""
     return str(resolve_device(name))
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Waits until the work queued on `device` is done (CUDA launches return before their kernels run, so a host
+    clock read after a launch times the launch, not the kernel). Nothing to wait for on "cpu"."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+_clock = time.perf_counter  # the host clock `fastest_seconds` reads (a test replaces it to see the order of calls)
+
+
+def fastest_seconds(work: Callable[[], object], device: torch.device | str, iters: int, warmup: int = 2) -> float:
+    """The fastest of `iters` timed calls of `work` after `warmup` untimed ones, in seconds, with the device
+    synchronized before each clock read: the start excludes work queued earlier, the end includes this call's
+    kernels. The fastest, not the median: a peer measures while others start beside it on a shared machine."""
+    for _ in range(warmup):  # allocator, kernel selection, Triton/cuBLAS autotuning
+        work()
+    fastest = math.inf
+    for _ in range(iters):
+        synchronize(device)
+        start = _clock()
+        work()
+        synchronize(device)
+        fastest = min(fastest, _clock() - start)
+    return fastest
 
 
 def to_device(device: torch.device | str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
