@@ -8,9 +8,11 @@ buffer in place.
 `--quantizer acsgd` times the symmetric quantizer of the acsgd codec (fp16 scale per group) instead.
 `--encodings` instead prints the measurement behind the choice of scale dtype and group size.
 
-`--device cuda[:N]` times the Triton kernels of both quantizers on the GPU at 2/4/8 bits on 64 MiB tensors (CUDA
-events, after warm-up): GB/s of the bytes each kernel actually reads and writes, and its share of the device's
-memory bandwidth, measured in the same run as a device-to-device copy (8 bytes moved per float32 element).
+`--device cuda[:N]` times the Triton kernels of both quantizers on the GPU at 2/4/8 bits on a tensor of the largest
+`--sizes-kib` (64 MiB by default; make it several times the L2 cache, which is 50-60 MB on a Hopper) (CUDA events,
+after warm-up): GB/s of the bytes each kernel actually reads and writes, its share of the device's memory
+bandwidth measured in the same run as a device-to-device copy (8 bytes moved per float32 element), and its share
+of the memory's nominal peak (`--hbm-peak-gbps`, else the datasheet figure of a known device: `hbm_peak_gbps`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,18 @@ DEVICE_COLUMNS = [
     "update_gbps",
     "update_share",
     "copy_gbps",
+    "quantize_hbm",
 ]
+# Datasheet memory bandwidth, GB/s, by a substring of torch.cuda.get_device_name (the first match counts).
+HBM_PEAK_GBPS = (
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+)
 ENCODING_COLUMNS = ["data", "bits", "fp16@128", "bf16@128", "fp32@128", "fp32@256", "fp32@512"]
 
 
@@ -87,6 +100,9 @@ class KernelsBench:
     """print rows as JSON instead of a table"""
     quantizer: str = field(default="aqsgd", metadata=flag(choices=("aqsgd", "acsgd")))
     """the CPU table's quantizer: aqsgd (min/scale, fp32 pairs) or acsgd (symmetric, fp16 scale)"""
+    hbm_peak_gbps: float = 0.0
+    """--device cuda: the memory's nominal peak in GB/s the kernels are compared with (0: the datasheet figure of
+    a known device, none for others)"""
 
 
 _FLAGS = Flags(KernelsBench)
@@ -230,7 +246,12 @@ def _run_device(bench: KernelsBench, name: str) -> int:
     except DeviceError as error:
         print(f"swarm bench kernels: {error}")
         return 2
-    numel = (1 << 20 if bench.quick else 64 << 20) // 4
+    if bench.hbm_peak_gbps < 0:
+        print(f"swarm bench kernels: --hbm-peak-gbps {bench.hbm_peak_gbps:g}: expected a positive GB/s or 0")
+        return 2
+    name = torch.cuda.get_device_name(device)
+    peak = bench.hbm_peak_gbps or hbm_peak_gbps(name)
+    numel = (1 << 20 if bench.quick else max(bench.sizes_kib) << 10) // 4
     x = torch.randn(numel, device=device, generator=torch.Generator(device).manual_seed(0))
     target = torch.empty_like(x)
     repeats = 3 if bench.quick else max(bench.repeats, 20)
@@ -239,14 +260,26 @@ def _run_device(bench: KernelsBench, name: str) -> int:
     rows = []
     for quantizer in ("aqsgd", "acsgd"):
         for bits in bench.bits:
-            rows.append(_device_row(quantizer, x, bits, bench.group_size, stochastic, repeats, copy_gbps))
+            row = _device_row(quantizer, x, bits, bench.group_size, stochastic, repeats, copy_gbps)
+            rows.append(row | {"device": name, "hbm_peak_gbps": peak, "quantize_hbm": _share(row, peak)})
     title = (
-        f"{torch.cuda.get_device_name(device)} ({device}); group_size={bench.group_size} "
+        f"{name} ({device}); group_size={bench.group_size} "
         f"rounding={'nearest' if bench.nearest else 'stochastic'}; GB/s of bytes read + written, share = of the "
-        f"measured device-to-device copy ({copy_gbps:.0f} GB/s)"
+        f"measured device-to-device copy ({copy_gbps:.0f} GB/s), hbm = of the nominal peak "
+        f"({f'{peak:.0f} GB/s' if peak else 'unknown: --hbm-peak-gbps'})"
     )
     emit(rows, DEVICE_COLUMNS, bench.json, title)
     return 0
+
+
+def hbm_peak_gbps(device_name: str) -> float | None:
+    """The datasheet memory bandwidth of a GPU named `device_name` (GB/s), None for one not in `HBM_PEAK_GBPS`."""
+    return next((gbps for key, gbps in HBM_PEAK_GBPS if key.lower() in device_name.lower()), None)
+
+
+def _share(row: dict, peak: float | None) -> float | None:
+    """The quantize kernel's GB/s as a share of the nominal peak (None without one)."""
+    return row["quantize_gbps"] / peak if peak else None
 
 
 def _device_row(quantizer, x, bits, group_size, stochastic, repeats, copy_gbps) -> dict:
