@@ -106,7 +106,8 @@ class HFStage(nn.Module):
             if self.is_first:
                 x = body.wte(x) + body.wpe(torch.arange(x.size(1), device=x.device))
             for block in body.h.values():
-                x = block(x)[0]
+                x = block(x)
+                x = x[0] if isinstance(x, tuple) else x  # transformers 4 returns a tuple, 5 the tensor
             if self.is_last:
                 x = body.ln_f(x)
         else:
