@@ -140,7 +140,7 @@ class PeerDaemon:
             log.info("stage service listening on %s", address)
             self.mb = cfg.planning.micro_batch_size
             self.speed = cfg.compute_layers_per_s or measure_compute(self.model, cfg.device, micro_batch_size=self.mb)
-            log.info("joined the DHT as %s; compute %.1f layers/s", dht.peer_id, self.speed)
+            log.info("joined the DHT as %s; compute %.1f layers/s on %s", dht.peer_id, self.speed, cfg.device)
             if dht.manifest is None and not cfg.dht.trusted_planners:
                 log.warning(
                     "this run is unowned: any peer can take over its planning (the lowest id holding a lease plans, "
