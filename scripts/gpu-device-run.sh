@@ -25,13 +25,13 @@ exec > >(tee "$out/gpu-check.log") 2>&1
 echo "gpu-device-run: $(date -u +%FT%TZ) on $(hostname); $("$python" --version 2>&1) at $(command -v "$python")"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
     --format=csv,noheader
-wheels=("$root"/.whl/*.whl)
+wheels=("${GPU_WHEELS:-$root/.whl}"/*.whl)  # GPU_WHEELS=/nowhere on a dry run by another python than 3.12
 if [[ -e ${wheels[0]} ]]; then
     echo "installing ${#wheels[@]} wheels into $site"
     timeout 180 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "${wheels[@]}" || echo "!! the wheels did not install (the parts that need them will fail)"
 else
-    echo "!! no wheels in $root/.whl (carry it: see docs/GPU.md)"
+    echo "!! no wheels in ${GPU_WHEELS:-$root/.whl} (carry .whl: see docs/GPU.md)"
 fi
 cp "$root/scripts/swarm_checkout.py" "$site/"
 export SWARM_CHECKOUT="$root" PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
