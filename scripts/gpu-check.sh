@@ -41,7 +41,7 @@ elif ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() 
     echo "gpu-check: CUDA is not available to $python (torch $("$python" -c 'import torch; print(torch.__version__)'))" >&2
     exit 2
 fi
-"$python" - >"$out/device.json" <<'EOF'
+timeout 90 "$python" - >"$out/device.json" <<'EOF'
 import importlib, json, platform, sys
 info = {"python": platform.python_version(), "executable": sys.executable}
 for name in ("torch", "triton", "transformers", "hivemind", "grpc", "google.protobuf", "zstandard", "cryptography"):

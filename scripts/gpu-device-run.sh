@@ -6,7 +6,8 @@
 #    zstandard, cryptography, and protobuf/grpcio at the versions proto/ was generated with) into /tmp/site;
 # 2. makes this checkout importable as `swarm` without installing it (scripts/swarm_checkout.py: a .pth in the
 #    interpreter's site-packages, or a sitecustomize in /tmp/site where that is not writable or on --dry-run);
-# 3. runs scripts/gpu-check.sh within GPU_CHECK_BUDGET_S (default 400 s; every part has its own timeout);
+# 3. runs scripts/gpu-check.sh with what is left of GPU_RUN_BUDGET_S (default 420 s for the whole script, 20 s kept
+#    for the summary and the archive; every part has its own timeout): give the device tool's run 60 s more;
 # 4. leaves under $OUT (default ./gpu-device-run): summary.json, gpu-check.log (all output) and gpu-check.tar.gz
 #    (each part's output and the demo's logs): 3 files, within what the device tool brings back.
 # Exits with gpu-check's status (1: a part failed; the others still ran and are in the summary).
@@ -19,6 +20,7 @@ out="${OUT:-$root/gpu-device-run}"
 python="${PYTHON:-python3}"
 site="${GPU_SITE:-/tmp/site}"
 work="${GPU_WORK:-/tmp/gpu-check}"
+budget="${GPU_RUN_BUDGET_S:-420}"
 mkdir -p "$out" "$site"
 rm -rf "$work"
 exec > >(tee "$out/gpu-check.log") 2>&1
@@ -28,7 +30,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 wheels=("${GPU_WHEELS:-$root/.whl}"/*.whl)  # GPU_WHEELS=/nowhere on a dry run by another python than 3.12
 if [[ -e ${wheels[0]} ]]; then
     echo "installing ${#wheels[@]} wheels into $site"
-    timeout 180 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    timeout 90 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "${wheels[@]}" || echo "!! the wheels did not install (the parts that need them will fail)"
 else
     echo "!! no wheels in ${GPU_WHEELS:-$root/.whl} (carry .whl: see docs/GPU.md)"
@@ -43,7 +45,7 @@ else
     echo "import swarm_checkout" >"$site/sitecustomize.py"
     echo "swarm importable from $root through $site/sitecustomize.py"
 fi
-"$python" - <<'EOF' || echo "!! the imports above failed: the parts that need them will fail"
+timeout 90 "$python" - <<'EOF' || echo "!! the imports above failed: the parts that need them will fail"
 import importlib
 for name in ("swarm.proto.stage_pb2", "swarm.compression", "swarm.kernels", "swarm.daemon.peer", "hivemind",
              "zstandard", "cryptography", "transformers"):
@@ -54,7 +56,7 @@ for name in ("swarm.proto.stage_pb2", "swarm.compression", "swarm.kernels", "swa
         print(f"import {name}: FAILED {type(error).__name__}: {error}")
 EOF
 status=0
-OUT="$work" PYTHON="$python" GPU_CHECK_BUDGET_S="${GPU_CHECK_BUDGET_S:-400}" \
+OUT="$work" PYTHON="$python" GPU_CHECK_BUDGET_S=$((budget - SECONDS - 20)) \
     bash "$root/scripts/gpu-check.sh" "${dry[@]}" || status=$?
 cp "$work/summary.json" "$out/" 2>/dev/null || echo "!! no summary.json (see gpu-check.log)"
 tar -czf "$out/gpu-check.tar.gz" -C "$(dirname "$work")" --exclude=checkpoints --exclude=run "$(basename "$work")"
