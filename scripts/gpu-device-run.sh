@@ -6,8 +6,8 @@
 #    zstandard, cryptography, and protobuf/grpcio at the versions proto/ was generated with) into /tmp/site;
 # 2. makes this checkout importable as `swarm` without installing it (scripts/swarm_checkout.py: a .pth in the
 #    interpreter's site-packages, or a sitecustomize in /tmp/site where that is not writable or on --dry-run);
-# 3. runs scripts/gpu-check.sh with what is left of GPU_RUN_BUDGET_S (default 420 s for the whole script, 20 s kept
-#    for the summary and the archive; every part has its own timeout): give the device tool's run 60 s more;
+# 3. runs scripts/gpu-check.sh with what is left of GPU_RUN_BUDGET_S (default 420 s for the whole script, 40 s kept
+#    for a part's kill grace, the summary and the archive; each part has its own timeout): give the run 60 s more;
 # 4. leaves under $OUT (default ./gpu-device-run): summary.json, gpu-check.log (all output) and gpu-check.tar.gz
 #    (each part's output and the demo's logs): 3 files, within what the device tool brings back.
 # Exits with gpu-check's status (1: a part failed; the others still ran and are in the summary).
@@ -45,7 +45,7 @@ else
     echo "import swarm_checkout" >"$site/sitecustomize.py"
     echo "swarm importable from $root through $site/sitecustomize.py"
 fi
-timeout 90 "$python" - <<'EOF' || echo "!! the imports above failed: the parts that need them will fail"
+timeout 90 "$python" - <<'EOF' || echo "!! the import check exited $? (a FAILED line above: the parts that need it fail)"
 import importlib
 for name in ("swarm.proto.stage_pb2", "swarm.compression", "swarm.kernels", "swarm.daemon.peer", "hivemind",
              "zstandard", "cryptography", "transformers"):
@@ -56,7 +56,7 @@ for name in ("swarm.proto.stage_pb2", "swarm.compression", "swarm.kernels", "swa
         print(f"import {name}: FAILED {type(error).__name__}: {error}")
 EOF
 status=0
-OUT="$work" PYTHON="$python" GPU_CHECK_BUDGET_S=$((budget - SECONDS - 20)) \
+OUT="$work" PYTHON="$python" GPU_CHECK_BUDGET_S=$((budget - SECONDS - 40)) \
     bash "$root/scripts/gpu-check.sh" "${dry[@]}" || status=$?
 cp "$work/summary.json" "$out/" 2>/dev/null || echo "!! no summary.json (see gpu-check.log)"
 tar -czf "$out/gpu-check.tar.gz" -C "$(dirname "$work")" --exclude=checkpoints --exclude=run "$(basename "$work")"
