@@ -93,7 +93,7 @@ def test_a_missing_output_folder_part_is_an_error_not_a_guess(tmp_path):
     assert "kernels: " in gpu_summary.report(summary)
 
 
-@pytest.mark.parametrize("script", ["gpu-check.sh", "gpu-device-run.sh"])
+@pytest.mark.parametrize("script", ["gpu-check.sh", "gpu-device-run.sh", "gpu-wheels.sh"])
 def test_the_shell_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True).returncode == 0
 
