@@ -323,11 +323,11 @@ class Gathered:
 
 
 def _units_text(units: list[str]) -> str:
-    """'layers 2, 3 and tok_emb.weight': blocks by index, the other weights by name."""
+    """'layers 2, 3, norm.weight and tok_emb.weight': blocks by index, the other weights by name."""
     layers = sorted(int(u.split()[1]) for u in units if u.startswith("layer "))
-    others = sorted(u for u in units if not u.startswith("layer "))
-    parts = ([f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}"] if layers else []) + others
-    return " and ".join(parts) if parts else "nothing"
+    parts = [f"layer{'s' if len(layers) > 1 else ''} {layers[0]}"] + [str(i) for i in layers[1:]] if layers else []
+    parts += sorted(u for u in units if not u.startswith("layer "))
+    return ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else (parts[0] if parts else "nothing")
 
 
 def gather_layers(

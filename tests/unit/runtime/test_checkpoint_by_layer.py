@@ -17,7 +17,7 @@ from swarm.runtime.checkpoint import (
     save_worker,
     scan_checkpoints,
 )
-from swarm.runtime.worker import StageConfig, StageWorker
+from swarm.runtime.worker import StageWorker
 
 CFG = ModelConfig(vocab_size=64, seq_len_tokens=16, hidden_dim=32, n_layers=6, n_heads=4, init_seed=3)
 
@@ -119,7 +119,7 @@ def test_with_no_layer_anywhere_nothing_changes_and_every_layer_is_named(tmp_pat
     before = {k: v.clone() for k, v in worker.module.state_dict().items()}
     with caplog.at_level(logging.ERROR, logger="swarm.runtime.checkpoint"):
         assert resume(tmp_path, worker, 2, 4) is None
-    assert "none of layers 2, 3 is in the 1 checkpoints" in caplog.text
+    assert "none of layers 2 and 3 is in the 1 checkpoints" in caplog.text
     for k, v in worker.module.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
@@ -141,7 +141,7 @@ def test_a_tensor_of_another_shape_does_not_count_as_the_layer(tmp_path):
         scan_checkpoints(tmp_path), {k: v.shape for k, v in build_stage(CFG, 0, 2, True, False).state_dict().items()}
     )
     assert sorted(found.missing) == sorted(["layer 0", "layer 1", "pos_emb.weight", "tok_emb.weight"])
-    assert found.missing_text() == "layers 0, 1 and pos_emb.weight and tok_emb.weight"
+    assert found.missing_text() == "layers 0, 1, pos_emb.weight and tok_emb.weight"
 
 
 def test_units_are_blocks_for_every_family():
