@@ -180,12 +180,25 @@ def weights_from_stages(
                 weights.update({k: t.reshape(expected[k]) for k, t in got.items()})
                 break
             except Exception as e:  # noqa: BLE001 - any failure: try the next replica, name it if none
-                why.append(f"{peer_id}: {e}")
+                why.append(f"{peer_id}: {_reason(e)}")
         else:
             failed.append(f"stage {index} (layers [{stage.layer_start}, {stage.layer_end})): {'; '.join(why)}")
     if failed:
-        raise ExportError("could not fetch " + " | ".join(failed))
+        refused = any("PERMISSION_DENIED" in line for line in failed)
+        hint = "; GetState serves the plan's peers and trainers: export with the run's trainer key (--identity)"
+        raise ExportError("could not fetch " + " | ".join(failed) + (hint if refused else ""))
     return weights
+
+
+def _reason(error: Exception) -> str:
+    """One line for a failed fetch: a gRPC status as CODE: details, anything else as itself."""
+    code, details = getattr(error, "code", None), getattr(error, "details", None)
+    if callable(code) and callable(details):
+        try:
+            return f"{code().name}: {details()}"
+        except Exception:  # noqa: BLE001 - a call object without a status yet
+            pass
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def weights_from_swarm(

@@ -160,6 +160,31 @@ def test_a_stage_none_of_whose_replicas_answers_is_named():
     assert "stage 0" not in str(e.value)
 
 
+class _Refused(Exception):
+    """What grpc raises for a refused call: a status code and details, and a many-line repr."""
+
+    def code(self):
+        import grpc
+
+        return grpc.StatusCode.PERMISSION_DENIED
+
+    def details(self):
+        return "not authorized: GetState only to a peer of the plan or a trainer it names"
+
+    def __str__(self):
+        return "<_MultiThreadedRendezvous of RPC that terminated with:\n\tstatus = ...>"
+
+
+def test_a_refused_fetch_is_one_line_with_the_way_out():
+    connector = _Stages(_workers(2))
+    connector._items = lambda address, request: (_ for _ in ()).throw(_Refused())
+    with pytest.raises(ExportError) as e:
+        weights_from_stages(_plan(2), {"peer0r0": "a:0", "peer1r0": "b:1"}, CFG, connector, plan_version=1)
+    text = str(e.value)
+    assert "\n" not in text and "peer0r0: PERMISSION_DENIED: not authorized" in text
+    assert text.endswith("export with the run's trainer key (--identity)")
+
+
 def test_a_stage_that_sends_foreign_weights_is_refused_by_name():
     workers = _workers(2)
     connector = _Stages(workers, liar="x:0")
