@@ -430,6 +430,7 @@ def take_over(worker: StageWorker, tensors: dict[str, torch.Tensor]) -> tuple[in
     and taken first: a bad one raises before anything changed."""
     if worker.scaler is not None and AMP_KEYS[0] in tensors:
         worker.scaler.load_tensors(tensors)
+    tensors = _tied_copy(worker, tensors)
     wanted = worker.module.state_dict()
     weights = {
         k[len("model.") :]: v
@@ -446,6 +447,23 @@ def take_over(worker: StageWorker, tensors: dict[str, torch.Tensor]) -> tuple[in
         worker.step_count = max(worker.step_count, int(tensors["meta.lr_step"].max()))
     steps_done = int(tensors["meta.steps_done"].max()) if "meta.steps_done" in tensors else 0
     return len(weights), sorted(set(wanted) - set(weights)), steps_done
+
+
+def _tied_copy(worker: StageWorker, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with the last stage's copy of a tied embedding (and its moments) taken from the embedding when
+    only that was handed over: a one-stage plan's stage holds no separate head, and a new last stage's head
+    would otherwise restart from its initial weights."""
+    from swarm.model.export import tied_pair
+
+    pair = tied_pair(worker.module)
+    if pair is None or f"model.{pair[0]}" in tensors or f"model.{pair[1]}" not in tensors:
+        return tensors
+    head, emb = pair
+    copied = {f"model.{head}": tensors[f"model.{emb}"]}
+    copied.update(
+        {f"optim.{head}.{k}": tensors[f"optim.{emb}.{k}"] for k in OPTIM_KEYS if f"optim.{emb}.{k}" in tensors}
+    )
+    return {**tensors, **copied}
 
 
 def _moments(tensors: dict[str, torch.Tensor], name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -150,3 +150,17 @@ def test_units_are_blocks_for_every_family():
     assert layer_unit("model.layers.0.self_attn.q_proj.weight") == "layer 0"
     assert layer_unit("tok_emb.weight") == "tok_emb.weight"
     assert layer_unit("transformer.ln_f.weight") == "transformer.ln_f.weight"
+
+
+def test_a_new_last_stage_taking_over_from_a_one_stage_plan_takes_the_embedding_as_its_head():
+    """Live re-plan 1 -> 2 stages: the old stage handed over only `tok_emb.weight`; the new last stage's tied head
+    copy is that embedding, with its moments, not its initial weights."""
+    from swarm.runtime.checkpoint import handover_tensors, take_over
+
+    old = _trained(0, 6, True, True)
+    new = _worker(3, 6, False, True, seed=99)
+    count, missing, steps_done = take_over(new, handover_tensors(old, 2))
+    assert missing == [] and steps_done == 2 and count == len(new.module.state_dict())
+    torch.testing.assert_close(new.module.head_weight, old.module.tok_emb.weight, rtol=0, atol=0)
+    want = old.optimizer.state[old.module.tok_emb.weight]["exp_avg"]
+    torch.testing.assert_close(new.optimizer.state[new.module.head_weight]["exp_avg"], want, rtol=0, atol=0)
