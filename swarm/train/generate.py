@@ -1,8 +1,9 @@
 """`swarm generate`: text from an exported model, with `transformers`' `generate`, with no swarm.
 
 The directory's tokenizer encodes the prompt and decodes the continuation (the built-in byte-level vocabulary
-decodes ids to bytes, invalid UTF-8 shown as U+FFFD). Greedy by default (`--temperature 0`); the context is the
-model's positions, so at most that many tokens of prompt and continuation.
+decodes ids to bytes, invalid UTF-8 shown as U+FFFD). Greedy by default (`--temperature 0`); prompt and
+continuation share the model's positions: a long prompt keeps its end, and the continuation is at most the
+positions less one token of prompt.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def generate_text(cfg: GenerateConfig) -> str:
         encode, decode = (lambda s: tok.encode(s).ids), tok.decode
     positions = int(getattr(model.config, "n_positions", None) or model.config.max_position_embeddings)
     ids = encode(cfg.prompt) or [0]  # an empty prompt starts from byte/token 0
-    ids = ids[-(positions - 1) :]  # keep room for one new token at least
+    ids = ids[-max(1, positions - cfg.max_new_tokens) :]  # the prompt's end, leaving room for the new tokens
     new = min(cfg.max_new_tokens, positions - len(ids))
     torch.manual_seed(cfg.seed)
     sample = cfg.temperature > 0

@@ -218,3 +218,23 @@ def _args(module, *argv):
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     return parser.parse_args(list(argv))
+
+
+def test_generate_keeps_within_the_positions_and_samples_by_seed(tmp_path):
+    from swarm.model.export import write_hf_dir
+
+    weights = {}
+    for w in _workers(1):
+        weights.update(w.module.state_dict())
+    out = write_hf_dir(CFG, weights, tmp_path / "m")
+    long = generate_text(GenerateConfig(model=str(out), prompt="x" * 100, max_new_tokens=20))
+    assert len(long.encode("utf-8", "replace")) >= 20 // 3  # the prompt's last 12 bytes, then 20 new (U+FFFD: 3)
+    most = generate_text(GenerateConfig(model=str(out), prompt="x" * 100, max_new_tokens=500))
+    assert len(most.encode("utf-8", "replace")) <= 3 * 31  # at most the 32 positions less one of prompt
+    sampled = [
+        generate_text(GenerateConfig(model=str(out), prompt="def ", max_new_tokens=6, temperature=1.0, seed=s))
+        for s in (1, 1, 2)
+    ]
+    assert sampled[0] == sampled[1]
+    with pytest.raises(ValueError):
+        GenerateConfig(model=str(out), max_new_tokens=0)
