@@ -238,3 +238,12 @@ def test_generate_keeps_within_the_positions_and_samples_by_seed(tmp_path):
     assert sampled[0] == sampled[1]
     with pytest.raises(ValueError):
         GenerateConfig(model=str(out), max_new_tokens=0)
+
+
+def test_export_without_a_source_says_what_to_give(tmp_path, capsys):
+    from swarm.train import export_cli
+
+    assert export_cli.run(_args(export_cli, "--out", str(tmp_path / "o"))) == 2
+    assert "give --checkpoint-dir DIR, or a live swarm to join" in capsys.readouterr().err
+    assert export_cli.run(_args(export_cli, "--checkpoint-dir", str(tmp_path))) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
