@@ -90,12 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print what was written as one JSON object")
 
 
-def _missing_text(missing: list[str]) -> str:
-    from swarm.runtime.checkpoint import Gathered
-
-    return Gathered(missing=missing).missing_text()
-
-
 def weights_from_checkpoints(
     directory: str | Path, model: AnyModelConfig | None = None
 ) -> tuple[AnyModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
