@@ -10,6 +10,12 @@ import sys
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("demo",): ("swarm.testbed.demo", "start a local swarm on 127.0.0.1 and train the default model (the main job)"),
     ("train",): ("swarm.train.trainer", "drive training across the stages found in the DHT"),
+    ("export",): (
+        "swarm.train.export_cli",
+        "write a run's model as a Hugging Face directory, from checkpoints or the swarm",
+    ),
+    ("eval",): ("swarm.train.evaluate", "the held-out loss of an exported model (transformers, no swarm)"),
+    ("generate",): ("swarm.train.generate", "continue a prompt with an exported model (transformers, no swarm)"),
     ("status",): ("swarm.daemon.status", "list the peers in the DHT, their stages and link figures"),
     ("bootstrap",): ("swarm.daemon.bootstrap", "run a DHT bootstrap node that peers and trainers join"),
     ("run",): ("swarm.daemon.run_cli", "an owned run: init (owner key, signed manifest), show, delegate, revoke"),

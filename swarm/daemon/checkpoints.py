@@ -1,5 +1,7 @@
-"""A peer's stage checkpoints in --checkpoint-dir: resuming once (--resume), saving every --checkpoint-every steps
-and at exit, and reading a stage's state when its holder cannot hand it over (`PeerDaemon._hand_over`)."""
+"""A peer's stage checkpoints in --checkpoint-dir: resuming once (--resume; its own range's file, else its layers
+found one by one in every checkpoint there, the missing ones named), saving every --checkpoint-every steps and at
+exit (with the model recorded, for `swarm export`), and reading a stage's state when its holder cannot hand it
+over (`PeerDaemon._hand_over`)."""
 
 from __future__ import annotations
 
@@ -46,12 +48,13 @@ class StageCheckpoints:
                 host.restore(int(found["steps_done"]))
                 self.resumed = True
                 log.info(
-                    "resumed layers [%d, %d) at step %d (lr step %s, saved under plan %s)",
+                    "resumed layers [%d, %d) at step %d (lr step %s, saved under plan %s%s)",
                     role.layer_start,
                     role.layer_end,
                     host.steps_done,
                     found["lr_step"],
                     found["plan_version"],
+                    f"; found by layer, without {found['missing']}" if found.get("missing") else "",
                 )
 
     def on_step(self, host) -> None:
@@ -60,13 +63,21 @@ class StageCheckpoints:
             self.save(host)
 
     def save(self, host, final: bool = False) -> None:
+        from swarm.model.export import model_to_json
         from swarm.runtime.checkpoint import save_worker
 
         if not self.cfg.checkpoint_dir:
             return
         role = host.role
+        model = getattr(self.cfg, "model", None)
         path = save_worker(
-            self.cfg.checkpoint_dir, host.worker, role.layer_start, role.layer_end, host.steps_done, role.plan_version
+            self.cfg.checkpoint_dir,
+            host.worker,
+            role.layer_start,
+            role.layer_end,
+            host.steps_done,
+            role.plan_version,
+            model=model_to_json(model) if model is not None else None,
         )
         if path is not None:
             log.info("checkpoint written: %s (step %d%s)", path, host.steps_done, ", final" if final else "")

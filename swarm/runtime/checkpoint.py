@@ -2,9 +2,11 @@
 
 A stage's checkpoint is complete: its weights (`model.<name>`), its optimizer's moments and step per
 parameter (`optim.<name>.<key>`), and in the metadata the layer range, the stage's applied steps, the
-learning-rate schedule's position and the plan it served. It is named by what it holds (the layer range),
-so a re-plan that moves layers never picks up another range's file, and loading checks the range and every
-tensor's shape: a file that does not match is reported and skipped (`resume`), never fatal.
+learning-rate schedule's position and the plan it served. It is named by what it holds (the layer range), and
+loading checks the range and every tensor's shape: a file that does not match is reported and skipped
+(`resume`), never fatal. A stage whose exact range has no file (a restart under another split) finds its
+layers one by one across every checkpoint in the directory, the newest step winning per layer
+(`gather_layers`), and says which layers no file holds.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,9 +127,11 @@ def save_worker(
     layer_end: int,
     steps_done: int,
     plan_version: int = 0,
+    model: str | None = None,
 ) -> Path | None:
     """Writes the stage's complete checkpoint (see the module's docstring); its path, or None when the disk
-    refused (the previous checkpoint is kept)."""
+    refused (the previous checkpoint is kept). `model` (`swarm.model.export.model_to_json`) lets `swarm export`
+    rebuild the model from the checkpoints alone."""
     path = checkpoint_path(directory, layer_start, layer_end)
     metadata = {
         "format": FORMAT,
@@ -136,6 +142,8 @@ def save_worker(
         "plan_version": str(plan_version),
         "saved_at": f"{time.time():.3f}",
     }
+    if model is not None:
+        metadata["model"] = model
     return path if save_stage(path, worker_tensors(worker), metadata) else None
 
 
@@ -171,16 +179,216 @@ def load_worker(path: Path, worker: StageWorker, layer_start: int, layer_end: in
 def resume(
     directory: str | os.PathLike, worker: StageWorker, layer_start: int, layer_end: int
 ) -> dict[str, str] | None:
-    """Loads the stage's checkpoint from `directory` if there is one that fits; a missing file gives None, a
-    mismatching or unreadable one is reported and skipped (None), never fatal."""
+    """Loads the stage's state from `directory`: its own range's checkpoint when there is one that fits (exact,
+    with its moments and scaler), else its layers found one by one across every checkpoint there
+    (`gather_layers`, newest step per layer; layers no file holds are named in one error line and keep their
+    initial weights). Returns the metadata (`steps_done`, `lr_step`, `plan_version`; `sources` and `missing`
+    when found by layer), or None when nothing was loaded. A mismatching or unreadable file is reported and
+    skipped, never fatal."""
     path = checkpoint_path(directory, layer_start, layer_end)
-    if not path.exists():
+    if path.exists():
+        try:
+            return load_worker(path, worker, layer_start, layer_end)
+        except Exception as e:  # a foreign, truncated or corrupt file: look further rather than die
+            log.error("checkpoint %s skipped: %s", path, e)
+    return resume_by_layer(directory, worker, layer_start, layer_end, skip=path)
+
+
+def resume_by_layer(
+    directory: str | os.PathLike, worker: StageWorker, layer_start: int, layer_end: int, skip: Path | None = None
+) -> dict[str, str] | None:
+    """The layers of `worker`'s stage gathered from every checkpoint in `directory` (`gather_layers`) and loaded
+    with `take_over`; None (nothing changed) when no checkpoint holds any of them."""
+    from swarm.model.export import tied_pair
+
+    files = [f for f in scan_checkpoints(directory) if skip is None or f.path != skip]
+    if not files:
         return None
-    try:
-        return load_worker(path, worker, layer_start, layer_end)
-    except Exception as e:  # a foreign, truncated or corrupt file: start fresh rather than die
-        log.error("checkpoint %s skipped: %s", path, e)
+    expected = {k: v.shape for k, v in worker.module.state_dict().items()}
+    pair = tied_pair(worker.module)
+    found = gather_layers(files, expected, aliases=dict([pair]) if pair else {})
+    where = f"layers [{layer_start}, {layer_end})"
+    if not found.sources:
+        log.error("%s: none of %s is in the %d checkpoints in %s", where, found.missing_text(), len(files), directory)
         return None
+    if found.missing:
+        log.error(
+            "%s resumed without %s: no checkpoint in %s holds them; they start from the initial weights",
+            where,
+            found.missing_text(),
+            directory,
+        )
+    take_over(worker, found.tensors)
+    mixed = len({f.steps_done for f in found.sources.values()}) > 1  # the older layers lack the newer steps
+    log.log(logging.WARNING if mixed else logging.INFO, "%s found by layer: %s", where, found.sources_text())
+    return {
+        "steps_done": str(found.steps_done),
+        "lr_step": str(found.lr_step),
+        "plan_version": str(found.plan_version),
+        "sources": found.sources_text(),
+        "missing": found.missing_text() if found.missing else "",
+    }
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:blocks|h|layers)\.(\d+)\.")
+"""A block's index in its weights' names: the built-in `blocks.3.`, GPT-2's `transformer.h.3.`, Llama's
+`model.layers.3.`."""
+
+
+def layer_unit(name: str) -> str:
+    """What a weight is found by: its block ("layer 3") for a block's weights, else its own name (the
+    embeddings, the final norm, the head), so a block's tensors always come from one file together."""
+    m = _LAYER_INDEX.search(name)
+    return f"layer {int(m[1])}" if m else name
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    """One stage checkpoint in a directory, as its header says (no tensor is read)."""
+
+    path: Path
+    steps_done: int
+    saved_at: float
+    lr_step: int
+    plan_version: int
+    shapes: dict[str, tuple[int, ...]]
+    """every tensor's name (`model.*`, `optim.*`, `amp.*`) and shape"""
+    model: str | None = None
+    """the model it belongs to (`swarm.model.export.model_to_json`), if the writer recorded it"""
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        """Newer first: more steps applied, then written later."""
+        return (self.steps_done, self.saved_at)
+
+
+def scan_checkpoints(directory: str | os.PathLike) -> list[CheckpointFile]:
+    """Every stage checkpoint (`layers-*.safetensors`) directly in `directory`, by header; a file that is not one
+    or cannot be read is logged and left out. An absent directory has none."""
+    from safetensors import safe_open
+
+    found = []
+    for path in sorted(Path(directory).glob("layers-*.safetensors")) if Path(directory).is_dir() else ():
+        try:
+            metadata = _metadata(path)
+            with safe_open(str(path), "pt") as f:
+                shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+            found.append(
+                CheckpointFile(
+                    path,
+                    int(metadata.get("steps_done", 0)),
+                    float(metadata.get("saved_at", 0.0)),
+                    int(metadata.get("lr_step", 0)),
+                    int(metadata.get("plan_version", 0)),
+                    shapes,
+                    metadata.get("model"),
+                )
+            )
+        except Exception as e:  # a foreign, truncated or corrupt file: the others may still hold the layers
+            log.error("checkpoint %s skipped: %s", path, e)
+    return found
+
+
+@dataclass
+class Gathered:
+    """What `gather_layers` found: handover tensors (`take_over`'s input) and where each unit came from."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    sources: dict[str, CheckpointFile] = field(default_factory=dict)
+    """unit (`layer_unit`) -> the file it was read from"""
+    missing: list[str] = field(default_factory=list)
+    """units no file holds (whole, with the expected shapes)"""
+
+    @property
+    def steps_done(self) -> int:
+        return max((f.steps_done for f in self.sources.values()), default=0)
+
+    @property
+    def lr_step(self) -> int:
+        return max((f.lr_step for f in self.sources.values()), default=0)
+
+    @property
+    def plan_version(self) -> int:
+        return max((f.plan_version for f in self.sources.values()), default=0)
+
+    def missing_text(self) -> str:
+        return _units_text(self.missing)
+
+    def sources_text(self) -> str:
+        by_file: dict[Path, list[str]] = {}
+        for unit, f in self.sources.items():
+            by_file.setdefault(f.path, []).append(unit)
+        steps = {f.path: f.steps_done for f in self.sources.values()}
+        return "; ".join(f"{_units_text(u)} from {p.name} (step {steps[p]})" for p, u in sorted(by_file.items()))
+
+
+def _units_text(units: list[str]) -> str:
+    """'layers 2, 3, norm.weight and tok_emb.weight': blocks by index, the other weights by name."""
+    layers = sorted(int(u.split()[1]) for u in units if u.startswith("layer "))
+    parts = [f"layer{'s' if len(layers) > 1 else ''} {layers[0]}"] + [str(i) for i in layers[1:]] if layers else []
+    parts += sorted(u for u in units if not u.startswith("layer "))
+    return ", ".join(parts[:-1]) + f" and {parts[-1]}" if len(parts) > 1 else (parts[0] if parts else "nothing")
+
+
+def gather_layers(
+    files: list[CheckpointFile],
+    expected: dict[str, torch.Size | tuple[int, ...]],
+    aliases: dict[str, str] | None = None,
+    weights_only: bool = False,
+) -> Gathered:
+    """The weights `expected` names (unprefixed name -> shape), found unit by unit (`layer_unit`) in `files`: for
+    each unit the newest file (`CheckpointFile.rank`) holding all of its weights with those shapes, its AdamW
+    moments with them when that file has them (unless `weights_only`), and the newest loss scaler among the
+    files used. `aliases` maps a weight to another name that holds the same values (the last stage's copy of a
+    tied embedding and the embedding itself), tried after the name itself.
+
+    Returns handover tensors (`model.*`, `optim.*`, `amp.*`, `meta.*`) and what came from where; what no file
+    holds is listed in `missing`, never guessed."""
+    from safetensors import safe_open
+
+    aliases = aliases or {}
+    units: dict[str, list[str]] = {}
+    for name in expected:
+        units.setdefault(layer_unit(name), []).append(name)
+    found = Gathered()
+    reads: dict[Path, list[tuple[str, str]]] = {}  # file -> (name wanted, name in the file)
+    for unit, names in units.items():
+        best: tuple[tuple[int, float, int], CheckpointFile, dict[str, str]] | None = None
+        for f in files:
+            mapping = {}
+            for name in names:
+                held = [
+                    n for n in (name, aliases.get(name)) if n and f.shapes.get(f"model.{n}") == tuple(expected[name])
+                ]
+                if not held:
+                    break
+                mapping[name] = held[0]
+            else:
+                rank = (*f.rank, sum(a == b for a, b in mapping.items()))  # equal steps: its own names first
+                if best is None or rank > best[0]:
+                    best = (rank, f, mapping)
+        if best is None:
+            found.missing.append(unit)
+            continue
+        found.sources[unit] = best[1]
+        reads.setdefault(best[1].path, []).extend(best[2].items())
+    for path, pairs in reads.items():
+        f = next(c for c in found.sources.values() if c.path == path)
+        with safe_open(str(path), "pt") as opened:
+            for name, held in pairs:
+                found.tensors[f"model.{name}"] = opened.get_tensor(f"model.{held}")
+                moments = [f"optim.{held}.{k}" for k in OPTIM_KEYS]
+                if not weights_only and all(m in f.shapes for m in moments):
+                    for k, m in zip(OPTIM_KEYS, moments, strict=True):
+                        found.tensors[f"optim.{name}.{k}"] = opened.get_tensor(m)
+    scalers = [f for f in {f.path: f for f in found.sources.values()}.values() if AMP_KEYS[0] in f.shapes]
+    if scalers and not weights_only:
+        newest = max(scalers, key=lambda f: f.rank)
+        with safe_open(str(newest.path), "pt") as opened:
+            found.tensors.update({k: opened.get_tensor(k) for k in AMP_KEYS if k in newest.shapes})
+    if found.sources:
+        _with_meta(found.tensors, found.lr_step, found.steps_done)
+    return found
 
 
 def handover_tensors(worker: StageWorker, steps_done: int) -> dict[str, torch.Tensor]:
@@ -222,6 +430,7 @@ def take_over(worker: StageWorker, tensors: dict[str, torch.Tensor]) -> tuple[in
     and taken first: a bad one raises before anything changed."""
     if worker.scaler is not None and AMP_KEYS[0] in tensors:
         worker.scaler.load_tensors(tensors)
+    tensors = _tied_copy(worker, tensors)
     wanted = worker.module.state_dict()
     weights = {
         k[len("model.") :]: v
@@ -238,6 +447,23 @@ def take_over(worker: StageWorker, tensors: dict[str, torch.Tensor]) -> tuple[in
         worker.step_count = max(worker.step_count, int(tensors["meta.lr_step"].max()))
     steps_done = int(tensors["meta.steps_done"].max()) if "meta.steps_done" in tensors else 0
     return len(weights), sorted(set(wanted) - set(weights)), steps_done
+
+
+def _tied_copy(worker: StageWorker, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with the last stage's copy of a tied embedding (and its moments) taken from the embedding when
+    only that was handed over: a one-stage plan's stage holds no separate head, and a new last stage's head
+    would otherwise restart from its initial weights."""
+    from swarm.model.export import tied_pair
+
+    pair = tied_pair(worker.module)
+    if pair is None or f"model.{pair[0]}" in tensors or f"model.{pair[1]}" not in tensors:
+        return tensors
+    head, emb = pair
+    copied = {f"model.{head}": tensors[f"model.{emb}"]}
+    copied.update(
+        {f"optim.{head}.{k}": tensors[f"optim.{emb}.{k}"] for k in OPTIM_KEYS if f"optim.{emb}.{k}" in tensors}
+    )
+    return {**tensors, **copied}
 
 
 def _moments(tensors: dict[str, torch.Tensor], name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -90,6 +90,7 @@ def demo_flags() -> Flags[DemoConfig]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     demo_flags().add_to(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument("--save-model", metavar="DIR", help="at the end, write the model as a Hugging Face directory")
 
 
 def peer_config(cfg: DemoConfig, out: Path) -> PeerConfig:
@@ -157,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
         except StageCallError as e:
             print(f"error: training failed: {e}", file=sys.stderr)
             return 1
+        if args.save_model:  # from the live stages, as the last step left them (swarm.train.export_cli)
+            from swarm.train.export_cli import held_out_of, save_model
+
+            save_model(model, args.save_model, dht=swarm.dht, signer=swarm.signer, **held_out_of(cfg.train), say=say)
         codes = procs.close()
     leftovers = {name: code for name, code in codes.items() if code not in (0, -15)}
     result = {**asdict(summary), "total_s": time.perf_counter() - started, "peers": cfg.peers,

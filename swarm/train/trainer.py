@@ -192,6 +192,7 @@ def train_flags() -> Flags[TrainConfig]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_flags().add_to(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument("--save-model", metavar="DIR", help="at the end, write the model as a Hugging Face directory")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -570,5 +571,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:  # e.g. --resume from another run's trainer_state.json
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if args.save_model:  # from the live stages, as the last step left them (swarm.train.export_cli)
+            from swarm.train.export_cli import held_out_of, save_model
+
+            save_model(cfg.model, args.save_model, dht=dht, signer=auth.signer, **held_out_of(cfg), say=say)
     print(json.dumps(asdict(summary)) if args.json else format_summary(summary))
     return 0

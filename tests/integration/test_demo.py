@@ -17,10 +17,48 @@ def test_the_demo_trains_and_its_planner_calibrates_the_prediction(tmp_path, cap
     # the trainer: the planner reads the clocks once a second and the trainer polls the plan once a second, so the
     # run must outlast a few seconds plus DHT latency under load (24 steps, ~4 s, did not on a loaded CI machine)
     args = ["demo", "--json", "--out", str(out), "--epochs", "20", "--train-samples", "32", "--batch-size", "8"]
-    assert main(args) == 0
+    assert main([*args, "--save-model", str(tmp_path / "model")]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == 80 and summary["final_loss"] < summary["first_loss"]
     assert summary["total_ratio_vs_fp32"] > 4
     # the republished plan is the same stages under the next version, with the calibrated prediction
     assert summary["plan_version"] == 2 and summary["predicted_step_s"] > 0
     assert (out / "steps.csv").exists() and (out / "loss.png").exists()
+    got = _the_saved_model_is_the_runs(tmp_path / "model", out / "checkpoints", summary)
+    assert got["train_samples"] == 32 and got["windows"] == "the run's (recorded)"
+
+
+def _the_saved_model_is_the_runs(model_dir, checkpoints, summary) -> dict:
+    """--save-model wrote what the stages ended with: `swarm eval` on it gives the held-out loss of the stages'
+    own modules loaded from their final checkpoints (and the run's own held-out loss, where it reports one)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from swarm.model.gpt import ModelConfig, build_stage
+    from swarm.model.heldout import held_out_loss, held_out_windows
+    from swarm.train.evaluate import EvalConfig, evaluate_dir
+
+    got = evaluate_dir(EvalConfig(model=str(model_dir)))
+    cfg, stages = ModelConfig(), []
+    ranges = {tuple(int(n) for n in f.stem.split("-")[1:]): f for f in checkpoints.glob("layers-*.safetensors")}
+    chain = [max((r for r in ranges if r[0] == 0), key=lambda r: r[1])]  # one tiling of the layers, longest first
+    while chain[-1][1] < cfg.n_layers:
+        chain.append(max((r for r in ranges if r[0] == chain[-1][1]), key=lambda r: r[1]))
+    for i, (start, end) in enumerate(chain):
+        stage = build_stage(cfg, start, end, i == 0, i == len(chain) - 1)
+        state = load_file(str(ranges[start, end]))
+        stage.load_state_dict({k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")})
+        stages.append(stage)
+    with torch.no_grad():
+
+        def logits(tokens):
+            for stage in stages:
+                tokens = stage(tokens)
+            return tokens
+
+        windows = held_out_windows(None, cfg.seq_len_tokens, got["train_samples"], got["eval_samples"])
+        want = held_out_loss(logits, windows)
+    assert abs(got["held_out_loss"] - want) <= 1e-4 * want
+    if "held_out_loss" in summary:
+        assert abs(got["held_out_loss"] - summary["held_out_loss"]) <= 1e-4 * summary["held_out_loss"]
+    return got
