@@ -243,9 +243,9 @@ class StepCurves:
             "directory": str(self.directory),
             "error": self.error,
             "rows": self.rows,
-            "loss": self.loss,
-            "held_out": self.held_out,
-            "throughput": self.throughput,
+            "loss": [list(p) for p in self.loss],
+            "held_out": [list(p) for p in self.held_out],
+            "throughput": [list(p) for p in self.throughput],
             "throughput_unit": "samples/s" if self.last.get("samples_per_s") is not None else "steps/s",
             "last": {k: _finite(v) if isinstance(v, float) else v for k, v in self.last.items()},
             "plan_steps": {str(v): s for v, s in sorted(self.plan_steps.items())[-256:]},
@@ -274,7 +274,7 @@ def status_snapshot(
     metrics, relay_probes = metrics or {}, relay_probes or {}
     by_id = {p.peer_id: p for p in peers}
     doc = plan.document if plan is not None else None
-    planned = {pid: (s, r) for s, st in enumerate(doc.stages) for r, pid in enumerate(st.peer_ids)} if doc else {}
+    planned = {pid: [s, r] for s, st in enumerate(doc.stages) for r, pid in enumerate(st.peer_ids)} if doc else {}
     peer_rows = []
     for p in peers:
         snap = metrics.get(p.peer_id)

@@ -1,0 +1,192 @@
+"""The status page over HTTP on loopback, in process (the metrics server's one event loop): the page and its
+JSON are served with their headers, hostile strings arrive escaped, requests are answered from the poller's cache
+(never one DHT read per request), and bad, oversized, too many or unknown requests are refused."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from swarm.daemon.status_page import PAGE_FILE, PageLimits, StatusPoller, page_html, status_routes
+from swarm.metrics import Metrics, MetricsServerLimits, serve_metrics
+from tests.status_fixtures import XSS, snapshot, write_steps
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _wait(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class CountingSource:
+    """A status source that counts its reads and fails when told to."""
+
+    def __init__(self, snap: dict):
+        self.snap, self.reads, self.fail = snap, 0, None
+
+    def __call__(self) -> dict:
+        self.reads += 1
+        if self.fail is not None:
+            raise self.fail
+        return self.snap
+
+
+@pytest.fixture
+def page(tmp_path):
+    source = CountingSource(snapshot(write_steps(tmp_path / "train")))
+    poller = StatusPoller(source, refresh_s=3600)
+    assert poller.ready.wait(10)
+    limits = PageLimits(requests_per_s=1000, burst=1000)
+    with serve_metrics(None, 0, routes=status_routes(poller, limits)) as server:
+        yield server, source, poller
+    poller.close()
+
+
+def _get(server, path: str):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def _raw(server, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), 10) as sock:
+        try:
+            sock.sendall(request)
+        except OSError:
+            pass  # closed while it was sending an overlong request
+        sock.settimeout(10)
+        answer = b""
+        try:
+            while chunk := sock.recv(4096):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+        return answer
+
+
+def test_the_page_is_one_self_contained_file_under_a_strict_policy(page):
+    server, _, _ = page
+    status, headers, body = _get(server, "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html") and body == PAGE_FILE.read_bytes()
+    csp = headers["Content-Security-Policy"]
+    script = re.search(rb"<script>(.*?)</script>", body, re.S).group(1)
+    digest = base64.b64encode(hashlib.sha256(script).digest()).decode()
+    assert f"script-src 'sha256-{digest}'" in csp, "only the page's own inline script runs"
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp and "'unsafe-inline'" not in csp
+    assert headers["X-Content-Type-Options"] == "nosniff" and headers["Cache-Control"] == "no-store"
+    assert not re.search(rb"""(src|href)\s*=\s*["']?(https?:)?//""", body), "nothing fetched from elsewhere"
+    assert not re.search(rb"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(", body), (
+        "peer strings enter the page as text only"
+    )
+    assert _get(server, "/status")[2] == body
+
+
+def test_api_status_is_the_cached_view_with_hostile_strings_escaped(page):
+    server, source, _ = page
+    reads = source.reads
+    for _ in range(5):
+        status, headers, body = _get(server, "/api/status?x=1")
+        assert status == 200 and headers["Content-Type"] == "application/json"
+    assert source.reads == reads, "requests read the cache: no DHT read per request"
+    assert b"<" not in body and b">" not in body, "markup is escaped even inside the JSON"
+    snap = json.loads(body)
+    assert snap["run"] == XSS and snap["bootstrap"][1]["target"] == XSS
+    assert set(snap) >= {
+        "format", "run", "time", "error", "bootstrap", "peers", "trainers", "relays", "links", "plan", "stages",
+        "plan_history", "steps",
+    }  # fmt: skip
+    assert snap["steps"]["rows"] == 40 and len(snap["stages"]) == 2
+
+
+def test_a_failed_read_keeps_the_last_view_and_says_why(page):
+    server, source, poller = page
+    source.fail = TimeoutError("DHT get did not finish within 20 s")
+    poller.refresh()
+    snap = json.loads(_get(server, "/api/status")[2])
+    assert snap["error"] == "TimeoutError: DHT get did not finish within 20 s"
+    assert len(snap["peers"]) == 4, "the last good view is still shown under the error"
+    source.fail = None
+    poller.refresh()
+    assert json.loads(_get(server, "/api/status")[2])["error"] is None
+
+
+@pytest.mark.parametrize(
+    "request_bytes, status",
+    [
+        (b"POST /api/status HTTP/1.1\r\nContent-Length: 0\r\n\r\n", b"405"),
+        (b"GET /../../etc/passwd HTTP/1.1\r\n\r\n", b"404"),
+        (b"GET /metrics HTTP/1.1\r\n\r\n", b"404"),  # no metrics given: the page's server serves no /metrics
+        (b"\x00\xff garbage\r\n\r\n", b"400"),
+        (b"GET /api/status HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n", b""),  # oversized: closed unanswered
+    ],
+)
+def test_bad_requests_are_refused(page, request_bytes, status):
+    server, _, _ = page
+    answer = _raw(server, request_bytes)
+    assert answer.split(b" ", 2)[1:2] == ([status] if status else []), answer[:80]
+    assert _get(server, "/api/status")[0] == 200, "the server still serves"
+
+
+def test_a_client_past_its_rate_is_answered_429(tmp_path):
+    poller = StatusPoller(lambda: snapshot(), refresh_s=3600)
+    with serve_metrics(None, 0, routes=status_routes(poller, PageLimits(requests_per_s=0.01, burst=3))) as server:
+        codes = [_get(server, "/api/status")[0] for _ in range(5)]
+        assert codes == [200, 200, 200, 429, 429]
+        status, headers, _ = _get(server, "/")
+        assert status == 429 and headers["Retry-After"] == "1"
+    poller.close()
+
+
+def test_a_route_that_raises_is_a_500_and_the_metrics_route_still_answers():
+    def broken(client: str):
+        raise RuntimeError("bug")
+
+    with serve_metrics(Metrics(), 0, routes={"/broken": broken}) as server:
+        assert _get(server, "/broken")[0] == 500
+        status, _, body = _get(server, "/metrics")
+        assert status == 200 and b"swarm_steps_total" in body
+
+
+def test_idle_connections_beyond_the_limit_do_not_block_the_page(tmp_path):
+    poller = StatusPoller(lambda: snapshot(), refresh_s=3600)
+    limits = MetricsServerLimits(max_connections=8, read_timeout_s=5.0)
+    with serve_metrics(None, 0, limits=limits, routes=status_routes(poller)) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port), 10) for _ in range(40)]
+        try:
+            assert _wait(lambda: server.open_connections() <= 8)
+            assert _get(server, "/api/status")[0] == 200, "the oldest idle connection made room"
+            assert threading.active_count() < 40, "idle connections hold no thread"
+        finally:
+            for sock in idle:
+                sock.close()
+    poller.close()
+
+
+def test_the_page_file_must_hold_one_script_and_one_style(tmp_path, monkeypatch):
+    import swarm.daemon.status_page as status_page
+
+    bad = tmp_path / "page.html"
+    bad.write_text("<html><script>a</script><script>b</script><style></style></html>")
+    monkeypatch.setattr(status_page, "PAGE_FILE", bad)
+    page_html.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="exactly one inline <script>"):
+            page_html()
+    finally:
+        page_html.cache_clear()
