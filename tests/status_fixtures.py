@@ -21,7 +21,9 @@ def records():
     peers = [
         PeerAnnouncement(A, "127.0.0.1:4001", "cpu", 1 << 30, 40.0, 0, 0, 2, 0.5, 3, NOW - 120, planner_until=NOW + 3),
         PeerAnnouncement(B, "127.0.0.1:4002", "cpu", 1 << 30, 35.0, 1, 2, 4, 0.4, 3, NOW - 100),
-        PeerAnnouncement(C, "10.0.0.3:4003", "cuda:0", 1 << 30, 90.0, 1, 2, 4, 0.2, 3, NOW - 90, reach="relay", relay=R),
+        PeerAnnouncement(
+            C, "10.0.0.3:4003", "cuda:0", 1 << 30, 90.0, 1, 2, 4, 0.2, 3, NOW - 90, reach="relay", relay=R
+        ),
         PeerAnnouncement(R, "127.0.0.1:4009", "cpu", 1 << 30, 20.0, started_at=NOW - 300),
     ]
     links = [
@@ -74,7 +76,7 @@ def snapshot(steps_dir: Path | None = None, hostile: bool = True) -> dict:
         links,
         plan,
         trainers,
-        {A: {'swarm_steps_total': 40.0, 'swarm_wire_bytes_total{direction="forward",link="0"}': 3.2e6}},
+        {A: {"swarm_steps_total": 40.0, 'swarm_wire_bytes_total{direction="forward",link="0"}': 3.2e6}},
         bootstrap=boot,
         relay_probes={R: Probe("127.0.0.1:4009", True, 0.2, checked_at=NOW)},
         plan_history=history.to_json(),

@@ -110,7 +110,8 @@ def test_curves_start_over_on_a_new_run_and_read_the_csv_once_it_ended(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     (tmp_path / "steps.jsonl").unlink()  # the trainer ended: steps.csv holds the rows
     with open(tmp_path / "steps.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, ["step", "train_loss", "step_s", "sample_ids", "plan_version", "time", "held_out_loss"])
+        columns = ["step", "train_loss", "step_s", "sample_ids", "plan_version", "time", "held_out_loss"]
+        writer = csv.DictWriter(f, columns)
         writer.writeheader()
         writer.writerows(rows)
     curves.refresh()
