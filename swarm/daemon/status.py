@@ -138,7 +138,7 @@ def serve_status(cfg: StatusConfig, config: DHTConfig) -> int:
     import signal
     import threading
 
-    from swarm.daemon.status_page import DhtReader, StatusPoller, status_routes
+    from swarm.daemon.status_page import DhtReader, StatusPage
     from swarm.metrics import serve_metrics
 
     stop = threading.Event()
@@ -147,21 +147,21 @@ def serve_status(cfg: StatusConfig, config: DHTConfig) -> int:
     metrics_of = lambda peers: peer_metrics(peers, timeout_s=min(cfg.timeout_s, 3.0))  # noqa: E731
     try:
         with SwarmDHT(config) as dht:
-            read = DhtReader(dht, config.run_name, config.initial_peers, cfg.steps, metrics_of)
-            poller = StatusPoller(read, cfg.refresh_s)
+            reader = DhtReader(dht, config.run_name, config.initial_peers, cfg.steps, metrics_of)
+            page = StatusPage(reader, cfg.refresh_s)
             try:
                 # after the DHT's process is forked, so that it holds no copy of the listening socket
-                with serve_metrics(None, cfg.serve, cfg.serve_host, routes=status_routes(poller)) as server:
+                with serve_metrics(None, cfg.serve, cfg.serve_host, routes=page.routes) as server:
                     host = f"[{server.host}]" if ":" in server.host else server.host
                     print(f"status page at http://{host}:{server.port}/ (JSON at /api/status)", file=sys.stderr)
                     sys.stderr.flush()
-                    stop.wait()
+                    while not stop.wait(1.0):  # a timed wait: the signal handler runs between waits
+                        pass
             except OSError as e:
                 logger.error("cannot serve the status page on %s:%s: %s", cfg.serve_host, cfg.serve, e)
                 return 2
             finally:
-                poller.close()
-                read.close()
+                page.close()
     except (TimeoutError, RuntimeError) as e:
         logger.error("%s", e)
         return 1

@@ -15,6 +15,7 @@ import base64
 import hashlib
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -36,7 +37,7 @@ from swarm.daemon.status_view import (
 )
 from swarm.metrics import HttpReply, Route
 
-__all__ = ["DhtReader", "PageLimits", "StatusPoller", "page_html", "status_json", "status_routes"]
+__all__ = ["DhtReader", "PageLimits", "StatusPage", "StatusPoller", "page_html", "status_json", "status_routes"]
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +118,12 @@ class StatusPoller:
     Args:
         read: makes one snapshot (`status_snapshot`'s dict); may raise.
         refresh_s: seconds between reads (the first is at once).
+        idle_s: None: read all the time; else read only while the page was asked for (`touch`) within the last
+            `idle_s` seconds (the trainer's port: no DHT reads while nobody looks).
     """
 
-    def __init__(self, read: Callable[[], dict[str, Any]], refresh_s: float = 5.0):
-        self.read, self.refresh_s = read, refresh_s
+    def __init__(self, read: Callable[[], dict[str, Any]], refresh_s: float = 5.0, idle_s: float | None = None):
+        self.read, self.refresh_s, self.idle_s = read, refresh_s, idle_s
         self._body = status_json({"format": "swarm-status/1", "error": "not read yet", "loading": True})
         self._last: dict[str, Any] | None = None
         self.reads = 0
@@ -128,6 +131,8 @@ class StatusPoller:
         self.ready = threading.Event()
         """set when the first read finished"""
         self._stop = threading.Event()
+        self._wanted = threading.Event()
+        self._touched = -math.inf
         self._thread = threading.Thread(target=self._run, name="status-poller", daemon=True)
         self._thread.start()
 
@@ -135,8 +140,19 @@ class StatusPoller:
     def body(self) -> bytes:
         return self._body
 
+    def touch(self) -> None:
+        """The page was asked for: a lazy poller reads (again) for the next `idle_s`."""
+        self._touched = time.monotonic()
+        if not self._wanted.is_set():
+            self._wanted.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self.idle_s is not None and time.monotonic() - self._touched > self.idle_s:
+                self._wanted.clear()
+                if time.monotonic() - self._touched > self.idle_s:  # not touched between the check and the clear
+                    self._wanted.wait()
+                continue
             self.refresh()
             self._stop.wait(self.refresh_s)
 
@@ -155,6 +171,7 @@ class StatusPoller:
 
     def close(self) -> None:
         self._stop.set()
+        self._wanted.set()
         self._thread.join(30)
 
 
@@ -176,6 +193,7 @@ def status_routes(poller: StatusPoller, limits: PageLimits | None = None) -> dic
     def api(client: str) -> HttpReply:
         if not rate.allow(client):
             return too_many
+        poller.touch()
         return HttpReply("200 OK", poller.body, "application/json", _COMMON_HEADERS)
 
     return {"/": page, "/status": page, "/api/status": api}
@@ -241,3 +259,26 @@ class DhtReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class StatusPage:
+    """The page of one process: a `DhtReader`, its poller and the routes to serve (`serve_metrics(routes=...)`);
+    `close()` stops the poller and the probes.
+
+    Args:
+        reader: makes the snapshots.
+        refresh_s: seconds between reads.
+        idle_s: read only while the page was asked for within this many seconds (None: always).
+        limits: each client's request rate.
+    """
+
+    def __init__(
+        self, reader: DhtReader, refresh_s: float = 5.0, idle_s: float | None = None, limits: PageLimits | None = None
+    ):
+        self.reader = reader
+        self.poller = StatusPoller(reader, refresh_s, idle_s)
+        self.routes = status_routes(self.poller, limits)
+
+    def close(self) -> None:
+        self.poller.close()
+        self.reader.close()

@@ -347,6 +347,23 @@ def status_snapshot(
                     ],
                     "precision": doc.precisions[s] if doc.precisions and s < len(doc.precisions) else None,
                     "codecs_out": codecs,
+                    "announced_only": False,
+                }
+            )
+    if doc is None:  # no plan published (peers assigned by --assign): the stages the peers announce
+        for stage in sorted({p.stage for p in peers if p.stage is not None}):
+            serving = [p for p in peers if p.stage == stage]
+            stages.append(
+                {
+                    "stage": stage,
+                    "layers": [min(p.layer_start for p in serving), max(p.layer_end for p in serving)],
+                    "replicas": [
+                        {"peer_id": p.peer_id, "announced": True, "address": p.address, "reach": p.reach}
+                        for p in serving
+                    ],
+                    "precision": None,
+                    "codecs_out": None,
+                    "announced_only": True,
                 }
             )
     return {

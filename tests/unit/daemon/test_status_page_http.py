@@ -32,6 +32,19 @@ def _wait(predicate, timeout_s: float = 10.0) -> bool:
     return True
 
 
+def _settles(value, quiet_s: float, timeout_s: float = 10.0) -> bool:
+    """Whether `value()` stops changing for `quiet_s` (many refresh periods) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last, since = value(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if value() != last:
+            last, since = value(), time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return True
+    return False
+
+
 class CountingSource:
     """A status source that counts its reads and fails when told to."""
 
@@ -190,3 +203,21 @@ def test_the_page_file_must_hold_one_script_and_one_style(tmp_path, monkeypatch)
             page_html()
     finally:
         page_html.cache_clear()
+
+
+def test_a_lazy_poller_reads_only_while_the_page_is_asked_for():
+    source = CountingSource(snapshot())
+    poller = StatusPoller(source, refresh_s=0.05, idle_s=0.5)
+    try:
+        with serve_metrics(None, 0, routes=status_routes(poller)) as server:
+            assert not poller.ready.wait(0.3) and source.reads == 0, "nobody looked: no read"
+            assert json.loads(_get(server, "/api/status")[2])["error"] == "not read yet"
+            assert _wait(lambda: source.reads >= 3), "asked for: it reads every refresh_s"
+            assert json.loads(_get(server, "/api/status")[2])["run"] == XSS
+            assert _settles(lambda: source.reads, quiet_s=1.0), "idle past idle_s: it stops reading"
+            stopped = source.reads
+            _get(server, "/api/status")
+            assert _wait(lambda: source.reads > stopped), "asked for again: it reads again"
+    finally:
+        poller.close()
+    assert not poller._thread.is_alive()

@@ -71,6 +71,16 @@ def test_no_plan_no_peers_is_an_empty_view_not_an_error():
     assert snap["plan"] is None and snap["stages"] == [] and snap["peers"] == [] and snap["steps"] is None
 
 
+def test_without_a_plan_the_stages_are_those_the_peers_announce():
+    peers, links, _, _ = records()
+    stages = status_snapshot("r", NOW, peers, links, None)["stages"]
+    assert [(s["stage"], s["layers"], [r["peer_id"] for r in s["replicas"]]) for s in stages] == [
+        (0, [0, 2], [A]),
+        (1, [2, 4], [B, C]),
+    ]
+    assert all(s["announced_only"] for s in stages)
+
+
 def test_status_json_escapes_markup_and_refuses_nan():
     body = status_json({"run": XSS, "n": 1})
     assert b"<" not in body and b">" not in body and b"&" not in body
