@@ -135,7 +135,11 @@ def _check_status_page(swarm, steps_dir) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        if proc.poll() is None:  # SIGTERM first: a SIGKILLed status would leave its DHT process behind
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
         proc.stderr.close()

@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from swarm.daemon.status_page import PAGE_FILE, PageLimits, StatusPoller, page_html, status_routes
+from swarm.daemon.status_page import PAGE_FILE, DhtReader, PageLimits, StatusPoller, page_html, status_routes
 from swarm.metrics import Metrics, MetricsServerLimits, serve_metrics
-from tests.status_fixtures import XSS, snapshot, write_steps
+from tests.status_fixtures import XSS, R, records, snapshot, write_steps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -221,3 +221,73 @@ def test_a_lazy_poller_reads_only_while_the_page_is_asked_for():
     finally:
         poller.close()
     assert not poller._thread.is_alive()
+
+
+class FakeDHT:
+    """What a DhtReader asks of a SwarmDHT, from `records()`; counts its reads."""
+
+    def __init__(self, relay_address: str):
+        from dataclasses import replace
+
+        self.peers_, self.links_, self.plan, self.trainers_ = records()
+        self.peers_ = [replace(p, address=relay_address) if p.peer_id == R else p for p in self.peers_]
+        self.reads = 0
+
+    def peers(self):
+        self.reads += 1
+        return self.peers_
+
+    def links(self):
+        return self.links_
+
+    def get_plan(self):
+        return self.plan
+
+    def trainers(self):
+        return self.trainers_
+
+
+def test_the_dht_reader_probes_bootstrap_peers_and_relays_and_keeps_plan_history(tmp_path):
+    from dataclasses import replace
+
+    with socket.create_server(("127.0.0.1", 0)) as listening, socket.create_server(("127.0.0.1", 0)) as closed:
+        up, down = listening.getsockname()[1], closed.getsockname()[1]
+        closed.close()  # nothing listens there now
+        dht = FakeDHT(relay_address=f"127.0.0.1:{up}")
+        boot = [f"/ip4/127.0.0.1/tcp/{up}/p2p/QmBoot", f"/ip4/127.0.0.1/tcp/{down}/p2p/QmGone", "/ip4/1.2.3.4/udp/1"]
+        reader = DhtReader(dht, "run", boot, str(write_steps(tmp_path)), metrics_of=lambda peers: {}, probe_timeout_s=2)
+        try:
+            snap = reader()
+            assert [b["alive"] for b in snap["bootstrap"]] == [True, False, False]
+            assert snap["bootstrap"][2]["error"] == "no TCP address in it"
+            (relay,) = snap["relays"]
+            assert relay["alive"] and relay["probe"]["alive"] and relay["probe"]["rtt_ms"] is not None
+            dht.peers_ = [replace(p, address=f"127.0.0.1:{down}") if p.peer_id == R else p for p in dht.peers_]
+            dht.plan = replace(dht.plan, version=4)
+            snap = reader()
+            (relay,) = snap["relays"]
+            assert relay["announced"] and not relay["probe"]["alive"] and not relay["alive"], "announced, unreachable"
+            assert [h["version"] for h in snap["plan_history"]] == [3, 4]
+            assert snap["steps"]["rows"] == 40 and snap["peers"][0]["answered"] is False
+        finally:
+            reader.close()
+
+
+def test_the_trainers_metrics_port_page_reads_only_when_asked(tmp_path):
+    from swarm.peers.dht import DHTConfig
+    from swarm.train.trainer import TrainConfig, trainer_page
+
+    dht = FakeDHT(relay_address="127.0.0.1:9")
+    write_steps(tmp_path / "train")
+    cfg = TrainConfig(out=str(tmp_path / "train"), dht=DHTConfig(run_name="trainer-run"))
+    page = trainer_page(dht, cfg)
+    try:
+        with serve_metrics(Metrics(), 0, routes=page.routes) as server:
+            assert dht.reads == 0, "nobody looked at the page: the trainer's DHT node is not asked"
+            assert _get(server, "/")[0] == 200 and _get(server, "/metrics")[0] == 200
+            _get(server, "/api/status")
+            assert _wait(lambda: json.loads(_get(server, "/api/status")[2]).get("run") == "trainer-run", 30)
+            snap = json.loads(_get(server, "/api/status")[2])
+            assert snap["steps"]["rows"] == 40 and len(snap["stages"]) == 2
+    finally:
+        page.close()
