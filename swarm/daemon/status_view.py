@@ -294,7 +294,8 @@ def status_snapshot(
                 "relay": p.relay,
                 "leaving": p.leaving,
                 "planner": p.planner_until > now,
-                "answered": snap is not None if p.stage is not None else None,
+                # a peer behind NAT is not dialled directly: its silence says nothing (None: not known)
+                "answered": None if p.stage is None or (snap is None and p.reach == "relay") else snap is not None,
                 "steps": _finite(total(snap, "swarm_steps_total")) if snap else None,
                 "sent_bytes": _finite(total(snap, "swarm_wire_bytes_total")) if snap else None,
                 "relayed_bytes": _finite(total(snap, "swarm_relayed_bytes_total")) if snap else None,

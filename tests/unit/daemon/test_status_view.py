@@ -35,6 +35,7 @@ def test_the_snapshot_names_stages_replicas_relays_links_and_liveness(tmp_path):
     assert peers[A]["sent_bytes"] == 3.2e6
     assert peers[B]["answered"] is False, "a serving peer whose Status did not answer is shown as not answering"
     assert peers[R]["answered"] is None, "a peer serving no stage is not asked"
+    assert peers[C]["answered"] is None, "a peer behind NAT is not dialled: not known, not 'no'"
     assert peers[C]["reach"] == "relay" and peers[C]["relay"] == R and peers[C]["planned"] == [1, 1]
     (relay,) = snap["relays"]
     assert relay["peer_id"] == R and relay["alive"] and relay["serves"] == [C] and relay["probe"]["alive"]
