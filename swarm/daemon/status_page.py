@@ -41,6 +41,10 @@ __all__ = ["DhtReader", "PageLimits", "StatusPage", "StatusPoller", "page_html",
 
 log = logging.getLogger(__name__)
 
+MAX_PROBED = 32
+"""Bootstrap addresses, and relays, probed per read at most (an address file may list many); peers asked for
+their metrics per read: 4x this."""
+
 PAGE_FILE = Path(__file__).with_name("status_page.html")
 """The page: one file, its CSS and JS inline, nothing fetched from elsewhere."""
 
@@ -223,7 +227,7 @@ class DhtReader:
         metrics_of: Callable[[list], dict[str, dict[str, float]]] | None = None,
         probe_timeout_s: float = 2.0,
     ):
-        self.dht, self.run_name, self.bootstrap = dht, run_name, tuple(bootstrap)
+        self.dht, self.run_name, self.bootstrap = dht, run_name, tuple(bootstrap)[:MAX_PROBED]
         self.metrics_of, self.probe_timeout_s = metrics_of, probe_timeout_s
         self.history = PlanHistory()
         self.curves = StepCurves(steps) if steps else None
@@ -236,9 +240,13 @@ class DhtReader:
         boot = [probe(m, maddr_endpoint(m)) for m in self.bootstrap]
         peers, links, plan, trainers = self.dht.peers(), self.dht.links(), self.dht.get_plan(), self.dht.trainers()
         by_id = {p.peer_id: p for p in peers}
-        relay_ids = sorted({p.relay for p in peers if p.relay is not None and p.relay in by_id})[:64]
+        relay_ids = sorted({p.relay for p in peers if p.relay is not None and p.relay in by_id})[:MAX_PROBED]
         relays = {r: probe(by_id[r].address, address_endpoint(by_id[r].address)) for r in relay_ids}
-        metrics = self.metrics_of(peers) if self.metrics_of is not None else {}
+        metrics: dict[str, dict[str, float]] = {}
+        if self.metrics_of is not None:  # each peer's Status, 8 peers a call, the calls in parallel
+            serving = [p for p in peers if p.stage is not None][: MAX_PROBED * 4]
+            for part in [self._pool.submit(self.metrics_of, serving[i : i + 8]) for i in range(0, len(serving), 8)]:
+                metrics.update(part.result())
         now = get_dht_time()
         self.history.see(plan, now)
         if self.curves is not None:

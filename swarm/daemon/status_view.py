@@ -163,11 +163,11 @@ class StepCurves:
             elif csv_path.exists():
                 self._read_csv(csv_path)
             else:
-                self.error = f"no steps.jsonl or steps.csv in {self.directory} yet"
+                self.error = f"no steps.jsonl or steps.csv in {self.directory.name or '.'}/ yet"
                 return
             self.error = None
         except OSError as e:
-            self.error = f"cannot read the steps in {self.directory}: {e.strerror or e}"
+            self.error = f"cannot read the steps in {self.directory.name or '.'}/: {e.strerror or type(e).__name__}"
 
     def _read_lines(self, path: Path) -> None:
         with open(path, "rb") as f:
@@ -240,7 +240,7 @@ class StepCurves:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "directory": str(self.directory),
+            "directory": self.directory.name,  # not the whole path: the page may face strangers
             "error": self.error,
             "rows": self.rows,
             "loss": [list(p) for p in self.loss],

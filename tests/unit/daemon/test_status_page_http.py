@@ -45,6 +45,12 @@ def _settles(value, quiet_s: float, timeout_s: float = 10.0) -> bool:
     return False
 
 
+def poller_reads(poller: StatusPoller, timeout_s: float) -> bool:
+    """Whether the poller finished a read within `timeout_s` (watched directly: polling the page as fast would
+    meet its rate limit)."""
+    return poller.ready.wait(timeout_s)
+
+
 class CountingSource:
     """A status source that counts its reads and fails when told to."""
 
@@ -286,8 +292,9 @@ def test_the_trainers_metrics_port_page_reads_only_when_asked(tmp_path):
             assert dht.reads == 0, "nobody looked at the page: the trainer's DHT node is not asked"
             assert _get(server, "/")[0] == 200 and _get(server, "/metrics")[0] == 200
             _get(server, "/api/status")
-            assert _wait(lambda: json.loads(_get(server, "/api/status")[2]).get("run") == "trainer-run", 30)
+            assert poller_reads(page.poller, 30), "asked for: it reads"
             snap = json.loads(_get(server, "/api/status")[2])
+            assert snap["run"] == "trainer-run"
             assert snap["steps"]["rows"] == 40 and len(snap["stages"]) == 2
     finally:
         page.close()
