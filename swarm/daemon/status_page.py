@@ -4,9 +4,9 @@ HTML page and the JSON it polls (/api/status), read-only and bounded, on the met
 The page's port may face the internet, so: every request is answered from a body cached by a background poller
 (no request makes a DHT query or a probe), each client is held to a request rate (429 past it), the metrics
 server bounds connections, request size and deadlines (`MetricsServerLimits`), nothing secret is in the view
-(records, probes and step curves only: no key, no token, no path but the steps directory), and the page puts every
-peer-supplied string into the document as text (`textContent`), under a Content-Security-Policy that runs only its
-own inline script (by hash) and fetches only from its own origin.
+(records, probes and step curves only: no key, no token, no path but the steps directory's name), and the page
+puts every peer-supplied string into the document as text (`textContent`), under a Content-Security-Policy that
+runs only its own inline script (by hash) and fetches only from its own origin.
 """
 
 from __future__ import annotations
