@@ -195,3 +195,13 @@ def test_client_rate_allows_a_burst_then_the_rate_and_forgets_old_clients():
     assert set(rate._buckets) == {"a", "c"}
     with pytest.raises(ValueError):
         PageLimits(requests_per_s=0)
+
+
+def test_status_serve_flags_are_checked():
+    from swarm.daemon.status import StatusConfig, status_flags
+
+    cfg = StatusConfig(serve=0, steps="runs/x", refresh_s=2.0)
+    assert status_flags().to_argv(cfg)[-6:] == ["--serve", "0", "--steps", "runs/x", "--refresh-s", "2.0"]
+    for bad in ({"serve": 70000}, {"serve": -1}, {"refresh_s": 0.0}):
+        with pytest.raises(ValueError, match="StatusConfig"):
+            StatusConfig(**bad)
