@@ -14,13 +14,14 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = [
-    "METRICS", "MetricSpec", "Metrics", "MetricsServer", "MetricsServerLimits", "delta", "sample_key", "serve_metrics",
-    "total",
+    "METRICS", "HttpReply", "MetricSpec", "Metrics", "MetricsServer", "MetricsServerLimits", "Route", "delta",
+    "sample_key", "serve_metrics", "total",
 ]  # fmt: skip
 
 PHASE_BUCKETS_S = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
@@ -235,19 +236,45 @@ class MetricsServerLimits:
     """request line and headers; a longer request is closed"""
 
 
+@dataclass(frozen=True)
+class HttpReply:
+    """What a route of `MetricsServer` answers (the server adds Content-Length and Connection: close)."""
+
+    status: str
+    """the status line's code and reason, e.g. "200 OK" """
+    body: bytes
+    content_type: str
+    headers: tuple[tuple[str, str], ...] = ()
+    """further headers, (name, value): fixed text of the route's, never a request's"""
+
+
+Route = Callable[[str], HttpReply]
+"""A page served beside /metrics: called on the server's event loop with the client's host, so it must answer at
+once (from a cached body, never by a network call); an exception is answered 500."""
+
+
 class MetricsServer:
     """A running `/metrics` endpoint (one thread, every connection on one event loop: an idle connection costs a
     socket, never a thread); `close()` stops it and frees the port.
 
     Args:
-        metrics: whose text `GET /metrics` serves.
+        metrics: whose text `GET /metrics` serves; None: no /metrics (404).
         host: the address to listen on.
         port: 0 picks a free one.
         limits: connections at once, read and write deadlines, request size.
+        routes: further GET paths (query string ignored) and what answers them (`swarm.daemon.status_page`).
     """
 
-    def __init__(self, metrics: Metrics, host: str, port: int, limits: MetricsServerLimits | None = None):
+    def __init__(
+        self,
+        metrics: Metrics | None,
+        host: str,
+        port: int,
+        limits: MetricsServerLimits | None = None,
+        routes: Mapping[str, Route] | None = None,
+    ):
         self.metrics, self.limits = metrics, limits or MetricsServerLimits()
+        self.routes = {path.encode(): route for path, route in (routes or {}).items()}
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._sock = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
         self._sock.setblocking(False)
@@ -325,11 +352,13 @@ class MetricsServer:
                 return
             finally:
                 self._reading.pop(task, None)
-            status, body, kind = self._answer(head)
+            peer = writer.get_extra_info("peername")
+            reply = self._answer(head, str(peer[0]) if peer else "")
+            extra = "".join(f"{name}: {value}\r\n" for name, value in reply.headers)
             writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode()
-                + body
+                f"HTTP/1.1 {reply.status}\r\nContent-Type: {reply.content_type}\r\n{extra}"
+                f"Content-Length: {len(reply.body)}\r\nConnection: close\r\n\r\n".encode()
+                + reply.body
             )
             await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
             self.served += 1
@@ -342,16 +371,23 @@ class MetricsServer:
             self._reading.pop(task, None)
             writer.close()
 
-    def _answer(self, head: bytes) -> tuple[str, bytes, str]:
-        """(status line, body, content type) for a request's head."""
+    def _answer(self, head: bytes, client: str) -> HttpReply:
+        """The reply to a request's head from `client` (its host)."""
         parts = head.split(b"\r\n", 1)[0].split()
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-            return "400 Bad Request", b"a request line: GET /metrics HTTP/1.1\n", "text/plain"
+            return HttpReply("400 Bad Request", b"a request line: GET /metrics HTTP/1.1\n", "text/plain")
         if parts[0] != b"GET":
-            return "405 Method Not Allowed", b"only GET is served here\n", "text/plain"
-        if parts[1].split(b"?", 1)[0] != b"/metrics":
-            return "404 Not Found", b"only /metrics is served here\n", "text/plain"
-        return "200 OK", self.metrics.text(), CONTENT_TYPE_LATEST
+            return HttpReply("405 Method Not Allowed", b"only GET is served here\n", "text/plain")
+        path = parts[1].split(b"?", 1)[0]
+        if path == b"/metrics" and self.metrics is not None:
+            return HttpReply("200 OK", self.metrics.text(), CONTENT_TYPE_LATEST)
+        if path in self.routes:
+            try:
+                return self.routes[path](client)
+            except Exception:  # a page's bug answers 500 and leaves the server serving
+                return HttpReply("500 Internal Server Error", b"this page failed; see the server's log\n", "text/plain")
+        served = ", ".join(p.decode() for p in ([b"/metrics"] if self.metrics is not None else []) + list(self.routes))
+        return HttpReply("404 Not Found", f"not found; served here: {served or 'nothing'}\n".encode(), "text/plain")
 
     def close(self) -> None:
         if self._loop.is_running():
@@ -366,9 +402,14 @@ class MetricsServer:
 
 
 def serve_metrics(
-    metrics: Metrics, port: int, host: str = "127.0.0.1", limits: MetricsServerLimits | None = None
+    metrics: Metrics | None,
+    port: int,
+    host: str = "127.0.0.1",
+    limits: MetricsServerLimits | None = None,
+    routes: Mapping[str, Route] | None = None,
 ) -> MetricsServer:
-    """Serves `metrics.text()` at `GET http://host:port/metrics` (404 on any other path) from one daemon thread
-    until `close()`, within `limits` (connections at once, read and write deadlines). Loopback by default; port
-    0 picks a free port (see `MetricsServer.port`). Raises OSError when the port cannot be bound."""
-    return MetricsServer(metrics, host, port, limits)
+    """Serves `metrics.text()` at `GET http://host:port/metrics` (and `routes` at theirs; 404 on any other path)
+    from one daemon thread until `close()`, within `limits` (connections at once, read and write deadlines).
+    Loopback by default; port 0 picks a free port (see `MetricsServer.port`). Raises OSError when the port cannot
+    be bound."""
+    return MetricsServer(metrics, host, port, limits, routes)

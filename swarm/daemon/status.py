@@ -1,4 +1,5 @@
-"""`swarm status`: joins the DHT briefly and lists the run's peers, link measurements and current plan."""
+"""`swarm status`: joins the DHT briefly and lists the run's peers, link measurements and current plan; with
+`--serve PORT` it stays joined and serves them as a live web page (`swarm.daemon.status_page`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from swarm.options import DHT_FLAGS
 from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 
-__all__ = ["StatusConfig", "add_arguments", "render", "run", "status_argv", "status_flags", "to_json"]
+__all__ = [
+    "StatusConfig", "add_arguments", "peer_metrics", "render", "run", "serve_status", "status_argv", "status_flags",
+    "to_json",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,21 @@ class StatusConfig:
     """print one JSON object instead of tables"""
     timeout_s: float = 20.0
     """bound, in seconds, on joining the DHT and on each query"""
+    serve: int | None = field(default=None, metadata=flag(metavar="PORT", group="status page"))
+    """stay joined and serve a live status page at http://SERVE_HOST:PORT/ (its JSON at /api/status) until
+    interrupted; 0 picks a free port"""
+    serve_host: str = field(default="127.0.0.1", metadata=flag(group="status page"))
+    """address the page listens on (0.0.0.0 to show it to others: it is read-only and holds no secret)"""
+    steps: str | None = field(default=None, metadata=flag(metavar="DIR", group="status page"))
+    """the trainer's --out directory (or its steps.csv): the page draws its loss, held-out loss and throughput"""
+    refresh_s: float = field(default=5.0, metadata=flag(group="status page"))
+    """seconds between the page's reads of the DHT, the probes and the steps"""
+
+    def __post_init__(self) -> None:
+        if self.serve is not None and not 0 <= self.serve <= 65535:
+            raise ValueError(f"StatusConfig.serve: expected a port 0-65535, got {self.serve}")
+        if not self.refresh_s >= 0.5:
+            raise ValueError(f"StatusConfig.refresh_s: expected >= 0.5 s, got {self.refresh_s}")
 
     def dht_config(self) -> DHTConfig:
         """The DHT config to join with: --initial-peers and the address file's peers, in client mode (a
@@ -95,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("%s", e)
         return 2
+    if cfg.serve is not None:
+        return serve_status(cfg, config)
     try:
         with SwarmDHT(config) as dht:
             peers, links, plan = dht.peers(), dht.links(), dht.get_plan()
@@ -108,6 +129,42 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         print(render(config.run_name, peers, links, plan, now, metrics))
+    return 0
+
+
+def serve_status(cfg: StatusConfig, config: DHTConfig) -> int:
+    """`swarm status --serve PORT`: stays joined and serves the live page until SIGINT or SIGTERM. Returns the exit
+    code (2: the port cannot be bound; 1: the DHT cannot be joined)."""
+    import signal
+    import threading
+
+    from swarm.daemon.status_page import DhtReader, StatusPage
+    from swarm.metrics import serve_metrics
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics_of = lambda peers: peer_metrics(peers, timeout_s=min(cfg.timeout_s, 3.0))  # noqa: E731
+    try:
+        with SwarmDHT(config) as dht:
+            reader = DhtReader(dht, config.run_name, config.initial_peers, cfg.steps, metrics_of)
+            page = StatusPage(reader, cfg.refresh_s)
+            try:
+                # after the DHT's process is forked, so that it holds no copy of the listening socket
+                with serve_metrics(None, cfg.serve, cfg.serve_host, routes=page.routes) as server:
+                    host = f"[{server.host}]" if ":" in server.host else server.host
+                    print(f"status page at http://{host}:{server.port}/ (JSON at /api/status)", file=sys.stderr)
+                    sys.stderr.flush()
+                    while not stop.wait(1.0):  # a timed wait: the signal handler runs between waits
+                        pass
+            except OSError as e:
+                logger.error("cannot serve the status page on %s:%s: %s", cfg.serve_host, cfg.serve, e)
+                return 2
+            finally:
+                page.close()
+    except (TimeoutError, RuntimeError) as e:
+        logger.error("%s", e)
+        return 1
     return 0
 
 

@@ -349,7 +349,7 @@ def train(
     if steps_per_epoch < 1:
         raise SystemExit(f"--batch-size {cfg.batch_size} exceeds the {len(train_set)} training samples")
     total = cfg.steps or steps_per_epoch * cfg.epochs
-    out = Path(cfg.out or f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(cfg.out or default_out())
     out.mkdir(parents=True, exist_ok=True)
 
     dial = None if dht is None else announced_dial(dht.peers, signer)  # peers behind NAT: through their relays
@@ -498,6 +498,22 @@ def no_route_left(error: Exception, route: PlanRoutes) -> bool:
     return route.n_replicas == 1 and code in UNREACHABLE
 
 
+def default_out() -> str:
+    """Where a run's steps go without --out: runs/train-<date>-<time>."""
+    return f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def trainer_page(dht, cfg: TrainConfig):
+    """The status page on the trainer's metrics port: the run's DHT view (through the trainer's own DHT node), the
+    peers' metrics and this trainer's steps under `cfg.out`; it reads only while the page is looked at."""
+    from swarm.daemon.status import peer_metrics
+    from swarm.daemon.status_page import DhtReader, StatusPage
+
+    metrics_of = lambda peers: peer_metrics(peers, timeout_s=2.0)  # noqa: E731
+    reader = DhtReader(dht, cfg.dht.run_name, cfg.dht.initial_peers, cfg.out, metrics_of)
+    return StatusPage(reader, refresh_s=5.0, idle_s=60.0)
+
+
 def _announce_quietly(dht, announcement) -> None:
     """Announces now (a ban, before the next beat); a failure is left to the next beat, which retries."""
     try:
@@ -524,13 +540,17 @@ def run(args: argparse.Namespace) -> int:
     auth = PeerAuth.load(cfg.dht)  # the trainer's calls are signed with its DHT key: stages know it by its id
     with SwarmDHT(cfg.dht, private_key=auth.identity.key) as dht, contextlib.ExitStack() as stack:
         if cfg.metrics_port is not None:
+            # the live status page beside /metrics (swarm.daemon.status_page), read while someone looks at it
+            cfg = replace(cfg, out=cfg.out or default_out())  # the page reads the steps where train() writes them
+            page = stack.enter_context(contextlib.closing(trainer_page(dht, cfg)))
             # after the DHT's process is forked, so that it holds no copy of the listening socket
             try:
-                server = stack.enter_context(serve_metrics(metrics, cfg.metrics_port, cfg.dht.host))
+                server = stack.enter_context(serve_metrics(metrics, cfg.metrics_port, cfg.dht.host, routes=page.routes))
             except OSError as e:
                 print(f"error: cannot serve metrics on {cfg.dht.host}:{cfg.metrics_port}: {e}", file=sys.stderr)
                 return 2
             say(f"metrics at {server.url}")
+            say(f"status page at {server.url.removesuffix('metrics')}")
         authority = dht.authority()
         if authority is not None and dht.peer_id not in authority.trainers:
             print(

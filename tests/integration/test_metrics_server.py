@@ -1,11 +1,15 @@
 """`serve_metrics` on loopback: GET /metrics answers the Prometheus text, other paths 404, close frees the port;
-swarm-peer and swarm train serve theirs with --metrics-port."""
+swarm-peer and swarm train serve theirs with --metrics-port; `swarm status --serve` serves the run's live page."""
 
 from __future__ import annotations
 
+import json
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -92,7 +96,50 @@ def test_swarm_peer_and_trainer_serve_metrics_with_metrics_port(tmp_path):
         assert served['swarm_aqsgd_buffer_misses_total{link="0"}'] == 8  # first sights
         assert served['swarm_aqsgd_buffer_hits_total{link="0"}'] == 16  # steps 2 and 3
         assert served['swarm_phase_seconds_count{phase="compute",stage="0"}'] == 3 * 2 * 2  # F and B per micro-batch
+        _check_status_page(swarm, tmp_path / "train")
         codes = swarm.procs.close()
     assert codes["peer0"] == codes["peer1"] == 0, "the peers stop their metrics servers and exit cleanly"
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=5)
+
+
+def _check_status_page(swarm, steps_dir) -> None:
+    """`swarm status --serve 0` on the live swarm: the page and its JSON (the peers, the plan's stages, the
+    bootstrap peer alive, the trainer's 3 steps), then SIGTERM ends it with 0."""
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "swarm.cli", "status", "--address-file", str(swarm.address_file), "--serve", "0",
+            "--steps", str(steps_dir), "--refresh-s", "1",
+        ],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stderr.readline()  # its first line names the page, once the DHT is joined and the port bound
+        found = re.search(r"status page at (http://\S+/)", line)
+        assert found, line + proc.stderr.read(2000) if proc.poll() is not None else line
+        base = found.group(1)
+        with urllib.request.urlopen(base, timeout=10) as reply:
+            assert reply.headers["Content-Type"].startswith("text/html") and b"/api/status" in reply.read()
+        deadline, snap = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:  # the poller's first read is under way when the port opens
+            with urllib.request.urlopen(base + "api/status", timeout=10) as reply:
+                snap = json.loads(reply.read())
+            if snap.get("stages") and snap.get("steps"):
+                break
+            time.sleep(0.2)
+        assert snap.get("format") == "swarm-status/1", snap
+        assert len(snap["peers"]) == 2 and len(snap["stages"]) == 2, snap
+        assert snap["bootstrap"] and all(b["alive"] for b in snap["bootstrap"]), snap["bootstrap"]
+        assert snap["steps"]["rows"] == 3 and snap["steps"]["last"]["step"] == 3, snap["steps"]
+        assert sum(p["answered"] is True for p in snap["peers"]) == 2, "both serving peers answered Status"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:  # SIGTERM first: a SIGKILLed status would leave its DHT process behind
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        proc.stderr.close()
