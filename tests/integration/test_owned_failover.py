@@ -93,9 +93,12 @@ def test_sybils_with_leases_and_a_killed_planner_hand_planning_to_the_other_dele
                 print(f"plan {after.version} by the other delegate {time.monotonic() - killed:.1f} s after the kill")
                 assert after.version < before.version + 100, "the Sybil's plan was not followed"
                 survivor = next(iter(delegates - {planner}))
-                log = procs.tail(names[survivor], 400)
-                assert "published plan" in log, "the other delegate planned"
                 refused = f"refusing plan {before.version + 100} from {strangers[0].peer_id}"
+                # the plan is in the DHT before its planner logs it (and the refusal is logged at the next read
+                # of the plans): wait for both lines, then count
+                logged = lambda: "published plan" in (t := procs.tail(names[survivor], 400)) and refused in t and t
+                log = wait_until("the other delegate's log of its plan and of the refusal", logged, 30, procs)
+                assert "published plan" in log, "the other delegate planned"
                 assert log.count(refused) == 1, "the hijack is refused by name, once"
             finally:
                 for beat in beats:

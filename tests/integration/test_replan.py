@@ -23,6 +23,7 @@ from swarm.runtime.driver import PipelineDriver
 from swarm.testbed.local import local_swarm
 from swarm.testbed.procs import peer_command
 from tests.integration.swarm_fixtures import loopback_stages, remote
+from tests.integration.test_churn_peers import wait_until
 from tests.integration.test_stage_service import batches
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -162,6 +163,9 @@ def test_a_plan_from_a_peer_that_is_not_elected_is_ignored_by_peers_and_trainer(
             assert trainer.returncode == 0, trainer.stderr[-3000:]
             followed = {p.peer_id: p.plan_version for p in attacker.peers()}
             forged_seen = attacker.get_plan(3)
+        # each peer logs the forged plan at its next read of the plans, which may come after the trainer's last step
+        ignored = lambda: all("ignoring plan 500" in swarm.procs.tail(n, 400) for n in ("peer0", "peer1"))
+        wait_until("both peers' line on the forged plan", ignored, 30, swarm.procs)
         logs = {name: swarm.procs.tail(name, 400) for name in ("peer0", "peer1")}
     with open(tmp_path / "train" / "steps.csv") as f:
         versions = {int(r["plan_version"]) for r in csv.DictReader(f)}
