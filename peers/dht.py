@@ -58,6 +58,7 @@ from swarm.peers.entries import (
     parse_run_entry,
     peer_id_of,
 )
+from swarm.peers.lifeline import die_with_parent, p2pd_dies_with_this_process
 from swarm.peers.manifest import RUN_ID_RE, RunAuthority, RunDelegation, RunManifest
 from swarm.peers.owned import OwnedRun
 from swarm.peers.plan import PlanDocument
@@ -259,10 +260,18 @@ class _DHTProcess(DHT):
     Its p2p daemon (Go) runs with GOGC=25 unless the environment says otherwise: with Go's default (100) its
     heap grew by ~4 MiB per 1000 training steps for minutes (`swarm bench soak`), garbage waiting for a
     collection; at 25 its RSS stays flat, for a little more of its (small) CPU time.
+
+    Both die with the process that started the DHT, even by SIGKILL (`swarm.peers.lifeline`).
     """
+
+    def start(self) -> None:
+        self._lifeline = (os.getpid(), threading.current_thread() is threading.main_thread())
+        super().start()
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        die_with_parent(*self._lifeline)
+        p2pd_dies_with_this_process()
         os.environ.setdefault("GOGC", P2PD_GOGC)  # this process starts p2pd, which inherits its environment
         super().run()
 
