@@ -624,6 +624,20 @@ class SwarmDHT:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
+    def store_signed(self, kind: str, value: dict[str, Any], ttl_s: float) -> bool:
+        """Stores `value` under `{run}.{kind}` in this node's own subkey: signed with its key, so no other key can
+        write or refresh it (the stop order, `swarm.peers.stop`)."""
+        return self._store(f"{self.config.run_name}.{kind}", self._owner, value, ttl_s)
+
+    def read_signed(self, kind: str) -> list[tuple[Any, Any, float]]:
+        """(subkey, value, expiration) of each unexpired entry under `{run}.{kind}`, for its kind's parser."""
+        key = f"{self.config.run_name}.{kind}"
+        found = self._request(f"get {key}", lambda: self._dht.get(key, latest=True, return_future=True))
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        return [(k, e.value, e.expiration_time) for k, e in found.value.items() if e.expiration_time >= now]
+
     # -- internals -------------------------------------------------------------------------------------------
 
     def _store(self, key: str, subkey: bytes, value: dict[str, Any], ttl_s: float) -> bool:
