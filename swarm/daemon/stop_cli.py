@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from functools import cache
 
 from swarm.daemon.bootstrap import LOG_FORMAT, joined_peers
+from swarm.daemon.status import listening
 from swarm.flags import Flags, flag
 from swarm.options import DHT_FLAGS
 from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
@@ -120,7 +120,7 @@ def stop_run(dht: SwarmDHT, reason: str, wait_s: float, say) -> tuple[int, dict]
     deadline = time.monotonic() + wait_s
     while up and time.monotonic() < deadline:
         for pid, address in list(up.items()):
-            if not _listening(address):
+            if not listening(address):
                 del up[pid]
                 say(f"peer {pid} at {address} stopped ({len(peers) - len(up)} of {len(peers)})")
         if up:
@@ -135,13 +135,3 @@ def stop_run(dht: SwarmDHT, reason: str, wait_s: float, say) -> tuple[int, dict]
     if not up:
         say("every announced peer stopped")
     return 0, report
-
-
-def _listening(address: str, timeout_s: float = 1.0) -> bool:
-    """Whether something accepts TCP connections at `address` (HOST:PORT): a stopped peer's port refuses."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
