@@ -9,13 +9,12 @@ to stop it both ways, then the owner does. Every wait is on a condition with a d
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
 import pytest
 
+from swarm.cli import main
 from swarm.daemon.run_cli import init_run
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.options import MODEL_FLAGS, ModelFlags
@@ -29,10 +28,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 MODEL = ModelFlags(layers=2, hidden=32, heads=2, seq_len=16)
 
 
-def swarm_stop(address_file, run_id: str, key, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "swarm.cli", "stop", "--address-file", str(address_file), "--run", run_id,
-            "--identity", str(key), "--json", *extra]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+def swarm_stop(capsys, address_file, run_id: str, key, *extra: str) -> tuple[int, str]:
+    """`swarm stop --json` in this process (a second interpreter's start-up costs half a minute on a busy
+    machine): its exit code and what it printed."""
+    argv = ["stop", "--address-file", str(address_file), "--run", run_id, "--identity", str(key), "--json", *extra]
+    capsys.readouterr()
+    code = main(argv)
+    return code, capsys.readouterr().out
 
 
 def wait_for_line(procs, names: list[str], text: str, timeout_s: float) -> None:
@@ -42,7 +44,7 @@ def wait_for_line(procs, names: list[str], text: str, timeout_s: float) -> None:
         time.sleep(0.2)  # polling the logs; the lines are what synchronize
 
 
-def test_the_owner_stops_the_run_each_peer_saves_its_own_layers_and_a_stranger_stops_nothing(tmp_path):
+def test_the_owner_stops_the_run_each_peer_saves_its_own_layers_and_a_stranger_stops_nothing(tmp_path, capsys):
     files = init_run(tmp_path / "run", name="stop", model=MODEL)
     checkpoints = tmp_path / "checkpoints"
     flags = [*MODEL_FLAGS.to_argv(MODEL), "--checkpoint-dir", str(checkpoints), "--no-link-probe"]
@@ -63,8 +65,8 @@ def test_the_owner_stops_the_run_each_peer_saves_its_own_layers_and_a_stranger_s
             pipe.train_step(step, batch)
         pipe.close()
 
-        refused = swarm_stop(swarm.address_file, files.run_id, stranger_key, "--wait-s", "0")
-        assert refused.returncode == 2 and "refused: only its owner or trainers" in refused.stdout, refused
+        code, out = swarm_stop(capsys, swarm.address_file, files.run_id, stranger_key, "--wait-s", "0")
+        assert code == 2 and "refused: only its owner or trainers" in out, out
 
         initial = [m for m in swarm.address_file.read_text().splitlines() if m.strip()]
         joined = DHTConfig(initial_peers=initial, client_mode=True, run=files.run_id)
@@ -73,9 +75,10 @@ def test_the_owner_stops_the_run_each_peer_saves_its_own_layers_and_a_stranger_s
         wait_for_line(procs, names, "refused: only its owner or trainers may stop this run", 60)
         procs.check_alive()
 
-        done = swarm_stop(swarm.address_file, files.run_id, files.owner_key, "--reason", "test over", "--wait-s", "90")
-        report = json.loads(done.stdout)
-        assert done.returncode == 0 and sorted(report["stopped"]) == sorted(swarm.peers), done
+        code, out = swarm_stop(
+            capsys, swarm.address_file, files.run_id, files.owner_key, "--reason", "test over", "--wait-s", "90"
+        )
+        assert code == 0 and sorted(json.loads(out)["stopped"]) == sorted(swarm.peers), out
         codes = {name: procs.procs[name].wait(30) for name in names}
     assert codes == {"peer0": 0, "peer1": 0}
     logs = {name: (tmp_path / "logs" / f"{name}.log").read_text() for name in names}
