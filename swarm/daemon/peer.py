@@ -25,7 +25,7 @@ import torch
 
 from swarm.daemon.checkpoints import StageCheckpoints
 from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args
-from swarm.daemon.stopping import STOP_WAIT_S, StopWatch
+from swarm.daemon.stopping import PeerEnding
 from swarm.metrics import Metrics, MetricsServer, serve_metrics
 from swarm.peers.allocator import tune_allocator
 from swarm.runtime.modelcheck import check_plan_models, peer_status
@@ -60,7 +60,7 @@ class PeerDaemon:
         self._stop = threading.Event()
         self._leave = threading.Event()
         self._leave_deadline: float | None = None
-        self._stop_watch = None  # StopWatch of the run's stop orders, once joined
+        self.ending: PeerEnding | None = None  # how it stops or leaves, once it serves
         self._announce_lock = threading.Lock()
         self.held = None  # HeldStore of the buddy copies, with --checkpoint-dir
         self.following = None  # the PlanRecord this peer serves under, in --assign plan mode
@@ -170,19 +170,22 @@ class PeerDaemon:
                 if cfg.assign == "plan" and (record := dht.get_plan(self.model.n_layers)):
                     self._apply_plan(record)
             reannouncer = Reannouncer(dht, lambda: self.announcement, lock=self._announce_lock).start()  # announces now
-            self._stop_watch = StopWatch(dht, self.announcement.started_at)
+            self.ending = PeerEnding(
+                cfg, dht, self.servicer, self.checkpoints, self._stop, self.announcement.started_at
+            )
             if self.nat.settle(cfg.transport.host, port, stop=self._stop) == "direct" and cfg.reach == "auto":
                 self.nat.serve_dht_records()  # joined as a client until found dialable (swarm.net.dhtmode)
             log.info("links shaped to %s", cfg.link_shape.describe())
             code = self._follow_plans(address) if cfg.assign == "plan" else self._serve_even_split()
             if code:
                 return code
-            host = self._retire()
+            host = self.ending.retire()
             server.stop(grace=5).wait(10)
             if host is not None:
                 with host.compute_lock:
-                    self._save_final(host)
-            reannouncer.stop()
+                    self.ending.save_final(host)
+            reannouncer.stop(timeout_s=3.0)  # a refresh stuck on a DHT node that stopped first is left behind
+            log.info("stopped")
             return 0
         finally:
             if server is not None:
@@ -191,45 +194,6 @@ class PeerDaemon:
                 self.metrics_server.close()
             self.nat.close()
             dht.shutdown()
-
-    def _retire(self):
-        """Takes the stage out of service between two steps (an open step waits at most STOP_WAIT_S, then is
-        abandoned: it rolls back, so the checkpoint holds applied steps only); returns the host it served."""
-        host = self.servicer.host
-        if host is None:
-            return None
-        log.info("stopping: stage %d leaves service after the open step, if any", host.role.stage)
-
-        def retire(servicer) -> None:
-            servicer.previous, servicer.host = servicer.host, None  # calls from now on: "not serving"
-
-        self.servicer.when_idle(retire, STOP_WAIT_S)
-        return host
-
-    def _save_final(self, host) -> None:
-        role = host.role
-        if not self.cfg.checkpoint_dir:
-            log.warning(
-                "no --checkpoint-dir: layers [%d, %d) at step %d are not saved", role.layer_start, role.layer_end,
-                host.steps_done,
-            )  # fmt: skip
-            return
-        self.checkpoints.save(host, final=True)
-
-    def _stop_ordered(self) -> bool:
-        """Whether a `swarm stop` order for this peer was read (it sets the stop)."""
-        if self._stop_watch is None or self._stop_watch.order is not None:
-            return self._stop.is_set()
-        try:
-            order = self._stop_watch.poll()
-        except TimeoutError as e:  # a slow DHT read: read again next tick
-            log.debug("reading stop orders: %s", e)
-            return False
-        if order is not None:
-            why = f": {order.reason}" if order.reason else ""
-            log.info("stop ordered by %s%s; checkpointing and exiting", order.signer, why)
-            self._stop.set()
-        return order is not None
 
     # ---- roles ---------------------------------------------------------------------------------------------
 
@@ -299,7 +263,7 @@ class PeerDaemon:
         self.servicer.roster_source = lambda: self.book.even_roster(role.n_stages)
         self._announce_role(role)
         log.info("ready")
-        while not self._stop.wait(1.0) and not self._stop_ordered():  # the split's peers announce one by one
+        while not self._stop.wait(1.0) and not self.ending.ordered():  # the split's peers announce one by one
             self.servicer.set_roster(self.book.even_roster(role.n_stages) or self.servicer.policy.roster)
         return 0
 
@@ -368,7 +332,7 @@ class PeerDaemon:
                         self.servicer.set_roster(self.book.plan_roster(self.following, self.announcement))
                     if replicator is not None and not self._leave.is_set():
                         replicator.tick(self.following, peers)
-                    if self._stop_ordered() or (self._leave.is_set() and self._left(peers, spec)):
+                    if self.ending.ordered() or (self._leave.is_set() and self._left(peers, spec)):
                         return 0
                 except TimeoutError as e:  # a slow DHT request: try again next tick
                     log.warning("%s", e)
@@ -389,7 +353,7 @@ class PeerDaemon:
 
         held = self.servicer.host or self.servicer.previous
         if self._leave_deadline is None:
-            blocker = self._leave_blocker(held, peers, spec)
+            blocker = self.ending.leave_blocker(held, peers, spec)
             if blocker is not None:
                 log.info("leaving without handing the stage over (%s): checkpointing and exiting", blocker)
                 return True
@@ -406,23 +370,6 @@ class PeerDaemon:
             log.warning("leave timed out after %.0f s: stopping anyway", self.cfg.leave_timeout_s)
             return True
         return False
-
-    def _leave_blocker(self, held, peers, spec) -> str | None:
-        """Why this leaving peer must not hand its stage over (`leave_blocker`); None: it may."""
-        from swarm.daemon.stopping import ACTIVE_S, leave_blocker
-
-        layers = None if held is None else (held.role.layer_start, held.role.layer_end)
-        n_stages = held.role.n_stages if held is not None else 1
-        try:
-            trainers = len(self.dht.trainers())
-        except TimeoutError:
-            trainers = 0  # unknown: handing over to a run that may not go on risks the pile-up
-        return leave_blocker(
-            layers, self.dht.peer_id, peers, lambda n: spec.stage_memory_bytes(n, n_stages, 1),
-            stopping=self._stop_watch is not None and self._stop_watch.order is not None,
-            trainers=trainers,
-            active=held is not None and not held.ledger.orphaned(ACTIVE_S),
-        )  # fmt: skip
 
     def _replicator(self):
         """Keeps a copy of the buddy stage under --checkpoint-dir/held (None without a checkpoint dir)."""

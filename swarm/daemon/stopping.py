@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from swarm.peers.dht import SwarmDHT
     from swarm.peers.records import PeerAnnouncement
 
-__all__ = ["ACTIVE_S", "STOP_WAIT_S", "StopWatch", "leave_blocker", "room_for", "watch_stop_orders"]
+__all__ = ["ACTIVE_S", "STOP_WAIT_S", "PeerEnding", "StopWatch", "leave_blocker", "room_for", "watch_stop_orders"]
 
 log = logging.getLogger("swarm.peer")
 
@@ -124,6 +124,73 @@ def leave_blocker(
         gib = need(layers[1] - layers[0]) / 2**30
         return f"no peer that stays has room for layers [{layers[0]}, {layers[1]}) ({gib:.2f} GiB more)"
     return None
+
+
+class PeerEnding:
+    """A serving peer's way out: whether a stop order came, whether a leave may hand its stage over, and the
+    stop itself (out of service between two steps, then the final checkpoint)."""
+
+    def __init__(self, cfg, dht: SwarmDHT, servicer, checkpoints, stop: threading.Event, started_at: float):
+        """`cfg`: the peer's `PeerConfig`; `servicer`: its `StageServicer`; `checkpoints`: its `StageCheckpoints`;
+        `stop`: the event its loops end on; `started_at`: its announcement's start (DHT time)."""
+        self.cfg, self.dht, self.servicer, self.checkpoints, self.stop = cfg, dht, servicer, checkpoints, stop
+        self.watch = StopWatch(dht, started_at)
+
+    def ordered(self) -> bool:
+        """Whether a `swarm stop` order for this peer was read (it sets the stop); reads at most every 2 s."""
+        if self.watch.order is not None:
+            return True
+        try:
+            order = self.watch.poll()
+        except TimeoutError as e:  # a slow DHT read: read again next tick
+            log.debug("reading stop orders: %s", e)
+            return False
+        if order is not None:
+            why = f": {order.reason}" if order.reason else ""
+            log.info("stop ordered by %s%s; checkpointing and exiting", order.signer, why)
+            self.stop.set()
+        return order is not None
+
+    def leave_blocker(self, held, peers: list[PeerAnnouncement], spec) -> str | None:
+        """Why this leaving peer must not hand over the stage `held` serves (`leave_blocker`); None: it may.
+        `spec`: the run's `ModelSpec`, whose stage memory a taker must hold."""
+        layers = None if held is None else (held.role.layer_start, held.role.layer_end)
+        n_stages = held.role.n_stages if held is not None else 1
+        try:
+            trainers = len(self.dht.trainers())
+        except TimeoutError:
+            trainers = 0  # unknown: handing over to a run that may not go on risks the pile-up
+        return leave_blocker(
+            layers, self.dht.peer_id, peers, lambda n: spec.stage_memory_bytes(n, n_stages, 1),
+            stopping=self.watch.order is not None,
+            trainers=trainers,
+            active=held is not None and not held.ledger.orphaned(ACTIVE_S),
+        )  # fmt: skip
+
+    def retire(self):
+        """Takes the stage out of service between two steps (an open step is waited for at most STOP_WAIT_S, then
+        abandoned: it rolls back, so the checkpoint holds applied steps only); returns the host it served."""
+        host = self.servicer.host
+        if host is None:
+            return None
+        log.info("stopping: stage %d leaves service after the open step, if any", host.role.stage)
+
+        def retire(servicer) -> None:
+            servicer.previous, servicer.host = servicer.host, None  # calls from now on: "not serving"
+
+        self.servicer.when_idle(retire, STOP_WAIT_S)
+        return host
+
+    def save_final(self, host) -> None:
+        """The stage's final checkpoint (its own layers), or a warning that its weights are not kept."""
+        role = host.role
+        if not self.cfg.checkpoint_dir:
+            log.warning(
+                "no --checkpoint-dir: layers [%d, %d) at step %d are not saved", role.layer_start, role.layer_end,
+                host.steps_done,
+            )  # fmt: skip
+            return
+        self.checkpoints.save(host, final=True)
 
 
 def watch_stop_orders(dht: SwarmDHT, stop: threading.Event, say: Callable[[str], None], every_s: float = 2.0):

@@ -109,3 +109,92 @@ def test_a_leave_hands_over_only_while_the_run_trains_and_a_peer_has_room(change
     args.update(changes)
     blocker = leave_blocker(args.pop("layers"), "a" * 12, args.pop("peers"), need, **args)
     assert blocker == why if why is None else why in blocker
+
+
+class _Servicer:
+    """`when_idle` as the servicer runs it once the open step ended: the change, under its lock."""
+
+    def __init__(self, host):
+        self.host, self.previous, self.waited = host, None, []
+
+    def when_idle(self, change, timeout_s):
+        self.waited.append(timeout_s)
+        change(self)
+        return True
+
+
+def _host():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(role=SimpleNamespace(stage=1, layer_start=2, layer_end=4, n_stages=2), steps_done=7)
+
+
+def ending(tmp_dir=None, host=None, dht=None):
+    from types import SimpleNamespace
+
+    from swarm.daemon.stopping import PeerEnding
+
+    saved = []
+    checkpoints = SimpleNamespace(save=lambda h, final: saved.append((h, final)))
+    cfg = SimpleNamespace(checkpoint_dir=tmp_dir)
+    dht = dht or owned_dht()[0]
+    out = PeerEnding(cfg, dht, _Servicer(host), checkpoints, threading.Event(), started_at=NOW - 100)
+    return out, saved
+
+
+def test_a_stop_takes_the_stage_out_of_service_between_steps_and_saves_its_own_layers(tmp_path):
+    host = _host()
+    end, saved = ending(str(tmp_path), host)
+    assert end.retire() is host
+    assert end.servicer.host is None and end.servicer.previous is host and end.servicer.waited == [30.0]
+    end.save_final(host)
+    assert saved == [(host, True)]
+
+
+def test_a_stop_without_a_checkpoint_dir_says_the_layers_are_not_saved(caplog):
+    host = _host()
+    end, saved = ending(None, host)
+    with caplog.at_level(logging.WARNING, logger="swarm.peer"):
+        end.save_final(host)
+    assert not saved and "layers [2, 4) at step 7 are not saved" in caplog.text
+    assert ending(None, None)[0].retire() is None, "a standby has nothing to retire"
+
+
+def test_an_order_sets_the_peers_stop_and_a_slow_dht_read_is_retried(monkeypatch):
+    monkeypatch.setattr("hivemind.utils.get_dht_time", lambda: NOW + 5)
+    dht, run = owned_dht()
+    end, _ = ending(dht=dht)
+    reads = {"n": 0}
+    real = dht.read_signed
+
+    def slow_once(kind):
+        reads["n"] += 1
+        if reads["n"] == 1:
+            raise TimeoutError("slow DHT")
+        return real(kind)
+
+    dht.read_signed = slow_once
+    order(dht, OWNER, run, NOW, "done")
+    assert not end.ordered() and not end.stop.is_set()
+    end.watch._next = 0.0  # the next read is due
+    assert end.ordered() and end.stop.is_set() and end.ordered()
+
+
+def test_a_leave_reads_the_trainers_and_the_stages_last_call():
+    from types import SimpleNamespace
+
+    host = _host()
+    idle = {"orphaned": False}
+    host.ledger = SimpleNamespace(orphaned=lambda s: idle["orphaned"])
+    end, _ = ending(host=host)
+    end.dht.trainers = lambda: ["t"]
+    spec = SimpleNamespace(stage_memory_bytes=lambda n, stages, replicas: n * GIB)
+    peers = [peer("b", (0, 2), memory=8 * GIB)]
+    assert end.leave_blocker(host, peers, spec) is None
+    idle["orphaned"] = True
+    assert "saw no call" in end.leave_blocker(host, peers, spec)
+    end.dht.trainers = lambda: (_ for _ in ()).throw(TimeoutError("slow"))
+    idle["orphaned"] = False
+    assert "no trainer" in end.leave_blocker(host, peers, spec), "unknown trainers: no handover"
+    end.dht.trainers = lambda: ["t"]
+    assert end.leave_blocker(host, [peer("b", (0, 2), memory=3 * GIB)], spec).startswith("no peer that stays")
