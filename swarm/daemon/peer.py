@@ -52,6 +52,9 @@ class PeerDaemon:
 
     on_host: Callable[[StageHost], None] | None = None
     """told of every stage host this peer makes (a modified peer's hook, e.g. the attacks experiment's liar)"""
+    on_stopped: Callable[[], None] | None = None
+    """called once the stage is saved and the peer is about to close its servers and DHT node (`main` arms its
+    exit watchdog there)"""
 
     def __init__(self, cfg: PeerConfig, on_host: Callable[[StageHost], None] | None = None):
         self.cfg = cfg
@@ -186,6 +189,8 @@ class PeerDaemon:
                     self.ending.save_final(host)
             reannouncer.stop(timeout_s=3.0)  # a refresh stuck on a DHT node that stopped first is left behind
             log.info("stopped")
+            if self.on_stopped is not None:
+                self.on_stopped()
             return 0
         finally:
             if server is not None:
@@ -622,7 +627,35 @@ def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | N
     daemon = PeerDaemon(cfg, on_host)
     signal.signal(signal.SIGINT, daemon.stop)
     signal.signal(signal.SIGTERM, daemon.leave)
-    return daemon.run()
+    daemon.on_stopped = lambda: _exit_within(EXIT_GRACE_S, 0)
+    try:
+        return daemon.run()
+    except KeyboardInterrupt:  # a second SIGINT: out at once, the last periodic checkpoint stands
+        log.warning("interrupted: stopped without a final checkpoint")
+        return 130
+
+
+EXIT_GRACE_S = 10.0
+"""How long a stopped peer may take to close its servers and DHT node and exit before it is ended (its stage is
+saved by then)."""
+
+
+def _exit_within(grace_s: float, code: int) -> None:
+    """Ends the process with `code` if it has not exited `grace_s` after the peer stopped, naming the threads that
+    held it (a closing step that waits on a peer or DHT node that stopped first, or a thread joined at exit)."""
+    import faulthandler
+    import os
+
+    def end() -> None:
+        log.warning("still running %.0f s after stopping; the threads that hold the exit:", grace_s)
+        sys.stdout.flush()
+        faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+        sys.stdout.flush()
+        os._exit(code)
+
+    timer = threading.Timer(grace_s, end)
+    timer.daemon = True
+    timer.start()
 
 
 if __name__ == "__main__":
