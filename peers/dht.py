@@ -270,7 +270,8 @@ class _DHTProcess(DHT):
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        die_with_parent(*self._lifeline)
+        if (lifeline := getattr(self, "_lifeline", None)) is not None:  # forked by start(), not run in place
+            die_with_parent(*lifeline)
         p2pd_dies_with_this_process()
         os.environ.setdefault("GOGC", P2PD_GOGC)  # this process starts p2pd, which inherits its environment
         super().run()
