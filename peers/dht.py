@@ -58,6 +58,7 @@ from swarm.peers.entries import (
     parse_run_entry,
     peer_id_of,
 )
+from swarm.peers.lifeline import die_with_parent, p2pd_dies_with_this_process
 from swarm.peers.manifest import RUN_ID_RE, RunAuthority, RunDelegation, RunManifest
 from swarm.peers.owned import OwnedRun
 from swarm.peers.plan import PlanDocument
@@ -259,10 +260,19 @@ class _DHTProcess(DHT):
     Its p2p daemon (Go) runs with GOGC=25 unless the environment says otherwise: with Go's default (100) its
     heap grew by ~4 MiB per 1000 training steps for minutes (`swarm bench soak`), garbage waiting for a
     collection; at 25 its RSS stays flat, for a little more of its (small) CPU time.
+
+    Both die with the process that started the DHT, even by SIGKILL (`swarm.peers.lifeline`).
     """
+
+    def start(self) -> None:
+        self._lifeline = (os.getpid(), threading.current_thread() is threading.main_thread())
+        super().start()
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if (lifeline := getattr(self, "_lifeline", None)) is not None:  # forked by start(), not run in place
+            die_with_parent(*lifeline)
+        p2pd_dies_with_this_process()
         os.environ.setdefault("GOGC", P2PD_GOGC)  # this process starts p2pd, which inherits its environment
         super().run()
 
@@ -614,6 +624,20 @@ class SwarmDHT:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+    def store_signed(self, kind: str, value: dict[str, Any], ttl_s: float) -> bool:
+        """Stores `value` under `{run}.{kind}` in this node's own subkey: signed with its key, so no other key can
+        write or refresh it (the stop order, `swarm.peers.stop`)."""
+        return self._store(f"{self.config.run_name}.{kind}", self._owner, value, ttl_s)
+
+    def read_signed(self, kind: str) -> list[tuple[Any, Any, float]]:
+        """(subkey, value, expiration) of each unexpired entry under `{run}.{kind}`, for its kind's parser."""
+        key = f"{self.config.run_name}.{kind}"
+        found = self._request(f"get {key}", lambda: self._dht.get(key, latest=True, return_future=True))
+        if found is None or not isinstance(found.value, dict):
+            return []
+        now = get_dht_time()
+        return [(k, e.value, e.expiration_time) for k, e in found.value.items() if e.expiration_time >= now]
 
     # -- internals -------------------------------------------------------------------------------------------
 

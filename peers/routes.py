@@ -98,6 +98,12 @@ class PlanRoutes:
             return self.replica_addresses, self.replica_peer_ids
         return tuple((a,) for a in self.addresses), tuple((p,) for p in self.peer_ids)
 
+    def describe(self) -> str:
+        """Every stage's replicas by address, e.g. '2 stages over 3 peers: stage 0 at A, C; stage 1 at B'."""
+        addresses, _ = self.nested()
+        stages = "; ".join(f"stage {s} at {', '.join(row)}" for s, row in enumerate(addresses))
+        return f"{len(addresses)} stages over {sum(len(row) for row in addresses)} peers: {stages}"
+
     def routes(self) -> tuple[Route, ...]:
         """Each `Route` (one replica of every stage) in route order."""
         addresses, peers = self.nested()

@@ -17,6 +17,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("eval",): ("swarm.train.evaluate", "the held-out loss of an exported model (transformers, no swarm)"),
     ("generate",): ("swarm.train.generate", "continue a prompt with an exported model (transformers, no swarm)"),
     ("status",): ("swarm.daemon.status", "list the peers in the DHT, their stages and link figures"),
+    ("stop",): ("swarm.daemon.stop_cli", "stop a swarm: every peer checkpoints its own layers and exits"),
     ("bootstrap",): ("swarm.daemon.bootstrap", "run a DHT bootstrap node that peers and trainers join"),
     ("run",): ("swarm.daemon.run_cli", "an owned run: init (owner key, signed manifest), show, delegate, revoke"),
     ("plan",): ("swarm.daemon.live_plan", "plan stages, layer ranges and peers for a scenario, a JSON file or the DHT"),

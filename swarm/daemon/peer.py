@@ -2,11 +2,12 @@
 
 Lifecycle: join the DHT -> measure compute speed -> announce -> wait for a stage assignment -> load those
 layers (from a surviving replica, a held copy or a checkpoint) -> serve forward/backward over gRPC,
-re-announcing on a heartbeat, keeping a copy of the buddy stage (--replicate-every) -> on SIGTERM: announce
-leaving, wait until the planner's repaired plan is served without this peer (its successor took the state
-over) or --leave-timeout-s passed, then stop; on SIGINT: stop at once. Stopping lets the current call
-finish and writes a final checkpoint. Checkpoints are written atomically, so a kill at any moment leaves the
-previous one intact.
+re-announcing on a heartbeat, keeping a copy of the buddy stage (--replicate-every) -> on SIGINT or a
+`swarm stop` order: stop; on SIGTERM: leave, which hands the stage over (announce leaving, wait until the
+planner's repaired plan is served without this peer or --leave-timeout-s passed) only while the run goes on
+and to a peer with room for it, and is otherwise a stop (`swarm.daemon.stopping`). Stopping takes the stage out
+of service between two steps and writes its final checkpoint (its own layers). Checkpoints are written
+atomically, so a kill at any moment leaves the previous one intact.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from swarm.daemon.checkpoints import StageCheckpoints
 from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args
+from swarm.daemon.stopping import PeerEnding
 from swarm.metrics import Metrics, MetricsServer, serve_metrics
 from swarm.peers.allocator import tune_allocator
 from swarm.runtime.modelcheck import check_plan_models, peer_status
@@ -50,6 +52,9 @@ class PeerDaemon:
 
     on_host: Callable[[StageHost], None] | None = None
     """told of every stage host this peer makes (a modified peer's hook, e.g. the attacks experiment's liar)"""
+    on_stopped: Callable[[], None] | None = None
+    """called once the stage is saved and the peer is about to close its servers and DHT node (`main` arms its
+    exit watchdog there)"""
 
     def __init__(self, cfg: PeerConfig, on_host: Callable[[StageHost], None] | None = None):
         self.cfg = cfg
@@ -58,6 +63,7 @@ class PeerDaemon:
         self._stop = threading.Event()
         self._leave = threading.Event()
         self._leave_deadline: float | None = None
+        self.ending: PeerEnding | None = None  # how it stops or leaves, once it serves
         self._announce_lock = threading.Lock()
         self.held = None  # HeldStore of the buddy copies, with --checkpoint-dir
         self.following = None  # the PlanRecord this peer serves under, in --assign plan mode
@@ -67,6 +73,9 @@ class PeerDaemon:
         self.metrics_server: MetricsServer | None = None
 
     def stop(self, *_):
+        """Stop (SIGINT): checkpoint this stage and exit; a second SIGINT interrupts at once."""
+        if self._stop.is_set():
+            raise KeyboardInterrupt
         self._stop.set()
 
     def leave(self, *_):
@@ -164,19 +173,24 @@ class PeerDaemon:
                 if cfg.assign == "plan" and (record := dht.get_plan(self.model.n_layers)):
                     self._apply_plan(record)
             reannouncer = Reannouncer(dht, lambda: self.announcement, lock=self._announce_lock).start()  # announces now
+            self.ending = PeerEnding(
+                cfg, dht, self.servicer, self.checkpoints, self._stop, self.announcement.started_at
+            )
             if self.nat.settle(cfg.transport.host, port, stop=self._stop) == "direct" and cfg.reach == "auto":
                 self.nat.serve_dht_records()  # joined as a client until found dialable (swarm.net.dhtmode)
             log.info("links shaped to %s", cfg.link_shape.describe())
             code = self._follow_plans(address) if cfg.assign == "plan" else self._serve_even_split()
             if code:
                 return code
-            log.info("stopping: finishing the current call")
+            host = self.ending.retire()
             server.stop(grace=5).wait(10)
-            host = self.servicer.host
             if host is not None:
                 with host.compute_lock:
-                    self.checkpoints.save(host, final=True)
-            reannouncer.stop()
+                    self.ending.save_final(host)
+            reannouncer.stop(timeout_s=3.0)  # a refresh stuck on a DHT node that stopped first is left behind
+            log.info("stopped")
+            if self.on_stopped is not None:
+                self.on_stopped()
             return 0
         finally:
             if server is not None:
@@ -254,7 +268,7 @@ class PeerDaemon:
         self.servicer.roster_source = lambda: self.book.even_roster(role.n_stages)
         self._announce_role(role)
         log.info("ready")
-        while not self._stop.wait(1.0):  # the split's peers announce one by one, and restart
+        while not self._stop.wait(1.0) and not self.ending.ordered():  # the split's peers announce one by one
             self.servicer.set_roster(self.book.even_roster(role.n_stages) or self.servicer.policy.roster)
         return 0
 
@@ -323,7 +337,7 @@ class PeerDaemon:
                         self.servicer.set_roster(self.book.plan_roster(self.following, self.announcement))
                     if replicator is not None and not self._leave.is_set():
                         replicator.tick(self.following, peers)
-                    if self._leave.is_set() and self._left(peers):
+                    if self.ending.ordered() or (self._leave.is_set() and self._left(peers, spec)):
                         return 0
                 except TimeoutError as e:  # a slow DHT request: try again next tick
                     log.warning("%s", e)
@@ -336,16 +350,21 @@ class PeerDaemon:
             liveness.close()
         return 0
 
-    def _left(self, peers) -> bool:
-        """After SIGTERM: announces leaving once; True when the successor serves this peer's layers (or the
-        leave timed out, or there was nothing to hand over)."""
+    def _left(self, peers, spec) -> bool:
+        """After SIGTERM: announces leaving once, if the stage can be handed over (else it stops at once); True
+        when the successor serves this peer's layers (or the leave timed out, or there was nothing to hand
+        over)."""
         from swarm.daemon.replication import leave_done
 
+        held = self.servicer.host or self.servicer.previous
         if self._leave_deadline is None:
+            blocker = self.ending.leave_blocker(held, peers, spec)
+            if blocker is not None:
+                log.info("leaving without handing the stage over (%s): checkpointing and exiting", blocker)
+                return True
             self._leave_deadline = time.monotonic() + self.cfg.leave_timeout_s
             self.update_announcement(leaving=True)
             log.info("leaving: waiting for a plan without this peer (at most %.0f s)", self.cfg.leave_timeout_s)
-        held = self.servicer.host or self.servicer.previous
         if held is None:
             return True
         layers = (held.role.layer_start, held.role.layer_end)
@@ -608,7 +627,35 @@ def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | N
     daemon = PeerDaemon(cfg, on_host)
     signal.signal(signal.SIGINT, daemon.stop)
     signal.signal(signal.SIGTERM, daemon.leave)
-    return daemon.run()
+    daemon.on_stopped = lambda: _exit_within(EXIT_GRACE_S, 0)
+    try:
+        return daemon.run()
+    except KeyboardInterrupt:  # a second SIGINT: out at once, the last periodic checkpoint stands
+        log.warning("interrupted: stopped without a final checkpoint")
+        return 130
+
+
+EXIT_GRACE_S = 10.0
+"""How long a stopped peer may take to close its servers and DHT node and exit before it is ended (its stage is
+saved by then)."""
+
+
+def _exit_within(grace_s: float, code: int) -> None:
+    """Ends the process with `code` if it has not exited `grace_s` after the peer stopped, naming the threads that
+    held it (a closing step that waits on a peer or DHT node that stopped first, or a thread joined at exit)."""
+    import faulthandler
+    import os
+
+    def end() -> None:
+        log.warning("still running %.0f s after stopping; the threads that hold the exit:", grace_s)
+        sys.stdout.flush()
+        faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+        sys.stdout.flush()
+        os._exit(code)
+
+    timer = threading.Timer(grace_s, end)
+    timer.daemon = True
+    timer.start()
 
 
 if __name__ == "__main__":

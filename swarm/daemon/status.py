@@ -1,5 +1,8 @@
 """`swarm status`: joins the DHT briefly and lists the run's peers, link measurements and current plan; with
-`--serve PORT` it stays joined and serves them as a live web page (`swarm.daemon.status_page`)."""
+`--serve PORT` it stays joined and serves them as a live web page (`swarm.daemon.status_page`).
+
+A peer's announcement outlives it by up to its TTL (30 s by default), so each announced peer's stage port is
+tried: a peer that does not accept a connection is listed apart, as left (or unreachable from here)."""
 
 from __future__ import annotations
 
@@ -122,13 +125,14 @@ def run(args: argparse.Namespace) -> int:
     except (TimeoutError, RuntimeError) as e:
         logger.error("%s", e)
         return 1
-    metrics = peer_metrics(peers, timeout_s=min(cfg.timeout_s, 5.0))
+    up = answering(peers, timeout_s=min(cfg.timeout_s, 2.0))
+    metrics = peer_metrics([p for p in peers if p.peer_id in up], timeout_s=min(cfg.timeout_s, 5.0))
     now = get_dht_time()
     if cfg.json:
-        json.dump(to_json(config.run_name, peers, links, plan, now, metrics), sys.stdout, indent=2)
+        json.dump(to_json(config.run_name, peers, links, plan, now, metrics, up), sys.stdout, indent=2)
         print()
     else:
-        print(render(config.run_name, peers, links, plan, now, metrics))
+        print(render(config.run_name, peers, links, plan, now, metrics, up))
     return 0
 
 
@@ -168,6 +172,29 @@ def serve_status(cfg: StatusConfig, config: DHTConfig) -> int:
     return 0
 
 
+def listening(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at `address` (HOST:PORT): a stopped peer's port refuses."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def answering(peers: Sequence[PeerAnnouncement], timeout_s: float) -> frozenset[str]:
+    """The ids of the announced peers whose stage port accepts a connection (tried in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not peers:
+        return frozenset()
+    with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
+        up = list(pool.map(lambda p: listening(p.address, timeout_s), peers))
+    return frozenset(p.peer_id for p, ok in zip(peers, up, strict=True) if ok)
+
+
 def peer_metrics(peers: Sequence[PeerAnnouncement], timeout_s: float) -> dict[str, dict[str, float]]:
     """Each serving peer's metrics (`Status`), by peer id; a peer that does not answer in time is left out."""
     import grpc
@@ -199,14 +226,23 @@ def to_json(
     plan: PlanRecord | None,
     now: float,
     metrics: dict[str, dict[str, float]] | None = None,
+    up: frozenset[str] | None = None,
 ) -> dict[str, Any]:
-    """The machine-readable status: records in their wire form (plan parsed), plus ages in seconds and each
-    serving peer's metrics."""
+    """The machine-readable status: records in their wire form (plan parsed), plus ages in seconds, each
+    serving peer's metrics and whether it answered (`up`: the ids that did; None: not tried, all count)."""
     metrics = metrics or {}
     return {
         "run": run_name,
         "time": now,
-        "peers": [{**p.to_wire(), "age_s": now - p.started_at, "metrics": metrics.get(p.peer_id)} for p in peers],
+        "peers": [
+            {
+                **p.to_wire(),
+                "age_s": now - p.started_at,
+                "metrics": metrics.get(p.peer_id),
+                "answering": up is None or p.peer_id in up,
+            }
+            for p in peers
+        ],
         "links": [{**m.to_wire(), "age_s": now - m.measured_at} for m in links],
         "plan": None if plan is None else {**plan.to_wire(), "plan": plan.document.to_wire()},
     }
@@ -219,11 +255,14 @@ def render(
     plan: PlanRecord | None,
     now: float,
     metrics: dict[str, dict[str, float]] | None = None,
+    up: frozenset[str] | None = None,
 ) -> str:
     """The human-readable status: a peers table (layers as start:end, end excluded; age since the peer
-    started; steps, bytes sent and AQ-SGD buffer hit rate from its metrics), a links table and the plan's
-    version."""
+    started; steps, bytes sent and AQ-SGD buffer hit rate from its metrics) of the peers that answered (`up`;
+    None: all), a line naming those that did not, a links table and the plan's version."""
     metrics = metrics or {}
+    gone = [p for p in peers if up is not None and p.peer_id not in up]
+    peers = [p for p in peers if p not in gone]
     plan_line = "no plan" if plan is None else f"plan version {plan.version}, made {_age(now - plan.created_at)} ago"
     lines = [f"run {run_name!r}: {len(peers)} peers, {len(links)} link measurements, {plan_line}", ""]
     peer_rows = [
@@ -242,6 +281,9 @@ def render(
     ]
     headers = ["peer", "address", "device", "stage", "layers", "layers/s", "load", "age", "steps", "sent MB", "hits"]
     lines.append(_table(headers, peer_rows))
+    if gone:
+        named = ", ".join(f"{p.peer_id[:8]} at {p.address}" for p in gone)
+        lines += ["", f"left (still announced, not answering; or unreachable from here): {named}"]
     if links:
         link_rows = [
             [m.src[:8], m.dst[:8], f"{m.rtt_s * 1e3:.1f}", f"{m.bytes_per_s * 8 / 1e6:.1f}", _age(now - m.measured_at)]

@@ -37,6 +37,7 @@ from swarm.runtime.gate import GateError
 from swarm.runtime.host import StageHost
 from swarm.runtime.messages import CallInfo, ReduceOrder, StageCall, StepOrder, from_wire
 from swarm.runtime.policy import CallPolicy, Roster, bind_calls
+from swarm.runtime.routing import REROUTE_CODES
 from swarm.runtime.schedules import Kind
 
 if TYPE_CHECKING:
@@ -335,7 +336,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {host.role.stage}: {e}")
         except grpc.RpcError as e:
             if getattr(context, "is_active", lambda: True)():  # a call of ours failed: not the caller's doing
-                log.exception("stage %d: unexpected failure", host.role.stage)
+                code = e.code() if callable(getattr(e, "code", None)) else None
+                if code in REROUTE_CODES:  # a neighbour died or is unreachable: expected churn, one line
+                    log.warning("stage %d: a call to a neighbour failed (%s): %s", host.role.stage, code.name,
+                                e.details() if callable(getattr(e, "details", None)) else e)  # fmt: skip
+                else:
+                    log.exception("stage %d: unexpected failure", host.role.stage)
                 context.abort(grpc.StatusCode.INTERNAL, f"stage {host.role.stage} failed: {type(e).__name__}: {e}")
             log.info(
                 "stage %d: the call from %s was cancelled by its caller",

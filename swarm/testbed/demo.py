@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -162,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
             from swarm.train.export_cli import held_out_of, save_model
 
             save_model(model, args.save_model, dht=swarm.dht, signer=swarm.signer, **held_out_of(cfg.train), say=say)
-        codes = procs.close()
-    leftovers = {name: code for name, code in codes.items() if code not in (0, -15)}
+        codes = procs.close(sig=signal.SIGINT)  # a stop: each peer saves its own stage, none is handed over
+    leftovers = {name: code for name, code in codes.items() if code not in (0, -2, -15)}
     result = {**asdict(summary), "total_s": time.perf_counter() - started, "peers": cfg.peers,
               "auth": peer.auth, "rate_mbit": rate_mbit, "fw_codec": fw_codec, "bw_codec": bw_codec,
               "wire_ratio_vs_fp32": summary.fp32_wire_bytes / max(1, summary.wire_bytes),

@@ -52,12 +52,15 @@ class ProcessGroup:
             time.sleep(0.1)
         raise TimeoutError(f"{path} did not appear within {timeout_s:.0f} s")
 
-    def close(self, grace_s: float = 15.0) -> dict[str, int | None]:
-        """SIGTERM to every child (each stops its own helpers, e.g. its DHT process), SIGKILL to the whole
-        session of any child still running after `grace_s`; returns the exit codes."""
+    def close(self, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> dict[str, int | None]:
+        """`sig` to every child (each stops its own helpers, e.g. its DHT process), SIGKILL to the whole
+        session of any child still running after `grace_s`; returns the exit codes.
+
+        SIGTERM makes a peer leave (it hands its stage over while the run trains on); SIGINT stops it (it
+        checkpoints its own layers and exits): what a finished run's peers should do."""
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(sig)
         deadline = time.monotonic() + grace_s
         for proc in self.procs.values():
             try:

@@ -379,8 +379,7 @@ def train(
         nonlocal pipe, route, replans
         pipe.close()
         route = discover_route(dht, None, timeout_s, say, min_version, trainer_id=dht.peer_id, n_layers=model.n_layers)
-        replicas = f" x {route.n_replicas} replicas" if route.n_replicas > 1 else ""
-        say(f"plan {route.plan_version}: {len(route.addresses)} stages{replicas} at {', '.join(route.addresses)}")
+        say(f"plan {route.plan_version}: {route.describe()}")
         pipe, watch.version = connect(route), route.plan_version
         replans += 1
 
@@ -524,6 +523,7 @@ def _announce_quietly(dht, announcement) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swarm.daemon.roster import PeerAuth
+    from swarm.daemon.stopping import watch_stop_orders
     from swarm.net.stream import StageCallError
     from swarm.peers.dht import Reannouncer, SwarmDHT
     from swarm.peers.records import MAX_BANNED, TrainerAnnouncement
@@ -574,11 +574,12 @@ def run(args: argparse.Namespace) -> int:
         except TimeoutError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        say(f"training on plan {route.plan_version}: {', '.join(route.addresses)}")
+        say(f"training on plan {route.plan_version}: {route.describe()}")
         try:
             stop = threading.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: (say("stopping after the current step"), stop.set()))
+            watch_stop_orders(dht, stop, say)  # `swarm stop`
             summary = train(
                 cfg, route, dht=dht, say=say, stop=stop, metrics=metrics, signer=auth.signer, suspects=suspects
             )

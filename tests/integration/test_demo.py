@@ -24,6 +24,11 @@ def test_the_demo_trains_and_its_planner_calibrates_the_prediction(tmp_path, cap
     # the republished plan is the same stages under the next version, with the calibrated prediction
     assert summary["plan_version"] == 2 and summary["predicted_step_s"] > 0
     assert (out / "steps.csv").exists() and (out / "loss.png").exists()
+    # issue 28: the demo stops its peers (SIGINT), so each saves its own stage and none takes the others over
+    # (a leave at the end left a 2-stage model in one file, layers-0000-0002)
+    assert set(summary["peer_exit_codes"].values()) == {0}, summary["peer_exit_codes"]
+    ranges = sorted(tuple(map(int, p.stem.split("-")[1:])) for p in (out / "checkpoints").glob("layers-*.safetensors"))
+    assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[0][1] == ranges[1][0], ranges
     got = _the_saved_model_is_the_runs(tmp_path / "model", out / "checkpoints", summary)
     assert got["train_samples"] == 32 and got["windows"] == "the run's (recorded)"
 
