@@ -14,6 +14,9 @@ import csv
 import json
 import os
 import random
+import re
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -42,8 +45,10 @@ class Outcome:
     """What a run of kills saw; `ok` when every check held."""
 
     kills: list[str] = field(default_factory=list)
-    """each life's kill, as passed (`point:step`, `random:seconds`), for the lives that were killed"""
+    """each life's kill, as passed (`point:step`, `random+seconds:step`), for the lives that were killed"""
     lives: int = 0
+    settled: list[str] = field(default_factory=list)
+    """how each resumed life found the step its last life left: "finished" (committed) or "abandoned" (open)"""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -101,29 +106,14 @@ def run_with_kills(tmp: Path, n_kills: int, seed: int = 0, log=lambda line: None
         peers, trainer = trainer_of(addresses)
         key = tmp / "trainer.key"
         key.write_bytes(trainer.key.to_bytes())
-        spec = json.dumps({"addresses": addresses, "peers": peers, "key": str(key), "out": str(out), "config": cfg})
-        while True:
-            kill = None
-            if len(outcome.kills) < n_kills:
-                if len(outcome.kills) % 4 == 3:
-                    kill = f"random:{rng.uniform(1.0, 4.0):.2f}"
-                else:
-                    precise = len(outcome.kills) - len(outcome.kills) // 4  # the points in turn, between randoms
-                    kill = f"{POINTS[precise % len(POINTS)]}:{next_step(out) + 1}"
-            began = time.perf_counter()
-            rc, tail = life(spec, kill, tmp / f"life{outcome.lives}.log")
-            outcome.lives += 1
-            took = time.perf_counter() - began
-            log(f"life {outcome.lives}: kill {kill or '-'} -> rc {rc} after {took:.1f} s; next step {next_step(out)}")
-            if rc == -9:
-                outcome.kills.append(kill)
-                continue
-            if rc != 0:
-                outcome.problems.append(f"life {outcome.lives} (kill {kill}) exited {rc}: {tail}")
-                return outcome
-            if len(outcome.kills) < n_kills:  # the run ended before a kill fired
-                outcome.problems.append(f"the run ended after {len(outcome.kills)} of {n_kills} kills ({kill})")
-            break
+        spec = {"addresses": addresses, "peers": peers, "key": str(key), "out": str(out), "config": cfg}
+        lives = Lives(tmp)
+        try:
+            outcome = _kill_and_resume(lives, spec, n_kills, rng, outcome, log)
+        finally:
+            lives.close()
+        if outcome.problems:
+            return outcome
         for stage, steps_applied in applied.items():
             if steps_applied != list(range(steps)):
                 outcome.problems.append(f"stage {stage} applied steps {steps_applied}, not 0..{steps - 1} once each")
@@ -142,20 +132,76 @@ def run_with_kills(tmp: Path, n_kills: int, seed: int = 0, log=lambda line: None
     return outcome
 
 
-def life(spec: str, kill: str | None, log_path: Path) -> tuple[int, str]:
-    """One trainer process, run to its end or its kill (reaped either way); (exit code, its output's tail)."""
-    argv = [sys.executable, "-m", "tests.integration.resume_trainer", "--spec", spec]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen([*argv, *(["--kill", kill] if kill else [])], cwd=ROOT, env=env, stdout=logf,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+def _kill_and_resume(lives: Lives, spec: dict, n_kills: int, rng: random.Random, outcome: Outcome, log) -> Outcome:
+    """Lives until the run ends: each killed at the next point (the precise ones in turn, every fourth at a
+    random time) until `n_kills` kills, then one to the end."""
+    out = Path(spec["out"])
+    while True:
+        kill = None
+        if len(outcome.kills) < n_kills:
+            if len(outcome.kills) % 4 == 3:
+                kill = f"random+{rng.uniform(0.0, 0.5):.3f}:{next_step(out) + 1}"
+            else:
+                precise = len(outcome.kills) - len(outcome.kills) // 4  # the points in turn, between randoms
+                kill = f"{POINTS[precise % len(POINTS)]}:{next_step(out) + 1}"
+        began = time.perf_counter()
+        rc, tail = lives.run(spec, kill)
+        outcome.lives += 1
+        took = time.perf_counter() - began
+        log(f"life {outcome.lives}: kill {kill or '-'} -> rc {rc} after {took:.1f} s; next step {next_step(out)}")
+        outcome.settled += ["finished" for _ in re.finditer("committed before the stop", tail)]
+        outcome.settled += ["abandoned" for _ in re.finditer("was open on the stages", tail)]
+        if rc == -9:
+            outcome.kills.append(kill)
+            continue
+        if rc != 0:
+            outcome.problems.append(f"life {outcome.lives} (kill {kill}) exited {rc}: {tail}")
+        elif len(outcome.kills) < n_kills:  # the run ended before a kill fired
+            outcome.problems.append(f"the run ended after {len(outcome.kills)} of {n_kills} kills ({kill})")
+        return outcome
+
+
+class Lives:
+    """A forking server of trainer lives (`resume_trainer --serve`): every life starts with the imports done."""
+
+    def __init__(self, log_dir: Path):
+        argv = [sys.executable, "-m", "tests.integration.resume_trainer", "--serve"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.log_dir, self.count = log_dir, 0
+        self._stderr = open(log_dir / "lives.log", "w")  # noqa: SIM115 - the server's, closed in close()
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, text=True)  # fmt: skip
+
+    def _line(self, timeout_s: float) -> str | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        return self.proc.stdout.readline().strip() if ready else None
+
+    def run(self, spec: dict, kill: str | None) -> tuple[int | str, str]:
+        """One life, to its end or its kill (SIGKILLed after `LIFE_TIMEOUT_S`); (exit code, its output's tail)."""
+        log_path = self.log_dir / f"life{self.count}.log"
+        self.count += 1
+        self.proc.stdin.write(json.dumps({"spec": spec, "kill": kill, "log": str(log_path)}) + "\n")
+        self.proc.stdin.flush()
+        started = self._line(LIFE_TIMEOUT_S)
+        if started is None or not started.startswith("pid "):
+            return f"no life started ({started!r})", ""
+        pid, rc = int(started.split()[1]), "timeout"
+        ended = self._line(LIFE_TIMEOUT_S)
+        if ended is None:
+            os.kill(pid, signal.SIGKILL)
+            self._line(10)
+        else:
+            rc = int(ended.split()[1])
+        return rc, log_path.read_text()[-3000:]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
         try:
-            rc = proc.wait(timeout=LIFE_TIMEOUT_S)
+            self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = "timeout"
-    return rc, log_path.read_text()[-1500:]
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """A `swarm train` life for the kill-at-every-point resume test: trains on loopback stages (`--spec` JSON) and
-SIGKILLs itself at one precise point (`--kill POINT:STEP`) or after a random time (`--kill random:SECONDS`).
+SIGKILLs itself at one precise point (`--kill POINT:STEP`) or a time after the step began (`--kill
+random+SECONDS:STEP`).
 
 The points are hooks patched into this process only (nothing of it is in the package):
   mid-forward  a micro-batch of the step is in flight, another not started
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import threading
 
 import torch
@@ -27,15 +29,24 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install(point: str, at: float) -> None:
+def install(point: str, at: str) -> None:
     from swarm.runtime import driver as driver_mod
     from swarm.train import journal as journal_mod
     from swarm.train import steplog
 
-    step = int(at) if point != "random" else -1
+    step, delay = int(at), 0.0
+    if point.startswith("random"):  # random+DELAY: DELAY seconds after the step's begin record, wherever that is
+        point, delay = "random", float(point.split("+")[1])
     Driver = driver_mod.PipelineDriver
     if point == "random":
-        threading.Timer(at, die).start()
+        begin = journal_mod.Journal.begin
+
+        def begin_and_time(self, s):
+            begin(self, s)
+            if s == step:
+                threading.Timer(delay, die).start()
+
+        journal_mod.Journal.begin = begin_and_time
     elif point == "mid-forward":
         micro = Driver._micro_batch
 
@@ -105,25 +116,73 @@ def install(point: str, at: float) -> None:
         raise SystemExit(f"--kill: unknown point {point!r}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--spec", required=True, help="JSON: addresses, peers, key, out, config")
-    parser.add_argument("--kill", default=None, help="POINT:STEP or random:SECONDS (none: run to the end)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    spec = json.loads(args.spec)
+def life(spec: dict, kill: str | None) -> None:
+    """One life of the trainer: train on the spec's stages, killed at `kill` (None: to the end)."""
     from swarm.model.gpt import ModelConfig
     from swarm.net.auth import CallSigner, Identity
     from swarm.peers.routes import PlanRoutes
     from swarm.train.trainer import TrainConfig, train
 
-    if args.kill:
-        point, at = args.kill.split(":")
-        install(point, float(at))
+    if kill:
+        point, at = kill.split(":")
+        install(point, at)
     cfg = TrainConfig(**{**spec["config"], "model": ModelConfig(**spec["config"]["model"])}, out=spec["out"])
     signer = CallSigner(Identity.load(spec["key"]))
     summary = train(cfg, PlanRoutes(spec["addresses"], spec["peers"]), quiet=True, signer=signer, say=print)
     print(json.dumps({"steps": summary.steps}), flush=True)
+
+
+def serve() -> None:
+    """Forks one life per request line (JSON: spec, kill, log) from a process that imported everything once (a
+    life then starts in milliseconds, not the seconds torch's import takes); prints `pid N` as a life starts and
+    `rc N` (negative: killed by that signal) when it ends. Nothing here runs torch or opens a channel before the
+    fork, so the lives start clean."""
+    import importlib
+    import traceback
+
+    for name in (  # what `train` imports as it runs, and the last life's plot
+        "matplotlib.pyplot", "tqdm", "swarm.daemon.nat", "swarm.model.data", "swarm.net.auth", "swarm.net.connect",
+        "swarm.net.stream", "swarm.plots", "swarm.runtime.modelcheck", "swarm.runtime.suspects",
+        "swarm.runtime.driver", "swarm.runtime.freeze", "swarm.train.trainer",
+    ):  # fmt: skip
+        importlib.import_module(name)
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                sys.stdin.close()
+                life(request["spec"], request["kill"])
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"rc {os.waitstatus_to_exitcode(status)}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", help="JSON: addresses, peers, key, out, config (one life)")
+    parser.add_argument("--kill", default=None, help="POINT:STEP or random+SECONDS:STEP (none: run to the end)")
+    parser.add_argument("--serve", action="store_true", help="fork a life per request line on stdin (see serve)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.serve:
+        serve()
+    elif args.spec:
+        life(json.loads(args.spec), args.kill)
+    else:
+        parser.error("--spec or --serve")
 
 
 if __name__ == "__main__":

@@ -20,3 +20,4 @@ def test_a_trainer_killed_at_every_point_of_a_step_resumes_to_the_uninterrupted_
     outcome = run_with_kills(tmp_path, kills, log=print)
     assert outcome.ok, "\n".join(outcome.problems)
     assert len(outcome.kills) == kills and {k.split(":")[0] for k in outcome.kills} >= set(POINTS)
+    assert {"finished", "abandoned"} <= set(outcome.settled)  # both ways of settling a step ran
