@@ -144,9 +144,11 @@ class TrainConfig:
     out: str | None = field(default=None, metadata=flag(group=_TRAINING))
     """folder for steps.csv, loss.png, summary.json (none: runs/train-<time>)"""
     resume: bool = field(default=False, metadata=flag(group=_TRAINING))
-    """continue from --out's trainer_state.json: the same data order, from the step where it stopped"""
+    """continue from --out's trainer_state.json, however the last run ended (a SIGKILL too): the step it left
+    open is finished or run again on every stage, the data order goes on, and steps.csv is appended to"""
     checkpoint_every: int = field(default=50, metadata=flag(group=_TRAINING))
-    """steps between writes of trainer_state.json (and one at the end)"""
+    """steps between fsyncs of trainer_state.json (it is rewritten at every step, which a kill never loses; a
+    power cut loses the writes since the last fsync)"""
     dht: DHTConfig | None = field(default=None, metadata={"flag": DHT_FLAGS})
     """How `swarm train` joins the DHT; None where the caller finds the route itself (demo, experiments)."""
     address_file: str | None = field(default=None, metadata=flag(group="DHT"))

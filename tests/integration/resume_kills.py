@@ -155,7 +155,7 @@ def _kill_and_resume(lives: Lives, spec: dict, n_kills: int, rng: random.Random,
             outcome.kills.append(kill)
             continue
         if rc != 0:
-            outcome.problems.append(f"life {outcome.lives} (kill {kill}) exited {rc}: {tail}")
+            outcome.problems.append(f"life {outcome.lives} (kill {kill}) exited {rc}: {tail[-3000:]}")
         elif len(outcome.kills) < n_kills:  # the run ended before a kill fired
             outcome.problems.append(f"the run ended after {len(outcome.kills)} of {n_kills} kills ({kill})")
         return outcome
@@ -177,7 +177,7 @@ class Lives:
         return self.proc.stdout.readline().strip() if ready else None
 
     def run(self, spec: dict, kill: str | None) -> tuple[int | str, str]:
-        """One life, to its end or its kill (SIGKILLed after `LIFE_TIMEOUT_S`); (exit code, its output's tail)."""
+        """One life, to its end or its kill (SIGKILLed after `LIFE_TIMEOUT_S`); (exit code, its output)."""
         log_path = self.log_dir / f"life{self.count}.log"
         self.count += 1
         self.proc.stdin.write(json.dumps({"spec": spec, "kill": kill, "log": str(log_path)}) + "\n")
@@ -192,7 +192,7 @@ class Lives:
             self._line(10)
         else:
             rc = int(ended.split()[1])
-        return rc, log_path.read_text()[-3000:]
+        return rc, log_path.read_text()
 
     def close(self) -> None:
         self.proc.stdin.close()

@@ -1,0 +1,160 @@
+"""The trainer's journal and the settling of the step a killed trainer left (`swarm.train.journal`), and a
+resumed steps.csv (`StepLog(resume_at=...)`): without processes; the kills themselves are
+tests/integration/test_resume_kills.py."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from swarm.net.stream import CallRefused
+from swarm.runtime.commit import StepCommit
+from swarm.train import journal as journal_mod
+from swarm.train.journal import Journal, settle
+from swarm.train.steplog import StepLog
+
+RUN = {"seed": 0, "batch_size": 4, "train_samples": 16}
+COMMIT = StepCommit(step=6, grad_norm=1.5, loss_scale=0.0, plan_version=3, loss=4.2, peers=("a", "b"))
+
+
+def test_begin_and_commit_records_round_trip_and_name_the_position(tmp_path):
+    j = Journal(tmp_path, RUN, steps_per_epoch=4)
+    assert j.load() is None
+    j.begin(6)
+    assert j.load() == (6, 6, None)
+    j.commit(COMMIT)
+    assert j.load() == (6, 6, COMMIT)
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batch"]) == (1, 2)  # step 6 of 4 a epoch
+    j.close(7)
+    assert j.load() == (7, None, None) and not (tmp_path / "trainer_state.json.tmp").exists()
+
+
+def test_a_non_finite_norm_commits_as_a_skip():
+    assert StepCommit(1, math.inf, 1024.0, 0, math.nan, ("a",)).skip and not COMMIT.skip
+
+
+@pytest.mark.parametrize(
+    "commit, words",
+    [
+        ({"step": -1}, "lacks"),
+        ({**COMMIT.to_dict(), "step": -1}, "step and plan_version"),
+        ({**COMMIT.to_dict(), "peers": []}, "peers"),
+        ({**COMMIT.to_dict(), "peers": "ab"}, "peers"),
+        ({**COMMIT.to_dict(), "grad_norm": "1"}, "grad_norm"),
+        ({**COMMIT.to_dict(), "loss_scale": -2.0}, "loss_scale"),
+        ([1, 2], "object"),
+    ],
+)
+def test_a_malformed_journal_is_refused_naming_the_file_and_field(tmp_path, commit, words):
+    Journal(tmp_path, RUN, 4).commit(COMMIT)
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "commit": commit}))
+    with pytest.raises(ValueError, match="trainer_state.json: commit") as err:
+        Journal(tmp_path, RUN, 4).load()
+    assert words in str(err.value)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "commit": None, "open": "3"}))
+    with pytest.raises(ValueError, match="open must be an integer"):
+        Journal(tmp_path, RUN, 4).load()
+
+
+def test_another_runs_journal_is_refused(tmp_path):
+    Journal(tmp_path, RUN, 4).begin(2)
+    with pytest.raises(ValueError, match="another run's: seed 0 \\(now 1\\)"):
+        Journal(tmp_path, {**RUN, "seed": 1}, 4).load()
+
+
+class FakeDriver:
+    """Stages as the settle sees them: which peers apply a finished step, and how long a step stays open."""
+
+    def __init__(self, applies: dict[str, bool], open_for: int = 0):
+        self.applies, self.open_for = applies, open_for
+        self.abandoned: list[int] = []
+        self.finished: list[StepCommit] = []
+
+    def finish_step(self, commit):
+        self.finished.append(commit)
+        return {p: 0.01 if ok else CallRefused(9, f"step {commit.step} never ran") for p, ok in self.applies.items()}
+
+    def abandon(self, step):
+        self.abandoned.append(step)
+
+    def replica_status(self):
+        self.open_for -= 1
+        return [[SimpleNamespace(step_open=self.open_for >= 0, peer_id="a")], [None]]
+
+
+def test_a_committed_step_is_finished_and_the_run_goes_on_after_it():
+    driver = FakeDriver({"a": True, "b": True})
+    said = []
+    settled = settle(driver, (6, 6, COMMIT), said.append)
+    assert (settled.next_step, settled.finished, settled.lr, settled.lost) == (7, COMMIT, 0.01, ())
+    assert driver.abandoned == [] and "step 7 was committed" in said[0]
+
+
+def test_a_committed_step_no_stage_can_apply_is_abandoned_and_run_again():
+    driver = FakeDriver({"a": False, "b": False})
+    settled = settle(driver, (6, 6, COMMIT))
+    assert (settled.next_step, settled.finished) == (6, None) and driver.abandoned == [6]
+
+
+def test_a_stage_that_lost_the_committed_step_is_named(caplog):
+    settled = settle(FakeDriver({"a": True, "b": False}), (6, 6, COMMIT))
+    assert settled.next_step == 7 and settled.lost == ("b",)
+    assert "peer b cannot apply it" in caplog.text
+
+
+def test_an_open_step_is_abandoned_until_no_stage_holds_it():
+    driver = FakeDriver({}, open_for=2)  # a late call of the killed trainer opened it again, twice
+    settled = settle(driver, (5, 5, None))
+    assert settled.next_step == 5 and driver.abandoned == [5, 5, 5] and driver.finished == []
+
+
+def test_a_step_that_stays_open_is_left_to_the_first_call_after_a_bounded_wait(monkeypatch, caplog):
+    monkeypatch.setattr(journal_mod, "SETTLE_TIMEOUT_S", 0.0)
+    settled = settle(FakeDriver({}, open_for=100), (5, 5, None))
+    assert settled.next_step == 5 and "stays open" in caplog.text
+
+
+def test_between_steps_nothing_is_settled():
+    driver = FakeDriver({})
+    assert settle(driver, (9, None, None)).next_step == 9 and driver.abandoned == driver.finished == []
+
+
+FIELDS = ["step", "train_loss", "step_s", "forward_bytes"]
+
+
+def _row(step: int) -> dict:
+    return {"step": step, "train_loss": 5.0 - step / 8, "step_s": 0.5, "forward_bytes": 10, "sample_ids": "1 2"}
+
+
+def test_a_resumed_log_appends_to_every_earlier_life_each_step_once(tmp_path):
+    first = StepLog(tmp_path, FIELDS)
+    for step in (1, 2, 3):
+        first.add(_row(step))
+    first.close()  # life 1 stopped cleanly: steps.csv
+    second = StepLog(tmp_path, FIELDS, resume_at=3)
+    for step in (4, 5, 6):
+        second.add(_row(step))
+    # life 2 is SIGKILLed mid-write of row 7: its lines stay, the last one cut short
+    second._lines.write(json.dumps(_row(7))[:20])
+    second._lines.flush()
+    third = StepLog(tmp_path, FIELDS, resume_at=5)  # the journal says step 6 (0-based 5) runs again
+    assert third.count == 5 and third.has(5) and not third.has(6) and third.totals["forward_bytes"] == 50
+    third.add(_row(6))
+    with open(third.close()) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4", "5", "6"]
+    assert rows[0]["sample_ids"] == "1 2" and float(rows[2]["train_loss"]) == _row(3)["train_loss"]
+
+
+def test_a_fresh_run_overwrites_and_a_resume_at_zero_keeps_nothing(tmp_path):
+    log = StepLog(tmp_path, FIELDS)
+    log.add(_row(1))
+    log.close()
+    assert StepLog(tmp_path, FIELDS, resume_at=0).count == 0
+    assert StepLog(tmp_path, FIELDS).count == 0
