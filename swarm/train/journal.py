@@ -22,12 +22,16 @@ from pathlib import Path
 from swarm.runtime.commit import StepCommit
 from swarm.train.steplog import load_state, save_position
 
-__all__ = ["Journal", "Settled", "settle"]
+__all__ = ["Journal", "JournalError", "Settled", "settle"]
 
 log = logging.getLogger("swarm.train.journal")
 
 SETTLE_TIMEOUT_S = 15.0
 """longest the stages may keep a step open after it was abandoned (late calls of the killed trainer)"""
+
+
+class JournalError(OSError):
+    """The journal could not record a step's commit: the trainer stops before the step's Step."""
 
 
 @dataclass(frozen=True)
@@ -72,18 +76,23 @@ class Journal:
         self._write(step, open=step)
 
     def commit(self, commit: StepCommit) -> None:
-        """Step `commit.step`'s Steps go out next: from now on some stage may have applied it."""
-        self._write(commit.step, open=commit.step, commit=commit.to_dict())
+        """Step `commit.step`'s Steps go out next: from now on some stage may have applied it. Raises JournalError
+        when the record cannot be written (a full disk): no Step may leave unrecorded, or a resume after a kill
+        would run the step again where it was applied; the stages drop the open step when a trainer comes back."""
+        if not self._write(commit.step, open=commit.step, commit=commit.to_dict()):
+            raise JournalError(f"{self.out / 'trainer_state.json'}: step {commit.step + 1}'s commit record was not "
+                               "written (see the error above); stopping before its Step")  # fmt: skip
 
     def close(self, next_step: int) -> None:
         """Between steps, for good (the run ended or stopped): nothing is open. Always fsynced."""
         self._write(next_step, durable=True)
 
-    def _write(self, step: int, durable: bool = False, **extra) -> None:
+    def _write(self, step: int, durable: bool = False, **extra) -> bool:
+        """Whether the record was written (False: the disk refused it, logged; the previous record stays)."""
         self._writes += 1
         durable = durable or self._writes % self.durable_every == 0
         epoch, batch = divmod(step, self.steps_per_epoch)
-        save_position(self.out, step, epoch, batch, self.identity, durable=durable, **extra)
+        return save_position(self.out, step, epoch, batch, self.identity, durable=durable, **extra)
 
 
 def settle(driver, record: tuple[int, int | None, StepCommit | None], say=lambda line: None) -> Settled:
@@ -114,8 +123,8 @@ def settle(driver, record: tuple[int, int | None, StepCommit | None], say=lambda
     elif open_step is not None:
         say(f"step {open_step + 1} was open on the stages: abandoned, and run again")
         settled = Settled(open_step)
-    if open_step is not None:
-        _abandon(driver, open_step)
+    # the step the run goes on with may be open too where a begin record was not written (a full disk)
+    _abandon(driver, settled.next_step if open_step is None else open_step)
     return settled
 
 
@@ -123,11 +132,10 @@ def _abandon(driver, step: int) -> None:
     """Abandons `step` until no stage holds a step open (a late call of the killed trainer may open it again)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
-        driver.abandon(step)
         try:
             replies = [r for row in driver.replica_status() for r in row if r is not None]
         except Exception as e:  # a stage gone: the first step finds it (and reroutes, or waits for a plan)
-            log.warning("after abandoning step %d: a stage's status is not known (%s)", step, e)
+            log.warning("before step %d: a stage's status is not known (%s)", step, e)
             return
         if not any(r.step_open for r in replies):
             return
@@ -135,4 +143,5 @@ def _abandon(driver, step: int) -> None:
             busy = [r.peer_id for r in replies if r.step_open]
             log.warning("a step stays open on %s after %.0f s of abandons of step %d", busy, SETTLE_TIMEOUT_S, step)
             return
+        driver.abandon(step)
         time.sleep(0.2)  # poll interval: the killed trainer's calls end within their deadline

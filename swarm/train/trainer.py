@@ -599,5 +599,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:  # e.g. --resume from another run's trainer_state.json
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # the journal could not record a step's commit (a full disk): stopped before its Step
+            print(f"error: training stopped: {e}", file=sys.stderr)
+            return 1
     print(json.dumps(asdict(summary)) if args.json else format_summary(summary))
     return 0

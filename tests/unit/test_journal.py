@@ -97,7 +97,7 @@ def test_a_committed_step_is_finished_and_the_run_goes_on_after_it():
 
 
 def test_a_committed_step_no_stage_can_apply_is_abandoned_and_run_again():
-    driver = FakeDriver({"a": False, "b": False})
+    driver = FakeDriver({"a": False, "b": False}, open_for=1)
     settled = settle(driver, (6, 6, COMMIT))
     assert (settled.next_step, settled.finished) == (6, None) and driver.abandoned == [6]
 
@@ -111,7 +111,7 @@ def test_a_stage_that_lost_the_committed_step_is_named(caplog):
 def test_an_open_step_is_abandoned_until_no_stage_holds_it():
     driver = FakeDriver({}, open_for=2)  # a late call of the killed trainer opened it again, twice
     settled = settle(driver, (5, 5, None))
-    assert settled.next_step == 5 and driver.abandoned == [5, 5, 5] and driver.finished == []
+    assert settled.next_step == 5 and driver.abandoned == [5, 5] and driver.finished == []
 
 
 def test_a_step_that_stays_open_is_left_to_the_first_call_after_a_bounded_wait(monkeypatch, caplog):
@@ -123,6 +123,19 @@ def test_a_step_that_stays_open_is_left_to_the_first_call_after_a_bounded_wait(m
 def test_between_steps_nothing_is_settled():
     driver = FakeDriver({})
     assert settle(driver, (9, None, None)).next_step == 9 and driver.abandoned == driver.finished == []
+
+
+def test_the_next_step_is_abandoned_where_its_begin_record_was_not_written():
+    driver = FakeDriver({"a": True}, open_for=1)  # the disk refused begin 9: the journal still says commit 8
+    commit = StepCommit(8, 1.0, 0.0, 0, 3.0, ("a",))
+    assert settle(driver, (8, 8, commit)).next_step == 9 and driver.abandoned == [9]
+
+
+def test_no_step_leaves_without_its_commit_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_mod, "save_position", lambda *a, **k: False)  # a full disk (logged there)
+    with pytest.raises(journal_mod.JournalError, match="step 7's commit record was not written"):
+        Journal(tmp_path, RUN, 4).commit(COMMIT)
+    Journal(tmp_path, RUN, 4).begin(7)  # a begin record may fail: the resume abandons the next step anyway
 
 
 FIELDS = ["step", "train_loss", "step_s", "forward_bytes"]
