@@ -3,8 +3,9 @@
 Every step is written down twice, before it changes anything on the stages: `begin(k)` before its first call
 (step k may be open on the stages), `commit(c)` before its first Step (some stages may have applied step k).
 Each write replaces the file whole (a temporary file renamed into place), so a SIGKILL at any moment leaves one
-complete record: the one before or the one after. Only every `durable_every`-th write and the last are fsynced
-(an fsync costs ~20 ms on a plain disk): a SIGKILL loses nothing, a power cut the records since.
+complete record: the one before or the one after. Only the begin record of every `durable_every`-th step and the
+last record are fsynced (an fsync costs ~20 ms on a plain disk): a SIGKILL loses nothing, a power cut the
+records since.
 
 `settle` reads the record against the stages: a committed step is finished where it is missing (its Step sent
 again with the recorded norm: a stage that applied it changes nothing, one that holds it open applies it) and
@@ -54,7 +55,6 @@ class Journal:
     def __init__(self, out: Path, identity: dict, steps_per_epoch: int, durable_every: int = 50):
         self.out, self.identity, self.steps_per_epoch = out, identity, steps_per_epoch
         self.durable_every = durable_every
-        self._writes = 0
 
     def load(self) -> tuple[int, int | None, StepCommit | None] | None:
         """(next step, open step, commit) of the last life; None without a journal. Raises ValueError naming the
@@ -72,8 +72,9 @@ class Journal:
         return state["step"], open_step, commit
 
     def begin(self, step: int) -> None:
-        """Step `step` starts: its calls may open it on the stages from now on."""
-        self._write(step, open=step)
+        """Step `step` starts: its calls may open it on the stages from now on. Fsynced every `durable_every`
+        steps."""
+        self._write(step, durable=step % self.durable_every == 0, open=step)
 
     def commit(self, commit: StepCommit) -> None:
         """Step `commit.step`'s Steps go out next: from now on some stage may have applied it. Raises JournalError
@@ -89,8 +90,6 @@ class Journal:
 
     def _write(self, step: int, durable: bool = False, **extra) -> bool:
         """Whether the record was written (False: the disk refused it, logged; the previous record stays)."""
-        self._writes += 1
-        durable = durable or self._writes % self.durable_every == 0
         epoch, batch = divmod(step, self.steps_per_epoch)
         return save_position(self.out, step, epoch, batch, self.identity, durable=durable, **extra)
 

@@ -171,3 +171,22 @@ def test_a_fresh_run_overwrites_and_a_resume_at_zero_keeps_nothing(tmp_path):
     log.close()
     assert StepLog(tmp_path, FIELDS, resume_at=0).count == 0
     assert StepLog(tmp_path, FIELDS).count == 0
+
+
+def test_only_every_nth_begin_record_and_the_last_are_fsynced(tmp_path, monkeypatch):
+    from swarm.train import steplog
+
+    synced, write = [], steplog.write_state
+
+    def write_state(tmp, text, durable):
+        if durable:
+            synced.append(json.loads(text))
+        write(tmp, text, durable)
+
+    monkeypatch.setattr(steplog, "write_state", write_state)
+    j = Journal(tmp_path, RUN, 4, durable_every=2)
+    for step in range(4):
+        j.begin(step)
+        j.commit(StepCommit(step, 1.0, 0.0, 0, 3.0, ("a",)))
+    j.close(4)
+    assert [(s["step"], s.get("open")) for s in synced] == [(0, 0), (2, 2), (4, None)]
