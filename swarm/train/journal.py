@@ -107,12 +107,13 @@ def settle(driver, record: tuple[int, int | None, StepCommit | None], say=lambda
     if commit is not None:
         replies = driver.finish_step(commit)
         applied = {p: r for p, r in replies.items() if not isinstance(r, Exception)}
+        applied.update(_applied_before(driver, commit, set(replies) - set(applied)))
         if applied:
             lost = tuple(sorted(set(replies) - set(applied)))
             for peer in lost:
                 log.error("step %d: peer %s cannot apply it (%s): its stage misses that update", commit.step, peer,
                           replies[peer])  # fmt: skip
-            settled = Settled(commit.step + 1, commit, next(iter(applied.values())), lost)
+            settled = Settled(commit.step + 1, commit, max(applied.values()), lost)
             say(f"step {commit.step + 1} was committed before the stop: finished on the stages that missed it")
             open_step = None
         else:
@@ -125,6 +126,20 @@ def settle(driver, record: tuple[int, int | None, StepCommit | None], say=lambda
     # the step the run goes on with may be open too where a begin record was not written (a full disk)
     _abandon(driver, settled.next_step if open_step is None else open_step)
     return settled
+
+
+def _applied_before(driver, commit: StepCommit, refused: set[str]) -> dict[str, float]:
+    """Those of `refused` whose status says they applied `commit.step` already: a stage that moved to a new plan
+    since refuses the old plan's Step even as a retry, but its last applied step still counts (else the step would
+    run again where it was applied). Their lr is not known (0)."""
+    if not refused:
+        return {}
+    try:
+        replies = [r for row in driver.replica_status() for r in row if r is not None]
+    except Exception as e:
+        log.warning("step %d: the refusing stages' status is not known (%s)", commit.step, e)
+        return {}
+    return {r.peer_id: 0.0 for r in replies if r.peer_id in refused and r.steps_done and r.last_step == commit.step}
 
 
 def _abandon(driver, step: int) -> None:

@@ -82,10 +82,10 @@ class FakeDriver:
 
     def abandon(self, step):
         self.abandoned.append(step)
+        self.open_for -= 1  # closed, unless a late call of the killed trainer opens it once more
 
     def replica_status(self):
-        self.open_for -= 1
-        return [[SimpleNamespace(step_open=self.open_for >= 0, peer_id="a")], [None]]
+        return [[SimpleNamespace(step_open=self.open_for > 0, peer_id="a", steps_done=0, last_step=0)], [None]]
 
 
 def test_a_committed_step_is_finished_and_the_run_goes_on_after_it():
@@ -102,6 +102,13 @@ def test_a_committed_step_no_stage_can_apply_is_abandoned_and_run_again():
     assert (settled.next_step, settled.finished) == (6, None) and driver.abandoned == [6]
 
 
+def test_a_stage_that_applied_the_step_before_a_replan_counts_though_it_refuses_the_old_plans_step():
+    driver = FakeDriver({"a": False, "b": False})
+    driver.replica_status = lambda: [[SimpleNamespace(step_open=False, peer_id="a", steps_done=7, last_step=6)]]
+    settled = settle(driver, (6, 6, COMMIT))  # a applied step 6, then followed a new plan; b never got its Step
+    assert settled.next_step == 7 and settled.lost == ("b",) and driver.abandoned == []
+
+
 def test_a_stage_that_lost_the_committed_step_is_named(caplog):
     settled = settle(FakeDriver({"a": True, "b": False}), (6, 6, COMMIT))
     assert settled.next_step == 7 and settled.lost == ("b",)
@@ -109,7 +116,7 @@ def test_a_stage_that_lost_the_committed_step_is_named(caplog):
 
 
 def test_an_open_step_is_abandoned_until_no_stage_holds_it():
-    driver = FakeDriver({}, open_for=2)  # a late call of the killed trainer opened it again, twice
+    driver = FakeDriver({}, open_for=2)  # a late call of the killed trainer opens it again once
     settled = settle(driver, (5, 5, None))
     assert settled.next_step == 5 and driver.abandoned == [5, 5] and driver.finished == []
 
