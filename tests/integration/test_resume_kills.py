@@ -12,7 +12,7 @@ import pytest
 
 from tests.integration.resume_kills import POINTS, run_with_kills
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
 def test_a_trainer_killed_at_every_point_of_a_step_resumes_to_the_uninterrupted_run(tmp_path):
