@@ -123,9 +123,31 @@ def settle(driver, record: tuple[int, int | None, StepCommit | None], say=lambda
     elif open_step is not None:
         say(f"step {open_step + 1} was open on the stages: abandoned, and run again")
         settled = Settled(open_step)
+    if open_step is None and (ahead := _stages_ahead(driver, settled.next_step)) is not None:
+        say(f"the stages applied step {ahead + 1} already, past the journal's step {settled.next_step} (its records "
+            "since were lost: an older trainer's position, a power cut): going on after it")  # fmt: skip
+        settled = Settled(ahead + 1)
     # the step the run goes on with may be open too where a begin record was not written (a full disk)
     _abandon(driver, settled.next_step if open_step is None else open_step)
     return settled
+
+
+def _stages_ahead(driver, next_step: int) -> int | None:
+    """The last step the stages applied, where it is at or past `next_step` (the journal lags them: running from
+    it would apply those steps twice); None otherwise. A stage that reports no applied step of this run's (steps
+    done 0, or a last step of 0: restored from a checkpoint, it knows its count, not its last step) is left out."""
+    try:
+        replies = [r for row in driver.replica_status() for r in row if r is not None]
+    except Exception as e:
+        log.warning("the stages' applied steps are not known (%s): going on from the journal's", e)
+        return None
+    applied = [r.last_step for r in replies if r.steps_done and r.last_step]
+    if not applied or max(applied) < next_step:
+        return None
+    if min(applied) != max(applied):
+        log.error("the stages applied different last steps (%s): the journal lost a step applied on only some of "
+                  "them", sorted(set(applied)))  # fmt: skip
+    return max(applied)
 
 
 def _applied_before(driver, commit: StepCommit, refused: set[str]) -> dict[str, float]:

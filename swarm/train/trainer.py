@@ -409,7 +409,7 @@ def train(
 
     run_identity = {"seed": cfg.seed, "batch_size": cfg.batch_size, "train_samples": cfg.train_samples}
     journal = Journal(out, run_identity, steps_per_epoch, durable_every=cfg.checkpoint_every)
-    record = journal.load() if cfg.resume else None
+    record = (journal.load() or (0, None, None)) if cfg.resume else None  # no journal: the stages may know more
     settled = settle(pipe, record, say) if record is not None else Settled(0)
     if cfg.resume:  # the stages' record, settled against the journal, says where: the data order follows it
         at = settled.next_step

@@ -197,3 +197,18 @@ def test_only_every_nth_begin_record_and_the_last_are_fsynced(tmp_path, monkeypa
         j.commit(StepCommit(step, 1.0, 0.0, 0, 3.0, ("a",)))
     j.close(4)
     assert [(s["step"], s.get("open")) for s in synced] == [(0, 0), (2, 2), (4, None)]
+
+
+def test_stages_ahead_of_a_lagging_journal_are_not_run_again(caplog):
+    """A position written every N steps (an older trainer's) or records lost to a power cut: the stages applied
+    steps the journal does not know of; the run goes on after the stages' last one."""
+    driver = FakeDriver({})
+    status = [SimpleNamespace(step_open=False, peer_id=p, steps_done=31, last_step=30) for p in "ab"]
+    driver.replica_status = lambda: [status]
+    said = []
+    assert settle(driver, (20, None, None), said.append).next_step == 31 and "applied step 31 already" in said[0]
+    status[1].last_step = 29  # applied on only some stages: named (nothing can make it whole)
+    assert settle(driver, (20, None, None)).next_step == 31 and "different last steps" in caplog.text
+    restored = [SimpleNamespace(step_open=False, peer_id="a", steps_done=31, last_step=0)]  # from a checkpoint
+    driver.replica_status = lambda: [restored]
+    assert settle(driver, (0, None, None)).next_step == 0
