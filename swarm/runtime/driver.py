@@ -45,6 +45,7 @@ from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
 from swarm.runtime.callinfo import CallRouter, route_needed
+from swarm.runtime.commit import StepCommit
 from swarm.runtime.gate import runs_through
 from swarm.runtime.messages import GradReport, from_wire
 from swarm.runtime.precision import agreed_step
@@ -201,6 +202,9 @@ class PipelineDriver:
             else None
         )
         """the audits of replicated stages' work (`swarm.runtime.verify`; None: off)"""
+        self.on_commit: Callable[[StepCommit], None] | None = None
+        """told each step's `StepCommit` before the step's first Step is sent (the trainer's journal: a trainer
+        killed after it restarts finishes that step where it is missing, `finish_step`, and never runs it again)"""
 
     @property
     def n_stages(self) -> int:
@@ -597,6 +601,7 @@ class PipelineDriver:
                     traffic.merge(self._reduce(step, used, wake))
                     norm = self._grads(step, used, wake)
                     gather(self._audits, wake, self.dead, self.deadline_s)  # a liar found: nothing is applied
+                    self._commit(step, loss, norm, used)
                     lr = self._apply(step, used, norm, wake)
                 if math.isfinite(norm):
                     self.suspects.applied(self._stage_sq)
@@ -629,6 +634,33 @@ class PipelineDriver:
             total_wire_bytes=sum(every.sent.values()) + control,
             fp32_total_wire_bytes=every.fp32_wire_bytes + every.tied_fp32_bytes + control,
         )  # fmt: skip
+
+    def _commit(self, step: int, loss: float, norm: float, routes: list[Route]) -> None:
+        """Tells `on_commit` what every Step of `step` will say, before the first one leaves."""
+        if self.on_commit is not None:
+            peers = tuple(self.replica_peers[s][r] for s in range(self.n_stages) for r in self._replicas(s, routes))
+            self.on_commit(StepCommit(step, norm, self.loss_scale, self.plan_version, loss, peers))
+
+    def finish_step(self, commit: StepCommit) -> dict[str, float | Exception]:
+        """Sends `commit`'s Step again to each of its peers (a trainer's restart after a kill while the Steps were
+        in flight): a stage that applied it answers with its lr and changes nothing, one that still holds the
+        step open applies it. Returns each peer's lr, or the error of a peer that refused or did not answer."""
+        request = stage_pb2.StepRequest(
+            step=commit.step, global_grad_norm=commit.grad_norm, plan_version=commit.plan_version,
+            skip=commit.skip, loss_scale=commit.loss_scale,
+        )  # fmt: skip
+        at = {peer: self._where(peer) for peer in commit.peers if peer in self._peer_set}
+        calls = {
+            peer: spawn(lambda k=k: self._call(*k, "Step", request), "finish", self._threads) for peer, k in at.items()
+        }
+        wait(list(calls.values()), timeout=self.deadline_s + 1)
+        out: dict[str, float | Exception] = {
+            peer: KeyError(f"peer {peer} is not in this plan") for peer in commit.peers if peer not in at
+        }
+        for peer, call in calls.items():
+            error = call.exception() if call.done() else TimeoutError(f"no reply in {self.deadline_s:.0f} s")
+            out[peer] = error if error is not None else call.result().lr
+        return out
 
     def _struck(self, step: int, caught: Failed | Implausible, attempt: int) -> bool:
         """After an attempt failed or a reply's numbers were refused (`Implausible`): a failure nobody's reply

@@ -18,18 +18,36 @@ from pathlib import Path
 
 from swarm.runtime.checkpoint import describe_disk
 
-__all__ = ["StepLog", "counter_columns", "load_position", "save_position", "step_columns", "step_row"]
+__all__ = [
+    "StepLog",
+    "counter_columns",
+    "load_position",
+    "load_state",
+    "save_position",
+    "step_columns",
+    "step_row",
+]
 
 log = logging.getLogger("swarm.train.steplog")
 
 
 class StepLog:
-    """Rows of `fields` (fixed columns, in order), then link and counter columns as they appear."""
+    """Rows of `fields` (fixed columns, in order), then link and counter columns as they appear.
 
-    def __init__(self, out: Path, fields: list[str]):
+    `resume_at`: the run resumes with its step `resume_at` (0-based; rows number steps from 1): the rows of
+    steps 1..resume_at that earlier lives wrote are kept (and counted in the totals, so the summary and the plot
+    cover the whole run), later ones dropped. None: a fresh run, whatever the folder held."""
+
+    def __init__(self, out: Path, fields: list[str], resume_at: int | None = None):
         self.csv_path, self.fields = out / "steps.csv", fields
         self._lines_path = out / "steps.jsonl"
-        self._lines = open(self._lines_path, "w")  # noqa: SIM115 - open for the log's lifetime, closed in close()
+        kept = _earlier_rows(out, resume_at) if resume_at is not None else []
+        if resume_at is not None:
+            tmp = out / "steps.jsonl.tmp"  # replaced whole: a kill now leaves the old files, read again next time
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            os.replace(tmp, self._lines_path)
+            self.csv_path.unlink(missing_ok=True)  # its rows are in the lines now
+        self._lines = open(self._lines_path, "a" if resume_at is not None else "w")  # noqa: SIM115 - closed in close()
         self._extra: dict[str, None] = {}
         self.steps, self.losses = array("d"), array("d")
         self.step_seconds = array("d")
@@ -38,10 +56,19 @@ class StepLog:
             "forward_bytes": 0, "backward_bytes": 0, "fp32_wire_bytes": 0, "sync_bytes": 0,
             "control_bytes": 0, "total_wire_bytes": 0, "fp32_total_wire_bytes": 0,
         }  # fmt: skip
+        for row in kept:
+            self._count(row)
+
+    def has(self, step: int) -> bool:
+        """Whether the row of `step` (numbered from 1, as in steps.csv) is in the log."""
+        return step in self.steps  # once, at a resume: a scan is cheap enough
 
     def add(self, row: dict) -> None:
         self._lines.write(json.dumps(row) + "\n")
         self._lines.flush()  # a live reader (a dashboard, the churn experiment) sees each row as it is made
+        self._count(row)
+
+    def _count(self, row: dict) -> None:
         for key in row:
             if key not in self._extra and key not in self.fields:
                 self._extra[key] = None
@@ -70,20 +97,54 @@ class StepLog:
         return self.csv_path
 
 
+def _earlier_rows(out: Path, resume_at: int) -> list[dict]:
+    """The rows of steps 1..resume_at that earlier lives of the run wrote, in step order, each step once: those of
+    a closed steps.csv, then the lines of a life that was killed (its last line may be cut short: skipped)."""
+    rows: dict[int, dict] = {}
+    csv_path, lines_path = out / "steps.csv", out / "steps.jsonl"
+    if csv_path.exists():
+        with open(csv_path, newline="") as f:
+            for row in csv.DictReader(f):
+                parsed = {k: _cell(v) for k, v in row.items() if k is not None}
+                if type(parsed.get("step")) is int:
+                    rows[parsed["step"]] = parsed
+    if lines_path.exists():
+        with open(lines_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    log.warning("%s: a row cut short by a kill is dropped: %.80s", lines_path, line)
+                    continue
+                if isinstance(row, dict) and type(row.get("step")) is int:
+                    rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows) if 1 <= k <= resume_at]
+
+
+def _cell(text: str):
+    """A steps.csv cell as the row held it: an int, a float, or the text (sample ids, peers, the setting)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 TRAINER_FORMAT = "swarm-trainer/1"
 
 
-def save_position(out: Path, step: int, epoch: int, batch: int, identity: dict) -> bool:
-    """Writes where the trainer is (`trainer_state.json`: the next step, its epoch and batch within the epoch)
-    atomically, with `identity` (seed, batch size, samples) that a resume must match. Returns False when the
-    disk refuses (full, read-only): logged with the path and the disk, no `.tmp` left behind, the previous
-    position kept (a resume starts there, as it would after a crash), and training goes on."""
+def save_position(out: Path, step: int, epoch: int, batch: int, identity: dict, durable: bool = True, **extra) -> bool:
+    """Writes where the trainer is (`trainer_state.json`: the next step, its epoch and batch within the epoch,
+    and `extra` fields: the trainer's journal, `swarm.train.journal`) atomically, with `identity` (seed, batch
+    size, samples) that a resume must match. `durable` False skips the fsync: the rename alone survives a kill
+    of the process (not a power cut) at a fraction of the cost. Returns False when the disk refuses (full,
+    read-only): logged with the path and the disk, no `.tmp` left behind, the previous position kept (a resume
+    starts there, as it would after a crash), and training goes on."""
     path, tmp = out / "trainer_state.json", out / "trainer_state.json.tmp"
+    state = {"format": TRAINER_FORMAT, "step": step, "epoch": epoch, "batch": batch, **identity, **extra}
     try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"format": TRAINER_FORMAT, "step": step, "epoch": epoch, "batch": batch, **identity}))
-            f.flush()
-            os.fsync(f.fileno())
+        write_state(tmp, json.dumps(state), durable)
         os.replace(tmp, path)
         return True
     except OSError as e:
@@ -96,8 +157,24 @@ def save_position(out: Path, step: int, epoch: int, batch: int, identity: dict) 
         return False
 
 
+def write_state(tmp: Path, text: str, durable: bool) -> None:
+    """Writes `text` to the temporary file `tmp` (fsynced when `durable`) before it is renamed into place."""
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
+
+
 def load_position(out: Path, identity: dict) -> tuple[int, int, int] | None:
     """(step, epoch, batch) to resume at from `out`'s trainer_state.json; None without one. Raises ValueError
+    if it belongs to another run (other seed, batch size or samples) or is not a trainer state."""
+    state = load_state(out, identity)
+    return None if state is None else (state["step"], state["epoch"], state["batch"])
+
+
+def load_state(out: Path, identity: dict) -> dict | None:
+    """`out`'s trainer_state.json, checked (its position and `identity`); None without one. Raises ValueError
     if it belongs to another run (other seed, batch size or samples) or is not a trainer state."""
     path = out / "trainer_state.json"
     if not path.exists():
@@ -114,7 +191,7 @@ def load_position(out: Path, identity: dict) -> tuple[int, int, int] | None:
     values = [state.get(k) for k in ("step", "epoch", "batch")]
     if not all(type(v) is int and v >= 0 for v in values):
         raise ValueError(f"{path}: step, epoch and batch must be integers >= 0, got {values}")
-    return values[0], values[1], values[2]
+    return state
 
 
 def step_row(result, step: int, epoch: int) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -31,7 +32,8 @@ from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
 from swarm.runtime.verify import VerifyConfig
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
-from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns, step_row
+from swarm.train.journal import Journal, Settled, settle
+from swarm.train.steplog import StepLog, counter_columns, step_columns, step_row
 from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
 
 if TYPE_CHECKING:
@@ -142,9 +144,11 @@ class TrainConfig:
     out: str | None = field(default=None, metadata=flag(group=_TRAINING))
     """folder for steps.csv, loss.png, summary.json (none: runs/train-<time>)"""
     resume: bool = field(default=False, metadata=flag(group=_TRAINING))
-    """continue from --out's trainer_state.json: the same data order, from the step where it stopped"""
+    """continue from --out's trainer_state.json, however the last run ended (a SIGKILL too): the step it left
+    open is finished or run again on every stage, the data order goes on, and steps.csv is appended to"""
     checkpoint_every: int = field(default=50, metadata=flag(group=_TRAINING))
-    """steps between writes of trainer_state.json (and one at the end)"""
+    """steps between fsyncs of trainer_state.json (it is rewritten at every step, which a kill never loses; a
+    power cut loses the writes since the last fsync)"""
     dht: DHTConfig | None = field(default=None, metadata={"flag": DHT_FLAGS})
     """How `swarm train` joins the DHT; None where the caller finds the route itself (demo, experiments)."""
     address_file: str | None = field(default=None, metadata=flag(group="DHT"))
@@ -378,9 +382,11 @@ def train(
     def follow(min_version: int, timeout_s: float = cfg.wait_timeout_s) -> None:
         nonlocal pipe, route, replans
         pipe.close()
+        on_commit = pipe.on_commit
         route = discover_route(dht, None, timeout_s, say, min_version, trainer_id=dht.peer_id, n_layers=model.n_layers)
         say(f"plan {route.plan_version}: {route.describe()}")
         pipe, watch.version = connect(route), route.plan_version
+        pipe.on_commit = on_commit
         replans += 1
 
     def run_step(step: int, batch):
@@ -402,14 +408,24 @@ def train(
         raise AssertionError("unreachable")
 
     run_identity = {"seed": cfg.seed, "batch_size": cfg.batch_size, "train_samples": cfg.train_samples}
-    start = (load_position(out, run_identity) if cfg.resume else None) or (0, 0, 0)
-    if cfg.resume:
-        say(f"resuming at step {start[0]} (epoch {start[1]}, batch {start[2]})" if start[0] else "nothing to resume")
-    position = start
-    log, started = StepLog(out, CSV_FIELDS), time.perf_counter()
+    journal = Journal(out, run_identity, steps_per_epoch, durable_every=cfg.checkpoint_every)
+    record = (journal.load() or (0, None, None)) if cfg.resume else None  # no journal: the stages may know more
+    settled = settle(pipe, record, say) if record is not None else Settled(0)
+    if cfg.resume:  # the stages' record, settled against the journal, says where: the data order follows it
+        at = settled.next_step
+        say(f"resuming at step {at} (epoch {at // steps_per_epoch}, batch {at % steps_per_epoch})" if at else
+            "nothing to resume")  # fmt: skip
+    log, started = StepLog(out, CSV_FIELDS, resume_at=settled.next_step if cfg.resume else None), time.perf_counter()
+    if settled.finished is not None and not log.has(settled.next_step):
+        epoch, index = divmod(settled.finished.step, steps_per_epoch)
+        batch = next(itertools.islice(epoch_batches(train_set, cfg.batch_size, epoch, cfg.seed), index, None))
+        log.add(finished_row(cfg.setting, settled, epoch, batch.sample_ids))
+    pipe.on_commit = journal.commit
+    step = settled.next_step
+    ended = False
     try:
         with tqdm(total=total, desc="training", unit="step", disable=quiet, file=sys.stderr) as bar:
-            step, epoch, skip = start
+            epoch, skip = divmod(step, steps_per_epoch)
             bar.update(step)
             while step < total and not (stop is not None and stop.is_set()):
                 for index, batch in enumerate(epoch_batches(train_set, cfg.batch_size, epoch, cfg.seed)):
@@ -417,6 +433,7 @@ def train(
                         continue
                     if step >= total or (stop is not None and stop.is_set()):  # stop between steps
                         break
+                    journal.begin(step)
                     r, retries = run_step(step, batch)
                     ids = getattr(r, "sample_ids", None) or tuple(int(i) for i in batch.sample_ids)
                     log.add(
@@ -436,17 +453,16 @@ def train(
                         }
                     )
                     step += 1
-                    position = (step, epoch, index + 1)
-                    if step % cfg.checkpoint_every == 0:
-                        save_position(out, *position, run_identity)
                     wire = log.wire_bytes
                     bar.set_postfix_str(f"loss {r.loss:.3f} | {r.seconds:.2f} s/step | wire {wire / 1e6:.1f} MB")
                     bar.update(1)
                 epoch, skip = epoch + 1, 0
+        ended = True
     finally:
         pipe.close()
         log.close()
-        save_position(out, *position, run_identity)
+        if ended:  # else the journal keeps the step that failed open (or committed): a resume settles it
+            journal.close(step)
     losses = list(log.losses)
     panel = Panel("training loss", "step", "loss")
     panel.series[cfg.setting] = (list(log.steps), moving_average(losses, 5))
@@ -476,6 +492,19 @@ def train(
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
+
+
+def finished_row(setting: str, settled: Settled, epoch: int, sample_ids) -> dict:
+    """The row of a step its trainer committed before it was killed and a resume finished (`settle`): what its
+    commit record holds (loss, norm, scale, plan), its lr and samples, no bytes (that life's counts died with it).
+    """
+    commit = settled.finished
+    return {
+        "setting": setting, "step": commit.step + 1, "epoch": epoch, "train_loss": commit.loss, "lr": settled.lr,
+        "grad_norm": commit.grad_norm, "step_s": 0.0, "skipped": int(commit.skip), "loss_scale": commit.loss_scale,
+        "plan_version": commit.plan_version, "time": round(time.time(), 3), "attempts": 1,
+        "sample_ids": " ".join(str(int(i)) for i in sample_ids), "finished_on_resume": 1,
+    }  # fmt: skip
 
 
 def route_weights(kind: str):
@@ -592,6 +621,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:  # e.g. --resume from another run's trainer_state.json
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # the journal could not record a step's commit (a full disk): stopped before its Step
+            print(f"error: training stopped: {e}", file=sys.stderr)
+            return 1
         if args.save_model:  # from the live stages, as the last step left them (swarm.train.export_cli)
             from swarm.train.export_cli import held_out_of, save_model
 
