@@ -39,13 +39,14 @@ import grpc
 from google.protobuf.message import Message
 
 from swarm.metrics import Metrics, delta
-from swarm.model.data import Batch
+from swarm.model.data import Batch, SampleSet
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
 from swarm.runtime.callinfo import CallRouter, route_needed
 from swarm.runtime.gate import runs_through
+from swarm.runtime.heldout import HeldOutLoss, held_out_loss
 from swarm.runtime.messages import GradReport, from_wire
 from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
@@ -714,6 +715,16 @@ class PipelineDriver:
                 except (StageCallError, grpc.RpcError):
                     continue
                 check_status(reply, identity, label, f"stage {s} (peer {peer} at {self.replica_addresses[s][r]})")
+
+    def evaluate(self, data: SampleSet, rows: int, step: int, hidden: int) -> HeldOutLoss:
+        """The held-out loss of the weights the stages hold before step `step`, on `data` through the first live
+        route (`swarm.runtime.heldout`: forward only, no state of a step touched). Raises NoLiveRoute without
+        one, StageCallError or WireError as `held_out_loss` does."""
+        live = self.live_routes()
+        if not live:
+            raise NoLiveRoute("no live route to evaluate on")
+        at = route_replicas(live[0], self.counts)
+        return held_out_loss(self._call, at, data, rows, step, self.plan_version, hidden, self.deadline_s)
 
     def replica_status(self) -> list[list[stage_pb2.StatusReply | None]]:
         """Every replica's status, `[stage][replica]`; None for a dead peer."""

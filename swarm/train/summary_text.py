@@ -21,6 +21,7 @@ def format_summary(s: TrainSummary) -> str:
             f"steps:        {s.steps} in {s.seconds:.1f} s ({s.mean_step_s:.2f} s/step)",
             f"step time:    predicted {predicted}, measured {s.mean_step_s:.2f} s/step{off}",
             f"loss:         {s.first_loss:.3f} -> {s.final_loss:.3f} (mean of the last 5 steps)",
+            *_held_out(s),
             f"wire bytes:   {s.wire_bytes / 1e6:.2f} MB; fp32: {s.fp32_wire_bytes / 1e6:.2f} MB ({ratio:.1f}x)",
             f"embedding:    {s.sync_bytes / 1e6:.2f} MB of tied-gradient sync between the end stages",
             f"total bytes:  {s.total_wire_bytes / 1e6:.2f} MB (boundaries + embedding + sums + control); fp32: "
@@ -30,3 +31,15 @@ def format_summary(s: TrainSummary) -> str:
             f"outputs:      {s.csv}" + (f", {s.plot}" if s.plot else ""),
         ]
     )
+
+
+def _held_out(s: TrainSummary) -> list[str]:
+    """The held-out line: the last evaluation's loss, of which step, on how many windows (none when off)."""
+    if not s.held_out_samples:
+        return []
+    if s.held_out_loss is None:
+        return [f"held-out:     no evaluation succeeded ({s.held_out_samples} windows)"]
+    last = "" if s.held_out_step == s.steps else f", not the last step {s.steps}: its evaluation failed"
+    return [
+        f"held-out:     loss {s.held_out_loss:.3f} on {s.held_out_samples} windows after step {s.held_out_step}{last}"
+    ]

@@ -31,6 +31,7 @@ from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
 from swarm.runtime.verify import VerifyConfig
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
+from swarm.train.heldout import HeldOut, held_out_rows
 from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns, step_row
 from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
 
@@ -65,6 +66,7 @@ CSV_FIELDS = [
     "chains",
     "dead_peers",
     "sample_ids",
+    "held_out_loss",
 ]
 _TRAINING = "training"
 CHAIN_WEIGHTS = ("measured", "equal")
@@ -102,6 +104,14 @@ class TrainSummary:
     """the plan's predicted step time (`PlanRoutes.predicted_step_s`), beside `mean_step_s`; None for even splits"""
     relay_extra_s: float | None = None
     """what the plan's relayed links add to `predicted_step_s` (`PlanRoutes.relay_extra_s`); None: none relayed"""
+    held_out_loss: float | None = None
+    """mean loss per token on the held-out windows at the last evaluation (`swarm.train.heldout`); None: none ran"""
+    held_out_step: int | None = None
+    """steps applied when `held_out_loss` was measured (the run's `steps` when the final evaluation succeeded)"""
+    held_out_samples: int = 0
+    """held-out windows evaluated (`--eval-samples`)"""
+    held_out_bytes: int = 0
+    """bytes of the evaluations' calls, outside `total_wire_bytes`"""
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,10 @@ class TrainConfig:
     """continue from --out's trainer_state.json: the same data order, from the step where it stopped"""
     checkpoint_every: int = field(default=50, metadata=flag(group=_TRAINING))
     """steps between writes of trainer_state.json (and one at the end)"""
+    eval_every: int = field(default=20, metadata=flag(group=_TRAINING))
+    """steps between held-out evaluations, forward only through the stages (0: only after the last step)"""
+    eval_samples: int = field(default=48, metadata=flag(group=_TRAINING))
+    """held-out windows, from the end of the corpus (the ones `swarm demo` reports; 0: no evaluation)"""
     dht: DHTConfig | None = field(default=None, metadata={"flag": DHT_FLAGS})
     """How `swarm train` joins the DHT; None where the caller finds the route itself (demo, experiments)."""
     address_file: str | None = field(default=None, metadata=flag(group="DHT"))
@@ -167,6 +181,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: {self.micro_batches} micro-batches do not divide {self.batch_size} samples")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"TrainConfig.schedule: expected 1f1b or gpipe, got {self.schedule!r}")
+        if self.eval_every < 0 or self.eval_samples < 0:
+            raise ValueError("TrainConfig: eval_every and eval_samples must be >= 0")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"TrainConfig.steps: expected >= 1 or None, got {self.steps}")
         if self.num_stages is not None and self.num_stages < 1:
@@ -333,12 +349,12 @@ def train(
     signer = signer or CallSigner(Identity.generate())
     model = cfg.model
     identity = model_identity(model)
-    train_set, _, report = build_datasets(
+    train_set, held_out_set, report = build_datasets(
         DataConfig(
             path=cfg.data,
             seq_len_tokens=model.seq_len_tokens,
             train_samples=cfg.train_samples,
-            eval_samples=0,
+            eval_samples=cfg.eval_samples,
             tokenizer=getattr(model, "tokenizer_path", None),
         )  # fmt: skip
     )
@@ -371,6 +387,8 @@ def train(
         return driver
 
     pipe = connect(route)
+    rows = held_out_rows(cfg.batch_size, cfg.micro_batches)
+    held = HeldOut(held_out_set, cfg.eval_every, rows, model.hidden_dim, metrics)
     watch = PlanWatch(dht, route.plan_version, n_layers=model.n_layers) if dht is not None else None
     replans = 0
 
@@ -419,22 +437,22 @@ def train(
                         break
                     r, retries = run_step(step, batch)
                     ids = getattr(r, "sample_ids", None) or tuple(int(i) for i in batch.sample_ids)
-                    log.add(
-                        {
-                            "setting": cfg.setting,
-                            **step_row(r, step + 1, epoch),
-                            "fp32_wire_bytes": r.fp32_wire_bytes,
-                            "tied_bytes": r.sync_bytes,
-                            "step_s": r.seconds,
-                            "skipped": int(r.skipped),  # fp16: every stage skipped it
-                            "loss_scale": r.loss_scale,
-                            "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
-                            "plan_version": route.plan_version,
-                            **step_columns(r, ids, route.n_replicas, retries),
-                            **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
-                            **counter_columns(r.counters),
-                        }
-                    )
+                    row = {
+                        "setting": cfg.setting,
+                        **step_row(r, step + 1, epoch),
+                        "fp32_wire_bytes": r.fp32_wire_bytes,
+                        "tied_bytes": r.sync_bytes,
+                        "step_s": r.seconds,
+                        "skipped": int(r.skipped),  # fp16: every stage skipped it
+                        "loss_scale": r.loss_scale,
+                        "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
+                        "plan_version": route.plan_version,
+                        **step_columns(r, ids, route.n_replicas, retries),
+                        **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
+                        **counter_columns(r.counters),
+                    }
+                    held_out = held.run(pipe, step + 1) if held.due(step + 1, total) else None
+                    log.add({**row, "held_out_loss": "" if held_out is None else held_out})
                     step += 1
                     position = (step, epoch, index + 1)
                     if step % cfg.checkpoint_every == 0:
@@ -443,6 +461,7 @@ def train(
                     bar.set_postfix_str(f"loss {r.loss:.3f} | {r.seconds:.2f} s/step | wire {wire / 1e6:.1f} MB")
                     bar.update(1)
                 epoch, skip = epoch + 1, 0
+        held.finish(pipe, step)  # a run stopped between two evaluations: its final weights too
     finally:
         pipe.close()
         log.close()
@@ -450,6 +469,8 @@ def train(
     losses = list(log.losses)
     panel = Panel("training loss", "step", "loss")
     panel.series[cfg.setting] = (list(log.steps), moving_average(losses, 5))
+    if held.points:
+        panel.series["held-out"] = ([p.step for p in held.points], [p.loss for p in held.points])
     title = f"swarm train: {len(route.addresses)} stages"
     plot = save_line_plots([panel], out / "loss.png", title) if log.count else None
     times = list(log.step_seconds)
@@ -473,6 +494,7 @@ def train(
         total_ratio_vs_fp32=log.totals["fp32_total_wire_bytes"] / max(1, log.totals["total_wire_bytes"]),
         predicted_step_s=getattr(route, "predicted_step_s", None),
         relay_extra_s=getattr(route, "relay_extra_s", None),
+        **held.summary(),
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
