@@ -216,10 +216,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     cfg = train_flags().from_args(args)
     dht = replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file))
-    if dht.run is not None:  # an owned run: the model is the manifest's (a flag contradicting it is refused)
+    if dht.run is not None:  # an owned run: the model and the run length are the manifest's (swarm.train.run_length)
         from swarm.daemon.run_cli import manifest_of, with_manifest
+        from swarm.train.run_length import with_run_length
 
-        cfg = with_manifest(train_flags(), args, manifest_of(dht))
+        manifest = manifest_of(dht)
+        cfg = with_manifest(train_flags(), args, manifest)
+        cfg = with_run_length(cfg, train_flags().given(args), manifest.total_steps, manifest.run_id)
     return replace(cfg, dht=dht)
 
 

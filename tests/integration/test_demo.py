@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -24,3 +25,9 @@ def test_the_demo_trains_and_its_planner_calibrates_the_prediction(tmp_path, cap
     # the republished plan is the same stages under the next version, with the calibrated prediction
     assert summary["plan_version"] == 2 and summary["predicted_step_s"] > 0
     assert (out / "steps.csv").exists() and (out / "loss.png").exists()
+    # held-out evaluation through the peers, forward only: every 20 steps (the default) and after the last
+    with open(out / "steps.csv") as f:
+        held = {int(r["step"]): r["held_out_loss"] for r in csv.DictReader(f) if r["held_out_loss"]}
+    assert sorted(held) == [20, 40, 60, 80]
+    assert summary["held_out_step"] == 80 and summary["held_out_loss"] == float(held[80])
+    assert 0 < summary["held_out_loss"] < float(held[20])  # it learned something that carries over
