@@ -647,14 +647,14 @@ class PipelineDriver:
             self.suspects.strike(peer, step, str(error))
         self._drop(step)
         if peer is None or peer not in self.suspects.banned:
-            log.warning("step %d skipped (%s)", step, error)
+            log.warning("step %d%s skipped (%s)", step, csv_row(step), error)
             return True
         self.dead.add(peer)
         failure = caught if isinstance(caught, Failed) else Failed(caught, (peer,))
         self._live(step, failure)  # raises NoLiveRoute when it was its stage's last replica: the plan must change
         if attempt >= self.max_attempts:
             raise as_error(failure, step, f"gave up after {attempt} attempts")
-        log.warning("step %d: peer %s evicted; running the step again without it", step, peer)
+        log.warning("step %d%s: peer %s evicted; running the step again without it", step, csv_row(step), peer)
         return False
 
     def _recover(self, step: int, failure: Failed, attempt: int) -> None:
@@ -673,7 +673,10 @@ class PipelineDriver:
         self._live(step, failure)  # raises NoLiveRoute when nothing is left
         if attempt >= self.max_attempts:
             raise as_error(failure, step, f"gave up after {attempt} attempts")
-        log.warning("step %d: attempt %d failed (%s); running the step again", step, attempt, as_error(failure, step))
+        log.warning(
+            "step %d%s: attempt %d failed (%s); running the step again",
+            step, csv_row(step), attempt, as_error(failure, step),
+        )  # fmt: skip
 
     def _drop(self, step: int) -> None:
         """Abandons the step on every live replica so that none keeps gradients from it."""
@@ -742,6 +745,12 @@ class PipelineDriver:
         end = time.monotonic() + CLOSE_WAIT_S
         for thread in list(self._threads):
             thread.join(max(0.0, end - time.monotonic()))
+
+
+def csv_row(step: int) -> str:
+    """What a retry message adds to a step's number: the stages and the wire count steps from 0, steps.csv's
+    `step` column counts applied steps from 1, so step 13 is steps.csv's row 14."""
+    return f" (steps.csv step {step + 1})"
 
 
 REDUCE_DEADLINE_S = 30.0

@@ -346,6 +346,7 @@ def train(
     from swarm.net.connect import GrpcConnector
     from swarm.net.stream import PLAN_MISMATCH, StageCallError
     from swarm.plots import Panel, moving_average, save_line_plots
+    from swarm.runtime.driver import csv_row
     from swarm.runtime.modelcheck import model_label
 
     metrics = metrics if metrics is not None else Metrics()
@@ -416,7 +417,7 @@ def train(
                 if PLAN_MISMATCH in str(e):
                     follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
                 elif no_route_left(e, route):
-                    say(f"step {step}: no route of replicas left ({e}); waiting for a plan without the dead peers")
+                    say(f"step {step}{csv_row(step)}: no route of replicas left ({e}); waiting for a newer plan")
                     follow(route.plan_version + 1, cfg.replan_timeout_s)
                 else:
                     raise
