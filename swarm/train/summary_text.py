@@ -12,14 +12,17 @@ def format_summary(s: TrainSummary) -> str:
     """`swarm train`'s summary for people (`--json` prints the summary's fields)."""
     ratio = s.fp32_wire_bytes / max(1, s.wire_bytes)
     predicted = "no prediction (even split)" if s.predicted_step_s is None else f"{s.predicted_step_s:.2f} s/step"
-    known = s.predicted_step_s is not None and s.mean_step_s > 0
-    off = f" (prediction {s.predicted_step_s / s.mean_step_s - 1:+.1%})" if known else ""
+    measured = s.median_step_s or s.mean_step_s
+    known = s.predicted_step_s is not None and measured > 0
+    off = f" (prediction {s.predicted_step_s / measured - 1:+.1%})" if known else ""
     if s.relay_extra_s is not None:
         off += f"; its relayed links add {s.relay_extra_s:.3f} s/step of it"
+    spread = f" (10-90%: {s.step_s_p10:.2f}-{s.step_s_p90:.2f})" if s.step_s_p90 > 0 else ""
     return "\n".join(
         [
             f"steps:        {s.steps} in {s.seconds:.1f} s ({s.mean_step_s:.2f} s/step)",
-            f"step time:    predicted {predicted}, measured {s.mean_step_s:.2f} s/step{off}",
+            f"step time:    predicted {predicted}, measured {'median ' if s.median_step_s else ''}{measured:.2f} "
+            f"s/step{spread}{off}",
             f"loss:         {s.first_loss:.3f} -> {s.final_loss:.3f} (mean of the last 5 steps)",
             *_held_out(s),
             f"wire bytes:   {s.wire_bytes / 1e6:.2f} MB; fp32: {s.fp32_wire_bytes / 1e6:.2f} MB ({ratio:.1f}x)",

@@ -104,6 +104,13 @@ class TrainSummary:
     """the plan's predicted step time (`PlanRoutes.predicted_step_s`), beside `mean_step_s`; None for even splits"""
     relay_extra_s: float | None = None
     """what the plan's relayed links add to `predicted_step_s` (`PlanRoutes.relay_extra_s`); None: none relayed"""
+    median_step_s: float = 0.0
+    """median step time (the first step left out, as in `mean_step_s`): what `predicted_step_s` is compared with,
+    a few slow steps (a re-plan, a loaded machine's other work) moving the mean but not the median"""
+    step_s_p10: float = 0.0
+    """10th percentile of the step times: with `step_s_p90`, how much the machine's speed moved during the run"""
+    step_s_p90: float = 0.0
+    """90th percentile of the step times"""
     held_out_loss: float | None = None
     """mean loss per token on the held-out windows at the last evaluation (`swarm.train.heldout`); None: none ran"""
     held_out_step: int | None = None
@@ -499,9 +506,19 @@ def train(
         predicted_step_s=getattr(route, "predicted_step_s", None),
         relay_extra_s=getattr(route, "relay_extra_s", None),
         **held.summary(),
+        **step_time_spread(times[1:] or times),
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
+
+
+def step_time_spread(times: list[float]) -> dict[str, float]:
+    """The median and the 10th and 90th percentiles of `times` (zeros without any)."""
+    if not times:
+        return {"median_step_s": 0.0, "step_s_p10": 0.0, "step_s_p90": 0.0}
+    ordered = sorted(times)
+    at = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
+    return {"median_step_s": at(0.5), "step_s_p10": at(0.1), "step_s_p90": at(0.9)}
 
 
 def route_weights(kind: str):

@@ -119,3 +119,21 @@ def test_the_eval_flags_are_in_train_help():
     text = parser.format_help()
     assert "--eval-every" in text and "--eval-samples" in text
     assert math.isfinite(TrainConfig().eval_every)
+
+
+def test_the_prediction_is_compared_with_the_median_step_and_the_spread_is_shown():
+    """A loaded machine's slow steps move the mean, not the median: the summary compares the plan's prediction
+    with the median and shows the 10-90% spread of the step times."""
+    from swarm.train.trainer import TrainSummary, step_time_spread
+
+    times = [0.5] * 8 + [5.0, 9.0]  # two steps slowed down by other work on the machine
+    spread = step_time_spread(times)
+    assert spread == {"median_step_s": 0.5, "step_s_p10": 0.5, "step_s_p90": 5.0}
+    assert step_time_spread([]) == {"median_step_s": 0.0, "step_s_p10": 0.0, "step_s_p90": 0.0}
+    summary = TrainSummary(
+        final_loss=1.0, first_loss=2.0, steps=10, wire_bytes=1, fp32_wire_bytes=1, sync_bytes=0,
+        mean_step_s=sum(times) / len(times), seconds=20.0, stages=2, route=["a", "b"], plan_version=2, replans=1,
+        csv="x", plot=None, predicted_step_s=0.45, **spread,
+    )  # fmt: skip
+    text = trainer.format_summary(summary)
+    assert "measured median 0.50 s/step (10-90%: 0.50-5.00) (prediction -10.0%)" in text
