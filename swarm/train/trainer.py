@@ -32,6 +32,7 @@ from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
 from swarm.runtime.verify import VerifyConfig
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
 from swarm.train.heldout import HeldOut, held_out_rows
+from swarm.train.run_length import ScheduleWatch
 from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns, step_row
 from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
 
@@ -398,6 +399,8 @@ def train(
         return driver
 
     pipe = connect(route)
+    owned = cfg.dht is not None and cfg.dht.run is not None  # the manifest gave the stages and this trainer one length
+    schedule = ScheduleWatch(total) if not owned else None
     rows = held_out_rows(cfg.batch_size, cfg.micro_batches)
     held = HeldOut(held_out_set, cfg.eval_every, rows, model.hidden_dim, metrics)
     watch = PlanWatch(dht, route.plan_version, n_layers=model.n_layers) if dht is not None else None
@@ -447,6 +450,8 @@ def train(
                     if step >= total or (stop is not None and stop.is_set()):  # stop between steps
                         break
                     r, retries = run_step(step, batch)
+                    if schedule is not None:
+                        schedule.observe(step, r.lr)
                     ids = getattr(r, "sample_ids", None) or tuple(int(i) for i in batch.sample_ids)
                     row = {
                         "setting": cfg.setting,

@@ -75,3 +75,26 @@ def test_the_demo_gives_its_peers_the_trainers_length(tmp_path):
     peer = peer_config(cfg, tmp_path)
     assert peer.optim.total_steps == run_steps(cfg.train) == 12
     assert 1 <= peer.optim.warmup_steps < peer.optim.total_steps
+
+
+def _watch(stages_total: int, run_total: int, warmup: int = 10, steps: int | None = None) -> list[str]:
+    from swarm.runtime.worker import OptimConfig, lr_at
+    from swarm.train.run_length import ScheduleWatch
+
+    said: list[str] = []
+    watch = ScheduleWatch(run_total, said.append)
+    cfg = OptimConfig(warmup_steps=warmup, total_steps=stages_total)
+    for step in range(steps or run_total):
+        watch.observe(step, lr_at(cfg, step) if step % 7 else 0.0)  # every 7th step skipped: no rate
+    return said
+
+
+def test_stages_whose_schedule_ends_where_the_run_does_raise_nothing():
+    assert _watch(100, 100) == [] and _watch(40, 40, warmup=0) == [] and _watch(500, 500, warmup=40) == []
+
+
+@pytest.mark.parametrize("stages_total, ends", [(1000, "ends near step 1000"), (40, "ends near step 40")])
+def test_stages_on_another_schedule_are_named_once_early(stages_total, ends):
+    said = _watch(stages_total, 100, steps=40)
+    assert len(said) == 1 and ends in said[0]
+    assert "--total-steps 100" in said[0] and "swarm run init" in said[0]

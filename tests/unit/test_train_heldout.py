@@ -28,9 +28,9 @@ def _config(tmp_path, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw}, out=str(tmp_path))
 
 
-def _train_locally(cfg: TrainConfig, monkeypatch, wrap=lambda driver: driver):
+def _train_locally(cfg: TrainConfig, monkeypatch, wrap=lambda driver: driver, stage_cfg=None):
     """`train` over an in-process pipeline (the swarm's runtime in one process) instead of gRPC stages."""
-    local = LocalPipeline(cfg.model, 2)
+    local = LocalPipeline(cfg.model, 2, stage_cfg=stage_cfg)
     monkeypatch.setattr(
         trainer,
         "driver_factory",
@@ -137,3 +137,15 @@ def test_the_prediction_is_compared_with_the_median_step_and_the_spread_is_shown
     )  # fmt: skip
     text = trainer.format_summary(summary)
     assert "measured median 0.50 s/step (10-90%: 0.50-5.00) (prediction -10.0%)" in text
+
+
+def test_train_says_when_the_stages_schedule_does_not_end_where_it_stops(tmp_path, monkeypatch, caplog):
+    from swarm.runtime.worker import OptimConfig, StageConfig
+
+    stages = StageConfig(optim=OptimConfig(warmup_steps=1, total_steps=1000))  # a hand-started swarm's default
+    _train_locally(_config(tmp_path, steps=4, eval_samples=0), monkeypatch, stage_cfg=stages)
+    assert "schedule ends near step 1000, but this run trains 4 steps" in caplog.text
+    caplog.clear()
+    stages = StageConfig(optim=OptimConfig(warmup_steps=1, total_steps=4))  # as swarm demo tells its peers
+    _train_locally(_config(tmp_path / "again", steps=4, eval_samples=0), monkeypatch, stage_cfg=stages)
+    assert "schedule" not in caplog.text
