@@ -483,7 +483,7 @@ def train(
         log.close()
         save_position(out, *position, run_identity)
     losses = list(log.losses)
-    panel = Panel("training loss", "step", "loss")
+    panel = Panel("training and held-out loss", "step", "loss")
     panel.series[cfg.setting] = (list(log.steps), moving_average(losses, 5))
     if held.points:
         panel.series["held-out"] = ([p.step for p in held.points], [p.loss for p in held.points])
