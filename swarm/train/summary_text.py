@@ -1,4 +1,4 @@
-"""`swarm train`'s summary as text (`TrainSummary`, swarm/train/trainer.py)."""
+"""`swarm train`'s summary as text (`TrainSummary`, swarm/train/trainer.py), and its step-time spread."""
 
 from __future__ import annotations
 
@@ -6,6 +6,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from swarm.train.trainer import TrainSummary
+
+
+def step_time_spread(times: list[float]) -> dict[str, float]:
+    """The summary's median and 10th and 90th percentiles of the step times `times` (zeros without any)."""
+    if not times:
+        return {"median_step_s": 0.0, "step_s_p10": 0.0, "step_s_p90": 0.0}
+    ordered = sorted(times)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"median_step_s": at(0.5), "step_s_p10": at(0.1), "step_s_p90": at(0.9)}
 
 
 def format_summary(s: TrainSummary) -> str:

@@ -34,7 +34,7 @@ from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
 from swarm.train.heldout import HeldOut, held_out_rows
 from swarm.train.run_length import ScheduleWatch
 from swarm.train.steplog import StepLog, counter_columns, load_position, save_position, step_columns, step_row
-from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
+from swarm.train.summary_text import format_summary, step_time_spread  # noqa: F401  (format_summary re-exported)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -515,15 +515,6 @@ def train(
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
-
-
-def step_time_spread(times: list[float]) -> dict[str, float]:
-    """The median and the 10th and 90th percentiles of `times` (zeros without any)."""
-    if not times:
-        return {"median_step_s": 0.0, "step_s_p10": 0.0, "step_s_p90": 0.0}
-    ordered = sorted(times)
-    at = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
-    return {"median_step_s": at(0.5), "step_s_p10": at(0.1), "step_s_p90": at(0.9)}
 
 
 def route_weights(kind: str):

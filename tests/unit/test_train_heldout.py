@@ -124,7 +124,8 @@ def test_the_eval_flags_are_in_train_help():
 def test_the_prediction_is_compared_with_the_median_step_and_the_spread_is_shown():
     """A loaded machine's slow steps move the mean, not the median: the summary compares the plan's prediction
     with the median and shows the 10-90% spread of the step times."""
-    from swarm.train.trainer import TrainSummary, step_time_spread
+    from swarm.train.summary_text import step_time_spread
+    from swarm.train.trainer import TrainSummary
 
     times = [0.5] * 8 + [5.0, 9.0]  # two steps slowed down by other work on the machine
     spread = step_time_spread(times)
