@@ -99,5 +99,6 @@ class HeldOut:
             "held_out_loss": last.loss if last is not None and math.isfinite(last.loss) else None,
             "held_out_step": last.step if last is not None else None,
             "held_out_samples": len(self.data),
+            "held_out_first_id": int(self.data.ids[0]) if self.on else None,
             "held_out_bytes": self.bytes,
         }

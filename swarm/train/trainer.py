@@ -118,6 +118,8 @@ class TrainSummary:
     """steps applied when `held_out_loss` was measured (the run's `steps` when the final evaluation succeeded)"""
     held_out_samples: int = 0
     """held-out windows evaluated (`--eval-samples`)"""
+    held_out_first_id: int | None = None
+    """the first held-out window's sample id (they run on from it): which windows of the corpus were held out"""
     held_out_bytes: int = 0
     """bytes of the evaluations' calls, outside `total_wire_bytes`"""
 

@@ -62,6 +62,7 @@ def test_train_evaluates_every_n_steps_and_after_the_last(tmp_path, monkeypatch)
     assert metrics.held_out_loss._value.get() == pytest.approx(summary.held_out_loss, rel=1e-12)
     _, evals, _ = build_datasets(DataConfig(seq_len_tokens=16, train_samples=16, eval_samples=6))
     assert summary.held_out_loss == pytest.approx(local.evaluate(evals, 4), rel=1e-5)  # exact forward, same windows
+    assert summary.held_out_first_id == int(evals.ids[0]) == 16  # the windows after the 16 training ones
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["held_out_loss"] == summary.held_out_loss
     assert "held-out" in trainer.format_summary(summary)
@@ -71,6 +72,7 @@ def test_train_evaluates_every_n_steps_and_after_the_last(tmp_path, monkeypatch)
 def test_eval_samples_zero_turns_evaluation_off(tmp_path, monkeypatch):
     summary, _, _ = _train_locally(_config(tmp_path, eval_samples=0, steps=2), monkeypatch)
     assert summary.held_out_loss is None and summary.held_out_step is None and summary.held_out_samples == 0
+    assert summary.held_out_first_id is None
     assert all(r["held_out_loss"] == "" for r in _rows(summary))
     assert "held-out" not in trainer.format_summary(summary)
 
