@@ -168,7 +168,7 @@ class TrainConfig:
     eval_every: int = field(default=20, metadata=flag(group=_TRAINING))
     """steps between held-out evaluations, forward only through the stages (0: only after the last step)"""
     eval_samples: int = field(default=48, metadata=flag(group=_TRAINING))
-    """held-out windows, from the end of the corpus (the ones `swarm demo` reports; 0: no evaluation)"""
+    """held-out windows, cut from the corpus after the training ones (the ones `swarm demo` reports; 0: none)"""
     dht: DHTConfig | None = field(default=None, metadata={"flag": DHT_FLAGS})
     """How `swarm train` joins the DHT; None where the caller finds the route itself (demo, experiments)."""
     address_file: str | None = field(default=None, metadata=flag(group="DHT"))
