@@ -427,11 +427,8 @@ class Flags(Generic[C]):
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"{path}: {e}") from None
         tokens: list[str] = []
-        for key, value in data.items():
-            name = "--" + key.replace("_", "-")
-            if name not in self.by_name:
-                raise ValueError(f"{path}: unknown key {key!r} (not a flag of this command)")
-            tokens += self.by_name[name][0].tokens(value, f"{path}: {key}")
+        for name, value, where in self._toml_items(data, self.tree, "", str(path)):
+            tokens += self.by_name[name][0].tokens(value, where)
         parser = argparse.ArgumentParser(exit_on_error=False, add_help=False)
         self.add_to(parser, config_flag=False)
         try:
@@ -439,6 +436,36 @@ class Flags(Generic[C]):
         except argparse.ArgumentError as e:
             raise ValueError(f"{path}: {e}") from None
         return _given(parsed, self.by_name)
+
+    def _toml_items(self, data: Mapping[str, Any], group: _Group, section: str, path: str) -> Iterator[tuple]:
+        """(flag, value, where) of a TOML table: its keys are flags of `group`'s subtree, or its fields' names;
+        a table inside is a nested config (`[train]`, `[train.freeze]`: the field's name), which turns an
+        optional one on unless it says `NAME = false` itself."""
+        leaves = {leaf.name: leaf for leaf in _leaves(group)}
+        fields = {name: child for name, child in group.children.items() if isinstance(child, _Leaf)}
+        if group.optional is not None and group.optional.name[2:] not in data and section:
+            yield group.optional.name, True, f"{path}: [{section}]"
+        for key, value in data.items():
+            where = f"{path}: {section}.{key}" if section else f"{path}: {key}"
+            field_name, name = key.replace("-", "_"), "--" + key.replace("_", "-")
+            if isinstance(value, dict):
+                child = group.children.get(field_name)
+                if not isinstance(child, (_Group, _Via)):
+                    sections = sorted(n for n, c in group.children.items() if isinstance(c, (_Group, _Via)))
+                    raise ValueError(
+                        f"{path}: [{section + '.' if section else ''}{key}] is not a section of this command's "
+                        f"config (sections here: {', '.join(sections) or 'none'})"
+                    )
+                sub = child if isinstance(child, _Group) else child.group
+                yield from self._toml_items(value, sub, f"{section}.{key}" if section else key, path)
+            elif field_name in fields:
+                yield fields[field_name].name, value, where
+            elif name in leaves:
+                yield name, value, where
+            else:
+                if section:
+                    raise ValueError(f"{path}: unknown key {key!r} in [{section}] (not a flag or field of it)")
+                raise ValueError(f"{path}: unknown key {key!r} (not a flag of this command)")
 
     # -- building --
 

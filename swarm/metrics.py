@@ -95,6 +95,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("loss", Gauge, "swarm_loss", "Training loss of the last step"),
     MetricSpec("plan_version", Gauge, "swarm_plan_version", "Version of the plan followed (0: no plan)"),
     MetricSpec(
+        "held_out_loss", Gauge, "swarm_held_out_loss",
+        "Mean loss per token on the held-out windows at the last evaluation (swarm train --eval-every)",
+    ),
+    MetricSpec(
         "frozen_layers", Gauge, "swarm_frozen_layers",
         "Layers [0, N) of the model frozen on this peer's stage (PipeTransformer; what the planner repacks by)",
     ),
@@ -133,6 +137,7 @@ class Metrics:
         steps: swarm_steps_total.
         loss: swarm_loss.
         plan_version: swarm_plan_version.
+        held_out_loss: swarm_held_out_loss (swarm.train.heldout).
         frozen_layers: swarm_frozen_layers (swarm.runtime.freeze.apply_frozen).
         compute_bits: swarm_compute_bits (set by the stage's Status from its worker's precision).
         buffered_samples: swarm_buffered_samples{link}.
@@ -152,6 +157,7 @@ class Metrics:
     steps: Counter
     loss: Gauge
     plan_version: Gauge
+    held_out_loss: Gauge
     frozen_layers: Gauge
     compute_bits: Gauge
     buffered_samples: Gauge

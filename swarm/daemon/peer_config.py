@@ -110,7 +110,10 @@ _OPTIM_FLAGS = Flag(
     fields={
         "lr_peak": Flag(name="--lr", help="peak learning rate"),
         "warmup_steps": Flag(help="steps of linear learning-rate warm-up"),
-        "total_steps": Flag(help="steps the cosine decay spans"),
+        "total_steps": Flag(
+            help="steps the cosine decay spans: the run's length, where `swarm train --steps` (or --epochs) must end "
+            "too; an owned run's come from its manifest"
+        ),
         "grad_clip_norm": Flag(
             name="--grad-clip", parse=float, value=lambda norm: norm or None, render=lambda norm: repr(norm or 0.0),
             help="clip the global gradient norm to this (0 or none = off)",

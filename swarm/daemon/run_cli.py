@@ -249,7 +249,8 @@ class RunInitConfig:
     warmup_steps: int = _DEFAULT_OPTIM.warmup_steps
     """steps of linear learning-rate warm-up"""
     total_steps: int = _DEFAULT_OPTIM.total_steps
-    """steps the cosine decay spans"""
+    """the run's length in optimizer steps: the stages' cosine decay ends there, and the run's trainer trains this
+    many unless told fewer (`swarm train --steps/--epochs`)"""
 
     def __post_init__(self) -> None:
         if not 1 <= self.planners <= 16:

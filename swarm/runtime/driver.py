@@ -39,7 +39,7 @@ import grpc
 from google.protobuf.message import Message
 
 from swarm.metrics import Metrics, delta
-from swarm.model.data import Batch
+from swarm.model.data import Batch, SampleSet
 from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering, uneven
@@ -47,6 +47,7 @@ from swarm.proto import stage_pb2
 from swarm.runtime.callinfo import CallRouter, route_needed
 from swarm.runtime.commit import StepCommit
 from swarm.runtime.gate import runs_through
+from swarm.runtime.heldout import HeldOutLoss, held_out_loss
 from swarm.runtime.messages import GradReport, from_wire
 from swarm.runtime.precision import agreed_step
 from swarm.runtime.results import StepResult
@@ -678,14 +679,14 @@ class PipelineDriver:
             self.suspects.strike(peer, step, str(error))
         self._drop(step)
         if peer is None or peer not in self.suspects.banned:
-            log.warning("step %d skipped (%s)", step, error)
+            log.warning("step %d%s skipped (%s)", step, csv_row(step), error)
             return True
         self.dead.add(peer)
         failure = caught if isinstance(caught, Failed) else Failed(caught, (peer,))
         self._live(step, failure)  # raises NoLiveRoute when it was its stage's last replica: the plan must change
         if attempt >= self.max_attempts:
             raise as_error(failure, step, f"gave up after {attempt} attempts")
-        log.warning("step %d: peer %s evicted; running the step again without it", step, peer)
+        log.warning("step %d%s: peer %s evicted; running the step again without it", step, csv_row(step), peer)
         return False
 
     def _recover(self, step: int, failure: Failed, attempt: int) -> None:
@@ -704,7 +705,10 @@ class PipelineDriver:
         self._live(step, failure)  # raises NoLiveRoute when nothing is left
         if attempt >= self.max_attempts:
             raise as_error(failure, step, f"gave up after {attempt} attempts")
-        log.warning("step %d: attempt %d failed (%s); running the step again", step, attempt, as_error(failure, step))
+        log.warning(
+            "step %d%s: attempt %d failed (%s); running the step again",
+            step, csv_row(step), attempt, as_error(failure, step),
+        )  # fmt: skip
 
     def _drop(self, step: int) -> None:
         """Abandons the step on every live replica so that none keeps gradients from it."""
@@ -747,6 +751,16 @@ class PipelineDriver:
                     continue
                 check_status(reply, identity, label, f"stage {s} (peer {peer} at {self.replica_addresses[s][r]})")
 
+    def evaluate(self, data: SampleSet, rows: int, step: int, hidden: int) -> HeldOutLoss:
+        """The held-out loss of the weights the stages hold before step `step`, on `data` through the first live
+        route (`swarm.runtime.heldout`: forward only, no state of a step touched). Raises NoLiveRoute without
+        one, StageCallError or WireError as `held_out_loss` does."""
+        live = self.live_routes()
+        if not live:
+            raise NoLiveRoute("no live route to evaluate on")
+        at = route_replicas(live[0], self.counts)
+        return held_out_loss(self._call, at, data, rows, step, self.plan_version, hidden, self.deadline_s)
+
     def replica_status(self) -> list[list[stage_pb2.StatusReply | None]]:
         """Every replica's status, `[stage][replica]`; None for a dead peer."""
         return [
@@ -763,6 +777,12 @@ class PipelineDriver:
         end = time.monotonic() + CLOSE_WAIT_S
         for thread in list(self._threads):
             thread.join(max(0.0, end - time.monotonic()))
+
+
+def csv_row(step: int) -> str:
+    """What a retry message adds to a step's number: the stages and the wire count steps from 0, steps.csv's
+    `step` column counts applied steps from 1, so step 13 is steps.csv's row 14."""
+    return f" (steps.csv step {step + 1})"
 
 
 REDUCE_DEADLINE_S = 30.0

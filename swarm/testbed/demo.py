@@ -47,7 +47,17 @@ _PEER_FLAGS = Flag(
 """The peers' flags the demo takes (the rest are the demo's: stages, steps, checkpoints)."""
 _TRAIN_FLAGS = Flag(
     group="training",
-    only=("train_samples", "batch_size", "micro_batches", "schedule", "epochs", "data", "freeze"),
+    only=(
+        "train_samples",
+        "batch_size",
+        "micro_batches",
+        "schedule",
+        "epochs",
+        "data",
+        "freeze",
+        "eval_every",
+        "eval_samples",
+    ),
     fields={"freeze": Flag(name="--freeze", prefix="freeze-", group="freezing (PipeTransformer)")},
 )
 """The trainer's flags the demo takes (its model is `DemoConfig.model`'s)."""
@@ -96,8 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def peer_config(cfg: DemoConfig, out: Path) -> PeerConfig:
     """What the demo tells every peer: its flags, and a schedule and checkpoints that fit the run."""
+    from swarm.train.run_length import run_steps
+
     train = cfg.train
-    steps = train.epochs * (train.train_samples // train.batch_size)
+    steps = run_steps(train)  # the peers' cosine ends where the trainer stops
     return replace(
         cfg.peer,
         optim=replace(cfg.peer.optim, total_steps=steps, warmup_steps=max(1, steps // 5)),  # 10% spiked the loss

@@ -32,9 +32,11 @@ from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
 from swarm.runtime.verify import VerifyConfig
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
+from swarm.train.heldout import HeldOut, held_out_rows
 from swarm.train.journal import Journal, Settled, settle
+from swarm.train.run_length import ScheduleWatch
 from swarm.train.steplog import StepLog, counter_columns, step_columns, step_row
-from swarm.train.summary_text import format_summary  # noqa: F401  (re-exported: where callers import it from)
+from swarm.train.summary_text import format_summary, step_time_spread  # noqa: F401  (format_summary re-exported)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -67,6 +69,7 @@ CSV_FIELDS = [
     "chains",
     "dead_peers",
     "sample_ids",
+    "held_out_loss",
 ]
 _TRAINING = "training"
 CHAIN_WEIGHTS = ("measured", "equal")
@@ -104,6 +107,23 @@ class TrainSummary:
     """the plan's predicted step time (`PlanRoutes.predicted_step_s`), beside `mean_step_s`; None for even splits"""
     relay_extra_s: float | None = None
     """what the plan's relayed links add to `predicted_step_s` (`PlanRoutes.relay_extra_s`); None: none relayed"""
+    median_step_s: float = 0.0
+    """median step time (the first step left out, as in `mean_step_s`): what `predicted_step_s` is compared with,
+    a few slow steps (a re-plan, a loaded machine's other work) moving the mean but not the median"""
+    step_s_p10: float = 0.0
+    """10th percentile of the step times: with `step_s_p90`, how much the machine's speed moved during the run"""
+    step_s_p90: float = 0.0
+    """90th percentile of the step times"""
+    held_out_loss: float | None = None
+    """mean loss per token on the held-out windows at the last evaluation (`swarm.train.heldout`); None: none ran"""
+    held_out_step: int | None = None
+    """steps applied when `held_out_loss` was measured (the run's `steps` when the final evaluation succeeded)"""
+    held_out_samples: int = 0
+    """held-out windows evaluated (`--eval-samples`)"""
+    held_out_first_id: int | None = None
+    """the first held-out window's sample id (they run on from it): which windows of the corpus were held out"""
+    held_out_bytes: int = 0
+    """bytes of the evaluations' calls, outside `total_wire_bytes`"""
 
 
 @dataclass(frozen=True)
@@ -149,6 +169,10 @@ class TrainConfig:
     checkpoint_every: int = field(default=50, metadata=flag(group=_TRAINING))
     """steps between fsyncs of trainer_state.json (it is rewritten at every step, which a kill never loses; a
     power cut loses the writes since the last fsync)"""
+    eval_every: int = field(default=20, metadata=flag(group=_TRAINING))
+    """steps between held-out evaluations, forward only through the stages (0: only after the last step)"""
+    eval_samples: int = field(default=48, metadata=flag(group=_TRAINING))
+    """held-out windows, cut from the corpus after the training ones (the ones `swarm demo` reports; 0: none)"""
     dht: DHTConfig | None = field(default=None, metadata={"flag": DHT_FLAGS})
     """How `swarm train` joins the DHT; None where the caller finds the route itself (demo, experiments)."""
     address_file: str | None = field(default=None, metadata=flag(group="DHT"))
@@ -171,6 +195,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: {self.micro_batches} micro-batches do not divide {self.batch_size} samples")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"TrainConfig.schedule: expected 1f1b or gpipe, got {self.schedule!r}")
+        if self.eval_every < 0 or self.eval_samples < 0:
+            raise ValueError("TrainConfig: eval_every and eval_samples must be >= 0")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"TrainConfig.steps: expected >= 1 or None, got {self.steps}")
         if self.num_stages is not None and self.num_stages < 1:
@@ -205,10 +231,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     cfg = train_flags().from_args(args)
     dht = replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file))
-    if dht.run is not None:  # an owned run: the model is the manifest's (a flag contradicting it is refused)
+    if dht.run is not None:  # an owned run: the model and the run length are the manifest's (swarm.train.run_length)
         from swarm.daemon.run_cli import manifest_of, with_manifest
+        from swarm.train.run_length import with_run_length
 
-        cfg = with_manifest(train_flags(), args, manifest_of(dht))
+        manifest = manifest_of(dht)
+        cfg = with_manifest(train_flags(), args, manifest)
+        cfg = with_run_length(cfg, train_flags().given(args), manifest.total_steps, manifest.run_id)
     return replace(cfg, dht=dht)
 
 
@@ -332,18 +361,19 @@ def train(
     from swarm.net.connect import GrpcConnector
     from swarm.net.stream import PLAN_MISMATCH, StageCallError
     from swarm.plots import Panel, moving_average, save_line_plots
+    from swarm.runtime.driver import csv_row
     from swarm.runtime.modelcheck import model_label
 
     metrics = metrics if metrics is not None else Metrics()
     signer = signer or CallSigner(Identity.generate())
     model = cfg.model
     identity = model_identity(model)
-    train_set, _, report = build_datasets(
+    train_set, held_out_set, report = build_datasets(
         DataConfig(
             path=cfg.data,
             seq_len_tokens=model.seq_len_tokens,
             train_samples=cfg.train_samples,
-            eval_samples=0,
+            eval_samples=cfg.eval_samples,
             tokenizer=getattr(model, "tokenizer_path", None),
         )  # fmt: skip
     )
@@ -376,6 +406,10 @@ def train(
         return driver
 
     pipe = connect(route)
+    owned = cfg.dht is not None and cfg.dht.run is not None  # the manifest gave the stages and this trainer one length
+    schedule = ScheduleWatch(total) if not owned else None
+    rows = held_out_rows(cfg.batch_size, cfg.micro_batches)
+    held = HeldOut(held_out_set, cfg.eval_every, rows, model.hidden_dim, metrics)
     watch = PlanWatch(dht, route.plan_version, n_layers=model.n_layers) if dht is not None else None
     replans = 0
 
@@ -401,7 +435,7 @@ def train(
                 if PLAN_MISMATCH in str(e):
                     follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
                 elif no_route_left(e, route):
-                    say(f"step {step}: no route of replicas left ({e}); waiting for a plan without the dead peers")
+                    say(f"step {step}{csv_row(step)}: no route of replicas left ({e}); waiting for a newer plan")
                     follow(route.plan_version + 1, cfg.replan_timeout_s)
                 else:
                     raise
@@ -435,28 +469,31 @@ def train(
                         break
                     journal.begin(step)
                     r, retries = run_step(step, batch)
+                    if schedule is not None:
+                        schedule.observe(step, r.lr)
                     ids = getattr(r, "sample_ids", None) or tuple(int(i) for i in batch.sample_ids)
-                    log.add(
-                        {
-                            "setting": cfg.setting,
-                            **step_row(r, step + 1, epoch),
-                            "fp32_wire_bytes": r.fp32_wire_bytes,
-                            "tied_bytes": r.sync_bytes,
-                            "step_s": r.seconds,
-                            "skipped": int(r.skipped),  # fp16: every stage skipped it
-                            "loss_scale": r.loss_scale,
-                            "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
-                            "plan_version": route.plan_version,
-                            **step_columns(r, ids, route.n_replicas, retries),
-                            **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
-                            **counter_columns(r.counters),
-                        }
-                    )
+                    row = {
+                        "setting": cfg.setting,
+                        **step_row(r, step + 1, epoch),
+                        "fp32_wire_bytes": r.fp32_wire_bytes,
+                        "tied_bytes": r.sync_bytes,
+                        "step_s": r.seconds,
+                        "skipped": int(r.skipped),  # fp16: every stage skipped it
+                        "loss_scale": r.loss_scale,
+                        "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
+                        "plan_version": route.plan_version,
+                        **step_columns(r, ids, route.n_replicas, retries),
+                        **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
+                        **counter_columns(r.counters),
+                    }
+                    held_out = held.run(pipe, step + 1) if held.due(step + 1, total) else None
+                    log.add({**row, "held_out_loss": "" if held_out is None else held_out})
                     step += 1
                     wire = log.wire_bytes
                     bar.set_postfix_str(f"loss {r.loss:.3f} | {r.seconds:.2f} s/step | wire {wire / 1e6:.1f} MB")
                     bar.update(1)
                 epoch, skip = epoch + 1, 0
+        held.finish(pipe, step)  # a run stopped between two evaluations: its final weights too
         ended = True
     finally:
         pipe.close()
@@ -464,8 +501,10 @@ def train(
         if ended:  # else the journal keeps the step that failed open (or committed): a resume settles it
             journal.close(step)
     losses = list(log.losses)
-    panel = Panel("training loss", "step", "loss")
+    panel = Panel("training and held-out loss", "step", "loss")
     panel.series[cfg.setting] = (list(log.steps), moving_average(losses, 5))
+    if held.points:
+        panel.series["held-out"] = ([p.step for p in held.points], [p.loss for p in held.points])
     title = f"swarm train: {len(route.addresses)} stages"
     plot = save_line_plots([panel], out / "loss.png", title) if log.count else None
     times = list(log.step_seconds)
@@ -489,6 +528,8 @@ def train(
         total_ratio_vs_fp32=log.totals["fp32_total_wire_bytes"] / max(1, log.totals["total_wire_bytes"]),
         predicted_step_s=getattr(route, "predicted_step_s", None),
         relay_extra_s=getattr(route, "relay_extra_s", None),
+        **held.summary(),
+        **step_time_spread(times[1:] or times),
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary

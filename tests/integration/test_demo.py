@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -29,6 +30,12 @@ def test_the_demo_trains_and_its_planner_calibrates_the_prediction(tmp_path, cap
     assert set(summary["peer_exit_codes"].values()) == {0}, summary["peer_exit_codes"]
     ranges = sorted(tuple(map(int, p.stem.split("-")[1:])) for p in (out / "checkpoints").glob("layers-*.safetensors"))
     assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[0][1] == ranges[1][0], ranges
+    # held-out evaluation through the peers, forward only: every 20 steps (the default) and after the last
+    with open(out / "steps.csv") as f:
+        held = {int(r["step"]): r["held_out_loss"] for r in csv.DictReader(f) if r["held_out_loss"]}
+    assert sorted(held) == [20, 40, 60, 80]
+    assert summary["held_out_step"] == 80 and summary["held_out_loss"] == float(held[80])
+    assert 0 < summary["held_out_loss"] < float(held[20])  # it learned something that carries over
     got = _the_saved_model_is_the_runs(tmp_path / "model", out / "checkpoints", summary)
     assert got["train_samples"] == 32 and got["windows"] == "the run's (recorded)"
 

@@ -189,3 +189,33 @@ def test_a_flag_given_at_its_default_still_overrides_the_file(tmp_path):
     path.write_text("steps = 9\nverbose = true\n")
     c = Flags(Outer).parse(["--config", str(path), "--steps", "3", "--no-verbose"])
     assert c.steps == 3 and not c.verbose
+
+
+def test_toml_sections_follow_the_config_tree(tmp_path):
+    """A table is a nested config, named by its field; its keys are that config's field names or flags."""
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'steps = 4\n[inner]\nrate_s = 0.5\nseed = 2\n[other]\nseed = 5\n[pair]\nsize = "2x3"\n[maybe]\nseed = 4\n'
+    )
+    c = Flags(Outer).parse(["--config", str(path), "--seed", "7"])
+    assert c.steps == 4 and c.inner == Inner(0.5, 7) and c.other == Inner(0.5, 5) and c.pair == (2, 3)
+    assert c.maybe == Inner(seed=4)  # its table turns the optional config on (its own --maybe-rate-s unset)
+    path.write_text("[maybe]\nmaybe = false\nseed = 4\n")
+    assert Flags(Outer).parse(["--config", str(path)]).maybe is None
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[nope]\nseed = 1\n", r"\[nope\] is not a section .*inner, maybe, other, pair"),
+        ("[inner]\nsteps = 1\n", r"unknown key 'steps' in \[inner\]"),
+        ("[steps]\nx = 1\n", r"\[steps\] is not a section"),
+        ("[inner.deeper]\nx = 1\n", r"\[inner.deeper\] is not a section .*none"),
+        ("[inner]\nseed = 'x'\n", r"run\.toml.*'x'"),
+    ],
+)
+def test_a_bad_toml_section_or_key_is_named(tmp_path, text, match):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit, match=match):
+        Flags(Outer).parse(["--config", str(path)])

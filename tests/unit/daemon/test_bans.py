@@ -81,7 +81,7 @@ def test_the_trainer_hands_one_suspects_to_every_driver_so_bans_survive_a_replan
 
     dht = SimpleNamespace(peer_id="me", peers=lambda: state["peers"], get_plan=get_plan)
     cfg = TrainConfig(model=TINY, train_samples=8, batch_size=4, micro_batches=2, steps=2, out=str(tmp_path),
-                      replan_timeout_s=30.0)  # fmt: skip
+                      replan_timeout_s=30.0, eval_samples=0)  # fmt: skip
     suspects = Suspects()
     train(cfg, v1.document.route_of(state["peers"], 1), quiet=True, dht=dht, suspects=suspects)
     assert len(given) == 2 and all(s is suspects for s in given)

@@ -136,7 +136,7 @@ def test_no_live_chain_waits_for_the_repaired_plan_and_runs_the_step_there(tmp_p
 
     dht = SimpleNamespace(peer_id="me", peers=lambda: state["peers"], get_plan=get_plan)
     cfg = TrainConfig(model=TINY, train_samples=8, batch_size=4, micro_batches=2, steps=3, out=str(tmp_path),
-                      replan_timeout_s=30.0)  # fmt: skip
+                      replan_timeout_s=30.0, eval_samples=0)  # fmt: skip
     route = v1.document.route_of(peers, v1.version)
     summary = train(cfg, route, quiet=True, dht=dht)
     assert summary.steps == 3 and summary.replans == 1
