@@ -189,15 +189,29 @@ class _Scaled:
 def test_link_watch_refuses_non_finite_and_outsized_messages_and_keeps_zeros_out_of_its_history():
     from swarm.runtime.boundary import LinkWatch
 
-    watch = LinkWatch(ratio=30, history=8, min_history=4)
     x = torch.randn(2, 4, 8)
-    assert watch.check(x * 300) is None  # no history yet: only finiteness and the ceiling
-    for _ in range(3):
+    fresh = LinkWatch(ratio=30, history=8, min_history=4)
+    assert fresh.check(x * 300) is None  # no history yet: only finiteness and the ceiling
+    watch = LinkWatch(ratio=30, history=8, min_history=4)
+    for _ in range(4):
         assert watch.check(x) is None
     assert watch.check(torch.zeros_like(x)) is None  # an fp16 stage's zeros: accepted, not counted
     assert "Inf/NaN" in watch.check(x.clone().index_fill_(0, torch.tensor([0]), math.nan))
-    assert "more than 30 x" in watch.check(x * 300)  # the median is x's RMS: 300x is refused
+    assert "more than 30 x" in watch.check(x * 300)  # the largest is x's RMS: 300x is refused
     assert watch.check(x * 20) is None and 19 < watch.peak_ratio < 21
+    assert watch.check(x * 400) is None  # 20x the largest before it (x * 20): honest growth, step by step
+
+
+def test_link_watch_accepts_a_link_growing_30x_over_a_few_steps_as_the_warm_up_ends():
+    """The demo's backward link grew past 30x its median within ~8 steps (median RMS 5.6e-5) and its stage was
+    struck out: growth is judged against the largest recent message, not the median."""
+    from swarm.runtime.boundary import LinkWatch
+
+    watch = LinkWatch()  # the defaults every receiving end uses
+    x = torch.randn(8, 32, 32) * 5e-5
+    for k in range(64):
+        assert watch.check(x * 1.25**k) is None, k  # x1.25 a message: 1.6e6 x over 64 messages
+    assert "more than 30 x" in watch.check(x * 1.25**63 * 31)
     assert "ceiling" in watch.check(torch.full((4,), 2e4))
     assert "Inf/NaN" in watch.check(torch.full((4,), 3e38))  # its square overflows fp32: refused too
 
