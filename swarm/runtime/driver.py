@@ -457,8 +457,10 @@ class PipelineDriver:
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: from_wire(GradReport, future.result()) for key, (future, _) in tasks.items()}
         try:
-            # every number is checked before any is used: a lie raises Implausible (the step is then skipped)
-            self.suspects.judge_grads(step, grads, {k: self.replica_peers[k[0]][k[1]] for k in grads}, self._name)
+            # every number is checked before any is used: a lie raises Implausible (the step is then skipped), or
+            # a sibling replica's reply stands in for the liar's (the step goes on)
+            peers = {k: self.replica_peers[k[0]][k[1]] for k in grads}
+            grads = self.suspects.judge_grads(step, grads, peers, self._name)
             self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
             self._stage_sq = {s: grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)}
         except StageCallError:
