@@ -166,6 +166,8 @@ class Suspects:
         self._norms: dict[int, deque[float]] = {}
         self._layout: object = None
         """the plan layout the norm history is for (`layout`); None: none seen yet"""
+        self._served: dict[str, tuple[int, int]] = {}
+        """each peer's (steps whose Grads it answered, the last of them): how long it has been in the run"""
         self.stood_in = 0
         """Grads replies refused and replaced by a sibling replica's (`judge_grads`): steps a liar did not cost"""
         self.peak_ratio: dict[int, float] = {}
@@ -216,6 +218,15 @@ class Suspects:
         with self._lock:
             return len(self._strikes.get(peer, ()))
 
+    def suspect(self, peer: str, probation_steps: int) -> bool:
+        """Whether `peer` deserves closer audits (`swarm.runtime.verify.VerifyConfig.suspect_fraction`): it has
+        strikes within the window, or has answered fewer than `probation_steps` steps' Grads in this run."""
+        cfg = self.cfg
+        with self._lock:
+            served, last = self._served.get(peer, (0, -1))
+            struck = any(s > last - cfg.window_steps for s in self._strikes.get(peer, ()))
+        return struck or served < probation_steps
+
     def banned_ids(self) -> tuple[str, ...]:
         """The evicted peers, in eviction order."""
         with self._lock:
@@ -239,6 +250,11 @@ class Suspects:
         is skipped as every +Inf skips it) unless the strike evicts."""
         cfg = self.cfg
         replies = dict(replies)
+        with self._lock:
+            for peer in set(peers.values()):
+                served, last = self._served.get(peer, (0, -1))
+                if step != last:
+                    self._served[peer] = (served + 1, step)
         lies = {k: why for k, reply in sorted(replies.items()) if (why := _reply_lie(reply, cfg)) is not None}
         for key, why in lies.items():
             self._stand_in(step, key, f"step {step}: {where(*key)}: {why}", replies, lies, peers, where)

@@ -108,8 +108,40 @@ def test_sampling_is_keyed_by_the_secret_and_near_the_fraction():
     )
 
 
+def test_a_suspect_route_is_sampled_at_the_suspect_fraction_and_never_with_audits_off():
+    v = StageVerifier(VerifyConfig(fraction=0.1, suspect_fraction=0.5, seed=7), None, [["a"]], None)
+    plain = [v.sampled(step, 1, 0, mb) for step in range(500) for mb in range(8)]
+    suspect = [v.sampled(step, 1, 0, mb, suspect=True) for step in range(500) for mb in range(8)]
+    assert 0.45 < sum(suspect) / len(suspect) < 0.55
+    assert all(s for p, s in zip(plain, suspect, strict=True) if p)  # the same draw: every plain audit stays
+    low = StageVerifier(VerifyConfig(fraction=0.3, suspect_fraction=0.0, seed=7), None, [["a"]], None)
+    assert [low.sampled(3, 1, 0, mb, True) for mb in range(64)] == [low.sampled(3, 1, 0, mb) for mb in range(64)]
+    off = StageVerifier(VerifyConfig(fraction=0.0, suspect_fraction=1.0), None, [["a"]], None)
+    assert not any(off.sampled(1, 1, 0, mb, suspect=True) for mb in range(99))
+
+
+def test_a_peer_is_suspect_on_probation_and_while_it_has_strikes():
+    from swarm.runtime.messages import GradReport
+    from swarm.runtime.suspects import Suspects
+
+    s = Suspects()
+    assert s.suspect("a", 3)  # never seen: on probation
+    for step in range(3):
+        s.judge_grads(step, {(0, 0): GradReport(1.0, 1.0)}, {(0, 0): "a"}, lambda st, r: "x")
+        s.judge_grads(step, {(0, 0): GradReport(1.0, 1.0)}, {(0, 0): "a"}, lambda st, r: "x")  # a re-run: once
+    assert not s.suspect("a", 3) and s.suspect("a", 4) and not s.suspect("a", 0)
+    s.strike("a", 2, "odd")
+    assert s.suspect("a", 3)  # a strike in the window
+    for step in range(3, 14):
+        s.judge_grads(step, {(0, 0): GradReport(1.0, 1.0)}, {(0, 0): "a"}, lambda st, r: "x")
+    assert not s.suspect("a", 3)  # the strike left the window
+
+
 def test_config_refuses_nonsense():
-    for bad in ({"fraction": -0.1}, {"fraction": 1.5}, {"rtol": 0}, {"link_rtol": -1}, {"link_rtol_backward": 0}):
+    for bad in (
+        {"fraction": -0.1}, {"fraction": 1.5}, {"rtol": 0}, {"link_rtol": -1}, {"link_rtol_backward": 0},
+        {"suspect_fraction": 1.1}, {"probation_steps": -1},
+    ):  # fmt: skip
         with pytest.raises(ValueError):
             VerifyConfig(**bad)
 
@@ -262,6 +294,8 @@ def test_each_attack_evicts_the_liar_within_20_steps(pipe, attack):
             caught = step
             break
     assert caught is not None, f"{attack}: not detected in {STEPS} steps"
+    # a liar from its start is audited at the suspect rate while on probation: caught before its end
+    assert caught < VerifyConfig().probation_steps, f"{attack}: detected at step {caught}"
     assert [p for p, _ in driver.liars] == [liar.peer_id] and [p for p, _ in told] == [liar.peer_id]
     # banned for the run in the run's Suspects, which the trainer announces and hands to the next plan's driver
     assert driver.suspects.banned_ids() == (liar.peer_id,)
@@ -369,7 +403,8 @@ def test_a_consistent_liar_between_two_replicas_is_refereed_by_the_trainer_and_e
     _consistent(10.0)(liar.worker)
     driver, caught = run(pipe, STEPS, VerifyConfig(seed=11))
     assert caught is not None and [p for p, _ in driver.liars] == [liar.peer_id], driver.verifier.stats
-    assert "trainer's recomputation" in driver.liars[0][1] and driver.verifier.stats.refereed >= 1
+    # the referee's verdict: on the liar's own record, or (drawn as the recomputing sibling) on its recomputation
+    assert "off the trainer's" in driver.liars[0][1] and driver.verifier.stats.refereed >= 1
     assert honest.peer_id not in driver.dead and driver.suspects.banned_ids() == (liar.peer_id,)
     assert honest.steps_done == STEPS  # every step applied, the disputed ones run again
     assert pipe.referee.fetched_bytes > 0
@@ -609,3 +644,14 @@ def test_the_referee_reads_only_the_stages_weights_and_refuses_what_its_shapes_d
     dht = SimpleNamespace(get_plan=lambda n_layers: SimpleNamespace(version=3, document=SimpleNamespace(stages=stages)))
     assert plan_referee(dht, CFG, 3).layers == [(0, 2), (2, 4)]
     assert plan_referee(dht, CFG, 4) is None and plan_referee(None, CFG, 3) is None  # another plan, no DHT
+
+
+def test_a_replica_that_stops_updating_is_evicted_after_its_first_step_by_the_status_baseline(pipe):
+    """No sampled digest is known before the first digested step: the replicas' Status digests from before it tell
+    which one moved, so the stalled replica is out after step 0 (not a dispute that makes the next step's audits
+    dispute on every attempt)."""
+    liar = pipe.replica_hosts[1][1]
+    stalled(liar.worker)
+    driver, caught = run(pipe, 2, VerifyConfig(fraction=0.0, seed=5))
+    assert caught == 0 and [p for p, _ in driver.liars] == [liar.peer_id]
+    assert "did not change" in driver.liars[0][1] and driver.verifier.stats.disputes == 0
