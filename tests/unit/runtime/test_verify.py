@@ -7,6 +7,7 @@ detected, the liar (and only the liar) evicted, within 20 steps; a clean run of 
 from __future__ import annotations
 
 import math
+import threading
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ import torch
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.model.data import Batch
 from swarm.model.gpt import ModelConfig
+from swarm.net.stream import StageCallError
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.verify import Evidence, StageVerifier, VerifyConfig, judge, rel_err
 from swarm.runtime.worker import lr_at
@@ -655,3 +657,68 @@ def test_a_replica_that_stops_updating_is_evicted_after_its_first_step_by_the_st
     driver, caught = run(pipe, 2, VerifyConfig(fraction=0.0, seed=5))
     assert caught == 0 and [p for p, _ in driver.liars] == [liar.peer_id]
     assert "did not change" in driver.liars[0][1] and driver.verifier.stats.disputes == 0
+
+
+class _HeldRecompute:
+    """Wraps a servicer: a Recompute waits (the audit is in flight) until `release`, then fails as a call whose
+    trainer died does."""
+
+    def __init__(self, target, entered: threading.Event, release: threading.Event):
+        self.target, self.entered, self.release = target, entered, release
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Recompute(self, request, context):
+        self.entered.set()
+        self.release.wait(60)
+        context.abort(grpc.StatusCode.CANCELLED, "the trainer is gone")
+
+
+def test_a_trainer_that_dies_mid_audit_leaves_nothing_applied_and_a_restarted_one_redoes_the_step(pipe):
+    """The trainer dies while an audit waits on a sibling's recomputation: every stage holds the step's records and
+    gradients, and no Step or abandon ever comes. A restarted trainer (the same key, a new driver) runs the same
+    step again. Today its first try is refused (the orphaned attempt ran those micro-batches: the stage's
+    schedule gate says so) and that failure abandons the step everywhere, records and gradients with it; the
+    second try applies the step once, and the weights are a clean pipeline's after that one step."""
+    entered, release = threading.Event(), threading.Event()
+    honest = [[sw.target for sw in row] for row in pipe.switches]
+    for row in pipe.switches:
+        for sw in row:
+            sw.target = _HeldRecompute(sw.target, entered, release)
+    dying = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
+    orphan = threading.Thread(target=lambda: _quietly(dying.train_step, 0, batch(0)), daemon=True)
+    orphan.start()
+    try:
+        assert entered.wait(60), "no audit reached a Recompute"
+        for row, targets in zip(pipe.switches, honest, strict=True):
+            for sw, target in zip(row, targets, strict=True):
+                sw.target = target
+        restarted = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=4))
+        with pytest.raises(StageCallError, match="of step 0 ran already or is running"):
+            restarted.train_step(0, batch(0))
+        assert all(h.audit.get(0, 0) is None for row in pipe.replica_hosts for h in row)  # the orphan's records: gone
+        result = restarted.train_step(0, batch(0))
+        assert not result.skipped and restarted.liars == [] and restarted.verifier.stats.disputes == 0
+    finally:
+        release.set()
+        orphan.join(60)
+    assert not orphan.is_alive()
+    assert {h.steps_done for row in pipe.replica_hosts for h in row} == {1}  # applied once, on every replica
+    clean = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        clean.driver(4, heartbeat_s=HEARTBEAT_S).train_step(0, batch(0))
+        for a, b in zip(pipe.replica_hosts, clean.replica_hosts, strict=True):
+            for ha, hb in zip(a, b, strict=True):  # the orphan's late abandon changed nothing either
+                for pa, pb in zip(ha.worker.module.parameters(), hb.worker.module.parameters(), strict=True):
+                    torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0)
+    finally:
+        clean.close()
+
+
+def _quietly(fn, *args) -> None:
+    """Runs `fn` on a thread whose caller is gone: whatever it raises is nobody's to hear."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the dead trainer's failure is the point of the test
+        pass
