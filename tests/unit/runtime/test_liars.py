@@ -208,6 +208,19 @@ def test_implausible_names_nobody_when_two_replicas_disagree_with_no_history():
     assert e.value.peer is None and s.strikes("a") == s.strikes("b") == 0
 
 
+def test_a_stages_gradient_end_allows_a_loss_spikes_jump_its_activation_end_does_not():
+    from swarm.runtime.boundary import GRADIENT_WATCH_RATIO, LinkEnds
+
+    ends = LinkEnds(FP32, FP32)
+    x = torch.randn(2, 4, 8)
+    for end in (ends.forward_recv, ends.backward_recv):
+        for _ in range(8):
+            assert end.watch.check(x) is None
+    assert ends.forward_recv.watch.check(x * 42) is not None  # activations: 30 x
+    assert ends.backward_recv.watch.check(x * 42) is None  # an honest spike's gradients (measured: up to 42 x)
+    assert "more than 100 x" in ends.backward_recv.watch.check(x * 300) and GRADIENT_WATCH_RATIO == 100
+
+
 class _Scaled:
     """Wraps a worker: its forward outputs (activations to the next stage) times `factor` from its `after`-th
     forward on, or its backward's input gradients replaced by NaN (`nan_grads`), or (`overflow`) its fp16
