@@ -11,7 +11,8 @@ strike. The rules, on the squared gradient norm a stage's replica reports (`Grad
 - at most `max_sq_norm` (no honest model's gradients come near it);
 - equal (within `replica_rtol`) on every replica of a stage: replicas hold the same reduced gradients;
 - at most `norm_ratio` times the median of that stage's last `norm_history` applied steps' squared norms, once
-  `min_history` of them are known.
+  `min_history` of them are known, for a lone stage (where two or more replicas report it alike, each from its own
+  reduction, it is a real spike: accepted, and global clipping bounds the update).
 
 The per-block norms (`layer_sq_norms`) must be finite, >= 0 and sum to at most the stage's norm (they are part
 of it); the loss scale a power of two in the scaler's range. A reply that breaks a rule raises `Implausible`
@@ -245,7 +246,7 @@ class Suspects:
         and the step goes on: a liar among replicas costs no step. Raises `Implausible` where no sibling can
         stand in (a lone stage, or every replica lied), where two replicas disagree (the one farther from the
         stage's history is struck, where it is known), where a loss scale goes against the majority, where the
-        stage as a whole breaks the ratio rule, or where a strike evicts (the step then runs again without the
+        lone stage breaks the ratio rule, or where a strike evicts (the step then runs again without the
         evicted peer). An fp16 +Inf at a loss scale down to `inf_strike_scale` is struck but not raised (the step
         is skipped as every +Inf skips it) unless the strike evicts."""
         cfg = self.cfg
@@ -256,6 +257,7 @@ class Suspects:
                 if step != last:
                     self._served[peer] = (served + 1, step)
         lies = {k: why for k, reply in sorted(replies.items()) if (why := _reply_lie(reply, cfg)) is not None}
+        stood = set(lies)  # keys whose reply is a sibling's from here on (each raised or stood in)
         for key, why in lies.items():
             self._stand_in(step, key, f"step {step}: {where(*key)}: {why}", replies, lies, peers, where)
         self._judge_scales(step, replies, peers, where)
@@ -279,6 +281,7 @@ class Suspects:
                 if len(keys) > 2 and max(rest) - min(rest) <= cfg.replica_rtol * max(rest):
                     # the others agree: the odd one is struck, a sibling's reply stands in for it
                     self._stand_in(step, liar, msg, replies, {liar: msg}, peers, where)
+                    stood.add(liar)
                     values = [replies[k].grad_sq_norm for k in keys]
                 else:
                     self._raise(step, msg, None if liar is None else peers[liar])
@@ -288,9 +291,11 @@ class Suspects:
                     f"step {step}: {where(*keys[0])}: grad_sq_norm {values[0]:.6g} is more than {cfg.norm_ratio:g} x "
                     f"the median {median:.6g} of stage {s}'s last {len(self._norms[s])} steps"
                 )
-                # every replica reports it (they agree): the stage as a whole is struck
-                for k in keys[1:]:
-                    self.strike(peers[k], step, msg)
+                if len({peers[k] for k in keys if k not in stood}) > 1:
+                    # replicas that each reduced the same gradient agree on it: a real spike (a loss spike moves
+                    # every stage's norm), which clipping bounds; striking them evicted honest peers of an honest run
+                    log.warning("%s, on which its %d replicas agree: taken as a real spike", msg, len(keys))
+                    continue
                 self._raise(step, msg, peers[keys[0]])
         return replies
 

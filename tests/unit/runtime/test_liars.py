@@ -198,6 +198,22 @@ def test_with_three_replicas_the_odd_norm_is_struck_and_the_agreeing_ones_stand_
         s.judge_grads(1, spread, {(0, 0): "a", (0, 1): "b", (0, 2): "odd"}, _name)
 
 
+def test_replicas_agreeing_on_a_norm_far_above_the_history_are_a_real_spike_a_lone_stage_is_struck():
+    s = Suspects()
+    for _ in range(4):
+        s.applied({0: 1.0})
+    spike = _reports({(0, 0): 2e4, (0, 1): 2e4})  # 2e4 x the median, on both replicas
+    kept = s.judge_grads(0, spike, {(0, 0): "a", (0, 1): "b"}, _name)
+    assert kept == spike and s.strikes("a") == s.strikes("b") == 0  # accepted: clipping bounds the update
+    with pytest.raises(Implausible, match="more than 10000 x the median"):
+        s.judge_grads(1, _reports({(0, 0): 2e4}), {(0, 0): "a"}, _name)  # alone: nobody vouches for it
+    assert s.strikes("a") == 1
+    stood = _reports({(0, 0): 2e4, (0, 1): math.nan})  # a stand-in is no second opinion
+    with pytest.raises(Implausible, match="more than 10000 x the median"):
+        s.judge_grads(2, stood, {(0, 0): "c", (0, 1): "d"}, _name)
+    assert s.strikes("c") == 1 and s.strikes("d") == 1
+
+
 def test_implausible_names_nobody_when_two_replicas_disagree_with_no_history():
     from swarm.runtime.messages import GradReport
 
