@@ -680,7 +680,9 @@ def test_a_trainer_that_dies_mid_audit_leaves_nothing_applied_and_a_restarted_on
     gradients, and no Step or abandon ever comes. A restarted trainer (the same key, a new driver) runs the same
     step again. Today its first try is refused (the orphaned attempt ran those micro-batches: the stage's
     schedule gate says so) and that failure abandons the step everywhere, records and gradients with it; the
-    second try applies the step once, and the weights are a clean pipeline's after that one step."""
+    second try applies the step once, and the weights are a clean pipeline's after that one step. (The dead
+    trainer's driver is made to fail every call: a live second driver under the same key is another matter, the
+    stages cannot tell two of them apart.)"""
     entered, release = threading.Event(), threading.Event()
     honest = [[sw.target for sw in row] for row in pipe.switches]
     for row in pipe.switches:
@@ -691,6 +693,7 @@ def test_a_trainer_that_dies_mid_audit_leaves_nothing_applied_and_a_restarted_on
     orphan.start()
     try:
         assert entered.wait(60), "no audit reached a Recompute"
+        dying._call = _dead  # the trainer's process is gone: it sends nothing more (no Step, no abandon)
         for row, targets in zip(pipe.switches, honest, strict=True):
             for sw, target in zip(row, targets, strict=True):
                 sw.target = target
@@ -714,6 +717,10 @@ def test_a_trainer_that_dies_mid_audit_leaves_nothing_applied_and_a_restarted_on
                     torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0)
     finally:
         clean.close()
+
+
+def _dead(stage, replica, method, request, timeout=None):
+    raise StageCallError(f"stage {stage}: the trainer's process is gone", grpc.StatusCode.UNAVAILABLE)
 
 
 def _quietly(fn, *args) -> None:
