@@ -60,12 +60,12 @@ MAX_DESTINATIONS = 8
 dropped (its destination is then sent first sights in full again), so no caller can grow them without bound."""
 
 KINDS = ("fw", "bw")
+"""The two kinds of a boundary: activations forward, activation gradients backward."""
 GRADIENT_WATCH_RATIO = 100.0
 """`LinkWatch.ratio` of a receiving end of gradients: they follow the loss, and a loss spike moves them far more than
 normalized activations move (an honest 3 x 2 attacks run, clean: 30-42 x the link's median for three steps after
 one, each a refused step and a strike for an honest peer under the activations' 30); 100 x is the trainer's
 bound on a stage's gradient norm against its history (`SuspectConfig.norm_ratio` 1e4 on the squared norm)."""
-"""The two kinds of a boundary: activations forward, activation gradients backward."""
 
 
 class LinkWatch:
