@@ -60,6 +60,11 @@ dropped (its destination is then sent first sights in full again), so no caller 
 
 KINDS = ("fw", "bw")
 """The two kinds of a boundary: activations forward, activation gradients backward."""
+GRADIENT_WATCH_RATIO = 100.0
+"""`LinkWatch.ratio` of a receiving end of gradients: they follow the loss, and a loss spike moves them far more than
+normalized activations move (an honest 3 x 2 attacks run, clean: 30-42 x the link's median for three steps after
+one, each a refused step and a strike for an honest peer under the activations' 30); 100 x is the trainer's
+bound on a stage's gradient norm against its history (`SuspectConfig.norm_ratio` 1e4 on the squared norm)."""
 
 
 class LinkWatch:
@@ -180,6 +185,7 @@ class LinkEnds:
         forward_recv, backward_recv = recv or (forward, backward)
         self.forward_recv = LinkEnd(forward_recv, "fw-recv.buf")
         self.backward_recv = LinkEnd(backward_recv, "bw-recv.buf")
+        self.backward_recv.watch = LinkWatch(ratio=GRADIENT_WATCH_RATIO)
         self._send: OrderedDict[tuple[str, str], LinkEnd] = OrderedDict()
         """sending ends by (kind, destination address), least recently used first"""
         self.shaping = shaping or LinkShaping()

@@ -328,7 +328,11 @@ class PipelineDriver:
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward = self.router.routed(step, last, last_r, "Backward", start)
         verifier = self.verifier  # a sampled micro-batch is audited beside the step's Reduce, before its Step
-        if verifier is not None and audits is not None and verifier.sampled(step, audits[0], work.route.index, mb):
+        if (
+            verifier is not None
+            and audits is not None
+            and verifier.sampled(step, audits[0], work.route.index, mb, self._suspect(work.route))
+        ):
             audit = lambda: self._audit(step, work, mb, layout, audits[1])  # noqa: E731
             audits[2].append(self._spawn(audit, work.route.peers))
         traffic = Traffic()
@@ -343,6 +347,11 @@ class PipelineDriver:
             # the last stage computed it (the stages before it relay its reply)
             raise Implausible(f"step {step}: {self._name(last, last_r)}: {why}", work.route.peers[last])
         return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
+
+    def _suspect(self, route: Route) -> bool:
+        """Whether a peer of `route` has strikes or is on probation: its micro-batches are audited more often."""
+        probation = self.verifier.config.probation_steps
+        return any(self.suspects.suspect(p, probation) for p in route.peers)
 
     def _audit(self, step: int, work: RouteWork, mb: int, layout, abandons: int) -> None:
         """Audits micro-batch `mb` of `work` (`StageVerifier.audit`) against the other replicas of its stages
@@ -462,8 +471,10 @@ class PipelineDriver:
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
         grads = {key: from_wire(GradReport, future.result()) for key, (future, _) in tasks.items()}
         try:
-            # every number is checked before any is used: a lie raises Implausible (the step is then skipped)
-            self.suspects.judge_grads(step, grads, {k: self.replica_peers[k[0]][k[1]] for k in grads}, self._name)
+            # every number is checked before any is used: a lie raises Implausible (the step is then skipped), or
+            # a sibling replica's reply stands in for the liar's (the step goes on)
+            peers = {k: self.replica_peers[k[0]][k[1]] for k in grads}
+            grads = self.suspects.judge_grads(step, grads, peers, self._name)
             self.loss_scale, norm = agreed_step(step, grads, [(s, group[0]) for s, group in enumerate(groups)])
             self._stage_sq = {s: grads[(s, group[0])].grad_sq_norm for s, group in enumerate(groups)}
         except StageCallError:
@@ -492,6 +503,8 @@ class PipelineDriver:
         lrs: dict[tuple[int, int], stage_pb2.StepReply] = {}
         want_digest = self.verifier is not None and self.verifier.config.digests
         digests: dict[tuple[int, int], tuple[str, str]] = {}
+        if want_digest:  # the first digested step: the replicas' weights digests before it (`StageVerifier.baseline`)
+            self.verifier.baseline(keys)
         for retry in range(2):
             tasks = [self._spawn(lambda k=k: step_stage(*k), (self.replica_peers[k[0]][k[1]],)) for k in keys]
             try:

@@ -11,7 +11,8 @@ strike. The rules, on the squared gradient norm a stage's replica reports (`Grad
 - at most `max_sq_norm` (no honest model's gradients come near it);
 - equal (within `replica_rtol`) on every replica of a stage: replicas hold the same reduced gradients;
 - at most `norm_ratio` times the median of that stage's last `norm_history` applied steps' squared norms, once
-  `min_history` of them are known.
+  `min_history` of them are known, for a lone stage (where two or more replicas report it alike, each from its own
+  reduction, it is a real spike: accepted, and global clipping bounds the update).
 
 The per-block norms (`layer_sq_norms`) must be finite, >= 0 and sum to at most the stage's norm (they are part
 of it); the loss scale a power of two in the scaler's range. A reply that breaks a rule raises `Implausible`
@@ -166,6 +167,10 @@ class Suspects:
         self._norms: dict[int, deque[float]] = {}
         self._layout: object = None
         """the plan layout the norm history is for (`layout`); None: none seen yet"""
+        self._served: dict[str, tuple[int, int]] = {}
+        """each peer's (steps whose Grads it answered, the last of them): how long it has been in the run"""
+        self.stood_in = 0
+        """Grads replies refused and replaced by a sibling replica's (`judge_grads`): steps a liar did not cost"""
         self.peak_ratio: dict[int, float] = {}
         """per stage: the largest ratio of an applied squared norm to its stage's median seen so far (the margin
         of the ratio rule on this run)"""
@@ -214,6 +219,15 @@ class Suspects:
         with self._lock:
             return len(self._strikes.get(peer, ()))
 
+    def suspect(self, peer: str, probation_steps: int) -> bool:
+        """Whether `peer` deserves closer audits (`swarm.runtime.verify.VerifyConfig.suspect_fraction`): it has
+        strikes within the window, or has answered fewer than `probation_steps` steps' Grads in this run."""
+        cfg = self.cfg
+        with self._lock:
+            served, last = self._served.get(peer, (0, -1))
+            struck = any(s > last - cfg.window_steps for s in self._strikes.get(peer, ()))
+        return struck or served < probation_steps
+
     def banned_ids(self) -> tuple[str, ...]:
         """The evicted peers, in eviction order."""
         with self._lock:
@@ -221,16 +235,31 @@ class Suspects:
 
     # ---- the numbers of a Grads reply ---------------------------------------------------------------------
 
-    def judge_grads(self, step: int, replies: Mapping, peers: Mapping[tuple[int, int], str], where: Where) -> None:
+    def judge_grads(self, step: int, replies: Mapping, peers: Mapping[tuple[int, int], str], where: Where) -> dict:
         """Checks every Grads reply of a step (keyed (stage, replica); `peers` gives each one's peer id) against
-        the rules of this module; strikes and raises `Implausible` at the first that breaks one. An fp16 +Inf at
-        a loss scale down to `inf_strike_scale` is struck but not raised (the step is skipped as every +Inf
-        skips it) unless the strike evicts."""
+        the rules of this module, and returns the replies to go on with.
+
+        A replica's reply that breaks a rule of its own (`_reply_lie`: a NaN, negative or absurd norm, a loss scale
+        that is no power of two...) or (3+ replicas) stands apart from its siblings that agree, is struck; where
+        another replica of its stage answered plausibly, that sibling's reply stands in for it (`stood_in`:
+        replicas hold the same reduced gradients after their Reduce, so the honest sibling's norm is the stage's)
+        and the step goes on: a liar among replicas costs no step. Raises `Implausible` where no sibling can
+        stand in (a lone stage, or every replica lied), where two replicas disagree (the one farther from the
+        stage's history is struck, where it is known), where a loss scale goes against the majority, where the
+        lone stage breaks the ratio rule, or where a strike evicts (the step then runs again without the
+        evicted peer). An fp16 +Inf at a loss scale down to `inf_strike_scale` is struck but not raised (the step
+        is skipped as every +Inf skips it) unless the strike evicts."""
         cfg = self.cfg
-        for (s, r), reply in sorted(replies.items()):
-            why = _reply_lie(reply, cfg)
-            if why is not None:
-                self._raise(step, f"step {step}: {where(s, r)}: {why}", peers[(s, r)])
+        replies = dict(replies)
+        with self._lock:
+            for peer in set(peers.values()):
+                served, last = self._served.get(peer, (0, -1))
+                if step != last:
+                    self._served[peer] = (served + 1, step)
+        lies = {k: why for k, reply in sorted(replies.items()) if (why := _reply_lie(reply, cfg)) is not None}
+        stood = set(lies)  # keys whose reply is a sibling's from here on (each raised or stood in)
+        for key, why in lies.items():
+            self._stand_in(step, key, f"step {step}: {where(*key)}: {why}", replies, lies, peers, where)
         self._judge_scales(step, replies, peers, where)
         for s in sorted({s for s, _ in replies}):
             keys = sorted(k for k in replies if k[0] == s)
@@ -248,22 +277,46 @@ class Suspects:
                 liar = self._odd_replica(s, keys, values)
                 held = ", ".join(f"{where(*k)}: {v:.6g}" for k, v in zip(keys, values, strict=True))
                 msg = f"step {step}: the replicas of stage {s} report different grad_sq_norm ({held})"
-                self._raise(step, msg, None if liar is None else peers[liar])
+                rest = [replies[k].grad_sq_norm for k in keys if k != liar]
+                if len(keys) > 2 and max(rest) - min(rest) <= cfg.replica_rtol * max(rest):
+                    # the others agree: the odd one is struck, a sibling's reply stands in for it
+                    self._stand_in(step, liar, msg, replies, {liar: msg}, peers, where)
+                    stood.add(liar)
+                    values = [replies[k].grad_sq_norm for k in keys]
+                else:
+                    self._raise(step, msg, None if liar is None else peers[liar])
             median = self._median(s)
             if median is not None and values[0] > cfg.norm_ratio * median:
                 msg = (
                     f"step {step}: {where(*keys[0])}: grad_sq_norm {values[0]:.6g} is more than {cfg.norm_ratio:g} x "
                     f"the median {median:.6g} of stage {s}'s last {len(self._norms[s])} steps"
                 )
-                # every replica reports it (they agree): the stage as a whole is struck
-                for k in keys[1:]:
-                    self.strike(peers[k], step, msg)
+                if len({peers[k] for k in keys if k not in stood}) > 1:
+                    # replicas that each reduced the same gradient agree on it: a real spike (a loss spike moves
+                    # every stage's norm), which clipping bounds; striking them evicted honest peers of an honest run
+                    log.warning("%s, on which its %d replicas agree: taken as a real spike", msg, len(keys))
+                    continue
                 self._raise(step, msg, peers[keys[0]])
+        return replies
+
+    def _stand_in(self, step: int, key, msg: str, replies: dict, lies: Mapping, peers: Mapping, where: Where) -> None:
+        """Strikes the replica at `key` for `msg` and puts a plausible sibling's reply in its place in `replies`;
+        raises `Implausible` where there is none (the step is skipped) or the strike evicts (it runs again)."""
+        sibling = next((k for k in sorted(replies) if k[0] == key[0] and k != key and k not in lies), None)
+        if sibling is None:
+            self._raise(step, msg, peers[key])
+        if self.strike(peers[key], step, msg):
+            raise Implausible(msg, peers[key], struck=True)
+        log.warning("step %d: %s stands in for %s, whose reply is refused", step, where(*sibling), where(*key))
+        replies[key] = replies[sibling]
+        with self._lock:
+            self.stood_in += 1
 
     def _judge_scales(self, step: int, replies: Mapping, peers: Mapping, where: Where) -> None:
         """Every stage computed the step with the same loss scale: where a strict majority of the replies gives
-        one, each reply giving another is struck and the step skipped (`Implausible`). Without a majority (two
-        replies, one each) nobody can be told the liar: `agreed_step` refuses the step, as it always did."""
+        one, each reply giving another is struck and the step skipped (`Implausible`: a replica holding another
+        scale would refuse the step's Step, so no sibling stands in). Without a majority (two replies, one each)
+        nobody can be told the liar: `agreed_step` refuses the step, as it always did."""
         votes: dict[float, int] = {}
         for reply in replies.values():
             votes[reply.loss_scale] = votes.get(reply.loss_scale, 0) + 1

@@ -79,6 +79,14 @@ class VerifyConfig:
     """The same for an input gradient and the previous stage's decoded copy: the backward codec's error (honest
     worst 1.15 with the default gradq2+ef+rot+nr+cs+g1024, 1.7 with gradq2+ef, 0.2 with gradq4): at 2 bits
     with error feedback the link catches only gross lies (x10); a flip is caught by the sender's own record."""
+    suspect_fraction: float = 0.5
+    """Share of micro-batches audited on a route through a suspect peer (`suspect` in `sampled`): one with strikes
+    in the window, or one on probation, in its first `probation_steps` steps of the run. A liar that lies from its
+    start is then caught within a step or two rather than after ~1/fraction steps of applied poison; one that
+    waits out its probation is caught at `fraction`. Never below `fraction`; 0 with `fraction` 0 (audits off)."""
+    probation_steps: int = 5
+    """Steps of the run a peer is audited at `suspect_fraction` after it first answers the trainer (each peer that
+    joins, a Sybil's fresh key too, starts on probation)."""
     backward: bool = True
     """Also audit the backward: the input gradient each stage sent."""
     digests: bool = True
@@ -95,8 +103,11 @@ class VerifyConfig:
     x1.5 is 0.5 off."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.fraction <= 1:
-            raise ValueError(f"fraction must be in [0, 1], got {self.fraction}")
+        if not (0 <= self.fraction <= 1 and 0 <= self.suspect_fraction <= 1):
+            raise ValueError(f"fraction and suspect_fraction must be in [0, 1], got {self.fraction}, "
+                             f"{self.suspect_fraction}")  # fmt: skip
+        if self.probation_steps < 0:
+            raise ValueError(f"probation_steps must be >= 0, got {self.probation_steps}")
         if self.digest_stride < 1:
             raise ValueError(f"digest_stride must be >= 1, got {self.digest_stride}")
         if not (self.rtol > 0 and self.link_rtol > 0 and self.link_rtol_backward > 0 and self.referee_rtol > 0):
@@ -273,6 +284,9 @@ class StageVerifier:
         self._last_digest: dict[str, str] = {}
         """each replica's digest at the step digested last, under `_last_seed`"""
         self._last_seed = 0
+        self._baseline: dict[str, str] = {}
+        """each replica's full weights digest (Status) before the first digested Step (`baseline`): whether its
+        weights moved over that Step, where no earlier sampled digest can say"""
         self._lock = threading.Lock()
         self._local = threading.local()  # the running audit's `current`, per call thread
         self.stats = VerifyStats()
@@ -280,14 +294,17 @@ class StageVerifier:
 
     # ---- which micro-batches ------------------------------------------------------------------------------
 
-    def sampled(self, step: int, attempt: int, route: int, mb: int) -> bool:
+    def sampled(self, step: int, attempt: int, route: int, mb: int, suspect: bool = False) -> bool:
         """Whether micro-batch `mb` of `route` in this attempt of `step` is audited: a keyed hash of them under
-        the trainer's secret, so no stage can tell in advance, and a re-run attempt draws afresh."""
-        if self.config.fraction <= 0:
+        the trainer's secret, so no stage can tell in advance, and a re-run attempt draws afresh. `suspect`: the
+        route runs through a peer with strikes or on probation (`Suspects.suspect`), audited at
+        `suspect_fraction`."""
+        cfg = self.config
+        if cfg.fraction <= 0:
             return False
         key = f"{step}:{attempt}:{route}:{mb}".encode()
         draw = int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=8).digest(), "little")
-        return draw / 2**64 < self.config.fraction
+        return draw / 2**64 < (max(cfg.fraction, cfg.suspect_fraction) if suspect else cfg.fraction)
 
     def digest_seeds(self, step: int) -> tuple[int, int]:
         """This step's draw of the digest's elements (keyed by the secret: no stage knows it before its Step), and
@@ -484,6 +501,31 @@ class StageVerifier:
 
     # ---- after Step ---------------------------------------------------------------------------------------
 
+    def baseline(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Before a Step while no sampled digest is known yet (the first digested step of this plan): every
+        replica of a replicated stage in `keys` (stage, replica) reports its full weights digest in Status (the
+        stage caches it per weights version), so that the first `check_digests` can tell a replica that stopped
+        updating from one that moved (without it, two replicas apart after their first step are a dispute, and
+        every audit of the next step disputes too: the run would stop). A replica that does not answer has no
+        baseline."""
+        if self._last_seed or self._baseline:
+            return
+        replicated = [(s, r) for s, r in keys if sum(1 for k in keys if k[0] == s) > 1]
+        self._baseline = {p: d for p, d in self._full_digests(replicated).items() if d}
+
+    def _full_digests(self, keys: Sequence[tuple[int, int]]) -> dict[str, str]:
+        """Each replica's Status weights digest, peer -> digest ("" where it did not answer)."""
+
+        def one(s: int, r: int) -> str:
+            try:
+                return self._call(s, r, "Status", stage_pb2.Empty()).weights_digest
+            except Exception as error:  # noqa: BLE001 - no digest: that replica's movement stays unknown
+                log.warning("Status of stage %d replica %d for its weights digest failed: %s", s, r, error)
+                return ""
+
+        found = _together([lambda s=s, r=r: one(s, r) for s, r in keys])
+        return {self.replica_peers[s][r]: d for (s, r), d in zip(keys, found, strict=True)}
+
     def check_digests(self, step: int, digests: dict[tuple[int, int], tuple[str, str]]) -> None:
         """Replicas' (digest, digest under the previous draw) after `step` was applied (under `digest_seeds(step)`);
         evicts the replicas that diverged (the minority; with two, the one whose weights did not move)."""
@@ -498,11 +540,18 @@ class StageVerifier:
         self._last_digest = {}
         for s, got in sorted(by_stage.items()):
             counts = Counter(got.values())
+            unknown = [r for r in got if self.replica_peers[s][r] not in moved]
+            if len(counts) > 1 and unknown and self._baseline:  # the first digested step: moved since the baseline?
+                now = self._full_digests([(s, r) for r in unknown])
+                for peer, digest in now.items():
+                    if digest and self._baseline.get(peer):
+                        moved[peer] = digest != self._baseline[peer]
             if len(counts) > 1:
                 self._diverged(step, s, got, counts, moved)
             for r, digest in got.items():
                 self._last_digest[self.replica_peers[s][r]] = digest
         self._last_seed = self.digest_seeds(step)[0]
+        self._baseline = {}
 
     def _diverged(self, step: int, s: int, got: dict[int, str], counts: Counter, moved: dict[str, bool]) -> None:
         (top, most), *rest = counts.most_common()

@@ -53,24 +53,23 @@ def _assert_as_clean(pipe: LocalPipeline, seeds: list[int]) -> None:
 
 
 @pytest.mark.parametrize("lie", [-1e30, math.nan, 1e30, -math.inf])
-def test_a_lying_norm_is_named_struck_and_evicted_and_the_run_goes_on(lie, caplog):
+def test_a_lying_norm_is_named_struck_and_evicted_and_its_honest_sibling_stands_in(lie, caplog):
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
     liar = pipe.replica_peers[1][1]
     pipe.switches[1][1].target = _LyingNorm(pipe.switches[1][1].target, lie)
     try:
         results = _train(pipe, 8)
         driver = pipe.driver(2)
-        # the first steps are skipped (nothing applied anywhere), a strike each; the third strike evicts
-        assert [r.skipped for r in results[:2]] == [True, True]
-        assert all(not r.skipped for r in results[2:])
+        # no step is skipped: the honest sibling's norm stands in for the lie (a strike each); the third strike
+        # evicts, and that step runs again without the liar
+        assert not any(r.skipped for r in results) and driver.suspects.stood_in == 2
         assert driver.suspects.banned_ids() == (liar,) and liar in driver.dead
         assert results[2].attempts == 2 and results[3].routes == 1
         named = [r.getMessage() for r in caplog.records if "strike" in r.getMessage()]
         assert named and all(f"stage 1 replica 1 (peer {liar} at local:1.1)" in m for m in named)
-        # the honest replicas took every applied step, and none of the skipped ones
-        assert [h.steps_done for h in (pipe.replica_hosts[0][0], pipe.replica_hosts[1][0])] == [6, 6]
-        # the skipped batches (steps 0, 1) are lost, nothing else: as a clean run on the batches applied
-        _assert_as_clean(pipe, [s % 4 for s in range(2, 8)])
+        # the honest replicas took every step: as a clean run on every batch
+        assert [h.steps_done for h in (pipe.replica_hosts[0][0], pipe.replica_hosts[1][0])] == [8, 8]
+        _assert_as_clean(pipe, [s % 4 for s in range(8)])
     finally:
         pipe.close()
 
@@ -114,9 +113,10 @@ def test_replicas_that_disagree_blame_the_one_off_the_stages_history():
         driver = pipe.driver(2)
         for step in range(5):
             pipe.train_step(batch(seed=step), n_micro=2)
-        pipe.switches[1][1].target = _LyingNorm(pipe.switches[1][1].target, 1e-9)  # plausible alone, too small
+        # plausible alone (a norm too small would break its own layer norms' sum, and its sibling would stand in)
+        pipe.switches[1][1].target = _LyingNorm(pipe.switches[1][1].target, 100.0)
         r = pipe.train_step(batch(seed=5), n_micro=2)
-        assert r.skipped
+        assert r.skipped and driver.suspects.stood_in == 0
         assert driver.suspects.strikes(pipe.replica_peers[1][1]) == 1
         assert driver.suspects.strikes(pipe.replica_peers[1][0]) == 0
     finally:
@@ -153,6 +153,67 @@ def test_a_peer_lying_too_rarely_for_the_window_is_evicted_by_its_strikes_over_t
     assert not any(rare.strike("q", step, "x") for step in range(0, 1000, 30)), "4 in 100 steps: never evicted"
 
 
+def _reports(values: dict, scale: float = 1.0) -> dict:
+    from swarm.runtime.messages import GradReport
+
+    return {k: GradReport(v, scale) for k, v in values.items()}
+
+
+def _name(s: int, r: int) -> str:
+    return f"stage {s} replica {r}"
+
+
+@pytest.mark.parametrize("lie", [math.nan, -1.0, -1e30, 1e30, -math.inf])
+def test_a_sibling_replica_stands_in_for_an_impossible_norm_and_the_liar_is_struck(lie):
+    s = Suspects()
+    replies = _reports({(0, 0): 1.0, (1, 0): 2.0, (1, 1): lie, (2, 0): 3.0})
+    peers = {(0, 0): "a", (1, 0): "b", (1, 1): "liar", (2, 0): "c"}
+    kept = s.judge_grads(0, replies, peers, _name)
+    assert kept[(1, 1)] is replies[(1, 0)] and kept[(0, 0)] is replies[(0, 0)]  # the sibling's reply, nothing else
+    assert math.isnan(replies[(1, 1)].grad_sq_norm) or replies[(1, 1)].grad_sq_norm == lie  # the input is untouched
+    assert s.strikes("liar") == 1 and s.strikes("b") == 0 and s.stood_in == 1
+    s.judge_grads(1, replies, peers, _name)
+    with pytest.raises(Implausible) as e:  # the third strike evicts: the step runs again without it
+        s.judge_grads(2, replies, peers, _name)
+    assert e.value.peer == "liar" and e.value.struck and s.banned_ids() == ("liar",) and s.stood_in == 2
+
+
+def test_nobody_stands_in_for_a_lone_stage_or_a_stage_whose_replicas_all_lie():
+    s = Suspects()
+    with pytest.raises(Implausible, match="stage 1 replica 0"):
+        s.judge_grads(0, _reports({(0, 0): 1.0, (1, 0): math.nan}), {(0, 0): "a", (1, 0): "b"}, _name)
+    both = _reports({(0, 0): 1.0, (1, 0): math.nan, (1, 1): -1.0})
+    with pytest.raises(Implausible):
+        s.judge_grads(1, both, {(0, 0): "a", (1, 0): "d", (1, 1): "e"}, _name)
+    assert s.strikes("b") == 1 and s.strikes("d") == 1 and s.stood_in == 0
+
+
+def test_with_three_replicas_the_odd_norm_is_struck_and_the_agreeing_ones_stand_in():
+    s = Suspects()
+    replies = _reports({(0, 0): 4.0, (0, 1): 4.0, (0, 2): 0.5})
+    kept = s.judge_grads(0, replies, {(0, 0): "a", (0, 1): "b", (0, 2): "odd"}, _name)
+    assert kept[(0, 2)].grad_sq_norm == 4.0 and s.strikes("odd") == 1 and s.strikes("a") == 0
+    spread = _reports({(0, 0): 4.0, (0, 1): 2.0, (0, 2): 0.5})  # no two agree: nobody can stand in
+    with pytest.raises(Implausible, match="report different grad_sq_norm"):
+        s.judge_grads(1, spread, {(0, 0): "a", (0, 1): "b", (0, 2): "odd"}, _name)
+
+
+def test_replicas_agreeing_on_a_norm_far_above_the_history_are_a_real_spike_a_lone_stage_is_struck():
+    s = Suspects()
+    for _ in range(4):
+        s.applied({0: 1.0})
+    spike = _reports({(0, 0): 2e4, (0, 1): 2e4})  # 2e4 x the median, on both replicas
+    kept = s.judge_grads(0, spike, {(0, 0): "a", (0, 1): "b"}, _name)
+    assert kept == spike and s.strikes("a") == s.strikes("b") == 0  # accepted: clipping bounds the update
+    with pytest.raises(Implausible, match="more than 10000 x the median"):
+        s.judge_grads(1, _reports({(0, 0): 2e4}), {(0, 0): "a"}, _name)  # alone: nobody vouches for it
+    assert s.strikes("a") == 1
+    stood = _reports({(0, 0): 2e4, (0, 1): math.nan})  # a stand-in is no second opinion
+    with pytest.raises(Implausible, match="more than 10000 x the median"):
+        s.judge_grads(2, stood, {(0, 0): "c", (0, 1): "d"}, _name)
+    assert s.strikes("c") == 1 and s.strikes("d") == 1
+
+
 def test_implausible_names_nobody_when_two_replicas_disagree_with_no_history():
     from swarm.runtime.messages import GradReport
 
@@ -161,6 +222,19 @@ def test_implausible_names_nobody_when_two_replicas_disagree_with_no_history():
     with pytest.raises(Implausible, match="report different grad_sq_norm") as e:
         s.judge_grads(0, replies, {(0, 0): "a", (0, 1): "b"}, lambda st, r: f"stage {st} replica {r}")
     assert e.value.peer is None and s.strikes("a") == s.strikes("b") == 0
+
+
+def test_a_stages_gradient_end_allows_a_loss_spikes_jump_its_activation_end_does_not():
+    from swarm.runtime.boundary import GRADIENT_WATCH_RATIO, LinkEnds
+
+    ends = LinkEnds(FP32, FP32)
+    x = torch.randn(2, 4, 8)
+    for end in (ends.forward_recv, ends.backward_recv):
+        for _ in range(8):
+            assert end.watch.check(x) is None
+    assert ends.forward_recv.watch.check(x * 42) is not None  # activations: 30 x
+    assert ends.backward_recv.watch.check(x * 42) is None  # an honest spike's gradients (measured: up to 42 x)
+    assert "more than 100 x" in ends.backward_recv.watch.check(x * 300) and GRADIENT_WATCH_RATIO == 100
 
 
 class _Scaled:

@@ -7,6 +7,7 @@ detected, the liar (and only the liar) evicted, within 20 steps; a clean run of 
 from __future__ import annotations
 
 import math
+import threading
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ import torch
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.model.data import Batch
 from swarm.model.gpt import ModelConfig
+from swarm.net.stream import StageCallError
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.verify import Evidence, StageVerifier, VerifyConfig, judge, rel_err
 from swarm.runtime.worker import lr_at
@@ -108,8 +110,40 @@ def test_sampling_is_keyed_by_the_secret_and_near_the_fraction():
     )
 
 
+def test_a_suspect_route_is_sampled_at_the_suspect_fraction_and_never_with_audits_off():
+    v = StageVerifier(VerifyConfig(fraction=0.1, suspect_fraction=0.5, seed=7), None, [["a"]], None)
+    plain = [v.sampled(step, 1, 0, mb) for step in range(500) for mb in range(8)]
+    suspect = [v.sampled(step, 1, 0, mb, suspect=True) for step in range(500) for mb in range(8)]
+    assert 0.45 < sum(suspect) / len(suspect) < 0.55
+    assert all(s for p, s in zip(plain, suspect, strict=True) if p)  # the same draw: every plain audit stays
+    low = StageVerifier(VerifyConfig(fraction=0.3, suspect_fraction=0.0, seed=7), None, [["a"]], None)
+    assert [low.sampled(3, 1, 0, mb, True) for mb in range(64)] == [low.sampled(3, 1, 0, mb) for mb in range(64)]
+    off = StageVerifier(VerifyConfig(fraction=0.0, suspect_fraction=1.0), None, [["a"]], None)
+    assert not any(off.sampled(1, 1, 0, mb, suspect=True) for mb in range(99))
+
+
+def test_a_peer_is_suspect_on_probation_and_while_it_has_strikes():
+    from swarm.runtime.messages import GradReport
+    from swarm.runtime.suspects import Suspects
+
+    s = Suspects()
+    assert s.suspect("a", 3)  # never seen: on probation
+    for step in range(3):
+        s.judge_grads(step, {(0, 0): GradReport(1.0, 1.0)}, {(0, 0): "a"}, lambda st, r: "x")
+        s.judge_grads(step, {(0, 0): GradReport(1.0, 1.0)}, {(0, 0): "a"}, lambda st, r: "x")  # a re-run: once
+    assert not s.suspect("a", 3) and s.suspect("a", 4) and not s.suspect("a", 0)
+    s.strike("a", 2, "odd")
+    assert s.suspect("a", 3)  # a strike in the window
+    for step in range(3, 14):
+        s.judge_grads(step, {(0, 0): GradReport(1.0, 1.0)}, {(0, 0): "a"}, lambda st, r: "x")
+    assert not s.suspect("a", 3)  # the strike left the window
+
+
 def test_config_refuses_nonsense():
-    for bad in ({"fraction": -0.1}, {"fraction": 1.5}, {"rtol": 0}, {"link_rtol": -1}, {"link_rtol_backward": 0}):
+    for bad in (
+        {"fraction": -0.1}, {"fraction": 1.5}, {"rtol": 0}, {"link_rtol": -1}, {"link_rtol_backward": 0},
+        {"suspect_fraction": 1.1}, {"probation_steps": -1},
+    ):  # fmt: skip
         with pytest.raises(ValueError):
             VerifyConfig(**bad)
 
@@ -262,6 +296,8 @@ def test_each_attack_evicts_the_liar_within_20_steps(pipe, attack):
             caught = step
             break
     assert caught is not None, f"{attack}: not detected in {STEPS} steps"
+    # a liar from its start is audited at the suspect rate while on probation: caught before its end
+    assert caught < VerifyConfig().probation_steps, f"{attack}: detected at step {caught}"
     assert [p for p, _ in driver.liars] == [liar.peer_id] and [p for p, _ in told] == [liar.peer_id]
     # banned for the run in the run's Suspects, which the trainer announces and hands to the next plan's driver
     assert driver.suspects.banned_ids() == (liar.peer_id,)
@@ -369,7 +405,8 @@ def test_a_consistent_liar_between_two_replicas_is_refereed_by_the_trainer_and_e
     _consistent(10.0)(liar.worker)
     driver, caught = run(pipe, STEPS, VerifyConfig(seed=11))
     assert caught is not None and [p for p, _ in driver.liars] == [liar.peer_id], driver.verifier.stats
-    assert "trainer's recomputation" in driver.liars[0][1] and driver.verifier.stats.refereed >= 1
+    # the referee's verdict: on the liar's own record, or (drawn as the recomputing sibling) on its recomputation
+    assert "off the trainer's" in driver.liars[0][1] and driver.verifier.stats.refereed >= 1
     assert honest.peer_id not in driver.dead and driver.suspects.banned_ids() == (liar.peer_id,)
     assert honest.steps_done == STEPS  # every step applied, the disputed ones run again
     assert pipe.referee.fetched_bytes > 0
@@ -609,3 +646,86 @@ def test_the_referee_reads_only_the_stages_weights_and_refuses_what_its_shapes_d
     dht = SimpleNamespace(get_plan=lambda n_layers: SimpleNamespace(version=3, document=SimpleNamespace(stages=stages)))
     assert plan_referee(dht, CFG, 3).layers == [(0, 2), (2, 4)]
     assert plan_referee(dht, CFG, 4) is None and plan_referee(None, CFG, 3) is None  # another plan, no DHT
+
+
+def test_a_replica_that_stops_updating_is_evicted_after_its_first_step_by_the_status_baseline(pipe):
+    """No sampled digest is known before the first digested step: the replicas' Status digests from before it tell
+    which one moved, so the stalled replica is out after step 0 (not a dispute that makes the next step's audits
+    dispute on every attempt)."""
+    liar = pipe.replica_hosts[1][1]
+    stalled(liar.worker)
+    driver, caught = run(pipe, 2, VerifyConfig(fraction=0.0, seed=5))
+    assert caught == 0 and [p for p, _ in driver.liars] == [liar.peer_id]
+    assert "did not change" in driver.liars[0][1] and driver.verifier.stats.disputes == 0
+
+
+class _HeldRecompute:
+    """Wraps a servicer: a Recompute waits (the audit is in flight) until `release`, then fails as a call whose
+    trainer died does."""
+
+    def __init__(self, target, entered: threading.Event, release: threading.Event):
+        self.target, self.entered, self.release = target, entered, release
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Recompute(self, request, context):
+        self.entered.set()
+        self.release.wait(60)
+        context.abort(grpc.StatusCode.CANCELLED, "the trainer is gone")
+
+
+def test_a_trainer_that_dies_mid_audit_leaves_nothing_applied_and_a_restarted_one_redoes_the_step(pipe):
+    """The trainer dies while an audit waits on a sibling's recomputation: every stage holds the step's records and
+    gradients, and no Step or abandon ever comes. A restarted trainer (the same key, a new driver) runs the same
+    step again. Today its first try is refused (the orphaned attempt ran those micro-batches: the stage's
+    schedule gate says so) and that failure abandons the step everywhere, records and gradients with it; the
+    second try applies the step once, and the weights are a clean pipeline's after that one step. (The dead
+    trainer's driver is made to fail every call: a live second driver under the same key is another matter, the
+    stages cannot tell two of them apart.)"""
+    entered, release = threading.Event(), threading.Event()
+    honest = [[sw.target for sw in row] for row in pipe.switches]
+    for row in pipe.switches:
+        for sw in row:
+            sw.target = _HeldRecompute(sw.target, entered, release)
+    dying = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
+    orphan = threading.Thread(target=lambda: _quietly(dying.train_step, 0, batch(0)), daemon=True)
+    orphan.start()
+    try:
+        assert entered.wait(60), "no audit reached a Recompute"
+        dying._call = _dead  # the trainer's process is gone: it sends nothing more (no Step, no abandon)
+        for row, targets in zip(pipe.switches, honest, strict=True):
+            for sw, target in zip(row, targets, strict=True):
+                sw.target = target
+        restarted = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=4))
+        with pytest.raises(StageCallError, match="of step 0 ran already or is running"):
+            restarted.train_step(0, batch(0))
+        assert all(h.audit.get(0, 0) is None for row in pipe.replica_hosts for h in row)  # the orphan's records: gone
+        result = restarted.train_step(0, batch(0))
+        assert not result.skipped and restarted.liars == [] and restarted.verifier.stats.disputes == 0
+    finally:
+        release.set()
+        orphan.join(60)
+    assert not orphan.is_alive()
+    assert {h.steps_done for row in pipe.replica_hosts for h in row} == {1}  # applied once, on every replica
+    clean = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        clean.driver(4, heartbeat_s=HEARTBEAT_S).train_step(0, batch(0))
+        for a, b in zip(pipe.replica_hosts, clean.replica_hosts, strict=True):
+            for ha, hb in zip(a, b, strict=True):  # the orphan's late abandon changed nothing either
+                for pa, pb in zip(ha.worker.module.parameters(), hb.worker.module.parameters(), strict=True):
+                    torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0)
+    finally:
+        clean.close()
+
+
+def _dead(stage, replica, method, request, timeout=None):
+    raise StageCallError(f"stage {stage}: the trainer's process is gone", grpc.StatusCode.UNAVAILABLE)
+
+
+def _quietly(fn, *args) -> None:
+    """Runs `fn` on a thread whose caller is gone: whatever it raises is nobody's to hear."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the dead trainer's failure is the point of the test
+        pass
