@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -195,6 +196,11 @@ def _reason(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
+PLAN_ATTEMPTS, PLAN_RETRY_S = 5, 2.0
+"""How often a live export reads the plan again when the stages answer that they serve a newer one, and how long
+it waits between reads (a plan reaches every DHT reader within a poll or two)."""
+
+
 def weights_from_swarm(
     dht, model: AnyModelConfig, signer, timeout_s: float = 120.0, say=lambda line: None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -203,14 +209,23 @@ def weights_from_swarm(
     from swarm.daemon.nat import announced_dial
     from swarm.net.connect import GrpcConnector
 
-    record = dht.get_plan(model.n_layers)
-    if record is None:
-        raise ExportError("no plan in the DHT for this model: is the swarm running, and is --run right?")
-    addresses = {p.peer_id: p.address for p in dht.peers()}
-    say(f"plan {record.version}: {len(record.document.stages)} stages; fetching each stage's weights")
     connector = GrpcConnector(signer=signer, dial=announced_dial(dht.peers, signer))  # NAT: through relays
     try:
-        weights = weights_from_stages(record.document, addresses, model, connector, record.version, timeout_s)
+        for attempt in range(PLAN_ATTEMPTS):
+            # the trainer of a finished run no longer announces itself: a plan naming it is still the stages' plan
+            record = dht.get_plan(model.n_layers, check_trainers=False)
+            if record is None:
+                raise ExportError("no plan in the DHT for this model: is the swarm running, and is --run right?")
+            addresses = {p.peer_id: p.address for p in dht.peers()}
+            say(f"plan {record.version}: {len(record.document.stages)} stages; fetching each stage's weights")
+            try:
+                weights = weights_from_stages(record.document, addresses, model, connector, record.version, timeout_s)
+                break
+            except ExportError as e:  # the stages moved to a newer plan than this reader saw: read it again
+                if "not stage" not in str(e) or attempt == PLAN_ATTEMPTS - 1:
+                    raise
+                say(f"the stages are on a newer plan than {record.version}: reading the plan again")
+                time.sleep(PLAN_RETRY_S)
     finally:
         connector.close()
     return weights, {"source": f"live swarm, plan {record.version}", "plan_version": record.version}

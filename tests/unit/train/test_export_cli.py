@@ -247,3 +247,63 @@ def test_export_without_a_source_says_what_to_give(tmp_path, capsys):
     assert "give --checkpoint-dir DIR, or a live swarm to join" in capsys.readouterr().err
     assert export_cli.run(_args(export_cli, "--checkpoint-dir", str(tmp_path))) == 2
     assert "--out DIR is required" in capsys.readouterr().err
+
+
+def test_a_live_export_reads_the_plan_again_when_the_stages_serve_a_newer_one(monkeypatch):
+    """The demo's planner republished plan 2 as training ended; the trainer's DHT still read plan 1 (and a plan that
+    names the finished trainer must not be skipped): the stages' refusal sends the export back to the plan."""
+    import swarm.daemon.nat
+    import swarm.net.connect
+    from swarm.train import export_cli
+
+    seen = []
+
+    class FakeDht:
+        versions = iter([1, 2])
+
+        def get_plan(self, n_layers, check_trainers=True):
+            seen.append(check_trainers)
+            return SimpleNamespace(version=next(self.versions), document=SimpleNamespace(stages=[]))
+
+        def peers(self):
+            return []
+
+    def fetch(document, addresses, model, connector, version, timeout_s):
+        if version == 1:
+            raise ExportError(
+                "could not fetch stage 0: FAILED_PRECONDITION: holds stage 0 of plan 2, not stage 0 of plan 1"
+            )
+        return {"w": torch.zeros(1)}
+
+    monkeypatch.setattr(export_cli, "weights_from_stages", fetch)
+    monkeypatch.setattr(export_cli, "PLAN_RETRY_S", 0.0)
+    monkeypatch.setattr(swarm.net.connect, "GrpcConnector", lambda **kw: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(swarm.daemon.nat, "announced_dial", lambda *a: None)
+    weights, info = export_cli.weights_from_swarm(FakeDht(), ModelConfig(), signer=None)
+    assert info["plan_version"] == 2 and list(weights) == ["w"] and seen == [False, False]
+
+
+def test_a_live_export_gives_up_on_other_refusals_at_once(monkeypatch):
+    import swarm.daemon.nat
+    import swarm.net.connect
+    from swarm.train import export_cli
+
+    calls = []
+
+    class FakeDht:
+        def get_plan(self, n_layers, check_trainers=True):
+            calls.append(1)
+            return SimpleNamespace(version=3, document=SimpleNamespace(stages=[]))
+
+        def peers(self):
+            return []
+
+    def fetch(*args):
+        raise ExportError("could not fetch stage 1: PERMISSION_DENIED")
+
+    monkeypatch.setattr(export_cli, "weights_from_stages", fetch)
+    monkeypatch.setattr(swarm.net.connect, "GrpcConnector", lambda **kw: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(swarm.daemon.nat, "announced_dial", lambda *a: None)
+    with pytest.raises(ExportError, match="PERMISSION_DENIED"):
+        export_cli.weights_from_swarm(FakeDht(), ModelConfig(), signer=None)
+    assert calls == [1]
