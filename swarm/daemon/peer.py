@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swarm.daemon.checkpoints import StageCheckpoints
+from swarm.daemon.lean import skip_dynamo
 from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args
 from swarm.daemon.stopping import PeerEnding
 from swarm.metrics import Metrics, MetricsServer, serve_metrics
@@ -617,6 +618,7 @@ def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | N
     except ValueError as e:
         parser.error(str(e))
     tune_allocator()
+    skip_dynamo()  # a peer compiles nothing: no torch._dynamo, sympy, triton (~150 MB)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
