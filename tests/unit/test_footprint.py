@@ -78,3 +78,28 @@ def test_footprint_flags_round_trip():
     flags = Flags(FootprintConfig)
     cfg = FootprintConfig(steps=5, peers=3, settle_s=0.5, out="x", json=True)
     assert flags.parse(flags.to_argv(cfg)) == cfg
+
+
+def test_cap_arenas_leaves_a_users_malloc_arena_max_alone(monkeypatch):
+    from swarm.daemon.lean import cap_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert cap_arenas() is False
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    code = "from swarm.daemon.lean import cap_arenas; print(cap_arenas())"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]  # glibc here
+
+
+def test_a_daemon_process_shares_hivemind_tensors_without_a_torch_shm_manager():
+    code = (
+        "import swarm.daemon.peer, torch.multiprocessing as m, os; "
+        "print(m.get_sharing_strategy(), os.environ['HIVEMIND_MEMORY_SHARING_STRATEGY'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split()[-2:] == ["file_descriptor", "file_descriptor"], done.stderr[-2000:]
+    env["HIVEMIND_MEMORY_SHARING_STRATEGY"] = "file_system"  # a user's choice stands
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split()[-2:] == ["file_system", "file_system"], done.stderr[-2000:]
