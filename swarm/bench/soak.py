@@ -6,7 +6,8 @@ plus `swarm train` as a process of its own. Each row is one of them summed with 
 (hivemind's DHT process and its p2pd), sampled from this process by pid with psutil. The trainer's step
 count comes from its /metrics (`swarm_steps_total`). The start figures are taken once the warm-up (10% of
 the steps by default) is over; the slope is a least-squares fit of RSS against the step over every sample
-after it. Targets (issue 11): slope under 1 MiB per 1000 steps, threads and fds the same at start and end.
+after it. Targets (issue 28, tightened from issue 11's 1 MiB): slope under 0.5 MiB per 1000 steps, threads and fds
+the same at start and end. `SWARM_MEMWATCH_S=S` makes each peer log what grows (`swarm.daemon.memwatch`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ __all__ = ["ProcessSample", "SoakConfig", "add_arguments", "run", "sample_tree",
 MODEL = ModelFlags(layers=2, hidden=32, heads=2, seq_len=16)
 """The soak's model: every peer's and the trainer's."""
 TRAIN_SAMPLES, BATCH_SIZE, MICRO_BATCHES = 64, 4, 2
-SLOPE_TARGET_MIB_PER_1K = 1.0
+SLOPE_TARGET_MIB_PER_1K = 0.5
+"""Issue 28: a volunteer's run lasts millions of steps (issue 11 allowed 1.0)."""
 COLUMNS = [
     "process", "rss_start_mib", "rss_end_mib", "rss_slope_mib_per_1k_steps", "threads_start", "threads_end",
     "fds_start", "fds_end", "processes", "steps", "verdict",
@@ -72,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "A loopback swarm as real processes (a DHT bootstrap node, --peers swarm-peer, swarm train) trains for "
         "--steps steps while this process samples every process's RSS, threads and open fds (each summed with "
         "its child processes: hivemind's DHT process and p2pd). Reports start (after the warm-up) and end "
-        "figures and the RSS slope per 1000 steps, PASS/FAIL against issue 11's targets. Default run: 5000 "
+        "figures and the RSS slope per 1000 steps, PASS/FAIL against issue 28's targets (slope < "
+        f"{SLOPE_TARGET_MIB_PER_1K} MiB per 1000 steps, threads and fds unchanged). Default run: 5000 "
         f"steps of a 2-layer, hidden-32, seq-16 model on 2 peers, batches of {BATCH_SIZE} samples in "
         f"{MICRO_BATCHES} micro-batches drawn from {TRAIN_SAMPLES} samples, aqsgd2 activations and gradq4 "
         "gradients on unshaped links: a few minutes on 2 cores."

@@ -1,1 +1,9 @@
 """The swarm-peer daemon and what it runs beside its stage: DHT bootstrap, planning, status."""
+
+import os as _os
+
+# hivemind shares its futures' state as torch tensors, by default with torch's "file_system" strategy, which
+# starts a torch_shm_manager process (110 MB RSS, 61 MB PSS) beside every process; Linux's default
+# "file_descriptor" strategy needs none. Set before hivemind is imported (it reads this then); a user's own
+# choice stands. See swarm.daemon.lean and `swarm bench footprint`.
+_os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")

@@ -7,6 +7,13 @@ its announcement has not expired; once it answers again it is eligible again (a 
 a refusal included (a standby answers `Ping` with "not serving"), proves the peer is there: only
 UNAVAILABLE, DEADLINE_EXCEEDED and transport failures count as silence.
 
+Silence is judged on the watcher's own schedule, so that a loaded machine does not make the watcher see
+everyone as gone (seen once: a planner declared every peer silent and planned a 1-stage pipeline). Time
+the watcher itself was not watching, its rounds late because its process was descheduled or its loop
+blocked on the DHT, counts as nobody's silence: each round adds at most `max_gap_s` (2 rounds' worth) to
+the silence clock, whatever the wall clock says. And a peer is gone only after `min_misses` consecutive
+unanswered pings, not one slow ping spread over the window.
+
 The prober and the clock are injected: tests drive a fake clock and a fake prober, no sleeps.
 """
 
@@ -38,10 +45,17 @@ class LivenessConfig:
     """Unreachable this long since its last answer (or since watching began): gone."""
     timeout_s: float = 1.0
     """One ping's deadline."""
+    min_misses: int = 2
+    """Consecutive unanswered pings before a peer can be gone, however long the silence."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.timeout_s <= self.gone_after_s or self.every_s <= 0:
-            raise ValueError("LivenessConfig: need every_s > 0 and 0 < timeout_s <= gone_after_s")
+        if not 0 < self.timeout_s <= self.gone_after_s or self.every_s <= 0 or self.min_misses < 1:
+            raise ValueError("LivenessConfig: need every_s > 0, 0 < timeout_s <= gone_after_s and min_misses >= 1")
+
+    @property
+    def max_gap_s(self) -> float:
+        """The most one round adds to the silence clock: a later round was the watcher's own stall."""
+        return 2 * self.every_s
 
 
 class Liveness:
@@ -56,6 +70,14 @@ class Liveness:
         """`ping(peer_id)` -> True if the peer answered (any reply), False if silent; must not raise."""
         self.ping, self.cfg, self.clock = ping, cfg or LivenessConfig(), clock
         self._last_answer: dict[str, float] = {}
+        """peer -> the silence clock (`_watched`) at its last answer, or when watching it began"""
+        self._misses: dict[str, int] = {}
+        """peer -> consecutive unanswered pings"""
+        self._watched = 0.0
+        """The silence clock: seconds the watcher was on schedule, as of its last round (at `_round_at`)."""
+        self._round_at: float | None = None
+        self.stalled_s = 0.0
+        """Total lateness of the watcher's own rounds, not counted as anyone's silence (for logs and tests)."""
         self._next = 0.0
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="liveness")
 
@@ -66,14 +88,36 @@ class Liveness:
         if now < self._next:
             return False
         self._next = now + self.cfg.every_s
+        self._advance(now)
         peers = sorted(set(peers))
-        self._last_answer = {p: self._last_answer.get(p, now) for p in peers}
+        self._last_answer = {p: self._last_answer.get(p, self._watched) for p in peers}
+        self._misses = {p: self._misses.get(p, 0) for p in peers}
+        was_gone = self.gone()
         for pid, answered in zip(peers, self._pool.map(self._safe_ping, peers), strict=True):
             if answered:
-                if self.clock() - self._last_answer[pid] > self.cfg.gone_after_s:
+                if pid in was_gone:
                     log.info("peer %s answers again: eligible again", pid)
-                self._last_answer[pid] = self.clock()
+                self._last_answer[pid], self._misses[pid] = self._watched, 0
+            else:
+                self._misses[pid] += 1
+        self._advance(self.clock())  # the pings' own time counts, up to the cap (a stalled round is no proof)
         return True
+
+    def _advance(self, now: float) -> None:
+        """Moves the silence clock to `now`, counting at most `max_gap_s` since the last round."""
+        if self._round_at is not None:
+            elapsed = max(0.0, now - self._round_at)
+            late = max(0.0, elapsed - self.cfg.max_gap_s)
+            if late > 0:
+                self.stalled_s += late
+                log.info("heartbeat round %.1f s late (this process was stalled): not counted as silence", late)
+            self._watched += elapsed - late
+        self._round_at = now
+
+    def _silence(self, now: float) -> float:
+        """The silence clock at `now`: as of the last round, plus up to `max_gap_s` since."""
+        since = 0.0 if self._round_at is None else min(max(0.0, now - self._round_at), self.cfg.max_gap_s)
+        return self._watched + since
 
     def _safe_ping(self, pid: str) -> bool:
         try:
@@ -83,9 +127,14 @@ class Liveness:
             return False
 
     def gone(self) -> frozenset[str]:
-        """Watched peers silent for more than `gone_after_s`."""
-        now = self.clock()
-        return frozenset(p for p, t in self._last_answer.items() if now - t > self.cfg.gone_after_s)
+        """Watched peers silent for more than `gone_after_s` of the watcher's own schedule, with at least
+        `min_misses` consecutive pings unanswered."""
+        now = self._silence(self.clock())
+        return frozenset(
+            p
+            for p, t in self._last_answer.items()
+            if now - t > self.cfg.gone_after_s and self._misses.get(p, 0) >= self.cfg.min_misses
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

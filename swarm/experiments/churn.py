@@ -8,6 +8,12 @@ serving peers (SIGTERMs a `--graceful-fraction` of them) on a seeded schedule th
 completed step, and starts a fresh peer after each leave so the swarm keeps its size; it never touches the
 bootstrap node or the trainer.
 
+The run is judged by steps, not by the machine's speed: by default the schedule is in training steps (a
+leave every `--kill-every-steps` 150 steps), played against the trainer's completed steps, so a machine half
+as fast sees the same kills at the same steps; and a setting ends when its trainer has trained every step,
+stopped only when no step completes for `--stall-timeout-s` (or past an explicit `--timeout-s`). Seconds
+(`--kill-every S`, `--mean-lifetime S`) remain for studies of churn in wall-clock time.
+
 Both settings compute the same numbers until the first kill, by design: same seed, same peer ids, declared
 compute speeds, and by default no measured plan inputs (swarm-peer --no-link-probe: every link planned at
 the default speed; swarm train --chain-weights equal: every route of replicas gets the same share). The
@@ -58,6 +64,12 @@ PLAN_INPUTS = {
 }
 QUICK_STEPS = 80
 QUICK_KILL_AT_S = 5.0
+"""--quick with --kill-every S: the one leave S seconds into training."""
+QUICK_KILL_AT_STEP = 10
+"""--quick's one leave, after this step (by default: in steps, like the full run)."""
+KILL_EVERY_STEPS = 150
+"""The default schedule: a leave every 150 steps, 2 in the default 400 (the runs of issue 12 saw 2-3 leaves
+a minute apart at ~22 samples/s; on a machine half as fast a schedule in seconds saw 6)."""
 
 
 @dataclass(frozen=True)
@@ -85,18 +97,27 @@ class ChurnConfig:
     """Activation codec of the stage links."""
     bw_codec: str = field(default=DEFAULT_BACKWARD_CODEC, metadata=flag(skip=True))
     """Gradient codec of the stage links."""
-    kill_every_s: float | None = field(default=60.0, metadata=flag(skip=True))
-    """Seconds between leaves (None: exponential lifetimes, see mean_lifetime_s)."""
+    kill_every_s: float | None = field(default=None, metadata=flag(skip=True))
+    """Seconds between leaves (a schedule in wall-clock time; give exactly one of the four schedules)."""
     mean_lifetime_s: float | None = field(default=None, metadata=flag(skip=True))
-    """Mean lifetime of a serving peer, seconds (used when kill_every_s is None)."""
+    """Mean lifetime of a serving peer, seconds (exponential lifetimes in wall-clock time)."""
+    kill_every_steps: int | None = field(default=KILL_EVERY_STEPS, metadata=flag(skip=True))
+    """Training steps between leaves (the default schedule: the same kills at the same steps on any machine)."""
+    mean_lifetime_steps: float | None = field(default=None, metadata=flag(skip=True))
+    """Mean lifetime of a serving peer, in training steps (exponential lifetimes)."""
     graceful_fraction: float = 0.0
     """share of the leaves that are SIGTERM (a graceful leave) instead of SIGKILL"""
     join_delay_s: float = field(default=2.0, metadata=flag(skip=True))
     """Seconds from a leave to the start of the fresh peer that replaces it."""
     churn_horizon_s: float = field(default=3600.0, metadata=flag(skip=True))
     """The schedule's span, seconds from the first step (the run ends it earlier when training ends)."""
-    setting_timeout_s: float = field(default=360.0, metadata=flag(name="--timeout-s"))
-    """bound on one setting's training, seconds; the trainer is stopped past it"""
+    churn_horizon_steps: int | None = field(default=None, metadata=flag(skip=True))
+    """A schedule in steps: its last leave at most at this step (None: before the last step)."""
+    setting_timeout_s: float | None = field(default=None, metadata=flag(name="--timeout-s"))
+    """bound on one setting's training, seconds; the trainer is stopped past it (none: no wall-clock bound, a
+    slower machine trains every step; only --stall-timeout-s stops a run)"""
+    stall_timeout_s: float = 300.0
+    """the trainer is stopped when no step has completed for this many seconds (a hung run)"""
     measured_plan: bool = False
     """plan from measured link speeds and share samples by measured route throughput (realism; both timing noise:
     the settings then differ before the first kill); by default every peer runs --no-link-probe and the trainer
@@ -116,14 +137,37 @@ class ChurnConfig:
                 raise ValueError(f"ChurnConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.standby < 0 or self.batch_size % self.micro_batches or self.train_samples % self.batch_size:
             raise ValueError("ChurnConfig: standby >= 0; micro-batches divide the batch, the batch the samples")
-        if (self.kill_every_s is None) == (self.mean_lifetime_s is None):
-            raise ValueError("ChurnConfig: give exactly one of --kill-every and --mean-lifetime")
+        schedules = (self.kill_every_s, self.mean_lifetime_s, self.kill_every_steps, self.mean_lifetime_steps)
+        if sum(x is not None for x in schedules) != 1:
+            raise ValueError(
+                "ChurnConfig: give exactly one of --kill-every, --mean-lifetime, --kill-every-steps and "
+                "--mean-lifetime-steps"
+            )
+        if any(x is not None and x <= 0 for x in schedules):
+            raise ValueError("ChurnConfig: the schedule's interval must be > 0")
+        if self.stall_timeout_s <= 0 or (self.setting_timeout_s is not None and self.setting_timeout_s <= 0):
+            raise ValueError("ChurnConfig: --stall-timeout-s and --timeout-s must be > 0")
         if not 0.0 <= self.graceful_fraction <= 1.0:
             raise ValueError(f"--graceful-fraction must be in [0, 1], got {self.graceful_fraction}")
 
     @property
     def peers(self) -> int:
         return self.stages * self.replicas + self.standby
+
+    @property
+    def in_steps(self) -> bool:
+        """Whether the churn schedule is in training steps (else in seconds)."""
+        return self.kill_every_s is None and self.mean_lifetime_s is None
+
+    def schedule_label(self) -> str:
+        """The schedule in words, for the report: "a kill every 150 steps", ..."""
+        if self.kill_every_steps is not None:
+            return f"a kill every {self.kill_every_steps} steps"
+        if self.mean_lifetime_steps is not None:
+            return f"peer lifetimes of {self.mean_lifetime_steps:g} steps on average"
+        if self.kill_every_s is not None:
+            return f"a kill every {self.kill_every_s:g} s"
+        return f"peer lifetimes of {self.mean_lifetime_s:g} s on average"
 
 
 @dataclass(frozen=True)
@@ -132,12 +176,16 @@ class ChurnRun:
     other and on --quick) and how the result is printed."""
 
     churn: ChurnConfig = field(default_factory=ChurnConfig)
+    kill_every_steps: int | None = field(default=None, metadata=flag(metavar="N"))
+    """training steps between leaves (the default schedule: 150 unless another schedule is given)"""
+    mean_lifetime_steps: float | None = field(default=None, metadata=flag(metavar="N"))
+    """instead: serving peers live an exponential number of training steps of this mean"""
     kill_every: float | None = field(default=None, metadata=flag(metavar="S"))
-    """seconds between leaves (none: 60 unless --mean-lifetime is given)"""
+    """instead: seconds between leaves (wall-clock time: a slower machine sees more leaves per step)"""
     mean_lifetime: float | None = field(default=None, metadata=flag(metavar="S"))
-    """instead of --kill-every: serving peers live an exponential time of this mean, seconds"""
+    """instead: serving peers live an exponential time of this mean, seconds"""
     quick: bool = False
-    """a small swarm (2 stages, 1 standby), 80 steps, one kill 5 s into training (or --kill-every s)"""
+    """a small swarm (2 stages, 1 standby), 80 steps, one kill after step 10 (or --kill-every S s into training)"""
     json: bool = False
     """print the rows as JSON"""
 
@@ -148,18 +196,24 @@ class ChurnRun:
             ValueError: the flags do not make a valid run (both --kill-every and --mean-lifetime, ...).
         """
         cfg = self.churn
+        given = (self.kill_every, self.mean_lifetime, self.kill_every_steps, self.mean_lifetime_steps)
+        if sum(x is not None for x in given) > 1:
+            raise ValueError("give one of --kill-every, --mean-lifetime, --kill-every-steps, --mean-lifetime-steps")
         if self.quick:
-            # one leave: the schedule's span ends with the first one
-            every = self.kill_every if self.kill_every is not None else QUICK_KILL_AT_S
-            # the join right after the leave: on a swarm that cannot reroute yet the run ends at the kill
-            return replace(
-                cfg, stages=2, standby=1, steps=QUICK_STEPS, train_samples=32, kill_every_s=every,
-                mean_lifetime_s=None, churn_horizon_s=every, join_delay_s=0.0,
-            )  # fmt: skip
-        kill_every = self.kill_every
-        if kill_every is None and self.mean_lifetime is None:
-            kill_every = ChurnConfig.kill_every_s
-        return replace(cfg, kill_every_s=kill_every, mean_lifetime_s=self.mean_lifetime)
+            # one leave (the schedule's span ends with the first one), the join right after it: on a swarm that
+            # cannot reroute yet the run ends at the kill
+            quick = replace(cfg, stages=2, standby=1, steps=QUICK_STEPS, train_samples=32, join_delay_s=0.0,
+                            mean_lifetime_s=None, mean_lifetime_steps=None)  # fmt: skip
+            if self.kill_every is not None:
+                return replace(quick, kill_every_s=self.kill_every, kill_every_steps=None,
+                               churn_horizon_s=self.kill_every)  # fmt: skip
+            at = self.kill_every_steps or QUICK_KILL_AT_STEP
+            return replace(quick, kill_every_s=None, kill_every_steps=at, churn_horizon_steps=at)
+        if not any(x is not None for x in given):
+            given = (None, None, cfg.kill_every_steps or KILL_EVERY_STEPS, None)
+        kill_s, life_s, kill_steps, life_steps = given
+        return replace(cfg, kill_every_s=kill_s, mean_lifetime_s=life_s, kill_every_steps=kill_steps,
+                       mean_lifetime_steps=life_steps)  # fmt: skip
 
 
 _FLAGS = Flags(ChurnRun)
@@ -232,13 +286,26 @@ def flag_support() -> dict[str, bool]:
 def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bool], say=print) -> dict:
     """Trains one setting on a fresh local swarm; returns {"rc": trainer exit code, "pids": {name: pid}}.
     Writes steps.csv, events.jsonl, step_clock.jsonl, schedule.json and logs/ under out/setting."""
-    from swarm.testbed.churn_control import ChurnController, ChurnSwarm, StepClock, churn_schedule
+    from swarm.testbed.churn_control import (
+        ChurnController,
+        ChurnSwarm,
+        StepClock,
+        churn_schedule,
+        churn_schedule_steps,
+        last_step,
+    )
 
     d = out / setting
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     schedule = []
-    if setting == "churn":
+    if setting == "churn" and cfg.in_steps:
+        horizon = cfg.steps if cfg.churn_horizon_steps is None else min(cfg.steps, cfg.churn_horizon_steps + 1)
+        schedule = churn_schedule_steps(
+            horizon, cfg.seed, cfg.kill_every_steps, cfg.mean_lifetime_steps, cfg.stages * cfg.replicas,
+            cfg.graceful_fraction, cfg.join_delay_s,
+        )  # fmt: skip
+    elif setting == "churn":
         schedule = churn_schedule(
             cfg.churn_horizon_s, cfg.seed, cfg.kill_every_s, cfg.mean_lifetime_s, cfg.stages * cfg.replicas,
             cfg.graceful_fraction, cfg.join_delay_s,
@@ -253,7 +320,8 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
         if cfg.netns:  # namespaces for every peer that may join within the timeout, made up front
             from swarm.testbed.churn_netns import NetnsPlacement
 
-            joins = sum(1 for a in schedule if a.kind == "join" and a.at_s <= cfg.setting_timeout_s)
+            bound = cfg.setting_timeout_s
+            joins = sum(1 for a in schedule if a.kind == "join" and (a.at_step or bound is None or a.at_s <= bound))
             place = stack.enter_context(NetnsPlacement(d, cfg.peers + joins, say=say))
             wrap, observe = place.wrap, place.stages
         # both settings' peers share keys: same ids, same plan and routes, so they compute alike until a kill
@@ -269,16 +337,17 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
                 swarm.start_clock(url, clock_path)
             else:
                 threads.append(StepClock(url, clock_path))
-            controller = ChurnController(swarm, schedule, d / "events.jsonl")
+            steps_done = lambda: (last_step(clock_path) or (None,))[0]
+            controller = ChurnController(swarm, schedule, d / "events.jsonl", steps=steps_done)
             threads.append(controller)
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + cfg.setting_timeout_s + 180.0  # + the wait for the first plan
+            deadline = time.monotonic() + cfg.stall_timeout_s  # the first step is progress too
             while not _has_lines(clock_path) and trainer.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)  # polling the clock's file for the first step, bounded by the deadline
             controller.begin()
-            say(f"{setting}: training ({len(schedule)} churn actions scheduled)")
-            rc = trainer.wait(max(1.0, min(deadline - time.monotonic(), cfg.setting_timeout_s)))
+            say(f"{setting}: training ({len(schedule)} churn actions scheduled, {cfg.schedule_label()})")
+            rc = wait_for_steps(trainer, lambda: last_step(clock_path), cfg.stall_timeout_s, cfg.setting_timeout_s)
         except Exception as e:  # a hung or failed trainer still leaves its files for the report
             say(f"{setting}: {type(e).__name__}: {e}")
         finally:
@@ -293,6 +362,37 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
         shutil.copy(d / "trainer" / "steps.csv", d / "steps.csv")
     say(f"{setting}: trainer exit code {rc}")
     return {"rc": rc, "pids": pids}
+
+
+def wait_for_steps(trainer, progress, stall_timeout_s: float, timeout_s: float | None = None, poll_s: float = 0.5):
+    """The trainer's exit code once it exits. It is not stopped for being slow: only when no step has
+    completed for `stall_timeout_s` (a hung run), or past an explicit `timeout_s`.
+
+    Args:
+        trainer: a `subprocess.Popen` (`poll`, `wait`).
+        progress: () -> (completed steps, when) of the latest step, or None before the first.
+        poll_s: the polling period.
+
+    Raises:
+        TimeoutError: stalled or past `timeout_s`; the message says which.
+    """
+    import subprocess
+
+    start = time.monotonic()
+    seen, since = None, start
+    while True:
+        try:
+            return trainer.wait(poll_s)
+        except subprocess.TimeoutExpired:
+            pass  # the polling period: the trainer is still training
+        now = time.monotonic()
+        latest = progress()
+        if latest is not None and latest[0] != seen:
+            seen, since = latest[0], now
+        if now - since > stall_timeout_s:
+            raise TimeoutError(f"swarm train: no step completed for {stall_timeout_s:g} s (at step {seen}): stopped")
+        if timeout_s is not None and now - start > timeout_s:
+            raise TimeoutError(f"swarm train: past --timeout-s {timeout_s:g} s at step {seen}: stopped")
 
 
 def _has_lines(path: Path) -> bool:
@@ -322,10 +422,10 @@ def write_outputs(cfg: ChurnConfig, out: Path, rows: list[dict], notes: list[str
     from swarm.experiments.churn_plots import save_plots
 
     plots = save_plots(out, [r["setting"] for r in rows], cfg.batch_size)
-    checks = targets(rows, cfg.kill_every_s)
+    checks = targets(rows, cfg.kill_every_s, schedule=cfg.schedule_label())
     config = {"stages": cfg.stages, "replicas": cfg.replicas, "standby": cfg.standby, "steps": cfg.steps,
-              "seed": cfg.seed, "codecs": f"{cfg.fw_codec}/{cfg.bw_codec}", "kill every s": cfg.kill_every_s,
-              "mean lifetime s": cfg.mean_lifetime_s, "graceful fraction": cfg.graceful_fraction,
+              "seed": cfg.seed, "codecs": f"{cfg.fw_codec}/{cfg.bw_codec}", "churn": cfg.schedule_label(),
+              "graceful fraction": cfg.graceful_fraction,
               "plan inputs": PLAN_INPUTS[cfg.measured_plan],
               "peer keys": str(cfg.identities or out / "identities")}  # fmt: skip
     text = report_markdown(rows, checks, config, [p.name for p in plots])

@@ -152,11 +152,16 @@ def summarize(
     batch_size: int,
     target_steps: int,
 ) -> dict:
-    """One row of the experiment's table (ROW_KEYS first, then the details the report uses)."""
-    account = account_samples(rows, expected)
+    """One row of the experiment's table (ROW_KEYS first, then the details the report uses).
+
+    A run that ended before `target_steps` is accounted over the steps it trained: the samples of steps never
+    run are `samples_not_run`, not lost (the "all steps trained" target fails instead)."""
+    trained = max((int(r["step"]) for r in rows), default=0)
+    finished = len(rows) >= target_steps
+    account = account_samples(rows, expected if finished else expected[:trained])
+    not_run = 0 if finished else sum(len(b) for b in expected[trained:])
     done = [t for t in completion_times(rows, clock) if t is not None]
     leaves = [e for e in events if e.get("kind") in ("kill", "term")]
-    finished = len(rows) >= target_steps
     if finished and done:  # a leave after the last step has nothing left to recover
         leaves = [e for e in leaves if e["t"] < max(done)]
     recovery = recovery_times([e["t"] for e in leaves], done)
@@ -187,6 +192,7 @@ def summarize(
         "wire_bytes": wire,
         "terms": sum(1 for e in events if e.get("kind") == "term"),
         "samples_unexpected": account.unexpected,
+        "samples_not_run": not_run,
         "accounting": account.why or "by sample id",
         "unrecovered": len(recovery) - len(got),
         "leaves": len(leaves),
@@ -242,8 +248,9 @@ def _fmt(value, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def targets(rows: Sequence[dict], kill_every_s: float | None) -> list[Target]:
-    """Issue 12's targets over the rows (`no-churn` and `churn`), reported as measured, never adjusted."""
+def targets(rows: Sequence[dict], kill_every_s: float | None = None, schedule: str | None = None) -> list[Target]:
+    """Issue 12's targets over the rows (`no-churn` and `churn`), reported as measured, never adjusted.
+    `schedule` names the churn in words ("a kill every 150 steps"); by default from `kill_every_s`."""
     out = []
     for r in rows:
         lost, dup, unexp = r["samples_lost"], r["samples_duplicated"], r.get("samples_unexpected")
@@ -259,7 +266,9 @@ def targets(rows: Sequence[dict], kill_every_s: float | None) -> list[Target]:
                 )
             )
         if r["steps"] < r.get("target_steps", r["steps"]):
-            out.append(Target(f"{r['setting']}: all steps trained", f"{r['steps']} of {r['target_steps']}", False))
+            value = f"{r['steps']} of {r['target_steps']}"
+            value += f" ({r['samples_not_run']} samples not run)" if r.get("samples_not_run") else ""
+            out.append(Target(f"{r['setting']}: all steps trained", value, False))
     by = {r["setting"]: r for r in rows}
     churn, base = by.get("churn"), by.get("no-churn")
     if churn is not None:
@@ -285,11 +294,11 @@ def targets(rows: Sequence[dict], kill_every_s: float | None) -> list[Target]:
         out.append(Target("throughput under churn >= 70% of no-churn", why, None))
         out.append(Target("final loss under churn within 2% of no-churn", why, None))
     elif churn is not None and base is not None:
-        every = f"a kill every {kill_every_s:g} s" if kill_every_s else "the schedule's kills"
+        every = schedule or (f"a kill every {kill_every_s:g} s" if kill_every_s else "the schedule's kills")
         tc, tb = churn["throughput_samples_s"], base["throughput_samples_s"]
         ratio = tc / tb if tc is not None and tb else None
         ended = churn["steps"] < churn.get("target_steps", churn["steps"])
-        note = "" if kill_every_s == 60 else " (target is stated for a kill every 60 s)"
+        note = "" if kill_every_s == 60 or schedule else " (target is stated for a kill every 60 s)"
         out.append(
             Target(
                 f"throughput with {every} >= 70% of no-churn{note}",

@@ -1,7 +1,10 @@
 """Churn on a local swarm: a seeded schedule of kills, graceful leaves and joins, and the processes it acts on.
 
-The schedule is data (`ChurnEvent`s made by `churn_schedule` from a seed), so a run can be replayed and the
-schedule unit-tested without processes. `ChurnSwarm` starts a bootstrap node, swarm-peer daemons (each with
+The schedule is data (`ChurnEvent`s made by `churn_schedule` or `churn_schedule_steps` from a seed), so a run
+can be replayed and the schedule unit-tested without processes. A schedule in steps (`at_step`) is played
+against the trainer's completed steps, so a machine half as fast sees the same kills at the same steps; a
+schedule in seconds does not (on a slower machine it kills more often per step).
+`ChurnSwarm` starts a bootstrap node, swarm-peer daemons (each with
 an identity file written first, so its peer id is known before it starts) and a `swarm train` process, all
 in one `ProcessGroup` (reaped when the `with` block ends); `ChurnController` plays a schedule against it
 from a thread and writes every kill, term and join to `events.jsonl`. `StepClock` timestamps the trainer's
@@ -32,6 +35,8 @@ __all__ = [
     "ChurnSwarm",
     "StepClock",
     "churn_schedule",
+    "churn_schedule_steps",
+    "last_step",
     "peer_flag_support",
 ]
 
@@ -40,23 +45,30 @@ LEAVES = ("kill", "term")
 
 @dataclass(frozen=True)
 class ChurnEvent:
-    """One churn event, `at_s` seconds after the schedule starts (e.g. `kill@60.0#0.42`)."""
+    """One churn event, `at_s` seconds after the schedule starts (e.g. `kill@60.0#0.42`), or, with `at_step`,
+    `at_s` seconds after the trainer completed that step (e.g. `join@step150+2.0`)."""
 
     at_s: float
-    """Seconds after the start of the schedule."""
+    """Seconds after the start of the schedule (with `at_step`: after that step completed)."""
     kind: str
     """kill (SIGKILL), term (SIGTERM: a graceful leave) or join (a fresh peer)."""
     pick: float = 0.0
     """Which eligible peer a leave takes, in [0, 1): index floor(pick * n) of the serving peers by name, so
     the choice is seeded but made among the peers alive when the action runs."""
+    at_step: int | None = None
+    """The trainer's completed step the event waits for (None: a schedule in seconds)."""
 
     def __post_init__(self) -> None:
         if self.kind not in (*LEAVES, "join"):
             raise ValueError(f"ChurnEvent.kind: expected kill, term or join, got {self.kind!r}")
         if not 0.0 <= self.pick < 1.0 or self.at_s < 0:
             raise ValueError(f"ChurnEvent: at_s must be >= 0 and pick in [0, 1), got {self.at_s}, {self.pick}")
+        if self.at_step is not None and self.at_step < 1:
+            raise ValueError(f"ChurnEvent: at_step must be >= 1, got {self.at_step}")
 
     def __str__(self) -> str:
+        if self.at_step is not None:
+            return f"{self.kind}@step{self.at_step}+{self.at_s:.1f}#{self.pick:.2f}"
         return f"{self.kind}@{self.at_s:.1f}#{self.pick:.2f}"
 
 
@@ -93,6 +105,60 @@ def churn_schedule(
         actions.append(ChurnEvent(round(t, 3), kind, rng.random()))
         actions.append(ChurnEvent(round(t + join_delay_s, 3), "join"))
     return sorted(actions, key=lambda a: (a.at_s, a.kind == "join"))
+
+
+def churn_schedule_steps(
+    total_steps: int,
+    seed: int,
+    kill_every_steps: int | None = None,
+    mean_lifetime_steps: float | None = None,
+    serving_peers: int = 6,
+    graceful_fraction: float = 0.0,
+    join_delay_s: float = 2.0,
+) -> list[ChurnEvent]:
+    """`churn_schedule` in training steps: leaves at steps every `kill_every_steps` (or, with
+    `mean_lifetime_steps`, the first departures of `serving_peers` exponential lifetimes of that mean, in
+    steps, each at least one step after the previous leave), only before the last step; each followed
+    `join_delay_s` seconds later by a join. Same arguments, same schedule, on any machine."""
+    if (kill_every_steps is None) == (mean_lifetime_steps is None):
+        raise ValueError("churn_schedule_steps: give exactly one of kill_every_steps and mean_lifetime_steps")
+    if not 0.0 <= graceful_fraction <= 1.0:
+        raise ValueError(f"churn_schedule_steps: graceful_fraction must be in [0, 1], got {graceful_fraction}")
+    if (kill_every_steps or mean_lifetime_steps or 0) <= 0 or serving_peers < 1 or join_delay_s < 0:
+        raise ValueError("churn_schedule_steps: intervals must be > 0, serving_peers >= 1, join_delay_s >= 0")
+    rng = random.Random(seed)
+    actions, step, t = [], 0, 0.0
+    while True:
+        if kill_every_steps is not None:
+            step += kill_every_steps
+        else:
+            t += rng.expovariate(serving_peers / mean_lifetime_steps)
+            step = max(step + 1, round(t))
+        if step >= total_steps:
+            break
+        kind = "term" if rng.random() < graceful_fraction else "kill"
+        actions.append(ChurnEvent(0.0, kind, rng.random(), at_step=step))
+        actions.append(ChurnEvent(join_delay_s, "join", at_step=step))
+    return actions
+
+
+def last_step(clock_path: Path) -> tuple[int, float] | None:
+    """(steps, time) of a `StepClock` file's last line: the trainer's completed steps and when the clock saw
+    them; None before the first step (or if the file is unreadable)."""
+    try:
+        with open(clock_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+            return int(row["steps"]), float(row["t"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line being written, or the cut first line of the tail
+    return None
 
 
 def peer_flag_support(flags: tuple[str, ...]) -> dict[str, bool]:
@@ -263,13 +329,24 @@ class ChurnController(threading.Thread):
     needs a standby and a checkpoint).
     """
 
-    def __init__(self, swarm: ChurnSwarm, schedule: list[ChurnEvent], events_path: Path):
+    def __init__(
+        self,
+        swarm: ChurnSwarm,
+        schedule: list[ChurnEvent],
+        events_path: Path,
+        steps: Callable[[], int | None] | None = None,
+        poll_s: float = 0.2,
+    ):
+        """`steps()`: the trainer's completed steps (None: none yet), what events with `at_step` wait for."""
         super().__init__(name="churn", daemon=True)
         self.swarm, self.schedule, self.events_path = swarm, schedule, events_path
+        self.steps, self.poll_s = steps, poll_s
         self.stop = threading.Event()
         self.events: list[dict] = []
         self._start_at: float | None = None
         self._begun = threading.Event()
+        self._reached: dict[int, float] = {}
+        """at_step -> when this controller first saw the trainer past it"""
 
     def begin(self) -> None:
         self._start_at = time.time()
@@ -279,9 +356,8 @@ class ChurnController(threading.Thread):
         self._begun.wait()
         with open(self.events_path, "a") as log:
             for action in self.schedule:
-                # a timed wait on the schedule's clock, cut short when the run ends
-                if self.stop.wait(max(0.0, self._start_at + action.at_s - time.time())):
-                    return
+                if not self._wait_until_due(action):
+                    return  # the run ended first
                 try:
                     event = self.apply(action)
                 except Exception as e:  # one failed action must not end the schedule; the log says what failed
@@ -294,6 +370,21 @@ class ChurnController(threading.Thread):
                 self.events.append(event)
                 log.write(json.dumps(event) + "\n")
                 log.flush()
+
+    def _wait_until_due(self, action: ChurnEvent) -> bool:
+        """Waits for the event's time (a timed wait on the schedule's clock) or step (polling the trainer's
+        step count, then its delay); False when the run ended first."""
+        if action.at_step is None:
+            return not self.stop.wait(max(0.0, self._start_at + action.at_s - time.time()))
+        if self.steps is None:
+            raise ValueError(f"{action}: a schedule in steps needs the trainer's step count")
+        while action.at_step not in self._reached:
+            done = self.steps()
+            if done is not None and done >= action.at_step:
+                self._reached[action.at_step] = time.time()
+            elif self.stop.wait(self.poll_s):  # polling the step count, cut short when the run ends
+                return False
+        return not self.stop.wait(max(0.0, self._reached[action.at_step] + action.at_s - time.time()))
 
     def apply(self, action: ChurnEvent) -> dict:
         now = time.time()

@@ -3,6 +3,8 @@ The planner repairs at once (no settle wait), and heartbeats make a silent peer 
 
 from __future__ import annotations
 
+import pytest
+
 from swarm.daemon.liveness import Liveness, LivenessConfig
 from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
@@ -170,11 +172,53 @@ def test_a_raising_prober_counts_as_silence():
         raise RuntimeError("broken")
 
     live = Liveness(ping, clock=clock)
-    live.round([A])
-    clock.t += 3.5
-    live.round([A])
+    for _ in range(4):  # one round a second (a single 3.5 s gap would be the watcher's own stall, not silence)
+        live.round([A])
+        clock.t += 1.0
     assert live.gone() == {A}
     live.close()
+
+
+def test_a_watcher_that_was_stalled_does_not_count_its_own_stall_as_everyones_silence():
+    """Under load the planner once declared every peer silent: its heartbeat rounds were late, not the peers."""
+    clock, silent = Clock(), set()
+    live = Liveness(lambda pid: pid not in silent, LivenessConfig(every_s=1.0, gone_after_s=3.0), clock=clock)
+    live.round([A, B])
+    clock.t += 1
+    live.round([A, B])
+    clock.t += 30  # this process was descheduled for 30 s: no round, no evidence either way
+    assert live.gone() == frozenset(), "a stall of the watcher is nobody's silence"
+    silent.update({A, B})  # and the first round after the stall times out on the loaded machine
+    assert live.round([A, B]) and live.gone() == frozenset(), "one unanswered round is not 3 s of silence"
+    assert live.stalled_s == pytest.approx(28.0)
+    silent.discard(A)
+    for _ in range(3):  # B stays silent through 3 on-schedule rounds: gone, A is not
+        clock.t += 1
+        live.round([A, B])
+    clock.t += 1
+    assert live.gone() == {B}
+    live.close()
+
+
+def test_one_slow_ping_over_the_whole_window_is_not_gone():
+    """min_misses: silence needs that many consecutive unanswered pings, not one ping that took the window."""
+    clock = Clock()
+    live = Liveness(lambda pid: False, LivenessConfig(every_s=1.0, gone_after_s=3.0, min_misses=2), clock=clock)
+    live.round([A])
+    clock.t += 2.0
+    live.round([A])  # on schedule (2 s is within max_gap_s)
+    clock.t += 2.0
+    assert live.gone() == {A}, "2 misses over 4 s: gone"
+    fresh = Liveness(lambda pid: False, LivenessConfig(every_s=1.0, gone_after_s=3.0, min_misses=3), clock=clock)
+    fresh.round([A])
+    clock.t += 2.0
+    fresh.round([A])
+    clock.t += 2.0
+    assert fresh.gone() == frozenset(), "2 misses of 3 needed"
+    with pytest.raises(ValueError, match="min_misses"):
+        LivenessConfig(min_misses=0)
+    live.close()
+    fresh.close()
 
 
 def test_the_planner_repairs_around_a_peer_that_stops_answering_before_its_record_expires():

@@ -1,0 +1,156 @@
+"""`swarm bench footprint`: how much memory a default toy `swarm-peer` takes once it has served some steps.
+
+A loopback swarm as real processes (`swarm.testbed.local`: a DHT bootstrap node and `--peers` swarm-peer
+processes with every flag at its default, the default toy model) trains `--steps` steps with `swarm train`;
+then, the trainer gone and the peers still serving, each peer's process tree is read: the peer's own python
+process, its hivemind DHT process (a fork of it) and that one's p2pd. For each process: RSS, and PSS and USS
+from /proc/PID/smaps_rollup (psutil's `memory_full_info`). A fork shares its parent's pages, so a tree's
+summed RSS counts those twice; its summed PSS is what the tree really holds of the machine's memory (each
+shared page split among the processes sharing it). The target (issue 28): a peer's summed PSS at most 450 MB
+(MB = 10**6 bytes); the summed RSS is reported beside it. A figure for the record, not a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from swarm.flags import Flags
+from swarm.report import print_table
+
+__all__ = ["FootprintConfig", "TARGET_MB", "add_arguments", "measure_tree", "run"]
+
+TARGET_MB = 450.0
+"""Issue 28: a default toy swarm-peer (with its DHT process and p2pd) holds at most this many MB."""
+COLUMNS = ["process", "role", "rss_mb", "pss_mb", "uss_mb", "threads", "verdict"]
+
+
+@dataclass(frozen=True)
+class FootprintConfig:
+    """`swarm bench footprint`: the swarm measured and how long it trains first."""
+
+    steps: int = 30
+    """training steps served before the measurement"""
+    peers: int = 2
+    """swarm-peer processes (default flags, default toy model), one stage each"""
+    settle_s: float = 2.0
+    """seconds after the trainer exits before reading (the peers finish their last step's bookkeeping)"""
+    out: str | None = None
+    """folder for logs and the trainer's outputs (none: runs/footprint-*)"""
+    json: bool = False
+    """print one JSON object per process and per peer (its sum) instead of a table"""
+
+
+_FLAGS = Flags(FootprintConfig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "A loopback swarm of default toy swarm-peer processes serves --steps training steps; then each peer's "
+        "memory is read: RSS, PSS and USS of the peer process, its DHT process and p2pd, separately and summed. "
+        f"PASS when a peer's summed PSS is at most {TARGET_MB:.0f} MB (the summed RSS counts the pages the DHT "
+        "process shares with the peer it was forked from twice; it is shown too)."
+    )
+    _FLAGS.add_to(parser)
+
+
+def _role(name: str, depth: int) -> str:
+    if name == "p2pd":
+        return "p2pd"
+    return "peer" if depth == 0 else "dht"
+
+
+def measure_tree(pid: int) -> list[dict]:
+    """One row per process of `pid`'s tree (the root first): name, pid, role (peer, dht, p2pd), rss/pss/uss in
+    MB and threads. Empty if `pid` is gone; a child that ends while being read is left out."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [(root, 0)] + [(c, 1) for c in root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    rows = []
+    for proc, depth in tree:
+        try:
+            with proc.oneshot():
+                mem, name, threads = proc.memory_full_info(), proc.name(), proc.num_threads()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        rows.append(
+            {
+                "process": f"{name} {proc.pid}",
+                "role": _role(name, depth),
+                "rss_mb": round(mem.rss / 1e6, 1),
+                "pss_mb": round(getattr(mem, "pss", mem.rss) / 1e6, 1),
+                "uss_mb": round(mem.uss / 1e6, 1),
+                "threads": threads,
+            }
+        )
+    return rows
+
+
+def summed_row(name: str, rows: list[dict]) -> dict:
+    """A peer's tree summed, with its verdict against `TARGET_MB` (on PSS)."""
+    total = {k: round(sum(r[k] for r in rows), 1) for k in ("rss_mb", "pss_mb", "uss_mb", "threads")}
+    ok = bool(rows) and total["pss_mb"] <= TARGET_MB
+    return {"process": name, "role": "sum", **total, "processes": len(rows), "verdict": "PASS" if ok else "FAIL"}
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarm.daemon.peer_config import PeerConfig, peer_flags
+    from swarm.options import MODEL_FLAGS, ModelFlags
+    from swarm.testbed.local import local_swarm
+    from swarm.testbed.procs import swarm_command
+    from swarm.train.trainer import train_flags
+
+    cfg = _FLAGS.from_args(args)
+    if cfg.steps < 1 or cfg.peers < 1 or cfg.settle_s < 0:
+        print("error: need --steps >= 1, --peers >= 1 and --settle-s >= 0", file=sys.stderr)
+        return 2
+    out = Path(cfg.out or f"runs/footprint-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    say = lambda line: print(f"[footprint] {line}", file=sys.stderr)
+    model = ModelFlags()
+    peer_argv = [*peer_flags().to_argv(PeerConfig()), *MODEL_FLAGS.to_argv(model)]
+    say(f"starting a bootstrap node and {cfg.peers} default toy peers")
+    rows: list[dict] = []
+    with local_swarm(out, cfg.peers, peer_argv, say) as swarm:
+        procs = swarm.procs
+        flags = train_flags()
+        train = replace(
+            flags.base, model=model.build(), address_file=str(swarm.address_file), num_stages=cfg.peers,
+            steps=cfg.steps, out=str(out / "train"),
+        )  # fmt: skip
+        say(f"training {cfg.steps} steps")
+        trainer = procs.start("trainer", swarm_command("train", *flags.to_argv(train)))
+        while trainer.poll() is None:
+            procs.check_alive()  # a peer that died fails here, naming it and its log's last lines
+            time.sleep(0.5)  # polling the trainer's exit, not a synchronisation
+        if trainer.returncode != 0:
+            print(f"error: the trainer exited with {trainer.returncode}:\n{procs.tail('trainer')}", file=sys.stderr)
+            return 1
+        time.sleep(cfg.settle_s)  # the measurement's settling time, not a synchronisation
+        for name, proc in procs.procs.items():
+            if name == "trainer":
+                continue
+            tree = measure_tree(proc.pid)
+            rows += [{**r, "process": f"{name}/{r['process']}"} for r in tree]
+            if name != "bootstrap":
+                rows.append(summed_row(name, tree))
+            else:
+                rows.append({**summed_row(name, tree), "verdict": "-"})  # the bootstrap is no peer: no target
+    if cfg.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        title = (
+            f"footprint: {cfg.peers} default toy swarm-peer after {cfg.steps} steps; MB = 10**6 bytes; "
+            f"target: a peer's summed PSS <= {TARGET_MB:.0f} MB"
+        )
+        print_table(rows, COLUMNS, title)
+    return 0  # a FAIL row is a figure to read, not a failure of the benchmark

@@ -1,0 +1,81 @@
+"""A peer without torch's compiler stack: what a serving peer needs of torch is eager autograd and an optimizer.
+
+`torch.optim` imports `torch._dynamo` (and with it sympy, triton and torch.fx's symbolic shapes: about 150 MB
+of RSS per peer, seen by `swarm bench footprint`) the first time an optimizer is built or steps, only to mark
+its methods "not to be compiled" (`torch._disable_dynamo`) and to put graph breaks around `step`. A peer
+compiles nothing, so `skip_dynamo()` marks those methods as already handled and runs `step` under the same
+grad mode without the graph breaks. Nothing else changes: the optimizers' arithmetic is torch's own.
+
+It is called once, early, by `swarm-peer` only (its role never compiles); a process that already imported
+`torch._dynamo`, or a torch whose optimizer no longer has these wrappers, is left as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+__all__ = ["cap_arenas", "skip_dynamo"]
+
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+ARENAS = 2
+"""malloc arenas of a peer: glibc's default is 8 per core, each keeping what its threads freed (a peer has
+~120 threads, most of them gRPC's); measured by `swarm bench footprint`, 2 saved 40-120 MB of RSS per peer."""
+
+_MARKED = ("state_dict", "load_state_dict", "zero_grad", "add_param_group")
+"""Optimizer methods wrapped by `torch._disable_dynamo`, which imports torch._dynamo on the first call."""
+
+
+def skip_dynamo() -> bool:
+    """Marks torch.optim's dynamo wrappers as handled, so that no optimizer call imports torch._dynamo.
+    Returns whether it did (False: dynamo is already loaded, or this torch's optimizer looks different)."""
+    if "torch._dynamo" in sys.modules:
+        return False
+    import torch
+    from torch import optim
+
+    done = False
+    for name in _MARKED:
+        inner = getattr(getattr(optim.Optimizer, name, None), "__wrapped__", None)
+        if inner is not None:
+            setattr(inner, "__dynamo_disable", inner)  # what the wrapper caches after importing dynamo
+            done = True
+    for cls in (optim.AdamW, optim.Adam, optim.SGD):
+        step = cls.__dict__.get("step")
+        raw = getattr(step, "__wrapped__", None)
+        if step is None or raw is None or step.__code__.co_name != "_use_grad":
+            continue  # not torch's _use_grad_for_differentiable wrapper (or already hooked): leave it
+        cls.step = _eager_step(raw, torch)
+        done = True
+    return done
+
+
+def cap_arenas(arenas: int = ARENAS) -> bool:
+    """Caps glibc's malloc arenas (what MALLOC_ARENA_MAX does); before the process starts its threads. A user's
+    own MALLOC_ARENA_MAX stands. Returns whether the cap was set (False: set by the user, or not glibc)."""
+    import ctypes
+    import ctypes.util
+    import os
+
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.mallopt(_M_ARENA_MAX, arenas) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def _eager_step(raw, torch):
+    """`_use_grad_for_differentiable` without its graph breaks (which are what import torch._dynamo)."""
+
+    @functools.wraps(raw)
+    def step(self, *args, **kwargs):
+        prev = torch.is_grad_enabled()
+        try:
+            torch.set_grad_enabled(self.defaults["differentiable"])
+            return raw(self, *args, **kwargs)
+        finally:
+            torch.set_grad_enabled(prev)
+
+    return step

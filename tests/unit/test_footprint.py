@@ -1,0 +1,105 @@
+"""A peer's footprint: `swarm bench footprint`'s reading of a process tree, and the peer's lean torch (no
+torch._dynamo, sympy or triton for an optimizer that never compiles), with the same arithmetic as torch's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from swarm.bench.footprint import TARGET_MB, FootprintConfig, measure_tree, summed_row
+from swarm.flags import Flags
+
+TRAIN = """
+import json, sys, torch
+if sys.argv[1] == "lean":
+    from swarm.daemon.lean import skip_dynamo
+    assert skip_dynamo()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+for _ in range(5):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+opt.load_state_dict(opt.state_dict())
+assert torch.is_grad_enabled(), "step must restore grad mode"
+with torch.no_grad():
+    weights = [round(float(p.sum()), 7) for p in model.parameters()]
+print(json.dumps({"weights": weights, "dynamo": "torch._dynamo" in sys.modules, "sympy": "sympy" in sys.modules}))
+"""
+
+
+def _train(mode: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", TRAIN, mode], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_lean_peer_trains_exactly_like_torch_without_importing_its_compiler():
+    plain, lean = _train("plain"), _train("lean")
+    assert lean["weights"] == plain["weights"], "skip_dynamo changed the optimizer's arithmetic"
+    assert plain["dynamo"], "torch no longer imports dynamo for an optimizer: skip_dynamo may be dropped"
+    assert not lean["dynamo"] and not lean["sympy"], "an optimizer step still imports torch's compiler"
+
+
+def test_skip_dynamo_leaves_a_process_that_already_has_dynamo_alone():
+    code = "import torch._dynamo\nfrom swarm.daemon.lean import skip_dynamo\nprint(skip_dynamo())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_measure_tree_reads_rss_pss_and_uss_of_a_tree_and_sums_it():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        rows = measure_tree(os.getpid())
+        assert rows[0]["role"] == "peer" and rows[0]["process"].endswith(str(os.getpid()))
+        assert any(r["process"].endswith(str(child.pid)) and r["role"] == "dht" for r in rows)
+        for r in rows:
+            assert 0 < r["uss_mb"] <= r["pss_mb"] <= r["rss_mb"] + 0.1 and r["threads"] >= 1
+        total = summed_row("peer0", rows)
+        assert total["rss_mb"] == pytest.approx(sum(r["rss_mb"] for r in rows), abs=0.2)
+        assert total["processes"] == len(rows)
+        assert total["verdict"] == ("PASS" if total["pss_mb"] <= TARGET_MB else "FAIL")
+    finally:
+        child.kill()
+        child.wait()
+    assert measure_tree(child.pid) == [], "a reaped process has no tree"
+
+
+def test_an_empty_tree_fails_rather_than_passing_with_zero_megabytes():
+    assert summed_row("peer0", [])["verdict"] == "FAIL"
+
+
+def test_footprint_flags_round_trip():
+    flags = Flags(FootprintConfig)
+    cfg = FootprintConfig(steps=5, peers=3, settle_s=0.5, out="x", json=True)
+    assert flags.parse(flags.to_argv(cfg)) == cfg
+
+
+def test_cap_arenas_leaves_a_users_malloc_arena_max_alone(monkeypatch):
+    from swarm.daemon.lean import cap_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert cap_arenas() is False
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    code = "from swarm.daemon.lean import cap_arenas; print(cap_arenas())"
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]  # glibc here
+
+
+def test_a_daemon_process_shares_hivemind_tensors_without_a_torch_shm_manager():
+    code = (
+        "import swarm.daemon.peer, torch.multiprocessing as m, os; "
+        "print(m.get_sharing_strategy(), os.environ['HIVEMIND_MEMORY_SHARING_STRATEGY'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split()[-2:] == ["file_descriptor", "file_descriptor"], done.stderr[-2000:]
+    env["HIVEMIND_MEMORY_SHARING_STRATEGY"] = "file_system"  # a user's choice stands
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split()[-2:] == ["file_system", "file_system"], done.stderr[-2000:]
