@@ -184,6 +184,10 @@ class PeerDaemon:
             code = self._follow_plans(address) if cfg.assign == "plan" else self._serve_even_split()
             if code:
                 return code
+            # others must not wait for this peer (a leaving neighbour waits for a plan without it while any peer
+            # it could hand over to looks staying; an exited peer's announcement would look so for its TTL)
+            with contextlib.suppress(TimeoutError, RuntimeError):
+                self.update_announcement(leaving=True)
             host = self.ending.retire()
             server.stop(grace=5).wait(10)
             if host is not None:
@@ -368,6 +372,9 @@ class PeerDaemon:
             self.update_announcement(leaving=True)
             log.info("leaving: waiting for a plan without this peer (at most %.0f s)", self.cfg.leave_timeout_s)
         if held is None:
+            return True
+        if self.ending.taker(held, peers, spec) is None:  # the peer that had room is leaving too, or gone
+            log.info("leave abandoned (no peer that stays has room for this stage): checkpointing and exiting")
             return True
         layers = (held.role.layer_start, held.role.layer_end)
         if leave_done(self.following, peers, self.dht.peer_id, layers):

@@ -167,6 +167,13 @@ class PeerEnding:
             active=held is not None and not held.ledger.orphaned(ACTIVE_S),
         )  # fmt: skip
 
+    def taker(self, held, peers: list[PeerAnnouncement], spec) -> str | None:
+        """The peer that can take over the stage `held` serves now (`room_for`); None: none is left (the one that
+        had room is leaving too, or gone)."""
+        layers = (held.role.layer_start, held.role.layer_end)
+        n_stages = held.role.n_stages
+        return room_for(layers, self.dht.peer_id, peers, lambda n: spec.stage_memory_bytes(n, n_stages, 1))
+
     def retire(self):
         """Takes the stage out of service between two steps (an open step is waited for at most STOP_WAIT_S, then
         abandoned: it rolls back, so the checkpoint holds applied steps only); returns the host it served."""

@@ -56,6 +56,11 @@ __all__ = [
 log = logging.getLogger("swarm.runtime.service")
 
 
+REDUCE_SLOT_WAIT_S = 10.0
+"""Longest a Reduce waits for the one Reduce slot (held by a failed attempt's Reduce that is ending) before it
+is refused with RESOURCE_EXHAUSTED."""
+
+
 class StageServicer(stage_pb2_grpc.StageServicer):
     """Thin gRPC handlers: read and check the call, run the host's compute, pass the result on."""
 
@@ -429,7 +434,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._checked(context, check)
 
         def run():
-            with self._reduce_slots.take():
+            # a failed attempt's Reduce may still be ending (it waits on peers that the abandon releases): the
+            # rerun's waits for it a while instead of failing the step (only the plan's trainer may call Reduce)
+            with self._reduce_slots.take(wait_s=REDUCE_SLOT_WAIT_S):
                 report = self._serving().averager.reduce(order, keyed_by_peer=self.verifier is not None)
             return stage_pb2.ReduceReply(**asdict(report))
 

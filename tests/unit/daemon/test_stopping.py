@@ -198,3 +198,17 @@ def test_a_leave_reads_the_trainers_and_the_stages_last_call():
     assert "no trainer" in end.leave_blocker(host, peers, spec), "unknown trainers: no handover"
     end.dht.trainers = lambda: ["t"]
     assert end.leave_blocker(host, [peer("b", (0, 2), memory=3 * GIB)], spec).startswith("no peer that stays")
+
+
+def test_a_leave_waiting_on_a_taker_gives_up_once_the_taker_leaves_too():
+    """Two peers SIGTERMed together: the first saw the second staying with room and began to wait for a plan
+    without it; the second stopped (no taker for it). The first must see that the taker is leaving (a stopping
+    peer announces `leaving`) and stop too, instead of waiting out its leave timeout (SIGKILLed in the suite)."""
+    from types import SimpleNamespace
+
+    host = _host()
+    end, _ = ending(host=host)
+    spec = SimpleNamespace(stage_memory_bytes=lambda n, stages, replicas: n * GIB)
+    assert end.taker(host, [peer("b", (2, 4), memory=8 * GIB)], spec) == "b" * 12
+    assert end.taker(host, [peer("b", (2, 4), memory=8 * GIB, leaving=True)], spec) is None
+    assert end.taker(host, [], spec) is None
