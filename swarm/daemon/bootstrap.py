@@ -134,6 +134,23 @@ def joined_peers(initial_peers: tuple[str, ...], address_file: str | None) -> tu
     return tuple(dict.fromkeys([*initial_peers, *extra]))
 
 
+def reader_dht_config(dht: DHTConfig, address_file: str | None, timeout_s: float) -> DHTConfig:
+    """The DHT config a short-lived reader (`swarm status`, `swarm stop`) joins with: `dht`'s initial peers and the
+    address file's, in client mode (a reader should not become a home for others' records), bounded by
+    `timeout_s`.
+
+    Raises:
+        OSError: the address file cannot be read.
+        ValueError: nothing to join (no initial peers, no address file).
+    """
+    initial_peers = joined_peers(dht.initial_peers, address_file)
+    if not initial_peers:
+        raise ValueError("nothing to join: give --initial-peers MADDR... or --address-file PATH")
+    return dataclasses.replace(
+        dht, initial_peers=initial_peers, client_mode=True, start_timeout_s=timeout_s, request_timeout_s=timeout_s
+    )
+
+
 def write_address_file(path: str, maddrs: Sequence[str]) -> None:
     """Writes multiaddrs one per line, atomically: a reader never sees a half-written file."""
     tmp = f"{path}.tmp{os.getpid()}"

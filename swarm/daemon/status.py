@@ -11,13 +11,13 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from swarm.daemon.bootstrap import LOG_FORMAT, joined_peers
+from swarm.daemon.bootstrap import LOG_FORMAT, reader_dht_config
 from swarm.flags import Flags, flag
 from swarm.options import DHT_FLAGS
 from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
@@ -68,16 +68,7 @@ class StatusConfig:
             OSError: the address file cannot be read.
             ValueError: nothing to join (no initial peers, no address file).
         """
-        initial_peers = joined_peers(self.dht.initial_peers, self.address_file)
-        if not initial_peers:
-            raise ValueError("nothing to join: give --initial-peers MADDR... or --address-file PATH")
-        return replace(
-            self.dht,
-            initial_peers=initial_peers,
-            client_mode=True,
-            start_timeout_s=self.timeout_s,
-            request_timeout_s=self.timeout_s,
-        )
+        return reader_dht_config(self.dht, self.address_file, self.timeout_s)
 
 
 @cache

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from swarm.compression import WireError
 from swarm.metrics import Metrics
 from swarm.model.data import SampleSet
-from swarm.net.stream import StageCallError
+from swarm.net.stream import PLAN_MISMATCH, StageCallError
 
 __all__ = ["HeldOut", "HeldOutPoint", "held_out_rows"]
 
@@ -70,10 +71,18 @@ class HeldOut:
         """Whether to evaluate after `done` steps of `total`."""
         return self.on and done > 0 and ((self.every > 0 and done % self.every == 0) or done >= total)
 
-    def run(self, driver, done: int) -> float | None:
-        """Evaluates the weights after `done` steps through `driver`; the loss, or None when it failed (logged)."""
+    def run(self, driver, done: int, replan: Callable[[], object] | None = None) -> float | None:
+        """Evaluates the weights after `done` steps through `driver`; the loss, or None when it failed (logged).
+        `replan`: follows the newer plan the stages moved to and returns its driver; an evaluation refused as of
+        an older plan (the planner republished between the step and the evaluation) runs once more on it."""
         try:
-            result = driver.evaluate(self.data, self.rows, done, self.hidden)
+            try:
+                result = driver.evaluate(self.data, self.rows, done, self.hidden)
+            except StageCallError as e:
+                if replan is None or PLAN_MISMATCH not in str(e):
+                    raise
+                log.info("held-out evaluation after step %d: the stages moved to a newer plan; evaluating there", done)
+                result = replan().evaluate(self.data, self.rows, done, self.hidden)
         except (StageCallError, WireError) as e:
             log.warning("held-out evaluation after step %d skipped: %s", done, e)
             return None
@@ -83,11 +92,11 @@ class HeldOut:
         self.metrics.held_out_loss.set(result.loss)
         return result.loss
 
-    def finish(self, driver, done: int) -> None:
+    def finish(self, driver, done: int, replan: Callable[[], object] | None = None) -> None:
         """After the loop: evaluates the final weights unless the last evaluation already was of them (a run
         stopped between two evaluations)."""
         if self.on and done > 0 and (not self.points or self.points[-1].step != done):
-            self.run(driver, done)
+            self.run(driver, done, replan)
 
     @property
     def last(self) -> HeldOutPoint | None:

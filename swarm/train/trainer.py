@@ -423,6 +423,13 @@ def train(
         pipe.on_commit = on_commit
         replans += 1
 
+    def replan():
+        """Follows the plan after this one (the stages refused a call as of this one); the new driver."""
+        if watch is None:
+            raise StageCallError(f"plan {route.plan_version} moved on and this trainer follows no DHT")
+        follow(route.plan_version + 1)
+        return pipe
+
     def run_step(step: int, batch):
         for attempt in range(4):
             if watch is not None and (newer := watch.newer()) is not None:
@@ -486,14 +493,14 @@ def train(
                         **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
                         **counter_columns(r.counters),
                     }
-                    held_out = held.run(pipe, step + 1) if held.due(step + 1, total) else None
+                    held_out = held.run(pipe, step + 1, replan) if held.due(step + 1, total) else None
                     log.add({**row, "held_out_loss": "" if held_out is None else held_out})
                     step += 1
                     wire = log.wire_bytes
                     bar.set_postfix_str(f"loss {r.loss:.3f} | {r.seconds:.2f} s/step | wire {wire / 1e6:.1f} MB")
                     bar.update(1)
                 epoch, skip = epoch + 1, 0
-        held.finish(pipe, step)  # a run stopped between two evaluations: its final weights too
+        held.finish(pipe, step, replan)  # a run stopped between two evaluations: its final weights too
         ended = True
     finally:
         pipe.close()

@@ -152,3 +152,26 @@ def test_train_says_when_the_stages_schedule_does_not_end_where_it_stops(tmp_pat
     stages = StageConfig(optim=OptimConfig(warmup_steps=1, total_steps=4))  # as swarm demo tells its peers
     _train_locally(_config(tmp_path / "again", steps=4, eval_samples=0), monkeypatch, stage_cfg=stages)
     assert "schedule" not in caplog.text
+
+
+def test_an_evaluation_refused_as_of_an_older_plan_runs_again_on_the_newer_one():
+    """The demo's planner republished plan 2 between step 20 and its evaluation: the stages refused plan 1's
+    call (plan-mismatch) and the evaluation at step 20 was skipped. It follows the plan and evaluates there."""
+    from types import SimpleNamespace
+
+    from swarm.net.stream import PLAN_MISMATCH
+
+    data = SampleSet(torch.arange(4), torch.zeros(4, 9, dtype=torch.long))
+    held = HeldOut(data, every=20, rows=2, hidden=32, metrics=Metrics())
+
+    class Old:
+        def evaluate(self, *args):
+            raise StageCallError(f"stage 0: {PLAN_MISMATCH} stage 0 of plan 1: this peer serves stage 0 of plan 2")
+
+    new = SimpleNamespace(evaluate=lambda *args: SimpleNamespace(loss=2.5, bytes=10, seconds=0.1))
+    followed = []
+    assert held.run(Old(), 20, replan=lambda: followed.append(2) or new) == 2.5
+    assert followed == [2] and [(p.step, p.loss) for p in held.points] == [(20, 2.5)]
+    # another refusal is not a plan change: skipped, and no plan is followed
+    other = SimpleNamespace(evaluate=lambda *a: (_ for _ in ()).throw(StageCallError("stage 0: UNAVAILABLE")))
+    assert held.run(other, 40, replan=lambda: followed.append(3) or new) is None and followed == [2]
