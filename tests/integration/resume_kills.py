@@ -93,9 +93,11 @@ def run_with_kills(tmp: Path, n_kills: int, seed: int = 0, log=lambda line: None
     """One run of `config(...)` steps whose trainer is SIGKILLed `n_kills` times: the precise points in turn,
     every fourth kill at a random time; then the checks against `reference`."""
     rng = random.Random(seed)
-    steps = 2 * n_kills + 4
+    steps = 3 * n_kills + 4  # a random kill may fire a step or two late: room for every kill before the end
     cfg = config(steps)
+    began = time.perf_counter()
     want_weights, want_losses = reference(cfg, tmp / "reference")
+    spec_step_s = (time.perf_counter() - began) / steps  # an upper bound (the run's start counted in)
     outcome, out = Outcome(), tmp / "killed"
     applied: dict[int, list[int]] = {0: [], 1: []}
 
@@ -106,7 +108,8 @@ def run_with_kills(tmp: Path, n_kills: int, seed: int = 0, log=lambda line: None
         peers, trainer = trainer_of(addresses)
         key = tmp / "trainer.key"
         key.write_bytes(trainer.key.to_bytes())
-        spec = {"addresses": addresses, "peers": peers, "key": str(key), "out": str(out), "config": cfg}
+        spec = {"addresses": addresses, "peers": peers, "key": str(key), "out": str(out), "config": cfg,
+                "step_s": min(0.5, spec_step_s)}  # fmt: skip
         lives = Lives(tmp)
         try:
             outcome = _kill_and_resume(lives, spec, n_kills, rng, outcome, log)
@@ -140,7 +143,9 @@ def _kill_and_resume(lives: Lives, spec: dict, n_kills: int, rng: random.Random,
         kill = None
         if len(outcome.kills) < n_kills:
             if len(outcome.kills) % 4 == 3:
-                kill = f"random+{rng.uniform(0.0, 0.5):.3f}:{next_step(out) + 1}"
+                # within about a step of its start (a fixed 0.5 s let a fast machine run 10 steps past it and
+                # the run end before the last kills)
+                kill = f"random+{rng.uniform(0.0, spec['step_s']):.3f}:{next_step(out) + 1}"
             else:
                 precise = len(outcome.kills) - len(outcome.kills) // 4  # the points in turn, between randoms
                 kill = f"{POINTS[precise % len(POINTS)]}:{next_step(out) + 1}"
