@@ -359,6 +359,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except BufferMissError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{BUFFER_MISS} {e}")
         except WireError as e:  # the sender named: a neighbour's bad message reaches the trainer through the chain
+            if not getattr(context, "is_active", lambda: True)():  # the stream ended because its caller cancelled
+                log.info("stage %d: the call from %s was cancelled by its caller", host.role.stage, self._who(context))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message from {self._who(context)}: {e}")
         except GateError as e:
             context.abort(grpc.StatusCode.ABORTED, f"schedule: {e}")
