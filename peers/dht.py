@@ -48,6 +48,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import use_hivemind_log_handler
 
+from swarm.peers.dht_node import DHTThread
 from swarm.peers.entries import (
     LINK_SEP,
     MAX_TTL_S,
@@ -58,7 +59,7 @@ from swarm.peers.entries import (
     parse_run_entry,
     peer_id_of,
 )
-from swarm.peers.lifeline import die_with_parent, p2pd_dies_with_this_process
+from swarm.peers.lifeline import P2PD_GOGC, die_with_parent, p2pd_dies_with_this_process
 from swarm.peers.manifest import RUN_ID_RE, RunAuthority, RunDelegation, RunManifest
 from swarm.peers.owned import OwnedRun
 from swarm.peers.plan import PlanDocument
@@ -134,6 +135,10 @@ class DHTConfig:
     run: str | None = None
     """The owned run to join: its id (the manifest is fetched from the DHT and verified) or its manifest file;
     its id becomes the run name. None: an unowned run under `run_name` (any peer can take over its planning)."""
+    separate_process: bool = False
+    """Run the DHT node in a forked child process (hivemind.DHT) rather than in a thread of this process
+    (`swarm.peers.dht_node`): a second interpreter, ~140 MB more per process (`swarm bench footprint`), for a
+    node whose event loop never waits for this process's GIL."""
 
     def __repr__(self) -> str:
         # a config is logged and printed; the run secret must never be
@@ -248,18 +253,13 @@ def _read_key(path: str) -> RSAPrivateKey:
     return key
 
 
-P2PD_GOGC = "25"
-
-
 class _DHTProcess(DHT):
     """hivemind's DHT process, made to die on SIGTERM whatever handlers the parent had when it forked.
 
     A command that installs a SIGTERM handler before starting the DHT (to shut down cleanly) would otherwise
     pass it on to the forked child, and `terminate()` (hivemind's last resort on shutdown) would hang.
 
-    Its p2p daemon (Go) runs with GOGC=25 unless the environment says otherwise: with Go's default (100) its
-    heap grew by ~4 MiB per 1000 training steps for minutes (`swarm bench soak`), garbage waiting for a
-    collection; at 25 its RSS stays flat, for a little more of its (small) CPU time.
+    Its p2p daemon (Go) runs with GOGC=25 unless the environment says otherwise (`lifeline.P2PD_GOGC`).
 
     Both die with the process that started the DHT, even by SIGKILL (`swarm.peers.lifeline`).
     """
@@ -278,7 +278,8 @@ class _DHTProcess(DHT):
 
 
 class SwarmDHT:
-    """One process's DHT node (a hivemind.DHT in a child process) and the run's records in it.
+    """One process's DHT node (hivemind's DHTNode in a thread of this process, or in a child process with
+    `DHTConfig.separate_process`) and the run's records in it.
 
     Thread-safe: the heartbeat thread and the caller may use it at once. Usable as a context manager.
     """
@@ -303,16 +304,13 @@ class SwarmDHT:
         self._owner = self._signer.local_public_key
         self.peer_id = peer_id_of(key.get_public_key().to_bytes())
         self._keys = RunKeys.of_run(config.run_name)
-        self._lock = threading.Lock()  # hivemind.DHT's request pipe is not safe for concurrent senders
+        self._lock = threading.Lock()  # hivemind.DHT's request pipe is not safe for concurrent senders (a thread's is)
         self._warned: set[str] = set()
         self._closed = False
         self.planner_until = 0.0
         """This peer's planner lease (DHT time), stamped on every announcement it makes (`Planner` renews it)."""
         started = time.monotonic()
-        self._dht = _DHTProcess(
-            initial_peers=list(config.initial_peers) or None,
-            start=True,
-            await_ready=False,
+        node = dict(
             record_validators=[self._signer, RunRecordValidator(self._keys)],
             host_maddrs=config.host_maddrs,
             announce_maddrs=config.announce_maddrs,
@@ -320,6 +318,11 @@ class SwarmDHT:
             identity_path=config.identity_path,
             startup_timeout=config.start_timeout_s,
         )
+        initial = list(config.initial_peers) or None
+        if config.separate_process:
+            self._dht: DHTThread | _DHTProcess = _DHTProcess(initial, start=True, await_ready=False, **node)
+        else:
+            self._dht = DHTThread(initial, **node)
         try:
             self._dht.wait_until_ready(timeout=config.start_timeout_s)
         except _FUTURE_TIMEOUTS:
@@ -610,7 +613,7 @@ class SwarmDHT:
         return [str(m) for m in self._request("visible_maddrs", submit)]
 
     def is_alive(self) -> bool:
-        """Whether the DHT node's process is running."""
+        """Whether the DHT node (its thread, or its process) is running."""
         return self._dht.is_alive()
 
     def shutdown(self) -> None:
@@ -685,7 +688,7 @@ class SwarmDHT:
 
 
 async def _visible_maddrs(_dht: DHT, node: Any) -> list[Any]:
-    return await node.get_visible_maddrs()  # runs inside the DHT process (hivemind's run_coroutine)
+    return await node.get_visible_maddrs()  # runs on the DHT node's loop (its thread's, or its process's)
 
 
 RUN_REPUBLISH_S = 120.0

@@ -80,3 +80,78 @@ def test_a_helper_whose_parent_died_before_it_looked_exits_at_once():
         """
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+THREAD_SPAWN = textwrap.dedent(
+    """
+    import asyncio, sys, threading, time
+    from swarm.peers.lifeline import p2pd_dies_with_its_thread
+
+    p2pd_dies_with_its_thread()
+    p2pd_dies_with_its_thread()  # idempotent: one hook, not a hook around a hook
+
+    async def start():
+        child = await asyncio.subprocess.create_subprocess_exec(sys.argv[1], stdout=asyncio.subprocess.PIPE)
+        print(child.pid, (await child.stdout.readline()).decode().strip(), flush=True)
+        await asyncio.sleep(0.2)
+
+    thread = threading.Thread(target=asyncio.run, args=(start(),))
+    thread.start()
+    thread.join()
+    print("thread ended", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _spawn_from_a_thread(program: str, env: dict) -> tuple[subprocess.Popen, int, str]:
+    """A process that starts `program` through asyncio from a thread that then ends (the process stays):
+    returns the process, the program's pid and its first output line."""
+    argv = [sys.executable, "-c", THREAD_SPAWN, program]
+    starter = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    pid, line = starter.stdout.readline().split(maxsplit=1)
+    assert starter.stdout.readline().strip() == "thread ended"
+    return starter, int(pid), line.strip()
+
+
+def _script(tmp_path, name: str) -> str:
+    path = tmp_path / name
+    path.write_text('#!/bin/sh\necho "GOGC=${GOGC:-unset}"\nexec sleep 60\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def _gone_within(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the process's state; the deadline bounds it
+    return not alive(pid)
+
+
+def _reap(starter: subprocess.Popen, pid: int) -> None:
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    starter.kill()
+    starter.wait(10)
+
+
+@pytest.mark.parametrize("name", ["p2pd", "other"])
+def test_only_a_p2pd_started_from_a_thread_dies_with_that_thread_and_runs_with_a_low_gogc(tmp_path, name):
+    env = {k: v for k, v in os.environ.items() if k != "GOGC"}
+    starter, pid, line = _spawn_from_a_thread(_script(tmp_path, name), env)
+    try:
+        if name == "p2pd":
+            assert line == "GOGC=25"
+            assert _gone_within(pid, 10), "p2pd outlived the thread that started it"
+        else:
+            assert line == "GOGC=unset"
+            time.sleep(0.5)  # an absence: the program must still run after its starter thread ended
+            assert alive(pid), "a program that is not p2pd got the parent-death signal or the GOGC"
+    finally:
+        _reap(starter, pid)
+
+
+def test_a_users_gogc_stands(tmp_path):
+    starter, pid, line = _spawn_from_a_thread(_script(tmp_path, "p2pd"), {**os.environ, "GOGC": "100"})
+    _reap(starter, pid)
+    assert line == "GOGC=100"
