@@ -7,3 +7,9 @@ import os as _os
 # "file_descriptor" strategy needs none. Set before hivemind is imported (it reads this then); a user's own
 # choice stands. See swarm.daemon.lean and `swarm bench footprint`.
 _os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+
+# a daemon uses hivemind's DHT only: its package __init__ (averager, optimizer, MoE, scipy, pydantic: ~50 MB) runs
+# only if something asks for it (swarm.daemon.lean.defer_hivemind_init, measured by `swarm bench footprint`)
+from swarm.daemon.lean import defer_hivemind_init as _defer_hivemind_init  # noqa: E402
+
+_defer_hivemind_init()

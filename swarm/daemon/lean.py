@@ -8,14 +8,21 @@ grad mode without the graph breaks. Nothing else changes: the optimizers' arithm
 
 It is called once, early, by `swarm-peer` only (its role never compiles); a process that already imported
 `torch._dynamo`, or a torch whose optimizer no longer has these wrappers, is left as it is.
+
+`defer_hivemind_init()`: `import hivemind.dht` runs hivemind's package `__init__`, which imports all of hivemind
+(its averager, optimizer and mixture-of-experts, and with them scipy and pydantic: ~50 MB of RSS per process,
+measured on top of torch) though a daemon uses its DHT only. It puts a placeholder for the package in
+`sys.modules` whose first attribute lookup runs the real `__init__`, so `hivemind.X` still works for whoever asks.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import sys
+import types
 
-__all__ = ["cap_arenas", "skip_dynamo"]
+__all__ = ["cap_arenas", "defer_hivemind_init", "skip_dynamo"]
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
 ARENAS = 2
@@ -79,3 +86,29 @@ def _eager_step(raw, torch):
             torch.set_grad_enabled(prev)
 
     return step
+
+
+class _DeferredPackage(types.ModuleType):
+    """A package whose `__init__` has not run yet: submodules import as usual (the import system needs only
+    `__path__`), and the first lookup of anything else runs the `__init__` in this same module object."""
+
+    def __getattr__(self, name: str):
+        if (submodule := sys.modules.get(f"{self.__name__}.{name}")) is not None:
+            return submodule  # `import pkg.sub.x as y` while pkg.sub is still importing: what the import would find
+        self.__class__ = types.ModuleType  # before running it: a lookup inside the __init__ must not recurse
+        self.__spec__.loader.exec_module(self)
+        return getattr(self, name)
+
+
+def defer_hivemind_init() -> bool:
+    """Defers hivemind's package `__init__` to its first use (see the module's docstring). Returns whether it did
+    (False: hivemind is already imported, or not installed)."""
+    if "hivemind" in sys.modules:
+        return False
+    spec = importlib.util.find_spec("hivemind")
+    if spec is None or spec.loader is None or spec.submodule_search_locations is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    module.__class__ = _DeferredPackage
+    sys.modules["hivemind"] = module
+    return True

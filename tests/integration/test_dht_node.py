@@ -8,6 +8,9 @@ Real hivemind nodes and p2pd on loopback, each bounded by the DHT's own timeouts
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -92,3 +95,24 @@ def test_a_node_in_a_separate_process_is_still_an_option():
             assert a.announce(ann)
             assert [t.peer_id for t in b.trainers()] == [a.peer_id]
     assert not a.is_alive()
+
+
+def test_a_daemons_dht_node_works_without_hiveminds_package_init():
+    code = textwrap.dedent(
+        """
+        import sys
+        import swarm.daemon  # defers hivemind's package __init__ (swarm.daemon.lean)
+        from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
+        from swarm.peers.records import TrainerAnnouncement
+
+        quiet_hivemind()
+        with SwarmDHT(DHTConfig(run_name="deferred")) as dht:
+            assert dht.announce(TrainerAnnouncement(peer_id=dht.peer_id, started_at=1.0))
+            assert [t.peer_id for t in dht.trainers()] == [dht.peer_id]
+            dht.visible_maddrs()
+        print(sorted(m for m in ("hivemind.moe", "hivemind.optim", "scipy", "pydantic") if m in sys.modules))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -103,3 +103,21 @@ def test_a_daemon_process_shares_hivemind_tensors_without_a_torch_shm_manager():
     env["HIVEMIND_MEMORY_SHARING_STRATEGY"] = "file_system"  # a user's choice stands
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.stdout.split()[-2:] == ["file_system", "file_system"], done.stderr[-2000:]
+
+
+def test_a_daemon_imports_hivemind_without_its_averager_optimizer_or_moe_until_asked():
+    code = (
+        "import sys, swarm.daemon.peer, swarm.peers.dht, swarm.net.dhtmode\n"
+        "print(sorted(m for m in ('hivemind.moe', 'hivemind.optim', 'scipy', 'pydantic') if m in sys.modules))\n"
+        "import hivemind\n"
+        "print(hivemind.__version__, hivemind.DHT.__name__, 'hivemind.moe' in sys.modules)\n"
+        "from swarm.daemon.lean import defer_hivemind_init\n"
+        "print(defer_hivemind_init())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "[]", "hivemind's package __init__ ran (scipy, pydantic, MoE: ~50 MB)"
+    version, cls, moe = lines[1].split()
+    assert cls == "DHT" and moe == "True", "a lookup on the package must run its __init__, as a plain import would"
+    assert lines[2] == "False", "hivemind is imported already: nothing to defer"
