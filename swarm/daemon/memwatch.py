@@ -1,7 +1,8 @@
 """Finding slow growth in a running process: `SWARM_MEMWATCH_S=S` makes `swarm-peer` log, every S seconds,
 what has grown since its first look: the allocation sites (tracemalloc, grouped by 4-frame traceback) and
-the object counts by type (gc) that grew most. A diagnostic for `swarm bench soak` runs: off unless the
-variable is set, because tracemalloc slows every allocation.
+the object counts by type (gc) that grew most, and each module imported after the first look, with the stack that
+imported it (a late import is a step in RSS that a soak's slope counts as growth). A diagnostic for
+`swarm bench soak` runs: off unless the variable is set, because tracemalloc slows every allocation.
 
     SWARM_MEMWATCH_S=120 swarm bench soak --steps 3000    # then: grep memwatch runs/soak-*/logs/peer0.log
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import threading
+import traceback
 from collections import Counter
 
 __all__ = ["start_from_env"]
@@ -24,6 +27,24 @@ TOP = 12
 
 def _types() -> Counter:
     return Counter(type(o).__name__ for o in gc.get_objects())
+
+
+class _LateImports:
+    """A `sys.meta_path` finder that finds nothing: it logs each top-level package first imported after the
+    baseline, with the stack that imported it (the importer's frames, the import system's left out)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.seen: set[str] = set()
+
+    def find_spec(self, name: str, path=None, target=None):
+        top = name.partition(".")[0]
+        if self.armed and top not in self.seen and top not in sys.modules:
+            self.seen.add(top)
+            frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
+            where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in reversed(frames[-6:]))
+            log.info("memwatch: %s imported after the baseline, at %s", name, where)
+        return None
 
 
 def start_from_env(environ=os.environ) -> threading.Thread | None:
@@ -45,6 +66,8 @@ def start_from_env(environ=os.environ) -> threading.Thread | None:
 
     tracemalloc.start(4)
     stop = threading.Event()
+    late = _LateImports()
+    sys.meta_path.insert(0, late)
 
     def watch() -> None:
         first = types = None
@@ -53,6 +76,7 @@ def start_from_env(environ=os.environ) -> threading.Thread | None:
             counts = _types()
             if first is None:
                 first, types = snap, counts
+                late.armed = True
                 log.info("memwatch: baseline taken (%d objects)", sum(counts.values()))
                 continue
             for stat in snap.compare_to(first, "traceback")[:TOP]:

@@ -37,3 +37,22 @@ watch.join(5)
     assert "memwatch: baseline taken" in out, out
     assert "Leak +" in out, out  # the object type that grew
     assert "KiB" in out and "<string>" in out, out  # the allocation site
+
+
+
+def test_it_logs_a_module_imported_after_its_baseline_and_where():
+    code = """
+import logging, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from swarm.daemon.memwatch import start_from_env
+watch = start_from_env({"SWARM_MEMWATCH_S": "0.2"})
+late = next(f for f in sys.meta_path if type(f).__name__ == "_LateImports")
+deadline = time.monotonic() + 60
+while not late.armed and time.monotonic() < deadline:
+    time.sleep(0.05)  # polling the watch's state; the deadline bounds it
+import xml.dom.minidom
+watch.stop.set()
+watch.join(5)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "memwatch: xml imported after the baseline, at <string>:" in out, out
