@@ -12,9 +12,6 @@ import functools
 import math
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_bipartite_matching
 
 __all__ = ["EXACT_TSP_MAX_NODES", "bottleneck_assignment", "open_path_tsp", "path_length"]
 
@@ -62,12 +59,17 @@ def _perfect_matching(allowed: np.ndarray) -> np.ndarray | None:
         return _perfect_matching_small(allowed)
     if n <= _DENSE_MATCHING:
         # A min-cost assignment on 0 (allowed) / 1 (forbidden) costs 0 exactly when a perfect matching exists.
+        from scipy.optimize import linear_sum_assignment  # here: a peer that never plans replicas never loads scipy
+
         rows, cols = linear_sum_assignment(~allowed)
         if allowed[rows, cols].all():
             perm = np.empty(n, dtype=np.int64)
             perm[rows] = cols
             return perm
         return None
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_bipartite_matching
+
     perm = maximum_bipartite_matching(csr_matrix(allowed), perm_type="column")
     return None if (perm < 0).any() else perm.astype(np.int64)
 
@@ -80,6 +82,8 @@ def _bottleneck_by_ranks(weights: np.ndarray) -> tuple[float, np.ndarray] | None
     values, ranks = np.unique(weights, return_inverse=True)
     if len(values) * math.log(n + 1) > _MAX_LOG_FLOAT:
         return None
+    from scipy.optimize import linear_sum_assignment  # ~40 MB of RSS, loaded when a plan first pairs replicas
+
     rows, cols = linear_sum_assignment(float(n + 1) ** ranks.reshape(weights.shape))
     perm = np.empty(n, dtype=np.int64)
     perm[rows] = cols

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from swarm.bench.footprint import TARGET_MB, FootprintConfig, measure_tree, summed_row
 from swarm.flags import Flags
@@ -121,3 +122,45 @@ def test_a_daemon_imports_hivemind_without_its_averager_optimizer_or_moe_until_a
     version, cls, moe = lines[1].split()
     assert cls == "DHT" and moe == "True", "a lookup on the package must run its __init__, as a plain import would"
     assert lines[2] == "False", "hivemind is imported already: nothing to defer"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stage_backward_gives_torchs_gradients_exactly(dtype):
+    from swarm.runtime.worker import backward
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8).to(dtype)
+    x = torch.randn(3, 8, dtype=dtype)
+    g = torch.randn(3, 8, dtype=dtype)
+    g[0, 0], g[1, 1] = float("inf"), float("nan")
+    results = []
+    for how in ("torch", "swarm"):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.backward(g) if how == "torch" else backward(out, g)
+        results.append([xi.grad, layer.weight.grad, layer.bias.grad])
+    for ref, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+    scalar = torch.tensor(2.0, requires_grad=True)
+    backward(scalar * 3, torch.tensor(0.25))  # the last stage: a loss and its micro-batch's weight
+    assert scalar.grad.item() == 0.75
+
+
+def test_a_peers_backward_and_planning_import_neither_sympy_nor_scipy():
+    code = (
+        "import sys, torch, swarm.daemon.peer\n"
+        "from swarm.runtime.worker import backward\n"
+        "from swarm.scheduler.graph import bottleneck_assignment\n"
+        "x = torch.randn(4, 4, requires_grad=True)\n"
+        "backward(x * 2, torch.ones(4, 4))\n"
+        "bottleneck_assignment(torch.ones(1, 1).numpy())\n"
+        "print(sorted(m for m in ('sympy', 'scipy') if m in sys.modules))\n"
+        "import numpy as np\n"
+        "print(bottleneck_assignment(np.array([[1.0, 5.0], [2.0, 1.0]]))[0], 'scipy' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "[]", "a stage's backward or a one-replica plan imported sympy or scipy (~38 MB each)"
+    assert lines[1] == "1.0 True"  # pairing replicas loads scipy when it is needed
