@@ -2,12 +2,15 @@
 
 A loopback swarm as real processes (`swarm.testbed.local`: a DHT bootstrap node and `--peers` swarm-peer
 processes with every flag at its default, the default toy model) trains `--steps` steps with `swarm train`;
-then, the trainer gone and the peers still serving, each peer's process tree is read: the peer's own python
-process, its hivemind DHT process (a fork of it) and that one's p2pd. For each process: RSS, and PSS and USS
-from /proc/PID/smaps_rollup (psutil's `memory_full_info`). A fork shares its parent's pages, so a tree's
-summed RSS counts those twice; its summed PSS is what the tree really holds of the machine's memory (each
-shared page split among the processes sharing it). The target (issue 28): a peer's summed PSS at most 450 MB
-(MB = 10**6 bytes); the summed RSS is reported beside it. A figure for the record, not a timed test.
+then, the trainer gone and the peers still serving, each peer's process tree is read (`soak.sample_tree`): the
+peer's own python process (its DHT node is a thread of it, `swarm.peers.dht_node`) and its p2pd; with
+`DHTConfig.separate_process`, a hivemind DHT process (a fork of the peer, role "dht") between them. For each
+process: RSS, and PSS and USS from /proc/PID/smaps_rollup (psutil's `memory_full_info`). A fork shares its
+parent's pages, so a tree's summed RSS counts those twice; its summed PSS is what the tree really holds of the
+machine's memory (each shared page split among the processes sharing it: the shared libraries' pages too, so
+the same peer reads a little higher on a machine where fewer processes map torch). The target (issue 28): a
+peer's summed PSS at most 450 MB (MB = 10**6 bytes); the summed RSS is reported beside it. A figure for the
+record, not a timed test.
 """
 
 from __future__ import annotations
@@ -66,31 +69,19 @@ def _role(name: str, depth: int) -> str:
 
 def measure_tree(pid: int) -> list[dict]:
     """One row per process of `pid`'s tree (the root first): name, pid, role (peer, dht, p2pd), rss/pss/uss in
-    MB and threads. Empty if `pid` is gone; a child that ends while being read is left out."""
-    import psutil
+    MB and threads, read by the soak's `sample_tree`. Empty if `pid` is gone; a child that ends while being read
+    is left out."""
+    from swarm.bench.soak import sample_tree
 
-    try:
-        root = psutil.Process(pid)
-        tree = [(root, 0)] + [(c, 1) for c in root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+    mb = lambda mib: round(mib * 2**20 / 1e6, 1)
     rows = []
-    for proc, depth in tree:
-        try:
-            with proc.oneshot():
-                mem, name, threads = proc.memory_full_info(), proc.name(), proc.num_threads()
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            continue
+    for depth, (key, s) in enumerate(sample_tree(pid, full=True).items()):
+        name = key.rsplit(" ", 1)[0]
+        role = _role(name, min(depth, 1))
         rows.append(
-            {
-                "process": f"{name} {proc.pid}",
-                "role": _role(name, depth),
-                "rss_mb": round(mem.rss / 1e6, 1),
-                "pss_mb": round(getattr(mem, "pss", mem.rss) / 1e6, 1),
-                "uss_mb": round(mem.uss / 1e6, 1),
-                "threads": threads,
-            }
-        )
+            {"process": key, "role": role, "rss_mb": mb(s.rss_mib), "pss_mb": mb(s.pss_mib), "uss_mb": mb(s.uss_mib),
+             "threads": s.threads}
+        )  # fmt: skip
     return rows
 
 

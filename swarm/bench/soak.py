@@ -85,17 +85,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class ProcessSample:
-    """One process tree at one moment."""
+    """One process (or a tree of them, summed) at one moment."""
 
     rss_mib: float
     threads: int
     fds: int
     processes: int
+    pss_mib: float | None = None
+    """proportional set size: each shared page split among the processes sharing it (`sample_tree(full=True)`)"""
+    uss_mib: float | None = None
+    """unique set size: the pages only this process maps (`sample_tree(full=True)`)"""
 
 
-def sample_tree(pid: int) -> dict[str, ProcessSample]:
+def sample_tree(pid: int, full: bool = False) -> dict[str, ProcessSample]:
     """RSS, threads and open fds of `pid` and each of its descendants, keyed "NAME PID" (the root first);
-    empty if `pid` is gone."""
+    empty if `pid` is gone. A child that ends while being read is left out.
+
+    Args:
+        pid: the tree's root.
+        full: also PSS and USS, from /proc/PID/smaps_rollup (psutil's `memory_full_info`: slower, so not
+            for a soak's every sample; `swarm bench footprint` reads them once).
+    """
     import psutil
 
     try:
@@ -107,9 +117,11 @@ def sample_tree(pid: int) -> dict[str, ProcessSample]:
     for proc in tree:
         try:
             with proc.oneshot():
-                sample = ProcessSample(proc.memory_info().rss / 2**20, proc.num_threads(), proc.num_fds(), 1)
+                mem = proc.memory_full_info() if full else proc.memory_info()
+                pss, uss = (getattr(mem, "pss", mem.rss) / 2**20, mem.uss / 2**20) if full else (None, None)
+                sample = ProcessSample(mem.rss / 2**20, proc.num_threads(), proc.num_fds(), 1, pss, uss)
                 out[f"{proc.name()} {proc.pid}"] = sample
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue  # a child that ended between listing and reading
     return out
 

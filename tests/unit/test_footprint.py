@@ -164,3 +164,16 @@ def test_a_peers_backward_and_planning_import_neither_sympy_nor_scipy():
     lines = done.stdout.strip().splitlines()
     assert lines[0] == "[]", "a stage's backward or a one-replica plan imported sympy or scipy (~38 MB each)"
     assert lines[1] == "1.0 True"  # pairing replicas loads scipy when it is needed
+
+
+def test_the_soaks_sample_reads_rss_threads_and_fds_and_pss_only_when_asked():
+    from swarm.bench.soak import sample_tree, slope_per_1k, summed
+
+    quick, full = sample_tree(os.getpid()), sample_tree(os.getpid(), full=True)
+    assert next(iter(quick)).endswith(str(os.getpid())) and list(quick) == list(full)
+    first = next(iter(quick.values()))
+    assert first.pss_mib is None and first.uss_mib is None and first.fds > 0 and first.threads >= 1
+    assert all(0 < s.uss_mib <= s.pss_mib <= s.rss_mib + 0.1 for s in full.values())
+    assert summed(quick).processes == len(quick) and summed({}) is None
+    assert slope_per_1k([0, 1000, 2000], [10.0, 10.5, 11.0]) == pytest.approx(0.5)
+    assert slope_per_1k([5, 5], [1.0, 2.0]) is None
