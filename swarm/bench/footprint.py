@@ -28,7 +28,7 @@ from swarm.report import print_table
 __all__ = ["FootprintConfig", "TARGET_MB", "add_arguments", "measure_tree", "run"]
 
 TARGET_MB = 450.0
-"""Issue 28: a default toy swarm-peer (with its DHT process and p2pd) holds at most this many MB."""
+"""Issue 28: a default toy swarm-peer (with its p2pd) holds at most this many MB."""
 COLUMNS = ["process", "role", "rss_mb", "pss_mb", "uss_mb", "threads", "verdict"]
 
 
@@ -54,9 +54,9 @@ _FLAGS = Flags(FootprintConfig)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "A loopback swarm of default toy swarm-peer processes serves --steps training steps; then each peer's "
-        "memory is read: RSS, PSS and USS of the peer process, its DHT process and p2pd, separately and summed. "
-        f"PASS when a peer's summed PSS is at most {TARGET_MB:.0f} MB (the summed RSS counts the pages the DHT "
-        "process shares with the peer it was forked from twice; it is shown too)."
+        "memory is read: RSS, PSS and USS of the peer process (its DHT node is a thread of it) and its p2pd, "
+        f"separately and summed. PASS when a peer's summed PSS is at most {TARGET_MB:.0f} MB (PSS splits each shared "
+        "page among the processes mapping it; the summed RSS, which counts shared pages in full, is shown too)."
     )
     _FLAGS.add_to(parser)
 

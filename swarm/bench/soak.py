@@ -2,12 +2,13 @@
 threads and open fds are sampled; does anything grow with the step count?
 
 The swarm is `swarm demo`'s: a DHT bootstrap node and `--peers` swarm-peer processes (`swarm.testbed.local`),
-plus `swarm train` as a process of its own. Each row is one of them summed with all its descendants
-(hivemind's DHT process and its p2pd), sampled from this process by pid with psutil. The trainer's step
-count comes from its /metrics (`swarm_steps_total`). The start figures are taken once the warm-up (10% of
-the steps by default) is over; the slope is a least-squares fit of RSS against the step over every sample
-after it. Targets (issue 28, tightened from issue 11's 1 MiB): slope under 0.5 MiB per 1000 steps, threads and fds
-the same at start and end. `SWARM_MEMWATCH_S=S` makes each peer log what grows (`swarm.daemon.memwatch`).
+plus `swarm train` as a process of its own. Each row is one of them summed with all its descendants (its
+p2pd: the DHT node is a thread of the process, `swarm.peers.dht_node`), sampled from this process by pid with
+psutil. The trainer's step count comes from its /metrics (`swarm_steps_total`). The start figures are taken
+once the warm-up (10% of the steps by default) is over; the slope is a least-squares fit of RSS against the step
+over every sample after it. Targets (issue 28, tightened from issue 11's 1 MiB): slope under 0.5 MiB per 1000
+steps, threads and fds the same at start and end. `SWARM_MEMWATCH_S=S` makes each peer log what grows
+(`swarm.daemon.memwatch`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class SoakConfig:
     sample_every_s: float | None = None
     """seconds between samples (none: 2, 0.5 with --quick)"""
     per_process: bool = False
-    """also one row per process of each tree (python, its DHT process, p2pd), named ROLE/NAME PID"""
+    """also one row per process of each tree (python, p2pd), named ROLE/NAME PID"""
     quick: bool = False
     """200 steps (for tests)"""
     out: str | None = None
@@ -73,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "A loopback swarm as real processes (a DHT bootstrap node, --peers swarm-peer, swarm train) trains for "
         "--steps steps while this process samples every process's RSS, threads and open fds (each summed with "
-        "its child processes: hivemind's DHT process and p2pd). Reports start (after the warm-up) and end "
+        "its child processes: p2pd). Reports start (after the warm-up) and end "
         "figures and the RSS slope per 1000 steps, PASS/FAIL against issue 28's targets (slope < "
         f"{SLOPE_TARGET_MIB_PER_1K} MiB per 1000 steps, threads and fds unchanged). Default run: 5000 "
         f"steps of a 2-layer, hidden-32, seq-16 model on 2 peers, batches of {BATCH_SIZE} samples in "
@@ -267,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         title = (
             f"soak: {cfg.steps} steps, {cfg.peers} peers; start after {warmup} steps; each process with its "
-            f"children (DHT process, p2pd) summed; target slope < {SLOPE_TARGET_MIB_PER_1K} MiB/1k steps, "
+            f"children (p2pd) summed; target slope < {SLOPE_TARGET_MIB_PER_1K} MiB/1k steps, "
             "threads and fds unchanged"
         )
         print_table(rows, COLUMNS, title)
