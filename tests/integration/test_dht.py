@@ -1,6 +1,6 @@
 """The DHT layer on a real loopback swarm: announcements, expiry, forgery, plans, and the bootstrap/status commands.
 
-Three SwarmDHT nodes (each a hivemind DHT process with its p2p daemon) serve the whole module; every wait polls
+Three SwarmDHT nodes (each a hivemind DHT node in a thread, with its p2pd) serve the whole module; every wait polls
 with a deadline, every process started here is shut down or killed and reaped.
 """
 
@@ -268,7 +268,7 @@ def test_bootstrap_and_status_commands(tmp_path):
         assert bootstrap.wait(timeout=30) == 0, (tmp_path / "bootstrap.err").read_text()
         assert (tmp_path / "bootstrap.out").read_text().split() == maddrs
         assert not address_file.exists()
-        # Its DHT process and p2p daemon went with it: the process group it led is empty.
+        # Its p2p daemon went with it: the process group it led is empty.
         wait_for(lambda: not _group_alive(bootstrap.pid), 10.0, what="bootstrap's processes gone")
     finally:
         if _group_alive(bootstrap.pid):
