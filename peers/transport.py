@@ -57,7 +57,7 @@ class TransportConfig:
 def make_server(config: TransportConfig, port: int = 0) -> tuple[grpc.Server, int]:
     """A started-later gRPC server bound to `config.host:port` (0 picks a free port); returns it and its port."""
     pool = futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="grpc")
-    _start_all_threads(pool, config.max_workers)
+    start_all_threads(pool, config.max_workers)
     server = grpc.server(pool, options=config.server_options(), maximum_concurrent_rpcs=config.max_workers * 4)
     bound = server.add_insecure_port(f"{config.host}:{port}")
     if bound == 0:
@@ -65,10 +65,10 @@ def make_server(config: TransportConfig, port: int = 0) -> tuple[grpc.Server, in
     return server, bound
 
 
-def _start_all_threads(pool: futures.ThreadPoolExecutor, n: int) -> None:
-    """Starts the pool's `n` threads now instead of one per burst of calls, so a server's thread count is the
-    same from its first call to its last (a soak or a leak check reads it), and no call waits for a thread
-    to start."""
+def start_all_threads(pool: futures.ThreadPoolExecutor, n: int) -> None:
+    """Starts the pool's `n` threads now instead of one per burst of calls, so a server's (or any long-lived
+    pool's) thread count is the same from its first call to its last (a soak or a leak check reads it), and no
+    call waits for a thread to start."""
     started = threading.Barrier(n + 1)
     for _ in range(n):
         pool.submit(started.wait, 10.0)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from swarm.peers.transport import start_all_threads
 from swarm.runtime.routing import REROUTE_CODES
 
 __all__ = ["Liveness", "LivenessConfig", "status_prober"]
@@ -35,6 +36,10 @@ log = logging.getLogger("swarm.daemon.liveness")
 
 SILENT_CODES = REROUTE_CODES
 """The codes that may mean a dead peer, the same the trainer's driver reroutes on."""
+
+
+POOL_THREADS = 8
+"""Threads pinging peers in parallel, started with the watcher."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,10 @@ class Liveness:
         self.stalled_s = 0.0
         """Total lateness of the watcher's own rounds, not counted as anyone's silence (for logs and tests)."""
         self._next = 0.0
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="liveness")
+        self._pool = ThreadPoolExecutor(max_workers=POOL_THREADS, thread_name_prefix="liveness")
+        # all now: a ping still running when the next round starts (a loaded machine) would otherwise add a
+        # thread mid-run, and a soak counts a peer's threads (issue 28: one peer went from 120 to 122)
+        start_all_threads(self._pool, POOL_THREADS)
 
     def round(self, peers: Iterable[str]) -> bool:
         """Pings `peers` (in parallel) if a round is due; returns whether it pinged. Peers no longer watched
