@@ -39,7 +39,6 @@ watch.join(5)
     assert "KiB" in out and "<string>" in out, out  # the allocation site
 
 
-
 def test_it_logs_a_module_imported_after_its_baseline_and_where():
     code = """
 import logging, sys, time
