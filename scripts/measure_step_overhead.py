@@ -1,12 +1,13 @@
-"""What the runtime's step-path changes save, measured A/B in one run: local 2-peer swarms (the throttled
-experiment's app-shaped cells, fp32) with each change off and on, interleaved round by round so that a loaded
-machine's drift falls on both alike, and PyTorch's own pipeline (`torch_baseline`, loopback, unshaped) beside them.
+"""What the runtime's step-path changes save, measured A/B in one run: a local 2-peer swarm (the throttled
+experiment's app-shaped cell, fp32) whose trainer runs its steps alternately with the change off (odd steps) and
+on (even steps), so that a loaded machine's drift falls on both alike, and PyTorch's own pipeline
+(`torch_baseline`, loopback, unshaped) beside it.
 
-    python scripts/measure_step_overhead.py --rates none,100 --steps 24 --rounds 2 [--json]
+    python scripts/measure_step_overhead.py --rates none,100 --steps 40 [--json]
 
-Prints, per rate and mode, the mean and median step time after the first epoch (each round's cell its own run)
-and the ratio of the modes' medians. Modes set `PipelineDriver` switches that exist only to measure what the
-change saves; the trainer runs in this process, so the switch reaches it.
+Prints, per rate and mode, the mean and median step time after the first epoch and the ratio of the modes'
+medians. A mode sets `PipelineDriver` switches that exist only to measure what a change saves; the trainer runs
+in this process, so the switch reaches it.
 """
 
 from __future__ import annotations
@@ -28,17 +29,23 @@ MODES = {
 }
 
 
-def _steady(steps: list[dict], per_epoch: int) -> list[float]:
-    times = [float(s["step_s"]) for s in steps]
-    return times[per_epoch:] or times
+def _alternate() -> None:
+    """Makes every driver run odd steps in mode "before" and even ones in "after" (steps count from 0)."""
+    train_step = PipelineDriver.train_step
+
+    def alternating(self, step, batch):
+        for name, value in MODES["after" if step % 2 == 0 else "before"].items():
+            setattr(self, name, value)
+        return train_step(self, step, batch)
+
+    PipelineDriver.train_step = alternating
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="none,100", help="link speeds, Mbit/s ('none': unshaped)")
     parser.add_argument("--setting", default="fp32/fp32", help="FW/BW codecs of every cell")
-    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per cell")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of every (rate, mode), interleaved")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (half of them in each mode)")
     parser.add_argument("--no-torch", action="store_true", help="leave out PyTorch's loopback pipeline")
     parser.add_argument("--out", type=Path, default=None, help="output folder (none: runs/overhead-<time>)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -46,29 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(f"runs/overhead-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = ThrottledConfig(rates=_rates(args.rates), settings=(args.setting,), steps=args.steps)
     per_epoch = cfg.train_samples // cfg.batch_size
-    times: dict[tuple, list[float]] = {}
-    for rnd in range(args.rounds):
-        order = list(MODES) if rnd % 2 == 0 else list(reversed(MODES))
-        for rate in cfg.rates:
-            for mode in order:
-                for name, value in MODES[mode].items():
-                    setattr(PipelineDriver, name, value)
-                cell = Cell(rate, args.setting)
-                steps = _run_cell(cell, cfg, out / f"round{rnd}-{mode}")
-                times.setdefault((rate, mode), []).extend(_steady(steps, per_epoch))
-                print(f"round {rnd} {cell.label} {mode}: median {statistics.median(_steady(steps, per_epoch)):.4f} s",
-                      file=sys.stderr, flush=True)  # fmt: skip
-    for name, value in MODES["after"].items():
-        setattr(PipelineDriver, name, value)
+    _alternate()
     rows = []
-    for (rate, mode), values in sorted(times.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
-        rows.append({"rate_mbit": rate, "mode": mode, "setting": args.setting, "steps": len(values),
-                     "mean_step_s": statistics.mean(values), "median_step_s": statistics.median(values)})  # fmt: skip
     for rate in cfg.rates:
-        before, after = times.get((rate, "before")), times.get((rate, "after"))
-        if before and after:
-            rows.append({"rate_mbit": rate, "mode": "after/before", "setting": args.setting,
-                         "median_ratio": statistics.median(after) / statistics.median(before)})  # fmt: skip
+        steps = _run_cell(Cell(rate, args.setting), cfg, out)[per_epoch:]
+        times = {mode: [float(s["step_s"]) for s in steps if (int(s["step"]) - 1) % 2 == (mode == "before")]
+                 for mode in MODES}  # fmt: skip
+        for mode, values in times.items():
+            mean, median = statistics.mean(values), statistics.median(values)
+            rows.append({"rate_mbit": rate, "mode": mode, "setting": args.setting, "steps": len(values),
+                         "mean_step_s": mean, "median_step_s": median})  # fmt: skip
+        ratio = statistics.median(times["after"]) / statistics.median(times["before"])
+        rows.append({"rate_mbit": rate, "mode": "after/before", "setting": args.setting, "median_ratio": ratio})
+        print(f"{rate}: after/before {ratio:.3f}", file=sys.stderr, flush=True)
     if not args.no_torch:
         from swarm.experiments.torch_baseline import run_torch_rows
 

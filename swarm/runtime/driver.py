@@ -65,6 +65,7 @@ from swarm.runtime.routing import (
     route_work,
     spawn,
 )
+from swarm.runtime.schedules import backward_follows_forward
 from swarm.runtime.suspects import Implausible, Suspects, culprit
 from swarm.runtime.verify import AuditDisputed, LiarFound, Referee, StageVerifier, VerifyConfig
 
@@ -117,8 +118,9 @@ class PipelineDriver:
     """
 
     backward_early = True
-    """Send each micro-batch's Backward start with its Forward (the last stage holds it until its turn); False:
-    after the Forward's reply, as before (only to measure what it saves: `scripts/measure_step_overhead.py`)."""
+    """Send each micro-batch's Backward start with its Forward where the last stage runs it right after that forward
+    (1F1B; the stage holds it until its turn); False: after the Forward's reply, as before (only to measure what it
+    saves: `scripts/measure_step_overhead.py`)."""
 
     def __init__(
         self,
@@ -340,16 +342,19 @@ class PipelineDriver:
             wire = tokens_to_wire(data.tokens, data.sample_ids)
             return self.router.start(step, mb, 0, work, layout, route, wire)
 
-        # communication: the backward starts at the route's last stage and flows back to its stage 0. Sent with the
-        # forward, not after its reply: the last stage holds it until its turn (its backward follows its forward
-        # in every program), so no trip last stage -> ... -> stage 0 -> trainer -> last stage waits between them
+        # communication: the backward starts at the route's last stage and flows back to its stage 0. Where that
+        # stage runs it right after the forward (1F1B), it is sent with the forward, not after its reply: the last
+        # stage holds it until its turn, so no trip last stage -> ... -> stage 0 -> trainer -> last stage waits
+        # between them (GPipe runs every forward first: there it would only hold a data slot longer)
         start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
         backward_call = lambda: self.router.routed(step, last, last_r, "Backward", start)  # noqa: E731
-        early = self._spawn(backward_call, work.route.peers) if last > 0 and self.backward_early else None
+        schedule = layout[0] if layout is not None else self.schedule
+        early = last > 0 and self.backward_early and backward_follows_forward(schedule, last + 1, len(work.micro))
+        parked = self._spawn(backward_call, work.route.peers) if early else None
         # communication: tokens into stage 0 of the route; the activations flow on to its last stage, the loss
         # comes back
         forward = self.router.routed(step, 0, first_r, "Forward", tokens)
-        backward = backward_call() if early is None else self._result(early)
+        backward = backward_call() if parked is None else self._result(parked)
         verifier = self.verifier  # a sampled micro-batch is audited beside the step's Reduce, before its Step
         if (
             verifier is not None
@@ -603,6 +608,7 @@ class PipelineDriver:
         after abandoning the step."""
         routes = self._live(step)
         wake, self._inflight = threading.Event(), []
+        self.router.new_attempt()  # an abandon then refuses its late calls (a Backward start may still be on its way)
         try:
             with self._ping_loop(routes, wake):
                 done = self._run_routes(step, self._work(batch, routes), wake)

@@ -14,6 +14,7 @@ from swarm.proto import stage_pb2
 from swarm.runtime.driver import PipelineDriver
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.routing import NoLiveRoute
+from swarm.runtime.schedules import backward_follows_forward
 from tests.unit.runtime.test_replicas import CFG, FP32, batch, weights
 
 torch.set_num_threads(1)
@@ -49,8 +50,8 @@ class _Log:
         return self.events.index((event, method, mb))
 
 
-def _pipe(stages: int = 2) -> LocalPipeline:
-    return LocalPipeline(CFG, stages, FP32, FP32)
+def _pipe(stages: int = 2, schedule: str = "1f1b") -> LocalPipeline:
+    return LocalPipeline(CFG, stages, FP32, FP32, schedule)
 
 
 def test_each_backward_start_leaves_before_its_forward_returns():
@@ -75,6 +76,24 @@ def test_early_backward_trains_exactly_as_the_sequential_calls(monkeypatch):
     assert runs[True][0] == runs[False][0]
     for name, value in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_gpipe_sends_backward_after_forward():
+    """GPipe's last stage runs every forward first: a Backward start sent early would only hold one of its data
+    slots longer (with the previous stage's forwards, twice the micro-batches), so it still follows the reply."""
+    pipe = _pipe(schedule="gpipe")
+    log = _Log(pipe.driver(4))
+    pipe.train_step(batch(8), 4)
+    for mb in range(4):
+        assert log.at("end", "Forward", mb) < log.at("start", "Backward", mb)
+    pipe.close()
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5])
+@pytest.mark.parametrize("n_micro", [1, 2, 4, 7])
+def test_which_schedules_run_the_backward_right_after_the_forward(stages, n_micro):
+    assert backward_follows_forward("1f1b", stages, n_micro)
+    assert backward_follows_forward("gpipe", stages, n_micro) == (n_micro == 1)
 
 
 def test_one_stage_sends_backward_after_forward():
