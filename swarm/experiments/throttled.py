@@ -343,17 +343,23 @@ def _save_testbed_plan(testbed, cell_dir: Path) -> None:
     the calibrated one when the planner republished the plan late in the run, after the trainer's last look), asked
     with `swarm status` from the trainer's namespace; nothing when the DHT does not answer (the trainer's own plan's
     prediction stands)."""
+    import subprocess
+
     from swarm.daemon.status import status_argv
-    from swarm.testbed.netns import run_command
     from swarm.testbed.services import ADDRESS_FILE, process_argv
 
     trainer = testbed.layout.node("trainer")
     status = status_argv(str(testbed.run_dir / ADDRESS_FILE), trainer.service.address, timeout_s=30.0)
     argv = ["ip", "netns", "exec", trainer.namespace, *process_argv(("swarm", "status", *status))]
     try:
-        result = run_command(argv, timeout_s=120, check=False)
-        plan = json.loads(result.stdout).get("plan") if result.returncode == 0 else None
-    except (OSError, ValueError, AttributeError, RuntimeError):  # RuntimeError: `CommandError`, a timeout
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL).stdout
+    except subprocess.TimeoutExpired as e:  # on a loaded machine it printed its answer, then hung leaving the DHT
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+    except OSError:
+        out = ""
+    try:
+        plan = json.loads(out).get("plan")
+    except (ValueError, AttributeError):
         plan = None
     if isinstance(plan, dict) and isinstance(plan.get("plan"), dict):
         (cell_dir / "plan.json").write_text(json.dumps(plan["plan"]))

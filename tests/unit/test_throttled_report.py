@@ -244,21 +244,37 @@ def test_the_namespace_prefix_is_checked_and_names_the_baselines():
 
 
 def test_a_testbeds_newest_plan_is_saved_from_its_status(tmp_path, monkeypatch):
-    import swarm.testbed.netns as netns
+    import subprocess
 
     node = types.SimpleNamespace(namespace="swov-trainer", service=types.SimpleNamespace(address="10.77.0.3"))
     testbed = types.SimpleNamespace(run_dir=tmp_path, layout=types.SimpleNamespace(node=lambda name: node))
     document = {"stages": ONE_STAGE, "step_time_s": 0.118, "measured": {}, "first_step_time_s": 0.05}
+    answer = json.dumps({"plan": {"version": 3, "plan": document}})
     replies = iter([
-        types.SimpleNamespace(returncode=0, stdout=json.dumps({"plan": {"version": 3, "plan": document}})),
-        types.SimpleNamespace(returncode=1, stdout=""),  # the DHT did not answer: the file stays as it was
+        types.SimpleNamespace(returncode=1, stdout=""),  # the DHT did not answer: nothing is written
         types.SimpleNamespace(returncode=0, stdout="not json"),
+        types.SimpleNamespace(returncode=0, stdout=answer),
+        subprocess.TimeoutExpired(["swarm"], 120, output=answer.encode()),  # answered, then hung on its way out
+        OSError("no ip command"),
     ])  # fmt: skip
     argvs = []
-    monkeypatch.setattr(netns, "run_command", lambda argv, **kw: argvs.append(argv) or next(replies))
+
+    def run(argv, **kw):
+        argvs.append(argv)
+        reply = next(replies)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    monkeypatch.setattr(subprocess, "run", run)
+    for _ in range(2):
+        th._save_testbed_plan(testbed, tmp_path)
+        assert not (tmp_path / "plan.json").exists()
     th._save_testbed_plan(testbed, tmp_path)
     assert json.loads((tmp_path / "plan.json").read_text()) == document
     assert argvs[0][:4] == ["ip", "netns", "exec", "swov-trainer"] and "status" in argvs[0]
+    (tmp_path / "plan.json").unlink()
     th._save_testbed_plan(testbed, tmp_path)
-    th._save_testbed_plan(testbed, tmp_path)
+    assert json.loads((tmp_path / "plan.json").read_text()) == document
+    th._save_testbed_plan(testbed, tmp_path)  # the command cannot run: the file stays as it was
     assert json.loads((tmp_path / "plan.json").read_text()) == document
