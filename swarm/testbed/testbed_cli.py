@@ -273,7 +273,7 @@ def run_in_testbed(
     run_dir = Path(train.out)
     quiet = lambda _: None  # noqa: E731
     try:
-        testbed = bring_up(cfg, run_dir, quiet)
+        testbed = bring_up(cfg, run_dir, quiet, ready_timeout_s=600.0)  # peers start slowly on a loaded machine
         code = train_in(testbed, 3600.0, quiet)
         if code:
             raise RuntimeError(f"the trainer exited with code {code}; log: {run_dir / 'logs' / 'trainer.log'}")
