@@ -80,6 +80,11 @@ METRICS: tuple[MetricSpec, ...] = (
         buckets=PHASE_BUCKETS_S,
     ),
     MetricSpec(
+        "trainer_phase_seconds", Counter, "swarm_trainer_phase_seconds_total",
+        "Seconds the trainer spent in each phase of its steps (labels, pipeline, reduce, grads, commit, step), "
+        "failed attempts included", ("phase",),
+    ),
+    MetricSpec(
         "buffer_hits", Counter, "swarm_aqsgd_buffer_hits_total",
         "AQ-SGD samples sent or received as deltas against the buffered activation", ("link",),
     ),
@@ -131,6 +136,7 @@ class Metrics:
         sync_bytes: swarm_sync_bytes_total.
         control_bytes: swarm_control_bytes_total.
         phase_seconds: swarm_phase_seconds{stage, phase} (phase: encode, decode, compute or wait).
+        trainer_phase_seconds: swarm_trainer_phase_seconds_total{phase} (swarm.runtime.driver).
         buffer_hits: swarm_aqsgd_buffer_hits_total{link}.
         buffer_misses: swarm_aqsgd_buffer_misses_total{link}.
         step_seconds: swarm_step_seconds.
@@ -151,6 +157,7 @@ class Metrics:
     sync_bytes: Counter
     control_bytes: Counter
     phase_seconds: Histogram
+    trainer_phase_seconds: Counter
     buffer_hits: Counter
     buffer_misses: Counter
     step_seconds: Histogram

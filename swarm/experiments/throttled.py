@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 import sys
 import time
@@ -132,6 +133,9 @@ class ThrottledConfig:
     """one-way delay of every link, ms"""
     netns: bool = False
     """shape with tc in network namespaces (needs root) instead of the application's shaper"""
+    netns_prefix: str = "swt-"
+    """name prefix of the --netns cells' namespaces and links ([a-z][a-z0-9]{0,4}-); the torch baseline's are the
+    same with a 'q' before the dash. Give each concurrent run its own"""
     out: Path | None = None
     """output folder (none: runs/throttled-<time>)"""
     baseline: str | None = field(default=None, metadata=flag(choices=BASELINES))
@@ -163,6 +167,13 @@ class ThrottledConfig:
                 raise ValueError(f"ThrottledConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.train_samples % self.batch_size:
             raise ValueError("--train-samples must be a multiple of --batch-size")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,4}-", self.netns_prefix):
+            raise ValueError(f"--netns-prefix: expected [a-z][a-z0-9]{{0,4}}- (e.g. 'swt-'), got {self.netns_prefix!r}")
+
+    @property
+    def baseline_prefix(self) -> str:
+        """The torch baseline's namespace prefix: `netns_prefix` with a 'q' before its dash (`swt-`: `swtq-`)."""
+        return self.netns_prefix[:-1] + "q-"
 
     @property
     def cells(self) -> list[Cell]:
@@ -304,14 +315,19 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
 
     peer = peer_config(cell, cfg)
     train_cfg = train_config(cell, cfg, out)
+    # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
+    # full first sights over) and republishes it; the trainer follows it through the DHT, and its summary's
+    # prediction is that one: made during the run, from the run's own early steps. The namespace cells too: their
+    # uncalibrated first plans (block speed timed alone, no step overhead) were 43-57% below measured
+    calibrated = replace(peer.planning, calibrate_after_steps=cfg.train_samples // cfg.batch_size)
     if cfg.netns:
         from swarm.testbed.testbed_cli import run_in_testbed
 
-        return run_in_testbed(cell.rate_mbit, peer, train_cfg, cfg.peers)
-    # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
-    # full first sights over) and republishes it; the trainer follows it through the DHT, and its summary's
-    # prediction is that one: made during the run, from the run's own early steps
-    calibrated = replace(peer.planning, calibrate_after_steps=cfg.train_samples // cfg.batch_size)
+        keep_plan = lambda testbed: _save_testbed_plan(testbed, out / cell.label)  # noqa: E731
+        return run_in_testbed(
+            cell.rate_mbit, replace(peer, planning=calibrated), train_cfg, cfg.peers, prefix=cfg.netns_prefix,
+            before_down=keep_plan,
+        )  # fmt: skip
     flags = peer_flags().to_argv(replace(peer, planning=calibrated)) + list(cfg.model_flags)
     with local_swarm(out / cell.label, cfg.peers, flags) as swarm:
         train(train_cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
@@ -320,6 +336,33 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
             (out / cell.label / "plan.json").write_text(json.dumps(record.document.to_wire()))
     with open(out / cell.label / "steps.csv") as f:
         return list(csv.DictReader(f))
+
+
+def _save_testbed_plan(testbed, cell_dir: Path) -> None:
+    """Writes the newest plan of a namespace cell's DHT to `cell_dir/plan.json` (`read_summary` takes its prediction:
+    the calibrated one when the planner republished the plan late in the run, after the trainer's last look), asked
+    with `swarm status` from the trainer's namespace; nothing when the DHT does not answer (the trainer's own plan's
+    prediction stands)."""
+    import subprocess
+
+    from swarm.daemon.status import status_argv
+    from swarm.testbed.services import ADDRESS_FILE, process_argv
+
+    trainer = testbed.layout.node("trainer")
+    status = status_argv(str(testbed.run_dir / ADDRESS_FILE), trainer.service.address, timeout_s=30.0)
+    argv = ["ip", "netns", "exec", trainer.namespace, *process_argv(("swarm", "status", *status))]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL).stdout
+    except subprocess.TimeoutExpired as e:  # on a loaded machine it printed its answer, then hung leaving the DHT
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+    except OSError:
+        out = ""
+    try:
+        plan = json.loads(out).get("plan")
+    except (ValueError, AttributeError):
+        plan = None
+    if isinstance(plan, dict) and isinstance(plan.get("plan"), dict):
+        (cell_dir / "plan.json").write_text(json.dumps(plan["plan"]))
 
 
 def _int(step: dict, key: str) -> int:

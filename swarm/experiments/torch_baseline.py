@@ -54,7 +54,8 @@ __all__ = ["SETTING", "TorchRun", "run_torch", "run_torch_rows", "summarize_torc
 
 SETTING = "torch-fp32"
 NETNS_PREFIX = "swtq-"
-"""Namespace and link prefix of the baseline's testbed: not the swarm cells' `swt-`, so both can be up."""
+"""Default namespace and link prefix of the baseline's testbed (`ThrottledConfig.baseline_prefix`): not the swarm
+cells' `swt-`, so both can be up."""
 NETNS_SUBNET = "10.77.93.0/24"
 GLOO_PORT = 29517
 
@@ -324,7 +325,7 @@ def run_torch_rows(
         folder = out / f"{_label(rate)}-torch-fp32"
         say(f"torch baseline: {steps} steps, {_label(rate)}{' (netns)' if cfg.netns else ' (loopback)'}")
         if cfg.netns:
-            records = _run_in_namespaces(run, rate, folder, deadline_s)
+            records = _run_in_namespaces(run, rate, folder, deadline_s, cfg.baseline_prefix)
         else:
             places = [([], "lo")] * run.stages
             records = run_torch(run, folder, places, f"127.0.0.1:{_free_port()}", deadline_s)
@@ -332,7 +333,9 @@ def run_torch_rows(
     return rows
 
 
-def _run_in_namespaces(run: TorchRun, rate: float | None, out: Path, deadline_s: float) -> list[dict]:
+def _run_in_namespaces(
+    run: TorchRun, rate: float | None, out: Path, deadline_s: float, prefix: str = NETNS_PREFIX
+) -> list[dict]:
     from swarm.testbed.netns import (
         check_available,
         lay_out_testbed,
@@ -345,9 +348,9 @@ def _run_in_namespaces(run: TorchRun, rate: float | None, out: Path, deadline_s:
     from swarm.testbed.services import Egress, TestbedConfig
 
     check_available()
-    if list_namespaces(NETNS_PREFIX) or list_links(NETNS_PREFIX):
-        sweep(NETNS_PREFIX, grace_s=2)  # left by a killed run of this baseline: the prefix is its own
-    cfg = TestbedConfig(peers=run.stages, egress=Egress(rate or 0.0), prefix=NETNS_PREFIX, subnet=NETNS_SUBNET)
+    if list_namespaces(prefix) or list_links(prefix):
+        sweep(prefix, grace_s=2)  # left by a killed run of this baseline: the prefix is its own
+    cfg = TestbedConfig(peers=run.stages, egress=Egress(rate or 0.0), prefix=prefix, subnet=NETNS_SUBNET)
     layout = lay_out_testbed(cfg, str(out))
     try:
         for command in setup_commands(layout):
@@ -356,7 +359,7 @@ def _run_in_namespaces(run: TorchRun, rate: float | None, out: Path, deadline_s:
         places = [(["ip", "netns", "exec", node.namespace], node.veth_ns) for node in nodes]
         return run_torch(run, out, places, f"{nodes[0].service.address}:{GLOO_PORT}", deadline_s)
     finally:
-        sweep(NETNS_PREFIX, grace_s=2)
+        sweep(prefix, grace_s=2)
 
 
 def main(argv: list[str] | None = None) -> int:

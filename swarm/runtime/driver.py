@@ -65,6 +65,7 @@ from swarm.runtime.routing import (
     route_work,
     spawn,
 )
+from swarm.runtime.schedules import backward_follows_forward
 from swarm.runtime.suspects import Implausible, Suspects, culprit
 from swarm.runtime.verify import AuditDisputed, LiarFound, Referee, StageVerifier, VerifyConfig
 
@@ -115,6 +116,11 @@ class PipelineDriver:
         referee: the trainer's own recomputation of a stage (`swarm.runtime.referee.StageReferee`), which settles a
             dispute between two replicas with weights fetched over GetState (None: a dispute stays one).
     """
+
+    backward_early = True
+    """Send each micro-batch's Backward start with its Forward where the last stage runs it right after that forward
+    (1F1B; the stage holds it until its turn); False: after the Forward's reply, as before (only to measure what it
+    saves: `scripts/measure_step_overhead.py`)."""
 
     def __init__(
         self,
@@ -268,6 +274,21 @@ class PipelineDriver:
         self._inflight.append(task)
         return task
 
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Counts the body's seconds as the trainer's phase `name` of the step (`trainer_phase_seconds`; steps.csv
+        has each step's share): where a step's time goes, failures included."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.metrics.trainer_phase_seconds.labels(name).inc(time.perf_counter() - start)
+
+    def _result(self, task: Task):
+        """The reply of a call spawned with `_spawn`, waited for at most as long as the call itself may take (its
+        own deadline ends it first; the step's `gather` sees a dead peer or a failure at once either way)."""
+        return task[0].result(timeout=self.deadline_s + CLOSE_WAIT_S)
+
     def _ping(self, peer: str, timeout_s: float) -> None:
         """A Ping to `peer`; raises only where the peer may be dead (a refusal, UNIMPLEMENTED too, is an answer)."""
         stage, replica = self._where(peer)
@@ -321,12 +342,19 @@ class PipelineDriver:
             wire = tokens_to_wire(data.tokens, data.sample_ids)
             return self.router.start(step, mb, 0, work, layout, route, wire)
 
+        # communication: the backward starts at the route's last stage and flows back to its stage 0. Where that
+        # stage runs it right after the forward (1F1B), it is sent with the forward, not after its reply: the last
+        # stage holds it until its turn, so no trip last stage -> ... -> stage 0 -> trainer -> last stage waits
+        # between them (GPipe runs every forward first: there it would only hold a data slot longer)
+        start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
+        backward_call = lambda: self.router.routed(step, last, last_r, "Backward", start)  # noqa: E731
+        schedule = layout[0] if layout is not None else self.schedule
+        early = last > 0 and self.backward_early and backward_follows_forward(schedule, last + 1, len(work.micro))
+        parked = self._spawn(backward_call, work.route.peers) if early else None
         # communication: tokens into stage 0 of the route; the activations flow on to its last stage, the loss
         # comes back
         forward = self.router.routed(step, 0, first_r, "Forward", tokens)
-        # communication: the backward starts at the route's last stage and flows back to its stage 0
-        start = lambda route: self.router.start(step, mb, last, work, layout, route)  # noqa: E731
-        backward = self.router.routed(step, last, last_r, "Backward", start)
+        backward = backward_call() if parked is None else self._result(parked)
         verifier = self.verifier  # a sampled micro-batch is audited beside the step's Reduce, before its Step
         if (
             verifier is not None
@@ -393,17 +421,19 @@ class PipelineDriver:
                 log.info("step %d: %s would deadlock on these routes' shared replicas: gpipe", step, self.schedule)
             layout = (schedule, numbering)
         # the labels first: one PutLabels per route (and per max_batch rows) rather than one per micro-batch
-        labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
-        gather(labels, wake, self.dead, self.deadline_s)
+        with self._phase("labels"):
+            labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
+            gather(labels, wake, self.dead, self.deadline_s)
         audits = (self._attempt, self._abandons, self._audits)
-        tasks = [
-            [
-                self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout, audits), w.route.peers)
-                for mb in range(len(w.micro))
+        with self._phase("pipeline"):
+            tasks = [
+                [
+                    self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout, audits), w.route.peers)
+                    for mb in range(len(w.micro))
+                ]
+                for w in work
             ]
-            for w in work
-        ]
-        gather([t for calls in tasks for t in calls], wake, self.dead, self.deadline_s)
+            gather([t for calls in tasks for t in calls], wake, self.dead, self.deadline_s)
         traffic, loss, rates = Traffic(), 0.0, {}
         for w, calls in zip(work, tasks, strict=True):
             results = [f.result() for f, _ in calls]
@@ -578,6 +608,7 @@ class PipelineDriver:
         after abandoning the step."""
         routes = self._live(step)
         wake, self._inflight = threading.Event(), []
+        self.router.new_attempt()  # an abandon then refuses its late calls (a Backward start may still be on its way)
         try:
             with self._ping_loop(routes, wake):
                 done = self._run_routes(step, self._work(batch, routes), wake)
@@ -612,11 +643,15 @@ class PipelineDriver:
             try:
                 with self._ping_loop(used, wake):
                     loss, traffic = self._run_routes(step, work, wake)
-                    traffic.merge(self._reduce(step, used, wake))
-                    norm = self._grads(step, used, wake)
-                    gather(self._audits, wake, self.dead, self.deadline_s)  # a liar found: nothing is applied
-                    self._commit(step, loss, norm, used)
-                    lr = self._apply(step, used, norm, wake)
+                    with self._phase("reduce"):
+                        traffic.merge(self._reduce(step, used, wake))
+                    with self._phase("grads"):
+                        norm = self._grads(step, used, wake)
+                        gather(self._audits, wake, self.dead, self.deadline_s)  # a liar found: nothing is applied
+                    with self._phase("commit"):
+                        self._commit(step, loss, norm, used)
+                    with self._phase("step"):
+                        lr = self._apply(step, used, norm, wake)
                 if math.isfinite(norm):
                     self.suspects.applied(self._stage_sq)
                 break

@@ -21,6 +21,7 @@ __all__ = [
     "SCHEDULES",
     "validate",
     "max_in_flight",
+    "backward_follows_forward",
     "linearize",
     "format_programs",
 ]
@@ -109,6 +110,17 @@ def max_in_flight(actions: list[Action]) -> int:
         live += 1 if a.kind is F else -1
         peak = max(peak, live)
     return peak
+
+
+def backward_follows_forward(schedule: str, n_stages: int, n_micro: int) -> bool:
+    """Whether the last stage of `schedule` runs every micro-batch's backward right after its forward (1F1B; not
+    GPipe, whose last stage runs every forward first): there the trainer's Backward start must already be waiting
+    when the forward ends, so the driver sends it with the Forward (`PipelineDriver._micro_batch`)."""
+    program = SCHEDULES[schedule](n_stages, n_micro)[n_stages - 1]
+    return all(
+        a.kind == Kind.FORWARD and b == Action(a.stage, Kind.BACKWARD, a.mb)
+        for a, b in zip(program[::2], program[1::2], strict=True)
+    )
 
 
 def validate(programs: Programs, n_micro: int) -> None:

@@ -138,7 +138,7 @@ def _wait_for_stages(layout: TestbedLayout, run_dir: Path, procs, timeout_s: flo
     deadline, last = time.monotonic() + timeout_s, None
     while True:
         procs.check_alive()
-        result = run_command(argv, timeout_s=60, check=False)
+        result = run_command(argv, timeout_s=180, check=False)  # a loaded machine starts python slowly
         try:
             peers = json.loads(result.stdout)["peers"] if result.returncode == 0 else []
         except (json.JSONDecodeError, KeyError):

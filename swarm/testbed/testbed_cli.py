@@ -219,14 +219,15 @@ def _scenario_links(name: str, peers: int, scale: float) -> tuple[LinkRate, ...]
 
 def run_in_testbed(
     rate_mbit: float | None, peer: PeerConfig, train: TrainConfig, peers: int, nat: tuple[int, ...] = (),
-    before_down=None,
+    before_down=None, prefix: str = TestbedConfig.prefix,
 ):  # fmt: skip
     """One cell of `swarm experiment throttled --netns`: a fresh testbed of `peers` peers whose every namespace's
     egress tc shapes to `rate_mbit` (None: unshaped), the trainer `train` describes run inside, the testbed
     taken down; returns the rows of the trainer's steps.csv. The peers are told `peer` but for what the testbed
     sets itself: their bandwidth (the kernel shapes it instead), codecs and delay (the testbed's own flags) and
     total and warm-up steps (the testbed derives both from the trainer's steps); the model is the trainer's.
-    `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`)."""
+    `nat`: peers behind the testbed's NAT router (`swarm experiment nat --netns`); `prefix`: of its namespaces and
+    links (`TestbedConfig.prefix`), so that two experiments can run at once."""
     from swarm.daemon.peer_config import PeerConfig, peer_flags
     from swarm.options import CodecFlags, LinkShaping
     from swarm.peers.shaper import LinkShape
@@ -267,11 +268,12 @@ def run_in_testbed(
             trainer_flags.to_argv(trainer, always=["--schedule", "--seed", "--setting", "--deadline-s", "--model-seed"])
         ),
         nat=nat,
+        prefix=prefix,
     )
     run_dir = Path(train.out)
     quiet = lambda _: None  # noqa: E731
     try:
-        testbed = bring_up(cfg, run_dir, quiet)
+        testbed = bring_up(cfg, run_dir, quiet, ready_timeout_s=600.0)  # peers start slowly on a loaded machine
         code = train_in(testbed, 3600.0, quiet)
         if code:
             raise RuntimeError(f"the trainer exited with code {code}; log: {run_dir / 'logs' / 'trainer.log'}")

@@ -210,3 +210,71 @@ def test_a_calibrated_plan_gives_the_cells_prediction(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.118, "mean_step_s": 0.12}))
     summary = th.read_summary(tmp_path)  # the trainer followed the calibrated plan: its first comes from the plan
     assert summary["predicted_step_s"] == 0.118 and summary["first_plan_step_s"] == 0.05
+
+
+def test_namespace_cells_calibrate_their_plan_and_keep_the_newest(tmp_path, monkeypatch):
+    """A --netns cell's peers calibrate after the first epoch as the app-shaped cells' do (uncalibrated, their
+    plans predicted the block speed alone, 43-57% below measured), in namespaces of the run's own prefix, and the
+    DHT's newest plan is kept before the testbed goes down."""
+    import swarm.testbed.testbed_cli as tc
+
+    seen = {}
+
+    def run_in_testbed(rate, peer, train_cfg, peers, nat=(), before_down=None, prefix="swt-"):
+        seen.update(rate=rate, calibrate=peer.planning.calibrate_after_steps, prefix=prefix, out=train_cfg.out)
+        before_down("testbed")
+        return [{"step": "1"}]
+
+    saved = []
+    monkeypatch.setattr(tc, "run_in_testbed", run_in_testbed)
+    monkeypatch.setattr(th, "_save_testbed_plan", lambda testbed, cell_dir: saved.append((testbed, cell_dir)))
+    cfg = ThrottledConfig(rates=(10.0,), netns=True, netns_prefix="swov-", train_samples=32, batch_size=8)
+    cell = Cell(10.0, "fp32/fp32")
+    assert th._run_cell(cell, cfg, tmp_path) == [{"step": "1"}]
+    assert seen == {"rate": 10.0, "calibrate": 4, "prefix": "swov-", "out": str(tmp_path / cell.label)}
+    assert saved == [("testbed", tmp_path / cell.label)]
+
+
+def test_the_namespace_prefix_is_checked_and_names_the_baselines():
+    assert ThrottledConfig().baseline_prefix == "swtq-"  # the baseline's namespaces as before
+    assert ThrottledConfig(netns_prefix="swov-").baseline_prefix == "swovq-"
+    for bad in ("swt", "SWT-", "toolong-", "-", "a b-"):
+        with pytest.raises(ValueError, match="--netns-prefix"):
+            ThrottledConfig(netns_prefix=bad)
+
+
+def test_a_testbeds_newest_plan_is_saved_from_its_status(tmp_path, monkeypatch):
+    import subprocess
+
+    node = types.SimpleNamespace(namespace="swov-trainer", service=types.SimpleNamespace(address="10.77.0.3"))
+    testbed = types.SimpleNamespace(run_dir=tmp_path, layout=types.SimpleNamespace(node=lambda name: node))
+    document = {"stages": ONE_STAGE, "step_time_s": 0.118, "measured": {}, "first_step_time_s": 0.05}
+    answer = json.dumps({"plan": {"version": 3, "plan": document}})
+    replies = iter([
+        types.SimpleNamespace(returncode=1, stdout=""),  # the DHT did not answer: nothing is written
+        types.SimpleNamespace(returncode=0, stdout="not json"),
+        types.SimpleNamespace(returncode=0, stdout=answer),
+        subprocess.TimeoutExpired(["swarm"], 120, output=answer.encode()),  # answered, then hung on its way out
+        OSError("no ip command"),
+    ])  # fmt: skip
+    argvs = []
+
+    def run(argv, **kw):
+        argvs.append(argv)
+        reply = next(replies)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    monkeypatch.setattr(subprocess, "run", run)
+    for _ in range(2):
+        th._save_testbed_plan(testbed, tmp_path)
+        assert not (tmp_path / "plan.json").exists()
+    th._save_testbed_plan(testbed, tmp_path)
+    assert json.loads((tmp_path / "plan.json").read_text()) == document
+    assert argvs[0][:4] == ["ip", "netns", "exec", "swov-trainer"] and "status" in argvs[0]
+    (tmp_path / "plan.json").unlink()
+    th._save_testbed_plan(testbed, tmp_path)
+    assert json.loads((tmp_path / "plan.json").read_text()) == document
+    th._save_testbed_plan(testbed, tmp_path)  # the command cannot run: the file stays as it was
+    assert json.loads((tmp_path / "plan.json").read_text()) == document

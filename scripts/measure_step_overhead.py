@@ -1,0 +1,85 @@
+"""What the runtime's step-path changes save, measured A/B in one run: a local 2-peer swarm (the throttled
+experiment's app-shaped cell, fp32) whose trainer runs its steps alternately with the change off (odd steps) and
+on (even steps), so that a loaded machine's drift falls on both alike, and PyTorch's own pipeline
+(`torch_baseline`, loopback, unshaped) beside it.
+
+    python scripts/measure_step_overhead.py --rates none,100 --steps 40 [--json]
+
+Prints, per rate and mode, the mean and median step time after the first epoch and the ratio of the modes'
+medians. A mode sets `PipelineDriver` switches that exist only to measure what a change saves; the trainer runs
+in this process, so the switch reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from swarm.experiments.throttled import Cell, ThrottledConfig, _rates, _run_cell
+from swarm.runtime.driver import PipelineDriver
+
+MODES = {
+    "before": {"backward_early": False},
+    "after": {"backward_early": True},
+}
+
+
+def _alternate() -> None:
+    """Makes every driver run odd steps in mode "before" and even ones in "after" (steps count from 0)."""
+    train_step = PipelineDriver.train_step
+
+    def alternating(self, step, batch):
+        for name, value in MODES["after" if step % 2 == 0 else "before"].items():
+            setattr(self, name, value)
+        return train_step(self, step, batch)
+
+    PipelineDriver.train_step = alternating
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="none,100", help="link speeds, Mbit/s ('none': unshaped)")
+    parser.add_argument("--setting", default="fp32/fp32", help="FW/BW codecs of every cell")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (half of them in each mode)")
+    parser.add_argument("--no-torch", action="store_true", help="leave out PyTorch's loopback pipeline")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (none: runs/overhead-<time>)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    out = args.out or Path(f"runs/overhead-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = ThrottledConfig(rates=_rates(args.rates), settings=(args.setting,), steps=args.steps)
+    per_epoch = cfg.train_samples // cfg.batch_size
+    _alternate()
+    rows = []
+    for rate in cfg.rates:
+        steps = _run_cell(Cell(rate, args.setting), cfg, out)[per_epoch:]
+        times = {mode: [float(s["step_s"]) for s in steps if (int(s["step"]) - 1) % 2 == (mode == "before")]
+                 for mode in MODES}  # fmt: skip
+        for mode, values in times.items():
+            mean, median = statistics.mean(values), statistics.median(values)
+            rows.append({"rate_mbit": rate, "mode": mode, "setting": args.setting, "steps": len(values),
+                         "mean_step_s": mean, "median_step_s": median})  # fmt: skip
+        ratio = statistics.median(times["after"]) / statistics.median(times["before"])
+        rows.append({"rate_mbit": rate, "mode": "after/before", "setting": args.setting, "median_ratio": ratio})
+        print(f"{rate}: after/before {ratio:.3f}", file=sys.stderr, flush=True)
+    if not args.no_torch:
+        from swarm.experiments.torch_baseline import run_torch_rows
+
+        torch_cfg = replace(cfg, rates=(None,))
+        for row in run_torch_rows(torch_cfg, [None], out, lambda line: print(line, file=sys.stderr)):
+            rows.append({"rate_mbit": None, "mode": "torch-fp32 (loopback)", "setting": "torch-fp32",
+                         "mean_step_s": row["mean_step_s"], "steps": row["steps"]})  # fmt: skip
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for row in rows:
+            print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The trainer's step path: each micro-batch's Backward start leaves with its Forward (no trip through the trainer
+between a last stage's forward and its backward), trains exactly as the sequential calls did, and fails as fast;
+the trainer's time per phase reaches the step's counters."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import wait
+
+import pytest
+import torch
+
+from swarm.proto import stage_pb2
+from swarm.runtime.driver import PipelineDriver
+from swarm.runtime.inprocess import LocalPipeline
+from swarm.runtime.routing import NoLiveRoute
+from swarm.runtime.schedules import backward_follows_forward
+from tests.unit.runtime.test_replicas import CFG, FP32, batch, weights
+
+torch.set_num_threads(1)
+
+PHASES = ("labels", "pipeline", "reduce", "grads", "commit", "step")
+
+
+class _Log:
+    """Wraps a driver's `_call`: records (event, method, micro-batch) in the order they happen."""
+
+    def __init__(self, driver: PipelineDriver):
+        self.events: list[tuple[str, str, int]] = []
+        self._lock, self._call = threading.Lock(), driver._call
+        driver._call = driver.router.send = self  # the router holds the driver's call since it was made
+
+    def _note(self, event: str, method: str, mb: int) -> None:
+        with self._lock:
+            self.events.append((event, method, mb))
+
+    def __call__(self, stage, replica, method, request, timeout=None):
+        mb = -1
+        if method in ("Forward", "Backward"):
+            items = list(request)
+            mb = stage_pb2.StreamItem.FromString(items[0]).info.micro_batch
+            request = iter(items)
+        self._note("start", method, mb)
+        try:
+            return self._call(stage, replica, method, request, timeout)
+        finally:
+            self._note("end", method, mb)
+
+    def at(self, event: str, method: str, mb: int) -> int:
+        return self.events.index((event, method, mb))
+
+
+def _pipe(stages: int = 2, schedule: str = "1f1b") -> LocalPipeline:
+    return LocalPipeline(CFG, stages, FP32, FP32, schedule)
+
+
+def test_each_backward_start_leaves_before_its_forward_returns():
+    pipe = _pipe()
+    log = _Log(pipe.driver(4))
+    pipe.train_step(batch(8), 4)
+    for mb in range(4):
+        # the sequential calls started the Backward only once the Forward's reply was back
+        assert log.at("start", "Backward", mb) < log.at("end", "Forward", mb), log.events
+    assert sum(1 for e in log.events if e[:2] == ("start", "Backward")) == 4, "one Backward per micro-batch"
+    pipe.close()
+
+
+def test_early_backward_trains_exactly_as_the_sequential_calls(monkeypatch):
+    runs = {}
+    for early in (False, True):
+        monkeypatch.setattr(PipelineDriver, "backward_early", early)
+        pipe = _pipe()
+        losses = [pipe.train_step(batch(8, seed=s), 4).loss for s in range(3)]
+        runs[early] = (losses, weights(pipe))
+        pipe.close()
+    assert runs[True][0] == runs[False][0]
+    for name, value in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_gpipe_sends_backward_after_forward():
+    """GPipe's last stage runs every forward first: a Backward start sent early would only hold one of its data
+    slots longer (with the previous stage's forwards, twice the micro-batches), so it still follows the reply."""
+    pipe = _pipe(schedule="gpipe")
+    log = _Log(pipe.driver(4))
+    pipe.train_step(batch(8), 4)
+    for mb in range(4):
+        assert log.at("end", "Forward", mb) < log.at("start", "Backward", mb)
+    pipe.close()
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5])
+@pytest.mark.parametrize("n_micro", [1, 2, 4, 7])
+def test_which_schedules_run_the_backward_right_after_the_forward(stages, n_micro):
+    assert backward_follows_forward("1f1b", stages, n_micro)
+    assert backward_follows_forward("gpipe", stages, n_micro) == (n_micro == 1)
+
+
+def test_one_stage_sends_backward_after_forward():
+    """A single stage is its own last stage: its Forward and Backward share one caller's data slots, so the
+    Backward still waits for the Forward's reply there (nothing to overlap: no boundary)."""
+    pipe = _pipe(stages=1)
+    log = _Log(pipe.driver(4))
+    pipe.train_step(batch(8), 4)
+    for mb in range(4):
+        assert log.at("end", "Forward", mb) < log.at("start", "Backward", mb)
+    pipe.close()
+
+
+def test_a_dead_last_stage_fails_the_step_without_a_waiting_backward_left():
+    """The early Backward calls into a last stage that is gone fail with it: the step raises, and no call of the
+    step is left running behind it (nothing waits out a deadline)."""
+    pipe = _pipe()
+    driver = pipe.driver(4, deadline_s=30.0, max_attempts=1)
+    pipe.train_step(batch(8), 4)
+    pipe.kill(1)
+    with pytest.raises(NoLiveRoute):
+        pipe.train_step(batch(8, seed=1), 4)
+    done, pending = wait([f for f, _ in driver._inflight], timeout=20.0)
+    assert not pending, f"{len(pending)} calls of the failed step still running"
+    pipe.close()
+
+
+def test_a_refused_forward_abandons_the_waiting_backwards():
+    """A Forward the last stage refuses (here: its labels never came) fails the step; the Backward starts that
+    wait at that stage's gate for their turn are refused when the step is abandoned, and the step is not applied."""
+    pipe = _pipe()
+    driver = pipe.driver(4, deadline_s=30.0, max_attempts=1)
+    driver.router.labels = lambda *args, **kwargs: None  # PutLabels never sent
+    before = weights(pipe)
+    with pytest.raises(Exception, match="no labels"):
+        pipe.train_step(batch(8), 4)
+    done, pending = wait([f for f, _ in driver._inflight], timeout=20.0)
+    assert not pending, f"{len(pending)} calls of the failed step still running"
+    for name, value in before.items():
+        torch.testing.assert_close(weights(pipe)[name], value, rtol=0, atol=0)
+    assert all(h.open_step is None for h in pipe.hosts), "the abandoned step is closed on every stage"
+    pipe.close()
+
+
+def test_the_trainers_phases_are_in_the_steps_counters():
+    pipe = _pipe()
+    result = pipe.train_step(batch(8), 4)
+    seconds = {p: result.counters.get(f'swarm_trainer_phase_seconds_total{{phase="{p}"}}', 0.0) for p in PHASES}
+    assert all(s > 0 for s in seconds.values()), seconds
+    assert sum(seconds.values()) <= result.seconds
+    pipe.close()
