@@ -3,7 +3,9 @@ steps, and runs each step on the plan the stages follow.
 
 `PlanFollower` owns what a re-plan changes: the step driver, the route set it drives and the count of re-plans.
 A step the stages refuse as of an older plan (`PLAN_MISMATCH`: abandoned on every stage) runs again on the newer
-one; a step that finds no live route waits up to `--replan-timeout-s` for the planner's repair and runs there.
+one; a step that finds no live route waits up to `--replan-timeout-s` for the planner's repair and runs there,
+or runs again on the same plan once every one of its peers answers again (a loaded machine's stall, which the
+driver's liveness pings took for a death, not a death: no repair would come).
 """
 
 from __future__ import annotations
@@ -12,22 +14,28 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import grpc
+
 from swarm.net.stream import PLAN_MISMATCH, StageCallError
+from swarm.proto import stage_pb2
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from swarm.model.data import Batch
     from swarm.peers.routes import PlanRoutes
 
-__all__ = ["PlanFollower", "PlanWatch", "discover_route", "no_route_left"]
+__all__ = ["PlanFollower", "PlanWatch", "discover_route", "no_route_left", "route_answers"]
 
 log = logging.getLogger("swarm.train.follower")
 
 UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
 """Codes of a stage that is gone rather than refusing: the trainer waits for a plan without it."""
 STEP_ATTEMPTS = 4
-"""Tries at one step across re-plans (each a newer plan) before its failure is the run's."""
+"""Tries at one step across re-plans (each a newer plan, or the same one whose peers answer again) before its
+failure is the run's."""
+ANSWER_EVERY_S = 2.0
+"""While a step with no live route waits for a newer plan: how often the old plan's peers are pinged, seconds."""
 
 
 def discover_route(
@@ -119,6 +127,32 @@ def no_route_left(error: Exception, route: PlanRoutes) -> bool:
     return route.n_replicas == 1 and code in UNREACHABLE
 
 
+class _Answering(Exception):
+    """Every peer of the plan a step found no live route on answers again: run the step there again."""
+
+
+def route_answers(connector, route: PlanRoutes, peers: Iterable, banned: Iterable[str] = (), timeout_s: float = 2.0):
+    """Whether a plan the driver found no live route on is whole again: every peer of `route` is announced in
+    `peers` (the DHT's announcements) as following its version and not leaving, none is `banned` (evicted by
+    this trainer), and each answers a `Ping` within `timeout_s` (a refusal is an answer; only the codes of a
+    peer that is gone are not). On a loaded machine a stalled peer misses the driver's three pings and is
+    declared dead while it lives on, and the planner, whose own pings it answers, publishes no repair."""
+    addresses, ids = route.nested()
+    wanted = {p: a for row_a, row_p in zip(addresses, ids, strict=True) for a, p in zip(row_a, row_p, strict=True)}
+    following = {p.peer_id for p in peers if p.plan_version == route.plan_version and not p.leaving}
+    if not set(wanted) <= following or set(wanted) & set(banned):
+        return False
+    for peer, address in wanted.items():
+        try:
+            connector.stage(address, peer).Ping(stage_pb2.Empty(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            if e.code().name in UNREACHABLE:
+                return False
+        except Exception:  # e.g. a relayed peer's tunnel that is gone: no answer
+            return False
+    return True
+
+
 class PlanFollower:
     """The trainer's driver on the plan the stages follow, replaced whenever the swarm moves to a newer plan.
 
@@ -130,6 +164,8 @@ class PlanFollower:
         say: where a re-plan is told (one line each).
         wait_timeout_s: how long a re-plan waits for every peer of the newer plan to follow it.
         replan_timeout_s: how long a step with no live route waits for a newer plan (the planner's repair).
+        answers: whether every peer of a route answers again (`route_answers`, bound to a connector and the
+            trainer's bans); None: a step with no live route waits for a newer plan only.
     """
 
     def __init__(
@@ -141,8 +177,9 @@ class PlanFollower:
         say: Callable[[str], None] = lambda line: None,
         wait_timeout_s: float = 120.0,
         replan_timeout_s: float = 120.0,
+        answers: Callable[[PlanRoutes], bool] | None = None,
     ):
-        self.connect, self.dht, self.n_layers, self.say = connect, dht, n_layers, say
+        self.connect, self.dht, self.n_layers, self.say, self.answers = connect, dht, n_layers, say, answers
         self.wait_timeout_s, self.replan_timeout_s = wait_timeout_s, replan_timeout_s
         self.route = route
         self.driver = connect(route)
@@ -150,19 +187,45 @@ class PlanFollower:
         self.replans = 0
         """times the trainer moved to a newer plan"""
 
-    def follow(self, min_version: int, timeout_s: float | None = None) -> None:
+    def follow(self, min_version: int, timeout_s: float | None = None, back: Callable[[], None] | None = None):
         """Closes the driver, waits (up to `timeout_s`, default `wait_timeout_s`) for a plan of at least
-        `min_version` that every one of its peers follows, and drives it; the commit hook carries over."""
+        `min_version` that every one of its peers follows, and drives it; the commit hook carries over.
+        `back` (checked at every poll) raises `_Answering` where the current plan is whole again: it is driven
+        afresh instead."""
         self.driver.close()
         on_commit = self.driver.on_commit
         timeout_s = self.wait_timeout_s if timeout_s is None else timeout_s
-        self.route = discover_route(
-            self.dht, None, timeout_s, self.say, min_version, trainer_id=self.dht.peer_id, n_layers=self.n_layers
-        )
-        self.say(f"plan {self.route.plan_version}: {self.route.describe()}")
+        try:
+            route = discover_route(
+                self.dht, None, timeout_s, self.say, min_version, self.dht.peer_id, self.n_layers, check=back
+            )
+        except _Answering:
+            self.say(f"plan {self.route.plan_version}: every peer answers again (a stall, not a death): running on")
+        else:
+            self.route, self.replans = route, self.replans + 1
+            self.say(f"plan {self.route.plan_version}: {self.route.describe()}")
         self.driver, self.watch.version = self.connect(self.route), self.route.plan_version
         self.driver.on_commit = on_commit
-        self.replans += 1
+
+    def _answering(self) -> Callable[[], None] | None:
+        """The `follow` check that ends a wait for a repair once the current plan's peers all answer again
+        (asked at most every ANSWER_EVERY_S); None without `answers`."""
+        if self.answers is None:
+            return None
+        route, asked = self.route, [-ANSWER_EVERY_S]
+
+        def check() -> None:
+            if time.monotonic() - asked[0] >= ANSWER_EVERY_S:
+                asked[0] = time.monotonic()
+                try:
+                    whole = self.answers(route)
+                except Exception as e:  # a failed DHT read or ping is no answer; the wait goes on
+                    log.debug("asking plan %d's peers failed: %s", route.plan_version, e)
+                    whole = False
+                if whole:
+                    raise _Answering
+
+        return check
 
     def replan(self):
         """Follows the plan after this one (the stages refused a call as of this one); returns the new driver."""
@@ -188,7 +251,7 @@ class PlanFollower:
                     self.follow(self.route.plan_version + 1)  # the step was abandoned everywhere: the new plan runs it
                 elif no_route_left(e, self.route):
                     self.say(f"step {step}{csv_row(step)}: no route of replicas left ({e}); waiting for a newer plan")
-                    self.follow(self.route.plan_version + 1, self.replan_timeout_s)
+                    self.follow(self.route.plan_version + 1, self.replan_timeout_s, back=self._answering())
                 else:
                     raise
         raise AssertionError("unreachable")

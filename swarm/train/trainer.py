@@ -31,7 +31,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
 from swarm.runtime.verify import VerifyConfig
-from swarm.train.follower import PlanFollower, discover_route
+from swarm.train.follower import PlanFollower, discover_route, route_answers
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
 from swarm.train.heldout import HeldOut, held_out_rows
 from swarm.train.journal import Journal, Settled, settle
@@ -319,7 +319,17 @@ def train(
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
         return driver
 
-    follower = PlanFollower(connect, route, dht, model.n_layers, say, cfg.wait_timeout_s, cfg.replan_timeout_s)
+    def answers(r: PlanRoutes) -> bool:  # the peers the driver declared dead answer again: a stall, not a death
+        pinger = GrpcConnector(signer=signer, dial=dial)
+        try:
+            return route_answers(pinger, r, dht.peers(), suspects.banned_ids())
+        finally:
+            pinger.close()
+
+    follower = PlanFollower(
+        connect, route, dht, model.n_layers, say, cfg.wait_timeout_s, cfg.replan_timeout_s,
+        answers=answers if dht is not None else None,
+    )  # fmt: skip
     owned = cfg.dht is not None and cfg.dht.run is not None  # the manifest gave the stages and this trainer one length
     schedule = ScheduleWatch(total) if not owned else None
     rows = held_out_rows(cfg.batch_size, cfg.micro_batches)
