@@ -571,7 +571,8 @@ class PeerDaemon:
         )
 
     def _settled_replicas(self, replicas: list[str], version: int, wait_s: float = 30.0) -> list[str]:
-        """The live replicas to take a stage's state from, those that switched to plan `version` first.
+        """The live replicas to take a stage's state from (none with fewer steps than another), those that switched
+        to plan `version` first.
 
         A holder still on the old plan may apply one more old-plan step after we copied it, and we would start
         one step behind its replicas; once it follows `version` (announced), it applies no step until this peer
@@ -579,11 +580,14 @@ class PeerDaemon:
         most `wait_s`) until one of the others announces `version`; past that, take what there is.
         """
         from swarm.daemon.liveness import status_prober
+        from swarm.daemon.replication import most_advanced
 
         me = self.dht.peer_id
         addresses = {p.peer_id: p.address for p in self.dht.peers()}
         ping = status_prober(self.channels, lambda: addresses)
         live = [h for h in replicas if h == me or ping(h)]
+        # never from a replica with fewer steps than another: it is stale (it sat out steps, or copied stale state)
+        live = most_advanced(live, {h: self._steps_done(addresses[h]) for h in live if h != me and h in addresses}, me)
         others = [h for h in live if h != me]
         deadline = time.monotonic() + wait_s
         while others and time.monotonic() < deadline and not self._stop.is_set():

@@ -144,6 +144,16 @@ def takeover_sources(
     return replicas, held
 
 
+def most_advanced(holders: list[str], steps: dict[str, int | None], me: str) -> list[str]:
+    """`holders` (in their order) without the replicas that applied fewer steps than another holder: their state
+    is stale (they sat out steps, or took a stale copy themselves), and copying it would start the taker behind
+    its replicas, which then diverge (seen under load: a replica one step behind copied a standby's state three
+    steps older than its own). `steps`: each other holder's applied steps (None: not known, kept); `me`, this
+    peer's own host, stays: it is offered only when it is not behind."""
+    best = max((n for h, n in steps.items() if h != me and n is not None), default=None)
+    return [h for h in holders if h == me or best is None or steps.get(h) is None or steps[h] >= best]
+
+
 def served_by_replicas(record: PlanRecord, stage: int, peers: list[PeerAnnouncement], me: str) -> bool:
     """Whether another peer `record` gives `stage` (a replica, of any index) already serves those layers (as
     announced, under any plan): then a peer that joins the stage with no older plan to take it over from

@@ -544,7 +544,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if self.held_state is not None and (held := self.held_state(context)) is not None:
             yield from held
             return
-        hosts = [h for h in (self.host, self.previous) if h is not None]
+        previous = self.previous
+        if previous is not None and self.host is not None and _same_place(previous, self.host):
+            # replaced in place (it fell behind, or only its codecs changed): the current host holds its layers at
+            # least as fresh; serving it as its plan's state handed a taker weights steps older than the stage's
+            previous = None
+        hosts = [h for h in (self.host, previous) if h is not None]
         if not hosts:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
         wanted = [
@@ -640,6 +645,11 @@ def step_order(request: stage_pb2.StepRequest) -> StepOrder:
     """A Step call's request as the host takes it: the same fields, and whether it carries the retired tied sum."""
     carried = {f.name: getattr(request, f.name) for f in fields(StepOrder) if f.name != "tied_grad_sum"}
     return StepOrder(**carried, tied_grad_sum=request.HasField("tied_grad_sum"))
+
+
+def _same_place(a: StageHost, b: StageHost) -> bool:
+    """Whether two hosts serve the same stage index and layer range (one replaced the other in place)."""
+    return (a.role.stage, a.role.layer_start, a.role.layer_end) == (b.role.stage, b.role.layer_start, b.role.layer_end)
 
 
 def state_items(host: StageHost) -> Iterator[stage_pb2.StateItem]:

@@ -64,7 +64,7 @@ def local_swarm(
     from swarm.net.auth import CallSigner, Identity
     from swarm.peers.dht import DHTConfig, Reannouncer, SwarmDHT
     from swarm.peers.records import TrainerAnnouncement
-    from swarm.train.trainer import discover_route
+    from swarm.train.follower import discover_route
 
     with ProcessGroup(out / "logs") as procs:
         address_file = out / "bootstrap.addr"

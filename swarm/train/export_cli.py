@@ -33,6 +33,7 @@ from swarm.options import DHT_FLAGS, MODEL_GROUP, ModelFlags
 if TYPE_CHECKING:
     from swarm.peers.dht import DHTConfig
     from swarm.peers.plan import PlanDocument
+    from swarm.train.trainer import TrainConfig
 
 __all__ = [
     "ExportConfig",
@@ -274,10 +275,11 @@ def save_model(
     return written
 
 
-def held_out_of(train) -> dict[str, Any]:
+def held_out_of(train: TrainConfig) -> dict[str, Any]:
     """`save_model`'s held-out arguments of a `TrainConfig`: its data, training windows and held-out windows
-    (its `eval_samples` when it has them, else the data set's default)."""
-    eval_samples = getattr(train, "eval_samples", 0) or DEFAULT_EVAL_SAMPLES
+    (its `eval_samples`; the data set's default where the run held none out, so that the exported model still
+    names windows that share no text with its training ones)."""
+    eval_samples = train.eval_samples or DEFAULT_EVAL_SAMPLES
     return {"data": train.data, "train_samples": train.train_samples, "eval_samples": eval_samples}
 
 

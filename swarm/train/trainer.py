@@ -31,6 +31,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
 from swarm.runtime.verify import VerifyConfig
+from swarm.train.follower import PlanFollower, discover_route, route_answers
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
 from swarm.train.heldout import HeldOut, held_out_rows
 from swarm.train.journal import Journal, Settled, settle
@@ -39,8 +40,6 @@ from swarm.train.steplog import StepLog, counter_columns, step_columns, step_row
 from swarm.train.summary_text import format_summary, step_time_spread  # noqa: F401  (format_summary re-exported)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from swarm.peers.dht import DHTConfig
     from swarm.peers.routes import PlanRoutes
 
@@ -74,8 +73,6 @@ CSV_FIELDS = [
 _TRAINING = "training"
 CHAIN_WEIGHTS = ("measured", "equal")
 """--chain-weights (the flag keeps its name): the routes' sample shares from measured throughput, or equal and fixed."""
-UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
-"""Codes of a stage that is gone rather than refusing: the trainer waits for a plan without it."""
 
 
 @dataclass(frozen=True)
@@ -253,86 +250,6 @@ def plan_referee(dht, model, plan_version: int):
     return StageReferee(model, [(stage.layer_start, stage.layer_end) for stage in record.document.stages])
 
 
-def discover_route(
-    dht,
-    n_stages: int | None,
-    timeout_s: float,
-    show=print,
-    min_version: int = 0,
-    trainer_id: str | None = None,
-    n_layers: int | None = None,
-    check: Callable[[], None] | None = None,
-) -> PlanRoutes:
-    """Waits until a whole pipeline is served and returns it (`check`, called at every poll, may raise: e.g. a
-    local swarm's peer process died, so no pipeline will come).
-
-    With a plan in the DHT (from the plan authority, valid for `n_layers`), the route is the plan's, once every
-    peer in it announces that it follows that version and the plan names `trainer_id` among its trainers
-    (when given: stages serve only the plan's trainers); without one (peers started with `--assign even`), the
-    first peer announcing each of stages 0..n_stages-1. `min_version` skips plans older than one the trainer
-    already ran into.
-    """
-    from swarm.peers.routes import PlanRoutes
-
-    deadline = time.monotonic() + timeout_s
-    last_line = None
-    while True:
-        peers = dht.peers()
-        record = dht.get_plan(n_layers, peers=peers)
-        if record is not None and trainer_id is not None and not record.document.serves_trainer(trainer_id):
-            line = f"waiting for a plan that names trainer {trainer_id} (plan {record.version} does not)"
-        elif record is not None and record.version >= min_version:
-            found = record.document.route_of(peers, record.version)
-            if found is not None:
-                if n_stages and len(found.addresses) != n_stages:
-                    stages = len(found.addresses)
-                    log.warning("plan %d has %d stages, not --num-stages %d", record.version, stages, n_stages)
-                return found
-            waiting = [p for p in peers if p.plan_version != record.version]
-            line = f"waiting for plan {record.version}: {len(waiting)} peers still switching"
-        elif record is None:
-            wanted = n_stages or 2
-            by_stage = {}
-            for ann in sorted(peers, key=lambda a: a.started_at):
-                if ann.stage is not None and ann.stage < wanted and ann.plan_version == 0:
-                    by_stage.setdefault(ann.stage, ann)
-            missing = [s for s in range(wanted) if s not in by_stage]
-            if not missing:
-                return PlanRoutes(
-                    [by_stage[s].address for s in range(wanted)], [by_stage[s].peer_id for s in range(wanted)]
-                )
-            served = wanted - len(missing)
-            line = f"waiting for stages {missing} ({served}/{wanted} served; {len(peers)} peers, no plan yet)"
-        else:
-            line = f"waiting for a plan newer than {record.version}"
-        if line != last_line:
-            show(line)
-            last_line = line
-        if check is not None:
-            check()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no complete pipeline after {timeout_s:.0f} s ({line})")
-        time.sleep(0.5)  # poll interval of the DHT
-
-
-class PlanWatch:
-    """Tells the trainer, between steps, when the swarm has published a newer plan (checked once a second)."""
-
-    def __init__(self, dht, version: int, every_s: float = 1.0, n_layers: int | None = None):
-        self.dht, self.version, self.every_s, self.n_layers = dht, version, every_s, n_layers
-        self._next = time.monotonic() + every_s
-
-    def newer(self) -> int | None:
-        if time.monotonic() < self._next:
-            return None
-        self._next = time.monotonic() + self.every_s
-        try:
-            record = self.dht.get_plan(self.n_layers)
-        except TimeoutError:
-            return None
-        return record.version if record is not None and record.version > self.version else None
-
-
 def train(
     cfg: TrainConfig,
     route: PlanRoutes,
@@ -359,9 +276,6 @@ def train(
     from swarm.model.data import DataConfig, build_datasets, epoch_batches
     from swarm.net.auth import CallSigner, Identity
     from swarm.net.connect import GrpcConnector
-    from swarm.net.stream import PLAN_MISMATCH, StageCallError
-    from swarm.plots import Panel, moving_average, save_line_plots
-    from swarm.runtime.driver import csv_row
     from swarm.runtime.modelcheck import model_label
 
     metrics = metrics if metrics is not None else Metrics()
@@ -405,53 +319,26 @@ def train(
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
         return driver
 
-    pipe = connect(route)
+    def answers(r: PlanRoutes) -> bool:  # the peers the driver declared dead answer again: a stall, not a death
+        pinger = GrpcConnector(signer=signer, dial=dial)
+        try:
+            return route_answers(pinger, r, dht.peers(), suspects.banned_ids())
+        finally:
+            pinger.close()
+
+    follower = PlanFollower(
+        connect, route, dht, model.n_layers, say, cfg.wait_timeout_s, cfg.replan_timeout_s,
+        answers=answers if dht is not None else None,
+    )  # fmt: skip
     owned = cfg.dht is not None and cfg.dht.run is not None  # the manifest gave the stages and this trainer one length
     schedule = ScheduleWatch(total) if not owned else None
     rows = held_out_rows(cfg.batch_size, cfg.micro_batches)
     held = HeldOut(held_out_set, cfg.eval_every, rows, model.hidden_dim, metrics)
-    watch = PlanWatch(dht, route.plan_version, n_layers=model.n_layers) if dht is not None else None
-    replans = 0
-
-    def follow(min_version: int, timeout_s: float = cfg.wait_timeout_s) -> None:
-        nonlocal pipe, route, replans
-        pipe.close()
-        on_commit = pipe.on_commit
-        route = discover_route(dht, None, timeout_s, say, min_version, trainer_id=dht.peer_id, n_layers=model.n_layers)
-        say(f"plan {route.plan_version}: {route.describe()}")
-        pipe, watch.version = connect(route), route.plan_version
-        pipe.on_commit = on_commit
-        replans += 1
-
-    def replan():
-        """Follows the plan after this one (the stages refused a call as of this one); the new driver."""
-        if watch is None:
-            raise StageCallError(f"plan {route.plan_version} moved on and this trainer follows no DHT")
-        follow(route.plan_version + 1)
-        return pipe
-
-    def run_step(step: int, batch):
-        for attempt in range(4):
-            if watch is not None and (newer := watch.newer()) is not None:
-                follow(newer)
-            try:
-                return pipe.train_step(step, batch), attempt
-            except StageCallError as e:
-                if watch is None or attempt == 3:
-                    raise
-                if PLAN_MISMATCH in str(e):
-                    follow(route.plan_version + 1)  # the step was abandoned everywhere; run it on the new plan
-                elif no_route_left(e, route):
-                    say(f"step {step}{csv_row(step)}: no route of replicas left ({e}); waiting for a newer plan")
-                    follow(route.plan_version + 1, cfg.replan_timeout_s)
-                else:
-                    raise
-        raise AssertionError("unreachable")
 
     run_identity = {"seed": cfg.seed, "batch_size": cfg.batch_size, "train_samples": cfg.train_samples}
     journal = Journal(out, run_identity, steps_per_epoch, durable_every=cfg.checkpoint_every)
     record = (journal.load() or (0, None, None)) if cfg.resume else None  # no journal: the stages may know more
-    settled = settle(pipe, record, say) if record is not None else Settled(0)
+    settled = settle(follower.driver, record, say) if record is not None else Settled(0)
     if cfg.resume:  # the stages' record, settled against the journal, says where: the data order follows it
         at = settled.next_step
         say(f"resuming at step {at} (epoch {at // steps_per_epoch}, batch {at % steps_per_epoch})" if at else
@@ -461,7 +348,7 @@ def train(
         epoch, index = divmod(settled.finished.step, steps_per_epoch)
         batch = next(itertools.islice(epoch_batches(train_set, cfg.batch_size, epoch, cfg.seed), index, None))
         log.add(finished_row(cfg.setting, settled, epoch, batch.sample_ids))
-    pipe.on_commit = journal.commit
+    follower.driver.on_commit = journal.commit
     step = settled.next_step
     ended = False
     try:
@@ -475,41 +362,58 @@ def train(
                     if step >= total or (stop is not None and stop.is_set()):  # stop between steps
                         break
                     journal.begin(step)
-                    r, retries = run_step(step, batch)
+                    r, retries = follower.run_step(step, batch)
                     if schedule is not None:
                         schedule.observe(step, r.lr)
-                    ids = getattr(r, "sample_ids", None) or tuple(int(i) for i in batch.sample_ids)
-                    row = {
-                        "setting": cfg.setting,
-                        **step_row(r, step + 1, epoch),
-                        "fp32_wire_bytes": r.fp32_wire_bytes,
-                        "tied_bytes": r.sync_bytes,
-                        "step_s": r.seconds,
-                        "skipped": int(r.skipped),  # fp16: every stage skipped it
-                        "loss_scale": r.loss_scale,
-                        "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
-                        "plan_version": route.plan_version,
-                        **step_columns(r, ids, route.n_replicas, retries),
-                        **{f"link{k}_bytes": r.traffic.link_bytes.get(k, 0) for k in range(pipe.n_stages - 1)},
-                        **counter_columns(r.counters),
-                    }
-                    held_out = held.run(pipe, step + 1, replan) if held.due(step + 1, total) else None
+                    row = step_record(cfg.setting, r, step, epoch, batch, follower, retries)
+                    due = held.due(step + 1, total)
+                    held_out = held.run(follower.driver, step + 1, follower.replan) if due else None
                     log.add({**row, "held_out_loss": "" if held_out is None else held_out})
                     step += 1
                     wire = log.wire_bytes
                     bar.set_postfix_str(f"loss {r.loss:.3f} | {r.seconds:.2f} s/step | wire {wire / 1e6:.1f} MB")
                     bar.update(1)
                 epoch, skip = epoch + 1, 0
-        held.finish(pipe, step, replan)  # a run stopped between two evaluations: its final weights too
+        # a run stopped between two evaluations: its final weights too
+        held.finish(follower.driver, step, follower.replan)
         ended = True
     finally:
-        pipe.close()
+        follower.close()
         log.close()
         if ended:  # else the journal keeps the step that failed open (or committed): a resume settles it
             journal.close(step)
+    return summarize(cfg.setting, log, held, follower, started, out)
+
+
+def step_record(setting: str, result, step: int, epoch: int, batch, follower: PlanFollower, retries: int) -> dict:
+    """steps.csv's row of `step` (counted from 0) of `epoch`: what the driver's `StepResult` `result` reports, on the
+    plan `follower` ran it on after `retries` re-plans (`held_out_loss` is the caller's)."""
+    ids = getattr(result, "sample_ids", None) or tuple(int(i) for i in batch.sample_ids)
+    return {
+        "setting": setting,
+        **step_row(result, step + 1, epoch),
+        "fp32_wire_bytes": result.fp32_wire_bytes,
+        "tied_bytes": result.sync_bytes,
+        "step_s": result.seconds,
+        "skipped": int(result.skipped),  # fp16: every stage skipped it
+        "loss_scale": result.loss_scale,
+        "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
+        "plan_version": follower.route.plan_version,
+        **step_columns(result, ids, follower.route.n_replicas, retries),
+        **{f"link{k}_bytes": result.traffic.link_bytes.get(k, 0) for k in range(follower.driver.n_stages - 1)},
+        **counter_columns(result.counters),
+    }
+
+
+def summarize(setting: str, log: StepLog, held: HeldOut, follower: PlanFollower, started: float, out: Path):
+    """The run's `TrainSummary` from its step log, its held-out points and the plan it ended on (`started`: the
+    `time.perf_counter()` of its first step), written to `out`/summary.json beside the loss plot (`out`/loss.png)."""
+    from swarm.plots import Panel, moving_average, save_line_plots
+
+    route = follower.route
     losses = list(log.losses)
     panel = Panel("training and held-out loss", "step", "loss")
-    panel.series[cfg.setting] = (list(log.steps), moving_average(losses, 5))
+    panel.series[setting] = (list(log.steps), moving_average(losses, 5))
     if held.points:
         panel.series["held-out"] = ([p.step for p in held.points], [p.loss for p in held.points])
     title = f"swarm train: {len(route.addresses)} stages"
@@ -527,7 +431,7 @@ def train(
         stages=len(route.addresses),
         route=route.addresses,
         plan_version=route.plan_version,
-        replans=replans,
+        replans=follower.replans,
         csv=str(out / "steps.csv"),
         plot=str(plot) if plot else None,
         total_wire_bytes=log.totals["total_wire_bytes"],
@@ -563,15 +467,6 @@ def route_weights(kind: str):
     if kind not in CHAIN_WEIGHTS:
         raise ValueError(f"chain weights: expected one of {CHAIN_WEIGHTS}, got {kind!r}")
     return RouteWeights(tolerance=math.inf) if kind == "equal" else RouteWeights()
-
-
-def no_route_left(error: Exception, route: PlanRoutes) -> bool:
-    """Whether a failed step needs a newer plan: the driver found no live route (`NoLiveRoute`), or, on a
-    plan of one route (a driver without replicas), a stage is unreachable rather than refusing."""
-    if type(error).__name__ == "NoLiveRoute":
-        return True
-    code = getattr(getattr(error, "code", None), "name", "")
-    return route.n_replicas == 1 and code in UNREACHABLE
 
 
 def default_out() -> str:

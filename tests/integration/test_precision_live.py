@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import swarm.train.trainer as trainer_module
+import swarm.train.follower as follower_module
 from swarm.model.gpt import ModelConfig
 from swarm.net.auth import Identity
 from swarm.net.connect import GrpcConnector
@@ -47,13 +47,13 @@ def test_a_plan_that_switches_one_stage_to_bf16_keeps_the_swarm_training(tmp_pat
     planner = Identity.generate()  # the trainer's key, and the one trusted planner
     monkeypatch.setattr(Identity, "generate", classmethod(lambda cls: planner))
     plans: list[dict] = []
-    found = trainer_module.discover_route
+    found = follower_module.discover_route
 
     def publish_then_discover(dht, *args, **kwargs):
         """Plan 1 (fp32 everywhere) once the 3 peers are announced, then the trainer's usual discovery (which,
         like the peers, reads plans only from the trusted planner: this very key). Only local_swarm's call: the
         trainer's own discoveries on a re-plan are the real function's."""
-        monkeypatch.setattr(trainer_module, "discover_route", found)
+        monkeypatch.setattr(follower_module, "discover_route", found)
         dht.config = dataclasses.replace(dht.config, trusted_planners=(planner.peer_id,))
         ids = _until(lambda: sorted(p.peer_id for p in dht.peers()) if len(dht.peers()) == 3 else None,
                      time.monotonic() + 90, "3 peers")  # fmt: skip
@@ -62,7 +62,7 @@ def test_a_plan_that_switches_one_stage_to_bf16_keeps_the_swarm_training(tmp_pat
         dht.publish_plan(1, plans[0])
         return found(dht, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "discover_route", publish_then_discover)
+    monkeypatch.setattr(follower_module, "discover_route", publish_then_discover)
     out = tmp_path / "train"
     flags = ["--assign", "plan", "--trusted-planners", planner.peer_id, "--compute-speed", "40", "--no-link-probe"]
     with local_swarm(tmp_path, 3, flags, timeout_s=90) as swarm:

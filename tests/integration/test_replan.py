@@ -162,7 +162,7 @@ def test_a_plan_from_a_peer_that_is_not_elected_is_ignored_by_peers_and_trainer(
             )  # fmt: skip
             assert trainer.returncode == 0, trainer.stderr[-3000:]
             followed = {p.peer_id: p.plan_version for p in attacker.peers()}
-            forged_seen = attacker.get_plan(3)
+            seen = attacker.get_plan(3)
         # each peer logs the forged plan at its next read of the plans, which may come after the trainer's last step
         ignored = lambda: all("ignoring plan 500" in swarm.procs.tail(n, 400) for n in ("peer0", "peer1"))
         wait_until("both peers' line on the forged plan", ignored, 30, swarm.procs)
@@ -170,7 +170,13 @@ def test_a_plan_from_a_peer_that_is_not_elected_is_ignored_by_peers_and_trainer(
     with open(tmp_path / "train" / "steps.csv") as f:
         versions = {int(r["plan_version"]) for r in csv.DictReader(f)}
     assert versions == {2}, f"the trainer trained on plan(s) {versions}, not the elected planner's plan 2"
-    assert followed == {first: 2, second: 2}, followed
-    assert forged_seen is not None and forged_seen.version == 2, "readers see the elected planner's plan"
+    # the trainer has left by now, and its announcement with it: the elected planner may already have republished
+    # plan 2's stages without it as plan 3 (a loaded machine's trainer takes tens of seconds to exit)
+    assert set(followed) == {first, second} and set(followed.values()) <= {2, 3}, followed
+    assert seen is not None and seen.version in (2, 3), "readers see the elected planner's plan"
+    stages = [stage.peer_ids for stage in seen.document.stages]
+    assert stages == [(first,), (second,)], f"readers see the elected planner's stages, not the forged swap: {stages}"
+    if 3 in {*followed.values(), seen.version}:
+        assert any("published plan 3: plan 2's stages (same)" in text for text in logs.values()), logs
     for name, text in logs.items():
         assert "ignoring plan 500" in text and "plan 500 (was" not in text, (name, text[-2000:])

@@ -100,7 +100,7 @@ def test_waiting_for_a_pipeline_stops_as_soon_as_its_check_raises():
     when the status line changed, so a peer that died at start-up cost the nat experiment 120 s)."""
     from types import SimpleNamespace
 
-    from swarm.train.trainer import discover_route
+    from swarm.train.follower import discover_route
 
     dht = SimpleNamespace(peers=lambda: [], get_plan=lambda n_layers, peers: None)
     polls = []
@@ -118,7 +118,7 @@ def test_waiting_for_a_pipeline_stops_as_soon_as_its_check_raises():
 def test_a_trainer_waits_for_a_plan_that_names_it():
     from types import SimpleNamespace
 
-    from swarm.train.trainer import discover_route
+    from swarm.train.follower import discover_route
 
     stages = [
         {"layer_start": 0, "layer_end": 2, "peer_ids": ["p0"]},

@@ -15,8 +15,9 @@ from swarm.model.gpt import ModelConfig
 from swarm.net.stream import StageCallError
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 from swarm.peers.routes import PlanRoutes
+from swarm.train.follower import no_route_left
 from swarm.train.steplog import step_columns
-from swarm.train.trainer import TrainConfig, no_route_left, train
+from swarm.train.trainer import TrainConfig, train
 
 TINY = ModelConfig(vocab_size=64, seq_len_tokens=8, hidden_dim=32, n_layers=2, n_heads=2)
 

@@ -307,3 +307,15 @@ def test_a_live_export_gives_up_on_other_refusals_at_once(monkeypatch):
     with pytest.raises(ExportError, match="PERMISSION_DENIED"):
         export_cli.weights_from_swarm(FakeDht(), ModelConfig(), signer=None)
     assert calls == [1]
+
+
+def test_held_out_of_a_train_config_names_its_windows_and_the_default_where_it_held_none_out():
+    from swarm.model.heldout import DEFAULT_EVAL_SAMPLES
+    from swarm.train.export_cli import held_out_of
+    from swarm.train.trainer import TrainConfig
+
+    cfg = TrainConfig(data="corpus.txt", train_samples=32, eval_samples=7)
+    assert held_out_of(cfg) == {"data": "corpus.txt", "train_samples": 32, "eval_samples": 7}
+    assert held_out_of(TrainConfig(eval_samples=0))["eval_samples"] == DEFAULT_EVAL_SAMPLES
+    with pytest.raises(AttributeError):  # not a TrainConfig: no silent default for a field every config has
+        held_out_of(SimpleNamespace(data=None, train_samples=32))
