@@ -12,7 +12,10 @@ strike. The rules, on the squared gradient norm a stage's replica reports (`Grad
 - equal (within `replica_rtol`) on every replica of a stage: replicas hold the same reduced gradients;
 - at most `norm_ratio` times the median of that stage's last `norm_history` applied steps' squared norms, once
   `min_history` of them are known, for a lone stage (where two or more replicas report it alike, each from its own
-  reduction, it is a real spike: accepted, and global clipping bounds the update).
+  reduction, it is a real spike: accepted, and global clipping bounds the update). A lone stage's breach up to
+  `spike_max_ratio` x the median is applied as a real spike for `spike_steps` steps in a row (nobody can vouch
+  for it, and a skipped honest spike recurs on every batch until its peer is evicted); beyond that ratio, or
+  from the next step on, each breach is struck and skipped. A breach never joins the median.
 
 The per-block norms (`layer_sq_norms`) must be finite, >= 0 and sum to at most the stage's norm (they are part
 of it); the loss scale a power of two in the scaler's range. A reply that breaks a rule raises `Implausible`
@@ -117,6 +120,15 @@ class SuspectConfig:
     """applied steps whose squared norms make a stage's median"""
     min_history: int = 4
     """applied steps a stage's median needs before the ratio rule applies"""
+    spike_steps: int = 4
+    """steps in a row a lone stage's norm may break the ratio rule and still be applied as a real spike (global
+    clipping bounds the update, which moves the model out of the spike); from the next one on each breach is
+    struck and skipped. A skipped step leaves the weights as they were, so an honest spike skipped recurs on
+    every later batch: striking at once evicted the only peer of an honest demo's stage 0 (a loss spike at step
+    8 of a 3-step warm-up, squared norm 6e4 against a median of 5.8, three steps in a row)"""
+    spike_max_ratio: float = 1e8
+    """the largest ratio to the median a lone stage's breach may have to be applied as a spike (1e8: 1e4 x the
+    norm); above it the breach is struck and skipped at once (a lie of 1e30 never shrinks the honest updates)"""
     max_sq_norm: float = 1e12
     """largest squared norm a stage may report at all (a norm of 1e6)"""
     replica_rtol: float = 1e-3
@@ -133,12 +145,22 @@ class SuspectConfig:
     """largest byte count one call's reply may report on one link"""
 
     def __post_init__(self) -> None:
-        if min(self.strikes, self.window_steps, self.norm_history, self.min_history) < 1:
-            raise ValueError("SuspectConfig: strikes, window_steps, norm_history and min_history must be >= 1")
+        if min(self.strikes, self.window_steps, self.norm_history, self.min_history) < 1 or self.spike_steps < 0:
+            raise ValueError(
+                "SuspectConfig: strikes, window_steps, norm_history and min_history must be >= 1, spike_steps >= 0"
+            )
         if self.max_strikes < self.strikes or self.long_window_steps < self.window_steps:
             raise ValueError("SuspectConfig: need max_strikes >= strikes and long_window_steps >= window_steps")
-        if not (self.norm_ratio > 1 and self.max_sq_norm > 0 and 0 <= self.replica_rtol < 1):
-            raise ValueError("SuspectConfig: need norm_ratio > 1, max_sq_norm > 0, 0 <= replica_rtol < 1")
+        if not (
+            self.norm_ratio > 1
+            and self.spike_max_ratio >= self.norm_ratio
+            and self.max_sq_norm > 0
+            and 0 <= self.replica_rtol < 1
+        ):
+            raise ValueError(
+                "SuspectConfig: need norm_ratio > 1, spike_max_ratio >= norm_ratio, max_sq_norm > 0, "
+                "0 <= replica_rtol < 1"
+            )
 
 
 Where = Callable[[int, int], str]
@@ -165,6 +187,8 @@ class Suspects:
         self.banned: dict[str, str] = {}
         """evicted peer -> why, in eviction order; never shrinks during the run"""
         self._norms: dict[int, deque[float]] = {}
+        self._spikes: dict[int, tuple[int, int]] = {}
+        """per lone stage: (the last step whose norm broke the ratio rule, how many steps in a row did)"""
         self._layout: object = None
         """the plan layout the norm history is for (`layout`); None: none seen yet"""
         self._served: dict[str, tuple[int, int]] = {}
@@ -296,8 +320,29 @@ class Suspects:
                     # every stage's norm), which clipping bounds; striking them evicted honest peers of an honest run
                     log.warning("%s, on which its %d replicas agree: taken as a real spike", msg, len(keys))
                     continue
-                self._raise(step, msg, peers[keys[0]])
+                if values[0] > cfg.spike_max_ratio * median:
+                    self._raise(step, f"{msg} (beyond any spike: {cfg.spike_max_ratio:g} x)", peers[keys[0]])
+                run = self._spike_run(s, step)
+                if run <= cfg.spike_steps:
+                    log.warning(
+                        "%s: taken as a real spike (%d of %d in a row a lone stage may have)", msg, run, cfg.spike_steps
+                    )
+                    continue
+                self._raise(step, f"{msg}, {run} steps in a row", peers[keys[0]])
+            elif median is not None:
+                with self._lock:
+                    self._spikes.pop(s, None)
         return replies
+
+    def _spike_run(self, stage: int, step: int) -> int:
+        """Counts `step` into the stage's run of ratio-rule breaches (a step judged again, as a rerun, counts
+        once) and returns the run's length."""
+        with self._lock:
+            last, run = self._spikes.get(stage, (-1, 0))
+            if step != last:
+                run = run + 1 if step == last + 1 or last < 0 or run == 0 else 1
+                self._spikes[stage] = (step, run)
+            return run
 
     def _stand_in(self, step: int, key, msg: str, replies: dict, lies: Mapping, peers: Mapping, where: Where) -> None:
         """Strikes the replica at `key` for `msg` and puts a plausible sibling's reply in its place in `replies`;
@@ -412,6 +457,8 @@ class Suspects:
                     median = statistics.median(history)
                     if median > 0:
                         self.peak_ratio[s] = max(self.peak_ratio.get(s, 0.0), v / median)
+                        if v > cfg.norm_ratio * median:
+                            continue  # a spike taken as real stays out of the median it was judged against
                 history.append(v)
 
     def _median(self, stage: int) -> float | None:
@@ -431,6 +478,7 @@ class Suspects:
         with self._lock:
             if self._layout is not None and key != self._layout:
                 self._norms.clear()
+                self._spikes.clear()
             self._layout = key
 
     def _odd_replica(self, stage: int, keys: list, values: list[float]) -> tuple[int, int] | None:

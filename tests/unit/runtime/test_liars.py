@@ -205,13 +205,31 @@ def test_replicas_agreeing_on_a_norm_far_above_the_history_are_a_real_spike_a_lo
     spike = _reports({(0, 0): 2e4, (0, 1): 2e4})  # 2e4 x the median, on both replicas
     kept = s.judge_grads(0, spike, {(0, 0): "a", (0, 1): "b"}, _name)
     assert kept == spike and s.strikes("a") == s.strikes("b") == 0  # accepted: clipping bounds the update
-    with pytest.raises(Implausible, match="more than 10000 x the median"):
-        s.judge_grads(1, _reports({(0, 0): 2e4}), {(0, 0): "a"}, _name)  # alone: nobody vouches for it
+    # alone, nobody vouches for it: applied as a real spike for spike_steps steps in a row, then struck
+    spike_steps = s.cfg.spike_steps
+    for step in range(1, 1 + spike_steps):
+        assert s.judge_grads(step, _reports({(0, 0): 2e4}), {(0, 0): "a"}, _name)[(0, 0)].grad_sq_norm == 2e4
+        s.applied({0: 2e4})  # an applied spike stays out of the median it is judged against
+    assert s.strikes("a") == 0
+    with pytest.raises(Implausible, match=f"more than 10000 x the median 1 .*{spike_steps + 1} steps in a row"):
+        s.judge_grads(1 + spike_steps, _reports({(0, 0): 2e4}), {(0, 0): "a"}, _name)
     assert s.strikes("a") == 1
-    stood = _reports({(0, 0): 2e4, (0, 1): math.nan})  # a stand-in is no second opinion
+    stood = _reports({(0, 0): 2e4, (0, 1): math.nan})  # a stand-in is no second opinion: still a lone breach
     with pytest.raises(Implausible, match="more than 10000 x the median"):
-        s.judge_grads(2, stood, {(0, 0): "c", (0, 1): "d"}, _name)
+        s.judge_grads(2 + spike_steps, stood, {(0, 0): "c", (0, 1): "d"}, _name)
     assert s.strikes("c") == 1 and s.strikes("d") == 1
+
+
+def test_a_lone_stages_spike_run_ends_with_one_ordinary_norm_and_a_rerun_counts_once():
+    s = Suspects()
+    for _ in range(4):
+        s.applied({0: 1.0})
+    for step in range(s.cfg.spike_steps):
+        s.judge_grads(step, _reports({(0, 0): 2e4}), {(0, 0): "a"}, _name)
+        s.judge_grads(step, _reports({(0, 0): 2e4}), {(0, 0): "a"}, _name)  # the same step again: one count
+    s.judge_grads(10, _reports({(0, 0): 1.0}), {(0, 0): "a"}, _name)  # the spike is over
+    s.judge_grads(11, _reports({(0, 0): 2e4}), {(0, 0): "a"}, _name)  # a new run starts at 1
+    assert s.strikes("a") == 0
 
 
 def test_implausible_names_nobody_when_two_replicas_disagree_with_no_history():
