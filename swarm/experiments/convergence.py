@@ -244,7 +244,7 @@ class ModelData:
     eval_samples: int = DataConfig.eval_samples
     """held-out samples"""
     data: str | None = None
-    """a text file or folder of them (none: the Python stdlib's docstrings)"""
+    """a text file or folder of them (none: the Python standard library's sources)"""
     lr: float = OptimConfig.lr_peak
     """peak learning rate, warm-up then cosine"""
     seed: int = 0
