@@ -126,8 +126,8 @@ class DataReport:
     """Hex SHA-256 of the corpus: for the default one, every file's path and bytes (`StdlibCorpus.digest`), so
     two machines whose Pythons differ can tell; for a `path`, the bytes read."""
     windows_digest: str = ""
-    """Hex SHA-256 of the token ids of every training, then every held-out window: equal if and only if two runs
-    trained and evaluated on the same samples."""
+    """Hex SHA-256 of the token ids of every training, then every held-out window: equal where two runs trained and
+    evaluated on the same samples."""
 
     def describe(self) -> str:
         return (
@@ -222,8 +222,8 @@ def _tokens(text: bytes, tokenizer: str | None) -> torch.Tensor:
 
 
 HELD_OUT_FIRST_ID = 1 << 40
-"""Id of the default corpus's first held-out window (the next ones follow it): apart from every training window's
-id, and the same whatever a run's training sample count is."""
+"""Id of the default corpus's first held-out window; a held-out window's id is this plus its window's position in the
+held-out text: apart from every training window's id, and the same whatever a run's training sample count is."""
 
 
 def build_datasets(cfg: DataConfig) -> tuple[SampleSet, SampleSet, DataReport]:
