@@ -11,7 +11,7 @@ from pathlib import Path
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig, codec_labels
 from swarm.flags import Flag, Flags, flag
 from swarm.model.gpt import ModelConfig
-from swarm.model.spec import BUILTIN, AnyModelConfig, resolve_model
+from swarm.model.spec import BUILTIN, BUILTIN_PRESETS, AnyModelConfig, builtin_preset, resolve_model
 from swarm.peers.shaper import LinkShape, parse_rate_mbit
 from swarm.runtime.schedules import SCHEDULES
 
@@ -25,9 +25,9 @@ class ModelFlags:
     """The flags that name a model (`build`: the model config they name; `of`: the flags of a built-in one)."""
 
     model: str = field(default=BUILTIN, metadata=flag(metavar="NAME|DIR"))
-    """the model: 'gpt' (the built-in byte-level GPT, shaped by --layers/--hidden/--heads), a preset (gpt2-tiny,
-    llama-tiny, gpt2-small, llama-100m) or a local Hugging Face directory with config.json (nothing is
-    downloaded)"""
+    """the model: 'gpt' (the built-in byte-level GPT, shaped by --layers/--hidden/--heads), 'gpt-mid' (the built-in at
+    hidden 256, 4 layers, 8 heads: 3.2M parameters; it sets those three flags), a preset (gpt2-tiny, llama-tiny,
+    gpt2-small, llama-100m) or a local Hugging Face directory with config.json (nothing is downloaded)"""
     weights: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """a local Hugging Face checkpoint (safetensors, sharded with an index or not): each stage loads only its own
     layers (none: a directory --model's own weights, else the seeded init)"""
@@ -82,10 +82,10 @@ def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConf
     for option, value in (("--weights", weights), ("--tokenizer", tokenizer)):
         if value is not None and not Path(value).exists():
             raise SystemExit(f"{option} {value}: no such file or directory")
-    if name == BUILTIN:
+    if name == BUILTIN or name in BUILTIN_PRESETS:
         if weights is not None or tokenizer is not None:
             raise SystemExit("--weights and --tokenizer need a Hugging Face model (--model PRESET or a directory)")
-        return builtin
+        return builtin if name == BUILTIN else builtin_preset(name, builtin)
     try:
         cfg = resolve_model(name, seq_len_tokens=builtin.seq_len_tokens, init_seed=builtin.init_seed, weights=weights)
     except (ValueError, KeyError, OSError) as e:

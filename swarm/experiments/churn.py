@@ -86,7 +86,7 @@ class ChurnConfig:
     """optimizer steps per setting (both settings train the same number); 400 took 135 s without churn on main
     (3 stages, one route, 2 cores), leaving room for replicas' averaging and the recoveries in 15 minutes"""
     train_samples: int = field(default=64, metadata=flag(skip=True))
-    """Training samples of the embedded data set (Python's own docstrings)."""
+    """Training samples of the embedded data set (the Python standard library's sources)."""
     batch_size: int = field(default=8, metadata=flag(skip=True))
     """Samples per step."""
     micro_batches: int = field(default=4, metadata=flag(skip=True))

@@ -11,6 +11,11 @@ the epochs after the first ("steady"). The `@wN` variant of a setting first trai
 warm-up of the AQ-SGD paper, at the price of those epochs' full-size traffic.
 
 Held-out loss is measured through the stages' exact forward (no codecs), so it judges the trained weights.
+
+Every row states its regime, counted from the batches the run trained on: `single-pass` when no training sample
+was seen twice (`--epochs 1`: pretraining, where every sample is a first sight), else `multi-epoch`; and
+`is_default`, true for the setting that runs the swarm's default codecs (`DEFAULT_FORWARD_CODEC` /
+`DEFAULT_BACKWARD_CODEC`, what swarm-peer and `swarm demo` use).
 """
 
 from __future__ import annotations
@@ -21,17 +26,19 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from swarm.compression import CodecConfig, codec_labels
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig, codec_labels
 from swarm.experiments.hetero import apply_stage_precisions
 from swarm.experiments.tied import apply_tied, split_tied
 from swarm.flags import Flags, flag
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
+from swarm.model.spec import parameter_count
 from swarm.options import MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags, chosen_model
 from swarm.peers.plan import PlanDocument
 from swarm.plots import Panel, moving_average, save_line_plots
@@ -49,7 +56,15 @@ __all__ = [
     "run",
     "run_experiment",
     "DEFAULT_SETTINGS",
+    "SINGLE_PASS",
+    "MULTI_EPOCH",
+    "is_default_setting",
 ]
+
+SINGLE_PASS = "single-pass"
+"""The regime of a run in which no training sample was seen twice."""
+MULTI_EPOCH = "multi-epoch"
+"""The regime of a run in which some training sample came back (AQ-SGD's deltas apply)."""
 
 DEFAULT_SETTINGS = (
     "fp32/fp32",
@@ -229,7 +244,7 @@ class ModelData:
     eval_samples: int = DataConfig.eval_samples
     """held-out samples"""
     data: str | None = None
-    """a text file or folder of them (none: the Python stdlib's docstrings)"""
+    """a text file or folder of them (none: the Python standard library's sources)"""
     lr: float = OptimConfig.lr_peak
     """peak learning rate, warm-up then cosine"""
     seed: int = 0
@@ -262,6 +277,8 @@ class SettingResult:
     steps: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    max_sample_visits: int = 0
+    """The most times one training sample was trained on (1: a single pass)."""
 
 
 def _run_setting(
@@ -282,12 +299,14 @@ def _run_setting(
     apply_tied(pipe, setting.tied_bits, setting.tied_codec, cfg.zstd_level)  # `@tN`, `@lrN`: this run's hosts
     apply_stage_precisions(pipe, setting.stage_precisions)  # per-peer precision (`~bf16:S`), before step 1
     eval_batch = cfg.batch_size * 2
+    visits: Counter[int] = Counter()
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
     for epoch in range(cfg.epochs):
         if epoch and epoch == setting.warmup_epochs:
             pipe.set_codecs(*codecs(epoch))  # fresh links: AQ-SGD buffers start empty
         for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
             r = pipe.train_step(batch, cfg.n_micro)
+            visits.update(batch.sample_ids.tolist())
             step += 1
             result.steps.append(step_row(r, step, epoch))  # the row `swarm train` records too
             progress.set_postfix_str(f"{setting.name} epoch {epoch + 1} loss {r.loss:.3f}")
@@ -295,7 +314,34 @@ def _run_setting(
         result.evals.append({"epoch": epoch + 1, "step": step, "eval_loss": pipe.evaluate(evals, eval_batch)})
     pipe.close()
     result.seconds = time.perf_counter() - start
+    result.max_sample_visits = max(visits.values(), default=0)
     return result
+
+
+def is_default_setting(setting: Setting, forward_defaults: dict, backward_defaults: dict) -> bool:
+    """Whether `setting` runs the swarm's default codecs (`DEFAULT_FORWARD_CODEC`/`DEFAULT_BACKWARD_CODEC`, parsed
+    with the experiment's codec flags) on every boundary from the first step, with nothing else changed (no
+    warm-up, per-link choice, tied-sum option or per-peer precision)."""
+    default = Setting.parse(f"{DEFAULT_FORWARD_CODEC}/{DEFAULT_BACKWARD_CODEC}", forward_defaults, backward_defaults)
+    return (
+        (setting.forward, setting.backward) == (default.forward, default.backward)
+        and setting.warmup_epochs == 0
+        and setting.plan is None
+        and not setting.stage_precisions
+        and setting.tied_bits is None
+        and setting.tied_codec is None
+    )
+
+
+def _regime_fields(res: SettingResult, cfg: ExperimentConfig, report) -> dict:
+    """A row's regime, default flag, model size and corpus digest (beside `_summarize`'s figures)."""
+    return {
+        "regime": SINGLE_PASS if res.max_sample_visits <= 1 else MULTI_EPOCH,
+        "max_sample_visits": res.max_sample_visits,
+        "is_default": is_default_setting(res.setting, *_codec_defaults(cfg)),
+        "model_parameters": parameter_count(cfg.model),
+        "corpus_digest": report.corpus_digest,
+    }
 
 
 def _parse_setting(text: str, forward_defaults: dict, backward_defaults: dict, cfg: ExperimentConfig) -> Setting:
@@ -403,12 +449,12 @@ def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True)
     with tqdm(total=steps_per_epoch * cfg.epochs * len(settings), desc="convergence", disable=not show_progress) as bar:
         for setting in settings:
             results.append(_run_setting(setting, cfg, train, evals, bar))
-    rows = [_summarize(r, results[0], cfg.epochs) for r in results]
-    _write_outputs(cfg, results, rows, out, report.describe())
+    rows = [_summarize(r, results[0], cfg.epochs) | _regime_fields(r, cfg, report) for r in results]
+    _write_outputs(cfg, results, rows, out, report)
     return rows
 
 
-def _write_outputs(cfg: ExperimentConfig, results: list[SettingResult], rows: list[dict], out: Path, data: str):
+def _write_outputs(cfg: ExperimentConfig, results: list[SettingResult], rows: list[dict], out: Path, report):
     with open(out / "losses.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, ["setting", *results[0].steps[0].keys()])
         writer.writeheader()
@@ -439,10 +485,17 @@ def _write_outputs(cfg: ExperimentConfig, results: list[SettingResult], rows: li
             total_panel.series[name] = (xs, _cumulative_mb(r.steps, "total_wire_bytes"))
     panels = [train_panel, eval_panel, gap_panel, norm_panel, bytes_panel]
     panels += [total_panel] if total_panel.series else []
-    title = f"{cfg.n_stages} stages, {cfg.epochs} epochs, hidden {cfg.model.hidden_dim}, {cfg.model.n_layers} layers"
+    title = (
+        f"{rows[0]['regime']}: {cfg.n_stages} stages, {cfg.epochs} epochs, hidden {cfg.model.hidden_dim}, "
+        f"{cfg.model.n_layers} layers"
+    )
     save_line_plots(panels, out / "loss.png", title)
     (out / "results.json").write_text(
-        json.dumps({"config": _jsonable(asdict(cfg)), "data": data, "rows": rows}, indent=2) + "\n"
+        json.dumps(
+            {"config": _jsonable(asdict(cfg)), "data": report.describe(), "data_report": asdict(report), "rows": rows},
+            indent=2,
+        )
+        + "\n"
     )
     (out / "results.md").write_text(format_table(rows) + "\n")
 
@@ -463,8 +516,21 @@ def _jsonable(obj):
     return obj
 
 
+def _header(rows: list[dict]) -> str:
+    """The table's first line: the run's regime, its model and which row is the default setting."""
+    if not rows or "regime" not in rows[0]:
+        return ""
+    visits = max(r["max_sample_visits"] for r in rows)
+    seen = "no training sample seen twice" if visits <= 1 else f"a training sample seen up to {visits} times"
+    return (
+        f"regime: **{rows[0]['regime']}** ({seen}); model: {rows[0]['model_parameters']:,} parameters; "
+        "(default): the swarm's default codecs\n\n"
+    )
+
+
 def format_table(rows: list[dict]) -> str:
-    """The results as a Markdown table: boundary bytes, then every byte of the run (issue 13's totals)."""
+    """The results as a Markdown table: boundary bytes, then every byte of the run (issue 13's totals), under a line
+    stating the run's regime."""
     cols = [
         ("setting", "setting", "{}"),
         ("final_train_loss", "train loss", "{:.4f}"),
@@ -484,8 +550,10 @@ def format_table(rows: list[dict]) -> str:
         for key, _, fmt in cols:
             value = row[key] / 1e6 if key.endswith("wire_bytes") else row[key]
             cells.append(fmt.format(value))
+        if row.get("is_default"):
+            cells[0] += " (default)"
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return _header(rows) + "\n".join(lines)
 
 
 def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:

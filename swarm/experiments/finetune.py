@@ -1,7 +1,7 @@
 """`swarm experiment finetune`: a Hugging Face model fine-tuned from a local checkpoint over a local swarm.
 
 End to end, nothing downloaded: train a byte-level BPE tokenizer on the local corpus (the Python standard
-library's docstrings, or `--data`), write the model (`--model`, default `llama-100m`) as a local sharded
+library's sources, or `--data`), write the model (`--model`, default `llama-100m`) as a local sharded
 safetensors checkpoint with that tokenizer beside it, start a bootstrap node and `--peers` swarm-peer processes
 each given only `--model CHECKPOINT_DIR` (each stage reads its own layers' tensors from the shards), and train
 `--steps` steps with the swarm's default codecs (AQ-SGD activations, gradq gradients) on tokenized windows.
@@ -60,7 +60,7 @@ class FinetuneConfig:
     vocab: int | None = field(default=None, metadata=flag(skip=True))
     """Tokenizer vocabulary (None: the model's)."""
     data: str | None = None
-    """a text file or folder (none: the Python stdlib's docstrings)"""
+    """a text file or folder (none: the Python standard library's sources)"""
     fw_codec: str = DEFAULT_FORWARD_CODEC
     """activation codec"""
     bw_codec: str = DEFAULT_BACKWARD_CODEC

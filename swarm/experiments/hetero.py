@@ -152,7 +152,7 @@ _MODEL_FLAGS = Flag(
 )
 _DATA_FLAGS = Flag(
     only=("path",), fields={"path": Flag(name="--data", help="a text file or folder of them (none: the Python "
-                                                               "stdlib's docstrings)")}
+                                                               "standard library's sources)")}
 )  # fmt: skip
 
 

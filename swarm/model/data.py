@@ -4,14 +4,13 @@ AQ-SGD keys its message buffers by sample id and only pays off when the same sam
 sample here is a fixed window of the corpus whose id is its position: the same id always means the same
 tokens, in every epoch and in every process that builds the data set from the same corpus.
 
-The default corpus is real English prose that every CPython install carries: the docstrings of the
-standard library's own source files (found through `sysconfig`), falling back to the license text and
+The default corpus is the Python standard library's own sources (`swarm.model.corpus`), about 12 MB that every
+CPython install carries, split by file into training and held-out text; it falls back to the license text and
 then to the docstrings of built-in modules when the sources are not installed. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import sys
 import sysconfig
@@ -21,11 +20,14 @@ from pathlib import Path
 
 import torch
 
+from swarm.model.corpus import MIN_CHECKED_BYTES, StdlibCorpus, read_stdlib_corpus
+
 __all__ = [
     "DataConfig",
     "Batch",
     "SampleSet",
     "DataReport",
+    "HELD_OUT_FIRST_ID",
     "load_corpus",
     "build_datasets",
     "epoch_batches",
@@ -37,15 +39,17 @@ class DataConfig:
     """Where the text comes from and how it is cut into samples."""
 
     path: str | None = None
-    """A text file or a folder of them (read recursively, sorted); None = the Python stdlib's docstrings."""
+    """A text file or a folder of them (read recursively, sorted); None = the Python standard library's sources
+    (`swarm.model.corpus`)."""
     seq_len_tokens: int = 128
     """Tokens a sample feeds the model (each window holds one more, for the shifted targets)."""
     train_samples: int | None = 384
     """Cap on training samples (None = every window of the corpus not held out)."""
     eval_samples: int = 48
-    """Held-out samples, taken from the end of the corpus so they share no text with training."""
-    max_corpus_bytes: int = 8_000_000
-    """Stop reading the corpus after this many bytes (the stdlib's docstrings alone are tens of MB)."""
+    """Held-out samples, sharing no text with training: the first windows of the default corpus's held-out files
+    (the same whatever `train_samples` is), or the windows after the training ones in a `path` text."""
+    max_corpus_bytes: int = 64_000_000
+    """Read at most this many bytes of a `path` text, or of the default corpus's training text (about 11 MB)."""
     tokenizer: str | None = None
     """A local tokenizer.json (`swarm.model.hf.load_tokenizer`): samples are windows of its token ids; None =
     bytes (token id = byte value), as the built-in model reads."""
@@ -111,17 +115,25 @@ class DataReport:
     """What the loader built, for the log and the experiment's JSON."""
 
     source: str
+    """Where the text came from (for the default corpus: the Python version and its file counts)."""
     corpus_bytes: int
+    """Bytes of text read."""
     train_samples: int
     train_tokens: int
     eval_samples: int
     eval_tokens: int
+    corpus_digest: str = ""
+    """Hex SHA-256 of the corpus: for the default one, every file's path and bytes (`StdlibCorpus.digest`), so
+    two machines whose Pythons differ can tell; for a `path`, the bytes read."""
+    windows_digest: str = ""
+    """Hex SHA-256 of the token ids of every training, then every held-out window: equal where two runs trained and
+    evaluated on the same samples."""
 
     def describe(self) -> str:
         return (
             f"data: {self.train_samples} training samples ({self.train_tokens:,} tokens) and "
             f"{self.eval_samples} held-out ({self.eval_tokens:,} tokens) from {self.source} "
-            f"({self.corpus_bytes:,} bytes)"
+            f"({self.corpus_bytes:,} bytes, sha256 {self.corpus_digest[:12]}, windows {self.windows_digest[:12]})"
         )
 
 
@@ -142,30 +154,10 @@ def _read_path(path: Path, max_bytes: int) -> bytes:
     return b"\n\n".join(parts)[:max_bytes]
 
 
-def _stdlib_docstrings(max_bytes: int, per_file_bytes: int = 4096) -> bytes:
-    # Files in a fixed pseudo-random order, each contributing a few KB, so that a small corpus still
-    # spans many modules instead of being all of the alphabetically first one.
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [*stdlib.glob("*.py"), *stdlib.glob("*/*.py")]
-    files = [f for f in files if f.parent == stdlib or not f.parent.name.startswith(("test", "idle"))]
-    files.sort(key=lambda f: hashlib.sha256(f.relative_to(stdlib).as_posix().encode()).digest())
-    parts, total = [], 0
-    for file in files:
-        try:
-            tree = ast.parse(file.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        taken = 0
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= 40 and taken < per_file_bytes:
-                    parts.append(doc.encode())
-                    taken += len(parts[-1]) + 2
-        total += taken
-        if total >= max_bytes:
-            break
-    return b"\n\n".join(parts)[:max_bytes]
+def _stdlib_sources(max_bytes: int) -> bytes:
+    """The default corpus's training text (`swarm.model.corpus`), or nothing without the library's sources."""
+    corpus = read_stdlib_corpus()
+    return b"" if corpus is None else corpus.train[:max_bytes]
 
 
 def _license_text(max_bytes: int) -> bytes:
@@ -192,15 +184,15 @@ def load_corpus(path: str | None, max_bytes: int, min_bytes: int = 0) -> tuple[b
 
     Args:
         path: a text file or folder of them; None picks the first default source with at least
-            `min_bytes`: stdlib docstrings, then the license text, then built-in docstrings (which
-            exist even without the library's sources, unless Python runs with -OO).
+            `min_bytes`: the training files of the standard library's sources, then the license text, then
+            built-in docstrings (which exist even without the library's sources, unless Python runs with -OO).
         max_bytes: read at most this many bytes.
         min_bytes: the size a default source must reach to be chosen.
     """
     if path is not None:
         return _read_path(Path(path), max_bytes), str(path)
     sources = [
-        ("docstrings of the Python standard library", _stdlib_docstrings),
+        ("the Python standard library's sources (training files)", _stdlib_sources),
         ("the Python license text", _license_text),
         ("docstrings of Python's built-in objects", _builtin_docstrings),
     ]
@@ -229,12 +221,83 @@ def _tokens(text: bytes, tokenizer: str | None) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+HELD_OUT_FIRST_ID = 1 << 40
+"""Id of the default corpus's first held-out window; a held-out window's id is this plus its window's position in the
+held-out text: apart from every training window's id, and the same whatever a run's training sample count is."""
+
+
 def build_datasets(cfg: DataConfig) -> tuple[SampleSet, SampleSet, DataReport]:
-    """Cut the corpus into windows of `seq_len_tokens + 1` tokens (bytes, or `cfg.tokenizer`'s ids): training
-    first, held-out from the end. A sample's id is its window's index, the same in every process.
+    """Cut the corpus into windows of `seq_len_tokens + 1` tokens (bytes, or `cfg.tokenizer`'s ids).
+
+    The default corpus (`cfg.path` None) is split by file (`swarm.model.corpus`): training windows are cut from
+    the training files' text, ids 0, 1, ... in order; held-out windows from the held-out files' text, id
+    `HELD_OUT_FIRST_ID` + the window's position there, so they do not move with `train_samples`. Held-out byte
+    windows of 127 bytes or more that occur verbatim in the training text (the library copies some code between
+    files) are skipped. A `cfg.path` text (or a fallback
+    source, when the library's sources are missing) is one text: training windows first, held-out from the end
+    of what was read; a sample's id is its window's index. Either way ids are the same in every process.
 
     Raises ValueError when the corpus does not hold one training and the held-out windows.
     """
+    corpus = read_stdlib_corpus() if cfg.path is None else None
+    if corpus is None:
+        return _one_text_datasets(cfg)
+    window = cfg.seq_len_tokens + 1
+    per_token = 1 if cfg.tokenizer is None else BYTES_PER_TOKEN_READ
+    train_text = corpus.train[: cfg.max_corpus_bytes]
+    if cfg.train_samples is not None:
+        train_text = train_text[: cfg.train_samples * window * per_token]
+    train_windows = _windows(_tokens(train_text, cfg.tokenizer), window, cfg.train_samples)
+    if cfg.tokenizer is None and window >= MIN_CHECKED_BYTES:
+        held_ids, held_text = _unseen_windows(corpus, window, cfg.eval_samples)
+        held_windows = _windows(_tokens(held_text, None), window, None)
+    else:  # token windows, and byte runs too short to check: the first ones
+        held_text = corpus.held_out[: cfg.eval_samples * window * per_token]
+        held_windows = _windows(_tokens(held_text, cfg.tokenizer), window, cfg.eval_samples)
+        held_ids = torch.arange(len(held_windows), dtype=torch.int64)
+    if len(train_windows) < 1 or len(held_windows) < cfg.eval_samples:
+        raise ValueError(
+            f"{corpus.source} holds {len(train_windows)} training and {len(held_windows)} held-out windows of "
+            f"{window} tokens: too few for {cfg.eval_samples} held-out samples and one training sample; pass "
+            "--data with a larger text"
+        )
+    train = SampleSet(torch.arange(len(train_windows), dtype=torch.int64), train_windows)
+    evals = SampleSet(HELD_OUT_FIRST_ID + held_ids, held_windows)
+    return train, evals, _report(corpus.source, len(train_text) + len(held_text), corpus.digest, train, evals)
+
+
+def _unseen_windows(corpus: StdlibCorpus, window: int, count: int) -> tuple[torch.Tensor, bytes]:
+    """The first `count` windows of the held-out text whose bytes do not occur in the training text: their
+    positions (int64) and their bytes, joined."""
+    positions, parts = [], []
+    for i in range(len(corpus.held_out) // window):
+        if len(positions) == count:
+            break
+        chunk = corpus.held_out[i * window : (i + 1) * window]
+        if not corpus.in_training(chunk):
+            positions.append(i)
+            parts.append(chunk)
+    return torch.tensor(positions, dtype=torch.int64), b"".join(parts)
+
+
+def _windows(tokens: torch.Tensor, window: int, limit: int | None) -> torch.Tensor:
+    """The first `limit` (None: all) whole windows of `tokens`, [N, window]."""
+    n = len(tokens) // window if limit is None else min(len(tokens) // window, limit)
+    return tokens[: n * window].view(n, window)
+
+
+def _report(source: str, corpus_bytes: int, corpus_digest: str, train: SampleSet, evals: SampleSet) -> DataReport:
+    windows = hashlib.sha256()
+    for part in (train.windows, evals.windows):
+        windows.update(part.contiguous().numpy().tobytes())
+    return DataReport(
+        source, corpus_bytes, len(train), train.n_tokens, len(evals), evals.n_tokens, corpus_digest,
+        windows.hexdigest(),
+    )  # fmt: skip
+
+
+def _one_text_datasets(cfg: DataConfig) -> tuple[SampleSet, SampleSet, DataReport]:
+    """`build_datasets` of one text: training windows first, held-out from the end of what was read."""
     window = cfg.seq_len_tokens + 1
     wanted = ((cfg.train_samples or 0) + cfg.eval_samples) * window
     per_token = 1 if cfg.tokenizer is None else BYTES_PER_TOKEN_READ
@@ -248,8 +311,7 @@ def build_datasets(cfg: DataConfig) -> tuple[SampleSet, SampleSet, DataReport]:
             f"{source} holds {len(tokens)} {unit}: too few for {cfg.eval_samples} held-out samples and one "
             f"training sample of {window} {unit}; pass --data with a larger text"
         )
-    data = tokens[: n_windows * window]
-    windows = data.view(n_windows, window)
+    windows = _windows(tokens, window, None)
     n_train = n_windows - cfg.eval_samples
     if cfg.train_samples is not None:
         n_train = min(n_train, cfg.train_samples)
@@ -257,8 +319,7 @@ def build_datasets(cfg: DataConfig) -> tuple[SampleSet, SampleSet, DataReport]:
     train = SampleSet(ids[:n_train], windows[:n_train])
     held = slice(n_windows - cfg.eval_samples, n_windows)
     evals = SampleSet(ids[held], windows[held])
-    report = DataReport(source, len(text), len(train), train.n_tokens, len(evals), evals.n_tokens)
-    return train, evals, report
+    return train, evals, _report(source, len(text), hashlib.sha256(text).hexdigest(), train, evals)
 
 
 def epoch_batches(data: SampleSet, batch_size: int, epoch: int, seed: int) -> Iterator[Batch]:

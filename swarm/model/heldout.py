@@ -1,9 +1,9 @@
 """The held-out loss: the windows a run holds out of training and a model's mean next-token loss on them.
 
 One definition for every place that reports it (`swarm eval`, the export's check, the trainer), so the numbers
-compare: the windows are `build_datasets`' held-out slice for the run's data, sequence length, training and
-held-out sample counts and tokenizer (the corpus read depends on all of them), and the loss is the mean
-cross-entropy over every target token, accumulated in float64.
+compare: the windows are `build_datasets`' held-out slice for the run's data, sequence length, held-out sample
+count and tokenizer (and, for a `--data` text, its training sample count: its held-out windows follow what was
+read), and the loss is the mean cross-entropy over every target token, accumulated in float64.
 """
 
 from __future__ import annotations

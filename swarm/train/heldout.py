@@ -1,12 +1,12 @@
 """The trainer's held-out evaluation: which windows, when, and where each result goes.
 
 The held-out windows are the ones `swarm demo` and the convergence experiment hold out: `DataConfig.eval_samples`
-windows cut from the corpus right after the training ones (`swarm.model.data.build_datasets`), so they share no
-text with training and their ids follow the training ones. Every `--eval-every` steps and after the last, the
-trainer runs them forward through one live route (`PipelineDriver.evaluate`, `swarm.runtime.heldout`) and
-records the mean loss in the step's steps.csv row (`held_out_loss`), the `swarm_held_out_loss` gauge, the loss
-plot and the summary. An evaluation that fails (a peer died, the plan moved on) is logged and skipped: training
-goes on.
+windows of text held out of training (`swarm.model.data.build_datasets`: the default corpus's held-out files,
+whatever `--train-samples` is, or a `--data` text's windows after the training ones). Every `--eval-every` steps
+and after the last, the trainer runs them forward through one live route (`PipelineDriver.evaluate`,
+`swarm.runtime.heldout`) and records the mean loss in the step's steps.csv row (`held_out_loss`), the
+`swarm_held_out_loss` gauge, the loss plot and the summary. An evaluation that fails (a peer died, the plan moved
+on) is logged and skipped: training goes on.
 """
 
 from __future__ import annotations

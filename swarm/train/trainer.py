@@ -121,6 +121,11 @@ class TrainSummary:
     """the first held-out window's sample id (they run on from it): which windows of the corpus were held out"""
     held_out_bytes: int = 0
     """bytes of the evaluations' calls, outside `total_wire_bytes`"""
+    corpus_digest: str = ""
+    """SHA-256 of the corpus (`DataReport.corpus_digest`): equal where two machines read the same text"""
+    windows_digest: str = ""
+    """SHA-256 of the training and held-out windows (`DataReport.windows_digest`): equal where two runs trained and
+    evaluated on the same samples"""
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ class TrainConfig:
     num_stages: int | None = field(default=None, metadata=flag(group=_TRAINING))
     """stages to wait for when the peers follow no plan (--assign even; none: 2); with a plan, its stages"""
     data: str | None = field(default=None, metadata=flag(group=_TRAINING))
-    """a text file or folder to train on (none: Python's own docstrings)"""
+    """a text file or folder to train on (none: the Python standard library's sources)"""
     train_samples: int = field(default=64, metadata=flag(group=_TRAINING))
     """training samples (each seen once per epoch)"""
     batch_size: int = field(default=8, metadata=flag(group=_TRAINING))
@@ -441,6 +446,8 @@ def summarize(setting: str, log: StepLog, held: HeldOut, follower: PlanFollower,
         relay_extra_s=getattr(route, "relay_extra_s", None),
         **held.summary(),
         **step_time_spread(times[1:] or times),
+        corpus_digest=report.corpus_digest,
+        windows_digest=report.windows_digest,
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -54,6 +55,13 @@ def test_quick_run_writes_csv_plot_and_json(tmp_path, capsys):
     assert all(totals <= set(r) for r in rows)
     assert json.loads((out / "results.json").read_text())["rows"] == rows
     assert "acsgd2+ch/gradq2+ef+rot+nr+cs" in (out / "results.md").read_text()
+    # three epochs over the same samples: every row says so, and the default codecs' row says it is the default
+    assert all(r["regime"] == "multi-epoch" and r["max_sample_visits"] == 3 for r in rows)
+    assert [r["is_default"] for r in rows] == [False, False, True]
+    table = (out / "results.md").read_text()
+    assert table.startswith("regime: **multi-epoch**") and "| acsgd2+ch/gradq2+ef+rot+nr+cs (default) |" in table
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["data_report"]["corpus_digest"] == rows[0]["corpus_digest"] and len(rows[0]["corpus_digest"]) == 64
 
 
 def _fake(name: str, per_step: list[tuple[int, int, int, int]], epochs: int, eval_loss: float) -> SettingResult:
@@ -164,3 +172,37 @@ def test_a_gsign_backwards_tied_sum_is_gradq_at_the_tied_floor():
             assert tied.scale_dtype == "auto" and tied.group_size == 64
     finally:
         pipe.close()
+
+
+def test_default_flag_is_the_swarms_default_codecs_and_nothing_else():
+    from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
+    from swarm.experiments.convergence import ExperimentConfig, _codec_defaults, is_default_setting
+
+    cfg = ExperimentConfig()
+
+    def default(text: str, config: ExperimentConfig = cfg) -> bool:
+        return is_default_setting(Setting.parse(text, *_codec_defaults(config)), *_codec_defaults(config))
+
+    assert default(f"{DEFAULT_FORWARD_CODEC}/{DEFAULT_BACKWARD_CODEC}")
+    assert default(convergence.DEFAULT_TARGET_SETTING)  # the same codecs under the experiment's flags
+    for other in ("fp32/fp32", "acsgd2/gradq2+ef+rot+nr+cs", "acsgd2+ch/gradq4+ef+rot+nr+cs",
+                  "acsgd2+ch/gradq2+ef+rot+nr+cs@w1", "acsgd2+ch/gradq2+ef+rot+nr+cs@t3",
+                  "acsgd2+ch/gradq2+ef+rot+nr+cs@lr4", "acsgd2+ch/gradq2+ef+rot+nr+cs+g256"):  # fmt: skip
+        assert not default(other), other
+    # another gradient group on the command line: the swarm's default codecs no longer run
+    assert not default(convergence.DEFAULT_TARGET_SETTING, replace(cfg, backward_group_size=256))
+
+
+def test_one_epoch_is_a_single_pass_and_two_are_not(tmp_path):
+    from swarm.experiments.convergence import ExperimentConfig, run_experiment
+    from swarm.model.data import DataConfig
+    from swarm.model.gpt import ModelConfig
+
+    tiny = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
+    data = DataConfig(seq_len_tokens=16, train_samples=20, eval_samples=4)  # 2 batches of 8, 4 samples left out
+    cfg = ExperimentConfig(model=tiny, data=data, settings=("fp32/fp32",), batch_size=8, n_micro=2, epochs=1)
+    (row,) = run_experiment(cfg, tmp_path / "one", show_progress=False)
+    assert (row["regime"], row["max_sample_visits"], row["steps"]) == ("single-pass", 1, 2)
+    assert (tmp_path / "one" / "results.md").read_text().startswith("regime: **single-pass** (no training sample")
+    (row,) = run_experiment(replace(cfg, epochs=2), tmp_path / "two", show_progress=False)
+    assert (row["regime"], row["max_sample_visits"]) == ("multi-epoch", 2)

@@ -77,7 +77,7 @@ def test_folder_of_text_files_skips_binaries(tmp_path):
 
 
 def test_falls_back_when_stdlib_sources_are_missing(monkeypatch):
-    monkeypatch.setattr(data_mod, "_stdlib_docstrings", lambda max_bytes: b"")
+    monkeypatch.setattr(data_mod, "_stdlib_sources", lambda max_bytes: b"")
     monkeypatch.setattr(data_mod, "_license_text", lambda max_bytes: b"")
     text, source = load_corpus(None, max_bytes=5000, min_bytes=1000)
     assert len(text) >= 1000 and "built-in" in source

@@ -10,7 +10,7 @@ import torch
 
 import swarm.train.trainer as trainer
 from swarm.metrics import Metrics
-from swarm.model.data import DataConfig, SampleSet, build_datasets
+from swarm.model.data import HELD_OUT_FIRST_ID, DataConfig, SampleSet, build_datasets
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import StageCallError
 from swarm.peers.routes import PlanRoutes
@@ -60,11 +60,14 @@ def test_train_evaluates_every_n_steps_and_after_the_last(tmp_path, monkeypatch)
     assert summary.held_out_step == 5 and summary.held_out_samples == 6 and summary.held_out_bytes > 0
     assert summary.held_out_loss == pytest.approx(float(held[5]), rel=1e-12)
     assert metrics.held_out_loss._value.get() == pytest.approx(summary.held_out_loss, rel=1e-12)
-    _, evals, _ = build_datasets(DataConfig(seq_len_tokens=16, train_samples=16, eval_samples=6))
+    _, evals, report = build_datasets(DataConfig(seq_len_tokens=16, train_samples=16, eval_samples=6))
     assert summary.held_out_loss == pytest.approx(local.evaluate(evals, 4), rel=1e-5)  # exact forward, same windows
-    assert summary.held_out_first_id == int(evals.ids[0]) == 16  # the windows after the 16 training ones
+    assert summary.held_out_first_id == int(evals.ids[0]) == HELD_OUT_FIRST_ID  # the held-out files' first window
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["held_out_loss"] == summary.held_out_loss
+    # which text the run trained on: the corpus's digest and its windows'
+    assert (saved["corpus_digest"], saved["windows_digest"]) == (report.corpus_digest, report.windows_digest)
+    assert len(report.corpus_digest) == len(report.windows_digest) == 64
     assert "held-out" in trainer.format_summary(summary)
     assert (tmp_path / "loss.png").exists()
 
