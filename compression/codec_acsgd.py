@@ -12,6 +12,13 @@ float32 (an fp16 scale over a power of two, times a small integer), so both ends
 The top of the grid is one step below +scale, as in the paper: the largest positive value of a group clips.
 The groups follow `group_layout` (`+ch`: one per channel of a sample across its tokens, the paper's layout).
 On the wire: `Quantized` with `scale_dtype` FLOAT16, `scales` one per group, `mins` empty.
+
+First sights (`first_sight_bits` below 16, label `+fsN`) travel quantized directly with the same quantizer, in
+the same groups (channel-wise with `+ch`). With `+rot` each first-sight group is rotated by a seeded randomized
+Hadamard transform first (`TensorMessage.rotation` 1, `rotation_seed`; deltas are never rotated): a token whose
+values stand out (the first token of a sequence) no longer sets its channel's step. Both ends buffer what the
+receiver decodes (`rotation.unrotate_grid`, exact integer butterflies then one float32 product per element), so
+the sender's and the receiver's buffers stay bit-identical and the next visit's delta is taken against it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import math
 
 import torch
 
+from swarm.compression import rotation as rot
 from swarm.compression.codec_aqsgd import AQSGDCodec
 from swarm.compression.quantized import group_size
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
@@ -27,6 +35,7 @@ from swarm.kernels import SymQuantized, packed_nbytes, sym_apply_delta, sym_upda
 from swarm.kernels import sym_dequantize as sym_dequantize_packed
 from swarm.kernels import sym_quantize as sym_quantize_packed
 from swarm.kernels.host_copy import to_host
+from swarm.kernels.reference import unpack
 from swarm.proto import wire_pb2
 
 FP16_MAX = symmetric.FP16_MAX
@@ -37,6 +46,7 @@ class ACSGDCodec(AQSGDCodec):
 
     name, wire = "acsgd", wire_pb2.ACSGD
     device_encoded = True  # the symmetric quantizer and the fused update have CUDA kernels
+    rotates = True  # first sights only (module doc)
 
     def payload_nbytes(self, numel: int) -> int:
         return packed_nbytes(numel, self.config.bits) + 2 * math.ceil(numel / group_size(self.config))
@@ -74,14 +84,52 @@ class ACSGDCodec(AQSGDCodec):
     def _receive_delta(self, msg, m, bound):
         return sym_apply_delta(m, self._unpack(msg, m.numel(), "quantized", bound))
 
-    def _send_full(self, x, group, state, out):
-        return self._pack(x, self.config.first_sight_bits, group, state, out)
+    def _send_full(self, x, group, state, msg):
+        cfg, bits = self.config, self.config.first_sight_bits
+        if not _rotatable(cfg.rotation == "hadamard", group, x.numel()):
+            return self._pack(x, bits, group, state, msg.quantized_full)
+        seed = cfg.seed % (1 << 62)  # the rotation need not change per message: it only spreads outliers
+        q = sym_quantize_packed(rot.rotate(x, group, seed), bits, group, stochastic=cfg.stochastic, seed=_seed(state))
+        _write(q, msg.quantized_full)
+        msg.rotation, msg.rotation_seed = ROTATION_HADAMARD, seed
+        return _unrotate(q, seed)  # what the receiver decodes, bit for bit
 
     def _receive_full(self, msg, n, bound):
-        return sym_dequantize_packed(self._unpack(msg, n, "quantized_full", bound))
+        if msg.rotation == ROTATION_NONE:
+            return sym_dequantize_packed(self._unpack(msg.quantized_full, n, "quantized_full", bound))
+        group = msg.quantized_full.group_size
+        if not _rotatable(True, group, n):
+            raise WireError("rotation", f"first sights of {n} elements in groups of {group} cannot be rotated")
+        # rotated values reach sqrt(group) times the largest decoded one: the decoded values are checked after
+        q = self._unpack(msg.quantized_full, n, "quantized_full", FP16_MAX)
+        return _unrotate(q, msg.rotation_seed)
+
+    def _decode_body(self, msg, numel, state):
+        if msg.rotation not in (ROTATION_NONE, ROTATION_HADAMARD):
+            raise WireError("rotation", f"unknown rotation {msg.rotation}")
+        if msg.rotation == ROTATION_NONE and msg.rotation_seed:
+            raise WireError("rotation_seed", "set on a message without rotation")
+        if msg.rotation and not msg.HasField("quantized_full"):
+            raise WireError("rotation", "only quantized first sights are rotated, and this message has none")
+        return super()._decode_body(msg, numel, state)
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+ROTATION_NONE, ROTATION_HADAMARD = 0, 1
+"""`TensorMessage.rotation` values (gradq's)."""
+
+
+def _rotatable(asked: bool, group: int, numel: int) -> bool:
+    """Whether first sights of `numel` elements in groups of `group` are rotated: asked, a power-of-two group the
+    rotation takes, whole groups (a tensor that does not fit travels unrotated; the message says so)."""
+    return asked and 2 <= group <= rot.MAX_ROTATION_GROUP and rot.is_power_of_two(group) and numel % group == 0
+
+
+def _unrotate(q: SymQuantized, seed: int) -> torch.Tensor:
+    """The un-rotated first sights of `q`, float32, the same bits on every device (`rotation.unrotate_grid`)."""
+    half = 1 << (q.bits - 1)
+    codes = unpack(q.packed, q.bits, q.numel).to(torch.int32) - half
+    return rot.unrotate_grid(codes, q.scales.float() / half, q.group_size, seed)
 
 
 def _seed(state) -> int | None:

@@ -71,6 +71,11 @@ class AQSGDCodec(Codec):
         if len(set(ids)) != len(ids):
             raise ValueError("aqsgd needs distinct sample ids within a message")
         store, cfg = state.buffers, self.config
+        if store.sample_shape is not None and tuple(x.shape[1:]) != store.sample_shape:
+            raise ValueError(
+                f"samples of shape {list(x.shape[1:])}, this link buffers {list(store.sample_shape)}: a link's "
+                "message buffers hold one sample shape (give each shape its own link)"
+            )
         layout = layout_for(cfg, x.shape)
         write_layout(msg, layout)
         group = group_for(cfg, layout, x.shape)
@@ -107,7 +112,7 @@ class AQSGDCodec(Codec):
             first = x.to(buffer_dtype)
             msg.raw = tensor_to_bytes(first)
             return first
-        sent = self._send_full(to_groups(x, layout), group, state, msg.quantized_full)
+        sent = self._send_full(to_groups(x, layout), group, state, msg)
         return from_groups(sent, layout, x.shape).to(buffer_dtype)
 
     # the quantizer: AQ-SGD's per-group (min, scale) kernels; a subclass may bring its own
@@ -122,16 +127,17 @@ class AQSGDCodec(Codec):
         """`m` (group order, contiguous) moved by the checked delta in `msg`, as the sender moved its own."""
         return apply_delta(m, unpack_quantized(msg, m.numel(), "quantized", bound))
 
-    def _send_full(self, x: torch.Tensor, group: int, state, out: wire_pb2.Quantized) -> torch.Tensor:
-        """`x` (group order) quantized at `first_sight_bits` into `out`; returns what the receiver decodes (fp32)."""
+    def _send_full(self, x: torch.Tensor, group: int, state, msg: wire_pb2.TensorMessage) -> torch.Tensor:
+        """`x` (group order) quantized at `first_sight_bits` into `msg.quantized_full`; returns what the receiver
+        decodes (fp32), which the sender buffers: later deltas are taken against it, not against `x`."""
         cfg = self.config
         q = quantize(x, cfg.first_sight_bits, group, stochastic=cfg.stochastic, seed=state.next_seed())
-        pack_quantized(q, out)
+        pack_quantized(q, msg.quantized_full)
         return dequantize(q)
 
-    def _receive_full(self, msg: wire_pb2.Quantized, n: int, bound: float) -> torch.Tensor:
-        """The checked first sights of `msg`, fp32, group order."""
-        return dequantize(unpack_quantized(msg, n, "quantized_full", bound))
+    def _receive_full(self, msg: wire_pb2.TensorMessage, n: int, bound: float) -> torch.Tensor:
+        """The checked first sights of `msg` (its `quantized_full`), fp32, group order."""
+        return dequantize(unpack_quantized(msg.quantized_full, n, "quantized_full", bound))
 
     def _decode_body(self, msg, numel, state):
         if state is None or state.buffers is None:
@@ -174,7 +180,7 @@ class AQSGDCodec(Codec):
     def _decode_first(self, msg: wire_pb2.TensorMessage, n: int, dtype: torch.dtype, bound: float) -> torch.Tensor:
         """The first sights of a message, checked, in the buffer dtype."""
         if msg.HasField("quantized_full"):
-            first = self._receive_full(msg.quantized_full, n, bound).to(dtype)
+            first = self._receive_full(msg, n, bound).to(dtype)
             _check_bounded(first, bound, "quantized_full.scales")
             return first
         if msg.raw_dtype != wire_dtype(dtype):

@@ -21,7 +21,8 @@ LABEL_SUFFIXES = {
     "cs": {"scale_dtype": "auto"},
     "bs": {"scale_dtype": "bfloat16"},
 }
-"""Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets."""
+"""Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets; `+gN`
+(group size), `+rN` (rate), `+fN` (factor bits) and `+fsN` (first-sight bits) carry a number."""
 
 LOCAL_FIELDS = ("group_size", "seed", "zstd_level", "buffer_dir", "buffer_path", "buffer_capacity", "buffer_dtype")
 """`CodecConfig` fields that are a peer's own rather than its codec's: no label suffix sets them (`+gN` sets
@@ -63,7 +64,9 @@ class CodecConfig:
     """aqsgd: a directory for the memory-mapped buffer stores of a stage's link ends, one file per end (the
     runtime's `LinkEnd` names them: `fw-recv.buf`, `fw-send-<destination>.buf`); None keeps them in RAM"""
     first_sight_bits: int = 16
-    """aqsgd: how a sample's first sight travels: 16 = in the buffer dtype, 8 or 4 = quantized directly"""
+    """aqsgd, acsgd and the codecs built on them: how a sample's first sight (a sample its link has not buffered)
+    travels: 16 = in the buffer dtype, 2, 3, 4 or 8 = quantized directly in the codec's groups (label suffix
+    `+fsN`); both ends buffer what the receiver decodes"""
     zstd_level: int = 1
     """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
     group_layout: str = "flat"
@@ -98,6 +101,8 @@ class CodecConfig:
             raise ValueError(f"buffer_dtype must be float16 or bfloat16, got {self.buffer_dtype!r}")
         if self.first_sight_bits not in (16, *SUPPORTED_BITS):
             raise ValueError(f"first_sight_bits must be 16 or one of {SUPPORTED_BITS}")
+        if self.first_sight_bits != 16 and not codec.uses_buffers:
+            raise ValueError(f"first_sight_bits (+fsN) applies to {_having('uses_buffers')} only")
         if self.buffer_path is not None and self.buffer_dir is not None:
             raise ValueError("give buffer_path (one store) or buffer_dir (one file per link end), not both")
         if self.buffer_capacity < 0:
@@ -164,6 +169,9 @@ class CodecConfig:
         for suffix in suffixes:
             if suffix[:1] == "r" and suffix[1:].isdigit():  # +r50: tern's rate weight, in percent
                 kwargs["rate_percent"] = int(suffix[1:])
+                continue
+            if suffix[:2] == "fs" and suffix[2:].isdigit():  # +fs4: AQ-SGD's first sights quantized at 4 bits
+                kwargs["first_sight_bits"] = int(suffix[2:])
                 continue
             if suffix[:1] == "f" and suffix[1:].isdigit():  # +f8: lowrank's factor bits
                 kwargs["factor_bits"] = int(suffix[1:])
