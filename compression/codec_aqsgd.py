@@ -99,6 +99,7 @@ class AQSGDCodec(Codec):
         # commit only now: a failure above leaves the sender's buffers as they were
         if m is not None:
             store.scatter([slots[i] for i in delta_rows], m)
+            store.touch([ids[i] for i in delta_rows])  # the receiver touches the same ids in the same order
         if first is not None:
             store.admit([ids[i] for i in full_rows], first)
 
@@ -171,6 +172,7 @@ class AQSGDCodec(Codec):
         out = torch.empty(shape, dtype=store.dtype)
         if m is not None:
             store.scatter([slots[i] for i in delta_rows], m)
+            store.touch([ids[i] for i in delta_rows])
             out[delta_rows] = m
         if first is not None:
             store.admit([ids[i] for i in full_rows], first)
