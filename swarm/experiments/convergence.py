@@ -66,6 +66,8 @@ DEFAULT_SETTINGS = (
     "tern+ch+r75/gtern+ef+rot+nr+r100",
     "tern+ch+r75/gradq2+ef+rot+nr+cs@lr4+f8",
     "tern+ch/gtern+ef+rot+nr+r100@lr4",
+    "acsgd2+ch+rot+fs2/gradq2+ef+rot+nr+cs",
+    "acsgd2+ch+rot+fs3/gradq2+ef+rot+nr+cs",
 )
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs")
 DEFAULT_TARGET_SETTING = "acsgd2+ch/gradq2+ef+rot+nr+cs"
@@ -151,7 +153,8 @@ def _settings(text: str) -> tuple[str, ...]:
 _SETTINGS_HELP = (
     f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
     "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
-    "group per channel), +rot (Hadamard rotation), +rN (tern: rate weight in percent), @wN (N "
+    "group per channel), +rot (Hadamard rotation; of AQ-SGD's first sights), +fsN (AQ-SGD first sights at N bits "
+    "instead of 16), +rN (tern: rate weight in percent), @wN (N "
     "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
     "tied sum as rank-N factors, fp16 or 8-bit); "
     "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "

@@ -141,3 +141,20 @@ def test_a_sample_shape_the_link_does_not_buffer_is_refused_on_both_ends():
         codec.decode(msg, state=recv)
     for (ids, rows), state in zip(before, (send, recv), strict=True):
         assert snapshot(state)[0] == ids and torch.equal(snapshot(state)[1], rows)
+
+
+def test_the_first_sights_bench_measures_every_scheme():
+    from swarm.bench.codec_first_sights import adaptive_quantize, first_sight_rows, synthetic_activations
+
+    acts = synthetic_activations(n=1, shape=(1, 32, 16))
+    rows = first_sight_rows({"synthetic": acts})
+    schemes = {r["scheme"] for r in rows}
+    assert {"acsgd2", "acsgd2+rot", "tern+rot", "bilevel+rot", "adaptive-2.5"} <= schemes
+    assert all(0 <= r["rel_error"] < 1 and r["wire_bytes_per_element"] > 0 for r in rows)
+    by = {r["scheme"]: r for r in rows}
+    assert by["acsgd8+rot"]["rel_error"] < by["acsgd4+rot"]["rel_error"] < by["acsgd2+rot"]["rel_error"]
+    g = torch.randn(64, 32)
+    g[:8] *= 10
+    y, bits, _ = adaptive_quantize(g, 2.5)
+    assert float(bits.float().mean()) == 2.5 and (bits[:8] == 4).all()  # the loud rows get the wide codes
+    assert float((y - g).norm()) < float((adaptive_quantize(g, 2.0)[0] - g).norm())
