@@ -145,7 +145,8 @@ class AQSGDCodec(Codec):
             raise ValueError("the aqsgd codec needs a LinkState with message buffers")
         store, shape = state.buffers, list(msg.shape)
         ids, delta_rows, full_rows = _check_rows(msg, shape, store.sample_shape)
-        layout = read_layout(msg, shape, msg.quantized, msg.quantized_full)
+        # rotated first sights are token groups whatever the layout (codec_acsgd): only the deltas' is checked
+        layout = read_layout(msg, shape, msg.quantized, *([] if msg.rotation else [msg.quantized_full]))
         per_sample = numel // shape[0] if shape[0] else 0
         slots = store.lookup(ids)
         missing = [ids[i] for i in delta_rows if slots[i] < 0]

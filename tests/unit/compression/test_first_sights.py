@@ -47,17 +47,19 @@ def test_unrotate_grid_inverts_rotate():
 @pytest.mark.parametrize(
     "label", ["acsgd2+ch+nr+rot+fs4", "acsgd2+ch+sr+rot+fs2", "acsgd4+nr+rot+fs3", "tern+ch+rot+fs4", "acsgd2+ch+fs8"]
 )
-@pytest.mark.parametrize("tokens", [32, 24])  # 24: not a power of two, first sights travel unrotated
-def test_buffers_stay_bit_identical_with_rotated_first_sights(label, tokens):
+@pytest.mark.parametrize("tokens, hidden", [(32, 16), (24, 16), (16, 12)])  # hidden 12: first sights unrotated
+def test_buffers_stay_bit_identical_with_rotated_first_sights(label, tokens, hidden):
     codec, send, recv = ends(label, group_size=32)
     gen = torch.Generator().manual_seed(0)
-    acts = {i: activations(gen, 1, tokens, 16)[0] for i in range(12)}
+    acts = {i: activations(gen, 1, tokens, hidden)[0] for i in range(12)}
     for _ in range(12):
         ids = sorted(torch.randperm(12, generator=gen)[:4].tolist())
         x = torch.stack([acts[i] for i in ids])
         msg = unframe(list(frame(codec.encode(x, sample_ids=ids, state=send), chunk_bytes=500)))
-        expect_rotated = "+rot" in label and (tokens == 32 or "+ch" not in label) and not all(msg.sample_is_delta)
+        expect_rotated = "+rot" in label and hidden == 16 and not all(msg.sample_is_delta)
         assert msg.rotation == int(expect_rotated)
+        if expect_rotated:
+            assert msg.quantized_full.group_size == hidden  # one group per token
         out = decoder_for(msg).decode(msg, state=recv)
         (a_ids, a), (b_ids, b) = snapshot(send), snapshot(recv)
         assert a_ids == b_ids and torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -84,6 +86,17 @@ def test_rotation_lowers_the_first_sights_error_on_a_loud_first_token():
         y = codec.decode(codec.encode(x, sample_ids=list(range(8)), state=send), state=recv)
         errors[label] = float((y - x).norm() / x.norm())
     assert errors["acsgd2+ch+nr+rot+fs4"] < 0.7 * errors["acsgd2+ch+nr+fs4"], errors
+
+
+@pytest.mark.parametrize("label", ["acsgd2+ch+nr+rot+fs2", "acsgd2+nr+rot+fs4"])
+def test_a_rotated_first_sight_of_a_token_depends_on_no_later_token(label):
+    codec = make_codec(CodecConfig.parse(label, group_size=32))
+    x = activations(torch.Generator().manual_seed(3), 2, 32, 16)
+    later = x.clone()
+    later[:, -1] *= 50  # only the last position changes
+    decoded = [codec.decode(codec.encode(a, sample_ids=[1, 2], state=LinkState(codec.config)),
+                            state=LinkState(codec.config)) for a in (x, later)]  # fmt: skip
+    assert torch.equal(decoded[0][:, :-1], decoded[1][:, :-1])
 
 
 def rotated_message():
