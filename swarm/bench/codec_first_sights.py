@@ -2,15 +2,16 @@
 sample of a single pass) is best quantized, on activations captured from training the default model.
 
 Each scheme quantizes the stage-0 outputs `[B, T, D]` in channel groups (one group per channel of a sample across
-its T tokens, `+ch`) and reports the relative error `||deQ(Q(x)) - x|| / ||x||` pooled over all messages, the
-bytes per element of payload + scales and of the zstd-1 framed message, and, for the codes, their order-0 empirical
-entropy (what an ideal static entropy coder would reach) beside zstd-1 on the packed payload:
+its T tokens, `+ch`), or rotated in token groups, and reports the relative error `||deQ(Q(x)) - x|| / ||x||`
+pooled over all messages, the bytes per element of payload + scales and of the zstd-1 framed message, and, for
+the codes, their order-0 empirical entropy (what an ideal static entropy coder would reach) beside zstd-1 on the
+packed payload:
 
-- `acsgdN` / `acsgdN+rot`: the codec's own first sights (`acsgd2+ch+nr+fsN`, `+rot` rotating each channel group
-  by a seeded Hadamard transform first), encoded and decoded by the codec, framed as the runtime frames them.
+- `acsgdN` / `acsgdN+rot`: the codec's own first sights (`acsgd2+ch+nr+fsN`; `+rot` sends them in token groups,
+  each token's hidden values rotated by a seeded Hadamard transform first), encoded, framed and decoded by the codec.
 - `tern`: the ternary quantizer of `codec_tern` (MSE-optimal `{-s, 0, +s}` per group, 5 codes a byte), and `+rot`.
 - `bilevel`: the 1-bit two-level quantizer of `codec_bilevel` (8 codes a byte, two fp16 levels a group), and `+rot`.
-- `adaptive-B`: TAH-Quant's idea, tile-wise adaptive bits: rotated channel groups, each at 2 or 4 bits (plus 1 bit
+- `adaptive-B`: TAH-Quant's idea, tile-wise adaptive bits: rotated token groups, each at 2 or 4 bits (plus 1 bit
   a group saying which), the 4-bit groups those with the largest scales (the largest absolute error at 2 bits)
   up to a mean of B bits an element; compare with fixed bits at the same bytes.
 """
@@ -108,18 +109,14 @@ def _codec_first_sights(acts: list[torch.Tensor], bits: int, rotate: bool) -> _T
 
 
 def _grouped(x: torch.Tensor, rotate: bool) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """`x` in channel groups `[groups, T]` (rotated when asked) and the map of decoded groups back to `x`'s shape."""
-    t = x.shape[1]
-    g = to_groups(x, CHANNEL).view(-1, t)
+    """`x` in channel groups `[groups, T]`, or rotated in token groups `[groups, D]` (as the codec rotates first
+    sights: never across tokens), and the map of decoded groups back to `x`'s shape."""
+    b, t, d = x.shape
     if rotate:
-        g = rot.rotate(g, t, SEED).view(-1, t)
-
-    def back(y: torch.Tensor) -> torch.Tensor:
-        flat = rot.unrotate(y.reshape(-1), t, SEED, x.numel()) if rotate else y.reshape(-1)
-        b, _, d = x.shape
-        return flat.view(b, d, t).transpose(1, 2)
-
-    return g, back
+        g = rot.rotate(x, d, SEED).view(-1, d)
+        return g, lambda y: rot.unrotate(y.reshape(-1), d, SEED, x.numel()).view(b, t, d)
+    g = to_groups(x, CHANNEL).view(-1, t)
+    return g, lambda y: y.reshape(b, d, t).transpose(1, 2)
 
 
 def _lowbit(acts: list[torch.Tensor], scheme: str, rotate: bool) -> _Tally:
