@@ -66,8 +66,6 @@ DEFAULT_SETTINGS = (
     "tern+ch+r75/gtern+ef+rot+nr+r100",
     "tern+ch+r75/gradq2+ef+rot+nr+cs@lr4+f8",
     "tern+ch/gtern+ef+rot+nr+r100@lr4",
-    "acsgd2+ch+rot+fs2/gradq2+ef+rot+nr+cs",
-    "acsgd2+ch+rot+fs3/gradq2+ef+rot+nr+cs",
 )
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs")
 DEFAULT_TARGET_SETTING = "acsgd2+ch/gradq2+ef+rot+nr+cs"
