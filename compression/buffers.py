@@ -3,11 +3,16 @@
 A store maps sample ids to slots of a preallocated [capacity, *sample_shape] tensor in fp16/bf16, in RAM
 (`MemoryBufferStore`) or in a memory-mapped file for data sets larger than memory (`MmapBufferStore`).
 
-At capacity a store admits no new samples: such samples are simply not buffered, so they travel in full
-every time they are seen (a miss), which costs bytes but never correctness. Nothing is evicted, so two
-ends with the same capacity agree on which samples are buffered without talking about it; if they do not
-agree (different capacities, a restarted peer), the receiver reports the miss and the sender re-sends
-those samples in full.
+A store holds at most `capacity` samples, and at most `budget_bytes` of rows once it knows the sample shape
+(`limit_bytes`; the capacity becomes budget // bytes per sample). At capacity it follows its eviction policy:
+"lru" (`CodecConfig.buffer_eviction`'s default, set by `LinkState`) evicts the least recently seen sample (seen =
+admitted, or moved by a delta: `touch`) to admit a new one, which is then simply a first sight again when it comes
+back; "none" (a bare store's default) admits no new samples, so those travel in full every time. Both policies
+depend only on the sequence of ids a link's messages carry, so two ends with the same capacity that decode the
+messages in the order they were encoded agree on which samples are buffered without talking about it. Where they
+do not agree (different budgets, a restarted peer, a receiving end shared by several senders, messages decoded
+out of order, ids released by the runtime), the receiver reports the miss of a delta's reference (it never
+decodes against nothing) and the sender re-sends those samples in full: disagreement costs bytes, never values.
 
 Transactions: between `begin` and `commit`/`rollback` a store journals what it changes (the first prior value of
 each row it writes, the first prior slot of each id it admits or forgets, and its slot allocation), so that a
@@ -21,10 +26,11 @@ same one would overwrite each other's receive buffers, so the second refuses to 
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import threading
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import torch
@@ -82,12 +88,26 @@ def lock_buffer_dir(directory: str | os.PathLike) -> Path:
     return path
 
 
+EVICTIONS = ("lru", "none")
+"""What a full store does with a new sample: evict the least recently seen one, or not admit the new one."""
+
+
 class BufferStore:
     """Slots of sample activations keyed by sample id. Subclasses decide where the slots live."""
 
-    def __init__(self, capacity: int, dtype: torch.dtype):
+    def __init__(self, capacity: int, dtype: torch.dtype, eviction: str = "none"):
+        if eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {eviction!r}")
         self.capacity = capacity
         self.dtype = dtype
+        self.eviction = eviction
+        self.budget_bytes: int | None = None
+        """the most bytes of rows this store holds (`limit_bytes`); None: `capacity` samples"""
+        self._recent: OrderedDict[int, int] = OrderedDict()
+        """buffered ids, least recently seen first, each with the clock of its last sight (the LRU order)"""
+        self._clock = 0
+        self.evicted = 0
+        """samples evicted so far (a metric: each comes back as a first sight)"""
         self.sample_shape: tuple[int, ...] | None = None
         self._slots: dict[int, int] = {}
         self._next_slot = 0
@@ -108,9 +128,26 @@ class BufferStore:
     def _allocate(self, sample_shape: tuple[int, ...]) -> torch.Tensor:
         raise NotImplementedError
 
+    def limit_bytes(self, budget_bytes: int | None) -> None:
+        """Holds at most `budget_bytes` of rows (None or 0: no budget beyond the capacity); set before the first
+        sample arrives, as the capacity in samples follows from the sample shape then."""
+        if self.sample_shape is not None:
+            raise RuntimeError("a buffer store's budget is set before its first sample")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes or None
+
+    def sample_nbytes(self) -> int:
+        """Bytes of one buffered sample (0 until the first sample sets the shape)."""
+        if self.sample_shape is None:
+            return 0
+        return math.prod(self.sample_shape) * torch.empty((), dtype=self.dtype).element_size()
+
     def _check_shape(self, sample_shape: tuple[int, ...]) -> None:
         if self.sample_shape is None:
             self.sample_shape = sample_shape
+            if self.budget_bytes is not None:
+                self.capacity = min(self.capacity, self.budget_bytes // max(1, self.sample_nbytes()))
             self._data = self._allocate(sample_shape)
         elif sample_shape != self.sample_shape:
             raise ValueError(f"sample shape {sample_shape} differs from this buffer's {self.sample_shape}")
@@ -118,6 +155,30 @@ class BufferStore:
     def ids(self) -> list[int]:
         """The buffered sample ids, in the order they were admitted."""
         return list(self._slots)
+
+    def recency(self) -> list[int]:
+        """The buffered sample ids, least recently seen first: the order a full "lru" store evicts them in."""
+        return list(self._recent)
+
+    def touch(self, sample_ids: list[int]) -> None:
+        """Marks buffered ids as just seen (a delta moved them), in the given order; unknown ids are ignored."""
+        for sample_id in sample_ids:
+            if int(sample_id) in self._slots:
+                self._seen(int(sample_id))
+
+    def _seen(self, sample_id: int) -> None:
+        journal = self._journal
+        if journal is not None and sample_id not in journal.ticks:
+            journal.ticks[sample_id] = self._recent.get(sample_id)
+        self._clock += 1
+        self._recent[sample_id] = self._clock
+        self._recent.move_to_end(sample_id)
+
+    def _unseen(self, sample_id: int) -> None:
+        journal = self._journal
+        if journal is not None and sample_id not in journal.ticks:
+            journal.ticks[sample_id] = self._recent.get(sample_id)
+        self._recent.pop(sample_id, None)
 
     def lookup(self, sample_ids: list[int]) -> list[int]:
         """Slot of each id, -1 where the id is not buffered."""
@@ -140,6 +201,7 @@ class BufferStore:
     def begin(self) -> None:
         """Starts journalling (an open transaction is committed first)."""
         self._journal = _Journal()
+        self._journal.clock = (self._clock, self.evicted)
 
     def commit(self) -> None:
         """Makes the transaction's changes permanent and drops its journal."""
@@ -158,6 +220,14 @@ class BufferStore:
         if journal.alloc is not None:
             self._next_slot, free = journal.alloc
             self._free = deque(free)
+        if journal.ticks:
+            for sample_id, tick in journal.ticks.items():
+                if tick is None:
+                    self._recent.pop(sample_id, None)
+                else:
+                    self._recent[sample_id] = tick
+            self._recent = OrderedDict(sorted(self._recent.items(), key=lambda item: item[1]))  # rare: O(n log n)
+        self._clock, self.evicted = journal.clock
         if journal.rows:
             index = list(journal.rows)
             self._data[torch.tensor(index, dtype=torch.long, device=_rows_of(self._data).device)] = torch.stack(
@@ -197,6 +267,9 @@ class BufferStore:
         stored = []
         for i, sample_id in enumerate(sample_ids):
             slot = self._slots.get(int(sample_id))
+            if slot is None and len(self._slots) >= self.capacity and self.eviction == "lru" and self._recent:
+                self.forget([next(iter(self._recent))])  # the least recently seen sample: a first sight again
+                self.evicted += 1
             if slot is None and len(self._slots) < self.capacity:
                 self._save_slot(int(sample_id))
                 slot = self._slots[int(sample_id)] = self._take_slot()
@@ -205,16 +278,24 @@ class BufferStore:
             elif slot is not None:
                 self._save_rows([slot])
             if slot is None:
+                if not self._warned_full and self.capacity == 0:
+                    warnings.warn(
+                        f"AQ-SGD buffer store holds no sample (budget {self.budget_bytes} bytes, a sample "
+                        f"{self.sample_nbytes()}): every sample travels as a first sight",
+                        stacklevel=2,
+                    )
+                    self._warned_full = True
                 if not self._warned_full:
                     warnings.warn(
-                        f"AQ-SGD buffer store is full ({self.capacity} samples): further new samples travel "
-                        "in full every time; raise buffer_capacity or use a memory-mapped store",
+                        f"AQ-SGD buffer store is full ({self.capacity} samples) and evicts nothing: further new "
+                        "samples travel in full every time; raise buffer_capacity or use a memory-mapped store",
                         stacklevel=2,
                     )
                     self._warned_full = True
                 stored.append(False)
                 continue
             self._data[slot] = values[i].to(self.dtype)
+            self._seen(int(sample_id))
             stored.append(True)
         return stored
 
@@ -235,6 +316,7 @@ class BufferStore:
             slot = self._slots.pop(int(sample_id), None)
             if slot is not None:
                 self._free.append(slot)
+                self._unseen(int(sample_id))
 
     def get(self, sample_id: int) -> torch.Tensor | None:
         slot = self._slots.get(int(sample_id))
@@ -244,11 +326,15 @@ class BufferStore:
 class _Journal:
     """One transaction's undo record: prior rows by slot, prior slots by id, the allocator as it was."""
 
-    __slots__ = ("alloc", "free", "rows", "slots")
+    __slots__ = ("alloc", "clock", "free", "rows", "slots", "ticks")
 
     def __init__(self) -> None:
         self.rows: dict[int, torch.Tensor] = {}
         self.slots: dict[int, int | None] = {}
+        self.ticks: dict[int, int | None] = {}
+        """prior LRU clock of each id whose recency changed (None: it was not buffered)"""
+        self.clock: tuple[int, int] = (0, 0)
+        """the store's clock and eviction count when the transaction began"""
         self.alloc: tuple[int, tuple[int, ...]] | None = None
         self.free: frozenset[int] = frozenset()
 
@@ -272,8 +358,8 @@ class MemoryBufferStore(BufferStore):
 class MmapBufferStore(BufferStore):
     """Slots in a memory-mapped file of capacity x sample size, so the OS pages them in and out."""
 
-    def __init__(self, capacity: int, dtype: torch.dtype, path: str | os.PathLike):
-        super().__init__(capacity, dtype)
+    def __init__(self, capacity: int, dtype: torch.dtype, path: str | os.PathLike, eviction: str = "none"):
+        super().__init__(capacity, dtype, eviction)
         self.path = Path(path)
 
     def _allocate(self, sample_shape: tuple[int, ...]) -> torch.Tensor:
@@ -312,5 +398,7 @@ class _GrowingRows:
         self._rows[index] = value
 
 
-def make_store(capacity: int, dtype: torch.dtype, path: str | None) -> BufferStore:
-    return MemoryBufferStore(capacity, dtype) if path is None else MmapBufferStore(capacity, dtype, path)
+def make_store(capacity: int, dtype: torch.dtype, path: str | None, eviction: str = "none") -> BufferStore:
+    if path is None:
+        return MemoryBufferStore(capacity, dtype, eviction)
+    return MmapBufferStore(capacity, dtype, path, eviction)

@@ -12,6 +12,16 @@ float32 (an fp16 scale over a power of two, times a small integer), so both ends
 The top of the grid is one step below +scale, as in the paper: the largest positive value of a group clips.
 The groups follow `group_layout` (`+ch`: one per channel of a sample across its tokens, the paper's layout).
 On the wire: `Quantized` with `scale_dtype` FLOAT16, `scales` one per group, `mins` empty.
+
+First sights (`first_sight_bits` below 16, label `+fsN`) travel quantized directly with the same quantizer, in
+the same groups (channel-wise with `+ch`). With `+rot` they travel instead in token order, one group per token
+of a [B, T, D] message (D a power of two), each token's D values rotated by a seeded randomized Hadamard transform
+first (`TensorMessage.rotation` 1, `rotation_seed`; `quantized_full.group_size` = D; deltas are never rotated):
+the rotation spreads a loud channel over the token's values, TAH-Quant's way. Groups never span tokens, so a
+position's decoded value depends on no later position: rotating a channel across its tokens instead measured +2.4%
+held-out loss at 2 bits in a single pass (a causal model learns to read the future from the error). Both ends
+buffer what the receiver decodes (`rotation.unrotate_grid`, exact integer butterflies then one float32 product
+per element), so their buffers stay bit-identical and the next visit's delta is taken against it.
 """
 
 from __future__ import annotations
@@ -20,13 +30,16 @@ import math
 
 import torch
 
+from swarm.compression import rotation as rot
 from swarm.compression.codec_aqsgd import AQSGDCodec
+from swarm.compression.layout import from_groups, read_layout, to_groups
 from swarm.compression.quantized import group_size
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
 from swarm.kernels import SymQuantized, packed_nbytes, sym_apply_delta, sym_update, symmetric
 from swarm.kernels import sym_dequantize as sym_dequantize_packed
 from swarm.kernels import sym_quantize as sym_quantize_packed
 from swarm.kernels.host_copy import to_host
+from swarm.kernels.reference import unpack
 from swarm.proto import wire_pb2
 
 FP16_MAX = symmetric.FP16_MAX
@@ -37,6 +50,7 @@ class ACSGDCodec(AQSGDCodec):
 
     name, wire = "acsgd", wire_pb2.ACSGD
     device_encoded = True  # the symmetric quantizer and the fused update have CUDA kernels
+    rotates = True  # first sights only (module doc)
 
     def payload_nbytes(self, numel: int) -> int:
         return packed_nbytes(numel, self.config.bits) + 2 * math.ceil(numel / group_size(self.config))
@@ -74,14 +88,65 @@ class ACSGDCodec(AQSGDCodec):
     def _receive_delta(self, msg, m, bound):
         return sym_apply_delta(m, self._unpack(msg, m.numel(), "quantized", bound))
 
-    def _send_full(self, x, group, state, out):
-        return self._pack(x, self.config.first_sight_bits, group, state, out)
+    def _send_full(self, x, group, state, msg):
+        cfg, bits, shape = self.config, self.config.first_sight_bits, list(msg.shape)
+        width = _token_width(cfg.rotation == "hadamard", shape)
+        if width is None:
+            return self._pack(x, bits, group, state, msg.quantized_full)
+        # rotated first sights travel in token order, one group per token: never mixing tokens, so a position's
+        # decoded value depends on no later position (a causal model could learn to read the future from it)
+        layout = read_layout(msg, shape)
+        tokens = from_groups(x, layout, [x.numel() // (shape[1] * width), shape[1], width]).view(-1)
+        seed = cfg.seed % (1 << 62)  # the rotation need not change per message: it only spreads outliers
+        q = sym_quantize_packed(
+            rot.rotate(tokens, width, seed), bits, width, stochastic=cfg.stochastic, seed=_seed(state)
+        )
+        _write(q, msg.quantized_full)
+        msg.rotation, msg.rotation_seed = ROTATION_HADAMARD, seed
+        decoded = _unrotate(q, seed).view(-1, shape[1], width)  # what the receiver decodes, bit for bit
+        return to_groups(decoded, layout).view(-1)
 
     def _receive_full(self, msg, n, bound):
-        return sym_dequantize_packed(self._unpack(msg, n, "quantized_full", bound))
+        if msg.rotation == ROTATION_NONE:
+            return sym_dequantize_packed(self._unpack(msg.quantized_full, n, "quantized_full", bound))
+        shape = list(msg.shape)
+        width = _token_width(True, shape)
+        if width is None or msg.quantized_full.group_size != width:
+            raise WireError("rotation", f"rotated first sights are groups of one token's values, shape {shape}")
+        # rotated values reach sqrt(group) times the largest decoded one: the decoded values are checked after
+        q = self._unpack(msg.quantized_full, n, "quantized_full", FP16_MAX)
+        decoded = _unrotate(q, msg.rotation_seed).view(-1, shape[1], width)
+        return to_groups(decoded, read_layout(msg, shape)).view(-1)
+
+    def _decode_body(self, msg, numel, state):
+        if msg.rotation not in (ROTATION_NONE, ROTATION_HADAMARD):
+            raise WireError("rotation", f"unknown rotation {msg.rotation}")
+        if msg.rotation == ROTATION_NONE and msg.rotation_seed:
+            raise WireError("rotation_seed", "set on a message without rotation")
+        if msg.rotation and not msg.HasField("quantized_full"):
+            raise WireError("rotation", "only quantized first sights are rotated, and this message has none")
+        return super()._decode_body(msg, numel, state)
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+ROTATION_NONE, ROTATION_HADAMARD = 0, 1
+"""`TensorMessage.rotation` values (gradq's)."""
+
+
+def _token_width(asked: bool, shape: list[int]) -> int | None:
+    """The group of rotated first sights, one token's values (the last dim of a [B, T, D] message), or None where
+    they travel unrotated: not asked, not 3-D, or D not a power of two the rotation takes (the message says so)."""
+    if not asked or len(shape) != 3 or not shape[1]:
+        return None
+    width = shape[2]
+    return width if 2 <= width <= rot.MAX_ROTATION_GROUP and rot.is_power_of_two(width) else None
+
+
+def _unrotate(q: SymQuantized, seed: int) -> torch.Tensor:
+    """The un-rotated first sights of `q`, float32, the same bits on every device (`rotation.unrotate_grid`)."""
+    half = 1 << (q.bits - 1)
+    codes = unpack(q.packed, q.bits, q.numel).to(torch.int32) - half
+    return rot.unrotate_grid(codes, q.scales.float() / half, q.group_size, seed)
 
 
 def _seed(state) -> int | None:

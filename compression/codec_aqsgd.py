@@ -71,6 +71,11 @@ class AQSGDCodec(Codec):
         if len(set(ids)) != len(ids):
             raise ValueError("aqsgd needs distinct sample ids within a message")
         store, cfg = state.buffers, self.config
+        if store.sample_shape is not None and tuple(x.shape[1:]) != store.sample_shape:
+            raise ValueError(
+                f"samples of shape {list(x.shape[1:])}, this link buffers {list(store.sample_shape)}: a link's "
+                "message buffers hold one sample shape (give each shape its own link)"
+            )
         layout = layout_for(cfg, x.shape)
         write_layout(msg, layout)
         group = group_for(cfg, layout, x.shape)
@@ -94,6 +99,7 @@ class AQSGDCodec(Codec):
         # commit only now: a failure above leaves the sender's buffers as they were
         if m is not None:
             store.scatter([slots[i] for i in delta_rows], m)
+            store.touch([ids[i] for i in delta_rows])  # the receiver touches the same ids in the same order
         if first is not None:
             store.admit([ids[i] for i in full_rows], first)
 
@@ -107,7 +113,7 @@ class AQSGDCodec(Codec):
             first = x.to(buffer_dtype)
             msg.raw = tensor_to_bytes(first)
             return first
-        sent = self._send_full(to_groups(x, layout), group, state, msg.quantized_full)
+        sent = self._send_full(to_groups(x, layout), group, state, msg)
         return from_groups(sent, layout, x.shape).to(buffer_dtype)
 
     # the quantizer: AQ-SGD's per-group (min, scale) kernels; a subclass may bring its own
@@ -122,23 +128,25 @@ class AQSGDCodec(Codec):
         """`m` (group order, contiguous) moved by the checked delta in `msg`, as the sender moved its own."""
         return apply_delta(m, unpack_quantized(msg, m.numel(), "quantized", bound))
 
-    def _send_full(self, x: torch.Tensor, group: int, state, out: wire_pb2.Quantized) -> torch.Tensor:
-        """`x` (group order) quantized at `first_sight_bits` into `out`; returns what the receiver decodes (fp32)."""
+    def _send_full(self, x: torch.Tensor, group: int, state, msg: wire_pb2.TensorMessage) -> torch.Tensor:
+        """`x` (group order) quantized at `first_sight_bits` into `msg.quantized_full`; returns what the receiver
+        decodes (fp32), which the sender buffers: later deltas are taken against it, not against `x`."""
         cfg = self.config
         q = quantize(x, cfg.first_sight_bits, group, stochastic=cfg.stochastic, seed=state.next_seed())
-        pack_quantized(q, out)
+        pack_quantized(q, msg.quantized_full)
         return dequantize(q)
 
-    def _receive_full(self, msg: wire_pb2.Quantized, n: int, bound: float) -> torch.Tensor:
-        """The checked first sights of `msg`, fp32, group order."""
-        return dequantize(unpack_quantized(msg, n, "quantized_full", bound))
+    def _receive_full(self, msg: wire_pb2.TensorMessage, n: int, bound: float) -> torch.Tensor:
+        """The checked first sights of `msg` (its `quantized_full`), fp32, group order."""
+        return dequantize(unpack_quantized(msg.quantized_full, n, "quantized_full", bound))
 
     def _decode_body(self, msg, numel, state):
         if state is None or state.buffers is None:
             raise ValueError("the aqsgd codec needs a LinkState with message buffers")
         store, shape = state.buffers, list(msg.shape)
         ids, delta_rows, full_rows = _check_rows(msg, shape, store.sample_shape)
-        layout = read_layout(msg, shape, msg.quantized, msg.quantized_full)
+        # rotated first sights are token groups whatever the layout (codec_acsgd): only the deltas' is checked
+        layout = read_layout(msg, shape, msg.quantized, *([] if msg.rotation else [msg.quantized_full]))
         per_sample = numel // shape[0] if shape[0] else 0
         slots = store.lookup(ids)
         missing = [ids[i] for i in delta_rows if slots[i] < 0]
@@ -165,6 +173,7 @@ class AQSGDCodec(Codec):
         out = torch.empty(shape, dtype=store.dtype)
         if m is not None:
             store.scatter([slots[i] for i in delta_rows], m)
+            store.touch([ids[i] for i in delta_rows])
             out[delta_rows] = m
         if first is not None:
             store.admit([ids[i] for i in full_rows], first)
@@ -174,7 +183,7 @@ class AQSGDCodec(Codec):
     def _decode_first(self, msg: wire_pb2.TensorMessage, n: int, dtype: torch.dtype, bound: float) -> torch.Tensor:
         """The first sights of a message, checked, in the buffer dtype."""
         if msg.HasField("quantized_full"):
-            first = self._receive_full(msg.quantized_full, n, bound).to(dtype)
+            first = self._receive_full(msg, n, bound).to(dtype)
             _check_bounded(first, bound, "quantized_full.scales")
             return first
         if msg.raw_dtype != wire_dtype(dtype):

@@ -83,6 +83,7 @@ class Codec:
             + ("+rot" if config.rotation == "hadamard" else "")
             + {"float32": "", "auto": "+cs", "bfloat16": "+bs"}[config.scale_dtype]
             + (f"+r{config.rate_percent}" if config.rate_percent else "")
+            + (f"+fs{config.first_sight_bits}" if config.first_sight_bits != 16 else "")
         )
 
     @classmethod

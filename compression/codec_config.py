@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.compression.buffers import EVICTIONS
 from swarm.compression.codecs import BY_NAME, CODEC_NAMES, codec_class
 from swarm.compression.quantized import SCALE_DTYPES, SUPPORTED_BITS, group_size
 from swarm.compression.rotation import is_power_of_two
@@ -21,9 +22,20 @@ LABEL_SUFFIXES = {
     "cs": {"scale_dtype": "auto"},
     "bs": {"scale_dtype": "bfloat16"},
 }
-"""Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets."""
+"""Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets; `+gN`
+(group size), `+rN` (rate), `+fN` (factor bits) and `+fsN` (first-sight bits) carry a number."""
 
-LOCAL_FIELDS = ("group_size", "seed", "zstd_level", "buffer_dir", "buffer_path", "buffer_capacity", "buffer_dtype")
+LOCAL_FIELDS = (
+    "group_size",
+    "seed",
+    "zstd_level",
+    "buffer_dir",
+    "buffer_path",
+    "buffer_capacity",
+    "buffer_budget_bytes",
+    "buffer_eviction",
+    "buffer_dtype",
+)
 """`CodecConfig` fields that are a peer's own rather than its codec's: no label suffix sets them (`+gN` sets
 `group_size` where a label has it)."""
 
@@ -55,7 +67,15 @@ class CodecConfig:
     buffer_dtype: str = "float16"
     """aqsgd: dtype of the message buffers (float16 or bfloat16)"""
     buffer_capacity: int = 1 << 20
-    """aqsgd: samples a link's buffer store holds; past it, new samples always travel in full"""
+    """aqsgd: samples a link end's buffer store holds at most (see `buffer_eviction` for what happens past it)"""
+    buffer_budget_bytes: int = 0
+    """aqsgd: bytes of message buffers a link end may hold, in RAM or on disk (0: no budget, `buffer_capacity`
+    samples); with samples of seq x hidden fp16 values it holds budget // (seq x hidden x 2) samples. Both ends of a
+    link need the same budget to agree on what is buffered (a disagreement costs resends, never wrong values)"""
+    buffer_eviction: str = "lru"
+    """aqsgd: what a full buffer store does with a new sample: "lru" evicts the least recently seen sample (which
+    is a first sight again when it comes back), "none" admits nothing more (new samples travel as first sights
+    every time, and the buffered ones stay: the better choice when whole epochs repeat through a small budget)"""
     buffer_path: str | None = None
     """aqsgd: a file for the memory-mapped buffer store of one `LinkState` (data sets larger than memory); None
     keeps it in RAM"""
@@ -63,7 +83,9 @@ class CodecConfig:
     """aqsgd: a directory for the memory-mapped buffer stores of a stage's link ends, one file per end (the
     runtime's `LinkEnd` names them: `fw-recv.buf`, `fw-send-<destination>.buf`); None keeps them in RAM"""
     first_sight_bits: int = 16
-    """aqsgd: how a sample's first sight travels: 16 = in the buffer dtype, 8 or 4 = quantized directly"""
+    """aqsgd, acsgd and the codecs built on them: how a sample's first sight (a sample its link has not buffered)
+    travels: 16 = in the buffer dtype, 2, 3, 4 or 8 = quantized directly in the codec's groups (label suffix
+    `+fsN`); both ends buffer what the receiver decodes"""
     zstd_level: int = 1
     """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
     group_layout: str = "flat"
@@ -98,10 +120,16 @@ class CodecConfig:
             raise ValueError(f"buffer_dtype must be float16 or bfloat16, got {self.buffer_dtype!r}")
         if self.first_sight_bits not in (16, *SUPPORTED_BITS):
             raise ValueError(f"first_sight_bits must be 16 or one of {SUPPORTED_BITS}")
+        if self.first_sight_bits != 16 and not codec.uses_buffers:
+            raise ValueError(f"first_sight_bits (+fsN) applies to {_having('uses_buffers')} only")
         if self.buffer_path is not None and self.buffer_dir is not None:
             raise ValueError("give buffer_path (one store) or buffer_dir (one file per link end), not both")
         if self.buffer_capacity < 0:
             raise ValueError("buffer_capacity must be >= 0")
+        if self.buffer_budget_bytes < 0:
+            raise ValueError(f"buffer_budget_bytes must be >= 0, got {self.buffer_budget_bytes}")
+        if self.buffer_eviction not in EVICTIONS:
+            raise ValueError(f"buffer_eviction must be one of {EVICTIONS}, got {self.buffer_eviction!r}")
         if not 0 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be in 0..22, got {self.zstd_level}")
         if self.group_layout not in GROUP_LAYOUTS:
@@ -164,6 +192,9 @@ class CodecConfig:
         for suffix in suffixes:
             if suffix[:1] == "r" and suffix[1:].isdigit():  # +r50: tern's rate weight, in percent
                 kwargs["rate_percent"] = int(suffix[1:])
+                continue
+            if suffix[:2] == "fs" and suffix[2:].isdigit():  # +fs4: AQ-SGD's first sights quantized at 4 bits
+                kwargs["first_sight_bits"] = int(suffix[2:])
                 continue
             if suffix[:1] == "f" and suffix[1:].isdigit():  # +f8: lowrank's factor bits
                 kwargs["factor_bits"] = int(suffix[1:])

@@ -87,3 +87,28 @@ def unrotate(y: torch.Tensor, group: int, seed: int, numel: int) -> torch.Tensor
         raise ValueError(f"{flat.numel()} rotated elements are not whole groups of {group} covering {numel}")
     back = fwht(flat.view(-1, group)).reshape(-1) * _signs(flat.numel(), seed, flat.device)
     return back[:numel]
+
+
+def hadamard_integers(x: torch.Tensor) -> torch.Tensor:
+    """`x H` for each row of an integer tensor `x` ([n, g], g a power of two), unnormalized, in integer arithmetic:
+    log2(g) butterfly passes of additions and subtractions, so the result is exact on every device and backend
+    (a float matmul may round, or run in TF32 on a GPU). `H` is the Sylvester matrix `fwht` uses."""
+    n, g = x.shape
+    h = 1
+    while h < g:
+        pairs = x.reshape(n, g // (2 * h), 2, h)
+        x = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        h *= 2
+    return x.reshape(n, g)
+
+
+def unrotate_grid(codes: torch.Tensor, steps: torch.Tensor, group: int, seed: int) -> torch.Tensor:
+    """The inverse rotation of values on a per-group grid, `codes * step` (integer `codes`, flat, whole groups;
+    one float32 `step` per group), computed so that every device gets the same bits: `D H c` is an exact integer
+    (|c| * group < 2^24, so exact in float32 as well), and each element is then one float32 product with its
+    group's `step / sqrt(group)`. Sender and receiver of a message buffer both decode through it, so their
+    buffers stay bit-identical although the rotation itself is not exact."""
+    check_group(group)
+    k = hadamard_integers(codes.to(torch.int32).view(-1, group)).float()
+    factor = steps.float() * torch.tensor(1.0 / math.sqrt(group), dtype=torch.float32, device=steps.device)
+    return (k * factor[:, None]).reshape(-1) * _signs(codes.numel(), seed, codes.device)

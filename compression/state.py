@@ -20,6 +20,9 @@ class LinkState:
         self.buffers = buffers
         if buffers is None and codec_class(config.name).uses_buffers:
             self.buffers = make_store(config.buffer_capacity, config.torch_buffer_dtype, config.buffer_path)
+        if self.buffers is not None:  # the config's budget and policy, on whatever store the runtime made
+            self.buffers.eviction = config.buffer_eviction
+            self.buffers.limit_bytes(config.buffer_budget_bytes)
         self.residual: torch.Tensor | None = None
         self.warm: torch.Tensor | None = None
         """lowrank: the encoder's Q of its last message, the next power iteration's warm start (sender-local)"""

@@ -141,9 +141,14 @@ class CodecFlags:
     """seed of the stochastic rounding"""
     buffer_dir: str | None = None
     """keep AQ-SGD buffers in memory-mapped files here (data larger than RAM)"""
+    buffer_budget_bytes: int = 0
+    """bytes of AQ-SGD buffers each link end may hold, in RAM or in --buffer-dir; past it the least recently seen
+    sample is evicted and travels as a first sight when it comes back (0: no budget). Give both ends of a link the
+    same budget"""
 
     def build(self) -> dict[str, CodecConfig]:
         common = dict(group_size=self.group_size, zstd_level=self.zstd_level, seed=self.codec_seed)
+        common["buffer_budget_bytes"] = self.buffer_budget_bytes or 0
         forward_extra = {"buffer_dir": str(self.buffer_dir)} if self.buffer_dir else {}  # one file per link end
         return {
             "fw_codec": CodecConfig.parse(self.fw_codec, **common, **forward_extra),
@@ -157,7 +162,7 @@ class CodecFlags:
             default if CodecConfig.parse(default) == c else _full_label(c)
             for c, default in ((forward, DEFAULT_FORWARD_CODEC), (backward, DEFAULT_BACKWARD_CODEC))
         ]
-        return cls(*labels, None, forward.zstd_level, forward.seed, forward.buffer_dir)
+        return cls(*labels, None, forward.zstd_level, forward.seed, forward.buffer_dir, forward.buffer_budget_bytes)
 
 
 def codec_configs(args: argparse.Namespace) -> tuple[CodecConfig, CodecConfig]:

@@ -69,6 +69,9 @@ class CodecsBench:
     10x channels, and/or captured from training the default model), with code entropy"""
     delta_epochs: int = 4
     """--deltas model: epochs of training to capture"""
+    first_sights: str | None = field(default=None, metadata=flag(choices=("synthetic", "model", "all")))
+    """instead of the codec table: how first sights (activations without a reference) quantize: acsgd's bits with
+    and without rotation, ternary, 1-bit, tile-wise adaptive bits, with code entropy against zstd"""
 
 
 _FLAGS = Flags(CodecsBench)
@@ -189,6 +192,8 @@ def _bitsandbytes(x: torch.Tensor, bench: CodecsBench) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     bench = _FLAGS.from_args(args)
+    if bench.first_sights:
+        return _run_first_sights(bench)
     if bench.deltas:
         return _run_deltas(bench)
     if bench.quick:
@@ -222,4 +227,26 @@ def _run_deltas(bench: CodecsBench) -> int:
     rows = delta_rows(sources)
     sizes = ", ".join(f"{k}: {sum(d.numel() for d in v):,} elements" for k, v in sources.items())
     emit(rows, DELTA_COLUMNS, bench.json, f"AQ-SGD deltas ({sizes}; {time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+def _run_first_sights(bench: CodecsBench) -> int:
+    from swarm.bench.codec_first_sights import (
+        FIRST_SIGHT_COLUMNS,
+        first_sight_rows,
+        model_activations,
+        synthetic_activations,
+    )
+
+    started, sources = time.perf_counter(), {}
+    if bench.first_sights in ("synthetic", "all"):
+        sources["synthetic"] = synthetic_activations(
+            n=1 if bench.quick else 4, shape=(2 if bench.quick else 4, 128, 128)
+        )
+    if bench.first_sights in ("model", "all"):
+        say = (lambda _: None) if bench.json else print
+        sources["model"] = model_activations(epochs=1 if bench.quick else 2, say=say)
+    rows = first_sight_rows(sources)
+    sizes = ", ".join(f"{k}: {sum(a.numel() for a in v):,} elements" for k, v in sources.items())
+    emit(rows, FIRST_SIGHT_COLUMNS, bench.json, f"first sights ({sizes}; {time.perf_counter() - started:.1f} s)")
     return 0

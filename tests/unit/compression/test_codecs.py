@@ -165,7 +165,7 @@ def test_restarted_receiver_reports_a_miss_and_a_full_resend_recovers():
 
 
 def test_aqsgd_at_capacity_sends_new_samples_in_full_every_time():
-    cfg = CodecConfig(name="aqsgd", bits=2, buffer_capacity=2)
+    cfg = CodecConfig(name="aqsgd", bits=2, buffer_capacity=2, buffer_eviction="none")
     codec = make_codec(cfg)
     send, recv = LinkState(cfg), LinkState(cfg)
     x = torch.randn(3, 40)
