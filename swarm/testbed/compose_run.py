@@ -203,11 +203,11 @@ def choose_base_image(requested: str, repo: Path, log: Path, say: Callable[[str]
     pull = run_command(["docker", "pull", DEFAULT_BASE_IMAGE], timeout_s=600, check=False)
     if pull.returncode == 0:
         return DEFAULT_BASE_IMAGE
-    reason = (pull.stderr.strip().splitlines() or ["no answer"])[-1]
+    reason = (pull.stderr.strip().splitlines() or ["no answer"])[-1].rsplit(": ", 1)[-1][:100]
     if _image_exists(LOCAL_BASE_IMAGE):
-        say(f"no registry ({reason[:120]}); using {LOCAL_BASE_IMAGE}")
+        say(f"cannot pull {DEFAULT_BASE_IMAGE} ({reason}); using {LOCAL_BASE_IMAGE}")
         return LOCAL_BASE_IMAGE
-    say(f"no registry ({reason[:120]}); making {LOCAL_BASE_IMAGE} from Debian's packages (log: {log})")
+    say(f"cannot pull {DEFAULT_BASE_IMAGE} ({reason}); making {LOCAL_BASE_IMAGE} from Debian's packages (log: {log})")
     if shutil.which("debootstrap") is None:
         raise RuntimeError(f"cannot pull {DEFAULT_BASE_IMAGE} and debootstrap is missing: apt-get install debootstrap")
     code = _logged([str(repo / "docker" / "make-base-image.sh"), LOCAL_BASE_IMAGE], log, 1800.0)
@@ -261,6 +261,15 @@ def build_image(context: Path, base: str, wheel: Path | None, log: Path, timeout
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"docker build exited with code {code}; log: {log}\n{tail}")
     return time.monotonic() - started
+
+
+def _check_image() -> None:
+    """The built image imports every package of the project (from any working directory) and has tc."""
+    probe = "import swarm.cli, swarm.compression, swarm.kernels, swarm.peers, swarm.proto, swarm.testbed.compose"
+    argv = ["docker", "run", "--rm", "--entrypoint", "sh", IMAGE, "-c", f"python3 -c '{probe}' && tc -V"]
+    result = run_command(argv, timeout_s=300, check=False)
+    if result.returncode:
+        raise RuntimeError(f"the built image {IMAGE} is broken: {(result.stderr or result.stdout).strip()[-1500:]}")
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -378,6 +387,7 @@ def compose_run(
             say(f"building {IMAGE} from {result.base_image} (log: {run_dir / 'build.log'})")
             result.build_s = build_image(context / "ctx", result.base_image, wheel, run_dir / "build.log",
                                          opts.build_timeout_s, say)  # fmt: skip
+        _check_image()
         size = run_command(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE], timeout_s=60).stdout.strip()
         result.image_bytes = int(size) if size.isdigit() else None
         compose_file = run_dir / "compose.yaml"
