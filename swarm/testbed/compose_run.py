@@ -26,6 +26,7 @@ import ipaddress
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,8 @@ class ComposeRunResult:
     """the configured egress rate of the measured link (the testbed's --rate-mbit)"""
     measured_rate_mbit: float | None = None
     """TCP goodput between two containers, the sender shaped by the entrypoint at `rate_mbit`"""
+    rate_error: str | None = None
+    """why the rate was not measured (the run's outcome stands: the trainer's exit code)"""
     run_dir: str = ""
     steps_csv: str | None = None
     plot: str | None = None
@@ -305,7 +308,7 @@ with socket.create_connection((host, port), timeout=timeout) as s:
 """
 
 
-def measure_container_rate(cfg: TestbedConfig, rate_mbit: float, timeout_s: float = 120.0) -> float:
+def measure_container_rate(cfg: TestbedConfig, rate_mbit: float, timeout_s: float = 300.0) -> float:
     """TCP goodput in Mbit/s from one container of the image to another on the testbed's network, the sender's
     eth0 shaped by the entrypoint (RATE) as every service's is; timed at the receiver over the last three
     quarters, as `swarm testbed measure` does between namespaces."""
@@ -321,7 +324,8 @@ def measure_container_rate(cfg: TestbedConfig, rate_mbit: float, timeout_s: floa
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
-        line = receiver.stdout.readline().strip()  # the container's first line, or "" when it died
+        ready, _, _ = select.select([receiver.stdout], [], [], timeout_s)  # container start and imports, loaded
+        line = receiver.stdout.readline().strip() if ready else "no answer"  # "" when it died
         if line != "ready":
             raise CommandError(f"the rate receiver did not start: {line} {receiver.stderr.read()[-500:]}")
         sender = [*docker_run, "-e", f"RATE={rate_mbit:g}", IMAGE, "python3", "-c", _SENDER, address]
@@ -403,8 +407,12 @@ def compose_run(
             say(f"the trainer exited with code {result.exit_code} after {result.up_s:.0f} s")
             _collect(project, run_dir, result)
             if opts.measure_rate:
-                result.measured_rate_mbit = measure_container_rate(compose_config(cfg), cfg.egress.rate_mbit)
-                say(f"shaped rate in a container: {result.measured_rate_mbit:.1f} of {cfg.egress.rate_mbit:g} Mbit/s")
+                try:
+                    result.measured_rate_mbit = measure_container_rate(compose_config(cfg), cfg.egress.rate_mbit)
+                    say(f"shaped rate in a container: {result.measured_rate_mbit:.1f} of {result.rate_mbit:g} Mbit/s")
+                except CommandError as e:
+                    result.rate_error = str(e)
+                    say(f"the shaped rate was not measured: {e}")
         finally:
             run_command([*project, "down", "-v", "--remove-orphans"], timeout_s=300, check=False)
     except (CommandError, RuntimeError, ValueError) as e:

@@ -396,7 +396,7 @@ def _compose_run(args: argparse.Namespace) -> int:
 
 def _compose_run_summary(r: ComposeRunResult) -> str:
     size = f"{r.image_bytes / 1e9:.2f} GB" if r.image_bytes else "?"
-    rate = f"{r.measured_rate_mbit:.1f}" if r.measured_rate_mbit is not None else "not measured"
+    rate = f"{r.measured_rate_mbit:.1f}" if r.measured_rate_mbit is not None else f"not measured ({r.rate_error})"
     loss = f"{r.first_loss:.4f} -> {r.final_loss:.4f}" if r.final_loss is not None and r.first_loss else "none"
     return "\n".join([
         f"compose run: trainer exit code {r.exit_code}, {r.steps} steps, loss {loss}",

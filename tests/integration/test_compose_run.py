@@ -59,6 +59,7 @@ def test_compose_run_builds_trains_measures_and_leaves_nothing(tmp_path):
     assert summary["exit_code"] == 0 and summary["steps"] == 2  # 16 samples, batches of 8, one epoch
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] > 0
     assert summary["build_s"] > 0 and summary["image_bytes"] > 100e6
+    assert summary["measured_rate_mbit"] is not None, summary["rate_error"]
     assert 0.8 * 20 <= summary["measured_rate_mbit"] <= 20.5, "tbf at 20 Mbit/s inside a container"
     for name in ("steps_csv", "summary", "plot"):
         assert summary[name] and os.path.isfile(summary[name]), name
