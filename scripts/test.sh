@@ -22,7 +22,7 @@ swarms=(
     tests/integration/test_torch_baseline.py tests/integration/test_churn_peers.py
     tests/integration/test_attacks_quick.py tests/integration/test_throttled.py
     tests/integration/test_owned_failover.py tests/integration/test_planner_failover.py
-    tests/integration/test_replan.py
+    tests/integration/test_replan.py tests/integration/test_netns_firewall.py
 )
 logs="$(mktemp -d)"
 pids=()

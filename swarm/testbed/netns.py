@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from swarm.testbed.firewall import accept_bridge_commands, iptables_available, remove_rule_commands
 from swarm.testbed.nat_routers import nat_node_commands, router_commands
 from swarm.testbed.services import Service, TestbedConfig, nat_names, testbed_services
 
@@ -93,16 +94,22 @@ def lay_out_testbed(cfg: TestbedConfig, shared_dir: str) -> TestbedLayout:
     return TestbedLayout(cfg, f"{cfg.prefix}br0", ipaddress.ip_network(cfg.subnet).prefixlen, nodes)
 
 
-def setup_commands(layout: TestbedLayout) -> list[list[str]]:
+def setup_commands(layout: TestbedLayout, iptables: bool | None = None) -> list[list[str]]:
     """Bridge, then per node: namespace, veth pair (one end on the bridge), loopback, address, shaping.
     With NAT'd peers, first the NAT router, and those peers' veths end on its LAN (`swarm.testbed.nat_routers`).
-    The root side gets no IPv6 link-local address, so the host itself never talks on the bridge."""
+    The root side gets no IPv6 link-local address, so the host itself never talks on the bridge. With
+    `iptables` (None: where the host has it), an ACCEPT rule for the bridge's own traffic comes right after
+    the bridge, so a docker engine's FORWARD DROP policy does not cut it (`swarm.testbed.firewall`)."""
     br = layout.bridge
     commands = [
         ["ip", "link", "add", br, "type", "bridge"],
         ["ip", "link", "set", br, "addrgenmode", "none"],
         ["ip", "link", "set", br, "up"],
     ]
+    if iptables is None:
+        iptables = iptables_available()
+    if iptables:
+        commands += accept_bridge_commands(br)
     behind_nat = nat_names(layout.config)
     if behind_nat:
         commands += router_commands(layout)
@@ -262,7 +269,8 @@ class SweepReport:
 
 def sweep(prefix: str, grace_s: float = 10.0, say: Callable[[str], None] = lambda _: None) -> SweepReport:
     """Stops every process in a namespace named with `prefix` (SIGTERM, then SIGKILL after `grace_s`),
-    deletes those namespaces and every root-namespace link with the prefix. Needs no state file."""
+    deletes those namespaces, every root-namespace link with the prefix and every FORWARD rule the testbed
+    added for such a bridge. Needs no state file."""
     namespaces = list_namespaces(prefix)
     pids = sorted({pid for ns in namespaces for pid in namespace_pids(ns)})
     if pids:
@@ -285,10 +293,19 @@ def sweep(prefix: str, grace_s: float = 10.0, say: Callable[[str], None] = lambd
     links = list_links(prefix)
     for link in links:  # the bridge; veth ends went with their namespaces
         run_command(["ip", "link", "del", link], check=False)
-    left = list_namespaces(prefix) + list_links(prefix)
+    for command in _forward_rule_removals(prefix):
+        run_command(command, check=False)
+    left = list_namespaces(prefix) + list_links(prefix) + [" ".join(c) for c in _forward_rule_removals(prefix)]
     if left:
         raise CommandError(f"could not remove {', '.join(left)}")
     return SweepReport(tuple(pids), tuple(namespaces), tuple(links))
+
+
+def _forward_rule_removals(prefix: str) -> list[list[str]]:
+    """Commands deleting the FORWARD rules the testbeds of `prefix` added (none without iptables)."""
+    if not iptables_available():
+        return []
+    return remove_rule_commands(run_command(["iptables", "-w", "5", "-S", "FORWARD"], check=False).stdout, prefix)
 
 
 def qdisc_stats(namespace: str, dev: str) -> dict | None:

@@ -6,7 +6,8 @@ until every stage is announced in the DHT and, with `--train`, trains and prints
 testbed stays up until `down`, which stops every process and removes every namespace and link, also
 after a crash of `up` itself (it sweeps everything named with the prefix). `compose` prints the docker
 compose file running the same services, `shape` is the tc half of the container entrypoint, and
-`measure` reports how closely a tc-shaped link holds its rate.
+`measure` reports how closely a tc-shaped link holds its rate. `compose-run` builds the image and runs the
+compose file end to end (`compose_run`).
 
 This module parses the flags and prints; the work is in `lifecycle` (up, train, down), `status`,
 `compose`, `netns` (namespaces, links, tc) and `services` (what runs).
@@ -21,12 +22,14 @@ import json
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.flags import Flags, flag
 from swarm.testbed.compose import render_compose
+from swarm.testbed.compose_engine import EngineUnavailable
+from swarm.testbed.compose_run import ComposeRunOptions, ComposeRunResult
 from swarm.testbed.lifecycle import bring_up, take_down, train_in
 from swarm.testbed.netns import (
     FALLBACK_HINT,
@@ -45,7 +48,7 @@ if TYPE_CHECKING:
     from swarm.daemon.peer_config import PeerConfig
     from swarm.train.trainer import TrainConfig
 
-__all__ = ["Layout", "Location", "Shape", "add_arguments", "config_from_args", "run", "run_in_testbed"]
+__all__ = ["ComposeRun", "Layout", "Location", "Shape", "add_arguments", "config_from_args", "run", "run_in_testbed"]
 
 DEFAULT_RUN_DIR = "runs/testbed"
 
@@ -138,6 +141,14 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class ComposeRun:
+    """`swarm testbed compose-run`: the swarm of `compose`, built and run under docker compose."""
+
+    layout: Layout = field(default_factory=Layout)
+    options: ComposeRunOptions = field(default_factory=ComposeRunOptions)
+
+
+@dataclass(frozen=True)
 class Measure:
     """`swarm testbed measure`: goodput of a tc-shaped veth link at several rates."""
 
@@ -173,6 +184,12 @@ _ACTIONS: dict[str, tuple[Flags, str, str]] = {
     "shape": (
         Flags(Shape), "shape one interface's egress with tc (the docker entrypoint's half)",
         "Apply the testbed's tc shaping to one interface of this namespace (or print it).",
+    ),
+    "compose-run": (
+        Flags(ComposeRun), "build the image and run the compose testbed end to end (docker)",
+        "Build docker/Dockerfile (offline base image and host CA certificates where needed), run the compose file "
+        "until the trainer exits, collect its steps.csv, plot and summary, measure a shaped link between two "
+        "containers, and take everything down. Starts dockerd if it is installed but not running.",
     ),
     "measure": (
         Flags(Measure), "goodput of a tc-shaped veth link at several rates (needs root)",
@@ -290,6 +307,7 @@ def run_in_testbed(
 
 def run(args: argparse.Namespace) -> int:
     handlers = {"up": _up, "status": _status, "down": _down, "compose": _compose, "shape": _shape, "measure": _measure}
+    handlers["compose-run"] = _compose_run
     try:
         return handlers[args.action](args)
     except Unavailable as e:
@@ -363,6 +381,32 @@ def _status(args: argparse.Namespace) -> int:
 def _compose(args: argparse.Namespace) -> int:
     sys.stdout.write(render_compose(config_from_args(args)))
     return 0
+
+
+def _compose_run(args: argparse.Namespace) -> int:
+    from swarm.testbed.compose_run import compose_run, find_repo
+
+    flags: ComposeRun = _ACTIONS["compose-run"][0].from_args(args)
+    try:
+        result = compose_run(flags.layout.config(), flags.options, find_repo(), _say)
+    except EngineUnavailable as e:
+        print(f"swarm testbed compose-run: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(result)) if flags.options.json else _compose_run_summary(result))
+    return 0 if result.exit_code == 0 else result.exit_code or 1
+
+
+def _compose_run_summary(r: ComposeRunResult) -> str:
+    size = f"{r.image_bytes / 1e9:.2f} GB" if r.image_bytes else "?"
+    rate = f"{r.measured_rate_mbit:.1f}" if r.measured_rate_mbit is not None else f"not measured ({r.rate_error})"
+    loss = f"{r.first_loss:.4f} -> {r.final_loss:.4f}" if r.final_loss is not None and r.first_loss else "none"
+    return "\n".join([
+        f"compose run: trainer exit code {r.exit_code}, {r.steps} steps, loss {loss}",
+        f"image: {size} from {r.base_image}, built in {r.build_s or 0:.0f} s (torch: {r.torch_wheel or 'index'})",
+        f"run: {r.up_s or 0:.0f} s; shaped rate in a container: {rate} Mbit/s of {r.rate_mbit:g}",
+        f"outputs: {r.run_dir} (steps.csv, plot, summary.json, logs, result.json)",
+        *([f"host settings put back: {', '.join(r.restored)}"] if r.restored else []),
+    ])  # fmt: skip
 
 
 def _shape(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import pytest
 
 from swarm.testbed import nat_routers, services
 from swarm.testbed import testbed_cli as testbed
-from swarm.testbed.compose import SHARED_DIR, render_compose
+from swarm.testbed.compose import SHARED_DIR, compose_config, render_compose
 from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
@@ -39,7 +39,7 @@ def test_nat_peers_get_private_addresses_behind_the_router():
 
 def test_setup_puts_nat_peers_behind_a_masquerading_router():
     plan = lay_out_testbed(CFG, "/run")
-    commands = [" ".join(c) for c in setup_commands(plan)]
+    commands = [" ".join(c) for c in setup_commands(plan, iptables=False)]  # the root's own rule: test_firewall
     router = "ip netns add swt-nat"
     assert router in commands
     ipt = "ip netns exec swt-nat iptables -w 5"
@@ -67,7 +67,7 @@ def test_setup_puts_nat_peers_behind_a_masquerading_router():
 
 
 def test_without_nat_the_testbed_is_unchanged():
-    commands = setup_commands(lay_out_testbed(services.TestbedConfig(peers=4), "/run"))
+    commands = setup_commands(lay_out_testbed(services.TestbedConfig(peers=4), "/run"), iptables=False)
     assert not any("swt-nat" in " ".join(c) or "iptables" in c for c in commands)
 
 
@@ -84,16 +84,17 @@ def test_nat_unavailable_says_how_to_install(monkeypatch):
 
 
 def test_compose_has_a_nat_router_and_a_lan_per_nat_peer():
+    """In compose's own subnets (compose_config): the namespace testbed's shifted from 10.77/10.78 to 10.177/10.178."""
     yaml = pytest.importorskip("yaml")
     doc = yaml.safe_load(render_compose(CFG))
     router = doc["services"]["natrouter"]
     assert router["networks"] == {
-        "swarm": {"ipv4_address": "10.77.0.4"},
-        "lan1": {"ipv4_address": "10.78.0.20"},
-        "lan3": {"ipv4_address": "10.78.0.52"},
+        "swarm": {"ipv4_address": "10.177.0.4"},
+        "lan1": {"ipv4_address": "10.178.0.20"},
+        "lan3": {"ipv4_address": "10.178.0.52"},
     }
     assert router["sysctls"] == {"net.ipv4.ip_forward": 1} and "NET_ADMIN" in router["cap_add"]
-    for i, subnet, gateway in ((1, "10.78.0.16/28", "10.78.0.20"), (3, "10.78.0.48/28", "10.78.0.52")):
+    for i, subnet, gateway in ((1, "10.178.0.16/28", "10.178.0.20"), (3, "10.178.0.48/28", "10.178.0.52")):
         assert doc["networks"][f"lan{i}"]["internal"] is True
         assert doc["networks"][f"lan{i}"]["ipam"]["config"] == [{"subnet": subnet}]
         svc = doc["services"][f"peer{i}"]
@@ -121,6 +122,6 @@ def test_entrypoint_routes_a_nat_peer_through_the_router():
     yaml = pytest.importorskip("yaml")
     svc = yaml.safe_load(render_compose(CFG))["services"]["peer1"]
     lines = _dry_run("entrypoint.sh", svc["command"], {k: str(v) for k, v in svc["environment"].items()})
-    assert "ip route replace default via 10.78.0.20" in lines[: lines.index("--")]
-    peer1 = next(s for s in services.testbed_services(CFG, SHARED_DIR) if s.name == "peer1")
+    assert "ip route replace default via 10.178.0.20" in lines[: lines.index("--")]
+    peer1 = next(s for s in services.testbed_services(compose_config(CFG), SHARED_DIR) if s.name == "peer1")
     assert lines[lines.index("--") + 1 :] == list(peer1.argv)

@@ -18,7 +18,7 @@ from swarm import cli
 from swarm.model.gpt import ModelConfig
 from swarm.testbed import lifecycle, netns, services
 from swarm.testbed import testbed_cli as testbed
-from swarm.testbed.compose import SHARED_DIR, compose_service, entrypoint_argv, render_compose
+from swarm.testbed.compose import SHARED_DIR, compose_config, compose_service, entrypoint_argv, render_compose
 from swarm.testbed.netns import lay_out_testbed, setup_commands, shaping_commands, tbf_burst_bytes, tbf_limit_bytes
 from swarm.testbed.services import METRICS_PORT, PEER_PORT, LinkRate, process_argv
 from swarm.testbed.testbed_status import metrics_url, render_status
@@ -337,6 +337,7 @@ def test_compose_runs_the_namespace_testbeds_services(cfg):
     yaml = pytest.importorskip("yaml")
     text = (DOCKER / "compose.yaml").read_text() if cfg == services.TestbedConfig() else render_compose(cfg)
     doc = yaml.safe_load(text)
+    cfg = compose_config(cfg)  # the same services in compose's own subnets (test_compose_subnets_are_its_own)
     expected = {s.name: s for s in services.testbed_services(cfg, SHARED_DIR)}
     assert list(doc["services"]) == list(expected)
     assert doc["networks"]["swarm"]["ipam"]["config"] == [{"subnet": cfg.subnet}]
@@ -374,15 +375,36 @@ def test_entrypoint_shapes_like_the_namespace_testbed_and_hands_delay_to_the_pee
 
 
 def test_dockerfile_installs_the_project_with_cpu_torch_and_the_entrypoint():
+    """The base image is a build argument (python:3.11-slim where a registry is reachable), torch is pinned to
+    the CPU build so an ignored wheel source fails the build instead of pulling CUDA torch."""
     text = (DOCKER / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    assert lines[0] == "FROM python:3.11-slim"
+    assert lines[:2] == ["ARG BASE_IMAGE=python:3.11-slim", "FROM ${BASE_IMAGE} AS system"]
     assert any("iproute2" in line for line in lines), "the entrypoint needs tc"
-    torch = next(line for line in lines if "torch==" in line)
-    assert "torch==2.13.0" in torch and "--index-url https://download.pytorch.org/whl/cpu" in torch
-    assert any(line.startswith("RUN pip install --no-cache-dir .") for line in lines)
+    assert "ARG TORCH=torch==2.13.0+cpu" in lines and "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in lines
+    assert any('pip install --find-links /tmp/wheels $index "$TORCH"' in line for line in lines)
+    assert lines.index("FROM system") > next(i for i, line in enumerate(lines) if "$TORCH" in line), (
+        "the wheel stays in the build stage"
+    )
+    assert lines.index("COPY --from=build /opt/venv /opt/venv") == lines.index("FROM system") + 1
+    assert any(line.startswith("RUN pip install --no-deps .") for line in lines), "the project on the venv"
     assert 'ENTRYPOINT ["/opt/swarm/docker/entrypoint.sh"]' in lines
     assert os.access(DOCKER / "entrypoint.sh", os.X_OK)
+
+
+def test_compose_subnets_are_its_own():
+    """A compose run and a namespace testbed share one host: the default subnets move, explicit ones stay."""
+    ns_default = services.TestbedConfig(nat=(1,))
+    moved = compose_config(ns_default)
+    for a, b in ((moved.subnet, ns_default.subnet), (moved.nat_subnet, ns_default.nat_subnet)):
+        assert not ipaddress.ip_network(a).overlaps(ipaddress.ip_network(b))
+    assert not ipaddress.ip_network(moved.subnet).overlaps(ipaddress.ip_network(ns_default.nat_subnet))
+    assert moved.subnet == "10.177.0.0/24" and {s.address for s in services.testbed_services(moved, "/x")} == {
+        "10.177.0.2", "10.177.0.3", "10.177.0.10", "10.178.0.26"
+    }  # fmt: skip
+    explicit = services.TestbedConfig(subnet="10.99.0.0/24", nat_subnet="10.98.0.0/20")
+    assert compose_config(explicit) == explicit
+    assert "10.77." not in (DOCKER / "compose.yaml").read_text()
 
 
 def test_testbed_peers_default_to_the_swarms_codecs():
