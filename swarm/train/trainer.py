@@ -40,6 +40,7 @@ from swarm.train.steplog import StepLog, counter_columns, step_columns, step_row
 from swarm.train.summary_text import format_summary, step_time_spread  # noqa: F401  (format_summary re-exported)
 
 if TYPE_CHECKING:
+    from swarm.model.data import DataReport
     from swarm.peers.dht import DHTConfig
     from swarm.peers.routes import PlanRoutes
 
@@ -387,7 +388,7 @@ def train(
         log.close()
         if ended:  # else the journal keeps the step that failed open (or committed): a resume settles it
             journal.close(step)
-    return summarize(cfg.setting, log, held, follower, started, out)
+    return summarize(cfg.setting, log, held, follower, started, out, report)
 
 
 def step_record(setting: str, result, step: int, epoch: int, batch, follower: PlanFollower, retries: int) -> dict:
@@ -410,9 +411,12 @@ def step_record(setting: str, result, step: int, epoch: int, batch, follower: Pl
     }
 
 
-def summarize(setting: str, log: StepLog, held: HeldOut, follower: PlanFollower, started: float, out: Path):
+def summarize(
+    setting: str, log: StepLog, held: HeldOut, follower: PlanFollower, started: float, out: Path, report: DataReport
+):
     """The run's `TrainSummary` from its step log, its held-out points and the plan it ended on (`started`: the
-    `time.perf_counter()` of its first step), written to `out`/summary.json beside the loss plot (`out`/loss.png)."""
+    `time.perf_counter()` of its first step; `report`: the data it trained on, whose digests it records), written
+    to `out`/summary.json beside the loss plot (`out`/loss.png)."""
     from swarm.plots import Panel, moving_average, save_line_plots
 
     route = follower.route
