@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarm.compression import CodecConfig, WireLimits, codec_class, decoder_for, make_codec
+from swarm.compression import CodecConfig, WireError, WireLimits, codec_class, decoder_for, make_codec
 from swarm.compression.state import LinkState
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, name_failure, tensor_items
 from swarm.runtime.callinfo import info_to_wire
@@ -46,7 +46,19 @@ from swarm.runtime.messages import CallInfo, ReduceOrder, ReduceReport, StageCal
 if TYPE_CHECKING:
     from swarm.runtime.host import StageHost
 
-__all__ = ["MAX_GROUP", "GradientAverager", "flatten_grads", "parameters_digest", "sampled_digest", "unflatten_into"]
+__all__ = [
+    "DEFAULT_SUM_CODEC",
+    "MAX_GROUP",
+    "GradientAverager",
+    "flatten_grads",
+    "parameters_digest",
+    "sampled_digest",
+    "unflatten_into",
+]
+
+DEFAULT_SUM_CODEC = "topk2+ef+k64+g4096"
+"""The replicas' sum over compressed links: 64 of every 4096 elements, a sign and a 1-bit magnitude each, error
+feedback (SparseLoCo's message without its local steps)."""
 
 MAX_GROUP = 64
 """Most replicas of one stage in a Reduce group (the roster bounds it further where calls are authorized)."""
@@ -132,6 +144,15 @@ class GradientAverager:
     """Fewest bits per weight-gradient element in a sum, whatever the backward codec's: what the planner's cost
     model assumes (`ModelSpec.gradient_bits`); with 4 the replicas' sum trained measurably worse (see
     docs/ARCHITECTURE.md). A class attribute, so a measurement can set it lower."""
+    sum_codec: str | None = DEFAULT_SUM_CODEC
+    """The stage group's codec when the backward codec is compressed and the plan names none: the top `keep` of
+    every group with 2-bit magnitudes and error feedback carried across steps (`swarm.compression.codec_topk`); about
+    0.23 bits an element where 8-bit gradq took 8.1 (docs/REPLICAS.md#the-replicas-sum-sparsified). None: the
+    backward codec's sum config at `min_bits`, as before. A class attribute, so a measurement can set it."""
+    max_norm_ratio = 64.0
+    """A member's decoded message may be at most this many times this member's own message's norm: a larger one (a
+    liar's huge residual, a corrupted sender) is refused by name before anything is summed. Honest replicas'
+    messages differ by their share of the batch and their residuals' ages, a few times at most."""
     tied_min_bits = 4
     """The same floor for the tied embedding's gradient, whose error feedback carries across steps: in the
     convergence run (acsgd2+ch forward, gradq2+ef+rot+nr+cs backward) 4 bits gave +0.76% held-out vs fp32 at
@@ -338,14 +359,10 @@ class GradientAverager:
         sent = self._send_all(info, msg, config, peers, addresses, me, end)
         keys = [(p if keyed_by_peer else f"#{i}") for i, p in enumerate(peers)]
         received = self._wait(request.step, tied, keys, peers, me, end)
+        parts = self._decode_all(request.step, tied, msg, received, keys, peers, me, config)
         # every member adds the same decoded messages in the same (group) order: bit-identical sums
-        limits = self.limits
         total = torch.zeros(group.numel)
-        for i in range(len(peers)):
-            message = msg if i == me else received[keys[i]]
-            part = decoder_for(message, config).decode(message, limits=limits).float()
-            if part.shape != total.shape:  # never sum vectors of two layouts (received ones were checked already)
-                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"member {peers[i]} sent {list(part.shape)}")
+        for part in parts:
             total += part
         with host.compute_lock, self._arrived:
             if host.open_step != request.step or group.reduced is not None:
@@ -361,6 +378,34 @@ class GradientAverager:
         link = "tied" if tied else "average"
         host.metrics.fp32_bytes.labels(link, link).inc(fp32)
         return sent, fp32
+
+    def _decode_all(self, step: int, tied: bool, msg, received, keys, peers, me: int, config) -> list[torch.Tensor]:
+        """Every member's decoded message in group order, once each is known to be well formed, of the group's
+        size, and (stage group) no larger than `max_norm_ratio` times this member's own: a bad one fails the Reduce
+        naming its sender before anything is summed (this member's error feedback never holds another's message)."""
+        what = "tied gradient" if tied else "gradients"
+        parts = []
+        for i in range(len(peers)):
+            message = msg if i == me else received[keys[i]]
+            try:
+                part = decoder_for(message, config).decode(message, limits=self.limits).float()
+            except WireError as e:
+                raise CallRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"member {peers[i]}'s {what} for step {step}: {e}; nothing summed"
+                ) from None
+            if part.shape != (self.groups[tied].numel,):  # never sum two layouts (received ones were checked already)
+                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"member {peers[i]} sent {list(part.shape)}")
+            parts.append(part)
+        own = float(parts[me].norm())
+        for i, part in enumerate(parts if not tied else ()):  # the tied group's ends differ by nature (embedding, head)
+            norm = float(part.norm())
+            if own > 0 and not norm <= self.max_norm_ratio * own:
+                raise CallRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"member {peers[i]}'s {what} for step {step} have norm {norm:.3g}, more than "
+                    f"{self.max_norm_ratio:g}x this member's {own:.3g}: refused, nothing summed",
+                )
+        return parts
 
     def _check_reduce(self, request: ReduceOrder, peers: list[str], addresses: list[str]) -> int:
         """This peer's index in the group, once the request is known to be for its open, finished step."""
@@ -413,8 +458,12 @@ class GradientAverager:
         cls = codec_class(cfg.name)
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)
+        if not tied and self.codecs[False] is None and cls.quantized and self.sum_codec is not None:
+            cfg = CodecConfig.parse(self.sum_codec, zstd_level=cfg.zstd_level, seed=cfg.seed)  # compressed links
+            cls = codec_class(cfg.name)
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
-        bits = max(cfg.bits, self.tied_min_bits if tied else self.min_bits) if cls.quantized else cfg.bits
+        floor = self.tied_min_bits if tied else self.min_bits
+        bits = max(cfg.bits, floor) if cls.quantized and not cls.sparse else cfg.bits  # topk: its own bits
         if tied and cls.ranked and cfg.group_size is None:  # a low-rank sum views the tied weight as it is shaped
             cfg = replace(cfg, group_size=self.host.worker.module.tied_parameter().shape[-1])
         return replace(cfg, bits=bits, error_feedback=cls.error_feedback, seed=seed)
