@@ -38,6 +38,7 @@ import grpc
 import torch
 
 from swarm.compression import CodecConfig, WireError, WireLimits, codec_class, decoder_for, make_codec
+from swarm.compression.codec_topk import DEFAULT_SUM_CODEC
 from swarm.compression.state import LinkState
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, name_failure, tensor_items
 from swarm.runtime.callinfo import info_to_wire
@@ -55,10 +56,6 @@ __all__ = [
     "sampled_digest",
     "unflatten_into",
 ]
-
-DEFAULT_SUM_CODEC = "topk2+ef+k64+g4096"
-"""The replicas' sum over compressed links: 64 of every 4096 elements, a sign and a 1-bit magnitude each, error
-feedback (SparseLoCo's message without its local steps)."""
 
 MAX_GROUP = 64
 """Most replicas of one stage in a Reduce group (the roster bounds it further where calls are authorized)."""
