@@ -33,10 +33,10 @@ from swarm.compression.quantized import SUPPORTED_BITS
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes
 from swarm.proto import wire_pb2
 
-DEFAULT_SUM_CODEC = "topk2+ef+k64+g4096"
-"""The replicas' sum over compressed links (`GradientAverager.sum_codec`, the floor of the planner's
-`AVERAGE_LADDER`): 64 of every 4096 elements, a sign and a 1-bit magnitude each, error feedback (SparseLoCo's
-message, without its local steps)."""
+SPARSE_SUM_CODEC = "topk2+ef+k64+g4096"
+"""The sparsified replicas' sum (opt-in: `GradientAverager.sum_codec`, or a plan's epilogue codec): 64 of every 4096
+elements, a sign and a 1-bit magnitude each, error feedback (SparseLoCo's message, without its local steps). Not a
+default: summed every step under AdamW it trained far worse (docs/REPLICAS.md#the-replicas-sum-sparsified)."""
 DEFAULT_TOPK_GROUP = 4096
 """Elements per group when the config names none (SparseLoCo's chunk): 12-bit offsets."""
 DEFAULT_KEEP_SHARE = 64

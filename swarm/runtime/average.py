@@ -38,7 +38,6 @@ import grpc
 import torch
 
 from swarm.compression import CodecConfig, WireError, WireLimits, codec_class, decoder_for, make_codec
-from swarm.compression.codec_topk import DEFAULT_SUM_CODEC
 from swarm.compression.state import LinkState
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, name_failure, tensor_items
 from swarm.runtime.callinfo import info_to_wire
@@ -48,7 +47,6 @@ if TYPE_CHECKING:
     from swarm.runtime.host import StageHost
 
 __all__ = [
-    "DEFAULT_SUM_CODEC",
     "MAX_GROUP",
     "GradientAverager",
     "flatten_grads",
@@ -141,11 +139,13 @@ class GradientAverager:
     """Fewest bits per weight-gradient element in a sum, whatever the backward codec's: what the planner's cost
     model assumes (`ModelSpec.gradient_bits`); with 4 the replicas' sum trained measurably worse (see
     docs/ARCHITECTURE.md). A class attribute, so a measurement can set it lower."""
-    sum_codec: str | None = DEFAULT_SUM_CODEC
-    """The stage group's codec when the backward codec is compressed and the plan names none: the top `keep` of
-    every group with 2-bit magnitudes and error feedback carried across steps (`swarm.compression.codec_topk`); about
-    0.23 bits an element where 8-bit gradq took 8.1 (docs/REPLICAS.md#the-replicas-sum-sparsified). None: the
-    backward codec's sum config at `min_bits`, as before. A class attribute, so a measurement can set it."""
+    sum_codec: str | None = None
+    """The stage group's codec when the backward codec is compressed and the plan names none, a codec label (e.g.
+    `swarm.compression.codec_topk.SPARSE_SUM_CODEC`); None: the backward codec's sum config at `min_bits`. A class
+    attribute, so a measurement can set it (scripts/measure_sum_codecs.py; docs/REPLICAS.md has the figures)."""
+    precondition = False
+    """Quantize the stage group's lossy sums in AdamW's units (`_preconditioner`); off until measured. A class
+    attribute, so a measurement can turn it on."""
     max_norm_ratio = 64.0
     """A member's decoded message may be at most this many times this member's own message's norm: a larger one (a
     liar's huge residual, a corrupted sender) is refused by name before anything is summed. Honest replicas'
@@ -338,6 +338,9 @@ class GradientAverager:
         with host.compute_lock:
             self.relayout()
             own = host.worker.tied_grad().reshape(-1).float().cpu() if tied else flatten_grads(self.trained)
+            scale = None if tied or not codec_class(config.name).quantized else self._preconditioner()
+            if scale is not None:  # quantized where AdamW moves the weights: every element at the same scale
+                own = own * scale
             state = LinkState(config)
             state.residual, state.warm = group.residual, group.warm
             msg = codec.encode(own, state=state)
@@ -361,6 +364,8 @@ class GradientAverager:
         total = torch.zeros(group.numel)
         for part in parts:
             total += part
+        if scale is not None:  # the same scale on every replica (their optimizer states are equal): the same bits
+            total = total / scale
         with host.compute_lock, self._arrived:
             if host.open_step != request.step or group.reduced is not None:
                 raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step} ended while it was being reduced")
@@ -375,6 +380,28 @@ class GradientAverager:
         link = "tied" if tied else "average"
         host.metrics.fp32_bytes.labels(link, link).inc(fp32)
         return sent, fp32
+
+    def _preconditioner(self) -> torch.Tensor | None:
+        """Per trained element, 1 / (sqrt(AdamW's bias-corrected second moment) + a floor): the sum is quantized
+        after multiplying by it and divided by it after decoding, so its error is even in the units AdamW steps in
+        (a plain group quantizer zeroes a group's small elements, which AdamW then moves as far as its large ones:
+        why dense 4-bit sums trained worse). Every replica holds the same optimizer state, so the same scale.
+        None (no scaling) before the first step, with `precondition` off, or where the optimizer is not Adam's."""
+        if not self.precondition:
+            return None
+        optimizer = self.host.worker.optimizer
+        beta2 = optimizer.param_groups[0].get("betas", (0.0, 0.0))[1]
+        parts = []
+        for p in self.trained:
+            state = optimizer.state.get(p, {})
+            if "exp_avg_sq" not in state or not float(state.get("step", 0)):
+                return None
+            correction = 1 - beta2 ** float(state["step"])
+            parts.append((state["exp_avg_sq"].detach().float().cpu().reshape(-1) / correction).sqrt())
+        if not parts:
+            return None
+        root = torch.cat(parts)
+        return 1.0 / (root + max(1e-8, 0.1 * float(root.mean())))  # at most ~10x the typical element's scale
 
     def _decode_all(self, step: int, tied: bool, msg, received, keys, peers, me: int, config) -> list[torch.Tensor]:
         """Every member's decoded message in group order, once each is known to be well formed, of the group's

@@ -11,10 +11,10 @@ more, up to fp32.
 Epilogue (`choose_epilogue`, Optimus-CC's selective compression): the replicas' gradient averaging and the tied
 embedding's sync run after the pipeline drains, where nothing overlaps them: their transfer time always shows in
 the step. So they are compressed by a different rule: the widest codec of their ladder whose transfer adds at
-most `epilogue_share` of the step's pipeline time; if none does, the floor (the averager's: the sparsified sum
-for the replicas, 4 bits for the tied sync). One averaging codec per stage (each stage's replicas have their own links)
+most `epilogue_share` of the step's pipeline time; if none does, the floor (the averager's: 8 bits for the
+replicas' sum, 4 for the tied sync). One averaging codec per stage (each stage's replicas have their own links)
 and one tied codec; the plan carries them (`swarm.peers.plan_codecs.EpilogueCodecs`) and peers set them on their
-averager (`PlanDocument.epilogue_configs`). A fast link thus sums in fp32 or bf16, a slow one sparsified with error
+averager (`PlanDocument.epilogue_configs`). A fast link thus sums in fp32 or bf16, a slow one in 8 bits with error
 feedback.
 
 Re-choice (`rechoose`): a plan's codecs change only when some link's rate moved by more than `hysteresis`
@@ -28,7 +28,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from swarm.compression.codec_topk import DEFAULT_SUM_CODEC
 from swarm.peers.plan_codecs import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
 
 __all__ = [
@@ -61,12 +60,11 @@ BACKWARD_LADDER = (
 (`DEFAULT_BACKWARD_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4
 and 2 bits. Below it, ternary gradients at about 1 bit an element (`gtern`, issue 13's best setting), which a
 policy reaches only by naming it as its `backward_floor`."""
-AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024", DEFAULT_SUM_CODEC)
-"""Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is the sparsified sum
-(`swarm.compression.codec_topk`, about 0.23 bits an element with error feedback across steps); dense, 8 bits with
-error feedback is the narrowest (`GradientAverager.min_bits`: 4 trained measurably worse). bf16 rather than fp16:
-a gradient sum must not overflow, and bf16 has fp32's range."""
-TIED_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024", "gradq4+ef+rot+nr+cs+g1024")
+AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024")
+"""Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is 8 bits with error
+feedback (`GradientAverager.min_bits`: 4 trained measurably worse; the sparsified sum, `codec_topk`, far worse).
+bf16 rather than fp16: a gradient sum must not overflow, and bf16 has fp32's range."""
+TIED_LADDER = (*AVERAGE_LADDER, "gradq4+ef+rot+nr+cs+g1024")
 """Codecs of the tied embedding's sync, most precise first; the floor is 4 bits (`GradientAverager.tied_min_bits`)."""
 
 

@@ -44,7 +44,7 @@ def fig(mbit: float, elements: float = ELEMENTS, step: float = STEP) -> Epilogue
 def test_averaging_on_a_fast_link_stays_wide_and_on_a_slow_link_is_compressed():
     fast, slow = choose_epilogue([fig(100_000)], None), choose_epilogue([fig(100)], None)
     assert fast.average_labels == ("fp32",)
-    assert slow.average_labels == (AVERAGE_LADDER[-1],)  # the floor: the sparsified sum with error feedback
+    assert slow.average_labels == (AVERAGE_LADDER[-1],)  # the 8-bit floor with error feedback
     middle = choose_epilogue([fig(10_000)], None)
     assert middle.average_labels == ("bf16",)  # 16-bit: fp32 would take 80 ms > 5% of 0.9 s, bf16 40 ms fits
     assert fast.tied_label is None and "avg0 fp32" in fast.why
@@ -262,7 +262,6 @@ def test_the_planner_publishes_epilogue_codecs_and_rechooses_them_only_past_the_
 
 def test_a_peer_builds_its_averager_from_the_plan_s_epilogue_codecs():
 
-    from swarm.compression.codec_topk import DEFAULT_SUM_CODEC
     from swarm.runtime.host import StageRole
     from tests.unit.scheduler.test_bits import bare_daemon
 
@@ -274,9 +273,8 @@ def test_a_peer_builds_its_averager_from_the_plan_s_epilogue_codecs():
     assert host.averager._config(0, 0).name == "bf16"  # not the flags' gradq4
     assert host.averager._config(0, 0, tied=True).bits == 8
     bare = daemon._make_host(StageRole(1, 2, 2, 4, 3), PlanDocument.from_wire({"stages": STAGES}))
-    # no epilogue codecs over a compressed backward codec: the sparsified sum (GradientAverager.sum_codec)
-    assert bare.averager._config(0, 0).label == CodecConfig.parse(DEFAULT_SUM_CODEC).label
-    assert daemon._make_host(StageRole(1, 2, 2, 4, 3)).averager._config(0, 0).name == "topk"  # no plan: the same
+    assert bare.averager._config(0, 0).name == "gradq"  # no epilogue codecs: the backward codec, at >= 8 bits
+    assert daemon._make_host(StageRole(1, 2, 2, 4, 3)).averager._config(0, 0).name == "gradq"  # no plan: the same
 
 
 # ---- the convergence experiment's setting ----------------------------------------------------------------------

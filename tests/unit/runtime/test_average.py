@@ -14,7 +14,7 @@ from swarm.net.auth import Identity
 from swarm.net.connect import LocalRpcError
 from swarm.net.stream import tensor_items
 from swarm.proto import stage_pb2
-from swarm.runtime.average import GradientAverager, flatten_grads
+from swarm.runtime.average import flatten_grads
 from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.host import StageHost, StageRole
 from swarm.runtime.worker import StageConfig
@@ -42,8 +42,7 @@ def test_fp32_reduce_is_exactly_the_sum_of_the_replicas_gradients():
     assert sent == sum(r.wire_bytes for r in replies)
 
 
-def test_gradq_reduce_gives_every_replica_the_same_bits_and_then_the_same_weights(monkeypatch):
-    monkeypatch.setattr(GradientAverager, "sum_codec", None)  # the dense sum (a plan's gradq8); topk: test_topk_sum
+def test_gradq_reduce_gives_every_replica_the_same_bits_and_then_the_same_weights():
     pipe = Replicas(2, backward=GRADQ)
     pipe.split_step(0)
     own = [flat(pipe, r) for r in range(2)]

@@ -1,20 +1,29 @@
-"""The replicas' sum over compressed links, sparsified (topk with error feedback): replicas stay bit-identical step
-after step, a joiner's empty residual changes nothing of that, each replica's error feedback is its own, and a
+"""The replicas' sum sparsified (topk with error feedback, quantized in AdamW's units): replicas stay bit-identical
+step after step, a joiner's empty residual changes nothing of that, each replica's error feedback is its own, and a
 liar's huge or NaN message is refused by name before anything is summed."""
 
 from __future__ import annotations
 
 import grpc
+import pytest
 import torch
 
 from swarm.compression import CodecConfig, make_codec
+from swarm.compression.codec_topk import SPARSE_SUM_CODEC
 from swarm.compression.state import LinkState
 from swarm.net.connect import LocalRpcError
 from swarm.net.stream import tensor_items
 from swarm.proto import stage_pb2
-from swarm.runtime.average import DEFAULT_SUM_CODEC, flatten_grads
+from swarm.runtime.average import GradientAverager, flatten_grads
 from tests.unit.runtime.test_average import flat, pipe_identity
 from tests.unit.runtime.test_replica_host import GRADQ, Replicas
+
+
+@pytest.fixture(autouse=True)
+def sparse_sum(monkeypatch):
+    """Every replica sums with the sparsified codec, preconditioned (both opt-in)."""
+    monkeypatch.setattr(GradientAverager, "sum_codec", SPARSE_SUM_CODEC)
+    monkeypatch.setattr(GradientAverager, "precondition", True)
 
 
 def digests(pipe: Replicas) -> set[str]:
@@ -34,7 +43,7 @@ def train_steps(pipe: Replicas, steps: range) -> list:
 
 
 def test_topk_sum_keeps_two_replicas_bit_identical_over_many_steps_at_a_fraction_of_the_bytes():
-    pipe = Replicas(2, backward=GRADQ)  # a compressed backward codec: the sum is DEFAULT_SUM_CODEC's
+    pipe = Replicas(2, backward=GRADQ)  # a compressed backward codec: the sum is GradientAverager.sum_codec's
     replies = train_steps(pipe, range(12))
     for reply in (r for step in replies for r in step):
         assert reply.group_size == 2 and reply.wire_bytes < reply.fp32_wire_bytes / 40
@@ -48,9 +57,11 @@ def test_each_replica_sends_its_gradient_plus_its_residual_and_keeps_what_it_lef
     host = pipe.hosts[0]
     old = host.averager.residual.clone()
     pipe.split_step(2, seed=2)
-    own = flatten_grads(host.averager.trained)
+    scale = host.averager._preconditioner()  # AdamW's units: the same on both replicas
+    assert scale is not None and torch.equal(scale, pipe.hosts[1].averager._preconditioner())
+    own = flatten_grads(host.averager.trained) * scale
     config = host.averager._config(2, 0)
-    assert config.label == CodecConfig.parse(DEFAULT_SUM_CODEC).label
+    assert config.label == CodecConfig.parse(SPARSE_SUM_CODEC).label
     state = LinkState(config)
     state.residual = old
     sent = make_codec(config).encode(own, state=state)
@@ -73,7 +84,7 @@ def test_a_joiner_starts_with_an_empty_residual_and_the_replicas_stay_identical(
 
 def liar_items(pipe: Replicas, step: int, edit) -> list[bytes]:
     """Replica 1's Average stream of `step` as a liar sends it: a topk message tampered by `edit`."""
-    config = CodecConfig.parse(DEFAULT_SUM_CODEC, zstd_level=0)
+    config = CodecConfig.parse(SPARSE_SUM_CODEC, zstd_level=0)
     msg = make_codec(config).encode(torch.randn(pipe.hosts[0].averager.numel))
     edit(msg)
     info = stage_pb2.CallInfo(step=step, stage=0, micro_batch=1, num_micro_batches=2)
