@@ -51,7 +51,7 @@ ROW_KEYS = [
 ]
 BYTES_TARGET = 20.0
 """Issue 29's target: the no-churn setting sends at least this many times fewer bytes in all than the same tensors
-would at fp32 (the replicas' sums sparsified; 5.7x with 8-bit sums)."""
+would at fp32 (5.7x with the default 8-bit replicas' sums; docs/REPLICAS.md#the-replicas-sum-sparsified)."""
 TIME_COLUMNS = ("time", "unix_time", "wall_time", "t")
 """steps.csv columns taken as a step's completion time (unix seconds), first found wins."""
 FINAL_LOSS_STEPS = 5
