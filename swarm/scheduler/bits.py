@@ -62,8 +62,8 @@ and 2 bits. Below it, ternary gradients at about 1 bit an element (`gtern`, issu
 policy reaches only by naming it as its `backward_floor`."""
 AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024")
 """Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is 8 bits with error
-feedback (`GradientAverager.min_bits`: 4 trained measurably worse; the sparsified sum, `codec_topk`, far worse).
-bf16 rather than fp16: a gradient sum must not overflow, and bf16 has fp32's range."""
+feedback (`GradientAverager.min_bits`: 4 trained measurably worse). bf16 rather than fp16: a gradient sum must
+not overflow, and bf16 has fp32's range."""
 TIED_LADDER = (*AVERAGE_LADDER, "gradq4+ef+rot+nr+cs+g1024")
 """Codecs of the tied embedding's sync, most precise first; the floor is 4 bits (`GradientAverager.tied_min_bits`)."""
 
