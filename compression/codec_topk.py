@@ -110,11 +110,13 @@ class TopKCodec(Codec):
 
     @classmethod
     def label(cls, config) -> str:
-        """`topk2+ef+k64+g4096`: bits of the values, error feedback, elements kept and group size."""
+        """`topk2+ef+k64+g4096`: bits of the values, error feedback, and the elements kept and group size where the
+        config sets them (its density; without them, 1/64 of groups of 4096)."""
         return (
             f"{cls.name}{config.bits}"
             + ("+ef" if config.error_feedback else "")
-            + (f"+k{topk_keep(config)}+g{topk_group(config)}")
+            + (f"+k{config.keep}" if config.keep else "")
+            + (f"+g{config.group_size}" if config.group_size else "")
         )
 
     @classmethod

@@ -22,7 +22,8 @@ def roundtrip(x: torch.Tensor, config: CodecConfig = TOPK, state: LinkState | No
 
 def test_label_parses_back_and_keep_belongs_to_topk_only():
     assert TOPK.label == "topk2+ef+k8+g64" and CodecConfig.parse(TOPK.label, zstd_level=0) == TOPK
-    assert CodecConfig.parse("topk2+ef").label == "topk2+ef+k64+g4096"  # SparseLoCo's 64 of 4096 by default
+    default = CodecConfig.parse("topk2+ef")
+    assert default.label == "topk2+ef" and make_codec(default).payload_nbytes(4096) == 64 * 14 // 8 + 8  # 64 of 4096
     with pytest.raises(ValueError, match="keep"):
         CodecConfig.parse("gradq2+ef+k8")
     with pytest.raises(ValueError, match="topk keeps"):
