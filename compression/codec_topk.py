@@ -188,12 +188,13 @@ class TopKCodec(Codec):
             raise WireError("sparse.keep", f"{keep} is outside 1..{group}")
         if bits not in SUPPORTED_BITS:
             raise WireError("sparse.bits", f"unsupported bit width {bits}")
+        groups = math.ceil(numel / group)
+        lo = bytes_to_tensor(sparse.lo, torch.float32, groups, "sparse.lo")  # lengths first: nothing is allocated
+        hi = bytes_to_tensor(sparse.hi, torch.float32, groups, "sparse.hi")  # per group before the message has them
         counts = kept_counts(numel, group, keep)
-        kept, groups = int(counts.sum()), len(counts)
+        kept = int(counts.sum())
         index = unpack_fields(sparse.index, kept, index_bits(group), "sparse.index")
         codes = unpack_fields(sparse.codes, kept, bits, "sparse.codes")
-        lo = bytes_to_tensor(sparse.lo, torch.float32, groups, "sparse.lo")
-        hi = bytes_to_tensor(sparse.hi, torch.float32, groups, "sparse.hi")
         bound = decoded_bound(msg)
         if groups and not bool(((lo >= 0) & (lo <= hi) & (hi <= bound)).all()):  # NaN fails every comparison
             raise WireError("sparse.lo", f"each group needs 0 <= lo <= hi <= {bound:g} (finite)")
