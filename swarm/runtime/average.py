@@ -140,9 +140,11 @@ class GradientAverager:
     model assumes (`ModelSpec.gradient_bits`); with 4 the replicas' sum trained measurably worse (see
     docs/ARCHITECTURE.md). A class attribute, so a measurement can set it lower."""
     sum_codec: str | None = None
-    """The stage group's codec when the backward codec is compressed and the plan names none, a codec label (e.g.
-    `swarm.compression.codec_topk.SPARSE_SUM_CODEC`); None: the backward codec's sum config at `min_bits`. A class
-    attribute, so a measurement can set it (scripts/measure_sum_codecs.py; docs/REPLICAS.md has the figures)."""
+    """The stage group's codec when the backward codec is compressed and the plan names none, a codec label taken as
+    it is (no `min_bits` floor); None: the backward codec's sum config at `min_bits`. Measured in the 8-epoch
+    convergence run with 2 replicas (one seed): `gradq2+ef+rot+nr+cs+g1024` ended +0.31% held-out vs fp32 at 16.2x
+    fewer total bytes (18.0x after epoch 1), the sparsified `codec_topk.SPARSE_SUM_CODEC` +31.8% (docs/REPLICAS.md).
+    Not yet the default: the suite was not run with it. A class attribute (scripts/measure_sum_codecs.py sets it)."""
     precondition = False
     """Quantize the stage group's lossy sums in AdamW's units (`_preconditioner`); off until measured. A class
     attribute, so a measurement can turn it on."""
@@ -482,11 +484,11 @@ class GradientAverager:
         cls = codec_class(cfg.name)
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)
+        floor = self.tied_min_bits if tied else self.min_bits
         if not tied and self.codecs[False] is None and cls.quantized and self.sum_codec is not None:
             cfg = CodecConfig.parse(self.sum_codec, zstd_level=cfg.zstd_level, seed=cfg.seed)  # compressed links
-            cls = codec_class(cfg.name)
+            cls, floor = codec_class(cfg.name), 0  # the measured sum codec, as it is
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
-        floor = self.tied_min_bits if tied else self.min_bits
         bits = max(cfg.bits, floor) if cls.quantized and not cls.sparse else cfg.bits  # topk: its own bits
         if tied and cls.ranked and cfg.group_size is None:  # a low-rank sum views the tied weight as it is shaped
             cfg = replace(cfg, group_size=self.host.worker.module.tied_parameter().shape[-1])
