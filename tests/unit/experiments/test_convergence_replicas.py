@@ -42,4 +42,4 @@ def test_the_flag_sets_the_replicas():
 def test_replicas_sums_count_in_the_totals():
     one, two = sums(1), sums(2)
     assert one[0] == 0 and two[0] > 0.25 * two[1]  # the fp32 sums: a large share of a replicated run's bytes
-    assert abs(two[1] / two[2] - 1) < 0.05  # fp32 sums at fp32
+    assert two[2] >= two[1] and two[2] - one[2] >= two[0]  # the sums' fp32 equivalent is counted in the fp32 total
