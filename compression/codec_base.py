@@ -50,6 +50,8 @@ class Codec:
     """takes a rate weight (`CodecConfig.rate_percent`, label suffix `+rN`)"""
     compact_scales: ClassVar[bool] = False
     """can send its group scales in 16 bits (`CodecConfig.scale_dtype`, label suffixes `+cs`, `+bs`)"""
+    sparse: ClassVar[bool] = False
+    """sends only the `CodecConfig.keep` largest elements of each group (label suffix `+kN`)"""
     device_encoded: ClassVar[bool] = False
     """a sending end on a GPU encodes there, its message buffers kept on the device (kernels for its quantizer
     on CUDA); every other codec's ends encode on the host"""
@@ -62,6 +64,7 @@ class Codec:
         "ranked",
         "rated",
         "compact_scales",
+        "sparse",
         "device_encoded",
     )
     """The boolean traits every codec declares (its own or inherited); the registry checks them at import."""

@@ -110,6 +110,10 @@ class CodecConfig:
     factor_bits: int = 16
     """lowrank: how the factors travel, fp16 codes (16) or int8 codes (8, label suffix `+f8`), fp32 column scales."""
 
+    keep: int = 0
+    """topk: elements kept per group of `group_size` (label suffix `+kN`; 0: the codec's default, 1/64 of a group);
+    0 for every other codec."""
+
     def __post_init__(self) -> None:
         codec = codec_class(self.name)
         if codec.quantized and self.bits not in SUPPORTED_BITS:
@@ -144,6 +148,10 @@ class CodecConfig:
             raise ValueError(f"rank applies to ranked codecs ({_having('ranked')}) only, got {self.rank}")
         if self.factor_bits != 16 and not codec.ranked:
             raise ValueError(f"factor_bits (+fN) applies to ranked codecs ({_having('ranked')}) only")
+        if self.keep < 0 or (self.keep and not codec.sparse):
+            raise ValueError(
+                f"keep (+kN) is >= 0 and for the sparse codecs ({_having('sparse')}) only, got {self.keep}"
+            )
         codec.check(self)  # the codec's own parameters (a rank's range, the factors' bits)
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
@@ -198,6 +206,9 @@ class CodecConfig:
                 continue
             if suffix[:1] == "f" and suffix[1:].isdigit():  # +f8: lowrank's factor bits
                 kwargs["factor_bits"] = int(suffix[1:])
+                continue
+            if suffix[:1] == "k" and suffix[1:].isdigit():  # +k64: topk's elements kept per group
+                kwargs["keep"] = int(suffix[1:])
                 continue
             if suffix[:1] == "g" and suffix[1:].isdigit():  # +g256: this codec's group size, over any default
                 kwargs["group_size"] = int(suffix[1:])

@@ -22,6 +22,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GSIGN: _ClassVar[Codec]
     GTERN: _ClassVar[Codec]
     LOWRANK: _ClassVar[Codec]
+    TOPK: _ClassVar[Codec]
 
 class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,7 @@ BILEVEL: Codec
 GSIGN: Codec
 GTERN: Codec
 LOWRANK: Codec
+TOPK: Codec
 GROUP_LAYOUT_FLAT: GroupLayout
 GROUP_LAYOUT_CHANNEL: GroupLayout
 DTYPE_UNSPECIFIED: DType
@@ -80,7 +82,7 @@ class Quantized(_message.Message):
     def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., numel: _Optional[int] = ..., scales: _Optional[bytes] = ..., mins: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., scale_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorMessage(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "rotation", "rotation_seed")
+    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "rotation", "rotation_seed", "sparse")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,7 @@ class TensorMessage(_message.Message):
     GROUP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ROTATION_FIELD_NUMBER: _ClassVar[int]
     ROTATION_SEED_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
@@ -107,7 +110,26 @@ class TensorMessage(_message.Message):
     group_layout: GroupLayout
     rotation: int
     rotation_seed: int
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ...) -> None: ...
+    sparse: Sparse
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ..., sparse: _Optional[_Union[Sparse, _Mapping]] = ...) -> None: ...
+
+class Sparse(_message.Message):
+    __slots__ = ("group_size", "keep", "bits", "index", "codes", "lo", "hi")
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    LO_FIELD_NUMBER: _ClassVar[int]
+    HI_FIELD_NUMBER: _ClassVar[int]
+    group_size: int
+    keep: int
+    bits: int
+    index: bytes
+    codes: bytes
+    lo: bytes
+    hi: bytes
+    def __init__(self, group_size: _Optional[int] = ..., keep: _Optional[int] = ..., bits: _Optional[int] = ..., index: _Optional[bytes] = ..., codes: _Optional[bytes] = ..., lo: _Optional[bytes] = ..., hi: _Optional[bytes] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
     __slots__ = ("compression", "body_bytes", "raw_body_bytes", "codec", "shape", "dtype")

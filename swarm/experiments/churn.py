@@ -170,6 +170,10 @@ class ChurnConfig:
         return f"peer lifetimes of {self.mean_lifetime_s:g} s on average"
 
 
+def _settings(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+
+
 @dataclass(frozen=True)
 class ChurnRun:
     """`swarm experiment churn`'s flags: the run's config, its churn schedule (whose defaults depend on each
@@ -186,8 +190,16 @@ class ChurnRun:
     """instead: serving peers live an exponential time of this mean, seconds"""
     quick: bool = False
     """a small swarm (2 stages, 1 standby), 80 steps, one kill after step 10 (or --kill-every S s into training)"""
+    settings: tuple[str, ...] = field(
+        default=SETTINGS, metadata=flag(parse=_settings, render=",".join, metavar="NAMES")
+    )
+    """the settings to run, comma-separated, of: no-churn, churn (e.g. `no-churn` alone for the bytes)"""
     json: bool = False
     """print the rows as JSON"""
+
+    def __post_init__(self) -> None:
+        if not self.settings or set(self.settings) - set(SETTINGS):
+            raise ValueError(f"--settings: one or both of {', '.join(SETTINGS)}, got {','.join(self.settings)}")
 
     def config(self) -> ChurnConfig:
         """The ChurnConfig of the flags: --kill-every 60 unless --mean-lifetime; --quick shrinks the swarm.
@@ -437,8 +449,8 @@ def write_outputs(cfg: ChurnConfig, out: Path, rows: list[dict], notes: list[str
 
 
 def run(args: argparse.Namespace) -> int:
-    flags = _FLAGS.from_args(args)
     try:
+        flags = _FLAGS.from_args(args)
         cfg = flags.config()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -465,12 +477,13 @@ def run(args: argparse.Namespace) -> int:
     expected: list = []
     worker = threading.Thread(target=lambda: expected.extend(_expected(cfg)), daemon=True)
     worker.start()
-    for setting in SETTINGS:
+    settings = [s for s in SETTINGS if s in flags.settings]  # no-churn first: the churn row compares with it
+    for setting in settings:
         result = run_setting(cfg, setting, out, support, say)
         if result["rc"] not in (0,):
             notes.append(f"{setting}: the trainer exited with code {result['rc']} (see {setting}/logs/trainer.log)")
     worker.join()
-    rows = collect(cfg, out, expected=expected)
+    rows = collect(cfg, out, settings, expected=expected)
     checks = write_outputs(cfg, out, rows, notes)
     say(f"done in {time.monotonic() - started:.0f} s; wrote {out}/report.md")
     if flags.json:

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "BYTES_TARGET",
     "ROW_KEYS",
     "SampleAccount",
     "Target",
     "account_samples",
+    "byte_split",
     "completion_times",
     "expected_batches",
     "loss_agreement",
@@ -44,7 +46,12 @@ ROW_KEYS = [
     "final_loss",
     "final_loss_mean20",
     "wire_bytes",
+    "total_wire_bytes",
+    "fp32_total_wire_bytes",
 ]
+BYTES_TARGET = 20.0
+"""Issue 29's target: the no-churn setting sends at least this many times fewer bytes in all than the same tensors
+would at fp32 (5.7x with the default 8-bit replicas' sums; docs/REPLICAS.md#the-replicas-sum-sparsified)."""
 TIME_COLUMNS = ("time", "unix_time", "wall_time", "t")
 """steps.csv columns taken as a step's completion time (unix seconds), first found wins."""
 FINAL_LOSS_STEPS = 5
@@ -177,6 +184,7 @@ def summarize(
     tail = losses[-FINAL_LOSS_STEPS:]
     wire = sum(int(float(r.get("forward_bytes") or 0)) + int(float(r.get("backward_bytes") or 0)) for r in rows)
     wire += sum(int(float(r.get("reduce_bytes") or 0)) for r in rows)
+    split = byte_split(rows)
     return {
         "setting": setting,
         "steps": len(rows),
@@ -190,6 +198,7 @@ def summarize(
         "final_loss": sum(tail) / len(tail) if tail else None,
         "final_loss_mean20": statistics.fmean(losses[-MEAN20_STEPS:]) if losses else None,
         "wire_bytes": wire,
+        **split,
         "terms": sum(1 for e in events if e.get("kind") == "term"),
         "samples_unexpected": account.unexpected,
         "samples_not_run": not_run,
@@ -206,6 +215,33 @@ def summarize(
         "dead_peers": len({p for r in rows for p in str(r.get("dead_peers") or "").split() if p != "0"})
         if rows and "dead_peers" in rows[0]
         else None,
+    }
+
+
+def _column(rows: Sequence[dict], key: str) -> int:
+    return sum(int(float(r.get(key) or 0)) for r in rows)
+
+
+def byte_split(rows: Sequence[dict]) -> dict:
+    """Every byte of the run (steps.csv's `total_wire_bytes`) and its fp32 equivalent, and the split: boundaries
+    (both directions), the tied sum, control, and the replicas' sums (the trainer's `direction=average` counter
+    columns; where it wrote none, the rest of the total). None where the trainer wrote no totals."""
+    if not rows or "total_wire_bytes" not in rows[0]:
+        keys = ("total_wire_bytes", "fp32_total_wire_bytes", "boundary_bytes", "tied_bytes", "control_bytes")
+        return dict.fromkeys((*keys, "replica_sum_bytes"), None)
+    total, boundary = (
+        _column(rows, "total_wire_bytes"),
+        _column(rows, "forward_bytes") + _column(rows, "backward_bytes"),
+    )
+    tied, control = _column(rows, "sync_bytes"), _column(rows, "control_bytes")
+    average = [k for k in rows[0] if k.startswith("swarm_wire_bytes_total{") and "direction=average" in k]
+    return {
+        "total_wire_bytes": total,
+        "fp32_total_wire_bytes": _column(rows, "fp32_total_wire_bytes"),
+        "boundary_bytes": boundary,
+        "tied_bytes": tied,
+        "control_bytes": control,
+        "replica_sum_bytes": sum(_column(rows, k) for k in average) if average else total - boundary - tied - control,
     }
 
 
@@ -271,6 +307,20 @@ def targets(rows: Sequence[dict], kill_every_s: float | None = None, schedule: s
             out.append(Target(f"{r['setting']}: all steps trained", value, False))
     by = {r["setting"]: r for r in rows}
     churn, base = by.get("churn"), by.get("no-churn")
+    if base is not None and base.get("total_wire_bytes"):
+        ratio = base["fp32_total_wire_bytes"] / base["total_wire_bytes"]
+        mb = lambda key: f"{base[key] / 1e6:.1f} MB"  # noqa: E731
+        parts = ("boundary_bytes", "tied_bytes", "replica_sum_bytes", "control_bytes")
+        other = base["total_wire_bytes"] - sum(base[k] for k in parts)
+        out.append(
+            Target(
+                f"no-churn: >= {BYTES_TARGET:g}x fewer total bytes than fp32",
+                f"{ratio:.1f}x ({mb('total_wire_bytes')} of {mb('fp32_total_wire_bytes')}: boundaries "
+                f"{mb('boundary_bytes')}, tied sum {mb('tied_bytes')}, replicas' sums {mb('replica_sum_bytes')}, "
+                f"control {mb('control_bytes')}, other {other / 1e6:.1f} MB)",
+                ratio >= BYTES_TARGET,
+            )
+        )
     if churn is not None:
         for key, bound, label in (
             ("replica", 10.0, "while a replica survives"),

@@ -191,6 +191,9 @@ class ExperimentConfig:
     """Codec settings, `FW/BW[@wN]`; fp32/fp32 is added first when missing (it is the baseline)."""
     n_stages: int = field(default=2, metadata=flag(name="--stages"))
     """pipeline stages; every boundary runs the setting's codecs"""
+    replicas: int = 1
+    """replicas of every stage, in process: each route trains on its share of the batch and the replicas sum their
+    gradients every step (`GradientAverager`), those bytes counted in the totals (fp32/fp32 sums in fp32)"""
     schedule: str = field(default="1f1b", metadata=flag(choices=SCHEDULE_CHOICES))
     """pipeline schedule (the losses do not depend on it)"""
     batch_size: int = 16
@@ -295,7 +298,9 @@ def _run_setting(
         return (fp32, fp32) if epoch < setting.warmup_epochs else (setting.forward, setting.backward)
 
     stage_cfg = StageConfig(optim, cfg.autocast_bf16, precision=cfg.precision)
-    pipe = LocalPipeline(cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg)
+    pipe = LocalPipeline(
+        cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg, replicas=cfg.replicas
+    )
     _apply_plan(pipe, setting, cfg)
     apply_tied(pipe, setting.tied_bits, setting.tied_codec, cfg.zstd_level)  # `@tN`, `@lrN`: this run's hosts
     apply_stage_precisions(pipe, setting.stage_precisions)  # per-peer precision (`~bf16:S`), before step 1

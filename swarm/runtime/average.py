@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from swarm.compression import CodecConfig, WireLimits, codec_class, decoder_for, make_codec
+from swarm.compression import CodecConfig, WireError, WireLimits, codec_class, decoder_for, make_codec
 from swarm.compression.state import LinkState
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, name_failure, tensor_items
 from swarm.runtime.callinfo import info_to_wire
@@ -46,7 +46,14 @@ from swarm.runtime.messages import CallInfo, ReduceOrder, ReduceReport, StageCal
 if TYPE_CHECKING:
     from swarm.runtime.host import StageHost
 
-__all__ = ["MAX_GROUP", "GradientAverager", "flatten_grads", "parameters_digest", "sampled_digest", "unflatten_into"]
+__all__ = [
+    "MAX_GROUP",
+    "GradientAverager",
+    "flatten_grads",
+    "parameters_digest",
+    "sampled_digest",
+    "unflatten_into",
+]
 
 MAX_GROUP = 64
 """Most replicas of one stage in a Reduce group (the roster bounds it further where calls are authorized)."""
@@ -132,6 +139,19 @@ class GradientAverager:
     """Fewest bits per weight-gradient element in a sum, whatever the backward codec's: what the planner's cost
     model assumes (`ModelSpec.gradient_bits`); with 4 the replicas' sum trained measurably worse (see
     docs/ARCHITECTURE.md). A class attribute, so a measurement can set it lower."""
+    sum_codec: str | None = None
+    """The stage group's codec when the backward codec is compressed and the plan names none, a codec label taken as
+    it is (no `min_bits` floor); None: the backward codec's sum config at `min_bits`. Measured in the 8-epoch
+    convergence run with 2 replicas (one seed): `gradq2+ef+rot+nr+cs+g1024` ended +0.31% held-out vs fp32 at 16.2x
+    fewer total bytes (18.0x after epoch 1), the sparsified `codec_topk.SPARSE_SUM_CODEC` +31.8% (docs/REPLICAS.md).
+    Not yet the default: the suite was not run with it. A class attribute (scripts/measure_sum_codecs.py sets it)."""
+    precondition = False
+    """Quantize the stage group's lossy sums in AdamW's units (`_preconditioner`); off by default. With the dense
+    2-bit sum: +0.05% held-out against +0.31% without (one seed each, docs/REPLICAS.md). A class attribute."""
+    max_norm_ratio = 64.0
+    """A member's decoded message may be at most this many times this member's own message's norm: a larger one (a
+    liar's huge residual, a corrupted sender) is refused by name before anything is summed. Honest replicas'
+    messages differ by their share of the batch and their residuals' ages, a few times at most."""
     tied_min_bits = 4
     """The same floor for the tied embedding's gradient, whose error feedback carries across steps: in the
     convergence run (acsgd2+ch forward, gradq2+ef+rot+nr+cs backward) 4 bits gave +0.76% held-out vs fp32 at
@@ -320,6 +340,9 @@ class GradientAverager:
         with host.compute_lock:
             self.relayout()
             own = host.worker.tied_grad().reshape(-1).float().cpu() if tied else flatten_grads(self.trained)
+            scale = None if tied or not codec_class(config.name).quantized else self._preconditioner()
+            if scale is not None:  # quantized where AdamW moves the weights: every element at the same scale
+                own = own * scale
             state = LinkState(config)
             state.residual, state.warm = group.residual, group.warm
             msg = codec.encode(own, state=state)
@@ -338,15 +361,13 @@ class GradientAverager:
         sent = self._send_all(info, msg, config, peers, addresses, me, end)
         keys = [(p if keyed_by_peer else f"#{i}") for i, p in enumerate(peers)]
         received = self._wait(request.step, tied, keys, peers, me, end)
+        parts = self._decode_all(request.step, tied, msg, received, keys, peers, me, config)
         # every member adds the same decoded messages in the same (group) order: bit-identical sums
-        limits = self.limits
         total = torch.zeros(group.numel)
-        for i in range(len(peers)):
-            message = msg if i == me else received[keys[i]]
-            part = decoder_for(message, config).decode(message, limits=limits).float()
-            if part.shape != total.shape:  # never sum vectors of two layouts (received ones were checked already)
-                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"member {peers[i]} sent {list(part.shape)}")
+        for part in parts:
             total += part
+        if scale is not None:  # the same scale on every replica (their optimizer states are equal): the same bits
+            total = total / scale
         with host.compute_lock, self._arrived:
             if host.open_step != request.step or group.reduced is not None:
                 raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step} ended while it was being reduced")
@@ -361,6 +382,56 @@ class GradientAverager:
         link = "tied" if tied else "average"
         host.metrics.fp32_bytes.labels(link, link).inc(fp32)
         return sent, fp32
+
+    def _preconditioner(self) -> torch.Tensor | None:
+        """Per trained element, 1 / (sqrt(AdamW's bias-corrected second moment) + a floor): the sum is quantized
+        after multiplying by it and divided by it after decoding, so its error is even in the units AdamW steps in
+        (a plain group quantizer zeroes a group's small elements, which AdamW then moves as far as its large ones:
+        why dense 4-bit sums trained worse). Every replica holds the same optimizer state, so the same scale.
+        None (no scaling) before the first step, with `precondition` off, or where the optimizer is not Adam's."""
+        if not self.precondition:
+            return None
+        optimizer = self.host.worker.optimizer
+        beta2 = optimizer.param_groups[0].get("betas", (0.0, 0.0))[1]
+        parts = []
+        for p in self.trained:
+            state = optimizer.state.get(p, {})
+            if "exp_avg_sq" not in state or not float(state.get("step", 0)):
+                return None
+            correction = 1 - beta2 ** float(state["step"])
+            parts.append((state["exp_avg_sq"].detach().float().cpu().reshape(-1) / correction).sqrt())
+        if not parts:
+            return None
+        root = torch.cat(parts)
+        return 1.0 / (root + max(1e-8, 0.1 * float(root.mean())))  # at most ~10x the typical element's scale
+
+    def _decode_all(self, step: int, tied: bool, msg, received, keys, peers, me: int, config) -> list[torch.Tensor]:
+        """Every member's decoded message in group order, once each is known to be well formed, of the group's
+        size, and (stage group) no larger than `max_norm_ratio` times this member's own: a bad one fails the Reduce
+        naming its sender before anything is summed (this member's error feedback never holds another's message)."""
+        what = "tied gradient" if tied else "gradients"
+        parts = []
+        for i in range(len(peers)):
+            message = msg if i == me else received[keys[i]]
+            try:
+                part = decoder_for(message, config).decode(message, limits=self.limits).float()
+            except WireError as e:
+                raise CallRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"member {peers[i]}'s {what} for step {step}: {e}; nothing summed"
+                ) from None
+            if part.shape != (self.groups[tied].numel,):  # never sum two layouts (received ones were checked already)
+                raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"member {peers[i]} sent {list(part.shape)}")
+            parts.append(part)
+        own = float(parts[me].norm())
+        for i, part in enumerate(parts if not tied else ()):  # the tied group's ends differ by nature (embedding, head)
+            norm = float(part.norm())
+            if own > 0 and not norm <= self.max_norm_ratio * own:
+                raise CallRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"member {peers[i]}'s {what} for step {step} have norm {norm:.3g}, more than "
+                    f"{self.max_norm_ratio:g}x this member's {own:.3g}: refused, nothing summed",
+                )
+        return parts
 
     def _check_reduce(self, request: ReduceOrder, peers: list[str], addresses: list[str]) -> int:
         """This peer's index in the group, once the request is known to be for its open, finished step."""
@@ -413,8 +484,12 @@ class GradientAverager:
         cls = codec_class(cfg.name)
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)
+        floor = self.tied_min_bits if tied else self.min_bits
+        if not tied and self.codecs[False] is None and cls.quantized and self.sum_codec is not None:
+            cfg = CodecConfig.parse(self.sum_codec, zstd_level=cfg.zstd_level, seed=cfg.seed)  # compressed links
+            cls, floor = codec_class(cfg.name), 0  # the measured sum codec, as it is
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
-        bits = max(cfg.bits, self.tied_min_bits if tied else self.min_bits) if cls.quantized else cfg.bits
+        bits = max(cfg.bits, floor) if cls.quantized and not cls.sparse else cfg.bits  # topk: its own bits
         if tied and cls.ranked and cfg.group_size is None:  # a low-rank sum views the tied weight as it is shaped
             cfg = replace(cfg, group_size=self.host.worker.module.tied_parameter().shape[-1])
         return replace(cfg, bits=bits, error_feedback=cls.error_feedback, seed=seed)

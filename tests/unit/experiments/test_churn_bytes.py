@@ -1,0 +1,61 @@
+"""The churn experiment's byte accounting (issue 29): every row carries the run's total bytes and their fp32
+equivalent, split into boundaries, the tied sum, the replicas' sums and control, judged against >= 20x; and
+--settings runs one setting alone."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from swarm.experiments import churn
+from swarm.experiments.churn_report import BYTES_TARGET, ROW_KEYS, byte_split, targets
+
+AVG0, AVG1 = "swarm_wire_bytes_total{direction=average,link=0}", "swarm_wire_bytes_total{direction=average,link=1}"
+
+
+def step(**values) -> dict:
+    row = {"forward_bytes": 100, "backward_bytes": 50, "sync_bytes": 20, "control_bytes": 5, AVG0: 10, AVG1: 15}
+    row.update(values)
+    row.setdefault("total_wire_bytes", 100 + 50 + 20 + 5 + 10 + 15 + 1)  # 1 byte of something else
+    row.setdefault("fp32_total_wire_bytes", 5000)
+    return row
+
+
+def test_the_split_reads_the_average_counters_and_totals():
+    split = byte_split([step(), step()])
+    assert split == {
+        "total_wire_bytes": 402, "fp32_total_wire_bytes": 10000, "boundary_bytes": 300, "tied_bytes": 40,
+        "control_bytes": 10, "replica_sum_bytes": 50,
+    }  # fmt: skip
+    assert "total_wire_bytes" in ROW_KEYS and "fp32_total_wire_bytes" in ROW_KEYS
+
+
+def test_without_average_columns_the_sums_are_the_rest_and_without_totals_nothing_is_claimed():
+    rows = [{k: v for k, v in step().items() if k not in (AVG0, AVG1)}]
+    assert byte_split(rows)["replica_sum_bytes"] == 201 - 175
+    assert set(byte_split([{"forward_bytes": 1}]).values()) == {None}
+
+
+def row(total: int, fp32: int) -> dict:
+    split = byte_split([step(total_wire_bytes=total, fp32_total_wire_bytes=fp32)])
+    return {"setting": "no-churn", "samples_lost": 0, "samples_duplicated": 0, "steps": 1, **split}
+
+
+@pytest.mark.parametrize(("fp32", "passed"), [(20 * 400, True), (20 * 400 - 1, False)])
+def test_the_bytes_target_is_judged_on_the_no_churn_row(fp32, passed):
+    (check,) = [c for c in targets([row(400, fp32)]) if "fewer total bytes" in c.name]
+    assert check.passed is passed and f">= {BYTES_TARGET:g}x" in check.name and "replicas' sums" in check.value
+
+
+def parse(*argv: str):
+    parser = argparse.ArgumentParser()
+    churn.add_arguments(parser)
+    return churn._FLAGS.from_args(parser.parse_args(list(argv)))
+
+
+def test_settings_runs_one_setting_and_refuses_unknown_ones():
+    assert parse().settings == ("no-churn", "churn")
+    assert parse("--settings", "no-churn").settings == ("no-churn",)
+    with pytest.raises(ValueError, match="one or both of no-churn, churn"):
+        parse("--settings", "no-churn,storm")
