@@ -58,7 +58,10 @@ STRANGER_SETTINGS = (
     "token-replay",
 )  # fmt: skip
 LIAR_SETTINGS = tuple(f"liar-{lie}" for lie in LIES)
-SETTINGS = ("clean", *STRANGER_SETTINGS, *LIAR_SETTINGS)
+CONTROL_SETTINGS = ("churn-control",)
+"""Diagnostics, no attack and no target: `churn-control` is the clean run with the liars' volunteer SIGKILLed
+once the trainer completed `churn_at_step` steps (an honest loss of the same replica a liar's eviction costs)."""
+SETTINGS = ("clean", *STRANGER_SETTINGS, *LIAR_SETTINGS, *CONTROL_SETTINGS)
 QUICK_SETTINGS = ("clean", "liar-norm:nan")
 """--quick's settings: about 45 s each on a loaded 2-core machine (`--quick --settings A,B` runs others)."""
 COMPUTE_LAYERS_PER_S = 8.0
@@ -83,6 +86,9 @@ class AttacksConfig:
     """optimizer steps each setting trains"""
     attack_at_step: int = 3
     """a stranger attack starts once the trainer has completed this many steps"""
+    churn_at_step: int = 1
+    """churn-control kills the liars' volunteer once the trainer has completed this many steps (the liars are
+    evicted at steps 0-3)"""
     settings: str = "all"
     """comma-separated settings to run (all: every one); clean always runs first"""
     seed: int = 0
@@ -322,6 +328,7 @@ def run_setting(
     peer_flags, trainer_flags = swarm_flags(cfg, setup, setting)
     trainer_flags += list(extra_trainer_flags)
     kind = "clean" if setting.startswith("clean") else "liar" if setting.startswith("liar-") else "stranger"
+    kind = "control" if setting in CONTROL_SETTINGS else kind
     lie = setting.removeprefix("liar-") if kind == "liar" else None
 
     def wrap(name: str, argv: list[str]) -> list[str]:  # the liar runs the modified volunteer
@@ -366,6 +373,11 @@ def run_setting(
                 except Exception as e:  # the attacker's own failure: its row says not tried, the run goes on
                     result["facts"] = {"error": f"{type(e).__name__}: {e}"}
                     say(f"{setting}: the attack failed: {result['facts']['error']}")
+            if kind == "control" and liar is not None:
+                _kill_at_step(swarm, observer, trainer, f"peer{liar[0]}", cfg.churn_at_step, deadline)
+                result["attackers"], result["attack_step"] = [liar[1]], observer.step_count()
+                result["attack_t"] = time.time()
+                say(f"{setting}: killed peer{liar[0]} after step {result['attack_step']}")
             result["rc"], result["stalled"] = _wait_trainer(trainer, observer, cfg.stall_s, deadline)
             result["replicas"] = replica_digests(dht, ModelConfig().n_layers)
         except Exception as e:  # a failed setting still leaves its files for the row
@@ -433,6 +445,15 @@ def replica_digests(dht, n_layers: int) -> dict[str, list]:
             finally:
                 reader.close()
     return found
+
+
+def _kill_at_step(swarm, observer: Observer, trainer, name: str, step: int, deadline: float) -> None:
+    """SIGKILLs volunteer `name` once the trainer has completed `step` steps."""
+    while observer.step_count() < step and trainer.poll() is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer completed no {step} steps in time")
+        time.sleep(0.2)  # polling the trainer's step lines, bounded by the deadline
+    swarm.leave(swarm.peers[name], "kill")
 
 
 def _kill_planner(swarm, dht) -> str | None:
@@ -513,7 +534,7 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"liar: {names.get(liar[1]) if liar else None} ({liar[1] if liar else 'none found'}), at the "
                      "middle stage of the clean run's plan")  # fmt: skip
     for setting in cfg.chosen()[1:]:
-        if setting in LIAR_SETTINGS and liar is None:
+        if setting in (*LIAR_SETTINGS, *CONTROL_SETTINGS) and liar is None:
             notes.append(f"{setting}: not run (the clean run had no plan to place a liar in)")
             continue
         results[setting] = run_setting(cfg, setting, out, setup, liar=liar, keys=keys, say=say)

@@ -266,6 +266,11 @@ def judge(
     elif s.kind == "liar" and s.facts.get("lied") is False:
         refused, detection = None, None
         evidence = "the liar's stage gave its lie nothing to change (e.g. activations on the last stage): not tried"
+    elif s.kind == "control":  # no attack: the killed volunteer's place is taken like an evicted liar's
+        refused, detection, evidence = None, None, f"volunteer {s.attacker_ids[0] if s.attacker_ids else '?'} killed"
+        if s.attacker_ids:  # dropped from the plan (dead), not banned: the first plan without it
+            first = next((o for o in obs if o.t >= s.attack_t and o.stages and not o.in_run(s.attacker_ids[0])), None)
+        evicted = False
     elif s.kind == "liar":
         refused = evicted
         detection = None if first is None else max(0, first.step - s.attack_step)
@@ -278,7 +283,9 @@ def judge(
         worked, evidence = _worked(s, obs, run_stopped)
         refused = None if worked is None else not worked
         detection = None if first is None or not refused else max(0, first.step - s.attack_step)
-    taker = replacement(obs, s.attacker_ids[0], first) if s.kind == "liar" and first is not None else None
+    taker = None
+    if s.kind in ("liar", "control") and first is not None and s.attacker_ids:
+        taker = replacement(obs, s.attacker_ids[0], first)
     row.update(
         refused_or_detected=refused, detection_steps=detection, evicted=evicted, run_stopped=run_stopped,
         steps=len(rows), final_loss=final_loss(rows), attack_step=s.attack_step, evidence=evidence,
@@ -310,7 +317,7 @@ class Check:
 def targets(rows: list[dict]) -> list[Check]:
     """The issue's targets over the rows (verdicts as measured; a row that could not be tried is not counted)."""
     clean = next((r for r in rows if r["setting"] == "clean"), None)
-    attacks = [r for r in rows if r["setting"] != "clean"]
+    attacks = [r for r in rows if r["setting"] != "clean" and r.get("kind") != "control"]  # controls: no target
     tried = [r for r in attacks if r["refused_or_detected"] is not None]
     stopped = [r["setting"] for r in attacks if not r["refused_or_detected"] or (
         r["detection_steps"] is not None and r["detection_steps"] > DETECT_WITHIN_STEPS)]  # fmt: skip
@@ -322,7 +329,7 @@ def targets(rows: list[dict]) -> list[Check]:
             "met" if tried and not stopped else "MISSED" if tried else "not measured",
         ),
     ]
-    halted = [r["setting"] for r in rows if r["run_stopped"]]
+    halted = [r["setting"] for r in rows if r["run_stopped"] and r.get("kind") != "control"]
     checks.append(Check("the run never stops", ", ".join(halted) or "none stopped", "MISSED" if halted else "met"))
     if clean is not None and clean["final_loss"]:
         base = clean["final_loss"]
@@ -361,7 +368,7 @@ def save_plots(out: Path, curves: dict[str, list[dict]], kinds: dict[str, str]) 
         xs = [int(_float(r.get("step"))) for r in rows]
         ys = moving_average([_float(r.get("train_loss")) for r in rows], 3)
         for panel, kind in zip(panels, ("stranger", "liar"), strict=True):
-            if kinds.get(name) in (kind, "clean"):
+            if kinds.get(name) in (kind, "clean") or (kind, kinds.get(name)) == ("liar", "control"):
                 panel.series[name] = (xs, ys)
     return [save_line_plots(panels, out / "loss.png", "swarm experiment attacks: training loss")]
 

@@ -75,6 +75,24 @@ def test_a_standby_that_serves_the_liars_stage_under_the_repaired_plan_replaced_
     assert judge(Setting("liar-noise", "liar", (LIAR,)), _steps(10), short, 0, 10)["replaced_by"] is None
 
 
+def test_the_churn_control_is_no_attack_and_counts_for_no_target_but_shows_its_replacement():
+    standby = "f6"
+    peers = {A: _ann(0, 2), B: _ann(1, 2), C: _ann(1, 2), standby: _ann(0, 3)}
+    obs = [
+        _obs(1, 0, 1, [[A, LIAR], [B, C]], peers=peers),
+        _obs(3, 2, 2, [[A], [B, C]], peers=peers),  # the killed volunteer dropped (dead): no ban
+        _obs(4, 3, 3, [[A, standby], [B, C]], peers=peers),
+    ]
+    row = judge(Setting("churn-control", "control", (LIAR,), attack_step=1, attack_t=2.0), _steps(10), obs, 0, 10)
+    assert row["refused_or_detected"] is None and row["evicted"] is False and "killed" in row["evidence"]
+    assert row["replaced_by"] == standby and row["replaced_after_steps"] == 1
+    clean = {**row, "setting": "clean", "kind": "clean", "evictions": 0}
+    far = {**row, "final_loss": 9.0, "run_stopped": True}  # a control far off and stopped misses nothing
+    checks = {c.name.split(",")[0]: c for c in targets([clean, far])}
+    assert checks["the run never stops"].verdict == "met"
+    assert checks["final loss within 1% of the clean run"].verdict == "met"
+
+
 def test_replicas_identical_needs_one_step_and_one_digest_per_stage():
     assert replicas_identical({A: [0, 9, "d0"], B: [0, 9, "d0"], C: [1, 9, "x"]}) is True
     assert replicas_identical({A: [0, 9, "d0"], B: [0, 9, "d9"]}) is False  # other bits
@@ -218,6 +236,7 @@ def test_config_quick_and_settings():
     quick = AttacksRun(quick=True).config()
     assert quick.peers == 4 and quick.volunteers == 5 and quick.chosen() == ("clean", "liar-norm:nan")
     assert AttacksConfig(standbys=0).volunteers == 6
+    assert AttacksConfig(settings="churn-control").chosen() == ("clean", "churn-control")
     with pytest.raises(ValueError, match="standbys"):
         AttacksConfig(standbys=-1)
     assert AttacksConfig(settings="token-replay").chosen() == ("clean", "token-replay")
