@@ -6,17 +6,21 @@ an open run those come from the run's delegation, never from whoever announced),
 as long as it plans, even after the trainer that announced it is gone: the planner treats a banned peer as
 gone (`RunBans.update` in `Planner.round`), so the plan is repaired without it and it is never planned again.
 A planner that takes over learns the bans again from the trainers' announcements.
+
+A peer taking a stage over never copies its state from a banned peer (`trusted_sources`): the evicted liar is
+still announced, still holds the stage it lied about (stale by the step its eviction re-ran, or poisoned), and
+the replica the new plan keeps at that stage is the one to copy.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from swarm.peers.records import PlanRecord, TrainerAnnouncement
 
-__all__ = ["RunBans"]
+__all__ = ["RunBans", "announced_bans", "trusted_sources"]
 
 log = logging.getLogger(__name__)
 
@@ -46,3 +50,27 @@ class RunBans:
     def banned(self) -> frozenset[str]:
         with self._lock:
             return frozenset(self._banned)
+
+
+def announced_bans(trainers: Iterable[TrainerAnnouncement], plan: PlanRecord | None) -> frozenset[str]:
+    """The peers banned by the trainers `plan` names (as `RunBans.update` believes them, without memory)."""
+    return RunBans().update(trainers, plan)
+
+
+def trusted_sources(
+    replicas: Sequence[str],
+    held: Sequence[tuple[str, int]],
+    new: PlanRecord | None,
+    layers: tuple[int, int],
+    banned: Collection[str],
+) -> tuple[list[str], list[tuple[str, int]]]:
+    """Where a peer taking over `layers` under plan `new` may copy their state from (`takeover_sources`' replicas
+    and held copies, in its order): never a banned peer; first the replicas `new` still serves those layers with
+    (an evicted liar's sibling holds the step that ran again without the liar), then the others (a peer leaving
+    the plan hands its own stage over)."""
+    serving = set()
+    if new is not None:
+        serving = {p for s in new.document.stages if (s.layer_start, s.layer_end) == tuple(layers) for p in s.peer_ids}
+    kept = [h for h in replicas if h not in banned]
+    kept.sort(key=lambda h: h not in serving)  # stable: the given order within each group
+    return kept, [(h, n) for h, n in held if h not in banned]

@@ -90,7 +90,7 @@ class PeerDaemon:
         from swarm.daemon.addresses import stage_address, stage_announce_host
         from swarm.daemon.capacity import measure_compute, measure_speeds, memory_bytes
         from swarm.daemon.nat import NatWiring
-        from swarm.daemon.roster import AddressBook, PeerAuth
+        from swarm.daemon.roster import AddressBook, PeerAuth, delegated_trainers
         from swarm.net.connect import SignedChannels
         from swarm.peers.dht import Reannouncer, SwarmDHT
         from swarm.peers.records import PeerAnnouncement
@@ -114,7 +114,8 @@ class PeerDaemon:
         self.shaping = LinkShaping(cfg.link_shape, dict(cfg.link_shapes))
         auth = PeerAuth.load(cfg.dht)  # one key signs the DHT records and the calls: its hash is the peer id
         dht = SwarmDHT(cfg.dht, private_key=auth.identity.key)
-        self.dht, self.signer, self.book = dht, auth.signer, AddressBook(dht, auth.allowed_trainers)
+        self.dht, self.signer = dht, auth.signer  # the stages serve only the trainers the owner delegates now
+        self.book = AddressBook(dht, auth.allowed_trainers, delegated=lambda: delegated_trainers(dht))
         self.nat = NatWiring(self, cfg.reach, cfg.relay, self.signer, auth.verifier() if cfg.auth else None)
         server = None
         try:
@@ -339,7 +340,9 @@ class PeerDaemon:
                     record = self.dht.get_plan(self.model.n_layers)
                     if record is not None and (self.following is None or record.version > self.following.version):
                         self._apply_plan(record)
-                    elif self.following is not None and self.servicer.policy.roster is None:
+                    elif self.following is not None and (
+                        self.servicer.policy.roster is None or self.book.delegation_changed()
+                    ):  # no roster yet, or the owner revoked (or delegated) a trainer: the stage serves the new set
                         self.servicer.set_roster(self.book.plan_roster(self.following, self.announcement))
                     if replicator is not None and not self._leave.is_set():
                         replicator.tick(self.following, peers)
@@ -439,7 +442,7 @@ class PeerDaemon:
                 # while its state is copied, here and by the peers that take its layers (GetState "now")
                 self.servicer.when_idle(lambda sv: sv.host.apply(retired(sv.host.assignment, record)), wait_s)
             if new_host is not None and source is not None:
-                self._hand_over(new_host, source, own=not behind and source is self.following)
+                self._hand_over(new_host, source, own=not behind and source is self.following, new=record)
             self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
             if roster is None:
                 self.servicer.set_roster(None)  # no calls until every stage's address is known
@@ -507,10 +510,12 @@ class PeerDaemon:
             return True
         return False
 
-    def _hand_over(self, new_host, old, own: bool = True) -> None:
+    def _hand_over(self, new_host, old, own: bool = True, new=None) -> None:
         """Loads the layers `new_host` takes over from the freshest copy under the old plan: a replica of the
-        old stage (this peer's own host first, unless `own` is False: it fell behind), else the held copy with
-        the most steps, else a checkpoint."""
+        old stage (this peer's own host first, unless `own` is False: it fell behind; then those plan `new` keeps
+        at those layers; never a peer the run banned: `swarm.daemon.bans.trusted_sources`), else the held copy
+        with the most steps, else a checkpoint."""
+        from swarm.daemon.bans import announced_bans, trusted_sources
         from swarm.daemon.held import fetch_held
         from swarm.daemon.replication import takeover_sources
         from swarm.daemon.roster import retry_refused
@@ -522,6 +527,7 @@ class PeerDaemon:
         addresses = {p.peer_id: p.address for p in peers}
         old_stages = old.document.stages
         loaded: dict[str, torch.Tensor] = {}
+        banned = announced_bans(self.dht.trainers(), new or old)  # an evicted liar still holds its stage
         for index, stage in enumerate(old_stages):
             start, end = stage.layer_start, stage.layer_end
             overlaps = start < role.layer_end and role.layer_start < end
@@ -529,6 +535,7 @@ class PeerDaemon:
             if not (overlaps or ends):
                 continue
             replicas, held = takeover_sources(old, index, peers, self.dht.peer_id)
+            replicas, held = trusted_sources(replicas, held, new, (start, end), banned)
             if not own:
                 replicas = [h for h in replicas if h != self.dht.peer_id]
             replicas = self._settled_replicas(replicas, role.plan_version)

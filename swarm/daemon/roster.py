@@ -1,13 +1,16 @@
 """Whom a peer's stage serves: the roster of the plan it follows, from the plan record and the announcements.
 
 The plan names a peer id per stage and (`trainer_ids`) the trainers; the DHT announcements give the
-addresses. Without a plan (`--assign even`) the roster is the one the trainers find themselves: the first
+addresses. In an owned run a stage serves only the trainers the owner delegates NOW (`AddressBook`'s
+`delegated`): a trainer the owner revoked is refused by the stages at once, not only left out of the next plan.
+Without a plan (`--assign even`) the roster is the one the trainers find themselves: the first
 peer announcing each stage. `AddressBook` answers the reverse question, whose stage listens at an address,
 so the peer's own calls (forward to the next stage, probes, state transfers) carry a token for the callee.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,7 +26,16 @@ from swarm.runtime.policy import Roster
 
 T = TypeVar("T")
 
-__all__ = ["AddressBook", "PeerAuth", "retry_refused", "roster_from_announcements", "roster_from_plan"]
+log = logging.getLogger("swarm.daemon.roster")
+
+__all__ = [
+    "AddressBook",
+    "PeerAuth",
+    "delegated_trainers",
+    "retry_refused",
+    "roster_from_announcements",
+    "roster_from_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -53,13 +65,27 @@ class PeerAuth:
         return CallVerifier(self.identity.peer_id, self.run_secret)
 
 
-def _trainers(named: Iterable[str] | None, allowed: Iterable[str]) -> frozenset[str] | None:
-    """The plan's trainers, else the run's allowlist, else None (any authenticated trainer: a public run)."""
+def delegated_trainers(dht) -> frozenset[str] | None:
+    """The trainers the owner of `dht`'s owned run delegates now (revoked ones left out; the delegations re-read
+    from the DHT at most every 2 s, `SwarmDHT.authority`); None in an unowned or private run."""
+    authority = dht.authority()
+    return None if authority is None else frozenset(authority.trainers)
+
+
+def _trainers(
+    named: Iterable[str] | None, allowed: Iterable[str], delegated: Iterable[str] | None = None
+) -> frozenset[str] | None:
+    """The plan's trainers, else the run's allowlist, else None (any authenticated trainer: a public run); in an
+    owned run (`delegated` not None) only those of them the owner's current delegation names."""
     allowed = frozenset(allowed)
     if named is not None:
         named = frozenset(named)
-        return named & allowed if allowed else named
-    return allowed or None
+        found = named & allowed if allowed else named
+    else:
+        found = allowed or None
+    if delegated is None:
+        return found
+    return frozenset(delegated) if found is None else found & frozenset(delegated)
 
 
 def roster_from_plan(
@@ -67,16 +93,19 @@ def roster_from_plan(
     announcements: Iterable[PeerAnnouncement],
     allowed_trainers: Iterable[str] = (),
     known: dict[str, str] | None = None,
+    delegated_trainers: Iterable[str] | None = None,
 ) -> Roster | None:
     """The roster of `record`: every replica of every stage at its announced address (nested `[stage][replica]`
     when the plan has replicas, flat with one), its trainers (`trainer_ids`, filtered by the run's
-    allowlist), and every peer it names.
+    allowlist and the owner's current delegation), and every peer it names.
 
     Args:
         record: the plan this peer follows.
         announcements: the peers announced now (their addresses).
         allowed_trainers: the run's trainer allowlist (private runs); empty: none.
         known: addresses known otherwise (e.g. this peer's own), by peer id.
+        delegated_trainers: the trainers the owner of an owned run delegates now (revoked keys left out);
+            None: not an owned run.
 
     Returns:
         None while a stage peer's address is unknown (not announced yet): the caller tries again later.
@@ -88,7 +117,7 @@ def roster_from_plan(
     named = plan.named_peers()
     if any(p not in addresses for row in replicas for p in row):
         return None
-    trainers = _trainers(plan.trainer_ids, allowed_trainers)
+    trainers = _trainers(plan.trainer_ids, allowed_trainers, delegated_trainers)
     if all(len(row) == 1 for row in replicas):  # flat: one route, the form every Roster takes
         return Roster(
             tuple(r[0] for r in replicas), tuple(addresses[r[0]] for r in replicas), trainers, frozenset(named)
@@ -119,13 +148,25 @@ class AddressBook:
 
     A miss re-reads the announcements, at most once per `refresh_s`, so an unknown address costs no more than
     one DHT request a second; callers then send no token and the callee refuses them by name.
+
+    `delegated`: the trainers an owned run's owner delegates now (None: not an owned run), read each time a
+    roster is made; `delegation_changed` tells the daemon to make the roster again when it moved.
     """
 
-    def __init__(self, dht, allowed_trainers: Iterable[str] = (), refresh_s: float = 1.0):
+    def __init__(
+        self,
+        dht,
+        allowed_trainers: Iterable[str] = (),
+        refresh_s: float = 1.0,
+        delegated: Callable[[], frozenset[str] | None] | None = None,
+    ):
         self.dht, self.allowed_trainers, self.refresh_s = dht, tuple(allowed_trainers), refresh_s
+        self.delegated = delegated or (lambda: None)
         self._peers: dict[str, str] = {}
         self._next = 0.0
         self._lock = threading.Lock()
+        self._built_with: frozenset[str] | None = None
+        """the delegation the last plan roster was made with"""
 
     def update(self, announcements: Iterable[PeerAnnouncement]) -> None:
         with self._lock:
@@ -140,8 +181,22 @@ class AddressBook:
         return peers
 
     def plan_roster(self, record: PlanRecord, mine: PeerAnnouncement) -> Roster | None:
-        """The roster of `record` from the current announcements (and this peer's own, `mine`)."""
-        return roster_from_plan(record, self._announced(), self.allowed_trainers, {mine.peer_id: mine.address})
+        """The roster of `record` from the current announcements (and this peer's own, `mine`), its trainers
+        those the owner delegates now."""
+        self._built_with = delegated = self.delegated()
+        return roster_from_plan(
+            record, self._announced(), self.allowed_trainers, {mine.peer_id: mine.address}, delegated
+        )
+
+    def delegation_changed(self) -> bool:
+        """Whether the owner's delegation of trainers moved since the last plan roster was made (a trainer revoked
+        or delegated): the roster must be made again, so that the stage refuses a revoked trainer's calls now."""
+        now = self.delegated()
+        if now == self._built_with:
+            return False
+        log.info("the owner's trainers are now %s (were %s): the stage serves only them", sorted(now or ()),
+                 sorted(self._built_with or ()))  # fmt: skip
+        return True
 
     def even_roster(self, n_stages: int) -> Roster | None:
         """The roster of an even split from the current announcements."""

@@ -37,6 +37,7 @@ from pathlib import Path
 from swarm.experiments.attacks_report import (
     CLEAN_KEYS,
     ROW_KEYS,
+    SHAPE_KEYS,
     Observation,
     Setting,
     clean_row,
@@ -57,7 +58,10 @@ STRANGER_SETTINGS = (
     "token-replay",
 )  # fmt: skip
 LIAR_SETTINGS = tuple(f"liar-{lie}" for lie in LIES)
-SETTINGS = ("clean", *STRANGER_SETTINGS, *LIAR_SETTINGS)
+CONTROL_SETTINGS = ("churn-control",)
+"""Diagnostics, no attack and no target: `churn-control` is the clean run with the liars' volunteer SIGKILLed
+once the trainer completed `churn_at_step` steps (an honest loss of the same replica a liar's eviction costs)."""
+SETTINGS = ("clean", *STRANGER_SETTINGS, *LIAR_SETTINGS, *CONTROL_SETTINGS)
 QUICK_SETTINGS = ("clean", "liar-norm:nan")
 """--quick's settings: about 45 s each on a loaded 2-core machine (`--quick --settings A,B` runs others)."""
 COMPUTE_LAYERS_PER_S = 8.0
@@ -73,11 +77,18 @@ class AttacksConfig:
     stages: int = 3
     """pipeline stages"""
     replicas: int = 2
-    """replicas per stage (stages x replicas volunteers)"""
+    """replicas per stage (stages x replicas volunteers in the plan)"""
+    standbys: int = 1
+    """volunteers beyond stages x replicas, which the first plan keeps on standby: an evicted liar's place goes to
+    one (the planner's repair, `swarm.daemon.repair`), which pulls the stage's state from the liar's sibling, so
+    the run keeps its shape (0: the stage serves on with one replica fewer)"""
     steps: int = 30
     """optimizer steps each setting trains"""
     attack_at_step: int = 3
     """a stranger attack starts once the trainer has completed this many steps"""
+    churn_at_step: int = 1
+    """churn-control kills the liars' volunteer once the trainer has completed this many steps (the liars are
+    evicted at steps 0-3)"""
     settings: str = "all"
     """comma-separated settings to run (all: every one); clean always runs first"""
     seed: int = 0
@@ -111,6 +122,8 @@ class AttacksConfig:
         for name in ("stages", "replicas", "steps", "train_samples", "batch_size", "micro_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AttacksConfig.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.standbys < 0:
+            raise ValueError(f"AttacksConfig.standbys: expected >= 0, got {self.standbys}")
         if self.stages * self.replicas < 2 or not 0 <= self.attack_at_step < self.steps:
             raise ValueError("AttacksConfig: need at least 2 volunteers and 0 <= attack_at_step < steps")
         if self.batch_size % self.micro_batches or self.train_samples % self.batch_size:
@@ -121,7 +134,13 @@ class AttacksConfig:
 
     @property
     def peers(self) -> int:
+        """Volunteers the plan puts at stages."""
         return self.stages * self.replicas
+
+    @property
+    def volunteers(self) -> int:
+        """Volunteers started: the plan's and the standbys."""
+        return self.peers + self.standbys
 
     def chosen(self) -> tuple[str, ...]:
         if self.settings == "all":
@@ -217,7 +236,7 @@ def swarm_flags(cfg: AttacksConfig, setup: RunSetup, setting: str) -> tuple[list
     from swarm.runtime.worker import OptimConfig
     from swarm.train.trainer import train_flags
 
-    planning = PlanningConfig(min_peers=cfg.peers, seed=cfg.seed, replicas=cfg.replicas, probe_links=False)
+    planning = PlanningConfig(min_peers=cfg.volunteers, seed=cfg.seed, replicas=cfg.replicas, probe_links=False)
     config = PeerConfig(
         num_stages=cfg.stages, threads=1, compute_layers_per_s=COMPUTE_LAYERS_PER_S, planning=planning,
         leave_timeout_s=0.0,  # a setting's end stops its volunteers at once (no hand-over to wait for)
@@ -309,6 +328,7 @@ def run_setting(
     peer_flags, trainer_flags = swarm_flags(cfg, setup, setting)
     trainer_flags += list(extra_trainer_flags)
     kind = "clean" if setting.startswith("clean") else "liar" if setting.startswith("liar-") else "stranger"
+    kind = "control" if setting in CONTROL_SETTINGS else kind
     lie = setting.removeprefix("liar-") if kind == "liar" else None
 
     def wrap(name: str, argv: list[str]) -> list[str]:  # the liar runs the modified volunteer
@@ -326,13 +346,13 @@ def run_setting(
     observer = attack = dht = None
     with ChurnSwarm(d, peer_flags, trainer_flags, wrap, observe=lambda: {}, identities=identities) as swarm:
         try:
-            swarm.start(cfg.peers)
+            swarm.start(cfg.volunteers)
             initial = [line for line in swarm.address_file.read_text().splitlines() if line.strip()]
             dht = SwarmDHT(DHTConfig(initial_peers=tuple(initial), client_mode=True, run=setup.run))
             trainer = swarm.start_trainer(d / "trainer")
             observer = Observer(dht, ModelConfig().n_layers, d / "trainer", d / "observations.jsonl")
             observer.start()
-            say(f"{setting}: {cfg.peers} volunteers and a trainer starting")
+            say(f"{setting}: {cfg.volunteers} volunteers ({cfg.standbys} on standby) and a trainer starting")
             deadline = time.monotonic() + cfg.setting_timeout_s + 120.0  # + the wait for the first plan
             if kind == "stranger":
                 while observer.step_count() < cfg.attack_at_step and trainer.poll() is None:
@@ -353,7 +373,13 @@ def run_setting(
                 except Exception as e:  # the attacker's own failure: its row says not tried, the run goes on
                     result["facts"] = {"error": f"{type(e).__name__}: {e}"}
                     say(f"{setting}: the attack failed: {result['facts']['error']}")
+            if kind == "control" and liar is not None:
+                _kill_at_step(swarm, observer, trainer, f"peer{liar[0]}", cfg.churn_at_step, deadline)
+                result["attackers"], result["attack_step"] = [liar[1]], observer.step_count()
+                result["attack_t"] = time.time()
+                say(f"{setting}: killed peer{liar[0]} after step {result['attack_step']}")
             result["rc"], result["stalled"] = _wait_trainer(trainer, observer, cfg.stall_s, deadline)
+            result["replicas"] = replica_digests(dht, ModelConfig().n_layers)
         except Exception as e:  # a failed setting still leaves its files for the row
             say(f"{setting}: {type(e).__name__}: {e}")
             result["error"] = f"{type(e).__name__}: {e}"
@@ -392,6 +418,42 @@ def _wait_trainer(trainer: subprocess.Popen, observer: Observer, stall_s: float,
             return trainer.returncode, True
         time.sleep(0.5)  # polling the trainer's progress, bounded by the stall and the deadline
     return trainer.returncode, False
+
+
+def replica_digests(dht, n_layers: int) -> dict[str, list]:
+    """Every replica of the plan the run ends on, as its Status says once the trainer is done: peer id ->
+    [stage, last applied step, SHA-256 of its weights] (the stage's replicas must hold the same bits, a standby
+    that took an evicted liar's place too). A replica that does not answer is left out."""
+    from swarm.runtime.driver import PipelineDriver
+
+    found: dict[str, list] = {}
+    try:
+        record = dht.get_plan(n_layers, check_trainers=False)
+        addresses = {p.peer_id: p.address for p in dht.peers()}
+    except TimeoutError:
+        return found
+    for s, stage in enumerate(record.document.stages if record is not None else ()):
+        for peer in stage.peer_ids:
+            if peer not in addresses:
+                continue
+            reader = PipelineDriver([addresses[peer]], [peer])
+            try:
+                reply = reader.status()[0]
+                found[peer] = [s, int(reply.last_step), reply.weights_digest]
+            except Exception:  # noqa: BLE001 - a replica gone by now: nothing to compare
+                continue
+            finally:
+                reader.close()
+    return found
+
+
+def _kill_at_step(swarm, observer: Observer, trainer, name: str, step: int, deadline: float) -> None:
+    """SIGKILLs volunteer `name` once the trainer has completed `step` steps."""
+    while observer.step_count() < step and trainer.poll() is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer completed no {step} steps in time")
+        time.sleep(0.2)  # polling the trainer's step lines, bounded by the deadline
+    swarm.leave(swarm.peers[name], "kill")
 
 
 def _kill_planner(swarm, dht) -> str | None:
@@ -466,13 +528,13 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         notes.append("verification off not measured (--no-verify-flags none): the clean throughput stands for both")
-    names = _peer_names(identities, cfg.peers)
+    names = _peer_names(identities, cfg.volunteers)
     liar = liar_choice(read_observations(out / "clean" / "observations.jsonl"), cfg.stages, names)
     if any(s in LIAR_SETTINGS for s in cfg.chosen()):
         notes.append(f"liar: {names.get(liar[1]) if liar else None} ({liar[1] if liar else 'none found'}), at the "
                      "middle stage of the clean run's plan")  # fmt: skip
     for setting in cfg.chosen()[1:]:
-        if setting in LIAR_SETTINGS and liar is None:
+        if setting in (*LIAR_SETTINGS, *CONTROL_SETTINGS) and liar is None:
             notes.append(f"{setting}: not run (the clean run had no plan to place a liar in)")
             continue
         results[setting] = run_setting(cfg, setting, out, setup, liar=liar, keys=keys, say=say)
@@ -486,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps({"rows": rows, "targets": [asdict(c) for c in checks]}, indent=1))
     say(f"done in {time.monotonic() - started:.0f} s; wrote {out}/report.md")
     if flags.json:
-        keys = lambda r: [*ROW_KEYS, *(CLEAN_KEYS if r["setting"] == "clean" else ()), "owned_run"]  # noqa: E731
+        keys = lambda r: [*ROW_KEYS, *(CLEAN_KEYS if r["setting"] == "clean" else ()), *SHAPE_KEYS, "owned_run"]  # noqa: E731
         print(json.dumps([{k: r.get(k) for k in keys(r)} for r in rows], indent=1))
     else:
         for c in checks:
@@ -504,7 +566,7 @@ def collect(cfg: AttacksConfig, out: Path, results: dict[str, dict], owned: bool
         steps = read_steps(d / "trainer")
         obs = read_observations(d / "observations.jsonl")
         setting = Setting(name, r["kind"], tuple(r["attackers"]), r["attack_step"], r["attack_t"], r["facts"])
-        row = judge(setting, steps, obs, None if r["stalled"] else r["rc"], cfg.steps)
+        row = judge(setting, steps, obs, None if r["stalled"] else r["rc"], cfg.steps, r.get("replicas"))
         if name == "clean":
             nv = results.get("clean-no-verify")
             nv_steps = read_steps(out / "clean-no-verify" / "trainer") if nv is not None else None

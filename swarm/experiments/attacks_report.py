@@ -18,12 +18,15 @@ from pathlib import Path
 __all__ = [
     "CLEAN_KEYS",
     "ROW_KEYS",
+    "SHAPE_KEYS",
     "Check",
     "Observation",
     "clean_row",
     "judge",
     "read_observations",
     "read_steps",
+    "replacement",
+    "replicas_identical",
     "report_markdown",
     "save_plots",
     "targets",
@@ -33,6 +36,9 @@ ROW_KEYS = ("setting", "refused_or_detected", "detection_steps", "evicted", "run
 """Every row's keys in `--json` (the issue's)."""
 CLEAN_KEYS = ("evictions", "throughput_samples_s", "throughput_no_verify_samples_s")
 """The clean row's keys beside ROW_KEYS."""
+SHAPE_KEYS = ("replaced_by", "replaced_after_steps", "replicas_identical")
+"""Every row's keys about the run's shape: who took an evicted liar's place, how many trainer steps after the
+eviction it served, and whether every stage's replicas ended on the same weights (`replicas_identical`)."""
 DETECT_WITHIN_STEPS = 20
 LOSS_TOLERANCE = 0.01
 VERIFY_COST = 0.10
@@ -136,6 +142,38 @@ def evictions(obs: list[Observation]) -> int:
     return sum(1 for p in ids if (o := _evicted_at(obs, p, 0.0)) is not None and (p in o.banned or p in o.peers))
 
 
+def replacement(obs: list[Observation], peer_id: str, evicted: Observation) -> tuple[str, int] | None:
+    """Who took evicted `peer_id`'s place at its stage, and the trainer's steps from the eviction until it served
+    there: the first observation after `evicted` whose plan gives that stage as many replicas as before, one of
+    them a peer new to it that announces the stage under that very plan (a peer announces its role once it holds
+    the stage's state). None: the stage stayed short (no standby, or none came in time)."""
+    before = [o for o in obs if o.t <= evicted.t and o.stages and any(peer_id in s for s in o.stages)]
+    if not before:
+        return None
+    stage = next(i for i, s in enumerate(before[-1].stages) if peer_id in s)
+    width, old = len(before[-1].stages[stage]), set(before[-1].stages[stage])
+    for o in obs:
+        if o.t < evicted.t or stage >= len(o.stages) or len(o.stages[stage]) < width or peer_id in o.stages[stage]:
+            continue
+        for p in o.stages[stage]:
+            ann = o.peers.get(p)
+            if p not in old and ann is not None and ann[0] == stage and ann[1] == o.plan_version:
+                return p, max(0, o.step - evicted.step)
+    return None
+
+
+def replicas_identical(replicas: dict[str, list] | None) -> bool | None:
+    """Whether every stage's replicas ended on the same step with bit-identical weights (`replicas`: peer id ->
+    [stage, last step, weights digest], as `swarm.experiments.attacks.replica_digests` read them); None: none
+    read."""
+    if not replicas:
+        return None
+    by_stage: dict[int, set] = {}
+    for stage, last_step, digest in replicas.values():
+        by_stage.setdefault(stage, set()).add((last_step, digest))
+    return all(len(v) == 1 for v in by_stage.values())
+
+
 @dataclass(frozen=True)
 class Setting:
     """What one setting ran: its name, kind (clean, stranger, liar) and the attacker's ids and start."""
@@ -212,8 +250,12 @@ def _worked(s: Setting, obs: list[Observation], run_stopped: bool) -> tuple[bool
     return None, f"unknown attack {s.name}"
 
 
-def judge(s: Setting, rows: list[dict], obs: list[Observation], rc: int | None, target_steps: int) -> dict:
-    """One setting's row: ROW_KEYS plus `kind`, `attack_step` and `evidence`."""
+def judge(
+    s: Setting, rows: list[dict], obs: list[Observation], rc: int | None, target_steps: int,
+    replicas: dict[str, list] | None = None,
+) -> dict:  # fmt: skip
+    """One setting's row: ROW_KEYS and SHAPE_KEYS plus `kind`, `attack_step` and `evidence` (`replicas`: the
+    end's replicas, as `replicas_identical` reads them)."""
     run_stopped = rc != 0 or len(rows) < target_steps
     evicted_obs = [o for p in s.attacker_ids if (o := _evicted_at(obs, p, s.attack_t)) is not None]
     first = min(evicted_obs, key=lambda o: o.t) if evicted_obs else None
@@ -224,6 +266,11 @@ def judge(s: Setting, rows: list[dict], obs: list[Observation], rc: int | None, 
     elif s.kind == "liar" and s.facts.get("lied") is False:
         refused, detection = None, None
         evidence = "the liar's stage gave its lie nothing to change (e.g. activations on the last stage): not tried"
+    elif s.kind == "control":  # no attack: the killed volunteer's place is taken like an evicted liar's
+        refused, detection, evidence = None, None, f"volunteer {s.attacker_ids[0] if s.attacker_ids else '?'} killed"
+        if s.attacker_ids:  # dropped from the plan (dead), not banned: the first plan without it
+            first = next((o for o in obs if o.t >= s.attack_t and o.stages and not o.in_run(s.attacker_ids[0])), None)
+        evicted = False
     elif s.kind == "liar":
         refused = evicted
         detection = None if first is None else max(0, first.step - s.attack_step)
@@ -236,9 +283,14 @@ def judge(s: Setting, rows: list[dict], obs: list[Observation], rc: int | None, 
         worked, evidence = _worked(s, obs, run_stopped)
         refused = None if worked is None else not worked
         detection = None if first is None or not refused else max(0, first.step - s.attack_step)
+    taker = None
+    if s.kind in ("liar", "control") and first is not None and s.attacker_ids:
+        taker = replacement(obs, s.attacker_ids[0], first)
     row.update(
         refused_or_detected=refused, detection_steps=detection, evicted=evicted, run_stopped=run_stopped,
         steps=len(rows), final_loss=final_loss(rows), attack_step=s.attack_step, evidence=evidence,
+        replaced_by=taker[0] if taker else None, replaced_after_steps=taker[1] if taker else None,
+        replicas_identical=replicas_identical(replicas),
     )  # fmt: skip
     return row
 
@@ -265,7 +317,7 @@ class Check:
 def targets(rows: list[dict]) -> list[Check]:
     """The issue's targets over the rows (verdicts as measured; a row that could not be tried is not counted)."""
     clean = next((r for r in rows if r["setting"] == "clean"), None)
-    attacks = [r for r in rows if r["setting"] != "clean"]
+    attacks = [r for r in rows if r["setting"] != "clean" and r.get("kind") != "control"]  # controls: no target
     tried = [r for r in attacks if r["refused_or_detected"] is not None]
     stopped = [r["setting"] for r in attacks if not r["refused_or_detected"] or (
         r["detection_steps"] is not None and r["detection_steps"] > DETECT_WITHIN_STEPS)]  # fmt: skip
@@ -277,7 +329,7 @@ def targets(rows: list[dict]) -> list[Check]:
             "met" if tried and not stopped else "MISSED" if tried else "not measured",
         ),
     ]
-    halted = [r["setting"] for r in rows if r["run_stopped"]]
+    halted = [r["setting"] for r in rows if r["run_stopped"] and r.get("kind") != "control"]
     checks.append(Check("the run never stops", ", ".join(halted) or "none stopped", "MISSED" if halted else "met"))
     if clean is not None and clean["final_loss"]:
         base = clean["final_loss"]
@@ -316,7 +368,7 @@ def save_plots(out: Path, curves: dict[str, list[dict]], kinds: dict[str, str]) 
         xs = [int(_float(r.get("step"))) for r in rows]
         ys = moving_average([_float(r.get("train_loss")) for r in rows], 3)
         for panel, kind in zip(panels, ("stranger", "liar"), strict=True):
-            if kinds.get(name) in (kind, "clean"):
+            if kinds.get(name) in (kind, "clean") or (kind, kinds.get(name)) == ("liar", "control"):
                 panel.series[name] = (xs, ys)
     return [save_line_plots(panels, out / "loss.png", "swarm experiment attacks: training loss")]
 
@@ -330,7 +382,7 @@ def _cell(value) -> str:
 
 
 def report_markdown(rows: list[dict], checks: Iterable[Check], config: dict, plots: list[str], notes: list[str]) -> str:
-    cols = [*ROW_KEYS, "attack_step", "owned_run", "evidence"]
+    cols = [*ROW_KEYS, *SHAPE_KEYS, "attack_step", "owned_run", "evidence"]
     lines = [
         "# swarm experiment attacks",
         "",

@@ -11,6 +11,7 @@ before it changes any state.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -65,24 +66,36 @@ class StageBudget:
     """a whole stream arrives within this, plus its declared body's bytes at `min_link_rate_bytes_per_s`"""
     large_streams: int = 4
     """data streams larger than `large_stream_bytes` read and decoded at once (each is held in memory whole;
-    another waits for a slot, at most `max_wait_s`)"""
+    another waits for a slot, at most `max_wait_s`); one caller holds at most half of them, and each plan peer
+    that may send data finds one while it holds none (`CallerSlots`), so one sender cannot take them all"""
     large_stream_bytes: int = 1 << 20
     """a stream whose frame header declares more body bytes than this takes a large-stream slot"""
     probe_calls: int = 2
     """link probes (Sink) read at once"""
+    state_calls: int = 4
+    """GetState streams served at once (each holds a copy of the stage's weights and optimizer state in memory
+    while it is sent); another waits for a slot, at most `state_wait_s`"""
+    caller_state_calls: int = 1
+    """GetState streams one caller holds at once: a peer taking a stage over, a replicator or a refereeing trainer
+    needs one; a second waits its turn, so no caller multiplies the stage's state in memory"""
+    state_wait_s: float = 10.0
+    """longest a GetState waits for a state slot before it is refused RESOURCE_EXHAUSTED (the caller retries)"""
     max_probe_reply_bytes: int = 64 << 10
     """most bytes a Probe may ask to receive (a link's rate is measured with Sink, not Probe)"""
     max_sink_bytes: int = 4 << 20
     """most bytes of one Sink stream (the probes send 256 KiB by default)"""
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_micro_batches", "data_calls", "large_streams", "probe_calls"):
+        for name in (
+            "max_batch", "max_micro_batches", "data_calls", "large_streams", "probe_calls", "state_calls",
+            "caller_state_calls",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"StageBudget.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("caller_data_calls", "reserved_data_calls"):
             if getattr(self, name) < 0:
                 raise ValueError(f"StageBudget.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_wait_s", "stale_step_s", "orphan_step_s", "min_link_rate_bytes_per_s"):
+        for name in ("max_wait_s", "stale_step_s", "orphan_step_s", "min_link_rate_bytes_per_s", "state_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StageBudget.{name} must be > 0, got {getattr(self, name)}")
         for name in ("item_timeout_s", "read_timeout_s"):
@@ -93,6 +106,11 @@ class StageBudget:
     def caller_cap(self) -> int:
         """Data calls one caller may hold at once (`caller_data_calls`, its default filled in)."""
         return min(self.data_calls, self.caller_data_calls or self.max_micro_batches + 4)
+
+    @property
+    def caller_large_streams(self) -> int:
+        """Large-stream slots one caller may hold at once: half of them (at least one)."""
+        return max(1, self.large_streams // 2)
 
     def read_timeouts(self) -> ReadTimeouts:
         """The deadlines a data stream is read under (`swarm.net.stream.read_stream`)."""
@@ -168,14 +186,14 @@ class CallSlots:
 class CallerSlots:
     """At most `n` calls of one kind at once, at most `per_caller` of them from one caller, and `reserved` slots
     held back for each of the callers the plan names (`named`) that holds fewer: a caller that fills its share
-    cannot take the last slots from the plan's other peers. `take()` never waits.
+    cannot take the last slots from the plan's other peers. `take()` waits only when told to (`wait_s`).
 
     The reserve owed to the named callers counts at most `n - per_caller` slots, so a caller alone can always
     reach its cap. Calls without a caller (authentication off) share the `n` slots alone."""
 
     def __init__(self, n: int, what: str, per_caller: int, reserved: int = 0):
         self.n, self.what, self.per_caller, self.reserved = n, what, min(per_caller, n), reserved
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._held: dict[str | None, int] = {}
         self._total = 0
 
@@ -204,12 +222,16 @@ class CallerSlots:
         return None
 
     @contextmanager
-    def take(self, caller: str | None = None, named: frozenset[str] = frozenset()):
-        """Holds a slot for `caller` for the body; raises SlotsExhausted naming the rule if it may not take one."""
+    def take(self, caller: str | None = None, named: frozenset[str] = frozenset(), wait_s: float = 0.0):
+        """Holds a slot for `caller` for the body; raises SlotsExhausted naming the rule if it may not take one
+        within `wait_s` (0: now)."""
+        deadline = time.monotonic() + wait_s
         with self._lock:
-            problem = self._refusal(caller, named)
-            if problem is not None:
-                raise SlotsExhausted(problem)
+            while (problem := self._refusal(caller, named)) is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SlotsExhausted(problem)
+                self._lock.wait(left)  # a slot given back notifies
             self._held[caller] = self._held.get(caller, 0) + 1
             self._total += 1
         try:
@@ -222,3 +244,4 @@ class CallerSlots:
                     self._held[caller] = left
                 else:
                     del self._held[caller]
+                self._lock.notify_all()

@@ -89,8 +89,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """(roster, stage, the plan peers it names as this stage's data senders), cached per roster and stage"""
         self._calling = threading.local()
         """The caller of the call this thread serves (for the one line a cancelled or stalled call logs)."""
-        self._large_slots = CallSlots(self.budget.large_streams, "large stream")
-        """Messages over `large_stream_bytes` read at once: what a flood of big streams may hold in memory."""
+        self._large_slots = CallerSlots(
+            self.budget.large_streams, "large stream", self.budget.caller_large_streams, reserved=1
+        )
+        """Messages over `large_stream_bytes` read at once: what a flood of big streams may hold in memory; one
+        caller holds at most half, and each plan sender finds one."""
+        self._state_slots = CallerSlots(self.budget.state_calls, "GetState", self.budget.caller_state_calls)
+        """GetState streams sent at once, and to one caller: each holds a copy of the stage's state."""
         self._probe_slots = CallSlots(self.budget.probe_calls, "link probe")
         self.held_state: Callable[[grpc.ServicerContext], object] | None = None
         """Serves GetState for a held checkpoint copy (swarm.daemon.held) when the call asks for one: an
@@ -205,6 +210,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """One data slot for `caller` (`CallerSlots`): SlotsExhausted past the total, its share, or the reserve."""
         return self._data_slots.take(caller, self._named_senders())
 
+    def _large_slot(self, caller: str | None):
+        """One large-stream slot for `caller`, waited for at most `max_wait_s` (its share, the plan senders'
+        reserve and the total, as `_data_slot`)."""
+        return self._large_slots.take(caller, self._named_senders(), wait_s=self.budget.max_wait_s)
+
     def _read(self, request_iterator, context, limits: WireLimits, **hooks):
         """`read_stream` under the budget's read deadlines: a stalled stream is cancelled (StreamTimeout)."""
         cancel = getattr(context, "cancel", None)  # in-process calls (LocalNetwork) cannot stall
@@ -253,7 +263,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
                 def on_header(header) -> None:  # a large message is read and decoded in a slot of its own
                     if header.body_bytes > self.budget.large_stream_bytes:
-                        reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
+                        reading.enter_context(self._large_slot(caller))
 
                 infos = []  # the call's info as the host takes it
                 carried = []  # whether the call came with its route (before `fill_route` gives it one)
@@ -468,7 +478,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
                 def on_header(header) -> None:
                     if header.body_bytes > self.budget.large_stream_bytes:
-                        reading.enter_context(self._large_slots.take(wait_s=self.budget.max_wait_s))
+                        reading.enter_context(self._large_slot(caller))
 
                 read = self._read(request_iterator, context, host.averager.limits, on_info=on_info, on_header=on_header)
                 host.averager.receive(StageCall(infos[0], read.message), sender[0])
@@ -541,32 +551,35 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def GetState(self, request, context):
         self._checked(context, lambda caller: self.policy.check_state(caller))
-        if self.held_state is not None and (held := self.held_state(context)) is not None:
-            yield from held
-            return
-        previous = self.previous
-        if previous is not None and self.host is not None and _same_place(previous, self.host):
-            # replaced in place (it fell behind, or only its codecs changed): the current host holds its layers at
-            # least as fresh; serving it as its plan's state handed a taker weights steps older than the stage's
-            previous = None
-        hosts = [h for h in (self.host, previous) if h is not None]
-        if not hosts:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
-        wanted = [
-            h for h in hosts if h.role.stage == request.stage and request.plan_version in (0, h.role.plan_version)
-        ]
-        if not wanted:
-            held = ", ".join(f"stage {h.role.stage} of plan {h.role.plan_version}" for h in hosts)
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"this peer holds {held}, not stage {request.stage} of plan {request.plan_version or 'now'}",
-            )
-        host = wanted[0]
-        with contextlib.ExitStack() as held:  # the slot is held until the last item is sent
-            try:
-                held.enter_context(self._data_slot(self._calling.__dict__.get("caller")))
+        caller = self._calling.__dict__.get("caller")
+        with contextlib.ExitStack() as held:  # the slots are held until the last item is sent
+            try:  # a state slot (per caller: each holds a copy of the state), then a data slot
+                held.enter_context(self._state_slots.take(caller, wait_s=self.budget.state_wait_s))
+                held.enter_context(self._data_slot(caller))
             except SlotsExhausted as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            if self.held_state is not None and (copy := self.held_state(context)) is not None:
+                yield from copy
+                return
+            previous = self.previous
+            if previous is not None and self.host is not None and _same_place(previous, self.host):
+                # replaced in place (it fell behind, or only its codecs changed): the current host holds its layers
+                # at least as fresh; serving it as its plan's state handed a taker weights steps older than the stage's
+                previous = None
+            hosts = [h for h in (self.host, previous) if h is not None]
+            if not hosts:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "this peer is not serving a stage yet")
+            wanted = [
+                h for h in hosts if h.role.stage == request.stage and request.plan_version in (0, h.role.plan_version)
+            ]
+            if not wanted:  # the shared marker: the caller follows the newer plan (export, state fetch)
+                holds = ", ".join(f"stage {h.role.stage} of plan {h.role.plan_version}" for h in hosts)
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{PLAN_MISMATCH} this peer holds {holds}, not stage {request.stage} of plan "
+                    f"{request.plan_version or 'now'}",
+                )
+            host = wanted[0]
             with host.compute_lock:
                 items = list(state_items(host))
             yield from items

@@ -209,6 +209,7 @@ def weights_from_swarm(
     key (a trainer the plan names, or a plan peer). Returns (weights, provenance). Raises ExportError."""
     from swarm.daemon.nat import announced_dial
     from swarm.net.connect import GrpcConnector
+    from swarm.net.stream import PLAN_MISMATCH
 
     connector = GrpcConnector(signer=signer, dial=announced_dial(dht.peers, signer))  # NAT: through relays
     try:
@@ -223,7 +224,7 @@ def weights_from_swarm(
                 weights = weights_from_stages(record.document, addresses, model, connector, record.version, timeout_s)
                 break
             except ExportError as e:  # the stages moved to a newer plan than this reader saw: read it again
-                if "not stage" not in str(e) or attempt == PLAN_ATTEMPTS - 1:
+                if PLAN_MISMATCH not in str(e) or attempt == PLAN_ATTEMPTS - 1:  # the stages' shared marker
                     raise
                 say(f"the stages are on a newer plan than {record.version}: reading the plan again")
                 time.sleep(PLAN_RETRY_S)

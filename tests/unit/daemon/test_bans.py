@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.daemon.bans import RunBans
+from swarm.daemon.bans import RunBans, announced_bans, trusted_sources
 from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.peers.records import MAX_BANNED, TrainerAnnouncement
 from tests.unit.daemon.test_planner_versions import SPEC, swarm
-from tests.unit.daemon.test_repair import A, B, C, Clock, grid, ids, peer, record
+from tests.unit.daemon.test_repair import A, B, C, Clock, D, E, grid, ids, peer, record
 
 T, STRANGER = "0t0000000000", "0s0000000000"
 
@@ -33,6 +33,22 @@ def test_only_the_plans_trainers_ban_and_bans_outlive_their_announcement():
     assert bans.update([TrainerAnnouncement(T, banned=[B])], None) == frozenset(), "no plan vouches for anyone yet"
     assert bans.update([TrainerAnnouncement(T, banned=[B, T])], plan) == {B}, "a trainer does not ban itself"
     assert bans.update([], plan) == {B}, "remembered after the trainer's announcement is gone"
+
+
+def test_a_standby_taking_an_evicted_liars_place_copies_its_sibling_never_the_liar():
+    """Seen in the attacks experiment: the standby that replaced a banned liar (still announced, first in the old
+    plan's order) copied the liar's state, a step behind its sibling's (the liar's eviction ran that step again
+    without it), and every audit after disputed the two replicas until the run stopped."""
+    old = record(3, grid([B, A], [C]).replace(trainer_ids=(T,)))  # B, the liar, is replica 0 of stage 0
+    new = record(4, grid([E, A], [C]).replace(trainer_ids=(T,)))  # E, the standby, takes B's place
+    banned = announced_bans([TrainerAnnouncement(T, banned=[B]), TrainerAnnouncement(STRANGER, banned=[A])], new)
+    assert banned == {B}, "only the plan's trainers ban"
+    replicas, held = trusted_sources([B, A], [(B, 9), (D, 5)], new, (0, 1), banned)
+    assert replicas == [A] and held == [(D, 5)]
+    # a peer leaving the plan (not banned) still hands its stage over, after the replicas the new plan keeps
+    assert trusted_sources([B, A], [], new, (0, 1), frozenset())[0] == [A, B]
+    assert trusted_sources([B, A], [], None, (0, 1), frozenset())[0] == [B, A]
+    assert announced_bans([TrainerAnnouncement(T, banned=[B])], old) == {B} and announced_bans([], None) == set()
 
 
 def test_the_planner_repairs_the_plan_without_a_banned_peer_and_never_plans_it_again():

@@ -26,9 +26,10 @@ def ann(pid: str, version: int, stage: int | None = None) -> PeerAnnouncement:
     return PeerAnnouncement(pid, ADDRESS[pid], "cpu", 1 << 30, 1.0, plan_version=version, **layers)
 
 
-def record(version: int, *rows: list[str], unused: list[str] = ()) -> PlanRecord:
+def record(version: int, *rows: list[str], unused: list[str] = (), trainers: list[str] = ()) -> PlanRecord:
     stages = [{"layer_start": s, "layer_end": s + 1, "peer_ids": list(r)} for s, r in enumerate(rows)]
-    return PlanRecord(version=version, document={"stages": stages, "unused_peer_ids": list(unused)}, created_at=1.0)
+    document = {"stages": stages, "unused_peer_ids": list(unused), **({"trainer_ids": trainers} if trainers else {})}
+    return PlanRecord(version=version, document=document, created_at=1.0)
 
 
 class Servicer:
@@ -59,13 +60,14 @@ class _Host(SimpleNamespace):
         self.steps_done = max(self.steps_done, steps_done)
 
 
-def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | None):
-    """A PeerDaemon for J whose GetState fetches, state loads and announcements land in `events`."""
+def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | None, trainers=()):
+    """A PeerDaemon for J whose GetState fetches, state loads and announcements land in `events` (`trainers`:
+    the trainers' announcements in the DHT)."""
     events: list = []
     daemon = PeerDaemon(PeerConfig())
     daemon.following = following
     announce = lambda a: events.append(("announce", a))  # noqa: E731
-    daemon.dht = SimpleNamespace(peer_id=J, peers=lambda: list(peers), announce=announce)
+    daemon.dht = SimpleNamespace(peer_id=J, peers=lambda: list(peers), announce=announce, trainers=lambda: trainers)
     daemon.book = SimpleNamespace(plan_roster=lambda record, me: None)
     daemon.servicer = Servicer(events)
     daemon.channels = None
@@ -97,6 +99,22 @@ def test_a_standby_made_a_replica_copies_the_stage_from_its_live_replica_before_
     announced = events[3][1]
     assert events[3][0] == "announce" and (announced.stage, announced.plan_version) == (1, 4), "serves after"
     assert daemon.servicer.host.steps_done == 7 and daemon.servicer.host.role.replica == 1
+
+
+def test_a_standby_taking_a_banned_liars_place_copies_the_sibling_never_the_liar(monkeypatch):
+    """Seen in `swarm experiment attacks`: B, evicted and banned, still announced and first in plan 3's order,
+    handed the standby its state a step behind C's (B's eviction ran that step again without it); every audit
+    after disputed J and C until the run stopped. A liar could hand over poisoned weights the same way."""
+    from swarm.peers.records import TrainerAnnouncement
+
+    trainer = "0t0000000000"
+    before = record(3, [A], [B, C], unused=[J], trainers=[trainer])
+    repaired = record(4, [A], [J, C], trainers=[trainer])
+    peers = [ann(A, 4, 0), ann(B, 4), ann(C, 4, 1), ann(J, 3)]
+    daemon, events = joiner(monkeypatch, peers, before, trainers=[TrainerAnnouncement(trainer, banned=[B])])
+    daemon._apply_plan(repaired)
+    assert [e for e in events if e[0] == "fetch"] == [("fetch", ADDRESS[C], 1, 3)]
+    assert daemon.servicer.host.role.replica == 0
 
 
 def test_a_joiner_whose_first_plan_names_it_copies_from_the_other_replicas(monkeypatch):

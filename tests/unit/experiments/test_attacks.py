@@ -12,11 +12,14 @@ from swarm.experiments.attacks import AttacksConfig, AttacksRun, liar_choice
 from swarm.experiments.attacks_report import (
     CLEAN_KEYS,
     ROW_KEYS,
+    SHAPE_KEYS,
     Observation,
     Setting,
     clean_row,
     evictions,
     judge,
+    replacement,
+    replicas_identical,
     report_markdown,
     targets,
     throughput,
@@ -46,6 +49,55 @@ def test_a_liar_left_out_of_a_newer_plan_is_evicted_at_that_step():
     obs = [_obs(1, 0, 1, [[A, LIAR], [B, C]]), _obs(2, 4, 1, [[A, LIAR], [B, C]]), _obs(3, 6, 2, [[A], [B, C]])]
     row = judge(Setting("liar-norm:nan", "liar", (LIAR,)), _steps(10), obs, 0, 10)
     assert row["refused_or_detected"] is True and row["evicted"] is True and row["detection_steps"] == 6
+
+
+def _ann(stage, version):
+    return [stage, version, "direct", None, 0.0]
+
+
+def test_a_standby_that_serves_the_liars_stage_under_the_repaired_plan_replaced_it():
+    standby = "f6"
+    peers1 = {A: _ann(0, 1), LIAR: _ann(0, 1), B: _ann(1, 1), C: _ann(1, 1), standby: _ann(None, 1)}
+    obs = [
+        _obs(1, 0, 1, [[A, LIAR], [B, C]], peers=peers1),
+        _obs(2, 1, 1, [[A, LIAR], [B, C]], banned=(LIAR,), peers=peers1),  # evicted: banned at step 1
+        _obs(3, 2, 2, [[A, standby], [B, C]], banned=(LIAR,), peers=peers1),  # planned, not serving yet
+        _obs(4, 4, 2, [[A, standby], [B, C]], banned=(LIAR,), peers={**peers1, standby: _ann(0, 2)}),
+    ]
+    replicas = {A: [0, 9, "d0"], standby: [0, 9, "d0"], B: [1, 9, "d1"], C: [1, 9, "d1"]}
+    row = judge(Setting("liar-noise", "liar", (LIAR,)), _steps(10), obs, 0, 10, replicas)
+    assert row["detection_steps"] == 1 and set(SHAPE_KEYS) <= set(row)
+    assert row["replaced_by"] == standby and row["replaced_after_steps"] == 3 and row["replicas_identical"] is True
+    assert replacement(obs, LIAR, obs[1]) == (standby, 3)
+    # the stage left short (no standby): no replacement; a peer serving another stage is none either
+    short = [*obs[:2], _obs(3, 2, 2, [[A], [B, C]], peers=peers1), _obs(4, 3, 3, [[A, B], [C]], peers=peers1)]
+    assert replacement(short, LIAR, obs[1]) is None
+    assert judge(Setting("liar-noise", "liar", (LIAR,)), _steps(10), short, 0, 10)["replaced_by"] is None
+
+
+def test_the_churn_control_is_no_attack_and_counts_for_no_target_but_shows_its_replacement():
+    standby = "f6"
+    peers = {A: _ann(0, 2), B: _ann(1, 2), C: _ann(1, 2), standby: _ann(0, 3)}
+    obs = [
+        _obs(1, 0, 1, [[A, LIAR], [B, C]], peers=peers),
+        _obs(3, 2, 2, [[A], [B, C]], peers=peers),  # the killed volunteer dropped (dead): no ban
+        _obs(4, 3, 3, [[A, standby], [B, C]], peers=peers),
+    ]
+    row = judge(Setting("churn-control", "control", (LIAR,), attack_step=1, attack_t=2.0), _steps(10), obs, 0, 10)
+    assert row["refused_or_detected"] is None and row["evicted"] is False and "killed" in row["evidence"]
+    assert row["replaced_by"] == standby and row["replaced_after_steps"] == 1
+    clean = {**row, "setting": "clean", "kind": "clean", "evictions": 0}
+    far = {**row, "final_loss": 9.0, "run_stopped": True}  # a control far off and stopped misses nothing
+    checks = {c.name.split(",")[0]: c for c in targets([clean, far])}
+    assert checks["the run never stops"].verdict == "met"
+    assert checks["final loss within 1% of the clean run"].verdict == "met"
+
+
+def test_replicas_identical_needs_one_step_and_one_digest_per_stage():
+    assert replicas_identical({A: [0, 9, "d0"], B: [0, 9, "d0"], C: [1, 9, "x"]}) is True
+    assert replicas_identical({A: [0, 9, "d0"], B: [0, 9, "d9"]}) is False  # other bits
+    assert replicas_identical({A: [0, 9, "d0"], B: [0, 8, "d0"]}) is False  # a step behind
+    assert replicas_identical({}) is None and replicas_identical(None) is None
 
 
 def test_a_liar_that_could_not_lie_is_not_counted():
@@ -182,7 +234,11 @@ def test_the_liar_is_a_middle_stage_peer_other_than_the_planner():
 
 def test_config_quick_and_settings():
     quick = AttacksRun(quick=True).config()
-    assert quick.peers == 4 and quick.chosen() == ("clean", "liar-norm:nan")
+    assert quick.peers == 4 and quick.volunteers == 5 and quick.chosen() == ("clean", "liar-norm:nan")
+    assert AttacksConfig(standbys=0).volunteers == 6
+    assert AttacksConfig(settings="churn-control").chosen() == ("clean", "churn-control")
+    with pytest.raises(ValueError, match="standbys"):
+        AttacksConfig(standbys=-1)
     assert AttacksConfig(settings="token-replay").chosen() == ("clean", "token-replay")
     with pytest.raises(ValueError, match="unknown"):
         AttacksConfig(settings="clean,flood")

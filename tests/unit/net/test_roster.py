@@ -8,7 +8,13 @@ import threading
 import grpc
 import pytest
 
-from swarm.daemon.roster import AddressBook, retry_refused, roster_from_announcements, roster_from_plan
+from swarm.daemon.roster import (
+    AddressBook,
+    delegated_trainers,
+    retry_refused,
+    roster_from_announcements,
+    roster_from_plan,
+)
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 
 
@@ -94,3 +100,43 @@ def test_state_fetch_is_retried_while_the_holder_does_not_know_the_plan_yet():
     assert retry_refused(threading.Event(), fetch, 7, poll_s=0.001) == {"w": 1, "x": 7}
     with pytest.raises(Refused):  # other failures are not retried
         retry_refused(threading.Event(), lambda: (_ for _ in ()).throw(Refused(grpc.StatusCode.UNAVAILABLE)))
+
+
+def test_an_owned_runs_roster_keeps_only_the_trainers_the_owner_delegates_now():
+    # the plan still names t2, whom the owner revoked after the planner published it: the stage refuses t2 now
+    assert roster_from_plan(plan(trainer_ids=["t1", "t2"]), PEERS, delegated_trainers={"t1"}).trainers == {"t1"}
+    assert roster_from_plan(plan(trainer_ids=["t2"]), PEERS, delegated_trainers={"t1"}).trainers == frozenset()
+    assert roster_from_plan(plan(), PEERS, delegated_trainers={"t1"}).trainers == {"t1"}  # no trainer_ids: the owner's
+    assert roster_from_plan(plan(trainer_ids=["t1"]), PEERS, delegated_trainers=None).trainers == {"t1"}  # unowned
+
+
+def test_the_address_book_says_when_the_delegation_moved_and_the_roster_must_be_made_again():
+    from swarm.runtime.policy import CallPolicy
+
+    delegated = {"now": frozenset({"t1", "t2"})}
+    book = AddressBook(FakeDHT(PEERS), delegated=lambda: delegated["now"])
+    mine = ann("a", 1001)
+    roster = book.plan_roster(plan(trainer_ids=["t1", "t2"]), mine)
+    assert roster.trainers == {"t1", "t2"} and not book.delegation_changed()
+    CallPolicy(roster).check_step("Step", "t2")  # served while delegated
+    delegated["now"] = frozenset({"t1"})  # the owner revokes t2
+    assert book.delegation_changed() and book.delegation_changed()  # until the roster is made again
+    roster = book.plan_roster(plan(trainer_ids=["t1", "t2"]), mine)
+    assert roster.trainers == {"t1"} and not book.delegation_changed()
+    with pytest.raises(Exception, match="t2 is not one"):
+        CallPolicy(roster).check_step("Step", "t2")
+    assert not AddressBook(FakeDHT(PEERS)).delegation_changed()  # an unowned run: never
+
+
+def test_delegated_trainers_are_the_owners_current_ones_and_none_outside_an_owned_run():
+    from swarm.peers.manifest import RunAuthority
+
+    class Owned:
+        def authority(self):
+            return RunAuthority(planners=frozenset({"p"}), trainers=frozenset({"t1"}), revoked=frozenset({"t2"}))
+
+    class Unowned:
+        def authority(self):
+            return None
+
+    assert delegated_trainers(Owned()) == {"t1"} and delegated_trainers(Unowned()) is None

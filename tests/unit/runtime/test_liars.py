@@ -257,12 +257,14 @@ def test_a_stages_gradient_end_allows_a_loss_spikes_jump_its_activation_end_does
 
 
 class _Scaled:
-    """Wraps a worker: its forward outputs (activations to the next stage) times `factor` from its `after`-th
-    forward on, or its backward's input gradients replaced by NaN (`nan_grads`), or (`overflow`) its fp16
-    backward finding Inf/NaN every time."""
+    """Wraps a host's worker: its forward outputs (activations to the next stage) times `factor` from step `after`
+    on (the host's open step: a step run again after a failed attempt, which a loaded machine makes, runs more
+    forwards than steps, and a count of forwards made the lie start at step 4), or its backward's input gradients
+    replaced by NaN (`nan_grads`), or (`overflow`) its fp16 backward finding Inf/NaN every time."""
 
-    def __init__(self, worker, factor=1.0, after=0, nan_grads=False, overflow=False):
-        self.worker, self.factor, self.after, self.nan_grads, self.calls = worker, factor, after, nan_grads, 0
+    def __init__(self, host, factor=1.0, after=0, nan_grads=False, overflow=False):
+        self.worker = worker = host.worker
+        self.host, self.factor, self.after, self.nan_grads, self.calls = host, factor, after, nan_grads, 0
         self.overflow = overflow
         self._forward, self._backward = worker.forward, worker.backward
         worker.forward, worker.backward = self.forward, self.backward
@@ -270,7 +272,7 @@ class _Scaled:
     def forward(self, *args, **kwargs):
         out = self._forward(*args, **kwargs)
         self.calls += 1
-        return out * self.factor if self.calls > self.after else out
+        return out * self.factor if (self.host.open_step or 0) >= self.after else out
 
     def backward(self, *args, **kwargs):
         grad = self._backward(*args, **kwargs)
@@ -309,11 +311,35 @@ def test_link_watch_accepts_a_link_growing_30x_over_a_few_steps_as_the_warm_up_e
     assert "Inf/NaN" in watch.check(torch.full((4,), 3e38))  # its square overflows fp32: refused too
 
 
-def test_activations_scaled_300x_are_refused_naming_the_sender_who_is_evicted(caplog):
+class _Flaky:
+    """Wraps a servicer: its first Grads of each step before `until` fails as a call on a loaded machine times
+    out, so the driver runs that step again (a second forward on every replica of the step's routes)."""
+
+    def __init__(self, target, until: int):
+        self.target, self.until, self.failed = target, until, set()
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Grads(self, request, context):
+        import grpc
+
+        if request.step < self.until and request.step not in self.failed:
+            self.failed.add(request.step)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (a loaded machine)")
+        return self.target.Grads(request, context)
+
+
+@pytest.mark.parametrize("reruns", [False, True])
+def test_activations_scaled_300x_are_refused_naming_the_sender_who_is_evicted(caplog, reruns):
+    """`reruns`: steps 0-3 each run twice (a failed call), as on the loaded machine where this test once saw step 4
+    skipped: its liar then counted forwards, not steps, and lied from its 9th forward, at step 4."""
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
     liar = pipe.replica_peers[0][1]
     # 2 micro-batches per step over 2 routes: one each; stage 1 replica 1 has 8 messages of history after 8 steps
-    _Scaled(pipe.replica_hosts[0][1].worker, factor=300.0, after=8)
+    _Scaled(pipe.replica_hosts[0][1], factor=300.0, after=8)
+    if reruns:
+        pipe.switches[1][0].target = _Flaky(pipe.switches[1][0].target, until=4)
     try:
         results = _train(pipe, 13)
         assert [r.skipped for r in results] == [False] * 8 + [True, True] + [False] * 3
@@ -330,7 +356,7 @@ def test_activations_scaled_300x_are_refused_naming_the_sender_who_is_evicted(ca
 def test_nan_gradients_from_one_replica_fail_its_sends_until_it_is_evicted():
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
     liar = pipe.replica_peers[1][1]
-    _Scaled(pipe.replica_hosts[1][1].worker, nan_grads=True)
+    _Scaled(pipe.replica_hosts[1][1], nan_grads=True)
     try:
         results = _train(pipe, 5)
         assert [r.skipped for r in results] == [True, True, False, False, False]
@@ -348,7 +374,7 @@ def test_an_fp16_stage_overflowing_at_every_loss_scale_is_evicted():
     cfg = StageConfig(precision="fp16", scaler=ScalerConfig(init_scale=2.0**10))
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2, stage_cfg=cfg)
     liar = pipe.replica_peers[1][1]
-    _Scaled(pipe.replica_hosts[1][1].worker, overflow=True)
+    _Scaled(pipe.replica_hosts[1][1], overflow=True)
     try:
         results = _train(pipe, 8)
         # 2^10 -> 2^9 -> 2^8: two skips without strikes, then three struck ones, then the run goes on without it

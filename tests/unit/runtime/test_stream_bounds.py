@@ -340,3 +340,72 @@ def test_a_stalled_link_probe_gives_its_slot_back(caplog):
     _no_traceback(caplog.records)
     with s.servicers[1]._probe_slots.take():  # its one slot is free again
         pass
+
+
+def test_a_caller_slot_waited_for_is_taken_when_freed_and_refused_by_name_when_not():
+    slots = CallerSlots(2, "large stream", per_caller=1, reserved=1)
+    got = []
+    with slots.take("a", frozenset({"a", "b"})):
+        started = time.monotonic()
+        with pytest.raises(SlotsExhausted, match="a holds 1 large stream calls already"), slots.take("a", wait_s=0.1):
+            pass
+        assert time.monotonic() - started >= 0.1  # it waited for its own share before it was refused
+
+        def second() -> None:
+            with slots.take("a", wait_s=10.0):
+                got.append(slots.held("a"))
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        with slots.take("b", frozenset({"a", "b"})):  # another sender is not held up by a's wait
+            assert slots.held("b") == 1
+    waiter.join(10.0)  # the first slot freed: the waiting one takes it
+    assert got == [1] and slots.held("a") == 0
+
+
+def test_one_sender_cannot_hold_every_large_stream_slot():
+    s = Stages(2, StageBudget(large_streams=4, large_stream_bytes=1024, max_wait_s=0.2))
+    servicer = s.servicers[1]
+    assert servicer.budget.caller_large_streams == 2
+    with contextlib.ExitStack() as held:
+        held.enter_context(servicer._large_slot("greedy"))
+        held.enter_context(servicer._large_slot("greedy"))
+        with pytest.raises(SlotsExhausted, match="greedy holds 2 large stream"), servicer._large_slot("greedy"):
+            pass
+        held.enter_context(servicer._large_slot("other"))  # the two left are not the greedy sender's
+
+
+def _state_clients(pipe):
+    """GetState callers the plan allows: its trainer and a stage-1 peer (each with its own key)."""
+    from swarm.net.auth import CallSigner
+
+    trainer = pipe.network.connector(CallSigner(pipe.trainer)).stage(pipe.addresses[0])
+    peer = pipe.replica_hosts[1][0].outbox.connector.stage(pipe.addresses[0])
+    return trainer, peer
+
+
+def test_get_state_holds_one_slot_per_caller_and_refuses_another_plans_state_with_the_plan_marker():
+    import dataclasses
+
+    from swarm.net.stream import PLAN_MISMATCH
+    from swarm.runtime.inprocess import LocalPipeline
+    from tests.unit.net.test_policy import TINY
+
+    pipe = LocalPipeline(TINY, 2)
+    try:
+        servicer = pipe.switches[0][0].target
+        servicer.budget = dataclasses.replace(servicer.budget, state_wait_s=0.2)
+        trainer, peer = _state_clients(pipe)
+        first = iter(trainer.GetState(stage_pb2.StateRequest(stage=0)))
+        next(first)  # the trainer's first GetState is being sent: it holds its one state slot
+        with pytest.raises(LocalRpcError, match="holds 1 GetState calls already") as e:
+            list(trainer.GetState(stage_pb2.StateRequest(stage=0)))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(list(peer.GetState(stage_pb2.StateRequest(stage=0)))) > 1  # another caller is served meanwhile
+        list(first)  # sent: the slot is the trainer's again
+        assert len(list(trainer.GetState(stage_pb2.StateRequest(stage=0)))) > 1
+        with pytest.raises(LocalRpcError, match=PLAN_MISMATCH) as e:
+            list(peer.GetState(stage_pb2.StateRequest(stage=0, plan_version=7)))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not stage 0 of plan 7" in str(e.value)
+    finally:
+        pipe.close()

@@ -270,8 +270,9 @@ def test_a_live_export_reads_the_plan_again_when_the_stages_serve_a_newer_one(mo
 
     def fetch(document, addresses, model, connector, version, timeout_s):
         if version == 1:
-            raise ExportError(
-                "could not fetch stage 0: FAILED_PRECONDITION: holds stage 0 of plan 2, not stage 0 of plan 1"
+            raise ExportError(  # the stages' shared marker (swarm.net.stream.PLAN_MISMATCH), not the wording
+                "could not fetch stage 0: FAILED_PRECONDITION: plan-mismatch: this peer holds stage 0 of plan 2, "
+                "not stage 0 of plan 1"
             )
         return {"w": torch.zeros(1)}
 
@@ -299,14 +300,20 @@ def test_a_live_export_gives_up_on_other_refusals_at_once(monkeypatch):
             return []
 
     def fetch(*args):
-        raise ExportError("could not fetch stage 1: PERMISSION_DENIED")
+        raise ExportError(reason)
 
     monkeypatch.setattr(export_cli, "weights_from_stages", fetch)
     monkeypatch.setattr(swarm.net.connect, "GrpcConnector", lambda **kw: SimpleNamespace(close=lambda: None))
     monkeypatch.setattr(swarm.daemon.nat, "announced_dial", lambda *a: None)
+    reason = "could not fetch stage 1: PERMISSION_DENIED"
     with pytest.raises(ExportError, match="PERMISSION_DENIED"):
         export_cli.weights_from_swarm(FakeDht(), ModelConfig(), signer=None)
     assert calls == [1]
+    # a refusal that says "not stage" without the plan marker (a call routed to the wrong stage) is no newer plan
+    reason = "could not fetch stage 1: FAILED_PRECONDITION: this peer serves stage 0, not stage 1"
+    with pytest.raises(ExportError, match="serves stage 0"):
+        export_cli.weights_from_swarm(FakeDht(), ModelConfig(), signer=None)
+    assert calls == [1, 1]
 
 
 def test_held_out_of_a_train_config_names_its_windows_and_the_default_where_it_held_none_out():
