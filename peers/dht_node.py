@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
+P2PD_START_ATTEMPTS = 2
+"""times the node tries to start p2pd when the daemon fails to start (not when it cannot join its peers)"""
+
+
 class DHTThread:
     """A hivemind DHT node served by a daemon thread of this process.
 
@@ -78,14 +82,22 @@ class DHTThread:
     async def _serve(self) -> None:
         if self._closing:
             raise RuntimeError("the DHT node was shut down before it started")
-        try:
-            self._node = await DHTNode.create(**self._create)
-        except asyncio.CancelledError:
-            raise RuntimeError("the DHT node was shut down while starting") from None
-        except Exception as e:
-            logger.debug("DHT node failed to start", exc_info=True)
-            self._fail(e)
-            return
+        for attempt in range(1, P2PD_START_ATTEMPTS + 1):
+            try:
+                self._node = await DHTNode.create(**self._create)
+                break
+            except asyncio.CancelledError:
+                raise RuntimeError("the DHT node was shut down while starting") from None
+            except Exception as e:
+                if attempt < P2PD_START_ATTEMPTS and "Daemon failed to start" in str(e) and not self._closing:
+                    # p2pd's first output was not its banner: in a process that already runs gRPC, the fork that
+                    # starts it (a preexec_fn for its parent-death signal forces a real fork) can let gRPC's
+                    # poller print "epoll_wait error: Bad file descriptor" into p2pd's pipe before the exec
+                    logger.warning("p2pd failed to start (%s); starting it again", e)
+                    continue
+                logger.debug("DHT node failed to start", exc_info=True)
+                self._fail(e)
+                return
         self._ready.set_result(None)
         try:
             await asyncio.Event().wait()  # serves (the node's own tasks) until shutdown() cancels this task

@@ -35,7 +35,9 @@ def test_the_demo_trains_and_its_planner_calibrates_the_prediction(tmp_path, cap
         held = {int(r["step"]): r["held_out_loss"] for r in csv.DictReader(f) if r["held_out_loss"]}
     assert sorted(held) == [20, 40, 60, 80]
     assert summary["held_out_step"] == 80 and summary["held_out_loss"] == float(held[80])
-    assert 0 < summary["held_out_loss"] < float(held[20])  # it learned something that carries over
+    # it learned something that carries over: below the untrained model's loss (32 windows of the standard library's
+    # sources for 20 epochs overfit after step 20, so a later held-out point need not be below an earlier one)
+    assert 0 < summary["held_out_loss"] < summary["first_loss"] and 0 < float(held[20]) < summary["first_loss"]
     got = _the_saved_model_is_the_runs(tmp_path / "model", out / "checkpoints", summary)
     assert got["train_samples"] == 32 and got["windows"] == "the run's (recorded)"
 

@@ -116,3 +116,28 @@ def test_a_daemons_dht_node_works_without_hiveminds_package_init():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_p2pd_that_fails_to_start_is_started_once_more_and_a_second_failure_is_reported(monkeypatch, failures):
+    """gRPC's poller, in a process that runs gRPC, can print into the pipe of the p2pd being forked before its exec,
+    which hivemind reads as "Daemon failed to start": the node starts p2pd once more; twice is an error."""
+    import swarm.peers.dht_node as dht_node
+
+    quiet_hivemind()
+    original, calls = dht_node.DHTNode.create, []
+
+    async def create(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= failures:
+            raise RuntimeError("Daemon failed to start: E1128 ev_epoll1_linux.cc:373] epoll_wait error: Bad fd")
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(dht_node.DHTNode, "create", create)
+    if failures < dht_node.P2PD_START_ATTEMPTS:
+        with SwarmDHT(DHTConfig(run_name="p2pd-again")) as dht:
+            assert dht.is_alive() and len(calls) == failures + 1
+    else:
+        with pytest.raises(RuntimeError, match="Daemon failed to start"):
+            SwarmDHT(DHTConfig(run_name="p2pd-again", start_timeout_s=30.0))
+        assert len(calls) == dht_node.P2PD_START_ATTEMPTS

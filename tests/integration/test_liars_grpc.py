@@ -21,7 +21,7 @@ def test_scaled_activations_are_refused_naming_the_sender_over_grpc_and_evict_it
     with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
         pipe = remote(addresses, n_micro=2)
         liar = pipe.peers[0]
-        _Scaled(hosts[0].worker, factor=300.0, after=8)  # 2 messages a step: 8 in the link's history after 4
+        _Scaled(hosts[0], factor=300.0, after=4)  # from the host's step 4: 8 messages in the link's history
         try:
             results = [pipe.train_step(step, b) for step, b in enumerate(data[:6])]
             assert [r.skipped for r in results] == [False] * 4 + [True, True]
@@ -40,7 +40,7 @@ def test_nan_gradients_a_stage_refuses_to_send_name_it_over_grpc():
     with loopback_stages(2, FP32, FP32) as (hosts, _, addresses):
         pipe = remote(addresses, n_micro=2)
         liar = pipe.peers[1]
-        _Scaled(hosts[1].worker, nan_grads=True)
+        _Scaled(hosts[1], nan_grads=True)
         try:
             for step in range(2):
                 assert pipe.train_step(step, data[step]).skipped
