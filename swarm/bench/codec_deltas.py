@@ -165,9 +165,17 @@ def synthetic_deltas(n: int = 8, shape=(4, 128, 128), outliers: int = 4, seed: i
     return out
 
 
-def model_deltas(epochs: int = 4, every: int = 2, say: Callable[[str], None] = print) -> list[torch.Tensor]:
-    """Real AQ-SGD deltas: the default convergence model trained `epochs` epochs under `aqsgd2/gradq4+ef` (the
-    experiment's defaults), each forward message's delta samples captured as `x - m` every `every` steps."""
+def capture_forward_messages(
+    label: str,
+    pick: Callable,
+    epochs: int,
+    every: int,
+    what: str = "messages",
+    say: Callable[[str], None] = print,
+) -> list[torch.Tensor]:
+    """Trains the default convergence model `epochs` epochs in process under the setting `label` and returns what
+    `pick(x, msg, state)` takes (a tensor, or None for nothing) of every buffered forward message every `every`
+    steps: real messages for the codec benches (`model_deltas`, `codec_first_sights.model_activations`)."""
     from swarm.compression.codec_aqsgd import AQSGDCodec
     from swarm.experiments.convergence import ExperimentConfig, Setting
     from swarm.model.data import build_datasets, epoch_batches
@@ -177,19 +185,15 @@ def model_deltas(epochs: int = 4, every: int = 2, say: Callable[[str], None] = p
     cfg = ExperimentConfig()
     forward_defaults = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic}
     backward_defaults = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic}
-    setting = Setting.parse("aqsgd2/gradq4+ef", forward_defaults, backward_defaults)
+    setting = Setting.parse(label, forward_defaults, backward_defaults)
     train, _, _ = build_datasets(cfg.data)
     captured: list[torch.Tensor] = []
     capture = [False]
     original = AQSGDCodec._encode_body
 
     def spy(self, x, msg, state):
-        if capture[0] and state is not None and state.buffers is not None and len(msg.sample_ids) == x.shape[0]:
-            slots = state.buffers.lookup(list(msg.sample_ids))
-            rows = [i for i, s in enumerate(slots) if s >= 0]
-            if rows:
-                m = state.buffers.gather([slots[i] for i in rows])
-                captured.append((x[rows].float() - m.float()).detach().clone())
+        if capture[0] and (taken := pick(x, msg, state)) is not None:
+            captured.append(taken)
         return original(self, x, msg, state)
 
     steps = len(train) // cfg.batch_size
@@ -207,11 +211,28 @@ def model_deltas(epochs: int = 4, every: int = 2, say: Callable[[str], None] = p
                 capture[0] = step % every == 0
                 pipe.train_step(batch, cfg.n_micro)
                 step += 1
-            say(f"  epoch {epoch + 1}/{epochs}: {len(captured)} delta messages ({time.perf_counter() - started:.0f} s)")
+            say(f"  epoch {epoch + 1}/{epochs}: {len(captured)} {what} ({time.perf_counter() - started:.0f} s)")
     finally:
         AQSGDCodec._encode_body = original
         pipe.close()
     return captured
+
+
+def model_deltas(epochs: int = 4, every: int = 2, say: Callable[[str], None] = print) -> list[torch.Tensor]:
+    """Real AQ-SGD deltas: the default convergence model trained `epochs` epochs under `aqsgd2/gradq4+ef` (the
+    experiment's defaults), each forward message's delta samples captured as `x - m` every `every` steps."""
+
+    def delta(x, msg, state):
+        if state is None or state.buffers is None or len(msg.sample_ids) != x.shape[0]:
+            return None
+        slots = state.buffers.lookup(list(msg.sample_ids))
+        rows = [i for i, s in enumerate(slots) if s >= 0]
+        if not rows:
+            return None
+        m = state.buffers.gather([slots[i] for i in rows])
+        return (x[rows].float() - m.float()).detach().clone()
+
+    return capture_forward_messages("aqsgd2/gradq4+ef", delta, epochs, every, "delta messages", say)
 
 
 def delta_rows(sources: dict[str, list[torch.Tensor]], bits_list=(2, 4)) -> list[dict]:
@@ -224,4 +245,12 @@ def delta_rows(sources: dict[str, list[torch.Tensor]], bits_list=(2, 4)) -> list
     return rows
 
 
-__all__ = ["DELTA_COLUMNS", "SCHEMES", "delta_rows", "model_deltas", "paper_quantize", "synthetic_deltas"]
+__all__ = [
+    "DELTA_COLUMNS",
+    "SCHEMES",
+    "capture_forward_messages",
+    "delta_rows",
+    "model_deltas",
+    "paper_quantize",
+    "synthetic_deltas",
+]

@@ -19,9 +19,7 @@ packed payload:
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -188,46 +186,13 @@ def first_sight_rows(sources: dict[str, list[torch.Tensor]]) -> list[dict]:
 def model_activations(epochs: int = 2, every: int = 3, say: Callable[[str], None] = print) -> list[torch.Tensor]:
     """Stage-0 outputs of the default convergence model trained `epochs` epochs under the default setting (acsgd2
     forward), every forward message's activation captured every `every` steps: what first sights carry."""
-    from swarm.compression.codec_aqsgd import AQSGDCodec
-    from swarm.experiments.convergence import DEFAULT_TARGET_SETTING, ExperimentConfig, Setting
-    from swarm.model.data import build_datasets, epoch_batches
-    from swarm.runtime.inprocess import LocalPipeline
-    from swarm.runtime.worker import StageConfig
+    from swarm.bench.codec_deltas import capture_forward_messages
+    from swarm.experiments.convergence import DEFAULT_TARGET_SETTING
 
-    cfg = ExperimentConfig()
-    forward_defaults = {"group_size": cfg.forward_group_size, "stochastic": cfg.forward_stochastic}
-    backward_defaults = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic}
-    setting = Setting.parse(DEFAULT_TARGET_SETTING, forward_defaults, backward_defaults)
-    train, _, _ = build_datasets(cfg.data)
-    captured: list[torch.Tensor] = []
-    capture = [False]
-    original = AQSGDCodec._encode_body
+    def activation(x, msg, state):
+        return x.detach().float().clone()
 
-    def spy(self, x, msg, state):
-        if capture[0]:
-            captured.append(x.detach().float().clone())
-        return original(self, x, msg, state)
-
-    steps = len(train) // cfg.batch_size
-    total = steps * epochs
-    optim = replace(cfg.optim, total_steps=total, warmup_steps=max(1, round(total * cfg.warmup_fraction)))
-    pipe = LocalPipeline(
-        cfg.model, cfg.n_stages, setting.forward, setting.backward, schedule=cfg.schedule,
-        stage_cfg=StageConfig(optim, cfg.autocast_bf16),
-    )  # fmt: skip
-    AQSGDCodec._encode_body = spy
-    started, step = time.perf_counter(), 0
-    try:
-        for epoch in range(epochs):
-            for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
-                capture[0] = step % every == 0
-                pipe.train_step(batch, cfg.n_micro)
-                step += 1
-            say(f"  epoch {epoch + 1}/{epochs}: {len(captured)} messages ({time.perf_counter() - started:.0f} s)")
-    finally:
-        AQSGDCodec._encode_body = original
-        pipe.close()
-    return captured
+    return capture_forward_messages(DEFAULT_TARGET_SETTING, activation, epochs, every, "messages", say)
 
 
 def synthetic_activations(n: int = 4, shape=(4, 128, 128), seed: int = 0) -> list[torch.Tensor]:

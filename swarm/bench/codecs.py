@@ -223,7 +223,8 @@ def _run_deltas(bench: CodecsBench) -> int:
         sources["synthetic"] = synthetic_deltas(n=1 if bench.quick else 8, shape=(2 if bench.quick else 4, 128, 128))
     if bench.deltas in ("model", "all"):
         say = (lambda _: None) if bench.json else print
-        sources["model"] = model_deltas(epochs=1 if bench.quick else bench.delta_epochs, say=say)
+        # a delta needs a sample seen twice: two epochs at the least
+        sources["model"] = model_deltas(epochs=2 if bench.quick else bench.delta_epochs, say=say)
     rows = delta_rows(sources)
     sizes = ", ".join(f"{k}: {sum(d.numel() for d in v):,} elements" for k, v in sources.items())
     emit(rows, DELTA_COLUMNS, bench.json, f"AQ-SGD deltas ({sizes}; {time.perf_counter() - started:.1f} s)")
