@@ -93,41 +93,61 @@ def plane_bytes(codes: np.ndarray, bits: int) -> int:
     return sum(len(zc.compress(np.packbits((codes.ravel() >> k) & 1).tobytes())) for k in range(bits))
 
 
-class _Tally:
-    def __init__(self):
+class CodeTally:
+    """A codec's error and bytes over many messages, and the order-0 entropy of their codes (pooled): what the
+    codec benches report per scheme (`measure` here, `codec_first_sights`). With `planes`, every message's codes
+    are also compressed as bit planes (`plane_bytes`; `add` then needs their `bits`)."""
+
+    def __init__(self, planes: bool = True):
+        self.planes = planes
         self.err2 = self.ref2 = 0.0
         self.numel = self.plain = self.wire = self.zpay = self.zplanes = 0
-        self.hist = None
+        self.hist: dict[int, int] = {}
+        """how often each code value occurred (codes of every message pooled)"""
 
-    def add(self, d, y, codes, bits, plain, wire, payload):
-        self.err2 += float((y.float() - d.float()).pow(2).sum())
-        self.ref2 += float(d.float().pow(2).sum())
-        self.numel += d.numel()
+    def add(self, x, y, codes, plain: int, wire: int, payload: bytes, bits: int | None = None) -> None:
+        """One message: `x` sent, `y` decoded, its `codes` (None: no codes to count), `plain` bytes of payload
+        and scales, `wire` bytes as framed."""
+        self.err2 += float((y.float() - x.float()).pow(2).sum())
+        self.ref2 += float(x.float().pow(2).sum())
+        self.numel += x.numel()
         self.plain += plain
         self.wire += wire
         self.zpay += len(zstandard.ZstdCompressor(level=1).compress(payload))
-        self.zplanes += plane_bytes(codes, bits)
-        h = np.bincount(codes.ravel(), minlength=1 << bits)
-        self.hist = h if self.hist is None else self.hist + h
+        if codes is None:
+            return
+        if self.planes:
+            self.zplanes += plane_bytes(codes, bits)
+        values, counts = np.unique(codes.ravel(), return_counts=True)
+        for v, c in zip(values.tolist(), counts.tolist(), strict=True):
+            self.hist[v] = self.hist.get(v, 0) + c
+
+    def entropy_bits(self) -> float:
+        """Order-0 empirical entropy of the pooled codes, bits per code (NaN without codes)."""
+        if not self.hist:
+            return float("nan")
+        counts = np.array([self.hist[v] for v in sorted(self.hist)], dtype=np.float64)
+        p = counts / counts.sum()
+        return float(-(p * np.log2(p)).sum())
 
     def row(self, **keys) -> dict:
         n = max(1, self.numel)
-        p = self.hist / max(1, self.hist.sum())
-        p = p[p > 0]
-        return {
+        row = {
             **keys,
             "rel_error": math.sqrt(self.err2 / max(self.ref2, 1e-30)),
             "payload_scales_bytes_per_element": self.plain / n,
             "wire_bytes_per_element": self.wire / n,
-            "code_entropy_bits": float(-(p * np.log2(p)).sum()),
+            "code_entropy_bits": self.entropy_bits(),
             "zstd_payload_bits": 8 * self.zpay / n,
-            "zstd_planes_bits": 8 * self.zplanes / n,
         }
+        if self.planes:
+            row["zstd_planes_bits"] = 8 * self.zplanes / n
+        return row
 
 
-def measure(deltas: list[torch.Tensor], scheme: str, bits: int, seed: int = 0) -> _Tally:
-    """Every delta `[B, T, D]` through one scheme; sums what `_Tally.row` reports."""
-    tally, (layout, stochastic, group) = _Tally(), SCHEMES[scheme]
+def measure(deltas: list[torch.Tensor], scheme: str, bits: int, seed: int = 0) -> CodeTally:
+    """Every delta `[B, T, D]` through one scheme; sums what `CodeTally.row` reports."""
+    tally, (layout, stochastic, group) = CodeTally(), SCHEMES[scheme]
     zc = zstandard.ZstdCompressor(level=1)
     for i, d in enumerate(deltas):
         d = d.float()
@@ -138,7 +158,7 @@ def measure(deltas: list[torch.Tensor], scheme: str, bits: int, seed: int = 0) -
             scale_bytes = scale.numpy().tobytes()
             plain = len(payload) + len(scale_bytes)
             wire = len(zc.compress(payload + scale_bytes))
-            tally.add(d, y, codes.numpy(), bits, plain, min(wire, plain), payload)
+            tally.add(d, y, codes.numpy(), plain, min(wire, plain), payload, bits)
             continue
         cfg = CodecConfig(
             name="directq", bits=bits, group_size=group, stochastic=stochastic, seed=seed + i, group_layout=layout
@@ -150,7 +170,7 @@ def measure(deltas: list[torch.Tensor], scheme: str, bits: int, seed: int = 0) -
         plain = len(q.payload) + len(q.scales) + len(q.mins)
         wire = sum(c.ByteSize() for c in frame(msg, zstd_level=1))
         codes = unpack_codes(q.payload, bits, d.numel())
-        tally.add(d, y, codes, bits, plain, wire, q.payload)
+        tally.add(d, y, codes, plain, wire, q.payload, bits)
     return tally
 
 
@@ -247,6 +267,7 @@ def delta_rows(sources: dict[str, list[torch.Tensor]], bits_list=(2, 4)) -> list
 
 __all__ = [
     "DELTA_COLUMNS",
+    "CodeTally",
     "SCHEMES",
     "capture_forward_messages",
     "delta_rows",

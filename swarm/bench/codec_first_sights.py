@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import zstandard
 
+from swarm.bench.codec_deltas import DELTA_COLUMNS, CodeTally
 from swarm.compression import CodecConfig, LinkState, frame, make_codec
 from swarm.compression import rotation as rot
 from swarm.compression.codec_bilevel import bilevel_dequantize, bilevel_quantize, pack_bits
@@ -33,64 +34,20 @@ from swarm.compression.layout import CHANNEL, to_groups
 from swarm.kernels.reference import pack
 from swarm.kernels.symmetric import dequantize_codes, quantize_codes
 
-FIRST_SIGHT_COLUMNS = [
-    "source",
-    "scheme",
-    "bits",
-    "rel_error",
-    "payload_scales_bytes_per_element",
-    "wire_bytes_per_element",
-    "code_entropy_bits",
-    "zstd_payload_bits",
-]
+FIRST_SIGHT_COLUMNS = [c for c in DELTA_COLUMNS if c != "zstd_planes_bits"]
+"""as the deltas bench, without bit planes (first sights are not compressed by planes)"""
 SEED = 0
-
-
-def _entropy(hist: dict[int, int]) -> float:
-    counts = np.array(list(hist.values()), dtype=np.float64)
-    p = counts / max(1.0, counts.sum())
-    p = p[p > 0]
-    return float(-(p * np.log2(p)).sum())
-
-
-class _Tally:
-    def __init__(self):
-        self.err2 = self.ref2 = 0.0
-        self.numel = self.plain = self.wire = self.zpay = 0
-        self.hist: dict[int, int] = {}
-        """how often each code value occurred (codes of every message pooled)"""
-
-    def add(self, x: torch.Tensor, y: torch.Tensor, codes: np.ndarray | None, plain: int, wire: int, payload: bytes):
-        self.err2 += float((y.float() - x.float()).pow(2).sum())
-        self.ref2 += float(x.float().pow(2).sum())
-        self.numel += x.numel()
-        self.plain += plain
-        self.wire += min(wire, plain + 16)
-        self.zpay += len(zstandard.ZstdCompressor(level=1).compress(payload))
-        if codes is not None:
-            values, counts = np.unique(codes.ravel(), return_counts=True)
-            for v, c in zip(values.tolist(), counts.tolist(), strict=True):
-                self.hist[v] = self.hist.get(v, 0) + c
-
-    def row(self, **keys) -> dict:
-        n = max(1, self.numel)
-        return {
-            **keys,
-            "rel_error": math.sqrt(self.err2 / max(self.ref2, 1e-30)),
-            "payload_scales_bytes_per_element": self.plain / n,
-            "wire_bytes_per_element": self.wire / n,
-            "code_entropy_bits": _entropy(self.hist) if self.hist else float("nan"),
-            "zstd_payload_bits": 8 * self.zpay / n,
-        }
+_FRAME_SLACK = 16
+"""bytes a message's wire figure may exceed its payload and scales (a stored frame's header)"""
 
 
 def _zstd(data: bytes) -> int:
     return len(zstandard.ZstdCompressor(level=1).compress(data))
 
 
-def _codec_first_sights(acts: list[torch.Tensor], bits: int, rotate: bool) -> _Tally:
+def _codec_first_sights(acts: list[torch.Tensor], bits: int, rotate: bool) -> CodeTally:
     """The acsgd codec's own first sights: encode, frame, decode, as the runtime does."""
-    tally = _Tally()
+    tally = CodeTally(planes=False)
     label = f"acsgd2+ch+nr+fs{bits}" + ("+rot" if rotate else "")
     for x in acts:
         cfg = CodecConfig.parse(label)
@@ -102,7 +59,8 @@ def _codec_first_sights(acts: list[torch.Tensor], bits: int, rotate: bool) -> _T
         codes = np.unpackbits(codes, bitorder="little").reshape(-1, bits)[: x.numel()]
         codes = (codes * (1 << np.arange(bits, dtype=np.uint8))).sum(1)
         wire = sum(c.ByteSize() for c in frame(msg, zstd_level=1))
-        tally.add(x, y, codes, len(q.payload) + len(q.scales), wire, q.payload)
+        plain = len(q.payload) + len(q.scales)
+        tally.add(x, y, codes, plain, min(wire, plain + _FRAME_SLACK), q.payload)
     return tally
 
 
@@ -117,8 +75,8 @@ def _grouped(x: torch.Tensor, rotate: bool) -> tuple[torch.Tensor, Callable[[tor
     return g, lambda y: y.reshape(b, d, t).transpose(1, 2)
 
 
-def _lowbit(acts: list[torch.Tensor], scheme: str, rotate: bool) -> _Tally:
-    tally = _Tally()
+def _lowbit(acts: list[torch.Tensor], scheme: str, rotate: bool) -> CodeTally:
+    tally = CodeTally(planes=False)
     for x in acts:
         g, back = _grouped(x, rotate)
         t = g.shape[1]
@@ -131,7 +89,9 @@ def _lowbit(acts: list[torch.Tensor], scheme: str, rotate: bool) -> _Tally:
             y = bilevel_dequantize(codes, lo, hi, t)
             payload, side = pack_bits(codes), lo.numpy().tobytes() + hi.numpy().tobytes()
         plain = len(payload) + len(side)
-        tally.add(x, back(y), codes.numpy().astype(np.int8), plain, _zstd(payload + side), payload)
+        tally.add(
+            x, back(y), codes.numpy().astype(np.int8), plain, min(_zstd(payload + side), plain + _FRAME_SLACK), payload
+        )
     return tally
 
 
@@ -153,15 +113,15 @@ def adaptive_quantize(g: torch.Tensor, mean_bits: float) -> tuple[torch.Tensor, 
     return y, torch.where(wide, 4, 2), payloads
 
 
-def _adaptive(acts: list[torch.Tensor], mean_bits: float) -> _Tally:
-    tally = _Tally()
+def _adaptive(acts: list[torch.Tensor], mean_bits: float) -> CodeTally:
+    tally = CodeTally(planes=False)
     for x in acts:
         g, back = _grouped(x, True)
         y, bits, payloads = adaptive_quantize(g, mean_bits)
         side = 2 * g.shape[0] + math.ceil(g.shape[0] / 8)  # an fp16 scale and one width bit a group
         payload = b"".join(payloads)
         plain = len(payload) + side
-        tally.add(x, back(y), None, plain, _zstd(payload) + side, payload)
+        tally.add(x, back(y), None, plain, min(_zstd(payload) + side, plain + _FRAME_SLACK), payload)
     return tally
 
 
@@ -170,7 +130,7 @@ def first_sight_rows(sources: dict[str, list[torch.Tensor]]) -> list[dict]:
     rows = []
     for source, acts in sources.items():
         elements = sum(a.numel() for a in acts)
-        tallies: list[tuple[_Tally, str, float]] = []
+        tallies: list[tuple[CodeTally, str, float]] = []
         for bits in (2, 3, 4, 8):
             for rotate in (False, True):
                 tallies.append((_codec_first_sights(acts, bits, rotate), f"acsgd{bits}" + "+rot" * rotate, bits))
