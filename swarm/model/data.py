@@ -235,7 +235,8 @@ def build_datasets(cfg: DataConfig) -> tuple[SampleSet, SampleSet, DataReport]:
     windows of 127 bytes or more that occur verbatim in the training text (the library copies some code between
     files) are skipped. A `cfg.path` text (or a fallback
     source, when the library's sources are missing) is one text: training windows first, held-out from the end
-    of what was read; a sample's id is its window's index. Either way ids are the same in every process.
+    of the text, which do not move with `train_samples` either (`_one_text_datasets`). Either way ids are the same
+    in every process.
 
     Raises ValueError when the corpus does not hold one training and the held-out windows.
     """
@@ -297,28 +298,40 @@ def _report(source: str, corpus_bytes: int, corpus_digest: str, train: SampleSet
 
 
 def _one_text_datasets(cfg: DataConfig) -> tuple[SampleSet, SampleSet, DataReport]:
-    """`build_datasets` of one text: training windows first, held-out from the end of what was read."""
+    """`build_datasets` of one text: training windows first, held-out from the end of the text (at most
+    `cfg.max_corpus_bytes` of it), so the held-out windows do not move with `train_samples`.
+
+    Bytes: id i is the text's i-th window, the held-out ones the last `eval_samples` of them. With a tokenizer the
+    held-out windows are the last `eval_samples` windows of the ids of the text's tail (`BYTES_PER_TOKEN_READ` bytes
+    a token), id `HELD_OUT_FIRST_ID` + position there; training windows are cut from the ids of the text before it.
+    """
     window = cfg.seq_len_tokens + 1
-    wanted = ((cfg.train_samples or 0) + cfg.eval_samples) * window
     per_token = 1 if cfg.tokenizer is None else BYTES_PER_TOKEN_READ
-    max_bytes = cfg.max_corpus_bytes if cfg.train_samples is None else min(cfg.max_corpus_bytes, wanted * per_token)
-    text, source = load_corpus(cfg.path, max_bytes, min_bytes=wanted * per_token)
-    tokens = _tokens(text, cfg.tokenizer)
-    n_windows = len(tokens) // window
-    if n_windows < cfg.eval_samples + 1:
-        unit = "bytes" if cfg.tokenizer is None else "tokens"
-        raise ValueError(
-            f"{source} holds {len(tokens)} {unit}: too few for {cfg.eval_samples} held-out samples and one "
-            f"training sample of {window} {unit}; pass --data with a larger text"
-        )
-    windows = _windows(tokens, window, None)
-    n_train = n_windows - cfg.eval_samples
+    text, source = load_corpus(cfg.path, cfg.max_corpus_bytes, min_bytes=(cfg.eval_samples + 1) * window * per_token)
+    unit = "bytes" if cfg.tokenizer is None else "tokens"
+    if cfg.tokenizer is None:
+        n_windows = len(text) // window
+        n_train = n_windows - cfg.eval_samples
+        held_ids = torch.arange(n_train, n_windows, dtype=torch.int64)
+        held_windows = _windows(_tokens(text[n_train * window : n_windows * window], None), window, None)
+        train_text = text[: n_train * window] if n_train > 0 else b""
+    else:
+        tail = min(len(text), cfg.eval_samples * window * per_token)
+        tail_windows = _windows(_tokens(text[len(text) - tail :], cfg.tokenizer), window, None)
+        held_windows = tail_windows[len(tail_windows) - min(len(tail_windows), cfg.eval_samples) :]
+        held_ids = HELD_OUT_FIRST_ID + torch.arange(len(tail_windows) - len(held_windows), len(tail_windows))
+        train_text = text[: len(text) - tail]
     if cfg.train_samples is not None:
-        n_train = min(n_train, cfg.train_samples)
-    ids = torch.arange(n_windows, dtype=torch.int64)
-    train = SampleSet(ids[:n_train], windows[:n_train])
-    held = slice(n_windows - cfg.eval_samples, n_windows)
-    evals = SampleSet(ids[held], windows[held])
+        train_text = train_text[: cfg.train_samples * window * per_token]
+    train_windows = _windows(_tokens(train_text, cfg.tokenizer), window, cfg.train_samples)
+    if len(train_windows) < 1 or len(held_windows) < cfg.eval_samples:
+        raise ValueError(
+            f"{source} holds {len(text)} bytes: {len(train_windows)} training and {len(held_windows)} held-out "
+            f"windows of {window} {unit}: too few for {cfg.eval_samples} held-out samples and one training sample; "
+            "pass --data with a larger text"
+        )
+    train = SampleSet(torch.arange(len(train_windows), dtype=torch.int64), train_windows)
+    evals = SampleSet(held_ids.to(torch.int64), held_windows)
     return train, evals, _report(source, len(text), hashlib.sha256(text).hexdigest(), train, evals)
 
 

@@ -39,6 +39,16 @@ def test_ids_are_stable_distinct_and_held_out_is_disjoint(text_file):
         assert bytes(windows[sid].tolist()) == raw[sid * 16 : (sid + 1) * 16]
 
 
+def test_a_texts_held_out_windows_do_not_move_with_the_training_sample_count(text_file):
+    runs = [build_datasets(DataConfig(path=str(text_file), seq_len_tokens=15, train_samples=n, eval_samples=5))
+            for n in (None, 7, 100)]  # fmt: skip
+    assert [len(train) for train, _, _ in runs] == [3800 // 16 - 5, 7, 100]
+    for train, evals, _ in runs:
+        assert evals.ids.tolist() == list(range(3800 // 16 - 5, 3800 // 16))  # the text's last windows
+        assert torch.equal(evals.windows, runs[0][1].windows)
+        assert not set(train.ids.tolist()) & set(evals.ids.tolist())
+
+
 def test_batch_targets_are_inputs_shifted_by_one(text_file):
     train, _, _ = build_datasets(DataConfig(path=str(text_file), seq_len_tokens=15, eval_samples=2))
     b = train.batch(slice(0, 3))
