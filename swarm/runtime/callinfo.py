@@ -129,7 +129,13 @@ def route_needed(error: BaseException, peer: str | None = None) -> bool:
     call may go again with the route), or with `peer` None by any stage of the route (the step may run again)."""
     if not isinstance(error, StageCallError) or error.code != grpc.StatusCode.FAILED_PRECONDITION:
         return False
-    return (ROUTE_NEEDED in str(error)) if peer is None else (f"(peer {peer} at " in str(error).split(ROUTE_NEEDED)[0])
+    text = str(error)
+    if ROUTE_NEEDED not in text:  # e.g. "that attempt of step 1 was abandoned", by the same peer and code
+        return False
+    if peer is None:
+        return True
+    named = text.split(ROUTE_NEEDED)[0].rsplit("(peer ", 1)  # the stage named right before the refusal
+    return len(named) == 2 and named[1].startswith(f"{peer} at ")
 
 
 class RouteAcks:

@@ -219,6 +219,16 @@ def test_route_needed_tells_the_addressed_peers_refusal_from_a_stage_further_on(
     further = StageCallError(f"stage 2 (peer q2 at b2): {ROUTE_NEEDED} x", grpc.StatusCode.FAILED_PRECONDITION)
     assert route_needed(own, "q1") and not route_needed(further, "q1") and route_needed(further)
     assert not route_needed(StageCallError(f"stage 1 (peer q1 at b1): {ROUTE_NEEDED}", grpc.StatusCode.ABORTED))
+    # the same peer and code, another refusal: a late call of an abandoned attempt is not asked for its route (the
+    # suite once saw stage 0 then get the route for the rest of the plan)
+    late = StageCallError(
+        "stage 0 (peer q0 at b0): that attempt of step 1 was abandoned", grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert not route_needed(late, "q0") and not route_needed(late)
+    relayed = StageCallError(
+        f"stage 0 (peer q0 at b0): stage 1 (peer q1 at b1): {ROUTE_NEEDED} x", grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert route_needed(relayed, "q1") and not route_needed(relayed, "q0")
 
 
 def test_plan_route_only_for_the_route_this_stages_roster_gives():
