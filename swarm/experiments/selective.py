@@ -109,3 +109,14 @@ def setting_codecs(
     first = plan.codecs[0]
     forward = CodecConfig.parse(first.forward_label, **forward_defaults)
     return forward, CodecConfig.parse(first.backward_label, **backward_defaults)
+
+
+def apply_epilogue_only(pipe, epilogue) -> None:
+    """Every host of `pipe` (a `LocalPipeline`, between steps) sends its backward messages with epilogue-only
+    compression (`swarm.runtime.boundary.EpilogueOnly`; None: every message at the backward codec), on fresh ends
+    of the codecs it has."""
+    from dataclasses import replace
+
+    for row in pipe.replica_hosts:
+        for host in row:
+            host.apply(replace(host.assignment, links=host.links.with_epilogue(epilogue)))
