@@ -125,6 +125,30 @@ class EpilogueOnly:
     plan: EpiloguePlan = field(default_factory=EpiloguePlan)
     """Which messages are exposed (`swarm.runtime.epilogue`)."""
 
+    @classmethod
+    def parse(cls, text: str) -> EpilogueOnly | None:
+        """`PRECISE:TAILS[:SCHEDULE:MICRO_BATCHES]` (`swarm-peer --bw-epilogue`), e.g. `fp32:1,1:1f1b:4`: the precise
+        codec's label, each boundary's compressed tail, and the step shape they were derived for (any shape
+        without); "" is None (every message at the backward codec). ValueError names what is wrong."""
+        if not text:
+            return None
+        parts = text.split(":")
+        if len(parts) not in (2, 4):
+            raise ValueError(f"--bw-epilogue {text!r}: expected PRECISE:TAILS[:SCHEDULE:MICRO_BATCHES]")
+        try:
+            tails = tuple(int(t) for t in parts[1].split(","))
+            schedule, n_micro = (parts[2], int(parts[3])) if len(parts) == 4 else ("", 0)
+            return cls(CodecConfig.parse(parts[0]), EpiloguePlan(tails, schedule, n_micro))
+        except ValueError as e:
+            raise ValueError(f"--bw-epilogue {text!r}: {e}") from None
+
+    def label(self) -> str:
+        """The `parse` form of this choice."""
+        plan = self.plan
+        tails = ",".join(map(str, plan.tails or ()))
+        shape = f":{plan.schedule}:{plan.n_micro}" if plan.schedule or plan.n_micro else ""
+        return f"{self.precise.label}:{tails}{shape}"
+
 
 @dataclass
 class LinkEnd:
