@@ -17,17 +17,17 @@ one whose transfer would show (the step grows by more than `tolerance`). What st
 receiver's backward order, `EpiloguePlan.tails[b]` messages of boundary b (b: from stage b+1 to stage b). What it
 gives (`tests/unit/runtime/test_epilogue.py` checks each):
 
-- GPipe: every backward message is exposed. Every stage runs its backwards back to back, each one waiting on the
-  next stage's, and every path through the backward phase crosses each boundary once: a precise message anywhere
-  lengthens some path by its extra transfer.
+- GPipe with equal stages: every backward message is exposed. Every stage runs its backwards back to back, each
+  one waiting on the next stage's, and every path through the backward phase crosses each boundary once: a
+  precise message anywhere lengthens some path by its extra transfer.
 - 1F1B with equal stages: every message is exposed too. Stage s warms up with exactly the n_stages - 1 - s forwards
   that fill the round trip to the last stage and back when transfers are free, so in the steady state each
   backward waits on its gradient: the steady state has no slack for any transfer. (Optimus-CC's figure draws the
   steady state's transfers under compute; on this schedule they are not.)
-- 1F1B where the last stage is the slowest (it carries the LM head and the loss): every other stage waits on it,
-  and that wait hides a precise transfer up to the slack. Then only the drain is exposed, the last micro-batch's
-  message on each boundary (tail 1), as long as the precise transfer fits in the slack; past it the tail grows
-  to every micro-batch.
+- 1F1B or GPipe where the last stage is the slowest (it carries the LM head and the loss): every other stage
+  waits on it, and that wait hides a precise transfer up to the slack. Then only the drain is exposed, the last
+  micro-batch's message on each boundary (tail 1), as long as the precise transfer fits in the slack; past it
+  the tail grows towards every micro-batch.
 
 A stage finds its own tail by its call's `CallInfo` (`compress_backward`): the schedule, the stage, the micro-batch
 and their counts are all it needs.

@@ -60,18 +60,20 @@ def test_1f1b_with_equal_stages_has_no_slack_for_any_transfer(n_stages, n_micro,
     assert derive_tails("1f1b", n_micro, times) == (n_micro,) * (n_stages - 1)
 
 
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("n_stages,n_micro", [(2, 4), (3, 6), (4, 8), (2, 16)])
 @pytest.mark.parametrize("precise_s", [0.1, 0.3])
-def test_1f1b_with_the_last_stage_slowest_exposes_only_the_drain(n_stages, n_micro, precise_s):
+def test_with_the_last_stage_slowest_only_the_drain_is_exposed(schedule, n_stages, n_micro, precise_s):
     times = _slow_last(n_stages, 1.5, precise_s)
-    tails = derive_tails("1f1b", n_micro, times)
+    tails = derive_tails(schedule, n_micro, times)
     assert tails == (1,) * (n_stages - 1)
     # the drain: the last micro-batch's gradient on every boundary
-    assert exposed_messages("1f1b", n_stages, n_micro, tails) == [(b, n_micro - 1) for b in range(n_stages - 1)]
-    everything = step_time_s("1f1b", n_micro, times, _every(n_stages, n_micro))
-    assert step_time_s("1f1b", n_micro, times, set(exposed_messages("1f1b", n_stages, n_micro, tails))) == everything
+    assert exposed_messages(schedule, n_stages, n_micro, tails) == [(b, n_micro - 1) for b in range(n_stages - 1)]
+    everything = step_time_s(schedule, n_micro, times, _every(n_stages, n_micro))
+    chosen = set(exposed_messages(schedule, n_stages, n_micro, tails))
+    assert step_time_s(schedule, n_micro, times, chosen) == everything
     # and the drain's messages are really exposed: leaving them precise too lengthens the step
-    assert step_time_s("1f1b", n_micro, times, set()) > everything
+    assert step_time_s(schedule, n_micro, times, set()) > everything
 
 
 def test_a_precise_transfer_past_the_slack_is_exposed_everywhere():
