@@ -225,9 +225,12 @@ class PeerDaemon:
             self.model,
             StageConfig(cfg.optim, precision=precision, device=cfg.device),
             LinkEnds(
-                ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3]),
+                ends[0],
+                ends[1],
+                shaping=self.shaping,
+                recv=(ends[2], ends[3]),
                 epilogue=EpilogueOnly.parse(cfg.bw_epilogue),
-            ),  # fmt: skip
+            ),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
             metrics=self.metrics,
