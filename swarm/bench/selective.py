@@ -32,6 +32,7 @@ from swarm.scheduler.bits import (
 )
 from swarm.scheduler.plans import ModelSpec, Peer, PlanInput, TransformerShape
 from swarm.scheduler.selective import epilogue_figures, pipeline_step_s, selective_breakdown
+from swarm.scheduler.selective_stages import widen_hidden
 
 RATES_MBIT = (1.0, 10.0, 100.0, 1000.0, 10000.0)
 SHAPE = TransformerShape(layers=8, hidden=1024, seq_len=256, micro_batch_size=4, micro_batches=8)
@@ -96,7 +97,8 @@ def rows(
         forward = max((b.forward_label for b in bounds), key=FORWARD_LADDER.index)  # uniform rates: one choice; else
         backward = max((b.backward_label for b in bounds), key=BACKWARD_LADDER.index)  # the narrowest, for one spec
         spec = replace(base, forward_bytes=sizes(forward), backward_bytes=sizes(backward))
-        chosen = choose_epilogue(*epilogue_figures(plan_stages, plan_input, spec), policy)
+        figures = epilogue_figures(plan_stages, plan_input, spec)
+        chosen = widen_hidden(choose_epilogue(*figures, policy), *figures)  # as the planner: `choose_for_plan`
         fp32 = step("fp32", "fp32", "fp32", "fp32")
         compressed = step(FORWARD_LADDER[-1], policy.backward_floor, AVERAGE_LADDER[-1], TIED_LADDER[-1])
         selective = selective_breakdown(plan_stages, plan_input, spec, chosen).total_s

@@ -211,7 +211,7 @@ class PeerDaemon:
 
     def _make_host(self, role, plan: PlanDocument | None = None):
         from swarm.net.connect import GrpcConnector
-        from swarm.runtime.boundary import LinkEnds
+        from swarm.runtime.boundary import EpilogueOnly, LinkEnds
         from swarm.runtime.freeze import apply_frozen
         from swarm.runtime.host import StageHost
         from swarm.runtime.worker import StageConfig
@@ -224,7 +224,13 @@ class PeerDaemon:
             role,
             self.model,
             StageConfig(cfg.optim, precision=precision, device=cfg.device),
-            LinkEnds(ends[0], ends[1], shaping=self.shaping, recv=(ends[2], ends[3])),
+            LinkEnds(
+                ends[0],
+                ends[1],
+                shaping=self.shaping,
+                recv=(ends[2], ends[3]),
+                epilogue=EpilogueOnly.parse(cfg.bw_epilogue),
+            ),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
             metrics=self.metrics,

@@ -215,6 +215,10 @@ class PeerConfig:
         default_factory=lambda: CodecConfig.parse(DEFAULT_BACKWARD_CODEC), metadata=flag(skip=True)
     )
     """Gradient codec of the links this peer sends backward on (flags: `CodecFlags`, with fw_codec)."""
+    bw_epilogue: str = field(default="", metadata=flag(group="compression on the links"))
+    """epilogue-only compression (Optimus-CC): PRECISE:TAILS[:SCHEDULE:MICRO_BATCHES], e.g. fp32:1:1f1b:4 sends
+    only the last TAILS backward messages of each boundary's step at --bw-codec and the others at PRECISE
+    (`swarm.runtime.epilogue`); empty: every backward message at --bw-codec"""
     link_shape: LinkShape = field(
         default_factory=LinkShape,
         metadata=flag(
@@ -269,6 +273,9 @@ class PeerConfig:
             raise ValueError("PeerConfig: threads, checkpoint_every and replicate_every must be >= 1")
         if self.leave_timeout_s < 0:
             raise ValueError("PeerConfig: leave_timeout_s must be >= 0")
+        from swarm.runtime.boundary import EpilogueOnly
+
+        EpilogueOnly.parse(self.bw_epilogue)  # a bad value fails here, named
         if self.compute_layers_per_s < 0 or self.assign_timeout_s <= 0:
             raise ValueError("PeerConfig: need compute_layers_per_s >= 0 and assign_timeout_s > 0")
 

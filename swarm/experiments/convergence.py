@@ -126,6 +126,9 @@ class Setting:
     """`@tN`: the tied embedding's sum at N bits (`GradientAverager.tied_min_bits` on every host) instead of 4."""
     tied_codec: str | None = None
     """`@lrN[+f8]`: the tied embedding's sum as rank-N factors (`swarm.experiments.tied`), e.g. `lowrank4+ef`."""
+    epilogue_tail: int | None = None
+    """`@epiK`: epilogue-only compression, the last K backward messages of every boundary at BW, the others fp32
+    (`swarm.experiments.selective.split_epilogue_tail`)."""
 
     @classmethod
     def parse(cls, text: str, forward_defaults: dict | None = None, backward_defaults: dict | None = None) -> Setting:
@@ -169,7 +172,8 @@ _SETTINGS_HELP = (
     "group per channel), +rot (Hadamard rotation; of AQ-SGD's first sights), +fsN (AQ-SGD first sights at N bits "
     "instead of 16), +rN (tern: rate weight in percent), @wN (N "
     "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
-    "tied sum as rank-N factors, fp16 or 8-bit); "
+    "tied sum as rank-N factors, fp16 or 8-bit), @epiK (epilogue-only compression: only the last K backward "
+    "messages of every boundary at BW, the others fp32, last); "
     "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
     "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
     "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
@@ -302,6 +306,7 @@ def _run_setting(
         cfg.model, cfg.n_stages, *codecs(0), schedule=cfg.schedule, stage_cfg=stage_cfg, replicas=cfg.replicas
     )
     _apply_plan(pipe, setting, cfg)
+    _apply_epilogue(pipe, setting, cfg, 0)
     apply_tied(pipe, setting.tied_bits, setting.tied_codec, cfg.zstd_level)  # `@tN`, `@lrN`: this run's hosts
     apply_stage_precisions(pipe, setting.stage_precisions)  # per-peer precision (`~bf16:S`), before step 1
     eval_batch = cfg.batch_size * 2
@@ -310,6 +315,7 @@ def _run_setting(
     for epoch in range(cfg.epochs):
         if epoch and epoch == setting.warmup_epochs:
             pipe.set_codecs(*codecs(epoch))  # fresh links: AQ-SGD buffers start empty
+            _apply_epilogue(pipe, setting, cfg, epoch)
         for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
             r = pipe.train_step(batch, cfg.n_micro)
             visits.update(batch.sample_ids.tolist())
@@ -336,6 +342,7 @@ def is_default_setting(setting: Setting, forward_defaults: dict, backward_defaul
         and not setting.stage_precisions
         and setting.tied_bits is None
         and setting.tied_codec is None
+        and setting.epilogue_tail is None
     )
 
 
@@ -353,7 +360,10 @@ def _regime_fields(res: SettingResult, cfg: ExperimentConfig, report) -> dict:
 def _parse_setting(text: str, forward_defaults: dict, backward_defaults: dict, cfg: ExperimentConfig) -> Setting:
     """`Setting.parse`, or a `sel:RATES[:LAYERS_PER_S]` setting: codecs chosen per link as the planner would."""
     if not text.startswith("sel:"):
-        return Setting.parse(text, forward_defaults, backward_defaults)
+        from swarm.experiments.selective import split_epilogue_tail
+
+        head, tail = split_epilogue_tail(text)
+        return replace(Setting.parse(head, forward_defaults, backward_defaults), name=text, epilogue_tail=tail)
     from swarm.experiments.selective import selective_plan, setting_codecs
 
     plan = selective_plan(text, cfg.model, cfg.n_stages, cfg.batch_size // cfg.n_micro, cfg.n_micro)
@@ -367,6 +377,16 @@ def _apply_plan(pipe: LocalPipeline, setting: Setting, cfg: ExperimentConfig) ->
     from swarm.experiments.selective import apply_selective
 
     apply_selective(pipe, setting.plan, *_codec_defaults(cfg))
+
+
+def _apply_epilogue(pipe: LocalPipeline, setting: Setting, cfg: ExperimentConfig, epoch: int) -> None:
+    """An `@epiK` setting's epilogue-only compression on every host, once its codecs run (after any warm-up)."""
+    if setting.epilogue_tail is None or epoch < setting.warmup_epochs:
+        return
+    from swarm.experiments.selective import apply_epilogue_only, epilogue_tail_only
+
+    fp32 = CodecConfig(name="fp32", zstd_level=cfg.zstd_level)
+    apply_epilogue_only(pipe, epilogue_tail_only(cfg.n_stages, setting.epilogue_tail, fp32))
 
 
 def _codec_defaults(cfg: ExperimentConfig) -> tuple[dict, dict]:
@@ -411,6 +431,7 @@ def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
         "bw_bits": _bits(s.backward),
         "error_feedback": s.backward.error_feedback,
         "warmup_epochs": s.warmup_epochs,
+        "epilogue_tail": s.epilogue_tail,
         "epilogue": "" if s.plan is None or s.plan.epilogue is None else s.plan.epilogue.why or "",
         "final_train_loss": sum(last_epoch) / max(len(last_epoch), 1),
         "final_eval_loss": eval_loss,

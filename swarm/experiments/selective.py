@@ -18,7 +18,19 @@ import numpy as np
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.peers.plan import PlanDocument, PlanStage
 
-__all__ = ["SEL_LAYERS_PER_S", "apply_selective", "selective_plan", "setting_codecs"]
+__all__ = [
+    "EPILOGUE_SUFFIX",
+    "SEL_LAYERS_PER_S",
+    "apply_epilogue_only",
+    "apply_selective",
+    "epilogue_tail_only",
+    "measure_stage_times",
+    "plan_epilogue_only",
+    "selective_plan",
+    "setting_codecs",
+    "split_epilogue",
+    "split_epilogue_tail",
+]
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +121,130 @@ def setting_codecs(
     first = plan.codecs[0]
     forward = CodecConfig.parse(first.forward_label, **forward_defaults)
     return forward, CodecConfig.parse(first.backward_label, **backward_defaults)
+
+
+def apply_epilogue_only(pipe, epilogue) -> None:
+    """Every host of `pipe` (a `LocalPipeline`, between steps) sends its backward messages with epilogue-only
+    compression (`swarm.runtime.boundary.EpilogueOnly`; None: every message at the backward codec), on fresh ends
+    of the codecs it has."""
+    from dataclasses import replace
+
+    for row in pipe.replica_hosts:
+        for host in row:
+            host.apply(replace(host.assignment, links=host.links.with_epilogue(epilogue)))
+
+
+EPILOGUE_SUFFIX = "@epi"
+"""A `FW/BW@epi` setting: epilogue-only compression, the exposed backward messages chosen by the planner."""
+UNSHAPED_PLAN_MBIT = 1000.0
+"""The rate an unshaped (loopback) link is planned at."""
+
+
+def split_epilogue_tail(setting: str) -> tuple[str, int | None]:
+    """`FW/BW@epiK` -> (`FW/BW`, K): the convergence experiment's epilogue-only setting, the last K backward
+    messages of every boundary compressed and the others in fp32 (K = 1: the drain, what the planner leaves
+    compressed where the last stage is the slowest); (setting, None) without the suffix."""
+    head, sep, tail = setting.rpartition(EPILOGUE_SUFFIX)
+    if not sep or "@" in tail or "/" in tail:
+        return setting, None
+    if not tail.isdigit():
+        raise ValueError(f"setting {setting!r}: @epiK takes K, the compressed messages per boundary (e.g. @epi1), last")
+    return head, int(tail)
+
+
+def epilogue_tail_only(n_stages: int, tail: int, precise: CodecConfig):
+    """`EpilogueOnly` at `precise` with the last `tail` backward messages of every boundary compressed."""
+    from swarm.runtime.boundary import EpilogueOnly
+    from swarm.runtime.epilogue import EpiloguePlan
+
+    return EpilogueOnly(precise, EpiloguePlan((tail,) * (n_stages - 1)))
+
+
+def split_epilogue(setting: str) -> tuple[str, bool]:
+    """(`FW/BW`, whether the setting asks for epilogue-only compression)."""
+    if setting.endswith(EPILOGUE_SUFFIX):
+        return setting.removesuffix(EPILOGUE_SUFFIX), True
+    return setting, False
+
+
+def measure_stage_times(model, n_stages: int, micro_batch_size: int, iters: int = 5) -> list[tuple[float, float]]:
+    """Each stage's (forward, backward) seconds of one micro-batch on this machine, for an even layer split
+    (`swarm.scheduler.cost.even_layers`, the planner's `--plan-even-layers`): the fastest of `iters` passes, as a
+    peer measures its speed (`swarm.daemon.capacity.measure_compute`). The first stage runs the embedding, the last
+    the head and the loss."""
+    import torch
+
+    from swarm.scheduler.cost import even_layers
+
+    sizes = even_layers(model.n_layers, n_stages)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    shape = (micro_batch_size, model.seq_len_tokens)
+    targets = torch.randint(0, model.vocab_size, shape)
+    out, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)  # as a peer computes (`PeerConfig.threads`)
+    try:
+        for s in range(n_stages):
+            out.append(_stage_pass_s(model, bounds, s, n_stages, shape, targets, iters))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _stage_pass_s(model, bounds, s: int, n_stages: int, shape, targets, iters: int) -> tuple[float, float]:
+    """Stage `s`'s (forward, backward) seconds of one micro-batch: the fastest forward, and the fastest forward and
+    backward together less it."""
+    import torch
+
+    from swarm.model.spec import build_stage
+    from swarm.runtime.device import fastest_seconds
+
+    first, last = s == 0, s == n_stages - 1
+    stage = build_stage(model, int(bounds[s]), int(bounds[s + 1]), first, last)
+    x = torch.randint(0, model.vocab_size, shape) if first else torch.randn(*shape, model.hidden_dim)
+    if not first:
+        x.requires_grad_(True)
+
+    def run():
+        return stage(x, targets) if last else stage(x)
+
+    def forward():
+        with torch.no_grad():
+            return run()
+
+    def both():
+        run().float().sum().backward()
+
+    forward_s = fastest_seconds(forward, "cpu", iters)
+    return forward_s, max(fastest_seconds(both, "cpu", iters) - forward_s, 0.0)
+
+
+def plan_epilogue_only(
+    model,
+    setting: str,
+    n_stages: int,
+    micro_batch_size: int,
+    n_micro: int,
+    rate_mbit: float | None,
+    delay_ms: float = 0.0,
+    schedule: str = "1f1b",
+    precise: str = "fp32",
+    stage_times: list[tuple[float, float]] | None = None,
+):
+    """The planner's epilogue-only choice for `setting` (`FW/BW`, its backward codec the compressed one) on links at
+    `rate_mbit` (None: unshaped, planned at `UNSHAPED_PLAN_MBIT`): (`EpilogueOnly`, `EpilogueOnlyChoice`), from
+    `stage_times` (default: measured now, `measure_stage_times`) and the codecs' message bytes."""
+    from swarm.runtime.boundary import EpilogueOnly
+    from swarm.scheduler.bits import codec_sizes
+    from swarm.scheduler.epilogue_only import choose_epilogue_only, link_times
+
+    forward, backward = split_epilogue(setting)[0].split("/")
+    times = stage_times or measure_stage_times(model, n_stages, micro_batch_size)
+    sizes = codec_sizes(model, micro_batch_size)
+    rate = (rate_mbit or UNSHAPED_PLAN_MBIT) * 1e6 / 8
+    links = link_times(
+        times, [rate] * (n_stages - 1), [delay_ms / 1e3] * (n_stages - 1), sizes(forward), sizes(precise),
+        sizes(backward),
+    )  # fmt: skip
+    choice = choose_epilogue_only(schedule, n_micro, links)
+    log.info("%s at %s Mbit/s: %s", setting, rate_mbit or "unshaped", choice.why)
+    return EpilogueOnly(CodecConfig.parse(precise), choice.plan), choice

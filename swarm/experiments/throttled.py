@@ -26,10 +26,12 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
+from swarm.experiments.selective import split_epilogue
 from swarm.flags import Flags, flag
 from swarm.peers.plan import PlanDocument
 from swarm.report import print_table
@@ -257,6 +259,9 @@ def read_summary(cell_dir: Path) -> dict:
                 summary["first_plan_step_s"] = plan.first_step_time_s
                 summary["predicted_step_s"] = plan.step_time_s
                 summary["calibration_window"] = calibration_window(plan.measured_figures())
+            epilogue = cell_dir / "epilogue.json"
+            if epilogue.is_file():
+                summary["epilogue"] = json.loads(epilogue.read_text())
             return summary
     return {}
 
@@ -301,11 +306,28 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
     """What every peer of a cell is told: `planned_peer` with the cell's codecs and link rate."""
     from swarm.options import CodecFlags
 
-    forward, backward = cell.setting.split("/")
+    pair, epilogue_only = split_epilogue(cell.setting)
+    forward, backward = pair.split("/")
+    # FW/BW@epi: epilogue-only compression, the exposed backward messages chosen from measured timings
+    epilogue = {"bw_epilogue": epilogue_choice(cell, cfg)[0].label()} if epilogue_only else {}
     return planned_peer(
         batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, steps=cfg.steps, rate_mbit=cell.rate_mbit,
-        delay_ms=cfg.delay_ms, **CodecFlags(forward, backward).build(),
+        delay_ms=cfg.delay_ms, **CodecFlags(forward, backward).build(), **epilogue,
     )  # fmt: skip
+
+
+@cache
+def epilogue_choice(cell: Cell, cfg: ThrottledConfig):
+    """A `FW/BW@epi` cell's epilogue-only choice (`swarm.experiments.selective.plan_epilogue_only`: this machine's
+    stage timings, measured once per cell, and the cell's link rate)."""
+    from swarm.experiments.selective import plan_epilogue_only
+    from swarm.options import DEFAULT_MODEL
+
+    micro_batch_size = max(1, cfg.batch_size // cfg.micro_batches)
+    model = cfg.model or DEFAULT_MODEL
+    return plan_epilogue_only(
+        model, cell.setting, cfg.peers, micro_batch_size, cfg.micro_batches, cell.rate_mbit, cfg.delay_ms
+    )
 
 
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
@@ -315,6 +337,9 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
 
     peer = peer_config(cell, cfg)
     train_cfg = train_config(cell, cfg, out)
+    if peer.bw_epilogue:  # what the planner chose and predicted, for the cell's row (`read_summary`)
+        (out / cell.label).mkdir(parents=True, exist_ok=True)
+        (out / cell.label / "epilogue.json").write_text(json.dumps(epilogue_choice(cell, cfg)[1].row()))
     # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
     # full first sights over) and republishes it; the trainer follows it through the DHT, and its summary's
     # prediction is that one: made during the run, from the run's own early steps. The namespace cells too: their
@@ -385,7 +410,7 @@ def summarize(
     times = [float(s["step_s"]) for s in steps]
     steady = times[steps_per_epoch:] or times
     first = times[:steps_per_epoch]
-    forward, backward = cell.setting.split("/")
+    forward, backward = split_epilogue(cell.setting)[0].split("/")
     wire = sum(_int(s, "forward_bytes") + _int(s, "backward_bytes") for s in steps)
     losses = [float(s["train_loss"]) for s in steps]
     total, fp32_total = (
@@ -433,6 +458,7 @@ def summarize(
         "window_step_s": statistics.mean(in_window) if in_window else None,
         "final_loss": statistics.mean(losses[-steps_per_epoch:]),
         "steps": len(steps),
+        **(summary or {}).get("epilogue", {}),  # a FW/BW@epi cell's choice and predicted split
     }
 
 

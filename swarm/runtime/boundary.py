@@ -45,11 +45,12 @@ from swarm.net.stream import CallRefused, tensor_items
 from swarm.peers.shaper import LinkShaping
 from swarm.proto import stage_pb2, wire_pb2
 from swarm.runtime.device import DeviceBufferStore, resolve_device, to_device
+from swarm.runtime.epilogue import EpiloguePlan
 from swarm.runtime.gate import GateError
 from swarm.runtime.messages import StageCall
 from swarm.runtime.suspects import blame_tag
 
-__all__ = ["MAX_DESTINATIONS", "LinkEnd", "LinkEnds", "LinkWatch", "need_message", "send_file"]
+__all__ = ["MAX_DESTINATIONS", "EpilogueOnly", "LinkEnd", "LinkEnds", "LinkWatch", "need_message", "send_file"]
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ MAX_DESTINATIONS = 8
 """Sending ends a stage keeps per kind (one per destination address); past it the least recently used is
 dropped (its destination is then sent first sights in full again), so no caller can grow them without bound."""
 
-KINDS = ("fw", "bw")
-"""The two kinds of a boundary: activations forward, activation gradients backward."""
+KINDS = ("fw", "bw", "bwp")
+"""The kinds of a boundary's sending ends: activations forward, activation gradients backward, and the gradients
+that epilogue-only compression leaves at the precise codec (`swarm.runtime.epilogue`: those a forward hides)."""
 GRADIENT_WATCH_RATIO = 100.0
 """`LinkWatch.ratio` of a receiving end of gradients: they follow the loss, and a loss spike moves them far more than
 normalized activations move (an honest 3 x 2 attacks run, clean: 30-42 x the link's median for three steps after
@@ -110,6 +112,42 @@ class LinkWatch:
         if rms > 0:  # an fp16 stage's zeros after an overflow say nothing of the link's magnitude
             self._rms.append(rms)
         return None
+
+
+@dataclass(frozen=True)
+class EpilogueOnly:
+    """Optimus-CC's epilogue-only compression on a stage's backward sends: the messages `plan` marks as exposed go
+    at the links' backward codec (its error feedback carries each one's error into the next compressed one: lazy
+    error propagation), the others at `precise`."""
+
+    precise: CodecConfig
+    """Codec of the backward messages a forward hides (e.g. fp32)."""
+    plan: EpiloguePlan = field(default_factory=EpiloguePlan)
+    """Which messages are exposed (`swarm.runtime.epilogue`)."""
+
+    @classmethod
+    def parse(cls, text: str) -> EpilogueOnly | None:
+        """`PRECISE:TAILS[:SCHEDULE:MICRO_BATCHES]` (`swarm-peer --bw-epilogue`), e.g. `fp32:1,1:1f1b:4`: the precise
+        codec's label, each boundary's compressed tail, and the step shape they were derived for (any shape
+        without); "" is None (every message at the backward codec). ValueError names what is wrong."""
+        if not text:
+            return None
+        parts = text.split(":")
+        if len(parts) not in (2, 4):
+            raise ValueError(f"--bw-epilogue {text!r}: expected PRECISE:TAILS[:SCHEDULE:MICRO_BATCHES]")
+        try:
+            tails = tuple(int(t) for t in parts[1].split(","))
+            schedule, n_micro = (parts[2], int(parts[3])) if len(parts) == 4 else ("", 0)
+            return cls(CodecConfig.parse(parts[0]), EpiloguePlan(tails, schedule, n_micro))
+        except ValueError as e:
+            raise ValueError(f"--bw-epilogue {text!r}: {e}") from None
+
+    def label(self) -> str:
+        """The `parse` form of this choice."""
+        plan = self.plan
+        tails = ",".join(map(str, plan.tails or ()))
+        shape = f":{plan.schedule}:{plan.n_micro}" if plan.schedule or plan.n_micro else ""
+        return f"{self.precise.label}:{tails}{shape}"
 
 
 @dataclass
@@ -179,13 +217,22 @@ class LinkEnds:
         shaping: LinkShaping | None = None,
         adaptive_zstd: bool = True,
         recv: tuple[CodecConfig, CodecConfig] | None = None,
+        epilogue: EpilogueOnly | None = None,
     ):
-        self._configs = {"fw": forward, "bw": backward}
+        self.epilogue = epilogue
+        """Epilogue-only compression of the backward messages (None: every one at `backward`)."""
+        precise = epilogue.precise if epilogue is not None else backward
+        self._configs = {"fw": forward, "bw": backward, "bwp": precise}
         # a plan's per-link codecs: the other boundary's codecs
         forward_recv, backward_recv = recv or (forward, backward)
         self.forward_recv = LinkEnd(forward_recv, "fw-recv.buf")
         self.backward_recv = LinkEnd(backward_recv, "bw-recv.buf")
         self.backward_recv.watch = LinkWatch(ratio=GRADIENT_WATCH_RATIO)
+        self.precise_recv: LinkEnd | None = None
+        """The receiving end of the precise gradients epilogue-only compression sends (None without it)."""
+        if epilogue is not None:
+            self.precise_recv = LinkEnd(epilogue.precise, "bwp-recv.buf")
+            self.precise_recv.watch = self.backward_recv.watch  # one link, one history of magnitudes
         self._send: OrderedDict[tuple[str, str], LinkEnd] = OrderedDict()
         """sending ends by (kind, destination address), least recently used first"""
         self.shaping = shaping or LinkShaping()
@@ -199,6 +246,18 @@ class LinkEnds:
         """The step whose codec-state changes are journalled now (`begin_step`); None between steps."""
         self._undo: list[Callable[[], None]] = []
         """the open step's other undo actions (`on_abandon`), run in reverse order when it is abandoned"""
+
+    def with_epilogue(self, epilogue: EpilogueOnly | None) -> LinkEnds:
+        """Fresh ends of the same codecs and shaping with epilogue-only compression set (codec state starts over:
+        for a host between steps, as `StageHost.apply` takes new links)."""
+        return LinkEnds(
+            self._configs["fw"],
+            self._configs["bw"],
+            self.shaping,
+            adaptive_zstd=self.adaptive_zstd,
+            recv=(self.forward_recv.config, self.backward_recv.config),
+            epilogue=epilogue,
+        )
 
     def place_on(self, device: str | torch.device) -> torch.device:
         """Sets the stage's device (DeviceError when it is absent) before any end sends; returns it."""
@@ -248,7 +307,27 @@ class LinkEnds:
 
     def _ends_held(self) -> list[LinkEnd]:
         """Every end (the lock held)."""
-        return [self.forward_recv, self.backward_recv, *self._send.values()]
+        precise = [self.precise_recv] if self.precise_recv is not None else []
+        return [self.forward_recv, self.backward_recv, *precise, *self._send.values()]
+
+    def backward_kind(self, info) -> str:
+        """The sending end ("bw" compressed, "bwp" precise) of the backward message of the call `info` names for
+        the previous stage (`info.stage`): compressed unless epilogue-only compression leaves it precise."""
+        if self.epilogue is None or len(info.stage_micro) or len(info.route) < 2:  # uneven replica counts: all
+            return "bw"
+        sender = info.stage + 1
+        n_micro = int(info.num_micro_batches or 1)
+        schedule = info.schedule or "1f1b"
+        compress = self.epilogue.plan.compress_backward(schedule, len(info.route), n_micro, sender, info.micro_batch)
+        return "bw" if compress else "bwp"
+
+    def backward_recv_for(self, msg: wire_pb2.TensorMessage) -> LinkEnd:
+        """The receiving end of a backward message: the precise end for a message at the precise codec (where the
+        two differ), else the compressed one (whose decoder refuses any other codec)."""
+        precise = self.precise_recv
+        if precise is not None and msg.codec == precise.codec.wire and msg.codec != self.backward_recv.codec.wire:
+            return precise
+        return self.backward_recv
 
     def begin_step(self, step: int) -> None:
         """`step` opens on this stage: every codec-state change from here on is journalled per end until

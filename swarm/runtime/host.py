@@ -317,7 +317,7 @@ class StageHost:
         if kind == Kind.BACKWARD and self.role.is_last:  # the micro-batch's share of the step's (batch-mean) loss
             return torch.tensor(call.info.loss_weight or 1.0 / max(1, call.info.num_micro_batches))
         links = self.links
-        end = links.forward_recv if kind == Kind.FORWARD else links.backward_recv
+        end = links.forward_recv if kind == Kind.FORWARD else links.backward_recv_for(need_message(call))
         sender = _neighbour(call.info, self.role.stage - 1 if kind == Kind.FORWARD else self.role.stage + 1)
         with _phase(self.metrics, self.role.stage, "decode"):
             return links.incoming(end, need_message(call), self.limits, step=call.info.step, sender=sender)

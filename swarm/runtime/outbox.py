@@ -100,7 +100,8 @@ class Outbox:
         """The stream items of the input gradient for the previous stage (in schedule order, as `encode_forward`)."""
         to = prev.route[prev.stage]
         with self._phase(prev.stage + 1, "encode"):
-            end = links.send_end("bw", to)
+            # epilogue-only compression: a message a forward hides goes at the precise codec (`LinkEnds.backward_kind`)
+            end = links.send_end(links.backward_kind(prev), to)
             return links.outgoing(end, grad_in, None, info_to_wire(self.wire_info(prev)), to, step=prev.step)
 
     def backward(self, prev: CallInfo, items: Iterator[bytes], grad_in: torch.Tensor):

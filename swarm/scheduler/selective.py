@@ -22,6 +22,7 @@ from swarm.peers.plan_codecs import EpilogueCodecs
 from swarm.scheduler.bits import BitsPolicy, EpilogueFigures, choose_epilogue, epilogue_bytes
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Breakdown, ModelSpec, PlanInput, TransformerShape
+from swarm.scheduler.selective_stages import widen_hidden
 
 __all__ = [
     "PlannedEpilogue",
@@ -123,7 +124,8 @@ def choose_for_plan(
 ) -> tuple[EpilogueCodecs, tuple, Breakdown]:
     """(The epilogue's codecs, the figures they were chosen from, the predicted breakdown with them)."""
     figures = epilogue_figures(stages, plan_input, spec)
-    chosen = choose_epilogue(*figures, policy or BitsPolicy())
+    # selective stage compression: only the exchanges that set the epilogue's length stay compressed
+    chosen = widen_hidden(choose_epilogue(*figures, policy or BitsPolicy()), *figures)
     return chosen, figures, selective_breakdown(stages, plan_input, spec, chosen)
 
 
