@@ -137,7 +137,14 @@ def apply_frozen(host, frozen_layers: int) -> None:
 
 
 def cached_forward(
-    worker: StageWorker, links: LinkEnds, address: str | None, mb: int, inputs, ids: list[int], targets
+    worker: StageWorker,
+    links: LinkEnds,
+    address: str | None,
+    mb: int,
+    inputs,
+    ids: list[int],
+    targets,
+    metrics=None,
 ) -> torch.Tensor:
     """A stage's forward of one micro-batch, answered from the frozen activation cache where it can be.
 
@@ -149,7 +156,8 @@ def cached_forward(
     AQ-SGD's last delta instead of a full resend left the receiver's copy 22% off the frozen output in the unit
     test after three epochs at 2 bits: cheaper, but an error the cache would then keep forever.)
 
-    `address` is the next stage's of the call's route (None on the last stage); `links` the stage's ends."""
+    `address` is the next stage's of the call's route (None on the last stage); `links` the stage's ends; hits
+    are counted in `worker.cache_hits` and in `metrics` (`swarm_frozen_cache_hits_total`, read from Status)."""
     if not worker.forward_only or address is None:
         return worker.forward(mb, inputs, torch.tensor(ids), targets)
     store = links.send_end("fw", address).buffers
@@ -159,6 +167,8 @@ def cached_forward(
     fresh = [i for i in ids if i not in sent or i not in store]
     if not fresh:
         worker.cache_hits += len(ids)
+        if metrics is not None:
+            metrics.cache_hits.inc(len(ids))
         return store.gather(store.lookup(ids)).float()
     out = worker.forward(mb, inputs, torch.tensor(ids), targets)
     links.forget(fresh, address)  # in full once more: the receiver's copy becomes the frozen output

@@ -405,6 +405,8 @@ def step_record(setting: str, result, step: int, epoch: int, batch, follower: Pl
         "loss_scale": result.loss_scale,
         "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
         "plan_version": follower.route.plan_version,
+        "stages": follower.driver.n_stages,
+        "frozen_layers": getattr(getattr(follower.driver, "policy", None), "frozen", 0),  # --freeze: from the next step
         **step_columns(result, ids, follower.route.n_replicas, retries),
         **{f"link{k}_bytes": result.traffic.link_bytes.get(k, 0) for k in range(follower.driver.n_stages - 1)},
         **counter_columns(result.counters),
