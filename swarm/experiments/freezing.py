@@ -108,8 +108,9 @@ class FreezingExperimentConfig:
     windows has settled"""
     max_fraction: float = 0.75
     """freeze at most this fraction of the layers (PipeTransformer's alpha-style cap)"""
-    alpha: float = 0.2
-    """one decision freezes at most this fraction of the active layers (PipeTransformer's alpha)"""
+    alpha: float = 1 / 3
+    """one decision freezes at most this fraction of the active layers (PipeTransformer's alpha; its paper's
+    conservative 1/3: 8 layers freeze 2, 2, 1, 1 where the criterion allows)"""
     tied: bool = False
     """tie the token embedding and the LM head (the frozen prefix then freezes the tied pair)"""
     in_process: bool = False
