@@ -297,6 +297,9 @@ def run_experiment(cfg: FreezingExperimentConfig, out: Path, say=lambda s: None)
         r["speedup"], r["speedup_runs"] = statistics.median(ratios), ratios
         r["final_eval_loss_runs"] = [rd[r["setting"]]["final_eval_loss"] for rd in rounds]
         r["cache_hits_runs"] = [rd[r["setting"]]["cache_hits"] for rd in rounds]
+        if "samples_per_cpu_s" in r:  # on processes: the load-independent figure beside the wall clock's
+            cpu = [rd[r["setting"]]["samples_per_cpu_s"] / rd["no-freeze"]["samples_per_cpu_s"] for rd in rounds]
+            r["cpu_speedup"], r["cpu_speedup_runs"] = statistics.median(cpu), cpu
         r["on_processes"] = not cfg.in_process
         r["eval_loss_vs_no_freeze"] = r["final_eval_loss"] / base["final_eval_loss"] - 1
     out.mkdir(parents=True, exist_ok=True)
@@ -323,8 +326,8 @@ def _rows(results: list[dict]) -> list[dict]:
 def format_table(results: list[dict]) -> str:
     lines = [
         "| setting | frozen layers (end) | stages | samples/s (median) | speedup (median) | min-max of rounds | "
-        "held-out loss | vs no-freeze | wire bytes | cache hits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "held-out loss | vs no-freeze | wire bytes | cache hits | samples per CPU-s | CPU speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratios = r.get("speedup_runs", [r["speedup"]])
@@ -332,7 +335,8 @@ def format_table(results: list[dict]) -> str:
             f"| {r['setting']} | {r['frozen_layers']} | {'->'.join(map(str, r['stage_history']))} | "
             f"{r['throughput_samples_s']:.1f} | {r['speedup']:.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x "
             f"({len(ratios)}) | {r['final_eval_loss']:.4f} | "
-            f"{100 * r['eval_loss_vs_no_freeze']:+.2f}% | {r['total_wire_bytes']:,} | {r['cache_hits']:,} |"
+            f"{100 * r['eval_loss_vs_no_freeze']:+.2f}% | {r['total_wire_bytes']:,} | {r['cache_hits']:,} | "
+            + (f"{r['samples_per_cpu_s']:.2f} | {r['cpu_speedup']:.2f}x |" if "cpu_speedup" in r else "- | - |")
         )
     return "\n".join(lines)
 

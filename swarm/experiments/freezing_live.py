@@ -13,6 +13,9 @@ fewer stages live and the freed peers become replicas of the remaining ones, `sw
 
 Figures per setting, from the run itself: samples/s over the steps after the first (steps.csv's completion
 times: the swarm's start and the first step's first sights are left out, the same window in every setting),
+samples per CPU-second of the whole swarm while it trains (`cpu_s`: peers, bootstrap node, their p2pd daemons
+and the trainer's process, user + system; the first step and the final evaluation included, in every setting
+alike: on a shared machine wall-clock samples/s measures the neighbours' load as much as the swarm's),
 held-out loss (the trainer's evaluation after the last step), wire bytes (the trainer's summary), `stages`
 (the newest plan's, after any repack) and `stage_history` (the plans the trainer trained on, in order),
 `replicas` (per stage of the newest plan), and `cache_hits`: samples the frozen stages answered from the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,6 +81,27 @@ def _peer_flags(setting: str, cfg, checkpoint: Path, total_steps: int, warmup_st
     return [*MODEL_FLAGS.to_argv(model), *peer_flags().to_argv(peer)]
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes `pids` and their descendants used so far (the DHT's p2pd
+    daemons too); a process gone meanwhile counts what was read before it went, or nothing."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for proc in tree:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+    return total
+
+
 def _cache_hits(swarm, record) -> int:
     """Samples every peer's frozen stages answered from the activation cache (its Status metrics; a peer that
     does not answer counts 0)."""
@@ -123,7 +148,12 @@ def live_setting(setting: str, cfg, checkpoint: Path, out: Path, say) -> dict:
     )  # fmt: skip
     flags = _peer_flags(setting, cfg, checkpoint, total, warmup)
     with local_swarm(run_dir, cfg.n_stages, flags, timeout_s=300.0) as swarm:
+        # CPU seconds of the whole swarm while it trains (peers, bootstrap node, their p2pd daemons, the trainer):
+        # on a shared machine wall-clock samples/s measures the neighbours' load as much as the swarm's
+        pids = [os.getpid()]  # the trainer's process, and under it every process the swarm started
+        cpu = _cpu_s(pids)
         summary = train(train_cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
+        cpu = _cpu_s(pids) - cpu
         record = swarm.dht.get_plan(model.n_layers)
         hits = _cache_hits(swarm, record)
     with open(run_dir / "train" / "steps.csv") as f:
@@ -144,6 +174,8 @@ def live_setting(setting: str, cfg, checkpoint: Path, out: Path, say) -> dict:
         "replicas": list(record.document.replica_counts),
         "cache_hits": hits,
         "throughput_samples_s": (len(rows) - 1) * cfg.batch_size / seconds if seconds > 0 else 0.0,
+        "cpu_s": cpu,
+        "samples_per_cpu_s": len(rows) * cfg.batch_size / cpu if cpu > 0 else 0.0,
         "final_eval_loss": summary.held_out_loss,
         "total_wire_bytes": summary.total_wire_bytes,
         "train_seconds": seconds,
@@ -155,7 +187,8 @@ def live_setting(setting: str, cfg, checkpoint: Path, out: Path, say) -> dict:
         ],
     }
     say(
-        f"{setting}: {len(rows)} steps, {result['throughput_samples_s']:.1f} samples/s, stages {history} -> "
+        f"{setting}: {len(rows)} steps, {result['throughput_samples_s']:.1f} samples/s, "
+        f"{result['samples_per_cpu_s']:.2f} samples per CPU-second, stages {history} -> "
         f"{result['stages']} (replicas {result['replicas']}), frozen {result['frozen_layers']}, cache hits {hits}, "
         f"held-out {summary.held_out_loss}"
     )
