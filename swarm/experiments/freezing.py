@@ -136,9 +136,10 @@ QUICK = {
     "pretrain_epochs": 4,
     "epochs": 6,
 }
-QUICK_LIVE = {"n_stages": 4, "repeats": 1}
+QUICK_LIVE = {"n_stages": 4, "repeats": 1, "epochs": 8, "interval": 3, "tolerance": 0.25, "alpha": 0.75}
 """On processes: 4 peers of one layer, so 3 frozen layers repack 4 stages onto 2 of 2 replicas, stage 0 entirely
-frozen (answering from the cache); one round."""
+frozen (answering from the cache); one round, and a criterion quick enough to get there with epochs to spare (at
+interval 4, tolerance 0.1 and alpha 1/3 it froze 2 layers by step 32 of 36: no repack)."""
 
 
 def byte_llama(n_layers: int, hidden: int, seq_len: int, seed: int = 0, tied: bool = False) -> HFModelConfig:

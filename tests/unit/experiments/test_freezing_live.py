@@ -31,3 +31,20 @@ def test_every_stage_loads_exactly_the_pretrained_weights_from_the_written_check
         for name, p in stage.named_parameters():
             source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
             torch.testing.assert_close(p, weights[source], rtol=0, atol=0, msg=name)
+
+
+def test_the_quick_form_runs_on_processes_by_default_with_room_for_a_repack():
+    import argparse
+
+    from swarm.daemon.repack import repack_layout
+    from swarm.experiments.freezing import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    live = config_from_args(parser.parse_args(["--quick"]))
+    one = config_from_args(parser.parse_args(["--quick", "--in-process"]))
+    assert not live.in_process and one.in_process and one.n_stages == 2
+    # 4 peers of one layer: the cap (3 of 4 layers) repacks them onto 2 stages of 2 replicas, stage 0 all frozen
+    cap = int(live.max_fraction * live.n_layers)
+    assert live.n_stages == live.n_layers == 4 and cap == 3
+    assert repack_layout(live.n_layers, cap, live.n_stages, 1.0, live.n_stages) == ([(0, 3), (3, 4)], [2, 2])
