@@ -113,6 +113,10 @@ class FreezingExperimentConfig:
     conservative 1/3: 8 layers freeze 2, 2, 1, 1 where the criterion allows)"""
     tied: bool = False
     """tie the token embedding and the LM head (the frozen prefix then freezes the tied pair)"""
+    verify_fraction: float = 0.0
+    """on processes: the trainer's audits of replicated stages' work (`swarm train --verify-fraction`; its default
+    0.1). Off by default here: only the repacked plan has replicas, and in the quick run the audits' recomputes
+    and records (400-660 KB through the trainer on an audited step) cost more than freezing saved"""
     in_process: bool = False
     """run the settings in one process (`LocalPipeline`) instead of a local swarm of swarm-peer processes"""
     fw_codec: str = field(default=DEFAULT_FORWARD_CODEC, metadata=flag(skip=True))

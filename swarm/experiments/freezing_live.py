@@ -144,7 +144,8 @@ def live_setting(setting: str, cfg, checkpoint: Path, out: Path, say) -> dict:
     train_cfg = TrainConfig(
         model=model, train_samples=cfg.train_samples, eval_samples=cfg.eval_samples, batch_size=cfg.batch_size,
         micro_batches=cfg.n_micro, epochs=cfg.epochs, seed=cfg.seed, setting=setting, eval_every=0,
-        chain_weights="equal", deadline_s=300.0, heartbeat_s=5.0, out=str(run_dir / "train"), freeze=freeze,
+        chain_weights="equal", deadline_s=300.0, heartbeat_s=5.0, verify_fraction=cfg.verify_fraction,
+        out=str(run_dir / "train"), freeze=freeze,
     )  # fmt: skip
     flags = _peer_flags(setting, cfg, checkpoint, total, warmup)
     with local_swarm(run_dir, cfg.n_stages, flags, timeout_s=300.0) as swarm:
