@@ -10,8 +10,9 @@ further peer to the stage with the highest cost per replica. Fewer stages: fewer
 smaller pipeline bubble, and more data parallelism.
 
 `repack_plan` returns the next plan (same peers, new stages, `frozen_layers` set, per-link codecs dropped
-when the boundaries change; while the prefix allows no fewer stages, the same stages with the prefix set); the live planner publishes it as a new version like a repair, and every peer
-follows it through the same re-planning as joins and leaves (state over GetState).
+when the boundaries change; while the prefix allows no fewer stages, the same stages with the prefix set); the
+live planner publishes it as a new version like a repair, and every peer follows it through the same
+re-planning as joins and leaves (state over GetState).
 
 When: `RepackWatch` (the elected planner's, `Planner.round`) reads every plan peer's `Status`, where each stage
 reports the prefix it applied (`swarm_frozen_layers`, set by `swarm.runtime.freeze.apply_frozen` after the

@@ -10,7 +10,8 @@ from swarm.experiments.freezing import SETTINGS, FreezingExperimentConfig, run_e
 def test_the_freezing_experiment_writes_rows_plot_and_table(tmp_path):
     cfg = FreezingExperimentConfig(
         n_layers=4, hidden=32, seq_len=16, n_stages=2, batch_size=8, n_micro=2, train_samples=32,
-        eval_samples=16, pretrain_epochs=1, epochs=3, interval=2, tolerance=10.0, max_fraction=0.75, repeats=2, in_process=True,
+        eval_samples=16, pretrain_epochs=1, epochs=3, interval=2, tolerance=10.0, max_fraction=0.75, repeats=2,
+        in_process=True,
     )  # fmt: skip
     results = run_experiment(cfg, tmp_path)
     assert [r["setting"] for r in results] == list(SETTINGS)
