@@ -108,6 +108,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "Layers [0, N) of the model frozen on this peer's stage (PipeTransformer; what the planner repacks by)",
     ),
     MetricSpec(
+        "cache_hits", Counter, "swarm_frozen_cache_hits_total",
+        "Samples a frozen stage answered from its activation cache without computing (PipeTransformer's AutoCache)",
+    ),
+    MetricSpec(
         "compute_bits", Gauge, "swarm_compute_bits",
         "Bits of this peer's stage compute precision: 32 fp32, 16 bf16 or fp16 (a plan's precisions; QSync)",
     ),
@@ -145,6 +149,7 @@ class Metrics:
         plan_version: swarm_plan_version.
         held_out_loss: swarm_held_out_loss (swarm.train.heldout).
         frozen_layers: swarm_frozen_layers (swarm.runtime.freeze.apply_frozen).
+        cache_hits: swarm_frozen_cache_hits_total (swarm.runtime.freeze.cached_forward).
         compute_bits: swarm_compute_bits (set by the stage's Status from its worker's precision).
         buffered_samples: swarm_buffered_samples{link}.
         relayed_bytes: swarm_relayed_bytes_total{link} (swarm.net.relay; link "<src>-><dst>").
@@ -166,6 +171,7 @@ class Metrics:
     plan_version: Gauge
     held_out_loss: Gauge
     frozen_layers: Gauge
+    cache_hits: Counter
     compute_bits: Gauge
     buffered_samples: Gauge
     relayed_bytes: Counter

@@ -325,7 +325,7 @@ class PeerDaemon:
             codec_bytes=codec_sizes(self.model, plans.micro_batch_size) if plans.codec_policy == "per-link" else None,
             reannounce=self.update_announcement,  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
-            repack=RepackWatch(status_reader(self.channels, lambda: self._addresses)),  # a freezing trainer's
+            repack=RepackWatch(status_reader(self.channels, lambda: self._addresses)) if plans.repack else None,
             precisions=precision_planner(self.model, plans.precision_budget, plans.micro_batch_size),
         )
         lease_stop = threading.Event()

@@ -10,8 +10,9 @@ further peer to the stage with the highest cost per replica. Fewer stages: fewer
 smaller pipeline bubble, and more data parallelism.
 
 `repack_plan` returns the next plan (same peers, new stages, `frozen_layers` set, per-link codecs dropped
-when the boundaries change); the live planner publishes it as a new version like a repair, and every peer
-follows it through the same re-planning as joins and leaves (state over GetState).
+when the boundaries change; while the prefix allows no fewer stages, the same stages with the prefix set); the
+live planner publishes it as a new version like a repair, and every peer follows it through the same
+re-planning as joins and leaves (state over GetState).
 
 When: `RepackWatch` (the elected planner's, `Planner.round`) reads every plan peer's `Status`, where each stage
 reports the prefix it applied (`swarm_frozen_layers`, set by `swarm.runtime.freeze.apply_frozen` after the
@@ -111,10 +112,16 @@ def repack_layout(
 def repack_plan(plan: PlanDocument, frozen_layers: int, frozen_cost: float = 1 / 3) -> PlanDocument:
     """The next plan for a grown frozen prefix: the plan's peers (in stage order) re-dealt onto the repacked
     stages. Codecs per boundary and what else was made for the old stages are dropped when the stage count
-    changes (`PlanDocument.with_stages`; the planner may choose them anew)."""
+    changes (`PlanDocument.with_stages`; the planner may choose them anew).
+
+    While the prefix does not yet allow fewer stages, the plan keeps its own stages and only carries the
+    prefix: a rebalance alone would move layers between peers (state transfers, AQ-SGD buffers and the
+    activation cache started over) for a bottleneck no lower than the all-active plan's, which bounds it."""
     peers = [pid for stage in plan.stages for pid in stage.peer_ids]
     limit = max(len(stage.layers) for stage in plan.stages)  # all layers active: cost 1 each
     ranges, counts = repack_layout(plan.n_layers, frozen_layers, len(peers), limit, plan.n_stages, frozen_cost)
+    if len(ranges) == plan.n_stages:
+        return plan.replace(frozen_layers=frozen_layers)
     new, at = [], 0
     for (start, end), count in zip(ranges, counts, strict=True):
         new.append(PlanStage(start, end, tuple(peers[at : at + count])))

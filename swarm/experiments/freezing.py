@@ -1,4 +1,8 @@
-"""`swarm experiment freezing`: PipeTransformer's freezing, activation cache and elastic repack, in one process.
+"""`swarm experiment freezing`: PipeTransformer's freezing, activation cache and elastic repack.
+
+By default every setting runs on `swarm-peer` processes, a local swarm per setting trained by `swarm train`'s
+trainer, where the repack is the live planner's and the freed peers become replicas
+(`swarm.experiments.freezing_live`). `--in-process` runs the settings below in one process instead.
 
 Three runs from the same seed over the same batches: without freezing, with freezing (the trainer's
 `FreezePolicy` on the per-block gradient norms; frozen layers get no backward and no optimizer step, a stage
@@ -6,15 +10,15 @@ frozen through its input runs forward only and answers samples it already sent f
 and with freezing + repack (each time the frozen prefix grows, `swarm.daemon.repack` re-packs the layers onto
 fewer stages; the pipeline is rebuilt with the new layout and every weight and AdamW moment moves over by name).
 
-In-process (`LocalPipeline`), not a local swarm of processes: on the 2 cores this runs on, processes would
+In-process (`--in-process`, `LocalPipeline`): on the 2 cores this runs on, processes would
 share the same cores, while the savings freezing brings (skipped backward, skipped optimizer, cached forward,
 fewer boundaries to encode and decode) are real compute saved in one process too, and the byte counts are the
 stream items' as in a swarm. What one process cannot show is the repack's other half: the freed peers become
 replicas of the remaining stages in a swarm (`repack_plan`), but replicas in one process do not run in
 parallel, so the repacked run here has one host per stage and gains only what fewer stages save.
 
-The model is an untied Llama (tied embeddings keep the token embedding training through the head, so only blocks
-could freeze and gradients would still flow to stage 0: `swarm.runtime.freeze`). Freezing follows a criterion
+The model is a byte-level Llama, untied, or tied with `--tied` (its frozen prefix freezes the tied pair, embedding
+and head copy, so the frozen stage can answer from the cache: `swarm.runtime.freeze`). Freezing follows a criterion
 that needs the gradients to settle (windows of `--interval` steps after the learning-rate
 warm-up, relative change of each block's mean gradient norm under `--tolerance`) in PipeTransformer's setting,
 fine-tuning: `--pretrain-epochs` are trained once without freezing (untimed), and every setting fine-tunes from
@@ -53,7 +57,15 @@ from swarm.runtime.freeze import FreezePolicy, set_frozen
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
 
-__all__ = ["FreezingExperimentConfig", "SETTINGS", "add_arguments", "run", "run_experiment", "untied_llama"]
+__all__ = [
+    "FreezingExperimentConfig",
+    "SETTINGS",
+    "add_arguments",
+    "byte_llama",
+    "run",
+    "run_experiment",
+    "untied_llama",
+]
 
 SETTINGS = ("no-freeze", "freeze", "freeze+repack")
 
@@ -96,6 +108,17 @@ class FreezingExperimentConfig:
     windows has settled"""
     max_fraction: float = 0.75
     """freeze at most this fraction of the layers (PipeTransformer's alpha-style cap)"""
+    alpha: float = 1 / 3
+    """one decision freezes at most this fraction of the active layers (PipeTransformer's alpha; its paper's
+    conservative 1/3: 8 layers freeze 2, 2, 1, 1 where the criterion allows)"""
+    tied: bool = False
+    """tie the token embedding and the LM head (the frozen prefix then freezes the tied pair)"""
+    verify_fraction: float = 0.0
+    """on processes: the trainer's audits of replicated stages' work (`swarm train --verify-fraction`; its default
+    0.1). Off by default here: only the repacked plan has replicas, and in the quick run the audits' recomputes
+    and records (400-660 KB through the trainer on an audited step) cost more than freezing saved"""
+    in_process: bool = False
+    """run the settings in one process (`LocalPipeline`) instead of a local swarm of swarm-peer processes"""
     fw_codec: str = field(default=DEFAULT_FORWARD_CODEC, metadata=flag(skip=True))
     """Activation codec of the stage links."""
     bw_codec: str = field(default=DEFAULT_BACKWARD_CODEC, metadata=flag(skip=True))
@@ -109,6 +132,7 @@ class FreezingExperimentConfig:
 
 QUICK = {
     "n_layers": 4,
+    "interval": 4,
     "hidden": 64,
     "n_stages": 2,
     "train_samples": 96,
@@ -116,16 +140,25 @@ QUICK = {
     "pretrain_epochs": 4,
     "epochs": 6,
 }
+QUICK_LIVE = {"n_stages": 4, "repeats": 1, "epochs": 8, "interval": 3, "tolerance": 0.25, "alpha": 0.75}
+"""On processes: 4 peers of one layer, so 3 frozen layers repack 4 stages onto 2 of 2 replicas, stage 0 entirely
+frozen (answering from the cache); one round, and a criterion quick enough to get there with epochs to spare (at
+interval 4, tolerance 0.1 and alpha 1/3 it froze 2 layers by step 32 of 36: no repack)."""
+
+
+def byte_llama(n_layers: int, hidden: int, seq_len: int, seed: int = 0, tied: bool = False) -> HFModelConfig:
+    """A byte-level Llama, its head untied (or tied), built in code (nothing downloaded)."""
+    config = dict(
+        vocab_size=256, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=n_layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max(seq_len, 128),
+        tie_word_embeddings=tied, initializer_range=0.02,
+    )  # fmt: skip
+    return HFModelConfig("llama", _canonical("llama", _family_config_dict("llama", config)), seq_len, seed)
 
 
 def untied_llama(n_layers: int, hidden: int, seq_len: int, seed: int = 0) -> HFModelConfig:
     """A byte-level Llama with an untied head, built in code (nothing downloaded)."""
-    config = dict(
-        vocab_size=256, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=n_layers,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=max(seq_len, 128),
-        tie_word_embeddings=False, initializer_range=0.02,
-    )  # fmt: skip
-    return HFModelConfig("llama", _canonical("llama", _family_config_dict("llama", config)), seq_len, seed)
+    return byte_llama(n_layers, hidden, seq_len, seed)
 
 
 def _transplant(old: LocalPipeline, new: LocalPipeline, frozen: int) -> None:
@@ -165,7 +198,7 @@ def _pretrain(cfg: FreezingExperimentConfig, model, train, say) -> dict[str, tor
     for epoch in range(cfg.pretrain_epochs):
         for batch in epoch_batches(train, cfg.batch_size, 1000 + epoch, cfg.seed):
             result = pipe.train_step(batch, cfg.n_micro)
-        say(f"pretrain: epoch {epoch + 1}/{cfg.pretrain_epochs} loss {result.loss:.4f}")
+        say(f"pretrain (in one process, untimed): epoch {epoch + 1}/{cfg.pretrain_epochs} loss {result.loss:.4f}")
     weights = {k: p.detach().clone() for w in pipe.workers for k, p in w.module.named_parameters()}
     _close(pipe)
     return weights
@@ -185,7 +218,12 @@ def _run_setting(setting: str, cfg: FreezingExperimentConfig, model, train, eval
                 p.copy_(start[name])
     if setting != "no-freeze":
         pipe.freeze = FreezePolicy(
-            cfg.n_layers, cfg.interval, cfg.tolerance, cfg.max_fraction, warmup_steps=optim.warmup_steps
+            cfg.n_layers,
+            cfg.interval,
+            cfg.tolerance,
+            cfg.max_fraction,
+            alpha=cfg.alpha,
+            warmup_steps=optim.warmup_steps,
         )
     limit = max(b - a for a, b in layout)
     rows, wire, seconds, frozen, stages, hits = [], 0, 0.0, 0, [len(layout)], 0
@@ -220,7 +258,8 @@ def _run_setting(setting: str, cfg: FreezingExperimentConfig, model, train, eval
     return {
         "setting": setting,
         "frozen_layers": frozen,
-        "stages": stages,
+        "stages": stages[-1],
+        "stage_history": stages,
         "throughput_samples_s": samples / seconds,
         "final_eval_loss": final,
         "total_wire_bytes": wire,
@@ -233,18 +272,26 @@ def _run_setting(setting: str, cfg: FreezingExperimentConfig, model, train, eval
 
 def run_experiment(cfg: FreezingExperimentConfig, out: Path, say=lambda s: None) -> list[dict]:
     torch.manual_seed(cfg.seed)
-    model = untied_llama(cfg.n_layers, cfg.hidden, cfg.seq_len, cfg.seed)
+    model = byte_llama(cfg.n_layers, cfg.hidden, cfg.seq_len, cfg.seed, tied=cfg.tied)
     data = DataConfig(seq_len_tokens=cfg.seq_len, train_samples=cfg.train_samples, eval_samples=cfg.eval_samples)
     train, evals, _ = build_datasets(data)
-    start = _pretrain(cfg, model, train, say) if cfg.pretrain_epochs else None
-    # untimed: the first setting run in a process ran 3-6x slower than the same setting run again (not the
-    # garbage collector, not lingering threads; cause not found), so one epoch of it runs first, discarded
-    _run_setting("no-freeze", replace(cfg, epochs=1), model, train, evals, lambda *_: None, start)
     rounds = []
+    if cfg.in_process:
+        start = _pretrain(cfg, model, train, say) if cfg.pretrain_epochs else None
+        # untimed: the first setting run in a process ran 3-6x slower than the same setting run again (not the
+        # garbage collector, not lingering threads; cause not found), so one epoch of it runs first, discarded
+        _run_setting("no-freeze", replace(cfg, epochs=1), model, train, evals, lambda *_: None, start)
+        run_setting = lambda s, k, quiet: _run_setting(s, cfg, model, train, evals, quiet, start)  # noqa: E731
+    else:
+        from swarm.experiments.freezing_live import live_setting, write_checkpoint
+
+        checkpoint = write_checkpoint(model, _pretrain(cfg, model, train, say), out / "checkpoint")
+        say(f"pretrained checkpoint: {checkpoint}; every setting: a local swarm of {cfg.n_stages} swarm-peer processes")
+        run_setting = lambda s, k, quiet: live_setting(s, cfg, checkpoint, out / f"round{k + 1}", quiet)  # noqa: E731
     for k in range(max(1, cfg.repeats)):
         order = rotated(SETTINGS, k)
-        quiet = say if k == 0 else (lambda *_: None)
-        rounds.append({s: _run_setting(s, cfg, model, train, evals, quiet, start) for s in order})
+        quiet = say if k == 0 or not cfg.in_process else (lambda *_: None)
+        rounds.append({s: run_setting(s, k, quiet) for s in order})
         say(f"round {k + 1}/{cfg.repeats}: " + ", ".join(f"{s} {rounds[-1][s]['train_seconds']:.1f} s" for s in order))
     results = [rounds[0][s] for s in SETTINGS]
     base = results[0]
@@ -254,6 +301,11 @@ def run_experiment(cfg: FreezingExperimentConfig, out: Path, say=lambda s: None)
         r["throughput_samples_s"], r["throughput_runs"] = statistics.median(runs), runs
         r["speedup"], r["speedup_runs"] = statistics.median(ratios), ratios
         r["final_eval_loss_runs"] = [rd[r["setting"]]["final_eval_loss"] for rd in rounds]
+        r["cache_hits_runs"] = [rd[r["setting"]]["cache_hits"] for rd in rounds]
+        if "samples_per_cpu_s" in r:  # on processes: the load-independent figure beside the wall clock's
+            cpu = [rd[r["setting"]]["samples_per_cpu_s"] / rd["no-freeze"]["samples_per_cpu_s"] for rd in rounds]
+            r["cpu_speedup"], r["cpu_speedup_runs"] = statistics.median(cpu), cpu
+        r["on_processes"] = not cfg.in_process
         r["eval_loss_vs_no_freeze"] = r["final_eval_loss"] / base["final_eval_loss"] - 1
     out.mkdir(parents=True, exist_ok=True)
     panels = [
@@ -279,16 +331,17 @@ def _rows(results: list[dict]) -> list[dict]:
 def format_table(results: list[dict]) -> str:
     lines = [
         "| setting | frozen layers (end) | stages | samples/s (median) | speedup (median) | min-max of rounds | "
-        "held-out loss | vs no-freeze | wire bytes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "held-out loss | vs no-freeze | wire bytes | cache hits | samples per CPU-s | CPU speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratios = r.get("speedup_runs", [r["speedup"]])
         lines.append(
-            f"| {r['setting']} | {r['frozen_layers']} | {'->'.join(map(str, r['stages']))} | "
+            f"| {r['setting']} | {r['frozen_layers']} | {'->'.join(map(str, r['stage_history']))} | "
             f"{r['throughput_samples_s']:.1f} | {r['speedup']:.2f}x | {min(ratios):.2f}-{max(ratios):.2f}x "
             f"({len(ratios)}) | {r['final_eval_loss']:.4f} | "
-            f"{100 * r['eval_loss_vs_no_freeze']:+.2f}% | {r['total_wire_bytes']:,} |"
+            f"{100 * r['eval_loss_vs_no_freeze']:+.2f}% | {r['total_wire_bytes']:,} | {r['cache_hits']:,} | "
+            + (f"{r['samples_per_cpu_s']:.2f} | {r['cpu_speedup']:.2f}x |" if "cpu_speedup" in r else "- | - |")
         )
     return "\n".join(lines)
 
@@ -299,20 +352,22 @@ _FLAGS = Flags(FreezingExperimentConfig)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _FLAGS.add_to(parser)
     add = parser.add_argument
-    add("--quick", action="store_true", help="a small model and run (about a minute)")
+    add("--quick", action="store_true", help="a small model and run (a few minutes on processes, one round)")
     add("--json", action="store_true", help="print the rows as JSON")
     add("--out", type=Path, default=None, help="output folder (default runs/freezing-<time>)")
 
 
 def config_from_args(args: argparse.Namespace) -> FreezingExperimentConfig:
     cfg = _FLAGS.from_args(args)
-    return replace(cfg, **QUICK) if args.quick else cfg
+    if not args.quick:
+        return cfg
+    return replace(cfg, **{**QUICK, **({} if cfg.in_process else QUICK_LIVE)})
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     out = args.out or Path("runs") / f"freezing-{time.strftime('%Y%m%d-%H%M%S')}"
-    say = (lambda *_: None) if args.json else (lambda s: print(f"[freezing] {s}", file=sys.stderr))
+    say = lambda s: print(f"[freezing] {s}", file=sys.stderr, flush=True)  # noqa: E731 (--json: rows on stdout)
     results = run_experiment(cfg, out, say)
     print(json.dumps(_rows(results), indent=2) if args.json else format_table(results) + f"\n\nwritten to {out}")
     return 0

@@ -225,8 +225,16 @@ class GradientAverager:
     tied_residual = property(lambda self: self.groups[True].residual, doc="Tied error feedback (committed).")
 
     def tied_done(self, step: int) -> bool:
-        """Whether this stage's tied gradient is the tied group's sum for `step` (always, off the end stages)."""
-        return self.tied_numel == 0 or self.groups[True].reduced == step
+        """Whether this stage's tied gradient is the tied group's sum for `step` (always, off the end stages and
+        once the tied pair is frozen)."""
+        return not self.tied_trained or self.groups[True].reduced == step
+
+    @property
+    def tied_trained(self) -> bool:
+        """Whether this stage holds a tied weight that still trains (a frozen prefix freezes the tied pair,
+        `swarm.runtime.freeze.set_frozen`: both end stages at the same step, so neither sums it any more)."""
+        param = self.host.worker.module.tied_parameter() if self.tied_numel else None
+        return param is not None and param.requires_grad
 
     # ---- the step's end ---------------------------------------------------------------------------------
 
@@ -257,7 +265,7 @@ class GradientAverager:
                 f"{PLAN_MISMATCH} the {what} follows plan {plan_version}, this peer plan {role.plan_version}",
             )
         if tied:
-            if self.tied_numel == 0 or stage not in (0, role.n_stages - 1):
+            if not self.tied_trained or stage not in (0, role.n_stages - 1):
                 raise CallRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"the tied group joins the first and last stage; this is stage {role.stage}, the sender's {stage}",
@@ -327,7 +335,7 @@ class GradientAverager:
                 self.groups[False].reduced = request.step
         else:
             sent, fp32 = self._sum(request, False, peers, addresses, me, end, keyed_by_peer)
-        if tied_me is not None:
+        if tied_me is not None and self.tied_trained:  # a frozen tied pair: nothing to sum (the other end's too)
             tied_sent, tied_fp32 = self._sum(request, True, tied_peers, tied_addresses, tied_me, end, keyed_by_peer)
         return ReduceReport(sent, fp32, len(peers), tied_sent, tied_fp32)
 
@@ -456,7 +464,7 @@ class GradientAverager:
         end stage of a multi-stage pipeline must be asked (its tied gradient is summed nowhere else)."""
         host = self.host
         if not peers and not addresses:
-            if self.tied_numel:
+            if self.tied_trained:
                 raise CallRefused(
                     grpc.StatusCode.INVALID_ARGUMENT, "an end stage's Reduce must name the tied group (tied_peers)"
                 )

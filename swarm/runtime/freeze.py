@@ -15,11 +15,18 @@ settled); never past `max_fraction` of the model nor into the last `keep_last` l
 Frozen layers: their parameters get `requires_grad=False`, so autograd records nothing through them when
 nothing before them trains, the optimizer skips them (no gradient), and a stage whose input needs no gradient
 sends none upstream. A stage holding only frozen layers runs its forward under `no_grad`, keeps nothing, and
-its schedule program has no backward turns: no Backward call is made into it. With tied embeddings (the
-built-in GPT) the token embedding is also the head and keeps training, so only blocks (and the position
-embedding) freeze and gradients still flow back to stage 0: the math stays right, fewer weight gradients are
-computed, and no stage becomes forward-only. An untied model (`--model llama-tiny`) freezes its embedding
+its schedule program has no backward turns: no Backward call is made into it. The input embeddings freeze
 with the first block, and then the whole prefix stops.
+
+Tied embeddings (the built-in GPT, a tied Hugging Face model): the token embedding is also the LM head, whose
+gradient would keep it training, so a frozen prefix's input would still move every step. A cache of the frozen
+blocks' outputs keyed by sample would then be invalidated at every step and never hit; and leaving the embedding
+trainable keeps gradients flowing back through every frozen block to stage 0 (no backward saved, no stage
+forward-only). So the tied pair freezes with the first block: stage 0's embedding and the last stage's copy as
+the head, at the same Step on both ends (their copies are equal, and stay so: neither moves again). The head
+layer's norm and the still active blocks keep training; the end stages stop summing the tied gradient
+(`GradientAverager.tied_trained`). What it costs is the head's own adaptation during fine-tuning: measured by
+`swarm experiment freezing --tied` (docs/reports/freezing.md).
 """
 
 from __future__ import annotations
@@ -71,9 +78,10 @@ def _embeddings(module: nn.Module) -> set[int]:
     return {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
 
 
-def _tied(worker: StageWorker) -> bool:
-    cfg = getattr(worker.module, "cfg", None)
-    return bool(getattr(worker.module, "tied", False) or (cfg is not None and cfg.tied_embeddings))
+def _tied_copy(module: nn.Module) -> set[int]:
+    """id of this stage's copy of a tied embedding / head (first and last stage of a tied model), if any."""
+    param = module.tied_parameter()
+    return set() if param is None else {id(param)}
 
 
 def layer_sq_norms(worker: StageWorker) -> list[float]:
@@ -101,17 +109,17 @@ def set_frozen(worker: StageWorker, frozen_layers: int) -> bool:
         return worker.forward_only
     if frozen_layers < worker.frozen_layers:
         raise ValueError(f"frozen layers never decrease ({worker.frozen_layers} -> {frozen_layers})")
-    module, tied = worker.module, _tied(worker)
-    tied_param = module.tied_parameter()
-    embeddings = _embeddings(module) if frozen_layers > 0 else set()
+    module = worker.module
+    # the input embeddings freeze with the first block, and with them a tied embedding's copy as the head (the
+    # tied pair; module doc): nothing before a frozen block trains any more
+    embeddings = _embeddings(module) | _tied_copy(module) if frozen_layers > 0 else set()
     for name, p in module.named_parameters():
         i = block_of(name)
-        frozen = (i is not None and i < frozen_layers) or id(p) in embeddings
-        if frozen and not (tied and p is tied_param):
+        if (i is not None and i < frozen_layers) or id(p) in embeddings:
             p.requires_grad_(False)
             p.grad = None
     worker.frozen_layers = frozen_layers
-    worker.input_grad = not module.is_first and (tied or module.layer_start > frozen_layers)
+    worker.input_grad = not module.is_first and module.layer_start > frozen_layers
     trainable = any(p.requires_grad for p in module.parameters())
     was, worker.forward_only = worker.forward_only, not trainable and not worker.input_grad
     if not was:  # outputs computed before are stale: the cache starts empty (`cached_forward`); once forward
@@ -129,7 +137,14 @@ def apply_frozen(host, frozen_layers: int) -> None:
 
 
 def cached_forward(
-    worker: StageWorker, links: LinkEnds, address: str | None, mb: int, inputs, ids: list[int], targets
+    worker: StageWorker,
+    links: LinkEnds,
+    address: str | None,
+    mb: int,
+    inputs,
+    ids: list[int],
+    targets,
+    metrics=None,
 ) -> torch.Tensor:
     """A stage's forward of one micro-batch, answered from the frozen activation cache where it can be.
 
@@ -141,7 +156,8 @@ def cached_forward(
     AQ-SGD's last delta instead of a full resend left the receiver's copy 22% off the frozen output in the unit
     test after three epochs at 2 bits: cheaper, but an error the cache would then keep forever.)
 
-    `address` is the next stage's of the call's route (None on the last stage); `links` the stage's ends."""
+    `address` is the next stage's of the call's route (None on the last stage); `links` the stage's ends; hits
+    are counted in `worker.cache_hits` and in `metrics` (`swarm_frozen_cache_hits_total`, read from Status)."""
     if not worker.forward_only or address is None:
         return worker.forward(mb, inputs, torch.tensor(ids), targets)
     store = links.send_end("fw", address).buffers
@@ -151,6 +167,8 @@ def cached_forward(
     fresh = [i for i in ids if i not in sent or i not in store]
     if not fresh:
         worker.cache_hits += len(ids)
+        if metrics is not None:
+            metrics.cache_hits.inc(len(ids))
         return store.gather(store.lookup(ids)).float()
     out = worker.forward(mb, inputs, torch.tensor(ids), targets)
     links.forget(fresh, address)  # in full once more: the receiver's copy becomes the frozen output

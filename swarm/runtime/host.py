@@ -342,7 +342,7 @@ class StageHost:
                 targets = self.labels.pop(mb) if role.is_last else None
                 inputs, targets = to_device(links.device, inputs, targets)
                 address = None if role.is_last else info.route[role.stage + 1]
-                out = cached_forward(self.worker, links, address, mb, inputs, ids, targets)  # swarm.runtime.freeze
+                out = cached_forward(self.worker, links, address, mb, inputs, ids, targets, self.metrics)
                 self.audit.forward(info.step, mb, inputs, out)  # references: kept until the step ends
             if role.is_last:
                 return self.outbox.answer(float(out))

@@ -164,6 +164,9 @@ class TrainConfig:
     (RouteWeights), or equally (every route weight 1, always: the same split every run, for comparisons)"""
     deadline_s: float = field(default=120.0, metadata=flag(group=_TRAINING))
     """longest a micro-batch may take end to end, seconds"""
+    heartbeat_s: float = field(default=1.0, metadata=flag(group=_TRAINING))
+    """seconds between the trainer's liveness pings of the stages while a step runs: 3 unanswered in a row
+    declare a peer dead (on a loaded machine a busy peer missed 3 s)"""
     out: str | None = field(default=None, metadata=flag(group=_TRAINING))
     """folder for steps.csv, loss.png, summary.json (none: runs/train-<time>)"""
     resume: bool = field(default=False, metadata=flag(group=_TRAINING))
@@ -204,8 +207,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.steps: expected >= 1 or None, got {self.steps}")
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"TrainConfig.num_stages: expected >= 1 or None, got {self.num_stages}")
-        if self.deadline_s <= 0 or self.wait_timeout_s <= 0 or self.replan_timeout_s <= 0:
-            raise ValueError("TrainConfig: deadline_s, wait_timeout_s and replan_timeout_s must be > 0")
+        if self.deadline_s <= 0 or self.wait_timeout_s <= 0 or self.replan_timeout_s <= 0 or not self.heartbeat_s > 0:
+            raise ValueError("TrainConfig: deadline_s, wait_timeout_s, replan_timeout_s and heartbeat_s must be > 0")
         if self.chain_weights not in CHAIN_WEIGHTS:
             raise ValueError(f"TrainConfig.chain_weights: expected one of {CHAIN_WEIGHTS}, got {self.chain_weights!r}")
         if not 0 <= self.verify_fraction <= 1:
@@ -316,7 +319,7 @@ def train(
     def connect(r: PlanRoutes):
         metrics.plan_version.set(r.plan_version)
         driver = make_driver(
-            r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s,
+            r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s, heartbeat_s=cfg.heartbeat_s,
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=route_weights(cfg.chain_weights),
             tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial), suspects=suspects,
             verify=VerifyConfig(fraction=cfg.verify_fraction) if cfg.verify_fraction > 0 else None,
@@ -405,6 +408,8 @@ def step_record(setting: str, result, step: int, epoch: int, batch, follower: Pl
         "loss_scale": result.loss_scale,
         "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
         "plan_version": follower.route.plan_version,
+        "stages": follower.driver.n_stages,
+        "frozen_layers": getattr(getattr(follower.driver, "policy", None), "frozen", 0),  # --freeze: from the next step
         **step_columns(result, ids, follower.route.n_replicas, retries),
         **{f"link{k}_bytes": result.traffic.link_bytes.get(k, 0) for k in range(follower.driver.n_stages - 1)},
         **counter_columns(result.counters),

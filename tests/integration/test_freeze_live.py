@@ -1,7 +1,8 @@
 """Freezing and the elastic repack live: a 4-peer local swarm (4 stages of one layer), a trainer with `--freeze`
 tuned to freeze early. Every stage reports the prefix it applied; once they all report 3 frozen layers the
 planner publishes the repacked plan (2 stages x 2 replicas, `frozen_layers` 3), the peers move their layers
-through the usual handover, and the trainer follows it and trains on without a gap."""
+through the usual handover, and the trainer follows it and trains on without a gap; the frozen first stage
+answers from its activation cache (the model is tied: the tied pair froze with the prefix)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def test_the_planner_repacks_a_frozen_prefix_and_the_trainer_trains_on_the_repac
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(1, 25))
     assert all(math.isfinite(float(r["train_loss"])) for r in rows)
+    # the tied pair froze with the prefix, so the repacked stage 0 (layers 0-2, all frozen) runs forward only and
+    # answers samples it already sent from its activation cache (each peer's counter, over Status)
+    hits = [status[pid].metrics["swarm_frozen_cache_hits_total"] for pid in record.document.stages[0].peer_ids]
+    assert sum(hits) > 0, hits
     # the replicas of each repacked stage took the same state and applied the same steps: equal weights
     for index, stage in enumerate(record.document.stages):
         replies = [status[pid] for pid in stage.peer_ids]

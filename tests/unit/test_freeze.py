@@ -123,7 +123,8 @@ def _frozen_name(name: str, frozen: int, module, model) -> bool:
     if block is not None:
         return block < frozen
     embedding = module.is_first and ("emb" in name or "wte" in name or "wpe" in name)
-    return frozen > 0 and embedding and not (model.tied_embeddings and "tok_emb" in name or "wte" in name)
+    tied_head = model.tied_embeddings and name in ("head_weight", "lm_head.weight")  # the tied pair freezes too
+    return frozen > 0 and (embedding or tied_head)
 
 
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt-tied", "llama-untied"])
@@ -238,3 +239,24 @@ def test_replicas_freeze_together_and_stay_equal(model):
         assert all(torch.equal(a[k], b[k]) for k in a)  # the replicas' averaging still keeps them equal
     after = pipe.replica_hosts[0][0].worker.module.state_dict()
     assert before and all(torch.equal(v, after[k]) for k, v in before.items())  # block 0 stays frozen
+
+
+def test_a_tied_model_freezes_the_tied_pair_and_its_frozen_stage_answers_from_the_cache():
+    fw, bw = CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4+ef")
+    pipe = LocalPipeline(GPT, 2, fw, bw, stage_cfg=NO_CLIP)  # tied: stage 0 embeds, stage 1's head is a copy
+    pipe.freeze = FreezePolicy(n_layers=4, tolerance=1e-12, max_fraction=1.0)
+    batches = [_batch(64, 16, step) for step in range(3)]
+    tied = [pipe.train_step(batches[step], 2).traffic.sent.get(("tied", "tied"), 0) for step in range(3)]
+    assert min(tied) > 0  # both copies train and sum their gradients before the freeze
+    pipe.freeze.frozen = 2  # the next Step freezes stage 0 entirely, and the tied pair on both end stages
+    pipe.train_step(batches[0], 2)
+    emb, head = pipe.workers[0].module.tied_parameter(), pipe.workers[1].module.tied_parameter()
+    kept = emb.detach().clone()
+    assert torch.equal(emb, head) and not emb.requires_grad and not head.requires_grad
+    assert pipe.workers[0].forward_only and not pipe.workers[1].input_grad
+    results = [pipe.train_step(batches[step % 3], 2) for step in range(1, 10)]
+    assert pipe.workers[0].cache_hits == 2 * 24  # two epochs answered from the cache, no compute
+    assert all(r.traffic.sent.get(("tied", "tied"), 0) == 0 for r in results)  # nothing left to sum
+    assert all(r.traffic.sent.get((0, "backward"), 0) == 0 for r in results)
+    assert torch.equal(emb, kept) and torch.equal(head, kept)  # neither copy moved (no AdamW drift either)
+    assert all(math.isfinite(r.loss) for r in results)

@@ -49,3 +49,13 @@ def test_repack_halves_the_stages_once_the_frozen_prefix_allows_and_deals_the_fr
     validate_plan(PlanRecord(version=2, document=plan, created_at=1.0), 8, PEERS)
     with pytest.raises(ValueError):
         repack_plan(PlanDocument.from_wire(_plan()), 8)  # the last layer always trains
+
+
+def test_a_prefix_that_does_not_yet_allow_fewer_stages_is_carried_without_moving_any_layer():
+    codecs = [{"forward": "fp32", "backward": "fp32"}] * 3
+    current = PlanDocument.from_wire({**_plan(), "codecs": codecs})
+    for frozen in (1, 2, 4, 5):  # 4 stages until 6 frozen layers fit 2 (cost 6 x 1/3 + 2 <= 2 layers)
+        plan = repack_plan(current, frozen)
+        assert plan.stage_dicts() == current.stage_dicts() and plan.codecs == current.codecs
+        assert plan.frozen_layers == frozen
+        validate_plan(PlanRecord(version=2, document=plan, created_at=1.0), 8, PEERS)

@@ -67,7 +67,8 @@ def test_a_host_reports_the_prefix_it_applied_in_status_and_a_host_of_a_frozen_p
     assert host.status().metrics["swarm_frozen_layers"] == 0.0
     one_stage = [{"layer_start": 0, "layer_end": 4, "peer_ids": ["p"]}]
     plan = PlanDocument.from_wire({"stages": one_stage, "frozen_layers": 1})
-    apply_frozen(host, plan.frozen)  # what swarm-peer does to every host it builds for a plan
+    for other in pipe.hosts:  # what swarm-peer does to every host it builds for a plan (both ends of the tied pair)
+        apply_frozen(other, plan.frozen)
     assert host.status().metrics["swarm_frozen_layers"] == 1.0 and host.worker.frozen_layers == 1
     before = {k: v.detach().clone() for k, v in host.worker.module.named_parameters() if k.startswith("blocks.0.")}
     pipe.freeze = FreezePolicy(n_layers=4)
