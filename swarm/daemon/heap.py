@@ -5,8 +5,8 @@ malloc keeps every page a thread freed inside its arena for reuse, and returns o
 the trim threshold (which `swarm.peers.allocator.tune_allocator` raises to 512 MiB for the data path's buffers).
 So a peer's RSS is the high-water mark of everything its threads ever held at once, ratcheting up as each pool
 thread takes its first calls. Measured in one process with the peer's allocator settings (a toy block's forward
-and backward on a pool of 32 threads, 128 passes a round): 317 MB anonymous after four rounds against 156 MB
-on one thread; with `malloc_trim(0)` after each round, 183 MB (`docs/reports/footprint.md`).
+and backward on a pool of 32 threads, 128 passes a round): 317 MiB anonymous after four rounds against 156 MiB
+on one thread; with `malloc_trim(0)` after each round, 183 MiB (`docs/reports/footprint.md`).
 
 `malloc_trim(0)` frees the unused pages in the middle of every arena too (glibc >= 2.8, `madvise(MADV_DONTNEED)`),
 without moving anything: the pages come back zeroed on their next use. It takes the arenas' locks, so it runs on
