@@ -51,6 +51,8 @@ class SoakConfig:
     """share of the steps before the start figures"""
     sample_every_s: float | None = None
     """seconds between samples (none: 2, 0.5 with --quick)"""
+    heap_trim_s: float | None = None
+    """the peers' --heap-trim-s (none: swarm-peer's default; 0: no trims, to compare)"""
     per_process: bool = False
     """also one row per process of each tree (python, p2pd), named ROLE/NAME PID"""
     quick: bool = False
@@ -224,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     warmup = int(cfg.steps * cfg.warmup_fraction)
     peer = PeerConfig(
         threads=1,
+        **({} if cfg.heap_trim_s is None else {"heap_trim_s": cfg.heap_trim_s}),
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, warmup)),
         **CodecFlags("aqsgd2", "gradq4").build(),
     )

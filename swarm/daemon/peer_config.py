@@ -177,6 +177,9 @@ class PeerConfig:
     alike (swarm.runtime.precision)"""
     threads: int = field(default=1, metadata=flag(group=_SERVING))
     """torch intra-op threads"""
+    heap_trim_s: float = field(default=30.0, metadata=flag(group=_SERVING))
+    """seconds between returning the heap pages this process's threads freed to the system (glibc's malloc_trim,
+    swarm.daemon.heap); 0: never"""
     compute_layers_per_s: float = field(default=0.0, metadata=flag(name="--compute-speed", group=_SERVING))
     """declare this peer's forward+backward layers/s instead of measuring it at start-up (0: measure)"""
     assign_timeout_s: float = field(default=120.0, metadata=flag(group=_SERVING))
@@ -280,6 +283,8 @@ class PeerConfig:
         from swarm.runtime.boundary import EpilogueOnly
 
         EpilogueOnly.parse(self.bw_epilogue)  # a bad value fails here, named
+        if not self.heap_trim_s >= 0:  # NaN too
+            raise ValueError(f"PeerConfig.heap_trim_s: expected seconds >= 0 (0: never), got {self.heap_trim_s}")
         if self.compute_layers_per_s < 0 or self.assign_timeout_s <= 0:
             raise ValueError("PeerConfig: need compute_layers_per_s >= 0 and assign_timeout_s > 0")
 
