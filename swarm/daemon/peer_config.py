@@ -177,8 +177,8 @@ class PeerConfig:
     """measure the stage's sensitivity to bf16 from its real gradients every this many steps (5 times, then every
     100) and announce it for the planner's --precision-budget (swarm.runtime.sensitivity_probe; 0: never)"""
     compute_slowdown: float = field(default=1.0, metadata=flag(group=_SERVING))
-    """experiments: make this peer N x slower in every precision (it sleeps N - 1 times the CPU time of each
-    forward and backward, and announces its measured speeds / N; swarm.runtime.throttle); 1: off"""
+    """experiments: make this peer N x slower in every precision (it sleeps N - 1 times the time each forward and
+    backward took, and announces its measured speeds / N; swarm.runtime.throttle); 1: off"""
     compute_layers_per_s: float = field(default=0.0, metadata=flag(name="--compute-speed", group=_SERVING))
     """declare this peer's forward+backward layers/s instead of measuring it at start-up (0: measure)"""
     assign_timeout_s: float = field(default=120.0, metadata=flag(group=_SERVING))

@@ -5,8 +5,8 @@ Each setting is a fresh local swarm (`swarm.testbed.local_swarm`: a bootstrap no
 planning among themselves, and `swarm train` in this process following their plans through the DHT):
 
 - `equal`: every peer as fast as the machine, fp32 everywhere;
-- `slow-fp32`: one peer `--slow-factor` x slower (`swarm-peer --compute-slowdown`: it sleeps N - 1 times the CPU
-  time of each forward and backward, and announces its measured speeds / N), fp32 everywhere;
+- `slow-fp32`: one peer `--slow-factor` x slower (`swarm-peer --compute-slowdown`: it sleeps N - 1 times the
+  wall time of each forward and backward, and announces its measured speeds / N), fp32 everywhere;
 - `slow-planned`: the same slow peer, and every peer's planner with `--precision-budget`: it chooses each stage's
   precision from the announced speeds and sensitivities (its own measurement until the stages announce theirs from
   real gradients, `swarm.runtime.sensitivity_probe`; it re-chooses when they do, `swarm.daemon.precision_watch`);
@@ -80,11 +80,9 @@ def _run_setting(cfg, setting: str, out: Path, steps: int, say) -> dict:
         record = swarm.dht.get_plan(cfg.model.n_layers)
         peers = {p.peer_id: p for p in swarm.dht.peers()}
     plan = record.document
-    slow_ids = {
-        pid
-        for pid, p in peers.items()
-        if p.compute_layers_per_s < 0.8 * max(q.compute_layers_per_s for q in peers.values())
-    }
+    # the slow peer announces the lowest speed (its measured ones / N); in `equal` none is slow
+    slowest = min(peers.values(), key=lambda p: p.compute_layers_per_s).peer_id
+    slow_ids = set() if setting == "equal" else {slowest}
     with open(out / "steps.csv") as f:
         rows = list(csv.DictReader(f))
     times = [float(r["step_s"]) for r in rows]
@@ -100,6 +98,8 @@ def _run_setting(cfg, setting: str, out: Path, steps: int, say) -> dict:
         "slow_stages": [i for i, s in enumerate(plan.stages) if slow_ids & set(s.peer_ids)],
         "plan_versions": sorted({int(r["plan_version"]) for r in rows}),
         "announced_sensitivity": {f"{a}:{b}": {p: f} for ann in peers.values() for a, b, p, f in ann.sensitivity},
+        # every peer's announced layers/s (the slow one's / N): on this CPU bf16 is faster than fp32 for everyone
+        "peer_speeds": sorted(({"fp32": p.compute_layers_per_s, **dict(p.speeds)} for p in peers.values()), key=str),
         "steps": len(rows),
         "window_steps": len(steady),
     }

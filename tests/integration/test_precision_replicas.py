@@ -25,7 +25,7 @@ from swarm.proto import stage_pb2
 from swarm.testbed.local import local_swarm
 from swarm.train.trainer import TrainConfig, train
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 N_LAYERS = ModelConfig().n_layers
 STEPS, SWITCH_AFTER = 12, 3
@@ -62,7 +62,7 @@ def test_a_precision_switch_on_a_replan_keeps_the_replicas_bit_identical(tmp_pat
         ]
         plans.append({"stages": stages, "trainer_ids": [dht.peer_id], "precisions": ["fp32", "fp32"]})
         dht.publish_plan(1, plans[0])
-        return found(dht, *args, **kwargs)
+        return found(dht, 2, *args[1:], **kwargs)  # 2 stages of 3 peers (local_swarm asks for one per peer)
 
     monkeypatch.setattr(follower_module, "discover_route", publish_then_discover)
     out = tmp_path / "train"
