@@ -105,6 +105,25 @@ def _run_setting(cfg, setting: str, out: Path, steps: int, say) -> dict:
     }
 
 
+def _attempts(cfg, setting: str, out: Path, steps: int, say, tries: int = 3) -> dict:
+    """`_run_setting`, run again from scratch (a fresh swarm, the same seed) when the swarm fails: on a machine
+    loaded far past its cores a live peer can miss the trainer's heartbeats and be declared dead, and a step
+    retried on it is refused as already run. The row says how many tries it took (`attempts`)."""
+    from swarm.net.stream import StageCallError
+
+    for attempt in range(1, tries + 1):
+        try:
+            row = _run_setting(
+                cfg, setting, out if attempt == 1 else out.with_name(f"{out.name}-try{attempt}"), steps, say
+            )
+            return {**row, "attempts": attempt}
+        except (StageCallError, TimeoutError, RuntimeError) as e:
+            if attempt == tries:
+                raise
+            say(f"  {setting} failed ({type(e).__name__}: {str(e)[:200]}); starting it again from scratch")
+    raise AssertionError("unreachable")
+
+
 def run_swarm_experiment(cfg, out: Path, say=print) -> list[dict]:
     """The settings on processes (see the module docstring); rows in `SWARM_SETTINGS` order (+ slow-placed)."""
     from swarm.experiments import rotated
@@ -115,7 +134,7 @@ def run_swarm_experiment(cfg, out: Path, say=print) -> list[dict]:
     for k in range(cfg.repeats):
         for setting in rotated(settings, k):
             say(f"round {k + 1}/{cfg.repeats}: {setting} ({steps} steps)")
-            row = _run_setting(cfg, setting, out / f"round{k}" / setting, steps, say)
+            row = _attempts(cfg, setting, out / f"round{k}" / setting, steps, say)
             say(
                 f"  {row['throughput_samples_s']:.2f} samples/s, held-out {row['final_eval_loss']}, {row['precisions']}"
             )
