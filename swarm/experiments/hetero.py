@@ -1,8 +1,10 @@
 """`swarm experiment hetero`: one slow peer, and what per-peer precision (QSync) recovers of what it costs.
 
-The swarm is the runtime's in-process pipeline (`LocalPipeline`: the stage hosts, links and driver a swarm
-runs, each stage computing on its own thread) rather than separate processes: on a shared 2-core machine
-separate processes measure their neighbours' load as much as their own. One stage is slowed by
+By default on swarm-peer processes planning among themselves (`swarm.experiments.hetero_swarm`, which says how).
+`--in-process`: the form below, the runtime's in-process pipeline (`LocalPipeline`: the stage hosts, links and
+driver a swarm runs, each stage computing on its own thread; on a shared 2-core machine separate processes
+measure their neighbours' load as much as their own), the precisions chosen once by this module from its own
+measurements. One stage is slowed by
 `ComputeThrottle`: after each forward and each backward of that stage it sleeps (factor - 1) times the CPU time
 the pass took on its thread (torch runs one intra-op thread here, so a pass computes on the calling thread and
 `time.thread_time` is its compute, unaffected by other processes' load). A peer `factor`x slower in every
