@@ -11,8 +11,10 @@ lives, on the stage's real weights and inputs: a forward and backward in fp32 an
 over all of the stage's parameter gradients: the added gradient variance relative to the squared norm (QSync's
 indicator up to its constant). A stage is a unit of precision here (the plan names one precision per stage), so
 the figure is per stage; `layer_sensitivities` gives it per layer for a finer look. The figure is unitless,
-finite, and bounded (`MAX_SENSITIVITY`) before anyone plans with it; a stage's output gradient is a fixed
-random projection (seeded), so fp32 and the low precision are compared on the same signal.
+finite, and bounded (`MAX_SENSITIVITY`) before anyone plans with it. `measure_sensitivity` (the planner's own
+figure, `stage_sensitivity`) drives the stage's output with a fixed random projection (seeded);
+`gradient_sensitivity` (what a training stage measures of itself, `swarm.runtime.sensitivity_probe`) with the real
+gradient its next stage sent back. Either way fp32 and the low precision are compared on the same signal.
 
 `set_stage_precision` switches a live stage between precisions (a plan's `precisions`), between steps.
 """
