@@ -82,7 +82,10 @@ def _announced(cls: type[PeerAnnouncement] | type[TrainerAnnouncement]):
         owner, suffix = _owner_and_suffix(subkey)
         if suffix:
             raise ValueError(f"subkey: unexpected suffix {suffix[:32]!r}")
-        ann = cls.from_wire(value)
+        try:
+            ann = cls.from_wire(value)
+        except ValueError as e:  # names its sender: a peer whose announcements are refused is findable
+            raise ValueError(f"from {owner}: {e}") from None
         if ann.peer_id != owner:
             raise ValueError(f"{cls.__name__}.peer_id: {ann.peer_id} is not the signer's id {owner}")
         return ann, ann.started_at

@@ -33,6 +33,7 @@ __all__ = [
     "MAX_CLOCK_SKEW_S",
     "MAX_PLANNER_LEASE_S",
     "MAX_PLAN_BYTES",
+    "MAX_SENSITIVITY",
     "LOW_PRECISIONS",
     "LinkMeasurement",
     "PeerAnnouncement",
@@ -112,6 +113,34 @@ def _speeds(record: str, value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(speeds)
 
 
+MAX_SENSITIVITY = 1.0e3
+"""Largest sensitivity an announcement may carry (a relative squared gradient error, `swarm.runtime.sensitivity`)."""
+
+
+def _sensitivity(record: str, value: Any) -> tuple[tuple[int, int, str, float], ...]:
+    """`sensitivity` from (layer_start, layer_end, precision, figure) entries or its wire string
+    "0:2:bf16:0.000123 ..."; every figure finite in [0, MAX_SENSITIVITY] (a NaN or negative one is refused)."""
+    what = f"at most {len(LOW_PRECISIONS)} (start, end, precision in {LOW_PRECISIONS}, figure in [0, 1e3]) entries"
+    if isinstance(value, str) and len(value) <= 96 * len(LOW_PRECISIONS):
+        try:
+            value = [(int(a), int(b), p, float(f)) for a, b, p, f in (e.split(":") for e in value.split())]
+        except ValueError:
+            raise fail(record, "sensitivity", what, value) from None
+    if not isinstance(value, (list, tuple)) or len(value) > len(LOW_PRECISIONS):
+        raise fail(record, "sensitivity", what, value)
+    entries = []
+    for entry in value:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 4 or entry[2] not in LOW_PRECISIONS:
+            raise fail(record, "sensitivity", what, entry)
+        start = int_field(record, "sensitivity", entry[0], 0, MAX_LAYERS - 1)
+        end = int_field(record, "sensitivity", entry[1], start + 1, MAX_LAYERS)
+        figure = float_field(record, "sensitivity", entry[3], 0.0, MAX_SENSITIVITY)
+        entries.append((start, end, entry[2], figure))
+    if len({(a, b, p) for a, b, p, _ in entries}) != len(entries):
+        raise fail(record, "sensitivity", what, value)
+    return tuple(entries)
+
+
 @dataclass(frozen=True)
 class PeerAnnouncement:
     """What a peer can do and what it serves now, refreshed by its heartbeat until it leaves."""
@@ -153,11 +182,16 @@ class PeerAnnouncement:
     speeds: tuple[tuple[str, float], ...] = ()
     """Measured layers/s in each precision other than fp32 its device runs, e.g. (("bf16", 31.0),);
     `compute_layers_per_s` is the fp32 figure. On the wire: "bf16:31.0 fp16:12.5"."""
+    sensitivity: tuple[tuple[int, int, str, float], ...] = ()
+    """Its stage's sensitivity to each low precision, measured from its real gradients while it trains
+    (`swarm.runtime.sensitivity_probe`): (layer_start, layer_end, precision, figure) for the layers it was measured
+    on. On the wire: "0:2:bf16:0.000123"."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
         peer_id_field(r, "peer_id", self.peer_id)
         set_field(self, "speeds", _speeds(r, self.speeds))
+        set_field(self, "sensitivity", _sensitivity(r, self.sensitivity))
         if type(self.leaving) is not bool:
             raise fail(r, "leaving", "a bool", self.leaving)
         if isinstance(self.held, str) and len(self.held) <= 40 * _MAX_HELD:
@@ -220,6 +254,7 @@ class PeerAnnouncement:
             **dataclasses.asdict(self),
             "held": " ".join(":".join(map(str, h)) for h in self.held),
             "speeds": " ".join(f"{name}:{speed!r}" for name, speed in self.speeds),
+            "sensitivity": " ".join(f"{a}:{b}:{p}:{f!r}" for a, b, p, f in self.sensitivity),
         }
 
     @classmethod

@@ -153,6 +153,7 @@ class PeerDaemon:
             log.info("stage service listening on %s", address)
             self.mb = cfg.planning.micro_batch_size
             self.speed = cfg.compute_layers_per_s or measure_compute(self.model, cfg.device, micro_batch_size=self.mb)
+            self.speed /= cfg.compute_slowdown  # an experiment's slower device (swarm.runtime.throttle)
             log.info("joined the DHT as %s; compute %.1f layers/s on %s", dht.peer_id, self.speed, cfg.device)
             if dht.manifest is None and not cfg.dht.trusted_planners:
                 log.warning(
@@ -166,7 +167,9 @@ class PeerDaemon:
                 device=cfg.device,
                 memory_bytes=memory_bytes(),
                 compute_layers_per_s=self.speed,
-                speeds=() if cfg.compute_layers_per_s else measure_speeds(self.model, cfg.device, self.mb),
+                speeds=()
+                if cfg.compute_layers_per_s
+                else tuple((p, v / cfg.compute_slowdown) for p, v in measure_speeds(self.model, cfg.device, self.mb)),
                 started_at=time.time(),
                 codec=self.codecs[0].label,
                 held=self.held.held() if self.held is not None else (),
@@ -215,6 +218,8 @@ class PeerDaemon:
         from swarm.runtime.boundary import EpilogueOnly, LinkEnds
         from swarm.runtime.freeze import apply_frozen
         from swarm.runtime.host import StageHost
+        from swarm.runtime.sensitivity_probe import ProbeConfig, SensitivityProbe
+        from swarm.runtime.throttle import ComputeThrottle
         from swarm.runtime.worker import StageConfig
 
         cfg = self.cfg
@@ -243,6 +248,11 @@ class PeerDaemon:
             dataclasses.replace(host.assignment, link_codecs=ends, compute_layers_per_s=self.speed, epilogue=epilogue)
         )
         apply_frozen(host, plan.frozen if plan is not None else 0)  # a repacked plan's frozen prefix: never trained
+        if cfg.sensitivity_every_steps:  # measured from real gradients, announced for the planner (sensitivity_report)
+            probe = ProbeConfig(every_steps=cfg.sensitivity_every_steps)
+            host.worker.probe = SensitivityProbe(probe, torch.device(cfg.device).type)
+        if cfg.compute_slowdown > 1:
+            ComputeThrottle(host.worker, cfg.compute_slowdown)
         self.checkpoints.setup(host)
         if self.on_host is not None:
             self.on_host(host)
@@ -293,6 +303,7 @@ class PeerDaemon:
         from swarm.daemon.planning import Planner
         from swarm.daemon.probe import LinkProber
         from swarm.daemon.repack import RepackWatch
+        from swarm.daemon.sensitivity_report import SensitivityReport
         from swarm.scheduler.bits import codec_sizes
         from swarm.scheduler.precision_choice import precision_planner
         from swarm.scheduler.sizes import model_spec
@@ -333,6 +344,7 @@ class PeerDaemon:
         threading.Thread(target=planner.keep_lease, args=(lease_stop,), name="swarm-planner-lease", daemon=True).start()
         replicator = self._replicator()
         deadline = time.monotonic() + cfg.assign_timeout_s
+        sensitivity = SensitivityReport()
         next_probe = 0.0
         try:
             while not self._stop.is_set():
@@ -353,6 +365,8 @@ class PeerDaemon:
                         self.servicer.set_roster(self.book.plan_roster(self.following, self.announcement))
                     if replicator is not None and not self._leave.is_set():
                         replicator.tick(self.following, peers)
+                    if (measured := sensitivity.entries(self.servicer.host)) is not None:
+                        self.update_announcement(sensitivity=measured)
                     if self.ending.ordered() or (self._leave.is_set() and self._left(peers, spec)):
                         return 0
                 except TimeoutError as e:  # a slow DHT request: try again next tick

@@ -180,6 +180,12 @@ class PeerConfig:
     heap_trim_s: float = field(default=30.0, metadata=flag(group=_SERVING))
     """seconds between returning the heap pages this process's threads freed to the system (glibc's malloc_trim,
     swarm.daemon.heap); 0: never"""
+    sensitivity_every_steps: int = field(default=5, metadata=flag(group=_SERVING))
+    """measure the stage's sensitivity to bf16 from its real gradients every this many steps (5 times, then every
+    100) and announce it for the planner's --precision-budget (swarm.runtime.sensitivity_probe; 0: never)"""
+    compute_slowdown: float = field(default=1.0, metadata=flag(group=_SERVING))
+    """experiments: make this peer N x slower in every precision (it sleeps N - 1 times the time each forward and
+    backward took, and announces its measured speeds / N; swarm.runtime.throttle); 1: off"""
     compute_layers_per_s: float = field(default=0.0, metadata=flag(name="--compute-speed", group=_SERVING))
     """declare this peer's forward+backward layers/s instead of measuring it at start-up (0: measure)"""
     assign_timeout_s: float = field(default=120.0, metadata=flag(group=_SERVING))
@@ -252,6 +258,10 @@ class PeerConfig:
     """serve Prometheus metrics at http://HOST:PORT/metrics, HOST being --host (none: off; 0: any port)"""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.compute_slowdown) and self.compute_slowdown >= 1):
+            raise ValueError(f"PeerConfig.compute_slowdown: expected a finite number >= 1, got {self.compute_slowdown}")
+        if self.sensitivity_every_steps < 0:
+            raise ValueError(f"PeerConfig.sensitivity_every_steps: expected >= 0, got {self.sensitivity_every_steps}")
         # the rules that tie fields together, whoever builds the config: 8 of the server's threads stay free for
         # control calls (Status, Probe, Grads, Step); behind NAT nobody can dial the DHT node either, so it joins
         # in client mode (works on hivemind 1.1.12), under auto too until the dial-back finds it reachable

@@ -41,6 +41,7 @@ import numpy as np
 from swarm.daemon.bans import RunBans
 from swarm.daemon.calibrate import Calibrator
 from swarm.daemon.liveness import Liveness
+from swarm.daemon.precision_watch import PrecisionWatch
 from swarm.daemon.repack import with_frozen
 from swarm.daemon.repair import grow_plan, repair_plan
 from swarm.peers.fields import MAX_PLAN_VERSION
@@ -225,6 +226,7 @@ class Planner:
         self.replicas, self.liveness, self.even_layers = cfg.replicas, liveness, cfg.even_layers
         self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
         self.calibrator, self.precisions, self.repack = calibrator, precisions, repack  # precisions: scheduler
+        self.precision_watch = PrecisionWatch(precisions) if precisions is not None else None  # from announced figures
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
         """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
         self._chosen_from: list[LinkFigures] | None = None
@@ -344,6 +346,9 @@ class Planner:
         if unchanged and self.repack is not None and (done := self.repack.round(self, current, peers)):
             return done
         if unchanged and self.calibrator is not None and (done := self.recalibrate(current, peers, alive)):
+            return done
+        watch = self.precision_watch
+        if unchanged and watch is not None and (done := watch.round(self, current, peers)):
             return done
         if unchanged and self.codec_bytes is not None and alive:
             return self.rechoose_codecs(current, peers, alive)

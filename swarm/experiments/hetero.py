@@ -1,8 +1,10 @@
 """`swarm experiment hetero`: one slow peer, and what per-peer precision (QSync) recovers of what it costs.
 
-The swarm is the runtime's in-process pipeline (`LocalPipeline`: the stage hosts, links and driver a swarm
-runs, each stage computing on its own thread) rather than separate processes: on a shared 2-core machine
-separate processes measure their neighbours' load as much as their own. One stage is slowed by
+By default on swarm-peer processes planning among themselves (`swarm.experiments.hetero_swarm`, which says how).
+`--in-process`: the form below, the runtime's in-process pipeline (`LocalPipeline`: the stage hosts, links and
+driver a swarm runs, each stage computing on its own thread; on a shared 2-core machine separate processes
+measure their neighbours' load as much as their own), the precisions chosen once by this module from its own
+measurements. One stage is slowed by
 `ComputeThrottle`: after each forward and each backward of that stage it sleeps (factor - 1) times the CPU time
 the pass took on its thread (torch runs one intra-op thread here, so a pass computes on the calling thread and
 `time.thread_time` is its compute, unaffected by other processes' load). A peer `factor`x slower in every
@@ -49,7 +51,7 @@ __all__ = [
 ]
 
 SETTINGS = ("equal", "slow-fp32", "slow-planned")
-RECOVER_TARGET, LOSS_TOLERANCE = 0.30, 0.005
+RECOVER_TARGET, LOSS_TOLERANCE, SLOW_COST_TARGET = 0.30, 0.005, 0.25
 
 
 def split_stage_precisions(text: str) -> tuple[str, tuple[tuple[int, str], ...]]:
@@ -188,6 +190,17 @@ class HeteroConfig:
     """Batches the sensitivity is measured on."""
     seed: int = 0
     """model init and data shuffling seed"""
+    in_process: bool = False
+    """run the pipeline's stages as threads of this process (`LocalPipeline`) instead of swarm-peer processes"""
+    slow_peer: int = field(default=1, metadata=flag(skip=True))
+    """On processes: which peer (in start order) is slowed; the planner decides which stage it serves."""
+    placement: bool = False
+    """on processes, also run slow-placed: the slow peer, fp32, the planner free to split the layers unevenly by
+    speed (placement, not precision)"""
+    repeats: int = 1
+    """on processes: interleaved rounds of the settings (the median is reported)"""
+    warm_fraction: float = field(default=0.2, metadata=flag(skip=True))
+    """On processes: share of the steps left out of the throughput (start-up, first plans)."""
 
 
 def _stage_time(pipe: LocalPipeline, stage: int, x: torch.Tensor, targets: torch.Tensor, precision: str) -> float:
@@ -306,24 +319,30 @@ def format_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         rec = "-" if r["recovered"] is None else f"{r['recovered']:.1%}"
+        vs = "-" if r["loss_vs_slow_fp32"] is None else f"{r['loss_vs_slow_fp32']:+.2%}"
+        loss = "-" if r["final_eval_loss"] is None else f"{r['final_eval_loss']:.4f}"
+        layers = f"  layers {r['layers']}" if "layers" in r else ""
         lines.append(
-            f"{r['setting']:<14} {r['throughput_samples_s']:>10.2f} {rec:>10} {r['final_eval_loss']:>10.4f} "
-            f"{r['loss_vs_slow_fp32']:>+8.2%}  {','.join(r['precisions'])}"
+            f"{r['setting']:<14} {r['throughput_samples_s']:>10.2f} {rec:>10} {loss:>10} {vs:>8}  "
+            f"{','.join(r['precisions'])}{layers}"
         )
     return "\n".join(lines)
 
 
 def check_targets(rows: list[dict]) -> list[tuple[str, bool]]:
-    planned = rows[2]
+    equal, slow, planned = rows[0], rows[1], rows[2]
     rec = planned["recovered"] if planned["recovered"] is not None else 0.0
+    cost = slow.get("slow_cost", 1 - slow["throughput_samples_s"] / equal["throughput_samples_s"])
+    loss = planned["loss_vs_slow_fp32"]
     return [
+        (f"the slow peer costs >= {SLOW_COST_TARGET:.0%} of the throughput ({cost:.1%})", cost >= SLOW_COST_TARGET),
         (
             f"per-peer precision recovers >= {RECOVER_TARGET:.0%} of the slow peer's cost ({rec:.1%})",
             rec >= RECOVER_TARGET,
         ),
         (
-            f"held-out loss within {LOSS_TOLERANCE:.1%} of uniform fp32 ({planned['loss_vs_slow_fp32']:+.2%})",
-            abs(planned["loss_vs_slow_fp32"]) <= LOSS_TOLERANCE,
+            f"held-out loss within {LOSS_TOLERANCE:.1%} of uniform fp32 ({'-' if loss is None else f'{loss:+.2%}'})",
+            loss is not None and abs(loss) <= LOSS_TOLERANCE,
         ),
     ]
 
@@ -349,7 +368,17 @@ def config_from_args(args: argparse.Namespace) -> HeteroConfig:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # one intra-op thread: a pass computes on its stage's thread (see ComputeThrottle)
-    rows = run_experiment(config_from_args(args), show_progress=not args.no_progress)
+    cfg = config_from_args(args)
+    if cfg.in_process:
+        rows = run_experiment(cfg, show_progress=not args.no_progress)
+    else:
+        import tempfile
+
+        from swarm.experiments.hetero_swarm import run_swarm_experiment
+
+        out = args.out.parent / "hetero-swarm" if args.out else Path(tempfile.mkdtemp(prefix="swarm-hetero-"))
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if not args.no_progress else (lambda _: None)
+        rows = run_swarm_experiment(cfg, out, say)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=2))

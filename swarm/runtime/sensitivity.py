@@ -11,8 +11,10 @@ lives, on the stage's real weights and inputs: a forward and backward in fp32 an
 over all of the stage's parameter gradients: the added gradient variance relative to the squared norm (QSync's
 indicator up to its constant). A stage is a unit of precision here (the plan names one precision per stage), so
 the figure is per stage; `layer_sensitivities` gives it per layer for a finer look. The figure is unitless,
-finite, and bounded (`MAX_SENSITIVITY`) before anyone plans with it; a stage's output gradient is a fixed
-random projection (seeded), so fp32 and the low precision are compared on the same signal.
+finite, and bounded (`MAX_SENSITIVITY`) before anyone plans with it. `measure_sensitivity` (the planner's own
+figure, `stage_sensitivity`) drives the stage's output with a fixed random projection (seeded);
+`gradient_sensitivity` (what a training stage measures of itself, `swarm.runtime.sensitivity_probe`) with the real
+gradient its next stage sent back. Either way fp32 and the low precision are compared on the same signal.
 
 `set_stage_precision` switches a live stage between precisions (a plan's `precisions`), between steps.
 """
@@ -25,34 +27,90 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from swarm.peers.records import MAX_SENSITIVITY  # largest figure a planner accepts, one bound for the wire and here
 from swarm.runtime.precision import PRECISIONS, LossScaler, autocast
 
 __all__ = [
     "MAX_SENSITIVITY",
+    "gradient_sensitivity",
     "layer_sensitivities",
     "measure_sensitivity",
+    "relative_error",
     "set_stage_precision",
     "stage_sensitivity",
     "validate_sensitivity",
 ]
 
-MAX_SENSITIVITY = 1.0e3
-"""Largest sensitivity a planner accepts (a relative squared error; bf16 on our blocks measures ~1e-4)."""
 
-
-def _grads(module: nn.Module, x: torch.Tensor, precision: str, seed: int, device: str) -> list[torch.Tensor]:
+def _grads(
+    module: nn.Module,
+    x: torch.Tensor,
+    precision: str,
+    seed: int,
+    device: str,
+    targets: torch.Tensor | None = None,
+    grad_out: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """The stage's parameter gradients of one forward and backward in `precision`: of the real `grad_out` (the
+    gradient the next stage sent, or the last stage's loss weight, with `targets`) when given, else of a seeded
+    random projection of the output."""
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
+    last = targets is not None and getattr(module, "is_last", False)
     with autocast(precision, device):
-        out = module(x)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    proj = torch.randn(out.shape, generator=gen).to(out.device)
-    (out.float() * proj).sum().backward()
+        out = module(x, targets) if last else module(x)
+    if grad_out is None:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        grad_out = torch.randn(out.shape, generator=gen).to(out.device)
+    (out.float() * grad_out.float().reshape(out.shape)).sum().backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]  # handed over: no copy
     for p in params:
         p.grad = None
     return grads
+
+
+def relative_error(low: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
+    """||low - ref||^2 / ||ref||^2 over a stage's gradients (0 when both are zero)."""
+    norm = sum(float(g.float().pow(2).sum()) for g in ref)
+    err = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(low, ref, strict=True))
+    return err / max(norm, 1e-30)
+
+
+def gradient_sensitivity(
+    module: nn.Module,
+    inputs: torch.Tensor,
+    grad_out: torch.Tensor,
+    precisions: Sequence[str] = ("bf16",),
+    targets: torch.Tensor | None = None,
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Each precision's relative squared gradient error against fp32 on one real micro-batch: `inputs` as the
+    stage received them and `grad_out` as the next stage sent it back (the last stage: its `targets` and loss
+    weight). What a training stage measures of itself (`swarm.runtime.sensitivity_probe`). The gradients held
+    in the module's parameters are put back as they were (a step's accumulation goes on); non-finite figures
+    (an overflow) read as MAX_SENSITIVITY."""
+    for p in precisions:
+        if p not in PRECISIONS or p == "fp32":
+            raise ValueError(f"precisions: expected low precisions of {PRECISIONS}, got {p!r}")
+    params = [p for p in module.parameters() if p.requires_grad]
+    held = [p.grad for p in params]
+    was_training = module.training
+    module.train()
+    try:
+        x = inputs.detach()
+        if x.is_floating_point():
+            x = x.requires_grad_(False)
+        ref = _grads(module, x, "fp32", 0, device, targets, grad_out)
+        out = {}
+        for p in precisions:
+            figure = relative_error(_grads(module, x, p, 0, device, targets, grad_out), ref)
+            out[p] = min(figure, MAX_SENSITIVITY) if math.isfinite(figure) else MAX_SENSITIVITY
+        return out
+    finally:
+        for p, g in zip(params, held, strict=True):
+            p.grad = g
+        module.train(was_training)
 
 
 def measure_sensitivity(
@@ -81,11 +139,8 @@ def measure_sensitivity(
     try:
         for i, x in enumerate(inputs):
             ref = _grads(module, x, "fp32", seed + i, device)
-            norm = sum(float(g.float().pow(2).sum()) for g in ref)
             for p in precisions:
-                low = _grads(module, x, p, seed + i, device)
-                err = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(low, ref, strict=True))
-                sums[p] += err / max(norm, 1e-30)
+                sums[p] += relative_error(_grads(module, x, p, seed + i, device), ref)
             n += 1
     finally:
         module.train(was_training)

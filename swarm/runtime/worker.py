@@ -135,6 +135,8 @@ class StageWorker:
         """forward only: samples sent in full since the freeze, per next-stage address (the activation cache)"""
         self.cache_hits = 0
         """forward only: samples answered from the activation cache without computing"""
+        self.probe = None
+        """a `swarm.runtime.sensitivity_probe.SensitivityProbe` measuring this stage's sensitivity now and then"""
 
     @property
     def loss_scale(self) -> float:
@@ -169,6 +171,8 @@ class StageWorker:
         del sample_ids
         if mb in self._saved:
             raise RuntimeError(f"micro-batch {mb} is already in flight on this stage")
+        if self.probe is not None and not self.forward_only:
+            self.probe.capture(self.step_count, mb, inputs, targets)
         x = inputs
         if not self.module.is_first:
             x = inputs.detach().requires_grad_(self.input_grad)
@@ -200,8 +204,12 @@ class StageWorker:
         x, out = self._saved.pop(mb)
         if self.scaler is None:
             backward(out, grad_out.to(out.dtype).reshape(out.shape))
-            return None if x is None else x.grad
-        return self._scaled_backward(x, out, grad_out)
+            grad_in = None if x is None else x.grad
+        else:
+            grad_in = self._scaled_backward(x, out, grad_out)
+        if self.probe is not None:  # now and then: this micro-batch again in fp32 and lower (sensitivity_probe)
+            self.probe.measure(self.step_count, mb, self.module, grad_out)
+        return grad_in
 
     def _scaled_backward(self, x: torch.Tensor | None, out: torch.Tensor, grad_out: torch.Tensor):
         """fp16: backward of `grad_out` x scale, on top of the gradients so far times the scale, then everything

@@ -20,19 +20,24 @@ fp16 is never mixed with other precisions (its loss scale is agreed by every sta
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "CLAMP_FACTOR",
     "DEFAULT_BUDGET",
     "PrecisionChoice",
+    "announced_sensitivities",
     "choose_precisions",
     "peer_speed",
     "plan_precisions",
     "precision_planner",
     "stage_times",
 ]
+
+log = logging.getLogger("swarm.scheduler.precision_choice")
 
 DEFAULT_BUDGET = 1.0e-3
 """Default loss budget (sum of relative squared gradient errors): bf16 on one of our stages measures ~1e-4."""
@@ -167,18 +172,67 @@ def plan_precisions(
     return choice.precisions if "bf16" in choice.precisions else None
 
 
+CLAMP_FACTOR = 100.0
+"""How far an announced sensitivity may lie from the planner's own measurement of the same layers (either way)
+before it is clamped: real gradients and synthetic ones rate a stage within a few times of each other, a peer
+announcing 0 (to get a low precision it should not) or the maximum is not believed past this."""
+
+
+def announced_sensitivities(
+    stages: Sequence[Mapping], peers: Mapping[str, object], own: Sequence[Mapping[str, float]]
+) -> tuple[list[dict[str, float]], list[str]]:
+    """Each stage's sensitivity as its peers measured it from their real gradients (`PeerAnnouncement.sensitivity`
+    for exactly the stage's layers, the median over its replicas), held within CLAMP_FACTOR of the planner's own
+    figure `own` (per stage; also the fallback where none of its peers announced one yet).
+
+    Returns the figures per stage and one line per stage saying where its figure came from, naming every peer
+    whose figure was clamped."""
+    out, notes = [], []
+    for s, stage in enumerate(stages):
+        layers = (int(stage["layer_start"]), int(stage["layer_end"]))
+        figures, why = dict(own[s]), []
+        for precision, mine in own[s].items():
+            heard = []
+            for pid in stage["peer_ids"]:
+                announced = getattr(peers.get(pid), "sensitivity", ())
+                got = [f for a, b, p, f in announced if (a, b) == layers and p == precision]
+                if not got:
+                    continue
+                lo, hi = mine / CLAMP_FACTOR, max(mine * CLAMP_FACTOR, 1e-12)
+                if not lo <= got[0] <= hi:
+                    why.append(f"{pid}'s {precision} {got[0]:.3g} clamped to [{lo:.3g}, {hi:.3g}]")
+                heard.append(min(max(got[0], lo), hi))
+            if heard:
+                heard.sort()
+                mid = len(heard) // 2
+                figures[precision] = heard[mid] if len(heard) % 2 else (heard[mid - 1] + heard[mid]) / 2
+                why.insert(0, f"{precision} {figures[precision]:.3g} announced by {len(heard)} peer(s)")
+            else:
+                why.insert(0, f"{precision} {mine:.3g} the planner's own (initial weights, synthetic inputs)")
+        out.append(figures)
+        notes.append(f"stage {s} layers [{layers[0]}, {layers[1]}): " + "; ".join(why))
+    return out, notes
+
+
 def precision_planner(
     model, budget: float, micro_batch_size: int = 2
 ) -> Callable[[list, list], tuple[str, ...] | None] | None:
-    """What the live planner calls on a fresh plan's stages and the announced peers when --precision-budget is
-    set (None: off): `plan_precisions` with each stage's sensitivity from `stage_sensitivity` (the planner's own
-    measurement on the model's init and synthetic inputs: peers do not report theirs yet)."""
+    """What the live planner calls on a plan's stages and the announced peers when --precision-budget is set (None:
+    off): `plan_precisions` with each stage's sensitivity as its peers announced it (`announced_sensitivities`),
+    the planner's own `stage_sensitivity` (the model's init, synthetic inputs) where none did yet."""
     if not budget:
         return None
     from swarm.runtime.sensitivity import stage_sensitivity
 
+    told: list[str] = []
+
     def choose(stages: list, peers: list) -> tuple[str, ...] | None:
-        sens = [stage_sensitivity(model, s["layer_start"], s["layer_end"], micro_batch_size) for s in stages]
+        own = [stage_sensitivity(model, s["layer_start"], s["layer_end"], micro_batch_size) for s in stages]
+        sens, notes = announced_sensitivities(stages, {p.peer_id: p for p in peers}, own)
+        if notes != told:  # said once per change, not every planning round
+            told[:] = notes
+            for note in notes:
+                log.info("sensitivity: %s", note)
         return plan_precisions(stages, {p.peer_id: p for p in peers}, sens, budget)
 
     return choose
