@@ -36,6 +36,7 @@ from pathlib import Path
 
 from swarm.experiments.attacks_report import (
     CLEAN_KEYS,
+    LOSS_KEYS,
     ROW_KEYS,
     SHAPE_KEYS,
     Observation,
@@ -548,7 +549,9 @@ def run(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps({"rows": rows, "targets": [asdict(c) for c in checks]}, indent=1))
     say(f"done in {time.monotonic() - started:.0f} s; wrote {out}/report.md")
     if flags.json:
-        keys = lambda r: [*ROW_KEYS, *(CLEAN_KEYS if r["setting"] == "clean" else ()), *SHAPE_KEYS, "owned_run"]  # noqa: E731
+        keys = lambda r: [  # noqa: E731
+            *ROW_KEYS, *(CLEAN_KEYS if r["setting"] == "clean" else ()), *LOSS_KEYS, *SHAPE_KEYS, "owned_run"
+        ]  # fmt: skip
         print(json.dumps([{k: r.get(k) for k in keys(r)} for r in rows], indent=1))
     else:
         for c in checks:
