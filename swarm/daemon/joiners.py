@@ -11,10 +11,11 @@ pipeline was whole for three minutes: the run stopped at step 9. So:
   it (`Liveness.answered`). Until then it neither grows the plan nor makes the planner re-plan.
 - `JoinWatch`: a peer a published plan names in a stage for the first time (a grown replica, a standby taking a
   lost place, every peer of a first plan) must announce that it follows that plan, or a later one, within
-  `JoinConfig.deadline_s`. One that does not (it answers pings but never fetches its state or switches) is
-  planned without (gone: the plan is repaired) and held back from plans for `hold_s`, doubled at every further
-  miss. What is left (`docs/SECURITY.md`): while a planned joiner has not followed, the trainer waits for the
-  plan (up to the deadline), so fresh keys that answer pings but never switch can each cost one deadline.
+  `JoinConfig.deadline_s` (60 s of the planner's own schedule). One that does not (it answers pings but never
+  fetches its state or switches) is planned without (gone: the plan is repaired) and held back from plans for
+  `hold_s`, doubled at every further miss. What is left (`docs/SECURITY.md`): while a planned joiner has not
+  followed, the trainer waits for the plan (up to the deadline), so fresh keys that answer pings but never switch
+  can each cost one deadline.
 
 Pure bookkeeping over announcements and plans, with an injected clock: unit-tested without processes.
 """
@@ -41,9 +42,10 @@ def unproven(alive: Collection[str], named: Collection[str], answered: Callable[
 
 @dataclass(frozen=True)
 class JoinConfig:
-    deadline_s: float = 30.0
+    deadline_s: float = 60.0
     """How long a peer newly named in a plan's stages may take to announce that it follows that plan (its state
-    pulled, its stage loaded), seconds; the trainer waits for the plan meanwhile."""
+    pulled, its stage loaded), seconds of the planner's own schedule (`Liveness.schedule_s`: its stalls on a
+    loaded machine do not count); the trainer waits for the plan meanwhile."""
     hold_s: float = 120.0
     """How long a peer that missed its deadline is left out of plans, seconds; doubled at each further miss."""
     max_hold_s: float = 3600.0

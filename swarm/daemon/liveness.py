@@ -149,6 +149,11 @@ class Liveness:
             if now - t > self.cfg.gone_after_s and self._misses.get(p, 0) >= self.cfg.min_misses
         )
 
+    def schedule_s(self) -> float:
+        """Seconds the watcher has been on schedule (its own stalls left out): a clock for deadlines that a loaded
+        planner must not see pass while it was not looking (`swarm.daemon.joiners.JoinWatch`)."""
+        return self._silence(self.clock())
+
     def answered(self, peer_id: str) -> bool:
         """Whether `peer_id` answered a ping since it is watched, and its latest ping too: a peer is planned only
         once it proved it can be reached (an announcement is a claim; a stranger behind a relay that does not

@@ -240,7 +240,7 @@ class Planner:
         self._exhausted = False
         self.bans = RunBans()
         """peers the run's trainers banned (`swarm.daemon.bans`): gone for every plan of this run"""
-        self.joins = JoinWatch(clock=clock)
+        self.joins = JoinWatch(clock=liveness.schedule_s if liveness is not None else clock)
         """peers newly named in a plan that never follow it (`swarm.daemon.joiners`): gone, held back a while"""
         self._last: PlanRecord | None = None
         """The newest valid plan seen: what to repair once its lost peer's announcement expired (then the

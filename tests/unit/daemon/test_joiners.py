@@ -148,3 +148,26 @@ def test_a_planned_joiner_that_never_follows_is_planned_without_and_not_grown_ag
         assert len(published) == 2, "held back: not grown again, no plan churn"
     finally:
         planner.liveness.close()
+
+
+def test_the_planners_own_stall_does_not_count_against_a_joiners_deadline():
+    clock = Clock()
+    records = {
+        "peers": [peer(A, 3, 0), peer(B, 3, 1), peer(C)],
+        "plan": [(A, record(3, grid([A], [B]).replace(trainer_ids=())))],
+    }
+    planner, published = planner_with(records, clock, lambda pid: True)
+    try:
+        planner.round()
+        records["peers"] = [peer(A, 4, 0), peer(B, 4, 1), peer(C)]  # C, grown at plan 4, still pulling its state
+        clock.t += 1
+        planner.round()
+        clock.t += 10 * planner.joins.cfg.deadline_s  # the planner's process was descheduled that long
+        planner.round()
+        assert len(published) == 1, "a stall of the planner is nobody's lateness"
+        records["peers"] = [peer(A, 4, 0), peer(B, 4, 1), peer(C, 4, 0)]
+        clock.t += 1
+        planner.round()
+        assert len(published) == 1 and not planner.joins.update(None, []), "C followed: never held"
+    finally:
+        planner.liveness.close()
