@@ -23,6 +23,10 @@ class FakeDriver:
 
     def __init__(self, version: int, errors: list[Exception]):
         self.version, self.errors, self.closed, self.on_commit, self.n_stages = version, errors, False, None, 2
+        self.abandoned: list[int] = []
+
+    def abandon(self, step: int) -> None:
+        self.abandoned.append(step)
 
     def train_step(self, step: int, batch):
         assert not self.closed, "a closed driver ran a step"
@@ -144,6 +148,16 @@ def test_a_stalled_peer_that_answers_again_reruns_the_step_on_the_same_plan(monk
     assert (result.plan_version, retries) == (1, 1) and asked == [1, 1] and first.closed
     assert follower.replans == 0 and follower.route.plan_version == 1, "the same plan, driven afresh"
     assert "every peer answers again" in lines[-1]
+    assert follower.driver.abandoned == [6], (
+        "abandoned on every peer first: the ones the old driver took for dead still held step 6 open (the fifth"
+        " pass's clean run died of it: 'schedule: 0F1 of step 0 ran already or is running')"
+    )
+
+
+def test_a_newer_plan_after_no_live_route_needs_no_abandon(monkeypatch):
+    follower, _, _ = follower_of(monkeypatch, {1: [NoLiveRoute("step 3: no live replica of stage 1")]})
+    follower.run_step(3, batch=None)
+    assert follower.route.plan_version == 2 and follower.driver.abandoned == []
 
 
 def test_a_plan_whose_peers_stay_silent_times_out_as_before(monkeypatch):
