@@ -258,6 +258,9 @@ class PlanFollower:
                         # the old driver abandoned the step only on the peers it did not take for dead: a stalled
                         # one still holds it open and would refuse it again ("0F1 of step 0 ran already")
                         self.driver.abandon(step)
+                        if behind := self.driver.drop_behind():  # they sat out the steps run without them
+                            self.say(f"plan {self.route.plan_version}: left out until a newer plan, behind their "
+                                     f"replicas: {', '.join(behind)}")  # fmt: skip
                 else:
                     raise
         raise AssertionError("unreachable")

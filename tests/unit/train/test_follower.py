@@ -18,6 +18,10 @@ class NoLiveRoute(StageCallError):  # the driver's exception, matched by name
     pass
 
 
+BEHIND: list[str] = []
+"""what FakeDriver.drop_behind reports (a test sets it)"""
+
+
 class FakeDriver:
     """A driver of one plan version whose steps raise the queued errors, then succeed."""
 
@@ -27,6 +31,9 @@ class FakeDriver:
 
     def abandon(self, step: int) -> None:
         self.abandoned.append(step)
+
+    def drop_behind(self) -> list[str]:
+        return list(BEHIND)
 
     def train_step(self, step: int, batch):
         assert not self.closed, "a closed driver ran a step"
@@ -152,6 +159,18 @@ def test_a_stalled_peer_that_answers_again_reruns_the_step_on_the_same_plan(monk
         "abandoned on every peer first: the ones the old driver took for dead still held step 6 open (the fifth"
         " pass's clean run died of it: 'schedule: 0F1 of step 0 ran already or is running')"
     )
+
+
+def test_a_plan_driven_afresh_leaves_out_the_replicas_behind_and_says_so(monkeypatch):
+    monkeypatch.setattr(follower_module, "ANSWER_EVERY_S", 0.0)
+    BEHIND[:] = ["p01"]
+    try:
+        dead = NoLiveRoute("step 7: no live replica of stage 1")
+        follower, _, lines = follower_of(monkeypatch, {1: [dead]}, answers=lambda r: True, repair=False, replicas=2)
+        result, _ = follower.run_step(7, batch=None)
+        assert result.plan_version == 1 and "behind their replicas: p01" in lines[-1]
+    finally:
+        BEHIND.clear()
 
 
 def test_a_newer_plan_after_no_live_route_needs_no_abandon(monkeypatch):
