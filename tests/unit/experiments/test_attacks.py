@@ -343,3 +343,19 @@ def test_one_attacker_node_signs_records_for_each_of_its_keys():
         signed = DHTRecord(record.key, record.subkey, signer.sign_value(record), record.expiration_time)
         assert checker.validate(signed)  # a reader verifies it against the key in its subkey
     assert pool.below(min(pool.keys), 1) == []
+
+
+def test_the_sybil_attack_waits_for_a_planner_lease_holder_to_kill():
+    """On a loaded machine the 3 s lease is often lapsed at one look: the attack looks again until one holds it."""
+    from types import SimpleNamespace
+
+    from swarm.experiments.attacks import _kill_planner
+
+    reads = iter([[], [SimpleNamespace(peer_id="p1", planner_until=5.0)]])
+    dht = SimpleNamespace(peers=lambda: next(reads))
+    left: list = []
+    peer = SimpleNamespace(peer_id="p1")
+    swarm = SimpleNamespace(live_peers=lambda: [peer], leave=lambda p, how: left.append((p.peer_id, how)))
+    assert _kill_planner(swarm, dht, wait_s=5.0, now=lambda: 1.0) == "p1" and left == [("p1", "kill")]
+    nobody = SimpleNamespace(peers=lambda: [SimpleNamespace(peer_id="p1", planner_until=0.5)])
+    assert _kill_planner(swarm, nobody, wait_s=0.0, now=lambda: 1.0) is None, "a lapsed lease is nobody's"
