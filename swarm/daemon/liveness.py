@@ -5,7 +5,8 @@ re-plan by that much. The elected planner therefore calls every plan peer's `Pin
 a peer unreachable for `gone_after_s` (3 s) is treated as gone and the plan repaired without it, even though
 its announcement has not expired; once it answers again it is eligible again (a standby, say). Any reply,
 a refusal included (a standby answers `Ping` with "not serving"), proves the peer is there: only
-UNAVAILABLE, DEADLINE_EXCEEDED and transport failures count as silence.
+UNAVAILABLE, DEADLINE_EXCEEDED and transport failures count as silence. A peer the plan does not name yet is
+planned only once it answered (`answered`, `swarm.daemon.joiners`): an announcement alone is a claim.
 
 Silence is judged on the watcher's own schedule, so that a loaded machine does not make the watcher see
 everyone as gone (seen once: a planner declared every peer silent and planned a 1-stage pipeline). Time
@@ -78,6 +79,8 @@ class Liveness:
         """peer -> the silence clock (`_watched`) at its last answer, or when watching it began"""
         self._misses: dict[str, int] = {}
         """peer -> consecutive unanswered pings"""
+        self._answered: set[str] = set()
+        """watched peers that answered at least one ping since watching them began"""
         self._watched = 0.0
         """The silence clock: seconds the watcher was on schedule, as of its last round (at `_round_at`)."""
         self._round_at: float | None = None
@@ -100,12 +103,14 @@ class Liveness:
         peers = sorted(set(peers))
         self._last_answer = {p: self._last_answer.get(p, self._watched) for p in peers}
         self._misses = {p: self._misses.get(p, 0) for p in peers}
+        self._answered &= set(peers)
         was_gone = self.gone()
         for pid, answered in zip(peers, self._pool.map(self._safe_ping, peers), strict=True):
             if answered:
                 if pid in was_gone:
                     log.info("peer %s answers again: eligible again", pid)
                 self._last_answer[pid], self._misses[pid] = self._watched, 0
+                self._answered.add(pid)
             else:
                 self._misses[pid] += 1
         self._advance(self.clock())  # the pings' own time counts, up to the cap (a stalled round is no proof)
@@ -143,6 +148,17 @@ class Liveness:
             for p, t in self._last_answer.items()
             if now - t > self.cfg.gone_after_s and self._misses.get(p, 0) >= self.cfg.min_misses
         )
+
+    def schedule_s(self) -> float:
+        """Seconds the watcher has been on schedule (its own stalls left out): a clock for deadlines that a loaded
+        planner must not see pass while it was not looking (`swarm.daemon.joiners.JoinWatch`)."""
+        return self._silence(self.clock())
+
+    def answered(self, peer_id: str) -> bool:
+        """Whether `peer_id` answered a ping since it is watched, and its latest ping too: a peer is planned only
+        once it proved it can be reached (an announcement is a claim; a stranger behind a relay that does not
+        hold it, or with no server at all, never answers), and not while it misses pings."""
+        return peer_id in self._answered and self._misses.get(peer_id, 0) == 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -40,6 +40,7 @@ import numpy as np
 
 from swarm.daemon.bans import RunBans
 from swarm.daemon.calibrate import Calibrator
+from swarm.daemon.joiners import JoinWatch, unproven
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.precision_watch import PrecisionWatch
 from swarm.daemon.repack import with_frozen
@@ -241,6 +242,8 @@ class Planner:
         self._exhausted = False
         self.bans = RunBans()
         """peers the run's trainers banned (`swarm.daemon.bans`): gone for every plan of this run"""
+        self.joins = JoinWatch(clock=liveness.schedule_s if liveness is not None else clock)
+        """peers newly named in a plan that never follow it (`swarm.daemon.joiners`): gone, held back a while"""
         self._last: PlanRecord | None = None
         """The newest valid plan seen: what to repair once its lost peer's announcement expired (then the
         plan no longer validates and the DHT's reader falls back to an older one)."""
@@ -332,7 +335,10 @@ class Planner:
             self.liveness.round(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
         announced = self.dht.trainers()
         gone = self.gone(peers) | self.bans.update(announced, current)  # a peer the trainers banned counts as gone
+        gone |= self.joins.update(current, peers)  # named by a plan, never followed it: held back
         alive = frozenset(p.peer_id for p in peers) - gone
+        if current is not None and self.liveness is not None:  # a joiner counts once the heartbeats reached it
+            alive -= unproven(alive, current.document.named_peers(), self.liveness.answered, self.dht.peer_id)
         trainers = sorted(t.peer_id for t in announced)[:MAX_PLAN_TRAINERS]
         now = self.clock()
         if (alive, tuple(trainers)) != self._seen:

@@ -17,11 +17,13 @@ from pathlib import Path
 
 __all__ = [
     "CLEAN_KEYS",
+    "LOSS_KEYS",
     "ROW_KEYS",
     "SHAPE_KEYS",
     "Check",
     "Observation",
     "clean_row",
+    "held_out_loss",
     "judge",
     "read_observations",
     "read_steps",
@@ -39,6 +41,9 @@ CLEAN_KEYS = ("evictions", "throughput_samples_s", "throughput_no_verify_samples
 SHAPE_KEYS = ("replaced_by", "replaced_after_steps", "replicas_identical")
 """Every row's keys about the run's shape: who took an evicted liar's place, how many trainer steps after the
 eviction it served, and whether every stage's replicas ended on the same weights (`replicas_identical`)."""
+LOSS_KEYS = ("held_out_loss",)
+"""Every row's loss besides `final_loss` (a mean of the last steps' training losses, each on its own batch): the
+model's loss on the same held-out windows at the end of every setting (`held_out_loss`)."""
 DETECT_WITHIN_STEPS = 20
 LOSS_TOLERANCE = 0.01
 VERIFY_COST = 0.10
@@ -111,6 +116,13 @@ def final_loss(rows: list[dict]) -> float | None:
     """The mean training loss of the last 5 steps (as `swarm train`'s summary); None without steps."""
     losses = [_float(r.get("train_loss")) for r in rows[-5:]]
     return round(sum(losses) / len(losses), 5) if losses else None
+
+
+def held_out_loss(rows: list[dict]) -> float | None:
+    """The held-out loss the trainer measured after its last step (the same windows in every setting, so two
+    settings' models are compared on one set of samples); None where the last step has none (a stopped run)."""
+    value = _float(rows[-1].get("held_out_loss")) if rows else math.nan
+    return round(value, 5) if math.isfinite(value) else None
 
 
 def throughput(rows: list[dict], batch_size: int) -> float | None:
@@ -288,7 +300,8 @@ def judge(
         taker = replacement(obs, s.attacker_ids[0], first)
     row.update(
         refused_or_detected=refused, detection_steps=detection, evicted=evicted, run_stopped=run_stopped,
-        steps=len(rows), final_loss=final_loss(rows), attack_step=s.attack_step, evidence=evidence,
+        steps=len(rows), final_loss=final_loss(rows), held_out_loss=held_out_loss(rows), attack_step=s.attack_step,
+        evidence=evidence,
         replaced_by=taker[0] if taker else None, replaced_after_steps=taker[1] if taker else None,
         replicas_identical=replicas_identical(replicas),
     )  # fmt: skip
@@ -382,7 +395,7 @@ def _cell(value) -> str:
 
 
 def report_markdown(rows: list[dict], checks: Iterable[Check], config: dict, plots: list[str], notes: list[str]) -> str:
-    cols = [*ROW_KEYS, *SHAPE_KEYS, "attack_step", "owned_run", "evidence"]
+    cols = [*ROW_KEYS, *LOSS_KEYS, *SHAPE_KEYS, "attack_step", "owned_run", "evidence"]
     lines = [
         "# swarm experiment attacks",
         "",

@@ -781,6 +781,27 @@ class PipelineDriver:
         ]
         wait(calls, timeout=5)
 
+    def drop_behind(self) -> list[str]:
+        """Takes out of the routes, as dead, every replica that applied fewer steps than another replica of its
+        stage (their Status `steps_done`; one that does not answer is left to the step). A plan driven afresh
+        after a stall re-admits the peers an earlier driver took for dead, and those sat out the steps run without
+        them: driven again, their stale weights made every audit a dispute until the run stopped. They copy their
+        replicas' state when a newer plan keeps them (`PeerDaemon._behind_replicas`). Returns them."""
+        behind: list[str] = []
+        for s, peers in enumerate(self.replica_peers):
+            done: dict[str, int] = {}
+            for r, peer in enumerate(peers):
+                if peer in self.dead:
+                    continue
+                try:
+                    done[peer] = int(self._call(s, r, "Status", stage_pb2.Empty(), timeout=10).steps_done)
+                except (StageCallError, grpc.RpcError):
+                    continue
+            top = max(done.values(), default=0)
+            behind += [p for p, n in done.items() if n < top]
+        self.dead.update(behind)
+        return behind
+
     def status(self) -> list[stage_pb2.StatusReply]:
         """Route 0's stages' status."""
         return [self._call(s, 0, "Status", stage_pb2.Empty(), timeout=10) for s in range(self.n_stages)]

@@ -5,7 +5,8 @@ steps, and runs each step on the plan the stages follow.
 A step the stages refuse as of an older plan (`PLAN_MISMATCH`: abandoned on every stage) runs again on the newer
 one; a step that finds no live route waits up to `--replan-timeout-s` for the planner's repair and runs there,
 or runs again on the same plan once every one of its peers answers again (a loaded machine's stall, which the
-driver's liveness pings took for a death, not a death: no repair would come).
+driver's liveness pings took for a death, not a death: no repair would come), after abandoning the step on every
+one of them (the peers taken for dead still held it open).
 """
 
 from __future__ import annotations
@@ -187,11 +188,11 @@ class PlanFollower:
         self.replans = 0
         """times the trainer moved to a newer plan"""
 
-    def follow(self, min_version: int, timeout_s: float | None = None, back: Callable[[], None] | None = None):
+    def follow(self, min_version: int, timeout_s: float | None = None, back: Callable[[], None] | None = None) -> bool:
         """Closes the driver, waits (up to `timeout_s`, default `wait_timeout_s`) for a plan of at least
         `min_version` that every one of its peers follows, and drives it; the commit hook carries over.
         `back` (checked at every poll) raises `_Answering` where the current plan is whole again: it is driven
-        afresh instead."""
+        afresh instead. Returns whether it was (the same plan, driven afresh)."""
         self.driver.close()
         on_commit = self.driver.on_commit
         timeout_s = self.wait_timeout_s if timeout_s is None else timeout_s
@@ -201,11 +202,13 @@ class PlanFollower:
             )
         except _Answering:
             self.say(f"plan {self.route.plan_version}: every peer answers again (a stall, not a death): running on")
+            afresh = True
         else:
-            self.route, self.replans = route, self.replans + 1
+            self.route, self.replans, afresh = route, self.replans + 1, False
             self.say(f"plan {self.route.plan_version}: {self.route.describe()}")
         self.driver, self.watch.version = self.connect(self.route), self.route.plan_version
         self.driver.on_commit = on_commit
+        return afresh
 
     def _answering(self) -> Callable[[], None] | None:
         """The `follow` check that ends a wait for a repair once the current plan's peers all answer again
@@ -251,7 +254,13 @@ class PlanFollower:
                     self.follow(self.route.plan_version + 1)  # the step was abandoned everywhere: the new plan runs it
                 elif no_route_left(e, self.route):
                     self.say(f"step {step}{csv_row(step)}: no route of replicas left ({e}); waiting for a newer plan")
-                    self.follow(self.route.plan_version + 1, self.replan_timeout_s, back=self._answering())
+                    if self.follow(self.route.plan_version + 1, self.replan_timeout_s, back=self._answering()):
+                        # the old driver abandoned the step only on the peers it did not take for dead: a stalled
+                        # one still holds it open and would refuse it again ("0F1 of step 0 ran already")
+                        self.driver.abandon(step)
+                        if behind := self.driver.drop_behind():  # they sat out the steps run without them
+                            self.say(f"plan {self.route.plan_version}: left out until a newer plan, behind their "
+                                     f"replicas: {', '.join(behind)}")  # fmt: skip
                 else:
                     raise
         raise AssertionError("unreachable")

@@ -17,6 +17,7 @@ from swarm.experiments.attacks_report import (
     Setting,
     clean_row,
     evictions,
+    held_out_loss,
     judge,
     replacement,
     replicas_identical,
@@ -35,6 +36,19 @@ def _obs(t, step, version, stages, trainers=("t0",), banned=(), peers=None):
 
 def _steps(n, loss=3.0):
     return [{"step": i + 1, "train_loss": loss, "time": 100.0 + i} for i in range(n)]
+
+
+def test_the_held_out_loss_is_the_last_steps_and_none_where_it_has_none():
+    rows = _steps(10)
+    rows[4]["held_out_loss"], rows[-1]["held_out_loss"] = "3.5", "3.2643593549728394"
+    assert held_out_loss(rows) == 3.26436, "the last step's, rounded as final_loss"
+    row = judge(Setting("liar-noise", "liar", (LIAR,)), rows, [_obs(1, 0, 1, [[A, LIAR]])], 0, 10)
+    assert row["held_out_loss"] == 3.26436 and row["final_loss"] == 3.0, "an extra field: final_loss unchanged"
+    rows[-1]["held_out_loss"] = ""
+    assert held_out_loss(rows) is None, "a run stopped before its last evaluation: none, not an earlier one"
+    assert held_out_loss([]) is None
+    rows[-1]["held_out_loss"] = "nan"
+    assert held_out_loss(rows) is None
 
 
 def test_a_liar_never_evicted_is_an_attack_that_succeeded():
@@ -329,3 +343,19 @@ def test_one_attacker_node_signs_records_for_each_of_its_keys():
         signed = DHTRecord(record.key, record.subkey, signer.sign_value(record), record.expiration_time)
         assert checker.validate(signed)  # a reader verifies it against the key in its subkey
     assert pool.below(min(pool.keys), 1) == []
+
+
+def test_the_sybil_attack_waits_for_a_planner_lease_holder_to_kill():
+    """On a loaded machine the 3 s lease is often lapsed at one look: the attack looks again until one holds it."""
+    from types import SimpleNamespace
+
+    from swarm.experiments.attacks import _kill_planner
+
+    reads = iter([[], [SimpleNamespace(peer_id="p1", planner_until=5.0)]])
+    dht = SimpleNamespace(peers=lambda: next(reads))
+    left: list = []
+    peer = SimpleNamespace(peer_id="p1")
+    swarm = SimpleNamespace(live_peers=lambda: [peer], leave=lambda p, how: left.append((p.peer_id, how)))
+    assert _kill_planner(swarm, dht, wait_s=5.0, now=lambda: 1.0) == "p1" and left == [("p1", "kill")]
+    nobody = SimpleNamespace(peers=lambda: [SimpleNamespace(peer_id="p1", planner_until=0.5)])
+    assert _kill_planner(swarm, nobody, wait_s=0.0, now=lambda: 1.0) is None, "a lapsed lease is nobody's"

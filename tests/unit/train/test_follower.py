@@ -18,11 +18,22 @@ class NoLiveRoute(StageCallError):  # the driver's exception, matched by name
     pass
 
 
+BEHIND: list[str] = []
+"""what FakeDriver.drop_behind reports (a test sets it)"""
+
+
 class FakeDriver:
     """A driver of one plan version whose steps raise the queued errors, then succeed."""
 
     def __init__(self, version: int, errors: list[Exception]):
         self.version, self.errors, self.closed, self.on_commit, self.n_stages = version, errors, False, None, 2
+        self.abandoned: list[int] = []
+
+    def abandon(self, step: int) -> None:
+        self.abandoned.append(step)
+
+    def drop_behind(self) -> list[str]:
+        return list(BEHIND)
 
     def train_step(self, step: int, batch):
         assert not self.closed, "a closed driver ran a step"
@@ -144,6 +155,28 @@ def test_a_stalled_peer_that_answers_again_reruns_the_step_on_the_same_plan(monk
     assert (result.plan_version, retries) == (1, 1) and asked == [1, 1] and first.closed
     assert follower.replans == 0 and follower.route.plan_version == 1, "the same plan, driven afresh"
     assert "every peer answers again" in lines[-1]
+    assert follower.driver.abandoned == [6], (
+        "abandoned on every peer first: the ones the old driver took for dead still held step 6 open (the fifth"
+        " pass's clean run died of it: 'schedule: 0F1 of step 0 ran already or is running')"
+    )
+
+
+def test_a_plan_driven_afresh_leaves_out_the_replicas_behind_and_says_so(monkeypatch):
+    monkeypatch.setattr(follower_module, "ANSWER_EVERY_S", 0.0)
+    BEHIND[:] = ["p01"]
+    try:
+        dead = NoLiveRoute("step 7: no live replica of stage 1")
+        follower, _, lines = follower_of(monkeypatch, {1: [dead]}, answers=lambda r: True, repair=False, replicas=2)
+        result, _ = follower.run_step(7, batch=None)
+        assert result.plan_version == 1 and "behind their replicas: p01" in lines[-1]
+    finally:
+        BEHIND.clear()
+
+
+def test_a_newer_plan_after_no_live_route_needs_no_abandon(monkeypatch):
+    follower, _, _ = follower_of(monkeypatch, {1: [NoLiveRoute("step 3: no live replica of stage 1")]})
+    follower.run_step(3, batch=None)
+    assert follower.route.plan_version == 2 and follower.driver.abandoned == []
 
 
 def test_a_plan_whose_peers_stay_silent_times_out_as_before(monkeypatch):
