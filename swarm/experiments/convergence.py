@@ -84,12 +84,12 @@ DEFAULT_SETTINGS = (
 )
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs")
 DEFAULT_TARGET_SETTING = "acsgd2+ch/gradq2+ef+rot+nr+cs"
-"""The "default setting" of the issue's targets (and the swarm's default codecs): >= 12x fewer total bytes than
-fp32 after the first epoch, >= 8x over the run, held-out loss within 1% of fp32. Forward: AQ-SGD with the
-paper's quantizer in channel groups; backward: 2-bit gradients with error feedback, Hadamard rotation,
-round-to-nearest and 16-bit scales, in the experiment's groups of 1024."""
+"""The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
+with the paper's quantizer in channel groups; backward: 2-bit gradients with error feedback, Hadamard rotation,
+round-to-nearest and 16-bit scales, in the experiment's groups of 1024. `check_targets` finds the default row by
+its `is_default` flag, not by this name."""
 BEST_TARGET_SETTING = "tern+ch/gtern+ef+rot+nr+r100@lr4"
-"""The "best setting" of the issue's targets: >= 20x fewer total bytes after the first epoch, within 2%. Forward
+"""The best setting of an earlier issue's targets (>= 20x fewer total bytes after the first epoch, within 2%). Forward
 ternary deltas in channel groups; backward ternary gradients (rotation, error feedback, rate weight 100); the tied
 embedding's sum as rank-4 PowerSGD factors in fp16 (`@lr4`, `swarm.compression.codec_lowrank`, 5.2 KB a step where
 gradq4 moved 19.7 KB). Chosen among the settings at >= 20x on seeds 0 and 1 for the widest loss margin, since bytes
@@ -562,36 +562,56 @@ def format_table(rows: list[dict]) -> str:
     return _header(rows) + "\n".join(lines)
 
 
-def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
-    """The issue's targets as (statement, met) pairs; met is None where the setting was not run.
+TARGETS = {
+    SINGLE_PASS: (
+        ("default", "total_ratio_vs_fp32", 12.0, "over the pass", 1.0),
+        ("best", "total_ratio_vs_fp32", 24.0, "over the pass", 2.0),
+    ),
+    MULTI_EPOCH: (
+        ("default", "total_steady_ratio_vs_fp32", 20.0, "after the first epoch", 1.0),
+        ("default", "total_ratio_vs_fp32", 16.0, "over the run", 1.0),
+        ("best", "total_steady_ratio_vs_fp32", 30.0, "after the first epoch", 2.0),
+    ),
+}
+"""Issue 29's targets per regime: (role, ratio key, at least this many x fewer total bytes than fp32, when, held-out
+loss within this many percent of fp32). "default" is the row with `is_default`; "best" is met by any row."""
 
-    Default setting (`DEFAULT_TARGET_SETTING`): >= 12x fewer total bytes than fp32 after the first epoch,
-    >= 8x over the run, held-out loss within 1% of fp32. Best setting (`BEST_TARGET_SETTING`): >= 20x fewer
-    total bytes after the first epoch, within 2%. Total bytes count everything (boundaries both ways, the
-    tied-embedding sync, replica averaging, control traffic)."""
-    by_name = {r["setting"]: r for r in rows}
-    targets = [
-        ("default", DEFAULT_TARGET_SETTING, "total_steady_ratio_vs_fp32", 12.0, "after the first epoch", 1.0),
-        ("default", DEFAULT_TARGET_SETTING, "total_ratio_vs_fp32", 8.0, "over the run", None),
-        ("best", BEST_TARGET_SETTING, "total_steady_ratio_vs_fp32", 20.0, "after the first epoch", 2.0),
-    ]
+
+def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
+    """The issue's targets for the run's regime (`TARGETS`) as (statement, met) pairs; met is None where nothing
+    can be judged (the default setting not run, or no totals reported).
+
+    The default setting is the row with `is_default` (the swarm's default codecs, whatever they are); "some
+    setting" is judged over every compressed row, naming the one with the most x fewer bytes within the loss
+    bound. Total bytes count everything (boundaries both ways, the tied-embedding sync, replica averaging,
+    control traffic)."""
+    regime = next((r["regime"] for r in rows if "regime" in r), MULTI_EPOCH)
+    compressed = [r for r in rows if r["setting"] != "fp32/fp32"]
     out: list[tuple[str, bool | None]] = []
-    for role, name, key, ratio, when, loss_pct in targets:
-        row = by_name.get(name)
-        if row is None:
-            out.append((f"{role} setting {name}: not run", None))
+    for role, key, ratio, when, loss_pct in TARGETS[regime]:
+        goal = f">= {ratio:g}x fewer total bytes {when} within {loss_pct:g}% held-out loss ({regime})"
+        if role == "default":
+            row = next((r for r in rows if r.get("is_default")), None)
+            if row is None:
+                out.append((f"default setting {goal}: not run", None))
+            elif math.isnan(row[key]):  # a runtime that reports no totals: nothing to judge
+                out.append((f"default setting {row['setting']} {goal}: no totals reported", None))
+            else:
+                met = row[key] >= ratio and row["eval_vs_fp32_pct"] <= loss_pct
+                out.append((f"default setting {row['setting']} {goal}: {_figures(row, key)}", met))
             continue
-        statement = f"{role} setting {name} >= {ratio:g}x fewer total bytes {when}"
-        if math.isnan(row[key]):  # a runtime that reports no totals: nothing to judge
-            out.append((f"{statement} (no totals reported)", None))
-        else:
-            out.append((f"{statement} ({row[key]:.2f}x)", row[key] >= ratio))
-        if loss_pct is not None:
-            pct = row["eval_vs_fp32_pct"]
-            out.append(
-                (f"{role} setting {name} held-out loss within {loss_pct:g}% of fp32 ({pct:+.2f}%)", pct <= loss_pct)
-            )
+        within = [r for r in compressed if not math.isnan(r[key]) and r["eval_vs_fp32_pct"] <= loss_pct]
+        if not within:
+            judged = any(not math.isnan(r[key]) for r in compressed)
+            out.append((f"some setting {goal}: none within {loss_pct:g}%", False if judged else None))
+            continue
+        best = max(within, key=lambda r: r[key])
+        out.append((f"some setting {goal}: best {best['setting']} {_figures(best, key)}", best[key] >= ratio))
     return out
+
+
+def _figures(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}x at {row['eval_vs_fp32_pct']:+.2f}%"
 
 
 @dataclass(frozen=True)
