@@ -44,6 +44,7 @@ from swarm.peers.plan import PlanDocument
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.precision import PRECISIONS
+from swarm.runtime.routing import NoLiveRoute
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.train.steplog import step_row
 
@@ -173,7 +174,7 @@ _SETTINGS_HELP = (
     "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
     "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
     "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
-    "fp32/fp32 always runs first as the baseline"
+    "fp32/fp32 always runs first as the baseline (or is read back from --baseline)"
 )
 _ROUNDINGS = ("nearest", "stochastic")
 
@@ -283,6 +284,9 @@ class SettingResult:
     seconds: float = 0.0
     max_sample_visits: int = 0
     """The most times one training sample was trained on (1: a single pass)."""
+    failed: str = ""
+    """Why the setting stopped before its last step (empty: it ran to the end), e.g. a diverged stage struck by
+    the trainer until no route was left (`NoLiveRoute`)."""
 
 
 def _run_setting(
@@ -307,18 +311,27 @@ def _run_setting(
     eval_batch = cfg.batch_size * 2
     visits: Counter[int] = Counter()
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
-    for epoch in range(cfg.epochs):
-        if epoch and epoch == setting.warmup_epochs:
-            pipe.set_codecs(*codecs(epoch))  # fresh links: AQ-SGD buffers start empty
-        for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
-            r = pipe.train_step(batch, cfg.n_micro)
-            visits.update(batch.sample_ids.tolist())
-            step += 1
-            result.steps.append(step_row(r, step, epoch))  # the row `swarm train` records too
-            progress.set_postfix_str(f"{setting.name} epoch {epoch + 1} loss {r.loss:.3f}")
-            progress.update(1)
-        result.evals.append({"epoch": epoch + 1, "step": step, "eval_loss": pipe.evaluate(evals, eval_batch)})
-    pipe.close()
+    try:
+        for epoch in range(cfg.epochs):
+            if epoch and epoch == setting.warmup_epochs:
+                pipe.set_codecs(*codecs(epoch))  # fresh links: AQ-SGD buffers start empty
+            for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
+                r = pipe.train_step(batch, cfg.n_micro)
+                visits.update(batch.sample_ids.tolist())
+                step += 1
+                result.steps.append(step_row(r, step, epoch))  # the row `swarm train` records too
+                progress.set_postfix_str(f"{setting.name} epoch {epoch + 1} loss {r.loss:.3f}")
+                progress.update(1)
+            result.evals.append({"epoch": epoch + 1, "step": step, "eval_loss": pipe.evaluate(evals, eval_batch)})
+    except NoLiveRoute as e:
+        # a setting that diverges (the trainer strikes its stage until no route is left) ends only its own row:
+        # the other settings of a long run still run
+        if setting.forward.name == "fp32" and setting.backward.name == "fp32":
+            raise  # the baseline: nothing to compare with
+        result.failed = f"step {step + 1}: {type(e).__name__}: {e}"
+        progress.update(total - step)
+    finally:
+        pipe.close()
     result.seconds = time.perf_counter() - start
     result.max_sample_visits = max(visits.values(), default=0)
     return result
@@ -435,12 +448,29 @@ def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
         "raw_fp32_total_ratio": all_fp32 / all_bytes if all_bytes else float("nan"),
         "steps": len(res.steps),
         "seconds": round(res.seconds, 1),
-    }
+    } | _failed_fields(res)
 
 
-def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True) -> list[dict]:
-    """Train every setting, write losses.csv, eval.csv, loss.png, results.json and results.md under `out`."""
+def _failed_fields(res: SettingResult) -> dict:
+    """A setting that stopped early judges nothing: its loss and ratios are NaN (a partial run's bytes against the
+    whole fp32 run would flatter it), and `failed` says at which step and why."""
+    if not res.failed:
+        return {"failed": ""}
+    nan = float("nan")
+    keys = ("final_eval_loss", "eval_vs_fp32_pct", "ratio_vs_fp32", "steady_ratio_vs_fp32", "total_ratio_vs_fp32")
+    return dict.fromkeys((*keys, "total_steady_ratio_vs_fp32", "raw_fp32_total_ratio"), nan) | {"failed": res.failed}
+
+
+def run_experiment(
+    cfg: ExperimentConfig, out: Path, show_progress: bool = True, baseline: Path | None = None
+) -> list[dict]:
+    """Train every setting, write losses.csv, eval.csv, loss.png, results.json and results.md under `out`.
+
+    With `baseline`, an earlier run's folder of the same config and data, its fp32 row is read back instead of
+    trained (`swarm.experiments.convergence_baseline`)."""
     from tqdm import tqdm
+
+    from swarm.experiments.convergence_baseline import load_baseline
 
     out.mkdir(parents=True, exist_ok=True)
     forward_defaults, backward_defaults = _codec_defaults(cfg)
@@ -452,6 +482,8 @@ def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True)
     if steps_per_epoch < 1:
         raise ValueError(f"{len(train)} training samples do not fill one batch of {cfg.batch_size}")
     results = []
+    if baseline is not None:
+        results.append(load_baseline(baseline, cfg, report, _jsonable, SettingResult, settings.pop(0)))
     with tqdm(total=steps_per_epoch * cfg.epochs * len(settings), desc="convergence", disable=not show_progress) as bar:
         for setting in settings:
             results.append(_run_setting(setting, cfg, train, evals, bar))
@@ -484,7 +516,8 @@ def _write_outputs(cfg: ExperimentConfig, results: list[SettingResult], rows: li
         train_panel.series[name] = (xs, moving_average([s["train_loss"] for s in r.steps], window))
         eval_steps, evals = [e["step"] for e in r.evals], [e["eval_loss"] for e in r.evals]
         eval_panel.series[name] = (eval_steps, evals)
-        gap_panel.series[name] = (eval_steps, [100 * (a - b) / b for a, b in zip(evals, fp32_evals, strict=True)])
+        gaps = [100 * (a - b) / b for a, b in zip(evals, fp32_evals, strict=False)]  # a failed run's are fewer
+        gap_panel.series[name] = (eval_steps[: len(gaps)], gaps)
         norm_panel.series[name] = (xs, [s["grad_norm"] for s in r.steps])  # unsmoothed: spikes must show
         bytes_panel.series[name] = (xs, _cumulative_mb(r.steps, "forward_bytes", "backward_bytes"))
         if any(s["total_wire_bytes"] for s in r.steps):  # a log axis has no room for a runtime without totals
@@ -558,6 +591,8 @@ def format_table(rows: list[dict]) -> str:
             cells.append(fmt.format(value))
         if row.get("is_default"):
             cells[0] += " (default)"
+        if row.get("failed"):
+            cells[0] += f" (failed at {row['failed'].split(':')[0]})"
         lines.append("| " + " | ".join(cells) + " |")
     return _header(rows) + "\n".join(lines)
 
@@ -594,6 +629,8 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
             row = next((r for r in rows if r.get("is_default")), None)
             if row is None:
                 out.append((f"default setting {goal}: not run", None))
+            elif row.get("failed"):
+                out.append((f"default setting {row['setting']} {goal}: failed at {row['failed']}", False))
             elif math.isnan(row[key]):  # a runtime that reports no totals: nothing to judge
                 out.append((f"default setting {row['setting']} {goal}: no totals reported", None))
             else:
@@ -630,6 +667,9 @@ class ConvergenceRun:
     """show the progress bar"""
     json: bool = False
     """print the result rows as JSON instead of a table"""
+    baseline: Path | None = None
+    """an earlier run's output folder of the same config and data: its fp32/fp32 row is read back instead of
+    trained, so that one run's settings can train in parallel processes against one fp32 run"""
 
     def config(self) -> ExperimentConfig:
         """The experiment the flags give; --quick shrinks it (the settings too, unless given)."""
@@ -657,7 +697,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(flags.threads)
     cfg = flags.config()
     out = flags.out or Path("runs") / f"convergence-{time.strftime('%Y%m%d-%H%M%S')}"
-    rows = run_experiment(cfg, out, show_progress=flags.progress)
+    rows = run_experiment(cfg, out, show_progress=flags.progress, baseline=flags.baseline)
     if flags.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -220,3 +220,80 @@ def test_one_epoch_is_a_single_pass_and_two_are_not(tmp_path):
     assert (tmp_path / "one" / "results.md").read_text().startswith("regime: **single-pass** (no training sample")
     (row,) = run_experiment(replace(cfg, epochs=2), tmp_path / "two", show_progress=False)
     assert (row["regime"], row["max_sample_visits"]) == ("multi-epoch", 2)
+
+
+def test_a_diverged_setting_ends_its_own_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    from swarm.experiments.convergence import ExperimentConfig, run_experiment
+    from swarm.model.data import DataConfig
+    from swarm.model.gpt import ModelConfig
+    from swarm.runtime.inprocess import LocalPipeline
+    from swarm.runtime.routing import NoLiveRoute
+
+    class Diverging(LocalPipeline):
+        """The directq2 setting's stage is struck at its second step, as a diverged stage is."""
+
+        def __init__(self, model, n_stages, forward=None, *args, **kwargs):
+            super().__init__(model, n_stages, forward, *args, **kwargs)
+            self.diverges, self.calls = forward is not None and forward.name == "directq", 0
+
+        def train_step(self, batch, n_micro):
+            self.calls += 1
+            if self.calls == 2 and self.diverges:
+                raise NoLiveRoute("stage 0 has no live replica")
+            return super().train_step(batch, n_micro)
+
+    monkeypatch.setattr(convergence, "LocalPipeline", Diverging)
+    tiny = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
+    data = DataConfig(seq_len_tokens=16, train_samples=16, eval_samples=4)
+    settings = ("fp32/fp32", "directq2/gradq4+ef", "directq4/gradq4+ef")
+    cfg = ExperimentConfig(model=tiny, data=data, settings=settings, batch_size=8, n_micro=2, epochs=1)
+    fp32, failed, ok = run_experiment(cfg, tmp_path, show_progress=False)
+    assert failed["failed"].startswith("step 2: NoLiveRoute") and failed["steps"] == 1
+    assert math.isnan(failed["final_eval_loss"]) and math.isnan(failed["total_ratio_vs_fp32"])
+    assert ok["failed"] == fp32["failed"] == "" and ok["steps"] == fp32["steps"] == 2  # the run went on
+    assert math.isfinite(ok["final_eval_loss"]) and ok["total_ratio_vs_fp32"] > 1
+    assert "| directq2/gradq4+ef (failed at step 2) |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "loss.png").exists()
+    # the baseline failing leaves nothing to compare with: the run stops
+    monkeypatch.setattr(Diverging, "train_step", lambda self, batch, n_micro: (_ for _ in ()).throw(NoLiveRoute("x")))
+    with pytest.raises(NoLiveRoute):
+        run_experiment(replace(cfg, settings=("fp32/fp32",)), tmp_path / "again", show_progress=False)
+
+
+def test_a_baseline_folder_stands_in_for_the_fp32_run(tmp_path):
+    from swarm.experiments.convergence import ExperimentConfig, run_experiment
+    from swarm.model.data import DataConfig
+    from swarm.model.gpt import ModelConfig
+
+    tiny = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
+    data = DataConfig(seq_len_tokens=16, train_samples=16, eval_samples=4)
+    both = ExperimentConfig(model=tiny, data=data, settings=("fp32/fp32", "directq2/gradq4+ef"), batch_size=8,
+                            n_micro=2, epochs=1)  # fmt: skip
+    whole = run_experiment(both, tmp_path / "whole", show_progress=False)
+    run_experiment(replace(both, settings=("fp32/fp32",)), tmp_path / "fp32", show_progress=False)
+    parallel = run_experiment(
+        replace(both, settings=("directq2/gradq4+ef",)),
+        tmp_path / "one",
+        show_progress=False,
+        baseline=tmp_path / "fp32",
+    )
+    # the same rows as one process training both: fp32 read back (ints stay ints), the setting compared with it
+    assert [r["setting"] for r in parallel] == ["fp32/fp32", "directq2/gradq4+ef"]
+    exact = ("final_eval_loss", "eval_vs_fp32_pct", "wire_bytes", "forward_bytes", "backward_bytes", "sync_bytes")
+    exact += ("ratio_vs_fp32", "regime", "is_default", "steps", "max_sample_visits", "corpus_digest", "failed")
+    for a, b in zip(whole, parallel, strict=True):
+        assert set(a) == set(b) and {k: a[k] for k in exact} == {k: b[k] for k in exact}
+        assert a["total_ratio_vs_fp32"] == pytest.approx(b["total_ratio_vs_fp32"], rel=0.01)  # control: signatures
+    assert isinstance(parallel[0]["total_wire_bytes"], int)
+    # another config or another text is refused, naming what differs
+    with pytest.raises(ValueError, match="'epochs' is 1, this run's is 2"):
+        run_experiment(replace(both, epochs=2), tmp_path / "x", show_progress=False, baseline=tmp_path / "fp32")
+    other = replace(both, data=replace(data, train_samples=24))
+    with pytest.raises(ValueError, match="config field 'data'"):
+        run_experiment(other, tmp_path / "y", show_progress=False, baseline=tmp_path / "fp32")
+    with pytest.raises(ValueError, match="no results.json"):
+        run_experiment(both, tmp_path / "z", show_progress=False, baseline=tmp_path / "nowhere")
+    saved = json.loads((tmp_path / "fp32" / "results.json").read_text())
+    (tmp_path / "fp32" / "results.json").write_text(json.dumps(saved | {"rows": []}))
+    with pytest.raises(ValueError, match="no fp32/fp32 row"):
+        run_experiment(both, tmp_path / "z", show_progress=False, baseline=tmp_path / "fp32")
