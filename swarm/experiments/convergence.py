@@ -82,7 +82,11 @@ DEFAULT_SETTINGS = (
     "tern+ch+r75/gtern+ef+rot+nr+r100",
     "tern+ch+r75/gradq2+ef+rot+nr+cs@lr4+f8",
     "tern+ch/gtern+ef+rot+nr+r100@lr4",
+    "acsgd2+ch+fs3/gradq2+ef+rot+nr+cs",
+    "acsgd2+ch+rot+fs3/gradq2+ef+rot+nr+cs+g256",
 )
+"""The last two are issue 29's first-sight candidates (3-bit first sights, channel scales or per-token rotation;
+docs/reports/codecs.md's screen), not yet measured over 8 epochs; a setting that diverges ends only its own row."""
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs")
 DEFAULT_TARGET_SETTING = "acsgd2+ch/gradq2+ef+rot+nr+cs"
 """The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
