@@ -44,6 +44,7 @@ from swarm.peers.plan import PlanDocument
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.precision import PRECISIONS
+from swarm.runtime.routing import NoLiveRoute
 from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.train.steplog import step_row
 
@@ -81,15 +82,19 @@ DEFAULT_SETTINGS = (
     "tern+ch+r75/gtern+ef+rot+nr+r100",
     "tern+ch+r75/gradq2+ef+rot+nr+cs@lr4+f8",
     "tern+ch/gtern+ef+rot+nr+r100@lr4",
+    "acsgd2+ch+fs3/gradq2+ef+rot+nr+cs",
+    "acsgd2+ch+rot+fs3/gradq2+ef+rot+nr+cs+g256",
 )
+"""The last two are issue 29's first-sight candidates (3-bit first sights, channel scales or per-token rotation;
+docs/reports/codecs.md's screen), not yet measured over 8 epochs; a setting that diverges ends only its own row."""
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs")
 DEFAULT_TARGET_SETTING = "acsgd2+ch/gradq2+ef+rot+nr+cs"
-"""The "default setting" of the issue's targets (and the swarm's default codecs): >= 12x fewer total bytes than
-fp32 after the first epoch, >= 8x over the run, held-out loss within 1% of fp32. Forward: AQ-SGD with the
-paper's quantizer in channel groups; backward: 2-bit gradients with error feedback, Hadamard rotation,
-round-to-nearest and 16-bit scales, in the experiment's groups of 1024."""
+"""The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
+with the paper's quantizer in channel groups; backward: 2-bit gradients with error feedback, Hadamard rotation,
+round-to-nearest and 16-bit scales, in the experiment's groups of 1024. `check_targets` finds the default row by
+its `is_default` flag, not by this name."""
 BEST_TARGET_SETTING = "tern+ch/gtern+ef+rot+nr+r100@lr4"
-"""The "best setting" of the issue's targets: >= 20x fewer total bytes after the first epoch, within 2%. Forward
+"""The best setting of an earlier issue's targets (>= 20x fewer total bytes after the first epoch, within 2%). Forward
 ternary deltas in channel groups; backward ternary gradients (rotation, error feedback, rate weight 100); the tied
 embedding's sum as rank-4 PowerSGD factors in fp16 (`@lr4`, `swarm.compression.codec_lowrank`, 5.2 KB a step where
 gradq4 moved 19.7 KB). Chosen among the settings at >= 20x on seeds 0 and 1 for the widest loss margin, since bytes
@@ -177,7 +182,7 @@ _SETTINGS_HELP = (
     "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
     "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
     "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
-    "fp32/fp32 always runs first as the baseline"
+    "fp32/fp32 always runs first as the baseline (or is read back from --baseline)"
 )
 _ROUNDINGS = ("nearest", "stochastic")
 
@@ -287,6 +292,9 @@ class SettingResult:
     seconds: float = 0.0
     max_sample_visits: int = 0
     """The most times one training sample was trained on (1: a single pass)."""
+    failed: str = ""
+    """Why the setting stopped before its last step (empty: it ran to the end), e.g. a diverged stage struck by
+    the trainer until no route was left (`NoLiveRoute`)."""
 
 
 def _run_setting(
@@ -312,19 +320,28 @@ def _run_setting(
     eval_batch = cfg.batch_size * 2
     visits: Counter[int] = Counter()
     result.evals.append({"epoch": 0, "step": 0, "eval_loss": pipe.evaluate(evals, eval_batch)})
-    for epoch in range(cfg.epochs):
-        if epoch and epoch == setting.warmup_epochs:
-            pipe.set_codecs(*codecs(epoch))  # fresh links: AQ-SGD buffers start empty
-            _apply_epilogue(pipe, setting, cfg, epoch)
-        for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
-            r = pipe.train_step(batch, cfg.n_micro)
-            visits.update(batch.sample_ids.tolist())
-            step += 1
-            result.steps.append(step_row(r, step, epoch))  # the row `swarm train` records too
-            progress.set_postfix_str(f"{setting.name} epoch {epoch + 1} loss {r.loss:.3f}")
-            progress.update(1)
-        result.evals.append({"epoch": epoch + 1, "step": step, "eval_loss": pipe.evaluate(evals, eval_batch)})
-    pipe.close()
+    try:
+        for epoch in range(cfg.epochs):
+            if epoch and epoch == setting.warmup_epochs:
+                pipe.set_codecs(*codecs(epoch))  # fresh links: AQ-SGD buffers start empty
+                _apply_epilogue(pipe, setting, cfg, epoch)
+            for batch in epoch_batches(train, cfg.batch_size, epoch, cfg.data_seed):
+                r = pipe.train_step(batch, cfg.n_micro)
+                visits.update(batch.sample_ids.tolist())
+                step += 1
+                result.steps.append(step_row(r, step, epoch))  # the row `swarm train` records too
+                progress.set_postfix_str(f"{setting.name} epoch {epoch + 1} loss {r.loss:.3f}")
+                progress.update(1)
+            result.evals.append({"epoch": epoch + 1, "step": step, "eval_loss": pipe.evaluate(evals, eval_batch)})
+    except NoLiveRoute as e:
+        # a setting that diverges (the trainer strikes its stage until no route is left) ends only its own row:
+        # the other settings of a long run still run
+        if setting.forward.name == "fp32" and setting.backward.name == "fp32":
+            raise  # the baseline: nothing to compare with
+        result.failed = f"step {step + 1}: {type(e).__name__}: {e}"
+        progress.update(total - step)
+    finally:
+        pipe.close()
     result.seconds = time.perf_counter() - start
     result.max_sample_visits = max(visits.values(), default=0)
     return result
@@ -456,12 +473,29 @@ def _summarize(res: SettingResult, fp32: SettingResult, epochs: int) -> dict:
         "raw_fp32_total_ratio": all_fp32 / all_bytes if all_bytes else float("nan"),
         "steps": len(res.steps),
         "seconds": round(res.seconds, 1),
-    }
+    } | _failed_fields(res)
 
 
-def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True) -> list[dict]:
-    """Train every setting, write losses.csv, eval.csv, loss.png, results.json and results.md under `out`."""
+def _failed_fields(res: SettingResult) -> dict:
+    """A setting that stopped early judges nothing: its loss and ratios are NaN (a partial run's bytes against the
+    whole fp32 run would flatter it), and `failed` says at which step and why."""
+    if not res.failed:
+        return {"failed": ""}
+    nan = float("nan")
+    keys = ("final_eval_loss", "eval_vs_fp32_pct", "ratio_vs_fp32", "steady_ratio_vs_fp32", "total_ratio_vs_fp32")
+    return dict.fromkeys((*keys, "total_steady_ratio_vs_fp32", "raw_fp32_total_ratio"), nan) | {"failed": res.failed}
+
+
+def run_experiment(
+    cfg: ExperimentConfig, out: Path, show_progress: bool = True, baseline: Path | None = None
+) -> list[dict]:
+    """Train every setting, write losses.csv, eval.csv, loss.png, results.json and results.md under `out`.
+
+    With `baseline`, an earlier run's folder of the same config and data, its fp32 row is read back instead of
+    trained (`swarm.experiments.convergence_baseline`)."""
     from tqdm import tqdm
+
+    from swarm.experiments.convergence_baseline import load_baseline
 
     out.mkdir(parents=True, exist_ok=True)
     forward_defaults, backward_defaults = _codec_defaults(cfg)
@@ -473,6 +507,8 @@ def run_experiment(cfg: ExperimentConfig, out: Path, show_progress: bool = True)
     if steps_per_epoch < 1:
         raise ValueError(f"{len(train)} training samples do not fill one batch of {cfg.batch_size}")
     results = []
+    if baseline is not None:
+        results.append(load_baseline(baseline, cfg, report, _jsonable, SettingResult, settings.pop(0)))
     with tqdm(total=steps_per_epoch * cfg.epochs * len(settings), desc="convergence", disable=not show_progress) as bar:
         for setting in settings:
             results.append(_run_setting(setting, cfg, train, evals, bar))
@@ -505,7 +541,8 @@ def _write_outputs(cfg: ExperimentConfig, results: list[SettingResult], rows: li
         train_panel.series[name] = (xs, moving_average([s["train_loss"] for s in r.steps], window))
         eval_steps, evals = [e["step"] for e in r.evals], [e["eval_loss"] for e in r.evals]
         eval_panel.series[name] = (eval_steps, evals)
-        gap_panel.series[name] = (eval_steps, [100 * (a - b) / b for a, b in zip(evals, fp32_evals, strict=True)])
+        gaps = [100 * (a - b) / b for a, b in zip(evals, fp32_evals, strict=False)]  # a failed run's are fewer
+        gap_panel.series[name] = (eval_steps[: len(gaps)], gaps)
         norm_panel.series[name] = (xs, [s["grad_norm"] for s in r.steps])  # unsmoothed: spikes must show
         bytes_panel.series[name] = (xs, _cumulative_mb(r.steps, "forward_bytes", "backward_bytes"))
         if any(s["total_wire_bytes"] for s in r.steps):  # a log axis has no room for a runtime without totals
@@ -579,40 +616,64 @@ def format_table(rows: list[dict]) -> str:
             cells.append(fmt.format(value))
         if row.get("is_default"):
             cells[0] += " (default)"
+        if row.get("failed"):
+            cells[0] += f" (failed at {row['failed'].split(':')[0]})"
         lines.append("| " + " | ".join(cells) + " |")
     return _header(rows) + "\n".join(lines)
 
 
-def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
-    """The issue's targets as (statement, met) pairs; met is None where the setting was not run.
+TARGETS = {
+    SINGLE_PASS: (
+        ("default", "total_ratio_vs_fp32", 12.0, "over the pass", 1.0),
+        ("best", "total_ratio_vs_fp32", 24.0, "over the pass", 2.0),
+    ),
+    MULTI_EPOCH: (
+        ("default", "total_steady_ratio_vs_fp32", 20.0, "after the first epoch", 1.0),
+        ("default", "total_ratio_vs_fp32", 16.0, "over the run", 1.0),
+        ("best", "total_steady_ratio_vs_fp32", 30.0, "after the first epoch", 2.0),
+    ),
+}
+"""Issue 29's targets per regime: (role, ratio key, at least this many x fewer total bytes than fp32, when, held-out
+loss within this many percent of fp32). "default" is the row with `is_default`; "best" is met by any row."""
 
-    Default setting (`DEFAULT_TARGET_SETTING`): >= 12x fewer total bytes than fp32 after the first epoch,
-    >= 8x over the run, held-out loss within 1% of fp32. Best setting (`BEST_TARGET_SETTING`): >= 20x fewer
-    total bytes after the first epoch, within 2%. Total bytes count everything (boundaries both ways, the
-    tied-embedding sync, replica averaging, control traffic)."""
-    by_name = {r["setting"]: r for r in rows}
-    targets = [
-        ("default", DEFAULT_TARGET_SETTING, "total_steady_ratio_vs_fp32", 12.0, "after the first epoch", 1.0),
-        ("default", DEFAULT_TARGET_SETTING, "total_ratio_vs_fp32", 8.0, "over the run", None),
-        ("best", BEST_TARGET_SETTING, "total_steady_ratio_vs_fp32", 20.0, "after the first epoch", 2.0),
-    ]
+
+def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
+    """The issue's targets for the run's regime (`TARGETS`) as (statement, met) pairs; met is None where nothing
+    can be judged (the default setting not run, or no totals reported).
+
+    The default setting is the row with `is_default` (the swarm's default codecs, whatever they are); "some
+    setting" is judged over every compressed row, naming the one with the most x fewer bytes within the loss
+    bound. Total bytes count everything (boundaries both ways, the tied-embedding sync, replica averaging,
+    control traffic)."""
+    regime = next((r["regime"] for r in rows if "regime" in r), MULTI_EPOCH)
+    compressed = [r for r in rows if r["setting"] != "fp32/fp32"]
     out: list[tuple[str, bool | None]] = []
-    for role, name, key, ratio, when, loss_pct in targets:
-        row = by_name.get(name)
-        if row is None:
-            out.append((f"{role} setting {name}: not run", None))
+    for role, key, ratio, when, loss_pct in TARGETS[regime]:
+        goal = f">= {ratio:g}x fewer total bytes {when} within {loss_pct:g}% held-out loss ({regime})"
+        if role == "default":
+            row = next((r for r in rows if r.get("is_default")), None)
+            if row is None:
+                out.append((f"default setting {goal}: not run", None))
+            elif row.get("failed"):
+                out.append((f"default setting {row['setting']} {goal}: failed at {row['failed']}", False))
+            elif math.isnan(row[key]):  # a runtime that reports no totals: nothing to judge
+                out.append((f"default setting {row['setting']} {goal}: no totals reported", None))
+            else:
+                met = row[key] >= ratio and row["eval_vs_fp32_pct"] <= loss_pct
+                out.append((f"default setting {row['setting']} {goal}: {_figures(row, key)}", met))
             continue
-        statement = f"{role} setting {name} >= {ratio:g}x fewer total bytes {when}"
-        if math.isnan(row[key]):  # a runtime that reports no totals: nothing to judge
-            out.append((f"{statement} (no totals reported)", None))
-        else:
-            out.append((f"{statement} ({row[key]:.2f}x)", row[key] >= ratio))
-        if loss_pct is not None:
-            pct = row["eval_vs_fp32_pct"]
-            out.append(
-                (f"{role} setting {name} held-out loss within {loss_pct:g}% of fp32 ({pct:+.2f}%)", pct <= loss_pct)
-            )
+        within = [r for r in compressed if not math.isnan(r[key]) and r["eval_vs_fp32_pct"] <= loss_pct]
+        if not within:
+            judged = any(not math.isnan(r[key]) for r in compressed)
+            out.append((f"some setting {goal}: none within {loss_pct:g}%", False if judged else None))
+            continue
+        best = max(within, key=lambda r: r[key])
+        out.append((f"some setting {goal}: best {best['setting']} {_figures(best, key)}", best[key] >= ratio))
     return out
+
+
+def _figures(row: dict, key: str) -> str:
+    return f"{row[key]:.2f}x at {row['eval_vs_fp32_pct']:+.2f}%"
 
 
 @dataclass(frozen=True)
@@ -631,6 +692,9 @@ class ConvergenceRun:
     """show the progress bar"""
     json: bool = False
     """print the result rows as JSON instead of a table"""
+    baseline: Path | None = None
+    """an earlier run's output folder of the same config and data: its fp32/fp32 row is read back instead of
+    trained, so that one run's settings can train in parallel processes against one fp32 run"""
 
     def config(self) -> ExperimentConfig:
         """The experiment the flags give; --quick shrinks it (the settings too, unless given)."""
@@ -658,7 +722,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(flags.threads)
     cfg = flags.config()
     out = flags.out or Path("runs") / f"convergence-{time.strftime('%Y%m%d-%H%M%S')}"
-    rows = run_experiment(cfg, out, show_progress=flags.progress)
+    rows = run_experiment(cfg, out, show_progress=flags.progress, baseline=flags.baseline)
     if flags.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -99,6 +99,18 @@ def test_a_rotated_first_sight_of_a_token_depends_on_no_later_token(label):
     assert torch.equal(decoded[0][:, :-1], decoded[1][:, :-1])
 
 
+def test_a_channel_grouped_first_sight_depends_on_later_tokens():
+    """Why the causal choice is per-token groups: a channel's one scale spans all its tokens, so a loud last token
+    changes every earlier position's decoded value (the future reaches the past through the scale)."""
+    codec = make_codec(CodecConfig.parse("acsgd2+ch+nr+fs3"))
+    x = activations(torch.Generator().manual_seed(3), 2, 32, 16)
+    later = x.clone()
+    later[:, -1] *= 50
+    decoded = [codec.decode(codec.encode(a, sample_ids=[1, 2], state=LinkState(codec.config)),
+                            state=LinkState(codec.config)) for a in (x, later)]  # fmt: skip
+    assert not torch.equal(decoded[0][:, :-1], decoded[1][:, :-1])
+
+
 def rotated_message():
     codec, send, recv = ends("acsgd2+ch+nr+rot+fs4")
     msg = codec.encode(torch.randn(2, 16, 4), sample_ids=[1, 2], state=send)
