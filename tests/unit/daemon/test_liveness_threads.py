@@ -4,18 +4,17 @@ are marked idle (a loaded machine) finds a thread instead of starting one."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 from swarm.daemon.liveness import POOL_THREADS, Liveness, LivenessConfig
 
 
-def _liveness_threads() -> int:
-    return sum(t.name.startswith("liveness") and t.is_alive() for t in threading.enumerate())
+def _pool_threads(live: Liveness) -> int:
+    """This watcher's live pool threads (not another test's watcher, whose threads may still be ending)."""
+    return sum(t.is_alive() for t in live._pool._threads)
 
 
 def test_the_ping_pool_starts_whole_and_stays_so_through_many_rounds():
-    before = _liveness_threads()
     now = [0.0]
 
     def ping(pid: str) -> bool:
@@ -24,12 +23,12 @@ def test_the_ping_pool_starts_whole_and_stays_so_through_many_rounds():
 
     live = Liveness(ping, LivenessConfig(every_s=1.0, gone_after_s=3.0), clock=lambda: now[0])
     try:
-        assert _liveness_threads() == before + POOL_THREADS
+        assert _pool_threads(live) == POOL_THREADS
         peers = [f"peer{i}" for i in range(POOL_THREADS + 3)]  # more peers than threads: they queue
         for i in range(200):
             now[0] += 1.0
             assert live.round(peers[: 1 + i % len(peers)])
-        assert _liveness_threads() == before + POOL_THREADS
+        assert _pool_threads(live) == POOL_THREADS
         assert live.gone() == frozenset()
     finally:
         live.close()

@@ -269,7 +269,8 @@ def test_a_relay_flooding_attach_downs_cannot_grow_the_peers_threads_or_fds(aske
                 on_fail=lambda r, c: failed.append(c),
             ).start()  # fmt: skip
             try:
-                assert _wait(lambda: flood.accepts >= limits.accepts_per_attach, 60)  # a loaded machine: slow to start
+                # a loaded machine is slow to start; a flood may be left before the peer's own accepts reach it
+                assert _wait(lambda: flood.accepts >= limits.accepts_per_attach or bool(failed), 60)
                 if asked > 2 * limits.accepts_per_attach:
                     assert _wait(lambda: bool(failed)), "the peer leaves a relay that floods it"
                     assert failed[0] == grpc.StatusCode.RESOURCE_EXHAUSTED

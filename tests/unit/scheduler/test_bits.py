@@ -158,7 +158,15 @@ def bare_daemon():
     from swarm.runtime.worker import OptimConfig
 
     daemon = PeerDaemon.__new__(PeerDaemon)
-    daemon.cfg = SimpleNamespace(optim=OptimConfig(), device="cpu", precision="fp32", budget=None, bw_epilogue="")
+    daemon.cfg = SimpleNamespace(
+        optim=OptimConfig(),
+        device="cpu",
+        precision="fp32",
+        budget=None,
+        bw_epilogue="",
+        sensitivity_every_steps=0,
+        compute_slowdown=1.0,
+    )
     daemon.model, daemon.speed, daemon.shaping = ModelConfig(), 10.0, None
     daemon.codecs = (CodecConfig.parse("aqsgd4"), CodecConfig.parse("gradq4"))
     daemon.dht, daemon.transport, daemon.signer, daemon.book, daemon.metrics = SimpleNamespace(peer_id=A), *[None] * 4
