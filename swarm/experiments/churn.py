@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import shutil
 import sys
 import threading
@@ -293,13 +294,19 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
 
 
 def flag_support() -> dict[str, bool]:
-    import subprocess
+    """Which optional flags the peers and the trainer take. Both run this interpreter on this checkout
+    (`swarm.testbed.procs`), so their parsers are read in process: a `--help` subprocess took over 120 s to start
+    on a machine loaded 30x over its cores, and the experiment died before its first peer."""
+    import argparse
 
-    from swarm.testbed.churn_control import peer_flag_support
-    from swarm.testbed.procs import swarm_command
+    from swarm.daemon.peer_config import build_parser
+    from swarm.train.trainer import add_arguments
 
-    support = peer_flag_support(OPTIONAL_PEER_FLAGS)
-    text = subprocess.run(swarm_command("train", "--help"), capture_output=True, text=True, timeout=120).stdout
+    peer = build_parser().format_help()
+    trainer = argparse.ArgumentParser()
+    add_arguments(trainer)
+    text = trainer.format_help()
+    support = {flag: re.search(rf"(^|\s){re.escape(flag)}[\s=,]", peer) is not None for flag in OPTIONAL_PEER_FLAGS}
     support.update({flag: flag in text for flag in OPTIONAL_TRAINER_FLAGS})
     return support
 

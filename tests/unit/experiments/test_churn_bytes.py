@@ -76,3 +76,7 @@ def test_the_tensor_ratio_leaves_out_the_control_bytes_both_totals_carry():
     assert split["tensor_ratio_vs_fp32"] == (20000 - 900) / (1000 - 900)
     (check,) = [c for c in targets([row(1000, 20000)]) if "fewer total bytes" in c.name]
     assert "tensors alone" in check.value
+
+
+def test_flag_support_reads_this_checkout_s_parsers_in_process():
+    assert churn.flag_support() == dict.fromkeys((*churn.OPTIONAL_PEER_FLAGS, *churn.OPTIONAL_TRAINER_FLAGS), True)
