@@ -3,16 +3,21 @@ back to one route under load has no replicas' sums and no audits in those steps:
 replicated one).
 
 Usage: python scripts/churn_bytes_by_routes.py RUN/no-churn/trainer/steps.csv [FIRST_STEP]
+  (or steps.jsonl, which the trainer appends to while it runs: the split of a run still going)
   FIRST_STEP: count only steps from this one on (e.g. 17: after the first sights of 64 samples at batch 8, two
   epochs). Prints one line per route count and one for all steps: MB sent, fp32 MB, the ratio, the split
   (boundaries, tied sum, replicas' sums, control) and the ratio of the tensors alone (both totals less control).
 """
 
 import csv
+import json
 import sys
 
 with open(sys.argv[1]) as f:
-    rows = list(csv.DictReader(f))
+    if sys.argv[1].endswith(".jsonl"):
+        rows = [{k: str(v) for k, v in json.loads(line).items()} for line in f if line.strip()]
+    else:
+        rows = list(csv.DictReader(f))
 first = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 rows = [r for r in rows if int(r["step"]) >= first]
 

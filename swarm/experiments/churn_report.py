@@ -48,6 +48,7 @@ ROW_KEYS = [
     "wire_bytes",
     "total_wire_bytes",
     "fp32_total_wire_bytes",
+    "tensor_ratio_vs_fp32",
 ]
 BYTES_TARGET = 20.0
 """Issue 29's target: the no-churn setting sends at least this many times fewer bytes in all than the same tensors
@@ -227,8 +228,8 @@ def byte_split(rows: Sequence[dict]) -> dict:
     (both directions), the tied sum, control, and the replicas' sums (the trainer's `direction=average` counter
     columns; where it wrote none, the rest of the total). None where the trainer wrote no totals."""
     if not rows or "total_wire_bytes" not in rows[0]:
-        keys = ("total_wire_bytes", "fp32_total_wire_bytes", "boundary_bytes", "tied_bytes", "control_bytes")
-        return dict.fromkeys((*keys, "replica_sum_bytes", "tensor_ratio_vs_fp32"), None)
+        keys = ("total_wire_bytes", "fp32_total_wire_bytes", "tensor_ratio_vs_fp32", "boundary_bytes", "tied_bytes")
+        return dict.fromkeys((*keys, "control_bytes", "replica_sum_bytes"), None)
     total, boundary = (
         _column(rows, "total_wire_bytes"),
         _column(rows, "forward_bytes") + _column(rows, "backward_bytes"),
@@ -239,12 +240,12 @@ def byte_split(rows: Sequence[dict]) -> dict:
     return {
         "total_wire_bytes": total,
         "fp32_total_wire_bytes": fp32,
+        # both totals carry the same control bytes (audits' fp32 records, calls): the ratio of what the codecs carry
+        "tensor_ratio_vs_fp32": (fp32 - control) / (total - control) if total > control else None,
         "boundary_bytes": boundary,
         "tied_bytes": tied,
         "control_bytes": control,
         "replica_sum_bytes": sum(_column(rows, k) for k in average) if average else total - boundary - tied - control,
-        # both totals carry the same control bytes (audits' fp32 records, calls): the ratio of what the codecs carry
-        "tensor_ratio_vs_fp32": (fp32 - control) / (total - control) if total > control else None,
     }
 
 
