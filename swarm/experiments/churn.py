@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import shutil
 import sys
 import threading
@@ -126,6 +127,10 @@ class ChurnConfig:
     """the peers' key files, created there if missing (none: OUT/identities, new keys per output folder). Peer ids
     decide the planner, the plan's columns and which route each sample takes (rendezvous hashing on the route's
     peer ids), so two runs given the same DIR compute the same losses"""
+    verify_fraction: float | None = None
+    """the trainer's --verify-fraction (none: its default, 0.1). Audits carry fp32 records through the trainer,
+    counted in both byte totals as control bytes: in the no-churn setting about 1 MB a step, more than every
+    compressed tensor together, so 0 shows what the codecs alone save"""
     netns: bool = False
     """run the swarm in the namespace testbed (needs root)"""
     out: Path | None = None
@@ -147,6 +152,8 @@ class ChurnConfig:
             raise ValueError("ChurnConfig: the schedule's interval must be > 0")
         if self.stall_timeout_s <= 0 or (self.setting_timeout_s is not None and self.setting_timeout_s <= 0):
             raise ValueError("ChurnConfig: --stall-timeout-s and --timeout-s must be > 0")
+        if self.verify_fraction is not None and not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"--verify-fraction must be in [0, 1], got {self.verify_fraction}")
         if not 0.0 <= self.graceful_fraction <= 1.0:
             raise ValueError(f"--graceful-fraction must be in [0, 1], got {self.graceful_fraction}")
 
@@ -277,20 +284,29 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
         wait_timeout_s=180.0, replan_timeout_s=120.0,
         chain_weights="equal" if support.get("--chain-weights") and not cfg.measured_plan else "measured",
     )  # fmt: skip
+    if cfg.verify_fraction is not None:
+        train = replace(train, verify_fraction=cfg.verify_fraction)
     explicit = ["--num-stages", "--steps", "--seed", "--setting", "--train-samples", "--batch-size"]
     explicit += ["--micro-batches", "--deadline-s", "--wait-timeout-s"]
+    explicit += ["--verify-fraction"] if cfg.verify_fraction is not None else []
     explicit += ["--replan-timeout-s"] if support.get("--replan-timeout-s") else []
     return peer, flags.to_argv(train, always=explicit)
 
 
 def flag_support() -> dict[str, bool]:
-    import subprocess
+    """Which optional flags the peers and the trainer take. Both run this interpreter on this checkout
+    (`swarm.testbed.procs`), so their parsers are read in process: a `--help` subprocess took over 120 s to start
+    on a machine loaded 30x over its cores, and the experiment died before its first peer."""
+    import argparse
 
-    from swarm.testbed.churn_control import peer_flag_support
-    from swarm.testbed.procs import swarm_command
+    from swarm.daemon.peer_config import build_parser
+    from swarm.train.trainer import add_arguments
 
-    support = peer_flag_support(OPTIONAL_PEER_FLAGS)
-    text = subprocess.run(swarm_command("train", "--help"), capture_output=True, text=True, timeout=120).stdout
+    peer = build_parser().format_help()
+    trainer = argparse.ArgumentParser()
+    add_arguments(trainer)
+    text = trainer.format_help()
+    support = {flag: re.search(rf"(^|\s){re.escape(flag)}[\s=,]", peer) is not None for flag in OPTIONAL_PEER_FLAGS}
     support.update({flag: flag in text for flag in OPTIONAL_TRAINER_FLAGS})
     return support
 

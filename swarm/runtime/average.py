@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_GROUP",
+    "SUM_CODEC",
     "GradientAverager",
     "flatten_grads",
     "parameters_digest",
@@ -57,6 +58,12 @@ __all__ = [
 
 MAX_GROUP = 64
 """Most replicas of one stage in a Reduce group (the roster bounds it further where calls are authorized)."""
+SUM_CODEC = "gradq2+ef+rot+nr+cs+g1024"
+"""The replicas' sum over compressed links unless a plan names another (`GradientAverager.sum_codec`), and the
+floor of the planner's ladder for it (`swarm.scheduler.bits.AVERAGE_LADDER`): 2 bits with error feedback, Hadamard
+rotation, round to nearest, 16-bit scales, groups of 1024, quantized in AdamW's units (`precondition_max_bits`).
+With 2 replicas in the convergence experiment it ends within 1% of fp32 at 16x+ fewer total bytes after epoch 1
+(docs/REPLICAS.md); 8 bits, the floor before, left the sum most of what a replicated run sends."""
 
 
 def parameters_digest(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -136,18 +143,20 @@ class GradientAverager:
     """
 
     min_bits = 8
-    """Fewest bits per weight-gradient element in a sum, whatever the backward codec's: what the planner's cost
-    model assumes (`ModelSpec.gradient_bits`); with 4 the replicas' sum trained measurably worse (see
-    docs/ARCHITECTURE.md). A class attribute, so a measurement can set it lower."""
-    sum_codec: str | None = None
+    """Fewest bits per weight-gradient element in a sum of the backward codec's sum config (`sum_codec` None): with
+    4 bits, stochastic rounding and no rotation or preconditioning, the replicas' sum trained measurably worse
+    (docs/reports/replicas.md). A class attribute, so a measurement can set it lower."""
+    sum_codec: str | None = SUM_CODEC
     """The stage group's codec when the backward codec is compressed and the plan names none, a codec label taken as
     it is (no `min_bits` floor); None: the backward codec's sum config at `min_bits`. Measured in the 8-epoch
-    convergence run with 2 replicas (one seed): `gradq2+ef+rot+nr+cs+g1024` ended +0.31% held-out vs fp32 at 16.2x
-    fewer total bytes (18.0x after epoch 1), the sparsified `codec_topk.SPARSE_SUM_CODEC` +31.8% (docs/REPLICAS.md).
-    Not yet the default: the suite was not run with it. A class attribute (scripts/measure_sum_codecs.py sets it)."""
-    precondition = False
-    """Quantize the stage group's lossy sums in AdamW's units (`_preconditioner`); off by default. With the dense
-    2-bit sum: +0.05% held-out against +0.31% without (one seed each, docs/REPLICAS.md). A class attribute."""
+    convergence run with 2 replicas (one seed each): `SUM_CODEC` ended +0.05% held-out vs fp32 preconditioned,
+    +0.31% not, at 18.0x fewer total bytes after epoch 1; the sparsified `codec_topk.SPARSE_SUM_CODEC` +31.8%
+    (docs/REPLICAS.md). A class attribute (scripts/measure_sum_codecs.py sets it)."""
+    precondition_max_bits = 2
+    """The stage group's lossy sums of at most this many wire bits an element are quantized in AdamW's units
+    (`_preconditioner`; 0: none, 32: every quantized one). With the dense 2-bit sum: +0.05% held-out against +0.31%
+    without (one seed each, docs/REPLICAS.md); 8-bit sums were never measured with it, so they stay as they were. A
+    class attribute."""
     max_norm_ratio = 64.0
     """A member's decoded message may be at most this many times this member's own message's norm: a larger one (a
     liar's huge residual, a corrupted sender) is refused by name before anything is summed. Honest replicas'
@@ -348,7 +357,7 @@ class GradientAverager:
         with host.compute_lock:
             self.relayout()
             own = host.worker.tied_grad().reshape(-1).float().cpu() if tied else flatten_grads(self.trained)
-            scale = None if tied or not codec_class(config.name).quantized else self._preconditioner()
+            scale = self._preconditioner() if self._preconditioned(config, tied) else None
             if scale is not None:  # quantized where AdamW moves the weights: every element at the same scale
                 own = own * scale
             state = LinkState(config)
@@ -366,9 +375,9 @@ class GradientAverager:
             route_peers=tuple(peers),
             tied=tied,
         )
-        sent = self._send_all(info, msg, config, peers, addresses, me, end)
+        sent, unsent = self._send_all(info, msg, config, peers, addresses, me, end)
         keys = [(p if keyed_by_peer else f"#{i}") for i, p in enumerate(peers)]
-        received = self._wait(request.step, tied, keys, peers, me, end)
+        received = self._wait(request.step, tied, keys, peers, me, end, unsent)
         parts = self._decode_all(request.step, tied, msg, received, keys, peers, me, config)
         # every member adds the same decoded messages in the same (group) order: bit-identical sums
         total = torch.zeros(group.numel)
@@ -391,14 +400,17 @@ class GradientAverager:
         host.metrics.fp32_bytes.labels(link, link).inc(fp32)
         return sent, fp32
 
+    def _preconditioned(self, config: CodecConfig, tied: bool) -> bool:
+        """Whether the group's sum under `config` is quantized in AdamW's units: a lossy stage sum of at most
+        `precondition_max_bits` (the tied group's two ends have optimizer states of their own: never)."""
+        return not tied and codec_class(config.name).quantized and config.wire_bits <= self.precondition_max_bits
+
     def _preconditioner(self) -> torch.Tensor | None:
         """Per trained element, 1 / (sqrt(AdamW's bias-corrected second moment) + a floor): the sum is quantized
         after multiplying by it and divided by it after decoding, so its error is even in the units AdamW steps in
         (a plain group quantizer zeroes a group's small elements, which AdamW then moves as far as its large ones:
         why dense 4-bit sums trained worse). Every replica holds the same optimizer state, so the same scale.
-        None (no scaling) before the first step, with `precondition` off, or where the optimizer is not Adam's."""
-        if not self.precondition:
-            return None
+        None (no scaling) before the first step or where the optimizer is not Adam's."""
         optimizer = self.host.worker.optimizer
         beta2 = optimizer.param_groups[0].get("betas", (0.0, 0.0))[1]
         parts = []
@@ -492,7 +504,8 @@ class GradientAverager:
         cls = codec_class(cfg.name)
         if cls.uses_buffers:
             return CodecConfig("fp32", zstd_level=cfg.zstd_level)
-        floor = self.tied_min_bits if tied else self.min_bits
+        # a plan's stage codec is taken as it is: the planner's ladder (`AVERAGE_LADDER`) is its floor
+        floor = self.tied_min_bits if tied else 0 if self.codecs[False] is not None else self.min_bits
         if not tied and self.codecs[False] is None and cls.quantized and self.sum_codec is not None:
             cfg = CodecConfig.parse(self.sum_codec, zstd_level=cfg.zstd_level, seed=cfg.seed)  # compressed links
             cls, floor = codec_class(cfg.name), 0  # the measured sum codec, as it is
@@ -502,14 +515,15 @@ class GradientAverager:
             cfg = replace(cfg, group_size=self.host.worker.module.tied_parameter().shape[-1])
         return replace(cfg, bits=bits, error_feedback=cls.error_feedback, seed=seed)
 
-    def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float) -> int:
+    def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float):
         """Streams `msg` to every other member at once, each through the shaper towards it, all by `end`
-        (monotonic); the bytes sent."""
+        (monotonic). (The bytes sent, the members it did not reach by `end`.) A send refused or failed otherwise
+        raises, naming the member; one merely out of time does not: the deadline's failure is `_wait`'s, which names
+        every member whose message is missing, wherever the clock ran out (a starved encode, a slow send)."""
         host = self.host
         errors: list[Exception] = []
-        counts = [0] * len(peers)
+        counts, done = [0] * len(peers), [False] * len(peers)
         deadline_s = max(0.0, end - time.monotonic())
-        what = "tied gradient" if info.tied else "gradients"
         wire = info_to_wire(info)  # the same call info to every member
 
         def send(i: int) -> None:
@@ -524,8 +538,10 @@ class GradientAverager:
             try:
                 # communication: this member's gradients to member i of the group
                 host.outbox.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=max(deadline_s, 0.001))
+                done[i] = True
             except grpc.RpcError as e:
-                errors.append(name_failure(e, info.stage, peers[i], addresses[i]))
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # out of time: reported with the missing ones
+                    errors.append(name_failure(e, info.stage, peers[i], addresses[i]))
             except Exception as e:  # noqa: BLE001 - reported to the caller, naming the peer
                 errors.append(RuntimeError(f"member {peers[i]} at {addresses[i]}: {e}"))
 
@@ -539,26 +555,30 @@ class GradientAverager:
         host.metrics.wire_bytes.labels(link, link).inc(sent)
         if errors:
             raise errors[0]
-        if any(t.is_alive() for t in threads):
-            late = [peers[i] for i in range(len(peers)) if i != me and counts[i] == 0]
-            raise CallRefused(grpc.StatusCode.DEADLINE_EXCEEDED, f"sending the {what} to {late} took too long")
-        return sent
+        return sent, [peers[i] for i in range(len(peers)) if i != me and not done[i]]
 
-    def _wait(self, step: int, tied: bool, keys: list[str], peers: list[str], me: int, end: float):
-        """The other members' messages of `step`, once all are in; DEADLINE_EXCEEDED naming those missing."""
+    def _wait(self, step: int, tied: bool, keys, peers, me: int, end: float, unsent: list[str]):
+        """The other members' messages of `step`, once all are in and this member's reached every other
+        (`unsent`: those it did not reach by `end`); else DEADLINE_EXCEEDED naming the members missing either way."""
         group = self.groups[tied]
         with self._arrived:
             while True:
                 have = group.inbox if group.inbox_step == step else {}
                 missing = [peers[i] for i, k in enumerate(keys) if i != me and k not in have]
-                if not missing:
+                if not missing and not unsent:
                     return dict(have)
                 left = end - time.monotonic()
-                if left <= 0 or self.host.open_step != step:
-                    what = "tied group member(s)" if tied else "replica(s)"
-                    raise CallRefused(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"stage {self.host.role.stage}: {what} {', '.join(missing)} sent no gradients for step "
-                        f"{step} within the Reduce's deadline; nothing was summed",
-                    )
+                if left <= 0 or self.host.open_step != step or not missing:  # unsent: past `end` already
+                    raise self._late(step, tied, missing, unsent)
                 self._arrived.wait(left)
+
+    def _late(self, step: int, tied: bool, missing: list[str], unsent: list[str]) -> CallRefused:
+        """The Reduce's deadline failure: who sent nothing here, and whom this member's message did not reach."""
+        what = "tied group member(s)" if tied else "replica(s)"
+        parts = [f"{what} {', '.join(missing)} sent no gradients for step {step}"] if missing else []
+        if unsent:
+            parts.append(f"this member's gradients for step {step} did not reach {', '.join(unsent)}")
+        return CallRefused(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"stage {self.host.role.stage}: {' and '.join(parts)} within the Reduce's deadline; nothing was summed",
+        )

@@ -14,6 +14,7 @@ from swarm.compression import CodecConfig
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.proto import stage_pb2
+from swarm.runtime.average import SUM_CODEC
 from swarm.scheduler.bits import (
     AVERAGE_LADDER,
     TIED_LADDER,
@@ -44,9 +45,11 @@ def fig(mbit: float, elements: float = ELEMENTS, step: float = STEP) -> Epilogue
 def test_averaging_on_a_fast_link_stays_wide_and_on_a_slow_link_is_compressed():
     fast, slow = choose_epilogue([fig(100_000)], None), choose_epilogue([fig(100)], None)
     assert fast.average_labels == ("fp32",)
-    assert slow.average_labels == (AVERAGE_LADDER[-1],)  # the 8-bit floor with error feedback
+    assert slow.average_labels == (SUM_CODEC,) == (AVERAGE_LADDER[-1],)  # the 2-bit floor, preconditioned
     middle = choose_epilogue([fig(10_000)], None)
     assert middle.average_labels == ("bf16",)  # 16-bit: fp32 would take 80 ms > 5% of 0.9 s, bf16 40 ms fits
+    eight = choose_epilogue([fig(5_000)], None)  # bf16 80 ms does not fit, 8 bits 40 ms do: the 2-bit rung not yet
+    assert eight.average_labels == ("gradq8+ef+rot+nr+cs+g1024",)
     assert fast.tied_label is None and "avg0 fp32" in fast.why
 
 
@@ -150,7 +153,7 @@ def test_a_plan_with_malformed_epilogue_codecs_is_refused(bad):
 # ---- the averager built from the plan ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("label", ["bf16", "gradq8+ef+rot+nr+cs+g1024", "fp32"])
+@pytest.mark.parametrize("label", ["bf16", "gradq8+ef+rot+nr+cs+g1024", SUM_CODEC, "fp32"])
 def test_replicas_summing_with_the_plan_s_codec_hold_identical_weights_after_step(label):
     pipe = Replicas(2, backward=GRADQ)  # the flags' codec: 4-bit gradq; the plan overrides it
     plan = {"stages": [{"layer_start": 0, "layer_end": 2, "peer_ids": pipe.peers}], "epilogue_codecs": {}}

@@ -9,6 +9,7 @@ import argparse
 import pytest
 
 from swarm.experiments import churn
+from swarm.experiments.churn import ChurnConfig, swarm_flags
 from swarm.experiments.churn_report import BYTES_TARGET, ROW_KEYS, byte_split, targets
 
 AVG0, AVG1 = "swarm_wire_bytes_total{direction=average,link=0}", "swarm_wire_bytes_total{direction=average,link=1}"
@@ -26,7 +27,7 @@ def test_the_split_reads_the_average_counters_and_totals():
     split = byte_split([step(), step()])
     assert split == {
         "total_wire_bytes": 402, "fp32_total_wire_bytes": 10000, "boundary_bytes": 300, "tied_bytes": 40,
-        "control_bytes": 10, "replica_sum_bytes": 50,
+        "control_bytes": 10, "replica_sum_bytes": 50, "tensor_ratio_vs_fp32": (10000 - 10) / (402 - 10),
     }  # fmt: skip
     assert "total_wire_bytes" in ROW_KEYS and "fp32_total_wire_bytes" in ROW_KEYS
 
@@ -59,3 +60,23 @@ def test_settings_runs_one_setting_and_refuses_unknown_ones():
     assert parse("--settings", "no-churn").settings == ("no-churn",)
     with pytest.raises(ValueError, match="one or both of no-churn, churn"):
         parse("--settings", "no-churn,storm")
+
+
+def test_verify_fraction_reaches_the_trainer_only_when_given_and_is_checked():
+    _, trainer = swarm_flags(ChurnConfig(), "no-churn", {})
+    assert "--verify-fraction" not in trainer  # the trainer's own default
+    _, trainer = swarm_flags(parse("--verify-fraction", "0").config(), "no-churn", {})
+    assert trainer[trainer.index("--verify-fraction") + 1] in ("0", "0.0")
+    with pytest.raises(ValueError, match="--verify-fraction"):
+        ChurnConfig(verify_fraction=1.5)
+
+
+def test_the_tensor_ratio_leaves_out_the_control_bytes_both_totals_carry():
+    split = byte_split([step(total_wire_bytes=1000, fp32_total_wire_bytes=20000, control_bytes=900)])
+    assert split["tensor_ratio_vs_fp32"] == (20000 - 900) / (1000 - 900)
+    (check,) = [c for c in targets([row(1000, 20000)]) if "fewer total bytes" in c.name]
+    assert "tensors alone" in check.value
+
+
+def test_flag_support_reads_this_checkout_s_parsers_in_process():
+    assert churn.flag_support() == dict.fromkeys((*churn.OPTIONAL_PEER_FLAGS, *churn.OPTIONAL_TRAINER_FLAGS), True)

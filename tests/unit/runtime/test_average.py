@@ -4,6 +4,7 @@ feedback committed only by Step, and every stranger's, duplicate, late or missin
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -14,7 +15,8 @@ from swarm.net.auth import Identity
 from swarm.net.connect import LocalRpcError
 from swarm.net.stream import tensor_items
 from swarm.proto import stage_pb2
-from swarm.runtime.average import flatten_grads
+from swarm.runtime import average
+from swarm.runtime.average import GradientAverager, flatten_grads
 from swarm.runtime.boundary import LinkEnds
 from swarm.runtime.host import StageHost, StageRole
 from swarm.runtime.worker import StageConfig
@@ -42,7 +44,8 @@ def test_fp32_reduce_is_exactly_the_sum_of_the_replicas_gradients():
     assert sent == sum(r.wire_bytes for r in replies)
 
 
-def test_gradq_reduce_gives_every_replica_the_same_bits_and_then_the_same_weights():
+def test_gradq_reduce_gives_every_replica_the_same_bits_and_then_the_same_weights(monkeypatch):
+    monkeypatch.setattr(GradientAverager, "sum_codec", None)  # the backward codec's sum config at min_bits
     pipe = Replicas(2, backward=GRADQ)
     pipe.split_step(0)
     own = [flat(pipe, r) for r in range(2)]
@@ -84,6 +87,63 @@ def test_a_member_that_never_sends_fails_the_reduce_in_time_and_changes_nothing(
     assert pipe.peers[1] in result.details() and "nothing was summed" in result.details()
     assert torch.equal(flat(pipe, 0), before)
     assert pipe.hosts[0].averager.residual is None and pipe.hosts[0].averager.groups[False].pending is None
+
+
+def slowed(monkeypatch, seconds: float) -> None:
+    """Every flatten of the sum's gradients takes `seconds` more: a CPU starved past the Reduce's deadline (the
+    machine's load, made deterministic)."""
+    real = average.flatten_grads
+
+    def slow(params):
+        time.sleep(seconds)
+        return real(params)
+
+    monkeypatch.setattr(average, "flatten_grads", slow)
+
+
+def test_a_member_that_never_sends_is_named_even_when_the_encode_outlasts_the_deadline(monkeypatch):
+    # under load the encode alone may take the whole deadline; the Reduce then failed on its send ("sending the
+    # gradients to [] took too long": nobody named, nothing said about the sum): the deadline's failure is the
+    # missing members', wherever the clock ran out
+    pipe = Replicas(2, backward=GRADQ)
+    pipe.split_step(0)
+    before = flat(pipe, 0)
+    slowed(monkeypatch, 0.4)
+    (result,) = pipe.reduce(0, members=[0], deadline_s=0.3)
+    assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert pipe.peers[1] in result.details() and "nothing was summed" in result.details(), result.details()
+    assert torch.equal(flat(pipe, 0), before) and pipe.hosts[0].averager.groups[False].pending is None
+
+
+def test_a_message_that_does_not_reach_a_member_in_time_fails_the_reduce_naming_it():
+    pipe = Replicas(2, backward=GRADQ)
+    pipe.split_step(0)
+    before = [flat(pipe, r) for r in range(2)]
+    release, entered = threading.Event(), threading.Event()
+    receiving = pipe.hosts[1].averager
+    real = receiving.receive
+
+    def stuck(call, sender):  # replica 1 takes replica 0's message only once the test lets it
+        entered.set()
+        release.wait(30)
+        return real(call, sender)
+
+    receiving.receive = stuck
+    results: list = []
+    late = threading.Thread(target=lambda: results.extend(pipe.reduce(0, members=[1], deadline_s=30)))
+    late.start()  # replica 1 sends its own message and waits for replica 0's
+    with receiving._arrived:
+        assert receiving._arrived.wait_for(lambda: pipe.hosts[0].averager.groups[False].inbox, timeout=30)
+    try:
+        (result,) = pipe.reduce(0, members=[0], deadline_s=0.5)
+        assert entered.is_set()
+    finally:
+        release.set()
+    late.join(30)
+    assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert f"did not reach {pipe.peers[1]}" in result.details() and "nothing was summed" in result.details()
+    assert pipe.peers[1] + " sent no" not in result.details()  # its message was in: only the send was late
+    assert torch.equal(flat(pipe, 0), before[0]) and pipe.hosts[0].averager.groups[False].pending is None
 
 
 def test_a_second_reduce_of_a_step_is_refused_and_sums_nothing_twice():

@@ -1,0 +1,79 @@
+"""The replicas' default sum over compressed links (`SUM_CODEC`: 2 bits, error feedback, quantized in AdamW's units):
+replicas stay bit-identical step after step (the verification's digests and the AQ-SGD routes depend on it), a
+plan's 2-bit rung is taken as it is, not raised to `min_bits`, and the error feedback is each replica's own."""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.compression import CodecConfig, make_codec
+from swarm.compression.state import LinkState
+from swarm.proto import stage_pb2
+from swarm.runtime.average import SUM_CODEC, GradientAverager, flatten_grads
+from tests.unit.runtime.test_average import flat
+from tests.unit.runtime.test_replica_host import FP32, GRADQ, Replicas
+
+
+def digests(pipe: Replicas) -> set[str]:
+    return {pipe.client(r).Status(stage_pb2.Empty()).weights_digest for r in range(len(pipe.hosts))}
+
+
+def test_the_default_sum_keeps_replicas_bit_identical_step_after_step_at_a_sixteenth_of_fp32():
+    pipe = Replicas(3, backward=GRADQ)  # three replicas: every member adds three decoded messages in group order
+    assert pipe.hosts[0].averager._config(0, 0).label == CodecConfig.parse(SUM_CODEC).label
+    for step in range(8):
+        pipe.split_step(step, rows=6, seed=step)
+        replies = pipe.reduce(step)
+        assert all(torch.equal(flat(pipe, 0), flat(pipe, r)) for r in (1, 2)), f"sums differ at step {step}"
+        for r in range(3):
+            pipe.step(r, step)
+        assert len(digests(pipe)) == 1, f"replicas' weights differ after step {step}"
+        # 2 bits and a 16-bit scale per group of 1024 against 32 bits, framing aside
+        assert all(0 < reply.wire_bytes < reply.fp32_wire_bytes / 12 for reply in replies)
+    scales = [h.averager._preconditioner() for h in pipe.hosts]  # AdamW's units: the same on every replica
+    assert scales[0] is not None and all(torch.equal(scales[0], s) for s in scales[1:])
+    residuals = [h.averager.residual for h in pipe.hosts]
+    assert all(r is not None for r in residuals) and not torch.equal(residuals[0], residuals[1])  # each its own
+
+
+def test_a_replica_s_message_is_its_gradient_and_residual_in_adamw_units_less_what_it_keeps():
+    pipe = Replicas(2, backward=GRADQ)
+    for step in range(2):
+        pipe.split_step(step, seed=step)
+        pipe.reduce(step)
+        for r in range(2):
+            pipe.step(r, step)
+    host = pipe.hosts[0]
+    old = host.averager.residual.clone()
+    pipe.split_step(2, seed=2)
+    scale = host.averager._preconditioner()
+    own = flatten_grads(host.averager.trained) * scale
+    config = host.averager._config(2, 0)
+    state = LinkState(config)
+    state.residual = old
+    sent = make_codec(config).encode(own, state=state)  # what replica 0 sends for step 2 (its draws are seeded)
+    pipe.reduce(2)
+    pending = host.averager.groups[False].pending
+    assert torch.equal(pending, state.residual)
+    torch.testing.assert_close(pending + make_codec(config).decode(sent), own + old, rtol=0, atol=1e-5)
+
+
+def test_the_sum_codec_follows_the_plan_then_the_links():
+    pipe = Replicas(2, backward=GRADQ)
+    averager = pipe.hosts[0].averager
+    assert averager._config(0, 0).bits == 2  # compressed links, no plan: SUM_CODEC
+    averager.set_codecs(CodecConfig.parse(SUM_CODEC), None)
+    assert averager._config(0, 0).bits == 2  # the plan's 2-bit rung as it is, not raised to min_bits
+    averager.set_codecs(CodecConfig.parse("gradq8+ef+rot+nr+cs+g1024"), None)
+    assert averager._config(0, 0).bits == 8
+    assert not averager._preconditioned(averager._config(0, 0), False)  # 8 bits: as before, unscaled
+    assert averager._preconditioned(CodecConfig.parse(SUM_CODEC), False)
+    assert not averager._preconditioned(CodecConfig.parse(SUM_CODEC), True)  # the tied group's ends differ
+    exact = Replicas(2, backward=FP32).hosts[0].averager  # fp32 links: exact sums, whatever sum_codec says
+    assert exact._config(0, 0).name == "fp32"
+
+
+def test_without_the_sum_codec_the_backward_codec_sums_at_min_bits(monkeypatch):
+    monkeypatch.setattr(GradientAverager, "sum_codec", None)
+    pipe = Replicas(2, backward=GRADQ)
+    assert pipe.hosts[0].averager._config(0, 0).bits == GradientAverager.min_bits == 8
