@@ -60,6 +60,7 @@ from swarm.runtime.routing import (
     Task,
     Traffic,
     as_error,
+    busy,
     gather,
     reroutable,
     route_work,
@@ -742,7 +743,7 @@ class PipelineDriver:
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
         audited = isinstance(error, LiarFound | AuditDisputed)  # the liar is out (or nobody is): run again
-        fatal = error is not None and not reroutable(error) and not route_needed(error) and not audited
+        fatal = error is not None and not (reroutable(error) or route_needed(error) or busy(error) or audited)
         for peer in () if fatal else failure.suspects:
             if peer not in self.dead and not self._alive(peer):
                 log.warning("step %d: peer %s does not answer: declared dead", step, peer)

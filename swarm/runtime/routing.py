@@ -42,6 +42,7 @@ __all__ = [
     "route_work",
     "gather",
     "rendezvous_score",
+    "busy",
     "reroutable",
     "spawn",
 ]
@@ -340,6 +341,17 @@ def reroutable(error: BaseException) -> bool:
     if isinstance(error, StageCallError):
         return error.code in REROUTE_CODES and PLAN_MISMATCH not in str(error)
     return isinstance(error, ConnectionError | OSError)
+
+
+def busy(error: BaseException) -> bool:
+    """Whether a stage refused a call because every slot of its kind was held (`budget.SlotsExhausted`, "retry
+    later"), e.g. by the same call of an attempt just abandoned: the step may run again (`max_attempts` bounds a
+    stage that always says so)."""
+    return (
+        isinstance(error, StageCallError)
+        and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "calls are being served already; retry later" in str(error)
+    )
 
 
 def gather(

@@ -229,3 +229,20 @@ def test_what_reroutes():
     assert not reroutable(StageCallError("x", grpc.StatusCode.INVALID_ARGUMENT))
     assert not reroutable(StageCallError("plan-mismatch: plan 3", grpc.StatusCode.UNAVAILABLE))
     assert not reroutable(ValueError())
+
+
+def test_a_stage_whose_slots_are_held_is_asked_again_not_given_up_on():
+    """`busy`: every slot of the call's kind held (e.g. by the Reduce of an attempt just abandoned when a loaded
+    machine's pings went unanswered; the suite saw a trainer die of it): the step runs again. Another
+    RESOURCE_EXHAUSTED (a limit the caller broke) is not a reason to run it again."""
+    from swarm.runtime.budget import CallSlots, SlotsExhausted
+    from swarm.runtime.routing import busy
+
+    slots = CallSlots(1, "Reduce")
+    with slots.take(), pytest.raises(SlotsExhausted) as refused, slots.take():
+        pass
+    held = StageCallError(f"stage 1 (peer p at a): {refused.value}", grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert busy(held)
+    assert not busy(StageCallError("stage 1 (peer p at a): message too large", grpc.StatusCode.RESOURCE_EXHAUSTED))
+    assert not busy(StageCallError(f"stage 1 (peer p at a): {refused.value}", grpc.StatusCode.INVALID_ARGUMENT))
+    assert not busy(SlotsExhausted(str(refused.value)))
