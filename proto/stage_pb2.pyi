@@ -234,7 +234,7 @@ class StatusReply(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., plan_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., compute_layers_per_s: _Optional[float] = ..., buffered_samples: _Optional[int] = ..., device: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., weights_digest: _Optional[str] = ..., replica: _Optional[int] = ..., last_step: _Optional[int] = ..., step_open: _Optional[bool] = ..., model_identity: _Optional[str] = ...) -> None: ...
 
 class ReduceRequest(_message.Message):
-    __slots__ = ("step", "plan_version", "stage", "group_peers", "group_addresses", "deadline_s", "tied_peers", "tied_addresses")
+    __slots__ = ("step", "plan_version", "stage", "group_peers", "group_addresses", "deadline_s", "tied_peers", "tied_addresses", "attempt_id")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class ReduceRequest(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     TIED_PEERS_FIELD_NUMBER: _ClassVar[int]
     TIED_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_ID_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
     stage: int
@@ -251,7 +252,8 @@ class ReduceRequest(_message.Message):
     deadline_s: float
     tied_peers: _containers.RepeatedScalarFieldContainer[str]
     tied_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., group_peers: _Optional[_Iterable[str]] = ..., group_addresses: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., tied_peers: _Optional[_Iterable[str]] = ..., tied_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    attempt_id: int
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., group_peers: _Optional[_Iterable[str]] = ..., group_addresses: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., tied_peers: _Optional[_Iterable[str]] = ..., tied_addresses: _Optional[_Iterable[str]] = ..., attempt_id: _Optional[int] = ...) -> None: ...
 
 class ReduceReply(_message.Message):
     __slots__ = ("wire_bytes", "fp32_wire_bytes", "group_size", "tied_wire_bytes", "tied_fp32_wire_bytes")

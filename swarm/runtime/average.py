@@ -297,6 +297,7 @@ class GradientAverager:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"gradients for step {info.step}, but the open step here is {host.open_step}",
             )
+        host.ledger.check_attempt(info.step, info.attempt_id)  # a late Average of an abandoned attempt of the step
         group = self.groups[info.tied]
         with self._arrived:
             if group.reduced == info.step:
@@ -374,6 +375,7 @@ class GradientAverager:
             route=tuple(addresses),
             route_peers=tuple(peers),
             tied=tied,
+            attempt_id=request.attempt_id,
         )
         sent, unsent = self._send_all(info, msg, config, peers, addresses, me, end)
         keys = [(p if keyed_by_peer else f"#{i}") for i, p in enumerate(peers)]

@@ -471,6 +471,7 @@ class PipelineDriver:
                 group_peers=[self.replica_peers[s][r] for r in replicas],
                 group_addresses=[self.replica_addresses[s][r] for r in replicas],
                 deadline_s=min(self.deadline_s, REDUCE_DEADLINE_S),
+                attempt_id=self.router.attempt_id,
             )
             if s in ends:
                 request.tied_peers.extend(self.replica_peers[t][r] for t, r in tied)

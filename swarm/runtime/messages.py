@@ -120,6 +120,8 @@ class ReduceOrder:
     tied_peers: tuple[str, ...] = ()
     """the tied group (first and last stages' replicas), empty off the end stages"""
     tied_addresses: tuple[str, ...] = ()
+    attempt_id: int = 0
+    """the trainer's attempt of the step (`CallInfo.attempt_id`): this Reduce's Average streams carry it"""
 
 
 @dataclass(frozen=True)

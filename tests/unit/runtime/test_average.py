@@ -167,11 +167,15 @@ def test_reduce_before_the_steps_backward_or_of_a_group_of_one():
     assert (reply.group_size, reply.wire_bytes) == (1, 0) and torch.equal(flat(pipe, 0), before)
 
 
-def average_items(pipe: Replicas, sender: int, step: int, pulled: list | None = None, numel: int | None = None):
+def average_items(
+    pipe: Replicas, sender: int, step: int, pulled: list | None = None, numel: int | None = None, attempt_id: int = 0
+):
     """An Average stream as replica `sender` would send it (fp32), counting the items pulled."""
     numel = numel or pipe.hosts[0].averager.numel
     msg = make_codec(FP32).encode(torch.ones(numel))
-    info = stage_pb2.CallInfo(step=step, stage=0, micro_batch=sender, num_micro_batches=len(pipe.hosts))
+    info = stage_pb2.CallInfo(
+        step=step, stage=0, micro_batch=sender, num_micro_batches=len(pipe.hosts), attempt_id=attempt_id
+    )
     for item in tensor_items(info, msg, 0, None):
         if pulled is not None:
             pulled.append(1)
@@ -226,6 +230,31 @@ def test_a_duplicate_late_or_oversized_average_is_refused():
     assert len(pulled) <= 2  # the header's declared size is refused before the body
     pipe.client(0).Step(stage_pb2.StepRequest(step=0, abandon=True))
     refused(from_1.Average, average_items(pipe, 1, 0), code=grpc.StatusCode.FAILED_PRECONDITION, words="open step")
+
+
+def test_a_late_average_of_an_abandoned_attempt_is_refused_in_the_rerun_of_its_step():
+    """CI's failure: attempt 1 of step 0 was abandoned, the rerun opened step 0 again on this replica, and attempt
+    1's late Average landed in the rerun's inbox, so the rerun's own Average from that sender was refused as a
+    second one ("sent its gradients for step 0") and the step failed. The Average carries its attempt now."""
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    for r in range(2):
+        pipe.client(r).Step(stage_pb2.StepRequest(step=0, abandon=True, attempt_id=7))
+    pipe.split_step(0)  # the rerun opens step 0 again
+    from_1 = pipe.client(0, pipe_identity(pipe, 1))
+    refused(
+        from_1.Average,
+        average_items(pipe, 1, 0, attempt_id=7),
+        code=grpc.StatusCode.FAILED_PRECONDITION,
+        words="that attempt of step 0 was abandoned",
+    )
+    from_1.Average(average_items(pipe, 1, 0, attempt_id=8))  # the rerun's own, from the same sender
+    refused(
+        from_1.Average,
+        average_items(pipe, 1, 0, attempt_id=8),
+        code=grpc.StatusCode.ALREADY_EXISTS,
+        words="sent its gradients",
+    )
 
 
 def test_the_tied_weight_is_left_to_grads_on_a_multi_stage_host():
