@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING
 
 import grpc
@@ -310,7 +311,11 @@ class NatWiring:
         """Moves the Attach to a pipeline neighbour when a new plan gave this peer a reachable one and its relay
         is not a neighbour (an Attach on either neighbour stays: a move costs more than one hop saves)."""
         while not self._closed.wait(WATCH_S):
-            self._tick()
+            try:
+                self._tick()
+            except CancelledError:  # the DHT node shut down under a read: the peer is ending
+                log.debug("relay watch: the DHT node is shut down")
+                return
 
     def _tick(self) -> None:
         """One look (one DHT read): move the Attach, else keep the second Attach beside it. After a move the

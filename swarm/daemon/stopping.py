@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING
 
 from swarm.peers.stop import StopOrder, stop_authority, stop_orders
@@ -213,8 +214,8 @@ def watch_stop_orders(dht: SwarmDHT, stop: threading.Event, say: Callable[[str],
                 order = watch.poll()
             except TimeoutError:
                 continue
-            except RuntimeError:  # the DHT node is shut down: the trainer is ending anyway
-                return
+            except (RuntimeError, CancelledError):  # the DHT node is shut down (its pending reads are cancelled):
+                return  # the trainer is ending anyway
             if order is not None:
                 why = f" ({order.reason})" if order.reason else ""
                 say(f"stop ordered by {order.signer}{why}: stopping after the current step")

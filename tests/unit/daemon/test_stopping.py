@@ -83,6 +83,28 @@ def test_the_trainers_watch_sets_its_stop_event(monkeypatch):
     assert said and "maintenance" in said[0] and pid(OWNER) in said[0]
 
 
+class ShutDownDHT(FakeDHT):
+    """A DHT node shut down under the watch: hivemind cancels its pending reads."""
+
+    def read_signed(self, kind):
+        from concurrent.futures import CancelledError
+
+        raise CancelledError()
+
+
+def test_the_trainers_watch_ends_quietly_when_the_dht_node_shuts_down(monkeypatch):
+    """Seen at every trainer's exit: the watch thread died with a CancelledError traceback on stderr."""
+    monkeypatch.setattr("hivemind.utils.get_dht_time", lambda: NOW)
+    owned = manifest(trainers=[pid(TRAINER)])
+    dht = ShutDownDHT(DHTConfig(run_name=owned.run_id), owned=owned)
+    died: list = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    stop = threading.Event()
+    thread = watch_stop_orders(dht, stop, lambda _: None, every_s=0.01)
+    thread.join(30)
+    assert not thread.is_alive() and not died and not stop.is_set()
+
+
 def test_room_a_replica_or_a_peer_whose_memory_holds_both_stages():
     me = "a" * 12
     assert room_for((0, 2), me, [peer("b", (0, 2), memory=0)], need) == "b" * 12, "a replica: nothing moves"

@@ -424,3 +424,23 @@ def test_a_watch_tick_reads_once_and_keeps_the_second_beside_the_new_relay(monke
     assert daemon.dht.reads - reads == 1, "one DHT read per tick (it was two)"
     assert {a.relay_id for a in (wiring.attachment, wiring.second)} == {ids[0].peer_id, ids[2].peer_id}
     wiring.close()
+
+
+def test_the_relay_watch_ends_quietly_when_the_dht_node_shuts_down_under_a_read(monkeypatch):
+    """Seen at a NAT'd peer's exit: the watch thread died with a CancelledError traceback (hivemind cancels the
+    reads pending when its node shuts down)."""
+    from concurrent.futures import CancelledError
+    from types import SimpleNamespace
+
+    import swarm.daemon.nat as nat
+
+    monkeypatch.setattr(nat, "WATCH_S", 0.0)
+    ticks: list = []
+
+    def tick():
+        ticks.append(1)
+        raise CancelledError()
+
+    wiring = SimpleNamespace(_closed=threading.Event(), _tick=tick)
+    nat.NatWiring._watch(wiring)  # returns instead of raising
+    assert ticks == [1]
