@@ -105,48 +105,25 @@ def test_a_tolerance_leaves_more_messages_precise():
     assert derive_tails("1f1b", 8, times, tolerance=0.05)[0] < 8
 
 
+def _times(**changes) -> dict:
+    """Two sound stages' figures, with `changes`."""
+    sound = dict(forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), forward_send_s=(0.0,), precise_send_s=(0.0,))
+    return {**sound, "compressed_send_s": (0.0,), **changes}
+
+
 @pytest.mark.parametrize(
     "bad",
     [
         dict(forward_s=(), backward_s=(), forward_send_s=(), precise_send_s=(), compressed_send_s=()),
-        dict(
-            forward_s=(1.0, 1.0),
-            backward_s=(1.0,),
-            forward_send_s=(0.0,),
-            precise_send_s=(0.0,),
-            compressed_send_s=(0.0,),
-        ),  # fmt: skip
-        dict(
-            forward_s=(1.0, 1.0),
-            backward_s=(1.0, 1.0),
-            forward_send_s=(),
-            precise_send_s=(0.0,),
-            compressed_send_s=(0.0,),
-        ),  # fmt: skip
-        dict(
-            forward_s=(1.0, -1.0),
-            backward_s=(1.0, 1.0),
-            forward_send_s=(0.0,),
-            precise_send_s=(0.0,),
-            compressed_send_s=(0.0,),
-        ),  # fmt: skip
-        dict(
-            forward_s=(1.0, 1.0),
-            backward_s=(1.0, 1.0),
-            forward_send_s=(0.0,),
-            precise_send_s=(math.nan,),
-            compressed_send_s=(0.0,),
-        ),  # fmt: skip
-        dict(
-            forward_s=(1.0, 1.0),
-            backward_s=(1.0, 1.0),
-            forward_send_s=(0.0,),
-            precise_send_s=(math.inf,),
-            compressed_send_s=(0.0,),
-        ),  # fmt: skip
+        _times(backward_s=(1.0,)),  # fewer stages than forward_s
+        _times(forward_send_s=()),  # no send for the one boundary
+        _times(forward_s=(1.0, -1.0)),
+        _times(precise_send_s=(math.nan,)),
+        _times(precise_send_s=(math.inf,)),
     ],
 )
 def test_stage_times_refuse_bad_figures(bad):
+    StageTimes(**_times())  # the figures each case spoils are sound
     with pytest.raises(ValueError):
         StageTimes(**bad)
 
