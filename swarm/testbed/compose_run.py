@@ -294,8 +294,14 @@ while got < nbytes:
     if not t_mark and got >= nbytes // 4:
         n_mark, t_mark = got, time.perf_counter()
 t_end = time.perf_counter()
+if got >= nbytes:
+    conn.sendall(b"k")  # the sender waits for this: its container's exit must not drop bytes still queued
+conn.close()
 print(json.dumps({"bytes": got, "rate_bytes_per_s": (got - n_mark) / max(t_end - t_mark, 1e-9)}), flush=True)
 """
+# The sender half-closes and waits for the receiver's one-byte confirmation before it exits: a container's exit
+# tears down its network namespace, and the bytes still in its socket buffer and its shaper's queue went with it
+# (the receiver then waited out its whole timeout: "took over 300 s", seen at load 12).
 _SENDER = """
 import socket, sys
 host, port, nbytes, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
@@ -305,6 +311,9 @@ with socket.create_connection((host, port), timeout=timeout) as s:
     while left > 0:
         s.sendall(block[: min(left, len(block))])
         left -= len(block)
+    s.shutdown(socket.SHUT_WR)
+    if s.recv(1) != b"k":
+        sys.exit("the receiver did not confirm every byte")
 """
 
 

@@ -4,10 +4,13 @@ how it finds, starts, stops and puts back an engine, with fake `docker`/`dockerd
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -181,3 +184,51 @@ def test_cli_without_an_engine_exits_2_and_says_why(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(compose_run, "ensure_engine", unavailable)
     assert cli.main(["testbed", "compose-run", "--run-dir", str(tmp_path / "run")]) == 2
     assert "apt-get install docker.io" in capsys.readouterr().err
+
+
+def _script(source: str, *args) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", source, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_the_rate_pair_moves_every_byte_and_the_receiver_confirms_them(tmp_path):
+    """The two scripts of the in-container rate measurement, on this host's loopback."""
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nbytes = 3_000_000
+    receiver = _script(compose_run._RECEIVER, nbytes, 60, port)
+    try:
+        assert receiver.stdout.readline().strip() == "ready"
+        sender = _script(compose_run._SENDER, "127.0.0.1", port, nbytes, 60)
+        assert sender.wait(120) == 0, sender.stderr.read()
+        out, err = receiver.communicate(timeout=120)
+    finally:
+        receiver.kill()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["bytes"] == nbytes and result["rate_bytes_per_s"] > 0, err
+
+
+def test_the_rate_sender_exits_only_once_the_receiver_confirmed_every_byte():
+    """The docker test failed so ("the container rate measurement took over 300 s"): the sender's container exited
+    as soon as its last bytes were queued, its network namespace went with them, and the receiver waited out its
+    timeout. Now the sender half-closes and waits for the receiver's confirmation."""
+    nbytes = 100_000  # fits in the socket buffers: the sender's sendall returns at once
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(120)
+        sender = _script(compose_run._SENDER, "127.0.0.1", server.getsockname()[1], nbytes, 60)
+        try:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(120)
+                got = 0
+                while chunk := conn.recv(1 << 16):  # every byte, then the sender's half-close
+                    got += len(chunk)
+                assert got == nbytes
+                with pytest.raises(subprocess.TimeoutExpired):  # it waits for the confirmation, however long
+                    sender.wait(3)
+                conn.sendall(b"k")
+            assert sender.wait(120) == 0, sender.stderr.read()
+        finally:
+            sender.kill()
