@@ -5,7 +5,7 @@ By default on swarm-peer processes planning among themselves (`swarm.experiments
 driver a swarm runs, each stage computing on its own thread; on a shared 2-core machine separate processes
 measure their neighbours' load as much as their own), the precisions chosen once by this module from its own
 measurements. One stage is slowed by
-`ComputeThrottle`: after each forward and each backward of that stage it sleeps (factor - 1) times the CPU time
+`ModuleThrottle`: after each forward and each backward of that stage it sleeps (factor - 1) times the CPU time
 the pass took on its thread (torch runs one intra-op thread here, so a pass computes on the calling thread and
 `time.thread_time` is its compute, unaffected by other processes' load). A peer `factor`x slower in every
 precision: when it computes in bf16 its passes are shorter and so are its sleeps, as on a slower device.
@@ -41,7 +41,7 @@ from swarm.runtime.worker import OptimConfig, StageConfig
 from swarm.scheduler.precision_choice import DEFAULT_BUDGET, choose_precisions
 
 __all__ = [
-    "ComputeThrottle",
+    "ModuleThrottle",
     "HeteroConfig",
     "add_arguments",
     "apply_stage_precisions",
@@ -98,10 +98,16 @@ class _OnBackward(torch.autograd.Function):
         return grad, None
 
 
-class ComputeThrottle:
+class ModuleThrottle:
     """Makes a stage module `factor`x slower: sleeps (factor - 1) x the thread CPU time of each forward and
     backward (marks on its input and output time the backward). The stage's input must be a float tensor that
-    needs a gradient (any stage but the first). Only training passes are slowed (evaluation is not timed)."""
+    needs a gradient (any stage but the first). Only training passes are slowed (evaluation is not timed).
+
+    The in-process form's throttle. A swarm peer's (`swarm.runtime.throttle.ComputeThrottle`, `swarm-peer
+    --compute-slowdown`) wraps the worker's calls and times them by the wall clock, since under load a peer's pass
+    waits far longer than it computes. Here the stages share one process and torch one intra-op thread, so CPU
+    time is each pass's own compute; and the hooks sit on the module itself, so the planned setting's speed
+    measurements, which call the module directly, see the slower stage too."""
 
     def __init__(self, module: torch.nn.Module, factor: float):
         if not (math.isfinite(factor) and factor >= 1):
@@ -254,7 +260,7 @@ class _Run:
         self.pipe = LocalPipeline(cfg.model, cfg.n_stages, stage_cfg=StageConfig(optim))
         self.throttle = None
         if setting != "equal":
-            self.throttle = ComputeThrottle(self.pipe.hosts[cfg.slow_stage].worker.module, cfg.slow_factor)
+            self.throttle = ModuleThrottle(self.pipe.hosts[cfg.slow_stage].worker.module, cfg.slow_factor)
         self.precisions, self.detail = ["fp32"] * cfg.n_stages, {}
         self.step, self.window_s, self.losses = 0, 0.0, []
 
@@ -367,7 +373,7 @@ def config_from_args(args: argparse.Namespace) -> HeteroConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(1)  # one intra-op thread: a pass computes on its stage's thread (see ComputeThrottle)
+    torch.set_num_threads(1)  # one intra-op thread: a pass computes on its stage's thread (see ModuleThrottle)
     cfg = config_from_args(args)
     if cfg.in_process:
         rows = run_experiment(cfg, show_progress=not args.no_progress)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.experiments.hetero import ComputeThrottle, HeteroConfig, run_experiment
+from swarm.experiments.hetero import HeteroConfig, ModuleThrottle, run_experiment
 from swarm.model.data import DataConfig
 from swarm.model.gpt import ModelConfig
 from swarm.scheduler.precision_choice import choose_precisions
@@ -44,7 +44,7 @@ def test_three_settings_same_seed_the_planned_one_lowers_the_slow_stage():
 
 def test_the_throttle_sleeps_after_forward_and_backward_in_proportion_to_compute():
     lin = torch.nn.Linear(64, 64)
-    throttle = ComputeThrottle(lin, 3.0)
+    throttle = ModuleThrottle(lin, 3.0)
     slept = []
     throttle.sleep = lambda s: slept.append(s)  # record, do not sleep
     x = torch.randn(32, 64, requires_grad=True)
@@ -58,4 +58,4 @@ def test_the_throttle_sleeps_after_forward_and_backward_in_proportion_to_compute
     lin(x).sum().backward()
     assert len(slept) == 2
     with pytest.raises(ValueError):
-        ComputeThrottle(lin, 0.5)
+        ModuleThrottle(lin, 0.5)
