@@ -175,7 +175,7 @@ _SETTINGS_HELP = (
     f"comma-separated codec settings FW/BW[@wN]: codec labels {codec_labels()}; "
     "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
     "group per channel), +rot (Hadamard rotation; of AQ-SGD's first sights), +fsN (AQ-SGD first sights at N bits "
-    "instead of 16), +rN (tern: rate weight in percent), @wN (N "
+    "instead of 16), +fsd (tern, bilevel: first sights in the deltas' own code), +rN (tern: rate weight in percent), @wN (N "
     "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
     "tied sum as rank-N factors, fp16 or 8-bit), @epiK (epilogue-only compression: only the last K backward "
     "messages of every boundary at BW, the others fp32, last); "
