@@ -106,10 +106,11 @@ class AQSGDCodec(Codec):
     def _first_sight(
         self, x: torch.Tensor, state: LinkState, msg: wire_pb2.TensorMessage, layout: str, group: int
     ) -> torch.Tensor:
-        """Sends new samples in full (buffer dtype) or directly quantized; returns what both ends buffer."""
+        """Sends new samples in full (buffer dtype) or directly quantized (`+fsN`, `+fsd`); returns what both ends
+        buffer."""
         cfg, buffer_dtype = self.config, state.buffers.dtype
         msg.raw_dtype = wire_dtype(buffer_dtype)
-        if cfg.first_sight_bits == 16:
+        if cfg.first_sight_bits == 16 and not cfg.first_sight_delta_code:
             first = x.to(buffer_dtype)
             msg.raw = tensor_to_bytes(first)
             return first

@@ -52,6 +52,9 @@ class Codec:
     """can send its group scales in 16 bits (`CodecConfig.scale_dtype`, label suffixes `+cs`, `+bs`)"""
     sparse: ClassVar[bool] = False
     """sends only the `CodecConfig.keep` largest elements of each group (label suffix `+kN`)"""
+    low_bit_first_sights: ClassVar[bool] = False
+    """can send a sample's first sight in its own sub-2-bit delta code (`CodecConfig.first_sight_delta_code`,
+    label suffix `+fsd`)"""
     device_encoded: ClassVar[bool] = False
     """a sending end on a GPU encodes there, its message buffers kept on the device (kernels for its quantizer
     on CUDA); every other codec's ends encode on the host"""
@@ -65,6 +68,7 @@ class Codec:
         "rated",
         "compact_scales",
         "sparse",
+        "low_bit_first_sights",
         "device_encoded",
     )
     """The boolean traits every codec declares (its own or inherited); the registry checks them at import."""
@@ -87,6 +91,7 @@ class Codec:
             + {"float32": "", "auto": "+cs", "bfloat16": "+bs"}[config.scale_dtype]
             + (f"+r{config.rate_percent}" if config.rate_percent else "")
             + (f"+fs{config.first_sight_bits}" if config.first_sight_bits != 16 else "")
+            + ("+fsd" if config.first_sight_delta_code else "")
         )
 
     @classmethod

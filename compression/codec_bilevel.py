@@ -19,7 +19,8 @@ fp16 (clamped to its finite range); each code then picks the nearer of the two f
 On the wire: `Quantized` with `bits` 1, `scale_dtype` FLOAT16, `mins` the `lo` level and `scales` the `hi` level
 of each group (`lo <= hi`, both finite), `payload` ceil(numel / 8) bytes, codes least significant bit first
 (numpy's `packbits(bitorder="little")`), padding bits zero (a set padding bit is refused). First sights travel
-as acsgd's do.
+as acsgd's do, or with `+fsd` (`CodecConfig.first_sight_delta_code`) in this same 1-bit code in `quantized_full`
+(`bits` 1).
 """
 
 from __future__ import annotations

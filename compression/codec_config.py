@@ -21,6 +21,7 @@ LABEL_SUFFIXES = {
     "rot": {"rotation": "hadamard"},
     "cs": {"scale_dtype": "auto"},
     "bs": {"scale_dtype": "bfloat16"},
+    "fsd": {"first_sight_delta_code": True},
 }
 """Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets; `+gN`
 (group size), `+rN` (rate), `+fN` (factor bits) and `+fsN` (first-sight bits) carry a number."""
@@ -86,6 +87,10 @@ class CodecConfig:
     """aqsgd, acsgd and the codecs built on them: how a sample's first sight (a sample its link has not buffered)
     travels: 16 = in the buffer dtype, 2, 3, 4 or 8 = quantized directly in the codec's groups (label suffix
     `+fsN`); both ends buffer what the receiver decodes"""
+    first_sight_delta_code: bool = False
+    """tern, bilevel: a sample's first sight travels in the codec's own delta code (ternary, or 1 bit on two levels
+    a group), a delta against zero, in the codec's groups (label suffix `+fsd`): about 1.4 (tern) or 1.2 (bilevel)
+    bits an element after zstd instead of `first_sight_bits`; both ends buffer what the receiver decodes"""
     zstd_level: int = 1
     """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
     group_layout: str = "flat"
@@ -126,6 +131,12 @@ class CodecConfig:
             raise ValueError(f"first_sight_bits must be 16 or one of {SUPPORTED_BITS}")
         if self.first_sight_bits != 16 and not codec.uses_buffers:
             raise ValueError(f"first_sight_bits (+fsN) applies to {_having('uses_buffers')} only")
+        if self.first_sight_delta_code and not codec.low_bit_first_sights:
+            raise ValueError(f"first_sight_delta_code (+fsd) applies to {_having('low_bit_first_sights')} only")
+        if self.first_sight_delta_code and self.first_sight_bits != 16:
+            raise ValueError("give first sights a bit width (+fsN) or the deltas' code (+fsd), not both")
+        if self.first_sight_delta_code and self.rotation != "none":
+            raise ValueError("first sights in the deltas' code (+fsd) are never rotated: drop +rot")
         if self.buffer_path is not None and self.buffer_dir is not None:
             raise ValueError("give buffer_path (one store) or buffer_dir (one file per link end), not both")
         if self.buffer_capacity < 0:

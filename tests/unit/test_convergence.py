@@ -297,3 +297,25 @@ def test_a_baseline_folder_stands_in_for_the_fp32_run(tmp_path):
     (tmp_path / "fp32" / "results.json").write_text(json.dumps(saved | {"rows": []}))
     with pytest.raises(ValueError, match="no fp32/fp32 row"):
         run_experiment(both, tmp_path / "z", show_progress=False, baseline=tmp_path / "fp32")
+
+
+def test_first_sights_in_the_deltas_code_train_through_the_pipeline_in_fewer_forward_bytes(tmp_path):
+    """`+fsd` end to end in the experiment's in-process pipeline: in the first epoch every forward message is a
+    first sight, and ternary and 1-bit ones cost fewer bytes than 16-bit and 2-bit ones; the second epoch's deltas
+    are taken against what the receiver decoded (the buffers would drift otherwise and the setting would fail)."""
+    from swarm.experiments.convergence import ExperimentConfig, run_experiment
+    from swarm.model.data import DataConfig
+    from swarm.model.gpt import ModelConfig
+
+    tiny = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
+    data = DataConfig(seq_len_tokens=16, train_samples=16, eval_samples=4)
+    labels = ("tern+ch/gradq2+ef+rot+nr+cs", "acsgd2+ch+fs2/gradq2+ef+rot+nr+cs")
+    labels += ("tern+ch+fsd/gradq2+ef+rot+nr+cs", "bilevel+ch+fsd/gradq2+ef+rot+nr+cs")
+    cfg = ExperimentConfig(model=tiny, data=data, settings=("fp32/fp32", *labels), batch_size=8, n_micro=2, epochs=2)
+    rows = run_experiment(cfg, tmp_path, show_progress=False)
+    assert all(r["failed"] == "" and math.isfinite(r["final_eval_loss"]) for r in rows), rows
+    with open(tmp_path / "losses.csv", newline="") as f:
+        steps = [r for r in csv.DictReader(f) if r["epoch"] == "0"]
+    fw = {s: sum(int(r["forward_bytes"]) for r in steps if r["setting"] == s) for s in labels}
+    assert fw[labels[2]] < fw[labels[1]] < fw[labels[0]], fw  # ternary < 2-bit grid < 16-bit first sights
+    assert fw[labels[3]] < fw[labels[0]] / 3, fw  # 1 bit and two fp16 levels per 16-token group: ~3 bits here
