@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.compression import CodecConfig, WireError, make_codec
+from swarm.compression import WireError
 from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire, tokens_to_wire
-from swarm.proto import stage_pb2
+from swarm.proto import stage_pb2, wire_pb2
+from swarm.runtime.audit_wire import RECORD_CODECS, compact_equal, decode_tensor, encode_tensor
 from swarm.runtime.referee import RefereeFailed
 from swarm.runtime.routing import reroutable
 
@@ -96,6 +97,13 @@ class VerifyConfig:
     SHA-256 of the weights per step (1: every element)."""
     seed: int | None = None
     """The sampling secret (None: a fresh random one; set only in tests)."""
+    records: str = "fp32"
+    """How the records and recomputations travel: "fp32" (exact), or "fp16" (compact: fp16 after a power-of-two
+    scale, half the bytes, `swarm.runtime.audit_wire`). A compact audit whose checks all pass with a margin (the
+    own check within `rtol` / 2, the link checks within 0.99 of theirs) passes; any other is asked again in fp32
+    and judged exactly as an fp32 audit, so every verdict is reached on fp32 records, and a stage whose fp32
+    record does not round to the compact one it reported is a liar. The default is exact: in one process audits
+    cross no wire; `swarm train` sends compact records (`--verify-records`)."""
     referee_rtol: float = 0.05
     """Largest relative error between a replica's number and the trainer's own recomputation of it, when the
     trainer referees a dispute between two replicas (`swarm.runtime.referee`): the weights are the same bits, but
@@ -112,6 +120,18 @@ class VerifyConfig:
             raise ValueError(f"digest_stride must be >= 1, got {self.digest_stride}")
         if not (self.rtol > 0 and self.link_rtol > 0 and self.link_rtol_backward > 0 and self.referee_rtol > 0):
             raise ValueError("tolerances must be positive")
+        if self.records not in RECORD_CODECS:
+            raise ValueError(f"records must be one of {RECORD_CODECS}, got {self.records!r}")
+
+
+COMPACT_OWN_SHARE = 0.5
+"""A compact audit's own checks pass within this share of `rtol`: the compact inputs' rounding moves a
+recomputation by about 2e-4 (relative) on the churn model's stages, so a compact pass is an fp32 pass too."""
+COMPACT_LINK_SHARE = 0.99
+"""A compact audit's link checks pass within this share of their tolerances (the rounding moves them by ~1e-5)."""
+_RECORD_FIELDS = (("inputs", "input"), ("output", "output"), ("grad_received", "grad_received"),
+                  ("grad_sent", "grad_sent"))  # fmt: skip
+"""(Evidence attribute, AuditReply field) of a record's tensors"""
 
 
 class LiarFound(Exception):
@@ -162,6 +182,9 @@ class Evidence:
     """the sibling that recomputed (None: a lone stage, not verified)"""
     check_output: torch.Tensor | float | None = None
     check_grad: torch.Tensor | None = None
+    wire: dict = field(default_factory=dict)
+    """the record's tensors as they came (field -> (TensorMessage, scale)): a compact input is passed on to the
+    sibling as it came, so both compute from the same bits"""
 
 
 @dataclass(frozen=True)
@@ -246,6 +269,8 @@ class VerifyStats:
     """largest forward link-check error an audit passed (the forward codec's error)"""
     worst_link_backward: float = 0.0
     """largest backward link-check error an audit passed (the backward codec's)"""
+    escalations: int = 0
+    """compact audits (`VerifyConfig.records` "fp16") with a check outside its margin, asked again in fp32"""
 
 
 Call = Callable[[int, int, str, object], object]
@@ -290,7 +315,6 @@ class StageVerifier:
         self._lock = threading.Lock()
         self._local = threading.local()  # the running audit's `current`, per call thread
         self.stats = VerifyStats()
-        self._codec = make_codec(CodecConfig("fp32"))
 
     # ---- which micro-batches ------------------------------------------------------------------------------
 
@@ -353,31 +377,15 @@ class StageVerifier:
         cfg, n = self.config, len(replicas)
         if not any(siblings):
             return  # lone stages only: nobody can recompute (a pipeline without replicas pays nothing)
-        route = [Evidence(s, self.replica_peers[s][r]) for s, r in enumerate(replicas)]
-
-        def record(s: int, e: Evidence):
-            request = stage_pb2.AuditRequest(
-                step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward
-            )
-            return self._ask(s, replicas[s], "Audit", request, e.peer)
-
-        # the records, as each stage of the route states them (all stages at once)
-        replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
-        for s, (e, reply) in enumerate(zip(route, replies, strict=True)):
-            self._read_record(e, reply, s == 0, s == n - 1, micro)
-        if not bool(torch.equal(route[0].inputs, micro.tokens)):
-            self._liar(route[0], f"step {step}: its record holds other tokens than the trainer sent")
-        requests, calls = {}, []
-        for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
-            if not siblings[s]:
-                continue
-            requests[s] = self._recompute_request(step, plan_version, s, n, e, micro, loss_weight)
-            v = self._pick(step, s, siblings[s])
-            e.verifier = self.replica_peers[s][v]
-            calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n)))
-        for (e, _), (output, grad) in zip(calls, _together([c for _, c in calls]), strict=True):
-            e.check_output, e.check_grad = output, grad
-        findings = judge(route, cfg.rtol, cfg.link_rtol, cfg.backward, cfg.link_rtol_backward)
+        args = (step, plan_version, replicas, local_mb, siblings, micro, loss_weight)
+        compact = cfg.records != "fp32"
+        route, requests, findings = self._gather(*args, compact=compact)
+        if compact and findings:  # not clearly within: judged again, on the fp32 records
+            with self._lock:
+                self.stats.escalations += 1
+            log.info("step %d: a compact audit's checks failed (%s): asking again in fp32", step,
+                     ", ".join(f"stage {f.stage} {f.kind} {f.direction} {f.error:.3g}" for f in findings))  # fmt: skip
+            route, requests, findings = self._gather(*args, compact=False, committed=route)
         self._note_passes(route, findings)
         if not findings:
             return
@@ -386,6 +394,58 @@ class StageVerifier:
                 self._resolve_own(step, route, f, replicas, siblings, requests[f.stage], n)
         for f in findings:
             self._resolve_link(step, route, f, findings)
+
+    def _gather(self, step, plan_version, replicas, local_mb, siblings, micro, loss_weight, compact: bool,
+                committed: Sequence[Evidence] = ()):  # fmt: skip
+        """One audit's records and recomputations, in fp32 or compact, and the checks that failed (with a margin
+        when compact: only a clear pass passes). `committed`: the compact records the stages reported first,
+        which their fp32 records must round to."""
+        cfg, n = self.config, len(replicas)
+        route = [Evidence(s, self.replica_peers[s][r]) for s, r in enumerate(replicas)]
+
+        def record(s: int, e: Evidence):
+            request = stage_pb2.AuditRequest(
+                step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward,
+                compact=compact,
+            )  # fmt: skip
+            return self._ask(s, replicas[s], "Audit", request, e.peer)
+
+        # the records, as each stage of the route states them (all stages at once)
+        replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
+        for s, (e, reply) in enumerate(zip(route, replies, strict=True)):
+            self._read_record(e, reply, s == 0, s == n - 1, micro)
+        if not bool(torch.equal(route[0].inputs, micro.tokens)):
+            self._liar(route[0], f"step {step}: its record holds other tokens than the trainer sent")
+        for e, first in zip(route, committed, strict=False):  # none when compact
+            self._check_committed(step, e, first)
+        requests, calls = {}, []
+        for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
+            if not siblings[s]:
+                continue
+            requests[s] = self._recompute_request(step, plan_version, s, n, e, micro, loss_weight, compact)
+            v = self._pick(step, s, siblings[s])
+            e.verifier = self.replica_peers[s][v]
+            calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n)))
+        for (e, _), (output, grad) in zip(calls, _together([c for _, c in calls]), strict=True):
+            e.check_output, e.check_grad = output, grad
+        own, link, back = cfg.rtol, cfg.link_rtol, cfg.link_rtol_backward
+        if compact:
+            own, link, back = own * COMPACT_OWN_SHARE, link * COMPACT_LINK_SHARE, back * COMPACT_LINK_SHARE
+        return route, requests, judge(route, own, link, cfg.backward, back)
+
+    def _check_committed(self, step: int, e: Evidence, first: Evidence) -> None:
+        """A stage's fp32 record against the compact one it reported first for the same micro-batch: rounding
+        the one must give the other, or the stage reported two records."""
+        if not isinstance(first.output, torch.Tensor) and first.output is not None and e.output != first.output:
+            self._liar(e, f"step {step}: its loss record is {e.output} in fp32 and was {first.output} first")
+        for attr, name in _RECORD_FIELDS:
+            if name not in first.wire:
+                continue
+            exact, shown, compact = getattr(e, attr), getattr(first, attr), first.wire[name][0].codec == wire_pb2.FP16
+            same = exact is not None and (compact_equal(exact, shown) if compact else bool(torch.equal(exact, shown)))
+            if not same:
+                self._liar(e, f"step {step}: its fp32 {name} record does not round to the compact one it reported "
+                           f"first")  # fmt: skip
 
     def _resolve_own(self, step, route, finding: Finding, replicas, siblings, request, n) -> None:
         """The stage's record disagrees with a sibling's recomputation: who is right?"""
@@ -593,10 +653,10 @@ class StageVerifier:
                 shape = micro.tokens.shape
                 e.inputs = tokens_from_wire(reply.tokens, 1 << 31, shape[1])[0] if reply.HasField("tokens") else None
             else:
-                e.inputs = self._tensor(reply, "input")
-            e.output = reply.loss if last else self._tensor(reply, "output")
-            e.grad_received = None if last else self._tensor(reply, "grad_received")
-            e.grad_sent = None if first else self._tensor(reply, "grad_sent")
+                e.inputs = self._tensor(reply, "input", e)
+            e.output = reply.loss if last else self._tensor(reply, "output", e)
+            e.grad_received = None if last else self._tensor(reply, "grad_received", e)
+            e.grad_sent = None if first else self._tensor(reply, "grad_sent", e)
         except WireError as error:
             self._liar(e, f"its audit record is malformed: {error}")
         if e.inputs is None:
@@ -612,15 +672,31 @@ class StageVerifier:
             if t.dim() != 3 or list(t.shape[:2]) != rows_seq or len(hidden) > 1:
                 self._liar(e, f"its audit record's {name} is shaped {list(t.shape)} for {rows_seq} tokens")
 
-    def _tensor(self, message, name: str) -> torch.Tensor | None:
-        return self._codec.decode(getattr(message, name)) if message.HasField(name) else None
+    @staticmethod
+    def _tensor(message, name: str, e: Evidence | None = None) -> torch.Tensor | None:
+        """Field `name` of a reply (fp32, or compact with its `name`_scale), None where absent; kept as it came in
+        `e.wire`."""
+        if not message.HasField(name):
+            return None
+        msg, scale = getattr(message, name), getattr(message, f"{name}_scale")
+        if e is not None:
+            e.wire[name] = (msg, scale)
+        return decode_tensor(msg, scale, name)
 
-    def _recompute_request(self, step, plan_version, s, n, e: Evidence, micro, loss_weight):
-        request = stage_pb2.RecomputeRequest(step=step, plan_version=plan_version, stage=s)
+    def _recompute_request(self, step, plan_version, s, n, e: Evidence, micro, loss_weight, compact: bool = False):
+        """What a sibling recomputes: the stage's reported input (and received gradient), passed on as they came
+        when compact (the same bits on both replicas), else in fp32."""
+        request = stage_pb2.RecomputeRequest(step=step, plan_version=plan_version, stage=s, compact=compact)
+
+        def put(name: str, attr: str, t: torch.Tensor) -> None:
+            msg, scale = e.wire[attr] if compact and attr in e.wire else encode_tensor(t, False)
+            getattr(request, name).CopyFrom(msg)
+            setattr(request, f"{name}_scale", scale)
+
         if s == 0:
             request.tokens.CopyFrom(tokens_to_wire(micro.tokens))
         else:
-            request.input.CopyFrom(self._codec.encode(e.inputs.float()))
+            put("input", "input", e.inputs)
         if s == n - 1:
             request.targets.CopyFrom(tokens_to_wire(micro.targets))
         if self.config.backward and s > 0:
@@ -628,7 +704,7 @@ class StageVerifier:
             if s == n - 1:
                 request.loss_weight = loss_weight
             elif e.grad_received is not None:
-                request.grad.CopyFrom(self._codec.encode(e.grad_received.float()))
+                put("grad", "grad_received", e.grad_received)
             else:
                 request.backward = False
         return request
