@@ -491,7 +491,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         def run():
             host = self._serving()
             record = host.audit_record(request.step, request.plan_version, request.stage, request.micro_batch)
-            return audit_reply(record, host.role.is_first, host.role.is_last, request.backward, request.compact)
+            role, q = host.role, request
+            return audit_reply(record, role.is_first, role.is_last, q.backward, q.compact, q.sketch_seed, q.sketch_size)
 
         return self._guard(context, run)
 
@@ -505,7 +506,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             host.check_recompute(inputs, targets, grad)
             with self._recompute_slots.take(wait_s=self.budget.max_wait_s):
                 done = host.recompute(request.step, request.plan_version, request.stage, inputs, targets, grad)
-            return recompute_reply(done, request.compact)
+            return recompute_reply(done, request.compact, request.sketch_seed, request.sketch_size)
 
         return self._guard(context, run)
 

@@ -49,7 +49,7 @@ import torch
 from swarm.compression import WireError
 from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire, tokens_to_wire
 from swarm.proto import stage_pb2, wire_pb2
-from swarm.runtime.audit_wire import RECORD_CODECS, compact_equal, decode_tensor, encode_tensor
+from swarm.runtime.audit_wire import RECORD_CODECS, compact_equal, decode_tensor, encode_tensor, sketch
 from swarm.runtime.referee import RefereeFailed
 from swarm.runtime.routing import reroutable
 
@@ -98,12 +98,15 @@ class VerifyConfig:
     seed: int | None = None
     """The sampling secret (None: a fresh random one; set only in tests)."""
     records: str = "fp32"
-    """How the records and recomputations travel: "fp32" (exact), or "fp16" (compact: fp16 after a power-of-two
-    scale, half the bytes, `swarm.runtime.audit_wire`). A compact audit whose checks all pass with a margin (the
-    own check within `rtol` / 2, the link checks within 0.99 of theirs) passes; any other is asked again in fp32
-    and judged exactly as an fp32 audit, so every verdict is reached on fp32 records, and a stage whose fp32
-    record does not round to the compact one it reported is a liar. The default is exact: in one process audits
-    cross no wire; `swarm train` sends compact records (`--verify-records`)."""
+    """How the records and recomputations travel: "fp32" (exact); "fp16" (compact: fp16 after a power-of-two
+    scale, half the bytes, `swarm.runtime.audit_wire`); or "sketch" (compact: fp16 for what a sibling recomputes
+    from, a stage's input and received gradient; count sketches of `SKETCH_SIZE` buckets for every other tensor,
+    compared by the norms of their differences). A compact audit whose checks all pass with a margin (the own
+    checks within `rtol` / 2, the link checks within `COMPACT_LINK_SHARE`, or `SKETCH_LINK_SHARE`, of theirs)
+    passes; any other is asked again in fp32 and judged exactly as an fp32 audit, so every verdict is reached on
+    fp32 records, and a stage whose fp32 record does not round (or sketch) to the compact one it reported is a
+    liar. The default is exact: in one process audits cross no wire; `swarm train` sends sketches
+    (`--verify-records`)."""
     referee_rtol: float = 0.05
     """Largest relative error between a replica's number and the trainer's own recomputation of it, when the
     trainer referees a dispute between two replicas (`swarm.runtime.referee`): the weights are the same bits, but
@@ -129,6 +132,13 @@ COMPACT_OWN_SHARE = 0.5
 recomputation by about 2e-4 (relative) on the churn model's stages, so a compact pass is an fp32 pass too."""
 COMPACT_LINK_SHARE = 0.99
 """A compact audit's link checks pass within this share of their tolerances (the rounding moves them by ~1e-5)."""
+SKETCH_SIZE = 1024
+"""Buckets of a sketched audit's count sketches: the norm of a sketched difference is within 3% (one standard
+deviation, at most) of the difference's norm."""
+SKETCH_LINK_SHARE = 0.8
+"""A sketched audit's link checks pass within this share of their tolerances: an error at the tolerance passes
+only where the sketches underestimate it by 20%, about seven standard deviations. (Its own checks, within half of
+`rtol`, would need a 50% underestimate.)"""
 _RECORD_FIELDS = (("inputs", "input"), ("output", "output"), ("grad_received", "grad_received"),
                   ("grad_sent", "grad_sent"))  # fmt: skip
 """(Evidence attribute, AuditReply field) of a record's tensors"""
@@ -185,6 +195,9 @@ class Evidence:
     wire: dict = field(default_factory=dict)
     """the record's tensors as they came (field -> (TensorMessage, scale)): a compact input is passed on to the
     sibling as it came, so both compute from the same bits"""
+    sketched: set = field(default_factory=set)
+    """the record's fields that came as count sketches (a sketched audit), under `sketch_seed`"""
+    sketch_seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -223,6 +236,19 @@ def judge(
             if not err <= link_back:
                 link.append(Finding(s, "link", "backward", err))
     return own + link
+
+
+def _sketched(e: Evidence, values_in: bool, seed: int, size: int) -> Evidence:
+    """`e` as a sketched audit judges it: every tensor a count sketch under `seed` (what came as values too: the
+    inputs of stages after the first, received gradients, an older stage's or sibling's values)."""
+
+    def of(t):
+        return sketch(t, seed, size) if isinstance(t, torch.Tensor) and t.dim() > 1 else t
+
+    return Evidence(
+        e.stage, e.peer, of(e.inputs) if values_in else e.inputs, of(e.output), of(e.grad_received),
+        of(e.grad_sent), e.verifier, of(e.check_output), of(e.check_grad),
+    )  # fmt: skip
 
 
 def _together(calls: Sequence[Callable[[], object]]) -> list:
@@ -338,6 +364,10 @@ class StageVerifier:
         seed = 1 + int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=7).digest(), "little")
         return seed, self._last_seed
 
+    def _draw(self, what: str) -> int:
+        """A 63-bit number keyed by the trainer's secret (no stage can foresee it)."""
+        return int.from_bytes(hashlib.blake2b(what.encode(), key=self._secret, digest_size=8).digest(), "little") >> 1
+
     def _pick(self, step: int, stage: int, choices: Sequence[int]) -> int:
         key = f"pick:{step}:{stage}:{time.perf_counter_ns()}".encode()
         draw = int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=8).digest(), "little")
@@ -379,14 +409,14 @@ class StageVerifier:
             return  # lone stages only: nobody can recompute (a pipeline without replicas pays nothing)
         args = (step, plan_version, replicas, local_mb, siblings, micro, loss_weight)
         compact = cfg.records != "fp32"
-        route, requests, findings = self._gather(*args, compact=compact)
+        route, judged, requests, findings = self._gather(*args, compact=compact)
         if compact and findings:  # not clearly within: judged again, on the fp32 records
             with self._lock:
                 self.stats.escalations += 1
             log.info("step %d: a compact audit's checks failed (%s): asking again in fp32", step,
                      ", ".join(f"stage {f.stage} {f.kind} {f.direction} {f.error:.3g}" for f in findings))  # fmt: skip
-            route, requests, findings = self._gather(*args, compact=False, committed=route)
-        self._note_passes(route, findings)
+            route, judged, requests, findings = self._gather(*args, compact=False, committed=route)
+        self._note_passes(judged, findings)
         if not findings:
             return
         for f in findings:
@@ -401,12 +431,14 @@ class StageVerifier:
         when compact: only a clear pass passes). `committed`: the compact records the stages reported first,
         which their fp32 records must round to."""
         cfg, n = self.config, len(replicas)
-        route = [Evidence(s, self.replica_peers[s][r]) for s, r in enumerate(replicas)]
+        size = SKETCH_SIZE if compact and cfg.records == "sketch" else 0
+        seed = self._draw(f"sketch:{step}:{time.perf_counter_ns()}") if size else 0
+        route = [Evidence(s, self.replica_peers[s][r], sketch_seed=seed) for s, r in enumerate(replicas)]
 
         def record(s: int, e: Evidence):
             request = stage_pb2.AuditRequest(
                 step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward,
-                compact=compact,
+                compact=compact, sketch_seed=seed, sketch_size=size,
             )  # fmt: skip
             return self._ask(s, replicas[s], "Audit", request, e.peer)
 
@@ -423,6 +455,7 @@ class StageVerifier:
             if not siblings[s]:
                 continue
             requests[s] = self._recompute_request(step, plan_version, s, n, e, micro, loss_weight, compact)
+            requests[s].sketch_seed, requests[s].sketch_size = seed, size
             v = self._pick(step, s, siblings[s])
             e.verifier = self.replica_peers[s][v]
             calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n)))
@@ -430,8 +463,10 @@ class StageVerifier:
             e.check_output, e.check_grad = output, grad
         own, link, back = cfg.rtol, cfg.link_rtol, cfg.link_rtol_backward
         if compact:
-            own, link, back = own * COMPACT_OWN_SHARE, link * COMPACT_LINK_SHARE, back * COMPACT_LINK_SHARE
-        return route, requests, judge(route, own, link, cfg.backward, back)
+            share = SKETCH_LINK_SHARE if size else COMPACT_LINK_SHARE
+            own, link, back = own * COMPACT_OWN_SHARE, link * share, back * share
+        judged = [_sketched(e, s > 0, seed, size) for s, e in enumerate(route)] if size else route
+        return route, judged, requests, judge(judged, own, link, cfg.backward, back)
 
     def _check_committed(self, step: int, e: Evidence, first: Evidence) -> None:
         """A stage's fp32 record against the compact one it reported first for the same micro-batch: rounding
@@ -439,6 +474,12 @@ class StageVerifier:
         if not isinstance(first.output, torch.Tensor) and first.output is not None and e.output != first.output:
             self._liar(e, f"step {step}: its loss record is {e.output} in fp32 and was {first.output} first")
         for attr, name in _RECORD_FIELDS:
+            if name in first.sketched:
+                claimed, exact = getattr(first, attr), getattr(e, attr)
+                if exact is None or not torch.allclose(sketch(exact, first.sketch_seed, claimed.numel()), claimed,
+                                                       rtol=1e-5, atol=1e-9 * float(claimed.abs().max())):  # fmt: skip
+                    self._liar(e, f"step {step}: its fp32 {name} record does not sketch to the one it reported first")
+                continue
             if name not in first.wire:
                 continue
             exact, shown, compact = getattr(e, attr), getattr(first, attr), first.wire[name][0].codec == wire_pb2.FP16
@@ -666,7 +707,10 @@ class StageVerifier:
             self._liar(e, f"its audit record's tokens are shaped {list(e.inputs.shape)}, the trainer sent {rows_seq}")
         named = (("input", None if first else e.inputs), ("output", None if last else e.output))
         tensors = [(name, t) for name, t in (*named, ("grad_received", e.grad_received), ("grad_sent", e.grad_sent))]
-        tensors = [(name, t) for name, t in tensors if t is not None]
+        for name, t in tensors:
+            if name in e.sketched and t.numel() != SKETCH_SIZE:
+                self._liar(e, f"its audit record's {name} sketch has {t.numel()} buckets, not {SKETCH_SIZE}")
+        tensors = [(name, t) for name, t in tensors if t is not None and name not in e.sketched]
         hidden = {t.shape[-1] for _, t in tensors if t.dim()}
         for name, t in tensors:  # every tensor of the record is [rows, seq, hidden] of this micro-batch, one hidden
             if t.dim() != 3 or list(t.shape[:2]) != rows_seq or len(hidden) > 1:
@@ -674,8 +718,13 @@ class StageVerifier:
 
     @staticmethod
     def _tensor(message, name: str, e: Evidence | None = None) -> torch.Tensor | None:
-        """Field `name` of a reply (fp32, or compact with its `name`_scale), None where absent; kept as it came in
-        `e.wire`."""
+        """Field `name` of a reply (fp32, or compact with its `name`_scale, or its `name`_sketch), None where
+        absent; kept as it came in `e.wire` (a sketch: named in `e.sketched`)."""
+        sketched = getattr(message, f"{name}_sketch", None)
+        if sketched:
+            if e is not None:
+                e.sketched.add(name)
+            return torch.tensor(list(sketched), dtype=torch.float64)
         if not message.HasField(name):
             return None
         msg, scale = getattr(message, name), getattr(message, f"{name}_scale")

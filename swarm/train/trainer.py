@@ -190,9 +190,10 @@ class TrainConfig:
     """share of micro-batches whose work a sibling replica recomputes and the trainer compares, on stages with
     replicas; replicas also compare their weights' digests after every step (0: both off;
     docs/SECURITY.md#verified-stage-work gives the cost and what it catches)"""
-    verify_records: str = field(default="fp16", metadata=flag(choices=RECORD_CODECS, group=_TRAINING))
-    """how audited records and recomputations travel: fp16 (after a power-of-two scale: half the bytes; a record
-    whose checks fail is asked again in fp32, so verdicts stay fp32's) or fp32 (swarm.runtime.audit_wire)"""
+    verify_records: str = field(default="sketch", metadata=flag(choices=RECORD_CODECS, group=_TRAINING))
+    """how audited records and recomputations travel: sketch (fp16 for what a sibling recomputes from, count
+    sketches for the rest: about a fifth of fp32's bytes), fp16 (every tensor in fp16: half) or fp32; a compact
+    audit whose checks fail is asked again in fp32, so verdicts stay fp32's (swarm.runtime.audit_wire)"""
     freeze: FreezeConfig | None = field(default=None, metadata={"flag": FREEZE_FLAG})
     """freeze a growing prefix of the layers by the gradient norms' change (PipeTransformer, swarm.train.freezing);
     the planner repacks the active layers onto fewer stages"""

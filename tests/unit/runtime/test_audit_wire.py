@@ -10,14 +10,19 @@ from swarm.compression import CodecConfig, WireError, WireLimits, make_codec
 from swarm.runtime.audit import AuditRecord, Recomputed
 from swarm.runtime.audit_wire import (
     MAX_SCALE_EXP,
+    MAX_SKETCH_SIZE,
     audit_reply,
     compact_equal,
     decode_tensor,
     encode_tensor,
     recompute_reply,
+    sketch,
 )
 
 torch.manual_seed(0)
+
+PINNED = [4.0, -1.0, 2.0, 8.0]
+"""sketch(arange(6), seed 12345, 4 buckets): a change of the hash would make every older stage's sketches differ"""
 
 
 @pytest.mark.parametrize("magnitude", [1.0, 1e-9, 1e-30, 1e30, 3e38])
@@ -109,3 +114,34 @@ def test_replies_carry_what_was_asked():
         )
     done = recompute_reply(Recomputed(torch.randn(2, 4, 8), 0.0, torch.randn(2, 4, 8)), compact=True)
     assert done.output_scale and done.grad_in_scale
+
+
+def test_the_sketch_is_linear_portable_and_estimates_norms():
+    # the same bits on every machine: integer hashing, fp64 sums (this value pins the hash)
+    assert sketch(torch.arange(6, dtype=torch.float32), 12345, 4).tolist() == PINNED
+    a, b = torch.randn(2, 64, 64), torch.randn(2, 64, 64)
+    assert torch.allclose(sketch(a - b, 7, 1024), sketch(a, 7, 1024) - sketch(b, 7, 1024), atol=1e-5)
+    ratios = [float(sketch(a, seed, 1024).norm() / a.norm()) for seed in range(20)]
+    assert all(0.85 < r < 1.15 for r in ratios)  # 3% standard deviation at 1024 buckets
+    spike = torch.zeros(2, 64, 64)
+    spike[1, 2, 3] = 5.0  # one element: kept whole in its bucket
+    assert float(sketch(spike, 3, 1024).norm()) == pytest.approx(5.0)
+    assert sketch(torch.zeros(0), 1, 8).tolist() == [0.0] * 8
+
+
+def test_replies_sketch_only_what_a_sketch_shrinks_and_only_when_asked():
+    big = AuditRecord(torch.randn(2, 64, 64), torch.randn(2, 64, 64), torch.randn(2, 64, 64), torch.randn(2, 64, 64))
+    reply = audit_reply(big, False, False, True, compact=True, sketch_seed=5, sketch_size=1024)
+    # a sibling recomputes from the input and the received gradient: values; the rest: sketches
+    assert reply.HasField("input") and reply.HasField("grad_received") and not reply.HasField("output")
+    assert len(reply.output_sketch) == 1024 and len(reply.grad_sent_sketch) == 1024
+    assert torch.allclose(torch.tensor(list(reply.output_sketch), dtype=torch.float64), sketch(big.output, 5, 1024))
+    first = audit_reply(big, True, False, True, compact=True, sketch_seed=5, sketch_size=1024)
+    assert len(first.grad_received_sketch) == 1024  # stage 0's received gradient: nobody recomputes from it
+    small = AuditRecord(torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8))
+    assert audit_reply(small, False, False, True, True, 5, 1024).HasField("output")  # 64 elements: values pay
+    assert not audit_reply(big, False, False, True, False, 5, 1024).output_sketch  # fp32 asked: never sketched
+    with pytest.raises(WireError, match="sketch_size"):
+        audit_reply(big, False, False, True, True, 5, MAX_SKETCH_SIZE + 1)
+    done = recompute_reply(Recomputed(torch.randn(2, 64, 64), 0.0, torch.randn(2, 64, 64)), True, 9, 1024)
+    assert len(done.output_sketch) == 1024 and len(done.grad_in_sketch) == 1024 and not done.HasField("output")
