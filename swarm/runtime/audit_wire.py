@@ -30,11 +30,15 @@ __all__ = [
     "MAX_SCALE_EXP",
     "RECORD_CODECS",
     "audit_reply",
+    "committed_mismatch",
     "compact_equal",
     "decode_tensor",
     "encode_tensor",
+    "read_record",
     "recompute_inputs",
     "recompute_reply",
+    "recompute_request",
+    "reply_tensor",
     "sketch",
 ]
 
@@ -209,3 +213,105 @@ def recompute_reply(
             getattr(reply, name).CopyFrom(msg)
             setattr(reply, f"{name}_scale", scale)
     return reply
+
+
+# ---- the trainer's side ------------------------------------------------------------------------------------------
+
+_RECORD_FIELDS = (("inputs", "input"), ("output", "output"), ("grad_received", "grad_received"),
+                  ("grad_sent", "grad_sent"))  # fmt: skip
+"""(evidence attribute, AuditReply field) of a record's tensors"""
+
+
+def reply_tensor(message, name: str, e=None) -> torch.Tensor | None:
+    """Field `name` of an Audit or Recompute reply (fp32, or compact with its `name`_scale, or its `name`_sketch),
+    None where absent; with `e` (a `swarm.runtime.verify.Evidence`), kept as it came in `e.wire`, a sketch named in
+    `e.sketched`."""
+    sketched = getattr(message, f"{name}_sketch", None)
+    if sketched:
+        if e is not None:
+            e.sketched.add(name)
+        return torch.tensor(list(sketched), dtype=torch.float64)
+    if not message.HasField(name):
+        return None
+    msg, scale = getattr(message, name), getattr(message, f"{name}_scale")
+    if e is not None:
+        e.wire[name] = (msg, scale)
+    return decode_tensor(msg, scale, name)
+
+
+def read_record(e, reply, first: bool, last: bool, micro, sketch_size: int) -> str | None:
+    """Fills `e` (an `Evidence`) from a stage's AuditReply for the micro-batch `micro`; what is wrong with the
+    record (a lie: malformed, missing its input, another shape, a sketch of another size), or None."""
+    try:
+        if first:
+            shape = micro.tokens.shape
+            e.inputs = tokens_from_wire(reply.tokens, 1 << 31, shape[1])[0] if reply.HasField("tokens") else None
+        else:
+            e.inputs = reply_tensor(reply, "input", e)
+        e.output = reply.loss if last else reply_tensor(reply, "output", e)
+        e.grad_received = None if last else reply_tensor(reply, "grad_received", e)
+        e.grad_sent = None if first else reply_tensor(reply, "grad_sent", e)
+    except WireError as error:
+        return f"its audit record is malformed: {error}"
+    if e.inputs is None:
+        return "its audit record has no input"
+    rows_seq = list(micro.tokens.shape)
+    if first and list(e.inputs.shape) != rows_seq:
+        return f"its audit record's tokens are shaped {list(e.inputs.shape)}, the trainer sent {rows_seq}"
+    named = (("input", None if first else e.inputs), ("output", None if last else e.output))
+    tensors = [(name, t) for name, t in (*named, ("grad_received", e.grad_received), ("grad_sent", e.grad_sent))]
+    for name, t in tensors:
+        if name in e.sketched and t.numel() != sketch_size:
+            return f"its audit record's {name} sketch has {t.numel()} buckets, not {sketch_size}"
+    tensors = [(name, t) for name, t in tensors if t is not None and name not in e.sketched]
+    hidden = {t.shape[-1] for _, t in tensors if t.dim()}
+    for name, t in tensors:  # every tensor of the record is [rows, seq, hidden] of this micro-batch, one hidden
+        if t.dim() != 3 or list(t.shape[:2]) != rows_seq or len(hidden) > 1:
+            return f"its audit record's {name} is shaped {list(t.shape)} for {rows_seq} tokens"
+    return None
+
+
+def committed_mismatch(e, first) -> str | None:
+    """A stage's fp32 record `e` against the compact one `first` it reported before for the same micro-batch:
+    rounding (or sketching) the one must give the other, or the stage reported two records. What differs, or
+    None."""
+    if not isinstance(first.output, torch.Tensor) and first.output is not None and e.output != first.output:
+        return f"its loss record is {e.output} in fp32 and was {first.output} first"
+    for attr, name in _RECORD_FIELDS:
+        exact, shown = getattr(e, attr), getattr(first, attr)
+        if name in first.sketched:
+            atol = 1e-9 * float(shown.abs().max())
+            if exact is None or not torch.allclose(sketch(exact, first.sketch_seed, shown.numel()), shown, 1e-5, atol):
+                return f"its fp32 {name} record does not sketch to the one it reported first"
+        elif name in first.wire:
+            compact = first.wire[name][0].codec == wire_pb2.FP16
+            if exact is None or not (compact_equal(exact, shown) if compact else bool(torch.equal(exact, shown))):
+                return f"its fp32 {name} record does not round to the compact one it reported first"
+    return None
+
+
+def recompute_request(step, plan_version, s, n, e, micro, loss_weight, backward: bool, compact: bool = False):
+    """What a sibling recomputes: stage `s`'s reported input (and received gradient; `e`), passed on as they came
+    when compact (the same bits on both replicas), else in fp32."""
+    request = stage_pb2.RecomputeRequest(step=step, plan_version=plan_version, stage=s, compact=compact)
+
+    def put(name: str, attr: str, t: torch.Tensor) -> None:
+        msg, scale = e.wire[attr] if compact and attr in e.wire else encode_tensor(t, False)
+        getattr(request, name).CopyFrom(msg)
+        setattr(request, f"{name}_scale", scale)
+
+    if s == 0:
+        request.tokens.CopyFrom(tokens_to_wire(micro.tokens))
+    else:
+        put("input", "input", e.inputs)
+    if s == n - 1:
+        request.targets.CopyFrom(tokens_to_wire(micro.targets))
+    if backward and s > 0:
+        request.backward = True
+        if s == n - 1:
+            request.loss_weight = loss_weight
+        elif e.grad_received is not None:
+            put("grad", "grad_received", e.grad_received)
+        else:
+            request.backward = False
+    return request

@@ -47,9 +47,16 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.compression import WireError
-from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire, tokens_to_wire
-from swarm.proto import stage_pb2, wire_pb2
-from swarm.runtime.audit_wire import RECORD_CODECS, compact_equal, decode_tensor, encode_tensor, sketch
+from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire
+from swarm.proto import stage_pb2
+from swarm.runtime.audit_wire import (
+    RECORD_CODECS,
+    committed_mismatch,
+    read_record,
+    recompute_request,
+    reply_tensor,
+    sketch,
+)
 from swarm.runtime.referee import RefereeFailed
 from swarm.runtime.routing import reroutable
 
@@ -139,9 +146,6 @@ SKETCH_LINK_SHARE = 0.8
 """A sketched audit's link checks pass within this share of their tolerances: an error at the tolerance passes
 only where the sketches underestimate it by 20%, about seven standard deviations. (Its own checks, within half of
 `rtol`, would need a 50% underestimate.)"""
-_RECORD_FIELDS = (("inputs", "input"), ("output", "output"), ("grad_received", "grad_received"),
-                  ("grad_sent", "grad_sent"))  # fmt: skip
-"""(Evidence attribute, AuditReply field) of a record's tensors"""
 
 
 class LiarFound(Exception):
@@ -413,7 +417,7 @@ class StageVerifier:
         if compact and findings:  # not clearly within: judged again, on the fp32 records
             with self._lock:
                 self.stats.escalations += 1
-            log.info("step %d: a compact audit's checks failed (%s): asking again in fp32", step,
+            log.warning("step %d: a compact audit's checks failed (%s): asking again in fp32", step,
                      ", ".join(f"stage {f.stage} {f.kind} {f.direction} {f.error:.3g}" for f in findings))  # fmt: skip
             route, judged, requests, findings = self._gather(*args, compact=False, committed=route)
         self._note_passes(judged, findings)
@@ -445,16 +449,19 @@ class StageVerifier:
         # the records, as each stage of the route states them (all stages at once)
         replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
         for s, (e, reply) in enumerate(zip(route, replies, strict=True)):
-            self._read_record(e, reply, s == 0, s == n - 1, micro)
+            lie = read_record(e, reply, s == 0, s == n - 1, micro, SKETCH_SIZE)
+            if lie:
+                self._liar(e, lie)
         if not bool(torch.equal(route[0].inputs, micro.tokens)):
             self._liar(route[0], f"step {step}: its record holds other tokens than the trainer sent")
         for e, first in zip(route, committed, strict=False):  # none when compact
-            self._check_committed(step, e, first)
+            if lie := committed_mismatch(e, first):
+                self._liar(e, f"step {step}: {lie}")
         requests, calls = {}, []
         for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
             if not siblings[s]:
                 continue
-            requests[s] = self._recompute_request(step, plan_version, s, n, e, micro, loss_weight, compact)
+            requests[s] = recompute_request(step, plan_version, s, n, e, micro, loss_weight, cfg.backward, compact)
             requests[s].sketch_seed, requests[s].sketch_size = seed, size
             v = self._pick(step, s, siblings[s])
             e.verifier = self.replica_peers[s][v]
@@ -467,26 +474,6 @@ class StageVerifier:
             own, link, back = own * COMPACT_OWN_SHARE, link * share, back * share
         judged = [_sketched(e, s > 0, seed, size) for s, e in enumerate(route)] if size else route
         return route, judged, requests, judge(judged, own, link, cfg.backward, back)
-
-    def _check_committed(self, step: int, e: Evidence, first: Evidence) -> None:
-        """A stage's fp32 record against the compact one it reported first for the same micro-batch: rounding
-        the one must give the other, or the stage reported two records."""
-        if not isinstance(first.output, torch.Tensor) and first.output is not None and e.output != first.output:
-            self._liar(e, f"step {step}: its loss record is {e.output} in fp32 and was {first.output} first")
-        for attr, name in _RECORD_FIELDS:
-            if name in first.sketched:
-                claimed, exact = getattr(first, attr), getattr(e, attr)
-                if exact is None or not torch.allclose(sketch(exact, first.sketch_seed, claimed.numel()), claimed,
-                                                       rtol=1e-5, atol=1e-9 * float(claimed.abs().max())):  # fmt: skip
-                    self._liar(e, f"step {step}: its fp32 {name} record does not sketch to the one it reported first")
-                continue
-            if name not in first.wire:
-                continue
-            exact, shown, compact = getattr(e, attr), getattr(first, attr), first.wire[name][0].codec == wire_pb2.FP16
-            same = exact is not None and (compact_equal(exact, shown) if compact else bool(torch.equal(exact, shown)))
-            if not same:
-                self._liar(e, f"step {step}: its fp32 {name} record does not round to the compact one it reported "
-                           f"first")  # fmt: skip
 
     def _resolve_own(self, step, route, finding: Finding, replicas, siblings, request, n) -> None:
         """The stage's record disagrees with a sibling's recomputation: who is right?"""
@@ -688,82 +675,12 @@ class StageVerifier:
                 raise _Refused(s, peer, method, e) from e
             raise AuditDisputed(f"{method} to stage {s} ({peer}) failed: {e}") from e
 
-    def _read_record(self, e: Evidence, reply, first: bool, last: bool, micro) -> None:
-        try:
-            if first:
-                shape = micro.tokens.shape
-                e.inputs = tokens_from_wire(reply.tokens, 1 << 31, shape[1])[0] if reply.HasField("tokens") else None
-            else:
-                e.inputs = self._tensor(reply, "input", e)
-            e.output = reply.loss if last else self._tensor(reply, "output", e)
-            e.grad_received = None if last else self._tensor(reply, "grad_received", e)
-            e.grad_sent = None if first else self._tensor(reply, "grad_sent", e)
-        except WireError as error:
-            self._liar(e, f"its audit record is malformed: {error}")
-        if e.inputs is None:
-            self._liar(e, "its audit record has no input")
-        rows_seq = list(micro.tokens.shape)
-        if first and list(e.inputs.shape) != rows_seq:
-            self._liar(e, f"its audit record's tokens are shaped {list(e.inputs.shape)}, the trainer sent {rows_seq}")
-        named = (("input", None if first else e.inputs), ("output", None if last else e.output))
-        tensors = [(name, t) for name, t in (*named, ("grad_received", e.grad_received), ("grad_sent", e.grad_sent))]
-        for name, t in tensors:
-            if name in e.sketched and t.numel() != SKETCH_SIZE:
-                self._liar(e, f"its audit record's {name} sketch has {t.numel()} buckets, not {SKETCH_SIZE}")
-        tensors = [(name, t) for name, t in tensors if t is not None and name not in e.sketched]
-        hidden = {t.shape[-1] for _, t in tensors if t.dim()}
-        for name, t in tensors:  # every tensor of the record is [rows, seq, hidden] of this micro-batch, one hidden
-            if t.dim() != 3 or list(t.shape[:2]) != rows_seq or len(hidden) > 1:
-                self._liar(e, f"its audit record's {name} is shaped {list(t.shape)} for {rows_seq} tokens")
-
-    @staticmethod
-    def _tensor(message, name: str, e: Evidence | None = None) -> torch.Tensor | None:
-        """Field `name` of a reply (fp32, or compact with its `name`_scale, or its `name`_sketch), None where
-        absent; kept as it came in `e.wire` (a sketch: named in `e.sketched`)."""
-        sketched = getattr(message, f"{name}_sketch", None)
-        if sketched:
-            if e is not None:
-                e.sketched.add(name)
-            return torch.tensor(list(sketched), dtype=torch.float64)
-        if not message.HasField(name):
-            return None
-        msg, scale = getattr(message, name), getattr(message, f"{name}_scale")
-        if e is not None:
-            e.wire[name] = (msg, scale)
-        return decode_tensor(msg, scale, name)
-
-    def _recompute_request(self, step, plan_version, s, n, e: Evidence, micro, loss_weight, compact: bool = False):
-        """What a sibling recomputes: the stage's reported input (and received gradient), passed on as they came
-        when compact (the same bits on both replicas), else in fp32."""
-        request = stage_pb2.RecomputeRequest(step=step, plan_version=plan_version, stage=s, compact=compact)
-
-        def put(name: str, attr: str, t: torch.Tensor) -> None:
-            msg, scale = e.wire[attr] if compact and attr in e.wire else encode_tensor(t, False)
-            getattr(request, name).CopyFrom(msg)
-            setattr(request, f"{name}_scale", scale)
-
-        if s == 0:
-            request.tokens.CopyFrom(tokens_to_wire(micro.tokens))
-        else:
-            put("input", "input", e.inputs)
-        if s == n - 1:
-            request.targets.CopyFrom(tokens_to_wire(micro.targets))
-        if self.config.backward and s > 0:
-            request.backward = True
-            if s == n - 1:
-                request.loss_weight = loss_weight
-            elif e.grad_received is not None:
-                put("grad", "grad_received", e.grad_received)
-            else:
-                request.backward = False
-        return request
-
     def _recompute(self, s: int, r: int, request, peer: str, n: int):
         reply = self._ask(s, r, "Recompute", request, peer)
         self.stats.recomputes += 1
         try:
-            output = reply.loss if s == n - 1 else self._tensor(reply, "output")
-            grad = self._tensor(reply, "grad_in") if request.backward else None
+            output = reply.loss if s == n - 1 else reply_tensor(reply, "output")
+            grad = reply_tensor(reply, "grad_in") if request.backward else None
         except WireError:
             output, grad = None, None  # counts as a disagreement, resolved like any other
         return output, grad
