@@ -286,37 +286,57 @@ class StateItem(_message.Message):
     def __init__(self, name: _Optional[str] = ..., chunk: _Optional[_Union[_wire_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class AuditRequest(_message.Message):
-    __slots__ = ("step", "plan_version", "stage", "micro_batch", "backward")
+    __slots__ = ("step", "plan_version", "stage", "micro_batch", "backward", "compact", "sketch_seed", "sketch_size")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
     stage: int
     micro_batch: int
     backward: bool
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[int] = ..., backward: _Optional[bool] = ...) -> None: ...
+    compact: bool
+    sketch_seed: int
+    sketch_size: int
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[int] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ...) -> None: ...
 
 class AuditReply(_message.Message):
-    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent")
+    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent", "input_scale", "output_scale", "grad_received_scale", "grad_sent_scale", "output_sketch", "grad_received_sketch", "grad_sent_sketch")
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     GRAD_SENT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_RECEIVED_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SENT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    GRAD_RECEIVED_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SENT_SKETCH_FIELD_NUMBER: _ClassVar[int]
     input: _wire_pb2.TensorMessage
     tokens: TokenBatch
     output: _wire_pb2.TensorMessage
     loss: float
     grad_received: _wire_pb2.TensorMessage
     grad_sent: _wire_pb2.TensorMessage
-    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ...) -> None: ...
+    input_scale: int
+    output_scale: int
+    grad_received_scale: int
+    grad_sent_scale: int
+    output_sketch: _containers.RepeatedScalarFieldContainer[float]
+    grad_received_sketch: _containers.RepeatedScalarFieldContainer[float]
+    grad_sent_sketch: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., input_scale: _Optional[int] = ..., output_scale: _Optional[int] = ..., grad_received_scale: _Optional[int] = ..., grad_sent_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_received_sketch: _Optional[_Iterable[float]] = ..., grad_sent_sketch: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RecomputeRequest(_message.Message):
-    __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward")
+    __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward", "compact", "input_scale", "grad_scale", "sketch_seed", "sketch_size")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +346,11 @@ class RecomputeRequest(_message.Message):
     GRAD_FIELD_NUMBER: _ClassVar[int]
     LOSS_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
     stage: int
@@ -335,17 +360,30 @@ class RecomputeRequest(_message.Message):
     grad: _wire_pb2.TensorMessage
     loss_weight: float
     backward: bool
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., targets: _Optional[_Union[TokenBatch, _Mapping]] = ..., grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss_weight: _Optional[float] = ..., backward: _Optional[bool] = ...) -> None: ...
+    compact: bool
+    input_scale: int
+    grad_scale: int
+    sketch_seed: int
+    sketch_size: int
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., targets: _Optional[_Union[TokenBatch, _Mapping]] = ..., grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss_weight: _Optional[float] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., input_scale: _Optional[int] = ..., grad_scale: _Optional[int] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ...) -> None: ...
 
 class RecomputeReply(_message.Message):
-    __slots__ = ("output", "loss", "grad_in")
+    __slots__ = ("output", "loss", "grad_in", "output_scale", "grad_in_scale", "output_sketch", "grad_in_sketch")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_IN_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_IN_SCALE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    GRAD_IN_SKETCH_FIELD_NUMBER: _ClassVar[int]
     output: _wire_pb2.TensorMessage
     loss: float
     grad_in: _wire_pb2.TensorMessage
-    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ...) -> None: ...
+    output_scale: int
+    grad_in_scale: int
+    output_sketch: _containers.RepeatedScalarFieldContainer[float]
+    grad_in_sketch: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., output_scale: _Optional[int] = ..., grad_in_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_in_sketch: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("nonce",)

@@ -6,7 +6,9 @@ Usage: python scripts/churn_bytes_by_routes.py RUN/no-churn/trainer/steps.csv [F
   (or steps.jsonl, which the trainer appends to while it runs: the split of a run still going)
   FIRST_STEP: count only steps from this one on (e.g. 17: after the first sights of 64 samples at batch 8, two
   epochs). Prints one line per route count and one for all steps: MB sent, fp32 MB, the ratio, the split
-  (boundaries, tied sum, replicas' sums, control) and the ratio of the tensors alone (both totals less control).
+  (boundaries, tied sum, replicas' sums, control) and the ratio of the tensors alone (both totals less control);
+  then the control bytes of all those steps by call method (the `swarm_control_call_bytes_total{method=...}`
+  columns, where the run has them).
 """
 
 import csv
@@ -44,3 +46,15 @@ def line(name: str, sel: list[dict]) -> None:
 for routes in sorted({r["chains"] for r in rows}):
     line(f"{routes} route(s)", [r for r in rows if r["chains"] == routes])
 line("all", rows)
+
+methods: dict[str, float] = {}
+for r in rows:
+    for k in r:
+        if k.startswith("swarm_control_call_bytes_total{method="):
+            name = k.split("method=", 1)[1].rstrip("}")
+            methods[name] = methods.get(name, 0.0) + number(r, k)
+if methods and rows:
+    split = sorted(methods.items(), key=lambda kv: -kv[1])
+    print(
+        "control by method: " + ", ".join(f"{m} {b / 1e6:.2f} MB ({b / len(rows) / 1e3:.1f} KB/step)" for m, b in split)
+    )

@@ -75,6 +75,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "Bytes of the trainer's other calls: token and label batches, Reduce/Grads/Step, pings (serialized)",
     ),
     MetricSpec(
+        "control_call_bytes", Counter, "swarm_control_call_bytes_total",
+        "The trainer's control bytes by call method (Audit, Recompute, Status, Ping, Step, ...): request and reply "
+        "serialized, every attempt's", ("method",),
+    ),
+    MetricSpec(
         "phase_seconds", Histogram, "swarm_phase_seconds",
         "Seconds one micro-batch spent in a phase (encode, decode, compute, wait) on a stage", ("stage", "phase"),
         buckets=PHASE_BUCKETS_S,
@@ -139,6 +144,7 @@ class Metrics:
         fp32_bytes: swarm_fp32_bytes_total{link, direction}.
         sync_bytes: swarm_sync_bytes_total.
         control_bytes: swarm_control_bytes_total.
+        control_call_bytes: swarm_control_call_bytes_total{method} (the same bytes by call method).
         phase_seconds: swarm_phase_seconds{stage, phase} (phase: encode, decode, compute or wait).
         trainer_phase_seconds: swarm_trainer_phase_seconds_total{phase} (swarm.runtime.driver).
         buffer_hits: swarm_aqsgd_buffer_hits_total{link}.
@@ -161,6 +167,7 @@ class Metrics:
     fp32_bytes: Counter
     sync_bytes: Counter
     control_bytes: Counter
+    control_call_bytes: Counter
     phase_seconds: Histogram
     trainer_phase_seconds: Counter
     buffer_hits: Counter

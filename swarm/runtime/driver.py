@@ -238,20 +238,21 @@ class PipelineDriver:
 
     # ---- calls ------------------------------------------------------------------------------------------
 
-    def _count_control(self, nbytes: int) -> None:
+    def _count_control(self, nbytes: int, method: str = "GetState") -> None:
         with self._control_lock:
             self._control += nbytes
+        self.metrics.control_call_bytes.labels(method).inc(nbytes)  # the same bytes, by kind (steps.csv columns)
 
     def _call(self, stage: int, replica: int, method: str, request, timeout: float | None = None):
         """`method` on replica `replica` of `stage` (route c's replica is c % counts[stage]); the request's and
         the reply's serialized bytes are counted as control bytes (a stream's items as they are pulled)."""
         if isinstance(request, Message):
-            self._count_control(request.ByteSize())
+            self._count_control(request.ByteSize(), method)
         else:
-            request = self._counted(request)
+            request = self._counted(request, method)
         try:
             reply = getattr(self._stubs[(stage, replica)], method)(request, timeout=timeout or self.deadline_s)
-            self._count_control(reply.ByteSize())
+            self._count_control(reply.ByteSize(), method)
             return reply
         except grpc.RpcError as e:
             peer, address = self.replica_peers[stage][replica], self.replica_addresses[stage][replica]
@@ -265,9 +266,9 @@ class PipelineDriver:
         call = self._stubs[(stage, replica)].GetState(request, timeout=self.deadline_s)
         return _CountedStream(call, self._count_control)
 
-    def _counted(self, items):
+    def _counted(self, items, method: str):
         for item in items:
-            self._count_control(len(item))
+            self._count_control(len(item), method)
             yield item
 
     def _spawn(self, fn, suspects: tuple[str, ...]) -> Task:

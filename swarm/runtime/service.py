@@ -16,7 +16,6 @@ from dataclasses import asdict, fields
 from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from swarm.compression import BufferMissError, CodecConfig, WireError, WireLimits, frame, make_codec
 from swarm.net.stream import (
@@ -26,10 +25,9 @@ from swarm.net.stream import (
     StageCallError,
     StreamTimeout,
     read_stream,
-    tokens_from_wire,
-    tokens_to_wire,
 )
 from swarm.proto import stage_pb2, stage_pb2_grpc
+from swarm.runtime.audit_wire import audit_reply, recompute_inputs, recompute_reply
 from swarm.runtime.budget import CallerSlots, CallSlots, SlotsExhausted, StageBudget
 from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
 from swarm.runtime.checkpoint import handover_tensors
@@ -493,7 +491,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         def run():
             host = self._serving()
             record = host.audit_record(request.step, request.plan_version, request.stage, request.micro_batch)
-            return audit_reply(record, host.role.is_first, host.role.is_last, request.backward)
+            role, q = host.role, request
+            return audit_reply(record, role.is_first, role.is_last, q.backward, q.compact, q.sketch_seed, q.sketch_size)
 
         return self._guard(context, run)
 
@@ -507,7 +506,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             host.check_recompute(inputs, targets, grad)
             with self._recompute_slots.take(wait_s=self.budget.max_wait_s):
                 done = host.recompute(request.step, request.plan_version, request.stage, inputs, targets, grad)
-            return recompute_reply(done)
+            return recompute_reply(done, request.compact, request.sketch_seed, request.sketch_size)
 
         return self._guard(context, run)
 
@@ -583,70 +582,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             with host.compute_lock:
                 items = list(state_items(host))
             yield from items
-
-
-_FP32 = CodecConfig("fp32")
-
-
-def _tensor(message, limits: WireLimits, field: str):
-    """A tensor of an audit message (fp32 codec only), within `limits`."""
-    codec = make_codec(_FP32)
-    try:
-        return codec.decode(message, limits=limits)
-    except WireError as e:
-        raise WireError(field, str(e)) from None
-
-
-def audit_reply(record, is_first: bool, is_last: bool, backward: bool) -> stage_pb2.AuditReply:
-    """An `AuditRecord` on the wire: fp32 tensors (the trainer compares them with a recomputation)."""
-    codec, reply = make_codec(_FP32), stage_pb2.AuditReply()
-    if is_first:
-        reply.tokens.CopyFrom(tokens_to_wire(record.inputs.cpu()))
-    else:
-        reply.input.CopyFrom(codec.encode(record.inputs.detach().float().cpu()))
-    if is_last:
-        reply.loss = float(record.output)
-    else:
-        reply.output.CopyFrom(codec.encode(record.output.detach().float().cpu()))
-    if backward and record.grad_received is not None:
-        if not is_last:
-            reply.grad_received.CopyFrom(codec.encode(record.grad_received.detach().float().cpu()))
-        if record.grad_sent is not None:
-            reply.grad_sent.CopyFrom(codec.encode(record.grad_sent.detach().float().cpu()))
-    return reply
-
-
-def recompute_inputs(request: stage_pb2.RecomputeRequest, host: StageHost):
-    """A Recompute's (inputs, targets, output gradient), read within the stage's bounds (shapes: the host's
-    `check_recompute`)."""
-    role, model, limits = host.role, host.model, host.limits
-    if role.is_first:
-        if not request.HasField("tokens"):
-            raise WireError("tokens", "stage 0 recomputes from token ids")
-        inputs = tokens_from_wire(request.tokens, model.vocab_size, model.seq_len_tokens)[0]
-    else:
-        inputs = _tensor(request.input, limits, "input")
-    targets = None
-    if role.is_last and request.HasField("targets"):
-        targets = tokens_from_wire(request.targets, model.vocab_size, model.seq_len_tokens)[0]
-    grad = None
-    if request.backward and not role.is_first:
-        if role.is_last:
-            if not 0 < request.loss_weight <= 1:
-                raise WireError("loss_weight", f"{request.loss_weight} is not in (0, 1]")
-            grad = torch.tensor(request.loss_weight)
-        else:
-            grad = _tensor(request.grad, limits, "grad")
-    return inputs, targets, grad
-
-
-def recompute_reply(done) -> stage_pb2.RecomputeReply:
-    codec, reply = make_codec(_FP32), stage_pb2.RecomputeReply(loss=done.loss)
-    if done.output is not None:
-        reply.output.CopyFrom(codec.encode(done.output.cpu()))
-    if done.grad_in is not None:
-        reply.grad_in.CopyFrom(codec.encode(done.grad_in.float().cpu()))
-    return reply
 
 
 def reduce_order(request: stage_pb2.ReduceRequest) -> ReduceOrder:

@@ -46,9 +46,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.compression import CodecConfig, WireError, make_codec
-from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire, tokens_to_wire
+from swarm.compression import WireError
+from swarm.net.stream import PLAN_MISMATCH, StageCallError, tokens_from_wire
 from swarm.proto import stage_pb2
+from swarm.runtime.audit_wire import (
+    RECORD_CODECS,
+    committed_mismatch,
+    read_record,
+    recompute_request,
+    reply_tensor,
+    sketch,
+)
 from swarm.runtime.referee import RefereeFailed
 from swarm.runtime.routing import reroutable
 
@@ -96,6 +104,16 @@ class VerifyConfig:
     SHA-256 of the weights per step (1: every element)."""
     seed: int | None = None
     """The sampling secret (None: a fresh random one; set only in tests)."""
+    records: str = "fp32"
+    """How the records and recomputations travel: "fp32" (exact); "fp16" (compact: fp16 after a power-of-two
+    scale, half the bytes, `swarm.runtime.audit_wire`); or "sketch" (compact: fp16 for what a sibling recomputes
+    from, a stage's input and received gradient; count sketches of `SKETCH_SIZE` buckets for every other tensor,
+    compared by the norms of their differences). A compact audit whose checks all pass with a margin (the own
+    checks within `rtol` / 2, the link checks within `COMPACT_LINK_SHARE`, or `SKETCH_LINK_SHARE`, of theirs)
+    passes; any other is asked again in fp32 and judged exactly as an fp32 audit, so every verdict is reached on
+    fp32 records, and a stage whose fp32 record does not round (or sketch) to the compact one it reported is a
+    liar. The default is exact: in one process audits cross no wire; `swarm train` sends sketches
+    (`--verify-records`)."""
     referee_rtol: float = 0.05
     """Largest relative error between a replica's number and the trainer's own recomputation of it, when the
     trainer referees a dispute between two replicas (`swarm.runtime.referee`): the weights are the same bits, but
@@ -112,6 +130,22 @@ class VerifyConfig:
             raise ValueError(f"digest_stride must be >= 1, got {self.digest_stride}")
         if not (self.rtol > 0 and self.link_rtol > 0 and self.link_rtol_backward > 0 and self.referee_rtol > 0):
             raise ValueError("tolerances must be positive")
+        if self.records not in RECORD_CODECS:
+            raise ValueError(f"records must be one of {RECORD_CODECS}, got {self.records!r}")
+
+
+COMPACT_OWN_SHARE = 0.5
+"""A compact audit's own checks pass within this share of `rtol`: the compact inputs' rounding moves a
+recomputation by about 2e-4 (relative) on the churn model's stages, so a compact pass is an fp32 pass too."""
+COMPACT_LINK_SHARE = 0.99
+"""A compact audit's link checks pass within this share of their tolerances (the rounding moves them by ~1e-5)."""
+SKETCH_SIZE = 1024
+"""Buckets of a sketched audit's count sketches: the norm of a sketched difference is within 3% (one standard
+deviation, at most) of the difference's norm."""
+SKETCH_LINK_SHARE = 0.8
+"""A sketched audit's link checks pass within this share of their tolerances: an error at the tolerance passes
+only where the sketches underestimate it by 20%, about seven standard deviations. (Its own checks, within half of
+`rtol`, would need a 50% underestimate.)"""
 
 
 class LiarFound(Exception):
@@ -162,6 +196,12 @@ class Evidence:
     """the sibling that recomputed (None: a lone stage, not verified)"""
     check_output: torch.Tensor | float | None = None
     check_grad: torch.Tensor | None = None
+    wire: dict = field(default_factory=dict)
+    """the record's tensors as they came (field -> (TensorMessage, scale)): a compact input is passed on to the
+    sibling as it came, so both compute from the same bits"""
+    sketched: set = field(default_factory=set)
+    """the record's fields that came as count sketches (a sketched audit), under `sketch_seed`"""
+    sketch_seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,6 +240,19 @@ def judge(
             if not err <= link_back:
                 link.append(Finding(s, "link", "backward", err))
     return own + link
+
+
+def _sketched(e: Evidence, values_in: bool, seed: int, size: int) -> Evidence:
+    """`e` as a sketched audit judges it: every tensor a count sketch under `seed` (what came as values too: the
+    inputs of stages after the first, received gradients, an older stage's or sibling's values)."""
+
+    def of(t):
+        return sketch(t, seed, size) if isinstance(t, torch.Tensor) and t.dim() > 1 else t
+
+    return Evidence(
+        e.stage, e.peer, of(e.inputs) if values_in else e.inputs, of(e.output), of(e.grad_received),
+        of(e.grad_sent), e.verifier, of(e.check_output), of(e.check_grad),
+    )  # fmt: skip
 
 
 def _together(calls: Sequence[Callable[[], object]]) -> list:
@@ -246,6 +299,8 @@ class VerifyStats:
     """largest forward link-check error an audit passed (the forward codec's error)"""
     worst_link_backward: float = 0.0
     """largest backward link-check error an audit passed (the backward codec's)"""
+    escalations: int = 0
+    """compact audits (`VerifyConfig.records` "fp16") with a check outside its margin, asked again in fp32"""
 
 
 Call = Callable[[int, int, str, object], object]
@@ -290,7 +345,6 @@ class StageVerifier:
         self._lock = threading.Lock()
         self._local = threading.local()  # the running audit's `current`, per call thread
         self.stats = VerifyStats()
-        self._codec = make_codec(CodecConfig("fp32"))
 
     # ---- which micro-batches ------------------------------------------------------------------------------
 
@@ -313,6 +367,10 @@ class StageVerifier:
         key = f"digest:{step}".encode()
         seed = 1 + int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=7).digest(), "little")
         return seed, self._last_seed
+
+    def _draw(self, what: str) -> int:
+        """A 63-bit number keyed by the trainer's secret (no stage can foresee it)."""
+        return int.from_bytes(hashlib.blake2b(what.encode(), key=self._secret, digest_size=8).digest(), "little") >> 1
 
     def _pick(self, step: int, stage: int, choices: Sequence[int]) -> int:
         key = f"pick:{step}:{stage}:{time.perf_counter_ns()}".encode()
@@ -353,32 +411,16 @@ class StageVerifier:
         cfg, n = self.config, len(replicas)
         if not any(siblings):
             return  # lone stages only: nobody can recompute (a pipeline without replicas pays nothing)
-        route = [Evidence(s, self.replica_peers[s][r]) for s, r in enumerate(replicas)]
-
-        def record(s: int, e: Evidence):
-            request = stage_pb2.AuditRequest(
-                step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward
-            )
-            return self._ask(s, replicas[s], "Audit", request, e.peer)
-
-        # the records, as each stage of the route states them (all stages at once)
-        replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
-        for s, (e, reply) in enumerate(zip(route, replies, strict=True)):
-            self._read_record(e, reply, s == 0, s == n - 1, micro)
-        if not bool(torch.equal(route[0].inputs, micro.tokens)):
-            self._liar(route[0], f"step {step}: its record holds other tokens than the trainer sent")
-        requests, calls = {}, []
-        for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
-            if not siblings[s]:
-                continue
-            requests[s] = self._recompute_request(step, plan_version, s, n, e, micro, loss_weight)
-            v = self._pick(step, s, siblings[s])
-            e.verifier = self.replica_peers[s][v]
-            calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n)))
-        for (e, _), (output, grad) in zip(calls, _together([c for _, c in calls]), strict=True):
-            e.check_output, e.check_grad = output, grad
-        findings = judge(route, cfg.rtol, cfg.link_rtol, cfg.backward, cfg.link_rtol_backward)
-        self._note_passes(route, findings)
+        args = (step, plan_version, replicas, local_mb, siblings, micro, loss_weight)
+        compact = cfg.records != "fp32"
+        route, judged, requests, findings = self._gather(*args, compact=compact)
+        if compact and findings:  # not clearly within: judged again, on the fp32 records
+            with self._lock:
+                self.stats.escalations += 1
+            log.warning("step %d: a compact audit's checks failed (%s): asking again in fp32", step,
+                     ", ".join(f"stage {f.stage} {f.kind} {f.direction} {f.error:.3g}" for f in findings))  # fmt: skip
+            route, judged, requests, findings = self._gather(*args, compact=False, committed=route)
+        self._note_passes(judged, findings)
         if not findings:
             return
         for f in findings:
@@ -386,6 +428,52 @@ class StageVerifier:
                 self._resolve_own(step, route, f, replicas, siblings, requests[f.stage], n)
         for f in findings:
             self._resolve_link(step, route, f, findings)
+
+    def _gather(self, step, plan_version, replicas, local_mb, siblings, micro, loss_weight, compact: bool,
+                committed: Sequence[Evidence] = ()):  # fmt: skip
+        """One audit's records and recomputations, in fp32 or compact, and the checks that failed (with a margin
+        when compact: only a clear pass passes). `committed`: the compact records the stages reported first,
+        which their fp32 records must round to."""
+        cfg, n = self.config, len(replicas)
+        size = SKETCH_SIZE if compact and cfg.records == "sketch" else 0
+        seed = self._draw(f"sketch:{step}:{time.perf_counter_ns()}") if size else 0
+        route = [Evidence(s, self.replica_peers[s][r], sketch_seed=seed) for s, r in enumerate(replicas)]
+
+        def record(s: int, e: Evidence):
+            request = stage_pb2.AuditRequest(
+                step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward,
+                compact=compact, sketch_seed=seed, sketch_size=size,
+            )  # fmt: skip
+            return self._ask(s, replicas[s], "Audit", request, e.peer)
+
+        # the records, as each stage of the route states them (all stages at once)
+        replies = _together([lambda s=s, e=e: record(s, e) for s, e in enumerate(route)])
+        for s, (e, reply) in enumerate(zip(route, replies, strict=True)):
+            lie = read_record(e, reply, s == 0, s == n - 1, micro, SKETCH_SIZE)
+            if lie:
+                self._liar(e, lie)
+        if not bool(torch.equal(route[0].inputs, micro.tokens)):
+            self._liar(route[0], f"step {step}: its record holds other tokens than the trainer sent")
+        for e, first in zip(route, committed, strict=False):  # none when compact
+            if lie := committed_mismatch(e, first):
+                self._liar(e, f"step {step}: {lie}")
+        requests, calls = {}, []
+        for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
+            if not siblings[s]:
+                continue
+            requests[s] = recompute_request(step, plan_version, s, n, e, micro, loss_weight, cfg.backward, compact)
+            requests[s].sketch_seed, requests[s].sketch_size = seed, size
+            v = self._pick(step, s, siblings[s])
+            e.verifier = self.replica_peers[s][v]
+            calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n)))
+        for (e, _), (output, grad) in zip(calls, _together([c for _, c in calls]), strict=True):
+            e.check_output, e.check_grad = output, grad
+        own, link, back = cfg.rtol, cfg.link_rtol, cfg.link_rtol_backward
+        if compact:
+            share = SKETCH_LINK_SHARE if size else COMPACT_LINK_SHARE
+            own, link, back = own * COMPACT_OWN_SHARE, link * share, back * share
+        judged = [_sketched(e, s > 0, seed, size) for s, e in enumerate(route)] if size else route
+        return route, judged, requests, judge(judged, own, link, cfg.backward, back)
 
     def _resolve_own(self, step, route, finding: Finding, replicas, siblings, request, n) -> None:
         """The stage's record disagrees with a sibling's recomputation: who is right?"""
@@ -587,58 +675,12 @@ class StageVerifier:
                 raise _Refused(s, peer, method, e) from e
             raise AuditDisputed(f"{method} to stage {s} ({peer}) failed: {e}") from e
 
-    def _read_record(self, e: Evidence, reply, first: bool, last: bool, micro) -> None:
-        try:
-            if first:
-                shape = micro.tokens.shape
-                e.inputs = tokens_from_wire(reply.tokens, 1 << 31, shape[1])[0] if reply.HasField("tokens") else None
-            else:
-                e.inputs = self._tensor(reply, "input")
-            e.output = reply.loss if last else self._tensor(reply, "output")
-            e.grad_received = None if last else self._tensor(reply, "grad_received")
-            e.grad_sent = None if first else self._tensor(reply, "grad_sent")
-        except WireError as error:
-            self._liar(e, f"its audit record is malformed: {error}")
-        if e.inputs is None:
-            self._liar(e, "its audit record has no input")
-        rows_seq = list(micro.tokens.shape)
-        if first and list(e.inputs.shape) != rows_seq:
-            self._liar(e, f"its audit record's tokens are shaped {list(e.inputs.shape)}, the trainer sent {rows_seq}")
-        named = (("input", None if first else e.inputs), ("output", None if last else e.output))
-        tensors = [(name, t) for name, t in (*named, ("grad_received", e.grad_received), ("grad_sent", e.grad_sent))]
-        tensors = [(name, t) for name, t in tensors if t is not None]
-        hidden = {t.shape[-1] for _, t in tensors if t.dim()}
-        for name, t in tensors:  # every tensor of the record is [rows, seq, hidden] of this micro-batch, one hidden
-            if t.dim() != 3 or list(t.shape[:2]) != rows_seq or len(hidden) > 1:
-                self._liar(e, f"its audit record's {name} is shaped {list(t.shape)} for {rows_seq} tokens")
-
-    def _tensor(self, message, name: str) -> torch.Tensor | None:
-        return self._codec.decode(getattr(message, name)) if message.HasField(name) else None
-
-    def _recompute_request(self, step, plan_version, s, n, e: Evidence, micro, loss_weight):
-        request = stage_pb2.RecomputeRequest(step=step, plan_version=plan_version, stage=s)
-        if s == 0:
-            request.tokens.CopyFrom(tokens_to_wire(micro.tokens))
-        else:
-            request.input.CopyFrom(self._codec.encode(e.inputs.float()))
-        if s == n - 1:
-            request.targets.CopyFrom(tokens_to_wire(micro.targets))
-        if self.config.backward and s > 0:
-            request.backward = True
-            if s == n - 1:
-                request.loss_weight = loss_weight
-            elif e.grad_received is not None:
-                request.grad.CopyFrom(self._codec.encode(e.grad_received.float()))
-            else:
-                request.backward = False
-        return request
-
     def _recompute(self, s: int, r: int, request, peer: str, n: int):
         reply = self._ask(s, r, "Recompute", request, peer)
         self.stats.recomputes += 1
         try:
-            output = reply.loss if s == n - 1 else self._tensor(reply, "output")
-            grad = self._tensor(reply, "grad_in") if request.backward else None
+            output = reply.loss if s == n - 1 else reply_tensor(reply, "output")
+            grad = reply_tensor(reply, "grad_in") if request.backward else None
         except WireError:
             output, grad = None, None  # counts as a disagreement, resolved like any other
         return output, grad

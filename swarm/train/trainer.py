@@ -30,6 +30,7 @@ from swarm.metrics import Metrics, serve_metrics
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
+from swarm.runtime.audit_wire import RECORD_CODECS
 from swarm.runtime.verify import VerifyConfig
 from swarm.train.follower import PlanFollower, discover_route, route_answers
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
@@ -189,6 +190,10 @@ class TrainConfig:
     """share of micro-batches whose work a sibling replica recomputes and the trainer compares, on stages with
     replicas; replicas also compare their weights' digests after every step (0: both off;
     docs/SECURITY.md#verified-stage-work gives the cost and what it catches)"""
+    verify_records: str = field(default="sketch", metadata=flag(choices=RECORD_CODECS, group=_TRAINING))
+    """how audited records and recomputations travel: sketch (fp16 for what a sibling recomputes from, count
+    sketches for the rest: about a fifth of fp32's bytes), fp16 (every tensor in fp16: half) or fp32; a compact
+    audit whose checks fail is asked again in fp32, so verdicts stay fp32's (swarm.runtime.audit_wire)"""
     freeze: FreezeConfig | None = field(default=None, metadata={"flag": FREEZE_FLAG})
     """freeze a growing prefix of the layers by the gradient norms' change (PipeTransformer, swarm.train.freezing);
     the planner repacks the active layers onto fewer stages"""
@@ -322,7 +327,7 @@ def train(
             r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s, heartbeat_s=cfg.heartbeat_s,
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=route_weights(cfg.chain_weights),
             tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial), suspects=suspects,
-            verify=VerifyConfig(fraction=cfg.verify_fraction) if cfg.verify_fraction > 0 else None,
+            verify=VerifyConfig(cfg.verify_fraction, records=cfg.verify_records) if cfg.verify_fraction > 0 else None,
             referee=plan_referee(dht, model, r.plan_version) if cfg.verify_fraction > 0 else None,
         )  # fmt: skip
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
