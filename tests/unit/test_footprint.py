@@ -77,7 +77,7 @@ def test_an_empty_tree_fails_rather_than_passing_with_zero_megabytes():
 
 def test_footprint_flags_round_trip():
     flags = Flags(FootprintConfig)
-    cfg = FootprintConfig(steps=5, peers=3, settle_s=0.5, out="x", json=True)
+    cfg = FootprintConfig(steps=5, peers=3, settle_s=0.5, out="x", heap_trim_s=(30.0, 0.0, 5.0), json=True)
     assert flags.parse(flags.to_argv(cfg)) == cfg
 
 
@@ -177,3 +177,43 @@ def test_the_soaks_sample_reads_rss_threads_and_fds_and_pss_only_when_asked():
     assert summed(quick).processes == len(quick) and summed({}) is None
     assert slope_per_1k([0, 1000, 2000], [10.0, 10.5, 11.0]) == pytest.approx(0.5)
     assert slope_per_1k([5, 5], [1.0, 2.0]) is None
+
+
+def test_a_process_pss_splits_into_anonymous_and_file_pages_and_its_threads_are_counted_by_name():
+    import threading
+
+    from swarm.bench.footprint import read_pss_split, thread_names
+
+    split = read_pss_split(os.getpid())
+    if split is None:
+        pytest.skip("this kernel's smaps_rollup has no Pss_Anon")
+    anon, file = split
+    assert anon > 0 and file > 0
+    before = sum(thread_names(os.getpid()).values())
+    assert before == len(os.listdir(f"/proc/{os.getpid()}/task")), "every thread is counted under some name"
+    stop = threading.Event()
+    workers = [threading.Thread(target=stop.wait, name=f"fpworker_{i}") for i in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        assert sum(thread_names(os.getpid()).values()) == before + 3
+        assert not any(any(c.isdigit() for c in name) for name in thread_names(os.getpid())), "numbers dropped"
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(10)
+    assert read_pss_split(2**22 + 7) is None and thread_names(2**22 + 7) == {}, "no such process"
+
+
+def test_heap_trim_flags_give_every_peer_one_period_or_each_its_own():
+    from swarm.bench.soak import heap_trim_flags
+
+    assert heap_trim_flags((), 2) is None, "none given: swarm-peer's default"
+    assert heap_trim_flags((30.0,), 2) == [["--heap-trim-s", "30.0"]] * 2
+    assert heap_trim_flags((30.0, 0.0), 2) == [["--heap-trim-s", "30.0"], ["--heap-trim-s", "0.0"]]
+    with pytest.raises(ValueError, match="one per peer"):
+        heap_trim_flags((1.0, 2.0, 3.0), 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        heap_trim_flags((-1.0,), 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        heap_trim_flags((float("nan"),), 2)

@@ -60,3 +60,26 @@ def test_a_failing_trim_ends_the_trimmer_not_the_process(caplog):
 
 def test_malloc_trim_returns_a_bool():
     assert malloc_trim() in (True, False)  # glibc: whether pages were released; elsewhere False
+
+
+def test_it_counts_what_each_trim_released_and_reports_it(caplog):
+    readings = iter([500, 400, 450, 460, 460, 300] + [300] * 1000)  # before/after pairs: -100, +10 (grew), -160
+    trimmer = HeapTrimmer(0.01, trim=lambda: True, resident=lambda: next(readings) << 20, report_every=3)
+    with caplog.at_level("INFO", logger="swarm.daemon.heap"):
+        trimmer.start()
+        wait_for(lambda: trimmer.trims >= 3)
+        trimmer.stop()
+    assert trimmer.trims >= 3
+    assert trimmer.released_bytes == 260 << 20, "a trim after which RSS grew releases nothing, never a negative"
+    assert "heap trims: 3 so far released 260.0 MiB" in caplog.text
+
+
+def test_a_bad_report_period_is_refused_by_name():
+    with pytest.raises(ValueError, match="report_every"):
+        HeapTrimmer(1.0, report_every=-1)
+
+
+def test_resident_bytes_reads_this_process():
+    from swarm.daemon.heap import resident_bytes
+
+    assert resident_bytes() > 1 << 20  # a Python process with pytest loaded holds more than a MiB
