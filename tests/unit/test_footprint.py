@@ -217,3 +217,22 @@ def test_heap_trim_flags_give_every_peer_one_period_or_each_its_own():
         heap_trim_flags((-1.0,), 2)
     with pytest.raises(ValueError, match=">= 0"):
         heap_trim_flags((float("nan"),), 2)
+
+
+def test_a_daemon_process_starts_torch_with_mkl_buffer_pools_off_unless_the_user_says_otherwise():
+    code = "import swarm.daemon.peer, os; print(os.environ.get('MKL_DISABLE_FAST_MM'))"
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split()[-1:] == ["1"], done.stderr[-2000:]
+    env["MKL_DISABLE_FAST_MM"] = "0"  # a user's choice stands
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split()[-1:] == ["0"], done.stderr[-2000:]
+
+
+def test_mkl_buffer_pools_are_left_alone_once_torch_is_loaded():
+    import torch  # noqa: F401 - loaded: MKL has read its environment, a late setting would change nothing
+
+    from swarm.daemon.lean import no_mkl_buffer_pools
+
+    environ: dict[str, str] = {}
+    assert no_mkl_buffer_pools(environ) is False and environ == {}
