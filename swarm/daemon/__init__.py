@@ -16,4 +16,4 @@ from swarm.daemon.lean import no_mkl_buffer_pools as _no_mkl_buffer_pools  # noq
 _defer_hivemind_init()
 # before torch is imported (MKL reads its environment then): no per-thread matmul buffer pools in a process that
 # computes on ~100 server threads (swarm.daemon.lean)
-pass  # A/B: pools on
+_no_mkl_buffer_pools()
