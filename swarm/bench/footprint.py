@@ -51,8 +51,6 @@ class FootprintConfig:
     """seconds after the trainer exits before reading (the peers finish their last step's bookkeeping)"""
     out: str | None = None
     """folder for logs and the trainer's outputs (none: runs/footprint-*)"""
-    heap_trim_s: tuple[float, ...] = ()
-    """the peers' --heap-trim-s: one value for every peer, or one per peer (none given: swarm-peer's default)"""
     json: bool = False
     """print one JSON object per process and per peer (its sum) instead of a table"""
 
@@ -139,7 +137,6 @@ def summed_row(name: str, rows: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.bench.soak import heap_trim_flags
     from swarm.daemon.peer_config import PeerConfig, peer_flags
     from swarm.options import MODEL_FLAGS, ModelFlags
     from swarm.testbed.local import local_swarm
@@ -150,11 +147,6 @@ def run(args: argparse.Namespace) -> int:
     if cfg.steps < 1 or cfg.peers < 1 or cfg.settle_s < 0:
         print("error: need --steps >= 1, --peers >= 1 and --settle-s >= 0", file=sys.stderr)
         return 2
-    try:
-        per_peer = heap_trim_flags(cfg.heap_trim_s, cfg.peers)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     out = Path(cfg.out or f"runs/footprint-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     say = lambda line: print(f"[footprint] {line}", file=sys.stderr)
@@ -162,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     peer_argv = [*peer_flags().to_argv(PeerConfig()), *MODEL_FLAGS.to_argv(model)]
     say(f"starting a bootstrap node and {cfg.peers} default toy peers")
     rows: list[dict] = []
-    with local_swarm(out, cfg.peers, peer_argv, say, per_peer_flags=per_peer) as swarm:
+    with local_swarm(out, cfg.peers, peer_argv, say) as swarm:
         procs = swarm.procs
         flags = train_flags()
         train = replace(

@@ -27,9 +27,7 @@ from swarm.flags import Flags
 from swarm.options import MODEL_FLAGS, ModelFlags
 from swarm.report import print_table
 
-__all__ = [
-    "ProcessSample", "SoakConfig", "add_arguments", "heap_trim_flags", "run", "sample_tree", "slope_per_1k", "summed",
-]  # fmt: skip
+__all__ = ["ProcessSample", "SoakConfig", "add_arguments", "run", "sample_tree", "slope_per_1k", "summed"]
 
 MODEL = ModelFlags(layers=2, hidden=32, heads=2, seq_len=16)
 """The soak's model: every peer's and the trainer's."""
@@ -54,9 +52,6 @@ class SoakConfig:
     """share of the steps before the start figures"""
     sample_every_s: float | None = None
     """seconds between samples (none: 2, 0.5 with --quick)"""
-    heap_trim_s: tuple[float, ...] = ()
-    """the peers' --heap-trim-s: one value for every peer, or one per peer to compare within one run (none given:
-    swarm-peer's default; 0: no trims)"""
     per_process: bool = False
     """also one row per process of each tree (python, p2pd), named ROLE/NAME PID"""
     quick: bool = False
@@ -89,22 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "samples taken so far (each row then says stopped_early_at_step)."
     )
     _FLAGS.add_to(parser)
-
-
-def heap_trim_flags(values: tuple[float, ...], peers: int) -> list[list[str]] | None:
-    """Each peer's own `--heap-trim-s` argv from a bench's `--heap-trim-s` values: none (swarm-peer's default),
-    one for every peer, or one per peer (a paired comparison: both settings see the same load at once).
-
-    Raises:
-        ValueError: neither one value nor one per peer, or a value that is not seconds >= 0.
-    """
-    if not values:
-        return None
-    if len(values) not in (1, peers):
-        raise ValueError(f"--heap-trim-s: give one value or one per peer ({peers}), got {len(values)}")
-    if not all(v >= 0 for v in values):  # NaN too
-        raise ValueError(f"--heap-trim-s: expected seconds >= 0 (0: no trims), got {values}")
-    return [["--heap-trim-s", repr(float(values[i % len(values)]))] for i in range(peers)]
 
 
 @dataclass(frozen=True)
@@ -260,11 +239,6 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     say = lambda line: print(f"[soak] {line}", file=sys.stderr)
     warmup = int(cfg.steps * cfg.warmup_fraction)
-    try:
-        per_peer = heap_trim_flags(cfg.heap_trim_s, cfg.peers)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     peer = PeerConfig(
         threads=1,
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, warmup)),
@@ -272,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     )
     peer_argv = [*peer_flags().to_argv(peer), *MODEL_FLAGS.to_argv(MODEL)]
     say(f"starting a bootstrap node and {cfg.peers} peers")
-    with local_swarm(out, cfg.peers, peer_argv, say, per_peer_flags=per_peer) as swarm:
+    with local_swarm(out, cfg.peers, peer_argv, say) as swarm:
         procs = swarm.procs
         flags = train_flags()
         train = replace(

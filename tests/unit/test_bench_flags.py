@@ -29,7 +29,7 @@ CHANGED = [
     RelayBench(calls=10, payload_mib=0.5, rounds=1),
     SchedulerBench(seed=1, only="dtfm", sizes="64"),
     SelectiveBench(rates="1,10", replica_rate=5.0),
-    SoakConfig(steps=50, peers=3, sample_every_s=0.1, heap_trim_s=(30.0, 0.0, 0.0), per_process=True, out="x"),
+    SoakConfig(steps=50, peers=3, sample_every_s=0.1, per_process=True, out="x"),
     TransportBench(repeats=1, shaped_seconds=0.5),
 ]
 

@@ -77,7 +77,7 @@ def test_an_empty_tree_fails_rather_than_passing_with_zero_megabytes():
 
 def test_footprint_flags_round_trip():
     flags = Flags(FootprintConfig)
-    cfg = FootprintConfig(steps=5, peers=3, settle_s=0.5, out="x", heap_trim_s=(30.0, 0.0, 5.0), json=True)
+    cfg = FootprintConfig(steps=5, peers=3, settle_s=0.5, out="x", json=True)
     assert flags.parse(flags.to_argv(cfg)) == cfg
 
 
@@ -203,20 +203,6 @@ def test_a_process_pss_splits_into_anonymous_and_file_pages_and_its_threads_are_
         for w in workers:
             w.join(10)
     assert read_pss_split(2**22 + 7) is None and thread_names(2**22 + 7) == {}, "no such process"
-
-
-def test_heap_trim_flags_give_every_peer_one_period_or_each_its_own():
-    from swarm.bench.soak import heap_trim_flags
-
-    assert heap_trim_flags((), 2) is None, "none given: swarm-peer's default"
-    assert heap_trim_flags((30.0,), 2) == [["--heap-trim-s", "30.0"]] * 2
-    assert heap_trim_flags((30.0, 0.0), 2) == [["--heap-trim-s", "30.0"], ["--heap-trim-s", "0.0"]]
-    with pytest.raises(ValueError, match="one per peer"):
-        heap_trim_flags((1.0, 2.0, 3.0), 2)
-    with pytest.raises(ValueError, match=">= 0"):
-        heap_trim_flags((-1.0,), 2)
-    with pytest.raises(ValueError, match=">= 0"):
-        heap_trim_flags((float("nan"),), 2)
 
 
 def test_a_daemon_process_starts_torch_with_mkl_buffer_pools_off_unless_the_user_says_otherwise():
