@@ -59,6 +59,7 @@ from swarm.peers.entries import (
     parse_run_entry,
     peer_id_of,
 )
+from swarm.peers.expiry import bound_expiration_heaps
 from swarm.peers.lifeline import P2PD_GOGC, die_with_parent, p2pd_dies_with_this_process
 from swarm.peers.manifest import RUN_ID_RE, RunAuthority, RunDelegation, RunManifest
 from swarm.peers.owned import OwnedRun
@@ -319,6 +320,7 @@ class SwarmDHT:
             startup_timeout=config.start_timeout_s,
         )
         initial = list(config.initial_peers) or None
+        bound_expiration_heaps()  # before the node (or its fork) stores anything: swarm.peers.expiry
         if config.separate_process:
             self._dht: DHTThread | _DHTProcess = _DHTProcess(initial, start=True, await_ready=False, **node)
         else:

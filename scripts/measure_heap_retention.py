@@ -1,7 +1,8 @@
 """What a peer's thread pool leaves on the heap: a toy block's forward+backward on N pool threads, with the peer's
 allocator settings (`tune_allocator`, 2 arenas, no dynamo), anonymous memory after each round of 4N passes;
-`--trim` calls malloc_trim(0) after each round (what `swarm.daemon.heap.HeapTrimmer` does), `--serial` runs one
-pass at a time. A figure for docs/reports/footprint.md, not a test.
+`--trim` calls malloc_trim(0) after each round (what a peer's periodic trimmer did until real peers showed it
+changed nothing), `--serial` runs one pass at a time. Run it with `MKL_DISABLE_FAST_MM=1` in the environment for
+what a peer does now (`swarm.daemon.lean.no_mkl_buffer_pools`). A figure for docs/reports/footprint.md, not a test.
 
     python scripts/measure_heap_retention.py --workers 1
     python scripts/measure_heap_retention.py --workers 32 [--trim] [--serial]
@@ -10,6 +11,8 @@ pass at a time. A figure for docs/reports/footprint.md, not a test.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +33,6 @@ def main() -> None:
     parser.add_argument("--serial", action="store_true", help="one pass at a time (a lock around each)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from swarm.daemon.heap import malloc_trim
     from swarm.daemon.lean import cap_arenas, skip_dynamo
     from swarm.model.spec import build_stage
     from swarm.options import ModelFlags
@@ -59,7 +61,7 @@ def main() -> None:
     for n in range(args.rounds):
         list(pool.map(call, range(4 * args.workers)))
         if args.trim:
-            malloc_trim()
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
         print(f"  round {n}: {anon_mb():.1f} MiB anonymous")
 
 

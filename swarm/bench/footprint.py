@@ -11,25 +11,32 @@ machine's memory (each shared page split among the processes sharing it: the sha
 the same peer reads a little higher on a machine where fewer processes map torch). The target (issue 28): a
 peer's summed PSS at most 450 MB (MB = 10**6 bytes); the summed RSS is reported beside it. A figure for the
 record, not a timed test.
+
+Each process's PSS is split into anonymous pages (heaps, thread stacks, relocated library data: what the process
+itself holds) and file-backed ones (library code, shared with every process mapping it), and its threads are
+counted by name (`thread_names` in `--json`: Python's names where set, the kernel's `comm` otherwise), which is
+where a footprint cut starts. `--heap-trim-s A B` gives each peer its own trim period (a paired comparison).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from swarm.flags import Flags
 from swarm.report import print_table
 
-__all__ = ["FootprintConfig", "TARGET_MB", "add_arguments", "measure_tree", "run"]
+__all__ = ["FootprintConfig", "TARGET_MB", "add_arguments", "measure_tree", "read_pss_split", "run", "thread_names"]
 
 TARGET_MB = 450.0
 """Issue 28: a default toy swarm-peer (with its p2pd) holds at most this many MB."""
-COLUMNS = ["process", "role", "rss_mb", "pss_mb", "uss_mb", "threads", "verdict"]
+COLUMNS = ["process", "role", "rss_mb", "pss_mb", "pss_anon_mb", "pss_file_mb", "uss_mb", "threads", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,39 @@ def _role(name: str, depth: int) -> str:
     return "peer" if depth == 0 else "dht"
 
 
+def read_pss_split(pid: int) -> tuple[float, float] | None:
+    """(anonymous, file-backed) PSS of `pid` in bytes, from /proc/PID/smaps_rollup (Linux >= 5.x: Pss_Anon,
+    Pss_File and Pss_Shmem, counted as file); None if the process is gone or the kernel has no such fields."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            fields = dict(re.findall(r"^(Pss_\w+):\s+(\d+) kB", f.read(), re.MULTILINE))
+    except OSError:
+        return None
+    if "Pss_Anon" not in fields:
+        return None
+    kib = lambda name: int(fields.get(name, 0)) * 1024
+    return float(kib("Pss_Anon")), float(kib("Pss_File") + kib("Pss_Shmem"))
+
+
+def thread_names(pid: int) -> dict[str, int]:
+    """`pid`'s threads counted by name, numbers dropped (`grpc_3` and `grpc_12` are both `grpc_`); empty if
+    the process is gone."""
+    import os
+
+    names: Counter[str] = Counter()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names[re.sub(r"\d+", "", f.read().strip())] += 1
+        except OSError:
+            continue  # a thread that ended while being read
+    return dict(names.most_common())
+
+
 def measure_tree(pid: int) -> list[dict]:
     """One row per process of `pid`'s tree (the root first): name, pid, role (peer, dht, p2pd), rss/pss/uss in
     MB and threads, read by the soak's `sample_tree`. Empty if `pid` is gone; a child that ends while being read
@@ -76,18 +116,22 @@ def measure_tree(pid: int) -> list[dict]:
     mb = lambda mib: round(mib * 2**20 / 1e6, 1)
     rows = []
     for depth, (key, s) in enumerate(sample_tree(pid, full=True).items()):
-        name = key.rsplit(" ", 1)[0]
+        name, child = key.rsplit(" ", 1)
         role = _role(name, min(depth, 1))
+        split = read_pss_split(int(child))
+        anon, file = (None, None) if split is None else (round(split[0] / 1e6, 1), round(split[1] / 1e6, 1))
         rows.append(
-            {"process": key, "role": role, "rss_mb": mb(s.rss_mib), "pss_mb": mb(s.pss_mib), "uss_mb": mb(s.uss_mib),
-             "threads": s.threads}
+            {"process": key, "role": role, "rss_mb": mb(s.rss_mib), "pss_mb": mb(s.pss_mib), "pss_anon_mb": anon,
+             "pss_file_mb": file, "uss_mb": mb(s.uss_mib), "threads": s.threads,
+             "thread_names": thread_names(int(child))}
         )  # fmt: skip
     return rows
 
 
 def summed_row(name: str, rows: list[dict]) -> dict:
     """A peer's tree summed, with its verdict against `TARGET_MB` (on PSS)."""
-    total = {k: round(sum(r[k] for r in rows), 1) for k in ("rss_mb", "pss_mb", "uss_mb", "threads")}
+    keys = ("rss_mb", "pss_mb", "pss_anon_mb", "pss_file_mb", "uss_mb", "threads")
+    total = {k: round(sum(r.get(k) or 0 for r in rows), 1) for k in keys}
     ok = bool(rows) and total["pss_mb"] <= TARGET_MB
     return {"process": name, "role": "sum", **total, "processes": len(rows), "verdict": "PASS" if ok else "FAIL"}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -51,8 +52,6 @@ class SoakConfig:
     """share of the steps before the start figures"""
     sample_every_s: float | None = None
     """seconds between samples (none: 2, 0.5 with --quick)"""
-    heap_trim_s: float | None = None
-    """the peers' --heap-trim-s (none: swarm-peer's default; 0: no trims, to compare)"""
     per_process: bool = False
     """also one row per process of each tree (python, p2pd), named ROLE/NAME PID"""
     quick: bool = False
@@ -81,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{SLOPE_TARGET_MIB_PER_1K} MiB per 1000 steps, threads and fds unchanged). Default run: 5000 "
         f"steps of a 2-layer, hidden-32, seq-16 model on 2 peers, batches of {BATCH_SIZE} samples in "
         f"{MICRO_BATCHES} micro-batches drawn from {TRAIN_SAMPLES} samples, aqsgd2 activations and gradq4 "
-        "gradients on unshaped links: a few minutes on 2 cores."
+        "gradients on unshaped links: a few minutes on 2 cores. SIGINT or SIGTERM stops it early and reports the "
+        "samples taken so far (each row then says stopped_early_at_step)."
     )
     _FLAGS.add_to(parser)
 
@@ -181,6 +181,21 @@ class _Series:
         }
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM: stop like Ctrl-C, and report what was sampled
+
+
+def _sample(procs, names: list[str], per_process: bool, step: int, series: dict[str, _Series]) -> None:
+    """One sample of every process tree (and, with `per_process`, of each of its processes) at `step`."""
+    for name in names:
+        tree = sample_tree(procs.procs[name].pid)
+        parts = {f"{name}/{key}": part for key, part in tree.items()} if per_process else {}
+        for key, sample in ((name, summed(tree)), *parts.items()):
+            if sample is not None:
+                series.setdefault(key, _Series()).steps.append(step)
+                series[key].samples.append(sample)
+
+
 class _StepReader:
     """The trainer's step count, read from its /metrics once its log says where that is."""
 
@@ -226,7 +241,6 @@ def run(args: argparse.Namespace) -> int:
     warmup = int(cfg.steps * cfg.warmup_fraction)
     peer = PeerConfig(
         threads=1,
-        **({} if cfg.heap_trim_s is None else {"heap_trim_s": cfg.heap_trim_s}),
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, warmup)),
         **CodecFlags("aqsgd2", "gradq4").build(),
     )
@@ -244,27 +258,31 @@ def run(args: argparse.Namespace) -> int:
         names = list(procs.procs)
         series = {name: _Series() for name in names}
         reader = _StepReader(procs.log_dir / "trainer.log")
-        with tqdm(total=cfg.steps, desc="soak", unit="step", file=sys.stderr) as bar:
-            while trainer.poll() is None:
-                for name, proc in procs.procs.items():
-                    if name != "trainer" and proc.poll() is not None:
-                        procs.check_alive()  # raises, naming the process and its log's last lines
-                step = reader.step()
-                if step is not None:
-                    bar.update(step - bar.n)
-                    if warmup <= step < cfg.steps:  # after the last step the trainer is shutting down
-                        for name in names:
-                            tree = sample_tree(procs.procs[name].pid)
-                            parts = {f"{name}/{key}": part for key, part in tree.items()} if cfg.per_process else {}
-                            for key, sample in ((name, summed(tree)), *parts.items()):
-                                if sample is not None:
-                                    series.setdefault(key, _Series()).steps.append(step)
-                                    series[key].samples.append(sample)
-                time.sleep(cfg.sample_every_s)  # the sampling period, not a synchronisation
-        if trainer.returncode != 0:
+        stopped_at = None  # the step at which a SIGINT or SIGTERM stopped the soak early
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            with tqdm(total=cfg.steps, desc="soak", unit="step", file=sys.stderr) as bar:
+                while trainer.poll() is None:
+                    for name, proc in procs.procs.items():
+                        if name != "trainer" and proc.poll() is not None:
+                            procs.check_alive()  # raises, naming the process and its log's last lines
+                    step = reader.step()
+                    if step is not None:
+                        bar.update(step - bar.n)
+                        if warmup <= step < cfg.steps:  # after the last step the trainer is shutting down
+                            _sample(procs, names, cfg.per_process, step, series)
+                    time.sleep(cfg.sample_every_s)  # the sampling period, not a synchronisation
+        except KeyboardInterrupt:
+            stopped_at = bar.n
+            say(f"stopped at step {stopped_at} of {cfg.steps}: reporting the samples taken so far")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if stopped_at is None and trainer.returncode != 0:
             print(f"error: the trainer exited with {trainer.returncode}:\n{procs.tail('trainer')}", file=sys.stderr)
             return 1
     rows = [series[name].row(name) for name in sorted(series, key=lambda k: (names.index(k.split("/")[0]), k))]
+    if stopped_at is not None:
+        rows = [{**row, "stopped_early_at_step": stopped_at} for row in rows]
     if cfg.json:
         for row in rows:
             print(json.dumps(row))

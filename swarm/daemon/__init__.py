@@ -11,5 +11,9 @@ _os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 # a daemon uses hivemind's DHT only: its package __init__ (averager, optimizer, MoE, scipy, pydantic: ~50 MB) runs
 # only if something asks for it (swarm.daemon.lean.defer_hivemind_init, measured by `swarm bench footprint`)
 from swarm.daemon.lean import defer_hivemind_init as _defer_hivemind_init  # noqa: E402
+from swarm.daemon.lean import no_mkl_buffer_pools as _no_mkl_buffer_pools  # noqa: E402
 
 _defer_hivemind_init()
+# before torch is imported (MKL reads its environment then): no per-thread matmul buffer pools in a process that
+# computes on ~100 server threads (swarm.daemon.lean)
+_no_mkl_buffer_pools()

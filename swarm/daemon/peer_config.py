@@ -177,9 +177,6 @@ class PeerConfig:
     alike (swarm.runtime.precision)"""
     threads: int = field(default=1, metadata=flag(group=_SERVING))
     """torch intra-op threads"""
-    heap_trim_s: float = field(default=30.0, metadata=flag(group=_SERVING))
-    """seconds between returning the heap pages this process's threads freed to the system (glibc's malloc_trim,
-    swarm.daemon.heap); 0: never"""
     sensitivity_every_steps: int = field(default=5, metadata=flag(group=_SERVING))
     """measure the stage's sensitivity to bf16 from its real gradients every this many steps (5 times, then every
     100) and announce it for the planner's --precision-budget (swarm.runtime.sensitivity_probe; 0: never)"""
@@ -293,8 +290,6 @@ class PeerConfig:
         from swarm.runtime.boundary import EpilogueOnly
 
         EpilogueOnly.parse(self.bw_epilogue)  # a bad value fails here, named
-        if not self.heap_trim_s >= 0:  # NaN too
-            raise ValueError(f"PeerConfig.heap_trim_s: expected seconds >= 0 (0: never), got {self.heap_trim_s}")
         if self.compute_layers_per_s < 0 or self.assign_timeout_s <= 0:
             raise ValueError("PeerConfig: need compute_layers_per_s >= 0 and assign_timeout_s > 0")
 

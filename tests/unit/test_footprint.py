@@ -177,3 +177,48 @@ def test_the_soaks_sample_reads_rss_threads_and_fds_and_pss_only_when_asked():
     assert summed(quick).processes == len(quick) and summed({}) is None
     assert slope_per_1k([0, 1000, 2000], [10.0, 10.5, 11.0]) == pytest.approx(0.5)
     assert slope_per_1k([5, 5], [1.0, 2.0]) is None
+
+
+def test_a_process_pss_splits_into_anonymous_and_file_pages_and_its_threads_are_counted_by_name():
+    import threading
+
+    from swarm.bench.footprint import read_pss_split, thread_names
+
+    split = read_pss_split(os.getpid())
+    if split is None:
+        pytest.skip("this kernel's smaps_rollup has no Pss_Anon")
+    anon, file = split
+    assert anon > 0 and file > 0
+    before = sum(thread_names(os.getpid()).values())
+    assert before == len(os.listdir(f"/proc/{os.getpid()}/task")), "every thread is counted under some name"
+    stop = threading.Event()
+    workers = [threading.Thread(target=stop.wait, name=f"fpworker_{i}") for i in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        assert sum(thread_names(os.getpid()).values()) == before + 3
+        assert not any(any(c.isdigit() for c in name) for name in thread_names(os.getpid())), "numbers dropped"
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(10)
+    assert read_pss_split(2**22 + 7) is None and thread_names(2**22 + 7) == {}, "no such process"
+
+
+def test_a_daemon_process_starts_torch_with_mkl_buffer_pools_off_unless_the_user_says_otherwise():
+    code = "import swarm.daemon.peer, os; print(os.environ.get('MKL_DISABLE_FAST_MM'))"
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split()[-1:] == ["1"], done.stderr[-2000:]
+    env["MKL_DISABLE_FAST_MM"] = "0"  # a user's choice stands
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split()[-1:] == ["0"], done.stderr[-2000:]
+
+
+def test_mkl_buffer_pools_are_left_alone_once_torch_is_loaded():
+    import torch  # noqa: F401 - loaded: MKL has read its environment, a late setting would change nothing
+
+    from swarm.daemon.lean import no_mkl_buffer_pools
+
+    environ: dict[str, str] = {}
+    assert no_mkl_buffer_pools(environ) is False and environ == {}
