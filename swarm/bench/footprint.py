@@ -9,8 +9,8 @@ process: RSS, and PSS and USS from /proc/PID/smaps_rollup (psutil's `memory_full
 parent's pages, so a tree's summed RSS counts those twice; its summed PSS is what the tree really holds of the
 machine's memory (each shared page split among the processes sharing it: the shared libraries' pages too, so
 the same peer reads a little higher on a machine where fewer processes map torch). The target (issue 28): a
-peer's summed PSS at most 450 MB (MB = 10**6 bytes); the summed RSS, the issue's own measure, is reported beside it. A figure for the
-record, not a timed test.
+peer's summed PSS at most 450 MB (MB = 10**6 bytes); the summed RSS, the issue's own measure, is reported
+beside it. A figure for the record, not a timed test.
 
 Each process's PSS is split into anonymous pages (heaps, thread stacks, relocated library data: what the process
 itself holds) and file-backed ones (library code, shared with every process mapping it), and its threads are
