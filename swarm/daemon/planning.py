@@ -236,6 +236,7 @@ class Planner:
         self.lease_s, self.dht_time, self.reannounce = cfg.planner_lease_s, dht_time, reannounce  # time.time: DHT time
         self.lease = AdaptiveLease(cfg.planner_lease_s)
         self._claimed_s = cfg.planner_lease_s
+        self._stretched = False
         """the length of the lease last claimed (its renewal was at `dht.planner_until` minus this)"""
         """the lease's current length: `lease_s`, stretched while renewals come late (`swarm.daemon.lease`)"""
         self.leading = False
@@ -270,8 +271,11 @@ class Planner:
         # the lease claimed covers a late renewal's gap and the store's own time (measured last renewal): it
         # stretches while renewals stall (`swarm.daemon.lease`), so a loaded planner does not lapse and flap
         length = self._claimed_s = self.lease.claim(now)
-        if length > self.lease_s * 1.5:
-            log.info("planner lease renewals are late (the machine is loaded): lease %.0f s", length)
+        stretched = length > self.lease_s * 1.5
+        if stretched != self._stretched:  # told when it starts and ends, not at every renewal
+            self._stretched = stretched
+            log.info("planner lease renewals are %s: lease %.0f s", "late (a loaded machine)" if stretched else
+                     "prompt again", length)  # fmt: skip
         self.dht.planner_until = now + length
         if self.reannounce is not None:
             try:
