@@ -210,6 +210,8 @@ class PipelineDriver:
         """the running attempt's audits, gathered before its Step"""
         self._attempt = 0
         """the running attempt of the step (1, 2, ...; 0 outside `train_step`): audits draw afresh for each"""
+        self._liars_before = 0
+        """`len(liars)` when the running attempt began: the ones after it were evicted by its own audits"""
         self._used: list[Route] = []
         """the routes of the attempt that runs"""
         self.verifier = (
@@ -656,7 +658,7 @@ class PipelineDriver:
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
             norm, lr = math.nan, 0.0
-            self._attempt = attempt
+            self._attempt, self._liars_before = attempt, len(self.liars)
             try:
                 with self._ping_loop(used, wake):
                     loss, traffic = self._run_routes(step, work, wake)
@@ -785,16 +787,18 @@ class PipelineDriver:
         )  # fmt: skip
 
     def _out_of(self, failure: Failed) -> list[str]:
-        """The peers of a failed call that are out (declared dead or evicted), after waiting briefly for the
-        attempt's audits where none is yet: an audit that evicts a liar may conclude just after the liar's own
-        call failed. A failure of a call with a peer that is out is no verdict on the others: the step runs
-        again without it, it never ends the run."""
+        """The peers that make a failed call no verdict on anyone: those of the call that are out (declared dead or
+        evicted), or, where this attempt's own audits evicted a liar, that liar (what it sent poisoned the
+        attempt: an honest replica on its route refused its own sibling's sum as 64x its tiny gradients in the
+        loaded full run). Waits briefly for the attempt's audits first where neither is known yet: an audit may
+        conclude just after the call failed. The step then runs again without them; it never ends the run."""
         if failure.error is None or not failure.suspects:
             return []
-        settled = self.dead.intersection(failure.suspects) or reroutable(failure.error) or busy(failure.error)
-        if not settled and self._audits:  # (a peer that may be dead is pinged by `_recover` anyway)
+        evicted = lambda: [p for p, _ in self.liars[self._liars_before :]]  # noqa: E731
+        settled = self.dead.intersection(failure.suspects) or evicted() or reroutable(failure.error)
+        if not settled and not busy(failure.error) and self._audits:  # (`_recover` pings a peer that may be dead)
             wait([f for f, _ in self._audits], timeout=ABANDON_GRACE_S)
-        return sorted(self.dead.intersection(failure.suspects))
+        return sorted(self.dead.intersection(failure.suspects) | set(evicted()))
 
     def _drop(self, step: int) -> None:
         """Abandons the step on every live replica so that none keeps gradients from it."""

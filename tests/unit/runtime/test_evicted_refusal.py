@@ -20,11 +20,13 @@ from tests.unit.runtime.test_verify import CFG, FP32, HEARTBEAT_S, batch, scaled
 WAIT_S = 60.0
 
 
-def _refusing_reduce(pipe: LocalPipeline, stage: int, replica: int, driver, after_eviction: bool):
-    """The liar's Reduce refuses its honest sibling's gradients as 64x its own. The audits' recomputations wait
-    until that Reduce is called, so the eviction comes while it runs; where `after_eviction`, the refusal waits
-    for the eviction (the order the full run saw), else it comes at once (before the audit concludes)."""
-    liar, sibling = pipe.replica_peers[stage][replica], pipe.replica_peers[stage][1 - replica]
+def _refusing_reduce(pipe: LocalPipeline, stage: int, replica: int, driver, after_eviction: bool, liar_at=None):
+    """The Reduce of `(stage, replica)` (the liar's own, or `liar_at` names the liar) refuses its sibling's
+    gradients as 64x its own. The audits' recomputations wait until that Reduce is called, so the eviction comes
+    while it runs; where `after_eviction`, the refusal waits for the eviction (the order the full run saw), else
+    it comes at once (before the audit concludes)."""
+    liar = pipe.replica_peers[liar_at[0]][liar_at[1]] if liar_at else pipe.replica_peers[stage][replica]
+    sibling = pipe.replica_peers[stage][1 - replica]
     reduced, refused = threading.Event(), []
 
     def until(condition) -> None:
@@ -77,6 +79,26 @@ def test_a_refused_reduce_from_the_evicted_liar_reruns_the_step_without_it(after
         assert liar.steps_done == 0 and pipe.replica_hosts[1][0].steps_done == 0  # the liar's route: abandoned
         again = driver.train_step(1, batch(1))  # the run goes on without it
         assert again.attempts == 1 and not again.skipped
+    finally:
+        pipe.close()
+
+
+def test_an_honest_replica_on_the_evicted_liars_route_refusing_its_sibling_is_not_struck():
+    """The loaded full run's second liar-scale:300 (sixth pass): the liar at the middle stage was evicted by step 0's
+    audit, and the honest stage-0 replica on its route, whose gradients the liar's backward made tiny, refused its
+    sibling's sum as 64x its own: that honest replica was struck and the step skipped. Now the attempt whose own
+    audits evicted a liar runs again without it, and nobody else is struck."""
+    pipe = LocalPipeline(CFG, 3, FP32, FP32, replicas=2)
+    try:
+        liar, refuser = pipe.replica_hosts[1][0], pipe.replica_hosts[0][0]  # one route: (0,0) -> (1,0) -> (2,0)
+        scaled(300.0)(liar.worker)
+        driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3))
+        refused = _refusing_reduce(pipe, 0, 0, driver, after_eviction=False, liar_at=(1, 0))  # first in gather
+        result = driver.train_step(0, batch(0))
+        assert refused == [0] and [p for p, _ in driver.liars] == [liar.peer_id]
+        assert result.attempts == 2 and not result.skipped and result.routes == 1
+        assert driver.suspects.strikes(refuser.peer_id) == 0 and refuser.peer_id not in driver.dead
+        assert [h.steps_done for h in (pipe.replica_hosts[s][1] for s in range(3))] == [1, 1, 1]
     finally:
         pipe.close()
 
