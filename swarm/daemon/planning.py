@@ -41,6 +41,7 @@ import numpy as np
 from swarm.daemon.bans import RunBans
 from swarm.daemon.calibrate import Calibrator
 from swarm.daemon.joiners import JoinWatch, unproven
+from swarm.daemon.lease import AdaptiveLease
 from swarm.daemon.liveness import Liveness
 from swarm.daemon.precision_watch import PrecisionWatch
 from swarm.daemon.repack import with_frozen
@@ -233,6 +234,11 @@ class Planner:
         self._chosen_from: list[LinkFigures] | None = None
         self._epilogue_from = None  # the epilogue figures the plan's epilogue codecs were chosen from
         self.lease_s, self.dht_time, self.reannounce = cfg.planner_lease_s, dht_time, reannounce  # time.time: DHT time
+        self.lease = AdaptiveLease(cfg.planner_lease_s)
+        self._claimed_s = cfg.planner_lease_s
+        self._stretched = False
+        """the length of the lease last claimed (its renewal was at `dht.planner_until` minus this)"""
+        """the lease's current length: `lease_s`, stretched while renewals come late (`swarm.daemon.lease`)"""
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
         self._led_since: float | None = None
@@ -259,14 +265,24 @@ class Planner:
     def renew_lease(self) -> bool:
         """Renews the lease (and re-announces) if this peer leads and a third of the lease has passed."""
         now = self.dht_time()
-        if not self.leading or now < getattr(self.dht, "planner_until", 0.0) - self.lease_s * 2 / 3:
+        renewed_at = getattr(self.dht, "planner_until", 0.0) - self._claimed_s
+        if not self.leading or now < renewed_at + self.lease_s / 3:  # every third of the configured lease
             return False
-        self.dht.planner_until = now + self.lease_s
+        # the lease claimed covers a late renewal's gap and the store's own time (measured last renewal): it
+        # stretches while renewals stall (`swarm.daemon.lease`), so a loaded planner does not lapse and flap
+        length = self._claimed_s = self.lease.claim(now)
+        stretched = length > self.lease_s * 1.5
+        if stretched != self._stretched:  # told when it starts and ends, not at every renewal
+            self._stretched = stretched
+            log.info("planner lease renewals are %s: lease %.0f s", "late (a loaded machine)" if stretched else
+                     "prompt again", length)  # fmt: skip
+        self.dht.planner_until = now + length
         if self.reannounce is not None:
             try:
                 self.reannounce()
             except Exception as e:  # the next renewal retries; the lease lapses only if all of them fail
                 log.warning("planner lease renewal failed: %s", e)
+        self.lease.stored(self.dht_time() - now)
         return True
 
     def keep_lease(self, stop) -> None:
@@ -320,6 +336,7 @@ class Planner:
         self.leading = self.is_leader(peers)
         if not self.leading:
             self._led_since = None
+            self.lease.forget()
             return None
         self._led_since = self.clock() if self._led_since is None else self._led_since
         self.renew_lease()

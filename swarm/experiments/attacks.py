@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from swarm.experiments.attacks_patience import Patience
 from swarm.experiments.attacks_report import (
     CLEAN_KEYS,
     LOSS_KEYS,
@@ -69,6 +70,8 @@ COMPUTE_LAYERS_PER_S = 8.0
 """Declared by every peer instead of measured, so every setting gets the same plan from the same keys."""
 VERIFY_OFF_FLAGS = ("--verify-fraction", "0")
 """The trainer's switch for stage verification (`swarm.runtime.verify`): no audits, no weight digests."""
+HARD_FACTOR = 3.0
+"""A trainer still making steps (or evaluating after its last) may run this many times the setting's bound."""
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,11 @@ class AttacksConfig:
     micro_batches: int = field(default=4, metadata=flag(skip=True))
     """Micro-batches per step."""
     stall_s: float = 60.0
-    """a setting whose trainer completes no step for this long has stopped: the trainer is stopped"""
+    """a setting whose trainer completes no step for this long (or 5 median step intervals, if longer: a loaded
+    machine) has stopped: the trainer is stopped (`swarm.experiments.attacks_patience`)"""
     setting_timeout_s: float = field(default=300.0, metadata=flag(name="--timeout-s"))
-    """bound on one setting, seconds, from the trainer's start"""
+    """bound on one setting, seconds, from the trainer's start (+ 120 s for the first plan); a trainer that still
+    makes steps, or evaluates after its last, goes on to 3 times that"""
     sybils: int = 20
     """Sybil announcements before the planner kill"""
     stranger_trainers: int = 16
@@ -354,7 +359,8 @@ def run_setting(
             observer = Observer(dht, ModelConfig().n_layers, d / "trainer", d / "observations.jsonl")
             observer.start()
             say(f"{setting}: {cfg.volunteers} volunteers ({cfg.standbys} on standby) and a trainer starting")
-            deadline = time.monotonic() + cfg.setting_timeout_s + 120.0  # + the wait for the first plan
+            started = time.monotonic()
+            deadline = started + cfg.setting_timeout_s + 120.0  # + the wait for the first plan
             if kind == "stranger":
                 while observer.step_count() < cfg.attack_at_step and trainer.poll() is None:
                     if time.monotonic() > deadline:
@@ -379,7 +385,8 @@ def run_setting(
                 result["attackers"], result["attack_step"] = [liar[1]], observer.step_count()
                 result["attack_t"] = time.time()
                 say(f"{setting}: killed peer{liar[0]} after step {result['attack_step']}")
-            result["rc"], result["stalled"] = _wait_trainer(trainer, observer, cfg.stall_s, deadline)
+            patience = Patience(cfg.steps, cfg.stall_s, deadline, started + HARD_FACTOR * (deadline - started))
+            result["rc"], result["stalled"] = _wait_trainer(trainer, observer, patience, say)
             result["replicas"] = replica_digests(dht, ModelConfig().n_layers)
         except Exception as e:  # a failed setting still leaves its files for the row
             say(f"{setting}: {type(e).__name__}: {e}")
@@ -401,15 +408,13 @@ def run_setting(
     return result
 
 
-def _wait_trainer(trainer: subprocess.Popen, observer: Observer, stall_s: float, deadline: float):
-    """The trainer's exit code, and whether it was stopped for making no step in `stall_s` (or past `deadline`)."""
-    last, last_t = observer.step_count(), time.monotonic()
+def _wait_trainer(trainer: subprocess.Popen, observer: Observer, patience: Patience, say=print):
+    """The trainer's exit code, and whether it was stopped (`Patience`: a stall or a deadline scaled to its pace)."""
     while trainer.poll() is None:
         now = time.monotonic()
-        steps = observer.step_count()
-        if steps > last:
-            last, last_t = steps, now
-        if (steps > 0 and now - last_t > stall_s) or now > deadline:
+        patience.observe(observer.step_count(), now)
+        if (why := patience.stop(now)) is not None:
+            say(f"stopping the trainer: {why}")
             trainer.terminate()
             try:
                 trainer.wait(5)  # a trainer waiting for a plan finishes no step to stop after

@@ -12,7 +12,8 @@ c % R_s of stage s with uneven ones): each sample trains on one (`swarm.runtime.
 replicas of each stage then sum their gradients among themselves (`Reduce`) before every replica steps; a
 replica shared by several routes gets one Reduce, Grads and Step per step. With 2+ stages every distinct
 replica of the first and last stage gets a Reduce (alone in its stage or not) naming the tied group.
-A peer that dies mid-step (a failed call confirmed by a ping, or missed heartbeats) takes its route out;
+A peer that dies mid-step (a failed call confirmed by a ping, or silence past its own round trips' window and a
+failed confirming probe: `swarm.runtime.heartbeat`) takes its route out;
 the step is abandoned on every live replica and run again whole on the surviving routes, so every stage
 applies each step exactly once.
 
@@ -47,6 +48,7 @@ from swarm.proto import stage_pb2
 from swarm.runtime.callinfo import CallRouter, route_needed
 from swarm.runtime.commit import StepCommit
 from swarm.runtime.gate import runs_through
+from swarm.runtime.heartbeat import HeartbeatConfig, PingLoop, RoundTrips
 from swarm.runtime.heldout import HeldOutLoss, held_out_loss
 from swarm.runtime.messages import GradReport, from_wire
 from swarm.runtime.precision import agreed_step
@@ -54,7 +56,6 @@ from swarm.runtime.results import StepResult
 from swarm.runtime.routing import (
     Failed,
     NoLiveRoute,
-    PingLoop,
     RouteWeights,
     RouteWork,
     Task,
@@ -107,8 +108,10 @@ class PipelineDriver:
         signer: the trainer's identity on the default gRPC connector (None: a fresh key, enough where any
             authenticated caller may train or ask for Status).
         max_attempts: runs of one step (the first and its reroutes) before it fails.
-        heartbeat_s: time between heartbeat pings of the peers while a step runs (also each ping's timeout).
-        heartbeat_misses: unanswered pings in a row that make a peer dead.
+        heartbeat_s: time between heartbeat pings of the peers while a step runs (`heartbeat` None).
+        heartbeat_misses: timeouts' worth of silence that make a peer suspect (`heartbeat` None).
+        heartbeat: how peers are told dead from slow (`swarm.runtime.heartbeat`; None: the defaults with
+            `heartbeat_s` and `heartbeat_misses`).
         weights: the routes' sample shares (default: fresh, from measured throughput).
         suspects: the run's strikes, bans and norm history (default: fresh; the trainer keeps one for the run,
             so that a re-plan's driver knows who was banned).
@@ -143,6 +146,7 @@ class PipelineDriver:
         verify: VerifyConfig | None = None,
         on_liar: Callable[[str, str], None] | None = None,
         referee: Referee | None = None,
+        heartbeat: HeartbeatConfig | None = None,
     ):
         routes, ids = _nested(route), _nested(peers)
         if not routes or len(routes) != len(ids) or [len(r) for r in ids] != [len(r) for r in routes]:
@@ -157,7 +161,11 @@ class PipelineDriver:
         self.route, self.peers = list(self.routes[0].addresses), list(self.routes[0].peers)
         self.schedule, self.n_micro, self.deadline_s = schedule, n_micro, deadline_s
         self.plan_version, self.max_attempts = plan_version, max_attempts
-        self.heartbeat_s, self.heartbeat_misses = heartbeat_s, heartbeat_misses
+        self.heartbeat = heartbeat or HeartbeatConfig(
+            interval_s=heartbeat_s, misses=heartbeat_misses, floor_s=min(heartbeat_s, HeartbeatConfig.ceiling_s)
+        )
+        self.round_trips = RoundTrips(self.heartbeat)
+        """every peer's round trips so far: its pings' timeouts and its silence window (kept across steps)"""
         if connector is None and signer is None:
             from swarm.net.auth import CallSigner, Identity
 
@@ -202,6 +210,8 @@ class PipelineDriver:
         """the running attempt's audits, gathered before its Step"""
         self._attempt = 0
         """the running attempt of the step (1, 2, ...; 0 outside `train_step`): audits draw afresh for each"""
+        self._liars_before = 0
+        """`len(liars)` when the running attempt began: the ones after it were evicted by its own audits"""
         self._used: list[Route] = []
         """the routes of the attempt that runs"""
         self.verifier = (
@@ -300,13 +310,23 @@ class PipelineDriver:
             if reroutable(e):
                 raise
 
-    def _alive(self, peer: str, timeout_s: float = 2.0) -> bool:
-        """One `Ping` (on its own thread, waited for at most `timeout_s`): does `peer` answer at all?"""
-        ping = spawn(lambda: self._ping(peer, timeout_s), "ping", self._threads)
-        with contextlib.suppress(Exception):
-            ping.result(timeout=timeout_s)
-            return True
-        return False
+    def _alive(self, peer: str, timeout_s: float | None = None) -> bool:
+        """One `Ping` (on its own thread, waited for at most `timeout_s`; default: the confirming probe's deadline
+        for that peer, `RoundTrips.confirm_timeout`): does `peer` answer at all? A killed peer refuses at once."""
+        return self._answering([peer], timeout_s)[peer]
+
+    def _answering(self, peers: Sequence[str], timeout_s: float | None = None) -> dict[str, bool]:
+        """`_alive` for each of `peers`, all pinged at once (a slow suspect never delays another's verdict)."""
+        deadline = {p: timeout_s or self.round_trips.confirm_timeout(p) for p in peers}
+        pings = {p: spawn(lambda p=p: self._ping(p, deadline[p]), "ping", self._threads) for p in peers}
+        out = {}
+        for peer, ping in pings.items():
+            try:
+                ping.result(timeout=deadline[peer] + 1.0)
+                out[peer] = True
+            except Exception:
+                out[peer] = False
+        return out
 
     def _name(self, stage: int, replica: int) -> str:
         """How an error names a replica: "stage S replica R (peer ID at ADDR)"."""
@@ -321,16 +341,13 @@ class PipelineDriver:
         raise KeyError(peer)
 
     def _ping_loop(self, routes: Sequence[Route], wake: threading.Event) -> PingLoop:
-        def ping(peer: str) -> None:
-            self._ping(peer, self.heartbeat_s)
-
         def on_dead(peer: str) -> None:
-            log.warning("peer %s missed %d heartbeats: declared dead", peer, self.heartbeat_misses)
+            log.warning("peer %s silent past its window and its confirming probe failed: declared dead", peer)
             self.dead.add(peer)
             wake.set()
 
         peers = [p for c in routes for p in c.peers]
-        return PingLoop(ping, peers, on_dead, self.heartbeat_s, self.heartbeat_misses)
+        return PingLoop(self._ping, peers, on_dead, self.heartbeat, self.round_trips)
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
@@ -642,7 +659,7 @@ class PipelineDriver:
             wake, self._inflight = threading.Event(), []  # calls of earlier attempts are on their own
             self.router.new_attempt()  # a stage told to abandon it refuses its late calls
             norm, lr = math.nan, 0.0
-            self._attempt = attempt
+            self._attempt, self._liars_before = attempt, len(self.liars)
             try:
                 with self._ping_loop(used, wake):
                     loss, traffic = self._run_routes(step, work, wake)
@@ -720,6 +737,9 @@ class PipelineDriver:
         strike for that peer (unless the check that raised it struck it already), and the step is abandoned
         everywhere; True: skip the step; False: the strike evicted the peer, run the step again without it."""
         error = caught.error if isinstance(caught, Failed) else caught
+        if isinstance(caught, Failed) and self._out_of(caught):
+            self._recover(step, caught, attempt)  # a peer of that call is out: whatever it said, run again
+            return False
         # a failed call may blame only a peer of its own route (a liar on it cannot name a stranger's replica)
         named = set(caught.suspects) if isinstance(caught, Failed) and caught.suspects else self._peer_set
         peer = culprit(error, named - self.dead)
@@ -746,8 +766,14 @@ class PipelineDriver:
         error = failure.error
         audited = isinstance(error, LiarFound | AuditDisputed)  # the liar is out (or nobody is): run again
         fatal = error is not None and not (reroutable(error) or route_needed(error) or busy(error) or audited)
-        for peer in () if fatal else failure.suspects:
-            if peer not in self.dead and not self._alive(peer):
+        if fatal and (out := self._out_of(failure)):
+            # e.g. an evicted liar's own Reduce refusing its honest sibling's sum: its step runs again without it
+            log.warning("step %d: %s (from a call with %s, declared dead or evicted): running the step again "
+                        "without them", step, error, ", ".join(out))  # fmt: skip
+            fatal = False
+        suspects = [] if fatal else [p for p in dict.fromkeys(failure.suspects) if p not in self.dead]
+        for peer, answers in self._answering(suspects).items():
+            if not answers:
                 log.warning("step %d: peer %s does not answer: declared dead", step, peer)
                 self.dead.add(peer)
         self._drop(step)
@@ -760,6 +786,20 @@ class PipelineDriver:
             "step %d%s: attempt %d failed (%s); running the step again",
             step, csv_row(step), attempt, as_error(failure, step),
         )  # fmt: skip
+
+    def _out_of(self, failure: Failed) -> list[str]:
+        """The peers that make a failed call no verdict on anyone: those of the call that are out (declared dead or
+        evicted), or, where this attempt's own audits evicted a liar, that liar (what it sent poisoned the
+        attempt: an honest replica on its route refused its own sibling's sum as 64x its tiny gradients in the
+        loaded full run). Waits briefly for the attempt's audits first where neither is known yet: an audit may
+        conclude just after the call failed. The step then runs again without them; it never ends the run."""
+        if failure.error is None or not failure.suspects:
+            return []
+        evicted = lambda: [p for p, _ in self.liars[self._liars_before :]]  # noqa: E731
+        settled = self.dead.intersection(failure.suspects) or evicted() or reroutable(failure.error)
+        if not settled and not busy(failure.error) and self._audits:  # (`_recover` pings a peer that may be dead)
+            wait([f for f, _ in self._audits], timeout=ABANDON_GRACE_S)
+        return sorted(self.dead.intersection(failure.suspects) | set(evicted()))
 
     def _drop(self, step: int) -> None:
         """Abandons the step on every live replica so that none keeps gradients from it."""

@@ -1,5 +1,6 @@
 """Routing a step over a plan's routes: which samples each route trains (sticky weighted rendezvous), the
-routes' weights, the pings and gathering that tell whether a route lives.
+routes' weights, and the gathering of a step's calls that tells whether a route lives (the liveness pings are
+`swarm.runtime.heartbeat`'s).
 
 A replicated plan has several routes (`swarm.peers.routes.Route`; with equal replica counts R, route r is
 column r of the plan). AQ-SGD keeps a message buffer per link and sample id, so a sample should travel the same
@@ -33,7 +34,6 @@ __all__ = [
     "RouteWork",
     "Failed",
     "NoLiveRoute",
-    "PingLoop",
     "REROUTE_CODES",
     "Task",
     "Traffic",
@@ -242,74 +242,6 @@ def spawn(fn: Callable[[], T], name: str, threads: set[threading.Thread] | None 
         threads.add(thread)
     thread.start()
     return future
-
-
-class PingLoop:
-    """The driver's liveness pings: calls `Ping` on each of `peers` every `interval_s` while a step runs;
-    `misses` pings in a row unanswered (failed, or still pending at the next beat) declare a peer dead.
-
-    At most one ping per peer is outstanding: a peer that hangs costs one stuck thread, not one per beat.
-    `on_dead(peer)` runs on the loop's thread when a peer is declared dead.
-
-    Args:
-        ping: peer id -> a blocking `Ping` call that raises when the peer does not answer.
-        peers: the peers to watch.
-        on_dead: told of each death once.
-        interval_s: time between beats (each ping's own timeout should be at most this).
-        misses: beats in a row without an answer that make a peer dead.
-    """
-
-    def __init__(
-        self,
-        ping: Callable[[str], object],
-        peers: Sequence[str],
-        on_dead: Callable[[str], None],
-        interval_s: float = 1.0,
-        misses: int = 3,
-    ):
-        self.ping, self.peers, self.on_dead = ping, list(dict.fromkeys(peers)), on_dead
-        self.interval_s, self.misses = interval_s, misses
-        self.dead: set[str] = set()
-        self._missed = dict.fromkeys(self.peers, 0)
-        self._pending: dict[str, Future] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ping-loop", daemon=True)
-
-    def __enter__(self) -> PingLoop:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def beat(self) -> None:
-        """One beat: collect the last pings' answers, count misses, send the next pings."""
-        for peer in self.peers:
-            if peer in self.dead:
-                continue
-            pending = self._pending.get(peer)
-            if pending is not None:
-                answered = pending.done() and pending.exception() is None
-                self._missed[peer] = 0 if answered else self._missed[peer] + 1
-                if self._missed[peer] >= self.misses:
-                    self.dead.add(peer)
-                    self.on_dead(peer)
-                    continue
-                if not pending.done():
-                    continue  # still stuck: no second ping on top
-            self._pending[peer] = spawn(lambda p=peer: self.ping(p), "heartbeat-ping")
-
-    def _run(self) -> None:
-        while True:
-            self.beat()
-            # a timer between beats, not a synchronisation: stop() ends the wait at once
-            if self._stop.wait(self.interval_s):
-                return
 
 
 # ---- whether a route lives ------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.model.spec import AnyModelConfig, model_identity
 from swarm.options import DHT_FLAGS, MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags
 from swarm.runtime.audit_wire import RECORD_CODECS
+from swarm.runtime.heartbeat import HeartbeatConfig
 from swarm.runtime.verify import VerifyConfig
 from swarm.train.follower import PlanFollower, discover_route, route_answers
 from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
@@ -166,8 +167,15 @@ class TrainConfig:
     deadline_s: float = field(default=120.0, metadata=flag(group=_TRAINING))
     """longest a micro-batch may take end to end, seconds"""
     heartbeat_s: float = field(default=1.0, metadata=flag(group=_TRAINING))
-    """seconds between the trainer's liveness pings of the stages while a step runs: 3 unanswered in a row
-    declare a peer dead (on a loaded machine a busy peer missed 3 s)"""
+    """seconds between the trainer's liveness pings of the stages while a step runs, and the smallest timeout of
+    one (swarm.runtime.heartbeat: a peer is dead only once silent past its window and a confirming probe fails)"""
+    heartbeat_misses: int = field(default=3, metadata=flag(group=_TRAINING))
+    """timeouts' worth of silence that make a peer suspect; a ping's timeout grows with the peer's measured
+    round trips (smoothed + 4 deviations, as TCP's), from --heartbeat-s to --heartbeat-ceiling-s"""
+    heartbeat_ceiling_s: float = field(default=10.0, metadata=flag(group=_TRAINING))
+    """largest timeout of one liveness ping, seconds, however slowly a peer answered before"""
+    heartbeat_confirm_s: float = field(default=10.0, metadata=flag(group=_TRAINING))
+    """deadline of the probe that confirms a silent peer's death, seconds (a killed peer refuses it at once)"""
     out: str | None = field(default=None, metadata=flag(group=_TRAINING))
     """folder for steps.csv, loss.png, summary.json (none: runs/train-<time>)"""
     resume: bool = field(default=False, metadata=flag(group=_TRAINING))
@@ -214,12 +222,22 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.num_stages: expected >= 1 or None, got {self.num_stages}")
         if self.deadline_s <= 0 or self.wait_timeout_s <= 0 or self.replan_timeout_s <= 0 or not self.heartbeat_s > 0:
             raise ValueError("TrainConfig: deadline_s, wait_timeout_s, replan_timeout_s and heartbeat_s must be > 0")
+        self.heartbeat  # noqa: B018  (checks the liveness fields: HeartbeatConfig refuses nonsense by name)
         if self.chain_weights not in CHAIN_WEIGHTS:
             raise ValueError(f"TrainConfig.chain_weights: expected one of {CHAIN_WEIGHTS}, got {self.chain_weights!r}")
         if not 0 <= self.verify_fraction <= 1:
             raise ValueError(f"TrainConfig.verify_fraction: expected 0-1, got {self.verify_fraction}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"TrainConfig.metrics_port: expected 0-65535, got {self.metrics_port}")
+
+    @property
+    def heartbeat(self) -> HeartbeatConfig:
+        """The driver's liveness pings (swarm.runtime.heartbeat) from the heartbeat_* fields."""
+        floor_s = min(self.heartbeat_s, self.heartbeat_ceiling_s)  # a peer never measured: today's fixed timeout
+        return HeartbeatConfig(
+            interval_s=self.heartbeat_s, misses=self.heartbeat_misses, floor_s=floor_s,
+            ceiling_s=self.heartbeat_ceiling_s, confirm_s=self.heartbeat_confirm_s,
+        )  # fmt: skip
 
 
 @cache
@@ -324,7 +342,7 @@ def train(
     def connect(r: PlanRoutes):
         metrics.plan_version.set(r.plan_version)
         driver = make_driver(
-            r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s, heartbeat_s=cfg.heartbeat_s,
+            r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s, heartbeat=cfg.heartbeat,
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=route_weights(cfg.chain_weights),
             tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial), suspects=suspects,
             verify=VerifyConfig(cfg.verify_fraction, records=cfg.verify_records) if cfg.verify_fraction > 0 else None,

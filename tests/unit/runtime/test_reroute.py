@@ -9,6 +9,7 @@ import grpc
 import pytest
 import torch
 
+from swarm.runtime.heartbeat import HeartbeatConfig
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.routing import NoLiveRoute
 from tests.unit.runtime.test_replicas import CFG, FP32, batch, weights
@@ -102,15 +103,89 @@ def test_a_hung_peer_is_declared_dead_by_heartbeat_and_the_step_reroutes():
     pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
     hang = _Hang(pipe.switches[1][0].target)
     pipe.switches[1][0].target = hang
+    heartbeat = HeartbeatConfig(confirm_s=3.0)  # silent 3 s, then a 3 s probe that never answers (the default: 10 s)
     try:
+        pipe.driver(4, heartbeat=heartbeat)
         start = time.monotonic()
         result = pipe.train_step(batch(seed=1), n_micro=4)  # the driver's deadline is 120 s
         elapsed = time.monotonic() - start
         assert result.attempts == 2 and result.dead_peers == (pipe.replica_peers[1][0],)
-        assert elapsed < 15, f"reroute took {elapsed:.1f} s"
+        assert elapsed < heartbeat.hang_bound_s, f"reroute took {elapsed:.1f} s"
         _surviving_chain_applied_once(pipe, 1, steps=1)
     finally:
         hang.release.set()
+        pipe.close()
+
+
+class _Slow:
+    """Wraps a servicer: every Ping answers after `ping_s`, Forward starts after `forward_s` (a peer on a loaded
+    machine: slow, but it answers)."""
+
+    def __init__(self, target, ping_s: float, forward_s: float):
+        self.target, self.ping_s, self.forward_s, self.pings = target, ping_s, forward_s, 0
+        self.never = threading.Event()  # never set: its waits are the peer's slowness, not a synchronisation
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def Forward(self, items, context):
+        self.never.wait(self.forward_s)
+        return self.target.Forward(items, context)
+
+    def Ping(self, request, context):
+        self.pings += 1
+        self.never.wait(self.ping_s)
+        return self.target.Ping(request, context)
+
+
+def test_a_peer_whose_pings_take_four_intervals_is_not_declared_dead():
+    """Issue 27 (false deaths under load): with pings 4x the heartbeat interval, the fixed count of 3 missed
+    pings declared the peer dead and rerouted the step; now its silence is confirmed with a longer probe, which
+    it answers."""
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    slow = _Slow(pipe.switches[1][0].target, ping_s=2.0, forward_s=5.0)
+    pipe.switches[1][0].target = slow
+    try:
+        pipe.driver(4, heartbeat=HeartbeatConfig(interval_s=0.5, floor_s=0.5))
+        result = pipe.train_step(batch(seed=1), n_micro=4)
+        assert result.attempts == 1 and result.dead_peers == () and result.routes == 2
+        assert slow.pings >= 2, "the heartbeats reached the slow peer"
+        assert pipe.driver(4).round_trips.srtt(pipe.replica_peers[1][0]) >= 2.0
+        for chain in (0, 1):
+            _surviving_chain_applied_once(pipe, chain, steps=1)
+    finally:
+        pipe.close()
+
+
+def test_a_peer_killed_while_its_call_hangs_is_declared_dead_by_the_heartbeats():
+    """A killed process refuses the confirming probe at once: declared dead after the window (3 intervals), as
+    the fixed count of misses did, not after the probe's deadline; the step reroutes."""
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    target, release = pipe.switches[1][0].target, threading.Event()
+
+    class _KilledMidCall:  # its first Forward kills it; its Forwards then hang (half-open), every other call is
+        killed = False  # refused: only the heartbeats' pings can tell
+
+        def __getattr__(self, name):
+            if not self.killed:
+                return getattr(target, name)
+            return lambda request, context: context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+        def Forward(self, items, context):
+            type(self).killed = True
+            release.wait()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "released")
+
+    pipe.switches[1][0].target = _KilledMidCall()
+    try:
+        pipe.driver(4, heartbeat=HeartbeatConfig(confirm_s=600.0))  # declared dead only by a refused probe
+        start = time.monotonic()
+        result = pipe.train_step(batch(seed=1), n_micro=4)
+        assert time.monotonic() - start < 300, "waited for the probe's deadline, not its refusal"
+        assert result.attempts == 2 and result.dead_peers == (pipe.replica_peers[1][0],)
+        _surviving_chain_applied_once(pipe, 1, steps=1)
+    finally:
+        release.set()
         pipe.close()
 
 

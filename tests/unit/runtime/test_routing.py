@@ -1,4 +1,4 @@
-"""Sample assignment to routes of replicas, micro-batch splits, heartbeats and the waiting rule."""
+"""Sample assignment to routes of replicas, micro-batch splits and the waiting rule (heartbeats: test_heartbeat)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from swarm.net.stream import StageCallError
 from swarm.peers.routes import Route
 from swarm.runtime.routing import (
     Failed,
-    PingLoop,
     RouteWeights,
     assign_samples,
     gather,
@@ -130,53 +129,6 @@ def test_select_keeps_rows_in_the_given_order():
 
 
 # ---- liveness -------------------------------------------------------------------------------------------
-
-
-def test_heartbeat_declares_a_hung_peer_dead_after_its_misses_and_ignores_a_live_one():
-    release = threading.Event()
-
-    def ping(peer: str):
-        if peer == "hung":
-            release.wait()
-        return peer
-
-    dead = []
-    beat = PingLoop(ping, ["live", "hung"], dead.append, interval_s=1.0, misses=3)
-    try:
-        for _ in range(2):
-            beat.beat()
-        assert dead == []
-        beat.beat()  # first ping was sent at beat 1; beats 2 and 3 found it pending
-        beat.beat()
-        assert dead == ["hung"] and beat.dead == {"hung"}
-        beat.beat()  # told once
-        assert dead == ["hung"]
-    finally:
-        release.set()
-
-
-def test_heartbeat_counts_failed_pings_and_a_reply_resets_the_count():
-    answers = [False, False, True, False, False, False]
-
-    def ping(peer: str):
-        if not answers.pop(0):
-            raise StageCallError("gone", grpc.StatusCode.UNAVAILABLE)
-
-    dead = []
-    beat = PingLoop(ping, ["p"], dead.append, misses=3)
-    for _ in range(6):
-        beat.beat()
-        beat._pending["p"].exception(timeout=5)  # the ping (on its own thread) has answered
-        assert dead == []
-    beat.beat()  # three failures in a row after the answer
-    assert dead == ["p"]
-
-
-def test_heartbeat_thread_stops():
-    beat = PingLoop(lambda p: None, ["a"], lambda p: None, interval_s=60.0)
-    with beat:
-        pass
-    assert not beat._thread.is_alive()
 
 
 def test_gather_ends_at_once_when_a_peer_is_declared_dead():
