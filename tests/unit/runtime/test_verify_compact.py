@@ -122,22 +122,18 @@ def test_a_consistent_liar_is_refereed_under_compact_audits(pipe, records):
     assert "off the trainer's" in driver.liars[0][1]
 
 
-@pytest.mark.parametrize("records", ["fp16", "sketch"])
-@pytest.mark.parametrize("stage", [0, 1])
-def test_a_stage_whose_fp32_record_is_not_its_compact_one_is_a_liar(pipe, stage, records):
-    """A stage that shows a record in fp16 that fails a check, then another in fp32 that would pass: it reported
-    two records of one micro-batch."""
+def _two_faced_step(pipe: LocalPipeline, liar, records: str, b):
+    """One audited step in which `liar` shows, in its compact reply only, a record whose output (stage 1: its loss)
+    is x3 of what it computed, then answers the fp32 re-ask with the honest record; the driver."""
     import swarm.runtime.service as service
 
-    liar = pipe.replica_hosts[stage][0]
     honest_reply, honest_record = service.audit_reply, liar.audit_record
+    marked = [None]
 
     def two_faced(record, is_first, is_last, backward, compact=False, *sketch):
-        if compact and record is marked[0]:  # its output (stage 1: its loss) x3, in the compact reply only
+        if compact and record is marked[0]:
             record = type(record)(record.inputs, record.output * 3, record.grad_received, record.grad_sent)
         return honest_reply(record, is_first, is_last, backward, compact, *sketch)
-
-    marked = [None]
 
     def mark(*args):
         marked[0] = honest_record(*args)
@@ -147,9 +143,19 @@ def test_a_stage_whose_fp32_record_is_not_its_compact_one_is_a_liar(pipe, stage,
     service.audit_reply = two_faced
     try:
         driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3, records=records))
-        driver.train_step(0, batch(0))
+        driver.train_step(0, b)
     finally:
         service.audit_reply = honest_reply
+    return driver
+
+
+@pytest.mark.parametrize("records", ["fp16", "sketch"])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_stage_whose_fp32_record_is_not_its_compact_one_is_a_liar(pipe, stage, records):
+    """A stage that shows a record in fp16 that fails a check, then another in fp32 that would pass: it reported
+    two records of one micro-batch."""
+    liar = pipe.replica_hosts[stage][0]
+    driver = _two_faced_step(pipe, liar, records, batch(0))
     assert [p for p, _ in driver.liars] == [liar.peer_id], driver.liars
     why = "loss record" if stage else "output record does not round to"  # 2 x 16 x 32: too small to sketch
     assert why in driver.liars[0][1]
@@ -191,29 +197,11 @@ def test_a_steps_control_bytes_are_split_by_call_method(pipe):
 
 def test_a_stage_whose_fp32_record_does_not_sketch_to_the_sketch_it_reported_is_a_liar():
     """The sketched field of a two-faced record (stage 0's output, 2 x 64 x 64: sketched)."""
-    import swarm.runtime.service as service
-
     pipe = LocalPipeline(WIDE, 2, FP32, FP32, replicas=2)
     liar = pipe.replica_hosts[0][0]
-    honest_reply, honest_record = service.audit_reply, liar.audit_record
-    marked = [None]
-
-    def two_faced(record, is_first, is_last, backward, compact=False, *sketch):
-        if compact and record is marked[0]:
-            record = type(record)(record.inputs, record.output * 3, record.grad_received, record.grad_sent)
-        return honest_reply(record, is_first, is_last, backward, compact, *sketch)
-
-    def mark(*args):
-        marked[0] = honest_record(*args)
-        return marked[0]
-
-    liar.audit_record = mark
-    service.audit_reply = two_faced
     try:
-        driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(fraction=1.0, seed=3, records="sketch"))
-        driver.train_step(0, wide_batch(0))
+        driver = _two_faced_step(pipe, liar, "sketch", wide_batch(0))
     finally:
-        service.audit_reply = honest_reply
         pipe.close()
     assert [p for p, _ in driver.liars] == [liar.peer_id], driver.liars
     assert "output record does not sketch to the one it reported first" in driver.liars[0][1]
