@@ -235,10 +235,11 @@ class Planner:
         self._epilogue_from = None  # the epilogue figures the plan's epilogue codecs were chosen from
         self.lease_s, self.dht_time, self.reannounce = cfg.planner_lease_s, dht_time, reannounce  # time.time: DHT time
         self.lease = AdaptiveLease(cfg.planner_lease_s)
-        self._claimed_s = cfg.planner_lease_s
-        self._stretched = False
-        """the length of the lease last claimed (its renewal was at `dht.planner_until` minus this)"""
         """the lease's current length: `lease_s`, stretched while renewals come late (`swarm.daemon.lease`)"""
+        self._claimed_s = cfg.planner_lease_s
+        """the length of the lease last claimed (its renewal was at `dht.planner_until` minus this)"""
+        self._stretched = False
+        """whether the last claim was stretched (logged only when that changes)"""
         self.leading = False
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
         self._led_since: float | None = None

@@ -248,7 +248,7 @@ class PipelineDriver:
 
     # ---- calls ------------------------------------------------------------------------------------------
 
-    def _count_control(self, nbytes: int, method: str = "GetState") -> None:
+    def _count_control(self, nbytes: int, method: str) -> None:
         with self._control_lock:
             self._control += nbytes
         self.metrics.control_call_bytes.labels(method).inc(nbytes)  # the same bytes, by kind (steps.csv columns)
@@ -272,9 +272,9 @@ class PipelineDriver:
         """GetState of that replica's stage under this plan (the referee's weights), its items counted as
         control bytes as they are pulled."""
         request = stage_pb2.StateRequest(stage=stage, plan_version=self.plan_version)
-        self._count_control(request.ByteSize())
+        self._count_control(request.ByteSize(), "GetState")
         call = self._stubs[(stage, replica)].GetState(request, timeout=self.deadline_s)
-        return _CountedStream(call, self._count_control)
+        return _CountedStream(call, lambda nbytes: self._count_control(nbytes, "GetState"))
 
     def _counted(self, items, method: str):
         for item in items:
