@@ -54,6 +54,10 @@ __all__ = [
 log = logging.getLogger("swarm.runtime.service")
 
 
+EXPECTED_FAILURES = (grpc.RpcError, CallRefused, BufferMissError, WireError, GateError, SlotsExhausted, StageCallError,
+                     ValueError)  # fmt: skip
+"""What ends a call with a status and no traceback (`StageServicer._status`); ValueError: e.g. NaN to encode."""
+
 REDUCE_SLOT_WAIT_S = 10.0
 """Longest a Reduce waits for the one Reduce slot (held by a failed attempt's Reduce that is ending) before it
 is refused with RESOURCE_EXHAUSTED."""
@@ -347,41 +351,41 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except StreamTimeout as e:
             log.warning("stage %d: cancelled a stream from %s: %s", host.role.stage, self._who(context), e)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"stage {host.role.stage}: {e}")
-        except grpc.RpcError as e:
-            if getattr(context, "is_active", lambda: True)():  # a call of ours failed: not the caller's doing
+        except EXPECTED_FAILURES as e:
+            if not getattr(context, "is_active", lambda: True)():
+                # the caller cancelled: its stream's read then fails, ends short, or ends whole (gRPC may close a
+                # cancelled stream as if its caller had), and the call fails wherever it noticed
+                log.info("stage %d: the call from %s was cancelled by its caller", host.role.stage, self._who(context))
+                if isinstance(e, grpc.RpcError):
+                    raise  # gRPC knows this error as its own: the call is over, nothing more is logged
+            elif isinstance(e, grpc.RpcError):  # a call of ours failed: not the caller's doing
                 code = e.code() if callable(getattr(e, "code", None)) else None
                 if code in REROUTE_CODES:  # a neighbour died or is unreachable: expected churn, one line
                     log.warning("stage %d: a call to a neighbour failed (%s): %s", host.role.stage, code.name,
                                 e.details() if callable(getattr(e, "details", None)) else e)  # fmt: skip
                 else:
                     log.exception("stage %d: unexpected failure", host.role.stage)
-                context.abort(grpc.StatusCode.INTERNAL, f"stage {host.role.stage} failed: {type(e).__name__}: {e}")
-            log.info(
-                "stage %d: the call from %s was cancelled by its caller",
-                host.role.stage,
-                self._who(context),
-            )
-            raise  # gRPC knows this error as its own: the call is over, nothing more is logged
-        except CallRefused as e:
-            context.abort(e.code, e.details)
-        except BufferMissError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{BUFFER_MISS} {e}")
-        except WireError as e:  # the sender named: a neighbour's bad message reaches the trainer through the chain
-            if not getattr(context, "is_active", lambda: True)():  # the stream ended because its caller cancelled
-                log.info("stage %d: the call from %s was cancelled by its caller", host.role.stage, self._who(context))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid message from {self._who(context)}: {e}")
-        except GateError as e:
-            context.abort(grpc.StatusCode.ABORTED, f"schedule: {e}")
-        except SlotsExhausted as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except StageCallError as e:
-            context.abort(e.code, str(e))
-        except ValueError as e:  # e.g. NaN in a tensor to encode
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stage {host.role.stage} (peer {host.peer_id}): {e}")
+            context.abort(*self._status(e, host, context))
         except Exception as e:
             log.exception("stage %d: unexpected failure", host.role.stage)
             stage = f"stage {host.role.stage} (peer {host.peer_id})"
             context.abort(grpc.StatusCode.INTERNAL, f"{stage} failed: {type(e).__name__}: {e}")
+
+    def _status(self, e: Exception, host: StageHost, context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+        """The status and details an expected failure ends its call with."""
+        if isinstance(e, grpc.RpcError):
+            return grpc.StatusCode.INTERNAL, f"stage {host.role.stage} failed: {type(e).__name__}: {e}"
+        if isinstance(e, (CallRefused, StageCallError)):
+            return e.code, (e.details if isinstance(e, CallRefused) else str(e))
+        if isinstance(e, BufferMissError):
+            return grpc.StatusCode.FAILED_PRECONDITION, f"{BUFFER_MISS} {e}"
+        if isinstance(e, WireError):  # the sender named: a neighbour's bad message reaches the trainer this way
+            return grpc.StatusCode.INVALID_ARGUMENT, f"invalid message from {self._who(context)}: {e}"
+        if isinstance(e, GateError):
+            return grpc.StatusCode.ABORTED, f"schedule: {e}"
+        if isinstance(e, SlotsExhausted):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        return grpc.StatusCode.INVALID_ARGUMENT, f"stage {host.role.stage} (peer {host.peer_id}): {e}"  # ValueError
 
     def _who(self, context: grpc.ServicerContext) -> str:
         """The caller of this thread's call: its peer id if authenticated, else its address."""
