@@ -15,12 +15,18 @@ blocked on the DHT, counts as nobody's silence: each round adds at most `max_gap
 the silence clock, whatever the wall clock says. And a peer is gone only after `min_misses` consecutive
 unanswered pings, not one slow ping spread over the window.
 
+The planner's pings (`status_prober` with `adaptive_trips`) time out as the trainer's do
+(`swarm.runtime.heartbeat.RoundTrips`, RFC 6298): each peer's deadline is its smoothed round trip plus four
+deviations, within [1 s, 10 s], so a peer that answers in 2 s on a loaded machine is slow, not silent. A killed
+peer refuses the connection at once and is still gone after `gone_after_s`.
+
 The prober and the clock are injected: tests drive a fake clock and a fake prober, no sleeps.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +35,10 @@ from dataclasses import dataclass
 import grpc
 
 from swarm.peers.transport import start_all_threads
+from swarm.runtime.heartbeat import HeartbeatConfig, RoundTrips
 from swarm.runtime.routing import REROUTE_CODES
 
-__all__ = ["Liveness", "LivenessConfig", "status_prober"]
+__all__ = ["Liveness", "LivenessConfig", "adaptive_trips", "status_prober"]
 
 log = logging.getLogger("swarm.daemon.liveness")
 
@@ -164,25 +171,60 @@ class Liveness:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def status_prober(channels, addresses: Callable[[], dict[str, str]], timeout_s: float = 1.0) -> Callable[[str], bool]:
+def status_prober(
+    channels,
+    addresses: Callable[[], dict[str, str]],
+    timeout_s: float = 1.0,
+    trips: RoundTrips | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Callable[[str], bool]:
     """A `ping` over the stage service's `Ping` (what `Status` answers, without its ~1.4 KB reply): any reply, or
     any refusal but silence, is an answer (an older peer's UNIMPLEMENTED too).
 
     Args:
         channels: the peer's (signed) channel cache.
         addresses: peer id -> address, from the announcements (read each ping: addresses change on restart).
-        timeout_s: the ping's deadline.
+        timeout_s: the ping's deadline (without `trips`).
+        trips: each peer's round trips (`swarm.runtime.heartbeat.RoundTrips`, as the trainer's pings): a ping's
+            deadline is then that peer's adaptive timeout, and every answer is a sample of it; after a ping
+            that timed out the next one waits twice as long (TCP's backoff, up to the table's ceiling), until
+            an answer. A peer that answers slowly on a loaded machine raises its own deadline instead of missing
+            ping after ping.
+        clock: for the round trips.
     """
     from swarm.proto import stage_pb2, stage_pb2_grpc
+
+    backoff: dict[str, float] = {}
+    """peer -> the deadline its next ping gets after a timeout (doubled per timeout)"""
+    lock = threading.Lock()
 
     def ping(pid: str) -> bool:
         address = addresses().get(pid)
         if address is None:
             return False
+        if trips is None:
+            deadline = timeout_s
+        else:
+            with lock:
+                deadline = max(trips.timeout(pid), backoff.get(pid, 0.0))
+        begun = clock()
         try:
-            stage_pb2_grpc.StageStub(channels.get(address)).Ping(stage_pb2.Empty(), timeout=timeout_s)
+            stage_pb2_grpc.StageStub(channels.get(address)).Ping(stage_pb2.Empty(), timeout=deadline)
         except grpc.RpcError as e:
-            return e.code() not in SILENT_CODES
+            if e.code() in SILENT_CODES:
+                if trips is not None and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    with lock:
+                        backoff[pid] = min(2 * deadline, trips.config.ceiling_s)
+                return False
+        if trips is not None:
+            trips.sample(pid, clock() - begun)
+            with lock:
+                backoff.pop(pid, None)
         return True
 
     return ping
+
+
+def adaptive_trips(every_s: float, ceiling_s: float = 10.0) -> RoundTrips:
+    """The planner's round-trip table: timeouts from 1 s (a peer never measured) up to `ceiling_s`."""
+    return RoundTrips(HeartbeatConfig(interval_s=every_s, floor_s=min(1.0, ceiling_s), ceiling_s=ceiling_s))

@@ -298,7 +298,7 @@ class PeerDaemon:
     def _follow_plans(self, address: str) -> int:
         """Probes links, plans when this peer leads, and serves whatever the newest plan gives it."""
         from swarm.daemon.calibrate import calibrator, status_reader
-        from swarm.daemon.liveness import Liveness, LivenessConfig, status_prober
+        from swarm.daemon.liveness import Liveness, LivenessConfig, adaptive_trips, status_prober
         from swarm.daemon.planning import Planner
         from swarm.daemon.probe import LinkProber
         from swarm.daemon.repack import RepackWatch
@@ -324,7 +324,7 @@ class PeerDaemon:
             )
         self._addresses: dict[str, str] = {}
         liveness = Liveness(
-            status_prober(self.channels, lambda: self._addresses),
+            status_prober(self.channels, lambda: self._addresses, trips=adaptive_trips(plans.heartbeat_s)),
             LivenessConfig(every_s=plans.heartbeat_s, gone_after_s=plans.gone_after_s),
         )
         planner = Planner(
