@@ -382,7 +382,7 @@ class PipelineDriver:
         if (
             verifier is not None
             and audits is not None
-            and verifier.sampled(step, audits[0], work.route.index, mb, self._suspect(work.route))
+            and verifier.sampled(step, audits[0], work.route.index, mb, *self._suspect(work.route))
         ):
             audit = lambda: self._audit(step, work, mb, layout, audits[1])  # noqa: E731
             audits[2].append(self._spawn(audit, work.route.peers))
@@ -400,10 +400,12 @@ class PipelineDriver:
             raise Implausible(f"step {step}: {self._name(last, last_r)}: {why}", work.route.peers[last])
         return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
-    def _suspect(self, route: Route) -> bool:
-        """Whether a peer of `route` has strikes or is on probation: its micro-batches are audited more often."""
-        probation = self.verifier.config.probation_steps
-        return any(self.suspects.suspect(p, probation) for p in route.peers)
+    def _suspect(self, route: Route) -> tuple[bool, bool]:
+        """Whether a peer of `route` has strikes or is on probation (its micro-batches are audited more often), and
+        whether one is in its first `entry_steps` steps (every one of them is audited: `VerifyConfig.entry_steps`)."""
+        config = self.verifier.config
+        suspect = any(self.suspects.suspect(p, config.probation_steps) for p in route.peers)
+        return suspect, any(self.suspects.entering(p, config.entry_steps) for p in route.peers)
 
     def _audit(self, step: int, work: RouteWork, mb: int, layout, abandons: int) -> None:
         """Audits micro-batch `mb` of `work` (`StageVerifier.audit`) against the other replicas of its stages

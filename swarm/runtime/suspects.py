@@ -279,6 +279,12 @@ class Suspects:
             struck = any(s > last - cfg.window_steps for s in self._strikes.get(peer, ()))
         return struck or served < probation_steps
 
+    def entering(self, peer: str, steps: int) -> bool:
+        """Whether `peer` has answered fewer than `steps` steps' Grads in this run (strikes aside): its routes are
+        audited whole (`swarm.runtime.verify.VerifyConfig.entry_steps`)."""
+        with self._lock:
+            return self._served.get(peer, (0, -1))[0] < steps
+
     def banned_ids(self) -> tuple[str, ...]:
         """The evicted peers, in eviction order."""
         with self._lock:

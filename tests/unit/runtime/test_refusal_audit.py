@@ -22,7 +22,7 @@ from swarm.runtime.suspects import PROPORTION_TAG, disproportionate, proportion_
 from swarm.runtime.verify import VerifyConfig
 from tests.unit.runtime.test_verify import CFG, FP32, HEARTBEAT_S, batch, scaled
 
-UNSAMPLED = VerifyConfig(fraction=1e-9, suspect_fraction=0.0, seed=3)
+UNSAMPLED = VerifyConfig(fraction=1e-9, suspect_fraction=0.0, entry_steps=0, seed=3)
 """audits on, but no micro-batch sampled: only the refusal's own audits run"""
 
 
