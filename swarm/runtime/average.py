@@ -42,6 +42,7 @@ from swarm.compression.state import LinkState
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, name_failure, tensor_items
 from swarm.runtime.callinfo import info_to_wire
 from swarm.runtime.messages import CallInfo, ReduceOrder, ReduceReport, StageCall
+from swarm.runtime.suspects import proportion_tag
 
 if TYPE_CHECKING:
     from swarm.runtime.host import StageHost
@@ -451,7 +452,8 @@ class GradientAverager:
                 raise CallRefused(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"member {peers[i]}'s {what} for step {step} have norm {norm:.3g}, more than "
-                    f"{self.max_norm_ratio:g}x this member's {own:.3g}: refused, nothing summed",
+                    f"{self.max_norm_ratio:g}x this member's {own:.3g}: refused, nothing summed "
+                    f"{proportion_tag(peers[i])}",
                 )
         return parts
 

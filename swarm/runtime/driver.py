@@ -68,7 +68,7 @@ from swarm.runtime.routing import (
     spawn,
 )
 from swarm.runtime.schedules import backward_follows_forward
-from swarm.runtime.suspects import Implausible, Suspects, culprit
+from swarm.runtime.suspects import Implausible, Suspects, culprit, disproportionate
 from swarm.runtime.verify import AuditDisputed, LiarFound, Referee, StageVerifier, VerifyConfig
 
 if TYPE_CHECKING:
@@ -214,6 +214,10 @@ class PipelineDriver:
         """`len(liars)` when the running attempt began: the ones after it were evicted by its own audits"""
         self._used: list[Route] = []
         """the routes of the attempt that runs"""
+        self._attempt_work: tuple[list[RouteWork], object, int] | None = None
+        """the running attempt's work, its layout and the abandons sent when it began (`_audit_disproportion`)"""
+        self._audited: set[tuple[int, int]] = set()
+        """(route, micro-batch) of the running attempt's audits"""
         self.verifier = (
             StageVerifier(verify, self._call, self.replica_peers, self._evict, referee, self._fetch_state)
             if verify is not None and (verify.fraction > 0 or verify.digests)
@@ -378,10 +382,11 @@ class PipelineDriver:
         if (
             verifier is not None
             and audits is not None
-            and verifier.sampled(step, audits[0], work.route.index, mb, self._suspect(work.route))
+            and verifier.sampled(step, audits[0], work.route.index, mb, *self._suspect(work.route))
         ):
             audit = lambda: self._audit(step, work, mb, layout, audits[1])  # noqa: E731
             audits[2].append(self._spawn(audit, work.route.peers))
+            self._audited.add((work.route.index, mb))
         traffic = Traffic()
         for reply, direction in ((forward, "forward"), (backward, "backward")):
             links, fp32, why = self.suspects.counted_bytes(reply.traffic, self.n_stages - 1)
@@ -395,10 +400,12 @@ class PipelineDriver:
             raise Implausible(f"step {step}: {self._name(last, last_r)}: {why}", work.route.peers[last])
         return _MicroResult(forward.loss * work.loss_weights[mb], traffic, time.perf_counter())
 
-    def _suspect(self, route: Route) -> bool:
-        """Whether a peer of `route` has strikes or is on probation: its micro-batches are audited more often."""
-        probation = self.verifier.config.probation_steps
-        return any(self.suspects.suspect(p, probation) for p in route.peers)
+    def _suspect(self, route: Route) -> tuple[bool, bool]:
+        """Whether a peer of `route` has strikes or is on probation (its micro-batches are audited more often), and
+        whether one is in its first `entry_steps` steps (every one of them is audited: `VerifyConfig.entry_steps`)."""
+        config = self.verifier.config
+        suspect = any(self.suspects.suspect(p, config.probation_steps) for p in route.peers)
+        return suspect, any(self.suspects.entering(p, config.entry_steps) for p in route.peers)
 
     def _audit(self, step: int, work: RouteWork, mb: int, layout, abandons: int) -> None:
         """Audits micro-batch `mb` of `work` (`StageVerifier.audit`) against the other replicas of its stages
@@ -430,7 +437,7 @@ class PipelineDriver:
         """Every route's micro-batches, all at once; the batch's mean loss and the bytes. Records each route's
         samples/s in `weights`."""
         start = time.perf_counter()
-        self._used, self._audits = [w.route for w in work], []
+        self._used, self._audits, self._audited = [w.route for w in work], [], set()
         layout = None
         if uneven(self.counts):  # shared replicas: number every replica's micro-batches (route, position) order
             numbering = stage_numbering({w.route.index: len(w.micro) for w in work}, self.counts)
@@ -444,6 +451,7 @@ class PipelineDriver:
             labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
             gather(labels, wake, self.dead, self.deadline_s)
         audits = (self._attempt, self._abandons, self._audits)
+        self._attempt_work = (work, layout, self._abandons)
         with self._phase("pipeline"):
             tasks = [
                 [
@@ -737,6 +745,8 @@ class PipelineDriver:
         strike for that peer (unless the check that raised it struck it already), and the step is abandoned
         everywhere; True: skip the step; False: the strike evicted the peer, run the step again without it."""
         error = caught.error if isinstance(caught, Failed) else caught
+        if isinstance(caught, Failed):
+            self._audit_disproportion(step, caught)  # may evict a liar: then `_out_of` names it
         if isinstance(caught, Failed) and self._out_of(caught):
             self._recover(step, caught, attempt)  # a peer of that call is out: whatever it said, run again
             return False
@@ -786,6 +796,45 @@ class PipelineDriver:
             "step %d%s: attempt %d failed (%s); running the step again",
             step, csv_row(step), attempt, as_error(failure, step),
         )  # fmt: skip
+
+    def _audit_disproportion(self, step: int, failure: Failed) -> None:
+        """Where `failure` is a replica's Reduce refusal of a member's gradients as out of proportion to its own
+        (`disproportionate`), audits every micro-batch of this attempt on the routes through the refuser and that
+        member (`StageVerifier.audit`), not only the sampled ones, before anyone is struck. Either replica may be
+        honest: in the full attacks run a x300 liar upstream of the refuser on its route made the refuser's own
+        gradients tiny, its micro-batches were not sampled, and the honest refuser was struck and the step
+        skipped, twice. A liar the audits find is evicted (`_evict`): the step then runs again without it and
+        nobody is struck (`_out_of`). Where they find none, the refusal is judged as before. Costs, only on such
+        a refusal, one audit per micro-batch of those routes (a lying refuser pays for it with its strike)."""
+        found = disproportionate(failure.error)
+        if found is None or self.verifier is None or self._attempt_work is None:
+            return
+        stage, refuser, member = found
+        work, layout, abandons = self._attempt_work
+        if not 0 <= stage < self.n_stages or self._abandons != abandons:
+            return  # not this pipeline's stage, or the attempt was abandoned: its records may be gone
+        at = {r for r, p in enumerate(self.replica_peers[stage]) if p in (refuser, member)}
+        wait([f for f, _ in self._audits], timeout=self.deadline_s)  # the sampled audits first: one may find it
+        if len(self.liars) > self._liars_before or not at:
+            return
+        todo = [
+            (w, mb)
+            for w in work
+            if route_replicas(w.route.index, self.counts)[stage] in at
+            for mb in range(len(w.micro))
+            if (w.route.index, mb) not in self._audited
+        ]
+        log.warning("step %d: stage %d (peer %s) refused member %s's gradients as out of proportion: auditing the "
+                    "%d micro-batches of their routes not sampled before striking anyone",
+                    step, stage, refuser, member, len(todo))  # fmt: skip
+        tasks = [self._spawn(lambda w=w, mb=mb: self._audit(step, w, mb, layout, abandons), w.route.peers)
+                 for w, mb in todo]  # fmt: skip
+        self._audits.extend(tasks)
+        self._audited.update((w.route.index, mb) for w, mb in todo)
+        wait([f for f, _ in tasks], timeout=self.deadline_s)
+        found_liars = [p for p, _ in self.liars[self._liars_before :]]
+        log.warning("step %d: the audits of the refused Reduce's routes %s", step,
+                    f"evicted {', '.join(found_liars)}" if found_liars else "found no liar")  # fmt: skip
 
     def _out_of(self, failure: Failed) -> list[str]:
         """The peers that make a failed call no verdict on anyone: those of the call that are out (declared dead or

@@ -44,11 +44,14 @@ from swarm.net.stream import PLAN_MISMATCH, StageCallError
 
 __all__ = [
     "BLAME_TAG",
+    "PROPORTION_TAG",
     "Implausible",
     "SuspectConfig",
     "Suspects",
     "blame_tag",
     "culprit",
+    "disproportionate",
+    "proportion_tag",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,10 @@ log = logging.getLogger(__name__)
 BLAME_TAG = "[suspect peer "
 """How a stage's refusal names the peer that sent what it refused (`blame_tag`), for the trainer's strikes."""
 _BLAMED = re.compile(r"\[suspect peer ([^\]\s]+)\]")
+PROPORTION_TAG = "[out of proportion: member "
+"""How a replica's Reduce refusal names the member whose gradients it found out of proportion to its own
+(`proportion_tag`): the trainer audits that step's routes before it blames anyone (`disproportionate`)."""
+_DISPROPORTION = re.compile(r"\[out of proportion: member ([^\]\s]+)\]")
 _NAMED = re.compile(r"^stage (\d+) \(peer ([^\s()]+)[ )]")
 STRIKE_CODES = frozenset(
     {
@@ -73,6 +80,26 @@ another plan): a strike for that peer."""
 def blame_tag(peer: str) -> str:
     """The tag a stage adds to a refusal of what `peer` sent it."""
     return f"{BLAME_TAG}{peer}]"
+
+
+def proportion_tag(member: str) -> str:
+    """The tag a replica adds to its refusal of `member`'s gradients as out of proportion to its own."""
+    return f"{PROPORTION_TAG}{member}]"
+
+
+def disproportionate(error: BaseException | None) -> tuple[int, str, str] | None:
+    """(stage, refuser, member) of a failed call that is a replica's refusal of one member's gradients as out of
+    proportion to its own (`swarm.runtime.average`'s `max_norm_ratio`), else None. Either may be honest: a liar
+    upstream of the refuser on its route can make the refuser's own gradients tiny (the full attacks run's
+    liar-scale:300), a liar on the member's route can make the member's huge, and a lying refuser or member
+    speaks for itself. Who, is for the audits of the step's routes."""
+    if not isinstance(error, StageCallError) or error.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    text = str(error)
+    named, tagged = _NAMED.match(text), _DISPROPORTION.search(text)
+    if named is None or tagged is None:
+        return None
+    return int(named.group(1)), named.group(2), tagged.group(1)
 
 
 def culprit(error: BaseException | None, peers: frozenset[str] | set[str]) -> str | None:
@@ -251,6 +278,12 @@ class Suspects:
             served, last = self._served.get(peer, (0, -1))
             struck = any(s > last - cfg.window_steps for s in self._strikes.get(peer, ()))
         return struck or served < probation_steps
+
+    def entering(self, peer: str, steps: int) -> bool:
+        """Whether `peer` has answered fewer than `steps` steps' Grads in this run (strikes aside): its routes are
+        audited whole (`swarm.runtime.verify.VerifyConfig.entry_steps`)."""
+        with self._lock:
+            return self._served.get(peer, (0, -1))[0] < steps
 
     def banned_ids(self) -> tuple[str, ...]:
         """The evicted peers, in eviction order."""

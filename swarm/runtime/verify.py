@@ -95,6 +95,13 @@ class VerifyConfig:
     probation_steps: int = 5
     """Steps of the run a peer is audited at `suspect_fraction` after it first answers the trainer (each peer that
     joins, a Sybil's fresh key too, starts on probation)."""
+    entry_steps: int = 1
+    """Steps of the run, from a peer's first (counted as for probation), in which every micro-batch of a route
+    through it is audited, before the step's Step: a liar that lies from its first step, as a fresh key must to do
+    harm early, is then always caught before anything it computed is applied (at `suspect_fraction` alone its
+    first step escaped 1 time in 4 with 2 micro-batches on its route, and was applied: the full attacks run's
+    sign-flip and noise liars, docs/reports/attacks.md, seventh pass). Costs one fully audited step per peer that
+    joins; 0: off (and nothing with `fraction` 0)."""
     backward: bool = True
     """Also audit the backward: the input gradient each stage sent."""
     digests: bool = True
@@ -124,8 +131,9 @@ class VerifyConfig:
         if not (0 <= self.fraction <= 1 and 0 <= self.suspect_fraction <= 1):
             raise ValueError(f"fraction and suspect_fraction must be in [0, 1], got {self.fraction}, "
                              f"{self.suspect_fraction}")  # fmt: skip
-        if self.probation_steps < 0:
-            raise ValueError(f"probation_steps must be >= 0, got {self.probation_steps}")
+        if self.probation_steps < 0 or self.entry_steps < 0:
+            raise ValueError(f"probation_steps and entry_steps must be >= 0, got {self.probation_steps}, "
+                             f"{self.entry_steps}")  # fmt: skip
         if self.digest_stride < 1:
             raise ValueError(f"digest_stride must be >= 1, got {self.digest_stride}")
         if not (self.rtol > 0 and self.link_rtol > 0 and self.link_rtol_backward > 0 and self.referee_rtol > 0):
@@ -348,14 +356,18 @@ class StageVerifier:
 
     # ---- which micro-batches ------------------------------------------------------------------------------
 
-    def sampled(self, step: int, attempt: int, route: int, mb: int, suspect: bool = False) -> bool:
+    def sampled(
+        self, step: int, attempt: int, route: int, mb: int, suspect: bool = False, entering: bool = False
+    ) -> bool:
         """Whether micro-batch `mb` of `route` in this attempt of `step` is audited: a keyed hash of them under
         the trainer's secret, so no stage can tell in advance, and a re-run attempt draws afresh. `suspect`: the
         route runs through a peer with strikes or on probation (`Suspects.suspect`), audited at
-        `suspect_fraction`."""
+        `suspect_fraction`; `entering`: through a peer in its first `entry_steps` steps, audited whole."""
         cfg = self.config
         if cfg.fraction <= 0:
             return False
+        if entering:
+            return True
         key = f"{step}:{attempt}:{route}:{mb}".encode()
         draw = int.from_bytes(hashlib.blake2b(key, key=self._secret, digest_size=8).digest(), "little")
         return draw / 2**64 < (max(cfg.fraction, cfg.suspect_fraction) if suspect else cfg.fraction)
