@@ -23,7 +23,8 @@ with their weights (`referee`, `swarm.runtime.referee`) names the liar; where it
 fetch, weights whose digest is not theirs) that is a dispute, the step is abandoned and nobody is evicted. A
 verdict evicts the liar (`evict(peer, reason)`: the driver takes it out of its routes and tells `on_liar`) and
 raises `LiarFound`, so the driver abandons the step before any `Step` and runs it again without the liar: nothing
-it poisoned is applied.
+it poisoned is applied. A route through a peer in its first step (`VerifyConfig.entry_steps`) is audited whole:
+a step applied with a liar in it cannot be undone (the replicas' Reduce summed its gradients into every replica).
 
 After `Step`, replicas report their weights' digest (`StepRequest.want_digest`): replicas that disagree have
 diverged. With 3+ replicas the minority is the liar; with 2 the one whose digest did not change over an applied
