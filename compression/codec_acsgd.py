@@ -22,6 +22,9 @@ position's decoded value depends on no later position: rotating a channel across
 held-out loss at 2 bits in a single pass (a causal model learns to read the future from the error). Both ends
 buffer what the receiver decodes (`rotation.unrotate_grid`, exact integer butterflies then one float32 product
 per element), so their buffers stay bit-identical and the next visit's delta is taken against it.
+
+With `+clip` the sender picks each first-sight group's scale by least squared error below its max |x|
+(`compression.clipping`): the same wire, the same decoding, only the scales differ.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import math
 import torch
 
 from swarm.compression import rotation as rot
+from swarm.compression.clipping import clipped_quantize
 from swarm.compression.codec_aqsgd import AQSGDCodec
 from swarm.compression.layout import from_groups, read_layout, to_groups
 from swarm.compression.quantized import group_size
@@ -51,6 +55,7 @@ class ACSGDCodec(AQSGDCodec):
     name, wire = "acsgd", wire_pb2.ACSGD
     device_encoded = True  # the symmetric quantizer and the fused update have CUDA kernels
     rotates = True  # first sights only (module doc)
+    clipped_first_sights = True  # `+clip`: the sender searches each first-sight group's scale (module doc)
 
     def payload_nbytes(self, numel: int) -> int:
         return packed_nbytes(numel, self.config.bits) + 2 * math.ceil(numel / group_size(self.config))
@@ -92,15 +97,21 @@ class ACSGDCodec(AQSGDCodec):
         cfg, bits, shape = self.config, self.config.first_sight_bits, list(msg.shape)
         width = _token_width(cfg.rotation == "hadamard", shape)
         if width is None:
+            if cfg.first_sight_clip:
+                q = clipped_quantize(x, bits, group)
+                _write(q, msg.quantized_full)
+                return sym_dequantize_packed(q)
             return self._pack(x, bits, group, state, msg.quantized_full)
         # rotated first sights travel in token order, one group per token: never mixing tokens, so a position's
         # decoded value depends on no later position (a causal model could learn to read the future from it)
         layout = read_layout(msg, shape)
         tokens = from_groups(x, layout, [x.numel() // (shape[1] * width), shape[1], width]).view(-1)
         seed = cfg.seed % (1 << 62)  # the rotation need not change per message: it only spreads outliers
-        q = sym_quantize_packed(
-            rot.rotate(tokens, width, seed), bits, width, stochastic=cfg.stochastic, seed=_seed(state)
-        )
+        rotated = rot.rotate(tokens, width, seed)
+        if cfg.first_sight_clip:
+            q = clipped_quantize(rotated, bits, width)
+        else:
+            q = sym_quantize_packed(rotated, bits, width, stochastic=cfg.stochastic, seed=_seed(state))
         _write(q, msg.quantized_full)
         msg.rotation, msg.rotation_seed = ROTATION_HADAMARD, seed
         decoded = _unrotate(q, seed).view(-1, shape[1], width)  # what the receiver decodes, bit for bit

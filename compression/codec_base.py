@@ -55,6 +55,9 @@ class Codec:
     low_bit_first_sights: ClassVar[bool] = False
     """can send a sample's first sight in its own sub-2-bit delta code (`CodecConfig.first_sight_delta_code`,
     label suffix `+fsd`)"""
+    clipped_first_sights: ClassVar[bool] = False
+    """can choose each group's scale of a quantized first sight by least squared error below its max |x|
+    (`CodecConfig.first_sight_clip`, label suffix `+clip`; `compression.clipping`)"""
     device_encoded: ClassVar[bool] = False
     """a sending end on a GPU encodes there, its message buffers kept on the device (kernels for its quantizer
     on CUDA); every other codec's ends encode on the host"""
@@ -69,6 +72,7 @@ class Codec:
         "compact_scales",
         "sparse",
         "low_bit_first_sights",
+        "clipped_first_sights",
         "device_encoded",
     )
     """The boolean traits every codec declares (its own or inherited); the registry checks them at import."""
@@ -92,6 +96,7 @@ class Codec:
             + (f"+r{config.rate_percent}" if config.rate_percent else "")
             + (f"+fs{config.first_sight_bits}" if config.first_sight_bits != 16 else "")
             + ("+fsd" if config.first_sight_delta_code else "")
+            + ("+clip" if config.first_sight_clip else "")
         )
 
     @classmethod

@@ -22,6 +22,7 @@ LABEL_SUFFIXES = {
     "cs": {"scale_dtype": "auto"},
     "bs": {"scale_dtype": "bfloat16"},
     "fsd": {"first_sight_delta_code": True},
+    "clip": {"first_sight_clip": True},
 }
 """Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets; `+gN`
 (group size), `+rN` (rate), `+fN` (factor bits) and `+fsN` (first-sight bits) carry a number."""
@@ -91,6 +92,11 @@ class CodecConfig:
     """tern, bilevel: a sample's first sight travels in the codec's own delta code (ternary, or 1 bit on two levels
     a group), a delta against zero, in the codec's groups (label suffix `+fsd`): about 1.4 (tern) or 1.2 (bilevel)
     bits an element after zstd instead of `first_sight_bits`; both ends buffer what the receiver decodes"""
+    first_sight_clip: bool = False
+    """acsgd with `+fsN`: each group's scale of a quantized first sight is the one of least squared error among
+    1.0, 0.95, ..., 0.5 x its max |x| (a few loud values clip, the rest get a finer step), rounded to nearest
+    whatever `stochastic` says (label suffix `+clip`; `compression.clipping`). The sender's choice only: the wire
+    and the receiver are those of `+fsN`"""
     zstd_level: int = 1
     """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
     group_layout: str = "flat"
@@ -137,6 +143,10 @@ class CodecConfig:
             raise ValueError("give first sights a bit width (+fsN) or the deltas' code (+fsd), not both")
         if self.first_sight_delta_code and self.rotation != "none":
             raise ValueError("first sights in the deltas' code (+fsd) are never rotated: drop +rot")
+        if self.first_sight_clip and not codec.clipped_first_sights:
+            raise ValueError(f"first_sight_clip (+clip) applies to {_having('clipped_first_sights')} only")
+        if self.first_sight_clip and self.first_sight_bits == 16:
+            raise ValueError("first_sight_clip (+clip) clips quantized first sights: give them bits (+fsN)")
         if self.buffer_path is not None and self.buffer_dir is not None:
             raise ValueError("give buffer_path (one store) or buffer_dir (one file per link end), not both")
         if self.buffer_capacity < 0:
