@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.daemon import memwatch
+from swarm.daemon import heapstats, memwatch
 from swarm.daemon.checkpoints import StageCheckpoints
 from swarm.daemon.lean import cap_arenas, skip_dynamo
 from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args
@@ -660,6 +660,7 @@ def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | N
     cap_arenas()  # before the threads: 2 malloc arenas, not 8 per core
     skip_dynamo()  # a peer compiles nothing: no torch._dynamo, sympy, triton (~150 MB)
     memwatch.start_from_env()  # SWARM_MEMWATCH_S: what grows (a soak's diagnostic)
+    heapstats.start_from_env()  # SWARM_HEAPSTATS_S: glibc's in-use and free bytes (a soak's diagnostic)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
