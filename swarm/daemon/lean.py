@@ -20,6 +20,14 @@ every thread ends up holding such a pool: a toy block's forward and backward on 
 240 MiB anonymous after three rounds (and rising), 199-204 MiB flat with the pools off, at the same CPU time
 (`scripts/measure_heap_retention.py --serial`). MKL reads `MKL_DISABLE_FAST_MM` when torch loads it, so this must
 run before `import torch`: `swarm/daemon/__init__.py` calls it.
+
+`exec_without_thread_caches()`: glibc gives every thread a cache of freed small blocks (tcache: up to 7 blocks of
+each of 64 sizes) that only that thread reuses, and counts them as in use. A peer's ~130 threads (gRPC's pool of
+104 among them) each fill one over a run, one call at a time, and their blocks pin the arenas' chunks around them:
+a soak read 15-18 MiB more arena and a free list ten times as long with the caches on (`SWARM_HEAPSTATS_S`). The
+caches can only be turned off before the process starts (`GLIBC_TUNABLES=glibc.malloc.tcache_count=0`), so
+`swarm-peer` sets the variable and replaces itself (`os.execv`, same argv) once, before it loads torch; a
+`GLIBC_TUNABLES` that already sets `tcache_count` stands (the user's choice).
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["cap_arenas", "defer_hivemind_init", "no_mkl_buffer_pools", "skip_dynamo"]
+__all__ = [
+    "cap_arenas", "defer_hivemind_init", "exec_without_thread_caches", "no_mkl_buffer_pools", "runs_swarm_peer",
+    "skip_dynamo", "without_thread_caches",
+]  # fmt: skip
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
 ARENAS = 2
@@ -92,6 +103,53 @@ def no_mkl_buffer_pools(environ=None) -> bool:
         return False
     environ["MKL_DISABLE_FAST_MM"] = "1"
     return True
+
+
+NO_THREAD_CACHES = "glibc.malloc.tcache_count=0"
+"""glibc's tunable that turns its per-thread caches off (read once, when the process starts)."""
+_REEXECED = "SWARM_REEXECED_FOR_MALLOC"
+"""set in the replaced process: it never replaces itself twice (a libc that drops GLIBC_TUNABLES, e.g. setuid)"""
+
+
+def without_thread_caches(environ) -> dict[str, str] | None:
+    """The environment a process needs to start without glibc's thread caches; None where nothing is to change
+    (the environment has them off, or its GLIBC_TUNABLES sets tcache_count its own way, or this is a replaced
+    process already, or libc is not glibc)."""
+    import platform
+
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.tcache_count=" in tunables or environ.get(_REEXECED) or platform.libc_ver()[0] != "glibc":
+        return None
+    return {
+        **environ, "GLIBC_TUNABLES": f"{tunables}:{NO_THREAD_CACHES}" if tunables else NO_THREAD_CACHES,
+        _REEXECED: "1",
+    }  # fmt: skip
+
+
+def runs_swarm_peer(orig_argv: list[str]) -> bool:
+    """Whether this process's command line (`sys.orig_argv`) runs swarm-peer: its console script, or
+    `python [options] -m swarm.daemon.peer`."""
+    args = iter(orig_argv[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, None) == "swarm.daemon.peer"
+        if arg in ("-X", "-W"):
+            next(args, None)  # the option's value
+        elif not arg.startswith("-"):
+            return arg.rsplit("/", 1)[-1] == "swarm-peer"
+    return False
+
+
+def exec_without_thread_caches() -> None:
+    """Replaces a swarm-peer process with the same command under `without_thread_caches` (see the module's
+    docstring); returns only where nothing is to change (any other program, or the caches are already set)."""
+    import os
+
+    environ = without_thread_caches(os.environ) if runs_swarm_peer(sys.orig_argv) else None
+    if environ is None:
+        return
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, environ)
 
 
 def _eager_step(raw, torch):

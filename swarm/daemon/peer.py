@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.daemon import memwatch
+from swarm.daemon import heapstats, memwatch
 from swarm.daemon.checkpoints import StageCheckpoints
 from swarm.daemon.lean import cap_arenas, skip_dynamo
 from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args
@@ -660,6 +660,7 @@ def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | N
     cap_arenas()  # before the threads: 2 malloc arenas, not 8 per core
     skip_dynamo()  # a peer compiles nothing: no torch._dynamo, sympy, triton (~150 MB)
     memwatch.start_from_env()  # SWARM_MEMWATCH_S: what grows (a soak's diagnostic)
+    heapstats.start_from_env()  # SWARM_HEAPSTATS_S: glibc's in-use and free bytes (a soak's diagnostic)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -683,11 +684,22 @@ EXIT_GRACE_S = 10.0
 saved by then)."""
 
 
+HARD_EXIT_AFTER_S = 5.0
+"""How long after `EXIT_GRACE_S` a peer whose exit timer could not run is ended by faulthandler's watchdog."""
+
+
 def _exit_within(grace_s: float, code: int) -> None:
     """Ends the process with `code` if it has not exited `grace_s` after the peer stopped, naming the threads that
-    held it (a closing step that waits on a peer or DHT node that stopped first, or a thread joined at exit)."""
+    held it (a closing step that waits on a peer or DHT node that stopped first, or a thread joined at exit).
+
+    The timer is a Python thread: it cannot run while another thread holds the GIL in native code, nor once the
+    interpreter is finalizing (daemon threads then never get the GIL back), which is where a peer's exit can
+    hang (gRPC's and the DHT's native teardown). So faulthandler's watchdog, a native thread that needs no GIL,
+    ends the process `HARD_EXIT_AFTER_S` later all the same, with every thread's stack and exit status 1."""
     import faulthandler
     import os
+
+    faulthandler.dump_traceback_later(grace_s + HARD_EXIT_AFTER_S, exit=True, file=sys.stdout)
 
     def end() -> None:
         log.warning("still running %.0f s after stopping; the threads that hold the exit:", grace_s)

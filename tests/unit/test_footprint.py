@@ -222,3 +222,26 @@ def test_mkl_buffer_pools_are_left_alone_once_torch_is_loaded():
 
     environ: dict[str, str] = {}
     assert no_mkl_buffer_pools(environ) is False and environ == {}
+
+
+def test_swarm_train_turns_mkls_buffer_pools_off_before_torch_loads():
+    # the trainer computes on threads it starts per step; MKL reads MKL_DISABLE_FAST_MM once, when torch loads it
+    code = (
+        "import os, sys\n"
+        "seen = []\n"
+        "class AtTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' and not seen:\n"
+        "            seen.append(os.environ.get('MKL_DISABLE_FAST_MM'))\n"
+        "sys.meta_path.insert(0, AtTorch())\n"
+        "from swarm import cli\n"
+        "try:\n"
+        "    cli.main(['train', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch' in sys.modules, seen)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True ['1']", done.stdout[-2000:]
