@@ -937,6 +937,8 @@ class PipelineDriver:
         self.connector.close()
         end = time.monotonic() + CLOSE_WAIT_S
         for thread in list(self._threads):
+            if thread.ident is None:  # `spawn` adds a thread a moment before it starts: it ends on its own deadline
+                continue
             thread.join(max(0.0, end - time.monotonic()))
 
 
