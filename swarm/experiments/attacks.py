@@ -545,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
             cfg, "clean-no-verify", out, setup, extra_trainer_flags=tuple(no_verify), say=say
         )
     else:
-        notes.append("verification off not measured (--no-verify-flags none): the clean throughput stands for both")
+        notes.append("verification off not measured (--no-verify-flags none): its cost is not measured")
     names = _peer_names(identities, cfg.volunteers)
     liar = liar_choice(read_observations(out / "clean" / "observations.jsonl"), cfg.stages, names)
     if any(s in LIAR_SETTINGS for s in cfg.chosen()):

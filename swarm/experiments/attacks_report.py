@@ -311,11 +311,12 @@ def judge(
 def clean_row(
     row: dict, obs: list[Observation], rows: list[dict], no_verify_rows: list[dict] | None, batch: int
 ) -> dict:
-    """Adds the clean row's evictions and both throughputs (no_verify_rows None: the clean run is the only one)."""
+    """Adds the clean row's evictions and both throughputs (no_verify_rows None: verification off was not run, its
+    throughput is None and the cost target "not measured", never the clean run compared with itself)."""
     row = dict(row)
     row["evictions"] = evictions(obs)
     row["throughput_samples_s"] = throughput(rows, batch)
-    row["throughput_no_verify_samples_s"] = throughput(no_verify_rows if no_verify_rows is not None else rows, batch)
+    row["throughput_no_verify_samples_s"] = None if no_verify_rows is None else throughput(no_verify_rows, batch)
     return row
 
 

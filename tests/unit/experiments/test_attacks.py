@@ -214,6 +214,14 @@ def test_clean_row_counts_evictions_and_both_throughputs():
     assert evictions(obs[:1]) == 0 and throughput(rows[:1], 8) is None
 
 
+def test_a_clean_row_without_the_no_verify_run_leaves_the_cost_not_measured():
+    rows, obs = _steps(11), []
+    row = clean_row(judge(Setting("clean", "clean"), rows, obs, 0, 11), obs, rows, None, 8)
+    assert row["throughput_samples_s"] > 0 and row["throughput_no_verify_samples_s"] is None
+    cost = [c for c in targets([row]) if c.name.startswith("verification costs")]
+    assert [c.verdict for c in cost] == ["not measured"]
+
+
 def test_targets_and_report_say_what_was_measured():
     clean = {"setting": "clean", "refused_or_detected": None, "detection_steps": None, "evicted": False,
              "run_stopped": False, "steps": 10, "final_loss": 3.0, "evictions": 0, "throughput_samples_s": 9.5,
