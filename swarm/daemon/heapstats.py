@@ -16,6 +16,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from swarm.daemon.memwatch import seconds_from_env
+
 __all__ = ["HeapStats", "mallinfo", "start_from_env"]
 
 log = logging.getLogger("swarm.heapstats")
@@ -86,15 +88,9 @@ def start_from_env(environ=os.environ) -> threading.Thread | None:
     Raises:
         ValueError: the variable is set but not a positive number (named in the message).
     """
-    raw = environ.get(ENV)
-    if not raw:
+    every = seconds_from_env(environ, ENV)
+    if every is None:
         return None
-    try:
-        every = float(raw)
-    except ValueError:
-        every = -1.0
-    if not every > 0:
-        raise ValueError(f"{ENV}={raw!r}: expected a positive number of seconds")
     if mallinfo() is None:
         log.warning("heapstats: this libc has no mallinfo2; %s ignored", ENV)
         return None

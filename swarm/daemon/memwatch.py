@@ -17,7 +17,7 @@ import threading
 import traceback
 from collections import Counter
 
-__all__ = ["start_from_env"]
+__all__ = ["seconds_from_env", "start_from_env"]
 
 log = logging.getLogger("swarm.memwatch")
 
@@ -47,13 +47,13 @@ class _LateImports:
         return None
 
 
-def start_from_env(environ=os.environ) -> threading.Thread | None:
-    """Starts the watch if `SWARM_MEMWATCH_S` is a positive number of seconds; None if it is unset.
+def seconds_from_env(environ, name: str) -> float | None:
+    """`environ[name]` as a positive number of seconds; None if unset or empty.
 
     Raises:
         ValueError: the variable is set but not a positive number (named in the message).
     """
-    raw = environ.get(ENV)
+    raw = environ.get(name)
     if not raw:
         return None
     try:
@@ -61,7 +61,19 @@ def start_from_env(environ=os.environ) -> threading.Thread | None:
     except ValueError:
         every = -1.0
     if not every > 0:
-        raise ValueError(f"{ENV}={raw!r}: expected a positive number of seconds")
+        raise ValueError(f"{name}={raw!r}: expected a positive number of seconds")
+    return every
+
+
+def start_from_env(environ=os.environ) -> threading.Thread | None:
+    """Starts the watch if `SWARM_MEMWATCH_S` is a positive number of seconds; None if it is unset.
+
+    Raises:
+        ValueError: the variable is set but not a positive number (named in the message).
+    """
+    every = seconds_from_env(environ, ENV)
+    if every is None:
+        return None
     import tracemalloc
 
     tracemalloc.start(4)
