@@ -279,11 +279,13 @@ class Observer(threading.Thread):
         self.steps = 0
 
     def step_count(self) -> int:
-        lines = self.trainer_dir / "steps.jsonl"
-        if lines.exists():
-            self.steps = max(self.steps, lines.read_text().count("\n"))
-        elif (self.trainer_dir / "steps.csv").exists():
-            self.steps = max(self.steps, len(read_steps(self.trainer_dir)))
+        """Steps the trainer completed: the lines it writes while it runs, or its steps.csv once it has closed them
+        (at its exit `swarm.train.steplog` writes the CSV, then removes the lines: read whichever is there)."""
+        try:
+            count = (self.trainer_dir / "steps.jsonl").read_text().count("\n")
+        except FileNotFoundError:  # not started, or closed: the CSV is whole before the lines go
+            count = len(read_steps(self.trainer_dir))
+        self.steps = max(self.steps, count)
         return self.steps
 
     def observe(self) -> Observation:

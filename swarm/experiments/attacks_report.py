@@ -91,18 +91,20 @@ def read_observations(path: Path) -> list[Observation]:
 def read_steps(trainer_dir: Path) -> list[dict]:
     """The trainer's step rows: steps.csv, or the lines it writes while running (a trainer that was stopped)."""
     csv_path, lines = trainer_dir / "steps.csv", trainer_dir / "steps.jsonl"
-    if csv_path.exists():
+    try:  # first: while the lines are there, a CSV beside them is still being written from them
+        text = lines.read_text()
+    except FileNotFoundError:  # none yet, or closed into the CSV (written whole before the lines are removed)
+        if not csv_path.exists():
+            return []
         with open(csv_path, newline="") as f:
             return [dict(row) for row in csv.DictReader(f)]
-    if lines.exists():
-        rows = []
-        for line in lines.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # the line being written when the trainer stopped
-                break
-        return rows
-    return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written when the trainer stopped
+            break
+    return rows
 
 
 def _float(value) -> float:

@@ -367,3 +367,32 @@ def test_the_sybil_attack_waits_for_a_planner_lease_holder_to_kill():
     assert _kill_planner(swarm, dht, wait_s=5.0, now=lambda: 1.0) == "p1" and left == [("p1", "kill")]
     nobody = SimpleNamespace(peers=lambda: [SimpleNamespace(peer_id="p1", planner_until=0.5)])
     assert _kill_planner(swarm, nobody, wait_s=0.0, now=lambda: 1.0) is None, "a lapsed lease is nobody's"
+
+
+def test_the_step_count_survives_the_trainer_closing_its_lines_into_the_csv(tmp_path, monkeypatch):
+    """The eighth pass's ground-key-planner row: the trainer closed steps.jsonl into steps.csv between the
+    observer's look at the lines and its read of them; the FileNotFoundError ended the setting as stopped, after
+    120 of 120 steps. The count now falls back to the CSV, which is whole before the lines are removed."""
+    from pathlib import Path
+
+    from swarm.experiments.attacks import Observer
+    from swarm.experiments.attacks_report import read_steps
+    from swarm.train.steplog import StepLog
+
+    log = StepLog(tmp_path, ["step", "train_loss", "step_s"])
+    observer = Observer(None, 4, tmp_path, tmp_path / "observations.jsonl")
+    assert observer.step_count() == 0 and read_steps(tmp_path) == []
+    for step in (1, 2, 3):
+        log.add({"step": step, "train_loss": 3.0, "step_s": 1.0})
+    assert observer.step_count() == 3 and len(read_steps(tmp_path)) == 3
+    log.add({"step": 4, "train_loss": 3.0, "step_s": 1.0})
+    real_read = Path.read_text
+
+    def closes_first(path, *args, **kwargs):  # the trainer exits just before the read
+        if path.name == "steps.jsonl" and path.exists():
+            log.close()
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", closes_first)
+    assert observer.step_count() == 4
+    assert not (tmp_path / "steps.jsonl").exists() and [int(r["step"]) for r in read_steps(tmp_path)] == [1, 2, 3, 4]
