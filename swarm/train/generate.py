@@ -1,9 +1,11 @@
 """`swarm generate`: text from an exported model, with `transformers`' `generate`, with no swarm.
 
 The directory's tokenizer encodes the prompt and decodes the continuation (the built-in byte-level vocabulary
-decodes ids to bytes, invalid UTF-8 shown as U+FFFD). Greedy by default (`--temperature 0`); prompt and
-continuation share the model's positions: a long prompt keeps its end, and the continuation is at most the
-positions less one token of prompt.
+decodes ids to bytes, invalid UTF-8 shown as U+FFFD). It samples by default, at temperature 0.8 from the 40
+likeliest tokens (llama.cpp's defaults), from `--seed`, so the same command prints the same text: greedy decoding
+(`--temperature 0`) of a small or briefly trained model repeats its likeliest token, and `swarm demo`'s 2-epoch
+model answered "def " with 64 spaces. Prompt and continuation share the model's positions: a long prompt keeps its
+end, and the continuation is at most the positions less one token of prompt.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ class GenerateConfig:
     """the text to continue"""
     max_new_tokens: int = 64
     """tokens to generate (capped by the model's positions)"""
-    temperature: float = 0.0
-    """sampling temperature (0: greedy)"""
-    top_k: int = 0
+    temperature: float = 0.8
+    """sampling temperature (0: greedy, which a small model fills with its likeliest token, e.g. spaces)"""
+    top_k: int = 40
     """sample from the k likeliest tokens only (0: all)"""
     seed: int = 0
     """seed of the sampling"""

@@ -326,3 +326,28 @@ def test_held_out_of_a_train_config_names_its_windows_and_the_default_where_it_h
     assert held_out_of(TrainConfig(eval_samples=0))["eval_samples"] == DEFAULT_EVAL_SAMPLES
     with pytest.raises(AttributeError):  # not a TrainConfig: no silent default for a field every config has
         held_out_of(SimpleNamespace(data=None, train_samples=32))
+
+
+def test_generate_samples_by_default_and_is_greedy_at_temperature_zero(tmp_path):
+    """`swarm demo`'s model answered "def " with 64 spaces under the old greedy default; the default now samples
+    (0.8, top 40), the same text for the same seed; temperature 0 is the greedy argmax chain."""
+    from dataclasses import replace
+
+    from swarm.model.export import write_hf_dir
+    from swarm.train.evaluate import load_exported
+
+    weights = {}
+    for w in _workers(1):
+        weights.update(w.module.state_dict())
+    out = write_hf_dir(CFG, weights, tmp_path / "m")
+    cfg = GenerateConfig(model=str(out), prompt="def ", max_new_tokens=12)
+    assert (cfg.temperature, cfg.top_k) == (0.8, 40)
+    by_seed = {s: generate_text(replace(cfg, seed=s)) for s in range(4)}
+    assert generate_text(cfg) == by_seed[0] and len(set(by_seed.values())) > 1  # seeded, and not one fixed chain
+    greedy = generate_text(replace(cfg, temperature=0.0))
+    model, _ = load_exported(str(out))
+    ids = list(b"def ")
+    for _ in range(12):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert greedy == bytes(ids[4:]).decode("utf-8", "replace")
