@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from swarm.peers.hotpool import HotPool
 from swarm.peers.shaper import Shaper
 
 
@@ -56,8 +57,7 @@ class TransportConfig:
 
 def make_server(config: TransportConfig, port: int = 0) -> tuple[grpc.Server, int]:
     """A started-later gRPC server bound to `config.host:port` (0 picks a free port); returns it and its port."""
-    pool = futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="grpc")
-    start_all_threads(pool, config.max_workers)
+    pool = HotPool(config.max_workers, thread_name_prefix="grpc")  # per-thread native caches stay in few threads
     server = grpc.server(pool, options=config.server_options(), maximum_concurrent_rpcs=config.max_workers * 4)
     bound = server.add_insecure_port(f"{config.host}:{port}")
     if bound == 0:

@@ -2,7 +2,8 @@
 leak: `in_use` grows) or kept free inside the arenas (fragmentation: `free` grows while `in_use` stays flat)?
 
 `SWARM_HEAPSTATS_S=S` makes `swarm-peer` log one line every S seconds; unlike `SWARM_MEMWATCH_S` it costs nothing
-between its reads (no tracemalloc), so a soak's slope is the same with it on.
+between its reads (no tracemalloc), so a soak's slope is the same with it on. It also logs the process's Python
+threads by name whenever they change (a soak counts threads; this says whose they are).
 
     SWARM_HEAPSTATS_S=60 swarm bench soak --steps 2000    # then: grep heapstats runs/soak-*/logs/peer0.log
 """
@@ -13,12 +14,14 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 from swarm.daemon.memwatch import seconds_from_env
 
-__all__ = ["HeapStats", "mallinfo", "start_from_env"]
+__all__ = ["HeapStats", "mallinfo", "python_threads", "start_from_env"]
 
 log = logging.getLogger("swarm.heapstats")
 
@@ -81,6 +84,12 @@ def mallinfo() -> HeapStats | None:
     return HeapStats(m.arena, m.uordblks, m.fordblks, m.hblkhd, m.ordblks, m.keepcost)
 
 
+def python_threads() -> dict[str, int]:
+    """This process's Python threads counted by name, numbers dropped (`grpc_3` and `grpc_12` are both `grpc_`),
+    most first."""
+    return dict(Counter(re.sub(r"\d+", "", t.name) for t in threading.enumerate()).most_common())
+
+
 def start_from_env(environ=os.environ) -> threading.Thread | None:
     """Starts logging `mallinfo()` every `SWARM_HEAPSTATS_S` seconds; None if the variable is unset or this libc
     has no `mallinfo2` (said once in the log).
@@ -97,8 +106,14 @@ def start_from_env(environ=os.environ) -> threading.Thread | None:
     stop = threading.Event()
 
     def watch() -> None:
+        names: dict[str, int] = {}
         while not stop.wait(every):
             log.info("heapstats: %s", mallinfo().line())
+            now = python_threads()
+            if now != names:
+                listed = ", ".join(f"{name} {n}" for name, n in now.items())
+                log.info("heapstats: %d python threads: %s", sum(now.values()), listed)
+                names = now
 
     thread = threading.Thread(target=watch, name="swarm-heapstats", daemon=True)
     thread.stop = stop  # type: ignore[attr-defined]

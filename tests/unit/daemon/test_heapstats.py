@@ -42,3 +42,35 @@ def test_the_watch_is_off_unless_asked_and_stops_when_told():
         thread.stop.set()
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_python_threads_are_counted_by_name_without_their_numbers_and_logged_by_the_watch(caplog):
+    import logging
+    import threading
+
+    from swarm.daemon.heapstats import python_threads
+
+    stop = threading.Event()
+    workers = [threading.Thread(target=stop.wait, name=f"heapstats_test_{i}") for i in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        assert python_threads()["heapstats_test_"] == 3
+        assert sum(python_threads().values()) == threading.active_count()
+        with caplog.at_level(logging.INFO, logger="swarm.heapstats"):
+            watch = start_from_env({ENV: "0.05"})
+            try:
+                found = threading.Event()
+                for _ in range(1200):  # up to 60 s on a loaded machine, as soon as the line is there
+                    if any("heapstats_test_ 3" in r.getMessage() for r in caplog.records):
+                        found.set()
+                        break
+                    stop.wait(0.05)
+            finally:
+                watch.stop.set()
+                watch.join(30)
+        assert found.is_set(), "the watch logs the threads by name"
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(30)
