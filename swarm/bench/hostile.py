@@ -259,7 +259,7 @@ def _serve(conn, key_dir: str) -> None:
             keys.stage_ids[stage], keys.connector(stage), budget=budget,
         )  # fmt: skip
         pool = _CountingExecutor(MAX_WORKERS)
-        # as swarm.peers.transport.make_server, with the counting pool
+        # make_server's options, with a counting pool in place of its HotPool (which thread serves is not measured here)
         server = grpc.server(pool, options=transport.server_options(), maximum_concurrent_rpcs=MAX_WORKERS * 4)
         port = server.add_insecure_port("127.0.0.1:0")
         servicer = keys.servicer(host, stage)
