@@ -49,6 +49,10 @@ LOSS_TOLERANCE = 0.01
 VERIFY_COST = 0.10
 REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
 """A replayed call answered with one of these was refused by its authentication."""
+LOAD_NOISE = 0.15
+"""How far apart two runs of one setting read on this kind of loaded machine (+-15%): a clean run faster than its
+no-verify twin by more than this says the load moved between them, not that verification has a negative cost (the
+ninth pass: 4.61 vs 3.11 samples/s, the no-verify run started as three helpers' experiments did)."""
 
 
 @dataclass(frozen=True)
@@ -361,13 +365,11 @@ def targets(rows: list[dict]) -> list[Check]:
         on, off = clean.get("throughput_samples_s"), clean.get("throughput_no_verify_samples_s")
         if on and off:
             cost = 1.0 - on / off
-            checks.append(
-                Check(
-                    "verification costs at most 10% of throughput",
-                    f"{on:.2f} vs {off:.2f} samples/s ({cost:+.1%})",
-                    "met" if cost <= VERIFY_COST else "MISSED",
-                )  # fmt: skip
-            )
+            value = f"{on:.2f} vs {off:.2f} samples/s ({cost:+.1%})"
+            if cost < -LOAD_NOISE:  # the run without verification was the slower one: the machine's load moved
+                value += f"; verification off ran {-cost:.0%} slower, beyond the machine's noise: the load changed"
+            verdict = "not measured" if cost < -LOAD_NOISE else "met" if cost <= VERIFY_COST else "MISSED"
+            checks.append(Check("verification costs at most 10% of throughput", value, verdict))
         else:
             checks.append(Check("verification costs at most 10% of throughput", "no throughput", "not measured"))
     return checks
