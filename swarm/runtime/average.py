@@ -15,8 +15,11 @@ freezes more layers, and every replica applies that same Step before its next st
 a sum agree on its size; a member whose frozen prefix differs sends a message of another size, which is refused
 by name (INVALID_ARGUMENT) before anything is summed. The residual keeps the trained parameters' slices.
 
-The error-feedback residual is per stage. A Reduce computes the next one; it is committed only when `Step`
-applies the step, and dropped when the step is abandoned, so a failed attempt leaves no trace.
+The error-feedback residual is per stage, kept in gradient units (sent in the step's AdamW units where the sum is
+preconditioned: a residual left in one step's units and reused in the next's grew with the second moment, the decoded
+sum's norm 1.2x, 3.8x, 17x, 32x the exact one over four unclipped steps). A Reduce computes the next one; it is
+committed only when `Step` applies the step, and dropped when the step is abandoned, so a failed attempt leaves
+no trace.
 
 The tied embedding / LM head weight (pipelines of 2+ stages) is summed the same way by the *tied group*: every
 distinct replica of the first and the last stage. Their Reduce (which the trainer sends every end-stage replica,
@@ -364,9 +367,13 @@ class GradientAverager:
                 own = own * scale
             state = LinkState(config)
             state.residual, state.warm = group.residual, group.warm
+            if scale is not None and group.residual is not None:  # kept in gradient units, sent in this step's
+                state.residual = group.residual * scale  # AdamW units (not those of the step that left it)
             msg = codec.encode(own, state=state)
             group.pending_warm = state.warm
         pending = state.residual if config.error_feedback else None
+        if pending is not None and scale is not None:
+            pending = pending / scale
         info = CallInfo(
             step=request.step,
             stage=host.role.stage if tied else request.stage,

@@ -37,6 +37,8 @@ def test_the_default_sum_keeps_replicas_bit_identical_step_after_step_at_a_sixte
 
 
 def test_a_replica_s_message_is_its_gradient_and_residual_in_adamw_units_less_what_it_keeps():
+    """The residual is kept in gradient units and put in this step's AdamW units when it is sent: kept in the units
+    of the step that left it, a growing second moment amplified it in gradient units step after step."""
     pipe = Replicas(2, backward=GRADQ)
     for step in range(2):
         pipe.split_step(step, seed=step)
@@ -50,12 +52,12 @@ def test_a_replica_s_message_is_its_gradient_and_residual_in_adamw_units_less_wh
     own = flatten_grads(host.averager.trained) * scale
     config = host.averager._config(2, 0)
     state = LinkState(config)
-    state.residual = old
+    state.residual = old * scale
     sent = make_codec(config).encode(own, state=state)  # what replica 0 sends for step 2 (its draws are seeded)
     pipe.reduce(2)
     pending = host.averager.groups[False].pending
-    assert torch.equal(pending, state.residual)
-    torch.testing.assert_close(pending + make_codec(config).decode(sent), own + old, rtol=0, atol=1e-5)
+    assert torch.equal(pending, state.residual / scale)  # kept in gradient units
+    torch.testing.assert_close(pending * scale + make_codec(config).decode(sent), own + old * scale, rtol=0, atol=1e-5)
 
 
 def test_the_sum_codec_follows_the_plan_then_the_links():
