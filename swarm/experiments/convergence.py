@@ -190,6 +190,17 @@ _SETTINGS_HELP = (
 _ROUNDINGS = ("nearest", "stochastic")
 
 
+def _clip_norm(text: str) -> float:
+    """--grad-clip's value: a finite norm >= 0 (0 turns clipping off)."""
+    try:
+        norm = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(norm) or norm < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite norm >= 0 (0 = off), got {text!r}")
+    return norm
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """Everything one run of the experiment depends on (its fields without a flag are set by `ModelData`)."""
@@ -265,6 +276,9 @@ class ModelData:
     """peak learning rate, warm-up then cosine"""
     seed: int = 0
     """model init and data shuffling seed"""
+    grad_clip: float = field(default=1.0, metadata=flag(parse=_clip_norm))
+    """clip the global gradient norm to this (0 = off). The norm is taken over the gradients the stages hold after
+    the compressed backward, so a coarse gradient codec's noise counts in it"""
 
     def quick(self) -> ModelData:
         """The smoke test's: a tiny model, few samples, a higher learning rate (the model's name and files, the
@@ -284,7 +298,8 @@ class ModelData:
             path=self.data, seq_len_tokens=m.seq_len, train_samples=self.train_samples,
             eval_samples=self.eval_samples, tokenizer=getattr(model, "tokenizer_path", None),
         )  # fmt: skip
-        return {"model": model, "data": data, "optim": OptimConfig(lr_peak=self.lr), "data_seed": self.seed}
+        optim = OptimConfig(lr_peak=self.lr, grad_clip_norm=self.grad_clip or None)
+        return {"model": model, "data": data, "optim": optim, "data_seed": self.seed}
 
 
 @dataclass
