@@ -25,7 +25,8 @@ LABEL_SUFFIXES = {
     "clip": {"first_sight_clip": True},
 }
 """Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets; `+gN`
-(group size), `+rN` (rate), `+fN` (factor bits) and `+fsN` (first-sight bits) carry a number."""
+(group size), `+rN` (rate), `+fN` (factor bits), `+fsN` (first-sight bits) and `+sN` (subspace step) carry a
+number."""
 
 LOCAL_FIELDS = (
     "group_size",
@@ -121,6 +122,13 @@ class CodecConfig:
     factor_bits: int = 16
     """lowrank: how the factors travel, fp16 codes (16) or int8 codes (8, label suffix `+f8`), fp32 column scales."""
 
+    subspace_step_percent: int = 0
+    """lowrank (`+f8`): 0 sends PowerSGD's factors; N > 0 codes the message in the top-r eigenbasis of its own
+    Gram matrix (Q, cols x r) with the coefficients (P) on one step of at least N% of its rms, which zstd
+    entropy-codes (`swarm.compression.subspace`; label suffix `+sN`). For activations: a row is a token, cols the
+    hidden size (the tensor's last dimension unless `+gN` says otherwise). The wire and the receiver are
+    `lowrank`'s"""
+
     keep: int = 0
     """topk: elements kept per group of `group_size` (label suffix `+kN`; 0: the codec's default, 1/64 of a group);
     0 for every other codec."""
@@ -167,6 +175,8 @@ class CodecConfig:
             )
         if self.rank != 4 and not codec.ranked:
             raise ValueError(f"rank applies to ranked codecs ({_having('ranked')}) only, got {self.rank}")
+        if self.subspace_step_percent and not codec.ranked:
+            raise ValueError(f"subspace_step_percent (+sN) applies to ranked codecs ({_having('ranked')}) only")
         if self.factor_bits != 16 and not codec.ranked:
             raise ValueError(f"factor_bits (+fN) applies to ranked codecs ({_having('ranked')}) only")
         if self.keep < 0 or (self.keep and not codec.sparse):
@@ -227,6 +237,9 @@ class CodecConfig:
                 continue
             if suffix[:1] == "f" and suffix[1:].isdigit():  # +f8: lowrank's factor bits
                 kwargs["factor_bits"] = int(suffix[1:])
+                continue
+            if suffix[:1] == "s" and suffix[1:].isdigit():  # +s30: lowrank's subspace coding, step 30% of rms
+                kwargs["subspace_step_percent"] = int(suffix[1:])
                 continue
             if suffix[:1] == "k" and suffix[1:].isdigit():  # +k64: topk's elements kept per group
                 kwargs["keep"] = int(suffix[1:])

@@ -36,11 +36,14 @@ import math
 import torch
 
 from swarm.compression.codec_base import Codec, check_wire_finite, decoded_bound
+from swarm.compression.subspace import coefficient_steps, least_squares_coefficients, subspace_basis
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
 from swarm.proto import wire_pb2
 
 MAX_RANK = 64
 """Largest rank a config or a message may have."""
+MAX_SUBSPACE_STEP_PERCENT = 1000
+"""Largest common step of subspace coding (`+sN`), in percent of the message's rms."""
 FACTOR_BITS = (16, 8)
 """How factor elements travel: fp16 codes (16) or int8 codes (8), each column with an fp32 scale."""
 
@@ -55,12 +58,14 @@ def matrix_shape(numel: int, cols: int | None) -> tuple[int, int]:
     return numel // cols, cols
 
 
-def _pack_factor(f: torch.Tensor, bits: int, q: wire_pb2.Quantized) -> torch.Tensor:
-    """Writes factor `f` (n x r) into `q` column by column; returns what the receiver decodes from it."""
+def _pack_factor(f: torch.Tensor, bits: int, q: wire_pb2.Quantized, step: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes factor `f` (n x r) into `q` column by column; returns what the receiver decodes from it. `step`
+    (int8 only): each column's step, at least its peak / 127 (`subspace.coefficient_steps`); none: exactly that."""
     n, r = f.shape
     cols = f.t().contiguous()  # r x n: one group per column
-    peak = cols.abs().amax(dim=1)
-    step = peak if bits == 16 else peak / 127  # fp16 codes in [-1, 1], int8 codes in -127..127
+    if step is None:
+        peak = cols.abs().amax(dim=1)
+        step = peak if bits == 16 else peak / 127  # fp16 codes in [-1, 1], int8 codes in -127..127
     codes = torch.where(step[:, None] > 0, cols / step.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
     codes = codes.to(torch.float16) if bits == 16 else codes.round().clamp(-127, 127).to(torch.int8)
     q.bits, q.group_size, q.numel = bits, n, n * r
@@ -127,6 +132,11 @@ class LowRankCodec(Codec):
             raise ValueError(f"rank is 1..{MAX_RANK}, got {config.rank}")
         if config.factor_bits not in FACTOR_BITS:
             raise ValueError(f"factor_bits (+fN) is one of {FACTOR_BITS}, got {config.factor_bits}")
+        if not 0 <= config.subspace_step_percent <= MAX_SUBSPACE_STEP_PERCENT:
+            raise ValueError(f"subspace_step_percent (+sN) is 0..{MAX_SUBSPACE_STEP_PERCENT}, got "
+                             f"{config.subspace_step_percent}")  # fmt: skip
+        if config.subspace_step_percent and config.factor_bits != 8:
+            raise ValueError("subspace coding (+sN) sends int8 factors: add +f8")
 
     @classmethod
     def label(cls, config) -> str:
@@ -135,11 +145,19 @@ class LowRankCodec(Codec):
             f"{cls.name}{config.rank}"
             + ("+ef" if config.error_feedback else "")
             + ("+f8" if config.factor_bits == 8 else "")
+            + (f"+s{config.subspace_step_percent}" if config.subspace_step_percent else "")
         )
 
-    def _shape(self, numel: int) -> tuple[int, int, int]:
-        rows, cols = matrix_shape(numel, self.config.group_size)
+    def _shape(self, numel: int, cols: int | None = None) -> tuple[int, int, int]:
+        rows, cols = matrix_shape(numel, cols or self.config.group_size)
         return rows, cols, min(self.config.rank, rows, cols)
+
+    def _cols(self, x: torch.Tensor) -> int | None:
+        """The matrix's row length: the config's group size; in subspace mode without one, the tensor's last
+        dimension (an activation's hidden size: a row is a token)."""
+        if self.config.group_size or not self.config.subspace_step_percent or x.dim() < 2:
+            return self.config.group_size
+        return x.shape[-1]
 
     def payload_nbytes(self, numel: int) -> int:
         rows, cols, r = self._shape(numel)
@@ -157,20 +175,32 @@ class LowRankCodec(Codec):
         m = x.float().reshape(-1)
         if use_feedback and state.residual is not None and state.residual.shape == x.shape:
             m = m + state.residual.reshape(-1)
-        rows, cols, r = self._shape(m.numel())
+        rows, cols, r = self._shape(m.numel(), self._cols(x))
         if r == 0:
             if use_feedback:
                 state.residual = torch.zeros(x.shape)
             return
         mat = m.view(rows, cols)
-        p = torch.linalg.qr(mat @ self._warm(state, cols, r)).Q  # one power iteration from the warm start
-        q = mat.t() @ p
-        if state is not None:
-            state.warm = q
-        bits = self.config.factor_bits
-        sent = outer_sum(_pack_factor(p, bits, msg.quantized), _pack_factor(q, bits, msg.quantized_full))
+        if self.config.subspace_step_percent:
+            sent = self._encode_subspace(mat, r, msg)
+        else:
+            p = torch.linalg.qr(mat @ self._warm(state, cols, r)).Q  # one power iteration from the warm start
+            q = mat.t() @ p
+            if state is not None:
+                state.warm = q
+            bits = self.config.factor_bits
+            sent = outer_sum(_pack_factor(p, bits, msg.quantized), _pack_factor(q, bits, msg.quantized_full))
         if use_feedback:
             state.residual = (m - sent.reshape(-1)).view(x.shape)
+
+    def _encode_subspace(self, mat: torch.Tensor, r: int, msg) -> torch.Tensor:
+        """`+sN`: Q the top-r eigenbasis of mat^T mat, P the coefficients on the decoded Q, each column on a step
+        of at least N% of mat's rms (`swarm.compression.subspace`); returns what the receiver decodes."""
+        q_sent = _pack_factor(subspace_basis(mat, r), 8, msg.quantized_full)
+        coefficients = least_squares_coefficients(mat, q_sent)
+        step = float(mat.pow(2).mean().sqrt()) * self.config.subspace_step_percent / 100
+        p_sent = _pack_factor(coefficients, 8, msg.quantized, coefficient_steps(coefficients, step))
+        return outer_sum(p_sent, q_sent)
 
     def _decode_body(self, msg, numel, state):
         has_p, has_q = msg.HasField("quantized"), msg.HasField("quantized_full")

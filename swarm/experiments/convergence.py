@@ -177,7 +177,8 @@ _SETTINGS_HELP = (
     "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
     "group per channel), +rot (Hadamard rotation; of AQ-SGD's first sights), +fsN (AQ-SGD first sights at N bits "
     "instead of 16), +clip (with +fsN: each first-sight group's scale chosen by least squared error), +fsd (tern, "
-    "bilevel: first sights in the deltas' own code), +rN (tern: rate weight in "
+    "bilevel: first sights in the deltas' own code), +sN (lowrankR+f8: activations in the top-R eigenbasis of "
+    "each message, coefficients on one step of N percent of its rms), +rN (tern: rate weight in "
     "percent), @wN (N "
     "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
     "tied sum as rank-N factors, fp16 or 8-bit), @epiK (epilogue-only compression: only the last K backward "
@@ -188,6 +189,17 @@ _SETTINGS_HELP = (
     "fp32/fp32 always runs first as the baseline (or is read back from --baseline)"
 )
 _ROUNDINGS = ("nearest", "stochastic")
+
+
+def _clip_norm(text: str) -> float:
+    """--grad-clip's value: a finite norm >= 0 (0 turns clipping off)."""
+    try:
+        norm = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(norm) or norm < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite norm >= 0 (0 = off), got {text!r}")
+    return norm
 
 
 @dataclass(frozen=True)
@@ -265,6 +277,9 @@ class ModelData:
     """peak learning rate, warm-up then cosine"""
     seed: int = 0
     """model init and data shuffling seed"""
+    grad_clip: float = field(default=1.0, metadata=flag(parse=_clip_norm))
+    """clip the global gradient norm to this (0 = off). The norm is taken over the gradients the stages hold after
+    the compressed backward, so a coarse gradient codec's noise counts in it"""
 
     def quick(self) -> ModelData:
         """The smoke test's: a tiny model, few samples, a higher learning rate (the model's name and files, the
@@ -284,7 +299,8 @@ class ModelData:
             path=self.data, seq_len_tokens=m.seq_len, train_samples=self.train_samples,
             eval_samples=self.eval_samples, tokenizer=getattr(model, "tokenizer_path", None),
         )  # fmt: skip
-        return {"model": model, "data": data, "optim": OptimConfig(lr_peak=self.lr), "data_seed": self.seed}
+        optim = OptimConfig(lr_peak=self.lr, grad_clip_norm=self.grad_clip or None)
+        return {"model": model, "data": data, "optim": optim, "data_seed": self.seed}
 
 
 @dataclass

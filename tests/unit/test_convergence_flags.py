@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from swarm.experiments.convergence import (
     DEFAULT_SETTINGS,
     QUICK_SETTINGS,
@@ -67,3 +69,18 @@ def test_toml_file_with_a_flag_overriding_it(tmp_path):
     cfg = _config(["--config", str(path), "--epochs", "6"])
     assert cfg.epochs == 6 and cfg.data_seed == 4 and cfg.model.init_seed == 4 and cfg.forward_stochastic
     assert cfg.settings == ("fp32/fp32", "aqsgd2/gradq4")
+
+
+def test_grad_clip_sets_the_optimizers_threshold_and_zero_turns_it_off():
+    assert _config([]).optim.grad_clip_norm == 1.0
+    assert _config(["--grad-clip", "2.5"]).optim.grad_clip_norm == 2.5
+    assert _config(["--grad-clip", "0"]).optim.grad_clip_norm is None
+    run = ConvergenceRun(inputs=ModelData(grad_clip=0.0))
+    assert Flags(ConvergenceRun).parse(Flags(ConvergenceRun).to_argv(run)).config().optim.grad_clip_norm is None
+
+
+def test_grad_clip_refuses_a_negative_or_non_finite_norm(capsys):
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit):
+            _config(["--grad-clip", bad])
+        assert "--grad-clip" in capsys.readouterr().err
