@@ -510,7 +510,8 @@ class Attachment:
             first = stage_pb2.RelayFrame(conn_id=conn_id)
             metadata = relay_metadata(self.signer, relay_id, "Accept", first)
             replies = stub.Accept(_socket_frames(sock, first), metadata=metadata)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError) as e:  # ValueError: the relay's channel closed meanwhile (we are leaving)
+            log.debug("connection %d through relay %s not taken: %s", conn_id, relay_id, e)
             sock.close()
             return
         _drain(replies, sock)
