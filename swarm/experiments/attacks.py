@@ -281,11 +281,7 @@ class Observer(threading.Thread):
     def step_count(self) -> int:
         """Steps the trainer completed: the lines it writes while it runs, or its steps.csv once it has closed them
         (at its exit `swarm.train.steplog` writes the CSV, then removes the lines: read whichever is there)."""
-        try:
-            count = (self.trainer_dir / "steps.jsonl").read_text().count("\n")
-        except FileNotFoundError:  # not started, or closed: the CSV is whole before the lines go
-            count = len(read_steps(self.trainer_dir))
-        self.steps = max(self.steps, count)
+        self.steps = max(self.steps, len(read_steps(self.trainer_dir)))
         return self.steps
 
     def observe(self) -> Observation:

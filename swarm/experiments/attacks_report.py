@@ -47,12 +47,12 @@ model's loss on the same held-out windows at the end of every setting (`held_out
 DETECT_WITHIN_STEPS = 20
 LOSS_TOLERANCE = 0.01
 VERIFY_COST = 0.10
-REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
-"""A replayed call answered with one of these was refused by its authentication."""
 LOAD_NOISE = 0.15
 """How far apart two runs of one setting read on this kind of loaded machine (+-15%): a clean run faster than its
 no-verify twin by more than this says the load moved between them, not that verification has a negative cost (the
 ninth pass: 4.61 vs 3.11 samples/s, the no-verify run started as three helpers' experiments did)."""
+REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+"""A replayed call answered with one of these was refused by its authentication."""
 
 
 @dataclass(frozen=True)
