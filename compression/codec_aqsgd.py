@@ -147,7 +147,8 @@ class AQSGDCodec(Codec):
         store, shape = state.buffers, list(msg.shape)
         ids, delta_rows, full_rows = _check_rows(msg, shape, store.sample_shape)
         # rotated first sights are token groups whatever the layout (codec_acsgd): only the deltas' is checked
-        layout = read_layout(msg, shape, msg.quantized, *([] if msg.rotation else [msg.quantized_full]))
+        subspace = msg.HasField("first_sight_basis")  # acsgd's `+fslR`: first sights as factors, not groups
+        layout = read_layout(msg, shape, msg.quantized, *([] if msg.rotation or subspace else [msg.quantized_full]))
         per_sample = numel // shape[0] if shape[0] else 0
         slots = store.lookup(ids)
         missing = [ids[i] for i in delta_rows if slots[i] < 0]
@@ -164,8 +165,7 @@ class AQSGDCodec(Codec):
             _check_bounded(m, bound, "quantized.scales")
         if full_rows:
             first = self._decode_first(msg, len(full_rows) * per_sample, store.dtype, bound)
-            first_layout = layout if msg.HasField("quantized_full") else FLAT  # raw first sights: the sample's own
-            first = from_groups(first, first_layout, [len(full_rows), *shape[1:]])
+            first = from_groups(first, self._first_layout(msg, layout), [len(full_rows), *shape[1:]])
         if msg.HasField("buffer_digest"):
             computed = buffer_digest(m, first)
             if computed != msg.buffer_digest:
@@ -180,6 +180,11 @@ class AQSGDCodec(Codec):
             store.admit([ids[i] for i in full_rows], first)
             out[full_rows] = first
         return out
+
+    def _first_layout(self, msg: wire_pb2.TensorMessage, layout: str) -> str:
+        """The layout of a message's decoded first sights: the deltas' when quantized in groups, the sample's own
+        (flat) when they travel raw."""
+        return layout if msg.HasField("quantized_full") else FLAT
 
     def _decode_first(self, msg: wire_pb2.TensorMessage, n: int, dtype: torch.dtype, bound: float) -> torch.Tensor:
         """The first sights of a message, checked, in the buffer dtype."""

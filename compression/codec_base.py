@@ -58,6 +58,9 @@ class Codec:
     clipped_first_sights: ClassVar[bool] = False
     """can choose each group's scale of a quantized first sight by least squared error below its max |x|
     (`CodecConfig.first_sight_clip`, label suffix `+clip`; `compression.clipping`)"""
+    subspace_first_sights: ClassVar[bool] = False
+    """can send a sample's first sight subspace-coded (`CodecConfig.first_sight_rank`, label suffix `+fslR` with
+    its step `+sN`; `compression.subspace`)"""
     device_encoded: ClassVar[bool] = False
     """a sending end on a GPU encodes there, its message buffers kept on the device (kernels for its quantizer
     on CUDA); every other codec's ends encode on the host"""
@@ -73,6 +76,7 @@ class Codec:
         "sparse",
         "low_bit_first_sights",
         "clipped_first_sights",
+        "subspace_first_sights",
         "device_encoded",
     )
     """The boolean traits every codec declares (its own or inherited); the registry checks them at import."""
@@ -97,6 +101,7 @@ class Codec:
             + (f"+fs{config.first_sight_bits}" if config.first_sight_bits != 16 else "")
             + ("+fsd" if config.first_sight_delta_code else "")
             + ("+clip" if config.first_sight_clip else "")
+            + (f"+fsl{config.first_sight_rank}+s{config.subspace_step_percent}" if config.first_sight_rank else "")
         )
 
     @classmethod
@@ -141,6 +146,8 @@ class Codec:
             raise WireError("codec", f"message is {codec_name(msg.codec)}, this decoder is {codec_name(self.wire)}")
         if not self.rotates and (msg.rotation or msg.rotation_seed):
             raise WireError("rotation", f"{codec_name(self.wire)} messages are never rotated")
+        if not self.subspace_first_sights and msg.HasField("first_sight_basis"):
+            raise WireError("first_sight_basis", f"{codec_name(self.wire)} messages carry no subspace first sights")
         numel = check_shape(list(msg.shape), limits)
         dtype = torch_dtype(msg.dtype)
         body = self._decode_body(msg, numel, state)

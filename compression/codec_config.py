@@ -8,8 +8,10 @@ import torch
 
 from swarm.compression.buffers import EVICTIONS
 from swarm.compression.codecs import BY_NAME, CODEC_NAMES, codec_class
+from swarm.compression.factors import MAX_RANK
 from swarm.compression.quantized import SCALE_DTYPES, SUPPORTED_BITS, group_size
 from swarm.compression.rotation import is_power_of_two
+from swarm.compression.subspace import MAX_SUBSPACE_STEP_PERCENT
 
 GROUP_LAYOUTS = ("flat", "channel")
 ROTATIONS = ("none", "hadamard")
@@ -25,8 +27,8 @@ LABEL_SUFFIXES = {
     "clip": {"first_sight_clip": True},
 }
 """Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets; `+gN`
-(group size), `+rN` (rate), `+fN` (factor bits), `+fsN` (first-sight bits) and `+sN` (subspace step) carry a
-number."""
+(group size), `+rN` (rate), `+fN` (factor bits), `+fsN` (first-sight bits), `+fslN` (first-sight rank) and `+sN`
+(subspace step) carry a number."""
 
 LOCAL_FIELDS = (
     "group_size",
@@ -98,6 +100,12 @@ class CodecConfig:
     1.0, 0.95, ..., 0.5 x its max |x| (a few loud values clip, the rest get a finer step), rounded to nearest
     whatever `stochastic` says (label suffix `+clip`; `compression.clipping`). The sender's choice only: the wire
     and the receiver are those of `+fsN`"""
+    first_sight_rank: int = 0
+    """acsgd: 0, or a sample's first sight travels subspace-coded (`compression.subspace`, label suffix `+fslR`
+    with its step as `+sN`): the first sights of a message, a row per token, in the top-R eigenbasis of their own
+    Gram matrix, the coefficients on one step of N% of their rms, int8 codes zstd entropy-codes; later visits
+    are the codec's deltas against what the receiver decoded. About 1.1-1.5 bits an element at hidden 128 with
+    a third of 3-bit channel-scaled first sights' error (docs/reports/single-pass.md)"""
     zstd_level: int = 1
     """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
     group_layout: str = "flat"
@@ -155,6 +163,21 @@ class CodecConfig:
             raise ValueError(f"first_sight_clip (+clip) applies to {_having('clipped_first_sights')} only")
         if self.first_sight_clip and self.first_sight_bits == 16:
             raise ValueError("first_sight_clip (+clip) clips quantized first sights: give them bits (+fsN)")
+        if self.first_sight_rank:
+            if not codec.subspace_first_sights:
+                raise ValueError(f"first_sight_rank (+fslR) applies to {_having('subspace_first_sights')} only")
+            if not 1 <= self.first_sight_rank <= MAX_RANK:
+                raise ValueError(f"first_sight_rank (+fslR) is 1..{MAX_RANK}, got {self.first_sight_rank}")
+            if not self.subspace_step_percent:
+                raise ValueError("subspace-coded first sights (+fslR) need their step (+sN, in percent of the rms)")
+            if not 1 <= self.subspace_step_percent <= MAX_SUBSPACE_STEP_PERCENT:
+                raise ValueError(f"subspace_step_percent (+sN) is 1..{MAX_SUBSPACE_STEP_PERCENT}, got "
+                                 f"{self.subspace_step_percent}")  # fmt: skip
+            if self.first_sight_bits != 16 or self.first_sight_delta_code or self.first_sight_clip:
+                raise ValueError("first sights are subspace-coded (+fslR) or quantized (+fsN, +fsd, +clip), not both")
+            if self.rotation != "none":
+                raise ValueError("subspace-coded first sights (+fslR) are never rotated (only first sights are): "
+                                 "drop +rot")  # fmt: skip
         if self.buffer_path is not None and self.buffer_dir is not None:
             raise ValueError("give buffer_path (one store) or buffer_dir (one file per link end), not both")
         if self.buffer_capacity < 0:
@@ -175,8 +198,9 @@ class CodecConfig:
             )
         if self.rank != 4 and not codec.ranked:
             raise ValueError(f"rank applies to ranked codecs ({_having('ranked')}) only, got {self.rank}")
-        if self.subspace_step_percent and not codec.ranked:
-            raise ValueError(f"subspace_step_percent (+sN) applies to ranked codecs ({_having('ranked')}) only")
+        if self.subspace_step_percent and not (codec.ranked or self.first_sight_rank):
+            raise ValueError(f"subspace_step_percent (+sN) applies to ranked codecs ({_having('ranked')}) and "
+                             "subspace-coded first sights (+fslR) only")  # fmt: skip
         if self.factor_bits != 16 and not codec.ranked:
             raise ValueError(f"factor_bits (+fN) applies to ranked codecs ({_having('ranked')}) only")
         if self.keep < 0 or (self.keep and not codec.sparse):
@@ -231,6 +255,9 @@ class CodecConfig:
         for suffix in suffixes:
             if suffix[:1] == "r" and suffix[1:].isdigit():  # +r50: tern's rate weight, in percent
                 kwargs["rate_percent"] = int(suffix[1:])
+                continue
+            if suffix[:3] == "fsl" and suffix[3:].isdigit():  # +fsl32: first sights subspace-coded at rank 32
+                kwargs["first_sight_rank"] = int(suffix[3:])
                 continue
             if suffix[:2] == "fs" and suffix[2:].isdigit():  # +fs4: AQ-SGD's first sights quantized at 4 bits
                 kwargs["first_sight_bits"] = int(suffix[2:])

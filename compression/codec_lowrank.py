@@ -36,16 +36,10 @@ import math
 import torch
 
 from swarm.compression.codec_base import Codec, check_wire_finite, decoded_bound
-from swarm.compression.subspace import coefficient_steps, least_squares_coefficients, subspace_basis
-from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
+from swarm.compression.factors import FACTOR_BITS, MAX_RANK, outer_sum, pack_factor, unpack_factor
+from swarm.compression.subspace import MAX_SUBSPACE_STEP_PERCENT, encode_subspace
+from swarm.compression.wire import WireError
 from swarm.proto import wire_pb2
-
-MAX_RANK = 64
-"""Largest rank a config or a message may have."""
-MAX_SUBSPACE_STEP_PERCENT = 1000
-"""Largest common step of subspace coding (`+sN`), in percent of the message's rms."""
-FACTOR_BITS = (16, 8)
-"""How factor elements travel: fp16 codes (16) or int8 codes (8), each column with an fp32 scale."""
 
 
 def matrix_shape(numel: int, cols: int | None) -> tuple[int, int]:
@@ -56,60 +50,6 @@ def matrix_shape(numel: int, cols: int | None) -> tuple[int, int]:
     if not cols or numel % cols:
         cols = next(d for d in range(math.isqrt(numel), 0, -1) if numel % d == 0)
     return numel // cols, cols
-
-
-def _pack_factor(f: torch.Tensor, bits: int, q: wire_pb2.Quantized, step: torch.Tensor | None = None) -> torch.Tensor:
-    """Writes factor `f` (n x r) into `q` column by column; returns what the receiver decodes from it. `step`
-    (int8 only): each column's step, at least its peak / 127 (`subspace.coefficient_steps`); none: exactly that."""
-    n, r = f.shape
-    cols = f.t().contiguous()  # r x n: one group per column
-    if step is None:
-        peak = cols.abs().amax(dim=1)
-        step = peak if bits == 16 else peak / 127  # fp16 codes in [-1, 1], int8 codes in -127..127
-    codes = torch.where(step[:, None] > 0, cols / step.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
-    codes = codes.to(torch.float16) if bits == 16 else codes.round().clamp(-127, 127).to(torch.int8)
-    q.bits, q.group_size, q.numel = bits, n, n * r
-    q.scale_dtype = wire_dtype(torch.float32)
-    q.scales = tensor_to_bytes(step.float())
-    q.payload = tensor_to_bytes(codes)
-    return (codes.float() * step[:, None]).t()
-
-
-def _unpack_factor(q: wire_pb2.Quantized, n: int, r: int, bits: int, field: str) -> torch.Tensor:
-    """Factor (n x r) from `q`, checked whole."""
-    if q.bits != bits:
-        raise WireError(f"{field}.bits", f"{q.bits}; both factors travel with the same bits, one of {FACTOR_BITS}")
-    if q.group_size != n or q.numel != n * r:
-        raise WireError(f"{field}.numel", f"{q.numel} in groups of {q.group_size}, expected {r} x {n}")
-    if q.scale_dtype != wire_pb2.FLOAT32:
-        raise WireError(f"{field}.scale_dtype", "the factors carry fp32 scales")
-    if q.mins:
-        raise WireError(f"{field}.mins", "the factors carry no mins")
-    step = bytes_to_tensor(q.scales, torch.float32, r, f"{field}.scales")
-    if not bool(torch.isfinite(step).all()) or bool((step < 0).any()):
-        raise WireError(f"{field}.scales", "a negative, NaN or Inf scale")
-    if bits == 16:
-        codes = bytes_to_tensor(q.payload, torch.float16, n * r, f"{field}.payload").float()
-        if not bool(torch.isfinite(codes).all()) or bool((codes.abs() > 1).any()):
-            raise WireError(f"{field}.payload", "an fp16 code outside [-1, 1]")
-    else:
-        codes = bytes_to_tensor(q.payload, torch.int8, n * r, f"{field}.payload")
-        if bool((codes == -128).any()):
-            raise WireError(f"{field}.payload", "an int8 code of -128")
-        codes = codes.float()
-    codes = codes.view(r, n)
-    if bool(((codes != 0) & (step[:, None] == 0)).any()):
-        raise WireError(f"{field}.payload", "a code set in a column whose scale is 0")
-    return (codes * step[:, None]).t()
-
-
-def outer_sum(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """P Q^T as sum_k P[:, k] Q[:, k]^T, one elementwise multiply and add a term in k order: the same bits on
-    every machine (a matmul's summation order is its BLAS kernel's)."""
-    out = torch.zeros(p.shape[0], q.shape[0])
-    for k in range(p.shape[1]):
-        out += p[:, k : k + 1] * q[:, k]
-    return out
 
 
 class LowRankCodec(Codec):
@@ -189,18 +129,14 @@ class LowRankCodec(Codec):
             if state is not None:
                 state.warm = q
             bits = self.config.factor_bits
-            sent = outer_sum(_pack_factor(p, bits, msg.quantized), _pack_factor(q, bits, msg.quantized_full))
+            sent = outer_sum(pack_factor(p, bits, msg.quantized), pack_factor(q, bits, msg.quantized_full))
         if use_feedback:
             state.residual = (m - sent.reshape(-1)).view(x.shape)
 
     def _encode_subspace(self, mat: torch.Tensor, r: int, msg) -> torch.Tensor:
-        """`+sN`: Q the top-r eigenbasis of mat^T mat, P the coefficients on the decoded Q, each column on a step
-        of at least N% of mat's rms (`swarm.compression.subspace`); returns what the receiver decodes."""
-        q_sent = _pack_factor(subspace_basis(mat, r), 8, msg.quantized_full)
-        coefficients = least_squares_coefficients(mat, q_sent)
-        step = float(mat.pow(2).mean().sqrt()) * self.config.subspace_step_percent / 100
-        p_sent = _pack_factor(coefficients, 8, msg.quantized, coefficient_steps(coefficients, step))
-        return outer_sum(p_sent, q_sent)
+        """`+sN`: P (`quantized`) and Q (`quantized_full`) of subspace coding (`swarm.compression.subspace`);
+        returns what the receiver decodes."""
+        return encode_subspace(mat, r, self.config.subspace_step_percent, msg.quantized, msg.quantized_full)
 
     def _decode_body(self, msg, numel, state):
         has_p, has_q = msg.HasField("quantized"), msg.HasField("quantized_full")
@@ -219,8 +155,8 @@ class LowRankCodec(Codec):
         bits = msg.quantized.bits
         if bits not in FACTOR_BITS:
             raise WireError("quantized.bits", f"{bits}, not one of {FACTOR_BITS}")
-        p = _unpack_factor(msg.quantized, rows, r, bits, "quantized")
-        q = _unpack_factor(msg.quantized_full, cols, r, bits, "quantized_full")
+        p = unpack_factor(msg.quantized, rows, r, bits, "quantized")
+        q = unpack_factor(msg.quantized_full, cols, r, bits, "quantized_full")
         out = outer_sum(p, q).reshape(-1)
         check_wire_finite(out, "quantized.scales")
         if bool((out.abs() > decoded_bound(msg)).any()):

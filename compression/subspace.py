@@ -25,10 +25,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["INT8_MAX", "coefficient_steps", "subspace_basis", "least_squares_coefficients"]
+from swarm.compression.factors import INT8_MAX, outer_sum, pack_factor, unpack_factor
+from swarm.compression.wire import WireError
+from swarm.proto import wire_pb2
 
-INT8_MAX = 127
-"""Largest int8 code a factor column may carry (-128 is refused on the wire)."""
+__all__ = [
+    "MAX_SUBSPACE_STEP_PERCENT", "coefficient_steps", "decode_subspace", "encode_subspace",
+    "least_squares_coefficients", "subspace_basis",
+]  # fmt: skip
+
+MAX_SUBSPACE_STEP_PERCENT = 1000
+"""Largest common step of subspace coding (`+sN`), in percent of the message's rms."""
 
 
 def subspace_basis(mat: torch.Tensor, r: int) -> torch.Tensor:
@@ -53,3 +60,36 @@ def coefficient_steps(coefficients: torch.Tensor, step: float) -> torch.Tensor:
     passes 127, so a loud column gets a coarser step rather than clipped codes)."""
     peak = coefficients.abs().amax(dim=0)
     return torch.maximum(torch.full_like(peak, step), peak / INT8_MAX)
+
+
+def encode_subspace(
+    mat: torch.Tensor, r: int, step_percent: int, p_out: wire_pb2.Quantized, q_out: wire_pb2.Quantized
+) -> torch.Tensor:
+    """Codes `mat` (rows x cols, float) in its top-`r` eigenbasis: Q (the basis, int8 columns) into `q_out`, P
+    (the least-squares coefficients on the decoded Q, each column on a step of at least `step_percent`% of mat's
+    rms) into `p_out`. Returns what the receiver decodes (fp32, rows x cols, on the host), bit for bit."""
+    mat = mat.detach().float().cpu()
+    q_sent = pack_factor(subspace_basis(mat, r), 8, q_out)
+    coefficients = least_squares_coefficients(mat, q_sent)
+    step = float(mat.pow(2).mean().sqrt()) * step_percent / 100
+    p_sent = pack_factor(coefficients, 8, p_out, coefficient_steps(coefficients, step))
+    return outer_sum(p_sent, q_sent)
+
+
+def decode_subspace(
+    p_msg: wire_pb2.Quantized, q_msg: wire_pb2.Quantized, rows: int, cols: int, max_rank: int, fields: tuple[str, str]
+) -> torch.Tensor:
+    """The rows x cols matrix a subspace-coded pair of factors decodes to (fp32), every field checked first: int8
+    codes, P's columns of `rows`, Q's of `cols`, the same rank 1..min(`max_rank`, rows, cols) in both."""
+    p_field, q_field = fields
+    if rows < 1 or cols < 1:
+        raise WireError(p_field, f"a {rows} x {cols} matrix has nothing to code")
+    if p_msg.group_size != rows or not p_msg.numel or p_msg.numel % rows:
+        raise WireError(f"{p_field}.group_size", f"{p_msg.group_size} with numel {p_msg.numel}: expected columns "
+                        f"of the {rows} rows")  # fmt: skip
+    r = p_msg.numel // rows
+    if not 1 <= r <= min(max_rank, rows, cols):
+        raise WireError(f"{p_field}.numel", f"rank {r} is outside 1..min({max_rank}, {rows}, {cols})")
+    p = unpack_factor(p_msg, rows, r, 8, p_field)
+    q = unpack_factor(q_msg, cols, r, 8, q_field)
+    return outer_sum(p, q)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, LinkState, WireError, WireLimits, decoder_for, frame, make_codec, unframe
-from swarm.compression.codec_lowrank import MAX_RANK, matrix_shape, outer_sum
+from swarm.compression.codec_lowrank import MAX_RANK, matrix_shape
 from swarm.compression.codecs import BY_NAME, REGISTRY
+from swarm.compression.factors import outer_sum
 from swarm.proto import wire_pb2
 
 LABELS = ["lowrank4+ef", "lowrank4+ef+f8", "lowrank1", "lowrank8+f8"]

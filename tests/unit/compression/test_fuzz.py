@@ -61,7 +61,7 @@ def aqsgd_states() -> tuple[LinkState, LinkState]:
 
 
 def real_messages() -> list[wire_pb2.TensorMessage]:
-    """One genuine message per codec (aqsgd: deltas and first sights, both first-sight encodings)."""
+    """One genuine message per codec (aqsgd: deltas and first sights, every first-sight encoding)."""
     gen = torch.Generator().manual_seed(0)
     msgs = []
     for name in BY_NAME:
@@ -69,6 +69,11 @@ def real_messages() -> list[wire_pb2.TensorMessage]:
             for bits in (16, 8):
                 send, _ = aqsgd_states()
                 cfg = config(name, first_sight_bits=bits)
+                x = torch.randn(4, *SAMPLE_SHAPE, generator=gen)
+                msgs.append(make_codec(cfg).encode(x, sample_ids=[4, 9, 1, 7], state=send))
+            if BY_NAME[name].subspace_first_sights:  # acsgd's `+fslR`: first sights as two factors
+                send, _ = aqsgd_states()
+                cfg = config(name, first_sight_rank=4, subspace_step_percent=20)
                 x = torch.randn(4, *SAMPLE_SHAPE, generator=gen)
                 msgs.append(make_codec(cfg).encode(x, sample_ids=[4, 9, 1, 7], state=send))
         else:

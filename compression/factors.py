@@ -1,0 +1,84 @@
+"""Factor matrices on the wire: a rank-r product P Q^T sent as two `Quantized` fields, one group per column.
+
+Used by `lowrank` (PowerSGD's factors, or subspace coding's basis and coefficients, `compression.subspace`) and by
+acsgd's subspace-coded first sights (`+fslR`). Each column travels with one fp32 step (`scales`) as fp16 codes in
+[-1, 1] (`bits` 16) or int8 codes in -127..127 (`bits` 8); `group_size` is the column's length, `numel` r x that,
+no `mins`. A code in a column whose step is 0, an fp16 code outside [-1, 1] or not finite, an int8 code of -128,
+or a negative or non-finite step is refused, naming the field.
+
+The product is summed term by term (`outer_sum`), an elementwise multiply and add in fp32 in k order, never a
+matmul: BLAS kernels may sum in another order on another CPU, and both ends of a link must decode the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
+from swarm.proto import wire_pb2
+
+__all__ = ["FACTOR_BITS", "INT8_MAX", "MAX_RANK", "outer_sum", "pack_factor", "unpack_factor"]
+
+FACTOR_BITS = (16, 8)
+"""How factor elements travel: fp16 codes (16) or int8 codes (8), each column with an fp32 step."""
+INT8_MAX = 127
+"""Largest int8 code a factor column may carry (-128 is refused on the wire)."""
+MAX_RANK = 64
+"""Largest rank a config or a message may have."""
+
+
+def pack_factor(f: torch.Tensor, bits: int, q: wire_pb2.Quantized, step: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes factor `f` (n x r) into `q` column by column; returns what the receiver decodes from it (fp32, on
+    the host). `step` (int8 only): each column's step, at least its peak / 127 (`subspace.coefficient_steps`);
+    none: exactly that."""
+    f = f.detach().float().cpu()
+    n, r = f.shape
+    cols = f.t().contiguous()  # r x n: one group per column
+    if step is None:
+        peak = cols.abs().amax(dim=1) if n else torch.zeros(r)
+        step = peak if bits == 16 else peak / INT8_MAX  # fp16 codes in [-1, 1], int8 codes in -127..127
+    step = step.detach().float().cpu()
+    codes = torch.where(step[:, None] > 0, cols / step.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    codes = codes.to(torch.float16) if bits == 16 else codes.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q.bits, q.group_size, q.numel = bits, n, n * r
+    q.scale_dtype = wire_dtype(torch.float32)
+    q.scales = tensor_to_bytes(step)
+    q.payload = tensor_to_bytes(codes)
+    return (codes.float() * step[:, None]).t()
+
+
+def unpack_factor(q: wire_pb2.Quantized, n: int, r: int, bits: int, field: str) -> torch.Tensor:
+    """Factor (n x r) from `q`, checked whole."""
+    if q.bits != bits:
+        raise WireError(f"{field}.bits", f"{q.bits}; both factors travel with the same bits, one of {FACTOR_BITS}")
+    if q.group_size != n or q.numel != n * r:
+        raise WireError(f"{field}.numel", f"{q.numel} in groups of {q.group_size}, expected {r} x {n}")
+    if q.scale_dtype != wire_pb2.FLOAT32:
+        raise WireError(f"{field}.scale_dtype", "the factors carry fp32 scales")
+    if q.mins:
+        raise WireError(f"{field}.mins", "the factors carry no mins")
+    step = bytes_to_tensor(q.scales, torch.float32, r, f"{field}.scales")
+    if not bool(torch.isfinite(step).all()) or bool((step < 0).any()):
+        raise WireError(f"{field}.scales", "a negative, NaN or Inf scale")
+    if bits == 16:
+        codes = bytes_to_tensor(q.payload, torch.float16, n * r, f"{field}.payload").float()
+        if not bool(torch.isfinite(codes).all()) or bool((codes.abs() > 1).any()):
+            raise WireError(f"{field}.payload", "an fp16 code outside [-1, 1]")
+    else:
+        codes = bytes_to_tensor(q.payload, torch.int8, n * r, f"{field}.payload")
+        if bool((codes == -128).any()):
+            raise WireError(f"{field}.payload", "an int8 code of -128")
+        codes = codes.float()
+    codes = codes.view(r, n)
+    if bool(((codes != 0) & (step[:, None] == 0)).any()):
+        raise WireError(f"{field}.payload", "a code set in a column whose scale is 0")
+    return (codes * step[:, None]).t()
+
+
+def outer_sum(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P Q^T as sum_k P[:, k] Q[:, k]^T, one elementwise multiply and add a term in k order: the same bits on
+    every machine (a matmul's summation order is its BLAS kernel's)."""
+    out = torch.zeros(p.shape[0], q.shape[0], device=p.device)
+    for k in range(p.shape[1]):
+        out += p[:, k : k + 1] * q[:, k]
+    return out
