@@ -121,3 +121,17 @@ def test_a_tampered_subspace_message_is_refused_by_lowranks_checks(tamper):
     tamper(msg)
     with pytest.raises(WireError):
         codec.decode(msg)
+
+
+def test_a_wide_message_takes_the_randomized_basis_and_keeps_the_exact_ones_energy():
+    from swarm.compression import subspace
+
+    gen = torch.Generator().manual_seed(5)
+    width = subspace.EXACT_MAX_COLS + 88  # past the exact eigendecomposition
+    loud = torch.randn(256, 40, generator=gen) * torch.logspace(1, -1, 40)
+    x = loud @ torch.randn(40, width, generator=gen) / width**0.5 + 0.05 * torch.randn(256, width, generator=gen)
+    basis = subspace_basis(x, 16)
+    torch.testing.assert_close(basis.t() @ basis, torch.eye(16), atol=1e-5, rtol=0)
+    assert torch.equal(basis, subspace_basis(x, 16))  # seeded: the same message codes the same way
+    exact = torch.linalg.eigh((x.t() @ x).double())[1].flip(1)[:, :16].float()
+    assert float((x @ basis).pow(2).sum()) > 0.999 * float((x @ exact).pow(2).sum())
