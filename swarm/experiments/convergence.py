@@ -108,6 +108,14 @@ at 20.03x / 19.99x. The best setting before the low-rank tied sum, `tern+ch+r75/
 (seed 0); the tied sum at 3 bits (`@t3`) cost 0.5-1.9% more in every pairing tried."""
 
 
+EVAL_SAMPLES = 512
+"""The experiment's held-out windows: 512 x 128 tokens (65,536) from the held-out files, where a run's summary takes
+`DataConfig`'s 48 (6,144 tokens: the held-out text's first 6 KB). On 48, two runs whose training
+losses on fresh samples stayed within 0.2 point of each other over a single pass (same seed, data and bytes:
+`lowrank32+f8+s20` and `acsgd2+ch+nr+fsl32+s20` forward) read +1.07% and +2.43% against fp32, more than the codec
+effects being judged."""
+
+
 def _parse_codec(text: str, defaults: dict) -> CodecConfig:
     return CodecConfig.parse(text, **defaults)
 
@@ -207,7 +215,7 @@ class ExperimentConfig:
     """Everything one run of the experiment depends on (its fields without a flag are set by `ModelData`)."""
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata=flag(skip=True))
-    data: DataConfig = field(default_factory=DataConfig, metadata=flag(skip=True))
+    data: DataConfig = field(default_factory=lambda: DataConfig(eval_samples=EVAL_SAMPLES), metadata=flag(skip=True))
     optim: OptimConfig = field(default_factory=OptimConfig, metadata=flag(skip=True))
     settings: tuple[str, ...] = field(
         default=DEFAULT_SETTINGS, metadata=flag(parse=_settings, render=",".join, help=_SETTINGS_HELP)
@@ -253,14 +261,6 @@ class ExperimentConfig:
     precision: str = field(default="fp32", metadata=flag(choices=PRECISIONS))
     """compute precision: fp32; bf16 autocast; fp16 autocast with dynamic loss scaling agreed by every stage (a
     non-finite gradient anywhere skips the step everywhere). Weights and optimizer state stay fp32"""
-
-
-EVAL_SAMPLES = 512
-"""The experiment's held-out windows: 512 x 128 tokens (65,536) from the held-out files, where a run's summary takes
-`DataConfig`'s 48 (6,144 tokens: the held-out text's first 6 KB). On 48, two runs whose training
-losses on fresh samples stayed within 0.2 point of each other over a single pass (same seed, data and bytes:
-`lowrank32+f8+s20` and `acsgd2+ch+nr+fsl32+s20` forward) read +1.07% and +2.43% against fp32, more than the codec
-effects being judged."""
 
 
 @dataclass(frozen=True)
