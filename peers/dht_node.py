@@ -90,9 +90,9 @@ class DHTThread:
                 raise RuntimeError("the DHT node was shut down while starting") from None
             except Exception as e:
                 if attempt < P2PD_START_ATTEMPTS and "Daemon failed to start" in str(e) and not self._closing:
-                    # p2pd's first output was not its banner: in a process that already runs gRPC, the fork that
-                    # starts it (a preexec_fn for its parent-death signal forces a real fork) can let gRPC's
-                    # poller print "epoll_wait error: Bad file descriptor" into p2pd's pipe before the exec
+                    # p2pd's first output was not its banner. The known cause, gRPC's poller restarted in the
+                    # forked child by gRPC's fork support and printing into p2pd's pipe before the exec, is off
+                    # (swarm/__init__.py); this retry stays for whatever else fails p2pd's start once
                     logger.warning("p2pd failed to start (%s); starting it again", e)
                     continue
                 logger.debug("DHT node failed to start", exc_info=True)
