@@ -583,7 +583,9 @@ def collect(cfg: AttacksConfig, out: Path, results: dict[str, dict], owned: bool
         d = out / _dir_name(name)
         steps = read_steps(d / "trainer")
         obs = read_observations(d / "observations.jsonl")
-        setting = Setting(name, r["kind"], tuple(r["attackers"]), r["attack_step"], r["attack_t"], r["facts"])
+        setting = Setting(
+            name, r["kind"], tuple(r["attackers"]), r["attack_step"], r["attack_t"], r["facts"], r.get("error")
+        )
         row = judge(setting, steps, obs, None if r["stalled"] else r["rc"], cfg.steps, r.get("replicas"))
         if name == "clean":
             nv = results.get("clean-no-verify")

@@ -203,6 +203,8 @@ class Setting:
     """trainer steps completed when the attack started (0: from the start, as a liar lies)"""
     attack_t: float = 0.0
     facts: dict = field(default_factory=dict)
+    error: str | None = None
+    """the setting's own failure (e.g. its swarm or the harness's DHT node did not start), if it had one"""
 
 
 def _worked(s: Setting, obs: list[Observation], run_stopped: bool) -> tuple[bool | None, str]:
@@ -274,6 +276,11 @@ def judge(
 ) -> dict:  # fmt: skip
     """One setting's row: ROW_KEYS and SHAPE_KEYS plus `kind`, `attack_step` and `evidence` (`replicas`: the
     end's replicas, as `replicas_identical` reads them)."""
+    if s.error and not rows:  # the harness failed before the trainer's first step: nothing of the swarm's to judge
+        row = {"setting": s.name, "kind": s.kind, "refused_or_detected": None, "detection_steps": None,
+               "evicted": False, "run_stopped": None, "steps": 0, "final_loss": None}  # fmt: skip
+        return {**{k: None for k in (*ROW_KEYS, *SHAPE_KEYS)}, **row, "attack_step": s.attack_step,
+                "evidence": f"not run: the setting failed before its first step ({s.error})"}  # fmt: skip
     run_stopped = rc != 0 or len(rows) < target_steps
     evicted_obs = [o for p in s.attacker_ids if (o := _evicted_at(obs, p, s.attack_t)) is not None]
     first = min(evicted_obs, key=lambda o: o.t) if evicted_obs else None
@@ -337,6 +344,8 @@ class Check:
 def targets(rows: list[dict]) -> list[Check]:
     """The issue's targets over the rows (verdicts as measured; a row that could not be tried is not counted)."""
     clean = next((r for r in rows if r["setting"] == "clean"), None)
+    not_run = [r["setting"] for r in rows if r["run_stopped"] is None]  # the harness failed before a step
+    rows = [r for r in rows if r["run_stopped"] is not None]
     attacks = [r for r in rows if r["setting"] != "clean" and r.get("kind") != "control"]  # controls: no target
     tried = [r for r in attacks if r["refused_or_detected"] is not None]
     stopped = [r["setting"] for r in attacks if not r["refused_or_detected"] or (
@@ -372,6 +381,9 @@ def targets(rows: list[dict]) -> list[Check]:
             checks.append(Check("verification costs at most 10% of throughput", value, verdict))
         else:
             checks.append(Check("verification costs at most 10% of throughput", "no throughput", "not measured"))
+    if not_run:  # say so in every verdict: a target over every attack is met only for the attacks that ran
+        checks = [Check(c.name, f"{c.value}; not run: {', '.join(not_run)}",
+                        f"{c.verdict} where run" if c.verdict == "met" else c.verdict) for c in checks]  # fmt: skip
     return checks
 
 

@@ -240,6 +240,22 @@ def test_targets_and_report_say_what_was_measured():
     assert "| liar-noise | True | 4 |" in text and "a note" in text and "loss.png" in text
 
 
+def test_a_setting_the_harness_could_not_start_is_not_run_not_a_stopped_run():
+    failed = Setting("liar-sign-flip", "liar", (LIAR,), 0, 0.0, {"lied": False}, "RuntimeError: no DHT node")
+    row = judge(failed, [], [], None, 10)
+    assert row["run_stopped"] is None and row["refused_or_detected"] is None and row["final_loss"] is None
+    assert row["evidence"].startswith("not run") and "no DHT node" in row["evidence"]
+    assert set(ROW_KEYS) <= set(row)
+    assert judge(Setting("liar-noise", "liar", (LIAR,), error="late"), _steps(3), [], 1, 10)["run_stopped"]
+    clean = {"setting": "clean", "refused_or_detected": None, "detection_steps": None, "evicted": False,
+             "run_stopped": False, "steps": 10, "final_loss": 3.0, "evictions": 0, "throughput_samples_s": 9.5,
+             "throughput_no_verify_samples_s": 10.0}  # fmt: skip
+    caught = {**clean, "setting": "liar-noise", "refused_or_detected": True, "detection_steps": 1}
+    checks = targets([clean, caught, row])
+    assert [c.verdict for c in checks] == ["met where run"] * len(checks)
+    assert all("not run: liar-sign-flip" in c.value for c in checks)
+
+
 def test_observations_round_trip_through_json():
     o = _obs(1.5, 3, 2, [[A, B], [C]], banned=(D,), peers={A: [0, 2, "direct", None, 0.0]})
     assert Observation.from_json(o.to_json()) == o
