@@ -176,8 +176,8 @@ class CodecConfig:
             if self.first_sight_bits != 16 or self.first_sight_delta_code or self.first_sight_clip:
                 raise ValueError("first sights are subspace-coded (+fslR) or quantized (+fsN, +fsd, +clip), not both")
             if self.rotation != "none":
-                raise ValueError("subspace-coded first sights (+fslR) are never rotated (only first sights are): "
-                                 "drop +rot")  # fmt: skip
+                raise ValueError("acsgd's +rot rotates first sights only, and subspace-coded ones (+fslR) are never "
+                                 "rotated: drop +rot")  # fmt: skip
         if self.buffer_path is not None and self.buffer_dir is not None:
             raise ValueError("give buffer_path (one store) or buffer_dir (one file per link end), not both")
         if self.buffer_capacity < 0:
