@@ -84,10 +84,14 @@ DEFAULT_SETTINGS = (
     "tern+ch/gtern+ef+rot+nr+r100@lr4",
     "acsgd2+ch+fs3/gradq2+ef+rot+nr+cs",
     "acsgd2+ch+rot+fs3/gradq2+ef+rot+nr+cs+g256",
+    "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs",
+    "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
 )
-"""The last two are issue 29's first-sight candidates (3-bit first sights, channel scales or per-token rotation;
-docs/reports/codecs.md's screen), not yet measured over 8 epochs; on the issue's 6144-sample single pass the first
-gave 12.95x at +2.42% held-out (the default 3.83x at +2.48%). A setting that diverges ends only its own row."""
+"""Issue 29's first-sight candidates close the list: 3-bit first sights (channel scales or per-token rotation; on
+the 6144-sample single pass the first gave 12.95x at +2.42% on 48 held-out windows), then subspace-coded ones
+(`+fsl32+s20`; on 512 windows, docs/reports/single-pass.md: single pass 15.96x at +0.96% / +0.20% with groups of
+256, 8 epochs 15.68x at +0.17%; with the default's groups of 1024 17.26x at +1.35% and 16.85x at +0.69%). A setting
+that diverges ends only its own row."""
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs")
 DEFAULT_TARGET_SETTING = "acsgd2+ch/gradq2+ef+rot+nr+cs"
 """The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
