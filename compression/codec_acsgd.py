@@ -43,7 +43,7 @@ import torch
 
 from swarm.compression import rotation as rot
 from swarm.compression.clipping import clipped_quantize
-from swarm.compression.codec_aqsgd import AQSGDCodec
+from swarm.compression.codec_aqsgd import AQSGDCodec, _check_bounded
 from swarm.compression.factors import MAX_RANK
 from swarm.compression.layout import FLAT, from_groups, read_layout, to_groups
 from swarm.compression.quantized import group_size
@@ -132,7 +132,7 @@ class ACSGDCodec(AQSGDCodec):
             msg.quantized_full, msg.first_sight_basis, n // width, width, MAX_RANK,
             ("quantized_full", "first_sight_basis"),
         ).reshape(-1)  # fmt: skip
-        _check_decoded(decoded, bound, "quantized_full.scales")
+        _check_bounded(decoded, bound, "quantized_full.scales")  # in fp32, before the cast to the buffers' dtype
         return decoded.to(dtype)
 
     def _send_full(self, x, group, state, msg):
@@ -202,14 +202,6 @@ def _unrotate(q: SymQuantized, seed: int) -> torch.Tensor:
     half = 1 << (q.bits - 1)
     codes = unpack(q.packed, q.bits, q.numel).to(torch.int32) - half
     return rot.unrotate_grid(codes, q.scales.float() / half, q.group_size, seed)
-
-
-def _check_decoded(x: torch.Tensor, bound: float, field: str) -> None:
-    """Refuses decoded first sights that are not finite or exceed `bound` (what the buffers hold) before any cast."""
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        raise WireError(field, "decodes to NaN or Inf")
-    if x.numel() and float(x.abs().max()) > bound:
-        raise WireError(field, f"decodes to values beyond {bound:.6g}, what the declared dtype holds")
 
 
 def _seed(state) -> int | None:

@@ -277,10 +277,10 @@ def judge(
     """One setting's row: ROW_KEYS and SHAPE_KEYS plus `kind`, `attack_step` and `evidence` (`replicas`: the
     end's replicas, as `replicas_identical` reads them)."""
     if s.error and not rows:  # the harness failed before the trainer's first step: nothing of the swarm's to judge
-        row = {"setting": s.name, "kind": s.kind, "refused_or_detected": None, "detection_steps": None,
-               "evicted": False, "run_stopped": None, "steps": 0, "final_loss": None}  # fmt: skip
-        return {**{k: None for k in (*ROW_KEYS, *SHAPE_KEYS)}, **row, "attack_step": s.attack_step,
-                "evidence": f"not run: the setting failed before its first step ({s.error})"}  # fmt: skip
+        row = dict.fromkeys((*ROW_KEYS, *SHAPE_KEYS))  # run_stopped None: not run, which `targets` tells apart
+        row.update(setting=s.name, kind=s.kind, evicted=False, steps=0, attack_step=s.attack_step)
+        row["evidence"] = f"not run: the setting failed before its first step ({s.error})"
+        return row
     run_stopped = rc != 0 or len(rows) < target_steps
     evicted_obs = [o for p in s.attacker_ids if (o := _evicted_at(obs, p, s.attack_t)) is not None]
     first = min(evicted_obs, key=lambda o: o.t) if evicted_obs else None

@@ -4,6 +4,7 @@ swarm is imported."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -21,8 +22,6 @@ server.stop(None)
 
 
 def child_threads(env_setting: str | None) -> int:
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
     if env_setting is not None:
         env["GRPC_ENABLE_FORK_SUPPORT"] = env_setting
