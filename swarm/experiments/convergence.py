@@ -92,12 +92,13 @@ the 6144-sample single pass the first gave 12.95x at +2.42% on 48 held-out windo
 (`+fsl32+s20`; on 512 windows, docs/reports/single-pass.md: single pass 15.96x at +0.96% / +0.20% with groups of
 256, 8 epochs 15.68x at +0.17%; with the default's groups of 1024 17.26x at +1.35% and 16.85x at +0.69%). A setting
 that diverges ends only its own row."""
-QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs")
-DEFAULT_TARGET_SETTING = "acsgd2+ch/gradq2+ef+rot+nr+cs"
+DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256"
 """The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
-with the paper's quantizer in channel groups; backward: 2-bit gradients with error feedback, Hadamard rotation,
-round-to-nearest and 16-bit scales, in the experiment's groups of 1024. `check_targets` finds the default row by
-its `is_default` flag, not by this name."""
+with the paper's quantizer in channel groups, first sights subspace-coded (rank 32, a step of 20% of the rms);
+backward: 2-bit gradients with error feedback, Hadamard rotation, round-to-nearest and 16-bit scales, in groups of
+256. `check_targets` finds the default row by its `is_default` flag, not by this name. The default before it,
+`acsgd2+ch/gradq2+ef+rot+nr+cs` (16-bit first sights, groups of 1024), stays in `DEFAULT_SETTINGS` to compare."""
+QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", DEFAULT_TARGET_SETTING)
 BEST_TARGET_SETTING = "tern+ch/gtern+ef+rot+nr+r100@lr4"
 """The best setting of an earlier issue's targets (>= 20x fewer total bytes after the first epoch, within 2%). Forward
 ternary deltas in channel groups; backward ternary gradients (rotation, error feedback, rate weight 100); the tied

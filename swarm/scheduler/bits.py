@@ -4,9 +4,9 @@ Rule (`choose_link`): the most precise codec pair whose transfer hides under the
 budget. A boundary paces a step at max(compute, forward message time, backward message time) per micro-batch
 (full-duplex links, `FullCost`); so on each direction take the widest codec of the ladder whose message time
 stays under the slower adjacent stage's compute per micro-batch; if none does, the narrowest codec the loss
-budget allows (the floor: the default codecs, acsgd2+ch+nr forward and gradq2+ef+rot+nr+cs+g1024 backward,
-the settings the convergence experiment holds within budget). Slow links thus get fewer bits, fast links
-more, up to fp32.
+budget allows (the floor: the default codecs, `DEFAULT_FORWARD_CODEC` and `DEFAULT_BACKWARD_CODEC`, the
+settings the convergence experiment holds within budget in both of its regimes). Slow links thus get fewer bits,
+fast links more, up to fp32.
 
 Epilogue (`choose_epilogue`, Optimus-CC's selective compression): the replicas' gradient averaging and the tied
 embedding's sync run after the pipeline drains, where nothing overlaps them: their transfer time always shows in
@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.peers.plan_codecs import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
 from swarm.runtime.average import SUM_CODEC
 
@@ -47,28 +48,31 @@ __all__ = [
     "rechoose",
 ]
 
-FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", "acsgd2+ch+nr")
+FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", DEFAULT_FORWARD_CODEC)
 """Forward (activation) codecs, most precise first; the last is the default floor (`DEFAULT_FORWARD_CODEC`): the
-current family (the AQ-SGD paper's quantizer, channel groups, round to nearest) at 8, 4 and 2 bits."""
+current family (the AQ-SGD paper's quantizer, channel groups, round to nearest) at 8, 4 and 2 bits, the 2-bit
+floor with subspace-coded first sights (the 8- and 4-bit rungs send theirs at 16 bits: a fast link's choice)."""
 BACKWARD_LADDER = (
     "fp32",
     "gradq8+ef+rot+nr+cs+g1024",
     "gradq4+ef+rot+nr+cs+g1024",
-    "gradq2+ef+rot+nr+cs+g1024",
+    DEFAULT_BACKWARD_CODEC,
     "gtern+ef+rot+nr+r150+g1024",
 )
 """Backward (activation-gradient) codecs, most precise first; the 2-bit rung is the default floor
-(`DEFAULT_BACKWARD_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, at 8, 4
-and 2 bits. Below it, ternary gradients at about 1 bit an element (`gtern`, issue 13's best setting), which a
-policy reaches only by naming it as its `backward_floor`."""
+(`DEFAULT_BACKWARD_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, at 8, 4 and 2
+bits (groups of 1024 at 8 and 4 bits, of 256 at the 2-bit floor, where groups of 1024 cost loss in a single
+pass). Below it, ternary gradients at about 1 bit an element (`gtern`, issue 13's best setting), which a policy
+reaches only by naming it as its `backward_floor`."""
 AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024", SUM_CODEC)
 """Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is the 2-bit rung
 (`swarm.runtime.average.SUM_CODEC`, also the averager's sum over compressed links without a plan; quantized in
 AdamW's units, so it trains within 1% of fp32 where plain 4-bit sums did not). bf16 rather than fp16: a gradient
 sum must not overflow, and bf16 has fp32's range."""
-TIED_LADDER = (*AVERAGE_LADDER[:3], "gradq4+ef+rot+nr+cs+g1024")
+TIED_LADDER = (*AVERAGE_LADDER[:3], DEFAULT_BACKWARD_CODEC.replace("gradq2", "gradq4", 1))
 """Codecs of the tied embedding's sync, most precise first; the floor is 4 bits (`GradientAverager.tied_min_bits`:
-2 bits trained +2.66% where 4 gave +0.76%)."""
+2 bits trained +2.66% where 4 gave +0.76%), the default backward codec at 4 bits: what a peer without a plan's
+epilogue codecs sums the tied gradient with."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def test_quick_run_writes_csv_plot_and_json(tmp_path, capsys):
     captured = capsys.readouterr()
     rows = json.loads(captured.out)
     assert "training samples" in captured.err  # the loader's report
-    assert [r["setting"] for r in rows] == ["fp32/fp32", "directq2/gradq4+ef", "acsgd2+ch/gradq2+ef+rot+nr+cs"]
+    assert [r["setting"] for r in rows] == ["fp32/fp32", "directq2/gradq4+ef", convergence.DEFAULT_TARGET_SETTING]
     keys = {"setting", "fw_bits", "bw_bits", "final_train_loss", "final_eval_loss", "wire_bytes", "fp32_wire_bytes"}
     for row in rows:
         assert keys | {"steady_ratio_vs_fp32"} <= set(row)
@@ -54,12 +54,13 @@ def test_quick_run_writes_csv_plot_and_json(tmp_path, capsys):
     totals = {"total_wire_bytes", "fp32_total_wire_bytes", "total_ratio_vs_fp32", "total_steady_ratio_vs_fp32"}
     assert all(totals <= set(r) for r in rows)
     assert json.loads((out / "results.json").read_text())["rows"] == rows
-    assert "acsgd2+ch/gradq2+ef+rot+nr+cs" in (out / "results.md").read_text()
+    assert f"{convergence.DEFAULT_TARGET_SETTING} (default)" in (out / "results.md").read_text()
     # three epochs over the same samples: every row says so, and the default codecs' row says it is the default
     assert all(r["regime"] == "multi-epoch" and r["max_sample_visits"] == 3 for r in rows)
     assert [r["is_default"] for r in rows] == [False, False, True]
     table = (out / "results.md").read_text()
-    assert table.startswith("regime: **multi-epoch**") and "| acsgd2+ch/gradq2+ef+rot+nr+cs (default) |" in table
+    assert table.startswith("regime: **multi-epoch**")
+    assert f"| {convergence.DEFAULT_TARGET_SETTING} (default) |" in table
     saved = json.loads((out / "results.json").read_text())
     assert saved["data_report"]["corpus_digest"] == rows[0]["corpus_digest"] and len(rows[0]["corpus_digest"]) == 64
 
@@ -201,10 +202,12 @@ def test_default_flag_is_the_swarms_default_codecs_and_nothing_else():
     assert default(convergence.DEFAULT_TARGET_SETTING)  # the same codecs under the experiment's flags
     for other in ("fp32/fp32", "acsgd2/gradq2+ef+rot+nr+cs", "acsgd2+ch/gradq4+ef+rot+nr+cs",
                   "acsgd2+ch/gradq2+ef+rot+nr+cs@w1", "acsgd2+ch/gradq2+ef+rot+nr+cs@t3",
-                  "acsgd2+ch/gradq2+ef+rot+nr+cs@lr4", "acsgd2+ch/gradq2+ef+rot+nr+cs+g256"):  # fmt: skip
+                  "acsgd2+ch/gradq2+ef+rot+nr+cs@lr4", "acsgd2+ch/gradq2+ef+rot+nr+cs+g256",
+                  "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs",
+                  "acsgd2+ch+fsl16+s20/gradq2+ef+rot+nr+cs+g256"):  # fmt: skip
         assert not default(other), other
-    # another gradient group on the command line: the swarm's default codecs no longer run
-    assert not default(convergence.DEFAULT_TARGET_SETTING, replace(cfg, backward_group_size=256))
+    # stochastic rounding forward on the command line: the swarm's default codecs no longer run
+    assert not default(convergence.DEFAULT_TARGET_SETTING, replace(cfg, forward_stochastic=True))
 
 
 def test_one_epoch_is_a_single_pass_and_two_are_not(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swarm.bench.selective import rows
-from swarm.compression import CodecConfig
+from swarm.compression import DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.proto import stage_pb2
@@ -287,12 +287,13 @@ def test_convergence_sel_settings_train_with_the_planner_s_choice(tmp_path, caps
     import json
 
     from swarm.cli import main
+    from swarm.experiments.convergence import DEFAULT_TARGET_SETTING
 
-    settings = "fp32/fp32,acsgd2+ch/gradq2+ef+rot+nr+cs,sel:1,sel:50,sel:100000"
+    settings = f"fp32/fp32,{DEFAULT_TARGET_SETTING},sel:1,sel:50,sel:100000"
     argv = ["experiment", "convergence", "--quick", "--json", "--no-progress", "--out", str(tmp_path / "run")]
     assert main([*argv, "--settings", settings]) == 0
     rows = {r["setting"]: r for r in json.loads(capsys.readouterr().out)}
-    fp32, floor = rows["fp32/fp32"], rows["acsgd2+ch/gradq2+ef+rot+nr+cs"]
+    fp32, floor = rows["fp32/fp32"], rows[DEFAULT_TARGET_SETTING]
     slow, mid, fast = rows["sel:1"], rows["sel:50"], rows["sel:100000"]
 
     # 1 Mbit/s: everything at the floors, the all-compressed run to the byte (control bytes aside: their varints
@@ -324,7 +325,7 @@ def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
 
     model = ModelConfig(n_layers=3, hidden_dim=32, n_heads=2, seq_len_tokens=32)
     plan = selective_plan("sel:100000+1", model, 3, 4, 2)
-    assert plan.codecs[0].forward_label == "fp32" and plan.codecs[1].forward_label == "acsgd2+ch+nr"
+    assert plan.codecs[0].forward_label == "fp32" and plan.codecs[1].forward_label == DEFAULT_FORWARD_CODEC
     pipe = LocalPipeline(model, 3, FP32, FP32)
     try:
         apply_selective(pipe, plan, {}, {})

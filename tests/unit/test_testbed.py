@@ -413,7 +413,7 @@ def test_testbed_peers_default_to_the_swarms_codecs():
 
     cfg = TestbedConfig()
     assert (cfg.fw_codec, cfg.bw_codec) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC)
-    assert CodecConfig.parse(DEFAULT_BACKWARD_CODEC).group_size == 1024  # parses, with its own group size
+    assert CodecConfig.parse(DEFAULT_BACKWARD_CODEC).group_size == 256  # parses, with its own group size
 
 
 def test_every_tc_command_shares_one_egress_flag():

@@ -4,6 +4,7 @@ validated whole, the planner publishing and re-choosing them, and a peer buildin
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -69,7 +70,16 @@ def test_the_ladders_are_the_default_codec_family():
         rungs = [CodecConfig.parse(label) for label in ladder]
         assert [c.wire_bits for c in rungs] == [32, 8, 4, 2]
         assert [SIZES(label) for label in ladder] == sorted((SIZES(label) for label in ladder), reverse=True)
-        assert len({c.label.split("+", 1)[-1] for c in rungs[1:]}) == 1, "one family: the same options each rung"
+    # one family: each wider rung is the floor at more bits, with 16-bit first sights forward (a fast link's
+    # choice: the floor's subspace-coded ones trade error for bytes) and groups of 1024 backward
+    floor = CodecConfig.parse(DEFAULT_FORWARD_CODEC)
+    assert floor.first_sight_rank == 32
+    for label, bits in zip(FORWARD_LADDER[1:3], (8, 4), strict=True):
+        assert CodecConfig.parse(label) == replace(floor, bits=bits, first_sight_rank=0, subspace_step_percent=0)
+    floor = CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
+    assert floor.group_size == 256
+    for label, bits in zip(BACKWARD_LADDER[1:3], (8, 4), strict=True):
+        assert CodecConfig.parse(label) == replace(floor, bits=bits, group_size=1024)
 
 
 def test_unchanged_measurements_do_not_rechoose_and_a_big_move_does():
