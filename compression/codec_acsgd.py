@@ -106,7 +106,7 @@ class ACSGDCodec(AQSGDCodec):
 
     def _first_sight(self, x, state, msg, layout, group):
         rank = self.config.first_sight_rank
-        if not rank:
+        if not rank or state.exact_first_sights:
             return super()._first_sight(x, state, msg, layout, group)
         width = x.shape[-1] if x.dim() >= 2 else x.numel()
         rows = x.numel() // width if width else 0

@@ -106,11 +106,11 @@ class AQSGDCodec(Codec):
     def _first_sight(
         self, x: torch.Tensor, state: LinkState, msg: wire_pb2.TensorMessage, layout: str, group: int
     ) -> torch.Tensor:
-        """Sends new samples in full (buffer dtype) or directly quantized (`+fsN`, `+fsd`); returns what both ends
-        buffer."""
+        """Sends new samples in full (buffer dtype; always where `state.exact_first_sights`) or directly quantized
+        (`+fsN`, `+fsd`); returns what both ends buffer."""
         cfg, buffer_dtype = self.config, state.buffers.dtype
         msg.raw_dtype = wire_dtype(buffer_dtype)
-        if cfg.first_sight_bits == 16 and not cfg.first_sight_delta_code:
+        if (cfg.first_sight_bits == 16 and not cfg.first_sight_delta_code) or state.exact_first_sights:
             first = x.to(buffer_dtype)
             msg.raw = tensor_to_bytes(first)
             return first

@@ -26,6 +26,11 @@ class LinkState:
         self.residual: torch.Tensor | None = None
         self.warm: torch.Tensor | None = None
         """lowrank: the encoder's Q of its last message, the next power iteration's warm start (sender-local)"""
+        self.exact_first_sights = False
+        """AQ-SGD senders: first sights travel raw in the buffers' dtype whatever the config's first-sight coding
+        (`+fsN`, `+fslR`): a frozen stage's activation cache (`swarm.runtime.freeze.cached_forward`) serves what
+        both ends buffer for good, so that must be the output itself, not a lossy first sight. Sender-local: a
+        receiver decodes by the message."""
         self._draws = 0
         self._saved: tuple[int, torch.Tensor | None] | None = None
         """the open step's starting draws and warm start (None: no step open), restored when it is abandoned"""

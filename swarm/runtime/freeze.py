@@ -152,17 +152,22 @@ def cached_forward(
     outgoing boundary, the sender's buffer `m[sample]` is the receiver's copy. A sample's first forward after
     the freeze is computed and sent in full (its buffer is forgotten, so it travels as a first sight and both
     copies become the frozen output, in the buffer dtype); after that the stage skips the compute and sends
-    `m` itself: a zero delta, which leaves the receiver's copy unchanged and costs almost no bytes. (Keeping
-    AQ-SGD's last delta instead of a full resend left the receiver's copy 22% off the frozen output in the unit
-    test after three epochs at 2 bits: cheaper, but an error the cache would then keep forever.)
+    `m` itself: a zero delta, which leaves the receiver's copy unchanged and costs almost no bytes. Those first
+    sights travel raw whatever the codec's first-sight coding (`LinkState.exact_first_sights`): the default's
+    subspace-coded ones are 0.2-0.5 off the output, which the cache would serve forever and every audit of the
+    stage would find off its recomputation (a false liar). (Keeping AQ-SGD's last delta instead of a full resend
+    left the receiver's copy 22% off the frozen output in the unit test after three epochs at 2 bits: cheaper, but
+    an error the cache would then keep forever.)
 
     `address` is the next stage's of the call's route (None on the last stage); `links` the stage's ends; hits
     are counted in `worker.cache_hits` and in `metrics` (`swarm_frozen_cache_hits_total`, read from Status)."""
     if not worker.forward_only or address is None:
         return worker.forward(mb, inputs, torch.tensor(ids), targets)
-    store = links.send_end("fw", address).buffers
+    end = links.send_end("fw", address)
+    store = end.buffers
     if store is None:  # no AQ-SGD buffers on this boundary: nothing to answer from
         return worker.forward(mb, inputs, torch.tensor(ids), targets)
+    end.state.exact_first_sights = True  # what the cache serves is what both ends buffer: the output itself
     sent = worker.frozen_sent.setdefault(address, set())
     fresh = [i for i in ids if i not in sent or i not in store]
     if not fresh:

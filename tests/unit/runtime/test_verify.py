@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -31,9 +32,9 @@ HEARTBEAT_S = 10.0
 """no peer dies here: slow heartbeats, so a loaded machine's late ping never takes a route out mid-test"""
 
 
-def batch(step: int, n: int = 8) -> Batch:
+def batch(step: int, n: int = 8, cfg: ModelConfig = CFG) -> Batch:
     gen = torch.Generator().manual_seed(step)
-    windows = torch.randint(0, CFG.vocab_size, (n, CFG.seq_len_tokens + 1), generator=gen)
+    windows = torch.randint(0, cfg.vocab_size, (n, cfg.seq_len_tokens + 1), generator=gen)
     return Batch(torch.arange(n), windows[:, :-1], windows[:, 1:])
 
 
@@ -228,12 +229,12 @@ def flipped(worker):
     worker.backward = backward
 
 
-def run(pipe: LocalPipeline, steps: int, verify: VerifyConfig, n_micro: int = 4):
+def run(pipe: LocalPipeline, steps: int, verify: VerifyConfig, n_micro: int = 4, cfg: ModelConfig = CFG):
     """Trains `steps` steps with `verify`; the driver and the step a liar was first evicted at (None: never)."""
     driver = pipe.driver(n_micro, heartbeat_s=HEARTBEAT_S, verify=verify)
     caught = None
     for step in range(steps):
-        result = driver.train_step(step, batch(step))
+        result = driver.train_step(step, batch(step, cfg=cfg))
         assert math.isfinite(result.loss)
         if driver.liars and caught is None:
             caught = step
@@ -257,11 +258,15 @@ def test_a_clean_run_detects_nothing(pipe):
 
 
 def test_a_clean_run_with_the_default_codecs_detects_nothing_when_every_micro_batch_is_audited():
-    """AQ-SGD and 2-bit gradients: the link checks stay within the codecs' error, the own checks are exact."""
+    """AQ-SGD and 2-bit gradients: the link checks stay within the codecs' error, the own checks are exact. The
+    model is wide and its micro-batches long enough (128 tokens of width 128) that the default's rank-32 first
+    sights drop directions, as they do at the default model's size."""
     forward, backward = CodecConfig.parse(DEFAULT_FORWARD_CODEC), CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
-    pipe = LocalPipeline(CFG, 2, forward, backward, replicas=2)
+    wide = replace(CFG, seq_len_tokens=64, hidden_dim=128, n_layers=2)
+    assert forward.first_sight_rank < min(wide.hidden_dim, 2 * wide.seq_len_tokens)
+    pipe = LocalPipeline(wide, 2, forward, backward, replicas=2)
     try:
-        driver, caught = run(pipe, STEPS, VerifyConfig(fraction=1.0, seed=11))
+        driver, caught = run(pipe, STEPS, VerifyConfig(fraction=1.0, seed=11), cfg=wide)
         stats = driver.verifier.stats
         assert caught is None and stats.disputes == 0 and stats.audits >= 2 * STEPS  # routes share by throughput
         assert stats.worst_own == 0.0 and 0 < stats.worst_link < VerifyConfig().link_rtol
