@@ -69,7 +69,7 @@ AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024", SUM_CODEC)
 (`swarm.runtime.average.SUM_CODEC`, also the averager's sum over compressed links without a plan; quantized in
 AdamW's units, so it trains within 1% of fp32 where plain 4-bit sums did not). bf16 rather than fp16: a gradient
 sum must not overflow, and bf16 has fp32's range."""
-TIED_LADDER = (*AVERAGE_LADDER[:3], DEFAULT_BACKWARD_CODEC.replace("gradq2", "gradq4", 1))
+TIED_LADDER = (*AVERAGE_LADDER[:3], "gradq4+ef+rot+nr+cs+g256")
 """Codecs of the tied embedding's sync, most precise first; the floor is 4 bits (`GradientAverager.tied_min_bits`:
 2 bits trained +2.66% where 4 gave +0.76%), the default backward codec at 4 bits: what a peer without a plan's
 epilogue codecs sums the tied gradient with."""

@@ -15,9 +15,11 @@ from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord, validate_plan
+from swarm.runtime.average import GradientAverager
 from swarm.scheduler.bits import (
     BACKWARD_LADDER,
     FORWARD_LADDER,
+    TIED_LADDER,
     BitsPolicy,
     LinkFigures,
     choose_link,
@@ -27,7 +29,7 @@ from swarm.scheduler.bits import (
 from swarm.scheduler.sizes import model_spec
 from tests.unit.daemon.test_planner_versions import planner as make_planner
 
-SIZES = codec_sizes(ModelConfig(), 2)  # fp32: ~121 kB, acsgd2+ch+nr: ~7.3 kB, gradq2+...: ~5.4 kB per micro-batch
+SIZES = codec_sizes(ModelConfig(), 2)  # bytes per micro-batch of each label (fp32: ~121 kB)
 COMPUTE_S = 0.05
 
 
@@ -80,6 +82,8 @@ def test_the_ladders_are_the_default_codec_family():
     assert floor.group_size == 256
     for label, bits in zip(BACKWARD_LADDER[1:3], (8, 4), strict=True):
         assert CodecConfig.parse(label) == replace(floor, bits=bits, group_size=1024)
+    # the tied sum's floor is what a peer without the plan's epilogue codecs sums it with: the backward at 4 bits
+    assert CodecConfig.parse(TIED_LADDER[-1]) == replace(floor, bits=GradientAverager.tied_min_bits)
 
 
 def test_unchanged_measurements_do_not_rechoose_and_a_big_move_does():
