@@ -115,7 +115,11 @@ def test_a_nat_peer_that_found_no_helper_at_first_moves_to_a_relay_once_one_appe
     assert board[natted.identity.peer_id].reach == "direct"
     helper = daemons(board, "direct")
     deadline = time.monotonic() + 20
-    while board[natted.identity.peer_id].reach != "relay" and time.monotonic() < deadline:
+    # the relay is announced first, then attached to (a caller must find the relay before the dead address):
+    # wait for both, the attachment object comes a moment after the announcement
+    while (board[natted.identity.peer_id].reach != "relay" or natted.nat.attachment is None) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     assert board[natted.identity.peer_id].relay == helper.identity.peer_id
     assert natted.nat.attachment is not None and natted.nat.attachment.attached.wait(10)
