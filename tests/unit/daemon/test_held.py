@@ -136,6 +136,7 @@ def test_get_state_serves_held_copies_to_plan_peers_only(tmp_path):
     )
     first = servicer.GetState(stage_pb2.StateRequest(), _LocalContext(metadata))
     next(first)
+    servicer.budget = dataclasses.replace(servicer.budget, state_wait_s=0.5)  # the second's wait, then refused
     with pytest.raises(LocalRpcError) as e:
         call_get_state(servicer, neighbour, callee, "2-3")
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -132,8 +132,9 @@ def test_a_message_that_does_not_reach_a_member_in_time_fails_the_reduce_naming_
     results: list = []
     late = threading.Thread(target=lambda: results.extend(pipe.reduce(0, members=[1], deadline_s=30)))
     late.start()  # replica 1 sends its own message and waits for replica 0's
-    with receiving._arrived:
-        assert receiving._arrived.wait_for(lambda: pipe.hosts[0].averager.groups[False].inbox, timeout=30)
+    arrived = pipe.hosts[0].averager._arrived  # replica 0's inbox is notified on replica 0's condition
+    with arrived:
+        assert arrived.wait_for(lambda: pipe.hosts[0].averager.groups[False].inbox, timeout=30)
     try:
         (result,) = pipe.reduce(0, members=[0], deadline_s=0.5)
         assert entered.is_set()
@@ -265,7 +266,10 @@ def test_the_tied_weight_is_left_to_grads_on_a_multi_stage_host():
     assert host.averager.numel == sum(p.numel() for p in host.worker.module.parameters()) - tied.numel()
 
 
-def test_a_waiting_reduce_holds_one_slot_and_leaves_status_and_step_free():
+def test_a_waiting_reduce_holds_one_slot_and_leaves_status_and_step_free(monkeypatch):
+    import swarm.runtime.service as service
+
+    monkeypatch.setattr(service, "REDUCE_SLOT_WAIT_S", 0.5)  # how long the second waits for the slot, then refused
     pipe = Replicas(2)
     pipe.split_step(0)
     first: list = []
