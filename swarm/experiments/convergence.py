@@ -86,12 +86,15 @@ DEFAULT_SETTINGS = (
     "acsgd2+ch+rot+fs3/gradq2+ef+rot+nr+cs+g256",
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs",
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
+    "acsgd2+ch+nr+fsl20+s30/gradq2+ef+rot+nr+cs@lr4+f8",
 )
 """Issue 29's first-sight candidates close the list: 3-bit first sights (channel scales or per-token rotation; on
 the 6144-sample single pass the first gave 12.95x at +2.42% on 48 held-out windows), then subspace-coded ones
 (`+fsl32+s20`; on 512 windows, docs/reports/single-pass.md: single pass 15.96x at +0.96% / +0.20% with groups of
-256, 8 epochs 15.68x at +0.17%; with the default's groups of 1024 17.26x at +1.35% and 16.85x at +0.69%). A setting
-that diverges ends only its own row."""
+256, 8 epochs 15.68x at +0.17%; with the default's groups of 1024 17.26x at +1.35% and 16.85x at +0.69%), and last
+the single pass's frontier: rank-20 first sights at a coarser step, groups of 1024 and the tied sum as rank-4 int8
+factors (the 6,144-sample pass: 24.49x / 24.48x at +1.44% / +1.48%, seeds 0 / 1, docs/reports/single-pass.md). A
+setting that diverges ends only its own row."""
 DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256"
 """The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
 with the paper's quantizer in channel groups, first sights subspace-coded (rank 32, a step of 20% of the rms);
