@@ -43,6 +43,10 @@ class ModelFlags:
     """tokens per sample"""
     model_seed: int = DEFAULT_MODEL.init_seed
     """seed of the weights' init"""
+    subspace_dim: int = DEFAULT_MODEL.subspace_dim
+    """keep the residual stream in a fixed random subspace of this many dimensions, so a stage boundary carries
+    that many numbers a token instead of --hidden (a compression-aware architecture, for training from scratch;
+    --model gpt or gpt-mid; 0: off)"""
 
     def build(self) -> AnyModelConfig:
         return model_config(self)
@@ -55,7 +59,7 @@ class ModelFlags:
             raise ValueError(f"a {type(model).__name__} has no flags of its own: pass its --model name instead")
         return cls(
             layers=model.n_layers, hidden=model.hidden_dim, heads=model.n_heads, seq_len=model.seq_len_tokens,
-            model_seed=model.init_seed,
+            model_seed=model.init_seed, subspace_dim=model.subspace_dim,
         )  # fmt: skip
 
 
@@ -71,7 +75,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def model_config(args: argparse.Namespace) -> AnyModelConfig:
     """The model the flags name (`swarm.model.spec.resolve_model`); a bad value exits with a one-line error."""
     shape = dict(seq_len_tokens=args.seq_len, hidden_dim=args.hidden, n_layers=args.layers, n_heads=args.heads)
-    return chosen_model(args, ModelConfig(**shape, init_seed=args.model_seed))
+    return chosen_model(args, builtin_config(shape, args.model_seed, getattr(args, "subspace_dim", 0)))
+
+
+def builtin_config(shape: dict, init_seed: int, subspace_dim: int) -> ModelConfig:
+    """The built-in GPT of these flags; a bad shape exits with a one-line error."""
+    try:
+        return ModelConfig(**shape, init_seed=init_seed, subspace_dim=subspace_dim)
+    except ValueError as e:
+        raise SystemExit(f"model flags: {e}") from None
 
 
 def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConfig:
@@ -85,7 +97,12 @@ def chosen_model(args: argparse.Namespace, builtin: ModelConfig) -> AnyModelConf
     if name == BUILTIN or name in BUILTIN_PRESETS:
         if weights is not None or tokenizer is not None:
             raise SystemExit("--weights and --tokenizer need a Hugging Face model (--model PRESET or a directory)")
-        return builtin if name == BUILTIN else builtin_preset(name, builtin)
+        try:
+            return builtin if name == BUILTIN else builtin_preset(name, builtin)
+        except ValueError as e:  # a subspace wider than the preset's width
+            raise SystemExit(f"--model {name}: {e}") from None
+    if builtin.subspace_dim:
+        raise SystemExit(f"--subspace-dim is for the built-in GPT (--model gpt or gpt-mid), not --model {name}")
     try:
         cfg = resolve_model(name, seq_len_tokens=builtin.seq_len_tokens, init_seed=builtin.init_seed, weights=weights)
     except (ValueError, KeyError, OSError) as e:

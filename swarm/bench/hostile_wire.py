@@ -57,7 +57,7 @@ def activation(h: Harness, n: int, ids: list[int] | None = None, delta: bool = F
 
     state, codec = LinkState(h.forward_codec), make_codec(h.forward_codec)
     ids = ids if ids is not None else fresh_ids(n)
-    x = torch.randn(n, h.model.seq_len_tokens, h.model.hidden_dim)
+    x = torch.randn(n, h.model.seq_len_tokens, h.model.boundary_dim)
     if delta:
         codec.encode(x, sample_ids=ids, state=state)
         x = x + 0.1 * torch.randn_like(x)

@@ -125,7 +125,7 @@ def bench_model(
     rows = []
     for s, (a, b) in enumerate(ranges):
         stage = build_stage(model, a, b, s == 0, s == stages - 1).to(device)
-        x = tokens if s == 0 else torch.randn(micro_batch, model.seq_len_tokens, model.hidden_dim, device=device)
+        x = tokens if s == 0 else torch.randn(micro_batch, model.seq_len_tokens, model.boundary_dim, device=device)
         seconds = _time_stage(stage, x, targets, iters)
         params = sum(p.numel() for p in stage.parameters())
         rows.append({"stage": s, "layers": [a, b], "parameters": params, "fwd_bwd_s": seconds,

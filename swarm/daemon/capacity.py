@@ -26,7 +26,7 @@ def measure_compute(model, device: str, iters: int = 10, micro_batch_size: int =
     from swarm.runtime.precision import autocast
 
     block = build_stage(model, 0, 1, False, False).to(device)  # one block of whichever family (a middle stage)
-    x = torch.randn(micro_batch_size, model.seq_len_tokens, model.hidden_dim, device=device, requires_grad=True)
+    x = torch.randn(micro_batch_size, model.seq_len_tokens, model.boundary_dim, device=device, requires_grad=True)
 
     def one_pass() -> None:
         with autocast(precision, device):

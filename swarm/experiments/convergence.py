@@ -39,7 +39,7 @@ from swarm.flags import Flags, flag
 from swarm.model.data import DataConfig, SampleSet, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import parameter_count
-from swarm.options import MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags, chosen_model
+from swarm.options import MODEL_GROUP, SCHEDULE_CHOICES, ModelFlags, builtin_config, chosen_model
 from swarm.peers.plan import PlanDocument
 from swarm.plots import Panel, moving_average, save_line_plots
 from swarm.runtime.inprocess import LocalPipeline
@@ -280,7 +280,8 @@ class ModelData:
     model: ModelFlags = field(
         default_factory=ModelFlags,
         metadata=flag(
-            only=("model", "weights", "tokenizer", "seq_len", "hidden", "layers", "heads"), group=MODEL_GROUP
+            only=("model", "weights", "tokenizer", "seq_len", "hidden", "layers", "heads", "subspace_dim"),
+            group=MODEL_GROUP,
         ),
     )
     """The model (the built-in's init seed is --seed)."""
@@ -308,10 +309,9 @@ class ModelData:
         """`ExperimentConfig`'s model, data, optimizer and data seed (a bad --model/--weights/--tokenizer exits
         with a one-line error)."""
         m = self.model
-        shape = ModelConfig(
-            seq_len_tokens=m.seq_len, hidden_dim=m.hidden, n_layers=m.layers, n_heads=m.heads, init_seed=self.seed
-        )
-        model = chosen_model(m, shape)  # the built-in shaped by the flags, or a Hugging Face one
+        # the built-in shaped by the flags, or a Hugging Face one
+        shape = dict(seq_len_tokens=m.seq_len, hidden_dim=m.hidden, n_layers=m.layers, n_heads=m.heads)
+        model = chosen_model(m, builtin_config(shape, self.seed, m.subspace_dim))
         data = DataConfig(
             path=self.data, seq_len_tokens=m.seq_len, train_samples=self.train_samples,
             eval_samples=self.eval_samples, tokenizer=getattr(model, "tokenizer_path", None),

@@ -200,7 +200,7 @@ def _stage_pass_s(model, bounds, s: int, n_stages: int, shape, targets, iters: i
 
     first, last = s == 0, s == n_stages - 1
     stage = build_stage(model, int(bounds[s]), int(bounds[s + 1]), first, last)
-    x = torch.randint(0, model.vocab_size, shape) if first else torch.randn(*shape, model.hidden_dim)
+    x = torch.randint(0, model.vocab_size, shape) if first else torch.randn(*shape, model.boundary_dim)
     if not first:
         x.requires_grad_(True)
 

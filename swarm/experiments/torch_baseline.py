@@ -123,7 +123,7 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
     mb = run.batch_size // run.micro_batches
     # shapes of one micro-batch's input and output; activations (and their gradients) must be marked as needing
     # grad, or torch's stage neither sends nor receives a gradient for them
-    act = torch.zeros(mb, cfg.seq_len_tokens, cfg.hidden_dim)
+    act = torch.zeros(mb, cfg.seq_len_tokens, cfg.boundary_dim)
     tokens = torch.zeros(mb, cfg.seq_len_tokens, dtype=torch.int64)
     example_in = tokens if rank == 0 else act.clone().requires_grad_(True)
     example_out = (torch.zeros(mb, cfg.seq_len_tokens, cfg.vocab_size) if rank == last else act).requires_grad_(True)

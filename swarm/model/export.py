@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from swarm.model.gpt import TIED_EMBEDDING, TIED_HEAD, ModelConfig
+from swarm.model.gpt import TIED_EMBEDDING, TIED_HEAD, ModelConfig, config_fields
 from swarm.model.gpt import Stage as GPTStage
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ EXPORT_FILE = "swarm_export.json"
 def model_to_json(cfg: AnyModelConfig) -> str:
     """The model config as JSON text (a stage checkpoint's `model` metadata; `model_from_json` reads it back)."""
     if isinstance(cfg, ModelConfig):
-        return json.dumps({"family": "gpt", **asdict(cfg)}, sort_keys=True)
+        return json.dumps({"family": "gpt", **config_fields(cfg)}, sort_keys=True)
     return json.dumps({"hf": asdict(cfg)}, sort_keys=True)
 
 
@@ -115,6 +115,11 @@ def hf_config_of(cfg: AnyModelConfig, tied: bool = True) -> PretrainedConfig:
     from transformers import AutoConfig, GPT2Config
 
     if isinstance(cfg, ModelConfig):
+        if cfg.subspace_dim:
+            raise ValueError(
+                f"a model whose stream is kept in a subspace (subspace_dim {cfg.subspace_dim}) is not a GPT-2: "
+                "transformers has no architecture for it, so it cannot be exported (its stage checkpoints keep it)"
+            )
         return GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.seq_len_tokens, n_embd=cfg.hidden_dim, n_layer=cfg.n_layers,
             n_head=cfg.n_heads, n_inner=cfg.mlp_ratio * cfg.hidden_dim, activation_function="gelu",

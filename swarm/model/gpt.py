@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ModelConfig", "GPT", "Stage", "build_stage", "split_layers", "TIED_EMBEDDING", "TIED_HEAD"]
+__all__ = [
+    "ModelConfig", "GPT", "Stage", "Subspace", "build_stage", "config_fields", "split_layers", "subspace_basis",
+    "TIED_EMBEDDING", "TIED_HEAD",
+]  # fmt: skip
 
 TIED_EMBEDDING = "tok_emb.weight"
 """Name of the token embedding, owned by the first stage (and by the unsplit model)."""
@@ -47,6 +50,13 @@ class ModelConfig:
     """LayerNorm epsilon."""
     init_seed: int = 0
     """Seed of the deterministic per-parameter init."""
+    subspace_dim: int = 0
+    """A compression-aware architecture for training from scratch (issue 29; Protocol Models' shared subspace,
+    fixed rather than learned): the residual stream is kept in a `subspace_dim`-dimensional subspace of the
+    hidden width, projected onto it after the embeddings and after every block, so a stage boundary carries
+    `subspace_dim` coefficients a token (`boundary_dim`) and the next stage rebuilds the stream from them exactly.
+    The subspace is a random orthonormal basis drawn from `init_seed` (`subspace_basis`), the same in every
+    process and never trained, so no stage has to agree on it with another at run time. 0: off (the plain GPT)."""
 
     @property
     def family(self) -> str:
@@ -58,12 +68,39 @@ class ModelConfig:
         """The LM head is the token embedding (its two copies are summed by the end stages' tied group)."""
         return True
 
+    @property
+    def boundary_dim(self) -> int:
+        """Width of one token's activation at a stage boundary: `subspace_dim` where the stream is kept in a
+        subspace, else `hidden_dim`."""
+        return self.subspace_dim or self.hidden_dim
+
     def __post_init__(self) -> None:
         if self.hidden_dim % self.n_heads:
             raise ValueError(f"hidden_dim {self.hidden_dim} is not divisible by n_heads {self.n_heads}")
         for name in ("vocab_size", "seq_len_tokens", "hidden_dim", "n_layers", "n_heads", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.subspace_dim <= self.hidden_dim:
+            raise ValueError(f"subspace_dim must be in 0..hidden_dim ({self.hidden_dim}), got {self.subspace_dim}")
+
+
+def config_fields(cfg: ModelConfig) -> dict:
+    """The config as a dict for identities and records: `subspace_dim` only where it is on, so a plain GPT's
+    identity and records are what they were before the field existed (older checkpoints still match)."""
+    d = asdict(cfg)
+    if not d["subspace_dim"]:
+        del d["subspace_dim"]
+    return d
+
+
+def subspace_basis(cfg: ModelConfig) -> torch.Tensor | None:
+    """The orthonormal basis [hidden_dim, subspace_dim] of the stream's subspace (`ModelConfig.subspace_dim`),
+    drawn from `init_seed` alone: every stage of every process holds the same one. None without a subspace."""
+    if not cfg.subspace_dim:
+        return None
+    gen = torch.Generator().manual_seed(seed_for(cfg.init_seed, "subspace_basis"))
+    q, r = torch.linalg.qr(torch.randn(cfg.hidden_dim, cfg.subspace_dim, generator=gen, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()  # signs fixed: one basis whatever the QR's convention
 
 
 class Attention(nn.Module):
@@ -157,22 +194,47 @@ class GPT(nn.Module):
         self.blocks = _blocks(cfg, 0, cfg.n_layers)
         self.norm = nn.LayerNorm(cfg.hidden_dim, eps=cfg.norm_eps)
         _init_parameters(self, cfg)
+        self.subspace = Subspace(cfg)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab], or the mean next-token cross-entropy when `targets` is given."""
         pos = torch.arange(tokens.size(1), device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(pos)
+        x = self.subspace.project(self.tok_emb(tokens) + self.pos_emb(pos))
         for block in self.blocks.values():
-            x = block(x)
+            x = self.subspace.project(block(x))
         logits = self.norm(x) @ self.tok_emb.weight.t()
         return logits if targets is None else lm_loss(logits, targets)
+
+
+class Subspace(nn.Module):
+    """The stream's fixed subspace (`ModelConfig.subspace_dim`): projects the stream onto it, and turns it into
+    the boundary's coefficients and back. Without a subspace every method returns its input. The basis is a
+    non-persistent buffer: rebuilt from the config, never in a checkpoint or a state dict, never trained."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        basis = subspace_basis(cfg)
+        self.on = basis is not None
+        self.register_buffer("basis", basis if basis is not None else torch.empty(0), persistent=False)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.basis.to(x.dtype)) @ self.basis.to(x.dtype).t() if self.on else x
+
+    def coefficients(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, hidden] in the subspace -> [B, T, subspace_dim]: what crosses a stage boundary."""
+        return x @ self.basis.to(x.dtype) if self.on else x
+
+    def expand(self, c: torch.Tensor) -> torch.Tensor:
+        """The boundary's coefficients -> the stream (exact for a stream in the subspace)."""
+        return c @ self.basis.to(c.dtype).t() if self.on else c
 
 
 class Stage(nn.Module):
     """Layers [layer_start, layer_end) of the model, plus the embeddings (first) or norm, head, loss (last).
 
-    Input is token ids [B, T] on the first stage and the residual stream [B, T, D] elsewhere; output is
-    the residual stream, or on the last stage the loss (with targets) or logits (without).
+    Input is token ids [B, T] on the first stage and the residual stream [B, T, D] elsewhere (its
+    `boundary_dim` coefficients where the model keeps the stream in a subspace); output is the same, or on the
+    last stage the loss (with targets) or logits (without).
     """
 
     def __init__(self, cfg: ModelConfig, layer_start: int, layer_end: int, is_first: bool, is_last: bool) -> None:
@@ -191,6 +253,7 @@ class Stage(nn.Module):
                 # the two gradients every step (see `tied_parameter`).
                 self.head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_dim))
         _init_parameters(self, cfg, rename={TIED_HEAD: TIED_EMBEDDING})
+        self.subspace = Subspace(cfg)
 
     def tied_parameter(self) -> nn.Parameter | None:
         """This stage's copy of the tied token embedding / LM head, if it holds one."""
@@ -201,11 +264,13 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:
             pos = torch.arange(x.size(1), device=x.device)
-            x = self.tok_emb(x) + self.pos_emb(pos)
+            x = self.subspace.project(self.tok_emb(x) + self.pos_emb(pos))
+        else:
+            x = self.subspace.expand(x)  # the previous stage's coefficients (or the stream itself) -> the stream
         for block in self.blocks.values():
-            x = block(x)
+            x = self.subspace.project(block(x))
         if not self.is_last:
-            return x
+            return self.subspace.coefficients(x)
         head = self.tok_emb.weight if self.is_first else self.head_weight
         logits = self.norm(x) @ head.t()
         return logits if targets is None else lm_loss(logits, targets)

@@ -135,6 +135,11 @@ class HFModelConfig:
         return self._get("hidden")
 
     @property
+    def boundary_dim(self) -> int:
+        """Width of one token's activation at a stage boundary: the hidden size."""
+        return self.hidden_dim
+
+    @property
     def n_layers(self) -> int:
         return self._get("layers")
 

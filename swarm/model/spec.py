@@ -2,9 +2,10 @@
 
 Two kinds of model config exist: `swarm.model.gpt.ModelConfig` (the built-in byte-level GPT) and
 `swarm.model.hf.HFModelConfig` (a Hugging Face `transformers` family: GPT-2, Llama). Both expose the same
-read-only shape attributes (`vocab_size`, `seq_len_tokens`, `hidden_dim`, `n_layers`, `n_heads`,
-`init_seed`, `tied_embeddings`, `family`), and `build_stage` builds either's stage with the same interface
-(`StageModule`), so the runtime, the budget and the scheduler never ask which family they run.
+read-only shape attributes (`vocab_size`, `seq_len_tokens`, `hidden_dim`, `boundary_dim` (a token's activation
+at a stage boundary), `n_layers`, `n_heads`, `init_seed`, `tied_embeddings`, `family`), and `build_stage` builds
+either's stage with the same interface (`StageModule`), so the runtime, the budget and the scheduler never ask
+which family they run.
 
 Every peer and the trainer must build the same model: `model_identity` is a digest of everything that fixes
 the weights' shapes and init (not of local paths), which peers compare.
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
 
 import torch
 from torch import nn
 
-from swarm.model.gpt import ModelConfig
+from swarm.model.gpt import ModelConfig, config_fields
 from swarm.model.gpt import build_stage as build_gpt_stage
 
 if TYPE_CHECKING:
@@ -64,8 +65,9 @@ class StageModule(Protocol):
     """One pipeline stage: layers [layer_start, layer_end), plus embeddings (first) or norm and head (last).
 
     `forward(x)` takes token ids [B, T] on the first stage and the residual stream [B, T, D] elsewhere, and
-    returns the residual stream [B, T, D]; on the last stage `forward(x, targets)` returns the mean
-    next-token cross-entropy (a scalar, fp32) and `forward(x)` the logits [B, T, vocab].
+    returns the residual stream [B, T, D] (D: the config's `boundary_dim`); on the last stage
+    `forward(x, targets)` returns the mean next-token cross-entropy (a scalar, fp32) and `forward(x)` the
+    logits [B, T, vocab].
     `tied_parameter()` is this stage's copy of a tied embedding/head (first or last stage of a model with
     `tied_embeddings`), else None: a model without tied embeddings has no tied group in Reduce.
     Parameter names equal the unsplit model's (so state dicts compare name by name)."""
@@ -128,7 +130,7 @@ def resolve_model(
 def model_identity(cfg: AnyModelConfig) -> str:
     """Hex SHA-256 of what fixes the model's shapes and init: equal on every peer that builds the same model."""
     if isinstance(cfg, ModelConfig):
-        blob = json.dumps({"family": BUILTIN, **asdict(cfg)}, sort_keys=True)
+        blob = json.dumps({"family": BUILTIN, **config_fields(cfg)}, sort_keys=True)
     else:
         blob = cfg.identity_blob()
     return hashlib.sha256(blob.encode()).hexdigest()

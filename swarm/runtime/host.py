@@ -258,8 +258,8 @@ class StageHost:
                 raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"stage {role.stage} takes no token batch")
             shape = list(need_message(call).shape)
             what = "an activation" if kind == Kind.FORWARD else "a gradient"
-            if not (len(shape) == 3 and shape[1] <= model.seq_len_tokens and shape[2] == model.hidden_dim):
-                raise WireError("shape", f"{shape} is not {what} [batch, seq, {model.hidden_dim}]")
+            if not (len(shape) == 3 and shape[1] <= model.seq_len_tokens and shape[2] == model.boundary_dim):
+                raise WireError("shape", f"{shape} is not {what} [batch, seq, {model.boundary_dim}]")
             if not 1 <= shape[0] <= budget.max_batch:
                 raise WireError("shape", f"{shape[0]} rows: a micro-batch holds 1..{budget.max_batch} samples")
         if kind == Kind.FORWARD and role.is_last:
@@ -504,8 +504,8 @@ class StageHost:
         role, model, budget = self.role, self.model, self.budget
         if not role.is_first:
             shape = list(inputs.shape)
-            if not (len(shape) == 3 and shape[1] <= model.seq_len_tokens and shape[2] == model.hidden_dim):
-                raise WireError("input.shape", f"{shape} is not an activation [batch, seq, {model.hidden_dim}]")
+            if not (len(shape) == 3 and shape[1] <= model.seq_len_tokens and shape[2] == model.boundary_dim):
+                raise WireError("input.shape", f"{shape} is not an activation [batch, seq, {model.boundary_dim}]")
         rows = inputs.shape[0]
         if not 1 <= rows <= budget.max_batch:
             raise WireError("input.shape", f"{rows} rows: a micro-batch holds 1..{budget.max_batch} samples")

@@ -222,7 +222,7 @@ def stage_sensitivity(
         if first:
             inputs = [torch.randint(0, model.vocab_size, shape, generator=gen) for _ in range(batches)]
         else:
-            hidden = (*shape, model.hidden_dim)
+            hidden = (*shape, model.boundary_dim)
             inputs = [nn.functional.layer_norm(torch.randn(hidden, generator=gen), hidden[-1:]) for _ in range(batches)]
         _STAGE_CACHE[key] = measure_sensitivity(module, inputs, ("bf16",), seed=seed)
     return dict(_STAGE_CACHE[key])

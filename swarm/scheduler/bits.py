@@ -251,5 +251,5 @@ def codec_sizes(model, micro_batch_size: int) -> Callable[[str], float]:
     from swarm.compression import CodecConfig
     from swarm.scheduler.sizes import message_bytes
 
-    shape = (micro_batch_size, model.seq_len_tokens, model.hidden_dim)
+    shape = (micro_batch_size, model.seq_len_tokens, model.boundary_dim)
     return cache(lambda label: float(message_bytes(CodecConfig.parse(label), shape)))

@@ -73,7 +73,7 @@ def model_spec(
             optimizer_bytes_per_param=16.0,
         )
     )
-    shape = (micro_batch_size, model.seq_len_tokens, model.hidden_dim)
+    shape = (micro_batch_size, model.seq_len_tokens, model.boundary_dim)
     return dataclasses.replace(
         spec,
         forward_bytes=float(message_bytes(forward, shape)),

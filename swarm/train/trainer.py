@@ -365,7 +365,7 @@ def train(
     owned = cfg.dht is not None and cfg.dht.run is not None  # the manifest gave the stages and this trainer one length
     schedule = ScheduleWatch(total) if not owned else None
     rows = held_out_rows(cfg.batch_size, cfg.micro_batches)
-    held = HeldOut(held_out_set, cfg.eval_every, rows, model.hidden_dim, metrics)
+    held = HeldOut(held_out_set, cfg.eval_every, rows, model.boundary_dim, metrics)
 
     run_identity = {"seed": cfg.seed, "batch_size": cfg.batch_size, "train_samples": cfg.train_samples}
     journal = Journal(out, run_identity, steps_per_epoch, durable_every=cfg.checkpoint_every)
