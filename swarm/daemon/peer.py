@@ -588,13 +588,18 @@ class PeerDaemon:
             loaded.update(state)
         count, missing, steps_done = take_over(new_host.worker, loaded)
         new_host.restore(steps_done)
-        log.info(
+        lost = missing and new_host.steps_done > 0  # trained weights nobody could hand over: the run loses them
+        log.log(
+            logging.ERROR if lost else logging.INFO,
             "took over %d weights with their optimizer state from plan %d (step %d, lr step %d)%s",
             count,
             old.version,
             new_host.steps_done,
             new_host.worker.step_count,
-            f"; {len(missing)} start from the initial weights" if missing else "",
+            f"; {len(missing)} start from the initial weights"
+            + (" (their trained state is lost: no holder answered and no checkpoint has them)" if lost else "")
+            if missing
+            else "",
         )
 
     def _settled_replicas(self, replicas: list[str], version: int, wait_s: float = 30.0) -> list[str]:
@@ -607,11 +612,11 @@ class PeerDaemon:
         most `wait_s`) until one of the others announces `version`; past that, take what there is.
         """
         from swarm.daemon.liveness import status_prober
-        from swarm.daemon.replication import most_advanced
+        from swarm.daemon.replication import most_advanced, patient_ping
 
         me = self.dht.peer_id
         addresses = {p.peer_id: p.address for p in self.dht.peers()}
-        ping = status_prober(self.channels, lambda: addresses)
+        ping = patient_ping(lambda t: status_prober(self.channels, lambda: addresses, timeout_s=t))
         live = [h for h in replicas if h == me or ping(h)]
         # never from a replica with fewer steps than another: it is stale (it sat out steps, or copied stale state)
         live = most_advanced(live, {h: self._steps_done(addresses[h]) for h in live if h != me and h in addresses}, me)
