@@ -79,9 +79,15 @@ class Liveness:
         ping: Callable[[str], bool],
         cfg: LivenessConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        heard: Callable[[str], float | None] | None = None,
     ):
-        """`ping(peer_id)` -> True if the peer answered (any reply), False if silent; must not raise."""
-        self.ping, self.cfg, self.clock = ping, cfg or LivenessConfig(), clock
+        """`ping(peer_id)` -> True if the peer answered (any reply), False if silent; must not raise.
+        `heard(peer_id)` -> when (on `clock`) an authenticated call of that peer last reached this one, None if
+        never: a peer whose call arrived since the previous round is not silent, whatever its ping did (over a
+        saturated slow link the ping's answer waits behind the tensor bytes that peer is sending us; seen at
+        1 Mbit/s: the planner dropped the live stage 0 feeding it activations and planned a 1-stage pipeline).
+        It does not make a peer `answered`: only a ping proves this peer can dial it."""
+        self.ping, self.cfg, self.clock, self.heard = ping, cfg or LivenessConfig(), clock, heard
         self._last_answer: dict[str, float] = {}
         """peer -> the silence clock (`_watched`) at its last answer, or when watching it began"""
         self._misses: dict[str, int] = {}
@@ -106,6 +112,7 @@ class Liveness:
         if now < self._next:
             return False
         self._next = now + self.cfg.every_s
+        previous = self._round_at
         self._advance(now)
         peers = sorted(set(peers))
         self._last_answer = {p: self._last_answer.get(p, self._watched) for p in peers}
@@ -118,6 +125,10 @@ class Liveness:
                     log.info("peer %s answers again: eligible again", pid)
                 self._last_answer[pid], self._misses[pid] = self._watched, 0
                 self._answered.add(pid)
+            elif self._heard_since(pid, previous):  # it called us since the last round: alive, its ping queued
+                if pid in was_gone:
+                    log.info("peer %s called this one: eligible again", pid)
+                self._last_answer[pid], self._misses[pid] = self._watched, 0
             else:
                 self._misses[pid] += 1
         self._advance(self.clock())  # the pings' own time counts, up to the cap (a stalled round is no proof)
@@ -138,6 +149,16 @@ class Liveness:
         """The silence clock at `now`: as of the last round, plus up to `max_gap_s` since."""
         since = 0.0 if self._round_at is None else min(max(0.0, now - self._round_at), self.cfg.max_gap_s)
         return self._watched + since
+
+    def _heard_since(self, pid: str, since: float | None) -> bool:
+        if self.heard is None or since is None:
+            return False
+        try:
+            at = self.heard(pid)
+        except Exception as e:  # noqa: BLE001 - a broken source must not take the planner down: no proof
+            log.debug("heard(%s) failed: %s", pid, e)
+            return False
+        return at is not None and at >= since
 
     def _safe_ping(self, pid: str) -> bool:
         try:

@@ -326,6 +326,7 @@ class PeerDaemon:
         liveness = Liveness(
             status_prober(self.channels, lambda: self._addresses, trips=adaptive_trips(plans.heartbeat_s)),
             LivenessConfig(every_s=plans.heartbeat_s, gone_after_s=plans.gone_after_s),
+            heard=self.servicer.heard_from,  # a plan peer calling this one (its activations, say) is alive
         )
         planner = Planner(
             plans,

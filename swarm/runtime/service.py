@@ -58,6 +58,9 @@ EXPECTED_FAILURES = (grpc.RpcError, CallRefused, BufferMissError, WireError, Gat
                      ValueError)  # fmt: skip
 """What ends a call with a status and no traceback (`StageServicer._status`); ValueError: e.g. NaN to encode."""
 
+HEARD_MAX = 1024
+"""Callers whose last call time `StageServicer.heard` keeps: a stranger minting keys fills it at most this far,
+after which new callers go unrecorded (the planner then judges them by pings alone, as before)."""
 REDUCE_SLOT_WAIT_S = 10.0
 """Longest a Reduce waits for the one Reduce slot (held by a failed attempt's Reduce that is ending) before it
 is refused with RESOURCE_EXHAUSTED."""
@@ -91,6 +94,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """(roster, stage, the plan peers it names as this stage's data senders), cached per roster and stage"""
         self._calling = threading.local()
         """The caller of the call this thread serves (for the one line a cancelled or stalled call logs)."""
+        self.heard: dict[str, float] = {}
+        """peer id -> when (`time.monotonic`) an authenticated call of it last arrived: proof of life that the
+        planner's heartbeats take where a ping's answer waits behind a saturated link (`heard_from`)."""
         self._large_slots = CallerSlots(
             self.budget.large_streams, "large stream", self.budget.caller_large_streams, reserved=1
         )
@@ -150,8 +156,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         except AuthError as e:
             raise CallRefused(grpc.StatusCode.UNAUTHENTICATED, f"not authenticated: {e}") from None
         self._calling.caller = caller
+        if caller in self.heard or len(self.heard) < HEARD_MAX:  # bounded: any key can authenticate
+            self.heard[caller] = time.monotonic()
         self._fetch_roster()
         return caller
+
+    def heard_from(self, peer_id: str) -> float | None:
+        """When `peer_id`'s last authenticated call arrived (`time.monotonic`), None if never."""
+        return self.heard.get(peer_id)
 
     def _fetch_roster(self) -> None:
         """Without a roster yet, asks `roster_source` for one (at most once a second; concurrent calls wait for

@@ -84,7 +84,7 @@ def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | N
 
     monkeypatch.setattr(state_fetch, "fetch_state", fetch_state)
     monkeypatch.setattr(checkpoint, "take_over", take_over)
-    monkeypatch.setattr(liveness, "status_prober", lambda channels, addresses: lambda pid: True)
+    monkeypatch.setattr(liveness, "status_prober", lambda channels, addresses, **kw: lambda pid: True)
     return daemon, events
 
 
