@@ -39,7 +39,9 @@ from swarm.report import print_table
 if TYPE_CHECKING:
     from swarm.train.trainer import TrainConfig
 
-RATES = [1.0, 10.0, 100.0, 1000.0, None]
+RATES = [0.5, 1.0, 10.0, 100.0, 1000.0, None]
+"""The default matrix's links, Mbit/s (None: unshaped). 0.5 puts a cell past rho 20, where issue 29 judges the
+default's speed-up (on a quiet 2-core machine 1 Mbit/s gives rho 19.7-19.9, 0.5 Mbit/s 49.8)."""
 DEFAULT_CODECS = f"{DEFAULT_FORWARD_CODEC}/{DEFAULT_BACKWARD_CODEC}"
 """The swarm's default codecs (`swarm-peer --fw-codec/--bw-codec`), the convergence experiment's default setting
 spelled with the experiment's rounding and group size."""
