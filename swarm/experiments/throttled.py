@@ -427,6 +427,7 @@ def summarize(
     # the calibration's window: the trainer's own mean over those steps beside the stage clock the planner read
     cal = (summary or {}).get("calibration_window") or {}
     in_window = [float(s["step_s"]) for s in steps if cal and cal["first"] <= int(s["step"]) <= cal["last"]]
+    stages = [(int(s["step"]), int(s["stages"])) for s in steps if str(s.get("stages") or "").isdigit()]
     return {
         "rate_mbit": cell.rate_mbit,
         "setting": cell.setting,
@@ -460,6 +461,11 @@ def summarize(
         "window_step_s": statistics.mean(in_window) if in_window else None,
         "final_loss": statistics.mean(losses[-steps_per_epoch:]),
         "steps": len(steps),
+        # the pipeline's stages at the first step and the fewest any later step ran on: a planner that re-planned
+        # onto fewer peers (a slow link starving the control traffic, say) leaves a cell measuring another pipeline
+        "stages": stages[0][1] if stages else None,
+        "fewest_stages": min(n for _, n in stages) if stages else None,
+        "fewer_stages_from_step": next((i for i, n in stages if n < stages[0][1]), None) if stages else None,
         **(summary or {}).get("epilogue", {}),  # a FW/BW@epi cell's choice and predicted split
     }
 
@@ -520,6 +526,19 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
                 f"predicted step time within {tolerance:g}% of measured in every cell (worst "
                 f"{worst['predicted_error_pct']:+.1f}% at {_link(worst['rate_mbit'])} {worst['setting']}{note})",
                 met,
+            )
+        )
+    shrunk = [r for r in swarm_rows if r.get("fewer_stages_from_step") is not None]
+    if shrunk:  # not a target of the issue: whether the cells measured what they say
+        out.append(
+            (
+                "every cell kept its pipeline's stages: "
+                + "; ".join(
+                    f"{_link(r['rate_mbit'])} {r['setting']} ran on {r['fewest_stages']} of {r['stages']} stages from "
+                    f"step {r['fewer_stages_from_step']} (re-planned: its step time is not that pipeline's)"
+                    for r in shrunk
+                ),
+                False,
             )
         )
     slow = [r for r in swarm_rows if r["setting"] == TARGET_SETTING and (r.get("rho") or 0) >= SHARE_RHO]

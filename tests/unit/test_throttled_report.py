@@ -278,3 +278,20 @@ def test_a_testbeds_newest_plan_is_saved_from_its_status(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "plan.json").read_text()) == document
     th._save_testbed_plan(testbed, tmp_path)  # the command cannot run: the file stays as it was
     assert json.loads((tmp_path / "plan.json").read_text()) == document
+
+
+def test_a_cell_the_planner_moved_onto_fewer_stages_is_named_not_judged_clean(monkeypatch):
+    # seen at 1 Mbit/s in namespaces: from step 21 the planner ran the cell's model on one peer
+    monkeypatch.setattr(th, "TARGET_SETTING", "aqsgd2/gradq4")
+    rows = _rows(predicted=0.84)
+    steps = _steps(12, 0.8, 25_000, 50_000, 80_000, 802_000)
+    for s in steps:
+        s["stages"] = "2" if int(s["step"]) < 9 else "1"
+    shrunk = th.summarize(Cell(1.0, "aqsgd2/gradq4"), steps, 4, 8, {"predicted_step_s": 0.84})
+    assert (shrunk["stages"], shrunk["fewest_stages"], shrunk["fewer_stages_from_step"]) == (2, 1, 9)
+    assert rows[2]["fewer_stages_from_step"] is None and rows[2]["stages"] is None, "no stages column: nothing said"
+    rows[2] = shrunk
+    th.add_comparisons(rows)
+    judged = dict(th.check_targets(rows))
+    (statement,) = [s for s in judged if s.startswith("every cell kept")]
+    assert judged[statement] is False and "ran on 1 of 2 stages from step 9" in statement
