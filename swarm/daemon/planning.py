@@ -244,6 +244,8 @@ class Planner:
         """Whether the last look at the DHT elected this peer: what `keep_lease` renews on."""
         self._led_since: float | None = None
         self._lapsed_silent: dict[tuple[str, float], bool] = {}
+        self._dropped: dict[str, str] = {}
+        """the current plan's peers left out of the last round, and why (logged when it changes)"""
         self._seen: tuple[frozenset[str], tuple[str, ...]] = (frozenset(), ())
         self._since = 0.0
         self._exhausted = False
@@ -352,11 +354,17 @@ class Planner:
         if self.liveness is not None and current is not None:
             self.liveness.round(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
         announced = self.dht.trainers()
-        gone = self.gone(peers) | self.bans.update(announced, current)  # a peer the trainers banned counts as gone
-        gone |= self.joins.update(current, peers)  # named by a plan, never followed it: held back
+        why: dict[str, str] = {p.peer_id: "leaving" for p in peers if p.leaving}
+        silent = self.gone(peers)
+        why |= {pid: "silent to the heartbeats" for pid in silent if pid not in why}
+        banned = self.bans.update(announced, current)  # a peer the trainers banned counts as gone
+        held = self.joins.update(current, peers)  # named by a plan, never followed it: held back
+        why |= {pid: "banned by a trainer" for pid in banned} | {pid: "never followed its plan" for pid in held}
+        gone = silent | banned | held
         alive = frozenset(p.peer_id for p in peers) - gone
         if current is not None and self.liveness is not None:  # a joiner counts once the heartbeats reached it
             alive -= unproven(alive, current.document.named_peers(), self.liveness.answered, self.dht.peer_id)
+        self._note_dropped(current, peers, alive, why)
         trainers = sorted(t.peer_id for t in announced)[:MAX_PLAN_TRAINERS]
         now = self.clock()
         if (alive, tuple(trainers)) != self._seen:
@@ -431,6 +439,23 @@ class Planner:
             made.step_time_s,
         )
         return made
+
+    def _note_dropped(self, current: PlanRecord | None, peers, alive: frozenset[str], why: dict[str, str]) -> None:
+        """Logs, once per change, why a peer the current plan uses is not among those planned with now: a plan
+        that drops a live peer (a slow link's late heartbeats or lapsed announcement) says which it was."""
+        if current is None:
+            return
+        announced = {p.peer_id for p in peers}
+        lapsed, unreached = "not announced (its DHT record lapsed)", "not reached by a heartbeat yet"
+        dropped = {
+            pid: why.get(pid) or (lapsed if pid not in announced else unreached)
+            for pid in current.document.used_peers()
+            if pid not in alive and pid != self.dht.peer_id
+        }
+        if dropped and dropped != self._dropped:
+            listed = ", ".join(f"{p} ({w})" for p, w in dropped.items())
+            log.info("planning without plan %d's %s", current.version, listed)
+        self._dropped = dropped
 
     def with_codecs(self, plan: PlanDocument, swarm: SwarmInput) -> PlanDocument:
         """`plan` with the codecs chosen per boundary from the measured links, and the epilogue's with the step

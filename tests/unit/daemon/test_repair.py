@@ -283,3 +283,27 @@ def test_a_planner_taking_over_from_a_dead_planner_re_plans_below_min_peers():
         PlanningConfig(min_peers=2, replicas=1), dht, SPEC, 2, settle_s=0.0, probe_wait_s=0.0, clock=Clock()
     ).round()
     assert [(v, ids(p)) for v, p in published] == [(3, [[B]])], "B follows plan 2: the swarm had a plan"
+
+
+def test_the_planner_says_why_it_plans_without_a_peer_of_its_plan(caplog):
+    import logging
+
+    current = record(3, grid([A, B], [C, D], unused=[E]).replace(trainer_ids=()))
+    announced = [peer(A, 3, 0), peer(B, 3, 0), peer(C, 3, 1), peer(D, 3, 1), peer(E, 3)]
+    state = {"peers": announced, "plan": [(A, current)]}
+    dht, _ = swarm(A, state)
+    clock = Clock()
+    live = Liveness(lambda pid: pid != C, clock=clock)
+    planner = Planner(PlanningConfig(min_peers=2, replicas=2), dht, SPEC, 2, settle_s=5.0, clock=clock, liveness=live)
+    with caplog.at_level(logging.INFO, logger="swarm.daemon.planning"):
+        planner.round()  # the planner holds plan 3
+        state["peers"] = [p for p in announced if p.peer_id != D]  # D's record lapses (a live peer's, say)
+        for _ in range(6):
+            clock.t += 1
+            planner.round()
+    lines = [r.getMessage() for r in caplog.records if "planning without" in r.getMessage()]
+    assert lines, [r.getMessage() for r in caplog.records]
+    assert f"{D} (not announced (its DHT record lapsed))" in lines[0] and C not in lines[0]
+    assert f"{C} (silent to the heartbeats)" in lines[-1], "C's silence is named once it counts"
+    assert len(lines) == len(set(lines)), "logged once per change"
+    live.close()
