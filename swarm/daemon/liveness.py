@@ -120,17 +120,15 @@ class Liveness:
         self._answered &= set(peers)
         was_gone = self.gone()
         for pid, answered in zip(peers, self._pool.map(self._safe_ping, peers), strict=True):
-            if answered:
-                if pid in was_gone:
-                    log.info("peer %s answers again: eligible again", pid)
-                self._last_answer[pid], self._misses[pid] = self._watched, 0
-                self._answered.add(pid)
-            elif self._heard_since(pid, previous):  # it called us since the last round: alive, its ping queued
-                if pid in was_gone:
-                    log.info("peer %s called this one: eligible again", pid)
-                self._last_answer[pid], self._misses[pid] = self._watched, 0
-            else:
+            # a peer that called us since the last round is alive though its ping's answer queued behind them
+            if not (answered or self._heard_since(pid, previous)):
                 self._misses[pid] += 1
+                continue
+            if pid in was_gone:
+                log.info("peer %s %s again: eligible again", pid, "answers" if answered else "calls this one")
+            self._last_answer[pid], self._misses[pid] = self._watched, 0
+            if answered:
+                self._answered.add(pid)
         self._advance(self.clock())  # the pings' own time counts, up to the cap (a stalled round is no proof)
         return True
 

@@ -164,15 +164,11 @@ def patient_ping(make_ping: Callable[[float], Callable[[str], bool]], timeouts=H
         for i, one in enumerate(pings):
             if one(peer_id):
                 if i:
-                    log.info("holder %s answered its %s ping (deadline %.0f s)", peer_id, _nth(i + 1), timeouts[i])
+                    log.info("holder %s answered after %d silent pings (deadline %.0f s)", peer_id, i, timeouts[i])
                 return True
         return False
 
     return ping
-
-
-def _nth(n: int) -> str:
-    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
 def most_advanced(holders: list[str], steps: dict[str, int | None], me: str) -> list[str]:

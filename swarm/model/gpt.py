@@ -218,7 +218,10 @@ class Subspace(nn.Module):
         self.register_buffer("basis", basis if basis is not None else torch.empty(0), persistent=False)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        return (x @ self.basis.to(x.dtype)) @ self.basis.to(x.dtype).t() if self.on else x
+        if not self.on:
+            return x
+        basis = self.basis.to(x.dtype)
+        return (x @ basis) @ basis.t()
 
     def coefficients(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, hidden] in the subspace -> [B, T, subspace_dim]: what crosses a stage boundary."""

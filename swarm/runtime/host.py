@@ -257,9 +257,7 @@ class StageHost:
             if call.tokens is not None:
                 raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"stage {role.stage} takes no token batch")
             shape = list(need_message(call).shape)
-            what = "an activation" if kind == Kind.FORWARD else "a gradient"
-            if not (len(shape) == 3 and shape[1] <= model.seq_len_tokens and shape[2] == model.boundary_dim):
-                raise WireError("shape", f"{shape} is not {what} [batch, seq, {model.boundary_dim}]")
+            _check_boundary(shape, model, "shape", "an activation" if kind == Kind.FORWARD else "a gradient")
             if not 1 <= shape[0] <= budget.max_batch:
                 raise WireError("shape", f"{shape[0]} rows: a micro-batch holds 1..{budget.max_batch} samples")
         if kind == Kind.FORWARD and role.is_last:
@@ -503,9 +501,7 @@ class StageHost:
         """A Recompute's tensors against the stage's budget, as a Forward's and a Backward's would be."""
         role, model, budget = self.role, self.model, self.budget
         if not role.is_first:
-            shape = list(inputs.shape)
-            if not (len(shape) == 3 and shape[1] <= model.seq_len_tokens and shape[2] == model.boundary_dim):
-                raise WireError("input.shape", f"{shape} is not an activation [batch, seq, {model.boundary_dim}]")
+            _check_boundary(list(inputs.shape), model, "input.shape", "an activation")
         rows = inputs.shape[0]
         if not 1 <= rows <= budget.max_batch:
             raise WireError("input.shape", f"{rows} rows: a micro-batch holds 1..{budget.max_batch} samples")
@@ -594,3 +590,10 @@ def _step_metrics(metrics: Metrics, role: StageRole, links: LinkEnds, opened_at:
     for count, link in ((held, role.stage - 1), (links.send_buffers("fw"), role.stage)):
         if count is not None and 0 <= link < role.n_stages - 1:
             metrics.buffered_samples.labels(str(link)).set(count)
+
+
+def _check_boundary(shape: list[int], model, field: str, what: str) -> None:
+    """A tensor crossing a stage boundary is [batch, seq, boundary_dim] with seq within the model's; else a
+    WireError on `field` naming `what` it should have been."""
+    if not (len(shape) == 3 and shape[1] <= model.seq_len_tokens and shape[2] == model.boundary_dim):
+        raise WireError(field, f"{shape} is not {what} [batch, seq, {model.boundary_dim}]")
