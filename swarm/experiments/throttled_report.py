@@ -9,6 +9,9 @@ from pathlib import Path
 
 from swarm.experiments.throttled import Cell, _fmt, _link, check_targets
 
+PHASE_ORDER = ["labels", "pipeline", "reduce", "grads", "commit", "step"]
+"""The trainer's phases in a step's order (`swarm.train.trainer`'s phase clocks)."""
+
 
 def torch_comparison(rows: list[dict]) -> list[str]:
     """Per rate, swarm's fp32 step time against PyTorch's own pipeline's (rows of setting torch-fp32)."""
@@ -123,6 +126,32 @@ def report_markdown(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
         "the same control bytes) by them. The share divides the speed-up by min(total byte ratio after the first",
         "epoch, 1 + rho): the most any codec can give on that link.",
     ]
+    seen = {p for r in rows for p in r.get("phase_ms") or {}}
+    phases = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
+    if phases:
+        lines += [
+            "",
+            "## Where a step's time went (measured)",
+            "",
+            "The trainer's phases, median milliseconds a step after the first epoch (steps.csv's running totals), "
+            "beside the mean step; an epilogue-only cell also names its compressed tails and predicted split.",
+            "",
+            "| link | setting | mean step (ms) | " + " | ".join(phases) + " | epilogue tails | predicted compute + "
+            "transfer (s) |",
+            "|" + " --- |" * (len(phases) + 5),
+        ]
+        for r in rows:
+            split = r.get("phase_ms") or {}
+            predicted = (
+                f"{r['predicted_compute_s']:.3f} + {r['predicted_transfer_s']:.3f}"
+                if r.get("predicted_compute_s") is not None and r.get("predicted_transfer_s") is not None
+                else "-"
+            )
+            lines.append(
+                f"| {_link(r['rate_mbit'])} | {r['setting']} | {1000 * r['mean_step_s']:.0f} | "
+                + " | ".join(_fmt(split.get(p), ".1f") for p in phases)
+                + f" | {r.get('tails') or '-'} | {predicted} |"
+            )
     if slow_note:
         lines += ["", slow_note]
     lines += ["", "## Targets", ""]

@@ -295,3 +295,24 @@ def test_a_cell_the_planner_moved_onto_fewer_stages_is_named_not_judged_clean(mo
     judged = dict(th.check_targets(rows))
     (statement,) = [s for s in judged if s.startswith("every cell kept")]
     assert judged[statement] is False and "ran on 1 of 2 stages from step 9" in statement
+
+
+def test_the_rows_carry_the_trainers_measured_phase_split_and_the_report_shows_it():
+    # steps.csv carries each phase's running total: a step's share is the difference between consecutive rows
+    steps = _steps(12, 0.1, 400_000, 400_000, 802_000, 802_000)
+    pipeline, reduce = 0.0, 0.0
+    for s in steps:
+        pipeline += 0.30 if int(s["step"]) <= 4 else 0.080  # the first epoch slower: not in the median
+        reduce += 0.010
+        s[f"{th.PHASE_COLUMN}pipeline}}"], s[f"{th.PHASE_COLUMN}reduce}}"] = str(pipeline), str(reduce)
+    steps[7][f"{th.PHASE_COLUMN}reduce}}"] = ""  # an empty cell spoils its two steps' shares, not the median
+    epilogue = {"tails": "0", "predicted_compute_s": 0.07, "predicted_transfer_s": 0.01}
+    row = th.summarize(Cell(100.0, "fp32/fp32"), steps, 4, 8, {"epilogue": epilogue})
+    assert row["phase_ms"] == pytest.approx({"pipeline": 80.0, "reduce": 10.0})
+    torch_like = th.summarize(Cell(100.0, "fp32/fp32"), _steps(12, 0.1, 1, 1, 2, 2), 4, 8, {})
+    assert torch_like["phase_ms"] == {}, "no phase columns: no split, not zeros"
+    rows = [row]
+    th.add_comparisons(rows)
+    text = thr.report_markdown(rows, {})
+    assert "## Where a step's time went (measured)" in text
+    assert "| mean step (ms) | pipeline | reduce |" in text and "| 80.0 | 10.0 | 0 | 0.070 + 0.010 |" in text
