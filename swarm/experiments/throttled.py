@@ -12,7 +12,8 @@ over its compute time per step (`rho`): that ratio is what makes results compara
 link, no codec can speed a step up by more than min(its byte ratio, 1 + rho); `speedup_share` is the share
 of that bound a setting reached. The default matrix includes 1 Mbit/s, where fp32 is >= 20x network-bound
 (the AQ-SGD paper's regime); cells below `SLOW_RATE_MBIT` run `slow_steps` steps only (a prefix of the same
-run: the peers' learning-rate schedule still spans `steps`), enough for a steady-state mean after the first
+run: the peers' learning-rate schedule still spans `steps`; compressed cells there run `slow_codec_steps`, their
+schedule as long), enough for a steady-state mean after the first
 epoch at several seconds per step.
 """
 
@@ -314,7 +315,9 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
     # FW/BW@epi: epilogue-only compression, the exposed backward messages chosen from measured timings
     epilogue = {"bw_epilogue": epilogue_choice(cell, cfg)[0].label()} if epilogue_only else {}
     return planned_peer(
-        batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, steps=cfg.steps, rate_mbit=cell.rate_mbit,
+        batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, rate_mbit=cell.rate_mbit,
+        # a slow link's fp32 cell runs a prefix of the schedule; a cell that runs longer gets a schedule as long
+        steps=max(cfg.steps, cfg.steps_of(cell)),
         delay_ms=cfg.delay_ms, **CodecFlags(forward, backward).build(), **epilogue,
     )  # fmt: skip
 

@@ -117,6 +117,11 @@ def test_slow_compressed_cells_run_long_enough_that_a_full_bucket_does_not_set_t
     assert "fp32 ran 12 of 40" in note and "compressed settings 64" in note
     assert th.slow_steps_note(ThrottledConfig(rates=(10.0,))) == ""
     assert th.config_from_args(_args("--slow-codec-steps", "20")).slow_codec_steps == 20
+    # the peers' learning-rate schedule spans what each cell trains: fp32's 12 are a prefix of the 40-step schedule,
+    # the compressed cells' 64 get a 64-step one (they warned that their schedule ended at step 40)
+    assert th.peer_config(Cell(1.0, "fp32/fp32"), cfg).optim.total_steps == 40
+    assert th.peer_config(Cell(1.0, th.DEFAULT_CODECS), cfg).optim.total_steps == 64
+    assert th.peer_config(Cell(10.0, th.DEFAULT_CODECS), cfg).optim.total_steps == 40
 
 
 def test_the_calibration_window_is_read_from_the_plan_and_compared_with_the_trainers_steps():
