@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import json
 import re
 import statistics
@@ -414,17 +413,10 @@ PHASE_COLUMN = "swarm_trainer_phase_seconds_total{phase="
 
 def phase_ms(steps: list[dict]) -> dict[str, float]:
     """The trainer's phases (labels, pipeline, reduce, grads, commit, step), median milliseconds a step over
-    `steps`: steps.csv carries each phase's running total, so a step's share is its row's total less the row
-    before's (the first row of `steps` has no row before and is left out). Empty without those columns (a torch
-    row, an older run's steps.csv)."""
+    `steps`: steps.csv gives each step's own seconds per phase (an empty cell: none that step). Empty without
+    those columns (a torch row, an older run's steps.csv)."""
     phases = [k[len(PHASE_COLUMN) : -1] for k in (steps[0] if steps else {}) if k.startswith(PHASE_COLUMN)]
-    split = {}
-    for phase in phases:
-        totals = [float(s.get(f"{PHASE_COLUMN}{phase}}}") or "nan") for s in steps]
-        deltas = [b - a for a, b in itertools.pairwise(totals) if b - a >= 0]  # NaN (an empty cell) drops out
-        if deltas:
-            split[phase] = 1000 * statistics.median(deltas)
-    return split
+    return {p: 1000 * statistics.median(float(s.get(f"{PHASE_COLUMN}{p}}}") or 0.0) for s in steps) for p in phases}
 
 
 def summarize(
@@ -489,7 +481,7 @@ def summarize(
         "fewest_stages": min(n for _, n in stages) if stages else None,
         "fewer_stages_from_step": next((i for i, n in stages if n < stages[0][1]), None) if stages else None,
         # where the steps after the first epoch spent their time, measured (the predicted split is the epilogue's)
-        "phase_ms": phase_ms(steps[steps_per_epoch - 1 :] if len(steps) > steps_per_epoch else steps),
+        "phase_ms": phase_ms(after),
         **(summary or {}).get("epilogue", {}),  # a FW/BW@epi cell's choice and predicted split
     }
 

@@ -133,7 +133,7 @@ def report_markdown(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
             "",
             "## Where a step's time went (measured)",
             "",
-            "The trainer's phases, median milliseconds a step after the first epoch (steps.csv's running totals), "
+            "The trainer's phases, median milliseconds a step after the first epoch (steps.csv), "
             "beside the mean step; an epilogue-only cell also names its compressed tails and predicted split.",
             "",
             "| link | setting | mean step (ms) | " + " | ".join(phases) + " | epilogue tails | predicted compute + "

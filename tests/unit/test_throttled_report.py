@@ -303,14 +303,12 @@ def test_a_cell_the_planner_moved_onto_fewer_stages_is_named_not_judged_clean(mo
 
 
 def test_the_rows_carry_the_trainers_measured_phase_split_and_the_report_shows_it():
-    # steps.csv carries each phase's running total: a step's share is the difference between consecutive rows
+    # steps.csv gives each step's own seconds per phase; an empty cell is a phase that took no time that step
     steps = _steps(12, 0.1, 400_000, 400_000, 802_000, 802_000)
-    pipeline, reduce = 0.0, 0.0
     for s in steps:
-        pipeline += 0.30 if int(s["step"]) <= 4 else 0.080  # the first epoch slower: not in the median
-        reduce += 0.010
-        s[f"{th.PHASE_COLUMN}pipeline}}"], s[f"{th.PHASE_COLUMN}reduce}}"] = str(pipeline), str(reduce)
-    steps[7][f"{th.PHASE_COLUMN}reduce}}"] = ""  # an empty cell spoils its two steps' shares, not the median
+        first = int(s["step"]) <= 4  # the first epoch is slower: not in the median
+        s[f"{th.PHASE_COLUMN}pipeline}}"], s[f"{th.PHASE_COLUMN}reduce}}"] = str(0.3 if first else 0.08), "0.01"
+    steps[7][f"{th.PHASE_COLUMN}reduce}}"] = ""
     epilogue = {"tails": "0", "predicted_compute_s": 0.07, "predicted_transfer_s": 0.01}
     row = th.summarize(Cell(100.0, "fp32/fp32"), steps, 4, 8, {"epilogue": epilogue})
     assert row["phase_ms"] == pytest.approx({"pipeline": 80.0, "reduce": 10.0})
