@@ -63,6 +63,7 @@ MAX_CLOCK_SKEW_S = 120.0
 _ADDRESS_RE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))" r":(?P<port>\d{1,5})")
 _DEVICE_RE = re.compile(r"[a-z][a-z0-9_]{0,15}(?::\d{1,4})?")
 _CODEC_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:+-]{0,63}")
+_KEY_RE = re.compile(r"[0-9a-f]{16}")
 
 
 _MAX_HELD = 8
@@ -186,10 +187,16 @@ class PeerAnnouncement:
     """Its stage's sensitivity to each low precision, measured from its real gradients while it trains
     (`swarm.runtime.sensitivity_probe`): (layer_start, layer_end, precision, figure) for the layers it was measured
     on. On the wire: "0:2:bf16:0.000123"."""
+    compute_key: str = ""
+    """Which hardware it computes on (`swarm.runtime.device.compute_key`): peers announcing the same key share it
+    (CPU peers on one machine and CPU set), so one more of them adds no compute; "" unknown (counted as its own).
+    Self-reported: a peer can only make itself look like more or less of its own hardware to the planner."""
 
     def __post_init__(self) -> None:
         r = type(self).__name__
         peer_id_field(r, "peer_id", self.peer_id)
+        if self.compute_key != "":
+            str_field(r, "compute_key", self.compute_key, _KEY_RE, "16 lowercase hex digits or ''")
         set_field(self, "speeds", _speeds(r, self.speeds))
         set_field(self, "sensitivity", _sensitivity(r, self.sensitivity))
         if type(self.leaving) is not bool:

@@ -97,9 +97,14 @@ class PeerDaemon:
         from swarm.peers.shaper import LinkShaping
         from swarm.peers.transport import Channels, make_server
         from swarm.proto import stage_pb2_grpc
+        from swarm.runtime.device import compute_key
         from swarm.runtime.service import StageServicer
 
         cfg = self.cfg
+        if cfg.cpus is not None:  # before the DHT's process and p2pd start: they inherit it
+            from swarm.runtime.device import pin_cpus
+
+            pin_cpus(cfg.cpus)
         torch.set_num_threads(cfg.threads)
         if cfg.fw_codec.buffer_dir:  # before anything starts: another peer on this directory would share its buffers
             from swarm.compression.buffers import BufferDirInUse, lock_buffer_dir
@@ -172,6 +177,7 @@ class PeerDaemon:
                 started_at=time.time(),
                 codec=self.codecs[0].label,
                 held=self.held.held() if self.held is not None else (),
+                compute_key=compute_key(cfg.device, cfg.cpus, cfg.compute_group),
             )
             # follow the current plan before announcing: this peer may become the planner, and its first plan
             # then takes the layers over from this plan's holders

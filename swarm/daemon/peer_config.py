@@ -17,7 +17,7 @@ from swarm.peers.records import MAX_PLANNER_LEASE_S
 from swarm.peers.shaper import LinkShape
 from swarm.peers.transport import TransportConfig
 from swarm.runtime.budget import StageBudget
-from swarm.runtime.device import check_device, parse_device
+from swarm.runtime.device import check_device, parse_cpus, parse_device, render_cpus
 from swarm.runtime.precision import PRECISIONS
 from swarm.runtime.worker import OptimConfig
 
@@ -82,7 +82,7 @@ class PlanningConfig:
     republishes it (`swarm.daemon.calibrate`); None: off (a trainer without the DHT cannot follow the new version)."""
     repack: bool = True
     """When a freezing trainer's stages all froze more layers, the planner repacks the active layers onto fewer
-    stages and gives the freed peers to them as replicas (PipeTransformer; `swarm.daemon.repack`); False
+    stages and gives the freed peers to them as replicas, or standbys where they share a plan peer's hardware (PipeTransformer; `swarm.daemon.repack`); False
     (--no-repack): the plan keeps its stages (`swarm experiment freezing`'s freeze-only setting)."""
     precision_budget: float = 0.0
     """The planner chooses each stage's precision (fp32/bf16, QSync) from the peers' announced speeds under this
@@ -177,6 +177,16 @@ class PeerConfig:
     alike (swarm.runtime.precision)"""
     threads: int = field(default=1, metadata=flag(group=_SERVING))
     """torch intra-op threads"""
+    cpus: tuple[int, ...] | None = field(
+        default=None,
+        metadata=flag(parse=parse_cpus, render=render_cpus, metavar="LIST", group=_SERVING),
+    )
+    """run this peer and its DHT daemons on these CPUs only, a list like 0-3 or 0,2 (Linux's CPU affinity): lend
+    part of a machine, or give each of several peers on one machine cores of its own (none: every CPU)"""
+    compute_group: str | None = field(default=None, metadata=flag(group=_SERVING))
+    """peers announcing the same group share their hardware, so when a repack frees peers (`swarm train
+    --freeze`) one of them replicates a stage only if no peer of the plan is in its group (none: peers share
+    hardware when they run on one machine's kernel, device and CPU set)"""
     sensitivity_every_steps: int = field(default=5, metadata=flag(group=_SERVING))
     """measure the stage's sensitivity to bf16 from its real gradients every this many steps (5 times, then every
     100) and announce it for the planner's --precision-budget (swarm.runtime.sensitivity_probe; 0: never)"""
@@ -285,6 +295,8 @@ class PeerConfig:
                 raise ValueError(f"PeerConfig.{name}: expected 0-65535, got {port}")
         if self.threads < 1 or self.checkpoint_every < 1 or self.replicate_every < 1:
             raise ValueError("PeerConfig: threads, checkpoint_every and replicate_every must be >= 1")
+        if self.compute_group is not None and not 1 <= len(self.compute_group) <= 128:
+            raise ValueError("PeerConfig.compute_group: expected 1 to 128 characters")
         if self.leave_timeout_s < 0:
             raise ValueError("PeerConfig: leave_timeout_s must be >= 0")
         from swarm.runtime.boundary import EpilogueOnly

@@ -419,7 +419,11 @@ class Planner:
                 made, shared, self.spec, shared_cost(swarm.direct_input, swarm.relays, made, self.spec)
             )
         # the scheduler's plan as the document peers follow, keeping the frozen prefix (F)
-        document = with_frozen(PlanDocument.from_wire(made.to_dict()), current.document if current else None)
+        document = with_frozen(
+            PlanDocument.from_wire(made.to_dict()),
+            current.document if current else None,
+            compute_keys={p.peer_id: p.compute_key for p in peers},
+        )
         document = self.with_codecs(document, swarm)
         precisions = self.precisions(document.stage_dicts(), peers) if self.precisions else None
         document = document if precisions is None else document.with_precisions(precisions)

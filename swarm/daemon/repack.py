@@ -1,5 +1,6 @@
 """PipeTransformer's elastic repack (AutoPipe + AutoDP) for a live plan: when the frozen prefix grows, pack the
-layers onto fewer stages and give the freed peers to the remaining stages as replicas.
+layers onto fewer stages and give the freed peers to the remaining stages as replicas where they bring compute
+of their own (else they stand by).
 
 A frozen layer costs `frozen_cost` of an active one (forward only; nothing once its outputs are cached at the
 boundary, `swarm.runtime.freeze.cached_forward`). Like AutoPipe, the stage count is halved (S, S/2, S/4, ...,
@@ -109,10 +110,21 @@ def repack_layout(
     return chosen
 
 
-def repack_plan(plan: PlanDocument, frozen_layers: int, frozen_cost: float = 1 / 3) -> PlanDocument:
+def repack_plan(
+    plan: PlanDocument,
+    frozen_layers: int,
+    frozen_cost: float = 1 / 3,
+    compute_keys: Mapping[str, str] | None = None,
+) -> PlanDocument:
     """The next plan for a grown frozen prefix: the plan's peers (in stage order) re-dealt onto the repacked
     stages. Codecs per boundary and what else was made for the old stages are dropped when the stage count
     changes (`PlanDocument.with_stages`; the planner may choose them anew).
+
+    A freed peer becomes a replica only if it brings compute of its own: one whose announced `compute_key`
+    (`swarm.runtime.device.compute_key`) a peer kept in the plan already has (CPU peers of one machine and CPU
+    set) would split that hardware's time with it and add only the replicas' sum, so it stands by instead
+    (`unused_peer_ids`, there for repairs). `compute_keys`: peer id -> key; a peer without one ("" or absent)
+    counts as its own hardware.
 
     While the prefix does not yet allow fewer stages, the plan keeps its own stages and only carries the
     prefix: a rebalance alone would move layers between peers (state transfers, AQ-SGD buffers and the
@@ -122,24 +134,43 @@ def repack_plan(plan: PlanDocument, frozen_layers: int, frozen_cost: float = 1 /
     ranges, counts = repack_layout(plan.n_layers, frozen_layers, len(peers), limit, plan.n_stages, frozen_cost)
     if len(ranges) == plan.n_stages:
         return plan.replace(frozen_layers=frozen_layers)
-    new, at = [], 0
-    for (start, end), count in zip(ranges, counts, strict=True):
-        new.append(PlanStage(start, end, tuple(peers[at : at + count])))
+    dealt, at = [], 0
+    for count in counts:
+        dealt.append(peers[at : at + count])
         at += count
-    return plan.with_stages(new).replace(frozen_layers=frozen_layers)
+    keys = compute_keys or {}
+    used = {keys.get(group[0], "") for group in dealt} - {""}  # every stage keeps its first peer
+    new, standby = [], []
+    for (start, end), (first, *further) in zip(ranges, dealt, strict=True):
+        replicas = [first]
+        for pid in further:
+            key = keys.get(pid, "")
+            if key in used:
+                standby.append(pid)
+            else:
+                replicas.append(pid)
+                used |= {key} - {""}
+        new.append(PlanStage(start, end, tuple(replicas)))
+    if standby:
+        log.info("repack: %s stand by (their hardware already computes for the plan)", ", ".join(standby))
+    repacked = plan.with_stages(new).replace(frozen_layers=frozen_layers)
+    return repacked.replace(unused_peer_ids=(*repacked.unused_peer_ids, *standby)) if standby else repacked
 
 
-def with_frozen(plan: PlanDocument, previous: PlanDocument | None) -> PlanDocument:
+def with_frozen(
+    plan: PlanDocument, previous: PlanDocument | None, compute_keys: Mapping[str, str] | None = None
+) -> PlanDocument:
     """A freshly searched `plan` (the planner's full re-search after joins, leaves or a failed repair) made to
     keep `previous`'s frozen prefix: `frozen_layers` carried over and the layers repacked for it
     (`repack_plan`, which drops the searched layout's per-stage parts when the stage count changes), so hosts
     built from it start frozen and the repacked layout survives. Frozen layers never thaw: a re-search that
     forgot the prefix would train them again for at least one step, and every stage refuses the trainer's
-    Step with fewer. Unchanged without a frozen prefix (or when the prefix reaches past the new plan)."""
+    Step with fewer. Unchanged without a frozen prefix (or when the prefix reaches past the new plan).
+    `compute_keys`: as `repack_plan`'s."""
     frozen = previous.frozen if previous is not None else 0
     if frozen <= 0 or frozen >= plan.n_layers:
         return plan
-    return repack_plan(plan, frozen)
+    return repack_plan(plan, frozen, compute_keys=compute_keys)
 
 
 def frozen_figure(metrics: Mapping[str, float], n_layers: int) -> int | None:
@@ -193,7 +224,7 @@ class RepackWatch:
         if frozen is None:
             return None
         try:
-            plan = repack_plan(current.document, frozen)
+            plan = repack_plan(current.document, frozen, compute_keys={p.peer_id: p.compute_key for p in peers})
         except ValueError as e:
             log.warning("repack for %d frozen layers: %s", frozen, e)
             return None

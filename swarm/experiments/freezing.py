@@ -1,7 +1,8 @@
 """`swarm experiment freezing`: PipeTransformer's freezing, activation cache and elastic repack.
 
 By default every setting runs on `swarm-peer` processes, a local swarm per setting trained by `swarm train`'s
-trainer, where the repack is the live planner's and the freed peers become replicas
+trainer, where the repack is the live planner's and the freed peers become replicas (where they bring compute of
+their own; peers on one machine's cores stand by instead)
 (`swarm.experiments.freezing_live`). `--in-process` runs the settings below in one process instead.
 
 Three runs from the same seed over the same batches: without freezing, with freezing (the trainer's

@@ -9,7 +9,8 @@ Settings: `no-freeze` (a trainer without `--freeze`), `freeze` (`--freeze`: the 
 stages' per-block gradient norms, every stage applying the prefix at the same Step; the peers run with
 `--no-repack`, so the plan keeps its stages) and `freeze+repack` (the same, and the elected planner's
 `RepackWatch` publishes `repack_plan` once every stage reports the grown prefix: the active layers move onto
-fewer stages live and the freed peers become replicas of the remaining ones, `swarm.daemon.repack`).
+fewer stages live and the freed peers become replicas of the remaining ones where they bring compute of their own,
+else standbys, `swarm.daemon.repack`: on one machine the peers share its cores, so they stand by).
 
 Figures per setting, from the run itself: samples/s over the steps after the first (steps.csv's completion
 times: the swarm's start and the first step's first sights are left out, the same window in every setting),

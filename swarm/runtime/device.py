@@ -11,7 +11,9 @@ decode on the host and hand the result to the GPU (`to_device`). On "cpu" every 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -25,7 +27,11 @@ __all__ = [
     "DeviceError",
     "add_device_argument",
     "check_device",
+    "compute_key",
     "fastest_seconds",
+    "parse_cpus",
+    "pin_cpus",
+    "render_cpus",
     "parse_device",
     "resolve_device",
     "synchronize",
@@ -45,6 +51,57 @@ def parse_device(text: str) -> str:
     if not _PATTERN.fullmatch(value):
         raise argparse.ArgumentTypeError(f"device must be cpu, cuda or cuda:N, got {text!r}")
     return value
+
+
+def parse_cpus(text: str) -> tuple[int, ...] | None:
+    """A CPU list as Linux writes one ("0-3", "0,2", "1,4-5"): the CPUs, sorted, each once; "none": None (an
+    argparse type: form only; `pin_cpus` checks the machine has them). `render_cpus` writes it back."""
+    if text.strip().lower() == "none":
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d{1,4})\s*(?:-\s*(\d{1,4})\s*)?", part)
+        if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
+            raise argparse.ArgumentTypeError(f"cpus must be a CPU list like 0-3 or 0,2, got {text!r}")
+        cpus.update(range(int(m[1]), int(m[2] or m[1]) + 1))
+    return tuple(sorted(cpus))
+
+
+def compute_key(device: str, cpus: tuple[int, ...] | None = None, group: str | None = None) -> str:
+    """16 hex digits naming the hardware a peer computes on. `group` (`--compute-group`) names it outright;
+    otherwise this machine's kernel (its boot id, which every network namespace and container on it shares)
+    and the device, and for "cpu" the CPUs this process may run on (`cpus`, or its affinity), so peers pinned to
+    CPUs of their own (`--cpus`) have keys of their own. Hashed: the boot id is not announced. "" where the
+    machine has no boot id to read and no group is given."""
+    if group is not None:
+        where = f"group/{group}"
+    else:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                where = f"{f.read().strip()}/{device}"
+        except OSError:
+            return ""
+        if device == "cpu":
+            where += ":" + ",".join(map(str, sorted(cpus if cpus is not None else os.sched_getaffinity(0))))
+    return hashlib.blake2b(where.encode(), digest_size=8, person=b"swarm-compute").hexdigest()
+
+
+def render_cpus(cpus: tuple[int, ...] | None) -> str:
+    """`parse_cpus`'s text for `cpus`."""
+    return "none" if cpus is None else ",".join(map(str, cpus))
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> None:
+    """Runs this process, and every process it starts from now on (children inherit it), on `cpus` only.
+
+    Raises:
+        DeviceError: a CPU this process may not run on (not on the machine, or outside its cgroup's set)."""
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - allowed)
+    if missing:
+        raise DeviceError(f"--cpus {','.join(map(str, cpus))}: no CPU {missing} here (this process may use "
+                          f"{','.join(map(str, sorted(allowed)))})")  # fmt: skip
+    os.sched_setaffinity(0, cpus)
 
 
 def add_device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "cpu") -> None:

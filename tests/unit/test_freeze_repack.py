@@ -147,6 +147,48 @@ def test_the_planner_publishes_the_repacked_plan_without_the_old_stages_per_stag
     assert plan["stages"] == repack_plan(current.document, 3).stage_dicts()
 
 
+def _announced(pid: str, key: str) -> PeerAnnouncement:
+    return PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 30, 1.0, compute_key=key)
+
+
+def test_freed_peers_on_hardware_the_plan_already_computes_on_stand_by_instead_of_replicating():
+    # four CPU peers on one machine: a replica would split the same cores and add only its sum
+    dht, one = _DHT(), "0123456789abcdef"
+    got = _watch(_replies()).round(_planner(dht), _record(), [_announced(p, one) for p in IDS])
+    plan = dht.published[0][1]
+    assert got is not None and [s["peer_ids"] for s in plan["stages"]] == [["a"], ["c"]]
+    assert plan["unused_peer_ids"] == ["b", "d"], "the freed peers stand by (for repairs), not dropped"
+    assert PlanDocument.from_wire(plan).frozen == 3
+
+
+@pytest.mark.parametrize(
+    "keys, stages, standby",
+    [
+        ({}, [("a", "b"), ("c", "d")], ()),  # no key announced: every peer counts as its own hardware
+        ({"a": "1" * 16, "b": "2" * 16, "c": "3" * 16, "d": "4" * 16}, [("a", "b"), ("c", "d")], ()),
+        ({"a": "1" * 16, "b": "1" * 16, "c": "2" * 16, "d": "3" * 16}, [("a",), ("c", "d")], ("b",)),
+        # b's hardware is the second stage's first peer's: that stage keeps its first peer, b stands by
+        ({"a": "1" * 16, "b": "2" * 16, "c": "2" * 16, "d": "3" * 16}, [("a",), ("c", "d")], ("b",)),
+        ({"a": "1" * 16, "b": "", "c": "1" * 16, "d": "1" * 16}, [("a", "b"), ("c",)], ("d",)),
+    ],
+)
+def test_a_freed_peer_replicates_only_with_compute_of_its_own(keys, stages, standby):
+    plan = repack_plan(_record().document, 3, compute_keys=keys)
+    assert [s.peer_ids for s in plan.stages] == [tuple(s) for s in stages]
+    assert plan.unused_peer_ids == standby and plan.frozen == 3
+
+
+def test_a_compute_key_is_16_hex_digits_or_empty():
+    assert _announced("a", "").compute_key == ""
+    for bad in ("0123", "0123456789ABCDEF", "0123456789abcdeg", 7, None, "0123456789abcdef0"):
+        with pytest.raises(ValueError, match="compute_key"):
+            _announced("a", bad)
+    wire = _announced("a", "0123456789abcdef").to_wire()
+    assert PeerAnnouncement.from_wire(wire).compute_key == "0123456789abcdef"
+    del wire["compute_key"]  # an older peer's announcement: unknown hardware
+    assert PeerAnnouncement.from_wire(wire).compute_key == ""
+
+
 def test_no_repack_is_published_when_nothing_is_due_or_the_plan_is_refused():
     assert _watch(_replies(a=None)).round(_planner(_DHT()), _record(), []) is None
     assert _watch(_replies()).round(_planner(_DHT(), version=None), _record(), []) is None

@@ -4,6 +4,9 @@ CUDA-only tests (marked `cuda`) skip with a reason here; scripts/gpu-check.sh ru
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch
 from swarm.compression import CodecConfig, LinkState, MemoryBufferStore, WireLimits, frame, make_codec, unframe
 from swarm.daemon.peer_config import build_parser, config_from_args
 from swarm.kernels.host_copy import to_host
+from swarm.runtime import device
 from swarm.runtime.boundary import LinkEnd, LinkEnds
 from swarm.runtime.device import (
     DeviceBufferStore,
@@ -206,3 +210,53 @@ def test_the_demo_refuses_cuda_without_cuda_before_it_starts_a_process(no_cuda, 
     assert main(["demo", "--device", "cuda", "--out", str(tmp_path / "demo")]) == 2
     assert "--device cuda: CUDA is not available" in capsys.readouterr().err
     assert not (tmp_path / "demo" / "steps.csv").exists()
+
+
+# ---- --cpus and the compute key ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, cpus", [("0", (0,)), ("0-3", (0, 1, 2, 3)), ("3,1", (1, 3)), ("1, 4-5,4", (1, 4, 5)), ("none", None)]
+)
+def test_a_cpu_list_reads_as_linux_writes_it_and_back(text, cpus):
+    assert device.parse_cpus(text) == cpus
+    assert device.parse_cpus(device.render_cpus(cpus)) == cpus
+
+
+@pytest.mark.parametrize("bad", ["", "a", "3-1", "-1", "0-", "1,,2", "0.5", "12345"])
+def test_a_malformed_cpu_list_is_refused_by_name(bad):
+    with pytest.raises(argparse.ArgumentTypeError, match="cpus"):
+        device.parse_cpus(bad)
+
+
+def test_pinning_to_cpus_this_process_may_not_use_is_refused_naming_them_and_changes_nothing():
+    before = os.sched_getaffinity(0)
+    with pytest.raises(device.DeviceError, match="no CPU \\[4095\\]"):
+        device.pin_cpus((min(before), 4095))
+    assert os.sched_getaffinity(0) == before
+
+
+def test_pinning_runs_the_process_and_the_children_it_starts_on_those_cpus():
+    one = (min(os.sched_getaffinity(0)),)
+    child = "import os; print(sorted(os.sched_getaffinity(0)))"
+    code = (
+        "import os, subprocess, sys; from swarm.runtime.device import pin_cpus; pin_cpus(tuple(map(int, sys.argv[1:])))"
+        "; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush()"
+        f"; subprocess.run([sys.executable, '-c', {child!r}])"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *map(str, one)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(list(one))] * 2, "the process and the child it started after pinning"
+
+
+def test_the_compute_key_names_the_machine_device_and_cpu_set():
+    key = device.compute_key("cpu", (0,))
+    assert len(key) == 16 and int(key, 16) >= 0
+    assert key == device.compute_key("cpu", (0,)), "one machine and CPU set: one key, peer after peer"
+    assert key != device.compute_key("cpu", (0, 1)) != device.compute_key("cuda:0") != device.compute_key("cuda:1")
+    assert device.compute_key("cpu") == device.compute_key("cpu", tuple(os.sched_getaffinity(0)))
+    # a named group is the same key on any device or machine, and another group's is another
+    assert device.compute_key("cpu", (0,), "rack-1") == device.compute_key("cuda:0", None, "rack-1") != key
+    assert device.compute_key("cpu", None, "rack-1") != device.compute_key("cpu", None, "rack-2")
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert f.read().strip().replace("-", "")[:16] != key
