@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -40,7 +41,8 @@ FLOOR_FRACTION = 0.1
 """Share of the samples at each end whose least thread (and fd) count is the count's floor there."""
 COLUMNS = [
     "process", "rss_start_mib", "rss_end_mib", "rss_slope_mib_per_1k_steps", "threads_start", "threads_end",
-    "threads_floor_start", "threads_floor_end", "fds_floor_start", "fds_floor_end", "processes", "steps", "verdict",
+    "threads_floor_start", "threads_floor_end", "threads_grew", "fds_floor_start", "fds_floor_end", "processes",
+    "steps", "verdict",
 ]  # fmt: skip
 
 
@@ -104,6 +106,26 @@ class ProcessSample:
     """proportional set size: each shared page split among the processes sharing it (`sample_tree(full=True)`)"""
     uss_mib: float | None = None
     """unique set size: the pages only this process maps (`sample_tree(full=True)`)"""
+    thread_names: tuple[tuple[str, int], ...] = ()
+    """How many of its threads carry each name (the kernel's, /proc/PID/task/TID/comm: gRPC's C threads name
+    themselves, Python's all read as the interpreter's), so a risen count says which kind of thread it was."""
+
+
+def thread_names(pid: int) -> tuple[tuple[str, int], ...]:
+    """(name, count) of `pid`'s threads, by their kernel names, sorted; () where /proc cannot be read."""
+    counts: dict[str, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return ()
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # a thread that ended while being read
+        counts[name] = counts.get(name, 0) + 1
+    return tuple(sorted(counts.items()))
 
 
 def sample_tree(pid: int, full: bool = False) -> dict[str, ProcessSample]:
@@ -128,7 +150,9 @@ def sample_tree(pid: int, full: bool = False) -> dict[str, ProcessSample]:
             with proc.oneshot():
                 mem = proc.memory_full_info() if full else proc.memory_info()
                 pss, uss = (getattr(mem, "pss", mem.rss) / 2**20, mem.uss / 2**20) if full else (None, None)
-                sample = ProcessSample(mem.rss / 2**20, proc.num_threads(), proc.num_fds(), 1, pss, uss)
+                sample = ProcessSample(
+                    mem.rss / 2**20, proc.num_threads(), proc.num_fds(), 1, pss, uss, thread_names(proc.pid)
+                )
                 out[f"{proc.name()} {proc.pid}"] = sample
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue  # a child that ended between listing and reading
@@ -139,8 +163,16 @@ def summed(samples: dict[str, ProcessSample]) -> ProcessSample | None:
     if not samples:
         return None
     values = samples.values()
+    names: dict[str, int] = {}
+    for sample in values:
+        for name, count in sample.thread_names:
+            names[name] = names.get(name, 0) + count
     return ProcessSample(
-        sum(s.rss_mib for s in values), sum(s.threads for s in values), sum(s.fds for s in values), len(samples)
+        sum(s.rss_mib for s in values),
+        sum(s.threads for s in values),
+        sum(s.fds for s in values),
+        len(samples),
+        thread_names=tuple(sorted(names.items())),
     )
 
 
@@ -180,6 +212,12 @@ class _Series:
         fds = floors([s.fds for s in self.samples])
         ok = slope is not None and slope < SLOPE_TARGET_MIB_PER_1K
         ok = ok and threads[1] <= threads[0] and fds[1] <= fds[0]
+        by_name = [dict(s.thread_names) for s in self.samples]
+        grew = {}  # the thread names whose own floor rose: which kind of thread the risen count is
+        for name in sorted({n for names in by_name for n in names}):
+            floor = floors([names.get(name, 0) for names in by_name])
+            if floor[1] > floor[0]:
+                grew[name] = list(floor)
         return {
             "process": name,
             "rss_start_mib": round(first.rss_mib, 2),
@@ -190,6 +228,7 @@ class _Series:
             "threads_floor_start": threads[0],
             "threads_floor_end": threads[1],
             "threads_max": max(s.threads for s in self.samples),
+            "threads_grew": grew,
             "fds_start": first.fds,
             "fds_end": last.fds,
             "fds_floor_start": fds[0],
@@ -218,7 +257,8 @@ def _sample(procs, names: list[str], per_process: bool, step: int, series: dict[
                 series.setdefault(key, _Series()).steps.append(step)
                 series[key].samples.append(sample)
                 line = {"process": key, "step": step, "rss_mib": round(sample.rss_mib, 3)}
-                record.write(json.dumps({**line, "threads": sample.threads, "fds": sample.fds}) + "\n")
+                line.update(threads=sample.threads, fds=sample.fds, thread_names=dict(sample.thread_names))
+                record.write(json.dumps(line) + "\n")
 
 
 class _StepReader:

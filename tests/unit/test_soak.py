@@ -48,3 +48,43 @@ def test_the_rss_slope_still_decides_alone():
         series.samples[i] = ProcessSample(100.0 + 0.01 * i, sample.threads, sample.fds, 1)
     row = series.row("peer0")
     assert row["rss_slope_mib_per_1k_steps"] == pytest.approx(1.0) and row["verdict"] == "FAIL"
+
+
+def test_a_risen_thread_count_names_the_kind_of_thread_that_rose():
+    # 120 interpreter threads throughout; gRPC's event engine holds one more from mid-run on
+    series = _Series()
+    for i in range(100):
+        engine = 4 if i < 50 else 5
+        names = (("event_engine", engine), ("python3", 120))
+        series.steps.append(1000 + 10 * i)
+        series.samples.append(ProcessSample(300.0, 120 + engine, 19, 1, thread_names=names))
+    row = series.row("peer1")
+    assert row["verdict"] == "FAIL" and row["threads_grew"] == {"event_engine": [4, 5]}
+    assert _series([14] * 50).row("peer0")["threads_grew"] == {}, "nothing grew: nothing named"
+
+
+def test_a_process_tree_is_sampled_with_its_threads_names_and_summed_by_name():
+    import os
+    import threading
+
+    from swarm.bench.soak import sample_tree, summed, thread_names
+
+    started, stop = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        stop.wait(60)
+
+    worker = threading.Thread(target=hold, daemon=True)
+    worker.start()
+    started.wait(10)
+    try:
+        mine = dict(thread_names(os.getpid()))
+        tree = sample_tree(os.getpid())
+    finally:
+        stop.set()
+        worker.join(10)
+    assert sum(mine.values()) >= 2, mine  # this thread and the held one at least
+    total = summed(tree)
+    assert total is not None and sum(dict(total.thread_names).values()) >= sum(mine.values())
+    assert thread_names(2**22 + 7) == (), "a process that is gone reads as no threads"
