@@ -82,8 +82,9 @@ class PlanningConfig:
     republishes it (`swarm.daemon.calibrate`); None: off (a trainer without the DHT cannot follow the new version)."""
     repack: bool = True
     """When a freezing trainer's stages all froze more layers, the planner repacks the active layers onto fewer
-    stages and gives the freed peers to them as replicas, or standbys where they share a plan peer's hardware (PipeTransformer; `swarm.daemon.repack`); False
-    (--no-repack): the plan keeps its stages (`swarm experiment freezing`'s freeze-only setting)."""
+    stages and gives the freed peers to them as replicas, or standbys where they share a plan peer's hardware
+    (PipeTransformer; `swarm.daemon.repack`); False (--no-repack): the plan keeps its stages (`swarm experiment
+    freezing`'s freeze-only setting)."""
     precision_budget: float = 0.0
     """The planner chooses each stage's precision (fp32/bf16, QSync) from the peers' announced speeds under this
     loss budget, e.g. 1e-3 (summed sensitivity, `swarm.scheduler.precision_choice`); 0: off, every peer computes in its
