@@ -214,10 +214,10 @@ class _Series:
         ok = ok and threads[1] <= threads[0] and fds[1] <= fds[0]
         by_name = [dict(s.thread_names) for s in self.samples]
         grew = {}  # the thread names whose own floor rose: which kind of thread the risen count is
-        for name in sorted({n for names in by_name for n in names}):
-            floor = floors([names.get(name, 0) for names in by_name])
+        for kind in sorted({n for names in by_name for n in names}):
+            floor = floors([names.get(kind, 0) for names in by_name])
             if floor[1] > floor[0]:
-                grew[name] = list(floor)
+                grew[kind] = list(floor)
         return {
             "process": name,
             "rss_start_mib": round(first.rss_mib, 2),

@@ -60,6 +60,7 @@ def test_a_risen_thread_count_names_the_kind_of_thread_that_rose():
         series.samples.append(ProcessSample(300.0, 120 + engine, 19, 1, thread_names=names))
     row = series.row("peer1")
     assert row["verdict"] == "FAIL" and row["threads_grew"] == {"event_engine": [4, 5]}
+    assert row["process"] == "peer1", "the row names its process, not a thread"
     assert _series([14] * 50).row("peer0")["threads_grew"] == {}, "nothing grew: nothing named"
 
 
