@@ -419,7 +419,9 @@ def _parse_setting(text: str, forward_defaults: dict, backward_defaults: dict, c
         return replace(Setting.parse(head, forward_defaults, backward_defaults), name=text, epilogue_tail=tail)
     from swarm.experiments.selective import selective_plan, setting_codecs
 
-    plan = selective_plan(text, cfg.model, cfg.n_stages, cfg.batch_size // cfg.n_micro, cfg.n_micro)
+    plan = selective_plan(
+        text, cfg.model, cfg.n_stages, cfg.batch_size // cfg.n_micro, cfg.n_micro, replicas=cfg.replicas
+    )
     return Setting(text, *setting_codecs(plan, forward_defaults, backward_defaults), plan=plan)
 
 

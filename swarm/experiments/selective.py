@@ -50,8 +50,12 @@ def _parse(text: str, n_stages: int) -> tuple[list[float], float]:
     return (rates * (n_stages - 1) if len(rates) == 1 else rates), speed
 
 
-def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int) -> PlanDocument:
-    """The plan (stages, link codecs, epilogue codecs) chosen for the `sel:` setting `text`."""
+def selective_plan(
+    text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int, replicas: int = 1
+) -> PlanDocument:
+    """The plan (stages, link codecs, epilogue codecs) chosen for the `sel:` setting `text`, with `replicas` peers
+    per stage (the convergence experiment's `--replicas`): each stage's replicas sum over links at the slowest
+    rate, so selective stage compression widens the sums the epilogue hides and keeps the others compressed."""
     from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
     from swarm.daemon.planning import link_figures
     from swarm.scheduler.bits import BitsPolicy, choose_codecs, codec_sizes
@@ -69,13 +73,20 @@ def selective_plan(text: str, model, n_stages: int, micro_batch_size: int, micro
         micro_batch_size,
         micro_batches,
     )
-    bandwidth = np.full((n_stages, n_stages), min(rates) * 1e6 / 8)
-    for b, rate in enumerate(rates):
-        bandwidth[b, b + 1] = bandwidth[b + 1, b] = rate * 1e6 / 8
-    peers = tuple(Peer(f"s{s}", speed * spec.flops_per_layer, 1e12) for s in range(n_stages))
-    plan_input = PlanInput(peers, np.zeros((n_stages, n_stages)), bandwidth)
+    if replicas < 1:
+        raise ValueError(f"setting {text!r}: replicas must be >= 1, got {replicas}")
+    ids = [[f"s{s}" if replicas == 1 else f"s{s}r{r}" for r in range(replicas)] for s in range(n_stages)]
+    stage_of = [s for s in range(n_stages) for _ in range(replicas)]
+    n = len(stage_of)
+    bandwidth = np.full((n, n), min(rates) * 1e6 / 8)
+    for i in range(n):
+        for j in range(n):
+            if abs(stage_of[i] - stage_of[j]) == 1:  # a boundary's replica pairs run at that boundary's rate
+                bandwidth[i, j] = rates[min(stage_of[i], stage_of[j])] * 1e6 / 8
+    peers = tuple(Peer(pid, speed * spec.flops_per_layer, 1e12) for group in ids for pid in group)
+    plan_input = PlanInput(peers, np.zeros((n, n)), bandwidth)
     bounds = np.linspace(0, model.n_layers, n_stages + 1).round().astype(int)
-    plan = PlanDocument(tuple(PlanStage(int(bounds[s]), int(bounds[s + 1]), (f"s{s}",)) for s in range(n_stages)))
+    plan = PlanDocument(tuple(PlanStage(int(bounds[s]), int(bounds[s + 1]), tuple(ids[s])) for s in range(n_stages)))
     stages, policy = plan.stage_dicts(), BitsPolicy()
     step_s = pipeline_step_s(stages, plan_input, spec)
     sizes = codec_sizes(model, micro_batch_size)

@@ -340,6 +340,25 @@ def test_a_sel_setting_gives_each_boundary_its_own_codecs_in_process():
         pipe.close()
 
 
+def test_a_sel_setting_with_replicas_keeps_the_sums_the_epilogue_waits_on_compressed_and_widens_the_hidden_ones():
+    # the convergence experiment's --replicas R: each stage has R planned peers, whose sums the epilogue chooses
+    from swarm.experiments.selective import selective_plan
+    from swarm.options import DEFAULT_MODEL
+
+    one = selective_plan("sel:1", DEFAULT_MODEL, 2, 4, 4)
+    assert [s.peer_ids for s in one.stages] == [("s0",), ("s1",)], "one replica: the plan as before"
+    slow = selective_plan("sel:1", DEFAULT_MODEL, 2, 4, 4, replicas=2)
+    fast = selective_plan("sel:1000", DEFAULT_MODEL, 2, 4, 4, replicas=2)
+    assert [len(s.peer_ids) for s in slow.stages] == [2, 2] and slow.stages[0].peer_ids == ("s0r0", "s0r1")
+    # at 1 Mbit/s the replicas' sums set the epilogue's length: they stay 2-bit; at 1000 they are hidden: widened
+    assert all(label.startswith("gradq2") for label in slow.epilogue.average_labels), slow.epilogue.average_labels
+    assert all(label in ("bf16", "fp32") for label in fast.epilogue.average_labels), fast.epilogue.average_labels
+    labels = lambda plan: [(c.forward_label, c.backward_label) for c in plan.codecs]  # noqa: E731
+    assert labels(slow) == labels(one), "the boundaries' codecs do not depend on the replicas at this rate"
+    with pytest.raises(ValueError, match="replicas"):
+        selective_plan("sel:1", DEFAULT_MODEL, 2, 4, 4, replicas=0)
+
+
 def test_a_move_past_the_hysteresis_to_the_same_codecs_publishes_nothing():
     # regression: the planner compared the codecs with their `why` texts, whose milliseconds change with every
     # measurement, so a move that chose the same codecs republished the plan (a new version for nothing)
