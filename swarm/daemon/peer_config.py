@@ -17,7 +17,7 @@ from swarm.peers.records import MAX_PLANNER_LEASE_S
 from swarm.peers.shaper import LinkShape
 from swarm.peers.transport import TransportConfig
 from swarm.runtime.budget import StageBudget
-from swarm.runtime.device import check_device, parse_cpus, parse_device, render_cpus
+from swarm.runtime.device import check_cpus, check_device, parse_cpus, parse_device, render_cpus
 from swarm.runtime.precision import PRECISIONS
 from swarm.runtime.worker import OptimConfig
 
@@ -333,6 +333,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
 
     cfg = peer_flags().from_args(args)
     check_device(cfg.device)
+    if cfg.cpus is not None:
+        check_cpus(cfg.cpus)
     dht = replace(cfg.dht, initial_peers=joined_peers(cfg.dht.initial_peers, cfg.address_file))
     if dht.run is not None:  # an owned run: the model, codecs and schedule are the manifest's
         from swarm.daemon.run_cli import manifest_of, with_manifest

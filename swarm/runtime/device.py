@@ -26,6 +26,7 @@ __all__ = [
     "DeviceBufferStore",
     "DeviceError",
     "add_device_argument",
+    "check_cpus",
     "check_device",
     "compute_key",
     "fastest_seconds",
@@ -91,16 +92,20 @@ def render_cpus(cpus: tuple[int, ...] | None) -> str:
     return "none" if cpus is None else ",".join(map(str, cpus))
 
 
-def pin_cpus(cpus: tuple[int, ...]) -> None:
-    """Runs this process, and every process it starts from now on (children inherit it), on `cpus` only.
-
-    Raises:
-        DeviceError: a CPU this process may not run on (not on the machine, or outside its cgroup's set)."""
+def check_cpus(cpus: tuple[int, ...]) -> None:
+    """Raises ValueError naming the CPUs of `cpus` this process may not run on (not on the machine, or outside its
+    cgroup's set)."""
     allowed = os.sched_getaffinity(0)
     missing = sorted(set(cpus) - allowed)
     if missing:
-        raise DeviceError(f"--cpus {','.join(map(str, cpus))}: no CPU {missing} here (this process may use "
-                          f"{','.join(map(str, sorted(allowed)))})")  # fmt: skip
+        usable = render_cpus(tuple(sorted(allowed)))
+        raise ValueError(f"--cpus {render_cpus(cpus)}: no CPU {missing} here (this process may use {usable})")
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> None:
+    """Runs this process, and every process it starts from now on (children inherit it), on `cpus` only (checked
+    first: `check_cpus`)."""
+    check_cpus(cpus)
     os.sched_setaffinity(0, cpus)
 
 

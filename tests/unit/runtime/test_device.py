@@ -231,9 +231,13 @@ def test_a_malformed_cpu_list_is_refused_by_name(bad):
 
 def test_pinning_to_cpus_this_process_may_not_use_is_refused_naming_them_and_changes_nothing():
     before = os.sched_getaffinity(0)
-    with pytest.raises(device.DeviceError, match="no CPU \\[4095\\]"):
+    with pytest.raises(ValueError, match="no CPU \\[4095\\]"):
         device.pin_cpus((min(before), 4095))
     assert os.sched_getaffinity(0) == before
+    # swarm-peer says so before it starts anything
+    args = build_parser().parse_args(["--cpus", "4095"])
+    with pytest.raises(ValueError, match="--cpus 4095: no CPU \\[4095\\]"):
+        config_from_args(args)
 
 
 def test_pinning_runs_the_process_and_the_children_it_starts_on_those_cpus():
