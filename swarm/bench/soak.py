@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -113,7 +114,7 @@ class ProcessSample:
 
 def thread_names(pid: int) -> tuple[tuple[str, int], ...]:
     """(name, count) of `pid`'s threads, by their kernel names, sorted; () where /proc cannot be read."""
-    counts: dict[str, int] = {}
+    counts: Counter[str] = Counter()
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -121,10 +122,9 @@ def thread_names(pid: int) -> tuple[tuple[str, int], ...]:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
+                counts[f.read().strip()] += 1
         except OSError:
             continue  # a thread that ended while being read
-        counts[name] = counts.get(name, 0) + 1
     return tuple(sorted(counts.items()))
 
 
@@ -163,10 +163,7 @@ def summed(samples: dict[str, ProcessSample]) -> ProcessSample | None:
     if not samples:
         return None
     values = samples.values()
-    names: dict[str, int] = {}
-    for sample in values:
-        for name, count in sample.thread_names:
-            names[name] = names.get(name, 0) + count
+    names = sum((Counter(dict(s.thread_names)) for s in values), Counter())
     return ProcessSample(
         sum(s.rss_mib for s in values),
         sum(s.threads for s in values),

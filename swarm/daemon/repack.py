@@ -153,8 +153,7 @@ def repack_plan(
         new.append(PlanStage(start, end, tuple(replicas)))
     if standby:
         log.info("repack: %s stand by (their hardware already computes for the plan)", ", ".join(standby))
-    repacked = plan.with_stages(new).replace(frozen_layers=frozen_layers)
-    return repacked.replace(unused_peer_ids=(*repacked.unused_peer_ids, *standby)) if standby else repacked
+    return plan.with_stages(new).replace(frozen_layers=frozen_layers, unused_peer_ids=(*plan.unused_peer_ids, *standby))
 
 
 def with_frozen(

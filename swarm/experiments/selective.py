@@ -76,13 +76,13 @@ def selective_plan(
     if replicas < 1:
         raise ValueError(f"setting {text!r}: replicas must be >= 1, got {replicas}")
     ids = [[f"s{s}" if replicas == 1 else f"s{s}r{r}" for r in range(replicas)] for s in range(n_stages)]
-    stage_of = [s for s in range(n_stages) for _ in range(replicas)]
+    stage_of = np.repeat(np.arange(n_stages), replicas)
     n = len(stage_of)
-    bandwidth = np.full((n, n), min(rates) * 1e6 / 8)
-    for i in range(n):
-        for j in range(n):
-            if abs(stage_of[i] - stage_of[j]) == 1:  # a boundary's replica pairs run at that boundary's rate
-                bandwidth[i, j] = rates[min(stage_of[i], stage_of[j])] * 1e6 / 8
+    # a boundary's replica pairs run at that boundary's rate; any other pair (replicas of one stage too) the slowest
+    boundary = np.minimum.outer(stage_of, stage_of)
+    adjacent = np.abs(np.subtract.outer(stage_of, stage_of)) == 1
+    rate = np.asarray([*rates, min(rates)])[np.where(adjacent, boundary, n_stages - 1)]
+    bandwidth = rate * 1e6 / 8
     peers = tuple(Peer(pid, speed * spec.flops_per_layer, 1e12) for group in ids for pid in group)
     plan_input = PlanInput(peers, np.zeros((n, n)), bandwidth)
     bounds = np.linspace(0, model.n_layers, n_stages + 1).round().astype(int)
