@@ -64,8 +64,9 @@ class StageClock:
     work_s: float
     passes: int
     """Forward and backward passes its compute phase timed (two per micro-batch)."""
-    sent: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """Bytes it put on the wire: forward to the next stage, backward to the previous, the tied gradient."""
+    sent: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    """Bytes it put on the wire: forward to the next stage, backward to the previous, the tied gradient, its stage's
+    gradient sum (to its replicas)."""
     trainer: tuple[int, float] = (0, 0.0)
     """Steps timed whole (the trainer's time up to its `Step` plus the stage's Step: phase "trainer") and their
     seconds."""
@@ -97,6 +98,9 @@ class Measured:
     read its forward 6% under and its backward 6% over what each message was, h/cal's run r1)."""
     backward_ratio: float = 0.0
     """Bytes it sent backward over their fp32 size (0: none sent)."""
+    average_bytes: float = 0.0
+    """Bytes of its stage's gradient sum it sent per step, to every other replica of the stage together (0: one
+    replica)."""
 
 
 def _figure(metrics: Mapping[str, float], key: str, most: float) -> float | None:
@@ -118,7 +122,7 @@ def read_clock(metrics: Mapping[str, float], stage: int) -> StageClock | None:
     ]
     sent = [
         _figure(metrics, f'swarm_wire_bytes_total{{direction="{d}",link="{link}"}}', MAX_BYTES)
-        for d, link in (("forward", stage), ("backward", stage - 1), ("tied", "tied"))
+        for d, link in (("forward", stage), ("backward", stage - 1), ("tied", "tied"), ("average", "average"))
     ]
     fp32 = [
         _figure(metrics, f'swarm_fp32_bytes_total{{direction="{d}",link="{link}"}}', MAX_BYTES)
@@ -154,7 +158,7 @@ def window(before: StageClock, after: StageClock) -> Measured | None:
         step_s = timed_s
     return Measured(
         work_s / micro, step_s / steps, steps, sent[0] / micro, sent[1] / micro, sent[2] / steps, before.steps,
-        *ratios,
+        *ratios, average_bytes=sent[3] / steps,
     )  # fmt: skip
 
 
@@ -267,7 +271,8 @@ def calibrated_breakdown(
 
 def measured_bytes(spec: ModelSpec, stages: Sequence[PlanStage], measured: Mapping[str, Measured]) -> ModelSpec:
     """`spec` with the bytes the peers sent: the busiest boundary's forward and backward bytes per micro-batch,
-    and the tied gradient's bytes per step and partner (each end-stage replica sends it to every other one)."""
+    the tied gradient's bytes per step and partner (each end-stage replica sends it to every other one), and the
+    replicas' sums' bytes per partner and layer (whatever codec the plan's epilogue or the fixed policy sums with)."""
     last = len(stages) - 1
     if last < 1:
         return spec
@@ -282,6 +287,12 @@ def measured_bytes(spec: ModelSpec, stages: Sequence[PlanStage], measured: Mappi
     final = max((m.tied_bytes / partners for m in rows[last]), default=0.0)
     figures = {"forward_bytes": max(forward, default=0.0), "backward_bytes": max(backward, default=0.0)}
     figures |= {"tied_bytes": first or final, "tied_bytes_last": final or first}
+    # a replica sends its whole sum to each other replica (`GradientAverager`): per partner and layer, the largest
+    sums = [
+        m.average_bytes / (len(st.peer_ids) - 1) / len(st.layers)
+        for st, row in zip(stages, rows, strict=True) if len(st.peer_ids) > 1 and len(st.layers) for m in row
+    ]  # fmt: skip
+    figures["gradient_bytes_per_layer"] = max(sums, default=0.0)
     return dataclasses.replace(spec, **{k: v for k, v in figures.items() if v > 0})
 
 

@@ -309,7 +309,7 @@ class PeerDaemon:
         from swarm.daemon.probe import LinkProber
         from swarm.daemon.repack import RepackWatch
         from swarm.daemon.sensitivity_report import SensitivityReport
-        from swarm.scheduler.bits import codec_sizes
+        from swarm.scheduler.bits import codec_sizes, epilogue_codec_speed
         from swarm.scheduler.precision_choice import precision_planner
         from swarm.scheduler.sizes import model_spec
 
@@ -341,6 +341,8 @@ class PeerDaemon:
             stages,
             liveness=liveness,
             codec_bytes=codec_sizes(self.model, plans.micro_batch_size) if plans.codec_policy == "per-link" else None,
+            epilogue=plans.codec_policy == "selective",
+            codec_speed=epilogue_codec_speed() if plans.codec_policy != "fixed" else None,
             reannounce=self.update_announcement,  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
             repack=RepackWatch(status_reader(self.channels, lambda: self._addresses)) if plans.repack else None,

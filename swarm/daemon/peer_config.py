@@ -28,6 +28,8 @@ __all__ = ["PeerConfig", "PlanningConfig", "build_parser", "config_from_args", "
 
 _PLANNING = "planning (--assign plan)"
 _SERVING = "serving"
+CODEC_POLICIES = ("fixed", "selective", "per-link")
+"""`PlanningConfig.codec_policy`'s choices: what the planner chooses codecs for (nothing, the epilogue, both)."""
 _CHECKPOINTS = "checkpoints"
 
 
@@ -74,9 +76,12 @@ class PlanningConfig:
     even_layers: bool = field(default=False, metadata=flag(name="--plan-even-layers"))
     """Plan an even layer split (the search still orders and pairs the peers, and predicts the step): runs that
     compare settings keep the same stage boundaries while the plan still says what it predicts."""
-    codec_policy: str = field(default="fixed", metadata=flag(choices=("fixed", "per-link")))
-    """fixed: every link carries --fw-codec/--bw-codec; per-link: the planner chooses each boundary's codecs from
-    its measured rate and the stages' compute (`swarm.scheduler.bits`) and peers apply the plan's."""
+    codec_policy: str = field(default="fixed", metadata=flag(choices=CODEC_POLICIES))
+    """fixed: every link carries --fw-codec/--bw-codec and the replicas sum at the floor (2 bits); selective: the
+    links carry those, and the planner chooses the replicas' sums' and the tied sync's codecs from the measured
+    links, compressing only the exchanges that set the epilogue's length (Optimus-CC's selective stage compression,
+    `swarm.scheduler.selective_stages`); per-link: that, and each boundary's codecs from its measured rate and the
+    stages' compute (`swarm.scheduler.bits`). Peers apply the plan's."""
     calibrate_after_steps: int | None = None
     """The planner re-predicts the plan from its peers' clocks over 4 steps from this many steps in and
     republishes it (`swarm.daemon.calibrate`); None: off (a trainer without the DHT cannot follow the new version)."""
@@ -95,8 +100,9 @@ class PlanningConfig:
             raise ValueError("PlanningConfig: calibrate_after_steps must be >= 0")
         if not (math.isfinite(self.precision_budget) and self.precision_budget >= 0):
             raise ValueError("PlanningConfig: precision_budget must be a finite number >= 0")
-        if self.codec_policy not in ("fixed", "per-link"):
-            raise ValueError(f"PlanningConfig: codec_policy must be fixed or per-link, got {self.codec_policy!r}")
+        if self.codec_policy not in CODEC_POLICIES:
+            choices = ", ".join(CODEC_POLICIES)
+            raise ValueError(f"PlanningConfig: codec_policy must be one of {choices}, got {self.codec_policy!r}")
         if self.micro_batch_size < 1 or self.micro_batches < 1:
             raise ValueError("PlanningConfig: micro_batch_size and micro_batches must be >= 1")
         if self.replicas < 0 or self.heartbeat_s <= 0 or self.gone_after_s < self.heartbeat_s:

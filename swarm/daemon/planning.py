@@ -56,7 +56,7 @@ from swarm.peers.records import (
 )
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
-from swarm.scheduler.bits import BitsPolicy, LinkFigures, choose_codecs, rechoose
+from swarm.scheduler.bits import BitsPolicy, CodecSpeed, LinkFigures, choose_codecs, rechoose
 from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, relays_of, shared_cost, shared_input
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
 
@@ -213,6 +213,8 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         liveness: Liveness | None = None,
         codec_bytes: Callable[[str], float] | None = None,
+        epilogue: bool = False,
+        codec_speed: Callable[[], CodecSpeed] | None = None,
         bits: BitsPolicy | None = None,
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
@@ -227,6 +229,12 @@ class Planner:
         self.probe_wait_s = probe_wait_s if cfg.probe_links else 0.0
         self.replicas, self.liveness, self.even_layers = cfg.replicas, liveness, cfg.even_layers
         self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
+        self.epilogue = epilogue or codec_bytes is not None
+        """Whether plans carry the epilogue's codecs (the replicas' sums, the tied sync), chosen from the measured
+        links (`--codec-policy selective`; per-link chooses them with the boundaries' codecs)."""
+        self.codec_speed = codec_speed
+        """How fast this machine runs the epilogue's codecs (`swarm.scheduler.sizes.measure_codec_speed`, measured
+        once, when first asked): an exchange's time is its bytes and its encoding; None: its bytes alone."""
         self.calibrator, self.precisions, self.repack = calibrator, precisions, repack  # precisions: scheduler
         self.precision_watch = PrecisionWatch(precisions) if precisions is not None else None  # from announced figures
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
@@ -382,7 +390,7 @@ class Planner:
         watch = self.precision_watch
         if unchanged and watch is not None and (done := watch.round(self, current, peers)):
             return done
-        if unchanged and self.codec_bytes is not None and alive:
+        if unchanged and self.epilogue and alive:
             return self.rechoose_codecs(current, peers, alive)
         if not alive or unchanged:
             return None
@@ -462,14 +470,15 @@ class Planner:
         self._dropped = dropped
 
     def with_codecs(self, plan: PlanDocument, swarm: SwarmInput) -> PlanDocument:
-        """`plan` with the codecs chosen per boundary from the measured links, and the epilogue's with the step
-        predicted for them (unchanged with fixed codecs)."""
-        if self.codec_bytes is None:
+        """`plan` with the codecs chosen per boundary from the measured links (per-link), and the epilogue's with
+        the step predicted for them (per-link and selective; unchanged with fixed codecs)."""
+        if not self.epilogue:
             return plan
         stages = plan.stage_dicts()
-        epilogue = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits)
+        speed = self.codec_speed() if self.codec_speed is not None else None
+        epilogue = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits, speed)
         self._epilogue_from = None if epilogue is None else epilogue.figures
-        if len(stages) >= 2:
+        if self.codec_bytes is not None and len(stages) >= 2:
             self._chosen_from = link_figures(plan.stages, swarm.plan_input, self.spec)
             step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
             codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s)
@@ -486,8 +495,10 @@ class Planner:
         hysteresis (the same stages: only the codecs change); None while they hold."""
         plan = current.document
         swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
-        bounds = plan.n_stages >= 2 and rechoose(
-            self._chosen_from, link_figures(plan.stages, swarm.plan_input, self.spec), self.bits
+        bounds = (
+            self.codec_bytes is not None
+            and plan.n_stages >= 2
+            and rechoose(self._chosen_from, link_figures(plan.stages, swarm.plan_input, self.spec), self.bits)
         )
         moved = epilogue_moved(self._epilogue_from, plan.stage_dicts(), swarm.plan_input, self.spec, self.bits)
         if not bounds and not moved:

@@ -199,7 +199,9 @@ _SETTINGS_HELP = (
     "percent), @wN (N "
     "uncompressed warm-up epochs first), @tN (the tied embedding's sum at N bits, last) or @lrN[+f8] (the "
     "tied sum as rank-N factors, fp16 or 8-bit), @epiK (epilogue-only compression: only the last K backward "
-    "messages of every boundary at BW, the others fp32, last); "
+    "messages of every boundary at BW, the others fp32, last), @selRATE (selective stage compression alone, as "
+    "--codec-policy selective plans it: FW/BW on the links, the replicas' sums' and tied sync's codecs chosen for "
+    "sums at RATE Mbit/s with this machine's codec speed); "
     "sel:RATES[:LAYERS_PER_S] (selective compression: each boundary's and "
     "the tied sync's codec chosen as the planner would for links at RATES Mbit/s, one or one per boundary "
     "joined by +), ~bf16:S[:S...] (per-peer precision: those stages compute in bf16); "
@@ -413,10 +415,22 @@ def _regime_fields(res: SettingResult, cfg: ExperimentConfig, report) -> dict:
 def _parse_setting(text: str, forward_defaults: dict, backward_defaults: dict, cfg: ExperimentConfig) -> Setting:
     """`Setting.parse`, or a `sel:RATES[:LAYERS_PER_S]` setting: codecs chosen per link as the planner would."""
     if not text.startswith("sel:"):
-        from swarm.experiments.selective import split_epilogue_tail
+        from swarm.experiments.selective import selective_plan, split_epilogue_tail, split_selective
 
         head, tail = split_epilogue_tail(text)
-        return replace(Setting.parse(head, forward_defaults, backward_defaults), name=text, epilogue_tail=tail)
+        head, rate = split_selective(head)
+        setting = replace(Setting.parse(head, forward_defaults, backward_defaults), name=text, epilogue_tail=tail)
+        if rate is None:
+            return setting
+        from swarm.scheduler.bits import epilogue_codec_speed
+
+        # @selRATE: the setting's links, and the sums' codecs the live planner's selective policy would choose at RATE
+        # with this machine's codec speed (`--codec-policy selective`)
+        plan = selective_plan(
+            f"sel:{rate:g}", cfg.model, cfg.n_stages, cfg.batch_size // cfg.n_micro, cfg.n_micro,
+            replicas=cfg.replicas, links=False, codec_speed=epilogue_codec_speed()(),
+        )  # fmt: skip
+        return replace(setting, plan=plan)
     from swarm.experiments.selective import selective_plan, setting_codecs
 
     plan = selective_plan(

@@ -12,6 +12,7 @@ machine). The boundaries get `choose_codecs` (hidden under compute and within th
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -30,6 +31,8 @@ __all__ = [
     "setting_codecs",
     "split_epilogue",
     "split_epilogue_tail",
+    "split_selective",
+    "SELECTIVE_SUFFIX",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,11 +54,20 @@ def _parse(text: str, n_stages: int) -> tuple[list[float], float]:
 
 
 def selective_plan(
-    text: str, model, n_stages: int, micro_batch_size: int, micro_batches: int, replicas: int = 1
+    text: str,
+    model,
+    n_stages: int,
+    micro_batch_size: int,
+    micro_batches: int,
+    replicas: int = 1,
+    links: bool = True,
+    codec_speed=None,
 ) -> PlanDocument:
     """The plan (stages, link codecs, epilogue codecs) chosen for the `sel:` setting `text`, with `replicas` peers
     per stage (the convergence experiment's `--replicas`): each stage's replicas sum over links at the slowest
-    rate, so selective stage compression widens the sums the epilogue hides and keeps the others compressed."""
+    rate, so selective stage compression widens the sums the epilogue hides and keeps the others compressed.
+    `links` False: the epilogue's codecs only, as `--codec-policy selective` plans (the `FW/BW@selRATE` settings);
+    `codec_speed`: the codecs' measured speed the epilogue is chosen with (`swarm.scheduler.bits.CodecSpeed`)."""
     from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
     from swarm.daemon.planning import link_figures
     from swarm.scheduler.bits import BitsPolicy, choose_codecs, codec_sizes
@@ -90,10 +102,11 @@ def selective_plan(
     stages, policy = plan.stage_dicts(), BitsPolicy()
     step_s = pipeline_step_s(stages, plan_input, spec)
     sizes = codec_sizes(model, micro_batch_size)
-    codecs = choose_codecs(link_figures(plan.stages, plan_input, spec), sizes, policy, step_s)
-    epilogue, _, breakdown = choose_for_plan(stages, plan_input, spec, policy)
-    plan = plan.with_link_codecs(codecs).with_epilogue(epilogue)
-    for b, c in enumerate(plan.codecs):
+    epilogue, _, breakdown = choose_for_plan(stages, plan_input, spec, policy, codec_speed)
+    plan = plan.with_epilogue(epilogue)
+    if links:
+        plan = plan.with_link_codecs(choose_codecs(link_figures(plan.stages, plan_input, spec), sizes, policy, step_s))
+    for b, c in enumerate(plan.codecs or ()):
         log.info("%s boundary %d: %s", text, b, c.why)
     log.info("%s epilogue: %s; predicted step %.3f s", text, plan.epilogue.why, breakdown.total_s)
     return plan
@@ -110,6 +123,9 @@ def apply_selective(pipe, plan: PlanDocument, forward_defaults: dict, backward_d
     for row in pipe.replica_hosts:
         for host in row:
             stage = host.role.stage
+            if not plan.codecs:  # an epilogue-only choice (`FW/BW@selRATE`): the setting's own links stay
+                host.apply(replace(host.assignment, epilogue=plan.epilogue_configs(stage)))
+                continue
             labels = plan.link_labels(stage, (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC))
             forward_send, backward_send, forward_recv, backward_recv = (
                 CodecConfig.parse(label, **(forward_defaults if i % 2 == 0 else backward_defaults))
@@ -149,6 +165,26 @@ EPILOGUE_SUFFIX = "@epi"
 """A `FW/BW@epi` setting: epilogue-only compression, the exposed backward messages chosen by the planner."""
 UNSHAPED_PLAN_MBIT = 1000.0
 """The rate an unshaped (loopback) link is planned at."""
+
+
+SELECTIVE_SUFFIX = "@sel"
+"""`FW/BW@sel`: Optimus-CC's selective stage compression alone, the links at FW/BW and the replicas' sums' and tied
+sync's codecs chosen by the planner (`--codec-policy selective`); the convergence experiment's form names the rate
+its sums are planned at, `FW/BW@selRATE` (Mbit/s), the throttled experiment's none (its links are measured)."""
+
+
+def split_selective(setting: str) -> tuple[str, float | None]:
+    """`FW/BW@selRATE` -> (`FW/BW`, RATE in Mbit/s); (setting, None) without the suffix."""
+    head, sep, tail = setting.rpartition(SELECTIVE_SUFFIX)
+    if not sep or "@" in tail or "/" in tail:
+        return setting, None
+    try:
+        rate = float(tail)
+    except ValueError:
+        rate = math.nan
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"setting {setting!r}: @selRATE takes the sums' link rate in Mbit/s > 0 (e.g. @sel1000), last")
+    return head, rate
 
 
 def split_epilogue_tail(setting: str) -> tuple[str, int | None]:

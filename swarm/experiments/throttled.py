@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
-from swarm.experiments.selective import split_epilogue
+from swarm.experiments.selective import EPILOGUE_SUFFIX, SELECTIVE_SUFFIX
 from swarm.flags import Flags, flag
 from swarm.peers.plan import PlanDocument
 from swarm.report import print_table
@@ -104,6 +104,14 @@ def _settings(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
+def split_setting(setting: str) -> tuple[str, str]:
+    """(`FW/BW`, the setting's suffix: `EPILOGUE_SUFFIX`, `SELECTIVE_SUFFIX` or '')."""
+    for suffix in (EPILOGUE_SUFFIX, SELECTIVE_SUFFIX):
+        if setting.endswith(suffix):
+            return setting.removesuffix(suffix), suffix
+    return setting, ""
+
+
 @dataclass(frozen=True)
 class ThrottledConfig:
     """The matrix of `swarm experiment throttled`: every link speed with every codec setting."""
@@ -133,7 +141,10 @@ class ThrottledConfig:
     micro_batches: int = 4
     """micro-batches per step"""
     peers: int = 2
-    """swarm-peer processes, one stage each"""
+    """swarm-peer processes, one stage each unless --stages"""
+    stages: int | None = None
+    """pipeline stages (none: one per peer); fewer than --peers plans --peers/--stages replicas of every stage, whose
+    gradient sums cross the shaped links too (what the FW/BW@sel settings choose codecs for)"""
     delay_ms: float = 0.0
     """one-way delay of every link, ms"""
     netns: bool = False
@@ -172,6 +183,16 @@ class ThrottledConfig:
                 raise ValueError(f"ThrottledConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.train_samples % self.batch_size:
             raise ValueError("--train-samples must be a multiple of --batch-size")
+        if self.stages is not None and not (1 <= self.stages <= self.peers and self.peers % self.stages == 0):
+            raise ValueError(f"--stages {self.stages}: expected a divisor of --peers {self.peers} (replicas per stage)")
+        if self.netns and self.stages not in (None, self.peers):
+            raise ValueError("--stages below --peers runs on the application's shaper only, not with --netns")
+        for setting in self.settings:
+            pair, _ = split_setting(setting)
+            if pair.count("/") != 1 or "@" in pair:
+                raise ValueError(
+                    f"setting {setting!r}: expected FW/BW, optionally with {EPILOGUE_SUFFIX} or {SELECTIVE_SUFFIX}"
+                )
         if not re.fullmatch(r"[a-z][a-z0-9]{0,4}-", self.netns_prefix):
             raise ValueError(f"--netns-prefix: expected [a-z][a-z0-9]{{0,4}}- (e.g. 'swt-'), got {self.netns_prefix!r}")
 
@@ -262,6 +283,11 @@ def read_summary(cell_dir: Path) -> dict:
                 summary["first_plan_step_s"] = plan.first_step_time_s
                 summary["predicted_step_s"] = plan.step_time_s
                 summary["calibration_window"] = calibration_window(plan.measured_figures())
+            if plan is not None and plan.epilogue is not None:  # what the planner chose for the sums (@sel)
+                summary["epilogue_codecs"] = {
+                    "average": list(plan.epilogue.average_labels),
+                    "tied": plan.epilogue.tied_label,
+                }
             epilogue = cell_dir / "epilogue.json"
             if epilogue.is_file():
                 summary["epilogue"] = json.loads(epilogue.read_text())
@@ -309,16 +335,21 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
     """What every peer of a cell is told: `planned_peer` with the cell's codecs and link rate."""
     from swarm.options import CodecFlags
 
-    pair, epilogue_only = split_epilogue(cell.setting)
+    pair, suffix = split_setting(cell.setting)
     forward, backward = pair.split("/")
     # FW/BW@epi: epilogue-only compression, the exposed backward messages chosen from measured timings
-    epilogue = {"bw_epilogue": epilogue_choice(cell, cfg)[0].label()} if epilogue_only else {}
-    return planned_peer(
+    epilogue = {"bw_epilogue": epilogue_choice(cell, cfg)[0].label()} if suffix == EPILOGUE_SUFFIX else {}
+    peer = planned_peer(
         batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, rate_mbit=cell.rate_mbit,
         # a slow link's fp32 cell runs a prefix of the schedule; a cell that runs longer gets a schedule as long
         steps=max(cfg.steps, cfg.steps_of(cell)),
         delay_ms=cfg.delay_ms, **CodecFlags(forward, backward).build(), **epilogue,
     )  # fmt: skip
+    stages = cfg.stages or cfg.peers
+    replicas = cfg.peers // stages if stages < cfg.peers else peer.planning.replicas
+    # FW/BW@sel: the planner chooses the sums' codecs from the measured links (selective stage compression)
+    policy = "selective" if suffix == SELECTIVE_SUFFIX else peer.planning.codec_policy
+    return replace(peer, num_stages=stages, planning=replace(peer.planning, replicas=replicas, codec_policy=policy))
 
 
 @cache
@@ -359,7 +390,7 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
             before_down=keep_plan,
         )  # fmt: skip
     flags = peer_flags().to_argv(replace(peer, planning=calibrated)) + list(cfg.model_flags)
-    with local_swarm(out / cell.label, cfg.peers, flags) as swarm:
+    with local_swarm(out / cell.label, cfg.peers, flags, n_stages=peer.num_stages) as swarm:
         train(train_cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
         record = swarm.dht.get_plan(train_cfg.model.n_layers)
         if record is not None:  # the newest plan: calibrated if the window completed during the run
@@ -426,7 +457,7 @@ def summarize(
     times = [float(s["step_s"]) for s in steps]
     steady = times[steps_per_epoch:] or times
     first = times[:steps_per_epoch]
-    forward, backward = split_epilogue(cell.setting)[0].split("/")
+    forward, backward = split_setting(cell.setting)[0].split("/")
     wire = sum(_int(s, "forward_bytes") + _int(s, "backward_bytes") for s in steps)
     losses = [float(s["train_loss"]) for s in steps]
     total, fp32_total = (
@@ -455,6 +486,8 @@ def summarize(
         "wire_bytes_per_step": wire / len(steps),
         # the tied embedding's gradient sum between the end stages (also in the totals)
         "sync_bytes": sum(_int(s, "sync_bytes") for s in steps),
+        # the replicas' gradient sums (also in the totals), per step after the first epoch
+        "reduce_bytes_per_step": sum(_int(s, "reduce_bytes") for s in after) / len(after),
         "control_bytes": sum(_int(s, "control_bytes") for s in steps),
         "total_wire_bytes": total,
         "fp32_total_wire_bytes": fp32_total,
@@ -483,6 +516,7 @@ def summarize(
         # where the steps after the first epoch spent their time, measured (the predicted split is the epilogue's)
         "phase_ms": phase_ms(after),
         **(summary or {}).get("epilogue", {}),  # a FW/BW@epi cell's choice and predicted split
+        "epilogue_codecs": (summary or {}).get("epilogue_codecs"),  # the plan's codecs of the sums (selective)
     }
 
 

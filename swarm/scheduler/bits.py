@@ -11,11 +11,14 @@ fast links more, up to fp32.
 Epilogue (`choose_epilogue`, Optimus-CC's selective compression): the replicas' gradient averaging and the tied
 embedding's sync run after the pipeline drains, where nothing overlaps them: their transfer time always shows in
 the step. So they are compressed by a different rule: the widest codec of their ladder whose transfer adds at
-most `epilogue_share` of the step's pipeline time; if none does, the floor (2 bits with error feedback,
-preconditioned, for the replicas' sum; 4 for the tied sync). One averaging codec per stage (each stage's replicas
-have their own links) and one tied codec; the plan carries them (`swarm.peers.plan_codecs.EpilogueCodecs`) and
-peers set them on their averager (`PlanDocument.epilogue_configs`). A fast link thus sums in fp32 or bf16, a
-middling one in 8 bits with error feedback, a slow one in 2.
+most `epilogue_share` of the step's pipeline time; if none does, the quickest, which on bytes alone is the floor
+(2 bits with error feedback, preconditioned, for the replicas' sum; 4 for the tied sync). An exchange's time is
+its bytes over the group's slowest link plus, where the planner measured how fast the codecs run (`CodecSpeed`),
+one encode and one decode per member of the whole gradient: on a fast link a wide codec is then the quicker.
+One averaging codec per stage (each stage's replicas have their own links) and one tied codec; the plan carries
+them (`swarm.peers.plan_codecs.EpilogueCodecs`) and peers set them on their averager
+(`PlanDocument.epilogue_configs`). A fast link thus sums in fp32 or bf16, a middling one in 8 bits with error
+feedback, a slow one in 2.
 
 Re-choice (`rechoose`): a plan's codecs change only when some link's rate moved by more than `hysteresis`
 (a factor) since the rates it was chosen from, or a stage's compute did: probes are noisy, and each switch of
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.peers.plan_codecs import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
@@ -35,6 +38,7 @@ from swarm.runtime.average import SUM_CODEC
 __all__ = [
     "AVERAGE_LADDER",
     "BACKWARD_LADDER",
+    "CodecSpeed",
     "EpilogueFigures",
     "TIED_LADDER",
     "choose_epilogue",
@@ -45,6 +49,7 @@ __all__ = [
     "LinkFigures",
     "choose_codecs",
     "choose_link",
+    "epilogue_codec_speed",
     "rechoose",
 ]
 
@@ -186,6 +191,33 @@ class EpilogueFigures:
     """Elements of the summed gradient (a stage's parameters, or the tied weight's)."""
     step_s: float
     """The step's pipeline time without the epilogue, what `epilogue_share` is a share of."""
+    members: int = 2
+    """Members of the group: each encodes its own gradient once and decodes every member's message."""
+    speed: CodecSpeed | None = field(default=None, compare=False)
+    """How fast the codecs encode and decode (`swarm.scheduler.sizes.measure_codec_speed`); None: bytes alone."""
+
+    def seconds(self, label: str) -> float:
+        """One exchange under codec `label`: a member's message over the slowest link, plus with a measured `speed`
+        one encode and `members` decodes of the whole gradient (on a fast link those set a sum's time: on this
+        2-core machine, unshaped, a 2x2 swarm's 2-bit sums took 145 ms a step against fp32's 87 ms)."""
+        codec_s = 0.0 if self.speed is None else self.elements * self.speed.seconds_per_element(label, self.members)
+        return epilogue_bytes(label, self.elements) / self.bytes_per_s + codec_s
+
+
+@dataclass(frozen=True)
+class CodecSpeed:
+    """Seconds per element to encode and to decode each epilogue codec, measured on the planner's machine (the
+    members' own machines do not announce theirs: the planner's stands for every member's)."""
+
+    per_element: tuple[tuple[str, float, float], ...]
+    """(label, encode seconds, decode seconds) per element, one per codec measured."""
+
+    def seconds_per_element(self, label: str, members: int) -> float:
+        """One encode and `members` decodes of one element under `label` (0 for a codec not measured)."""
+        for name, encode_s, decode_s in self.per_element:
+            if name == label:
+                return encode_s + members * decode_s
+        return 0.0
 
 
 def epilogue_bytes(label: str, elements: float) -> float:
@@ -196,9 +228,13 @@ def epilogue_bytes(label: str, elements: float) -> float:
 
 
 def _pick_epilogue(ladder: Sequence[str], floor: str, fig: EpilogueFigures, share: float) -> tuple[str, float]:
-    size = lambda label: epilogue_bytes(label, fig.elements)  # noqa: E731
-    label = _pick(ladder, floor, fig.bytes_per_s, share * fig.step_s, size)
-    return label, size(label) / fig.bytes_per_s
+    """The most precise codec (down to `floor`) whose exchange fits in `share` of the step; where none does, the
+    quickest (the most precise of equals): without a measured speed the floor, the fewest bytes; with one, on a fast
+    link, a wider codec whose encoding costs less than the bytes it would save."""
+    allowed = ladder[: ladder.index(floor) + 1]
+    label = next((c for c in allowed if fig.seconds(c) <= share * fig.step_s), None)
+    label = min(allowed, key=fig.seconds) if label is None else label
+    return label, fig.seconds(label)
 
 
 def choose_epilogue(
@@ -253,3 +289,13 @@ def codec_sizes(model, micro_batch_size: int) -> Callable[[str], float]:
 
     shape = (micro_batch_size, model.seq_len_tokens, model.boundary_dim)
     return cache(lambda label: float(message_bytes(CodecConfig.parse(label), shape)))
+
+
+def epilogue_codec_speed() -> Callable[[], CodecSpeed]:
+    """How fast this process runs every epilogue codec (`AVERAGE_LADDER`, `TIED_LADDER`), measured once, when first
+    called (`swarm.scheduler.sizes.measure_codec_speed`: about 0.2 s on this 2-core machine)."""
+    from functools import cache
+
+    from swarm.scheduler.sizes import measure_codec_speed
+
+    return cache(lambda: measure_codec_speed((*AVERAGE_LADDER, *TIED_LADDER)))

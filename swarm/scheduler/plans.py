@@ -212,11 +212,20 @@ class ModelSpec:
     schedule: str = "1f1b"
     """"1f1b" keeps at most S - k micro-batches in flight on stage k, so a round trip through the later stages
     can pace the steady state; "gpipe" keeps them all in flight (no such bound)."""
+    gradient_elements_per_layer: float = 0.0
+    """Weight-gradient elements of one layer (what `gradient_bytes_per_layer` carries at some codec's bits); 0: not
+    known, read as `gradient_bytes_per_layer` at `TransformerShape.gradient_bits`."""
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.micro_batches < 1:
             raise ValueError("layers and micro_batches must be >= 1")
-        for name in ("step_overhead_s", "tied_bytes", "tied_bytes_last", "message_elements"):
+        for name in (
+            "step_overhead_s",
+            "tied_bytes",
+            "tied_bytes_last",
+            "message_elements",
+            "gradient_elements_per_layer",
+        ):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0")
@@ -242,6 +251,7 @@ class ModelSpec:
             working_bytes=elements * 34 + 5 * b * s * s * max(1, h // 128),
             micro_batches=shape.micro_batches,
             message_elements=float(elements),
+            gradient_elements_per_layer=float(params),
         )
 
     @classmethod

@@ -6,8 +6,8 @@ time without its epilogue (the cost model's). `selective_breakdown` is the cost 
 prediction with each stage's averaging and the tied sync at the chosen codecs' bytes, so the planner's predicted
 step shows the epilogue it will run. `choose_for_plan` is both, what the live planner publishes.
 
-Sizes: the cost model counts a layer's gradient at `TransformerShape.gradient_bits` (8) bits an element, so
-a stage's elements are its layers x `gradient_bytes_per_layer` x 8 / 8; the tied weight's elements are read back
+Sizes: a stage's elements are its layers x `ModelSpec.gradient_elements_per_layer` (a spec without it: its
+gradient bytes at `TransformerShape.gradient_bits`, 8, an element); the tied weight's elements are read back
 from `ModelSpec.tied_bytes`, which `swarm.scheduler.sizes.tied_bytes` measures at the tied floor's 4 bits
 (`GradientAverager.tied_min_bits`, the default backward codec).
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from swarm.peers.plan_codecs import EpilogueCodecs
-from swarm.scheduler.bits import BitsPolicy, EpilogueFigures, choose_epilogue, epilogue_bytes
+from swarm.scheduler.bits import BitsPolicy, CodecSpeed, EpilogueFigures, choose_epilogue, epilogue_bytes
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import Breakdown, ModelSpec, PlanInput, TransformerShape
 from swarm.scheduler.selective_stages import widen_hidden
@@ -38,6 +38,12 @@ __all__ = [
 
 TIED_SPEC_BITS = 4
 """Bits an element of `ModelSpec.tied_bytes` as `sizes.tied_bytes` measures it (the tied floor)."""
+
+
+def gradient_elements(spec: ModelSpec) -> float:
+    """Weight-gradient elements of one layer (`ModelSpec.gradient_elements_per_layer`, else read back from its
+    bytes at the cost model's default bits)."""
+    return spec.gradient_elements_per_layer or spec.gradient_bytes_per_layer * 8 / TransformerShape.gradient_bits
 
 
 def tied_elements(spec: ModelSpec) -> float:
@@ -72,20 +78,21 @@ def _slowest(plan_input: PlanInput, members: np.ndarray) -> float:
 
 
 def epilogue_figures(
-    stages: list[dict], plan_input: PlanInput, spec: ModelSpec
+    stages: list[dict], plan_input: PlanInput, spec: ModelSpec, speed: CodecSpeed | None = None
 ) -> tuple[list[EpilogueFigures | None], EpilogueFigures | None]:
-    """Each stage's averaging figures (None for one replica) and the tied sync's (None without one)."""
+    """Each stage's averaging figures (None for one replica) and the tied sync's (None without one); `speed`: how
+    fast the codecs run (None: the exchanges are their bytes alone)."""
     layout = _layout(stages, plan_input)
     step = pipeline_s(FullCost(plan_input, spec).evaluate(layout))
-    per_element = spec.gradient_bytes_per_layer * 8 / TransformerShape.gradient_bits
+    per_element = gradient_elements(spec)
     average = [
-        None if len(row) < 2 else EpilogueFigures(_slowest(plan_input, row), n * per_element, step)
+        None if len(row) < 2 else EpilogueFigures(_slowest(plan_input, row), n * per_element, step, len(row), speed)
         for row, n in zip(layout.grid, layout.layers, strict=True)
     ]
     tied = None
     if spec.tied_bytes > 0 and len(stages) > 1:
         members = np.concatenate([layout.grid[0], layout.grid[-1]])
-        tied = EpilogueFigures(_slowest(plan_input, members), tied_elements(spec), step)
+        tied = EpilogueFigures(_slowest(plan_input, members), tied_elements(spec), step, len(members), speed)
     return average, tied
 
 
@@ -102,31 +109,45 @@ class _EpilogueCost(FullCost):
         return own.group_stats(group, stages) if own is not None else super().group_stats(group, stages)
 
 
+def _codec_bytes(label: str, elements: float, fig: EpilogueFigures | None) -> float:
+    """`epilogue_bytes` plus the codec's encode and decode time as bytes of the group's slowest link (what the
+    cost model divides by a rate): the cost model then predicts the exchange's time `fig.seconds` gives."""
+    compute_s = 0.0 if fig is None or fig.speed is None else fig.speed.seconds_per_element(label, fig.members)
+    return epilogue_bytes(label, elements) + (0.0 if fig is None else compute_s * elements * fig.bytes_per_s)
+
+
 def selective_breakdown(
-    stages: list[dict], plan_input: PlanInput, spec: ModelSpec, chosen: EpilogueCodecs
+    stages: list[dict], plan_input: PlanInput, spec: ModelSpec, chosen: EpilogueCodecs, figures: tuple | None = None
 ) -> Breakdown:
     """The predicted step of `stages` with the epilogue at `chosen`'s codecs (`choose_epilogue`'s): each
-    stage's averaging at its codec's bits per element, the tied sync at its codec's bytes."""
+    stage's averaging at its codec's bits per element, the tied sync at its codec's bytes; with `figures`
+    (`epilogue_figures`, measured codec speeds) each exchange's encoding and decoding too."""
     layout = _layout(stages, plan_input)
+    average, tied_fig = figures if figures is not None else ([None] * len(stages), None)
     tied = chosen.tied_label
-    model = replace(spec, tied_bytes=epilogue_bytes(tied, tied_elements(spec))) if tied else spec
-    per_element = spec.gradient_bytes_per_layer * 8 / TransformerShape.gradient_bits
+    model = replace(spec, tied_bytes=_codec_bytes(tied, tied_elements(spec), tied_fig)) if tied else spec
+    per_element = gradient_elements(spec)
     per_group = {
-        tuple(int(i) for i in row): epilogue_bytes(label, per_element)
-        for row, label in zip(layout.grid, chosen.average_labels, strict=True)
+        tuple(int(i) for i in row): _codec_bytes(label, per_element, fig)
+        for row, label, fig in zip(layout.grid, chosen.average_labels, average, strict=True)
         if label is not None
     }
     return _EpilogueCost(plan_input, model, per_group).evaluate(layout)
 
 
 def choose_for_plan(
-    stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy | None = None
+    stages: list[dict],
+    plan_input: PlanInput,
+    spec: ModelSpec,
+    policy: BitsPolicy | None = None,
+    speed: CodecSpeed | None = None,
 ) -> tuple[EpilogueCodecs, tuple, Breakdown]:
-    """(The epilogue's codecs, the figures they were chosen from, the predicted breakdown with them)."""
-    figures = epilogue_figures(stages, plan_input, spec)
+    """(The epilogue's codecs, the figures they were chosen from, the predicted breakdown with them); `speed`: the
+    codecs' measured encode and decode times (None: bytes alone)."""
+    figures = epilogue_figures(stages, plan_input, spec, speed)
     # selective stage compression: only the exchanges that set the epilogue's length stay compressed
     chosen = widen_hidden(choose_epilogue(*figures, policy or BitsPolicy()), *figures)
-    return chosen, figures, selective_breakdown(stages, plan_input, spec, chosen)
+    return chosen, figures, selective_breakdown(stages, plan_input, spec, chosen, figures)
 
 
 @dataclass(frozen=True)
@@ -141,12 +162,16 @@ class PlannedEpilogue:
 
 
 def planned_epilogue(
-    stages: list[dict], plan_input: PlanInput, spec: ModelSpec, policy: BitsPolicy | None = None
+    stages: list[dict],
+    plan_input: PlanInput,
+    spec: ModelSpec,
+    policy: BitsPolicy | None = None,
+    speed: CodecSpeed | None = None,
 ) -> PlannedEpilogue | None:
     """The epilogue's codecs for a plan's stages and the step predicted with them; None where nothing is summed
     or the layout is not one the cost model scores (uneven replica counts)."""
     try:
-        chosen, figures, breakdown = choose_for_plan(stages, plan_input, spec, policy)
+        chosen, figures, breakdown = choose_for_plan(stages, plan_input, spec, policy, speed)
     except ValueError:
         return None
     if all(f is None for f in figures[0]) and figures[1] is None:

@@ -20,15 +20,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from swarm.peers.plan_codecs import MAX_CODEC_WHY, EpilogueCodecs
-from swarm.scheduler.bits import AVERAGE_LADDER, TIED_LADDER, EpilogueFigures, epilogue_bytes
+from swarm.scheduler.bits import AVERAGE_LADDER, TIED_LADDER, EpilogueFigures
 
 __all__ = ["epilogue_length_s", "widen_hidden"]
 
 
 def _seconds(label: str | None, fig: EpilogueFigures | None) -> float:
-    if label is None or fig is None:
-        return 0.0
-    return epilogue_bytes(label, fig.elements) / fig.bytes_per_s
+    return 0.0 if label is None or fig is None else fig.seconds(label)
 
 
 def epilogue_length_s(

@@ -14,8 +14,11 @@ from swarm.scheduler.plans import ModelSpec, TransformerShape
 __all__ = [
     "REFERENCE_MICRO_BATCH",
     "REFERENCE_MICRO_BATCHES",
+    "SPEED_SAMPLE_ELEMENTS",
+    "measure_codec_speed",
     "message_bytes",
     "model_spec",
+    "sum_bits",
     "tied_bytes",
     "wire_bits",
 ]
@@ -51,6 +54,39 @@ def message_bytes(codec: CodecConfig, shape: tuple[int, ...], seed: int = 0) -> 
     return sum(chunk.ByteSize() for chunk in frame(msg, zstd_level=codec.zstd_level))
 
 
+SPEED_SAMPLE_ELEMENTS = 1 << 18
+"""Elements of the gradient `measure_codec_speed` times each codec on: large enough that a codec's per-call costs
+(scales, the rotation's setup) are a small part, small enough to measure every epilogue codec in about a second."""
+
+
+def measure_codec_speed(labels, elements: int = SPEED_SAMPLE_ELEMENTS, repeats: int = 3):
+    """How fast this process encodes (with error feedback, framed at the codec's zstd level, as a member sends
+    its message) and decodes each codec of `labels`, seconds per element: the fastest of `repeats` passes after one
+    that warms up, on a random gradient, with this process's torch threads (`swarm.scheduler.bits.CodecSpeed`)."""
+    import time
+
+    from swarm.compression import WireLimits, decoder_for
+    from swarm.scheduler.bits import CodecSpeed
+
+    grad = torch.randn(elements, generator=torch.Generator().manual_seed(0)) * 1e-3
+    limits = WireLimits(max_dims=1, max_numel=elements, max_message_bytes=4 * elements + (1 << 20))
+    figures = []
+    for label in dict.fromkeys(labels):
+        config = CodecConfig.parse(label)
+        codec, state = make_codec(config), LinkState(config)
+        encode_s = decode_s = float("inf")
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            msg = codec.encode(grad, state=state)
+            sum(chunk.ByteSize() for chunk in frame(msg, zstd_level=config.zstd_level))
+            middle = time.perf_counter()
+            decoder_for(msg, config).decode(msg, limits=limits)
+            end = time.perf_counter()
+            encode_s, decode_s = min(encode_s, middle - start), min(decode_s, end - middle)
+        figures.append((label, encode_s / elements, decode_s / elements))
+    return CodecSpeed(tuple(figures))
+
+
 def model_spec(
     model: ModelConfig,
     forward: CodecConfig,
@@ -76,12 +112,32 @@ def model_spec(
     shape = (micro_batch_size, model.seq_len_tokens, model.boundary_dim)
     return dataclasses.replace(
         spec,
+        # the replicas' sums as the averager runs them without a plan's epilogue codecs (`sum_bits`)
+        gradient_bytes_per_layer=spec.gradient_elements_per_layer * sum_bits(backward) / 8,
         forward_bytes=float(message_bytes(forward, shape)),
         backward_bytes=float(message_bytes(backward, shape)),
         full_duplex=True,
         step_overhead_s=step_overhead_s,
         tied_bytes=tied_bytes(model, backward),
     )
+
+
+def sum_bits(backward: CodecConfig) -> float:
+    """Wire bits an element of the replicas' gradient sum, as `GradientAverager` sums without a plan's epilogue
+    codecs: `SUM_CODEC` (2 bits) behind a quantized backward codec, fp32 behind a codec with sample buffers, an
+    unquantized one (fp32, bf16) as it is. (The cost model's 8 bits were the averager's floor before `SUM_CODEC`:
+    with them a 2x2 swarm's predicted step at 1 Mbit/s was 3.29 s for a measured 0.61 s.)"""
+    from swarm.runtime.average import SUM_CODEC, GradientAverager  # lazy: the stage runtime, for constants
+
+    config = codec_class(backward.name).sum_config(backward)
+    cls = codec_class(config.name)
+    if cls.uses_buffers:
+        return 32.0
+    if not cls.quantized:  # fp32, bf16: summed as they are
+        return float(config.wire_bits)
+    if GradientAverager.sum_codec is None:
+        return float(max(backward.wire_bits, GradientAverager.min_bits))
+    return float(CodecConfig.parse(SUM_CODEC).wire_bits)
 
 
 def tied_bytes(model: ModelConfig, backward: CodecConfig) -> float:

@@ -44,6 +44,7 @@ def local_swarm(
     timeout_s: float = 120.0,
     per_peer_flags: list[list[str]] | None = None,
     run=None,
+    n_stages: int | None = None,
 ) -> Iterator[LocalSwarm]:
     """Starts a bootstrap node and `n_peers` peers (one stage each, as the planner assigns them) and waits
     until every stage is served under a plan that names this swarm's trainer (stages serve training calls
@@ -55,7 +56,8 @@ def local_swarm(
 
     `run` (a `swarm.daemon.run_cli.RunFiles`) makes it an owned run: every peer joins with `--run` (the
     manifest file), the first peers hold the delegated planner keys, and the trainer signs with the delegated
-    trainer key; the manifest's model, codecs and schedule must agree with `peer_flags`. None: an unowned run."""
+    trainer key; the manifest's model, codecs and schedule must agree with `peer_flags`. None: an unowned run.
+    `n_stages`: the pipeline's stages when `peer_flags` plan fewer than one a peer (replicas, `--num-stages`)."""
     import time
 
     from swarm.daemon.bootstrap import BootstrapConfig, bootstrap_flags
@@ -73,7 +75,7 @@ def local_swarm(
         boot = [*bootstrap_flags().to_argv(BootstrapConfig(address_file=str(address_file))), *owned]
         procs.start("bootstrap", swarm_command("bootstrap", *boot))
         procs.wait_for_file(address_file, 60)
-        joining = peer_cli().to_argv(PeerConfig(address_file=str(address_file), num_stages=n_peers))
+        joining = peer_cli().to_argv(PeerConfig(address_file=str(address_file), num_stages=n_stages or n_peers))
         for i in range(n_peers):
             own = per_peer_flags[i] if per_peer_flags else []  # e.g. one peer's own --rate-mbit
             if run is not None:  # the delegated planners first, volunteers after
@@ -97,7 +99,8 @@ def local_swarm(
                     procs.check_alive()
                     say(line)
 
-                found = discover_route(dht, n_peers, timeout_s, show, trainer_id=dht.peer_id, check=procs.check_alive)
+                stages = n_stages or n_peers
+                found = discover_route(dht, stages, timeout_s, show, trainer_id=dht.peer_id, check=procs.check_alive)
                 yield LocalSwarm(
                     found.addresses, found.peer_ids, procs, address_file, found.plan_version, CallSigner(trainer),
                     found, dht,

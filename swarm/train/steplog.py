@@ -197,7 +197,8 @@ def load_state(out: Path, identity: dict) -> dict | None:
 def step_row(result, step: int, epoch: int) -> dict:
     """A step's row as every run records it, `swarm train` (steps.csv) and the convergence experiment alike:
     the loss, learning rate and gradient norm of `result` (a `StepResult`), and its bytes: both boundary
-    directions, the tied-embedding sync, control, every byte of the step and the same tensors at fp32."""
+    directions, the tied-embedding sync, the replicas' gradient sums, control, every byte of the step and the same
+    tensors at fp32."""
     return {
         "step": step,
         "epoch": epoch,
@@ -207,6 +208,7 @@ def step_row(result, step: int, epoch: int) -> dict:
         "forward_bytes": result.forward_bytes,
         "backward_bytes": result.backward_bytes,
         "sync_bytes": result.sync_bytes,
+        "reduce_bytes": result.reduce_bytes,
         "control_bytes": result.control_bytes,
         "total_wire_bytes": result.total_wire_bytes,
         "fp32_total_wire_bytes": result.fp32_total_wire_bytes,

@@ -60,6 +60,7 @@ CSV_FIELDS = [
     "fp32_wire_bytes",
     "sync_bytes",
     "tied_bytes",
+    "reduce_bytes",
     "control_bytes",
     "total_wire_bytes",
     "fp32_total_wire_bytes",

@@ -227,6 +227,28 @@ def test_the_planner_s_epilogue_validates_and_its_predicted_step_uses_the_chosen
     assert planned_epilogue(uneven, plan_input, spec) is None  # not a layout the cost model scores
 
 
+def test_with_measured_codec_speed_a_fast_link_plans_wide_sums_and_predicts_their_encoding():
+    from swarm.bench.selective import swarm_at
+    from swarm.scheduler.bits import CodecSpeed
+    from swarm.scheduler.selective import epilogue_figures, selective_breakdown
+
+    spec = ModelSpec.transformer(TransformerShape(layers=4, hidden=256, seq_len=64, micro_batch_size=4))
+    spec = ModelSpec(**{**spec.__dict__, "tied_bytes": 32000 * 256 / 2, "full_duplex": True})
+    fast = swarm_at(560.0, None, 2, 2, 2e12)  # ~70 MB/s: what the peers' probes read on this machine's loopback
+    wide = ("fp32", "bf16")
+    quantized_dear = CodecSpeed(tuple((label, 1e-9 if label in wide else 2e-7, 1e-9 if label in wide else 1e-7)
+                                      for label in (*AVERAGE_LADDER, *TIED_LADDER)))  # fmt: skip
+    by_bytes = planned_epilogue(STAGES, fast, spec)
+    timed = planned_epilogue(STAGES, fast, spec, speed=quantized_dear)
+    assert set(timed.codecs.average_labels) <= set(wide) and timed.codecs.tied_label in wide
+    assert by_bytes.codecs.tied_label == TIED_LADDER[-1]  # on bytes alone the tied sync stays at its floor
+    # the prediction counts each exchange's encoding: the floor's sums, timed, are slower than predicted on bytes
+    figures = epilogue_figures(STAGES, fast, spec, quantized_dear)
+    floors = selective_breakdown(STAGES, fast, spec, by_bytes.codecs)
+    assert selective_breakdown(STAGES, fast, spec, by_bytes.codecs, figures).total_s > floors.total_s
+    assert timed.breakdown.total_s < selective_breakdown(STAGES, fast, spec, by_bytes.codecs, figures).total_s
+
+
 def test_selective_predicted_step_is_never_above_fp32_and_at_most_two_shares_above_all_compressed():
     share = BitsPolicy().epilogue_share
     for row in rows(shape=TransformerShape(layers=4, hidden=256, seq_len=64, micro_batch_size=4, micro_batches=4)):
@@ -261,6 +283,31 @@ def test_the_planner_publishes_epilogue_codecs_and_rechooses_them_only_past_the_
     assert fast["stages"] == first["stages"]
     assert TIED_LADDER.index(fast["epilogue_codecs"]["tied"]) < TIED_LADDER.index(TIED_LADDER[-1])
     assert fast["step_time_s"] < first["step_time_s"]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "selective"])
+def test_the_selective_policy_chooses_the_epilogue_s_codecs_and_leaves_every_link_at_the_flags_codecs(policy):
+    # --codec-policy selective: Optimus-CC's selective stage compression alone; fixed: the planner chooses nothing
+    from tests.unit.scheduler.test_bits import A, B, measured, per_link_planner
+
+    _, planner, records, links, published = per_link_planner(codec_bytes=None, epilogue=policy == "selective")
+    ((version, first),) = published
+    assert "codecs" not in first or not first["codecs"], "the boundaries keep --fw-codec/--bw-codec"
+    if policy == "fixed":
+        assert "epilogue_codecs" not in first or first["epilogue_codecs"] is None
+    else:
+        assert first["epilogue_codecs"]["tied"] == TIED_LADDER[-1]  # 1 Mbit/s: the tied sync at its floor
+    records["peers"] = [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0, plan_version=version)
+                        for pid in (A, B)]  # fmt: skip
+    links[:] = measured(100_000.0)
+    republished = planner.round()
+    if policy == "fixed":
+        assert republished is None and len(published) == 1, "fixed codecs: a faster link changes nothing"
+        return
+    fast = published[-1][1]
+    assert republished is not None and fast["stages"] == first["stages"]
+    assert not fast.get("codecs"), "a link's move re-chooses the epilogue only"
+    assert TIED_LADDER.index(fast["epilogue_codecs"]["tied"]) < TIED_LADDER.index(TIED_LADDER[-1])
 
 
 def test_a_peer_builds_its_averager_from_the_plan_s_epilogue_codecs():
@@ -305,6 +352,37 @@ def test_convergence_sel_settings_train_with_the_planner_s_choice(tmp_path, caps
     assert fast["forward"] == "fp32" and fast["final_eval_loss"] == fp32["final_eval_loss"]
     assert "tied fp32" in fast["epilogue"] and "tied gradq4" in slow["epilogue"]
     assert data(floor) < data(mid) < data(fp32)
+
+
+def test_convergence_at_sel_rate_keeps_the_setting_s_links_and_plans_only_the_sums(tmp_path, capsys):
+    # FW/BW@selRATE: what --codec-policy selective plans (links fixed, sums chosen with this machine's codec speed)
+    import json
+
+    from swarm.cli import main
+    from swarm.experiments.convergence import DEFAULT_TARGET_SETTING as D
+
+    argv = ["experiment", "convergence", "--quick", "--json", "--no-progress", "--out", str(tmp_path / "run")]
+    assert main([*argv, "--replicas", "2", "--settings", f"fp32/fp32,{D},{D}@sel1,{D}@sel100000"]) == 0
+    rows = {r["setting"]: r for r in json.loads(capsys.readouterr().out)}
+    floor, slow, fast = rows[D], rows[f"{D}@sel1"], rows[f"{D}@sel100000"]
+    assert (
+        (slow["forward"], slow["backward"])
+        == (fast["forward"], fast["backward"])
+        == (floor["forward"], floor["backward"])
+    )
+    # at 1 Mbit/s every sum at its floor, the fixed policy's codecs (their rounding seeds are the plan's)
+    assert f"avg0 {SUM_CODEC}" in slow["epilogue"] and f"tied {TIED_LADDER[-1]}" in slow["epilogue"]
+    assert "avg0 gradq2" not in fast["epilogue"] and fast["final_eval_loss"] != slow["final_eval_loss"]
+    assert fast["total_wire_bytes"] > floor["total_wire_bytes"]  # wider sums
+
+
+@pytest.mark.parametrize("text", ["@sel", "@sel0", "@selnan", "@sel-1", "@selx", "@selinf"])
+def test_malformed_at_sel_rates_are_refused(text):
+    from swarm.experiments.selective import split_selective
+
+    with pytest.raises(ValueError, match="@selRATE"):
+        split_selective(f"fp32/fp32{text}")
+    assert split_selective("fp32/fp32@sel2.5") == ("fp32/fp32", 2.5) and split_selective("a/b") == ("a/b", None)
 
 
 @pytest.mark.parametrize("text", ["sel:", "sel:0", "sel:nan", "sel:-5", "sel:1+2", "sel:10:0", "sel:10:inf", "sel:x"])

@@ -84,14 +84,16 @@ def test_swarm_train_and_the_convergence_experiment_record_one_step_row():
 
     traffic = Traffic(sent={(0, "forward"): 5, (0, "backward"): 3})
     r = StepResult(loss=2.5, grad_norm=0.75, lr=1e-3, traffic=traffic, seconds=0.1, sync_bytes=7, control_bytes=11,
-                   total_wire_bytes=40, fp32_total_wire_bytes=90)  # fmt: skip
+                   total_wire_bytes=40, fp32_total_wire_bytes=90, reduce_bytes=13)  # fmt: skip
     row = step_row(r, 3, 1)
     assert list(row) == ["step", "epoch", "train_loss", "lr", "grad_norm", "forward_bytes", "backward_bytes",
-                         "sync_bytes", "control_bytes", "total_wire_bytes", "fp32_total_wire_bytes"]  # fmt: skip
+                         "sync_bytes", "reduce_bytes", "control_bytes", "total_wire_bytes",
+                         "fp32_total_wire_bytes"]  # fmt: skip
     assert (row["step"], row["epoch"], row["train_loss"], row["grad_norm"], row["lr"]) == (3, 1, 2.5, 0.75, 1e-3)
     assert (row["forward_bytes"], row["backward_bytes"]) == (traffic.forward_bytes, traffic.backward_bytes)
     assert (row["sync_bytes"], row["control_bytes"], row["total_wire_bytes"], row["fp32_total_wire_bytes"]) == (
         7, 11, 40, 90)  # fmt: skip
+    assert row["reduce_bytes"] == 13
     assert set(row) <= set(CSV_FIELDS)
 
 

@@ -319,3 +319,46 @@ def test_the_rows_carry_the_trainers_measured_phase_split_and_the_report_shows_i
     text = thr.report_markdown(rows, {})
     assert "## Where a step's time went (measured)" in text
     assert "| mean step (ms) | pipeline | reduce |" in text and "| 80.0 | 10.0 | 0 | 0.070 + 0.010 |" in text
+
+
+def test_stages_below_peers_plan_replicas_and_a_sel_setting_plans_the_sums_codecs():
+    from swarm.daemon.peer_config import peer_flags
+
+    cfg = ThrottledConfig(peers=4, stages=2, settings=("fp32/fp32", th.DEFAULT_CODECS, f"{th.DEFAULT_CODECS}@sel"))
+    plain, selective = (th.peer_config(Cell(None, s), cfg) for s in cfg.settings[1:])
+    assert plain.num_stages == selective.num_stages == 2 and plain.planning.replicas == selective.planning.replicas == 2
+    assert plain.planning.codec_policy == "fixed" and selective.planning.codec_policy == "selective"
+    assert (selective.fw_codec.label, selective.bw_codec.label) == (plain.fw_codec.label, plain.bw_codec.label)
+    argv = peer_flags().to_argv(selective)
+    assert argv[argv.index("--codec-policy") + 1] == "selective" and argv[argv.index("--replicas") + 1] == "2"
+    one_each = th.peer_config(Cell(None, th.DEFAULT_CODECS), ThrottledConfig(peers=3))
+    assert one_each.num_stages == 3 and one_each.planning.replicas == 0  # as before: one stage a peer
+    row = th.summarize(
+        Cell(None, f"{th.DEFAULT_CODECS}@sel"), [s | {"reduce_bytes": "3000"} for s in _steps(8, 0.1, 1, 1)], 4, 8
+    )
+    assert (row["fw_bits"], row["bw_bits"]) == (2, 2) and row["reduce_bytes_per_step"] == 3000
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"peers": 4, "stages": 3}, "--stages 3"), ({"peers": 2, "stages": 0}, "--stages 0"),
+     ({"peers": 4, "stages": 2, "netns": True}, "--netns"), ({"settings": ("fp32/fp32", "a/b@lr8")}, "a/b@lr8"),
+     ({"settings": ("fp32",)}, "'fp32'")],
+)  # fmt: skip
+def test_stages_that_do_not_divide_the_peers_and_unknown_suffixes_are_refused(fields, named):
+    with pytest.raises(ValueError, match=named):
+        ThrottledConfig(**fields)
+
+
+def test_a_cells_row_carries_the_sums_codecs_its_newest_plan_chose(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.05}))
+    stages = [
+        {"layer_start": 0, "layer_end": 2, "peer_ids": ["a", "b"]},
+        {"layer_start": 2, "layer_end": 4, "peer_ids": ["c", "d"]},
+    ]
+    epilogue = {"average": ["bf16", "fp32"], "tied": "fp32", "why": "quickest"}
+    (tmp_path / "plan.json").write_text(json.dumps({"stages": stages, "epilogue_codecs": epilogue}))
+    summary = th.read_summary(tmp_path)
+    assert summary["epilogue_codecs"] == {"average": ["bf16", "fp32"], "tied": "fp32"}
+    row = th.summarize(Cell(None, "fp32/fp32"), _steps(8, 0.1, 1, 1), 4, 8, summary)
+    assert row["epilogue_codecs"] == summary["epilogue_codecs"] and row["reduce_bytes_per_step"] == 0

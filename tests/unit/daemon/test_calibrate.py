@@ -26,7 +26,9 @@ from swarm.peers.records import PlanRecord
 from swarm.scheduler.plans import ModelSpec, Peer, PlanInput, TransformerShape
 
 
-def metrics(stage: int, steps: int, step_s: float, work_s: float, passes: int, fw=0.0, bw=0.0, tied=0.0) -> dict:
+def metrics(
+    stage: int, steps: int, step_s: float, work_s: float, passes: int, fw=0.0, bw=0.0, tied=0.0, average=0.0
+) -> dict:
     return {
         "swarm_step_seconds_count": float(steps),
         "swarm_step_seconds_sum": step_s,
@@ -37,6 +39,7 @@ def metrics(stage: int, steps: int, step_s: float, work_s: float, passes: int, f
         f'swarm_wire_bytes_total{{direction="forward",link="{stage}"}}': fw,
         f'swarm_wire_bytes_total{{direction="backward",link="{stage - 1}"}}': bw,
         'swarm_wire_bytes_total{direction="tied",link="tied"}': tied,
+        'swarm_wire_bytes_total{direction="average",link="average"}': average,
     }
 
 
@@ -46,7 +49,7 @@ def reply(stage: int, **kw) -> SimpleNamespace:
 
 def test_read_clock_sums_the_work_phases_and_refuses_malformed_figures():
     clock = read_clock(metrics(1, 5, 2.0, 1.0, 40, bw=100.0), 1)
-    assert clock == StageClock(5, 2.0, pytest.approx(1.0), 40, (0.0, 100.0, 0.0))
+    assert clock == StageClock(5, 2.0, pytest.approx(1.0), 40, (0.0, 100.0, 0.0, 0.0))
     good = metrics(0, 5, 2.0, 1.0, 40)
     for key in good:
         for bad in (math.nan, math.inf, -1.0, MAX_SECONDS * 1e12):
@@ -59,20 +62,22 @@ def test_read_clock_sums_the_work_phases_and_refuses_malformed_figures():
 
 
 def test_the_window_prefers_the_whole_steps_the_trainer_timed():
-    before = StageClock(4, 10.0, 2.0, 32, (0.0, 0.0, 0.0), (4, 11.0))
-    after = StageClock(7, 13.0, 3.5, 56, (0.0, 0.0, 0.0), (7, 14.3))
+    before = StageClock(4, 10.0, 2.0, 32, (0.0, 0.0, 0.0, 0.0), (4, 11.0))
+    after = StageClock(7, 13.0, 3.5, 56, (0.0, 0.0, 0.0, 0.0), (7, 14.3))
     assert window(before, after).step_s == pytest.approx(1.1)  # (14.3 - 11) / 3, not the stage's (13 - 10) / 3
-    partly = StageClock(7, 13.0, 3.5, 56, (0.0, 0.0, 0.0), (6, 13.2))  # a step without the trainer's figure
+    partly = StageClock(7, 13.0, 3.5, 56, (0.0, 0.0, 0.0, 0.0), (6, 13.2))  # a step without the trainer's figure
     assert window(before, partly).step_s == pytest.approx(1.0)
     good = metrics(0, 5, 2.0, 1.0, 40) | {'swarm_phase_seconds_count{phase="trainer",stage="0"}': 5.0}
     assert read_clock(good | {'swarm_phase_seconds_sum{phase="trainer",stage="0"}': math.nan}, 0) is None
 
 
 def test_window_takes_differences_and_refuses_counters_that_went_back():
-    before = StageClock(4, 10.0, 2.0, 32, (8000.0, 0.0, 100.0))
-    after = StageClock(7, 13.0, 3.5, 56, (20000.0, 0.0, 400.0))
+    before = StageClock(4, 10.0, 2.0, 32, (8000.0, 0.0, 100.0, 5000.0))
+    after = StageClock(7, 13.0, 3.5, 56, (20000.0, 0.0, 400.0, 20000.0))
     m = window(before, after)
-    assert m == Measured(pytest.approx(1.5 / 12), pytest.approx(1.0), 3, pytest.approx(1000.0), 0.0, 100.0, 4)
+    assert m == Measured(
+        pytest.approx(1.5 / 12), pytest.approx(1.0), 3, pytest.approx(1000.0), 0.0, 100.0, 4, average_bytes=5000.0
+    )
     assert window(after, before) is None  # a restarted host
     assert window(before, before) is None  # no step in between
 
@@ -260,6 +265,30 @@ def test_message_bytes_come_from_the_ratio_counted_with_them_not_from_passes_rea
     assert window(before, read_clock(metrics(0, 8, 8.0, 2.0, 48, fw=23000.0) | {fp32: 1.0}, 0)) is None
     assert read_clock(metrics(0, 8, 8.0, 2.0, 48) | {fp32: math.nan}, 0) is None
     assert ModelSpec.transformer(TransformerShape(2, 64, 16, micro_batch_size=2)).message_elements == 2 * 16 * 64
+
+
+def test_calibration_prices_the_replicas_sums_at_the_bytes_they_sent():
+    # a 2x2 swarm at 1 Mbit/s (s44's throttled cell): the cost model's 8-bit sums predicted 3.29 s for a 0.61 s
+    # step; each replica sent its 2-bit sum, 66 kB, to its one partner. Priced at what they sent, the sums take 0.53 s
+    a2, b2 = "a2" * 12, "b2" * 12
+    plan = two_stages(3, A, B).document
+    plan = plan.replace(stages=tuple(dataclasses.replace(st, peer_ids=(st.peer_ids[0], x))
+                                     for st, x in zip(plan.stages, (a2, b2), strict=True)))  # fmt: skip
+    spec = ModelSpec(layers=2, flops_per_layer=1e9, forward_bytes=5_000, backward_bytes=5_000,
+                     gradient_bytes_per_layer=260_000, memory_bytes_per_layer=0, micro_batches=4,
+                     full_duplex=True)  # fmt: skip
+    sums = {pid: Measured(0.01, 0.61, 8, average_bytes=66_000.0) for pid in (A, a2, B, b2)}
+    priced = measured_bytes(spec, plan.stages, sums)
+    layers = len(plan.stages[0].layers)
+    assert priced.gradient_bytes_per_layer == pytest.approx(66_000.0 / layers)
+    ids = (A, a2, B, b2)
+    eye = np.eye(4, dtype=bool)
+    links = PlanInput(tuple(Peer(p, 1e12, 1e12) for p in ids), np.where(eye, 0.0, 0.0005), np.where(eye, np.inf, 125e3))
+    after, before = calibrated_breakdown(plan, links, spec, sums)
+    assert after.sync_s == pytest.approx(66_000 / 125e3, rel=0.01) and after.sync_s < before.sync_s / 3
+    # one replica a stage sums nothing: its figure (0) leaves the spec's
+    alone = measured_bytes(spec, PLAN.stages, {A: Measured(0.1, 0.1, 1, average_bytes=0.0), B: Measured(0.1, 0.1, 1)})
+    assert alone.gradient_bytes_per_layer == 260_000
 
 
 def test_measured_bytes_keeps_the_synthetic_figure_where_nothing_was_sent():

@@ -103,8 +103,9 @@ class FakeDriver:
         traffic = SimpleNamespace(forward_bytes=1, backward_bytes=1, fp32_wire_bytes=4, link_bytes={})
         return SimpleNamespace(
             loss=1.0, lr=0.1, grad_norm=1.0, forward_bytes=1, backward_bytes=1, fp32_wire_bytes=4, sync_bytes=0,
-            seconds=0.01, traffic=traffic, counters={}, attempts=1, routes=2 if self.plan_version == 1 else 1,
-            dead_peers=(), sample_ids=tuple(int(i) for i in batch.sample_ids), control_bytes=0, total_wire_bytes=0,
+            reduce_bytes=0, seconds=0.01, traffic=traffic, counters={}, attempts=1,
+            routes=2 if self.plan_version == 1 else 1, dead_peers=(),
+            sample_ids=tuple(int(i) for i in batch.sample_ids), control_bytes=0, total_wire_bytes=0,
             fp32_total_wire_bytes=0, skipped=False, loss_scale=0.0,
         )  # fmt: skip
 

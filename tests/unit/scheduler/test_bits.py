@@ -221,15 +221,16 @@ def measured(mbit: float) -> list[LinkMeasurement]:
     return [LinkMeasurement(a, b, 0.001, mbit * 1e6 / 8, 1.0) for a, b in ((A, B), (B, A))]
 
 
-def per_link_planner(mbit: float = 1.0):
+def per_link_planner(mbit: float = 1.0, **planner_kw):
     """A per-link-codec `Planner` of two peers A, B joined at `mbit` Mbit/s over a fake DHT, after its first round:
-    (model, planner, records, links, published); change `records`/`links` in place for the next round."""
+    (model, planner, records, links, published); change `records`/`links` in place for the next round.
+    `planner_kw` replaces the planner's codec keywords (`codec_bytes=None, epilogue=True`: the selective policy)."""
     model = ModelConfig()
     spec = model_spec(model, CodecConfig.parse("aqsgd2"), CodecConfig.parse("gradq4"))
     links = measured(mbit)
     records = {"peers": [PeerAnnouncement(pid, "127.0.0.1:5000", "cpu", 1 << 34, 40.0) for pid in (A, B)]}
     dht, published = fake_dht(records, links)
-    planner = make_planner(dht, spec, codec_bytes=SIZES)
+    planner = make_planner(dht, spec, **({"codec_bytes": SIZES} | planner_kw))
     planner.round()
     return model, planner, records, links, published
 

@@ -2,8 +2,17 @@
 
 import random
 
+import pytest
+
 from swarm.peers.plan_codecs import EpilogueCodecs
-from swarm.scheduler.bits import AVERAGE_LADDER, TIED_LADDER, BitsPolicy, EpilogueFigures, choose_epilogue
+from swarm.scheduler.bits import (
+    AVERAGE_LADDER,
+    TIED_LADDER,
+    BitsPolicy,
+    CodecSpeed,
+    EpilogueFigures,
+    choose_epilogue,
+)
 from swarm.scheduler.selective_stages import epilogue_length_s, widen_hidden
 
 FLOOR, TIED_FLOOR = AVERAGE_LADDER[-1], TIED_LADDER[-1]
@@ -65,3 +74,52 @@ def test_widening_never_lengthens_the_epilogue_nor_narrows_a_codec():
 def test_nothing_to_sum_is_left_alone():
     chosen = EpilogueCodecs((None, None), None, "x")
     assert widen_hidden(chosen, [None, None], None) is chosen
+
+
+# ---- measured codec speed: an exchange is its bytes and its encoding --------------------------------------------
+
+# per element: fp32 and bf16 nearly free, the quantized rungs ~30x dearer (s44 on this machine: fp32 7 ns an element
+# to encode, 2 ns to decode; the 2-bit sum 24 and 9 ns)
+SPEED = CodecSpeed(
+    (("fp32", 7e-9, 2e-9), ("bf16", 5e-9, 3e-9), (AVERAGE_LADDER[2], 40e-9, 9e-9), (FLOOR, 24e-9, 9e-9),
+     (TIED_FLOOR, 26e-9, 8e-9))
+)  # fmt: skip
+
+
+def _timed(mbit: float, elements: float = 1.5e6, step_s: float = 0.12) -> EpilogueFigures:
+    return EpilogueFigures(mbit * MB, elements, step_s, 2, SPEED)
+
+
+def test_on_a_fast_link_the_sum_whose_encoding_costs_more_than_its_bytes_save_is_sent_wide():
+    # unshaped loopback here: ~70 MB/s of gRPC. No codec fits 5% of a 0.12 s step, so bytes alone give the floor;
+    # with the codecs' speed the floor's sum takes 68 ms (5 on the wire), fp32's 102 (86), bf16's 59 (43): bf16
+    fast = _timed(560)
+    chosen = choose_epilogue([fast, fast], None)
+    by_bytes = choose_epilogue([EpilogueFigures(560 * MB, 1.5e6, 0.12)] * 2, None)
+    assert by_bytes.average_labels == (FLOOR, FLOOR)
+    quickest = min(AVERAGE_LADDER, key=fast.seconds)
+    assert chosen.average_labels == (quickest, quickest) and quickest != FLOOR
+    assert fast.seconds(quickest) < fast.seconds(FLOOR)
+
+
+def test_on_a_slow_link_the_bytes_decide_and_the_floor_stays():
+    slow = _timed(1)
+    assert choose_epilogue([slow], None).average_labels == (FLOOR,)
+    assert slow.seconds(FLOOR) < slow.seconds("bf16") / 5
+
+
+def test_a_codec_not_measured_costs_its_bytes_alone_and_the_time_counts_every_member_s_decode():
+    assert SPEED.seconds_per_element("gtern", 4) == 0.0
+    assert SPEED.seconds_per_element(FLOOR, 4) - SPEED.seconds_per_element(FLOOR, 2) == pytest.approx(2 * 9e-9)
+    four = EpilogueFigures(560 * MB, 1e6, 0.1, 4, SPEED)
+    assert four.seconds(FLOOR) > _timed(560, 1e6, 0.1).seconds(FLOOR)
+
+
+def test_the_measured_speed_covers_each_codec_once_with_positive_finite_figures():
+    import math
+
+    from swarm.scheduler.sizes import measure_codec_speed
+
+    speed = measure_codec_speed(("fp32", FLOOR, "fp32"), elements=1 << 12, repeats=1)
+    assert [label for label, *_ in speed.per_element] == ["fp32", FLOOR]
+    assert all(math.isfinite(e) and e > 0 and math.isfinite(d) and d > 0 for _, e, d in speed.per_element)
