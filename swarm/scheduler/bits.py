@@ -10,8 +10,8 @@ fast links more, up to fp32.
 
 Epilogue (`choose_epilogue`, Optimus-CC's selective compression): the replicas' gradient averaging and the tied
 embedding's sync run after the pipeline drains, where nothing overlaps them: their transfer time always shows in
-the step. So they are compressed by a different rule: the widest codec of their ladder whose transfer adds at
-most `epilogue_share` of the step's pipeline time; if none does, the quickest, which on bytes alone is the floor
+the step. So they are compressed by a different rule: the widest codec of their ladder whose exchange takes at
+most the quickest one's plus `epilogue_share` of the step's pipeline time; on bytes alone the quickest is the floor
 (2 bits with error feedback, preconditioned, for the replicas' sum; 4 for the tied sync). An exchange's time is
 its bytes over the group's slowest link plus, where the planner measured how fast the codecs run (`CodecSpeed`),
 one encode and one decode per member of the whole gradient: on a fast link a wide codec is then the quicker.
@@ -228,13 +228,15 @@ def epilogue_bytes(label: str, elements: float) -> float:
 
 
 def _pick_epilogue(ladder: Sequence[str], floor: str, fig: EpilogueFigures, share: float) -> tuple[str, float]:
-    """The most precise codec (down to `floor`) whose exchange fits in `share` of the step; where none does, the
-    quickest (the most precise of equals): without a measured speed the floor, the fewest bytes; with one, on a fast
-    link, a wider codec whose encoding costs less than the bytes it would save."""
+    """The most precise codec (down to `floor`) whose exchange takes at most the quickest one's plus `share` of the
+    step: precision is worth that much step time. On bytes alone the quickest is the floor; with a measured speed, on
+    a fast link, a wide codec can be quicker than a quantized one (its encoding costs more than its bytes save), and
+    where the two are close (within the share) the precise one wins."""
     allowed = ladder[: ladder.index(floor) + 1]
-    label = next((c for c in allowed if fig.seconds(c) <= share * fig.step_s), None)
-    label = min(allowed, key=fig.seconds) if label is None else label
-    return label, fig.seconds(label)
+    times = [fig.seconds(c) for c in allowed]
+    bound = min(times) + share * fig.step_s
+    label, seconds = next((c, t) for c, t in zip(allowed, times, strict=True) if t <= bound)
+    return label, seconds
 
 
 def choose_epilogue(

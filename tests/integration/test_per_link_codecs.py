@@ -47,3 +47,28 @@ def test_a_slow_and_a_fast_link_get_different_codecs_and_train(tmp_path):
     # the tied sync's codec is chosen per link too (selective compression), and the peers trained with it
     epilogue = record.document.epilogue
     assert epilogue.average_labels == (None, None, None) and epilogue.tied_label in TIED_LADDER, epilogue
+
+
+def test_the_selective_policy_plans_only_the_replicas_sums_and_trains_on_them(tmp_path):
+    # --codec-policy selective: 2 stages x 2 replicas on loopback; the links keep the flags' codecs, each stage's
+    # sum and the tied sync get the planner's codecs (from the probed links and this machine's codec speed)
+    import csv
+
+    from swarm.scheduler.bits import AVERAGE_LADDER
+
+    flags = ["--assign", "plan", "--codec-policy", "selective", "--plan-even-layers", "--compute-speed", "40",
+             "--replicas", "2", "--min-peers", "4"]  # fmt: skip
+    with local_swarm(tmp_path, 4, flags, timeout_s=240, n_stages=2) as swarm:
+        record = swarm.dht.get_plan(ModelConfig().n_layers)
+        cfg = TrainConfig(train_samples=16, batch_size=8, micro_batches=4, steps=4, out=str(tmp_path / "train"))
+        summary = train(cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
+    assert summary.steps == 4 and math.isfinite(summary.final_loss)
+    document = record.document
+    assert [len(st.peer_ids) for st in document.stages] == [2, 2]
+    assert not document.codecs, "the boundaries keep --fw-codec/--bw-codec"
+    epilogue = document.epilogue
+    assert all(label in AVERAGE_LADDER for label in epilogue.average_labels), epilogue
+    assert epilogue.tied_label in TIED_LADDER and "share" in epilogue.why
+    with open(tmp_path / "train" / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(int(r["reduce_bytes"]) > 0 for r in rows), "every step summed the replicas' gradients"

@@ -123,3 +123,14 @@ def test_the_measured_speed_covers_each_codec_once_with_positive_finite_figures(
     speed = measure_codec_speed(("fp32", FLOOR, "fp32"), elements=1 << 12, repeats=1)
     assert [label for label, *_ in speed.per_element] == ["fp32", FLOOR]
     assert all(math.isfinite(e) and e > 0 and math.isfinite(d) and d > 0 for _, e, d in speed.per_element)
+
+
+def test_where_a_wide_codec_is_within_the_share_of_the_quickest_the_precise_one_wins():
+    # s44's second unshaped cell: stage 0's replicas probed at 325 Mbit/s, 264k elements. The 2-bit sum is the
+    # quickest by 3 ms, less than 5% of the 0.107 s step: bf16 (measured in the swarm: 70-74 ms a step's sums
+    # against 2-bit's 97-107) is chosen
+    fig = EpilogueFigures(325 * MB, 264e3, 0.107, 2, SPEED)
+    assert fig.seconds(FLOOR) < fig.seconds("bf16") < fig.seconds(FLOOR) + 0.05 * 0.107 < fig.seconds("fp32")
+    assert choose_epilogue([fig], None).average_labels == ("bf16",)
+    # without the speed the floor's bytes are far the quickest: it stays
+    assert choose_epilogue([EpilogueFigures(325 * MB, 264e3, 0.107)], None).average_labels[0] != "bf16"
