@@ -46,6 +46,8 @@ MAX_RELAY_EXTRA_S = 1e6
 """Largest `relay_extra_s` a plan may carry (a plan through a relay that cannot carry its links prices at it)."""
 _MAX_NAME = 64  # a figure's name, the plan's cost model
 _MAX_FIGURES = 64  # named figures in a breakdown or one peer's measurement
+_MAX_BW_EPILOGUE = 1024  # characters of `bw_epilogue`: a codec label and a tail per boundary
+_MAX_MICRO = 1 << 16  # micro-batches a `bw_epilogue` was derived for
 _P = "plan"
 _WIRE_FIELDS = {
     "format": "format",
@@ -58,6 +60,7 @@ _WIRE_FIELDS = {
     "frozen_layers": "frozen_layers",
     "codecs": "codecs",
     "epilogue_codecs": "epilogue",
+    "bw_epilogue": "bw_epilogue",
     "precisions": "precisions",
     "relay_extra_s": "relay_extra_s",
     "trainer_ids": "trainer_ids",
@@ -146,6 +149,10 @@ class PlanDocument:
     """One per boundary (stage s to s+1); None: every peer's flags."""
     epilogue: EpilogueCodecs | None = None
     """The epilogue's codecs (wire key "epilogue_codecs"); None: the averagers' backward codecs."""
+    bw_epilogue: str | None = None
+    """Epilogue-only compression of the backward messages, `PRECISE:TAILS:SCHEDULE:MICRO_BATCHES` (`swarm-peer
+    --bw-epilogue`'s form, one tail per boundary; `swarm.scheduler.epilogue_only.plan_epilogue_only`); None: every
+    peer's --bw-epilogue."""
     precisions: tuple[str, ...] | None = None
     """One of PLAN_PRECISIONS per stage; None: every peer's --precision."""
     frozen_layers: int | None = None
@@ -199,6 +206,7 @@ class PlanDocument:
             if pid in seen:
                 raise fail(_P, "unused_peer_ids", "peers the stages do not name", pid)
         self._check_codecs()
+        self._check_bw_epilogue()
         self._check_precisions()
         if self.frozen_layers is not None:
             int_field(_P, "frozen_layers", self.frozen_layers, 0, self.n_layers - 1)
@@ -232,6 +240,27 @@ class PlanDocument:
         present = [key for key, name in _WIRE_FIELDS.items() if getattr(self, name) is not None]
         kept = tuple(key for key in self.key_order if key in present)
         set_field(self, "key_order", kept + tuple(key for key in present if key not in kept))
+
+    def _check_bw_epilogue(self) -> None:
+        """`bw_epilogue`: a precise codec's label, one tail per boundary (0 to the micro-batches), the schedule and
+        micro-batch count the tails were derived for."""
+        text = self.bw_epilogue
+        if text is None:
+            return
+        n = len(self.stages) - 1
+        what = f"PRECISE:TAILS:SCHEDULE:MICRO_BATCHES with {n} tails, at most {_MAX_BW_EPILOGUE} characters"
+        if type(text) is not str or len(text) > _MAX_BW_EPILOGUE:
+            raise fail(_P, "bw_epilogue", what, text)
+        parts = text.split(":")
+        try:
+            if len(parts) != 4 or parts[2] not in ("1f1b", "gpipe"):
+                raise ValueError
+            CodecConfig.parse(parts[0])
+            tails, n_micro = [int(t) for t in parts[1].split(",")], int(parts[3])
+        except ValueError:
+            raise fail(_P, "bw_epilogue", what, text) from None
+        if not 1 <= n_micro <= _MAX_MICRO or len(tails) != n or not all(0 <= t <= n_micro for t in tails):
+            raise fail(_P, "bw_epilogue", what, text)
 
     def _check_codecs(self) -> None:
         n = len(self.stages)
@@ -312,6 +341,7 @@ class PlanDocument:
             trainer_ids=None if trainers is None else tuple(trainers),
             codecs=codecs,
             epilogue=None if epilogue is None else EpilogueCodecs.from_wire(epilogue),
+            bw_epilogue=wire.get("bw_epilogue"),
             precisions=None if precisions is None else tuple(precisions),
             frozen_layers=wire.get("frozen_layers"),
             relay_extra_s=wire.get("relay_extra_s"),
@@ -355,7 +385,10 @@ class PlanDocument:
         stages = tuple(stages)
         if len(stages) == self.n_stages:
             return self.replace(stages=stages)
-        dropped = ("codecs", "epilogue", "precisions", "step_time_s", "first_step_time_s", "breakdown", "measured")
+        dropped = (
+            "codecs", "epilogue", "bw_epilogue", "precisions", "step_time_s", "first_step_time_s", "breakdown",
+            "measured",
+        )  # fmt: skip
         return self.replace(stages=stages, **dict.fromkeys(dropped))
 
     def with_link_codecs(self, codecs: Iterable[LinkCodecs]) -> PlanDocument:

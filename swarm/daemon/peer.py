@@ -228,6 +228,8 @@ class PeerDaemon:
         from swarm.runtime.worker import StageConfig
 
         cfg = self.cfg
+        # the plan's epilogue-only choice (--plan-epilogue-only), else this peer's own
+        bw_epilogue = plan.bw_epilogue if plan is not None and plan.bw_epilogue else cfg.bw_epilogue
         # a plan's per-link codecs (over this peer's own codec options), else the flags'
         ends = plan.link_configs(role.stage, self.codecs) if plan is not None else self.codecs * 2
         precision = plan.precision(role.stage, cfg.precision) if plan is not None else cfg.precision
@@ -240,7 +242,7 @@ class PeerDaemon:
                 ends[1],
                 shaping=self.shaping,
                 recv=(ends[2], ends[3]),
-                epilogue=EpilogueOnly.parse(cfg.bw_epilogue),
+                epilogue=EpilogueOnly.parse(bw_epilogue),
             ),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
@@ -310,6 +312,7 @@ class PeerDaemon:
         from swarm.daemon.repack import RepackWatch
         from swarm.daemon.sensitivity_report import SensitivityReport
         from swarm.scheduler.bits import codec_sizes, epilogue_codec_speed
+        from swarm.scheduler.epilogue_only import epilogue_only_planner
         from swarm.scheduler.precision_choice import precision_planner
         from swarm.scheduler.sizes import model_spec
 
@@ -343,6 +346,7 @@ class PeerDaemon:
             codec_bytes=codec_sizes(self.model, plans.micro_batch_size) if plans.codec_policy == "per-link" else None,
             epilogue=plans.codec_policy == "selective",
             codec_speed=epilogue_codec_speed() if plans.codec_policy != "fixed" else None,
+            epilogue_only=epilogue_only_planner(self.model, self.codecs, plans) if plans.epilogue_only else None,
             reannounce=self.update_announcement,  # SwarmDHT stamps the lease on it
             calibrator=calibrator(plans, self.channels, lambda: self._addresses),
             repack=RepackWatch(status_reader(self.channels, lambda: self._addresses)) if plans.repack else None,

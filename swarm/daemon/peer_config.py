@@ -82,6 +82,12 @@ class PlanningConfig:
     links, compressing only the exchanges that set the epilogue's length (Optimus-CC's selective stage compression,
     `swarm.scheduler.selective_stages`); per-link: that, and each boundary's codecs from its measured rate and the
     stages' compute (`swarm.scheduler.bits`). Peers apply the plan's."""
+    epilogue_only: bool = field(default=False, metadata=flag(name="--plan-epilogue-only"))
+    """The planner chooses which backward messages go compressed (Optimus-CC's epilogue-only compression: those on
+    the drain's critical path; the others at fp32) from the peers' announced speeds and the probed links, and
+    publishes it in the plan (`swarm.scheduler.epilogue_only.plan_epilogue_only`); peers send by the plan's choice
+    over their --bw-epilogue. Off by default (docs/reports/optimus.md: equal or quicker where the backward is hidden,
+    the same as compressing everything where it is not, for 5x the backward bytes)."""
     calibrate_after_steps: int | None = None
     """The planner re-predicts the plan from its peers' clocks over 4 steps from this many steps in and
     republishes it (`swarm.daemon.calibrate`); None: off (a trainer without the DHT cannot follow the new version)."""
@@ -100,6 +106,8 @@ class PlanningConfig:
             raise ValueError("PlanningConfig: calibrate_after_steps must be >= 0")
         if not (math.isfinite(self.precision_budget) and self.precision_budget >= 0):
             raise ValueError("PlanningConfig: precision_budget must be a finite number >= 0")
+        if self.epilogue_only and self.codec_policy == "per-link":
+            raise ValueError("PlanningConfig: --plan-epilogue-only plans over the flags' link codecs, not per-link")
         if self.codec_policy not in CODEC_POLICIES:
             choices = ", ".join(CODEC_POLICIES)
             raise ValueError(f"PlanningConfig: codec_policy must be one of {choices}, got {self.codec_policy!r}")

@@ -215,6 +215,7 @@ class Planner:
         codec_bytes: Callable[[str], float] | None = None,
         epilogue: bool = False,
         codec_speed: Callable[[], CodecSpeed] | None = None,
+        epilogue_only: Callable[[list[dict], PlanInput, ModelSpec], str | None] | None = None,
         bits: BitsPolicy | None = None,
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
@@ -232,6 +233,9 @@ class Planner:
         self.epilogue = epilogue or codec_bytes is not None
         """Whether plans carry the epilogue's codecs (the replicas' sums, the tied sync), chosen from the measured
         links (`--codec-policy selective`; per-link chooses them with the boundaries' codecs)."""
+        self.epilogue_only = epilogue_only
+        """Chooses a new plan's epilogue-only compression (`--plan-epilogue-only`: its `bw_epilogue`, or None);
+        None: plans leave it to the peers' flags."""
         self.codec_speed = codec_speed
         """How fast this machine runs the epilogue's codecs (`swarm.scheduler.sizes.measure_codec_speed`, measured
         once, when first asked): an exchange's time is its bytes and its encoding; None: its bytes alone."""
@@ -433,6 +437,9 @@ class Planner:
             compute_keys={p.peer_id: p.compute_key for p in peers},
         )
         document = self.with_codecs(document, swarm)
+        if self.epilogue_only is not None:  # which backward messages go compressed, from the same measurements
+            chosen = self.epilogue_only(document.stage_dicts(), swarm.plan_input, self.spec)
+            document = document.replace(bw_epilogue=chosen)
         precisions = self.precisions(document.stage_dicts(), peers) if self.precisions else None
         document = document if precisions is None else document.with_precisions(precisions)
         # what the relayed links' two legs add (None: no relayed link): the tunnels' per-message cost is in the

@@ -283,6 +283,8 @@ def read_summary(cell_dir: Path) -> dict:
                 summary["first_plan_step_s"] = plan.first_step_time_s
                 summary["predicted_step_s"] = plan.step_time_s
                 summary["calibration_window"] = calibration_window(plan.measured_figures())
+            if plan is not None and plan.bw_epilogue:  # the live planner's epilogue-only choice (@epi)
+                summary["bw_epilogue"] = plan.bw_epilogue
             if plan is not None and plan.epilogue is not None:  # what the planner chose for the sums (@sel)
                 summary["epilogue_codecs"] = {
                     "average": list(plan.epilogue.average_labels),
@@ -337,19 +339,20 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
 
     pair, suffix = split_setting(cell.setting)
     forward, backward = pair.split("/")
-    # FW/BW@epi: epilogue-only compression, the exposed backward messages chosen from measured timings
-    epilogue = {"bw_epilogue": epilogue_choice(cell, cfg)[0].label()} if suffix == EPILOGUE_SUFFIX else {}
     peer = planned_peer(
         batch_size=cfg.batch_size, micro_batches=cfg.micro_batches, rate_mbit=cell.rate_mbit,
         # a slow link's fp32 cell runs a prefix of the schedule; a cell that runs longer gets a schedule as long
         steps=max(cfg.steps, cfg.steps_of(cell)),
-        delay_ms=cfg.delay_ms, **CodecFlags(forward, backward).build(), **epilogue,
+        delay_ms=cfg.delay_ms, **CodecFlags(forward, backward).build(),
     )  # fmt: skip
     stages = cfg.stages or cfg.peers
     replicas = cfg.peers // stages if stages < cfg.peers else peer.planning.replicas
     # FW/BW@sel: the planner chooses the sums' codecs from the measured links (selective stage compression)
     policy = "selective" if suffix == SELECTIVE_SUFFIX else peer.planning.codec_policy
-    return replace(peer, num_stages=stages, planning=replace(peer.planning, replicas=replicas, codec_policy=policy))
+    # FW/BW@epi: epilogue-only compression, the live planner choosing the exposed backward messages from the peers'
+    # announced speeds and the probed links (`--plan-epilogue-only`)
+    planning = replace(peer.planning, replicas=replicas, codec_policy=policy, epilogue_only=suffix == EPILOGUE_SUFFIX)
+    return replace(peer, num_stages=stages, planning=planning)
 
 
 @cache
@@ -362,7 +365,7 @@ def epilogue_choice(cell: Cell, cfg: ThrottledConfig):
     micro_batch_size = max(1, cfg.batch_size // cfg.micro_batches)
     model = cfg.model or DEFAULT_MODEL
     return plan_epilogue_only(
-        model, cell.setting, cfg.peers, micro_batch_size, cfg.micro_batches, cell.rate_mbit, cfg.delay_ms
+        model, cell.setting, cfg.stages or cfg.peers, micro_batch_size, cfg.micro_batches, cell.rate_mbit, cfg.delay_ms
     )
 
 
@@ -373,7 +376,7 @@ def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
 
     peer = peer_config(cell, cfg)
     train_cfg = train_config(cell, cfg, out)
-    if peer.bw_epilogue:  # what the planner chose and predicted, for the cell's row (`read_summary`)
+    if peer.planning.epilogue_only:  # the choice from this machine's stage timings, predicted (`read_summary`)
         (out / cell.label).mkdir(parents=True, exist_ok=True)
         (out / cell.label / "epilogue.json").write_text(json.dumps(epilogue_choice(cell, cfg)[1].row()))
     # the planner re-predicts the plan from the peers' clocks over the steps after the first epoch (AQ-SGD's
@@ -515,7 +518,8 @@ def summarize(
         "fewer_stages_from_step": next((i for i, n in stages if n < stages[0][1]), None) if stages else None,
         # where the steps after the first epoch spent their time, measured (the predicted split is the epilogue's)
         "phase_ms": phase_ms(after),
-        **(summary or {}).get("epilogue", {}),  # a FW/BW@epi cell's choice and predicted split
+        **(summary or {}).get("epilogue", {}),  # a FW/BW@epi cell's choice from timed stages and predicted split
+        "bw_epilogue": (summary or {}).get("bw_epilogue"),  # ... and the live planner's, which the peers ran
         "epilogue_codecs": (summary or {}).get("epilogue_codecs"),  # the plan's codecs of the sums (selective)
     }
 

@@ -11,12 +11,18 @@ experiments print beside what they measure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from swarm.runtime.epilogue import EpiloguePlan, StageTimes, derive_tails, exposed_messages, step_time_s
 
-__all__ = ["EpilogueOnlyChoice", "choose_epilogue_only", "link_times"]
+if TYPE_CHECKING:
+    from swarm.scheduler.plans import ModelSpec, PlanInput
+
+__all__ = ["EpilogueOnlyChoice", "choose_epilogue_only", "epilogue_only_planner", "link_times", "plan_epilogue_only"]
 
 DEFAULT_TOLERANCE = 0.01
 """The chosen set may make the predicted step at most 1% longer than compressing every backward message."""
@@ -108,3 +114,64 @@ def choose_epilogue_only(
         len(chosen),
         len(every),
     )
+
+
+FORWARD_SHARE = 1 / 3
+"""A stage's forward pass as a share of its forward + backward (the backward takes about twice the forward): the
+peers announce one speed for both (`PeerAnnouncement.compute_layers_per_s`)."""
+
+
+def plan_epilogue_only(
+    stages: list[dict],
+    plan_input: PlanInput,
+    spec: ModelSpec,
+    message_bytes: Callable[[str], float],
+    codecs: tuple[str, str],
+    precise: str = "fp32",
+    schedule: str = "1f1b",
+) -> EpilogueOnlyChoice | None:
+    """The live planner's epilogue-only choice for a plan's `stages` (the scheduler's layout dicts): each stage's
+    forward and backward of one micro-batch from its slowest replica's announced speed (`FORWARD_SHARE` of it
+    forward), each boundary's slowest replica link and its longest delay as the probes measured them, the messages'
+    bytes (`message_bytes(label)`, one micro-batch's message) at the links' (forward, backward) `codecs` and at
+    `precise`; a route's micro-batches as the plan's replicas share the step's. None for a single stage."""
+    if len(stages) < 2:
+        return None
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    groups = [np.array([index[pid] for pid in st["peer_ids"]]) for st in stages]
+    compute = []
+    for st, group in zip(stages, groups, strict=True):
+        speed = min(plan_input.peers[i].compute_flops_per_s for i in group)
+        seconds = (st["layer_end"] - st["layer_start"]) * spec.flops_per_layer / speed if speed > 0 else 0.0
+        compute.append((FORWARD_SHARE * seconds, (1 - FORWARD_SHARE) * seconds))
+    rates, delays = [], []
+    for a, b in zip(groups, groups[1:], strict=False):
+        rates.append(float(min(plan_input.bandwidth_bytes_per_s[np.ix_(a, b)].min(),
+                               plan_input.bandwidth_bytes_per_s[np.ix_(b, a)].min())))  # fmt: skip
+        delays.append(float(max(plan_input.delay_s[np.ix_(a, b)].max(), plan_input.delay_s[np.ix_(b, a)].max())))
+    forward, backward = codecs
+    times = link_times(compute, rates, delays, message_bytes(forward), message_bytes(precise), message_bytes(backward))
+    n_micro = spec.micro_batches_per_pipeline(max(len(g) for g in groups))
+    return choose_epilogue_only(schedule, n_micro, times)
+
+
+def epilogue_only_planner(model, codecs, plans) -> Callable[[list[dict], PlanInput, ModelSpec], str | None]:
+    """The live planner's `--plan-epilogue-only` choice for a peer's `model`, its (forward, backward) `CodecConfig`s
+    and its `PlanningConfig` (the plan's micro-batch size): (stages, plan input, spec) -> the plan's `bw_epilogue`
+    (`EpilogueOnly.parse`'s form; None for one stage), logged with why."""
+    import logging
+
+    from swarm.scheduler.bits import codec_sizes
+
+    sizes = codec_sizes(model, plans.micro_batch_size)
+    labels = (codecs[0].label, codecs[1].label)
+
+    def choose(stages: list[dict], plan_input: PlanInput, spec: ModelSpec) -> str | None:
+        choice = plan_epilogue_only(stages, plan_input, spec, sizes, labels)
+        if choice is None:
+            return None
+        logging.getLogger(__name__).info("epilogue-only: %s", choice.why)
+        plan = choice.plan
+        return f"fp32:{','.join(map(str, plan.tails))}:{plan.schedule}:{plan.n_micro}"
+
+    return choose

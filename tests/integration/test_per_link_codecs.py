@@ -72,3 +72,19 @@ def test_the_selective_policy_plans_only_the_replicas_sums_and_trains_on_them(tm
     with open(tmp_path / "train" / "steps.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows and all(int(r["reduce_bytes"]) > 0 for r in rows), "every step summed the replicas' gradients"
+
+
+def test_the_planner_chooses_epilogue_only_compression_and_the_peers_train_on_it(tmp_path):
+    # --plan-epilogue-only: the plan carries which backward messages go compressed, from the announced speeds and
+    # the probed links; at 1 Mbit/s every backward message is on the critical path, so every one stays compressed
+    from swarm.runtime.boundary import EpilogueOnly
+
+    flags = ["--assign", "plan", "--plan-epilogue-only", "--plan-even-layers", "--compute-speed", "40",
+             "--rate-mbit", "1"]  # fmt: skip
+    with local_swarm(tmp_path, 2, flags, timeout_s=240) as swarm:
+        record = swarm.dht.get_plan(ModelConfig().n_layers)
+        cfg = TrainConfig(train_samples=16, batch_size=8, micro_batches=4, steps=4, out=str(tmp_path / "train"))
+        summary = train(cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
+    assert summary.steps == 4 and math.isfinite(summary.final_loss)
+    chosen = EpilogueOnly.parse(record.document.bw_epilogue)
+    assert chosen.precise.label == "fp32" and chosen.plan.tails == (4,) and chosen.plan.n_micro == 4, chosen

@@ -33,7 +33,7 @@ def test_stage_times_are_measured_for_every_stage():
     assert len(times) == 2 and all(f > 0 and b >= 0 for f, b in times)
 
 
-def test_a_throttled_epilogue_cell_tells_its_peers_the_planner_s_choice(monkeypatch):
+def test_a_throttled_epilogue_cell_has_the_live_planner_choose_and_predicts_from_timed_stages(monkeypatch):
     import swarm.experiments.selective as selective
     from swarm.experiments.throttled import Cell, ThrottledConfig, epilogue_choice, peer_config, summarize
 
@@ -41,10 +41,13 @@ def test_a_throttled_epilogue_cell_tells_its_peers_the_planner_s_choice(monkeypa
     epilogue_choice.cache_clear()
     cfg = ThrottledConfig(rates=(1.0,), settings=(f"{D}@epi",))
     peer = peer_config(Cell(1.0, f"{D}@epi"), cfg)
-    assert peer.bw_epilogue == "fp32:4:1f1b:4"  # 1 Mbit/s: every message exposed
-    assert not peer_config(Cell(1.0, D), cfg).bw_epilogue
-    fast = peer_config(Cell(None, f"{D}@epi"), cfg)
-    assert fast.bw_epilogue.startswith("fp32:") and fast.bw_epilogue != peer.bw_epilogue
+    assert peer.planning.epilogue_only and not peer.bw_epilogue  # the peers' planner chooses (--plan-epilogue-only)
+    assert not peer_config(Cell(1.0, D), cfg).planning.epilogue_only
+    # the row's prediction: the same rule on this machine's timed stages at the cell's rate
+    slow = epilogue_choice(Cell(1.0, f"{D}@epi"), cfg)[0].label()
+    fast = epilogue_choice(Cell(None, f"{D}@epi"), cfg)[0].label()
+    assert slow == "fp32:4:1f1b:4" and fast.startswith("fp32:") and fast != slow  # 1 Mbit/s: every message exposed
     steps = [{"step_s": "1.0", "train_loss": "2.0", "forward_bytes": "10", "backward_bytes": "5", "step": "1"}]
-    row = summarize(Cell(1.0, f"{D}@epi"), steps, 1, 8, {"epilogue": {"tails": "4"}})
-    assert row["bw_bits"] == 2 and row["tails"] == "4"
+    summary = {"epilogue": {"tails": "4"}, "bw_epilogue": "fp32:4:1f1b:4"}
+    row = summarize(Cell(1.0, f"{D}@epi"), steps, 1, 8, summary)
+    assert row["bw_bits"] == 2 and row["tails"] == "4" and row["bw_epilogue"] == "fp32:4:1f1b:4"

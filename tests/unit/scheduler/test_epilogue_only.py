@@ -90,3 +90,84 @@ def test_a_peer_builds_its_links_with_its_epilogue_flag():
     host = daemon._make_host(StageRole(1, 2, 2, 4, 3), PlanDocument.from_wire({"stages": stages}))
     assert host.links.epilogue == EpilogueOnly.parse("fp32:1:1f1b:4")
     assert host.links.precise_recv is not None
+
+
+# ---- the live planner's choice (--plan-epilogue-only) ------------------------------------------------------------
+
+
+def _plan_input(rate_mbit: float, speeds=(1e12, 1e12), delay_s: float = 0.0):
+    import numpy as np
+
+    from swarm.scheduler.plans import Peer, PlanInput
+
+    eye = np.eye(2, dtype=bool)
+    peers = tuple(Peer(pid, s, 1e12) for pid, s in zip(("a" * 24, "b" * 24), speeds, strict=True))
+    return PlanInput(peers, np.where(eye, 0.0, delay_s), np.where(eye, np.inf, rate_mbit * MB))
+
+
+STAGE_DICTS = [{"layer_start": 0, "layer_end": 2, "peer_ids": ["a" * 24]},
+               {"layer_start": 2, "layer_end": 4, "peer_ids": ["b" * 24]}]  # fmt: skip
+SIZES = {"aqsgd2": 8192.0, "fp32": 65536.0, "gradq2": 4096.0}.__getitem__
+
+
+def test_the_planner_times_stages_from_the_announced_speeds_and_links_from_the_probes():
+    from swarm.scheduler.epilogue_only import FORWARD_SHARE, plan_epilogue_only
+    from swarm.scheduler.plans import ModelSpec
+
+    spec = ModelSpec(layers=4, flops_per_layer=0.015e12, forward_bytes=1, backward_bytes=1,
+                     gradient_bytes_per_layer=0, memory_bytes_per_layer=0, micro_batches=4)  # fmt: skip
+    # two layers at 0.015 s each: 0.03 s forward + backward a micro-batch, a third of it forward
+    chosen = {r: plan_epilogue_only(STAGE_DICTS, _plan_input(r), spec, SIZES, ("aqsgd2", "gradq2")) for r in (1, 1e4)}
+    stage = 2 * 0.015
+    times = link_times([(FORWARD_SHARE * stage, (1 - FORWARD_SHARE) * stage)] * 2, [1 * MB], [0.0], 8192, 65536, 4096)
+    assert chosen[1].plan == choose_epilogue_only("1f1b", 4, times).plan == EpiloguePlan((4,), "1f1b", 4)
+    assert chosen[1e4].plan.tails == (0,)  # a fast link: every backward message precise
+    # the slower replica sets a stage's compute; a one-stage plan has no boundary to choose for
+    slower = plan_epilogue_only(STAGE_DICTS, _plan_input(1, (1e12, 1e6)), spec, SIZES, ("aqsgd2", "gradq2"))
+    assert slower.compute_s > chosen[1].compute_s
+    one = [{"layer_start": 0, "layer_end": 4, "peer_ids": ["a" * 24]}]
+    assert plan_epilogue_only(one, _plan_input(1), spec, SIZES, ("aqsgd2", "gradq2")) is None
+
+
+def test_a_plan_s_epilogue_only_choice_validates_and_a_peer_runs_it_over_its_flag():
+    from swarm.peers.plan import PlanDocument, PlanStage
+    from swarm.runtime.host import StageRole
+    from tests.unit.scheduler.test_bits import A, B, bare_daemon
+
+    stages = [{"layer_start": 0, "layer_end": 2, "peer_ids": [A]}, {"layer_start": 2, "layer_end": 4, "peer_ids": [B]}]
+    plan = PlanDocument.from_wire({"stages": stages, "bw_epilogue": "fp32:2:1f1b:4"})
+    assert plan.to_wire()["bw_epilogue"] == "fp32:2:1f1b:4"
+    for bad in ("fp32:2", "fp32:2,1:1f1b:4", "fp32:5:1f1b:4", "fp32:-1:1f1b:4", "fp32:1:zz:4", "nope:1:1f1b:4",
+                "fp32:1:1f1b:0", 3, "fp32:" + "1," * 600 + "1:1f1b:4"):  # fmt: skip
+        with pytest.raises(ValueError, match="bw_epilogue"):
+            PlanDocument.from_wire({"stages": stages, "bw_epilogue": bad})
+    daemon = bare_daemon()
+    daemon.cfg.bw_epilogue = "fp32:1:1f1b:4"
+    host = daemon._make_host(StageRole(1, 2, 2, 4, 3), plan)
+    assert host.links.epilogue == EpilogueOnly.parse("fp32:2:1f1b:4")  # the plan's, not the flag's
+    # a repack onto other stages drops it with the other per-boundary choices
+    assert plan.with_stages([PlanStage(0, 4, (A, B))]).bw_epilogue is None
+
+
+def test_the_planner_publishes_its_epilogue_only_choice_in_a_new_plan():
+    from tests.unit.scheduler.test_bits import per_link_planner
+
+    calls = []
+
+    def choose(stages, plan_input, spec):
+        calls.append((len(stages), len(plan_input.peers)))
+        return "fp32:1:1f1b:4"
+
+    _, _, _, _, published = per_link_planner(codec_bytes=None, epilogue_only=choose)
+    ((_, first),) = published
+    assert first["bw_epilogue"] == "fp32:1:1f1b:4" and calls == [(2, 2)]
+    _, _, _, _, plain = per_link_planner(codec_bytes=None)
+    assert "bw_epilogue" not in plain[0][1]
+
+
+def test_epilogue_only_planning_refuses_the_per_link_policy():
+    from swarm.daemon.peer_config import PlanningConfig
+
+    with pytest.raises(ValueError, match="per-link"):
+        PlanningConfig(epilogue_only=True, codec_policy="per-link")
+    assert PlanningConfig(epilogue_only=True, codec_policy="selective").epilogue_only
