@@ -229,7 +229,7 @@ class PeerDaemon:
 
         cfg = self.cfg
         # the plan's epilogue-only choice (--plan-epilogue-only), else this peer's own
-        bw_epilogue = plan.bw_epilogue if plan is not None and plan.bw_epilogue else cfg.bw_epilogue
+        bw_epilogue = (plan.bw_epilogue if plan is not None else None) or cfg.bw_epilogue
         # a plan's per-link codecs (over this peer's own codec options), else the flags'
         ends = plan.link_configs(role.stage, self.codecs) if plan is not None else self.codecs * 2
         precision = plan.precision(role.stage, cfg.precision) if plan is not None else cfg.precision
@@ -442,6 +442,7 @@ class PeerDaemon:
     def _apply_plan(self, record) -> None:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
         from swarm.daemon.planning import role_in_plan
+        from swarm.runtime.boundary import EpilogueOnly
         from swarm.runtime.sensitivity import set_stage_precision
 
         role = role_in_plan(record, self.dht.peer_id)
@@ -454,6 +455,8 @@ class PeerDaemon:
             and (host.role.stage, host.role.n_stages, host.role.layer_start, host.role.layer_end)
             == (role.stage, role.n_stages, role.layer_start, role.layer_end)
             and plan.link_configs(role.stage, self.codecs) == host.assignment.link_codecs
+            # the plan's epilogue-only choice changed (calibrated): the link ends are built anew
+            and EpilogueOnly.parse(plan.bw_epilogue or self.cfg.bw_epilogue) == host.links.epilogue
         )
         wait_s = 2 * 120.0
         behind = same and self.following is not None and self._behind_replicas(record, role, host.steps_done)

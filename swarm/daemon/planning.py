@@ -215,7 +215,7 @@ class Planner:
         codec_bytes: Callable[[str], float] | None = None,
         epilogue: bool = False,
         codec_speed: Callable[[], CodecSpeed] | None = None,
-        epilogue_only: Callable[[list[dict], PlanInput, ModelSpec], str | None] | None = None,
+        epilogue_only: Callable[..., str | None] | None = None,
         bits: BitsPolicy | None = None,
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
@@ -234,8 +234,10 @@ class Planner:
         """Whether plans carry the epilogue's codecs (the replicas' sums, the tied sync), chosen from the measured
         links (`--codec-policy selective`; per-link chooses them with the boundaries' codecs)."""
         self.epilogue_only = epilogue_only
-        """Chooses a new plan's epilogue-only compression (`--plan-epilogue-only`: its `bw_epilogue`, or None);
-        None: plans leave it to the peers' flags."""
+        """Chooses a plan's epilogue-only compression (`--plan-epilogue-only`: its `bw_epilogue`, or None) when the
+        planner makes it, from the announced speeds, and again when it calibrates it, from the stages' measured
+        clocks: (stages, plan input, spec[, seconds a micro-batch per stage]); None: plans leave it to the peers'
+        flags."""
         self.codec_speed = codec_speed
         """How fast this machine runs the epilogue's codecs (`swarm.scheduler.sizes.measure_codec_speed`, measured
         once, when first asked): an exchange's time is its bytes and its encoding; None: its bytes alone."""
@@ -542,6 +544,12 @@ class Planner:
             measured=tuple((pid, tuple(f.items())) for pid, f in figures.items()),
             first_step_time_s=first,
         )
+        if self.epilogue_only is not None:  # chosen again from the stages' measured clocks (head and loss included)
+            clocks = [max((measured[p].micro_batch_s for p in st.peer_ids if p in measured), default=0.0)
+                      for st in plan.stages]  # fmt: skip
+            if all(c > 0 for c in clocks):
+                chosen = self.epilogue_only(plan.stage_dicts(), swarm.plan_input, self.spec, clocks)
+                calibrated = calibrated.replace(bw_epilogue=chosen)
         self.dht.publish_plan(version, calibrated)
         log.info(
             "published plan %d: plan %d's stages, predicted %.3f s/step from the peers' clocks (%.3f before; "

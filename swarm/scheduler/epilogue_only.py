@@ -129,20 +129,24 @@ def plan_epilogue_only(
     codecs: tuple[str, str],
     precise: str = "fp32",
     schedule: str = "1f1b",
+    measured_s: Sequence[float] | None = None,
 ) -> EpilogueOnlyChoice | None:
     """The live planner's epilogue-only choice for a plan's `stages` (the scheduler's layout dicts): each stage's
     forward and backward of one micro-batch from its slowest replica's announced speed (`FORWARD_SHARE` of it
     forward), each boundary's slowest replica link and its longest delay as the probes measured them, the messages'
     bytes (`message_bytes(label)`, one micro-batch's message) at the links' (forward, backward) `codecs` and at
-    `precise`; a route's micro-batches as the plan's replicas share the step's. None for a single stage."""
+    `precise`; a route's micro-batches as the plan's replicas share the step's. `measured_s`: each stage's forward +
+    backward of one micro-batch as its peers' clocks measured it (the calibration's, head and loss included, which an
+    announced block speed leaves out) instead of the announced speeds. None for a single stage."""
     if len(stages) < 2:
         return None
     index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
     groups = [np.array([index[pid] for pid in st["peer_ids"]]) for st in stages]
     compute = []
-    for st, group in zip(stages, groups, strict=True):
+    for s, (st, group) in enumerate(zip(stages, groups, strict=True)):
         speed = min(plan_input.peers[i].compute_flops_per_s for i in group)
         seconds = (st["layer_end"] - st["layer_start"]) * spec.flops_per_layer / speed if speed > 0 else 0.0
+        seconds = measured_s[s] if measured_s is not None else seconds
         compute.append((FORWARD_SHARE * seconds, (1 - FORWARD_SHARE) * seconds))
     rates, delays = [], []
     for a, b in zip(groups, groups[1:], strict=False):
@@ -166,8 +170,8 @@ def epilogue_only_planner(model, codecs, plans) -> Callable[[list[dict], PlanInp
     sizes = codec_sizes(model, plans.micro_batch_size)
     labels = (codecs[0].label, codecs[1].label)
 
-    def choose(stages: list[dict], plan_input: PlanInput, spec: ModelSpec) -> str | None:
-        choice = plan_epilogue_only(stages, plan_input, spec, sizes, labels)
+    def choose(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, measured_s=None) -> str | None:
+        choice = plan_epilogue_only(stages, plan_input, spec, sizes, labels, measured_s=measured_s)
         if choice is None:
             return None
         logging.getLogger(__name__).info("epilogue-only: %s", choice.why)

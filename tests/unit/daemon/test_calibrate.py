@@ -317,3 +317,26 @@ def test_the_planner_republishes_the_stages_with_the_calibrated_prediction():
     assert plan["breakdown"]["overhead_s"] > 0.05 and set(plan["measured"]) == {A, B}
     assert plan["first_step_time_s"] == 0.05  # the plan's own prediction before, kept for the report
     assert planner.round() is None, "published once"
+
+
+def test_a_calibrated_plan_chooses_its_epilogue_only_compression_again_from_the_measured_clocks():
+    # the announced block speeds leave out the last stage's head and loss; the calibration's clocks have them
+    current = two_stages(4, A, B, trainer_ids=[], step_time_s=0.05)
+    records = {"peers": [peer(A, 4), peer(B, 4)], "plan": [(A, current)]}
+    dht, published = swarm(A, records)
+    peers = Peers()
+    calls = []
+
+    def choose(stages, plan_input, spec, measured_s=None):
+        calls.append(measured_s)
+        return "fp32:1:1f1b:4" if measured_s is not None else "fp32:4:1f1b:4"
+
+    cal = Calibrator(peers, after_steps=0, window_steps=2, every_s=0.0, window_s=0.0)
+    planner = make_planner(dht, calibrator=cal, epilogue_only=choose)
+    set_steps(peers, 1)
+    assert planner.round() is None
+    set_steps(peers, 3)
+    assert planner.round() is not None
+    ((_, plan),) = published
+    assert plan["bw_epilogue"] == "fp32:1:1f1b:4"
+    assert calls == [[pytest.approx(0.04), pytest.approx(0.03)]]  # each stage's seconds a micro-batch, measured

@@ -171,3 +171,18 @@ def test_epilogue_only_planning_refuses_the_per_link_policy():
     with pytest.raises(ValueError, match="per-link"):
         PlanningConfig(epilogue_only=True, codec_policy="per-link")
     assert PlanningConfig(epilogue_only=True, codec_policy="selective").epilogue_only
+
+
+def test_measured_clocks_with_a_slower_last_stage_leave_only_the_drain_compressed():
+    # equal announced stages expose every message (1F1B); the calibration's clocks, the last stage's head and loss
+    # in them, give the drain alone at 100 Mbit/s
+    from swarm.scheduler.epilogue_only import plan_epilogue_only
+    from swarm.scheduler.plans import ModelSpec
+
+    spec = ModelSpec(layers=4, flops_per_layer=0.015e12, forward_bytes=1, backward_bytes=1,
+                     gradient_bytes_per_layer=0, memory_bytes_per_layer=0, micro_batches=4)  # fmt: skip
+    codecs = ("aqsgd2", "gradq2")
+    announced = plan_epilogue_only(STAGE_DICTS, _plan_input(100), spec, SIZES, codecs)
+    measured = plan_epilogue_only(STAGE_DICTS, _plan_input(100), spec, SIZES, codecs, measured_s=[0.03, 0.06])
+    assert announced.plan.tails == (4,) and measured.plan.tails == (1,)
+    assert measured.compute_s == pytest.approx(4 * 0.06)
