@@ -120,7 +120,8 @@ class ThrottledConfig:
     """comma-separated link speeds of the cells, Mbit/s; 'none' for an unshaped link"""
     settings: tuple[str, ...] = field(default=tuple(SETTINGS), metadata=flag(parse=_settings, render=",".join))
     """comma-separated FW/BW codec pairs of the cells; the fp32/* ones are the baseline of the comparisons (one is
-    always run)"""
+    always run). FW/BW@epi: the peers' planner chooses epilogue-only compression (--plan-epilogue-only); FW/BW@sel:
+    it chooses the replicas' sums' codecs (--codec-policy selective; with --stages below --peers)"""
     steps: int = 40
     """optimizer steps per cell"""
     slow_steps: int = 12
