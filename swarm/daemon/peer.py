@@ -218,9 +218,16 @@ class PeerDaemon:
 
     # ---- roles ---------------------------------------------------------------------------------------------
 
+    def _epilogue_only(self, plan: PlanDocument | None):
+        """The backward sends' epilogue-only compression: the plan's choice (--plan-epilogue-only), else this peer's
+        own --bw-epilogue (None: every message at the backward codec)."""
+        from swarm.runtime.boundary import EpilogueOnly
+
+        return EpilogueOnly.parse((plan.bw_epilogue if plan is not None else None) or self.cfg.bw_epilogue)
+
     def _make_host(self, role, plan: PlanDocument | None = None):
         from swarm.net.connect import GrpcConnector
-        from swarm.runtime.boundary import EpilogueOnly, LinkEnds
+        from swarm.runtime.boundary import LinkEnds
         from swarm.runtime.freeze import apply_frozen
         from swarm.runtime.host import StageHost
         from swarm.runtime.sensitivity_probe import ProbeConfig, SensitivityProbe
@@ -228,8 +235,6 @@ class PeerDaemon:
         from swarm.runtime.worker import StageConfig
 
         cfg = self.cfg
-        # the plan's epilogue-only choice (--plan-epilogue-only), else this peer's own
-        bw_epilogue = (plan.bw_epilogue if plan is not None else None) or cfg.bw_epilogue
         # a plan's per-link codecs (over this peer's own codec options), else the flags'
         ends = plan.link_configs(role.stage, self.codecs) if plan is not None else self.codecs * 2
         precision = plan.precision(role.stage, cfg.precision) if plan is not None else cfg.precision
@@ -242,7 +247,7 @@ class PeerDaemon:
                 ends[1],
                 shaping=self.shaping,
                 recv=(ends[2], ends[3]),
-                epilogue=EpilogueOnly.parse(bw_epilogue),
+                epilogue=self._epilogue_only(plan),
             ),
             peer_id=self.dht.peer_id,
             connector=GrpcConnector(self.transport, self.signer, self.book, self.nat.tunnels.dial),
@@ -442,7 +447,6 @@ class PeerDaemon:
     def _apply_plan(self, record) -> None:
         """Switches to this peer's role under `record`, between two steps, with its layers handed over."""
         from swarm.daemon.planning import role_in_plan
-        from swarm.runtime.boundary import EpilogueOnly
         from swarm.runtime.sensitivity import set_stage_precision
 
         role = role_in_plan(record, self.dht.peer_id)
@@ -456,7 +460,7 @@ class PeerDaemon:
             == (role.stage, role.n_stages, role.layer_start, role.layer_end)
             and plan.link_configs(role.stage, self.codecs) == host.assignment.link_codecs
             # the plan's epilogue-only choice changed (calibrated): the link ends are built anew
-            and EpilogueOnly.parse(plan.bw_epilogue or self.cfg.bw_epilogue) == host.links.epilogue
+            and self._epilogue_only(plan) == host.links.epilogue
         )
         wait_s = 2 * 120.0
         behind = same and self.following is not None and self._behind_replicas(record, role, host.steps_done)

@@ -55,6 +55,7 @@ __all__ = [
     "SUM_CODEC",
     "GradientAverager",
     "flatten_grads",
+    "group_config",
     "parameters_digest",
     "sampled_digest",
     "unflatten_into",
@@ -112,6 +113,27 @@ def unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
         n = p.numel()
         p.grad = flat[offset : offset + n].view(p.shape).to(p.device, p.dtype, copy=True)
         offset += n
+
+
+def group_config(planned: CodecConfig | None, backward: CodecConfig, tied: bool = False, floors=None) -> CodecConfig:
+    """The codec a group sums with, before `GradientAverager._config` seeds each message: the plan's epilogue codec
+    `planned`, else the links' `backward` codec (a 1-bit codec's sums are gradq's), with error feedback where it has
+    it (fp32 for a codec that needs sample buffers), never below the group's floor of bits (`floors`' `min_bits` and
+    `tied_min_bits`: an averager, whose own may be set, or the class's); the stage group behind a quantized
+    backward codec and without a plan sums with `floors.sum_codec` as it is. What the cost model prices the sums
+    and the tied sync at too (`swarm.scheduler.sizes`)."""
+    floors = GradientAverager if floors is None else floors
+    cfg = codec_class((planned or backward).name).sum_config(planned or backward)
+    kind = codec_class(cfg.name)
+    if kind.uses_buffers:
+        return CodecConfig("fp32", zstd_level=cfg.zstd_level)
+    # a plan's stage codec is taken as it is: the planner's ladder (`AVERAGE_LADDER`) is its floor
+    floor = floors.tied_min_bits if tied else 0 if planned is not None else floors.min_bits
+    if not tied and planned is None and kind.quantized and floors.sum_codec is not None:
+        cfg = CodecConfig.parse(floors.sum_codec, zstd_level=cfg.zstd_level, seed=cfg.seed)  # compressed links
+        kind, floor = codec_class(cfg.name), 0  # the measured sum codec, as it is
+    bits = max(cfg.bits, floor) if kind.quantized and not kind.sparse else cfg.bits  # topk: its own bits
+    return replace(cfg, bits=bits, error_feedback=kind.error_feedback)
 
 
 def _most(tied: bool) -> int:
@@ -507,24 +529,13 @@ class GradientAverager:
         return peers.index(host.peer_id)
 
     def _config(self, step: int, index: int, tied: bool = False) -> CodecConfig:
-        """The plan's epilogue codec for the group, else the backward codec, with error feedback where it has it
-        (fp32 for a codec that needs sample buffers), never below the group's floor of bits, its rounding draws
-        seeded by step, group and member so no two messages share them."""
-        cfg = self.codecs[tied] or self.host.links.backward_recv.config
-        cfg = codec_class(cfg.name).sum_config(cfg)  # a 1-bit backward codec's sums are gradq's
-        cls = codec_class(cfg.name)
-        if cls.uses_buffers:
-            return CodecConfig("fp32", zstd_level=cfg.zstd_level)
-        # a plan's stage codec is taken as it is: the planner's ladder (`AVERAGE_LADDER`) is its floor
-        floor = self.tied_min_bits if tied else 0 if self.codecs[False] is not None else self.min_bits
-        if not tied and self.codecs[False] is None and cls.quantized and self.sum_codec is not None:
-            cfg = CodecConfig.parse(self.sum_codec, zstd_level=cfg.zstd_level, seed=cfg.seed)  # compressed links
-            cls, floor = codec_class(cfg.name), 0  # the measured sum codec, as it is
+        """The group's codec (`group_config`, with this averager's floors), its rounding draws seeded by step, group
+        and member so no two messages share them (fp32, behind a codec with sample buffers, draws none)."""
+        cfg = group_config(self.codecs[tied], self.host.links.backward_recv.config, tied, self)
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
-        bits = max(cfg.bits, floor) if cls.quantized and not cls.sparse else cfg.bits  # topk: its own bits
-        if tied and cls.ranked and cfg.group_size is None:  # a low-rank sum views the tied weight as it is shaped
-            cfg = replace(cfg, group_size=self.host.worker.module.tied_parameter().shape[-1])
-        return replace(cfg, bits=bits, error_feedback=cls.error_feedback, seed=seed)
+        if tied and codec_class(cfg.name).ranked and cfg.group_size is None:  # a low-rank sum sees the tied weight
+            cfg = replace(cfg, group_size=self.host.worker.module.tied_parameter().shape[-1])  # as it is shaped
+        return replace(cfg, seed=seed)
 
     def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float):
         """Streams `msg` to every other member at once, each through the shaper towards it, all by `end`

@@ -165,17 +165,18 @@ def epilogue_only_planner(model, codecs, plans) -> Callable[[list[dict], PlanInp
     (`EpilogueOnly.parse`'s form; None for one stage), logged with why."""
     import logging
 
+    from swarm.compression import CodecConfig
+    from swarm.runtime.boundary import EpilogueOnly
     from swarm.scheduler.bits import codec_sizes
 
-    sizes = codec_sizes(model, plans.micro_batch_size)
+    sizes, precise = codec_sizes(model, plans.micro_batch_size), CodecConfig.parse("fp32")
     labels = (codecs[0].label, codecs[1].label)
 
     def choose(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, measured_s=None) -> str | None:
-        choice = plan_epilogue_only(stages, plan_input, spec, sizes, labels, measured_s=measured_s)
+        choice = plan_epilogue_only(stages, plan_input, spec, sizes, labels, precise.label, measured_s=measured_s)
         if choice is None:
             return None
         logging.getLogger(__name__).info("epilogue-only: %s", choice.why)
-        plan = choice.plan
-        return f"fp32:{','.join(map(str, plan.tails))}:{plan.schedule}:{plan.n_micro}"
+        return EpilogueOnly(precise, choice.plan).label()
 
     return choose

@@ -112,8 +112,8 @@ class _EpilogueCost(FullCost):
 def _codec_bytes(label: str, elements: float, fig: EpilogueFigures | None) -> float:
     """`epilogue_bytes` plus the codec's encode and decode time as bytes of the group's slowest link (what the
     cost model divides by a rate): the cost model then predicts the exchange's time `fig.seconds` gives."""
-    compute_s = 0.0 if fig is None or fig.speed is None else fig.speed.seconds_per_element(label, fig.members)
-    return epilogue_bytes(label, elements) + (0.0 if fig is None else compute_s * elements * fig.bytes_per_s)
+    coding = 0.0 if fig is None else fig.coding_s(label) * elements * fig.bytes_per_s
+    return epilogue_bytes(label, elements) + coding
 
 
 def selective_breakdown(

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from swarm.compression import CodecConfig, LinkState, codec_class, frame, make_codec
+from swarm.compression import CodecConfig, LinkState, frame, make_codec
 from swarm.model.gpt import ModelConfig
 from swarm.scheduler.plans import ModelSpec, TransformerShape
 
@@ -127,17 +127,9 @@ def sum_bits(backward: CodecConfig) -> float:
     codecs: `SUM_CODEC` (2 bits) behind a quantized backward codec, fp32 behind a codec with sample buffers, an
     unquantized one (fp32, bf16) as it is. (The cost model's 8 bits were the averager's floor before `SUM_CODEC`:
     with them a 2x2 swarm's predicted step at 1 Mbit/s was 3.29 s for a measured 0.61 s.)"""
-    from swarm.runtime.average import SUM_CODEC, GradientAverager  # lazy: the stage runtime, for constants
+    from swarm.runtime.average import group_config  # lazy: the stage runtime
 
-    config = codec_class(backward.name).sum_config(backward)
-    cls = codec_class(config.name)
-    if cls.uses_buffers:
-        return 32.0
-    if not cls.quantized:  # fp32, bf16: summed as they are
-        return float(config.wire_bits)
-    if GradientAverager.sum_codec is None:
-        return float(max(backward.wire_bits, GradientAverager.min_bits))
-    return float(CodecConfig.parse(SUM_CODEC).wire_bits)
+    return float(group_config(None, backward).wire_bits)
 
 
 def tied_bytes(model: ModelConfig, backward: CodecConfig) -> float:
@@ -145,15 +137,8 @@ def tied_bytes(model: ModelConfig, backward: CodecConfig) -> float:
     the averager configures it for the tied group (`GradientAverager._config`: at least `tied_min_bits`, error
     feedback where the codec has it, fp32 for a codec with sample buffers), measured on a [vocab, hidden] tensor;
     0 for an untied model."""
-    from swarm.runtime.average import GradientAverager  # lazy: the stage runtime, for one constant
+    from swarm.runtime.average import group_config  # lazy: the stage runtime
 
     if model.n_layers < 2 or not getattr(model, "tied_embeddings", True):
         return 0.0
-    backward = codec_class(backward.name).sum_config(backward)  # as the averager: gsign's sums are gradq's
-    cls = codec_class(backward.name)
-    if cls.uses_buffers:
-        config = CodecConfig("fp32", zstd_level=backward.zstd_level)
-    else:
-        bits = max(backward.bits, GradientAverager.tied_min_bits) if cls.quantized else backward.bits
-        config = dataclasses.replace(backward, bits=bits, error_feedback=cls.error_feedback)
-    return float(message_bytes(config, (model.vocab_size, model.hidden_dim)))
+    return float(message_bytes(group_config(None, backward, tied=True), (model.vocab_size, model.hidden_dim)))
