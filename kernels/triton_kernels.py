@@ -3,8 +3,11 @@
 Each program owns a tile of whole groups, [groups_per_program, group_size rounded up to a power of two]:
 it loads the tile once, reduces it to per-group min/max, computes the grid of `swarm.kernels.reference`,
 codes, and packs eight codes at a time into a `bits`-byte little-endian word, so the byte layout is the
-reference's bitstream. Round-to-nearest codes equal the reference's bit for bit (IEEE division via
-`div_rn`); stochastic rounding uses Triton's Philox stream keyed by (seed, element index).
+reference's bitstream. Where a tile is contiguous in that stream (power-of-two groups) and its bits fill whole
+32-bit words (2, 4 and 8 bits), the quantize kernels store the same bytes as whole little-endian words instead
+(10-30% quicker on an H200: docs/GPU.md); the packed buffer is then the first bytes of a word-rounded one.
+Round-to-nearest codes equal the reference's bit for bit (IEEE division via `div_rn`); stochastic rounding
+uses Triton's Philox stream keyed by (seed, element index).
 
 Errors are reported through the scales: a group with NaN/Inf stores a NaN scale, a group too large an Inf
 one; the host checks `isfinite(scales)` once per call. The kernels are tested on the CPU with
@@ -14,6 +17,8 @@ TRITON_INTERPRET=1, which Triton reads when `@triton.jit` runs, that is, when th
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -31,9 +36,15 @@ from .qtensor import (
     raise_bad_group,
 )
 
-__all__ = ["apply_delta", "aqsgd_update", "dequantize", "quantize", "supports"]
+__all__ = ["apply_delta", "aqsgd_update", "dequantize", "quantize", "quantize_launcher", "supports"]
 
-_TILE_ELEMENTS = 2048  # elements per program: whole groups, a few KiB of registers
+_TILE_ELEMENTS = 2048  # elements per program of the decode kernels: whole groups, a few KiB of registers
+# The quantize kernels' launch (`_quantize_launch`), as scripts/kernel_sweep.py measured it on an H200 (512 MiB,
+# group 256; docs/GPU.md): 1024 elements on 2 warps was the quickest of 512-8192 elements on 2-8 warps at every
+# width and rounding (3-9% over 2048 on 4), and whole-word stores beat byte stores by 10-30%.
+_QUANTIZE_TILE_ELEMENTS = 1024
+_NUM_WARPS = 2
+_WORD_STORES = True
 _MAX_GROUP_SIZE = 8192
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -120,6 +131,18 @@ def _pack_store(packed_ptr, codes, groups, nbytes, BITS: tl.constexpr, GROUP: tl
 
 
 @triton.jit
+def _pack_store_words(words_ptr, codes, nbytes, BITS: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """The tile's codes as whole little-endian 32-bit words of the bitstream (`_words` says when this applies: the
+    tile is ROWS * COLUMNS contiguous elements and starts on a word); the same bytes as `_pack_store`."""
+    PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = ROWS * COLUMNS // PER
+    units = tl.reshape(codes.to(tl.uint32), (WORDS, PER))
+    words = tl.sum(units << (tl.arange(0, PER) * BITS).to(tl.uint32)[None, :], axis=1)  # disjoint bits: an OR
+    w = tl.program_id(0).to(tl.int64) * WORDS + tl.arange(0, WORDS)
+    tl.store(words_ptr + w, words, mask=w < (nbytes + 3) // 4)
+
+
+@triton.jit
 def _load_unpack(packed_ptr, groups, nbytes, BITS: tl.constexpr, GROUP: tl.constexpr,
                  ROWS: tl.constexpr, COLUMNS: tl.constexpr):  # fmt: skip
     k = tl.arange(0, 8)
@@ -142,12 +165,15 @@ def _tile(numel, GROUP: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr)
 @triton.jit
 def _quantize_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, numel, nbytes, seed,
                      BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-                     STOCHASTIC: tl.constexpr):  # fmt: skip
+                     STOCHASTIC: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
     groups, index, mask, live = _tile(numel, GROUP, ROWS, COLUMNS)
     x = _widen(tl.load(x_ptr + index, mask=mask, other=0.0))
     mins, scales = _grid_params(x, mask, (1 << BITS) - 1)
     codes = _encode(x, mask, index, mins, scales, seed, (1 << BITS) - 1, STOCHASTIC)
-    _pack_store(packed_ptr, codes, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
+    if WORDS:
+        _pack_store_words(packed_ptr, codes, nbytes, BITS, ROWS, COLUMNS)
+    else:
+        _pack_store(packed_ptr, codes, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
     tl.store(scales_ptr + groups, scales, mask=live)
     tl.store(mins_ptr + groups, mins, mask=live)
 
@@ -155,13 +181,16 @@ def _quantize_kernel(x_ptr, packed_ptr, scales_ptr, mins_ptr, numel, nbytes, see
 @triton.jit
 def _aqsgd_kernel(a_ptr, m_ptr, packed_ptr, scales_ptr, mins_ptr, numel, nbytes, seed,
                   BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-                  STOCHASTIC: tl.constexpr):  # fmt: skip
+                  STOCHASTIC: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
     groups, index, mask, live = _tile(numel, GROUP, ROWS, COLUMNS)
     m = _widen(tl.load(m_ptr + index, mask=mask, other=0.0))
     delta = _widen(tl.load(a_ptr + index, mask=mask, other=0.0)) - m
     mins, scales = _grid_params(delta, mask, (1 << BITS) - 1)
     codes = _encode(delta, mask, index, mins, scales, seed, (1 << BITS) - 1, STOCHASTIC)
-    _pack_store(packed_ptr, codes, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
+    if WORDS:
+        _pack_store_words(packed_ptr, codes, nbytes, BITS, ROWS, COLUMNS)
+    else:
+        _pack_store(packed_ptr, codes, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
     tl.store(scales_ptr + groups, scales, mask=live)
     tl.store(mins_ptr + groups, mins, mask=live)
     # the receiver's apply_delta on the same values; groups that failed keep their buffer
@@ -191,15 +220,38 @@ def quantize(
     check_quantize_args(x, bits, group_size)
     _check_group_size(group_size)
     flat = x.reshape(-1).contiguous()
-    packed, scales, mins = _outputs(flat.numel(), bits, group_size, flat.device)
+    packed, packed_words, scales, mins = _outputs(flat.numel(), bits, group_size, flat.device)
     if flat.numel():
-        rows, columns = _tile_shape(group_size)
-        _quantize_kernel[_grid(flat.numel(), group_size, rows)](
-            flat, packed, scales, mins, flat.numel(), packed.numel(), _seed(seed),
-            BITS=bits, GROUP=group_size, ROWS=rows, COLUMNS=columns, STOCHASTIC=stochastic,
+        t = _quantize_launch(bits, group_size)
+        _quantize_kernel[_grid(flat.numel(), group_size, t.rows)](
+            flat, packed_words if t.words else packed, scales, mins, flat.numel(), packed.numel(), _seed(seed),
+            BITS=bits, GROUP=group_size, ROWS=t.rows, COLUMNS=t.columns, STOCHASTIC=stochastic, WORDS=t.words,
+            num_warps=t.num_warps,
         )  # fmt: skip
         _check(scales, "input")
     return QuantizedTensor(packed, scales, mins, bits, group_size, flat.numel())
+
+
+def quantize_launcher(
+    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = True, seed: int = 0
+) -> tuple[Callable[[], None], QuantizedTensor]:
+    """For benchmarks: a call that launches `quantize`'s kernel alone, as `quantize` launches it, without the NaN
+    check's device-to-host sync (so a timing of it is the kernel's), and the outputs, allocated once, it fills."""
+    check_quantize_args(x, bits, group_size)
+    _check_group_size(group_size)
+    flat = x.reshape(-1).contiguous()
+    packed, packed_words, scales, mins = _outputs(flat.numel(), bits, group_size, flat.device)
+    t, key = _quantize_launch(bits, group_size), _seed(seed)
+    grid = _grid(flat.numel(), group_size, t.rows)
+
+    def launch() -> None:
+        _quantize_kernel[grid](
+            flat, packed_words if t.words else packed, scales, mins, flat.numel(), packed.numel(), key,
+            BITS=bits, GROUP=group_size, ROWS=t.rows, COLUMNS=t.columns, STOCHASTIC=stochastic, WORDS=t.words,
+            num_warps=t.num_warps,
+        )  # fmt: skip
+
+    return launch, QuantizedTensor(packed, scales, mins, bits, group_size, flat.numel())
 
 
 def dequantize(
@@ -237,12 +289,13 @@ def aqsgd_update(
     check_update_args(a, m, bits, group_size)
     _check_group_size(group_size)
     flat = a.reshape(-1).contiguous()
-    packed, scales, mins = _outputs(flat.numel(), bits, group_size, flat.device)
+    packed, packed_words, scales, mins = _outputs(flat.numel(), bits, group_size, flat.device)
     if flat.numel():
-        rows, columns = _tile_shape(group_size)
-        _aqsgd_kernel[_grid(flat.numel(), group_size, rows)](
-            flat, m, packed, scales, mins, flat.numel(), packed.numel(), _seed(seed),
-            BITS=bits, GROUP=group_size, ROWS=rows, COLUMNS=columns, STOCHASTIC=stochastic,
+        t = _quantize_launch(bits, group_size, update=True)
+        _aqsgd_kernel[_grid(flat.numel(), group_size, t.rows)](
+            flat, m, packed_words if t.words else packed, scales, mins, flat.numel(), packed.numel(), _seed(seed),
+            BITS=bits, GROUP=group_size, ROWS=t.rows, COLUMNS=t.columns, STOCHASTIC=stochastic, WORDS=t.words,
+            num_warps=t.num_warps,
         )  # fmt: skip
         _check(scales, "a - m")
     return QuantizedTensor(packed, scales, mins, bits, group_size, flat.numel())
@@ -258,9 +311,38 @@ def _decode(q: QuantizedTensor, out: torch.Tensor, add: bool) -> None:
     )  # fmt: skip
 
 
-def _tile_shape(group_size: int) -> tuple[int, int]:
+def _tile_shape(group_size: int, elements: int | None = None) -> tuple[int, int]:
+    """[rows, columns] of a program's tile: whole groups, `elements` (the decode kernels' by default) or one group."""
     columns = triton.next_power_of_2(group_size)
-    return max(1, _TILE_ELEMENTS // columns), columns
+    return max(1, (elements or _TILE_ELEMENTS) // columns), columns
+
+
+class _Launch(NamedTuple):
+    """A quantize kernel's tile ([rows, columns]: whole groups), whether it stores whole words, and its warps."""
+
+    rows: int
+    columns: int
+    words: bool
+    num_warps: int
+
+
+def _quantize_launch(bits: int, group_size: int, update: bool = False) -> _Launch:
+    """The quantize kernels' launch; the fused updates' (two tensors in, one out) keeps the decode kernels' tile
+    and Triton's 4 warps, the launch their figures in docs/GPU.md were measured with."""
+    if update:
+        rows, columns = _tile_shape(group_size)
+    else:
+        rows, columns = _tile_shape(group_size, _QUANTIZE_TILE_ELEMENTS)
+    words = _WORD_STORES and 32 % bits == 0 and columns == group_size and rows * columns * bits % 32 == 0
+    return _Launch(rows, columns, words, 4 if update else _NUM_WARPS)
+
+
+def _packed(numel: int, bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes (uint8, exactly packed_nbytes) and the int32 words they are the first bytes of (the buffer
+    rounded up to whole words), which a kernel storing whole words (`_words`) writes."""
+    nbytes = packed_nbytes(numel, bits)
+    words = torch.empty((nbytes + 3) // 4, dtype=torch.int32, device=device)
+    return words.view(torch.uint8)[:nbytes], words
 
 
 def _grid(numel: int, group_size: int, rows: int) -> tuple[int]:
@@ -269,11 +351,11 @@ def _grid(numel: int, group_size: int, rows: int) -> tuple[int]:
 
 def _outputs(
     numel: int, bits: int, group_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     groups = num_groups(numel, group_size)
-    packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=device)
+    packed, words = _packed(numel, bits, device)
     scales = torch.empty(groups, dtype=SCALE_DTYPE, device=device)
-    return packed, scales, torch.empty(groups, dtype=SCALE_DTYPE, device=device)
+    return packed, words, scales, torch.empty(groups, dtype=SCALE_DTYPE, device=device)
 
 
 def _seed(seed: int | None) -> int:

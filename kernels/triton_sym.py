@@ -10,16 +10,30 @@ NaN scale, which the host checks once per call; the update leaves such groups' b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from . import symmetric
-from .qtensor import num_groups, packed_nbytes
+from .qtensor import num_groups
 from .symmetric import SymQuantized, check_sym_args
-from .triton_kernels import _grid, _load_unpack, _narrow, _pack_store, _tile, _tile_shape, _widen, supports
+from .triton_kernels import (
+    _grid,
+    _load_unpack,
+    _narrow,
+    _pack_store,
+    _pack_store_words,
+    _packed,
+    _quantize_launch,
+    _tile,
+    _tile_shape,
+    _widen,
+    supports,
+)
 
-__all__ = ["supports", "sym_apply_delta", "sym_dequantize", "sym_quantize", "sym_update"]
+__all__ = ["supports", "sym_apply_delta", "sym_dequantize", "sym_quantize", "sym_quantize_launcher", "sym_update"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -60,14 +74,17 @@ def _sym_codes(x, mask, index, key, BITS: tl.constexpr, STOCHASTIC: tl.constexpr
 @triton.jit
 def _sym_quantize_kernel(x_ptr, m_ptr, packed_ptr, scales_ptr, numel, nbytes, key,
                          BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
-                         STOCHASTIC: tl.constexpr, UPDATE: tl.constexpr):  # fmt: skip
+                         STOCHASTIC: tl.constexpr, UPDATE: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
     groups, index, mask, live = _tile(numel, GROUP, ROWS, COLUMNS)
     x = _widen(tl.load(x_ptr + index, mask=mask, other=0.0))
     if UPDATE:
         m = _widen(tl.load(m_ptr + index, mask=mask, other=0.0))
         x = x - m
     scale, step, codes = _sym_codes(x, mask, index, key, BITS, STOCHASTIC)
-    _pack_store(packed_ptr, codes, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
+    if WORDS:
+        _pack_store_words(packed_ptr, codes, nbytes, BITS, ROWS, COLUMNS)
+    else:
+        _pack_store(packed_ptr, codes, groups, nbytes, BITS, GROUP, ROWS, COLUMNS)
     tl.store(scales_ptr + groups, scale, mask=live)
     if UPDATE:
         # the receiver's apply_delta on the same values; groups that failed keep their buffer
@@ -105,6 +122,30 @@ def sym_update(
     return _run(a, m, bits, group_size, stochastic, seed)
 
 
+def sym_quantize_launcher(
+    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0
+) -> tuple[Callable[[], None], SymQuantized]:
+    """For benchmarks: a call that launches `sym_quantize`'s kernel alone, as it is launched there, without the
+    NaN check's device-to-host sync (so a timing of it is the kernel's), and the outputs, allocated once, it fills."""
+    flat = x.reshape(-1).contiguous()
+    numel = flat.numel()
+    check_sym_args(numel, bits, group_size)
+    packed, packed_words = _packed(numel, bits, flat.device)
+    scales = torch.empty(num_groups(numel, group_size), dtype=torch.float16, device=flat.device)
+    k0, k1 = symmetric.keys(seed)
+    t = _quantize_launch(bits, group_size)
+    grid = _grid(numel, group_size, t.rows)
+
+    def launch() -> None:
+        _sym_quantize_kernel[grid](
+            flat, flat, packed_words if t.words else packed, scales, numel, packed.numel(),
+            k0 ^ symmetric.mix32_int(k1), BITS=bits, GROUP=group_size, ROWS=t.rows, COLUMNS=t.columns,
+            STOCHASTIC=stochastic, UPDATE=False, WORDS=t.words, num_warps=t.num_warps,
+        )  # fmt: skip
+
+    return launch, SymQuantized(packed, scales, bits, group_size, numel)
+
+
 def sym_dequantize(q: SymQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Same contract as `symmetric.dequantize` (then cast to dtype), bit for bit."""
     symmetric.check_packed(q)
@@ -130,14 +171,15 @@ def _run(x, m, bits, group_size, stochastic, seed) -> SymQuantized:
     check_sym_args(numel, bits, group_size)
     if flat.dtype not in _OUT_DTYPES or group_size % 8:
         raise ValueError(f"fp32/fp16/bf16 input and a group size that is a multiple of 8 ({flat.dtype}, {group_size})")
-    packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=flat.device)
+    packed, packed_words = _packed(numel, bits, flat.device)
     scales = torch.empty(num_groups(numel, group_size), dtype=torch.float16, device=flat.device)
     if numel:
         k0, k1 = symmetric.keys(seed)
-        rows, columns = _tile_shape(group_size)
-        _sym_quantize_kernel[_grid(numel, group_size, rows)](
-            flat, flat if m is None else m, packed, scales, numel, packed.numel(), k0 ^ symmetric.mix32_int(k1),
-            BITS=bits, GROUP=group_size, ROWS=rows, COLUMNS=columns, STOCHASTIC=stochastic, UPDATE=m is not None,
+        t = _quantize_launch(bits, group_size, update=m is not None)
+        _sym_quantize_kernel[_grid(numel, group_size, t.rows)](
+            flat, flat if m is None else m, packed_words if t.words else packed, scales, numel, packed.numel(),
+            k0 ^ symmetric.mix32_int(k1), BITS=bits, GROUP=group_size, ROWS=t.rows, COLUMNS=t.columns,
+            STOCHASTIC=stochastic, UPDATE=m is not None, WORDS=t.words, num_warps=t.num_warps,
         )  # fmt: skip
         bad = torch.isnan(scales)  # one device-to-host sync per call
         if bool(bad.any()):

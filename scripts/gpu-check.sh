@@ -10,6 +10,7 @@
 #   demo                a 2-peer swarm whose stages compute on CUDA, trained end to end (swarm demo --device cuda)
 #   pytest-cuda         the tests marked cuda
 #   pytest-triton       the Triton kernels' cases, compiled for and run on the GPU
+#   kernel-sweep        only when GPU_CHECK_PARTS names it: scripts/kernel_sweep.py $KERNEL_SWEEP_ARGS
 # $OUT/summary.json holds every figure (scripts/gpu_summary.py writes it and prints the summary last).
 # Environment: PYTHON (default python), OUT, GPU_CHECK_BUDGET_S, GPU_CHECK_PARTS (names of the parts to run, space
 # separated; default all). Exits 1 if any part failed or timed out, 2 without CUDA.
@@ -123,6 +124,10 @@ else
     run pytest-cuda 150 "$python" -m pytest -q -rs -m cuda -p no:cacheprovider "${cuda_tests[@]}"
     run pytest-triton 180 "$python" -m pytest -q -rs -p no:cacheprovider \
         tests/unit/kernels/test_kernels_triton_cases.py tests/unit/kernels/test_kernels_triton_sym_cases.py
+    if [[ " ${GPU_CHECK_PARTS:-} " == *" kernel-sweep "* ]]; then # only when named: the launch choices' sweep
+        # shellcheck disable=SC2086 # KERNEL_SWEEP_ARGS: the sweep's own flags (--tiles, --warps, --bits)
+        run kernel-sweep 300 "$python" scripts/kernel_sweep.py ${KERNEL_SWEEP_ARGS:-}
+    fi
 fi
 "$python" "$root/scripts/gpu_summary.py" "$out" || status=1
 echo "gpu-check: ${SECONDS}s, status $status; figures in $out/summary.json"

@@ -8,11 +8,15 @@ buffer in place.
 `--quantizer acsgd` times the symmetric quantizer of the acsgd codec (fp16 scale per group) instead.
 `--encodings` instead prints the measurement behind the choice of scale dtype and group size.
 
-`--device cuda[:N]` times the Triton kernels of both quantizers on the GPU at 2/4/8 bits on a tensor of the largest
+`--device cuda[:N]` times the Triton kernels of both quantizers on the GPU at 2/4/8 bits, rounding to nearest (what
+the default codecs do: `+nr`) and stochastically (`--nearest` is the CPU table's), on a tensor of the largest
 `--sizes-kib` (64 MiB by default; make it several times the L2 cache, which is 50-60 MB on a Hopper) (CUDA events,
 after warm-up): GB/s of the bytes each kernel actually reads and writes, its share of the device's memory
 bandwidth measured in the same run as a device-to-device copy (8 bytes moved per float32 element), and its share
 of the memory's nominal peak (`--hbm-peak-gbps`, else the datasheet figure of a known device: `hbm_peak_gbps`).
+`quantize` times the public call (allocation, kernel and the NaN check, whose device-to-host sync leaves the GPU
+idle while the next call is prepared), `quantize_kernel` the same kernel launched alone on outputs allocated once.
+The update's fp16 buffer counts 2 bytes read and 2 written per element.
 """
 
 from __future__ import annotations
@@ -53,9 +57,12 @@ COLUMNS = [
 DEVICE_COLUMNS = [
     "quantizer",
     "bits",
+    "rounding",
     "size",
     "quantize_gbps",
     "quantize_share",
+    "quantize_kernel_gbps",
+    "quantize_kernel_hbm",
     "dequantize_gbps",
     "dequantize_share",
     "update_gbps",
@@ -256,17 +263,18 @@ def _run_device(bench: KernelsBench, name: str) -> int:
     target = torch.empty_like(x)
     repeats = 3 if bench.quick else max(bench.repeats, 20)
     copy_gbps = 8 * numel / _cuda_seconds(lambda: target.copy_(x), repeats) / 1e9
-    stochastic = not bench.nearest
     rows = []
     for quantizer in ("aqsgd", "acsgd"):
         for bits in bench.bits:
-            row = _device_row(quantizer, x, bits, bench.group_size, stochastic, repeats, copy_gbps)
-            rows.append(row | {"device": name, "hbm_peak_gbps": peak, "quantize_hbm": _share(row, peak)})
+            for stochastic in (False, True):
+                row = _device_row(quantizer, x, bits, bench.group_size, stochastic, repeats, copy_gbps)
+                rows.append(row | {"device": name, "hbm_peak_gbps": peak, "quantize_hbm": _share(row, peak),
+                                   "quantize_kernel_hbm": _share(row, peak, "quantize_kernel_gbps")})  # fmt: skip
     title = (
-        f"{name} ({device}); group_size={bench.group_size} "
-        f"rounding={'nearest' if bench.nearest else 'stochastic'}; GB/s of bytes read + written, share = of the "
+        f"{name} ({device}); group_size={bench.group_size}; GB/s of bytes read + written, share = of the "
         f"measured device-to-device copy ({copy_gbps:.0f} GB/s), hbm = of the nominal peak "
-        f"({f'{peak:.0f} GB/s' if peak else 'unknown: --hbm-peak-gbps'})"
+        f"({f'{peak:.0f} GB/s' if peak else 'unknown: --hbm-peak-gbps'}); quantize = the call (its NaN check "
+        "syncs), quantize_kernel = its kernel alone"
     )
     emit(rows, DEVICE_COLUMNS, bench.json, title)
     return 0
@@ -277,9 +285,9 @@ def hbm_peak_gbps(device_name: str) -> float | None:
     return next((gbps for key, gbps in HBM_PEAK_GBPS if key.lower() in device_name.lower()), None)
 
 
-def _share(row: dict, peak: float | None) -> float | None:
-    """The quantize kernel's GB/s as a share of the nominal peak (None without one)."""
-    return row["quantize_gbps"] / peak if peak else None
+def _share(row: dict, peak: float | None, key: str = "quantize_gbps") -> float | None:
+    """The quantize call's (or `key`'s) GB/s as a share of the nominal peak (None without one)."""
+    return row[key] / peak if peak else None
 
 
 def _device_row(quantizer, x, bits, group_size, stochastic, repeats, copy_gbps) -> dict:
@@ -287,10 +295,13 @@ def _device_row(quantizer, x, bits, group_size, stochastic, repeats, copy_gbps) 
     groups = -(-numel // group_size)
     codes = numel * bits / 8 + groups * (2 if quantizer == "acsgd" else 8)  # packed codes + scales (and mins)
     buffer = torch.zeros(numel, dtype=torch.float16, device=x.device)
+    from swarm.kernels import triton_kernels, triton_sym  # CUDA only: Triton is imported with the device table
+
     if quantizer == "acsgd":
         q = sym_quantize(x, bits, group_size, stochastic=stochastic, seed=0)
         ops = (
             lambda: sym_quantize(x, bits, group_size, stochastic=stochastic, seed=0),
+            triton_sym.sym_quantize_launcher(x, bits, group_size, stochastic=stochastic)[0],
             lambda: sym_dequantize(q),
             lambda: sym_update(x, buffer, bits, group_size, stochastic=stochastic, seed=0),
         )
@@ -299,12 +310,16 @@ def _device_row(quantizer, x, bits, group_size, stochastic, repeats, copy_gbps) 
         out = torch.empty_like(x)
         ops = (
             lambda: quantize(x, bits, group_size, stochastic=stochastic, seed=0),
+            triton_kernels.quantize_launcher(x, bits, group_size, stochastic=stochastic)[0],
             lambda: dequantize(q, out=out),
             lambda: aqsgd_update(x, buffer, bits, group_size, stochastic=stochastic, seed=0),
         )
-    moved = (4 * numel + codes, codes + 4 * numel, 4 * numel + 4 * numel + codes)  # update: a, m read and written
-    row = {"quantizer": quantizer, "bits": bits, "size": f"{4 * numel >> 20} MiB", "copy_gbps": copy_gbps}
-    for name, op, nbytes in zip(("quantize", "dequantize", "update"), ops, moved, strict=True):
+    update = 4 * numel + 2 * buffer.element_size() * numel + codes  # a read, the buffer read and written
+    moved = (4 * numel + codes, 4 * numel + codes, codes + 4 * numel, update)
+    row = {"quantizer": quantizer, "bits": bits, "rounding": "stochastic" if stochastic else "nearest",
+           "size": f"{4 * numel >> 20} MiB", "copy_gbps": copy_gbps}  # fmt: skip
+    names = ("quantize", "quantize_kernel", "dequantize", "update")
+    for name, op, nbytes in zip(names, ops, moved, strict=True):
         gbps = nbytes / _cuda_seconds(op, repeats) / 1e9
         row[f"{name}_gbps"], row[f"{name}_share"] = gbps, gbps / copy_gbps
     return row

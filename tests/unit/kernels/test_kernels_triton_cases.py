@@ -159,3 +159,16 @@ def test_public_api_dispatches_cuda_tensors_to_triton():
     q = kernels.quantize(x, 4, stochastic=False)
     assert q.packed.is_cuda
     assert torch.equal(q.packed.cpu(), kernels.quantize(x.cpu(), 4, stochastic=False).packed)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_benchmarks_kernel_launch_fills_what_quantize_returns(triton_kernels, stochastic):
+    """`quantize_launcher` (the kernel alone, for `swarm bench kernels`) launches what `quantize` launches."""
+    tk, device = triton_kernels
+    x = sample("mixed", 3000).to(device)
+    for bits, group_size in ((2, 256), (3, 64), (8, 24)):  # word stores, byte stores, padded columns
+        launch, got = tk.quantize_launcher(x, bits, group_size, stochastic=stochastic, seed=5)
+        launch()
+        want = tk.quantize(x, bits, group_size, stochastic=stochastic, seed=5)
+        assert torch.equal(got.packed.cpu(), want.packed.cpu()) and torch.equal(got.scales.cpu(), want.scales.cpu())
+        assert torch.equal(got.mins.cpu(), want.mins.cpu())

@@ -105,3 +105,15 @@ def test_malformed_quantized_tensors_are_refused(tk):
         triton_sym.sym_dequantize(short)
     with pytest.raises(ValueError):
         triton_sym.sym_apply_delta(torch.zeros(63, device=device), q)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_the_benchmarks_kernel_launch_fills_what_sym_quantize_returns(tk, stochastic):
+    """`sym_quantize_launcher` (the kernel alone, for `swarm bench kernels`) launches what `sym_quantize` does."""
+    triton_sym, device = tk
+    x = awkward(3000, torch.float32).to(device)
+    for bits, group in ((2, 256), (3, 64), (8, 40)):  # word stores, byte stores, padded columns
+        launch, got = triton_sym.sym_quantize_launcher(x, bits, group, stochastic=stochastic, seed=4)
+        launch()
+        want = triton_sym.sym_quantize(x, bits, group, stochastic=stochastic, seed=4)
+        assert same_bits(got.packed.cpu(), want.packed.cpu()) and same_bits(got.scales.cpu(), want.scales.cpu())

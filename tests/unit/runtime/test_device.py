@@ -165,12 +165,14 @@ def test_a_cuda_sending_end_encodes_on_the_device_and_the_cpu_receiver_agrees():
         assert end.buffers.gather(end.buffers.lookup(ids)).device.type == "cuda"
         on_cpu = codec.encode(x, sample_ids=ids, state=cpu_state)
         assert on_gpu.SerializeToString() == on_cpu.SerializeToString()  # the same bytes from either device
-        make_codec(cfg).decode(on_gpu, state=recv)
+        on_host = make_codec(cfg).decode(on_gpu, state=recv)
+        # a cuda receiving end decodes the same stream (first sights, then deltas on its device buffers)
+        decoded = gpu.incoming(gpu.forward_recv, unframe(list(frame(on_cpu))), WireLimits())
+        assert decoded.device.type == "cuda"
+        torch.testing.assert_close(decoded.cpu().float(), on_host.float(), rtol=1e-6, atol=1e-6)
     sent = end.buffers.gather(end.buffers.lookup([0, 1, 2])).cpu()
     got = recv.buffers.gather(recv.buffers.lookup([0, 1, 2]))
     assert torch.equal(sent.view(torch.int16), got.view(torch.int16))
-    decoded = gpu.incoming(gpu.forward_recv, unframe(list(frame(on_cpu))), WireLimits())
-    assert decoded.device.type == "cuda"
 
 
 def test_host_copies_of_cpu_tensors_are_the_tensors():
