@@ -365,6 +365,8 @@ class Planner:
         if inherited is not None:
             log.info("inheriting plan %d, which the peers follow: republishing its stages", inherited.version)
             current = self._last = inherited
+        if self.repack is not None:  # a frozen prefix the stages applied, held for the next plan published
+            current = self.repack.carried(current)
         if self.liveness is not None and current is not None:
             self.liveness.round(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
         announced = self.dht.trainers()

@@ -13,7 +13,12 @@ smaller pipeline bubble, and more data parallelism.
 `repack_plan` returns the next plan (same peers, new stages, `frozen_layers` set, per-link codecs dropped
 when the boundaries change; while the prefix allows no fewer stages, the same stages with the prefix set); the
 live planner publishes it as a new version like a repair, and every peer follows it through the same
-re-planning as joins and leaves (state over GetState).
+re-planning as joins and leaves (state over GetState). A prefix that moves no layer is not published on its
+own: each such version cost the trainer a re-plan (0.25-1.2 s in `swarm experiment freezing`, three of them
+before the repack) for stages that had already applied it. The watch holds it instead (`RepackWatch.frozen`),
+and the planner reads its current plan through `RepackWatch.carried`, so the next plan it publishes for any
+reason (the repack, a repair, a re-search, a recalibration) carries it, and hosts built for that plan start
+frozen. A planner elected afresh holds nothing until its own first reading of the stages.
 
 When: `RepackWatch` (the elected planner's, `Planner.round`) reads every plan peer's `Status`, where each stage
 reports the prefix it applied (`swarm_frozen_layers`, set by `swarm.runtime.freeze.apply_frozen` after the
@@ -26,6 +31,7 @@ one holds the repack back, and one answer cannot move it. Peers built for the ne
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -194,6 +200,15 @@ class RepackWatch:
     ):
         self.read, self.every_s, self.clock = read, every_s, clock
         self._next = 0.0
+        self.frozen = 0
+        """the largest prefix the stages of a plan agreed on that moved no layer: held, not published alone"""
+
+    def carried(self, record):
+        """`record` with the held prefix (`frozen`) where its plan carries less: what the planner derives its
+        next plan from, so the prefix goes out with it."""
+        if record is None or self.frozen <= record.document.frozen or self.frozen >= record.document.n_layers:
+            return record
+        return dataclasses.replace(record, document=record.document.replace(frozen_layers=self.frozen))
 
     def agreed(self, record) -> int | None:
         """The frozen prefix every peer of every stage of `record` reports applying under `record.version`,
@@ -217,8 +232,9 @@ class RepackWatch:
         return figures.pop() if figures else None
 
     def round(self, planner, current, peers) -> object | None:
-        """Publishes `repack_plan(current.document, F)` as the next version once the stages agree on F (`agreed`);
-        returns the published record, or None when nothing is due."""
+        """Publishes `repack_plan(current.document, F)` as the next version once the stages agree on F (`agreed`)
+        and it moves layers (else holds F: `frozen`); returns the published record, or None when nothing is
+        published. `current`: the plan as the planner reads it, through `carried`."""
         frozen = self.agreed(current)
         if frozen is None:
             return None
@@ -226,6 +242,11 @@ class RepackWatch:
             plan = repack_plan(current.document, frozen, compute_keys={p.peer_id: p.compute_key for p in peers})
         except ValueError as e:
             log.warning("repack for %d frozen layers: %s", frozen, e)
+            return None
+        if plan.stages == current.document.stages:  # no fewer stages yet: nothing moves, nothing to follow
+            self.frozen = frozen
+            log.info("plan %d's stages froze %d layers: held for the next plan (no fewer stages yet)",
+                     current.version, frozen)  # fmt: skip
             return None
         version = planner.next_version(peers)
         if version is None:
@@ -235,6 +256,7 @@ class RepackWatch:
         except ValueError as e:  # the repacked plan does not validate: keep the current one
             log.warning("repacked plan not published: %s", e)
             return None
+        self.frozen = max(self.frozen, frozen)
         layout = [(s.layer_start, s.layer_end, len(s.peer_ids)) for s in plan.stages]
         log.info(
             "published plan %d: plan %d repacked for %d frozen layers: %d stages -> %d (layers, replicas) %s",

@@ -278,3 +278,22 @@ def test_a_trainer_without_freeze_follows_a_frozen_plan_says_so_and_never_freeze
         assert make.policy.observe(step, [1.0] * 4) == 2
     make(route(0), "1f1b", 4)  # a plan that forgot the prefix: the Steps still carry it (never thawed)
     assert made[3] is make.policy and make.policy.frozen == 2
+
+
+def test_a_prefix_that_moves_no_layer_is_held_and_goes_out_with_the_repack():
+    """1 frozen layer of 4 allows no fewer stages: no plan version is published for it alone (the trainer would
+    re-plan for nothing); the planner reads its plan with the prefix held, and the repack carries the larger one."""
+    dht, replies = _DHT(), _replies(**{p: _reply(p, i, frozen=1.0) for i, p in enumerate(IDS)})
+    watch = _watch(replies)
+    current = _record()
+    assert watch.round(_planner(dht), current, []) is None and not dht.published
+    assert watch.frozen == 1
+    carried = watch.carried(current)
+    assert carried.document.frozen == 1 and carried.version == current.version
+    assert carried.document.stages == current.document.stages
+    assert watch.agreed(carried) is None, "the held figure is the base: only a larger one is news"
+    assert watch.carried(_record(frozen_layers=2)).document.frozen == 2, "a plan that carries more is kept"
+    replies.update(_replies())  # the stages froze 3 layers: 2 stages now
+    got = watch.round(_planner(dht), carried, [])
+    assert got is not None and dht.published[0][1]["frozen_layers"] == 3 and len(dht.published[0][1]["stages"]) == 2
+    assert watch.frozen == 3

@@ -4,6 +4,8 @@ repacks its searched layout for it (swarm.daemon.repack.with_frozen)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from swarm.compression import CodecConfig
 from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
@@ -101,3 +103,32 @@ def test_with_frozen_leaves_an_unfrozen_plan_alone_and_drops_the_searched_layout
     assert got.frozen_layers == 3 and got.n_stages == 2
     assert got.precisions is None and got.step_time_s is None and got.codecs is None
     assert searched.stage_dicts() == stages and searched.frozen_layers is None, "the searched plan is not changed"
+
+
+def test_a_held_prefix_goes_out_with_a_repair():
+    """The stages froze 1 layer, which moves none (held by the repack watch, no version of its own); when a
+    stage dies, the repair that puts a standby in its place carries the prefix, so the standby's host starts
+    frozen."""
+    from swarm.daemon.repack import RepackWatch
+
+    stages = [{"layer_start": i, "layer_end": i + 1, "peer_ids": [p]} for i, p in enumerate((A, B, C, D))]
+    plan = PlanDocument.from_wire({"stages": stages, "unused_peer_ids": [E], "trainer_ids": []})
+    peers = [_peer(p, 5) for p in (A, B, C, D, E)]
+    records = {"peers": peers, "plan": [(A, PlanRecord(version=5, document=plan, created_at=1.0))]}
+    dht, published = swarm(A, records)
+    stage_of = {p: i for i, p in enumerate((A, B, C, D))}
+    reply = lambda pid: SimpleNamespace(  # noqa: E731
+        peer_id=pid, stage=stage_of[pid], plan_version=5, metrics={"swarm_frozen_layers": 1.0}
+    )
+    watch = RepackWatch(reply, every_s=0.0)
+    planner = Planner(
+        PlanningConfig(min_peers=2, replicas=1), dht, SPEC, 4, settle_s=5.0, probe_wait_s=0.0, clock=Clock(),
+        repack=watch,
+    )  # fmt: skip
+    assert planner.round() is None and not published and watch.frozen == 1, "held, not published"
+    records["peers"] = [p for p in peers if p.peer_id != D]  # D died: E takes its place
+    planner.round()
+    assert len(published) == 1
+    version, got = published[0]
+    assert version == 6 and got["frozen_layers"] == 1
+    assert [s["peer_ids"] for s in got["stages"]] == [[A], [B], [C], [E]]
