@@ -4,19 +4,26 @@ the Grads replies' per-block gradient norms, sent in every Step; `swarm.runtime.
 One `FreezePolicy` lives for the whole run: a re-plan builds a new driver on the new route around the same
 policy, so its windows and history survive joins, repairs and the planner's repack. Routes whose plan already
 freezes more layers than the policy (`PlanRoutes.frozen_layers`: the stages apply them, and refuse a Step with
-fewer) raise the policy to it (`FreezePolicy.adopt`).
+fewer) raise the policy to it (`FreezePolicy.adopt`). So does a prefix the stages applied that their plan does not
+carry yet (the planner holds a prefix that moves no layer until its next plan: `swarm.daemon.repack`): a trainer
+that connects then (it resumed, or joined) reads every stage's `Status` and adopts the prefix they all report
+(`with_stages_prefix`), where its Steps would otherwise be refused until the repack.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from swarm.flags import Flag, Flags
 
-__all__ = ["FREEZE_FLAG", "FreezeConfig", "add_freeze_arguments", "driver_factory", "freeze_config"]
+__all__ = [
+    "FREEZE_FLAG", "FreezeConfig", "add_freeze_arguments", "driver_factory", "freeze_config", "stages_prefix",
+    "with_stages_prefix",
+]  # fmt: skip
 
 log = logging.getLogger("swarm.train.freezing")
 
@@ -93,3 +100,43 @@ def driver_factory(freeze: FreezeConfig | None, n_layers: int) -> Callable:
 
     make.policy = policy  # type: ignore[attr-defined]
     return make
+
+
+def stages_prefix(statuses: Sequence[Iterable[object | None]], n_layers: int) -> int:
+    """The frozen prefix every stage reports applying (`swarm_frozen_layers` in `Status`, `[stage][replica]`, None
+    for a replica that did not answer): 0 unless every stage has an answer and every answer is the same whole
+    number in [0, n_layers). One stage's figure cannot move the trainer (a liar's would freeze the model)."""
+    from swarm.daemon.repack import frozen_figure
+
+    figures = set()
+    for replies in statuses:
+        answered = [r for r in replies if r is not None]
+        if not answered:
+            return 0
+        for reply in answered:
+            figure = frozen_figure(dict(reply.metrics), n_layers)
+            if figure is None:
+                return 0
+            figures.add(figure)
+    return figures.pop() if len(figures) == 1 else 0
+
+
+def with_stages_prefix(driver, route, make: Callable, n_layers: int, say: Callable[[str], None] = log.info):
+    """`driver` (just made by `make(route)` and checked), or, when `route`'s stages all applied a larger frozen
+    prefix than its plan carries (`stages_prefix`), a driver made anew for that prefix (the old one closed)."""
+    import grpc
+
+    from swarm.net.stream import StageCallError
+
+    try:
+        statuses = driver.replica_status()
+    except (StageCallError, grpc.RpcError) as e:  # a stage that does not answer: the step finds out
+        log.debug("reading plan %d's stages for their frozen prefix failed: %s", route.plan_version, e)
+        return driver
+    applied = stages_prefix(statuses, n_layers)
+    if applied <= route.frozen_layers:
+        return driver
+    say(f"plan {route.plan_version}: its stages froze layers [0, {applied}), which the plan does not carry yet: "
+        "following them")  # fmt: skip
+    driver.close()
+    return make(dataclasses.replace(route, frozen_layers=applied))

@@ -34,7 +34,7 @@ from swarm.runtime.audit_wire import RECORD_CODECS
 from swarm.runtime.heartbeat import HeartbeatConfig
 from swarm.runtime.verify import VerifyConfig
 from swarm.train.follower import PlanFollower, discover_route, route_answers
-from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory
+from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory, with_stages_prefix
 from swarm.train.heldout import HeldOut, held_out_rows
 from swarm.train.journal import Journal, Settled, settle
 from swarm.train.run_length import ScheduleWatch
@@ -340,17 +340,22 @@ def train(
 
         suspects = Suspects()  # one for the run: a re-plan's driver knows whom this trainer evicted
 
-    def connect(r: PlanRoutes):
-        metrics.plan_version.set(r.plan_version)
-        driver = make_driver(
+    def make(r: PlanRoutes):
+        return make_driver(
             r, cfg.schedule, cfg.micro_batches, deadline_s=cfg.deadline_s, heartbeat=cfg.heartbeat,
             plan_version=r.plan_version, metrics=metrics, signer=signer, weights=route_weights(cfg.chain_weights),
             tied=model.tied_embeddings, connector=GrpcConnector(signer=signer, dial=dial), suspects=suspects,
             verify=VerifyConfig(cfg.verify_fraction, records=cfg.verify_records) if cfg.verify_fraction > 0 else None,
             referee=plan_referee(dht, model, r.plan_version) if cfg.verify_fraction > 0 else None,
         )  # fmt: skip
+
+    def connect(r: PlanRoutes):
+        metrics.plan_version.set(r.plan_version)
+        driver = make(r)
         driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
-        return driver
+        if dht is None:  # a fixed route set: no planner holds a prefix for it
+            return driver
+        return with_stages_prefix(driver, r, make, model.n_layers, say)  # a prefix the planner holds, not the plan
 
     def answers(r: PlanRoutes) -> bool:  # the peers the driver declared dead answer again: a stall, not a death
         pinger = GrpcConnector(signer=signer, dial=dial)

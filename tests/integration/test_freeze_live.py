@@ -73,3 +73,28 @@ def test_the_planner_repacks_a_frozen_prefix_and_the_trainer_trains_on_the_repac
     switch = versions.index(versions[-1])
     assert float(rows[switch]["time"]) - float(rows[switch - 1]["time"]) < 25.0
     assert versions[0] == first.version and versions[-1] == summary.plan_version and versions == sorted(versions)
+
+
+def test_a_prefix_that_moves_no_layer_is_held_and_a_trainer_that_connects_later_follows_the_stages(tmp_path):
+    """The trainer freezes 1 layer of 4 one-layer stages (its cap), which allows no fewer stages: the planner
+    publishes no plan version for it (the stages applied it; the planner holds it). A trainer that connects then
+    (a restart, without --freeze) reads the stages' prefix and trains at it: its plan says 0, and a Step with 0
+    would be refused by every stage (frozen layers never thaw)."""
+    flags = ["--assign", "plan", "--plan-even-layers", "--compute-speed", "40", "--no-link-probe"]
+    freeze = FreezeConfig(interval=2, tolerance=1e6, max_fraction=0.25, alpha=1.0)
+    with local_swarm(tmp_path, 4, flags, timeout_s=120) as swarm:
+        first = swarm.dht.get_plan(N_LAYERS)
+        cfg = TrainConfig(train_samples=16, batch_size=8, micro_batches=2, steps=12, out=str(tmp_path / "a"),
+                          freeze=freeze)  # fmt: skip
+        frozen_run = train(cfg, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
+        held = swarm.dht.get_plan(N_LAYERS)
+        later = TrainConfig(train_samples=16, batch_size=8, micro_batches=2, steps=4, out=str(tmp_path / "b"))
+        summary = train(later, swarm.path, quiet=True, signer=swarm.signer, dht=swarm.dht)
+    assert frozen_run.steps == 12 and summary.steps == 4
+    assert held.version == first.version and not held.document.frozen_layers, "held, not published"
+    with open(tmp_path / "a" / "steps.csv") as f:
+        assert int(list(csv.DictReader(f))[-1]["frozen_layers"]) == 1
+    with open(tmp_path / "b" / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["frozen_layers"]) for r in rows] == [1] * 4, "the later trainer drove at the stages' prefix"
+    assert all(math.isfinite(float(r["train_loss"])) for r in rows)

@@ -297,3 +297,59 @@ def test_a_prefix_that_moves_no_layer_is_held_and_goes_out_with_the_repack():
     got = watch.round(_planner(dht), carried, [])
     assert got is not None and dht.published[0][1]["frozen_layers"] == 3 and len(dht.published[0][1]["stages"]) == 2
     assert watch.frozen == 3
+
+
+# ---- a trainer that connects while the planner holds a prefix ------------------------------------------------
+
+
+def _status(frozen):
+    return SimpleNamespace(metrics={} if frozen is None else {"swarm_frozen_layers": frozen})
+
+
+@pytest.mark.parametrize(
+    "statuses, expected",
+    [
+        ([[_status(2.0)], [_status(2.0), _status(2.0)]], 2),  # every replica of every stage: the same figure
+        ([[_status(2.0)], [_status(2.0), None]], 2),  # a replica that does not answer says nothing
+        ([[_status(2.0)], [None]], 0),  # a stage with no answer: no agreement
+        ([[_status(2.0)], [_status(3.0)]], 0),  # they disagree (a liar, or a stage still applying)
+        ([[_status(3.0)], [_status(None)]], 0),  # one reports none
+        ([[_status(3.0)], [_status(1e300)]], 0),  # malformed
+        ([[_status(0.0)], [_status(0.0)]], 0),
+    ],
+)
+def test_the_stages_prefix_counts_only_when_every_stage_reports_the_same(statuses, expected):
+    assert freezing.stages_prefix(statuses, 4) == expected
+
+
+class _Driver:
+    def __init__(self, statuses, fail=None):
+        self.statuses, self.fail, self.closed = statuses, fail, False
+
+    def replica_status(self):
+        if self.fail:
+            raise self.fail
+        return self.statuses
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_trainer_connecting_to_stages_that_froze_more_than_their_plan_adopts_their_prefix():
+    """A trainer that resumes (or joins) while the planner holds a prefix that moved no layer: its plan says 0, its
+    Steps would be refused until the repack; it drives at the stages' prefix instead."""
+    made, lines = [], []
+    make = lambda r: made.append(r) or _Driver([])  # noqa: E731
+    first = _Driver([[_status(2.0)], [_status(2.0)]])
+    route = dataclasses.make_dataclass("R", ["plan_version", "frozen_layers"], frozen=True)(4, 0)
+    got = freezing.with_stages_prefix(first, route, make, 4, lines.append)
+    assert first.closed and got is not first and made[0].frozen_layers == 2 and "froze layers [0, 2)" in lines[0]
+    same = _Driver([[_status(2.0)], [_status(2.0)]])
+    carried = dataclasses.replace(route, frozen_layers=2)
+    assert freezing.with_stages_prefix(same, carried, make, 4, lines.append) is same and not same.closed
+    disagree = _Driver([[_status(2.0)], [_status(3.0)]])
+    assert freezing.with_stages_prefix(disagree, route, make, 4, lines.append) is disagree
+    from swarm.net.stream import StageCallError
+
+    silent = _Driver(None, fail=StageCallError("stage 1 unreachable"))
+    assert freezing.with_stages_prefix(silent, route, make, 4, lines.append) is silent and len(made) == 1
