@@ -95,6 +95,9 @@ class FakeDriver:
     def check_model(self, identity, label=""):
         pass  # every fake stage serves the trainer's model
 
+    def replica_status(self):
+        return []  # the trainer reads the stages' frozen prefix at connect: these report none
+
     def train_step(self, step, batch):
         FakeDriver.calls.append((step, self.plan_version))
         if self.plan_version == 1 and FakeDriver.failure is not None:
