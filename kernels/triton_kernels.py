@@ -5,7 +5,7 @@ it loads the tile once, reduces it to per-group min/max, computes the grid of `s
 codes, and packs eight codes at a time into a `bits`-byte little-endian word, so the byte layout is the
 reference's bitstream. Where a tile is contiguous in that stream (power-of-two groups) and its bits fill whole
 32-bit words (2, 4 and 8 bits), the quantize kernels store the same bytes as whole little-endian words instead
-(10-30% quicker on an H200: docs/GPU.md); the packed buffer is then the first bytes of a word-rounded one.
+(4-66% quicker on an H200, median 16%: docs/GPU.md); the packed buffer is then the first bytes of a word-rounded one.
 Round-to-nearest codes equal the reference's bit for bit (IEEE division via `div_rn`); stochastic rounding
 uses Triton's Philox stream keyed by (seed, element index).
 
@@ -40,8 +40,8 @@ __all__ = ["apply_delta", "aqsgd_update", "dequantize", "quantize", "quantize_la
 
 _TILE_ELEMENTS = 2048  # elements per program of the decode kernels: whole groups, a few KiB of registers
 # The quantize kernels' launch (`_quantize_launch`), as scripts/kernel_sweep.py measured it on an H200 (512 MiB,
-# group 256; docs/GPU.md): 1024 elements on 2 warps was the quickest of 512-8192 elements on 2-8 warps at every
-# width and rounding (3-9% over 2048 on 4), and whole-word stores beat byte stores by 10-30%.
+# group 256; docs/GPU.md): 1024 elements on 2 warps was the quickest of 512-8192 elements on 2-8 warps at 2 and 8
+# bits, both roundings (2-9% over 2048 on 4), and whole-word stores beat byte stores by 4-66% (median 16%).
 _QUANTIZE_TILE_ELEMENTS = 1024
 _NUM_WARPS = 2
 _WORD_STORES = True
