@@ -132,7 +132,7 @@ def _pack_store(packed_ptr, codes, groups, nbytes, BITS: tl.constexpr, GROUP: tl
 
 @triton.jit
 def _pack_store_words(words_ptr, codes, nbytes, BITS: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-    """The tile's codes as whole little-endian 32-bit words of the bitstream (`_words` says when this applies: the
+    """The tile's codes as whole little-endian 32-bit words of the bitstream (`_quantize_launch` says when: the
     tile is ROWS * COLUMNS contiguous elements and starts on a word); the same bytes as `_pack_store`."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = ROWS * COLUMNS // PER
