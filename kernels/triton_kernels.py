@@ -217,26 +217,19 @@ def quantize(
     x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = True, seed: int | None = None
 ) -> QuantizedTensor:
     """Same contract as `reference.quantize`; nearest rounding matches it bit for bit."""
-    check_quantize_args(x, bits, group_size)
-    _check_group_size(group_size)
-    flat = x.reshape(-1).contiguous()
-    packed, packed_words, scales, mins = _outputs(flat.numel(), bits, group_size, flat.device)
-    if flat.numel():
-        t = _quantize_launch(bits, group_size)
-        _quantize_kernel[_grid(flat.numel(), group_size, t.rows)](
-            flat, packed_words if t.words else packed, scales, mins, flat.numel(), packed.numel(), _seed(seed),
-            BITS=bits, GROUP=group_size, ROWS=t.rows, COLUMNS=t.columns, STOCHASTIC=stochastic, WORDS=t.words,
-            num_warps=t.num_warps,
-        )  # fmt: skip
-        _check(scales, "input")
-    return QuantizedTensor(packed, scales, mins, bits, group_size, flat.numel())
+    launch, q = quantize_launcher(x, bits, group_size, stochastic=stochastic, seed=seed)
+    if q.numel:
+        launch()
+        _check(q.scales, "input")
+    return q
 
 
 def quantize_launcher(
-    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = True, seed: int = 0
+    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = True, seed: int | None = 0
 ) -> tuple[Callable[[], None], QuantizedTensor]:
-    """For benchmarks: a call that launches `quantize`'s kernel alone, as `quantize` launches it, without the NaN
-    check's device-to-host sync (so a timing of it is the kernel's), and the outputs, allocated once, it fills."""
+    """`quantize`'s kernel launch on outputs allocated once, and those outputs, unchecked: `quantize` launches it
+    once and checks the scales; a benchmark times it alone, without the NaN check's device-to-host sync. `seed`
+    None: one drawn from the OS's entropy."""
     check_quantize_args(x, bits, group_size)
     _check_group_size(group_size)
     flat = x.reshape(-1).contiguous()

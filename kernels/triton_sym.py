@@ -123,27 +123,11 @@ def sym_update(
 
 
 def sym_quantize_launcher(
-    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int = 0
+    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool = False, seed: int | None = 0
 ) -> tuple[Callable[[], None], SymQuantized]:
-    """For benchmarks: a call that launches `sym_quantize`'s kernel alone, as it is launched there, without the
-    NaN check's device-to-host sync (so a timing of it is the kernel's), and the outputs, allocated once, it fills."""
-    flat = x.reshape(-1).contiguous()
-    numel = flat.numel()
-    check_sym_args(numel, bits, group_size)
-    packed, packed_words = _packed(numel, bits, flat.device)
-    scales = torch.empty(num_groups(numel, group_size), dtype=torch.float16, device=flat.device)
-    k0, k1 = symmetric.keys(seed)
-    t = _quantize_launch(bits, group_size)
-    grid = _grid(numel, group_size, t.rows)
-
-    def launch() -> None:
-        _sym_quantize_kernel[grid](
-            flat, flat, packed_words if t.words else packed, scales, numel, packed.numel(),
-            k0 ^ symmetric.mix32_int(k1), BITS=bits, GROUP=group_size, ROWS=t.rows, COLUMNS=t.columns,
-            STOCHASTIC=stochastic, UPDATE=False, WORDS=t.words, num_warps=t.num_warps,
-        )  # fmt: skip
-
-    return launch, SymQuantized(packed, scales, bits, group_size, numel)
+    """`sym_quantize`'s kernel launch on outputs allocated once, and those outputs, unchecked: for a benchmark to
+    time the kernel alone, without the NaN check's device-to-host sync."""
+    return _launcher(x, None, bits, group_size, stochastic, seed)
 
 
 def sym_dequantize(q: SymQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -166,6 +150,18 @@ def sym_apply_delta(m: torch.Tensor, q: SymQuantized) -> torch.Tensor:
 
 
 def _run(x, m, bits, group_size, stochastic, seed) -> SymQuantized:
+    launch, q = _launcher(x, m, bits, group_size, stochastic, seed)
+    if q.numel:
+        launch()
+        bad = torch.isnan(q.scales)  # one device-to-host sync per call
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0])
+            raise ValueError(f"{'input' if m is None else 'a - m'} contains NaN or Inf (first in group {first})")
+    return q
+
+
+def _launcher(x, m, bits, group_size, stochastic, seed) -> tuple[Callable[[], None], SymQuantized]:
+    """The quantize (m None) or fused update kernel's launch on outputs allocated once, and those outputs."""
     flat = x.reshape(-1).contiguous()
     numel = flat.numel()
     check_sym_args(numel, bits, group_size)
@@ -173,19 +169,18 @@ def _run(x, m, bits, group_size, stochastic, seed) -> SymQuantized:
         raise ValueError(f"fp32/fp16/bf16 input and a group size that is a multiple of 8 ({flat.dtype}, {group_size})")
     packed, packed_words = _packed(numel, bits, flat.device)
     scales = torch.empty(num_groups(numel, group_size), dtype=torch.float16, device=flat.device)
-    if numel:
-        k0, k1 = symmetric.keys(seed)
-        t = _quantize_launch(bits, group_size, update=m is not None)
-        _sym_quantize_kernel[_grid(numel, group_size, t.rows)](
+    k0, k1 = symmetric.keys(seed)
+    t = _quantize_launch(bits, group_size, update=m is not None)
+    grid = _grid(numel, group_size, t.rows)
+
+    def launch() -> None:
+        _sym_quantize_kernel[grid](
             flat, flat if m is None else m, packed_words if t.words else packed, scales, numel, packed.numel(),
             k0 ^ symmetric.mix32_int(k1), BITS=bits, GROUP=group_size, ROWS=t.rows, COLUMNS=t.columns,
             STOCHASTIC=stochastic, UPDATE=m is not None, WORDS=t.words, num_warps=t.num_warps,
         )  # fmt: skip
-        bad = torch.isnan(scales)  # one device-to-host sync per call
-        if bool(bad.any()):
-            first = int(bad.nonzero()[0])
-            raise ValueError(f"{'input' if m is None else 'a - m'} contains NaN or Inf (first in group {first})")
-    return SymQuantized(packed, scales, bits, group_size, numel)
+
+    return launch, SymQuantized(packed, scales, bits, group_size, numel)
 
 
 def _decode(q: SymQuantized, out: torch.Tensor, add: bool) -> None:

@@ -898,19 +898,25 @@ class PipelineDriver:
         """Route 0's stages' status."""
         return [self._call(s, 0, "Status", stage_pb2.Empty(), timeout=10) for s in range(self.n_stages)]
 
-    def check_model(self, identity: str, label: str = "") -> None:
+    def check_model(self, identity: str, label: str = "") -> list[list[stage_pb2.StatusReply | None]]:
         """Refuses (`ModelMismatch`, naming both models and the stage's peer) unless every replica that answers
         Status serves a slice of the model whose `model_identity` is `identity` (`label` says which model that
-        is). A replica that does not answer is left to the step's own failure handling."""
+        is). A replica that does not answer is left to the step's own failure handling. Returns the replies,
+        `[stage][replica]` (None: no answer), for what else the trainer reads from them (its frozen prefix)."""
         from swarm.runtime.modelcheck import check_status
 
+        replies: list[list[stage_pb2.StatusReply | None]] = []
         for s in range(self.n_stages):
+            replies.append([])
             for r, peer in enumerate(self.replica_peers[s]):
                 try:
                     reply = self._call(s, r, "Status", stage_pb2.Empty(), timeout=10)
                 except (StageCallError, grpc.RpcError):
+                    replies[s].append(None)
                     continue
                 check_status(reply, identity, label, f"stage {s} (peer {peer} at {self.replica_addresses[s][r]})")
+                replies[s].append(reply)
+        return replies
 
     def evaluate(self, data: SampleSet, rows: int, step: int, hidden: int) -> HeldOutLoss:
         """The held-out loss of the weights the stages hold before step `step`, on `data` through the first live

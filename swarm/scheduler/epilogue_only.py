@@ -11,6 +11,7 @@ experiments print beside what they measure.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from swarm.scheduler.plans import ModelSpec, PlanInput
 
 __all__ = ["EpilogueOnlyChoice", "choose_epilogue_only", "epilogue_only_planner", "link_times", "plan_epilogue_only"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TOLERANCE = 0.01
 """The chosen set may make the predicted step at most 1% longer than compressing every backward message."""
@@ -163,8 +166,6 @@ def epilogue_only_planner(model, codecs, plans) -> Callable[[list[dict], PlanInp
     """The live planner's `--plan-epilogue-only` choice for a peer's `model`, its (forward, backward) `CodecConfig`s
     and its `PlanningConfig` (the plan's micro-batch size): (stages, plan input, spec) -> the plan's `bw_epilogue`
     (`EpilogueOnly.parse`'s form; None for one stage), logged with why."""
-    import logging
-
     from swarm.compression import CodecConfig
     from swarm.runtime.boundary import EpilogueOnly
     from swarm.scheduler.bits import codec_sizes
@@ -176,7 +177,7 @@ def epilogue_only_planner(model, codecs, plans) -> Callable[[list[dict], PlanInp
         choice = plan_epilogue_only(stages, plan_input, spec, sizes, labels, precise.label, measured_s=measured_s)
         if choice is None:
             return None
-        logging.getLogger(__name__).info("epilogue-only: %s", choice.why)
+        log.info("epilogue-only: %s", choice.why)
         return EpilogueOnly(precise, choice.plan).label()
 
     return choose

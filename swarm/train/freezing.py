@@ -121,18 +121,10 @@ def stages_prefix(statuses: Sequence[Iterable[object | None]], n_layers: int) ->
     return figures.pop() if len(figures) == 1 else 0
 
 
-def with_stages_prefix(driver, route, make: Callable, n_layers: int, say: Callable[[str], None] = log.info):
-    """`driver` (just made by `make(route)` and checked), or, when `route`'s stages all applied a larger frozen
-    prefix than its plan carries (`stages_prefix`), a driver made anew for that prefix (the old one closed)."""
-    import grpc
-
-    from swarm.net.stream import StageCallError
-
-    try:
-        statuses = driver.replica_status()
-    except (StageCallError, grpc.RpcError) as e:  # a stage that does not answer: the step finds out
-        log.debug("reading plan %d's stages for their frozen prefix failed: %s", route.plan_version, e)
-        return driver
+def with_stages_prefix(driver, route, statuses, make: Callable, n_layers: int, say: Callable[[str], None] = log.info):
+    """`driver` (just made by `make(route)`; `statuses` its stages' Status replies, `[stage][replica]`, None for
+    no answer, as its model check read them), or, when the stages all applied a larger frozen prefix than `route`'s
+    plan carries (`stages_prefix`), a driver made anew for that prefix (the old one closed)."""
     applied = stages_prefix(statuses, n_layers)
     if applied <= route.frozen_layers:
         return driver

@@ -352,10 +352,11 @@ def train(
     def connect(r: PlanRoutes):
         metrics.plan_version.set(r.plan_version)
         driver = make(r)
-        driver.check_model(identity, model_label(model))  # a stage of another model: refused before any step
+        statuses = driver.check_model(identity, model_label(model))  # another model's stage: refused before a step
         if dht is None:  # a fixed route set: no planner holds a prefix for it
             return driver
-        return with_stages_prefix(driver, r, make, model.n_layers, say)  # a prefix the planner holds, not the plan
+        # a prefix the planner holds, not the plan
+        return with_stages_prefix(driver, r, statuses, make, model.n_layers, say)
 
     def answers(r: PlanRoutes) -> bool:  # the peers the driver declared dead answer again: a stall, not a death
         pinger = GrpcConnector(signer=signer, dial=dial)

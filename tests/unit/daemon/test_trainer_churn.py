@@ -93,10 +93,7 @@ class FakeDriver:
         FakeDriver.made.append((route, peers, plan_version))
 
     def check_model(self, identity, label=""):
-        pass  # every fake stage serves the trainer's model
-
-    def replica_status(self):
-        return []  # the trainer reads the stages' frozen prefix at connect: these report none
+        return []  # every fake stage serves the trainer's model (and reports no frozen prefix)
 
     def train_step(self, step, batch):
         FakeDriver.calls.append((step, self.plan_version))
