@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
-P2PD_START_ATTEMPTS = 2
-"""times the node tries to start p2pd when the daemon fails to start (not when it cannot join its peers)"""
+P2PD_START_ATTEMPTS = 3
+"""times the node tries to start p2pd when the daemon fails to start (not when it cannot join its peers); 2 fell
+short once in CI's loaded suite, where a real failure followed the test's injected one"""
 
 
 class DHTThread:

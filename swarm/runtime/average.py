@@ -367,7 +367,8 @@ class GradientAverager:
         end = time.monotonic() + min(request.deadline_s or host.budget.max_wait_s, host.budget.max_wait_s)
         sent = fp32 = tied_sent = tied_fp32 = 0
         if len(peers) == 1:
-            with self._arrived:
+            with host.compute_lock, self._arrived:
+                self._check_still_open(request, self.groups[False])
                 self.groups[False].reduced = request.step
         else:
             sent, fp32 = self._sum(request, False, peers, addresses, me, end, keyed_by_peer)
@@ -418,8 +419,9 @@ class GradientAverager:
         if scale is not None:  # the same scale on every replica (their optimizer states are equal): the same bits
             total = total / scale
         with host.compute_lock, self._arrived:
-            if host.open_step != request.step or group.reduced is not None:
-                raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step} ended while it was being reduced")
+            # the attempt's step may have ended and a rerun opened it again meanwhile: its open step is the same
+            # number, but committing this sum there would refuse the rerun's own ("reduced already")
+            self._check_still_open(request, group)
             if tied:
                 host.worker.set_tied_grad(total.view(host.worker.module.tied_parameter().shape))
             elif self._layout != self._layout_now():
@@ -486,6 +488,18 @@ class GradientAverager:
                 )
         return parts
 
+    def _check_still_open(self, request: ReduceOrder, group: _Group) -> None:
+        """Refuses to commit a sum (compute lock and `_arrived` held) unless its attempt of the step is still the
+        open one: the step may have ended meanwhile, and a rerun opened the same step number again, whose own sum
+        this one would refuse as "reduced already"."""
+        host = self.host
+        if (
+            host.open_step != request.step
+            or group.reduced is not None
+            or host.ledger.was_abandoned(request.step, request.attempt_id)
+        ):
+            raise CallRefused(grpc.StatusCode.ABORTED, f"step {request.step} ended while it was being reduced")
+
     def _check_reduce(self, request: ReduceOrder, peers: list[str], addresses: list[str]) -> int:
         """This peer's index in the group, once the request is known to be for its open, finished step."""
         host = self.host
@@ -500,6 +514,7 @@ class GradientAverager:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"Reduce of step {request.step} before its every backward ran here (open step: {host.open_step})",
                 )
+            host.ledger.check_attempt(request.step, request.attempt_id)  # a late Reduce of an abandoned attempt
             if self.groups[False].reduced == request.step:
                 raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step} is already reduced")
         return peers.index(host.peer_id)

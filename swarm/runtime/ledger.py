@@ -57,9 +57,13 @@ class StepLedger:
             return True
         return caller is not None and caller == self.owner
 
+    def was_abandoned(self, step: int, attempt_id: int) -> bool:
+        """Whether the trainer told this stage to abandon that attempt of `step`."""
+        return bool(attempt_id) and (step, attempt_id) in self._abandoned
+
     def check_attempt(self, step: int, attempt_id: int) -> None:
         """Refuses a late call of an attempt this stage was told to abandon (it would open the step again)."""
-        if attempt_id and (step, attempt_id) in self._abandoned:
+        if self.was_abandoned(step, attempt_id):
             raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"that attempt of step {step} was abandoned")
 
     def abandoned(self, step: int, attempt_id: int) -> None:

@@ -118,13 +118,15 @@ def test_a_daemons_dht_node_works_without_hiveminds_package_init():
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-@pytest.mark.parametrize("failures", [1, 2])
-def test_a_p2pd_that_fails_to_start_is_started_once_more_and_a_second_failure_is_reported(monkeypatch, failures):
+@pytest.mark.parametrize("injected", ["once", "every-attempt"])
+def test_a_p2pd_that_fails_to_start_is_started_again_and_failing_every_attempt_is_reported(monkeypatch, injected):
     """gRPC's poller, in a process that runs gRPC, can print into the pipe of the p2pd being forked before its exec,
-    which hivemind reads as "Daemon failed to start": the node starts p2pd once more; twice is an error."""
+    which hivemind reads as "Daemon failed to start": the node starts p2pd again, up to `P2PD_START_ATTEMPTS` times
+    in all, then reports it. (A real failure on a loaded machine may add an attempt to the injected ones.)"""
     import swarm.peers.dht_node as dht_node
 
     quiet_hivemind()
+    failures = 1 if injected == "once" else dht_node.P2PD_START_ATTEMPTS
     original, calls = dht_node.DHTNode.create, []
 
     async def create(*args, **kwargs):
@@ -136,7 +138,7 @@ def test_a_p2pd_that_fails_to_start_is_started_once_more_and_a_second_failure_is
     monkeypatch.setattr(dht_node.DHTNode, "create", create)
     if failures < dht_node.P2PD_START_ATTEMPTS:
         with SwarmDHT(DHTConfig(run_name="p2pd-again")) as dht:
-            assert dht.is_alive() and len(calls) == failures + 1
+            assert dht.is_alive() and failures + 1 <= len(calls) <= dht_node.P2PD_START_ATTEMPTS
     else:
         with pytest.raises(RuntimeError, match="Daemon failed to start"):
             SwarmDHT(DHTConfig(run_name="p2pd-again", start_timeout_s=30.0))

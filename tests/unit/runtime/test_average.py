@@ -258,6 +258,49 @@ def test_a_late_average_of_an_abandoned_attempt_is_refused_in_the_rerun_of_its_s
     )
 
 
+def test_a_late_reduce_of_an_abandoned_attempt_commits_nothing_in_the_rerun_of_its_step():
+    """CI's failure (test_entry_audit, a liar evicted at step 0): attempt 7's Reduce on a replica was still decoding
+    when the trainer abandoned the attempt and the rerun opened step 0 there again; the late Reduce found step 0
+    open and marked it reduced, so the rerun's sums with that replica were refused ("step 0 is reduced already")."""
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    slow = pipe.hosts[0].averager
+    real = slow._decode_all
+    entered, release = threading.Event(), threading.Event()
+
+    def held(*args):
+        entered.set()
+        release.wait(30)
+        return real(*args)
+
+    slow._decode_all = held
+    late: list = []
+    thread = threading.Thread(target=lambda: late.extend(pipe.reduce(0, attempt_id=7)))
+    thread.start()
+    try:
+        assert entered.wait(30)  # replica 0 holds every message of attempt 7 and has not summed them yet
+        for r in range(2):
+            pipe.client(r).Step(stage_pb2.StepRequest(step=0, abandon=True, attempt_id=7))
+        pipe.split_step(0, seed=1)  # the rerun opens step 0 again on both
+    finally:
+        release.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(late[0], LocalRpcError) and late[0].code() == grpc.StatusCode.ABORTED, late[0]
+    assert "ended while it was being reduced" in late[0].details()
+    slow._decode_all = real
+    rerun = pipe.reduce(0, attempt_id=8)
+    assert not any(isinstance(r, LocalRpcError) for r in rerun), rerun
+    assert torch.equal(flat(pipe, 0), flat(pipe, 1))
+    refused(
+        pipe.client(0).Reduce,
+        stage_pb2.ReduceRequest(step=0, stage=0, group_peers=list(pipe.peers), group_addresses=list(pipe.addresses),
+                                attempt_id=7),
+        code=grpc.StatusCode.FAILED_PRECONDITION,
+        words="that attempt of step 0 was abandoned",
+    )  # fmt: skip
+
+
 def test_the_tied_weight_is_left_to_grads_on_a_multi_stage_host():
     role = StageRole(0, 2, 0, 1)
     host = StageHost(role, TINY, StageConfig(), LinkEnds(FP32, FP32), "p", None)

@@ -102,10 +102,15 @@ def test_an_out_of_proportion_refusal_the_audits_cannot_explain_is_judged_as_bef
     try:
         driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=UNSAMPLED)
         refused = _refuses_once(pipe, 0, 1)
+        split: list = []  # the routes' micro-batches: 4 in all, or 5 where the rows split 7 to 1 (peer ids hash)
+        real = driver._work
+        driver._work = lambda batch, routes: split.append(work := real(batch, routes)) or work
         result = driver.train_step(0, batch(0))
         assert refused == [0] and result.skipped and driver.liars == [] and driver.dead == set()
         assert driver.suspects.strikes(pipe.replica_peers[0][1]) == 1
-        assert driver.verifier.stats.audits == 4  # every micro-batch of both routes, none sampled
+        assert len(split) == 1 and len(split[0]) == 2  # one attempt, on both routes
+        micro_batches = sum(len(w.micro) for w in split[0])
+        assert driver.verifier.stats.audits == micro_batches  # every micro-batch of both routes, none sampled
         assert not driver.train_step(1, batch(1)).skipped
     finally:
         pipe.close()

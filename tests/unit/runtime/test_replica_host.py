@@ -88,12 +88,12 @@ class Replicas:
         for r, idx in enumerate(parts):
             self.train(r, step, tokens[idx], targets[idx], len(idx) / rows)
 
-    def reduce(self, step: int, members=None, deadline_s: float = 10.0) -> list:
+    def reduce(self, step: int, members=None, deadline_s: float = 10.0, attempt_id: int = 0) -> list:
         """Reduce on `members` (default: all) at once, as the trainer does; each result a reply or an error."""
         members = list(range(len(self.hosts))) if members is None else members
         request = stage_pb2.ReduceRequest(
             step=step, stage=0, group_peers=[self.peers[m] for m in range(len(self.hosts))],
-            group_addresses=list(self.addresses), deadline_s=deadline_s,
+            group_addresses=list(self.addresses), deadline_s=deadline_s, attempt_id=attempt_id,
         )  # fmt: skip
         results: list = [None] * len(members)
 
