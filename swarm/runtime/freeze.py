@@ -183,14 +183,16 @@ def cached_forward(
     return out
 
 
-def check_frozen(request: StepOrder, worker: StageWorker, n_layers: int) -> None:
-    """Refuses a Step whose `frozen_layers` would unfreeze or reach the model's last layer; changes nothing."""
+def check_frozen(request: StepOrder, worker: StageWorker, n_layers: int) -> int:
+    """The prefix frozen after a Step: its `frozen_layers`, or the stage's own where that is larger (frozen layers
+    never thaw: a trainer without --freeze, or one that has not seen another trainer's freeze yet, sends fewer and
+    trains on, its Step not refused); refuses one that would reach the model's last layer. Changes nothing."""
     n = request.frozen_layers
-    if n < worker.frozen_layers or n >= max(n_layers, 1):
+    if n >= max(n_layers, 1):
         raise CallRefused(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"frozen_layers: {n} is outside [{worker.frozen_layers}, {n_layers}) (frozen layers never thaw)",
+            grpc.StatusCode.INVALID_ARGUMENT, f"frozen_layers: {n} reaches the model's last layer ({n_layers} layers)"
         )
+    return max(n, worker.frozen_layers)
 
 
 @dataclass

@@ -448,7 +448,7 @@ class StageHost:
                         f"step {order.step}: the tied gradient was not summed (Reduce)",
                     )
                 check_step(order, self.worker)
-                check_frozen(order, self.worker, self.model.n_layers)
+                frozen = check_frozen(order, self.worker, self.model.n_layers)
                 lr = self.worker.step(math.inf if order.skip else order.global_grad_norm)
                 ledger.record(order.step, lr)
                 self.averager.commit()
@@ -456,7 +456,7 @@ class StageHost:
                 if 0 < order.trainer_elapsed_s <= 1e6:  # the whole step as the trainer saw it (calibration)
                     _observe(self.metrics, self.role.stage, "trainer", arrived - order.trainer_elapsed_s)
                 self._close_step(commit=True)
-                apply_frozen(self, order.frozen_layers)  # from the next step on; reported in Status
+                apply_frozen(self, frozen)  # from the next step on; reported in Status
         if self.on_step is not None and not order.abandon:
             self.on_step(self)
         return lr

@@ -3,11 +3,12 @@ the Grads replies' per-block gradient norms, sent in every Step; `swarm.runtime.
 
 One `FreezePolicy` lives for the whole run: a re-plan builds a new driver on the new route around the same
 policy, so its windows and history survive joins, repairs and the planner's repack. Routes whose plan already
-freezes more layers than the policy (`PlanRoutes.frozen_layers`: the stages apply them, and refuse a Step with
-fewer) raise the policy to it (`FreezePolicy.adopt`). So does a prefix the stages applied that their plan does not
-carry yet (the planner holds a prefix that moves no layer until its next plan: `swarm.daemon.repack`): a trainer
-that connects then (it resumed, or joined) reads every stage's `Status` and adopts the prefix they all report
-(`with_stages_prefix`), where its Steps would otherwise be refused until the repack.
+freezes more layers than the policy (`PlanRoutes.frozen_layers`: the stages apply them, and keep them whatever
+fewer a Step says) raise the policy to it (`FreezePolicy.adopt`). So does a prefix the stages applied that their
+plan does not carry yet (the planner holds a prefix that moves no layer until its next plan:
+`swarm.daemon.repack`): a trainer that connects then (it resumed, or joined) reads every stage's `Status` and
+adopts the prefix they all report (`with_stages_prefix`), so that its policy and its steps.csv start from it. A
+trainer already running when another one froze layers trains on: its Steps keep the stages' prefix.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def driver_factory(freeze: FreezeConfig | None, n_layers: int) -> Callable:
     from swarm.runtime.driver import PipelineDriver
     from swarm.runtime.freeze import FreezePolicy, FreezingDriver
 
-    # without --freeze the policy only follows: a frozen prefix is the run's state (the stages refuse a Step with
-    # fewer), not one trainer's option, so a plan's frozen_layers is sent in every Step, and never more
+    # without --freeze the policy only follows: a frozen prefix is the run's state (the stages keep it whatever a
+    # Step says), not one trainer's option, so a plan's frozen_layers is sent in every Step, and never more
     policy = freeze.policy(n_layers) if freeze is not None else FreezePolicy(n_layers, max_fraction=0.0)
 
     def make(route, *args, **kwargs):

@@ -78,8 +78,7 @@ def test_the_planner_repacks_a_frozen_prefix_and_the_trainer_trains_on_the_repac
 def test_a_prefix_that_moves_no_layer_is_held_and_a_trainer_that_connects_later_follows_the_stages(tmp_path):
     """The trainer freezes 1 layer of 4 one-layer stages (its cap), which allows no fewer stages: the planner
     publishes no plan version for it (the stages applied it; the planner holds it). A trainer that connects then
-    (a restart, without --freeze) reads the stages' prefix and trains at it: its plan says 0, and a Step with 0
-    would be refused by every stage (frozen layers never thaw)."""
+    (a restart, without --freeze) reads the stages' prefix and trains at it: its plan says 0."""
     flags = ["--assign", "plan", "--plan-even-layers", "--compute-speed", "40", "--no-link-probe"]
     freeze = FreezeConfig(interval=2, tolerance=1e6, max_fraction=0.25, alpha=1.0)
     with local_swarm(tmp_path, 4, flags, timeout_s=120) as swarm:

@@ -15,6 +15,7 @@ from swarm.model.hf import hf_model_config
 from swarm.net.auth import CallSigner, Identity
 from swarm.net.stream import StageCallError
 from swarm.proto import stage_pb2
+from swarm.runtime.driver import PipelineDriver
 from swarm.runtime.freeze import FreezePolicy, block_of, set_frozen
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.worker import OptimConfig, StageConfig
@@ -167,12 +168,13 @@ def test_frozen_parameters_stay_while_the_others_move_and_a_frozen_stage_gets_no
     assert pipe.workers[0].in_flight == 0 and pipe.workers[0].peak_in_flight <= 2
 
 
-def test_a_step_that_would_unfreeze_or_freeze_everything_is_refused_and_changes_nothing():
+def test_a_step_that_would_freeze_everything_is_refused_and_changes_nothing():
+    # (one with fewer frozen layers than the stage's keeps the stage's: test_a_trainer_without_freeze_trains_on_...)
     pipe = LocalPipeline(GPT, 2, FP32, FP32, stage_cfg=NO_CLIP)
     pipe.freeze = FreezePolicy(n_layers=4, tolerance=1e-12)
     pipe.freeze.frozen = 2
     pipe.train_step(_batch(64, 16, 0), 2)
-    for bad in (1, 4, 2**31):
+    for bad in (4, 5, 2**31):
         pipe.freeze.frozen = bad
         before = _params(pipe)
         with pytest.raises(StageCallError, match="frozen_layers"):
@@ -222,6 +224,34 @@ def test_a_stranger_or_a_stage_cannot_freeze_layers():
     assert pipe.workers[0].frozen_layers == 0 and all(p.requires_grad for p in pipe.workers[0].module.parameters())
     pipe.abandon_step()
     pipe.train_step(_batch(64, 16, 1), 2)  # the trainer's own Step still goes through
+
+
+def test_a_trainer_without_freeze_trains_on_after_another_froze_layers_and_nothing_thaws():
+    """Two trainers of one run: one froze layers 0-1 with its Step; the other (no --freeze, its plan says 0) sends
+    Steps with frozen_layers 0, which were refused ("frozen layers never thaw") until the planner's repack. Now the
+    stages keep their prefix and apply its steps; a Step reaching the last layer is still refused."""
+    pipe = LocalPipeline(GPT, 2, FP32, FP32, stage_cfg=NO_CLIP)
+    pipe.freeze = FreezePolicy(n_layers=GPT.n_layers, tolerance=1e-12, max_fraction=1.0)
+    pipe.train_step(_batch(64, 16, 0), 2)
+    pipe.freeze.frozen = 2
+    pipe.train_step(_batch(64, 16, 1), 2)  # the freezing trainer's Step freezes layers 0-1
+    frozen = {k: v.clone() for k, v in pipe.workers[0].module.state_dict().items() if block_of(k) in (0, 1)}
+    trained = {k: v.clone() for k, v in pipe.workers[1].module.state_dict().items() if block_of(k) == 3}
+    assert frozen and trained
+    pipe.freeze = None
+    plain = pipe.driver(4)  # another trainer: a plain driver, every Step with frozen_layers 0
+    assert type(plain) is PipelineDriver
+    for step in range(2, 4):
+        assert not pipe.train_step(_batch(64, 16, step), 4).skipped
+    assert [w.frozen_layers for w in pipe.workers] == [2, 2] and [h.steps_done for h in pipe.hosts] == [4, 4]
+    after = pipe.workers[0].module.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in frozen.items())  # nothing thawed
+    later = pipe.workers[1].module.state_dict()
+    assert any(not torch.equal(later[k], v) for k, v in trained.items())  # the rest trained on
+    pipe.forward_backward(_batch(64, 16, 4), 4)
+    with pytest.raises(StageCallError, match="reaches the model's last layer"):
+        plain._call(0, 0, "Step", stage_pb2.StepRequest(step=4, global_grad_norm=1.0, frozen_layers=GPT.n_layers))
+    assert [w.frozen_layers for w in pipe.workers] == [2, 2]
 
 
 @pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt-tied", "llama-untied"])

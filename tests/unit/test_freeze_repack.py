@@ -330,8 +330,8 @@ class _Driver:
 
 
 def test_a_trainer_connecting_to_stages_that_froze_more_than_their_plan_adopts_their_prefix():
-    """A trainer that resumes (or joins) while the planner holds a prefix that moved no layer: its plan says 0, its
-    Steps would be refused until the repack; it drives at the stages' prefix instead."""
+    """A trainer that resumes (or joins) while the planner holds a prefix that moved no layer: its plan says 0; it
+    drives (and its steps.csv says it drives) at the stages' prefix instead."""
     made, lines = [], []
     make = lambda r: made.append(r) or _Driver()  # noqa: E731
     first = _Driver()
