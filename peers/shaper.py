@@ -90,6 +90,30 @@ class Shaper:
             self._sleep(wait)
 
 
+STATE_MIN_BYTES_PER_S = 16 * 1024
+"""The slowest a paced state stream goes (a GetState's `max_bytes_per_s` below it is raised to it): a copy asked
+for at a crawl would hold the holder's transfer slot for hours."""
+
+
+def paced(items, bytes_per_s: float, size=lambda item: item.ByteSize(), clock=time.monotonic, sleep=time.sleep):
+    """`items`, each let out once the ones before it left at `bytes_per_s` (at least `STATE_MIN_BYTES_PER_S`):
+    a bucket of one item's size, so the stream never bursts more than an item ahead of the rate."""
+    bucket = None
+    for item in items:
+        n = size(item)
+        if bucket is None:
+            rate = max(float(bytes_per_s), STATE_MIN_BYTES_PER_S)
+            bucket = Shaper(LinkShape(rate, burst_bytes=max(n, 1)), clock=clock, sleep=sleep)
+        bucket.consume(n)
+        yield item
+
+
+def paced_chunk_bytes(bytes_per_s: float, largest: int) -> int:
+    """Chunk size for a stream paced at `bytes_per_s`: about a quarter second of it (4 KiB to `largest`), so that
+    each chunk handed to the connection is small beside what the link carries in a second."""
+    return int(min(largest, max(4096, max(float(bytes_per_s), STATE_MIN_BYTES_PER_S) / 4)))
+
+
 class LinkShaping:
     """Shapes per destination: a default shape and per-address overrides, one Shaper per destination."""
 

@@ -270,12 +270,14 @@ class ReduceReply(_message.Message):
     def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., tied_wire_bytes: _Optional[int] = ..., tied_fp32_wire_bytes: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("stage", "plan_version")
+    __slots__ = ("stage", "plan_version", "max_bytes_per_s")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     stage: int
     plan_version: int
-    def __init__(self, stage: _Optional[int] = ..., plan_version: _Optional[int] = ...) -> None: ...
+    max_bytes_per_s: float
+    def __init__(self, stage: _Optional[int] = ..., plan_version: _Optional[int] = ..., max_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StateItem(_message.Message):
     __slots__ = ("name", "chunk")

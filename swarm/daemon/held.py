@@ -151,14 +151,16 @@ def freshest(copies: Iterable[Copy]) -> Copy | None:
     return min(pool, key=lambda c: (-c.steps_done, c.peer_id))
 
 
-def state_items_of(tensors: dict[str, torch.Tensor]) -> Iterator:
-    """GetState's stream items for named tensors (fp32 frames, as `swarm.runtime.service.state_items`)."""
+def state_items_of(tensors: dict[str, torch.Tensor], chunk_bytes: int | None = None) -> Iterator:
+    """GetState's stream items for named tensors (fp32 frames, as `swarm.runtime.service.state_items`), in chunks
+    of `chunk_bytes` (None: the framing's default)."""
     from swarm.compression import CodecConfig, frame, make_codec
+    from swarm.compression.framing import DEFAULT_CHUNK_BYTES
     from swarm.proto import stage_pb2
 
     codec = make_codec(CodecConfig("fp32"))
     for name, tensor in tensors.items():
-        for chunk in frame(codec.encode(tensor.float()), zstd_level=0):
+        for chunk in frame(codec.encode(tensor.float()), zstd_level=0, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES):
             yield stage_pb2.StateItem(name=name, chunk=chunk)
 
 

@@ -428,14 +428,21 @@ class PeerDaemon:
 
     def _replicator(self):
         """Keeps a copy of the buddy stage under --checkpoint-dir/held (None without a checkpoint dir)."""
-        from swarm.daemon.replication import Replicator
+        from swarm.daemon.replication import Replicator, copy_rate, copy_timeout_s
         from swarm.daemon.state_fetch import fetch_state
 
         if self.held is None:
             return None
 
         def fetch(address: str, stage: int, version: int) -> dict:
-            return fetch_state(self.channels, address, stage, version)
+            # paced at a share of the measured link (on a slow one an unpaced copy starves the run's calls and the
+            # DHT's packets for a minute), with a deadline that allows for the pace
+            holder = next((p.peer_id for p in self.dht.peers() if p.address == address), None)
+            rate = copy_rate(self.dht.links(), holder, self.dht.peer_id)
+            host = self.servicer.host
+            own = 12 * sum(p.numel() for p in host.worker.module.parameters()) if host is not None else 0
+            timeout_s = copy_timeout_s(max(own, 1 << 20), rate)
+            return fetch_state(self.channels, address, stage, version, timeout_s=timeout_s, max_bytes_per_s=rate)
 
         def announce_held() -> None:
             self.update_announcement(held=self.held.held())

@@ -18,8 +18,8 @@ from swarm.daemon.held import HeldStore, buddy_of, parse_held_layers, state_item
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 
 __all__ = [
-    "HOLDER_PING_TIMEOUTS", "HeldServer", "Replicator", "leave_done", "patient_ping", "served_by_replicas",
-    "takeover_sources",
+    "COPY_LINK_SHARE", "COPY_REST_FACTOR", "HOLDER_PING_TIMEOUTS", "HeldServer", "Replicator", "copy_rate",
+    "copy_timeout_s", "leave_done", "patient_ping", "served_by_replicas", "takeover_sources",
 ]  # fmt: skip
 
 log = logging.getLogger("swarm.daemon.replication")
@@ -37,7 +37,7 @@ class HeldServer:
         self.store, self.n_layers = store, n_layers
         self._slot = threading.Semaphore(1)
 
-    def __call__(self, context: grpc.ServicerContext):
+    def __call__(self, context: grpc.ServicerContext, chunk_bytes: int | None = None):
         try:
             wanted = parse_held_layers(context.invocation_metadata() or (), self.n_layers)
         except ValueError as e:
@@ -54,18 +54,45 @@ class HeldServer:
         if tensors is None:
             self._slot.release()
             context.abort(grpc.StatusCode.NOT_FOUND, f"no held copy of layers [{wanted[0]}, {wanted[1]})")
-        return self._stream(tensors)
+        return self._stream(tensors, chunk_bytes)
 
-    def _stream(self, tensors):
+    def _stream(self, tensors, chunk_bytes: int | None):
         try:
-            yield from state_items_of(tensors)
+            yield from state_items_of(tensors, chunk_bytes)
         finally:
             self._slot.release()
 
 
+COPY_LINK_SHARE = 0.25
+"""The share of the holder's measured link to this peer that a background copy of its stage is sent at. Unpaced,
+a copy of the default model's stage (5 MB with its AdamW moments) held a 1 Mbit/s link for about a minute: the
+run's calls and the DHT's packets queued behind it in the link's FIFO, the planner's lease renewals and pings
+went unanswered, and the planner planned the live stage 0 away (docs/reports/throttled.md)."""
+
+COPY_REST_FACTOR = 3.0
+"""After a copy that took T seconds, the next one starts no sooner than `COPY_REST_FACTOR * T` later: with the
+pace above, copies take at most about 6% of a slow link over time, whatever --replicate-every says."""
+
+
+def copy_rate(links, holder: str | None, me: str, share: float = COPY_LINK_SHARE) -> float:
+    """Bytes/s to ask a holder to send its stage at (`StateRequest.max_bytes_per_s`): `share` of its measured link
+    to this peer (the slower direction where both were measured, either where one was); 0 (unpaced) where none
+    was, or the holder is not known by address."""
+    if holder is None:
+        return 0.0
+    rates = [m.bytes_per_s for m in links if {m.src, m.dst} == {holder, me} and m.bytes_per_s > 0]
+    return share * min(rates) if rates else 0.0
+
+
+def copy_timeout_s(state_bytes: int, rate: float, floor_s: float = 120.0) -> float:
+    """A copy's deadline: `floor_s`, or twice what `state_bytes` take at a paced `rate`, plus a minute."""
+    return floor_s if rate <= 0 else max(floor_s, 2 * state_bytes / rate + 60.0)
+
+
 class Replicator:
     """Pulls the buddy stage's state every `every_steps` of its steps into the held store (in a thread, one
-    pull at a time, so the peer's loop never waits on a transfer); `tick()` from the peer's loop."""
+    pull at a time, so the peer's loop never waits on a transfer); `tick()` from the peer's loop. A pull that
+    took T seconds rests the next for `COPY_REST_FACTOR * T` (on a slow link copies stay a small share of it)."""
 
     def __init__(
         self,
@@ -116,6 +143,7 @@ class Replicator:
         return True
 
     def _pull(self, version: int, address: str, stage: int, start: int, end: int) -> None:
+        began = self.clock()
         try:
             tensors = self.fetch(address, stage, version)
             if self.store.save(start, end, tensors, version):
@@ -125,6 +153,8 @@ class Replicator:
         except Exception as e:  # a copy is best effort: the next due pull tries again
             log.info("copy of layers [%d, %d) from %s failed: %s", start, end, address, e)
         finally:
+            ended = self.clock()
+            self._next = max(self._next, ended + COPY_REST_FACTOR * (ended - began))
             self._busy.release()
 
 

@@ -22,10 +22,12 @@ def fetch_state(
     timeout_s: float = 120.0,
     metadata: tuple[tuple[str, str], ...] = (),
     max_bytes: int = 8 << 30,
+    max_bytes_per_s: float = 0.0,
 ) -> dict:
     """The named fp32 tensors of `stage` as the peer at `address` held it under `plan_version` (or, with the
     held-range `metadata`, the checkpoint copy it holds). The reply is bounded: at most MAX_STATE_TENSORS
-    names, `max_bytes` of bodies, each tensor framed within the wire limits; a name sent twice is refused."""
+    names, `max_bytes` of bodies, each tensor framed within the wire limits; a name sent twice is refused.
+    `max_bytes_per_s` asks the holder to pace the stream (a background copy: `swarm.daemon.replication`)."""
     from swarm.compression import Unframer, WireError
 
     fp32 = make_codec(CodecConfig("fp32"))
@@ -34,7 +36,9 @@ def fetch_state(
     unframers: dict[str, Unframer] = {}
     received = 0
     call = stub.GetState(
-        stage_pb2.StateRequest(stage=stage, plan_version=plan_version), timeout=timeout_s, metadata=metadata or None
+        stage_pb2.StateRequest(stage=stage, plan_version=plan_version, max_bytes_per_s=max_bytes_per_s),
+        timeout=timeout_s,
+        metadata=metadata or None,
     )
     for item in call:
         if item.name in tensors or (item.name not in unframers and len(unframers) >= MAX_STATE_TENSORS):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from swarm.compression import BufferMissError, CodecConfig, WireError, WireLimits, frame, make_codec
+from swarm.compression.framing import DEFAULT_CHUNK_BYTES
 from swarm.net.stream import (
     BUFFER_MISS,
     PLAN_MISMATCH,
@@ -26,6 +28,7 @@ from swarm.net.stream import (
     StreamTimeout,
     read_stream,
 )
+from swarm.peers.shaper import paced, paced_chunk_bytes
 from swarm.proto import stage_pb2, stage_pb2_grpc
 from swarm.runtime.audit_wire import audit_reply, recompute_inputs, recompute_reply
 from swarm.runtime.budget import CallerSlots, CallSlots, SlotsExhausted, StageBudget
@@ -105,7 +108,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._state_slots = CallerSlots(self.budget.state_calls, "GetState", self.budget.caller_state_calls)
         """GetState streams sent at once, and to one caller: each holds a copy of the stage's state."""
         self._probe_slots = CallSlots(self.budget.probe_calls, "link probe")
-        self.held_state: Callable[[grpc.ServicerContext], object] | None = None
+        self.held_state: Callable[[grpc.ServicerContext, int], object] | None = None
         """Serves GetState for a held checkpoint copy (swarm.daemon.held) when the call asks for one: an
         iterator of items, or None for the served stage's state."""
         self._recompute_slots = CallSlots(1, "Recompute")
@@ -567,13 +570,22 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def GetState(self, request, context):
         self._checked(context, lambda caller: self.policy.check_state(caller))
         caller = self._calling.__dict__.get("caller")
+        rate = request.max_bytes_per_s
+        if not (math.isfinite(rate) and rate >= 0):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_bytes_per_s: {rate} is not a rate")
+        chunk_bytes = paced_chunk_bytes(rate, DEFAULT_CHUNK_BYTES) if rate else DEFAULT_CHUNK_BYTES
+        items = self._state_items(request, context, caller, chunk_bytes)
+        yield from (paced(items, rate) if rate else items)
+
+    def _state_items(self, request, context, caller: str | None, chunk_bytes: int):
+        """GetState's items (a held copy's, or the stage's under the request's plan), in chunks of `chunk_bytes`."""
         with contextlib.ExitStack() as held:  # the slots are held until the last item is sent
             try:  # a state slot (per caller: each holds a copy of the state), then a data slot
                 held.enter_context(self._state_slots.take(caller, wait_s=self.budget.state_wait_s))
                 held.enter_context(self._data_slot(caller))
             except SlotsExhausted as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            if self.held_state is not None and (copy := self.held_state(context)) is not None:
+            if self.held_state is not None and (copy := self.held_state(context, chunk_bytes)) is not None:
                 yield from copy
                 return
             previous = self.previous
@@ -596,7 +608,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 )
             host = wanted[0]
             with host.compute_lock:
-                items = list(state_items(host))
+                items = list(state_items(host, chunk_bytes))
             yield from items
 
 
@@ -616,11 +628,11 @@ def _same_place(a: StageHost, b: StageHost) -> bool:
     return (a.role.stage, a.role.layer_start, a.role.layer_end) == (b.role.stage, b.role.layer_start, b.role.layer_end)
 
 
-def state_items(host: StageHost) -> Iterator[stage_pb2.StateItem]:
+def state_items(host: StageHost, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[stage_pb2.StateItem]:
     """The stage's state as named fp32 tensors, for handing the stage over to another peer: weights
     (`model.*`), optimizer moments (`optim.*`) and the schedule's position (`meta.*`). Call holding the host's
     compute lock."""
     codec = make_codec(CodecConfig("fp32"))
     for name, tensor in handover_tensors(host.worker, host.steps_done).items():
-        for chunk in frame(codec.encode(tensor.float()), zstd_level=0):
+        for chunk in frame(codec.encode(tensor.float()), zstd_level=0, chunk_bytes=chunk_bytes):
             yield stage_pb2.StateItem(name=name, chunk=chunk)
