@@ -97,15 +97,21 @@ for at a crawl would hold the holder's transfer slot for hours."""
 
 def paced(items, bytes_per_s: float, size=lambda item: item.ByteSize(), clock=time.monotonic, sleep=time.sleep):
     """`items`, each let out once the ones before it left at `bytes_per_s` (at least `STATE_MIN_BYTES_PER_S`):
-    a bucket of one item's size, so the stream never bursts more than an item ahead of the rate."""
+    a bucket of one item's size, so the stream never bursts more than an item ahead of the rate. Closing it (a
+    cancelled call) closes `items` too, so whatever they hold (a server's slots) is let go at once."""
     bucket = None
-    for item in items:
-        n = size(item)
-        if bucket is None:
-            rate = max(float(bytes_per_s), STATE_MIN_BYTES_PER_S)
-            bucket = Shaper(LinkShape(rate, burst_bytes=max(n, 1)), clock=clock, sleep=sleep)
-        bucket.consume(n)
-        yield item
+    try:
+        for item in items:
+            n = size(item)
+            if bucket is None:
+                rate = max(float(bytes_per_s), STATE_MIN_BYTES_PER_S)
+                bucket = Shaper(LinkShape(rate, burst_bytes=max(n, 1)), clock=clock, sleep=sleep)
+            bucket.consume(n)
+            yield item
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 def paced_chunk_bytes(bytes_per_s: float, largest: int) -> int:

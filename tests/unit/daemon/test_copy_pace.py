@@ -49,6 +49,23 @@ def test_paced_items_leave_at_the_rate_never_more_than_an_item_ahead():
     assert fake.t == pytest.approx((n - 1) * size / rate)
 
 
+def test_closing_a_paced_stream_closes_its_source_at_once():
+    closed = []
+
+    def source():
+        try:
+            yield from range(10)
+        finally:
+            closed.append(True)
+
+    fake = FakeTime()
+    src = source()  # still referenced (as gRPC's servicer frame may hold it): only an explicit close ends it
+    stream = paced(src, STATE_MIN_BYTES_PER_S, size=lambda _: 1024, clock=fake.clock, sleep=fake.sleep)
+    assert next(stream) == 0
+    stream.close()  # what gRPC does with a cancelled call's generator
+    assert closed == [True]
+
+
 def test_a_crawling_or_empty_rate_is_raised_to_the_floor_and_chunks_stay_bounded():
     fake = FakeTime()
     list(paced(range(3), 1.0, size=lambda _: STATE_MIN_BYTES_PER_S, clock=fake.clock, sleep=fake.sleep))
