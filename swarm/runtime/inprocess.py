@@ -12,6 +12,7 @@ that off, for measuring its cost).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 
 import grpc
@@ -95,7 +96,9 @@ class LocalPipeline:
         forward, backward = forward or CodecConfig("fp32"), backward or CodecConfig("fp32")
         # identities: one per host and one for the driver (the trainer), as separate peers would hold
         ids = {key: Identity.generate() for key in grid} if auth else {}
-        peer = {key: ids[key].peer_id if auth else f"local{name(*key)}" for key in grid}
+        # without auth, ids as long as real ones (the calls' bytes are the same) and the same in every run: the
+        # route split of the samples hashes them (`routing.assign_samples`), so a run repeats to the bit
+        peer = {key: ids[key].peer_id if auth else _local_peer_id(name(*key)) for key in grid}
         self.trainer = Identity.generate() if auth else None
         self.replica_peers = [[peer[(s, r)] for r in range(counts[s])] for s in range(n_stages)]
         trainers = frozenset([self.trainer.peer_id] if self.trainer else [])
@@ -123,6 +126,8 @@ class LocalPipeline:
         self._step = 0
         self.freeze: FreezePolicy | None = None
         """the trainer's freezing criterion (`swarm.runtime.freeze`); set before the first step"""
+        self.driver_options: dict = {}
+        """keyword arguments of every driver this pipeline makes (`PipelineDriver`'s), under `driver`'s own"""
 
     def _shape(self, grid: list[list[str]]) -> tuple:
         """Flat (one replica per stage, the roster's original shape) or nested `[stage][replica]`."""
@@ -155,7 +160,8 @@ class LocalPipeline:
                 self._driver.close()
             connector = self.network.connector(CallSigner(self.trainer) if self.trainer else None)
             route, peers = self._shape(self.replica_addresses), self._shape(self.replica_peers)
-            options = {"tied": self.model.tied_embeddings, "referee": self.referee, **driver_options}
+            options = {"tied": self.model.tied_embeddings, "referee": self.referee, **self.driver_options,
+                       **driver_options}  # fmt: skip
             if self.freeze is not None:
                 options["policy"] = self.freeze
             cls = PipelineDriver if self.freeze is None else FreezingDriver
@@ -217,3 +223,8 @@ class _Switch:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"connection refused ({name} to a killed host)")
 
         return gone
+
+
+def _local_peer_id(name: str) -> str:
+    """A peer id for an unauthenticated in-process host: 24 hex digits like a real one, fixed by its place."""
+    return hashlib.blake2b(f"local:{name}".encode(), digest_size=12).hexdigest()
