@@ -76,17 +76,25 @@ pace above, copies take at most about 6% of a slow link over time, whatever --re
 
 def copy_rate(links, holder: str | None, me: str, share: float = COPY_LINK_SHARE) -> float:
     """Bytes/s to ask a holder to send its stage at (`StateRequest.max_bytes_per_s`): `share` of its measured link
-    to this peer (the slower direction where both were measured, either where one was); 0 (unpaced) where none
-    was, or the holder is not known by address."""
+    to this peer (the slower direction where both were measured, either where one was), no lower than the holder
+    would send (`STATE_MIN_BYTES_PER_S`: a measurement that lies low cannot stretch the copy's deadline); 0
+    (unpaced) where none was, or the holder is not known by address."""
+    from swarm.peers.shaper import STATE_MIN_BYTES_PER_S
+
     if holder is None:
         return 0.0
     rates = [m.bytes_per_s for m in links if {m.src, m.dst} == {holder, me} and m.bytes_per_s > 0]
-    return share * min(rates) if rates else 0.0
+    return max(share * min(rates), STATE_MIN_BYTES_PER_S) if rates else 0.0
+
+
+COPY_MAX_TIMEOUT_S = 3600.0
+"""The longest a paced copy may take before it is given up (the next due copy tries again)."""
 
 
 def copy_timeout_s(state_bytes: int, rate: float, floor_s: float = 120.0) -> float:
-    """A copy's deadline: `floor_s`, or twice what `state_bytes` take at a paced `rate`, plus a minute."""
-    return floor_s if rate <= 0 else max(floor_s, 2 * state_bytes / rate + 60.0)
+    """A copy's deadline: `floor_s`, or twice what `state_bytes` take at a paced `rate`, plus a minute, at most
+    `COPY_MAX_TIMEOUT_S`."""
+    return floor_s if rate <= 0 else min(COPY_MAX_TIMEOUT_S, max(floor_s, 2 * state_bytes / rate + 60.0))
 
 
 class Replicator:

@@ -118,14 +118,16 @@ def _link(src: str, dst: str, bytes_per_s: float) -> LinkMeasurement:
 
 
 def test_the_copy_rate_is_a_share_of_the_slower_measured_direction():
-    links = [_link(A, B, 100_000.0), _link(B, A, 60_000.0), _link(A, C, 1e9)]
-    assert copy_rate(links, A, B) == COPY_LINK_SHARE * 60_000.0
-    assert copy_rate(links[:1], A, B) == COPY_LINK_SHARE * 100_000.0  # the one direction measured
-    assert copy_rate(links[1:2], A, B) == COPY_LINK_SHARE * 60_000.0
+    links = [_link(A, B, 400_000.0), _link(B, A, 240_000.0), _link(A, C, 1e9)]
+    assert copy_rate(links, A, B) == COPY_LINK_SHARE * 240_000.0
+    assert copy_rate(links[:1], A, B) == COPY_LINK_SHARE * 400_000.0  # the one direction measured
+    assert copy_rate(links[1:2], A, B) == COPY_LINK_SHARE * 240_000.0
     assert copy_rate(links, C, B) == 0.0 and copy_rate(links, None, B) == 0.0  # unmeasured or unknown: unpaced
     assert copy_rate([_link(A, B, 0.0)], A, B) == 0.0
+    assert copy_rate([_link(A, B, 1.0)], A, B) == STATE_MIN_BYTES_PER_S  # a measurement that lies low: the floor
     assert copy_timeout_s(5 << 20, 0.0) == 120.0
     assert copy_timeout_s(5 << 20, 31_250.0) == pytest.approx(2 * (5 << 20) / 31_250.0 + 60.0)
+    assert copy_timeout_s(8 << 30, STATE_MIN_BYTES_PER_S) == 3600.0  # bounded whatever the state's size
 
 
 def test_a_copy_that_took_t_seconds_rests_the_next_for_a_multiple_of_t(tmp_path):
