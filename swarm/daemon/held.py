@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,6 @@ __all__ = [
     "fetch_held",
     "freshest",
     "parse_held_layers",
-    "state_items_of",
 ]
 
 log = logging.getLogger("swarm.daemon.held")
@@ -149,19 +148,6 @@ def freshest(copies: Iterable[Copy]) -> Copy | None:
     if not pool:
         return None
     return min(pool, key=lambda c: (-c.steps_done, c.peer_id))
-
-
-def state_items_of(tensors: dict[str, torch.Tensor], chunk_bytes: int | None = None) -> Iterator:
-    """GetState's stream items for named tensors (fp32 frames, as `swarm.runtime.service.state_items`), in chunks
-    of `chunk_bytes` (None: the framing's default)."""
-    from swarm.compression import CodecConfig, frame, make_codec
-    from swarm.compression.framing import DEFAULT_CHUNK_BYTES
-    from swarm.proto import stage_pb2
-
-    codec = make_codec(CodecConfig("fp32"))
-    for name, tensor in tensors.items():
-        for chunk in frame(codec.encode(tensor.float()), zstd_level=0, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES):
-            yield stage_pb2.StateItem(name=name, chunk=chunk)
 
 
 def fetch_held(channels, address: str, start: int, end: int, timeout_s: float = 120.0) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import grpc
 
-from swarm.daemon.held import HeldStore, buddy_of, parse_held_layers, state_items_of
+from swarm.daemon.held import HeldStore, buddy_of, parse_held_layers
 from swarm.peers.records import PeerAnnouncement, PlanRecord
 
 __all__ = [
@@ -57,8 +57,11 @@ class HeldServer:
         return self._stream(tensors, chunk_bytes)
 
     def _stream(self, tensors, chunk_bytes: int | None):
+        from swarm.compression.framing import DEFAULT_CHUNK_BYTES
+        from swarm.runtime.service import named_state_items
+
         try:
-            yield from state_items_of(tensors, chunk_bytes)
+            yield from named_state_items(tensors, chunk_bytes or DEFAULT_CHUNK_BYTES)
         finally:
             self._slot.release()
 

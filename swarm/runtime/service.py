@@ -50,6 +50,7 @@ __all__ = [
     "recompute_inputs",
     "recompute_reply",
     "reduce_order",
+    "named_state_items",
     "state_items",
     "step_order",
 ]
@@ -632,7 +633,13 @@ def state_items(host: StageHost, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iter
     """The stage's state as named fp32 tensors, for handing the stage over to another peer: weights
     (`model.*`), optimizer moments (`optim.*`) and the schedule's position (`meta.*`). Call holding the host's
     compute lock."""
+    return named_state_items(handover_tensors(host.worker, host.steps_done), chunk_bytes)
+
+
+def named_state_items(tensors, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[stage_pb2.StateItem]:
+    """GetState's stream items for named tensors: each an fp32 frame, in chunks of `chunk_bytes` (a stage's state,
+    or a held copy of one, `swarm.daemon.replication.HeldServer`)."""
     codec = make_codec(CodecConfig("fp32"))
-    for name, tensor in handover_tensors(host.worker, host.steps_done).items():
+    for name, tensor in tensors.items():
         for chunk in frame(codec.encode(tensor.float()), zstd_level=0, chunk_bytes=chunk_bytes):
             yield stage_pb2.StateItem(name=name, chunk=chunk)

@@ -247,10 +247,11 @@ class FakeChannels:
 def test_fetch_state_bounds_what_a_holder_sends(monkeypatch):
     from swarm.compression import WireError
     from swarm.daemon import state_fetch
-    from swarm.daemon.held import fetch_held, state_items_of
+    from swarm.daemon.held import fetch_held
+    from swarm.runtime.service import named_state_items
 
     tensors = {"model.w": torch.ones(4, 4), "meta.steps_done": torch.tensor([3.0])}
-    good = list(state_items_of(tensors))
+    good = list(named_state_items(tensors))
     channels = FakeChannels(good)
     got = fetch_held(channels, "x", 0, 1)
     assert set(got) == set(tensors) and channels.metadata == ((HELD_METADATA_KEY, "0-1"),)
