@@ -71,14 +71,15 @@ def _bench_lines(name: str, *flags: str) -> list[dict]:
 
 
 def test_soak_reports_every_process_of_the_swarm():
-    rows = _bench_lines("soak", "--quick", "--sample-every-s", "0.25")
+    # 60 steps rather than --quick's 200: what is asserted is the rows' shape, and the suite's time is CI's
+    rows = _bench_lines("soak", "--steps", "60", "--sample-every-s", "0.25")
     by = {r["process"]: r for r in rows}
     assert set(by) == {"bootstrap", "peer0", "peer1", "trainer"}
     for r in rows:
         assert r["verdict"] in ("PASS", "FAIL"), r
         assert r["rss_start_mib"] > 0 and r["rss_end_mib"] > 0, r
         assert r["threads_start"] > 0 and r["fds_start"] > 0, r
-        assert r["steps"] > 0 and r["step_end"] < 200, r
+        assert r["steps"] > 0 and r["step_end"] < 60, r
         assert r["rss_slope_mib_per_1k_steps"] is not None, r
     # each row sums a process with its children: the trainer's DHT runs in a child process of its own
     assert by["trainer"]["processes"] >= 2
