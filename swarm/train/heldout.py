@@ -7,12 +7,20 @@ and after the last, the trainer runs them forward through one live route (`Pipel
 `swarm.runtime.heldout`) and records the mean loss in the step's steps.csv row (`held_out_loss`), the
 `swarm_held_out_loss` gauge, the loss plot and the summary. An evaluation that fails (a peer died, the plan moved
 on) is logged and skipped: training goes on.
+
+An evaluation sends its windows' fp32 activations through every boundary: over a 1 Mbit/s link 48 windows took
+about 57 s, against under a second a step, so every 20 steps it held the run three quarters of its time. With
+`max_share` below 1, an evaluation that took E seconds (at least `DEFERRABLE_S`) puts the next periodic one off
+until the run has trained E (1 - share) / share seconds since, at the next multiple of `every` after that; the one
+after the last step always runs. Quicker evaluations are never put off, so on fast links the rows are every
+`every` steps as before.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,9 +29,12 @@ from swarm.metrics import Metrics
 from swarm.model.data import SampleSet
 from swarm.net.stream import PLAN_MISMATCH, StageCallError
 
-__all__ = ["HeldOut", "HeldOutPoint", "held_out_rows"]
+__all__ = ["DEFERRABLE_S", "HeldOut", "HeldOutPoint", "held_out_rows"]
 
 log = logging.getLogger("swarm.train.heldout")
+
+DEFERRABLE_S = 5.0
+"""An evaluation quicker than this never puts the next one off, whatever its share of the run."""
 
 
 def held_out_rows(batch_size: int, micro_batches: int) -> int:
@@ -49,6 +60,9 @@ class HeldOut:
         rows: windows per call.
         hidden: the model's width (the activations' last dimension).
         metrics: the trainer's registry (`held_out_loss` gauge).
+        max_share: the most of the run's time periodic evaluations may take (1: every `every` steps, whatever they
+            cost); see the module's docstring.
+        clock: seconds, for the spacing (tests give their own).
     """
 
     data: SampleSet
@@ -56,12 +70,23 @@ class HeldOut:
     rows: int
     hidden: int
     metrics: Metrics
+    max_share: float = 1.0
+    clock: Callable[[], float] = time.monotonic
     points: list[HeldOutPoint] = field(default_factory=list)
     """every successful evaluation, in order"""
     bytes: int = 0
     """serialized bytes of every evaluation's calls (not in the steps' byte counts)"""
     seconds: float = 0.0
     """wall-clock seconds spent evaluating"""
+    deferred: int = 0
+    """periodic evaluations put off to keep to `max_share`"""
+    _last: tuple[float, float] | None = field(default=None, init=False, repr=False)
+    """(when the last evaluation ended, how long it took) on `clock`"""
+    _announced: float | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_share <= 1:
+            raise ValueError(f"HeldOut: max_share must be in (0, 1], not {self.max_share}")
 
     @property
     def on(self) -> bool:
@@ -69,12 +94,46 @@ class HeldOut:
 
     def due(self, done: int, total: int) -> bool:
         """Whether to evaluate after `done` steps of `total`."""
-        return self.on and done > 0 and ((self.every > 0 and done % self.every == 0) or done >= total)
+        if not self.on or done <= 0:
+            return False
+        if done >= total:
+            return True
+        if self.every <= 0 or done % self.every:
+            return False
+        if self.wait_s() > 0:
+            ended, took = self._last
+            if self._announced != ended:  # once per evaluation that puts others off
+                self._announced = ended
+                log.info(
+                    "held-out evaluation after step %d put off: the last one took %.1f s, so the next comes after "
+                    "%.0f s of training since (at most %.0f%% of the run's time: --eval-max-share)",
+                    done, took, took * (1 - self.max_share) / self.max_share, 100 * self.max_share,
+                )  # fmt: skip
+            self.deferred += 1
+            return False
+        return True
+
+    def wait_s(self) -> float:
+        """Seconds of training still owed before the next periodic evaluation (0: none)."""
+        if self._last is None or self.max_share >= 1:
+            return 0.0
+        ended, took = self._last
+        if took < DEFERRABLE_S:
+            return 0.0
+        return max(0.0, took * (1 - self.max_share) / self.max_share - (self.clock() - ended))
 
     def run(self, driver, done: int, replan: Callable[[], object] | None = None) -> float | None:
         """Evaluates the weights after `done` steps through `driver`; the loss, or None when it failed (logged).
         `replan`: follows the newer plan the stages moved to and returns its driver; an evaluation refused as of
         an older plan (the planner republished between the step and the evaluation) runs once more on it."""
+        started = self.clock()
+        try:
+            return self._run(driver, done, replan)
+        finally:  # a failed evaluation's time counts too (it may have waited out a deadline)
+            ended = self.clock()
+            self._last = (ended, ended - started)
+
+    def _run(self, driver, done: int, replan: Callable[[], object] | None) -> float | None:
         try:
             try:
                 result = driver.evaluate(self.data, self.rows, done, self.hidden)

@@ -187,6 +187,10 @@ class TrainConfig:
     power cut loses the writes since the last fsync)"""
     eval_every: int = field(default=20, metadata=flag(group=_TRAINING))
     """steps between held-out evaluations, forward only through the stages (0: only after the last step)"""
+    eval_max_share: float = field(default=0.25, metadata=flag(group=_TRAINING))
+    """the most of the run's time periodic held-out evaluations may take: after one that took E >= 5 s, the next
+    waits for E (1 - share) / share s of training (slow links: an evaluation sends fp32 activations; 1: every
+    --eval-every steps whatever they cost; the one after the last step always runs)"""
     eval_samples: int = field(default=48, metadata=flag(group=_TRAINING))
     """held-out windows, cut from the corpus after the training ones (the ones `swarm demo` reports; 0: none)"""
     dht: DHTConfig | None = field(default=None, metadata={"flag": DHT_FLAGS})
@@ -217,6 +221,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.schedule: expected 1f1b or gpipe, got {self.schedule!r}")
         if self.eval_every < 0 or self.eval_samples < 0:
             raise ValueError("TrainConfig: eval_every and eval_samples must be >= 0")
+        if not 0 < self.eval_max_share <= 1:
+            raise ValueError(f"TrainConfig: eval_max_share must be in (0, 1], not {self.eval_max_share}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"TrainConfig.steps: expected >= 1 or None, got {self.steps}")
         if self.num_stages is not None and self.num_stages < 1:
@@ -372,7 +378,7 @@ def train(
     owned = cfg.dht is not None and cfg.dht.run is not None  # the manifest gave the stages and this trainer one length
     schedule = ScheduleWatch(total) if not owned else None
     rows = held_out_rows(cfg.batch_size, cfg.micro_batches)
-    held = HeldOut(held_out_set, cfg.eval_every, rows, model.boundary_dim, metrics)
+    held = HeldOut(held_out_set, cfg.eval_every, rows, model.boundary_dim, metrics, max_share=cfg.eval_max_share)
 
     run_identity = {"seed": cfg.seed, "batch_size": cfg.batch_size, "train_samples": cfg.train_samples}
     journal = Journal(out, run_identity, steps_per_epoch, durable_every=cfg.checkpoint_every)

@@ -3,6 +3,7 @@
 
 import csv
 import json
+import logging
 import math
 
 import pytest
@@ -178,3 +179,84 @@ def test_an_evaluation_refused_as_of_an_older_plan_runs_again_on_the_newer_one()
     # another refusal is not a plan change: skipped, and no plan is followed
     other = SimpleNamespace(evaluate=lambda *a: (_ for _ in ()).throw(StageCallError("stage 0: UNAVAILABLE")))
     assert held.run(other, 40, replan=lambda: followed.append(3) or new) is None and followed == [2]
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _timed_driver(clock: _Clock, took_s: float, fail: bool = False):
+    """A driver whose evaluation takes `took_s` on `clock` (and fails after it, with `fail`)."""
+    from types import SimpleNamespace
+
+    def evaluate(*args):
+        clock.now += took_s
+        if fail:
+            raise StageCallError("stage 1: DEADLINE_EXCEEDED")
+        return SimpleNamespace(loss=2.0, bytes=1, seconds=took_s)
+
+    return SimpleNamespace(evaluate=evaluate)
+
+
+def test_a_slow_evaluation_puts_the_next_periodic_ones_off_to_keep_its_share_and_the_last_always_runs(caplog):
+    """At 1 Mbit/s an evaluation took ~57 s against ~1 s a step: every 20 steps it held the run three quarters of
+    its time. With a share of 0.25 one that took 60 s waits for 180 s of training; the final one always runs."""
+    caplog.set_level(logging.INFO, logger="swarm.train.heldout")
+    data = SampleSet(torch.arange(4), torch.zeros(4, 9, dtype=torch.long))
+    clock = _Clock()
+    held = HeldOut(data, every=20, rows=2, hidden=32, metrics=Metrics(), max_share=0.25, clock=clock)
+    slow = _timed_driver(clock, 60.0)
+    evaluated = []
+    for done in range(1, 401):
+        clock.now += 1.0  # a step
+        if held.due(done, 400):
+            held.run(slow, done)
+            evaluated.append(done)
+    # 20 (then 180 s owed), 200 (180 steps later: the first multiple of 20 past it), 380, and the last
+    assert evaluated == [20, 200, 380, 400], evaluated
+    assert held.deferred == 8 + 8  # 40..180 and 220..360
+    assert [p.step for p in held.points] == evaluated
+    assert caplog.text.count("put off") == 2 and "after 180 s of training" in caplog.text
+    # the evaluations' share of the run's time: 4 x 60 s of 640 s (the last one included), where one every 20 steps
+    # would have been 20 x 60 s of 1,600 s
+    assert 4 * 60 / (clock.now - 100.0) == pytest.approx(0.375)
+
+
+def test_quick_evaluations_are_never_put_off_and_a_share_of_1_keeps_every_one():
+    data = SampleSet(torch.arange(4), torch.zeros(4, 9, dtype=torch.long))
+    for share, took in ((0.25, 4.9), (1.0, 60.0)):  # under DEFERRABLE_S (5 s), or no cap at all
+        clock = _Clock()
+        held = HeldOut(data, every=20, rows=2, hidden=32, metrics=Metrics(), max_share=share, clock=clock)
+        driver = _timed_driver(clock, took)
+        evaluated = []
+        for done in range(1, 101):
+            clock.now += 0.1  # quick steps: the evaluation is most of the time, yet runs every 20 steps
+            if held.due(done, 100):
+                held.run(driver, done)
+                evaluated.append(done)
+        assert evaluated == [20, 40, 60, 80, 100] and held.deferred == 0, (share, took)
+
+
+def test_a_failed_evaluations_time_counts_too():
+    """An evaluation that waited out a deadline and failed took the run's time all the same."""
+    data = SampleSet(torch.arange(4), torch.zeros(4, 9, dtype=torch.long))
+    clock = _Clock()
+    held = HeldOut(data, every=20, rows=2, hidden=32, metrics=Metrics(), max_share=0.5, clock=clock)
+    assert held.run(_timed_driver(clock, 30.0, fail=True), 20) is None and not held.points
+    clock.now += 29.0
+    assert held.wait_s() == pytest.approx(1.0) and not held.due(40, 100)
+    clock.now += 1.0
+    assert held.due(60, 100)
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5, math.nan])
+def test_an_evaluation_share_outside_0_to_1_is_refused(share):
+    with pytest.raises(ValueError, match="eval_max_share"):
+        TrainConfig(eval_max_share=share)
+    data = SampleSet(torch.arange(4), torch.zeros(4, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_share"):
+        HeldOut(data, every=20, rows=2, hidden=32, metrics=Metrics(), max_share=share)
