@@ -56,6 +56,7 @@ _TRAIN_FLAGS = Flag(
         "data",
         "freeze",
         "eval_every",
+        "eval_max_share",
         "eval_samples",
     ),
     fields={"freeze": Flag(name="--freeze", prefix="freeze-", group="freezing (PipeTransformer)")},
