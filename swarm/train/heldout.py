@@ -170,4 +170,5 @@ class HeldOut:
             "held_out_samples": len(self.data),
             "held_out_first_id": int(self.data.ids[0]) if self.on else None,
             "held_out_bytes": self.bytes,
+            "held_out_deferred": self.deferred,
         }

@@ -55,6 +55,8 @@ def _held_out(s: TrainSummary) -> list[str]:
     if s.held_out_loss is None:
         return [f"held-out:     no evaluation succeeded ({s.held_out_samples} windows)"]
     last = "" if s.held_out_step == s.steps else f", not the last step {s.steps}: its evaluation failed"
+    off = f" ({s.held_out_deferred} periodic ones put off: --eval-max-share)" if s.held_out_deferred else ""
     return [
-        f"held-out:     loss {s.held_out_loss:.3f} on {s.held_out_samples} windows after step {s.held_out_step}{last}"
+        f"held-out:     loss {s.held_out_loss:.3f} on {s.held_out_samples} windows after step {s.held_out_step}"
+        f"{last}{off}"
     ]

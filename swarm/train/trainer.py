@@ -125,6 +125,8 @@ class TrainSummary:
     """the first held-out window's sample id (they run on from it): which windows of the corpus were held out"""
     held_out_bytes: int = 0
     """bytes of the evaluations' calls, outside `total_wire_bytes`"""
+    held_out_deferred: int = 0
+    """periodic evaluations put off to keep the evaluations within `--eval-max-share` of the run's time"""
     corpus_digest: str = ""
     """SHA-256 of the corpus (`DataReport.corpus_digest`): equal where two machines read the same text"""
     windows_digest: str = ""

@@ -221,6 +221,7 @@ def test_a_slow_evaluation_puts_the_next_periodic_ones_off_to_keep_its_share_and
     assert held.deferred == 8 + 8  # 40..180 and 220..360
     assert [p.step for p in held.points] == evaluated
     assert caplog.text.count("put off") == 2 and "after 180 s of training" in caplog.text
+    assert held.summary()["held_out_deferred"] == 16  # the summary says so: swarm train logs no INFO
     # the evaluations' share of the run's time: 4 x 60 s of 640 s (the last one included), where one every 20 steps
     # would have been 20 x 60 s of 1,600 s
     assert 4 * 60 / (clock.now - 100.0) == pytest.approx(0.375)
@@ -260,3 +261,16 @@ def test_an_evaluation_share_outside_0_to_1_is_refused(share):
     data = SampleSet(torch.arange(4), torch.zeros(4, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="max_share"):
         HeldOut(data, every=20, rows=2, hidden=32, metrics=Metrics(), max_share=share)
+
+
+def test_the_summary_says_how_many_evaluations_were_put_off():
+    from swarm.train.trainer import TrainSummary
+
+    base = dict(
+        final_loss=1.0, first_loss=2.0, steps=64, wire_bytes=1, fp32_wire_bytes=1, sync_bytes=0, mean_step_s=0.9,
+        seconds=174.0, stages=2, route=["a", "b"], plan_version=2, replans=0, csv="x", plot=None,
+        held_out_loss=3.235, held_out_step=64, held_out_samples=48,
+    )  # fmt: skip
+    text = trainer.format_summary(TrainSummary(**base, held_out_deferred=2))
+    assert "loss 3.235 on 48 windows after step 64 (2 periodic ones put off: --eval-max-share)" in text
+    assert "put off" not in trainer.format_summary(TrainSummary(**base))
