@@ -100,6 +100,18 @@ def churn_swarm(tmp_path: Path):
                 return len(rows(out)) >= n
 
             wait_until("3 trained steps", lambda: trained(3), 240, procs)
+
+            def settled():
+                """The plan the DHT holds once the trainer made 3 steps on it: a plan repaired at start-up (a peer
+                stalled under load and counted silent) would otherwise send the tests after a peer it no longer
+                has (a killed peer outside the plan fails no step)."""
+                procs.check_alive()
+                record = plan_now(dht)
+                if record is None:
+                    return None
+                return record if sum(int(r["plan_version"]) == record.version for r in rows(out)) >= 3 else None
+
+            wait_until("3 steps on the plan the DHT holds", settled, 240, procs)
             yield procs, dht, out, trained
 
 
