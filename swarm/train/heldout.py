@@ -107,7 +107,7 @@ class HeldOut:
                 log.info(
                     "held-out evaluation after step %d put off: the last one took %.1f s, so the next comes after "
                     "%.0f s of training since (at most %.0f%% of the run's time: --eval-max-share)",
-                    done, took, took * (1 - self.max_share) / self.max_share, 100 * self.max_share,
+                    done, took, self._owed(took), 100 * self.max_share,
                 )  # fmt: skip
             self.deferred += 1
             return False
@@ -120,7 +120,11 @@ class HeldOut:
         ended, took = self._last
         if took < DEFERRABLE_S:
             return 0.0
-        return max(0.0, took * (1 - self.max_share) / self.max_share - (self.clock() - ended))
+        return max(0.0, self._owed(took) - (self.clock() - ended))
+
+    def _owed(self, took: float) -> float:
+        """Seconds of training an evaluation that took `took` seconds owes the run before the next one."""
+        return took * (1 - self.max_share) / self.max_share
 
     def run(self, driver, done: int, replan: Callable[[], object] | None = None) -> float | None:
         """Evaluates the weights after `done` steps through `driver`; the loss, or None when it failed (logged).
