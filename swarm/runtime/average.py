@@ -32,6 +32,7 @@ replicas, then the last stage's), so every copy of the weight gets the same bits
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from dataclasses import replace
@@ -141,6 +142,10 @@ def _most(tied: bool) -> int:
     return 2 * MAX_GROUP if tied else MAX_GROUP
 
 
+OWN_NORMS = 16
+"""Steps of a member's own message norms its out-of-proportion rule takes the largest of."""
+
+
 class _Group:
     """One kind of sum a host takes part in (its stage's replicas, or the tied group): the committed residual,
     the open step's pending one, the messages received for the open step and the step already summed."""
@@ -155,6 +160,9 @@ class _Group:
         self.reduced: int | None = None
         self.warm: torch.Tensor | None = None  # a lowrank encoder's warm start: any value is valid
         self.pending_warm: torch.Tensor | None = None  # the open step's: kept at commit, so a retry starts alike
+        self.own_norms: dict[int, float] = {}
+        """step -> the norm of this member's own message for it, for the last `OWN_NORMS` steps it summed (a rerun of
+        a step replaces its entry): the reference of the out-of-proportion rule (`GradientAverager.reference_norm`)"""
 
     def drop(self) -> None:
         self.pending, self.inbox, self.inbox_step, self.reduced = None, {}, None, None
@@ -184,9 +192,12 @@ class GradientAverager:
     without (one seed each, docs/REPLICAS.md); 8-bit sums were never measured with it, so they stay as they were. A
     class attribute."""
     max_norm_ratio = 64.0
-    """A member's decoded message may be at most this many times this member's own message's norm: a larger one (a
-    liar's huge residual, a corrupted sender) is refused by name before anything is summed. Honest replicas'
-    messages differ by their share of the batch and their residuals' ages, a few times at most."""
+    """A member's decoded message may be at most this many times this member's reference norm (`reference_norm`:
+    the largest of its own messages' norms over its last `OWN_NORMS` sums): a larger one (a liar's huge residual,
+    a corrupted sender) is refused by name before anything is summed. Honest replicas' messages differ by their
+    share of the batch and their residuals' ages; once a model has memorized its data they differ by 100x from
+    one step to the next (a micro-batch the model already fits has a near-zero gradient), which is why the
+    reference is this member's recent largest and not its message of the step."""
     tied_min_bits = 4
     """The same floor for the tied embedding's gradient, whose error feedback carries across steps: in the
     convergence run (acsgd2+ch forward, gradq2+ef+rot+nr+cs backward) 4 bits gave +0.76% held-out vs fp32 at
@@ -221,6 +232,7 @@ class GradientAverager:
             for key, config in ((False, average), (True, tied)):
                 if config != self.codecs[key]:
                     self.codecs[key], self.groups[key].residual = config, None
+                    self.groups[key].own_norms.clear()  # norms in another codec's units (preconditioned or not)
 
     numel = property(lambda self: self.groups[False].numel, doc="Elements of the stage sum: trained parameters'.")
     residual = property(lambda self: self.groups[False].residual, doc="Stage error feedback (committed).")
@@ -477,16 +489,31 @@ class GradientAverager:
                 raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, f"member {peers[i]} sent {list(part.shape)}")
             parts.append(part)
         own = float(parts[me].norm())
+        reference = self.reference_norm(tied, step, own)
         for i, part in enumerate(parts if not tied else ()):  # the tied group's ends differ by nature (embedding, head)
             norm = float(part.norm())
-            if own > 0 and not norm <= self.max_norm_ratio * own:
+            if reference > 0 and not norm <= self.max_norm_ratio * reference:
                 raise CallRefused(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"member {peers[i]}'s {what} for step {step} have norm {norm:.3g}, more than "
-                    f"{self.max_norm_ratio:g}x this member's {own:.3g}: refused, nothing summed "
+                    f"{self.max_norm_ratio:g}x this member's {reference:.3g} (its largest over its last "
+                    f"{len(self.groups[tied].own_norms)} sums; {own:.3g} now): refused, nothing summed "
                     f"{proportion_tag(peers[i])}",
                 )
         return parts
+
+    def reference_norm(self, tied: bool, step: int, own: float) -> float:
+        """Records `own`, the norm of this member's message for `step`, and returns the largest of its last
+        `OWN_NORMS` (this one included): what another member's message is held to. Its own messages only, so no
+        other member moves it (a liar accepted at 64x it every step would otherwise ramp it up); the largest, so an
+        honest sibling's gradients are not refused because this member's micro-batches of the step happened to
+        be ones the model fits already (two honest peers were evicted so in a suite run, 0.289 against 0.00282)."""
+        norms = self.groups[tied].own_norms
+        norms.pop(step, None)
+        norms[step] = own if math.isfinite(own) else 0.0  # never a reference that admits anything
+        while len(norms) > OWN_NORMS:
+            del norms[next(iter(norms))]
+        return max(norms.values())
 
     def _check_still_open(self, request: ReduceOrder, group: _Group) -> None:
         """Refuses to commit a sum (compute lock and `_arrived` held) unless its attempt of the step is still the
