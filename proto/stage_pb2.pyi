@@ -256,18 +256,20 @@ class ReduceRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., group_peers: _Optional[_Iterable[str]] = ..., group_addresses: _Optional[_Iterable[str]] = ..., deadline_s: _Optional[float] = ..., tied_peers: _Optional[_Iterable[str]] = ..., tied_addresses: _Optional[_Iterable[str]] = ..., attempt_id: _Optional[int] = ...) -> None: ...
 
 class ReduceReply(_message.Message):
-    __slots__ = ("wire_bytes", "fp32_wire_bytes", "group_size", "tied_wire_bytes", "tied_fp32_wire_bytes")
+    __slots__ = ("wire_bytes", "fp32_wire_bytes", "group_size", "tied_wire_bytes", "tied_fp32_wire_bytes", "grads")
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FP32_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIED_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIED_FP32_WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
     wire_bytes: int
     fp32_wire_bytes: int
     group_size: int
     tied_wire_bytes: int
     tied_fp32_wire_bytes: int
-    def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., tied_wire_bytes: _Optional[int] = ..., tied_fp32_wire_bytes: _Optional[int] = ...) -> None: ...
+    grads: GradReply
+    def __init__(self, wire_bytes: _Optional[int] = ..., fp32_wire_bytes: _Optional[int] = ..., group_size: _Optional[int] = ..., tied_wire_bytes: _Optional[int] = ..., tied_fp32_wire_bytes: _Optional[int] = ..., grads: _Optional[_Union[GradReply, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("stage", "plan_version", "max_bytes_per_s")

@@ -3,7 +3,7 @@ experiment's app-shaped cell, fp32) whose trainer runs its steps alternately wit
 on (even steps), so that a loaded machine's drift falls on both alike, and PyTorch's own pipeline
 (`torch_baseline`, loopback, unshaped) beside it.
 
-    python scripts/measure_step_overhead.py --rates none,100 --steps 40 [--json]
+    python scripts/measure_step_overhead.py --rates none,100 --steps 40 [--change grads-in-reduce] [--json]
 
 Prints, per rate and mode, the mean and median step time after the first epoch and the ratio of the modes'
 medians. A mode sets `PipelineDriver` switches that exist only to measure what a change saves; the trainer runs
@@ -23,10 +23,12 @@ from pathlib import Path
 from swarm.experiments.throttled import Cell, ThrottledConfig, _rates, _run_cell
 from swarm.runtime.driver import PipelineDriver
 
-MODES = {
-    "before": {"backward_early": False},
-    "after": {"backward_early": True},
+CHANGES = {
+    "backward-early": "backward_early",  # the Backward start sent with the Forward (1F1B)
+    "grads-in-reduce": "grads_in_reduce",  # the gradient reports in the Reduce replies: no Grads round trip
 }
+"""--change: the `PipelineDriver` switch a run measures, off in mode "before", on in "after"."""
+MODES = {"before": {}, "after": {}}
 
 
 def _alternate() -> None:
@@ -49,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-torch", action="store_true", help="leave out PyTorch's loopback pipeline")
     parser.add_argument("--out", type=Path, default=None, help="output folder (none: runs/overhead-<time>)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--change", choices=sorted(CHANGES), default="backward-early", help="what to measure")
     args = parser.parse_args(argv)
+    MODES["before"], MODES["after"] = {CHANGES[args.change]: False}, {CHANGES[args.change]: True}
     out = args.out or Path(f"runs/overhead-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = ThrottledConfig(rates=_rates(args.rates), settings=(args.setting,), steps=args.steps)
     per_epoch = cfg.train_samples // cfg.batch_size
@@ -61,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                  for mode in MODES}  # fmt: skip
         for mode, values in times.items():
             mean, median = statistics.mean(values), statistics.median(values)
-            rows.append({"rate_mbit": rate, "mode": mode, "setting": args.setting, "steps": len(values),
-                         "mean_step_s": mean, "median_step_s": median})  # fmt: skip
+            rows.append({"rate_mbit": rate, "mode": mode, "change": args.change, "setting": args.setting,
+                         "steps": len(values), "mean_step_s": mean, "median_step_s": median})  # fmt: skip
         ratio = statistics.median(times["after"]) / statistics.median(times["before"])
         rows.append({"rate_mbit": rate, "mode": "after/before", "setting": args.setting, "median_ratio": ratio})
         print(f"{rate}: after/before {ratio:.3f}", file=sys.stderr, flush=True)

@@ -125,6 +125,10 @@ class PipelineDriver:
     """Send each micro-batch's Backward start with its Forward where the last stage runs it right after that forward
     (1F1B; the stage holds it until its turn); False: after the Forward's reply, as before (only to measure what it
     saves: `scripts/measure_step_overhead.py`)."""
+    grads_in_reduce = True
+    """Take each stage's gradient report from its Reduce reply (`ReduceReply.grads`): every replica of every stage is
+    asked Reduce, a group of one too, and no Grads round trip follows; False: Reduce only where there is something
+    to sum, then Grads everywhere, as before (only to measure what it saves: `scripts/measure_step_overhead.py`)."""
 
     def __init__(
         self,
@@ -194,6 +198,8 @@ class PipelineDriver:
         """bytes of the driver's calls (requests and replies, serialized) since the step began"""
         self._all = Traffic()
         """every attempt's stage-reported bytes since the step began (failed attempts included)"""
+        self._reported: dict[tuple[int, int], stage_pb2.GradReply] = {}
+        """(stage, replica) -> the gradient report its Reduce reply carried this attempt (`grads_in_reduce`)"""
         self.loss_scale = 0.0
         """the loss scale every stage holds for the next step, as their Grads and Step replies said (0: not
         heard yet); named in every call, so a stage holding another refuses (swarm.runtime.precision)"""
@@ -480,15 +486,17 @@ class PipelineDriver:
         bytes under direction "average"; with 2+ stages of a model that ties its embedding and head (`tied`), the
         end stages' replicas also sum the tied gradient (their tied group: stage 0's replicas, then the last
         stage's), bytes under ("tied", "tied"). A stage whose routes share one replica has nothing to sum (an
-        end stage of a tied model still joins the tied group)."""
+        end stage of a tied model still joins the tied group); it is asked all the same (`grads_in_reduce`),
+        for the report of its gradients every reply carries (`_reported`, read by `_grads`)."""
         traffic = Traffic()
         tasks = []
         last = self.n_stages - 1
         ends = (0, last) if last > 0 and self.tied else ()
         tied = [(s, r) for s in ends for r in self._replicas(s, routes)]
+        self._reported = {}
         for s in range(self.n_stages):
             replicas = self._replicas(s, routes)
-            if len(replicas) < 2 and s not in ends:
+            if len(replicas) < 2 and s not in ends and not self.grads_in_reduce:
                 continue  # a group of one: nothing to sum
             request = stage_pb2.ReduceRequest(
                 step=step,
@@ -504,10 +512,12 @@ class PipelineDriver:
                 request.tied_addresses.extend(self.replica_addresses[t][r] for t, r in tied)
             group = tuple(request.group_peers) + tuple(request.tied_peers)
             for r in replicas:
-                tasks.append((s, self._spawn(lambda s=s, r=r, q=request: self._call(s, r, "Reduce", q), group)))
-        gather([t for _, t in tasks], wake, self.dead, self.deadline_s)
-        for s, (future, _) in tasks:
+                tasks.append((s, r, self._spawn(lambda s=s, r=r, q=request: self._call(s, r, "Reduce", q), group)))
+        gather([t for _, _, t in tasks], wake, self.dead, self.deadline_s)
+        for s, r, (future, _) in tasks:
             reply = future.result()
+            if self.grads_in_reduce and reply.HasField("grads"):
+                self._reported[(s, r)] = reply.grads
             if reply.wire_bytes or reply.fp32_wire_bytes:
                 traffic.sent[(s, "average")] = traffic.sent.get((s, "average"), 0) + reply.wire_bytes
             traffic.fp32_wire_bytes += reply.fp32_wire_bytes
@@ -518,16 +528,20 @@ class PipelineDriver:
         return traffic
 
     def _grads(self, step: int, routes: list[Route], wake: threading.Event) -> float:
-        """The global gradient norm (stage 0 counts the tied group's sum in its own, the last stage not)."""
+        """The global gradient norm (stage 0 counts the tied group's sum in its own, the last stage not), from the
+        reports the step's Reduce replies carried; a replica whose reply had none is asked Grads."""
         request = stage_pb2.StepRequest(step=step)
         groups = [self._replicas(s, routes) for s in range(self.n_stages)]
+        reported = self._reported
         tasks = {
             (s, r): self._spawn(lambda s=s, r=r: self._call(s, r, "Grads", request), (self.replica_peers[s][r],))
             for s, group in enumerate(groups)
             for r in group
+            if (s, r) not in reported
         }
         gather(list(tasks.values()), wake, self.dead, self.deadline_s)
-        grads = {key: from_wire(GradReport, future.result()) for key, (future, _) in tasks.items()}
+        replies = {**reported, **{key: future.result() for key, (future, _) in tasks.items()}}
+        grads = {(s, r): from_wire(GradReport, replies[(s, r)]) for s, group in enumerate(groups) for r in group}
         try:
             # every number is checked before any is used: a lie raises Implausible (the step is then skipped), or
             # a sibling replica's reply stands in for the liar's (the step goes on)

@@ -282,7 +282,8 @@ class FreezePolicy:
 
 class FreezingDriver(PipelineDriver):
     """A `PipelineDriver` whose trainer runs a `FreezePolicy`: it reads each stage's per-block gradient norms
-    from the Grads replies and sends the decision in every Step (`StepRequest.frozen_layers`)."""
+    from the Reduce replies (Grads where one carried none) and sends the decision in every Step
+    (`StepRequest.frozen_layers`)."""
 
     def __init__(self, *args, policy: FreezePolicy, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -293,12 +294,16 @@ class FreezingDriver(PipelineDriver):
         if method == "Step" and not request.abandon:
             request.frozen_layers = self.policy.frozen
         reply = super()._call(stage, replica, method, request, timeout)
-        if method == "Grads" and len(reply.layer_sq_norms) <= MAX_LAYER_NORMS:
-            self._norms.setdefault(stage, list(reply.layer_sq_norms))  # replicas hold the same reduced gradients
+        report = reply.grads if method == "Reduce" and reply.HasField("grads") else reply if method == "Grads" else None
+        if report is not None and len(report.layer_sq_norms) <= MAX_LAYER_NORMS:
+            self._norms.setdefault(stage, list(report.layer_sq_norms))  # replicas hold the same reduced gradients
         return reply
 
+    def _reduce(self, step, routes, wake):
+        self._norms = {}  # the attempt's reports: from its Reduce replies, or Grads where one carried none
+        return super()._reduce(step, routes, wake)
+
     def _grads(self, step, routes, wake) -> float:
-        self._norms = {}
         norm = super()._grads(step, routes, wake)
         if math.isfinite(norm) and sorted(self._norms) == list(range(self.n_stages)):
             self.policy.observe(step, [v for s in range(self.n_stages) for v in self._norms[s]])

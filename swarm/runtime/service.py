@@ -466,9 +466,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         def run():
             # a failed attempt's Reduce may still be ending (it waits on peers that the abandon releases): the
             # rerun's waits for it a while instead of failing the step (only the plan's trainer may call Reduce)
+            host = self._serving()
             with self._reduce_slots.take(wait_s=REDUCE_SLOT_WAIT_S):
-                report = self._serving().averager.reduce(order, keyed_by_peer=self.verifier is not None)
-            return stage_pb2.ReduceReply(**asdict(report))
+                report = host.averager.reduce(order, keyed_by_peer=self.verifier is not None)
+            # the gradients after the sums, as Grads would report them next: one round trip fewer a step
+            return stage_pb2.ReduceReply(**asdict(report), grads=stage_pb2.GradReply(**asdict(host.grads())))
 
         return self._guard(context, run)
 

@@ -17,7 +17,8 @@ torch.set_num_threads(1)
 
 
 class _LyingNorm:
-    """Wraps a servicer: its Grads replies report `sq` as the squared gradient norm (from step `after` on)."""
+    """Wraps a servicer: its gradient reports (a Reduce reply's, a Grads reply's) say `sq` is the squared gradient
+    norm (from step `after` on)."""
 
     def __init__(self, target, sq: float, after: int = 0):
         self.target, self.sq, self.after = target, sq, after
@@ -29,6 +30,12 @@ class _LyingNorm:
         reply = self.target.Grads(request, context)
         if request.step >= self.after:
             reply.grad_sq_norm = self.sq
+        return reply
+
+    def Reduce(self, request, context):
+        reply = self.target.Reduce(request, context)
+        if request.step >= self.after:
+            reply.grads.grad_sq_norm = self.sq
         return reply
 
 
@@ -312,8 +319,9 @@ def test_link_watch_accepts_a_link_growing_30x_over_a_few_steps_as_the_warm_up_e
 
 
 class _Flaky:
-    """Wraps a servicer: its first Grads of each step before `until` fails as a call on a loaded machine times
-    out, so the driver runs that step again (a second forward on every replica of the step's routes)."""
+    """Wraps a servicer: the reply of its first Reduce of each step before `until` is lost as a call on a loaded
+    machine times out (the sum ran), so the driver runs that step again (a second forward on every replica of the
+    step's routes)."""
 
     def __init__(self, target, until: int):
         self.target, self.until, self.failed = target, until, set()
@@ -321,13 +329,14 @@ class _Flaky:
     def __getattr__(self, name):
         return getattr(self.target, name)
 
-    def Grads(self, request, context):
+    def Reduce(self, request, context):
         import grpc
 
+        reply = self.target.Reduce(request, context)
         if request.step < self.until and request.step not in self.failed:
             self.failed.add(request.step)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply in time (a loaded machine)")
-        return self.target.Grads(request, context)
+        return reply
 
 
 @pytest.mark.parametrize("reruns", [False, True])

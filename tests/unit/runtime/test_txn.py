@@ -30,10 +30,11 @@ STEPS = ((0, 0), (1, 16), (2, 0))
 
 class _FailOnce:
     """Wraps a servicer: its `nth` call of `method` (1-based, over the run) fails once with UNAVAILABLE, after
-    the calls before it went through (both ends of their links wrote their buffers)."""
+    the calls before it went through (both ends of their links wrote their buffers); `ran`: the call itself runs
+    first and only its reply is lost."""
 
-    def __init__(self, target, method: str, nth: int):
-        self.target, self.method, self.nth, self.calls = target, method, nth, 0
+    def __init__(self, target, method: str, nth: int, ran: bool = False):
+        self.target, self.method, self.nth, self.calls, self.ran = target, method, nth, 0, ran
 
     def __getattr__(self, name):
         if name != self.method:
@@ -43,6 +44,8 @@ class _FailOnce:
             return getattr(self.target, name)
 
         def fail(request, context):
+            if self.ran:
+                getattr(self.target, name)(request, context)
             context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (injected, once)")
 
         return fail
@@ -101,8 +104,8 @@ def _tied_run(fail: bool):
     try:
         for host in pipe.hosts:
             host.averager.set_codecs(None, CodecConfig.parse("lowrank4+ef"))
-        if fail:  # step 1's Grads, after its Reduce encoded the tied sum from the warm start
-            pipe.switches[1][0].target = _FailOnce(pipe.switches[1][0].target, "Grads", 2)
+        if fail:  # step 1's Reduce reply is lost, after it encoded the tied sum from the warm start
+            pipe.switches[1][0].target = _FailOnce(pipe.switches[1][0].target, "Reduce", 2, ran=True)
         results = [pipe.train_step(batch(seed=s, first_id=i), 4) for s, i in STEPS]
         return [r.loss for r in results], [r.attempts for r in results], weights(pipe)
     finally:

@@ -81,13 +81,12 @@ def test_uneven_replicas_train_like_one_pipeline(counts, schedule):
             per_replica = [[n - b for n, b in zip(*rows, strict=True)] for rows in zip(now, before, strict=True)]
             assert all(1 <= n <= StageBudget().max_micro_batches for row in per_replica for n in row), per_replica
             assert [sum(row) for row in per_replica] == [sum(per_replica[0])] * n_stages  # every micro-batch once
-        # a replica shared by several routes got ONE Reduce, Grads and Step per step, not one per route
+        # a replica shared by several routes got ONE Reduce and Step per step, not one per route; a stage alone
+        # too (its Reduce reply carries its gradient report), and no Grads: the Reduce replies said it all
         for s, c in enumerate(counts):
             for rep in range(c):
-                assert seen[(s, rep, "Grads")] == 3 and seen[(s, rep, "Step")] == 3, (s, rep, seen)
-                # an end stage's replica joins the tied group's sum even when alone in its stage
-                joins = c > 1 or s in (0, n_stages - 1)
-                assert seen[(s, rep, "Reduce")] == (3 if joins else 0), (s, rep, seen)
+                assert seen[(s, rep, "Reduce")] == 3 and seen[(s, rep, "Step")] == 3, (s, rep, seen)
+                assert seen[(s, rep, "Grads")] == 0, (s, rep, seen)
         ref = weights(one)
         for s, c in enumerate(counts):
             for rep in range(c):
@@ -248,6 +247,38 @@ def test_uneven_1f1b_that_would_deadlock_runs_the_step_as_gpipe():
         assert r.attempts == 1 and r.routes == 6 and sorted(r.sample_ids) == b.sample_ids.tolist()
         assert r.loss == pytest.approx(a.loss, abs=1e-5)
         assert all(len(d) == 1 for d in digests(many))
+    finally:
+        one.close()
+        many.close()
+
+
+class _NoReport(_Count):
+    """A peer whose Reduce replies carry no gradient report (`ReduceReply.grads` unset), as an older one's."""
+
+    def __getattr__(self, name):
+        attr = super().__getattr__(name)
+        if name != "Reduce":
+            return attr
+
+        def bare(request, context):
+            reply = attr(request, context)
+            reply.ClearField("grads")
+            return reply
+
+        return bare
+
+
+def test_a_replica_whose_reduce_reply_has_no_gradient_report_is_asked_grads_and_trains_alike():
+    one = LocalPipeline(CFG, 2, FP32, FP32)
+    many = LocalPipeline(CFG, 2, FP32, FP32, replicas=(1, 2))
+    seen: Counter = Counter()
+    many.switches[1][1].target = _NoReport(many.switches[1][1].target, seen, (1, 1))
+    try:
+        for step in range(2):
+            a, r = one.train_step(batch(seed=step), n_micro=4), many.train_step(batch(seed=step), n_micro=4)
+            assert r.attempts == 1 and r.loss == pytest.approx(a.loss, abs=1e-5)
+            assert r.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
+        assert seen[(1, 1, "Reduce")] == 2 and seen[(1, 1, "Grads")] == 2  # asked Grads, once a step
     finally:
         one.close()
         many.close()
