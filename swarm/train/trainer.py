@@ -261,6 +261,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_flags().add_to(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument("--save-model", metavar="DIR", help="at the end, write the model as a Hugging Face directory")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="what swarm's modules log (to stderr, above the progress bar); INFO adds re-plans, deferred held-out "
+        "evaluations and the like (default: WARNING)",
+    )
+
+
+def configure_logging(level: str) -> None:
+    """`swarm train`'s log lines: swarm's modules at `level` and up (hivemind's from WARNING), timestamped, on
+    stderr; `train` prints them above its progress bar."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -312,6 +327,7 @@ def train(
     bans across re-plans; None: a fresh one.
     """
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from swarm.daemon.nat import announced_dial
     from swarm.model.data import DataConfig, build_datasets, epoch_batches
@@ -399,7 +415,10 @@ def train(
     step = settled.next_step
     ended = False
     try:
-        with tqdm(total=total, desc="training", unit="step", disable=quiet, file=sys.stderr) as bar:
+        with (
+            logging_redirect_tqdm(),  # log lines print above the bar, not through it
+            tqdm(total=total, desc="training", unit="step", disable=quiet, file=sys.stderr) as bar,
+        ):
             epoch, skip = divmod(step, steps_per_epoch)
             bar.update(step)
             while step < total and not (stop is not None and stop.is_set()):
@@ -560,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    configure_logging(getattr(args, "log_level", "WARNING"))
     say = lambda line: print(line, file=sys.stderr)
     metrics = Metrics()
     auth = PeerAuth.load(cfg.dht)  # the trainer's calls are signed with its DHT key: stages know it by its id
