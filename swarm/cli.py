@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 # command path -> (module, one-line help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -107,7 +109,31 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[path][0])
     module.add_arguments(leaves[path])
     args = parser.parse_args(argv)
-    return int(module.run(args) or 0)
+    unwind_on_sigterm()
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        signum = _TERMINATED[0] or signal.SIGINT
+        print(f"swarm {' '.join(path)}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+
+
+_TERMINATED: list[int] = [0]
+"""The signal `unwind_on_sigterm`'s handler took (0: none)."""
+
+
+def _unwind(signum: int, _frame) -> None:
+    _TERMINATED[0] = signum
+    raise KeyboardInterrupt
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a supervisor, CI's timeout) unwinds the main thread as Ctrl-C does, so every `with` that
+    started processes, namespaces or a DHT reaps them; Python's default ends the process on the spot and left an
+    experiment's whole swarm (bootstrap, peers, their p2pd) running. A command that sets its own handler later
+    (the testbed, the soak) keeps it."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _unwind)
 
 
 if __name__ == "__main__":
