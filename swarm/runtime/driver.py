@@ -126,9 +126,9 @@ class PipelineDriver:
     (1F1B; the stage holds it until its turn); False: after the Forward's reply, as before (only to measure what it
     saves: `scripts/measure_step_overhead.py`)."""
     grads_in_reduce = True
-    """Take each stage's gradient report from its Reduce reply (`ReduceReply.grads`): every replica of every stage is
-    asked Reduce, a group of one too, and no Grads round trip follows; False: Reduce only where there is something
-    to sum, then Grads everywhere, as before (only to measure what it saves: `scripts/measure_step_overhead.py`)."""
+    """Take each stage's gradient report from its Reduce reply (`ReduceReply.grads`), and a stage with nothing to
+    sum is asked Grads beside the Reduces: no Grads round trip follows the sums; False: Grads everywhere after the
+    Reduces, as before (only to measure what it saves: `scripts/measure_step_overhead.py`)."""
 
     def __init__(
         self,
@@ -486,18 +486,25 @@ class PipelineDriver:
         bytes under direction "average"; with 2+ stages of a model that ties its embedding and head (`tied`), the
         end stages' replicas also sum the tied gradient (their tied group: stage 0's replicas, then the last
         stage's), bytes under ("tied", "tied"). A stage whose routes share one replica has nothing to sum (an
-        end stage of a tied model still joins the tied group); it is asked all the same (`grads_in_reduce`),
-        for the report of its gradients every reply carries (`_reported`, read by `_grads`)."""
+        end stage of a tied model still joins the tied group). Every Reduce reply carries the replica's gradient
+        report (`_reported`, read by `_grads`); a stage with nothing to sum is asked Grads in the same round
+        (`grads_in_reduce`; not Reduce, whose one slot a failed attempt's sum may still hold: a rerun's lone middle
+        stage then refused "1 Reduce calls are being served already" and cost an attempt)."""
         traffic = Traffic()
         tasks = []
         last = self.n_stages - 1
         ends = (0, last) if last > 0 and self.tied else ()
         tied = [(s, r) for s in ends for r in self._replicas(s, routes)]
         self._reported = {}
+        alone = []  # (stage, replica, Grads call) of the stages with nothing to sum
         for s in range(self.n_stages):
             replicas = self._replicas(s, routes)
-            if len(replicas) < 2 and s not in ends and not self.grads_in_reduce:
-                continue  # a group of one: nothing to sum
+            if len(replicas) < 2 and s not in ends:  # a group of one: nothing to sum
+                if self.grads_in_reduce:
+                    grads = stage_pb2.StepRequest(step=step)
+                    call = lambda s=s, r=replicas[0], q=grads: self._call(s, r, "Grads", q)  # noqa: E731
+                    alone.append((s, replicas[0], self._spawn(call, (self.replica_peers[s][replicas[0]],))))
+                continue
             request = stage_pb2.ReduceRequest(
                 step=step,
                 plan_version=self.plan_version,
@@ -513,7 +520,8 @@ class PipelineDriver:
             group = tuple(request.group_peers) + tuple(request.tied_peers)
             for r in replicas:
                 tasks.append((s, r, self._spawn(lambda s=s, r=r, q=request: self._call(s, r, "Reduce", q), group)))
-        gather([t for _, _, t in tasks], wake, self.dead, self.deadline_s)
+        gather([t for _, _, t in tasks + alone], wake, self.dead, self.deadline_s)
+        self._reported.update({(s, r): future.result() for s, r, (future, _) in alone})
         for s, r, (future, _) in tasks:
             reply = future.result()
             if self.grads_in_reduce and reply.HasField("grads"):
@@ -529,7 +537,7 @@ class PipelineDriver:
 
     def _grads(self, step: int, routes: list[Route], wake: threading.Event) -> float:
         """The global gradient norm (stage 0 counts the tied group's sum in its own, the last stage not), from the
-        reports the step's Reduce replies carried; a replica whose reply had none is asked Grads."""
+        reports the Reduce round took (`_reported`); a replica it has none of is asked Grads now."""
         request = stage_pb2.StepRequest(step=step)
         groups = [self._replicas(s, routes) for s in range(self.n_stages)]
         reported = self._reported

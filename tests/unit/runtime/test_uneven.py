@@ -81,8 +81,9 @@ def test_uneven_replicas_train_like_one_pipeline(counts, schedule):
             per_replica = [[n - b for n, b in zip(*rows, strict=True)] for rows in zip(now, before, strict=True)]
             assert all(1 <= n <= StageBudget().max_micro_batches for row in per_replica for n in row), per_replica
             assert [sum(row) for row in per_replica] == [sum(per_replica[0])] * n_stages  # every micro-batch once
-        # a replica shared by several routes got ONE Reduce and Step per step, not one per route; a stage alone
-        # too (its Reduce reply carries its gradient report), and no Grads: the Reduce replies said it all
+        # a replica shared by several routes got ONE Reduce and Step per step, not one per route (an end stage's
+        # replica joins the tied group's sum even when alone in its stage), and no Grads: the Reduce replies carry
+        # every gradient report
         for s, c in enumerate(counts):
             for rep in range(c):
                 assert seen[(s, rep, "Reduce")] == 3 and seen[(s, rep, "Step")] == 3, (s, rep, seen)
@@ -279,6 +280,26 @@ def test_a_replica_whose_reduce_reply_has_no_gradient_report_is_asked_grads_and_
             assert r.attempts == 1 and r.loss == pytest.approx(a.loss, abs=1e-5)
             assert r.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
         assert seen[(1, 1, "Reduce")] == 2 and seen[(1, 1, "Grads")] == 2  # asked Grads, once a step
+    finally:
+        one.close()
+        many.close()
+
+
+def test_a_lone_middle_stage_is_asked_grads_beside_the_reduces_never_reduce():
+    """Nothing to sum there: it gets Grads in the Reduce round, not a Reduce as a group of one, whose one slot a
+    failed attempt's sum may still hold (a rerun after an eviction then refused "1 Reduce calls are being served
+    already" and cost an attempt); the others' reports come in their Reduce replies."""
+    one = LocalPipeline(CFG, 3, FP32, FP32)
+    many = LocalPipeline(CFG, 3, FP32, FP32, replicas=(2, 1, 2))
+    seen = _counting(many)
+    try:
+        for step in range(2):
+            a, r = one.train_step(batch(seed=step), n_micro=4), many.train_step(batch(seed=step), n_micro=4)
+            assert r.attempts == 1 and r.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
+        assert seen[(1, 0, "Reduce")] == 0 and seen[(1, 0, "Grads")] == 2, seen
+        for s in (0, 2):
+            for rep in range(2):
+                assert seen[(s, rep, "Reduce")] == 2 and seen[(s, rep, "Grads")] == 0, (s, rep, seen)
     finally:
         one.close()
         many.close()
