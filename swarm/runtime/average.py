@@ -422,7 +422,7 @@ class GradientAverager:
         )
         sent, unsent = self._send_all(info, msg, config, peers, addresses, me, end)
         keys = [(p if keyed_by_peer else f"#{i}") for i, p in enumerate(peers)]
-        received = self._wait(request.step, tied, keys, peers, me, end, unsent)
+        received = self._wait(request.step, tied, keys, peers, me, end, unsent, request.attempt_id)
         parts = self._decode_all(request.step, tied, msg, received, keys, peers, me, config)
         # every member adds the same decoded messages in the same (group) order: bit-identical sums
         total = torch.zeros(group.numel)
@@ -621,9 +621,13 @@ class GradientAverager:
             raise errors[0]
         return sent, [peers[i] for i in range(len(peers)) if i != me and not done[i]]
 
-    def _wait(self, step: int, tied: bool, keys, peers, me: int, end: float, unsent: list[str]):
+    def _wait(self, step: int, tied: bool, keys, peers, me: int, end: float, unsent: list[str], attempt_id: int = 0):
         """The other members' messages of `step`, once all are in and this member's reached every other
-        (`unsent`: those it did not reach by `end`); else DEADLINE_EXCEEDED naming the members missing either way."""
+        (`unsent`: those it did not reach by `end`); else DEADLINE_EXCEEDED naming the members missing either way,
+        or ABORTED once the trainer abandoned this attempt (`attempt_id`) of the step. The abandon's wake-up comes
+        before the step is closed, and the trainer's next attempt may open the same step again before this thread
+        runs: judged by the open step alone, the wait then went on to its deadline, holding the stage's one Reduce
+        slot, and the next attempt's Reduce was refused as busy (a suite run of test_verify, one attempt lost)."""
         group = self.groups[tied]
         with self._arrived:
             while True:
@@ -631,6 +635,8 @@ class GradientAverager:
                 missing = [peers[i] for i, k in enumerate(keys) if i != me and k not in have]
                 if not missing and not unsent:
                     return dict(have)
+                if self.host.ledger.was_abandoned(step, attempt_id):
+                    raise CallRefused(grpc.StatusCode.ABORTED, f"step {step} ended while it was being reduced")
                 left = end - time.monotonic()
                 if left <= 0 or self.host.open_step != step or not missing:  # unsent: past `end` already
                     raise self._late(step, tied, missing, unsent)

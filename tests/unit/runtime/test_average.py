@@ -405,3 +405,27 @@ def test_a_members_accepted_messages_never_raise_the_bound_its_sibling_holds_it_
     assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert pipe.peers[1] in result.details() and "more than 64x" in result.details(), result.details()
     assert torch.equal(flat(pipe, 0), before)  # nothing summed
+
+
+def test_a_reduce_waiting_on_a_silent_member_ends_when_its_attempt_is_abandoned_even_if_the_step_reopened():
+    """A suite run of test_verify: a liar's eviction abandoned attempt 1 while its Reduce on the honest replica
+    waited for the liar's gradients; the abandon's wake-up came before the step was closed and the rerun opened
+    step 0 again, so the wait (judged by the open step) went on to its deadline holding the stage's one Reduce
+    slot, and the rerun's Reduce there was refused as busy. Here that interleaving is pinned: the attempt is
+    marked abandoned and the waiters woken while step 0 stays open (as the rerun leaves it)."""
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    waiting: list = []
+    thread = threading.Thread(target=lambda: waiting.extend(pipe.reduce(0, members=[0], deadline_s=30, attempt_id=7)))
+    thread.start()
+    inbox, host = pipe.hosts[1].averager, pipe.hosts[0]
+    with inbox._arrived:  # replica 0 sent its gradients: it now waits for replica 1's, which never come
+        assert inbox._arrived.wait_for(lambda: inbox.groups[False].inbox, timeout=30)
+    started = time.monotonic()
+    with host.compute_lock:
+        host.ledger.abandoned(0, 7)  # what Step(abandon, attempt 7) records first
+        host.averager.end_step()  # its wake-up; the step's close is what the rerun's reopen undoes
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - started < 10, "the wait ran on to its deadline"
+    assert isinstance(waiting[0], LocalRpcError) and waiting[0].code() == grpc.StatusCode.ABORTED, waiting[0]
+    assert host.open_step == 0  # the step stayed open throughout (the rerun's)
