@@ -488,8 +488,7 @@ class PipelineDriver:
         stage's), bytes under ("tied", "tied"). A stage whose routes share one replica has nothing to sum (an
         end stage of a tied model still joins the tied group). Every Reduce reply carries the replica's gradient
         report (`_reported`, read by `_grads`); a stage with nothing to sum is asked Grads in the same round
-        (`grads_in_reduce`; not Reduce, whose one slot a failed attempt's sum may still hold: a rerun's lone middle
-        stage then refused "1 Reduce calls are being served already" and cost an attempt)."""
+        (`grads_in_reduce`; not Reduce as a group of one, which would take the stage's one Reduce slot for nothing)."""
         traffic = Traffic()
         tasks = []
         last = self.n_stages - 1
