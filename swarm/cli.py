@@ -112,19 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     unwind_on_sigterm()
     try:
         return int(module.run(args) or 0)
-    except KeyboardInterrupt:
-        signum = _TERMINATED[0] or signal.SIGINT
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
         print(f"swarm {' '.join(path)}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
 
 
-_TERMINATED: list[int] = [0]
-"""The signal `unwind_on_sigterm`'s handler took (0: none)."""
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, unwinding the main thread as Ctrl-C's KeyboardInterrupt does (`unwind_on_sigterm`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _unwind(signum: int, _frame) -> None:
-    _TERMINATED[0] = signum
-    raise KeyboardInterrupt
+    raise Terminated(signum)
 
 
 def unwind_on_sigterm() -> None:

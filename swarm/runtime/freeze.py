@@ -294,7 +294,11 @@ class FreezingDriver(PipelineDriver):
         if method == "Step" and not request.abandon:
             request.frozen_layers = self.policy.frozen
         reply = super()._call(stage, replica, method, request, timeout)
-        report = reply.grads if method == "Reduce" and reply.HasField("grads") else reply if method == "Grads" else None
+        report = None  # the stage's gradient report, where the reply is (or carries) one
+        if method == "Grads":
+            report = reply
+        elif method == "Reduce" and reply.HasField("grads"):
+            report = reply.grads
         if report is not None and len(report.layer_sq_norms) <= MAX_LAYER_NORMS:
             self._norms.setdefault(stage, list(report.layer_sq_norms))  # replicas hold the same reduced gradients
         return reply

@@ -579,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    configure_logging(getattr(args, "log_level", "WARNING"))
+    configure_logging(args.log_level)
     say = lambda line: print(line, file=sys.stderr)
     metrics = Metrics()
     auth = PeerAuth.load(cfg.dht)  # the trainer's calls are signed with its DHT key: stages know it by its id
