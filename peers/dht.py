@@ -497,6 +497,7 @@ class SwarmDHT:
         *,
         peers: list[PeerAnnouncement] | None = None,
         check_trainers: bool = True,
+        newer_than: int = 0,
     ) -> PlanRecord | None:
         """The newest plan from the plan authority that validates (`validate_plan`), if any.
 
@@ -507,10 +508,15 @@ class SwarmDHT:
             n_layers: the model's layer count the stages must cover; None checks contiguity only.
             peers: the run's announcements, if the caller has just read them (else they are read here).
             check_trainers: whether the plan's trainer_ids must be announced trainers.
+            newer_than: only plans of a higher version count (a follower's own plan's): with none, None, and the
+                trainers' announcements are not read (a peer's poll, twice a second, seldom finds a new plan).
         """
         peers = self.peers() if peers is None else peers
+        candidates = [(o, r) for o, r in self._authority_plans(peers) if r.version > newer_than]
+        if not candidates:
+            return None
         trainers = [t.peer_id for t in self.trainers()] if check_trainers else None
-        for owner, record in self._authority_plans(peers):
+        for owner, record in candidates:
             try:
                 validate_plan(record, n_layers, peers, trainers)
             except ValueError as e:

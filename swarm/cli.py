@@ -30,6 +30,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "transport"): ("swarm.bench.transport", "gRPC stream throughput, goodput on shaped links"),
     ("bench", "soak"): ("swarm.bench.soak", "a loopback swarm for N steps: RSS, threads and fds of every process"),
     ("bench", "footprint"): ("swarm.bench.footprint", "memory of a default toy swarm-peer, its DHT process and p2pd"),
+    ("bench", "idle"): ("swarm.bench.idle", "CPU seconds of an idle loopback swarm, process by process"),
     ("bench", "hostile"): ("swarm.bench.hostile", "hostile clients against a local pipeline, case by case"),
     ("bench", "model"): ("swarm.bench.model", "a model's tokens/s per stage, boundary bytes per token, link speeds"),
     ("bench", "selective"): (

@@ -372,9 +372,14 @@ class PeerDaemon:
                         # probe often while peers are new to us, then only to refresh
                         soon = prober.round() or not prober.found_peers  # nobody to probe yet: look again soon
                         next_probe = time.monotonic() + (1.0 if soon else plans.interval_s)
-                    planner.round()
-                    record = self.dht.get_plan(self.model.n_layers)
-                    if record is not None and (self.following is None or record.version > self.following.version):
+                        peers = self.dht.peers()  # a probe takes a while: look again
+                    # a tick's DHT requests are few: each is a search whose records are all checked (signatures),
+                    # every peer polls twice a second, and a tick once read the announcements three times and the
+                    # trainers' once more (5 requests; now 2 unless a newer plan is out)
+                    planner.round(peers)
+                    followed = self.following.version if self.following is not None else 0
+                    record = self.dht.get_plan(self.model.n_layers, peers=peers, newer_than=followed)
+                    if record is not None:
                         self._apply_plan(record)
                     elif self.following is not None and (
                         self.servicer.policy.roster is None or self.book.delegation_changed()

@@ -347,9 +347,10 @@ class Planner:
                     log.info("planner %s: lease lapsed and silent to Status: planned without", p.peer_id)
         return {pid for (pid, _), silent in self._lapsed_silent.items() if silent}
 
-    def round(self) -> Plan | PlanRecord | None:
-        """One look at the swarm; publishes and returns a new plan (or re-published record) if one is due."""
-        peers = self.dht.peers()
+    def round(self, peers: list[PeerAnnouncement] | None = None) -> Plan | PlanRecord | None:
+        """One look at the swarm; publishes and returns a new plan (or re-published record) if one is due.
+        `peers`: the run's announcements if the caller has just read them (else they are read here)."""
+        peers = self.dht.peers() if peers is None else peers
         self.leading = self.is_leader(peers)
         if not self.leading:
             self._led_since = None

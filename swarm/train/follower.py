@@ -120,7 +120,8 @@ class PlanWatch:
             return None
         self._next = time.monotonic() + self.every_s
         try:
-            record = self.dht.get_plan(self.n_layers)
+            # newer_than: the trainers' announcements are read only once a newer plan is out
+            record = self.dht.get_plan(self.n_layers, newer_than=self.version)
         except TimeoutError:
             return None
         return record.version if record is not None and record.version > self.version else None

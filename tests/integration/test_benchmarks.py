@@ -70,6 +70,16 @@ def _bench_lines(name: str, *flags: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
+def test_idle_reports_each_process_of_an_idle_swarm_and_its_sum():
+    rows = _bench_lines("idle", "--peers", "2", "--stages", "2", "--replicas", "1", "--seconds", "2", "--settle-s", "0")
+    by = {(r["process"], r["role"]) for r in rows}
+    assert {("bootstrap", "bootstrap"), ("peer0", "peer"), ("peer0/p2pd", "p2pd"), ("peer1", "peer")} <= by, rows
+    assert {("peer0", "sum"), ("peer1", "sum"), ("swarm", "total")} <= by, rows
+    assert all(r["cpu_s"] >= 0 and r["core_pct"] >= 0 for r in rows), rows
+    total = next(r for r in rows if r["role"] == "total")
+    assert total["cpu_s"] == pytest.approx(sum(r["cpu_s"] for r in rows if r["role"] == "sum"), abs=0.05)
+
+
 def test_soak_reports_every_process_of_the_swarm():
     # 60 steps rather than --quick's 200: what is asserted is the rows' shape, and the suite's time is CI's
     rows = _bench_lines("soak", "--steps", "60", "--sample-every-s", "0.25")

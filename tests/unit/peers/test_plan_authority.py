@@ -66,6 +66,25 @@ def test_a_plan_naming_an_unannounced_peer_or_trainer_is_not_followed():
     assert reader({**records, "plan": [(A, named)]}).get_plan(2, check_trainers=False) == named
 
 
+def test_a_poll_for_a_newer_plan_reads_the_trainers_only_once_one_is_out():
+    reads: list[str] = []
+    named = plan(2, A, B, trainer_ids=["t1"])
+    records = {"peers": [peer(A), peer(B)], "trainers": [TrainerAnnouncement("t1")], "plan": [(A, named)]}
+    dht = reader(records)
+    dht._parse_all = lambda key, kind: reads.append(kind) or list(records.get(kind, []))
+    peers = dht.peers()
+    reads.clear()
+    assert dht.get_plan(2, peers=peers, newer_than=2) is None
+    assert reads == ["plan"], "nothing newer than the followed plan: the trainers are not read"
+    reads.clear()
+    assert dht.get_plan(2, peers=peers, newer_than=1) == named
+    assert reads == ["plan", "trainers"], "a newer plan is validated as before, its trainers included"
+    unnamed = plan(3, A, B, trainer_ids=["t9"])  # a newer plan that names an unannounced trainer
+    records["plan"] = [(A, named), (A, unnamed)]
+    assert dht.get_plan(2, peers=peers, newer_than=2) is None, "the newer plan is invalid: not followed"
+    assert dht.get_plan(2, peers=peers, newer_than=1) == named, "an older valid plan, still newer than followed"
+
+
 def test_trainers_outside_the_allowed_list_are_not_seen():
     records = {"trainers": [TrainerAnnouncement("t1"), TrainerAnnouncement("t2")]}
     assert [t.peer_id for t in reader(records).trainers()] == ["t1", "t2"]

@@ -72,7 +72,7 @@ def follower_of(
         raise TimeoutError(f"no complete pipeline after {timeout_s:.0f} s (waiting for a plan newer than 1)")
 
     monkeypatch.setattr(follower_module, "discover_route", discover)
-    fake_dht = SimpleNamespace(peer_id="me", get_plan=lambda n_layers: None) if dht else None
+    fake_dht = SimpleNamespace(peer_id="me", get_plan=lambda n_layers, **_: None) if dht else None
     lines: list[str] = []
     follower = PlanFollower(
         lambda r: FakeDriver(r.plan_version, errors_by_version.get(r.plan_version, [])),
