@@ -6,8 +6,9 @@
 #   - the files below (the long multi-process swarms, and every test that makes network namespaces: those
 #     count the namespaces left over, so they never run beside each other), in the background;
 #   - tests/unit/runtime, in the background: its tests wait on deadlines (heartbeats, dead peers, hung calls)
-#     more than they compute, about 3x their CPU time in the suite; with them the live freezing tests (the
-#     longest of the rest of tests/integration), which keeps the four runs about equally long;
+#     more than they compute, about 3x their CPU time in the suite; with them the live freezing and per-link
+#     codec tests (two of the longest of the rest of tests/integration), which keeps the four runs about equally
+#     long;
 #   - the rest of tests/ (the other unit tests), in the background.
 # The integration tests mostly wait on processes starting, DHT records and plans: one after another they keep
 # about one of CI's 2 cores busy. The background runs' output is shown once all are done; the exit status is the
@@ -47,7 +48,7 @@ trap 'exit 130' INT TERM
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python -m pytest -q "${swarms[@]}" >"$logs/swarms" 2>&1 &
 pids+=("$!")
-beside_runtime=(tests/integration/test_freeze_live.py)
+beside_runtime=(tests/integration/test_freeze_live.py tests/integration/test_per_link_codecs.py)
 python -m pytest -q tests/unit/runtime "${beside_runtime[@]}" >"$logs/runtime" 2>&1 &
 pids+=("$!")
 python -m pytest -q tests --ignore=tests/integration --ignore=tests/unit/runtime >"$logs/unit" 2>&1 &
