@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import use_hivemind_log_handler
@@ -54,7 +55,6 @@ from swarm.peers.entries import (
     PLAN_SEP,
     RunKeys,
     RunRecordValidator,
-    SigningValidator,
     parse_entry,
     parse_run_entry,
     peer_id_of,
@@ -301,7 +301,7 @@ class SwarmDHT:
         """
         self.config = config
         key = private_key if private_key is not None else load_or_create_key(config.signing_key_path)
-        self._signer = SigningValidator(key)
+        self._signer = RSASignatureValidator(key)
         self._owner = self._signer.local_public_key
         self.peer_id = peer_id_of(key.get_public_key().to_bytes())
         self._keys = RunKeys.of_run(config.run_name)

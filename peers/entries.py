@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +40,6 @@ __all__ = [
     "PLAN_SEP",
     "RunKeys",
     "RunRecordValidator",
-    "SeenRecords",
-    "SigningValidator",
     "parse_entry",
     "parse_run_entry",
     "peer_id_of",
@@ -190,59 +186,6 @@ class RunKeys:
         return cls(*(f"{run_name}.{kind}" for kind in kinds), run=run_name)
 
 
-class SeenRecords:
-    """The digests of the last `size` records a validator accepted: every peer reads the run's records twice a
-    second and each read validates every record again (a signature and a parse apiece, most of an idle peer's DHT
-    time), while a record changes only when its owner stores it anew. A record counts as seen only with the same
-    key, subkey, value bytes (its signature included) and expiration; refused records are never remembered, so a
-    stranger's invalid records cost what they did and cannot push the cache around more than valid ones can."""
-
-    def __init__(self, size: int = 4096):
-        self.size = size
-        self._digests: OrderedDict[bytes, None] = OrderedDict()
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def digest(record: DHTRecord) -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        for part in (record.key, record.subkey or b"", record.value, repr(record.expiration_time).encode()):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-        return h.digest()
-
-    def seen(self, digest: bytes) -> bool:
-        with self._lock:
-            if digest in self._digests:
-                self._digests.move_to_end(digest)
-                return True
-            return False
-
-    def add(self, digest: bytes) -> None:
-        with self._lock:
-            self._digests[digest] = None
-            self._digests.move_to_end(digest)
-            while len(self._digests) > self.size:
-                self._digests.popitem(last=False)
-
-
-class SigningValidator(RSASignatureValidator):
-    """hivemind's owner-signature validator (records under an owner's public key must carry its signature), which
-    checks a record it has accepted before only once (`SeenRecords`)."""
-
-    def __init__(self, private_key=None, seen_size: int = 4096):
-        super().__init__(private_key)
-        self.accepted = SeenRecords(seen_size)
-
-    def validate(self, record: DHTRecord) -> bool:
-        digest = SeenRecords.digest(record)
-        if self.accepted.seen(digest):
-            return True
-        ok = super().validate(record)
-        if ok:
-            self.accepted.add(digest)
-        return ok
-
-
 class RunRecordValidator(RecordValidatorBase):
     """Lets honest DHT nodes refuse to store (or accept from others) malformed records under the run's keys.
 
@@ -256,7 +199,6 @@ class RunRecordValidator(RecordValidatorBase):
             kinds.update({keys.manifest: "manifest", keys.delegations: "delegations"})
         self._kinds = {DHTID.generate(source=key).to_bytes(): kind for key, kind in kinds.items()}
         self._run = keys.run
-        self.accepted = SeenRecords()
 
     def validate(self, record: DHTRecord) -> bool:
         kind = self._kinds.get(record.key)
@@ -264,15 +206,6 @@ class RunRecordValidator(RecordValidatorBase):
             return True
         if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
             return False  # the run's keys hold only dictionaries of owned subkeys, never a plain value
-        digest = SeenRecords.digest(record)
-        if self.accepted.seen(digest):
-            return True
-        if not self._parses(kind, record):
-            return False
-        self.accepted.add(digest)
-        return True
-
-    def _parses(self, kind: str, record: DHTRecord) -> bool:
         try:
             subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
             if kind in ("manifest", "delegations"):
