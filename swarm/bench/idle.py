@@ -90,24 +90,18 @@ def _role(proc, depth: int, name: str) -> str:
 def cpu_rows(before: dict[int, float], after: dict[int, float], names: dict[int, tuple[str, str]], seconds: float):
     """Rows of the window: one per process alive at both readings (`names`: pid -> (label, role)), one sum per
     label prefix (a peer with its p2pd), and the swarm's sum. A process that ended in the window is left out."""
+    row = lambda process, role, used: {"process": process, "role": role, "cpu_s": round(used, 2),
+                                       "core_pct": round(100 * used / seconds, 1)}  # fmt: skip
     rows, sums = [], {}
     for pid, (label, role) in names.items():
         if pid not in before or pid not in after:
             continue
         used = max(after[pid] - before[pid], 0.0)
-        rows.append(
-            {"process": label, "role": role, "cpu_s": round(used, 2), "core_pct": round(100 * used / seconds, 1)}
-        )
+        rows.append(row(label, role, used))
         owner = label.split("/", 1)[0]
         sums[owner] = sums.get(owner, 0.0) + used
-    for owner, used in sums.items():
-        rows.append(
-            {"process": owner, "role": "sum", "cpu_s": round(used, 2), "core_pct": round(100 * used / seconds, 1)}
-        )
-    total = sum(sums.values())
-    rows.append(
-        {"process": "swarm", "role": "total", "cpu_s": round(total, 2), "core_pct": round(100 * total / seconds, 1)}
-    )
+    rows += [row(owner, "sum", used) for owner, used in sums.items()]
+    rows.append(row("swarm", "total", sum(sums.values())))
     return rows
 
 
@@ -129,13 +123,11 @@ def run(args: argparse.Namespace) -> int:
     say(f"starting a bootstrap node and {cfg.peers} peers ({cfg.stages} stages x {cfg.replicas} replicas)")
     with local_swarm(out, cfg.peers, flags, say, n_stages=cfg.stages) as swarm:
         time.sleep(cfg.settle_s)  # the start-up's settling time, not a synchronisation
-        names: dict[int, tuple[str, str]] = {}
-        procs = {}
+        procs, names = {}, {}  # pid -> its psutil.Process, and its (label, role)
         for name, proc in swarm.procs.procs.items():
             for depth, p in enumerate(_tree(proc.pid)):
                 role = _role(p, depth, name)
-                names[p.pid] = (name if depth == 0 else f"{name}/{role}", role)
-                procs[p.pid] = p
+                procs[p.pid], names[p.pid] = p, (name if depth == 0 else f"{name}/{role}", role)
         before = {pid: c for pid, p in procs.items() if (c := _cpu(p)) is not None}
         say(f"measuring {cfg.seconds:.0f} s with nobody training")
         start = time.monotonic()

@@ -16,25 +16,18 @@ from tests.integration.swarm_fixtures import alive
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def _namespaces() -> str | None:
-    """Why the churn setting cannot run in network namespaces here (None: it can)."""
-    from swarm.testbed.netns import unavailable_reason
-
-    return unavailable_reason()
-
-
 @pytest.mark.timeout(600)
 def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_path):
     """No-churn on loopback, then churn (one SIGKILL, one join) in network namespaces where this machine can make
     them, on loopback where it cannot: one pair of runs covers the experiment's rows, its loss agreement before the
     kill (the same keys, plan and samples in both) and the namespaces' churn, which once took a run of its own."""
     from swarm.testbed.churn_netns import PREFIX
-    from swarm.testbed.netns import list_links, list_namespaces
+    from swarm.testbed.netns import list_links, list_namespaces, unavailable_reason
 
     # --quick's own 80 steps: in namespaces a fresh peer joins a namespace made after the kill, which took longer
     # than the 30 steps left of 40 on a loaded machine (the trainer ended before the join)
     cfg = ChurnRun(ChurnConfig(setting_timeout_s=120.0, out=tmp_path), quick=True).config()
-    netns = _namespaces() is None
+    netns = unavailable_reason() is None  # else the churn setting runs on loopback too
     lines: list[str] = []
     support = flag_support()
     base = run_setting(cfg, "no-churn", tmp_path, support, lines.append)
