@@ -12,7 +12,13 @@ import torch
 
 from swarm.compression import CodecConfig, LinkState, WireError, decoder_for, frame, make_codec, unframe
 from swarm.compression.codec_aqsgd import BufferDriftError
-from swarm.compression.codec_bilevel import bilevel_dequantize, bilevel_quantize, pack_bits, unpack_bits
+from swarm.compression.codec_bilevel import (
+    bilevel_dequantize,
+    bilevel_quantize,
+    pack_bits,
+    pack_bits_torch,
+    unpack_bits,
+)
 from swarm.compression.codec_tern import pack_trits, ternary_dequantize, ternary_quantize, unpack_trits
 from swarm.compression.codecs import BY_NAME, REGISTRY
 from swarm.proto import wire_pb2
@@ -87,7 +93,7 @@ def test_zero_and_huge_groups_stay_finite():
     assert torch.isfinite(y).all() and (y[1] == 65504.0).all() and (y[0] == 0).all()
 
 
-@pytest.mark.parametrize("numel", [1, 4, 5, 6, 999])
+@pytest.mark.parametrize("numel", [1, 4, 5, 6, 8, 9, 999])
 def test_packing_round_trips(numel):
     codes = torch.randint(-1, 2, (numel,), dtype=torch.int8)
     packed = pack_trits(codes)
@@ -95,6 +101,7 @@ def test_packing_round_trips(numel):
     bits = codes > 0
     packed = pack_bits(bits)
     assert len(packed) == -(-numel // 8) and torch.equal(unpack_bits(packed, numel), bits)
+    assert pack_bits_torch(bits) == packed  # a device's packing (here on the CPU) writes the same bytes
 
 
 def test_packing_refuses_bad_bytes():
