@@ -39,8 +39,8 @@ def apply_tied(pipe: LocalPipeline, tied_bits: int | None, tied_codec: str | Non
     from swarm.compression import CodecConfig
 
     for host in (h for replicas in pipe.replica_hosts for h in replicas):
-        if tied_bits is not None:  # an instance attribute over the class's floor
-            host.averager.tied_min_bits = tied_bits
+        if tied_bits is not None:  # instance attributes over the class's: the backward codec at these bits
+            host.averager.tied_min_bits, host.averager.tied_codec = tied_bits, None
         if tied_codec is not None:
             tied = CodecConfig.parse(tied_codec, zstd_level=zstd_level)
             host.averager.set_codecs(host.averager.codecs[False], tied)

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_GROUP",
     "SUM_CODEC",
+    "TIED_CODEC",
     "GradientAverager",
     "flatten_grads",
     "group_config",
@@ -70,6 +71,15 @@ floor of the planner's ladder for it (`swarm.scheduler.bits.AVERAGE_LADDER`): 2 
 rotation, round to nearest, 16-bit scales, groups of 1024, quantized in AdamW's units (`precondition_max_bits`).
 With 2 replicas in the convergence experiment it ends within 1% of fp32 at 16x+ fewer total bytes after epoch 1
 (docs/REPLICAS.md); 8 bits, the floor before, left the sum most of what a replicated run sends."""
+
+
+TIED_CODEC = "lowrank16+ef+f8"
+"""The tied embedding's sum over compressed links unless a plan names another (`GradientAverager.tied_codec`), and
+the floor of the planner's ladder for it (`swarm.scheduler.bits.TIED_LADDER`): the tied weight's gradient as rank-16
+PowerSGD factors in int8 with error feedback, one power iteration a step from the last step's Q
+(`swarm.compression.codec_lowrank`). In the convergence experiment with 1-bit deltas (docs/reports/single-pass.md,
+s49): 3.2 MB of the single pass's tied sum at +0.79% held-out where the 4-bit sum sent 8.1 MB at +0.96%, and over 8
+epochs 1.65 MB where it sent 4.0 MB; rank 8 sent half that but missed 1% in the single pass (+1.11%)."""
 
 
 def parameters_digest(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -120,10 +130,14 @@ def group_config(planned: CodecConfig | None, backward: CodecConfig, tied: bool 
     """The codec a group sums with, before `GradientAverager._config` seeds each message: the plan's epilogue codec
     `planned`, else the links' `backward` codec (a 1-bit codec's sums are gradq's), with error feedback where it has
     it (fp32 for a codec that needs sample buffers), never below the group's floor of bits (`floors`' `min_bits` and
-    `tied_min_bits`: an averager, whose own may be set, or the class's); the stage group behind a quantized
-    backward codec and without a plan sums with `floors.sum_codec` as it is. What the cost model prices the sums
-    and the tied sync at too (`swarm.scheduler.sizes`)."""
+    `tied_min_bits`: an averager, whose own may be set, or the class's); without a plan, behind a quantized backward
+    codec, the stage group sums with `floors.sum_codec` as it is and the tied group with `floors.tied_codec` as a
+    plan's would be taken. What the cost model prices the sums and the tied sync at too (`swarm.scheduler.sizes`)."""
     floors = GradientAverager if floors is None else floors
+    if tied and planned is None and floors.tied_codec is not None:
+        links = codec_class(codec_class(backward.name).sum_config(backward).name)
+        if links.quantized and not links.uses_buffers:  # compressed links; fp32 and bf16 ones sum as they are
+            planned = CodecConfig.parse(floors.tied_codec, zstd_level=backward.zstd_level)
     cfg = codec_class((planned or backward).name).sum_config(planned or backward)
     kind = codec_class(cfg.name)
     if kind.uses_buffers:
@@ -201,7 +215,12 @@ class GradientAverager:
     tied_min_bits = 4
     """The same floor for the tied embedding's gradient, whose error feedback carries across steps: in the
     convergence run (acsgd2+ch forward, gradq2+ef+rot+nr+cs backward) 4 bits gave +0.76% held-out vs fp32 at
-    20 KB per step, 8 bits no better (+1.38% with groups of 256, 43 KB), 2 bits +2.66%."""
+    20 KB per step, 8 bits no better (+1.38% with groups of 256, 43 KB), 2 bits +2.66%. It floors a quantized
+    tied codec: the backward codec's sum config where `tied_codec` is None, or a plan's."""
+    tied_codec: str | None = TIED_CODEC
+    """The tied group's codec when the backward codec is compressed and the plan names none, a codec label taken as
+    a plan's would be; None: the backward codec's sum config at `tied_min_bits` (what `@tN` in the convergence
+    experiment sets). A class attribute."""
 
     def __init__(self, host: StageHost):
         self.host = host

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.peers.plan_codecs import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
-from swarm.runtime.average import SUM_CODEC
+from swarm.runtime.average import SUM_CODEC, TIED_CODEC
 
 __all__ = [
     "AVERAGE_LADDER",
@@ -53,10 +53,11 @@ __all__ = [
     "rechoose",
 ]
 
-FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", DEFAULT_FORWARD_CODEC)
+FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", "acsgd2+ch+nr+fsl32+s20", DEFAULT_FORWARD_CODEC)
 """Forward (activation) codecs, most precise first; the last is the default floor (`DEFAULT_FORWARD_CODEC`): the
-current family (the AQ-SGD paper's quantizer, channel groups, round to nearest) at 8, 4 and 2 bits, the 2-bit
-floor with subspace-coded first sights (the 8- and 4-bit rungs send theirs at 16 bits: a fast link's choice)."""
+AQ-SGD paper's quantizer in channel groups, round to nearest, at 8, 4 and 2 bits, then 1-bit deltas on two levels
+(`bilevel`); the last two send first sights subspace-coded (the 8- and 4-bit rungs send theirs at 16 bits: a fast
+link's choice)."""
 BACKWARD_LADDER = (
     "fp32",
     "gradq8+ef+rot+nr+cs+g1024",
@@ -74,10 +75,11 @@ AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024", SUM_CODEC)
 (`swarm.runtime.average.SUM_CODEC`, also the averager's sum over compressed links without a plan; quantized in
 AdamW's units, so it trains within 1% of fp32 where plain 4-bit sums did not). bf16 rather than fp16: a gradient
 sum must not overflow, and bf16 has fp32's range."""
-TIED_LADDER = (*AVERAGE_LADDER[:3], "gradq4+ef+rot+nr+cs+g256")
-"""Codecs of the tied embedding's sync, most precise first; the floor is 4 bits (`GradientAverager.tied_min_bits`:
-2 bits trained +2.66% where 4 gave +0.76%), the default backward codec at 4 bits: what a peer without a plan's
-epilogue codecs sums the tied gradient with."""
+TIED_LADDER = (*AVERAGE_LADDER[:3], "gradq4+ef+rot+nr+cs+g256", TIED_CODEC)
+"""Codecs of the tied embedding's sync, most precise first: the default backward codec at 4 bits
+(`GradientAverager.tied_min_bits`: 2 bits trained +2.66% where 4 gave +0.76%), then the floor, the tied weight's
+gradient as rank-16 int8 factors (`swarm.runtime.average.TIED_CODEC`, what a peer without a plan's epilogue codecs
+sums the tied gradient with behind compressed links)."""
 
 
 @dataclass(frozen=True)
@@ -195,12 +197,16 @@ class EpilogueFigures:
     """Members of the group: each encodes its own gradient once and decodes every member's message."""
     speed: CodecSpeed | None = field(default=None, compare=False)
     """How fast the codecs encode and decode (`swarm.scheduler.sizes.measure_codec_speed`); None: bytes alone."""
+    cols: int | None = None
+    """The row length of the matrix a low-rank codec factors (the tied weight's hidden size); None: as the codec
+    shapes a flat gradient."""
 
     def seconds(self, label: str) -> float:
         """One exchange under codec `label`: a member's message over the slowest link, plus with a measured `speed`
         one encode and `members` decodes of the whole gradient (on a fast link those set a sum's time: on this
         2-core machine, unshaped, a 2x2 swarm's 2-bit sums took 145 ms a step against fp32's 87 ms)."""
-        return epilogue_bytes(label, self.elements) / self.bytes_per_s + self.elements * self.coding_s(label)
+        message = epilogue_bytes(label, self.elements, self.cols)
+        return message / self.bytes_per_s + self.elements * self.coding_s(label)
 
     def coding_s(self, label: str) -> float:
         """Seconds of one encode and `members` decodes per element under `label` (0 without a measured speed)."""
@@ -223,11 +229,17 @@ class CodecSpeed:
         return 0.0
 
 
-def epilogue_bytes(label: str, elements: float) -> float:
-    """Bytes of one member's epilogue message under codec `label` (its steady wire bits; scales aside)."""
-    from swarm.compression import CodecConfig
+def epilogue_bytes(label: str, elements: float, cols: int | None = None) -> float:
+    """Bytes of one member's epilogue message under codec `label`: its steady wire bits an element (scales aside),
+    or a low-rank codec's factors of the matrix in rows of `cols` (its payload, scales included)."""
+    from dataclasses import replace
 
-    return float(elements) * CodecConfig.parse(label).wire_bits / 8
+    from swarm.compression import CodecConfig, codec_class, make_codec
+
+    config = CodecConfig.parse(label)
+    if codec_class(config.name).ranked:
+        return float(make_codec(replace(config, group_size=cols)).payload_nbytes(int(elements)))
+    return float(elements) * config.wire_bits / 8
 
 
 def _pick_epilogue(ladder: Sequence[str], floor: str, fig: EpilogueFigures, share: float) -> tuple[str, float]:

@@ -215,6 +215,9 @@ class ModelSpec:
     gradient_elements_per_layer: float = 0.0
     """Weight-gradient elements of one layer (what `gradient_bytes_per_layer` carries at some codec's bits); 0: not
     known, read as `gradient_bytes_per_layer` at `TransformerShape.gradient_bits`."""
+    tied_shape: tuple[int, int] = (0, 0)
+    """The tied weight's (vocab, hidden): its elements, and the matrix a low-rank tied codec factors; (0, 0): not
+    known, its elements read back from `tied_bytes` (`swarm.scheduler.selective.tied_elements`)."""
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.micro_batches < 1:
@@ -229,6 +232,8 @@ class ModelSpec:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be finite and >= 0")
+        if len(self.tied_shape) != 2 or any(type(n) is not int or n < 0 for n in self.tied_shape):
+            raise ValueError(f"tied_shape must be two counts >= 0, got {self.tied_shape!r}")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule must be 1f1b or gpipe, got {self.schedule!r}")
 

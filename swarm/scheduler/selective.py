@@ -7,9 +7,9 @@ prediction with each stage's averaging and the tied sync at the chosen codecs' b
 step shows the epilogue it will run. `choose_for_plan` is both, what the live planner publishes.
 
 Sizes: a stage's elements are its layers x `ModelSpec.gradient_elements_per_layer` (a spec without it: its
-gradient bytes at `TransformerShape.gradient_bits`, 8, an element); the tied weight's elements are read back
-from `ModelSpec.tied_bytes`, which `swarm.scheduler.sizes.tied_bytes` measures at the tied floor's 4 bits
-(`GradientAverager.tied_min_bits`, the default backward codec).
+gradient bytes at `TransformerShape.gradient_bits`, 8, an element); the tied weight's are its shape's
+(`ModelSpec.tied_shape`, vocab x hidden; a spec without it: read back from `ModelSpec.tied_bytes` at 4 bits an
+element), and a low-rank tied codec factors that matrix (`EpilogueFigures.cols`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 TIED_SPEC_BITS = 4
-"""Bits an element of `ModelSpec.tied_bytes` as `sizes.tied_bytes` measures it (the tied floor)."""
+"""Bits an element of a hand-made `ModelSpec.tied_bytes` (no `tied_shape`): the tied floor's before s50."""
 
 
 def gradient_elements(spec: ModelSpec) -> float:
@@ -47,7 +47,10 @@ def gradient_elements(spec: ModelSpec) -> float:
 
 
 def tied_elements(spec: ModelSpec) -> float:
-    return spec.tied_bytes * 8 / TIED_SPEC_BITS
+    """The tied weight's elements: its shape's where the spec knows it, else read back from its bytes at the old
+    4-bit floor (a spec made by hand)."""
+    rows, cols = spec.tied_shape
+    return float(rows * cols) if rows * cols else spec.tied_bytes * 8 / TIED_SPEC_BITS
 
 
 def _layout(stages: list[dict], plan_input: PlanInput) -> Layout:
@@ -92,7 +95,9 @@ def epilogue_figures(
     tied = None
     if spec.tied_bytes > 0 and len(stages) > 1:
         members = np.concatenate([layout.grid[0], layout.grid[-1]])
-        tied = EpilogueFigures(_slowest(plan_input, members), tied_elements(spec), step, len(members), speed)
+        tied = EpilogueFigures(
+            _slowest(plan_input, members), tied_elements(spec), step, len(members), speed, spec.tied_shape[1] or None
+        )
     return average, tied
 
 
@@ -113,7 +118,7 @@ def _codec_bytes(label: str, elements: float, fig: EpilogueFigures | None) -> fl
     """`epilogue_bytes` plus the codec's encode and decode time as bytes of the group's slowest link (what the
     cost model divides by a rate): the cost model then predicts the exchange's time `fig.seconds` gives."""
     coding = 0.0 if fig is None else fig.coding_s(label) * elements * fig.bytes_per_s
-    return epilogue_bytes(label, elements) + coding
+    return epilogue_bytes(label, elements, None if fig is None else fig.cols) + coding
 
 
 def selective_breakdown(

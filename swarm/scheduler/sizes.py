@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from swarm.compression import CodecConfig, LinkState, frame, make_codec
+from swarm.compression import CodecConfig, LinkState, codec_class, frame, make_codec
 from swarm.model.gpt import ModelConfig
 from swarm.scheduler.plans import ModelSpec, TransformerShape
 
@@ -110,6 +110,7 @@ def model_spec(
         )
     )
     shape = (micro_batch_size, model.seq_len_tokens, model.boundary_dim)
+    tied = tied_bytes(model, backward)
     return dataclasses.replace(
         spec,
         # the replicas' sums as the averager runs them without a plan's epilogue codecs (`sum_bits`)
@@ -118,7 +119,8 @@ def model_spec(
         backward_bytes=float(message_bytes(backward, shape)),
         full_duplex=True,
         step_overhead_s=step_overhead_s,
-        tied_bytes=tied_bytes(model, backward),
+        tied_bytes=tied,
+        tied_shape=(model.vocab_size, model.hidden_dim) if tied else (0, 0),
     )
 
 
@@ -133,12 +135,15 @@ def sum_bits(backward: CodecConfig) -> float:
 
 
 def tied_bytes(model: ModelConfig, backward: CodecConfig) -> float:
-    """Bytes each end stage sends the other per step for the tied embedding's gradient sum: the backward codec as
-    the averager configures it for the tied group (`GradientAverager._config`: at least `tied_min_bits`, error
-    feedback where the codec has it, fp32 for a codec with sample buffers), measured on a [vocab, hidden] tensor;
-    0 for an untied model."""
+    """Bytes each end stage sends the other per step for the tied embedding's gradient sum, as the averager sums it
+    without a plan (`GradientAverager._config`: `TIED_CODEC` behind compressed links, factoring the weight's
+    [vocab, hidden] matrix; fp32 or bf16 links as they are; fp32 behind a codec with sample buffers), measured on a
+    [vocab, hidden] tensor; 0 for an untied model."""
     from swarm.runtime.average import group_config  # lazy: the stage runtime
 
     if model.n_layers < 2 or not getattr(model, "tied_embeddings", True):
         return 0.0
-    return float(message_bytes(group_config(None, backward, tied=True), (model.vocab_size, model.hidden_dim)))
+    config = group_config(None, backward, tied=True)
+    if codec_class(config.name).ranked:  # the averager's view of the tied weight: rows of `hidden`
+        config = dataclasses.replace(config, group_size=model.hidden_dim)
+    return float(message_bytes(config, (model.vocab_size, model.hidden_dim)))

@@ -17,12 +17,14 @@ from swarm.proto import stage_pb2
 from swarm.runtime.average import SUM_CODEC
 from swarm.scheduler.bits import (
     AVERAGE_LADDER,
+    FORWARD_LADDER,
     TIED_LADDER,
     BitsPolicy,
     EpilogueFigures,
     LinkFigures,
     choose_codecs,
     choose_epilogue,
+    epilogue_bytes,
     rechoose_epilogue,
 )
 from swarm.scheduler.plans import ModelSpec, TransformerShape
@@ -56,7 +58,18 @@ def test_averaging_on_a_fast_link_stays_wide_and_on_a_slow_link_is_compressed():
 def test_each_stage_and_the_tied_sync_get_their_own_link_s_codec():
     chosen = choose_epilogue([fig(100_000), None, fig(100)], fig(100, elements=32e6))
     assert chosen.average_labels == ("fp32", None, AVERAGE_LADDER[-1])  # a one-replica stage sums nothing
-    assert chosen.tied_label == TIED_LADDER[-1]  # the tied floor is 4 bits
+    assert chosen.tied_label == TIED_LADDER[-1]  # the tied floor: rank-16 int8 factors
+
+
+def test_the_tied_sync_on_a_slow_link_takes_the_rung_of_fewest_bytes_for_the_weights_shape():
+    """Rank-16 factors of a [256, 128] tied weight (the default model's) are 6.3 KB against the 4-bit sum's 16 KB; of
+    a [256, 32] one (the quick model's) 4.7 KB against 4 KB: the planner sizes the factors of the weight's own
+    matrix (`cols`, its hidden size), not of a flat gradient's squarest view."""
+    wide = EpilogueFigures(1 * MBIT, 256 * 128, 0.01, cols=128)  # a short step: no share for precision
+    narrow = EpilogueFigures(1 * MBIT, 256 * 32, 0.01, cols=32)
+    assert choose_epilogue([], wide).tied_label == TIED_LADDER[-1] == "lowrank16+ef+f8"
+    assert choose_epilogue([], narrow).tied_label == TIED_LADDER[-2] == "gradq4+ef+rot+nr+cs+g256"
+    assert epilogue_bytes(TIED_LADDER[-1], 256 * 32, 32) == (256 + 32) * 16 + 8 * 16  # int8 codes, fp32 scales
 
 
 def test_boundaries_keep_today_s_rule_and_the_fill_share_narrows_only_exposed_messages():
@@ -69,7 +82,7 @@ def test_boundaries_keep_today_s_rule_and_the_fill_share_narrows_only_exposed_me
     slow = LinkFigures(10 * MBIT, 10 * MBIT, 0.1)
     assert choose_codecs([fast, slow], size) == choose_codecs([fast, slow], size, step_s=None)
     out = choose_codecs([fast, slow], size, step_s=1.0)
-    assert out[0].forward_label == "fp32" and out[1].forward_label.startswith("acsgd2")
+    assert out[0].forward_label == "fp32" and out[1].forward_label == FORWARD_LADDER[-1]  # the floor
     # at 1000 Mbit fp32 hides under 100 ms of compute, but the fill's message would add 32 ms + 32 ms to a 1 s step
     mid = LinkFigures(1000 * MBIT, 1000 * MBIT, 0.1)
     assert choose_codecs([mid], size)[0].forward_label == "fp32"
@@ -336,11 +349,14 @@ def test_convergence_sel_settings_train_with_the_planner_s_choice(tmp_path, caps
     from swarm.cli import main
     from swarm.experiments.convergence import DEFAULT_TARGET_SETTING
 
-    settings = f"fp32/fp32,{DEFAULT_TARGET_SETTING},sel:1,sel:50,sel:100000"
+    # the quick model's tied weight is [256, 32]: at 1 Mbit/s its 4-bit sum (4 KB) is fewer bytes than rank-16
+    # factors (4.7 KB), so the planner sums it at 4 bits (`@t4`), the links at their floors
+    floor_setting = f"{DEFAULT_TARGET_SETTING}@t4"
+    settings = f"fp32/fp32,{floor_setting},sel:1,sel:50,sel:100000"
     argv = ["experiment", "convergence", "--quick", "--json", "--no-progress", "--out", str(tmp_path / "run")]
     assert main([*argv, "--settings", settings]) == 0
     rows = {r["setting"]: r for r in json.loads(capsys.readouterr().out)}
-    fp32, floor = rows["fp32/fp32"], rows[DEFAULT_TARGET_SETTING]
+    fp32, floor = rows["fp32/fp32"], rows[floor_setting]
     slow, mid, fast = rows["sel:1"], rows["sel:50"], rows["sel:100000"]
 
     # 1 Mbit/s: everything at the floors, the all-compressed run to the byte (control bytes aside: their varints
@@ -371,7 +387,7 @@ def test_convergence_at_sel_rate_keeps_the_setting_s_links_and_plans_only_the_su
         == (floor["forward"], floor["backward"])
     )
     # at 1 Mbit/s every sum at its floor, the fixed policy's codecs (their rounding seeds are the plan's)
-    assert f"avg0 {SUM_CODEC}" in slow["epilogue"] and f"tied {TIED_LADDER[-1]}" in slow["epilogue"]
+    assert f"avg0 {SUM_CODEC}" in slow["epilogue"] and f"tied {TIED_LADDER[-2]}" in slow["epilogue"]  # [256, 32]
     assert "avg0 gradq2" not in fast["epilogue"] and fast["final_eval_loss"] != slow["final_eval_loss"]
     assert fast["total_wire_bytes"] > floor["total_wire_bytes"]  # wider sums
 

@@ -15,7 +15,7 @@ from swarm.peers.dht import DHTConfig, SwarmDHT
 from swarm.peers.entries import RunKeys
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord, validate_plan
-from swarm.runtime.average import GradientAverager
+from swarm.runtime.average import TIED_CODEC, GradientAverager, group_config
 from swarm.scheduler.bits import (
     BACKWARD_LADDER,
     FORWARD_LADDER,
@@ -68,22 +68,28 @@ def test_the_ladders_are_the_default_codec_family():
     assert BitsPolicy().forward_floor == DEFAULT_FORWARD_CODEC and BitsPolicy().backward_floor == DEFAULT_BACKWARD_CODEC
     assert BACKWARD_LADDER[-1] == "gtern+ef+rot+nr+r150+g1024"  # below the default floor: a policy names it
     assert SIZES(BACKWARD_LADDER[-1]) < SIZES(BACKWARD_LADDER[-2])
-    for ladder in (FORWARD_LADDER, BACKWARD_LADDER[:4]):
+    for ladder, bits in ((FORWARD_LADDER, [32, 8, 4, 2, 1]), (BACKWARD_LADDER[:4], [32, 8, 4, 2])):
         rungs = [CodecConfig.parse(label) for label in ladder]
-        assert [c.wire_bits for c in rungs] == [32, 8, 4, 2]
+        assert [c.wire_bits for c in rungs] == bits
         assert [SIZES(label) for label in ladder] == sorted((SIZES(label) for label in ladder), reverse=True)
-    # one family: each wider rung is the floor at more bits, with 16-bit first sights forward (a fast link's
-    # choice: the floor's subspace-coded ones trade error for bytes) and groups of 1024 backward
+    # one family: the floor's 1-bit deltas, then acsgd at 2, 4 and 8 bits, with the floor's subspace-coded first
+    # sights at 2 bits and 16-bit ones wider (a fast link's choice: subspace coding trades error for bytes); groups
+    # of 1024 backward
     floor = CodecConfig.parse(DEFAULT_FORWARD_CODEC)
-    assert floor.first_sight_rank == 32
+    assert floor.name == "bilevel" and floor.first_sight_rank == 32
+    two = CodecConfig.parse(FORWARD_LADDER[3])
+    assert two.name == "acsgd" and two.bits == 2 and two.group_layout == floor.group_layout
+    assert (two.first_sight_rank, two.subspace_step_percent) == (floor.first_sight_rank, floor.subspace_step_percent)
     for label, bits in zip(FORWARD_LADDER[1:3], (8, 4), strict=True):
-        assert CodecConfig.parse(label) == replace(floor, bits=bits, first_sight_rank=0, subspace_step_percent=0)
+        assert CodecConfig.parse(label) == replace(two, bits=bits, first_sight_rank=0, subspace_step_percent=0)
     floor = CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
     assert floor.group_size == 256
     for label, bits in zip(BACKWARD_LADDER[1:3], (8, 4), strict=True):
         assert CodecConfig.parse(label) == replace(floor, bits=bits, group_size=1024)
-    # the tied sum's floor is what a peer without the plan's epilogue codecs sums it with: the backward at 4 bits
-    assert CodecConfig.parse(TIED_LADDER[-1]) == replace(floor, bits=GradientAverager.tied_min_bits)
+    # the tied sum: the backward at 4 bits, then the floor, what a peer without the plan's epilogue codecs sums with
+    assert CodecConfig.parse(TIED_LADDER[-2]) == replace(floor, bits=GradientAverager.tied_min_bits)
+    assert TIED_LADDER[-1] == GradientAverager.tied_codec == TIED_CODEC
+    assert group_config(None, floor, tied=True) == group_config(CodecConfig.parse(TIED_CODEC), floor, tied=True)
 
 
 def test_unchanged_measurements_do_not_rechoose_and_a_big_move_does():

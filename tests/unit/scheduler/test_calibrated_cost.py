@@ -101,7 +101,10 @@ RECORDED = [(1.0, "fp32", "fp32", 4.856), (1.0, "directq2", "gradq4", 0.632), (1
 
 
 @pytest.mark.parametrize(("rate", "fw", "bw", "measured"), RECORDED)
-def test_the_model_is_within_10_percent_of_recorded_steps(rate, fw, bw, measured):
+def test_the_model_is_within_10_percent_of_recorded_steps(rate, fw, bw, measured, monkeypatch):
+    from swarm.runtime.average import GradientAverager
+
+    monkeypatch.setattr(GradientAverager, "tied_codec", None)  # those runs summed the tied gradient at the backward's
     assert predict_route([41.0, 41.0], rate, fw, bw) == pytest.approx(measured, rel=0.10)
 
 
