@@ -44,16 +44,15 @@ LOCAL_FIELDS = (
 """`CodecConfig` fields that are a peer's own rather than its codec's: no label suffix sets them (`+gN` sets
 `group_size` where a label has it)."""
 
-DEFAULT_FORWARD_CODEC = "bilevel+ch+fsl32+s20"
-"""AQ-SGD's buffer protocol with 1-bit deltas on two fp16 levels per channel of a sample (Lloyd's quantizer,
-`swarm.compression.codec_bilevel`) for a sample's later visits, and its first sight subspace-coded (`+fsl32+s20`:
-rank 32 of the message's own eigenbasis, one step of 20% of its rms, int8 codes that zstd shrinks;
-`swarm.compression.subspace`). With the default backward and the tied sum's default (`GradientAverager.tied_codec`,
-rank-16 int8 factors), in `swarm experiment convergence` (512 held-out windows; docs/reports/single-pass.md, s49):
-one pass of 6,144 samples 17.68x / 17.69x fewer total bytes at +0.79% / +0.11% held-out vs fp32 (seeds 0 / 1), 8
-epochs 20.27x / 20.21x after epoch 1 and 19.88x / 19.85x over the run at +0.97% / +1.02%. The default before it,
-`acsgd2+ch+nr+fsl32+s20` (2-bit deltas, the same first sights; the forward ladder's last rung but one), sends the
-same single pass to the byte (no sample comes back) and twice the deltas."""
+DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr+fsl32+s20"
+"""AQ-SGD with the paper's quantizer (one fp16 max-abs scale per channel of a sample, round to nearest) for a
+sample's later visits, and its first sight subspace-coded (`+fsl32+s20`: rank 32 of the message's own eigenbasis,
+one step of 20% of its rms, int8 codes that zstd shrinks; `swarm.compression.subspace`). With the default backward
+and the tied sum's default (`GradientAverager.tied_codec`, rank-16 int8 factors), in `swarm experiment convergence`
+(512 held-out windows; docs/reports/single-pass.md, s50), seeds 0 / 1: one pass of 6,144 samples 17.68x fewer total
+bytes at +0.79% / +0.11% held-out vs fp32; 8 epochs 17.24x / 17.29x after epoch 1 at +0.14% / +0.15%; with 2
+replicas 20.6x at +0.85% / +0.96%. 1-bit deltas (`bilevel+ch+fsl32+s20`, the forward ladder's rung below this
+floor) send 20.27x over 8 epochs but at +0.97% / +1.02%, and with 2 replicas +1.08% / +1.81%: not the default."""
 DEFAULT_BACKWARD_CODEC = "gradq2+ef+rot+nr+cs+g256"
 """2-bit gradients with error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 256: with
 groups of 1024 the same forward sent 8% fewer bytes but missed 1% on one seed of the single pass (+1.35%)."""

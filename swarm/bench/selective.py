@@ -22,10 +22,8 @@ import numpy as np
 from swarm.flags import Flags
 from swarm.report import emit
 from swarm.scheduler.bits import (
-    AVERAGE_LADDER,
     BACKWARD_LADDER,
     FORWARD_LADDER,
-    TIED_LADDER,
     BitsPolicy,
     choose_codecs,
     choose_epilogue,
@@ -100,7 +98,7 @@ def rows(
         figures = epilogue_figures(plan_stages, plan_input, spec)
         chosen = widen_hidden(choose_epilogue(*figures, policy), *figures)  # as the planner: `choose_for_plan`
         fp32 = step("fp32", "fp32", "fp32", "fp32")
-        compressed = step(FORWARD_LADDER[-1], policy.backward_floor, AVERAGE_LADDER[-1], TIED_LADDER[-1])
+        compressed = step(policy.forward_floor, policy.backward_floor, policy.average_floor, policy.tied_floor)
         selective = selective_breakdown(plan_stages, plan_input, spec, chosen).total_s
         out.append(
             {

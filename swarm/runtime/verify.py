@@ -84,8 +84,8 @@ class VerifyConfig:
     over 400 steps of the default model on the default data, every micro-batch audited: 0.44 with s42's default
     acsgd2+ch+nr+fsl32+s20, whose subspace-coded first sights set it, 0.43 with acsgd2+ch+nr; 0.05 with acsgd4; 2e-4
     fp16; in the convergence experiment's 8 epochs, every forward message, `scripts/measure_link_error.py`: the
-    default bilevel+ch+fsl32+s20's 1-bit deltas 0.57 at most, 0.33 median, its first sights 0.53, acsgd2's deltas
-    0.37). Noise of the same norm is 1.4 off, x10 is 9 off; a copy
+    default's deltas 0.37 at most, its first sights 0.53; the 1-bit rung bilevel+ch+fsl32+s20's deltas 0.57, 0.33
+    median). Noise of the same norm is 1.4 off, x10 is 9 off; a copy
     scaled x1.5 (0.5 off) passes the link and is caught only where the stage's own record holds it
     (docs/SECURITY.md#verified-stage-work)."""
     link_rtol_backward: float = 3.0

@@ -17,7 +17,6 @@ from swarm.proto import stage_pb2
 from swarm.runtime.average import SUM_CODEC
 from swarm.scheduler.bits import (
     AVERAGE_LADDER,
-    FORWARD_LADDER,
     TIED_LADDER,
     BitsPolicy,
     EpilogueFigures,
@@ -82,7 +81,7 @@ def test_boundaries_keep_today_s_rule_and_the_fill_share_narrows_only_exposed_me
     slow = LinkFigures(10 * MBIT, 10 * MBIT, 0.1)
     assert choose_codecs([fast, slow], size) == choose_codecs([fast, slow], size, step_s=None)
     out = choose_codecs([fast, slow], size, step_s=1.0)
-    assert out[0].forward_label == "fp32" and out[1].forward_label == FORWARD_LADDER[-1]  # the floor
+    assert out[0].forward_label == "fp32" and out[1].forward_label == DEFAULT_FORWARD_CODEC  # the floor
     # at 1000 Mbit fp32 hides under 100 ms of compute, but the fill's message would add 32 ms + 32 ms to a 1 s step
     mid = LinkFigures(1000 * MBIT, 1000 * MBIT, 0.1)
     assert choose_codecs([mid], size)[0].forward_label == "fp32"

@@ -68,20 +68,21 @@ def test_the_ladders_are_the_default_codec_family():
     assert BitsPolicy().forward_floor == DEFAULT_FORWARD_CODEC and BitsPolicy().backward_floor == DEFAULT_BACKWARD_CODEC
     assert BACKWARD_LADDER[-1] == "gtern+ef+rot+nr+r150+g1024"  # below the default floor: a policy names it
     assert SIZES(BACKWARD_LADDER[-1]) < SIZES(BACKWARD_LADDER[-2])
-    for ladder, bits in ((FORWARD_LADDER, [32, 8, 4, 2, 1]), (BACKWARD_LADDER[:4], [32, 8, 4, 2])):
+    assert FORWARD_LADDER[-1] == "bilevel+ch+fsl32+s20"  # below the default floor: a policy names it
+    assert SIZES(FORWARD_LADDER[-1]) < SIZES(FORWARD_LADDER[-2])
+    for ladder in (FORWARD_LADDER[:4], BACKWARD_LADDER[:4]):
         rungs = [CodecConfig.parse(label) for label in ladder]
-        assert [c.wire_bits for c in rungs] == bits
+        assert [c.wire_bits for c in rungs] == [32, 8, 4, 2]
         assert [SIZES(label) for label in ladder] == sorted((SIZES(label) for label in ladder), reverse=True)
-    # one family: the floor's 1-bit deltas, then acsgd at 2, 4 and 8 bits, with the floor's subspace-coded first
-    # sights at 2 bits and 16-bit ones wider (a fast link's choice: subspace coding trades error for bytes); groups
-    # of 1024 backward
+    # one family: each wider rung is the floor at more bits, with 16-bit first sights forward (a fast link's
+    # choice: the floor's subspace-coded ones trade error for bytes) and groups of 1024 backward; the 1-bit rung
+    # below the floor sends the floor's first sights
     floor = CodecConfig.parse(DEFAULT_FORWARD_CODEC)
-    assert floor.name == "bilevel" and floor.first_sight_rank == 32
-    two = CodecConfig.parse(FORWARD_LADDER[3])
-    assert two.name == "acsgd" and two.bits == 2 and two.group_layout == floor.group_layout
-    assert (two.first_sight_rank, two.subspace_step_percent) == (floor.first_sight_rank, floor.subspace_step_percent)
+    assert floor.first_sight_rank == 32 and FORWARD_LADDER[3] == DEFAULT_FORWARD_CODEC
     for label, bits in zip(FORWARD_LADDER[1:3], (8, 4), strict=True):
-        assert CodecConfig.parse(label) == replace(two, bits=bits, first_sight_rank=0, subspace_step_percent=0)
+        assert CodecConfig.parse(label) == replace(floor, bits=bits, first_sight_rank=0, subspace_step_percent=0)
+    one = CodecConfig.parse(FORWARD_LADDER[-1])
+    assert (one.first_sight_rank, one.subspace_step_percent) == (floor.first_sight_rank, floor.subspace_step_percent)
     floor = CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
     assert floor.group_size == 256
     for label, bits in zip(BACKWARD_LADDER[1:3], (8, 4), strict=True):
