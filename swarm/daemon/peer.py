@@ -400,6 +400,8 @@ class PeerDaemon:
         finally:
             lease_stop.set()
             liveness.close()
+            if replicator is not None:
+                replicator.close()
         return 0
 
     def _left(self, peers, spec) -> bool:
@@ -447,7 +449,15 @@ class PeerDaemon:
             host = self.servicer.host
             own = 12 * sum(p.numel() for p in host.worker.module.parameters()) if host is not None else 0
             timeout_s = copy_timeout_s(max(own, 1 << 20), rate)
-            return fetch_state(self.channels, address, stage, version, timeout_s=timeout_s, max_bytes_per_s=rate)
+            return fetch_state(
+                self.channels,
+                address,
+                stage,
+                version,
+                timeout_s=timeout_s,
+                max_bytes_per_s=rate,
+                on_call=replicator.track,
+            )
 
         def announce_held() -> None:
             self.update_announcement(held=self.held.held())

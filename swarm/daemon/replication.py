@@ -121,6 +121,10 @@ class Replicator:
         self.status, self.fetch, self.poll_s, self.clock = status, fetch, poll_s, clock
         self._next = 0.0
         self._busy = threading.Lock()
+        self._closed = threading.Event()
+        self._call_lock = threading.Lock()
+        self._call = None
+        """the in-flight pull's gRPC call (`track`), cancelled by `close`"""
         self.pulled: dict[tuple[int, int], int] = {(s, e): n for s, e, n in store.held()}
         self.on_pulled: Callable[[], None] = lambda: None
 
@@ -143,7 +147,7 @@ class Replicator:
     def tick(self, plan: PlanRecord | None, peers: list[PeerAnnouncement]) -> bool:
         """Starts a pull if one is due (at most one status check per `poll_s`); returns whether it started."""
         now = self.clock()
-        if plan is None or now < self._next or self._busy.locked():
+        if plan is None or now < self._next or self._busy.locked() or self._closed.is_set():
             return False
         self._next = now + self.poll_s
         due = self.due(plan, peers)
@@ -164,9 +168,34 @@ class Replicator:
         except Exception as e:  # a copy is best effort: the next due pull tries again
             log.info("copy of layers [%d, %d) from %s failed: %s", start, end, address, e)
         finally:
+            with self._call_lock:
+                self._call = None
             ended = self.clock()
             self._next = max(self._next, ended + COPY_REST_FACTOR * (ended - began))
             self._busy.release()
+
+    def track(self, call) -> None:
+        """Called by `fetch` with its gRPC call, so that `close` can cancel it (at once if already closed)."""
+        with self._call_lock:
+            self._call = call
+        if self._closed.is_set():
+            call.cancel()
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """No pull starts any more; an in-flight one is cancelled and waited for, at most `timeout_s` (True: none
+        left). A peer calls it before it exits: a pull thread still inside gRPC when the interpreter shuts down
+        aborted the process ("terminate called without an active exception", exit -6, seen on a demo's peer that
+        stopped during a copy)."""
+        self._closed.set()
+        with self._call_lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if not self._busy.acquire(timeout=timeout_s):
+            log.warning("a copy of the buddy stage was still running %.0f s after it was cancelled", timeout_s)
+            return False
+        self._busy.release()
+        return True
 
 
 def takeover_sources(

@@ -23,11 +23,13 @@ def fetch_state(
     metadata: tuple[tuple[str, str], ...] = (),
     max_bytes: int = 8 << 30,
     max_bytes_per_s: float = 0.0,
+    on_call=None,
 ) -> dict:
     """The named fp32 tensors of `stage` as the peer at `address` held it under `plan_version` (or, with the
     held-range `metadata`, the checkpoint copy it holds). The reply is bounded: at most MAX_STATE_TENSORS
     names, `max_bytes` of bodies, each tensor framed within the wire limits; a name sent twice is refused.
-    `max_bytes_per_s` asks the holder to pace the stream (a background copy: `swarm.daemon.replication`)."""
+    `max_bytes_per_s` asks the holder to pace the stream (a background copy: `swarm.daemon.replication`); `on_call`
+    is given the gRPC call once it is made (so that its owner can cancel it: `Replicator.track`)."""
     from swarm.compression import Unframer, WireError
 
     fp32 = make_codec(CodecConfig("fp32"))
@@ -40,6 +42,8 @@ def fetch_state(
         timeout=timeout_s,
         metadata=metadata or None,
     )
+    if on_call is not None:
+        on_call(call)
     for item in call:
         if item.name in tensors or (item.name not in unframers and len(unframers) >= MAX_STATE_TENSORS):
             call.cancel()

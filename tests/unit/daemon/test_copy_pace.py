@@ -155,3 +155,44 @@ def test_a_copy_that_took_t_seconds_rests_the_next_for_a_multiple_of_t(tmp_path)
     rep._busy.acquire()
     rep._busy.release()
     assert len(pulls) == 2
+
+
+def test_closing_cancels_an_in_flight_copy_waits_for_it_and_starts_no_other(tmp_path):
+    """A peer that stops during a copy used to exit with the pull thread still inside gRPC (the process aborted:
+    "terminate called without an active exception"); `close` cancels the call and waits for the thread."""
+    import threading
+
+    plan = PlanRecord(version=2, document={"stages": [
+        {"layer_start": 0, "layer_end": 2, "peer_ids": [A]},
+        {"layer_start": 2, "layer_end": 3, "peer_ids": [B]},
+    ]}, created_at=1.0)  # fmt: skip
+    started, ended = threading.Event(), threading.Event()
+
+    class Call:  # a stalled stream: nothing arrives until the call is cancelled
+        def __init__(self):
+            self.cancelled = threading.Event()
+
+        def cancel(self):
+            self.cancelled.set()
+
+    first = Call()
+
+    def fetch(address, stage, version):
+        rep.track(first)
+        started.set()
+        try:
+            if not first.cancelled.wait(30):
+                raise AssertionError("never cancelled")
+            raise grpc.RpcError("cancelled")
+        finally:
+            ended.set()
+
+    rep = Replicator(A, HeldStore(tmp_path), every_steps=20, status=lambda a: 20, fetch=fetch, clock=Clock())
+    assert rep.tick(plan, [ann(A), ann(B)]) and started.wait(30)
+    assert rep.close(timeout_s=30) and first.cancelled.is_set() and ended.is_set()
+    assert not rep._busy.locked(), "the pull thread finished"
+    rep._next = 0.0
+    assert not rep.tick(plan, [ann(A), ann(B)]), "no pull after close"
+    late = Call()
+    rep.track(late)  # a call made after close (a fetch that was about to call) is cancelled at once
+    assert late.cancelled.is_set()
