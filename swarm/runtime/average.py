@@ -77,9 +77,10 @@ TIED_CODEC = "lowrank16+ef+f8"
 """The tied embedding's sum over compressed links unless a plan names another (`GradientAverager.tied_codec`), and
 the floor of the planner's ladder for it (`swarm.scheduler.bits.TIED_LADDER`): the tied weight's gradient as rank-16
 PowerSGD factors in int8 with error feedback, one power iteration a step from the last step's Q
-(`swarm.compression.codec_lowrank`). In the convergence experiment with 1-bit deltas (docs/reports/single-pass.md,
-s49): 3.2 MB of the single pass's tied sum at +0.79% held-out where the 4-bit sum sent 8.1 MB at +0.96%, and over 8
-epochs 1.65 MB where it sent 4.0 MB; rank 8 sent half that but missed 1% in the single pass (+1.11%)."""
+(`swarm.compression.codec_lowrank`). In the convergence experiment with the default codecs (docs/reports/single-pass.md,
+s50): the single pass's tied sum 3.2 MB at +0.79% held-out where the 4-bit sum sent 8.1 MB at +0.96%, over 8 epochs
+1.6 MB at +0.14% where it sent 4.0 MB at +0.17%; rank 8 sent half that but missed 1% in the single pass (+1.11%, with
+1-bit deltas, s49)."""
 
 
 def parameters_digest(named: list[tuple[str, torch.Tensor]]) -> str:

@@ -85,9 +85,8 @@ class VerifyConfig:
     acsgd2+ch+nr+fsl32+s20, whose subspace-coded first sights set it, 0.43 with acsgd2+ch+nr; 0.05 with acsgd4; 2e-4
     fp16; in the convergence experiment's 8 epochs, every forward message, `scripts/measure_link_error.py`: the
     default's deltas 0.37 at most, its first sights 0.53; the 1-bit rung bilevel+ch+fsl32+s20's deltas 0.57, 0.33
-    median). Noise of the same norm is 1.4 off, x10 is 9 off; a copy
-    scaled x1.5 (0.5 off) passes the link and is caught only where the stage's own record holds it
-    (docs/SECURITY.md#verified-stage-work)."""
+    median). Noise of the same norm is 1.4 off, x10 is 9 off; a copy scaled x1.5 (0.5 off) passes the link and is
+    caught only where the stage's own record holds it (docs/SECURITY.md#verified-stage-work)."""
     link_rtol_backward: float = 3.0
     """The same for an input gradient and the previous stage's decoded copy: the backward codec's error (honest
     worst 1.15 with gradq2+ef+rot+nr+cs+g1024 over 20 steps, 1.30 over the 400 above and 1.17 with the default
