@@ -127,19 +127,24 @@ def unflatten_into(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None
         offset += n
 
 
-def group_config(planned: CodecConfig | None, backward: CodecConfig, tied: bool = False, floors=None) -> CodecConfig:
+def group_config(
+    planned: CodecConfig | None, backward: CodecConfig, tied: bool = False, floors=None, tied_cols: int | None = None
+) -> CodecConfig:
     """The codec a group sums with, before `GradientAverager._config` seeds each message: the plan's epilogue codec
     `planned`, else the links' `backward` codec (a 1-bit codec's sums are gradq's), with error feedback where it has
     it (fp32 for a codec that needs sample buffers), never below the group's floor of bits (`floors`' `min_bits` and
     `tied_min_bits`: an averager, whose own may be set, or the class's); without a plan, behind a quantized backward
     codec, the stage group sums with `floors.sum_codec` as it is and the tied group with `floors.tied_codec` as a
-    plan's would be taken. What the cost model prices the sums and the tied sync at too (`swarm.scheduler.sizes`)."""
+    plan's would be taken; a low-rank tied codec without a group size factors the tied weight in rows of `tied_cols`
+    (its hidden size). What the cost model prices the sums and the tied sync at too (`swarm.scheduler.sizes`)."""
     floors = GradientAverager if floors is None else floors
+    cfg = codec_class(backward.name).sum_config(backward)
     if tied and planned is None and floors.tied_codec is not None:
-        links = codec_class(codec_class(backward.name).sum_config(backward).name)
+        links = codec_class(cfg.name)
         if links.quantized and not links.uses_buffers:  # compressed links; fp32 and bf16 ones sum as they are
             planned = CodecConfig.parse(floors.tied_codec, zstd_level=backward.zstd_level)
-    cfg = codec_class((planned or backward).name).sum_config(planned or backward)
+    if planned is not None:
+        cfg = codec_class(planned.name).sum_config(planned)
     kind = codec_class(cfg.name)
     if kind.uses_buffers:
         return CodecConfig("fp32", zstd_level=cfg.zstd_level)
@@ -149,6 +154,8 @@ def group_config(planned: CodecConfig | None, backward: CodecConfig, tied: bool 
         cfg = CodecConfig.parse(floors.sum_codec, zstd_level=cfg.zstd_level, seed=cfg.seed)  # compressed links
         kind, floor = codec_class(cfg.name), 0  # the measured sum codec, as it is
     bits = max(cfg.bits, floor) if kind.quantized and not kind.sparse else cfg.bits  # topk: its own bits
+    if tied and tied_cols and kind.ranked and cfg.group_size is None:  # the tied weight as it is shaped
+        cfg = replace(cfg, group_size=tied_cols)
     return replace(cfg, bits=bits, error_feedback=kind.error_feedback)
 
 
@@ -593,10 +600,10 @@ class GradientAverager:
     def _config(self, step: int, index: int, tied: bool = False) -> CodecConfig:
         """The group's codec (`group_config`, with this averager's floors), its rounding draws seeded by step, group
         and member so no two messages share them (fp32, behind a codec with sample buffers, draws none)."""
-        cfg = group_config(self.codecs[tied], self.host.links.backward_recv.config, tied, self)
+        weight = self.host.worker.module.tied_parameter() if tied else None
+        cols = weight.shape[-1] if weight is not None else None
+        cfg = group_config(self.codecs[tied], self.host.links.backward_recv.config, tied, self, tied_cols=cols)
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
-        if tied and codec_class(cfg.name).ranked and cfg.group_size is None:  # a low-rank sum sees the tied weight
-            cfg = replace(cfg, group_size=self.host.worker.module.tied_parameter().shape[-1])  # as it is shaped
         return replace(cfg, seed=seed)
 
     def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.peers.plan_codecs import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
@@ -234,8 +234,6 @@ class CodecSpeed:
 def epilogue_bytes(label: str, elements: float, cols: int | None = None) -> float:
     """Bytes of one member's epilogue message under codec `label`: its steady wire bits an element (scales aside),
     or a low-rank codec's factors of the matrix in rows of `cols` (its payload, scales included)."""
-    from dataclasses import replace
-
     from swarm.compression import CodecConfig, codec_class, make_codec
 
     config = CodecConfig.parse(label)

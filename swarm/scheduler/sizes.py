@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from swarm.compression import CodecConfig, LinkState, codec_class, frame, make_codec
+from swarm.compression import CodecConfig, LinkState, frame, make_codec
 from swarm.model.gpt import ModelConfig
 from swarm.scheduler.plans import ModelSpec, TransformerShape
 
@@ -143,7 +143,5 @@ def tied_bytes(model: ModelConfig, backward: CodecConfig) -> float:
 
     if model.n_layers < 2 or not getattr(model, "tied_embeddings", True):
         return 0.0
-    config = group_config(None, backward, tied=True)
-    if codec_class(config.name).ranked:  # the averager's view of the tied weight: rows of `hidden`
-        config = dataclasses.replace(config, group_size=model.hidden_dim)
+    config = group_config(None, backward, tied=True, tied_cols=model.hidden_dim)  # the averager's view of the weight
     return float(message_bytes(config, (model.vocab_size, model.hidden_dim)))

@@ -124,7 +124,7 @@ class PlanWatch:
             record = self.dht.get_plan(self.n_layers, newer_than=self.version)
         except TimeoutError:
             return None
-        return record.version if record is not None and record.version > self.version else None
+        return record.version if record is not None else None
 
 
 def no_route_left(error: Exception, route: PlanRoutes) -> bool:
