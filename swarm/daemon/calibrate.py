@@ -293,7 +293,9 @@ def measured_bytes(spec: ModelSpec, stages: Sequence[PlanStage], measured: Mappi
         for st, row in zip(stages, rows, strict=True) if len(st.peer_ids) > 1 and len(st.layers) for m in row
     ]  # fmt: skip
     figures["gradient_bytes_per_layer"] = max(sums, default=0.0)
-    return dataclasses.replace(spec, **{k: v for k, v in figures.items() if v > 0})
+    # the plan's links sent what they sent: measured bytes price them, not the per-link ladder they were chosen from
+    ladder = None if figures["forward_bytes"] > 0 and figures["backward_bytes"] > 0 else spec.link_ladder
+    return dataclasses.replace(spec, link_ladder=ladder, **{k: v for k, v in figures.items() if v > 0})
 
 
 def calibrator(plans, channels, addresses: Callable[[], dict[str, str]]) -> Calibrator | None:

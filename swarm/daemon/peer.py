@@ -316,13 +316,15 @@ class PeerDaemon:
         from swarm.daemon.probe import LinkProber
         from swarm.daemon.repack import RepackWatch
         from swarm.daemon.sensitivity_report import SensitivityReport
-        from swarm.scheduler.bits import codec_sizes, epilogue_codec_speed
+        from swarm.scheduler.bits import epilogue_codec_speed, measured_link_ladder
         from swarm.scheduler.epilogue_only import epilogue_only_planner
         from swarm.scheduler.precision_choice import precision_planner
         from swarm.scheduler.sizes import model_spec
 
         cfg, plans = self.cfg, self.cfg.planning
         spec = model_spec(self.model, *self.codecs, plans.micro_batch_size, plans.micro_batches)
+        if plans.codec_policy == "per-link":  # the search places peers knowing each link's codec (bits.link_ladder)
+            spec = dataclasses.replace(spec, link_ladder=measured_link_ladder(self.model, plans.micro_batch_size))
         stages = cfg.num_stages or None
         # --no-link-probe: no measurement, every link planned at the default; no probe wait for the planner
         prober = None
@@ -348,7 +350,6 @@ class PeerDaemon:
             spec,
             stages,
             liveness=liveness,
-            codec_bytes=codec_sizes(self.model, plans.micro_batch_size) if plans.codec_policy == "per-link" else None,
             epilogue=plans.codec_policy == "selective",
             codec_speed=epilogue_codec_speed() if plans.codec_policy != "fixed" else None,
             epilogue_only=epilogue_only_planner(self.model, self.codecs, plans) if plans.epilogue_only else None,

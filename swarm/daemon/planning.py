@@ -229,7 +229,12 @@ class Planner:
         self.settle_s, self.seed, self.clock = settle_s, cfg.seed, clock
         self.probe_wait_s = probe_wait_s if cfg.probe_links else 0.0
         self.replicas, self.liveness, self.even_layers = cfg.replicas, liveness, cfg.even_layers
+        ladder = spec.link_ladder
+        if codec_bytes is None and ladder is not None:  # per-link with the search pricing each link's codec
+            codec_bytes = _rung_figure(ladder, "message_bytes")
         self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
+        self.coding_s = None if ladder is None else _rung_figure(ladder, "coding_s")
+        """Seconds to encode and decode one message per codec (the spec's measured ladder); None: bytes alone."""
         self.epilogue = epilogue or codec_bytes is not None
         """Whether plans carry the epilogue's codecs (the replicas' sums, the tied sync), chosen from the measured
         links (`--codec-policy selective`; per-link chooses them with the boundaries' codecs)."""
@@ -493,7 +498,7 @@ class Planner:
         if self.codec_bytes is not None and len(stages) >= 2:
             self._chosen_from = link_figures(plan.stages, swarm.plan_input, self.spec)
             step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
-            codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s)
+            codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s, self.coding_s)
             for b, c in enumerate(codecs):
                 log.info("boundary %d codecs %s", b, c.why)
             plan = plan.with_link_codecs(codecs)
@@ -583,6 +588,11 @@ class Planner:
                 self._exhausted = True
             return None
         return floor + 1
+
+
+def _rung_figure(ladder, name: str) -> Callable[[str], float]:
+    """`name` of a codec's rung on `ladder` (a `LinkLadder`), by label."""
+    return lambda label: float(getattr(ladder.rung(label), name))
 
 
 def _planners(dht) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.peers.plan_codecs import MAX_CODEC_WHY, EpilogueCodecs, LinkCodecs
 from swarm.runtime.average import SUM_CODEC, TIED_CODEC
+from swarm.scheduler.plans import LinkLadder, LinkRung
 
 __all__ = [
     "AVERAGE_LADDER",
@@ -50,6 +51,8 @@ __all__ = [
     "choose_codecs",
     "choose_link",
     "epilogue_codec_speed",
+    "link_ladder",
+    "measured_link_ladder",
     "rechoose",
 ]
 
@@ -121,12 +124,18 @@ class LinkFigures:
     """The slower adjacent stage's forward + backward per micro-batch."""
 
 
-def _pick(ladder: Sequence[str], floor: str, rate: float, budget_s: float, size: Callable[[str], float]) -> str:
+def _no_coding(label: str) -> float:
+    return 0.0
+
+
+def _pick(ladder: Sequence[str], floor: str, seconds: Callable[[str], float], budget_s: float) -> str:
+    """The most precise codec down to `floor` whose message takes at most `budget_s`, else the quickest (on bytes
+    alone the floor; with coding time, on a fast link, a wider one)."""
     allowed = ladder[: ladder.index(floor) + 1]
     for label in allowed:
-        if size(label) / rate <= budget_s:
+        if seconds(label) <= budget_s:
             return label
-    return allowed[-1]
+    return min(allowed, key=seconds)  # min keeps the first, the most precise, on ties
 
 
 def choose_link(
@@ -134,20 +143,29 @@ def choose_link(
     message_bytes: Callable[[str], float],
     policy: BitsPolicy = BitsPolicy(),
     exposed_s: float = math.inf,
+    coding_s: Callable[[str], float] | None = None,
 ) -> LinkCodecs:
     """The boundary's forward and backward codecs and why (`message_bytes(label)`: bytes of
     one micro-batch's message under that codec, e.g. `sizes.message_bytes` at the run's shape). `exposed_s`:
     what one message each way may take at most, hidden or not: the pipeline's fill and drain wait for one
     message each way on every boundary, so even a message the steady state hides is on the critical path once
-    a step (`choose_codecs` gives each boundary its part of `epilogue_share`)."""
+    a step (`choose_codecs` gives each boundary its part of `epilogue_share`). `coding_s(label)`: seconds to
+    encode and decode one message (a `LinkLadder`'s measured figures), added to its link time; None: bytes alone."""
+    coding = coding_s or _no_coding
     budget = min(link.compute_s / policy.headroom, exposed_s / 2)
-    forward = _pick(FORWARD_LADDER, policy.forward_floor, link.forward_bytes_per_s, budget, message_bytes)
-    backward = _pick(BACKWARD_LADDER, policy.backward_floor, link.backward_bytes_per_s, budget, message_bytes)
-    forward_s, backward_s = (
-        message_bytes(forward) / link.forward_bytes_per_s,
-        message_bytes(backward) / link.backward_bytes_per_s,
-    )
-    hidden = "hidden under" if max(forward_s, backward_s) <= budget else "over (at the floor)"
+
+    def forward_time(label: str) -> float:
+        return message_bytes(label) / link.forward_bytes_per_s + coding(label)
+
+    def backward_time(label: str) -> float:
+        return message_bytes(label) / link.backward_bytes_per_s + coding(label)
+
+    forward = _pick(FORWARD_LADDER, policy.forward_floor, forward_time, budget)
+    backward = _pick(BACKWARD_LADDER, policy.backward_floor, backward_time, budget)
+    forward_s, backward_s = forward_time(forward), backward_time(backward)
+    floors = (forward, backward) == (policy.forward_floor, policy.backward_floor)
+    over = "over (at the floor)" if floors else "over (the quickest)"
+    hidden = "hidden under" if max(forward_s, backward_s) <= budget else over
     why = (
         f"{forward}/{backward}: {forward_s * 1e3:.1f}/{backward_s * 1e3:.1f} ms per micro-batch, "
         f"{hidden} {budget * 1e3:.1f} ms compute"
@@ -160,12 +178,24 @@ def choose_codecs(
     message_bytes: Callable[[str], float],
     policy: BitsPolicy = BitsPolicy(),
     step_s: float | None = None,
+    coding_s: Callable[[str], float] | None = None,
 ) -> list[LinkCodecs]:
     """One `choose_link` per boundary, in pipeline order. With `step_s` (the step's pipeline time, as the
     epilogue's figures carry it) the boundaries' fill and drain together may add at most `epilogue_share` of
     it (Optimus-CC's epilogue: the messages no compute hides); without, only the steady-state rule applies."""
     exposed = math.inf if step_s is None or not links else policy.epilogue_share * step_s / len(links)
-    return [choose_link(link, message_bytes, policy, exposed) for link in links]
+    return [choose_link(link, message_bytes, policy, exposed, coding_s) for link in links]
+
+
+def link_ladder(figures: Callable[[str], tuple[float, float]], policy: BitsPolicy = BitsPolicy()) -> LinkLadder:
+    """The rungs a boundary may take each way under `policy` (fp32 down to its floors), from `figures(label)`:
+    (bytes of one micro-batch's message, seconds to encode and decode it), e.g. `sizes.measure_link_rungs`'s. Put
+    in the `ModelSpec` (`link_ladder`), the search prices each pair of peers at its quickest rung."""
+
+    def rungs(ladder: Sequence[str], floor: str) -> tuple[LinkRung, ...]:
+        return tuple(LinkRung(label, *figures(label)) for label in ladder[: ladder.index(floor) + 1])
+
+    return LinkLadder(rungs(FORWARD_LADDER, policy.forward_floor), rungs(BACKWARD_LADDER, policy.backward_floor))
 
 
 def rechoose(old: Sequence[LinkFigures] | None, new: Sequence[LinkFigures], policy: BitsPolicy = BitsPolicy()) -> bool:
@@ -306,6 +336,17 @@ def codec_sizes(model, micro_batch_size: int) -> Callable[[str], float]:
 
     shape = (micro_batch_size, model.seq_len_tokens, model.boundary_dim)
     return cache(lambda label: float(message_bytes(CodecConfig.parse(label), shape)))
+
+
+def measured_link_ladder(model, micro_batch_size: int, policy: BitsPolicy = BitsPolicy()) -> LinkLadder:
+    """`link_ladder` from one message of `model`'s boundary shape at `micro_batch_size`, encoded and decoded on this
+    machine per rung (`sizes.measure_link_rungs`: about 0.1 s for the default model on this 2-core machine)."""
+    from swarm.scheduler.sizes import measure_link_rungs
+
+    labels = (*FORWARD_LADDER[: FORWARD_LADDER.index(policy.forward_floor) + 1],
+              *BACKWARD_LADDER[: BACKWARD_LADDER.index(policy.backward_floor) + 1])  # fmt: skip
+    figures = measure_link_rungs(labels, (micro_batch_size, model.seq_len_tokens, model.boundary_dim))
+    return link_ladder(figures.__getitem__, policy)
 
 
 def epilogue_codec_speed() -> Callable[[], CodecSpeed]:

@@ -24,7 +24,9 @@ replica, a boundary at its slowest replica link):
 
     compute_s = layers_s * flops_per_layer / (slowest replica's FLOP/s)
     pace_b    = forward_bytes / bandwidth[p, q] + backward_bytes / bandwidth[q, p]   (worst pair p -> q of the boundary)
-                (full-duplex links: the max of the two instead of their sum)
+                (full-duplex links: the max of the two instead of their sum; with a `ModelSpec.link_ladder`
+                (`--codec-policy per-link`) each direction of each pair at its quickest codec, its bytes over the
+                link plus its encoding and decoding: the search places peers knowing each link's codec)
     fill_b    = (forward_bytes - burst[p, q])+ / bandwidth[p, q] + (backward_bytes - burst[q, p])+ / bandwidth[q, p]
                 + delay[p, q] + delay[q, p]          (the first messages find idle links: a bucket's burst)
     sync_s    = max over replicas i of  latency_i + sum_{j != i} G_s / R * (1 / bandwidth_ij + 1 / bandwidth_ji)
@@ -46,7 +48,7 @@ import numpy as np
 from swarm.scheduler.graph import bottleneck_assignment, open_path_tsp
 from swarm.scheduler.plans import Breakdown, ModelSpec, PlanInput
 
-__all__ = ["DtfmCost", "FullCost", "GroupStats", "Layout", "allocate_layers", "even_layers"]
+__all__ = ["DtfmCost", "FullCost", "GroupStats", "Layout", "allocate_layers", "even_layers", "link_rungs"]
 
 INFEASIBLE = float("inf")
 # Up to this many stages, `FullCost.complete` also solves one exact order per pace threshold (a Held-Karp each).
@@ -226,6 +228,26 @@ def allocate_layers(
     return counts[int(cost.argmin())]
 
 
+def link_rungs(model: ModelSpec, direction: str, inverse_bandwidth: np.ndarray):
+    """Per directed pair, what one message of `direction` ("forward" or "backward") costs: its bytes, its coding
+    seconds and the index of its rung on `model.link_ladder` (-1: the configured codec). Without a ladder every
+    pair sends the configured codec's bytes at no coding cost (what the step's calibrated overhead holds); with
+    one, each pair takes its quickest rung (`LinkRung.seconds`: bytes over the link plus encoding and decoding),
+    the most precise on ties: codecs chosen with the placement, not after it. `inverse_bandwidth`: [n, n],
+    entry [p, q] the inverse rate of the link that direction's message of pair p -> q travels."""
+    ladder = model.link_ladder
+    if ladder is None:
+        fixed = model.forward_bytes if direction == "forward" else model.backward_bytes
+        shape = inverse_bandwidth.shape
+        return np.full(shape, float(fixed)), np.zeros(shape), np.full(shape, -1, dtype=np.int64)
+    rungs = ladder.forward if direction == "forward" else ladder.backward
+    times = np.stack([r.seconds(inverse_bandwidth) for r in rungs])
+    chosen = times.argmin(axis=0)  # argmin takes the first, the most precise, on ties
+    sizes = np.array([r.message_bytes for r in rungs])[chosen]
+    coding = np.array([r.coding_s for r in rungs])[chosen]
+    return sizes, coding, chosen
+
+
 class FullCost:
     """Our cost model (see the module docstring), for one swarm and one model."""
 
@@ -239,14 +261,20 @@ class FullCost:
         self.model = model
         self.speeds = plan_input.speeds_flops_per_s
         self.memories = plan_input.memories_bytes
-        # pair p -> q of a boundary: forward p -> q, backward q -> p.
-        forward_s, backward_s = model.forward_bytes * inverse_bandwidth, model.backward_bytes * inverse_bandwidth.T
+        # pair p -> q of a boundary: forward p -> q, backward q -> p, each at the link's codec (`link_rungs`)
+        forward, forward_coding, self.forward_rung = link_rungs(model, "forward", inverse_bandwidth)
+        backward, backward_coding, self.backward_rung = link_rungs(model, "backward", inverse_bandwidth.T)
+        self.forward_bytes, self.backward_bytes = forward, backward
+        """[p, q]: bytes of one micro-batch's message p -> q (forward) and q -> p (backward) if p -> q were a
+        boundary pair: the configured codecs', or with a `ModelSpec.link_ladder` its quickest rung's on that link"""
+        forward_s = forward * inverse_bandwidth + forward_coding
+        backward_s = backward * inverse_bandwidth.T + backward_coding
         # full duplex: the two directions overlap in the steady state; the fill still waits for one of each
         self.pace_s = np.maximum(forward_s, backward_s) if model.full_duplex else forward_s + backward_s
         # the fill's messages find their links idle: a token bucket passes its burst at once
         burst = self.burst = plan_input.burst_bytes
-        first_forward = np.maximum(model.forward_bytes - burst, 0.0) * inverse_bandwidth
-        first_backward = np.maximum(model.backward_bytes - burst.T, 0.0) * inverse_bandwidth.T
+        first_forward = np.maximum(forward - burst, 0.0) * inverse_bandwidth + forward_coding
+        first_backward = np.maximum(backward - burst.T, 0.0) * inverse_bandwidth.T + backward_coding
         self.fill_s = first_forward + first_backward + delay + delay.T
         self.round_trip_s = delay + delay.T
         self.inverse_bandwidth = inverse_bandwidth
@@ -334,8 +362,8 @@ class FullCost:
         micro = self.steady_factor(grid.shape[1]) + 1
         for s in range(len(grid) - 1):
             for a, b in zip(grid[s], grid[s + 1], strict=True):
-                load[a, b] += micro * m.forward_bytes * self.boundary_inverse_bandwidth[a, b]
-                load[b, a] += micro * m.backward_bytes * self.boundary_inverse_bandwidth[b, a]
+                load[a, b] += micro * self.forward_bytes[a, b] * self.boundary_inverse_bandwidth[a, b]
+                load[b, a] += micro * self.backward_bytes[a, b] * self.boundary_inverse_bandwidth[b, a]
         if m.tied and len(grid) > 1:
             members = np.concatenate([grid[0], grid[-1]])
             sub = np.ix_(members, members)

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Breakdown",
+    "LinkLadder",
+    "LinkRung",
     "ModelSpec",
     "Peer",
     "Plan",
@@ -47,6 +49,48 @@ class Peer:
     def __post_init__(self) -> None:
         if self.compute_flops_per_s <= 0 or self.memory_bytes <= 0:
             raise ValueError(f"peer {self.peer_id}: compute and memory must be positive")
+
+
+@dataclass(frozen=True)
+class LinkRung:
+    """One codec a boundary may send with: its label, the bytes of one micro-batch's message, and the seconds one
+    message costs to encode and decode on the planner's machine (`swarm.scheduler.sizes.measure_link_rungs`)."""
+
+    label: str
+    message_bytes: float
+    coding_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.message_bytes) and self.message_bytes > 0):
+            raise ValueError(f"rung {self.label!r}: message_bytes must be finite and > 0")
+        if not (math.isfinite(self.coding_s) and self.coding_s >= 0):
+            raise ValueError(f"rung {self.label!r}: coding_s must be finite and >= 0")
+
+    def seconds(self, inverse_bandwidth):
+        """One message on a link of `1 / bytes_per_s` (a number or an array): its bytes and its coding."""
+        return self.message_bytes * inverse_bandwidth + self.coding_s
+
+
+@dataclass(frozen=True)
+class LinkLadder:
+    """The codecs a boundary may take each way, most precise first, down to the loss budget's floors
+    (`swarm.scheduler.bits.link_ladder`). With one in the `ModelSpec`, the cost model prices each pair of peers at
+    its quickest rung (the search places peers knowing which codec each link would get) instead of at one codec
+    for every link."""
+
+    forward: tuple[LinkRung, ...]
+    backward: tuple[LinkRung, ...]
+
+    def __post_init__(self) -> None:
+        if not self.forward or not self.backward:
+            raise ValueError("LinkLadder: each direction needs at least one rung")
+
+    def rung(self, label: str) -> LinkRung:
+        """The rung of `label` (either direction)."""
+        for r in (*self.forward, *self.backward):
+            if r.label == label:
+                return r
+        raise KeyError(f"no rung {label!r} on the ladder")
 
 
 @dataclass(frozen=True, eq=False)
@@ -218,6 +262,10 @@ class ModelSpec:
     tied_shape: tuple[int, int] = (0, 0)
     """The tied weight's (vocab, hidden): its elements, and the matrix a low-rank tied codec factors; (0, 0): not
     known, its elements read back from `tied_bytes` (`swarm.scheduler.selective.tied_elements`)."""
+    link_ladder: LinkLadder | None = None
+    """The codecs each boundary may take (`--codec-policy per-link`): the cost model prices each pair of peers at
+    its quickest rung, so placement and the links' codecs are chosen together; None: every link at
+    `forward_bytes` / `backward_bytes` (the configured codecs)."""
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.micro_batches < 1:

@@ -227,6 +227,7 @@ class TunnelCost(FullCost):
             boundaries = FullCost(neighbour_input, model)
             self.fill_s, self.pace_s = boundaries.fill_s, boundaries.pace_s
             self.boundary_inverse_bandwidth = boundaries.inverse_bandwidth
+            self.forward_bytes, self.backward_bytes = boundaries.forward_bytes, boundaries.backward_bytes
 
     def tunnel_term_s(self, grid: np.ndarray) -> float:
         return self.tunnel_s * tunnelled_messages(grid, self.unreachable, self.model)

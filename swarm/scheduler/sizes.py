@@ -16,6 +16,7 @@ __all__ = [
     "REFERENCE_MICRO_BATCHES",
     "SPEED_SAMPLE_ELEMENTS",
     "measure_codec_speed",
+    "measure_link_rungs",
     "message_bytes",
     "model_spec",
     "sum_bits",
@@ -52,6 +53,46 @@ def message_bytes(codec: CodecConfig, shape: tuple[int, ...], seed: int = 0) -> 
     else:
         msg = encoder.encode(x)
     return sum(chunk.ByteSize() for chunk in frame(msg, zstd_level=codec.zstd_level))
+
+
+def measure_link_rungs(
+    labels, shape: tuple[int, ...], repeats: int = 3, seed: int = 0
+) -> dict[str, tuple[float, float]]:
+    """Per codec label, one boundary message of `shape` as this process sends it: (its bytes on the wire, as
+    `message_bytes` measures them; the seconds to encode and frame it and to decode it, the fastest of `repeats`
+    after one that warms up). A codec with message buffers is timed in its steady state (a delta against the
+    buffers the sender's and the receiver's first sight filled). What `swarm.scheduler.bits.link_ladder` prices
+    each pair of peers with; the planner's machine stands for every peer's (peers do not announce theirs)."""
+    import time
+
+    from swarm.compression import WireLimits, decoder_for
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def sample() -> torch.Tensor:
+        return torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
+
+    numel = int(torch.Size(shape).numel())
+    limits = WireLimits(max_dims=len(shape), max_numel=numel, max_message_bytes=8 * numel + (1 << 20))
+    out = {}
+    for label in dict.fromkeys(labels):
+        config = CodecConfig.parse(label)
+        encoder, x = make_codec(config), sample()
+        ids = list(range(shape[0]))
+        sent, received = LinkState(config), LinkState(config)
+        if encoder.uses_buffers:  # first sights fill both ends' buffers; the timed messages are deltas
+            first = encoder.encode(x, sample_ids=ids, state=sent)
+            decoder_for(first, config).decode(first, state=received, limits=limits)
+        size, best = 0, float("inf")
+        for _ in range(repeats + 1):
+            y = x + 0.1 * sample()
+            start = time.perf_counter()
+            msg = encoder.encode(y, sample_ids=ids, state=sent) if encoder.uses_buffers else encoder.encode(y)
+            size = sum(chunk.ByteSize() for chunk in frame(msg, zstd_level=config.zstd_level))
+            decoder_for(msg, config).decode(msg, state=received if encoder.uses_buffers else None, limits=limits)
+            best = min(best, time.perf_counter() - start)
+        out[label] = (float(size), best)
+    return out
 
 
 SPEED_SAMPLE_ELEMENTS = 1 << 18
