@@ -57,6 +57,7 @@ from swarm.peers.records import (
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, CodecSpeed, LinkFigures, choose_codecs, rechoose
+from swarm.scheduler.precision_choice import precision_speeds
 from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, relays_of, shared_cost, shared_input
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
 
@@ -220,7 +221,7 @@ class Planner:
         dht_time: Callable[[], float] = time.time,
         reannounce: Callable[[], object] | None = None,
         calibrator: Calibrator | None = None,
-        precisions: Callable[[list, list], tuple[str, ...] | None] | None = None,
+        precisions: Callable[..., tuple[str, ...] | None] | None = None,
         repack=None,  # a swarm.daemon.repack.RepackWatch: repacks the plan when its stages froze more layers
     ):
         """`cfg` says how to plan (min peers, seed, replicas, even layers, lease); the rest are collaborators.
@@ -246,7 +247,9 @@ class Planner:
         self.codec_speed = codec_speed
         """How fast this machine runs the epilogue's codecs (`swarm.scheduler.sizes.measure_codec_speed`, measured
         once, when first asked): an exchange's time is its bytes and its encoding; None: its bytes alone."""
-        self.calibrator, self.precisions, self.repack = calibrator, precisions, repack  # precisions: scheduler
+        self.calibrator, self.precisions, self.repack = calibrator, precisions, repack
+        """precisions: `precision_planner`'s (stage dicts, announcements, quiet=False) -> one per stage, or None;
+        called for each shape's best layout inside the search (`precision_speeds`) and on the plan made"""
         self.precision_watch = PrecisionWatch(precisions) if precisions is not None else None  # from announced figures
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
         """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
@@ -434,7 +437,9 @@ class Planner:
         stages = min(self.n_stages, len(alive)) if self.n_stages else None
         # a relay's rate is divided among the relayed links the layout sends through it (swarm.scheduler.relays)
         search = live_search(stages, self.seed, self.replicas)
-        made = plan_relayed(swarm.direct_input, self.spec, swarm.relays, search, version=version)
+        # the stages' precisions under the loss budget are chosen for each shape's best layout inside the search
+        speeds_for = None if self.precisions is None else precision_speeds(self.precisions, swarm.direct_input, peers)
+        made = plan_relayed(swarm.direct_input, self.spec, swarm.relays, search, version=version, speeds_for=speeds_for)
         if self.even_layers:
             shared = shared_input(swarm.direct_input, swarm.relays, made)
             made = with_even_layers(

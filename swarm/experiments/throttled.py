@@ -104,9 +104,15 @@ def _settings(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
+PER_LINK_SUFFIX = "@link"
+"""`FW/BW@link`: the peers plan with `--codec-policy per-link`: each boundary's codecs (down to the default floors)
+and the epilogue's chosen by the planner with the placement, from the probed links and this machine's codec times;
+FW/BW are only the codecs configured before a plan names them."""
+
+
 def split_setting(setting: str) -> tuple[str, str]:
-    """(`FW/BW`, the setting's suffix: `EPILOGUE_SUFFIX`, `SELECTIVE_SUFFIX` or '')."""
-    for suffix in (EPILOGUE_SUFFIX, SELECTIVE_SUFFIX):
+    """(`FW/BW`, the setting's suffix: `EPILOGUE_SUFFIX`, `SELECTIVE_SUFFIX`, `PER_LINK_SUFFIX` or '')."""
+    for suffix in (EPILOGUE_SUFFIX, SELECTIVE_SUFFIX, PER_LINK_SUFFIX):
         if setting.endswith(suffix):
             return setting.removesuffix(suffix), suffix
     return setting, ""
@@ -121,7 +127,8 @@ class ThrottledConfig:
     settings: tuple[str, ...] = field(default=tuple(SETTINGS), metadata=flag(parse=_settings, render=",".join))
     """comma-separated FW/BW codec pairs of the cells; the fp32/* ones are the baseline of the comparisons (one is
     always run). FW/BW@epi: the peers' planner chooses epilogue-only compression (--plan-epilogue-only); FW/BW@sel:
-    it chooses the replicas' sums' codecs (--codec-policy selective; with --stages below --peers)"""
+    it chooses the replicas' sums' codecs (--codec-policy selective; with --stages below --peers); FW/BW@link: it
+    chooses every link's codecs with the placement (--codec-policy per-link)"""
     steps: int = 40
     """optimizer steps per cell"""
     slow_steps: int = 12
@@ -192,7 +199,8 @@ class ThrottledConfig:
             pair, _ = split_setting(setting)
             if pair.count("/") != 1 or "@" in pair:
                 raise ValueError(
-                    f"setting {setting!r}: expected FW/BW, optionally with {EPILOGUE_SUFFIX} or {SELECTIVE_SUFFIX}"
+                    f"setting {setting!r}: expected FW/BW, optionally with {EPILOGUE_SUFFIX}, {SELECTIVE_SUFFIX} or "
+                    f"{PER_LINK_SUFFIX}"
                 )
         if not re.fullmatch(r"[a-z][a-z0-9]{0,4}-", self.netns_prefix):
             raise ValueError(f"--netns-prefix: expected [a-z][a-z0-9]{{0,4}}- (e.g. 'swt-'), got {self.netns_prefix!r}")
@@ -291,6 +299,8 @@ def read_summary(cell_dir: Path) -> dict:
                     "average": list(plan.epilogue.average_labels),
                     "tied": plan.epilogue.tied_label,
                 }
+            if plan is not None and plan.codecs:  # each boundary's codecs as the planner chose them (@link)
+                summary["link_codecs"] = [f"{c.forward_label}/{c.backward_label}" for c in plan.codecs]
             epilogue = cell_dir / "epilogue.json"
             if epilogue.is_file():
                 summary["epilogue"] = json.loads(epilogue.read_text())
@@ -349,7 +359,9 @@ def peer_config(cell: Cell, cfg: ThrottledConfig):
     stages = cfg.stages or cfg.peers
     replicas = cfg.peers // stages if stages < cfg.peers else peer.planning.replicas
     # FW/BW@sel: the planner chooses the sums' codecs from the measured links (selective stage compression)
-    policy = "selective" if suffix == SELECTIVE_SUFFIX else peer.planning.codec_policy
+    # FW/BW@link: every link's codecs chosen with the placement (`swarm.scheduler.bits.link_ladder`)
+    policies = {SELECTIVE_SUFFIX: "selective", PER_LINK_SUFFIX: "per-link"}
+    policy = policies.get(suffix, peer.planning.codec_policy)
     # FW/BW@epi: epilogue-only compression, the live planner choosing the exposed backward messages from the peers'
     # announced speeds and the probed links (`--plan-epilogue-only`)
     planning = replace(peer.planning, replicas=replicas, codec_policy=policy, epilogue_only=suffix == EPILOGUE_SUFFIX)
@@ -522,6 +534,7 @@ def summarize(
         **(summary or {}).get("epilogue", {}),  # a FW/BW@epi cell's choice from timed stages and predicted split
         "bw_epilogue": (summary or {}).get("bw_epilogue"),  # ... and the live planner's, which the peers ran
         "epilogue_codecs": (summary or {}).get("epilogue_codecs"),  # the plan's codecs of the sums (selective)
+        "link_codecs": (summary or {}).get("link_codecs"),  # the plan's boundaries' codecs (per-link)
     }
 
 

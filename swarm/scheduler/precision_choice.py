@@ -34,6 +34,7 @@ __all__ = [
     "peer_speed",
     "plan_precisions",
     "precision_planner",
+    "precision_speeds",
     "stage_times",
 ]
 
@@ -226,13 +227,46 @@ def precision_planner(
 
     told: list[str] = []
 
-    def choose(stages: list, peers: list) -> tuple[str, ...] | None:
+    def choose(stages: list, peers: list, quiet: bool = False) -> tuple[str, ...] | None:
         own = [stage_sensitivity(model, s["layer_start"], s["layer_end"], micro_batch_size) for s in stages]
         sens, notes = announced_sensitivities(stages, {p.peer_id: p for p in peers}, own)
-        if notes != told:  # said once per change, not every planning round
+        if notes != told and not quiet:  # said once per change, not every planning round (nor per search candidate)
             told[:] = notes
             for note in notes:
                 log.info("sensitivity: %s", note)
         return plan_precisions(stages, {p.peer_id: p for p in peers}, sens, budget)
 
     return choose
+
+
+def precision_speeds(choose: Callable[..., tuple[str, ...] | None], plan_input, peers: Sequence) -> Callable:
+    """The search's `PeerSpeeds` for a planner that chooses precisions (`precision_planner`'s `choose`): for a
+    finished layout over `plan_input`'s peers, the stages' precisions as `choose` picks them for its layer ranges,
+    and each peer's FLOP/s scaled by its announced speed in its stage's precision over its fp32 one (None when
+    every stage stays fp32). So the precision under the loss budget is chosen inside the search, for each shape's
+    best layout, rather than once for the layout fp32 speeds placed."""
+    import numpy as np
+
+    by_id = {p.peer_id: p for p in peers}
+    ids = [p.peer_id for p in plan_input.peers]
+
+    def speeds_for(layout) -> np.ndarray | None:
+        bounds = np.concatenate([[0], np.cumsum(layout.layers)])
+        stages = [
+            {"layer_start": int(bounds[s]), "layer_end": int(bounds[s + 1]), "peer_ids": [ids[int(i)] for i in row]}
+            for s, row in enumerate(layout.grid)
+        ]
+        chosen = choose(stages, list(peers), quiet=True)
+        if chosen is None or all(p == "fp32" for p in chosen):
+            return None
+        speeds = np.array(plan_input.speeds_flops_per_s, dtype=float)
+        for precision, row in zip(chosen, layout.grid, strict=True):
+            for i in row:
+                announced = by_id.get(ids[int(i)])
+                fp32 = peer_speed(announced, "fp32") if announced is not None else None
+                low = peer_speed(announced, precision) if announced is not None else None
+                if fp32 and low:
+                    speeds[int(i)] *= low / fp32
+        return speeds
+
+    return speeds_for

@@ -69,11 +69,11 @@ import numpy as np
 from swarm.scheduler.cost import FullCost, GroupStats, Layout
 from swarm.scheduler.graph import open_path_tsp
 from swarm.scheduler.plans import Breakdown, ModelSpec, Plan, PlanInput
-from swarm.scheduler.search import SearchConfig, layout_to_plan, search_full
+from swarm.scheduler.search import PeerSpeeds, SearchConfig, layout_to_plan, search_full
 
 __all__ = [
     "TUNNEL_CALL_S", "TunnelCost", "plan_relayed", "price", "relay_extra_s", "relay_paths", "relay_shares",
-    "relayed_input", "relays_of", "shared_cost", "shared_input", "tunnelled_messages", "unreachable_of",
+    "relayed_input", "relays_of", "shared_cost", "shared_input", "tunnelled_messages", "unreachable_of", "with_speeds",
 ]  # fmt: skip
 
 TUNNEL_CALL_S = 0.2e-3
@@ -319,15 +319,19 @@ def plan_relayed(
     cfg: SearchConfig | None = None,
     version: int = 0,
     tunnel_s: float = TUNNEL_CALL_S,
+    speeds_for: PeerSpeeds | None = None,
 ) -> Plan:
     """`search.plan` for a swarm with unreachable peers (equal to it when every peer is reachable); `tunnel_s`:
-    what a message through a tunnel costs beyond its bytes (module docstring)."""
+    what a message through a tunnel costs beyond its bytes (module docstring); `speeds_for`: the peers' speeds
+    under choices made on a finished layout (`search_full`'s), which its price then keeps."""
     best = None
     shares: dict[int, int] = {}
     for _ in range(2):
         cost = _cost(plan_input, relays, model, shares, tunnel_s)
-        result = search_full(cost, relayed_input(plan_input, relays, shares), cfg)
-        breakdown = price(result.layout, plan_input, relays, model, tunnel_s)
+        result = search_full(cost, relayed_input(plan_input, relays, shares), cfg, speeds_for=speeds_for)
+        speeds = None if speeds_for is None else speeds_for(result.layout)
+        priced = plan_input if speeds is None else with_speeds(plan_input, speeds)
+        breakdown = price(result.layout, priced, relays, model, tunnel_s)
         if best is None or breakdown.total_s < best[0].total_s:
             best = (breakdown, result)
         next_shares = relay_shares(result.layout, plan_input, relays)
@@ -336,6 +340,14 @@ def plan_relayed(
         shares = next_shares
     breakdown, result = best
     return layout_to_plan(result.layout, breakdown, plan_input, "full", result.unused, version)
+
+
+def with_speeds(plan_input: PlanInput, speeds) -> PlanInput:
+    """`plan_input` with its peers computing at `speeds` (FLOP/s, one per peer)."""
+    peers = tuple(
+        dataclasses.replace(p, compute_flops_per_s=float(s)) for p, s in zip(plan_input.peers, speeds, strict=True)
+    )
+    return dataclasses.replace(plan_input, peers=peers)
 
 
 def _layout_of(made: Plan, plan_input: PlanInput) -> Layout:

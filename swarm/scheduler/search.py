@@ -16,8 +16,10 @@ Search, for each cost model:
 
 from __future__ import annotations
 
+import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -29,7 +31,17 @@ from swarm.scheduler.localsearch import AnnealConfig, Partition, anneal
 from swarm.scheduler.objective import DtfmObjective, FullObjective, Objective
 from swarm.scheduler.plans import Breakdown, ModelSpec, Plan, PlanInput, StagePlan
 
-__all__ = ["SearchConfig", "SearchResult", "layout_to_plan", "plan", "plan_dtfm", "search_dtfm", "search_full"]
+__all__ = [
+    "PeerSpeeds",
+    "SearchConfig",
+    "SearchResult",
+    "layout_to_plan",
+    "plan",
+    "plan_dtfm",
+    "refined",
+    "search_dtfm",
+    "search_full",
+]
 
 
 @dataclass(frozen=True)
@@ -174,10 +186,35 @@ def _screen(cost, chains, speeds, memories, shapes) -> list[tuple[float, int, in
     return screened
 
 
+PeerSpeeds = Callable[[Layout], "np.ndarray | None"]
+"""What a finished layout's peers would compute at with the choices made on it (each stage's precision under the loss
+budget, `swarm.scheduler.precision_choice.precision_speeds`): FLOP/s per peer, or None where nothing changes."""
+
+
+def refined(cost: FullCost, layout: Layout, breakdown: Breakdown, speeds_for: PeerSpeeds | None) -> Breakdown:
+    """`layout`'s predicted step with its peers at `speeds_for(layout)` (its layers as they are); `breakdown` as
+    it is without a change."""
+    speeds = None if speeds_for is None else speeds_for(layout)
+    if speeds is None:
+        return breakdown
+    faster = copy.copy(cost)
+    faster.speeds = np.asarray(speeds, dtype=float)
+    return faster.evaluate(layout)
+
+
 def search_full(
-    cost: FullCost, plan_input: PlanInput, cfg: SearchConfig | None = None, shapes: list[tuple[int, int]] | None = None
+    cost: FullCost,
+    plan_input: PlanInput,
+    cfg: SearchConfig | None = None,
+    shapes: list[tuple[int, int]] | None = None,
+    speeds_for: PeerSpeeds | None = None,
 ) -> SearchResult:
-    """Best plan under our cost model, free in stages, replicas, peers, order and layer ranges."""
+    """Best plan under our cost model, free in stages, replicas, peers, order and layer ranges.
+
+    `speeds_for`: choices made on a finished layout that change its peers' speeds (the stages' precisions under a
+    loss budget): every annealed shape's best layout (and the greedy one) is finished, re-priced at those speeds,
+    and the quickest so re-priced wins, so a shape whose bottleneck a lower precision lifts can beat one that is
+    quicker in fp32. None: the annealing's best, as priced."""
     cfg = cfg or SearchConfig()
     start = time.perf_counter()
     n = plan_input.n_peers
@@ -213,18 +250,26 @@ def search_full(
         constructed.append((starts[0].cost, objective, starts))
     constructed.sort(key=lambda item: item[0])
     best: tuple[float, Partition, FullObjective] | None = None
+    finalists: list[tuple[Breakdown, Layout | None, np.ndarray]] = []
     annealed = len(constructed) if small else cfg.shapes
     for _, objective, starts in constructed[:annealed]:
         found = _polish(objective, starts, classes, cfg, rng)
+        if speeds_for is not None:  # every shape's best, finished and re-priced with the choices made on it
+            breakdown, layout = objective.finish(found.groups)
+            if layout is not None:
+                finalists.append((refined(cost, layout, breakdown, speeds_for), layout, found.unused))
         if best is None or found.cost < best[0]:
             best = (found.cost, found, objective)
     _, partition, objective = best
-    breakdown, layout = objective.finish(partition.groups)
-    unused = partition.unused
+    if finalists:
+        breakdown, layout, unused = min(finalists, key=lambda item: item[0].total_s)
+    else:
+        breakdown, layout = objective.finish(partition.groups)
+        unused = partition.unused
     # Never worse than the greedy baseline: keep its layout if it happens to be cheaper.
     greedy = _greedy_full(cost, plan_input)
     if greedy is not None and _allowed(greedy, cfg):
-        greedy_cost = cost.evaluate(greedy)
+        greedy_cost = refined(cost, greedy, cost.evaluate(greedy), speeds_for)
         if layout is None or greedy_cost.total_s < breakdown.total_s:
             breakdown, layout = greedy_cost, greedy
             unused = np.setdiff1d(np.arange(n), greedy.grid.ravel())

@@ -362,3 +362,24 @@ def test_a_cells_row_carries_the_sums_codecs_its_newest_plan_chose(tmp_path):
     assert summary["epilogue_codecs"] == {"average": ["bf16", "fp32"], "tied": "fp32"}
     row = th.summarize(Cell(None, "fp32/fp32"), _steps(8, 0.1, 1, 1), 4, 8, summary)
     assert row["epilogue_codecs"] == summary["epilogue_codecs"] and row["reduce_bytes_per_step"] == 0
+
+
+def test_a_link_setting_plans_every_links_codecs_and_its_row_names_them(tmp_path):
+    from swarm.daemon.peer_config import peer_flags
+
+    cfg = ThrottledConfig(settings=("fp32/fp32", th.DEFAULT_CODECS, f"{th.DEFAULT_CODECS}@link"))
+    plain, per_link = (th.peer_config(Cell(100.0, s), cfg) for s in cfg.settings[1:])
+    assert plain.planning.codec_policy == "fixed" and per_link.planning.codec_policy == "per-link"
+    argv = peer_flags().to_argv(per_link)
+    assert argv[argv.index("--codec-policy") + 1] == "per-link"
+    (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.05}))
+    stages = [
+        {"layer_start": 0, "layer_end": 2, "peer_ids": ["a"]},
+        {"layer_start": 2, "layer_end": 4, "peer_ids": ["b"]},
+    ]
+    codecs = [{"forward": "acsgd4+ch+nr", "backward": "gradq2+ef", "why": "hidden"}]
+    (tmp_path / "plan.json").write_text(json.dumps({"stages": stages, "codecs": codecs}))
+    summary = th.read_summary(tmp_path)
+    assert summary["link_codecs"] == ["acsgd4+ch+nr/gradq2+ef"]
+    row = th.summarize(Cell(100.0, f"{th.DEFAULT_CODECS}@link"), _steps(8, 0.1, 1, 1), 4, 8, summary)
+    assert row["link_codecs"] == ["acsgd4+ch+nr/gradq2+ef"] and (row["fw_bits"], row["bw_bits"]) == (2, 2)
