@@ -286,7 +286,7 @@ class _StepReader:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from swarm.daemon.peer_config import PeerConfig, peer_flags
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig, peer_flags
     from swarm.options import CodecFlags
     from swarm.runtime.worker import OptimConfig
     from swarm.testbed.local import local_swarm
@@ -303,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
     warmup = int(cfg.steps * cfg.warmup_fraction)
     peer = PeerConfig(
         threads=1,
+        planning=PlanningConfig(codec_policy="fixed"),  # these codecs on every link, run after run
         optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, warmup)),
         **CodecFlags("aqsgd2", "gradq4").build(),
     )

@@ -76,12 +76,15 @@ class PlanningConfig:
     even_layers: bool = field(default=False, metadata=flag(name="--plan-even-layers"))
     """Plan an even layer split (the search still orders and pairs the peers, and predicts the step): runs that
     compare settings keep the same stage boundaries while the plan still says what it predicts."""
-    codec_policy: str = field(default="fixed", metadata=flag(choices=CODEC_POLICIES))
-    """fixed: every link carries --fw-codec/--bw-codec and the replicas sum at the floor (2 bits); selective: the
-    links carry those, and the planner chooses the replicas' sums' and the tied sync's codecs from the measured
-    links, compressing only the exchanges that set the epilogue's length (Optimus-CC's selective stage compression,
-    `swarm.scheduler.selective_stages`); per-link: that, and each boundary's codecs from its measured rate and the
-    stages' compute (`swarm.scheduler.bits`). Peers apply the plan's."""
+    codec_policy: str = field(default="per-link", metadata=flag(choices=CODEC_POLICIES))
+    """per-link (the default): the planner chooses each boundary's codecs with the placement, from its measured rate
+    and the stages' compute, down to the default codecs as floors (a slow link gets them, a fast one more bits, up to
+    fp32, where they hide; `swarm.scheduler.bits`), and the replicas' sums' and the tied sync's from the measured
+    links; --fw-codec/--bw-codec are the links' codecs until a plan names theirs. fixed: every link carries
+    --fw-codec/--bw-codec and the replicas sum at the floor (2 bits), whatever the links (what experiments comparing
+    codec settings run); selective: the links carry those, and the planner chooses the sums' and tied sync's codecs,
+    compressing only the exchanges that set the epilogue's length (Optimus-CC's selective stage compression,
+    `swarm.scheduler.selective_stages`). Peers apply the plan's."""
     epilogue_only: bool = field(default=False, metadata=flag(name="--plan-epilogue-only"))
     """The planner chooses which backward messages go compressed (Optimus-CC's epilogue-only compression: those on
     the drain's critical path; the others at fp32) from the peers' announced speeds and the probed links, and
@@ -107,7 +110,10 @@ class PlanningConfig:
         if not (math.isfinite(self.precision_budget) and self.precision_budget >= 0):
             raise ValueError("PlanningConfig: precision_budget must be a finite number >= 0")
         if self.epilogue_only and self.codec_policy == "per-link":
-            raise ValueError("PlanningConfig: --plan-epilogue-only plans over the flags' link codecs, not per-link")
+            raise ValueError(
+                "PlanningConfig: --plan-epilogue-only plans over the flags' link codecs: add --codec-policy fixed (or "
+                "selective); the default, per-link, chooses the links' codecs itself"
+            )
         if self.codec_policy not in CODEC_POLICIES:
             choices = ", ".join(CODEC_POLICIES)
             raise ValueError(f"PlanningConfig: codec_policy must be one of {choices}, got {self.codec_policy!r}")

@@ -244,7 +244,9 @@ def swarm_flags(cfg: AttacksConfig, setup: RunSetup, setting: str) -> tuple[list
     from swarm.runtime.worker import OptimConfig
     from swarm.train.trainer import train_flags
 
-    planning = PlanningConfig(min_peers=cfg.volunteers, seed=cfg.seed, replicas=cfg.replicas, probe_links=False)
+    planning = PlanningConfig(
+        min_peers=cfg.volunteers, seed=cfg.seed, replicas=cfg.replicas, probe_links=False, codec_policy="fixed"
+    )
     config = PeerConfig(
         num_stages=cfg.stages, threads=1, compute_layers_per_s=COMPUTE_LAYERS_PER_S, planning=planning,
         leave_timeout_s=0.0,  # a setting's end stops its volunteers at once (no hand-over to wait for)

@@ -259,6 +259,7 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
         seed=cfg.seed,
         replicas=cfg.replicas if support.get("--replicas") else 0,
         probe_links=not (support.get("--no-link-probe") and not cfg.measured_plan),
+        codec_policy="fixed",  # the setting's codecs on every link: its bytes are what the rows compare
     )
     config = PeerConfig(
         num_stages=cfg.stages,

@@ -176,6 +176,7 @@ def _peer_flags(cfg: FinetuneConfig, checkpoint: Path) -> list[str]:
     planning = PlanningConfig(
         even_layers=True,
         probe_links=False,
+        codec_policy="fixed",  # the flags' codecs on every link
         micro_batch_size=max(1, cfg.batch_size // cfg.micro_batches),
         micro_batches=cfg.micro_batches,
     )

@@ -63,6 +63,7 @@ def _peer_flags(setting: str, cfg, checkpoint: Path, total_steps: int, warmup_st
     planning = PlanningConfig(
         even_layers=True,
         probe_links=False,
+        codec_policy="fixed",  # the settings' codecs on every link: freezing is what is compared
         micro_batch_size=max(1, cfg.batch_size // cfg.n_micro),
         micro_batches=cfg.n_micro,
         repack=setting == "freeze+repack",

@@ -47,6 +47,7 @@ def _peer_config(cfg, setting: str, steps: int):
         micro_batch_size=mb,
         micro_batches=cfg.n_micro,
         probe_links=False,  # same peers, same plan: run after run (no link measurement moves a boundary)
+        codec_policy="fixed",  # the setting's codecs on every link
         precision_budget=cfg.budget if setting == "slow-planned" else 0.0,
     )
     optim = replace(cfg.optim, total_steps=steps, warmup_steps=max(1, round(steps * 0.2)))

@@ -332,8 +332,11 @@ def planned_peer(*, batch_size: int, micro_batches: int, steps: int, rate_mbit: 
     from swarm.peers.shaper import LinkShape
     from swarm.runtime.worker import OptimConfig
 
-    planning = PlanningConfig(
-        even_layers=True, micro_batch_size=max(1, batch_size // micro_batches), micro_batches=micro_batches
+    planning = PlanningConfig(  # the cell's codecs on every link (fixed): the settings are what is compared
+        even_layers=True,
+        micro_batch_size=max(1, batch_size // micro_batches),
+        micro_batches=micro_batches,
+        codec_policy="fixed",
     )
     return PeerConfig(
         assign="plan",

@@ -65,10 +65,12 @@ _TRAIN_FLAGS = Flag(
 
 
 def _peer() -> PeerConfig:
-    from swarm.daemon.peer_config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig
     from swarm.peers.shaper import LinkShape
 
-    return PeerConfig(link_shape=LinkShape.from_mbit(100.0))
+    # the demo shows its codecs (--fw-codec/--bw-codec, the defaults) at work on every link: fixed, not the
+    # peers' default per-link choice (which on its 100 Mbit/s links takes 4-bit activations, docs/PLANNING.md)
+    return PeerConfig(link_shape=LinkShape.from_mbit(100.0), planning=PlanningConfig(codec_policy="fixed"))
 
 
 def _trainer() -> TrainConfig:

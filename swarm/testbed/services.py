@@ -335,7 +335,7 @@ def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared
     """What peer `name` is told: the testbed's address, ports, codecs and schedule, and the one-way delays of
     its particular links (bandwidth is the kernel's job, not the application shaper's; every link's delay and
     the model are `testbed_services`')."""
-    from swarm.daemon.peer_config import PeerConfig
+    from swarm.daemon.peer_config import PeerConfig, PlanningConfig
     from swarm.options import CodecFlags
     from swarm.peers.dht import DHTConfig
     from swarm.peers.shaper import LinkShape
@@ -350,6 +350,8 @@ def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared
     )
     codecs = CodecFlags(cfg.fw_codec, cfg.bw_codec).build()
     return PeerConfig(
+        # the testbed's codecs on every link (a later --codec-policy among its peer flags wins)
+        planning=PlanningConfig(codec_policy="fixed"),
         address_file=f"{shared_dir}/{ADDRESS_FILE}",
         dht=DHTConfig(host=address),
         transport=TransportConfig(host=address),
