@@ -316,15 +316,22 @@ class PeerDaemon:
         from swarm.daemon.probe import LinkProber
         from swarm.daemon.repack import RepackWatch
         from swarm.daemon.sensitivity_report import SensitivityReport
-        from swarm.scheduler.bits import epilogue_codec_speed, measured_link_ladder
+        from swarm.scheduler.bits import epilogue_codec_speed, flags_policy, measured_link_ladder
         from swarm.scheduler.epilogue_only import epilogue_only_planner
         from swarm.scheduler.precision_choice import precision_planner
         from swarm.scheduler.sizes import model_spec
 
         cfg, plans = self.cfg, self.cfg.planning
         spec = model_spec(self.model, *self.codecs, plans.micro_batch_size, plans.micro_batches)
-        if plans.codec_policy == "per-link":  # the search places peers knowing each link's codec (bits.link_ladder)
-            spec = dataclasses.replace(spec, link_ladder=measured_link_ladder(self.model, plans.micro_batch_size))
+        # per-link: the flags' codecs are the floors (the most compression a link may get), and the search places
+        # peers knowing each link's codec (bits.link_ladder); flags off the ladders keep their codecs on every link
+        bits = flags_policy(*self.codecs) if plans.codec_policy == "per-link" else None
+        if bits is not None:
+            spec = dataclasses.replace(spec, link_ladder=measured_link_ladder(self.model, plans.micro_batch_size, bits))
+        elif plans.codec_policy == "per-link":
+            labels = "/".join(c.label for c in self.codecs)
+            log.warning("per-link codecs: %s is not on the ladders (bits.FORWARD_LADDER, BACKWARD_LADDER): every link "
+                        "keeps it; the sums' and tied sync's codecs are still chosen", labels)  # fmt: skip
         stages = cfg.num_stages or None
         # --no-link-probe: no measurement, every link planned at the default; no probe wait for the planner
         prober = None
@@ -350,7 +357,8 @@ class PeerDaemon:
             spec,
             stages,
             liveness=liveness,
-            epilogue=plans.codec_policy == "selective",
+            epilogue=plans.codec_policy != "fixed",
+            bits=bits,
             codec_speed=epilogue_codec_speed() if plans.codec_policy != "fixed" else None,
             epilogue_only=epilogue_only_planner(self.model, self.codecs, plans) if plans.epilogue_only else None,
             reannounce=self.update_announcement,  # SwarmDHT stamps the lease on it

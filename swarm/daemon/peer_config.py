@@ -109,11 +109,6 @@ class PlanningConfig:
             raise ValueError("PlanningConfig: calibrate_after_steps must be >= 0")
         if not (math.isfinite(self.precision_budget) and self.precision_budget >= 0):
             raise ValueError("PlanningConfig: precision_budget must be a finite number >= 0")
-        if self.epilogue_only and self.codec_policy == "per-link":
-            raise ValueError(
-                "PlanningConfig: --plan-epilogue-only plans over the flags' link codecs: add --codec-policy fixed (or "
-                "selective); the default, per-link, chooses the links' codecs itself"
-            )
         if self.codec_policy not in CODEC_POLICIES:
             choices = ", ".join(CODEC_POLICIES)
             raise ValueError(f"PlanningConfig: codec_policy must be one of {choices}, got {self.codec_policy!r}")

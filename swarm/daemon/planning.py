@@ -453,7 +453,7 @@ class Planner:
         )
         document = self.with_codecs(document, swarm)
         if self.epilogue_only is not None:  # which backward messages go compressed, from the same measurements
-            chosen = self.epilogue_only(document.stage_dicts(), swarm.plan_input, self.spec)
+            chosen = self.epilogue_only(document.stage_dicts(), swarm.plan_input, self.spec, links=document.codecs)
             document = document.replace(bw_epilogue=chosen)
         precisions = self.precisions(document.stage_dicts(), peers) if self.precisions else None
         document = document if precisions is None else document.with_precisions(precisions)
@@ -561,7 +561,7 @@ class Planner:
             clocks = [max((measured[p].micro_batch_s for p in st.peer_ids if p in measured), default=0.0)
                       for st in plan.stages]  # fmt: skip
             if all(c > 0 for c in clocks):
-                chosen = self.epilogue_only(plan.stage_dicts(), swarm.plan_input, self.spec, clocks)
+                chosen = self.epilogue_only(plan.stage_dicts(), swarm.plan_input, self.spec, clocks, links=plan.codecs)
                 calibrated = calibrated.replace(bw_epilogue=chosen)
         self.dht.publish_plan(version, calibrated)
         log.info(

@@ -51,6 +51,8 @@ __all__ = [
     "choose_codecs",
     "choose_link",
     "epilogue_codec_speed",
+    "flags_policy",
+    "ladder_rung",
     "link_ladder",
     "measured_link_ladder",
     "rechoose",
@@ -336,6 +338,27 @@ def codec_sizes(model, micro_batch_size: int) -> Callable[[str], float]:
 
     shape = (micro_batch_size, model.seq_len_tokens, model.boundary_dim)
     return cache(lambda label: float(message_bytes(CodecConfig.parse(label), shape)))
+
+
+def ladder_rung(config, ladder: Sequence[str]) -> str | None:
+    """The rung of `ladder` that `config` (a `CodecConfig`) is, its local options (group size unless the label sets
+    one, zstd level, seed, buffer directory) aside, as a plan's label is applied over them; None if none is."""
+    from swarm.compression import CodecConfig
+
+    options = config.local_options()
+    return next((label for label in ladder if CodecConfig.parse(label, **options) == config), None)
+
+
+def flags_policy(forward, backward, base: BitsPolicy = BitsPolicy()) -> BitsPolicy | None:
+    """The per-link policy a peer's --fw-codec/--bw-codec (`CodecConfig`s) ask for: the most compression its links
+    may get. Codecs on the ladders are its floors (the defaults: the ladders' own floors; fp32: no compression at all,
+    the sums and the tied sync in fp32 too, as the fixed policy sums behind fp32 links); None when either is not on
+    its ladder (the links then keep the flags' codecs: per-link cannot choose around a codec it does not know)."""
+    forward_floor, backward_floor = ladder_rung(forward, FORWARD_LADDER), ladder_rung(backward, BACKWARD_LADDER)
+    if forward_floor is None or backward_floor is None:
+        return None
+    chosen = replace(base, forward_floor=forward_floor, backward_floor=backward_floor)
+    return replace(chosen, average_floor="fp32", tied_floor="fp32") if backward_floor == "fp32" else chosen
 
 
 def measured_link_ladder(model, micro_batch_size: int, policy: BitsPolicy = BitsPolicy()) -> LinkLadder:

@@ -35,18 +35,25 @@ def link_times(
     compute_s: Sequence[tuple[float, float]],
     bytes_per_s: Sequence[float],
     latency_s: Sequence[float],
-    forward_bytes: float,
+    forward_bytes: float | Sequence[float],
     precise_bytes: float,
-    compressed_bytes: float,
+    compressed_bytes: float | Sequence[float],
 ) -> StageTimes:
     """`StageTimes` from measured figures: `compute_s[s]` = (forward, backward) of stage s; per boundary its rate
-    (bytes/s, both ways) and one-way latency; one micro-batch's message bytes."""
+    (bytes/s, both ways) and one-way latency; one micro-batch's message bytes (the forward's and the compressed
+    backward's one for every boundary, or one per boundary where the plan chose each link's codecs)."""
     n = len(compute_s)
     if len(bytes_per_s) != n - 1 or len(latency_s) != n - 1:
         raise ValueError(f"{n} stages need {n - 1} link rates and latencies")
     if any(not r > 0 for r in bytes_per_s):
         raise ValueError(f"link rates must be > 0 bytes/s, got {list(bytes_per_s)}")
-    send = lambda nbytes: tuple(lat + nbytes / r for r, lat in zip(bytes_per_s, latency_s, strict=True))  # noqa: E731
+
+    def send(nbytes: float | Sequence[float]) -> tuple[float, ...]:
+        sizes = [float(nbytes)] * (n - 1) if isinstance(nbytes, (int, float)) else [float(b) for b in nbytes]
+        if len(sizes) != n - 1:
+            raise ValueError(f"{n} stages need {n - 1} message sizes, got {len(sizes)}")
+        return tuple(lat + b / r for b, r, lat in zip(sizes, bytes_per_s, latency_s, strict=True))
+
     return StageTimes(
         tuple(f for f, _ in compute_s),
         tuple(b for _, b in compute_s),
@@ -129,7 +136,7 @@ def plan_epilogue_only(
     plan_input: PlanInput,
     spec: ModelSpec,
     message_bytes: Callable[[str], float],
-    codecs: tuple[str, str],
+    codecs: tuple[str, str] | Sequence[tuple[str, str]],
     precise: str = "fp32",
     schedule: str = "1f1b",
     measured_s: Sequence[float] | None = None,
@@ -137,10 +144,11 @@ def plan_epilogue_only(
     """The live planner's epilogue-only choice for a plan's `stages` (the scheduler's layout dicts): each stage's
     forward and backward of one micro-batch from its slowest replica's announced speed (`FORWARD_SHARE` of it
     forward), each boundary's slowest replica link and its longest delay as the probes measured them, the messages'
-    bytes (`message_bytes(label)`, one micro-batch's message) at the links' (forward, backward) `codecs` and at
-    `precise`; a route's micro-batches as the plan's replicas share the step's. `measured_s`: each stage's forward +
-    backward of one micro-batch as its peers' clocks measured it (the calibration's, head and loss included, which an
-    announced block speed leaves out) instead of the announced speeds. None for a single stage."""
+    bytes (`message_bytes(label)`, one micro-batch's message) at the links' (forward, backward) `codecs` (one pair
+    for every link, or one per boundary: the plan's per-link codecs) and at `precise`; a route's micro-batches as
+    the plan's replicas share the step's. `measured_s`: each stage's forward + backward of one micro-batch as its
+    peers' clocks measured it (the calibration's, head and loss included, which an announced block speed leaves out)
+    instead of the announced speeds. None for a single stage."""
     if len(stages) < 2:
         return None
     index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
@@ -156,8 +164,10 @@ def plan_epilogue_only(
         rates.append(float(min(plan_input.bandwidth_bytes_per_s[np.ix_(a, b)].min(),
                                plan_input.bandwidth_bytes_per_s[np.ix_(b, a)].min())))  # fmt: skip
         delays.append(float(max(plan_input.delay_s[np.ix_(a, b)].max(), plan_input.delay_s[np.ix_(b, a)].max())))
-    forward, backward = codecs
-    times = link_times(compute, rates, delays, message_bytes(forward), message_bytes(precise), message_bytes(backward))
+    pairs = [tuple(codecs)] * (len(stages) - 1) if isinstance(codecs[0], str) else [tuple(c) for c in codecs]
+    forward = [message_bytes(f) for f, _ in pairs]
+    backward = [message_bytes(b) for _, b in pairs]
+    times = link_times(compute, rates, delays, forward, message_bytes(precise), backward)
     n_micro = spec.micro_batches_per_pipeline(max(len(g) for g in groups))
     return choose_epilogue_only(schedule, n_micro, times)
 
@@ -173,8 +183,10 @@ def epilogue_only_planner(model, codecs, plans) -> Callable[[list[dict], PlanInp
     sizes, precise = codec_sizes(model, plans.micro_batch_size), CodecConfig.parse("fp32")
     labels = (codecs[0].label, codecs[1].label)
 
-    def choose(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, measured_s=None) -> str | None:
-        choice = plan_epilogue_only(stages, plan_input, spec, sizes, labels, precise.label, measured_s=measured_s)
+    def choose(stages: list[dict], plan_input: PlanInput, spec: ModelSpec, measured_s=None, links=None) -> str | None:
+        """`links`: the plan's per-boundary `LinkCodecs` (per-link codecs), else every link at the flags' codecs."""
+        pairs = labels if not links else [(c.forward_label, c.backward_label) for c in links]
+        choice = plan_epilogue_only(stages, plan_input, spec, sizes, pairs, precise.label, measured_s=measured_s)
         if choice is None:
             return None
         log.info("epilogue-only: %s", choice.why)

@@ -370,8 +370,8 @@ def test_a_link_setting_plans_every_links_codecs_and_its_row_names_them(tmp_path
     cfg = ThrottledConfig(settings=("fp32/fp32", th.DEFAULT_CODECS, f"{th.DEFAULT_CODECS}@link"))
     plain, per_link = (th.peer_config(Cell(100.0, s), cfg) for s in cfg.settings[1:])
     assert plain.planning.codec_policy == "fixed" and per_link.planning.codec_policy == "per-link"
-    argv = peer_flags().to_argv(per_link)
-    assert argv[argv.index("--codec-policy") + 1] == "per-link"
+    plain_argv, argv = peer_flags().to_argv(plain), peer_flags().to_argv(per_link)
+    assert plain_argv[plain_argv.index("--codec-policy") + 1] == "fixed" and "--codec-policy" not in argv  # default
     (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.05}))
     stages = [
         {"layer_start": 0, "layer_end": 2, "peer_ids": ["a"]},

@@ -327,7 +327,7 @@ def test_a_calibrated_plan_chooses_its_epilogue_only_compression_again_from_the_
     peers = Peers()
     calls = []
 
-    def choose(stages, plan_input, spec, measured_s=None):
+    def choose(stages, plan_input, spec, measured_s=None, links=None):
         calls.append(measured_s)
         return "fp32:1:1f1b:4" if measured_s is not None else "fp32:4:1f1b:4"
 

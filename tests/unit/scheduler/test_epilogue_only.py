@@ -154,23 +154,37 @@ def test_the_planner_publishes_its_epilogue_only_choice_in_a_new_plan():
 
     calls = []
 
-    def choose(stages, plan_input, spec):
-        calls.append((len(stages), len(plan_input.peers)))
+    def choose(stages, plan_input, spec, links=None):
+        calls.append((len(stages), len(plan_input.peers), links))
         return "fp32:1:1f1b:4"
 
     _, _, _, _, published = per_link_planner(codec_bytes=None, epilogue_only=choose)
     ((_, first),) = published
-    assert first["bw_epilogue"] == "fp32:1:1f1b:4" and calls == [(2, 2)]
+    assert first["bw_epilogue"] == "fp32:1:1f1b:4" and calls == [(2, 2, None)], "the flags' codecs on every link"
     _, _, _, _, plain = per_link_planner(codec_bytes=None)
     assert "bw_epilogue" not in plain[0][1]
+    calls.clear()
+    _, _, _, _, both = per_link_planner(epilogue_only=choose)  # per-link codecs: chosen over the plan's own
+    ((_, chosen),) = both
+    ((_, _, links),) = calls
+    assert [(c.forward_label, c.backward_label) for c in links] == [
+        (c["forward"], c["backward"]) for c in chosen["codecs"]
+    ]
+    assert chosen["bw_epilogue"] == "fp32:1:1f1b:4"
 
 
-def test_epilogue_only_planning_refuses_the_per_link_policy():
+def test_epilogue_only_prices_each_boundary_at_the_codecs_the_plan_chose_for_it():
     from swarm.daemon.peer_config import PlanningConfig
+    from swarm.scheduler.epilogue_only import link_times
 
-    with pytest.raises(ValueError, match="per-link"):
-        PlanningConfig(epilogue_only=True, codec_policy="per-link")
-    assert PlanningConfig(epilogue_only=True, codec_policy="selective").epilogue_only
+    assert PlanningConfig(epilogue_only=True).codec_policy == "per-link", "the default policy with epilogue-only"
+    times = link_times([(0.01, 0.02)] * 3, [1e6, 1e6], [0.0, 0.0], [1e4, 1e5], 4e5, [2e3, 3e4])
+    assert [round(t, 6) for t in (*times.forward_send_s, *times.compressed_send_s)] == [0.01, 0.1, 0.002, 0.03]
+    assert times.precise_send_s == (0.4, 0.4), "one precise codec (fp32) on every link"
+    same = link_times([(0.01, 0.02)] * 3, [1e6, 1e6], [0.0, 0.0], 1e4, 4e5, 2e3)
+    assert same.forward_send_s == (0.01, 0.01) and same.compressed_send_s == (0.002, 0.002)
+    with pytest.raises(ValueError, match="message sizes"):
+        link_times([(0.01, 0.02)] * 3, [1e6, 1e6], [0.0, 0.0], [1e4], 4e5, 2e3)
 
 
 def test_measured_clocks_with_a_slower_last_stage_leave_only_the_drain_compressed():

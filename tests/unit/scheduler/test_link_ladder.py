@@ -155,3 +155,24 @@ def test_a_per_link_planner_prices_and_publishes_its_links_from_the_measured_lad
     make_planner(dht2, configured).round()  # fixed codecs: no ladder, no codecs in the plan, fp32 predicted
     assert "codecs" not in published2[0][1] or not published2[0][1]["codecs"]
     assert published2[0][1]["step_time_s"] > fp32_s * 0.9
+
+
+def test_the_flags_codecs_are_the_per_link_floors_and_fp32_flags_compress_nothing():
+    from dataclasses import replace as changed
+
+    from swarm.options import CodecFlags
+    from swarm.scheduler.bits import flags_policy, ladder_rung
+
+    default = CodecFlags().build()
+    policy = flags_policy(default["fw_codec"], default["bw_codec"])
+    assert (policy.forward_floor, policy.backward_floor) == (DEFAULT_FORWARD_CODEC, DEFAULT_BACKWARD_CODEC)
+    local = changed(default["fw_codec"], zstd_level=3, seed=7)  # a peer's own options: still the same rung
+    assert ladder_rung(local, FORWARD_LADDER) == DEFAULT_FORWARD_CODEC
+    fp32 = CodecFlags("fp32", "fp32").build()
+    nothing = flags_policy(fp32["fw_codec"], fp32["bw_codec"])
+    assert (nothing.forward_floor, nothing.backward_floor, nothing.average_floor, nothing.tied_floor) == ("fp32",) * 4
+    four = CodecFlags("acsgd4+ch+nr", DEFAULT_BACKWARD_CODEC).build()
+    assert flags_policy(four["fw_codec"], four["bw_codec"]).forward_floor == "acsgd4+ch+nr"
+    off = CodecFlags("aqsgd2", "gradq4").build()  # not on the ladders: per-link leaves the links at the flags
+    assert flags_policy(off["fw_codec"], off["bw_codec"]) is None
+    assert ladder_rung(CodecConfig.parse("gradq2+ef"), BACKWARD_LADDER) is None
