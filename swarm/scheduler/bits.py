@@ -55,6 +55,7 @@ __all__ = [
     "ladder_rung",
     "link_ladder",
     "measured_link_ladder",
+    "wire_bits_ladder",
     "rechoose",
 ]
 
@@ -359,6 +360,15 @@ def flags_policy(forward, backward, base: BitsPolicy = BitsPolicy()) -> BitsPoli
         return None
     chosen = replace(base, forward_floor=forward_floor, backward_floor=backward_floor)
     return replace(chosen, average_floor="fp32", tied_floor="fp32") if backward_floor == "fp32" else chosen
+
+
+def wire_bits_ladder(elements: float, policy: BitsPolicy = BitsPolicy()) -> LinkLadder:
+    """`link_ladder` priced by each codec's steady wire bits for a message of `elements` (scales and zstd aside, no
+    coding time): what `swarm plan --per-link` prices a scenario's model with, where no message of its shape is
+    encoded."""
+    from swarm.compression import CodecConfig
+
+    return link_ladder(lambda label: (elements * CodecConfig.parse(label).wire_bits / 8, 0.0), policy)
 
 
 def measured_link_ladder(model, micro_batch_size: int, policy: BitsPolicy = BitsPolicy()) -> LinkLadder:

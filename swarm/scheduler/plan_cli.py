@@ -12,13 +12,26 @@ import json
 import sys
 from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
+
 from swarm.flags import Flags, flag
+from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.localsearch import AnnealConfig
 from swarm.scheduler.plans import ModelSpec, Plan, PlanInput, TransformerShape
 from swarm.scheduler.scenarios import GB, SCENARIO_NAMES, load_scenario, scenario_data
 from swarm.scheduler.search import SearchConfig, plan, plan_dtfm
 
-__all__ = ["PLAN_FLAGS", "PlanCommand", "PlanSource", "ShapeFlags", "add_arguments", "describe", "run"]
+__all__ = [
+    "PLAN_FLAGS",
+    "PlanCommand",
+    "PlanSource",
+    "ShapeFlags",
+    "add_arguments",
+    "describe",
+    "describe_per_link",
+    "per_link_plan",
+    "run",
+]
 
 _PEERS_SHOWN = 6  # replicas listed per stage before eliding
 
@@ -121,6 +134,10 @@ class PlanCommand:
     """print the plan as JSON (the form published in the DHT)"""
     save_input: str | None = field(default=None, metadata=flag(metavar="FILE.json"))
     """also write the swarm as a --input file"""
+    per_link: bool = False
+    """full cost model: choose each link's codec inside the search (the default codecs' ladder, fp32 down to the
+    default floors, priced at their wire bits: swarm-peer's default per-link policy) and print each boundary's
+    codecs, beside the step of placing at --forward-bits/--backward-bits first and choosing the codecs after"""
     model: ShapeFlags = field(default_factory=ShapeFlags, metadata=flag(group="model (full cost model)"))
     dtfm: DtfmGrid = field(default_factory=DtfmGrid, metadata=flag(group="DT-FM cost model"))
 
@@ -194,6 +211,14 @@ def run(args: argparse.Namespace) -> int:
         gradient = grid.gradient_gb * GB if grid.gradient_gb is not None else gradient_bytes or 0
         gradient = gradient or workload["gradient_gb"] * GB
         result = plan_dtfm(plan_input, activation, gradient, grid.stages, grid.replicas, shape.layers, search)
+    elif cfg.per_link:
+        result, compared = per_link_plan(plan_input, shape, search)
+        if cfg.json:
+            print(json.dumps(result.to_dict() | {"per_link": compared}, indent=1))
+        else:
+            print(describe(result, plan_input, source))
+            print(describe_per_link(compared))
+        return 0
     else:
         result = plan(plan_input, ModelSpec.transformer(shape), search)
     if cfg.json:
@@ -201,3 +226,51 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(describe(result, plan_input, source))
     return 0
+
+
+def _layout(made: Plan, plan_input: PlanInput) -> Layout:
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
+    return Layout(grid, np.array([s.layer_end - s.layer_start for s in made.stages], dtype=np.int64))
+
+
+def per_link_plan(plan_input: PlanInput, shape: TransformerShape, search: SearchConfig) -> tuple[Plan, dict]:
+    """The plan with each link's codec chosen inside the search (`bits.wire_bits_ladder`), and what it is against
+    placing at the shape's bits first: that placement's step at its bits, and again with each of its links then
+    given its quickest codec. Also each boundary's codecs (its slowest pair's, each way)."""
+    from swarm.scheduler.bits import wire_bits_ladder  # torch, through the codecs: only when asked
+
+    spec = ModelSpec.transformer(shape)
+    ladder = replace(spec, link_ladder=wire_bits_ladder(spec.message_elements))
+    inside = plan(plan_input, ladder, search)
+    placed = plan(plan_input, spec, search)
+    after = FullCost(plan_input, ladder).evaluate(_layout(placed, plan_input)).total_s
+    cost, layout = FullCost(plan_input, ladder), _layout(inside, plan_input)
+    codecs = []
+    for a, b in zip(layout.grid, layout.grid[1:], strict=False):
+        worst = int(np.argmax(cost.pace_s[a, b]))
+        p, q = int(a[worst]), int(b[worst])
+        codecs.append(
+            f"{ladder.link_ladder.forward[cost.forward_rung[p, q]].label}/"
+            f"{ladder.link_ladder.backward[cost.backward_rung[p, q]].label}"
+        )
+    compared = {
+        "inside_step_s": inside.step_time_s,
+        "placed_step_s": placed.step_time_s,
+        "after_step_s": after,
+        "placed_bits": [shape.forward_bits, shape.backward_bits],
+        "codecs": codecs,
+    }
+    return inside, compared
+
+
+def describe_per_link(compared: dict) -> str:
+    fw, bw = compared["placed_bits"]
+    lines = [
+        f"codecs chosen inside the search: {compared['inside_step_s']:.3f} s a step; placed at {fw:g}/{bw:g} bits "
+        f"first: {compared['placed_step_s']:.3f} s, its links then at their quickest codecs: "
+        f"{compared['after_step_s']:.3f} s",
+        "boundary  codecs (forward/backward, its slowest pair's)",
+    ]
+    lines += [f"{b:>8}  {c}" for b, c in enumerate(compared["codecs"])]
+    return "\n".join(lines)

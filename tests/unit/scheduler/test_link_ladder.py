@@ -24,7 +24,7 @@ from swarm.scheduler.bits import (
 from swarm.scheduler.cost import FullCost, Layout, link_rungs
 from swarm.scheduler.exhaustive import exhaustive_full
 from swarm.scheduler.plans import LinkLadder, LinkRung, ModelSpec, Peer, PlanInput
-from swarm.scheduler.search import search_full
+from swarm.scheduler.search import SearchConfig, search_full
 from swarm.scheduler.sizes import measure_link_rungs, model_spec
 from tests.unit.daemon.test_planner_versions import planner as make_planner
 from tests.unit.scheduler.test_bits import A, B, fake_dht, measured
@@ -176,3 +176,23 @@ def test_the_flags_codecs_are_the_per_link_floors_and_fp32_flags_compress_nothin
     off = CodecFlags("aqsgd2", "gradq4").build()  # not on the ladders: per-link leaves the links at the flags
     assert flags_policy(off["fw_codec"], off["bw_codec"]) is None
     assert ladder_rung(CodecConfig.parse("gradq2+ef"), BACKWARD_LADDER) is None
+
+
+def test_swarm_plan_per_link_compares_choosing_codecs_inside_the_search_with_after_it():
+    from swarm.scheduler.localsearch import AnnealConfig
+    from swarm.scheduler.plan_cli import describe_per_link, per_link_plan
+    from swarm.scheduler.plans import TransformerShape
+
+    shape = TransformerShape(layers=4, hidden=128, seq_len=128, micro_batch_size=2, micro_batches=4)
+    flops = ModelSpec.transformer(shape).flops_per_layer
+    plan_input = swarm()  # A and B fast, joined by a slow link; C slow on fast links; 2 of the 4 layers each
+    memory = ModelSpec.transformer(shape).stage_memory_bytes(2, 2, 1) + 1e5
+    speeds = (flops / 0.01, flops / 0.01, flops / 0.1)
+    peers = tuple(Peer(p.peer_id, s, memory) for p, s in zip(plan_input.peers, speeds, strict=True))
+    plan_input = PlanInput(peers, plan_input.delay_s, plan_input.bandwidth_bytes_per_s, plan_input.burst_bytes)
+    fp32 = TransformerShape(**{**shape.__dict__, "forward_bits": 32.0, "backward_bits": 32.0})
+    made, compared = per_link_plan(plan_input, fp32, SearchConfig(anneal=AnnealConfig(moves=200)))
+    assert compared["inside_step_s"] == pytest.approx(made.step_time_s)
+    assert compared["inside_step_s"] < 0.8 * compared["after_step_s"] <= compared["placed_step_s"], compared
+    assert compared["codecs"] and all("/" in c for c in compared["codecs"])
+    assert "codecs chosen inside the search" in describe_per_link(compared)
