@@ -57,8 +57,16 @@ from swarm.peers.records import (
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
 from swarm.scheduler.bits import BitsPolicy, CodecSpeed, LinkFigures, choose_codecs, rechoose
-from swarm.scheduler.precision_choice import precision_speeds
-from swarm.scheduler.relays import plan_relayed, relay_extra_s, relayed_input, relays_of, shared_cost, shared_input
+from swarm.scheduler.precision_choice import precision_speeds, scaled_speeds
+from swarm.scheduler.relays import (
+    plan_relayed,
+    relay_extra_s,
+    relayed_input,
+    relays_of,
+    shared_cost,
+    shared_input,
+    with_speeds,
+)
 from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
 
 if TYPE_CHECKING:
@@ -451,12 +459,13 @@ class Planner:
             current.document if current else None,
             compute_keys={p.peer_id: p.compute_key for p in peers},
         )
-        document = self.with_codecs(document, swarm)
-        if self.epilogue_only is not None:  # which backward messages go compressed, from the same measurements
-            chosen = self.epilogue_only(document.stage_dicts(), swarm.plan_input, self.spec, links=document.codecs)
-            document = document.replace(bw_epilogue=chosen)
         precisions = self.precisions(document.stage_dicts(), peers) if self.precisions else None
         document = document if precisions is None else document.with_precisions(precisions)
+        priced = at_precisions(swarm, document, peers)  # the codecs chosen at the speeds the stages will run at
+        document = self.with_codecs(document, priced)
+        if self.epilogue_only is not None:  # which backward messages go compressed, from the same measurements
+            chosen = self.epilogue_only(document.stage_dicts(), priced.plan_input, self.spec, links=document.codecs)
+            document = document.replace(bw_epilogue=chosen)
         # what the relayed links' two legs add (None: no relayed link): the tunnels' per-message cost is in the
         # plan's step, not here, so `swarm experiment nat`'s "no more than its two legs" is judged on the legs
         extra = relay_extra_s(made, swarm.direct_input, swarm.relays, self.spec, tunnel_s=0.0)
@@ -517,6 +526,7 @@ class Planner:
         hysteresis (the same stages: only the codecs change); None while they hold."""
         plan = current.document
         swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
+        swarm = at_precisions(swarm, plan, peers)
         bounds = (
             self.codec_bytes is not None
             and plan.n_stages >= 2
@@ -593,6 +603,16 @@ class Planner:
                 self._exhausted = True
             return None
         return floor + 1
+
+
+def at_precisions(swarm: SwarmInput, plan: PlanDocument, peers: list[PeerAnnouncement]) -> SwarmInput:
+    """`swarm` with each stage's peers at their announced speed in the plan's precision for it (QSync's choice): what
+    the links' and the epilogue's codecs and the prediction are chosen at; `swarm` itself without precisions."""
+    stage_peers = [stage.peer_ids for stage in plan.stages]
+    speeds = scaled_speeds(swarm.plan_input, stage_peers, plan.precisions, peers)
+    if speeds is None:
+        return swarm
+    return dataclasses.replace(swarm, plan_input=with_speeds(swarm.plan_input, speeds))
 
 
 def _rung_figure(ladder, name: str) -> Callable[[str], float]:

@@ -35,6 +35,7 @@ __all__ = [
     "plan_precisions",
     "precision_planner",
     "precision_speeds",
+    "scaled_speeds",
     "stage_times",
 ]
 
@@ -247,7 +248,6 @@ def precision_speeds(choose: Callable[..., tuple[str, ...] | None], plan_input, 
     best layout, rather than once for the layout fp32 speeds placed."""
     import numpy as np
 
-    by_id = {p.peer_id: p for p in peers}
     ids = [p.peer_id for p in plan_input.peers]
 
     def speeds_for(layout) -> np.ndarray | None:
@@ -257,16 +257,26 @@ def precision_speeds(choose: Callable[..., tuple[str, ...] | None], plan_input, 
             for s, row in enumerate(layout.grid)
         ]
         chosen = choose(stages, list(peers), quiet=True)
-        if chosen is None or all(p == "fp32" for p in chosen):
-            return None
-        speeds = np.array(plan_input.speeds_flops_per_s, dtype=float)
-        for precision, row in zip(chosen, layout.grid, strict=True):
-            for i in row:
-                announced = by_id.get(ids[int(i)])
-                fp32 = peer_speed(announced, "fp32") if announced is not None else None
-                low = peer_speed(announced, precision) if announced is not None else None
-                if fp32 and low:
-                    speeds[int(i)] *= low / fp32
-        return speeds
+        return scaled_speeds(plan_input, [st["peer_ids"] for st in stages], chosen, peers)
 
     return speeds_for
+
+
+def scaled_speeds(plan_input, stage_peers: Sequence[Sequence[str]], precisions, peers: Sequence):
+    """`plan_input`'s FLOP/s per peer with the peers of stage s (`stage_peers[s]`, ids) at their announced speed in
+    `precisions[s]` over their fp32 one (a peer without both figures keeps its own); None when `precisions` is None or
+    every stage's is fp32 (nothing changes)."""
+    import numpy as np
+
+    if precisions is None or all(p == "fp32" for p in precisions):
+        return None
+    by_id, index = {p.peer_id: p for p in peers}, {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    speeds = np.array(plan_input.speeds_flops_per_s, dtype=float)
+    for precision, ids in zip(precisions, stage_peers, strict=True):
+        for pid in ids:
+            announced = by_id.get(pid)
+            fp32 = peer_speed(announced, "fp32") if announced is not None else None
+            low = peer_speed(announced, precision) if announced is not None else None
+            if fp32 and low and pid in index:
+                speeds[index[pid]] *= low / fp32
+    return speeds

@@ -3,12 +3,15 @@ re-priced with the precisions chosen for it, so a shape whose bottleneck a lower
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from swarm.compression import CodecConfig
 from swarm.model.gpt import ModelConfig
 from swarm.peers.records import PeerAnnouncement
+from swarm.scheduler.bits import measured_link_ladder
 from swarm.scheduler.cost import FullCost, Layout
 from swarm.scheduler.plans import ModelSpec, Peer, PlanInput
 from swarm.scheduler.precision_choice import precision_planner
@@ -75,14 +78,16 @@ def test_the_live_planner_prices_the_precisions_it_publishes():
     tiny = ModelConfig(seq_len_tokens=8, hidden_dim=16, n_layers=2, n_heads=2)
     spec = model_spec(tiny, CodecConfig.parse("fp32"), CodecConfig.parse("fp32"))
     peers = [announce(A, 40.0), announce(B, 10.0, 40.0)]
-    published = {}
-    for budget in (None, 1.0):
-        dht, out = fake_dht({"peers": list(peers)}, measured(1000.0))
-        hook = precision_planner(tiny, budget, micro_batch_size=1) if budget else None
-        make_planner(dht, spec, precisions=hook).round()
-        published[budget] = out[0][1]
-    assert "precisions" not in published[None] or not published[None]["precisions"]
-    with_bf16 = published[1.0]
-    b_stage = next(i for i, st in enumerate(with_bf16["stages"]) if B in st["peer_ids"])
-    assert with_bf16["precisions"][b_stage] == "bf16"
-    assert with_bf16["step_time_s"] < published[None]["step_time_s"], "B's stage priced at its bf16 speed"
+    ladder = replace(spec, link_ladder=measured_link_ladder(tiny, 2))  # per-link: codecs and epilogue chosen too
+    for planned in (spec, ladder):
+        published = {}
+        for budget in (None, 1.0):
+            dht, out = fake_dht({"peers": list(peers)}, measured(1000.0))
+            hook = precision_planner(tiny, budget, micro_batch_size=1) if budget else None
+            make_planner(dht, planned, precisions=hook).round()
+            published[budget] = out[0][1]
+        assert "precisions" not in published[None] or not published[None]["precisions"]
+        with_bf16 = published[1.0]
+        b_stage = next(i for i, st in enumerate(with_bf16["stages"]) if B in st["peer_ids"])
+        assert with_bf16["precisions"][b_stage] == "bf16"
+        assert with_bf16["step_time_s"] < published[None]["step_time_s"], "B's stage priced at its bf16 speed"
