@@ -15,7 +15,7 @@ from swarm.daemon.held import HeldStore
 from swarm.daemon.replication import COPY_LINK_SHARE, COPY_REST_FACTOR, Replicator, copy_rate, copy_timeout_s
 from swarm.net.connect import LocalRpcError, _LocalContext, method_path
 from swarm.peers.records import LinkMeasurement, PlanRecord
-from swarm.peers.shaper import STATE_MIN_BYTES_PER_S, paced, paced_chunk_bytes
+from swarm.peers.shaper import PACED_CHUNK_MIN_BYTES, STATE_MIN_BYTES_PER_S, paced, paced_chunk_bytes
 from swarm.proto import stage_pb2
 from swarm.runtime import service
 from swarm.runtime.inprocess import LocalPipeline
@@ -70,8 +70,9 @@ def test_a_crawling_or_empty_rate_is_raised_to_the_floor_and_chunks_stay_bounded
     fake = FakeTime()
     list(paced(range(3), 1.0, size=lambda _: STATE_MIN_BYTES_PER_S, clock=fake.clock, sleep=fake.sleep))
     assert fake.t == pytest.approx(2.0)  # at the floor, not at 1 byte/s
-    assert paced_chunk_bytes(1.0, 1 << 20) == 4096
-    assert paced_chunk_bytes(125_000 * COPY_LINK_SHARE, 1 << 20) == 7812  # a quarter second of a 1 Mbit/s share
+    assert paced_chunk_bytes(1.0, 1 << 20) == PACED_CHUNK_MIN_BYTES  # 20 ms at the floor's pace is less
+    share = 1.25e6 * COPY_LINK_SHARE  # a 10 Mbit/s link's share: 20 ms of it holds that link 5 ms
+    assert paced_chunk_bytes(share, 1 << 20) == 6250 and paced_chunk_bytes(share, 1 << 20) / 1.25e6 <= 0.005
     assert paced_chunk_bytes(1e12, 1 << 20) == 1 << 20
 
 
