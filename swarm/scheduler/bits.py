@@ -3,10 +3,11 @@
 Rule (`choose_link`): the most precise codec pair whose transfer hides under the stages' compute, within a loss
 budget. A boundary paces a step at max(compute, forward message time, backward message time) per micro-batch
 (full-duplex links, `FullCost`); so on each direction take the widest codec of the ladder whose message time
-stays under the slower adjacent stage's compute per micro-batch; if none does, the narrowest codec the loss
-budget allows (the floor: the default codecs, `DEFAULT_FORWARD_CODEC` and `DEFAULT_BACKWARD_CODEC`, the
-settings the convergence experiment holds within budget in both of its regimes). Slow links thus get fewer bits,
-fast links more, up to fp32.
+stays under the slower adjacent stage's compute per micro-batch; if none does, the quickest codec the loss budget
+allows (on bytes alone the floor: the default codecs, `DEFAULT_FORWARD_CODEC` and `DEFAULT_BACKWARD_CODEC`, the
+settings the convergence experiment holds within budget in both of its regimes; with measured coding time, on a
+fast link, a wider one). Slow links thus get fewer bits, fast links more, up to fp32. The search prices each pair
+of peers the same way (`link_ladder`, `ModelSpec.link_ladder`), so placement and codecs are chosen together.
 
 Epilogue (`choose_epilogue`, Optimus-CC's selective compression): the replicas' gradient averaging and the tied
 embedding's sync run after the pipeline drains, where nothing overlaps them: their transfer time always shows in
