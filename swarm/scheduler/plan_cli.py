@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from swarm.flags import Flags, flag
-from swarm.scheduler.cost import FullCost, Layout
+from swarm.scheduler.cost import FullCost
 from swarm.scheduler.localsearch import AnnealConfig
 from swarm.scheduler.plans import ModelSpec, Plan, PlanInput, TransformerShape
 from swarm.scheduler.scenarios import GB, SCENARIO_NAMES, load_scenario, scenario_data
-from swarm.scheduler.search import SearchConfig, plan, plan_dtfm
+from swarm.scheduler.search import SearchConfig, plan, plan_dtfm, plan_layout
 
 __all__ = [
     "PLAN_FLAGS",
@@ -228,12 +228,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layout(made: Plan, plan_input: PlanInput) -> Layout:
-    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
-    grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
-    return Layout(grid, np.array([s.layer_end - s.layer_start for s in made.stages], dtype=np.int64))
-
-
 def per_link_plan(plan_input: PlanInput, shape: TransformerShape, search: SearchConfig) -> tuple[Plan, dict]:
     """The plan with each link's codec chosen inside the search (`bits.wire_bits_ladder`), and what it is against
     placing at the shape's bits first: that placement's step at its bits, and again with each of its links then
@@ -244,8 +238,8 @@ def per_link_plan(plan_input: PlanInput, shape: TransformerShape, search: Search
     ladder = replace(spec, link_ladder=wire_bits_ladder(spec.message_elements))
     inside = plan(plan_input, ladder, search)
     placed = plan(plan_input, spec, search)
-    after = FullCost(plan_input, ladder).evaluate(_layout(placed, plan_input)).total_s
-    cost, layout = FullCost(plan_input, ladder), _layout(inside, plan_input)
+    after = FullCost(plan_input, ladder).evaluate(plan_layout(placed, plan_input)).total_s
+    cost, layout = FullCost(plan_input, ladder), plan_layout(inside, plan_input)
     codecs = []
     for a, b in zip(layout.grid, layout.grid[1:], strict=False):
         worst = int(np.argmax(cost.pace_s[a, b]))

@@ -69,7 +69,7 @@ import numpy as np
 from swarm.scheduler.cost import FullCost, GroupStats, Layout
 from swarm.scheduler.graph import open_path_tsp
 from swarm.scheduler.plans import Breakdown, ModelSpec, Plan, PlanInput
-from swarm.scheduler.search import PeerSpeeds, SearchConfig, layout_to_plan, search_full
+from swarm.scheduler.search import PeerSpeeds, SearchConfig, layout_to_plan, plan_layout, search_full
 
 __all__ = [
     "TUNNEL_CALL_S", "TunnelCost", "plan_relayed", "price", "relay_extra_s", "relay_paths", "relay_shares",
@@ -350,17 +350,10 @@ def with_speeds(plan_input: PlanInput, speeds) -> PlanInput:
     return dataclasses.replace(plan_input, peers=peers)
 
 
-def _layout_of(made: Plan, plan_input: PlanInput) -> Layout:
-    """The plan `made` as a layout over `plan_input`'s peers (its stages' peers and layer counts)."""
-    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
-    grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
-    return Layout(grid, np.array([s.layer_end - s.layer_start for s in made.stages], dtype=np.int64))
-
-
 def shared_input(plan_input: PlanInput, relays: Mapping[str, str | None], made: Plan) -> PlanInput:
     """`relayed_input` with each relay shared by the relayed links of the plan `made` (its peers' layout): what
     the live planner prices a plan with (the even-layers re-pricing, the codecs' link figures)."""
-    layout = _layout_of(made, plan_input)  # the layers do not matter to the shares
+    layout = plan_layout(made, plan_input)  # the layers do not matter to the shares
     return relayed_input(plan_input, relays, relay_shares(layout, plan_input, relays))
 
 
@@ -373,7 +366,7 @@ def shared_cost(
 ) -> FullCost:
     """The cost model `price` uses for the plan `made`'s peers (each relay shared by its relayed links, the
     tunnels charged), for re-pricing that layout with other layers (the live planner's even layers)."""
-    layout = _layout_of(made, plan_input)  # the layers do not matter to the shares
+    layout = plan_layout(made, plan_input)  # the layers do not matter to the shares
     return _cost(plan_input, relays, model, relay_shares(layout, plan_input, relays), tunnel_s)
 
 
@@ -394,7 +387,7 @@ def relay_extra_s(
     from swarm.peers.plan import MAX_RELAY_EXTRA_S
 
     tunnel_s = _checked_tunnel_s(tunnel_s)
-    layout = _layout_of(made, plan_input)
+    layout = plan_layout(made, plan_input)
     paths = relay_paths(plan_input, relays)
     unreachable = unreachable_of(plan_input, relays)
     tunnelled = tunnel_s > 0 and bool(unreachable[layout.grid.ravel()].any())

@@ -38,6 +38,7 @@ __all__ = [
     "layout_to_plan",
     "plan",
     "plan_dtfm",
+    "plan_layout",
     "refined",
     "search_dtfm",
     "search_full",
@@ -298,6 +299,14 @@ def layout_to_plan(
         for s in range(layout.stages)
     )
     return Plan(stages, breakdown, cost_model, version, tuple(ids[int(p)] for p in sorted(unused)))
+
+
+def plan_layout(made: Plan, plan_input: PlanInput) -> Layout:
+    """The plan `made` as a layout over `plan_input`'s peers (its stages' peers and layer counts):
+    `layout_to_plan`'s inverse."""
+    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
+    grid = np.array([[index[pid] for pid in stage.peer_ids] for stage in made.stages])
+    return Layout(grid, np.array([s.layer_end - s.layer_start for s in made.stages], dtype=np.int64))
 
 
 def plan(plan_input: PlanInput, model: ModelSpec, cfg: SearchConfig | None = None, version: int = 0) -> Plan:

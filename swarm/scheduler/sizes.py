@@ -35,16 +35,18 @@ def wire_bits(codec: CodecConfig) -> float:
     return float(codec.wire_bits)
 
 
+def _activations(shape: tuple[int, ...], seed: int):
+    """Draws of a layer-normed random tensor of `shape` (what a block's output looks like to a codec), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda: torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
+
+
 def message_bytes(codec: CodecConfig, shape: tuple[int, ...], seed: int = 0) -> int:
     """Bytes one boundary message of `shape` takes on the wire, measured: a layer-normed random tensor (what a
     block's output looks like to the codec) encoded and framed at the codec's zstd level, scales and headers
     included. A codec with message buffers (aqsgd, acsgd) is measured in its steady state: the second sight of
     the samples, a quantized delta against the buffers the first sight filled."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def sample() -> torch.Tensor:
-        return torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
-
+    sample = _activations(shape, seed)
     encoder, x = make_codec(codec), sample()
     if encoder.uses_buffers:
         state, ids = LinkState(codec), list(range(shape[0]))
@@ -58,20 +60,16 @@ def message_bytes(codec: CodecConfig, shape: tuple[int, ...], seed: int = 0) -> 
 def measure_link_rungs(
     labels, shape: tuple[int, ...], repeats: int = 3, seed: int = 0
 ) -> dict[str, tuple[float, float]]:
-    """Per codec label, one boundary message of `shape` as this process sends it: (its bytes on the wire, as
-    `message_bytes` measures them; the seconds to encode and frame it and to decode it, the fastest of `repeats`
-    after one that warms up). A codec with message buffers is timed in its steady state (a delta against the
-    buffers the sender's and the receiver's first sight filled). What `swarm.scheduler.bits.link_ladder` prices
-    each pair of peers with; the planner's machine stands for every peer's (peers do not announce theirs)."""
+    """Per codec label, one boundary message of `shape` as this process sends it: (its bytes on the wire,
+    `message_bytes`; the seconds to encode and frame it and to decode it, the fastest of `repeats` after one that
+    warms up). A codec with message buffers is timed in its steady state (a delta against the buffers the sender's
+    and the receiver's first sight filled). What `swarm.scheduler.bits.link_ladder` prices each pair of peers with;
+    the planner's machine stands for every peer's (peers do not announce theirs)."""
     import time
 
     from swarm.compression import WireLimits, decoder_for
 
-    gen = torch.Generator().manual_seed(seed)
-
-    def sample() -> torch.Tensor:
-        return torch.nn.functional.layer_norm(torch.randn(shape, generator=gen), shape[-1:])
-
+    sample = _activations(shape, seed)
     numel = int(torch.Size(shape).numel())
     limits = WireLimits(max_dims=len(shape), max_numel=numel, max_message_bytes=8 * numel + (1 << 20))
     out = {}
@@ -83,15 +81,15 @@ def measure_link_rungs(
         if encoder.uses_buffers:  # first sights fill both ends' buffers; the timed messages are deltas
             first = encoder.encode(x, sample_ids=ids, state=sent)
             decoder_for(first, config).decode(first, state=received, limits=limits)
-        size, best = 0, float("inf")
+        best = float("inf")
         for _ in range(repeats + 1):
             y = x + 0.1 * sample()
             start = time.perf_counter()
             msg = encoder.encode(y, sample_ids=ids, state=sent) if encoder.uses_buffers else encoder.encode(y)
-            size = sum(chunk.ByteSize() for chunk in frame(msg, zstd_level=config.zstd_level))
+            sum(chunk.ByteSize() for chunk in frame(msg, zstd_level=config.zstd_level))
             decoder_for(msg, config).decode(msg, state=received if encoder.uses_buffers else None, limits=limits)
             best = min(best, time.perf_counter() - start)
-        out[label] = (float(size), best)
+        out[label] = (float(message_bytes(config, shape, seed)), best)
     return out
 
 
