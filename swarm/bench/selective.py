@@ -68,7 +68,7 @@ def rows(
     """One row per rate: the selective choice and the predicted step of fp32 / all-compressed / selective."""
     policy = policy or BitsPolicy()
     from swarm.compression import CodecConfig
-    from swarm.daemon.planning import link_figures
+    from swarm.daemon.codec_choice import link_figures
     from swarm.peers.plan import PlanStage
     from swarm.peers.plan_codecs import EpilogueCodecs
     from swarm.scheduler.sizes import message_bytes

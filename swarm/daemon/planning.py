@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,7 @@ import numpy as np
 
 from swarm.daemon.bans import RunBans
 from swarm.daemon.calibrate import Calibrator
+from swarm.daemon.codec_choice import CodecChoice, at_precisions
 from swarm.daemon.joiners import JoinWatch, unproven
 from swarm.daemon.lease import AdaptiveLease
 from swarm.daemon.liveness import Liveness
@@ -47,7 +48,7 @@ from swarm.daemon.precision_watch import PrecisionWatch
 from swarm.daemon.repack import with_frozen
 from swarm.daemon.repair import grow_plan, repair_plan
 from swarm.peers.fields import MAX_PLAN_VERSION
-from swarm.peers.plan import MAX_PLAN_TRAINERS, PlanDocument, PlanStage
+from swarm.peers.plan import MAX_PLAN_TRAINERS, PlanDocument
 from swarm.peers.records import (
     LinkMeasurement,
     PeerAnnouncement,
@@ -56,8 +57,8 @@ from swarm.peers.records import (
 )
 from swarm.runtime.host import StageRole
 from swarm.scheduler import ModelSpec, Peer, Plan, PlanInput, SearchConfig
-from swarm.scheduler.bits import BitsPolicy, CodecSpeed, LinkFigures, choose_codecs, rechoose
-from swarm.scheduler.precision_choice import precision_speeds, scaled_speeds
+from swarm.scheduler.bits import BitsPolicy, CodecSpeed
+from swarm.scheduler.precision_choice import precision_speeds
 from swarm.scheduler.relays import (
     plan_relayed,
     relay_extra_s,
@@ -65,9 +66,7 @@ from swarm.scheduler.relays import (
     relays_of,
     shared_cost,
     shared_input,
-    with_speeds,
 )
-from swarm.scheduler.selective import epilogue_moved, pipeline_step_s, planned_epilogue
 
 if TYPE_CHECKING:
     from swarm.daemon.peer_config import PlanningConfig
@@ -167,25 +166,6 @@ def with_even_layers(made: Plan, plan_input: PlanInput, spec: ModelSpec, cost=No
     return layout_to_plan(layout, breakdown, plan_input, made.cost_model, unused, made.version)
 
 
-def link_figures(stages: Sequence[PlanStage], plan_input: PlanInput, spec: ModelSpec) -> list[LinkFigures]:
-    """Each boundary's measured rates (its slowest replica pair each way) and its slower stage's compute per
-    micro-batch: what `swarm.scheduler.bits` chooses codecs from. `stages`: a plan's (or the scheduler's
-    `StagePlan`s: layers and peer ids)."""
-    index = {p.peer_id: i for i, p in enumerate(plan_input.peers)}
-    bandwidth, speeds = plan_input.bandwidth_bytes_per_s, plan_input.speeds_flops_per_s
-    rows = [[index[pid] for pid in st.peer_ids] for st in stages]
-    compute = [
-        (st.layer_end - st.layer_start) * spec.flops_per_layer / speeds[row].min()
-        for st, row in zip(stages, rows, strict=True)
-    ]
-    return [
-        LinkFigures(
-            float(bandwidth[np.ix_(a, b)].min()), float(bandwidth[np.ix_(b, a)].min()), max(compute[s], compute[s + 1])
-        )
-        for s, (a, b) in enumerate(zip(rows, rows[1:], strict=False))
-    ]
-
-
 def role_in_plan(record: PlanRecord, peer_id: str) -> StageRole | None:
     """This peer's stage (and replica: its index in the stage's `peer_ids`) under a published plan, or None if
     it is on standby."""
@@ -238,31 +218,18 @@ class Planner:
         self.settle_s, self.seed, self.clock = settle_s, cfg.seed, clock
         self.probe_wait_s = probe_wait_s if cfg.probe_links else 0.0
         self.replicas, self.liveness, self.even_layers = cfg.replicas, liveness, cfg.even_layers
-        ladder = spec.link_ladder
-        if codec_bytes is None and ladder is not None:  # per-link with the search pricing each link's codec
-            codec_bytes = _rung_figure(ladder, "message_bytes")
-        self.codec_bytes, self.bits = codec_bytes, bits or BitsPolicy()
-        self.coding_s = None if ladder is None else _rung_figure(ladder, "coding_s")
-        """Seconds to encode and decode one message per codec (the spec's measured ladder); None: bytes alone."""
-        self.epilogue = epilogue or codec_bytes is not None
-        """Whether plans carry the epilogue's codecs (the replicas' sums, the tied sync), chosen from the measured
-        links (`--codec-policy selective`; per-link chooses them with the boundaries' codecs)."""
+        self.codecs = CodecChoice(spec, codec_bytes, epilogue, codec_speed, bits)
+        """the plan's link and epilogue codecs, chosen from the measured links (`swarm.daemon.codec_choice`)"""
         self.epilogue_only = epilogue_only
         """Chooses a plan's epilogue-only compression (`--plan-epilogue-only`: its `bw_epilogue`, or None) when the
         planner makes it, from the announced speeds, and again when it calibrates it, from the stages' measured
         clocks: (stages, plan input, spec[, seconds a micro-batch per stage]); None: plans leave it to the peers'
         flags."""
-        self.codec_speed = codec_speed
-        """How fast this machine runs the epilogue's codecs (`swarm.scheduler.sizes.measure_codec_speed`, measured
-        once, when first asked): an exchange's time is its bytes and its encoding; None: its bytes alone."""
         self.calibrator, self.precisions, self.repack = calibrator, precisions, repack
         """precisions: `precision_planner`'s (stage dicts, announcements, quiet=False) -> one per stage, or None;
         called for each shape's best layout inside the search (`precision_speeds`) and on the plan made"""
         self.precision_watch = PrecisionWatch(precisions) if precisions is not None else None  # from announced figures
         """Re-predicts the followed plan from its peers' measured clocks (`swarm.daemon.calibrate`); None: off."""
-        """Per-link codecs when `codec_bytes` (bytes of one micro-batch's message per codec label) is given."""
-        self._chosen_from: list[LinkFigures] | None = None
-        self._epilogue_from = None  # the epilogue figures the plan's epilogue codecs were chosen from
         self.lease_s, self.dht_time, self.reannounce = cfg.planner_lease_s, dht_time, reannounce  # time.time: DHT time
         self.lease = AdaptiveLease(cfg.planner_lease_s)
         """the lease's current length: `lease_s`, stretched while renewals come late (`swarm.daemon.lease`)"""
@@ -415,7 +382,7 @@ class Planner:
         watch = self.precision_watch
         if unchanged and watch is not None and (done := watch.round(self, current, peers)):
             return done
-        if unchanged and self.epilogue and alive:
+        if unchanged and self.codecs.enabled and alive:
             return self.rechoose_codecs(current, peers, alive)
         if not alive or unchanged:
             return None
@@ -461,10 +428,10 @@ class Planner:
         )
         precisions = self.precisions(document.stage_dicts(), peers) if self.precisions else None
         document = document if precisions is None else document.with_precisions(precisions)
-        priced = at_precisions(swarm, document, peers)  # the codecs chosen at the speeds the stages will run at
-        document = self.with_codecs(document, priced)
+        priced = at_precisions(swarm.plan_input, document, peers)  # codecs chosen at the stages' speeds to be
+        document = self.codecs.apply(document, priced)
         if self.epilogue_only is not None:  # which backward messages go compressed, from the same measurements
-            chosen = self.epilogue_only(document.stage_dicts(), priced.plan_input, self.spec, links=document.codecs)
+            chosen = self.epilogue_only(document.stage_dicts(), priced, self.spec, links=document.codecs)
             document = document.replace(bw_epilogue=chosen)
         # what the relayed links' two legs add (None: no relayed link): the tunnels' per-message cost is in the
         # plan's step, not here, so `swarm experiment nat`'s "no more than its two legs" is judged on the legs
@@ -500,42 +467,15 @@ class Planner:
             log.info("planning without plan %d's %s", current.version, listed)
         self._dropped = dropped
 
-    def with_codecs(self, plan: PlanDocument, swarm: SwarmInput) -> PlanDocument:
-        """`plan` with the codecs chosen per boundary from the measured links (per-link), and the epilogue's with
-        the step predicted for them (per-link and selective; unchanged with fixed codecs)."""
-        if not self.epilogue:
-            return plan
-        stages = plan.stage_dicts()
-        speed = self.codec_speed() if self.codec_speed is not None else None
-        epilogue = planned_epilogue(stages, swarm.plan_input, self.spec, self.bits, speed)
-        self._epilogue_from = None if epilogue is None else epilogue.figures
-        if self.codec_bytes is not None and len(stages) >= 2:
-            self._chosen_from = link_figures(plan.stages, swarm.plan_input, self.spec)
-            step_s = pipeline_step_s(stages, swarm.plan_input, self.spec)  # the fill/drain's share of it (bits.py)
-            codecs = choose_codecs(self._chosen_from, self.codec_bytes, self.bits, step_s, self.coding_s)
-            for b, c in enumerate(codecs):
-                log.info("boundary %d codecs %s", b, c.why)
-            plan = plan.with_link_codecs(codecs)
-        if epilogue is None:
-            return plan
-        breakdown = dataclasses.asdict(epilogue.breakdown)
-        return plan.with_epilogue(epilogue.codecs).with_prediction(epilogue.breakdown.total_s, breakdown)
-
     def rechoose_codecs(self, current: PlanRecord, peers: list[PeerAnnouncement], alive: frozenset[str]):
         """Republishes the current stages with codecs chosen again once the links' measurements moved past the
         hysteresis (the same stages: only the codecs change); None while they hold."""
         plan = current.document
         swarm = swarm_plan_input([p for p in peers if p.peer_id in alive], self.dht.links(), self.spec)
-        swarm = at_precisions(swarm, plan, peers)
-        bounds = (
-            self.codec_bytes is not None
-            and plan.n_stages >= 2
-            and rechoose(self._chosen_from, link_figures(plan.stages, swarm.plan_input, self.spec), self.bits)
-        )
-        moved = epilogue_moved(self._epilogue_from, plan.stage_dicts(), swarm.plan_input, self.spec, self.bits)
-        if not bounds and not moved:
+        priced = at_precisions(swarm.plan_input, plan, peers)
+        if not self.codecs.moved(plan, priced):
             return None
-        chosen = self.with_codecs(plan, swarm)
+        chosen = self.codecs.apply(plan, priced)
         if chosen.same_codecs(plan):
             return None  # moved, but to the same choice: nothing to switch
         version = self.next_version(peers)
@@ -603,21 +543,6 @@ class Planner:
                 self._exhausted = True
             return None
         return floor + 1
-
-
-def at_precisions(swarm: SwarmInput, plan: PlanDocument, peers: list[PeerAnnouncement]) -> SwarmInput:
-    """`swarm` with each stage's peers at their announced speed in the plan's precision for it (QSync's choice): what
-    the links' and the epilogue's codecs and the prediction are chosen at; `swarm` itself without precisions."""
-    stage_peers = [stage.peer_ids for stage in plan.stages]
-    speeds = scaled_speeds(swarm.plan_input, stage_peers, plan.precisions, peers)
-    if speeds is None:
-        return swarm
-    return dataclasses.replace(swarm, plan_input=with_speeds(swarm.plan_input, speeds))
-
-
-def _rung_figure(ladder, name: str) -> Callable[[str], float]:
-    """`name` of a codec's rung on `ladder` (a `LinkLadder`), by label."""
-    return lambda label: float(getattr(ladder.rung(label), name))
 
 
 def _planners(dht) -> tuple[str, ...]:

@@ -69,7 +69,7 @@ def selective_plan(
     `links` False: the epilogue's codecs only, as `--codec-policy selective` plans (the `FW/BW@selRATE` settings);
     `codec_speed`: the codecs' measured speed the epilogue is chosen with (`swarm.scheduler.bits.CodecSpeed`)."""
     from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
-    from swarm.daemon.planning import link_figures
+    from swarm.daemon.codec_choice import link_figures
     from swarm.scheduler.bits import BitsPolicy, choose_codecs, codec_sizes
     from swarm.scheduler.plans import Peer, PlanInput
     from swarm.scheduler.selective import choose_for_plan, pipeline_step_s
