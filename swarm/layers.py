@@ -13,7 +13,7 @@ __all__ = ["LAYERS", "layer_of"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("field_source",),  # dataclass fields' docstrings and evaluated annotations, read from the source
-    ("proto", "kernels", "metrics", "plots", "report", "layers", "flags"),  # wire messages, kernels, leaf utilities
+    ("proto", "kernels", "metrics", "trace", "plots", "report", "layers", "flags"),  # wire, kernels, leaf utilities
     ("compression", "model"),  # codecs; the model families and their data
     ("peers",),  # DHT records and node, transport, the link shaper
     ("net",),  # stage calls on the wire, how to reach a stage

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from swarm import trace
 from swarm.daemon import heapstats, memwatch
 from swarm.daemon.checkpoints import StageCheckpoints
 from swarm.daemon.lean import cap_arenas, skip_dynamo
@@ -106,6 +108,7 @@ class PeerDaemon:
 
             pin_cpus(cfg.cpus)
         torch.set_num_threads(cfg.threads)
+        trace.start(f"peer {os.getpid()}")  # where SWARM_TRACE_DIR asks for a timeline
         if cfg.fw_codec.buffer_dir:  # before anything starts: another peer on this directory would share its buffers
             from swarm.compression.buffers import BufferDirInUse, lock_buffer_dir
 
@@ -209,6 +212,7 @@ class PeerDaemon:
                 self.on_stopped()
             return 0
         finally:
+            trace.flush()  # here, not only at exit: a peer whose exit hangs is ended without atexit
             if server is not None:
                 server.stop(grace=None)
             if self.metrics_server is not None:
@@ -753,7 +757,6 @@ def _exit_within(grace_s: float, code: int) -> None:
     hang (gRPC's and the DHT's native teardown). So faulthandler's watchdog, a native thread that needs no GIL,
     ends the process `HARD_EXIT_AFTER_S` later all the same, with every thread's stack and exit status 1."""
     import faulthandler
-    import os
 
     faulthandler.dump_traceback_later(grace_s + HARD_EXIT_AFTER_S, exit=True, file=sys.stdout)
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import grpc
 from google.protobuf.message import Message
 
+from swarm import trace
 from swarm.metrics import Metrics, delta
 from swarm.model.data import Batch, SampleSet
 from swarm.net.connect import Connector, GrpcConnector
@@ -176,6 +177,7 @@ class PipelineDriver:
             signer = CallSigner(Identity.generate())
         self.connector = connector or GrpcConnector(signer=signer)
         self.metrics = metrics or Metrics()
+        trace.start("trainer")  # where SWARM_TRACE_DIR asks for a timeline
         self._step_started = time.perf_counter()  # when the step in progress began (its Step reports the time)
         self.weights = weights or RouteWeights()
         self.tied = tied
@@ -302,7 +304,8 @@ class PipelineDriver:
         has each step's share): where a step's time goes, failures included."""
         start = time.perf_counter()
         try:
-            yield
+            with trace.span(name, "trainer"):
+                yield
         finally:
             self.metrics.trainer_phase_seconds.labels(name).inc(time.perf_counter() - start)
 
@@ -382,8 +385,10 @@ class PipelineDriver:
         parked = self._spawn(backward_call, work.route.peers) if early else None
         # communication: tokens into stage 0 of the route; the activations flow on to its last stage, the loss
         # comes back
-        forward = self.router.routed(step, 0, first_r, "Forward", tokens)
-        backward = backward_call() if parked is None else self._result(parked)
+        with trace.span("Forward", "trainer", mb=mb, step=step):
+            forward = self.router.routed(step, 0, first_r, "Forward", tokens)
+        with trace.span("Backward", "trainer", mb=mb, step=step):
+            backward = backward_call() if parked is None else self._result(parked)
         verifier = self.verifier  # a sampled micro-batch is audited beside the step's Reduce, before its Step
         if (
             verifier is not None

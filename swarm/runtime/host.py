@@ -14,6 +14,7 @@ whole, between steps, through `apply(StageAssignment)`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from swarm import trace
 from swarm.compression import CodecConfig, WireError, WireLimits
 from swarm.metrics import Metrics
 from swarm.model.spec import AnyModelConfig, build_stage, model_identity
@@ -334,8 +336,8 @@ class StageHost:
             ids = [int(i) for i in call.message.sample_ids] or list(range(inputs.shape[0]))
         mb, queued = local_micro(info, role.stage)[0], time.perf_counter()
         with self._turn(info, Kind.FORWARD, cancelled) as current:
-            _observe(self.metrics, role.stage, "wait", queued)
-            with self.compute_lock, _phase(self.metrics, role.stage, "compute"):
+            _observe(self.metrics, role.stage, "wait", queued, mb=mb, step=info.step)
+            with self.compute_lock, _phase(self.metrics, role.stage, "compute", "forward", mb=mb, step=info.step):
                 self.ledger.still(current(), info.step, mb)
                 targets = self.labels.pop(mb) if role.is_last else None
                 inputs, targets = to_device(links.device, inputs, targets)
@@ -359,8 +361,8 @@ class StageHost:
             grad_out = self.decode(call, Kind.BACKWARD)
         mb, queued = local_micro(info, self.role.stage)[0], time.perf_counter()
         with self._turn(info, Kind.BACKWARD, cancelled) as current:
-            _observe(self.metrics, self.role.stage, "wait", queued)
-            with self.compute_lock, _phase(self.metrics, self.role.stage, "compute"):
+            _observe(self.metrics, self.role.stage, "wait", queued, mb=mb, step=info.step)
+            with self.compute_lock, _phase(self.metrics, self.role.stage, "compute", "backward", mb=mb, step=info.step):
                 self.ledger.still(current(), info.step, mb)
                 grad_in = self.worker.backward(mb, *to_device(links.device, grad_out))
                 self.audit.backward(info.step, mb, grad_out, grad_in)
@@ -572,13 +574,19 @@ def _neighbour(info: CallInfo, stage: int) -> str:
     return info.route_peers[stage] if 0 <= stage < len(info.route_peers) else ""
 
 
-def _phase(metrics: Metrics, stage: int, phase: str):
-    """Times a block as `phase` of `stage`."""
-    return metrics.phase_seconds.labels(str(stage), phase).time()
+@contextlib.contextmanager
+def _phase(metrics: Metrics, stage: int, phase: str, span: str | None = None, **args):
+    """Times a block as `phase` of `stage` (and as a span named `span`, default `phase`, where tracing is on)."""
+    timer = metrics.phase_seconds.labels(str(stage), phase).time()
+    with timer, trace.span(span or phase, "stage", stage=stage, **args):
+        yield
 
 
-def _observe(metrics: Metrics, stage: int, phase: str, since: float) -> None:
-    metrics.phase_seconds.labels(str(stage), phase).observe(time.perf_counter() - since)
+def _observe(metrics: Metrics, stage: int, phase: str, since: float, **args) -> None:
+    """Counts the seconds from `since` (`time.perf_counter`) to now as `phase` of `stage` (and a span)."""
+    seconds = time.perf_counter() - since
+    metrics.phase_seconds.labels(str(stage), phase).observe(seconds)
+    trace.since(phase, time.monotonic_ns() - int(seconds * 1e9), "stage", stage=stage, **args)
 
 
 def _step_metrics(metrics: Metrics, role: StageRole, links: LinkEnds, opened_at: float) -> None:

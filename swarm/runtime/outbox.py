@@ -11,13 +11,16 @@ roster) gets the route for the rest of that plan; the refused call fails, the tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 
 import grpc
 import torch
 
+from swarm import trace
 from swarm.metrics import Metrics
 from swarm.net.connect import Connector
 from swarm.net.stream import BUFFER_MISS, name_failure
@@ -43,9 +46,17 @@ class Counted:
         self.items, self.nbytes = items, 0
 
     def __iter__(self):
-        for item in self.items:
+        if trace.active() is None:
+            for item in self.items:
+                self.nbytes += len(item)
+                yield item
+            return
+        for i, item in enumerate(self.items):  # when the transport takes the first and the last item, traced
             self.nbytes += len(item)
+            if i == 0:
+                trace.since("first item", time.monotonic_ns(), "call")
             yield item
+        trace.since("last item", time.monotonic_ns(), "call")
 
 
 class Outbox:
@@ -123,7 +134,8 @@ class Outbox:
         counted = Counted(items)
         try:
             client = self.connector.stage(address, peer)  # the token names the callee
-            reply = getattr(client, method)(iter(counted), timeout=call_wait_s(info, self.budget))
+            with trace.span(f"call {method}", "call", stage=info.stage, step=info.step):
+                reply = getattr(client, method)(iter(counted), timeout=call_wait_s(info, self.budget))
         except grpc.RpcError as e:
             details = e.details() or ""
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(ROUTE_NEEDED):
@@ -152,5 +164,7 @@ class Outbox:
         traffic.fp32_wire_bytes += fp32
         traffic.link_bytes[link] += sent
 
+    @contextlib.contextmanager
     def _phase(self, stage: int, phase: str):
-        return self.metrics.phase_seconds.labels(str(stage), phase).time()
+        with self.metrics.phase_seconds.labels(str(stage), phase).time(), trace.span(phase, "stage", stage=stage):
+            yield

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from swarm import trace
 from swarm.compression import BufferMissError, CodecConfig, WireError, WireLimits, frame, make_codec
 from swarm.compression.framing import DEFAULT_CHUNK_BYTES
 from swarm.net.stream import (
@@ -268,6 +269,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         def run():
             method = "Forward" if kind == Kind.FORWARD else "Backward"
+            with trace.span(f"serve {method}", "serve"):
+                return serve(method)
+
+        def serve(method: str):
             caller = self._sender(context, method)
             gone = threading.Event()  # the caller cancelled or passed its deadline: stop waiting for it
 
@@ -290,7 +295,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     carried.append(len(wire.route) > 0)
                     infos.append(self._check_info(wire, caller, method)[1])
 
-                read = self._read(request_iterator, context, self._limits(), on_info=on_info, on_header=on_header)
+                with trace.span(f"read {method}", "serve"):
+                    read = self._read(request_iterator, context, self._limits(), on_info=on_info, on_header=on_header)
                 call = StageCall(infos[0], read.message, read.tokens)
                 host = self._admit(call.info, call, kind, caller, method)
                 fresh = host.fresh_ids(call, kind)  # first sights this call buffers: given back if it never runs

@@ -1,0 +1,114 @@
+"""The timeline tracer: off unless SWARM_TRACE_DIR is set; on, every stage's forward and backward of every
+micro-batch, its codec work, calls and the trainer's phases become spans of a Chrome trace that merges and sums."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+
+import pytest
+import torch
+
+from swarm import trace
+from swarm.runtime.inprocess import LocalPipeline
+from tests.unit.runtime.test_replicas import CFG, FP32, batch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def traced(tmp_path, monkeypatch):
+    """Tracing on into tmp_path for the test, off again after it (the module's tracer is process-wide)."""
+    monkeypatch.setenv(trace.ENV, str(tmp_path))
+    monkeypatch.setattr(trace, "_tracer", None)
+    yield tmp_path
+    if trace._gc_span in gc.callbacks:
+        gc.callbacks.remove(trace._gc_span)
+    trace._tracer = None
+
+
+def test_off_without_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(trace.ENV, raising=False)
+    monkeypatch.setattr(trace, "_tracer", None)
+    assert trace.start("trainer") is None
+    with trace.span("forward", stage=0):
+        pass
+    trace.since("wait", 0)
+    assert trace.active() is None and trace.flush() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spans_carry_wall_and_cpu_time_and_are_written_as_a_chrome_trace(traced):
+    tracer = trace.start("peer 1")
+    with trace.span("compute", "stage", stage=1, mb=3):
+        sum(i * i for i in range(20000))  # some CPU in the span
+    done = threading.Event()
+
+    def other() -> None:
+        with trace.span("read Forward", "serve"):
+            done.set()
+
+    t = threading.Thread(target=other, name="grpc_0")
+    t.start()
+    t.join(10)
+    assert done.is_set()
+    gc.collect()  # the collector's pause is a span too
+    path = trace.flush()
+    assert path == traced / f"trace-{tracer.pid}.json"
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    compute = spans["compute"]
+    assert compute["args"]["stage"] == 1 and compute["args"]["mb"] == 3
+    assert 0 < compute["args"]["cpu_ms"] <= compute["dur"] / 1000 + 1.0  # a thread's CPU is within its wall time
+    assert spans["read Forward"]["tid"] != compute["tid"]
+    assert any(name.startswith("gc ") for name in spans)
+    meta = {(e["name"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert meta[("process_name", None)] == "peer 1"
+    assert "grpc_0" in meta.values()
+
+
+def test_a_process_keeps_at_most_max_events_and_counts_the_rest(traced, monkeypatch):
+    monkeypatch.setattr(trace, "MAX_EVENTS", 5)
+    trace.start("trainer")
+    for _ in range(8):
+        with trace.span("step"):
+            pass
+    data = json.loads(trace.flush().read_text())
+    assert sum(e["ph"] == "X" for e in data["traceEvents"]) <= 5
+    assert data["otherData"]["dropped"] >= 3
+
+
+def test_a_traced_in_process_step_has_every_micro_batch_on_every_stage(traced, capsys):
+    pipe = LocalPipeline(CFG, 2, FP32, FP32, "1f1b")
+    pipe.driver(4)
+    pipe.train_step(batch(8), 4)
+    trace.flush()
+    events = trace.merge(traced)[1]
+    computed = {(e["name"], e["args"]["stage"], e["args"]["mb"]) for e in events if e.get("cat") == "stage"
+                and e["name"] in ("forward", "backward")}  # fmt: skip
+    assert computed == {(k, s, mb) for k in ("forward", "backward") for s in (0, 1) for mb in range(4)}
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"pipeline", "Forward", "Backward", "encode", "decode", "wait"} <= names
+    assert trace.main([str(traced), "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "forward" in out and "ms a step" in out and (traced / "trace.json").exists()
+
+
+def test_merge_skips_a_torn_file_and_summary_totals_by_process(tmp_path, capsys):
+    def events(pid: int, name: str, durs: list[float]) -> dict:
+        meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}]
+        return {"traceEvents": meta + [{"name": "forward", "ph": "X", "pid": pid, "tid": 1, "ts": 0, "dur": d}
+                                       for d in durs]}  # fmt: skip
+
+    (tmp_path / "trace-1.json").write_text(json.dumps(events(1, "peer 1", [1000.0, 3000.0])))
+    (tmp_path / "trace-2.json").write_text(json.dumps(events(2, "trainer", [500.0])))
+    (tmp_path / "trace-3.json").write_text('{"traceEvents": [')  # a process killed while writing
+    _, merged = trace.merge(tmp_path)
+    assert "skipped" in capsys.readouterr().err
+    assert trace.summary(merged) == [("peer 1", "forward", 2, 4.0), ("trainer", "forward", 1, 0.5)]
+
+
+def test_the_cli_says_when_a_directory_has_no_spans(tmp_path, capsys):
+    assert trace.main([str(tmp_path)]) == 1
+    assert "no spans" in capsys.readouterr().err
