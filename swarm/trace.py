@@ -21,6 +21,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -28,7 +29,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["ENV", "MAX_EVENTS", "Tracer", "active", "flush", "merge", "since", "span", "start", "summary"]
+__all__ = [
+    "ENV", "MAX_EVENTS", "Tracer", "active", "flush", "merge", "pipeline_figures", "since", "span", "start", "summary",
+]  # fmt: skip
 
 ENV = "SWARM_TRACE_DIR"
 """The environment variable naming the directory traces are written to; unset: no tracing."""
@@ -159,7 +162,7 @@ def merge(directory: str | os.PathLike) -> tuple[Path, list[dict]]:
     return out, events
 
 
-def summary(events: list[dict], per: str = "step") -> list[tuple[str, str, int, float]]:
+def summary(events: list[dict]) -> list[tuple[str, str, int, float]]:
     """(process, span name, count, total ms) for every span name of every process, largest first."""
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
     totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
@@ -172,12 +175,107 @@ def summary(events: list[dict], per: str = "step") -> list[tuple[str, str, int, 
     return sorted(rows, key=lambda r: (r[0], -r[3]))
 
 
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def pipeline_figures(events: list[dict], from_step: int = 10) -> dict:
+    """Where a traced pipeline's steps from `from_step` on spent their time (milliseconds, medians):
+
+    - `stages`: each stage's forward and backward of one micro-batch, wall and its thread's CPU, and its compute
+      wall a step;
+    - `hops`: the time from a stage's compute of a micro-batch to its neighbour's compute of it (the forward's
+      activation, the backward's gradient), where the neighbour waited for it (`waited`), broken down where its
+      spans are found on the sending and the serving thread (`segments`: encode; the call's start to its handler's;
+      the handler's read; the decode; the gate); and, where the input was there first, the time from the stage's
+      previous compute to this one (`handoff`: the schedule gate's hand-off);
+    - `pipeline`: the trainer's pipeline phase a step.
+    """
+    spans = [e for e in events if e.get("ph") == "X"]
+    computes = [
+        e for e in spans if e["name"] in ("forward", "backward") and e.get("args", {}).get("step", -1) >= from_step
+    ]
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in spans:
+        by_thread[(e["pid"], e["tid"])].append(e)
+    for line in by_thread.values():
+        line.sort(key=lambda e: e["ts"])
+    at = {(e["args"]["stage"], e["name"], e["args"]["step"], e["args"]["mb"]): e for e in computes}
+    stages = sorted({e["args"]["stage"] for e in computes})
+    order = {s: sorted((e for e in computes if e["args"]["stage"] == s), key=lambda e: e["ts"]) for s in stages}
+    end = lambda e: e["ts"] + e["dur"]  # noqa: E731
+
+    def near(e: dict, name: str, after: bool) -> dict | None:
+        """The span `name` on `e`'s thread just after (or before) it, within a few spans."""
+        line = by_thread[(e["pid"], e["tid"])]
+        i = line.index(e)
+        around = line[i + 1 : i + 6] if after else reversed(line[max(0, i - 8) : i])
+        return next((x for x in around if x["name"] == name), None)
+
+    waited, handoff = defaultdict(list), defaultdict(list)
+    segments: dict[str, list[float]] = defaultdict(list)
+    for s in stages:
+        for prev, e in zip([None, *order[s]], order[s], strict=False):
+            kind, step, mb = e["name"], e["args"]["step"], e["args"]["mb"]
+            source = at.get((s - 1, kind, step, mb) if kind == "forward" else (s + 1, kind, step, mb))
+            if source is None:
+                continue
+            free = end(prev) if prev is not None and prev["args"]["step"] == step else None
+            if free is not None and free > end(source):
+                handoff[kind].append((e["ts"] - free) / 1000)
+                continue
+            waited[kind].append((e["ts"] - end(source)) / 1000)
+            method = "Forward" if kind == "forward" else "Backward"
+            encode, call = near(source, "encode", True), near(source, f"call {method}", True)
+            serve, read, decode = (near(e, n, False) for n in (f"serve {method}", f"read {method}", "decode"))
+            if all((encode, call, serve, read, decode)):
+                for name, a, b in (
+                    ("encode", end(source), end(encode)),
+                    ("call to handler", call["ts"], serve["ts"]),
+                    ("handler's read", serve["ts"], end(read)),
+                    ("decode", end(read), end(decode)),
+                    ("gate", end(decode), e["ts"]),
+                ):
+                    segments[name].append((b - a) / 1000)
+    steps = {e["args"]["step"] for e in computes}
+    pipeline = [e["dur"] / 1000 for e in spans if e["name"] == "pipeline" and e.get("cat") == "trainer"]
+    return {
+        "stages": {
+            s: {
+                f"{kind} {clock}": _median(
+                    [
+                        (e["dur"] / 1000 if clock == "wall" else e["args"].get("cpu_ms", 0.0))
+                        for e in order[s]
+                        if e["name"] == kind
+                    ]
+                )  # fmt: skip
+                for kind in ("forward", "backward")
+                for clock in ("wall", "cpu")
+            }
+            | {"compute a step": round(sum(e["dur"] for e in order[s]) / 1000 / max(1, len(steps)), 3)}
+            for s in stages
+        },
+        "hops": {
+            "waited": {k: _median(v) for k, v in waited.items()},
+            "segments": {k: _median(v) for k, v in segments.items()},
+            "handoff": {k: _median(v) for k, v in handoff.items()},
+            "counts": {"waited": sum(map(len, waited.values())), "handoff": sum(map(len, handoff.values()))},
+        },
+        "pipeline": _median(pipeline[from_step:]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m swarm.trace", description="merge a run's trace files and print where each process's time went"
     )
     parser.add_argument("directory", help=f"the {ENV} a run wrote its trace-<pid>.json files to")
     parser.add_argument("--steps", type=int, default=None, help="divide the totals by this many steps")
+    parser.add_argument(
+        "--pipeline", type=int, default=None, metavar="FROM_STEP",
+        help="also print the pipeline's figures (compute, hops between stages, gate hand-offs; medians, ms) over "
+        "the steps from FROM_STEP on, as JSON",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     out, events = merge(args.directory)
     if not any(e.get("ph") == "X" for e in events):
@@ -188,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'process':<24} {'span':<28} {'count':>8} {unit:>12}")
     for process, name, count, ms in summary(events):
         print(f"{process[:24]:<24} {name[:28]:<28} {count:>8} {ms / per:>12.2f}")
+    if args.pipeline is not None:
+        print(json.dumps(pipeline_figures(events, args.pipeline), indent=1))
     print(f"merged: {out} (open in https://ui.perfetto.dev)")
     return 0
 

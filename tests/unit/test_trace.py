@@ -90,9 +90,13 @@ def test_a_traced_in_process_step_has_every_micro_batch_on_every_stage(traced, c
     assert computed == {(k, s, mb) for k in ("forward", "backward") for s in (0, 1) for mb in range(4)}
     names = {e["name"] for e in events if e["ph"] == "X"}
     assert {"pipeline", "Forward", "Backward", "encode", "decode", "wait"} <= names
-    assert trace.main([str(traced), "--steps", "1"]) == 0
+    assert trace.main([str(traced), "--steps", "1", "--pipeline", "0"]) == 0
     out = capsys.readouterr().out
     assert "forward" in out and "ms a step" in out and (traced / "trace.json").exists()
+    figures = trace.pipeline_figures(events, from_step=0)
+    assert set(figures["stages"]) == {0, 1} and figures["pipeline"] > 0
+    hops = figures["hops"]["counts"]
+    assert hops["waited"] + hops["handoff"] == 8  # every micro-batch's forward into stage 1 and backward into 0
 
 
 def test_merge_skips_a_torn_file_and_summary_totals_by_process(tmp_path, capsys):
@@ -112,3 +116,30 @@ def test_merge_skips_a_torn_file_and_summary_totals_by_process(tmp_path, capsys)
 def test_the_cli_says_when_a_directory_has_no_spans(tmp_path, capsys):
     assert trace.main([str(tmp_path)]) == 1
     assert "no spans" in capsys.readouterr().err
+
+
+def _span(pid: int, tid: int, name: str, ts: float, dur: float, **args) -> dict:
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": ts * 1000, "dur": dur * 1000, "args": args}
+
+
+def test_a_hop_is_waited_for_or_a_gate_hand_off_by_whether_the_input_came_first():
+    f = dict(step=3, cpu_ms=1.0)
+    events = [
+        _span(1, 1, "forward", 0, 4, stage=0, mb=0, **f),  # stage 0 sends mb 0 at 4 ms
+        _span(1, 1, "encode", 4, 0.5),
+        _span(1, 1, "call Forward", 4.6, 10),
+        _span(2, 7, "serve Forward", 5.5, 8),
+        _span(2, 7, "read Forward", 5.6, 1.4),
+        _span(2, 7, "decode", 7.0, 0.5),
+        _span(2, 7, "forward", 8, 3, stage=1, mb=0, **f),  # stage 1 waited for it: 4 ms after it was computed
+        _span(1, 2, "forward", 4.2, 4, stage=0, mb=1, **f),  # mb 1 is there at 8.2 ms, before stage 1 is free
+        _span(2, 8, "forward", 12, 3, stage=1, mb=1, **f),  # free at 11: a 1 ms hand-off
+    ]
+    figures = trace.pipeline_figures(events, from_step=0)
+    assert figures["hops"]["waited"] == {"forward": 4.0}
+    assert figures["hops"]["handoff"] == {"forward": 1.0}
+    assert figures["hops"]["segments"] == {
+        "encode": 0.5, "call to handler": 0.9, "handler's read": 1.5, "decode": 0.5, "gate": 0.5,
+    }  # fmt: skip
+    assert figures["stages"][1]["compute a step"] == 6.0
+    assert trace.pipeline_figures(events, from_step=4)["stages"] == {}  # steps before FROM_STEP are left out
