@@ -89,15 +89,21 @@ _tracer: Tracer | None = None
 
 def start(name: str) -> Tracer | None:
     """Traces this process as `name` if `SWARM_TRACE_DIR` is set (written at exit); None otherwise. A second call
-    renames the process and keeps its spans."""
+    renames the process and keeps its spans; one after the variable names another directory (an experiment's next
+    cell, whose trainer runs in this process) writes the spans so far to the old one and starts anew."""
     global _tracer
     directory = os.environ.get(ENV)
     if not directory:
         return None
+    if _tracer is not None and _tracer.directory != Path(directory):
+        _tracer.write()
+        atexit.unregister(_tracer.write)
+        _tracer = None
     if _tracer is None:
         _tracer = Tracer(directory, name)
         atexit.register(_tracer.write)
-        gc.callbacks.append(_gc_span)
+        if _gc_span not in gc.callbacks:
+            gc.callbacks.append(_gc_span)
     _tracer.name = name
     return _tracer
 

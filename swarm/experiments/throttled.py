@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import re
 import statistics
 import sys
@@ -157,6 +158,10 @@ class ThrottledConfig:
     """one-way delay of every link, ms"""
     netns: bool = False
     """shape with tc in network namespaces (needs root) instead of the application's shaper"""
+    trace: bool = False
+    """write a timeline of every process of each cell (`swarm.trace`) to CELL/trace/: merged into trace.json (Perfetto
+    opens it), the spans' time a step in spans.txt and the pipeline's figures after the first epoch (compute, hops
+    between stages, gate hand-offs) in pipeline.json"""
     netns_prefix: str = "swt-"
     """name prefix of the --netns cells' namespaces and links ([a-z][a-z0-9]{0,4}-); the torch baseline's are the
     same with a 'q' before the dash. Give each concurrent run its own"""
@@ -386,6 +391,29 @@ def epilogue_choice(cell: Cell, cfg: ThrottledConfig):
 
 
 def _run_cell(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
+    if not cfg.trace:
+        return _run_cell_processes(cell, cfg, out)
+    from swarm import trace
+
+    directory, before = out / cell.label / "trace", os.environ.get(trace.ENV)
+    os.environ[trace.ENV] = str(directory)  # the cell's processes inherit it; this one's trainer starts on it
+    try:
+        rows = _run_cell_processes(cell, cfg, out)
+    finally:
+        trace.flush()  # this process's trainer (the next cell's starts anew)
+        if before is None:
+            os.environ.pop(trace.ENV, None)
+        else:
+            os.environ[trace.ENV] = before
+    _, events = trace.merge(directory)
+    table = "\n".join(f"{p}\t{n}\t{c}\t{ms / max(1, len(rows)):.3f}" for p, n, c, ms in trace.summary(events))
+    (directory / "spans.txt").write_text("process\tspan\tcount\tms a step\n" + table + "\n")
+    figures = trace.pipeline_figures(events, from_step=cfg.train_samples // cfg.batch_size)
+    (directory / "pipeline.json").write_text(json.dumps(figures, indent=1))
+    return rows
+
+
+def _run_cell_processes(cell: Cell, cfg: ThrottledConfig, out: Path) -> list[dict]:
     from swarm.daemon.peer_config import peer_flags
     from swarm.testbed.local import local_swarm
     from swarm.train.trainer import train

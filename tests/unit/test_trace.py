@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 
 import pytest
@@ -143,3 +144,41 @@ def test_a_hop_is_waited_for_or_a_gate_hand_off_by_whether_the_input_came_first(
     }  # fmt: skip
     assert figures["stages"][1]["compute a step"] == 6.0
     assert trace.pipeline_figures(events, from_step=4)["stages"] == {}  # steps before FROM_STEP are left out
+
+
+def test_a_new_directory_starts_a_new_trace_and_writes_the_old_one(traced, monkeypatch):
+    first = trace.start("trainer")
+    with trace.span("pipeline", "trainer"):
+        pass
+    monkeypatch.setenv(trace.ENV, str(traced / "cell2"))  # an experiment's next cell, its trainer in this process
+    second = trace.start("trainer")
+    assert second is not first and second.directory == traced / "cell2"
+    old = json.loads((traced / f"trace-{first.pid}.json").read_text())["traceEvents"]
+    assert [e["name"] for e in old if e["ph"] == "X"] == ["pipeline"]
+    assert second.events == [] and trace.start("trainer") is second  # the same directory: the same trace
+    assert gc.callbacks.count(trace._gc_span) == 1
+
+
+def test_a_traced_throttled_cell_gets_its_own_timeline_and_figures(traced, monkeypatch):
+    from swarm.experiments import throttled
+
+    monkeypatch.delenv(trace.ENV)
+    cell = throttled.Cell(rate_mbit=10.0, setting="fp32/fp32")
+    seen = []
+
+    def processes(cell, cfg, out):  # what the cell's processes do: trace where the environment says
+        seen.append(os.environ[trace.ENV])
+        trace.start("trainer")
+        with trace.span("forward", "stage", stage=1, step=5, mb=0, cpu_ms=1.0):
+            pass
+        with trace.span("pipeline", "trainer"):
+            pass
+        return [{"step": "1"}]
+
+    monkeypatch.setattr(throttled, "_run_cell_processes", processes)
+    cfg = throttled.ThrottledConfig(trace=True, train_samples=32, batch_size=8)
+    assert throttled._run_cell(cell, cfg, traced) == [{"step": "1"}]
+    directory = traced / cell.label / "trace"
+    assert seen == [str(directory)] and trace.ENV not in os.environ  # set for the cell only
+    assert json.loads((directory / "pipeline.json").read_text())["stages"]["1"]["compute a step"] >= 0
+    assert "forward" in (directory / "spans.txt").read_text() and (directory / "trace.json").exists()
