@@ -1,7 +1,7 @@
 """A peer's stage checkpoints in --checkpoint-dir: resuming once (--resume; its own range's file, else its layers
 found one by one in every checkpoint there, the missing ones named), saving every --checkpoint-every steps and at
 exit (with the model recorded, for `swarm export`), and reading a stage's state when its holder cannot hand it
-over (`PeerDaemon._hand_over`)."""
+over (`StateHandover.load`)."""
 
 from __future__ import annotations
 

@@ -27,12 +27,13 @@ import torch
 from swarm import trace
 from swarm.daemon import heapstats, memwatch
 from swarm.daemon.checkpoints import StageCheckpoints
+from swarm.daemon.handover import StateHandover
 from swarm.daemon.lean import cap_arenas, skip_dynamo
 from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args
 from swarm.daemon.stopping import PeerEnding
 from swarm.metrics import Metrics, MetricsServer, serve_metrics
 from swarm.peers.allocator import tune_allocator
-from swarm.runtime.modelcheck import check_plan_models, peer_status
+from swarm.runtime.modelcheck import check_plan_models
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -138,6 +139,7 @@ class PeerDaemon:
                 log.info("metrics at %s", self.metrics_server.url)
             self.transport = cfg.transport
             self.channels = SignedChannels(Channels(self.transport, self.nat.tunnels.dial), self.signer, self.book)
+            self.handover = StateHandover(self.dht, self.channels, self.checkpoints, self._stop)
             server, port = make_server(self.nat.server_transport(self.transport), cfg.grpc_port)
             try:
                 address = stage_address(stage_announce_host(cfg.transport.host, cfg.announce_host), port)
@@ -475,7 +477,7 @@ class PeerDaemon:
         def announce_held() -> None:
             self.update_announcement(held=self.held.held())
 
-        replicator = Replicator(self.dht.peer_id, self.held, self.cfg.replicate_every, self._steps_done, fetch)
+        replicator = Replicator(self.dht.peer_id, self.held, self.cfg.replicate_every, self.handover.steps_done, fetch)
         replicator.on_pulled = announce_held
         return replicator
 
@@ -498,7 +500,7 @@ class PeerDaemon:
             and self._epilogue_only(plan) == host.links.epilogue
         )
         wait_s = 2 * 120.0
-        behind = same and self.following is not None and self._behind_replicas(record, role, host.steps_done)
+        behind = same and self.following is not None and self.handover.behind(record, role, host.steps_done)
         if same and not behind:
 
             def bump(servicer) -> None:
@@ -511,13 +513,14 @@ class PeerDaemon:
             self.servicer.when_idle(bump, wait_s)
         else:
             new_host = None if role is None else self._make_host(role, plan)
-            source = self._state_source(record, role)
+            source = self.handover.source(record, role, self.following)
             if new_host is not None and source is not None and self.servicer.host is not None:
                 # the old host takes no further old-plan step (it is refused: the trainer follows the new plan)
                 # while its state is copied, here and by the peers that take its layers (GetState "now")
                 self.servicer.when_idle(lambda sv: sv.host.apply(retired(sv.host.assignment, record)), wait_s)
             if new_host is not None and source is not None:
-                self._hand_over(new_host, source, own=not behind and source is self.following, new=record)
+                own = not behind and source is self.following
+                self.handover.load(new_host, source, self.servicer.host, own=own, new=record)
             self.servicer.swap(new_host, wait_s, plan_version=record.version, roster=roster)
             if roster is None:
                 self.servicer.set_roster(None)  # no calls until every stage's address is known
@@ -538,165 +541,6 @@ class PeerDaemon:
                 role.layer_start,
                 role.layer_end,
             )
-
-    def _state_source(self, record, role):
-        """The plan whose holders a new host takes its layers from: the plan this peer followed, or, for a
-        peer whose first plan already makes it one more replica of a stage that others serve (its start-up
-        read of the plan failed, or it restarted), `record` itself: its other replicas. None: nothing to take
-        (a fresh swarm), so the layers start from the initial weights or --resume's checkpoint."""
-        from swarm.daemon.replication import served_by_replicas
-
-        if self.following is not None or role is None:
-            return self.following
-        return record if served_by_replicas(record, role.stage, self.dht.peers(), self.dht.peer_id) else None
-
-    def _steps_done(self, address: str) -> int | None:
-        """The steps applied by the stage at `address` (its Status); None if it does not answer."""
-        reply = peer_status(self.channels, address)
-        return None if reply is None else int(reply.steps_done)
-
-    def _behind_replicas(self, record, role, steps_done: int, settle_s: float = 30.0) -> bool:
-        """Whether another replica of this peer's stage under `record` applied more steps than this one: this
-        peer sat on a route the trainer dropped (its neighbour died, or was evicted) while the others trained on,
-        so its weights and optimizer are stale and must be copied again before it serves, or the replicas would
-        diverge.
-
-        A replica with a step open (the old plan's last step, run without this peer) is waited for, at most
-        `settle_s`: compared before that step is applied, it would look level and the replicas would diverge
-        by that step (seen when an eviction re-plans at once, while the step runs again on the survivors)."""
-        others = [p for p in record.document.stages[role.stage].peer_ids if p != self.dht.peer_id]
-        if not others:
-            return False
-        # a replica switching plans waits for nobody (it has no open step while it asks), so two replicas asking
-        # each other cannot wait on each other; a replica still finishing an old-plan step is waited for
-        addresses = {p.peer_id: p.address for p in self.dht.peers()}
-        # a replica that does not answer has nothing to give
-        deadline = time.monotonic() + settle_s
-        while True:
-            replies = [peer_status(self.channels, addresses[h]) for h in others if h in addresses]
-            open_ = [r for r in replies if r is not None and r.step_open]
-            if not open_ or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)  # polling a replica's open step, bounded by settle_s
-        ahead = max((int(r.steps_done) for r in replies if r is not None), default=0)
-        if ahead > steps_done:
-            log.warning("stage %d: this replica is %d steps behind its replicas; copying their state", role.stage,
-                        ahead - steps_done)  # fmt: skip
-            return True
-        return False
-
-    def _hand_over(self, new_host, old, own: bool = True, new=None) -> None:
-        """Loads the layers `new_host` takes over from the freshest copy under the old plan: a replica of the
-        old stage (this peer's own host first, unless `own` is False: it fell behind; then those plan `new` keeps
-        at those layers; never a peer the run banned: `swarm.daemon.bans.trusted_sources`), else the held copy
-        with the most steps, else a checkpoint."""
-        from swarm.daemon.bans import announced_bans, trusted_sources
-        from swarm.daemon.held import fetch_held
-        from swarm.daemon.replication import takeover_sources
-        from swarm.daemon.roster import retry_refused
-        from swarm.daemon.state_fetch import fetch_state
-        from swarm.runtime.checkpoint import checkpoint_handover, handover_tensors, take_over
-
-        role = new_host.role
-        peers = self.dht.peers()
-        addresses = {p.peer_id: p.address for p in peers}
-        old_stages = old.document.stages
-        loaded: dict[str, torch.Tensor] = {}
-        banned = announced_bans(self.dht.trainers(), new or old)  # an evicted liar still holds its stage
-        for index, stage in enumerate(old_stages):
-            start, end = stage.layer_start, stage.layer_end
-            overlaps = start < role.layer_end and role.layer_start < end
-            ends = (index == 0 and role.is_first) or (index == len(old_stages) - 1 and role.is_last)
-            if not (overlaps or ends):
-                continue
-            replicas, held = takeover_sources(old, index, peers, self.dht.peer_id)
-            replicas, held = trusted_sources(replicas, held, new, (start, end), banned)
-            if not own:
-                replicas = [h for h in replicas if h != self.dht.peer_id]
-            replicas = self._settled_replicas(replicas, role.plan_version)
-            state, why = None, []
-            for holder in replicas:
-                try:
-                    if holder == self.dht.peer_id:
-                        host = self.servicer.host
-                        if host is None or (host.role.layer_start, host.role.layer_end) != (start, end):
-                            continue
-                        state = handover_tensors(host.worker, host.steps_done)
-                    else:
-                        # retried: the holder may not follow the new plan (nor serve us its state) yet
-                        state = self._fetch_replica(retry_refused, fetch_state, addresses[holder], index, old.version)
-                    break
-                except Exception as e:
-                    why.append(f"{holder}: {e}")
-            for holder, steps in held if state is None else ():
-                try:
-                    state = fetch_held(self.channels, addresses[holder], start, end)
-                    log.info("stage %d: layers [%d, %d) from %s's copy (step %d)", index, start, end, holder, steps)
-                    break
-                except Exception as e:
-                    why.append(f"{holder}'s copy: {e}")
-            if state is None:
-                why_not = "; ".join(why) or "no holder left"
-                state = self.checkpoints.read(index, start, end, why_not, checkpoint_handover)
-                if state is None:
-                    continue
-            loaded.update(state)
-        count, missing, steps_done = take_over(new_host.worker, loaded)
-        new_host.restore(steps_done)
-        lost = missing and new_host.steps_done > 0  # trained weights nobody could hand over: the run loses them
-        log.log(
-            logging.ERROR if lost else logging.INFO,
-            "took over %d weights with their optimizer state from plan %d (step %d, lr step %d)%s",
-            count,
-            old.version,
-            new_host.steps_done,
-            new_host.worker.step_count,
-            f"; {len(missing)} start from the initial weights"
-            + (" (their trained state is lost: no holder answered and no checkpoint has them)" if lost else "")
-            if missing
-            else "",
-        )
-
-    def _settled_replicas(self, replicas: list[str], version: int, wait_s: float = 30.0) -> list[str]:
-        """The live replicas to take a stage's state from (none with fewer steps than another), those that switched
-        to plan `version` first.
-
-        A holder still on the old plan may apply one more old-plan step after we copied it, and we would start
-        one step behind its replicas; once it follows `version` (announced), it applies no step until this peer
-        serves too. So: drop holders that do not answer Status (dead, though still announced), then wait (at
-        most `wait_s`) until one of the others announces `version`; past that, take what there is.
-        """
-        from swarm.daemon.liveness import status_prober
-        from swarm.daemon.replication import most_advanced, patient_ping
-
-        me = self.dht.peer_id
-        addresses = {p.peer_id: p.address for p in self.dht.peers()}
-        ping = patient_ping(lambda t: status_prober(self.channels, lambda: addresses, timeout_s=t))
-        live = [h for h in replicas if h == me or ping(h)]
-        # never from a replica with fewer steps than another: it is stale (it sat out steps, or copied stale state)
-        live = most_advanced(live, {h: self._steps_done(addresses[h]) for h in live if h != me and h in addresses}, me)
-        others = [h for h in live if h != me]
-        deadline = time.monotonic() + wait_s
-        while others and time.monotonic() < deadline and not self._stop.is_set():
-            switched = {p.peer_id for p in self.dht.peers() if p.plan_version >= version}
-            status = {h: peer_status(self.channels, addresses.get(h, "")) for h in others if h not in switched}
-            switched |= {h for h, r in status.items() if r is not None and r.plan_version >= version}  # retired
-            if any(h in switched for h in others):
-                return sorted(live, key=lambda h: (h != me, h not in switched))
-            self._stop.wait(0.25)
-        return live
-
-    def _fetch_replica(self, retry_refused, fetch_state, address: str, stage: int, version: int) -> dict:
-        """The stage's state from a replica: as it was under `version`, or (a surviving replica that moved on
-        to the repaired plan with the same layers) as it is now."""
-        import grpc
-
-        try:
-            return retry_refused(self._stop, fetch_state, self.channels, address, stage, version)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            return retry_refused(self._stop, fetch_state, self.channels, address, stage, 0)
 
     def _wait_for_role(self, dht, assigner):
         deadline = time.monotonic() + self.cfg.assign_timeout_s

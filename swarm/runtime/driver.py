@@ -904,7 +904,7 @@ class PipelineDriver:
         stage (their Status `steps_done`; one that does not answer is left to the step). A plan driven afresh
         after a stall re-admits the peers an earlier driver took for dead, and those sat out the steps run without
         them: driven again, their stale weights made every audit a dispute until the run stopped. They copy their
-        replicas' state when a newer plan keeps them (`PeerDaemon._behind_replicas`). Returns them."""
+        replicas' state when a newer plan keeps them (`StateHandover.behind`). Returns them."""
         behind: list[str] = []
         for s, peers in enumerate(self.replica_peers):
             done: dict[str, int] = {}

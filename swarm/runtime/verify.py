@@ -30,7 +30,7 @@ After `Step`, replicas report their weights' digest (`StepRequest.want_digest`):
 diverged. With 3+ replicas the minority is the liar; with 2 the one whose digest did not change over an applied
 step stopped updating; anything else is a dispute, logged. The honest replicas' state is the stage's: the
 evicted replica is out of the routes, and a peer that returns catches up from its replicas
-(`PeerDaemon._behind_replicas`).
+(`StateHandover.behind`).
 """
 
 from __future__ import annotations

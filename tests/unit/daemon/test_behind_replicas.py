@@ -4,19 +4,20 @@ eviction's immediate re-plan lets it look level one step too early and the repli
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
 
-from swarm.daemon import peer as peer_module
-from swarm.daemon.peer import PeerDaemon
+from swarm.daemon import handover as handover_module
+from swarm.daemon.handover import StateHandover
 
 
-def _daemon(others: dict[str, str]):
-    """A stand-in with what `_behind_replicas` reads: its id, the DHT's announcements, channels."""
+def _daemon(others: dict[str, str]) -> StateHandover:
+    """A peer's handover with what `behind` reads: its id and the DHT's announcements (Status is `_status`)."""
     announced = [types.SimpleNamespace(peer_id=p, address=a) for p, a in others.items()]
     dht = types.SimpleNamespace(peer_id="me", peers=lambda: announced)
-    return types.SimpleNamespace(dht=dht, channels=None)
+    return StateHandover(dht, None, None, threading.Event())
 
 
 def _record(peer_ids):
@@ -46,22 +47,22 @@ def _status(script):
 def test_a_replica_finishing_the_step_this_one_sat_out_is_waited_for(monkeypatch):
     # the other replica is level (2 steps) while its third is open; once applied it is one ahead
     status, polls = _status({"b:1": [(2, True), (2, True), (3, False)]})
-    monkeypatch.setattr(peer_module, "peer_status", status)
-    behind = PeerDaemon._behind_replicas(_daemon({"b": "b:1"}), _record(["me", "b"]), ROLE, 2, settle_s=10.0)
+    monkeypatch.setattr(handover_module, "peer_status", status)
+    behind = _daemon({"b": "b:1"}).behind(_record(["me", "b"]), ROLE, 2, settle_s=10.0)
     assert behind and polls["b:1"] == 3
 
 
 def test_level_replicas_without_an_open_step_are_not_copied_and_a_silent_one_gives_nothing(monkeypatch):
     status, polls = _status({"b:1": [(2, False)]})
-    monkeypatch.setattr(peer_module, "peer_status", status)
+    monkeypatch.setattr(handover_module, "peer_status", status)
     daemon = _daemon({"b": "b:1", "c": "c:1"})  # c does not answer
-    assert not PeerDaemon._behind_replicas(daemon, _record(["me", "b", "c"]), ROLE, 2, settle_s=10.0)
+    assert not daemon.behind(_record(["me", "b", "c"]), ROLE, 2, settle_s=10.0)
     assert polls["b:1"] == 1
 
 
 @pytest.mark.timeout(30)
 def test_the_wait_is_bounded_when_a_replicas_step_never_closes(monkeypatch):
     status, polls = _status({"b:1": [(4, True)]})
-    monkeypatch.setattr(peer_module, "peer_status", status)
-    assert PeerDaemon._behind_replicas(_daemon({"b": "b:1"}), _record(["me", "b"]), ROLE, 3, settle_s=0.3)
+    monkeypatch.setattr(handover_module, "peer_status", status)
+    assert _daemon({"b": "b:1"}).behind(_record(["me", "b"]), ROLE, 3, settle_s=0.3)
     assert polls["b:1"] >= 2

@@ -12,6 +12,7 @@ import torch
 import swarm.daemon.liveness as liveness
 import swarm.daemon.state_fetch as state_fetch
 import swarm.runtime.checkpoint as checkpoint
+from swarm.daemon.handover import StateHandover
 from swarm.daemon.held import buddy_of
 from swarm.daemon.peer import PeerConfig, PeerDaemon
 from swarm.daemon.replication import served_by_replicas
@@ -71,6 +72,7 @@ def joiner(monkeypatch, peers: list[PeerAnnouncement], following: PlanRecord | N
     daemon.book = SimpleNamespace(plan_roster=lambda record, me: None)
     daemon.servicer = Servicer(events)
     daemon.channels = None
+    daemon.handover = StateHandover(daemon.dht, daemon.channels, daemon.checkpoints, daemon._stop)
     daemon.announcement = ann(J, 0)
     daemon._make_host = lambda role, plan=None: _Host(role=role, worker=SimpleNamespace(step_count=7), steps_done=0)
 
