@@ -377,7 +377,7 @@ class PeerDaemon:
         replicator = self._replicator()
         deadline = time.monotonic() + cfg.assign_timeout_s
         sensitivity = SensitivityReport()
-        next_probe = 0.0
+        next_probe, traced_leave = 0.0, False
         try:
             while not self._stop.is_set():
                 try:
@@ -404,6 +404,8 @@ class PeerDaemon:
                         replicator.tick(self.following, peers)
                     if (measured := sensitivity.entries(self.servicer.host)) is not None:
                         self.update_announcement(sensitivity=measured)
+                    if self._leave.is_set() and not traced_leave:  # a leave may outlast its testbed's patience:
+                        traced_leave = trace.flush() is not None  # the spans so far are written when it begins
                     if self.ending.ordered() or (self._leave.is_set() and self._left(peers, spec)):
                         return 0
                 except TimeoutError as e:  # a slow DHT request: try again next tick
