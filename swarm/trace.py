@@ -9,8 +9,8 @@ dropped and counted) and writes them at exit as `DIR/trace-<pid>.json` in the Ch
 
 Times are the system's monotonic clock (`time.monotonic_ns`), the same in every process of one machine (network
 namespaces included), so one machine's processes line up on one timeline; a trace across machines would need their
-clocks' offsets, which this does not measure. A span costs about a microsecond when on and a dictionary lookup
-when off: the hot paths (each micro-batch's compute, codec and calls) call it unconditionally.
+clocks' offsets, which this does not measure. A span costs about 4 us when on and 0.3 us when off (measured here):
+the hot paths (each micro-batch's compute, codec and calls, a few dozen spans a step) call it unconditionally.
 """
 
 from __future__ import annotations
