@@ -37,8 +37,9 @@ ENV = "SWARM_TRACE_DIR"
 """The environment variable naming the directory traces are written to; unset: no tracing."""
 MAX_EVENTS = 200_000
 """Spans one process keeps; later ones are dropped (and counted in the file's metadata). A span takes about 570 bytes
-in memory (measured), so at most about 110 MB; a 2-stage pipeline's peer records 80-100 spans a step, so a trace
-holds its first 2,000-2,500 steps: enough for a diagnosis, not a record of a long run."""
+in memory (measured), so at most about 110 MB; a peer of a 2-stage pipeline of 4 micro-batches records about 55
+spans a step (counted in a traced run), so a trace holds its first 3,500 or so steps: enough for a diagnosis, not a
+record of a long run."""
 
 
 class Tracer:
