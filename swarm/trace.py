@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
-    "ENV", "MAX_EVENTS", "Tracer", "active", "flush", "merge", "pipeline_figures", "since", "span", "start", "summary",
+    "ENV", "MAX_EVENTS", "Tracer", "active", "flush", "mark", "merge", "pipeline_figures", "since", "span", "start",
+    "summary",
 ]  # fmt: skip
 
 ENV = "SWARM_TRACE_DIR"
@@ -150,6 +151,14 @@ def span(name: str, cat: str = "swarm", **args):
     return _span(tracer, name, cat, args)
 
 
+def mark(name: str, cat: str = "swarm", **args) -> None:
+    """A span of no length at now (an event: a stream's first item taken); nothing when tracing is off."""
+    tracer = _tracer
+    if tracer is not None:
+        now = time.monotonic_ns()
+        tracer.add(name, cat, now, now, args)
+
+
 def since(name: str, start_ns: int, cat: str = "swarm", **args) -> None:
     """A span from `start_ns` (`time.monotonic_ns`) to now; nothing when tracing is off."""
     tracer = _tracer
@@ -209,6 +218,7 @@ def pipeline_figures(events: list[dict], from_step: int = 10) -> dict:
         by_thread[(e["pid"], e["tid"])].append(e)
     for line in by_thread.values():
         line.sort(key=lambda e: e["ts"])
+    position = {id(e): i for line in by_thread.values() for i, e in enumerate(line)}
     at = {(e["args"]["stage"], e["name"], e["args"]["step"], e["args"]["mb"]): e for e in computes}
     stages = sorted({e["args"]["stage"] for e in computes})
     order = {s: sorted((e for e in computes if e["args"]["stage"] == s), key=lambda e: e["ts"]) for s in stages}
@@ -216,8 +226,7 @@ def pipeline_figures(events: list[dict], from_step: int = 10) -> dict:
 
     def near(e: dict, name: str, after: bool) -> dict | None:
         """The span `name` on `e`'s thread just after (or before) it, within a few spans."""
-        line = by_thread[(e["pid"], e["tid"])]
-        i = line.index(e)
+        line, i = by_thread[(e["pid"], e["tid"])], position[id(e)]
         around = line[i + 1 : i + 6] if after else reversed(line[max(0, i - 8) : i])
         return next((x for x in around if x["name"] == name), None)
 

@@ -14,7 +14,6 @@ whole, between steps, through `apply(StageAssignment)`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -42,7 +41,7 @@ from swarm.runtime.freeze import apply_frozen, cached_forward, check_frozen, gra
 from swarm.runtime.gate import GateError, ScheduleGate
 from swarm.runtime.ledger import StepLedger
 from swarm.runtime.messages import CallInfo, GradReport, StageCall, StageStatus, StepOrder
-from swarm.runtime.outbox import Outbox
+from swarm.runtime.outbox import Outbox, timed_phase
 from swarm.runtime.precision import check_scale, check_step
 from swarm.runtime.schedules import Kind
 from swarm.runtime.worker import StageConfig, StageWorker
@@ -319,7 +318,7 @@ class StageHost:
         links = self.links
         end = links.forward_recv if kind == Kind.FORWARD else links.backward_recv_for(need_message(call))
         sender = _neighbour(call.info, self.role.stage - 1 if kind == Kind.FORWARD else self.role.stage + 1)
-        with _phase(self.metrics, self.role.stage, "decode"):
+        with timed_phase(self.metrics, self.role.stage, "decode"):
             return links.incoming(end, need_message(call), self.limits, step=call.info.step, sender=sender)
 
     def forward(self, call: StageCall, inputs: torch.Tensor | None = None, cancelled: threading.Event | None = None):
@@ -337,7 +336,7 @@ class StageHost:
         mb, queued = local_micro(info, role.stage)[0], time.perf_counter()
         with self._turn(info, Kind.FORWARD, cancelled) as current:
             _observe(self.metrics, role.stage, "wait", queued, mb=mb, step=info.step)
-            with self.compute_lock, _phase(self.metrics, role.stage, "compute", "forward", mb=mb, step=info.step):
+            with self.compute_lock, timed_phase(self.metrics, role.stage, "compute", "forward", mb=mb, step=info.step):
                 self.ledger.still(current(), info.step, mb)
                 targets = self.labels.pop(mb) if role.is_last else None
                 inputs, targets = to_device(links.device, inputs, targets)
@@ -362,7 +361,8 @@ class StageHost:
         mb, queued = local_micro(info, self.role.stage)[0], time.perf_counter()
         with self._turn(info, Kind.BACKWARD, cancelled) as current:
             _observe(self.metrics, self.role.stage, "wait", queued, mb=mb, step=info.step)
-            with self.compute_lock, _phase(self.metrics, self.role.stage, "compute", "backward", mb=mb, step=info.step):
+            stage = self.role.stage
+            with self.compute_lock, timed_phase(self.metrics, stage, "compute", "backward", mb=mb, step=info.step):
                 self.ledger.still(current(), info.step, mb)
                 grad_in = self.worker.backward(mb, *to_device(links.device, grad_out))
                 self.audit.backward(info.step, mb, grad_out, grad_in)
@@ -574,19 +574,12 @@ def _neighbour(info: CallInfo, stage: int) -> str:
     return info.route_peers[stage] if 0 <= stage < len(info.route_peers) else ""
 
 
-@contextlib.contextmanager
-def _phase(metrics: Metrics, stage: int, phase: str, span: str | None = None, **args):
-    """Times a block as `phase` of `stage` (and as a span named `span`, default `phase`, where tracing is on)."""
-    timer = metrics.phase_seconds.labels(str(stage), phase).time()
-    with timer, trace.span(span or phase, "stage", stage=stage, **args):
-        yield
-
-
 def _observe(metrics: Metrics, stage: int, phase: str, since: float, **args) -> None:
     """Counts the seconds from `since` (`time.perf_counter`) to now as `phase` of `stage` (and a span)."""
     seconds = time.perf_counter() - since
     metrics.phase_seconds.labels(str(stage), phase).observe(seconds)
-    trace.since(phase, time.monotonic_ns() - int(seconds * 1e9), "stage", stage=stage, **args)
+    if trace.active() is not None:
+        trace.since(phase, time.monotonic_ns() - int(seconds * 1e9), "stage", stage=stage, **args)
 
 
 def _step_metrics(metrics: Metrics, role: StageRole, links: LinkEnds, opened_at: float) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -30,7 +29,7 @@ from swarm.runtime.budget import StageBudget
 from swarm.runtime.callinfo import ROUTE_NEEDED, RouteAcks, call_wait_s, info_to_wire
 from swarm.runtime.messages import CallInfo
 
-__all__ = ["BufferMiss", "Counted", "Outbox"]
+__all__ = ["BufferMiss", "Counted", "Outbox", "timed_phase"]
 
 log = logging.getLogger("swarm.runtime.host")
 
@@ -46,17 +45,12 @@ class Counted:
         self.items, self.nbytes = items, 0
 
     def __iter__(self):
-        if trace.active() is None:
-            for item in self.items:
-                self.nbytes += len(item)
-                yield item
-            return
         for i, item in enumerate(self.items):  # when the transport takes the first and the last item, traced
             self.nbytes += len(item)
             if i == 0:
-                trace.since("first item", time.monotonic_ns(), "call")
+                trace.mark("first item", "call")
             yield item
-        trace.since("last item", time.monotonic_ns(), "call")
+        trace.mark("last item", "call")
 
 
 class Outbox:
@@ -164,7 +158,14 @@ class Outbox:
         traffic.fp32_wire_bytes += fp32
         traffic.link_bytes[link] += sent
 
-    @contextlib.contextmanager
     def _phase(self, stage: int, phase: str):
-        with self.metrics.phase_seconds.labels(str(stage), phase).time(), trace.span(phase, "stage", stage=stage):
-            yield
+        return timed_phase(self.metrics, stage, phase)
+
+
+@contextlib.contextmanager
+def timed_phase(metrics: Metrics, stage: int, phase: str, span: str | None = None, **args):
+    """Times a block as `phase` of `stage` (`swarm_phase_seconds`) and, where tracing is on, as a span named `span`
+    (default `phase`): the stage's encode, decode and compute."""
+    timer = metrics.phase_seconds.labels(str(stage), phase).time()
+    with timer, trace.span(span or phase, "stage", stage=stage, **args):
+        yield

@@ -267,12 +267,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """Forward or Backward: the call info is checked before the rest of the stream is read, the whole call
         before anything is decoded."""
 
-        def run():
-            method = "Forward" if kind == Kind.FORWARD else "Backward"
-            with trace.span(f"serve {method}", "serve"):
-                return serve(method)
+        method = "Forward" if kind == Kind.FORWARD else "Backward"
 
-        def serve(method: str):
+        def run():
             caller = self._sender(context, method)
             gone = threading.Event()  # the caller cancelled or passed its deadline: stop waiting for it
 
@@ -317,7 +314,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 finally:
                     host.leave()
 
-        return self._guard(context, run)
+        with trace.span(f"serve {method}", "serve"):
+            return self._guard(context, run)
 
     def when_idle(self, change, timeout_s: float) -> bool:
         """Runs `change(servicer)` between two steps, never while a step is open on this stage.

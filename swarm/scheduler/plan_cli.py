@@ -238,8 +238,9 @@ def per_link_plan(plan_input: PlanInput, shape: TransformerShape, search: Search
     ladder = replace(spec, link_ladder=wire_bits_ladder(spec.message_elements))
     inside = plan(plan_input, ladder, search)
     placed = plan(plan_input, spec, search)
-    after = FullCost(plan_input, ladder).evaluate(plan_layout(placed, plan_input)).total_s
-    cost, layout = FullCost(plan_input, ladder), plan_layout(inside, plan_input)
+    cost = FullCost(plan_input, ladder)
+    after = cost.evaluate(plan_layout(placed, plan_input)).total_s
+    layout = plan_layout(inside, plan_input)
     codecs = []
     for a, b in zip(layout.grid, layout.grid[1:], strict=False):
         worst = int(np.argmax(cost.pace_s[a, b]))
