@@ -116,7 +116,8 @@ def _verify(record: str, owner_key: str, signature: Any, message: bytes) -> None
 
 
 def _sign(private_key: Any, message: bytes) -> str:
-    """`private_key` (hivemind's `RSAPrivateKey`, as `swarm.peers.dht.load_or_create_key` gives) signs `message`."""
+    """`private_key` (hivemind's `RSAPrivateKey`, as `swarm.peers.dht_config.load_or_create_key` gives) signs
+    `message`."""
     return private_key.sign(message).decode()  # base64 of RSA-PSS over SHA-256 (cryptography)
 
 
@@ -302,7 +303,7 @@ class RunManifest:
         data: str = "",
         weights_digest: str | None = None,
     ) -> RunManifest:
-        """A manifest signed by `owner` (hivemind's `RSAPrivateKey`: `swarm.peers.dht.load_or_create_key`'s)."""
+        """A manifest signed by `owner` (hivemind's `RSAPrivateKey`: `swarm.peers.dht_config.load_or_create_key`'s)."""
         draft = dict(
             name=name, created_at=float(created_at), model=_model_flags(cls.__name__, model),
             weights_digest=weights_digest, data=data, codecs=tuple(sorted(dict(codecs).items())), lr=float(lr),

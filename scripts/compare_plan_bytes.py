@@ -25,7 +25,8 @@ import torch
 from swarm.compression import CodecConfig
 from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
-from swarm.peers.dht import DHTConfig, SwarmDHT
+from swarm.peers.dht import SwarmDHT
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.entries import RunKeys
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord, TrainerAnnouncement
 from swarm.scheduler.bits import BitsPolicy, codec_sizes

@@ -247,7 +247,7 @@ def peer_ids(text: str) -> tuple[str, ...]:
 
 
 def _identity(path: str | None) -> str | None:
-    from swarm.peers.dht import load_or_create_key
+    from swarm.peers.dht_config import load_or_create_key
 
     if path is not None:
         load_or_create_key(path)  # an unreadable or malformed file fails here, named, not in a child process

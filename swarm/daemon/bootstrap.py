@@ -18,7 +18,8 @@ from functools import cache
 
 from swarm.flags import Flag, Flags, flag
 from swarm.options import DHT_FLAGS
-from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
+from swarm.peers.dht import SwarmDHT, quiet_hivemind
+from swarm.peers.dht_config import DHTConfig
 
 __all__ = [
     "BootstrapConfig",

@@ -11,7 +11,8 @@ from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, Cod
 from swarm.daemon.bootstrap import read_address_file
 from swarm.daemon.planning import live_search, swarm_plan_input
 from swarm.model.gpt import ModelConfig
-from swarm.peers.dht import DHTConfig, SwarmDHT
+from swarm.peers.dht import SwarmDHT
+from swarm.peers.dht_config import DHTConfig
 from swarm.scheduler import ModelSpec, Plan, TransformerShape, plan
 from swarm.scheduler.plan_cli import PLAN_FLAGS, PlanCommand, add_arguments, describe
 from swarm.scheduler.plan_cli import run as run_offline

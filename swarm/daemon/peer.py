@@ -95,7 +95,8 @@ class PeerDaemon:
         from swarm.daemon.nat import NatWiring
         from swarm.daemon.roster import AddressBook, PeerAuth, delegated_trainers
         from swarm.net.connect import SignedChannels
-        from swarm.peers.dht import Reannouncer, SwarmDHT
+        from swarm.peers.dht import SwarmDHT
+        from swarm.peers.reannounce import Reannouncer
         from swarm.peers.records import PeerAnnouncement
         from swarm.peers.shaper import LinkShaping
         from swarm.peers.transport import Channels, make_server

@@ -22,7 +22,7 @@ from swarm.runtime.precision import PRECISIONS
 from swarm.runtime.worker import OptimConfig
 
 if TYPE_CHECKING:
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
 
 __all__ = ["PeerConfig", "PlanningConfig", "build_parser", "config_from_args", "peer_flags"]
 
@@ -34,7 +34,7 @@ _CHECKPOINTS = "checkpoints"
 
 
 def _default_dht() -> DHTConfig:
-    from swarm.peers.dht import DHTConfig  # hivemind is slow to import: only when a config is made
+    from swarm.peers.dht_config import DHTConfig  # hivemind is slow to import: only when a config is made
 
     return DHTConfig()
 

@@ -49,7 +49,7 @@ class PeerAuth:
     @classmethod
     def load(cls, dht_config) -> PeerAuth:
         """From a DHTConfig: the key at `signing_key_path` (created 0600 if missing; None: a fresh key)."""
-        from swarm.peers.dht import load_or_create_key
+        from swarm.peers.dht_config import load_or_create_key
 
         return cls(
             Identity(load_or_create_key(dht_config.signing_key_path)),

@@ -29,7 +29,7 @@ from swarm.options import MODEL_GROUP, ModelFlags, peer_ids
 from swarm.runtime.worker import OptimConfig
 
 if TYPE_CHECKING:
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
     from swarm.peers.manifest import RunDelegation, RunManifest
 
 __all__ = [
@@ -112,7 +112,7 @@ def init_run(
     Raises:
         ValueError: a bad field (named), or `out` already holds a run (a run's owner key is never overwritten).
     """
-    from swarm.peers.dht import load_or_create_key
+    from swarm.peers.dht_config import load_or_create_key
     from swarm.peers.entries import peer_id_of
     from swarm.peers.manifest import RunManifest
 
@@ -334,7 +334,8 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.dht_config import DHTConfig
     from swarm.peers.manifest import RUN_ID_RE, RunAuthority, RunManifest
 
     cfg = _flags(RunShowConfig).from_args(args)
@@ -373,7 +374,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _change(args: argparse.Namespace) -> int:
-    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.dht_config import DHTConfig
 
     cfg = _flags(RunChangeConfig).from_args(args)
     if not cfg.initial_peers:
@@ -391,7 +393,7 @@ def _change(args: argparse.Namespace) -> int:
 def _next_delegation(args: argparse.Namespace, cfg: RunChangeConfig, seen: RunDelegation | None) -> RunDelegation:
     """The owner's next delegation after the newest of this directory's and `seen` (the DHT's), written beside
     the manifest: `delegate` adds ids, `revoke` removes one for good (and keeps every earlier revocation)."""
-    from swarm.peers.dht import load_or_create_key
+    from swarm.peers.dht_config import load_or_create_key
     from swarm.peers.manifest import RunAuthority, RunDelegation, RunManifest
 
     path = Path(args.manifest)

@@ -20,7 +20,8 @@ from hivemind.utils import get_dht_time
 from swarm.daemon.bootstrap import LOG_FORMAT, reader_dht_config
 from swarm.flags import Flags, flag
 from swarm.options import DHT_FLAGS
-from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
+from swarm.peers.dht import SwarmDHT, quiet_hivemind
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord
 
 __all__ = [

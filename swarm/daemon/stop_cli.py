@@ -21,7 +21,8 @@ from swarm.daemon.bootstrap import LOG_FORMAT, reader_dht_config
 from swarm.daemon.status import listening
 from swarm.flags import Flags, flag
 from swarm.options import DHT_FLAGS
-from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
+from swarm.peers.dht import SwarmDHT, quiet_hivemind
+from swarm.peers.dht_config import DHTConfig
 
 __all__ = ["StopConfig", "add_arguments", "run", "stop_flags"]
 

@@ -98,7 +98,7 @@ class AttackerNode:
     def __init__(self, initial_peers: list[str], keys: list[Any], run_name: str = "swarm"):
         from hivemind.dht import DHT
 
-        from swarm.peers.dht import DHTConfig
+        from swarm.peers.dht_config import DHTConfig
         from swarm.peers.entries import RunKeys, RunRecordValidator
 
         self.run_keys = RunKeys.of_run(run_name)

@@ -208,7 +208,7 @@ def _start_run(cfg: AttacksConfig, identities: Path) -> RunSetup:
     delegated."""
     from swarm.daemon.run_cli import init_run
     from swarm.net.auth import Identity
-    from swarm.peers.dht import load_or_create_key
+    from swarm.peers.dht_config import load_or_create_key
     from swarm.train.trainer import train_flags
 
     trainer_key = identities / "trainer.der"
@@ -327,7 +327,8 @@ def run_setting(
     from swarm.experiments.adversaries import ATTACKS, AttackContext, KeyPool
     from swarm.model.gpt import ModelConfig
     from swarm.net.auth import Identity
-    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.dht_config import DHTConfig
     from swarm.testbed.churn_control import ChurnSwarm
 
     d = out / _dir_name(setting)

@@ -45,7 +45,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from swarm.peers.dht import load_or_create_key, peer_id_of
+from swarm.peers.dht import peer_id_of
+from swarm.peers.dht_config import load_or_create_key
 
 __all__ = [
     "CLOCK_SKEW_S",

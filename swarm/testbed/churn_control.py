@@ -234,7 +234,7 @@ class ChurnSwarm:
         """A fresh peer (new name, new identity) joining through the bootstrap node."""
         from swarm.daemon.peer_config import PeerConfig, peer_flags
         from swarm.net.auth import Identity
-        from swarm.peers.dht import DHTConfig, load_or_create_key
+        from swarm.peers.dht_config import DHTConfig, load_or_create_key
 
         with self._lock:
             name = f"peer{len(self.peers)}"
@@ -292,7 +292,8 @@ class ChurnSwarm:
             pass
 
     def _open_dht(self) -> None:
-        from swarm.peers.dht import DHTConfig, SwarmDHT
+        from swarm.peers.dht import SwarmDHT
+        from swarm.peers.dht_config import DHTConfig
 
         initial = [line for line in self.address_file.read_text().splitlines() if line.strip()]
         self._dht = SwarmDHT(DHTConfig(initial_peers=tuple(initial), client_mode=True))

@@ -64,7 +64,9 @@ def local_swarm(
     from swarm.daemon.peer_config import PeerConfig
     from swarm.daemon.peer_config import peer_flags as peer_cli
     from swarm.net.auth import CallSigner, Identity
-    from swarm.peers.dht import DHTConfig, Reannouncer, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.dht_config import DHTConfig
+    from swarm.peers.reannounce import Reannouncer
     from swarm.peers.records import TrainerAnnouncement
     from swarm.train.follower import discover_route
 
@@ -87,7 +89,7 @@ def local_swarm(
         if run is None:
             trainer, dht_config = Identity.generate(), DHTConfig(initial_peers=initial, client_mode=True)
         else:
-            from swarm.peers.dht import load_or_create_key
+            from swarm.peers.dht_config import load_or_create_key
 
             trainer = Identity(load_or_create_key(str(run.trainer_keys[0])))
             dht_config = DHTConfig(initial_peers=initial, client_mode=True, run=str(run.manifest_path))

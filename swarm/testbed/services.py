@@ -291,7 +291,7 @@ def testbed_services(cfg: TestbedConfig, shared_dir: str) -> list[Service]:
     (the run directory here, the shared volume in docker compose)."""
     from swarm.daemon.bootstrap import BootstrapConfig, bootstrap_flags
     from swarm.daemon.peer_config import PeerConfig, peer_flags
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
     from swarm.peers.shaper import LinkShape
 
     addresses = service_addresses(cfg)
@@ -337,7 +337,7 @@ def peer_config(cfg: TestbedConfig, name: str, addresses: dict[str, str], shared
     the model are `testbed_services`')."""
     from swarm.daemon.peer_config import PeerConfig, PlanningConfig
     from swarm.options import CodecFlags
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
     from swarm.peers.shaper import LinkShape
     from swarm.peers.transport import TransportConfig
     from swarm.runtime.worker import OptimConfig

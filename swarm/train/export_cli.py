@@ -31,7 +31,7 @@ from swarm.model.spec import AnyModelConfig
 from swarm.options import DHT_FLAGS, MODEL_GROUP, ModelFlags
 
 if TYPE_CHECKING:
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
     from swarm.peers.plan import PlanDocument
     from swarm.train.trainer import TrainConfig
 
@@ -82,7 +82,7 @@ class ExportConfig:
 
 @cache
 def export_flags() -> Flags[ExportConfig]:
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
 
     return Flags(ExportConfig, base=ExportConfig(dht=DHTConfig(client_mode=True)))
 

@@ -43,7 +43,7 @@ from swarm.train.summary_text import format_summary, step_time_spread  # noqa: F
 
 if TYPE_CHECKING:
     from swarm.model.data import DataReport
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
     from swarm.peers.routes import PlanRoutes
 
 log = logging.getLogger("swarm.train.trainer")
@@ -252,7 +252,7 @@ class TrainConfig:
 @cache
 def train_flags() -> Flags[TrainConfig]:
     """`swarm train`'s flags: a `TrainConfig` whose DHT node joins in client mode (it serves nothing)."""
-    from swarm.peers.dht import DHTConfig  # hivemind is slow to import: only when the command is built
+    from swarm.peers.dht_config import DHTConfig  # hivemind is slow to import: only when the command is built
 
     return Flags(TrainConfig, base=TrainConfig(dht=DHTConfig(client_mode=True)))
 
@@ -570,7 +570,8 @@ def run(args: argparse.Namespace) -> int:
     from swarm.daemon.roster import PeerAuth
     from swarm.daemon.stopping import watch_stop_orders
     from swarm.net.stream import StageCallError
-    from swarm.peers.dht import Reannouncer, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.reannounce import Reannouncer
     from swarm.peers.records import MAX_BANNED, TrainerAnnouncement
     from swarm.runtime.suspects import Suspects
 

@@ -72,7 +72,8 @@ def peer_ids(procs: ProcessGroup) -> dict[str, str]:
 @contextlib.contextmanager
 def churn_swarm(tmp_path: Path):
     """Bootstrap, N_PEERS peers (each with its own --checkpoint-dir) and a trainer, until it trained 3 steps."""
-    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.dht_config import DHTConfig
 
     with ProcessGroup(tmp_path / "logs") as procs:
         address_file = tmp_path / "bootstrap.addr"

@@ -21,7 +21,9 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.peers.dht import DHTConfig, Reannouncer, SwarmDHT, peer_id_of, quiet_hivemind, wait_for
+from swarm.peers.dht import SwarmDHT, peer_id_of, quiet_hivemind, wait_for
+from swarm.peers.dht_config import DHTConfig
+from swarm.peers.reannounce import Reannouncer
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

@@ -12,7 +12,8 @@ import pytest
 from swarm.daemon.peer import build_parser
 from swarm.daemon.peer_config import config_from_args
 from swarm.net.dhtmode import serve_records
-from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
+from swarm.peers.dht import SwarmDHT, quiet_hivemind
+from swarm.peers.dht_config import DHTConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

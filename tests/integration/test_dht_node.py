@@ -17,7 +17,8 @@ import time
 import psutil
 import pytest
 
-from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
+from swarm.peers.dht import SwarmDHT, quiet_hivemind
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.dht_node import DHTThread
 from swarm.peers.records import TrainerAnnouncement
 
@@ -102,7 +103,8 @@ def test_a_daemons_dht_node_works_without_hiveminds_package_init():
         """
         import sys
         import swarm.daemon  # defers hivemind's package __init__ (swarm.daemon.lean)
-        from swarm.peers.dht import DHTConfig, SwarmDHT, quiet_hivemind
+        from swarm.peers.dht import SwarmDHT, quiet_hivemind
+        from swarm.peers.dht_config import DHTConfig
         from swarm.peers.records import TrainerAnnouncement
 
         quiet_hivemind()

@@ -31,7 +31,9 @@ def test_sybils_with_leases_and_a_killed_planner_hand_planning_to_the_other_dele
 
     from swarm.daemon.run_cli import init_run
     from swarm.options import ModelFlags
-    from swarm.peers.dht import DHTConfig, Reannouncer, SwarmDHT, peer_id_of
+    from swarm.peers.dht import SwarmDHT, peer_id_of
+    from swarm.peers.dht_config import DHTConfig
+    from swarm.peers.reannounce import Reannouncer
     from swarm.peers.records import PeerAnnouncement
 
     model = ModelFlags(layers=2, hidden=32, heads=2, seq_len=16)

@@ -22,7 +22,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.compression import CodecConfig
 from swarm.daemon.run_cli import RunFiles, init_run
 from swarm.options import ModelFlags
-from swarm.peers.dht import DHTConfig, SwarmDHT, load_or_create_key, peer_id_of, quiet_hivemind, wait_for
+from swarm.peers.dht import SwarmDHT, peer_id_of, quiet_hivemind, wait_for
+from swarm.peers.dht_config import DHTConfig, load_or_create_key
 from swarm.peers.entries import MANIFEST_SUBKEY
 from swarm.peers.manifest import RunDelegation, RunManifest
 from swarm.peers.records import PeerAnnouncement, TrainerAnnouncement

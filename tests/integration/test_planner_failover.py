@@ -28,7 +28,8 @@ PEER_FLAGS = [
 def test_a_killed_or_leaving_planner_is_replaced_and_its_plan_repaired_within_seconds(tmp_path, sig):
     from hivemind.utils import get_dht_time
 
-    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.dht_config import DHTConfig
     from swarm.peers.records import elected_planner
 
     with ProcessGroup(tmp_path / "logs") as procs:

@@ -130,7 +130,8 @@ def _steps_on(out, version: int) -> int:
 
 def _newcomer_steps(swarm) -> int | None:
     """Steps done by the newcomer's stage, once the DHT shows it serving one under plan 3."""
-    from swarm.peers.dht import DHTConfig, SwarmDHT
+    from swarm.peers.dht import SwarmDHT
+    from swarm.peers.dht_config import DHTConfig
 
     initial = [line for line in swarm.address_file.read_text().splitlines() if line.strip()]
     with SwarmDHT(DHTConfig(initial_peers=initial, client_mode=True)) as dht:
@@ -146,7 +147,8 @@ def _newcomer_steps(swarm) -> int | None:
 
 
 def test_a_plan_from_a_peer_that_is_not_elected_is_ignored_by_peers_and_trainer(tmp_path):
-    from swarm.peers.dht import DHTConfig, SwarmDHT, load_or_create_key, peer_id_of
+    from swarm.peers.dht import SwarmDHT, peer_id_of
+    from swarm.peers.dht_config import DHTConfig, load_or_create_key
 
     flags = [*MODEL_FLAGS, "--fw-codec", "fp32", "--bw-codec", "fp32", "--compute-speed", "50"]
     identity = str(tmp_path / "trainer.key")  # the trainer's id is known ahead: the forged plan names it

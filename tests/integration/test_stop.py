@@ -18,7 +18,8 @@ from swarm.cli import main
 from swarm.daemon.run_cli import init_run
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.options import MODEL_FLAGS, ModelFlags
-from swarm.peers.dht import DHTConfig, SwarmDHT, load_or_create_key
+from swarm.peers.dht import SwarmDHT
+from swarm.peers.dht_config import DHTConfig, load_or_create_key
 from swarm.peers.stop import issue_stop
 from swarm.runtime.driver import PipelineDriver
 from swarm.testbed.local import local_swarm

@@ -10,7 +10,7 @@ import pytest
 from swarm.daemon import bootstrap, status
 from swarm.daemon.bootstrap import BootstrapConfig, bootstrap_flags
 from swarm.daemon.status import StatusConfig, status_argv, status_flags
-from swarm.peers.dht import DHTConfig
+from swarm.peers.dht_config import DHTConfig
 
 MADDR = "/ip4/127.0.0.1/tcp/4001/p2p/QmBootstrapNode"
 

@@ -13,7 +13,8 @@ from swarm.daemon import bootstrap
 from swarm.daemon.addresses import stage_address, stage_announce_host
 from swarm.daemon.peer import build_parser as peer_parser
 from swarm.daemon.peer import config_from_args as peer_config
-from swarm.peers.dht import load_or_create_key, peer_id_of
+from swarm.peers.dht import peer_id_of
+from swarm.peers.dht_config import load_or_create_key
 from swarm.train import trainer
 
 TRUST_FLAGS = ("--identity", "--trusted-planners", "--run-secret-file", "--trainers")

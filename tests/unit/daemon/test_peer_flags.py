@@ -11,7 +11,7 @@ from swarm.compression import CodecConfig
 from swarm.daemon.peer_config import PeerConfig, PlanningConfig, build_parser, config_from_args, peer_flags
 from swarm.flags import field_docs
 from swarm.model.gpt import ModelConfig
-from swarm.peers.dht import DHTConfig
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.shaper import LinkShape
 from swarm.peers.transport import TransportConfig
 from swarm.runtime.budget import StageBudget

@@ -7,7 +7,8 @@ from swarm.compression import CodecConfig
 from swarm.daemon.peer_config import PlanningConfig
 from swarm.daemon.planning import Planner
 from swarm.model.gpt import ModelConfig
-from swarm.peers.dht import DHTConfig, SwarmDHT
+from swarm.peers.dht import SwarmDHT
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.entries import RunKeys
 from swarm.peers.fields import MAX_PLAN_VERSION
 from swarm.peers.records import PeerAnnouncement, PlanRecord, TrainerAnnouncement

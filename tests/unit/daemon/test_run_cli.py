@@ -12,7 +12,7 @@ import pytest
 from swarm.daemon import run_cli
 from swarm.daemon.run_cli import init_run
 from swarm.options import ModelFlags
-from swarm.peers.dht import DHTConfig
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.manifest import RunAuthority, RunDelegation, RunManifest
 
 

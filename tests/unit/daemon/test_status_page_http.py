@@ -280,7 +280,7 @@ def test_the_dht_reader_probes_bootstrap_peers_and_relays_and_keeps_plan_history
 
 
 def test_the_trainers_metrics_port_page_reads_only_when_asked(tmp_path):
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
     from swarm.train.trainer import TrainConfig, trainer_page
 
     dht = FakeDHT(relay_address="127.0.0.1:9")

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from swarm.daemon.stopping import StopWatch, leave_blocker, room_for, watch_stop_orders
-from swarm.peers.dht import DHTConfig
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.records import PeerAnnouncement
 from tests.unit.peers.test_manifest import NOW, OWNER, STRANGER, manifest
 from tests.unit.peers.test_stop import TRAINER, FakeDHT, pid, subkey

@@ -243,7 +243,8 @@ def test_a_reader_takes_the_newest_valid_delegation_past_junk_and_verifies_a_bou
 
     from hivemind.utils import get_dht_time
 
-    from swarm.peers.dht import MAX_RUN_TRIES, DHTConfig, SwarmDHT
+    from swarm.peers.dht import MAX_RUN_TRIES, SwarmDHT
+    from swarm.peers.dht_config import DHTConfig
 
     m = manifest()
     good, old = delegation(m, 3), delegation(m, 1)

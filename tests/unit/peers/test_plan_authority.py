@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from swarm.peers.dht import DHTConfig, SwarmDHT
+from swarm.peers.dht import SwarmDHT
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.entries import RunKeys
 from swarm.peers.records import PeerAnnouncement, PlanRecord, TrainerAnnouncement
 

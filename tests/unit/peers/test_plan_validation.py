@@ -112,7 +112,7 @@ def test_records_that_would_live_too_long_or_come_from_the_future_are_refused(ki
 def test_announcements_live_at_most_ten_minutes():
     import dataclasses
 
-    from swarm.peers.dht import DHTConfig
+    from swarm.peers.dht_config import DHTConfig
 
     assert MAX_TTL_S["peers"] == MAX_TTL_S["trainers"] == 600 and MAX_TTL_S["plan"] == 7200
     with pytest.raises(ValueError, match="announce_ttl_s"):

@@ -11,7 +11,7 @@ import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.peers.dht import DHTConfig
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.entries import peer_id_of
 from swarm.peers.manifest import RunAuthority
 from swarm.peers.stop import MAX_STOP_TTL_S, StopAuthority, StopOrder, issue_stop, stop_authority, stop_orders

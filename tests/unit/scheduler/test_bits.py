@@ -11,7 +11,8 @@ import pytest
 
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
 from swarm.model.gpt import ModelConfig
-from swarm.peers.dht import DHTConfig, SwarmDHT
+from swarm.peers.dht import SwarmDHT
+from swarm.peers.dht_config import DHTConfig
 from swarm.peers.entries import RunKeys
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import LinkMeasurement, PeerAnnouncement, PlanRecord, validate_plan
