@@ -87,9 +87,10 @@ class AQSGDCodec(Codec):
         m = first = None
         if delta_rows:
             # communication: only the quantized change of each seen sample; m moves by exactly what was sent
-            m = to_groups(store.gather([slots[i] for i in delta_rows]), layout)
-            self._send_delta(to_groups(x[delta_rows], layout), m, group, state, msg.quantized)
-            m = from_groups(m, layout, [len(delta_rows), *x.shape[1:]])
+            at = FLAT if cfg.delta_rank else layout  # subspace-coded deltas: rows of the sample's own layout
+            m = to_groups(store.gather([slots[i] for i in delta_rows]), at)
+            self._send_delta(to_groups(x[delta_rows], at), m, group, state, msg)
+            m = from_groups(m, at, [len(delta_rows), *x.shape[1:]])
         if full_rows:
             first = self._first_sight(x[full_rows], state, msg, layout, group)
         for written in (m, first):
@@ -119,15 +120,16 @@ class AQSGDCodec(Codec):
 
     # the quantizer: AQ-SGD's per-group (min, scale) kernels; a subclass may bring its own
 
-    def _send_delta(self, rows: torch.Tensor, m: torch.Tensor, group: int, state, out: wire_pb2.Quantized) -> None:
-        """Quantizes `rows - m` (group order, contiguous) into `out`, moving `m` in place by exactly what is sent."""
+    def _send_delta(self, rows: torch.Tensor, m: torch.Tensor, group: int, state, msg: wire_pb2.TensorMessage) -> None:
+        """Quantizes `rows - m` (group order, contiguous) into `msg.quantized`, moving `m` in place by exactly what
+        is sent."""
         cfg = self.config
         q = aqsgd_update(rows, m, cfg.bits, group, stochastic=cfg.stochastic, seed=state.next_seed())
-        pack_quantized(q, out)
+        pack_quantized(q, msg.quantized)
 
-    def _receive_delta(self, msg: wire_pb2.Quantized, m: torch.Tensor, bound: float) -> torch.Tensor:
-        """`m` (group order, contiguous) moved by the checked delta in `msg`, as the sender moved its own."""
-        return apply_delta(m, unpack_quantized(msg, m.numel(), "quantized", bound))
+    def _receive_delta(self, msg: wire_pb2.TensorMessage, m: torch.Tensor, bound: float) -> torch.Tensor:
+        """`m` (group order, contiguous) moved by the checked delta in `msg.quantized`, as the sender moved its own."""
+        return apply_delta(m, unpack_quantized(msg.quantized, m.numel(), "quantized", bound))
 
     def _send_full(self, x: torch.Tensor, group: int, state, msg: wire_pb2.TensorMessage) -> torch.Tensor:
         """`x` (group order) quantized at `first_sight_bits` into `msg.quantized_full`; returns what the receiver
@@ -148,7 +150,10 @@ class AQSGDCodec(Codec):
         ids, delta_rows, full_rows = _check_rows(msg, shape, store.sample_shape)
         # rotated first sights are token groups whatever the layout (codec_acsgd): only the deltas' is checked
         subspace = msg.HasField("first_sight_basis")  # acsgd's `+fslR`: first sights as factors, not groups
-        layout = read_layout(msg, shape, msg.quantized, *([] if msg.rotation or subspace else [msg.quantized_full]))
+        coded = msg.HasField("delta_basis")  # acsgd's `+dslR`: deltas as factors, in the sample's own layout
+        layout = read_layout(
+            msg, shape, *([] if coded else [msg.quantized]), *([] if msg.rotation or subspace else [msg.quantized_full])
+        )
         per_sample = numel // shape[0] if shape[0] else 0
         slots = store.lookup(ids)
         missing = [ids[i] for i in delta_rows if slots[i] < 0]
@@ -159,9 +164,10 @@ class AQSGDCodec(Codec):
         m = first = None
         if delta_rows:
             # a delta moves m by at most its own size: bounded by twice what the buffer holds, m checked after
-            m = to_groups(store.gather([slots[i] for i in delta_rows]), layout)
-            m = self._receive_delta(msg.quantized, m, 2 * bound)
-            m = from_groups(m, layout, [len(delta_rows), *shape[1:]])
+            at = FLAT if coded else layout
+            m = to_groups(store.gather([slots[i] for i in delta_rows]), at)
+            m = self._receive_delta(msg, m, 2 * bound)
+            m = from_groups(m, at, [len(delta_rows), *shape[1:]])
             _check_bounded(m, bound, "quantized.scales")
         if full_rows:
             first = self._decode_first(msg, len(full_rows) * per_sample, store.dtype, bound)

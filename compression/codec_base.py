@@ -61,6 +61,9 @@ class Codec:
     subspace_first_sights: ClassVar[bool] = False
     """can send a sample's first sight subspace-coded (`CodecConfig.first_sight_rank`, label suffix `+fslR` with
     its step `+sN`; `compression.subspace`)"""
+    subspace_deltas: ClassVar[bool] = False
+    """can send a buffered sample's later visits subspace-coded (`CodecConfig.delta_rank`, label suffix `+dslR`;
+    `compression.subspace`)"""
     device_encoded: ClassVar[bool] = False
     """a sending end on a GPU encodes there, its message buffers kept on the device (kernels for its quantizer
     on CUDA); every other codec's ends encode on the host"""
@@ -77,6 +80,7 @@ class Codec:
         "low_bit_first_sights",
         "clipped_first_sights",
         "subspace_first_sights",
+        "subspace_deltas",
         "device_encoded",
     )
     """The boolean traits every codec declares (its own or inherited); the registry checks them at import."""
@@ -101,7 +105,9 @@ class Codec:
             + (f"+fs{config.first_sight_bits}" if config.first_sight_bits != 16 else "")
             + ("+fsd" if config.first_sight_delta_code else "")
             + ("+clip" if config.first_sight_clip else "")
-            + (f"+fsl{config.first_sight_rank}+s{config.subspace_step_percent}" if config.first_sight_rank else "")
+            + (f"+fsl{config.first_sight_rank}" if config.first_sight_rank else "")
+            + (f"+dsl{config.delta_rank}" if config.delta_rank else "")
+            + (f"+s{config.subspace_step_percent}" if config.first_sight_rank or config.delta_rank else "")
         )
 
     @classmethod
@@ -148,6 +154,8 @@ class Codec:
             raise WireError("rotation", f"{codec_name(self.wire)} messages are never rotated")
         if not self.subspace_first_sights and msg.HasField("first_sight_basis"):
             raise WireError("first_sight_basis", f"{codec_name(self.wire)} messages carry no subspace first sights")
+        if not self.subspace_deltas and msg.HasField("delta_basis"):
+            raise WireError("delta_basis", f"{codec_name(self.wire)} messages carry no subspace-coded deltas")
         numel = check_shape(list(msg.shape), limits)
         dtype = torch_dtype(msg.dtype)
         body = self._decode_body(msg, numel, state)

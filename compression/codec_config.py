@@ -27,8 +27,8 @@ LABEL_SUFFIXES = {
     "clip": {"first_sight_clip": True},
 }
 """Label suffixes after a codec's name and bits (`aqsgd2+ch`, `gradq2+ef+rot`) and the fields each sets; `+gN`
-(group size), `+rN` (rate), `+fN` (factor bits), `+fsN` (first-sight bits), `+fslN` (first-sight rank) and `+sN`
-(subspace step) carry a number."""
+(group size), `+rN` (rate), `+fN` (factor bits), `+fsN` (first-sight bits), `+fslN` (first-sight rank), `+dslN` (delta
+rank) and `+sN` (subspace step) carry a number."""
 
 LOCAL_FIELDS = (
     "group_size",
@@ -44,15 +44,18 @@ LOCAL_FIELDS = (
 """`CodecConfig` fields that are a peer's own rather than its codec's: no label suffix sets them (`+gN` sets
 `group_size` where a label has it)."""
 
-DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr+fsl32+s20"
-"""AQ-SGD with the paper's quantizer (one fp16 max-abs scale per channel of a sample, round to nearest) for a
-sample's later visits, and its first sight subspace-coded (`+fsl32+s20`: rank 32 of the message's own eigenbasis,
-one step of 20% of its rms, int8 codes that zstd shrinks; `swarm.compression.subspace`). With the default backward
-and the tied sum's default (`GradientAverager.tied_codec`, rank-16 int8 factors), in `swarm experiment convergence`
-(512 held-out windows; docs/reports/single-pass.md, s50), seeds 0 / 1: one pass of 6,144 samples 17.68x fewer total
-bytes at +0.79% / +0.11% held-out vs fp32; 8 epochs 17.24x / 17.29x after epoch 1 at +0.14% / +0.15%; with 2
-replicas 20.6x at +0.85% / +0.96%. 1-bit deltas (`bilevel+ch+fsl32+s20`, the forward ladder's rung below this
-floor) send 20.27x over 8 epochs but at +0.97% / +1.02%, and with 2 replicas +1.08% / +1.81%: not the default."""
+DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr+fsl32+dsl16+s20"
+"""AQ-SGD's buffer protocol with a sample's first sight subspace-coded (`+fsl32`: rank 32 of the message's own
+eigenbasis) and its later visits' changes too (`+dsl16`: rank 16), both on one step of 20% of the rows' rms, int8
+codes that zstd shrinks (`swarm.compression.subspace`); `+ch+nr` quantize nothing here but name the paper's 2-bit
+channel deltas a receiver also decodes. With the default backward and the tied sum's default
+(`GradientAverager.tied_codec`, rank-16 int8 factors), in `swarm experiment convergence` (512 held-out windows;
+docs/reports/single-pass.md, s53), seeds 0 / 1: 8 epochs 21.80x / 21.78x fewer total bytes after epoch 1 (21.16x /
+21.17x over the run) at -0.03% / +0.03% held-out vs fp32, where 2-bit channel deltas (`acsgd2+ch+nr+fsl32+s20`,
+the default before) sent 17.24x / 17.29x at +0.14% / +0.15%; gpt-mid over 8 epochs 25.84x at +0.16%; with 2
+replicas 21.91x at +0.60% (seed 0). A single pass sends no deltas: its rows are those of the default before (17.68x
+/ 17.69x at +0.79% / +0.11%, s50). 1-bit deltas (`bilevel+ch+fsl32+s20`, the forward ladder's rung below this
+floor) send 20.27x over 8 epochs but at +0.97% / +1.02%, and with 2 replicas +1.08% / +1.81%."""
 DEFAULT_BACKWARD_CODEC = "gradq2+ef+rot+nr+cs+g256"
 """2-bit gradients with error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 256: with
 groups of 1024 the same forward sent 8% fewer bytes but missed 1% on one seed of the single pass (+1.35%)."""
@@ -112,6 +115,10 @@ class CodecConfig:
     Gram matrix, the coefficients on one step of N% of their rms, int8 codes zstd entropy-codes; later visits
     are the codec's deltas against what the receiver decoded. About 1.1-1.5 bits an element at hidden 128 with
     a third of 3-bit channel-scaled first sights' error (docs/reports/single-pass.md)"""
+    delta_rank: int = 0
+    """acsgd: 0, or a buffered sample's later visits travel subspace-coded too (label suffix `+dslR`, on the step of
+    `+sN`): the change of the message's delta samples, a row per token, in the top-R eigenbasis of its own Gram
+    matrix (as `+fslR` codes first sights), decoded as P Q^T and added to the message buffers on both ends"""
     zstd_level: int = 1
     """zstd level of the framing (0 turns zstd off); skipped per message when it does not shrink it"""
     group_layout: str = "flat"
@@ -184,6 +191,13 @@ class CodecConfig:
             if self.rotation != "none":
                 raise ValueError("acsgd's +rot rotates first sights only, and subspace-coded ones (+fslR) are never "
                                  "rotated: drop +rot")  # fmt: skip
+        if self.delta_rank:
+            if not codec.subspace_deltas:
+                raise ValueError(f"delta_rank (+dslR) applies to {_having('subspace_deltas')} only")
+            if not 1 <= self.delta_rank <= MAX_RANK:
+                raise ValueError(f"delta_rank (+dslR) is 1..{MAX_RANK}, got {self.delta_rank}")
+            if not self.subspace_step_percent:
+                raise ValueError("subspace-coded deltas (+dslR) need their step (+sN, in percent of the rms)")
         if self.buffer_path is not None and self.buffer_dir is not None:
             raise ValueError("give buffer_path (one store) or buffer_dir (one file per link end), not both")
         if self.buffer_capacity < 0:
@@ -204,7 +218,7 @@ class CodecConfig:
             )
         if self.rank != 4 and not codec.ranked:
             raise ValueError(f"rank applies to ranked codecs ({_having('ranked')}) only, got {self.rank}")
-        if self.subspace_step_percent and not (codec.ranked or self.first_sight_rank):
+        if self.subspace_step_percent and not (codec.ranked or self.first_sight_rank or self.delta_rank):
             raise ValueError(f"subspace_step_percent (+sN) applies to ranked codecs ({_having('ranked')}) and "
                              "subspace-coded first sights (+fslR) only")  # fmt: skip
         if self.factor_bits != 16 and not codec.ranked:
@@ -261,6 +275,9 @@ class CodecConfig:
         for suffix in suffixes:
             if suffix[:1] == "r" and suffix[1:].isdigit():  # +r50: tern's rate weight, in percent
                 kwargs["rate_percent"] = int(suffix[1:])
+                continue
+            if suffix[:3] == "dsl" and suffix[3:].isdigit():  # +dsl16: deltas subspace-coded at rank 16
+                kwargs["delta_rank"] = int(suffix[3:])
                 continue
             if suffix[:3] == "fsl" and suffix[3:].isdigit():  # +fsl32: first sights subspace-coded at rank 32
                 kwargs["first_sight_rank"] = int(suffix[3:])

@@ -106,6 +106,7 @@ class LowBitDeltaCodec(ACSGDCodec):
 
     quantized = False  # no bit width to choose: the label is the name (`tern+ch`)
     low_bit_first_sights = True  # `+fsd`: first sights in the deltas' code
+    subspace_deltas = False  # its deltas are its own code: `+dslR` is acsgd's
     device_encoded = False  # no CUDA kernels for these codes: encoded on the host
     wire_code_bits = 0
     """`Quantized.bits` of a delta message."""
@@ -126,14 +127,15 @@ class LowBitDeltaCodec(ACSGDCodec):
         """The delta of a message whose header is checked: every per-group field and the payload checked first."""
         raise NotImplementedError
 
-    def _send_delta(self, rows, m, group, state, out):
+    def _send_delta(self, rows, m, group, state, msg):
+        out = msg.quantized
         out.bits, out.group_size, out.numel = self.wire_code_bits, group, rows.numel()
         out.scale_dtype = wire_dtype(torch.float16)
         sent = self._encode_delta(rows.float() - m.float(), group, out)
         m.copy_((m.float() + sent.view(m.shape)).to(m.dtype))
 
     def _receive_delta(self, msg, m, bound):
-        delta = self._decode_checked(msg, m.numel(), "quantized", bound)
+        delta = self._decode_checked(msg.quantized, m.numel(), "quantized", bound)
         return (m.float() + delta.view(m.shape)).to(m.dtype)
 
     def _decode_checked(self, msg: wire_pb2.Quantized, numel: int, field: str, bound: float) -> torch.Tensor:

@@ -82,7 +82,7 @@ class Quantized(_message.Message):
     def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., numel: _Optional[int] = ..., scales: _Optional[bytes] = ..., mins: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., scale_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorMessage(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "first_sight_basis", "rotation", "rotation_seed", "sparse")
+    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "first_sight_basis", "delta_basis", "rotation", "rotation_seed", "sparse")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class TensorMessage(_message.Message):
     BUFFER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     GROUP_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FIRST_SIGHT_BASIS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASIS_FIELD_NUMBER: _ClassVar[int]
     ROTATION_FIELD_NUMBER: _ClassVar[int]
     ROTATION_SEED_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
@@ -110,10 +111,11 @@ class TensorMessage(_message.Message):
     buffer_digest: int
     group_layout: GroupLayout
     first_sight_basis: Quantized
+    delta_basis: Quantized
     rotation: int
     rotation_seed: int
     sparse: Sparse
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., first_sight_basis: _Optional[_Union[Quantized, _Mapping]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ..., sparse: _Optional[_Union[Sparse, _Mapping]] = ...) -> None: ...
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., first_sight_basis: _Optional[_Union[Quantized, _Mapping]] = ..., delta_basis: _Optional[_Union[Quantized, _Mapping]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ..., sparse: _Optional[_Union[Sparse, _Mapping]] = ...) -> None: ...
 
 class Sparse(_message.Message):
     __slots__ = ("group_size", "keep", "bits", "index", "codes", "lo", "hi")

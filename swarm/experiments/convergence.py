@@ -87,25 +87,28 @@ DEFAULT_SETTINGS = (
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs",
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4",
     "bilevel+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
+    "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
+    "acsgd2+ch+fsl32+dsl16+s20/gradq2+ef+rot+nr+cs+g256",
     "acsgd2+ch+nr+fsl20+s30/gradq2+ef+rot+nr+cs@lr4+f8",
 )
-"""Issue 29's first-sight candidates close the list: 3-bit first sights (channel scales or per-token rotation; on
-the 6144-sample single pass the first gave 12.95x at +2.42% on 48 held-out windows), then subspace-coded ones
-(`+fsl32+s20`; on 512 windows, docs/reports/single-pass.md: single pass 15.96x at +0.96% / +0.20% with groups of
-256 and the tied sum at 4 bits (`@t4`, s42's default), 8 epochs 15.68x at +0.17%), 1-bit deltas under the same
-first sights, and last the single pass's frontier: rank-20 first sights at a coarser step, groups of 1024 and the
-tied sum as rank-4 int8 factors (the 6,144-sample pass: 24.49x / 24.48x at +1.44% / +1.48%, seeds 0 / 1,
-docs/reports/single-pass.md). A setting without `@tN` or `@lrN` sums the tied embedding as the averager does without
-a plan (`GradientAverager.tied_codec`, rank-16 int8 factors behind compressed links; before s50, 4 bits: rows of
-earlier reports reproduce with `@t4`). A setting that diverges ends only its own row."""
-DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256"
+"""Issue 29's first-sight candidates close the list: 3-bit first sights (channel scales or per-token rotation; on the
+6144-sample single pass the first gave 12.95x at +2.42% on 48 held-out windows), then subspace-coded ones
+(`+fsl32+s20`; on 512 windows, docs/reports/single-pass.md: single pass 15.96x at +0.96% / +0.20% with groups of 256
+and the tied sum at 4 bits (`@t4`, s42's default), 8 epochs 15.68x at +0.17%), 1-bit deltas under the same first
+sights, the same first sights with 2-bit channel deltas (s50's default), the default (`DEFAULT_TARGET_SETTING`: its
+deltas subspace-coded too, s53), and last the single pass's frontier: rank-20 first sights at a coarser step, groups
+of 1024 and the tied sum as rank-4 int8 factors (the 6,144-sample pass: 24.49x / 24.48x at +1.44% / +1.48%, seeds 0
+/ 1, docs/reports/single-pass.md). A setting without `@tN` or `@lrN` sums the tied embedding as the averager does
+without a plan (`GradientAverager.tied_codec`, rank-16 int8 factors behind compressed links; before s50, 4 bits:
+rows of earlier reports reproduce with `@t4`). A setting that diverges ends only its own row."""
+DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+dsl16+s20/gradq2+ef+rot+nr+cs+g256"
 """The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
-with the paper's quantizer in channel groups, first sights subspace-coded (rank 32, a step of 20% of the rms);
+with first sights subspace-coded (rank 32, a step of 20% of the rms) and later visits' changes too (rank 16);
 backward: 2-bit gradients with error feedback, Hadamard rotation, round-to-nearest and 16-bit scales, in groups of
 256; the tied sum as rank-16 int8 factors (the averager's default). `check_targets` finds the default row by its
 `is_default` flag, not by this name. The defaults before it, `acsgd2+ch/gradq2+ef+rot+nr+cs` (16-bit first sights,
-groups of 1024) and this setting with `@t4` (s42's: the tied sum at 4 bits), stay in `DEFAULT_SETTINGS` to
-compare."""
+groups of 1024), `acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4` (s42's: 2-bit channel deltas, the tied sum at 4
+bits) and the same without `@t4` (s50's), stay in `DEFAULT_SETTINGS` to compare."""
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", DEFAULT_TARGET_SETTING)
 BEST_TARGET_SETTING = "tern+ch/gtern+ef+rot+nr+r100@lr4"
 """The best setting of an earlier issue's targets (>= 20x fewer total bytes after the first epoch, within 2%). Forward
@@ -198,7 +201,8 @@ _SETTINGS_HELP = (
     "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
     "group per channel), +rot (Hadamard rotation; of AQ-SGD's first sights), +fsN (AQ-SGD first sights at N bits "
     "instead of 16), +clip (with +fsN: each first-sight group's scale chosen by least squared error), +fslR "
-    "(acsgd, with +sN: first sights subspace-coded at rank R), +fsd (tern, "
+    "(acsgd, with +sN: first sights subspace-coded at rank R), +dslR (acsgd, with +sN: later visits' changes "
+    "subspace-coded at rank R), +fsd (tern, "
     "bilevel: first sights in the deltas' own code), +sN (lowrankR+f8: activations in the top-R eigenbasis of "
     "each message, coefficients on one step of N percent of its rms), +rN (tern: rate weight in "
     "percent), @wN (N "

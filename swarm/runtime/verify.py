@@ -80,13 +80,14 @@ class VerifyConfig:
     link_rtol: float = 1.0
     """Largest relative error between a recomputed activation and the next stage's decoded copy of it: the forward
     codec's error, which for AQ-SGD grows with how far the activation moved since the buffer last saw its sample
-    (honest worst over 20 steps of a 2 x 2 pipeline whose samples change every step: 0.41 with acsgd2+ch+nr;
-    over 400 steps of the default model on the default data, every micro-batch audited: 0.44 with s42's default
+    (honest worst over 20 steps of a 2 x 2 pipeline whose samples change every step: 0.41 with acsgd2+ch+nr; over
+    400 steps of the default model on the default data, every micro-batch audited: 0.44 with s42's default
     acsgd2+ch+nr+fsl32+s20, whose subspace-coded first sights set it, 0.43 with acsgd2+ch+nr; 0.05 with acsgd4; 2e-4
-    fp16; in the convergence experiment's 8 epochs, every forward message, `scripts/measure_link_error.py`: the
-    default's deltas 0.37 at most, its first sights 0.53; the 1-bit rung bilevel+ch+fsl32+s20's deltas 0.57, 0.33
-    median). Noise of the same norm is 1.4 off, x10 is 9 off; a copy scaled x1.5 (0.5 off) passes the link and is
-    caught only where the stage's own record holds it (docs/SECURITY.md#verified-stage-work)."""
+    fp16; in the convergence experiment's 8 epochs, every forward message, `scripts/measure_link_error.py`: s50's
+    default's 2-bit deltas 0.37 at most, its first sights 0.53; the 1-bit bilevel+ch+fsl32+s20's deltas 0.57, 0.33
+    median; the default's subspace-coded deltas (`+dsl16`, s53) 0.15, 0.11 median). Noise of the same norm is 1.4
+    off, x10 is 9 off; a copy scaled x1.5 (0.5 off) passes the link and is caught only where the stage's own record
+    holds it (docs/SECURITY.md#verified-stage-work)."""
     link_rtol_backward: float = 3.0
     """The same for an input gradient and the previous stage's decoded copy: the backward codec's error (honest
     worst 1.15 with gradq2+ef+rot+nr+cs+g1024 over 20 steps, 1.30 over the 400 above and 1.17 with the default

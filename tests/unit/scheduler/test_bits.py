@@ -69,21 +69,21 @@ def test_the_ladders_are_the_default_codec_family():
     assert BitsPolicy().forward_floor == DEFAULT_FORWARD_CODEC and BitsPolicy().backward_floor == DEFAULT_BACKWARD_CODEC
     assert BACKWARD_LADDER[-1] == "gtern+ef+rot+nr+r150+g1024"  # below the default floor: a policy names it
     assert SIZES(BACKWARD_LADDER[-1]) < SIZES(BACKWARD_LADDER[-2])
-    assert FORWARD_LADDER[-1] == "bilevel+ch+fsl32+s20"  # below the default floor: a policy names it
+    assert FORWARD_LADDER[-1] == "acsgd2+ch+nr+fsl32+dsl8+s20"  # below the default floor: a policy names it
     assert SIZES(FORWARD_LADDER[-1]) < SIZES(FORWARD_LADDER[-2])
     for ladder in (FORWARD_LADDER[:4], BACKWARD_LADDER[:4]):
         rungs = [CodecConfig.parse(label) for label in ladder]
         assert [c.wire_bits for c in rungs] == [32, 8, 4, 2]
         assert [SIZES(label) for label in ladder] == sorted((SIZES(label) for label in ladder), reverse=True)
     # one family: each wider rung is the floor at more bits, with 16-bit first sights forward (a fast link's
-    # choice: the floor's subspace-coded ones trade error for bytes) and groups of 1024 backward; the 1-bit rung
-    # below the floor sends the floor's first sights
+    # choice: the floor's subspace-coded ones trade error for bytes) and channel deltas, groups of 1024 backward;
+    # the rung below the floor is the floor with its changes at a lower rank
     floor = CodecConfig.parse(DEFAULT_FORWARD_CODEC)
-    assert floor.first_sight_rank == 32 and FORWARD_LADDER[3] == DEFAULT_FORWARD_CODEC
+    assert (floor.first_sight_rank, floor.delta_rank) == (32, 16) and FORWARD_LADDER[3] == DEFAULT_FORWARD_CODEC
     for label, bits in zip(FORWARD_LADDER[1:3], (8, 4), strict=True):
-        assert CodecConfig.parse(label) == replace(floor, bits=bits, first_sight_rank=0, subspace_step_percent=0)
-    one = CodecConfig.parse(FORWARD_LADDER[-1])
-    assert (one.first_sight_rank, one.subspace_step_percent) == (floor.first_sight_rank, floor.subspace_step_percent)
+        wider = replace(floor, bits=bits, first_sight_rank=0, delta_rank=0, subspace_step_percent=0)
+        assert CodecConfig.parse(label) == wider
+    assert CodecConfig.parse(FORWARD_LADDER[-1]) == replace(floor, delta_rank=8)
     floor = CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
     assert floor.group_size == 256
     for label, bits in zip(BACKWARD_LADDER[1:3], (8, 4), strict=True):
