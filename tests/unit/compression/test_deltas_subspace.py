@@ -145,6 +145,15 @@ def test_a_tampered_factor_is_refused_naming_its_field_and_commits_nothing(tampe
     assert torch.equal(recv.buffers.gather(recv.buffers.lookup([1, 2])), held)
 
 
+def test_a_delta_basis_on_a_message_of_first_sights_only_is_refused():
+    codec, send, recv = ends(DELTAS)
+    msg = codec.encode(stream(torch.Generator().manual_seed(6), 2), sample_ids=[1, 2], state=send)
+    msg.delta_basis.CopyFrom(msg.first_sight_basis)
+    with pytest.raises(WireError) as refused:
+        decoder_for(msg).decode(msg, state=recv)
+    assert refused.value.field == "delta_basis" and not list(recv.buffers.ids())
+
+
 @pytest.mark.parametrize("label", ["tern+ch", "directq4"])
 def test_a_delta_basis_on_another_codecs_message_is_refused(label):
     codec, send, recv = ends(label)
