@@ -159,15 +159,23 @@ def test_a_tampered_factor_is_refused_naming_its_field_and_commits_nothing(tampe
     assert not list(recv.buffers.ids())
 
 
-@pytest.mark.parametrize("label", ["aqsgd2+ch+nr", "directq4"])
-def test_a_basis_on_another_codecs_message_is_refused(label):
+@pytest.mark.parametrize(
+    "field, label",
+    [  # acsgd's subspace-coded first sights' basis, and its subspace-coded deltas' (`+dslR`, test_deltas_subspace)
+        ("first_sight_basis", "aqsgd2+ch+nr"),
+        ("first_sight_basis", "directq4"),
+        ("delta_basis", "tern+ch"),
+        ("delta_basis", "directq4"),
+    ],
+)
+def test_a_basis_on_another_codecs_message_is_refused(field, label):
     codec, send, recv = ends(label)
     x = torch.randn(2, 8, 16)
     msg = codec.encode(x, sample_ids=[1, 2], state=send) if codec.uses_buffers else codec.encode(x)
-    msg.first_sight_basis.bits = 8
+    getattr(msg, field).bits = 8
     with pytest.raises(WireError) as refused:
         decoder_for(msg).decode(msg, state=recv if codec.uses_buffers else None)
-    assert refused.value.field == "first_sight_basis"
+    assert refused.value.field == field
 
 
 def test_a_receiver_decodes_by_the_message_whatever_its_own_first_sight_config():
