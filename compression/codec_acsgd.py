@@ -128,10 +128,12 @@ class ACSGDCodec(AQSGDCodec):
         return _moved(m, decoded)
 
     def _first_sight(self, x, state, msg, layout, group):
-        rank = self.config.first_sight_rank
-        if not rank or state.exact_first_sights:
+        cfg = self.config
+        if not (cfg.first_sight_rank or cfg.first_sight_width_divisor) or state.exact_first_sights:
             return super()._first_sight(x, state, msg, layout, group)
         width = x.shape[-1] if x.dim() >= 2 else x.numel()
+        grown = width // cfg.first_sight_width_divisor if cfg.first_sight_width_divisor else 0
+        rank = min(MAX_RANK, max(1, cfg.first_sight_rank, grown))  # `+fslR` the least, `+fslwN` grows with the width
         rows = x.numel() // width if width else 0
         msg.raw_dtype = wire_dtype(state.buffers.dtype)
         if not rows:

@@ -44,18 +44,22 @@ LOCAL_FIELDS = (
 """`CodecConfig` fields that are a peer's own rather than its codec's: no label suffix sets them (`+gN` sets
 `group_size` where a label has it)."""
 
-DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr+fsl32+dsl16+s20"
-"""AQ-SGD's buffer protocol with a sample's first sight subspace-coded (`+fsl32`: rank 32 of the message's own
-eigenbasis) and its later visits' changes too (`+dsl16`: rank 16), both on one step of 20% of the rows' rms, int8
-codes that zstd shrinks (`swarm.compression.subspace`); `+ch+nr` quantize nothing here but name the paper's 2-bit
-channel deltas a receiver also decodes. With the default backward and the tied sum's default
-(`GradientAverager.tied_codec`, rank-16 int8 factors), in `swarm experiment convergence` (512 held-out windows;
-docs/reports/single-pass.md, s53), seeds 0 / 1: 8 epochs 21.80x / 21.78x fewer total bytes after epoch 1 (21.16x /
-21.17x over the run) at -0.03% / +0.03% held-out vs fp32, where 2-bit channel deltas (`acsgd2+ch+nr+fsl32+s20`,
-the default before) sent 17.24x / 17.29x at +0.14% / +0.15%; gpt-mid over 8 epochs 25.84x at +0.16%; with 2
-replicas 21.91x at +0.60% (seed 0). A single pass sends no deltas: its rows are those of the default before (17.68x
-/ 17.69x at +0.79% / +0.11%, s50). 1-bit deltas (`bilevel+ch+fsl32+s20`, the forward ladder's rung below this
-floor) send 20.27x over 8 epochs but at +0.97% / +1.02%, and with 2 replicas +1.08% / +1.81%."""
+MAX_WIDTH_DIVISOR = 1024
+"""Largest N of `+fslwN` (a rank of width / N)."""
+
+DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr+fsl32+fslw4+dsl16+s20"
+"""AQ-SGD's buffer protocol with a sample's first sight subspace-coded at rank 32 or a quarter of the message's width
+where that is more (`+fsl32+fslw4`: 32 up to hidden 128, 64 from 256 on, at most 64) and its later visits' changes
+too (`+dsl16`: rank 16), both on one step of 20% of the rows' rms, int8 codes that zstd shrinks
+(`swarm.compression.subspace`); `+ch+nr` quantize nothing here but name the paper's 2-bit channel deltas a receiver
+also decodes. With the default backward and the tied sum's default (`GradientAverager.tied_codec`, rank-16 int8
+factors), in `swarm experiment convergence` (512 held-out windows; docs/reports/single-pass.md, s53), seeds 0 / 1: 8
+epochs 21.80x / 21.78x fewer total bytes after epoch 1 (21.16x / 21.17x over the run) at -0.03% / +0.03% held-out vs
+fp32, where 2-bit channel deltas (`acsgd2+ch+nr+fsl32+s20`, the default before) sent 17.24x / 17.29x at +0.14% /
++0.15%; with 2 replicas 21.91x / 21.90x at +0.60% / +0.83%; a single pass sends no deltas: 17.68x / 17.69x at +0.79%
+/ +0.11% (s50). On gpt-mid (hidden 256, rank-64 first sights): one pass of 6,144
+samples +1.17% / +0.24% / +0.69% (seeds 0 / 1 / 2, 16.8x; rank 32 read +1.57% on seed 0), 8 epochs -0.38% at 25.84x
+after epoch 1."""
 DEFAULT_BACKWARD_CODEC = "gradq2+ef+rot+nr+cs+g256"
 """2-bit gradients with error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 256: with
 groups of 1024 the same forward sent 8% fewer bytes but missed 1% on one seed of the single pass (+1.35%)."""
@@ -115,6 +119,10 @@ class CodecConfig:
     Gram matrix, the coefficients on one step of N% of their rms, int8 codes zstd entropy-codes; later visits
     are the codec's deltas against what the receiver decoded. About 1.1-1.5 bits an element at hidden 128 with
     a third of 3-bit channel-scaled first sights' error (docs/reports/single-pass.md)"""
+    first_sight_width_divisor: int = 0
+    """acsgd: 0, or first sights subspace-coded as with `+fslR` at a rank that grows with the message's width: its
+    last dimension divided by N, never below `+fslR`'s rank where both are given, at most 64 and the width (label
+    suffix `+fslwN`; `+fsl32+fslw4` is rank 32 up to hidden 128, 64 from hidden 256 on)"""
     delta_rank: int = 0
     """acsgd: 0, or a buffered sample's later visits travel subspace-coded too (label suffix `+dslR`, on the step of
     `+sN`): the change of the message's delta samples, a row per token, in the top-R eigenbasis of its own Gram
@@ -176,11 +184,14 @@ class CodecConfig:
             raise ValueError(f"first_sight_clip (+clip) applies to {_having('clipped_first_sights')} only")
         if self.first_sight_clip and self.first_sight_bits == 16:
             raise ValueError("first_sight_clip (+clip) clips quantized first sights: give them bits (+fsN)")
-        if self.first_sight_rank:
+        if self.first_sight_rank or self.first_sight_width_divisor:
             if not codec.subspace_first_sights:
                 raise ValueError(f"first_sight_rank (+fslR) applies to {_having('subspace_first_sights')} only")
-            if not 1 <= self.first_sight_rank <= MAX_RANK:
+            if self.first_sight_rank and not 1 <= self.first_sight_rank <= MAX_RANK:
                 raise ValueError(f"first_sight_rank (+fslR) is 1..{MAX_RANK}, got {self.first_sight_rank}")
+            if not 0 <= self.first_sight_width_divisor <= MAX_WIDTH_DIVISOR:
+                raise ValueError(f"first_sight_width_divisor (+fslwN) is 1..{MAX_WIDTH_DIVISOR}, got "
+                                 f"{self.first_sight_width_divisor}")  # fmt: skip
             if not self.subspace_step_percent:
                 raise ValueError("subspace-coded first sights (+fslR) need their step (+sN, in percent of the rms)")
             if not 1 <= self.subspace_step_percent <= MAX_SUBSPACE_STEP_PERCENT:
@@ -218,7 +229,8 @@ class CodecConfig:
             )
         if self.rank != 4 and not codec.ranked:
             raise ValueError(f"rank applies to ranked codecs ({_having('ranked')}) only, got {self.rank}")
-        if self.subspace_step_percent and not (codec.ranked or self.first_sight_rank or self.delta_rank):
+        subspace = self.first_sight_rank or self.first_sight_width_divisor or self.delta_rank
+        if self.subspace_step_percent and not (codec.ranked or subspace):
             raise ValueError(f"subspace_step_percent (+sN) applies to ranked codecs ({_having('ranked')}) and "
                              "subspace-coded first sights (+fslR) only")  # fmt: skip
         if self.factor_bits != 16 and not codec.ranked:
@@ -278,6 +290,9 @@ class CodecConfig:
                 continue
             if suffix[:3] == "dsl" and suffix[3:].isdigit():  # +dsl16: deltas subspace-coded at rank 16
                 kwargs["delta_rank"] = int(suffix[3:])
+                continue
+            if suffix[:4] == "fslw" and suffix[4:].isdigit():  # +fslw4: first sights at a quarter of the width
+                kwargs["first_sight_width_divisor"] = int(suffix[4:])
                 continue
             if suffix[:3] == "fsl" and suffix[3:].isdigit():  # +fsl32: first sights subspace-coded at rank 32
                 kwargs["first_sight_rank"] = int(suffix[3:])

@@ -88,7 +88,7 @@ DEFAULT_SETTINGS = (
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4",
     "bilevel+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
-    "acsgd2+ch+fsl32+dsl16+s20/gradq2+ef+rot+nr+cs+g256",
+    "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256",
     "acsgd2+ch+nr+fsl20+s30/gradq2+ef+rot+nr+cs@lr4+f8",
 )
 """Issue 29's first-sight candidates close the list: 3-bit first sights (channel scales or per-token rotation; on the
@@ -101,14 +101,15 @@ of 1024 and the tied sum as rank-4 int8 factors (the 6,144-sample pass: 24.49x /
 / 1, docs/reports/single-pass.md). A setting without `@tN` or `@lrN` sums the tied embedding as the averager does
 without a plan (`GradientAverager.tied_codec`, rank-16 int8 factors behind compressed links; before s50, 4 bits:
 rows of earlier reports reproduce with `@t4`). A setting that diverges ends only its own row."""
-DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+dsl16+s20/gradq2+ef+rot+nr+cs+g256"
+DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256"
 """The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
-with first sights subspace-coded (rank 32, a step of 20% of the rms) and later visits' changes too (rank 16);
-backward: 2-bit gradients with error feedback, Hadamard rotation, round-to-nearest and 16-bit scales, in groups of
-256; the tied sum as rank-16 int8 factors (the averager's default). `check_targets` finds the default row by its
-`is_default` flag, not by this name. The defaults before it, `acsgd2+ch/gradq2+ef+rot+nr+cs` (16-bit first sights,
-groups of 1024), `acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4` (s42's: 2-bit channel deltas, the tied sum at 4
-bits) and the same without `@t4` (s50's), stay in `DEFAULT_SETTINGS` to compare."""
+with first sights subspace-coded (rank 32, or a quarter of the width where more; a step of 20% of the rms) and later
+visits' changes too (rank 16); backward: 2-bit gradients with error feedback, Hadamard rotation, round-to-nearest
+and 16-bit scales, in groups of 256; the tied sum as rank-16 int8 factors (the averager's default). `check_targets`
+finds the default row by its `is_default` flag, not by this name. The defaults before it,
+`acsgd2+ch/gradq2+ef+rot+nr+cs` (16-bit first sights, groups of 1024),
+`acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4` (s42's: 2-bit channel deltas, the tied sum at 4 bits) and the same
+without `@t4` (s50's), stay in `DEFAULT_SETTINGS` to compare."""
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", DEFAULT_TARGET_SETTING)
 BEST_TARGET_SETTING = "tern+ch/gtern+ef+rot+nr+r100@lr4"
 """The best setting of an earlier issue's targets (>= 20x fewer total bytes after the first epoch, within 2%). Forward

@@ -60,10 +60,11 @@ __all__ = [
     "rechoose",
 ]
 
-FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", DEFAULT_FORWARD_CODEC, "acsgd2+ch+nr+fsl32+dsl8+s20")
+FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", DEFAULT_FORWARD_CODEC, "acsgd2+ch+nr+fsl32+fslw4+dsl8+s20")
 """Forward (activation) codecs, most precise first; the last but one is the default floor (`DEFAULT_FORWARD_CODEC`):
 the AQ-SGD paper's quantizer in channel groups, round to nearest, at 8 and 4 bits (first sights at 16 bits: a fast
-link's choice), then the floor, whose first sights and later visits' changes are subspace-coded (rank 32 and 16).
+link's choice), then the floor, whose first sights and later visits' changes are subspace-coded (at rank 32 or a
+quarter of the width, and at rank 16).
 Below it, the changes at rank 8 (25.8x after epoch 1 over 8 epochs of the convergence experiment where the floor
 sends 21.8x, at +0.86% held-out against -0.03%, one seed), which a policy reaches only by naming it as its
 `forward_floor`. (2-bit channel deltas, the floor before s53, send more than the floor at more error: no rung;

@@ -184,3 +184,21 @@ def test_a_receiver_decodes_by_the_message_whatever_its_own_first_sight_config()
     x = residual_stream(torch.Generator().manual_seed(5), 3)
     out = decoder_for(msg := codec.encode(x, sample_ids=[4, 5, 6], state=send)).decode(msg, state=plain_recv)
     assert same_buffers(send, plain_recv) and rel(out, x) < 0.05
+
+
+@pytest.mark.parametrize("hidden, rank", [(32, 32), (128, 32), (256, 64), (512, 64)])  # 512 / 4: capped at 64
+def test_a_rank_that_grows_with_the_width_sends_what_that_rank_sends(hidden, rank):
+    grown, fixed = ends("acsgd2+ch+nr+fsl32+fslw4+dsl16+s20"), ends(f"acsgd2+ch+nr+fsl{rank}+dsl16+s20")
+    gen = torch.Generator().manual_seed(8)
+    x = residual_stream(gen, 2, tokens=16, hidden=hidden)
+    for visit in range(2):  # a first sight, then a delta
+        y = x + 0.1 * visit * residual_stream(gen, 2, tokens=16, hidden=hidden)
+        a = grown[0].encode(y, sample_ids=[1, 2], state=grown[1])
+        b = fixed[0].encode(y, sample_ids=[1, 2], state=fixed[1])
+        assert a.SerializeToString() == b.SerializeToString()
+    assert CodecConfig.parse("acsgd2+ch+nr+fsl32+fslw4+s20").label == "acsgd2+ch+fsl32+fslw4+s20"
+    assert CodecConfig.parse("acsgd2+ch+nr+fslw4+s20").first_sight_rank == 0  # the width alone: 8 at hidden 32
+    for bad, match in [("acsgd2+ch+fslw4", r"\+sN"), ("acsgd2+ch+fslw1025+s20", "1..1024"),
+                       ("aqsgd2+ch+fslw4+s20", "applies to acsgd")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            CodecConfig.parse(bad)

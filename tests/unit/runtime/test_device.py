@@ -152,7 +152,7 @@ def test_cpu_stage_links_encode_as_before():
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("label", ["acsgd2+ch+nr", "acsgd2+ch+nr+fsl32+dsl16+s20", "bilevel+ch+fsl32+s20"])
+@pytest.mark.parametrize("label", ["acsgd2+ch+nr", "acsgd2+ch+nr+fsl32+fslw4+dsl16+s20", "bilevel+ch+fsl32+s20"])
 def test_a_cuda_sending_end_encodes_on_the_device_and_the_cpu_receiver_agrees(label):
     """acsgd's kernels write the same bytes on either device; bilevel's torch ops may sum a group's levels in
     another order on the GPU, so its messages may differ from a CPU sender's, but never from what the receiver's
@@ -198,7 +198,7 @@ def test_host_copies_of_cuda_tensors_are_pinned_and_exact():
     assert torch.equal(host_a, a.cpu()) and torch.equal(host_codes, codes.cpu())
 
 
-@pytest.mark.parametrize("label", ["acsgd2+ch+nr+fs4", "acsgd2+ch+nr+fsl32+dsl16+s20", "bilevel+ch+fsl32+s20"])
+@pytest.mark.parametrize("label", ["acsgd2+ch+nr+fs4", "acsgd2+ch+nr+fsl32+fslw4+dsl16+s20", "bilevel+ch+fsl32+s20"])
 def test_the_codec_on_a_device_store_sends_what_it_sends_on_a_memory_store(label):
     """The device store's gather/scatter/admit in the codec's own flow (on the CPU: the same bytes)."""
     cfg = CodecConfig.parse(label, seed=3)

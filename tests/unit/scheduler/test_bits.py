@@ -69,7 +69,7 @@ def test_the_ladders_are_the_default_codec_family():
     assert BitsPolicy().forward_floor == DEFAULT_FORWARD_CODEC and BitsPolicy().backward_floor == DEFAULT_BACKWARD_CODEC
     assert BACKWARD_LADDER[-1] == "gtern+ef+rot+nr+r150+g1024"  # below the default floor: a policy names it
     assert SIZES(BACKWARD_LADDER[-1]) < SIZES(BACKWARD_LADDER[-2])
-    assert FORWARD_LADDER[-1] == "acsgd2+ch+nr+fsl32+dsl8+s20"  # below the default floor: a policy names it
+    assert FORWARD_LADDER[-1] == "acsgd2+ch+nr+fsl32+fslw4+dsl8+s20"  # below the default floor: a policy names it
     assert SIZES(FORWARD_LADDER[-1]) < SIZES(FORWARD_LADDER[-2])
     for ladder in (FORWARD_LADDER[:4], BACKWARD_LADDER[:4]):
         rungs = [CodecConfig.parse(label) for label in ladder]
@@ -79,9 +79,11 @@ def test_the_ladders_are_the_default_codec_family():
     # choice: the floor's subspace-coded ones trade error for bytes) and channel deltas, groups of 1024 backward;
     # the rung below the floor is the floor with its changes at a lower rank
     floor = CodecConfig.parse(DEFAULT_FORWARD_CODEC)
-    assert (floor.first_sight_rank, floor.delta_rank) == (32, 16) and FORWARD_LADDER[3] == DEFAULT_FORWARD_CODEC
+    assert (floor.first_sight_rank, floor.first_sight_width_divisor, floor.delta_rank) == (32, 4, 16)
+    assert FORWARD_LADDER[3] == DEFAULT_FORWARD_CODEC
     for label, bits in zip(FORWARD_LADDER[1:3], (8, 4), strict=True):
-        wider = replace(floor, bits=bits, first_sight_rank=0, delta_rank=0, subspace_step_percent=0)
+        off = {"first_sight_rank": 0, "first_sight_width_divisor": 0, "delta_rank": 0, "subspace_step_percent": 0}
+        wider = replace(floor, bits=bits, **off)
         assert CodecConfig.parse(label) == wider
     assert CodecConfig.parse(FORWARD_LADDER[-1]) == replace(floor, delta_rank=8)
     floor = CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
