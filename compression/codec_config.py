@@ -57,9 +57,8 @@ factors), in `swarm experiment convergence` (512 held-out windows; docs/reports/
 epochs 21.80x / 21.78x fewer total bytes after epoch 1 (21.16x / 21.17x over the run) at -0.03% / +0.03% held-out vs
 fp32, where 2-bit channel deltas (`acsgd2+ch+nr+fsl32+s20`, the default before) sent 17.24x / 17.29x at +0.14% /
 +0.15%; with 2 replicas 21.91x / 21.90x at +0.60% / +0.83%; a single pass sends no deltas: 17.68x / 17.69x at +0.79%
-/ +0.11% (s50). On gpt-mid (hidden 256, rank-64 first sights): one pass of 6,144
-samples +1.17% / +0.24% / +0.69% (seeds 0 / 1 / 2, 16.8x; rank 32 read +1.57% on seed 0), 8 epochs -0.38% at 25.84x
-after epoch 1."""
+/ +0.11% (s50). On gpt-mid (hidden 256, rank-64 first sights): one pass of 6,144 samples +1.17% / +0.24% / +0.69%
+(seeds 0 / 1 / 2, 16.8x; rank 32 read +1.57% on seed 0), 8 epochs -0.38% at 25.84x after epoch 1."""
 DEFAULT_BACKWARD_CODEC = "gradq2+ef+rot+nr+cs+g256"
 """2-bit gradients with error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 256: with
 groups of 1024 the same forward sent 8% fewer bytes but missed 1% on one seed of the single pass (+1.35%)."""
@@ -232,7 +231,7 @@ class CodecConfig:
         subspace = self.first_sight_rank or self.first_sight_width_divisor or self.delta_rank
         if self.subspace_step_percent and not (codec.ranked or subspace):
             raise ValueError(f"subspace_step_percent (+sN) applies to ranked codecs ({_having('ranked')}) and "
-                             "subspace-coded first sights (+fslR) only")  # fmt: skip
+                             "subspace-coded first sights and deltas (+fslR, +fslwN, +dslR) only")  # fmt: skip
         if self.factor_bits != 16 and not codec.ranked:
             raise ValueError(f"factor_bits (+fN) applies to ranked codecs ({_having('ranked')}) only")
         if self.keep < 0 or (self.keep and not codec.sparse):
