@@ -108,7 +108,7 @@ class ACSGDCodec(AQSGDCodec):
         cfg = self.config
         if cfg.delta_rank:  # rows and m in the sample's own layout: a row per token
             width = _width(list(msg.shape), m.numel())
-            change = (rows.reshape(-1, width).float() - m.view(-1, width).float()).cpu()
+            change = rows.reshape(-1, width).float() - m.view(-1, width).float()  # coded on the host
             r = min(cfg.delta_rank, *change.shape)
             sent = encode_subspace(change, r, cfg.subspace_step_percent, msg.quantized, msg.delta_basis)
             m.copy_(_moved(m, sent))

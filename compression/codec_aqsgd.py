@@ -151,7 +151,7 @@ class AQSGDCodec(Codec):
         # rotated first sights are token groups whatever the layout (codec_acsgd): only the deltas' is checked
         subspace = msg.HasField("first_sight_basis")  # acsgd's `+fslR`: first sights as factors, not groups
         coded = msg.HasField("delta_basis")  # acsgd's `+dslR`: deltas as factors, in the sample's own layout
-        if coded and not any(msg.sample_is_delta):
+        if coded and not delta_rows:
             raise WireError("delta_basis", "set on a message without a delta sample")
         layout = read_layout(
             msg, shape, *([] if coded else [msg.quantized]), *([] if msg.rotation or subspace else [msg.quantized_full])

@@ -67,6 +67,15 @@ SINGLE_PASS = "single-pass"
 MULTI_EPOCH = "multi-epoch"
 """The regime of a run in which some training sample came back (AQ-SGD's deltas apply)."""
 
+DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256"
+"""The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
+with first sights subspace-coded (rank 32, or a quarter of the width where more; a step of 20% of the rms) and later
+visits' changes too (rank 16); backward: 2-bit gradients with error feedback, Hadamard rotation, round-to-nearest
+and 16-bit scales, in groups of 256; the tied sum as rank-16 int8 factors (the averager's default). `check_targets`
+finds the default row by its `is_default` flag, not by this name. The defaults before it,
+`acsgd2+ch/gradq2+ef+rot+nr+cs` (16-bit first sights, groups of 1024),
+`acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4` (s42's: 2-bit channel deltas, the tied sum at 4 bits) and the same
+without `@t4` (s50's), stay in `DEFAULT_SETTINGS` to compare."""
 DEFAULT_SETTINGS = (
     "fp32/fp32",
     "acsgd2+ch/gradq2+ef+rot+nr+cs",
@@ -88,7 +97,7 @@ DEFAULT_SETTINGS = (
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4",
     "bilevel+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
-    "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256",
+    DEFAULT_TARGET_SETTING,
     "acsgd2+ch+nr+fsl20+s30/gradq2+ef+rot+nr+cs@lr4+f8",
 )
 """Issue 29's first-sight candidates close the list: 3-bit first sights (channel scales or per-token rotation; on the
@@ -101,15 +110,6 @@ of 1024 and the tied sum as rank-4 int8 factors (the 6,144-sample pass: 24.49x /
 / 1, docs/reports/single-pass.md). A setting without `@tN` or `@lrN` sums the tied embedding as the averager does
 without a plan (`GradientAverager.tied_codec`, rank-16 int8 factors behind compressed links; before s50, 4 bits:
 rows of earlier reports reproduce with `@t4`). A setting that diverges ends only its own row."""
-DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256"
-"""The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
-with first sights subspace-coded (rank 32, or a quarter of the width where more; a step of 20% of the rms) and later
-visits' changes too (rank 16); backward: 2-bit gradients with error feedback, Hadamard rotation, round-to-nearest
-and 16-bit scales, in groups of 256; the tied sum as rank-16 int8 factors (the averager's default). `check_targets`
-finds the default row by its `is_default` flag, not by this name. The defaults before it,
-`acsgd2+ch/gradq2+ef+rot+nr+cs` (16-bit first sights, groups of 1024),
-`acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4` (s42's: 2-bit channel deltas, the tied sum at 4 bits) and the same
-without `@t4` (s50's), stay in `DEFAULT_SETTINGS` to compare."""
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", DEFAULT_TARGET_SETTING)
 BEST_TARGET_SETTING = "tern+ch/gtern+ef+rot+nr+r100@lr4"
 """The best setting of an earlier issue's targets (>= 20x fewer total bytes after the first epoch, within 2%). Forward
@@ -202,7 +202,9 @@ _SETTINGS_HELP = (
     "suffixes +ef (gradient error feedback), +sr/+nr (stochastic/nearest rounding), +ch (one quantization "
     "group per channel), +rot (Hadamard rotation; of AQ-SGD's first sights), +fsN (AQ-SGD first sights at N bits "
     "instead of 16), +clip (with +fsN: each first-sight group's scale chosen by least squared error), +fslR "
-    "(acsgd, with +sN: first sights subspace-coded at rank R), +dslR (acsgd, with +sN: later visits' changes "
+    "(acsgd, with +sN: first sights subspace-coded at rank R), +fslwN (acsgd, with +sN: first sights at rank "
+    "width/N, at least +fslR's), "
+    "+dslR (acsgd, with +sN: later visits' changes "
     "subspace-coded at rank R), +fsd (tern, "
     "bilevel: first sights in the deltas' own code), +sN (lowrankR+f8: activations in the top-R eigenbasis of "
     "each message, coefficients on one step of N percent of its rms), +rN (tern: rate weight in "

@@ -1,8 +1,8 @@
 """acsgd's subspace-coded deltas (`+dslR` with `+sN`): a buffered sample's later visits travel as its change in the
-top-R eigenbasis of the message's delta rows, added to both ends' buffers bit for bit. A change in a few
-directions costs fewer bytes than 2-bit channel deltas at a lower error; the label and its validation; a
-message that mixes first sights and deltas; a tampered factor is refused naming its field, committing nothing
-(another codec's message carrying a delta basis: test_first_sights_subspace)."""
+top-R eigenbasis of the message's delta rows, added to both ends' buffers bit for bit. A change in a few directions
+costs fewer bytes than 2-bit channel deltas at a lower error; the label (its refusals beside the first sights',
+test_first_sights_subspace); a message that mixes first sights and deltas; a tampered factor is refused naming its
+field, committing nothing (another codec's message carrying a delta basis: test_first_sights_subspace)."""
 
 from __future__ import annotations
 
@@ -38,20 +38,13 @@ def visit(codec, send, recv, x, ids):
     return msg, decoder_for(msg).decode(msg, state=recv)
 
 
-def test_labelled_parsed_and_validated():
+def test_labelled_and_parsed():
     cfg = CodecConfig.parse("acsgd2+ch+nr+fsl32+dsl16+s20")
     assert (cfg.first_sight_rank, cfg.delta_rank, cfg.subspace_step_percent) == (32, 16, 20)
     assert cfg.label == "acsgd2+ch+fsl32+dsl16+s20"
     assert CodecConfig.parse(cfg.label, stochastic=False) == cfg  # rounding is no part of a label
     assert CodecConfig.parse("acsgd2+ch+dsl8+s30").label == "acsgd2+ch+dsl8+s30"  # raw first sights, coded deltas
-    for bad, match in [
-        ("acsgd2+ch+dsl16", r"\+sN"),  # the step is never implied
-        ("acsgd2+ch+dsl65+s20", "1..64"),
-        ("tern+ch+dsl16+s20", "delta_rank"),
-        ("gradq2+ef+dsl16+s20", "delta_rank"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            CodecConfig.parse(bad)
+    # labels the codec cannot send: test_first_sights_subspace, beside the first sights' own
 
 
 @pytest.mark.parametrize("buffer_dtype", ["float16", "bfloat16"])

@@ -42,7 +42,11 @@ def test_labelled_parsed_and_validated():
     cfg = CodecConfig.parse("acsgd2+ch+nr+fsl32+s20")
     assert (cfg.first_sight_rank, cfg.subspace_step_percent, cfg.first_sight_bits) == (32, 20, 16)
     assert cfg.label == "acsgd2+ch+fsl32+s20" and CodecConfig.parse(cfg.label).first_sight_rank == 32
-    for bad, match in [
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
         ("acsgd2+ch+fsl32", r"\+sN"),  # the step is never implied
         ("acsgd2+ch+fsl32+s20+fs3", "not both"),
         ("acsgd2+ch+fsl32+s20+fs3+clip", "not both"),
@@ -52,9 +56,20 @@ def test_labelled_parsed_and_validated():
         ("aqsgd2+ch+fsl8+s20", "applies to acsgd"),
         ("gradq2+ef+fsl8+s20", "applies to acsgd"),
         ("acsgd2+s30", "ranked"),  # a step alone is still lowrank's
-    ]:
-        with pytest.raises(ValueError, match=match):
-            CodecConfig.parse(bad)
+        # a rank that grows with the width (`+fslwN`)
+        ("acsgd2+ch+fslw4", r"\+sN"),
+        ("acsgd2+ch+fslw1025+s20", "1..1024"),
+        ("aqsgd2+ch+fslw4+s20", "applies to acsgd"),
+        # subspace-coded deltas (`+dslR`, test_deltas_subspace)
+        ("acsgd2+ch+dsl16", r"\+sN"),
+        ("acsgd2+ch+dsl65+s20", "1..64"),
+        ("tern+ch+dsl16+s20", "delta_rank"),
+        ("gradq2+ef+dsl16+s20", "delta_rank"),
+    ],
+)
+def test_a_subspace_label_the_codec_cannot_send_is_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        CodecConfig.parse(bad)
 
 
 @pytest.mark.parametrize("buffer_dtype", ["float16", "bfloat16"])
@@ -198,7 +213,3 @@ def test_a_rank_that_grows_with_the_width_sends_what_that_rank_sends(hidden, ran
         assert a.SerializeToString() == b.SerializeToString()
     assert CodecConfig.parse("acsgd2+ch+nr+fsl32+fslw4+s20").label == "acsgd2+ch+fsl32+fslw4+s20"
     assert CodecConfig.parse("acsgd2+ch+nr+fslw4+s20").first_sight_rank == 0  # the width alone: 8 at hidden 32
-    for bad, match in [("acsgd2+ch+fslw4", r"\+sN"), ("acsgd2+ch+fslw1025+s20", "1..1024"),
-                       ("aqsgd2+ch+fslw4+s20", "applies to acsgd")]:  # fmt: skip
-        with pytest.raises(ValueError, match=match):
-            CodecConfig.parse(bad)
