@@ -290,7 +290,7 @@ class StateItem(_message.Message):
     def __init__(self, name: _Optional[str] = ..., chunk: _Optional[_Union[_wire_pb2.Chunk, _Mapping]] = ...) -> None: ...
 
 class AuditRequest(_message.Message):
-    __slots__ = ("step", "plan_version", "stage", "micro_batch", "backward", "compact", "sketch_seed", "sketch_size")
+    __slots__ = ("step", "plan_version", "stage", "micro_batch", "backward", "compact", "sketch_seed", "sketch_size", "direct")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,7 @@ class AuditRequest(_message.Message):
     COMPACT_FIELD_NUMBER: _ClassVar[int]
     SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
     SKETCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
     stage: int
@@ -307,10 +308,11 @@ class AuditRequest(_message.Message):
     compact: bool
     sketch_seed: int
     sketch_size: int
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[int] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ...) -> None: ...
+    direct: bool
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[int] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class AuditReply(_message.Message):
-    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent", "input_scale", "output_scale", "grad_received_scale", "grad_sent_scale", "output_sketch", "grad_received_sketch", "grad_sent_sketch")
+    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent", "input_scale", "output_scale", "grad_received_scale", "grad_sent_scale", "output_sketch", "grad_received_sketch", "grad_sent_sketch", "input_sketch", "input_digest", "grad_received_digest")
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +326,9 @@ class AuditReply(_message.Message):
     OUTPUT_SKETCH_FIELD_NUMBER: _ClassVar[int]
     GRAD_RECEIVED_SKETCH_FIELD_NUMBER: _ClassVar[int]
     GRAD_SENT_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GRAD_RECEIVED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     input: _wire_pb2.TensorMessage
     tokens: TokenBatch
     output: _wire_pb2.TensorMessage
@@ -337,10 +342,13 @@ class AuditReply(_message.Message):
     output_sketch: _containers.RepeatedScalarFieldContainer[float]
     grad_received_sketch: _containers.RepeatedScalarFieldContainer[float]
     grad_sent_sketch: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., input_scale: _Optional[int] = ..., output_scale: _Optional[int] = ..., grad_received_scale: _Optional[int] = ..., grad_sent_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_received_sketch: _Optional[_Iterable[float]] = ..., grad_sent_sketch: _Optional[_Iterable[float]] = ...) -> None: ...
+    input_sketch: _containers.RepeatedScalarFieldContainer[float]
+    input_digest: bytes
+    grad_received_digest: bytes
+    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., input_scale: _Optional[int] = ..., output_scale: _Optional[int] = ..., grad_received_scale: _Optional[int] = ..., grad_sent_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_received_sketch: _Optional[_Iterable[float]] = ..., grad_sent_sketch: _Optional[_Iterable[float]] = ..., input_sketch: _Optional[_Iterable[float]] = ..., input_digest: _Optional[bytes] = ..., grad_received_digest: _Optional[bytes] = ...) -> None: ...
 
 class RecomputeRequest(_message.Message):
-    __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward", "compact", "input_scale", "grad_scale", "sketch_seed", "sketch_size")
+    __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward", "compact", "input_scale", "grad_scale", "sketch_seed", "sketch_size", "fetch_peer", "micro_batch", "input_digest", "grad_digest")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +363,10 @@ class RecomputeRequest(_message.Message):
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     SKETCH_SEED_FIELD_NUMBER: _ClassVar[int]
     SKETCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_PEER_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GRAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
     stage: int
@@ -369,10 +381,14 @@ class RecomputeRequest(_message.Message):
     grad_scale: int
     sketch_seed: int
     sketch_size: int
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., targets: _Optional[_Union[TokenBatch, _Mapping]] = ..., grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss_weight: _Optional[float] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., input_scale: _Optional[int] = ..., grad_scale: _Optional[int] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ...) -> None: ...
+    fetch_peer: str
+    micro_batch: int
+    input_digest: bytes
+    grad_digest: bytes
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., targets: _Optional[_Union[TokenBatch, _Mapping]] = ..., grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss_weight: _Optional[float] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., input_scale: _Optional[int] = ..., grad_scale: _Optional[int] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ..., fetch_peer: _Optional[str] = ..., micro_batch: _Optional[int] = ..., input_digest: _Optional[bytes] = ..., grad_digest: _Optional[bytes] = ...) -> None: ...
 
 class RecomputeReply(_message.Message):
-    __slots__ = ("output", "loss", "grad_in", "output_scale", "grad_in_scale", "output_sketch", "grad_in_sketch")
+    __slots__ = ("output", "loss", "grad_in", "output_scale", "grad_in_scale", "output_sketch", "grad_in_sketch", "fetched_bytes")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_IN_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +396,7 @@ class RecomputeReply(_message.Message):
     GRAD_IN_SCALE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_SKETCH_FIELD_NUMBER: _ClassVar[int]
     GRAD_IN_SKETCH_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     output: _wire_pb2.TensorMessage
     loss: float
     grad_in: _wire_pb2.TensorMessage
@@ -387,7 +404,8 @@ class RecomputeReply(_message.Message):
     grad_in_scale: int
     output_sketch: _containers.RepeatedScalarFieldContainer[float]
     grad_in_sketch: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., output_scale: _Optional[int] = ..., grad_in_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_in_sketch: _Optional[_Iterable[float]] = ...) -> None: ...
+    fetched_bytes: int
+    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., output_scale: _Optional[int] = ..., grad_in_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_in_sketch: _Optional[_Iterable[float]] = ..., fetched_bytes: _Optional[int] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("nonce",)

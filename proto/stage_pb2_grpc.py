@@ -104,6 +104,11 @@ class StageStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.RecomputeRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.RecomputeReply.FromString,
                 _registered_method=True)
+        self.AuditInputs = channel.unary_unary(
+                '/swarm.Stage/AuditInputs',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.AuditRequest.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.AuditReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -200,6 +205,15 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AuditInputs(self, request, context):
+        """Sibling replica -> the audited replica of the same stage, during a direct Recompute: the compact input and
+        received gradient of one micro-batch of the open step (AuditReply's input, grad_received and their scales:
+        the messages whose digests its Audit reply committed to); only from another replica of the stage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -272,6 +286,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Recompute,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.RecomputeRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.RecomputeReply.SerializeToString,
+            ),
+            'AuditInputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuditInputs,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.AuditRequest.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.AuditReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -652,6 +671,33 @@ class Stage:
             '/swarm.Stage/Recompute',
             swarm_dot_proto_dot_stage__pb2.RecomputeRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.RecomputeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuditInputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.Stage/AuditInputs',
+            swarm_dot_proto_dot_stage__pb2.AuditRequest.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.AuditReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,9 @@ experiment, more than every compressed tensor of the step. Compact records carry
 (relative error at most 2^-11 an element, for gradients far below fp16's normal range too): half the bytes,
 and an error (measured 2e-4 relative on the churn model's stages) five times below the own check's `rtol` 1e-3.
 The trainer (`swarm.runtime.verify`) asks for the exact fp32 records wherever a check on the compact ones fails,
-so every verdict is still reached on fp32 records, as before.
+so every verdict is still reached on fp32 records, as before. Direct sketched audits send the trainer sketches of
+the input and received gradient too, and the digests of their compact messages, which the sibling fetches from the
+audited stage and checks (`audit_inputs_reply`, `fill_fetched`): they cross the wire once instead of twice.
 
 Nothing here is trusted: every tensor is decoded within the receiver's `WireLimits`, by its message's own codec
 (fp32, or fp16 with a bounded scale; nothing else), and refused when it is not finite.
@@ -17,6 +19,7 @@ Nothing here is trusted: every tensor is decoded within the receiver's `WireLimi
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -29,8 +32,10 @@ from swarm.proto import stage_pb2, wire_pb2
 __all__ = [
     "MAX_SCALE_EXP",
     "RECORD_CODECS",
+    "audit_inputs_reply",
     "audit_reply",
     "committed_mismatch",
+    "digest",
     "compact_equal",
     "decode_tensor",
     "encode_tensor",
@@ -95,6 +100,18 @@ def decode_tensor(
         raise WireError(field, str(e)) from None
 
 
+DIGEST_BYTES = 32
+
+
+def digest(msg: wire_pb2.TensorMessage, scale: int) -> bytes:
+    """What a stage commits to for a compact tensor a sibling fetches from it (a direct audit): a hash of the
+    message's deterministic serialization and its scale. The encoding is deterministic, so the stage's Audit reply
+    and its AuditInputs reply for the same record give the same digest."""
+    h = hashlib.blake2b(msg.SerializeToString(deterministic=True), digest_size=DIGEST_BYTES)
+    h.update(int(scale).to_bytes(4, "little", signed=True))
+    return h.digest()
+
+
 def compact_equal(exact: torch.Tensor, compact: torch.Tensor) -> bool:
     """Whether `compact` is what `encode_tensor(exact, True)` decodes to: the compact record a stage reported is
     the rounding of the fp32 record it reports when asked again (the rounding is deterministic)."""
@@ -142,18 +159,22 @@ def _sketch_size(size: int) -> int:
 
 def audit_reply(
     record, is_first: bool, is_last: bool, backward: bool, compact: bool = False, sketch_seed: int = 0,
-    sketch_size: int = 0,
+    sketch_size: int = 0, direct: bool = False,
 ) -> stage_pb2.AuditReply:  # fmt: skip
     """An `AuditRecord` on the wire (the trainer compares it with a recomputation): fp32 tensors, or compact; with
     `sketch_size` (and compact), sketches of what no sibling recomputes from: the output, the sent gradient and
-    stage 0's received gradient."""
+    stage 0's received gradient; with `direct` too, sketches of the input and received gradient as well, and the
+    digests of their compact messages, which a sibling fetches from this stage (`audit_inputs_reply`)."""
     reply = stage_pb2.AuditReply()
     sketched = {"output", "grad_sent"} | ({"grad_received"} if is_first else set())
     size = _sketch_size(sketch_size) if compact else 0
+    fetched = {"input", "grad_received"} - sketched if size and direct else set()
 
     def put(name: str, t: torch.Tensor) -> None:
-        if size and name in sketched and _pays(t, size):
+        if size and (name in sketched or name in fetched) and _pays(t, size):
             getattr(reply, f"{name}_sketch").extend(sketch(t.float(), sketch_seed, size).tolist())
+            if name in fetched:
+                setattr(reply, f"{name}_digest", digest(*encode_tensor(t, True)))
             return
         msg, scale = encode_tensor(t, compact)
         getattr(reply, name).CopyFrom(msg)
@@ -173,6 +194,38 @@ def audit_reply(
         if record.grad_sent is not None:
             put("grad_sent", record.grad_sent)
     return reply
+
+
+def audit_inputs_reply(record, is_last: bool, backward: bool) -> stage_pb2.AuditReply:
+    """What a sibling fetches for a direct audit (`AuditInputs`): the record's input and (backward, not the last
+    stage) received gradient, compact, as `audit_reply` digested them."""
+    reply = stage_pb2.AuditReply()
+    tensors = [("input", record.inputs)]
+    if backward and not is_last and record.grad_received is not None:
+        tensors.append(("grad_received", record.grad_received))
+    for name, t in tensors:
+        msg, scale = encode_tensor(t, True)
+        getattr(reply, name).CopyFrom(msg)
+        setattr(reply, f"{name}_scale", scale)
+    return reply
+
+
+def fill_fetched(request: stage_pb2.RecomputeRequest, fetched: stage_pb2.AuditReply) -> str | None:
+    """Puts a direct Recompute's fetched input and gradient into `request`, where they match the digests the
+    trainer passed on (the ones the audited stage committed to); what does not match, or None."""
+    wanted = (("input", "input", "input_digest"), ("grad", "grad_received", "grad_digest"))
+    for name, field, want in wanted:
+        expected = getattr(request, want)
+        if not expected:
+            continue
+        if not fetched.HasField(field):
+            return f"it sent no {field}"
+        msg, scale = getattr(fetched, field), getattr(fetched, f"{field}_scale")
+        if digest(msg, scale) != expected:
+            return f"its {field} is not the one it committed to"
+        getattr(request, name).CopyFrom(msg)
+        setattr(request, f"{name}_scale", scale)
+    return None
 
 
 def recompute_inputs(request: stage_pb2.RecomputeRequest, host):
@@ -263,6 +316,12 @@ def read_record(e, reply, first: bool, last: bool, micro, sketch_size: int) -> s
     for name, t in tensors:
         if name in e.sketched and t.numel() != sketch_size:
             return f"its audit record's {name} sketch has {t.numel()} buckets, not {sketch_size}"
+    for name in ("input", "grad_received") if not first else ():  # a direct audit's: a sibling fetches them
+        committed = getattr(reply, f"{name}_digest")
+        if name in e.sketched and len(committed) != DIGEST_BYTES:
+            return f"its audit record sketches its {name} but commits to no digest of it for a sibling"
+        if committed:
+            e.digests[name] = bytes(committed)
     tensors = [(name, t) for name, t in tensors if t is not None and name not in e.sketched]
     hidden = {t.shape[-1] for _, t in tensors if t.dim()}
     for name, t in tensors:  # every tensor of the record is [rows, seq, hidden] of this micro-batch, one hidden
@@ -290,12 +349,19 @@ def committed_mismatch(e, first) -> str | None:
     return None
 
 
-def recompute_request(step, plan_version, s, n, e, micro, loss_weight, backward: bool, compact: bool = False):
+def recompute_request(
+    step, plan_version, s, n, e, micro, loss_weight, backward: bool, compact: bool = False, local_mb: int = 0
+):
     """What a sibling recomputes: stage `s`'s reported input (and received gradient; `e`), passed on as they came
-    when compact (the same bits on both replicas), else in fp32."""
+    when compact (the same bits on both replicas), else in fp32; where `e` holds only a sketch and a digest (a
+    direct audit), the sibling fetches it from the audited replica (`e.peer`, its local micro-batch `local_mb`)."""
     request = stage_pb2.RecomputeRequest(step=step, plan_version=plan_version, stage=s, compact=compact)
 
     def put(name: str, attr: str, t: torch.Tensor) -> None:
+        if compact and attr in e.digests and attr in e.sketched:
+            request.fetch_peer, request.micro_batch = e.peer, local_mb
+            setattr(request, f"{name}_digest", e.digests[attr])
+            return
         msg, scale = e.wire[attr] if compact and attr in e.wire else encode_tensor(t, False)
         getattr(request, name).CopyFrom(msg)
         setattr(request, f"{name}_scale", scale)

@@ -227,7 +227,9 @@ class PipelineDriver:
         self._audited: set[tuple[int, int]] = set()
         """(route, micro-batch) of the running attempt's audits"""
         self.verifier = (
-            StageVerifier(verify, self._call, self.replica_peers, self._evict, referee, self._fetch_state)
+            StageVerifier(
+                verify, self._call, self.replica_peers, self._evict, referee, self._fetch_state, self._count_control
+            )
             if verify is not None and (verify.fraction > 0 or verify.digests)
             else None
         )

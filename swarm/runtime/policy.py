@@ -202,6 +202,13 @@ class CallPolicy:
         if not tied and not in_stage:
             raise _denied(f"Average into stage {stage} only from another replica of it; {caller} is not one")
 
+    def check_audit_inputs(self, stage: int, caller: str, own: str) -> None:
+        """AuditInputs (a direct audit's record inputs) of `stage` only to another replica of that stage: the
+        sibling a trainer asked to recompute them."""
+        roster = self._need_roster()
+        if stage >= roster.n_stages or caller == own or caller not in roster.replicas(stage):
+            raise _denied(f"AuditInputs of stage {stage} only to another replica of it; {caller} is not one")
+
     def check_group(self, request: ReduceOrder, own: str) -> None:
         """A Reduce's group: distinct replicas of the request's stage at the plan's addresses, this peer among
         them, so a trainer cannot make a stage send its gradients anywhere else."""

@@ -31,7 +31,7 @@ from swarm.net.stream import (
 )
 from swarm.peers.shaper import paced, paced_chunk_bytes
 from swarm.proto import stage_pb2, stage_pb2_grpc
-from swarm.runtime.audit_wire import audit_reply, recompute_inputs, recompute_reply
+from swarm.runtime.audit_wire import audit_inputs_reply, audit_reply, fill_fetched, recompute_inputs, recompute_reply
 from swarm.runtime.budget import CallerSlots, CallSlots, SlotsExhausted, StageBudget
 from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
 from swarm.runtime.checkpoint import handover_tensors
@@ -518,7 +518,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             host = self._serving()
             record = host.audit_record(request.step, request.plan_version, request.stage, request.micro_batch)
             role, q = host.role, request
-            return audit_reply(record, role.is_first, role.is_last, q.backward, q.compact, q.sketch_seed, q.sketch_size)
+            return audit_reply(
+                record, role.is_first, role.is_last, q.backward, q.compact, q.sketch_seed, q.sketch_size, q.direct
+            )
 
         return self._guard(context, run)
 
@@ -528,11 +530,58 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         def run():
             host = self._serving()
+            fetched = self._fetch_audit_inputs(request, host) if request.fetch_peer else 0
             inputs, targets, grad = recompute_inputs(request, host)
             host.check_recompute(inputs, targets, grad)
             with self._recompute_slots.take(wait_s=self.budget.max_wait_s):
                 done = host.recompute(request.step, request.plan_version, request.stage, inputs, targets, grad)
-            return recompute_reply(done, request.compact, request.sketch_seed, request.sketch_size)
+            reply = recompute_reply(done, request.compact, request.sketch_seed, request.sketch_size)
+            reply.fetched_bytes = fetched
+            return reply
+
+        return self._guard(context, run)
+
+    def _fetch_audit_inputs(self, request, host: StageHost) -> int:
+        """A direct Recompute's input and gradient, fetched from the audited replica the request names (at the
+        address this stage's roster gives it, never one the trainer writes) into `request`, checked against the
+        digests that replica committed to; the fetch's bytes. A failed or mismatched fetch ends the Recompute
+        ABORTED: the trainer asks again through itself, in fp32."""
+        roster, stage, peer = self.policy.roster, host.role.stage, request.fetch_peer
+        replicas = roster.replicas(stage) if roster is not None and stage < roster.n_stages else ()
+        if request.stage != stage or peer == host.peer_id or peer not in replicas:
+            raise CallRefused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"fetch_peer {peer} is not another replica of stage {stage}"
+            )
+        address = roster.replica_addresses(stage)[replicas.index(peer)]
+        ask = stage_pb2.AuditRequest(
+            step=request.step, plan_version=request.plan_version, stage=stage, micro_batch=request.micro_batch,
+            backward=bool(request.grad_digest), compact=True,
+        )  # fmt: skip
+        try:
+            fetched = host.outbox.connector.stage(address, peer).AuditInputs(ask, timeout=self.budget.max_wait_s)
+        except grpc.RpcError as e:
+            code = e.code() if callable(getattr(e, "code", None)) else None
+            details = e.details() if callable(getattr(e, "details", None)) else str(e)
+            why = f"fetching the audit inputs from {peer} at {address} failed: {getattr(code, 'name', code)} {details}"
+            raise CallRefused(grpc.StatusCode.ABORTED, why) from None
+        if why := fill_fetched(request, fetched):
+            raise CallRefused(grpc.StatusCode.ABORTED, f"the audit inputs from {peer}: {why}")
+        return ask.ByteSize() + fetched.ByteSize()
+
+    def AuditInputs(self, request, context):
+        """A direct audit's record inputs (`audit_wire.audit_inputs_reply`), for the sibling recomputing them."""
+
+        def check(caller: str) -> None:
+            self.policy.check_audit_inputs(request.stage, caller, self._serving().peer_id)
+
+        self._checked(context, check)
+        caller = self._calling.__dict__.get("caller")
+
+        def run():
+            host = self._serving()
+            with self._data_slot(caller):
+                record = host.audit_record(request.step, request.plan_version, request.stage, request.micro_batch)
+                return audit_inputs_reply(record, host.role.is_last, request.backward)
 
         return self._guard(context, run)
 

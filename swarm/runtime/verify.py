@@ -5,7 +5,9 @@ Replicas of a stage hold bit-identical weights within a step (`swarm.runtime.ave
 another's work. For a micro-batch drawn with a secret seed (a stage cannot know which of its micro-batches will
 be audited), after its backward and before the step's `Step`, the trainer asks every stage of its route for its
 records (`Stage.Audit`: the input it computed on, its output, the gradient it received and the one it sent,
-`swarm.runtime.audit`) and another replica of each stage to recompute from the reported input (`Stage.Recompute`).
+`swarm.runtime.audit`) and another replica of each stage to recompute from the reported input (`Stage.Recompute`;
+with direct sketched records the sibling fetches that input from the audited stage, `Stage.AuditInputs`, against the
+digest the stage committed to in its Audit reply: `VerifyConfig.direct`).
 Per stage it checks:
 
 - own: the stage's recorded output (or loss) and input gradient equal the sibling's recomputation within `rtol`
@@ -127,6 +129,12 @@ class VerifyConfig:
     fp32 records, and a stage whose fp32 record does not round (or sketch) to the compact one it reported is a
     liar. The default is exact: in one process audits cross no wire; `swarm train` sends sketches
     (`--verify-records`)."""
+    direct: bool = True
+    """With "sketch" records: a stage sends the trainer only sketches of its input and received gradient, and the
+    digests of their compact values, and the sibling that recomputes fetches those values from the stage itself
+    (`Stage.AuditInputs`), checked against the digests: they cross the wire once instead of twice (stage to
+    trainer, trainer to sibling). A fetch that fails or does not match is a disagreement: the audit is asked
+    again in fp32, through the trainer."""
     referee_rtol: float = 0.05
     """Largest relative error between a replica's number and the trainer's own recomputation of it, when the
     trainer referees a dispute between two replicas (`swarm.runtime.referee`): the weights are the same bits, but
@@ -153,6 +161,8 @@ COMPACT_OWN_SHARE = 0.5
 recomputation by about 2e-4 (relative) on the churn model's stages, so a compact pass is an fp32 pass too."""
 COMPACT_LINK_SHARE = 0.99
 """A compact audit's link checks pass within this share of their tolerances (the rounding moves them by ~1e-5)."""
+MAX_FETCHED_BYTES = 1 << 30
+"""Most bytes a sibling's report of one direct fetch is counted at (the figure is the sibling's word)."""
 SKETCH_SIZE = 1024
 """Buckets of a sketched audit's count sketches: the norm of a sketched difference is within 3% (one standard
 deviation, at most) of the difference's norm."""
@@ -216,6 +226,8 @@ class Evidence:
     sketched: set = field(default_factory=set)
     """the record's fields that came as count sketches (a sketched audit), under `sketch_seed`"""
     sketch_seed: int = 0
+    digests: dict = field(default_factory=dict)
+    """a direct audit's: field -> the digest of the compact tensor a sibling fetches from the stage itself"""
 
 
 @dataclass(frozen=True)
@@ -335,6 +347,8 @@ class StageVerifier:
         referee: the trainer's own recomputation (`swarm.runtime.referee.StageReferee`), asked once per dispute
             between two replicas (None: a dispute stays one).
         fetch: (stage, replica) -> that replica's GetState stream, for the referee's weights.
+        count: (bytes, method) -> None: counts bytes that no call of `call` carries (a direct audit's fetch
+            between two replicas, as the sibling reports it) in the step's control bytes.
     """
 
     def __init__(
@@ -345,8 +359,9 @@ class StageVerifier:
         evict: Callable[[str, str], None],
         referee: Referee | None = None,
         fetch: Callable[[int, int], object] | None = None,
+        count: Callable[[int, str], None] | None = None,
     ):
-        self.config, self._call, self.evict = config, call, evict
+        self.config, self._call, self.evict, self._count = config, call, evict, count
         self.referee, self._fetch = (referee, fetch) if fetch is not None else (None, None)
         self.replica_peers = [tuple(r) for r in replica_peers]
         self._secret = (config.seed if config.seed is not None else secrets.randbits(64)).to_bytes(16, "little")
@@ -460,7 +475,7 @@ class StageVerifier:
         def record(s: int, e: Evidence):
             request = stage_pb2.AuditRequest(
                 step=step, plan_version=plan_version, stage=s, micro_batch=local_mb[s], backward=cfg.backward,
-                compact=compact, sketch_seed=seed, sketch_size=size,
+                compact=compact, sketch_seed=seed, sketch_size=size, direct=bool(size) and cfg.direct,
             )  # fmt: skip
             return self._ask(s, replicas[s], "Audit", request, e.peer)
 
@@ -479,7 +494,9 @@ class StageVerifier:
         for s, e in enumerate(route):  # a sibling recomputes from the stage's reported input
             if not siblings[s]:
                 continue
-            requests[s] = recompute_request(step, plan_version, s, n, e, micro, loss_weight, cfg.backward, compact)
+            requests[s] = recompute_request(
+                step, plan_version, s, n, e, micro, loss_weight, cfg.backward, compact, local_mb[s]
+            )
             requests[s].sketch_seed, requests[s].sketch_size = seed, size
             v = self._pick(step, s, siblings[s])
             e.verifier = self.replica_peers[s][v]
@@ -694,7 +711,18 @@ class StageVerifier:
             raise AuditDisputed(f"{method} to stage {s} ({peer}) failed: {e}") from e
 
     def _recompute(self, s: int, r: int, request, peer: str, n: int):
-        reply = self._ask(s, r, "Recompute", request, peer)
+        try:
+            reply = self._ask(s, r, "Recompute", request, peer)
+        except AuditDisputed as e:
+            cause = e.__cause__
+            if not (request.fetch_peer and isinstance(cause, StageCallError) and cause.code.name == "ABORTED"):
+                raise
+            # a direct audit's fetch failed or did not match the digests: the audited stage or the sibling
+            # lies, or the two cannot reach each other; a disagreement, asked again in fp32 through the trainer
+            log.warning("stage %d: %s could not recompute from %s's inputs: %s", s, peer, request.fetch_peer, cause)
+            return None, None
+        if self._count is not None and reply.fetched_bytes:
+            self._count(min(int(reply.fetched_bytes), MAX_FETCHED_BYTES), "AuditInputs")
         self.stats.recomputes += 1
         try:
             output = reply.loss if s == n - 1 else reply_tensor(reply, "output")
