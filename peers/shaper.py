@@ -17,6 +17,22 @@ def parse_rate_mbit(text: str) -> float | None:
     return None if text.strip().lower() in ("none", "0", "inf") else float(text)
 
 
+MIN_BURST_BYTES = 10 * 1514
+"""The smallest bucket: ten Ethernet frames."""
+BURST_S = 0.004
+"""The bucket holds this long at the rate where that is more than `MIN_BURST_BYTES`."""
+
+
+def default_burst_bytes(rate_bytes_per_s: float) -> int:
+    """A link's token bucket, in both testbeds (this shaper and the namespaces' tbf): 4 ms at the rate (a timer
+    tick or two, so that high rates are reachable; at high rates those ms of credit let the sender's own work on
+    one chunk overlap the link's transmission of the previous one, as on a real NIC), at least ten frames. Until
+    s54 this shaper's floor was 64 KiB: at 1 Mbit/s half a second of the link, so a link idle for that long let a
+    whole compressed step through at once, which no real link does (the throttled experiment's 1 Mbit/s steps
+    after an idle link ran at 0.4x the steady step)."""
+    return max(MIN_BURST_BYTES, int(rate_bytes_per_s * BURST_S))
+
+
 @dataclass(frozen=True)
 class LinkShape:
     """How one outgoing link is shaped."""
@@ -36,13 +52,10 @@ class LinkShape:
 
     @property
     def burst(self) -> int:
-        """The bucket: `burst_bytes`, else the larger of 64 KiB and 4 ms at the rate, the kernel testbed's tbf
-        rule. At high rates a few ms of credit is what lets the sender's own work on one chunk overlap the
-        link's transmission of the previous one, as on a real NIC; it does not change the long-run rate."""
+        """The bucket: `burst_bytes`, else `default_burst_bytes` at the rate (the kernel testbed's tbf rule)."""
         if self.burst_bytes is not None:
             return self.burst_bytes
-        rate = self.rate_bytes_per_s or 0.0
-        return max(64 * 1024, int(rate * 0.004))
+        return default_burst_bytes(self.rate_bytes_per_s or 0.0)
 
     @classmethod
     def from_mbit(cls, rate_mbit: float | None, delay_ms: float = 0.0) -> LinkShape:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from swarm.peers.shaper import default_burst_bytes
 from swarm.testbed.firewall import accept_bridge_commands, iptables_available, remove_rule_commands
 from swarm.testbed.nat_routers import nat_node_commands, router_commands
 from swarm.testbed.services import Service, TestbedConfig, nat_names, testbed_services
@@ -133,8 +134,9 @@ def setup_commands(layout: TestbedLayout, iptables: bool | None = None) -> list[
 
 
 def tbf_burst_bytes(rate_mbit: float) -> int:
-    """Bucket size: 4 ms at the rate (a timer tick or two, so high rates are reachable), at least 10 frames."""
-    return max(15140, int(rate_mbit * 1e6 / 8 * 0.004))
+    """Bucket size: the application shaper's rule (`peers.shaper.default_burst_bytes`), so both testbeds' links
+    hold the same credit."""
+    return default_burst_bytes(rate_mbit * 1e6 / 8)
 
 
 def tbf_limit_bytes(rate_mbit: float) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarm.peers.shaper import LinkShape, LinkShaping, Shaper
+from swarm.testbed.netns import tbf_burst_bytes
 
 
 class FakeClock:
@@ -68,7 +69,8 @@ def test_idle_time_is_not_saved_up_beyond_the_burst():
 @pytest.mark.parametrize(
     "shape,expected_burst",
     [
-        (LinkShape.from_mbit(10.0), 64 * 1024),  # the floor of 64 KiB
+        (LinkShape.from_mbit(1.0), 10 * 1514),  # the floor: ten frames, not half a second of the link
+        (LinkShape.from_mbit(10.0), 10 * 1514),
         (LinkShape.from_mbit(8000.0), int(1e9 * 0.004)),  # 4 ms at 1 GB/s
         (LinkShape(rate_bytes_per_s=1e6, burst_bytes=300_000), 300_000),
     ],
@@ -131,3 +133,8 @@ def test_shapes_parse_from_the_command_line_form(text, rate, delay):
 def test_impossible_shapes_are_refused(kwargs):
     with pytest.raises(ValueError):
         LinkShape(**kwargs)
+
+
+def test_both_testbeds_give_a_link_the_same_bucket():
+    for rate_mbit in (0.5, 1.0, 10.0, 100.0, 1000.0):
+        assert LinkShape.from_mbit(rate_mbit).burst == tbf_burst_bytes(rate_mbit)
