@@ -312,7 +312,7 @@ class AuditRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[int] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class AuditReply(_message.Message):
-    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent", "input_scale", "output_scale", "grad_received_scale", "grad_sent_scale", "output_sketch", "grad_received_sketch", "grad_sent_sketch", "input_sketch", "input_digest", "grad_received_digest")
+    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent", "input_scale", "output_scale", "grad_received_scale", "grad_sent_scale", "output_sketch", "grad_received_sketch", "grad_sent_sketch", "input_sketch", "input_digest", "grad_received_digest", "grad_received_wire")
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +329,7 @@ class AuditReply(_message.Message):
     INPUT_SKETCH_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     GRAD_RECEIVED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GRAD_RECEIVED_WIRE_FIELD_NUMBER: _ClassVar[int]
     input: _wire_pb2.TensorMessage
     tokens: TokenBatch
     output: _wire_pb2.TensorMessage
@@ -345,7 +346,8 @@ class AuditReply(_message.Message):
     input_sketch: _containers.RepeatedScalarFieldContainer[float]
     input_digest: bytes
     grad_received_digest: bytes
-    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., input_scale: _Optional[int] = ..., output_scale: _Optional[int] = ..., grad_received_scale: _Optional[int] = ..., grad_sent_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_received_sketch: _Optional[_Iterable[float]] = ..., grad_sent_sketch: _Optional[_Iterable[float]] = ..., input_sketch: _Optional[_Iterable[float]] = ..., input_digest: _Optional[bytes] = ..., grad_received_digest: _Optional[bytes] = ...) -> None: ...
+    grad_received_wire: _wire_pb2.TensorMessage
+    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., input_scale: _Optional[int] = ..., output_scale: _Optional[int] = ..., grad_received_scale: _Optional[int] = ..., grad_sent_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_received_sketch: _Optional[_Iterable[float]] = ..., grad_sent_sketch: _Optional[_Iterable[float]] = ..., input_sketch: _Optional[_Iterable[float]] = ..., input_digest: _Optional[bytes] = ..., grad_received_digest: _Optional[bytes] = ..., grad_received_wire: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ...) -> None: ...
 
 class RecomputeRequest(_message.Message):
     __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward", "compact", "input_scale", "grad_scale", "sketch_seed", "sketch_size", "fetch_peer", "micro_batch", "input_digest", "grad_digest")
@@ -388,7 +390,7 @@ class RecomputeRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., targets: _Optional[_Union[TokenBatch, _Mapping]] = ..., grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss_weight: _Optional[float] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., input_scale: _Optional[int] = ..., grad_scale: _Optional[int] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ..., fetch_peer: _Optional[str] = ..., micro_batch: _Optional[int] = ..., input_digest: _Optional[bytes] = ..., grad_digest: _Optional[bytes] = ...) -> None: ...
 
 class RecomputeReply(_message.Message):
-    __slots__ = ("output", "loss", "grad_in", "output_scale", "grad_in_scale", "output_sketch", "grad_in_sketch", "fetched_bytes")
+    __slots__ = ("output", "loss", "grad_in", "output_scale", "grad_in_scale", "output_sketch", "grad_in_sketch", "fetched_bytes", "input_sketch_digest", "grad_sketch_digest")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_IN_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +399,8 @@ class RecomputeReply(_message.Message):
     OUTPUT_SKETCH_FIELD_NUMBER: _ClassVar[int]
     GRAD_IN_SKETCH_FIELD_NUMBER: _ClassVar[int]
     FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SKETCH_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SKETCH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     output: _wire_pb2.TensorMessage
     loss: float
     grad_in: _wire_pb2.TensorMessage
@@ -405,7 +409,9 @@ class RecomputeReply(_message.Message):
     output_sketch: _containers.RepeatedScalarFieldContainer[float]
     grad_in_sketch: _containers.RepeatedScalarFieldContainer[float]
     fetched_bytes: int
-    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., output_scale: _Optional[int] = ..., grad_in_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_in_sketch: _Optional[_Iterable[float]] = ..., fetched_bytes: _Optional[int] = ...) -> None: ...
+    input_sketch_digest: bytes
+    grad_sketch_digest: bytes
+    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., output_scale: _Optional[int] = ..., grad_in_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_in_sketch: _Optional[_Iterable[float]] = ..., fetched_bytes: _Optional[int] = ..., input_sketch_digest: _Optional[bytes] = ..., grad_sketch_digest: _Optional[bytes] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("nonce",)

@@ -611,6 +611,24 @@ def recompute_backward_no_grad(h):
     return h.expect_refusal(1, "Recompute", _recompute(h, backward=True))
 
 
+@case("stranger", "AuditInputs: the middle stage's input of micro-batch 0, asked as if a sibling replica")
+def stranger_audit_inputs(h):
+    return h.expect_refusal(1, "AuditInputs", stage_pb2.AuditRequest(step=h.step, stage=1, compact=True), "stranger")
+
+
+@case("trainer", "AuditInputs asked by the trainer itself (only another replica of the stage fetches them)")
+def trainer_audit_inputs(h):
+    return h.expect_refusal(1, "AuditInputs", stage_pb2.AuditRequest(step=h.step, stage=1, compact=True))
+
+
+@case("trainer", "a direct Recompute pointing the stage at a peer outside its stage (fetch from anywhere)")
+def recompute_fetch_elsewhere(h):
+    request = stage_pb2.RecomputeRequest(
+        step=h.step, stage=1, fetch_peer=h.keys.stage_ids[0], input_digest=bytes(32), sketch_size=1024
+    )
+    return h.expect_refusal(1, "Recompute", request)
+
+
 @case("stranger", "Probe asking for 2^32-1 reply bytes")
 def probe_reply_max(h):
 

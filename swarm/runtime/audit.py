@@ -18,10 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.compression.codecs import REGISTRY
 from swarm.runtime.precision import autocast
 from swarm.runtime.worker import StageWorker
 
-__all__ = ["AuditRecord", "AuditTrail", "Recomputed", "recompute"]
+__all__ = ["AuditRecord", "AuditTrail", "Recomputed", "recompute", "stateless"]
+
+
+def stateless(message) -> bool:
+    """Whether a tensor message decodes from itself alone (its codec keeps no receiver state: no AQ-SGD buffers)."""
+    codec = REGISTRY.get(message.codec)
+    return codec is not None and not codec.uses_buffers
 
 
 @dataclass
@@ -36,6 +43,9 @@ class AuditRecord:
     """the gradient of its output it received, as decoded (the last stage: its loss weight)"""
     grad_sent: torch.Tensor | None = None
     """the gradient of its input it computed (None on stage 0)"""
+    grad_message: object | None = None
+    """the received gradient's message as it came, where its codec keeps no receiver state (`stateless`): a sibling
+    that recomputes this micro-batch for a direct audit decodes it to the same values"""
 
 
 class AuditTrail:
@@ -63,13 +73,17 @@ class AuditTrail:
             record = self._record(step, mb)
             if record is not None:
                 record.inputs, record.output = inputs, output
-                record.grad_received = record.grad_sent = None
+                record.grad_received = record.grad_sent = record.grad_message = None
 
-    def backward(self, step: int, mb: int, grad_received: torch.Tensor, grad_sent: torch.Tensor | None) -> None:
+    def backward(
+        self, step: int, mb: int, grad_received: torch.Tensor, grad_sent: torch.Tensor | None, message=None
+    ) -> None:
+        """The backward's part of the record; `message`: the gradient's wire message, kept where `stateless`."""
         with self._lock:
             record = self._record(step, mb)
             if record is not None:
                 record.grad_received, record.grad_sent = grad_received, grad_sent
+                record.grad_message = message if message is not None and stateless(message) else None
 
     def get(self, step: int, mb: int) -> AuditRecord | None:
         with self._lock:

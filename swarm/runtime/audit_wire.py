@@ -26,8 +26,10 @@ import numpy as np
 import torch
 
 from swarm.compression import DEFAULT_LIMITS, CodecConfig, WireError, WireLimits, make_codec
+from swarm.compression.codecs import decoder_for
 from swarm.net.stream import tokens_from_wire, tokens_to_wire
 from swarm.proto import stage_pb2, wire_pb2
+from swarm.runtime.audit import stateless
 
 __all__ = [
     "MAX_SCALE_EXP",
@@ -35,16 +37,20 @@ __all__ = [
     "audit_inputs_reply",
     "audit_reply",
     "committed_mismatch",
-    "digest",
     "compact_equal",
     "decode_tensor",
+    "digest",
     "encode_tensor",
+    "fetched_sketch",
+    "fill_fetched",
     "read_record",
     "recompute_inputs",
     "recompute_reply",
     "recompute_request",
     "reply_tensor",
+    "same_sketch",
     "sketch",
+    "sketch_digest",
 ]
 
 RECORD_CODECS = ("fp32", "fp16", "sketch")
@@ -142,6 +148,11 @@ def sketch(t: torch.Tensor, seed: int, size: int) -> torch.Tensor:
     return torch.from_numpy(np.bincount(buckets, weights=flat * signs, minlength=size).astype(np.float64))
 
 
+def same_sketch(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two sketches are of the same values: equal to fp64 summation order and the wire's fp32."""
+    return a.shape == b.shape and bool(torch.allclose(a, b, 1e-5, 1e-9 * float(b.abs().max()) if b.numel() else 0))
+
+
 def _pays(t: torch.Tensor, size: int) -> bool:
     """Whether a sketch (4 bytes a bucket) is smaller than the tensor in fp16 (2 bytes an element): where it is not,
     the tensor goes as compact values, which the trainer sketches itself."""
@@ -171,10 +182,17 @@ def audit_reply(
     fetched = {"input", "grad_received"} - sketched if size and direct else set()
 
     def put(name: str, t: torch.Tensor) -> None:
-        if size and (name in sketched or name in fetched) and _pays(t, size):
+        if size and name in fetched and _pays(t, size):  # the values the sibling will fetch: their sketch, digest
+            if name == "grad_received" and record.grad_message is not None:  # served as it came: decoded alike
+                msg, scale, committed = record.grad_message, 0, t.float()
+            else:
+                msg, scale = encode_tensor(t, True)
+                committed = decode_tensor(msg, scale, name)
+            getattr(reply, f"{name}_sketch").extend(sketch(committed, sketch_seed, size).tolist())
+            setattr(reply, f"{name}_digest", digest(msg, scale))
+            return
+        if size and name in sketched and _pays(t, size):
             getattr(reply, f"{name}_sketch").extend(sketch(t.float(), sketch_seed, size).tolist())
-            if name in fetched:
-                setattr(reply, f"{name}_digest", digest(*encode_tensor(t, True)))
             return
         msg, scale = encode_tensor(t, compact)
         getattr(reply, name).CopyFrom(msg)
@@ -201,7 +219,9 @@ def audit_inputs_reply(record, is_last: bool, backward: bool) -> stage_pb2.Audit
     stage) received gradient, compact, as `audit_reply` digested them."""
     reply = stage_pb2.AuditReply()
     tensors = [("input", record.inputs)]
-    if backward and not is_last and record.grad_received is not None:
+    if backward and not is_last and record.grad_message is not None:
+        reply.grad_received_wire.CopyFrom(record.grad_message)
+    elif backward and not is_last and record.grad_received is not None:
         tensors.append(("grad_received", record.grad_received))
     for name, t in tensors:
         msg, scale = encode_tensor(t, True)
@@ -210,13 +230,29 @@ def audit_inputs_reply(record, is_last: bool, backward: bool) -> stage_pb2.Audit
     return reply
 
 
-def fill_fetched(request: stage_pb2.RecomputeRequest, fetched: stage_pb2.AuditReply) -> str | None:
+def fill_fetched(
+    request: stage_pb2.RecomputeRequest, fetched: stage_pb2.AuditReply, limits: WireLimits = DEFAULT_LIMITS
+) -> str | None:
     """Puts a direct Recompute's fetched input and gradient into `request`, where they match the digests the
-    trainer passed on (the ones the audited stage committed to); what does not match, or None."""
+    trainer passed on (the ones the audited stage committed to); a gradient that came as its wire message is
+    decoded here within `limits` (and passed on in fp32). What does not match or decode, or None."""
     wanted = (("input", "input", "input_digest"), ("grad", "grad_received", "grad_digest"))
     for name, field, want in wanted:
         expected = getattr(request, want)
         if not expected:
+            continue
+        if name == "grad" and fetched.HasField("grad_received_wire"):
+            msg = fetched.grad_received_wire
+            if digest(msg, 0) != expected:
+                return "its grad_received_wire is not the one it committed to"
+            if not stateless(msg):
+                return "its grad_received_wire needs a receiver's state to decode"
+            try:
+                grad = decoder_for(msg).decode(msg, limits=limits)
+            except WireError as e:
+                return f"its grad_received_wire does not decode: {e}"
+            request.grad.CopyFrom(encode_tensor(grad, False)[0])
+            request.grad_scale = 0
             continue
         if not fetched.HasField(field):
             return f"it sent no {field}"
@@ -226,6 +262,18 @@ def fill_fetched(request: stage_pb2.RecomputeRequest, fetched: stage_pb2.AuditRe
         getattr(request, name).CopyFrom(msg)
         setattr(request, f"{name}_scale", scale)
     return None
+
+
+def sketch_digest(values) -> bytes:
+    """A hash of a sketch as the wire carries it (fp32 buckets): a direct Recompute reports the one of each tensor
+    it fetched (`fetched_sketch`) instead of the sketch, 16 bytes instead of 4 KB."""
+    return hashlib.blake2b(np.asarray(values, dtype=np.float32).tobytes(), digest_size=16).digest()
+
+
+def fetched_sketch(t: torch.Tensor, request: stage_pb2.RecomputeRequest) -> bytes:
+    """A direct Recompute's `sketch_digest` of a fetched tensor, under the request's seed and size: the values
+    the audited stage sketched for the trainer give the same bits (the same code on the same decoded values)."""
+    return sketch_digest(sketch(t.float(), request.sketch_seed, _sketch_size(request.sketch_size)).numpy())
 
 
 def recompute_inputs(request: stage_pb2.RecomputeRequest, host):
@@ -339,8 +387,11 @@ def committed_mismatch(e, first) -> str | None:
     for attr, name in _RECORD_FIELDS:
         exact, shown = getattr(e, attr), getattr(first, attr)
         if name in first.sketched:
-            atol = 1e-9 * float(shown.abs().max())
-            if exact is None or not torch.allclose(sketch(exact, first.sketch_seed, shown.numel()), shown, 1e-5, atol):
+            candidates = [] if exact is None else [exact]
+            if exact is not None and name in first.digests:  # a direct audit's: of the compact values, or (a
+                # gradient served as its wire message) of the values as decoded
+                candidates.append(decode_tensor(*encode_tensor(exact, True), name))
+            if not any(same_sketch(sketch(t, first.sketch_seed, shown.numel()), shown) for t in candidates):
                 return f"its fp32 {name} record does not sketch to the one it reported first"
         elif name in first.wire:
             compact = first.wire[name][0].codec == wire_pb2.FP16

@@ -365,7 +365,7 @@ class StageHost:
             with self.compute_lock, timed_phase(self.metrics, stage, "compute", "backward", mb=mb, step=info.step):
                 self.ledger.still(current(), info.step, mb)
                 grad_in = self.worker.backward(mb, *to_device(links.device, grad_out))
-                self.audit.backward(info.step, mb, grad_out, grad_in)
+                self.audit.backward(info.step, mb, grad_out, grad_in, None if self.role.is_last else call.message)
             if grad_in is None:
                 return self.outbox.answer()
             # in schedule order, as in forward(): gradq's error feedback and rounding draws follow the schedule

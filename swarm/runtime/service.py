@@ -31,7 +31,14 @@ from swarm.net.stream import (
 )
 from swarm.peers.shaper import paced, paced_chunk_bytes
 from swarm.proto import stage_pb2, stage_pb2_grpc
-from swarm.runtime.audit_wire import audit_inputs_reply, audit_reply, fill_fetched, recompute_inputs, recompute_reply
+from swarm.runtime.audit_wire import (
+    audit_inputs_reply,
+    audit_reply,
+    fetched_sketch,
+    fill_fetched,
+    recompute_inputs,
+    recompute_reply,
+)
 from swarm.runtime.budget import CallerSlots, CallSlots, SlotsExhausted, StageBudget
 from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
 from swarm.runtime.checkpoint import handover_tensors
@@ -536,7 +543,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             with self._recompute_slots.take(wait_s=self.budget.max_wait_s):
                 done = host.recompute(request.step, request.plan_version, request.stage, inputs, targets, grad)
             reply = recompute_reply(done, request.compact, request.sketch_seed, request.sketch_size)
-            reply.fetched_bytes = fetched
+            if request.fetch_peer:  # what it recomputed from, for the trainer to hold against the stage's sketches
+                reply.fetched_bytes = fetched
+                if request.input_digest:
+                    reply.input_sketch_digest = fetched_sketch(inputs, request)
+                if request.grad_digest and grad is not None:
+                    reply.grad_sketch_digest = fetched_sketch(grad, request)
             return reply
 
         return self._guard(context, run)
@@ -548,6 +560,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         ABORTED: the trainer asks again through itself, in fp32."""
         roster, stage, peer = self.policy.roster, host.role.stage, request.fetch_peer
         replicas = roster.replicas(stage) if roster is not None and stage < roster.n_stages else ()
+        if not request.sketch_size:
+            raise CallRefused(grpc.StatusCode.INVALID_ARGUMENT, "a direct Recompute names a sketch_size")
         if request.stage != stage or peer == host.peer_id or peer not in replicas:
             raise CallRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"fetch_peer {peer} is not another replica of stage {stage}"
@@ -564,7 +578,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             details = e.details() if callable(getattr(e, "details", None)) else str(e)
             why = f"fetching the audit inputs from {peer} at {address} failed: {getattr(code, 'name', code)} {details}"
             raise CallRefused(grpc.StatusCode.ABORTED, why) from None
-        if why := fill_fetched(request, fetched):
+        if why := fill_fetched(request, fetched, host.limits):
             raise CallRefused(grpc.StatusCode.ABORTED, f"the audit inputs from {peer}: {why}")
         return ask.ByteSize() + fetched.ByteSize()
 

@@ -59,6 +59,7 @@ from swarm.runtime.audit_wire import (
     recompute_request,
     reply_tensor,
     sketch,
+    sketch_digest,
 )
 from swarm.runtime.referee import RefereeFailed
 from swarm.runtime.routing import reroutable
@@ -281,6 +282,17 @@ def _sketched(e: Evidence, values_in: bool, seed: int, size: int) -> Evidence:
     )  # fmt: skip
 
 
+def _fetched_other(request, reply, audited: Evidence) -> str | None:
+    """What a direct Recompute fetched that does not sketch to what the audited stage reported, or None."""
+    for name, wanted, shown in (("input", request.input_digest, audited.inputs),
+                                ("grad", request.grad_digest, audited.grad_received)):  # fmt: skip
+        if not wanted:
+            continue
+        if not isinstance(shown, torch.Tensor) or getattr(reply, f"{name}_sketch_digest") != sketch_digest(shown):
+            return f"its {name} does not sketch to the stage's"
+    return None
+
+
 def _together(calls: Sequence[Callable[[], object]]) -> list:
     """Runs `calls` at once, one thread each (the first in this one); their results in order, or the first
     failure raised after all ended."""
@@ -500,7 +512,7 @@ class StageVerifier:
             requests[s].sketch_seed, requests[s].sketch_size = seed, size
             v = self._pick(step, s, siblings[s])
             e.verifier = self.replica_peers[s][v]
-            calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n)))
+            calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n, e)))
         for (e, _), (output, grad) in zip(calls, _together([c for _, c in calls]), strict=True):
             e.check_output, e.check_grad = output, grad
         own, link, back = cfg.rtol, cfg.link_rtol, cfg.link_rtol_backward
@@ -710,7 +722,9 @@ class StageVerifier:
                 raise _Refused(s, peer, method, e) from e
             raise AuditDisputed(f"{method} to stage {s} ({peer}) failed: {e}") from e
 
-    def _recompute(self, s: int, r: int, request, peer: str, n: int):
+    def _recompute(self, s: int, r: int, request, peer: str, n: int, audited: Evidence | None = None):
+        """A sibling's recomputation (output, input gradient); (None, None), a disagreement, where a direct one
+        could not fetch its inputs or fetched other values than the audited stage's sketches (`audited`) show."""
         try:
             reply = self._ask(s, r, "Recompute", request, peer)
         except AuditDisputed as e:
@@ -724,6 +738,11 @@ class StageVerifier:
         if self._count is not None and reply.fetched_bytes:
             self._count(min(int(reply.fetched_bytes), MAX_FETCHED_BYTES), "AuditInputs")
         self.stats.recomputes += 1
+        if request.fetch_peer and audited is not None and (why := _fetched_other(request, reply, audited)):
+            # the digests bind what the sibling fetched to the stage's Audit reply, the sketches to what the link
+            # checks saw: a stage that computed on other values than it showed the trainer is caught in fp32
+            log.warning("stage %d: %s recomputed from other values than %s showed: %s", s, peer, audited.peer, why)
+            return None, None
         try:
             output = reply.loss if s == n - 1 else reply_tensor(reply, "output")
             grad = reply_tensor(reply, "grad_in") if request.backward else None

@@ -7,17 +7,20 @@ makes the audit ask again in fp32, and only another replica of the stage may fet
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import grpc
 import pytest
 import torch
 
 import swarm.runtime.service as service
-from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig
+from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig, make_codec
 from swarm.model.data import Batch
 from swarm.model.gpt import ModelConfig
 from swarm.net.stream import StageCallError
-from swarm.proto import stage_pb2
+from swarm.proto import stage_pb2, wire_pb2
+from swarm.runtime.audit import AuditRecord
+from swarm.runtime.audit_wire import audit_inputs_reply, audit_reply, decode_tensor, digest, encode_tensor, fill_fetched
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.policy import CallPolicy, Roster
 from swarm.runtime.verify import VerifyConfig
@@ -165,8 +168,71 @@ def test_the_trainer_itself_may_not_fetch_audit_inputs_and_may_not_point_a_sibli
         driver._call(1, 0, "AuditInputs", ask)
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
     for elsewhere in (pipe.replica_peers[0][0], pipe.replica_peers[1][0]):  # another stage's replica; itself
-        request = stage_pb2.RecomputeRequest(step=0, plan_version=driver.plan_version, stage=1, fetch_peer=elsewhere)
+        request = stage_pb2.RecomputeRequest(
+            step=0, plan_version=driver.plan_version, stage=1, fetch_peer=elsewhere, sketch_size=1024
+        )
         with pytest.raises(StageCallError) as refused:
             driver._call(1, 0, "Recompute", request)
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "is not another replica of stage 1" in str(refused.value)
+
+
+def test_a_stage_that_computes_on_other_values_than_it_sketched_for_the_trainer_is_caught(pipe, monkeypatch):
+    """The attack the siblings' sketch digests close: the last stage computes its loss on 1.5 x its input, shows
+    the trainer the sketch of the input it received (so the link check passes) and serves the sibling, under a
+    matching digest, the scaled input it computed on (so the recomputation agrees with its loss). The sibling's
+    sketch of what it fetched is not the stage's: asked again in fp32, where the stage's record contradicts it."""
+    liar = pipe.replica_hosts[2][1]
+    forward = liar.worker.forward
+    liar.worker.forward = lambda mb, inputs, *a, **k: forward(mb, inputs * 1.5, *a, **k)
+    marked: set[int] = set()
+    honest_record, honest_reply, honest_inputs = liar.audit_record, service.audit_reply, service.audit_inputs_reply
+
+    def mark(*args):
+        record = replace(honest_record(*args))
+        marked.add(id(record))
+        return record
+
+    def reply(record, *args):
+        out = honest_reply(record, *args)
+        if id(record) in marked and out.input_digest:
+            out.input_digest = digest(*encode_tensor(record.inputs * 1.5, True))
+        return out
+
+    def inputs(record, *args):
+        return honest_inputs(replace(record, inputs=record.inputs * 1.5) if id(record) in marked else record, *args)
+
+    liar.audit_record = mark
+    monkeypatch.setattr(service, "audit_reply", reply)
+    monkeypatch.setattr(service, "audit_inputs_reply", inputs)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(**SKETCH))
+    for step in range(3):
+        driver.train_step(step, batch(step))
+        if driver.liars:
+            break
+    assert [p for p, _ in driver.liars] == [liar.peer_id], driver.liars
+    assert driver.verifier.stats.escalations >= 1
+
+
+def test_a_gradient_without_receiver_state_is_served_as_it_came_and_decodes_to_the_recorded_values():
+    codec = make_codec(CodecConfig.parse(DEFAULT_BACKWARD_CODEC))
+    message = codec.encode(torch.randn(2, 64, 64))
+    grad = codec.decode(message)
+    record = AuditRecord(torch.randn(2, 64, 64), torch.randn(2, 64, 64), grad, torch.randn(2, 64, 64), message)
+    shown = audit_reply(record, False, False, True, True, 7, 1024, True)
+    assert shown.grad_received_digest == digest(message, 0) and len(shown.grad_received_sketch) == 1024
+    served = audit_inputs_reply(record, False, True)
+    assert served.HasField("grad_received_wire") and not served.HasField("grad_received")
+    assert served.grad_received_wire.ByteSize() < grad.numel() // 2  # 2-bit codes and scales, not fp16
+    request = stage_pb2.RecomputeRequest(input_digest=shown.input_digest, grad_digest=shown.grad_received_digest)
+    assert fill_fetched(request, served) is None
+    assert torch.equal(decode_tensor(request.grad, request.grad_scale, "grad"), grad.float())
+    tampered = stage_pb2.AuditReply()
+    tampered.CopyFrom(served)
+    tampered.grad_received_wire.quantized.payload = bytes(len(served.grad_received_wire.quantized.payload))
+    assert "not the one it committed to" in fill_fetched(stage_pb2.RecomputeRequest(grad_digest=digest(message, 0)),
+                                                         tampered)  # fmt: skip
+    buffered = wire_pb2.TensorMessage(codec=make_codec(CodecConfig.parse("acsgd2")).wire)  # decodes against buffers
+    tampered.grad_received_wire.CopyFrom(buffered)
+    why = fill_fetched(stage_pb2.RecomputeRequest(grad_digest=digest(buffered, 0)), tampered)
+    assert "needs a receiver's state" in why
