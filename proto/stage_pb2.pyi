@@ -312,7 +312,7 @@ class AuditRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., micro_batch: _Optional[int] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class AuditReply(_message.Message):
-    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent", "input_scale", "output_scale", "grad_received_scale", "grad_sent_scale", "output_sketch", "grad_received_sketch", "grad_sent_sketch", "input_sketch", "input_digest", "grad_received_digest", "grad_received_wire")
+    __slots__ = ("input", "tokens", "output", "loss", "grad_received", "grad_sent", "input_scale", "output_scale", "grad_received_scale", "grad_sent_scale", "output_sketch", "grad_received_sketch", "grad_sent_sketch", "input_sketch", "input_digest", "grad_received_digest", "grad_received_wire", "zstd_body")
     INPUT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,7 @@ class AuditReply(_message.Message):
     INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     GRAD_RECEIVED_DIGEST_FIELD_NUMBER: _ClassVar[int]
     GRAD_RECEIVED_WIRE_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_BODY_FIELD_NUMBER: _ClassVar[int]
     input: _wire_pb2.TensorMessage
     tokens: TokenBatch
     output: _wire_pb2.TensorMessage
@@ -347,7 +348,8 @@ class AuditReply(_message.Message):
     input_digest: bytes
     grad_received_digest: bytes
     grad_received_wire: _wire_pb2.TensorMessage
-    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., input_scale: _Optional[int] = ..., output_scale: _Optional[int] = ..., grad_received_scale: _Optional[int] = ..., grad_sent_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_received_sketch: _Optional[_Iterable[float]] = ..., grad_sent_sketch: _Optional[_Iterable[float]] = ..., input_sketch: _Optional[_Iterable[float]] = ..., input_digest: _Optional[bytes] = ..., grad_received_digest: _Optional[bytes] = ..., grad_received_wire: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ...) -> None: ...
+    zstd_body: bytes
+    def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., input_scale: _Optional[int] = ..., output_scale: _Optional[int] = ..., grad_received_scale: _Optional[int] = ..., grad_sent_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_received_sketch: _Optional[_Iterable[float]] = ..., grad_sent_sketch: _Optional[_Iterable[float]] = ..., input_sketch: _Optional[_Iterable[float]] = ..., input_digest: _Optional[bytes] = ..., grad_received_digest: _Optional[bytes] = ..., grad_received_wire: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., zstd_body: _Optional[bytes] = ...) -> None: ...
 
 class RecomputeRequest(_message.Message):
     __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward", "compact", "input_scale", "grad_scale", "sketch_seed", "sketch_size", "fetch_peer", "micro_batch", "input_digest", "grad_digest")

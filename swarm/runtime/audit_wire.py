@@ -24,6 +24,8 @@ import math
 
 import numpy as np
 import torch
+import zstandard
+from google.protobuf.message import DecodeError
 
 from swarm.compression import DEFAULT_LIMITS, CodecConfig, WireError, WireLimits, make_codec
 from swarm.compression.codecs import decoder_for
@@ -43,6 +45,7 @@ __all__ = [
     "encode_tensor",
     "fetched_sketch",
     "fill_fetched",
+    "pack_reply",
     "read_record",
     "recompute_inputs",
     "recompute_reply",
@@ -51,6 +54,7 @@ __all__ = [
     "same_sketch",
     "sketch",
     "sketch_digest",
+    "unpack_reply",
 ]
 
 RECORD_CODECS = ("fp32", "fp16", "sketch")
@@ -228,6 +232,43 @@ def audit_inputs_reply(record, is_last: bool, backward: bool) -> stage_pb2.Audit
         getattr(reply, name).CopyFrom(msg)
         setattr(reply, f"{name}_scale", scale)
     return reply
+
+
+AUDIT_ZSTD_LEVEL = 1
+"""zstd level of an AuditInputs reply (`pack_reply`): fp16 activations shrink about 9% (measured on the churn
+model's stage inputs; level 3 gains nothing more)."""
+
+
+def pack_reply(reply: stage_pb2.AuditReply) -> stage_pb2.AuditReply:
+    """An AuditInputs reply as it goes on the wire: zstd-compressed into `zstd_body` where that is smaller."""
+    body = reply.SerializeToString()
+    packed = zstandard.ZstdCompressor(level=AUDIT_ZSTD_LEVEL).compress(body)
+    return stage_pb2.AuditReply(zstd_body=packed) if len(packed) < len(body) else reply
+
+
+def unpack_reply(reply: stage_pb2.AuditReply, limits: WireLimits = DEFAULT_LIMITS) -> stage_pb2.AuditReply:
+    """`pack_reply` undone within `limits` (a body that expands past their zstd ratio or message size, is corrupt,
+    or comes beside other fields is refused, WireError naming `zstd_body`)."""
+    if not reply.zstd_body:
+        return reply
+    body = reply.zstd_body
+    if reply.ByteSize() != stage_pb2.AuditReply(zstd_body=body).ByteSize():
+        raise WireError("zstd_body", "comes with other fields")
+    most = min(limits.max_message_bytes, limits.max_raw_bytes(len(body)))
+    try:  # the frame's stated size is checked before a byte is decompressed; an unstated one is bounded as it goes
+        stated = zstandard.frame_content_size(body)
+        if stated > most:
+            raise WireError("zstd_body", f"expands past {most} bytes (it states {stated})")
+        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=most)
+    except zstandard.ZstdError as e:
+        raise WireError("zstd_body", f"corrupt, or expands past {most} bytes: {e}") from None
+    try:
+        inner = stage_pb2.AuditReply.FromString(raw)
+    except DecodeError as e:
+        raise WireError("zstd_body", f"is not an AuditReply: {e}") from None
+    if inner.zstd_body:
+        raise WireError("zstd_body", "is packed twice")
+    return inner
 
 
 def fill_fetched(

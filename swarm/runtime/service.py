@@ -36,8 +36,10 @@ from swarm.runtime.audit_wire import (
     audit_reply,
     fetched_sketch,
     fill_fetched,
+    pack_reply,
     recompute_inputs,
     recompute_reply,
+    unpack_reply,
 )
 from swarm.runtime.budget import CallerSlots, CallSlots, SlotsExhausted, StageBudget
 from swarm.runtime.callinfo import fill_route, info_from_wire, plan_gives_route
@@ -578,7 +580,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             details = e.details() if callable(getattr(e, "details", None)) else str(e)
             why = f"fetching the audit inputs from {peer} at {address} failed: {getattr(code, 'name', code)} {details}"
             raise CallRefused(grpc.StatusCode.ABORTED, why) from None
-        if why := fill_fetched(request, fetched, host.limits):
+        try:
+            inner = unpack_reply(fetched, host.limits)
+        except WireError as e:
+            raise CallRefused(grpc.StatusCode.ABORTED, f"the audit inputs from {peer}: {e}") from None
+        if why := fill_fetched(request, inner, host.limits):
             raise CallRefused(grpc.StatusCode.ABORTED, f"the audit inputs from {peer}: {why}")
         return ask.ByteSize() + fetched.ByteSize()
 
@@ -595,7 +601,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             host = self._serving()
             with self._data_slot(caller):
                 record = host.audit_record(request.step, request.plan_version, request.stage, request.micro_batch)
-                return audit_inputs_reply(record, host.role.is_last, request.backward)
+                return pack_reply(audit_inputs_reply(record, host.role.is_last, request.backward))
 
         return self._guard(context, run)
 

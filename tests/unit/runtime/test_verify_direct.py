@@ -236,3 +236,26 @@ def test_a_gradient_without_receiver_state_is_served_as_it_came_and_decodes_to_t
     tampered.grad_received_wire.CopyFrom(buffered)
     why = fill_fetched(stage_pb2.RecomputeRequest(grad_digest=digest(buffered, 0)), tampered)
     assert "needs a receiver's state" in why
+
+
+def test_audit_inputs_go_zstd_packed_and_a_packed_body_is_read_within_the_wire_limits():
+    import zstandard
+
+    from swarm.compression import WireError, WireLimits
+    from swarm.runtime.audit_wire import pack_reply, unpack_reply
+
+    record = AuditRecord(torch.randn(2, 64, 64).half().float(), None, torch.randn(2, 64, 64), None)
+    reply = audit_inputs_reply(record, False, True)
+    packed = pack_reply(reply)
+    assert packed.zstd_body and packed.ByteSize() < reply.ByteSize()
+    assert unpack_reply(packed) == reply and unpack_reply(reply) == reply  # an unpacked reply passes as it is
+    bomb = stage_pb2.AuditReply(zstd_body=zstandard.ZstdCompressor().compress(bytes(64 << 20)))
+    cases = {
+        "expands past": bomb,
+        "corrupt": stage_pb2.AuditReply(zstd_body=packed.zstd_body[: len(packed.zstd_body) // 2]),
+        "other fields": stage_pb2.AuditReply(zstd_body=packed.zstd_body, input_scale=3),
+        "packed twice": stage_pb2.AuditReply(zstd_body=zstandard.ZstdCompressor().compress(packed.SerializeToString())),
+    }
+    for why, message in cases.items():
+        with pytest.raises(WireError, match=why):
+            unpack_reply(message, WireLimits(max_message_bytes=8 << 20))
