@@ -352,7 +352,7 @@ class AuditReply(_message.Message):
     def __init__(self, input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_received: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., grad_sent: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., input_scale: _Optional[int] = ..., output_scale: _Optional[int] = ..., grad_received_scale: _Optional[int] = ..., grad_sent_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_received_sketch: _Optional[_Iterable[float]] = ..., grad_sent_sketch: _Optional[_Iterable[float]] = ..., input_sketch: _Optional[_Iterable[float]] = ..., input_digest: _Optional[bytes] = ..., grad_received_digest: _Optional[bytes] = ..., grad_received_wire: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., zstd_body: _Optional[bytes] = ...) -> None: ...
 
 class RecomputeRequest(_message.Message):
-    __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward", "compact", "input_scale", "grad_scale", "sketch_seed", "sketch_size", "fetch_peer", "micro_batch", "input_digest", "grad_digest")
+    __slots__ = ("step", "plan_version", "stage", "input", "tokens", "targets", "grad", "loss_weight", "backward", "compact", "input_scale", "grad_scale", "sketch_seed", "sketch_size", "fetch_peer", "micro_batch", "input_digest", "grad_digest", "sketch_digests_only")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,7 @@ class RecomputeRequest(_message.Message):
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     GRAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_DIGESTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     step: int
     plan_version: int
     stage: int
@@ -389,10 +390,11 @@ class RecomputeRequest(_message.Message):
     micro_batch: int
     input_digest: bytes
     grad_digest: bytes
-    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., targets: _Optional[_Union[TokenBatch, _Mapping]] = ..., grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss_weight: _Optional[float] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., input_scale: _Optional[int] = ..., grad_scale: _Optional[int] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ..., fetch_peer: _Optional[str] = ..., micro_batch: _Optional[int] = ..., input_digest: _Optional[bytes] = ..., grad_digest: _Optional[bytes] = ...) -> None: ...
+    sketch_digests_only: bool
+    def __init__(self, step: _Optional[int] = ..., plan_version: _Optional[int] = ..., stage: _Optional[int] = ..., input: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., targets: _Optional[_Union[TokenBatch, _Mapping]] = ..., grad: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss_weight: _Optional[float] = ..., backward: _Optional[bool] = ..., compact: _Optional[bool] = ..., input_scale: _Optional[int] = ..., grad_scale: _Optional[int] = ..., sketch_seed: _Optional[int] = ..., sketch_size: _Optional[int] = ..., fetch_peer: _Optional[str] = ..., micro_batch: _Optional[int] = ..., input_digest: _Optional[bytes] = ..., grad_digest: _Optional[bytes] = ..., sketch_digests_only: _Optional[bool] = ...) -> None: ...
 
 class RecomputeReply(_message.Message):
-    __slots__ = ("output", "loss", "grad_in", "output_scale", "grad_in_scale", "output_sketch", "grad_in_sketch", "fetched_bytes", "input_sketch_digest", "grad_sketch_digest")
+    __slots__ = ("output", "loss", "grad_in", "output_scale", "grad_in_scale", "output_sketch", "grad_in_sketch", "fetched_bytes", "input_sketch_digest", "grad_sketch_digest", "output_sketch_digest", "grad_in_sketch_digest")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_IN_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +405,8 @@ class RecomputeReply(_message.Message):
     FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     INPUT_SKETCH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     GRAD_SKETCH_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SKETCH_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GRAD_IN_SKETCH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     output: _wire_pb2.TensorMessage
     loss: float
     grad_in: _wire_pb2.TensorMessage
@@ -413,7 +417,9 @@ class RecomputeReply(_message.Message):
     fetched_bytes: int
     input_sketch_digest: bytes
     grad_sketch_digest: bytes
-    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., output_scale: _Optional[int] = ..., grad_in_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_in_sketch: _Optional[_Iterable[float]] = ..., fetched_bytes: _Optional[int] = ..., input_sketch_digest: _Optional[bytes] = ..., grad_sketch_digest: _Optional[bytes] = ...) -> None: ...
+    output_sketch_digest: bytes
+    grad_in_sketch_digest: bytes
+    def __init__(self, output: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., loss: _Optional[float] = ..., grad_in: _Optional[_Union[_wire_pb2.TensorMessage, _Mapping]] = ..., output_scale: _Optional[int] = ..., grad_in_scale: _Optional[int] = ..., output_sketch: _Optional[_Iterable[float]] = ..., grad_in_sketch: _Optional[_Iterable[float]] = ..., fetched_bytes: _Optional[int] = ..., input_sketch_digest: _Optional[bytes] = ..., grad_sketch_digest: _Optional[bytes] = ..., output_sketch_digest: _Optional[bytes] = ..., grad_in_sketch_digest: _Optional[bytes] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("nonce",)

@@ -342,13 +342,16 @@ def recompute_inputs(request: stage_pb2.RecomputeRequest, host):
 
 
 def recompute_reply(
-    done, compact: bool = False, sketch_seed: int = 0, sketch_size: int = 0
+    done, compact: bool = False, sketch_seed: int = 0, sketch_size: int = 0, digests_only: bool = False
 ) -> stage_pb2.RecomputeReply:
-    """A `Recomputed` on the wire: fp32 tensors, or compact, or (compact with `sketch_size`) their sketches."""
+    """A `Recomputed` on the wire: fp32 tensors, or compact, or (compact with `sketch_size`) their sketches, or
+    (`digests_only`) those sketches' `sketch_digest`s."""
     reply = stage_pb2.RecomputeReply(loss=done.loss)
     size = _sketch_size(sketch_size) if compact else 0
     for name, t in (("output", done.output), ("grad_in", done.grad_in)):
-        if t is not None and size and _pays(t, size):
+        if t is not None and size and _pays(t, size) and digests_only:
+            setattr(reply, f"{name}_sketch_digest", sketch_digest(sketch(t.float(), sketch_seed, size).numpy()))
+        elif t is not None and size and _pays(t, size):
             getattr(reply, f"{name}_sketch").extend(sketch(t.float(), sketch_seed, size).tolist())
         elif t is not None:
             msg, scale = encode_tensor(t, compact)

@@ -162,6 +162,10 @@ COMPACT_OWN_SHARE = 0.5
 recomputation by about 2e-4 (relative) on the churn model's stages, so a compact pass is an fp32 pass too."""
 COMPACT_LINK_SHARE = 0.99
 """A compact audit's link checks pass within this share of their tolerances (the rounding moves them by ~1e-5)."""
+DISAGREED = math.nan
+"""A recomputation that cannot be compared (a direct audit's failed fetch, other values, a digest that is not the
+record's): it fails every check it enters (`rel_err` against it is inf), where None would skip a backward check
+(a frozen stage's: it sends no gradient)."""
 MAX_FETCHED_BYTES = 1 << 30
 """Most bytes a sibling's report of one direct fetch is counted at (the figure is the sibling's word)."""
 SKETCH_SIZE = 1024
@@ -385,6 +389,9 @@ class StageVerifier:
         weights moved over that Step, where no earlier sampled digest can say"""
         self._lock = threading.Lock()
         self._local = threading.local()  # the running audit's `current`, per call thread
+        self._exact: dict[int, bool] = {}
+        """per stage: whether its siblings' recomputations have matched its records bit for bit (a direct audit
+        then asks for the sketches' digests only, `_matched`); False from the first that did not"""
         self.stats = VerifyStats()
 
     # ---- which micro-batches ------------------------------------------------------------------------------
@@ -510,6 +517,9 @@ class StageVerifier:
                 step, plan_version, s, n, e, micro, loss_weight, cfg.backward, compact, local_mb[s]
             )
             requests[s].sketch_seed, requests[s].sketch_size = seed, size
+            # a direct audit's sibling recomputes from exactly the stage's values: where its recomputations of this
+            # stage matched bit for bit so far, the sketches' digests say as much as the sketches
+            requests[s].sketch_digests_only = bool(requests[s].fetch_peer) and self._exact.get(s, True)
             v = self._pick(step, s, siblings[s])
             e.verifier = self.replica_peers[s][v]
             calls.append((e, lambda s=s, v=v, e=e: self._recompute(s, v, requests[s], e.verifier, n, e)))
@@ -723,8 +733,8 @@ class StageVerifier:
             raise AuditDisputed(f"{method} to stage {s} ({peer}) failed: {e}") from e
 
     def _recompute(self, s: int, r: int, request, peer: str, n: int, audited: Evidence | None = None):
-        """A sibling's recomputation (output, input gradient); (None, None), a disagreement, where a direct one
-        could not fetch its inputs or fetched other values than the audited stage's sketches (`audited`) show."""
+        """A sibling's recomputation (output, input gradient); `DISAGREED` where a direct one could not fetch its
+        inputs or fetched other values than the audited stage's sketches (`audited`) show."""
         try:
             reply = self._ask(s, r, "Recompute", request, peer)
         except AuditDisputed as e:
@@ -734,7 +744,7 @@ class StageVerifier:
             # a direct audit's fetch failed or did not match the digests: the audited stage or the sibling
             # lies, or the two cannot reach each other; a disagreement, asked again in fp32 through the trainer
             log.warning("stage %d: %s could not recompute from %s's inputs: %s", s, peer, request.fetch_peer, cause)
-            return None, None
+            return DISAGREED, DISAGREED if request.backward else None
         if self._count is not None and reply.fetched_bytes:
             self._count(min(int(reply.fetched_bytes), MAX_FETCHED_BYTES), "AuditInputs")
         self.stats.recomputes += 1
@@ -742,13 +752,35 @@ class StageVerifier:
             # the digests bind what the sibling fetched to the stage's Audit reply, the sketches to what the link
             # checks saw: a stage that computed on other values than it showed the trainer is caught in fp32
             log.warning("stage %d: %s recomputed from other values than %s showed: %s", s, peer, audited.peer, why)
-            return None, None
+            return DISAGREED, DISAGREED if request.backward else None
         try:
             output = reply.loss if s == n - 1 else reply_tensor(reply, "output")
             grad = reply_tensor(reply, "grad_in") if request.backward else None
         except WireError:
             output, grad = None, None  # counts as a disagreement, resolved like any other
+        if request.sketch_digests_only and audited is not None:
+            output, grad = self._matched(s, reply, audited, output, grad)
         return output, grad
+
+    def _matched(self, s: int, reply, audited: Evidence, output, grad):
+        """A digests-only recomputation read against the stage's own sketches: where a digest is the digest of the
+        stage's sketch, the recomputation is that sketch (the same bits: error 0); where it is not, `DISAGREED`
+        (asked again in fp32), and this stage's later audits ask for the sketches themselves (a
+        sibling on another device reorders floats: honest, but never bit for bit)."""
+        got = {"output": output, "grad": grad}
+        shown = {"output": audited.output, "grad": audited.grad_sent}
+        for name, attr in (("output", "output_sketch_digest"), ("grad", "grad_in_sketch_digest")):
+            digest_of_it, mine = getattr(reply, attr), shown[name]
+            if not digest_of_it:
+                continue
+            if isinstance(mine, torch.Tensor) and mine.dim() == 1 and digest_of_it == sketch_digest(mine):
+                got[name] = mine
+            else:
+                got[name] = DISAGREED
+                if self._exact.get(s, True):
+                    log.info("stage %d: a sibling's recomputation is not the record bit for bit: sketches from now", s)
+                self._exact[s] = False
+        return got["output"], got["grad"]
 
     def _note_passes(self, route: Sequence[Evidence], findings: list[Finding]) -> None:
         failed = {(f.stage, f.kind, f.direction) for f in findings}

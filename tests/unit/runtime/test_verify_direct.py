@@ -259,3 +259,32 @@ def test_audit_inputs_go_zstd_packed_and_a_packed_body_is_read_within_the_wire_l
     for why, message in cases.items():
         with pytest.raises(WireError, match=why):
             unpack_reply(message, WireLimits(max_message_bytes=8 << 20))
+
+
+def test_a_sibling_that_recomputes_honestly_but_not_bit_for_bit_costs_one_escalation_then_sketches():
+    """Direct audits ask a sibling for its sketches' digests only while its recomputations of that stage have
+    matched the records bit for bit; a sibling on another device reorders floats (here: a relative 1e-6 on every
+    recomputed output), which the first audit asks again in fp32 (and passes), and the stage's later audits get
+    the sketches themselves and pass as sketched audits do. (The default codecs: AQ-SGD's fp16 buffers are the
+    stages' inputs, which the fetch carries exactly; an fp32 boundary's input goes rounded to fp16, so its stage
+    takes the same one escalation.)"""
+    forward, backward = CodecConfig.parse(DEFAULT_FORWARD_CODEC), CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
+    pipe = LocalPipeline(WIDE3, 3, forward, backward, replicas=2)
+    for host in pipe.replica_hosts[2]:
+        exact = host.recompute
+
+        def reordered(*args, exact=exact):
+            done = exact(*args)
+            return replace(done, loss=done.loss * (1 + 1e-6), grad_in=done.grad_in * (1 + 1e-6))
+
+        host.recompute = reordered
+    try:
+        driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(**SKETCH))
+        for step in range(3):
+            driver.train_step(step, batch(step))
+    finally:
+        pipe.close()
+    stats = driver.verifier.stats
+    assert driver.liars == [] and stats.disputes == 0
+    assert 1 <= stats.escalations < stats.audits // 2, (stats.escalations, stats.audits)
+    assert driver.verifier._exact == {2: False}  # stages 0 and 1 still match bit for bit
