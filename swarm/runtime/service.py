@@ -544,8 +544,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             host.check_recompute(inputs, targets, grad)
             with self._recompute_slots.take(wait_s=self.budget.max_wait_s):
                 done = host.recompute(request.step, request.plan_version, request.stage, inputs, targets, grad)
-            q = request
-            reply = recompute_reply(done, q.compact, q.sketch_seed, q.sketch_size, q.sketch_digests_only)
+            reply = recompute_reply(
+                done, request.compact, request.sketch_seed, request.sketch_size, request.sketch_digests_only
+            )
             if request.fetch_peer:  # what it recomputed from, for the trainer to hold against the stage's sketches
                 reply.fetched_bytes = fetched
                 if request.input_digest:
