@@ -4,9 +4,9 @@ A LocalPipeline of the churn experiment's model (the built-in GPT: hidden 128, 1
 x 2 replicas with the default codecs trains a few steps with every micro-batch audited (`--verify-fraction` 1),
 once per encoding of the records (fp32, fp16, sketch relayed through the trainer, sketch with the inputs fetched
 by the sibling from the audited stage: the default, `VerifyConfig.direct`). Prints per encoding the audits' bytes
-(Audit and Recompute calls, request and reply, as the driver counts them), per audit, against fp32's, and the verifier's figures:
-escalations (compact audits asked again in fp32; an honest run should have none), the worst own and link errors
-an audit passed. An audit's bytes are its Audit and Recompute calls' and the siblings' AuditInputs fetches.
+(their Audit and Recompute calls, request and reply, as the driver counts them, and the siblings' AuditInputs
+fetches), per audit, against fp32's, and the verifier's figures: escalations (compact audits asked again in fp32;
+an honest run should have none), the worst own and link errors an audit passed.
 
 Usage: python scripts/measure_audit_bytes.py [STEPS] [--json]
 """
