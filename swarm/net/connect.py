@@ -64,6 +64,7 @@ class StageClient(Protocol):
     def Recompute(
         self, request: stage_pb2.RecomputeRequest, timeout: float | None = None
     ) -> stage_pb2.RecomputeReply: ...
+    def AuditInputs(self, request: stage_pb2.AuditRequest, timeout: float | None = None) -> stage_pb2.AuditReply: ...
 
 
 class Connector(Protocol):
