@@ -739,10 +739,12 @@ class StageVerifier:
             reply = self._ask(s, r, "Recompute", request, peer)
         except AuditDisputed as e:
             cause = e.__cause__
-            if not (request.fetch_peer and isinstance(cause, StageCallError) and cause.code.name == "ABORTED"):
+            refused = isinstance(cause, StageCallError) and cause.code.name in ("ABORTED", "INVALID_ARGUMENT")
+            if not (request.fetch_peer and refused):
                 raise
-            # a direct audit's fetch failed or did not match the digests: the audited stage or the sibling
-            # lies, or the two cannot reach each other; a disagreement, asked again in fp32 through the trainer
+            # a direct audit's fetch failed or did not match the digests (ABORTED): the audited stage or the
+            # sibling lies, or the two cannot reach each other; or the sibling predates direct audits and found no
+            # input in the request (INVALID_ARGUMENT): a disagreement, asked again in fp32 through the trainer
             log.warning("stage %d: %s could not recompute from %s's inputs: %s", s, peer, request.fetch_peer, cause)
             return DISAGREED, DISAGREED if request.backward else None
         if self._count is not None and reply.fetched_bytes:

@@ -288,3 +288,14 @@ def test_a_sibling_that_recomputes_honestly_but_not_bit_for_bit_costs_one_escala
     assert driver.liars == [] and stats.disputes == 0
     assert 1 <= stats.escalations < stats.audits // 2, (stats.escalations, stats.audits)
     assert driver.verifier._exact == {2: False}  # stages 0 and 1 still match bit for bit
+
+
+def test_a_sibling_that_predates_direct_audits_costs_an_fp32_audit_not_a_dispute(pipe, monkeypatch):
+    """An older sibling ignores `fetch_peer` and finds no input in the request (INVALID_ARGUMENT): the audit is asked
+    again through the trainer in fp32, as any failed fetch, and the step goes on."""
+    monkeypatch.setattr(service.StageServicer, "_fetch_audit_inputs", lambda self, request, host: 0)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(**SKETCH))
+    result = driver.train_step(0, batch(0))
+    stats = driver.verifier.stats
+    assert math.isfinite(result.loss) and result.attempts == 1
+    assert driver.liars == [] and stats.disputes == 0 and stats.escalations == stats.audits >= 1
