@@ -139,10 +139,11 @@ class ThrottledConfig:
     slow_codec_steps: int = 64
     """optimizer steps of the compressed cells on those links (at least --steps; past --steps the learning rate stays
     at its minimum), long enough that a filled token bucket does not set their mean. A link-bound step there takes
-    its bytes over the rate, but twice in a run the links idle long enough to fill the shaper's 64 KiB bucket (one
-    direction through the first epoch's full forward messages, both while the trainer follows the calibrated plan),
-    about 1 s of link time passed at once each time: over s22's 8 steady steps that read 0.195 s a step for a link-
-    bound 0.28 s. Over 60 steady steps (under 30 s a cell here) it is about 6%."""
+    its bytes over the rate, but twice in a run the links idle long enough to fill the shaper's bucket (one
+    direction through the first epoch's full forward messages, both while the trainer follows the calibrated plan):
+    with the 64 KiB bucket of s22-s53, about 1 s of link time passed at once each time (over s22's 8 steady steps
+    that read 0.195 s a step for a link-bound 0.28 s); the bucket is ten frames at these rates since s54
+    (`peers.shaper.default_burst_bytes`), 0.12 s at 1 Mbit/s."""
     train_samples: int = 32
     """training samples, a multiple of --batch-size"""
     batch_size: int = 8
