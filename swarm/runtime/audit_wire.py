@@ -311,10 +311,15 @@ def sketch_digest(values) -> bytes:
     return hashlib.blake2b(np.asarray(values, dtype=np.float32).tobytes(), digest_size=16).digest()
 
 
+def digest_of_sketch(t: torch.Tensor, seed: int, size: int) -> bytes:
+    """The `sketch_digest` of `t`'s sketch under `seed` and `size` (what a sibling reports instead of the sketch:
+    the same values give the same bits, the same code on the same decoded values)."""
+    return sketch_digest(sketch(t.float(), seed, size).numpy())
+
+
 def fetched_sketch(t: torch.Tensor, request: stage_pb2.RecomputeRequest) -> bytes:
-    """A direct Recompute's `sketch_digest` of a fetched tensor, under the request's seed and size: the values
-    the audited stage sketched for the trainer give the same bits (the same code on the same decoded values)."""
-    return sketch_digest(sketch(t.float(), request.sketch_seed, _sketch_size(request.sketch_size)).numpy())
+    """A direct Recompute's `digest_of_sketch` of a fetched tensor, under the request's seed and size."""
+    return digest_of_sketch(t, request.sketch_seed, _sketch_size(request.sketch_size))
 
 
 def recompute_inputs(request: stage_pb2.RecomputeRequest, host):
@@ -350,7 +355,7 @@ def recompute_reply(
     size = _sketch_size(sketch_size) if compact else 0
     for name, t in (("output", done.output), ("grad_in", done.grad_in)):
         if t is not None and size and _pays(t, size) and digests_only:
-            setattr(reply, f"{name}_sketch_digest", sketch_digest(sketch(t.float(), sketch_seed, size).numpy()))
+            setattr(reply, f"{name}_sketch_digest", digest_of_sketch(t, sketch_seed, size))
         elif t is not None and size and _pays(t, size):
             getattr(reply, f"{name}_sketch").extend(sketch(t.float(), sketch_seed, size).tolist())
         elif t is not None:

@@ -27,6 +27,7 @@ from swarm.net.stream import (
     CallRefused,
     StageCallError,
     StreamTimeout,
+    name_failure,
     read_stream,
 )
 from swarm.peers.shaper import paced, paced_chunk_bytes
@@ -578,10 +579,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         try:
             fetched = host.outbox.connector.stage(address, peer).AuditInputs(ask, timeout=self.budget.max_wait_s)
         except grpc.RpcError as e:
-            code = e.code() if callable(getattr(e, "code", None)) else None
-            details = e.details() if callable(getattr(e, "details", None)) else str(e)
-            why = f"fetching the audit inputs from {peer} at {address} failed: {getattr(code, 'name', code)} {details}"
-            raise CallRefused(grpc.StatusCode.ABORTED, why) from None
+            why = name_failure(e, stage, peer, address)
+            raise CallRefused(grpc.StatusCode.ABORTED, f"fetching the audit inputs failed: {why}") from None
         try:
             inner = unpack_reply(fetched, host.limits)
         except WireError as e:

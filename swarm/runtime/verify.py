@@ -193,6 +193,16 @@ class _Refused(Exception):
         self.stage, self.peer, self.method, self.error = stage, peer, method, error
 
 
+class _Disagreed(Exception):
+    """A sibling could not recompute a direct audit's micro-batch from the audited stage's inputs (its fetch failed
+    or did not match, ABORTED; or it predates direct audits and found no input, INVALID_ARGUMENT): a disagreement,
+    asked again in fp32 through the trainer, never a verdict."""
+
+
+DIRECT_FAILURES = ("ABORTED", "INVALID_ARGUMENT")
+"""A direct Recompute's failures that are `_Disagreed`, not a dispute."""
+
+
 class AuditDisputed(Exception):
     """An audit found a mismatch it cannot pin on one peer: the step is abandoned, nobody is evicted."""
 
@@ -286,13 +296,16 @@ def _sketched(e: Evidence, values_in: bool, seed: int, size: int) -> Evidence:
     )  # fmt: skip
 
 
+def _digest_of(digest: bytes, shown) -> bool:
+    """Whether a sibling's `sketch_digest` is the digest of `shown`, the audited stage's own sketch."""
+    return isinstance(shown, torch.Tensor) and shown.dim() == 1 and digest == sketch_digest(shown)
+
+
 def _fetched_other(request, reply, audited: Evidence) -> str | None:
     """What a direct Recompute fetched that does not sketch to what the audited stage reported, or None."""
     for name, wanted, shown in (("input", request.input_digest, audited.inputs),
                                 ("grad", request.grad_digest, audited.grad_received)):  # fmt: skip
-        if not wanted:
-            continue
-        if not isinstance(shown, torch.Tensor) or getattr(reply, f"{name}_sketch_digest") != sketch_digest(shown):
+        if wanted and not _digest_of(getattr(reply, f"{name}_sketch_digest"), shown):
             return f"its {name} does not sketch to the stage's"
     return None
 
@@ -717,7 +730,7 @@ class StageVerifier:
 
     # ---- calls and bookkeeping ----------------------------------------------------------------------------
 
-    def _ask(self, s: int, r: int, method: str, request, peer: str):
+    def _ask(self, s: int, r: int, method: str, request, peer: str, disagreed: tuple[str, ...] = ()):
         """An Audit or Recompute call. A live peer's refusal is a lie (an honest stage holds its records until
         Step, and recomputes any checked input of the open step); a dead peer's failure and a plan change are
         passed on as the driver's other failures are; anything else (a full slot, an input the trainer could not
@@ -727,6 +740,8 @@ class StageVerifier:
         except StageCallError as e:
             if reroutable(e) or PLAN_MISMATCH in str(e):
                 raise
+            if e.code.name in disagreed:
+                raise _Disagreed(str(e)) from e
             codes = ("FAILED_PRECONDITION", "INTERNAL") + (("INVALID_ARGUMENT",) if method == "Audit" else ())
             if e.code.name in codes:
                 raise _Refused(s, peer, method, e) from e
@@ -735,26 +750,18 @@ class StageVerifier:
     def _recompute(self, s: int, r: int, request, peer: str, n: int, audited: Evidence | None = None):
         """A sibling's recomputation (output, input gradient); `DISAGREED` where a direct one could not fetch its
         inputs or fetched other values than the audited stage's sketches (`audited`) show."""
+        direct = bool(request.fetch_peer)
         try:
-            reply = self._ask(s, r, "Recompute", request, peer)
-        except AuditDisputed as e:
-            cause = e.__cause__
-            refused = isinstance(cause, StageCallError) and cause.code.name in ("ABORTED", "INVALID_ARGUMENT")
-            if not (request.fetch_peer and refused):
-                raise
-            # a direct audit's fetch failed or did not match the digests (ABORTED): the audited stage or the
-            # sibling lies, or the two cannot reach each other; or the sibling predates direct audits and found no
-            # input in the request (INVALID_ARGUMENT): a disagreement, asked again in fp32 through the trainer
-            log.warning("stage %d: %s could not recompute from %s's inputs: %s", s, peer, request.fetch_peer, cause)
-            return DISAGREED, DISAGREED if request.backward else None
+            reply = self._ask(s, r, "Recompute", request, peer, DIRECT_FAILURES if direct else ())
+        except _Disagreed as e:  # the audited stage or the sibling lies, or the two cannot reach each other
+            return self._disagreed(s, request, f"{peer} could not recompute from {request.fetch_peer}'s inputs: {e}")
         if self._count is not None and reply.fetched_bytes:
             self._count(min(int(reply.fetched_bytes), MAX_FETCHED_BYTES), "AuditInputs")
         self.stats.recomputes += 1
-        if request.fetch_peer and audited is not None and (why := _fetched_other(request, reply, audited)):
+        if direct and audited is not None and (why := _fetched_other(request, reply, audited)):
             # the digests bind what the sibling fetched to the stage's Audit reply, the sketches to what the link
             # checks saw: a stage that computed on other values than it showed the trainer is caught in fp32
-            log.warning("stage %d: %s recomputed from other values than %s showed: %s", s, peer, audited.peer, why)
-            return DISAGREED, DISAGREED if request.backward else None
+            return self._disagreed(s, request, f"{peer} recomputed from other values than {audited.peer} showed: {why}")
         try:
             output = reply.loss if s == n - 1 else reply_tensor(reply, "output")
             grad = reply_tensor(reply, "grad_in") if request.backward else None
@@ -763,6 +770,11 @@ class StageVerifier:
         if request.sketch_digests_only and audited is not None:
             output, grad = self._matched(s, reply, audited, output, grad)
         return output, grad
+
+    @staticmethod
+    def _disagreed(s: int, request, why: str):
+        log.warning("stage %d: %s", s, why)
+        return DISAGREED, DISAGREED if request.backward else None
 
     def _matched(self, s: int, reply, audited: Evidence, output, grad):
         """A digests-only recomputation read against the stage's own sketches: where a digest is the digest of the
@@ -775,7 +787,7 @@ class StageVerifier:
             digest_of_it, mine = getattr(reply, attr), shown[name]
             if not digest_of_it:
                 continue
-            if isinstance(mine, torch.Tensor) and mine.dim() == 1 and digest_of_it == sketch_digest(mine):
+            if _digest_of(digest_of_it, mine):
                 got[name] = mine
             else:
                 got[name] = DISAGREED
