@@ -17,7 +17,7 @@ import swarm.runtime.service as service
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC, CodecConfig, make_codec
 from swarm.model.data import Batch
 from swarm.model.gpt import ModelConfig
-from swarm.net.stream import StageCallError
+from swarm.net.stream import CallRefused, StageCallError
 from swarm.proto import stage_pb2, wire_pb2
 from swarm.runtime.audit import AuditRecord
 from swarm.runtime.audit_wire import audit_inputs_reply, audit_reply, decode_tensor, digest, encode_tensor, fill_fetched
@@ -299,3 +299,84 @@ def test_a_sibling_that_predates_direct_audits_costs_an_fp32_audit_not_a_dispute
     stats = driver.verifier.stats
     assert math.isfinite(result.loss) and result.attempts == 1
     assert driver.liars == [] and stats.disputes == 0 and stats.escalations == stats.audits >= 1
+
+
+# ---- AuditInputs twice, late, and a side that dies halfway -------------------------------------------------------
+
+
+@pytest.fixture
+def default_pipe():
+    """The default codecs: the stages' inputs are AQ-SGD's fp16 buffers, which a fetch carries exactly."""
+    forward, backward = CodecConfig.parse(DEFAULT_FORWARD_CODEC), CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
+    pipe = LocalPipeline(WIDE3, 3, forward, backward, replicas=2)
+    yield pipe
+    pipe.close()
+
+
+def _located(pipe, peer: str) -> tuple[int, int]:
+    return next((s, r) for s, row in enumerate(pipe.replica_peers) for r, p in enumerate(row) if p == peer)
+
+
+def test_audit_inputs_asked_twice_give_the_same_bytes_and_change_nothing(default_pipe, monkeypatch):
+    """A sibling's fetch repeated (a retry, a duplicate): the stage serves the same bytes, so the same digests, and
+    the audit passes as with one fetch."""
+    pipe = default_pipe
+    fetch, replies = service.StageServicer._fetch_audit_inputs, []
+
+    def twice(self, request, host):
+        s, r = _located(pipe, request.fetch_peer)
+        ask = stage_pb2.AuditRequest(
+            step=request.step, plan_version=request.plan_version, stage=s, micro_batch=request.micro_batch,
+            backward=bool(request.grad_digest), compact=True,
+        )  # fmt: skip
+        client = host.outbox.connector.stage(pipe.replica_addresses[s][r], request.fetch_peer)
+        replies.append((client.AuditInputs(ask, timeout=30), client.AuditInputs(ask, timeout=30)))
+        return fetch(self, request, host)
+
+    monkeypatch.setattr(service.StageServicer, "_fetch_audit_inputs", twice)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(**SKETCH))
+    result = driver.train_step(0, batch(0))
+    stats = driver.verifier.stats
+    assert replies and all(first == second for first, second in replies)
+    assert math.isfinite(result.loss) and driver.liars == [] and stats.escalations == 0 and stats.disputes == 0
+
+
+def test_audit_inputs_asked_after_the_step_ended_are_refused(default_pipe):
+    """A late fetch (the trainer's Step came first): the records are gone with the step; refused, nothing served."""
+    pipe = default_pipe
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(**SKETCH))
+    driver.train_step(0, batch(0))
+    sibling = pipe.replica_hosts[2][1]
+    client = sibling.outbox.connector.stage(pipe.replica_addresses[2][0], pipe.replica_peers[2][0])
+    ask = stage_pb2.AuditRequest(step=0, plan_version=driver.plan_version, stage=2, micro_batch=0, compact=True)
+    with pytest.raises(grpc.RpcError) as late:
+        client.AuditInputs(ask, timeout=30)
+    assert late.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not open" in late.value.details()
+
+
+@pytest.mark.parametrize("who", ["the audited stage", "the sibling"])
+def test_a_side_of_the_fetch_that_dies_halfway_is_routed_around_and_nobody_is_called_a_liar(
+    default_pipe, monkeypatch, who
+):
+    """The audited stage dies while its sibling fetches from it (the fetch fails, the audit asks again in fp32, which
+    finds it dead), or the sibling dies inside its Recompute (the trainer's call fails as a dead peer's): either way
+    the step runs again without the dead peer, every sample trained once, no liar named."""
+    pipe = default_pipe
+    fetch, died = service.StageServicer._fetch_audit_inputs, []
+
+    def dying(self, request, host):
+        if not died:
+            dead = _located(pipe, request.fetch_peer if who == "the audited stage" else host.peer_id)
+            died.append(pipe.replica_peers[dead[0]][dead[1]])
+            pipe.switches[dead[0]][dead[1]].killed = True
+            if who == "the sibling":
+                raise CallRefused(grpc.StatusCode.UNAVAILABLE, "connection reset (the sibling died)")
+        return fetch(self, request, host)
+
+    monkeypatch.setattr(service.StageServicer, "_fetch_audit_inputs", dying)
+    driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(**SKETCH))
+    b = batch(0)
+    result = driver.train_step(0, b)
+    assert died and result.dead_peers == tuple(died) and result.attempts == 2
+    assert sorted(result.sample_ids) == b.sample_ids.tolist() and math.isfinite(result.loss)
+    assert driver.liars == [] and driver.verifier.stats.disputes == 0
