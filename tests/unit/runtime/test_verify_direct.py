@@ -377,6 +377,8 @@ def test_a_side_of_the_fetch_that_dies_halfway_is_routed_around_and_nobody_is_ca
     driver = pipe.driver(4, heartbeat_s=HEARTBEAT_S, verify=VerifyConfig(**SKETCH))
     b = batch(0)
     result = driver.train_step(0, b)
-    assert died and result.dead_peers == tuple(died) and result.attempts == 2
+    # the step runs again (twice where the dead peer's first failure, in the audit, comes before its death is
+    # confirmed, as on a loaded machine: the rerun's Forward finds it dead then)
+    assert died and result.dead_peers == tuple(died) and result.attempts >= 2
     assert sorted(result.sample_ids) == b.sample_ids.tolist() and math.isfinite(result.loss)
     assert driver.liars == [] and driver.verifier.stats.disputes == 0
