@@ -161,6 +161,10 @@ class CodecConfig:
     """topk: elements kept per group of `group_size` (label suffix `+kN`; 0: the codec's default, 1/64 of a group);
     0 for every other codec."""
 
+    layout: tuple[tuple[int, ...], ...] = ()
+    """mlowrank: the shapes of the parameters the flat tensor concatenates, in order (no label names it: the averager
+    sets the stage's trained parameters', the same on every replica); () for every other codec."""
+
     def __post_init__(self) -> None:
         codec = codec_class(self.name)
         if codec.quantized and self.bits not in SUPPORTED_BITS:
@@ -238,6 +242,10 @@ class CodecConfig:
             raise ValueError(
                 f"keep (+kN) is >= 0 and for the sparse codecs ({_having('sparse')}) only, got {self.keep}"
             )
+        if self.layout and self.name != "mlowrank":
+            raise ValueError(f"layout applies to mlowrank only, not {self.name}")
+        if any(not isinstance(d, int) or d < 0 for shape in self.layout for d in shape):
+            raise ValueError(f"layout holds shapes of non-negative ints, got {self.layout!r}")
         codec.check(self)  # the codec's own parameters (a rank's range, the factors' bits)
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")

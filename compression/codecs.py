@@ -31,6 +31,7 @@ CODEC_MODULES = (
     "codec_gsign",
     "codec_gtern",
     "codec_lowrank",
+    "codec_mlowrank",
     "codec_topk",
 )
 """Modules of swarm.compression that define codecs, in the order names are listed (help, errors)."""

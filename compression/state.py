@@ -24,8 +24,9 @@ class LinkState:
             self.buffers.eviction = config.buffer_eviction
             self.buffers.limit_bytes(config.buffer_budget_bytes)
         self.residual: torch.Tensor | None = None
-        self.warm: torch.Tensor | None = None
-        """lowrank: the encoder's Q of its last message, the next power iteration's warm start (sender-local)"""
+        self.warm: torch.Tensor | tuple[torch.Tensor | None, ...] | None = None
+        """lowrank: the encoder's Q of its last message, the next power iteration's warm start (sender-local);
+        mlowrank: one such Q per parameter (None for one sent whole)"""
         self.exact_first_sights = False
         """AQ-SGD senders: first sights travel raw in the buffers' dtype whatever the config's first-sight coding
         (`+fsN`, `+fslR`): a frozen stage's activation cache (`swarm.runtime.freeze.cached_forward`) serves what

@@ -22,6 +22,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GSIGN: _ClassVar[Codec]
     GTERN: _ClassVar[Codec]
     LOWRANK: _ClassVar[Codec]
+    MLOWRANK: _ClassVar[Codec]
     TOPK: _ClassVar[Codec]
 
 class GroupLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -53,6 +54,7 @@ BILEVEL: Codec
 GSIGN: Codec
 GTERN: Codec
 LOWRANK: Codec
+MLOWRANK: Codec
 TOPK: Codec
 GROUP_LAYOUT_FLAT: GroupLayout
 GROUP_LAYOUT_CHANNEL: GroupLayout
@@ -82,7 +84,7 @@ class Quantized(_message.Message):
     def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., numel: _Optional[int] = ..., scales: _Optional[bytes] = ..., mins: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., scale_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorMessage(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "first_sight_basis", "delta_basis", "rotation", "rotation_seed", "sparse")
+    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "first_sight_basis", "delta_basis", "rotation", "rotation_seed", "sparse", "factors")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,7 @@ class TensorMessage(_message.Message):
     ROTATION_FIELD_NUMBER: _ClassVar[int]
     ROTATION_SEED_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    FACTORS_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
@@ -115,7 +118,8 @@ class TensorMessage(_message.Message):
     rotation: int
     rotation_seed: int
     sparse: Sparse
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., first_sight_basis: _Optional[_Union[Quantized, _Mapping]] = ..., delta_basis: _Optional[_Union[Quantized, _Mapping]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ..., sparse: _Optional[_Union[Sparse, _Mapping]] = ...) -> None: ...
+    factors: _containers.RepeatedCompositeFieldContainer[Quantized]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., first_sight_basis: _Optional[_Union[Quantized, _Mapping]] = ..., delta_basis: _Optional[_Union[Quantized, _Mapping]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ..., sparse: _Optional[_Union[Sparse, _Mapping]] = ..., factors: _Optional[_Iterable[_Union[Quantized, _Mapping]]] = ...) -> None: ...
 
 class Sparse(_message.Message):
     __slots__ = ("group_size", "keep", "bits", "index", "codes", "lo", "hi")

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_GROUP",
+    "QUANTIZED_SUM_CODEC",
     "SUM_CODEC",
     "TIED_CODEC",
     "GradientAverager",
@@ -65,12 +66,17 @@ __all__ = [
 
 MAX_GROUP = 64
 """Most replicas of one stage in a Reduce group (the roster bounds it further where calls are authorized)."""
-SUM_CODEC = "gradq2+ef+rot+nr+cs+g1024"
+SUM_CODEC = "mlowrank8+ef+f8"
 """The replicas' sum over compressed links unless a plan names another (`GradientAverager.sum_codec`), and the
-floor of the planner's ladder for it (`swarm.scheduler.bits.AVERAGE_LADDER`): 2 bits with error feedback, Hadamard
+floor of the planner's ladder for it (`swarm.scheduler.bits.AVERAGE_LADDER`): each weight matrix of the stage as
+rank-8 PowerSGD factors in int8, every other parameter whole in int8, error feedback over the whole sum
+(`swarm.compression.codec_mlowrank`; not preconditioned). With 2 replicas in the 8-epoch convergence experiment
+(docs/reports/replicas.md, s55) it ended +0.48% / +0.51% held-out vs fp32 (seeds 0 / 1) at 32.6x fewer total bytes
+after epoch 1, where `QUANTIZED_SUM_CODEC` ended +0.60% / +0.83% at 21.9x: the sums went from 50.7 to 25.3 MB."""
+QUANTIZED_SUM_CODEC = "gradq2+ef+rot+nr+cs+g1024"
+"""The replicas' sum before s55 and the ladder's rung above `SUM_CODEC`: 2 bits with error feedback, Hadamard
 rotation, round to nearest, 16-bit scales, groups of 1024, quantized in AdamW's units (`precondition_max_bits`).
-With 2 replicas in the convergence experiment it ends within 1% of fp32 at 16x+ fewer total bytes after epoch 1
-(docs/REPLICAS.md); 8 bits, the floor before, left the sum most of what a replicated run sends."""
+Fewer bytes than `SUM_CODEC` where the matrices are narrow (hidden 32: `codec_mlowrank`)."""
 
 
 TIED_CODEC = "lowrank16+ef+f8"
@@ -180,7 +186,8 @@ class _Group:
         """sender -> its tensor message for the open step (the codec's wire format, decoded at the Reduce)"""
         self.inbox_step: int | None = None
         self.reduced: int | None = None
-        self.warm: torch.Tensor | None = None  # a lowrank encoder's warm start: any value is valid
+        self.warm: torch.Tensor | tuple | None = None  # a lowrank encoder's warm start (mlowrank's: one a
+        # parameter): any value is valid
         self.pending_warm: torch.Tensor | None = None  # the open step's: kept at commit, so a retry starts alike
         self.own_norms: dict[int, float] = {}
         """step -> the norm of this member's own message for it, for the last `OWN_NORMS` steps it summed (a rerun of
@@ -604,6 +611,9 @@ class GradientAverager:
         cols = weight.shape[-1] if weight is not None else None
         cfg = group_config(self.codecs[tied], self.host.links.backward_recv.config, tied, self, tied_cols=cols)
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
+        if cfg.name == "mlowrank":  # coded parameter by parameter: the same shapes on every member
+            params = [weight] if tied else self.trained
+            return replace(cfg, seed=seed, layout=tuple(tuple(int(d) for d in p.shape) for p in params))
         return replace(cfg, seed=seed)
 
     def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float):

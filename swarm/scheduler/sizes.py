@@ -4,6 +4,7 @@ boundary message (measured by encoding), and the tied embedding's gradient sum."
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -18,8 +19,10 @@ __all__ = [
     "measure_codec_speed",
     "measure_link_rungs",
     "message_bytes",
+    "layer_shapes",
     "model_spec",
     "sum_bits",
+    "sum_layer_bytes",
     "tied_bytes",
     "wire_bits",
 ]
@@ -152,8 +155,8 @@ def model_spec(
     tied = tied_bytes(model, backward)
     return dataclasses.replace(
         spec,
-        # the replicas' sums as the averager runs them without a plan's epilogue codecs (`sum_bits`)
-        gradient_bytes_per_layer=spec.gradient_elements_per_layer * sum_bits(backward) / 8,
+        # the replicas' sums as the averager runs them without a plan's epilogue codecs (`sum_layer_bytes`)
+        gradient_bytes_per_layer=sum_layer_bytes(model, backward, spec.gradient_elements_per_layer),
         forward_bytes=float(message_bytes(forward, shape)),
         backward_bytes=float(message_bytes(backward, shape)),
         full_duplex=True,
@@ -171,6 +174,29 @@ def sum_bits(backward: CodecConfig) -> float:
     from swarm.runtime.average import group_config  # lazy: the stage runtime
 
     return float(group_config(None, backward).wire_bits)
+
+
+def layer_shapes(model: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """The shapes of one transformer block's parameters, in the order a stage's averager lays them out (by name)."""
+    from swarm.model.gpt import Block
+
+    with torch.device("meta"):  # shapes only: a wide model's block is never allocated
+        block = Block(model)
+    return tuple(tuple(int(d) for d in p.shape) for _, p in sorted(block.named_parameters()))
+
+
+def sum_layer_bytes(model: ModelConfig, backward: CodecConfig, elements: float) -> float:
+    """Bytes of one layer's share of a replica's sum message, as `GradientAverager` sums without a plan's epilogue
+    codecs: a codec coded parameter by parameter (`SUM_CODEC`, mlowrank) priced on one block's shapes, any other at
+    its wire bits (`sum_bits`) for `elements`."""
+    from swarm.runtime.average import group_config  # lazy: the stage runtime
+
+    config = group_config(None, backward)
+    if config.name == "mlowrank":
+        layout = layer_shapes(model)
+        return float(make_codec(dataclasses.replace(config, layout=layout)).payload_nbytes(
+            sum(math.prod(shape) for shape in layout)))  # fmt: skip
+    return elements * sum_bits(backward) / 8
 
 
 def tied_bytes(model: ModelConfig, backward: CodecConfig) -> float:

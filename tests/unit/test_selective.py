@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from swarm.bench.selective import rows
-from swarm.compression import DEFAULT_FORWARD_CODEC, CodecConfig
+from swarm.compression import DEFAULT_FORWARD_CODEC, CodecConfig, make_codec
 from swarm.peers.plan import PlanDocument
 from swarm.peers.records import PeerAnnouncement, PlanRecord, validate_plan
 from swarm.proto import stage_pb2
@@ -46,7 +46,7 @@ def fig(mbit: float, elements: float = ELEMENTS, step: float = STEP) -> Epilogue
 def test_averaging_on_a_fast_link_stays_wide_and_on_a_slow_link_is_compressed():
     fast, slow = choose_epilogue([fig(100_000)], None), choose_epilogue([fig(100)], None)
     assert fast.average_labels == ("fp32",)
-    assert slow.average_labels == (SUM_CODEC,) == (AVERAGE_LADDER[-1],)  # the 2-bit floor, preconditioned
+    assert slow.average_labels == (SUM_CODEC,) == (AVERAGE_LADDER[-1],)  # the floor: rank-8 factors
     middle = choose_epilogue([fig(10_000)], None)
     assert middle.average_labels == ("bf16",)  # 16-bit: fp32 would take 80 ms > 5% of 0.9 s, bf16 40 ms fits
     eight = choose_epilogue([fig(5_000)], None)  # bf16 80 ms does not fit, 8 bits 40 ms do: the 2-bit rung not yet
@@ -178,7 +178,9 @@ def test_replicas_summing_with_the_plan_s_codec_hold_identical_weights_after_ste
     assert torch.equal(flat(pipe, 0), flat(pipe, 1))
     if label == "fp32":
         assert torch.equal(flat(pipe, 0), own[0] + own[1])
-    bits = CodecConfig.parse(label).wire_bits
+    averager = pipe.hosts[0].averager
+    config = averager._config(0, 0)  # a factored codec's bytes are its layout's payload, not a bit width's
+    bits = 8 * make_codec(config).payload_nbytes(averager.numel) / averager.numel
     assert replies[0].wire_bytes < replies[0].fp32_wire_bytes * (bits / 32) * 1.2 + 4096
     for r in range(2):
         pipe.step(r, 0)
@@ -335,8 +337,8 @@ def test_a_peer_builds_its_averager_from_the_plan_s_epilogue_codecs():
     assert host.averager._config(0, 0).name == "bf16"  # not the flags' gradq4
     assert host.averager._config(0, 0, tied=True).bits == 8
     bare = daemon._make_host(StageRole(1, 2, 2, 4, 3), PlanDocument.from_wire({"stages": STAGES}))
-    assert bare.averager._config(0, 0).name == "gradq"  # no epilogue codecs: the backward codec, at >= 8 bits
-    assert daemon._make_host(StageRole(1, 2, 2, 4, 3)).averager._config(0, 0).name == "gradq"  # no plan: the same
+    assert bare.averager._config(0, 0).name == "mlowrank"  # no epilogue codecs: SUM_CODEC behind compressed links
+    assert daemon._make_host(StageRole(1, 2, 2, 4, 3)).averager._config(0, 0).name == "mlowrank"  # no plan: the same
 
 
 # ---- the convergence experiment's setting ----------------------------------------------------------------------
@@ -443,8 +445,8 @@ def test_a_sel_setting_with_replicas_keeps_the_sums_the_epilogue_waits_on_compre
     slow = selective_plan("sel:1", DEFAULT_MODEL, 2, 4, 4, replicas=2)
     fast = selective_plan("sel:1000", DEFAULT_MODEL, 2, 4, 4, replicas=2)
     assert [len(s.peer_ids) for s in slow.stages] == [2, 2] and slow.stages[0].peer_ids == ("s0r0", "s0r1")
-    # at 1 Mbit/s the replicas' sums set the epilogue's length: they stay 2-bit; at 1000 they are hidden: widened
-    assert all(label.startswith("gradq2") for label in slow.epilogue.average_labels), slow.epilogue.average_labels
+    # at 1 Mbit/s the replicas' sums set the epilogue's length: they stay at the floor; at 1000 they are hidden: widened
+    assert all(label == SUM_CODEC for label in slow.epilogue.average_labels), slow.epilogue.average_labels
     assert all(label in ("bf16", "fp32") for label in fast.epilogue.average_labels), fast.epilogue.average_labels
     labels = lambda plan: [(c.forward_label, c.backward_label) for c in plan.codecs]  # noqa: E731
     assert labels(slow) == labels(one), "the boundaries' codecs do not depend on the replicas at this rate"

@@ -1,6 +1,7 @@
-"""The replicas' default sum over compressed links (`SUM_CODEC`: 2 bits, error feedback, quantized in AdamW's units):
-replicas stay bit-identical step after step (the verification's digests and the AQ-SGD routes depend on it), a
-plan's 2-bit rung is taken as it is, not raised to `min_bits`, and the error feedback is each replica's own."""
+"""The replicas' default sum over compressed links (`SUM_CODEC`: each weight matrix as rank-8 int8 factors, error
+feedback) and the 2-bit rung above it (`QUANTIZED_SUM_CODEC`, quantized in AdamW's units): replicas stay
+bit-identical step after step (the verification's digests and the AQ-SGD routes depend on it), a plan's 2-bit rung
+is taken as it is, not raised to `min_bits`, and the error feedback and warm starts are each replica's own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from swarm.compression import CodecConfig, make_codec
 from swarm.compression.state import LinkState
 from swarm.proto import stage_pb2
-from swarm.runtime.average import SUM_CODEC, GradientAverager, flatten_grads
+from swarm.runtime.average import QUANTIZED_SUM_CODEC, SUM_CODEC, GradientAverager, flatten_grads
 from tests.unit.runtime.test_average import flat
 from tests.unit.runtime.test_replica_host import FP32, GRADQ, Replicas
 
@@ -18,9 +19,32 @@ def digests(pipe: Replicas) -> set[str]:
     return {pipe.client(r).Status(stage_pb2.Empty()).weights_digest for r in range(len(pipe.hosts))}
 
 
-def test_the_default_sum_keeps_replicas_bit_identical_step_after_step_at_a_sixteenth_of_fp32():
+def test_the_default_sum_keeps_replicas_bit_identical_step_after_step_at_its_factors_bytes():
     pipe = Replicas(3, backward=GRADQ)  # three replicas: every member adds three decoded messages in group order
-    assert pipe.hosts[0].averager._config(0, 0).label == CodecConfig.parse(SUM_CODEC).label
+    config = pipe.hosts[0].averager._config(0, 0)
+    assert config.label == CodecConfig.parse(SUM_CODEC).label
+    assert config.layout == tuple(tuple(p.shape) for p in pipe.hosts[0].averager.trained)  # coded per parameter
+    assert not pipe.hosts[0].averager._preconditioned(config, False)  # AdamW's scale would break the low rank
+    payload = make_codec(config).payload_nbytes(pipe.hosts[0].averager.numel)
+    for step in range(8):
+        pipe.split_step(step, rows=6, seed=step)
+        replies = pipe.reduce(step)
+        assert all(torch.equal(flat(pipe, 0), flat(pipe, r)) for r in (1, 2)), f"sums differ at step {step}"
+        for r in range(3):
+            pipe.step(r, step)
+        assert len(digests(pipe)) == 1, f"replicas' weights differ after step {step}"
+        # what each member sent its two others: the factors' codes and scales, framing and envelope aside
+        assert all(2 * payload < reply.wire_bytes < 2 * payload * 1.1 + 2048 for reply in replies)
+        assert all(reply.wire_bytes < reply.fp32_wire_bytes / 10 for reply in replies)
+    residuals = [h.averager.residual for h in pipe.hosts]
+    assert all(r is not None for r in residuals) and not torch.equal(residuals[0], residuals[1])  # each its own
+    warm = [h.averager.groups[False].warm for h in pipe.hosts]
+    assert all(isinstance(w, tuple) for w in warm) and not torch.equal(warm[0][0], warm[1][0])  # encoder-local
+
+
+def test_the_2_bit_rung_keeps_replicas_bit_identical_at_a_sixteenth_of_fp32(monkeypatch):
+    monkeypatch.setattr(GradientAverager, "sum_codec", QUANTIZED_SUM_CODEC)
+    pipe = Replicas(3, backward=GRADQ)
     for step in range(8):
         pipe.split_step(step, rows=6, seed=step)
         replies = pipe.reduce(step)
@@ -36,9 +60,10 @@ def test_the_default_sum_keeps_replicas_bit_identical_step_after_step_at_a_sixte
     assert all(r is not None for r in residuals) and not torch.equal(residuals[0], residuals[1])  # each its own
 
 
-def test_a_replica_s_message_is_its_gradient_and_residual_in_adamw_units_less_what_it_keeps():
+def test_a_replica_s_message_is_its_gradient_and_residual_in_adamw_units_less_what_it_keeps(monkeypatch):
     """The residual is kept in gradient units and put in this step's AdamW units when it is sent: kept in the units
     of the step that left it, a growing second moment amplified it in gradient units step after step."""
+    monkeypatch.setattr(GradientAverager, "sum_codec", QUANTIZED_SUM_CODEC)
     pipe = Replicas(2, backward=GRADQ)
     for step in range(2):
         pipe.split_step(step, seed=step)
@@ -63,14 +88,16 @@ def test_a_replica_s_message_is_its_gradient_and_residual_in_adamw_units_less_wh
 def test_the_sum_codec_follows_the_plan_then_the_links():
     pipe = Replicas(2, backward=GRADQ)
     averager = pipe.hosts[0].averager
-    assert averager._config(0, 0).bits == 2  # compressed links, no plan: SUM_CODEC
-    averager.set_codecs(CodecConfig.parse(SUM_CODEC), None)
+    assert averager._config(0, 0).name == "mlowrank"  # compressed links, no plan: SUM_CODEC
+    averager.set_codecs(CodecConfig.parse(QUANTIZED_SUM_CODEC), None)
     assert averager._config(0, 0).bits == 2  # the plan's 2-bit rung as it is, not raised to min_bits
+    assert averager._preconditioned(averager._config(0, 0), False)
     averager.set_codecs(CodecConfig.parse("gradq8+ef+rot+nr+cs+g1024"), None)
     assert averager._config(0, 0).bits == 8
     assert not averager._preconditioned(averager._config(0, 0), False)  # 8 bits: as before, unscaled
-    assert averager._preconditioned(CodecConfig.parse(SUM_CODEC), False)
-    assert not averager._preconditioned(CodecConfig.parse(SUM_CODEC), True)  # the tied group's ends differ
+    assert not averager._preconditioned(CodecConfig.parse(QUANTIZED_SUM_CODEC), True)  # the tied group's ends differ
+    averager.set_codecs(CodecConfig.parse(SUM_CODEC), CodecConfig.parse(SUM_CODEC))
+    assert averager._config(0, 0).layout == tuple(tuple(p.shape) for p in averager.trained)
     exact = Replicas(2, backward=FP32).hosts[0].averager  # fp32 links: exact sums, whatever sum_codec says
     assert exact._config(0, 0).name == "fp32"
 
