@@ -237,8 +237,8 @@ class EpilogueFigures:
     speed: CodecSpeed | None = field(default=None, compare=False)
     """How fast the codecs encode and decode (`swarm.scheduler.sizes.measure_codec_speed`); None: bytes alone."""
     cols: int | None = None
-    """The row length of the matrix a low-rank codec factors (the tied weight's hidden size); None: as the codec
-    shapes a flat gradient."""
+    """The row length of the matrix a low-rank codec factors (the hidden size: the tied weight's, or a stage sum's
+    matrices' priced as rows of it); None: as the codec shapes a flat gradient."""
 
     def seconds(self, label: str) -> float:
         """One exchange under codec `label`: a member's message over the slowest link, plus with a measured `speed`

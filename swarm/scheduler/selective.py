@@ -88,8 +88,11 @@ def epilogue_figures(
     layout = _layout(stages, plan_input)
     step = pipeline_s(FullCost(plan_input, spec).evaluate(layout))
     per_element = gradient_elements(spec)
+    hidden = spec.tied_shape[1] or None  # a factored sum's rows (`epilogue_bytes`): the hidden size where known
     average = [
-        None if len(row) < 2 else EpilogueFigures(_slowest(plan_input, row), n * per_element, step, len(row), speed)
+        None
+        if len(row) < 2
+        else EpilogueFigures(_slowest(plan_input, row), n * per_element, step, len(row), speed, hidden)
         for row, n in zip(layout.grid, layout.layers, strict=True)
     ]
     tied = None
