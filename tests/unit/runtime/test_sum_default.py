@@ -5,10 +5,14 @@ is taken as it is, not raised to `min_bits`, and the error feedback and warm sta
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import grpc
 import torch
 
 from swarm.compression import CodecConfig, make_codec
 from swarm.compression.state import LinkState
+from swarm.net.connect import LocalRpcError
 from swarm.proto import stage_pb2
 from swarm.runtime.average import QUANTIZED_SUM_CODEC, SUM_CODEC, GradientAverager, flatten_grads
 from tests.unit.runtime.test_average import flat
@@ -106,3 +110,25 @@ def test_without_the_sum_codec_the_backward_codec_sums_at_min_bits(monkeypatch):
     monkeypatch.setattr(GradientAverager, "sum_codec", None)
     pipe = Replicas(2, backward=GRADQ)
     assert pipe.hosts[0].averager._config(0, 0).bits == GradientAverager.min_bits == 8
+
+
+def test_a_member_whose_factors_follow_another_layout_is_refused_by_name_and_nothing_is_summed():
+    """A liar (or a peer on another model) codes its sum with the same element count in another parameter order:
+    every message decodes against the receiver's own layout, so the Reduce fails naming it, nothing summed."""
+    pipe = Replicas(2, backward=GRADQ)
+    liar = pipe.hosts[1].averager
+    honest_config = liar._config
+
+    def reordered(step, index, tied=False):
+        config = honest_config(step, index, tied)
+        return replace(config, layout=tuple(reversed(config.layout)))
+
+    liar._config = reordered
+    pipe.split_step(0, seed=0)
+    before = flat(pipe, 0)
+    result = pipe.reduce(0)[0]
+    assert isinstance(result, LocalRpcError) and result.code() == grpc.StatusCode.INVALID_ARGUMENT, result
+    details = result.details()
+    assert pipe.peers[1] in details and "factors" in details and "nothing summed" in details, details
+    assert torch.equal(flat(pipe, 0), before)
+    assert pipe.hosts[0].averager.groups[False].pending is None  # no residual of the failed sum to commit
