@@ -176,13 +176,15 @@ def sum_bits(backward: CodecConfig) -> float:
     return float(group_config(None, backward).wire_bits)
 
 
-def layer_shapes(model: ModelConfig) -> tuple[tuple[int, ...], ...]:
-    """The shapes of one transformer block's parameters, in the order a stage's averager lays them out (by name)."""
-    from swarm.model.gpt import Block
+def layer_shapes(model) -> tuple[tuple[int, ...], ...]:
+    """The shapes of one layer's parameters (any model family: a middle stage of one layer, built on the meta device,
+    so a wide model's layer is never allocated), in the order a stage's averager lays them out (by name)."""
+    from swarm.model.spec import build_stage
 
-    with torch.device("meta"):  # shapes only: a wide model's block is never allocated
-        block = Block(model)
-    return tuple(tuple(int(d) for d in p.shape) for _, p in sorted(block.named_parameters()))
+    layer = min(1, model.n_layers - 1)
+    with torch.device("meta"):
+        stage = build_stage(model, layer, layer + 1, False, False)
+    return tuple(tuple(int(d) for d in p.shape) for _, p in sorted(stage.named_parameters()))
 
 
 def sum_layer_bytes(model: ModelConfig, backward: CodecConfig, elements: float) -> float:
