@@ -192,6 +192,14 @@ def replicas_identical(replicas: dict[str, list] | None) -> bool | None:
     return all(len(v) == 1 for v in by_stage.values())
 
 
+def replicas_seen(replicas: dict[str, list]) -> str:
+    """`replicas` (peer id -> [stage, last step, digest]) in a line: `stage 0: 1a2b3c4d step 8 digest 5e6f...`."""
+    return "; ".join(
+        f"stage {stage}: {peer[:8]} step {step} digest {digest[:12]}"
+        for peer, (stage, step, digest) in sorted(replicas.items(), key=lambda kv: (kv[1][0], kv[0]))
+    )
+
+
 @dataclass(frozen=True)
 class Setting:
     """What one setting ran: its name, kind (clean, stranger, liar) and the attacker's ids and start."""
@@ -311,12 +319,15 @@ def judge(
     taker = None
     if s.kind in ("liar", "control") and first is not None and s.attacker_ids:
         taker = replacement(obs, s.attacker_ids[0], first)
+    identical = replicas_identical(replicas)
+    if identical is False:  # which replicas differ, and how (a step behind, or other bits): the row says it
+        evidence += "; replicas at the end: " + replicas_seen(replicas)
     row.update(
         refused_or_detected=refused, detection_steps=detection, evicted=evicted, run_stopped=run_stopped,
         steps=len(rows), final_loss=final_loss(rows), held_out_loss=held_out_loss(rows), attack_step=s.attack_step,
         evidence=evidence,
         replaced_by=taker[0] if taker else None, replaced_after_steps=taker[1] if taker else None,
-        replicas_identical=replicas_identical(replicas),
+        replicas_identical=identical,
     )  # fmt: skip
     return row
 

@@ -35,7 +35,7 @@ def test_quick_attacks_rows_clean_run_and_reaping(tmp_path, capsys):
         assert not row["run_stopped"] and row["steps"] == clean["steps"], row
         assert row["detection_steps"] is not None and row["detection_steps"] <= 20, row
         # the standby took the liar's place with its sibling's state (not the liar's): the replicas end equal
-        assert row["replaced_by"] is not None and row["replicas_identical"] is True, row
+        assert row["replaced_by"] is not None and row["replicas_identical"] is True, (row["setting"], row["evidence"])
     assert (tmp_path / "report.md").read_text().count("| liar-norm:nan |") == 1
     assert (tmp_path / "loss.png").stat().st_size > 0
     for setting in QUICK_SETTINGS:

@@ -83,6 +83,11 @@ def test_a_standby_that_serves_the_liars_stage_under_the_repaired_plan_replaced_
     assert row["detection_steps"] == 1 and set(SHAPE_KEYS) <= set(row)
     assert row["replaced_by"] == standby and row["replaced_after_steps"] == 3 and row["replicas_identical"] is True
     assert replacement(obs, LIAR, obs[1]) == (standby, 3)
+    # replicas that ended apart: the row says which, and whether a step behind or on other bits
+    apart = {**replicas, standby: [0, 8, "d0"], C: [1, 9, "d2"]}
+    row = judge(Setting("liar-noise", "liar", (LIAR,)), _steps(10), obs, 0, 10, apart)
+    assert row["replicas_identical"] is False
+    assert f"stage 0: {standby[:8]} step 8 digest d0" in row["evidence"] and "digest d2" in row["evidence"]
     # the stage left short (no standby): no replacement; a peer serving another stage is none either
     short = [*obs[:2], _obs(3, 2, 2, [[A], [B, C]], peers=peers1), _obs(4, 3, 3, [[A, B], [C]], peers=peers1)]
     assert replacement(short, LIAR, obs[1]) is None
