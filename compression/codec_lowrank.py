@@ -36,7 +36,16 @@ import math
 import torch
 
 from swarm.compression.codec_base import Codec, check_wire_finite, decoded_bound
-from swarm.compression.factors import FACTOR_BITS, MAX_RANK, outer_sum, pack_factor, unpack_factor
+from swarm.compression.factors import (
+    FACTOR_BITS,
+    MAX_RANK,
+    check_ranked,
+    outer_sum,
+    pack_factor,
+    ranked_label,
+    unpack_factor,
+    warm_start,
+)  # fmt: skip
 from swarm.compression.subspace import MAX_SUBSPACE_STEP_PERCENT, encode_subspace
 from swarm.compression.wire import WireError
 from swarm.proto import wire_pb2
@@ -68,10 +77,7 @@ class LowRankCodec(Codec):
 
     @classmethod
     def check(cls, config) -> None:
-        if not 1 <= config.rank <= MAX_RANK:
-            raise ValueError(f"rank is 1..{MAX_RANK}, got {config.rank}")
-        if config.factor_bits not in FACTOR_BITS:
-            raise ValueError(f"factor_bits (+fN) is one of {FACTOR_BITS}, got {config.factor_bits}")
+        check_ranked(config)
         if not 0 <= config.subspace_step_percent <= MAX_SUBSPACE_STEP_PERCENT:
             raise ValueError(f"subspace_step_percent (+sN) is 0..{MAX_SUBSPACE_STEP_PERCENT}, got "
                              f"{config.subspace_step_percent}")  # fmt: skip
@@ -81,11 +87,8 @@ class LowRankCodec(Codec):
     @classmethod
     def label(cls, config) -> str:
         """`lowrank4`, `lowrank4+ef+f8`: the rank where a quantized codec writes its bits."""
-        return (
-            f"{cls.name}{config.rank}"
-            + ("+ef" if config.error_feedback else "")
-            + ("+f8" if config.factor_bits == 8 else "")
-            + (f"+s{config.subspace_step_percent}" if config.subspace_step_percent else "")
+        return ranked_label(cls.name, config) + (
+            f"+s{config.subspace_step_percent}" if config.subspace_step_percent else ""
         )
 
     def _shape(self, numel: int, cols: int | None = None) -> tuple[int, int, int]:
@@ -103,13 +106,6 @@ class LowRankCodec(Codec):
         rows, cols, r = self._shape(numel)
         return (rows + cols) * r * self.config.factor_bits // 8 + 8 * r
 
-    def _warm(self, state, cols: int, r: int) -> torch.Tensor:
-        warm = getattr(state, "warm", None)
-        if warm is not None and warm.shape == (cols, r) and bool(torch.isfinite(warm).all()):
-            return warm
-        gen = torch.Generator().manual_seed(self.config.seed)
-        return torch.randn(cols, r, generator=gen)
-
     def _encode_body(self, x, msg, state):
         use_feedback = self.config.error_feedback and state is not None
         m = x.float().reshape(-1)
@@ -124,7 +120,8 @@ class LowRankCodec(Codec):
         if self.config.subspace_step_percent:
             sent = self._encode_subspace(mat, r, msg)
         else:
-            p = torch.linalg.qr(mat @ self._warm(state, cols, r)).Q  # one power iteration from the warm start
+            start = warm_start(getattr(state, "warm", None), cols, r, self.config.seed)
+            p = torch.linalg.qr(mat @ start).Q  # one power iteration from the warm start
             q = mat.t() @ p
             if state is not None:
                 state.warm = q

@@ -39,7 +39,15 @@ import math
 import torch
 
 from swarm.compression.codec_base import Codec, check_wire_finite, decoded_bound
-from swarm.compression.factors import FACTOR_BITS, MAX_RANK, outer_sum, pack_factor, unpack_factor
+from swarm.compression.factors import (
+    FACTOR_BITS,
+    check_ranked,
+    outer_sum,
+    pack_factor,
+    ranked_label,
+    unpack_factor,
+    warm_start,
+)  # fmt: skip
 from swarm.compression.wire import WireError
 from swarm.proto import wire_pb2
 
@@ -88,20 +96,13 @@ class MatrixLowRankCodec(Codec):
 
     @classmethod
     def check(cls, config) -> None:
-        if not 1 <= config.rank <= MAX_RANK:
-            raise ValueError(f"rank is 1..{MAX_RANK}, got {config.rank}")
-        if config.factor_bits not in FACTOR_BITS:
-            raise ValueError(f"factor_bits (+fN) is one of {FACTOR_BITS}, got {config.factor_bits}")
+        check_ranked(config)
         if config.subspace_step_percent:
             raise ValueError("mlowrank sends PowerSGD's factors: subspace coding (+sN) is lowrank's")
 
     @classmethod
     def label(cls, config) -> str:
-        return (
-            f"{cls.name}{config.rank}"
-            + ("+ef" if config.error_feedback else "")
-            + ("+f8" if config.factor_bits == 8 else "")
-        )
+        return ranked_label(cls.name, config)
 
     def _layout(self, numel: int) -> tuple[tuple[int, ...], ...]:
         """The config's layout; without one (a benchmark, the planner's estimate), `numel` as one matrix in rows of
@@ -125,13 +126,6 @@ class MatrixLowRankCodec(Codec):
         plan = plan_layout(self._layout(numel), self.config.rank, bits)
         return sum((rows + cols) * r * bits // 8 + 8 * r if r else rows * bits // 8 + 4 for rows, cols, r in plan)
 
-    def _warm(self, warm, i: int, cols: int, r: int) -> torch.Tensor:
-        q = warm[i] if isinstance(warm, tuple) and i < len(warm) else None
-        if q is not None and q.shape == (cols, r) and bool(torch.isfinite(q).all()):
-            return q
-        gen = torch.Generator().manual_seed(self.config.seed * 1009 + i)
-        return torch.randn(cols, r, generator=gen)
-
     def _encode_body(self, x, msg, state):
         use_feedback = self.config.error_feedback and state is not None
         m = x.float().reshape(-1)
@@ -146,7 +140,9 @@ class MatrixLowRankCodec(Codec):
             part = m[offset : offset + rows * cols]
             if r:
                 mat = part.view(rows, cols)
-                p = torch.linalg.qr(mat @ self._warm(warm_in, i, cols, r)).Q  # one power iteration from the warm start
+                last = warm_in[i] if isinstance(warm_in, tuple) and i < len(warm_in) else None
+                start = warm_start(last, cols, r, self.config.seed * 1009 + i)
+                p = torch.linalg.qr(mat @ start).Q  # one power iteration from the warm start
                 q = mat.t() @ p
                 warm_out.append(q)
                 decoded = outer_sum(pack_factor(p, bits, msg.factors.add()), pack_factor(q, bits, msg.factors.add()))

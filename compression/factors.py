@@ -17,7 +17,10 @@ import torch
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
 from swarm.proto import wire_pb2
 
-__all__ = ["FACTOR_BITS", "INT8_MAX", "MAX_RANK", "outer_sum", "pack_factor", "unpack_factor"]
+__all__ = [
+    "FACTOR_BITS", "INT8_MAX", "MAX_RANK", "check_ranked", "outer_sum", "pack_factor", "ranked_label", "unpack_factor",
+    "warm_start",
+]  # fmt: skip
 
 FACTOR_BITS = (16, 8)
 """How factor elements travel: fp16 codes (16) or int8 codes (8), each column with an fp32 step."""
@@ -25,6 +28,29 @@ INT8_MAX = 127
 """Largest int8 code a factor column may carry (-128 is refused on the wire)."""
 MAX_RANK = 64
 """Largest rank a config or a message may have."""
+
+
+def check_ranked(config) -> None:
+    """Refuses (ValueError) a factor codec's rank outside 1..`MAX_RANK` or factor bits outside `FACTOR_BITS`."""
+    if not 1 <= config.rank <= MAX_RANK:
+        raise ValueError(f"rank is 1..{MAX_RANK}, got {config.rank}")
+    if config.factor_bits not in FACTOR_BITS:
+        raise ValueError(f"factor_bits (+fN) is one of {FACTOR_BITS}, got {config.factor_bits}")
+
+
+def ranked_label(name: str, config) -> str:
+    """A factor codec's label: its rank where a quantized codec writes its bits, then `+ef`, `+f8` (lowrank4+ef+f8)."""
+    return (
+        f"{name}{config.rank}" + ("+ef" if config.error_feedback else "") + ("+f8" if config.factor_bits == 8 else "")
+    )
+
+
+def warm_start(q: torch.Tensor | None, cols: int, r: int, seed: int) -> torch.Tensor:
+    """A power iteration's starting Q (cols x r): the encoder's last `q` where it has that shape and is finite, else
+    a Gaussian drawn from `seed` (any start is valid: the encoder's own, never on the wire)."""
+    if q is not None and q.shape == (cols, r) and bool(torch.isfinite(q).all()):
+        return q
+    return torch.randn(cols, r, generator=torch.Generator().manual_seed(seed))
 
 
 def pack_factor(f: torch.Tensor, bits: int, q: wire_pb2.Quantized, step: torch.Tensor | None = None) -> torch.Tensor:

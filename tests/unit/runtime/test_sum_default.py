@@ -23,6 +23,20 @@ def digests(pipe: Replicas) -> set[str]:
     return {pipe.client(r).Status(stage_pb2.Empty()).weights_digest for r in range(len(pipe.hosts))}
 
 
+def identical_steps(pipe: Replicas, steps: int):
+    """Trains `steps` steps on every replica, each one's batch split over them; yields each step's Reduce replies once
+    every replica holds the same summed gradient and, after its Step, the same weights."""
+    n = len(pipe.hosts)
+    for step in range(steps):
+        pipe.split_step(step, rows=6, seed=step)
+        replies = pipe.reduce(step)
+        assert all(torch.equal(flat(pipe, 0), flat(pipe, r)) for r in range(1, n)), f"sums differ at step {step}"
+        for r in range(n):
+            pipe.step(r, step)
+        assert len(digests(pipe)) == 1, f"replicas' weights differ after step {step}"
+        yield replies
+
+
 def test_the_default_sum_keeps_replicas_bit_identical_step_after_step_at_its_factors_bytes():
     pipe = Replicas(3, backward=GRADQ)  # three replicas: every member adds three decoded messages in group order
     config = pipe.hosts[0].averager._config(0, 0)
@@ -30,13 +44,7 @@ def test_the_default_sum_keeps_replicas_bit_identical_step_after_step_at_its_fac
     assert config.layout == tuple(tuple(p.shape) for p in pipe.hosts[0].averager.trained)  # coded per parameter
     assert not pipe.hosts[0].averager._preconditioned(config, False)  # AdamW's scale would break the low rank
     payload = make_codec(config).payload_nbytes(pipe.hosts[0].averager.numel)
-    for step in range(8):
-        pipe.split_step(step, rows=6, seed=step)
-        replies = pipe.reduce(step)
-        assert all(torch.equal(flat(pipe, 0), flat(pipe, r)) for r in (1, 2)), f"sums differ at step {step}"
-        for r in range(3):
-            pipe.step(r, step)
-        assert len(digests(pipe)) == 1, f"replicas' weights differ after step {step}"
+    for replies in identical_steps(pipe, 8):
         # what each member sent its two others: the factors' codes and scales, framing and envelope aside
         assert all(2 * payload < reply.wire_bytes < 2 * payload * 1.1 + 2048 for reply in replies)
         assert all(reply.wire_bytes < reply.fp32_wire_bytes / 10 for reply in replies)
@@ -49,13 +57,7 @@ def test_the_default_sum_keeps_replicas_bit_identical_step_after_step_at_its_fac
 def test_the_2_bit_rung_keeps_replicas_bit_identical_at_a_sixteenth_of_fp32(monkeypatch):
     monkeypatch.setattr(GradientAverager, "sum_codec", QUANTIZED_SUM_CODEC)
     pipe = Replicas(3, backward=GRADQ)
-    for step in range(8):
-        pipe.split_step(step, rows=6, seed=step)
-        replies = pipe.reduce(step)
-        assert all(torch.equal(flat(pipe, 0), flat(pipe, r)) for r in (1, 2)), f"sums differ at step {step}"
-        for r in range(3):
-            pipe.step(r, step)
-        assert len(digests(pipe)) == 1, f"replicas' weights differ after step {step}"
+    for replies in identical_steps(pipe, 8):
         # 2 bits and a 16-bit scale per group of 1024 against 32 bits, framing aside
         assert all(0 < reply.wire_bytes < reply.fp32_wire_bytes / 12 for reply in replies)
     scales = [h.averager._preconditioner() for h in pipe.hosts]  # AdamW's units: the same on every replica
