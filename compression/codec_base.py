@@ -67,6 +67,9 @@ class Codec:
     device_encoded: ClassVar[bool] = False
     """a sending end on a GPU encodes there, its message buffers kept on the device (kernels for its quantizer
     on CUDA); every other codec's ends encode on the host"""
+    per_parameter: ClassVar[bool] = False
+    """codes a flat gradient parameter by parameter, against the shapes its config's `layout` gives (the averager
+    sets them from the stage's parameters)"""
 
     TRAITS: ClassVar[tuple[str, ...]] = (
         "quantized",
@@ -82,6 +85,7 @@ class Codec:
         "subspace_first_sights",
         "subspace_deltas",
         "device_encoded",
+        "per_parameter",
     )
     """The boolean traits every codec declares (its own or inherited); the registry checks them at import."""
 

@@ -162,8 +162,9 @@ class CodecConfig:
     0 for every other codec."""
 
     layout: tuple[tuple[int, ...], ...] = ()
-    """mlowrank: the shapes of the parameters the flat tensor concatenates, in order (no label names it: the averager
-    sets the stage's trained parameters', the same on every replica); () for every other codec."""
+    """per-parameter codecs (mlowrank): the shapes of the parameters the flat tensor concatenates, in order (no
+    label names it: the averager sets the stage's trained parameters', the same on every replica); () for every
+    other codec."""
 
     def __post_init__(self) -> None:
         codec = codec_class(self.name)
@@ -242,8 +243,8 @@ class CodecConfig:
             raise ValueError(
                 f"keep (+kN) is >= 0 and for the sparse codecs ({_having('sparse')}) only, got {self.keep}"
             )
-        if self.layout and self.name != "mlowrank":
-            raise ValueError(f"layout applies to mlowrank only, not {self.name}")
+        if self.layout and not codec.per_parameter:
+            raise ValueError(f"layout applies to {_having('per_parameter')} only, not {self.name}")
         if any(not isinstance(d, int) or d < 0 for shape in self.layout for d in shape):
             raise ValueError(f"layout holds shapes of non-negative ints, got {self.layout!r}")
         codec.check(self)  # the codec's own parameters (a rank's range, the factors' bits)

@@ -16,7 +16,7 @@ dimensions is a (shape[0], rest) matrix, factored at rank min(r, rows, cols) whe
 the matrix (r (rows + cols) < rows cols); every other parameter travels whole, as one column of codes with one fp32
 step (`compression.factors`). So the codec pays at a width: at hidden 128 and rank 8 a transformer layer's message
 is 17.1 KB, 0.69 bits an element (1.39 at hidden 64, 0.34 at 256); at hidden 32 it is 2.9, more than the 2-bit
-sum's (`swarm.runtime.average.QUANTIZED_SUM_CODEC`, the planner's rung above it).
+sum's (`swarm.runtime.average.QUANTIZED_SUM_CODEC`, which a plan may name).
 
 The encoder: M = the flat gradient plus the residual; per factored matrix P = M_i Q_warm orthonormalised
 (`torch.linalg.qr`), Q = M_i^T P, both packed; per whole parameter its values packed; the residual is M minus what
@@ -56,27 +56,28 @@ DEFAULT_ROW = 128
 planner's estimate of a stage it does not list and the codec benchmarks code."""
 
 
+def layout_of(params) -> tuple[tuple[int, ...], ...]:
+    """The layout of `params` (tensors, or anything with a `shape`): their shapes, in order."""
+    return tuple(tuple(int(d) for d in p.shape) for p in params)
+
+
 def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
     """(rows, cols) of a parameter of 2+ dimensions (its first dimension by the rest); None for a vector or scalar."""
-    if len(shape) < 2:
-        return None
-    rows = int(shape[0])
-    return rows, math.prod(int(d) for d in shape[1:]) if rows else 0
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else None
 
 
-def plan_layout(layout: tuple[tuple[int, ...], ...], rank: int, factor_bits: int) -> list[tuple[int, int, int]]:
+def factor_plan(layout: tuple[tuple[int, ...], ...], rank: int) -> list[tuple[int, int, int]]:
     """Per parameter (rows, cols, r): r > 0 for a matrix sent as rank-r factors, (numel, 1, 0) for one sent whole."""
     plan = []
     for shape in layout:
         view = matrix_view(shape)
-        numel = math.prod(int(d) for d in shape)
         if view is not None and min(view) > 0:
             rows, cols = view
             r = min(rank, rows, cols)
             if r * (rows + cols) < rows * cols:  # the factors are fewer codes than the matrix whole
                 plan.append((rows, cols, r))
                 continue
-        plan.append((numel, 1, 0))
+        plan.append((math.prod(shape), 1, 0))
     return plan
 
 
@@ -84,7 +85,7 @@ class MatrixLowRankCodec(Codec):
     """Per-parameter rank-r PowerSGD factors with encoder-local warm starts and error feedback (`+ef`); rank in the
     label (`mlowrank8`), 8-bit codes with `+f8` (module doc)."""
 
-    name, wire, error_feedback, ranked = "mlowrank", wire_pb2.MLOWRANK, True, True
+    name, wire, error_feedback, ranked, per_parameter = "mlowrank", wire_pb2.MLOWRANK, True, True, True
 
     @classmethod
     def wire_bits(cls, config) -> int:
@@ -114,7 +115,7 @@ class MatrixLowRankCodec(Codec):
         return ((rows, cols),) * bool(rows) + ((rest,),) * bool(rest)
 
     def _plan(self, numel: int) -> list[tuple[int, int, int]]:
-        plan = plan_layout(self._layout(numel), self.config.rank, self.config.factor_bits)
+        plan = factor_plan(self._layout(numel), self.config.rank)
         held = sum(rows * cols for rows, cols, _ in plan)
         if held != numel:
             raise WireError("shape", f"{numel} elements, but the parameters' layout holds {held}")
@@ -123,7 +124,7 @@ class MatrixLowRankCodec(Codec):
     def payload_nbytes(self, numel: int) -> int:
         """Codes and scales of a message of `numel` elements, by the layout (`_layout`)."""
         bits = self.config.factor_bits
-        plan = plan_layout(self._layout(numel), self.config.rank, bits)
+        plan = factor_plan(self._layout(numel), self.config.rank)
         return sum((rows + cols) * r * bits // 8 + 8 * r if r else rows * bits // 8 + 4 for rows, cols, r in plan)
 
     def _encode_body(self, x, msg, state):

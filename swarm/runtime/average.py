@@ -42,6 +42,7 @@ import grpc
 import torch
 
 from swarm.compression import CodecConfig, WireError, WireLimits, codec_class, decoder_for, make_codec
+from swarm.compression.codec_mlowrank import layout_of
 from swarm.compression.state import LinkState
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, name_failure, tensor_items
 from swarm.runtime.callinfo import info_to_wire
@@ -74,9 +75,9 @@ rank-8 PowerSGD factors in int8, every other parameter whole in int8, error feed
 (docs/reports/replicas.md, s55) it ended +0.48% / +0.51% held-out vs fp32 (seeds 0 / 1) at 32.6x fewer total bytes
 after epoch 1, where `QUANTIZED_SUM_CODEC` ended +0.60% / +0.83% at 21.9x: the sums went from 50.7 to 25.3 MB."""
 QUANTIZED_SUM_CODEC = "gradq2+ef+rot+nr+cs+g1024"
-"""The replicas' sum before s55 and the ladder's rung above `SUM_CODEC`: 2 bits with error feedback, Hadamard
-rotation, round to nearest, 16-bit scales, groups of 1024, quantized in AdamW's units (`precondition_max_bits`).
-Fewer bytes than `SUM_CODEC` where the matrices are narrow (hidden 32: `codec_mlowrank`)."""
+"""The replicas' sum before s55, off the planner's ladder since (a plan may name it): 2 bits with error feedback,
+Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, quantized in AdamW's units
+(`precondition_max_bits`). Fewer bytes than `SUM_CODEC` where the matrices are narrow (hidden 32: `codec_mlowrank`)."""
 
 
 TIED_CODEC = "lowrank16+ef+f8"
@@ -188,7 +189,8 @@ class _Group:
         self.reduced: int | None = None
         self.warm: torch.Tensor | tuple | None = None  # a lowrank encoder's warm start (mlowrank's: one a
         # parameter): any value is valid
-        self.pending_warm: torch.Tensor | None = None  # the open step's: kept at commit, so a retry starts alike
+        self.pending_warm: torch.Tensor | tuple | None = None  # the open step's: kept at commit, so a retry
+        # starts alike
         self.own_norms: dict[int, float] = {}
         """step -> the norm of this member's own message for it, for the last `OWN_NORMS` steps it summed (a rerun of
         a step replaces its entry): the reference of the out-of-proportion rule (`GradientAverager.reference_norm`)"""
@@ -611,9 +613,8 @@ class GradientAverager:
         cols = weight.shape[-1] if weight is not None else None
         cfg = group_config(self.codecs[tied], self.host.links.backward_recv.config, tied, self, tied_cols=cols)
         seed = (cfg.seed * 1_000_003 + step * 257 + index + (1 << 20 if tied else 0)) % (1 << 31)
-        if cfg.name == "mlowrank":  # coded parameter by parameter: the same shapes on every member
-            params = [weight] if tied else self.trained
-            return replace(cfg, seed=seed, layout=tuple(tuple(int(d) for d in p.shape) for p in params))
+        if codec_class(cfg.name).per_parameter:  # coded parameter by parameter: the same shapes on every member
+            return replace(cfg, seed=seed, layout=layout_of([weight] if tied else self.trained))
         return replace(cfg, seed=seed)
 
     def _send_all(self, info, msg, config: CodecConfig, peers, addresses, me: int, end: float):

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from swarm.compression import CodecConfig, LinkState, frame, make_codec
+from swarm.compression import CodecConfig, LinkState, codec_class, frame, make_codec
+from swarm.compression.codec_mlowrank import layout_of
 from swarm.model.gpt import ModelConfig
 from swarm.scheduler.plans import ModelSpec, TransformerShape
 
@@ -184,17 +185,17 @@ def layer_shapes(model) -> tuple[tuple[int, ...], ...]:
     layer = min(1, model.n_layers - 1)
     with torch.device("meta"):
         stage = build_stage(model, layer, layer + 1, False, False)
-    return tuple(tuple(int(d) for d in p.shape) for _, p in sorted(stage.named_parameters()))
+    return layout_of(p for _, p in sorted(stage.named_parameters()))
 
 
 def sum_layer_bytes(model: ModelConfig, backward: CodecConfig, elements: float) -> float:
     """Bytes of one layer's share of a replica's sum message, as `GradientAverager` sums without a plan's epilogue
-    codecs: a codec coded parameter by parameter (`SUM_CODEC`, mlowrank) priced on one block's shapes, any other at
+    codecs: a per-parameter codec (`SUM_CODEC`, mlowrank) priced on one block's shapes, any other at
     its wire bits (`sum_bits`) for `elements`."""
     from swarm.runtime.average import group_config  # lazy: the stage runtime
 
     config = group_config(None, backward)
-    if config.name == "mlowrank":
+    if codec_class(config.name).per_parameter:
         layout = layer_shapes(model)
         return float(make_codec(dataclasses.replace(config, layout=layout)).payload_nbytes(
             sum(math.prod(shape) for shape in layout)))  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, LinkState, WireError, decoder_for, make_codec
-from swarm.compression.codec_mlowrank import matrix_view, plan_layout
+from swarm.compression.codec_mlowrank import factor_plan, matrix_view
 from swarm.compression.codecs import BY_NAME, REGISTRY
 from swarm.proto import wire_pb2
 
@@ -43,10 +43,10 @@ def test_registered_labelled_and_validated():
 
 def test_matrices_are_factored_where_their_factors_are_fewer_codes_and_the_rest_goes_whole():
     assert matrix_view((32, 128)) == (32, 128) and matrix_view((2, 3, 4)) == (2, 12) and matrix_view((32,)) is None
-    plan = plan_layout(LAYOUT, 8, 8)
+    plan = factor_plan(LAYOUT, 8)
     assert plan == [(32, 128, 8), (96, 32, 8), (32, 1, 0), (32, 1, 0), (128, 32, 8), (24, 1, 0)]
-    assert plan_layout(((16, 16),), 8, 8) == [(256, 1, 0)]  # rank 8 of 16 x 16: 256 codes either way, sent whole
-    assert plan_layout(((0, 5),), 8, 8) == [(0, 1, 0)]
+    assert factor_plan(((16, 16),), 8) == [(256, 1, 0)]  # rank 8 of 16 x 16: 256 codes either way, sent whole
+    assert factor_plan(((0, 5),), 8) == [(0, 1, 0)]
 
 
 def test_the_residual_is_what_the_receiver_did_not_get_and_each_matrix_keeps_its_own_warm_start():
