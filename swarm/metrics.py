@@ -71,6 +71,10 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("sync_bytes", Counter, "swarm_sync_bytes_total", "Bytes of the tied-embedding gradient sync"),
     MetricSpec(
+        "state_bytes", Counter, "swarm_state_bytes_total",
+        "Bytes of stage state this peer sent over GetState: held copies, takeovers' and joiners' state, exports",
+    ),
+    MetricSpec(
         "control_bytes", Counter, "swarm_control_bytes_total",
         "Bytes of the trainer's other calls: token and label batches, Reduce/Grads/Step, pings (serialized)",
     ),
@@ -143,6 +147,7 @@ class Metrics:
         wire_bytes: swarm_wire_bytes_total{link, direction} (direction: forward or backward).
         fp32_bytes: swarm_fp32_bytes_total{link, direction}.
         sync_bytes: swarm_sync_bytes_total.
+        state_bytes: swarm_state_bytes_total (swarm.runtime.service's GetState).
         control_bytes: swarm_control_bytes_total.
         control_call_bytes: swarm_control_call_bytes_total{method} (the same bytes by call method).
         phase_seconds: swarm_phase_seconds{stage, phase} (phase: encode, decode, compute or wait).
@@ -166,6 +171,7 @@ class Metrics:
     wire_bytes: Counter
     fp32_bytes: Counter
     sync_bytes: Counter
+    state_bytes: Counter
     control_bytes: Counter
     control_call_bytes: Counter
     phase_seconds: Histogram

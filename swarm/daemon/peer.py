@@ -148,6 +148,7 @@ class PeerDaemon:
                 log.error("%s", e)
                 return 2
             self.servicer = StageServicer(None, auth.verifier() if cfg.auth else None, budget=cfg.budget)
+            self.servicer.state_sent = self.metrics.state_bytes.inc
             if cfg.checkpoint_dir:
                 from pathlib import Path
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ __all__ = [
     "read_steps",
     "recovery_times",
     "report_markdown",
+    "state_bytes",
     "summarize",
     "targets",
 ]
@@ -49,6 +51,7 @@ ROW_KEYS = [
     "total_wire_bytes",
     "fp32_total_wire_bytes",
     "tensor_ratio_vs_fp32",
+    "state_bytes",
 ]
 BYTES_TARGET = 20.0
 """Issue 29's target: the no-churn setting sends at least this many times fewer bytes in all than the same tensors
@@ -159,8 +162,10 @@ def summarize(
     expected: Sequence[Sequence[int]],
     batch_size: int,
     target_steps: int,
+    state: int | None = None,
 ) -> dict:
-    """One row of the experiment's table (ROW_KEYS first, then the details the report uses).
+    """One row of the experiment's table (ROW_KEYS first, then the details the report uses); `state`: the GetState
+    bytes its peers sent (`state_bytes`), in the totals.
 
     A run that ended before `target_steps` is accounted over the steps it trained: the samples of steps never
     run are `samples_not_run`, not lost (the "all steps trained" target fails instead)."""
@@ -185,7 +190,7 @@ def summarize(
     tail = losses[-FINAL_LOSS_STEPS:]
     wire = sum(int(float(r.get("forward_bytes") or 0)) + int(float(r.get("backward_bytes") or 0)) for r in rows)
     wire += sum(int(float(r.get("reduce_bytes") or 0)) for r in rows)
-    split = byte_split(rows)
+    split = byte_split(rows, state)
     return {
         "setting": setting,
         "steps": len(rows),
@@ -223,13 +228,15 @@ def _column(rows: Sequence[dict], key: str) -> int:
     return sum(int(float(r.get(key) or 0)) for r in rows)
 
 
-def byte_split(rows: Sequence[dict]) -> dict:
-    """Every byte of the run (steps.csv's `total_wire_bytes`) and its fp32 equivalent, and the split: boundaries
-    (both directions), the tied sum, control, and the replicas' sums (the trainer's `direction=average` counter
-    columns; where it wrote none, the rest of the total). None where the trainer wrote no totals."""
+def byte_split(rows: Sequence[dict], state: int | None = None) -> dict:
+    """Every byte of the run (steps.csv's `total_wire_bytes`, plus `state`: the GetState bytes the peers sent,
+    `state_bytes`) and its fp32 equivalent, and the split: boundaries (both directions), the tied sum, control, the
+    replicas' sums (the trainer's `direction=average` counter columns; where it wrote none, the rest of the
+    trainer's total) and the state the peers moved (held copies, takeovers, joiners: fp32 whatever the codecs, so
+    in both totals alike). None where the trainer wrote no totals; `state_bytes` None where it was not read."""
     if not rows or "total_wire_bytes" not in rows[0]:
-        keys = ("total_wire_bytes", "fp32_total_wire_bytes", "tensor_ratio_vs_fp32", "boundary_bytes", "tied_bytes")
-        return dict.fromkeys((*keys, "control_bytes", "replica_sum_bytes"), None)
+        keys = ("total_wire_bytes", "fp32_total_wire_bytes", "tensor_ratio_vs_fp32", "state_bytes", "boundary_bytes")
+        return dict.fromkeys((*keys, "tied_bytes", "control_bytes", "replica_sum_bytes"), None)
     total, boundary = (
         _column(rows, "total_wire_bytes"),
         _column(rows, "forward_bytes") + _column(rows, "backward_bytes"),
@@ -237,16 +244,32 @@ def byte_split(rows: Sequence[dict]) -> dict:
     tied, control = _column(rows, "sync_bytes"), _column(rows, "control_bytes")
     average = [k for k in rows[0] if k.startswith("swarm_wire_bytes_total{") and "direction=average" in k]
     fp32 = _column(rows, "fp32_total_wire_bytes")
+    summed = sum(_column(rows, k) for k in average) if average else total - boundary - tied - control
+    moved = state or 0
     return {
-        "total_wire_bytes": total,
-        "fp32_total_wire_bytes": fp32,
+        "total_wire_bytes": total + moved,
+        "fp32_total_wire_bytes": fp32 + moved,
         # both totals carry the same control bytes (audits' fp32 records, calls): the ratio of what the codecs carry
         "tensor_ratio_vs_fp32": (fp32 - control) / (total - control) if total > control else None,
+        "state_bytes": state,
         "boundary_bytes": boundary,
         "tied_bytes": tied,
         "control_bytes": control,
-        "replica_sum_bytes": sum(_column(rows, k) for k in average) if average else total - boundary - tied - control,
+        "replica_sum_bytes": summed,
     }
+
+
+def state_bytes(log_dir: Path) -> int | None:
+    """The bytes of every GetState stream the peers of a run sent, from their logs (`logs/*.log`, the lines
+    `swarm.runtime.service.STATE_SENT_LOG` starts): a peer's metrics die with it, its log does not. A stream cut
+    short by its sender's kill is not in it. None where the run left no logs."""
+    from swarm.runtime.service import STATE_SENT_LOG
+
+    logs = sorted(log_dir.glob("*.log")) if log_dir.is_dir() else []
+    if not logs:
+        return None
+    pattern = re.compile(re.escape(STATE_SENT_LOG) + r" (\d+) bytes")
+    return sum(int(m.group(1)) for path in logs for m in pattern.finditer(path.read_text(errors="replace")))
 
 
 def loss_agreement(base: Sequence[dict], churn: Sequence[dict], events: Sequence[dict]) -> dict:
@@ -314,14 +337,15 @@ def targets(rows: Sequence[dict], kill_every_s: float | None = None, schedule: s
     if base is not None and base.get("total_wire_bytes"):
         ratio = base["fp32_total_wire_bytes"] / base["total_wire_bytes"]
         mb = lambda key: f"{base[key] / 1e6:.1f} MB"  # noqa: E731
-        parts = ("boundary_bytes", "tied_bytes", "replica_sum_bytes", "control_bytes")
-        other = base["total_wire_bytes"] - sum(base[k] for k in parts)
+        parts = ("boundary_bytes", "tied_bytes", "replica_sum_bytes", "control_bytes", "state_bytes")
+        other = base["total_wire_bytes"] - sum(base[k] or 0 for k in parts)
+        state = "not read" if base.get("state_bytes") is None else mb("state_bytes")
         out.append(
             Target(
                 f"no-churn: >= {BYTES_TARGET:g}x fewer total bytes than fp32",
                 f"{ratio:.1f}x ({mb('total_wire_bytes')} of {mb('fp32_total_wire_bytes')}: boundaries "
                 f"{mb('boundary_bytes')}, tied sum {mb('tied_bytes')}, replicas' sums {mb('replica_sum_bytes')}, "
-                f"control {mb('control_bytes')}, other {other / 1e6:.1f} MB; tensors alone "
+                f"control {mb('control_bytes')}, stage state moved {state}, other {other / 1e6:.1f} MB; tensors alone "
                 f"{base.get('tensor_ratio_vs_fp32') or 0:.1f}x)",
                 ratio >= BYTES_TARGET,
             )

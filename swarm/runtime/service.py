@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from swarm.net.auth import CallVerifier
 
 __all__ = [
+    "STATE_SENT_LOG",
     "StageServicer",
     "audit_reply",
     "recompute_inputs",
@@ -67,6 +68,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("swarm.runtime.service")
+
+STATE_SENT_LOG = "GetState sent"
+"""The start of the INFO line a peer logs for every GetState stream it sent (a held copy, a takeover's state, an
+export), then its bytes: the experiments add these to the run's bytes (`swarm.experiments.churn_report`)."""
 
 
 EXPECTED_FAILURES = (grpc.RpcError, CallRefused, BufferMissError, WireError, GateError, SlotsExhausted, StageCallError,
@@ -127,6 +132,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """One audit recomputation at a time: a trainer's audits never hold more than one thread's compute."""
         self._reduce_slots = CallSlots(1, "Reduce")
         """One Reduce waits for its peers' gradients at a time: the other threads stay free for Step and Status."""
+        self.state_sent: Callable[[int], None] = lambda nbytes: None
+        """Told the bytes of every GetState stream this servicer sent, whole or cut short (the peer's
+        `swarm_state_bytes_total`): copies and takeovers are bytes the run puts on the network too."""
         self.previous: StageHost | None = None
         """The host this peer served before its last plan change, kept to hand its state over."""
         self.standby_version: int | None = None
@@ -652,7 +660,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"max_bytes_per_s: {rate} is not a rate")
         chunk_bytes = paced_chunk_bytes(rate, DEFAULT_CHUNK_BYTES) if rate else DEFAULT_CHUNK_BYTES
         items = self._state_items(request, context, caller, chunk_bytes)
-        yield from (paced(items, rate) if rate else items)
+        sent = 0
+        try:
+            for item in paced(items, rate) if rate else items:
+                sent += item.ByteSize()
+                yield item
+        finally:
+            if sent:
+                self.state_sent(sent)
+                log.info("%s %d bytes (stage %d) to %s", STATE_SENT_LOG, sent, request.stage, caller or "a caller")
 
     def _state_items(self, request, context, caller: str | None, chunk_bytes: int):
         """GetState's items (a held copy's, or the stage's under the request's plan), in chunks of `chunk_bytes`."""

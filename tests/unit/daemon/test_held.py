@@ -145,6 +145,34 @@ def test_get_state_serves_held_copies_to_plan_peers_only(tmp_path):
     pipe.close()
 
 
+def test_every_get_state_stream_is_counted_whole_or_cut_short_and_logged(tmp_path, caplog):
+    from swarm.runtime.service import STATE_SENT_LOG
+
+    pipe = LocalPipeline(TINY, 2)
+    servicer = servicer_of(pipe, 0)
+    store = HeldStore(tmp_path)
+    store.save(2, 3, handover_tensors(pipe.hosts[1].worker, 7))
+    servicer.held_state = HeldServer(store, TINY.n_layers)
+    counted = []
+    servicer.state_sent = counted.append
+    callee, neighbour = pipe.hosts[0].peer_id, pipe.hosts[1].outbox.connector.signer
+    with caplog.at_level("INFO", logger="swarm.runtime.service"):
+        held = call_get_state(servicer, neighbour, callee, "2-3")
+        own = call_get_state(servicer, neighbour, callee, None)
+        metadata = neighbour.metadata(callee, method_path("GetState"), stage_pb2.StateRequest())
+        cut = servicer.GetState(stage_pb2.StateRequest(), _LocalContext(metadata))
+        first = next(cut)
+        cut.close()  # the caller went away after one item
+    sizes = [sum(i.ByteSize() for i in held), sum(i.ByteSize() for i in own), first.ByteSize()]
+    assert counted == sizes and sizes[0] > 0 and sizes[1] > sizes[2]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(STATE_SENT_LOG)]
+    assert [int(line.split()[2]) for line in lines] == sizes
+    with pytest.raises(LocalRpcError):
+        call_get_state(servicer, CallSigner(Identity.generate()), callee, "2-3")  # a stranger gets nothing
+    assert counted == sizes, "a refused call sent nothing"
+    pipe.close()
+
+
 class Clock:
     t = 0.0
 
@@ -192,6 +220,22 @@ def test_replicator_pulls_the_buddy_every_n_steps(tmp_path):
     host.restore(40)
     assert not rep.tick(plan, peers), "holder unreachable: try later"
     pipe.close()
+
+
+def test_no_copy_is_held_of_a_stage_its_replicas_already_hold(tmp_path):
+    def plan(version, *stage1):
+        return PlanRecord(version=version, document={"stages": [
+            {"layer_start": 0, "layer_end": 2, "peer_ids": [A]},
+            {"layer_start": 2, "layer_end": 3, "peer_ids": list(stage1)},
+        ]}, created_at=1.0)  # fmt: skip
+
+    peers = [ann(A), ann(B), ann(C)]
+    clock = Clock()
+    rep = Replicator(A, HeldStore(tmp_path), every_steps=20, status=lambda a: 40, fetch=None, poll_s=2.0, clock=clock)
+    assert rep.due(plan(2, B, C), peers) is None, "stage 1 has two replicas: each holds the other's state"
+    assert not rep.tick(plan(2, B, C), peers)
+    clock.t += 2
+    assert rep.due(plan(3, B), peers) == ("127.0.0.1:1", 1, 2, 3), "down to one replica: its copy is due again"
 
 
 def test_a_leave_is_done_when_the_successor_follows_a_plan_without_the_leaver():

@@ -1,6 +1,6 @@
 """The churn experiment's byte accounting (issue 29): every row carries the run's total bytes and their fp32
-equivalent, split into boundaries, the tied sum, the replicas' sums and control, judged against >= 20x; and
---settings runs one setting alone."""
+equivalent, split into boundaries, the tied sum, the replicas' sums, control and the stage state the peers moved
+(read from their logs), judged against >= 20x; and --settings runs one setting alone."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from swarm.experiments import churn
 from swarm.experiments.churn import ChurnConfig, swarm_flags
-from swarm.experiments.churn_report import BYTES_TARGET, ROW_KEYS, byte_split, targets
+from swarm.experiments.churn_report import BYTES_TARGET, ROW_KEYS, byte_split, state_bytes, targets
+from swarm.runtime.service import STATE_SENT_LOG
 
 AVG0, AVG1 = "swarm_wire_bytes_total{direction=average,link=0}", "swarm_wire_bytes_total{direction=average,link=1}"
 
@@ -28,6 +29,7 @@ def test_the_split_reads_the_average_counters_and_totals():
     assert split == {
         "total_wire_bytes": 402, "fp32_total_wire_bytes": 10000, "boundary_bytes": 300, "tied_bytes": 40,
         "control_bytes": 10, "replica_sum_bytes": 50, "tensor_ratio_vs_fp32": (10000 - 10) / (402 - 10),
+        "state_bytes": None,
     }  # fmt: skip
     assert "total_wire_bytes" in ROW_KEYS and "fp32_total_wire_bytes" in ROW_KEYS
 
@@ -47,6 +49,28 @@ def row(total: int, fp32: int) -> dict:
 def test_the_bytes_target_is_judged_on_the_no_churn_row(fp32, passed):
     (check,) = [c for c in targets([row(400, fp32)]) if "fewer total bytes" in c.name]
     assert check.passed is passed and f">= {BYTES_TARGET:g}x" in check.name and "replicas' sums" in check.value
+
+
+def test_state_the_peers_moved_is_read_from_their_logs_and_counted_in_both_totals(tmp_path):
+    logs = tmp_path / "logs"
+    assert state_bytes(logs) is None, "no logs: not read, which is not 0"
+    logs.mkdir()
+    (logs / "peer0.log").write_text(
+        f"12:00 INFO swarm.runtime.service: {STATE_SENT_LOG} 5328280 bytes (stage 0) to Qm1\n"
+        "12:01 INFO swarm.daemon.replication: holding a copy of layers [2, 3) at step 22\n"
+        f"12:02 INFO swarm.runtime.service: {STATE_SENT_LOG} 1000 bytes (stage 1) to Qm2\n"
+    )
+    (logs / "peer1.log").write_text(f"x {STATE_SENT_LOG} 7 bytes (stage 2) to Qm3\n")
+    (logs / "trainer.log").write_text("nothing sent\n")
+    moved = state_bytes(logs)
+    assert moved == 5328280 + 1000 + 7
+    split = byte_split([step()], moved)
+    assert split["state_bytes"] == moved
+    assert (split["total_wire_bytes"], split["fp32_total_wire_bytes"]) == (201 + moved, 5000 + moved)
+    assert split["tensor_ratio_vs_fp32"] == byte_split([step()])["tensor_ratio_vs_fp32"], "the codecs' ratio alone"
+    no_churn = {"setting": "no-churn", "samples_lost": 0, "samples_duplicated": 0, "steps": 1, **split}
+    (check,) = [c for c in targets([no_churn]) if "fewer total bytes" in c.name]
+    assert "stage state moved 5.3 MB" in check.value and check.passed is False
 
 
 def parse(*argv: str):
