@@ -16,12 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = [
-    "METRICS", "HttpReply", "MetricSpec", "Metrics", "MetricsServer", "MetricsServerLimits", "Route", "delta",
-    "sample_key", "serve_metrics", "total",
+    "METRICS", "STATE_SENT_LOG", "HttpReply", "MetricSpec", "Metrics", "MetricsServer", "MetricsServerLimits", "Route",
+    "delta", "logged_state_bytes", "sample_key", "serve_metrics", "total",
 ]  # fmt: skip
 
 PHASE_BUCKETS_S = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
@@ -251,6 +252,23 @@ def total(snapshot: dict[str, float], name: str, **labels: object) -> float:
         if sample == name and all(have.get(k) == v for k, v in want.items()):
             summed += value
     return summed
+
+
+STATE_SENT_LOG = "GetState sent"
+"""The start of the INFO line a peer logs for every GetState stream it sent (`swarm.runtime.service`: a held copy,
+a takeover's state, an export), then its bytes: what `swarm_state_bytes_total` counted, kept where a killed
+peer's metrics are not (`logged_state_bytes`)."""
+
+
+def logged_state_bytes(log_dir: Path) -> int | None:
+    """The bytes of every GetState stream the peers of a run sent, from their logs (`logs/*.log`, the lines
+    `STATE_SENT_LOG` starts): a peer's metrics die with it, its log does not. A stream cut short by its sender's
+    kill is not in it. None where the run left no logs."""
+    logs = sorted(log_dir.glob("*.log")) if log_dir.is_dir() else []
+    if not logs:
+        return None
+    pattern = re.compile(re.escape(STATE_SENT_LOG) + r" (\d+) bytes")
+    return sum(int(m.group(1)) for path in logs for m in pattern.finditer(path.read_text(errors="replace")))
 
 
 @dataclass(frozen=True)

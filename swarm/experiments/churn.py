@@ -45,11 +45,11 @@ from swarm.experiments.churn_report import (
     read_jsonl,
     read_steps,
     report_markdown,
-    state_bytes,
     summarize,
     targets,
 )
 from swarm.flags import Flags, flag
+from swarm.metrics import logged_state_bytes
 
 SETTINGS = ("no-churn", "churn")
 OPTIONAL_PEER_FLAGS = ("--replicas", "--no-link-probe")
@@ -442,7 +442,7 @@ def collect(cfg: ChurnConfig, out: Path, settings=SETTINGS, expected=None) -> li
         d = out / setting
         steps[setting], events = read_steps(d / "steps.csv"), read_jsonl(d / "events.jsonl")
         rows.append(summarize(setting, steps[setting], events, read_jsonl(d / "step_clock.jsonl"), expected,
-                              cfg.batch_size, cfg.steps, state_bytes(d / "logs")))  # fmt: skip
+                              cfg.batch_size, cfg.steps, logged_state_bytes(d / "logs")))  # fmt: skip
         if setting == "churn" and "no-churn" in steps:  # same computation until the first kill: is it?
             rows[-1].update(loss_agreement(steps["no-churn"], steps["churn"], events))
     return rows

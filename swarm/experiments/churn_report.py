@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import statistics
 from collections import Counter
 from collections.abc import Sequence
@@ -30,7 +29,6 @@ __all__ = [
     "read_steps",
     "recovery_times",
     "report_markdown",
-    "state_bytes",
     "summarize",
     "targets",
 ]
@@ -165,7 +163,7 @@ def summarize(
     state: int | None = None,
 ) -> dict:
     """One row of the experiment's table (ROW_KEYS first, then the details the report uses); `state`: the GetState
-    bytes its peers sent (`state_bytes`), in the totals.
+    bytes its peers sent (`swarm.metrics.logged_state_bytes`), in the totals.
 
     A run that ended before `target_steps` is accounted over the steps it trained: the samples of steps never
     run are `samples_not_run`, not lost (the "all steps trained" target fails instead)."""
@@ -230,10 +228,11 @@ def _column(rows: Sequence[dict], key: str) -> int:
 
 def byte_split(rows: Sequence[dict], state: int | None = None) -> dict:
     """Every byte of the run (steps.csv's `total_wire_bytes`, plus `state`: the GetState bytes the peers sent,
-    `state_bytes`) and its fp32 equivalent, and the split: boundaries (both directions), the tied sum, control, the
-    replicas' sums (the trainer's `direction=average` counter columns; where it wrote none, the rest of the
-    trainer's total) and the state the peers moved (held copies, takeovers, joiners: fp32 whatever the codecs, so
-    in both totals alike). None where the trainer wrote no totals; `state_bytes` None where it was not read."""
+    `swarm.metrics.logged_state_bytes`) and its fp32 equivalent, and the split: boundaries (both directions), the
+    tied sum, control, the replicas' sums (the trainer's `direction=average` counter columns; where it wrote none,
+    the rest of the trainer's total) and the state the peers moved (held copies, takeovers, joiners: fp32 whatever
+    the codecs, so in both totals alike). None where the trainer wrote no totals; `state_bytes` None where it was
+    not read."""
     if not rows or "total_wire_bytes" not in rows[0]:
         keys = ("total_wire_bytes", "fp32_total_wire_bytes", "tensor_ratio_vs_fp32", "state_bytes", "boundary_bytes")
         return dict.fromkeys((*keys, "tied_bytes", "control_bytes", "replica_sum_bytes"), None)
@@ -257,19 +256,6 @@ def byte_split(rows: Sequence[dict], state: int | None = None) -> dict:
         "control_bytes": control,
         "replica_sum_bytes": summed,
     }
-
-
-def state_bytes(log_dir: Path) -> int | None:
-    """The bytes of every GetState stream the peers of a run sent, from their logs (`logs/*.log`, the lines
-    `swarm.runtime.service.STATE_SENT_LOG` starts): a peer's metrics die with it, its log does not. A stream cut
-    short by its sender's kill is not in it. None where the run left no logs."""
-    from swarm.runtime.service import STATE_SENT_LOG
-
-    logs = sorted(log_dir.glob("*.log")) if log_dir.is_dir() else []
-    if not logs:
-        return None
-    pattern = re.compile(re.escape(STATE_SENT_LOG) + r" (\d+) bytes")
-    return sum(int(m.group(1)) for path in logs for m in pattern.finditer(path.read_text(errors="replace")))
 
 
 def loss_agreement(base: Sequence[dict], churn: Sequence[dict], events: Sequence[dict]) -> dict:

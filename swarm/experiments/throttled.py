@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from swarm.compression import DEFAULT_BACKWARD_CODEC, DEFAULT_FORWARD_CODEC
 from swarm.experiments.selective import EPILOGUE_SUFFIX, SELECTIVE_SUFFIX
 from swarm.flags import Flags, flag
+from swarm.metrics import logged_state_bytes
 from swarm.peers.plan import PlanDocument
 from swarm.report import print_table
 
@@ -307,6 +308,8 @@ def read_summary(cell_dir: Path) -> dict:
                 }
             if plan is not None and plan.codecs:  # each boundary's codecs as the planner chose them (@link)
                 summary["link_codecs"] = [f"{c.forward_label}/{c.backward_label}" for c in plan.codecs]
+            # the stage state its peers moved (held copies): no step's bytes, named beside them (docs/BYTES.md)
+            summary["state_bytes"] = logged_state_bytes(cell_dir / "logs")
             epilogue = cell_dir / "epilogue.json"
             if epilogue.is_file():
                 summary["epilogue"] = json.loads(epilogue.read_text())
@@ -540,6 +543,8 @@ def summarize(
         "total_wire_bytes": total,
         "fp32_total_wire_bytes": fp32_total,
         "steady_total_wire_bytes_per_step": steady_total / len(after),
+        # the GetState bytes the cell's peers sent (held copies of each other's stage), beside the totals: not in them
+        "state_bytes": (summary or {}).get("state_bytes"),
         "total_wire_bytes_per_step": total / len(steps),
         # each cell's own raw fp32 equivalent over what it sent; add_comparisons replaces these with what the
         # fp32 cell at the same rate actually sent (zstd included), the stricter baseline, when there is one

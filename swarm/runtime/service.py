@@ -21,6 +21,7 @@ import grpc
 from swarm import trace
 from swarm.compression import BufferMissError, CodecConfig, WireError, WireLimits, frame, make_codec
 from swarm.compression.framing import DEFAULT_CHUNK_BYTES
+from swarm.metrics import STATE_SENT_LOG
 from swarm.net.stream import (
     BUFFER_MISS,
     PLAN_MISMATCH,
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
     from swarm.net.auth import CallVerifier
 
 __all__ = [
-    "STATE_SENT_LOG",
     "StageServicer",
     "audit_reply",
     "recompute_inputs",
@@ -68,10 +68,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("swarm.runtime.service")
-
-STATE_SENT_LOG = "GetState sent"
-"""The start of the INFO line a peer logs for every GetState stream it sent (a held copy, a takeover's state, an
-export), then its bytes: the experiments add these to the run's bytes (`swarm.experiments.churn_report`)."""
 
 
 EXPECTED_FAILURES = (grpc.RpcError, CallRefused, BufferMissError, WireError, GateError, SlotsExhausted, StageCallError,

@@ -217,6 +217,24 @@ def test_a_calibrated_plan_gives_the_cells_prediction(tmp_path):
     assert summary["predicted_step_s"] == 0.118 and summary["first_plan_step_s"] == 0.05
 
 
+def test_a_cell_names_the_state_its_peers_moved_beside_its_totals(tmp_path):
+    from swarm.metrics import STATE_SENT_LOG
+
+    (tmp_path / "summary.json").write_text(json.dumps({"predicted_step_s": 0.05}))
+    assert th.read_summary(tmp_path)["state_bytes"] is None, "no logs: not read"
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "peer0.log").write_text(f"INFO swarm.runtime.service: {STATE_SENT_LOG} 4000 bytes (stage 1)\n")
+    (tmp_path / "logs" / "peer1.log").write_text(f"INFO swarm.runtime.service: {STATE_SENT_LOG} 600 bytes (stage 0)\n")
+    summary = th.read_summary(tmp_path)
+    assert summary["state_bytes"] == 4600
+    row = th.summarize(Cell(1.0, "fp32/fp32"), _steps(8, 0.1, 1, 1), 4, 8, summary)
+    assert (
+        row["state_bytes"] == 4600
+        and row["total_wire_bytes"]
+        == th.summarize(Cell(1.0, "fp32/fp32"), _steps(8, 0.1, 1, 1), 4, 8, {})["total_wire_bytes"]
+    ), "named beside the totals, not in them"
+
+
 def test_namespace_cells_calibrate_their_plan_and_keep_the_newest(tmp_path, monkeypatch):
     """A --netns cell's peers calibrate after the first epoch as the app-shaped cells' do (uncalibrated, their
     plans predicted the block speed alone, 43-57% below measured), in namespaces of the run's own prefix, and the

@@ -146,7 +146,7 @@ def test_get_state_serves_held_copies_to_plan_peers_only(tmp_path):
 
 
 def test_every_get_state_stream_is_counted_whole_or_cut_short_and_logged(tmp_path, caplog):
-    from swarm.runtime.service import STATE_SENT_LOG
+    from swarm.metrics import STATE_SENT_LOG
 
     pipe = LocalPipeline(TINY, 2)
     servicer = servicer_of(pipe, 0)

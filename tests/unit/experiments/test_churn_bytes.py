@@ -10,8 +10,8 @@ import pytest
 
 from swarm.experiments import churn
 from swarm.experiments.churn import ChurnConfig, swarm_flags
-from swarm.experiments.churn_report import BYTES_TARGET, ROW_KEYS, byte_split, state_bytes, targets
-from swarm.runtime.service import STATE_SENT_LOG
+from swarm.experiments.churn_report import BYTES_TARGET, ROW_KEYS, byte_split, targets
+from swarm.metrics import STATE_SENT_LOG, logged_state_bytes
 
 AVG0, AVG1 = "swarm_wire_bytes_total{direction=average,link=0}", "swarm_wire_bytes_total{direction=average,link=1}"
 
@@ -53,7 +53,7 @@ def test_the_bytes_target_is_judged_on_the_no_churn_row(fp32, passed):
 
 def test_state_the_peers_moved_is_read_from_their_logs_and_counted_in_both_totals(tmp_path):
     logs = tmp_path / "logs"
-    assert state_bytes(logs) is None, "no logs: not read, which is not 0"
+    assert logged_state_bytes(logs) is None, "no logs: not read, which is not 0"
     logs.mkdir()
     (logs / "peer0.log").write_text(
         f"12:00 INFO swarm.runtime.service: {STATE_SENT_LOG} 5328280 bytes (stage 0) to Qm1\n"
@@ -62,7 +62,7 @@ def test_state_the_peers_moved_is_read_from_their_logs_and_counted_in_both_total
     )
     (logs / "peer1.log").write_text(f"x {STATE_SENT_LOG} 7 bytes (stage 2) to Qm3\n")
     (logs / "trainer.log").write_text("nothing sent\n")
-    moved = state_bytes(logs)
+    moved = logged_state_bytes(logs)
     assert moved == 5328280 + 1000 + 7
     split = byte_split([step()], moved)
     assert split["state_bytes"] == moved
