@@ -7,7 +7,9 @@ Why: with replicas, the stage sum was most of what a run sent (issue 29 item 5):
 shared by every matrix of the stage (`lowrank8+ef+f8+g128`, the flat gradient in rows of the hidden size) cost
 +3.27% held-out (docs/reports/replicas.md, s52): the attention, MLP and embedding matrices have unrelated
 subspaces. Factored one matrix at a time, as PowerSGD factors a network, rank 8 in int8 ended below the 2-bit
-sum's loss in two seeds at about half its bytes (docs/reports/replicas.md, s55). The sum is not preconditioned
+sum's loss in two seeds at about half its bytes (docs/reports/replicas.md, s55), but 1.40% above fp32 in a fourth
+(s56); rank 12, the default since (`swarm.runtime.average.SUM_CODEC`), was within 1% in all five seeds at 0.74 of
+the 2-bit sum's bytes. The sum is not preconditioned
 (AdamW's elementwise scale would break the matrices' low rank: +1.03% against +0.41% in the same run).
 
 The layout: `CodecConfig.layout`, the shapes of the parameters the flat gradient concatenates, in order (the
