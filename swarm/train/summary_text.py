@@ -41,11 +41,19 @@ def format_summary(s: TrainSummary) -> str:
             f"embedding:    {s.sync_bytes / 1e6:.2f} MB of tied-gradient sync between the end stages",
             f"total bytes:  {s.total_wire_bytes / 1e6:.2f} MB (boundaries + embedding + sums + control); fp32: "
             f"{s.fp32_total_wire_bytes / 1e6:.2f} MB ({s.total_ratio_vs_fp32:.1f}x)",
+            *_state(s),
             f"stages:       {s.stages} at {', '.join(s.route)}"
             + (f" (plan {s.plan_version}, {s.replans} re-plans followed)" if s.plan_version else ""),
             f"outputs:      {s.csv}" + (f", {s.plot}" if s.plot else ""),
         ]
     )
+
+
+def _state(s: TrainSummary) -> list[str]:
+    """The stage state the peers moved (held copies, takeovers), beside the total, not in it."""
+    if not s.state_bytes:
+        return []
+    return [f"stage state:  {s.state_bytes / 1e6:.2f} MB copied between peers (held copies, takeovers), not in it"]
 
 
 def _held_out(s: TrainSummary) -> list[str]:

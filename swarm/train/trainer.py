@@ -127,6 +127,10 @@ class TrainSummary:
     """bytes of the evaluations' calls, outside `total_wire_bytes`"""
     held_out_deferred: int = 0
     """periodic evaluations put off to keep the evaluations within `--eval-max-share` of the run's time"""
+    state_bytes: int | None = None
+    """stage state the peers sent each other over GetState (held copies, takeovers, joiners), as the live peers'
+    `swarm_state_bytes_total` read at the end: no step's bytes, outside `total_wire_bytes` (a peer that died took its
+    count with it); None: no peer answered"""
     corpus_digest: str = ""
     """SHA-256 of the corpus (`DataReport.corpus_digest`): equal where two machines read the same text"""
     windows_digest: str = ""
@@ -511,12 +515,27 @@ def summarize(
         predicted_step_s=getattr(route, "predicted_step_s", None),
         relay_extra_s=getattr(route, "relay_extra_s", None),
         **held.summary(),
+        state_bytes=peers_state_bytes(follower.driver),
         **step_time_spread(times[1:] or times),
         corpus_digest=report.corpus_digest,
         windows_digest=report.windows_digest,
     )
     (out / "summary.json").write_text(json.dumps(asdict(summary), indent=1))
     return summary
+
+
+def peers_state_bytes(driver) -> int | None:
+    """The GetState bytes every live replica of the route says it sent (its Status's `swarm_state_bytes_total`),
+    summed; None where none answered. A peer's figure is its own claim, taken as a count to report, never to act on;
+    one outside [0, 2^50] is left out."""
+    try:
+        replies = [r for row in driver.replica_status() for r in row if r is not None]
+    except Exception as e:  # noqa: BLE001 - the summary is written whatever the peers do at the end
+        log.info("the peers' state bytes were not read: %s", e)
+        return None
+    counts = [dict(r.metrics).get("swarm_state_bytes_total") for r in replies]
+    counts = [c for c in counts if isinstance(c, float) and 0 <= c <= 2**50]
+    return int(sum(counts)) if counts else None
 
 
 def finished_row(setting: str, settled: Settled, epoch: int, sample_ids) -> dict:
