@@ -95,7 +95,8 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
     Compute speed: each peer measured layers/s of one reference micro-batch, times the FLOPs of that layer.
     A link i->j takes its own measurement, else the reverse direction's, else the median of all measured
     links (100 Mbit/s and 1 ms when none is known): a new peer is planned at a typical speed until probed.
-    One-way delay is half the round-trip time.
+    One-way delay is half the round-trip time, the smaller of the two ends' (both time the same round trip, and
+    a probe answered behind queued bytes reads long).
     """
     if not peers:
         raise ValueError("no peers announced")
@@ -113,11 +114,14 @@ def swarm_plan_input(peers: list[PeerAnnouncement], links: list[LinkMeasurement]
             delay[index[m.src], index[m.dst]] = m.rtt_s / 2
             burst[index[m.src], index[m.dst]] = m.burst_bytes
             measured += 1
+    # a link's two ends each time the same round trip (out one direction, back the other); queueing only adds to
+    # it, so the smaller is the link's: a probe answered behind the other end's probe bytes read 513 ms on a 1 ms
+    # link (s56's 1 Mbit/s namespace cell, whose plan then predicted 1.35 s a step for a 0.71 s one)
+    delay = np.fmin(delay, delay.T)
     # the reverse direction's figure, then the median of the measured links
     known_bandwidth = bandwidth[~np.isnan(bandwidth)]
     known_delay = delay[~np.isnan(delay)]
     bandwidth = np.where(np.isnan(bandwidth), bandwidth.T, bandwidth)
-    delay = np.where(np.isnan(delay), delay.T, delay)
     known_burst = burst[~np.isnan(burst)]  # an unmeasured direction's bucket comes with the rate it borrows
     burst = np.where(np.isnan(burst), burst.T, burst)
     burst = np.where(np.isnan(burst), np.median(known_burst) if known_burst.size else 0.0, burst)

@@ -95,9 +95,9 @@ def report_markdown(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
         "# Throttled experiment",
         "",
         "| link | setting | mean step (s) | predicted (s) | error | first plan (s) | first epoch step (s) |"
-        " samples/s | boundary MB | total MB | x fewer total | final loss | speed-up vs fp32 | rho |"
+        " samples/s | boundary MB | total MB | state MB | x fewer total | final loss | speed-up vs fp32 | rho |"
         " share of min(ratio, 1+rho) | slowdown vs fp32 unshaped |",
-        "|" + " --- |" * 16,
+        "|" + " --- |" * 17,
     ]
     for r in rows:
         lines.append(
@@ -106,6 +106,7 @@ def report_markdown(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
             f"{_fmt(r.get('first_plan_step_s'), '.3f')} | {_fmt(r.get('first_epoch_step_s'), '.3f')} | "
             f"{r['throughput_samples_per_s']:.1f} | "
             f"{r['wire_bytes'] / 1e6:.2f} | {_fmt(r.get('total_wire_bytes') or None, '.2f', 1e6)} | "
+            f"{_fmt(r.get('state_bytes'), '.2f', 1e6)} | "
             f"{_fmt(r.get('total_ratio_vs_fp32'), '.2f')} | {_fmt(r.get('final_loss'), '.3f')} | "
             f"{_fmt(r['speedup_vs_fp32'], '.2f')}x | {_fmt(r.get('rho'), '.2f')} | "
             f"{_fmt(r.get('speedup_share'), '.0%')} | "
@@ -124,7 +125,8 @@ def report_markdown(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
         "Total bytes count everything a step moves (both boundary directions, the tied-embedding sync, replica",
         "averaging, control calls); x fewer total divides each cell's fp32 equivalent (the same tensors at fp32,",
         "the same control bytes) by them. The share divides the speed-up by min(total byte ratio after the first",
-        "epoch, 1 + rho): the most any codec can give on that link.",
+        "epoch, 1 + rho): the most any codec can give on that link. State MB: the stage state the cell's peers copied",
+        "to each other over GetState (held copies, fp32), from their logs: no step's, not in the totals.",
     ]
     seen = {p for r in rows for p in r.get("phase_ms") or {}}
     phases = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))

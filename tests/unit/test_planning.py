@@ -40,6 +40,16 @@ def test_links_take_their_own_figure_then_the_reverse_then_the_median():
     assert speeds[0] == pytest.approx(10 * SPEC.flops_per_layer)
 
 
+def test_a_links_round_trip_is_the_smaller_of_its_two_ends_measurements():
+    # s56's 1 Mbit/s namespace cell: one end's probe was answered behind the other end's probe bytes (513 ms), the
+    # other's not (1.1 ms); the plan priced 257 ms of latency a step and predicted 1.35 s for a 0.71 s step
+    pi = swarm_plan_input([peer(0), peer(1)], [link(0, 1, 1, rtt_ms=1.1), link(1, 0, 1, rtt_ms=513.3)], SPEC).plan_input
+    assert pi.delay_s[0, 1] == pytest.approx(0.55e-3) and pi.delay_s[1, 0] == pytest.approx(0.55e-3)
+    assert pi.bandwidth_bytes_per_s[1, 0] == pytest.approx(125e3), "each direction keeps its own rate"
+    one = swarm_plan_input([peer(0), peer(1)], [link(1, 0, 1, rtt_ms=40)], SPEC).plan_input
+    assert one.delay_s[0, 1] == pytest.approx(20e-3) == one.delay_s[1, 0], "one end measured: its figure both ways"
+
+
 def test_an_unmeasured_direction_takes_the_reverse_directions_bucket_with_its_rate():
     # the throttled experiment's 1 Mbit/s default cell (h/cal): one peer probed before the first plan, the other
     # only later; the unprobed direction took the reverse's rate and no bucket, so its messages and the 14 kB tied
