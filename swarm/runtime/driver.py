@@ -956,11 +956,11 @@ class PipelineDriver:
         at = route_replicas(live[0], self.counts)
         return held_out_loss(self._call, at, data, rows, step, self.plan_version, hidden, self.deadline_s)
 
-    def replica_status(self) -> list[list[stage_pb2.StatusReply | None]]:
-        """Every replica's status, `[stage][replica]`; None for a dead peer."""
+    def replica_status(self, timeout_s: float = 10.0) -> list[list[stage_pb2.StatusReply | None]]:
+        """Every replica's status, `[stage][replica]`, each asked within `timeout_s`; None for a dead peer."""
         return [
             [
-                None if p in self.dead else self._call(s, r, "Status", stage_pb2.Empty(), timeout=10)
+                None if p in self.dead else self._call(s, r, "Status", stage_pb2.Empty(), timeout=timeout_s)
                 for r, p in enumerate(self.replica_peers[s])
             ]
             for s in range(self.n_stages)

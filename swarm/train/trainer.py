@@ -524,12 +524,17 @@ def summarize(
     return summary
 
 
+STATE_STATUS_TIMEOUT_S = 2.0
+"""How long the summary waits for each replica's Status (`peers_state_bytes`): a hung peer delays the end of a run by
+at most this, a count it does not give is left out."""
+
+
 def peers_state_bytes(driver) -> int | None:
     """The GetState bytes every live replica of the route says it sent (its Status's `swarm_state_bytes_total`),
     summed; None where none answered. A peer's figure is its own claim, taken as a count to report, never to act on;
     one outside [0, 2^50] is left out."""
     try:
-        replies = [r for row in driver.replica_status() for r in row if r is not None]
+        replies = [r for row in driver.replica_status(timeout_s=STATE_STATUS_TIMEOUT_S) for r in row if r is not None]
     except Exception as e:  # noqa: BLE001 - the summary is written whatever the peers do at the end
         log.info("the peers' state bytes were not read: %s", e)
         return None
