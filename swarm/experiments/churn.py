@@ -64,7 +64,11 @@ PLAN_INPUTS = {
     True: "measured (--measured-plan: link probes and throughput-weighted chains; timing noise moves the plan "
     "and the sample split, so the settings differ before the first kill)",
 }
-QUICK_STEPS = 80
+QUICK_STEPS = 120
+"""--quick's steps: in namespaces the kill waits on a `swarm status` in the trainer's namespace (a fresh Python, a
+DHT lookup: seconds on a loaded machine) and the join on a namespace of its own, and the run must outlast both. 40
+steps did not; 80 did until s56, when 1 of 3 suite runs under load saw the trainer end before the join, likely
+because the held copies of replicated stages, no longer made, had slowed the quick swarm's steps (not measured)."""
 QUICK_KILL_AT_S = 5.0
 """--quick with --kill-every S: the one leave S seconds into training."""
 QUICK_KILL_AT_STEP = 10
@@ -197,7 +201,7 @@ class ChurnRun:
     mean_lifetime: float | None = field(default=None, metadata=flag(metavar="S"))
     """instead: serving peers live an exponential time of this mean, seconds"""
     quick: bool = False
-    """a small swarm (2 stages, 1 standby), 80 steps, one kill after step 10 (or --kill-every S s into training)"""
+    """a small swarm (2 stages, 1 standby), 120 steps, one kill after step 10 (or --kill-every S s into training)"""
     settings: tuple[str, ...] = field(
         default=SETTINGS, metadata=flag(parse=_settings, render=",".join, metavar="NAMES")
     )

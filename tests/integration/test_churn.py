@@ -24,8 +24,8 @@ def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_p
     from swarm.testbed.churn_netns import PREFIX
     from swarm.testbed.netns import list_links, list_namespaces, unavailable_reason
 
-    # --quick's own 80 steps: in namespaces a fresh peer joins a namespace made after the kill, which took longer
-    # than the 30 steps left of 40 on a loaded machine (the trainer ended before the join)
+    # --quick's own steps (`QUICK_STEPS`): in namespaces the kill waits on a status query and a fresh peer joins a
+    # namespace made after it, which took longer than the steps left on a loaded machine (the trainer ended first)
     cfg = ChurnRun(ChurnConfig(setting_timeout_s=120.0, out=tmp_path), quick=True).config()
     netns = unavailable_reason() is None  # else the churn setting runs on loopback too
     lines: list[str] = []
