@@ -188,10 +188,10 @@ class _Group:
         """sender -> its tensor message for the open step (the codec's wire format, decoded at the Reduce)"""
         self.inbox_step: int | None = None
         self.reduced: int | None = None
-        self.warm: torch.Tensor | tuple | None = None  # a lowrank encoder's warm start (mlowrank's: one a
-        # parameter): any value is valid
-        self.pending_warm: torch.Tensor | tuple | None = None  # the open step's: kept at commit, so a retry
-        # starts alike
+        self.warm: torch.Tensor | tuple | None = None
+        """a lowrank encoder's warm start (mlowrank's: one a parameter): any value is valid"""
+        self.pending_warm: torch.Tensor | tuple | None = None
+        """the open step's warm start: kept at commit, so a retry starts alike"""
         self.own_norms: dict[int, float] = {}
         """step -> the norm of this member's own message for it, for the last `OWN_NORMS` steps it summed (a rerun of
         a step replaces its entry): the reference of the out-of-proportion rule (`GradientAverager.reference_norm`)"""

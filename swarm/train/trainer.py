@@ -130,7 +130,7 @@ class TrainSummary:
     state_bytes: int | None = None
     """stage state the peers sent each other over GetState (held copies, takeovers, joiners), as the live peers'
     `swarm_state_bytes_total` read at the end: no step's bytes, outside `total_wire_bytes` (a peer that died took its
-    count with it); None: no peer answered"""
+    count with it); None: not read (no peer gave one, or a Status call failed)"""
     corpus_digest: str = ""
     """SHA-256 of the corpus (`DataReport.corpus_digest`): equal where two machines read the same text"""
     windows_digest: str = ""
@@ -526,13 +526,13 @@ def summarize(
 
 STATE_STATUS_TIMEOUT_S = 2.0
 """How long the summary waits for each replica's Status (`peers_state_bytes`): a hung peer delays the end of a run by
-at most this, a count it does not give is left out."""
+at most this, and leaves the whole figure unread (None), never a partial sum."""
 
 
 def peers_state_bytes(driver) -> int | None:
     """The GetState bytes every live replica of the route says it sent (its Status's `swarm_state_bytes_total`),
-    summed; None where none answered. A peer's figure is its own claim, taken as a count to report, never to act on;
-    one outside [0, 2^50] is left out."""
+    summed; None where none gave one, or where a Status call failed. A peer's figure is its own claim, taken as a
+    count to report, never to act on; one outside [0, 2^50] is left out."""
     try:
         replies = [r for row in driver.replica_status(timeout_s=STATE_STATUS_TIMEOUT_S) for r in row if r is not None]
     except Exception as e:  # noqa: BLE001 - the summary is written whatever the peers do at the end
