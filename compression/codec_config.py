@@ -148,7 +148,8 @@ class CodecConfig:
     rank: int = 4
     """lowrank: rank of the factors P (rows x rank) and Q (cols x rank); written in its label (`lowrank4`)."""
     factor_bits: int = 16
-    """lowrank: how the factors travel, fp16 codes (16) or int8 codes (8, label suffix `+f8`), fp32 column scales."""
+    """lowrank, mlowrank: how the factors travel, fp16 codes (16), int8 codes (8, label suffix `+f8`) or 4-bit codes
+    (4, `+f4`), fp32 column scales."""
 
     subspace_step_percent: int = 0
     """lowrank (`+f8`): 0 sends PowerSGD's factors; N > 0 codes the message in the top-r eigenbasis of its own

@@ -40,6 +40,7 @@ from swarm.compression.factors import (
     FACTOR_BITS,
     MAX_RANK,
     check_ranked,
+    factor_nbytes,
     outer_sum,
     pack_factor,
     ranked_label,
@@ -104,7 +105,8 @@ class LowRankCodec(Codec):
 
     def payload_nbytes(self, numel: int) -> int:
         rows, cols, r = self._shape(numel)
-        return (rows + cols) * r * self.config.factor_bits // 8 + 8 * r
+        bits = self.config.factor_bits
+        return factor_nbytes(rows, r, bits) + factor_nbytes(cols, r, bits) + 8 * r
 
     def _encode_body(self, x, msg, state):
         use_feedback = self.config.error_feedback and state is not None

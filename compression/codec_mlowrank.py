@@ -44,6 +44,7 @@ from swarm.compression.codec_base import Codec, check_wire_finite, decoded_bound
 from swarm.compression.factors import (
     FACTOR_BITS,
     check_ranked,
+    factor_nbytes,
     outer_sum,
     pack_factor,
     ranked_label,
@@ -85,7 +86,7 @@ def factor_plan(layout: tuple[tuple[int, ...], ...], rank: int) -> list[tuple[in
 
 class MatrixLowRankCodec(Codec):
     """Per-parameter rank-r PowerSGD factors with encoder-local warm starts and error feedback (`+ef`); rank in the
-    label (`mlowrank8`), 8-bit codes with `+f8` (module doc)."""
+    label (`mlowrank8`), 8-bit codes with `+f8`, 4-bit with `+f4` (module doc)."""
 
     name, wire, error_feedback, ranked, per_parameter = "mlowrank", wire_pb2.MLOWRANK, True, True, True
 
@@ -127,7 +128,10 @@ class MatrixLowRankCodec(Codec):
         """Codes and scales of a message of `numel` elements, by the layout (`_layout`)."""
         bits = self.config.factor_bits
         plan = factor_plan(self._layout(numel), self.config.rank)
-        return sum((rows + cols) * r * bits // 8 + 8 * r if r else rows * bits // 8 + 4 for rows, cols, r in plan)
+        return sum(
+            factor_nbytes(rows, r, bits) + factor_nbytes(cols, r, bits) + 8 * r if r else factor_nbytes(rows, 1, bits) + 4
+            for rows, cols, r in plan
+        )
 
     def _encode_body(self, x, msg, state):
         use_feedback = self.config.error_feedback and state is not None

@@ -2,9 +2,11 @@
 
 Used by `lowrank` (PowerSGD's factors, or subspace coding's basis and coefficients, `compression.subspace`) and by
 acsgd's subspace-coded first sights (`+fslR`). Each column travels with one fp32 step (`scales`) as fp16 codes in
-[-1, 1] (`bits` 16) or int8 codes in -127..127 (`bits` 8); `group_size` is the column's length, `numel` r x that,
-no `mins`. A code in a column whose step is 0, an fp16 code outside [-1, 1] or not finite, an int8 code of -128,
-or a negative or non-finite step is refused, naming the field.
+[-1, 1] (`bits` 16), int8 codes in -127..127 (`bits` 8) or 4-bit codes in -7..7 (`bits` 4: two's-complement
+nibbles, two to a byte, the first code in the low nibble, the columns one after another, a last odd nibble 0);
+`group_size` is the column's length, `numel` r x that, no `mins`. A code in a column whose step is 0, an fp16 code
+outside [-1, 1] or not finite, an int8 code of -128, a nibble of -8 or a set padding nibble, or a negative or
+non-finite step is refused, naming the field.
 
 The product is summed term by term (`outer_sum`), an elementwise multiply and add in fp32 in k order, never a
 matmul: BLAS kernels may sum in another order on another CPU, and both ends of a link must decode the same bits.
@@ -18,14 +20,16 @@ from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, 
 from swarm.proto import wire_pb2
 
 __all__ = [
-    "FACTOR_BITS", "INT8_MAX", "MAX_RANK", "check_ranked", "outer_sum", "pack_factor", "ranked_label", "unpack_factor",
-    "warm_start",
+    "FACTOR_BITS", "INT4_MAX", "INT8_MAX", "MAX_RANK", "check_ranked", "factor_nbytes", "outer_sum", "pack_factor",
+    "ranked_label", "unpack_factor", "warm_start",
 ]  # fmt: skip
 
-FACTOR_BITS = (16, 8)
-"""How factor elements travel: fp16 codes (16) or int8 codes (8), each column with an fp32 step."""
+FACTOR_BITS = (16, 8, 4)
+"""How factor elements travel: fp16 codes (16), int8 codes (8) or 4-bit codes (4), each column with an fp32 step."""
 INT8_MAX = 127
 """Largest int8 code a factor column may carry (-128 is refused on the wire)."""
+INT4_MAX = 7
+"""Largest 4-bit code a factor column may carry (-8 is refused on the wire)."""
 MAX_RANK = 64
 """Largest rank a config or a message may have."""
 
@@ -40,9 +44,39 @@ def check_ranked(config) -> None:
 
 def ranked_label(name: str, config) -> str:
     """A factor codec's label: its rank where a quantized codec writes its bits, then `+ef`, `+f8` (lowrank4+ef+f8)."""
-    return (
-        f"{name}{config.rank}" + ("+ef" if config.error_feedback else "") + ("+f8" if config.factor_bits == 8 else "")
-    )
+    bits = f"+f{config.factor_bits}" if config.factor_bits != 16 else ""
+    return f"{name}{config.rank}" + ("+ef" if config.error_feedback else "") + bits
+
+
+def factor_nbytes(n: int, r: int, bits: int) -> int:
+    """Payload bytes of an n x r factor at `bits` (codes only; each column's fp32 step is 4 more)."""
+    return (n * r * bits + 7) // 8
+
+
+def _code_max(bits: int) -> int:
+    return INT8_MAX if bits == 8 else INT4_MAX
+
+
+def _nibbles(codes: torch.Tensor) -> bytes:
+    """4-bit codes (int8 in -7..7) packed two to a byte, the first in the low nibble, an odd last one padded by 0."""
+    u = (codes.reshape(-1).to(torch.int16) & 0xF).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat([u, torch.zeros(1, dtype=torch.uint8)])
+    return (u[0::2] | (u[1::2] << 4)).numpy().tobytes()
+
+
+def _from_nibbles(payload: bytes, count: int, field: str) -> torch.Tensor:
+    """`count` 4-bit codes (int8) from `payload`, checked: its length, no -8, a padding nibble of 0."""
+    if len(payload) != (count + 1) // 2:
+        raise WireError(f"{field}.payload", f"{len(payload)} bytes, expected {(count + 1) // 2} for {count} 4-bit codes")
+    packed = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+    u = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1).to(torch.int16)
+    if count % 2 and int(u[-1]) != 0:
+        raise WireError(f"{field}.payload", "a set padding nibble after the last 4-bit code")
+    u = u[:count]
+    if bool((u == 8).any()):
+        raise WireError(f"{field}.payload", "a 4-bit code of -8")
+    return torch.where(u > 7, u - 16, u).to(torch.int8)
 
 
 def warm_start(q: torch.Tensor | None, cols: int, r: int, seed: int) -> torch.Tensor:
@@ -55,21 +89,24 @@ def warm_start(q: torch.Tensor | None, cols: int, r: int, seed: int) -> torch.Te
 
 def pack_factor(f: torch.Tensor, bits: int, q: wire_pb2.Quantized, step: torch.Tensor | None = None) -> torch.Tensor:
     """Writes factor `f` (n x r) into `q` column by column; returns what the receiver decodes from it (fp32, on
-    the host). `step` (int8 only): each column's step, at least its peak / 127 (`subspace.coefficient_steps`);
-    none: exactly that."""
+    the host). `step` (int8 and 4-bit only): each column's step, at least its peak / the largest code
+    (`subspace.coefficient_steps`); none: exactly that."""
     f = f.detach().float().cpu()
     n, r = f.shape
     cols = f.t().contiguous()  # r x n: one group per column
     if step is None:
         peak = cols.abs().amax(dim=1) if n else torch.zeros(r)
-        step = peak if bits == 16 else peak / INT8_MAX  # fp16 codes in [-1, 1], int8 codes in -127..127
+        step = peak if bits == 16 else peak / _code_max(bits)  # fp16 codes in [-1, 1], int codes to +-max
     step = step.detach().float().cpu()
     codes = torch.where(step[:, None] > 0, cols / step.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
-    codes = codes.to(torch.float16) if bits == 16 else codes.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    if bits == 16:
+        codes = codes.to(torch.float16)
+    else:
+        codes = codes.round().clamp(-_code_max(bits), _code_max(bits)).to(torch.int8)
     q.bits, q.group_size, q.numel = bits, n, n * r
     q.scale_dtype = wire_dtype(torch.float32)
     q.scales = tensor_to_bytes(step)
-    q.payload = tensor_to_bytes(codes)
+    q.payload = _nibbles(codes) if bits == 4 else tensor_to_bytes(codes)
     return (codes.float() * step[:, None]).t()
 
 
@@ -90,6 +127,8 @@ def unpack_factor(q: wire_pb2.Quantized, n: int, r: int, bits: int, field: str) 
         codes = bytes_to_tensor(q.payload, torch.float16, n * r, f"{field}.payload").float()
         if not bool(torch.isfinite(codes).all()) or bool((codes.abs() > 1).any()):
             raise WireError(f"{field}.payload", "an fp16 code outside [-1, 1]")
+    elif bits == 4:
+        codes = _from_nibbles(q.payload, n * r, field).float()
     else:
         codes = bytes_to_tensor(q.payload, torch.int8, n * r, f"{field}.payload")
         if bool((codes == -128).any()):

@@ -32,7 +32,7 @@ def test_registered_labelled_and_validated():
         assert CodecConfig.parse(label).wire_bits == 1
     cfg = CodecConfig.parse("lowrank8+ef+f8+g128")
     assert (cfg.rank, cfg.factor_bits, cfg.group_size, cfg.error_feedback) == (8, 8, 128, True)
-    for bad in ("lowrank0", f"lowrank{MAX_RANK + 1}", "lowrank4+f4", "gradq4+f8"):
+    for bad in ("lowrank0", f"lowrank{MAX_RANK + 1}", "lowrank4+f2", "gradq4+f8"):
         with pytest.raises(ValueError):
             CodecConfig.parse(bad)
     with pytest.raises(ValueError, match="rank"):

@@ -29,10 +29,10 @@ def grad(seed: int = 0) -> torch.Tensor:
 
 def test_registered_labelled_and_validated():
     assert REGISTRY[wire_pb2.MLOWRANK] is BY_NAME["mlowrank"]
-    for label in ("mlowrank8+ef+f8", "mlowrank4+ef", "mlowrank1"):
+    for label in ("mlowrank8+ef+f8", "mlowrank12+ef+f4", "mlowrank4+ef", "mlowrank1"):
         assert CodecConfig.parse(label).label == label
     assert (config().rank, config().factor_bits, config().error_feedback) == (8, 8, True)
-    for bad in ("mlowrank0", "mlowrank65", "mlowrank8+f4", "mlowrank8+f8+s20"):
+    for bad in ("mlowrank0", "mlowrank65", "mlowrank8+f2", "mlowrank8+f8+s20"):
         with pytest.raises(ValueError):
             CodecConfig.parse(bad)
     with pytest.raises(ValueError, match="layout applies to mlowrank"):
@@ -154,3 +154,44 @@ def test_a_stranger_s_factors_are_refused_whole():
     huge.factors[0].scales = torch.tensor([3e38] * 8).numpy().tobytes()
     huge.factors[1].scales = torch.tensor([3e38] * 8).numpy().tobytes()
     _refused(huge, "scales")
+
+
+def test_four_bit_factors_halve_the_codes_keep_the_error_feedback_identity_and_refuse_bad_nibbles():
+    cfg = config("mlowrank8+ef+f4")
+    codec, state = make_codec(cfg), LinkState(cfg)
+    x = grad()
+    msg = codec.encode(x, state=state)
+    assert {q.bits for q in msg.factors} == {4}
+    decoded = decoder_for(msg, cfg).decode(msg)
+    assert torch.equal(x - decoded, state.residual)
+    assert sum(len(q.payload) + len(q.scales) for q in msg.factors) == codec.payload_nbytes(NUMEL)
+    eight = make_codec(config()).payload_nbytes(NUMEL)
+    scales = sum(len(q.scales) for q in msg.factors)
+    assert codec.payload_nbytes(NUMEL) - scales <= (eight - scales) // 2 + len(msg.factors)  # odd columns pad a nibble
+    # whole parameters to within a 4-bit step; the factors' columns each within half a step of what was sent
+    offset = 32 * 128 + 96 * 32
+    whole = x[offset : offset + 32]
+    assert torch.allclose(decoded[offset : offset + 32], whole, atol=float(whole.abs().max()) / 7)
+    # error feedback still recovers a fixed low-rank gradient, at 4-bit rounding
+    gen = torch.Generator().manual_seed(3)
+    mat = torch.randn(32, 4, generator=gen) @ torch.randn(4, 128, generator=gen)
+    small = config("mlowrank8+ef+f4", layout=((32, 128),))
+    enc, st, total = make_codec(small), LinkState(small), torch.zeros(32 * 128)
+    for _ in range(12):
+        m = enc.encode(mat.reshape(-1), state=st)
+        total += decoder_for(m, small).decode(m)
+    assert float((total / 12 - mat.reshape(-1)).norm() / mat.norm()) < 0.05
+    # a nibble of -8, a set padding nibble, a payload of the wrong length, each refused naming the payload
+    odd = config("mlowrank8+ef+f4", layout=((7,),))  # 7 codes: four bytes, the last nibble padding
+    odd_msg = make_codec(odd).encode(torch.linspace(-1, 1, 7), state=LinkState(odd))
+    assert len(odd_msg.factors[0].payload) == 4
+    assert torch.allclose(decoder_for(odd_msg, odd).decode(odd_msg), torch.linspace(-1, 1, 7), atol=1 / 7)
+    for good, field, change, match in (
+        ((msg, cfg), 0, lambda b: b"\x08" + b[1:], "-8"),
+        ((odd_msg, odd), 0, lambda b: b[:-1] + bytes([b[-1] | 0x10]), "padding"),
+        ((msg, cfg), 0, lambda b: b[:-1], "bytes, expected"),
+    ):
+        bad = wire_pb2.TensorMessage()
+        bad.CopyFrom(good[0])
+        bad.factors[field].payload = change(bad.factors[field].payload)
+        _refused(bad, match, good[1])

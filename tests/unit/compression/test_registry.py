@@ -120,7 +120,7 @@ def test_the_traits_keep_what_the_tables_elsewhere_said():
     assert {n for n in CODEC_NAMES if codec_class(n).rated} == {"tern", "gtern"}
     assert {n for n in CODEC_NAMES if codec_class(n).compact_scales} == {"gradq"}
     assert CodecConfig.parse("lowrank8+ef+f8").label == "lowrank8+ef+f8"
-    for bad in ("lowrank0", "lowrank65", "lowrank4+f4"):
+    for bad in ("lowrank0", "lowrank65", "lowrank4+f2"):
         with pytest.raises(ValueError, match="rank|factor_bits"):
             CodecConfig.parse(bad)
 
