@@ -67,14 +67,16 @@ __all__ = [
 
 MAX_GROUP = 64
 """Most replicas of one stage in a Reduce group (the roster bounds it further where calls are authorized)."""
-SUM_CODEC = "mlowrank12+ef+f8"
+SUM_CODEC = "mlowrank12+ef+f4"
 """The replicas' sum over compressed links unless a plan names another (`GradientAverager.sum_codec`), and the
 floor of the planner's ladder for it (`swarm.scheduler.bits.AVERAGE_LADDER`): each weight matrix of the stage as
-rank-12 PowerSGD factors in int8, every other parameter whole in int8, error feedback over the whole sum
-(`swarm.compression.codec_mlowrank`; not preconditioned). With 2 replicas in the 8-epoch convergence experiment
-(docs/reports/replicas.md, s56), seeds 0-4: +0.82 / +0.10 / -0.45 / +0.11 / -0.36% held-out vs fp32 at 26.5x fewer
-total bytes after epoch 1 (sums 37.3 MB). Rank 8 (s55's, 32.6x, sums 25.3 MB) ended +1.40% on seed 3, past the
-issue's 1%; `QUANTIZED_SUM_CODEC` was within 1% on all five at 21.9x (sums 50.7 MB)."""
+rank-12 PowerSGD factors in 4-bit codes, every other parameter whole in 4-bit codes, each column with its fp32 step,
+error feedback over the whole sum (`swarm.compression.codec_mlowrank`; not preconditioned). With 2 replicas in the
+8-epoch convergence experiment (docs/reports/replicas.md, s57), seeds 0-4: +0.72 / +0.56 / -0.51 / +0.40 / +0.19%
+held-out vs fp32 (mean +0.27%) at 39.0x fewer total bytes after epoch 1 (sums 16.8 MB). In int8 (`+f8`, s56's) the
+same rank was +0.04% on the mean at 26.5x (sums 37.3 MB); rank 8 in int8 (s55's, 32.6x) ended +1.40% on seed 3,
+past the issue's 1%, and rank 6 in int8, the bytes of rank 12 in 4 bits, +1.10%; `QUANTIZED_SUM_CODEC` was within
+1% on all five at 21.9x (sums 50.7 MB)."""
 QUANTIZED_SUM_CODEC = "gradq2+ef+rot+nr+cs+g1024"
 """The replicas' sum before s55, off the planner's ladder since (a plan may name it): 2 bits with error feedback,
 Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, quantized in AdamW's units
