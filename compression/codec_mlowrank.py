@@ -8,17 +8,17 @@ shared by every matrix of the stage (`lowrank8+ef+f8+g128`, the flat gradient in
 +3.27% held-out (docs/reports/replicas.md, s52): the attention, MLP and embedding matrices have unrelated
 subspaces. Factored one matrix at a time, as PowerSGD factors a network, rank 8 in int8 ended below the 2-bit
 sum's loss in two seeds at about half its bytes (docs/reports/replicas.md, s55), but 1.40% above fp32 in a fourth
-(s56); rank 12, the default since (`swarm.runtime.average.SUM_CODEC`), was within 1% in all five seeds at 0.74 of
-the 2-bit sum's bytes. The sum is not preconditioned
+(s56); rank 12 was within 1% in all five seeds, in int8 at 0.74 of the 2-bit sum's bytes (s56) and in 4-bit codes
+(`+f4`, the default since s57: `swarm.runtime.average.SUM_CODEC`) at 0.33 of them. The sum is not preconditioned
 (AdamW's elementwise scale would break the matrices' low rank: +1.03% against +0.41% in the same run).
 
 The layout: `CodecConfig.layout`, the shapes of the parameters the flat gradient concatenates, in order (the
 averager sets it from the stage's trained parameters; every replica of a stage has the same). A parameter of 2+
 dimensions is a (shape[0], rest) matrix, factored at rank min(r, rows, cols) where the factors are fewer codes than
 the matrix (r (rows + cols) < rows cols); every other parameter travels whole, as one column of codes with one fp32
-step (`compression.factors`). So the codec pays at a width: at hidden 128 and rank 8 a transformer layer's message
-is 17.1 KB, 0.69 bits an element (1.39 at hidden 64, 0.34 at 256); at hidden 32 it is 2.9, more than the 2-bit
-sum's (`swarm.runtime.average.QUANTIZED_SUM_CODEC`, which a plan may name).
+step (`compression.factors`). So the codec pays at a width: at hidden 128 and rank 8 in int8 a transformer layer's
+message is 17.1 KB, 0.69 bits an element (1.39 at hidden 64, 0.34 at 256; rank 12 in 4 bits: 0.53 at hidden 128);
+at hidden 32 it is 2.9, more than the 2-bit sum's (`swarm.runtime.average.QUANTIZED_SUM_CODEC`, which a plan may name).
 
 The encoder: M = the flat gradient plus the residual; per factored matrix P = M_i Q_warm orthonormalised
 (`torch.linalg.qr`), Q = M_i^T P, both packed; per whole parameter its values packed; the residual is M minus what

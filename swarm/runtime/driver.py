@@ -957,14 +957,22 @@ class PipelineDriver:
         return held_out_loss(self._call, at, data, rows, step, self.plan_version, hidden, self.deadline_s)
 
     def replica_status(self, timeout_s: float = 10.0) -> list[list[stage_pb2.StatusReply | None]]:
-        """Every replica's status, `[stage][replica]`, each asked within `timeout_s`; None for a dead peer."""
-        return [
+        """Every replica's status, `[stage][replica]`, all asked at once, each within `timeout_s` (a hung peer costs
+        the whole that, not that times the replicas); None for a dead peer. Raises the first failed call's error,
+        in stage and replica order."""
+        asked = [
             [
-                None if p in self.dead else self._call(s, r, "Status", stage_pb2.Empty(), timeout=timeout_s)
+                None
+                if p in self.dead
+                else spawn(
+                    lambda s=s, r=r: self._call(s, r, "Status", stage_pb2.Empty(), timeout=timeout_s),
+                    "status", self._threads,
+                )
                 for r, p in enumerate(self.replica_peers[s])
             ]
             for s in range(self.n_stages)
-        ]
+        ]  # fmt: skip
+        return [[None if f is None else f.result(timeout=timeout_s + CLOSE_WAIT_S) for f in row] for row in asked]
 
     def close(self) -> None:
         """Closes the connector and reaps the call threads that ended; stuck ones run out on their deadline."""

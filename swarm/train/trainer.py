@@ -525,8 +525,8 @@ def summarize(
 
 
 STATE_STATUS_TIMEOUT_S = 2.0
-"""How long the summary waits for each replica's Status (`peers_state_bytes`): a hung peer delays the end of a run by
-at most this, and leaves the whole figure unread (None), never a partial sum."""
+"""How long the summary waits for the replicas' Status, all asked at once (`peers_state_bytes`): hung peers delay the
+end of a run by about this, however many, and leave the whole figure unread (None), never a partial sum."""
 
 
 def peers_state_bytes(driver) -> int | None:

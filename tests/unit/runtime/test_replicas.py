@@ -101,3 +101,39 @@ def test_samples_stay_on_their_chain_so_aqsgd_buffers_hit_on_both():
         assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
     finally:
         pipe.close()
+
+
+def test_every_replica_s_status_is_asked_at_once_and_a_failed_one_names_itself(monkeypatch):
+    """`replica_status` (the summary's state count, the journal's checks) asks all replicas together: four calls
+    that each wait for the other three pass a barrier of four only if all are in flight at once (one after another,
+    the first would break it). A failed call raises its error; a dead peer is None, never asked."""
+    import threading
+
+    two = LocalPipeline(CFG, 2, FP32, FP32, replicas=2)
+    try:
+        driver = two.driver(4)
+        call, barrier, asked = driver._call, threading.Barrier(4, timeout=10), []
+
+        def together(stage, replica, method, request, timeout=None):
+            asked.append((stage, replica))
+            barrier.wait()  # BrokenBarrierError unless all four are waiting at once
+            return call(stage, replica, method, request, timeout=timeout)
+
+        monkeypatch.setattr(driver, "_call", together)
+        rows = driver.replica_status(timeout_s=5.0)
+        assert [[s.steps_done for s in row] for row in rows] == [[0, 0], [0, 0]] and len(asked) == 4
+
+        driver.dead.add(driver.replica_peers[1][1])
+
+        def failing(stage, replica, method, request, timeout=None):
+            if (stage, replica) == (0, 1):
+                raise RuntimeError("stage 0 replica 1 refused Status")
+            return call(stage, replica, method, request, timeout=timeout)
+
+        monkeypatch.setattr(driver, "_call", failing)
+        with pytest.raises(RuntimeError, match="replica 1 refused"):
+            driver.replica_status(timeout_s=5.0)
+        monkeypatch.setattr(driver, "_call", call)
+        assert driver.replica_status(timeout_s=5.0)[1][1] is None  # the dead peer is not asked
+    finally:
+        two.close()
