@@ -129,7 +129,9 @@ class MatrixLowRankCodec(Codec):
         bits = self.config.factor_bits
         plan = factor_plan(self._layout(numel), self.config.rank)
         return sum(
-            factor_nbytes(rows, r, bits) + factor_nbytes(cols, r, bits) + 8 * r if r else factor_nbytes(rows, 1, bits) + 4
+            factor_nbytes(rows, r, bits) + factor_nbytes(cols, r, bits) + 8 * r
+            if r
+            else factor_nbytes(rows, 1, bits) + 4
             for rows, cols, r in plan
         )
 

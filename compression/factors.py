@@ -68,7 +68,9 @@ def _nibbles(codes: torch.Tensor) -> bytes:
 def _from_nibbles(payload: bytes, count: int, field: str) -> torch.Tensor:
     """`count` 4-bit codes (int8) from `payload`, checked: its length, no -8, a padding nibble of 0."""
     if len(payload) != (count + 1) // 2:
-        raise WireError(f"{field}.payload", f"{len(payload)} bytes, expected {(count + 1) // 2} for {count} 4-bit codes")
+        raise WireError(
+            f"{field}.payload", f"{len(payload)} bytes, expected {(count + 1) // 2} for {count} 4-bit codes"
+        )
     packed = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
     u = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1).to(torch.int16)
     if count % 2 and int(u[-1]) != 0:

@@ -84,10 +84,10 @@ reaches only by naming it as its `backward_floor`."""
 AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024", SUM_CODEC)
 """Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is each weight matrix as
 rank-12 factors in 4-bit codes (`swarm.runtime.average.SUM_CODEC`, also the averager's sum over compressed links
-without a plan; rank 8 in int8 from s55 to s56, rank 12 in int8 in s56). The 2-bit sum in AdamW's units (`QUANTIZED_SUM_CODEC`, the floor before s55) is off
-the ladder: at the default width it sent 1.4x the floor's bytes and ended no closer to fp32 over five seeds
-(docs/reports/replicas.md); a plan may still name it. bf16 rather than fp16: a gradient sum must not overflow,
-and bf16 has fp32's range."""
+without a plan; rank 8 in int8 from s55 to s56, rank 12 in int8 in s56). The 2-bit sum in AdamW's units
+(`QUANTIZED_SUM_CODEC`, the floor before s55) is off the ladder: at the default width it sent 3x the floor's bytes
+and ended no closer to fp32 over five seeds (docs/reports/replicas.md); a plan may still name it. bf16 rather
+than fp16: a gradient sum must not overflow, and bf16 has fp32's range."""
 TIED_LADDER = (*AVERAGE_LADDER[:3], "gradq4+ef+rot+nr+cs+g256", TIED_CODEC)
 """Codecs of the tied embedding's sync, most precise first: the default backward codec at 4 bits
 (`GradientAverager.tied_min_bits`: 2 bits trained +2.66% where 4 gave +0.76%), then the floor, the tied weight's
