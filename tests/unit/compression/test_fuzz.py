@@ -78,6 +78,10 @@ def real_messages() -> list[wire_pb2.TensorMessage]:
                 msgs.append(make_codec(cfg).encode(x, sample_ids=[4, 9, 1, 7], state=send))
         else:
             msgs.append(make_codec(config(name)).encode(torch.randn(4, *SAMPLE_SHAPE, generator=gen)))
+        if BY_NAME[name].ranked:  # lowrank, mlowrank: the factors in int8 and in 4-bit nibbles too
+            for factor_bits in (8, 4):
+                cfg = config(name, factor_bits=factor_bits)
+                msgs.append(make_codec(cfg).encode(torch.randn(4, *SAMPLE_SHAPE, generator=gen)))
     return msgs
 
 
