@@ -43,7 +43,8 @@ def check_ranked(config) -> None:
 
 
 def ranked_label(name: str, config) -> str:
-    """A factor codec's label: its rank where a quantized codec writes its bits, then `+ef`, `+f8` (lowrank4+ef+f8)."""
+    """A factor codec's label: its rank where a quantized codec writes its bits, then `+ef`, `+f8` or `+f4`
+    (lowrank4+ef+f8, mlowrank12+ef+f4)."""
     bits = f"+f{config.factor_bits}" if config.factor_bits != 16 else ""
     return f"{name}{config.rank}" + ("+ef" if config.error_feedback else "") + bits
 

@@ -957,9 +957,9 @@ class PipelineDriver:
         return held_out_loss(self._call, at, data, rows, step, self.plan_version, hidden, self.deadline_s)
 
     def replica_status(self, timeout_s: float = 10.0) -> list[list[stage_pb2.StatusReply | None]]:
-        """Every replica's status, `[stage][replica]`, all asked at once, each within `timeout_s` (a hung peer costs
-        the whole that, not that times the replicas); None for a dead peer. Raises the first failed call's error,
-        in stage and replica order."""
+        """Every replica's status, `[stage][replica]`, all asked at once, each within `timeout_s` (hung peers cost the
+        whole about `timeout_s`, not that once per replica); None for a dead peer. Raises the first failed call's
+        error, in stage and replica order."""
         asked = [
             [
                 None
