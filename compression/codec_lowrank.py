@@ -40,9 +40,9 @@ from swarm.compression.factors import (
     FACTOR_BITS,
     MAX_RANK,
     check_ranked,
-    factor_nbytes,
     outer_sum,
     pack_factor,
+    pair_nbytes,
     ranked_label,
     unpack_factor,
     warm_start,
@@ -105,8 +105,7 @@ class LowRankCodec(Codec):
 
     def payload_nbytes(self, numel: int) -> int:
         rows, cols, r = self._shape(numel)
-        bits = self.config.factor_bits
-        return factor_nbytes(rows, r, bits) + factor_nbytes(cols, r, bits) + 8 * r
+        return pair_nbytes(rows, cols, r, self.config.factor_bits)
 
     def _encode_body(self, x, msg, state):
         use_feedback = self.config.error_feedback and state is not None

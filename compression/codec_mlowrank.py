@@ -44,14 +44,15 @@ from swarm.compression.codec_base import Codec, check_wire_finite, decoded_bound
 from swarm.compression.factors import (
     FACTOR_BITS,
     check_ranked,
-    factor_nbytes,
     outer_sum,
     pack_factor,
+    pair_nbytes,
     ranked_label,
     unpack_factor,
     warm_start,
 )  # fmt: skip
 from swarm.compression.wire import WireError
+from swarm.kernels import packed_nbytes
 from swarm.proto import wire_pb2
 
 DEFAULT_ROW = 128
@@ -128,12 +129,7 @@ class MatrixLowRankCodec(Codec):
         """Codes and scales of a message of `numel` elements, by the layout (`_layout`)."""
         bits = self.config.factor_bits
         plan = factor_plan(self._layout(numel), self.config.rank)
-        return sum(
-            factor_nbytes(rows, r, bits) + factor_nbytes(cols, r, bits) + 8 * r
-            if r
-            else factor_nbytes(rows, 1, bits) + 4
-            for rows, cols, r in plan
-        )
+        return sum(pair_nbytes(rows, cols, r, bits) if r else packed_nbytes(rows, bits) + 4 for rows, cols, r in plan)
 
     def _encode_body(self, x, msg, state):
         use_feedback = self.config.error_feedback and state is not None

@@ -17,10 +17,12 @@ from __future__ import annotations
 import torch
 
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
+from swarm.kernels import packed_nbytes
+from swarm.kernels.reference import pack, unpack
 from swarm.proto import wire_pb2
 
 __all__ = [
-    "FACTOR_BITS", "INT4_MAX", "INT8_MAX", "MAX_RANK", "check_ranked", "factor_nbytes", "outer_sum", "pack_factor",
+    "FACTOR_BITS", "INT4_MAX", "INT8_MAX", "MAX_RANK", "check_ranked", "outer_sum", "pack_factor", "pair_nbytes",
     "ranked_label", "unpack_factor", "warm_start",
 ]  # fmt: skip
 
@@ -49,34 +51,23 @@ def ranked_label(name: str, config) -> str:
     return f"{name}{config.rank}" + ("+ef" if config.error_feedback else "") + bits
 
 
-def factor_nbytes(n: int, r: int, bits: int) -> int:
-    """Payload bytes of an n x r factor at `bits` (codes only; each column's fp32 step is 4 more)."""
-    return (n * r * bits + 7) // 8
+def pair_nbytes(rows: int, cols: int, r: int, bits: int) -> int:
+    """Payload of a rank-r pair of factors P (rows x r) and Q (cols x r) at `bits`: their codes and each column's fp32
+    step."""
+    return packed_nbytes(rows * r, bits) + packed_nbytes(cols * r, bits) + 8 * r
 
 
 def _code_max(bits: int) -> int:
     return INT8_MAX if bits == 8 else INT4_MAX
 
 
-def _nibbles(codes: torch.Tensor) -> bytes:
-    """4-bit codes (int8 in -7..7) packed two to a byte, the first in the low nibble, an odd last one padded by 0."""
-    u = (codes.reshape(-1).to(torch.int16) & 0xF).to(torch.uint8)
-    if u.numel() % 2:
-        u = torch.cat([u, torch.zeros(1, dtype=torch.uint8)])
-    return (u[0::2] | (u[1::2] << 4)).numpy().tobytes()
-
-
 def _from_nibbles(payload: bytes, count: int, field: str) -> torch.Tensor:
-    """`count` 4-bit codes (int8) from `payload`, checked: its length, no -8, a padding nibble of 0."""
-    if len(payload) != (count + 1) // 2:
-        raise WireError(
-            f"{field}.payload", f"{len(payload)} bytes, expected {(count + 1) // 2} for {count} 4-bit codes"
-        )
-    packed = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
-    u = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1).to(torch.int16)
-    if count % 2 and int(u[-1]) != 0:
+    """`count` 4-bit codes (int8) from `payload` (`swarm.kernels`' bit packing), checked: its length, no -8, a
+    padding nibble of 0."""
+    packed = bytes_to_tensor(payload, torch.uint8, packed_nbytes(count, 4), f"{field}.payload")
+    if count % 2 and int(packed[-1]) >> 4:
         raise WireError(f"{field}.payload", "a set padding nibble after the last 4-bit code")
-    u = u[:count]
+    u = unpack(packed, 4, count).to(torch.int16)
     if bool((u == 8).any()):
         raise WireError(f"{field}.payload", "a 4-bit code of -8")
     return torch.where(u > 7, u - 16, u).to(torch.int8)
@@ -109,7 +100,10 @@ def pack_factor(f: torch.Tensor, bits: int, q: wire_pb2.Quantized, step: torch.T
     q.bits, q.group_size, q.numel = bits, n, n * r
     q.scale_dtype = wire_dtype(torch.float32)
     q.scales = tensor_to_bytes(step)
-    q.payload = _nibbles(codes) if bits == 4 else tensor_to_bytes(codes)
+    if bits == 4:  # two's-complement nibbles, packed as `swarm.kernels` packs 4-bit codes
+        q.payload = pack((codes.to(torch.int16) & 0xF).to(torch.uint8), 4).numpy().tobytes()
+    else:
+        q.payload = tensor_to_bytes(codes)
     return (codes.float() * step[:, None]).t()
 
 
