@@ -260,25 +260,41 @@ def byte_split(rows: Sequence[dict], state: int | None = None) -> dict:
 
 def loss_agreement(base: Sequence[dict], churn: Sequence[dict], events: Sequence[dict]) -> dict:
     """How far the churn setting's losses are from the no-churn setting's at the steps it completed before
-    its first leave (kill or term): both settings run the same computation until then, by design.
+    its first leave (kill or term) and before the two settings' plans part: both settings run the same
+    computation until then, by design. A plan can part before the first kill without one: on a loaded machine a
+    peer's DHT record can lapse and the planner repair around it. From that step on the routes differ, and so do
+    the losses, so the comparison stops there and says where (the rows' `plan_version`; rows without it are
+    compared until the leave).
 
     Returns {"prekill_steps": steps compared, "prekill_max_loss_diff": the largest |difference| (None: no
-    step to compare), "prekill_first_diff_step": the first step differing by more than SAME_LOSS_TOL}."""
+    step to compare), "prekill_first_diff_step": the first step differing by more than SAME_LOSS_TOL,
+    "prekill_plan_parted_step": the first step the settings ran on different plans (None: they did not)}."""
     leaves = [float(e["t"]) for e in events if e.get("kind") in ("kill", "term")]
     first = min(leaves) if leaves else float("inf")
     times = completion_times(churn, [])
-    by_step = {int(r["step"]): float(r["train_loss"]) for r in base}
-    diffs = [
-        (int(r["step"]), abs(float(r["train_loss"]) - by_step[int(r["step"])]))
-        for r, t in zip(churn, times, strict=True)
-        if t is not None and t < first and int(r["step"]) in by_step
-    ]
+    by_step = {int(r["step"]): r for r in base}
+    parted = None
+    diffs = []
+    for r, t in zip(churn, times, strict=True):
+        step = int(r["step"])
+        if t is None or t >= first or step not in by_step:
+            continue
+        if _plan(r) != _plan(by_step[step]):
+            parted = step
+            break
+        diffs.append((step, abs(float(r["train_loss"]) - float(by_step[step]["train_loss"]))))
     over = [step for step, d in diffs if d > SAME_LOSS_TOL]
     return {
         "prekill_steps": len(diffs),
         "prekill_max_loss_diff": max((d for _, d in diffs), default=None),
         "prekill_first_diff_step": over[0] if over else None,
+        "prekill_plan_parted_step": parted,
     }
+
+
+def _plan(row: dict) -> str | None:
+    value = row.get("plan_version")
+    return None if value in (None, "") else str(int(float(value)))
 
 
 @dataclass(frozen=True)
@@ -373,12 +389,14 @@ def targets(rows: Sequence[dict], kill_every_s: float | None = None, schedule: s
         )
         if churn.get("prekill_steps"):
             diff, n = churn["prekill_max_loss_diff"], churn["prekill_steps"]
-            first = churn.get("prekill_first_diff_step")
+            first, parted = churn.get("prekill_first_diff_step"), churn.get("prekill_plan_parted_step")
             out.append(
                 Target(
                     f"experiment: churn loss = no-churn loss at each step before the first kill"
                     f" (|d| <= {SAME_LOSS_TOL:g})",
-                    f"max |d| {diff:.3g} over {n} steps" + (f"; first differs at step {first}" if first else ""),
+                    f"max |d| {diff:.3g} over {n} steps"
+                    + (f"; first differs at step {first}" if first else "")
+                    + (f"; plans parted at step {parted} (compared until then)" if parted else ""),
                     diff <= SAME_LOSS_TOL,
                 )
             )

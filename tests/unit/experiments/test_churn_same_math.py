@@ -70,6 +70,7 @@ def test_losses_compared_only_at_steps_completed_before_the_first_kill():
         "prekill_steps": 3,
         "prekill_max_loss_diff": 0.0,
         "prekill_first_diff_step": None,
+        "prekill_plan_parted_step": None,
     }
     early = [{"t": 1003.5, "kind": "term"}]  # now step 4 is before the (graceful) leave
     got = loss_agreement(base, churn, early)
@@ -78,6 +79,31 @@ def test_losses_compared_only_at_steps_completed_before_the_first_kill():
     # no leave at all: every step is compared; no step before the kill: nothing compared, not a zero
     assert loss_agreement(base, churn, [])["prekill_steps"] == 5
     assert loss_agreement(base, churn, [{"t": 999.0, "kind": "kill"}])["prekill_max_loss_diff"] is None
+
+
+def test_losses_compared_only_while_both_settings_run_the_same_plan():
+    """A peer's DHT record lapsing under load repairs the churn setting's plan before any kill: from that step
+    the routes differ, so the comparison stops there, says so, and still fails on a difference before it."""
+    base = _rows([3.0, 2.5, 2.25, 2.0, 1.5])
+    churn = _rows([3.0, 2.5, 2.25, 2.75, 1.9])
+    for rows, plans in ((base, "11111"), (churn, "11122")):
+        for row, plan in zip(rows, plans, strict=True):
+            row["plan_version"] = plan
+    got = loss_agreement(base, churn, [{"t": 1003.5, "kind": "kill", "stage": 0, "replicas_left": 1}])
+    assert got == {
+        "prekill_steps": 3,
+        "prekill_max_loss_diff": 0.0,
+        "prekill_first_diff_step": None,
+        "prekill_plan_parted_step": 4,
+    }
+    churn[1]["train_loss"] = "2.6"  # a difference on the shared plan still counts
+    got = loss_agreement(base, churn, [{"t": 1003.5, "kind": "kill", "stage": 0, "replicas_left": 1}])
+    assert got["prekill_first_diff_step"] == 2 and got["prekill_max_loss_diff"] == pytest.approx(0.1)
+    base_row = summarize("no-churn", base, [], [], [], 2, 5)
+    churn_row = summarize("churn", churn, [{"t": 1003.5, "kind": "kill", "stage": 0, "replicas_left": 1}], [], [], 2, 5)
+    churn_row.update(got)
+    check = next(c for c in targets([base_row, churn_row], 60) if c.name.startswith("experiment:"))
+    assert check.passed is False and "plans parted at step 4" in check.value
 
 
 def test_a_prekill_difference_fails_the_same_computation_check():
