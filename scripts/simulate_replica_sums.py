@@ -1,0 +1,162 @@
+"""The replicas' sum alone, in one process: 2 replicas' gradients of the unsplit model (no boundary codec), each
+replica half of every batch of 16, summed one way, then the convergence experiment's AdamW step and schedule.
+Its fp32 mode ends at the convergence experiment's fp32 held-out loss to 5 digits (2.20061 at 6,144 samples, seed 0),
+so what a mode adds is the sum's alone, in a third of the pipeline's time.
+
+Modes:
+  fp32          the exact mean.
+  parts:LABEL   each replica codes its gradient with the codec LABEL (mlowrank12+ef+f4: the averager's default) and
+                every replica adds the decoded messages: what `GradientAverager` does, not preconditioned.
+  sum:R:BITS    PowerSGD of the sum (two rounds a step): a shared Q; round 1 sums P_i = M_i Q (BITS-bit columns),
+                orthonormalises it; round 2 sums Q_i = M_i^T P (BITS-bit); error feedback per replica; vectors and
+                matrices narrower than R whole at 8 bits. Not a wire codec: what the exchange would decode.
+
+usage: python scripts/simulate_replica_sums.py MODE SEED [SAMPLES] [EPOCHS]   (prints one RESULT line)
+"""
+
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+from swarm.compression import CodecConfig, make_codec
+from swarm.compression.codec_mlowrank import layout_of
+from swarm.compression.state import LinkState
+from swarm.experiments.convergence import ModelData
+from swarm.model.data import build_datasets
+from swarm.model.gpt import GPT
+from swarm.runtime.worker import lr_at
+
+torch.set_num_threads(1)
+mode, seed = sys.argv[1], int(sys.argv[2])
+samples = int(sys.argv[3]) if len(sys.argv) > 3 else 6144
+epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+built = ModelData(train_samples=samples, seed=seed).build()
+torch.manual_seed(seed)
+model = GPT(built["model"])
+train, held, _ = build_datasets(built["data"])
+batch, R = 16, 2
+steps = epochs * (len(train) // batch)
+optim = replace(built["optim"], total_steps=steps, warmup_steps=max(1, round(steps * 0.2)))
+params = [p for p in model.parameters() if p.requires_grad]
+decay = [p for p in params if p.dim() >= 2]
+no_decay = [p for p in params if p.dim() < 2]
+opt = torch.optim.AdamW(
+    [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+    lr=lr_at(optim, 0),
+    betas=(0.9, 0.95),
+    eps=1e-8,
+)
+layout = layout_of(params)
+states = [LinkState(CodecConfig.parse("fp32")) for _ in range(R)]
+res = [[torch.zeros_like(p) for p in params] for _ in range(R)]
+shared_q: dict[int, torch.Tensor] = {}
+sent = 0
+
+
+def quant(x: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits >= 16:
+        return x
+    m = (1 << (bits - 1)) - 1
+    s = x.abs().amax(dim=0, keepdim=True).clamp_min(1e-30) / m
+    return torch.round(x / s).clamp(-m, m) * s
+
+
+def orth(p: torch.Tensor) -> torch.Tensor:
+    q, _ = torch.linalg.qr(p)
+    return q
+
+
+def combine(grads: list[list[torch.Tensor]], step: int) -> list[torch.Tensor]:
+    global sent
+    if mode == "fp32":
+        return [sum(g[k] for g in grads) / R for k in range(len(params))]
+    if mode.startswith("parts:"):
+        label = mode.split(":", 1)[1]
+        total = None
+        for i, g in enumerate(grads):
+            cfg = replace(CodecConfig.parse(label), layout=layout, seed=(seed * 1_000_003 + step * 257 + i) % (1 << 31))
+            flat = torch.cat([x.reshape(-1) for x in g])
+            st = LinkState(cfg)
+            st.residual, st.warm = states[i].residual, states[i].warm
+            codec = make_codec(cfg)
+            msg = codec.encode(flat, state=st)
+            sent += msg.ByteSize()
+            states[i].residual, states[i].warm = st.residual, st.warm
+            d = codec.decode(msg).float()
+            total = d if total is None else total + d
+        total = total / R
+        out, o = [], 0
+        for p in params:
+            out.append(total[o : o + p.numel()].view_as(p))
+            o += p.numel()
+        return out
+    _, rank, bits = mode.split(":")
+    rank, bits = int(rank), int(bits)
+    out = []
+    for k, p in enumerate(params):
+        ms = [grads[i][k] + res[i][k] for i in range(R)]
+        if p.dim() < 2 or min(p.shape[0], p[0].numel()) <= rank:
+            dec = [quant(m.reshape(-1, 1), 8).view_as(m) for m in ms]  # vectors: 8-bit whole (as the codec's column)
+            for i in range(R):
+                res[i][k] = ms[i] - dec[i]
+            out.append(sum(dec) / R)
+            continue
+        rows, cols = p.shape[0], p[0].numel()
+        mats = [m.reshape(rows, cols) for m in ms]
+        if k not in shared_q:
+            g = torch.Generator().manual_seed(seed * 31 + k)
+            shared_q[k] = torch.randn(cols, rank, generator=g)
+        q = shared_q[k]
+        P = sum(quant(m @ q, bits) for m in mats)  # round 1
+        ph = orth(P)
+        qs = [quant(m.t() @ ph, bits) for m in mats]  # round 2
+        Q = sum(qs)
+        for i in range(R):
+            res[i][k] = (mats[i] - ph @ qs[i].t()).view_as(p)
+        shared_q[k] = Q
+        out.append((ph @ Q.t() / R).view_as(p))
+    return out
+
+
+t0 = time.time()
+gen = torch.Generator().manual_seed(seed)
+step = 0
+losses = []
+for _epoch in range(epochs):
+    order = torch.randperm(len(train), generator=gen)
+    for b in range(len(train) // batch):
+        rows = order[b * batch : (b + 1) * batch]
+        grads = []
+        loss_sum = 0.0
+        for i in range(R):
+            part = train.batch(rows[i * batch // R : (i + 1) * batch // R])
+            model.zero_grad(set_to_none=True)
+            loss = model(part.tokens, part.targets)
+            loss.backward()
+            loss_sum += float(loss)
+            grads.append([p.grad.detach().clone() for p in params])
+        avg = combine(grads, step)
+        for p, g in zip(params, avg, strict=True):
+            p.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(optim, step)
+        opt.step()
+        losses.append(loss_sum / R)
+        step += 1
+model.eval()
+with torch.no_grad():
+    tot, n = 0.0, 0
+    for b in range(0, len(held), 64):
+        part = held.batch(slice(b, b + 64))
+        x, y = part.tokens, part.targets
+        tot += float(model(x, y)) * len(x)
+        n += len(x)
+tail = sum(losses[-32:]) / 32
+print(
+    f"RESULT mode={mode} seed={seed} samples={samples} epochs={epochs} steps={step} eval={tot / n:.5f} "
+    f"train_last32={tail:.4f} sent_MB={sent / 1e6:.1f} s={time.time() - t0:.0f}",
+    flush=True,
+)
