@@ -9,8 +9,10 @@ shared by every matrix of the stage (`lowrank8+ef+f8+g128`, the flat gradient in
 subspaces. Factored one matrix at a time, as PowerSGD factors a network, rank 8 in int8 ended below the 2-bit
 sum's loss in two seeds at about half its bytes (docs/reports/replicas.md, s55), but 1.40% above fp32 in a fourth
 (s56); rank 12 was within 1% in all five seeds, in int8 at 0.74 of the 2-bit sum's bytes (s56) and in 4-bit codes
-(`+f4`, the default since s57: `swarm.runtime.average.SUM_CODEC`) at 0.33 of them. The sum is not preconditioned
-(AdamW's elementwise scale would break the matrices' low rank: +1.03% against +0.41% in the same run).
+(`+f4`, s57) at 0.33 of them. Over 8 epochs such a sum was best coded as it is (rank 8 in int8 in AdamW's units:
++1.03% against +0.41%, one run), but in a single pass every sum coded as it is missed 1% (rank 12 in 4 bits: +3.00%)
+and in AdamW's units rank 16 in 4 bits holds both regimes better (s58: `swarm.runtime.average.SUM_CODEC`,
+`GradientAverager.precondition_ranked`): the averager scales the flat gradient before this codec sees it.
 
 The layout: `CodecConfig.layout`, the shapes of the parameters the flat gradient concatenates, in order (the
 averager sets it from the stage's trained parameters; every replica of a stage has the same). A parameter of 2+

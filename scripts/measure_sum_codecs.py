@@ -3,9 +3,9 @@
 Usage: python scripts/measure_sum_codecs.py SUM_CODEC OUT [--baseline DIR] [convergence flags...]
   SUM_CODEC: a codec label for the replicas' sum over compressed links: topk2+ef+k64+g4096, or a dense gradq label
   (gradq2+ef+rot+nr+cs+g1024: its bits become `GradientAverager.min_bits` too), or `dense` for the backward codec's
-  sum config at the default `min_bits` (gradq8, the sum before issue 29); a `pre:` prefix quantizes in AdamW's units
-  (`GradientAverager.precondition_max_bits` 32), none not at all (0; the default preconditions sums of at most 2
-  bits). Prints the rows as JSON.
+  sum config at the default `min_bits` (gradq8, the sum before issue 29); a `pre:` prefix codes the sum in AdamW's
+  units (`GradientAverager.precondition_max_bits` 32 and `precondition_ranked`: factored sums too), none not at all
+  (as labelled, whatever the defaults). Prints the rows as JSON.
   --baseline DIR: take the fp32/fp32 run from an earlier run's losses.csv and eval.csv (same flags) instead of
   training it again.
 Example: python scripts/measure_sum_codecs.py dense runs/sum-dense --replicas 2 \\
@@ -28,9 +28,9 @@ label, out, rest = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
 baseline = None
 if rest[:1] == ["--baseline"]:
     baseline, rest = Path(rest[1]), rest[2:]
-GradientAverager.precondition_max_bits = 0  # as labelled: `pre:` or nothing
-if label.startswith("pre:"):  # quantized in AdamW's units
-    GradientAverager.precondition_max_bits, label = 32, label[4:]
+GradientAverager.precondition_max_bits, GradientAverager.precondition_ranked = 0, False  # as labelled: `pre:` or not
+if label.startswith("pre:"):  # quantized (or factored) in AdamW's units
+    GradientAverager.precondition_max_bits, GradientAverager.precondition_ranked, label = 32, True, label[4:]
 GradientAverager.sum_codec = None if label == "dense" else label
 if label.startswith("gradq"):
     GradientAverager.min_bits = CodecConfig.parse(label).bits

@@ -67,17 +67,17 @@ __all__ = [
 
 MAX_GROUP = 64
 """Most replicas of one stage in a Reduce group (the roster bounds it further where calls are authorized)."""
-SUM_CODEC = "mlowrank12+ef+f4"
+SUM_CODEC = "mlowrank16+ef+f4"
 """The replicas' sum over compressed links unless a plan names another (`GradientAverager.sum_codec`), and the
 floor of the planner's ladder for it (`swarm.scheduler.bits.AVERAGE_LADDER`): each weight matrix of the stage as
-rank-12 PowerSGD factors in 4-bit codes, every other parameter whole in 4-bit codes, each column with its fp32 step,
-error feedback over the whole sum (`swarm.compression.codec_mlowrank`; not preconditioned). With 2 replicas in the
-8-epoch convergence experiment (docs/reports/replicas.md, s57), seeds 0-4: +0.72 / +0.56 / -0.51 / +0.40 / +0.19%
-held-out vs fp32 (mean +0.27%) at 39.0x fewer total bytes after epoch 1 (sums 16.8 MB). In int8 (`+f8`, s56's) the
-same rank was +0.04% on the mean at 26.5x (sums 37.3 MB); rank 8 in int8 (s55's, 32.6x) ended +1.40% on seed 3,
-past the issue's 1%, and rank 6 in int8, the bytes of rank 12 in 4 bits, +1.10%; `QUANTIZED_SUM_CODEC` was within
-1% on all five at 21.9x (sums 50.7 MB). In a single pass (6,144 samples) every compressed sum misses 1%: this one
-+3.00% / +2.76% (seeds 0 / 1), int8's +1.77% / +1.60%, the 2-bit sum +3.27% / +3.36%, an fp32 sum +0.26%."""
+rank-16 PowerSGD factors in 4-bit codes, every other parameter whole in 4-bit codes, each column with its fp32 step,
+error feedback over the whole sum (`swarm.compression.codec_mlowrank`), coded in AdamW's units
+(`GradientAverager.precondition_ranked`). With 2 replicas (docs/reports/replicas.md, s58): over 8 epochs, seeds 0-4,
++0.41 / +0.54 / -0.50 / +0.74 / -0.38% held-out vs fp32 (mean +0.16%) at 34.1x fewer total bytes after epoch 1; in a
+single pass of 6,144 samples +1.46 / +1.42% (seeds 0 / 1) at 31.4x, where an fp32 sum ends +0.26%. s57's sum, rank 12
+in 4 bits as they are, was +0.27% on the 8-epoch mean at 39.0x but +3.00 / +2.76% in the single pass; in AdamW's
+units rank 12 ended +1.03% on 8-epoch seed 0, past the issue's 1%, and rank 24 +0.88 / +1.13% in the single pass at
+26.2x, its sums 1.5x the boundaries' bytes in the churn experiment."""
 QUANTIZED_SUM_CODEC = "gradq2+ef+rot+nr+cs+g1024"
 """The replicas' sum before s55, off the planner's ladder since (a plan may name it): 2 bits with error feedback,
 Hadamard rotation, round to nearest, 16-bit scales, groups of 1024, quantized in AdamW's units
@@ -226,6 +226,14 @@ class GradientAverager:
     (`_preconditioner`; 0: none, 32: every quantized one). With the dense 2-bit sum: +0.05% held-out against +0.31%
     without (one seed each, docs/REPLICAS.md); 8-bit sums were never measured with it, so they stay as they were. A
     class attribute."""
+    precondition_ranked = True
+    """Whether the stage group's factored sums (`mlowrank`, `lowrank`) are coded in AdamW's units too (the same
+    `_preconditioner`, the residual kept in gradient units), on since s58: in a single pass of 6,144 samples with 2
+    replicas rank 12 in 4 bits ended +1.27% / +1.68% held-out vs fp32 (seeds 0 / 1) with it, +3.00% / +2.76%
+    without; over 1,536 steps of 24,576 samples the default boundaries with rank 24 in 4 bits ended +4.12% with
+    it, and with rank 12 without it +8.54%, where an fp32 sum ends +3.26% (docs/REPLICAS.md). Every replica
+    holds the same optimizer state, so the same scale. A class attribute (scripts/measure_sum_codecs.py sets it as
+    its label says: `pre:` or not)."""
     max_norm_ratio = 64.0
     """A member's decoded message may be at most this many times this member's reference norm (`reference_norm`:
     the largest of its own messages' norms over its last `OWN_NORMS` sums): a larger one (a liar's huge residual,
@@ -487,9 +495,15 @@ class GradientAverager:
         return sent, fp32
 
     def _preconditioned(self, config: CodecConfig, tied: bool) -> bool:
-        """Whether the group's sum under `config` is quantized in AdamW's units: a lossy stage sum of at most
-        `precondition_max_bits` (the tied group's two ends have optimizer states of their own: never)."""
-        return not tied and codec_class(config.name).quantized and config.wire_bits <= self.precondition_max_bits
+        """Whether the group's sum under `config` is coded in AdamW's units: a lossy stage sum of at most
+        `precondition_max_bits`, or a factored one where `precondition_ranked` (the tied group's two ends have
+        optimizer states of their own: never)."""
+        kind = codec_class(config.name)
+        if tied:
+            return False
+        return (kind.quantized and config.wire_bits <= self.precondition_max_bits) or (
+            kind.ranked and self.precondition_ranked
+        )
 
     def _preconditioner(self) -> torch.Tensor | None:
         """Per trained element, 1 / (sqrt(AdamW's bias-corrected second moment) + a floor): the sum is quantized

@@ -83,8 +83,9 @@ pass). Below it, ternary gradients at about 1 bit an element (`gtern`, issue 13'
 reaches only by naming it as its `backward_floor`."""
 AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024", SUM_CODEC)
 """Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is each weight matrix as
-rank-12 factors in 4-bit codes (`swarm.runtime.average.SUM_CODEC`, also the averager's sum over compressed links
-without a plan; rank 8 in int8 from s55 to s56, rank 12 in int8 in s56). The 2-bit sum in AdamW's units
+rank-16 factors in 4-bit codes in AdamW's units (`swarm.runtime.average.SUM_CODEC`, also the averager's sum over
+compressed links without a plan; rank 8 in int8 from s55 to s56, rank 12 in int8 in s56, rank 12 in 4 bits as they
+are in s57). The 2-bit sum in AdamW's units
 (`QUANTIZED_SUM_CODEC`, the floor before s55) is off the ladder: at the default width it sent 3x the floor's bytes
 and ended no closer to fp32 over five seeds (docs/reports/replicas.md); a plan may still name it. bf16 rather
 than fp16: a gradient sum must not overflow, and bf16 has fp32's range."""
