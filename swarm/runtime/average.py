@@ -230,7 +230,7 @@ class GradientAverager:
     """Whether the stage group's factored sums (`mlowrank`, `lowrank`) are coded in AdamW's units too (the same
     `_preconditioner`, the residual kept in gradient units), on since s58: in a single pass of 6,144 samples with 2
     replicas rank 12 in 4 bits ended +1.27% / +1.68% held-out vs fp32 (seeds 0 / 1) with it, +3.00% / +2.76%
-    without; over 1,536 steps of 24,576 samples the default boundaries with rank 24 in 4 bits ended +4.12% with
+    without; over 1,536 steps of 24,576 samples the default boundaries with rank 16 in 4 bits ended +5.31% with
     it, and with rank 12 without it +8.54%, where an fp32 sum ends +3.26% (docs/REPLICAS.md). Every replica
     holds the same optimizer state, so the same scale. A class attribute (scripts/measure_sum_codecs.py sets it as
     its label says: `pre:` or not)."""
