@@ -22,10 +22,12 @@ import torch
 
 from swarm.compression import CodecConfig, make_codec
 from swarm.compression.codec_mlowrank import layout_of
+from swarm.compression.factors import pack_factor
 from swarm.compression.state import LinkState
 from swarm.experiments.convergence import ModelData
 from swarm.model.data import build_datasets
 from swarm.model.gpt import GPT
+from swarm.proto import wire_pb2
 from swarm.runtime.worker import lr_at
 
 torch.set_num_threads(1)
@@ -49,23 +51,17 @@ opt = torch.optim.AdamW(
     eps=1e-8,
 )
 layout = layout_of(params)
-states = [LinkState(CodecConfig.parse("fp32")) for _ in range(R)]
+kept = [(None, None)] * R  # parts: each replica's residual and warm start
 res = [[torch.zeros_like(p) for p in params] for _ in range(R)]
 shared_q: dict[int, torch.Tensor] = {}
+parts_config = replace(CodecConfig.parse(mode.split(":", 1)[1]), layout=layout) if mode.startswith("parts:") else None
 sent = 0
 
 
 def quant(x: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits >= 16:
-        return x
-    m = (1 << (bits - 1)) - 1
-    s = x.abs().amax(dim=0, keepdim=True).clamp_min(1e-30) / m
-    return torch.round(x / s).clamp(-m, m) * s
-
-
-def orth(p: torch.Tensor) -> torch.Tensor:
-    q, _ = torch.linalg.qr(p)
-    return q
+    """What a receiver decodes of `x`'s columns at `bits` (the factors' int codes, each column with its step); 16 or
+    more: `x` as it is."""
+    return x if bits >= 16 else pack_factor(x, bits, wire_pb2.Quantized())
 
 
 def combine(grads: list[list[torch.Tensor]], step: int) -> list[torch.Tensor]:
@@ -73,17 +69,15 @@ def combine(grads: list[list[torch.Tensor]], step: int) -> list[torch.Tensor]:
     if mode == "fp32":
         return [sum(g[k] for g in grads) / R for k in range(len(params))]
     if mode.startswith("parts:"):
-        label = mode.split(":", 1)[1]
         total = None
         for i, g in enumerate(grads):
-            cfg = replace(CodecConfig.parse(label), layout=layout, seed=(seed * 1_000_003 + step * 257 + i) % (1 << 31))
-            flat = torch.cat([x.reshape(-1) for x in g])
+            cfg = replace(parts_config, seed=(seed * 1_000_003 + step * 257 + i) % (1 << 31))
             st = LinkState(cfg)
-            st.residual, st.warm = states[i].residual, states[i].warm
+            st.residual, st.warm = kept[i]
             codec = make_codec(cfg)
-            msg = codec.encode(flat, state=st)
+            msg = codec.encode(torch.cat([x.reshape(-1) for x in g]), state=st)
             sent += msg.ByteSize()
-            states[i].residual, states[i].warm = st.residual, st.warm
+            kept[i] = (st.residual, st.warm)
             d = codec.decode(msg).float()
             total = d if total is None else total + d
         total = total / R
@@ -110,7 +104,7 @@ def combine(grads: list[list[torch.Tensor]], step: int) -> list[torch.Tensor]:
             shared_q[k] = torch.randn(cols, rank, generator=g)
         q = shared_q[k]
         P = sum(quant(m @ q, bits) for m in mats)  # round 1
-        ph = orth(P)
+        ph = torch.linalg.qr(P).Q
         qs = [quant(m.t() @ ph, bits) for m in mats]  # round 2
         Q = sum(qs)
         for i in range(R):
@@ -136,10 +130,10 @@ for _epoch in range(epochs):
             loss = model(part.tokens, part.targets)
             loss.backward()
             loss_sum += float(loss)
-            grads.append([p.grad.detach().clone() for p in params])
+            grads.append([p.grad.detach() for p in params])  # the next backward makes new ones (set_to_none)
         avg = combine(grads, step)
         for p, g in zip(params, avg, strict=True):
-            p.grad = g.clone()
+            p.grad = g
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for grp in opt.param_groups:
             grp["lr"] = lr_at(optim, step)

@@ -498,9 +498,9 @@ class GradientAverager:
         """Whether the group's sum under `config` is coded in AdamW's units: a lossy stage sum of at most
         `precondition_max_bits`, or a factored one where `precondition_ranked` (the tied group's two ends have
         optimizer states of their own: never)."""
-        kind = codec_class(config.name)
         if tied:
             return False
+        kind = codec_class(config.name)
         return (kind.quantized and config.wire_bits <= self.precondition_max_bits) or (
             kind.ranked and self.precondition_ranked
         )
