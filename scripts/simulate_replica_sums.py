@@ -5,8 +5,9 @@ so what a mode adds is the sum's alone, in a third of the pipeline's time.
 
 Modes:
   fp32          the exact mean.
-  parts:LABEL   each replica codes its gradient with the codec LABEL (mlowrank12+ef+f4: the averager's default) and
-                every replica adds the decoded messages: what `GradientAverager` does, not preconditioned.
+  parts:LABEL   each replica codes its gradient with the codec LABEL (mlowrank12+ef+f4: s57's default) and every
+                replica adds the decoded messages: what `GradientAverager` does with a sum coded as it is (no
+                `pre:`; the default since s58 codes it in AdamW's units, which this script does not).
   sum:R:BITS    PowerSGD of the sum (two rounds a step): a shared Q; round 1 sums P_i = M_i Q (BITS-bit columns),
                 orthonormalises it; round 2 sums Q_i = M_i^T P (BITS-bit); error feedback per replica; vectors and
                 matrices narrower than R whole at 8 bits. Not a wire codec: what the exchange would decode.
