@@ -140,7 +140,10 @@ class ACSGDCodec(AQSGDCodec):
             return x.to(state.buffers.dtype)
         r = min(rank, rows, width)
         mat = x.reshape(rows, width)
-        sent = encode_subspace(mat, r, self.config.subspace_step_percent, msg.quantized_full, msg.first_sight_basis)
+        sent = encode_subspace(
+            mat, r, cfg.subspace_step_percent, msg.quantized_full, msg.first_sight_basis,
+            most=min(MAX_RANK, rows, width), leave_out=cfg.first_sight_energy / 10_000,
+        )  # fmt: skip
         return sent.view(x.shape).to(device=x.device, dtype=state.buffers.dtype)
 
     def _first_layout(self, msg, layout):

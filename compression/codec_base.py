@@ -111,6 +111,7 @@ class Codec:
             + ("+clip" if config.first_sight_clip else "")
             + (f"+fsl{config.first_sight_rank}" if config.first_sight_rank else "")
             + (f"+fslw{config.first_sight_width_divisor}" if config.first_sight_width_divisor else "")
+            + (f"+fsle{config.first_sight_energy}" if config.first_sight_energy else "")
             + (f"+dsl{config.delta_rank}" if config.delta_rank else "")
             + (f"+s{config.subspace_step_percent}" if config.subspace_step_percent and cls.uses_buffers else "")
         )

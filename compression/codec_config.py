@@ -47,6 +47,9 @@ LOCAL_FIELDS = (
 MAX_WIDTH_DIVISOR = 1024
 """Largest N of `+fslwN` (a rank of width / N)."""
 
+MAX_FIRST_SIGHT_ENERGY = 9999
+"""Largest N of `+fsleN` (first sights' ranks grown until they leave out at most N / 10,000 of the energy)."""
+
 DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr+fsl32+fslw4+dsl16+s20"
 """AQ-SGD's buffer protocol with a sample's first sight subspace-coded at rank 32 or a quarter of the message's width
 where that is more (`+fsl32+fslw4`: 32 up to hidden 128, 64 from 256 on, at most 64) and its later visits' changes
@@ -122,6 +125,12 @@ class CodecConfig:
     """acsgd: 0, or first sights subspace-coded as with `+fslR` at a rank that grows with the message's width: its
     last dimension divided by N, never below `+fslR`'s rank where both are given, at most 64 and the width (label
     suffix `+fslwN`; `+fsl32+fslw4` is rank 32 up to hidden 128, 64 from hidden 256 on)"""
+    first_sight_energy: int = 0
+    """acsgd with `+fslR` or `+fslwN`: 0, or the first sights' rank grows from that rank, up to 64 and the width,
+    until the directions left out hold at most N ten-thousandths of the rows' energy (label suffix `+fsleN`;
+    `+fsle10`: at most 0.1%). The sender's choice only: a receiver reads the rank from the message. Over a long
+    single pass the boundary's activations spread over more directions as the model trains (rank 32 left out 0.1%
+    of their energy at step 320 of seed 0's 24,576-sample pass, 5% at step 1,216; docs/reports/single-pass.md)"""
     delta_rank: int = 0
     """acsgd: 0, or a buffered sample's later visits travel subspace-coded too (label suffix `+dslR`, on the step of
     `+sN`): the change of the message's delta samples, a row per token, in the top-R eigenbasis of its own Gram
@@ -197,6 +206,9 @@ class CodecConfig:
             if not 0 <= self.first_sight_width_divisor <= MAX_WIDTH_DIVISOR:
                 raise ValueError(f"first_sight_width_divisor (+fslwN) is 1..{MAX_WIDTH_DIVISOR}, got "
                                  f"{self.first_sight_width_divisor}")  # fmt: skip
+            if not 0 <= self.first_sight_energy <= MAX_FIRST_SIGHT_ENERGY:
+                raise ValueError(f"first_sight_energy (+fsleN) is 1..{MAX_FIRST_SIGHT_ENERGY} ten-thousandths of the "
+                                 f"energy, got {self.first_sight_energy}")  # fmt: skip
             if not self.subspace_step_percent:
                 raise ValueError("subspace-coded first sights (+fslR) need their step (+sN, in percent of the rms)")
             if not 1 <= self.subspace_step_percent <= MAX_SUBSPACE_STEP_PERCENT:
@@ -207,6 +219,9 @@ class CodecConfig:
             if self.rotation != "none":
                 raise ValueError("acsgd's +rot rotates first sights only, and subspace-coded ones (+fslR) are never "
                                  "rotated: drop +rot")  # fmt: skip
+        elif self.first_sight_energy:
+            raise ValueError("first_sight_energy (+fsleN) grows subspace-coded first sights: give their rank (+fslR "
+                             "or +fslwN)")  # fmt: skip
         if self.delta_rank:
             if not codec.subspace_deltas:
                 raise ValueError(f"delta_rank (+dslR) applies to {_having('subspace_deltas')} only")
@@ -299,6 +314,9 @@ class CodecConfig:
                 continue
             if suffix[:3] == "dsl" and suffix[3:].isdigit():  # +dsl16: deltas subspace-coded at rank 16
                 kwargs["delta_rank"] = int(suffix[3:])
+                continue
+            if suffix[:4] == "fsle" and suffix[4:].isdigit():  # +fsle10: ranks grown to leave out at most 0.1%
+                kwargs["first_sight_energy"] = int(suffix[4:])
                 continue
             if suffix[:4] == "fslw" and suffix[4:].isdigit():  # +fslw4: first sights at a quarter of the width
                 kwargs["first_sight_width_divisor"] = int(suffix[4:])

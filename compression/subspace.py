@@ -31,7 +31,7 @@ from swarm.proto import wire_pb2
 
 __all__ = [
     "MAX_SUBSPACE_STEP_PERCENT", "coefficient_steps", "decode_subspace", "encode_subspace",
-    "least_squares_coefficients", "subspace_basis",
+    "energy_rank", "least_squares_coefficients", "subspace_basis",
 ]  # fmt: skip
 
 MAX_SUBSPACE_STEP_PERCENT = 1000
@@ -47,31 +47,48 @@ OVERSAMPLING = 8
 """Extra directions the randomized basis iterates beyond the rank, for the r-th direction's accuracy."""
 
 
-def subspace_basis(mat: torch.Tensor, r: int) -> torch.Tensor:
+def subspace_basis(mat: torch.Tensor, r: int, *, most: int = 0, leave_out: float = 0.0) -> torch.Tensor:
     """The top-`r` eigenvectors of mat^T mat (cols x r, orthonormal columns, the loudest first), each column's sign
     fixed so that its largest-magnitude entry is positive (the same basis whatever sign eigh returns). Exact up to
-    `EXACT_MAX_COLS` columns, randomized above (the sender's choice only: the basis travels in the message)."""
+    `EXACT_MAX_COLS` columns, randomized above (the sender's choice only: the basis travels in the message).
+
+    With `leave_out` > 0, `r` is the least rank: the basis grows, up to `most`, until the eigenvalues beyond it
+    sum to at most `leave_out` of mat's energy (its squared Frobenius norm, the Gram matrix's trace)."""
+    grows = leave_out > 0 and most > r
+    width = min(most, mat.shape[1]) if grows else r
     if mat.shape[1] <= EXACT_MAX_COLS:
-        _, vectors = torch.linalg.eigh((mat.t() @ mat).double())  # ascending; double: the Gram squares M's range
-        basis = vectors.flip(1)[:, :r].float()
+        values, vectors = torch.linalg.eigh((mat.t() @ mat).double())  # ascending; double: the Gram squares M's range
+        values, vectors = values.flip(0)[:width], vectors.flip(1)[:, :width]
     else:
-        basis = _top_eigenvectors(mat.double(), r).float()
+        values, vectors = _top_eigenvectors(mat.double(), width)
+    if grows:
+        r = energy_rank(values, float(mat.double().pow(2).sum()), r, leave_out)
+    basis = vectors[:, :r].float()
     peak = basis.gather(0, basis.abs().argmax(dim=0, keepdim=True))
     return basis * torch.where(peak < 0, -1.0, 1.0)
 
 
-def _top_eigenvectors(m: torch.Tensor, r: int) -> torch.Tensor:
-    """The top-`r` eigenvectors of m^T m by a seeded randomized subspace iteration (Halko, Martinsson and Tropp
-    2011, algorithm 4.4) and a Rayleigh-Ritz step, never forming the cols x cols Gram matrix: O(rows x cols x r) a
-    pass instead of O(cols^3)."""
+def energy_rank(values: torch.Tensor, energy: float, least: int, leave_out: float) -> int:
+    """The smallest rank, at least `least` and at most len(`values`), whose eigenvalues (descending) leave at most
+    `leave_out` x `energy` outside them."""
+    outside = energy - torch.cumsum(values.clamp(min=0), 0)  # outside[k]: what ranks 1..k+1 leave out
+    enough = (outside <= leave_out * energy).nonzero()
+    needed = int(enough[0]) + 1 if len(enough) else len(values)
+    return min(len(values), max(least, needed))
+
+
+def _top_eigenvectors(m: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-`r` eigenvalues (descending) and eigenvectors of m^T m by a seeded randomized subspace iteration
+    (Halko, Martinsson and Tropp 2011, algorithm 4.4) and a Rayleigh-Ritz step, never forming the cols x cols Gram
+    matrix: O(rows x cols x r) a pass instead of O(cols^3)."""
     k = min(m.shape[1], r + OVERSAMPLING)
     gen = torch.Generator().manual_seed(0)
     q = torch.linalg.qr(m.t() @ (m @ torch.randn(m.shape[1], k, generator=gen, dtype=m.dtype))).Q
     for _ in range(POWER_ITERATIONS):
         q = torch.linalg.qr(m.t() @ (m @ q)).Q
     projected = m @ q
-    _, vectors = torch.linalg.eigh(projected.t() @ projected)  # k x k: the Gram matrix within the subspace
-    return q @ vectors.flip(1)[:, :r]
+    values, vectors = torch.linalg.eigh(projected.t() @ projected)  # k x k: the Gram matrix within the subspace
+    return values.flip(0)[:r], q @ vectors.flip(1)[:, :r]
 
 
 def least_squares_coefficients(mat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -89,13 +106,16 @@ def coefficient_steps(coefficients: torch.Tensor, step: float) -> torch.Tensor:
 
 
 def encode_subspace(
-    mat: torch.Tensor, r: int, step_percent: int, p_out: wire_pb2.Quantized, q_out: wire_pb2.Quantized
-) -> torch.Tensor:
-    """Codes `mat` (rows x cols, float) in its top-`r` eigenbasis: Q (the basis, int8 columns) into `q_out`, P
-    (the least-squares coefficients on the decoded Q, each column on a step of at least `step_percent`% of mat's
-    rms) into `p_out`. Returns what the receiver decodes (fp32, rows x cols, on the host), bit for bit."""
+    mat: torch.Tensor, r: int, step_percent: int, p_out: wire_pb2.Quantized, q_out: wire_pb2.Quantized,
+    *, most: int = 0, leave_out: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """Codes `mat` (rows x cols, float) in its top-`r` eigenbasis (with `leave_out`, a basis that grows from `r` up
+    to `most` until it leaves out at most that share of mat's energy: `subspace_basis`): Q (the basis, int8
+    columns) into `q_out`, P (the least-squares coefficients on the decoded Q, each column on a step of at least
+    `step_percent`% of mat's rms) into `p_out`. Returns what the receiver decodes (fp32, rows x cols, on the host),
+    bit for bit."""
     mat = mat.detach().float().cpu()
-    q_sent = pack_factor(subspace_basis(mat, r), 8, q_out)
+    q_sent = pack_factor(subspace_basis(mat, r, most=most, leave_out=leave_out), 8, q_out)
     coefficients = least_squares_coefficients(mat, q_sent)
     step = float(mat.pow(2).mean().sqrt()) * step_percent / 100
     p_sent = pack_factor(coefficients, 8, p_out, coefficient_steps(coefficients, step))

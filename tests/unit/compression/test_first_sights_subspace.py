@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, LinkState, WireError, decoder_for, frame, make_codec, unframe
+from swarm.compression.subspace import energy_rank, subspace_basis
 from swarm.proto import wire_pb2
 
 SUBSPACE = "acsgd2+ch+nr+fsl8+s20"
@@ -60,6 +61,9 @@ def test_labelled_parsed_and_validated():
         ("acsgd2+ch+fslw4", r"\+sN"),
         ("acsgd2+ch+fslw1025+s20", "1..1024"),
         ("aqsgd2+ch+fslw4+s20", "applies to acsgd"),
+        # a rank grown to leave out at most a share of the energy (`+fsleN`)
+        ("acsgd2+ch+fsle10+s20", r"give their rank"),
+        ("acsgd2+ch+fsl8+fsle10000+s20", "1..9999"),
         # subspace-coded deltas (`+dslR`, test_deltas_subspace)
         ("acsgd2+ch+dsl16", r"\+sN"),
         ("acsgd2+ch+dsl65+s20", "1..64"),
@@ -213,3 +217,71 @@ def test_a_rank_that_grows_with_the_width_sends_what_that_rank_sends(hidden, ran
         assert a.SerializeToString() == b.SerializeToString()
     assert CodecConfig.parse("acsgd2+ch+nr+fsl32+fslw4+s20").label == "acsgd2+ch+fsl32+fslw4+s20"
     assert CodecConfig.parse("acsgd2+ch+nr+fslw4+s20").first_sight_rank == 0  # the width alone: 8 at hidden 32
+
+
+def spread_stream(gen, n: int, directions: int, tokens: int = 32, hidden: int = 128) -> torch.Tensor:
+    """[n, T, D] rows over `directions` orthogonal directions whose loudness falls linearly to a twentieth: a
+    residual stream late in a long pass, whose energy has spread past a rank-8 basis."""
+    axes = torch.linalg.qr(torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(3))).Q[:directions]
+    loud = torch.randn(n * tokens, directions, generator=gen) * torch.linspace(1, 0.05, directions)
+    return (loud @ axes).view(n, tokens, hidden)
+
+
+def sent_rank(msg: wire_pb2.TensorMessage) -> int:
+    return msg.first_sight_basis.numel // msg.shape[-1]
+
+
+def test_a_rank_grown_by_energy_leaves_out_at_most_that_share_and_any_receiver_decodes_it():
+    gen = torch.Generator().manual_seed(11)
+    x = spread_stream(gen, 4, directions=48)
+    rows = x.reshape(-1, x.shape[-1]).double()
+    values = torch.linalg.eigvalsh(rows.t() @ rows).flip(0)
+    for leave_out in (1, 10, 100, 1000):
+        codec, send, _ = ends(f"acsgd2+ch+nr+fsl8+fsle{leave_out}+s20")
+        _, _, plain_recv = ends("acsgd2+ch+nr")  # the rank is read from the message, never from the config
+        msg = codec.encode(x, sample_ids=[1, 2, 3, 4], state=send)
+        r = sent_rank(msg)
+        out = decoder_for(msg).decode(msg, state=plain_recv)
+        assert same_buffers(send, plain_recv)
+        left_out = float(values[r:].sum() / values.sum())
+        assert 8 <= r <= 48 and left_out <= leave_out / 10_000  # enough directions ...
+        assert r == 8 or float(values[r - 1 :].sum() / values.sum()) > leave_out / 10_000  # ... and no more
+        assert rel(out, x) < rel(*fixed_rank_round_trip(x, 8)) or r == 8
+
+
+def fixed_rank_round_trip(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    codec, send, recv = ends(f"acsgd2+ch+nr+fsl{rank}+s20")
+    msg = codec.encode(x, sample_ids=list(range(len(x))), state=send)
+    return decoder_for(msg).decode(msg, state=recv), x
+
+
+def test_a_rank_grown_by_energy_stays_at_the_least_where_that_already_holds_the_energy_and_stops_at_64():
+    gen = torch.Generator().manual_seed(12)
+    few = residual_stream(gen, 3, hidden=128)  # 6 loud directions and a quiet floor
+    grown, grown_send, _ = ends("acsgd2+ch+nr+fsl16+fsle100+s20")
+    fixed, fixed_send, _ = ends("acsgd2+ch+nr+fsl16+s20")
+    a = grown.encode(few, sample_ids=[1, 2, 3], state=grown_send)
+    assert a.SerializeToString() == fixed.encode(few, sample_ids=[1, 2, 3], state=fixed_send).SerializeToString()
+    wide = spread_stream(gen, 4, directions=128)
+    codec, send, recv = ends("acsgd2+ch+nr+fsl8+fsle1+s20")
+    msg = codec.encode(wide, sample_ids=[1, 2, 3, 4], state=send)
+    assert sent_rank(msg) == 64  # MAX_RANK: what a receiver accepts
+    decoder_for(msg).decode(msg, state=recv)
+
+
+def test_energy_rank_counts_what_each_rank_leaves_out():
+    values = torch.tensor([50.0, 30.0, 15.0, 4.0, 1.0], dtype=torch.float64)
+    assert energy_rank(values, 100.0, 1, 0.05) == 3  # ranks 1..3 leave out 50, 20, 5
+    assert energy_rank(values, 100.0, 4, 0.05) == 4  # never below the least
+    assert energy_rank(values, 100.0, 1, 0.001) == 5  # what is kept cannot hold more: all of them
+    assert energy_rank(values, 200.0, 1, 0.05) == 5  # energy beyond the values (a randomized basis's tail)
+
+
+def test_a_wide_message_grows_its_randomized_basis_the_same_way():
+    gen = torch.Generator().manual_seed(13)
+    x = spread_stream(gen, 1, directions=40, tokens=64, hidden=600)  # wider than EXACT_MAX_COLS
+    rows = x.reshape(-1, 600)
+    basis = subspace_basis(rows, 8, most=64, leave_out=0.01)
+    exact = torch.linalg.eigvalsh(rows.double().t() @ rows.double()).flip(0)
+    assert 8 < basis.shape[1] <= 40 and float(exact[basis.shape[1] :].sum() / exact.sum()) <= 0.0101
+    torch.testing.assert_close(basis.t() @ basis, torch.eye(basis.shape[1]), atol=1e-4, rtol=0)
