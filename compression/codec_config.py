@@ -50,21 +50,26 @@ MAX_WIDTH_DIVISOR = 1024
 MAX_FIRST_SIGHT_ENERGY = 9999
 """Largest N of `+fsleN` (first sights' ranks grown until they leave out at most N / 10,000 of the energy)."""
 
-DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr+fsl32+fslw4+dsl16+s20"
+DEFAULT_FORWARD_CODEC = "acsgd2+ch+nr+fsl32+fslw4+fsle10+dsl16+s20"
 """AQ-SGD's buffer protocol with a sample's first sight subspace-coded at rank 32 or a quarter of the message's width
-where that is more (`+fsl32+fslw4`: 32 up to hidden 128, 64 from 256 on, at most 64) and its later visits' changes
-too (`+dsl16`: rank 16), both on one step of 20% of the rows' rms, int8 codes that zstd shrinks
+where that is more (`+fsl32+fslw4`: 32 up to hidden 128, 64 from 256 on, at most 64), the rank grown further, up to
+64, until it leaves out at most 0.1% of the rows' energy (`+fsle10`, s59), and its later visits' changes too
+(`+dsl16`: rank 16), both on one step of 20% of the rows' rms, int8 codes that zstd shrinks
 (`swarm.compression.subspace`); `+ch+nr` quantize nothing here but name the paper's 2-bit channel deltas a receiver
 also decodes. With the default backward and the tied sum's default (`GradientAverager.tied_codec`, rank-16 int8
-factors), in `swarm experiment convergence` (512 held-out windows; docs/reports/single-pass.md, s53), seeds 0 / 1: 8
-epochs 21.80x / 21.78x fewer total bytes after epoch 1 (21.16x / 21.17x over the run) at -0.03% / +0.03% held-out vs
-fp32, where 2-bit channel deltas (`acsgd2+ch+nr+fsl32+s20`, the default before) sent 17.24x / 17.29x at +0.14% /
-+0.15%; with 2 replicas 21.91x / 21.90x at +0.60% / +0.83%; a single pass sends no deltas: 17.68x / 17.69x at +0.79%
-/ +0.11% (s50). On gpt-mid (hidden 256, rank-64 first sights): one pass of 6,144 samples +1.17% / +0.24% / +0.69%
-(seeds 0 / 1 / 2, 16.8x; rank 32 read +1.57% on seed 0), 8 epochs -0.38% at 25.84x after epoch 1."""
-DEFAULT_BACKWARD_CODEC = "gradq2+ef+rot+nr+cs+g256"
-"""2-bit gradients with error feedback, Hadamard rotation, round to nearest, 16-bit scales, groups of 256: with
-groups of 1024 the same forward sent 8% fewer bytes but missed 1% on one seed of the single pass (+1.35%)."""
+factors), in `swarm experiment convergence` (512 held-out windows; docs/reports/single-pass.md, s59), seeds 0 / 1:
+one pass of 6,144 samples +0.47% / +0.35% held-out vs fp32 at 16.5x / 16.8x fewer total bytes; one of 24,576 samples
++1.42% / +1.54% at 13.2x / 13.3x, where s53's default (rank 32 throughout, the backward with error feedback) read
++3.77% / +4.50%; 8 epochs +0.63% / -0.31% at 22.0x fewer total bytes after epoch 1 (20.2x / 20.3x over the run);
+with 2 replicas (8 epochs, seed 0) +0.45% at 34.2x. On gpt-mid (hidden 256, rank-64 first sights from the width
+alone): one pass of 6,144 samples +1.18% (seed 0; s53's default +1.17%)."""
+DEFAULT_BACKWARD_CODEC = "gradq2+rot+nr+cs+g256"
+"""2-bit gradients, Hadamard rotation, round to nearest, 16-bit scales, groups of 256 (with groups of 1024 the same
+forward sent 8% fewer bytes but missed 1% on one seed of the single pass, +1.35%). No error feedback (`+ef`, the
+default until s59): a micro-batch's quantization error carried into the next micro-batch's message lands on other
+samples' gradients, so the previous stage's weight gradient takes it through the wrong activations. It lowers each
+message's error against the running sum, not the weights' error: over a 24,576-sample pass with fp32 activations
+the same gradients ended +1.23% held-out with it and -0.11% without (`scripts/simulate_boundary_codecs.py`, seed 0)."""
 
 
 @dataclass(frozen=True)

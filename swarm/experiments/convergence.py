@@ -67,15 +67,16 @@ SINGLE_PASS = "single-pass"
 MULTI_EPOCH = "multi-epoch"
 """The regime of a run in which some training sample came back (AQ-SGD's deltas apply)."""
 
-DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256"
+DEFAULT_TARGET_SETTING = "acsgd2+ch+fsl32+fslw4+fsle10+dsl16+s20/gradq2+rot+nr+cs+g256"
 """The swarm's default codecs as a setting under the experiment's flags (what the benches capture). Forward: AQ-SGD
-with first sights subspace-coded (rank 32, or a quarter of the width where more; a step of 20% of the rms) and later
-visits' changes too (rank 16); backward: 2-bit gradients with error feedback, Hadamard rotation, round-to-nearest
-and 16-bit scales, in groups of 256; the tied sum as rank-16 int8 factors (the averager's default). `check_targets`
-finds the default row by its `is_default` flag, not by this name. The defaults before it,
-`acsgd2+ch/gradq2+ef+rot+nr+cs` (16-bit first sights, groups of 1024),
-`acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4` (s42's: 2-bit channel deltas, the tied sum at 4 bits) and the same
-without `@t4` (s50's), stay in `DEFAULT_SETTINGS` to compare."""
+with first sights subspace-coded (rank 32, or a quarter of the width where more, grown up to 64 until at most 0.1%
+of the energy is left out; a step of 20% of the rms) and later visits' changes too (rank 16); backward: 2-bit
+gradients with Hadamard rotation, round-to-nearest and 16-bit scales, in groups of 256, no error feedback; the tied
+sum as rank-16 int8 factors (the averager's default). `check_targets` finds the default row by its `is_default`
+flag, not by this name. The defaults before it, `acsgd2+ch/gradq2+ef+rot+nr+cs` (16-bit first sights, groups of
+1024), `acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4` (s42's: 2-bit channel deltas, the tied sum at 4 bits), the
+same without `@t4` (s50's) and `acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256` (s53's: first sights at a
+fixed rank, gradients with error feedback), stay in `DEFAULT_SETTINGS` to compare."""
 DEFAULT_SETTINGS = (
     "fp32/fp32",
     "acsgd2+ch/gradq2+ef+rot+nr+cs",
@@ -97,6 +98,7 @@ DEFAULT_SETTINGS = (
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4",
     "bilevel+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
     "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
+    "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256",
     DEFAULT_TARGET_SETTING,
     "acsgd2+ch+nr+fsl20+s30/gradq2+ef+rot+nr+cs@lr4+f8",
 )

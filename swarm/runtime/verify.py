@@ -93,9 +93,10 @@ class VerifyConfig:
     holds it (docs/SECURITY.md#verified-stage-work)."""
     link_rtol_backward: float = 3.0
     """The same for an input gradient and the previous stage's decoded copy: the backward codec's error (honest
-    worst 1.15 with gradq2+ef+rot+nr+cs+g1024 over 20 steps, 1.30 over the 400 above and 1.17 with the default
-    gradq2+ef+rot+nr+cs+g256; 1.7 with gradq2+ef, 0.2 with gradq4): at 2 bits with error feedback the link catches
-    only gross lies (x10); a flip is caught by the sender's own record."""
+    worst 1.15 with gradq2+ef+rot+nr+cs+g1024 over 20 steps, 1.30 over the 400 above and 1.17 with s53's default
+    gradq2+ef+rot+nr+cs+g256; 1.7 with gradq2+ef, 0.2 with gradq4; today's default, gradq2+rot+nr+cs+g256, sends no
+    error feedback, so its error is one message's quantization alone): at 2 bits the link catches only gross lies
+    (x10); a flip is caught by the sender's own record."""
     suspect_fraction: float = 0.5
     """Share of micro-batches audited on a route through a suspect peer (`suspect` in `sampled`): one with strikes
     in the window, or one on probation, in its first `probation_steps` steps of the run. A liar that lies from its

@@ -60,7 +60,9 @@ __all__ = [
     "rechoose",
 ]
 
-FORWARD_LADDER = ("fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", DEFAULT_FORWARD_CODEC, "acsgd2+ch+nr+fsl32+fslw4+dsl8+s20")
+FORWARD_LADDER = (
+    "fp32", "acsgd8+ch+nr", "acsgd4+ch+nr", DEFAULT_FORWARD_CODEC, "acsgd2+ch+nr+fsl32+fslw4+fsle10+dsl8+s20"
+)  # fmt: skip
 """Forward (activation) codecs, most precise first; the last but one is the default floor (`DEFAULT_FORWARD_CODEC`):
 the AQ-SGD paper's quantizer in channel groups, round to nearest, at 8 and 4 bits (first sights at 16 bits: a fast
 link's choice), then the floor, whose first sights and later visits' changes are subspace-coded (at rank 32 or a
@@ -77,10 +79,11 @@ BACKWARD_LADDER = (
     "gtern+ef+rot+nr+r150+g1024",
 )
 """Backward (activation-gradient) codecs, most precise first; the 2-bit rung is the default floor
-(`DEFAULT_BACKWARD_CODEC`): error feedback, Hadamard rotation, round to nearest, 16-bit scales, at 8, 4 and 2
-bits (groups of 1024 at 8 and 4 bits, of 256 at the 2-bit floor, where groups of 1024 cost loss in a single
-pass). Below it, ternary gradients at about 1 bit an element (`gtern`, issue 13's best setting), which a policy
-reaches only by naming it as its `backward_floor`."""
+(`DEFAULT_BACKWARD_CODEC`): Hadamard rotation, round to nearest, 16-bit scales, at 8, 4 and 2 bits (groups of 1024
+at 8 and 4 bits, of 256 at the 2-bit floor, where groups of 1024 cost loss in a single pass); error feedback at 8
+and 4 bits, none at the floor, where it cost a long single pass (`DEFAULT_BACKWARD_CODEC`'s docstring). Below it,
+ternary gradients at about 1 bit an element (`gtern`, issue 13's best setting), which a policy reaches only by
+naming it as its `backward_floor`."""
 AVERAGE_LADDER = ("fp32", "bf16", "gradq8+ef+rot+nr+cs+g1024", SUM_CODEC)
 """Codecs of the replicas' gradient sum (`GradientAverager`), most precise first; the floor is each weight matrix as
 rank-16 factors in 4-bit codes in AdamW's units (`swarm.runtime.average.SUM_CODEC`, also the averager's sum over

@@ -147,10 +147,10 @@ class TestbedConfig:
     """Private IPv4 subnet of the bridge; bootstrap .2, trainer .3, peer i .(10+i) (Docker's gateway is .1)."""
     prefix: str = field(default="swt-", metadata=flag(skip=True))
     """Start of every namespace and link name, so `down` finds leftovers; 2-7 characters ending in '-'."""
-    fw_codec: str = field(default="acsgd2+ch+nr+fsl32+fslw4+dsl16+s20", metadata=flag(group="swarm"))
+    fw_codec: str = field(default="acsgd2+ch+nr+fsl32+fslw4+fsle10+dsl16+s20", metadata=flag(group="swarm"))
     """Activation codec of the peers (swarm.compression.DEFAULT_FORWARD_CODEC, spelled out: this module stays free of
     torch; a test checks they agree)."""
-    bw_codec: str = field(default="gradq2+ef+rot+nr+cs+g256", metadata=flag(group="swarm"))
+    bw_codec: str = field(default="gradq2+rot+nr+cs+g256", metadata=flag(group="swarm"))
     """Gradient codec of the peers (swarm.compression.DEFAULT_BACKWARD_CODEC)."""
     model: str | None = field(default=None, metadata=flag(group="swarm"))
     """`--model` of every peer and the trainer: a preset name (None: the entry points' default, the built-in)."""

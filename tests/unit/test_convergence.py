@@ -214,7 +214,10 @@ def test_default_flag_is_the_swarms_default_codecs_and_nothing_else():
                   "acsgd2+ch+fsl32+dsl16+s20/gradq2+ef+rot+nr+cs+g256",  # the same bits up to hidden 128
                   "acsgd2+ch+fsl16+s20/gradq2+ef+rot+nr+cs+g256",
                   "acsgd2+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256@t4",
-                  "bilevel+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256"):  # fmt: skip
+                  "bilevel+ch+fsl32+s20/gradq2+ef+rot+nr+cs+g256",
+                  "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256",  # s53's default
+                  "acsgd2+ch+fsl32+fslw4+fsle10+dsl16+s20/gradq2+ef+rot+nr+cs+g256",  # with error feedback
+                  "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+rot+nr+cs+g256"):  # a fixed rank  # fmt: skip
         assert not default(other), other
     # stochastic rounding forward on the command line: the swarm's default codecs no longer run
     assert not default(convergence.DEFAULT_TARGET_SETTING, replace(cfg, forward_stochastic=True))
@@ -334,7 +337,7 @@ def test_first_sights_in_the_deltas_code_train_through_the_pipeline_in_fewer_for
     assert fw[labels[3]] < fw[labels[0]] / 3, fw  # 1 bit and two fp16 levels per 16-token group: ~3 bits here
 
 
-DEFAULT_SETTING = "acsgd2+ch+nr+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256"
+DEFAULT_SETTING = "acsgd2+ch+nr+fsl32+fslw4+fsle10+dsl16+s20/gradq2+rot+nr+cs+g256"
 
 
 def test_a_run_with_replicas_repeats_to_the_bit(tmp_path, capsys):

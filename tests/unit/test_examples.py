@@ -26,7 +26,7 @@ def test_the_example_run_toml_is_swarm_demos_config():
     assert (cfg.model.layers, cfg.model.hidden, cfg.model.model) == (4, 128, "gpt")
     assert cfg.train.epochs == text["train"]["epochs"] and cfg.train.eval_every == text["train"]["eval_every"]
     assert cfg.peer.link_shape.rate_bytes_per_s == text["peer"]["rate_mbit"] * 1e6 / 8
-    assert cfg.peer.fw_codec.label == "acsgd2+ch+fsl32+fslw4+dsl16+s20" and not cfg.peer.fw_codec.stochastic
+    assert cfg.peer.fw_codec.label == "acsgd2+ch+fsl32+fslw4+fsle10+dsl16+s20" and not cfg.peer.fw_codec.stochastic
     leaves = sum(len(v) if isinstance(v, dict) else 1 for v in text.values())
     assert len(given) == leaves, "every key of the file is read as one flag"
     # the peers' schedule ends where this run's training does

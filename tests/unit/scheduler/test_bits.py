@@ -69,7 +69,7 @@ def test_the_ladders_are_the_default_codec_family():
     assert BitsPolicy().forward_floor == DEFAULT_FORWARD_CODEC and BitsPolicy().backward_floor == DEFAULT_BACKWARD_CODEC
     assert BACKWARD_LADDER[-1] == "gtern+ef+rot+nr+r150+g1024"  # below the default floor: a policy names it
     assert SIZES(BACKWARD_LADDER[-1]) < SIZES(BACKWARD_LADDER[-2])
-    assert FORWARD_LADDER[-1] == "acsgd2+ch+nr+fsl32+fslw4+dsl8+s20"  # below the default floor: a policy names it
+    assert FORWARD_LADDER[-1] == "acsgd2+ch+nr+fsl32+fslw4+fsle10+dsl8+s20"  # below the default floor: policies name it
     assert SIZES(FORWARD_LADDER[-1]) < SIZES(FORWARD_LADDER[-2])
     for ladder in (FORWARD_LADDER[:4], BACKWARD_LADDER[:4]):
         rungs = [CodecConfig.parse(label) for label in ladder]
@@ -82,16 +82,19 @@ def test_the_ladders_are_the_default_codec_family():
     assert (floor.first_sight_rank, floor.first_sight_width_divisor, floor.delta_rank) == (32, 4, 16)
     assert FORWARD_LADDER[3] == DEFAULT_FORWARD_CODEC
     for label, bits in zip(FORWARD_LADDER[1:3], (8, 4), strict=True):
-        off = {"first_sight_rank": 0, "first_sight_width_divisor": 0, "delta_rank": 0, "subspace_step_percent": 0}
+        off = {"first_sight_rank": 0, "first_sight_width_divisor": 0, "first_sight_energy": 0, "delta_rank": 0,
+               "subspace_step_percent": 0}  # fmt: skip
         wider = replace(floor, bits=bits, **off)
         assert CodecConfig.parse(label) == wider
     assert CodecConfig.parse(FORWARD_LADDER[-1]) == replace(floor, delta_rank=8)
     floor = CodecConfig.parse(DEFAULT_BACKWARD_CODEC)
     assert floor.group_size == 256
     for label, bits in zip(BACKWARD_LADDER[1:3], (8, 4), strict=True):
-        assert CodecConfig.parse(label) == replace(floor, bits=bits, group_size=1024)
+        assert CodecConfig.parse(label) == replace(floor, bits=bits, group_size=1024, error_feedback=True)
     # the tied sum: the backward at 4 bits, then the floor, what a peer without the plan's epilogue codecs sums with
-    assert CodecConfig.parse(TIED_LADDER[-2]) == replace(floor, bits=GradientAverager.tied_min_bits)
+    # (with error feedback, which every sum keeps: a sum's next message is the same parameters' next step)
+    tied_floor = replace(floor, bits=GradientAverager.tied_min_bits, error_feedback=True)
+    assert CodecConfig.parse(TIED_LADDER[-2]) == tied_floor
     assert TIED_LADDER[-1] == GradientAverager.tied_codec == TIED_CODEC
     assert group_config(None, floor, tied=True) == group_config(CodecConfig.parse(TIED_CODEC), floor, tied=True)
 
