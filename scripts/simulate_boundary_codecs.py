@@ -15,38 +15,19 @@ RESULT line; the bytes are the messages' before zstd)
 
 import sys
 import time
-from dataclasses import replace
 
 import torch
+from one_process import BATCH, start
 
 from swarm.compression import CodecConfig, decoder_for, make_codec
 from swarm.compression.state import LinkState
-from swarm.experiments.convergence import ModelData
-from swarm.model.data import build_datasets
-from swarm.model.gpt import GPT, split_layers
-from swarm.runtime.worker import lr_at
+from swarm.model.gpt import split_layers
 
-torch.set_num_threads(1)
 forward, backward = sys.argv[1], sys.argv[2]
 seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 samples = int(sys.argv[4]) if len(sys.argv) > 4 else 6144
-built = ModelData(train_samples=samples, seed=seed).build()
-torch.manual_seed(seed)
-model = GPT(built["model"])
-train, held, _ = build_datasets(built["data"])
-batch, n_micro = 16, 4
-steps = len(train) // batch
-optim = replace(built["optim"], total_steps=steps, warmup_steps=max(1, round(steps * 0.2)))
-params = [p for p in model.parameters() if p.requires_grad]
-opt = torch.optim.AdamW(
-    [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ],
-    lr=lr_at(optim, 0),
-    betas=(0.9, 0.95),
-    eps=1e-8,
-)
+run = start(seed, samples)
+model, n_micro = run.model, 4
 fw_config = None if forward == "fp32" else CodecConfig.parse(forward, seed=seed)
 bw_config = None if backward == "fp32" else CodecConfig.parse(backward, seed=seed + 1)
 fw_send, fw_recv = (LinkState(fw_config), LinkState(fw_config)) if fw_config else (None, None)
@@ -76,42 +57,30 @@ class Boundary(torch.autograd.Function):
         return decoder_for(msg).decode(msg).to(grad.dtype)
 
 
-cut = split_layers(built["model"].n_layers, 2)[0][1]
+cut = split_layers(model.cfg.n_layers, 2)[0][1]
 last_of_stage_0 = list(model.blocks.values())[cut - 1]
 last_of_stage_0.register_forward_hook(lambda module, _, out: Boundary.apply(out) if module.training else out)
 
 t0 = time.time()
-order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
 losses = []
-for step in range(steps):
-    rows = order[step * batch : (step + 1) * batch]
+for step, rows in run.batches(seed):
     model.zero_grad(set_to_none=True)
     if bw_send is not None:
         bw_send.end_step()  # error feedback carries across one step's micro-batches only
     total = 0.0
     for mb in range(n_micro):
-        part_rows = rows[mb * batch // n_micro : (mb + 1) * batch // n_micro]
+        part_rows = rows[mb * BATCH // n_micro : (mb + 1) * BATCH // n_micro]
         current_ids = [int(i) for i in part_rows]
-        part = train.batch(part_rows)
+        part = run.train.batch(part_rows)
         loss = model(part.tokens, part.targets) / n_micro
         loss.backward()
         total += float(loss.detach())
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    for group in opt.param_groups:
-        group["lr"] = lr_at(optim, step)
-    opt.step()
+    run.apply(step)
     losses.append(total)
-model.eval()
-with torch.no_grad():
-    held_total, n = 0.0, 0
-    for b in range(0, len(held), 64):
-        part = held.batch(slice(b, b + 64))
-        held_total += float(model(part.tokens, part.targets)) * len(part.tokens)
-        n += len(part.tokens)
 tail = losses[-64:]
 print(
-    f"RESULT forward={forward} backward={backward} seed={seed} samples={samples} steps={steps} "
-    f"eval={held_total / n:.5f} train_last64={sum(tail) / len(tail):.4f} forward_MB={sent[0] / 1e6:.1f} "
+    f"RESULT forward={forward} backward={backward} seed={seed} samples={samples} steps={run.steps} "
+    f"eval={run.held_out():.5f} train_last64={sum(tail) / len(tail):.4f} forward_MB={sent[0] / 1e6:.1f} "
     f"backward_MB={sent[1] / 1e6:.1f} s={time.time() - t0:.0f}",
     flush=True,
 )

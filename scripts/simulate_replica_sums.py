@@ -20,37 +20,19 @@ import time
 from dataclasses import replace
 
 import torch
+from one_process import BATCH, start
 
 from swarm.compression import CodecConfig, make_codec
 from swarm.compression.codec_mlowrank import layout_of
 from swarm.compression.factors import pack_factor
 from swarm.compression.state import LinkState
-from swarm.experiments.convergence import ModelData
-from swarm.model.data import build_datasets
-from swarm.model.gpt import GPT
 from swarm.proto import wire_pb2
-from swarm.runtime.worker import lr_at
 
-torch.set_num_threads(1)
 mode, seed = sys.argv[1], int(sys.argv[2])
 samples = int(sys.argv[3]) if len(sys.argv) > 3 else 6144
 epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-built = ModelData(train_samples=samples, seed=seed).build()
-torch.manual_seed(seed)
-model = GPT(built["model"])
-train, held, _ = build_datasets(built["data"])
-batch, R = 16, 2
-steps = epochs * (len(train) // batch)
-optim = replace(built["optim"], total_steps=steps, warmup_steps=max(1, round(steps * 0.2)))
-params = [p for p in model.parameters() if p.requires_grad]
-decay = [p for p in params if p.dim() >= 2]
-no_decay = [p for p in params if p.dim() < 2]
-opt = torch.optim.AdamW(
-    [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-    lr=lr_at(optim, 0),
-    betas=(0.9, 0.95),
-    eps=1e-8,
-)
+run = start(seed, samples, epochs)
+model, params, R = run.model, run.params, 2
 layout = layout_of(params)
 kept = [(None, None)] * R  # parts: each replica's residual and warm start
 res = [[torch.zeros_like(p) for p in params] for _ in range(R)]
@@ -116,42 +98,25 @@ def combine(grads: list[list[torch.Tensor]], step: int) -> list[torch.Tensor]:
 
 
 t0 = time.time()
-gen = torch.Generator().manual_seed(seed)
-step = 0
 losses = []
-for _epoch in range(epochs):
-    order = torch.randperm(len(train), generator=gen)
-    for b in range(len(train) // batch):
-        rows = order[b * batch : (b + 1) * batch]
-        grads = []
-        loss_sum = 0.0
-        for i in range(R):
-            part = train.batch(rows[i * batch // R : (i + 1) * batch // R])
-            model.zero_grad(set_to_none=True)
-            loss = model(part.tokens, part.targets)
-            loss.backward()
-            loss_sum += float(loss)
-            grads.append([p.grad.detach() for p in params])  # the next backward makes new ones (set_to_none)
-        avg = combine(grads, step)
-        for p, g in zip(params, avg, strict=True):
-            p.grad = g
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        for grp in opt.param_groups:
-            grp["lr"] = lr_at(optim, step)
-        opt.step()
-        losses.append(loss_sum / R)
-        step += 1
-model.eval()
-with torch.no_grad():
-    tot, n = 0.0, 0
-    for b in range(0, len(held), 64):
-        part = held.batch(slice(b, b + 64))
-        x, y = part.tokens, part.targets
-        tot += float(model(x, y)) * len(x)
-        n += len(x)
-tail = sum(losses[-32:]) / 32
+for step, rows in run.batches(seed, epochs):
+    grads = []
+    loss_sum = 0.0
+    for i in range(R):
+        part = run.train.batch(rows[i * BATCH // R : (i + 1) * BATCH // R])
+        model.zero_grad(set_to_none=True)
+        loss = model(part.tokens, part.targets)
+        loss.backward()
+        loss_sum += float(loss)
+        grads.append([p.grad.detach() for p in params])  # the next backward makes new ones (set_to_none)
+    avg = combine(grads, step)
+    for p, g in zip(params, avg, strict=True):
+        p.grad = g
+    run.apply(step)
+    losses.append(loss_sum / R)
+tail = losses[-32:]
 print(
-    f"RESULT mode={mode} seed={seed} samples={samples} epochs={epochs} steps={step} eval={tot / n:.5f} "
-    f"train_last32={tail:.4f} sent_MB={sent / 1e6:.1f} s={time.time() - t0:.0f}",
+    f"RESULT mode={mode} seed={seed} samples={samples} epochs={epochs} steps={run.steps} eval={run.held_out():.5f} "
+    f"train_last32={sum(tail) / len(tail):.4f} sent_MB={sent / 1e6:.1f} s={time.time() - t0:.0f}",
     flush=True,
 )
