@@ -38,9 +38,10 @@ list(model.blocks.values())[cut - 1].register_forward_hook(keep)
 backward = make_codec(CodecConfig.parse(DEFAULT_BACKWARD_CODEC))
 
 
-def left_out(rows: torch.Tensor, rank: int) -> float:
+def left_out(rows: torch.Tensor, ranks: tuple[int, ...]) -> list[float]:
+    """What each rank's top eigenvectors leave out of the rows' Gram matrix's trace, as a share."""
     values = torch.linalg.eigvalsh((rows.t() @ rows).double()).flip(0)
-    return float(values[rank:].sum() / values.sum())
+    return [float(values[rank:].sum() / values.sum()) for rank in ranks]
 
 
 def relative(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -59,11 +60,12 @@ for step, rows in run.batches(seed):
         mat = act.reshape(-1, act.shape[-1])
         sent = {r: encode_subspace(mat, r, 20, wire_pb2.Quantized(), wire_pb2.Quantized()) for r in (32, 64)}
         msg = backward.encode(grad.contiguous())
+        left_out_32, left_out_64 = left_out(mat, (32, 64))
         row = {
             "step": step,
             "loss": round(float(loss.detach()), 4),
-            "left_out_32": left_out(mat, 32),
-            "left_out_64": left_out(mat, 64),
+            "left_out_32": left_out_32,
+            "left_out_64": left_out_64,
             "error_32": relative(mat, sent[32]),
             "error_64": relative(mat, sent[64]),
             "gradient_error_2bit": relative(grad, decoder_for(msg).decode(msg)),

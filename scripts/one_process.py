@@ -21,15 +21,13 @@ class Run:
     """One simulated run: the model, its data and its optimizer over `steps` steps."""
 
     model: GPT
+    params: list[torch.nn.Parameter]
+    """the model's trained parameters, in its order"""
     train: SampleSet
     held: SampleSet
     optim: OptimConfig
     optimizer: torch.optim.AdamW
     steps: int
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
 
     def batches(self, seed: int, epochs: int = 1):
         """(step, the batch's rows) of every step, each epoch in a fresh order of the seed's generator."""
@@ -41,8 +39,10 @@ class Run:
                 step += 1
 
     def apply(self, step: int) -> None:
-        """Clip the gradients the parameters hold to norm 1, then the optimizer's step at `step`'s rate."""
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        """Clip the gradients the parameters hold to the global norm `optim` gives (1), then the optimizer's step at
+        `step`'s rate."""
+        if self.optim.grad_clip_norm:  # None: clipping off
+            torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.optim, step)
         self.optimizer.step()
@@ -71,11 +71,11 @@ def start(seed: int, samples: int, epochs: int = 1) -> Run:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ],
         lr=lr_at(optim, 0),
-        betas=(0.9, 0.95),
-        eps=1e-8,
+        betas=optim.betas,
+        eps=optim.eps,
     )
-    return Run(model, train, held, optim, optimizer, steps)
+    return Run(model, params, train, held, optim, optimizer, steps)

@@ -30,6 +30,7 @@ run = start(seed, samples)
 model, n_micro = run.model, 4
 fw_config = None if forward == "fp32" else CodecConfig.parse(forward, seed=seed)
 bw_config = None if backward == "fp32" else CodecConfig.parse(backward, seed=seed + 1)
+fw_codec, bw_codec = (make_codec(c) if c else None for c in (fw_config, bw_config))
 fw_send, fw_recv = (LinkState(fw_config), LinkState(fw_config)) if fw_config else (None, None)
 bw_send = LinkState(bw_config) if bw_config else None
 current_ids: list[int] = []
@@ -42,17 +43,17 @@ class Boundary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        if fw_config is None:
+        if fw_codec is None:
             return x.clone()
-        msg = make_codec(fw_config).encode(x.detach(), sample_ids=current_ids, state=fw_send)
+        msg = fw_codec.encode(x.detach(), sample_ids=current_ids, state=fw_send)
         sent[0] += msg.ByteSize()
         return decoder_for(msg).decode(msg, state=fw_recv).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        if bw_config is None:
+        if bw_codec is None:
             return grad
-        msg = make_codec(bw_config).encode(grad.contiguous(), state=bw_send)
+        msg = bw_codec.encode(grad.contiguous(), state=bw_send)
         sent[1] += msg.ByteSize()
         return decoder_for(msg).decode(msg).to(grad.dtype)
 
