@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.kernels import SymQuantized, symmetric
+from swarm.kernels import SymQuantized, all_finite, symmetric
 from swarm.kernels.reference import pack
 
 __all__ = ["CLIP_FRACTIONS", "clipped_quantize"]
@@ -35,7 +35,7 @@ def clipped_quantize(
     symmetric.check_sym_args(v.numel(), bits, group_size)
     if not fractions or any(not 0.0 < f <= 1.0 for f in fractions):
         raise ValueError(f"clip fractions must be in (0, 1], got {fractions}")
-    if v.numel() and not bool(torch.isfinite(v).all()):
+    if not all_finite(v):
         raise ValueError("the tensor to quantize has NaN or Inf")
     half = 1 << (bits - 1)
     pad = (-v.numel()) % group_size

@@ -12,7 +12,7 @@ from swarm.compression.codec_base import Codec, decoded_bound
 from swarm.compression.layout import FLAT, from_groups, group_for, layout_for, read_layout, to_groups, write_layout
 from swarm.compression.quantized import group_size, pack_quantized, quantized_nbytes, unpack_quantized
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
-from swarm.kernels import apply_delta, aqsgd_update, dequantize, quantize
+from swarm.kernels import all_finite, apply_delta, aqsgd_update, dequantize, quantize
 from swarm.proto import wire_pb2
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class AQSGDCodec(Codec):
         if full_rows:
             first = self._first_sight(x[full_rows], state, msg, layout, group)
         for written in (m, first):
-            if written is not None and not bool(torch.isfinite(written).all()):
+            if written is not None and not all_finite(written):
                 raise ValueError(f"the activation overflows the {store.dtype} message buffers; use bfloat16 buffers")
         msg.buffer_digest = buffer_digest(m, first)
         # commit only now: a failure above leaves the sender's buffers as they were
@@ -230,7 +230,7 @@ def _check_bounded(x: torch.Tensor, bound: float, field: str) -> None:
     """Refuses values that are not finite in the buffer dtype or exceed `bound` (a narrower decoded dtype)."""
     if not x.numel():
         return
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise WireError(field, f"decodes to NaN or Inf in {x.dtype}")
     if bound < torch.finfo(x.dtype).max and float(x.abs().max()) > bound:
         raise WireError(field, f"decodes to values beyond {bound:.6g}, what the declared dtype holds")

@@ -22,6 +22,7 @@ from swarm.compression.wire import (
     torch_dtype,
     wire_dtype,
 )
+from swarm.kernels import all_finite
 from swarm.proto import wire_pb2
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ class Codec:
 
 def check_finite(x: torch.Tensor, what: str) -> None:
     """Refuses to send a tensor with NaN or Inf."""
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise ValueError(f"{what} contains NaN or Inf; refusing to send garbage")
 
 
@@ -198,5 +199,5 @@ def decoded_bound(msg: wire_pb2.TensorMessage, *dtypes: torch.dtype) -> float:
 
 def check_wire_finite(x: torch.Tensor, field: str) -> None:
     """Refuses a received tensor with NaN or Inf, naming the field it came in."""
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise WireError(field, "tensor contains NaN or Inf")

@@ -36,6 +36,7 @@ import torch
 from swarm.compression.codec_acsgd import FP16_MAX, ACSGDCodec
 from swarm.compression.quantized import group_size
 from swarm.compression.wire import WireError, bytes_to_tensor, tensor_to_bytes, wire_dtype
+from swarm.kernels import all_finite
 from swarm.proto import wire_pb2
 
 TRITS_PER_BYTE = 5
@@ -172,7 +173,7 @@ class LowBitDeltaCodec(ACSGDCodec):
 def check_levels(data: bytes, groups: int, field: str, bound: float) -> torch.Tensor:
     """One fp16 value per group from `data`, each finite and at most `bound` in magnitude (fp32)."""
     v = bytes_to_tensor(data, torch.float16, groups, field).float()
-    if v.numel() and not bool(torch.isfinite(v).all()):
+    if not all_finite(v):
         raise WireError(field, "contains NaN or Inf")
     if v.numel() and float(v.abs().max()) > bound:
         raise WireError(field, f"a group's values would exceed {bound:.6g} in magnitude")

@@ -30,7 +30,7 @@ from swarm.compression.wire import WireError
 from swarm.proto import wire_pb2
 
 __all__ = [
-    "MAX_SUBSPACE_STEP_PERCENT", "coefficient_steps", "decode_subspace", "encode_subspace",
+    "GRAM_ITERATIONS", "MAX_SUBSPACE_STEP_PERCENT", "coefficient_steps", "decode_subspace", "encode_subspace",
     "energy_rank", "least_squares_coefficients", "subspace_basis",
 ]  # fmt: skip
 
@@ -47,16 +47,31 @@ OVERSAMPLING = 8
 """Extra directions the randomized basis iterates beyond the rank, for the r-th direction's accuracy."""
 
 
-def subspace_basis(mat: torch.Tensor, r: int, *, most: int = 0, leave_out: float = 0.0) -> torch.Tensor:
+GRAM_ITERATIONS = 4
+"""Subspace iterations of a basis taken from the Gram matrix (`iterations` of `subspace_basis`; acsgd's `+dslR`
+deltas). On spectra falling 10x, 100x and 1000x over 128 directions, 4 left at most 0.06 points more of the energy
+outside a rank-16 basis than the exact eigendecomposition (0.01 on the steeper two), at a third of its time here
+(0.4-0.6 against 1.2-1.8 ms at 128 columns); 3 left up to 0.15 points on the flattest."""
+
+
+def subspace_basis(
+    mat: torch.Tensor, r: int, *, most: int = 0, leave_out: float = 0.0, iterations: int = 0
+) -> torch.Tensor:
     """The top-`r` eigenvectors of mat^T mat (cols x r, orthonormal columns, the loudest first), each column's sign
     fixed so that its largest-magnitude entry is positive (the same basis whatever sign eigh returns). Exact up to
     `EXACT_MAX_COLS` columns, randomized above (the sender's choice only: the basis travels in the message).
 
     With `leave_out` > 0, `r` is the least rank: the basis grows, up to `most`, until the eigenvalues beyond it
-    sum to at most `leave_out` of mat's energy (its squared Frobenius norm, the Gram matrix's trace)."""
+    sum to at most `leave_out` of mat's energy (its squared Frobenius norm, the Gram matrix's trace).
+
+    With `iterations` > 0 (and no growth), up to `EXACT_MAX_COLS` columns: that many subspace iterations on the
+    Gram matrix instead of its full eigendecomposition (`_gram_eigenvectors`), nearly the same basis in a third
+    of the time where r + `OVERSAMPLING` is well below the columns."""
     grows = leave_out > 0 and most > r
     width = min(most, mat.shape[1]) if grows else r
-    if mat.shape[1] <= EXACT_MAX_COLS:
+    if iterations > 0 and not grows and 2 * (r + OVERSAMPLING) <= mat.shape[1] <= EXACT_MAX_COLS:
+        values, vectors = _gram_eigenvectors(mat, width, iterations)
+    elif mat.shape[1] <= EXACT_MAX_COLS:
         values, vectors = torch.linalg.eigh((mat.t() @ mat).double())  # ascending; double: the Gram squares M's range
         values, vectors = values.flip(0)[:width], vectors.flip(1)[:, :width]
     else:
@@ -91,6 +106,19 @@ def _top_eigenvectors(m: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tens
     return values.flip(0)[:r], q @ vectors.flip(1)[:, :r]
 
 
+def _gram_eigenvectors(m: torch.Tensor, r: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-`r` eigenvalues (descending) and eigenvectors of G = m^T m by `iterations` subspace iterations on G
+    (float32, cols x cols), started from G's `r + OVERSAMPLING` columns of the largest diagonal (they lie in its
+    loud directions; no random draw), then a Rayleigh-Ritz step in float64. Deterministic for a given `m`."""
+    gram = m.t() @ m
+    k = min(gram.shape[0], r + OVERSAMPLING)
+    q = torch.linalg.qr(gram[:, gram.diagonal().topk(k).indices]).Q
+    for _ in range(iterations):
+        q = torch.linalg.qr(gram @ q).Q
+    values, vectors = torch.linalg.eigh((q.t() @ gram @ q).double())  # k x k: G within the subspace
+    return values.flip(0)[:r], (q.double() @ vectors.flip(1)[:, :r])
+
+
 def least_squares_coefficients(mat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """P (rows x r) minimising ||mat - P basis^T||: the coefficients on the basis as the receiver decodes it (its
     int8 codes are nearly, not exactly, orthonormal)."""
@@ -107,15 +135,16 @@ def coefficient_steps(coefficients: torch.Tensor, step: float) -> torch.Tensor:
 
 def encode_subspace(
     mat: torch.Tensor, r: int, step_percent: int, p_out: wire_pb2.Quantized, q_out: wire_pb2.Quantized,
-    *, most: int = 0, leave_out: float = 0.0,
+    *, most: int = 0, leave_out: float = 0.0, iterations: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """Codes `mat` (rows x cols, float) in its top-`r` eigenbasis (with `leave_out`, a basis that grows from `r` up
-    to `most` until it leaves out at most that share of mat's energy: `subspace_basis`): Q (the basis, int8
+    to `most` until it leaves out at most that share of mat's energy; with `iterations`, a basis by subspace iteration:
+    `subspace_basis`): Q (the basis, int8
     columns) into `q_out`, P (the least-squares coefficients on the decoded Q, each column on a step of at least
     `step_percent`% of mat's rms) into `p_out`. Returns what the receiver decodes (fp32, rows x cols, on the host),
     bit for bit."""
     mat = mat.detach().float().cpu()
-    q_sent = pack_factor(subspace_basis(mat, r, most=most, leave_out=leave_out), 8, q_out)
+    q_sent = pack_factor(subspace_basis(mat, r, most=most, leave_out=leave_out, iterations=iterations), 8, q_out)
     coefficients = least_squares_coefficients(mat, q_sent)
     step = float(mat.pow(2).mean().sqrt()) * step_percent / 100
     p_sent = pack_factor(coefficients, 8, p_out, coefficient_steps(coefficients, step))

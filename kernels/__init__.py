@@ -43,7 +43,7 @@ from types import ModuleType
 import torch
 
 from . import cpu, reference, symmetric
-from .qtensor import DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantizedTensor, packed_nbytes
+from .qtensor import DEFAULT_GROUP_SIZE, SCALE_DTYPE, QuantizedTensor, all_finite, packed_nbytes
 from .symmetric import SymQuantized
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "SCALE_DTYPE",
     "QuantizedTensor",
     "SymQuantized",
+    "all_finite",
     "apply_delta",
     "aqsgd_update",
     "backend_name",

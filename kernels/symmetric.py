@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .qtensor import num_groups, packed_nbytes
+from .qtensor import all_finite, num_groups, packed_nbytes
 from .reference import pack, unpack
 
 __all__ = ["SymQuantized", "apply_delta", "check_sym_args", "dequantize", "keys", "noise", "quantize", "update"]
@@ -108,7 +108,7 @@ def quantize_codes(
     """The unpacked codes (uint8, flattened) and the fp16 scales of `quantize`."""
     v = x.detach().reshape(-1).float()
     check_sym_args(v.numel(), bits, group_size)
-    if v.numel() and not bool(torch.isfinite(v).all()):
+    if not all_finite(v):
         raise ValueError("the tensor to quantize has NaN or Inf")
     half = 1 << (bits - 1)
     pad = (-v.numel()) % group_size

@@ -156,3 +156,28 @@ def test_a_receiver_decodes_by_the_message_whatever_its_own_delta_config():
         visit(codec, send, plain, x, [7, 8])
         x = x + 0.3 * stream(gen, 2)
     assert same_buffers(send, plain)
+
+
+def test_iterated_basis_captures_the_exact_bases_energy():
+    """The delta basis by subspace iteration (`GRAM_ITERATIONS`) leaves at most 0.1 points more of the energy outside
+    a rank-16 basis than the exact eigendecomposition, on spectra falling 10x to 1000x over 128 directions;
+    orthonormal, the same for the same rows, and a zero change (no energy) still gives a basis."""
+    from swarm.compression.subspace import GRAM_ITERATIONS, subspace_basis
+
+    gen = torch.Generator().manual_seed(3)
+    for decay in (-1.0, -2.0, -3.0):
+        for rows in (64, 256):
+            spectrum = torch.diag(torch.logspace(0, decay, 128))
+            mat = (
+                torch.randn(rows, 128, generator=gen)
+                @ spectrum
+                @ torch.linalg.qr(torch.randn(128, 128, generator=gen)).Q
+            )
+            exact, fast = subspace_basis(mat, 16), subspace_basis(mat, 16, iterations=GRAM_ITERATIONS)
+            energy = float(mat.pow(2).sum())
+            captured = [float((mat @ b).pow(2).sum()) / energy for b in (exact, fast)]
+            assert captured[1] >= captured[0] - 1e-3, (decay, rows, captured)
+            assert torch.allclose(fast.t() @ fast, torch.eye(16), atol=1e-4)
+            assert torch.equal(fast, subspace_basis(mat, 16, iterations=GRAM_ITERATIONS))
+    zero = subspace_basis(torch.zeros(64, 128), 16, iterations=GRAM_ITERATIONS)
+    assert zero.shape == (128, 16) and bool(torch.isfinite(zero).all())
