@@ -109,6 +109,16 @@ class StageStub:
                 request_serializer=swarm_dot_proto_dot_stage__pb2.AuditRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.AuditReply.FromString,
                 _registered_method=True)
+        self.ForwardItem = channel.unary_unary(
+                '/swarm.Stage/ForwardItem',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.ForwardReply.FromString,
+                _registered_method=True)
+        self.BackwardItem = channel.unary_unary(
+                '/swarm.Stage/BackwardItem',
+                request_serializer=swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
+                response_deserializer=swarm_dot_proto_dot_stage__pb2.BackwardReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -214,6 +224,22 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardItem(self, request, context):
+        """Forward and Backward whose stream holds one item (a token batch, or a message under one chunk: the default
+        codecs' activations and gradients), as a unary call: gRPC's Python client runs a client stream's requests on
+        a thread of its own per call, which cost about 3 ms a call against 0.4 ms unary on a busy 2-core machine
+        (s60). The stage serves them as the one-item stream they stand for, under the same checks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BackwardItem(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +317,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.AuditInputs,
                     request_deserializer=swarm_dot_proto_dot_stage__pb2.AuditRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.AuditReply.SerializeToString,
+            ),
+            'ForwardItem': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForwardItem,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StreamItem.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.ForwardReply.SerializeToString,
+            ),
+            'BackwardItem': grpc.unary_unary_rpc_method_handler(
+                    servicer.BackwardItem,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.StreamItem.FromString,
+                    response_serializer=swarm_dot_proto_dot_stage__pb2.BackwardReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -698,6 +734,60 @@ class Stage:
             '/swarm.Stage/AuditInputs',
             swarm_dot_proto_dot_stage__pb2.AuditRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardItem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.Stage/ForwardItem',
+            swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BackwardItem(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.Stage/BackwardItem',
+            swarm_dot_proto_dot_stage__pb2.StreamItem.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.BackwardReply.FromString,
             options,
             channel_credentials,
             insecure,

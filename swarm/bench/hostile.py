@@ -404,7 +404,7 @@ class Harness:
         from swarm.proto import stage_pb2_grpc
 
         channel = self.channel(self.addresses[stage])
-        if method in ("Forward", "Backward", "Sink"):
+        if method in ("Forward", "Backward", "Sink", "ForwardItem", "BackwardItem"):  # items serialized already
             fn = getattr(TensorStreams(channel), method)
         else:
             fn = getattr(stage_pb2_grpc.StageStub(channel), method)

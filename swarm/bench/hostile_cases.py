@@ -74,6 +74,12 @@ def stranger_forward(h):
     return h.expect_refusal(0, "Forward", tokens_item(h), "stranger")
 
 
+@case("stranger", "ForwardItem (a one-item Forward, unary) of a valid token batch into stage 0")
+def stranger_forward_item(h):
+    put_labels(h)
+    return h.expect_refusal(0, "ForwardItem", tokens_item(h)[0], "stranger")
+
+
 @case("stranger", "Forward of a valid activation into the middle stage")
 def stranger_forward_middle(h):
     put_labels(h)
@@ -202,6 +208,13 @@ def replayed_as_abandon(h):
     return h.expect_refusal(
         0, "Step", stage_pb2.StepRequest(step=h.step + 1, abandon=True), metadata=_captured(h, 0, "Forward", items[0])
     )
+
+
+@case("none", "a captured Forward's token and proof on a ForwardItem of the same item (its unary twin)")
+def replayed_as_twin(h):
+    put_labels(h)
+    item = tokens_item(h)[0]
+    return h.expect_refusal(0, "ForwardItem", item, metadata=_captured(h, 0, "Forward", item))
 
 
 @case("none", "a captured Step's token and proof with another request (Step(abandon) of another step)")

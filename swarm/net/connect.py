@@ -7,7 +7,9 @@ so a captured call cannot be sent again or turned into another. The gRPC
 connector wraps channels and stubs; the in-process one (`LocalNetwork`) calls the registered servicer of
 that address directly, with the same serialized stream items, metadata and errors (`grpc.RpcError` with a
 code and details), so everything above this module runs unchanged in one process or across peers: the
-convergence experiment and the unit tests exercise the code the swarm runs.
+convergence experiment and the unit tests exercise the code the swarm runs. One difference: over gRPC a Forward or
+Backward of one item goes as its unary twin (`_one_item`), which spares gRPC's client a thread per call; in
+process it stays the stream it was called as.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import grpc
 
-from swarm.net.stream import METHODS, STAGE_SERVICE, bind_method, message_type
+from swarm.net.stream import METHODS, ONE_ITEM, STAGE_SERVICE, bind_method, message_type
 from swarm.peers.transport import Channels, TransportConfig
 from swarm.proto import stage_pb2
 
@@ -65,6 +67,9 @@ class StageClient(Protocol):
         self, request: stage_pb2.RecomputeRequest, timeout: float | None = None
     ) -> stage_pb2.RecomputeReply: ...
     def AuditInputs(self, request: stage_pb2.AuditRequest, timeout: float | None = None) -> stage_pb2.AuditReply: ...
+    # the one-item twins: `Forward` and `Backward` call them for a stream of one item (`_one_item`)
+    def ForwardItem(self, item: bytes, timeout: float | None = None) -> stage_pb2.ForwardReply: ...
+    def BackwardItem(self, item: bytes, timeout: float | None = None) -> stage_pb2.BackwardReply: ...
 
 
 class Connector(Protocol):
@@ -85,6 +90,28 @@ def _peek(items: Iterable) -> tuple[Iterator, Any]:
     items = iter(items)
     first = next(items, None)
     return (iter(()) if first is None else itertools.chain((first,), items)), first
+
+
+def _one_item(name: str, request: Any) -> tuple[str, Any]:
+    """The method and request a call of `name` goes as: a stream of `ONE_ITEM` that holds one item goes as its unary
+    twin with that item. Known from the request alone, never by reading ahead: a list or tuple of one item, or a
+    stream that says so once its first item is out (`one_item()`: `tensor_items`' `ItemStream`, `Outbox`'s counter
+    around it). Any other iterable goes as a stream, as it is."""
+    twin = ONE_ITEM.get(name)
+    if twin is None:
+        return name, request
+    if isinstance(request, (list, tuple)):
+        return (twin, request[0]) if len(request) == 1 else (name, iter(request))
+    one_item = getattr(request, "one_item", None)
+    if one_item is None:
+        return name, request
+    items = iter(request)
+    first = next(items, None)
+    if first is None:
+        return name, iter(())
+    if one_item():
+        return twin, first
+    return name, itertools.chain((first,), items)
 
 
 def method_path(name: str) -> str:
@@ -158,17 +185,17 @@ class _GrpcStage:
         method = METHODS.get(name)
         if method is None:
             raise AttributeError(name)
-        path, streaming = method_path(name), method.client_streaming
 
         def call(request, timeout: float | None = None):
+            used, request = _one_item(name, request)
             metadata: Metadata = ()
             if self._token is not None:
-                if streaming:
+                if METHODS[used].client_streaming:
                     request, fields = _peek(request)
                 else:
                     fields = request
-                metadata = self._token(path, fields)
-            return self._methods()[name](request, timeout=timeout, metadata=metadata)
+                metadata = self._token(method_path(used), fields)
+            return self._methods()[used](request, timeout=timeout, metadata=metadata)
 
         return call
 
@@ -329,10 +356,13 @@ class _LocalStage:
         method = METHODS.get(name)
         if method is None:
             raise AttributeError(name)
+
         parse = message_type(method.input_type).FromString if method.client_streaming else None
         path = method_path(name)
 
         def call(request, timeout: float | None = None):
+            # a stream stays a stream here, one item or many (`ONE_ITEM`'s twins spare gRPC's client a thread;
+            # in process there is none to spare): the servicer gets the method it was called as
             if self._token is None:
                 context = _LocalContext()
             elif parse is not None:
@@ -342,6 +372,8 @@ class _LocalStage:
                 context = _LocalContext(self._token(path, request))
             if parse is not None:
                 request = (parse(item) for item in request)
+            elif isinstance(request, bytes):  # a twin called by name: its one item, parsed as gRPC would
+                request = message_type(method.input_type).FromString(request)
             return getattr(self._servicer, name)(request, context)
 
         return call

@@ -37,7 +37,7 @@ import dataclasses
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -267,10 +267,11 @@ class CallRouter:
             info.stage_micro_count.extend(numbering[(work_route.index, mb)][1])
         return info
 
-    def start(self, step, mb, stage, work, layout, route, tokens=None) -> Iterator[bytes]:
-        """The one item of a Forward into stage 0 (with `tokens`) or of the Backward start at the last stage."""
+    def start(self, step, mb, stage, work, layout, route, tokens=None) -> list[bytes]:
+        """The one item of a Forward into stage 0 (with `tokens`) or of the Backward start at the last stage: a list,
+        so the call goes as the unary twin (`swarm.net.stream.ONE_ITEM`)."""
         info = self.info(step, mb, stage, work, layout, route)
-        return iter([stage_pb2.StreamItem(info=info, tokens=tokens).SerializeToString()])
+        return [stage_pb2.StreamItem(info=info, tokens=tokens).SerializeToString()]
 
     def routed(self, step: int, stage: int, replica: int, method: str, request: Callable[[bool], object]):
         """`method` with `request(carry_route)`: the route is left out once the peer's reply said it takes it from

@@ -272,6 +272,9 @@ class PipelineDriver:
         the reply's serialized bytes are counted as control bytes (a stream's items as they are pulled)."""
         if isinstance(request, Message):
             self._count_control(request.ByteSize(), method)
+        elif isinstance(request, (list, tuple)):  # a stream's items at hand (one: its unary twin), counted now
+            for item in request:
+                self._count_control(len(item), method)
         else:
             request = self._counted(request, method)
         try:

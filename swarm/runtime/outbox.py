@@ -44,6 +44,11 @@ class Counted:
     def __init__(self, items: Iterator[bytes]):
         self.items, self.nbytes = items, 0
 
+    def one_item(self) -> bool:
+        """Whether the first item held the whole message (`swarm.net.stream.ItemStream`; False if it cannot say)."""
+        one_item = getattr(self.items, "one_item", None)
+        return one_item is not None and one_item()
+
     def __iter__(self):
         for i, item in enumerate(self.items):  # when the transport takes the first and the last item, traced
             self.nbytes += len(item)
@@ -129,7 +134,7 @@ class Outbox:
         try:
             client = self.connector.stage(address, peer)  # the token names the callee
             with trace.span(f"call {method}", "call", stage=info.stage, step=info.step):
-                reply = getattr(client, method)(iter(counted), timeout=call_wait_s(info, self.budget))
+                reply = getattr(client, method)(counted, timeout=call_wait_s(info, self.budget))
         except grpc.RpcError as e:
             details = e.details() or ""
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(ROUTE_NEEDED):

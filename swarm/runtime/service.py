@@ -434,6 +434,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def Backward(self, request_iterator, context):
         return self._stream_call(request_iterator, context, Kind.BACKWARD)
 
+    def ForwardItem(self, request, context):  # a Forward of one item, unary (`swarm.net.stream.ONE_ITEM`)
+        return self._stream_call(iter((request,)), context, Kind.FORWARD)
+
+    def BackwardItem(self, request, context):
+        return self._stream_call(iter((request,)), context, Kind.BACKWARD)
+
     def PutLabels(self, request, context):
         def run():
             caller = self._sender(context, "PutLabels")

@@ -112,7 +112,13 @@ def test_every_quick_hostile_case_is_refused_and_training_goes_on():
         assert r["threads_held"] == 0 and r["rss_growth_mib"] < 64, r
     by = {r["case"]: r for r in case_rows}
     assert "plan" in by["wrong_plan_version"]["error"] and "not authenticated" in by["no_token"]["error"]
-    replays = ("replayed_call", "replayed_as_abandon", "replayed_other_fields", "replayed_other_item")
+    replays = (
+        "replayed_call",
+        "replayed_as_abandon",
+        "replayed_other_fields",
+        "replayed_other_item",
+        "replayed_as_twin",
+    )
     for name in (
         "expired_token",
         "wrong_audience_token",

@@ -185,3 +185,29 @@ def test_a_stopped_trainer_resumes_where_it_was_with_the_same_data_order(tmp_pat
 def _steps_csv_losses(summary) -> list[float]:
     with open(summary.csv) as f:
         return [float(r["train_loss"]) for r in csv.DictReader(f)]
+
+
+def test_one_item_calls_reach_the_stages_as_unary_twins(monkeypatch):
+    """Over gRPC every call of a step whose stream holds one item (token batches, Backward starts, the small
+    activations and gradients) reaches the stage as ForwardItem / BackwardItem, signed and checked as the streams
+    are, and the step trains as the in-process pipeline (whose calls stay streams) does."""
+    from swarm.runtime.service import StageServicer
+
+    reached = []
+    for name in ("Forward", "Backward", "ForwardItem", "BackwardItem"):
+        method = getattr(StageServicer, name)
+        monkeypatch.setattr(
+            StageServicer, name, lambda self, r, c, m=method, n=name: reached.append(n) or m(self, r, c)
+        )
+    data = batches(2)
+    local = LocalPipeline(TINY, 2, FP32, FP32)
+    expected = [local.train_step(b, 2).loss for b in data]
+    assert sorted(set(reached)) == ["Backward", "Forward"], "in process the calls stay streams"
+    reached.clear()
+    with loopback_stages(2, FP32, FP32) as (_, _, addresses):
+        pipe = remote(addresses, n_micro=2)
+        got = [pipe.train_step(step, b).loss for step, b in enumerate(data)]
+        pipe.close()
+    assert sorted(set(reached)) == ["BackwardItem", "ForwardItem"], reached
+    assert len(reached) == 2 * 2 * 4  # 2 steps x 2 micro-batches x (trainer -> 0, 0 -> 1, trainer -> 1, 1 -> 0)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)

@@ -53,6 +53,8 @@ def test_grpc_bindings_take_serialized_items_for_streams():
         and serializer(stage_pb2.StateRequest(stage=3)) == stage_pb2.StateRequest(stage=3).SerializeToString()
     )
     assert channel.bound["/swarm.Stage/Average"][0] == "stream_unary"
+    for twin in ("ForwardItem", "BackwardItem"):  # a one-item stream's unary twin takes the item as it is
+        assert channel.bound[f"/swarm.Stage/{twin}"][:2] == ("unary_unary", None)
     assert channel.bound["/swarm.Stage/Status"][0] == "unary_unary"
 
 
@@ -98,3 +100,36 @@ def test_status_of_calls_status_on_a_channel():
         assert seen == ["a"]
     finally:
         server.stop(grace=None)
+
+
+def test_a_one_item_stream_goes_as_its_unary_twin():
+    """Over gRPC a Forward or Backward of one item goes as its unary twin with that item: a list of one, or
+    `tensor_items` of a message under one chunk, which says so once its first item is out. A message of several
+    chunks, any other iterable (nothing is read ahead to tell) and every other method go as they are."""
+    import torch
+
+    from swarm.compression import CodecConfig, make_codec
+    from swarm.net.connect import _one_item
+    from swarm.net.stream import tensor_items
+
+    item = lambda mb: stage_pb2.StreamItem(info=stage_pb2.CallInfo(micro_batch=mb)).SerializeToString()  # noqa: E731
+    fp32 = make_codec(CodecConfig("fp32"))
+    small, large = (fp32.encode(torch.randn(*shape)) for shape in ((2, 8, 16), (8, 256, 256)))  # 1 KiB, 2 MiB
+    assert _one_item("Forward", [item(1)]) == ("ForwardItem", item(1))
+    assert _one_item("Backward", (item(2),)) == ("BackwardItem", item(2))
+    method, sent = _one_item("Forward", tensor_items(stage_pb2.CallInfo(micro_batch=5), small, 0, None))
+    assert method == "ForwardItem" and stage_pb2.StreamItem.FromString(sent).info.micro_batch == 5
+    method, sent = _one_item("Backward", tensor_items(stage_pb2.CallInfo(micro_batch=6), large, 0, None))
+    assert method == "Backward" and len(list(sent)) == 3  # every chunk of the 2 MiB message, in order
+    pulled = []
+
+    def generator():
+        for mb in (7, 8):
+            pulled.append(mb)
+            yield item(mb)
+
+    method, sent = _one_item("Forward", generator())
+    assert method == "Forward" and pulled == [], "an iterable that cannot say is not read ahead"
+    assert [stage_pb2.StreamItem.FromString(i).info.micro_batch for i in sent] == [7, 8]
+    assert _one_item("Forward", [item(1), item(2)])[0] == "Forward"
+    assert _one_item("Sink", [item(1)]) == ("Sink", [item(1)]) and _one_item("Average", [item(1)])[0] == "Average"
