@@ -149,7 +149,8 @@ def burst(fn: Callable[[int], Outcome], n: int, threads: int = 8) -> list[Outcom
 
 
 class Foreign:
-    """A gRPC server posing as a stage elsewhere: takes Forward streams, counts their bytes, answers a loss."""
+    """A gRPC server posing as a stage elsewhere: takes Forward streams and their one-item twins, counts their bytes,
+    answers a loss."""
 
     def __enter__(self):
         self.received = 0
@@ -159,8 +160,15 @@ class Foreign:
                 self.received += len(item)
             return stage_pb2.ForwardReply(has_loss=True, loss=1.0).SerializeToString()
 
+        def forward_item(item, context):  # a one-item Forward comes as its unary twin (`ONE_ITEM`)
+            return forward(iter((item,)), context)
+
         handler = grpc.method_handlers_generic_handler(
-            "swarm.Stage", {"Forward": grpc.stream_unary_rpc_method_handler(forward)}
+            "swarm.Stage",
+            {
+                "Forward": grpc.stream_unary_rpc_method_handler(forward),
+                "ForwardItem": grpc.unary_unary_rpc_method_handler(forward_item),
+            },
         )
         self.server = grpc.server(ThreadPoolExecutor(2))
         self.server.add_generic_rpc_handlers((handler,))
