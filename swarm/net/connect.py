@@ -172,6 +172,8 @@ class _GrpcStage:
     def __init__(self, channel: Callable[[], grpc.Channel], token: Sign | None):
         self._channel, self._token = channel, token
         self._bound: tuple[grpc.Channel | None, dict[str, Callable]] = (None, {})
+        self._streams_only = False
+        """set once the stage answered a one-item twin UNIMPLEMENTED (an older peer): streams from then on"""
         self._lock = threading.Lock()
 
     def _methods(self) -> dict[str, Callable]:
@@ -187,17 +189,31 @@ class _GrpcStage:
             raise AttributeError(name)
 
         def call(request, timeout: float | None = None):
-            used, request = _one_item(name, request)
-            metadata: Metadata = ()
-            if self._token is not None:
-                if METHODS[used].client_streaming:
-                    request, fields = _peek(request)
-                else:
-                    fields = request
-                metadata = self._token(method_path(used), fields)
-            return self._methods()[used](request, timeout=timeout, metadata=metadata)
+            if self._streams_only:
+                used, request = name, iter(request) if isinstance(request, (list, tuple)) else request
+            else:
+                used, request = _one_item(name, request)
+            try:
+                return self._call(used, request, timeout)
+            except grpc.RpcError as e:
+                if used == name or e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+            # a peer of an older version serves no twins: the item goes as the stream it stands for, and every
+            # later call to it as a stream
+            self._streams_only = True
+            return self._call(name, iter([request]), timeout)
 
         return call
+
+    def _call(self, name: str, request, timeout: float | None):
+        metadata: Metadata = ()
+        if self._token is not None:
+            if METHODS[name].client_streaming:
+                request, fields = _peek(request)
+            else:
+                fields = request
+            metadata = self._token(method_path(name), fields)
+        return self._methods()[name](request, timeout=timeout, metadata=metadata)
 
 
 class _CallDetails(NamedTuple):

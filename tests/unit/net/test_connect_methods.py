@@ -133,3 +133,39 @@ def test_a_one_item_stream_goes_as_its_unary_twin():
     assert [stage_pb2.StreamItem.FromString(i).info.micro_batch for i in sent] == [7, 8]
     assert _one_item("Forward", [item(1), item(2)])[0] == "Forward"
     assert _one_item("Sink", [item(1)]) == ("Sink", [item(1)]) and _one_item("Average", [item(1)])[0] == "Average"
+
+
+def test_a_peer_without_the_twins_gets_streams():
+    """A stage of an older version answers a twin UNIMPLEMENTED: the same item goes again as the stream it stands
+    for, and every later call to that stage goes as a stream at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from swarm.net.connect import GrpcConnector
+
+    reached = []
+
+    def forward(items, context):
+        reached.append(("Forward", len(list(items))))
+        return stage_pb2.ForwardReply(has_loss=True, loss=2.0).SerializeToString()
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "swarm.Stage", {"Forward": grpc.stream_unary_rpc_method_handler(forward)}
+            ),
+        )
+    )
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    connector = GrpcConnector()
+    try:
+        item = stage_pb2.StreamItem(info=stage_pb2.CallInfo(step=1)).SerializeToString()
+        client = connector.stage(address)
+        assert client.Forward([item], timeout=10).loss == 2.0
+        assert client.Forward([item], timeout=10).loss == 2.0
+        assert reached == [("Forward", 1), ("Forward", 1)]
+        assert client._streams_only, "the second call went as a stream at once"
+    finally:
+        connector.close()
+        server.stop(None)
