@@ -102,8 +102,7 @@ def _top_eigenvectors(m: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tens
     for _ in range(POWER_ITERATIONS):
         q = torch.linalg.qr(m.t() @ (m @ q)).Q
     projected = m @ q
-    values, vectors = torch.linalg.eigh(projected.t() @ projected)  # k x k: the Gram matrix within the subspace
-    return values.flip(0)[:r], q @ vectors.flip(1)[:, :r]
+    return _ritz(q, projected.t() @ projected, r)
 
 
 def _gram_eigenvectors(m: torch.Tensor, r: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +114,14 @@ def _gram_eigenvectors(m: torch.Tensor, r: int, iterations: int) -> tuple[torch.
     q = torch.linalg.qr(gram[:, gram.diagonal().topk(k).indices]).Q
     for _ in range(iterations):
         q = torch.linalg.qr(gram @ q).Q
-    values, vectors = torch.linalg.eigh((q.t() @ gram @ q).double())  # k x k: G within the subspace
-    return values.flip(0)[:r], (q.double() @ vectors.flip(1)[:, :r])
+    return _ritz(q.double(), (q.t() @ gram @ q).double(), r)
+
+
+def _ritz(q: torch.Tensor, within: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Rayleigh-Ritz step of both iterations: the top-`r` eigenvalues (descending) of `within`, the Gram matrix
+    seen in the orthonormal columns `q` (k x k), and their eigenvectors mapped back through `q`."""
+    values, vectors = torch.linalg.eigh(within)
+    return values.flip(0)[:r], q @ vectors.flip(1)[:, :r]
 
 
 def least_squares_coefficients(mat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

@@ -41,13 +41,13 @@ BUFFER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every element of `x` is finite, in one reduction: the sum of a float32, float16 or bfloat16 tensor
-    taken in float64 is finite exactly when every element is (|sum| <= numel x 3.4e38 cannot reach float64's
-    1.8e308; a NaN, or an Inf whether or not another cancels it, leaves the sum NaN or Inf). `isfinite(x).all()`
-    makes a boolean tensor first and took 5x longer on a [2, 128, 128] activation (0.078 against 0.015 ms on this
-    project's CPU). Other dtypes (float64 could overflow the sum) take `isfinite`."""
+    (`INPUT_DTYPES`) taken in float64 is finite exactly when every element is (|sum| <= numel x 3.4e38 cannot reach
+    float64's 1.8e308; a NaN, or an Inf whether or not another cancels it, leaves the sum NaN or Inf).
+    `isfinite(x).all()` makes a boolean tensor first and took 5x longer on a [2, 128, 128] activation (0.078 against
+    0.015 ms on this project's CPU). Other dtypes (float64 could overflow the sum) take `isfinite`."""
     if not x.numel():
         return True
-    if x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if x.dtype in INPUT_DTYPES:
         return math.isfinite(float(x.sum(dtype=torch.float64)))
     return bool(torch.isfinite(x).all())
 

@@ -92,18 +92,19 @@ def _peek(items: Iterable) -> tuple[Iterator, Any]:
     return (iter(()) if first is None else itertools.chain((first,), items)), first
 
 
-def _one_item(name: str, request: Any) -> tuple[str, Any]:
-    """The method and request a call of `name` goes as: a stream of `ONE_ITEM` that holds one item goes as its unary
-    twin with that item. Known from the request alone, never by reading ahead: a list or tuple of one item, or a
-    stream that says so once its first item is out (`one_item()`: `tensor_items`' `ItemStream`, `Outbox`'s counter
-    around it). Any other iterable goes as a stream, as it is."""
+def _one_item(name: str, request: Any, twins: bool = True) -> tuple[str, Any]:
+    """The method and request a call of `name` goes as: with `twins`, a stream of `ONE_ITEM` that holds one item
+    goes as its unary twin with that item. Known from the request alone, never by reading ahead: a list or tuple of
+    one item, or a stream that says so once its first item is out (`one_item()`: `tensor_items`' `ItemStream`,
+    `Outbox`'s counter around it). Any other stream goes as it is (a list of `ONE_ITEM`'s as an iterator, which gRPC
+    takes)."""
     twin = ONE_ITEM.get(name)
     if twin is None:
         return name, request
     if isinstance(request, (list, tuple)):
-        return (twin, request[0]) if len(request) == 1 else (name, iter(request))
+        return (twin, request[0]) if twins and len(request) == 1 else (name, iter(request))
     one_item = getattr(request, "one_item", None)
-    if one_item is None:
+    if not twins or one_item is None:
         return name, request
     items = iter(request)
     first = next(items, None)
@@ -189,10 +190,7 @@ class _GrpcStage:
             raise AttributeError(name)
 
         def call(request, timeout: float | None = None):
-            if self._streams_only:
-                used, request = name, iter(request) if isinstance(request, (list, tuple)) else request
-            else:
-                used, request = _one_item(name, request)
+            used, request = _one_item(name, request, twins=not self._streams_only)
             try:
                 return self._call(used, request, timeout)
             except grpc.RpcError as e:
