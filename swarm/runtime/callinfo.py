@@ -119,6 +119,20 @@ def info_to_wire(info: CallInfo) -> stage_pb2.CallInfo:
     return stage_pb2.CallInfo(**{f.name: getattr(info, f.name) for f in dataclasses.fields(CallInfo)})
 
 
+NO_LABELS = "no labels for step"
+"""How the last stage's refusal of a Forward whose labels never came begins (`labels_missing`)."""
+
+
+def labels_missing(error: BaseException) -> bool:
+    """Whether a failed call was refused by a last stage that had no labels for its micro-batch: one of a version
+    that does not wait for labels sent beside the pipeline (`StageHost.await_labels`)."""
+    return (
+        isinstance(error, StageCallError)
+        and error.code == grpc.StatusCode.FAILED_PRECONDITION
+        and NO_LABELS in str(error)
+    )
+
+
 def call_wait_s(info: CallInfo, budget: StageBudget) -> float:
     """How long a call may wait at a stage or downstream of it: what it asks, capped by the stage's budget."""
     return min(info.deadline_s or DEFAULT_DEADLINE_S, budget.max_wait_s)

@@ -46,7 +46,7 @@ from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
-from swarm.runtime.callinfo import CallRouter, route_needed
+from swarm.runtime.callinfo import CallRouter, labels_missing, route_needed
 from swarm.runtime.commit import StepCommit
 from swarm.runtime.gate import runs_through
 from swarm.runtime.heartbeat import HeartbeatConfig, PingLoop, RoundTrips
@@ -126,6 +126,11 @@ class PipelineDriver:
     """Send each micro-batch's Backward start with its Forward where the last stage runs it right after that forward
     (1F1B; the stage holds it until its turn); False: after the Forward's reply, as before (only to measure what it
     saves: `scripts/measure_step_overhead.py`)."""
+    labels_with_pipeline = True
+    """Send a step's labels beside its first Forwards, not before them (the last stage waits for them at admission,
+    `StageHost.await_labels`): no PutLabels round trip precedes the pipeline. Turned off for the rest of the run by
+    a last stage that refuses a Forward for want of labels that were sent beside it (a version that does not
+    wait); False: labels first, as before (also to measure what it saves: `scripts/measure_step_overhead.py`)."""
     grads_in_reduce = True
     """Take each stage's gradient report from its Reduce reply (`ReduceReply.grads`), and a stage with nothing to
     sum is asked Grads beside the Reduces: no Grads round trip follows the sums; False: Grads everywhere after the
@@ -217,6 +222,8 @@ class PipelineDriver:
         self._audits: list[Task] = []
         """the running attempt's audits, gathered before its Step"""
         self._attempt = 0
+        self._labels_raced = False
+        """whether the running attempt sent its labels beside the pipeline (`labels_with_pipeline`)"""
         """the running attempt of the step (1, 2, ...; 0 outside `train_step`): audits draw afresh for each"""
         self._liars_before = 0
         """`len(liars)` when the running attempt began: the ones after it were evicted by its own audits"""
@@ -462,10 +469,13 @@ class PipelineDriver:
             if schedule != self.schedule:
                 log.info("step %d: %s would deadlock on these routes' shared replicas: gpipe", step, self.schedule)
             layout = (schedule, numbering)
-        # the labels first: one PutLabels per route (and per max_batch rows) rather than one per micro-batch
-        with self._phase("labels"):
-            labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
-            gather(labels, wake, self.dead, self.deadline_s)
+        # one PutLabels per route (and per max_batch rows) rather than one per micro-batch; beside the pipeline (the
+        # last stage waits for them: `StageHost.await_labels`), or before it where a last stage would not wait
+        self._labels_raced = self.labels_with_pipeline
+        labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
+        if not self._labels_raced:
+            with self._phase("labels"):
+                gather(labels, wake, self.dead, self.deadline_s)
         audits = (self._attempt, self._abandons, self._audits)
         self._attempt_work = (work, layout, self._abandons)
         with self._phase("pipeline"):
@@ -476,7 +486,8 @@ class PipelineDriver:
                 ]
                 for w in work
             ]
-            gather([t for calls in tasks for t in calls], wake, self.dead, self.deadline_s)
+            sent = labels if self._labels_raced else []
+            gather(sent + [t for calls in tasks for t in calls], wake, self.dead, self.deadline_s)
         traffic, loss, rates = Traffic(), 0.0, {}
         for w, calls in zip(work, tasks, strict=True):
             results = [f.result() for f, _ in calls]
@@ -776,6 +787,13 @@ class PipelineDriver:
         strike for that peer (unless the check that raised it struck it already), and the step is abandoned
         everywhere; True: skip the step; False: the strike evicted the peer, run the step again without it."""
         error = caught.error if isinstance(caught, Failed) else caught
+        if isinstance(caught, Failed) and self._labels_raced and labels_missing(error):
+            # a last stage that does not wait for labels sent beside the pipeline: labels first from now on (a
+            # refusal when they went first is judged as any other)
+            log.warning("step %d: %s; sending labels before the pipeline from now on", step, error)
+            self.labels_with_pipeline = False
+            self._recover(step, caught, attempt)
+            return False
         if isinstance(caught, Failed):
             self._audit_disproportion(step, caught)  # may evict a liar: then `_out_of` names it
         if isinstance(caught, Failed) and self._out_of(caught):
@@ -806,7 +824,8 @@ class PipelineDriver:
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
         audited = isinstance(error, LiarFound | AuditDisputed)  # the liar is out (or nobody is): run again
-        fatal = error is not None and not (reroutable(error) or route_needed(error) or busy(error) or audited)
+        raced = self._labels_raced and labels_missing(error)  # a last stage that did not wait for them (`_struck`)
+        fatal = error is not None and not (reroutable(error) or route_needed(error) or busy(error) or audited or raced)
         if fatal and (out := self._out_of(failure)):
             # e.g. an evicted liar's own Reduce refusing its honest sibling's sum: its step runs again without it
             log.warning("step %d: %s (from a call with %s, declared dead or evicted): running the step again "

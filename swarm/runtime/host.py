@@ -35,7 +35,7 @@ from swarm.runtime.audit import AuditTrail, Recomputed, recompute
 from swarm.runtime.average import GradientAverager, parameters_digest, sampled_digest
 from swarm.runtime.boundary import LinkEnds, need_message
 from swarm.runtime.budget import StageBudget
-from swarm.runtime.callinfo import DEFAULT_SCHEDULE, call_wait_s
+from swarm.runtime.callinfo import DEFAULT_SCHEDULE, NO_LABELS, call_wait_s
 from swarm.runtime.device import to_device
 from swarm.runtime.freeze import apply_frozen, cached_forward, check_frozen, grad_report
 from swarm.runtime.gate import GateError, ScheduleGate
@@ -132,6 +132,10 @@ class StageHost:
         self.limits = limits or self.budget.wire_limits(model)
         self.labels: dict[int, torch.Tensor] = {}
         """The open step's labels by micro-batch (last stage); dropped when the step ends."""
+        self.labels_attempt = 0
+        """the attempt of the open step whose labels `labels` holds (a later attempt's labels replace them all)"""
+        self._labels_in = threading.Condition()
+        """notified whenever labels are stored or dropped (`await_labels`)"""
         self.compute_lock = threading.Lock()
         self.ledger = StepLedger()
         """the open step (who opened it, its calls in flight) and the steps applied"""
@@ -262,11 +266,9 @@ class StageHost:
             if not 1 <= shape[0] <= budget.max_batch:
                 raise WireError("shape", f"{shape[0]} rows: a micro-batch holds 1..{budget.max_batch} samples")
         if kind == Kind.FORWARD and role.is_last:
-            targets = self.labels.get(mb) if info.step == self.open_step else None
+            targets = self.labels.get(mb) if self._labelled(info, mb) else None
             if targets is None:
-                raise CallRefused(
-                    grpc.StatusCode.FAILED_PRECONDITION, f"no labels for step {info.step} micro-batch {mb}"
-                )
+                raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"{NO_LABELS} {info.step} micro-batch {mb}")
             inputs = list(call.tokens.shape if role.is_first else call.message.shape)[:2]
             if list(targets.shape) != inputs:
                 raise WireError("labels.shape", f"{list(targets.shape)} vs inputs {inputs}")
@@ -407,8 +409,34 @@ class StageHost:
         with self.compute_lock:
             if self.open_step != info.step:
                 raise GateError(f"step {info.step} was abandoned before its labels were stored")
+            if info.attempt_id != self.labels_attempt:  # a step run again: its micro-batches may hold other samples
+                self.labels, self.labels_attempt = {}, info.attempt_id
             self.labels.update(labels)
             self.ledger.progressed = True
+        with self._labels_in:
+            self._labels_in.notify_all()
+
+    def await_labels(self, info: CallInfo, cancelled: threading.Event | None = None) -> None:
+        """Waits, before its admission, until the labels of a Forward's micro-batch are here (last stage only):
+        the trainer sends a step's labels beside its pipeline, not before it, so the first activation may come
+        first. Bounded by the call's wait (`call_wait_s`), ended by `cancelled` (the caller gave up) and by the
+        trainer's abandon of the attempt; holds no lock, so the PutLabels it waits for is admitted meanwhile.
+        Admission then decides as before: labels still missing refuse the call (`NO_LABELS`)."""
+        if not self.role.is_last:
+            return
+        mb = local_micro(info, self.role.stage)[0]
+        deadline = time.monotonic() + call_wait_s(info, self.budget)
+        with self._labels_in:
+            while not self._labelled(info, mb):
+                left = deadline - time.monotonic()
+                gone = cancelled is not None and cancelled.is_set()
+                if left <= 0 or gone or self.ledger.was_abandoned(info.step, info.attempt_id):
+                    return
+                self._labels_in.wait(min(left, 0.05))  # `cancelled` has no condition of its own: looked at often
+
+    def _labelled(self, info: CallInfo, mb: int) -> bool:
+        """Whether the labels of micro-batch `mb` of the call's step and attempt are here."""
+        return info.step == self.open_step and info.attempt_id == self.labels_attempt and mb in self.labels
 
     def grads(self) -> GradReport:
         """This stage's gradients' squared norm; stage 0 counts the tied weight's (the tied group's sum, after
@@ -472,8 +500,10 @@ class StageHost:
         # finds the step closed and does not begin it again (`ScheduleGate.turn`'s `open_step`)
         self.ledger.close()
         self.gate.reset()
-        self.labels = {}
+        self.labels, self.labels_attempt = {}, 0
         self.audit.clear()
+        with self._labels_in:  # a Forward waiting for labels of this step stops waiting: admission refuses it
+            self._labels_in.notify_all()
 
     # ---- verified stage work (swarm.runtime.audit; the trainer's side: swarm.runtime.verify) ----------------
 

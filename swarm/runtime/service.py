@@ -309,6 +309,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 with trace.span(f"read {method}", "serve"):
                     read = self._read(request_iterator, context, self._limits(), on_info=on_info, on_header=on_header)
                 call = StageCall(infos[0], read.message, read.tokens)
+                if kind == Kind.FORWARD:  # a last stage's Forward may come before its labels (sent beside it)
+                    self._serving().await_labels(call.info, gone)
                 host = self._admit(call.info, call, kind, caller, method)
                 fresh = host.fresh_ids(call, kind)  # first sights this call buffers: given back if it never runs
                 try:

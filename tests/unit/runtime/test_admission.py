@@ -354,3 +354,70 @@ def test_a_plan_change_abandons_an_orphaned_step_at_once_and_waits_for_a_live_on
     live.client(1).PutLabels(stage_pb2.LabelsRequest(info=live.info(1, step=0), labels=labels))
     assert live.servicers[1].swap(None, timeout_s=0.2, plan_version=1) is False  # waited the whole timeout
     assert live.hosts[1].open_step is None
+
+
+class _Waiting:
+    """Runs a Forward into stage 1 (the last of 2) on a thread, and knows when it waits for its labels there."""
+
+    def __init__(self, s: Stages, **info):
+        self.error: Exception | None = None
+        self.reply = None
+        self.waiting = threading.Event()
+        host, await_labels = s.hosts[1], s.hosts[1].await_labels
+
+        def noted(call_info, cancelled=None):
+            self.waiting.set()
+            return await_labels(call_info, cancelled)
+
+        host.await_labels = noted
+        items = activation_items(s.info(1, **info), torch.randn(2, 16, 32), [0, 1])
+
+        def run():
+            try:
+                self.reply = s.client(1).Forward(items)
+            except Exception as e:  # noqa: BLE001 - the test reads it
+                self.error = e
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert self.waiting.wait(30.0), "the Forward never reached the labels' wait"
+
+    def ended(self, within_s: float) -> bool:
+        self.thread.join(within_s)
+        return not self.thread.is_alive()
+
+
+def test_a_forward_before_its_labels_waits_for_them():
+    """The trainer sends labels beside the pipeline: an activation that reaches the last stage first is held until
+    they come (not refused), then trains."""
+    s = Stages(2, StageBudget())
+    forward = _Waiting(s, step=0)
+    labels = tokens_to_wire(torch.zeros(2, 16, dtype=torch.long))
+    s.client(1).PutLabels(stage_pb2.LabelsRequest(info=s.info(1, step=0), labels=labels))
+    assert forward.ended(30.0), "the Forward still waits with its labels in"
+    assert forward.error is None, forward.error
+    assert forward.reply.loss > 0
+    s.client(1).Step(stage_pb2.StepRequest(step=0, abandon=True))
+    assert s.legit_step() > 0
+
+
+def test_labels_that_never_come_refuse_the_forward_by_name_after_its_wait():
+    """Bounded by the call's own deadline (`call_wait_s`): then refused as before, and the stage serves the next
+    step."""
+    s = Stages(2, StageBudget())
+    forward = _Waiting(s, step=0, deadline_s=0.5)
+    assert forward.ended(30.0), "the wait outlived the call's deadline"
+    assert isinstance(forward.error, LocalRpcError) and "no labels for step 0" in forward.error.details()
+    assert s.hosts[1].open_step is None
+    assert s.legit_step() > 0
+
+
+def test_the_trainers_abandon_ends_a_wait_for_labels():
+    """The step's attempt is abandoned (its PutLabels failed, say): the Forward stops waiting long before its 60 s
+    and is refused; the stage serves the next step."""
+    s = Stages(2, StageBudget())
+    forward = _Waiting(s, step=0, attempt_id=77, deadline_s=60)
+    s.client(1).Step(stage_pb2.StepRequest(step=0, abandon=True, attempt_id=77))
+    assert forward.ended(20.0), "the Forward still waits for labels of an abandoned attempt"
+    assert isinstance(forward.error, LocalRpcError) and "abandoned" in forward.error.details()
+    assert s.legit_step() > 0

@@ -10,6 +10,7 @@ from concurrent.futures import wait
 import pytest
 import torch
 
+from swarm.peers.routes import local_micro
 from swarm.proto import stage_pb2
 from swarm.runtime.driver import PipelineDriver
 from swarm.runtime.inprocess import LocalPipeline
@@ -19,7 +20,8 @@ from tests.unit.runtime.test_replicas import CFG, FP32, batch, weights
 
 torch.set_num_threads(1)
 
-PHASES = ("labels", "pipeline", "reduce", "grads", "commit", "step")
+PHASES = ("pipeline", "reduce", "grads", "commit", "step")
+"""the trainer's phases of a step; "labels" too where labels go before the pipeline (`labels_with_pipeline` off)"""
 
 
 class _Log:
@@ -126,6 +128,8 @@ def test_a_refused_forward_abandons_the_waiting_backwards():
     wait at that stage's gate for their turn are refused when the step is abandoned, and the step is not applied."""
     pipe = _pipe()
     driver = pipe.driver(4, deadline_s=30.0, max_attempts=1)
+    driver.labels_with_pipeline = False  # labels first: a refusal for want of them is the last stage's to answer for
+    pipe.hosts[-1].await_labels = lambda info, cancelled=None: None  # refuses at once, without waiting for them
     driver.router.labels = lambda *args, **kwargs: None  # PutLabels never sent
     before = weights(pipe)
     with pytest.raises(Exception, match="no labels"):
@@ -138,10 +142,84 @@ def test_a_refused_forward_abandons_the_waiting_backwards():
     pipe.close()
 
 
-def test_the_trainers_phases_are_in_the_steps_counters():
+@pytest.mark.parametrize("labels_first", [False, True])
+def test_the_trainers_phases_are_in_the_steps_counters(labels_first):
     pipe = _pipe()
+    pipe.driver(4).labels_with_pipeline = not labels_first
     result = pipe.train_step(batch(8), 4)
-    seconds = {p: result.counters.get(f'swarm_trainer_phase_seconds_total{{phase="{p}"}}', 0.0) for p in PHASES}
+    phases = PHASES + ("labels",) if labels_first else PHASES
+    seconds = {p: result.counters.get(f'swarm_trainer_phase_seconds_total{{phase="{p}"}}', 0.0) for p in phases}
     assert all(s > 0 for s in seconds.values()), seconds
     assert sum(seconds.values()) <= result.seconds
+    if not labels_first:
+        assert 'swarm_trainer_phase_seconds_total{phase="labels"}' not in result.counters
+    pipe.close()
+
+
+def _reference(steps: int = 3) -> tuple[list[float], dict]:
+    """Losses and weights of `steps` steps with the labels sent before the pipeline."""
+    pipe = _pipe()
+    pipe.driver(4).labels_with_pipeline = False
+    losses = [pipe.train_step(batch(8, seed=s), 4).loss for s in range(steps)]
+    out = (losses, weights(pipe))
+    pipe.close()
+    return out
+
+
+def _same(run: tuple[list[float], dict], reference: tuple[list[float], dict]) -> None:
+    assert run[0] == reference[0]
+    for name, value in reference[1].items():
+        torch.testing.assert_close(run[1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_labels_that_come_after_the_activation_are_waited_for():
+    """Labels go beside the pipeline: here every PutLabels leaves only once the last stage holds a Forward that
+    waits for them (the worst order), and the steps train exactly as with the labels sent first."""
+    pipe = _pipe()
+    driver = pipe.driver(4, deadline_s=60.0)
+    last = pipe.hosts[-1]
+    waiting = threading.Event()
+    await_labels = last.await_labels
+
+    def noted(info, cancelled=None):
+        if not (info.step == last.open_step and local_micro(info, last.role.stage)[0] in last.labels):
+            waiting.set()  # a Forward is here before its labels
+        return await_labels(info, cancelled)
+
+    last.await_labels = noted
+    labels = driver.router.labels
+
+    def late(*args, **kwargs):
+        assert waiting.wait(30.0), "no Forward reached the last stage before its labels"
+        waiting.clear()
+        return labels(*args, **kwargs)
+
+    driver.router.labels = late
+    losses = [pipe.train_step(batch(8, seed=s), 4) for s in range(3)]
+    assert all(r.attempts == 1 for r in losses), "no step ran twice"
+    assert driver.labels_with_pipeline, "labels still go beside the pipeline"
+    _same(([r.loss for r in losses], weights(pipe)), _reference())
+    pipe.close()
+
+
+def test_a_last_stage_that_does_not_wait_gets_the_labels_first():
+    """A last stage of a version that refuses a Forward whose labels are not there yet (no `await_labels`): the
+    step runs again with the labels sent first, and so do the later steps; nobody is struck, and the run trains
+    exactly as one that sent the labels first throughout."""
+    pipe = _pipe()
+    driver = pipe.driver(4, deadline_s=60.0)
+    pipe.hosts[-1].await_labels = lambda info, cancelled=None: None  # the older version: no wait
+    labels, sent = driver.router.labels, []
+
+    def first_lost(*args, **kwargs):  # the first step's labels lose the race: they arrive only after the refusal
+        sent.append(1)
+        if len(sent) > 1:
+            return labels(*args, **kwargs)
+
+    driver.router.labels = first_lost
+    results = [pipe.train_step(batch(8, seed=s), 4) for s in range(3)]
+    assert [r.attempts for r in results] == [2, 1, 1]
+    assert not driver.labels_with_pipeline
+    assert [driver.suspects.strikes(p) for p in driver.peers] == [0, 0]
+    _same(([r.loss for r in results], weights(pipe)), _reference())
     pipe.close()
