@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+COSTED_SCHEDULES = ("1f1b", "gpipe")
+"""The pipeline schedules whose steady state the cost model prices (`FullCost.round_trip_pace`: 1F1B's in-flight
+bound; GPipe none); the runtime's registry (`swarm.runtime.schedules.SCHEDULES`) may name more than it knows."""
+
 if TYPE_CHECKING:
     from swarm.peers.plan import PlanDocument
 
@@ -282,8 +286,11 @@ class ModelSpec:
                 raise ValueError(f"{name} must be finite and >= 0")
         if len(self.tied_shape) != 2 or any(type(n) is not int or n < 0 for n in self.tied_shape):
             raise ValueError(f"tied_shape must be two counts >= 0, got {self.tied_shape!r}")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"schedule must be 1f1b or gpipe, got {self.schedule!r}")
+        if self.schedule not in COSTED_SCHEDULES:
+            raise ValueError(
+                f"schedule {self.schedule!r}: the cost model prices only {', '.join(COSTED_SCHEDULES)} "
+                "(a new schedule in swarm.runtime.schedules.SCHEDULES needs its pace in swarm.scheduler.cost too)"
+            )
 
     @classmethod
     def transformer(cls, shape: TransformerShape) -> ModelSpec:

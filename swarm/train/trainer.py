@@ -223,8 +223,9 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name}: expected >= 1, got {getattr(self, name)}")
         if self.batch_size % self.micro_batches:
             raise ValueError(f"TrainConfig: {self.micro_batches} micro-batches do not divide {self.batch_size} samples")
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"TrainConfig.schedule: expected 1f1b or gpipe, got {self.schedule!r}")
+        if self.schedule not in SCHEDULE_CHOICES:
+            choices = ", ".join(SCHEDULE_CHOICES)
+            raise ValueError(f"TrainConfig.schedule: expected one of {choices}, got {self.schedule!r}")
         if self.eval_every < 0 or self.eval_samples < 0:
             raise ValueError("TrainConfig: eval_every and eval_samples must be >= 0")
         if not 0 < self.eval_max_share <= 1:
