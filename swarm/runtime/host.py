@@ -219,15 +219,7 @@ class StageHost:
         """Checks the whole call (info, then `route_check` of the plan's route, then message or tokens against
         the budget and the schedule), then opens its step: a stale step, or one its own trainer left for a later
         one, is abandoned first. The caller must `leave()` once the call is answered, whatever happened."""
-        self.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
-        if route_check is not None:
-            route_check(info)
-        if kind is not None:
-            replacing = self.open_step is not None and info.step != self.open_step
-            mb, n_micro = local_micro(info, self.role.stage)
-            self.gate.check(info.step, kind, mb, info.schedule or DEFAULT_SCHEDULE, n_micro, replacing)
-        if call is not None:
-            self._check_payload(call, kind)
+        self._check_whole(call, info, kind, caller, route_check)
         with self.compute_lock:
             ledger = self.ledger
             ledger.check_attempt(info.step, info.attempt_id)  # again, atomic with the open: an abandon may have
@@ -238,6 +230,18 @@ class StageHost:
             if ledger.open(info.step, caller):
                 self.links.begin_step(info.step)  # codec state is journalled from here: kept at Step, undone on abandon
 
+    def _check_whole(self, call, info, kind, caller, route_check, labels: bool = True) -> None:
+        """`admit`'s checks, in order; changes nothing. `labels` False: all but a last stage's labels being here."""
+        self.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
+        if route_check is not None:
+            route_check(info)
+        if kind is not None:
+            replacing = self.open_step is not None and info.step != self.open_step
+            mb, n_micro = local_micro(info, self.role.stage)
+            self.gate.check(info.step, kind, mb, info.schedule or DEFAULT_SCHEDULE, n_micro, replacing)
+        if call is not None:
+            self._check_payload(call, kind, labels)
+
     def leave(self) -> None:
         """Ends an admitted call. A step that made no progress and has no call left in flight closes again."""
         if self.ledger.leave():  # rare: the call failed early
@@ -245,7 +249,7 @@ class StageHost:
                 if self.ledger.idle_unused():
                     self._close_step()
 
-    def _check_payload(self, call: StageCall, kind: Kind) -> None:
+    def _check_payload(self, call: StageCall, kind: Kind, labels: bool = True) -> None:
         role, info, budget, model = self.role, call.info, self.budget, self.model
         mb = local_micro(info, role.stage)[0]
         if kind == Kind.FORWARD and role.is_first:
@@ -265,7 +269,7 @@ class StageHost:
             _check_boundary(shape, model, "shape", "an activation" if kind == Kind.FORWARD else "a gradient")
             if not 1 <= shape[0] <= budget.max_batch:
                 raise WireError("shape", f"{shape[0]} rows: a micro-batch holds 1..{budget.max_batch} samples")
-        if kind == Kind.FORWARD and role.is_last:
+        if kind == Kind.FORWARD and role.is_last and labels:
             targets = self.labels.get(mb) if self._labelled(info, mb) else None
             if targets is None:
                 raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"{NO_LABELS} {info.step} micro-batch {mb}")
@@ -416,14 +420,23 @@ class StageHost:
         with self._labels_in:
             self._labels_in.notify_all()
 
-    def await_labels(self, info: CallInfo, cancelled: threading.Event | None = None) -> None:
+    def await_labels(
+        self,
+        call: StageCall,
+        caller: str | None = None,
+        route_check: Callable[[CallInfo], None] | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> None:
         """Waits, before its admission, until the labels of a Forward's micro-batch are here (last stage only):
         the trainer sends a step's labels beside its pipeline, not before it, so the first activation may come
-        first. Bounded by the call's wait (`call_wait_s`), ended by `cancelled` (the caller gave up) and by the
-        trainer's abandon of the attempt; holds no lock, so the PutLabels it waits for is admitted meanwhile.
-        Admission then decides as before: labels still missing refuse the call (`NO_LABELS`)."""
+        first. Every other check of the admission runs first, and again on each look (a call refused for anything
+        else is refused at once, a repeat of one that ran and used its labels up too). Bounded by the call's wait
+        (`call_wait_s`), ended by `cancelled` (the caller gave up) and by the trainer's abandon of the attempt;
+        holds no lock, so the PutLabels it waits for is admitted meanwhile. Admission then decides as before:
+        labels still missing refuse the call (`NO_LABELS`)."""
         if not self.role.is_last:
             return
+        info = call.info
         mb = local_micro(info, self.role.stage)[0]
         deadline = time.monotonic() + call_wait_s(info, self.budget)
         with self._labels_in:
@@ -432,6 +445,7 @@ class StageHost:
                 gone = cancelled is not None and cancelled.is_set()
                 if left <= 0 or gone or self.ledger.was_abandoned(info.step, info.attempt_id):
                     return
+                self._check_whole(call, info, Kind.FORWARD, caller, route_check, labels=False)
                 self._labels_in.wait(min(left, 0.05))  # `cancelled` has no condition of its own: looked at often
 
     def _labelled(self, info: CallInfo, mb: int) -> bool:

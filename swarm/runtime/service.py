@@ -277,6 +277,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             host.admit(call, info, kind, caller, route_check)
             return host
 
+    def _await_labels(self, call: StageCall, caller: str | None, method: str, gone: threading.Event) -> None:
+        """`StageHost.await_labels` under `_admit`'s checks (a call they refuse is refused before any wait)."""
+        host, policy = self._serving(), self.policy
+        route_check = None if caller is None else lambda i: policy.check_route(i, caller, method, host.peer_id)
+        host.await_labels(call, caller, route_check, gone)
+
     def _stream_call(self, request_iterator, context, kind: Kind):
         """Forward or Backward: the call info is checked before the rest of the stream is read, the whole call
         before anything is decoded."""
@@ -310,7 +316,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     read = self._read(request_iterator, context, self._limits(), on_info=on_info, on_header=on_header)
                 call = StageCall(infos[0], read.message, read.tokens)
                 if kind == Kind.FORWARD:  # a last stage's Forward may come before its labels (sent beside it)
-                    self._serving().await_labels(call.info, gone)
+                    self._await_labels(call, caller, method, gone)
                 host = self._admit(call.info, call, kind, caller, method)
                 fresh = host.fresh_ids(call, kind)  # first sights this call buffers: given back if it never runs
                 try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import threading
+import time
 
 import grpc
 import pytest
@@ -211,3 +212,47 @@ def test_one_item_calls_reach_the_stages_as_unary_twins(monkeypatch):
     assert sorted(set(reached)) == ["BackwardItem", "ForwardItem"], reached
     assert len(reached) == 2 * 2 * 4  # 2 steps x 2 micro-batches x (trainer -> 0, 0 -> 1, trainer -> 1, 1 -> 0)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_a_twin_sent_twice_late_or_given_up_changes_nothing_and_the_stage_serves_on():
+    """The one-item twins under the failures every call meets (anonymous raw stubs: the proofs' part, a twin's
+    proof replayed or a stranger's twin, is `swarm bench hostile`'s): the same item twice runs once, an item of an
+    abandoned attempt is refused, and an item whose caller gives up while it waits for its turn runs nothing and
+    leaves no step open. A whole step trains after all three."""
+    with loopback_stages(2, FP32, FP32, auth=False) as (hosts, _, addresses):
+        last = stage_pb2_grpc.StageStub(grpc.insecure_channel(addresses[1]))
+        info = stage_pb2.CallInfo(
+            step=0, micro_batch=0, stage=1, num_micro_batches=1, schedule="gpipe", route=addresses,
+            route_peers=["peer0", "peer1"], deadline_s=10, attempt_id=5,
+        )  # fmt: skip
+        last.PutLabels(stage_pb2.LabelsRequest(info=info, labels=tokens_to_wire(torch.zeros(2, 16))), timeout=10)
+        [item] = list(_stream(info, make_codec(FP32).encode(torch.randn(2, 16, 32), sample_ids=[0, 1])))
+        assert last.ForwardItem(item, timeout=10).loss > 0
+        with pytest.raises(grpc.RpcError) as twice:  # the same item again (a retry whose first reply was lost)
+            last.ForwardItem(item, timeout=10)
+        assert twice.value.code() == grpc.StatusCode.ABORTED and "ran already" in twice.value.details()
+        assert hosts[1].worker.saved_shape(0) is not None, "the first one's forward stands"
+        last.Step(stage_pb2.StepRequest(step=0, abandon=True, attempt_id=5), timeout=10)
+        with pytest.raises(grpc.RpcError) as late:  # arriving after its attempt was abandoned
+            last.ForwardItem(item, timeout=10)
+        assert "abandoned" in late.value.details(), late.value.details()
+        assert hosts[1].open_step is None
+        # given up: micro-batch 1 of 2 into stage 0, whose GPipe turn (after micro-batch 0) never comes; the caller's
+        # deadline passes long before the call's own 30 s wait at the stage
+        first = stage_pb2_grpc.StageStub(grpc.insecure_channel(addresses[0]))
+        waiting = stage_pb2.CallInfo()
+        waiting.CopyFrom(info)
+        waiting.stage, waiting.step, waiting.micro_batch, waiting.num_micro_batches = 0, 1, 1, 2
+        waiting.deadline_s, waiting.attempt_id = 30, 6
+        tokens = stage_pb2.StreamItem(info=waiting, tokens=tokens_to_wire(torch.zeros(2, 16, dtype=torch.long)))
+        with pytest.raises(grpc.RpcError) as gone:
+            first.ForwardItem(tokens, timeout=1.0)
+        assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, gone.value.details()
+        deadline = time.monotonic() + 20.0  # the stage notices the caller left and stops waiting for the turn
+        while hosts[0].open_step is not None and time.monotonic() < deadline:
+            threading.Event().wait(0.05)
+        assert hosts[0].open_step is None, "a given-up call still holds its step open"
+        assert hosts[0].worker.saved_shape(1) is None, "the given-up micro-batch ran"
+        pipe = remote(addresses, "gpipe", n_micro=1)
+        assert pipe.train_step(2, batches(1)[0]).loss > 0
+        pipe.close()

@@ -365,9 +365,9 @@ class _Waiting:
         self.waiting = threading.Event()
         host, await_labels = s.hosts[1], s.hosts[1].await_labels
 
-        def noted(call_info, cancelled=None):
+        def noted(*args, **kwargs):
             self.waiting.set()
-            return await_labels(call_info, cancelled)
+            return await_labels(*args, **kwargs)
 
         host.await_labels = noted
         items = activation_items(s.info(1, **info), torch.randn(2, 16, 32), [0, 1])
@@ -421,3 +421,15 @@ def test_the_trainers_abandon_ends_a_wait_for_labels():
     assert forward.ended(20.0), "the Forward still waits for labels of an abandoned attempt"
     assert isinstance(forward.error, LocalRpcError) and "abandoned" in forward.error.details()
     assert s.legit_step() > 0
+
+
+def test_a_forward_sent_twice_is_refused_as_a_repeat_not_held_for_labels_it_used_up():
+    """The first one used its micro-batch's labels: the repeat is the schedule's to refuse ("ran already"), at
+    once, not a wait of the call's 60 s for labels that will never come again."""
+    s = Stages(2, StageBudget())
+    labels = tokens_to_wire(torch.zeros(2, 16, dtype=torch.long))
+    info = s.info(1, step=0, n_micro=2, deadline_s=60)
+    s.client(1).PutLabels(stage_pb2.LabelsRequest(info=info, labels=labels))
+    items = activation_items(info, torch.randn(2, 16, 32), [0, 1])
+    assert s.client(1).Forward(list(items)).loss > 0
+    refused(s.client(1).Forward, list(items), words=["ran already"])

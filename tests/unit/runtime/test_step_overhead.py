@@ -129,7 +129,7 @@ def test_a_refused_forward_abandons_the_waiting_backwards():
     pipe = _pipe()
     driver = pipe.driver(4, deadline_s=30.0, max_attempts=1)
     driver.labels_with_pipeline = False  # labels first: a refusal for want of them is the last stage's to answer for
-    pipe.hosts[-1].await_labels = lambda info, cancelled=None: None  # refuses at once, without waiting for them
+    pipe.hosts[-1].await_labels = lambda *args, **kwargs: None  # refuses at once, without waiting for them
     driver.router.labels = lambda *args, **kwargs: None  # PutLabels never sent
     before = weights(pipe)
     with pytest.raises(Exception, match="no labels"):
@@ -181,10 +181,10 @@ def test_labels_that_come_after_the_activation_are_waited_for():
     waiting = threading.Event()
     await_labels = last.await_labels
 
-    def noted(info, cancelled=None):
-        if not (info.step == last.open_step and local_micro(info, last.role.stage)[0] in last.labels):
+    def noted(call, *args, **kwargs):
+        if not (call.info.step == last.open_step and local_micro(call.info, last.role.stage)[0] in last.labels):
             waiting.set()  # a Forward is here before its labels
-        return await_labels(info, cancelled)
+        return await_labels(call, *args, **kwargs)
 
     last.await_labels = noted
     labels = driver.router.labels
@@ -208,7 +208,7 @@ def test_a_last_stage_that_does_not_wait_gets_the_labels_first():
     exactly as one that sent the labels first throughout."""
     pipe = _pipe()
     driver = pipe.driver(4, deadline_s=60.0)
-    pipe.hosts[-1].await_labels = lambda info, cancelled=None: None  # the older version: no wait
+    pipe.hosts[-1].await_labels = lambda *args, **kwargs: None  # the older version: no wait
     labels, sent = driver.router.labels, []
 
     def first_lost(*args, **kwargs):  # the first step's labels lose the race: they arrive only after the refusal
