@@ -67,6 +67,10 @@ class PeerDaemon:
         """called with every stage host this peer makes, before it serves (a test's modified volunteer)"""
         self._stop = threading.Event()
         self._leave = threading.Event()
+        self._wake = threading.Event()
+        """ends the plan loop's wait at once: a stop, a leave, or a call that follows a newer plan"""
+        self._adopted_at = 0.0
+        """when (`time.monotonic`) this peer last adopted a plan (`_tick_s`)"""
         self._leave_deadline: float | None = None
         self.ending: PeerEnding | None = None  # how it stops or leaves, once it serves
         self._announce_lock = threading.Lock()
@@ -77,17 +81,35 @@ class PeerDaemon:
         """This process's metrics, served with --metrics-port; what the stage host should count into."""
         self.metrics_server: MetricsServer | None = None
 
+    def _tick_s(self, planner) -> float:
+        """Seconds to the plan loop's next look at the DHT: `FOLLOW_TICK_S` while anything may be about to change
+        for this peer (no stage or plan yet, planning, leaving, a plan adopted moments ago), `SETTLED_TICK_S` once
+        it serves a plan it follows and plans nothing. A settled peer learns of a newer plan sooner from the calls
+        that follow it (`StageServicer.on_newer_plan` wakes the loop) than from the DHT."""
+        following, host = self.following, self.servicer.host
+        settled = (
+            following is not None
+            and host is not None
+            and host.role.plan_version == following.version
+            and not planner.leading
+            and not self._leave.is_set()
+            and time.monotonic() - self._adopted_at >= SETTLED_AFTER_S
+        )
+        return SETTLED_TICK_S if settled else FOLLOW_TICK_S
+
     def stop(self, *_):
         """Stop (SIGINT): checkpoint this stage and exit; a second SIGINT interrupts at once."""
         if self._stop.is_set():
             raise KeyboardInterrupt
         self._stop.set()
+        self._wake.set()
 
     def leave(self, *_):
         """Graceful leave (SIGTERM): hand the stage over, then stop; a second SIGTERM stops at once."""
         if self._leave.is_set() or self.cfg.assign != "plan":
             self._stop.set()
         self._leave.set()
+        self._wake.set()
 
     def run(self) -> int:
         from swarm.daemon.addresses import stage_address, stage_announce_host
@@ -149,6 +171,7 @@ class PeerDaemon:
                 return 2
             self.servicer = StageServicer(None, auth.verifier() if cfg.auth else None, budget=cfg.budget)
             self.servicer.state_sent = self.metrics.state_bytes.inc
+            self.servicer.on_newer_plan = lambda version: self._wake.set()  # read the DHT for it now
             if cfg.checkpoint_dir:
                 from pathlib import Path
 
@@ -415,7 +438,8 @@ class PeerDaemon:
                 if self.servicer.host is None and self.following is None and time.monotonic() > deadline:
                     log.error("no plan gave this peer a stage within %.0f s; leaving", cfg.assign_timeout_s)
                     return 3
-                self._stop.wait(0.5)
+                self._wake.wait(self._tick_s(planner))
+                self._wake.clear()
         finally:
             lease_stop.set()
             liveness.close()
@@ -532,6 +556,7 @@ class PeerDaemon:
         if role is not None:  # off the plan-switch path: says which plan peer serves another model, by name
             check_plan_models(self.channels, record, self.dht.peers, self.dht.peer_id, self.servicer.host)
         self.following = record
+        self._adopted_at = time.monotonic()
         self._announce_role(role)
         if role is None:
             log.info("plan %d (was %d) leaves this peer on standby", record.version, previous)
@@ -586,6 +611,16 @@ def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | N
         log.warning("interrupted: stopped without a final checkpoint")
         return 130
 
+
+FOLLOW_TICK_S = 0.5
+"""The plan loop's look at the DHT (announcements, plans, the planner's round) while this peer's role may change."""
+SETTLED_TICK_S = 2.0
+"""... once it serves the plan it follows and plans nothing: each look is DHT searches whose every record is checked
+(RSA signatures) and which every other peer's DHT node serves, so an idle 5-peer swarm looking twice a second took
+70% of a core (`swarm bench idle`, s61). A call that follows a newer plan wakes the loop at once."""
+SETTLED_AFTER_S = 10.0
+"""How long after adopting a plan a peer still looks every `FOLLOW_TICK_S`: a replan's stragglers and calibrations
+come in bursts."""
 
 EXIT_GRACE_S = 10.0
 """How long a stopped peer may take to close its servers and DHT node and exit before it is ended (its stage is

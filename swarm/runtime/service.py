@@ -136,6 +136,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.standby_version: int | None = None
         """The plan that left this peer without a stage, if one did: calls meant for its old stage are
         refused as from another plan, so the trainer moves on to the new plan instead of failing."""
+        self.on_newer_plan: Callable[[int], None] = lambda version: None
+        """Told the plan version of a call that follows a plan newer than this stage's (before it is refused as of
+        another plan): the daemon then reads the DHT for it at once instead of at its next look."""
         self._admission = threading.Condition()
         bind_calls(self)  # each call's proof must sign that call (swarm.net.auth, swarm.runtime.policy)
 
@@ -259,6 +262,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """Checks what a call's info alone decides: the host's rules, then the plan's route. Changes nothing.
         Returns the host and the info as the host takes it (a route-less call's route from the plan)."""
         host = self._serving()
+        if wire.plan_version > host.role.plan_version:  # a caller already on a newer plan: this peer is behind
+            self.on_newer_plan(wire.plan_version)
         info = fill_route(info_from_wire(wire), self.policy.roster, host.role, host.peer_id)
         host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
         if caller is not None:
