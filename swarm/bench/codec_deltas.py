@@ -192,13 +192,15 @@ def capture_forward_messages(
     every: int,
     what: str = "messages",
     say: Callable[[str], None] = print,
+    train_samples: int | None = None,
 ) -> list[torch.Tensor]:
     """Trains the default convergence model `epochs` epochs in process under the setting `label` and returns what
     `pick(x, msg, state)` takes (a tensor, or None for nothing) of every buffered forward message every `every`
-    steps: real messages for the codec benches (`model_deltas`, `codec_first_sights.model_activations`)."""
+    steps: real messages for the codec benches (`model_deltas`, `codec_first_sights.model_activations`).
+    `train_samples`: the first that many training samples only (default: the whole training set)."""
     from swarm.compression.codec_aqsgd import AQSGDCodec
     from swarm.experiments.convergence import ExperimentConfig, Setting
-    from swarm.model.data import build_datasets, epoch_batches
+    from swarm.model.data import SampleSet, build_datasets, epoch_batches
     from swarm.runtime.inprocess import LocalPipeline
     from swarm.runtime.worker import StageConfig
 
@@ -207,6 +209,8 @@ def capture_forward_messages(
     backward_defaults = {"group_size": cfg.backward_group_size, "stochastic": cfg.backward_stochastic}
     setting = Setting.parse(label, forward_defaults, backward_defaults)
     train, _, _ = build_datasets(cfg.data)
+    if train_samples is not None:
+        train = SampleSet(train.ids[:train_samples], train.windows[:train_samples])
     captured: list[torch.Tensor] = []
     capture = [False]
     original = AQSGDCodec._encode_body
@@ -238,9 +242,12 @@ def capture_forward_messages(
     return captured
 
 
-def model_deltas(epochs: int = 4, every: int = 2, say: Callable[[str], None] = print) -> list[torch.Tensor]:
+def model_deltas(
+    epochs: int = 4, every: int = 2, say: Callable[[str], None] = print, train_samples: int | None = None
+) -> list[torch.Tensor]:
     """Real AQ-SGD deltas: the default convergence model trained `epochs` epochs under `aqsgd2/gradq4+ef` (the
-    experiment's defaults), each forward message's delta samples captured as `x - m` every `every` steps."""
+    experiment's defaults), each forward message's delta samples captured as `x - m` every `every` steps
+    (`train_samples`: of that many training samples only; default all)."""
 
     def delta(x, msg, state):
         if state is None or state.buffers is None or len(msg.sample_ids) != x.shape[0]:
@@ -252,7 +259,7 @@ def model_deltas(epochs: int = 4, every: int = 2, say: Callable[[str], None] = p
         m = state.buffers.gather([slots[i] for i in rows])
         return (x[rows].float() - m.float()).detach().clone()
 
-    return capture_forward_messages("aqsgd2/gradq4+ef", delta, epochs, every, "delta messages", say)
+    return capture_forward_messages("aqsgd2/gradq4+ef", delta, epochs, every, "delta messages", say, train_samples)
 
 
 def delta_rows(sources: dict[str, list[torch.Tensor]], bits_list=(2, 4)) -> list[dict]:

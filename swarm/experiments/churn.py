@@ -91,6 +91,9 @@ class ChurnConfig:
     steps: int = 400
     """optimizer steps per setting (both settings train the same number); 400 took 135 s without churn on main
     (3 stages, one route, 2 cores), leaving room for replicas' averaging and the recoveries in 15 minutes"""
+    schedule_steps: int | None = field(default=None, metadata=flag(skip=True))
+    """Steps of the learning-rate schedule (warm-up and cosine) the peers follow (None: `steps`): a setting may
+    train fewer steps than its schedule spans and still compute what a longer run does over them."""
     train_samples: int = field(default=64, metadata=flag(skip=True))
     """Training samples of the embedded data set (the Python standard library's sources)."""
     batch_size: int = field(default=8, metadata=flag(skip=True))
@@ -145,6 +148,8 @@ class ChurnConfig:
         for name in ("stages", "replicas", "steps", "train_samples", "batch_size", "micro_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ChurnConfig.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.schedule_steps is not None and self.schedule_steps < self.steps:
+            raise ValueError(f"ChurnConfig.schedule_steps: {self.schedule_steps} is fewer than the {self.steps} steps")
         if self.standby < 0 or self.batch_size % self.micro_batches or self.train_samples % self.batch_size:
             raise ValueError("ChurnConfig: standby >= 0; micro-batches divide the batch, the batch the samples")
         schedules = (self.kill_every_s, self.mean_lifetime_s, self.kill_every_steps, self.mean_lifetime_steps)
@@ -271,7 +276,7 @@ def swarm_flags(cfg: ChurnConfig, setting: str, support: dict[str, bool]) -> tup
         threads=1,
         compute_layers_per_s=COMPUTE_LAYERS_PER_S,
         planning=planning,
-        optim=OptimConfig(total_steps=cfg.steps, warmup_steps=max(1, cfg.steps // 10)),
+        optim=OptimConfig(total_steps=(span := cfg.schedule_steps or cfg.steps), warmup_steps=max(1, span // 10)),
         **CodecFlags(cfg.fw_codec, cfg.bw_codec).build(),
     )
     # named even where they are this checkout's defaults: a run of another checkout may default otherwise
