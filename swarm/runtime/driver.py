@@ -222,9 +222,9 @@ class PipelineDriver:
         self._audits: list[Task] = []
         """the running attempt's audits, gathered before its Step"""
         self._attempt = 0
+        """the running attempt of the step (1, 2, ...; 0 outside `train_step`): audits draw afresh for each"""
         self._labels_raced = False
         """whether the running attempt sent its labels beside the pipeline (`labels_with_pipeline`)"""
-        """the running attempt of the step (1, 2, ...; 0 outside `train_step`): audits draw afresh for each"""
         self._liars_before = 0
         """`len(liars)` when the running attempt began: the ones after it were evicted by its own audits"""
         self._used: list[Route] = []
