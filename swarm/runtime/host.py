@@ -178,8 +178,10 @@ class StageHost:
     # admitted call; a step whose calls all failed before any progress closes again, so a bad call cannot
     # hold the stage for the next legitimate step.
 
-    def check_call(self, info: CallInfo, caller: str | None = None) -> None:
-        """Refuses a call that this stage cannot serve whatever it carries; changes nothing."""
+    def check_call(self, info: CallInfo, caller: str | None = None, other_step: bool = False) -> None:
+        """Refuses a call that this stage cannot serve whatever it carries; changes nothing. `other_step`: passes a
+        call for another step than the open one, which `caller` may not close (`await_labels`: the labels, from the
+        trainer that opened the open step, may come and close it)."""
         role, ledger = self.role, self.ledger
         if info.plan_version != role.plan_version:
             raise CallRefused(
@@ -202,7 +204,12 @@ class StageHost:
         check_scale(info.loss_scale, self.worker)
         open_step = ledger.open_step
         stale_s = self.budget.stale_step_s
-        if open_step is not None and info.step != open_step and not ledger.may_close(info.step, caller, stale_s):
+        if (
+            not other_step
+            and open_step is not None
+            and info.step != open_step
+            and not ledger.may_close(info.step, caller, stale_s)
+        ):
             raise CallRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"step {info.step} arrived while step {open_step} is unfinished on this stage",
@@ -231,8 +238,9 @@ class StageHost:
                 self.links.begin_step(info.step)  # codec state is journalled from here: kept at Step, undone on abandon
 
     def _check_whole(self, call, info, kind, caller, route_check, labels: bool = True) -> None:
-        """`admit`'s checks, in order; changes nothing. `labels` False: all but a last stage's labels being here."""
-        self.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
+        """`admit`'s checks, in order; changes nothing. `labels` False: all but a last stage's labels being here and
+        the open step being its own or one it may close (the labels' trainer may close it: `await_labels`)."""
+        self.check_call(info, caller, other_step=not labels)  # first: a call of another plan is told so
         if route_check is not None:
             route_check(info)
         if kind is not None:
@@ -430,7 +438,9 @@ class StageHost:
         """Waits, before its admission, until the labels of a Forward's micro-batch are here (last stage only):
         the trainer sends a step's labels beside its pipeline, not before it, so the first activation may come
         first. Every other check of the admission runs first, and again on each look (a call refused for anything
-        else is refused at once, a repeat of one that ran and used its labels up too). Bounded by the call's wait
+        else is refused at once, a repeat of one that ran and used its labels up too), but for the open step: a
+        neighbour's Forward of the next step may come before the trainer's labels that close the step before (a
+        trainer that died mid-step and came back sends no abandon). Bounded by the call's wait
         (`call_wait_s`), ended by `cancelled` (the caller gave up) and by the trainer's abandon of the attempt;
         holds no lock, so the PutLabels it waits for is admitted meanwhile. Admission then decides as before:
         labels still missing refuse the call (`NO_LABELS`)."""

@@ -265,7 +265,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if wire.plan_version > host.role.plan_version:  # a caller already on a newer plan: this peer is behind
             self.on_newer_plan(wire.plan_version)
         info = fill_route(info_from_wire(wire), self.policy.roster, host.role, host.peer_id)
-        host.check_call(info, caller)  # first: a call of another plan is told so, and the trainer moves on
+        # first: a call of another plan is told so, and the trainer moves on; a last stage's Forward may come
+        # before the labels that close the open step (admission decides that, after them)
+        host.check_call(info, caller, other_step=method == "Forward" and host.role.is_last)
         if caller is not None:
             self.policy.check_route(info, caller, method, host.peer_id)
         return host, info

@@ -4,6 +4,7 @@ the trainer's time per phase reaches the step's counters."""
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import wait
 
@@ -222,4 +223,38 @@ def test_a_last_stage_that_does_not_wait_gets_the_labels_first():
     assert not driver.labels_with_pipeline
     assert [driver.suspects.strikes(p) for p in driver.peers] == [0, 0]
     _same(([r.loss for r in results], weights(pipe)), _reference())
+    pipe.close()
+
+
+def test_a_neighbours_forward_of_the_next_step_waits_for_the_labels_that_close_the_open_one():
+    """A trainer that died mid-step and came back sends no abandon: its next step's labels close the open step at
+    the last stage (their caller opened it). The previous stage's Forward of that next step, a caller that may not
+    close it, can come first: it waits for those labels instead of being refused as "unfinished" (once 1 of 2
+    CI-shaped runs, s61). Here the labels leave only once such a Forward waits."""
+    pipe = _pipe()
+    driver = pipe.driver(4, deadline_s=60.0)
+    driver.backward_early = False  # else the trainer's early Backward start reaches the last stage first and closes it
+    pipe.train_step(batch(8), 4)
+    pipe.forward_backward(batch(8, seed=1), 4)  # the trainer dies here: no Step, no abandon
+    pipe._step += 1
+    last = pipe.hosts[-1]
+    assert last.open_step == 1
+    waiting, await_labels = threading.Event(), last.await_labels
+
+    def noted(call, *args, **kwargs):
+        if call.info.step != last.open_step:
+            waiting.set()  # the next step's Forward, with the step before still open
+        return await_labels(call, *args, **kwargs)
+
+    last.await_labels = noted
+    labels = driver.router.labels
+
+    def late(*args, **kwargs):
+        assert waiting.wait(30.0), "no Forward of the next step reached the last stage first"
+        return labels(*args, **kwargs)
+
+    driver.router.labels = late
+    result = pipe.train_step(batch(8, seed=2), 4)
+    assert result.attempts == 1 and math.isfinite(result.loss)
+    assert last.steps_done == 2
     pipe.close()
