@@ -357,6 +357,12 @@ class SwarmDHT:
             return record
         return None
 
+    def plan_published_above(self, version: int) -> bool:
+        """Whether the plan key holds a record numbered above `version`, from anyone, unvalidated: one DHT read and
+        no read of the announcements, for a settled peer's look between whole ones (only a yes is worth `get_plan`;
+        a stranger's junk plan costs no more than that look did before)."""
+        return any(record.version > version for _, record in self._parse_all(self._keys.plan, "plan"))
+
     def newest_plan_version(self, peers: list[PeerAnnouncement]) -> int:
         """The highest version the plan authority published, valid or not (0: none): a planner's floor."""
         return max((record.version for _, record in self._authority_plans(peers)), default=0)

@@ -70,7 +70,7 @@ class PeerDaemon:
         self._wake = threading.Event()
         """ends the plan loop's wait at once: a stop, a leave, or a call that follows a newer plan"""
         self._adopted_at = 0.0
-        """when (`time.monotonic`) this peer last adopted a plan (`_tick_s`)"""
+        """when (`time.monotonic`) this peer last adopted a plan (`_settled`)"""
         self._leave_deadline: float | None = None
         self.ending: PeerEnding | None = None  # how it stops or leaves, once it serves
         self._announce_lock = threading.Lock()
@@ -81,13 +81,11 @@ class PeerDaemon:
         """This process's metrics, served with --metrics-port; what the stage host should count into."""
         self.metrics_server: MetricsServer | None = None
 
-    def _tick_s(self, planner) -> float:
-        """Seconds to the plan loop's next look at the DHT: `FOLLOW_TICK_S` while anything may be about to change
-        for this peer (no stage or plan yet, planning, leaving, a plan adopted moments ago), `SETTLED_TICK_S` once
-        it serves a plan it follows and plans nothing. A settled peer learns of a newer plan sooner from the calls
-        that follow it (`StageServicer.on_newer_plan` wakes the loop) than from the DHT."""
+    def _settled(self, planner) -> bool:
+        """Whether this peer serves the plan it follows, plans nothing, is not leaving and adopted that plan over
+        `SETTLED_AFTER_S` ago: then nothing but a newer plan changes its role (`_look_due`)."""
         following, host = self.following, self.servicer.host
-        settled = (
+        return (
             following is not None
             and host is not None
             and host.role.plan_version == following.version
@@ -95,7 +93,15 @@ class PeerDaemon:
             and not self._leave.is_set()
             and time.monotonic() - self._adopted_at >= SETTLED_AFTER_S
         )
-        return SETTLED_TICK_S if settled else FOLLOW_TICK_S
+
+    def _look_due(self, planner, woken: bool, full_at: float) -> bool:
+        """Whether the plan loop takes its whole look now (the run's announcements, the planner's round, the plan):
+        every `FOLLOW_TICK_S` while this peer's role may change; once `_settled`, every `SETTLED_TICK_S`, or at once
+        when a call followed a newer plan (`woken`) or the plan key holds a version above the followed one (a
+        cheap look: one DHT read of the plan's records, unvalidated; only a yes costs the whole look)."""
+        if woken or not self._settled(planner) or time.monotonic() >= full_at:
+            return True
+        return self.dht.plan_published_above(self.following.version)
 
     def stop(self, *_):
         """Stop (SIGINT): checkpoint this stage and exit; a second SIGINT interrupts at once."""
@@ -402,10 +408,17 @@ class PeerDaemon:
         replicator = self._replicator()
         deadline = time.monotonic() + cfg.assign_timeout_s
         sensitivity = SensitivityReport()
-        next_probe, traced_leave = 0.0, False
+        next_probe, traced_leave, full_at, woken = 0.0, False, 0.0, False
         try:
             while not self._stop.is_set():
                 try:
+                    if not self._look_due(planner, woken, full_at):
+                        if self.ending.ordered():
+                            return 0
+                        woken = self._wake.wait(FOLLOW_TICK_S)
+                        self._wake.clear()
+                        continue
+                    full_at = time.monotonic() + SETTLED_TICK_S
                     peers = self.dht.peers()
                     self._addresses = {p.peer_id: p.address for p in peers}
                     if prober is not None and time.monotonic() >= next_probe:
@@ -438,7 +451,7 @@ class PeerDaemon:
                 if self.servicer.host is None and self.following is None and time.monotonic() > deadline:
                     log.error("no plan gave this peer a stage within %.0f s; leaving", cfg.assign_timeout_s)
                     return 3
-                self._wake.wait(self._tick_s(planner))
+                woken = self._wake.wait(FOLLOW_TICK_S)
                 self._wake.clear()
         finally:
             lease_stop.set()
@@ -615,9 +628,10 @@ def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | N
 FOLLOW_TICK_S = 0.5
 """The plan loop's look at the DHT (announcements, plans, the planner's round) while this peer's role may change."""
 SETTLED_TICK_S = 2.0
-"""... once it serves the plan it follows and plans nothing: each look is DHT searches whose every record is checked
-(RSA signatures) and which every other peer's DHT node serves, so an idle 5-peer swarm looking twice a second took
-70% of a core (`swarm bench idle`, s61). A call that follows a newer plan wakes the loop at once."""
+"""... once it serves the plan it follows and plans nothing (`PeerDaemon._settled`): each whole look is DHT searches
+whose every record is checked (RSA signatures) and which every other peer's DHT node serves, so an idle 5-peer swarm
+looking twice a second took 56-70% of a core (`swarm bench idle`, s61). In between, every `FOLLOW_TICK_S`, a settled
+peer reads only the plan's records for a version above its own, so a new plan is adopted as soon as before."""
 SETTLED_AFTER_S = 10.0
 """How long after adopting a plan a peer still looks every `FOLLOW_TICK_S`: a replan's stragglers and calibrations
 come in bursts."""

@@ -1,5 +1,6 @@
-"""A peer that serves the plan it follows and plans nothing looks at the DHT every `SETTLED_TICK_S`, every other
-peer every `FOLLOW_TICK_S`; a call that follows a newer plan than its stage's wakes the plan loop at once."""
+"""A peer that serves the plan it follows and plans nothing takes its whole look at the DHT every `SETTLED_TICK_S`
+and in between only reads the plan's records for a newer version; every other peer looks whole every
+`FOLLOW_TICK_S`; a call that follows a newer plan than its stage's wakes the plan loop at once."""
 
 from __future__ import annotations
 
@@ -32,24 +33,36 @@ def _daemon(version: int = 3, serving: int | None = 3, leading: bool = False, ad
     host = None if serving is None else SimpleNamespace(role=SimpleNamespace(plan_version=serving))
     daemon.servicer = SimpleNamespace(host=host)
     daemon._adopted_at = time.monotonic() - adopted_s_ago
+    daemon.published = []  # the plan versions the cheap look finds
+    daemon.dht = SimpleNamespace(plan_published_above=lambda v: any(p > v for p in daemon.published))
     return daemon, SimpleNamespace(leading=leading)
 
 
-def test_a_settled_peer_looks_rarely_and_every_other_often():
+def test_a_settled_peer_looks_whole_rarely_and_every_other_often():
     assert SETTLED_TICK_S > FOLLOW_TICK_S
+    later = time.monotonic() + 60.0  # the next whole look of a settled peer is a minute away
     daemon, planner = _daemon()
-    assert daemon._tick_s(planner) == SETTLED_TICK_S
-    assert daemon._tick_s(SimpleNamespace(leading=True)) == FOLLOW_TICK_S, "the planner"
-    assert _daemon(serving=None)[0]._tick_s(planner) == FOLLOW_TICK_S, "on standby or joining: no stage"
-    assert _daemon(serving=2)[0]._tick_s(planner) == FOLLOW_TICK_S, "its stage still on the plan before"
-    assert _daemon(adopted_s_ago=SETTLED_AFTER_S / 2)[0]._tick_s(planner) == FOLLOW_TICK_S, "a plan just adopted"
+    assert daemon._settled(planner) and not daemon._look_due(planner, False, later)
+    assert daemon._look_due(planner, False, time.monotonic()), "its whole look is due"
+    assert daemon._look_due(planner, True, later), "a call that followed a newer plan woke it"
+    daemon.published = [3]
+    assert not daemon._look_due(planner, False, later), "its own plan is no news"
+    daemon.published = [3, 4]
+    assert daemon._look_due(planner, False, later), "a newer plan is out: looked at as soon as before"
+    unsettled = {
+        "the planner": _daemon(leading=True),
+        "no stage (standby, joining)": _daemon(serving=None),
+        "its stage on the plan before": _daemon(serving=2),
+        "a plan just adopted": _daemon(adopted_s_ago=SETTLED_AFTER_S / 2),
+    }
+    for why, (peer, its_planner) in unsettled.items():
+        assert not peer._settled(its_planner) and peer._look_due(its_planner, False, later), why
     none = PeerDaemon(PeerConfig())
     none.servicer = SimpleNamespace(host=None)
-    assert none._tick_s(planner) == FOLLOW_TICK_S, "no plan yet"
+    assert not none._settled(planner), "no plan yet"
     leaving, _ = _daemon()
     leaving.leave()
-    assert leaving._tick_s(planner) == FOLLOW_TICK_S
-    assert leaving._wake.is_set(), "a leave wakes the loop"
+    assert not leaving._settled(planner) and leaving._wake.is_set(), "a leave wakes the loop and unsettles it"
     stopping, _ = _daemon()
     stopping.stop()
     assert stopping._wake.is_set(), "a stop wakes the loop"
