@@ -36,20 +36,20 @@ CHANGES = {
 MODES = {"before": {}, "after": {}}
 
 
-def _alternate(driver_class=PipelineDriver, modes=MODES) -> None:
+def _alternate() -> None:
     """Makes every driver run odd steps in mode "before" and even ones in "after" (steps count from 0)."""
-    train_step = driver_class.train_step
+    train_step = PipelineDriver.train_step
 
     def alternating(self, step, batch):
-        for name, value in modes["after" if step % 2 == 0 else "before"].items():
+        for name, value in MODES["after" if step % 2 == 0 else "before"].items():
             setattr(self, name, value)
         return train_step(self, step, batch)
 
-    driver_class.train_step = alternating
+    PipelineDriver.train_step = alternating
 
 
 SITECUSTOMIZE = """
-import importlib.abc, json, os, sys
+import importlib.abc, importlib.util, os, sys
 
 class _Alternate(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -72,7 +72,6 @@ class _Alternate(importlib.abc.MetaPathFinder):
         spec.loader.exec_module = exec_module
         return spec
 
-import importlib.util
 if os.environ.get("SWARM_MEASURE_SWITCH"):
     sys.meta_path.insert(0, _Alternate())
 """

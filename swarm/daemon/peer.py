@@ -103,6 +103,12 @@ class PeerDaemon:
             return True
         return self.dht.plan_published_above(self.following.version)
 
+    def _pause(self) -> bool:
+        """Waits `FOLLOW_TICK_S` for the plan loop's next look; whether something woke it sooner (`_wake`)."""
+        woken = self._wake.wait(FOLLOW_TICK_S)
+        self._wake.clear()
+        return woken
+
     def stop(self, *_):
         """Stop (SIGINT): checkpoint this stage and exit; a second SIGINT interrupts at once."""
         if self._stop.is_set():
@@ -415,8 +421,7 @@ class PeerDaemon:
                     if not self._look_due(planner, woken, full_at):
                         if self.ending.ordered():
                             return 0
-                        woken = self._wake.wait(FOLLOW_TICK_S)
-                        self._wake.clear()
+                        woken = self._pause()
                         continue
                     full_at = time.monotonic() + SETTLED_TICK_S
                     peers = self.dht.peers()
@@ -451,8 +456,7 @@ class PeerDaemon:
                 if self.servicer.host is None and self.following is None and time.monotonic() > deadline:
                     log.error("no plan gave this peer a stage within %.0f s; leaving", cfg.assign_timeout_s)
                     return 3
-                woken = self._wake.wait(FOLLOW_TICK_S)
-                self._wake.clear()
+                woken = self._pause()
         finally:
             lease_stop.set()
             liveness.close()

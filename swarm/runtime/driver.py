@@ -787,7 +787,7 @@ class PipelineDriver:
         strike for that peer (unless the check that raised it struck it already), and the step is abandoned
         everywhere; True: skip the step; False: the strike evicted the peer, run the step again without it."""
         error = caught.error if isinstance(caught, Failed) else caught
-        if isinstance(caught, Failed) and self._labels_raced and labels_missing(error):
+        if isinstance(caught, Failed) and self._lost_labels_race(error):
             # a last stage that does not wait for labels sent beside the pipeline: labels first from now on (a
             # refusal when they went first is judged as any other)
             log.warning("step %d: %s; sending labels before the pipeline from now on", step, error)
@@ -819,12 +819,17 @@ class PipelineDriver:
         log.warning("step %d%s: peer %s evicted; running the step again without it", step, csv_row(step), peer)
         return False
 
+    def _lost_labels_race(self, error: BaseException | None) -> bool:
+        """Whether `error` is a last stage's refusal for want of labels that this attempt sent beside the pipeline:
+        a stage that does not wait for them, not a fault of anyone's (`labels_with_pipeline`)."""
+        return self._labels_raced and labels_missing(error)
+
     def _recover(self, step: int, failure: Failed, attempt: int) -> None:
         """After a failed attempt: find the dead (one Ping per suspect), abandon the step on every live
         replica so that none keeps gradients from it, and raise unless another attempt may run."""
         error = failure.error
         audited = isinstance(error, LiarFound | AuditDisputed)  # the liar is out (or nobody is): run again
-        raced = self._labels_raced and labels_missing(error)  # a last stage that did not wait for them (`_struck`)
+        raced = self._lost_labels_race(error)
         fatal = error is not None and not (reroutable(error) or route_needed(error) or busy(error) or audited or raced)
         if fatal and (out := self._out_of(failure)):
             # e.g. an evicted liar's own Reduce refusing its honest sibling's sum: its step runs again without it

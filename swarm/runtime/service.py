@@ -279,16 +279,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         with `swap`. The caller must `leave()` the returned host when the call is answered."""
         with self._admission:
             host = self._serving()
-            policy = self.policy
-            route_check = None if caller is None else lambda i: policy.check_route(i, caller, method, host.peer_id)
-            host.admit(call, info, kind, caller, route_check)
+            host.admit(call, info, kind, caller, self._route_check(host, caller, method))
             return host
+
+    def _route_check(self, host: StageHost, caller: str | None, method: str | None):
+        """The plan's route rule for an authenticated caller's call (None for an anonymous one)."""
+        policy = self.policy
+        return None if caller is None else lambda info: policy.check_route(info, caller, method, host.peer_id)
 
     def _await_labels(self, call: StageCall, caller: str | None, method: str, gone: threading.Event) -> None:
         """`StageHost.await_labels` under `_admit`'s checks (a call they refuse is refused before any wait)."""
-        host, policy = self._serving(), self.policy
-        route_check = None if caller is None else lambda i: policy.check_route(i, caller, method, host.peer_id)
-        host.await_labels(call, caller, route_check, gone)
+        host = self._serving()
+        host.await_labels(call, caller, self._route_check(host, caller, method), gone)
 
     def _stream_call(self, request_iterator, context, kind: Kind):
         """Forward or Backward: the call info is checked before the rest of the stream is read, the whole call
