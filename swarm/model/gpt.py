@@ -163,9 +163,16 @@ def _init_parameters(module: nn.Module, cfg: ModelConfig, rename: dict[str, str]
 
     Residual output projections get GPT-2's 1/sqrt(2 * n_layers) scaling so the residual stream does not
     grow with depth.
+
+    Parameters on the meta device (shapes only, `swarm.scheduler.sizes.layer_shapes`) hold no values and are
+    left as they are: a seeded draw there runs torch's Python reference for `normal_`, whose first call imports
+    `torch._dynamo` (1-1.5 CPU-s in every peer that prices a plan, the compiler stack `swarm.daemon.lean` keeps
+    out of peers).
     """
     rename = rename or {}
     for local_name, param in module.named_parameters():
+        if param.is_meta:
+            continue
         name = rename.get(local_name, local_name)
         if name.endswith(("ln1.weight", "ln2.weight", "norm.weight")):
             param.fill_(1.0)
