@@ -31,6 +31,7 @@ import contextlib
 import json
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -69,6 +70,10 @@ QUICK_STEPS = 120
 DHT lookup: seconds on a loaded machine) and the join on a namespace of its own, and the run must outlast both. 40
 steps did not; 80 did until s56, when 1 of 3 suite runs under load saw the trainer end before the join, likely
 because the held copies of replicated stages, no longer made, had slowed the quick swarm's steps (not measured)."""
+QUICK_STEPS_AFTER_CHURN = 10
+"""--quick's churn setting ends this many steps after its join (the kill's recovery is in them): its 120 steps are
+only the bound that leaves a loaded machine's slow join time to land; training them all cost the suite's longest
+test 100 more steps of a five-process swarm."""
 QUICK_KILL_AT_S = 5.0
 """--quick with --kill-every S: the one leave S seconds into training."""
 QUICK_KILL_AT_STEP = 10
@@ -122,6 +127,10 @@ class ChurnConfig:
     """The schedule's span, seconds from the first step (the run ends it earlier when training ends)."""
     churn_horizon_steps: int | None = field(default=None, metadata=flag(skip=True))
     """A schedule in steps: its last leave at most at this step (None: before the last step)."""
+    steps_after_churn: int | None = field(default=None, metadata=flag(skip=True))
+    """The churn setting ends this many completed steps after its last churn action: its trainer is asked to stop
+    after its current step (SIGTERM, as Ctrl-C) and an `end` event is logged; its steps are then accounted up to
+    there (None: it trains every step). --quick's, which has nothing left to watch once its join is made."""
     setting_timeout_s: float | None = field(default=None, metadata=flag(name="--timeout-s"))
     """bound on one setting's training, seconds; the trainer is stopped past it (none: no wall-clock bound, a
     slower machine trains every step; only --stall-timeout-s stops a run)"""
@@ -206,7 +215,8 @@ class ChurnRun:
     mean_lifetime: float | None = field(default=None, metadata=flag(metavar="S"))
     """instead: serving peers live an exponential time of this mean, seconds"""
     quick: bool = False
-    """a small swarm (2 stages, 1 standby), 120 steps, one kill after step 10 (or --kill-every S s into training)"""
+    """a small swarm (2 stages, 1 standby), one kill after step 10 (or --kill-every S s into training) and one join;
+    the churn setting ends 10 steps after the join (at most 120 steps)"""
     settings: tuple[str, ...] = field(
         default=SETTINGS, metadata=flag(parse=_settings, render=",".join, metavar="NAMES")
     )
@@ -232,7 +242,8 @@ class ChurnRun:
             # one leave (the schedule's span ends with the first one), the join right after it: on a swarm that
             # cannot reroute yet the run ends at the kill
             quick = replace(cfg, stages=2, standby=1, steps=QUICK_STEPS, train_samples=32, join_delay_s=0.0,
-                            mean_lifetime_s=None, mean_lifetime_steps=None)  # fmt: skip
+                            mean_lifetime_s=None, mean_lifetime_steps=None,
+                            steps_after_churn=QUICK_STEPS_AFTER_CHURN)  # fmt: skip
             if self.kill_every is not None:
                 return replace(quick, kill_every_s=self.kill_every, kill_every_steps=None,
                                churn_horizon_s=self.kill_every)  # fmt: skip
@@ -386,7 +397,11 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
                 time.sleep(0.2)  # polling the clock's file for the first step, bounded by the deadline
             controller.begin()
             say(f"{setting}: training ({len(schedule)} churn actions scheduled, {cfg.schedule_label()})")
-            rc = wait_for_steps(trainer, lambda: last_step(clock_path), cfg.stall_timeout_s, cfg.setting_timeout_s)
+            end = None
+            if schedule and cfg.steps_after_churn is not None:
+                end = EndAfterChurn(controller, steps_done, cfg.steps_after_churn, trainer, d / "events.jsonl", say)
+            progress = lambda: last_step(clock_path)  # noqa: E731
+            rc = wait_for_steps(trainer, progress, cfg.stall_timeout_s, cfg.setting_timeout_s, each_poll=end)
         except Exception as e:  # a hung or failed trainer still leaves its files for the report
             say(f"{setting}: {type(e).__name__}: {e}")
         finally:
@@ -403,7 +418,38 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
     return {"rc": rc, "pids": pids}
 
 
-def wait_for_steps(trainer, progress, stall_timeout_s: float, timeout_s: float | None = None, poll_s: float = 0.5):
+class EndAfterChurn:
+    """Ends a churn setting `after` completed steps past its last churn action (`ChurnConfig.steps_after_churn`):
+    called at each poll of the trainer, it asks the trainer once to stop after its current step (SIGTERM, which
+    `swarm train` takes as Ctrl-C: the step in flight completes, the run exits 0) and logs an `end` event with the
+    step it was asked at. The count starts when the controller has played its whole schedule."""
+
+    def __init__(self, controller, steps_done, after: int, trainer, events_path: Path, say=print):
+        self.controller, self.steps_done, self.after = controller, steps_done, after
+        self.trainer, self.events_path, self.say = trainer, events_path, say
+        self.since: int | None = None
+        """the trainer's completed steps when the schedule was found played"""
+        self.asked = False
+
+    def __call__(self) -> None:
+        if self.asked or self.controller.is_alive():
+            return
+        done = self.steps_done() or 0
+        if self.since is None:
+            self.since = done
+        if done < self.since + self.after:
+            return
+        self.asked = True
+        with contextlib.suppress(ProcessLookupError):
+            self.trainer.send_signal(signal.SIGTERM)
+        with open(self.events_path, "a") as log:
+            log.write(json.dumps({"t": time.time(), "kind": "end", "at_step": done}) + "\n")
+        self.say(f"churn: {done - self.since} steps after the last churn action: the trainer stops after its step")
+
+
+def wait_for_steps(
+    trainer, progress, stall_timeout_s: float, timeout_s: float | None = None, poll_s: float = 0.5, each_poll=None
+):
     """The trainer's exit code once it exits. It is not stopped for being slow: only when no step has
     completed for `stall_timeout_s` (a hung run), or past an explicit `timeout_s`.
 
@@ -411,6 +457,7 @@ def wait_for_steps(trainer, progress, stall_timeout_s: float, timeout_s: float |
         trainer: a `subprocess.Popen` (`poll`, `wait`).
         progress: () -> (completed steps, when) of the latest step, or None before the first.
         poll_s: the polling period.
+        each_poll: () -> None, called at every poll while the trainer runs (an `EndAfterChurn`), or None.
 
     Raises:
         TimeoutError: stalled or past `timeout_s`; the message says which.
@@ -424,6 +471,8 @@ def wait_for_steps(trainer, progress, stall_timeout_s: float, timeout_s: float |
             return trainer.wait(poll_s)
         except subprocess.TimeoutExpired:
             pass  # the polling period: the trainer is still training
+        if each_poll is not None:
+            each_poll()
         now = time.monotonic()
         latest = progress()
         if latest is not None and latest[0] != seen:
@@ -450,8 +499,10 @@ def collect(cfg: ChurnConfig, out: Path, settings=SETTINGS, expected=None) -> li
     for setting in settings:
         d = out / setting
         steps[setting], events = read_steps(d / "steps.csv"), read_jsonl(d / "events.jsonl")
+        # a setting ended on purpose (`steps_after_churn`) is judged on the steps up to its end
+        target = next((e["at_step"] for e in events if e.get("kind") == "end"), cfg.steps)
         rows.append(summarize(setting, steps[setting], events, read_jsonl(d / "step_clock.jsonl"), expected,
-                              cfg.batch_size, cfg.steps, logged_state_bytes(d / "logs")))  # fmt: skip
+                              cfg.batch_size, target, logged_state_bytes(d / "logs")))  # fmt: skip
         if setting == "churn" and "no-churn" in steps:  # same computation until the first kill: is it?
             rows[-1].update(loss_agreement(steps["no-churn"], steps["churn"], events))
     return rows
@@ -467,6 +518,8 @@ def write_outputs(cfg: ChurnConfig, out: Path, rows: list[dict], notes: list[str
               "graceful fraction": cfg.graceful_fraction,
               "plan inputs": PLAN_INPUTS[cfg.measured_plan],
               "peer keys": str(cfg.identities or out / "identities")}  # fmt: skip
+    if cfg.steps_after_churn is not None:
+        config["steps"] = f"{cfg.steps} at most: churn ends {cfg.steps_after_churn} steps after its last churn action"
     text = report_markdown(rows, checks, config, [p.name for p in plots])
     if notes:
         text += "\n## Notes\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"

@@ -166,11 +166,12 @@ def summarize(
     bytes its peers sent (`swarm.metrics.logged_state_bytes`), in the totals.
 
     A run that ended before `target_steps` is accounted over the steps it trained: the samples of steps never
-    run are `samples_not_run`, not lost (the "all steps trained" target fails instead)."""
+    run are `samples_not_run`, not lost (the "all steps trained" target fails instead). `expected` may run past
+    `target_steps` (a setting ended on purpose): a finished run is accounted up to its last step."""
     trained = max((int(r["step"]) for r in rows), default=0)
     finished = len(rows) >= target_steps
-    account = account_samples(rows, expected if finished else expected[:trained])
-    not_run = 0 if finished else sum(len(b) for b in expected[trained:])
+    account = account_samples(rows, expected[: max(trained, target_steps)] if finished else expected[:trained])
+    not_run = 0 if finished else sum(len(b) for b in expected[trained:target_steps])
     done = [t for t in completion_times(rows, clock) if t is not None]
     leaves = [e for e in events if e.get("kind") in ("kill", "term")]
     if finished and done:  # a leave after the last step has nothing left to recover

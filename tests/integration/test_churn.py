@@ -39,8 +39,9 @@ def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_p
     result = run_setting(replace(cfg, netns=netns), "churn", tmp_path, support, lines.append)
     d = tmp_path / "churn"
     events = read_jsonl(d / "events.jsonl")
-    assert [e["kind"] for e in events] == ["kill", "join"], (events, lines)
-    kill, join = events
+    # the quick run ends its churn setting a few steps after the join, not at its 120 steps' bound
+    assert [e["kind"] for e in events] == ["kill", "join", "end"], (events, lines)
+    kill, join, end = events
     assert kill["stage"] is not None and kill["peer_id"] and kill["pid"] == result["pids"][kill["peer"]]
     assert join["peer"] not in (kill["peer"], "bootstrap", "trainer") and join["t"] > kill["t"]
     assert {"bootstrap", "trainer", join["peer"]} <= set(result["pids"])
@@ -48,8 +49,14 @@ def test_quick_churn_kills_one_serving_peer_joins_one_and_reaps_everything(tmp_p
     if netns:
         assert not list_namespaces(PREFIX) and not list_links(PREFIX), "a namespace or link outlived the run"
     assert (d / "steps.csv").exists() and (d / "step_clock.jsonl").stat().st_size > 0
+    assert result["rc"] == 0, lines  # asked to stop after its step, the trainer exits as after its last
     base_row, row = collect(cfg, tmp_path)
-    assert row["kills"] == 1 and row["joins"] == 1 and row["steps"] >= 1
+    assert row["kills"] == 1 and row["joins"] == 1
+    assert end["at_step"] >= cfg.kill_every_steps + cfg.steps_after_churn and end["at_step"] < cfg.steps, end
+    # judged up to its end: every step to there trained, every sample of them once; the trainer stopped long
+    # before its bound (the clock it is read from and the polls lag a step or two behind the trainer)
+    assert row["target_steps"] == end["at_step"] and end["at_step"] <= row["steps"] < cfg.steps, row
+    assert row["samples_not_run"] == 0, row
     # same seed, ids, declared compute, unprobed links and equal chain weights: the same losses until the kill
     assert row["prekill_steps"] >= 1, row
     assert row["prekill_max_loss_diff"] <= SAME_LOSS_TOL, row

@@ -442,6 +442,62 @@ def test_an_unfinished_run_counts_its_unrun_steps_apart_from_lost_samples():
     assert checks["churn: all steps trained"] == ("2 of 4 (4 samples not run)", False)
 
 
+def test_a_setting_ended_on_purpose_is_judged_on_the_steps_up_to_its_end():
+    """`steps_after_churn`: the trainer asked to stop after step 2 trains the step in flight (3), and the
+    setting is judged up to there: nothing lost, nothing "not run", the steps target met."""
+    rows = _rows(enumerate(EXPECTED[:3], start=1))
+    row = summarize("churn", rows, [], [], EXPECTED, 2, target_steps=2)
+    assert (row["samples_lost"], row["samples_duplicated"], row["samples_not_run"]) == (0, 0, 0)
+    assert not [c for c in targets([row]) if c.name == "churn: all steps trained"]
+    # one that stopped short of its end all the same is not finished, and step 4 is outside its span
+    short = summarize("churn", rows[:1], [], [], EXPECTED, 2, target_steps=2)
+    assert (short["samples_lost"], short["samples_not_run"]) == (0, 2)
+    # a sample dropped before the end is still lost
+    rows[1]["sample_ids"] = "0"
+    assert summarize("churn", rows, [], [], EXPECTED, 2, target_steps=2)["samples_lost"] == 1
+
+
+class _Signalled(_Trainer):
+    def __init__(self):
+        super().__init__()
+        self.signals = []
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+
+
+def test_the_end_after_churn_waits_for_the_schedule_then_its_steps_and_asks_the_trainer_once(tmp_path):
+    import signal
+
+    from swarm.experiments.churn import EndAfterChurn
+
+    playing = threading.Event()
+    playing.set()
+    controller = type("C", (), {"is_alive": lambda self: playing.is_set()})()
+    step, said = [12], []
+    trainer = _Signalled()
+    end = EndAfterChurn(controller, lambda: step[0], 3, trainer, tmp_path / "events.jsonl", said.append)
+    end()  # the schedule is still playing (a join not yet made): no count yet
+    step[0] = 20
+    playing.clear()
+    end()  # played: the count starts at 20
+    step[0] = 22
+    end()
+    assert trainer.signals == [] and not (tmp_path / "events.jsonl").exists()
+    step[0] = 23
+    end()
+    step[0] = 24
+    end()  # asked once, however often it is polled after
+    assert trainer.signals == [signal.SIGTERM]
+    assert [(e["kind"], e["at_step"]) for e in read_jsonl(tmp_path / "events.jsonl")] == [("end", 23)]
+    assert said and "3 steps after the last churn action" in said[0]
+
+
+def test_quick_ends_its_churn_setting_after_the_join_and_the_full_run_trains_every_step():
+    assert ChurnRun(quick=True).config().steps_after_churn == 10
+    assert ChurnConfig().steps_after_churn is None and ChurnRun().config().steps_after_churn is None
+
+
 def test_replicas_flag_passed_only_when_the_peer_has_it():
     cfg = ChurnConfig()
     peer, trainer = swarm_flags(cfg, "churn", {"--replicas": False})
