@@ -39,7 +39,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hivemind.dht import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.logging import use_hivemind_log_handler
@@ -69,6 +68,7 @@ from swarm.peers.records import (
     followed_plan,
     validate_plan,
 )
+from swarm.peers.verdicts import CachedSignatureValidator
 
 __all__ = [
     "SwarmDHT",
@@ -133,7 +133,7 @@ class SwarmDHT:
         """
         self.config = config
         key = private_key if private_key is not None else load_or_create_key(config.signing_key_path)
-        self._signer = RSASignatureValidator(key)
+        self._signer = CachedSignatureValidator(key)  # checks each record's signature once (peers/verdicts.py)
         self._owner = self._signer.local_public_key
         self.peer_id = peer_id_of(key.get_public_key().to_bytes())
         self._keys = RunKeys.of_run(config.run_name)

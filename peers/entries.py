@@ -32,6 +32,7 @@ from swarm.peers.records import (
     PlanRecord,
     TrainerAnnouncement,
 )
+from swarm.peers.verdicts import VerdictCache
 
 __all__ = [
     "LINK_SEP",
@@ -199,11 +200,16 @@ class RunRecordValidator(RecordValidatorBase):
             kinds.update({keys.manifest: "manifest", keys.delegations: "delegations"})
         self._kinds = {DHTID.generate(source=key).to_bytes(): kind for key, kind in kinds.items()}
         self._run = keys.run
+        self.verdicts = VerdictCache()
+        """Records of the run's keys found valid: not parsed again (`swarm.peers.verdicts`)."""
 
     def validate(self, record: DHTRecord) -> bool:
         kind = self._kinds.get(record.key)
         if kind is None:
             return True
+        return self.verdicts.check(record, lambda r: self._validate(kind, r))
+
+    def _validate(self, kind: str, record: DHTRecord) -> bool:
         if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
             return False  # the run's keys hold only dictionaries of owned subkeys, never a plain value
         try:
