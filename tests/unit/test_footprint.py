@@ -34,6 +34,13 @@ print(json.dumps({"weights": weights, "dynamo": "torch._dynamo" in sys.modules, 
 """
 
 
+def _fresh_lines(code: str, env=None) -> list[str]:
+    """The output lines of `code` run in a fresh interpreter (this one's), which must exit 0."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()
+
+
 def _train(mode: str) -> dict:
     done = subprocess.run([sys.executable, "-c", TRAIN, mode], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -115,9 +122,7 @@ def test_a_daemon_imports_hivemind_without_its_averager_optimizer_or_moe_until_a
         "from swarm.daemon.lean import defer_hivemind_init\n"
         "print(defer_hivemind_init())\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.strip().splitlines()
+    lines = _fresh_lines(code)
     assert lines[0] == "[]", "hivemind's package __init__ ran (scipy, pydantic, MoE: ~50 MB)"
     version, cls, moe = lines[1].split()
     assert cls == "DHT" and moe == "True", "a lookup on the package must run its __init__, as a plain import would"
@@ -159,9 +164,7 @@ def test_a_peers_backward_and_planning_import_neither_sympy_nor_scipy():
         "import numpy as np\n"
         "print(bottleneck_assignment(np.array([[1.0, 5.0], [2.0, 1.0]]))[0], 'scipy' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.strip().splitlines()
+    lines = _fresh_lines(code)
     assert lines[0] == "[]", "a stage's backward or a one-replica plan imported sympy or scipy (~38 MB each)"
     assert lines[1] == "1.0 True"  # pairing replicas loads scipy when it is needed
 
@@ -183,9 +186,7 @@ def test_a_peer_pricing_a_plan_does_not_import_torchs_compiler():
         "real = build_stage(ModelConfig(), 1, 2, False, False)\n"
         "print(meta == tuple(tuple(p.shape) for _, p in sorted(real.named_parameters())))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["False", "True"], done.stdout
+    assert _fresh_lines(code) == ["False", "True"]
 
 
 def test_the_soaks_sample_reads_rss_threads_and_fds_and_pss_only_when_asked():
@@ -264,6 +265,4 @@ def test_swarm_train_turns_mkls_buffer_pools_off_before_torch_loads():
         "print('torch' in sys.modules, seen)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "True ['1']", done.stdout[-2000:]
+    assert _fresh_lines(code, env)[-1] == "True ['1']"
