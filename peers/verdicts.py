@@ -39,7 +39,8 @@ class VerdictCache:
         self._valid: OrderedDict[tuple, int] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        self.hits = 0
+        """records found valid before, not checked again"""
 
     @staticmethod
     def _key(record: DHTRecord) -> tuple:
@@ -53,7 +54,6 @@ class VerdictCache:
                 self._valid.move_to_end(key)
                 self.hits += 1
                 return True
-            self.misses += 1
         if not validate(record):
             return False
         size = sum(len(part) for part in key[:3] if isinstance(part, bytes)) + 64

@@ -31,7 +31,6 @@ import contextlib
 import json
 import re
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -388,7 +387,9 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
             else:
                 threads.append(StepClock(url, clock_path))
             steps_done = lambda: (last_step(clock_path) or (None,))[0]
-            controller = ChurnController(swarm, schedule, d / "events.jsonl", steps=steps_done)
+            controller = ChurnController(
+                swarm, schedule, d / "events.jsonl", steps=steps_done, end_after=cfg.steps_after_churn
+            )  # `end_after` ends a played schedule only: no-churn has none
             threads.append(controller)
             for thread in threads:
                 thread.start()
@@ -397,11 +398,9 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
                 time.sleep(0.2)  # polling the clock's file for the first step, bounded by the deadline
             controller.begin()
             say(f"{setting}: training ({len(schedule)} churn actions scheduled, {cfg.schedule_label()})")
-            end = None
-            if schedule and cfg.steps_after_churn is not None:
-                end = EndAfterChurn(controller, steps_done, cfg.steps_after_churn, trainer, d / "events.jsonl", say)
-            progress = lambda: last_step(clock_path)  # noqa: E731
-            rc = wait_for_steps(trainer, progress, cfg.stall_timeout_s, cfg.setting_timeout_s, each_poll=end)
+            rc = wait_for_steps(trainer, lambda: last_step(clock_path), cfg.stall_timeout_s, cfg.setting_timeout_s)
+            if ended := [e for e in controller.events if e["kind"] == "end"]:
+                say(f"{setting}: the trainer was asked to stop after step {ended[0]['at_step']}, its churn done")
         except Exception as e:  # a hung or failed trainer still leaves its files for the report
             say(f"{setting}: {type(e).__name__}: {e}")
         finally:
@@ -418,38 +417,7 @@ def run_setting(cfg: ChurnConfig, setting: str, out: Path, support: dict[str, bo
     return {"rc": rc, "pids": pids}
 
 
-class EndAfterChurn:
-    """Ends a churn setting `after` completed steps past its last churn action (`ChurnConfig.steps_after_churn`):
-    called at each poll of the trainer, it asks the trainer once to stop after its current step (SIGTERM, which
-    `swarm train` takes as Ctrl-C: the step in flight completes, the run exits 0) and logs an `end` event with the
-    step it was asked at. The count starts when the controller has played its whole schedule."""
-
-    def __init__(self, controller, steps_done, after: int, trainer, events_path: Path, say=print):
-        self.controller, self.steps_done, self.after = controller, steps_done, after
-        self.trainer, self.events_path, self.say = trainer, events_path, say
-        self.since: int | None = None
-        """the trainer's completed steps when the schedule was found played"""
-        self.asked = False
-
-    def __call__(self) -> None:
-        if self.asked or self.controller.is_alive():
-            return
-        done = self.steps_done() or 0
-        if self.since is None:
-            self.since = done
-        if done < self.since + self.after:
-            return
-        self.asked = True
-        with contextlib.suppress(ProcessLookupError):
-            self.trainer.send_signal(signal.SIGTERM)
-        with open(self.events_path, "a") as log:
-            log.write(json.dumps({"t": time.time(), "kind": "end", "at_step": done}) + "\n")
-        self.say(f"churn: {done - self.since} steps after the last churn action: the trainer stops after its step")
-
-
-def wait_for_steps(
-    trainer, progress, stall_timeout_s: float, timeout_s: float | None = None, poll_s: float = 0.5, each_poll=None
-):
+def wait_for_steps(trainer, progress, stall_timeout_s: float, timeout_s: float | None = None, poll_s: float = 0.5):
     """The trainer's exit code once it exits. It is not stopped for being slow: only when no step has
     completed for `stall_timeout_s` (a hung run), or past an explicit `timeout_s`.
 
@@ -457,7 +425,6 @@ def wait_for_steps(
         trainer: a `subprocess.Popen` (`poll`, `wait`).
         progress: () -> (completed steps, when) of the latest step, or None before the first.
         poll_s: the polling period.
-        each_poll: () -> None, called at every poll while the trainer runs (an `EndAfterChurn`), or None.
 
     Raises:
         TimeoutError: stalled or past `timeout_s`; the message says which.
@@ -471,8 +438,6 @@ def wait_for_steps(
             return trainer.wait(poll_s)
         except subprocess.TimeoutExpired:
             pass  # the polling period: the trainer is still training
-        if each_poll is not None:
-            each_poll()
         now = time.monotonic()
         latest = progress()
         if latest is not None and latest[0] != seen:

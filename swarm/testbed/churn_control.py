@@ -13,6 +13,7 @@ completed steps by scraping its `swarm_steps_total` metric, for trainers whose s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -337,11 +338,15 @@ class ChurnController(threading.Thread):
         events_path: Path,
         steps: Callable[[], int | None] | None = None,
         poll_s: float = 0.2,
+        end_after: int | None = None,
     ):
-        """`steps()`: the trainer's completed steps (None: none yet), what events with `at_step` wait for."""
+        """`steps()`: the trainer's completed steps (None: none yet), what events with `at_step` wait for.
+        `end_after`: once the schedule is played and the trainer has completed this many more steps, the trainer is
+        asked to stop after its current step (SIGTERM, which `swarm train` takes as Ctrl-C: the step in flight
+        completes, the run exits 0) and an `end` event names the step it was asked at (None: it trains on)."""
         super().__init__(name="churn", daemon=True)
         self.swarm, self.schedule, self.events_path = swarm, schedule, events_path
-        self.steps, self.poll_s = steps, poll_s
+        self.steps, self.poll_s, self.end_after = steps, poll_s, end_after
         self.stop = threading.Event()
         self.events: list[dict] = []
         self._start_at: float | None = None
@@ -368,9 +373,27 @@ class ChurnController(threading.Thread):
                         "action": str(action),
                         "why": f"{type(e).__name__}: {e}",
                     }
-                self.events.append(event)
-                log.write(json.dumps(event) + "\n")
-                log.flush()
+                self._log(log, event)
+            if self.end_after is not None and self.schedule:
+                event = self._end()
+                if event is not None:
+                    self._log(log, event)
+
+    def _log(self, log, event: dict) -> None:
+        self.events.append(event)
+        log.write(json.dumps(event) + "\n")
+        log.flush()
+
+    def _end(self) -> dict | None:
+        """Waits for `end_after` more completed steps, then asks the trainer to stop; the `end` event (None: the
+        run ended first)."""
+        since = self.steps() or 0
+        while (done := self.steps() or 0) < since + self.end_after:
+            if self.stop.wait(self.poll_s):  # polling the step count, cut short when the run ends
+                return None
+        with contextlib.suppress(ProcessLookupError):
+            self.swarm.trainer.send_signal(signal.SIGTERM)
+        return {"t": time.time(), "kind": "end", "at_step": done}
 
     def _wait_until_due(self, action: ChurnEvent) -> bool:
         """Waits for the event's time (a timed wait on the schedule's clock) or step (polling the trainer's

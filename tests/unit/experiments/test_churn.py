@@ -469,28 +469,39 @@ class _Signalled(_Trainer):
 def test_the_end_after_churn_waits_for_the_schedule_then_its_steps_and_asks_the_trainer_once(tmp_path):
     import signal
 
-    from swarm.experiments.churn import EndAfterChurn
+    from swarm.testbed.churn_control import ChurnController
 
-    playing = threading.Event()
-    playing.set()
-    controller = type("C", (), {"is_alive": lambda self: playing.is_set()})()
-    step, said = [12], []
-    trainer = _Signalled()
-    end = EndAfterChurn(controller, lambda: step[0], 3, trainer, tmp_path / "events.jsonl", said.append)
-    end()  # the schedule is still playing (a join not yet made): no count yet
+    step, seen = [12], threading.Event()
+
+    def steps():
+        seen.set()
+        return step[0]
+
+    def polled():  # two full polls of the step count seen since the change
+        for _ in range(2):
+            seen.clear()
+            assert seen.wait(5)
+
+    swarm = _StepsSwarm()
+    swarm.trainer = trainer = _Signalled()
+    schedule = [ChurnEvent(0.0, "join", at_step=15)]
+    path = tmp_path / "events.jsonl"
+    controller = ChurnController(swarm, schedule, path, steps=steps, poll_s=0.01, end_after=3)
+    controller.start()
+    controller.begin()
+    polled()  # the schedule is still playing (its join waits for step 15): no count yet
+    assert swarm.done == [] and trainer.signals == []
     step[0] = 20
-    playing.clear()
-    end()  # played: the count starts at 20
+    polled()  # played: the count starts at 20
     step[0] = 22
-    end()
-    assert trainer.signals == [] and not (tmp_path / "events.jsonl").exists()
+    polled()
+    assert swarm.done == [("join", "peer9")] and trainer.signals == []
+    assert [e["kind"] for e in read_jsonl(path)] == ["join"]
     step[0] = 23
-    end()
-    step[0] = 24
-    end()  # asked once, however often it is polled after
+    controller.join(5)
+    assert not controller.is_alive(), "asked once, the controller's work is done"
     assert trainer.signals == [signal.SIGTERM]
-    assert [(e["kind"], e["at_step"]) for e in read_jsonl(tmp_path / "events.jsonl")] == [("end", 23)]
-    assert said and "3 steps after the last churn action" in said[0]
+    assert [(e["kind"], e.get("at_step")) for e in read_jsonl(path)][1:] == [("end", 23)]
 
 
 def test_quick_ends_its_churn_setting_after_the_join_and_the_full_run_trains_every_step():
