@@ -37,7 +37,6 @@ def test_three_settings_same_seed_the_planned_one_lowers_the_slow_stage():
     assert planned["precisions"] == list(measured.precisions) and planned["why"] == measured.why
     times = planned["stage_times_s"][cfg.slow_stage]
     assert (planned["precisions"][cfg.slow_stage] == "bf16") == (times["bf16"] < times["fp32"])
-    assert times["fp32"] > planned["stage_times_s"][0]["fp32"], "the throttled stage measures slower"
     assert planned["sensitivity"][cfg.slow_stage]["bf16"] > 0
     assert abs(planned["loss_vs_slow_fp32"]) < 0.05
 
@@ -59,3 +58,23 @@ def test_the_throttle_sleeps_after_forward_and_backward_in_proportion_to_compute
     assert len(slept) == 2
     with pytest.raises(ValueError):
         ModuleThrottle(lin, 0.5)
+
+
+def test_the_planner_times_a_stage_through_its_throttle():
+    """The planned setting's speed figures come from the live module, throttle included (a comparison of two
+    stages' wall clocks is no test of that: under load all five passes of either may wait for a core, as one suite
+    run saw, 2.3 ms against stage 0's 3.9)."""
+    from types import SimpleNamespace
+
+    from swarm.experiments.hetero import _stage_time
+    from swarm.model.gpt import build_stage
+
+    model = ModelConfig(seq_len_tokens=16, hidden_dim=32, n_layers=2, n_heads=2)
+    module = build_stage(model, 1, 2, False, True)
+    throttle = ModuleThrottle(module, 2.0)
+    slept = []
+    throttle.sleep = lambda s: slept.append(s)  # record, do not sleep
+    pipe = SimpleNamespace(hosts=[None, SimpleNamespace(worker=SimpleNamespace(module=module))])
+    x, targets = torch.randn(2, 16, 32), torch.randint(0, model.vocab_size, (2, 16))
+    assert _stage_time(pipe, 1, x, targets, "fp32") > 0
+    assert len(slept) == 12, "a pause after each forward and each backward of its six passes"
