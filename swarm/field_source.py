@@ -11,7 +11,6 @@ import ast
 import dataclasses
 import inspect
 import sys
-import textwrap
 import types
 from typing import Any
 
@@ -30,14 +29,49 @@ def field_docs(cls: type) -> dict[str, str]:
 _DOCS: dict[type, dict[str, str]] = {}
 
 
+def _class_node(cls: type) -> ast.ClassDef | None:
+    """The class statement of `cls` in its module's source, found by its qualified name (None: no source).
+
+    Not `inspect.getsource`: to find a class's file that asks `inspect.getmodule`, which walks every module loaded
+    (thousands once torch is) on its first call; 87 ms of every process that imported `swarm.options`."""
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return _find_class(_module_tree(path), cls.__qualname__.split("."), []) if path else None
+
+
+def _find_class(node: ast.AST, target: list[str], scope: list[str]) -> ast.ClassDef | None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            name = [*scope, child.name]
+            if isinstance(child, ast.ClassDef) and name == target:
+                return child
+            inner = name if isinstance(child, ast.ClassDef) else [*name, "<locals>"]
+            if target[: len(inner)] == inner and (found := _find_class(child, target, inner)) is not None:
+                return found
+        elif (found := _find_class(child, target, scope)) is not None:  # inside an `if`, a `with`, a `try`
+            return found
+    return None
+
+
+_TREES: dict[str, ast.Module] = {}
+
+
+def _module_tree(path: str) -> ast.Module:
+    if path not in _TREES:
+        with open(path, encoding="utf-8") as f:
+            _TREES[path] = ast.parse(f.read())
+    return _TREES[path]
+
+
 def _own_docs(cls: type) -> dict[str, str]:
     if cls not in _DOCS:
         try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-        except (OSError, TypeError, SyntaxError):  # no source (a REPL class): flags without help
+            node = _class_node(cls)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            node = None
+        if node is None:  # no source (a REPL class): flags without help
             _DOCS[cls] = {}
             return {}
-        body = next(n for n in tree.body if isinstance(n, ast.ClassDef)).body
+        body = node.body
         docs = {}
         for node, after in zip(body, body[1:], strict=False):
             if (
@@ -78,8 +112,8 @@ def _type_checking_imports(module: types.ModuleType | None) -> dict[str, Any]:
     if module is None:
         return {}
     try:
-        tree = ast.parse(inspect.getsource(module))
-    except (OSError, TypeError, SyntaxError):
+        tree = _module_tree(module.__file__)
+    except (OSError, TypeError, SyntaxError, UnicodeDecodeError):
         return {}
     namespace: dict[str, Any] = {}
     for node in tree.body:

@@ -82,6 +82,37 @@ def test_field_docs_are_the_literals_after_the_fields():
     assert "hidden" in docs and "rate_s" not in docs
 
 
+class Holder:
+    @dataclass(frozen=True)
+    class Nested:
+        depth: int = 1
+        """How deep, nested."""
+
+
+def test_field_docs_find_nested_classes_and_classes_made_in_functions():
+    @dataclass(frozen=True)
+    class Local:
+        width: int = 2
+        """How wide, local."""
+
+    if True:  # a class statement inside a block of the function is found too
+
+        @dataclass(frozen=True)
+        class InBlock:
+            height: int = 3
+            """How high, in a block."""
+
+    assert field_docs(Holder.Nested) == {"depth": "How deep, nested."}
+    assert field_docs(Local) == {"width": "How wide, local."}
+    assert field_docs(InBlock) == {"height": "How high, in a block."}
+    assert field_docs(Inner) == {"rate_s": "Seconds between rounds.", "seed": "Seed of the inner search."}
+
+
+def test_field_docs_of_a_class_without_source_are_empty():
+    made = dataclass(type("Made", (), {"__annotations__": {"x": int}, "x": 0}))  # no class statement anywhere
+    assert field_docs(made) == {}
+
+
 def test_field_hints_are_the_annotations_evaluated():
     hints = field_hints(Outer)  # this module's annotations are strings (`from __future__ import annotations`)
     assert hints["steps"] is int and hints["limit"] == int | None
