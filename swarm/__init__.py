@@ -10,4 +10,10 @@ import os
 # it twice in a row). Set before grpc is first imported; a user's own setting wins.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
+# a `swarm` or `swarm-peer` process: no garbage collection while its modules import, their objects frozen after
+# (`swarm.startup`); a program that imports swarm keeps its collector as it was
+from swarm.startup import pause_for_imports as _pause_for_imports  # noqa: E402
+
+_pause_for_imports()
+
 __version__ = "0.1.0"

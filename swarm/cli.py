@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+from swarm.startup import imports_done
+
 # command path -> (module, one-line help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("demo",): ("swarm.testbed.demo", "start a local swarm on 127.0.0.1 and train the default model (the main job)"),
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[path][0])
     module.add_arguments(leaves[path])
     args = parser.parse_args(argv)
+    imports_done()  # the command's modules are in: the collector on again, what they made frozen (swarm.startup)
     unwind_on_sigterm()
     try:
         return int(module.run(args) or 0)

@@ -37,6 +37,8 @@ import importlib.util
 import sys
 import types
 
+from swarm.startup import entry_point
+
 __all__ = [
     "cap_arenas", "defer_hivemind_init", "exec_without_thread_caches", "no_mkl_buffer_pools", "runs_swarm_peer",
     "skip_dynamo", "without_thread_caches",
@@ -129,15 +131,7 @@ def without_thread_caches(environ) -> dict[str, str] | None:
 def runs_swarm_peer(orig_argv: list[str]) -> bool:
     """Whether this process's command line (`sys.orig_argv`) runs swarm-peer: its console script, or
     `python [options] -m swarm.daemon.peer`."""
-    args = iter(orig_argv[1:])
-    for arg in args:
-        if arg == "-m":
-            return next(args, None) == "swarm.daemon.peer"
-        if arg in ("-X", "-W"):
-            next(args, None)  # the option's value
-        elif not arg.startswith("-"):
-            return arg.rsplit("/", 1)[-1] == "swarm-peer"
-    return False
+    return entry_point(orig_argv) == "swarm-peer"
 
 
 def exec_without_thread_caches() -> None:

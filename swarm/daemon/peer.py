@@ -34,6 +34,7 @@ from swarm.daemon.stopping import PeerEnding
 from swarm.metrics import Metrics, MetricsServer, serve_metrics
 from swarm.peers.allocator import tune_allocator
 from swarm.runtime.modelcheck import check_plan_models
+from swarm.startup import imports_done
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -600,6 +601,7 @@ class PeerDaemon:
 
 def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | None = None) -> int:
     """swarm-peer; `on_host` (see `PeerDaemon`) is for programs that run a modified peer, never set by the CLI."""
+    imports_done()  # every module is in: the collector on again, what the imports made frozen (swarm.startup)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
