@@ -11,11 +11,30 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "[env] installing swarm and its dependencies into $venv (first run takes a few minutes)" >&2
+    echo "[env] installing swarm and its dependencies into $venv (first run takes a minute or two)" >&2
     "$venv/bin/pip" install --quiet --upgrade pip >&2 2>/dev/null || true
-    # torch first and alone, so nothing else can pull a different (CUDA) build.
-    "$venv/bin/pip" install --quiet "torch==2.13.0" >&2
-    "$venv/bin/pip" install --quiet -e "$root[dev,bench]" >&2
+    # uv where it installs (PyPI has it): it resolves the same versions as pip and installs and compiles them in
+    # parallel (torch 15 s against pip's 39, the rest 29 against 57, here); pip where uv is not to be had
+    uv=""
+    if "$venv/bin/pip" install --quiet uv >&2 2>/dev/null && [ -x "$venv/bin/uv" ]; then
+        uv="$venv/bin/uv"
+    fi
+    # torch first and alone, so nothing else can pull a different (CUDA) build: the CPU build that lies in pip's
+    # find-links folder on this machine kind, taken by uv from there only (no index), else by pip (which looks
+    # there and is capped by the machine's constraints)
+    links=()
+    for link in ${PIP_FIND_LINKS:-}; do
+        links+=(--find-links "$link")
+    done
+    if [ -z "$uv" ] || [ "${#links[@]}" -eq 0 ] || ! "$uv" pip install --quiet --python "$venv/bin/python" \
+        --compile-bytecode --no-index --no-deps "${links[@]}" "torch==2.13.0" >&2 2>/dev/null; then
+        "$venv/bin/pip" install --quiet "torch==2.13.0" >&2
+    fi
+    if [ -n "$uv" ]; then
+        "$uv" pip install --quiet --python "$venv/bin/python" --compile-bytecode -e "$root[dev,bench]" >&2
+    else
+        "$venv/bin/pip" install --quiet -e "$root[dev,bench]" >&2
+    fi
     echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
