@@ -12,7 +12,7 @@ from __future__ import annotations
 __all__ = ["LAYERS", "layer_of"]
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("field_source",),  # dataclass fields' docstrings and evaluated annotations, read from the source
+    ("field_source", "startup"),  # fields' docstrings and annotations read from the source; a command's start
     ("proto", "kernels", "metrics", "trace", "plots", "report", "layers", "flags"),  # wire, kernels, leaf utilities
     ("compression", "model"),  # codecs; the model families and their data
     ("peers",),  # DHT records and node, transport, the link shaper
