@@ -142,6 +142,9 @@ class SwarmDHT:
         self._closed = False
         self.planner_until = 0.0
         """This peer's planner lease (DHT time), stamped on every announcement it makes (`Planner` renews it)."""
+        self.published_plan = 0
+        """The newest plan version this node stored (0: none): what the planner's heartbeats say
+        (`PingRequest.newest_plan`)."""
         started = time.monotonic()
         node = dict(
             record_validators=[self._signer, RunRecordValidator(self._keys)],
@@ -313,7 +316,10 @@ class SwarmDHT:
         Raises ValueError for an invalid plan."""
         record = PlanRecord(version=version, document=document, created_at=get_dht_time())
         subkey = self._owner + PLAN_SEP + str(version).encode()
-        return self._store(self._keys.plan, subkey, record.to_wire(), ttl_s or self.config.plan_ttl_s)
+        stored = self._store(self._keys.plan, subkey, record.to_wire(), ttl_s or self.config.plan_ttl_s)
+        if stored:
+            self.published_plan = max(self.published_plan, version)
+        return stored
 
     def plan_authority(self, peers: list[PeerAnnouncement]) -> frozenset[str]:
         """Whose plans count: the owner's delegated planners in an owned run, the trusted planners in a private
@@ -356,12 +362,6 @@ class SwarmDHT:
                 continue
             return record
         return None
-
-    def plan_published_above(self, version: int) -> bool:
-        """Whether the plan key holds a record numbered above `version`, from anyone, unvalidated: one DHT read and
-        no read of the announcements, for a settled peer's look between whole ones (only a yes is worth `get_plan`;
-        a stranger's junk plan costs no more than that look did before)."""
-        return any(record.version > version for _, record in self._parse_all(self._keys.plan, "plan"))
 
     def newest_plan_version(self, peers: list[PeerAnnouncement]) -> int:
         """The highest version the plan authority published, valid or not (0: none): a planner's floor."""

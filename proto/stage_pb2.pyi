@@ -118,6 +118,12 @@ class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PingRequest(_message.Message):
+    __slots__ = ("newest_plan",)
+    NEWEST_PLAN_FIELD_NUMBER: _ClassVar[int]
+    newest_plan: int
+    def __init__(self, newest_plan: _Optional[int] = ...) -> None: ...
+
 class StepRequest(_message.Message):
     __slots__ = ("step", "tied_grad_sum", "global_grad_norm", "abandon", "plan_version", "skip", "loss_scale", "trainer_elapsed_s", "frozen_layers", "attempt_id", "want_digest", "digest_stride", "digest_seed", "previous_digest_seed")
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -76,7 +76,7 @@ class StageStub:
                 _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/swarm.Stage/Ping',
-                request_serializer=swarm_dot_proto_dot_stage__pb2.Empty.SerializeToString,
+                request_serializer=swarm_dot_proto_dot_stage__pb2.PingRequest.SerializeToString,
                 response_deserializer=swarm_dot_proto_dot_stage__pb2.Empty.FromString,
                 _registered_method=True)
         self.GetState = channel.unary_stream(
@@ -285,7 +285,7 @@ def add_StageServicer_to_server(servicer, server):
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
-                    request_deserializer=swarm_dot_proto_dot_stage__pb2.Empty.FromString,
+                    request_deserializer=swarm_dot_proto_dot_stage__pb2.PingRequest.FromString,
                     response_serializer=swarm_dot_proto_dot_stage__pb2.Empty.SerializeToString,
             ),
             'GetState': grpc.unary_stream_rpc_method_handler(
@@ -570,7 +570,7 @@ class Stage:
             request,
             target,
             '/swarm.Stage/Ping',
-            swarm_dot_proto_dot_stage__pb2.Empty.SerializeToString,
+            swarm_dot_proto_dot_stage__pb2.PingRequest.SerializeToString,
             swarm_dot_proto_dot_stage__pb2.Empty.FromString,
             options,
             channel_credentials,

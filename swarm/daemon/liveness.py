@@ -132,6 +132,13 @@ class Liveness:
         self._advance(self.clock())  # the pings' own time counts, up to the cap (a stalled round is no proof)
         return True
 
+    def tell(self, peers: Iterable[str]) -> None:
+        """Pings `peers` now, on the pool and without waiting, outside the rounds and their bookkeeping: a ping says
+        the newest plan this peer published (`status_prober`'s `newest_plan`), so a planner that just published
+        one has its peers hear of it at once rather than at the next round."""
+        for pid in sorted(set(peers)):
+            self._pool.submit(self._safe_ping, pid)
+
     def _advance(self, now: float) -> None:
         """Moves the silence clock to `now`, counting at most `max_gap_s` since the last round."""
         if self._round_at is not None:
@@ -196,6 +203,7 @@ def status_prober(
     timeout_s: float = 1.0,
     trips: RoundTrips | None = None,
     clock: Callable[[], float] = time.monotonic,
+    newest_plan: Callable[[], int] | None = None,
 ) -> Callable[[str], bool]:
     """A `ping` over the stage service's `Ping` (what `Status` answers, without its ~1.4 KB reply): any reply, or
     any refusal but silence, is an answer (an older peer's UNIMPLEMENTED too).
@@ -210,6 +218,8 @@ def status_prober(
             an answer. A peer that answers slowly on a loaded machine raises its own deadline instead of missing
             ping after ping.
         clock: for the round trips.
+        newest_plan: the newest plan version this peer published, said in every ping (`PingRequest.newest_plan`):
+            a peer settled in an older plan looks at the DHT at once (`swarm.daemon.peer`) instead of polling it.
     """
     from swarm.proto import stage_pb2, stage_pb2_grpc
 
@@ -228,7 +238,8 @@ def status_prober(
                 deadline = max(trips.timeout(pid), backoff.get(pid, 0.0))
         begun = clock()
         try:
-            stage_pb2_grpc.StageStub(channels.get(address)).Ping(stage_pb2.Empty(), timeout=deadline)
+            request = stage_pb2.PingRequest(newest_plan=newest_plan() if newest_plan is not None else 0)
+            stage_pb2_grpc.StageStub(channels.get(address)).Ping(request, timeout=deadline)
         except grpc.RpcError as e:
             if e.code() in SILENT_CODES:
                 if trips is not None and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

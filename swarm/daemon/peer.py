@@ -72,6 +72,10 @@ class PeerDaemon:
         """ends the plan loop's wait at once: a stop, a leave, or a call that follows a newer plan"""
         self._adopted_at = 0.0
         """when (`time.monotonic`) this peer last adopted a plan (`_settled`)"""
+        self._told = False
+        """a call or a ping said a plan above the followed one is out since the last whole look (`_told_newer`)"""
+        self._told_woke_at = -FOLLOW_TICK_S
+        """when (`time.monotonic`) such news last woke the plan loop"""
         self._leave_deadline: float | None = None
         self.ending: PeerEnding | None = None  # how it stops or leaves, once it serves
         self._announce_lock = threading.Lock()
@@ -97,12 +101,24 @@ class PeerDaemon:
 
     def _look_due(self, planner, woken: bool, full_at: float) -> bool:
         """Whether the plan loop takes its whole look now (the run's announcements, the planner's round, the plan):
-        every `FOLLOW_TICK_S` while this peer's role may change; once `_settled`, every `SETTLED_TICK_S`, or at once
-        when a call followed a newer plan (`woken`) or the plan key holds a version above the followed one (a
-        cheap look: one DHT read of the plan's records, unvalidated; only a yes costs the whole look)."""
-        if woken or not self._settled(planner) or time.monotonic() >= full_at:
-            return True
-        return self.dht.plan_published_above(self.following.version)
+        every `FOLLOW_TICK_S` while this peer's role may change; once `_settled`, every `SETTLED_TICK_S`, or as soon
+        as a call or the planner's heartbeat said a newer plan is out (`_told_newer`). A settled peer reads nothing
+        from the DHT in between: it polled the plan key twice a second, which cost about what the whole look does."""
+        return woken or self._told or not self._settled(planner) or time.monotonic() >= full_at
+
+    def _told_newer(self, version: int) -> None:
+        """A call followed, or a `Ping` said (`PingRequest.newest_plan`), a plan version above the one this peer
+        follows: the plan loop looks at the DHT at its next tick, and is woken for it at most once a
+        `FOLLOW_TICK_S`. Anyone may say it: what is adopted is what the DHT's signed records say, so a liar's news
+        costs no more looks than an unsettled peer takes anyway."""
+        following = self.following
+        if following is not None and version <= following.version:
+            return
+        self._told = True
+        now = time.monotonic()
+        if now - self._told_woke_at >= FOLLOW_TICK_S:
+            self._told_woke_at = now
+            self._wake.set()
 
     def _pause(self) -> bool:
         """Waits `FOLLOW_TICK_S` for the plan loop's next look; whether something woke it sooner (`_wake`)."""
@@ -184,7 +200,7 @@ class PeerDaemon:
                 return 2
             self.servicer = StageServicer(None, auth.verifier() if cfg.auth else None, budget=cfg.budget)
             self.servicer.state_sent = self.metrics.state_bytes.inc
-            self.servicer.on_newer_plan = lambda version: self._wake.set()  # read the DHT for it now
+            self.servicer.on_newer_plan = self._told_newer  # a call on a newer plan, or the planner's heartbeat
             if cfg.checkpoint_dir:
                 from pathlib import Path
 
@@ -391,7 +407,12 @@ class PeerDaemon:
             )
         self._addresses: dict[str, str] = {}
         liveness = Liveness(
-            status_prober(self.channels, lambda: self._addresses, trips=adaptive_trips(plans.heartbeat_s)),
+            status_prober(
+                self.channels,
+                lambda: self._addresses,
+                trips=adaptive_trips(plans.heartbeat_s),
+                newest_plan=lambda: self.dht.published_plan,  # a settled peer looks at the DHT when told
+            ),
             LivenessConfig(every_s=plans.heartbeat_s, gone_after_s=plans.gone_after_s),
             heard=self.servicer.heard_from,  # a plan peer calling this one (its activations, say) is alive
         )
@@ -424,7 +445,7 @@ class PeerDaemon:
                             return 0
                         woken = self._pause()
                         continue
-                    full_at = time.monotonic() + SETTLED_TICK_S
+                    full_at, self._told = time.monotonic() + SETTLED_TICK_S, False
                     peers = self.dht.peers()
                     self._addresses = {p.peer_id: p.address for p in peers}
                     if prober is not None and time.monotonic() >= next_probe:
@@ -636,8 +657,10 @@ FOLLOW_TICK_S = 0.5
 SETTLED_TICK_S = 2.0
 """... once it serves the plan it follows and plans nothing (`PeerDaemon._settled`): each whole look is DHT searches
 whose every record is checked (RSA signatures) and which every other peer's DHT node serves, so an idle 5-peer swarm
-looking twice a second took 56-70% of a core (`swarm bench idle`, s61). In between, every `FOLLOW_TICK_S`, a settled
-peer reads only the plan's records for a version above its own, so a new plan is adopted as soon as before."""
+looking twice a second took 56-70% of a core (`swarm bench idle`, s61). In between it learns of a new plan from the
+elected planner's heartbeats, which say the newest version it published (`PingRequest.newest_plan`) and go out at
+once after a publish, and from calls that follow it; a lost heartbeat is said again a round later, and a planner
+that says nothing (an older one) leaves the whole look every `SETTLED_TICK_S`."""
 SETTLED_AFTER_S = 10.0
 """How long after adopting a plan a peer still looks every `FOLLOW_TICK_S`: a replan's stragglers and calibrations
 come in bursts."""

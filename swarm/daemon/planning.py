@@ -336,8 +336,17 @@ class Planner:
 
     def round(self, peers: list[PeerAnnouncement] | None = None) -> Plan | PlanRecord | None:
         """One look at the swarm; publishes and returns a new plan (or re-published record) if one is due.
-        `peers`: the run's announcements if the caller has just read them (else they are read here)."""
+        `peers`: the run's announcements if the caller has just read them (else they are read here). After a
+        publish the heartbeats go out at once: each says the new version (`PingRequest.newest_plan`), and a peer
+        settled in the old plan looks at the DHT for it then (`swarm.daemon.peer`) instead of polling."""
         peers = self.dht.peers() if peers is None else peers
+        before = getattr(self.dht, "published_plan", 0)
+        done = self._round(peers)
+        if self.liveness is not None and getattr(self.dht, "published_plan", 0) > before:
+            self.liveness.tell(p.peer_id for p in peers if p.peer_id != self.dht.peer_id)
+        return done
+
+    def _round(self, peers: list[PeerAnnouncement]) -> Plan | PlanRecord | None:
         self.leading = self.is_leader(peers)
         if not self.leading:
             self._led_since = None

@@ -41,8 +41,9 @@ def ping_targets(targets: list[dict], calls: int) -> dict:
                 for _ in range(calls + 1):
                     start = time.perf_counter()
                     try:  # each call carries its own proof: a stage refuses one sent twice
-                        metadata = signer.metadata(t["peer_id"], ping, stage_pb2.Empty())
-                        stub.Ping(stage_pb2.Empty(), metadata=metadata, timeout=5.0)
+                        request = stage_pb2.PingRequest()
+                        metadata = signer.metadata(t["peer_id"], ping, request)
+                        stub.Ping(request, metadata=metadata, timeout=5.0)
                     except grpc.RpcError as e:
                         out[t["name"]] = {"error": str(e.code())}
                         break

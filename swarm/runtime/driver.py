@@ -330,7 +330,7 @@ class PipelineDriver:
         """A Ping to `peer`; raises only where the peer may be dead (a refusal, UNIMPLEMENTED too, is an answer)."""
         stage, replica = self._where(peer)
         try:
-            self._call(stage, replica, "Ping", stage_pb2.Empty(), timeout=timeout_s)
+            self._call(stage, replica, "Ping", stage_pb2.PingRequest(), timeout=timeout_s)
         except StageCallError as e:
             if reroutable(e):
                 raise

@@ -662,8 +662,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Ping(self, request, context):
         """Liveness only: what Status answers (any authenticated caller; not serving a stage fails alike),
-        without its reply's bytes (the metrics map and digest: ~1.4 KB a heartbeat in the trainer's control bytes)."""
+        without its reply's bytes (the metrics map and digest: ~1.4 KB a heartbeat in the trainer's control bytes).
+        A ping that says a newer plan (the planner's heartbeat, `PingRequest.newest_plan`) tells `on_newer_plan`,
+        as a call on a newer plan does; standbys too."""
         self._checked(context, None)
+        if request.newest_plan:
+            self.on_newer_plan(request.newest_plan)
 
         def run() -> stage_pb2.Empty:
             self._serving()

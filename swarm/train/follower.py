@@ -153,7 +153,7 @@ def route_answers(connector, route: PlanRoutes, peers: Iterable, banned: Iterabl
         return False
     for peer, address in wanted.items():
         try:
-            connector.stage(address, peer).Ping(stage_pb2.Empty(), timeout=timeout_s)
+            connector.stage(address, peer).Ping(stage_pb2.PingRequest(), timeout=timeout_s)
         except grpc.RpcError as e:
             if e.code().name in UNREACHABLE:
                 return False

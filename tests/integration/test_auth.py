@@ -59,7 +59,7 @@ def calls(addresses, peers, stage: int) -> dict:
         "Step": lambda s: s.Step(stage_pb2.StepRequest(step=0, abandon=True), 10),
         "GetState": lambda s: list(s.GetState(stage_pb2.StateRequest(stage=stage), timeout=10)),
         "Status": lambda s: s.Status(stage_pb2.Empty(), 10),
-        "Ping": lambda s: s.Ping(stage_pb2.Empty(), 10),
+        "Ping": lambda s: s.Ping(stage_pb2.PingRequest(), 10),
         "Probe": lambda s: s.Probe(stage_pb2.ProbeRequest(reply_bytes=8), 10),
         "Sink": lambda s: s.Sink(iter(activation_items(info(addresses, peers, stage))), 10),
     }
@@ -194,7 +194,7 @@ def test_a_malformed_or_oversized_ping_is_refused_and_the_stage_still_answers():
                     raw(body, timeout=10)
                 assert e.value.code() != grpc.StatusCode.OK
         stranger = GrpcConnector(signer=CallSigner(Identity.generate()))
-        assert stranger.stage(addresses[1], hosts[1].peer_id).Ping(stage_pb2.Empty(), 10) == stage_pb2.Empty()
+        assert stranger.stage(addresses[1], hosts[1].peer_id).Ping(stage_pb2.PingRequest(), 10) == stage_pb2.Empty()
         stranger.close()
 
 

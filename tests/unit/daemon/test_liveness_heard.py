@@ -87,7 +87,7 @@ def test_the_servicer_records_authenticated_callers_only_in_a_bounded_table(monk
     me = Identity.generate()
     servicer = StageServicer(None, CallVerifier(me.peer_id))
     caller = CallSigner(Identity.generate())
-    request = stage_pb2.Empty()
+    request = stage_pb2.PingRequest()
     metadata = caller.metadata(me.peer_id, method_path("Ping"), request)
     servicer._caller(_LocalContext(metadata))
     assert servicer.heard_from(caller.identity.peer_id) is not None

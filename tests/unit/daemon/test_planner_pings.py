@@ -4,6 +4,8 @@ refusal is an answer. A fake Ping on a fake clock, no network and no sleeps."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
@@ -26,6 +28,8 @@ class FakePeers:
         self.now = 0.0
         self.delay: dict[str, object] = {}
         self.deadlines: dict[str, list[float]] = {}
+        self.said: dict[str, list[int]] = {}
+        """address -> the newest plan each of its pings said"""
 
     def clock(self) -> float:
         return self.now
@@ -36,6 +40,7 @@ class FakePeers:
         class Stub:
             def Ping(self, request, timeout):  # noqa: N802 (gRPC's name)
                 peers.deadlines.setdefault(address, []).append(timeout)
+                peers.said.setdefault(address, []).append(request.newest_plan)
                 delay = peers.delay[address]
                 if isinstance(delay, grpc.StatusCode):
                     raise Refusal(delay)
@@ -126,3 +131,34 @@ def test_a_killed_peer_is_gone_as_fast_as_with_fixed_deadlines(peers):
     adaptive = _rounds_to_gone(peers, adaptive=True)
     assert adaptive == _rounds_to_gone(peers, adaptive=False) <= 5
     assert peers.deadlines["slow"][:adaptive] == [1.0] * adaptive
+
+
+def test_a_ping_says_the_newest_plan_its_peer_published(peers):
+    peers.delay.update(fast=0.01)
+    published = [0]
+    ping = status_prober(Channels(), lambda: {"fast": "fast"}, clock=peers.clock, newest_plan=lambda: published[0])
+    assert ping("fast")
+    published[0] = 7
+    assert ping("fast") and ping("fast")
+    plain = status_prober(Channels(), lambda: {"fast": "fast"}, clock=peers.clock)  # a trainer's, say
+    assert plain("fast")
+    assert peers.said["fast"] == [0, 7, 7, 0]
+
+
+def test_tell_pings_at_once_outside_the_rounds():
+    pinged, done = [], threading.Condition()
+
+    def ping(pid: str) -> bool:
+        with done:
+            pinged.append(pid)
+            done.notify_all()
+        return False  # silent: a told peer's answer is no evidence either way
+
+    live = Liveness(ping, LivenessConfig(every_s=1.0, gone_after_s=3.0), clock=lambda: 100.0)
+    assert live.round(["a"])
+    live.tell(["a", "b", "b"])
+    with done:
+        assert done.wait_for(lambda: len(pinged) == 3, timeout=30), pinged
+    assert sorted(pinged) == ["a", "a", "b"]
+    assert live._misses == {"a": 1} and "b" not in live._last_answer, "the rounds' bookkeeping is untouched"
+    live.close()

@@ -3,6 +3,8 @@ The planner repairs at once (no settle wait), and heartbeats make a silent peer 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from swarm.daemon.liveness import Liveness, LivenessConfig
@@ -162,6 +164,43 @@ def test_heartbeats_make_a_silent_peer_gone_after_3_s_and_eligible_again_when_it
     clock.t += 1
     live.round([A])
     assert B not in live._last_answer, "an unwatched peer is forgotten"
+    live.close()
+
+
+def test_a_planner_that_publishes_pings_every_peer_at_once_with_the_new_version():
+    current = record(3, grid([A, B], [C, D], unused=[E]).replace(trainer_ids=()))
+    announced = [peer(A, 3, 0), peer(B, 3, 0), peer(C, 3, 1), peer(D, 3, 1), peer(E, 3)]
+    records = {"peers": announced, "plan": [(A, current)]}
+    dht, published = swarm(A, records)
+    dht.published_plan = 0
+    publish = dht.publish_plan
+
+    def publish_and_count(version, plan):
+        publish(version, plan)
+        dht.published_plan = max(dht.published_plan, version)
+
+    dht.publish_plan = publish_and_count
+    said, done = [], threading.Condition()
+
+    def ping(pid: str) -> bool:  # what status_prober(newest_plan=...) says with each ping
+        with done:
+            said.append((pid, dht.published_plan))
+            done.notify_all()
+        return True
+
+    clock = Clock()
+    live = Liveness(ping, LivenessConfig(every_s=1.0, gone_after_s=3.0), clock=clock)
+    planner = Planner(
+        PlanningConfig(min_peers=2, replicas=2), dht, SPEC, 2, settle_s=5.0, probe_wait_s=0.0, clock=clock,
+        liveness=live,
+    )  # fmt: skip
+    assert planner.round() is None and sorted(said) == [(p, 0) for p in (A, B, C, D, E)], "one round, no news"
+    records["peers"] = [p for p in announced if p.peer_id != D]  # D's record expired: a repair is published
+    planner.round()  # within one second of the last round: only the publish pings
+    assert [v for v, _ in published] == [4]
+    with done:
+        assert done.wait_for(lambda: len(said) == 8, timeout=30), said
+    assert sorted(said[5:]) == [(p, 4) for p in (B, C, E)], "every announced peer but itself, told version 4"
     live.close()
 
 

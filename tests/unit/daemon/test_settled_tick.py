@@ -1,6 +1,7 @@
 """A peer that serves the plan it follows and plans nothing takes its whole look at the DHT every `SETTLED_TICK_S`
-and in between only reads the plan's records for a newer version; every other peer looks whole every
-`FOLLOW_TICK_S`; a call that follows a newer plan than its stage's wakes the plan loop at once."""
+and reads nothing in between; every other peer looks whole every `FOLLOW_TICK_S`; a call that follows a newer plan
+than its stage's, or a ping that says one (the planner's heartbeat), makes it look at its next tick and wakes the
+plan loop at most once a tick."""
 
 from __future__ import annotations
 
@@ -33,8 +34,7 @@ def _daemon(version: int = 3, serving: int | None = 3, leading: bool = False, ad
     host = None if serving is None else SimpleNamespace(role=SimpleNamespace(plan_version=serving))
     daemon.servicer = SimpleNamespace(host=host)
     daemon._adopted_at = time.monotonic() - adopted_s_ago
-    daemon.published = []  # the plan versions the cheap look finds
-    daemon.dht = SimpleNamespace(plan_published_above=lambda v: any(p > v for p in daemon.published))
+    daemon.dht = SimpleNamespace()  # a settled peer's look reads nothing between its whole looks
     return daemon, SimpleNamespace(leading=leading)
 
 
@@ -44,11 +44,11 @@ def test_a_settled_peer_looks_whole_rarely_and_every_other_often():
     daemon, planner = _daemon()
     assert daemon._settled(planner) and not daemon._look_due(planner, False, later)
     assert daemon._look_due(planner, False, time.monotonic()), "its whole look is due"
-    assert daemon._look_due(planner, True, later), "a call that followed a newer plan woke it"
-    daemon.published = [3]
-    assert not daemon._look_due(planner, False, later), "its own plan is no news"
-    daemon.published = [3, 4]
-    assert daemon._look_due(planner, False, later), "a newer plan is out: looked at as soon as before"
+    assert daemon._look_due(planner, True, later), "something woke it"
+    daemon._told_newer(3)
+    assert not daemon._look_due(planner, False, later) and not daemon._wake.is_set(), "its own plan is no news"
+    daemon._told_newer(4)
+    assert daemon._look_due(planner, False, later) and daemon._wake.is_set(), "a newer plan is out: looked at now"
     unsettled = {
         "the planner": _daemon(leading=True),
         "no stage (standby, joining)": _daemon(serving=None),
@@ -66,6 +66,36 @@ def test_a_settled_peer_looks_whole_rarely_and_every_other_often():
     stopping, _ = _daemon()
     stopping.stop()
     assert stopping._wake.is_set(), "a stop wakes the loop"
+
+
+def test_news_of_a_newer_plan_wakes_the_loop_at_most_once_a_tick_and_is_kept_for_the_next():
+    daemon, planner = _daemon()
+    later = time.monotonic() + 60.0
+    daemon._told_newer(9)
+    assert daemon._wake.is_set()
+    daemon._wake.clear()
+    daemon._told = False  # the whole look it woke for began
+    for version in range(10, 50):  # a liar (or a burst of heartbeats) within one tick
+        daemon._told_newer(version)
+    assert not daemon._wake.is_set(), "woken once a tick at most"
+    assert daemon._look_due(planner, False, later), "the news waits for the loop's next tick"
+    daemon._told_woke_at -= FOLLOW_TICK_S
+    daemon._told_newer(51)
+    assert daemon._wake.is_set(), "a tick later it wakes the loop again"
+
+
+def test_a_ping_that_says_a_newer_plan_tells_the_daemon():
+    network = LocalNetwork()
+    host = StageHost(StageRole(1, 2, 1, 2, plan_version=3), TINY, StageConfig(), LinkEnds(FP32, FP32), "p1", network)
+    servicer = StageServicer(host)
+    network.register("local:1", servicer)
+    told = []
+    servicer.on_newer_plan = told.append
+    stub = network.stage("local:1")
+    assert stub.Ping(stage_pb2.PingRequest(), timeout=5) == stage_pb2.Empty()
+    assert told == [], "a plain ping (the trainer's, an older planner's) says nothing"
+    stub.Ping(stage_pb2.PingRequest(newest_plan=7), timeout=5)
+    assert told == [7]
 
 
 def test_a_call_on_a_newer_plan_wakes_the_daemon_and_is_still_refused():

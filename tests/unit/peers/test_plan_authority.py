@@ -108,3 +108,15 @@ def test_trusted_and_allowed_ids_are_checked(bad):
 def test_the_run_secret_is_never_shown():
     assert "hunter2" not in repr(DHTConfig(run_secret="hunter2"))
     assert "hunter2" not in str(DHTConfig(run_secret="hunter2"))
+
+
+def test_the_node_remembers_the_newest_plan_it_stored_for_the_planners_heartbeats():
+    dht = reader({})
+    dht.published_plan, dht._owner = 0, b"owner"
+    stored = []
+    dht._store = lambda key, subkey, value, ttl: stored.append(subkey) or len(stored) != 3  # the third store fails
+    document = plan(1, A, B).document
+    assert dht.publish_plan(5, document) and dht.published_plan == 5
+    assert dht.publish_plan(4, document) and dht.published_plan == 5, "an older version stored later: still 5"
+    assert not dht.publish_plan(9, document) and dht.published_plan == 5, "a version not stored is not said"
+    assert len(stored) == 3

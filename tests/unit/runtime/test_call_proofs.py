@@ -94,7 +94,7 @@ def test_a_token_without_a_proof_is_refused_on_every_method(pipe):
     token = CallSigner(pipe.trainer).metadata(callee)  # what a relay sees of the Attach it carries, say
     context = _LocalContext(token)
     unary = {
-        "Status": stage_pb2.Empty(), "Ping": stage_pb2.Empty(), "Grads": stage_pb2.StepRequest(),
+        "Status": stage_pb2.Empty(), "Ping": stage_pb2.PingRequest(), "Grads": stage_pb2.StepRequest(),
         "Step": stage_pb2.StepRequest(abandon=True), "GetState": stage_pb2.StateRequest(stage=1),
         "Probe": stage_pb2.ProbeRequest(), "Reduce": stage_pb2.ReduceRequest(),
         "PutLabels": stage_pb2.LabelsRequest(),

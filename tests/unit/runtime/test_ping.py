@@ -70,8 +70,8 @@ def test_strangers_and_anonymous_callers_are_refused_a_ping(pipe):
     ):
         stub = connector.stage(address, peer)
         if code is None:
-            assert stub.Ping(stage_pb2.Empty(), timeout=5) == stage_pb2.Empty()
+            assert stub.Ping(stage_pb2.PingRequest(), timeout=5) == stage_pb2.Empty()
             continue
         with pytest.raises(grpc.RpcError) as e:
-            stub.Ping(stage_pb2.Empty(), timeout=5)
+            stub.Ping(stage_pb2.PingRequest(), timeout=5)
         assert e.value.code() == code
