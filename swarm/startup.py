@@ -9,7 +9,8 @@ once its command's modules are in, moves everything alive into the permanent gen
 CPython's documentation gives for a process's start) and turns the collector on again (`imports_done`).
 
 Only a command line that runs `swarm` or `swarm-peer` pauses anything: a program or a test that imports swarm as a
-library keeps its collector as it was.
+library keeps its collector as it was. What the imports left unreachable stays frozen with the rest, never collected:
+about 7,000 objects, 0.65 MB (shallow sizes) for swarm-peer's, against a full pass (0.15 s) to free them first.
 """
 
 from __future__ import annotations

@@ -84,14 +84,19 @@ def test_news_of_a_newer_plan_wakes_the_loop_at_most_once_a_tick_and_is_kept_for
     assert daemon._wake.is_set(), "a tick later it wakes the loop again"
 
 
-def test_a_ping_that_says_a_newer_plan_tells_the_daemon():
+def _stage_on_plan_3() -> tuple[object, list[int]]:
+    """An in-process stage 1 of 2 serving plan 3: its client, and the versions its `on_newer_plan` was told."""
     network = LocalNetwork()
     host = StageHost(StageRole(1, 2, 1, 2, plan_version=3), TINY, StageConfig(), LinkEnds(FP32, FP32), "p1", network)
     servicer = StageServicer(host)
     network.register("local:1", servicer)
-    told = []
+    told: list[int] = []
     servicer.on_newer_plan = told.append
-    stub = network.stage("local:1")
+    return network.stage("local:1"), told
+
+
+def test_a_ping_that_says_a_newer_plan_tells_the_daemon():
+    stub, told = _stage_on_plan_3()
     assert stub.Ping(stage_pb2.PingRequest(), timeout=5) == stage_pb2.Empty()
     assert told == [], "a plain ping (the trainer's, an older planner's) says nothing"
     stub.Ping(stage_pb2.PingRequest(newest_plan=7), timeout=5)
@@ -99,13 +104,7 @@ def test_a_ping_that_says_a_newer_plan_tells_the_daemon():
 
 
 def test_a_call_on_a_newer_plan_wakes_the_daemon_and_is_still_refused():
-    network = LocalNetwork()
-    host = StageHost(StageRole(1, 2, 1, 2, plan_version=3), TINY, StageConfig(), LinkEnds(FP32, FP32), "p1", network)
-    servicer = StageServicer(host)
-    network.register("local:1", servicer)
-    told = []
-    servicer.on_newer_plan = told.append
-    stub = network.stage("local:1")
+    stub, told = _stage_on_plan_3()
 
     def forward(version: int):
         info = stage_pb2.CallInfo(step=0, micro_batch=0, stage=1, num_micro_batches=1, schedule="gpipe",
