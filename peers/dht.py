@@ -117,6 +117,10 @@ class SwarmDHT:
     Thread-safe: the heartbeat thread and the caller may use it at once. Usable as a context manager.
     """
 
+    published_plan = 0
+    """The newest plan version this node stored (0: none): what the planner's heartbeats say
+    (`PingRequest.newest_plan`); set by `publish_plan`."""
+
     _run: OwnedRun | None = None
     """An owned run's manifest and authority, as read so far; None: unowned (or private) run."""
 
@@ -142,9 +146,6 @@ class SwarmDHT:
         self._closed = False
         self.planner_until = 0.0
         """This peer's planner lease (DHT time), stamped on every announcement it makes (`Planner` renews it)."""
-        self.published_plan = 0
-        """The newest plan version this node stored (0: none): what the planner's heartbeats say
-        (`PingRequest.newest_plan`)."""
         started = time.monotonic()
         node = dict(
             record_validators=[self._signer, RunRecordValidator(self._keys)],

@@ -20,8 +20,10 @@ import sys
 
 __all__ = ["entry_point", "imports_done", "pause_for_imports"]
 
-COMMANDS = {"swarm": "swarm", "swarm-peer": "swarm-peer", "swarm.cli": "swarm", "swarm.daemon.peer": "swarm-peer"}
-"""console scripts and `python -m` modules -> the command they run"""
+MODULES = {"swarm.cli": "swarm", "swarm.daemon.peer": "swarm-peer"}
+"""`python -m` modules -> the command they run"""
+SCRIPTS = ("swarm", "swarm-peer")
+"""console scripts, named as their command"""
 
 _paused = False
 
@@ -32,26 +34,23 @@ def entry_point(orig_argv: list[str]) -> str | None:
     args = iter(orig_argv[1:])
     for arg in args:
         if arg == "-m":
-            module = next(args, None)
-            return COMMANDS.get(module) if module in ("swarm.cli", "swarm.daemon.peer") else None
+            return MODULES.get(next(args, None))
         if arg == "-c":  # code, not a script
             return None
         if arg in ("-X", "-W"):
             next(args, None)  # the option's value
         elif not arg.startswith("-"):
             script = arg.rsplit("/", 1)[-1]
-            return COMMANDS.get(script) if script in ("swarm", "swarm-peer") else None
+            return script if script in SCRIPTS else None
     return None
 
 
-def pause_for_imports(orig_argv: list[str] | None = None) -> bool:
-    """Pauses the collector where this process runs a swarm command and nothing turned it off before; whether it
-    did."""
+def pause_for_imports() -> None:
+    """Pauses the collector where this process runs a swarm command and nothing turned it off before."""
     global _paused
-    if gc.isenabled() and entry_point(sys.orig_argv if orig_argv is None else orig_argv) is not None:
+    if gc.isenabled() and entry_point(sys.orig_argv) is not None:
         gc.disable()
         _paused = True
-    return _paused
 
 
 def imports_done() -> None:

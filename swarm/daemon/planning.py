@@ -340,9 +340,11 @@ class Planner:
         publish the heartbeats go out at once: each says the new version (`PingRequest.newest_plan`), and a peer
         settled in the old plan looks at the DHT for it then (`swarm.daemon.peer`) instead of polling."""
         peers = self.dht.peers() if peers is None else peers
-        before = getattr(self.dht, "published_plan", 0)
+        if self.liveness is None:
+            return self._round(peers)
+        before = self.dht.published_plan
         done = self._round(peers)
-        if self.liveness is not None and getattr(self.dht, "published_plan", 0) > before:
+        if self.dht.published_plan > before:
             self.liveness.tell(p.peer_id for p in peers if p.peer_id != self.dht.peer_id)
         return done
 

@@ -119,3 +119,25 @@ def test_a_call_on_a_newer_plan_wakes_the_daemon_and_is_still_refused():
     assert told == [], "an older plan's call tells nothing"
     forward(5)
     assert told == [5]
+
+
+def test_a_strangers_ping_saying_a_newer_plan_is_refused_before_it_tells_anything():
+    from swarm.net.auth import CallSigner, CallVerifier, Identity
+    from swarm.net.connect import _LocalContext, method_path
+
+    me = Identity.generate()
+    servicer = StageServicer(None, CallVerifier(me.peer_id))
+    told = []
+    servicer.on_newer_plan = told.append
+    request = stage_pb2.PingRequest(newest_plan=1 << 62)
+    with pytest.raises(LocalRpcError) as err:  # no token: a stranger
+        servicer.Ping(request, _LocalContext(()))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and told == []
+    caller = CallSigner(Identity.generate())
+    metadata = caller.metadata(me.peer_id, method_path("Ping"), request)
+    with pytest.raises(LocalRpcError):  # authenticated, but this peer serves no stage: refused, yet it was told
+        servicer.Ping(request, _LocalContext(metadata))
+    assert told == [1 << 62]
+    with pytest.raises(LocalRpcError) as err:  # the same ping again: its proof was spent
+        servicer.Ping(request, _LocalContext(metadata))
+    assert told == [1 << 62], err.value.details()

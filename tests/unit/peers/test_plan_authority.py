@@ -112,7 +112,7 @@ def test_the_run_secret_is_never_shown():
 
 def test_the_node_remembers_the_newest_plan_it_stored_for_the_planners_heartbeats():
     dht = reader({})
-    dht.published_plan, dht._owner = 0, b"owner"
+    dht._owner = b"owner"
     stored = []
     dht._store = lambda key, subkey, value, ttl: stored.append(subkey) or len(stored) != 3  # the third store fails
     document = plan(1, A, B).document
