@@ -62,6 +62,7 @@ _WIRE_FIELDS = {
     "epilogue_codecs": "epilogue",
     "bw_epilogue": "bw_epilogue",
     "precisions": "precisions",
+    "probe_sensitivity": "probe_sensitivity",
     "relay_extra_s": "relay_extra_s",
     "trainer_ids": "trainer_ids",
     "measured": "measured",
@@ -155,6 +156,11 @@ class PlanDocument:
     peer's --bw-epilogue."""
     precisions: tuple[str, ...] | None = None
     """One of PLAN_PRECISIONS per stage; None: every peer's --precision."""
+    probe_sensitivity: bool | None = None
+    """True where the planner chooses the precisions from the stages' sensitivity (`--precision-budget`): each stage
+    then measures its own from real gradients now and then (`swarm.runtime.sensitivity_probe`, `swarm-peer
+    --sensitivity-every-steps`) and announces it. None: nobody reads that figure, so no stage spends a step's
+    compute on it."""
     frozen_layers: int | None = None
     """The frozen prefix (`swarm.runtime.freeze`, `swarm.daemon.repack`): layers no stage trains; None: 0."""
     relay_extra_s: float | None = None
@@ -176,7 +182,7 @@ class PlanDocument:
     key_order: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
     """The order of its wire keys (`to_wire`), set on construction: a parsed plan's as the wire gave them
     (`from_wire`), a new one's in the planner's order (format, version, cost model, step, breakdown, stages,
-    standbys, frozen prefix, codecs, epilogue, precisions, relays, trainers, measured, first step). A plan
+    standbys, frozen prefix, codecs, epilogue, precisions, the probes, relays, trainers, measured, first step). A plan
     made with `replace` keeps its keys where they were and puts the ones it adds last, as a JSON dict merged
     with `{**plan, **changes}` orders them: a plan republished with some fields replaced keeps its text."""
 
@@ -208,6 +214,8 @@ class PlanDocument:
         self._check_codecs()
         self._check_bw_epilogue()
         self._check_precisions()
+        if self.probe_sensitivity is not None and self.probe_sensitivity is not True:
+            raise fail(_P, "probe_sensitivity", "true, or left out", self.probe_sensitivity)
         if self.frozen_layers is not None:
             int_field(_P, "frozen_layers", self.frozen_layers, 0, self.n_layers - 1)
         extra = self.relay_extra_s
@@ -343,6 +351,7 @@ class PlanDocument:
             epilogue=None if epilogue is None else EpilogueCodecs.from_wire(epilogue),
             bw_epilogue=wire.get("bw_epilogue"),
             precisions=None if precisions is None else tuple(precisions),
+            probe_sensitivity=wire.get("probe_sensitivity"),
             frozen_layers=wire.get("frozen_layers"),
             relay_extra_s=wire.get("relay_extra_s"),
             step_time_s=wire.get("step_time_s"),

@@ -290,7 +290,6 @@ class PeerDaemon:
         from swarm.runtime.boundary import LinkEnds
         from swarm.runtime.freeze import apply_frozen
         from swarm.runtime.host import StageHost
-        from swarm.runtime.sensitivity_probe import ProbeConfig, SensitivityProbe
         from swarm.runtime.throttle import ComputeThrottle
         from swarm.runtime.worker import StageConfig
 
@@ -320,15 +319,27 @@ class PeerDaemon:
             dataclasses.replace(host.assignment, link_codecs=ends, compute_layers_per_s=self.speed, epilogue=epilogue)
         )
         apply_frozen(host, plan.frozen if plan is not None else 0)  # a repacked plan's frozen prefix: never trained
-        if cfg.sensitivity_every_steps:  # measured from real gradients, announced for the planner (sensitivity_report)
-            probe = ProbeConfig(every_steps=cfg.sensitivity_every_steps)
-            host.worker.probe = SensitivityProbe(probe, torch.device(cfg.device).type)
+        self._probe_as_asked(host.worker, plan)
         if cfg.compute_slowdown > 1:
             ComputeThrottle(host.worker, cfg.compute_slowdown)
         self.checkpoints.setup(host)
         if self.on_host is not None:
             self.on_host(host)
         return host
+
+    def _probe_as_asked(self, worker, plan: PlanDocument | None) -> None:
+        """Gives `worker` a sensitivity probe where `plan` asks for one (`PlanDocument.probe_sensitivity`: its planner
+        chooses precisions from the stages' own figures, announced by `sensitivity_report`) and this peer measures
+        (--sensitivity-every-steps), and takes it away where not: each probe runs two more passes of a micro-batch
+        on the step's critical path (a 2-stage CPU step 35-60% longer), for a figure only such a planner reads.
+        A probe kept across plans keeps its figures."""
+        from swarm.runtime.sensitivity_probe import ProbeConfig, SensitivityProbe
+
+        every = self.cfg.sensitivity_every_steps
+        if not every or plan is None or not plan.probe_sensitivity:
+            worker.probe = None
+        elif worker.probe is None:
+            worker.probe = SensitivityProbe(ProbeConfig(every_steps=every), torch.device(self.cfg.device).type)
 
     def update_announcement(self, **changes):
         """Changes these fields of this peer's announcement and announces it. Threads change different fields (the
@@ -572,6 +583,7 @@ class PeerDaemon:
 
             def bump(servicer) -> None:
                 set_stage_precision(servicer.host.worker, plan.precision(role.stage, self.cfg.precision))
+                self._probe_as_asked(servicer.host.worker, plan)
                 # same layers: only the plan version (epilogue codecs, precision) change
                 epilogue = plan.epilogue_configs(role.stage)
                 servicer.host.apply(dataclasses.replace(servicer.host.assignment, role=role, epilogue=epilogue))

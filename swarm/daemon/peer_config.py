@@ -204,8 +204,9 @@ class PeerConfig:
     --freeze`) one of them replicates a stage only if no peer of the plan is in its group (none: peers share
     hardware when they run on one machine's kernel, device and CPU set)"""
     sensitivity_every_steps: int = field(default=5, metadata=flag(group=_SERVING))
-    """measure the stage's sensitivity to bf16 from its real gradients every this many steps (5 times, then every
-    100) and announce it for the planner's --precision-budget (swarm.runtime.sensitivity_probe; 0: never)"""
+    """where the plan asks for it (its planner chooses precisions: --precision-budget), measure the stage's sensitivity
+    to bf16 from its real gradients every this many steps (5 times, then every 100) and announce it
+    (swarm.runtime.sensitivity_probe; 0: never)"""
     compute_slowdown: float = field(default=1.0, metadata=flag(group=_SERVING))
     """experiments: make this peer N x slower in every precision (it sleeps N - 1 times the time each forward and
     backward took, and announces its measured speeds / N; swarm.runtime.throttle); 1: off"""

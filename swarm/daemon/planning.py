@@ -443,6 +443,8 @@ class Planner:
         )
         precisions = self.precisions(document.stage_dicts(), peers) if self.precisions else None
         document = document if precisions is None else document.with_precisions(precisions)
+        if self.precisions:  # the stages measure what the precisions are then chosen again from (PrecisionWatch)
+            document = document.replace(probe_sensitivity=True)
         priced = at_precisions(swarm.plan_input, document, peers)  # codecs chosen at the stages' speeds to be
         document = self.codecs.apply(document, priced)
         if self.epilogue_only is not None:  # which backward messages go compressed, from the same measurements

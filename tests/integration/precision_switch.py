@@ -74,7 +74,9 @@ def run_precision_switch(
         dht.config = dataclasses.replace(dht.config, trusted_planners=(planner.peer_id,))
         everyone = lambda: sorted(p.peer_id for p in dht.peers()) if len(dht.peers()) == n_peers else None  # noqa: E731
         stages = stages_of(until(everyone, time.monotonic() + 90, f"{n_peers} peers"))
-        plans.append({"stages": stages, "trainer_ids": [dht.peer_id], "precisions": ["fp32"] * len(stages)})
+        # as a planner that chooses precisions: the stages measure their sensitivity (PlanDocument.probe_sensitivity)
+        plan = {"stages": stages, "trainer_ids": [dht.peer_id], "precisions": ["fp32"] * len(stages)}
+        plans.append({**plan, "probe_sensitivity": True})
         dht.publish_plan(1, plans[0])
         return found(dht, len(stages), *args, **kwargs)
 

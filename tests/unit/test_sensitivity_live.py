@@ -14,7 +14,7 @@ from swarm.daemon.precision_watch import PrecisionWatch
 from swarm.daemon.sensitivity_report import SensitivityReport
 from swarm.model.gpt import ModelConfig
 from swarm.model.spec import build_stage
-from swarm.peers.plan import PlanDocument
+from swarm.peers.plan import PlanDocument, PlanStage
 from swarm.peers.records import MAX_SENSITIVITY, PeerAnnouncement
 from swarm.runtime.sensitivity import gradient_sensitivity, measure_sensitivity
 from swarm.runtime.sensitivity_probe import ProbeConfig, SensitivityProbe
@@ -288,3 +288,42 @@ def test_a_peer_refuses_a_slowdown_below_one():
             PeerConfig(compute_slowdown=bad)
     with pytest.raises(ValueError, match="sensitivity_every_steps"):
         PeerConfig(sensitivity_every_steps=-1)
+
+
+def test_a_plan_asks_its_stages_to_probe_only_with_true_and_keeps_the_ask_on_a_repack():
+    stages = [{"layer_start": 0, "layer_end": 1, "peer_ids": ["A" * 52]}, {"layer_start": 1, "layer_end": 3}]
+    stages[1]["peer_ids"] = ["B" * 52]
+    plain = PlanDocument.from_wire({"stages": stages})
+    assert plain.probe_sensitivity is None and "probe_sensitivity" not in plain.to_wire()
+    asking = PlanDocument.from_wire({"stages": stages, "probe_sensitivity": True})
+    assert asking.probe_sensitivity is True and asking.to_wire()["probe_sensitivity"] is True
+    assert PlanDocument.from_wire(asking.to_wire()) == asking
+    for bad in (False, 1, "true", [True], {}):
+        with pytest.raises(ValueError, match="probe_sensitivity"):
+            PlanDocument.from_wire({"stages": stages, "probe_sensitivity": bad})
+    merged = asking.with_stages([PlanStage(0, 3, ("A" * 52,))])  # another stage count: the ask is not the stages'
+    assert merged.probe_sensitivity is True and merged.n_stages == 1
+
+
+def test_a_peer_probes_only_where_its_plan_asks_and_its_flag_allows():
+    from swarm.runtime.host import StageRole
+    from tests.unit.scheduler.test_bits import bare_daemon
+
+    stages = [{"layer_start": 0, "layer_end": 2, "peer_ids": ["A" * 52]}]
+    stages.append({"layer_start": 2, "layer_end": 4, "peer_ids": ["B" * 52]})
+    plain = PlanDocument.from_wire({"stages": stages})
+    asking = plain.replace(probe_sensitivity=True)
+    daemon = bare_daemon()
+    daemon.cfg.sensitivity_every_steps = 3
+    role = StageRole(1, 2, 2, 4, 3)
+    assert daemon._make_host(role).worker.probe is None, "no plan yet (an even split): nobody to read the figure"
+    assert daemon._make_host(role, plain).worker.probe is None, "a plan whose planner plans no precisions"
+    host = daemon._make_host(role, asking)
+    probe = host.worker.probe
+    assert isinstance(probe, SensitivityProbe) and probe.cfg.every_steps == 3
+    daemon._probe_as_asked(host.worker, asking.replace(version=2))
+    assert host.worker.probe is probe, "a plan that still asks keeps the probe and its figures"
+    daemon._probe_as_asked(host.worker, plain)
+    assert host.worker.probe is None, "the ask withdrawn (same stages): the probe goes between two steps"
+    daemon.cfg.sensitivity_every_steps = 0
+    assert daemon._make_host(role, asking).worker.probe is None, "--sensitivity-every-steps 0: never"

@@ -87,6 +87,8 @@ def test_the_live_planner_prices_the_precisions_it_publishes():
             make_planner(dht, planned, precisions=hook).round()
             published[budget] = out[0][1]
         assert "precisions" not in published[None] or not published[None]["precisions"]
+        assert "probe_sensitivity" not in published[None], "no precisions planned: no stage spends compute probing"
+        assert published[1.0]["probe_sensitivity"] is True, "the stages measure what the precisions are chosen from"
         with_bf16 = published[1.0]
         b_stage = next(i for i, st in enumerate(with_bf16["stages"]) if B in st["peer_ids"])
         assert with_bf16["precisions"][b_stage] == "bf16"
