@@ -201,6 +201,11 @@ class Calibrator:
         self._done = False
         self._next = 0.0
 
+    @property
+    def done(self) -> bool:
+        """Whether the window of the last plan observed closed (its figures were given)."""
+        return self._done
+
     def observe(self, plan: PlanDocument) -> dict[str, Measured] | None:
         """Every plan peer's figures once the window is complete (then None again until the stages change)."""
         key = plan.stages

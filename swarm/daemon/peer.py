@@ -87,14 +87,15 @@ class PeerDaemon:
         self.metrics_server: MetricsServer | None = None
 
     def _settled(self, planner) -> bool:
-        """Whether this peer serves the plan it follows, plans nothing, is not leaving and adopted that plan over
-        `SETTLED_AFTER_S` ago: then nothing but a newer plan changes its role (`_look_due`)."""
+        """Whether this peer serves the plan it follows, is not leaving, adopted that plan over `SETTLED_AFTER_S`
+        ago and plans nothing, or leads a swarm quiet that long (`Planner.quiet_for`): then nothing but a newer plan,
+        or for the planner a join, a leave or a silence, changes what it does (`_look_due`)."""
         following, host = self.following, self.servicer.host
         return (
             following is not None
             and host is not None
             and host.role.plan_version == following.version
-            and not planner.leading
+            and (not planner.leading or planner.quiet_for(SETTLED_AFTER_S))
             and not self._leave.is_set()
             and time.monotonic() - self._adopted_at >= SETTLED_AFTER_S
         )
@@ -454,7 +455,8 @@ class PeerDaemon:
                     if not self._look_due(planner, woken, full_at):
                         if self.ending.ordered():
                             return 0
-                        woken = self._pause()
+                        # a settled planner's heartbeats go on between its looks; a new silence is looked at now
+                        woken = planner.beat() or self._pause()
                         continue
                     full_at, self._told = time.monotonic() + SETTLED_TICK_S, False
                     peers = self.dht.peers()
@@ -667,7 +669,9 @@ def main(argv: list[str] | None = None, on_host: Callable[[StageHost], None] | N
 FOLLOW_TICK_S = 0.5
 """The plan loop's look at the DHT (announcements, plans, the planner's round) while this peer's role may change."""
 SETTLED_TICK_S = 2.0
-"""... once it serves the plan it follows and plans nothing (`PeerDaemon._settled`): each whole look is DHT searches
+"""... once it serves the plan it follows and plans nothing, or plans a swarm quiet for `SETTLED_AFTER_S`
+(`PeerDaemon._settled`; such a planner's heartbeats go on every second between looks, and a silence they find is
+looked at at once; a join waits for the next look): each whole look is DHT searches
 whose every record is checked (RSA signatures) and which every other peer's DHT node serves, so an idle 5-peer swarm
 looking twice a second took 56-70% of a core (`swarm bench idle`, s61). In between it learns of a new plan from the
 elected planner's heartbeats, which say the newest version it published (`PingRequest.newest_plan`) and go out at

@@ -257,6 +257,12 @@ class Planner:
         self._last: PlanRecord | None = None
         """The newest valid plan seen: what to repair once its lost peer's announcement expired (then the
         plan no longer validates and the DHT's reader falls back to an older one)."""
+        self._last_at = 0.0
+        """when `_last` last changed version (`quiet_for`)"""
+        self._watched: frozenset[str] = frozenset()
+        """the peers the last round's heartbeats went to (`beat` keeps them going between whole looks)"""
+        self._silent_seen: frozenset[str] = frozenset()
+        """the peers the heartbeats found silent as of the last round"""
 
     def is_leader(self, peers: list[PeerAnnouncement]) -> bool:
         """Whether this peer plans now: elected by lease among the delegated planners of an owned run (the
@@ -348,6 +354,31 @@ class Planner:
             self.liveness.tell(p.peer_id for p in peers if p.peer_id != self.dht.peer_id)
         return done
 
+    def quiet_for(self, seconds: float) -> bool:
+        """Whether this planner leads a swarm that has been quiet for `seconds`: the plan it sees, the peers it
+        counts alive and the trainers all unchanged that long, and nothing left to calibrate or repack. Then its
+        whole look at the DHT may come less often (`swarm.daemon.peer`), its heartbeats going on in between
+        (`beat`): a settled planner read the run's keys twice a second, searches that every other peer's DHT node
+        serves."""
+        now = self.clock()
+        return (
+            self.leading
+            and self._last is not None
+            and now - self._since >= seconds
+            and now - self._last_at >= seconds
+            and (self.calibrator is None or self.calibrator.done)
+            and self.repack is None
+        )
+
+    def beat(self) -> bool:
+        """Between two whole looks of a leading planner: the heartbeat round, when one is due, to the peers the
+        last look watched (no DHT read). Whether the heartbeats found a peer silent that the last look did not:
+        then the next look is due at once, so a death is planned around as soon as before."""
+        if not self.leading or self.liveness is None or not self._watched:
+            return False
+        self.liveness.round(self._watched)
+        return bool(self.liveness.gone() - self._silent_seen)
+
     def _round(self, peers: list[PeerAnnouncement]) -> Plan | PlanRecord | None:
         self.leading = self.is_leader(peers)
         if not self.leading:
@@ -358,6 +389,8 @@ class Planner:
         self.renew_lease()
         current = self.dht.get_plan(self.spec.layers, peers=peers, check_trainers=False)
         if current is not None and (self._last is None or current.version >= self._last.version):
+            if self._last is None or current.version != self._last.version:
+                self._last_at = self.clock()
             self._last = current
         current = self._last if current is None or current.version < self._last.version else current
         inherited = self.inherit(peers, current)
@@ -367,10 +400,12 @@ class Planner:
         if self.repack is not None:  # a frozen prefix the stages applied, held for the next plan published
             current = self.repack.carried(current)
         if self.liveness is not None and current is not None:
-            self.liveness.round(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
+            self._watched = frozenset(current.document.named_peers() | {p.peer_id for p in peers} - {self.dht.peer_id})
+            self.liveness.round(self._watched)
         announced = self.dht.trainers()
         why: dict[str, str] = {p.peer_id: "leaving" for p in peers if p.leaving}
         silent = self.gone(peers)
+        self._silent_seen = self.liveness.gone() if self.liveness is not None else frozenset()
         why |= {pid: "silent to the heartbeats" for pid in silent if pid not in why}
         banned = self.bans.update(announced, current)  # a peer the trainers banned counts as gone
         held = self.joins.update(current, peers)  # named by a plan, never followed it: held back

@@ -28,14 +28,16 @@ TINY = ModelConfig(vocab_size=256, seq_len_tokens=16, hidden_dim=32, n_layers=2,
 FP32 = CodecConfig("fp32")
 
 
-def _daemon(version: int = 3, serving: int | None = 3, leading: bool = False, adopted_s_ago: float = 60.0):
+def _daemon(
+    version: int = 3, serving: int | None = 3, leading: bool = False, adopted_s_ago: float = 60.0, quiet: bool = False
+):
     daemon = PeerDaemon(PeerConfig())
     daemon.following = SimpleNamespace(version=version)
     host = None if serving is None else SimpleNamespace(role=SimpleNamespace(plan_version=serving))
     daemon.servicer = SimpleNamespace(host=host)
     daemon._adopted_at = time.monotonic() - adopted_s_ago
     daemon.dht = SimpleNamespace()  # a settled peer's look reads nothing between its whole looks
-    return daemon, SimpleNamespace(leading=leading)
+    return daemon, SimpleNamespace(leading=leading, quiet_for=lambda seconds: quiet and seconds == SETTLED_AFTER_S)
 
 
 def test_a_settled_peer_looks_whole_rarely_and_every_other_often():
@@ -49,8 +51,10 @@ def test_a_settled_peer_looks_whole_rarely_and_every_other_often():
     assert not daemon._look_due(planner, False, later) and not daemon._wake.is_set(), "its own plan is no news"
     daemon._told_newer(4)
     assert daemon._look_due(planner, False, later) and daemon._wake.is_set(), "a newer plan is out: looked at now"
+    planning, its_planner = _daemon(leading=True, quiet=True)
+    assert planning._settled(its_planner), "the planner of a swarm quiet for SETTLED_AFTER_S"
     unsettled = {
-        "the planner": _daemon(leading=True),
+        "the planner of a swarm that changed lately": _daemon(leading=True),
         "no stage (standby, joining)": _daemon(serving=None),
         "its stage on the plan before": _daemon(serving=2),
         "a plan just adopted": _daemon(adopted_s_ago=SETTLED_AFTER_S / 2),
