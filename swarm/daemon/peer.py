@@ -87,18 +87,16 @@ class PeerDaemon:
         self.metrics_server: MetricsServer | None = None
 
     def _settled(self, planner) -> bool:
-        """Whether this peer serves the plan it follows, is not leaving, adopted that plan over `SETTLED_AFTER_S`
-        ago and plans nothing, or leads a swarm quiet that long (`Planner.quiet_for`): then nothing but a newer plan,
-        or for the planner a join, a leave or a silence, changes what it does (`_look_due`)."""
+        """Whether this peer follows a plan it adopted over `SETTLED_AFTER_S` ago, is not leaving, and either serves
+        that plan and plans nothing, or leads a swarm quiet that long (`Planner.quiet_for`), serving that plan or
+        none (its standby: what it publishes, it knows of first): then nothing but a newer plan, or for the planner a
+        join, a leave or a silence, changes what it does (`_look_due`)."""
         following, host = self.following, self.servicer.host
-        return (
-            following is not None
-            and host is not None
-            and host.role.plan_version == following.version
-            and (not planner.leading or planner.quiet_for(SETTLED_AFTER_S))
-            and not self._leave.is_set()
-            and time.monotonic() - self._adopted_at >= SETTLED_AFTER_S
-        )
+        if following is None or self._leave.is_set() or time.monotonic() - self._adopted_at < SETTLED_AFTER_S:
+            return False
+        if planner.leading:
+            return (host is None or host.role.plan_version == following.version) and planner.quiet_for(SETTLED_AFTER_S)
+        return host is not None and host.role.plan_version == following.version
 
     def _look_due(self, planner, woken: bool, full_at: float) -> bool:
         """Whether the plan loop takes its whole look now (the run's announcements, the planner's round, the plan):

@@ -356,7 +356,7 @@ class Planner:
 
     def quiet_for(self, seconds: float) -> bool:
         """Whether this planner leads a swarm that has been quiet for `seconds`: the plan it sees, the peers it
-        counts alive and the trainers all unchanged that long, and nothing left to calibrate or repack. Then its
+        counts alive and the trainers all unchanged that long, and nothing left to calibrate. Then its
         whole look at the DHT may come less often (`swarm.daemon.peer`), its heartbeats going on in between
         (`beat`): a settled planner read the run's keys twice a second, searches that every other peer's DHT node
         serves."""
@@ -367,7 +367,6 @@ class Planner:
             and now - self._since >= seconds
             and now - self._last_at >= seconds
             and (self.calibrator is None or self.calibrator.done)
-            and self.repack is None
         )
 
     def beat(self) -> bool:

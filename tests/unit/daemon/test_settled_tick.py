@@ -53,6 +53,10 @@ def test_a_settled_peer_looks_whole_rarely_and_every_other_often():
     assert daemon._look_due(planner, False, later) and daemon._wake.is_set(), "a newer plan is out: looked at now"
     planning, its_planner = _daemon(leading=True, quiet=True)
     assert planning._settled(its_planner), "the planner of a swarm quiet for SETTLED_AFTER_S"
+    standby, its_planner = _daemon(serving=None, leading=True, quiet=True)
+    assert standby._settled(its_planner), "... its standby too: it hears of its own plans first"
+    behind, its_planner = _daemon(serving=2, leading=True, quiet=True)
+    assert not behind._settled(its_planner), "a planner whose own stage is still on the plan before"
     unsettled = {
         "the planner of a swarm that changed lately": _daemon(leading=True),
         "no stage (standby, joining)": _daemon(serving=None),
