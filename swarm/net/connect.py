@@ -313,6 +313,10 @@ class _LocalContext:
         """In-process callers never vanish mid-call: nothing to watch."""
         return True
 
+    def time_remaining(self) -> float | None:
+        """Timeouts are not enforced in process: no deadline."""
+        return None
+
     def abort(self, code: grpc.StatusCode, details: str):
         raise LocalRpcError(code, details)
 

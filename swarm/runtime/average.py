@@ -35,6 +35,7 @@ import hashlib
 import math
 import threading
 import time
+from concurrent.futures import wait
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -47,12 +48,14 @@ from swarm.compression.state import LinkState
 from swarm.net.stream import PLAN_MISMATCH, CallRefused, name_failure, tensor_items
 from swarm.runtime.callinfo import info_to_wire
 from swarm.runtime.messages import CallInfo, ReduceOrder, ReduceReport, StageCall
+from swarm.runtime.routing import spawn
 from swarm.runtime.suspects import proportion_tag
 
 if TYPE_CHECKING:
     from swarm.runtime.host import StageHost
 
 __all__ = [
+    "EARLY_REDUCE",
     "MAX_GROUP",
     "QUANTIZED_SUM_CODEC",
     "SUM_CODEC",
@@ -202,6 +205,14 @@ class _Group:
     def drop(self) -> None:
         self.pending, self.inbox, self.inbox_step, self.reduced = None, {}, None, None
         self.pending_warm = None
+
+
+BUSY_RETRY_S = 0.005
+"""First pause before an Average refused for want of a data slot is sent again (doubling to 0.1 s, within the
+Reduce's deadline)."""
+EARLY_REDUCE = "before its every backward ran"
+"""What a stage's refusal of a Reduce says when the step's work is not done there (a trainer that sends its Reduce
+with the pipeline asks such a stage again after it: `PipelineDriver.reduce_with_pipeline`)."""
 
 
 class GradientAverager:
@@ -590,12 +601,12 @@ class GradientAverager:
                 grpc.StatusCode.INVALID_ARGUMENT, f"group: {peers[:8]} must name this peer, 1..{MAX_GROUP}"
             )
         with host.compute_lock:
-            if host.open_step != request.step or not host.gate.step_done:
+            host.ledger.check_attempt(request.step, request.attempt_id)  # a late Reduce of an abandoned attempt
+            if host.open_step != request.step or not host.gate.finished(request.step):
                 raise CallRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"Reduce of step {request.step} before its every backward ran here (open step: {host.open_step})",
+                    f"Reduce of step {request.step} {EARLY_REDUCE} here (open step: {host.open_step})",
                 )
-            host.ledger.check_attempt(request.step, request.attempt_id)  # a late Reduce of an abandoned attempt
             if self.groups[False].reduced == request.step:
                 raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step} is already reduced")
         return peers.index(host.peer_id)
@@ -643,33 +654,39 @@ class GradientAverager:
         host = self.host
         errors: list[Exception] = []
         counts, done = [0] * len(peers), [False] * len(peers)
-        deadline_s = max(0.0, end - time.monotonic())
         wire = info_to_wire(info)  # the same call info to every member
 
         def send(i: int) -> None:
             shaper = host.links.shaping.for_destination(addresses[i])
-            items = tensor_items(wire, msg, config.zstd_level, shaper)
 
             def counted():
-                for item in items:
+                for item in tensor_items(wire, msg, config.zstd_level, shaper):
                     counts[i] += len(item)
                     yield item
 
-            try:
-                # communication: this member's gradients to member i of the group
-                host.outbox.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=max(deadline_s, 0.001))
-                done[i] = True
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # out of time: reported with the missing ones
-                    errors.append(name_failure(e, info.stage, peers[i], addresses[i]))
-            except Exception as e:  # noqa: BLE001 - reported to the caller, naming the peer
-                errors.append(RuntimeError(f"member {peers[i]} at {addresses[i]}: {e}"))
+            pause = BUSY_RETRY_S
+            while True:
+                try:
+                    # communication: this member's gradients to member i of the group
+                    left = max(end - time.monotonic(), 0.001)
+                    host.outbox.connector.stage(addresses[i], peers[i]).Average(counted(), timeout=left)
+                    done[i] = True
+                except grpc.RpcError as e:
+                    code = e.code()
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and end - time.monotonic() > pause:
+                        # the member's data slots are full: the step's last calls there (a Reduce that left with
+                        # the pipeline sends while the other end still computes); they end soon
+                        time.sleep(pause)
+                        pause = min(2 * pause, 0.1)
+                        continue
+                    if code != grpc.StatusCode.DEADLINE_EXCEEDED:  # out of time: reported with the missing ones
+                        errors.append(name_failure(e, info.stage, peers[i], addresses[i]))
+                except Exception as e:  # noqa: BLE001 - reported to the caller, naming the peer
+                    errors.append(RuntimeError(f"member {peers[i]} at {addresses[i]}: {e}"))
+                return
 
-        threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(peers)) if i != me]
-        for t in threads:
-            t.start()
-        for t in threads:  # all sends share the one deadline, not one each
-            t.join(max(0.0, end - time.monotonic()))
+        sends = [spawn(lambda i=i: send(i), "average-send") for i in range(len(peers)) if i != me]
+        wait(sends, timeout=max(0.0, end - time.monotonic()))  # all sends share the one deadline, not one each
         sent = sum(counts)
         link = "tied" if info.tied else "average"
         host.metrics.wire_bytes.labels(link, link).inc(sent)

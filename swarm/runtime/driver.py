@@ -32,7 +32,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +46,7 @@ from swarm.net.connect import Connector, GrpcConnector
 from swarm.net.stream import StageCallError, name_failure, tokens_to_wire
 from swarm.peers.routes import Route, n_routes, route_replicas, stage_numbering, uneven
 from swarm.proto import stage_pb2
+from swarm.runtime.average import EARLY_REDUCE
 from swarm.runtime.callinfo import CallRouter, labels_missing, route_needed
 from swarm.runtime.commit import StepCommit
 from swarm.runtime.gate import runs_through
@@ -136,6 +137,18 @@ class PipelineDriver:
     sum is asked Grads beside the Reduces: no Grads round trip follows the sums; False: Grads everywhere after the
     Reduces, as before (only to measure what it saves: `scripts/measure_step_overhead.py`)."""
 
+    reuse_call_threads = True
+    """Run the step's calls on reused threads (`swarm.runtime.routing.CallThreads`); False: a thread per call, as
+    before (only to measure what reuse saves: `scripts/measure_step_overhead.py`)."""
+    reduce_with_pipeline = True
+    """Send a step's Reduce calls with its pipeline, not after it, where the step runs on one route: each stage
+    holds its Reduce until its last backward ran (`StageHost.await_backwards`), so the tied gradient's swap starts
+    there, the earlier end's message waits at the later one, and no trip through the trainer comes between (with
+    several routes a replica's sum could reach a replica of another route that has not opened the step yet, which
+    refuses it: after the pipeline, as before). Turned off for the rest of the run by a stage that refuses an early
+    Reduce (a version that does not wait: it is asked again after the pipeline); False: after the pipeline, as
+    before (also to measure what it saves: `scripts/measure_step_overhead.py`)."""
+
     def __init__(
         self,
         route: Sequence[str] | Sequence[Sequence[str]],
@@ -199,7 +212,8 @@ class PipelineDriver:
             (s, r): self.connector.stage(a, ids[s][r]) for s, row in enumerate(routes) for r, a in enumerate(row)
         }
         self.stubs = [self._stubs[(s, 0)] for s in range(len(routes))]
-        self._threads: set[threading.Thread] = set()
+        self._tasks: set[Future] = set()
+        """the driver's calls still running (`close` waits for them a moment)"""
         self._inflight: list[Task] = []
         self._control, self._control_lock = 0, threading.Lock()
         """bytes of the driver's calls (requests and replies, serialized) since the step began"""
@@ -231,6 +245,8 @@ class PipelineDriver:
         """the routes of the attempt that runs"""
         self._attempt_work: tuple[list[RouteWork], object, int] | None = None
         """the running attempt's work, its layout and the abandons sent when it began (`_audit_disproportion`)"""
+        self._early: tuple[list, list] | None = None
+        """the running attempt's Reduces sent with its pipeline (`reduce_with_pipeline`), for `_reduce`"""
         self._audited: set[tuple[int, int]] = set()
         """(route, micro-batch) of the running attempt's audits"""
         self.verifier = (
@@ -306,7 +322,7 @@ class PipelineDriver:
             yield item
 
     def _spawn(self, fn, suspects: tuple[str, ...]) -> Task:
-        task = (spawn(fn, "driver", self._threads), suspects)
+        task = (spawn(fn, "driver", self._tasks, fresh=not self.reuse_call_threads), suspects)
         self._inflight.append(task)
         return task
 
@@ -343,7 +359,7 @@ class PipelineDriver:
     def _answering(self, peers: Sequence[str], timeout_s: float | None = None) -> dict[str, bool]:
         """`_alive` for each of `peers`, all pinged at once (a slow suspect never delays another's verdict)."""
         deadline = {p: timeout_s or self.round_trips.confirm_timeout(p) for p in peers}
-        pings = {p: spawn(lambda p=p: self._ping(p, deadline[p]), "ping", self._threads) for p in peers}
+        pings = {p: spawn(lambda p=p: self._ping(p, deadline[p]), "ping", self._tasks) for p in peers}
         out = {}
         for peer, ping in pings.items():
             try:
@@ -456,9 +472,12 @@ class PipelineDriver:
         if self.on_liar is not None:
             self.on_liar(peer, reason)
 
-    def _run_routes(self, step: int, work: list[RouteWork], wake: threading.Event) -> tuple[float, Traffic]:
+    def _run_routes(
+        self, step: int, work: list[RouteWork], wake: threading.Event, reduce: bool = False
+    ) -> tuple[float, Traffic]:
         """Every route's micro-batches, all at once; the batch's mean loss and the bytes. Records each route's
-        samples/s in `weights`."""
+        samples/s in `weights`. `reduce`: the step's Reduces leave with the pipeline (`reduce_with_pipeline`; kept
+        in `_early` for `_reduce`)."""
         start = time.perf_counter()
         self._used, self._audits, self._audited = [w.route for w in work], [], set()
         layout = None
@@ -487,7 +506,16 @@ class PipelineDriver:
                 for w in work
             ]
             sent = labels if self._labels_raced else []
-            gather(sent + [t for calls in tasks for t in calls], wake, self.dead, self.deadline_s)
+            # one route only: there every group's other member has the step open before this one's backwards end
+            # (the tied pair's other end computed this route's forwards); replicas on other routes may not yet
+            early = reduce and self.reduce_with_pipeline and len(work) == 1
+            piped = threading.Event() if early else None
+            self._early = self._send_reduces(step, self._used, piped) if early else None
+            try:
+                gather(sent + [t for calls in tasks for t in calls], wake, self.dead, self.deadline_s)
+            finally:
+                if piped is not None:
+                    piped.set()  # a Reduce an older stage refused early is sent again now
         traffic, loss, rates = Traffic(), 0.0, {}
         for w, calls in zip(work, tasks, strict=True):
             results = [f.result() for f, _ in calls]
@@ -502,28 +530,17 @@ class PipelineDriver:
         with self._control_lock:
             self._all.merge(traffic)
 
-    def _reduce(self, step: int, routes: list[Route], wake: threading.Event) -> Traffic:
-        """Sums each stage's gradients over the distinct replicas `routes` used (`Reduce`, one call per replica),
-        bytes under direction "average"; with 2+ stages of a model that ties its embedding and head (`tied`), the
-        end stages' replicas also sum the tied gradient (their tied group: stage 0's replicas, then the last
-        stage's), bytes under ("tied", "tied"). A stage whose routes share one replica has nothing to sum (an
-        end stage of a tied model still joins the tied group). Every Reduce reply carries the replica's gradient
-        report (`_reported`, read by `_grads`); a stage with nothing to sum is asked Grads in the same round
-        (`grads_in_reduce`; not Reduce as a group of one, which would take the stage's one Reduce slot for nothing)."""
-        traffic = Traffic()
-        tasks = []
+    def _reduce_requests(self, step: int, routes: list[Route]):
+        """The step's Reduce calls, (stage, replica, request, the peers it involves) each, and the (stage, replica)
+        of each stage with nothing to sum (see `_reduce`)."""
         last = self.n_stages - 1
         ends = (0, last) if last > 0 and self.tied else ()
         tied = [(s, r) for s in ends for r in self._replicas(s, routes)]
-        self._reported = {}
-        alone = []  # (stage, replica, Grads call) of the stages with nothing to sum
+        reduces, alone = [], []
         for s in range(self.n_stages):
             replicas = self._replicas(s, routes)
             if len(replicas) < 2 and s not in ends:  # a group of one: nothing to sum
-                if self.grads_in_reduce:
-                    grads = stage_pb2.StepRequest(step=step)
-                    call = lambda s=s, r=replicas[0], q=grads: self._call(s, r, "Grads", q)  # noqa: E731
-                    alone.append((s, replicas[0], self._spawn(call, (self.replica_peers[s][replicas[0]],))))
+                alone.append((s, replicas[0]))
                 continue
             request = stage_pb2.ReduceRequest(
                 step=step,
@@ -538,8 +555,50 @@ class PipelineDriver:
                 request.tied_peers.extend(self.replica_peers[t][r] for t, r in tied)
                 request.tied_addresses.extend(self.replica_addresses[t][r] for t, r in tied)
             group = tuple(request.group_peers) + tuple(request.tied_peers)
-            for r in replicas:
-                tasks.append((s, r, self._spawn(lambda s=s, r=r, q=request: self._call(s, r, "Reduce", q), group)))
+            reduces.extend((s, r, request, group) for r in replicas)
+        return reduces, alone
+
+    def _send_reduces(self, step: int, routes: list[Route], piped: threading.Event | None = None):
+        """Spawns the step's Reduce calls: ((stage, replica, task) each, the (stage, replica) of each stage with
+        nothing to sum). `piped`: they leave with the pipeline (`reduce_with_pipeline`), and it is set once the
+        pipeline ended; a stage that refuses a Reduce before its backwards ran (an older version, which does not
+        wait for them) is asked again then, and no Reduce leaves early again."""
+
+        def call(s: int, r: int, request) -> stage_pb2.ReduceReply:
+            try:
+                return self._call(s, r, "Reduce", request)
+            except StageCallError as e:
+                if piped is None or EARLY_REDUCE not in str(e):
+                    raise
+                with self._control_lock:
+                    first, self.reduce_with_pipeline = self.reduce_with_pipeline, False
+                if first:
+                    log.warning("stage %d refused a Reduce sent with the pipeline (%s); sending Reduce after the "
+                                "pipeline from now on", s, e)  # fmt: skip
+                piped.wait(self.deadline_s)
+                return self._call(s, r, "Reduce", request)
+
+        reduces, alone = self._reduce_requests(step, routes)
+        return [(s, r, self._spawn(lambda s=s, r=r, q=q: call(s, r, q), group)) for s, r, q, group in reduces], alone
+
+    def _reduce(self, step: int, routes: list[Route], wake: threading.Event, sent: tuple | None = None) -> Traffic:
+        """Sums each stage's gradients over the distinct replicas `routes` used (`Reduce`, one call per replica),
+        bytes under direction "average"; with 2+ stages of a model that ties its embedding and head (`tied`), the
+        end stages' replicas also sum the tied gradient (their tied group: stage 0's replicas, then the last
+        stage's), bytes under ("tied", "tied"). A stage whose routes share one replica has nothing to sum (an
+        end stage of a tied model still joins the tied group). Every Reduce reply carries the replica's gradient
+        report (`_reported`, read by `_grads`); a stage with nothing to sum is asked Grads in the same round
+        (`grads_in_reduce`; not Reduce as a group of one, which would take the stage's one Reduce slot for nothing).
+        `sent`: what `_send_reduces` sent with the pipeline; else the Reduces are sent now."""
+        traffic = Traffic()
+        tasks, lone = sent if sent is not None else self._send_reduces(step, routes)
+        self._reported = {}
+        alone = []  # (stage, replica, Grads call) of the stages with nothing to sum
+        if self.grads_in_reduce:
+            grads = stage_pb2.StepRequest(step=step)
+            for s, r in lone:
+                call = lambda s=s, r=r: self._call(s, r, "Grads", grads)  # noqa: E731
+                alone.append((s, r, self._spawn(call, (self.replica_peers[s][r],))))
         gather([t for _, _, t in tasks + alone], wake, self.dead, self.deadline_s)
         self._reported.update({(s, r): future.result() for s, r, (future, _) in alone})
         for s, r, (future, _) in tasks:
@@ -712,9 +771,9 @@ class PipelineDriver:
             self._attempt, self._liars_before = attempt, len(self.liars)
             try:
                 with self._ping_loop(used, wake):
-                    loss, traffic = self._run_routes(step, work, wake)
+                    loss, traffic = self._run_routes(step, work, wake, reduce=True)
                     with self._phase("reduce"):
-                        traffic.merge(self._reduce(step, used, wake))
+                        traffic.merge(self._reduce(step, used, wake, self._early))
                     with self._phase("grads"):
                         norm = self._grads(step, used, wake)
                         gather(self._audits, wake, self.dead, self.deadline_s)  # a liar found: nothing is applied
@@ -770,7 +829,7 @@ class PipelineDriver:
         )  # fmt: skip
         at = {peer: self._where(peer) for peer in commit.peers if peer in self._peer_set}
         calls = {
-            peer: spawn(lambda k=k: self._call(*k, "Step", request), "finish", self._threads) for peer, k in at.items()
+            peer: spawn(lambda k=k: self._call(*k, "Step", request), "finish", self._tasks) for peer, k in at.items()
         }
         wait(list(calls.values()), timeout=self.deadline_s + 1)
         out: dict[str, float | Exception] = {
@@ -921,7 +980,7 @@ class PipelineDriver:
         self._abandons += 1  # an audit still running concludes nothing from here on
         request = stage_pb2.StepRequest(step=step, abandon=True, attempt_id=self.router.attempt_id)
         calls = [
-            spawn(lambda s=s, r=r: self._call(s, r, "Step", request, timeout=5), "abandon", self._threads)
+            spawn(lambda s=s, r=r: self._call(s, r, "Step", request, timeout=5), "abandon", self._tasks)
             for s in range(self.n_stages)
             for r, peer in enumerate(self.replica_peers[s])
             if peer not in self.dead
@@ -993,7 +1052,7 @@ class PipelineDriver:
                 if p in self.dead
                 else spawn(
                     lambda s=s, r=r: self._call(s, r, "Status", stage_pb2.Empty(), timeout=timeout_s),
-                    "status", self._threads,
+                    "status", self._tasks,
                 )
                 for r, p in enumerate(self.replica_peers[s])
             ]
@@ -1002,13 +1061,10 @@ class PipelineDriver:
         return [[None if f is None else f.result(timeout=timeout_s + CLOSE_WAIT_S) for f in row] for row in asked]
 
     def close(self) -> None:
-        """Closes the connector and reaps the call threads that ended; stuck ones run out on their deadline."""
+        """Closes the connector and waits a moment for the calls still running (closed, they end at once); stuck
+        ones run out on their deadline."""
         self.connector.close()
-        end = time.monotonic() + CLOSE_WAIT_S
-        for thread in list(self._threads):
-            if thread.ident is None:  # `spawn` adds a thread a moment before it starts: it ends on its own deadline
-                continue
-            thread.join(max(0.0, end - time.monotonic()))
+        wait(list(self._tasks), timeout=CLOSE_WAIT_S)
 
 
 def csv_row(step: int) -> str:

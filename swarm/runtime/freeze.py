@@ -303,9 +303,11 @@ class FreezingDriver(PipelineDriver):
             self._norms.setdefault(stage, list(report.layer_sq_norms))  # replicas hold the same reduced gradients
         return reply
 
-    def _reduce(self, step, routes, wake):
-        self._norms = {}  # the attempt's reports: from its Reduce replies, or Grads where one carried none
-        return super()._reduce(step, routes, wake)
+    def _send_reduces(self, step, routes, piped=None):
+        # the attempt's reports, from its Reduce replies (which may come back before the pipeline's last reply
+        # where they left with it), or Grads where one carried none
+        self._norms = {}
+        return super()._send_reduces(step, routes, piped)
 
     def _grads(self, step, routes, wake) -> float:
         norm = super()._grads(step, routes, wake)

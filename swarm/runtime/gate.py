@@ -74,6 +74,24 @@ class ScheduleGate:
         with self._cond:
             return self._pos == len(self._program)
 
+    def finished(self, step: int) -> bool:
+        """Whether every action of `step`'s program ran here (not merely nothing left: a gate reset by an abandon
+        has an empty program, which a step opened since has not begun)."""
+        with self._cond:
+            return self._finished(step)
+
+    def _finished(self, step: int) -> bool:  # `_cond` held
+        return self._step == step and self._pos == len(self._program) and self._running is None
+
+    def wait_done(self, step: int, timeout_s: float, over: Callable[[], bool]) -> bool:
+        """Waits until every action of `step`'s program here ran (True), or `over()` says to stop waiting, or
+        `timeout_s` passed (False). A step not begun here yet is waited for too: a call that waits for the step's
+        end (an early Reduce) may come before its first action does. `over` is asked whenever the gate moves or is
+        woken (`wake`, `reset`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._finished(step) or over(), timeout=max(0.0, timeout_s))
+            return self._finished(step)
+
     def wake(self) -> None:
         """Wakes every waiting call to look again (e.g. its caller gave up)."""
         with self._cond:

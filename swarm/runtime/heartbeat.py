@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from swarm.runtime.routing import spawn
@@ -147,10 +147,12 @@ class PingLoop:
         self._last_beat: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ping-loop", daemon=True)
+        self._loop: Future | None = None
+        """the loop's run on a call thread (`spawn`), from `__enter__`"""
+        self._loop_thread: int | None = None
 
     def __enter__(self) -> PingLoop:
-        self._thread.start()
+        self._loop = spawn(self._run, "ping-loop")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -158,8 +160,8 @@ class PingLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        if self._loop is not None and threading.get_ident() != self._loop_thread:  # not from inside the loop
+            wait([self._loop])
 
     def _timed(self, peer: str, timeout_s: float) -> Callable[[], float]:
         """A ping of `peer` that returns its round trip in seconds (raises as `ping` does)."""
@@ -229,8 +231,13 @@ class PingLoop:
         self.on_dead(peer)
 
     def _run(self) -> None:
+        self._loop_thread = threading.get_ident()
         while True:
-            self.beat()
+            try:
+                self.beat()
+            except Exception:  # a thread of its own printed it; on a call thread it would sit unread in the future
+                log.exception("the heartbeat loop failed; no more pings this attempt")
+                raise
             # a timer between beats, not a synchronisation: stop() ends the wait at once
             if self._stop.wait(self.config.interval_s):
                 return

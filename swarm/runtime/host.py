@@ -462,6 +462,22 @@ class StageHost:
         """Whether the labels of micro-batch `mb` of the call's step and attempt are here."""
         return info.step == self.open_step and info.attempt_id == self.labels_attempt and mb in self.labels
 
+    def await_backwards(self, step: int, attempt_id: int, timeout_s: float, gone: threading.Event) -> bool:
+        """Waits (at most `timeout_s`) until every action of `step`'s program here ran: a trainer sends its Reduce
+        with the pipeline, not after it (`PipelineDriver.reduce_with_pipeline`), so the sums start as each stage's
+        last backward ends. Stops waiting once that attempt is abandoned here, a later step is open, or the caller
+        is `gone`; an earlier open step (a killed trainer's) is waited past, as this step's first call closes it.
+        Whether the step's work is done (the Reduce's own checks refuse it otherwise)."""
+        ledger = self.ledger
+
+        def over() -> bool:
+            open_step = ledger.open_step
+            return (
+                gone.is_set() or ledger.was_abandoned(step, attempt_id) or (open_step is not None and open_step > step)
+            )
+
+        return self.gate.wait_done(step, timeout_s, over)
+
     def grads(self) -> GradReport:
         """This stage's gradients' squared norm; stage 0 counts the tied weight's (the tied group's sum, after
         Reduce), the last stage leaves its copy out, so the global norm counts it once.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from swarm.net.stream import PLAN_MISMATCH, StageCallError
 from swarm.peers.routes import Route
 
 __all__ = [
+    "CallThreads",
     "RouteWeights",
     "RouteWork",
     "Failed",
@@ -218,30 +220,101 @@ def route_work(batch: Batch, routes: Sequence[Route], weights: Sequence[float], 
     return work
 
 
-def spawn(fn: Callable[[], T], name: str, threads: set[threading.Thread] | None = None) -> Future[T]:
-    """Runs `fn` on a daemon thread of its own; the future holds its result or exception.
+class CallThreads:
+    """Daemon threads that run `spawn`'s calls, each reused once its call ended (the most recently idle first, so
+    per-thread native state stays in few threads), a new one started only when none is idle, and an idle one ending
+    after `idle_s`. Unbounded: a call stuck on a hung peer holds its thread until its deadline, never a worker the
+    next attempt needs.
 
-    Calls to a peer that hangs may stay stuck until their deadline; a thread per call means they never hold
-    a pool's worker that the next attempt needs, and a daemon thread never holds up the process's exit.
-    `threads` tracks the live ones (for `close()` to reap).
+    Why not a thread per call: `Thread.start` waits until the new thread runs, and while another thread of the
+    process runs Python that takes up to a switch interval or two (5-10 ms); nine call threads at a step's start
+    cost 1-4 ms in an idle process and 20-86 ms beside one busy Python thread, where handing them to idle threads
+    took 0.1-0.2 ms (`scripts/measure_thread_start.py`, docs/reports/throttled.md, s65)."""
+
+    def __init__(self, idle_s: float = 60.0):
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._idle: list[_CallThread] = []
+        self.started = 0
+        """threads ever started (a test's and a report's count)"""
+
+    def spawn(self, fn: Callable[[], T], name: str, tasks: set[Future] | None = None, fresh: bool = False) -> Future[T]:
+        """Runs `fn` on an idle thread, or a new one; see `spawn`. `fresh`: on a new thread that ends with the call
+        (a thread per call, as before s65: only to measure what reuse saves, `PipelineDriver.reuse_call_threads`)."""
+        future: Future[T] = Future()
+        future.set_running_or_notify_cancel()
+        if tasks is not None:
+            tasks.add(future)
+        task = (future, fn, name, tasks)
+        with self._lock:
+            worker = None if fresh or not self._idle else self._idle.pop()
+            if worker is not None:
+                worker.task = task
+                worker.wake.set()
+                return future
+            self.started += 1
+        me = _CallThread(once=fresh)
+        threading.Thread(target=self._loop, args=(me, task), name=name, daemon=True).start()
+        return future
+
+    def forget(self) -> None:
+        """In a forked child: the parent's idle threads do not exist here (a call handed to one would never run)."""
+        self._lock, self._idle = threading.Lock(), []
+
+    def idle(self) -> int:
+        """Threads waiting for a call now."""
+        with self._lock:
+            return len(self._idle)
+
+    def _loop(self, me: _CallThread, task: tuple | None) -> None:
+        thread = threading.current_thread()
+        while task is not None:
+            future, fn, name, tasks = task
+            thread.name = name
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the waiter, whatever it is
+                future.set_exception(e)
+            finally:
+                if tasks is not None:
+                    tasks.discard(future)
+            del task, future, fn, tasks  # nothing of the call outlives it in an idle thread
+            if me.once:
+                return
+            thread.name = "swarm-call-idle"
+            with self._lock:
+                me.task = None
+                me.wake.clear()
+                self._idle.append(me)
+            if not me.wake.wait(self.idle_s):
+                with self._lock:
+                    if me in self._idle:  # nobody took it meanwhile: it ends
+                        self._idle.remove(me)
+                        return
+                me.wake.wait()  # a spawn took it just now: its task is on the way
+            task = me.task
+
+
+class _CallThread:
+    def __init__(self, once: bool = False) -> None:
+        self.wake = threading.Event()
+        self.task: tuple | None = None
+        self.once = once
+        """ends with its first call (`CallThreads.spawn`'s `fresh`)"""
+
+
+_CALLS = CallThreads()
+os.register_at_fork(after_in_child=_CALLS.forget)
+
+
+def spawn(fn: Callable[[], T], name: str, tasks: set[Future] | None = None, fresh: bool = False) -> Future[T]:
+    """Runs `fn` on a daemon thread (`CallThreads`: one that ended its last call, or a new one); the future holds
+    its result or exception. `tasks` tracks the running ones (for `close()` to wait for), each removed as it ends.
+
+    Calls to a peer that hangs may stay stuck until their deadline; they never hold a thread another call waits
+    for, and a daemon thread never holds up the process's exit.
     """
-    future: Future[T] = Future()
-    future.set_running_or_notify_cancel()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # handed to the waiter, whatever it is
-            future.set_exception(e)
-        finally:
-            if threads is not None:
-                threads.discard(threading.current_thread())
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    if threads is not None:
-        threads.add(thread)
-    thread.start()
-    return future
+    return _CALLS.spawn(fn, name, tasks, fresh)
 
 
 # ---- whether a route lives ------------------------------------------------------------------------------

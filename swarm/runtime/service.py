@@ -77,6 +77,9 @@ EXPECTED_FAILURES = (grpc.RpcError, CallRefused, BufferMissError, WireError, Gat
 HEARD_MAX = 1024
 """Callers whose last call time `StageServicer.heard` keeps: a stranger minting keys fills it at most this far,
 after which new callers go unrecorded (the planner then judges them by pings alone, as before)."""
+EARLY_REDUCES = 2
+"""Most Reduces a stage holds at once while they wait for their step's last backward (`StageHost.await_backwards`);
+more are refused with RESOURCE_EXHAUSTED."""
 REDUCE_SLOT_WAIT_S = 10.0
 """Longest a Reduce waits for the one Reduce slot (held by a failed attempt's Reduce that is ending) before it
 is refused with RESOURCE_EXHAUSTED."""
@@ -128,6 +131,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """One audit recomputation at a time: a trainer's audits never hold more than one thread's compute."""
         self._reduce_slots = CallSlots(1, "Reduce")
         """One Reduce waits for its peers' gradients at a time: the other threads stay free for Step and Status."""
+        self._early_reduces = CallSlots(EARLY_REDUCES, "Reduce waiting for its step's backwards")
+        """Reduces sent with the pipeline that wait for the step's last backward (an attempt's, and a rerun's while
+        the abandoned one's ends): no caller parks more of the server's threads that way."""
         self.state_sent: Callable[[int], None] = lambda nbytes: None
         """Told the bytes of every GetState stream this servicer sent, whole or cut short (the peer's
         `swarm_state_bytes_total`): copies and takeovers are bytes the run puts on the network too."""
@@ -300,14 +306,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         def run():
             caller = self._sender(context, method)
-            gone = threading.Event()  # the caller cancelled or passed its deadline: stop waiting for it
-
-            def on_end() -> None:
-                gone.set()
-                if self.host is not None:
-                    self.host.gate.wake()
-
-            context.add_callback(on_end)
+            gone = self._watch_caller(context)
             with self._data_slot(caller), contextlib.ExitStack() as reading:
 
                 def on_header(header) -> None:  # a large message is read and decoded in a slot of its own
@@ -347,6 +346,21 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
         with trace.span(f"serve {method}", "serve"):
             return self._guard(context, run)
+
+    def _watch_caller(self, context: grpc.ServicerContext, host: StageHost | None = None) -> threading.Event:
+        """Set once the call ends on the caller's side (it cancelled or passed its deadline), with every call
+        waiting at the gate of `host` (default: the one serving then) woken to notice: a wait for the caller's turn
+        stops waiting for it."""
+        gone = threading.Event()
+
+        def on_end() -> None:
+            gone.set()
+            serving = host if host is not None else self.host
+            if serving is not None:
+                serving.gate.wake()
+
+        context.add_callback(on_end)
+        return gone
 
     def when_idle(self, change, timeout_s: float) -> bool:
         """Runs `change(servicer)` between two steps, never while a step is open on this stage.
@@ -505,9 +519,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._checked(context, check)
 
         def run():
+            host = self._serving()
+            # sent with the pipeline: the sums start as this stage's last backward ends (no trip to the trainer
+            # first); a Reduce after the pipeline finds the step's work done and goes on at once
+            gone = self._watch_caller(context, host)
+            # at most the Reduce's own deadline: a pipeline longer than that is refused (`EARLY_REDUCE`), and its
+            # trainer sends its Reduces after the pipeline from then on
+            left = getattr(context, "time_remaining", lambda: None)()
+            wait_s = min(self.budget.max_wait_s, order.deadline_s or math.inf, math.inf if left is None else left)
+            with self._early_reduces.take():
+                host.await_backwards(order.step, order.attempt_id, wait_s, gone)
             # a failed attempt's Reduce may still be ending (it waits on peers that the abandon releases): the
             # rerun's waits for it a while instead of failing the step (only the plan's trainer may call Reduce)
-            host = self._serving()
             with self._reduce_slots.take(wait_s=REDUCE_SLOT_WAIT_S):
                 report = host.averager.reduce(order, keyed_by_peer=self.verifier is not None)
             # the gradients after the sums, as Grads would report them next: one round trip fewer a step

@@ -45,6 +45,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,7 @@ from swarm.runtime.audit_wire import (
     sketch_digest,
 )
 from swarm.runtime.referee import RefereeFailed
-from swarm.runtime.routing import reroutable
+from swarm.runtime.routing import reroutable, spawn
 
 __all__ = ["AuditDisputed", "Evidence", "Finding", "LiarFound", "StageVerifier", "VerifyConfig", "judge", "rel_err"]
 
@@ -323,13 +324,10 @@ def _together(calls: Sequence[Callable[[], object]]) -> list:
         except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,), name="audit", daemon=True) for i in range(1, len(calls))]
-    for t in threads:
-        t.start()
+    others = [spawn(lambda i=i: run(i), "audit") for i in range(1, len(calls))]
     if calls:
         run(0)
-    for t in threads:
-        t.join()
+    wait(others)
     if errors:
         raise errors[0]
     return results

@@ -13,14 +13,15 @@ import torch
 from swarm.compression import make_codec
 from swarm.net.auth import Identity
 from swarm.net.connect import LocalRpcError
-from swarm.net.stream import tensor_items
+from swarm.net.stream import tensor_items, tokens_to_wire
 from swarm.proto import stage_pb2
 from swarm.runtime import average
-from swarm.runtime.average import GradientAverager, flatten_grads
+from swarm.runtime.average import EARLY_REDUCE, GradientAverager, flatten_grads
 from swarm.runtime.boundary import LinkEnds
+from swarm.runtime.budget import SlotsExhausted
 from swarm.runtime.host import StageHost, StageRole
 from swarm.runtime.worker import StageConfig
-from tests.unit.runtime.test_replica_host import FP32, GRADQ, TINY, Replicas
+from tests.unit.runtime.test_replica_host import FP32, GRADQ, TINY, Replicas, batch
 
 
 def flat(pipe: Replicas, r: int) -> torch.Tensor:
@@ -159,13 +160,140 @@ def test_a_second_reduce_of_a_step_is_refused_and_sums_nothing_twice():
 
 def test_reduce_before_the_steps_backward_or_of_a_group_of_one():
     pipe = Replicas(2)
-    (early,) = pipe.reduce(0, members=[0])
+    started = time.monotonic()
+    (early,) = pipe.reduce(0, members=[0], deadline_s=0.3)  # waits for the step's backwards as long as its deadline
     assert isinstance(early, LocalRpcError) and early.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert EARLY_REDUCE in early.details() and time.monotonic() - started >= 0.3
     pipe.split_step(0)
     alone = stage_pb2.ReduceRequest(step=0, stage=0, group_peers=[pipe.peers[0]], group_addresses=[pipe.addresses[0]])
     before = flat(pipe, 0)
     reply = pipe.client(0).Reduce(alone)
     assert (reply.group_size, reply.wire_bytes) == (1, 0) and torch.equal(flat(pipe, 0), before)
+
+
+def _entered(pipe: Replicas, monkeypatch) -> list[threading.Event]:
+    """One event per replica, set when a Reduce there begins its wait for the step's backwards."""
+    events = [threading.Event() for _ in pipe.hosts]
+    for host, event in zip(pipe.hosts, events, strict=True):
+        real = host.await_backwards
+
+        def waiting(*args, real=real, event=event):
+            event.set()
+            return real(*args)
+
+        monkeypatch.setattr(host, "await_backwards", waiting)
+    return events
+
+
+def test_a_reduce_sent_before_the_backwards_waits_for_them_and_sums_what_they_left(monkeypatch):
+    reference = Replicas(2)
+    reference.split_step(0)
+    reference.reduce(0)
+    pipe = Replicas(2)
+    entered = _entered(pipe, monkeypatch)
+    early: list = []
+    thread = threading.Thread(target=lambda: early.extend(pipe.reduce(0, deadline_s=30)))
+    thread.start()
+    assert all(e.wait(30) for e in entered)  # both Reduces are in before any of the step's work
+    assert thread.is_alive() and not early
+    # the step as `split_step` runs it, each replica's forward before either's backward: a replica's sum reaches
+    # the other once the step is open there (a trainer sends Reduce early on one route only, where it always is)
+    tokens, targets = batch(6, 0)
+    parts, infos = torch.arange(6).tensor_split(2), [pipe.info(r, 0, loss_weight=0.5) for r in range(2)]
+    for r, idx in enumerate(parts):
+        pipe.client(r).PutLabels(stage_pb2.LabelsRequest(info=infos[r], labels=tokens_to_wire(targets[idx])))
+        item = stage_pb2.StreamItem(info=infos[r], tokens=tokens_to_wire(tokens[idx], torch.arange(3)))
+        pipe.client(r).Forward(iter([item.SerializeToString()]))
+    for r in range(2):
+        pipe.client(r).Backward(iter([stage_pb2.StreamItem(info=infos[r]).SerializeToString()]))
+    thread.join(30)
+    assert not thread.is_alive() and all(r.group_size == 2 for r in early), early
+    assert torch.equal(flat(pipe, 0), flat(reference, 0)) and torch.equal(flat(pipe, 1), flat(reference, 1))
+
+
+def test_an_early_reduce_ends_when_its_attempt_is_abandoned(monkeypatch):
+    pipe = Replicas(2)
+    entered = _entered(pipe, monkeypatch)
+    waiting: list = []
+    thread = threading.Thread(target=lambda: waiting.extend(pipe.reduce(0, members=[0], deadline_s=30, attempt_id=7)))
+    thread.start()
+    assert entered[0].wait(30)
+    started = time.monotonic()
+    pipe.client(0).Step(stage_pb2.StepRequest(step=0, abandon=True, attempt_id=7))
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - started < 10, "the wait ran on to its deadline"
+    assert isinstance(waiting[0], LocalRpcError) and "that attempt of step 0 was abandoned" in waiting[0].details()
+    pipe.split_step(0)  # the next attempt runs as if nothing had waited
+    assert not any(isinstance(r, LocalRpcError) for r in pipe.reduce(0, attempt_id=8))
+
+
+def test_at_most_two_reduces_wait_for_a_steps_backwards_and_a_third_is_refused_at_once(monkeypatch):
+    """A flood of early Reduces (only the plan's trainer may send them) parks two server threads, not more."""
+    pipe = Replicas(2)
+    host, lock, entered = pipe.hosts[0], threading.Lock(), []
+    real = host.await_backwards
+
+    def counted(*args):
+        with lock:
+            entered.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(host, "await_backwards", counted)
+    waiting: list = []
+    threads = [
+        threading.Thread(target=lambda a=a: waiting.extend(pipe.reduce(0, members=[0], deadline_s=30, attempt_id=a)))
+        for a in (7, 8)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(entered) < 2:  # both hold a slot: they took it before they began to wait
+        assert time.monotonic() < deadline, "the two Reduces did not both wait"
+        time.sleep(0.005)
+    started = time.monotonic()
+    (third,) = pipe.reduce(0, members=[0], deadline_s=30, attempt_id=9)
+    assert isinstance(third, LocalRpcError) and third.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, third
+    assert time.monotonic() - started < 10 and len(entered) == 2
+    for a in (7, 8):
+        pipe.client(0).Step(stage_pb2.StepRequest(step=0, abandon=True, attempt_id=a))
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads) and len(waiting) == 2
+
+
+def test_an_average_refused_for_want_of_a_data_slot_is_sent_again_within_the_deadline(monkeypatch):
+    """A member whose data slots are full (its step's last calls, where a Reduce left with the pipeline) refuses
+    an Average with RESOURCE_EXHAUSTED: the sender tries again shortly, and the sum completes."""
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    busy = pipe.network._servicers[pipe.addresses[1]]
+    real, refusals = busy._data_slot, []
+
+    def full(caller):
+        if len(refusals) < 3:
+            refusals.append(caller)
+            raise SlotsExhausted("24 data calls are being served already; retry later")
+        return real(caller)
+
+    monkeypatch.setattr(busy, "_data_slot", full)
+    replies = pipe.reduce(0, deadline_s=30)
+    assert all(not isinstance(r, LocalRpcError) and r.group_size == 2 for r in replies), replies
+    assert refusals == [pipe.peers[0]] * 3 and torch.equal(flat(pipe, 0), flat(pipe, 1))
+
+
+def test_an_average_refused_for_want_of_a_data_slot_until_the_deadline_fails_the_reduce_by_name(monkeypatch):
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    busy = pipe.network._servicers[pipe.addresses[1]]
+
+    def full(caller):
+        raise SlotsExhausted("24 data calls are being served already; retry later")
+
+    monkeypatch.setattr(busy, "_data_slot", full)
+    started = time.monotonic()
+    (first, _) = pipe.reduce(0, deadline_s=0.5)
+    assert isinstance(first, LocalRpcError) and time.monotonic() - started < 10
+    assert pipe.peers[1] in first.details() and "data calls" in first.details(), first.details()
 
 
 def average_items(

@@ -179,6 +179,54 @@ def test_after_reset_any_next_step_is_accepted_from_the_start():
     assert gate.step_done
 
 
+def test_a_step_is_finished_only_once_its_own_program_ran():
+    """A reset (an abandon) leaves an empty program, which `step_done` calls done; `finished(step)` does not: a
+    Reduce checked between the reset and the next step's first action must not sum the zeroed gradients."""
+    program = _program("1f1b", 2, 2, 1)
+    gate = ScheduleGate(1, 2)
+    for action in program:
+        _run(gate, 1, action, "1f1b", 2)
+    assert gate.finished(1) and not gate.finished(2)
+    gate.reset()
+    assert gate.step_done and not gate.finished(1) and not gate.finished(2)
+    for action in program[:-1]:
+        _run(gate, 2, action, "1f1b", 2)
+    assert not gate.finished(2)
+    _run(gate, 2, program[-1], "1f1b", 2)
+    assert gate.finished(2)
+
+
+def test_wait_done_waits_through_a_reset_until_the_steps_own_program_ran():
+    """An early Reduce of step 2 that came while a killed trainer's step 1 was open waits past the abandon that
+    step 2's first call makes, and ends when step 2's last action did."""
+    program = _program("1f1b", 2, 2, 1)
+    gate, cond = _signalling_gate(1, 2)
+    for action in program:
+        _run(gate, 1, action, "1f1b", 2)
+    done: list[bool] = []
+    waiter, errors = _in_thread(lambda: done.append(gate.wait_done(2, WAIT_S, lambda: False)))
+    assert cond.waiting.wait(JOIN_S)
+    gate.reset()  # step 2's first call abandons step 1
+    for action in program:
+        assert waiter.is_alive() and not done
+        _run(gate, 2, action, "1f1b", 2)
+    _join(waiter)
+    assert done == [True] and not errors
+
+
+def test_wait_done_ends_when_told_to_or_at_its_timeout():
+    gate, cond = _signalling_gate(1, 2)
+    stop = threading.Event()
+    done: list[bool] = []
+    waiter, _ = _in_thread(lambda: done.append(gate.wait_done(3, WAIT_S, stop.is_set)))
+    assert cond.waiting.wait(JOIN_S)
+    stop.set()
+    gate.wake()
+    _join(waiter)
+    assert done == [False]
+    assert gate.wait_done(3, 0.01, lambda: False) is False
+
+
 def test_a_body_that_outlives_reset_does_not_move_the_next_step_on():
     program = _program("gpipe", 2, 3, 0)
     gate = ScheduleGate(0, 2)

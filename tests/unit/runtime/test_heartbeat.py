@@ -167,13 +167,13 @@ def test_config_refuses_nonsense(bad):
         HeartbeatConfig(**bad)
 
 
-def test_no_death_is_told_after_stop_and_the_thread_ends():
+def test_no_death_is_told_after_stop_and_the_loop_ends():
     peer, dead = _Peer(), []
     peer.refuse = True
     loop = PingLoop(peer, ["p"], dead.append, HeartbeatConfig(interval_s=60.0))
     with loop:
         pass
-    assert not loop._thread.is_alive()
+    assert loop._loop.done() and loop._loop.exception() is None
     loop._confirm("p", 0.0)  # a probe that ends after the attempt did
     loop.confirming["p"][0].exception(timeout=WAIT_S)
     assert dead == [] and loop.dead == set()

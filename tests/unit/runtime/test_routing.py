@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import grpc
 import pytest
@@ -12,6 +14,7 @@ from swarm.model.data import Batch
 from swarm.net.stream import StageCallError
 from swarm.peers.routes import Route
 from swarm.runtime.routing import (
+    CallThreads,
     Failed,
     RouteWeights,
     assign_samples,
@@ -172,6 +175,97 @@ def test_gather_gives_up_after_the_deadline():
         gather([(spawn(release.wait, "s"), ("p",))], threading.Event(), set(), deadline_s=-4.9)
     release.set()
     assert failed.value.error.code == grpc.StatusCode.DEADLINE_EXCEEDED and failed.value.suspects == ("p",)
+
+
+# ---- the call threads ----------------------------------------------------------------------------------
+
+WAIT_S = 30.0
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_a_call_thread_is_reused_once_its_call_ended_and_ends_when_idle():
+    pool = CallThreads(idle_s=0.2)
+    first = pool.spawn(threading.get_ident, "a")
+    ident = first.result(timeout=WAIT_S)
+    _until(lambda: pool.idle() == 1, "the thread did not go idle")
+    assert pool.spawn(threading.get_ident, "b").result(timeout=WAIT_S) == ident and pool.started == 1
+    _until(lambda: pool.idle() == 1, "the thread did not go idle again")
+    _until(lambda: pool.idle() == 0, "the idle thread did not end")
+    assert not any(t.ident == ident for t in threading.enumerate())
+    assert pool.spawn(lambda: 7, "c").result(timeout=WAIT_S) == 7 and pool.started == 2  # a new one
+
+
+def test_a_fresh_call_runs_on_a_thread_of_its_own_that_ends_with_it():
+    pool = CallThreads()
+    ident = pool.spawn(threading.get_ident, "a").result(timeout=WAIT_S)
+    _until(lambda: pool.idle() == 1, "the thread did not go idle")
+    fresh = pool.spawn(threading.get_ident, "b", fresh=True).result(timeout=WAIT_S)
+    assert fresh != ident and pool.started == 2 and pool.idle() == 1  # the idle one was left alone
+    _until(lambda: not any(t.ident == fresh for t in threading.enumerate()), "the fresh thread did not end")
+
+
+def test_a_stuck_call_never_holds_a_thread_another_call_needs():
+    pool, release = CallThreads(), threading.Event()
+    stuck = pool.spawn(release.wait, "stuck")
+    assert pool.spawn(lambda: 1, "fine").result(timeout=WAIT_S) == 1 and pool.started == 2
+    assert not stuck.done()
+    release.set()
+    assert stuck.result(timeout=WAIT_S) is True
+
+
+def test_a_failing_call_hands_its_error_over_and_its_thread_serves_on():
+    pool, tasks = CallThreads(), set()
+
+    def fail():
+        raise KeyError("boom")
+
+    failed = pool.spawn(fail, "f", tasks)
+    assert isinstance(failed.exception(timeout=WAIT_S), KeyError)
+    _until(lambda: not tasks and pool.idle() == 1, "the failed call was not let go")
+    assert pool.spawn(lambda: threading.current_thread().name, "named").result(timeout=WAIT_S) == "named"
+    assert pool.started == 1
+
+
+def test_every_call_runs_when_threads_go_idle_and_end_as_calls_come():
+    """Calls handed out from several threads while the idle ones time out: none is lost to a thread that ends."""
+    pool, tasks = CallThreads(idle_s=0.001), set()
+    futures, lock = [], threading.Lock()
+
+    def hand_out() -> None:
+        for i in range(200):
+            f = pool.spawn(lambda i=i: i, "n", tasks)
+            with lock:
+                futures.append(f)
+            if i % 7 == 0:
+                time.sleep(0.002)  # now and then long enough for the idle threads to end
+
+    handers = [threading.Thread(target=hand_out) for _ in range(4)]
+    for t in handers:
+        t.start()
+    for t in handers:
+        t.join(WAIT_S)
+    assert sorted(f.result(timeout=WAIT_S) for f in futures) == sorted(list(range(200)) * 4)
+    _until(lambda: not tasks, "a finished call stayed tracked")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX only")
+def test_a_forked_child_starts_its_own_call_threads():
+    assert spawn(lambda: 1, "warm").result(timeout=WAIT_S) == 1  # leaves an idle thread in this process
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's idle thread is not here
+        code = 1
+        try:
+            code = 0 if spawn(lambda: 2, "child").result(timeout=5) == 2 else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_what_reroutes():

@@ -14,6 +14,7 @@ import torch
 from swarm.peers.routes import local_micro
 from swarm.proto import stage_pb2
 from swarm.runtime.driver import PipelineDriver
+from swarm.runtime.host import StageHost
 from swarm.runtime.inprocess import LocalPipeline
 from swarm.runtime.routing import NoLiveRoute
 from swarm.runtime.schedules import backward_follows_forward
@@ -79,6 +80,45 @@ def test_early_backward_trains_exactly_as_the_sequential_calls(monkeypatch):
     assert runs[True][0] == runs[False][0]
     for name, value in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_the_reduces_leave_with_the_pipeline_and_sum_exactly_as_after_it(monkeypatch):
+    runs = {}
+    for early in (False, True):
+        monkeypatch.setattr(PipelineDriver, "reduce_with_pipeline", early)
+        pipe = _pipe()
+        log = _Log(pipe.driver(4))
+        losses = [pipe.train_step(batch(8, seed=s), 4).loss for s in range(3)]
+        reduces = [i for i, e in enumerate(log.events) if e[:2] == ("start", "Reduce")]
+        last_backward = max(i for i, e in enumerate(log.events) if e[:2] == ("end", "Backward"))
+        # step 3's Reduces (two ends of the tied pair) leave before its last Backward's reply, or after it
+        assert len(reduces) == 6 and (reduces[-1] < last_backward) == early, log.events
+        runs[early] = (losses, weights(pipe))
+        pipe.close()
+    assert runs[True][0] == runs[False][0]
+    for name, value in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_stage_that_refuses_an_early_reduce_is_asked_again_after_the_pipeline(monkeypatch, caplog):
+    """A stage of a version that does not wait for its backwards refuses a Reduce sent with the pipeline: the
+    trainer sends it again once the pipeline ended, the step goes on, and later steps send Reduce after it."""
+    reference = _pipe()
+    want = [reference.train_step(batch(8, seed=s), 4).loss for s in range(2)]
+    reference.close()
+    monkeypatch.setattr(StageHost, "await_backwards", lambda *args: False)  # refuses at once, as before s65
+    pipe = _pipe()
+    driver = pipe.driver(4)
+    log = _Log(driver)
+    with caplog.at_level("WARNING", logger="swarm.runtime.driver"):
+        got = [pipe.train_step(batch(8, seed=s), 4) for s in range(2)]
+    assert [r.loss for r in got] == want and all(r.attempts == 1 for r in got)
+    assert driver.reduce_with_pipeline is False and PipelineDriver.reduce_with_pipeline is True
+    ours = driver.replica_peers[1][0]  # (another test's pipe in this process may refuse too)
+    told = [r for r in caplog.records if "refused a Reduce sent with the pipeline" in r.message and ours in r.message]
+    assert len(told) == 1
+    assert sum(e[:2] == ("start", "Reduce") for e in log.events) == 2 + 2 + 2  # step 1: early, again; step 2: after
+    pipe.close()
 
 
 def test_gpipe_sends_backward_after_forward():
