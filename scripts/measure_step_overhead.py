@@ -31,6 +31,8 @@ CHANGES = {
     "backward-early": "backward_early",  # the Backward start sent with the Forward (1F1B)
     "grads-in-reduce": "grads_in_reduce",  # the gradient reports in the Reduce replies: no Grads round trip
     "labels-with-pipeline": "labels_with_pipeline",  # the labels beside the first Forwards: no PutLabels trip first
+    "reduce-with-pipeline": "reduce_with_pipeline",  # the Reduces sent with the pipeline, held until the backwards ran
+    "reuse-call-threads": "reuse_call_threads",  # the trainer's calls on reused threads, not a thread per call
 }
 """--change: the `PipelineDriver` switch a run measures, off in mode "before", on in "after"."""
 MODES = {"before": {}, "after": {}}
