@@ -505,6 +505,8 @@ def summarize(
     cell: Cell, steps: list[dict], steps_per_epoch: int, batch_size: int, summary: dict | None = None
 ) -> dict:
     """One row of the table from a cell's steps.csv rows and its trainer summary (`read_summary`)."""
+    from swarm.train.steplog import machine_cpu
+
     times = [float(s["step_s"]) for s in steps]
     steady = times[steps_per_epoch:] or times
     first = times[:steps_per_epoch]
@@ -568,6 +570,9 @@ def summarize(
         "fewer_stages_from_step": next((i for i, n in stages if n < stages[0][1]), None) if stages else None,
         # where the steps after the first epoch spent their time, measured (the predicted split is the epilogue's)
         "phase_ms": phase_ms(after),
+        # the machine's CPU over those steps (every process of the cell, and anything else running): a cell whose
+        # cpu_floor_step_s nears its step is CPU-bound here, whatever its links
+        **machine_cpu(after),
         **(summary or {}).get("epilogue", {}),  # a FW/BW@epi cell's choice from timed stages and predicted split
         "bw_epilogue": (summary or {}).get("bw_epilogue"),  # ... and the live planner's, which the peers ran
         "epilogue_codecs": (summary or {}).get("epilogue_codecs"),  # the plan's codecs of the sums (selective)

@@ -31,6 +31,33 @@ def torch_comparison(rows: list[dict]) -> list[str]:
     return lines
 
 
+def machine_cpu_lines(rows: list[dict]) -> list[str]:
+    """The report's section on the machine's CPU a step (rows with `cpu_ms_per_step`; none: no section)."""
+    measured = [r for r in rows if r.get("cpu_ms_per_step") is not None]
+    if not measured:
+        return []
+    lines = [
+        "",
+        "## The machine's CPU a step (measured)",
+        "",
+        "Every process's busy CPU on this machine (the cell's peers, trainer, DHT daemons, and anything else "
+        "running) over the steps after the first epoch, per step; the floor is that over the machine's cores: no "
+        "schedule of these processes could make a step shorter. A cell whose floor nears its step is CPU-bound "
+        "here, whatever its links.",
+        "",
+        "| link | setting | mean step (ms) | wall a step, gaps included (ms) | CPU a step (ms) | busy cores | of | "
+        "floor (ms) | floor / mean step |",
+        "|" + " --- |" * 9,
+    ]
+    for r in measured:
+        lines.append(
+            f"| {_link(r['rate_mbit'])} | {r['setting']} | {1000 * r['mean_step_s']:.0f} | "
+            f"{1000 * r['wall_s_per_step']:.0f} | {r['cpu_ms_per_step']:.0f} | {r['busy_cores']:.2f} | {r['cores']} | "
+            f"{1000 * r['cpu_floor_step_s']:.0f} | {r['cpu_floor_step_s'] / r['mean_step_s']:.0%} |"
+        )
+    return lines
+
+
 def write_outputs(
     out: Path, rows: list[dict], all_steps: dict[Cell, list[dict]], ratios: dict, slow_note: str = ""
 ) -> None:
@@ -154,6 +181,7 @@ def report_markdown(rows: list[dict], ratios: dict, slow_note: str = "") -> str:
                 + " | ".join(_fmt(split.get(p), ".1f") for p in phases)
                 + f" | {r.get('tails') or '-'} | {predicted} |"
             )
+    lines += machine_cpu_lines(rows)
     if slow_note:
         lines += ["", slow_note]
     lines += ["", "## Targets", ""]

@@ -105,6 +105,7 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
     from swarm.model.data import DataConfig, build_datasets, epoch_batches
     from swarm.model.gpt import ModelConfig, build_stage, lm_loss, split_layers
     from swarm.runtime.worker import OptimConfig, StageConfig, StageWorker
+    from swarm.train.steplog import machine_cpu_s
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as swarm-peer (--threads 1 by default)
@@ -173,6 +174,8 @@ def _rank_main(rank: int, master: str, run: TorchRun, out: Path) -> None:
                 seconds = time.perf_counter() - t0
                 loss = float(torch.stack([x.detach() for x in losses]).mean()) if losses else None
                 record = {"step": step + 1, "epoch": epoch, "step_s": seconds, "loss": loss, "lr": lr}
+                # as swarm's steps.csv: when it ended and the machine's busy CPU then (`throttled`'s CPU a step)
+                record |= {"time": round(time.time(), 3), "machine_cpu_s": machine_cpu_s()}
                 # where the step went: torch's schedule (compute and boundary transfers), the two all-reduces
                 record |= {"schedule_s": t1 - t0, "sync_s": t2 - t1}
                 record |= {"forward_bytes": sent["forward"], "backward_bytes": sent["backward"]}
@@ -268,6 +271,8 @@ def run_torch(
 
 def summarize_torch(rate_mbit: float | None, records: list[dict], steps_per_epoch: int, batch_size: int) -> dict:
     """The throttled row of one baseline run (the keys and windows of `throttled.summarize`)."""
+    from swarm.train.steplog import machine_cpu
+
     times = [r["step_s"] for r in records]
     steady = times[steps_per_epoch:] or times
     losses = [r["loss"] for r in records]
@@ -297,6 +302,8 @@ def summarize_torch(rate_mbit: float | None, records: list[dict], steps_per_epoc
         "first_loss": losses[0],
         "final_loss": statistics.mean(losses[-steps_per_epoch:]),
         "steps": len(records),
+        # rank 0's rows, steps after the first epoch: the machine's CPU a step (both ranks' and anything else's)
+        **machine_cpu(records[steps_per_epoch:] or records),
     }
 
 

@@ -22,6 +22,8 @@ __all__ = [
     "StepLog",
     "counter_columns",
     "load_position",
+    "machine_cpu",
+    "machine_cpu_s",
     "load_state",
     "save_position",
     "step_columns",
@@ -232,3 +234,45 @@ def counter_columns(counters: dict[str, float]) -> dict[str, float | int]:
     """steps.csv columns for what the driver's counters gained in a step, named as Prometheus names them
     (`swarm_wire_bytes_total{direction=forward,link=0}`), so a new counter is a new column."""
     return {k.replace('"', ""): int(v) if float(v).is_integer() else v for k, v in counters.items()}
+
+
+def machine_cpu_s() -> float | None:
+    """The whole machine's busy CPU-seconds since boot (user, nice, system, irq, softirq, steal: every core's,
+    every process's, this run's or not; psutil), None where the system does not say. Read at each step's end into
+    the step's row (`machine_cpu_s`): the difference between two rows is what the machine spent between them."""
+    try:
+        import psutil
+
+        t = psutil.cpu_times()
+    except Exception:  # no psutil, or no such counters here: the column stays empty
+        return None
+    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def machine_cpu(rows: list[dict], cores: int | None = None) -> dict:
+    """What the machine's CPU spent on `rows`' steps (each with `time`, unix s, and `machine_cpu_s` at its end,
+    as `machine_cpu_s` reads them), over each row's interval from the one before it: `cpu_ms_per_step` (every
+    process's, the run's own and anything else running), `busy_cores` (its mean rate), `wall_s_per_step` (the
+    steps with what ran between them) and `cpu_floor_step_s`, the step no schedule could beat on `cores` (default:
+    this machine's) at that much CPU a step. An interval after a row with a `held_out_loss` is left out (the
+    evaluation ran in it). Empty without two consecutive rows that carry both."""
+    read = [
+        (float(r["time"]), float(r["machine_cpu_s"]), bool(r.get("held_out_loss") not in (None, "")))
+        if r.get("time") and r.get("machine_cpu_s")
+        else None
+        for r in rows
+    ]
+    pairs = zip(read, read[1:], strict=False)  # each row with the one before it
+    spans = [(b[0] - a[0], b[1] - a[1]) for a, b in pairs if a is not None and b is not None and not a[2]]
+    wall, cpu = sum(w for w, _ in spans), sum(c for _, c in spans)
+    if not spans or wall <= 0:
+        return {}
+    cores = cores or os.cpu_count() or 1
+    per_step = cpu / len(spans)
+    return {
+        "cpu_ms_per_step": 1000 * per_step,
+        "wall_s_per_step": wall / len(spans),
+        "busy_cores": cpu / wall,
+        "cpu_floor_step_s": per_step / cores,
+        "cores": cores,
+    }

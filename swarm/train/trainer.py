@@ -38,7 +38,7 @@ from swarm.train.freezing import FREEZE_FLAG, FreezeConfig, driver_factory, with
 from swarm.train.heldout import HeldOut, held_out_rows
 from swarm.train.journal import Journal, Settled, settle
 from swarm.train.run_length import ScheduleWatch
-from swarm.train.steplog import StepLog, counter_columns, step_columns, step_row
+from swarm.train.steplog import StepLog, counter_columns, machine_cpu_s, step_columns, step_row
 from swarm.train.summary_text import format_summary, step_time_spread  # noqa: F401  (format_summary re-exported)
 
 if TYPE_CHECKING:
@@ -469,6 +469,7 @@ def step_record(setting: str, result, step: int, epoch: int, batch, follower: Pl
         "skipped": int(result.skipped),  # fp16: every stage skipped it
         "loss_scale": result.loss_scale,
         "time": round(time.time(), 3),  # when the step completed (unix s): recovery times
+        "machine_cpu_s": machine_cpu_s(),  # the machine's busy CPU-seconds then (CPU a step, from two rows)
         "plan_version": follower.route.plan_version,
         "stages": follower.driver.n_stages,
         "frozen_layers": getattr(getattr(follower.driver, "policy", None), "frozen", 0),  # --freeze: from the next step

@@ -401,3 +401,57 @@ def test_a_link_setting_plans_every_links_codecs_and_its_row_names_them(tmp_path
     assert summary["link_codecs"] == ["acsgd4+ch+nr/gradq2+ef"]
     row = th.summarize(Cell(100.0, f"{th.DEFAULT_CODECS}@link"), _steps(8, 0.1, 1, 1), 4, 8, summary)
     assert row["link_codecs"] == ["acsgd4+ch+nr/gradq2+ef"] and (row["fw_bits"], row["bw_bits"]) == (2, 2)
+
+
+def test_a_cells_row_carries_the_machines_cpu_a_step_over_the_steps_after_the_first_epoch():
+    # steps.csv rows as DictReader gives them: `time` and `machine_cpu_s` at each step's end
+    steps = _steps(12, 0.1, 400_000, 400_000, 802_000, 802_000)
+    for i, s in enumerate(steps):  # 0.1 s apart; the first epoch burns 1 CPU-s a step, later steps 0.15
+        late = i > 7  # a held-out evaluation after step 8 took 0.5 s and 0.9 CPU-s
+        s["time"] = str(1000.0 + 0.1 * i + 0.5 * late)
+        s["machine_cpu_s"] = str(50.0 + (i if i < 4 else 3 + 0.15 * (i - 3)) + 0.9 * late)
+    steps[7]["held_out_loss"] = "2.4"
+    row = th.summarize(Cell(1000.0, "fp32/fp32"), steps, 4, 8, {})
+    assert row["cpu_ms_per_step"] == pytest.approx(150.0), "the first epoch and the evaluation are not counted"
+    assert row["busy_cores"] == pytest.approx(1.5)
+    assert row["wall_s_per_step"] == pytest.approx(0.1)
+    cores = row["cores"]
+    assert cores >= 1 and row["cpu_floor_step_s"] == pytest.approx(0.15 / cores)
+    rows = [row]
+    th.add_comparisons(rows)
+    text = thr.report_markdown(rows, {})
+    assert "## The machine's CPU a step (measured)" in text
+    assert f"| 100 | 100 | 150 | 1.50 | {cores} | {150 / cores:.0f} | {0.15 / cores / 0.1:.0%} |" in text
+
+
+def test_rows_without_cpu_readings_carry_none_and_the_report_has_no_cpu_section():
+    steps = _steps(12, 0.1, 400_000, 400_000, 802_000, 802_000)
+    for s in steps[5:]:  # one reading after the first epoch is not a difference; an empty cell is no reading
+        s["time"], s["machine_cpu_s"] = "1000.5", ""
+    steps[6]["machine_cpu_s"] = "70.0"
+    rows = [th.summarize(Cell(1000.0, "fp32/fp32"), steps, 4, 8, {})]
+    th.add_comparisons(rows)
+    assert "cpu_ms_per_step" not in rows[0] and "## The machine's CPU" not in thr.report_markdown(rows, {})
+
+
+def test_machine_cpu_reads_a_growing_busy_count_and_the_torch_rows_carry_it():
+    from swarm.experiments.torch_baseline import summarize_torch
+    from swarm.train.steplog import machine_cpu, machine_cpu_s
+
+    first = machine_cpu_s()
+    assert first is not None and first > 0
+    sum(i * i for i in range(2_000_000))  # CPU this process spends is the machine's too
+    assert machine_cpu_s() > first
+    assert machine_cpu([{"time": 5.0, "machine_cpu_s": 1.0}, {"time": 5.0, "machine_cpu_s": 2.0}]) == {}, (
+        "no time between them: no rate"
+    )
+    gap = [{"time": 1.0, "machine_cpu_s": 1.0}, {"time": "", "machine_cpu_s": ""}, {"time": 3.0, "machine_cpu_s": 3.0}]
+    assert machine_cpu(gap) == {}, "no two consecutive readings"
+    records = [
+        {"step": i + 1, "step_s": 0.05, "loss": 2.0, "lr": 1e-3, "schedule_s": 0.04, "sync_s": 0.005,
+         "forward_bytes": 10, "backward_bytes": 10, "tied_bytes": 4, "control_bytes": 8,
+         "time": 100.0 + 0.05 * i, "machine_cpu_s": 10.0 + 0.08 * i}
+        for i in range(8)
+    ]  # fmt: skip
+    row = summarize_torch(1000.0, records, 4, 8)
+    assert row["cpu_ms_per_step"] == pytest.approx(80.0) and row["busy_cores"] == pytest.approx(1.6)
