@@ -242,3 +242,54 @@ def test_route_answers_only_when_every_peer_follows_the_plan_answers_and_is_not_
     everyone = announced(peers=("p00", "p01", "p10", "p11"))
     assert route_answers(Pinger({}), replicated, everyone)
     assert not route_answers(Pinger({"p11": Refused(grpc.StatusCode.UNAVAILABLE)}), replicated, everyone)
+
+
+class SlowPlanDHT:
+    """A DHT whose plan reads wait until the test lets each one go; it says the version the test put out."""
+
+    def __init__(self):
+        import threading
+
+        self.published, self.reads, self.fail = 0, [], False
+        self.go, self.started = threading.Semaphore(0), threading.Semaphore(0)
+
+    def get_plan(self, n_layers, newer_than=0):
+        self.reads.append(newer_than)
+        self.started.release()
+        assert self.go.acquire(timeout=30), "the test never let the read go"
+        if self.fail:
+            raise ConnectionError("the DHT node is gone")
+        return SimpleNamespace(version=self.published) if self.published > newer_than else None
+
+
+def _until(condition, what: str, timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_the_plan_watch_never_waits_for_the_dht_and_says_what_a_finished_read_found():
+    dht = SlowPlanDHT()
+    watch = follower_module.PlanWatch(dht, version=3, every_s=0.0)
+    dht.published = 4
+    assert watch.newer() is None, "the first look starts a read and waits for nothing"
+    assert dht.started.acquire(timeout=30)
+    assert watch.newer() is None and dht.reads == [3], "one read at a time, however often the trainer asks"
+    dht.go.release()
+    _until(lambda: watch.newer() == 4, "the finished read's plan")
+    assert dht.started.acquire(timeout=30), "the next read started once the last ended"
+    # the trainer follows plan 4 now: what a read found before is no longer news, and a failed read finds nothing
+    watch.version, dht.fail = 4, True
+    assert watch.newer() is None
+    dht.go.release()
+    started = lambda: watch.newer() is None and dht.started.acquire(blocking=False)  # noqa: E731
+    _until(started, "a read after a failed one")
+    dht.fail, dht.published = False, 6
+    dht.go.release()
+    _until(lambda: watch.newer() == 6, "a read after a failure")
+    assert dht.reads[-1] == 4, "each read asks above the plan followed when it began"
+    dht.started.acquire(timeout=30)
+    dht.go.release()  # the read in flight ends; its thread goes back to the pool
