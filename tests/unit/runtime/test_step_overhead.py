@@ -114,8 +114,12 @@ def test_a_stage_that_refuses_an_early_reduce_is_asked_again_after_the_pipeline(
         got = [pipe.train_step(batch(8, seed=s), 4) for s in range(2)]
     assert [r.loss for r in got] == want and all(r.attempts == 1 for r in got)
     assert driver.reduce_with_pipeline is False and PipelineDriver.reduce_with_pipeline is True
-    ours = driver.replica_peers[1][0]  # (another test's pipe in this process may refuse too)
-    told = [r for r in caplog.records if "refused a Reduce sent with the pipeline" in r.message and ours in r.message]
+    # said once, by whichever end stage's refusal came first (another test's pipe in this process may refuse too)
+    ours = [peers[0] for peers in driver.replica_peers]
+    told = [
+        r for r in caplog.records
+        if "refused a Reduce sent with the pipeline" in r.message and any(p in r.message for p in ours)
+    ]  # fmt: skip
     assert len(told) == 1
     assert sum(e[:2] == ("start", "Reduce") for e in log.events) == 2 + 2 + 2  # step 1: early, again; step 2: after
     pipe.close()
