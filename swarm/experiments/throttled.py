@@ -664,6 +664,32 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
             + ")"
         )
         out.append((statement, None if share is None else share >= SHARE_TARGET))
+    return out + torch_targets(rows)
+
+
+def torch_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
+    """The issue's targets against PyTorch's pipeline, per rate with a `torch-fp32` row (`--baseline torch`):
+    swarm's fp32 no slower at every rate, the default setting faster at 100 Mbit/s and below; each statement names
+    the swarm cell's CPU floor where it has one (`cpu_floor_step_s`): a floor above torch's step is a miss no
+    schedule could mend on this machine."""
+    torch_rows = {r["rate_mbit"]: r for r in rows if r["setting"] == "torch-fp32"}
+    out: list[tuple[str, bool | None]] = []
+    for setting, faster, judged in (
+        ("fp32/fp32", False, lambda rate: True),
+        (TARGET_SETTING, True, lambda rate: rate is not None and rate <= 100),
+    ):
+        for r in rows:
+            theirs = torch_rows.get(r["rate_mbit"])
+            if r["setting"] != setting or theirs is None or not judged(r["rate_mbit"]):
+                continue
+            ours, base = r["mean_step_s"], theirs["mean_step_s"]
+            floor = r.get("cpu_floor_step_s")
+            statement = (
+                f"{setting} {'faster than' if faster else 'no slower than'} torch-fp32 at {_link(r['rate_mbit'])}: "
+                f"{ours:.3f} against {base:.3f} s a step ({ours / base:.2f}x)"
+                + ("" if floor is None else f"; its CPU floor here {floor:.3f} s")
+            )
+            out.append((statement, ours < base if faster else ours <= base))
     return out
 
 

@@ -455,3 +455,29 @@ def test_machine_cpu_reads_a_growing_busy_count_and_the_torch_rows_carry_it():
     ]  # fmt: skip
     row = summarize_torch(1000.0, records, 4, 8)
     assert row["cpu_ms_per_step"] == pytest.approx(80.0) and row["busy_cores"] == pytest.approx(1.6)
+
+
+def test_the_targets_against_torch_are_judged_per_rate_and_name_the_cpu_floor():
+    d = th.TARGET_SETTING
+    rows = [
+        {"setting": "fp32/fp32", "rate_mbit": 100.0, "mean_step_s": 0.146, "cpu_floor_step_s": 0.096},
+        {"setting": "fp32/fp32", "rate_mbit": 1000.0, "mean_step_s": 0.123, "cpu_floor_step_s": 0.092},
+        {"setting": "fp32/fp32", "rate_mbit": 10.0, "mean_step_s": 0.9},
+        {"setting": d, "rate_mbit": 100.0, "mean_step_s": 0.118},
+        {"setting": d, "rate_mbit": 1000.0, "mean_step_s": 0.140},  # above 100 Mbit/s: not a target
+        {"setting": d, "rate_mbit": 10.0, "mean_step_s": 0.95},
+        {"setting": "torch-fp32", "rate_mbit": 100.0, "mean_step_s": 0.125},
+        {"setting": "torch-fp32", "rate_mbit": 1000.0, "mean_step_s": 0.062},
+        {"setting": "torch-fp32", "rate_mbit": 10.0, "mean_step_s": 0.95},
+    ]
+    judged = th.torch_targets(rows)
+    assert [met for _, met in judged] == [False, False, True, True, False]
+    assert judged[1][0] == (
+        "fp32/fp32 no slower than torch-fp32 at 1000 Mbit/s: 0.123 against 0.062 s a step (1.98x); its CPU floor "
+        "here 0.092 s"
+    )
+    assert judged[2][0].endswith("(0.95x)"), "no floor measured: none named"
+    assert judged[3][0].startswith(f"{d} faster than torch-fp32 at 100 Mbit/s") and judged[3][1] is True
+    assert judged[4][1] is False, "as fast is not faster"
+    assert th.torch_targets([r for r in rows if r["setting"] != "torch-fp32"]) == [], "no baseline: nothing judged"
+    assert th.check_targets(rows)[-5:] == judged
