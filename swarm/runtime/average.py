@@ -654,6 +654,7 @@ class GradientAverager:
         host = self.host
         errors: list[Exception] = []
         counts, done = [0] * len(peers), [False] * len(peers)
+        refused: list[str | None] = [None] * len(peers)  # a member's last refusal for want of a data slot
         wire = info_to_wire(info)  # the same call info to every member
 
         def send(i: int) -> None:
@@ -676,6 +677,7 @@ class GradientAverager:
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and end - time.monotonic() > pause:
                         # the member's data slots are full: the step's last calls there (a Reduce that left with
                         # the pipeline sends while the other end still computes); they end soon
+                        refused[i] = e.details()
                         time.sleep(pause)
                         pause = min(2 * pause, 0.1)
                         continue
@@ -692,7 +694,9 @@ class GradientAverager:
         host.metrics.wire_bytes.labels(link, link).inc(sent)
         if errors:
             raise errors[0]
-        return sent, [peers[i] for i in range(len(peers)) if i != me and not done[i]]
+        # one refused until the clock ran out says so, whether its last refusal came before this wait ended or not
+        why = lambda i: f" (refused until the deadline: {refused[i]})" if refused[i] else ""  # noqa: E731
+        return sent, [peers[i] + why(i) for i in range(len(peers)) if i != me and not done[i]]
 
     def _wait(self, step: int, tied: bool, keys, peers, me: int, end: float, unsent: list[str], attempt_id: int = 0):
         """The other members' messages of `step`, once all are in and this member's reached every other

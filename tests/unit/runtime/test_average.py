@@ -291,8 +291,10 @@ def test_an_average_refused_for_want_of_a_data_slot_until_the_deadline_fails_the
 
     monkeypatch.setattr(busy, "_data_slot", full)
     started = time.monotonic()
-    (first, _) = pipe.reduce(0, deadline_s=0.5)
+    (first, _) = pipe.reduce(0, deadline_s=1.0)
     assert isinstance(first, LocalRpcError) and time.monotonic() - started < 10
+    # its last refusal is named whether it came before the Reduce's wait for the sends ended or after (a loaded
+    # machine: the send's thread still retrying when the clock ran out)
     assert pipe.peers[1] in first.details() and "data calls" in first.details(), first.details()
 
 
@@ -557,3 +559,28 @@ def test_a_reduce_waiting_on_a_silent_member_ends_when_its_attempt_is_abandoned_
     assert not thread.is_alive() and time.monotonic() - started < 10, "the wait ran on to its deadline"
     assert isinstance(waiting[0], LocalRpcError) and waiting[0].code() == grpc.StatusCode.ABORTED, waiting[0]
     assert host.open_step == 0  # the step stayed open throughout (the rerun's)
+
+
+def test_a_member_refused_until_the_clock_ran_out_is_named_with_its_refusal_even_when_the_send_outlives_the_wait(
+    monkeypatch,
+):
+    """The Reduce's wait for its sends ends at the deadline; a send still in its last refused try then (a loaded
+    machine) has recorded no error, and the failure is the deadline's: it still says why that member was not reached."""
+    pipe = Replicas(2)
+    pipe.split_step(0)
+    busy = pipe.network._servicers[pipe.addresses[1]]
+    tries, released = [], threading.Event()
+
+    def full(caller):
+        tries.append(caller)
+        if len(tries) > 1:  # the next try outlives the Reduce's deadline
+            released.wait(30)
+        raise SlotsExhausted("24 data calls are being served already; retry later")
+
+    monkeypatch.setattr(busy, "_data_slot", full)
+    try:
+        (first, _) = pipe.reduce(0, deadline_s=1.0)
+    finally:
+        released.set()
+    assert isinstance(first, LocalRpcError) and "within the Reduce's deadline" in first.details(), first.details()
+    assert f"did not reach {pipe.peers[1]} (refused until the deadline: 24 data calls" in first.details()
