@@ -190,7 +190,7 @@ def _until(condition, what: str) -> None:
 
 
 def test_a_call_thread_is_reused_once_its_call_ended_and_ends_when_idle():
-    pool = CallThreads(idle_s=0.2)
+    pool = CallThreads(idle_s=1.0)  # long beside a stalled test thread: the spawn below finds it idle
     first = pool.spawn(threading.get_ident, "a")
     ident = first.result(timeout=WAIT_S)
     _until(lambda: pool.idle() == 1, "the thread did not go idle")
