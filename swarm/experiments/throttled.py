@@ -667,6 +667,14 @@ def check_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
     return out + torch_targets(rows)
 
 
+def _torch_target(setting: str, rate: float | None) -> bool | None:
+    """Which target against torch a swarm cell has: no slower (False: fp32, every rate), faster (True: the default,
+    at 100 Mbit/s and below), or none (None)."""
+    if setting == "fp32/fp32":
+        return False
+    return True if setting == TARGET_SETTING and rate is not None and rate <= 100 else None
+
+
 def torch_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
     """The issue's targets against PyTorch's pipeline, per rate with a `torch-fp32` row (`--baseline torch`):
     swarm's fp32 no slower at every rate, the default setting faster at 100 Mbit/s and below; each statement names
@@ -674,22 +682,18 @@ def torch_targets(rows: list[dict]) -> list[tuple[str, bool | None]]:
     schedule could mend on this machine."""
     torch_rows = {r["rate_mbit"]: r for r in rows if r["setting"] == "torch-fp32"}
     out: list[tuple[str, bool | None]] = []
-    for setting, faster, judged in (
-        ("fp32/fp32", False, lambda rate: True),
-        (TARGET_SETTING, True, lambda rate: rate is not None and rate <= 100),
-    ):
+    for faster in (False, True):  # swarm's fp32 rows first, then the default's
         for r in rows:
-            theirs = torch_rows.get(r["rate_mbit"])
-            if r["setting"] != setting or theirs is None or not judged(r["rate_mbit"]):
+            rate, theirs = r["rate_mbit"], torch_rows.get(r["rate_mbit"])
+            if theirs is None or _torch_target(r["setting"], rate) is not faster:
                 continue
-            ours, base = r["mean_step_s"], theirs["mean_step_s"]
-            floor = r.get("cpu_floor_step_s")
+            step, base, floor = r["mean_step_s"], theirs["mean_step_s"], r.get("cpu_floor_step_s")
             statement = (
-                f"{setting} {'faster than' if faster else 'no slower than'} torch-fp32 at {_link(r['rate_mbit'])}: "
-                f"{ours:.3f} against {base:.3f} s a step ({ours / base:.2f}x)"
+                f"{r['setting']} {'faster than' if faster else 'no slower than'} torch-fp32 at {_link(rate)}: "
+                f"{step:.3f} against {base:.3f} s a step ({step / base:.2f}x)"
                 + ("" if floor is None else f"; its CPU floor here {floor:.3f} s")
             )
-            out.append((statement, ours < base if faster else ours <= base))
+            out.append((statement, step < base if faster else step <= base))
     return out
 
 

@@ -695,8 +695,8 @@ class GradientAverager:
         if errors:
             raise errors[0]
         # one refused until the clock ran out says so, whether its last refusal came before this wait ended or not
-        why = lambda i: f" (refused until the deadline: {refused[i]})" if refused[i] else ""  # noqa: E731
-        return sent, [peers[i] + why(i) for i in range(len(peers)) if i != me and not done[i]]
+        unsent = [i for i in range(len(peers)) if i != me and not done[i]]
+        return sent, [peers[i] + (f" (refused until the deadline: {refused[i]})" if refused[i] else "") for i in unsent]
 
     def _wait(self, step: int, tied: bool, keys, peers, me: int, end: float, unsent: list[str], attempt_id: int = 0):
         """The other members' messages of `step`, once all are in and this member's reached every other

@@ -506,7 +506,7 @@ class StageHost:
                 self._close_step()
             else:
                 ledger.check_apply(order.step, order.plan_version, version)
-                if not self.gate.step_done:
+                if not self.gate.finished(order.step):  # this step's own program, not a reset gate's empty one
                     raise CallRefused(grpc.StatusCode.FAILED_PRECONDITION, "step requested before every backward ran")
                 if order.tied_grad_sum:  # retired: the tied group sums it in Reduce
                     raise CallRefused(

@@ -202,3 +202,18 @@ def test_grads_reads_the_gradients_under_the_compute_lock():
     host.worker.module.parameters = watched
     host.grads()
     assert lock.acquired == 1 and seen and all(seen), "grads() read the parameters' gradients without the lock"
+
+
+def test_a_step_is_refused_where_the_gate_holds_no_finished_program_of_that_step():
+    """A gate reset by an abandon has an empty program, done in the sense that nothing is left: the step opened
+    since (by the next attempt's first call, before its first action) has not run here, and its Step, like its
+    Reduce, is refused rather than applying gradients no backward of it made."""
+    pipe = Replicas(1)
+    pipe.split_step(0)
+    host = pipe.hosts[0]
+    host.gate.reset()  # as an abandon leaves it; the ledger still holds step 0 open, as the next attempt reopens it
+    assert host.open_step == 0 and host.gate.step_done
+    with pytest.raises(LocalRpcError, match="before every backward ran") as e:
+        pipe.step(0, 0)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert pipe.client(0).Status(stage_pb2.Empty()).steps_done == 0

@@ -23,6 +23,7 @@ from swarm.runtime.routing import (
     route_work,
     spawn,
 )
+from tests.waiting import WAIT_S, until
 
 
 def _routes(n: int) -> list[Route]:
@@ -179,24 +180,15 @@ def test_gather_gives_up_after_the_deadline():
 
 # ---- the call threads ----------------------------------------------------------------------------------
 
-WAIT_S = 30.0
-
-
-def _until(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
-
 
 def test_a_call_thread_is_reused_once_its_call_ended_and_ends_when_idle():
     pool = CallThreads(idle_s=1.0)  # long beside a stalled test thread: the spawn below finds it idle
     first = pool.spawn(threading.get_ident, "a")
     ident = first.result(timeout=WAIT_S)
-    _until(lambda: pool.idle() == 1, "the thread did not go idle")
+    until(lambda: pool.idle() == 1, "the thread did not go idle")
     assert pool.spawn(threading.get_ident, "b").result(timeout=WAIT_S) == ident and pool.started == 1
-    _until(lambda: pool.idle() == 1, "the thread did not go idle again")
-    _until(lambda: pool.idle() == 0, "the idle thread did not end")
+    until(lambda: pool.idle() == 1, "the thread did not go idle again")
+    until(lambda: pool.idle() == 0, "the idle thread did not end")
     assert not any(t.ident == ident for t in threading.enumerate())
     assert pool.spawn(lambda: 7, "c").result(timeout=WAIT_S) == 7 and pool.started == 2  # a new one
 
@@ -204,10 +196,10 @@ def test_a_call_thread_is_reused_once_its_call_ended_and_ends_when_idle():
 def test_a_fresh_call_runs_on_a_thread_of_its_own_that_ends_with_it():
     pool = CallThreads()
     ident = pool.spawn(threading.get_ident, "a").result(timeout=WAIT_S)
-    _until(lambda: pool.idle() == 1, "the thread did not go idle")
+    until(lambda: pool.idle() == 1, "the thread did not go idle")
     fresh = pool.spawn(threading.get_ident, "b", fresh=True).result(timeout=WAIT_S)
     assert fresh != ident and pool.started == 2 and pool.idle() == 1  # the idle one was left alone
-    _until(lambda: not any(t.ident == fresh for t in threading.enumerate()), "the fresh thread did not end")
+    until(lambda: not any(t.ident == fresh for t in threading.enumerate()), "the fresh thread did not end")
 
 
 def test_a_stuck_call_never_holds_a_thread_another_call_needs():
@@ -227,7 +219,7 @@ def test_a_failing_call_hands_its_error_over_and_its_thread_serves_on():
 
     failed = pool.spawn(fail, "f", tasks)
     assert isinstance(failed.exception(timeout=WAIT_S), KeyError)
-    _until(lambda: not tasks and pool.idle() == 1, "the failed call was not let go")
+    until(lambda: not tasks and pool.idle() == 1, "the failed call was not let go")
     assert pool.spawn(lambda: threading.current_thread().name, "named").result(timeout=WAIT_S) == "named"
     assert pool.started == 1
 
@@ -251,7 +243,7 @@ def test_every_call_runs_when_threads_go_idle_and_end_as_calls_come():
     for t in handers:
         t.join(WAIT_S)
     assert sorted(f.result(timeout=WAIT_S) for f in futures) == sorted(list(range(200)) * 4)
-    _until(lambda: not tasks, "a finished call stayed tracked")
+    until(lambda: not tasks, "a finished call stayed tracked")
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX only")

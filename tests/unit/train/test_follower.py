@@ -12,6 +12,7 @@ import swarm.train.follower as follower_module
 from swarm.net.stream import PLAN_MISMATCH, StageCallError
 from swarm.peers.routes import PlanRoutes
 from swarm.train.follower import STEP_ATTEMPTS, PlanFollower, route_answers
+from tests.waiting import until
 
 
 class NoLiveRoute(StageCallError):  # the driver's exception, matched by name
@@ -262,15 +263,6 @@ class SlowPlanDHT:
         return SimpleNamespace(version=self.published) if self.published > newer_than else None
 
 
-def _until(condition, what: str, timeout_s: float = 30.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def test_the_plan_watch_never_waits_for_the_dht_and_says_what_a_finished_read_found():
     dht = SlowPlanDHT()
     watch = follower_module.PlanWatch(dht, version=3, every_s=0.0)
@@ -279,17 +271,17 @@ def test_the_plan_watch_never_waits_for_the_dht_and_says_what_a_finished_read_fo
     assert dht.started.acquire(timeout=30)
     assert watch.newer() is None and dht.reads == [3], "one read at a time, however often the trainer asks"
     dht.go.release()
-    _until(lambda: watch.newer() == 4, "the finished read's plan")
+    until(lambda: watch.newer() == 4, "the finished read's plan")
     assert dht.started.acquire(timeout=30), "the next read started once the last ended"
     # the trainer follows plan 4 now: what a read found before is no longer news, and a failed read finds nothing
     watch.version, dht.fail = 4, True
     assert watch.newer() is None
     dht.go.release()
     started = lambda: watch.newer() is None and dht.started.acquire(blocking=False)  # noqa: E731
-    _until(started, "a read after a failed one")
+    until(started, "a read after a failed one")
     dht.fail, dht.published = False, 6
     dht.go.release()
-    _until(lambda: watch.newer() == 6, "a read after a failure")
+    until(lambda: watch.newer() == 6, "a read after a failure")
     assert dht.reads[-1] == 4, "each read asks above the plan followed when it began"
     dht.started.acquire(timeout=30)
     dht.go.release()  # the read in flight ends; its thread goes back to the pool
