@@ -74,6 +74,7 @@ class RoundTrips:
         self.config = config
         self._srtt: dict[str, float] = {}
         self._rttvar: dict[str, float] = {}
+        self._answered: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def sample(self, peer: str, seconds: float) -> None:
@@ -87,6 +88,16 @@ class RoundTrips:
                 return
             self._rttvar[peer] = 0.75 * self._rttvar[peer] + 0.25 * abs(srtt - seconds)
             self._srtt[peer] = 0.875 * srtt + 0.125 * seconds
+
+    def answered(self, peer: str, at: float) -> None:
+        """`peer` answered a ping at `at` (the loops' clock)."""
+        with self._lock:
+            self._answered[peer] = max(at, self._answered.get(peer, at))
+
+    def last_answer(self, peer: str) -> float | None:
+        """When `peer` last answered a ping, by any loop of this table (None: never)."""
+        with self._lock:
+            return self._answered.get(peer)
 
     def timeout(self, peer: str) -> float:
         """How long a ping to `peer` may take before it is late: srtt + 4 rttvar, within [floor, ceiling]."""
@@ -110,7 +121,9 @@ class RoundTrips:
 
 class PingLoop:
     """Pings each of `peers` every `interval_s` while a step runs; declares a peer dead once its silence passed
-    its window (`RoundTrips.window`) and a confirming probe failed too.
+    its window (`RoundTrips.window`) and a confirming probe failed too. A peer that answered a ping of an earlier
+    loop on the same `round_trips` less than `interval_s` ago is not pinged at the first beat (steps are shorter
+    than the interval: else every step would begin with a ping of every peer); its silence counts from then.
 
     At most one heartbeat ping per peer is outstanding: a peer that hangs costs one stuck thread, not one per beat.
     Each ping may take up to `ceiling_s`, so a slow answer still arrives and is measured. `on_dead(peer)` is told
@@ -123,6 +136,7 @@ class PingLoop:
         config: the intervals, timeouts and misses.
         round_trips: the peers' round trips so far (kept by the driver across steps; default: a fresh table).
         clock: monotonic seconds (injected by tests).
+        ping_at_once: ping every peer at the first beat, however recently it answered (only to measure).
     """
 
     def __init__(
@@ -133,8 +147,11 @@ class PingLoop:
         config: HeartbeatConfig | None = None,
         round_trips: RoundTrips | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ping_at_once: bool = False,
     ):
         self.ping, self.peers, self.on_dead = ping, list(dict.fromkeys(peers)), on_dead
+        self.ping_at_once = ping_at_once
+        """ping every peer at the first beat, however recently it answered (as before; only to measure)"""
         self.config = config or HeartbeatConfig()
         self.round_trips = round_trips or RoundTrips(self.config)
         self.clock = clock
@@ -169,16 +186,17 @@ class PingLoop:
         def call() -> float:
             sent = self.clock()
             self.ping(peer, timeout_s)
-            took = self.clock() - sent
-            self.round_trips.sample(peer, took)
-            return took
+            answered = self.clock()
+            self.round_trips.sample(peer, answered - sent)
+            self.round_trips.answered(peer, answered)
+            return answered - sent
 
         return call
 
     def beat(self) -> None:
         """One beat: collect the last pings' answers, add to the silent peers' silence, confirm the suspects
         (or declare dead those whose confirming probe ran past its deadline), send the next pings."""
-        now = self.clock()
+        now, first = self.clock(), self._last_beat is None
         # time the loop was not running (a stalled process) is nobody's silence: at most two intervals a beat
         elapsed = 0.0 if self._last_beat is None else min(max(now - self._last_beat, 0.0), 2 * self.config.interval_s)
         self._last_beat = now
@@ -199,8 +217,16 @@ class PingLoop:
                 self.silence[peer] += elapsed
             if self.silence[peer] >= self.round_trips.window(peer):
                 self._confirm(peer, now)
+            elif first and not self.ping_at_once and self._recent(peer, now):
+                # a loop of an earlier step heard it within the interval (a step is shorter than that): its silence
+                # counts from that answer, and the first ping of this loop waits for the next beat
+                self.silence[peer] = now - self.round_trips.last_answer(peer)
             elif pending is None or pending.done():  # one outstanding: no second ping on top
                 self._pending[peer] = spawn(self._timed(peer, self.config.ceiling_s), "heartbeat-ping")
+
+    def _recent(self, peer: str, now: float) -> bool:
+        last = self.round_trips.last_answer(peer)
+        return last is not None and 0 <= now - last < self.config.interval_s
 
     def _confirm(self, peer: str, now: float) -> None:
         """One more ping with a longer deadline; its failure declares `peer` dead, its answer clears it."""

@@ -177,3 +177,58 @@ def test_no_death_is_told_after_stop_and_the_loop_ends():
     loop._confirm("p", 0.0)  # a probe that ends after the attempt did
     loop.confirming["p"][0].exception(timeout=WAIT_S)
     assert dead == [] and loop.dead == set()
+
+
+def _answer(peer: _Peer, loop: PingLoop) -> None:
+    """Answers `loop`'s outstanding ping of "p" and waits until the loop has heard it."""
+    gate = peer.next_call()
+    gate.set()
+    loop._pending["p"].result(timeout=WAIT_S)
+
+
+def test_a_step_that_begins_within_an_interval_of_the_last_answer_sends_no_first_ping():
+    """Each step runs its own loop on the driver's round trips: a loop whose first beat comes less than an interval
+    after the peer answered an earlier loop's ping leaves it alone until its next beat, and counts its silence
+    from that answer; one that comes an interval later or more pings at once."""
+    clock, peer, dead, trips = _Clock(), _Peer(), [], RoundTrips(HeartbeatConfig())
+    loop = PingLoop(peer, ["p"], dead.append, HeartbeatConfig(), trips, clock=clock)
+    loop.beat()
+    clock.t += 0.25
+    _answer(peer, loop)  # answered at 0.25 s
+    loop.stop()
+    clock.t += 0.5  # the next step's loop, 0.5 s after that answer
+    step = PingLoop(peer, ["p"], dead.append, HeartbeatConfig(), trips, clock=clock)
+    step.beat()
+    assert peer.calls == 1 and "p" not in step._pending and step.silence["p"] == pytest.approx(0.5)
+    clock.t += 1.0
+    step.beat()  # its next beat pings, silent 1.5 s since the answer: under the 3 s window
+    assert "p" in step._pending and step.silence["p"] == pytest.approx(1.5) and not step.confirming
+    _answer(peer, step)
+    step.stop()
+    clock.t += 1.0  # a loop a whole interval after the last answer pings at its first beat
+    late = PingLoop(peer, ["p"], dead.append, HeartbeatConfig(), trips, clock=clock)
+    late.beat()
+    assert "p" in late._pending
+    peer.next_call().set()
+    late.stop()
+
+
+def test_a_peer_that_hangs_right_after_an_answer_is_still_declared_dead_within_the_bound():
+    """The skipped first ping does not lengthen the bound: the silence counts from the last answer, so the peer is
+    declared dead within the bound of the loop's start, as where the loop pinged at its first beat."""
+    config = HeartbeatConfig(interval_s=1.0, misses=3, ceiling_s=1.0, confirm_s=2.0)
+    clock, peer, dead, trips = _Clock(), _Peer(), [], RoundTrips(config)
+    loop = PingLoop(peer, ["p"], dead.append, config, trips, clock=clock)
+    loop.beat()
+    _answer(peer, loop)  # answered at t=0; the peer hangs from here on
+    loop.stop()
+    clock.t += 0.5
+    step = PingLoop(peer, ["p"], dead.append, config, trips, clock=clock)
+    step.beat()
+    while not dead and clock.t <= 0.5 + config.hang_bound_s:
+        clock.t += 1.0
+        step.beat()
+    assert dead == ["p"] and clock.t <= 0.5 + config.hang_bound_s
+    while not peer.gates.empty():
+        peer.gates.get().set()
+    step.stop()
