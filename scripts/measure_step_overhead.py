@@ -33,6 +33,8 @@ CHANGES = {
     "labels-with-pipeline": "labels_with_pipeline",  # the labels beside the first Forwards: no PutLabels trip first
     "reduce-with-pipeline": "reduce_with_pipeline",  # the Reduces sent with the pipeline, held until the backwards ran
     "reuse-call-threads": "reuse_call_threads",  # the trainer's calls on reused threads, not a thread per call
+    "ping-recent-peers-late": "ping_recent_peers_late",  # no heartbeat Ping of a peer heard within the interval
+    "first-call-first": "first_call_first",  # each route's first Forward before the step's other calls
 }
 """--change: the `PipelineDriver` switch a run measures, off in mode "before", on in "after"."""
 MODES = {"before": {}, "after": {}}

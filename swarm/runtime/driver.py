@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -90,6 +90,17 @@ class _MicroResult:
     """perf_counter when its backward came back"""
 
 
+@dataclass
+class _First:
+    """A route's first Forward of an attempt, which leaves before the attempt's other calls (`first_call_first`):
+    set `out` once its request is built; `backward`, its Backward start (1F1B), is spawned by the attempt's
+    thread with the others and handed back in `parked`."""
+
+    out: threading.Event = field(default_factory=threading.Event)
+    backward: Callable[[], object] | None = None
+    parked: Future = field(default_factory=Future)
+
+
 def _nested(route: Sequence) -> list[list[str]]:
     return [[r] if isinstance(r, str) else list(r) for r in route]
 
@@ -140,6 +151,15 @@ class PipelineDriver:
     reuse_call_threads = True
     """Run the step's calls on reused threads (`swarm.runtime.routing.CallThreads`); False: a thread per call, as
     before (only to measure what reuse saves: `scripts/measure_step_overhead.py`)."""
+    first_call_first = True
+    """Where labels go beside the pipeline: send each route's first Forward before the step's other calls (its
+    labels, the other Forwards, the Backward starts, the early Reduces), which all leave at once and share the
+    trainer's one interpreter: stage 0 can start computing only once that Forward is in, and needs the others
+    later. False: all at once, as before (only to measure what it saves: `scripts/measure_step_overhead.py`)."""
+    ping_recent_peers_late = True
+    """A step's heartbeat loop leaves a peer that answered a ping less than the interval ago alone until its next
+    beat (`PingLoop`): steps shorter than the interval no longer begin with a Ping of every peer beside their first
+    calls. False: every step's loop pings at once, as before (only to measure: `scripts/measure_step_overhead.py`)."""
     reduce_with_pipeline = True
     """Send a step's Reduce calls with its pipeline, not after it, where the step runs on one route: each stage
     holds its Reduce until its last backward ran (`StageHost.await_backwards`), so the tied gradient's swap starts
@@ -388,19 +408,28 @@ class PipelineDriver:
             wake.set()
 
         peers = [p for c in routes for p in c.peers]
-        return PingLoop(self._ping, peers, on_dead, self.heartbeat, self.round_trips)
+        return PingLoop(
+            self._ping, peers, on_dead, self.heartbeat, self.round_trips, ping_at_once=not self.ping_recent_peers_late
+        )
 
     # ---- one attempt ------------------------------------------------------------------------------------
 
-    def _micro_batch(self, step: int, work: RouteWork, mb: int, layout=None, audits=None) -> _MicroResult:
+    def _micro_batch(
+        self, step: int, work: RouteWork, mb: int, layout=None, audits=None, first: _First | None = None
+    ) -> _MicroResult:
         """One micro-batch's forward and backward on its route; `audits`: (attempt, abandons so far, the
-        attempt's list of audit tasks), taken when the attempt began, so a late task never joins a later one."""
+        attempt's list of audit tasks), taken when the attempt began, so a late task never joins a later one.
+        `first`: this is the step's first Forward on its route, sent before the step's other calls
+        (`first_call_first`; its Backward start is spawned with them)."""
         last, data = self.n_stages - 1, work.micro[mb]
         first_r, last_r = work.route.index % self.counts[0], work.route.index % self.counts[last]
 
         def tokens(route: bool) -> Iterator[bytes]:
             wire = tokens_to_wire(data.tokens, data.sample_ids)
-            return self.router.start(step, mb, 0, work, layout, route, wire)
+            items = self.router.start(step, mb, 0, work, layout, route, wire)
+            if first is not None:
+                first.out.set()  # built: this thread keeps the interpreter until the call is in gRPC's hands
+            return items
 
         # communication: the backward starts at the route's last stage and flows back to its stage 0. Where that
         # stage runs it right after the forward (1F1B), it is sent with the forward, not after its reply: the last
@@ -410,12 +439,18 @@ class PipelineDriver:
         backward_call = lambda: self.router.routed(step, last, last_r, "Backward", start)  # noqa: E731
         schedule = layout[0] if layout is not None else self.schedule
         early = last > 0 and self.backward_early and backward_follows_forward(schedule, last + 1, len(work.micro))
-        parked = self._spawn(backward_call, work.route.peers) if early else None
+        parked = None
+        if early and first is None:
+            parked = self._spawn(backward_call, work.route.peers)
+        elif early:
+            first.backward = backward_call
         # communication: tokens into stage 0 of the route; the activations flow on to its last stage, the loss
         # comes back
         with trace.span("Forward", "trainer", mb=mb, step=step):
             forward = self.router.routed(step, 0, first_r, "Forward", tokens)
         with trace.span("Backward", "trainer", mb=mb, step=step):
+            if first is not None and first.backward is not None:
+                parked = first.parked.result(timeout=self.deadline_s)  # spawned with the others (`_run_routes`)
             backward = backward_call() if parked is None else self._result(parked)
         verifier = self.verifier  # a sampled micro-batch is audited beside the step's Reduce, before its Step
         if (
@@ -491,19 +526,33 @@ class PipelineDriver:
         # one PutLabels per route (and per max_batch rows) rather than one per micro-batch; beside the pipeline (the
         # last stage waits for them: `StageHost.await_labels`), or before it where a last stage would not wait
         self._labels_raced = self.labels_with_pipeline
-        labels = [self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work]
-        if not self._labels_raced:
-            with self._phase("labels"):
-                gather(labels, wake, self.dead, self.deadline_s)
         audits = (self._attempt, self._abandons, self._audits)
         self._attempt_work = (work, layout, self._abandons)
+        micro = lambda w, mb, first=None: self._spawn(  # noqa: E731
+            lambda: self._micro_batch(step, w, mb, layout, audits, first), w.route.peers
+        )
+        send_labels = lambda: [  # noqa: E731
+            self._spawn(lambda w=w: self.router.labels(step, w, layout), w.route.peers) for w in work
+        ]
+        if not self._labels_raced:
+            labels = send_labels()
+            with self._phase("labels"):
+                gather(labels, wake, self.dead, self.deadline_s)
         with self._phase("pipeline"):
+            firsts = []  # each route's first Forward, sent before the step's other calls (`first_call_first`)
+            if self._labels_raced and self.first_call_first:
+                starts = [_First() for _ in work]
+                firsts = [micro(w, 0, first) for w, first in zip(work, starts, strict=True)]
+                for w, first, (task, _) in zip(work, starts, firsts, strict=True):
+                    while not first.out.wait(0.005) and not task.done():
+                        pass  # built and leaving: the rest may start (a task that failed first frees them too)
+                    if first.backward is not None and not task.done():
+                        first.parked.set_result(self._spawn(first.backward, w.route.peers))
+            if self._labels_raced:
+                labels = send_labels()
             tasks = [
-                [
-                    self._spawn(lambda w=w, mb=mb: self._micro_batch(step, w, mb, layout, audits), w.route.peers)
-                    for mb in range(len(w.micro))
-                ]
-                for w in work
+                ([firsts[i]] if firsts else []) + [micro(w, mb) for mb in range(1 if firsts else 0, len(w.micro))]
+                for i, w in enumerate(work)
             ]
             sent = labels if self._labels_raced else []
             # one route only: there every group's other member has the step open before this one's backwards end

@@ -4,6 +4,7 @@ the trainer's time per phase reaches the step's counters."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from concurrent.futures import wait
@@ -11,6 +12,7 @@ from concurrent.futures import wait
 import pytest
 import torch
 
+import swarm.runtime.driver as driver_module
 from swarm.peers.routes import local_micro
 from swarm.proto import stage_pb2
 from swarm.runtime.driver import PipelineDriver
@@ -215,6 +217,50 @@ def _same(run: tuple[list[float], dict], reference: tuple[list[float], dict]) ->
     assert run[0] == reference[0]
     for name, value in reference[1].items():
         torch.testing.assert_close(run[1][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_each_steps_first_forward_leaves_before_its_other_calls():
+    """`first_call_first`: stage 0 can start only once the step's first Forward is in, so that Forward starts
+    before any other call of the step (its labels, the other Forwards, the Backward starts, the early Reduces)."""
+    pipe = _pipe()
+    log = _Log(pipe.driver(4))
+    for s in range(2):
+        log.events.clear()
+        pipe.train_step(batch(8, seed=s), 4)
+        starts = [e for e in log.events if e[0] == "start" and e[1] != "Ping"]  # the heartbeat's run on their own
+        assert starts[0] == ("start", "Forward", 0), starts
+        assert {m for _, m, _ in starts} >= {"Forward", "Backward", "PutLabels", "Reduce", "Step"}, starts
+    pipe.close()
+
+
+@pytest.mark.parametrize("first_stalls", [False, True])
+def test_the_first_forward_sent_first_trains_exactly_as_all_at_once(monkeypatch, first_stalls):
+    """The steps train the same with the first Forward sent first; where building that Forward stalls (here: its
+    tokens fail to encode once, and the call is sent again by the step's second attempt), the step's other calls
+    do not wait on it past its failure."""
+    monkeypatch.setattr(PipelineDriver, "first_call_first", False)
+    reference = _reference()
+    monkeypatch.setattr(PipelineDriver, "first_call_first", True)
+    pipe = _pipe()
+    pipe.driver(4)
+    if first_stalls:
+        encode, failed = driver_module.tokens_to_wire, []
+
+        def once(*args, **kwargs):
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("encoding failed")
+            return encode(*args, **kwargs)
+
+        monkeypatch.setattr(driver_module, "tokens_to_wire", once)
+    with pytest.raises(RuntimeError, match="encoding failed") if first_stalls else contextlib.nullcontext():
+        pipe.train_step(batch(8, seed=0), 4)
+    if first_stalls:  # the failed step is abandoned everywhere; the same batch trains as the reference's first
+        pipe.train_step(batch(8, seed=0), 4)
+    losses = [pipe.train_step(batch(8, seed=s), 4).loss for s in range(1, 3)]
+    assert losses == reference[0][1:]
+    _same(([reference[0][0], *losses], weights(pipe)), reference)
+    pipe.close()
 
 
 def test_labels_that_come_after_the_activation_are_waited_for():
