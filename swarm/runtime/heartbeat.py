@@ -217,16 +217,18 @@ class PingLoop:
                 self.silence[peer] += elapsed
             if self.silence[peer] >= self.round_trips.window(peer):
                 self._confirm(peer, now)
-            elif first and not self.ping_at_once and self._recent(peer, now):
+            elif first and not self.ping_at_once and (since := self._recent_answer(peer, now)) is not None:
                 # a loop of an earlier step heard it within the interval (a step is shorter than that): its silence
                 # counts from that answer, and the first ping of this loop waits for the next beat
-                self.silence[peer] = now - self.round_trips.last_answer(peer)
+                self.silence[peer] = since
             elif pending is None or pending.done():  # one outstanding: no second ping on top
                 self._pending[peer] = spawn(self._timed(peer, self.config.ceiling_s), "heartbeat-ping")
 
-    def _recent(self, peer: str, now: float) -> bool:
+    def _recent_answer(self, peer: str, now: float) -> float | None:
+        """Seconds since `peer` last answered a ping of any loop on these round trips, where under an interval."""
         last = self.round_trips.last_answer(peer)
-        return last is not None and 0 <= now - last < self.config.interval_s
+        since = None if last is None else now - last
+        return since if since is not None and 0 <= since < self.config.interval_s else None
 
     def _confirm(self, peer: str, now: float) -> None:
         """One more ping with a longer deadline; its failure declares `peer` dead, its answer clears it."""
