@@ -30,12 +30,14 @@ def test_quick_attacks_rows_clean_run_and_reaping(tmp_path, capsys):
     assert clean["final_loss"] is not None and clean["throughput_samples_s"] > 0
     assert all(r["owned_run"] for r in rows)
     assert clean["replicas_identical"] is True and clean["replaced_by"] is None
+    # the whole rows (`--json` prints the keys): a failure below names what each row saw
+    evidence = {r["setting"]: r.get("evidence") for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
     for row in rows[1:]:  # the liar is struck out and banned; the run goes on to its last step
         assert row["refused_or_detected"] is True and row["evicted"] is True, row
         assert not row["run_stopped"] and row["steps"] == clean["steps"], row
         assert row["detection_steps"] is not None and row["detection_steps"] <= 20, row
         # the standby took the liar's place with its sibling's state (not the liar's): the replicas end equal
-        assert row["replaced_by"] is not None and row["replicas_identical"] is True, (row["setting"], row["evidence"])
+        assert row["replaced_by"] is not None and row["replicas_identical"] is True, (row, evidence[row["setting"]])
     assert (tmp_path / "report.md").read_text().count("| liar-norm:nan |") == 1
     assert (tmp_path / "loss.png").stat().st_size > 0
     for setting in QUICK_SETTINGS:
