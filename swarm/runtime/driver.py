@@ -93,8 +93,8 @@ class _MicroResult:
 @dataclass
 class _First:
     """A route's first Forward of an attempt, which leaves before the attempt's other calls (`first_call_first`):
-    set `out` once its request is built; `backward`, its Backward start (1F1B), is spawned by the attempt's
-    thread with the others and handed back in `parked`."""
+    `out` is set once its request is built (or its task ended first); `backward`, its Backward start (1F1B), is
+    spawned by the attempt's thread with the others and handed back in `parked`."""
 
     out: threading.Event = field(default_factory=threading.Event)
     backward: Callable[[], object] | None = None
@@ -544,8 +544,8 @@ class PipelineDriver:
                 starts = [_First() for _ in work]
                 firsts = [micro(w, 0, first) for w, first in zip(work, starts, strict=True)]
                 for w, first, (task, _) in zip(work, starts, firsts, strict=True):
-                    while not first.out.wait(0.005) and not task.done():
-                        pass  # built and leaving: the rest may start (a task that failed first frees them too)
+                    task.add_done_callback(lambda _, out=first.out: out.set())  # one that fails first frees them too
+                    first.out.wait(self.deadline_s)  # built and leaving: the rest may start
                     if first.backward is not None and not task.done():
                         first.parked.set_result(self._spawn(first.backward, w.route.peers))
             if self._labels_raced:

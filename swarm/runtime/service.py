@@ -525,7 +525,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             gone = self._watch_caller(context, host)
             # at most the Reduce's own deadline: a pipeline longer than that is refused (`EARLY_REDUCE`), and its
             # trainer sends its Reduces after the pipeline from then on
-            left = getattr(context, "time_remaining", lambda: None)()
+            left = context.time_remaining()  # None in process (`LocalNetwork`): no deadline there
             wait_s = min(self.budget.max_wait_s, order.deadline_s or math.inf, math.inf if left is None else left)
             with self._early_reduces.take():
                 host.await_backwards(order.step, order.attempt_id, wait_s, gone)
