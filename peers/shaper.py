@@ -82,6 +82,15 @@ class Shaper:
         self._lock = threading.Lock()
         self._next_free = 0.0
         self.bytes_sent = 0
+        self.measured_bytes_per_s: float | None = None
+        """The link's goodput as this peer last measured it (`swarm.daemon.probe.LinkProber`), None until then."""
+
+    def known_rate(self) -> float | None:
+        """What this link carries, bytes/s, as far as this peer knows: the slower of its shape's rate and its last
+        measured goodput (None: neither). The kernel or the ISP shapes a real link, not this class, so without
+        the measurement a slow link would look unshaped to whoever decides whether compressing pays on it."""
+        known = [r for r in (self.shape.rate_bytes_per_s, self.measured_bytes_per_s) if r is not None]
+        return min(known) if known else None
 
     def delay(self) -> None:
         """The link's one-way delay, once per message."""

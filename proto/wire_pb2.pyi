@@ -41,6 +41,7 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COMPRESSION_NONE: _ClassVar[Compression]
     ZSTD: _ClassVar[Compression]
+    ZSTD_SPLIT: _ClassVar[Compression]
 CODEC_UNSPECIFIED: Codec
 FP32: Codec
 FP16: Codec
@@ -64,6 +65,19 @@ FLOAT16: DType
 BFLOAT16: DType
 COMPRESSION_NONE: Compression
 ZSTD: Compression
+ZSTD_SPLIT: Compression
+
+class ByteSplit(_message.Message):
+    __slots__ = ("count", "top", "low", "low_zstd")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    LOW_ZSTD_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    top: bytes
+    low: bytes
+    low_zstd: bool
+    def __init__(self, count: _Optional[int] = ..., top: _Optional[bytes] = ..., low: _Optional[bytes] = ..., low_zstd: _Optional[bool] = ...) -> None: ...
 
 class Quantized(_message.Message):
     __slots__ = ("bits", "group_size", "numel", "scales", "mins", "payload", "scale_dtype")
@@ -84,7 +98,7 @@ class Quantized(_message.Message):
     def __init__(self, bits: _Optional[int] = ..., group_size: _Optional[int] = ..., numel: _Optional[int] = ..., scales: _Optional[bytes] = ..., mins: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., scale_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class TensorMessage(_message.Message):
-    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "first_sight_basis", "delta_basis", "rotation", "rotation_seed", "sparse", "factors")
+    __slots__ = ("shape", "dtype", "codec", "sample_ids", "sample_is_delta", "quantized", "raw_dtype", "raw", "quantized_full", "buffer_digest", "group_layout", "first_sight_basis", "delta_basis", "rotation", "rotation_seed", "sparse", "factors", "raw_split")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +116,7 @@ class TensorMessage(_message.Message):
     ROTATION_SEED_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     FACTORS_FIELD_NUMBER: _ClassVar[int]
+    RAW_SPLIT_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     codec: Codec
@@ -119,7 +134,8 @@ class TensorMessage(_message.Message):
     rotation_seed: int
     sparse: Sparse
     factors: _containers.RepeatedCompositeFieldContainer[Quantized]
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., first_sight_basis: _Optional[_Union[Quantized, _Mapping]] = ..., delta_basis: _Optional[_Union[Quantized, _Mapping]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ..., sparse: _Optional[_Union[Sparse, _Mapping]] = ..., factors: _Optional[_Iterable[_Union[Quantized, _Mapping]]] = ...) -> None: ...
+    raw_split: ByteSplit
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., sample_is_delta: _Optional[_Iterable[bool]] = ..., quantized: _Optional[_Union[Quantized, _Mapping]] = ..., raw_dtype: _Optional[_Union[DType, str]] = ..., raw: _Optional[bytes] = ..., quantized_full: _Optional[_Union[Quantized, _Mapping]] = ..., buffer_digest: _Optional[int] = ..., group_layout: _Optional[_Union[GroupLayout, str]] = ..., first_sight_basis: _Optional[_Union[Quantized, _Mapping]] = ..., delta_basis: _Optional[_Union[Quantized, _Mapping]] = ..., rotation: _Optional[int] = ..., rotation_seed: _Optional[int] = ..., sparse: _Optional[_Union[Sparse, _Mapping]] = ..., factors: _Optional[_Iterable[_Union[Quantized, _Mapping]]] = ..., raw_split: _Optional[_Union[ByteSplit, _Mapping]] = ...) -> None: ...
 
 class Sparse(_message.Message):
     __slots__ = ("group_size", "keep", "bits", "index", "codes", "lo", "hi")

@@ -86,6 +86,9 @@ class LinkProber:
                 log.info("probe of %s at %s failed: %s", ann.peer_id, ann.address, e)
                 continue
             self.dht.store_link(LinkMeasurement(self.dht.peer_id, ann.peer_id, rtt, rate, now, burst_bytes=burst))
+            # what this peer's data path decides zstd by on that link (`Shaper.known_rate`): the kernel or the ISP
+            # shapes a real link, so without it every link would look unshaped and nothing would be compressed
+            self.shaping.for_destination(ann.address).measured_bytes_per_s = rate
             self._measured[ann.peer_id] = now
             log.info(
                 "link to %s: rtt %.1f ms, %.1f Mbit/s, burst %.0f kB",

@@ -90,10 +90,11 @@ def tensor_items(
     items (the call info with the first chunk, the one that carries the frame header) -> pace. Send them with
     a `TensorStreams` call (or a `StageClient`'s Forward/Backward/Sink).
 
-    With a zstd `policy`, the level is chosen per message from the shaper's rate (zstd only where it pays).
+    With a zstd `policy`, the level is chosen per message from the link's known rate (`Shaper.known_rate`: its
+    shape's, or what the peer measured), so zstd goes only where it pays.
     """
     if policy is not None:
-        zstd_level = policy.level_for(shaper.shape.rate_bytes_per_s if shaper is not None else None)
+        zstd_level = policy.level_for(shaper.known_rate() if shaper is not None else None)
     parts = frame_parts(msg, zstd_level=zstd_level, policy=policy)
     whole: list[bool] = []  # once the first chunk is framed: whether it holds the whole body
 

@@ -29,7 +29,7 @@ def test_chunks_are_bounded_and_first_carries_the_header():
 def test_zstd_used_only_when_it_shrinks_within_the_ratio_receivers_accept():
     compressible = message(torch.randn(50_000).half().float())  # fp32 with zero low mantissas: ~1.5x
     random = wire_pb2.TensorMessage(shape=[50_000], codec=wire_pb2.FP16, raw=os.urandom(100_000))
-    assert next(frame(compressible, zstd_level=3)).header.compression == wire_pb2.ZSTD
+    assert next(frame(compressible, zstd_level=3)).header.compression == wire_pb2.ZSTD_SPLIT  # a float payload
     assert next(frame(random, zstd_level=3)).header.compression == wire_pb2.COMPRESSION_NONE
     assert unframe(frame(compressible, zstd_level=3)) == compressible
     # all zeros shrinks a thousandfold: sent plain, or receivers would refuse it as a decompression bomb
@@ -87,6 +87,7 @@ def test_corrupt_bodies_are_clear_errors():
     bad.CopyFrom(chunks[0])
     bad.data = b"\x28\xb5\x2f\xfd" + b"garbage" * 10
     bad.header.body_bytes = len(bad.data)
+    bad.header.compression = wire_pb2.ZSTD  # (zeros travel split: one frame of the whole body here)
     with pytest.raises(WireError, match="zstd"):
         unframe([bad])
     raw = wire_pb2.Chunk(
@@ -133,3 +134,149 @@ def test_zstd_policy_probes_while_off():
     policy = ZstdPolicy(level=3, probe_every=4)
     levels = [policy.level_for(None) for _ in range(8)]
     assert levels.count(3) == 2 and levels.count(0) == 6
+
+
+# ---- float payloads split by byte significance (ZSTD_SPLIT) ----
+
+
+def _activations(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values spread like the boundary's: a few orders of magnitude, both signs."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 128, 128, generator=g) * torch.rand(2, 128, 1, generator=g).mul(8).exp2()).to(dtype)
+
+
+@pytest.mark.parametrize("name,dtype", [("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_a_float_payload_travels_split_bit_for_bit_in_fewer_bytes_than_one_zstd_frame(name, dtype):
+    msg = message(_activations(dtype).float(), name)
+    chunks = list(frame(msg, zstd_level=1, chunk_bytes=16 << 10))
+    assert chunks[0].header.compression == wire_pb2.ZSTD_SPLIT
+    assert unframe(chunks) == msg  # lossless, and the receiver sees no raw_split
+    split_bytes = sum(len(c.data) for c in chunks)
+    whole = len(zstandard.ZstdCompressor(level=1).compress(msg.SerializeToString()))
+    assert split_bytes < 0.95 * whole, (split_bytes, whole)
+
+
+def test_special_floats_and_zeros_survive_the_split():
+    x = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3.4e38] * 1000)
+    msg = wire_pb2.TensorMessage(
+        shape=[x.numel()],
+        codec=wire_pb2.FP32,
+        dtype=wire_pb2.FLOAT32,
+        raw_dtype=wire_pb2.FLOAT32,
+        raw=x.numpy().tobytes(),
+    )  # fmt: skip  (the fp32 codec itself refuses non-finite values; the framing must not care)
+    chunks = list(frame(msg, zstd_level=1))
+    assert chunks[0].header.compression == wire_pb2.ZSTD_SPLIT
+    assert unframe(chunks).raw == msg.raw
+    sparse = torch.zeros(20_000)
+    sparse[:1000] = torch.randn(1000)
+    msg = message(sparse)
+    chunks = list(frame(msg, zstd_level=1))
+    assert chunks[0].header.compression == wire_pb2.ZSTD_SPLIT
+    assert sum(len(c.data) for c in chunks) < 0.1 * len(msg.raw)  # the low planes' zeros shrink too
+    assert unframe(chunks) == msg
+
+
+def test_small_or_non_float_payloads_go_as_one_zstd_frame():
+    small = message(torch.randn(100))  # 400 bytes: two frames' headers would eat the saving
+    assert next(frame(small, zstd_level=1)).header.compression in (wire_pb2.ZSTD, wire_pb2.COMPRESSION_NONE)
+    codes = make_codec(CodecConfig.parse("directq4")).encode(torch.randn(64, 64))
+    assert not codes.raw and next(frame(codes, zstd_level=1)).header.compression != wire_pb2.ZSTD_SPLIT
+    assert next(frame(message(torch.randn(10_000)), zstd_level=0)).header.compression == wire_pb2.COMPRESSION_NONE
+
+
+def _split_frame(msg: wire_pb2.TensorMessage, edit=None, header_edit=None) -> list[wire_pb2.Chunk]:
+    """`msg` framed split, its split message edited by `edit` and its header by `header_edit`, as one chunk."""
+    from swarm.compression.framing import split_float_bytes
+
+    split = split_float_bytes(msg, 1)
+    if edit is not None:
+        edit(split)
+    body = split.SerializeToString()
+    header = wire_pb2.FrameHeader(
+        compression=wire_pb2.ZSTD_SPLIT, body_bytes=len(body), raw_body_bytes=len(msg.SerializeToString()),
+        codec=msg.codec, shape=msg.shape, dtype=msg.dtype,
+    )  # fmt: skip
+    if header_edit is not None:
+        header_edit(header)
+    return [wire_pb2.Chunk(header=header, data=body)]
+
+
+def test_a_forged_split_is_refused_naming_its_field():
+    msg = message(torch.randn(10_000))
+    assert unframe(_split_frame(msg)) == msg
+
+    def count(n):
+        return lambda s: setattr(s.raw_split, "count", n)
+
+    def bomb(s):  # a top byte plane that expands far beyond its count
+        s.raw_split.top = zstandard.ZstdCompressor(level=3).compress(bytes(16 << 20))
+
+    def not_zstd(s):
+        s.raw_split.top = b"\x28\xb5\x2f\xfd garbage"
+
+    def short_low(s):
+        s.raw_split.low = s.raw_split.low[:-3]
+
+    def packed_low_lie(s):
+        s.raw_split.low_zstd = True
+
+    def raw_beside(s):
+        s.raw = b"\x00" * 8
+
+    def no_float(s):
+        s.raw_dtype = wire_pb2.DTYPE_UNSPECIFIED
+
+    cases = {
+        "raw_split.count": [count(0), count(1 << 40)],
+        "raw_split.top": [count(10_001), bomb, not_zstd],  # count(10_001): more elements than the top plane holds
+        "raw_split.low": [short_low, packed_low_lie],
+        "raw": [raw_beside],
+        "raw_split": [no_float, lambda s: s.ClearField("raw_split")],
+    }
+    for field, edits in cases.items():
+        for edit in edits:
+            with pytest.raises(WireError) as e:
+                unframe(_split_frame(msg, edit))
+            assert e.value.field.startswith(field), (field, edit, str(e.value))
+
+
+def _plain(header: wire_pb2.FrameHeader) -> None:
+    header.compression, header.raw_body_bytes = wire_pb2.COMPRESSION_NONE, header.body_bytes
+
+
+def test_a_split_only_comes_with_its_header_and_within_the_ratio():
+    msg = message(torch.randn(10_000))
+    with pytest.raises(WireError, match="raw_split"):  # a split body under a plain header
+        unframe(_split_frame(msg, header_edit=_plain))
+    # a header claiming more raw bytes than the ratio allows is refused before the body, as for ZSTD
+    limits = WireLimits(max_zstd_ratio=1, zstd_slack_bytes=0)
+    chunk = _split_frame(msg)[0]
+    with pytest.raises(WireError, match="ratio"):
+        Unframer(limits).feed(chunk)
+
+
+def test_the_zstd_decision_reads_a_measured_rate_where_nothing_shapes_the_link():
+    from swarm.compression import ZstdPolicy
+    from swarm.net.stream import tensor_items
+    from swarm.peers.shaper import LinkShape, Shaper
+    from swarm.proto import stage_pb2
+
+    msg = message(_activations())
+
+    def compressed(shaper: Shaper) -> bool:
+        policy = ZstdPolicy(level=1, probe_every=1 << 20)
+        items = list(tensor_items(stage_pb2.CallInfo(), msg, 1, shaper, policy))
+        return stage_pb2.StreamItem.FromString(items[0]).chunk.header.compression != wire_pb2.COMPRESSION_NONE
+
+    kernel_shaped = Shaper(LinkShape())  # the kernel (or the ISP) shapes it: the application sees no rate
+    assert kernel_shaped.known_rate() is None and not compressed(kernel_shaped)
+    kernel_shaped.measured_bytes_per_s = 12.5e6  # the prober measured 100 Mbit/s
+    assert kernel_shaped.known_rate() == 12.5e6 and compressed(kernel_shaped)
+    fast = Shaper(LinkShape())
+    fast.measured_bytes_per_s = 1.25e9  # 10 Gbit/s: compressing costs more than it saves
+    assert not compressed(fast)
+    # shaped by the application and measured slower than that: the slower one is what the link carries
+    both = Shaper(LinkShape(rate_bytes_per_s=1.25e9))
+    both.measured_bytes_per_s = 12.5e6
+    assert both.known_rate() == 12.5e6 and compressed(both)

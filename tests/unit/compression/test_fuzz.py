@@ -315,7 +315,10 @@ def test_the_unframer_takes_random_chunks_or_refuses_them(chunks):
     feed_all(chunks)
 
 
-FRAMED = [list(frame(m, zstd_level=level, chunk_bytes=200)) for m in REAL for level in (0, 3)]
+# float payloads of at least SPLIT_MIN_BYTES travel split by byte significance (ZSTD_SPLIT): two of those too
+SPLIT = [make_codec(config(name)).encode(torch.randn(24, *SAMPLE_SHAPE)) for name in ("fp32", "bf16")]
+FRAMED = [list(frame(m, zstd_level=level, chunk_bytes=200)) for m in REAL + SPLIT for level in (0, 3)]
+assert sum(f[0].header.compression == wire_pb2.ZSTD_SPLIT for f in FRAMED) == 2
 
 
 @st.composite

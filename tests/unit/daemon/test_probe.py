@@ -64,6 +64,9 @@ def test_a_round_that_finds_nobody_says_so_so_the_daemon_looks_again_soon():
     dht.announced = [_Announced("prober", "127.0.0.1:1"), _Announced("other", "127.0.0.1:2")]
     assert prober.round(now=1.0) == 1 and prober.found_peers
     assert [m.dst for m in dht.stored] == ["other"] and dht.stored[0].burst_bytes == 65536.0
+    # the data path's zstd decision on that link reads the measured rate (nothing in the application shapes it)
+    assert prober.shaping.for_destination("127.0.0.1:2").known_rate() == 125e3
+    assert prober.shaping.for_destination("127.0.0.1:3").known_rate() is None
     assert prober.round(now=2.0) == 0 and prober.found_peers  # measured: the plan interval's refresh now
 
 

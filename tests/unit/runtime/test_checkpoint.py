@@ -233,3 +233,28 @@ def test_a_dead_holders_checkpoint_is_its_handover(tmp_path):
     assert_same_state(new.module.state_dict(), old.module.state_dict())
     with pytest.raises(OSError):
         checkpoint_handover(tmp_path, 0, 2)
+
+
+def test_a_handover_travels_split_by_byte_significance_and_arrives_bit_for_bit():
+    """GetState's frames (`named_state_items`): weights and AdamW moments compressed losslessly, so a held copy
+    paced at a share of a slow link holds it less long."""
+    from swarm.compression import CodecConfig, Unframer, make_codec
+    from swarm.proto import wire_pb2
+    from swarm.runtime.checkpoint import handover_tensors
+    from swarm.runtime.service import named_state_items
+
+    tensors = handover_tensors(_trained_worker(0, 2, steps=3), 3)
+    items = list(named_state_items(tensors, chunk_bytes=64 << 10))
+    fp32 = make_codec(CodecConfig("fp32"))
+    unframers: dict[str, Unframer] = {}
+    got, splits = {}, 0
+    for item in items:
+        splits += item.chunk.header.compression == wire_pb2.ZSTD_SPLIT
+        msg = unframers.setdefault(item.name, Unframer()).feed(item.chunk)
+        if msg is not None:
+            got[item.name] = fp32.decode(msg)
+    assert got.keys() == tensors.keys() and splits > 0
+    for name, tensor in tensors.items():
+        assert torch.equal(got[name].view(tensor.shape), tensor.float()), name
+    raw = sum(t.numel() * 4 for t in tensors.values())
+    assert sum(len(item.chunk.data) for item in items) < 0.9 * raw
