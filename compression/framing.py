@@ -13,6 +13,7 @@ blosc's byte grouping; lossless, so the fp32 codec stays exact.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,26 @@ FLOAT_WIDTHS = {wire_pb2.FLOAT32: 4, wire_pb2.FLOAT16: 2, wire_pb2.BFLOAT16: 2}
 """Bytes an element of each float `raw_dtype`."""
 
 
+_zstd = threading.local()
+
+
+def zstd_compressor(level: int) -> zstandard.ZstdCompressor:
+    """This thread's compressor at `level`. Making one costs 19 us and compressing a few-KB message 3: the default's
+    messages took 22 us each to compress instead of 3, which made the policy take zstd for slow and leave it off
+    at 100 Mbit/s. A compressor may not be used by two threads at once, hence one per thread."""
+    cache = _zstd.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def zstd_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor (one costs 16 us to make, a few-KB frame 1 to decompress)."""
+    if "decompressor" not in _zstd.__dict__:
+        _zstd.decompressor = zstandard.ZstdDecompressor()
+    return _zstd.decompressor
+
+
 def split_float_bytes(msg: wire_pb2.TensorMessage, level: int) -> wire_pb2.TensorMessage | None:
     """A copy of `msg` whose `raw` travels as a `ByteSplit`, or None where `msg` has no float payload to split."""
     width = FLOAT_WIDTHS.get(msg.raw_dtype)
@@ -39,7 +60,7 @@ def split_float_bytes(msg: wire_pb2.TensorMessage, level: int) -> wire_pb2.Tenso
     count = len(raw) // width
     # planes: every element's byte 0, then every element's byte 1, ...; the last plane is the top byte
     planes = np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(count, width).T)
-    compressor = zstandard.ZstdCompressor(level=level)
+    compressor = zstd_compressor(level)
     top = compressor.compress(planes[-1].tobytes())
     low = planes[:-1].tobytes()
     packed = compressor.compress(low)  # near-random bytes: zstd stores them in a few us; zeros shrink to nothing
@@ -71,7 +92,7 @@ def join_float_bytes(msg: wire_pb2.TensorMessage, most_raw_bytes: int) -> None:
     def part(field: str, data: bytes, size: int, packed: bool) -> np.ndarray:
         if packed:
             try:
-                data = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+                data = zstd_decompressor().decompress(data, max_output_size=size)
             except zstandard.ZstdError as e:
                 raise WireError(f"raw_split.{field}", f"not a zstd frame of at most {size} bytes: {e}") from None
         if len(data) != size:
@@ -102,7 +123,8 @@ class ZstdPolicy:
     saved_fraction: float = 0.5
     """running mean of 1 - compressed/raw"""
     zstd_bytes_per_s: float = 200e6
-    """running mean of raw bytes per second of compress + decompress (decompress taken as 1/3 of compress)"""
+    """running mean of raw bytes per second of compress + decompress (decompress taken as 1/3 of compress), from
+    the compressing thread's CPU time"""
     _messages: int = 0
 
     def level_for(self, rate_bytes_per_s: float | None) -> int:
@@ -153,14 +175,17 @@ def frame_parts(
     raw_bytes = len(body)  # not msg.ByteSize(): upb serializes the whole message again to count it
     compression = wire_pb2.COMPRESSION_NONE
     if zstd_level > 0 and body:
-        start = time.perf_counter()
+        # the thread's own CPU time, not the wall clock: zstd lets the GIL go, and on a busy process the wait to
+        # take it back (up to the 5 ms switch interval) dwarfed a small message's compression, so the policy took
+        # zstd for slow and turned it off wherever messages were a few KB (the default's, at 100 Mbit/s)
+        start = time.thread_time()
         split = split_float_bytes(msg, zstd_level)
         if split is not None:
             packed, packed_as = split.SerializeToString(), wire_pb2.ZSTD_SPLIT
         else:
-            packed, packed_as = zstandard.ZstdCompressor(level=zstd_level).compress(body), wire_pb2.ZSTD
+            packed, packed_as = zstd_compressor(zstd_level).compress(body), wire_pb2.ZSTD
         if policy is not None:
-            policy.observe(len(body), len(packed), time.perf_counter() - start)
+            policy.observe(len(body), len(packed), time.thread_time() - start)
         # a body that shrinks past what receivers accept (DEFAULT_LIMITS) goes uncompressed: it is all zeros
         # or alike, and a receiver would take it for a decompression bomb
         if len(packed) < len(body) <= DEFAULT_LIMITS.max_raw_bytes(len(packed)):
@@ -249,7 +274,7 @@ class Unframer:
         header, body = self.header, b"".join(self._parts)
         if header.compression == wire_pb2.ZSTD:
             try:
-                body = zstandard.ZstdDecompressor().decompress(body, max_output_size=header.raw_body_bytes)
+                body = zstd_decompressor().decompress(body, max_output_size=header.raw_body_bytes)
             except zstandard.ZstdError as e:
                 raise WireError("body", f"zstd frame is corrupt: {e}") from e
         if header.compression != wire_pb2.ZSTD_SPLIT and len(body) != header.raw_body_bytes:

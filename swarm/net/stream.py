@@ -18,7 +18,7 @@ import zstandard
 
 from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, ZstdPolicy
 from swarm.compression.buffers import check_sample_ids
-from swarm.compression.framing import frame_parts
+from swarm.compression.framing import frame_parts, zstd_compressor, zstd_decompressor
 from swarm.peers.shaper import Shaper
 from swarm.peers.transport import paced
 from swarm.proto import stage_pb2, wire_pb2
@@ -44,7 +44,7 @@ def tokens_to_wire(tokens: torch.Tensor, sample_ids: torch.Tensor | None = None)
     signed = bool(tokens.numel()) and int(tokens.min()) < 0  # sent as they are, for the receiver to refuse
     width = 4 if signed else 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
     raw = tokens.to(TOKEN_WIDTHS[width]).contiguous().view(torch.uint8).numpy().tobytes()
-    packed = zstandard.ZstdCompressor(level=TOKENS_ZSTD_LEVEL).compress(raw)
+    packed = zstd_compressor(TOKENS_ZSTD_LEVEL).compress(raw)
     batch.width, batch.zstd = width, len(packed) < len(raw)
     batch.tokens = packed if batch.zstd else raw
     if sample_ids is not None:
@@ -64,7 +64,7 @@ def tokens_from_wire(batch: stage_pb2.TokenBatch, vocab_size: int, max_seq: int)
     body = batch.tokens
     if batch.zstd:
         try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+            body = zstd_decompressor().decompress(body, max_output_size=size)
         except zstandard.ZstdError as e:
             raise WireError("tokens.tokens", f"not a zstd frame of at most {size} bytes: {e}") from None
     if len(body) != size:

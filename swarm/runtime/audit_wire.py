@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from swarm.compression import DEFAULT_LIMITS, CodecConfig, WireError, WireLimits, make_codec
 from swarm.compression.codecs import decoder_for
+from swarm.compression.framing import zstd_compressor, zstd_decompressor
 from swarm.net.stream import tokens_from_wire, tokens_to_wire
 from swarm.proto import stage_pb2, wire_pb2
 from swarm.runtime.audit import stateless
@@ -242,7 +243,7 @@ model's stage inputs; level 3 gains nothing more)."""
 def pack_reply(reply: stage_pb2.AuditReply) -> stage_pb2.AuditReply:
     """An AuditInputs reply as it goes on the wire: zstd-compressed into `zstd_body` where that is smaller."""
     body = reply.SerializeToString()
-    packed = zstandard.ZstdCompressor(level=AUDIT_ZSTD_LEVEL).compress(body)
+    packed = zstd_compressor(AUDIT_ZSTD_LEVEL).compress(body)
     return stage_pb2.AuditReply(zstd_body=packed) if len(packed) < len(body) else reply
 
 
@@ -259,7 +260,7 @@ def unpack_reply(reply: stage_pb2.AuditReply, limits: WireLimits = DEFAULT_LIMIT
         stated = zstandard.frame_content_size(body)
         if stated > most:
             raise WireError("zstd_body", f"expands past {most} bytes (it states {stated})")
-        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=most)
+        raw = zstd_decompressor().decompress(body, max_output_size=most)
     except zstandard.ZstdError as e:
         raise WireError("zstd_body", f"corrupt, or expands past {most} bytes: {e}") from None
     try:

@@ -280,3 +280,60 @@ def test_the_zstd_decision_reads_a_measured_rate_where_nothing_shapes_the_link()
     both = Shaper(LinkShape(rate_bytes_per_s=1.25e9))
     both.measured_bytes_per_s = 12.5e6
     assert both.known_rate() == 12.5e6 and compressed(both)
+
+
+def test_the_zstd_decision_counts_compression_by_the_threads_cpu_time(monkeypatch):
+    """A sender that waits for a core or for the GIL in the middle of compressing (zstd lets the GIL go) must not
+    take zstd for slow: timed by the wall clock, a few-KB message looked far slower to compress than it is on a
+    busy 2-core machine, and the policy left zstd off at 100 Mbit/s, where it saves a quarter of the bytes."""
+    import swarm.compression.framing as framing
+    from swarm.compression import ZstdPolicy
+
+    class Clock:  # every compression: 5 ms of waiting on the wall clock, 20 us of the thread's CPU
+        wall = cpu = 0.0
+
+        def perf_counter(self):
+            self.wall += 0.0025
+            return self.wall
+
+        def thread_time(self):
+            self.cpu += 10e-6
+            return self.cpu
+
+        monotonic = perf_counter
+
+    monkeypatch.setattr(framing, "time", Clock())
+    codes = make_codec(CodecConfig.parse("gradq2+rot+nr+cs+g256")).encode(torch.randn(2, 128, 128))
+    policy = ZstdPolicy(level=1, probe_every=1 << 20)
+    for _ in range(30):
+        list(frame(codes, zstd_level=1, policy=policy))
+    assert policy.saved_fraction > 0.1  # 2-bit codes: zstd saves about a quarter
+    assert policy.zstd_bytes_per_s > 100e6
+    assert policy.level_for(12.5e6) == 1  # 100 Mbit/s: it pays
+
+
+def test_each_thread_compresses_with_its_own_reused_zstd_contexts():
+    """A zstd context costs 19 us to make (a few-KB message 3 to compress), so each thread keeps one per level; two
+    threads never share one (python-zstandard's contexts are not safe to use from two threads at once)."""
+    import threading
+
+    from swarm.compression.framing import zstd_compressor, zstd_decompressor
+
+    assert zstd_compressor(1) is zstd_compressor(1) and zstd_compressor(3) is not zstd_compressor(1)
+    assert zstd_decompressor() is zstd_decompressor()
+    theirs, failures = [], []
+    msgs = [message(torch.randn(4096) * (i + 1)) for i in range(4)]
+
+    def work(i: int) -> None:
+        theirs.append((zstd_compressor(1), zstd_decompressor()))
+        for _ in range(50):
+            if unframe(frame(msgs[i], zstd_level=1, chunk_bytes=4096)) != msgs[i]:
+                failures.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not failures and len({id(c) for c, _ in theirs}) == 4 and len({id(d) for _, d in theirs}) == 4
+    assert zstd_compressor(1) not in [c for c, _ in theirs]
