@@ -126,6 +126,11 @@ def test_zstd_policy_compresses_only_where_it_pays():
         policy.observe(1_000_000, 1_000_100, 0.005)  # incompressible data
     assert policy.level_for(1.25e6) == 0
     assert ZstdPolicy(level=0).level_for(1.0) == 0
+    # fp32 split on a 1000 Mbit/s link: 0.23 ms of link saved a 128 KiB message against 0.21 ms of both ends' CPU;
+    # that CPU is the compute's, so zstd must save twice its CPU in link time (`margin`)
+    fp32 = ZstdPolicy(level=1, probe_every=1000, saved_fraction=0.156, zstd_bytes_per_s=615e6)
+    assert fp32.level_for(112e6) == 0 and fp32.level_for(12.5e6) == 1
+    assert ZstdPolicy(level=1, probe_every=1000, saved_fraction=0.156, zstd_bytes_per_s=615e6, margin=1).level_for(90e6)
 
 
 def test_zstd_policy_probes_while_off():
