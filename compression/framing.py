@@ -51,6 +51,21 @@ def zstd_decompressor() -> zstandard.ZstdDecompressor:
     return _zstd.decompressor
 
 
+def decompress_at_most(data: bytes, most: int, field: str) -> bytes:
+    """The zstd frame `data` decompressed, if it holds at most `most` bytes; WireError naming `field` otherwise.
+
+    python-zstandard's `max_output_size` bounds only a frame that does not state its size: one that does gets an
+    output buffer of the size it states, so 8 KB of frame stating 256 MiB took 256 MiB before any check (the
+    framing's ZSTD bodies and token batches did). The stated size is read from the frame's header first."""
+    try:
+        stated = zstandard.frame_content_size(data)  # -1: not stated, then max_output_size bounds the output
+        if stated > most:
+            raise WireError(field, f"a zstd frame stating {stated} bytes, more than the {most} it may hold")
+        return zstd_decompressor().decompress(data, max_output_size=most)
+    except zstandard.ZstdError as e:
+        raise WireError(field, f"not a zstd frame of at most {most} bytes: {e}") from None
+
+
 def split_float_bytes(msg: wire_pb2.TensorMessage, level: int) -> wire_pb2.TensorMessage | None:
     """A copy of `msg` whose `raw` travels as a `ByteSplit`, or None where `msg` has no float payload to split."""
     width = FLOAT_WIDTHS.get(msg.raw_dtype)
@@ -91,10 +106,7 @@ def join_float_bytes(msg: wire_pb2.TensorMessage, most_raw_bytes: int) -> None:
 
     def part(field: str, data: bytes, size: int, packed: bool) -> np.ndarray:
         if packed:
-            try:
-                data = zstd_decompressor().decompress(data, max_output_size=size)
-            except zstandard.ZstdError as e:
-                raise WireError(f"raw_split.{field}", f"not a zstd frame of at most {size} bytes: {e}") from None
+            data = decompress_at_most(data, size, f"raw_split.{field}")
         if len(data) != size:
             raise WireError(f"raw_split.{field}", f"{len(data)} bytes for {count} elements, expected {size}")
         return np.frombuffer(data, np.uint8)
@@ -279,10 +291,7 @@ class Unframer:
     def _finish(self) -> wire_pb2.TensorMessage:
         header, body = self.header, b"".join(self._parts)
         if header.compression == wire_pb2.ZSTD:
-            try:
-                body = zstd_decompressor().decompress(body, max_output_size=header.raw_body_bytes)
-            except zstandard.ZstdError as e:
-                raise WireError("body", f"zstd frame is corrupt: {e}") from e
+            body = decompress_at_most(body, header.raw_body_bytes, "body")
         if header.compression != wire_pb2.ZSTD_SPLIT and len(body) != header.raw_body_bytes:
             raise WireError("header.raw_body_bytes", f"body has {len(body)} bytes, header says {header.raw_body_bytes}")
         msg = wire_pb2.TensorMessage()

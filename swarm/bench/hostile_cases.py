@@ -392,6 +392,32 @@ def zstd_bomb_x4(h):
     return all_refused(burst(lambda _: h.expect_refusal(1, "Forward", items, timeout=60), 4, threads=4))
 
 
+@case("trainer", "first sights split by byte significance whose top-byte plane is a zstd bomb of 64 MiB")
+def split_top_bomb(h):
+    import zstandard
+
+    from swarm.compression.framing import split_float_bytes
+    from swarm.proto import wire_pb2
+
+    msg = activation(h, 8)  # 16-bit first sights: a float payload the framing splits (ZSTD_SPLIT)
+    split = split_float_bytes(msg, 1)
+    split.raw_split.top = zstandard.ZstdCompressor(level=3).compress(bytes(64 * MIB))
+    body = split.SerializeToString()
+    head = header(list(msg.shape), len(body), len(msg.SerializeToString()), codec=msg.codec, dtype=msg.dtype)
+    head.compression = wire_pb2.ZSTD_SPLIT
+    return h.expect_refusal(1, "Forward", list(stream(h.info(1), head, iter([body]))))
+
+
+@case("trainer", "a 9 KB zstd frame stating 256 MiB, under a header whose raw size passes the ratio check")
+def zstd_frame_states_more(h):
+    import zstandard
+
+    frame = zstandard.ZstdCompressor(level=3).compress(bytes(256 * MIB))
+    shape = [2, h.model.seq_len_tokens, h.model.boundary_dim]
+    head = header(shape, len(frame), 64 * len(frame), zstd=True)
+    return h.expect_refusal(1, "Forward", list(stream(h.info(1), head, iter([frame]))))
+
+
 @case("trainer", "zstd frame whose header claims 1 KiB raw but expands to 257 MiB")
 def zstd_header_lies(h):
     return h.expect_refusal(1, "Forward", bomb_items(h, claimed_raw=1024), timeout=60)

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-import zstandard
 
 from swarm.compression import DEFAULT_LIMITS, Unframer, WireError, WireLimits, ZstdPolicy
 from swarm.compression.buffers import check_sample_ids
-from swarm.compression.framing import frame_parts, zstd_compressor, zstd_decompressor
+from swarm.compression.framing import decompress_at_most, frame_parts, zstd_compressor
 from swarm.peers.shaper import Shaper
 from swarm.peers.transport import paced
 from swarm.proto import stage_pb2, wire_pb2
@@ -63,10 +62,7 @@ def tokens_from_wire(batch: stage_pb2.TokenBatch, vocab_size: int, max_seq: int)
     size = shape[0] * shape[1] * width
     body = batch.tokens
     if batch.zstd:
-        try:
-            body = zstd_decompressor().decompress(body, max_output_size=size)
-        except zstandard.ZstdError as e:
-            raise WireError("tokens.tokens", f"not a zstd frame of at most {size} bytes: {e}") from None
+        body = decompress_at_most(body, size, "tokens.tokens")
     if len(body) != size:
         raise WireError("tokens.tokens", f"{len(body)} bytes for shape {shape} of {width}-byte ids")
     if batch.sample_ids and len(batch.sample_ids) != shape[0]:

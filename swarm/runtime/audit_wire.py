@@ -24,12 +24,11 @@ import math
 
 import numpy as np
 import torch
-import zstandard
 from google.protobuf.message import DecodeError
 
 from swarm.compression import DEFAULT_LIMITS, CodecConfig, WireError, WireLimits, make_codec
 from swarm.compression.codecs import decoder_for
-from swarm.compression.framing import zstd_compressor, zstd_decompressor
+from swarm.compression.framing import decompress_at_most, zstd_compressor
 from swarm.net.stream import tokens_from_wire, tokens_to_wire
 from swarm.proto import stage_pb2, wire_pb2
 from swarm.runtime.audit import stateless
@@ -256,13 +255,7 @@ def unpack_reply(reply: stage_pb2.AuditReply, limits: WireLimits = DEFAULT_LIMIT
     if reply.ByteSize() != stage_pb2.AuditReply(zstd_body=body).ByteSize():
         raise WireError("zstd_body", "comes with other fields")
     most = min(limits.max_message_bytes, limits.max_raw_bytes(len(body)))
-    try:  # the frame's stated size is checked before a byte is decompressed; an unstated one is bounded as it goes
-        stated = zstandard.frame_content_size(body)
-        if stated > most:
-            raise WireError("zstd_body", f"expands past {most} bytes (it states {stated})")
-        raw = zstd_decompressor().decompress(body, max_output_size=most)
-    except zstandard.ZstdError as e:
-        raise WireError("zstd_body", f"corrupt, or expands past {most} bytes: {e}") from None
+    raw = decompress_at_most(body, most, "zstd_body")  # the frame's stated size checked before a byte is decompressed
     try:
         inner = stage_pb2.AuditReply.FromString(raw)
     except DecodeError as e:

@@ -342,3 +342,31 @@ def test_each_thread_compresses_with_its_own_reused_zstd_contexts():
         t.join(timeout=60)
     assert not failures and len({id(c) for c, _ in theirs}) == 4 and len({id(d) for _, d in theirs}) == 4
     assert zstd_compressor(1) not in [c for c, _ in theirs]
+
+
+def test_a_zstd_frame_stating_more_than_its_bound_is_refused_before_it_is_decompressed():
+    """python-zstandard's max_output_size bounds only a frame that does not state its size; one that states 256 MiB
+    got 256 MiB allocated and filled (8 KB of frame) under a header whose raw size passed the ratio check."""
+    import resource
+
+    from swarm.compression.framing import decompress_at_most
+    from swarm.net.stream import tokens_from_wire, tokens_to_wire
+
+    bomb = zstandard.ZstdCompressor(level=3).compress(bytes(256 << 20))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    header = wire_pb2.FrameHeader(
+        compression=wire_pb2.ZSTD, body_bytes=len(bomb), raw_body_bytes=64 * len(bomb), codec=wire_pb2.FP32
+    )  # within the ratio: the header alone does not give it away
+    with pytest.raises(WireError, match="stating 268435456 bytes"):
+        unframe([wire_pb2.Chunk(header=header, data=bomb)])
+    batch = tokens_to_wire(torch.zeros(2, 16, dtype=torch.long))
+    batch.zstd, batch.tokens = True, bomb
+    with pytest.raises(WireError, match="tokens.tokens: a zstd frame stating"):
+        tokens_from_wire(batch, 256, 16)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 128, f"the bomb was decompressed ({grown_mib:.0f} MiB)"
+    # a frame that does not state its size is bounded as it is decompressed
+    unstated = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(bytes(1 << 20))
+    with pytest.raises(WireError, match="not a zstd frame of at most 1000"):
+        decompress_at_most(unstated, 1000, "x")
+    assert decompress_at_most(unstated, 1 << 20, "x") == bytes(1 << 20)

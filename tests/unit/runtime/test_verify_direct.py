@@ -251,8 +251,8 @@ def test_audit_inputs_go_zstd_packed_and_a_packed_body_is_read_within_the_wire_l
     assert unpack_reply(packed) == reply and unpack_reply(reply) == reply  # an unpacked reply passes as it is
     bomb = stage_pb2.AuditReply(zstd_body=zstandard.ZstdCompressor().compress(bytes(64 << 20)))
     cases = {
-        "expands past": bomb,
-        "corrupt": stage_pb2.AuditReply(zstd_body=packed.zstd_body[: len(packed.zstd_body) // 2]),
+        "stating 67108864 bytes, more than": bomb,  # refused from the frame's header, before decompressing
+        "not a zstd frame": stage_pb2.AuditReply(zstd_body=packed.zstd_body[: len(packed.zstd_body) // 2]),
         "other fields": stage_pb2.AuditReply(zstd_body=packed.zstd_body, input_scale=3),
         "packed twice": stage_pb2.AuditReply(zstd_body=zstandard.ZstdCompressor().compress(packed.SerializeToString())),
     }
