@@ -76,19 +76,18 @@ def split_float_bytes(msg: wire_pb2.TensorMessage, level: int) -> wire_pb2.Tenso
     count = len(raw) // width
     # planes: every element's byte 0, then every element's byte 1, ...; the last plane is the top byte
     planes = np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(count, width).T)
-    compressor = zstd_compressor(level)
-    top = compressor.compress(planes[-1].tobytes())
-    low = planes[:-1].tobytes()
+    compressor = zstd_compressor(level)  # compresses the planes where they lie (any buffer): no copy to bytes first
+    low = planes[:-1]
     packed = compressor.compress(low)  # near-random bytes: zstd stores them in a few us; zeros shrink to nothing
     out = wire_pb2.TensorMessage()
     out.CopyFrom(msg)
     out.ClearField("raw")
     out.raw_split.count = count
-    out.raw_split.top = top
-    if len(packed) < len(low):
+    out.raw_split.top = compressor.compress(planes[-1])
+    if len(packed) < low.size:
         out.raw_split.low, out.raw_split.low_zstd = packed, True
     else:
-        out.raw_split.low = low
+        out.raw_split.low = low.tobytes()
     return out
 
 

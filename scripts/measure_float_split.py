@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from swarm.compression import CodecConfig, frame, framing, make_codec, unframe
 from swarm.model.data import DataConfig, build_datasets, epoch_batches
 from swarm.model.gpt import ModelConfig, build_stage, lm_loss, split_layers
+from swarm.report import median_seconds
 
 
 def boundary_tensors() -> dict[str, torch.Tensor]:
@@ -34,15 +33,6 @@ def boundary_tensors() -> dict[str, torch.Tensor]:
     out = first(batch.tokens[:2]).detach().requires_grad_(True)
     lm_loss(last(out), batch.targets[:2]).backward()
     return {"activation": out.detach(), "gradient": out.grad.detach()}
-
-
-def _timed(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def measure(rounds: int) -> list[dict]:
@@ -60,8 +50,9 @@ def measure(rounds: int) -> list[dict]:
                     chunks = list(frame(msg, zstd_level=1))
                     assert unframe(chunks) == msg
                     row[f"{way}_ratio"] = sum(len(c.data) for c in chunks) / raw
-                    row[f"{way}_encode_ms"] = _timed(lambda m=msg: list(frame(m, zstd_level=1)), rounds)
-                    row[f"{way}_decode_ms"] = _timed(lambda c=chunks: unframe(c), rounds)
+                    encode = median_seconds(lambda m=msg: list(frame(m, zstd_level=1)), repeats=rounds)
+                    decode = median_seconds(lambda c=chunks: unframe(c), repeats=rounds)
+                    row[f"{way}_encode_ms"], row[f"{way}_decode_ms"] = 1e3 * encode, 1e3 * decode
                 finally:
                     framing.split_float_bytes = splitter
             rows.append(row)

@@ -63,7 +63,6 @@ __all__ = [
     "recompute_reply",
     "reduce_order",
     "named_state_items",
-    "state_items",
     "step_order",
 ]
 
@@ -765,13 +764,6 @@ def step_order(request: stage_pb2.StepRequest) -> StepOrder:
 def _same_place(a: StageHost, b: StageHost) -> bool:
     """Whether two hosts serve the same stage index and layer range (one replaced the other in place)."""
     return (a.role.stage, a.role.layer_start, a.role.layer_end) == (b.role.stage, b.role.layer_start, b.role.layer_end)
-
-
-def state_items(host: StageHost, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[stage_pb2.StateItem]:
-    """The stage's state as named fp32 tensors, for handing the stage over to another peer: weights
-    (`model.*`), optimizer moments (`optim.*`) and the schedule's position (`meta.*`). Call holding the host's
-    compute lock."""
-    return named_state_items(handover_tensors(host.worker, host.steps_done), chunk_bytes)
 
 
 STATE_ZSTD_LEVEL = 1
