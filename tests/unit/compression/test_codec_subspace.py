@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, WireError, decoder_for, frame, make_codec, unframe
-from swarm.compression.subspace import coefficient_steps, least_squares_coefficients, subspace_basis
+from swarm.compression.subspace import (
+    BASIS_MIN_CODE,
+    basis_steps,
+    coefficient_steps,
+    least_squares_coefficients,
+    subspace_basis,
+)
 from swarm.proto import wire_pb2
 
 
@@ -135,3 +141,51 @@ def test_a_wide_message_takes_the_randomized_basis_and_keeps_the_exact_ones_ener
     assert torch.equal(basis, subspace_basis(x, 16))  # seeded: the same message codes the same way
     exact = torch.linalg.eigh((x.t() @ x).double())[1].flip(1)[:, :16].float()
     assert float((x @ basis).pow(2).sum()) > 0.999 * float((x @ exact).pow(2).sum())
+
+
+def test_basis_columns_are_coarser_the_quieter_their_direction_and_bounded():
+    x = correlated_activations(4, 64, 64, rank=8).view(-1, 64)
+    basis = subspace_basis(x, 12)
+    steps = basis_steps(x, basis, step=0.3 * float(x.pow(2).mean().sqrt()))
+    peak = basis.abs().amax(dim=0)
+    assert bool((steps >= peak / 127 - 1e-9).all()) and bool((steps <= peak / BASIS_MIN_CODE + 1e-9).all())
+    codes = steps / peak  # the share of a column's peak one code step is: larger for quieter directions
+    assert float(codes[-1]) > 4 * float(codes[0])  # the floor's directions against the loudest
+    energy = (x @ basis).pow(2).sum(0)
+    free = (steps > peak / 127 * 1.001) & (steps < peak / BASIS_MIN_CODE * 0.999)
+    assert int(free.sum()) >= 4
+    cost = steps[free] * energy[free].sqrt()  # a step times its direction's rms: the same for every free column
+    torch.testing.assert_close(cost, cost[:1].expand_as(cost), rtol=1e-4, atol=0)
+
+
+def test_energy_set_basis_steps_send_fewer_bytes_at_nearly_the_same_error():
+    from swarm.compression import subspace
+
+    x = correlated_activations(4, 64, 64, rank=8)
+    tuned, tuned_bytes = round_trip("lowrank12+f8+s30", x)
+    with pytest.MonkeyPatch.context() as mp:  # every column on its finest step, as before s69
+        mp.setattr(subspace, "BASIS_MIN_GRAM_EIGENVALUE", 2.0)  # no decoded basis passes: the fallback
+        finest, finest_bytes = round_trip("lowrank12+f8+s30", x)
+    assert tuned_bytes < 0.95 * finest_bytes
+    assert rel_error(tuned, x) < 1.05 * rel_error(finest, x)
+
+
+def test_a_basis_too_coarse_to_stay_orthonormal_falls_back_to_the_finest_steps():
+    from swarm.compression import subspace
+    from swarm.compression.factors import pack_factor
+
+    x = correlated_activations(4, 64, 64, rank=8).view(-1, 64)
+    basis = subspace_basis(x, 12)
+    finest = wire_pb2.Quantized()
+    pack_factor(basis, 8, finest)
+    q = wire_pb2.Quantized()
+    subspace._pack_basis(x, basis, 0.3, q)
+    assert q.payload != finest.payload  # tuned steps
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subspace, "BASIS_MIN_GRAM_EIGENVALUE", 2.0)
+        q = wire_pb2.Quantized()
+        subspace._pack_basis(x, basis, 0.3, q)
+    assert q.payload == finest.payload and q.scales == finest.scales
+    q = wire_pb2.Quantized()
+    subspace._pack_basis(x, basis, 0.0, q)  # a step of 0 (+s0): nothing to weigh the columns by
+    assert q.payload == finest.payload
