@@ -22,8 +22,8 @@ from swarm.kernels.reference import pack, unpack
 from swarm.proto import wire_pb2
 
 __all__ = [
-    "FACTOR_BITS", "INT4_MAX", "INT8_MAX", "MAX_RANK", "check_ranked", "outer_sum", "pack_factor", "pair_nbytes",
-    "ranked_label", "unpack_factor", "warm_start",
+    "COARSEST_CODE", "FACTOR_BITS", "INT4_MAX", "INT8_MAX", "MAX_RANK", "check_ranked", "int8_steps", "outer_sum",
+    "pack_factor", "pair_nbytes", "ranked_label", "unpack_factor", "warm_start",
 ]  # fmt: skip
 
 FACTOR_BITS = (16, 8, 4)
@@ -34,6 +34,9 @@ INT4_MAX = 7
 """Largest 4-bit code a factor column may carry (-8 is refused on the wire)."""
 MAX_RANK = 64
 """Largest rank a config or a message may have."""
+COARSEST_CODE = 7
+"""An int8 column a sender steps by what its error costs (`int8_steps`) still reaches this code at its peak: at least
+15 levels a column, so no column rounds to a single nonzero code or to nothing."""
 
 
 def check_ranked(config) -> None:
@@ -55,6 +58,13 @@ def pair_nbytes(rows: int, cols: int, r: int, bits: int) -> int:
     """Payload of a rank-r pair of factors P (rows x r) and Q (cols x r) at `bits`: their codes and each column's fp32
     step."""
     return packed_nbytes(rows * r, bits) + packed_nbytes(cols * r, bits) + 8 * r
+
+
+def int8_steps(wanted: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Each column of `f` (n x r) on its `wanted` int8 step, kept between the column's peak / 127 (no code clipped)
+    and its peak / `COARSEST_CODE`: for `pack_factor`'s `step`."""
+    peak = f.detach().float().abs().amax(dim=0)
+    return torch.minimum(torch.maximum(wanted.float(), peak / INT8_MAX), peak / COARSEST_CODE)
 
 
 def _code_max(bits: int) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.compression.factors import INT8_MAX, outer_sum, pack_factor, unpack_factor
+from swarm.compression.factors import INT8_MAX, int8_steps, outer_sum, pack_factor, unpack_factor
 from swarm.compression.wire import WireError
 from swarm.proto import wire_pb2
 
@@ -143,9 +143,6 @@ BASIS_SHARE = 0.5
 costs as much as a coefficient's (`basis_steps`): 0.5 gives each entry a quarter of a coefficient's. On the default's
 captured messages (s69) that took 17% off first sights (rank 32-64) and 7% off deltas (rank 16) at a relative
 squared error 1% higher, where an equal error reached with a finer coefficient step instead left the same bytes."""
-BASIS_MIN_CODE = 7
-"""Each basis column's step is at most its peak / this (at least 15 levels a column): columns of quiet directions
-stay far from each other, so the decoded basis stays well conditioned for the least-squares coefficients."""
 BASIS_MIN_GRAM_EIGENVALUE = 0.5
 """A decoded basis whose Gram matrix has an eigenvalue below this is sent on the columns' finest steps instead."""
 
@@ -156,12 +153,12 @@ def basis_steps(mat: torch.Tensor, basis: torch.Tensor, step: float) -> torch.Te
     energy along k) x |e|^2 x (cols - r) / cols, against step^2 / 12 a coefficient. Equal costs at equal rates
     (the high-rate optimal allocation of an entropy-coded uniform quantizer) give t_k = step / sqrt(Lambda_k x
     (cols - r) / cols): loud directions get fine columns, quiet ones coarse ones, which zstd then shrinks.
-    `BASIS_SHARE` scales that; every step lies between peak / 127 (no clipped code) and peak / `BASIS_MIN_CODE`."""
+    `BASIS_SHARE` scales that; every step lies between peak / 127 (no clipped code) and peak / `COARSEST_CODE`, where
+    columns of quiet directions stay far from each other and the decoded basis well conditioned for the
+    least-squares coefficients."""
     cols, r = basis.shape
     energy = (mat @ basis).double().pow(2).sum(0) * max(cols - r, 1) / cols
-    wanted = (BASIS_SHARE * step / energy.clamp_min(1e-300).sqrt()).float()
-    peak = basis.abs().amax(dim=0)
-    return torch.minimum(torch.maximum(wanted, peak / INT8_MAX), peak / BASIS_MIN_CODE)
+    return int8_steps(BASIS_SHARE * step / energy.clamp_min(1e-300).sqrt(), basis)
 
 
 def _pack_basis(mat: torch.Tensor, basis: torch.Tensor, step: float, q_out: wire_pb2.Quantized) -> torch.Tensor:

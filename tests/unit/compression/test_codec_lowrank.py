@@ -107,6 +107,46 @@ def test_error_feedback_converges_on_a_fixed_matrix():
     assert gaps[-1] < 0.1 * gaps[0] and gaps[-1] < 0.1
 
 
+def test_error_feedbacks_int8_factors_round_by_what_each_entry_costs():
+    """`+ef+f8`: Q on one step, P's column k on that over |q_k|, the rounding's error about `ROUNDING_SHARE` of the
+    rank's residual; fewer bytes than every column on its finest step, and error feedback still converges."""
+    from swarm.compression import codec_lowrank
+    from swarm.compression.codec_lowrank import ROUNDING_SHARE, powersgd_steps
+
+    m = low_rank(256, 128, 24, seed=3, decay=0.85)
+    p = torch.linalg.qr(m @ torch.randn(128, 8, generator=torch.Generator().manual_seed(0))).Q
+    q = m.t() @ p
+    p_steps, q_steps = powersgd_steps(m, p, q)
+    free = (q_steps > q.abs().amax(0) / 127 * 1.001) & (q_steps < q.abs().amax(0) / 7 * 0.999)
+    assert int(free.sum()) >= 4 and float(q_steps[free].std()) < 1e-6 * float(q_steps[free].mean())
+    torch.testing.assert_close(p_steps * q.norm(dim=0), q_steps, rtol=1e-4, atol=0)  # no P column clamped here
+    from swarm.compression.factors import pack_factor
+
+    rounded = outer_sum(
+        pack_factor(p, 8, wire_pb2.Quantized(), p_steps), pack_factor(q, 8, wire_pb2.Quantized(), q_steps)
+    )
+    rounding = float((rounded - p @ q.t()).pow(2).sum())
+    residual = float((m - p @ q.t()).pow(2).sum())
+    assert 0.3 * ROUNDING_SHARE * residual < rounding < 2 * ROUNDING_SHARE * residual
+
+    cfg = CodecConfig.parse("lowrank8+ef+f8+g128")
+
+    def run(steps: int = 60) -> tuple[int, float]:
+        codec, state, sent, wire = make_codec(cfg), LinkState(cfg), torch.zeros(m.numel()), 0
+        for _ in range(steps):
+            msg = codec.encode(m.reshape(-1), state=state)
+            wire += sum(len(c.SerializeToString()) for c in frame(msg))
+            sent += codec.decode(msg)
+        return wire, float((sent / steps - m.reshape(-1)).norm() / m.norm())
+
+    wire, gap = run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codec_lowrank, "ROUNDING_SHARE", 0.0)  # every column on its finest step
+        finest_wire, finest_gap = run()
+    assert wire < 0.85 * finest_wire
+    assert gap < 0.05 and gap < finest_gap + 0.01
+
+
 def test_two_encoders_send_the_same_bytes_and_every_member_sums_the_same_bits():
     cfg = CodecConfig.parse("lowrank4+ef", group_size=128, seed=11)
     grads = [torch.randn(256 * 128) for _ in range(2)]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from swarm.compression import CodecConfig, WireError, decoder_for, frame, make_codec, unframe
+from swarm.compression.factors import COARSEST_CODE
 from swarm.compression.subspace import (
-    BASIS_MIN_CODE,
     basis_steps,
     coefficient_steps,
     least_squares_coefficients,
@@ -148,11 +148,11 @@ def test_basis_columns_are_coarser_the_quieter_their_direction_and_bounded():
     basis = subspace_basis(x, 12)
     steps = basis_steps(x, basis, step=0.3 * float(x.pow(2).mean().sqrt()))
     peak = basis.abs().amax(dim=0)
-    assert bool((steps >= peak / 127 - 1e-9).all()) and bool((steps <= peak / BASIS_MIN_CODE + 1e-9).all())
+    assert bool((steps >= peak / 127 - 1e-9).all()) and bool((steps <= peak / COARSEST_CODE + 1e-9).all())
     codes = steps / peak  # the share of a column's peak one code step is: larger for quieter directions
     assert float(codes[-1]) > 4 * float(codes[0])  # the floor's directions against the loudest
     energy = (x @ basis).pow(2).sum(0)
-    free = (steps > peak / 127 * 1.001) & (steps < peak / BASIS_MIN_CODE * 0.999)
+    free = (steps > peak / 127 * 1.001) & (steps < peak / COARSEST_CODE * 0.999)
     assert int(free.sum()) >= 4
     cost = steps[free] * energy[free].sqrt()  # a step times its direction's rms: the same for every free column
     torch.testing.assert_close(cost, cost[:1].expand_as(cost), rtol=1e-4, atol=0)
