@@ -121,9 +121,10 @@ class LowRankCodec(Codec):
         return rows, cols, min(self.config.rank, rows, cols)
 
     def _cols(self, x: torch.Tensor) -> int | None:
-        """The matrix's row length: the config's group size; in subspace mode without one, the tensor's last
-        dimension (an activation's hidden size: a row is a token)."""
-        if self.config.group_size or not self.config.subspace_step_percent or x.dim() < 2:
+        """The matrix's row length: the config's group size; in subspace mode the tensor's last dimension whatever
+        the group size (an activation's or its gradient's hidden size: a row is a token; a group size is a local
+        option a peer sets for its quantizing codecs, and rows of it would split tokens)."""
+        if not self.config.subspace_step_percent or x.dim() < 2:
             return self.config.group_size
         return x.shape[-1]
 

@@ -98,7 +98,9 @@ def test_a_token_is_a_row_the_hidden_size_a_column():
     msg = make_codec(CodecConfig.parse("lowrank4+f8+s30")).encode(correlated_activations(2, 8, 32))
     assert (msg.quantized.group_size, msg.quantized_full.group_size) == (16, 32)  # P: 2 x 8 tokens, Q: hidden
     msg = make_codec(CodecConfig.parse("lowrank4+f8+s30+g64")).encode(correlated_activations(2, 8, 32))
-    assert msg.quantized_full.group_size == 64  # +gN says otherwise
+    assert (msg.quantized.group_size, msg.quantized_full.group_size) == (16, 32)  # a group size splits no token
+    msg = make_codec(CodecConfig.parse("lowrank4+f8+s30+g64")).encode(correlated_activations(2, 8, 32).reshape(-1))
+    assert msg.quantized_full.group_size == 64  # a flat tensor has no tokens: the group size is the row
 
 
 def test_fewer_bytes_than_3_bit_channel_codes_at_a_lower_error_on_correlated_channels():
