@@ -101,6 +101,7 @@ DEFAULT_SETTINGS = (
     "acsgd2+ch+fsl32+fslw4+dsl16+s20/gradq2+ef+rot+nr+cs+g256",
     DEFAULT_TARGET_SETTING,
     "acsgd2+ch+nr+fsl20+s30/gradq2+ef+rot+nr+cs@lr4+f8",
+    "acsgd2+ch+nr+fsl20+s30/gradq2+ef+rot+nr+cs+g4096@lr4+f8",
 )
 """Issue 29's first-sight candidates close the list: 3-bit first sights (channel scales or per-token rotation; on the
 6144-sample single pass the first gave 12.95x at +2.42% on 48 held-out windows), then subspace-coded ones
@@ -109,9 +110,11 @@ and the tied sum at 4 bits (`@t4`, s42's default), 8 epochs 15.68x at +0.17%), 1
 sights, the same first sights with 2-bit channel deltas (s50's default), the default (`DEFAULT_TARGET_SETTING`: its
 deltas subspace-coded too, s53), and last the single pass's frontier: rank-20 first sights at a coarser step, groups
 of 1024 and the tied sum as rank-4 int8 factors (the 6,144-sample pass: 24.49x / 24.48x at +1.44% / +1.48%, seeds 0
-/ 1, docs/reports/single-pass.md). A setting without `@tN` or `@lrN` sums the tied embedding as the averager does
-without a plan (`GradientAverager.tied_codec`, rank-16 int8 factors behind compressed links; before s50, 4 bits:
-rows of earlier reports reproduce with `@t4`). A setting that diverges ends only its own row."""
+/ 1, docs/reports/single-pass.md; 22.02x at +1.29% on seed 0 once s68's fp32 run sent 10% less), and the same with
+gradient groups of 4096, whose 2-bit codes zstd shrinks 9% more (s69: 24.18x / 24.09x at +1.79% / +1.51%). A
+setting without `@tN` or `@lrN` sums the tied embedding as the averager does without a plan
+(`GradientAverager.tied_codec`, rank-16 int8 factors behind compressed links; before s50, 4 bits: rows of earlier
+reports reproduce with `@t4`). A setting that diverges ends only its own row."""
 QUICK_SETTINGS = ("fp32/fp32", "directq2/gradq4+ef", DEFAULT_TARGET_SETTING)
 BEST_TARGET_SETTING = "tern+ch/gtern+ef+rot+nr+r100@lr4"
 """The best setting of an earlier issue's targets (>= 20x fewer total bytes after the first epoch, within 2%). Forward
