@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from swarm.flags import Flags
-from swarm.report import print_table
+from swarm.report import median_seconds, print_table
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _median_us(fn, n: int) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    """Median microseconds of `n` calls of `fn`, none untimed (a proof is verified once: no warm-up call)."""
+    return median_seconds(fn, repeats=n, warmup=0) * 1e6
 
 
 def per_call_rows(calls: int) -> list[dict]:
