@@ -10,10 +10,20 @@ import struct
 import pytest
 import torch
 
-from swarm.compression import CodecConfig, LinkState, WireError, WireLimits, decoder_for, frame, make_codec, unframe
-from swarm.compression.codec_lowrank import MAX_RANK, matrix_shape
+from swarm.compression import (
+    CodecConfig,
+    LinkState,
+    WireError,
+    WireLimits,
+    codec_lowrank,
+    decoder_for,
+    frame,
+    make_codec,
+    unframe,
+)
+from swarm.compression.codec_lowrank import MAX_RANK, ROUNDING_SHARE, matrix_shape, powersgd_steps
 from swarm.compression.codecs import BY_NAME, REGISTRY
-from swarm.compression.factors import outer_sum
+from swarm.compression.factors import outer_sum, pack_factor
 from swarm.proto import wire_pb2
 
 LABELS = ["lowrank4+ef", "lowrank4+ef+f8", "lowrank1", "lowrank8+f8"]
@@ -110,9 +120,6 @@ def test_error_feedback_converges_on_a_fixed_matrix():
 def test_error_feedbacks_int8_factors_round_by_what_each_entry_costs():
     """`+ef+f8`: Q on one step, P's column k on that over |q_k|, the rounding's error about `ROUNDING_SHARE` of the
     rank's residual; fewer bytes than every column on its finest step, and error feedback still converges."""
-    from swarm.compression import codec_lowrank
-    from swarm.compression.codec_lowrank import ROUNDING_SHARE, powersgd_steps
-
     m = low_rank(256, 128, 24, seed=3, decay=0.85)
     p = torch.linalg.qr(m @ torch.randn(128, 8, generator=torch.Generator().manual_seed(0))).Q
     q = m.t() @ p
@@ -120,8 +127,6 @@ def test_error_feedbacks_int8_factors_round_by_what_each_entry_costs():
     free = (q_steps > q.abs().amax(0) / 127 * 1.001) & (q_steps < q.abs().amax(0) / 7 * 0.999)
     assert int(free.sum()) >= 4 and float(q_steps[free].std()) < 1e-6 * float(q_steps[free].mean())
     torch.testing.assert_close(p_steps * q.norm(dim=0), q_steps, rtol=1e-4, atol=0)  # no P column clamped here
-    from swarm.compression.factors import pack_factor
-
     rounded = outer_sum(
         pack_factor(p, 8, wire_pb2.Quantized(), p_steps), pack_factor(q, 8, wire_pb2.Quantized(), q_steps)
     )

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.compression import CodecConfig, WireError, decoder_for, frame, make_codec, unframe
-from swarm.compression.factors import COARSEST_CODE
+from swarm.compression import CodecConfig, WireError, decoder_for, frame, make_codec, subspace, unframe
+from swarm.compression.factors import COARSEST_CODE, pack_factor
 from swarm.compression.subspace import (
     basis_steps,
     coefficient_steps,
@@ -132,8 +132,6 @@ def test_a_tampered_subspace_message_is_refused_by_lowranks_checks(tamper):
 
 
 def test_a_wide_message_takes_the_randomized_basis_and_keeps_the_exact_ones_energy():
-    from swarm.compression import subspace
-
     gen = torch.Generator().manual_seed(5)
     width = subspace.EXACT_MAX_COLS + 88  # past the exact eigendecomposition
     loud = torch.randn(256, 40, generator=gen) * torch.logspace(1, -1, 40)
@@ -161,8 +159,6 @@ def test_basis_columns_are_coarser_the_quieter_their_direction_and_bounded():
 
 
 def test_energy_set_basis_steps_send_fewer_bytes_at_nearly_the_same_error():
-    from swarm.compression import subspace
-
     x = correlated_activations(4, 64, 64, rank=8)
     tuned, tuned_bytes = round_trip("lowrank12+f8+s30", x)
     with pytest.MonkeyPatch.context() as mp:  # every column on its finest step, as before s69
@@ -173,9 +169,6 @@ def test_energy_set_basis_steps_send_fewer_bytes_at_nearly_the_same_error():
 
 
 def test_a_basis_too_coarse_to_stay_orthonormal_falls_back_to_the_finest_steps():
-    from swarm.compression import subspace
-    from swarm.compression.factors import pack_factor
-
     x = correlated_activations(4, 64, 64, rank=8).view(-1, 64)
     basis = subspace_basis(x, 12)
     finest = wire_pb2.Quantized()

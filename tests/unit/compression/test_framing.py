@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import os
+import resource
+import threading
 
 import pytest
 import torch
 import zstandard
 
-from swarm.compression import CodecConfig, Unframer, WireError, WireLimits, frame, make_codec, unframe
-from swarm.proto import wire_pb2
+from swarm.compression import (
+    CodecConfig,
+    Unframer,
+    WireError,
+    WireLimits,
+    ZstdPolicy,
+    frame,
+    framing,
+    make_codec,
+    unframe,
+)
+from swarm.compression.framing import decompress_at_most, split_float_bytes, zstd_compressor, zstd_decompressor
+from swarm.net.stream import tensor_items, tokens_from_wire, tokens_to_wire
+from swarm.peers.shaper import LinkShape, Shaper
+from swarm.proto import stage_pb2, wire_pb2
 
 
 def message(x: torch.Tensor, name: str = "fp32") -> wire_pb2.TensorMessage:
@@ -113,8 +128,6 @@ def test_unknown_enums_in_header_rejected():
 
 
 def test_zstd_policy_compresses_only_where_it_pays():
-    from swarm.compression import ZstdPolicy
-
     policy = ZstdPolicy(level=1, probe_every=1000)
     policy.observe(1_000_000, 500_000, 0.005)  # halves the data at ~150 MB/s
     for _ in range(20):
@@ -134,8 +147,6 @@ def test_zstd_policy_compresses_only_where_it_pays():
 
 
 def test_zstd_policy_probes_while_off():
-    from swarm.compression import ZstdPolicy
-
     policy = ZstdPolicy(level=3, probe_every=4)
     levels = [policy.level_for(None) for _ in range(8)]
     assert levels.count(3) == 2 and levels.count(0) == 6
@@ -192,8 +203,6 @@ def test_small_or_non_float_payloads_go_as_one_zstd_frame():
 
 def _split_frame(msg: wire_pb2.TensorMessage, edit=None, header_edit=None) -> list[wire_pb2.Chunk]:
     """`msg` framed split, its split message edited by `edit` and its header by `header_edit`, as one chunk."""
-    from swarm.compression.framing import split_float_bytes
-
     split = split_float_bytes(msg, 1)
     if edit is not None:
         edit(split)
@@ -262,11 +271,6 @@ def test_a_split_only_comes_with_its_header_and_within_the_ratio():
 
 
 def test_the_zstd_decision_reads_a_measured_rate_where_nothing_shapes_the_link():
-    from swarm.compression import ZstdPolicy
-    from swarm.net.stream import tensor_items
-    from swarm.peers.shaper import LinkShape, Shaper
-    from swarm.proto import stage_pb2
-
     msg = message(_activations())
 
     def compressed(shaper: Shaper) -> bool:
@@ -291,8 +295,6 @@ def test_the_zstd_decision_counts_compression_by_the_threads_cpu_time(monkeypatc
     """A sender that waits for a core or for the GIL in the middle of compressing (zstd lets the GIL go) must not
     take zstd for slow: timed by the wall clock, a few-KB message looked far slower to compress than it is on a
     busy 2-core machine, and the policy left zstd off at 100 Mbit/s, where it saves a quarter of the bytes."""
-    import swarm.compression.framing as framing
-    from swarm.compression import ZstdPolicy
 
     class Clock:  # every compression: 5 ms of waiting on the wall clock, 20 us of the thread's CPU
         wall = cpu = 0.0
@@ -320,9 +322,6 @@ def test_the_zstd_decision_counts_compression_by_the_threads_cpu_time(monkeypatc
 def test_each_thread_compresses_with_its_own_reused_zstd_contexts():
     """A zstd context costs 19 us to make (a few-KB message 3 to compress), so each thread keeps one per level; two
     threads never share one (python-zstandard's contexts are not safe to use from two threads at once)."""
-    import threading
-
-    from swarm.compression.framing import zstd_compressor, zstd_decompressor
 
     assert zstd_compressor(1) is zstd_compressor(1) and zstd_compressor(3) is not zstd_compressor(1)
     assert zstd_decompressor() is zstd_decompressor()
@@ -347,10 +346,6 @@ def test_each_thread_compresses_with_its_own_reused_zstd_contexts():
 def test_a_zstd_frame_stating_more_than_its_bound_is_refused_before_it_is_decompressed():
     """python-zstandard's max_output_size bounds only a frame that does not state its size; one that states 256 MiB
     got 256 MiB allocated and filled (8 KB of frame) under a header whose raw size passed the ratio check."""
-    import resource
-
-    from swarm.compression.framing import decompress_at_most
-    from swarm.net.stream import tokens_from_wire, tokens_to_wire
 
     bomb = zstandard.ZstdCompressor(level=3).compress(bytes(256 << 20))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
