@@ -21,6 +21,9 @@ from concurrent import futures
 
 __all__ = ["HotPool"]
 
+_IDLE = object()
+"""`_Shared.release`'s answer for a worker now on the idle stack."""
+
 
 class _Worker:
     def __init__(self) -> None:
@@ -45,6 +48,11 @@ class _Shared:
 
     def next_task(self, worker: _Worker) -> tuple | None:
         """The next task for `worker`: a waiting one, or the one `submit` hands it once idle; None at shutdown."""
+        return self.wait(worker, self.release(worker))
+
+    def release(self, worker: _Worker) -> tuple | object | None:
+        """`worker` done with its task: a waiting task for it, or `_IDLE` once it is on the idle stack (nothing to
+        wait for yet), or None at shutdown."""
         with self.lock:
             if self.waiting:
                 return self.waiting.popleft()
@@ -53,6 +61,13 @@ class _Shared:
             worker.task = None
             worker.wake.clear()
             self.idle.append(worker)
+        return _IDLE
+
+    @staticmethod
+    def wait(worker: _Worker, released: tuple | object | None) -> tuple | None:
+        """What `release` gave, or for an idle worker the task `submit` hands it (None at shutdown)."""
+        if released is not _IDLE:
+            return released
         worker.wake.wait()
         return worker.task
 
@@ -70,21 +85,29 @@ class _Shared:
 
 
 def _run(shared: _Shared, worker: _Worker) -> None:
-    while (task := shared.next_task(worker)) is not None:
+    task = shared.next_task(worker)
+    while task is not None:
         future, fn, args, kwargs = task
         del task
         worker.tasks_run += 1
         if not future.set_running_or_notify_cancel():
+            task = shared.next_task(worker)
             continue
+        error = result = None
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:  # as ThreadPoolExecutor: the future carries it
-            future.set_exception(e)
-            del e
+            error = e
+        # back on the idle stack before the caller learns the outcome: a caller that submits its next task the
+        # moment this one is done must find this thread on top, not wake a cold one (on a loaded machine the
+        # caller often ran before this thread got back to the stack)
+        released = shared.release(worker)
+        if error is not None:
+            future.set_exception(error)
         else:
             future.set_result(result)
-            del result
-        del future, fn, args, kwargs  # no reference to a finished call's objects while idle
+        del future, fn, args, kwargs, result, error  # no reference to a finished call's objects while idle
+        task = shared.wait(worker, released)
 
 
 class HotPool(futures.Executor):

@@ -3,6 +3,7 @@ needed at once (issue 28's slow growth: each thread that computes keeps native c
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent import futures
 
@@ -29,6 +30,32 @@ def test_every_thread_starts_at_once_and_one_after_another_calls_use_one_thread(
     ran_on = {pool.submit(threading.get_ident).result(WAIT_S) for _ in range(500)}
     assert len(ran_on) == 1 and pool.threads_used() == 1
     assert _threads_named("hotpool_test") == 16
+
+
+def test_a_thread_is_idle_again_before_its_caller_learns_the_result(pool):
+    """The caller's next task must find the thread that just finished on the idle stack, even when the interpreter
+    switches threads between the result being set and the worker getting back to the stack (a loaded machine; here
+    forced by a 1 us switch interval and two spinning threads). The pool before the fix failed 4 runs in 5."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinners = [threading.Thread(target=spin) for _ in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in spinners:
+            t.start()
+        for _ in range(3000):
+            pool.submit(threading.get_ident).result(WAIT_S)
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        for t in spinners:
+            t.join(WAIT_S)
+    assert pool.threads_used() == 1
 
 
 def test_the_threads_used_are_the_most_tasks_ever_in_flight_at_once(pool):
