@@ -195,7 +195,9 @@ def by_thread(sampler: Sampler, pids: set[int], intervals: list[tuple[float, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--rate", default="1000", help="the link's Mbit/s (one rate)")
     parser.add_argument("--setting", default="fp32/fp32", help="swarm's FW/BW codecs")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each cell")
