@@ -37,7 +37,8 @@ from pathlib import Path
 
 import psutil
 
-from swarm.experiments.throttled import ThrottledConfig
+from swarm.experiments.throttled import Cell, ThrottledConfig
+from swarm.train.steplog import step_spans
 
 PERF_HZ = 499
 SAMPLE_S = 0.5
@@ -132,14 +133,9 @@ class Sampler:
 
 
 def _intervals(rows: list[dict], per_epoch: int) -> list[tuple[float, float]]:
-    """The unix-time intervals of the steps after the first epoch, each from the step before's end to its own (the
-    first epoch's rows only open the first); none after a step with a held-out evaluation (it ran in that
-    interval). The steps the cells' `cpu_ms_per_step` counts (`swarm.train.steplog.machine_cpu`)."""
-    out = []
-    for a, b in zip(rows, rows[1:], strict=False):
-        if int(a["step"]) > per_epoch and not a.get("held_out_loss") and a.get("time") and b.get("time"):
-            out.append((float(a["time"]), float(b["time"])))
-    return out
+    """The unix-time intervals of the steps the cells' `cpu_ms_per_step` counts (`machine_cpu`): after the first
+    epoch, none a held-out evaluation ran in (`step_spans`)."""
+    return [(start, end) for start, end, _ in step_spans(rows[per_epoch:])]
 
 
 def _inside(intervals: list[tuple[float, float]], t: float) -> bool:
@@ -235,13 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     groups, figures = {}, {"rate_mbit": args.rate, "setting": args.setting, "steps": args.steps, "cells": {}}
     for row in rows:
         torch_row = row["setting"] == "torch-fp32"
+        cell_dir = out / "run" / Cell(row["rate_mbit"], row["setting"]).label
         if torch_row:
-            files = sorted((out / "run").glob("*torch-fp32/rank0.jsonl"))
-            steps = [json.loads(line) for line in files[0].read_text().splitlines()] if files else []
+            steps = [json.loads(line) for line in (cell_dir / "rank0.jsonl").read_text().splitlines()]
         else:
-            name = row["setting"].replace("/", "-")
-            files = sorted((out / "run").glob(f"*-{name}/train/steps.csv"))
-            steps = list(csv.DictReader(files[0].open())) if files else []
+            with open(cell_dir / "train" / "steps.csv") as f:
+                steps = list(csv.DictReader(f))
         intervals = _intervals(steps, per_epoch)
         if not intervals:
             continue

@@ -28,6 +28,7 @@ __all__ = [
     "save_position",
     "step_columns",
     "step_row",
+    "step_spans",
 ]
 
 log = logging.getLogger("swarm.train.steplog")
@@ -249,13 +250,10 @@ def machine_cpu_s() -> float | None:
     return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
-def machine_cpu(rows: list[dict], cores: int | None = None) -> dict:
-    """What the machine's CPU spent on `rows`' steps (each with `time`, unix s, and `machine_cpu_s` at its end,
-    as `machine_cpu_s` reads them), over each row's interval from the one before it: `cpu_ms_per_step` (every
-    process's, the run's own and anything else running), `busy_cores` (its mean rate), `wall_s_per_step` (the
-    steps with what ran between them) and `cpu_floor_step_s`, the step no schedule could beat on `cores` (default:
-    this machine's) at that much CPU a step. An interval after a row with a `held_out_loss` is left out (the
-    evaluation ran in it). Empty without two consecutive rows that carry both."""
+def step_spans(rows: list[dict]) -> list[tuple[float, float, float]]:
+    """The steps of `rows` (each with `time`, unix s, and `machine_cpu_s` at its end) after the first, as (start, end,
+    the machine's CPU-seconds between): each from the row before it to its own, both rows carrying both readings;
+    none after a row with a `held_out_loss` (the evaluation ran in that interval)."""
     read = [
         (float(r["time"]), float(r["machine_cpu_s"]), bool(r.get("held_out_loss") not in (None, "")))
         if r.get("time") and r.get("machine_cpu_s")
@@ -263,8 +261,18 @@ def machine_cpu(rows: list[dict], cores: int | None = None) -> dict:
         for r in rows
     ]
     pairs = zip(read, read[1:], strict=False)  # each row with the one before it
-    spans = [(b[0] - a[0], b[1] - a[1]) for a, b in pairs if a is not None and b is not None and not a[2]]
-    wall, cpu = sum(w for w, _ in spans), sum(c for _, c in spans)
+    return [(a[0], b[0], b[1] - a[1]) for a, b in pairs if a is not None and b is not None and not a[2]]
+
+
+def machine_cpu(rows: list[dict], cores: int | None = None) -> dict:
+    """What the machine's CPU spent on `rows`' steps (each with `time`, unix s, and `machine_cpu_s` at its end,
+    as `machine_cpu_s` reads them), over each row's interval from the one before it: `cpu_ms_per_step` (every
+    process's, the run's own and anything else running), `busy_cores` (its mean rate), `wall_s_per_step` (the
+    steps with what ran between them) and `cpu_floor_step_s`, the step no schedule could beat on `cores` (default:
+    this machine's) at that much CPU a step. An interval after a row with a `held_out_loss` is left out (the
+    evaluation ran in it). Empty without two consecutive rows that carry both."""
+    spans = step_spans(rows)
+    wall, cpu = sum(end - start for start, end, _ in spans), sum(c for _, _, c in spans)
     if not spans or wall <= 0:
         return {}
     cores = cores or os.cpu_count() or 1
